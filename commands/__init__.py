@@ -1,0 +1,1 @@
+"""The CLI: thin Typer modules, one per subcommand (installed as ``moetool.commands``)."""

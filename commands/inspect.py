@@ -1,0 +1,70 @@
+"""``moetool inspect``: what the MoE layers of a model look like (no weights are loaded)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from .options import DEFAULT_MODEL, Model, handle_errors
+
+HELP = """Family, layers, which are MoE, n, K, scoring, shared experts, total and active parameters.
+
+The model is built on the meta device from its config, so even a 671B checkpoint is inspected
+in seconds without downloading weights (the config must be readable).
+
+Examples:
+  moetool inspect                      # the embedded default model
+  moetool inspect --model tiny-fine --json
+  moetool inspect --aliases            # short names of well-known checkpoints
+"""
+
+
+@handle_errors
+def inspect(model: Model = DEFAULT_MODEL,
+            as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+            aliases: bool = typer.Option(False, "--aliases", help="List model aliases and embedded models.")) -> None:
+    from moetool.report.console import console
+
+    if aliases:
+        from moetool.loading import ALIASES, embedded_models
+
+        rows = [{"name": k, "resolves to": v} for k, v in ALIASES.items()]
+        rows += [{"name": k, "resolves to": f"embedded: {p}"} for k, p in embedded_models().items()]
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        import pandas as pd
+
+        from moetool.report.console import print_table
+
+        print_table(pd.DataFrame(rows), title="model aliases")
+        return
+    from moetool.inspect import describe_model
+
+    info = describe_model(model)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2, default=str))
+        return
+    from rich.table import Table
+
+    c = console()
+    c.print(f"[bold]{info['name']}[/] -> {info['source']}  family [bold]{info['family']}[/] "
+            f"({info['model_type']}), {info['num_layers']} decoder layers, {len(info['moe_layers'])} MoE")
+    c.print(f"parameters: total {info['total_params']:,}, active per token {info['active_params']:,} "
+            f"({info['active_params'] / info['total_params']:.1%})")
+    t = Table(title="MoE layers")
+    for col in ("layer", "n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias",
+                "expert_params"):
+        t.add_column(col)
+    for L in info["moe_layers"]:
+        t.add_row(*[f"{L[k]:,}" if isinstance(L[k], int) and not isinstance(L[k], bool) else str(L[k])
+                    for k in ("layer", "n_experts", "top_k", "scoring", "renormalize", "shared_experts",
+                              "router_bias", "expert_params")])
+    c.print(t)
+    if info["dense_layers"]:
+        c.print(f"dense (non-MoE) decoder layers: {info['dense_layers']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(inspect)

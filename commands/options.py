@@ -1,0 +1,94 @@
+"""Options shared by every command, the one error path, and small parsers.
+
+Nothing here imports torch: ``moetool --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from moetool.errors import MoetoolError
+
+Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
+                                    "(moetool inspect --aliases), local directory or hub id.")]
+Data = Annotated[Optional[Path], typer.Option("--data", "-d", help="Text file, JSONL (text, optional domain) or "
+                                              "a folder of them. Default: the held-out text shipped with moetool.")]
+SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per packed row.")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", min=2, help="Cap on real (unpadded) tokens read from --data.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward pass.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto|bf16|fp16|fp32 (auto: the checkpoint's; fp32 on CPU).")]
+Device = Annotated[str, typer.Option("--device", help="auto|cuda|cpu.")]
+DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': let accelerate spread a model "
+                                                  "larger than one GPU over GPUs and CPU.")]
+Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
+Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of every random choice.")]
+Layers = Annotated[Optional[str], typer.Option("--layers", help="Decoder layers to apply the policy to, e.g. "
+                                               "'0,2,5-7' (default: every MoE layer).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+
+DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Known errors become one line on stderr and exit code 2 (MOETOOL_DEBUG=1: full traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MoetoolError as e:
+            if os.environ.get("MOETOOL_DEBUG"):
+                raise
+            typer.secho(f"error: {e}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.secho("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "value") -> list[Any]:
+    """``"a,b,c"`` -> list; a clear error for a bad item."""
+    if text is None:
+        return []
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(cast(item))
+        except ValueError:
+            raise MoetoolError(f"bad {what} '{item}' in '{text}'") from None
+    if not out:
+        raise MoetoolError(f"empty list of {what}s: '{text}'")
+    return out
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``; ``None`` -> every MoE layer."""
+    if text is None:
+        return None
+    out: list[int] = []
+    for item in parse_list(text, str, "layer"):
+        lo, sep, hi = item.partition("-")
+        try:
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        except ValueError:
+            raise MoetoolError(f"bad --layers item '{item}' (use e.g. 0,2,5-7)") from None
+    return sorted(set(out))
+
+
+def echo_run(path: Any) -> None:
+    typer.secho(f"results in {path}", fg="green", err=False)
+
+
+def argv() -> list[str]:
+    return list(sys.argv)

@@ -1,0 +1,3 @@
+from moetool.commands.app import main
+
+main()

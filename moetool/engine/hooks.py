@@ -1,0 +1,199 @@
+"""Capture and override routing in every MoE layer with plain PyTorch hooks.
+
+Per MoE layer the engine installs
+* a forward hook on the **router**: stores the logits (and the model's own top-K) the
+  router just computed;
+* a forward pre-hook on the **experts** module (``experts(h, idx, w)``): here ``h`` is
+  exactly the router input. The engine builds a :class:`RoutingEvent`, lets the policy
+  (if any) replace ``(idx, w)`` — the experts then run exactly as the model runs them —
+  and hands the event to every consumer (streaming reductions, recorders);
+* optionally a forward hook on the layer's **self-attention** for its attention
+  probabilities (attention-aware routing; needs ``attn_implementation="eager"``).
+A pre-hook on the whole model records the batch shape and padding mask of every
+forward, whoever calls it (our runner, lm-eval, ``generate``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from ..adapters.base import MoELayer
+from ..errors import MoetoolError
+
+
+@dataclass
+class RoutingEvent:
+    """What one MoE layer saw in one forward pass. ``T = B * S`` tokens, padding included."""
+
+    layer: MoELayer
+    h: torch.Tensor  # [T, d] router input
+    logits: torch.Tensor  # [T, n] router logits as the model computed them
+    idx: torch.Tensor  # [T, K] the model's own top-K
+    weights: torch.Tensor  # [T, K] the model's own weights
+    valid: torch.Tensor  # [T] bool, False on padding
+    shape: tuple[int, int]  # (B, S)
+    attn: torch.Tensor | None = None  # [B, heads, S, S] attention probabilities (if requested)
+    chosen_idx: torch.Tensor | None = None  # [T, K] what ran (after the policy)
+    chosen_weights: torch.Tensor | None = None  # [T, K]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def probs(self) -> torch.Tensor:
+        """π: the model's full routing distribution ``[T, n]`` (fp32)."""
+        return self.layer.probs(self.logits)
+
+
+class Policy(Protocol):
+    """A routing policy replaces the top-K choice: ``select(event) -> (idx [T, K], w [T, K])``."""
+
+    name: str
+    needs_attention: bool
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+Consumer = Callable[[RoutingEvent], None]
+
+
+def _bind_expert_args(experts: nn.Module):
+    """Map the experts' call to ``(h, idx, w)`` whatever the argument names."""
+    names = [p for p in inspect.signature(experts.forward).parameters if p != "self"][:3]
+
+    def get(args, kwargs):
+        vals = list(args[:3]) + [kwargs[n] for n in names[len(args):3]]
+        return vals[0], vals[1], vals[2]
+
+    def put(args, kwargs, idx, w):
+        args, kwargs = list(args), dict(kwargs)
+        for pos, value in ((1, idx), (2, w)):
+            if pos < len(args):
+                args[pos] = value
+            else:
+                kwargs[names[pos]] = value
+        return tuple(args), kwargs
+
+    return get, put
+
+
+class Engine:
+    """Hook every MoE layer of ``model`` for the duration of a ``with`` block.
+
+    ``policy`` overrides routing in ``policy_layers`` (decoder layer indices; ``None`` = all
+    MoE layers); ``consumers`` see every event (after the policy chose).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[MoELayer], *, policy: Policy | None = None,
+                 policy_layers: Iterable[int] | None = None, consumers: Iterable[Consumer] = (),
+                 attention: bool = False):
+        self.model = model
+        self.layers = layers
+        self.policy = policy
+        known = {L.index for L in layers}
+        self.policy_layers = known if policy_layers is None else set(policy_layers)
+        bad = self.policy_layers - known
+        if bad:
+            raise MoetoolError(f"--layers {sorted(bad)} are not MoE layers (MoE layers: {sorted(known)})")
+        self.consumers = list(consumers)
+        self.attention = attention or bool(policy is not None and getattr(policy, "needs_attention", False))
+        self._handles: list[Any] = []
+        self._slots: dict[int, dict[str, Any]] = {}
+        self._batch: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self.reported: dict[int, int] = {}
+        self.forwards = 0
+
+    # ----- installation ------------------------------------------------------------------
+    def __enter__(self) -> "Engine":
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
+        for L in self.layers:
+            self._slots[L.index] = {}
+            self._handles.append(L.router.register_forward_hook(self._router_hook(L)))
+            self._handles.append(L.experts.register_forward_pre_hook(self._experts_hook(L), with_kwargs=True))
+            if self.attention:
+                if L.attention is None:
+                    raise MoetoolError(f"layer {L.index} has no self-attention module to read")
+                self._handles.append(L.attention.register_forward_hook(self._attention_hook(L)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if exc[0] is None:
+            self.check_all_reported()
+
+    def check_all_reported(self) -> None:
+        """Fail loudly if a forward ran and some MoE layer's hook never fired."""
+        if self.forwards and len(self.reported) != len(self.layers):
+            missing = sorted({L.index for L in self.layers} - set(self.reported))
+            raise MoetoolError(f"MoE layers {missing} never reported: the hooks missed them "
+                               f"(unsupported experts implementation or kernel replacement?)")
+
+    # ----- hooks -------------------------------------------------------------------------
+    def _on_model(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        B, S = int(ids.shape[0]), int(ids.shape[1])
+        valid = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == (B, S):
+            valid = mask.reshape(-1).bool()
+        self._batch = ((B, S), valid)
+        self.forwards += 1
+
+    def _router_hook(self, L: MoELayer):
+        slot = self._slots[L.index]
+
+        def hook(module, args, out):
+            slot["logits"], slot["weights"], slot["idx"] = out[0], out[1], out[2]
+        return hook
+
+    def _attention_hook(self, L: MoELayer):
+        slot = self._slots[L.index]
+
+        def hook(module, args, out):
+            attn = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if attn is None:
+                raise MoetoolError("attention probabilities are not available: load the model with "
+                                   "attn_implementation='eager' (moetool does this for attention routing)")
+            slot["attn"] = attn
+        return hook
+
+    def _experts_hook(self, L: MoELayer):
+        slot = self._slots[L.index]
+        get, put = _bind_expert_args(L.experts)
+
+        def hook(module, args, kwargs):
+            h, idx, w = get(args, kwargs)
+            if "logits" not in slot:
+                raise MoetoolError(f"layer {L.index}: experts ran before the router reported")
+            (B, S), valid = self._batch if self._batch else ((1, h.shape[0]), None)
+            if B * S != h.shape[0]:  # a caller that does not go through the model's forward
+                (B, S), valid = (1, h.shape[0]), None
+            if valid is None:
+                valid = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+            ev = RoutingEvent(layer=L, h=h, logits=slot.pop("logits"), idx=idx, weights=w,
+                              valid=valid.to(h.device), shape=(B, S), attn=slot.pop("attn", None))
+            slot.clear()
+            self.reported[L.index] = self.reported.get(L.index, 0) + 1
+            new = None
+            if self.policy is not None and L.index in self.policy_layers:
+                with torch.no_grad():
+                    nidx, nw = self.policy.select(ev)
+                nidx = nidx.to(device=idx.device, dtype=idx.dtype)
+                nw = nw.to(device=w.device, dtype=w.dtype)
+                ev.chosen_idx, ev.chosen_weights = nidx, nw
+                new = put(args, kwargs, nidx, nw)
+            else:
+                ev.chosen_idx, ev.chosen_weights = idx, w
+            with torch.no_grad():
+                for c in self.consumers:
+                    c(ev)
+            return new
+        return hook

@@ -1,0 +1,99 @@
+"""Batched probes: a node of all ``n`` experts of a layer at once.
+
+One batched matmul over experts per chunk of tokens (never a Python loop over experts):
+``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
+Works on offloaded (accelerate) layers: weights are brought to the device for the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+
+from .. import ops
+from ..adapters.base import ExpertWeights, MoELayer
+
+NODES = ("gate", "up", "act", "glu", "output")
+
+#: elements of one ``[n, T_chunk, I]`` intermediate (fp32: 4 bytes each) -> 256 MB by default
+DEFAULT_BUDGET = 1 << 26
+
+
+@contextlib.contextmanager
+def _weights_on_device(layer: MoELayer) -> Iterator[None]:
+    """Materialise offloaded expert weights (accelerate ``device_map``) for the duration of a probe."""
+    if hasattr(layer.experts, "_hf_hook"):
+        from accelerate.utils import align_module_device
+
+        with align_module_device(layer.experts):
+            yield
+    else:
+        yield
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, in]`` against stacked ``w [n, out, in]`` -> ``[n, T, out]`` (one batched matmul)."""
+    y = torch.matmul(x.unsqueeze(0), w.transpose(-1, -2))  # [n, T, out]
+    return y if bias is None else y + bias.unsqueeze(1)
+
+
+def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[str]) -> dict[str, torch.Tensor]:
+    h = h.to(device=W.gate.device, dtype=W.gate.dtype)
+    out: dict[str, torch.Tensor] = {}
+    gate = _bmm(h, W.gate, W.gate_bias)  # [n, T, I]
+    if "gate" in want:
+        out["gate"] = gate
+    if "act" in want:
+        out["act"] = layer.act(gate)
+    if want & {"up", "glu", "output"}:
+        up = _bmm(h, W.up, W.up_bias)  # [n, T, I]
+        if "up" in want:
+            out["up"] = up
+        if want & {"glu", "output"}:
+            glu = layer.glu(gate, up)  # [n, T, I]
+            if "glu" in want:
+                out["glu"] = glu
+            if "output" in want:
+                out["output"] = torch.matmul(glu, W.down.transpose(-1, -2))  # [n, T, d]
+                if W.down_bias is not None:
+                    out["output"] = out["output"] + W.down_bias.unsqueeze(1)
+    return out
+
+
+def _chunk_size(layer: MoELayer, W: ExpertWeights, budget: int) -> int:
+    n, inter = W.gate.shape[0], max(W.gate.shape[1], W.down.shape[1])
+    return max(1, budget // (3 * n * inter))
+
+
+def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
+                 budget: int = DEFAULT_BUDGET) -> dict[str, torch.Tensor]:
+    """Nodes of all experts for tokens ``h [T, d]``: ``{node: [n, T, I or d]}`` (on h's device)."""
+    want = set(nodes)
+    unknown = want - set(NODES)
+    if unknown:
+        raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
+    with _weights_on_device(layer):
+        W = layer.expert_weights()
+        step = _chunk_size(layer, W, budget)
+        parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
+    return {k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want}
+
+
+def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
+                budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+    """Norm of ``node`` for every expert: ``[T, n]`` fp32, streamed over token chunks."""
+    if node not in NODES:
+        raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
+    with _weights_on_device(layer):
+        W = layer.expert_weights()
+        step = _chunk_size(layer, W, budget)
+        out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
+               for s in range(0, h.shape[0], step)]  # each [T_c, n]
+    return torch.cat(out, dim=0).to(h.device)
+
+
+def expert_outputs(layer: MoELayer, h: torch.Tensor, budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+    """``E_e(h)`` for every expert: ``[n, T, d]`` (before any routing weight)."""
+    return expert_nodes(layer, h, ("output",), budget)["output"]

@@ -1,0 +1,1 @@
+"""Experiments: functions from captured routing events to tables (pandas DataFrames)."""

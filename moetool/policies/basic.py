@@ -1,0 +1,51 @@
+"""The model's own routing and the random baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine.hooks import RoutingEvent
+
+
+class RouterPolicy:
+    """``router``: unchanged. Returns the model's own choice through the override path."""
+
+    name = "router"
+    needs_attention = False
+
+    @classmethod
+    def from_spec(cls, args: list[str], **_: Any) -> "RouterPolicy":
+        if args:
+            raise ValueError("'router' takes no arguments")
+        return cls()
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        return ev.idx, ev.weights
+
+
+class RandomPolicy:
+    """``random``: K experts uniformly at random per token (seeded), uniform weights 1/K."""
+
+    name = "random"
+    needs_attention = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._gen: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def from_spec(cls, args: list[str], seed: int = 0, **_: Any) -> "RandomPolicy":
+        if args:
+            raise ValueError("'random' takes no arguments (use --seed)")
+        return cls(seed)
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = ev.h.device
+        if dev not in self._gen:
+            self._gen[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+        T, n, K = ev.h.shape[0], ev.layer.n_experts, ev.layer.top_k
+        idx = ops.topk(torch.rand(T, n, generator=self._gen[dev], device=dev), K)
+        return idx, torch.full((T, K), 1.0 / K, device=dev)

@@ -1,0 +1,54 @@
+"""``norm:<node>[:<norm>]`` — Autonomy-of-Experts' training-free pilot (SPEC §Routing policies).
+
+The router is ignored; every expert computes ``node`` for the token (batched over experts)
+and the K with the largest norm run. Weights (``--weights``): ``softmax`` over the chosen
+norms (AoE Algorithm 1, default), ``router`` (the model's probabilities of the chosen set,
+renormalised as the model does), ``uniform`` (1/K).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine.hooks import RoutingEvent
+from ..engine.probes import NODES, node_scores
+
+WEIGHTS = ("softmax", "router", "uniform")
+
+
+class NormPolicy:
+    needs_attention = False
+
+    def __init__(self, node: str = "gate", norm: str = "l2", weights: str = "softmax"):
+        if node not in NODES:
+            raise ValueError(f"unknown node '{node}' (choose from {', '.join(NODES)})")
+        if norm not in ops.NORMS:
+            raise ValueError(f"unknown norm '{norm}' (choose from {', '.join(ops.NORMS)})")
+        if weights not in WEIGHTS:
+            raise ValueError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
+        self.node, self.norm, self.weights = node, norm, weights
+        self.name = f"norm:{node}:{norm}"
+
+    @classmethod
+    def from_spec(cls, args: list[str], weights: str = "softmax", norm: str | None = None, **_: Any) -> "NormPolicy":
+        if not args or len(args) > 2:
+            raise ValueError("use norm:<node>[:<norm>], e.g. norm:gate or norm:output:l1")
+        return cls(args[0], args[1] if len(args) > 1 else (norm or "l2"), weights)
+
+    def scores(self, ev: RoutingEvent) -> torch.Tensor:
+        """Node norm of every expert ``[T, n]``."""
+        return node_scores(ev.layer, ev.h, self.node, self.norm)
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.scores(ev)  # [T, n]
+        idx = ops.topk(s, ev.layer.top_k)  # [T, K]
+        if self.weights == "softmax":
+            w = torch.softmax(s.gather(-1, idx), dim=-1)
+        elif self.weights == "router":
+            w = ev.layer.weights_for(ev.logits, idx)
+        else:
+            w = torch.full(idx.shape, 1.0 / idx.shape[-1], device=idx.device)
+        return idx, w

@@ -1,0 +1,26 @@
+"""Progress bars (rich) for long loops; silent when asked or when not on a terminal and quiet."""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], total: int | None = None, description: str = "working",
+             quiet: bool = False) -> Iterator[T]:
+    if quiet:
+        yield from items
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    cols = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn()]
+    from rich.console import Console
+
+    with Progress(*cols, console=Console(file=sys.stderr), transient=False) as bar:
+        task = bar.add_task(description, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)

@@ -1,0 +1,47 @@
+"""Lazy registries: names map to ``"module:attr"`` strings loaded on first use.
+
+Unknown names raise a one-line :class:`MoetoolError` with did-you-mean suggestions.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Iterable
+
+from .errors import MoetoolError
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+class LazyRegistry:
+    """``name -> "package.module:attr"``; the module is imported on first :meth:`get`."""
+
+    def __init__(self, kind: str, entries: dict[str, str] | None = None):
+        self.kind = kind
+        self._entries: dict[str, str] = dict(entries or {})
+        self._loaded: dict[str, Any] = {}
+
+    def register(self, name: str, target: str) -> None:
+        self._entries[name] = target
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> Any:
+        if name not in self._entries:
+            raise MoetoolError(
+                f"unknown {self.kind} '{name}'{did_you_mean(name, self._entries)}; "
+                f"known: {', '.join(self.names())}"
+            )
+        if name not in self._loaded:
+            module, _, attr = self._entries[name].partition(":")
+            self._loaded[name] = getattr(importlib.import_module(module), attr)
+        return self._loaded[name]
