@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import typer
 
+from . import approx as approx_cmd
+from . import demo as demo_cmd
+from . import erc as erc_cmd
+from . import eval as eval_cmd
+from . import fluctuation as fluctuation_cmd
 from . import inspect as inspect_cmd
+from . import mass_recall as mass_recall_cmd
+from . import norm_select as norm_select_cmd
+from . import ppl as ppl_cmd
+from . import stats as stats_cmd
 from . import trace as trace_cmd
 
 app = typer.Typer(
@@ -17,7 +26,8 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for module in (inspect_cmd, trace_cmd):
+for module in (approx_cmd, demo_cmd, erc_cmd, eval_cmd, fluctuation_cmd, inspect_cmd, mass_recall_cmd,
+               norm_select_cmd, ppl_cmd, stats_cmd, trace_cmd):
     module.register(app)
 
 

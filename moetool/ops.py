@@ -59,3 +59,79 @@ def one_hot_counts(idx: torch.Tensor, n: int, valid: torch.Tensor | None = None)
     if valid is not None:
         idx = idx[valid]
     return torch.bincount(idx.reshape(-1), minlength=n).double()
+
+
+def multi_hot(idx: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Indicator matrix of index sets: ``idx [T, K] -> [T, n]`` with 1 where expert e is in row t's set."""
+    return torch.zeros(idx.shape[0], n, dtype=dtype, device=idx.device).scatter_(1, idx.long(), 1)
+
+
+def unique_counts(keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum ``counts`` (default 1 each) per distinct key: ``keys [N] -> (sorted unique keys [U], sums [U])`` (int64)."""
+    uniq, inv = torch.unique(keys.reshape(-1), return_inverse=True)
+    w = torch.ones_like(inv) if counts is None else counts.reshape(-1).long()
+    return uniq, torch.zeros(uniq.shape[0], dtype=torch.long, device=keys.device).index_add_(0, inv, w)
+
+
+def ranks(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """1-based ranks along ``dim``, ties get their average rank (as ``scipy.stats.rankdata``). fp64."""
+    x = x.double().transpose(dim, -1).contiguous()
+    s = x.sort(dim=-1).values
+    lo = torch.searchsorted(s, x, right=False)  # values strictly below
+    hi = torch.searchsorted(s, x, right=True)  # values at or below
+    return ((lo + hi + 1).double() / 2).transpose(dim, -1)
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Spearman rank correlation of ``a`` and ``b`` along ``dim`` (Pearson of average ranks); NaN if constant."""
+    ra, rb = ranks(a, dim), ranks(b, dim)
+    ra = ra - ra.mean(dim=dim, keepdim=True)
+    rb = rb - rb.mean(dim=dim, keepdim=True)
+    return (ra * rb).sum(dim) / ((ra * ra).sum(dim) * (rb * rb).sum(dim)).sqrt()
+
+
+def abs_cos_mean(x: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean ``|cos|`` over the ``m(m-1)`` ordered pairs of distinct rows of ``x [..., m, d]`` -> ``[...]``.
+
+    Pass ``gram = x xᵀ [..., m, m]`` instead if it is already computed (``x`` is then ignored). A zero
+    row has cosine 0 with everything.
+    """
+    g = (x.float() @ x.float().transpose(-1, -2)) if gram is None else gram  # [..., m, m]
+    norm = g.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()  # [..., m]
+    cos = g / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(g.dtype).tiny)
+    m = g.shape[-1]
+    off = ~torch.eye(m, dtype=torch.bool, device=g.device)
+    return (cos.abs() * off).sum((-2, -1)) / max(m * (m - 1), 1)
+
+
+def median(x: torch.Tensor) -> float:
+    """Median of all elements (the mean of the two middle values for an even count), NaN if empty."""
+    v = x.reshape(-1).double().sort().values
+    n = v.numel()
+    if n == 0:
+        return float("nan")
+    return float((v[(n - 1) // 2] + v[n // 2]) / 2)
+
+
+def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Project onto the unit sphere along ``dim`` (``x / ||x||_2``, keeps a float dtype, fp32 otherwise); a zero row stays 0."""
+    x = x if x.is_floating_point() else x.float()
+    return x / torch.linalg.vector_norm(x, dim=dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def hist_quantile(counts: torch.Tensor, q: float, lo: float = 0.0, hi: float = 1.0) -> float:
+    """``q``-quantile of values binned into ``counts [B]`` equal bins over ``[lo, hi]``: the upper edge of the
+    first bin where the cumulative count reaches ``q`` of the total (exact to one bin width; NaN if empty)."""
+    c = counts.double().cumsum(0)
+    if c.numel() == 0 or c[-1] <= 0:
+        return float("nan")
+    b = int(torch.searchsorted(c, c[-1] * q).clamp_max(c.numel() - 1))
+    return lo + (hi - lo) * (b + 1) / c.numel()
+
+
+def best_of(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """The expert of each row of ``idx [T, K]`` with the largest ``scores [T, n]``: ``[T]``.
+
+    The top-1 of a chosen set whatever order it came in (some routers return top-K unsorted).
+    """
+    return idx.gather(-1, scores.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)

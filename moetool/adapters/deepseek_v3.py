@@ -38,14 +38,9 @@ def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score:
 
 class DeepseekV3Layer(MoELayer):
     weights_fp32 = True
-
-    @property
-    def scoring(self) -> str:  # type: ignore[override]
-        r = self.router
-        norm = " -> /sum" if self.renormalize else ""
-        return (f"sigmoid(fp32); select top-k of score + e_score_correction_bias within the best "
-                f"{r.topk_group} of {r.num_group} groups (group score = sum of its top-2); weights = "
-                f"unbiased scores{norm} x {r.routed_scaling_factor}")
+    scoring = ("sigmoid(fp32); top-k of score + e_score_correction_bias within the topk_group best of n_group "
+               "groups (group score = sum of its top-2); weights = unbiased scores [/sum if norm_topk_prob] "
+               "x routed_scaling_factor")
 
     @property
     def shared_experts(self) -> nn.Module | None:
@@ -76,7 +71,7 @@ class DeepseekV3Layer(MoELayer):
     def describe(self) -> dict[str, Any]:
         r = self.router
         return {**super().describe(), "n_group": r.num_group, "topk_group": r.topk_group,
-                "routed_scaling_factor": r.routed_scaling_factor, "score_correction_bias": True}
+                "routed_scaling_factor": r.routed_scaling_factor}
 
 
 class DeepseekV3Adapter(Adapter):

@@ -15,6 +15,8 @@ POLICIES = LazyRegistry("routing policy", {
     "router": "moetool.policies.basic:RouterPolicy",
     "norm": "moetool.policies.norm:NormPolicy",
     "random": "moetool.policies.basic:RandomPolicy",
+    "similarity": "moetool.policies.similarity:SimilarityPolicy",
+    "attention": "moetool.policies.attention:AttentionPolicy",
 })
 
 

@@ -1,0 +1,73 @@
+"""``moetool approx``: MoE as the best k-term approximation of the dense sum of all experts (paper 001)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, MaxTokens, Model, Out, Quiet,
+                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list)
+
+HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
+
+Per MoE layer and real token all n experts run: u_e = π_e(h)·E_e(h),
+y = Σ_e u_e. A selector picks K experts S; rel. error = ||y_S − y|| / ||y||.
+Selectors: router (the model's own routing rule on its logits),
+norm_oracle (TopK of ||u_e||, the paper's rule), best_subset (exhaustive over
+all C(n,K) subsets, only where C(n,K) <= --max-subsets), random (seeded). The
+model runs with its own router; all experts are computed on the side (about
+n/K times an MoE layer's FLOPs: keep --max-tokens modest on big models).
+
+Writes approx.csv (layer, selector, tokens, rel_error_mean, rel_error_median:
+exact, from the per-token errors; same_set_as_router: fraction of tokens whose
+set equals the model's captured top-K), approx_layers.csv (layer,
+spearman_prob_vs_norm: per-token Spearman across experts of π_e vs ||E_e(h)||,
+averaged over tokens; mean_abs_cos: mean |cos(u_i, u_j)|, i≠j),
+figures/approx_error, figures/approx_layers, manifest.json (every definition).
+
+Examples:
+  moetool approx --out runs/approx-tiny
+  moetool approx --model tiny-fine --max-tokens 2048 --selectors router,random
+  moetool approx --model mixtral-8x7b --device-map auto --max-tokens 512
+"""
+
+
+@handle_errors
+def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
+           selectors: str = typer.Option("router,norm_oracle,best_subset,random", "--selectors",
+                                         help="Comma-separated selectors: router, norm_oracle, best_subset, random."),
+           max_subsets: int = typer.Option(10_000, "--max-subsets", min=1,
+                                           help="best_subset only in layers with C(n, K) at most this."),
+           layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layers to analyse, e.g. '0,2,5-7' "
+                                                "(default: every MoE layer)."),
+           seq_len: SeqLen = 256, max_tokens: MaxTokens = 4096, batch_size: BatchSize = 4, dtype: Dtype = "auto",
+           device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+    from moetool.data import load_tokens
+    from moetool.experiments.approx import check_selectors, run_approx, summary_lines, write_approx
+    from moetool.loading import load
+    from moetool.report import RunDir
+    from moetool.report.console import print_table
+
+    chosen = parse_list(selectors, str, "selector")
+    check_selectors(chosen)
+    wanted = parse_layers(layers)
+    run = RunDir.create("approx", out, force)
+    lm = load(model, dtype=dtype, device=device, device_map=device_map)
+    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    red = run_approx(lm, tokens, selectors=chosen, seed=seed, max_subsets=max_subsets, layers=wanted,
+                     batch_size=batch_size, quiet=quiet)
+    table, per_layer = write_approx(run, red)
+    run.add(data=tokens.describe())
+    run.finish(options=dict(model=model, data=str(data), selectors=chosen, max_subsets=max_subsets, layers=layers,
+                            seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, dtype=dtype,
+                            device=device, device_map=device_map), model=lm, seed=seed)
+    if not quiet:
+        print_table(table, f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)")
+        print_table(per_layer, "router vs norm, orthogonality")
+        typer.echo(summary_lines(model, table, per_layer)[0])
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(approx)

@@ -1,0 +1,48 @@
+"""``moetool demo``: the whole tool on the embedded models, offline, in one run folder."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .options import Force, Out, Quiet, echo_run, handle_errors, parse_list
+
+HELP = """Run every experiment on the embedded tiny models (no network needed) into one run folder.
+
+Steps: inspect, stats, norm-select (with an offline lm-eval task), erc, approx, mass-recall,
+fluctuation (early vs final training checkpoints). Each step writes CSVs, figures/ (PNG, PDF)
+and a manifest.json in its own sub-folder.
+
+Examples:
+  moetool demo
+  moetool demo --out runs/demo --force
+  moetool demo --steps stats,erc
+"""
+
+
+@handle_errors
+def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
+         steps: Optional[str] = typer.Option(None, "--steps", help="Comma-separated subset of the steps.")) -> None:
+    from moetool.demo import STEPS, run_demo
+    from moetool.errors import MoetoolError
+    from moetool.registry import did_you_mean
+    from moetool.report import RunDir
+
+    chosen = parse_list(steps, str, "step") if steps else None
+    known = [s for s, _ in STEPS]
+    for s in chosen or []:
+        if s not in known:
+            raise MoetoolError(f"unknown demo step '{s}'{did_you_mean(s, known)}; steps: {', '.join(known)}")
+    run = RunDir.create("demo", out, force)
+    records = run_demo(run, chosen, quiet=quiet, echo=typer.echo)
+    run.add(steps=records)
+    run.finish(options={"steps": chosen or known})
+    typer.echo("")
+    for r in records:
+        typer.echo(f"{r['step']:<12} {r['seconds']:>7.1f}s  {r['folder']}")
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(demo)

@@ -1,0 +1,73 @@
+"""``moetool eval``: lm-evaluation-harness accuracy under a routing policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .options import (BatchSize, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed,
+                      echo_run, handle_errors, parse_layers, parse_list)
+from .ppl import Causal, Routing, Sim, Weights
+
+HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
+
+The loaded model object is wrapped in lm-eval's HFLM and every forward lm-eval makes goes through
+the routing hooks. Writes eval.csv (task, metric, value, stderr) and manifest.json.
+
+Tasks: standard lm-eval names (mmlu, arc_challenge, ...: need network for their datasets), tasks
+from --include-path, or the shipped offline tasks moetool_code and moetool_prose (4-choice "which
+continuation is real" items cut from the embedded models' training text; no network needed).
+The shipped tasks are looked up in $MOETOOL_TASKS, then moetool/embedded/tasks (installed package),
+then examples/tasks of the source checkout (editable install). lm-eval's own task index is only
+scanned when a name is neither shipped nor in --include-path.
+
+Examples:
+  moetool eval --tasks moetool_code,moetool_prose --limit 40
+  moetool eval --tasks moetool_code --routing norm:gate --num-fewshot 2
+  moetool eval --model mixtral-8x7b --tasks mmlu --num-fewshot 5 --routing norm:gate --device-map auto
+"""
+
+
+@handle_errors
+def eval_command(model: Model = DEFAULT_MODEL,
+         tasks: str = typer.Option(..., "--tasks", "-t", help="Comma list of lm-eval task names "
+                                   "(shipped offline: moetool_code, moetool_prose)."),
+         num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", min=0, help="Few-shot examples per "
+                                                   "item (default: the task's own)."),
+         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many items per task."),
+         include_path: Optional[Path] = typer.Option(None, "--include-path", help="Folder of extra lm-eval "
+                                                     "task YAMLs."),
+         routing: str = Routing, weights: str = Weights, sim: str = Sim, causal: bool = Causal,
+         layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
+         device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
+         quiet: Quiet = False) -> None:
+    from moetool.experiments.lmeval import evaluate, plan_tasks
+    from moetool.experiments.ppl import build_policy
+    from moetool.loading import load
+    from moetool.report import RunDir
+    from moetool.report.console import print_table
+
+    policy = build_policy(routing, weights, seed, sim=sim, causal=causal)
+    policy_layers = parse_layers(layers)
+    plan = plan_tasks(parse_list(tasks, str, "task"), include_path)
+    run = RunDir.create("eval", out, force)
+    lm = load(model, dtype=dtype, device=device, device_map=device_map,
+              attn_implementation="eager" if policy.needs_attention else None)
+    res = evaluate(lm, plan, policy=policy, policy_layers=policy_layers, num_fewshot=num_fewshot, limit=limit,
+                   batch_size=batch_size, seed=seed, quiet=quiet)
+    run.write_csv("eval.csv", res.frame)
+    run.add(eval=plan.describe(), n_samples=res.n_samples, routing=policy.name, eval_seconds=round(res.seconds, 3),
+            definitions={"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
+                         "stderr": "lm-eval's standard error of the metric (NaN when it reports none)"})
+    run.finish(options=dict(model=model, tasks=plan.names, num_fewshot=num_fewshot, limit=limit,
+                            include_path=str(include_path) if include_path else None, routing=routing,
+                            weights=weights, sim=sim, causal=causal, layers=layers, batch_size=batch_size,
+                            dtype=dtype, device=device), model=lm, seed=seed)
+    print_table(res.frame, title=f"lm-eval ({policy.name})")
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="eval", help=HELP)(eval_command)

@@ -1,0 +1,84 @@
+"""``moetool fluctuation``: routing change between checkpoints (Graph of Tokens, paper 004, Fig. 3)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .options import (BatchSize, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, echo_run, handle_errors,
+                      parse_list)
+
+HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
+
+Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
+layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
+(reference, checkpoint) and routing: top1_change (fraction of real tokens whose top-1 expert differs: the
+paper's fluctuation rate; top-1 = chosen expert with the largest weight), topk_change (top-K set differs),
+topk_overlap (mean |A∩B|/K), jaccard (mean |A∩B|/|A∪B|), entropy_ref / entropy_ckpt (mean entropy in nats)
+and entropy_ratio (ckpt/ref).
+
+--routing router: the model's own top-K, entropy of π. similarity / attention: that training-free policy
+applied in every MoE layer of each checkpoint (Similarity-Aware S = softmax(h_i·h_j/τ), causal;
+Attention-Aware: the same layer's lowest-entropy attention head), the chosen sets compared, entropy of the
+policy's normalised scores s_i = Σ_j S[i,j] π(h_j). --isolate adds rows <routing>-isolated: the
+reference's own MoE inputs (and attention) fed to the checkpoint's routers — router drift alone.
+
+Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_change, topk_change, topk_overlap,
+jaccard, entropy_ref, entropy_ckpt, entropy_ratio), figures/fluctuation_by_layer, entropy_ratio_by_layer,
+entropy_vs_router_by_layer (each routing's entropy / the router's, the paper's ratio), manifest.json.
+
+Examples:
+  moetool fluctuation tiny-early tiny --out runs/fluct-tiny
+  moetool fluctuation tiny-fine-early tiny-fine --routing router,similarity --sim cosine --tau 0.1 --isolate
+  moetool fluctuation ckpt-1000 ckpt-2000 ckpt-3000 --reference last
+"""
+
+
+@handle_errors
+def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more checkpoints (embedded names, "
+                                                           "local directories, aliases or hub ids), in order."),
+                data: Data = None, out: Out = None, force: Force = False,
+                routing: str = typer.Option("router,similarity,attention", "--routing",
+                                            help="Routings compared, comma-separated: router, similarity, attention."),
+                tau: Optional[float] = typer.Option(None, "--tau", help="Similarity temperature τ (default sqrt(d))."),
+                sim: str = typer.Option("dot", "--sim", help="Similarity: dot (raw h_i·h_j, the paper) or cosine."),
+                causal: bool = typer.Option(True, "--causal/--no-causal",
+                                            help="Similarity over earlier tokens only (j <= i), or all tokens."),
+                reference: str = typer.Option("previous", "--reference",
+                                              help="Pairs: previous (i-1 vs i), first (0 vs i) or last (last vs i)."),
+                isolate: bool = typer.Option(False, "--isolate", help="Also feed the reference's MoE inputs to the "
+                                             "other checkpoint's routers (rows <routing>-isolated)."),
+                seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
+                dtype: Dtype = "auto", device: Device = "auto", quiet: Quiet = False) -> None:
+    from moetool.data import load_tokens
+    from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, run_fluctuation,
+                                                 summary_lines, write_results)
+    from moetool.loading import load
+    from moetool.report import RunDir
+    from moetool.report.console import print_table
+
+    opts = FluctuationOptions(routings=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
+                              reference=reference, isolate=isolate, batch_size=batch_size)
+    opts.policy("similarity")  # bad --sim / --tau fail here, before any model loads
+    tokenizer = check_checkpoints(checkpoints)
+    run = RunDir.create("fluctuation", out, force)
+    tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
+    attn = "eager" if opts.needs_attention else None
+    df = run_fluctuation(checkpoints, tokens, opts, lambda name: load(name, dtype=dtype, device=device,
+                                                                      attn_implementation=attn, tokenizer=False),
+                         quiet=quiet)
+    write_results(run, df, opts, tokens)
+    run.finish(options=dict(checkpoints=list(checkpoints), data=str(data), routing=list(opts.routings), tau=tau,
+                            sim=sim, causal=causal, reference=reference, isolate=isolate, seq_len=seq_len,
+                            max_tokens=max_tokens, batch_size=batch_size, dtype=dtype, device=device,
+                            attn_implementation=attn or "default"))
+    if not quiet:
+        print_table(df.drop(columns=["tokens"]), f"routing fluctuation ({tokens.n_tokens:,} tokens)")
+        for line in summary_lines(df):
+            typer.echo(line)
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(fluctuation)

@@ -1,0 +1,75 @@
+"""``moetool mass-recall``: routing mass kept by an inverted-index (IVF) router (AIR-MoE, paper 003)."""
+
+from __future__ import annotations
+
+import typer
+
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
+                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list)
+
+HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
+
+Per MoE layer: a codebook of G unit codewords is fitted on the router inputs h by streaming adaptive spherical
+k-means (EMA γ=0.95, dead codes below τ=1 re-initialised on a random token of the batch; k-means++ init; the
+first pass plus --kmeans-iters extra passes), then a last pass evaluates on the same tokens. Token h goes to
+c(h) = argmax_g cos(h, c_g); shortlist L(c) = the M experts ranked highest at the codeword.
+MassRecall(h) = Σ_{e∈L(c(h))} π_e(h); top-K recall |TopK ∩ L|/K; exact-top-K rate (TopK ⊆ L);
+ε = ||h − c(h)||; bound = exp(−2ε) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) (Proposition 1; a theorem with
+--centroids unit, so bound_holds_rate is 1 there). --centroids raw: the model's own router (bias, scoring,
+its top-K); unit: router rows on the unit sphere, logits <w_e, h>, softmax. One codebook per (layer, G) for
+every M. Shortlist sizes larger than n are skipped (noted in manifest.json).
+
+Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
+mass_recall_p05, topk_recall, exact_topk_rate, quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
+expert_coverage, router_flops_frac = (G+M)/n), figures/mass_recall_vs_shortlist and
+figures/mass_recall_vs_router_flops, manifest.json (definitions).
+
+Examples:
+  moetool mass-recall --out runs/mr-tiny
+  moetool mass-recall --model tiny-fine --codebook-size 16,64 --shortlist 4,8,16,32 --centroids unit
+"""
+
+
+@handle_errors
+def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
+                codebook_size: str = typer.Option("8,32,128", "--codebook-size", "-G",
+                                                  help="Codebook sizes G, comma-separated."),
+                shortlist: str = typer.Option("2,4,8,16", "--shortlist", "-M",
+                                              help="Shortlist sizes M, comma-separated (sizes > n are skipped)."),
+                centroids: str = typer.Option("raw,unit", "--centroids",
+                                              help="Expert centroid modes, comma-separated: raw (the router as "
+                                                   "is) and/or unit (rows on the unit sphere)."),
+                kmeans_iters: int = typer.Option(1, "--kmeans-iters", min=0,
+                                                 help="Extra k-means passes over the data after the first."),
+                layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
+                batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", seed: Seed = 0,
+                quiet: Quiet = False) -> None:
+    from moetool.data import load_tokens
+    from moetool.experiments.erc import pick_layers
+    from moetool.experiments.mass_recall import MassRecallOptions, run_mass_recall, write_results
+    from moetool.loading import load
+    from moetool.report import RunDir
+    from moetool.report.console import print_table
+
+    opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),
+                             shortlists=tuple(parse_list(shortlist, int, "shortlist size")),
+                             centroids=tuple(parse_list(centroids, str, "centroids mode")),
+                             kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size)
+    run = RunDir.create("mass-recall", out, force)
+    lm = load(model, dtype=dtype, device=device)
+    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    res = run_mass_recall(lm, tokens, opts, layers=pick_layers(lm.layers, parse_layers(layers)), quiet=quiet)
+    write_results(run, res, opts, tokens)
+    run.finish(options=dict(model=model, data=str(data), codebook_size=list(opts.codebook_sizes),
+                            shortlist=list(opts.shortlists), centroids=list(opts.centroids),
+                            kmeans_iters=kmeans_iters, layers=layers, seq_len=seq_len, max_tokens=max_tokens,
+                            batch_size=batch_size, dtype=dtype, device=device), model=lm, seed=seed)
+    for note in res.notes:
+        typer.secho(f"note: {note}", err=True)
+    if not quiet:
+        print_table(res.table.drop(columns=["tokens"]), f"mass recall: {model} ({tokens.n_tokens:,} tokens)")
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="mass-recall", help=HELP)(mass_recall)

@@ -1,0 +1,867 @@
+#!/usr/bin/env python3
+"""Build moetool's embedded default models: tiny MoE causal LMs trained briefly
+on CPU with transformers' own model classes.
+
+Pipeline (all offline, deterministic given the CPython/torch/transformers versions):
+
+1. ``examples/build_corpus.py`` -> train / validation JSONL (Python stdlib code and
+   Python documentation prose, PSF-2.0) and ``moetool/embedded/data/heldout.jsonl``
+   (= the validation documents).
+2. A byte-level BPE tokenizer (``tokenizers``; vocab 2048, ``<|endoftext|>`` as
+   eos / bos / pad) trained on the train split, wrapped as
+   ``transformers.PreTrainedTokenizerFast``.
+3. Two models, each trained with AdamW + linear warmup + cosine decay on packed
+   token chunks, with the router load-balancing aux loss:
+
+   * ``tiny``      -- ``MixtralForCausalLM``: 4 layers, 8 experts, top-2.
+   * ``tiny-fine`` -- ``Qwen3MoeForCausalLM``: 4 layers, 32 experts, top-4.
+
+   An early checkpoint (``--early-frac`` of training) and the final one are
+   saved as separate model directories (``<name>-early`` and ``<name>``) with the
+   tokenizer, ``training_curve.csv`` and ``train_meta.json``.  Weights are
+   stored as float16 to fit the package size budget; ``config.dtype`` stays
+   float32 so ``from_pretrained`` loads (upcasts) them in float32.  Reported
+   validation numbers are for the stored (float16-rounded) weights.
+4. Routing statistics (expert load entropy, per-token routing entropy,
+   per-domain load) on the validation split, and a round-trip check in a fresh
+   process with ``HF_HUB_OFFLINE=1``.  ``moetool/embedded/README.md`` is written
+   from the measured numbers.
+
+Models are trained in parallel subprocesses (``--jobs``, default 2), each with
+``--threads`` torch threads (default 1): on a shared 2-core machine, one
+single-threaded process per core is far more robust than two-thread processes.
+
+Rebuild everything:  python examples/train_tiny.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_OUT = REPO / "moetool" / "embedded"
+EOS = "<|endoftext|>"
+MODELS = ("tiny", "tiny-fine")
+
+
+# ----------------------------------------------------------------------------- utils
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def set_seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def model_config(name: str, vocab_size: int, eos_id: int, max_pos: int):
+    """The two architectures.  Sizes chosen for CPU training speed and the
+    package size budget (~2.8M parameters each, ~5.7 MB in float16)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        output_router_logits=True,  # aux load-balancing loss during training
+        router_aux_loss_coef=0.01,
+        use_cache=True,
+        attention_dropout=0.0,
+    )
+    if name == "tiny":
+        return MixtralConfig(
+            intermediate_size=192,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.0,
+            **common,
+        )
+    if name == "tiny-fine":
+        return Qwen3MoeConfig(
+            head_dim=32,
+            intermediate_size=256,  # dense-MLP size; unused (every layer is MoE)
+            moe_intermediate_size=48,
+            num_experts=32,
+            num_experts_per_tok=4,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            **common,
+        )
+    raise ValueError(name)
+
+
+def model_class(name: str):
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    return {"tiny": MixtralForCausalLM, "tiny-fine": Qwen3MoeForCausalLM}[name]
+
+
+# ------------------------------------------------------------------------- tokenizer
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, max_len: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        bos_token=EOS,
+        pad_token=EOS,
+        unk_token=None,
+        model_max_length=max_len,
+        clean_up_tokenization_spaces=False,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def encode_docs(tok, texts: list[str]) -> list[list[int]]:
+    return tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def pack(docs_ids: list[list[int]], eos_id: int) -> list[int]:
+    """Concatenate documents, each followed by EOS."""
+    stream: list[int] = []
+    for ids in docs_ids:
+        stream.extend(ids)
+        stream.append(eos_id)
+    return stream
+
+
+def val_chunks(docs_ids: list[list[int]], eos_id: int, seq_len: int) -> list[list[int]]:
+    """Pack validation documents (in file order) into chunks of ``seq_len``
+    tokens (the last one may be shorter).  Loss targets are chunk[1:]."""
+    stream = pack(docs_ids, eos_id)
+    return [stream[i : i + seq_len] for i in range(0, len(stream), seq_len) if len(stream[i : i + seq_len]) > 1]
+
+
+def unigram_ppl(train_stream: list[int], val_by_domain: dict, vocab_size: int) -> dict:
+    """Add-one smoothed unigram LM estimated on the train tokens, evaluated on
+    exactly the validation target tokens the models are scored on."""
+    import numpy as np
+
+    counts = np.bincount(np.asarray(train_stream), minlength=vocab_size).astype(np.float64)
+    logp = np.log((counts + 1.0) / (counts.sum() + vocab_size))
+    out, tot_nll, tot_n = {}, 0.0, 0
+    for dom, chunks in val_by_domain.items():
+        tgt = np.concatenate([np.asarray(c[1:]) for c in chunks])
+        nll = float(-logp[tgt].sum())
+        out[dom] = {"loss": nll / len(tgt), "ppl": math.exp(nll / len(tgt)), "tokens": int(len(tgt))}
+        tot_nll += nll
+        tot_n += len(tgt)
+    out["all"] = {"loss": tot_nll / tot_n, "ppl": math.exp(tot_nll / tot_n), "tokens": tot_n}
+    return out
+
+
+# ------------------------------------------------------------------------ evaluation
+def evaluate(model, val_by_domain: dict, batch_size: int = 16, max_chunks: int | None = None,
+             routing: bool = False) -> dict:
+    """Token-level cross entropy on packed validation chunks, per domain and
+    overall.  With ``routing=True`` also collects router statistics through
+    forward hooks on every MoE router (``layers[i].mlp.gate``)."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    hooks, rec = [], {}
+    if routing:
+        layers = model.model.layers
+        for li, layer in enumerate(layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is None:
+                continue
+
+            def hook(mod, inp, out, li=li):
+                rec[li] = (out[0].detach().float(), out[2].detach())
+
+            hooks.append(gate.register_forward_hook(hook))
+    stats: dict = {}
+    route: dict = {}
+    try:
+        with torch.no_grad():
+            for dom, chunks in val_by_domain.items():
+                chunks = chunks if max_chunks is None else chunks[:max_chunks]
+                nll, n = 0.0, 0
+                # group by length so batches need no padding
+                by_len: dict[int, list[list[int]]] = {}
+                for c in chunks:
+                    by_len.setdefault(len(c), []).append(c)
+                for L in sorted(by_len, reverse=True):
+                    group = by_len[L]
+                    for i in range(0, len(group), batch_size):
+                        x = torch.tensor(group[i : i + batch_size], dtype=torch.long)
+                        rec.clear()
+                        logits = model(input_ids=x, output_router_logits=False, use_cache=False).logits
+                        lp = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
+                                             x[:, 1:].reshape(-1), reduction="sum")
+                        nll += float(lp)
+                        n += x[:, 1:].numel()
+                        for li, (lg, idx) in rec.items():
+                            E = lg.shape[-1]
+                            r = route.setdefault(li, {}).setdefault(
+                                dom, {"counts": torch.zeros(E, dtype=torch.float64), "ent_sum": 0.0, "tokens": 0})
+                            r["counts"] += torch.bincount(idx.reshape(-1), minlength=E).double()
+                            p = torch.softmax(lg, dim=-1)
+                            ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+                            r["ent_sum"] += float(ent.sum())
+                            r["tokens"] += lg.shape[0]
+                stats[dom] = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": n, "_nll": nll}
+    finally:
+        for h in hooks:
+            h.remove()
+    tot_nll = sum(v["_nll"] for v in stats.values())
+    tot_n = sum(v["tokens"] for v in stats.values())
+    for v in stats.values():
+        v.pop("_nll")
+    stats["all"] = {"loss": tot_nll / tot_n, "ppl": math.exp(tot_nll / tot_n), "tokens": tot_n}
+    if routing:
+        stats["routing"] = summarize_routing(route)
+    return stats
+
+
+def _entropy(p) -> float:
+    p = [x for x in p if x > 0]
+    return float(-sum(x * math.log(x) for x in p))
+
+
+def summarize_routing(route: dict) -> list[dict]:
+    out = []
+    for li in sorted(route):
+        doms = route[li]
+        E = len(next(iter(doms.values()))["counts"])
+        total = sum(d["counts"] for d in doms.values())
+        frac = (total / total.sum()).tolist()
+        toks = sum(d["tokens"] for d in doms.values())
+        entry = {
+            "layer": li,
+            "num_experts": E,
+            "log_n": math.log(E),
+            "load_entropy": _entropy(frac),
+            "mean_routing_entropy": sum(d["ent_sum"] for d in doms.values()) / toks,
+            "min_load_frac": min(frac),
+            "max_load_frac": max(frac),
+            "dead_experts": [e for e, f in enumerate(frac) if f == 0.0],
+            "load_frac": [round(f, 5) for f in frac],
+            "by_domain": {},
+        }
+        for dom, d in doms.items():
+            f = (d["counts"] / d["counts"].sum()).tolist()
+            entry["by_domain"][dom] = {
+                "load_frac": [round(x, 5) for x in f],
+                "load_entropy": _entropy(f),
+                "mean_routing_entropy": d["ent_sum"] / d["tokens"],
+            }
+        if {"code", "prose"} <= set(entry["by_domain"]):
+            fc = entry["by_domain"]["code"]["load_frac"]
+            fp = entry["by_domain"]["prose"]["load_frac"]
+            # total variation distance between the two domains' expert loads
+            entry["code_vs_prose_tv"] = 0.5 * sum(abs(a - b) for a, b in zip(fc, fp))
+            ratio = [(e, (a + 1e-9) / (b + 1e-9)) for e, (a, b) in enumerate(zip(fc, fp))]
+            ratio.sort(key=lambda t: t[1])
+            entry["most_prose_expert"] = {"expert": ratio[0][0], "code": fc[ratio[0][0]], "prose": fp[ratio[0][0]]}
+            entry["most_code_expert"] = {"expert": ratio[-1][0], "code": fc[ratio[-1][0]], "prose": fp[ratio[-1][0]]}
+        out.append(entry)
+    return out
+
+
+# -------------------------------------------------------------------------- training
+def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    prog = (step - warmup) / max(1, total - warmup)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+
+
+def batches(train_docs: list[list[int]], eos_id: int, seq_len: int, batch_size: int, seed: int):
+    """Infinite iterator of [B, seq_len] batches: each epoch shuffles the
+    document order, packs (docs joined by EOS) into seq_len chunks and
+    shuffles the chunks."""
+    import torch
+
+    epoch = 0
+    while True:
+        rng = random.Random(seed * 1000 + epoch)
+        order = list(range(len(train_docs)))
+        rng.shuffle(order)
+        stream = pack([train_docs[i] for i in order], eos_id)
+        n = len(stream) // seq_len
+        chunks = [stream[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+        rng.shuffle(chunks)
+        for i in range(0, n - batch_size + 1, batch_size):
+            yield epoch, torch.tensor(chunks[i : i + batch_size], dtype=torch.long)
+        epoch += 1
+
+
+def save_checkpoint(model, tok, out_dir: Path, meta: dict, curve: list[dict], save_dtype: str) -> None:
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in out_dir.iterdir():  # start from an empty directory
+        if f.is_file():
+            f.unlink()
+    cfg = model.config
+    cfg.output_router_logits = False
+    cfg.use_cache = True
+    dt = getattr(torch, save_dtype)
+    state = {k: v.detach().to(dt) if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
+    model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    cfg.output_router_logits = True
+    tok.save_pretrained(out_dir)
+    write_curve(out_dir / "training_curve.csv", curve)
+    (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+CURVE_FIELDS = ["step", "tokens_seen", "epoch", "lr", "train_loss", "aux_loss", "val_loss_subset",
+                "val_loss", "val_ppl", "elapsed_s"]
+
+
+def write_curve(path: Path, curve: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CURVE_FIELDS)
+        w.writeheader()
+        for row in curve:
+            w.writerow({k: row.get(k, "") for k in CURVE_FIELDS})
+
+
+def reload_and_eval(path: Path, val_by_domain: dict) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path)
+    return evaluate(m, val_by_domain, routing=True)
+
+
+def train_one(name: str, args, work: Path) -> dict:
+    """Train one model (runs in its own process)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    set_seed(args.seed)
+    t_start = time.time()
+    tok = AutoTokenizer.from_pretrained(work / "tokenizer")
+    eos_id = tok.eos_token_id
+    enc = json.loads((work / "encoded.json").read_text())
+    train_docs, val_by_domain = enc["train"], enc["val"]
+    unigram = json.loads((work / "unigram.json").read_text())
+    manifest = json.loads((Path(args.corpus_dir) / "manifest.json").read_text())
+
+    cfg = model_config(name, len(tok), eos_id, args.max_position_embeddings)
+    cfg._experts_implementation = args.experts_implementation
+    model = model_class(name)(cfg)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"{name}: {type(model).__name__} {n_params / 1e6:.3f}M params, experts={args.experts_implementation}, "
+        f"threads={torch.get_num_threads()}")
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    total = args.steps
+    warmup = max(1, int(args.warmup_frac * total))
+    early_step = max(1, int(round(args.early_frac * total)))
+    ckpts = {early_step: "early", total: "final"}
+    if args.mid_frac:
+        ckpts[max(1, int(round(args.mid_frac * total)))] = "mid"
+    tokens_per_step = args.batch_size * args.seq_len
+    it = batches(train_docs, eos_id, args.seq_len, args.batch_size, args.seed)
+    curve: list[dict] = []
+    acc_loss = acc_aux = 0.0
+    acc_n = 0
+    results = {}
+    t_train = time.time()
+    for step in range(1, total + 1):
+        lr = lr_at(step - 1, total, warmup, args.lr, args.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        epoch, x = next(it)
+        out = model(input_ids=x, labels=x, output_router_logits=True, use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        aux = float(out.aux_loss)
+        acc_loss += float(out.loss) - cfg.router_aux_loss_coef * aux
+        acc_aux += aux
+        acc_n += 1
+        row = None
+        if step % args.log_every == 0 or step in ckpts:
+            row = {"step": step, "tokens_seen": step * tokens_per_step, "epoch": epoch, "lr": f"{lr:.6g}",
+                   "train_loss": f"{acc_loss / acc_n:.5f}", "aux_loss": f"{acc_aux / acc_n:.5f}"}
+            acc_loss = acc_aux = 0.0
+            acc_n = 0
+        if step % args.eval_every == 0 or step in ckpts:
+            ev = evaluate(model, val_by_domain, max_chunks=args.eval_chunks)
+            row["val_loss_subset"] = f"{ev['all']['loss']:.5f}"
+            model.train()
+        if row is not None:
+            row["elapsed_s"] = f"{time.time() - t_train:.1f}"
+            curve.append(row)
+            el = time.time() - t_train
+            log(f"{name} step {step}/{total} ep {epoch} lr {lr:.2e} loss {row['train_loss']} aux {row['aux_loss']}"
+                + (f" val~ {row['val_loss_subset']}" if "val_loss_subset" in row else "")
+                + f" | {step * tokens_per_step / el:.0f} tok/s, eta {el / step * (total - step) / 60:.1f} min")
+        if step in ckpts:
+            kind = ckpts[step]
+            d = Path(args.out_dir) / (name if kind == "final" else f"{name}-{kind}")
+            meta = {
+                "name": d.name,
+                "model": name,
+                "checkpoint": kind,
+                "architecture": type(model).__name__,
+                "model_type": cfg.model_type,
+                "num_parameters": n_params,
+                "step": step,
+                "total_steps": total,
+                "tokens_seen": step * tokens_per_step,
+                "epochs_seen": step * tokens_per_step / len(pack(train_docs, eos_id)),
+                "train_wall_s": round(time.time() - t_train, 1),
+                "seed": args.seed,
+                "command": args.command,
+                "hyperparameters": {k: getattr(args, k) for k in (
+                    "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_frac", "weight_decay",
+                    "grad_clip", "threads", "experts_implementation", "early_frac", "mid_frac")}
+                | {"optimizer": "AdamW(betas=(0.9,0.95), eps=1e-8)", "schedule": "linear warmup + cosine",
+                   "router_aux_loss_coef": cfg.router_aux_loss_coef},
+                "weights_dtype": args.save_dtype,
+                "unigram_baseline": unigram,
+                "corpus": {"sources": manifest["sources"], "files": manifest["files"],
+                           "python_version": manifest["python_version"], "stats": manifest["stats"]},
+                "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": len(tok), "eos_token": EOS},
+                "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "transformers": __import__("transformers").__version__,
+                             "tokenizers": __import__("tokenizers").__version__},
+            }
+            # save once, then evaluate exactly what was stored (fp16-rounded weights)
+            save_checkpoint(model, tok, d, meta, curve, args.save_dtype)
+            ev = reload_and_eval(d, val_by_domain)
+            row["val_loss"] = f"{ev['all']['loss']:.5f}"
+            row["val_ppl"] = f"{ev['all']['ppl']:.3f}"
+            meta["val"] = {k: v for k, v in ev.items() if k != "routing"}
+            meta["val_loss"] = ev["all"]["loss"]
+            meta["val_ppl"] = ev["all"]["ppl"]
+            meta["unigram_val_ppl"] = unigram["all"]["ppl"]
+            meta["routing"] = ev["routing"]
+            write_curve(d / "training_curve.csv", curve)
+            (d / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            results[kind] = {"dir": str(d), "val_loss": ev["all"]["loss"], "val_ppl": ev["all"]["ppl"]}
+            log(f"{name} saved {kind} checkpoint -> {d}: val loss {ev['all']['loss']:.4f} "
+                f"ppl {ev['all']['ppl']:.2f} (unigram ppl {unigram['all']['ppl']:.2f})")
+            model.train()
+    results["wall_s"] = time.time() - t_start
+    return results
+
+
+# ------------------------------------------------------------------------ verification
+def verify_dirs(dirs: list[str], work: Path, threads: int, seq_len: int) -> dict:
+    """Run in a fresh process with HF_HUB_OFFLINE=1: load each directory with
+    the Auto classes, check the load report, re-tokenize the validation split
+    with the loaded tokenizer and recompute the validation loss."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    records: list[str] = []
+
+    class H(logging.Handler):
+        def emit(self, rec):
+            records.append(f"{rec.levelname}: {rec.getMessage()}")
+
+    transformers.logging.set_verbosity_warning()
+    transformers.logging.get_logger("transformers").addHandler(H())
+    val_rows = read_jsonl(Path(json.loads((work / "paths.json").read_text())["validation"]))
+    out = {}
+    for d in dirs:
+        records.clear()
+        tok = AutoTokenizer.from_pretrained(d)
+        model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+        by_dom: dict[str, list[list[int]]] = {}
+        for r in val_rows:
+            by_dom.setdefault(r["domain"], []).append(r["text"])
+        val = {dom: val_chunks(encode_docs(tok, texts), tok.eos_token_id, seq_len) for dom, texts in sorted(by_dom.items())}
+        ev = evaluate(model, val)
+        meta = json.loads((Path(d) / "train_meta.json").read_text())
+        out[d] = {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "eos_token_id": tok.eos_token_id,
+            "model_class": type(model).__name__,
+            "dtype": str(model.dtype),
+            "loading_info": {k: sorted(map(str, v)) for k, v in info.items()},
+            "warnings": list(records),
+            "val_loss": ev["all"]["loss"],
+            "meta_val_loss": meta["val_loss"],
+            "abs_diff": abs(ev["all"]["loss"] - meta["val_loss"]),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------ README
+def write_readme(out_dir: Path, summary: dict, args) -> None:
+    lines = []
+    a = lines.append
+    a("# moetool embedded default models")
+    a("")
+    a("Tiny Mixture-of-Experts causal LMs trained briefly on CPU with transformers' own model classes, "
+      "shipped so every moetool command works offline out of the box. They are research fixtures for "
+      "routing analysis, **not** useful language models.")
+    a("")
+    a("| dir | class (model_type) | experts / top-k | params | checkpoint | tokens seen | val loss | val ppl | unigram ppl |")
+    a("|---|---|---|---|---|---|---|---|---|")
+    for d in summary["dirs"]:
+        m = json.loads((out_dir / d / "train_meta.json").read_text())
+        cfg = json.loads((out_dir / d / "config.json").read_text())
+        E = cfg.get("num_local_experts", cfg.get("num_experts"))
+        a(f"| `{d}` | {m['architecture']} (`{m['model_type']}`) | {E} / {cfg['num_experts_per_tok']} | "
+          f"{m['num_parameters'] / 1e6:.2f}M | {m['checkpoint']} (step {m['step']}/{m['total_steps']}) | "
+          f"{m['tokens_seen'] / 1e6:.2f}M | {m['val_loss']:.3f} | {m['val_ppl']:.2f} | {m['unigram_val_ppl']:.2f} |")
+    a("")
+    a("Common architecture: 4 layers, hidden size 128, 4 attention heads / 2 KV heads, RoPE, "
+      f"max_position_embeddings {args.max_position_embeddings}, tied input/output embeddings, every layer MoE. "
+      "`tiny`: Mixtral, expert intermediate size 192, softmax → top-2 → renormalize. "
+      "`tiny-fine`: Qwen3-MoE, expert intermediate size 48, softmax → top-4 → renormalize (`norm_topk_prob=True`), "
+      "`decoder_sparse_step=1`, `mlp_only_layers=[]`.")
+    a("")
+    a("Each directory is a complete `save_pretrained` model directory plus tokenizer files, so")
+    a("")
+    a("```python")
+    a("from transformers import AutoModelForCausalLM, AutoTokenizer  # works with HF_HUB_OFFLINE=1")
+    a("model = AutoModelForCausalLM.from_pretrained(d); tok = AutoTokenizer.from_pretrained(d)")
+    a("```")
+    a("")
+    a("Weights are stored as **float16** (package size budget) while `config.json` keeps `dtype: float32`, "
+      "so `from_pretrained` upcasts them to float32. All numbers here are for the stored weights evaluated in "
+      "float32. `config.output_router_logits` is `false` (it was `true` during training).")
+    a("")
+    a("Files per directory: `config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`, "
+      "`tokenizer_config.json`, `training_curve.csv` (step, tokens seen, lr, train LM loss and aux loss averaged "
+      f"over {args.log_every} steps, validation loss on a {args.eval_chunks}-chunk-per-domain subset every "
+      f"{args.eval_every} steps, full validation loss/ppl at checkpoints), `train_meta.json` (hyperparameters, "
+      "command, seed, corpus sources and hashes, validation numbers per domain, unigram baseline, routing "
+      "statistics).")
+    a("")
+    a("## Tokenizer")
+    a("")
+    a(f"Byte-level BPE trained with `tokenizers` on the train split, vocabulary {summary['vocab_size']}, "
+      f"`{EOS}` is eos, bos and pad token (documents are separated by it in training). "
+      "Wrapped as `PreTrainedTokenizerFast`; no special tokens are added automatically.")
+    a("")
+    a("## Training")
+    a("")
+    a(f"AdamW (β=(0.9, 0.95), weight decay {args.weight_decay} on matrices), peak lr {args.lr}, "
+      f"linear warmup {args.warmup_frac:.0%} then cosine decay to {args.min_lr_ratio:.0%} of peak, "
+      f"grad-clip {args.grad_clip}, {args.steps} steps × batch {args.batch_size} × {args.seq_len} tokens "
+      f"(packed chunks, documents joined by `{EOS}`, reshuffled every epoch), seed {args.seed}, "
+      f"router load-balancing aux loss with coefficient 0.01 (`output_router_logits=True` during training), "
+      f"`experts_implementation={args.experts_implementation}`, {args.threads} torch thread(s) per model, "
+      f"models trained in parallel processes. Early checkpoint at {args.early_frac:.0%} of training.")
+    a("")
+    a("Rebuild (corpus + tokenizer + both models + checks + this README), offline, about "
+      f"{summary['total_wall_s'] / 60:.0f} min on a 2-core CPU:")
+    a("")
+    a("```sh")
+    a(summary["command"])
+    a("```")
+    a("")
+    a("The build is deterministic for a given CPython / torch / transformers version (corpus hashes are recorded "
+      "in `train_meta.json`); built here with "
+      f"Python {platform.python_version()}, torch {summary['versions']['torch']}, transformers "
+      f"{summary['versions']['transformers']}, tokenizers {summary['versions']['tokenizers']}.")
+    a("")
+    a("## Corpus (`examples/build_corpus.py`)")
+    a("")
+    a("Built offline from text shipped with every CPython installation; all of it is under the "
+      "**Python Software Foundation License (PSF-2.0)**:")
+    a("")
+    a("- `code`: standard-library `*.py` source files (`sysconfig.get_paths()['stdlib']`; tests, `encodings`, "
+      "`lib2to3`, `turtledemo`, `pydoc_data` and data-table-like files excluded), chunked at blank lines.")
+    a("- `prose`: `pydoc_data.topics.topics` (the Python documentation topics behind `help()`), docstrings of "
+      "stdlib modules that are *not* used as code documents (doctest paragraphs removed), and "
+      "`idlelib/help.html` (as text), `idlelib/README.txt`, `idlelib/extend.txt`, `email/architecture.rst`, "
+      "`LICENSE.txt`.")
+    a("")
+    c = summary["corpus"]
+    a(f"Documents are ≤ {c['options']['max_chars']} characters. Every source file / pydoc topic is assigned as a "
+      "whole to train or validation (held-out documents, never chunks of a trained-on document). "
+      f"Train: {c['files']['train.jsonl']['docs']} documents, {c['files']['train.jsonl']['bytes'] / 1e6:.2f} MB "
+      f"(code {c['stats']['code']['train_chars'] / 1e6:.2f}M chars, prose {c['stats']['prose']['train_chars'] / 1e6:.2f}M chars), "
+      f"{summary['train_tokens'] / 1e6:.2f}M tokens. "
+      f"Validation: {c['files']['validation.jsonl']['docs']} documents, "
+      f"{summary['val_tokens']} target tokens.")
+    a("")
+    a("`data/heldout.jsonl` (fields `text`, `domain`, `source`) is exactly the validation split: the default "
+      "`--data` of moetool commands. The models never saw these documents.")
+    a("")
+    a("## Measured numbers (validation split, stored weights)")
+    a("")
+    a("Perplexity is per token of the packed validation stream (chunks of "
+      f"{args.seq_len} tokens); the unigram baseline is an add-one smoothed unigram model estimated on the "
+      "train tokens and scored on the same target tokens.")
+    a("")
+    a("| dir | val ppl (all) | code | prose | unigram ppl (all / code / prose) |")
+    a("|---|---|---|---|---|")
+    u = summary["unigram"]
+    for d in summary["dirs"]:
+        m = json.loads((out_dir / d / "train_meta.json").read_text())
+        v = m["val"]
+        a(f"| `{d}` | {v['all']['ppl']:.2f} | {v['code']['ppl']:.2f} | {v['prose']['ppl']:.2f} | "
+          f"{u['all']['ppl']:.1f} / {u['code']['ppl']:.1f} / {u['prose']['ppl']:.1f} |")
+    a("")
+    a("Routing on the validation split (final checkpoints). Load entropy = entropy of the fraction of top-k "
+      "assignments per expert; routing entropy = mean per-token entropy of the router softmax over all experts "
+      "(both in nats, maximum log n). TV = total-variation distance between the code and prose expert-load "
+      "distributions.")
+    a("")
+    a("| model | layer | log n | load entropy | routing entropy | min / max load frac | dead | code-vs-prose TV | most code-leaning expert (code/prose load) | most prose-leaning |")
+    a("|---|---|---|---|---|---|---|---|---|---|")
+    for d in summary["dirs"]:
+        m = json.loads((out_dir / d / "train_meta.json").read_text())
+        if m["checkpoint"] != "final":
+            continue
+        for r in m["routing"]:
+            mc, mp = r["most_code_expert"], r["most_prose_expert"]
+            a(f"| `{d}` | {r['layer']} | {r['log_n']:.3f} | {r['load_entropy']:.3f} | {r['mean_routing_entropy']:.3f} | "
+              f"{r['min_load_frac']:.3f} / {r['max_load_frac']:.3f} | {len(r['dead_experts'])} | "
+              f"{r['code_vs_prose_tv']:.3f} | #{mc['expert']} ({mc['code']:.3f}/{mc['prose']:.3f}) | "
+              f"#{mp['expert']} ({mp['code']:.3f}/{mp['prose']:.3f}) |")
+    a("")
+    a("Round trip: a fresh process with `HF_HUB_OFFLINE=1` loaded every directory with `AutoModelForCausalLM` / "
+      "`AutoTokenizer` (no missing / unexpected / mismatched keys) and reproduced the validation loss "
+      f"(max abs difference {summary['verify_max_abs_diff']:.2e}).")
+    a("")
+    (out_dir / "README.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+# -------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where the model dirs go (moetool/embedded)")
+    ap.add_argument("--work-dir", default=None, help="scratch dir (default: <tmp>/moetool-tiny-build)")
+    ap.add_argument("--corpus-dir", default=None, help="corpus dir (default: <work-dir>/corpus)")
+    ap.add_argument("--no-build-corpus", action="store_true", help="reuse an existing corpus in --corpus-dir")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per training process")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--max-position-embeddings", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup-frac", type=float, default=0.05)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--early-frac", type=float, default=0.25)
+    ap.add_argument("--mid-frac", type=float, default=None, help="also keep a <name>-mid checkpoint")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-chunks", type=int, default=24, help="chunks per domain for periodic validation")
+    ap.add_argument("--experts-implementation", default="grouped_mm", choices=["eager", "grouped_mm", "batched_mm"])
+    ap.add_argument("--save-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--_train-one", dest="train_one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_verify", dest="verify", nargs="*", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.work_dir = Path(args.work_dir or Path(__import__("tempfile").gettempdir()) / "moetool-tiny-build")
+    args.corpus_dir = args.corpus_dir or str(args.work_dir / "corpus")
+    return args
+
+
+def main(argv=None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    args.command = os.environ.get("MOETOOL_BUILD_COMMAND") or (
+        "python examples/train_tiny.py" + ("" if not raw_argv else " " + shlex.join(raw_argv)))
+    work = args.work_dir
+
+    if args.train_one:  # child process: train one model
+        res = train_one(args.train_one, args, work)
+        (work / f"result-{args.train_one}.json").write_text(json.dumps(res, indent=2))
+        return 0
+    if args.verify is not None:  # child process: fresh-process round-trip check
+        print("VERIFY_JSON " + json.dumps(verify_dirs(args.verify, work, args.threads, args.seq_len)), flush=True)
+        return 0
+
+    t0 = time.time()
+    work.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.out_dir)
+    heldout = out_dir / "data" / "heldout.jsonl"
+    corpus = Path(args.corpus_dir)
+    if not args.no_build_corpus:
+        sys.path.insert(0, str(HERE))
+        import build_corpus
+
+        log("building corpus")
+        build_corpus.main(["--out-dir", str(corpus), "--heldout", str(heldout)])
+    (work / "paths.json").write_text(json.dumps({"validation": str(corpus / "validation.jsonl")}))
+
+    import numpy as np  # noqa: F401
+    import torch
+
+    torch.set_num_threads(max(args.threads, 1))
+    set_seed(args.seed)
+    train_rows = read_jsonl(corpus / "train.jsonl")
+    val_rows = read_jsonl(corpus / "validation.jsonl")
+    log(f"training tokenizer on {len(train_rows)} docs (vocab {args.vocab_size})")
+    tok = train_tokenizer([r["text"] for r in train_rows], args.vocab_size, work / "tokenizer",
+                          args.max_position_embeddings)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(work / "tokenizer")
+    assert tok.eos_token == EOS and tok.pad_token == EOS, (tok.eos_token, tok.pad_token)
+    eos_id = tok.eos_token_id
+    train_ids = encode_docs(tok, [r["text"] for r in train_rows])
+    by_dom: dict[str, list[str]] = {}
+    for r in val_rows:
+        by_dom.setdefault(r["domain"], []).append(r["text"])
+    val = {dom: val_chunks(encode_docs(tok, texts), eos_id, args.seq_len) for dom, texts in sorted(by_dom.items())}
+    train_stream = pack(train_ids, eos_id)
+    unigram = unigram_ppl(train_stream, val, len(tok))
+    n_chars = sum(len(r["text"]) for r in train_rows)
+    log(f"train tokens {len(train_stream):,} ({n_chars / len(train_stream):.2f} chars/token); "
+        f"val target tokens {unigram['all']['tokens']:,}; unigram val ppl {unigram['all']['ppl']:.2f} "
+        f"(code {unigram['code']['ppl']:.2f}, prose {unigram['prose']['ppl']:.2f})")
+    (work / "encoded.json").write_text(json.dumps({"train": train_ids, "val": val}))
+    (work / "unigram.json").write_text(json.dumps(unigram))
+
+    # ---- train the models in parallel child processes
+    models = [m for m in args.models.split(",") if m]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MOETOOL_BUILD_COMMAND=args.command,
+               OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    pending = list(models)
+    running: dict[str, subprocess.Popen] = {}
+    failed = []
+    while pending or running:
+        while pending and len(running) < max(1, args.jobs):
+            m = pending.pop(0)
+            cmd = [sys.executable, str(Path(__file__).resolve())] + raw_argv + ["--no-build-corpus", "--_train-one", m]
+            log(f"starting {m}: {shlex.join(cmd)}")
+            running[m] = subprocess.Popen(cmd, env=env)
+        time.sleep(2)
+        for m, p in list(running.items()):
+            if p.poll() is not None:
+                del running[m]
+                log(f"{m} finished with exit code {p.returncode}")
+                if p.returncode != 0:
+                    failed.append(m)
+    if failed:
+        log(f"FAILED: {failed}")
+        return 1
+
+    # ---- fresh-process round trip
+    dirs = []
+    for m in models:
+        for kind in ("early", "mid", "final"):
+            d = out_dir / (m if kind == "final" else f"{m}-{kind}")
+            if (d / "train_meta.json").exists() and json.loads((d / "train_meta.json").read_text())["model"] == m:
+                dirs.append(d)
+    log("round-trip check in a fresh process (HF_HUB_OFFLINE=1)")
+    cp = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_verify", *map(str, dirs),
+                         "--work-dir", str(work), "--threads", str(max(args.threads, 2)),
+                         "--seq-len", str(args.seq_len)],
+                        env=env, capture_output=True, text=True)
+    line = [l for l in cp.stdout.splitlines() if l.startswith("VERIFY_JSON ")]
+    if cp.returncode != 0 or not line:
+        print(cp.stdout, cp.stderr)
+        log("verification process failed")
+        return 1
+    ver = json.loads(line[0][len("VERIFY_JSON "):])
+    ok = True
+    for d, v in ver.items():
+        bad_keys = any(v["loading_info"].get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        good = (not bad_keys) and v["abs_diff"] < 1e-4 and v["eos_token"] == EOS and not v["warnings"]
+        ok &= good
+        log(f"verify {Path(d).name}: {v['model_class']} {v['dtype']} tok={v['tokenizer_class']} eos={v['eos_token']!r} "
+            f"val_loss {v['val_loss']:.5f} (meta {v['meta_val_loss']:.5f}, diff {v['abs_diff']:.1e}) "
+            f"load_info={v['loading_info']} warnings={v['warnings']} -> {'OK' if good else 'FAIL'}")
+    (work / "verify.json").write_text(json.dumps(ver, indent=2))
+
+    # ---- checks + summary + README
+    for d in dirs:
+        m = json.loads((d / "train_meta.json").read_text())
+        assert m["val_ppl"] < unigram["all"]["ppl"], f"{d}: model ppl not below unigram"
+        if m["checkpoint"] == "final":
+            early = out_dir / f"{m['model']}-early"
+            if early.exists():
+                me = json.loads((early / "train_meta.json").read_text())
+                if not me["val_loss"] > m["val_loss"]:
+                    log(f"WARNING: {early.name} not worse than {d.name}")
+                    ok = False
+            for r in m["routing"]:
+                log(f"{d.name} layer {r['layer']}: load entropy {r['load_entropy']:.3f} / log n {r['log_n']:.3f}, "
+                    f"routing entropy {r['mean_routing_entropy']:.3f}, load min {r['min_load_frac']:.4f} "
+                    f"max {r['max_load_frac']:.4f}, dead {r['dead_experts']}, code-vs-prose TV {r['code_vs_prose_tv']:.3f}")
+                if r["dead_experts"]:
+                    ok = False
+    import transformers
+    import tokenizers
+
+    summary = {
+        "dirs": [d.name for d in dirs],
+        "command": args.command,
+        "vocab_size": len(tok),
+        "unigram": unigram,
+        "train_tokens": len(train_stream),
+        "val_tokens": unigram["all"]["tokens"],
+        "corpus": json.loads((corpus / "manifest.json").read_text()),
+        "verify_max_abs_diff": max(v["abs_diff"] for v in ver.values()),
+        "total_wall_s": time.time() - t0,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "tokenizers": tokenizers.__version__},
+    }
+    write_readme(out_dir, summary, args)
+    total = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+    log(f"done in {summary['total_wall_s'] / 60:.1f} min; {out_dir} holds {total / 1e6:.2f} MB; "
+        f"checks {'passed' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

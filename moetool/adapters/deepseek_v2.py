@@ -1,0 +1,63 @@
+"""DeepSeek-V2: the V3 layout (dense first ``first_k_dense_replace`` layers, fp32 router logits,
+ungated ``shared_experts``) with softmax routing and no renormalisation.
+
+* Scores ``p = softmax(logits)`` in fp32; π = ``p``.
+* ``gate.topk_method``: ``greedy`` = plain top-k of ``p`` (V2-Lite); ``group_limited_greedy`` =
+  top-k within the ``topk_group`` best of ``n_group`` groups, a group scored by its best ``p``
+  (V2, V2.5). Experts outside the kept groups are zeroed (not ``-inf``), as in the model.
+* Weights = ``p`` of the chosen ``× routed_scaling_factor``. The 5.23 router ignores
+  ``config.norm_topk_prob``: it never renormalises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops
+from .base import MoELayer
+from .deepseek_v3 import DeepseekV3Adapter, DeepseekV3Layer, group_mask
+
+
+class DeepseekV2Layer(DeepseekV3Layer):
+    scoring = ("softmax(fp32) -> top-k (topk_method greedy, or group_limited_greedy: within the topk_group "
+               "best of n_group groups by group max) -> x routed_scaling_factor, no renormalization")
+
+    @property
+    def renormalize(self) -> bool:
+        return False
+
+    probs = MoELayer.probs
+    selection_scores = MoELayer.selection_scores
+
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.probs(logits).gather(-1, idx) * self.router.routed_scaling_factor
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.probs(logits)
+        if self.router.topk_method == "group_limited_greedy":
+            p = p.masked_fill(~group_mask(p, self.router.num_group, self.router.topk_group, "max"), 0.0)
+        idx = ops.topk(p, self.top_k)
+        return idx, p.gather(-1, idx) * self.router.routed_scaling_factor
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "topk_method": self.router.topk_method}
+
+
+class DeepseekV2Adapter(DeepseekV3Adapter):
+    family = "deepseek_v2"
+    model_types = ("deepseek_v2",)
+    layer_cls = DeepseekV2Layer
+
+    @staticmethod
+    def tiny_config():
+        """Layer 0 dense; 8 experts in 4 groups, 2 groups kept (``group_limited_greedy``), k=3, scale 1.5."""
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                                moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=3,
+                                n_shared_experts=1, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                                routed_scaling_factor=1.5, first_k_dense_replace=1, kv_lora_rank=32,
+                                q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)

@@ -1,0 +1,63 @@
+"""``moetool demo``: every experiment on the embedded models, with no network, into one run folder.
+
+Each experiment module exposes ``demo(parent: RunDir, quiet: bool) -> list[str]`` that writes
+into its own sub-folder and returns summary lines. The steps run in this order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any, Callable
+
+DEMO_MODELS = ("tiny", "tiny-fine")
+
+#: (step name, "module:function")
+STEPS: list[tuple[str, str]] = [
+    ("inspect", "moetool.demo:inspect_demo"),
+    ("stats", "moetool.experiments.stats:demo"),
+    ("norm-select", "moetool.experiments.norm_select:demo"),
+    ("erc", "moetool.experiments.erc:demo"),
+    ("approx", "moetool.experiments.approx:demo"),
+    ("mass-recall", "moetool.experiments.mass_recall:demo"),
+    ("fluctuation", "moetool.experiments.fluctuation:demo"),
+]
+
+
+def _load(target: str) -> Callable[..., list[str]]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def inspect_demo(parent: Any, quiet: bool) -> list[str]:
+    from .inspect import describe_model
+
+    child = parent.sub("inspect")
+    lines = []
+    for name in DEMO_MODELS:
+        info = describe_model(name)
+        child.write_json(f"{name}.json", info)
+        L = info["moe_layers"][0]
+        lines.append(f"{name}: {info['model_type']}, {len(info['moe_layers'])} MoE layers, n={L['n_experts']}, "
+                     f"K={L['top_k']}, {info['total_params']:,} params ({info['active_params']:,} active)")
+    child.finish(options={"models": list(DEMO_MODELS)})
+    return lines
+
+
+def run_demo(parent: Any, steps: list[str] | None = None, quiet: bool = False,
+             echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run the demo steps (all by default); returns one record per step."""
+    names = [s for s, _ in STEPS]
+    chosen = steps or names
+    records = []
+    for name, target in STEPS:
+        if name not in chosen:
+            continue
+        echo(f"== {name}")
+        t0 = time.time()
+        lines = _load(target)(parent, quiet)
+        for line in lines:
+            echo(f"   {line}")
+        records.append({"step": name, "seconds": round(time.time() - t0, 2), "summary": lines,
+                        "folder": str(parent.path / name) if (parent.path / name).exists() else str(parent.path)})
+    return records

@@ -1,0 +1,282 @@
+"""MoE as the best k-term approximation of a dense sum (paper 001).
+
+Per MoE layer and real token, all ``n`` experts run (batched probes): ``u_e = π_e(h) E_e(h)``, the dense target
+``y = Σ_e u_e``. A selector picks ``K`` experts ``S``; its relative error is ``||y_S − y|| / ||y||`` with
+``y_S = Σ_{e∈S} u_e``, computed directly from the ``u_e`` (fp32) as ``||Σ_{e∉S} u_e|| / ||Σ_e u_e||``.
+
+Selectors: ``router`` (the model's routing math on the captured logits: TopK of π for softmax routers, the
+biased/grouped choice of DeepSeek-V3), ``norm_oracle`` (TopK of ``||u_e||``, the paper's rule),
+``best_subset`` (exhaustive over all C(n, K) subsets where C(n, K) <= ``max_subsets``: the Gram matrix
+``G = U Uᵀ`` per token, fp64, scores every subset at once as ``cᵀ G c`` with ``c`` its complement indicator),
+``random`` (K distinct experts uniformly, seeded). Reductions stay on the device; the per-token errors of a
+layer are kept there (one fp32 per token and selector) so the median is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .. import ops
+from ..adapters.base import MoELayer
+from ..engine import probes
+from ..errors import MoetoolError
+
+SELECTORS = ("router", "norm_oracle", "best_subset", "random")
+MAX_SUBSETS = 10_000
+#: elements of one per-chunk intermediate (U [T_c, n, d], or subset scores [T_c, C, n]) -> 128 MB fp32
+BUDGET = 1 << 25
+
+DEFINITIONS = {
+    "u_e": "u_e = pi_e(h) * E_e(h): pi the model's full routing distribution (softmax; DeepSeek-style sigmoid "
+           "scores normalised to sum to one), E_e the expert's output before any routing weight",
+    "rel_error": "||y_S - y|| / ||y||, y = sum of all n u_e, y_S = sum over the K chosen; computed in fp32 as "
+                 "||sum_{e not in S} u_e|| / ||y||",
+    "router": "the model's own routing rule applied to the captured logits (TopK of pi for softmax routers; "
+              "bias-corrected, group-restricted top-K for DeepSeek-V3)",
+    "norm_oracle": "TopK of ||u_e|| (the paper's rule, needs all experts)",
+    "best_subset": "argmin over all C(n, K) subsets of ||y_S - y||, via the per-token Gram matrix G = U U^T in fp64 "
+                   "(error^2 * ||y||^2 = c^T G c, c the complement indicator); only where C(n, K) <= max_subsets, "
+                   "other layers have no best_subset row",
+    "random": "K distinct experts uniformly at random per token, seeded per layer (seed * 1_000_003 + layer)",
+    "same_set_as_router": "fraction of tokens whose selected set equals the model's own top-K as captured from the "
+                          "running model (so 1.0 for router checks that the routing math matches the model)",
+    "rel_error_median": "exact median (mean of the two middle values) of the per-token errors, kept on the device",
+    "spearman_prob_vs_norm": "per token, the Spearman rank correlation across the n experts between pi_e and "
+                             "||E_e(h)|| (average ranks for ties), then the mean over tokens (tokens with a "
+                             "constant pi or norm, where it is undefined, are left out)",
+    "mean_abs_cos": "per token, the mean |cos(u_i, u_j)| over ordered pairs i != j, then the mean over tokens",
+}
+
+
+def subset_matrix(n: int, k: int, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All C(n, k) subsets: ``(idx [C, k] long, indicator [C, n] fp64)``."""
+    idx = torch.combinations(torch.arange(n, device=device), r=k)  # [C, k]
+    if k == 1:
+        idx = idx.view(-1, 1)
+    return idx, ops.multi_hot(idx, n, torch.float64)
+
+
+def best_subsets(G: torch.Tensor, subsets: tuple[torch.Tensor, torch.Tensor], budget: int = BUDGET) -> torch.Tensor:
+    """``argmin_S ||Σ_{e∉S} u_e||²`` per token from the Gram matrices ``G [T, n, n]`` -> ``idx [T, K]``."""
+    idx, ind = subsets
+    comp = (1 - ind).to(G.dtype)  # [C, n]: experts left out
+    step = max(1, budget // (comp.shape[0] * comp.shape[1]))
+    best = []
+    for s in range(0, G.shape[0], step):
+        cg = torch.matmul(comp, G[s:s + step])  # [T_c, C, n]
+        best.append((cg * comp).sum(-1).argmin(-1))  # [T_c]: cᵀ G c per subset, minimised
+    return idx[torch.cat(best)]
+
+
+def rel_error(U: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``||y_S − y|| / ||y||`` for chosen sets ``idx [T, K]`` of contributions ``U [T, n, d]`` -> ``[T]``."""
+    left_out = 1 - ops.multi_hot(idx, U.shape[1], U.dtype)  # [T, n]
+    resid = (U * left_out.unsqueeze(-1)).sum(1)  # [T, d] = y − y_S
+    return ops.vector_norm(resid) / ops.vector_norm(U.sum(1)).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@dataclass
+class TokenApprox:
+    """Per-token results of one chunk of tokens."""
+
+    idx: dict[str, torch.Tensor]  # selector -> [T, K]
+    error: dict[str, torch.Tensor]  # selector -> [T] relative error
+    spearman: torch.Tensor  # [T] Spearman(π_e, ||E_e(h)||) across experts
+    abs_cos: torch.Tensor  # [T] mean |cos(u_i, u_j)|, i != j
+
+
+def check_selectors(selectors: Sequence[str]) -> None:
+    unknown = [s for s in selectors if s not in SELECTORS]
+    if unknown:
+        raise MoetoolError(f"unknown selector(s) {unknown}; choose from {', '.join(SELECTORS)}")
+
+
+def best_subset_applies(n: int, k: int, max_subsets: int = MAX_SUBSETS) -> bool:
+    return math.comb(n, k) <= max_subsets
+
+
+def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Sequence[str],
+           generator: torch.Generator | None, subsets: tuple[torch.Tensor, torch.Tensor] | None) -> TokenApprox:
+    K = layer.top_k
+    pi = layer.probs(logits)  # [T, n] fp32
+    E = probes.expert_outputs(layer, h).float()  # [n, T, d]
+    U = E.transpose(0, 1) * pi.to(E.device).unsqueeze(-1)  # [T, n, d]
+    G = U.double() @ U.double().transpose(1, 2) if subsets is not None else U @ U.transpose(1, 2)  # [T, n, n]
+    idx: dict[str, torch.Tensor] = {}
+    for sel in selectors:
+        if sel == "router":
+            idx[sel] = layer.route(logits)[0].to(U.device)
+        elif sel == "norm_oracle":
+            idx[sel] = ops.topk(ops.vector_norm(U), K)
+        elif sel == "random":
+            idx[sel] = ops.topk(torch.rand(U.shape[:2], generator=generator, device=U.device), K)
+        elif sel == "best_subset" and subsets is not None:
+            idx[sel] = best_subsets(G, subsets)
+    return TokenApprox(idx=idx, error={s: rel_error(U, i) for s, i in idx.items()},
+                       spearman=ops.spearman(pi.to(E.device), ops.vector_norm(E).T).float(),
+                       abs_cos=ops.abs_cos_mean(U, gram=G).float())
+
+
+@torch.no_grad()
+def approx_tokens(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Sequence[str] = SELECTORS,
+                  generator: torch.Generator | None = None, max_subsets: int = MAX_SUBSETS,
+                  budget: int = BUDGET) -> TokenApprox:
+    """Selections, errors, Spearman and |cos| for router inputs ``h [T, d]`` with router ``logits [T, n]``.
+
+    ``best_subset`` is left out (absent from ``idx``/``error``) where C(n, K) > ``max_subsets``.
+    """
+    check_selectors(selectors)
+    n, K = layer.n_experts, layer.top_k
+    subsets = None
+    if "best_subset" in selectors and best_subset_applies(n, K, max_subsets):
+        subsets = subset_matrix(n, K, h.device)
+    d = h.shape[-1]
+    step = max(1, budget // max(n * d, (subsets[0].shape[0] * n) if subsets is not None else 1))
+    parts = [_chunk(layer, h[s:s + step], logits[s:s + step], selectors, generator, subsets)
+             for s in range(0, h.shape[0], step)]
+    return TokenApprox(idx={k: torch.cat([p.idx[k] for p in parts]) for k in parts[0].idx},
+                       error={k: torch.cat([p.error[k] for p in parts]) for k in parts[0].error},
+                       spearman=torch.cat([p.spearman for p in parts]), abs_cos=torch.cat([p.abs_cos for p in parts]))
+
+
+class ApproxReducer:
+    """Engine consumer: per layer, per-token errors (kept on device), same-set counts, Spearman and |cos| sums."""
+
+    def __init__(self, selectors: Sequence[str] = SELECTORS, seed: int = 0, max_subsets: int = MAX_SUBSETS,
+                 layers: Sequence[int] | None = None):
+        self.selectors = tuple(selectors)
+        self.seed = seed
+        self.max_subsets = max_subsets
+        self.layers = None if layers is None else set(layers)
+        self.errors: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.same: dict[int, dict[str, torch.Tensor]] = {}
+        self.stats: dict[int, torch.Tensor] = {}  # [4]: spearman sum, spearman count, |cos| sum, tokens
+        self._gen: dict[int, torch.Generator] = {}
+        self.skipped: dict[int, str] = {}
+
+    def __call__(self, ev: Any) -> None:
+        L = ev.layer
+        if self.layers is not None and L.index not in self.layers:
+            return
+        keep = ev.valid
+        if not bool(keep.any()):
+            return
+        h, logits, captured = ev.h[keep], ev.logits[keep], ev.idx[keep]  # [T, d], [T, n], [T, K]
+        if L.index not in self._gen:
+            self._gen[L.index] = torch.Generator(device=h.device).manual_seed(self.seed * 1_000_003 + L.index)
+            self.errors[L.index] = {}
+            self.same[L.index] = {}
+            self.stats[L.index] = torch.zeros(4, dtype=torch.float64, device=h.device)
+            if "best_subset" in self.selectors and not best_subset_applies(L.n_experts, L.top_k, self.max_subsets):
+                self.skipped[L.index] = (f"C({L.n_experts},{L.top_k}) = {math.comb(L.n_experts, L.top_k)} "
+                                         f"> {self.max_subsets}")
+        r = approx_tokens(L, h, logits, self.selectors, self._gen[L.index], self.max_subsets)
+        captured = captured.to(h.device)
+        for sel, err in r.error.items():
+            self.errors[L.index].setdefault(sel, []).append(err)
+            same = ops.same_set(r.idx[sel], captured).sum().double()
+            self.same[L.index][sel] = self.same[L.index].get(sel, 0) + same
+        ok = torch.isfinite(r.spearman)
+        self.stats[L.index] += torch.stack([r.spearman[ok].double().sum(), ok.sum().double(),
+                                            r.abs_cos.double().sum(), torch.tensor(float(h.shape[0]),
+                                                                                   device=h.device).double()])
+
+    def tables(self) -> tuple[Any, Any]:
+        """``(approx, approx_layers)`` DataFrames with exactly the SPEC's columns."""
+        import pandas as pd
+
+        if not self.errors:
+            raise MoetoolError("no tokens reached the analysed MoE layers (empty data?)")
+        rows, layer_rows = [], []
+        for li in sorted(self.errors):
+            for sel in self.selectors:
+                if sel not in self.errors[li]:
+                    continue
+                err = torch.cat(self.errors[li][sel])  # [tokens]
+                rows.append({"layer": li, "selector": sel, "tokens": int(err.numel()),
+                             "rel_error_mean": float(err.double().mean()), "rel_error_median": ops.median(err),
+                             "same_set_as_router": float(self.same[li][sel]) / err.numel()})
+            sp_sum, sp_n, cos_sum, tok = self.stats[li].tolist()
+            layer_rows.append({"layer": li, "spearman_prob_vs_norm": sp_sum / sp_n if sp_n else float("nan"),
+                               "mean_abs_cos": cos_sum / tok})
+        return pd.DataFrame(rows), pd.DataFrame(layer_rows)
+
+
+def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, seed: int = 0,
+               max_subsets: int = MAX_SUBSETS, layers: Sequence[int] | None = None, batch_size: int = 8,
+               quiet: bool = False) -> ApproxReducer:
+    """Run the model with the plain router over ``tokens`` and reduce every MoE layer's events."""
+    from ..engine.hooks import Engine
+    from ..engine.runner import run_batches
+
+    if layers is not None:
+        from .erc import pick_layers
+
+        pick_layers(lm.layers, layers)  # validates the indices
+    red = ApproxReducer(selectors, seed, max_subsets, layers)
+    with Engine(lm.model, lm.layers, consumers=[red]):
+        run_batches(lm.model, tokens.batches(batch_size), total=tokens.n_batches(batch_size),
+                    description="approx", quiet=quiet)
+    return red
+
+
+def figures(run: Any, approx: Any, per_layer: Any) -> None:
+    from ..report.figures import line_by, new_figure
+
+    fig, (ax,) = new_figure(width=5.0)
+    line_by(ax, approx, "layer", "rel_error_mean", "selector", title="k-term approximation error ||y_S − y||/||y||")
+    ax.set_xticks(sorted(approx["layer"].unique()))
+    run.save_figure(fig, "approx_error")
+    fig, (a1, a2) = new_figure(1, 2)
+    a1.plot(per_layer["layer"], per_layer["spearman_prob_vs_norm"], marker="o", markersize=3)
+    a1.set(xlabel="layer", ylabel="Spearman(π_e, ||E_e(h)||)", title="does the router predict the norm?")
+    a2.plot(per_layer["layer"], per_layer["mean_abs_cos"], marker="o", markersize=3)
+    a2.set(xlabel="layer", ylabel="mean |cos(u_i, u_j)|", title="orthogonality of the u_e")
+    for ax in (a1, a2):
+        ax.set_xticks(per_layer["layer"])
+    fig.tight_layout()
+    run.save_figure(fig, "approx_layers")
+
+
+def write_approx(run: Any, red: ApproxReducer) -> tuple[Any, Any]:
+    approx, per_layer = red.tables()
+    run.write_csv("approx.csv", approx)
+    run.write_csv("approx_layers.csv", per_layer)
+    figures(run, approx, per_layer)
+    run.add(definitions=DEFINITIONS, approx={"selectors": list(red.selectors), "max_subsets": red.max_subsets,
+                                             "best_subset_skipped": red.skipped})
+    return approx, per_layer
+
+
+def summary_lines(name: str, approx: Any, per_layer: Any) -> list[str]:
+    by = approx.groupby("selector", sort=False)["rel_error_mean"].mean()
+    rate = approx[approx["selector"] == "norm_oracle"]["same_set_as_router"].mean()
+    errs = ", ".join(f"{s} {v:.3f}" for s, v in by.items())
+    return [f"approx {name}: mean rel. error {errs}; norm oracle = router set on {rate:.0%} of tokens; "
+            f"Spearman(π, ||E||) {per_layer['spearman_prob_vs_norm'].mean():.2f}; "
+            f"mean |cos| {per_layer['mean_abs_cos'].mean():.3f}"]
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """The k-term view on every embedded base model (tiny, tiny-fine), 1024 held-out tokens."""
+    from ..data import load_tokens
+    from ..demo import DEMO_MODELS
+    from ..loading import embedded_models, load
+
+    child = parent.sub("approx")
+    names = [m for m in DEMO_MODELS if m in embedded_models()]
+    lines: list[str] = []
+    for name in names:
+        lm = load(name)
+        tokens = load_tokens(None, lm.tokenizer, 128, 1024)
+        run = child.sub(name)
+        approx, per_layer = write_approx(run, run_approx(lm, tokens, quiet=quiet))
+        run.add(data=tokens.describe())
+        run.finish(options=dict(model=name, seq_len=128, max_tokens=1024), model=lm, seed=0)
+        lines += summary_lines(name, approx, per_layer)
+    child.finish(options=dict(models=names, seq_len=128, max_tokens=1024), seed=0)
+    return lines or ["approx: no embedded model found"]

@@ -1,0 +1,288 @@
+"""Expert–router coupling (ERC, paper 002): the n×n matrix M of proxy-token activations, from weights only.
+
+Per MoE layer, router row ``R_i`` is expert i's proxy token. ``M[i, j] = || node_j(R~_i) ||``: how strongly
+expert j answers proxy i (node ``gate`` = ``W_g^j R~_i`` by default). A coupled layer has a dominant
+diagonal; ``alpha_min`` is the smallest α for which the ERC loss ``L_ERC(α)`` vanishes on the clean M.
+
+All ``n`` proxies (times ``--samples`` draws) go through all ``n`` experts as one batch of "tokens" of the
+batched probes (:func:`moetool.engine.probes.node_scores`): one batched product per token chunk, on the
+model's device. Everything here is vectorised over i, j; no Python loop over experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .. import ops
+from ..adapters.base import MoELayer
+from ..engine import probes
+from ..errors import MoetoolError
+from ..progress import progress
+
+DEFAULT_ALPHAS = (0.4, 0.6, 0.8, 1.0)
+NOISE_MODES = ("derived", "none")
+
+DEFINITIONS = {
+    "eps": "eps_i = ||R_i - R_j*|| / (2 ||R_i||), j* the nearest other router row (Euclidean), computed in fp32",
+    "proxy": "R~_i = R_i * delta_i, delta_i ~ U(1 - eps_i, 1 + eps_i)^d elementwise; --noise derived uses eps_i "
+             "above, none uses delta = 1, a float uses that eps for every i",
+    "M": "M[i, j] = || node_j(R~_i) || (norm --norm, node --node; gate = W_g^j R~_i), fp32; row i = proxy i, "
+         "column j = expert j; erc_matrix.csv holds the clean M (no noise). The node is computed as the batched "
+         "probes compute it, i.e. including expert biases where the family has them (gpt-oss)",
+    "erc_loss": "L_ERC(alpha) = (1/n^2) sum_i sum_{j != i} [max(M[i,j] - alpha M[i,i], 0) + "
+                "max(M[j,i] - alpha M[i,i], 0)]; erc_loss = the mean over --samples draws of the loss of each "
+                "draw's noisy M (not the loss of the mean M); erc_loss_clean = the loss of the clean M",
+    "alpha_min": "max over i != j of max(M[i,j], M[j,i]) / M[i,i] on the clean M: the smallest alpha with "
+                 "erc_loss_clean = 0",
+    "row_dominance": "fraction of proxies i with argmax_j M[i,j] = i (clean M)",
+    "col_dominance": "fraction of experts j with argmax_i M[i,j] = j (clean M)",
+    "router_abs_cos_mean": "mean |cos(R_i, R_j)| over ordered pairs i != j",
+    "seeding": "each layer draws its noise from its own generator seeded with seed * 1_000_003 + layer index, so a "
+               "layer's numbers do not depend on which other layers are analysed",
+    "experts": "routed experts of the MoE layers only (shared experts and dense layers are not part of M)",
+}
+
+
+@dataclass(frozen=True)
+class ErcOptions:
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS  # the α values of erc.csv
+    noise: str | float = "derived"  # derived | none | a fixed eps for every expert
+    samples: int = 1  # noise draws; the noisy loss is their mean
+    node: str = "gate"  # probe node whose norm fills M
+    norm: str = "l2"  # l2 | l1 | linf
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.alphas:
+            raise MoetoolError("--alpha needs at least one value")
+        if any(a < 0 for a in self.alphas):
+            raise MoetoolError(f"--alpha values must be >= 0, got {list(self.alphas)}")
+        if self.samples < 1:
+            raise MoetoolError(f"--samples must be >= 1, got {self.samples}")
+        if self.node not in probes.NODES:
+            raise MoetoolError(f"--node must be one of {', '.join(probes.NODES)}, not '{self.node}'")
+        if self.norm not in ops.NORMS:
+            raise MoetoolError(f"--norm must be one of {', '.join(ops.NORMS)}, not '{self.norm}'")
+        if isinstance(self.noise, str) and self.noise not in NOISE_MODES:
+            raise MoetoolError(f"--noise must be derived, none or a number, not '{self.noise}'")
+        if not isinstance(self.noise, str) and not self.noise >= 0:
+            raise MoetoolError(f"--noise eps must be >= 0, got {self.noise}")
+
+
+def parse_noise(text: str) -> str | float:
+    """``derived`` | ``none`` | a float eps."""
+    if text in NOISE_MODES:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise MoetoolError(f"--noise must be derived, none or a number, not '{text}'") from None
+
+
+def pick_layers(layers: Sequence[MoELayer], wanted: Sequence[int] | None) -> list[MoELayer]:
+    """The MoE layers whose decoder index is in ``wanted`` (all if ``None``); an error for a non-MoE index."""
+    if wanted is None:
+        return list(layers)
+    known = {L.index for L in layers}
+    bad = sorted(set(wanted) - known)
+    if bad:
+        raise MoetoolError(f"--layers {bad} are not MoE layers (MoE layers: {sorted(known)})")
+    return [L for L in layers if L.index in set(wanted)]
+
+
+def router_rows(layer: MoELayer) -> torch.Tensor:
+    """The router weight ``R [n, d]`` as fp32, materialised if accelerate offloaded it (``device_map``)."""
+    if not hasattr(layer.router, "_hf_hook"):
+        return layer.router_weight().detach().float()
+    from accelerate.utils import align_module_device
+
+    with align_module_device(layer.router):
+        return layer.router_weight().detach().float().clone()
+
+
+# ----- the math --------------------------------------------------------------------------------
+def derived_eps(R: torch.Tensor) -> torch.Tensor:
+    """``eps_i = ||R_i - R_j*|| / (2 ||R_i||)`` with ``j*`` the nearest other row: ``[n, d] -> [n]`` fp32."""
+    R = R.float()
+    dist = torch.cdist(R, R)  # [n, n]
+    dist.fill_diagonal_(float("inf"))
+    return dist.min(dim=1).values / (2 * ops.vector_norm(R).clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def noise_eps(R: torch.Tensor, noise: str | float) -> torch.Tensor:
+    """Per-expert noise level ``[n]`` for ``--noise`` (``derived`` | ``none`` | float)."""
+    if noise == "derived":
+        return derived_eps(R)
+    eps = 0.0 if noise == "none" else float(noise)
+    return torch.full((R.shape[0],), eps, dtype=torch.float32, device=R.device)
+
+
+def proxy_tokens(R: torch.Tensor, eps: torch.Tensor, samples: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``R~ = R ⊙ δ``, ``δ_i ~ U(1 - eps_i, 1 + eps_i)^d``: ``[n, d], [n] -> [samples, n, d]`` fp32."""
+    n, d = R.shape
+    u = torch.rand(samples, n, d, generator=generator, device=R.device)  # [S, n, d] in [0, 1)
+    delta = 1 + eps.view(1, n, 1) * (2 * u - 1)  # [S, n, d]
+    return R.float().unsqueeze(0) * delta
+
+
+def coupling_matrix(layer: MoELayer, X: torch.Tensor, node: str = "gate", norm: str = "l2") -> torch.Tensor:
+    """``M[..., i, j] = || node_j(X[..., i]) ||`` for proxies ``X [..., n, d]`` -> ``[..., n, n]`` fp32.
+
+    All proxies are one batch of tokens for the batched probes (chunked to bound memory).
+    """
+    lead, d = X.shape[:-1], X.shape[-1]
+    scores = probes.node_scores(layer, X.reshape(-1, d), node, norm)  # [prod(lead), n]
+    return scores.reshape(*lead, scores.shape[-1])
+
+
+def erc_loss(M: torch.Tensor, alphas: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """``L_ERC(α)`` for every α: ``M [..., n, n]`` -> ``[..., A]`` (fp64)."""
+    M = M.double()
+    n = M.shape[-1]
+    a = torch.as_tensor(alphas, dtype=torch.float64, device=M.device).view(-1, 1, 1)  # [A, 1, 1]
+    thr = a * M.diagonal(dim1=-2, dim2=-1).unsqueeze(-2).unsqueeze(-1)  # [..., A, n, 1]: α M[i, i] on row i
+    over_row = (M.unsqueeze(-3) - thr).clamp_min(0)  # [..., A, n, n]: M[i, j] - α M[i, i]
+    over_col = (M.transpose(-1, -2).unsqueeze(-3) - thr).clamp_min(0)  # [..., A, n, n]: M[j, i] - α M[i, i]
+    off = ~torch.eye(n, dtype=torch.bool, device=M.device)  # [n, n]
+    return ((over_row + over_col) * off).sum((-2, -1)) / n ** 2
+
+
+def alpha_min(M: torch.Tensor) -> float:
+    """``max_{i≠j} max(M[i,j], M[j,i]) / M[i,i]``: the smallest α with ``L_ERC(α) = 0``."""
+    M = M.double()
+    n = M.shape[-1]
+    ratio = torch.maximum(M, M.T) / M.diagonal().unsqueeze(1)  # [n, n], row i divided by M[i, i]
+    off = ~torch.eye(n, dtype=torch.bool, device=M.device)
+    return float(ratio[off].max())
+
+
+def dominance(M: torch.Tensor) -> tuple[float, float]:
+    """``(row, col)``: fraction of i with ``argmax_j M[i,j] = i``, of j with ``argmax_i M[i,j] = j``."""
+    own = torch.arange(M.shape[-1], device=M.device)
+    return float((M.argmax(dim=1) == own).double().mean()), float((M.argmax(dim=0) == own).double().mean())
+
+
+# ----- per layer, per run ------------------------------------------------------------------------
+@dataclass
+class LayerErc:
+    layer: int
+    M: torch.Tensor  # [n, n] clean M (host)
+    loss: list[float]  # per α, mean over noise draws
+    loss_clean: list[float]  # per α
+    alpha_min: float
+    row_dominance: float
+    col_dominance: float
+    eps_mean: float
+    router_abs_cos_mean: float
+
+
+@torch.no_grad()
+def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
+    """Everything ERC reports for one layer (on the layer's device; results moved to the host)."""
+    R = router_rows(layer)  # [n, d]
+    gen = torch.Generator(device=R.device).manual_seed(opts.seed * 1_000_003 + layer.index)
+    eps = noise_eps(R, opts.noise)  # [n]
+    X = torch.cat([R.unsqueeze(0), proxy_tokens(R, eps, opts.samples, gen)])  # [1 + S, n, d]; draw 0 is clean
+    M_all = coupling_matrix(layer, X, opts.node, opts.norm)  # [1 + S, n, n]
+    losses = erc_loss(M_all, opts.alphas)  # [1 + S, A]
+    clean = M_all[0]
+    row, col = dominance(clean)
+    return LayerErc(layer=layer.index, M=clean.cpu(), loss=losses[1:].mean(0).tolist(),
+                    loss_clean=losses[0].tolist(), alpha_min=alpha_min(clean), row_dominance=row,
+                    col_dominance=col, eps_mean=float(eps.mean()), router_abs_cos_mean=float(ops.abs_cos_mean(R)))
+
+
+@dataclass
+class ErcResult:
+    opts: ErcOptions
+    layers: list[LayerErc] = field(default_factory=list)
+
+    def tables(self) -> tuple[Any, Any, Any]:
+        """``(erc, erc_layers, erc_matrix)`` DataFrames with exactly the SPEC's columns."""
+        import pandas as pd
+
+        erc = pd.DataFrame([{"layer": r.layer, "alpha": a, "erc_loss": lo, "erc_loss_clean": lc}
+                            for r in self.layers for a, lo, lc in zip(self.opts.alphas, r.loss, r.loss_clean)])
+        per_layer = pd.DataFrame([{"layer": r.layer, "n_experts": r.M.shape[0], "alpha_min": r.alpha_min,
+                                   "row_dominance": r.row_dominance, "col_dominance": r.col_dominance,
+                                   "eps_mean": r.eps_mean, "router_abs_cos_mean": r.router_abs_cos_mean}
+                                  for r in self.layers])
+        frames = []
+        for r in self.layers:
+            n = r.M.shape[0]
+            ii, jj = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+            frames.append(pd.DataFrame({"layer": r.layer, "i": ii.reshape(-1).numpy(), "j": jj.reshape(-1).numpy(),
+                                        "m": r.M.reshape(-1).numpy()}))
+        return erc, per_layer, pd.concat(frames, ignore_index=True)
+
+
+def run_erc(layers: Sequence[MoELayer], opts: ErcOptions, quiet: bool = False) -> ErcResult:
+    res = ErcResult(opts)
+    for L in progress(layers, total=len(layers), description="erc", quiet=quiet):
+        res.layers.append(erc_layer(L, opts))
+    return res
+
+
+# ----- output ------------------------------------------------------------------------------------
+def figures(run: Any, res: ErcResult, erc: Any) -> None:
+    from ..report.figures import grid_shape, heatmap, line_by, new_figure
+
+    rows, cols = grid_shape(len(res.layers))
+    fig, axes = new_figure(rows, cols, width=3.8, height=3.2)
+    for ax, r in zip(axes, res.layers):
+        heatmap(ax, r.M.numpy(), title=f"layer {r.layer}  α_min={r.alpha_min:.2f}", xlabel="expert j",
+                ylabel="proxy i")
+    for ax in axes[len(res.layers):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.suptitle(f"ERC matrix M[i, j] = ||{res.opts.node}_j(R_i)||_{res.opts.norm[1:]} (clean)", y=1.03)
+    run.save_figure(fig, "erc_matrix")
+
+    fig, (ax,) = new_figure()
+    line_by(ax, erc.assign(layer=erc["layer"].map(lambda v: f"layer {v}")), "alpha", "erc_loss", "layer",
+            title=f"ERC loss vs α (noise {res.opts.noise}, {res.opts.samples} draws)")
+    run.save_figure(fig, "erc_loss")
+
+
+def write_erc(run: Any, res: ErcResult) -> tuple[Any, Any, Any]:
+    """CSV tables, figures and the manifest's definitions. Returns the three DataFrames."""
+    erc, per_layer, matrix = res.tables()
+    run.write_csv("erc.csv", erc)
+    run.write_csv("erc_layers.csv", per_layer)
+    run.write_csv("erc_matrix.csv", matrix)
+    figures(run, res, erc)
+    o = res.opts
+    run.add(definitions=DEFINITIONS, erc={"alphas": list(o.alphas), "noise": o.noise, "samples": o.samples,
+                                          "node": o.node, "norm": o.norm, "layers": [r.layer for r in res.layers]})
+    return erc, per_layer, matrix
+
+
+def summary_lines(name: str, per_layer: Any, erc: Any) -> list[str]:
+    top = erc[erc["alpha"] == erc["alpha"].max()]
+    return [f"erc {name}: alpha_min {per_layer['alpha_min'].min():.2f}-{per_layer['alpha_min'].max():.2f} over "
+            f"{len(per_layer)} layers; row/col dominance {per_layer['row_dominance'].mean():.2f}/"
+            f"{per_layer['col_dominance'].mean():.2f}; L_ERC(α={top['alpha'].iloc[0]:g}) mean "
+            f"{top['erc_loss'].mean():.4g} (clean {top['erc_loss_clean'].mean():.4g})"]
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """ERC of every embedded base model (tiny, tiny-fine), default settings with 4 noise draws."""
+    from ..demo import DEMO_MODELS
+    from ..loading import embedded_models, load
+
+    child = parent.sub("erc")
+    opts = ErcOptions(samples=4)
+    lines: list[str] = []
+    names = [m for m in DEMO_MODELS if m in embedded_models()]
+    for name in names:
+        lm = load(name, tokenizer=False)
+        run = child.sub(name)
+        erc, per_layer, _ = write_erc(run, run_erc(lm.layers, opts, quiet=quiet))
+        run.finish(options=dict(model=name, alphas=list(opts.alphas), noise=opts.noise, samples=opts.samples),
+                   model=lm, seed=opts.seed)
+        lines += summary_lines(name, per_layer, erc)
+    child.finish(options=dict(models=names, samples=opts.samples), seed=opts.seed)
+    return lines or ["erc: no embedded model found"]

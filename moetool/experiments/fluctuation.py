@@ -1,0 +1,344 @@
+"""``fluctuation``: how routing changes between checkpoints (Graph of Tokens Fig. 3; SPEC §fluctuation).
+
+The same token ids go through every checkpoint (one loaded at a time). Per checkpoint, routing
+(``router``: the model's own top-K; ``similarity`` / ``attention``: that training-free policy applied
+in every MoE layer of the checkpoint, so its choice is what runs) and MoE layer, the chosen sets,
+the top-1 expert (the chosen expert with the largest routing weight) and the entropy sum are kept
+on the host (indices as int16/int32). Entropy: of ``π`` for ``router``; of the policy's normalised
+score distribution ``s_i`` for ``similarity`` / ``attention``.
+
+For each pair (reference, checkpoint) — ``reference`` ``previous`` (i-1, i), ``first`` (0, i) or ``last``
+(last, i) — and layer: ``top1_change`` (fraction of real tokens whose top-1 differs), ``topk_change``
+(top-K sets differ), ``topk_overlap`` (mean ``|A ∩ B| / K``), ``jaccard`` (mean ``|A ∩ B| / |A ∪ B|``),
+``entropy_ref`` / ``entropy_ckpt`` (mean entropy in nats) and ``entropy_ratio`` (ckpt / ref).
+
+``isolate``: while the reference runs, its own MoE inputs ``h`` (and, for ``attention``, its attention
+probabilities) are also fed to a copy of the other checkpoint's routers and the same routing is
+applied; the reference's choice is compared with that. Rows ``<routing>-isolated``: only the router
+weights differ, so they measure router drift; the plain rows add the drift of the hidden states.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import ops
+from ..adapters import _MOE_CONFIG_KEYS
+from ..adapters.base import MoELayer
+from ..engine.hooks import Engine, RoutingEvent
+from ..errors import MoetoolError
+from ..progress import progress
+
+ROUTINGS = ("router", "similarity", "attention")
+REFERENCES = ("previous", "first", "last")
+COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens", "top1_change", "topk_change", "topk_overlap",
+           "jaccard", "entropy_ref", "entropy_ckpt", "entropy_ratio"]
+
+
+@dataclass(frozen=True)
+class FluctuationOptions:
+    routings: tuple[str, ...] = ROUTINGS
+    tau: float | None = None  # similarity temperature (None: sqrt(d))
+    sim: str = "dot"  # similarity: dot | cosine
+    causal: bool = True  # similarity: j <= i only
+    reference: str = "previous"
+    isolate: bool = False
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.routings if r not in ROUTINGS]
+        if bad or not self.routings:
+            raise MoetoolError(f"--routing {bad[0] if bad else ''!r}: choose from {', '.join(ROUTINGS)}")
+        if self.reference not in REFERENCES:
+            raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
+
+    @property
+    def needs_attention(self) -> bool:
+        return "attention" in self.routings
+
+    def policy(self, routing: str) -> Any:
+        """The policy applied for ``routing`` (``None`` for the model's own router)."""
+        from ..policies import make_policy
+
+        return None if routing == "router" else make_policy(routing, tau=self.tau, sim=self.sim, causal=self.causal)
+
+
+def pairs(names: Sequence[str], reference: str) -> list[tuple[int, int]]:
+    """``(reference index, checkpoint index)`` pairs."""
+    n = len(names)
+    if n < 2:
+        raise MoetoolError("fluctuation needs at least two checkpoints")
+    if reference == "previous":
+        return [(i - 1, i) for i in range(1, n)]
+    if reference == "first":
+        return [(0, i) for i in range(1, n)]
+    return [(n - 1, i) for i in range(n - 1)]
+
+
+# ----- compatibility -------------------------------------------------------------------------
+def architecture(config: Any) -> dict[str, Any]:
+    """What must agree between checkpoints, read from a config."""
+    keys = ("model_type", "num_hidden_layers", "vocab_size", *_MOE_CONFIG_KEYS)
+    return {k: getattr(config, k, None) for k in keys}
+
+
+def check_same(what: str, names: Sequence[str], values: Sequence[dict[str, Any]]) -> None:
+    """One-line error naming the first field where a checkpoint differs from the first."""
+    for name, v in zip(names[1:], values[1:]):
+        for k in values[0]:
+            if v.get(k) != values[0].get(k):
+                raise MoetoolError(f"checkpoints differ in {what}: {names[0]} has {k}={values[0].get(k)}, "
+                                   f"{name} has {k}={v.get(k)}")
+
+
+def layer_signature(layers: Sequence[MoELayer]) -> dict[str, Any]:
+    return {"moe layers (index, n experts, K)": [(L.index, L.n_experts, L.top_k) for L in layers]}
+
+
+def router_copy(layer: MoELayer) -> MoELayer:
+    """The same layer class around a copy of the router only (no experts): ``logits``/``probs``/``route`` work."""
+    out = copy.copy(layer)
+    out.router = copy.deepcopy(layer.router)
+    out.decoder_layer = out.block = out.experts = None
+    return out
+
+
+# ----- capture -------------------------------------------------------------------------------
+@dataclass
+class LayerRouting:
+    """One checkpoint's routing at one layer over all real tokens (host)."""
+
+    idx: list[torch.Tensor] = field(default_factory=list)  # per batch [N, K] int
+    top1: list[torch.Tensor] = field(default_factory=list)  # per batch [N]
+    entropy_sum: float = 0.0
+    tokens: int = 0
+
+    def add(self, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor) -> None:
+        """Chosen ``idx [N, K]`` / weights ``w [N, K]`` and the distribution ``scores [N, n]`` of real tokens."""
+        small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
+        self.idx.append(idx.to(small).cpu())
+        self.top1.append(idx.gather(1, w.float().argmax(-1, keepdim=True))[:, 0].to(small).cpu())
+        self.entropy_sum += float(ops.entropy(scores).sum(dtype=torch.float64))
+        self.tokens += int(idx.shape[0])
+
+    def done(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx [N, K], top1 [N])`` over all batches (int64)."""
+        if len(self.idx) != 1:
+            self.idx, self.top1 = [torch.cat(self.idx)], [torch.cat(self.top1)]
+        return self.idx[0].long(), self.top1[0].long()
+
+
+def routing_of(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(chosen idx, chosen weights, distribution)`` of the real tokens of an event, after any policy."""
+    keep = ev.valid
+    scores = ev.extra.get("scores", ev.probs)  # [T, n]
+    return ev.chosen_idx[keep], ev.chosen_weights[keep], scores[keep]
+
+
+def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEvent:
+    """``ev``'s router inputs (and attention) through ``other``'s router, then ``policy`` (None: its top-K)."""
+    dev = other.router_weight().device
+    h = ev.h.to(dev)
+    logits = other.logits(h)  # [T, n]
+    idx, w = other.route(logits)
+    iso = RoutingEvent(layer=other, h=h, logits=logits, idx=idx, weights=w, valid=ev.valid.to(dev), shape=ev.shape,
+                       attn=None if ev.attn is None else ev.attn.to(dev))
+    iso.chosen_idx, iso.chosen_weights = policy.select(iso) if policy is not None else (idx, w)
+    return iso
+
+
+def capture(model: Any, layers: Sequence[MoELayer], tokens: Any, policy: Any, *,
+            others: dict[str, dict[int, MoELayer]] | None = None, batch_size: int = 8, description: str = "routing",
+            quiet: bool = False) -> tuple[dict[int, LayerRouting], dict[str, dict[int, LayerRouting]]]:
+    """Run ``tokens`` with ``policy`` applied (None: the router); return per-layer routings, and per
+    name in ``others`` (router copies by layer index) the isolated routings on this run's ``h``."""
+    own = {L.index: LayerRouting() for L in layers}
+    iso = {name: {L.index: LayerRouting() for L in layers} for name in (others or {})}
+
+    def consume(ev: RoutingEvent) -> None:
+        own[ev.layer.index].add(*routing_of(ev))
+        for name, routers in (others or {}).items():
+            iso[name][ev.layer.index].add(*routing_of(isolated_event(ev, routers[ev.layer.index], policy)))
+
+    device = model.device
+    with torch.no_grad(), Engine(model, list(layers), policy=policy, consumers=[consume]):
+        for b in progress(tokens.batches(batch_size), total=tokens.n_batches(batch_size), description=description,
+                          quiet=quiet):
+            model(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device), use_cache=False)
+    return own, iso
+
+
+# ----- comparison ----------------------------------------------------------------------------
+def compare(ref: LayerRouting, ckpt: LayerRouting) -> dict[str, float]:
+    """The SPEC's metrics for one layer between two routings of the same tokens."""
+    a, a1 = ref.done()
+    b, b1 = ckpt.done()
+    if a.shape != b.shape:
+        raise MoetoolError(f"the checkpoints saw different tokens ({a.shape[0]} vs {b.shape[0]}) or K")
+    e_ref, e_ck = ref.entropy_sum / max(ref.tokens, 1), ckpt.entropy_sum / max(ckpt.tokens, 1)
+    return {"tokens": int(a.shape[0]),
+            "top1_change": float((a1 != b1).double().mean()),
+            "topk_change": float((~ops.same_set(a, b)).double().mean()),
+            "topk_overlap": float((ops.overlap_count(a, b).double() / a.shape[1]).mean()),
+            "jaccard": float(ops.jaccard(a, b).double().mean()),
+            "entropy_ref": e_ref, "entropy_ckpt": e_ck,
+            "entropy_ratio": e_ck / e_ref if e_ref > 0 else float("nan")}
+
+
+def processing_order(n: int, reference: str) -> list[int]:
+    """Every checkpoint before the references it is compared with (so ``isolate`` already holds its routers)."""
+    return list(range(n)) if reference == "last" else list(range(n - 1, -1, -1))
+
+
+def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions, load_fn: Callable[[str], Any],
+                    quiet: bool = False) -> Any:
+    """Load each checkpoint in turn with ``load_fn(name) -> LoadedModel`` and compare; returns the table."""
+    import pandas as pd
+
+    plist = pairs(names, opts.reference)
+    runs: dict[tuple[int, str], dict[int, LayerRouting]] = {}
+    isolated: dict[tuple[int, int, str], dict[int, LayerRouting]] = {}  # (ref, ckpt, routing)
+    routers: dict[int, dict[int, MoELayer]] = {}
+    signature: dict[str, Any] | None = None
+    for i in processing_order(len(names), opts.reference):
+        lm = load_fn(names[i])
+        sig = layer_signature(lm.layers)
+        if signature is None:
+            signature, first = sig, names[i]
+        check_same("architecture", [first, names[i]], [signature, sig])
+        partners = {c: routers[c] for r, c in plist if r == i and opts.isolate}
+        for routing in opts.routings:
+            own, iso = capture(lm.model, lm.layers, tokens, opts.policy(routing),
+                               others={str(c): rt for c, rt in partners.items()}, batch_size=opts.batch_size,
+                               description=f"{names[i]}: {routing}", quiet=quiet)
+            runs[(i, routing)] = own
+            for c in partners:
+                isolated[(i, c, routing)] = iso[str(c)]
+        if opts.isolate and any(c == i for _, c in plist):
+            routers[i] = {L.index: router_copy(L) for L in lm.layers}
+        del lm
+    rows = []
+    for r, c in plist:
+        labels = [(routing, routing, runs[(c, routing)]) for routing in opts.routings]
+        if opts.isolate:
+            labels += [(f"{routing}-isolated", routing, isolated[(r, c, routing)]) for routing in opts.routings]
+        for label, routing, other in labels:
+            for layer, ref_rt in runs[(r, routing)].items():
+                rows.append({"layer": layer, "routing": label, "reference": names[r], "checkpoint": names[c],
+                             **compare(ref_rt, other[layer])})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+# ----- the whole command ---------------------------------------------------------------------
+def check_checkpoints(names: Sequence[str]) -> Any:
+    """Configs (before any weight loads) and tokenizer vocabularies must agree; returns the first tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..loading import load_config
+
+    loaded = [load_config(n) for n in names]
+    check_same("architecture", names, [architecture(cfg) for cfg, _, _ in loaded])
+    toks = []
+    for name, (_, src, _) in zip(names, loaded):
+        try:
+            toks.append(AutoTokenizer.from_pretrained(src))
+        except Exception as e:  # noqa: BLE001 - tokenizers fail in many ways
+            raise MoetoolError(f"cannot load the tokenizer of {name}: {e}") from None
+    vocab = toks[0].get_vocab()
+    for name, tok in zip(names[1:], toks[1:]):
+        v = tok.get_vocab()
+        if v != vocab:
+            raise MoetoolError(f"checkpoints differ in tokenizer: {names[0]} and {name} have different vocabularies "
+                               f"({len(vocab)} vs {len(v)} entries)")
+    return toks[0]
+
+
+DEFINITIONS = {
+    "top1_change": "fraction of real tokens whose top-1 expert (chosen expert with the largest weight) differs",
+    "topk_change": "fraction of real tokens whose chosen top-K set differs",
+    "topk_overlap": "mean |A ∩ B| / K",
+    "jaccard": "mean |A ∩ B| / |A ∪ B|",
+    "entropy_ref/entropy_ckpt": "mean entropy (nats) over real tokens of π (routing router) or of the policy's "
+                                "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention)",
+    "entropy_ratio": "entropy_ckpt / entropy_ref",
+    "routing": "router: the model's own top-K; similarity/attention: the policy applied in every MoE layer of "
+               "each checkpoint (what runs), so hidden states downstream follow the policy; "
+               "<routing>-isolated: the reference's own MoE inputs h (and attention probabilities) fed to the "
+               "checkpoint's routers, compared with the reference's choice on the same h (router drift only)",
+    "top1": "the chosen expert with the largest routing weight (the model's or the policy's renormalised weights)",
+    "attention head": "chosen per batch and layer (lowest mean row entropy over the batch's real tokens)",
+    "tokens": "token ids from the first checkpoint's tokenizer, the same for every checkpoint",
+}
+
+
+def figures(run: Any, df: Any) -> None:
+    """Paper Fig. 3: top-1 change (fluctuation rate) by layer per routing; entropy ratio by layer; plus each
+    routing's entropy relative to the router's (the paper's ratio, method / baseline) at each checkpoint."""
+    from ..report.figures import grid_shape, line_by, new_figure
+
+    df = df.assign(pair=[f"{r} -> {c}" for r, c in zip(df["reference"], df["checkpoint"])])
+    pairs_ = list(dict.fromkeys(df["pair"]))
+    for name, y in (("fluctuation_by_layer", "top1_change"), ("entropy_ratio_by_layer", "entropy_ratio")):
+        fig, axes = new_figure(*grid_shape(len(pairs_), 3))
+        for ax, p in zip(axes, pairs_):
+            line_by(ax, df[df["pair"] == p], "layer", y, "routing", title=p)
+        for ax in axes[len(pairs_):]:
+            ax.set_visible(False)
+        run.save_figure(fig, name)
+    plain = df[~df["routing"].str.endswith("-isolated")]
+    if "router" in set(plain["routing"]) and plain["routing"].nunique() > 1:
+        base = plain[plain["routing"] == "router"].set_index(["pair", "layer"])["entropy_ckpt"]
+        rel = plain.assign(entropy_vs_router=[e / base.get((p, l), float("nan")) for e, p, l in
+                                              zip(plain["entropy_ckpt"], plain["pair"], plain["layer"])])
+        fig, axes = new_figure(*grid_shape(len(pairs_), 3))
+        for ax, p in zip(axes, pairs_):
+            line_by(ax, rel[rel["pair"] == p], "layer", "entropy_vs_router", "routing", title=p.split(" -> ")[1])
+        for ax in axes[len(pairs_):]:
+            ax.set_visible(False)
+        run.save_figure(fig, "entropy_vs_router_by_layer")
+
+
+def write_results(run: Any, df: Any, opts: FluctuationOptions, tokens: Any) -> None:
+    run.write_csv("fluctuation.csv", df)
+    figures(run, df)
+    run.add(definitions=DEFINITIONS, data=tokens.describe(),
+            similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
+                        "causal": opts.causal})
+
+
+def summary_lines(df: Any) -> list[str]:
+    """Mean over layers of top-1 change and entropy ratio, per pair and routing."""
+    lines = []
+    for (r, c), d in df.groupby(["reference", "checkpoint"], sort=False):
+        parts = [f"{rt} {g['top1_change'].mean():.3f}" for rt, g in d.groupby("routing", sort=False)]
+        lines.append(f"{r} -> {c}: top-1 change (mean over layers) " + ", ".join(parts))
+    return lines
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """tiny-early -> tiny and tiny-fine-early -> tiny-fine, every routing, with --isolate, small data."""
+    from ..data import load_tokens
+    from ..loading import embedded_models, load
+
+    child = parent.sub("fluctuation")
+    have = embedded_models()
+    opts = FluctuationOptions(isolate=True)
+    lines: list[str] = []
+    for early, final in (("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")):
+        if early not in have or final not in have:
+            continue
+        names = [early, final]
+        tokens = load_tokens(None, check_checkpoints(names), seq_len=128, max_tokens=2048)
+        run = child.sub(final)
+        df = run_fluctuation(names, tokens, opts, lambda n: load(n, attn_implementation="eager", tokenizer=False),
+                             quiet=quiet)
+        write_results(run, df, opts, tokens)
+        run.finish(options=dict(checkpoints=names, routing=list(opts.routings), reference=opts.reference,
+                                isolate=True, seq_len=128, max_tokens=2048))
+        lines += summary_lines(df)
+    child.finish(options=dict(pairs=[["tiny-early", "tiny"], ["tiny-fine-early", "tiny-fine"]]))
+    return lines or ["fluctuation: no embedded checkpoint pair found"]

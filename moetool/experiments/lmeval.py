@@ -1,0 +1,226 @@
+"""The lm-evaluation-harness bridge: benchmark accuracy of the (routing-patched) model object.
+
+``HFLM(pretrained=<model object>, tokenizer=..., batch_size=N)`` wraps the already loaded model
+and ``simple_evaluate`` runs the tasks while an :class:`~moetool.engine.hooks.Engine` applies the
+routing policy to every forward lm-eval makes (its model pre-hook records each forward's shape
+and padding mask; lm-eval's loglikelihood forwards pass none, right-padded rows are causal so
+the padding never reaches a scored token).
+
+Shipped offline tasks (multiple choice, built from the embedded models' training text, see
+``examples/tasks/README.md``) are found, in order, in ``$MOETOOL_TASKS``, in the package
+(``moetool/embedded/tasks``, for a wheel) and next to the package in a source checkout
+(``examples/tasks``, the editable install). They are handed to lm-eval as config dicts with
+absolute data-file paths, so they work from any working directory; when only shipped tasks are
+asked, the Hub and ``datasets`` are forced offline for the evaluation. Any other name is a
+standard lm-eval task (or one from ``--include-path``) and needs whatever it needs (network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from ..errors import MoetoolError
+from ..registry import did_you_mean
+
+TASKS_ENV = "MOETOOL_TASKS"
+EVAL_COLUMNS = ("task", "metric", "value", "stderr")
+
+
+def shipped_tasks_dir() -> Path | None:
+    """Directory of the shipped offline task YAMLs (see the module docstring), or ``None``."""
+    here = Path(__file__).resolve().parents[1]  # the moetool package
+    candidates = [Path(os.environ[TASKS_ENV])] if os.environ.get(TASKS_ENV) else []
+    candidates += [here / "embedded" / "tasks", here.parent / "examples" / "tasks"]
+    for c in candidates:
+        if c.is_dir() and any(c.glob("*.yaml")):
+            return c
+    return None
+
+
+def shipped_tasks() -> dict[str, dict[str, Any]]:
+    """Shipped task name -> lm-eval config dict, data files made absolute."""
+    import yaml
+
+    root = shipped_tasks_dir()
+    if root is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(root.glob("*.yaml")):
+        cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
+        if not isinstance(cfg, dict) or "task" not in cfg:
+            continue
+        files = cfg.get("dataset_kwargs", {}).get("data_files", {})
+        cfg["dataset_kwargs"]["data_files"] = {k: str((root / v).resolve()) for k, v in files.items()}
+        out[str(cfg["task"])] = cfg
+    return out
+
+
+@dataclass
+class TaskPlan:
+    """How the asked tasks are resolved: specs for ``simple_evaluate`` and the task manager."""
+
+    names: list[str]
+    specs: list[Any]  # str (registered name) or dict (shipped task config)
+    include_path: str | None
+    include_defaults: bool
+    offline: bool  # only shipped tasks: Hub and datasets forced offline
+    shipped_dir: str | None
+
+    def task_manager(self) -> Any:
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager(include_path=self.include_path, include_defaults=self.include_defaults)
+
+    def describe(self) -> dict[str, Any]:
+        return {"tasks": self.names, "include_path": self.include_path, "include_defaults": self.include_defaults,
+                "offline": self.offline, "shipped_tasks_dir": self.shipped_dir}
+
+
+def plan_tasks(names: Iterable[str], include_path: str | Path | None = None) -> TaskPlan:
+    """Resolve task names: shipped offline tasks first, then ``--include-path``, then lm-eval's own.
+
+    lm-eval's built-in index (~15k tasks, several seconds to scan) is only loaded when a name is
+    neither shipped nor in ``--include-path`` (``include_defaults`` False otherwise).
+    """
+    names = list(dict.fromkeys(names))
+    if not names:
+        raise MoetoolError("no tasks given (--tasks)")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise MoetoolError(f"--include-path {include_path} is not a directory")
+    shipped = shipped_tasks()
+    others = [n for n in names if n not in shipped]
+    inc = str(include_path) if include_path is not None else None
+    defaults = False
+    if others:
+        from lm_eval.tasks import TaskManager
+
+        known = set(TaskManager(include_path=inc, include_defaults=False).all_tasks) if inc else set()
+        if any(n not in known for n in others):
+            defaults = True
+            known = set(TaskManager(include_path=inc, include_defaults=True).all_tasks)
+        for n in others:
+            if n not in known:
+                raise MoetoolError(f"unknown lm-eval task '{n}'{did_you_mean(n, [*shipped, *known])}; shipped "
+                                   f"offline tasks: {', '.join(shipped) or 'none found'}")
+    root = shipped_tasks_dir()
+    return TaskPlan(names=names, specs=[shipped.get(n, n) for n in names], include_path=inc,
+                    include_defaults=defaults, offline=not others, shipped_dir=str(root) if root else None)
+
+
+@contextlib.contextmanager
+def hub_offline(enabled: bool = True) -> Iterator[None]:
+    """``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` for the block (also patched where already imported)."""
+    if not enabled:
+        yield
+        return
+    import sys
+
+    env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    patches = []
+    for mod, attr in (("datasets.config", "HF_DATASETS_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
+                      ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
+        m = sys.modules.get(mod)
+        if m is not None and hasattr(m, attr):
+            patches.append((m, attr, getattr(m, attr)))
+    try:
+        os.environ.update({k: "1" for k in env})
+        for m, attr, _ in patches:
+            setattr(m, attr, True)
+        yield
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for m, attr, old in patches:
+            setattr(m, attr, old)
+
+
+@dataclass
+class EvalResult:
+    frame: Any  # DataFrame with EVAL_COLUMNS
+    seconds: float
+    n_samples: dict[str, Any]
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # with log_samples
+
+    def value(self, task: str, metric: str = "acc") -> float:
+        row = self.frame[(self.frame.task == task) & (self.frame.metric == metric)]
+        return float(row.value.iloc[0]) if len(row) else float("nan")
+
+
+def _number(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+    return v if math.isfinite(v) else float("nan")
+
+
+def results_frame(results: dict[str, Any]) -> Any:
+    """lm-eval's ``results`` dict -> DataFrame (task, metric, value, stderr).
+
+    ``metric`` is lm-eval's metric name, suffixed ``[filter]`` when the filter is not ``none``.
+    """
+    import pandas as pd
+
+    rows = []
+    for task, res in results.get("results", {}).items():
+        for key, val in res.items():
+            metric, sep, filt = key.partition(",")
+            if not sep or metric.endswith("_stderr"):
+                continue
+            rows.append({"task": task, "metric": metric if filt == "none" else f"{metric}[{filt}]",
+                         "value": _number(val), "stderr": _number(res.get(f"{metric}_stderr,{filt}"))})
+    return pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
+
+
+def make_hflm(lm: Any, batch_size: int = 8) -> Any:
+    """lm-eval's HF wrapper around the loaded model object (no reload, hooks stay visible)."""
+    if lm.tokenizer is None:
+        raise MoetoolError("lm-eval needs the model's tokenizer")
+    if lm.tokenizer.bos_token_id is None and lm.tokenizer.eos_token_id is None:
+        raise MoetoolError("the tokenizer has neither a BOS nor an EOS token: lm-eval cannot use it")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size)
+
+
+def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
+             num_fewshot: int | None = None, limit: int | None = None, batch_size: int = 8, seed: int = 0,
+             hflm: Any = None, log_samples: bool = False, quiet: bool = False) -> EvalResult:
+    """Run ``plan``'s tasks with ``policy`` applied in ``policy_layers`` (``None``: the router, hooked)."""
+    import time
+
+    import torch
+    from lm_eval import evaluator
+
+    from ..engine.hooks import Engine
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR if quiet else logging.WARNING)
+    hflm = hflm or make_hflm(lm, batch_size)
+    t0 = time.perf_counter()
+    # lm-eval's and datasets' progress bars write to stderr: swallowed with quiet (errors still raise)
+    mute = contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext()
+    with hub_offline(plan.offline), torch.no_grad(), mute, \
+            Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
+        try:
+            out = evaluator.simple_evaluate(
+                model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,
+                task_manager=plan.task_manager(), log_samples=log_samples, random_seed=seed,
+                numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+        except (KeyError, FileNotFoundError, ConnectionError, OSError) as e:
+            raise MoetoolError(f"lm-eval could not load the tasks {plan.names}: {type(e).__name__}: {e}") from None
+    seconds = time.perf_counter() - t0
+    if out is None:
+        raise MoetoolError("lm-eval returned no results")
+    return EvalResult(frame=results_frame(out), seconds=seconds, n_samples=dict(out.get("n-samples", {})),
+                      samples=dict(out.get("samples", {})) if log_samples else {})

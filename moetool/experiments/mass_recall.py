@@ -1,0 +1,314 @@
+"""``mass-recall``: how much routing mass an inverted-index (IVF) router keeps (AIR-MoE; SPEC §mass-recall).
+
+Per MoE layer and codebook size ``G``, a codebook of unit codewords is fitted on the router inputs
+``h`` by streaming adaptive spherical k-means (:mod:`.kmeans`; pass 1, plus ``kmeans_iters`` extra
+passes over the data); pass 2 evaluates, for every shortlist size ``M`` and expert-centroid mode:
+
+* ``c(h) = argmax_g cos(h, c_g)``; shortlist ``L(c_g)`` = the M experts ranked highest at the codeword;
+* ``MassRecall(h) = Σ_{e∈L(c(h))} π_e(h)`` (computed as ``1 − Σ_{e∉L} π_e(h)`` in fp64: exactly 1 when
+  ``M = n`` and never smaller for a larger M); top-K recall ``|TopK(h) ∩ L| / K``; exact-top-K rate =
+  fraction of tokens with ``TopK(h) ⊆ L`` (then the top-K inside the shortlist is the global top-K);
+* ``ε(h) = ||h − c(h)||`` (the raw router input against the unit codeword), ``ρ_M(c) = Σ_{e∈L(c)} π_e(c)``,
+  bound ``exp(−2ε) ρ_M(c(h))``; bound_holds_rate = fraction of tokens with
+  ``MassRecall >= bound − BOUND_TOL`` (fp64 arithmetic, so the tolerance only absorbs rounding).
+
+Centroid modes: ``raw`` — the router as the model runs it: ``π = layer.probs(layer.logits(h))`` (the
+model's scoring, bias included), ``TopK`` = the model's own top-K, the shortlist ranks experts by the
+model's selection scores at the codeword (for a bias-free softmax router: by ``<c_g, w_e>``).
+``unit`` — router rows projected to the unit sphere (AIR-MoE Algorithm 1 line 1), logits ``<w_e, h>``
+without bias, ``π`` = their softmax, ``TopK`` = top-K of that ``π``, shortlist by ``<c_g, w_e>``; here
+Proposition 1 is a theorem (``||w_e|| = 1``), so bound_holds_rate must be 1.
+
+One codebook per (layer, G) serves every M and both modes. dead_codes = codewords with no token in
+the evaluation pass; expert_coverage = fraction of experts in at least one shortlist of a used
+codeword; router_flops_frac = ``(G + M) / n``; mass_recall_p05 comes from a 4096-bin histogram
+(upper bin edge, resolution 1/4096).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .. import ops
+from ..adapters.base import MoELayer
+from ..engine.hooks import Engine, RoutingEvent
+from ..engine.runner import run_batches
+from ..errors import MoetoolError
+from .kmeans import SphericalKMeans
+
+MODES = ("raw", "unit")
+BOUND_TOL = 1e-9
+HIST_BINS = 4096
+COLUMNS = ["layer", "codebook_size", "shortlist_size", "centroids", "tokens", "mass_recall_mean",
+           "mass_recall_p05", "topk_recall", "exact_topk_rate", "quant_error_mean", "bound_mean",
+           "bound_holds_rate", "dead_codes", "expert_coverage", "router_flops_frac"]
+# per-(layer, G, mode, M) running sums, in this order
+_SUMS = ("tokens", "mass", "topk_recall", "exact", "eps", "bound", "holds")
+
+
+@dataclass(frozen=True)
+class MassRecallOptions:
+    codebook_sizes: tuple[int, ...] = (8, 32, 128)  # G: codewords per layer
+    shortlists: tuple[int, ...] = (2, 4, 8, 16)  # M: experts per shortlist (sizes > n are skipped)
+    centroids: tuple[str, ...] = ("raw", "unit")  # expert centroid modes
+    kmeans_iters: int = 1  # extra k-means passes over the data after the first
+    seed: int = 0
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.centroids if c not in MODES]
+        if bad:
+            raise MoetoolError(f"--centroids {bad[0]!r}: choose from {', '.join(MODES)}")
+        if not self.codebook_sizes or min(self.codebook_sizes) < 1:
+            raise MoetoolError("--codebook-size values must be >= 1")
+        if not self.shortlists or min(self.shortlists) < 1:
+            raise MoetoolError("--shortlist values must be >= 1")
+        if self.kmeans_iters < 0:
+            raise MoetoolError("--kmeans-iters must be >= 0")
+
+
+# ----- the routing distribution in each centroid mode ----------------------------------------
+def token_space(layer: MoELayer, mode: str, h: torch.Tensor, logits: torch.Tensor | None = None,
+                idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(π(h) [N, n] fp64, TopK(h) [N, K])`` for router inputs ``h [N, d]``.
+
+    ``raw``: the model's routing (``logits``/``idx``, the model's own, are used when given).
+    """
+    if mode == "raw":
+        logits = layer.logits(h) if logits is None else logits
+        if idx is None:
+            idx = layer.route(logits)[0]
+        return layer.probs(logits).double(), idx
+    w = ops.unit(layer.router_weight().double())  # [n, d]
+    p = torch.softmax(h.double() @ w.T, dim=-1)  # [N, n]
+    return p, ops.topk(p, layer.top_k)
+
+
+def codeword_space(layer: MoELayer, mode: str, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(π(c) [G, n] fp64, experts ranked at each codeword [G, n], best first)``."""
+    if mode == "raw":
+        logits = layer.logits(codebook)
+        rank_by = layer.selection_scores(logits)
+        p = layer.probs(logits).double()
+    else:
+        w = ops.unit(layer.router_weight().double())  # [n, d]
+        rank_by = codebook.double() @ w.T  # [G, n]
+        p = torch.softmax(rank_by, dim=-1)
+    return p, torch.argsort(rank_by, dim=-1, descending=True, stable=True)
+
+
+def shortlist_mask(order: torch.Tensor, m: int) -> torch.Tensor:
+    """``[G, n]`` bool: expert e is in the top-``m`` shortlist of codeword g."""
+    return torch.zeros(order.shape, dtype=torch.bool, device=order.device).scatter_(1, order[:, :m], True)
+
+
+def token_metrics(probs_h: torch.Tensor, topk_h: torch.Tensor, g: torch.Tensor, eps: torch.Tensor,
+                  probs_c: torch.Tensor, in_list: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token mass recall, top-K recall, exact flag and Proposition-1 bound for one shortlist table.
+
+    ``probs_h [N, n]``, ``topk_h [N, K]``, codeword ids ``g [N]``, ``eps [N]``, ``probs_c [G, n]``,
+    ``in_list [G, n]`` bool -> each ``[N]`` (fp64 / bool).
+    """
+    member = in_list[g]  # [N, n]
+    mass = 1.0 - (probs_h * ~member).sum(-1)  # [N]
+    hits = member.gather(1, topk_h.long()).sum(-1)  # [N]
+    rho = (probs_c * in_list).sum(-1)  # [G]
+    bound = torch.exp(-2.0 * eps) * rho[g]  # [N]
+    K = topk_h.shape[-1]
+    return {"mass": mass, "topk_recall": hits.double() / K, "exact": (hits == K).double(), "bound": bound,
+            "holds": (mass >= bound - BOUND_TOL).double()}
+
+
+# ----- streaming passes ----------------------------------------------------------------------
+def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRecallOptions,
+                  quiet: bool = False) -> dict[tuple[int, int], SphericalKMeans]:
+    """Pass 1 (+ ``kmeans_iters``): one streaming k-means per (layer, G)."""
+    fits = {(L.index, G): SphericalKMeans(G, seed=opts.seed + 7919 * L.index + G)
+            for L in layers for G in opts.codebook_sizes}
+
+    def consume(ev: RoutingEvent) -> None:
+        h = ev.h[ev.valid].float()  # [N, d]
+        for G in opts.codebook_sizes:
+            fits[(ev.layer.index, G)].update(h)
+
+    for p in range(1 + opts.kmeans_iters):
+        with Engine(lm.model, list(layers), consumers=[consume]):
+            run_batches(lm.model, tokens.batches(opts.batch_size), total=tokens.n_batches(opts.batch_size),
+                        description=f"k-means pass {p + 1}/{1 + opts.kmeans_iters}", quiet=quiet)
+    return fits
+
+
+@dataclass
+class _Acc:
+    sums: torch.Tensor  # [len(_SUMS)] fp64
+    hist: torch.Tensor  # [HIST_BINS] fp64, mass recall histogram
+
+
+@dataclass
+class MassRecallResult:
+    table: Any  # DataFrame with COLUMNS
+    notes: list[str] = field(default_factory=list)  # shortlist sizes skipped
+    reinits: dict[str, int] = field(default_factory=dict)  # "layer/G" -> dead-code re-initialisations
+
+
+def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
+             opts: MassRecallOptions, quiet: bool = False) -> MassRecallResult:
+    """Pass 2: every (layer, G, centroids, M) on the same tokens; returns the table with SPEC's columns."""
+    import pandas as pd
+
+    notes: list[str] = []
+    ms: dict[int, list[int]] = {}
+    for L in layers:
+        ms[L.index] = [m for m in opts.shortlists if m <= L.n_experts]
+        skipped = [m for m in opts.shortlists if m > L.n_experts]
+        if skipped:
+            notes.append(f"layer {L.index}: shortlist sizes {skipped} > n = {L.n_experts} experts skipped")
+    with torch.no_grad():
+        spaces = {(L.index, G, mode): codeword_space(L, mode, fits[(L.index, G)].codebook)
+                  for L in layers for G in opts.codebook_sizes for mode in opts.centroids}
+        masks = {key + (m,): shortlist_mask(order, m) for key, (_, order) in spaces.items() for m in ms[key[0]]}
+    acc: dict[tuple[int, int, str, int], _Acc] = {}
+    used: dict[tuple[int, int], torch.Tensor] = {}
+
+    def consume(ev: RoutingEvent) -> None:
+        L, keep = ev.layer, ev.valid
+        h = ev.h[keep]  # [N, d]
+        tok = {mode: token_space(L, mode, h, ev.logits[keep], ev.idx[keep]) for mode in opts.centroids}
+        for G in opts.codebook_sizes:
+            cb = fits[(L.index, G)].codebook  # [G, d]
+            g = fits[(L.index, G)].assign(h)  # [N]
+            eps = torch.linalg.vector_norm(h.double() - cb.double()[g], dim=-1)  # [N]
+            cnt = torch.bincount(g, minlength=G)
+            used[(L.index, G)] = used[(L.index, G)] + cnt if (L.index, G) in used else cnt
+            for mode in opts.centroids:
+                probs_c, _ = spaces[(L.index, G, mode)]
+                for m in ms[L.index]:
+                    t = token_metrics(tok[mode][0], tok[mode][1], g, eps, probs_c, masks[(L.index, G, mode, m)])
+                    row = torch.stack([torch.tensor(float(h.shape[0]), dtype=torch.float64, device=h.device),
+                                       t["mass"].sum(), t["topk_recall"].sum(), t["exact"].sum(), eps.sum(),
+                                       t["bound"].sum(), t["holds"].sum()])
+                    bins = (t["mass"] * HIST_BINS).long().clamp(0, HIST_BINS - 1)
+                    hist = torch.bincount(bins, minlength=HIST_BINS).double()
+                    key = (L.index, G, mode, m)
+                    if key in acc:
+                        acc[key].sums += row
+                        acc[key].hist += hist
+                    else:
+                        acc[key] = _Acc(row, hist)
+
+    with Engine(lm.model, list(layers), consumers=[consume]):
+        run_batches(lm.model, tokens.batches(opts.batch_size), total=tokens.n_batches(opts.batch_size),
+                    description="mass recall", quiet=quiet)
+    if not acc:
+        raise MoetoolError("no tokens evaluated (empty data?)")
+    rows = []
+    n_of = {L.index: L.n_experts for L in layers}
+    for (layer, G, mode, m), a in acc.items():
+        s = dict(zip(_SUMS, a.sums.tolist()))
+        count = used[(layer, G)]
+        _, order = spaces[(layer, G, mode)]
+        covered = torch.unique(order[count > 0, :m])
+        n = n_of[layer]
+        rows.append({"layer": layer, "codebook_size": G, "shortlist_size": m, "centroids": mode,
+                     "tokens": int(s["tokens"]), "mass_recall_mean": s["mass"] / s["tokens"],
+                     "mass_recall_p05": ops.hist_quantile(a.hist, 0.05),
+                     "topk_recall": s["topk_recall"] / s["tokens"], "exact_topk_rate": s["exact"] / s["tokens"],
+                     "quant_error_mean": s["eps"] / s["tokens"], "bound_mean": s["bound"] / s["tokens"],
+                     "bound_holds_rate": s["holds"] / s["tokens"], "dead_codes": int((count == 0).sum()),
+                     "expert_coverage": covered.numel() / n, "router_flops_frac": (G + m) / n})
+    df = pd.DataFrame(rows, columns=COLUMNS).sort_values(["layer", "centroids", "codebook_size", "shortlist_size"])
+    return MassRecallResult(df.reset_index(drop=True), notes)
+
+
+def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Sequence[MoELayer] | None = None,
+                    quiet: bool = False) -> MassRecallResult:
+    """Fit the codebooks, then evaluate: the whole experiment on one model."""
+    layers = list(lm.layers if layers is None else layers)
+    fits = fit_codebooks(lm, tokens, layers, opts, quiet)
+    res = evaluate(lm, tokens, layers, fits, opts, quiet)
+    res.reinits = {f"{k[0]}/{k[1]}": v.reinits for k, v in fits.items()}
+    return res
+
+
+# ----- report --------------------------------------------------------------------------------
+DEFINITIONS = {
+    "mass_recall_mean": "mean over real tokens of Σ_{e∈L(c(h))} π_e(h), computed as 1 − Σ_{e∉L} π_e(h) in fp64",
+    "mass_recall_p05": "5th percentile of mass recall (4096-bin histogram, upper bin edge)",
+    "topk_recall": "mean |TopK(h) ∩ L(c(h))| / K",
+    "exact_topk_rate": "fraction of tokens with TopK(h) ⊆ L(c(h)) (top-K inside the shortlist = global top-K)",
+    "quant_error_mean": "mean ε(h) = ||h − c(h)||, raw router input h against its unit codeword",
+    "bound_mean": "mean exp(−2ε(h)) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) with the mode's scoring",
+    "bound_holds_rate": f"fraction of tokens with mass recall >= bound − {BOUND_TOL} (a theorem in unit mode)",
+    "dead_codes": "codewords with no token assigned in the evaluation pass",
+    "expert_coverage": "fraction of experts in at least one shortlist of a codeword used in evaluation",
+    "router_flops_frac": "(G + M) / n: IVF router inner products relative to exact routing",
+    "centroids": "raw: the model's router (its bias/scoring; TopK = the model's own; shortlist ranked by the "
+                 "model's selection scores at the codeword); unit: rows on the unit sphere, logits <w_e, h>, "
+                 "π = softmax, shortlist by <c_g, w_e>",
+    "codebook": "adaptive spherical k-means (AIR-MoE Alg. 2): γ=0.95, dead-code τ=1 re-initialised on a random "
+                "token of the current batch; k-means++ init on the first batch with n_g=1, m_g=c_g; one forward "
+                "batch = one k-means batch; fitted on the same data it is evaluated on",
+}
+
+
+def figures(run: Any, df: Any) -> None:
+    """Mass recall vs shortlist size per layer; mass recall vs router FLOPs fraction per layer."""
+    from ..report.figures import grid_shape, line_by, new_figure
+
+    df = df.assign(codebook=[f"G={g} {c}" for g, c in zip(df["codebook_size"], df["centroids"])])
+    layers = sorted(df["layer"].unique())
+    for name, x in (("mass_recall_vs_shortlist", "shortlist_size"), ("mass_recall_vs_router_flops", "router_flops_frac")):
+        fig, axes = new_figure(*grid_shape(len(layers)))
+        for ax, layer in zip(axes, layers):
+            line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}")
+            ax.set_ylim(0, 1.02)
+        for ax in axes[len(layers):]:
+            ax.set_visible(False)
+        run.save_figure(fig, name)
+
+
+def write_results(run: Any, res: MassRecallResult, opts: MassRecallOptions, tokens: Any) -> None:
+    run.write_csv("mass_recall.csv", res.table)
+    figures(run, res.table)
+    run.add(definitions=DEFINITIONS, notes=res.notes, kmeans_reinits=res.reinits, data=tokens.describe(),
+            kmeans={"gamma": 0.95, "dead_code_tau": 1.0, "extra_passes": opts.kmeans_iters, "seed": opts.seed})
+
+
+def summary_lines(name: str, df: Any) -> list[str]:
+    """Mass recall (layer mean) per centroids mode at the largest G and two shortlist sizes; bound check."""
+    lines = []
+    for mode, d in df.groupby("centroids", sort=False):
+        G = d["codebook_size"].max()
+        parts = []
+        for m in sorted(d["shortlist_size"].unique())[:2] + sorted(d["shortlist_size"].unique())[-1:]:
+            sel = d[(d["codebook_size"] == G) & (d["shortlist_size"] == m)]
+            parts.append(f"M={m}: {sel['mass_recall_mean'].mean():.3f}")
+        lines.append(f"{name} {mode}: mass recall (G={G}, mean over layers) " + ", ".join(dict.fromkeys(parts))
+                     + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (worst row)")
+    return lines
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """Mass recall on the embedded base models, small settings."""
+    from ..data import load_tokens
+    from ..loading import embedded_models, load
+
+    child = parent.sub("mass-recall")
+    opts = MassRecallOptions(codebook_sizes=(8, 32), shortlists=(2, 4, 8, 16), kmeans_iters=1)
+    names = [m for m in ("tiny", "tiny-fine") if m in embedded_models()]
+    lines: list[str] = []
+    for name in names:
+        lm = load(name)
+        tokens = load_tokens(None, lm.tokenizer, seq_len=128, max_tokens=4096)
+        run = child.sub(name)
+        res = run_mass_recall(lm, tokens, opts, quiet=quiet)
+        write_results(run, res, opts, tokens)
+        run.finish(options=dict(model=name, codebook_sizes=list(opts.codebook_sizes), shortlists=list(opts.shortlists),
+                                centroids=list(opts.centroids), kmeans_iters=opts.kmeans_iters, seq_len=128,
+                                max_tokens=4096), model=lm, seed=opts.seed)
+        lines += summary_lines(name, res.table)
+    child.finish(options=dict(models=names), seed=opts.seed)
+    return lines or ["mass-recall: no embedded model found"]

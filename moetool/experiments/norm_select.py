@@ -1,0 +1,240 @@
+"""``norm-select``: the Autonomy-of-Experts pilot (paper 000, Table 1; SPEC §norm-select).
+
+For the router baseline and one ``norm:<node>:<norm>`` policy per probe node, the policy replaces
+the top-K choice in the chosen layers and the model runs on ``--data`` (perplexity, with the
+agreement meter attached) and, optionally, on lm-eval tasks (accuracy).
+
+Agreement with the router is measured on the hidden states the policy itself saw: ``ev.idx`` is
+the model's own router choice for the MoE input reached under the policy (not a separate
+unhooked run). A policy's top-1 is the first expert it returns (policies return their choice
+best first); the router's top-1 is the member of its top-K with the largest model score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .. import ops
+from ..engine.hooks import RoutingEvent
+from ..engine.probes import NODES
+from ..errors import MoetoolError
+from ..registry import did_you_mean
+
+AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "top1_agree", "tokens")
+QUALITY_COLUMNS = ("policy", "task", "metric", "value", "router_value", "ratio", "seconds")
+
+DEFINITIONS = {
+    "topk_overlap": "mean over real tokens of |TopK_policy ∩ TopK_router| / K, TopK_router = the model's own "
+                    "router choice for the MoE input reached under the policy",
+    "top1_agree": "fraction of real tokens whose policy top-1 (first expert the policy returns) is the router's "
+                  "top-1 (its top-K member with the largest model score)",
+    "value": "perplexity on --data (metric 'perplexity', task = the data name) or the lm-eval metric",
+    "ratio": "value / router_value: perplexity ratio (lower is better) or accuracy retention (higher is better)",
+    "seconds": "wall time of the pass that produced the row: the perplexity forwards (policy and agreement "
+               "bookkeeping included), or the whole lm-eval run of all tasks under the policy",
+    "agreement_layers": "only the layers the policy replaced (--layers) appear in agreement.csv",
+}
+
+
+def parse_nodes(text: str | None) -> list[str]:
+    """``all`` or a comma list of probe nodes (gate, up, act, glu, output)."""
+    if text is None or not text.strip() or not [s for s in text.split(",") if s.strip()]:
+        raise MoetoolError(f"--nodes is empty; give 'all' or some of {', '.join(NODES)}")
+    if text.strip() == "all":
+        return list(NODES)
+    out = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        if item not in NODES:
+            raise MoetoolError(f"unknown node '{item}'{did_you_mean(item, NODES)}; choose from "
+                               f"{', '.join(NODES)} or 'all'")
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def parse_norms(text: str) -> list[str]:
+    """A norm or comma list of norms (l2, l1, linf)."""
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    if not out:
+        raise MoetoolError(f"--norm is empty; choose from {', '.join(ops.NORMS)}")
+    for n in out:
+        if n not in ops.NORMS:
+            raise MoetoolError(f"unknown norm '{n}'{did_you_mean(n, ops.NORMS)}; choose from {', '.join(ops.NORMS)}")
+    return list(dict.fromkeys(out))
+
+
+def sweep_specs(nodes: Iterable[str], norms: Iterable[str] = ("l2",)) -> list[str]:
+    """``router`` plus ``norm:<node>:<norm>`` for every node and norm."""
+    return ["router"] + [f"norm:{node}:{norm}" for norm in norms for node in nodes]
+
+
+class AgreementMeter:
+    """Consumer: per layer, on-device sums of |chosen ∩ router|/K, top-1 agreement and real tokens."""
+
+    def __init__(self, layers: Iterable[int] | None = None):
+        self.layers = None if layers is None else set(layers)
+        self.sums: dict[int, torch.Tensor] = {}  # layer -> [3] float64: overlap/K, top1, tokens
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        if self.layers is not None and ev.layer.index not in self.layers:
+            return
+        ref_top1 = ops.best_of(ev.idx, ev.layer.selection_scores(ev.logits))  # [T]
+        pol_top1 = ref_top1 if ev.chosen_idx is ev.idx else ev.chosen_idx[:, 0]  # [T]
+        v = ev.valid  # [T]
+        K = ev.idx.shape[-1]
+        s = torch.stack([ops.overlap_count(ev.chosen_idx[v], ev.idx[v]).sum().double() / K,
+                         (pol_top1[v] == ref_top1[v]).sum().double(), v.sum().double()])  # [3]
+        key = ev.layer.index
+        self.sums[key] = self.sums[key] + s if key in self.sums else s
+
+    def frame(self, policy: str) -> Any:
+        import pandas as pd
+
+        rows = []
+        for layer in sorted(self.sums):
+            ov, t1, n = self.sums[layer].tolist()
+            rows.append({"layer": layer, "policy": policy, "topk_overlap": ov / n if n else float("nan"),
+                         "top1_agree": t1 / n if n else float("nan"), "tokens": int(n)})
+        return pd.DataFrame(rows, columns=list(AGREEMENT_COLUMNS))
+
+
+@dataclass
+class NormSelectResult:
+    agreement: Any  # DataFrame, AGREEMENT_COLUMNS
+    quality: Any  # DataFrame, QUALITY_COLUMNS
+    evals: dict[str, Any] = field(default_factory=dict)  # policy -> EvalResult
+
+
+def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str) -> Any:
+    """Rows per policy: perplexity on ``data`` and every lm-eval metric, with the router's value and the ratio."""
+    import pandas as pd
+
+    rows = []
+    base_ppl = ppl["router"].perplexity
+    for name, pr in ppl.items():
+        rows.append({"policy": name, "task": data, "metric": "perplexity", "value": pr.perplexity,
+                     "router_value": base_ppl, "ratio": pr.perplexity / base_ppl, "seconds": round(pr.seconds, 3)})
+        if name in evals:
+            base = evals["router"].frame.set_index(["task", "metric"]).value
+            for r in evals[name].frame.itertuples(index=False):
+                ref = float(base.get((r.task, r.metric), float("nan")))
+                rows.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value,
+                             "router_value": ref, "ratio": r.value / ref if ref else float("nan"),
+                             "seconds": round(evals[name].seconds, 3)})
+    return pd.DataFrame(rows, columns=list(QUALITY_COLUMNS))
+
+
+def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "heldout",
+                    policy_layers: Iterable[int] | None = None, batch_size: int = 8, plan: Any = None,
+                    num_fewshot: int | None = None, limit: int | None = None, seed: int = 0,
+                    quiet: bool = False) -> NormSelectResult:
+    """Run every policy (the first must be ``router``, the baseline of the ratios)."""
+    import pandas as pd
+
+    from .lmeval import evaluate, make_hflm
+    from .ppl import perplexity
+
+    if not policies or policies[0].name != "router":
+        raise MoetoolError("the sweep must start with the 'router' baseline")
+    layers = None if policy_layers is None else sorted(policy_layers)
+    hflm = make_hflm(lm, batch_size) if plan is not None else None
+    ppl, evals, agree = {}, {}, []
+    for p in policies:
+        meter = AgreementMeter(layers)
+        ppl[p.name] = perplexity(lm, tokens, policy=p, policy_layers=layers, consumers=[meter],
+                                 batch_size=batch_size, quiet=quiet, description=f"ppl {p.name}")
+        agree.append(meter.frame(p.name))
+        if plan is not None:
+            evals[p.name] = evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
+                                     limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
+    return NormSelectResult(pd.concat(agree, ignore_index=True), quality_frame(ppl, evals, data), evals)
+
+
+def table1(agreement: Any, quality: Any, metric: str = "acc") -> Any:
+    """The paper's Table 1 shape: one row per policy (node), quality, agreement and time side by side."""
+    import pandas as pd
+
+    rows = []
+    for name, q in quality.groupby("policy", sort=False):
+        a = agreement[agreement.policy == name]
+        n = a.tokens.sum()
+        p = q[q.metric == "perplexity"].iloc[0]
+        row = {"policy": name, "ppl": p.value, "ppl ratio": p.ratio,
+               "top-K overlap": float((a.topk_overlap * a.tokens).sum() / n) if n else float("nan"),
+               "top-1 agree": float((a.top1_agree * a.tokens).sum() / n) if n else float("nan")}
+        for r in q[q.metric == metric].itertuples(index=False):
+            row[f"{r.task} {metric}"] = r.value
+            row[f"{r.task} retention"] = r.ratio
+        row["seconds"] = float(p.seconds) + float(q[q.metric != "perplexity"].seconds.max()
+                                                  if (q.metric != "perplexity").any() else 0.0)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def figures(run: Any, agreement: Any, quality: Any, metric: str = "acc") -> None:
+    """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``."""
+    import numpy as np
+
+    from ..report.figures import new_figure, line_by
+
+    acc = quality[quality.metric == metric]
+    fig, axes = new_figure(1, 2 if len(acc) else 1, width=max(4.2, 0.8 * quality.policy.nunique()))
+    ppl = quality[quality.metric == "perplexity"]
+    axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray")
+    axes[0].axhline(1.0, color="k", linewidth=0.8)
+    axes[0].set_xticks(range(len(ppl)), ppl.policy, rotation=35, ha="right")
+    axes[0].set_ylabel("perplexity / router perplexity")
+    axes[0].set_title("perplexity ratio (lower is better)")
+    if len(acc):
+        tasks = list(dict.fromkeys(acc.task))
+        pols = list(dict.fromkeys(acc.policy))
+        width = 0.8 / len(tasks)
+        for i, t in enumerate(tasks):
+            r = acc[acc.task == t].set_index("policy").reindex(pols)
+            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, label=t)
+        axes[1].axhline(1.0, color="k", linewidth=0.8)
+        axes[1].set_xticks(np.arange(len(pols)) + 0.4 - width / 2, pols, rotation=35, ha="right")
+        axes[1].set_ylabel(f"{metric} / router {metric}")
+        axes[1].set_title("accuracy retention")
+        axes[1].legend(fontsize=7, frameon=False)
+    run.save_figure(fig, "retention")
+    fig, axes = new_figure(1, 2)
+    line_by(axes[0], agreement, "layer", "topk_overlap", "policy", title="top-K overlap with the router")
+    line_by(axes[1], agreement, "layer", "top1_agree", "policy", title="top-1 agreement with the router")
+    for ax in axes:
+        ax.set_ylim(-0.02, 1.02)
+    run.save_figure(fig, "agreement_by_layer")
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """The sweep on the embedded ``tiny`` model: 5 nodes, 2048 tokens, the offline code task (40 items)."""
+    from ..data import load_tokens
+    from ..loading import load
+    from ..policies import make_policy
+    from .lmeval import plan_tasks, shipped_tasks
+
+    run = parent.sub("norm-select")
+    lm = load("tiny")
+    tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
+    shipped = list(shipped_tasks())
+    plan = plan_tasks(shipped[:1]) if shipped else None
+    specs = sweep_specs(NODES)
+    res = run_norm_select(lm, tokens, [make_policy(s) for s in specs], plan=plan, limit=40, batch_size=8,
+                          quiet=quiet)
+    run.write_csv("agreement.csv", res.agreement)
+    run.write_csv("quality.csv", res.quality)
+    figures(run, res.agreement, res.quality)
+    run.add(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights="softmax",
+            eval=plan.describe() if plan else None)
+    run.finish(options=dict(model="tiny", nodes="all", norm="l2", weights="softmax", max_tokens=2048,
+                            tasks=plan.names if plan else None, limit=40), model=lm, seed=0)
+    t = table1(res.agreement, res.quality)
+    lines = []
+    for r in t.to_dict("records"):
+        extra = "".join(f", {k} {v:.3f}" for k, v in r.items() if k.endswith("retention"))
+        lines.append(f"{r['policy']}: ppl x{r['ppl ratio']:.3f}, top-K overlap {r['top-K overlap']:.2f}, "
+                     f"top-1 agree {r['top-1 agree']:.2f}{extra}")
+    return lines

@@ -1,0 +1,397 @@
+"""``stats``: how the model's own router uses its experts, per MoE layer, on ``--data``.
+
+A :class:`RoutingStats` consumer rides on an :class:`~moetool.engine.Engine` (no policy) and
+reduces every :class:`~moetool.engine.RoutingEvent` on the layer's device into small per-layer
+aggregates; padding never counts. At the end :meth:`RoutingStats.tables` turns them into the
+tables below (one home for each definition: :data:`DEFINITIONS`, also written to the manifest).
+
+Top tokens per expert need counts of (token id, expert) pairs. A dense ``[n, vocab]`` matrix per
+layer does not scale (Qwen3-30B: 128 experts x 151k ids x 48 layers x 8 bytes = 7.4 GB), so the
+pairs are counted exactly in a :class:`SparseCounter`: keys ``token_id * n + expert`` buffered on
+the device and merged with ``torch.unique`` whenever the buffer outgrows the running table, so
+memory is proportional to the number of *distinct* pairs seen (at most ``min(n * vocab, tokens * K)``)
+and the amortized cost is one sort per element.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine.hooks import Engine, RoutingEvent
+from ..engine.runner import run_batches
+from ..errors import MoetoolError
+
+#: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table)
+MERGE_MIN = 1 << 20
+NO_DOMAIN = "(none)"
+
+DEFINITIONS = {
+    "routing": "the model's own top-K (the router, no policy); only real (unpadded) tokens count",
+    "load_fraction": "assignments of expert e / (K * tokens): fraction of all top-K assignments, sums to 1 "
+                     "over experts; uniform routing gives 1/n",
+    "token_fraction": "tokens whose top-K contains e / tokens: sums to K over experts; uniform routing gives K/n",
+    "load.tokens": "number of tokens whose top-K contains the expert",
+    "load_entropy": "entropy in nats of the load_fraction distribution (AoE Ent_load, eq. 7-8); "
+                    "_norm divides by log n (1 = perfectly balanced)",
+    "confidence_entropy": "mean over tokens of the entropy in nats of the token's full routing distribution "
+                          "pi (AoE Ent_conf); _norm divides by log n (1 = uniform pi)",
+    "max_load_ratio": "max over experts of load_fraction / (1/n)",
+    "coactivation": "count[a,b] = tokens whose top-K contains both a and b (a != b, every ordered pair of the "
+                    "top-K, not only adjacent ranks); p_b_given_a = count[a,b] / tokens whose top-K contains a "
+                    "(empty if none); independent uniform routing gives (K-1)/(n-1)",
+    "domain_load": "load_fraction computed over the tokens of one domain (rows carry one domain each); "
+                   "tokens = the domain's tokens whose top-K contains the expert",
+    "top_tokens": "per expert, the token ids most often routed to it (ranked by count, ties by token id); "
+                  "count = occurrences of the token whose top-K contains the expert; share = count / all "
+                  "occurrences of the token (sums to K over experts)",
+    "top_tokens_lift": "as top_tokens but ranked by lift = share / token_fraction(expert) = P(e|token) / P(e) "
+                       "(1 = no preference) among pairs with count >= min_count",
+    "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges); "
+                         "memory grows with distinct pairs, not with n * vocab",
+}
+
+
+class SparseCounter:
+    """Exact counts of int64 keys streamed in batches; memory proportional to the distinct keys seen."""
+
+    def __init__(self, merge_min: int = MERGE_MIN):
+        self.merge_min = merge_min
+        self.keys: torch.Tensor | None = None  # [U] sorted unique keys
+        self.counts: torch.Tensor | None = None  # [U] int64
+        self._pending: list[torch.Tensor] = []
+        self._pending_n = 0
+
+    def add(self, keys: torch.Tensor) -> None:
+        self._pending.append(keys.reshape(-1).long())
+        self._pending_n += keys.numel()
+        if self._pending_n >= max(self.merge_min, 0 if self.keys is None else self.keys.numel()):
+            self._merge()
+
+    def _merge(self) -> None:
+        if not self._pending:
+            return
+        keys = torch.cat(self._pending)  # [P]
+        counts = torch.ones_like(keys)
+        if self.keys is not None:
+            keys = torch.cat([self.keys, keys.to(self.keys.device)])
+            counts = torch.cat([self.counts, counts.to(self.keys.device)])
+        self.keys, self.counts = ops.unique_counts(keys, counts)
+        self._pending, self._pending_n = [], 0
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sorted unique keys [U], counts [U])``, both int64 on the device the keys came from."""
+        self._merge()
+        if self.keys is None:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return self.keys, self.counts
+
+
+@dataclass
+class LayerAccumulator:
+    """Device aggregates of one MoE layer."""
+
+    n: int
+    k: int
+    tokens: torch.Tensor  # [] int64 real tokens
+    assign: torch.Tensor  # [n] float64 tokens whose top-K contains e
+    conf_sum: torch.Tensor  # [] float64 sum over tokens of entropy(pi)
+    co: torch.Tensor  # [n, n] float64 tokens whose top-K contains a and b (diagonal = assign)
+    dom_assign: torch.Tensor  # [D, n] float64
+    dom_tokens: torch.Tensor  # [D] float64
+    pairs: SparseCounter | None  # keys token_id * n + expert
+
+    @classmethod
+    def empty(cls, n: int, k: int, n_domains: int, device: Any, pairs: bool, merge_min: int) -> "LayerAccumulator":
+        z = dict(dtype=torch.float64, device=device)
+        return cls(n, k, torch.zeros((), dtype=torch.long, device=device), torch.zeros(n, **z),
+                   torch.zeros((), **z), torch.zeros(n, n, **z), torch.zeros(n_domains, n, **z),
+                   torch.zeros(n_domains, **z), SparseCounter(merge_min) if pairs else None)
+
+
+class RoutingStats:
+    """Consumer for :class:`Engine`: ``begin_batch(batch)`` before each forward, then the events reduce."""
+
+    def __init__(self, layers: list[Any], domains: list[str] = (), top_tokens: bool = True,
+                 merge_min: int = MERGE_MIN):
+        self.layers = {L.index: L for L in layers}
+        names = sorted(set(domains))
+        self.domains = [d or NO_DOMAIN for d in names] if any(names) else []  # no domain split without labels
+        self._dom_id = {d: i for i, d in enumerate(names)} if self.domains else {}
+        self.top_tokens = top_tokens
+        self.merge_min = merge_min
+        self.acc: dict[int, LayerAccumulator] = {}
+        self.token_totals = SparseCounter(merge_min)  # keys: token ids (real tokens)
+        self._batch: dict[str, Any] | None = None
+
+    def begin_batch(self, batch: Any) -> Any:
+        """Register the token ids and row domains of the next forward (``TokenBatch``); returns it."""
+        ids, mask = batch.input_ids, batch.attention_mask  # [B, S]
+        try:
+            dom = torch.tensor([self._dom_id[d] for d in batch.domains]) if self.domains else None  # [B]
+        except KeyError as e:
+            raise MoetoolError(f"domain {e} was not declared to RoutingStats") from None
+        self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1), "dom": dom, "on": {}}
+        if self.top_tokens:
+            self.token_totals.add(ids[mask.bool()])
+        return batch
+
+    def _on(self, key: str, device: Any) -> torch.Tensor:
+        cache = self._batch["on"]
+        if (key, device) not in cache:
+            cache[key, device] = self._batch[key].to(device)
+        return cache[key, device]
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        L, (B, S) = ev.layer, ev.shape
+        if self._batch is None or self._batch["shape"] != (B, S):
+            raise MoetoolError("RoutingStats: call begin_batch(batch) before each forward")
+        n, dev = L.n_experts, ev.idx.device
+        a = self.acc.get(L.index)
+        if a is None:
+            a = self.acc[L.index] = LayerAccumulator.empty(n, ev.idx.shape[-1], len(self.domains), dev,
+                                                          self.top_tokens, self.merge_min)
+        valid = ev.valid.to(dev)  # [T]
+        idx = ev.idx[valid].long()  # [t, K] the model's own top-K, real tokens only
+        a.tokens += valid.sum()
+        a.assign += ops.one_hot_counts(idx, n)
+        a.conf_sum += ops.entropy(ev.probs[valid].to(dev)).sum(dtype=torch.float64)
+        m = ops.multi_hot(idx, n)  # [t, n]
+        a.co += (m.T @ m).double()  # [n, n]
+        if self.domains:
+            d = self._on("dom", dev).repeat_interleave(S)[valid]  # [t] domain of each real token
+            D = len(self.domains)
+            a.dom_assign += torch.bincount((d.unsqueeze(1) * n + idx).reshape(-1), minlength=D * n).view(D, n)
+            a.dom_tokens += torch.bincount(d, minlength=D)
+        if a.pairs is not None:
+            tok = self._on("ids", dev)[valid]  # [t]
+            a.pairs.add(tok.unsqueeze(1) * n + idx)  # [t, K]
+
+    # ----- tables ------------------------------------------------------------------------
+    def tables(self, tokenizer: Any = None, top_n: int = 10, min_count: int = 5) -> dict[str, Any]:
+        """``{csv name: DataFrame}`` with exactly the documented columns."""
+        import pandas as pd
+
+        missing = sorted(set(self.layers) - set(self.acc))
+        if missing:
+            raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
+        load, layers, co, dom, top, lift = [], [], [], [], [], []
+        tok_keys, tok_counts = (t.cpu().numpy() for t in self.token_totals.result())
+        decode = _decoder(tokenizer)
+        for li in sorted(self.acc):
+            a = self.acc[li]
+            tokens = int(a.tokens)
+            if tokens == 0:
+                raise MoetoolError(f"layer {li}: no real tokens (empty data or all padding)")
+            n, k = a.n, a.k
+            assign = a.assign.cpu()  # [n]
+            frac = assign / assign.sum()  # [n] float64, sums to 1
+            load.append(pd.DataFrame({"layer": li, "expert": range(n), "load_fraction": frac.numpy(),
+                                      "token_fraction": (assign / tokens).numpy(),
+                                      "tokens": assign.long().numpy()}))
+            ent, conf = float(ops.entropy(frac)), float(a.conf_sum) / tokens
+            layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
+                           "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
+                           "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
+            co.append(_coactivation_frame(li, a.co.cpu()))
+            if self.domains:
+                da = a.dom_assign.cpu()  # [D, n]
+                dl = da / da.sum(-1, keepdim=True)  # [D, n] float64, rows sum to 1 (nan for an absent domain)
+                for di, name in enumerate(self.domains):
+                    if a.dom_tokens[di] > 0:
+                        dom.append(pd.DataFrame({"layer": li, "domain": name, "expert": range(n),
+                                                 "load_fraction": dl[di].numpy(),
+                                                 "tokens": da[di].long().numpy()}))
+            if a.pairs is not None:
+                pk, pc = (t.cpu().numpy() for t in a.pairs.result())
+                pairs = pd.DataFrame({"layer": li, "expert": pk % n, "token_id": pk // n, "count": pc})
+                total = tok_counts[tok_keys.searchsorted(pairs["token_id"].to_numpy())]
+                pairs["share"] = pairs["count"] / total
+                pairs["lift"] = pairs["share"] / (assign.numpy() / tokens)[pairs["expert"].to_numpy()]
+                top.append(_rank(pairs, "count", top_n))
+                lift.append(_rank(pairs[pairs["count"] >= min_count], "lift", top_n))
+        out = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers),
+               "coactivation.csv": pd.concat(co, ignore_index=True)}
+        if dom:
+            out["domain_load.csv"] = pd.concat(dom, ignore_index=True)
+        if top:
+            cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
+            out["top_tokens.csv"] = _with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
+            out["top_tokens_lift.csv"] = _with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+        return out
+
+
+def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
+    """Ordered pairs a != b of a ``[n, n]`` co-count matrix whose diagonal holds the tokens choosing a."""
+    import pandas as pd
+
+    n = co.shape[0]
+    chose = co.diagonal()  # [n]
+    p = co / chose.unsqueeze(1)  # [n, n] row a: P(b | a); nan where nobody chose a
+    a, b = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+    off = a != b
+    return pd.DataFrame({"layer": layer, "a": a[off].numpy(), "b": b[off].numpy(),
+                         "p_b_given_a": p[off].numpy(), "count": co[off].long().numpy()})
+
+
+def _rank(pairs: Any, by: str, top_n: int) -> Any:
+    """The ``top_n`` rows per expert by ``by`` (descending; ties by token id), with ``rank`` 1..N."""
+    df = pairs.sort_values(["expert", by, "token_id"], ascending=[True, False, True], kind="stable")
+    df = df.groupby("expert", sort=False).head(top_n).copy()
+    df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
+    return df
+
+
+def _decoder(tokenizer: Any):
+    cache: dict[int, str] = {}
+
+    def decode(i: int) -> str:
+        if i not in cache:
+            cache[i] = tokenizer.decode([i]) if tokenizer is not None else ""
+        return cache[i]
+    return decode
+
+
+def _with_tokens(df: Any, decode) -> Any:
+    df = df.reset_index(drop=True)
+    df["token"] = [decode(int(i)) for i in df["token_id"]]
+    return df
+
+
+# ----- figures -------------------------------------------------------------------------------
+def plot_load(load: Any) -> Any:
+    """Heatmap layer x expert of load / uniform, diverging colormap centred at 1."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    from ..report.figures import heatmap, new_figure
+
+    n = int(load["expert"].max()) + 1
+    mat = load.pivot(index="layer", columns="expert", values="load_fraction") * n  # [layers, n]
+    fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
+    im = heatmap(ax, mat.to_numpy(), title="expert load / uniform (1/n)", xlabel="expert", ylabel="layer",
+                 cmap="RdBu_r")
+    lo, hi = float(mat.min().min()), float(mat.max().max())
+    im.set_norm(TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01)))
+    ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
+    return fig
+
+
+def plot_coactivation(co: Any, layers: Any) -> Any:
+    """One ``P(b | a)`` panel per layer (diagonal blank)."""
+    import numpy as np
+
+    from ..report.figures import grid_shape, heatmap, new_figure
+
+    rows, cols = grid_shape(len(layers))
+    fig, axes = new_figure(rows, cols, width=3.4, height=3.0)
+    top = float(np.nan_to_num(co["p_b_given_a"].max(), nan=1.0)) or 1.0  # one colour scale for every layer
+    for ax, info in zip(axes, layers.itertuples()):
+        n = info.n_experts
+        g = co[co["layer"] == info.layer]
+        mat = np.full((n, n), np.nan)  # [n, n] row a, column b; diagonal blank
+        mat[g["a"], g["b"]] = g["p_b_given_a"]
+        heatmap(ax, mat, title=f"layer {info.layer}", xlabel="b", ylabel="a").set_clim(0, top)
+    for ax in axes[len(layers):]:
+        ax.set_visible(False)
+    k, n = int(layers["top_k"].iloc[0]), int(layers["n_experts"].iloc[0])
+    fig.suptitle(f"P(b | a); independent uniform routing: (K-1)/(n-1) = {(k - 1) / max(n - 1, 1):.3g}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_domain_load(dom: Any) -> Any:
+    """Per layer: load fraction of each expert, one bar per domain; the uniform line 1/n."""
+    import numpy as np
+
+    from ..report.figures import grid_shape, new_figure
+
+    layer_ids = sorted(dom["layer"].unique())
+    domains = list(dict.fromkeys(dom["domain"]))
+    n = int(dom["expert"].max()) + 1
+    rows, cols = grid_shape(len(layer_ids), max_cols=2)
+    fig, axes = new_figure(rows, cols, width=max(4.2, 0.12 * n * len(domains) + 2), height=2.8)
+    width = 0.8 / len(domains)
+    for ax, li in zip(axes, layer_ids):
+        g = dom[dom["layer"] == li]
+        for j, name in enumerate(domains):
+            d = g[g["domain"] == name]
+            ax.bar(d["expert"] + (j - (len(domains) - 1) / 2) * width, d["load_fraction"], width=width, label=name)
+        ax.axhline(1 / n, color="k", linewidth=0.8, linestyle="--")
+        ax.set_title(f"layer {li}")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("load fraction")
+        ax.set_xticks(np.arange(n))
+        ax.tick_params(axis="x", labelsize=6)
+    for ax in axes[len(layer_ids):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+# ----- running ---------------------------------------------------------------------------------
+def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
+            merge_min: int = MERGE_MIN) -> RoutingStats:
+    """Forward ``tokens`` through ``lm`` with a :class:`RoutingStats` consumer attached."""
+    stats = RoutingStats(lm.layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min)
+    with torch.no_grad(), Engine(lm.model, lm.layers, consumers=[stats]):
+        run_batches(lm.model, (stats.begin_batch(b) for b in tokens.batches(batch_size)),
+                    total=tokens.n_batches(batch_size), description="stats", quiet=quiet)
+    return stats
+
+
+def run_stats(lm: Any, tokens: Any, run: Any, *, top_n: int = 10, min_count: int = 5, batch_size: int = 8,
+              quiet: bool = False) -> dict[str, Any]:
+    """Collect, write the CSVs and figures into ``run``, add the manifest sections; returns the tables."""
+    if tokens.n_tokens == 0:
+        raise MoetoolError("no real tokens in the data")
+    stats = collect(lm, tokens, top_tokens=top_n > 0, batch_size=batch_size, quiet=quiet)
+    frames = stats.tables(lm.tokenizer, top_n=top_n, min_count=min_count)
+    for name, df in frames.items():
+        if len(df):
+            run.write_csv(name, df)
+    run.save_figure(plot_load(frames["load.csv"]), "load_heatmap")
+    run.save_figure(plot_coactivation(frames["coactivation.csv"], frames["layers.csv"]), "coactivation")
+    if "domain_load.csv" in frames:
+        run.save_figure(plot_domain_load(frames["domain_load.csv"]), "domain_load")
+    run.add(data=tokens.describe(), definitions=DEFINITIONS, top_n=top_n, min_count=min_count,
+            routing="router (the model's own top-K)")
+    return frames
+
+
+def summary_table(layers: Any) -> Any:
+    """``layers.csv`` with short headings, for the console."""
+    return layers[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm", "confidence_entropy_norm",
+                   "max_load_ratio"]].rename(columns={
+        "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
+        "confidence_entropy_norm": "Ent_conf/log n", "max_load_ratio": "max load/uniform"})
+
+
+def summary_lines(name: str, layers: Any) -> list[str]:
+    """Short human-readable lines about one model's ``layers.csv``."""
+    worst = layers.loc[layers["max_load_ratio"].idxmax()]
+    return [f"stats {name}: load entropy / log n {layers['load_entropy_norm'].min():.3f}-"
+            f"{layers['load_entropy_norm'].max():.3f}, confidence entropy / log n "
+            f"{layers['confidence_entropy_norm'].min():.3f}-{layers['confidence_entropy_norm'].max():.3f} over "
+            f"{len(layers)} MoE layers; max load {worst['max_load_ratio']:.2f}x uniform (layer {int(worst['layer'])})"]
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """``stats`` on the embedded ``tiny`` and ``tiny-fine`` (8192 tokens each) into ``parent/stats-<model>``."""
+    from ..data import load_tokens
+    from ..loading import load
+
+    lines = []
+    for name in ("tiny", "tiny-fine"):
+        lm = load(name)
+        tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=8192)
+        child = parent.sub(f"stats-{name}")
+        frames = run_stats(lm, tokens, child, top_n=10, quiet=quiet)
+        child.finish(options=dict(model=name, data=None, seq_len=256, max_tokens=8192, batch_size=8, top_tokens=10,
+                                  min_count=5), model=lm)
+        lines += summary_lines(name, frames["layers.csv"])
+    return lines

@@ -1,0 +1,99 @@
+"""``similarity[:tau]`` — Similarity-Aware routing (Graph of Tokens, Def. 2; SPEC §Routing policies).
+
+Per sequence, ``S[i, j] = softmax_j(h_i · h_j / tau)`` over the real tokens ``j`` of the same
+sequence (causal, ``j <= i``, by default), ``s_i = Σ_j S[i, j] π(h_j)``; the K experts with the
+largest ``s_i`` run, with weights ``s_i`` renormalised over the chosen K. ``sim="cosine"`` uses
+``cos(h_i, h_j)`` instead of the raw dot product (W_s = I in the paper); only then does
+``tau -> 0`` give ``S = I`` (every token keeps its own routing). Default ``tau = sqrt(d)``.
+
+Padding tokens get zero weight as ``j``; a row with no admissible ``j`` (a left-padding query)
+keeps its own π, so nothing is NaN. The normalised score ``s`` of every token is left in
+``ev.extra["scores"]`` (``fluctuation`` reads its entropy).
+
+The two helpers :func:`propagate` and :func:`choose` are shared with ``attention`` routing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine.hooks import RoutingEvent
+
+SIMS = ("dot", "cosine")
+
+
+def propagate(A: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``s_i = Σ_j A[b, i, j] π(h_j)`` per sequence, padding ``j`` dropped, rows normalised to sum 1.
+
+    ``A [B, S, S]``, ``probs [T, n]`` (T = B*S row-major), ``valid [T]`` -> ``s [T, n]`` fp32.
+    """
+    B, S = A.shape[0], A.shape[1]
+    keep = valid.reshape(B, 1, S).to(torch.float32)  # [B, 1, S] columns of real tokens
+    p = probs.float().reshape(B, S, -1)  # [B, S, n]
+    s = torch.bmm(A.float() * keep, p)  # [B, S, n]
+    s = torch.where(s.sum(-1, keepdim=True) > 0, s, p)  # a row that only saw padding keeps its own π
+    return ops.normalize(s.reshape(B * S, -1))  # [T, n]
+
+
+def choose(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK of the scores ``s [T, n]`` and their renormalised values: ``(idx [T, K], w [T, K])``."""
+    idx = ops.topk(s, k)  # [T, K]
+    return idx, ops.normalize(s.gather(-1, idx))
+
+
+def similarity_matrix(h: torch.Tensor, valid: torch.Tensor, shape: tuple[int, int], tau: float,
+                      sim: str = "dot", causal: bool = True) -> torch.Tensor:
+    """``S [B, S, S]``: row-softmax of ``sim(h_i, h_j) / tau`` over the admissible ``j`` of each sequence."""
+    B, S = shape
+    x = h.float().reshape(B, S, -1)  # [B, S, d]
+    if sim == "cosine":
+        x = ops.unit(x)
+    logits = torch.bmm(x, x.transpose(1, 2)) / tau  # [B, S, S]
+    allowed = valid.reshape(B, 1, S).expand(B, S, S)  # [B, S, S] key j is a real token
+    if causal:
+        allowed = allowed & torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
+    eye = torch.eye(S, dtype=torch.bool, device=h.device)
+    allowed = allowed | (eye & ~allowed.any(-1, keepdim=True))  # nothing admissible: itself only
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+class SimilarityPolicy:
+    """``similarity[:tau]``, options ``sim`` (dot|cosine), ``causal`` (default True), ``tau``."""
+
+    needs_attention = False
+
+    def __init__(self, tau: float | None = None, sim: str = "dot", causal: bool = True):
+        if sim not in SIMS:
+            raise ValueError(f"unknown --sim '{sim}' (choose from {', '.join(SIMS)})")
+        if tau is not None and not tau > 0:
+            raise ValueError(f"tau must be > 0, not {tau}")
+        self.tau, self.sim, self.causal = tau, sim, bool(causal)
+        self.name = "similarity"
+
+    @classmethod
+    def from_spec(cls, args: list[str], tau: float | None = None, sim: str | None = None,
+                  causal: bool | None = None, **_: Any) -> "SimilarityPolicy":
+        if len(args) > 1:
+            raise ValueError("use similarity[:tau], e.g. similarity or similarity:0.5")
+        if args and args[0]:
+            tau = float(args[0])
+        return cls(tau, sim or "dot", True if causal is None else causal)
+
+    def describe(self) -> dict[str, Any]:
+        return {"policy": "similarity", "tau": self.tau if self.tau is not None else "sqrt(d)", "sim": self.sim,
+                "causal": self.causal}
+
+    def scores(self, ev: RoutingEvent) -> torch.Tensor:
+        """The normalised Similarity-Aware scores ``s [T, n]``."""
+        tau = self.tau if self.tau is not None else math.sqrt(ev.h.shape[-1])
+        S = similarity_matrix(ev.h, ev.valid, ev.shape, tau, self.sim, self.causal)  # [B, S, S]
+        return propagate(S, ev.probs, ev.valid)
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.scores(ev)  # [T, n]
+        ev.extra["scores"] = s
+        return choose(s, ev.layer.top_k)

@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny random models of every supported family, a padded batch, and an
+independent per-expert reference computed straight from each family's raw parameters."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetool.adapters import ADAPTERS, find_moe_layers
+from moetool.engine import Engine
+
+#: every registered model type that is a family of its own (aliases such as minimax excluded)
+FAMILIES = [mt for mt in ADAPTERS.names() if ADAPTERS.get(mt).family == mt]
+
+SEED = 0
+ROUTER_STD = 0.1  # logits ~ N(0, ~1.1) on unit-RMS router inputs of width 128: no ties, varied top-k
+BIAS_STD = 0.05  # e_score_correction_bias: moves some choices off the plain sigmoid top-k
+EXPERT_BIAS_STD = 0.1
+
+
+def pytest_generate_tests(metafunc):
+    """Any test taking a ``family`` argument runs once per family."""
+    if "family" in metafunc.fixturenames:
+        metafunc.parametrize("family", FAMILIES)
+
+
+@functools.lru_cache(maxsize=None)
+def build_tiny_model(model_type: str) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config(tiny_config())``, seeded, fp32, eval, routing made non-degenerate.
+
+    Random init leaves some routers (and gpt-oss expert biases, DeepSeek's correction bias) at zero
+    or near-uniform, which makes top-k a matter of ties; re-draw them, seeded.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(ADAPTERS.get(model_type).tiny_config()).float().eval()
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for layer in find_moe_layers(model):
+            for name, t in [*layer.router.named_parameters(), *layer.router.named_buffers()]:
+                std = BIAS_STD if name == "e_score_correction_bias" else ROUTER_STD
+                t.copy_(torch.randn(t.shape, generator=gen) * std)
+            for name, t in layer.experts.named_parameters():
+                if name.endswith("bias"):
+                    t.copy_(torch.randn(t.shape, generator=gen) * EXPERT_BIAS_STD)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(model_type)`` -> the session's cached tiny model of that family."""
+    return build_tiny_model
+
+
+def padded_batch(batch: int = 2, seq: int = 10, pad: int = 3) -> dict[str, torch.Tensor]:
+    """Random ids; the second row is left-padded with ``pad`` masked positions."""
+    gen = torch.Generator().manual_seed(SEED + 2)
+    ids = torch.randint(3, 1024, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="session")
+def batch() -> dict[str, torch.Tensor]:
+    return padded_batch()
+
+
+def run(model, layers, inputs, policy=None, policy_layers=None, experts_out: dict | None = None):
+    """One forward under an :class:`Engine`; returns ``(logits, {layer index: event}, engine)``.
+
+    ``experts_out``, if given, receives each layer's actual experts-module output (a forward hook).
+    """
+    events, handles = {}, []
+    if experts_out is not None:
+        for L in layers:
+            handles.append(L.experts.register_forward_hook(
+                lambda m, a, out, i=L.index: experts_out.__setitem__(i, out)))
+    try:
+        with torch.no_grad(), Engine(model, layers, policy=policy, policy_layers=policy_layers,
+                                     consumers=[lambda ev: events.__setitem__(ev.layer.index, ev)]) as eng:
+            logits = model(**inputs).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, events, eng
+
+
+@functools.lru_cache(maxsize=None)
+def captured(model_type: str):
+    """Layers and routing events of the padded batch through the tiny model (plain capture)."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    _, events, _ = run(model, layers, padded_batch())
+    return model, layers, events
+
+
+def reference_expert(model_type: str, layer, e: int, h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every probe node of expert ``e`` for tokens ``h [T, d]``, from the raw parameters (no adapter)."""
+    ex = layer.experts
+    if model_type == "gpt_oss":  # x @ W, gate/up interleaved, biases, clamped SwiGLU
+        gate_up = h @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        g = gate.clamp(max=ex.limit)
+        act = g * torch.sigmoid(g * ex.alpha)
+        glu = act * (up.clamp(-ex.limit, ex.limit) + 1)
+        out = glu @ ex.down_proj[e] + ex.down_proj_bias[e]
+    else:  # the common layout: gate_up_proj [E, 2I, H], gate first; down_proj [E, H, I]; silu
+        assert layer.config.hidden_act == "silu"
+        gate, up = F.linear(h, ex.gate_up_proj[e]).chunk(2, dim=-1)
+        act = F.silu(gate)
+        glu = act * up
+        out = F.linear(glu, ex.down_proj[e])
+    return {"gate": gate, "up": up, "act": act, "glu": glu, "output": out}
+
+
+def reference_moe(model_type: str, layer, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``Σ_k w_k E_{idx_k}(h)`` per token, one expert at a time (the test's own loop)."""
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for k in range(idx.shape[1]):
+            out[t] += w[t, k] * reference_expert(model_type, layer, int(idx[t, k]), h[t:t + 1])["output"][0]
+    return out

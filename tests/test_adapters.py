@@ -1,0 +1,199 @@
+"""Adapters against independent computations: layer discovery, routing math, probe nodes, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import captured, reference_expert
+
+from moetool import ops
+from moetool.adapters import find_moe_layers
+from moetool.engine import NODES, node_scores
+from moetool.errors import MoetoolError
+
+#: decoder layers that must be MoE in each family's tiny config (the others dense)
+EXPECTED_MOE = {"qwen2_moe": [0, 2, 3], "qwen3_moe": [1, 3], "deepseek_v3": [1, 2, 3], "deepseek_v2": [1, 2, 3]}
+_ORD = {"l2": 2.0, "l1": 1.0, "linf": math.inf}
+
+
+def expected_probs(family: str, logits: torch.Tensor) -> torch.Tensor:
+    """π, written out per family."""
+    if family == "deepseek_v3":
+        s = torch.sigmoid(logits.float())
+        return s / s.sum(-1, keepdim=True)
+    return torch.softmax(logits.float(), dim=-1)
+
+
+def expected_weights(family: str, cfg, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The model's weight rule for an arbitrary chosen set, written out per family from its config."""
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1).gather(-1, idx)
+    if family == "mixtral" or (family in ("qwen2_moe", "qwen3_moe", "olmoe") and cfg.norm_topk_prob):
+        return p / p.sum(-1, keepdim=True)
+    if family in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        return p
+    if family == "deepseek_v3":
+        s = torch.sigmoid(logits).gather(-1, idx)
+        return (s / s.sum(-1, keepdim=True) if cfg.norm_topk_prob else s) * cfg.routed_scaling_factor
+    if family == "deepseek_v2":
+        return p * cfg.routed_scaling_factor
+    if family == "gpt_oss":
+        return torch.softmax(logits.gather(-1, idx), dim=-1)
+    raise KeyError(family)
+
+
+def test_moe_layers_found(family, tiny_model):
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    structural = [i for i, dl in enumerate(model.model.layers) if hasattr(dl.mlp, "experts")]
+    assert [L.index for L in layers] == structural == EXPECTED_MOE.get(family, [0, 1, 2, 3])
+    for L in layers:
+        dl = model.model.layers[L.index]
+        assert L.experts is dl.mlp.experts and L.block is dl.mlp and L.decoder_layer is dl
+        assert L.router in list(dl.mlp.children()) and L.attention is dl.self_attn
+
+
+def test_describe_matches_capture(family):
+    model, layers, events = captured(family)
+    for L in layers:
+        d = L.describe()
+        ev = events[L.index]
+        assert d["n_experts"] == ev.logits.shape[1] == L.router_weight().shape[0] == 8
+        assert d["top_k"] == L.top_k == ev.idx.shape[1]
+        assert d["router_bias"] == (family == "gpt_oss")
+        assert isinstance(d["scoring"], str) and d["scoring"]
+
+
+def test_probs_and_model_weights(family):
+    """6: ``weights_for`` on the model's own set gives the model's weights; π is a distribution."""
+    _, layers, events = captured(family)
+    for L in layers:
+        ev = events[L.index]
+        torch.testing.assert_close(L.weights_for(ev.logits, ev.idx), ev.weights, rtol=1e-6, atol=1e-7)
+        assert L.weights_for(ev.logits, ev.idx).dtype == ev.weights.dtype
+        p = L.probs(ev.logits)
+        assert p.dtype == torch.float32 and (p >= 0).all()
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]))
+        torch.testing.assert_close(p, expected_probs(family, ev.logits))
+
+
+def test_weights_for_arbitrary_sets(family):
+    """The weight rule on random chosen sets, against each family's rule written out."""
+    model, layers, events = captured(family)
+    gen = torch.Generator().manual_seed(5)
+    for L in layers:
+        ev = events[L.index]
+        idx = torch.rand(ev.logits.shape, generator=gen).topk(L.top_k, dim=-1).indices
+        got = L.weights_for(ev.logits, idx)
+        if family == "phimoe":  # order-free: the set, not its order, decides
+            torch.testing.assert_close(L.weights_for(ev.logits, idx.flip(-1)), got.flip(-1))
+            assert ((got > 0) & (got <= 1)).all()
+        else:
+            torch.testing.assert_close(got.float(), expected_weights(family, model.config, ev.logits, idx))
+
+
+def test_phimoe_weights_worked_example(tiny_model):
+    """Sparsemixer multipliers by hand: eps=0.1 drops experts more than 20% (relative) below the pick."""
+    L = find_moe_layers(tiny_model("phimoe"))[0]
+    assert L.router.router_jitter_noise == pytest.approx(0.1)
+    logits = torch.tensor([[3.0, 2.9, 1.0, 2.8, -1.0, 0.0, 0.5, 2.0]])
+    e = torch.exp
+    t = torch.tensor
+    # the router's own pick: 0 (softmax over 3.0, 2.9, 2.8) then 1 (over 2.9, 2.8; 2.0 is 31% below)
+    idx, w = L.route(logits)
+    assert idx.tolist() == [[0, 1]]
+    torch.testing.assert_close(w, t([[e(t(3.0)) / (e(t(3.0)) + e(t(2.9)) + e(t(2.8))),
+                                      e(t(2.9)) / (e(t(2.9)) + e(t(2.8)))]]))
+    # an arbitrary set {3, 0}: 0 as above; 3 after removing 0: 2.9 stays (above it), 2.0 is 29% below
+    w = L.weights_for(logits, torch.tensor([[3, 0]]))
+    torch.testing.assert_close(w, t([[e(t(2.8)) / (e(t(2.9)) + e(t(2.8))),
+                                      e(t(3.0)) / (e(t(3.0)) + e(t(2.9)) + e(t(2.8)))]]))
+
+
+def test_deepseek_v3_grouped_selection(tiny_model):
+    """The correction bias and the group restriction both change the choice (so both are exercised)."""
+    _, layers, events = captured("deepseek_v3")
+    changed_by_bias = changed_by_groups = 0
+    for L in layers:
+        ev = events[L.index]
+        s = torch.sigmoid(ev.logits)
+        plain = s.topk(L.top_k, dim=-1).indices
+        biased = (s + L.router.e_score_correction_bias).topk(L.top_k, dim=-1).indices
+        changed_by_bias += int((~ops.same_set(plain, biased)).sum())
+        changed_by_groups += int((~ops.same_set(biased, ev.idx)).sum())
+        half = L.n_experts // 2  # n_group=2, topk_group=1: all chosen experts share a group
+        assert ((ev.idx // half)[:, :1] == ev.idx // half).all()
+    assert changed_by_bias > 0 and changed_by_groups > 0
+
+
+def test_node_scores_match_reference(family):
+    """4: batched node norms == a per-expert loop over the raw parameters, for every node and norm."""
+    _, layers, events = captured(family)
+    for L in layers:
+        h = events[L.index].h
+        ref = [reference_expert(family, L, e, h) for e in range(L.n_experts)]
+        for node in NODES:
+            stacked = torch.stack([r[node] for r in ref])  # [n, T, X]
+            for norm, ord_ in _ORD.items():
+                want = torch.linalg.vector_norm(stacked, ord=ord_, dim=-1).T  # [T, n]
+                torch.testing.assert_close(node_scores(L, h, node, norm), want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_weights_are_views(family):
+    """The canonical layout shares storage with the model's parameters (no copies)."""
+    _, layers, _ = captured(family)
+    for L in layers:
+        W = L.expert_weights()
+        params = {p.untyped_storage().data_ptr() for p in L.experts.parameters()}
+        for t in (W.gate, W.up, W.down, W.gate_bias, W.up_bias, W.down_bias):
+            assert t is None or t.untyped_storage().data_ptr() in params
+        n, inter, d = W.gate.shape
+        assert W.up.shape == (n, inter, d) and W.down.shape == (n, d, inter) and d == 128
+        assert (W.gate_bias is not None) == (family == "gpt_oss")
+
+
+def test_block_is_routed_plus_shared(family):
+    """The block's output == experts(h, idx, w) + shared_experts(h); families without one expose None."""
+    _, layers, events = captured(family)
+    has_shared = family in ("qwen2_moe", "deepseek_v3", "deepseek_v2")
+    for L in layers:
+        h = events[L.index].h
+        with torch.no_grad():
+            block = L.block(h.unsqueeze(0))
+            block = (block[0] if isinstance(block, tuple) else block).squeeze(0)
+            _, w, idx = L.router(h)
+            expected = L.experts(h, idx, w)
+            assert (L.shared_experts is not None) == has_shared
+            if has_shared:
+                expected = expected + L.shared_experts(h)
+        torch.testing.assert_close(block, expected, rtol=1e-5, atol=1e-6)
+
+
+def _tiny(config_cls, **kw):
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return AutoModelForCausalLM.from_config(config_cls(**{**common, **kw}))
+
+
+def test_dense_model_error():
+    """7: a dense model gets one line naming it."""
+    from transformers import LlamaConfig
+
+    with pytest.raises(MoetoolError, match="no MoE layers found in llama"):
+        find_moe_layers(_tiny(LlamaConfig))
+
+
+def test_unsupported_family_error():
+    """7: an MoE family without an adapter names the supported ones."""
+    from transformers import GraniteMoeConfig
+
+    with pytest.raises(MoetoolError) as err:
+        find_moe_layers(_tiny(GraniteMoeConfig, num_local_experts=4, num_experts_per_tok=2))
+    msg = str(err.value)
+    assert "granitemoe" in msg and "\n" not in msg
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe"):
+        assert family in msg

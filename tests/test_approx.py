@@ -1,0 +1,147 @@
+"""``approx``: per-token selections and errors against brute force from the raw weights; the reducer's tables."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy.stats import spearmanr
+from typer.testing import CliRunner
+
+from conftest import build_tiny_model, captured, padded_batch, reference_expert, run
+from moetool.adapters import find_moe_layers
+from moetool.commands.app import app
+from moetool.engine import Engine
+from moetool.experiments.approx import SELECTORS, ApproxReducer, approx_tokens
+from moetool.loading import embedded_models
+
+COLUMNS = {"approx.csv": ["layer", "selector", "tokens", "rel_error_mean", "rel_error_median", "same_set_as_router"],
+           "approx_layers.csv": ["layer", "spearman_prob_vs_norm", "mean_abs_cos"]}
+
+
+@torch.no_grad()
+def hand_contributions(model_type, layer, h, pi):
+    """``u_e = π_e E_e(h)`` one expert at a time from the raw parameters: ``[T, n, d]`` fp64, and ``||E_e||``."""
+    E = torch.stack([reference_expert(model_type, layer, e, h)["output"] for e in range(pi.shape[1])], 1).double()
+    return pi.double().unsqueeze(-1) * E, E.norm(dim=-1)
+
+
+def hand_error(U, subset):
+    y = U.sum(0)
+    return float((U[list(subset)].sum(0) - y).norm() / y.norm())
+
+
+def real_tokens(model_type, layer_pos=0):
+    model, layers, events = captured(model_type)
+    L = layers[layer_pos]
+    ev = events[L.index]
+    return L, ev.h[ev.valid], ev.logits[ev.valid], ev.idx[ev.valid]
+
+
+def test_every_selector_against_brute_force_per_token():
+    L, h, logits, own = real_tokens("mixtral", 1)
+    T, n, K = h.shape[0], L.n_experts, L.top_k
+    r = approx_tokens(L, h, logits, SELECTORS, torch.Generator().manual_seed(0))
+    assert set(r.error) == set(SELECTORS)
+    for sel in SELECTORS:
+        assert r.error["best_subset"].le(r.error[sel] + 1e-6).all(), sel  # the optimum beats every selector
+    # random weights: the u_e are not orthogonal, and the norm rule is not always optimal
+    assert (r.error["norm_oracle"] > r.error["best_subset"] + 1e-4).any()
+    pi = torch.softmax(logits.double(), dim=-1)  # Mixtral's π, by hand
+    U, enorm = hand_contributions("mixtral", L, h, pi)
+    for t in range(T):
+        errs = {S: hand_error(U[t], S) for S in itertools.combinations(range(n), K)}
+        best = min(errs, key=errs.get)
+        assert r.error["best_subset"][t].item() == pytest.approx(errs[best], rel=1e-5, abs=1e-7)
+        assert sorted(r.idx["best_subset"][t].tolist()) == list(best)
+        norm_set = tuple(sorted(U[t].norm(dim=-1).topk(K).indices.tolist()))
+        assert sorted(r.idx["norm_oracle"][t].tolist()) == list(norm_set)
+        router_set = tuple(sorted(pi[t].topk(K).indices.tolist()))
+        assert sorted(r.idx["router"][t].tolist()) == list(router_set) == sorted(own[t].tolist())
+        for sel in SELECTORS:  # each error is the error of the set it reports
+            assert r.error[sel][t].item() == pytest.approx(hand_error(U[t], r.idx[sel][t].tolist()), rel=1e-4)
+        assert r.spearman[t].item() == pytest.approx(spearmanr(pi[t], enorm[t])[0], abs=1e-6)
+        cos = [abs(torch.cosine_similarity(U[t, i], U[t, j], dim=0).item())
+               for i in range(n) for j in range(n) if i != j]
+        assert r.abs_cos[t].item() == pytest.approx(np.mean(cos), rel=1e-4)
+    assert len({tuple(sorted(s)) for s in r.idx["random"].tolist()}) > 1  # random sets vary across tokens
+    assert r.idx["random"].unique(dim=None).numel() > K and (r.idx["random"].sort(1).values.diff(1) > 0).all()
+
+
+def test_orthogonal_experts_make_the_norm_rule_exact():
+    """Down projections writing to disjoint coordinate blocks: the u_e are orthogonal, the norm oracle is optimal."""
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        for L in layers:
+            down = L.experts.down_proj  # [n, d, I]
+            n, d = down.shape[:2]
+            block = d // n
+            for e in range(n):
+                keep = torch.zeros(d, 1)
+                keep[e * block:(e + 1) * block] = 1
+                down[e] *= keep
+    _, events, _ = run(model, layers, padded_batch())
+    for L in layers[:2]:
+        ev = events[L.index]
+        r = approx_tokens(L, ev.h[ev.valid], ev.logits[ev.valid])
+        torch.testing.assert_close(r.error["norm_oracle"], r.error["best_subset"], rtol=1e-6, atol=1e-7)
+        assert r.abs_cos.abs().max() < 1e-6
+        assert (r.error["router"] >= r.error["norm_oracle"] - 1e-7).all()
+        assert (r.error["router"] > r.error["norm_oracle"] + 1e-4).any()  # not a trivial equality of sets
+
+
+def test_best_subset_is_left_out_beyond_max_subsets():
+    L, h, logits, _ = real_tokens("mixtral")
+    r = approx_tokens(L, h, logits, SELECTORS, max_subsets=27)  # C(8, 2) = 28
+    assert "best_subset" not in r.error and set(r.error) == {"router", "norm_oracle", "random"}
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_reducer_tables_over_real_tokens(model_type):
+    """Router = the model's captured top-K (1.0), padding never counts, means/medians of the per-token errors."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    batch = padded_batch()
+    red = ApproxReducer(seed=3)
+    with torch.no_grad(), Engine(model, layers, consumers=[red]):
+        model(**batch)
+    approx, per_layer = red.tables()
+    assert list(approx.columns) == COLUMNS["approx.csv"] and list(per_layer.columns) == COLUMNS["approx_layers.csv"]
+    assert sorted(per_layer["layer"]) == [L.index for L in layers]
+    real = int(batch["attention_mask"].sum())
+    assert (approx["tokens"] == real).all()
+    router = approx[approx["selector"] == "router"]
+    assert (router["same_set_as_router"] == 1.0).all() and len(router) == len(layers)
+    # the table is the reduction of approx_tokens over the same real tokens (random aside: its own generator)
+    _, _, events = captured(model_type)
+    for L in layers:
+        ev = events[L.index]
+        r = approx_tokens(L, ev.h[ev.valid], ev.logits[ev.valid], ("router", "norm_oracle", "best_subset"))
+        for sel, err in r.error.items():
+            row = approx[(approx["layer"] == L.index) & (approx["selector"] == sel)].iloc[0]
+            assert row["rel_error_mean"] == pytest.approx(err.double().mean().item(), rel=1e-5)
+            assert row["rel_error_median"] == pytest.approx(float(np.median(err.numpy())), rel=1e-5)
+            same = np.mean([set(a) == set(b) for a, b in zip(r.idx[sel].tolist(), ev.idx[ev.valid].tolist())])
+            assert row["same_set_as_router"] == pytest.approx(same)
+        lrow = per_layer[per_layer["layer"] == L.index].iloc[0]
+        assert lrow["spearman_prob_vs_norm"] == pytest.approx(r.spearman.double().mean().item(), rel=1e-5)
+        assert lrow["mean_abs_cos"] == pytest.approx(r.abs_cos.double().mean().item(), rel=1e-5)
+
+
+@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
+def test_cli_on_embedded_tiny(tmp_path):
+    r = CliRunner().invoke(app, ["approx", "--model", "tiny", "--out", str(tmp_path), "--max-tokens", "256",
+                                 "--seq-len", "64", "-q"])
+    assert r.exit_code == 0, r.output
+    approx = pd.read_csv(tmp_path / "approx.csv")
+    assert list(approx.columns) == COLUMNS["approx.csv"]
+    assert (approx.query("selector == 'router'")["same_set_as_router"] == 1.0).all()
+    wide = approx.pivot(index="layer", columns="selector", values="rel_error_mean")
+    if "best_subset" in wide:
+        assert (wide["best_subset"] <= wide[["router", "norm_oracle", "random"]].min(axis=1) + 1e-6).all()
+    assert (tmp_path / "figures" / "approx_error.png").is_file()

@@ -1,0 +1,157 @@
+"""The hook engine on every family: exact reproduction, capture, overrides that really run, --layers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import captured, reference_expert, reference_moe, run
+
+from moetool import ops
+from moetool.adapters import find_moe_layers
+from moetool.policies import make_policy
+
+
+class Spy:
+    """Wraps a policy and counts its calls (proves the override path ran)."""
+
+    def __init__(self, policy):
+        self.policy, self.name, self.needs_attention, self.calls = policy, policy.name, False, 0
+
+    def select(self, ev):
+        self.calls += 1
+        return self.policy.select(ev)
+
+
+def _sorted(idx, w):
+    """Rows ordered by expert index, to compare top-K sets and their weights."""
+    order = idx.argsort(dim=-1)
+    return idx.gather(-1, order), w.gather(-1, order)
+
+
+def assert_same_routing(idx, w, want_idx, want_w, **tol):
+    i, a = _sorted(idx, w)
+    j, b = _sorted(want_idx, want_w)
+    assert torch.equal(i, j)
+    torch.testing.assert_close(a, b, **tol)
+
+
+def test_router_policy_reproduces_model(family, tiny_model, batch):
+    """1: the ``router`` policy through the override path gives the unhooked logits bit for bit (padded batch)."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        want = model(**batch).logits
+    assert not want.isnan().any()
+    policy = Spy(make_policy("router"))
+    got, events, eng = run(model, layers, batch, policy=policy)
+    assert torch.equal(got, want)
+    assert policy.calls == len(layers) and eng.reported == {L.index: 1 for L in layers}
+    for ev in events.values():
+        assert ev.shape == (2, 10) and torch.equal(ev.valid, batch["attention_mask"].reshape(-1).bool())
+
+
+def test_capture_changes_nothing(family, tiny_model, batch):
+    """2: an engine with only a consumer leaves the logits bit for bit unchanged."""
+    model = tiny_model(family)
+    with torch.no_grad():
+        want = model(**batch).logits
+    got, events, _ = run(model, find_moe_layers(model), batch)
+    assert torch.equal(got, want) and events
+
+
+def test_captured_routing_matches_adapter(family):
+    """3: the captured logits and top-K are exactly the adapter's recomputation from the captured h."""
+    _, layers, events = captured(family)
+    for L in layers:
+        ev = events[L.index]
+        logits = L.logits(ev.h)
+        assert torch.equal(logits, ev.logits)
+        idx, w = L.route(logits)
+        assert idx.dtype == ev.idx.dtype and w.dtype == ev.weights.dtype
+        assert_same_routing(idx, w, ev.idx, ev.weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", ["norm:gate", "random"])
+def test_override_really_runs(family, tiny_model, batch, spec):
+    """5: the experts' actual output is Σ_k w_k E_{idx_k}(h) for the policy's choice, which differs from the router's."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    outs: dict[int, torch.Tensor] = {}
+    _, events, _ = run(model, layers, batch, policy=make_policy(spec, seed=0), experts_out=outs)
+    differs = 0
+    for L in layers:
+        ev = events[L.index]
+        K = L.top_k
+        assert ev.chosen_idx.shape == (ev.h.shape[0], K)
+        torch.testing.assert_close(outs[L.index], reference_moe(family, L, ev.h, ev.chosen_idx, ev.chosen_weights),
+                                   rtol=1e-5, atol=1e-6)
+        differs += int((~ops.same_set(ev.chosen_idx, ev.idx))[ev.valid].sum())
+        if spec == "random":
+            torch.testing.assert_close(ev.chosen_weights, torch.full_like(ev.chosen_weights, 1.0 / K))
+        else:  # the K largest ||W_g^e h||, softmax-weighted (AoE Algorithm 1)
+            norms = torch.stack([reference_expert(family, L, e, ev.h)["gate"].norm(dim=-1)
+                                 for e in range(L.n_experts)], dim=-1)  # [T, n]
+            top = norms.topk(K, dim=-1)
+            assert_same_routing(ev.chosen_idx, ev.chosen_weights, top.indices, torch.softmax(top.values, dim=-1),
+                                rtol=1e-5, atol=1e-6)
+    assert differs > 0
+
+
+def test_policy_layers_only(family, tiny_model, batch):
+    """8: ``--layers``: only the given layer is overridden; the others run the router's own choice."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    first = layers[0].index
+    outs: dict[int, torch.Tensor] = {}
+    _, events, _ = run(model, layers, batch, policy=make_policy("random", seed=0), policy_layers={first}, experts_out=outs)
+    _, _, plain = captured(family)
+    ev = events[first]
+    assert (~ops.same_set(ev.chosen_idx, ev.idx))[ev.valid].any()
+    for L in layers[1:]:
+        ev = events[L.index]
+        assert not torch.equal(ev.h, plain[L.index].h)  # downstream of the override
+        idx, w = L.route(L.logits(ev.h))
+        assert torch.equal(ev.chosen_idx, ev.idx) and torch.equal(ev.chosen_weights, ev.weights)
+        assert ops.same_set(idx, ev.chosen_idx).all()
+        torch.testing.assert_close(outs[L.index], reference_moe(family, L, ev.h, idx, w), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_dtypes(family, tiny_model, batch):
+    """Router outputs keep the model's dtypes (fp32 logits/weights where the model uses them) in bf16."""
+    model = copy.deepcopy(tiny_model(family)).to(torch.bfloat16)
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        want = model(**batch).logits
+    got, events, _ = run(model, layers, batch, policy=make_policy("router"))
+    assert torch.equal(got, want)
+    fp32_router = family in ("deepseek_v3", "deepseek_v2")
+    for L in layers:
+        ev = events[L.index]
+        logits = L.logits(ev.h)
+        assert logits.dtype == ev.logits.dtype == (torch.float32 if fp32_router else torch.bfloat16)
+        assert torch.equal(logits, ev.logits)
+        idx, w = L.route(logits)
+        assert w.dtype == ev.weights.dtype == L.weights_for(logits, idx).dtype
+        assert_same_routing(idx, w, ev.idx, ev.weights, rtol=0, atol=0)
+    got, _, _ = run(model, layers, batch, policy=make_policy("norm:output", weights="router"))
+    assert got.dtype == torch.bfloat16 and got.isfinite().all()
+
+
+def test_deepseek_v2_greedy(tiny_model, batch):
+    """``topk_method="greedy"`` (V2-Lite) is followed too, and differs from the group-limited choice."""
+    model = copy.deepcopy(tiny_model("deepseek_v2"))
+    layers = find_moe_layers(model)
+    grouped = {L.index: L.route(L.logits(captured("deepseek_v2")[2][L.index].h))[0] for L in layers}
+    for L in layers:
+        L.router.topk_method = "greedy"
+    _, events, _ = run(model, layers, batch)
+    differs = 0
+    for L in layers:
+        ev = events[L.index]
+        idx, w = L.route(L.logits(ev.h))
+        assert_same_routing(idx, w, ev.idx, ev.weights, rtol=1e-6, atol=1e-7)
+        if L.index == layers[0].index:  # same input as the group-limited run
+            differs += int((~ops.same_set(idx, grouped[L.index])).sum())
+    assert differs > 0

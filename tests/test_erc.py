@@ -1,0 +1,210 @@
+"""``erc``: M, the loss, alpha_min, dominance and the noise against hand computations from the raw weights."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from conftest import build_tiny_model, reference_expert
+from moetool.adapters import find_moe_layers
+from moetool.commands.app import app
+from moetool.experiments.erc import (ErcOptions, derived_eps, erc_layer, erc_loss, noise_eps, proxy_tokens, run_erc)
+from moetool.loading import embedded_models
+
+runner = CliRunner()
+COLUMNS = {
+    "erc.csv": ["layer", "alpha", "erc_loss", "erc_loss_clean"],
+    "erc_layers.csv": ["layer", "n_experts", "alpha_min", "row_dominance", "col_dominance", "eps_mean",
+                       "router_abs_cos_mean"],
+    "erc_matrix.csv": ["layer", "i", "j", "m"],
+}
+
+
+# ----- hand references: one expert, one proxy at a time -----------------------------------------
+@torch.no_grad()
+def hand_gate_M(layer, X: torch.Tensor) -> torch.Tensor:
+    """``M[i, j] = ||W_g^j X_i||_2`` from the ``experts.gate_up_proj`` slices, a loop over experts."""
+    W = layer.experts.gate_up_proj  # [n, 2I, d], gate rows first
+    inter = W.shape[1] // 2
+    n = W.shape[0]
+    M = torch.zeros(X.shape[0], n, dtype=torch.float64)
+    for j in range(n):
+        Wg = W[j, :inter].double()  # [I, d]
+        for i in range(X.shape[0]):
+            M[i, j] = torch.linalg.norm(Wg @ X[i].double())
+    return M
+
+
+def hand_loss(M: torch.Tensor, alpha: float) -> float:
+    n = M.shape[0]
+    total = 0.0
+    for i in range(n):
+        for j in range(n):
+            if j != i:
+                total += max(M[i, j].item() - alpha * M[i, i].item(), 0.0)
+                total += max(M[j, i].item() - alpha * M[i, i].item(), 0.0)
+    return total / n ** 2
+
+
+def hand_alpha_min(M: torch.Tensor) -> float:
+    n = M.shape[0]
+    return max(max(M[i, j].item(), M[j, i].item()) / M[i, i].item() for i in range(n) for j in range(n) if i != j)
+
+
+def hand_eps(R: torch.Tensor) -> list[float]:
+    R = R.double()
+    out = []
+    for i in range(R.shape[0]):
+        nearest = min(torch.linalg.norm(R[i] - R[j]).item() for j in range(R.shape[0]) if j != i)
+        out.append(nearest / (2 * torch.linalg.norm(R[i]).item()))
+    return out
+
+
+def hand_dominance(M: torch.Tensor) -> tuple[float, float]:
+    n = M.shape[0]
+    row = sum(int(max(range(n), key=lambda j: M[i, j].item()) == i) for i in range(n)) / n
+    col = sum(int(max(range(n), key=lambda i: M[i, j].item()) == j) for j in range(n)) / n
+    return row, col
+
+
+# ----- tests ------------------------------------------------------------------------------------
+def test_matrix_loss_alpha_min_dominance_match_hand_computation():
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)[:2]
+    alphas = (0.4, 0.8, 1.0, 1.3)
+    res = run_erc(layers, ErcOptions(alphas=alphas, noise="none"), quiet=True)
+    erc, per_layer, matrix = res.tables()
+    assert list(erc.columns) == COLUMNS["erc.csv"] and list(per_layer.columns) == COLUMNS["erc_layers.csv"]
+    assert list(matrix.columns) == COLUMNS["erc_matrix.csv"]
+    for L in layers:
+        R = L.router.weight.detach()
+        M = hand_gate_M(L, R)
+        got = matrix[matrix["layer"] == L.index].pivot(index="i", columns="j", values="m").to_numpy()
+        np.testing.assert_allclose(got, M.numpy(), rtol=1e-5)
+        rows = erc[erc["layer"] == L.index]
+        np.testing.assert_allclose(rows["erc_loss_clean"], [hand_loss(M, a) for a in alphas], rtol=1e-5, atol=1e-9)
+        info = per_layer[per_layer["layer"] == L.index].iloc[0]
+        a_min = hand_alpha_min(M)
+        assert info["alpha_min"] == pytest.approx(a_min, rel=1e-5)
+        assert (info["row_dominance"], info["col_dominance"]) == hand_dominance(M)
+        assert info["n_experts"] == 8
+        # alpha_min is where the clean loss first vanishes
+        at, below = erc_loss(M, [a_min, a_min * (1 - 1e-3)]).tolist()
+        assert at == 0.0 and below > 0
+        assert hand_loss(M, a_min * (1 - 1e-3)) > 0
+        Rn = F.normalize(R.double(), dim=1)
+        cos = (Rn @ Rn.T).abs()
+        assert info["router_abs_cos_mean"] == pytest.approx(float((cos.sum() - cos.diagonal().sum()) / (8 * 7)),
+                                                            rel=1e-5)
+
+
+@pytest.mark.parametrize("model_type,node,norm", [("qwen3_moe", "glu", "l1"), ("gpt_oss", "output", "linf")])
+def test_other_nodes_and_families_match_the_per_expert_reference(model_type, node, norm):
+    """Any probe node and norm; routed experts of MoE layers only (qwen3 tiny: layers 1, 3 are MoE)."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    res = run_erc(layers, ErcOptions(noise="none", node=node, norm=norm), quiet=True)
+    assert [r.layer for r in res.layers] == [L.index for L in layers]
+    order = {"l1": 1, "linf": float("inf")}[norm]
+    for L, r in zip(layers, res.layers):
+        R = L.router_weight().detach().float()
+        n = R.shape[0]
+        with torch.no_grad():
+            M = torch.stack([torch.linalg.vector_norm(reference_expert(model_type, L, j, R)[node], ord=order, dim=-1)
+                             for j in range(n)], dim=1)  # [proxy i, expert j]
+        torch.testing.assert_close(r.M, M.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_planted_coupling_is_strictly_diagonal_and_random_weights_are_not():
+    random_res = run_erc(find_moe_layers(build_tiny_model("mixtral")), ErcOptions(noise="none"), quiet=True)
+    for r in random_res.layers:  # seed 0 of the shared tiny model: no layer is coupled
+        assert r.row_dominance < 1 and r.col_dominance < 1
+
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    layers = find_moe_layers(model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for L in layers:
+            W = L.experts.gate_up_proj  # [n, 2I, d]
+            n, inter, d = W.shape[0], W.shape[1] // 2, W.shape[2]
+            V = torch.linalg.qr(torch.randn(d, n, generator=gen))[0]  # [d, n] orthonormal: distinct directions v_i
+            for i in range(n):
+                u = F.normalize(torch.randn(inter, generator=gen), dim=0)
+                W[i, :inter] += 3.0 * torch.outer(u, V[:, i])  # a dominant rank-one component u_i v_iᵀ
+                top = torch.linalg.svd(W[i, :inter])[2][0]  # top right-singular vector of W_g^i
+                L.router.weight[i] = 0.5 * top
+    res = run_erc(layers, ErcOptions(noise="none"), quiet=True)
+    for L, r in zip(layers, res.layers):
+        assert r.row_dominance == 1.0 and r.col_dominance == 1.0
+        assert r.alpha_min < 0.5  # every off-diagonal entry far below its diagonal
+        assert r.loss_clean[-1] == 0.0  # alpha = 1: no violation at all
+        assert hand_dominance(hand_gate_M(L, L.router.weight.detach())) == (1.0, 1.0)
+
+
+def test_noise_none_derived_eps_and_sample_average():
+    model = build_tiny_model("mixtral")
+    L = find_moe_layers(model)[1]
+    R = L.router.weight.detach()
+    # none: every draw is the clean M
+    r = erc_layer(L, ErcOptions(noise="none", samples=3))
+    assert r.loss == r.loss_clean and r.eps_mean == 0.0
+    # derived eps: nearest other row, by hand
+    np.testing.assert_allclose(derived_eps(R).numpy(), hand_eps(R), rtol=1e-5)
+    # a fixed float: δ within [1 − eps, 1 + eps], different per draw, and every draw is seeded
+    X = proxy_tokens(R, noise_eps(R, 0.3), 2, torch.Generator().manual_seed(0))  # [2, n, d]
+    ratio = X / R
+    assert ratio.min() >= 0.7 - 1e-6 and ratio.max() <= 1.3 + 1e-6 and not torch.equal(X[0], X[1])
+    assert torch.equal(X, proxy_tokens(R, noise_eps(R, 0.3), 2, torch.Generator().manual_seed(0)))
+    # derived noise, 3 draws: erc_loss is the mean of each draw's loss, recomputed by hand from the same draws
+    opts = ErcOptions(noise="derived", samples=3, alphas=(0.6, 1.0), seed=5)
+    r = erc_layer(L, opts)
+    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + L.index)
+    draws = proxy_tokens(R, torch.tensor(hand_eps(R), dtype=torch.float32), 3, gen)
+    for a, got in zip(opts.alphas, r.loss):
+        want = np.mean([hand_loss(hand_gate_M(L, draws[s]), a) for s in range(3)])
+        assert got == pytest.approx(want, rel=1e-4)
+    assert r.loss != r.loss_clean
+    assert r.eps_mean == pytest.approx(np.mean(hand_eps(R)), rel=1e-5)
+
+
+def test_cli_on_a_saved_tiny_model(tmp_path):
+    model = build_tiny_model("mixtral")
+    model.save_pretrained(tmp_path / "model")
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["erc", "--model", str(tmp_path / "model"), "--out", str(out), "--noise", "none",
+                            "--samples", "2", "--layers", "0,3", "--alpha", "0.5,1", "-q"])
+    assert r.exit_code == 0, r.output
+    tables = {name: pd.read_csv(out / name) for name in COLUMNS}
+    for name, cols in COLUMNS.items():
+        assert list(tables[name].columns) == cols
+    erc = tables["erc.csv"]
+    assert sorted(erc["layer"].unique()) == [0, 3] and list(erc["alpha"][:2]) == [0.5, 1.0]
+    np.testing.assert_allclose(erc["erc_loss"], erc["erc_loss_clean"], rtol=1e-12)
+    L3 = find_moe_layers(model)[3]
+    m = tables["erc_matrix.csv"].query("layer == 3").pivot(index="i", columns="j", values="m").to_numpy()
+    np.testing.assert_allclose(m, hand_gate_M(L3, L3.router.weight.detach()).numpy(), rtol=1e-5)
+    assert (out / "figures" / "erc_matrix.png").is_file() and (out / "manifest.json").is_file()
+    for bad, msg in ((["--noise", "lots"], "--noise"), (["--layers", "9"], "not MoE layers"),
+                     (["--alpha", "0.5,x"], "bad alpha")):
+        r = runner.invoke(app, ["erc", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "bad"),
+                                "--force", "-q", *bad])
+        errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]  # (the loader may print progress)
+        assert r.exit_code == 2 and len(errors) == 1 and msg in errors[0], r.output
+
+
+@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
+def test_cli_on_embedded_tiny(tmp_path):
+    r = runner.invoke(app, ["erc", "--model", "tiny", "--out", str(tmp_path), "--samples", "2", "-q"])
+    assert r.exit_code == 0, r.output
+    per_layer = pd.read_csv(tmp_path / "erc_layers.csv")
+    assert list(per_layer.columns) == COLUMNS["erc_layers.csv"]
+    assert per_layer["alpha_min"].gt(0).all() and per_layer["row_dominance"].between(0, 1).all()
+    erc = pd.read_csv(tmp_path / "erc.csv")
+    # the loss is non-increasing in alpha in every layer
+    assert (erc.sort_values(["layer", "alpha"]).groupby("layer")["erc_loss_clean"].diff().dropna() <= 1e-12).all()

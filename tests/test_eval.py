@@ -1,0 +1,154 @@
+"""eval: the shipped offline tasks through lm-eval's HFLM, with the routing policy really applied."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import pandas as pd
+import pytest
+import torch
+from conftest import build_tiny_model
+from typer.testing import CliRunner
+
+from moetool.commands.app import app
+from moetool.engine.hooks import Engine
+from moetool.experiments import lmeval
+from moetool.experiments import norm_select as ns
+from moetool.loading import embedded_models, load
+from moetool.policies import make_policy
+
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+TASK = "moetool_prose"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The conftest tiny Mixtral with a small byte-level BPE tokenizer trained on the shipped task text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = lmeval.shipped_tasks_dir()
+    texts = [json.loads(l)["context"] for f in sorted(root.glob("*.jsonl")) for l in f.read_text().splitlines()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<eos>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path_factory.mktemp("tiny-tok")
+    build_tiny_model("mixtral").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>").save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("network access attempted")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_plan_finds_the_shipped_tasks_offline(no_network):
+    plan = lmeval.plan_tasks(["moetool_code", TASK])
+    assert plan.offline and not plan.include_defaults
+    assert [s["task"] for s in plan.specs] == ["moetool_code", TASK]
+    for spec in plan.specs:
+        files = spec["dataset_kwargs"]["data_files"]
+        assert set(files) == {"test", "train"}
+        for f in files.values():
+            rows = [json.loads(l) for l in open(f)]
+            assert len(rows) >= 10 and all(len(r["choices"]) == 4 and 0 <= r["label"] < 4 for r in rows)
+
+
+def plan_file(task):
+    return lmeval.plan_tasks([task]).specs[0]["dataset_kwargs"]["data_files"]["test"]
+
+
+def _loglikelihoods(res):
+    return {(s["doc_id"], i): r[0][0] for s in res for i, r in enumerate(s["resps"])}
+
+
+def hand_loglikelihood(lm, context, continuation, policy):
+    """log P(continuation | context) with my own forward under ``policy``, split as lm-eval splits the pair."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = lm.tokenizer(context + continuation, add_special_tokens=False).input_ids
+    ctx_len = len(lm.tokenizer(context, add_special_tokens=False).input_ids)
+    ids = torch.tensor([whole[:-1]])
+    with torch.no_grad(), Engine(lm.model, lm.layers, policy=policy):
+        logp = torch.log_softmax(lm.model(ids).logits[0].float(), -1)  # [S, V]
+    return sum(float(logp[t - 1, whole[t]]) for t in range(ctx_len, len(whole)))
+
+
+def test_routing_reaches_lm_eval_loglikelihoods(model_dir, no_network):
+    from lm_eval import evaluator
+
+    lm = load(str(model_dir))
+    plan = lmeval.plan_tasks([TASK])
+    hflm = lmeval.make_hflm(lm, batch_size=4)
+    with lmeval.hub_offline(plan.offline):  # the unhooked reference: lm-eval alone
+        plain = evaluator.simple_evaluate(model=hflm, tasks=list(plan.specs), limit=3, log_samples=True,
+                                          task_manager=plan.task_manager())["samples"][TASK]
+    router = lmeval.evaluate(lm, plan, policy=make_policy("router"), limit=3, hflm=hflm, log_samples=True,
+                             quiet=True)
+    norm = make_policy("norm:gate")
+    normed = lmeval.evaluate(lm, plan, policy=norm, limit=3, hflm=hflm, log_samples=True, quiet=True)
+    ref, a, b = (_loglikelihoods(x) for x in (plain, router.samples[TASK], normed.samples[TASK]))
+    assert len(ref) == 12 and a == ref  # router: exactly lm-eval's unhooked numbers
+    assert all(not math.isclose(b[k], ref[k], rel_tol=1e-6) for k in ref)  # the policy really ran
+    s = normed.samples[TASK][0]
+    ctx, cont = s["arguments"][1]
+    assert b[(s["doc_id"], 1)] == pytest.approx(hand_loglikelihood(lm, ctx, cont, norm), abs=2e-3)
+    for res in (router, normed):
+        samples = res.samples[TASK]
+        hand_acc = sum(max(range(4), key=lambda i: d["resps"][i][0][0]) == d["target"] for d in samples) / 3
+        assert res.value(TASK, "acc") == pytest.approx(hand_acc) and 0.0 <= hand_acc <= 1.0
+        assert res.n_samples[TASK]["effective"] == 3
+
+
+def test_eval_and_norm_select_cli_offline(model_dir, tmp_path, no_network):
+    runner = CliRunner()
+    r = runner.invoke(app, ["eval", "--model", str(model_dir), "--tasks", TASK, "--limit", "2", "--routing",
+                            "norm:up", "--out", str(tmp_path / "e"), "-q"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "e" / "eval.csv")
+    assert list(df.columns) == list(lmeval.EVAL_COLUMNS) and set(df.metric) == {"acc", "acc_norm"}
+    assert df.value.between(0, 1).all()
+    man = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert man["eval"]["offline"] and man["routing"] == "norm:up:l2"
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(json.loads(l)["context"] for l in open(plan_file(TASK))))
+    r = runner.invoke(app, ["norm-select", "--model", str(model_dir), "--nodes", "gate", "--tasks", TASK,
+                            "--limit", "2", "--data", str(text), "--seq-len", "32", "--max-tokens", "64",
+                            "--out", str(tmp_path / "n"), "-q"])
+    assert r.exit_code == 0, r.output
+    q = pd.read_csv(tmp_path / "n" / "quality.csv")
+    a = pd.read_csv(tmp_path / "n" / "agreement.csv")
+    assert list(q.columns) == list(ns.QUALITY_COLUMNS) and list(a.columns) == list(ns.AGREEMENT_COLUMNS)
+    assert set(q.policy) == set(a.policy) == {"router", "norm:gate:l2"}
+    assert set(q.metric) == {"perplexity", "acc", "acc_norm"} and set(q.task) == {"text", TASK}
+    acc = q[q.metric == "acc"].set_index("policy")
+    assert acc.loc["norm:gate:l2", "router_value"] == acc.loc["router", "value"]
+    assert (a[a.policy == "router"][["topk_overlap", "top1_agree"]] == 1.0).all().all()
+    assert (tmp_path / "n" / "figures" / "retention.png").is_file()
+    assert (tmp_path / "n" / "figures" / "agreement_by_layer.png").is_file()
+
+
+@pytest.mark.parametrize("args", [["--tasks", ""], ["--tasks", TASK, "--routing", "norm:glue"],
+                                  ["--tasks", TASK, "--include-path", "/no/such/dir"],
+                                  ["--tasks", TASK, "--weights", "x"]])
+def test_bad_flags_are_one_line_exit_2(args, tmp_path):
+    r = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "o"), *args])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
+
+
+@needs_tiny
+@pytest.mark.parametrize("task", ["moetool_code", "moetool_prose"])
+def test_embedded_model_is_above_chance_on_the_shipped_tasks(task, no_network):
+    lm = load("tiny")
+    res = lmeval.evaluate(lm, lmeval.plan_tasks([task]), limit=40, batch_size=8, quiet=True)
+    assert res.value(task, "acc") >= 0.45  # chance is 0.25; 40 items: p(>= 18 right by chance) < 1e-3

@@ -1,0 +1,177 @@
+"""fluctuation: identical checkpoints, a perturbed router against a hand computation, refusals, the CLI."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from typer.testing import CliRunner
+
+from moetool import ops
+from moetool.adapters import ADAPTERS, find_moe_layers
+from moetool.commands.app import app
+from moetool.data import TokenSet
+from moetool.engine import Engine
+from moetool.errors import MoetoolError
+from moetool.experiments.fluctuation import (COLUMNS, FluctuationOptions, check_checkpoints, pairs, processing_order,
+                                             run_fluctuation)
+from moetool.loading import embedded_models, load
+
+J = 2  # the perturbed layer
+CHANGE = ["top1_change", "topk_change"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """The tiny Mixtral saved as A, and as B with layer J's router perturbed (save_pretrained round trips)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    model = build_tiny_model("mixtral")
+    model.save_pretrained(root / "a")
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(42)
+    with torch.no_grad():
+        w = find_moe_layers(other)[J].router.weight
+        w.add_(0.08 * torch.randn(w.shape, generator=g))
+    other.save_pretrained(root / "b")
+    cfg = ADAPTERS.get("mixtral").tiny_config()
+    cfg.num_local_experts = 4
+    cfg.save_pretrained(root / "n4")
+    ADAPTERS.get("qwen3_moe").tiny_config().save_pretrained(root / "qwen")
+    return {k: str(root / k) for k in ("a", "b", "n4", "qwen")}
+
+
+def tokens() -> TokenSet:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 1024, (4, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 11:] = 0
+    return TokenSet(ids, mask, [""] * 4, "test")
+
+
+def loader(name: str):
+    return load(name, attn_implementation="eager", tokenizer=False)
+
+
+def test_identical_checkpoints_change_nothing(ckpts):
+    opts = FluctuationOptions(isolate=True, batch_size=2)
+    df = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
+    assert list(df.columns) == COLUMNS
+    assert set(df["routing"]) == {"router", "similarity", "attention", "router-isolated", "similarity-isolated",
+                                  "attention-isolated"}
+    assert len(df) == 6 * 4 and (df["tokens"] == 64 - 5).all()
+    assert (df[CHANGE] == 0).all().all()
+    assert (df[["topk_overlap", "jaccard", "entropy_ratio"]] == 1).all().all()
+    assert (df["entropy_ref"] > 0).all()
+
+
+def hand_change(h: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, K: int) -> dict[str, float]:
+    """Top-1 / top-K change and mean entropies of softmax(h Wᵀ) for two router weights, by sorting."""
+    out = {}
+    pa, pb = torch.softmax(h @ wa.T, -1), torch.softmax(h @ wb.T, -1)
+    sa, sb = pa.argsort(-1, descending=True), pb.argsort(-1, descending=True)
+    out["top1_change"] = sum(int(x != y) for x, y in zip(sa[:, 0].tolist(), sb[:, 0].tolist())) / len(h)
+    out["topk_change"] = sum(int(set(x[:K]) != set(y[:K])) for x, y in zip(sa.tolist(), sb.tolist())) / len(h)
+    out["topk_overlap"] = sum(len(set(x[:K]) & set(y[:K])) / K for x, y in zip(sa.tolist(), sb.tolist())) / len(h)
+    out["entropy_ref"] = float(-(pa * pa.log()).sum(-1).mean())
+    out["entropy_ckpt"] = float(-(pb * pb.log()).sum(-1).mean())
+    return out
+
+
+def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
+    opts = FluctuationOptions(routings=("router",), isolate=True, batch_size=2)
+    df = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
+    assert (df["reference"] == ckpts["a"]).all() and (df["checkpoint"] == ckpts["b"]).all()
+    before = df[df["layer"] < J]
+    assert len(before) == 2 * J and (before[CHANGE] == 0).all().all() and (before["entropy_ratio"] == 1).all()
+    # hand computation at layer J: the MoE input there is the same in both checkpoints
+    a, b = loader(ckpts["a"]), loader(ckpts["b"])
+    hs = []
+    tk = tokens()
+    with torch.no_grad(), Engine(a.model, [a.layers[J]], consumers=[lambda ev: hs.append(ev.h[ev.valid])]):
+        for bt in tk.batches(2):
+            a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
+    h = torch.cat(hs).double()
+    want = hand_change(h, a.layers[J].router.weight.double(), b.layers[J].router.weight.double(), 2)
+    assert want["topk_change"] > 0  # the perturbation really moved some choices
+    for routing in ("router", "router-isolated"):
+        row = df[(df["layer"] == J) & (df["routing"] == routing)].iloc[0]
+        for k, v in want.items():
+            assert row[k] == pytest.approx(v, abs=1e-6), (routing, k)
+    # isolated rows after J: the same h through both routers; later routers are identical -> no change
+    after = df[(df["layer"] > J) & (df["routing"] == "router-isolated")]
+    assert (after[CHANGE] == 0).all().all()
+
+
+def test_reference_modes_and_processing_order():
+    assert pairs("abc", "previous") == [(0, 1), (1, 2)]
+    assert pairs("abc", "first") == [(0, 1), (0, 2)]
+    assert pairs("abc", "last") == [(2, 0), (2, 1)]
+    for ref in ("previous", "first", "last"):
+        order = processing_order(4, ref)
+        assert all(order.index(c) < order.index(r) for r, c in pairs("abcd", ref))
+    with pytest.raises(MoetoolError):
+        pairs(["a"], "previous")
+
+
+def test_three_checkpoints_reference_last(ckpts):
+    """a, b, a with reference last: (a -> a) is all zeros, (a -> b) equals the two-checkpoint run."""
+    opts = FluctuationOptions(routings=("router",), reference="last", batch_size=2)
+    df = run_fluctuation([ckpts["a"], ckpts["b"], ckpts["a"]], tokens(), opts, loader)
+    same = df[df["checkpoint"] == ckpts["a"]]
+    assert len(same) == 4 and (same[CHANGE] == 0).all().all()
+    moved = df[(df["checkpoint"] == ckpts["b"]) & (df["layer"] == J)]
+    assert float(moved["topk_change"].iloc[0]) > 0
+
+
+@pytest.mark.parametrize("other,field", [("n4", "num_local_experts"), ("qwen", "model_type")])
+def test_mismatched_checkpoints_refused_in_one_line(ckpts, other, field):
+    with pytest.raises(MoetoolError, match=field):
+        check_checkpoints([ckpts["a"], ckpts[other]])
+    r = CliRunner().invoke(app, ["fluctuation", ckpts["a"], ckpts[other], "-q"])
+    assert r.exit_code == 2
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoints differ in architecture"), r.output
+
+
+def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
+    """entropy_ref for similarity routing = mean -Σ s log s of the policy's normalised scores (layer 0, whose
+    input does not depend on any routing), not the entropy of π."""
+    from moetool.policies import make_policy
+
+    opts = FluctuationOptions(routings=("similarity",), tau=40.0, batch_size=2)
+    df = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
+    a = loader(ckpts["a"])
+    pol = make_policy("similarity", tau=40.0)
+    ent, ent_pi = [], []
+    with torch.no_grad(), Engine(a.model, [a.layers[0]], consumers=[
+            lambda ev: (ent.append(pol.scores(ev)[ev.valid].double()), ent_pi.append(ev.probs[ev.valid]))]):
+        for bt in tokens().batches(2):
+            a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
+    s = torch.cat(ent)
+    want = float((-(s * s.clamp_min(1e-300).log()).sum(-1)).mean())
+    got = float(df[df["layer"] == 0]["entropy_ref"].iloc[0])
+    assert got == pytest.approx(want, rel=1e-5)
+    assert abs(got - float(ops.entropy(torch.cat(ent_pi)).mean())) > 1e-3
+
+
+needs_pairs = pytest.mark.skipif(not {"tiny", "tiny-early"} <= set(embedded_models()),
+                                 reason="embedded checkpoints not built")
+
+
+@needs_pairs
+def test_cli_on_embedded_checkpoints(tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "f"
+    r = CliRunner().invoke(app, ["fluctuation", "tiny-early", "tiny", "tiny", "--max-tokens", "512", "--seq-len",
+                                 "128", "--isolate", "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "fluctuation.csv")
+    assert list(df.columns) == COLUMNS
+    same = df[(df["reference"] == "tiny") & (df["checkpoint"] == "tiny")]
+    assert len(same) > 0 and (same[CHANGE] == 0).all().all()
+    moved = df[(df["reference"] == "tiny-early") & (df["routing"] == "router")]
+    assert (moved["top1_change"] > 0).any()
+    assert (out / "figures" / "fluctuation_by_layer.png").exists()

@@ -1,0 +1,225 @@
+"""mass-recall: the streaming spherical k-means, hand-computed mass recall, invariants and Proposition 1."""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from typer.testing import CliRunner
+
+from moetool import ops
+from moetool.adapters import find_moe_layers
+from moetool.commands.app import app
+from moetool.data import TokenSet
+from moetool.engine import Engine
+from moetool.experiments.kmeans import SphericalKMeans
+from moetool.experiments.mass_recall import (COLUMNS, MassRecallOptions, evaluate, run_mass_recall,
+                                             token_metrics)
+from moetool.loading import embedded_models
+
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+
+# ----- k-means -----------------------------------------------------------------------------------------
+def clustered(n_clusters: int, d: int, per_batch: int, batches: int, spread: float, seed: int):
+    """Batches of tokens around ``n_clusters`` random unit centres (random scales: k-means is spherical);
+    returns the centres, the batches and a sampler of fresh tokens from the same clusters."""
+    g = torch.Generator().manual_seed(seed)
+    centres = ops.unit(torch.randn(n_clusters, d, generator=g))
+
+    def sample(n: int):
+        lab = torch.randint(n_clusters, (n,), generator=g)
+        x = centres[lab] + spread * torch.randn(n, d, generator=g)
+        return x * (0.5 + 3 * torch.rand(n, 1, generator=g)), lab
+
+    return centres, [sample(per_batch) for _ in range(batches)], sample
+
+
+def test_kmeans_recovers_well_separated_clusters():
+    centres, data, sample = clustered(6, 16, 300, 20, 0.05, seed=1)
+    km = SphericalKMeans(6, seed=0)
+    for x, _ in data:
+        km.update(x)
+        assert (km.counts >= km.tau).all()  # no dead codeword survives an update
+    cos = centres @ km.codebook.T  # [6, 6]
+    assert (cos.max(1).values > 0.99).all() and (cos.max(0).values > 0.99).all()  # one codeword per cluster
+    x, lab = sample(500)
+    g = km.assign(x)
+    assert torch.equal(torch.bincount(g, minlength=6) > 0, torch.ones(6, dtype=torch.bool))
+    # assignment is a relabelling of the true clusters
+    assert all(len(set(g[lab == c].tolist())) == 1 for c in range(6))
+
+
+def test_kmeans_reinitialises_dead_codewords_on_batch_tokens():
+    _, data, sample = clustered(3, 16, 200, 6, 0.05, seed=3)
+    km = SphericalKMeans(6, seed=0)
+    km.update(data[0][0])
+    away = -ops.unit(ops.unit(data[0][0]).mean(0))  # opposite to the data's mean direction
+    # two codewords moved away from all data, with the count a fresh codeword has: they draw no token,
+    # their EMA count falls to 0.95 < τ = 1
+    km.sums[:2] = torch.stack([away, ops.unit(away + 0.1 * km.codebook[2])])
+    km.counts[:2] = 1.0
+    km.codebook = ops.unit(km.sums)
+    before = km.reinits
+    x = data[1][0]
+    assert (ops.unit(x) @ km.codebook[:2].T < ops.unit(x) @ km.codebook[2:].T.max(1, keepdim=True).values).all()
+    km.update(x)
+    assert km.reinits - before >= 2
+    assert torch.equal(km.counts[:2], torch.ones(2))
+    # each re-initialised codeword is one of the batch's tokens (on the sphere)
+    assert ((ops.unit(x) @ km.codebook[:2].T).max(0).values > 1 - 1e-6).all()
+    for x, _ in data[2:]:
+        km.update(x)
+        assert (km.counts >= 1).all()
+    x, _ = sample(2000)
+    assert (torch.bincount(km.assign(x), minlength=6) > 0).all()  # no codeword left unused
+
+
+# ----- Proposition 1 on synthetic data, where the bound is tight enough to fail -------------------
+def synthetic(scale: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n, d, G = 16, 8, 4
+    w = ops.unit(torch.randn(n, d, generator=g).double()) * scale  # [n, d]
+    cb = ops.unit(torch.randn(G, d, generator=g).double())  # [G, d]
+    gi = torch.randint(G, (400,), generator=g)
+    h = cb[gi] + 0.1 * torch.randn(400, d, generator=g).double()  # tokens near their codewords
+    ga = (ops.unit(h) @ cb.T).argmax(-1)
+    eps = torch.linalg.vector_norm(h - cb[ga], dim=-1)
+    ph, pc = torch.softmax(h @ w.T, -1), torch.softmax(cb @ w.T, -1)
+    return ph, ops.topk(ph, 2), ga, eps, pc, (cb @ w.T).argsort(-1, descending=True)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_bound_holds_for_unit_centroids_and_is_not_vacuous(m):
+    ph, top, g, eps, pc, order = synthetic(1.0)
+    in_list = torch.zeros_like(pc, dtype=torch.bool).scatter_(1, order[:, :m], True)
+    t = token_metrics(ph, top, g, eps, pc, in_list)
+    assert (t["mass"] >= t["bound"]).all()
+    assert t["bound"].mean() > 0.4 * t["mass"].mean()  # ε ≈ 0.3: the bound has teeth here
+
+
+def test_bound_check_can_fail_when_router_rows_are_long():
+    """With ||w_e|| = 8 the Cauchy-Schwarz step breaks: some token violates the 'bound' (so it is not vacuous)."""
+    ph, top, g, eps, pc, order = synthetic(8.0)
+    in_list = torch.zeros_like(pc, dtype=torch.bool).scatter_(1, order[:, :3], True)
+    assert token_metrics(ph, top, g, eps, pc, in_list)["holds"].mean() < 1.0
+
+
+# ----- the experiment on a tiny random model -----------------------------------------------------
+def tokens_for_test(rows: int = 6, seq: int = 24, seed: int = 5) -> TokenSet:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 1024, (rows, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, seq * 3 // 4:] = 0  # a right-padded row
+    return TokenSet(ids, mask, [""] * rows, "test")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_result(model_type: str):
+    model = build_tiny_model(model_type)
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), device=model.device)
+    opts = MassRecallOptions(codebook_sizes=(3, 12), shortlists=(1, 2, 4, 8, 9), batch_size=3)
+    return run_mass_recall(lm, tokens_for_test(), opts, quiet=True)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_invariants_on_tiny_model(model_type):
+    res = tiny_result(model_type)
+    df = res.table
+    assert list(df.columns) == COLUMNS
+    assert (df["tokens"] == 6 * 24 - 6).all()
+    assert any("[9]" in note for note in res.notes) and 9 not in set(df["shortlist_size"])  # M > n skipped
+    full = df[df["shortlist_size"] == 8]  # n = 8
+    assert (full["mass_recall_mean"] == 1.0).all() and (full["mass_recall_p05"] == 1.0).all()
+    assert (full["topk_recall"] == 1.0).all() and (full["exact_topk_rate"] == 1.0).all()
+    for _, grp in df.groupby(["layer", "codebook_size", "centroids"]):
+        grp = grp.sort_values("shortlist_size")
+        for col in ("mass_recall_mean", "mass_recall_p05", "topk_recall", "exact_topk_rate", "bound_mean",
+                    "expert_coverage"):
+            assert (grp[col].diff().dropna() >= 0).all(), col
+        assert grp["quant_error_mean"].nunique() == 1 and grp["dead_codes"].nunique() == 1
+    assert (df.loc[df["centroids"] == "unit", "bound_holds_rate"] == 1.0).all()
+    assert ((df["router_flops_frac"] - (df["codebook_size"] + df["shortlist_size"]) / 8).abs() < 1e-12).all()
+    assert (df.loc[df["shortlist_size"] == 1, "exact_topk_rate"] == 0).all()  # M < K never holds the top-K
+
+
+def test_mass_recall_matches_hand_computation():
+    """A fixed codebook; every column recomputed token by token from the captured router inputs."""
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    L = layers[2]
+    tokens = tokens_for_test(rows=2, seq=7, seed=9)
+    caught = []
+    with torch.no_grad(), Engine(model, [L], consumers=[lambda ev: caught.append(ev.h[ev.valid].double())]):
+        model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+    H = caught[0].tolist()
+    g = torch.Generator().manual_seed(11)
+    km = SphericalKMeans(5)
+    km.codebook = ops.unit(torch.randn(5, H[0].__len__(), generator=g))
+    opts = MassRecallOptions(codebook_sizes=(5,), shortlists=(3,), centroids=("raw", "unit"), batch_size=2)
+    lm = SimpleNamespace(model=model, layers=layers, device=model.device)
+    df = evaluate(lm, tokens, [L], {(L.index, 5): km}, opts, quiet=True).table.set_index("centroids")
+    C = km.codebook.double().tolist()
+    W = L.router_weight().detach().double().tolist()
+
+    def dot(a, b):
+        return sum(x * y for x, y in zip(a, b))
+
+    def softmax(v):
+        m = max(v)
+        e = [math.exp(x - m) for x in v]
+        return [x / sum(e) for x in e]
+
+    for mode in ("raw", "unit"):
+        Wm = W if mode == "raw" else [[x / math.sqrt(dot(r, r)) for x in r] for r in W]
+        shortlists = [sorted(range(8), key=lambda e: -dot(c, Wm[e]))[:3] for c in C]
+        mass, hits, exact, eps_s, bound, used = [], [], [], [], [], set()
+        for h in H:
+            a = max(range(5), key=lambda k: dot(h, C[k]) / math.sqrt(dot(C[k], C[k])))
+            used.add(a)
+            p = softmax([dot(h, r) for r in Wm])
+            top = sorted(range(8), key=lambda e: -p[e])[:2]
+            mass.append(sum(p[e] for e in shortlists[a]))
+            hits.append(len(set(top) & set(shortlists[a])) / 2)
+            exact.append(float(set(top) <= set(shortlists[a])))
+            eps = math.sqrt(sum((x - y) ** 2 for x, y in zip(h, C[a])))
+            pc = softmax([dot(C[a], r) for r in Wm])
+            eps_s.append(eps)
+            bound.append(math.exp(-2 * eps) * sum(pc[e] for e in shortlists[a]))
+        row = df.loc[mode]
+        n_tok = len(H)
+        assert row["tokens"] == n_tok == 12
+        assert row["mass_recall_mean"] == pytest.approx(sum(mass) / n_tok, abs=1e-6)
+        assert row["topk_recall"] == pytest.approx(sum(hits) / n_tok, abs=1e-12)
+        assert row["exact_topk_rate"] == pytest.approx(sum(exact) / n_tok, abs=1e-12)
+        assert row["quant_error_mean"] == pytest.approx(sum(eps_s) / n_tok, rel=1e-6)
+        assert row["bound_mean"] == pytest.approx(sum(bound) / n_tok, rel=1e-5)
+        assert row["dead_codes"] == 5 - len(used)
+        covered = {e for a in used for e in shortlists[a]}
+        assert row["expert_coverage"] == pytest.approx(len(covered) / 8)
+        srt = sorted(mass)
+        assert abs(row["mass_recall_p05"] - srt[math.ceil(0.05 * n_tok) - 1]) <= 1 / 4096 + 1e-12
+
+
+# ----- the command on the embedded models --------------------------------------------------------
+@needs_tiny
+@pytest.mark.parametrize("name", ["tiny", "tiny-fine"])
+def test_cli_on_embedded_model(tmp_path, name):
+    import pandas as pd
+
+    if name not in embedded_models():
+        pytest.skip(f"{name} not built")
+    out = tmp_path / name
+    r = CliRunner().invoke(app, ["mass-recall", "--model", name, "--max-tokens", "768", "--seq-len", "128",
+                                 "--codebook-size", "4,16", "--shortlist", "1,4,64", "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "mass_recall.csv")
+    assert list(df.columns) == COLUMNS
+    assert (df.loc[df["centroids"] == "unit", "bound_holds_rate"] == 1.0).all()
+    n = int(round(((df["codebook_size"] + df["shortlist_size"]) / df["router_flops_frac"]).iloc[0]))
+    assert set(df["shortlist_size"]) == {m for m in (1, 4, 64) if m <= n}
+    assert (out / "figures" / "mass_recall_vs_shortlist.png").exists()

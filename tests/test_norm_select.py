@@ -1,0 +1,183 @@
+"""norm-select: the norm policies against a per-expert hand computation, --layers, agreement, frames, CLI errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_tiny_model, padded_batch, reference_expert, run
+from typer.testing import CliRunner
+
+from moetool.adapters import find_moe_layers
+from moetool.commands.app import app
+from moetool.data import TokenSet
+from moetool.errors import MoetoolError
+from moetool.experiments import norm_select as ns
+from moetool.policies import make_policy
+
+ORD = {"l2": 2.0, "l1": 1.0, "linf": math.inf}
+
+
+def hand_choice(model_type, layer, h, node, norm, weights):
+    """Top-K of a node norm computed expert by expert from the raw weights, and the weights ``--weights`` asks."""
+    cfg = layer.config
+    n, K = cfg.num_local_experts if model_type == "mixtral" else cfg.num_experts, cfg.num_experts_per_tok
+    norms = torch.stack([torch.linalg.vector_norm(reference_expert(model_type, layer, e, h)[node].float(),
+                                                  ord=ORD[norm], dim=-1) for e in range(n)], dim=-1)  # [T, n]
+    idx = torch.argsort(norms, dim=-1, descending=True)[:, :K]  # [T, K]
+    if weights == "softmax":
+        w = torch.softmax(norms.gather(-1, idx), dim=-1)
+    elif weights == "router":
+        p = torch.softmax(F.linear(h, layer.block.gate.weight).float(), dim=-1).gather(-1, idx)
+        renorm = model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
+        w = p / p.sum(-1, keepdim=True) if renorm else p
+    else:
+        w = torch.full(idx.shape, 1.0 / K)
+    return idx, w, norms
+
+
+CASES = [("mixtral", "gate", "l2", "softmax"), ("mixtral", "up", "l1", "router"), ("mixtral", "act", "linf", "uniform"),
+         ("mixtral", "glu", "l2", "router"), ("mixtral", "output", "l1", "softmax"), ("olmoe", "gate", "l2", "router"),
+         ("olmoe", "output", "linf", "uniform")]
+
+
+@pytest.mark.parametrize("model_type,node,norm,weights", CASES)
+def test_norm_policy_runs_the_hand_computed_topk(model_type, node, norm, weights):
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    policy = make_policy(f"norm:{node}:{norm}", weights=weights)
+    _, events, _ = run(model, layers, padded_batch(), policy=policy)
+    changed = 0
+    for L in layers:
+        ev = events[L.index]
+        idx, w, norms = hand_choice(model_type, L, ev.h, node, norm, weights)
+        gap = norms.sort(-1, descending=True).values
+        clear = (gap[:, idx.shape[1] - 1] - gap[:, idx.shape[1]]) > 1e-4  # no near-tie at the K-th place
+        assert clear.float().mean() > 0.8
+        assert torch.equal(ev.chosen_idx[clear], idx[clear])
+        torch.testing.assert_close(ev.chosen_weights[clear].float(), w[clear].float(), rtol=1e-4, atol=1e-5)
+        changed += int((~(ev.chosen_idx.sort(-1).values == ev.idx.sort(-1).values).all(-1)).sum())
+    assert changed > 0  # the router's choice really was replaced somewhere
+
+
+def test_layers_leave_the_other_layers_untouched():
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    inputs = padded_batch()
+    target = layers[2].index
+    plain, plain_events, _ = run(model, layers, inputs)
+    logits, events, _ = run(model, layers, inputs, policy=make_policy("norm:gate"), policy_layers=[target])
+    for L in layers:
+        ev = events[L.index]
+        if L.index != target:  # the router's choice on whatever hidden state reached the layer
+            assert torch.equal(ev.chosen_idx, ev.idx) and torch.equal(ev.chosen_weights, ev.weights)
+        if L.index <= target:  # nothing upstream of the replaced layer moved
+            assert torch.equal(ev.h, plain_events[L.index].h)
+    assert not torch.equal(events[target].chosen_idx, events[target].idx)
+    # a manual run: my own pre-hook on the target layer's experts with the hand-computed choice
+    def manual(module, args):
+        h = args[0]
+        idx, w, _ = hand_choice("mixtral", layers[2], h, "gate", "l2", "softmax")
+        return h, idx, w.to(args[2].dtype)
+    handle = layers[2].experts.register_forward_pre_hook(manual)
+    try:
+        with torch.no_grad():
+            ref = model(**inputs).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-5)
+    empty, _, _ = run(model, layers, inputs, policy=make_policy("norm:gate"), policy_layers=[])
+    assert torch.equal(empty, plain)
+
+
+def _tokens(rows=3, seq=12):
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 1024, (rows, seq), generator=gen)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[-1, seq - 5:] = 0  # a right-padded last row, as data.pack makes
+    return TokenSet(ids, mask, [""] * rows, "test")
+
+
+class _LM:
+    def __init__(self, model_type):
+        self.model = build_tiny_model(model_type)
+        self.layers = find_moe_layers(self.model)
+
+
+def _hand_agreement(events, K):
+    """Per layer: mean |A ∩ B|/K and top-1 agreement over real tokens, python sets, from captured idx."""
+    out = {}
+    for ev in events:
+        s = out.setdefault(ev.layer.index, [0.0, 0, 0])
+        probs = torch.softmax(ev.logits.float(), -1)
+        for t in range(ev.h.shape[0]):
+            if not bool(ev.valid[t]):
+                continue
+            pol, ref = ev.chosen_idx[t].tolist(), ev.idx[t].tolist()
+            s[0] += len(set(pol) & set(ref)) / K
+            s[1] += int(pol[0] == max(ref, key=lambda e: float(probs[t, e])))
+            s[2] += 1
+    return {k: (v[0] / v[2], v[1] / v[2], v[2]) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("spec", ["router", "norm:glu:l1"])
+def test_agreement_equals_a_hand_computation(spec):
+    from moetool.experiments.ppl import perplexity
+
+    lm, tokens = _LM("mixtral"), _tokens()
+    meter, events = ns.AgreementMeter(), []
+    perplexity(lm, tokens, policy=make_policy(spec), consumers=[meter, events.append], batch_size=2, quiet=True)
+    df = meter.frame(spec)
+    assert list(df.columns) == list(ns.AGREEMENT_COLUMNS)
+    hand = _hand_agreement(events, K=2)
+    assert sorted(df.layer) == sorted(hand) == [L.index for L in lm.layers]
+    for r in df.itertuples():
+        ov, t1, n = hand[r.layer]
+        assert r.tokens == n == tokens.n_tokens
+        assert r.topk_overlap == pytest.approx(ov, abs=1e-12) and r.top1_agree == pytest.approx(t1, abs=1e-12)
+        if spec == "router":
+            assert r.topk_overlap == 1.0 and r.top1_agree == 1.0
+    if spec != "router":
+        assert df.topk_overlap.min() < 1.0
+
+
+def test_sweep_frames_and_table():
+    lm, tokens = _LM("mixtral"), _tokens()
+    specs = ns.sweep_specs(["gate", "output"], ["l2"])
+    assert specs == ["router", "norm:gate:l2", "norm:output:l2"]
+    res = ns.run_norm_select(lm, tokens, [make_policy(s) for s in specs], data="rand", policy_layers=[1, 3],
+                             batch_size=2, quiet=True)
+    assert list(res.agreement.columns) == list(ns.AGREEMENT_COLUMNS)
+    assert list(res.quality.columns) == list(ns.QUALITY_COLUMNS)
+    assert set(res.agreement.layer) == {1, 3}  # only the replaced layers
+    q = res.quality.set_index("policy")
+    assert (res.quality.task == "rand").all() and (res.quality.metric == "perplexity").all()
+    assert q.loc["router", "ratio"] == 1.0
+    for s in specs:
+        assert q.loc[s, "ratio"] == pytest.approx(q.loc[s, "value"] / q.loc["router", "value"])
+    assert q.loc["norm:gate:l2", "value"] != q.loc["router", "value"]
+    t = ns.table1(res.agreement, res.quality)
+    assert list(t.policy) == specs and t.loc[0, "top-K overlap"] == 1.0
+    with pytest.raises(MoetoolError):
+        ns.run_norm_select(lm, tokens, [make_policy("norm:gate")], batch_size=2, quiet=True)
+
+
+def test_parse_nodes_and_norms():
+    assert ns.parse_nodes("all") == ["gate", "up", "act", "glu", "output"]
+    assert ns.parse_nodes("output, gate,gate") == ["output", "gate"]
+    assert ns.parse_norms("l1,linf") == ["l1", "linf"]
+    for bad in ("", " , ", "gates", "gate,foo"):
+        with pytest.raises(MoetoolError):
+            ns.parse_nodes(bad)
+    with pytest.raises(MoetoolError):
+        ns.parse_norms("l3")
+
+
+@pytest.mark.parametrize("args", [["--nodes", "gaet"], ["--nodes", ""], ["--nodes", ","], ["--norm", "l3"],
+                                  ["--weights", "softmaxx"], ["--layers", "x-1"], ["--tasks", ""]])
+def test_bad_flags_are_one_line_exit_2(args, tmp_path):
+    r = CliRunner().invoke(app, ["norm-select", "--out", str(tmp_path / "o"), *args])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1

@@ -1,0 +1,174 @@
+"""Similarity- and Attention-Aware routing (Graph of Tokens) against explicit loops on a tiny padded batch."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_model, captured, padded_batch, run
+
+from moetool.adapters import find_moe_layers
+from moetool.errors import MoetoolError
+from moetool.policies import make_policy
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def hand_route(ev, rows: dict[tuple[int, int], list[tuple[int, float]]], K: int):
+    """For each real query (b, i) with its mixing list [(j, weight)], s_i = Σ_j weight π(h_j): top-K set and
+    renormalised weights, by explicit loops (fp64)."""
+    B, S = ev.shape
+    P = ev.probs.double().tolist()
+    out = {}
+    for (b, i), mix in rows.items():
+        s = [sum(wt * P[b * S + j][e] for j, wt in mix) for e in range(len(P[0]))]
+        top = sorted(range(len(s)), key=lambda e: -s[e])[:K]
+        tot = sum(s[e] for e in top)
+        out[(b, i)] = ({e: s[e] / tot for e in top}, [v / sum(s) for v in s])
+    return out
+
+
+def hand_similarity(ev, tau: float, cosine: bool = False, causal: bool = True):
+    """S[i, j] = softmax_j(sim(h_i, h_j) / tau) over real j (j <= i if causal), one (b, i) at a time."""
+    B, S = ev.shape
+    H = ev.h.double().tolist()
+    valid = ev.valid.tolist()
+
+    def sim(a, b):
+        dot = sum(x * y for x, y in zip(a, b))
+        if cosine:
+            dot /= math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+        return dot
+
+    rows = {}
+    for b in range(B):
+        for i in range(S):
+            if not valid[b * S + i]:
+                continue
+            js = [j for j in range(S) if valid[b * S + j] and (j <= i or not causal)]
+            w = _softmax([sim(H[b * S + i], H[b * S + j]) / tau for j in js])
+            rows[(b, i)] = list(zip(js, w))
+    return rows
+
+
+def assert_matches(ev, idx, w, want):
+    S = ev.shape[1]
+    assert len(want) == int(ev.valid.sum())
+    for (b, i), (chosen, _) in want.items():
+        t = b * S + i
+        got = dict(zip(idx[t].tolist(), w[t].double().tolist()))
+        assert set(got) == set(chosen), (b, i)
+        for e in got:
+            assert got[e] == pytest.approx(chosen[e], abs=1e-5)
+
+
+@pytest.mark.parametrize("tau,causal", [(None, True), (40.0, True), (40.0, False)])
+def test_similarity_dot_matches_loops(tau, causal):
+    """Raw dot product (paper, W_s = I): S by loops with causal mask and left padding, chosen set and weights."""
+    _, _, events = captured("mixtral")
+    ev = events[1]
+    pol = make_policy("similarity", tau=tau, causal=causal)
+    idx, w = pol.select(ev)
+    t = math.sqrt(ev.h.shape[-1]) if tau is None else tau
+    want = hand_route(ev, hand_similarity(ev, t, causal=causal), ev.layer.top_k)
+    assert_matches(ev, idx, w, want)
+    # the normalised score distribution kept for fluctuation's entropies
+    S = ev.shape[1]
+    for (b, i), (_, s) in want.items():
+        torch.testing.assert_close(ev.extra["scores"][b * S + i].double(), torch.tensor(s, dtype=torch.float64),
+                                   atol=1e-6, rtol=0)
+    # a diffuse S (tau=40) really mixes: some token's choice differs from its own router's
+    if tau == 40.0:
+        own = ev.idx.sort(-1).values
+        assert (idx.sort(-1).values != own)[ev.valid].any(-1).any()
+
+
+def test_similarity_tau_in_spec_and_cosine_option():
+    _, _, events = captured("mixtral")
+    ev = events[0]
+    a = make_policy("similarity:0.7", sim="cosine")
+    assert a.tau == 0.7 and a.sim == "cosine" and a.causal
+    idx, w = a.select(ev)
+    assert_matches(ev, idx, w, hand_route(ev, hand_similarity(ev, 0.7, cosine=True), ev.layer.top_k))
+    with pytest.raises(MoetoolError):
+        make_policy("similarity", sim="euclid")
+    with pytest.raises(MoetoolError):
+        make_policy("similarity:-1")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_similarity_cosine_zero_tau_is_the_router(model_type):
+    """cos(h_i, h_i) = 1 beats every other token when tau -> 0: each token keeps its own top-K and π."""
+    _, _, events = captured(model_type)
+    for ev in events.values():
+        idx, w = make_policy("similarity", sim="cosine", tau=1e-4).select(ev)
+        v = ev.valid
+        assert torch.equal(idx[v].sort(-1).values, ev.idx[v].sort(-1).values)
+        want = ev.probs.gather(-1, idx) / ev.probs.gather(-1, idx).sum(-1, keepdim=True)
+        torch.testing.assert_close(w[v].float(), want[v].float(), atol=1e-5, rtol=0)
+
+
+def test_similarity_runs_in_the_engine_with_padding():
+    """Applied in every layer through the engine: what runs is the policy's choice; padded rows stay finite."""
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    pol = make_policy("similarity", tau=40.0)
+    logits, events, _ = run(model, layers, padded_batch(), policy=pol)
+    assert torch.isfinite(logits).all()
+    for ev in events.values():
+        idx, w = pol.select(ev)
+        assert torch.equal(ev.chosen_idx, idx)
+        torch.testing.assert_close(ev.chosen_weights, w.to(ev.chosen_weights.dtype))
+        assert torch.isfinite(ev.chosen_weights).all()
+
+
+@functools.lru_cache(maxsize=None)
+def eager_run(family: str):
+    """The tiny model with eager attention, the attention policy applied; events carry the attention probs."""
+    model = copy.deepcopy(build_tiny_model(family))
+    model.set_attn_implementation("eager")
+    layers = find_moe_layers(model)
+    logits, events, eng = run(model, layers, padded_batch(), policy=make_policy("attention"))
+    return logits, events, eng
+
+
+def hand_attention(ev):
+    """Head with the lowest mean row entropy over real queries (loops), then its rows over real keys."""
+    A = ev.attn.double().tolist()  # [B][H][S][S]
+    B, S = ev.shape
+    valid = ev.valid.tolist()
+    means = []
+    for hd in range(len(A[0])):
+        ents = [-sum(p * math.log(p) for p in A[b][hd][i] if p > 0)
+                for b in range(B) for i in range(S) if valid[b * S + i]]
+        means.append(sum(ents) / len(ents))
+    best = min(range(len(means)), key=lambda k: means[k])
+    rows = {(b, i): [(j, A[b][best][i][j]) for j in range(S) if valid[b * S + j]]
+            for b in range(B) for i in range(S) if valid[b * S + i]}
+    return best, rows
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_attention_matches_loops(model_type):
+    logits, events, _ = eager_run(model_type)
+    assert torch.isfinite(logits).all()
+    for ev in events.values():
+        assert ev.attn is not None and ev.attn.shape[-2:] == ev.shape[1:] * 2
+        best, rows = hand_attention(ev)
+        assert ev.extra["head"] == best
+        want = hand_route(ev, rows, ev.layer.top_k)
+        assert_matches(ev, ev.chosen_idx, ev.chosen_weights, want)
+
+
+def test_attention_needs_eager():
+    """Without eager attention the engine cannot read probabilities: one clear error, not a silent fallback."""
+    model = build_tiny_model("mixtral")
+    with pytest.raises(MoetoolError, match="eager"):
+        run(model, find_moe_layers(model), padded_batch(), policy=make_policy("attention"))

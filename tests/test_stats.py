@@ -1,0 +1,282 @@
+"""``stats``: every table against a hand count over the captured top-K of real tokens only."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy.stats import entropy as scipy_entropy
+
+from conftest import build_tiny_model
+from moetool import ops
+from moetool.adapters import find_moe_layers
+from moetool.data import TokenBatch, TokenSet
+from moetool.engine import Engine
+from moetool.errors import MoetoolError
+from moetool.experiments.stats import RoutingStats, SparseCounter, run_stats
+from moetool.loading import embedded_models
+
+COLUMNS = {
+    "load.csv": ["layer", "expert", "load_fraction", "token_fraction", "tokens"],
+    "layers.csv": ["layer", "n_experts", "top_k", "tokens", "load_entropy", "load_entropy_norm",
+                   "confidence_entropy", "confidence_entropy_norm", "max_load_ratio"],
+    "coactivation.csv": ["layer", "a", "b", "p_b_given_a", "count"],
+    "domain_load.csv": ["layer", "domain", "expert", "load_fraction", "tokens"],
+    "top_tokens.csv": ["layer", "expert", "rank", "token_id", "token", "count", "share"],
+    "top_tokens_lift.csv": ["layer", "expert", "rank", "token_id", "token", "count", "share", "lift"],
+}
+PAD = 3  # the id on padded positions; it also occurs as a real token, so counting padding changes every table
+
+
+def make_batches() -> list[TokenBatch]:
+    """Two right-padded batches (as data.pack pads) over a small id range, so token ids repeat."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for doms, pads in ((["web", "code", "web"], [0, 5, 2]), (["code", "math"], [4, 0])):
+        ids = torch.randint(3, 15, (len(doms), 12), generator=gen)
+        mask = torch.ones_like(ids)
+        for r, p in enumerate(pads):
+            if p:
+                ids[r, -p:], mask[r, -p:] = PAD, 0
+        out.append(TokenBatch(ids, mask, doms))
+    return out
+
+
+def collect(model_type: str, merge_min: int = 5):
+    """The stats consumer and, beside it, a plain recorder of every event (layer, top-K, pi, valid)."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    batches = make_batches()
+    stats = RoutingStats(layers, [d for b in batches for d in b.domains], merge_min=merge_min)
+    rec = []
+    with torch.no_grad(), Engine(model, layers, consumers=[
+            stats, lambda ev: rec.append((ev.layer.index, ev.idx.clone(), ev.probs.clone(), ev.valid.clone()))]):
+        for b in batches:
+            stats.begin_batch(b)
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    return stats, layers, batches, rec
+
+
+def reference_tokens(batches, rec, layer: int, with_padding: bool = False):
+    """``[(token_id, domain, top-K list, pi row)]`` for one layer, one Python tuple per token."""
+    events = [r for r in rec if r[0] == layer]
+    assert len(events) == len(batches)
+    out = []
+    for b, (_, idx, probs, valid) in zip(batches, events):
+        S = b.input_ids.shape[1]
+        for t in range(idx.shape[0]):
+            r, s = divmod(t, S)
+            assert bool(valid[t]) == bool(b.attention_mask[r, s])
+            if valid[t] or with_padding:
+                out.append((int(b.input_ids[r, s]), b.domains[r], idx[t].tolist(), probs[t].numpy()))
+    return out
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def collected(request):
+    stats, layers, batches, rec = collect(request.param)
+    return stats, layers, batches, rec, stats.tables(None, top_n=3, min_count=2)
+
+
+def test_load_is_a_hand_count_over_real_tokens(collected):
+    stats, layers, batches, rec, t = collected
+    load = t["load.csv"]
+    assert list(load.columns) == COLUMNS["load.csv"]
+    assert sorted(load["layer"].unique()) == [L.index for L in layers]
+    for L in layers:
+        toks = reference_tokens(batches, rec, L.index)
+        assert len(toks) == int(sum(b.attention_mask.sum() for b in batches))
+        hand = Counter(e for _, _, top, _ in toks for e in top)
+        got = load[load["layer"] == L.index].set_index("expert")
+        want = np.array([hand[e] / (L.top_k * len(toks)) for e in range(L.n_experts)])
+        np.testing.assert_allclose(got["load_fraction"], want, rtol=1e-12)
+        np.testing.assert_allclose(got["token_fraction"], want * L.top_k, rtol=1e-12)
+        assert got["tokens"].tolist() == [hand[e] for e in range(L.n_experts)]
+        # the batch is built so that counting padding would change the answer
+        padded = Counter(e for _, _, top, _ in reference_tokens(batches, rec, L.index, with_padding=True) for e in top)
+        assert padded != hand
+
+
+def test_entropies_match_scipy(collected):
+    stats, layers, batches, rec, t = collected
+    lay = t["layers.csv"].set_index("layer")
+    assert list(t["layers.csv"].columns) == COLUMNS["layers.csv"]
+    for L in layers:
+        toks = reference_tokens(batches, rec, L.index)
+        hand = Counter(e for _, _, top, _ in toks for e in top)
+        load = np.array([hand[e] for e in range(L.n_experts)], dtype=float)
+        load /= load.sum()
+        conf = np.mean([scipy_entropy(p) for *_, p in toks])
+        row = lay.loc[L.index]
+        assert (row["n_experts"], row["top_k"], row["tokens"]) == (L.n_experts, L.top_k, len(toks))
+        assert row["load_entropy"] == pytest.approx(scipy_entropy(load), rel=1e-6)
+        assert row["load_entropy_norm"] == pytest.approx(scipy_entropy(load) / math.log(L.n_experts), rel=1e-6)
+        assert row["confidence_entropy"] == pytest.approx(conf, rel=1e-5)
+        assert row["confidence_entropy_norm"] == pytest.approx(conf / math.log(L.n_experts), rel=1e-5)
+        assert row["max_load_ratio"] == pytest.approx(load.max() * L.n_experts, rel=1e-12)
+        assert 0 < row["load_entropy_norm"] <= 1 and 0 < row["confidence_entropy_norm"] <= 1
+
+
+def test_coactivation_matches_brute_force_over_all_pairs(collected):
+    stats, layers, batches, rec, t = collected
+    co = t["coactivation.csv"]
+    assert list(co.columns) == COLUMNS["coactivation.csv"]
+    for L in layers:
+        toks = reference_tokens(batches, rec, L.index)
+        pair, chose = Counter(), Counter()
+        for _, _, top, _ in toks:
+            for a in top:
+                chose[a] += 1
+                for b in top:
+                    if a != b:
+                        pair[a, b] += 1
+        g = co[co["layer"] == L.index]
+        assert len(g) == L.n_experts * (L.n_experts - 1) and (g["a"] != g["b"]).all()
+        for row in g.itertuples():
+            assert row.count == pair[row.a, row.b]
+            if chose[row.a]:
+                assert row.p_b_given_a == pytest.approx(pair[row.a, row.b] / chose[row.a], rel=1e-12)
+            else:
+                assert math.isnan(row.p_b_given_a)
+        # every token contributes K(K-1) ordered pairs
+        assert g["count"].sum() == len(toks) * L.top_k * (L.top_k - 1)
+
+
+def test_domain_load_is_a_hand_count_per_domain(collected):
+    stats, layers, batches, rec, t = collected
+    dom = t["domain_load.csv"]
+    assert list(dom.columns) == COLUMNS["domain_load.csv"]
+    assert sorted(dom["domain"].unique()) == ["code", "math", "web"]
+    load = t["load.csv"]
+    for L in layers:
+        toks = reference_tokens(batches, rec, L.index)
+        hand: dict[str, Counter] = defaultdict(Counter)
+        ntok = Counter(d for _, d, _, _ in toks)
+        for _, d, top, _ in toks:
+            hand[d].update(top)
+        g = dom[dom["layer"] == L.index]
+        for d, gd in g.groupby("domain"):
+            gd = gd.set_index("expert")
+            assert gd["tokens"].tolist() == [hand[d][e] for e in range(L.n_experts)]
+            np.testing.assert_allclose(gd["load_fraction"], [hand[d][e] / (L.top_k * ntok[d])
+                                                             for e in range(L.n_experts)], rtol=1e-12)
+            assert gd["load_fraction"].sum() == pytest.approx(1.0)
+        # the domains partition the tokens: their counts add up to the overall load
+        per_expert = g.groupby("expert")["tokens"].sum()
+        assert per_expert.tolist() == load[load["layer"] == L.index]["tokens"].tolist()
+
+
+def test_top_tokens_match_a_counter(collected):
+    stats, layers, batches, rec, t = collected
+    top, lift = t["top_tokens.csv"], t["top_tokens_lift.csv"]
+    assert list(top.columns) == COLUMNS["top_tokens.csv"]
+    assert list(lift.columns) == COLUMNS["top_tokens_lift.csv"]
+    for L in layers:
+        toks = reference_tokens(batches, rec, L.index)
+        total = Counter(tok for tok, *_ in toks)
+        pairs = Counter((e, tok) for tok, _, top_k, _ in toks for e in top_k)
+        chose = Counter(e for _, _, top_k, _ in toks for e in top_k)
+        for e in range(L.n_experts):
+            mine = sorted(((-c, tok) for (ee, tok), c in pairs.items() if ee == e))[:3]
+            g = top[(top["layer"] == L.index) & (top["expert"] == e)]
+            assert g["rank"].tolist() == list(range(1, len(mine) + 1))
+            assert list(zip(g["token_id"], g["count"])) == [(tok, -c) for c, tok in mine]
+            np.testing.assert_allclose(g["share"], [-c / total[tok] for c, tok in mine], rtol=1e-12)
+            # lift = P(e | token) / P(e), among pairs seen at least min_count=2 times
+            p_e = chose[e] / len(toks)
+            cand = [(-(c / total[tok]) / p_e, tok, c) for (ee, tok), c in pairs.items() if ee == e and c >= 2]
+            best = sorted(cand)[:3]
+            gl = lift[(lift["layer"] == L.index) & (lift["expert"] == e)]
+            assert list(zip(gl["token_id"], gl["count"])) == [(tok, c) for _, tok, c in best]
+            np.testing.assert_allclose(gl["lift"], [-x for x, _, _ in best], rtol=1e-12)
+        # shares of a token over experts add up to K
+        shares = pd.DataFrame([(e, tok, c / total[tok]) for (e, tok), c in pairs.items()], columns=["e", "tok", "s"])
+        np.testing.assert_allclose(shares.groupby("tok")["s"].sum(), L.top_k)
+
+
+def test_counts_do_not_depend_on_merge_schedule():
+    """A huge merge threshold (one merge at the end) and a tiny one (a merge every batch) agree."""
+    a = collect("mixtral", merge_min=1)[0].tables(None, top_n=50, min_count=1)
+    b = collect("mixtral", merge_min=1 << 30)[0].tables(None, top_n=50, min_count=1)
+    for name in ("top_tokens.csv", "top_tokens_lift.csv"):
+        pd.testing.assert_frame_equal(a[name], b[name])
+
+
+def test_sparse_counter_and_ops_primitives():
+    gen = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(0, 40, (int(s),), generator=gen) for s in torch.randint(1, 30, (12,), generator=gen)]
+    c = SparseCounter(merge_min=7)
+    for ch in chunks:
+        c.add(ch)
+    keys, counts = c.result()
+    want = Counter(int(k) for ch in chunks for k in ch)
+    assert dict(zip(keys.tolist(), counts.tolist())) == want
+    assert keys.tolist() == sorted(want)
+    assert SparseCounter().result()[0].numel() == 0
+    idx = torch.tensor([[2, 0], [1, 3]])
+    assert ops.multi_hot(idx, 4).tolist() == [[1, 0, 1, 0], [0, 1, 0, 1]]
+
+
+def test_forward_without_begin_batch_is_an_error():
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    stats = RoutingStats(layers)
+    with pytest.raises(MoetoolError, match="begin_batch"), torch.no_grad(), Engine(model, layers, consumers=[stats]):
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_run_stats_writes_every_file_with_exact_columns(tmp_path):
+    from moetool.report import RunDir
+
+    model = build_tiny_model("mixtral")
+    batches = make_batches()[:1]
+    tokens = TokenSet(batches[0].input_ids, batches[0].attention_mask, batches[0].domains, "test")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    run = RunDir.create("stats", tmp_path / "run")
+    frames = run_stats(lm, tokens, run, top_n=2, min_count=1, quiet=True)
+    for name, cols in COLUMNS.items():
+        assert list(pd.read_csv(tmp_path / "run" / name, keep_default_na=False).columns) == cols
+        assert name in frames
+    for fig in ("load_heatmap", "coactivation", "domain_load"):
+        assert (tmp_path / "run" / "figures" / f"{fig}.png").is_file()
+    assert "definitions" in run.sections and run.sections["data"]["tokens"] == int(tokens.n_tokens)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    return CliRunner().invoke(app, ["stats", *args])
+
+
+def test_cli_empty_data_is_one_line_error(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": "   "}\n')
+    res = _cli("--data", str(empty), "--out", str(tmp_path / "out"), "-q")
+    assert res.exit_code == 2
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "no text" in lines[0]
+
+
+@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
+def test_cli_on_embedded_tiny(tmp_path):
+    out = tmp_path / "out"
+    res = _cli("--model", "tiny", "--max-tokens", "1024", "--seq-len", "64", "--top-tokens", "3",
+               "--out", str(out), "-q")
+    assert res.exit_code == 0, res.output
+    frames = {name: pd.read_csv(out / name, keep_default_na=False) for name in COLUMNS}
+    for name, cols in COLUMNS.items():
+        assert list(frames[name].columns) == cols, name
+    lay, load = frames["layers.csv"], frames["load.csv"]
+    assert (lay["tokens"] == 1024).all()
+    np.testing.assert_allclose(load.groupby("layer")["load_fraction"].sum(), 1.0)
+    np.testing.assert_allclose(load.groupby("layer")["token_fraction"].sum(), lay.set_index("layer")["top_k"])
+    n = int(lay["n_experts"].iloc[0])
+    assert len(frames["coactivation.csv"]) == len(lay) * n * (n - 1)
+    assert (out / "manifest.json").is_file() and (out / "figures" / "load_heatmap.png").is_file()
