@@ -30,21 +30,23 @@ Examples:
 """
 
 
+NumFewshot = typer.Option(None, "--num-fewshot", min=0, help="Few-shot examples per item (default: the task's own).")
+Limit = typer.Option(None, "--limit", min=1, help="At most this many items per task (default: all).")
+IncludePath = typer.Option(None, "--include-path", help="Folder of extra lm-eval task YAMLs.")
+
+
 @handle_errors
 def eval_command(model: Model = DEFAULT_MODEL,
-         tasks: str = typer.Option(..., "--tasks", "-t", help="Comma list of lm-eval task names "
-                                   "(shipped offline: moetool_code, moetool_prose)."),
-         num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", min=0, help="Few-shot examples per "
-                                                   "item (default: the task's own)."),
-         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many items per task."),
-         include_path: Optional[Path] = typer.Option(None, "--include-path", help="Folder of extra lm-eval "
-                                                     "task YAMLs."),
-         routing: str = Routing, weights: str = Weights, sim: str = Sim, causal: bool = Causal,
-         layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-         device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
-         quiet: Quiet = False) -> None:
+                 tasks: str = typer.Option(..., "--tasks", "-t", help="Comma list of lm-eval task names "
+                                           "(shipped offline: moetool_code, moetool_prose)."),
+                 num_fewshot: Optional[int] = NumFewshot, limit: Optional[int] = Limit,
+                 include_path: Optional[Path] = IncludePath,
+                 routing: str = Routing, weights: str = Weights, sim: str = Sim, causal: bool = Causal,
+                 layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
+                 device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
+                 quiet: Quiet = False) -> None:
     from moetool.experiments.lmeval import evaluate, plan_tasks
-    from moetool.experiments.ppl import build_policy
+    from moetool.experiments.ppl import build_policy, describe_policy
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
@@ -58,14 +60,16 @@ def eval_command(model: Model = DEFAULT_MODEL,
     res = evaluate(lm, plan, policy=policy, policy_layers=policy_layers, num_fewshot=num_fewshot, limit=limit,
                    batch_size=batch_size, seed=seed, quiet=quiet)
     run.write_csv("eval.csv", res.frame)
-    run.add(eval=plan.describe(), n_samples=res.n_samples, routing=policy.name, eval_seconds=round(res.seconds, 3),
+    run.add(eval=plan.describe(), n_samples=res.n_samples, routing=describe_policy(policy),
+            eval_seconds=round(res.seconds, 3),
             definitions={"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
                          "stderr": "lm-eval's standard error of the metric (NaN when it reports none)"})
     run.finish(options=dict(model=model, tasks=plan.names, num_fewshot=num_fewshot, limit=limit,
                             include_path=str(include_path) if include_path else None, routing=routing,
                             weights=weights, sim=sim, causal=causal, layers=layers, batch_size=batch_size,
                             dtype=dtype, device=device), model=lm, seed=seed)
-    print_table(res.frame, title=f"lm-eval ({policy.name})")
+    typer.echo(f"lm-eval on {model}, routing {policy.name}")  # plain echo: rich makes ':up:' an emoji
+    print_table(res.frame)
     echo_run(run.path)
 
 

@@ -9,6 +9,7 @@ import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
                       Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list)
+from .eval import IncludePath, Limit, NumFewshot
 from .ppl import Weights
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
@@ -37,10 +38,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 weights: str = Weights, layers: Layers = None, data: Data = None,
                 tasks: Optional[str] = typer.Option(None, "--tasks", "-t", help="lm-eval tasks (comma list); "
                                                     "default: perplexity only."),
-                num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", min=0,
-                                                          help="Few-shot examples (default: the task's own)."),
-                limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many items per task."),
-                include_path: Optional[Path] = typer.Option(None, "--include-path", help="Extra lm-eval task YAMLs."),
+                num_fewshot: Optional[int] = NumFewshot, limit: Optional[int] = Limit,
+                include_path: Optional[Path] = IncludePath,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
                 force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
@@ -64,7 +63,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
                              quiet=quiet)
     run.write_csv("agreement.csv", res.agreement)
     run.write_csv("quality.csv", res.quality)
-    ns.figures(run, res.agreement, res.quality)
+    asked = plan.names if plan else None
+    ns.figures(run, res.agreement, res.quality, tasks=asked)
     run.add(definitions=ns.DEFINITIONS, data=tokens.describe(), policies=specs, weights=weights,
             eval=plan.describe() if plan else None,
             n_samples={k: v.n_samples for k, v in res.evals.items()})
@@ -73,7 +73,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
                             include_path=str(include_path) if include_path else None, seq_len=seq_len,
                             max_tokens=max_tokens, batch_size=batch_size, dtype=dtype, device=device),
                model=lm, seed=seed)
-    print_table(ns.table1(res.agreement, res.quality), title=f"norm-select on {model} (weights {weights})")
+    print_table(ns.table1(res.agreement, res.quality, tasks=asked),
+                title=f"norm-select on {model} (weights {weights})")
     echo_run(run.path)
 
 

@@ -30,11 +30,13 @@ Causal = typer.Option(True, "--causal/--no-causal", help="similarity policy: onl
 
 @handle_errors
 def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing, weights: str = Weights,
-        sim: str = Sim, causal: bool = Causal, layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
+        sim: str = Sim, causal: bool = Causal, layers: Layers = None, seq_len: SeqLen = 256,
+        max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
         force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
     from moetool.data import load_tokens
-    from moetool.experiments.ppl import PPL_DEFINITIONS, build_policy, data_name, perplexity, ppl_frame
+    from moetool.experiments.ppl import (PPL_DEFINITIONS, build_policy, data_name, describe_policy, perplexity,
+                                         ppl_frame)
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
@@ -49,12 +51,13 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
     df = ppl_frame(res, model=model, data=data_name(data), routing=policy.name,
                    weights=getattr(policy, "weights", "-"), layers=policy_layers)
     run.write_csv("ppl.csv", df)
-    run.add(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=policy.name)
+    run.add(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=describe_policy(policy))
     run.finish(options=dict(model=model, data=str(data), routing=routing, weights=weights, sim=sim, causal=causal,
                             layers=layers, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, dtype=dtype,
                             device=device), model=lm, seed=seed)
-    print_table(df[["routing", "weights", "layers", "tokens", "nll_mean", "perplexity", "seconds"]],
-                title=f"perplexity of {model} on {data_name(data)}")
+    # plain echo: rich would render the ':up:' of norm:up as an emoji
+    typer.echo(f"perplexity of {model} on {data_name(data)}, routing {policy.name}")
+    print_table(df[["weights", "layers", "tokens", "nll_mean", "perplexity", "seconds"]])
     echo_run(run.path)
 
 

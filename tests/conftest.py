@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from moetool.adapters import ADAPTERS, find_moe_layers
 from moetool.engine import Engine
 
+# tiny models gain nothing from intra-op threads, and on a shared 2-core machine they spin and wait
+torch.set_num_threads(1)
+
 #: every registered model type that is a family of its own (aliases such as minimax excluded)
 FAMILIES = [mt for mt in ADAPTERS.names() if ADAPTERS.get(mt).family == mt]
 

@@ -112,7 +112,7 @@ def test_phimoe_weights_worked_example(tiny_model):
                                       e(t(3.0)) / (e(t(3.0)) + e(t(2.9)) + e(t(2.8)))]]))
 
 
-def test_deepseek_v3_grouped_selection(tiny_model):
+def test_deepseek_v3_grouped_selection():
     """The correction bias and the group restriction both change the choice (so both are exercised)."""
     _, layers, events = captured("deepseek_v3")
     changed_by_bias = changed_by_groups = 0

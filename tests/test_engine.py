@@ -75,7 +75,7 @@ def test_captured_routing_matches_adapter(family):
 
 @pytest.mark.parametrize("spec", ["norm:gate", "random"])
 def test_override_really_runs(family, tiny_model, batch, spec):
-    """5: the experts' actual output is Σ_k w_k E_{idx_k}(h) for the policy's choice, which differs from the router's."""
+    """5: the experts' actual output is Σ_k w_k E_{idx_k}(h) for the policy's choice (not the router's)."""
     model = tiny_model(family)
     layers = find_moe_layers(model)
     outs: dict[int, torch.Tensor] = {}
@@ -105,7 +105,8 @@ def test_policy_layers_only(family, tiny_model, batch):
     layers = find_moe_layers(model)
     first = layers[0].index
     outs: dict[int, torch.Tensor] = {}
-    _, events, _ = run(model, layers, batch, policy=make_policy("random", seed=0), policy_layers={first}, experts_out=outs)
+    _, events, _ = run(model, layers, batch, policy=make_policy("random", seed=0), policy_layers={first},
+                       experts_out=outs)
     _, _, plain = captured(family)
     ev = events[first]
     assert (~ops.same_set(ev.chosen_idx, ev.idx))[ev.valid].any()

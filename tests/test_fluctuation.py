@@ -93,7 +93,8 @@ def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
         for bt in tk.batches(2):
             a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
     h = torch.cat(hs).double()
-    want = hand_change(h, a.layers[J].router.weight.double(), b.layers[J].router.weight.double(), 2)
+    wa, wb = (m.layers[J].router.weight.detach().double() for m in (a, b))
+    want = hand_change(h, wa, wb, 2)
     assert want["topk_change"] > 0  # the perturbation really moved some choices
     for routing in ("router", "router-isolated"):
         row = df[(df["layer"] == J) & (df["routing"] == routing)].iloc[0]
@@ -156,22 +157,20 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
     assert abs(got - float(ops.entropy(torch.cat(ent_pi)).mean())) > 1e-3
 
 
-needs_pairs = pytest.mark.skipif(not {"tiny", "tiny-early"} <= set(embedded_models()),
-                                 reason="embedded checkpoints not built")
-
-
-@needs_pairs
-def test_cli_on_embedded_checkpoints(tmp_path):
+@pytest.mark.parametrize("early,final", [("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")])
+def test_cli_on_embedded_checkpoints(tmp_path, early, final):
     import pandas as pd
 
+    if not {early, final} <= set(embedded_models()):
+        pytest.skip("embedded checkpoints not built")
     out = tmp_path / "f"
-    r = CliRunner().invoke(app, ["fluctuation", "tiny-early", "tiny", "tiny", "--max-tokens", "512", "--seq-len",
-                                 "128", "--isolate", "--out", str(out), "-q"])
+    r = CliRunner().invoke(app, ["fluctuation", early, final, final, "--max-tokens", "384", "--seq-len", "128",
+                                 "--isolate", "--out", str(out), "-q"])
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "fluctuation.csv")
     assert list(df.columns) == COLUMNS
-    same = df[(df["reference"] == "tiny") & (df["checkpoint"] == "tiny")]
-    assert len(same) > 0 and (same[CHANGE] == 0).all().all()
-    moved = df[(df["reference"] == "tiny-early") & (df["routing"] == "router")]
+    same = df[(df["reference"] == final) & (df["checkpoint"] == final)]
+    assert len(same) == 6 * df["layer"].nunique() and (same[CHANGE] == 0).all().all()
+    moved = df[(df["reference"] == early) & (df["routing"] == "router")]
     assert (moved["top1_change"] > 0).any()
     assert (out / "figures" / "fluctuation_by_layer.png").exists()

@@ -159,7 +159,10 @@ def test_sweep_frames_and_table():
         assert q.loc[s, "ratio"] == pytest.approx(q.loc[s, "value"] / q.loc["router", "value"])
     assert q.loc["norm:gate:l2", "value"] != q.loc["router", "value"]
     t = ns.table1(res.agreement, res.quality)
-    assert list(t.policy) == specs and t.loc[0, "top-K overlap"] == 1.0
+    assert list(t.node) == ["router", "gate", "output"] and list(t.norm) == ["-", "l2", "l2"]
+    assert t.loc[0, "top-K overlap"] == 1.0 and t.loc[0, "ppl ratio"] == 1.0
+    a = res.agreement[res.agreement.policy == "norm:gate:l2"]
+    assert t.loc[1, "top-K overlap"] == pytest.approx((a.topk_overlap * a.tokens).sum() / a.tokens.sum())
     with pytest.raises(MoetoolError):
         ns.run_norm_select(lm, tokens, [make_policy("norm:gate")], batch_size=2, quiet=True)
 

@@ -189,10 +189,10 @@ def test_top_tokens_match_a_counter(collected):
             np.testing.assert_allclose(g["share"], [-c / total[tok] for c, tok in mine], rtol=1e-12)
             # lift = P(e | token) / P(e), among pairs seen at least min_count=2 times
             p_e = chose[e] / len(toks)
-            cand = [(-(c / total[tok]) / p_e, tok, c) for (ee, tok), c in pairs.items() if ee == e and c >= 2]
-            best = sorted(cand)[:3]
+            cand = [(-(c / total[tok]) / p_e, -c, tok) for (ee, tok), c in pairs.items() if ee == e and c >= 2]
+            best = sorted(cand)[:3]  # lift descending, ties by count descending, then token id
             gl = lift[(lift["layer"] == L.index) & (lift["expert"] == e)]
-            assert list(zip(gl["token_id"], gl["count"])) == [(tok, c) for _, tok, c in best]
+            assert list(zip(gl["token_id"], gl["count"])) == [(tok, -c) for _, c, tok in best]
             np.testing.assert_allclose(gl["lift"], [-x for x, _, _ in best], rtol=1e-12)
         # shares of a token over experts add up to K
         shares = pd.DataFrame([(e, tok, c / total[tok]) for (e, tok), c in pairs.items()], columns=["e", "tok", "s"])
@@ -268,7 +268,7 @@ def test_cli_empty_data_is_one_line_error(tmp_path):
 def test_cli_on_embedded_tiny(tmp_path):
     out = tmp_path / "out"
     res = _cli("--model", "tiny", "--max-tokens", "1024", "--seq-len", "64", "--top-tokens", "3",
-               "--out", str(out), "-q")
+               "--min-count", "2", "--out", str(out), "-q")
     assert res.exit_code == 0, res.output
     frames = {name: pd.read_csv(out / name, keep_default_na=False) for name in COLUMNS}
     for name, cols in COLUMNS.items():

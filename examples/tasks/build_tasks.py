@@ -4,12 +4,15 @@
 The items are cut from the TRAINING split of the corpus the embedded models were trained on
 (``examples/build_corpus.py``: CPython standard-library code and Python documentation prose), so
 a trained embedded model scores above chance and a routing change that hurts the model shows up
-as lost accuracy. Each item is "which continuation is the real one?" with four choices:
+as lost accuracy. Each item is "which continuation is the real one?": the real continuation of
+the context and three corruptions of it (words as split at whitespace):
 
-* the real continuation of the context;
-* the same words in a shuffled order (same length, same tokens: only order tells them apart);
-* the segment that comes *after* the real one in the same document (plausible, wrong place);
-* a segment of the same length class from another training document of the same domain.
+* ``shuffled`` -- the same words in a random order (easy: only the order tells them apart);
+* ``swapped``  -- two of its words exchanged (hard: one local order error);
+* ``replaced`` -- one word replaced by a word of similar length from another document of the same
+  domain (medium: one wrong word in place).
+
+All four have about the same length, so ``acc`` (summed log-likelihood) is not decided by length.
 
 Tasks (chance = 25%):
 * ``moetool_code``  -- context: up to 8 lines of a Python source file (<= 400 chars); a choice is
@@ -22,16 +25,18 @@ form the ``train`` split used for few-shot examples (``--num-fewshot``).
 
 Usage (deterministic for a given corpus file and seed)::
 
-    python examples/build_corpus.py --out-dir /tmp/corpus [same options as the models' training]
-    python examples/tasks/build_tasks.py --corpus /tmp/corpus/train.jsonl
-    # without --corpus the corpus is rebuilt with build_corpus.py's options given by --corpus-args
+    python examples/tasks/build_tasks.py            # rebuilds the corpus with build_corpus.py's defaults,
+                                                    # as examples/train_tiny.py does
+    python examples/tasks/build_tasks.py --corpus /path/to/corpus/train.jsonl   # reuse a built corpus
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -71,90 +76,87 @@ metadata:
 """
 
 
-def shuffled(words: list[str], rng: random.Random) -> list[str]:
-    """A permutation of ``words`` that differs from the original order (when one exists)."""
-    if len(set(words)) < 2:
-        return []
-    for _ in range(20):
-        w = words[:]
-        rng.shuffle(w)
-        if w != words:
-            return w
-    return []
+KINDS = ("real", "shuffled", "swapped", "replaced")
 
 
-def code_segments(text: str) -> tuple[list[str], list[int]]:
-    """Lines of a code document and the indices of candidate target lines."""
+def corruptions(words: list[str], vocab: list[str], rng: random.Random) -> list[list[str]] | None:
+    """``shuffled``, ``swapped`` and ``replaced`` versions of ``words`` (None if one cannot differ)."""
+    if len(set(words)) < 3:
+        return None
+    shuffled = words[:]
+    while shuffled == words:
+        rng.shuffle(shuffled)
+    i, j = rng.sample([k for k in range(len(words))], 2)
+    while words[i] == words[j]:
+        i, j = rng.sample(range(len(words)), 2)
+    swapped = words[:]
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    k = rng.randrange(len(words))
+    similar = [v for v in vocab if abs(len(v) - len(words[k])) <= 2 and v != words[k]]
+    replaced = words[:]
+    replaced[k] = rng.choice(similar or vocab)
+    out = [shuffled, swapped, replaced]
+    return out if len({tuple(words), *map(tuple, out)}) == CHOICES else None
+
+
+def code_item(text: str, vocab: list[str], rng: random.Random) -> dict | None:
+    """Context: up to 8 lines (<= 400 chars); real: the next line (12-80 chars, >= 3 words)."""
     lines = text.split("\n")
     cands = [i for i, l in enumerate(lines) if i >= 3 and 12 <= len(l.strip()) <= 80 and len(l.split()) >= 3]
-    return lines, cands
-
-
-def code_item(text: str, pool: list[str], rng: random.Random) -> dict | None:
-    """Context: up to 8 lines (<= 400 chars); choices: real next line and three distractors."""
-    lines, cands = code_segments(text)
     rng.shuffle(cands)
     for i in cands:
-        nxt = [j for j in range(i + 1, len(lines)) if len(lines[j].split()) >= 2 and lines[j] != lines[i]]
-        if not nxt:
-            continue
-        ctx_lines = lines[max(0, i - 8):i]
-        context = "\n".join(ctx_lines) + "\n"
-        while len(context) > 400 and len(ctx_lines) > 2:
-            ctx_lines = ctx_lines[1:]
-            context = "\n".join(ctx_lines) + "\n"
+        ctx = lines[max(0, i - 8):i]
+        while len("\n".join(ctx)) > 400 and len(ctx) > 2:
+            ctx = ctx[1:]
         real = lines[i]
         indent = real[: len(real) - len(real.lstrip())]
-        sw = shuffled(real.split(), rng)
-        if not sw:
-            continue
-        later = lines[nxt[0]]
-        other = rng.choice([p for p in pool if abs(len(p) - len(real)) <= 20 and p not in lines] or pool)
-        choices = [real, indent + " ".join(sw), later, other]
-        if len(set(choices)) < CHOICES:
-            continue
-        return {"context": context, "real": real, "distractors": choices[1:]}
+        parts = re.split(r"(\s+)", real.strip())  # words at even places, the whitespace between at odd
+        bad = corruptions(parts[::2], vocab, rng)
+        if bad:
+            return {"context": "\n".join(ctx) + "\n", "real": real,
+                    "distractors": [indent + rejoin(parts, b) for b in bad]}
     return None
 
 
-def prose_item(text: str, pool: list[str], rng: random.Random) -> dict | None:
-    """Context: 40-60 words; choices: the real next 8 words and three distractors."""
+def rejoin(parts: list[str], words: list[str]) -> str:
+    """``words`` put back between the original whitespace (so spacing never tells the real line apart)."""
+    out = parts[:]
+    out[::2] = words
+    return "".join(out)
+
+
+def prose_item(text: str, vocab: list[str], rng: random.Random) -> dict | None:
+    """Context: 40-60 words; real: the next 8 words."""
     words = text.split()
-    if len(words) < 80:
+    if len(words) < 70:
         return None
     n_ctx = rng.randint(40, 60)
-    real, later = words[n_ctx:n_ctx + 8], words[n_ctx + 8:n_ctx + 16]
-    sw = shuffled(real, rng)
-    if not sw or len(later) < 8:
+    real = words[n_ctx:n_ctx + 8]
+    bad = corruptions(real, vocab, rng)
+    if not bad:
         return None
-    joined = " ".join(words)
-    choices = [" ".join(real), " ".join(sw), " ".join(later), rng.choice([p for p in pool if p not in joined])]
-    if len(set(choices)) < CHOICES:
-        return None
-    return {"context": " ".join(words[:n_ctx]), "real": choices[0], "distractors": choices[1:]}
+    return {"context": " ".join(words[:n_ctx]), "real": " ".join(real), "distractors": [" ".join(b) for b in bad]}
 
 
 def finish(item: dict, rng: random.Random) -> dict:
-    """Shuffle the four choices; ``label`` is the index of the real continuation."""
+    """Shuffle the four choices; ``label`` is the index of the real continuation, ``kinds`` says which is which."""
     choices = [item["real"], *item["distractors"]]
     order = list(range(CHOICES))
     rng.shuffle(order)
-    return {"context": item["context"], "choices": [choices[o] for o in order], "label": order.index(0)}
+    return {"context": item["context"], "choices": [choices[o] for o in order], "label": order.index(0),
+            "kinds": [KINDS[o] for o in order]}
 
 
 def build(docs: list[dict], domain: str, n_test: int, n_train: int, rng: random.Random) -> tuple[list, list]:
     texts = [d["text"] for d in docs if d.get("domain") == domain]
-    if domain == "code":
-        pool = [l for t in texts for l in t.split("\n") if 12 <= len(l.strip()) <= 80 and len(l.split()) >= 3]
-        make = code_item
-    else:
-        pool = [" ".join(t.split()[k:k + 8]) for t in texts for k in range(0, max(0, len(t.split()) - 8), 40)]
-        make = prose_item
+    make = code_item if domain == "code" else prose_item
     order = list(range(len(texts)))
     rng.shuffle(order)
     items = []
-    for i in order:
-        it = make(texts[i], pool, rng)
+    for n, i in enumerate(order):
+        # replacement words come from a few other documents of the domain
+        vocab = sorted({w for t in (texts[order[(n + k) % len(order)]] for k in range(1, 6)) for w in t.split()})
+        it = make(texts[i], vocab, rng)
         if it is not None:
             items.append(finish(it, rng))
         if len(items) == n_test + n_train:
@@ -164,41 +166,46 @@ def build(docs: list[dict], domain: str, n_test: int, n_train: int, rng: random.
     return items[:n_test], items[n_test:]
 
 
-def load_corpus(args: argparse.Namespace) -> tuple[list[dict], str]:
+def load_corpus(args: argparse.Namespace) -> tuple[list[dict], str, str]:
+    """The training documents, where they came from, and the sha256 of the train.jsonl read."""
     if args.corpus:
         path = Path(args.corpus)
         if path.is_dir():
             path = path / "train.jsonl"
+        raw, source = path.read_text(encoding="utf-8"), str(path)
     else:
-        out = Path(tempfile.mkdtemp(prefix="moetool-corpus-"))
-        cmd = [sys.executable, str(HERE.parent / "build_corpus.py"), "--out-dir", str(out), *args.corpus_args.split()]
-        subprocess.run(cmd, check=True)
-        path = out / "train.jsonl"
-    docs = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-    return docs, str(path)
+        with tempfile.TemporaryDirectory(prefix="moetool-corpus-") as out:
+            cmd = [sys.executable, str(HERE.parent / "build_corpus.py"), "--out-dir", out, *args.corpus_args.split()]
+            subprocess.run(cmd, check=True)
+            raw = (Path(out) / "train.jsonl").read_text(encoding="utf-8")
+        source = f"examples/build_corpus.py {args.corpus_args}".strip() + " (train split)"
+    docs = [json.loads(l) for l in raw.splitlines() if l.strip()]
+    return docs, source, hashlib.sha256(raw.encode("utf-8")).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", help="train.jsonl of examples/build_corpus.py (or its --out-dir); "
                                      "default: rebuild it in a temporary folder")
-    ap.add_argument("--corpus-args", default="--prose-file-fraction 0.75",
-                    help="options for build_corpus.py when --corpus is not given (those the models were trained with)")
+    ap.add_argument("--corpus-args", default="",
+                    help="options for build_corpus.py when --corpus is not given (default: none, i.e. its defaults, "
+                         "which examples/train_tiny.py trains the embedded models on)")
     ap.add_argument("--out", default=str(HERE), help="output folder (default: this folder)")
-    ap.add_argument("--items", type=int, default=60, help="test items per task")
+    ap.add_argument("--items", type=int, default=100, help="test items per task")
     ap.add_argument("--fewshot-items", type=int, default=10, help="train (few-shot) items per task")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    docs, source = load_corpus(args)
+    docs, source, sha = load_corpus(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = {
         "moetool_code": ("code", "", "Which line really comes next in this Python standard-library source? "
-                                     "(real / words shuffled / a later line / a line of another file)"),
+                                     "(real / words shuffled / two words swapped / one word replaced)"),
         "moetool_prose": ("prose", " ", "Which 8 words really come next in this Python documentation text? "
-                                        "(real / words shuffled / the following 8 words / another document)"),
+                                        "(real / words shuffled / two words swapped / one word replaced)"),
     }
+    info = {"corpus": source, "corpus_train_sha256": sha, "seed": args.seed, "tasks": {}}
     for task, (domain, delim, desc) in specs.items():
         rng = random.Random(f"{args.seed}-{task}")
         test, train = build(docs, domain, args.items, args.fewshot_items, rng)
@@ -206,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"{task}.{split}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
                                                         encoding="utf-8")
         (out / f"{task}.yaml").write_text(YAML.format(task=task, delim=delim, desc=desc), encoding="utf-8")
+        info["tasks"][task] = {"domain": domain, "test_items": len(test), "fewshot_items": len(train),
+                               "label_counts": [sum(r["label"] == i for r in test) for i in range(CHOICES)]}
         print(f"{task}: {len(test)} test + {len(train)} few-shot items from {domain} documents of {source}")
+    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

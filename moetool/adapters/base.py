@@ -27,6 +27,10 @@ from torch import nn
 
 from .. import ops
 
+#: the shape every adapter's ``tiny_config()`` shares (with its family's expert sizes: ~1-2M parameters)
+TINY_SHAPE: dict[str, int] = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256)
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
@@ -70,6 +74,15 @@ class MoELayer:
     def renormalize(self) -> bool:
         """Whether the chosen experts' probabilities are renormalised to sum to one."""
         return bool(getattr(self.router, "norm_topk_prob", False))
+
+    @property
+    def weight_scale(self) -> float:
+        """Factor the model multiplies its routing weights by (DeepSeek's ``routed_scaling_factor``).
+
+        Policies whose weights sum to one (norm ``softmax``/``uniform``, ``random``) multiply by it,
+        so the routed output keeps the model's own scale.
+        """
+        return 1.0
 
     @property
     def attention(self) -> nn.Module | None:

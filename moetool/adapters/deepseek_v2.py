@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from .base import MoELayer
+from .base import TINY_SHAPE, MoELayer
 from .deepseek_v3 import DeepseekV3Adapter, DeepseekV3Layer, group_mask
 
 
@@ -55,8 +55,7 @@ class DeepseekV2Adapter(DeepseekV3Adapter):
         """Layer 0 dense; 8 experts in 4 groups, 2 groups kept (``group_limited_greedy``), k=3, scale 1.5."""
         from transformers import DeepseekV2Config
 
-        return DeepseekV2Config(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        return DeepseekV2Config(**{**TINY_SHAPE, "num_key_value_heads": 4}, intermediate_size=128,
                                 moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=3,
                                 n_shared_experts=1, n_group=4, topk_group=2, topk_method="group_limited_greedy",
                                 routed_scaling_factor=1.5, first_k_dense_replace=1, kv_lora_rank=32,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from .base import Adapter, MoELayer
+from .base import TINY_SHAPE, Adapter, MoELayer
 
 
 def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
@@ -45,6 +45,10 @@ class DeepseekV3Layer(MoELayer):
     @property
     def shared_experts(self) -> nn.Module | None:
         return getattr(self.block, "shared_experts", None)
+
+    @property
+    def weight_scale(self) -> float:
+        return float(self.router.routed_scaling_factor)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h.float(), self.router_weight().float())
@@ -87,8 +91,7 @@ class DeepseekV3Adapter(Adapter):
         """Layer 0 dense (``first_k_dense_replace=1``); 8 experts in 2 groups, 1 group kept, k=2."""
         from transformers import DeepseekV3Config
 
-        return DeepseekV3Config(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        return DeepseekV3Config(**{**TINY_SHAPE, "num_key_value_heads": 4}, intermediate_size=128,
                                 moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
                                 n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                 kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,

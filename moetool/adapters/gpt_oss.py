@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Adapter, ExpertWeights, MoELayer
+from .base import TINY_SHAPE, Adapter, ExpertWeights, MoELayer
 
 
 class GptOssLayer(MoELayer):
@@ -52,10 +52,9 @@ class GptOssAdapter(Adapter):
 
     @staticmethod
     def tiny_config():
-        """Plain RoPE (the yarn default warns at this size); ``swiglu_limit=0.3`` so the clamps bind on random weights."""
+        """Plain RoPE (the yarn default warns at this size); ``swiglu_limit=0.3``: the clamps bind on random weights."""
         from transformers import GptOssConfig
 
-        return GptOssConfig(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                            sliding_window=16, num_local_experts=8, num_experts_per_tok=2, swiglu_limit=0.3,
+        return GptOssConfig(**TINY_SHAPE, head_dim=32, intermediate_size=128, sliding_window=16, num_local_experts=8,
+                            num_experts_per_tok=2, swiglu_limit=0.3,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})

@@ -8,7 +8,7 @@ weights do not sum to one); weights cast back to the logits' dtype. Expert width
 
 from __future__ import annotations
 
-from .base import Adapter, MoELayer
+from .base import TINY_SHAPE, Adapter, MoELayer
 
 
 class OlmoeLayer(MoELayer):
@@ -24,6 +24,4 @@ class OlmoeAdapter(Adapter):
     def tiny_config():
         from transformers import OlmoeConfig
 
-        return OlmoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                           num_experts=8, num_experts_per_tok=2, eos_token_id=2)
+        return OlmoeConfig(**TINY_SHAPE, intermediate_size=128, num_experts=8, num_experts_per_tok=2, eos_token_id=2)

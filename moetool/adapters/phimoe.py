@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Adapter, MoELayer
+from .base import TINY_SHAPE, Adapter, MoELayer
 
 
 class PhimoeLayer(MoELayer):
@@ -66,7 +66,5 @@ class PhimoeAdapter(Adapter):
         """No input jitter; ``router_jitter_noise=0.1`` so the multipliers mix several experts."""
         from transformers import PhimoeConfig
 
-        return PhimoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.1,
-                            input_jitter_noise=0.0)
+        return PhimoeConfig(**TINY_SHAPE, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+                            router_jitter_noise=0.1, input_jitter_noise=0.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Adapter, MoELayer
+from .base import TINY_SHAPE, Adapter, MoELayer
 
 
 class GatedSharedExpert(nn.Module):
@@ -55,7 +55,6 @@ class Qwen2MoeAdapter(Adapter):
         """Layer 1 is dense through ``mlp_only_layers`` (MoE layers 0, 2, 3)."""
         from transformers import Qwen2MoeConfig
 
-        return Qwen2MoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                              moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=8,
-                              num_experts_per_tok=2, mlp_only_layers=[1], decoder_sparse_step=1)
+        return Qwen2MoeConfig(**TINY_SHAPE, intermediate_size=128, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                              mlp_only_layers=[1], decoder_sparse_step=1)

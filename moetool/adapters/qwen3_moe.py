@@ -7,6 +7,7 @@ checkpoints set), weights cast back to the logits' dtype. No shared expert.
 
 from __future__ import annotations
 
+from .base import TINY_SHAPE
 from .qwen2_moe import Qwen2MoeAdapter
 
 
@@ -19,7 +20,5 @@ class Qwen3MoeAdapter(Qwen2MoeAdapter):
         """``decoder_sparse_step=2``: layers 0 and 2 are dense (MoE layers 1, 3); renormalised top-k."""
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                              max_position_embeddings=256, moe_intermediate_size=64, num_experts=8,
-                              num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True)
+        return Qwen3MoeConfig(**TINY_SHAPE, head_dim=32, intermediate_size=128, moe_intermediate_size=64,
+                              num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True)

@@ -8,6 +8,7 @@ Works on offloaded (accelerate) layers: weights are brought to the device for th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterable, Iterator
 
 import torch
@@ -31,6 +32,18 @@ def _weights_on_device(layer: MoELayer) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
+    """The layer's expert weights; a needed view lacking a unit stride is copied once per probe call.
+
+    A batched matmul needs a unit stride in one of the last two dims; gpt-oss's interleaved gate/up
+    views (``gate_up_proj[..., ::2]``) have none, and torch then falls back to a kernel ~10x slower.
+    """
+    W = layer.expert_weights()
+    need = {"gate"} | ({"up"} if want & {"up", "glu", "output"} else set()) | ({"down"} if "output" in want else set())
+    fix = {k: t.contiguous() for k in need if 1 not in (t := getattr(W, k)).stride()[-2:]}
+    return dataclasses.replace(W, **fix) if fix else W
 
 
 def _bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,7 +88,7 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
     if unknown:
         raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
     with _weights_on_device(layer):
-        W = layer.expert_weights()
+        W = _matmul_ready(layer, want)
         step = _chunk_size(layer, W, budget)
         parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
     return {k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want}
@@ -87,7 +100,7 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
     with _weights_on_device(layer):
-        W = layer.expert_weights()
+        W = _matmul_ready(layer, {node})
         step = _chunk_size(layer, W, budget)
         out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
                for s in range(0, h.shape[0], step)]  # each [T_c, n]

@@ -152,10 +152,10 @@ def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEve
 
 
 def capture(model: Any, layers: Sequence[MoELayer], tokens: Any, policy: Any, *,
-            others: dict[str, dict[int, MoELayer]] | None = None, batch_size: int = 8, description: str = "routing",
-            quiet: bool = False) -> tuple[dict[int, LayerRouting], dict[str, dict[int, LayerRouting]]]:
+            others: dict[Any, dict[int, MoELayer]] | None = None, batch_size: int = 8, description: str = "routing",
+            quiet: bool = False) -> tuple[dict[int, LayerRouting], dict[Any, dict[int, LayerRouting]]]:
     """Run ``tokens`` with ``policy`` applied (None: the router); return per-layer routings, and per
-    name in ``others`` (router copies by layer index) the isolated routings on this run's ``h``."""
+    key of ``others`` (router copies by layer index) the isolated routings on this run's ``h``."""
     own = {L.index: LayerRouting() for L in layers}
     iso = {name: {L.index: LayerRouting() for L in layers} for name in (others or {})}
 
@@ -213,11 +213,11 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
         partners = {c: routers[c] for r, c in plist if r == i and opts.isolate}
         for routing in opts.routings:
             own, iso = capture(lm.model, lm.layers, tokens, opts.policy(routing),
-                               others={str(c): rt for c, rt in partners.items()}, batch_size=opts.batch_size,
+                               others=partners, batch_size=opts.batch_size,
                                description=f"{names[i]}: {routing}", quiet=quiet)
             runs[(i, routing)] = own
             for c in partners:
-                isolated[(i, c, routing)] = iso[str(c)]
+                isolated[(i, c, routing)] = iso[c]
         if opts.isolate and any(c == i for _, c in plist):
             routers[i] = {L.index: router_copy(L) for L in lm.layers}
         del lm
@@ -240,6 +240,7 @@ def check_checkpoints(names: Sequence[str]) -> Any:
 
     from ..loading import load_config
 
+    pairs(names, "previous")  # at least two
     loaded = [load_config(n) for n in names]
     check_same("architecture", names, [architecture(cfg) for cfg, _, _ in loaded])
     toks = []

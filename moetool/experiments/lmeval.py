@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+from unittest import mock
 
 from ..errors import MoetoolError
 from ..registry import did_you_mean
@@ -73,10 +74,15 @@ class TaskPlan:
     offline: bool  # only shipped tasks: Hub and datasets forced offline
     shipped_dir: str | None
 
-    def task_manager(self) -> Any:
-        from lm_eval.tasks import TaskManager
+    _manager: Any = field(default=None, repr=False)
 
-        return TaskManager(include_path=self.include_path, include_defaults=self.include_defaults)
+    def task_manager(self) -> Any:
+        """lm-eval's TaskManager for this plan, built once (scanning the built-in tasks takes seconds)."""
+        if self._manager is None:
+            from lm_eval.tasks import TaskManager
+
+            self._manager = TaskManager(include_path=self.include_path, include_defaults=self.include_defaults)
+        return self._manager
 
     def describe(self) -> dict[str, Any]:
         return {"tasks": self.names, "include_path": self.include_path, "include_defaults": self.include_defaults,
@@ -97,42 +103,47 @@ def plan_tasks(names: Iterable[str], include_path: str | Path | None = None) -> 
     shipped = shipped_tasks()
     others = [n for n in names if n not in shipped]
     inc = str(include_path) if include_path is not None else None
-    defaults = False
+    defaults, manager = False, None
     if others:
         from lm_eval.tasks import TaskManager
 
-        known = set(TaskManager(include_path=inc, include_defaults=False).all_tasks) if inc else set()
+        manager = TaskManager(include_path=inc, include_defaults=False) if inc else None
+        known = set(manager.all_tasks) if manager else set()
         if any(n not in known for n in others):
             defaults = True
-            known = set(TaskManager(include_path=inc, include_defaults=True).all_tasks)
+            manager = TaskManager(include_path=inc, include_defaults=True)
+            known = set(manager.all_tasks)
         for n in others:
             if n not in known:
                 raise MoetoolError(f"unknown lm-eval task '{n}'{did_you_mean(n, [*shipped, *known])}; shipped "
                                    f"offline tasks: {', '.join(shipped) or 'none found'}")
     root = shipped_tasks_dir()
     return TaskPlan(names=names, specs=[shipped.get(n, n) for n in names], include_path=inc,
-                    include_defaults=defaults, offline=not others, shipped_dir=str(root) if root else None)
+                    include_defaults=defaults, offline=not others, shipped_dir=str(root) if root else None,
+                    _manager=manager)
 
 
 @contextlib.contextmanager
 def hub_offline(enabled: bool = True) -> Iterator[None]:
-    """``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` for the block (also patched where already imported)."""
+    """``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` for the block, restored after.
+
+    ``datasets`` and ``huggingface_hub`` read these at import: they are imported first and their
+    module constants patched too (lm-eval imports them anyway).
+    """
     if not enabled:
         yield
         return
-    import sys
+    import datasets.config
+    import huggingface_hub.constants
 
     env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
-    patches = []
-    for mod, attr in (("datasets.config", "HF_DATASETS_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
-                      ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
-        m = sys.modules.get(mod)
-        if m is not None and hasattr(m, attr):
-            patches.append((m, attr, getattr(m, attr)))
+    targets = [(datasets.config, "HF_DATASETS_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+               (huggingface_hub.constants, "HF_HUB_OFFLINE")]
+    old = [getattr(m, a) for m, a in targets]
     try:
         os.environ.update({k: "1" for k in env})
-        for m, attr, _ in patches:
-            setattr(m, attr, True)
+        for m, a in targets:
+            setattr(m, a, True)
         yield
     finally:
         for k, v in env.items():
@@ -140,8 +151,8 @@ def hub_offline(enabled: bool = True) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for m, attr, old in patches:
-            setattr(m, attr, old)
+        for (m, a), v in zip(targets, old):
+            setattr(m, a, v)
 
 
 @dataclass
@@ -206,11 +217,15 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
     from ..engine.hooks import Engine
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR if quiet else logging.WARNING)
-    hflm = hflm or make_hflm(lm, batch_size)
+    hflm = make_hflm(lm, batch_size) if hflm is None else hflm
     t0 = time.perf_counter()
     # lm-eval's and datasets' progress bars write to stderr: swallowed with quiet (errors still raise)
     mute = contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext()
-    with hub_offline(plan.offline), torch.no_grad(), mute, \
+    # lm-eval's environment report runs ~12 subprocesses (torch collect_env, git) per call; the run's
+    # manifest records the versions instead
+    no_env = (mock.patch.object(evaluator, "add_env_info", lambda *a, **k: None),
+              mock.patch.object(evaluator, "get_git_commit_hash", lambda *a, **k: None))
+    with hub_offline(plan.offline), torch.no_grad(), mute, no_env[0], no_env[1], \
             Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
         try:
             out = evaluator.simple_evaluate(

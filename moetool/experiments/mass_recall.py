@@ -239,7 +239,8 @@ DEFINITIONS = {
     "mass_recall_p05": "5th percentile of mass recall (4096-bin histogram, upper bin edge)",
     "topk_recall": "mean |TopK(h) ∩ L(c(h))| / K",
     "exact_topk_rate": "fraction of tokens with TopK(h) ⊆ L(c(h)) (top-K inside the shortlist = global top-K)",
-    "quant_error_mean": "mean ε(h) = ||h − c(h)||, raw router input h against its unit codeword",
+    "quant_error_mean": "mean ε(h) = ||h − c(h)||, raw router input h against its unit codeword; ε >= | ||h|| − 1 |, "
+                        "so for router inputs of norm ≈ sqrt(d) (after RMSNorm) the bound is ≈ 0 (true but vacuous)",
     "bound_mean": "mean exp(−2ε(h)) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) with the mode's scoring",
     "bound_holds_rate": f"fraction of tokens with mass recall >= bound − {BOUND_TOL} (a theorem in unit mode)",
     "dead_codes": "codewords with no token assigned in the evaluation pass",
@@ -260,7 +261,8 @@ def figures(run: Any, df: Any) -> None:
 
     df = df.assign(codebook=[f"G={g} {c}" for g, c in zip(df["codebook_size"], df["centroids"])])
     layers = sorted(df["layer"].unique())
-    for name, x in (("mass_recall_vs_shortlist", "shortlist_size"), ("mass_recall_vs_router_flops", "router_flops_frac")):
+    for name, x in (("mass_recall_vs_shortlist", "shortlist_size"),
+                    ("mass_recall_vs_router_flops", "router_flops_frac")):
         fig, axes = new_figure(*grid_shape(len(layers)))
         for ax, layer in zip(axes, layers):
             line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}")

@@ -34,7 +34,8 @@ DEFINITIONS = {
     "value": "perplexity on --data (metric 'perplexity', task = the data name) or the lm-eval metric",
     "ratio": "value / router_value: perplexity ratio (lower is better) or accuracy retention (higher is better)",
     "seconds": "wall time of the pass that produced the row: the perplexity forwards (policy and agreement "
-               "bookkeeping included), or the whole lm-eval run of all tasks under the policy",
+               "bookkeeping included), or the whole lm-eval run of all tasks under the policy; measured after "
+               "one untimed warm-up forward (and a 1-item lm-eval run)",
     "agreement_layers": "only the layers the policy replaced (--layers) appear in agreement.csv",
 }
 
@@ -134,6 +135,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     """Run every policy (the first must be ``router``, the baseline of the ratios)."""
     import pandas as pd
 
+    from ..data import TokenSet
     from .lmeval import evaluate, make_hflm
     from .ppl import perplexity
 
@@ -141,6 +143,14 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
         raise MoetoolError("the sweep must start with the 'router' baseline")
     layers = None if policy_layers is None else sorted(policy_layers)
     hflm = make_hflm(lm, batch_size) if plan is not None else None
+    # untimed warm-up (kernels, allocator, lm-eval's dataset build and cache), so that the first policy's
+    # seconds are comparable; on a shared CPU they stay noisy (bench/bench_norm_select.py interleaves runs)
+    rows = 3 * batch_size
+    head = TokenSet(tokens.input_ids[:rows], tokens.attention_mask[:rows], tokens.domains[:rows], tokens.source)
+    for p in (policies[0], policies[-1]):
+        perplexity(lm, head, policy=p, policy_layers=layers, batch_size=batch_size, quiet=True)
+    if plan is not None:
+        evaluate(lm, plan, limit=1, batch_size=batch_size, seed=seed, hflm=hflm, quiet=True)
     ppl, evals, agree = {}, {}, []
     for p in policies:
         meter = AgreementMeter(layers)
@@ -153,8 +163,15 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     return NormSelectResult(pd.concat(agree, ignore_index=True), quality_frame(ppl, evals, data), evals)
 
 
-def table1(agreement: Any, quality: Any, metric: str = "acc") -> Any:
-    """The paper's Table 1 shape: one row per policy (node), quality, agreement and time side by side."""
+def _asked(quality: Any, metric: str, tasks: Iterable[str] | None) -> Any:
+    """Rows of ``metric``, only for the asked task names (a group's subtasks stay in quality.csv)."""
+    rows = quality[quality.metric == metric]
+    return rows if tasks is None else rows[rows.task.isin(list(tasks))]
+
+
+def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None) -> Any:
+    """The paper's Table 1 shape: one row per policy (node and norm; ``router`` first), quality, agreement
+    and time side by side. Agreement is the token-weighted mean over the replaced layers."""
     import pandas as pd
 
     rows = []
@@ -162,10 +179,12 @@ def table1(agreement: Any, quality: Any, metric: str = "acc") -> Any:
         a = agreement[agreement.policy == name]
         n = a.tokens.sum()
         p = q[q.metric == "perplexity"].iloc[0]
-        row = {"policy": name, "ppl": p.value, "ppl ratio": p.ratio,
+        kind, _, rest = name.partition(":")
+        node, _, norm = rest.partition(":")
+        row = {"node": node or kind, "norm": norm or "-", "ppl": p.value, "ppl ratio": p.ratio,
                "top-K overlap": float((a.topk_overlap * a.tokens).sum() / n) if n else float("nan"),
                "top-1 agree": float((a.top1_agree * a.tokens).sum() / n) if n else float("nan")}
-        for r in q[q.metric == metric].itertuples(index=False):
+        for r in _asked(q, metric, tasks).itertuples(index=False):
             row[f"{r.task} {metric}"] = r.value
             row[f"{r.task} retention"] = r.ratio
         row["seconds"] = float(p.seconds) + float(q[q.metric != "perplexity"].seconds.max()
@@ -174,13 +193,13 @@ def table1(agreement: Any, quality: Any, metric: str = "acc") -> Any:
     return pd.DataFrame(rows)
 
 
-def figures(run: Any, agreement: Any, quality: Any, metric: str = "acc") -> None:
+def figures(run: Any, agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None) -> None:
     """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``."""
     import numpy as np
 
-    from ..report.figures import new_figure, line_by
+    from ..report.figures import line_by, new_figure
 
-    acc = quality[quality.metric == metric]
+    acc = _asked(quality, metric, tasks)
     fig, axes = new_figure(1, 2 if len(acc) else 1, width=max(4.2, 0.8 * quality.policy.nunique()))
     ppl = quality[quality.metric == "perplexity"]
     axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray")
@@ -206,11 +225,12 @@ def figures(run: Any, agreement: Any, quality: Any, metric: str = "acc") -> None
     line_by(axes[1], agreement, "layer", "top1_agree", "policy", title="top-1 agreement with the router")
     for ax in axes:
         ax.set_ylim(-0.02, 1.02)
+        ax.set_xticks(sorted(agreement.layer.unique()))
     run.save_figure(fig, "agreement_by_layer")
 
 
 def demo(parent: Any, quiet: bool) -> list[str]:
-    """The sweep on the embedded ``tiny`` model: 5 nodes, 2048 tokens, the offline code task (40 items)."""
+    """The sweep on the embedded ``tiny`` model: 5 nodes, 2048 tokens, the shipped offline tasks (20 items each)."""
     from ..data import load_tokens
     from ..loading import load
     from ..policies import make_policy
@@ -220,21 +240,23 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     lm = load("tiny")
     tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
     shipped = list(shipped_tasks())
-    plan = plan_tasks(shipped[:1]) if shipped else None
+    plan = plan_tasks(shipped) if shipped else None
     specs = sweep_specs(NODES)
-    res = run_norm_select(lm, tokens, [make_policy(s) for s in specs], plan=plan, limit=40, batch_size=8,
+    res = run_norm_select(lm, tokens, [make_policy(s) for s in specs], plan=plan, limit=20, batch_size=16,
                           quiet=quiet)
     run.write_csv("agreement.csv", res.agreement)
     run.write_csv("quality.csv", res.quality)
     figures(run, res.agreement, res.quality)
     run.add(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights="softmax",
             eval=plan.describe() if plan else None)
-    run.finish(options=dict(model="tiny", nodes="all", norm="l2", weights="softmax", max_tokens=2048,
-                            tasks=plan.names if plan else None, limit=40), model=lm, seed=0)
+    run.finish(options=dict(model="tiny", nodes="all", norm="l2", weights="softmax", max_tokens=2048, batch_size=16,
+                            tasks=plan.names if plan else None, limit=20), model=lm, seed=0)
     t = table1(res.agreement, res.quality)
     lines = []
     for r in t.to_dict("records"):
-        extra = "".join(f", {k} {v:.3f}" for k, v in r.items() if k.endswith("retention"))
-        lines.append(f"{r['policy']}: ppl x{r['ppl ratio']:.3f}, top-K overlap {r['top-K overlap']:.2f}, "
-                     f"top-1 agree {r['top-1 agree']:.2f}{extra}")
+        name = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
+        accs = "".join(f", {k[:-4]} acc {v:.2f} (x{r[k[:-4] + ' retention']:.2f})"
+                       for k, v in r.items() if k.endswith(" acc"))
+        lines.append(f"{name}: ppl {r['ppl']:.1f} (x{r['ppl ratio']:.2f}), top-K overlap {r['top-K overlap']:.2f}, "
+                     f"top-1 agree {r['top-1 agree']:.2f}{accs}")
     return lines

@@ -41,6 +41,12 @@ def build_policy(routing: str, weights: str = "softmax", seed: int = 0, **option
     return make_policy(routing, weights=weights, seed=seed, **options)
 
 
+def describe_policy(policy: Any) -> Any:
+    """The policy's own description for the manifest (its name, and its options when it has them)."""
+    return {"name": policy.name, **policy.describe()} if hasattr(policy, "describe") else {"name": policy.name,
+            **({"weights": policy.weights} if hasattr(policy, "weights") else {})}
+
+
 def data_name(path: str | Path | None) -> str:
     """Short name of ``--data`` for tables: the file/folder stem, ``heldout`` for the default."""
     return Path(path).stem if path else "heldout"

@@ -50,7 +50,8 @@ DEFINITIONS = {
                   "count = occurrences of the token whose top-K contains the expert; share = count / all "
                   "occurrences of the token (sums to K over experts)",
     "top_tokens_lift": "as top_tokens but ranked by lift = share / token_fraction(expert) = P(e|token) / P(e) "
-                       "(1 = no preference) among pairs with count >= min_count",
+                       "(1 = no preference; ties, e.g. tokens always routed to e, by count) among pairs with "
+                       "count >= min_count",
     "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges); "
                          "memory grows with distinct pairs, not with n * vocab",
 }
@@ -199,19 +200,9 @@ class RoutingStats:
                            "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
             co.append(_coactivation_frame(li, a.co.cpu()))
             if self.domains:
-                da = a.dom_assign.cpu()  # [D, n]
-                dl = da / da.sum(-1, keepdim=True)  # [D, n] float64, rows sum to 1 (nan for an absent domain)
-                for di, name in enumerate(self.domains):
-                    if a.dom_tokens[di] > 0:
-                        dom.append(pd.DataFrame({"layer": li, "domain": name, "expert": range(n),
-                                                 "load_fraction": dl[di].numpy(),
-                                                 "tokens": da[di].long().numpy()}))
+                dom += _domain_frames(li, a, self.domains)
             if a.pairs is not None:
-                pk, pc = (t.cpu().numpy() for t in a.pairs.result())
-                pairs = pd.DataFrame({"layer": li, "expert": pk % n, "token_id": pk // n, "count": pc})
-                total = tok_counts[tok_keys.searchsorted(pairs["token_id"].to_numpy())]
-                pairs["share"] = pairs["count"] / total
-                pairs["lift"] = pairs["share"] / (assign.numpy() / tokens)[pairs["expert"].to_numpy()]
+                pairs = _pair_frame(li, a, tok_keys, tok_counts)
                 top.append(_rank(pairs, "count", top_n))
                 lift.append(_rank(pairs[pairs["count"] >= min_count], "lift", top_n))
         out = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers),
@@ -223,6 +214,30 @@ class RoutingStats:
             out["top_tokens.csv"] = _with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
             out["top_tokens_lift.csv"] = _with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
         return out
+
+
+def _domain_frames(layer: int, a: LayerAccumulator, domains: list[str]) -> list[Any]:
+    """One ``domain_load`` frame per domain that has tokens."""
+    import pandas as pd
+
+    da = a.dom_assign.cpu()  # [D, n]
+    dl = da / da.sum(-1, keepdim=True)  # [D, n] float64, rows sum to 1
+    return [pd.DataFrame({"layer": layer, "domain": name, "expert": range(a.n), "load_fraction": dl[di].numpy(),
+                          "tokens": da[di].long().numpy()})
+            for di, name in enumerate(domains) if a.dom_tokens[di] > 0]
+
+
+def _pair_frame(layer: int, a: LayerAccumulator, tok_keys: Any, tok_counts: Any) -> Any:
+    """Every (expert, token id) pair seen: count, share of the token's occurrences, lift."""
+    import pandas as pd
+
+    pk, pc = (t.cpu().numpy() for t in a.pairs.result())
+    pairs = pd.DataFrame({"layer": layer, "expert": pk % a.n, "token_id": pk // a.n, "count": pc})
+    total = tok_counts[tok_keys.searchsorted(pairs["token_id"].to_numpy())]  # occurrences of each token
+    pairs["share"] = pairs["count"] / total
+    token_fraction = (a.assign.cpu() / int(a.tokens)).numpy()  # [n]
+    pairs["lift"] = pairs["share"] / token_fraction[pairs["expert"].to_numpy()]
+    return pairs
 
 
 def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
@@ -239,8 +254,9 @@ def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
 
 
 def _rank(pairs: Any, by: str, top_n: int) -> Any:
-    """The ``top_n`` rows per expert by ``by`` (descending; ties by token id), with ``rank`` 1..N."""
-    df = pairs.sort_values(["expert", by, "token_id"], ascending=[True, False, True], kind="stable")
+    """The ``top_n`` rows per expert by ``by`` (descending; ties by count, then token id), with ``rank`` 1..N."""
+    keys = ["expert", by] + (["count"] if by != "count" else []) + ["token_id"]
+    df = pairs.sort_values(keys, ascending=[True] + [False] * (len(keys) - 2) + [True], kind="stable")
     df = df.groupby("expert", sort=False).head(top_n).copy()
     df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
     return df

@@ -24,10 +24,12 @@ from .similarity import choose, propagate
 def lowest_entropy_head(A: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Index of the head whose attention rows have the lowest mean entropy over real query tokens.
 
+    Rows are renormalised first (gpt-oss drops its attention-sink mass, so its rows sum to less than 1).
+
     ``A [B, H, S, S]``, ``valid [T]`` (T = B*S) -> scalar long tensor.
     """
     B, H, S, _ = A.shape
-    ent = ops.entropy(A, dim=-1)  # [B, H, S] nats, one per query row
+    ent = ops.entropy(ops.normalize(A), dim=-1)  # [B, H, S] nats, one per query row
     keep = valid.reshape(B, 1, S).to(ent.dtype)  # [B, 1, S]
     mean = (ent * keep).sum((0, 2)) / keep.sum().clamp_min(1)  # [H]
     return torch.argmin(mean)
@@ -65,4 +67,4 @@ class AttentionPolicy:
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
         ev.extra["scores"] = s
-        return choose(s, ev.layer.top_k)
+        return choose(s, ev.layer.top_k, ev.layer.weight_scale)

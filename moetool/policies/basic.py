@@ -27,7 +27,8 @@ class RouterPolicy:
 
 
 class RandomPolicy:
-    """``random``: K experts uniformly at random per token (seeded), uniform weights 1/K."""
+    """``random``: K experts uniformly at random per token (seeded), uniform weights 1/K
+    (times the layer's ``weight_scale``, 1 except DeepSeek's routed scaling factor)."""
 
     name = "random"
     needs_attention = False
@@ -48,4 +49,4 @@ class RandomPolicy:
             self._gen[dev] = torch.Generator(device=dev).manual_seed(self.seed)
         T, n, K = ev.h.shape[0], ev.layer.n_experts, ev.layer.top_k
         idx = ops.topk(torch.rand(T, n, generator=self._gen[dev], device=dev), K)
-        return idx, torch.full((T, K), 1.0 / K, device=dev)
+        return idx, torch.full((T, K), ev.layer.weight_scale / K, device=dev)

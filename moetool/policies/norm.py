@@ -3,7 +3,9 @@
 The router is ignored; every expert computes ``node`` for the token (batched over experts)
 and the K with the largest norm run. Weights (``--weights``): ``softmax`` over the chosen
 norms (AoE Algorithm 1, default), ``router`` (the model's probabilities of the chosen set,
-renormalised as the model does), ``uniform`` (1/K).
+renormalised as the model does), ``uniform`` (1/K). ``softmax`` and ``uniform`` weights are
+multiplied by the layer's ``weight_scale`` (DeepSeek's ``routed_scaling_factor``; 1 elsewhere) so the
+routed output keeps the model's scale.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class NormPolicy:
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
         idx = ops.topk(s, ev.layer.top_k)  # [T, K]
+        if self.weights == "router":
+            return idx, ev.layer.weights_for(ev.logits, idx)
         if self.weights == "softmax":
             w = torch.softmax(s.gather(-1, idx), dim=-1)
-        elif self.weights == "router":
-            w = ev.layer.weights_for(ev.logits, idx)
         else:
             w = torch.full(idx.shape, 1.0 / idx.shape[-1], device=idx.device)
-        return idx, w
+        return idx, w * ev.layer.weight_scale

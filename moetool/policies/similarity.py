@@ -39,10 +39,12 @@ def propagate(A: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor) -> torc
     return ops.normalize(s.reshape(B * S, -1))  # [T, n]
 
 
-def choose(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TopK of the scores ``s [T, n]`` and their renormalised values: ``(idx [T, K], w [T, K])``."""
+def choose(s: torch.Tensor, k: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK of the scores ``s [T, n]`` and their renormalised values: ``(idx [T, K], w [T, K])``.
+
+    ``scale`` is the layer's ``weight_scale`` (DeepSeek's routed scaling factor, else 1)."""
     idx = ops.topk(s, k)  # [T, K]
-    return idx, ops.normalize(s.gather(-1, idx))
+    return idx, ops.normalize(s.gather(-1, idx)) * scale
 
 
 def similarity_matrix(h: torch.Tensor, valid: torch.Tensor, shape: tuple[int, int], tau: float,
@@ -96,4 +98,4 @@ class SimilarityPolicy:
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
         ev.extra["scores"] = s
-        return choose(s, ev.layer.top_k)
+        return choose(s, ev.layer.top_k, ev.layer.weight_scale)
