@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="character budget of the train split per domain")
     ap.add_argument("--val-chars-per-domain", type=int, default=110_000,
                     help="character budget of the validation split per domain")
-    ap.add_argument("--max-chars", type=int, default=1000, help="max characters per document")
+    ap.add_argument("--max-chars", type=int, default=700, help="max characters per document")
     ap.add_argument("--min-chars", type=int, default=200, help="min characters per document")
     ap.add_argument("--val-max-docs-per-group", type=int, default=3,
                     help="at most this many documents of one held-out group go to validation "

@@ -5,8 +5,9 @@ on CPU with transformers' own model classes.
 Pipeline (all offline, deterministic given the CPython/torch/transformers versions):
 
 1. ``examples/build_corpus.py`` -> train / validation JSONL (Python stdlib code and
-   Python documentation prose, PSF-2.0) and ``moetool/embedded/data/heldout.jsonl``
-   (= the validation documents).
+   Python documentation prose, PSF-2.0).  The validation documents that fit in
+   the training context (<= seq_len - 1 tokens) are the validation split and are
+   written to ``moetool/embedded/data/heldout.jsonl``.
 2. A byte-level BPE tokenizer (``tokenizers``; vocab 2048, ``<|endoftext|>`` as
    eos / bos / pad) trained on the train split, wrapped as
    ``transformers.PreTrainedTokenizerFast``.
@@ -500,6 +501,7 @@ def train_one(name: str, args, work: Path) -> dict:
                    "router_aux_loss_coef": cfg.router_aux_loss_coef},
                 "weights_dtype": args.save_dtype,
                 "unigram_baseline": unigram,
+                "validation_docs": json.loads((work / "val_docs.json").read_text()),
                 "corpus": {"sources": manifest["sources"], "files": manifest["files"],
                            "python_version": manifest["python_version"], "stats": manifest["stats"]},
                 "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": len(tok), "eos_token": EOS},
@@ -666,8 +668,12 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
       f"Train: {c['files']['train.jsonl']['docs']} documents, {c['files']['train.jsonl']['bytes'] / 1e6:.2f} MB "
       f"(code {c['stats']['code']['train_chars'] / 1e6:.2f}M chars, prose {c['stats']['prose']['train_chars'] / 1e6:.2f}M chars), "
       f"{summary['train_tokens'] / 1e6:.2f}M tokens. "
-      f"Validation: {c['files']['validation.jsonl']['docs']} documents, "
-      f"{summary['val_tokens']} target tokens.")
+      f"Validation: {summary['val_docs']['kept']} documents ("
+      + ", ".join(f"{n} {d}" for d, n in sorted(summary['val_docs']['by_domain'].items()))
+      + ") after dropping "
+      f"{summary['val_docs']['dropped_too_long']} of the corpus' {c['files']['validation.jsonl']['docs']} held-out "
+      f"documents that are longer than {args.seq_len - 1} tokens (so every held-out document plus one leading "
+      f"`{EOS}` fits in the trained context of {args.seq_len}); {summary['val_tokens']:,} target tokens.")
     a("")
     a("`data/heldout.jsonl` (fields `text`, `domain`, `source`) is exactly the validation split: the default "
       "`--data` of moetool commands. The models never saw these documents.")
@@ -691,6 +697,21 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
       "assignments per expert; routing entropy = mean per-token entropy of the router softmax over all experts "
       "(both in nats, maximum log n). TV = total-variation distance between the code and prose expert-load "
       "distributions.")
+    a("")
+    for d in summary["dirs"]:
+        m = json.loads((out_dir / d / "train_meta.json").read_text())
+        if m["checkpoint"] != "final":
+            continue
+        R = m["routing"]
+        le = [r["load_entropy"] / r["log_n"] for r in R]
+        re_ = [r["mean_routing_entropy"] / r["log_n"] for r in R]
+        tv = [r["code_vs_prose_tv"] for r in R]
+        k = json.loads((out_dir / d / "config.json").read_text())["num_experts_per_tok"]
+        a(f"- `{d}`: aggregate load per layer close to uniform (load entropy {min(le):.3f}–{max(le):.3f} × log n; "
+          f"min load fraction {min(r['min_load_frac'] for r in R):.3f}, no dead expert) — that is what the "
+          f"load-balancing loss is for; per token the routing is clearly not uniform (routing entropy "
+          f"{min(re_):.2f}–{max(re_):.2f} × log n; a router spreading its mass evenly over exactly k={k} experts "
+          f"would give log k = {math.log(k):.3f}) and it differs by domain (code-vs-prose TV {min(tv):.2f}–{max(tv):.2f}).")
     a("")
     a("| model | layer | log n | load entropy | routing entropy | min / max load frac | dead | code-vs-prose TV | most code-leaning expert (code/prose load) | most prose-leaning |")
     a("|---|---|---|---|---|---|---|---|---|---|")
@@ -726,10 +747,8 @@ def parse_args(argv=None):
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--max-position-embeddings", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=512,
-                    help="training chunk length; 512 so that every held-out document (<= ~530 tokens) "
-                         "lies within the trained positions")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256, help="training / validation chunk length")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup-frac", type=float, default=0.05)
@@ -739,7 +758,7 @@ def parse_args(argv=None):
     ap.add_argument("--mid-frac", type=float, default=None, help="also keep a <name>-mid checkpoint")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-chunks", type=int, default=12, help="chunks per domain for periodic validation")
+    ap.add_argument("--eval-chunks", type=int, default=24, help="chunks per domain for periodic validation")
     ap.add_argument("--experts-implementation", default="grouped_mm", choices=["eager", "grouped_mm", "batched_mm"])
     ap.add_argument("--aux-loss", default="per-layer", choices=["per-layer", "hf"],
                     help="router load-balancing loss: per layer, averaged (default), or transformers' "
@@ -781,8 +800,7 @@ def main(argv=None) -> int:
         import build_corpus
 
         log("building corpus")
-        build_corpus.main(["--out-dir", str(corpus), "--heldout", str(heldout)])
-    (work / "paths.json").write_text(json.dumps({"validation": str(corpus / "validation.jsonl")}))
+        build_corpus.main(["--out-dir", str(corpus)])
 
     import numpy as np  # noqa: F401
     import torch
@@ -790,7 +808,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(args.threads, 1))
     set_seed(args.seed)
     train_rows = read_jsonl(corpus / "train.jsonl")
-    val_rows = read_jsonl(corpus / "validation.jsonl")
+    val_rows_all = read_jsonl(corpus / "validation.jsonl")
     log(f"training tokenizer on {len(train_rows)} docs (vocab {args.vocab_size})")
     tok = train_tokenizer([r["text"] for r in train_rows], args.vocab_size, work / "tokenizer",
                           args.max_position_embeddings)
@@ -800,10 +818,25 @@ def main(argv=None) -> int:
     assert tok.eos_token == EOS and tok.pad_token == EOS, (tok.eos_token, tok.pad_token)
     eos_id = tok.eos_token_id
     train_ids = encode_docs(tok, [r["text"] for r in train_rows])
+    # Validation / held-out documents must fit in the trained context together
+    # with one leading <|endoftext|>: drop the few longer ones (whole documents).
+    val_lens = [len(ids) for ids in encode_docs(tok, [r["text"] for r in val_rows_all])]
+    val_rows = [r for r, n in zip(val_rows_all, val_lens) if n + 1 <= args.seq_len]
+    n_drop = len(val_rows_all) - len(val_rows)
+    (work / "validation.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in val_rows),
+                                           encoding="utf-8")
+    heldout.parent.mkdir(parents=True, exist_ok=True)
+    heldout.write_text("".join(json.dumps({"text": r["text"], "domain": r["domain"], "source": r["source"]},
+                                          ensure_ascii=False) + "\n" for r in val_rows), encoding="utf-8")
+    (work / "paths.json").write_text(json.dumps({"validation": str(work / "validation.jsonl")}))
+    log(f"validation/held-out: kept {len(val_rows)} of {len(val_rows_all)} documents (dropped {n_drop} longer "
+        f"than {args.seq_len - 1} tokens); wrote {heldout} ({heldout.stat().st_size:,} bytes)")
     by_dom: dict[str, list[str]] = {}
     for r in val_rows:
         by_dom.setdefault(r["domain"], []).append(r["text"])
     val = {dom: val_chunks(encode_docs(tok, texts), eos_id, args.seq_len) for dom, texts in sorted(by_dom.items())}
+    (work / "val_docs.json").write_text(json.dumps({"kept": len(val_rows), "dropped_too_long": n_drop,
+                                                    "by_domain": {d: len(t) for d, t in by_dom.items()}}))
     train_stream = pack(train_ids, eos_id)
     unigram = unigram_ppl(train_stream, val, len(tok))
     n_chars = sum(len(r["text"]) for r in train_rows)
@@ -894,6 +927,7 @@ def main(argv=None) -> int:
         "unigram": unigram,
         "train_tokens": len(train_stream),
         "val_tokens": unigram["all"]["tokens"],
+        "val_docs": json.loads((work / "val_docs.json").read_text()),
         "corpus": json.loads((corpus / "manifest.json").read_text()),
         "verify_max_abs_diff": max(v["abs_diff"] for v in ver.values()),
         "total_wall_s": time.time() - t0,

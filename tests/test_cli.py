@@ -89,10 +89,15 @@ def test_trace_matches_the_routers_own_choice(tmp_path):
     first = df[(df.row == 0)]
     L = lm.layers[-1]
     got = {}
-    L.router.register_forward_hook(lambda m, a, o: got.setdefault("h", a[0]))
+
+    def grab(module, args, out):
+        got["h"] = args[0]
+
+    handle = L.router.register_forward_hook(grab)
     with torch.no_grad():
         lm.model(input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1])
-    logits = torch.nn.functional.linear(got["h"].reshape(-1, got["h"].shape[-1]), L.router.weight)
+    handle.remove()
+    logits = torch.nn.functional.linear(got["h"].reshape(-1, got["h"].shape[-1]), L.router.weight).detach()
     top = torch.topk(torch.softmax(logits.float(), -1), L.top_k).indices
     sel = first[first.layer == L.index].sort_values("pos")
     n_real = int(ts.attention_mask[0].sum())
