@@ -40,7 +40,7 @@ def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
     run.finish(options={"steps": chosen or known})
     typer.echo("")
     for r in records:
-        typer.echo(f"{r['step']:<12} {r['seconds']:>7.1f}s  {r['folder']}")
+        typer.echo(f"{r['step']:<12} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
     echo_run(run.path)
 
 

@@ -19,7 +19,7 @@ the routing hooks. Writes eval.csv (task, metric, value, stderr) and manifest.js
 Tasks: standard lm-eval names (mmlu, arc_challenge, ...: need network for their datasets), tasks
 from --include-path, or the shipped offline tasks moetool_code and moetool_prose (4-choice "which
 continuation is real" items cut from the embedded models' training text; no network needed).
-The shipped tasks are looked up in $MOETOOL_TASKS, then moetool/embedded/tasks (installed package),
+The shipped tasks are looked up in $MOETOOL_TASKS, then moetool/tasks (installed package),
 then examples/tasks of the source checkout (editable install). lm-eval's own task index is only
 scanned when a name is neither shipped nor in --include-path.
 

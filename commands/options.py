@@ -41,6 +41,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("quiet"):
+            quiet_libraries()
         try:
             return fn(*args, **kwargs)
         except MoetoolError as e:
@@ -53,6 +55,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def quiet_libraries() -> None:
+    """``--quiet``: no progress bars from transformers' weight loading either."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "value") -> list[Any]:

@@ -55,9 +55,11 @@ def run_demo(parent: Any, steps: list[str] | None = None, quiet: bool = False,
             continue
         echo(f"== {name}")
         t0 = time.time()
+        before = {p.name for p in parent.path.iterdir()}
         lines = _load(target)(parent, quiet)
         for line in lines:
             echo(f"   {line}")
+        new = sorted(p.name for p in parent.path.iterdir() if p.is_dir() and p.name not in before)
         records.append({"step": name, "seconds": round(time.time() - t0, 2), "summary": lines,
-                        "folder": str(parent.path / name) if (parent.path / name).exists() else str(parent.path)})
+                        "folders": [str(parent.path / d) for d in new]})
     return records

@@ -81,6 +81,8 @@ def test_override_really_runs(family, tiny_model, batch, spec):
     outs: dict[int, torch.Tensor] = {}
     _, events, _ = run(model, layers, batch, policy=make_policy(spec, seed=0), experts_out=outs)
     differs = 0
+    # policies whose weights sum to one keep the model's scale: DeepSeek multiplies by routed_scaling_factor
+    scale = model.config.routed_scaling_factor if family.startswith("deepseek") else 1.0
     for L in layers:
         ev = events[L.index]
         K = L.top_k
@@ -89,12 +91,12 @@ def test_override_really_runs(family, tiny_model, batch, spec):
                                    rtol=1e-5, atol=1e-6)
         differs += int((~ops.same_set(ev.chosen_idx, ev.idx))[ev.valid].sum())
         if spec == "random":
-            torch.testing.assert_close(ev.chosen_weights, torch.full_like(ev.chosen_weights, 1.0 / K))
+            torch.testing.assert_close(ev.chosen_weights, torch.full_like(ev.chosen_weights, scale / K))
         else:  # the K largest ||W_g^e h||, softmax-weighted (AoE Algorithm 1)
             norms = torch.stack([reference_expert(family, L, e, ev.h)["gate"].norm(dim=-1)
                                  for e in range(L.n_experts)], dim=-1)  # [T, n]
             top = norms.topk(K, dim=-1)
-            assert_same_routing(ev.chosen_idx, ev.chosen_weights, top.indices, torch.softmax(top.values, dim=-1),
+            assert_same_routing(ev.chosen_idx, ev.chosen_weights, top.indices, scale * torch.softmax(top.values, dim=-1),
                                 rtol=1e-5, atol=1e-6)
     assert differs > 0
 

@@ -178,9 +178,22 @@ def test_parse_nodes_and_norms():
         ns.parse_norms("l3")
 
 
-@pytest.mark.parametrize("args", [["--nodes", "gaet"], ["--nodes", ""], ["--nodes", ","], ["--norm", "l3"],
-                                  ["--weights", "softmaxx"], ["--layers", "x-1"], ["--tasks", ""]])
-def test_bad_flags_are_one_line_exit_2(args, tmp_path):
-    r = CliRunner().invoke(app, ["norm-select", "--out", str(tmp_path / "o"), *args])
+BAD_FLAGS = [
+    ("norm-select", ["--nodes", "gaet"]), ("norm-select", ["--nodes", ""]), ("norm-select", ["--nodes", ","]),
+    ("norm-select", ["--norm", "l3"]), ("norm-select", ["--weights", "softmaxx"]),
+    ("norm-select", ["--layers", "x-1"]), ("norm-select", ["--tasks", ""]),
+    ("ppl", ["--routing", "routr"]), ("ppl", ["--routing", "norm:gaet"]), ("ppl", ["--routing", "norm:gate:l5"]),
+    ("ppl", ["--routing", "norm"]), ("ppl", ["--routing", ""]), ("ppl", ["--weights", "soft"]),
+    ("eval", ["--tasks", ""]), ("eval", ["--tasks", "moetool_code", "--routing", "norm:glue"]),
+    ("eval", ["--tasks", "moetool_code", "--include-path", "/no/such/dir"]),
+    ("eval", ["--tasks", "moetool_code", "--weights", "x"]),
+]
+
+
+@pytest.mark.parametrize("command,args", BAD_FLAGS)
+def test_bad_flags_are_one_line_exit_2(command, args, tmp_path):
+    """norm-select, ppl and eval: a bad flag value is one line on stderr, exit code 2, before any model loads."""
+    r = CliRunner().invoke(app, [command, "--out", str(tmp_path / "o"), *args])
     assert r.exit_code == 2, r.output
     assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -73,14 +73,6 @@ def test_policy_and_layers_change_perplexity_only_where_asked():
     assert df.loc[0, "layers"] == "3" and df.loc[0, "perplexity"] == pytest.approx(math.exp(df.loc[0, "nll_mean"]))
 
 
-@pytest.mark.parametrize("args", [["--routing", "routr"], ["--routing", "norm:gaet"], ["--routing", "norm:gate:l5"],
-                                  ["--routing", "norm"], ["--routing", ""], ["--weights", "soft"]])
-def test_bad_flags_are_one_line_exit_2(args, tmp_path):
-    r = CliRunner().invoke(app, ["ppl", "--out", str(tmp_path / "o"), *args])
-    assert r.exit_code == 2, r.output
-    assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
-
-
 @needs_tiny
 def test_cli_matches_a_hand_perplexity_on_the_embedded_model(tmp_path):
     from moetool.data import load_tokens

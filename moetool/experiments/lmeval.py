@@ -8,8 +8,8 @@ the padding never reaches a scored token).
 
 Shipped offline tasks (multiple choice, built from the embedded models' training text, see
 ``examples/tasks/README.md``) are found, in order, in ``$MOETOOL_TASKS``, in the package
-(``moetool/embedded/tasks``, for a wheel) and next to the package in a source checkout
-(``examples/tasks``, the editable install). They are handed to lm-eval as config dicts with
+(``moetool/tasks``: pyproject installs ``examples/tasks`` there) and next to the package in a
+source checkout (``examples/tasks``, the editable install). They are handed to lm-eval as config dicts with
 absolute data-file paths, so they work from any working directory; when only shipped tasks are
 asked, the Hub and ``datasets`` are forced offline for the evaluation. Any other name is a
 standard lm-eval task (or one from ``--include-path``) and needs whatever it needs (network).
@@ -38,7 +38,7 @@ def shipped_tasks_dir() -> Path | None:
     """Directory of the shipped offline task YAMLs (see the module docstring), or ``None``."""
     here = Path(__file__).resolve().parents[1]  # the moetool package
     candidates = [Path(os.environ[TASKS_ENV])] if os.environ.get(TASKS_ENV) else []
-    candidates += [here / "embedded" / "tasks", here.parent / "examples" / "tasks"]
+    candidates += [here / "tasks", here.parent / "examples" / "tasks"]
     for c in candidates:
         if c.is_dir() and any(c.glob("*.yaml")):
             return c

@@ -18,6 +18,7 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
+from .basic import NoArgsPolicy
 from .similarity import choose, propagate
 
 
@@ -35,17 +36,11 @@ def lowest_entropy_head(A: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.argmin(mean)
 
 
-class AttentionPolicy:
+class AttentionPolicy(NoArgsPolicy):
     """``attention``: no arguments; needs the layer's attention probabilities."""
 
     name = "attention"
     needs_attention = True
-
-    @classmethod
-    def from_spec(cls, args: list[str], **_: Any) -> "AttentionPolicy":
-        if args:
-            raise ValueError("'attention' takes no arguments")
-        return cls()
 
     def describe(self) -> dict[str, Any]:
         return {"policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}

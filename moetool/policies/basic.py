@@ -10,17 +10,23 @@ from .. import ops
 from ..engine.hooks import RoutingEvent
 
 
-class RouterPolicy:
-    """``router``: unchanged. Returns the model's own choice through the override path."""
+class NoArgsPolicy:
+    """Base of policies that take no ``:arg`` in their spec string."""
 
-    name = "router"
+    name = ""
     needs_attention = False
 
     @classmethod
-    def from_spec(cls, args: list[str], **_: Any) -> "RouterPolicy":
+    def from_spec(cls, args: list[str], **_: Any):
         if args:
-            raise ValueError("'router' takes no arguments")
+            raise ValueError(f"'{cls.name}' takes no arguments")
         return cls()
+
+
+class RouterPolicy(NoArgsPolicy):
+    """``router``: unchanged. Returns the model's own choice through the override path."""
+
+    name = "router"
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         return ev.idx, ev.weights

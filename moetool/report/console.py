@@ -9,7 +9,7 @@ from typing import Any
 def console(stderr: bool = False) -> Any:
     from rich.console import Console
 
-    return Console(file=sys.stderr if stderr else sys.stdout)
+    return Console(file=sys.stderr if stderr else sys.stdout, emoji=False)  # "norm:up:l2" is not an emoji
 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}") -> None:
