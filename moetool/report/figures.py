@@ -40,6 +40,10 @@ def line_by(ax: Any, df: Any, x: str, y: str, by: str, title: str = "", marker: 
     for key, g in df.groupby(by, sort=False):
         g = g.sort_values(x)
         ax.plot(g[x], g[y], marker=marker, label=str(key), linewidth=1.2, markersize=3)
+    if df[x].dtype.kind in "iu":  # layers, shortlist sizes: integer ticks only
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.set_title(title)
