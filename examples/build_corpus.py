@@ -84,6 +84,21 @@ def normalize(text: str) -> str:
     return text.strip("\n")
 
 
+def greedy_join(parts: list[str], sep: str, max_chars: int) -> list[str]:
+    """Join consecutive ``parts`` with ``sep`` while the result stays within ``max_chars``."""
+    out: list[str] = []
+    cur = ""
+    for p in parts:
+        if cur and len(cur) + len(sep) + len(p) > max_chars:
+            out.append(cur)
+            cur = p
+        else:
+            cur = f"{cur}{sep}{p}" if cur else p
+    if cur:
+        out.append(cur)
+    return out
+
+
 def chunk_blocks(text: str, max_chars: int, min_chars: int) -> list[str]:
     """Split ``text`` at blank lines into chunks of at most ``max_chars``
     characters (a single block longer than that is split at line boundaries,
@@ -95,31 +110,11 @@ def chunk_blocks(text: str, max_chars: int, min_chars: int) -> list[str]:
         if len(b) <= max_chars:
             pieces.append(b)
             continue
-        cur = ""
-        for line in b.split("\n"):
-            while len(line) > max_chars:
-                if cur:
-                    pieces.append(cur)
-                    cur = ""
-                pieces.append(line[:max_chars])
-                line = line[max_chars:]
-            if cur and len(cur) + 1 + len(line) > max_chars:
-                pieces.append(cur)
-                cur = line
-            else:
-                cur = f"{cur}\n{line}" if cur else line
-        if cur:
-            pieces.append(cur)
-    chunks: list[str] = []
-    cur = ""
-    for p in pieces:
-        if cur and len(cur) + 2 + len(p) > max_chars:
-            chunks.append(cur)
-            cur = p
-        else:
-            cur = f"{cur}\n\n{p}" if cur else p
-    if cur:
-        chunks.append(cur)
+        # a line longer than max_chars is cut into full-length segments (each stands alone) + its rest
+        segments = [line[i:i + max_chars] if len(line) > max_chars else line
+                    for line in b.split("\n") for i in range(0, max(len(line), 1), max_chars)]
+        pieces.extend(greedy_join(segments, "\n", max_chars))
+    chunks = greedy_join(pieces, "\n\n", max_chars)
     return [c for c in chunks if len(c) >= min_chars]
 
 

@@ -15,10 +15,11 @@ _ORD = {"l2": 2.0, "l1": 1.0, "linf": math.inf}
 
 
 def vector_norm(x: torch.Tensor, norm: str = "l2", dim: int = -1) -> torch.Tensor:
-    """``l2`` / ``l1`` / ``linf`` norm along ``dim``, accumulated in fp32."""
+    """``l2`` / ``l1`` / ``linf`` norm along ``dim``, accumulated in fp32 (fp64 input stays fp64)."""
     if norm not in _ORD:
         raise ValueError(f"unknown norm '{norm}' (choose from {', '.join(NORMS)})")
-    return torch.linalg.vector_norm(x.float(), ord=_ORD[norm], dim=dim)
+    x = x if x.dtype == torch.float64 else x.float()
+    return torch.linalg.vector_norm(x, ord=_ORD[norm], dim=dim)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -180,7 +180,7 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
         for G in opts.codebook_sizes:
             cb = fits[(L.index, G)].codebook  # [G, d]
             g = fits[(L.index, G)].assign(h)  # [N]
-            eps = torch.linalg.vector_norm(h.double() - cb.double()[g], dim=-1)  # [N]
+            eps = ops.vector_norm(h.double() - cb.double()[g])  # [N] fp64
             cnt = torch.bincount(g, minlength=G)
             used[(L.index, G)] = used[(L.index, G)] + cnt if (L.index, G) in used else cnt
             for mode in opts.centroids:

@@ -55,7 +55,7 @@ class AttentionPolicy(NoArgsPolicy):
             raise MoetoolError(f"layer {ev.layer.index}: attention probabilities of shape {tuple(ev.attn.shape)} "
                                f"do not match the batch ({B}, {S}) (a KV cache in use? pass use_cache=False)")
         head = lowest_entropy_head(ev.attn, ev.valid)
-        ev.extra["head"] = int(head)
+        ev.extra["head"] = head  # 0-d tensor: no host sync inside the forward
         A = ev.attn[:, head]  # [B, S, S]
         return propagate(A, ev.probs, ev.valid)
 
