@@ -10,15 +10,23 @@ caps the number of real (unpadded) tokens.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .errors import MoetoolError
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".md")
 DEFAULT_SEQ_LEN = 256
 DEFAULT_MAX_TOKENS = 32768
+#: bytes of the corpus read (parsed, not tokenized) before reading may stop early: every domain met in
+#: them takes part in the interleave. A domain whose first document lies beyond them and beyond the point
+#: where ``max_tokens`` is reached is not read (a corpus shorter than this packs exactly as if read whole).
+DOMAIN_SCAN_BYTES = 64 << 20
+#: documents per tokenizer call (fast tokenizers encode a batch in parallel, same ids as one by one)
+TOKENIZE_BATCH = 256
+#: a text file larger than this is tokenized by a growing prefix (cut at a line break), not read whole
+TEXT_PREFIX_BYTES = 8 << 20
 
 
 def default_data_path() -> Path:
@@ -32,38 +40,89 @@ class Document:
     domain: str = ""  # empty: the data carries no domain
 
 
-def _read_file(path: Path) -> list[Document]:
+class LargeText:
+    """A text file too large to read whole: ``pack`` tokenizes only the prefix it needs (``text`` reads it all)."""
+
+    domain = ""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @property
+    def text(self) -> str:
+        return _read_text(self.path)
+
+    def __repr__(self) -> str:
+        return f"LargeText({str(self.path)!r})"
+
+
+def _read_text(path: Path) -> str:
     try:
-        raw = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise MoetoolError(f"cannot read data file {path}: {e}") from None
-    if path.suffix != ".jsonl":
-        return [Document(raw)] if raw.strip() else []
-    docs = []
-    for n, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
+
+
+class DocumentStream:
+    """Documents of ``--data`` in order, read lazily; ``bytes_read`` counts the bytes consumed so far."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path else default_data_path()
+        if not self.path.exists():
+            raise MoetoolError(f"data not found: {self.path}")
+        p = self.path
+        self.files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES) if p.is_dir() else [p]
+        if p.is_dir() and not self.files:
+            raise MoetoolError(f"no {'/'.join(DATA_SUFFIXES)} files in {p}")
+        self.bytes_read = 0
+        self.documents = 0
+
+    def __iter__(self) -> Iterator[Document]:
+        for f in self.files:
+            for d in self._read_file(f):
+                self.documents += 1
+                yield d
+
+    def _read_file(self, path: Path) -> Iterator[Document]:
+        if path.suffix != ".jsonl":
+            size = path.stat().st_size
+            if size > TEXT_PREFIX_BYTES:
+                self.bytes_read += size  # read on demand by pack; counted whole (reading may stop here)
+                yield LargeText(path)
+                return
+            raw = _read_text(path)
+            self.bytes_read += size
+            if raw.strip():
+                yield Document(raw)
+            return
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise MoetoolError(f"{path} line {n}: not valid JSON") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise MoetoolError(f"{path} line {n}: needs a string field 'text'")
-        if rec["text"].strip():
-            docs.append(Document(rec["text"], str(rec.get("domain") or "")))
-    return docs
+            with open(path, "rb") as fh:
+                for n, line in enumerate(fh, 1):
+                    self.bytes_read += len(line)
+                    try:
+                        text = line.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise MoetoolError(f"cannot read data file {path}: line {n}: {e}") from None
+                    if not text.strip():
+                        continue
+                    try:
+                        rec = json.loads(text)
+                    except json.JSONDecodeError:
+                        raise MoetoolError(f"{path} line {n}: not valid JSON") from None
+                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                        raise MoetoolError(f"{path} line {n}: needs a string field 'text'")
+                    if rec["text"].strip():
+                        yield Document(rec["text"], str(rec.get("domain") or ""))
+        except OSError as e:
+            raise MoetoolError(f"cannot read data file {path}: {e}") from None
 
 
 def read_documents(path: str | Path | None) -> list[Document]:
-    p = Path(path) if path else default_data_path()
-    if not p.exists():
-        raise MoetoolError(f"data not found: {p}")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES) if p.is_dir() else [p]
-    if p.is_dir() and not files:
-        raise MoetoolError(f"no {'/'.join(DATA_SUFFIXES)} files in {p}")
-    docs = [d for f in files for d in _read_file(f)]
+    """Every document of ``--data`` (eager; :func:`load_tokens` reads only what ``--max-tokens`` needs)."""
+    stream = DocumentStream(path)
+    docs = list(stream)
     if not docs:
-        raise MoetoolError(f"no text in {p}")
+        raise MoetoolError(f"no text in {stream.path}")
     return docs
 
 
@@ -82,6 +141,7 @@ class TokenSet:
     attention_mask: Any
     domains: list[str]
     source: str
+    special_tokens: dict[str, Any] = field(default_factory=lambda: {"add_special_tokens": False})
 
     @property
     def n_tokens(self) -> int:
@@ -101,11 +161,83 @@ class TokenSet:
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "rows": int(self.input_ids.shape[0]), "seq_len": int(self.input_ids.shape[1]),
-                "tokens": self.n_tokens, "domains": sorted(set(self.domains))}
+                "tokens": self.n_tokens, "domains": sorted(set(self.domains)),
+                "special_tokens": self.special_tokens}
 
 
-def pack(docs: list[Document], tokenizer: Any, seq_len: int = DEFAULT_SEQ_LEN,
-         max_tokens: int | None = DEFAULT_MAX_TOKENS, source: str = "") -> TokenSet:
+def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool | None) -> list[list[int]]:
+    """Token ids of each text; one batched call with a fast tokenizer (ids identical to one call per text)."""
+    kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    if getattr(tokenizer, "is_fast", False) and len(texts) > 1:
+        return list(tokenizer(texts, **kw)["input_ids"])
+    return [list(tokenizer(t, **kw)["input_ids"]) for t in texts]
+
+
+def _safe_cut(text: str, before: int) -> int:
+    """Index of the last line break before ``before`` with non-blank characters on both sides (0: none).
+
+    Every tokenizer moetool supports splits its pre-tokens there (byte-level BPE regexes, Metaspace
+    SentencePiece), so the tokens of ``text[:cut]`` are the first tokens of any longer text with that prefix.
+    """
+    i = before
+    while True:
+        i = text.rfind("\n", 1, i)
+        if i <= 0:
+            return 0
+        if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i
+        i -= 1
+
+
+def _encode_prefix(tokenizer: Any, doc: LargeText, want: int, add_special_tokens: bool | None) -> list[int]:
+    """At least ``want`` leading tokens of a large text file (all of them if it holds fewer), read by prefix."""
+    if not getattr(tokenizer, "is_fast", False):
+        return _encode(tokenizer, [doc.text], add_special_tokens)[0]
+    kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    chars, text = max(16 * want, 1 << 16), ""
+    try:
+        with open(doc.path, encoding="utf-8") as fh:
+            while True:
+                more = fh.read(chars - len(text))
+                text += more
+                if len(text) < chars:  # end of file: the whole text
+                    return list(tokenizer(text, **kw)["input_ids"])
+                cut = _safe_cut(text, len(text) - 1024)
+                if cut:
+                    enc = tokenizer(text, return_offsets_mapping=True, **kw)
+                    ids = []
+                    for t, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+                        if end > cut:
+                            break
+                        ids.append(t)
+                    if len(ids) >= want:
+                        return ids
+                chars *= 2
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoetoolError(f"cannot read data file {doc.path}: {e}") from None
+
+
+def _interleave(lengths: list[int], seq_len: int, max_tokens: int, open_: list[bool]) -> bool:
+    """True when the packed rows are final: ``max_tokens`` is reached using only complete rows of the domain
+    streams (a stream that may still grow changes nothing before its first incomplete row)."""
+    total, full_rows = 0, [n // seq_len for n in lengths]
+    for r in range(max(full_rows, default=0) + 1):
+        for n_full, growing in zip(full_rows, open_):
+            if r < n_full:
+                total += seq_len
+                if total >= max_tokens:
+                    return True
+            elif growing:
+                return False
+    return False
+
+
+def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DEFAULT_SEQ_LEN,
+         max_tokens: int | None = DEFAULT_MAX_TOKENS, source: str = "",
+         add_special_tokens: bool | None = False) -> TokenSet:
+    """Tokenize and pack ``docs`` (read lazily: a :class:`DocumentStream` stops being read once the rows are
+    final, see :data:`DOMAIN_SCAN_BYTES`). ``add_special_tokens``: None = the tokenizer's own default (a BOS
+    per document where the model's tokenizer adds one), False = none."""
     import torch
 
     if seq_len < 2:
@@ -114,13 +246,54 @@ def pack(docs: list[Document], tokenizer: Any, seq_len: int = DEFAULT_SEQ_LEN,
         raise MoetoolError("--max-tokens must be at least 2")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    # a domain stream of `need` tokens holds every row max_tokens can use: later documents change nothing
+    need = None if max_tokens is None else -(-max_tokens // seq_len) * seq_len
     streams: dict[str, list[int]] = {}
-    for d in docs:
-        ids = tokenizer(d.text, add_special_tokens=False)["input_ids"]
-        s = streams.setdefault(d.domain, [])
+    done: set[str] = set()
+    batch: list[Document] = []
+
+    def add(dom: str, ids: list[int]) -> None:
+        s = streams[dom]
+        if dom in done:
+            return
         if s and eos is not None:
             s.append(eos)
         s.extend(ids)
+        if need is not None and len(s) >= need:
+            done.add(dom)
+
+    def flush() -> None:
+        for d, ids in zip(batch, _encode(tokenizer, [d.text for d in batch], add_special_tokens)):
+            add(d.domain, ids)
+        batch.clear()
+
+    def final() -> bool:
+        scanned = getattr(docs, "bytes_read", 0) >= DOMAIN_SCAN_BYTES
+        return need is not None and scanned and _interleave(
+            [len(s) for s in streams.values()], seq_len, max_tokens, [d not in done for d in streams])
+
+    for d in docs:
+        streams.setdefault(d.domain, [])
+        if d.domain in done:
+            if final():
+                break
+            continue
+        if isinstance(d, LargeText):
+            flush()
+            s = streams[d.domain]
+            add(d.domain, _encode_prefix(tokenizer, d, (need - len(s)) if need is not None else 1 << 62,
+                                         add_special_tokens) if need is not None else
+                _encode(tokenizer, [d.text], add_special_tokens)[0])
+        else:
+            batch.append(d)
+            if len(batch) < TOKENIZE_BATCH:
+                continue
+            flush()
+        if final():
+            break
+    flush()
+    if not streams:
+        raise MoetoolError(f"no text in {source or 'the data'}")
     per_domain: list[list[tuple[list[int], str]]] = []
     for dom, s in streams.items():
         per_domain.append([(s[i:i + seq_len], dom) for i in range(0, len(s), seq_len)])
@@ -141,11 +314,24 @@ def pack(docs: list[Document], tokenizer: Any, seq_len: int = DEFAULT_SEQ_LEN,
         doms.append(dom)
     if not ids_out:
         raise MoetoolError(f"no tokens in {source or 'the data'} (empty text?)")
-    return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source)
+    return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
+                    special_tokens=_special_meta(tokenizer, add_special_tokens))
+
+
+def _special_meta(tokenizer: Any, add_special_tokens: bool | None) -> dict[str, Any]:
+    """What the manifest records about special tokens: the choice and what it meant for this tokenizer."""
+    kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    try:
+        added = list(tokenizer("", **kw)["input_ids"])
+    except Exception:  # a tokenizer that cannot encode "" : record the choice only
+        added = None
+    return {"add_special_tokens": "tokenizer default" if add_special_tokens is None else add_special_tokens,
+            "added_per_document": added}
 
 
 def load_tokens(path: str | Path | None, tokenizer: Any, seq_len: int = DEFAULT_SEQ_LEN,
-                max_tokens: int | None = DEFAULT_MAX_TOKENS) -> TokenSet:
-    """Read ``--data`` (default: the shipped held-out text) and pack it."""
-    p = Path(path) if path else default_data_path()
-    return pack(read_documents(p), tokenizer, seq_len, max_tokens, source=str(p))
+                max_tokens: int | None = DEFAULT_MAX_TOKENS, add_special_tokens: bool | None = False) -> TokenSet:
+    """Read ``--data`` (default: the shipped held-out text) lazily and pack it: reading and tokenizing stop
+    once ``max_tokens`` is reached (see :data:`DOMAIN_SCAN_BYTES`)."""
+    stream = DocumentStream(path)
+    return pack(stream, tokenizer, seq_len, max_tokens, source=str(stream.path), add_special_tokens=add_special_tokens)

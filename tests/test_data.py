@@ -72,3 +72,99 @@ def test_missing_and_empty_folder(tmp_path):
         read_documents(tmp_path / "nope")
     with pytest.raises(MoetoolError, match="no .txt"):
         read_documents(tmp_path)
+
+
+# ----- lazy --data (issue #15) and special tokens (issue #12) ---------------------------------------------------
+import moetool.data as data_mod  # noqa: E402
+from moetool.data import DocumentStream, default_data_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_data_path().parents[1] / "tiny"))
+
+
+def same_rows(a, b):
+    return torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask) \
+        and a.domains == b.domains
+
+
+def test_lazy_read_stops_early_and_never_reads_a_corrupt_tail(tmp_path, monkeypatch):
+    """Reading stops once --max-tokens is reached: a corrupt tail past the needed prefix is never parsed, and
+    the rows equal packing the valid documents eagerly."""
+    monkeypatch.setattr(data_mod, "DOMAIN_SCAN_BYTES", 0)
+    monkeypatch.setattr(data_mod, "TOKENIZE_BATCH", 4)
+    docs = [Document(f"doc {i} " + "x" * (i % 7), "code" if i % 3 else "prose") for i in range(400)]
+    p = tmp_path / "big.jsonl"
+    p.write_text("".join(json.dumps({"text": d.text, "domain": d.domain}) + "\n" for d in docs) + "{corrupt\n")
+    stream = DocumentStream(p)
+    got = pack(stream, CharTokenizer(), seq_len=8, max_tokens=60, source=str(p))
+    want = pack(docs, CharTokenizer(), seq_len=8, max_tokens=60)
+    assert same_rows(got, want) and got.n_tokens == 60
+    assert stream.bytes_read < p.stat().st_size / 10
+    with pytest.raises(MoetoolError, match="not valid JSON"):  # the whole file does reach the tail
+        load_tokens(p, CharTokenizer(), seq_len=8, max_tokens=None)
+
+
+def test_domains_met_within_the_scan_bytes_interleave_as_before(tmp_path, monkeypatch):
+    """A domain-sorted file: every domain within DOMAIN_SCAN_BYTES joins the interleave (as the eager packing
+    did); a domain first met past both the scan and the needed tokens is not read (documented)."""
+    monkeypatch.setattr(data_mod, "TOKENIZE_BATCH", 2)
+    docs = [Document("a" * 30, "code")] * 20 + [Document("b" * 30, "prose")] * 20
+    p = tmp_path / "sorted.jsonl"
+    p.write_text("".join(json.dumps({"text": d.text, "domain": d.domain}) + "\n" for d in docs))
+    got = load_tokens(p, CharTokenizer(), seq_len=16, max_tokens=64)
+    assert same_rows(got, pack(docs, CharTokenizer(), seq_len=16, max_tokens=64))
+    assert got.domains == ["code", "prose", "code", "prose"]
+    monkeypatch.setattr(data_mod, "DOMAIN_SCAN_BYTES", 0)
+    assert load_tokens(p, CharTokenizer(), seq_len=16, max_tokens=64).domains == ["code"] * 4
+
+
+def test_batched_fast_tokenizer_gives_the_ids_of_one_call_per_document(bpe):
+    class OneByOne:  # the same tokenizer without batching
+        is_fast = False
+        eos_token_id, pad_token_id = bpe.eos_token_id, bpe.pad_token_id
+
+        def __call__(self, text, **kw):
+            return bpe(text, **kw)
+
+    for seq_len, cap in [(64, 3000), (256, None)]:
+        assert same_rows(load_tokens(None, bpe, seq_len, cap), load_tokens(None, OneByOne(), seq_len, cap))
+
+
+def test_large_text_file_is_tokenized_by_prefix_with_the_ids_of_the_whole(tmp_path, monkeypatch, bpe):
+    """A text file past TEXT_PREFIX_BYTES is read by a growing prefix cut at a line break: the same ids as
+    tokenizing it whole, and invalid UTF-8 past the needed prefix is never decoded."""
+    text = "\n\n".join(d.text for d in read_documents(None)) * 2
+    p = tmp_path / "big.txt"
+    p.write_bytes(text.encode("utf-8") + b"\nbad tail \xff\xfe")
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    whole = pack([Document(text + "\nbad tail ")], bpe, seq_len=64, max_tokens=None)
+    for cap in (200, 3000):
+        got = load_tokens(p, bpe, 64, cap)
+        keep = got.attention_mask.bool()
+        assert got.n_tokens == cap
+        assert torch.equal(got.input_ids[keep], whole.input_ids[: keep.shape[0]][keep])
+    with pytest.raises(MoetoolError, match="cannot read data file"):
+        load_tokens(p, bpe, 64, None)
+
+
+class BosCharTokenizer(CharTokenizer):
+    """Adds BOS (0) unless told not to, as Llama/Mixtral tokenizers do."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([0] if add_special_tokens else []) + super().__call__(text)["input_ids"]}
+
+
+def test_special_tokens_follow_the_tokenizer_default_and_are_recorded():
+    docs = [Document("ab"), Document("cde")]
+    t = BosCharTokenizer()
+    a, b, c, d, e = (ord(ch) % 200 + 3 for ch in "abcde")
+    dflt = pack(docs, t, seq_len=9, max_tokens=None, add_special_tokens=None)
+    assert dflt.input_ids.tolist() == [[0, a, b, 1, 0, c, d, e, 2]]
+    assert dflt.describe()["special_tokens"] == {"add_special_tokens": "tokenizer default", "added_per_document": [0]}
+    off = pack(docs, t, seq_len=9, max_tokens=None)  # today's behaviour stays the default
+    assert off.input_ids.tolist() == [[a, b, 1, c, d, e, 2, 2, 2]]
+    assert off.describe()["special_tokens"] == {"add_special_tokens": False, "added_per_document": []}
