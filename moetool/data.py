@@ -142,6 +142,7 @@ class TokenSet:
     domains: list[str]
     source: str
     special_tokens: dict[str, Any] = field(default_factory=lambda: {"add_special_tokens": False})
+    row_ids: Any = None  # [N] long: global packed-row numbers of a rank's shard (moetool.distributed.shard)
 
     @property
     def n_tokens(self) -> int:

@@ -1,0 +1,179 @@
+"""Data parallelism under ``torchrun`` / ``accelerate launch``: ranks, sharding, all-reduce, rank-0 writing.
+
+Both launchers set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and ``MASTER_ADDR`` / ``MASTER_PORT``) in every
+process; :func:`init` reads them, starts the process group (``nccl`` with CUDA, ``gloo`` on CPU) and returns the
+rank's device (``cuda:LOCAL_RANK`` when CUDA is present). Without them everything here is a no-op on one process,
+so a command written with these helpers runs unchanged alone.
+
+What a forward loop needs (one process or many):
+
+1. ``tokens = shard(tokens, batch_size)`` — each global batch (``batch_size × world`` packed rows) is split by rank
+   (rank r takes rows ``r·batch_size … (r+1)·batch_size − 1`` of it); ``tokens.row_ids`` keeps the global row
+   numbers (traces write them), and every rank runs ``n_steps(...)`` batches (possibly empty ones at the end),
+   so a per-batch collective (k-means EMA sums) lines up across ranks.
+2. accumulate on the device as usual; at the end ``all_reduce_dict(acc)`` / ``all_reduce_state(sketch)``
+   (sums, counts, per-layer matrices, mins and maxes). A sequential step (a k-means EMA update) reduces its
+   per-batch sums with ``all_reduce_dict`` before applying them: the result equals one process over the same
+   global batches.
+3. only ``is_main()`` creates the run directory and writes; ``gather_object`` brings per-rank facts (token counts)
+   to the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch
+
+from .errors import MoetoolError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env() -> DistEnv:
+    """The launcher's view of this process (torchrun and accelerate set the same variables)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise MoetoolError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
+    if world < 1 or not 0 <= rank < world:
+        raise MoetoolError(f"bad launcher environment: RANK={rank} WORLD_SIZE={world}")
+    return DistEnv(rank, world, local)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def initialized() -> bool:
+    d = _dist()
+    return d.is_available() and d.is_initialized()
+
+
+def init(device: str | None = None) -> torch.device:
+    """Join the process group if a launcher started us; returns this rank's device.
+
+    ``device``: ``None``/``"auto"`` = ``cuda:LOCAL_RANK`` when CUDA is present, else CPU; ``"cpu"`` forces gloo.
+    """
+    e = env()
+    use_cuda = torch.cuda.is_available() and device not in ("cpu",)
+    dev = torch.device(f"cuda:{e.local_rank}") if use_cuda and e.distributed else \
+        torch.device(device if device not in (None, "auto") else ("cuda" if use_cuda else "cpu"))
+    if e.distributed and not initialized():
+        if use_cuda:
+            torch.cuda.set_device(dev)
+        _dist().init_process_group(backend="nccl" if use_cuda else "gloo", rank=e.rank, world_size=e.world_size)
+    return dev
+
+
+def shutdown() -> None:
+    if initialized():
+        _dist().destroy_process_group()
+
+
+def rank() -> int:
+    return _dist().get_rank() if initialized() else env().rank
+
+
+def world_size() -> int:
+    return _dist().get_world_size() if initialized() else 1
+
+
+def is_main() -> bool:
+    """True on rank 0 (or alone): the one process that writes the run directory."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if initialized():
+        _dist().barrier()
+
+
+# ----- sharding -------------------------------------------------------------------------------------------
+def shard_indices(n_rows: int, batch_size: int, rank_: int, world: int) -> torch.Tensor:
+    """Global row numbers of rank ``rank_``: its ``batch_size`` slice of every global batch of ``batch_size·world``."""
+    if batch_size < 1:
+        raise MoetoolError("--batch-size must be at least 1")
+    rows = torch.arange(n_rows)
+    within = rows % (batch_size * world)
+    return rows[(within // batch_size) == rank_]
+
+
+def n_steps(n_rows: int, batch_size: int, world: int) -> int:
+    """Batches every rank runs (the same on all ranks, so per-batch collectives line up)."""
+    return -(-n_rows // (batch_size * world))
+
+
+def shard(tokens: Any, batch_size: int, rank_: int | None = None, world: int | None = None) -> Any:
+    """This rank's rows of a :class:`~moetool.data.TokenSet` (``row_ids``: their global numbers). Alone: unchanged."""
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    base = tokens.row_ids if tokens.row_ids is not None else torch.arange(tokens.input_ids.shape[0])
+    if w == 1:
+        return replace(tokens, row_ids=base)
+    keep = shard_indices(tokens.input_ids.shape[0], batch_size, r, w)
+    return replace(tokens, input_ids=tokens.input_ids[keep], attention_mask=tokens.attention_mask[keep],
+                   domains=[tokens.domains[i] for i in keep.tolist()], row_ids=base[keep])
+
+
+# ----- reductions -----------------------------------------------------------------------------------------
+_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
+
+
+def _backend_device() -> torch.device:
+    return torch.device("cpu") if _dist().get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``t`` reduced over ranks (a new tensor on ``t``'s device; ``t`` itself alone)."""
+    if not initialized():
+        return t
+    d = _dist()
+    buf = t.detach().to(_backend_device()).clone()
+    d.all_reduce(buf, op=getattr(d.ReduceOp, _OPS[op]))
+    return buf.to(t.device)
+
+
+def all_reduce_dict(acc: Mapping[str, Any], op: str = "sum") -> dict[str, Any]:
+    """Every tensor of a (nested) dict of accumulators reduced over ranks; other values kept."""
+    out: dict[str, Any] = {}
+    for k, v in acc.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = all_reduce(v, op)
+        elif isinstance(v, Mapping):
+            out[k] = all_reduce_dict(v, op)
+        else:
+            out[k] = v
+    return out
+
+
+def all_reduce_state(obj: Any) -> Any:
+    """Reduce an object exposing ``state()``, ``load_state()`` and ``REDUCE`` (the :mod:`moetool.sketch` summaries)
+    in place; returns it."""
+    if initialized():
+        obj.load_state({k: all_reduce(v, obj.REDUCE[k]) for k, v in obj.state().items()})
+    return obj
+
+
+def gather_object(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (``[value]`` alone)."""
+    if not initialized():
+        return [value]
+    out: list[Any] = [None] * world_size()
+    _dist().all_gather_object(out, value)
+    return out

@@ -1,0 +1,121 @@
+"""Data parallelism on 2 gloo processes (CPU): sharding + all-reduce equal one process over the same rows."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from moetool import distributed as D
+from moetool.data import Document, pack
+from moetool.errors import MoetoolError
+from moetool.sketch import QuantileSketch
+
+
+class CharTokenizer:
+    eos_token_id = 1
+    pad_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 50 + 3 for c in text]}
+
+
+def tokens():
+    gen = torch.Generator().manual_seed(0)
+    docs = [Document("".join(chr(97 + int(i)) for i in torch.randint(0, 26, (int(n),), generator=gen)),
+                     "ab"[k % 2]) for k, n in enumerate(torch.randint(5, 40, (30,), generator=gen))]
+    return pack(docs, CharTokenizer(), seq_len=8, max_tokens=None)
+
+
+def statistics(ts, batch_size):
+    """A command's accumulators: token counts per id, per-domain sums, a quantile sketch, per-batch sums."""
+    acc = {"count": torch.zeros(60, dtype=torch.float64), "sum_sq": torch.zeros((), dtype=torch.float64),
+           "per_batch": []}
+    sk = QuantileSketch()
+    rows = []
+    for b in ts.batches(batch_size):
+        m = b.attention_mask
+        acc["count"].index_add_(0, b.input_ids.reshape(-1), m.reshape(-1).double())
+        acc["sum_sq"] += ((b.input_ids.double() ** 2) * m).sum()
+        sk.add(b.input_ids.double() / 7, m)
+        rows.append(b.input_ids)
+    return acc, sk, rows
+
+
+def _worker(rank, world, port, out):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dev = D.init("cpu")
+    try:
+        ts = D.shard(tokens(), batch_size=3)
+        acc, sk, _ = statistics(ts, 3)
+        steps = D.n_steps(tokens().input_ids.shape[0], 3, world)
+        # a sequential per-batch reduction (the k-means EMA shape): every rank runs `steps` batches
+        ema = torch.zeros(())
+        for s in range(steps):
+            part = ts.input_ids[s * 3:(s + 1) * 3].double().sum().reshape(())
+            ema = 0.5 * ema + D.all_reduce(part)
+        red = D.all_reduce_dict({"count": acc["count"], "sum_sq": acc["sum_sq"]})
+        D.all_reduce_state(sk)
+        lo = D.all_reduce(torch.tensor(float(rank)), "min")
+        ids = D.gather_object(ts.row_ids.tolist())
+        if D.is_main():
+            torch.save({"count": red["count"], "sum_sq": red["sum_sq"], "median": sk.median(), "n": sk.n,
+                        "ema": ema, "min": lo, "row_ids": ids, "device": str(dev), "world": D.world_size()}, out)
+    finally:
+        D.shutdown()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    ts = tokens()
+    acc, sk, _ = statistics(ts, 6)  # one process, global batches of 2 × 3 rows
+    ema = torch.zeros((), dtype=torch.float64)
+    for b in ts.batches(6):
+        ema = 0.5 * ema + b.input_ids.double().sum()
+    assert got["world"] == 2 and got["device"] == "cpu"
+    assert torch.equal(got["count"], acc["count"]) and got["sum_sq"] == acc["sum_sq"]
+    assert got["n"] == sk.n == ts.n_tokens and got["median"] == sk.median()
+    assert float(got["ema"]) == float(ema) and float(got["min"]) == 0.0
+    r0, r1 = got["row_ids"]
+    assert sorted(r0 + r1) == list(range(ts.input_ids.shape[0])) and not set(r0) & set(r1)
+    assert r0[:3] == [0, 1, 2] and r1[:3] == [3, 4, 5]  # each rank's slice of global batch 0
+
+
+def test_shard_layout_and_single_process_noop(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    ts = tokens()
+    n = ts.input_ids.shape[0]
+    assert D.env() == D.DistEnv(0, 1, 0) and D.is_main() and D.world_size() == 1
+    alone = D.shard(ts, 4)
+    assert torch.equal(alone.input_ids, ts.input_ids) and alone.row_ids.tolist() == list(range(n))
+    parts = [D.shard(ts, 4, r, 3) for r in range(3)]
+    assert sorted(sum((p.row_ids.tolist() for p in parts), [])) == list(range(n))
+    for p in parts:
+        assert torch.equal(p.input_ids, ts.input_ids[p.row_ids]) and p.domains == [ts.domains[i] for i in p.row_ids]
+    assert parts[1].row_ids[:4].tolist() == [4, 5, 6, 7] and parts[0].row_ids[4:8].tolist() == [12, 13, 14, 15]
+    assert D.n_steps(n, 4, 3) == -(-n // 12)
+    x = torch.arange(3.0)
+    assert D.all_reduce(x) is x and D.gather_object(5) == [5]
+
+
+def test_bad_launcher_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(MoetoolError, match="bad launcher environment"):
+        D.env()
