@@ -1,0 +1,397 @@
+"""moetool's speed and memory, in one run: ratios to the plain forward, every variant interleaved.
+
+    python bench/bench.py                 # engine ratios on two Mixtral-shaped random models (~2-4 min on 2 cores)
+    python bench/bench.py --real          # + one decoder layer at Mixtral-8x7B / Qwen3-30B-A3B width, bf16
+    python bench/bench.py --rss           # + peak RSS of every command at 20k and 200k tokens
+    python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
+
+**Engine ratios** (``--shapes``): two random Mixtral-shaped models, 8 layers, d=512 — ``8x1024k2`` (8 experts,
+I=1024, top-2) and ``64x128k8`` (64 experts, I=128, top-8) — over ``--tokens`` random tokens in batches of
+``--batch-size`` × ``--seq-len``. Variants, all timed in every round in turn (round-robin, ``--repeat`` rounds
+after a warm-up), each round's time divided by that round's plain forward, the median of those ratios printed:
+
+* ``plain``            the unhooked forward (vocabulary 32000, Mixtral's) (the reference, 1.00);
+* ``capture``          an Engine with a no-op consumer (routing events built in every MoE layer);
+* ``router_logits``    transformers' own ``output_router_logits=True`` (no moetool);
+* ``hand_item_loop``   what a researcher writes by hand: a forward hook on every router that counts each
+                       expert's tokens with ``(top == e).sum().item()`` — one host sync per expert and layer;
+* ``norm:gate``        the AoE policy: all experts' gate projection, top-K by its L2 norm;
+* ``all_expert_outputs`` every expert's output for every token of every MoE layer (batched probe).
+
+Each is printed next to its **FLOP-ideal** ratio: FLOPs of the variant / FLOPs of the plain forward, per token,
+multiply-add = 2, per MoE layer with d hidden, I expert width, n experts, top-K, H query / G key-value heads of
+width h, causal context (mean attended S' = (S+1)/2), vocabulary V:
+
+    attention = 2·d·H·h + 2·2·d·G·h + 2·H·h·d + 2·2·H·h·S'     router = 2·n·d     experts = K·3·2·I·d
+    plain     = layers·(attention + router + experts) + 2·d·V
+    norm:gate = plain + layers·(n − K)·2·I·d      (gate of all n; the chosen K's gate reused, not recomputed)
+    norm:gate (recompute) = plain + layers·n·2·I·d   (what a policy that does not reuse its probe costs)
+    all_expert_outputs = plain + layers·n·3·2·I·d
+
+capture, router_logits and hand_item_loop have an ideal of 1.00 (no extra arithmetic).
+
+**Real widths** (``--real``): one decoder layer (attention + MoE block, vocabulary 256) at the true shapes of
+Mixtral-8x7B (d=4096, 8 experts, I=14336, top-2, 32/8 heads) and Qwen3-30B-A3B (d=2048, 128 experts, I=768,
+top-8, 32/4 heads), bf16, random weights; time per 1,000 tokens and peak extra memory (CUDA: max allocated;
+CPU: peak RSS sampled every 2 ms above the RSS before the call) of plain, capture, norm:gate and all-expert
+outputs (token chunks keep the probe's intermediate within ``engine.probes.DEFAULT_BUDGET``).
+
+**RSS per command** (``--rss``): ``moetool <command>`` on the embedded models in a subprocess at 20k and 200k
+tokens of a corpus made by repeating the held-out text; its peak RSS (``wait4``). Flat memory = the 200k figure
+close to the 20k one.
+
+Speed targets are ratios printed here, never timed tests. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+SHAPES = {  # name: (experts, expert width, top-K)
+    "8x1024k2": (8, 1024, 2),
+    "64x128k8": (64, 128, 8),
+}
+REAL = {  # name: config of one decoder layer at the true width
+    "mixtral-8x7b-block": dict(family="mixtral", d=4096, inter=14336, n=8, k=2, heads=32, kv_heads=8),
+    "qwen3-30b-a3b-block": dict(family="qwen3_moe", d=2048, inter=768, n=128, k=8, heads=32, kv_heads=4),
+}
+
+
+# ----- models -----------------------------------------------------------------------------------------------
+def mixtral_model(n: int, inter: int, k: int, *, d: int = 512, layers: int = 8, heads: int = 8, kv_heads: int = 8,
+                  vocab: int = 32000, dtype=torch.float32, seed: int = 0):
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=d, intermediate_size=inter, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=n,
+                        num_experts_per_tok=k, max_position_embeddings=4096)
+    return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+
+
+def qwen3_model(n: int, inter: int, k: int, *, d: int, heads: int, kv_heads: int, vocab: int = 256,
+                dtype=torch.bfloat16, seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=d, intermediate_size=inter, moe_intermediate_size=inter,
+                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
+                         num_experts=n, num_experts_per_tok=k, decoder_sparse_step=1, mlp_only_layers=[],
+                         max_position_embeddings=4096)
+    return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+
+
+def geometry(model) -> dict[str, int]:
+    from moetool.adapters import find_moe_layers
+
+    cfg = model.config
+    layers = find_moe_layers(model)
+    heads = cfg.num_attention_heads
+    W = layers[0].expert_weights()
+    return dict(d=cfg.hidden_size, inter=int(W.gate.shape[1]), n=layers[0].n_experts, k=layers[0].top_k,
+                heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", heads) or heads,
+                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, vocab=cfg.vocab_size,
+                layers=len(layers))
+
+
+def flop_ideals(g: dict[str, int], seq: int) -> dict[str, float]:
+    """FLOP-ideal ratio of every variant (formulas in the module docstring)."""
+    d, inter, n, k, H, G, h = g["d"], g["inter"], g["n"], g["k"], g["heads"], g["kv_heads"], g["head_dim"]
+    s_mean = (seq + 1) / 2
+    attention = 2 * d * H * h + 2 * 2 * d * G * h + 2 * H * h * d + 2 * 2 * H * h * s_mean
+    plain = g["layers"] * (attention + 2 * n * d + k * 3 * 2 * inter * d) + 2 * d * g["vocab"]
+    extra = {"norm:gate": (n - k) * 2 * inter * d, "norm:gate (recompute)": n * 2 * inter * d,
+             "all_expert_outputs": n * 3 * 2 * inter * d}
+    out = {v: 1.0 for v in ("plain", "capture", "router_logits", "hand_item_loop")}
+    out.update({v: (plain + g["layers"] * e) / plain for v, e in extra.items()})
+    return out
+
+
+# ----- variants -------------------------------------------------------------------------------------------
+def variants(model, batches: list[tuple[torch.Tensor, torch.Tensor]], which: list[str]) -> dict[str, Callable]:
+    from moetool.adapters import find_moe_layers
+    from moetool.engine import Engine, expert_outputs
+    from moetool.policies import make_policy
+
+    layers = find_moe_layers(model)
+
+    def forward(**kw):
+        with torch.no_grad():
+            for ids, mask in batches:
+                model(input_ids=ids, attention_mask=mask, use_cache=False, **kw)
+
+    def engine(**kw):
+        def run():
+            with Engine(model, layers, **kw):
+                forward()
+        return run
+
+    def hand_item_loop():
+        counts = {L.index: [0] * L.n_experts for L in layers}
+
+        def hook_for(L):
+            def hook(module, args, out):
+                logits = out[0] if isinstance(out, tuple) else out
+                top = logits.topk(L.top_k, dim=-1).indices
+                for e in range(L.n_experts):
+                    counts[L.index][e] += (top == e).sum().item()
+            return hook
+
+        handles = [L.router.register_forward_hook(hook_for(L)) for L in layers]
+        try:
+            forward()
+        finally:
+            for h in handles:
+                h.remove()
+
+    table = {
+        "plain": forward,
+        "capture": engine(consumers=[lambda ev: None]),
+        "router_logits": lambda: forward(output_router_logits=True),
+        "hand_item_loop": hand_item_loop,
+        "norm:gate": engine(policy=make_policy("norm:gate")),
+        "all_expert_outputs": engine(consumers=[lambda ev: expert_outputs(ev.layer, ev.h)]),
+    }
+    return {k: table[k] for k in which}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict[str, Callable], repeat: int) -> dict[str, dict[str, float]]:
+    """Round-robin: every variant once per round (after one warm-up round); per round, time / plain time.
+    Returns per variant the median ratio, its spread (min, max over rounds) and the median seconds."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeat):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate the order too
+        for k in order:
+            sync()
+            t0 = time.perf_counter()
+            fns[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    out = {}
+    for k in names:
+        ratios = [t / p for t, p in zip(times[k], times["plain"])]
+        out[k] = {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                  "seconds": statistics.median(times[k])}
+    return out
+
+
+def random_batches(vocab: int, tokens: int, batch: int, seq: int, device: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = max(1, tokens // seq)
+    ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+    return [(ids[s:s + batch].to(device), torch.ones_like(ids[s:s + batch]).to(device)) for s in range(0, rows, batch)]
+
+
+def bench_shapes(a) -> list[dict[str, Any]]:
+    rows = []
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = ["plain", "capture", "router_logits", "hand_item_loop", "norm:gate", "all_expert_outputs"]
+    for shape in a.shapes:
+        n, inter, k = SHAPES[shape]
+        model = mixtral_model(n, inter, k).to(dev)
+        batches = random_batches(model.config.vocab_size, a.tokens, a.batch_size, a.seq_len, dev)
+        t0 = time.perf_counter()
+        res = interleaved(variants(model, batches, names), a.repeat)
+        ideal = flop_ideals(geometry(model), a.seq_len)
+        tokens = sum(int(m.sum()) for _, m in batches)
+        for v in names:
+            rows.append({"section": "engine", "model": f"mixtral-d512-L8-{shape}", "variant": v, "device": str(dev),
+                         "tokens": tokens, "ratio": res[v]["ratio"], "ratio_min": res[v]["ratio_min"],
+                         "ratio_max": res[v]["ratio_max"], "flop_ideal": ideal[v],
+                         "flop_ideal_recompute": ideal["norm:gate (recompute)"] if v == "norm:gate" else None,
+                         "seconds": res[v]["seconds"]})
+        print(f"  {shape}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        del model
+    return rows
+
+
+# ----- real widths ----------------------------------------------------------------------------------------
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_extra(fn: Callable) -> tuple[float, int]:
+    """(seconds, peak extra bytes) of one call."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+    base, peak, stop = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    return dt, max(peak[0], rss_bytes()) - base
+
+
+def bench_real(a) -> list[dict[str, Any]]:
+    rows = []
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = ["plain", "capture", "norm:gate", "all_expert_outputs"]
+    for name, c in REAL.items():
+        t0 = time.perf_counter()
+        if c["family"] == "mixtral":
+            model = mixtral_model(c["n"], c["inter"], c["k"], d=c["d"], layers=1, heads=c["heads"],
+                                  kv_heads=c["kv_heads"], vocab=256, dtype=torch.bfloat16)
+        else:
+            model = qwen3_model(c["n"], c["inter"], c["k"], d=c["d"], heads=c["heads"], kv_heads=c["kv_heads"])
+        model = model.to(dev)
+        batches = random_batches(256, a.real_tokens, 1, a.real_tokens, dev)
+        fns = variants(model, batches, names)
+        fns["plain"]()  # warm-up
+        ideal = flop_ideals(geometry(model), a.real_tokens)
+        measured = {}
+        for _ in range(a.real_repeat):  # interleaved rounds; keep the fastest time, the largest peak
+            for v in names:
+                dt, mem = peak_extra(fns[v])
+                best = measured.setdefault(v, [float("inf"), 0])
+                best[0], best[1] = min(best[0], dt), max(best[1], mem)
+        for v in names:
+            rows.append({"section": "real", "model": name, "variant": v, "device": str(dev),
+                         "tokens": a.real_tokens, "ratio": measured[v][0] / measured["plain"][0],
+                         "flop_ideal": ideal[v],
+                         "flop_ideal_recompute": ideal["norm:gate (recompute)"] if v == "norm:gate" else None,
+                         "seconds_per_1k_tokens": measured[v][0] * 1000 / a.real_tokens,
+                         "peak_extra_mib": measured[v][1] / 2**20, "seconds": measured[v][0]})
+        print(f"  {name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        del model, fns
+    return rows
+
+
+# ----- RSS per command ------------------------------------------------------------------------------------
+COMMANDS = {  # command -> its arguments (data and tokens appended)
+    "stats": ["stats", "--model", "tiny"],
+    "ppl": ["ppl", "--model", "tiny", "--routing", "norm:gate"],
+    "norm-select": ["norm-select", "--model", "tiny"],
+    "approx": ["approx", "--model", "tiny"],
+    "mass-recall": ["mass-recall", "--model", "tiny"],
+    "fluctuation": ["fluctuation", "tiny-early", "tiny"],
+    "trace": ["trace", "--model", "tiny"],
+}
+
+
+def child_peak_rss(cmd: list[str], env: dict[str, str]) -> tuple[int, float, int]:
+    """(peak RSS bytes, seconds, exit code) of a subprocess."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    err = p.stderr.read().decode(errors="replace").strip().splitlines() if p.stderr else []
+    if p.returncode:
+        print(f"  {' '.join(cmd[2:4])}: exit {p.returncode}: {err[-1] if err else ''}", file=sys.stderr)
+    return usage.ru_maxrss * 1024, time.perf_counter() - t0, p.returncode
+
+
+def bench_rss(a) -> list[dict[str, Any]]:
+    from moetool.data import default_data_path
+
+    rows = []
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="moetool-bench-") as tmp:
+        held = default_data_path().read_text(encoding="utf-8")
+        corpus = Path(tmp) / "corpus.jsonl"
+        corpus.write_text(held * 5, encoding="utf-8")  # ~330k tokens
+        for name, args in COMMANDS.items():
+            if a.commands and name not in a.commands:
+                continue
+            for tokens in a.rss_tokens:
+                out = Path(tmp) / f"{name}-{tokens}"
+                cmd = [sys.executable, "-m", "moetool", *args, "--data", str(corpus), "--max-tokens", str(tokens),
+                       "--out", str(out)]
+                rss, dt, code = child_peak_rss(cmd, env)
+                rows.append({"section": "rss", "model": "tiny", "variant": name, "device": "cpu", "tokens": tokens,
+                             "peak_rss_mib": rss / 2**20 if code == 0 else None, "seconds": dt, "exit": code})
+                print(f"  {name} {tokens}: {rss / 2**20:.0f} MiB, {dt:.1f}s", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per timed pass (engine ratios)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds after the warm-up")
+    ap.add_argument("--real", action="store_true", help="one decoder layer at Mixtral-8x7B / Qwen3-30B-A3B width")
+    ap.add_argument("--real-tokens", type=int, default=512)
+    ap.add_argument("--real-repeat", type=int, default=2)
+    ap.add_argument("--rss", action="store_true", help="peak RSS of every command at --rss-tokens")
+    ap.add_argument("--rss-tokens", type=int, nargs="*", default=[20000, 200000])
+    ap.add_argument("--commands", nargs="*", default=None, help="restrict --rss to these commands")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--csv", default="bench.csv")
+    a = ap.parse_args()
+
+    import pandas as pd
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
+    rows = bench_shapes(a) if a.shapes else []
+    if a.real:
+        rows += bench_real(a)
+    if a.rss:
+        rows += bench_rss(a)
+    df = pd.DataFrame(rows)
+    fmt = {"float_format": lambda x: f"{x:.2f}", "index": False}
+    eng = df[df.section == "engine"] if len(df) else df
+    if len(eng):
+        print(f"\nEngine: ratio to the plain forward (median of {a.repeat} interleaved rounds; min-max), "
+              f"device {dev}")
+        t = eng.assign(spread=eng.ratio_min.map("{:.2f}".format) + "-" + eng.ratio_max.map("{:.2f}".format))
+        wide = t.pivot(index="variant", columns="model", values=["ratio", "flop_ideal"]).reindex(eng.variant.unique())
+        wide.columns = [f"{m} {c}" for c, m in wide.columns]
+        print(wide.to_string(float_format=lambda x: f"{x:.2f}"))
+        print("norm:gate FLOP-ideal if the chosen experts' gate were recomputed: " + ", ".join(
+            f"{r.model} {r.flop_ideal_recompute:.2f}" for r in eng[eng.variant == "norm:gate"].itertuples()))
+        print("plain seconds per pass: " + ", ".join(
+            f"{r.model} {r.seconds:.2f}s ({r.tokens} tokens)" for r in eng[eng.variant == "plain"].itertuples()))
+    real = df[df.section == "real"] if len(df) else df
+    if len(real):
+        print(f"\nReal widths, one decoder layer, bf16, {a.real_tokens} tokens, device {dev}")
+        print(real[["model", "variant", "ratio", "flop_ideal", "seconds_per_1k_tokens", "peak_extra_mib"]]
+              .to_string(**fmt))
+    rss = df[df.section == "rss"] if len(df) else df
+    if len(rss):
+        print("\nPeak RSS per command (MiB), embedded model tiny")
+        print(rss.pivot(index="variant", columns="tokens", values="peak_rss_mib").to_string(float_format=lambda x: f"{x:.0f}"))
+    df.to_csv(a.csv, index=False)
+    print(f"\nwrote {a.csv}")
+
+
+if __name__ == "__main__":
+    main()
