@@ -57,9 +57,11 @@ def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def one_hot_counts(idx: torch.Tensor, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """How often each expert appears in ``idx [T, K]`` over valid tokens: ``[n]`` float64 (on device)."""
-    if valid is not None:
-        idx = idx[valid]
-    return torch.bincount(idx.reshape(-1), minlength=n).double()
+    # index_add_ with 0/1 weights, not boolean indexing + bincount: both size their output from the data and
+    # would wait for the device (CUDA) inside the forward
+    w = (valid.to(torch.float64).unsqueeze(-1) if valid is not None
+         else torch.ones((), dtype=torch.float64, device=idx.device)).expand(idx.shape)
+    return torch.zeros(n, dtype=torch.float64, device=idx.device).index_add_(0, idx.reshape(-1).long(), w.reshape(-1))
 
 
 def multi_hot(idx: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
