@@ -5,6 +5,14 @@ Packing: documents of one domain are concatenated with the EOS token between the
 into rows of ``seq_len``; each domain's last row is right-padded (``attention_mask`` 0) so a
 row never mixes domains. Rows of different domains are interleaved, and ``max_tokens``
 caps the number of real (unpadded) tokens.
+
+Reading is lazy (:func:`load_tokens`): documents are streamed from the files (JSONL line by line), tokenized
+in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer), a domain stops being tokenized once it
+holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can no longer
+change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
+interleave exactly as if the corpus had been read whole. A text file larger than :data:`TEXT_PREFIX_BYTES`
+is tokenized by a growing prefix cut at a line break. Time and memory follow the tokens asked for, not the
+corpus.
 """
 
 from __future__ import annotations
@@ -218,7 +226,7 @@ def _encode_prefix(tokenizer: Any, doc: LargeText, want: int, add_special_tokens
         raise MoetoolError(f"cannot read data file {doc.path}: {e}") from None
 
 
-def _interleave(lengths: list[int], seq_len: int, max_tokens: int, open_: list[bool]) -> bool:
+def _rows_final(lengths: list[int], seq_len: int, max_tokens: int, open_: list[bool]) -> bool:
     """True when the packed rows are final: ``max_tokens`` is reached using only complete rows of the domain
     streams (a stream that may still grow changes nothing before its first incomplete row)."""
     total, full_rows = 0, [n // seq_len for n in lengths]
@@ -270,7 +278,7 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
 
     def final() -> bool:
         scanned = getattr(docs, "bytes_read", 0) >= DOMAIN_SCAN_BYTES
-        return need is not None and scanned and _interleave(
+        return need is not None and scanned and _rows_final(
             [len(s) for s in streams.values()], seq_len, max_tokens, [d not in done for d in streams])
 
     for d in docs:
