@@ -45,7 +45,8 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
                                    "(default: every MoE layer)."),
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
         quiet: Quiet = False) -> None:
-    from moetool.experiments.erc import ErcOptions, parse_noise, pick_layers, run_erc, summary_lines, write_erc
+    from moetool.experiments.erc import ErcOptions, parse_noise, run_erc, summary_lines, write_erc
+    from moetool.engine import select_layers
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
@@ -55,7 +56,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
     wanted = parse_layers(layers)
     run = RunDir.create("erc", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
-    res = run_erc(pick_layers(lm.layers, wanted), opts, quiet=quiet)
+    res = run_erc(select_layers(lm.layers, wanted), opts, quiet=quiet)
     erc_df, per_layer, _ = write_erc(run, res)
     run.finish(options=dict(model=model, alpha=list(opts.alphas), noise=opts.noise, samples=samples, node=node,
                             norm=norm, layers=layers, dtype=dtype, device=device), model=lm, seed=seed)

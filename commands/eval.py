@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed,
-                      echo_run, handle_errors, parse_layers, parse_list)
-from .ppl import Causal, Routing, Sim, Weights
+from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
+                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors,
+                      parse_layers, parse_list, run_options)
 
 HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
 
@@ -30,11 +30,6 @@ Examples:
 """
 
 
-NumFewshot = typer.Option(None, "--num-fewshot", min=0, help="Few-shot examples per item (default: the task's own).")
-Limit = typer.Option(None, "--limit", min=1, help="At most this many items per task (default: all).")
-IncludePath = typer.Option(None, "--include-path", help="Folder of extra lm-eval task YAMLs.")
-
-
 @handle_errors
 def eval_command(model: Model = DEFAULT_MODEL,
                  tasks: str = typer.Option(..., "--tasks", "-t", help="Comma list of lm-eval task names "
@@ -45,31 +40,24 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
                  device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
                  quiet: Quiet = False) -> None:
-    from moetool.experiments.lmeval import evaluate, plan_tasks
-    from moetool.experiments.ppl import build_policy, describe_policy
+    from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
-    policy = build_policy(routing, weights, seed, sim=sim, causal=causal)
-    policy_layers = parse_layers(layers)
-    plan = plan_tasks(parse_list(tasks, str, "task"), include_path)
+    opts = EvalOptions(tasks=tuple(parse_list(tasks, str, "task")), num_fewshot=num_fewshot, limit=limit,
+                       include_path=str(include_path) if include_path else None, routing=routing, weights=weights,
+                       sim=sim, causal=causal, layers=parse_layers(layers), batch_size=batch_size, seed=seed)
+    policy = opts.policy()
+    plan = plan_tasks(opts.tasks, opts.include_path)  # unknown tasks fail before anything is loaded
     run = RunDir.create("eval", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map,
               attn_implementation="eager" if policy.needs_attention else None)
-    res = evaluate(lm, plan, policy=policy, policy_layers=policy_layers, num_fewshot=num_fewshot, limit=limit,
-                   batch_size=batch_size, seed=seed, quiet=quiet)
-    run.write_csv("eval.csv", res.frame)
-    run.add(eval=plan.describe(), n_samples=res.n_samples, routing=describe_policy(policy),
-            eval_seconds=round(res.seconds, 3),
-            definitions={"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
-                         "stderr": "lm-eval's standard error of the metric (NaN when it reports none)"})
-    run.finish(options=dict(model=model, tasks=plan.names, num_fewshot=num_fewshot, limit=limit,
-                            include_path=str(include_path) if include_path else None, routing=routing,
-                            weights=weights, sim=sim, causal=causal, layers=layers, batch_size=batch_size,
-                            dtype=dtype, device=device), model=lm, seed=seed)
+    res = eval_tasks(lm, opts, plan=plan, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))
     typer.echo(f"lm-eval on {model}, routing {policy.name}")  # plain echo: rich makes ':up:' an emoji
-    print_table(res.frame)
+    print_table(res.summary)
     echo_run(run.path)
 
 

@@ -45,7 +45,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                 batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", seed: Seed = 0,
                 quiet: Quiet = False) -> None:
     from moetool.data import load_tokens
-    from moetool.experiments.erc import pick_layers
+    from moetool.engine import select_layers
     from moetool.experiments.mass_recall import MassRecallOptions, run_mass_recall, write_results
     from moetool.loading import load
     from moetool.report import RunDir
@@ -58,7 +58,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
     run = RunDir.create("mass-recall", out, force)
     lm = load(model, dtype=dtype, device=device)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
-    res = run_mass_recall(lm, tokens, opts, layers=pick_layers(lm.layers, parse_layers(layers)), quiet=quiet)
+    res = run_mass_recall(lm, tokens, opts, layers=select_layers(lm.layers, parse_layers(layers)), quiet=quiet)
     write_results(run, res, opts, tokens)
     run.finish(options=dict(model=model, data=str(data), codebook_size=list(opts.codebook_sizes),
                             shortlist=list(opts.shortlists), centroids=list(opts.centroids),

@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list)
-from .eval import IncludePath, Limit, NumFewshot
-from .ppl import Weights
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
+                      MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, echo_run, handle_errors,
+                      parse_layers, parse_list, run_options)
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
@@ -43,38 +42,31 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
                 force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
-    from moetool.data import load_tokens
+    from moetool.data import DocumentStream, load_tokens
     from moetool.experiments import norm_select as ns
     from moetool.experiments.lmeval import plan_tasks
-    from moetool.experiments.ppl import build_policy, data_name
     from moetool.loading import load
+    from moetool.policies import build_policy
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
-    specs = ns.sweep_specs(ns.parse_nodes(nodes), ns.parse_norms(norm))
-    policies = [build_policy(s, weights, seed) for s in specs]
-    policy_layers = parse_layers(layers)
-    plan = plan_tasks(parse_list(tasks, str, "task"), include_path) if tasks is not None else None
+    opts = ns.NormSelectOptions(nodes=tuple(ns.parse_nodes(nodes)), norms=tuple(ns.parse_norms(norm)),
+                                weights=weights, layers=parse_layers(layers),
+                                tasks=tuple(parse_list(tasks, str, "task")) if tasks is not None else None,
+                                num_fewshot=num_fewshot, limit=limit,
+                                include_path=str(include_path) if include_path else None, batch_size=batch_size,
+                                seed=seed)
+    build_policy(opts.specs()[-1], weights, seed)  # a bad --weights fails before anything is loaded
+    plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
+    DocumentStream(data)
     run = RunDir.create("norm-select", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
-    res = ns.run_norm_select(lm, tokens, policies, data=data_name(data), policy_layers=policy_layers,
-                             batch_size=batch_size, plan=plan, num_fewshot=num_fewshot, limit=limit, seed=seed,
-                             quiet=quiet)
-    run.write_csv("agreement.csv", res.agreement)
-    run.write_csv("quality.csv", res.quality)
-    asked = plan.names if plan else None
-    ns.figures(run, res.agreement, res.quality, tasks=asked)
-    run.add(definitions=ns.DEFINITIONS, data=tokens.describe(), policies=specs, weights=weights,
-            eval=plan.describe() if plan else None,
-            n_samples={k: v.n_samples for k, v in res.evals.items()})
-    run.finish(options=dict(model=model, nodes=nodes, norm=norm, weights=weights, layers=layers, data=str(data),
-                            tasks=plan.names if plan else None, num_fewshot=num_fewshot, limit=limit,
-                            include_path=str(include_path) if include_path else None, seq_len=seq_len,
-                            max_tokens=max_tokens, batch_size=batch_size, dtype=dtype, device=device),
-               model=lm, seed=seed)
-    print_table(ns.table1(res.agreement, res.quality, tasks=asked),
-                title=f"norm-select on {model} (weights {weights})")
+    res = ns.norm_select(lm, tokens, opts, plan=plan, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                  dtype=dtype, device=device, device_map=device_map))
+    print_table(res.summary, title=f"norm-select on {model} (weights {weights})")
     echo_run(run.path)
 
 

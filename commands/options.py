@@ -33,6 +33,19 @@ Layers = Annotated[Optional[str], typer.Option("--layers", help="Decoder layers 
                                                "'0,2,5-7' (default: every MoE layer).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 
+# routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
+Routing = typer.Option("router", "--routing", "-r", help="Routing policy: router, norm:<node>[:<norm>], random, ...")
+Weights = typer.Option("softmax", "--weights", help="Weights of the experts a norm policy chose: softmax (over "
+                       "their norms, AoE Algorithm 1), router (the model's probabilities, renormalised as the "
+                       "model does) or uniform (1/K). Ignored by router.")
+Sim = typer.Option("dot", "--sim", help="similarity policy: dot (raw h_i·h_j, the paper) or cosine.")
+Causal = typer.Option(True, "--causal/--no-causal", help="similarity policy: only tokens j <= i (default).")
+
+# lm-eval
+NumFewshot = typer.Option(None, "--num-fewshot", min=0, help="Few-shot examples per item (default: the task's own).")
+Limit = typer.Option(None, "--limit", min=1, help="At most this many items per task (default: all).")
+IncludePath = typer.Option(None, "--include-path", help="Folder of extra lm-eval task YAMLs.")
+
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
 
 
@@ -81,18 +94,27 @@ def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "
     return out
 
 
-def parse_layers(text: str | None) -> list[int] | None:
-    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``; ``None`` -> every MoE layer."""
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
+    """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; ``None`` -> every MoE layer. A reversed range (``3-1``) is an error."""
     if text is None:
         return None
     out: list[int] = []
     for item in parse_list(text, str, "layer"):
         lo, sep, hi = item.partition("-")
         try:
-            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            a, b = (int(lo), int(hi)) if sep else (int(lo), int(lo))
         except ValueError:
             raise MoetoolError(f"bad --layers item '{item}' (use e.g. 0,2,5-7)") from None
-    return sorted(set(out))
+        if b < a:
+            raise MoetoolError(f"empty --layers range '{item}' (use low-high, e.g. {b}-{a})")
+        out.extend(range(a, b + 1))
+    return tuple(sorted(set(out)))
+
+
+def run_options(**options: Any) -> dict[str, Any]:
+    """The run-level manifest options (model, data, loading); paths as strings. The experiment's own options
+    come from its options dataclass (see :func:`moetool.report.writers.write`)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
 
 
 def echo_run(path: Any) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, MaxTokens, Model, Out, Quiet,
-                      SeqLen, echo_run, handle_errors)
+                      SeqLen, echo_run, handle_errors, run_options)
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -40,21 +40,22 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                         help="Minimum (token, expert) count for top_tokens_lift.csv."),
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quiet: Quiet = False) -> None:
-    from moetool.data import default_data_path, pack, read_documents
-    from moetool.experiments.stats import run_stats, summary_table
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.experiments.stats import StatsOptions, stats as compute
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
-    docs = read_documents(data)  # fail on empty or unreadable data before loading a model
+    opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size)
+    DocumentStream(data)  # a missing --data fails before a model is loaded
     run = RunDir.create("stats", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map)
-    tokens = pack(docs, lm.tokenizer, seq_len, max_tokens, source=str(data or default_data_path()))
-    frames = run_stats(lm, tokens, run, top_n=top_tokens, min_count=min_count, batch_size=batch_size, quiet=quiet)
-    run.finish(options=dict(model=model, data=str(data), top_tokens=top_tokens, min_count=min_count,
-                            seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, dtype=dtype,
-                            device=device, device_map=device_map), model=lm)
-    print_table(summary_table(frames["layers.csv"]), title=f"{model}: {tokens.n_tokens:,} tokens")
+    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    res = compute(lm, tokens, opts, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                  dtype=dtype, device=device, device_map=device_map))
+    print_table(res.summary, title=f"{model}: {tokens.n_tokens:,} tokens")
     echo_run(run.path)
 
 

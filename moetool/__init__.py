@@ -1,7 +1,33 @@
-"""moetool: Mixture-of-Experts routing research from the command line.
+"""moetool: Mixture-of-Experts routing research, from the command line or Python.
 
-Importing this package is cheap: torch and transformers load only inside the
-functions that need them (``moetool --help`` never imports torch).
+``import moetool`` is cheap: the public names (``moetool.load``, ``moetool.tokens``, ``moetool.stats``, ...,
+``moetool.hook``; see :mod:`moetool.api`) are resolved on first use, and torch and transformers load only inside
+the functions that need them (``moetool --help`` never imports torch).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any as _Any
+
 __version__ = "0.1.0"
+
+
+def _exports() -> dict[str, str]:
+    from .api import EXPORTS
+
+    return EXPORTS
+
+
+def __getattr__(name: str) -> _Any:
+    target = _exports().get(name)
+    if target is None:
+        raise AttributeError(f"module 'moetool' has no attribute '{name}'")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_exports()])

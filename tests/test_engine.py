@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import captured, reference_expert, reference_moe, run
+from conftest import build_tiny_model, captured, reference_expert, reference_moe, run
 
 from moetool import ops
 from moetool.adapters import find_moe_layers
@@ -158,3 +158,21 @@ def test_deepseek_v2_greedy(tiny_model, batch):
         if L.index == layers[0].index:  # same input as the group-limited run
             differs += int((~ops.same_set(idx, grouped[L.index])).sum())
     assert differs > 0
+
+
+def test_layer_selection_one_meaning():
+    from moetool.commands.options import parse_layers
+    from moetool.engine import select_layers
+    from moetool.errors import MoetoolError
+
+    layers = find_moe_layers(build_tiny_model("mixtral"))
+    idx = [L.index for L in layers]
+    assert parse_layers("0,2-3") == (0, 2, 3) and parse_layers(None) is None
+    with pytest.raises(MoetoolError, match="empty --layers range '3-1'"):
+        parse_layers("3-1")
+    assert [L.index for L in select_layers(layers, [idx[-1], idx[0]])] == [idx[0], idx[-1]]  # model order
+    assert select_layers(layers, None) == layers
+    with pytest.raises(MoetoolError, match="selects no layer"):
+        select_layers(layers, [])
+    with pytest.raises(MoetoolError, match="not MoE layers"):
+        select_layers(layers, [max(idx) + 5])

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from moetool.commands.app import app
 from moetool.engine.hooks import Engine
+from moetool import lmeval_compat
 from moetool.experiments import lmeval
 from moetool.experiments import norm_select as ns
 from moetool.loading import embedded_models, load
@@ -82,7 +83,7 @@ def test_hub_offline_is_restored(monkeypatch):
 
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     before = (datasets.config.HF_DATASETS_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
-    with lmeval.hub_offline():
+    with lmeval_compat.hub_offline():
         assert datasets.config.HF_DATASETS_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
         assert os.environ["HF_DATASETS_OFFLINE"] == "1"
     assert (datasets.config.HF_DATASETS_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before
@@ -125,7 +126,7 @@ def test_routing_reaches_lm_eval_loglikelihoods(model_dir, no_network):
     lm = load(str(model_dir))
     plan = lmeval.plan_tasks([TASK])
     hflm = lmeval.make_hflm(lm, batch_size=4)
-    with lmeval.hub_offline(plan.offline):  # the unhooked reference: lm-eval alone
+    with lmeval_compat.hub_offline(plan.offline):  # the unhooked reference: lm-eval alone
         plain = evaluator.simple_evaluate(model=hflm, tasks=list(plan.specs), limit=2, log_samples=True,
                                           task_manager=plan.task_manager())["samples"][TASK]
     router = lmeval.evaluate(lm, plan, policy=make_policy("router"), limit=2, hflm=hflm, log_samples=True,
@@ -188,3 +189,18 @@ def test_shipped_tasks_come_from_the_embedded_models_training_text():
     built = json.loads((root / "build_info.json").read_text())["corpus_train_sha256"]
     meta = json.loads((Path(embedded_models()["tiny"]) / "train_meta.json").read_text())
     assert built == meta["corpus"]["files"]["train.jsonl"]["sha256"]  # rebuild the tasks after a retrain
+
+
+def test_lm_eval_compat_is_pinned_to_the_installed_version():
+    installed = lmeval_compat.installed_version()
+    assert installed == lmeval_compat.TESTED_VERSION, (
+        f"lm-eval {installed} is installed but moetool/lmeval_compat.py was written for "
+        f"{lmeval_compat.TESTED_VERSION}: re-check every patch there (evaluator.{', evaluator.'.join(lmeval_compat.EVALUATOR_PATCHES)}, "
+        f"datasets.config / huggingface_hub.constants offline flags), then update TESTED_VERSION")
+    lmeval_compat.check()
+    from lm_eval import evaluator
+
+    original = evaluator.add_env_info
+    with lmeval_compat.no_env_report():
+        assert evaluator.add_env_info({}) is None and evaluator.add_env_info is not original
+    assert evaluator.add_env_info is original

@@ -82,7 +82,7 @@ def test_similarity_dot_matches_loops(tau, causal):
     # the normalised score distribution kept for fluctuation's entropies
     S = ev.shape[1]
     for (b, i), (_, s) in want.items():
-        torch.testing.assert_close(ev.extra["scores"][b * S + i].double(), torch.tensor(s, dtype=torch.float64),
+        torch.testing.assert_close(ev.scores[b * S + i].double(), torch.tensor(s, dtype=torch.float64),
                                    atol=1e-6, rtol=0)
     # a diffuse S (tau=40) really mixes: some token's choice differs from its own router's
     if tau == 40.0:

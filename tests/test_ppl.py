@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.data import TokenSet
-from moetool.experiments.ppl import PPL_COLUMNS, build_policy, perplexity, ppl_frame
+from moetool.experiments.ppl import PPL_COLUMNS, perplexity, ppl_frame
+from moetool.policies import build_policy
 from moetool.loading import embedded_models
 
 needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")

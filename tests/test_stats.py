@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter, defaultdict
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from moetool.adapters import find_moe_layers
 from moetool.data import TokenBatch, TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
-from moetool.experiments.stats import RoutingStats, SparseCounter, run_stats
+from moetool.experiments.stats import RoutingStats, SparseCounter, StatsOptions, stats
 from moetool.loading import embedded_models
 
 COLUMNS = {
@@ -230,21 +231,33 @@ def test_forward_without_begin_batch_is_an_error():
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
-def test_run_stats_writes_every_file_with_exact_columns(tmp_path):
+def test_stats_writer_writes_every_file_with_exact_columns(tmp_path):
     from moetool.report import RunDir
+    from moetool.report.writers import write
 
     model = build_tiny_model("mixtral")
     batches = make_batches()[:1]
     tokens = TokenSet(batches[0].input_ids, batches[0].attention_mask, batches[0].domains, "test")
     lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
     run = RunDir.create("stats", tmp_path / "run")
-    frames = run_stats(lm, tokens, run, top_n=2, min_count=1, quiet=True)
+    frames = stats(lm, tokens, StatsOptions(min_count=3), top_tokens=2, min_count=1, quiet=True)
+    assert frames.options == StatsOptions(top_tokens=2, min_count=1)
+    write(frames, run)
     for name, cols in COLUMNS.items():
         assert list(pd.read_csv(tmp_path / "run" / name, keep_default_na=False).columns) == cols
         assert name in frames
     for fig in ("load_heatmap", "coactivation", "domain_load"):
         assert (tmp_path / "run" / "figures" / f"{fig}.png").is_file()
     assert "definitions" in run.sections and run.sections["data"]["tokens"] == int(tokens.n_tokens)
+    man = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert man["options"] == {"top_tokens": 2, "min_count": 1, "batch_size": 8}
+
+
+def test_stats_options_are_checked():
+    with pytest.raises(MoetoolError, match="unknown option"):
+        stats(None, None, top_token=3)
+    with pytest.raises(MoetoolError, match="min-count"):
+        StatsOptions(min_count=0)
 
 
 def _cli(*args):

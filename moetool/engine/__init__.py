@@ -1,7 +1,8 @@
-"""The hook engine: capture and override routing in every MoE layer, batched probes, streaming runs."""
+"""The hook engine: capture and override routing in every MoE layer, batched probes, the one forward loop."""
 
-from .hooks import Engine, RoutingEvent
+from .hooks import Engine, RoutingEvent, select_layers
 from .probes import NODES, expert_nodes, expert_outputs, node_scores
-from .runner import NLL, run_batches
+from .runner import NLL, ForwardResult, forward
 
-__all__ = ["Engine", "RoutingEvent", "NODES", "expert_nodes", "expert_outputs", "node_scores", "NLL", "run_batches"]
+__all__ = ["Engine", "RoutingEvent", "select_layers", "NODES", "expert_nodes", "expert_outputs", "node_scores", "NLL",
+           "ForwardResult", "forward"]

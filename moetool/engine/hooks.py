@@ -41,6 +41,7 @@ class RoutingEvent:
     attn: torch.Tensor | None = None  # [B, heads, S, S] attention probabilities (if requested)
     chosen_idx: torch.Tensor | None = None  # [T, K] what ran (after the policy)
     chosen_weights: torch.Tensor | None = None  # [T, K]
+    scores: torch.Tensor | None = None  # [T, n] the scores the policy chose from (similarity, attention), if any
     extra: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
@@ -59,6 +60,26 @@ class Policy(Protocol):
 
 
 Consumer = Callable[[RoutingEvent], None]
+
+
+def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, *,
+                  allow_empty: bool = False) -> list[MoELayer]:
+    """The MoE layers whose decoder index is in ``wanted`` (``None`` = every MoE layer), in model order.
+
+    The one meaning of ``--layers``: the MoE layers a command acts on. A non-MoE index or an empty selection is
+    an error (:class:`MoetoolError`), never a silently smaller run.
+    """
+    moe_layers = list(moe_layers)
+    if wanted is None:
+        return moe_layers
+    wanted = set(wanted)
+    known = {L.index for L in moe_layers}
+    bad = sorted(wanted - known)
+    if bad:
+        raise MoetoolError(f"--layers {bad} are not MoE layers (MoE layers: {sorted(known)})")
+    if not wanted and not allow_empty:
+        raise MoetoolError(f"--layers selects no layer (MoE layers: {sorted(known)})")
+    return [L for L in moe_layers if L.index in wanted]
 
 
 def _bind_expert_args(experts: nn.Module):
@@ -94,11 +115,7 @@ class Engine:
         self.model = model
         self.layers = layers
         self.policy = policy
-        known = {L.index for L in layers}
-        self.policy_layers = known if policy_layers is None else set(policy_layers)
-        bad = self.policy_layers - known
-        if bad:
-            raise MoetoolError(f"--layers {sorted(bad)} are not MoE layers (MoE layers: {sorted(known)})")
+        self.policy_layers = {L.index for L in select_layers(layers, policy_layers, allow_empty=True)}
         self.consumers = list(consumers)
         self.attention = attention or bool(policy is not None and getattr(policy, "needs_attention", False))
         self._handles: list[Any] = []

@@ -1,13 +1,17 @@
-"""Run a model over batches of token ids, with or without an engine attached.
+"""The one forward loop: run a model over batches of packed token rows, with or without routing hooks.
 
-Perplexity is reduced on the device (sums of NLL and token counts) and read once at the end.
+:func:`forward` is what every experiment calls: it installs an :class:`~moetool.engine.hooks.Engine` (a policy in
+the chosen MoE layers, consumers seeing every routing event) only when there is something to hook, runs every
+batch, and optionally reduces the next-token NLL on the device (sums and token counts, read once at the end).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,19 @@ class NLL:
         return math.exp(self.mean) if self.tokens else float("nan")
 
 
+@dataclass
+class ForwardResult:
+    """What :func:`forward` measured: the NLL (zero tokens unless ``nll=True``), wall time and forwards run."""
+
+    nll: NLL
+    seconds: float  # wall time of the forward passes (hooks, policy, consumers and NLL reduction included)
+    batches: int
+
+    @property
+    def perplexity(self) -> float:
+        return self.nll.ppl
+
+
 def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token NLL and number of scored tokens for one batch (device tensors)."""
     pred = logits[:, :-1].float()  # [B, S-1, V]
@@ -41,18 +58,47 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     return (nll * keep).sum(dtype=torch.float64), keep.sum()
 
 
-@torch.no_grad()
-def run_batches(model, batches: Iterable, *, total: int | None = None, nll: bool = False,
-                description: str = "forward", quiet: bool = False) -> NLL:
-    """Forward every batch (``.input_ids``, ``.attention_mask``); returns the NLL (if asked)."""
+def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
+            consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
+            before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
+            nll: bool = False, attention: bool = False, quiet: bool = False,
+            description: str = "forward") -> ForwardResult:
+    """Run ``lm`` (a loaded model: ``.model``, ``.layers``) over ``tokens`` (a ``TokenSet``) in batches.
+
+    ``policy`` replaces routing in the MoE ``layers`` (decoder indices, ``None`` = every MoE layer; validated by
+    :func:`moetool.engine.select_layers`); ``consumers`` see every routing event of the hooked ``moe_layers``
+    (``MoELayer`` objects, default ``lm.layers``: an analysis restricted to some layers hooks only those). With no policy and no consumers
+    (and ``attention=False``) no hook is installed at all: the unhooked reference a ``router`` run reproduces.
+    ``before_batch(batch)`` runs before each forward (a consumer registering the batch's token ids),
+    ``on_batch(batch, output)`` after it (logits consumers, per-batch checks). ``nll=True`` reduces the
+    next-token NLL of the real tokens (padding never counts).
+    """
+    from .hooks import Engine
+
+    consumers = list(consumers)
+    hooked = policy is not None or bool(consumers) or attention
+    hooked_layers = list(lm.layers if moe_layers is None else moe_layers)
+    engine = (Engine(lm.model, hooked_layers, policy=policy, policy_layers=layers, consumers=consumers,
+                     attention=attention) if hooked else contextlib.nullcontext())
+    model = lm.model
     device = model.device
     s = torch.zeros((), dtype=torch.float64, device=device)
     c = torch.zeros((), dtype=torch.long, device=device)
-    for b in progress(batches, total=total, description=description, quiet=quiet):
-        ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
-        if nll:
-            bs, bc = batch_nll(out.logits, ids, mask.to(out.logits.device))
-            s += bs.to(device)
-            c += bc.to(device)
-    return NLL(float(s), int(c))
+    n = 0
+    t0 = time.perf_counter()
+    with torch.no_grad(), engine:
+        for b in progress(tokens.batches(batch_size), total=tokens.n_batches(batch_size), description=description,
+                          quiet=quiet):
+            if before_batch is not None:
+                before_batch(b)
+            ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+            n += 1
+            if nll:
+                bs, bc = batch_nll(out.logits, ids, mask.to(out.logits.device))
+                s += bs.to(device)
+                c += bc.to(device)
+            if on_batch is not None:
+                on_batch(b, out)
+    result = NLL(float(s), int(c))
+    return ForwardResult(result, time.perf_counter() - t0, n)

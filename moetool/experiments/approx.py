@@ -210,17 +210,13 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
                max_subsets: int = MAX_SUBSETS, layers: Sequence[int] | None = None, batch_size: int = 8,
                quiet: bool = False) -> ApproxReducer:
     """Run the model with the plain router over ``tokens`` and reduce every MoE layer's events."""
-    from ..engine.hooks import Engine
-    from ..engine.runner import run_batches
+    from ..engine.hooks import select_layers
+    from ..engine.runner import forward
 
     if layers is not None:
-        from .erc import pick_layers
-
-        pick_layers(lm.layers, layers)  # validates the indices
+        select_layers(lm.layers, layers)  # validates the indices
     red = ApproxReducer(selectors, seed, max_subsets, layers)
-    with Engine(lm.model, lm.layers, consumers=[red]):
-        run_batches(lm.model, tokens.batches(batch_size), total=tokens.n_batches(batch_size),
-                    description="approx", quiet=quiet)
+    forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
     return red
 
 
@@ -264,7 +260,7 @@ def summary_lines(name: str, approx: Any, per_layer: Any) -> list[str]:
 def demo(parent: Any, quiet: bool) -> list[str]:
     """The k-term view on every embedded base model (tiny, tiny-fine), 1024 held-out tokens."""
     from ..data import load_tokens
-    from ..demo import DEMO_MODELS
+    from ..embedded import DEMO_MODELS
     from ..loading import embedded_models, load
 
     child = parent.sub("approx")

@@ -82,17 +82,6 @@ def parse_noise(text: str) -> str | float:
         raise MoetoolError(f"--noise must be derived, none or a number, not '{text}'") from None
 
 
-def pick_layers(layers: Sequence[MoELayer], wanted: Sequence[int] | None) -> list[MoELayer]:
-    """The MoE layers whose decoder index is in ``wanted`` (all if ``None``); an error for a non-MoE index."""
-    if wanted is None:
-        return list(layers)
-    known = {L.index for L in layers}
-    bad = sorted(set(wanted) - known)
-    if bad:
-        raise MoetoolError(f"--layers {bad} are not MoE layers (MoE layers: {sorted(known)})")
-    return [L for L in layers if L.index in set(wanted)]
-
-
 def router_rows(layer: MoELayer) -> torch.Tensor:
     """The router weight ``R [n, d]`` as fp32, materialised if accelerate offloaded it (``device_map``)."""
     if not hasattr(layer.router, "_hf_hook"):
@@ -270,7 +259,7 @@ def summary_lines(name: str, per_layer: Any, erc: Any) -> list[str]:
 
 def demo(parent: Any, quiet: bool) -> list[str]:
     """ERC of every embedded base model (tiny, tiny-fine), default settings with 4 noise draws."""
-    from ..demo import DEMO_MODELS
+    from ..embedded import DEMO_MODELS
     from ..loading import embedded_models, load
 
     child = parent.sub("erc")

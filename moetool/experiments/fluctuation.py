@@ -135,7 +135,7 @@ class LayerRouting:
 def routing_of(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(chosen idx, chosen weights, distribution)`` of the real tokens of an event, after any policy."""
     keep = ev.valid
-    scores = ev.extra.get("scores", ev.probs)  # [T, n]
+    scores = ev.scores if ev.scores is not None else ev.probs  # [T, n]
     return ev.chosen_idx[keep], ev.chosen_weights[keep], scores[keep]
 
 

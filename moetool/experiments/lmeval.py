@@ -24,11 +24,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
-from unittest import mock
+from typing import Any, Iterable
 
 from ..errors import MoetoolError
+from ..lmeval_compat import hub_offline, no_env_report
 from ..registry import did_you_mean
+from .ppl import RoutingOptions
+from .result import Result, resolve_options
 
 TASKS_ENV = "MOETOOL_TASKS"
 EVAL_COLUMNS = ("task", "metric", "value", "stderr")
@@ -123,38 +125,6 @@ def plan_tasks(names: Iterable[str], include_path: str | Path | None = None) -> 
                     _manager=manager)
 
 
-@contextlib.contextmanager
-def hub_offline(enabled: bool = True) -> Iterator[None]:
-    """``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` for the block, restored after.
-
-    ``datasets`` and ``huggingface_hub`` read these at import: they are imported first and their
-    module constants patched too (lm-eval imports them anyway).
-    """
-    if not enabled:
-        yield
-        return
-    import datasets.config
-    import huggingface_hub.constants
-
-    env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
-    targets = [(datasets.config, "HF_DATASETS_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
-               (huggingface_hub.constants, "HF_HUB_OFFLINE")]
-    old = [getattr(m, a) for m, a in targets]
-    try:
-        os.environ.update({k: "1" for k in env})
-        for m, a in targets:
-            setattr(m, a, True)
-        yield
-    finally:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for (m, a), v in zip(targets, old):
-            setattr(m, a, v)
-
-
 @dataclass
 class EvalResult:
     frame: Any  # DataFrame with EVAL_COLUMNS
@@ -221,12 +191,8 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
     t0 = time.perf_counter()
     # lm-eval's and datasets' progress bars write to stderr: swallowed with quiet (errors still raise)
     mute = contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext()
-    # lm-eval's environment report runs ~12 subprocesses (torch collect_env, git) per call; the run's
-    # manifest records the versions instead
-    no_env = (mock.patch.object(evaluator, "add_env_info", lambda *a, **k: None),
-              mock.patch.object(evaluator, "get_git_commit_hash", lambda *a, **k: None))
-    with hub_offline(plan.offline), torch.no_grad(), mute, no_env[0], no_env[1], \
-            Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
+    # lm-eval's environment report runs ~12 subprocesses per call: off (the manifest records the versions)
+    with hub_offline(plan.offline), torch.no_grad(), mute, no_env_report(), Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
         try:
             out = evaluator.simple_evaluate(
                 model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,
@@ -239,3 +205,39 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
         raise MoetoolError("lm-eval returned no results")
     return EvalResult(frame=results_frame(out), seconds=seconds, n_samples=dict(out.get("n-samples", {})),
                       samples=dict(out.get("samples", {})) if log_samples else {})
+
+
+EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
+                    "stderr": "lm-eval's standard error of the metric (NaN when it reports none)"}
+
+
+@dataclass(frozen=True)
+class EvalOptions(RoutingOptions):
+    """Options of :func:`eval_tasks`: the tasks, lm-eval's settings, and the routing (see ``RoutingOptions``)."""
+
+    tasks: tuple[str, ...] = ()  # lm-eval task names (shipped offline: moetool_code, moetool_prose)
+    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
+    limit: int | None = None  # at most this many items per task (None: all)
+    include_path: str | None = None  # folder of extra lm-eval task YAMLs
+    batch_size: int = 8
+
+
+def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | None = None, quiet: bool = False,
+               **overrides: Any) -> Result:
+    """Benchmark accuracy through lm-evaluation-harness with the ``routing`` policy in ``layers``.
+
+    Table ``eval`` (task, metric, value, stderr), see :data:`EVAL_DEFINITIONS`. ``plan`` (from
+    :func:`plan_tasks`) may be passed when the caller resolved the tasks already.
+    """
+    from ..engine.hooks import select_layers
+
+    opts = resolve_options(EvalOptions, options, overrides)
+    plan = plan if plan is not None else plan_tasks(opts.tasks, opts.include_path)
+    policy = opts.policy()
+    layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
+    res = evaluate(lm, plan, policy=policy, policy_layers=layers, num_fewshot=opts.num_fewshot, limit=opts.limit,
+                   batch_size=opts.batch_size, seed=opts.seed, quiet=quiet)
+    return Result("eval", {"eval.csv": res.frame}, opts,
+                  meta=dict(eval=plan.describe(), n_samples=res.n_samples, routing=policy.describe(),
+                            eval_seconds=round(res.seconds, 3), definitions=EVAL_DEFINITIONS),
+                  summary=res.frame)

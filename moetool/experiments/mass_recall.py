@@ -34,8 +34,8 @@ import torch
 
 from .. import ops
 from ..adapters.base import MoELayer
-from ..engine.hooks import Engine, RoutingEvent
-from ..engine.runner import run_batches
+from ..engine.hooks import RoutingEvent
+from ..engine.runner import forward
 from ..errors import MoetoolError
 from .kmeans import SphericalKMeans
 
@@ -135,9 +135,8 @@ def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRe
             fits[(ev.layer.index, G)].update(h)
 
     for p in range(1 + opts.kmeans_iters):
-        with Engine(lm.model, list(layers), consumers=[consume]):
-            run_batches(lm.model, tokens.batches(opts.batch_size), total=tokens.n_batches(opts.batch_size),
-                        description=f"k-means pass {p + 1}/{1 + opts.kmeans_iters}", quiet=quiet)
+        forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
+                description=f"k-means pass {p + 1}/{1 + opts.kmeans_iters}", quiet=quiet)
     return fits
 
 
@@ -199,9 +198,8 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                     else:
                         acc[key] = _Acc(row, hist)
 
-    with Engine(lm.model, list(layers), consumers=[consume]):
-        run_batches(lm.model, tokens.batches(opts.batch_size), total=tokens.n_batches(opts.batch_size),
-                    description="mass recall", quiet=quiet)
+    forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
+            description="mass recall", quiet=quiet)
     if not acc:
         raise MoetoolError("no tokens evaluated (empty data?)")
     rows = []

@@ -22,6 +22,7 @@ from ..engine.hooks import RoutingEvent
 from ..engine.probes import NODES
 from ..errors import MoetoolError
 from ..registry import did_you_mean
+from .result import Result, resolve_options
 
 AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "top1_agree", "tokens")
 QUALITY_COLUMNS = ("policy", "task", "metric", "value", "router_value", "ratio", "seconds")
@@ -163,7 +164,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     return NormSelectResult(pd.concat(agree, ignore_index=True), quality_frame(ppl, evals, data), evals)
 
 
-def _asked(quality: Any, metric: str, tasks: Iterable[str] | None) -> Any:
+def asked_rows(quality: Any, metric: str, tasks: Iterable[str] | None) -> Any:
     """Rows of ``metric``, only for the asked task names (a group's subtasks stay in quality.csv)."""
     rows = quality[quality.metric == metric]
     return rows if tasks is None else rows[rows.task.isin(list(tasks))]
@@ -184,7 +185,7 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
         row = {"node": node or kind, "norm": norm or "-", "ppl": p.value, "ppl ratio": p.ratio,
                "top-K overlap": float((a.topk_overlap * a.tokens).sum() / n) if n else float("nan"),
                "top-1 agree": float((a.top1_agree * a.tokens).sum() / n) if n else float("nan")}
-        for r in _asked(q, metric, tasks).itertuples(index=False):
+        for r in asked_rows(q, metric, tasks).itertuples(index=False):
             row[f"{r.task} {metric}"] = r.value
             row[f"{r.task} retention"] = r.ratio
         row["seconds"] = float(p.seconds) + float(q[q.metric != "perplexity"].seconds.max()
@@ -193,70 +194,77 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
     return pd.DataFrame(rows)
 
 
-def figures(run: Any, agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None) -> None:
-    """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``."""
-    import numpy as np
+@dataclass(frozen=True)
+class NormSelectOptions:
+    """Options of :func:`norm_select`."""
 
-    from ..report.figures import line_by, new_figure
+    nodes: tuple[str, ...] = NODES  # probe nodes swept (norm:<node>:<norm> for each)
+    norms: tuple[str, ...] = ("l2",)  # norms swept
+    weights: str = "softmax"  # weights of the chosen experts: softmax | router | uniform
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    tasks: tuple[str, ...] | None = None  # lm-eval tasks (None: perplexity only)
+    num_fewshot: int | None = None
+    limit: int | None = None
+    include_path: str | None = None
+    batch_size: int = 8
+    seed: int = 0
 
-    acc = _asked(quality, metric, tasks)
-    fig, axes = new_figure(1, 2 if len(acc) else 1, width=max(4.2, 0.8 * quality.policy.nunique()))
-    ppl = quality[quality.metric == "perplexity"]
-    axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray")
-    axes[0].axhline(1.0, color="k", linewidth=0.8)
-    axes[0].set_xticks(range(len(ppl)), ppl.policy, rotation=35, ha="right")
-    axes[0].set_ylabel("perplexity / router perplexity")
-    axes[0].set_title("perplexity ratio (lower is better)")
-    if len(acc):
-        tasks = list(dict.fromkeys(acc.task))
-        pols = list(dict.fromkeys(acc.policy))
-        width = 0.8 / len(tasks)
-        for i, t in enumerate(tasks):
-            r = acc[acc.task == t].set_index("policy").reindex(pols)
-            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, label=t)
-        axes[1].axhline(1.0, color="k", linewidth=0.8)
-        axes[1].set_xticks(np.arange(len(pols)) + 0.4 - width / 2, pols, rotation=35, ha="right")
-        axes[1].set_ylabel(f"{metric} / router {metric}")
-        axes[1].set_title("accuracy retention")
-        axes[1].legend(fontsize=7, frameon=False)
-    run.save_figure(fig, "retention")
-    fig, axes = new_figure(1, 2)
-    line_by(axes[0], agreement, "layer", "topk_overlap", "policy", title="top-K overlap with the router")
-    line_by(axes[1], agreement, "layer", "top1_agree", "policy", title="top-1 agreement with the router")
-    for ax in axes:
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xticks(sorted(agreement.layer.unique()))
-    run.save_figure(fig, "agreement_by_layer")
+    def specs(self) -> list[str]:
+        return sweep_specs(self.nodes, self.norms)
 
 
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """The sweep on the embedded ``tiny`` model: 5 nodes, 2048 tokens, the shipped offline tasks (20 items each)."""
-    from ..data import load_tokens
-    from ..loading import load
-    from ..policies import make_policy
-    from .lmeval import plan_tasks, shipped_tasks
+def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, *, plan: Any = None,
+                quiet: bool = False, **overrides: Any) -> Result:
+    """The AoE pilot: the router baseline and ``norm:<node>:<norm>`` for every node and norm.
 
-    run = parent.sub("norm-select")
-    lm = load("tiny")
-    tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
-    shipped = list(shipped_tasks())
-    plan = plan_tasks(shipped) if shipped else None
-    specs = sweep_specs(NODES)
-    res = run_norm_select(lm, tokens, [make_policy(s) for s in specs], plan=plan, limit=20, batch_size=16,
-                          quiet=quiet)
-    run.write_csv("agreement.csv", res.agreement)
-    run.write_csv("quality.csv", res.quality)
-    figures(run, res.agreement, res.quality)
-    run.add(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights="softmax",
-            eval=plan.describe() if plan else None)
-    run.finish(options=dict(model="tiny", nodes="all", norm="l2", weights="softmax", max_tokens=2048, batch_size=16,
-                            tasks=plan.names if plan else None, limit=20), model=lm, seed=0)
-    t = table1(res.agreement, res.quality)
+    Tables ``agreement`` (layer, policy, topk_overlap, top1_agree, tokens) and ``quality`` (policy, task, metric,
+    value, router_value, ratio, seconds), see :data:`DEFINITIONS`; ``summary`` is the paper's Table 1 shape.
+    ``plan`` (from :func:`moetool.experiments.lmeval.plan_tasks`) may be passed when the tasks are resolved.
+    """
+    from ..engine.hooks import select_layers
+    from ..policies import build_policy
+    from .lmeval import plan_tasks
+    from .ppl import data_name
+
+    opts = resolve_options(NormSelectOptions, options, overrides)
+    specs = opts.specs()
+    policies = [build_policy(s, opts.weights, opts.seed) for s in specs]
+    if plan is None and opts.tasks is not None:
+        plan = plan_tasks(opts.tasks, opts.include_path)
+    layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
+    res = run_norm_select(lm, tokens, policies, data=data_name(tokens.source), policy_layers=layers,
+                          batch_size=opts.batch_size, plan=plan, num_fewshot=opts.num_fewshot, limit=opts.limit,
+                          seed=opts.seed, quiet=quiet)
+    asked = plan.names if plan else None
+    return Result("norm_select", {"agreement.csv": res.agreement, "quality.csv": res.quality}, opts,
+                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights=opts.weights,
+                            eval=plan.describe() if plan else None,
+                            n_samples={k: v.n_samples for k, v in res.evals.items()}),
+                  summary=table1(res.agreement, res.quality, tasks=asked))
+
+
+def summary_lines(table: Any) -> list[str]:
+    """One line per policy of the Table-1-shaped summary."""
     lines = []
-    for r in t.to_dict("records"):
+    for r in table.to_dict("records"):
         name = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
         accs = "".join(f", {k[:-4]} acc {v:.2f} (x{r[k[:-4] + ' retention']:.2f})"
                        for k, v in r.items() if k.endswith(" acc"))
         lines.append(f"{name}: ppl {r['ppl']:.1f} (x{r['ppl ratio']:.2f}), top-K overlap {r['top-K overlap']:.2f}, "
                      f"top-1 agree {r['top-1 agree']:.2f}{accs}")
     return lines
+
+
+def demo(parent: Any, quiet: bool) -> list[str]:
+    """The sweep on the embedded ``tiny`` model: 5 nodes, 2048 tokens, the shipped offline tasks (20 items each)."""
+    from ..data import load_tokens
+    from ..loading import load
+    from ..report.writers import write
+    from .lmeval import shipped_tasks
+
+    lm = load("tiny")
+    tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
+    shipped = tuple(shipped_tasks())
+    res = norm_select(lm, tokens, NormSelectOptions(tasks=shipped or None, limit=20, batch_size=16), quiet=quiet)
+    write(res, parent.sub("norm-select"), model=lm, options=dict(model="tiny", seq_len=256, max_tokens=2048))
+    return summary_lines(res.summary)

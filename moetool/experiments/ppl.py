@@ -1,50 +1,55 @@
 """Perplexity under a routing policy (SPEC §Routing policies): ``moetool ppl`` and the ``norm-select`` sweep.
 
-The policy runs through an :class:`~moetool.engine.hooks.Engine` around plain forwards of the
-packed ``--data`` rows; NLL sums and token counts are reduced on the device
-(:func:`moetool.engine.runner.run_batches`). Padding never counts. With ``policy=None`` the
-model runs unhooked (the reference a ``router`` run must reproduce exactly).
+The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
+(:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
+With no policy the model runs unhooked (the reference a ``router`` run must reproduce exactly).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..engine.hooks import Consumer, Engine
-from ..engine.runner import NLL, run_batches
-from ..errors import MoetoolError
+from ..engine.hooks import Consumer, select_layers
+from ..engine.runner import ForwardResult, forward
+from .result import Result, resolve_options
 
 #: ppl.csv columns, one row per run
 PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "tokens", "nll_mean", "perplexity", "seconds")
 
-
-@dataclass
-class PplResult:
-    nll: NLL
-    seconds: float  # wall time of the forward passes (hooks, policy and NLL reduction included)
-
-    @property
-    def perplexity(self) -> float:
-        return self.nll.ppl
-
-
-def build_policy(routing: str, weights: str = "softmax", seed: int = 0, **options: Any) -> Any:
-    """``--routing`` + ``--weights`` (checked even when the policy ignores it) -> a policy object."""
-    from ..policies import make_policy
-    from ..policies.norm import WEIGHTS
-
-    if weights not in WEIGHTS:
-        raise MoetoolError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
-    return make_policy(routing, weights=weights, seed=seed, **options)
+PPL_DEFINITIONS = {
+    "tokens": "scored next-token predictions: pairs of consecutive real (unpadded) tokens within a packed row",
+    "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
+                "float64 sums)",
+    "perplexity": "exp(nll_mean)",
+    "seconds": "wall time of the forward passes with the routing hooks installed",
+    "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer)",
+}
 
 
-def describe_policy(policy: Any) -> Any:
-    """The policy's own description for the manifest (its name, and its options when it has them)."""
-    return {"name": policy.name, **policy.describe()} if hasattr(policy, "describe") else {"name": policy.name,
-            **({"weights": policy.weights} if hasattr(policy, "weights") else {})}
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
+
+    routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
+    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
+    sim: str = "dot"  # similarity policy: dot | cosine
+    causal: bool = True  # similarity policy: only tokens j <= i
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    seed: int = 0
+
+    def policy(self) -> Any:
+        from ..policies import build_policy
+
+        return build_policy(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
+
+
+@dataclass(frozen=True)
+class PplOptions(RoutingOptions):
+    """Options of :func:`ppl`."""
+
+    batch_size: int = 8
 
 
 def data_name(path: str | Path | None) -> str:
@@ -54,27 +59,13 @@ def data_name(path: str | Path | None) -> str:
 
 def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
                consumers: Iterable[Consumer] = (), batch_size: int = 8, quiet: bool = False,
-               description: str = "perplexity") -> PplResult:
-    """Perplexity of ``lm`` on packed ``tokens`` with ``policy`` applied in ``policy_layers``.
-
-    ``policy=None`` and no consumers: no hook is installed at all (the unhooked reference).
-    """
-    import torch
-
-    consumers = list(consumers)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        if policy is None and not consumers:
-            nll = run_batches(lm.model, tokens.batches(batch_size), total=tokens.n_batches(batch_size), nll=True,
-                              description=description, quiet=quiet)
-        else:
-            with Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers, consumers=consumers):
-                nll = run_batches(lm.model, tokens.batches(batch_size), total=tokens.n_batches(batch_size),
-                                  nll=True, description=description, quiet=quiet)
-    return PplResult(nll, time.perf_counter() - t0)
+               description: str = "perplexity") -> ForwardResult:
+    """Perplexity of ``lm`` on packed ``tokens`` with ``policy`` applied in ``policy_layers`` (one forward loop)."""
+    return forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
+                   nll=True, quiet=quiet, description=description)
 
 
-def ppl_frame(result: PplResult, *, model: str, data: str, routing: str, weights: str, layers: Any) -> Any:
+def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any) -> Any:
     """One-row DataFrame with :data:`PPL_COLUMNS`."""
     import pandas as pd
 
@@ -85,11 +76,18 @@ def ppl_frame(result: PplResult, *, model: str, data: str, routing: str, weights
         "seconds": round(result.seconds, 3)}], columns=list(PPL_COLUMNS))
 
 
-PPL_DEFINITIONS = {
-    "tokens": "scored next-token predictions: pairs of consecutive real (unpadded) tokens within a packed row",
-    "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
-                "float64 sums)",
-    "perplexity": "exp(nll_mean)",
-    "seconds": "wall time of the forward passes with the routing hooks installed",
-    "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer)",
-}
+def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
+    """Perplexity of ``lm`` on ``tokens`` with the ``routing`` policy in ``layers``.
+
+    Table ``ppl`` (one row): model, data, routing, weights, layers, tokens, nll_mean, perplexity, seconds
+    (see :data:`PPL_DEFINITIONS`).
+    """
+    opts = resolve_options(PplOptions, options, overrides)
+    policy = opts.policy()
+    layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
+    res = perplexity(lm, tokens, policy=policy, policy_layers=layers, batch_size=opts.batch_size, quiet=quiet)
+    df = ppl_frame(res, model=lm.name, data=data_name(tokens.source), routing=policy.name,
+                   weights=policy.weights or "-", layers=layers)
+    return Result("ppl", {"ppl.csv": df}, opts,
+                  meta=dict(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=policy.describe()),
+                  summary=df[["weights", "layers", "tokens", "nll_mean", "perplexity", "seconds"]])

@@ -1,6 +1,7 @@
 """``stats``: how the model's own router uses its experts, per MoE layer, on ``--data``.
 
-A :class:`RoutingStats` consumer rides on an :class:`~moetool.engine.Engine` (no policy) and
+:func:`stats` is the experiment (options :class:`StatsOptions`, returns a :class:`~.result.Result`).
+A :class:`RoutingStats` consumer rides on :func:`moetool.engine.forward` (no policy) and
 reduces every :class:`~moetool.engine.RoutingEvent` on the layer's device into small per-layer
 aggregates; padding never counts. At the end :meth:`RoutingStats.tables` turns them into the
 tables below (one home for each definition: :data:`DEFINITIONS`, also written to the manifest).
@@ -22,9 +23,10 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..engine.hooks import Engine, RoutingEvent
-from ..engine.runner import run_batches
+from ..engine.hooks import RoutingEvent
+from ..engine.runner import forward
 from ..errors import MoetoolError
+from .result import Result, resolve_options
 
 #: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table)
 MERGE_MIN = 1 << 20
@@ -278,105 +280,52 @@ def _with_tokens(df: Any, decode) -> Any:
     return df
 
 
-# ----- figures -------------------------------------------------------------------------------
-def plot_load(load: Any) -> Any:
-    """Heatmap layer x expert of load / uniform, diverging colormap centred at 1."""
-    from matplotlib.colors import TwoSlopeNorm
 
-    from ..report.figures import heatmap, new_figure
+# ----- the experiment ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StatsOptions:
+    """Options of :func:`stats` (the manifest's options)."""
 
-    n = int(load["expert"].max()) + 1
-    mat = load.pivot(index="layer", columns="expert", values="load_fraction") * n  # [layers, n]
-    fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
-    im = heatmap(ax, mat.to_numpy(), title="expert load / uniform (1/n)", xlabel="expert", ylabel="layer",
-                 cmap="RdBu_r")
-    lo, hi = float(mat.min().min()), float(mat.max().max())
-    im.set_norm(TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01)))
-    ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
-    return fig
+    top_tokens: int = 10  # token ids listed per expert in top_tokens.csv (0: skip the top-token tables)
+    min_count: int = 5  # minimum (token, expert) count for top_tokens_lift.csv
+    batch_size: int = 8  # rows per forward
 
-
-def plot_coactivation(co: Any, layers: Any) -> Any:
-    """One ``P(b | a)`` panel per layer (diagonal blank)."""
-    import numpy as np
-
-    from ..report.figures import grid_shape, heatmap, new_figure
-
-    rows, cols = grid_shape(len(layers))
-    fig, axes = new_figure(rows, cols, width=3.4, height=3.0)
-    top = float(np.nan_to_num(co["p_b_given_a"].max(), nan=1.0)) or 1.0  # one colour scale for every layer
-    for ax, info in zip(axes, layers.itertuples()):
-        n = info.n_experts
-        g = co[co["layer"] == info.layer]
-        mat = np.full((n, n), np.nan)  # [n, n] row a, column b; diagonal blank
-        mat[g["a"], g["b"]] = g["p_b_given_a"]
-        heatmap(ax, mat, title=f"layer {info.layer}", xlabel="b", ylabel="a").set_clim(0, top)
-    for ax in axes[len(layers):]:
-        ax.set_visible(False)
-    k, n = int(layers["top_k"].iloc[0]), int(layers["n_experts"].iloc[0])
-    fig.suptitle(f"P(b | a); independent uniform routing: (K-1)/(n-1) = {(k - 1) / max(n - 1, 1):.3g}")
-    fig.tight_layout()
-    return fig
+    def __post_init__(self) -> None:
+        if self.top_tokens < 0:
+            raise MoetoolError(f"--top-tokens must be >= 0, got {self.top_tokens}")
+        if self.min_count < 1:
+            raise MoetoolError(f"--min-count must be >= 1, got {self.min_count}")
+        if self.batch_size < 1:
+            raise MoetoolError(f"--batch-size must be >= 1, got {self.batch_size}")
 
 
-def plot_domain_load(dom: Any) -> Any:
-    """Per layer: load fraction of each expert, one bar per domain; the uniform line 1/n."""
-    import numpy as np
-
-    from ..report.figures import grid_shape, new_figure
-
-    layer_ids = sorted(dom["layer"].unique())
-    domains = list(dict.fromkeys(dom["domain"]))
-    n = int(dom["expert"].max()) + 1
-    rows, cols = grid_shape(len(layer_ids), max_cols=2)
-    fig, axes = new_figure(rows, cols, width=max(4.2, 0.12 * n * len(domains) + 2), height=2.8)
-    width = 0.8 / len(domains)
-    for ax, li in zip(axes, layer_ids):
-        g = dom[dom["layer"] == li]
-        for j, name in enumerate(domains):
-            d = g[g["domain"] == name]
-            ax.bar(d["expert"] + (j - (len(domains) - 1) / 2) * width, d["load_fraction"], width=width, label=name)
-        ax.axhline(1 / n, color="k", linewidth=0.8, linestyle="--")
-        ax.set_title(f"layer {li}")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("load fraction")
-        ax.set_xticks(np.arange(n))
-        ax.tick_params(axis="x", labelsize=6)
-    for ax in axes[len(layer_ids):]:
-        ax.set_visible(False)
-    axes[0].legend(fontsize=7, frameon=False)
-    fig.tight_layout()
-    return fig
-
-
-# ----- running ---------------------------------------------------------------------------------
 def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
             merge_min: int = MERGE_MIN) -> RoutingStats:
     """Forward ``tokens`` through ``lm`` with a :class:`RoutingStats` consumer attached."""
     stats = RoutingStats(lm.layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min)
-    with torch.no_grad(), Engine(lm.model, lm.layers, consumers=[stats]):
-        run_batches(lm.model, (stats.begin_batch(b) for b in tokens.batches(batch_size)),
-                    total=tokens.n_batches(batch_size), description="stats", quiet=quiet)
+    forward(lm, tokens, consumers=[stats], batch_size=batch_size, before_batch=stats.begin_batch,
+            description="stats", quiet=quiet)
     return stats
 
 
-def run_stats(lm: Any, tokens: Any, run: Any, *, top_n: int = 10, min_count: int = 5, batch_size: int = 8,
-              quiet: bool = False) -> dict[str, Any]:
-    """Collect, write the CSVs and figures into ``run``, add the manifest sections; returns the tables."""
+def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: bool = False,
+          **overrides: Any) -> Result:
+    """How the model's own router uses its experts, per MoE layer, on ``tokens``.
+
+    Tables (see :data:`DEFINITIONS`): ``load`` (layer, expert, load_fraction, token_fraction, tokens), ``layers``
+    (layer, n_experts, top_k, tokens, load_entropy[_norm], confidence_entropy[_norm], max_load_ratio),
+    ``coactivation`` (layer, a, b, p_b_given_a, count), ``domain_load`` (when rows carry domains), ``top_tokens``
+    and ``top_tokens_lift`` (unless ``top_tokens=0``). Padding never counts.
+    """
+    opts = resolve_options(StatsOptions, options, overrides)
     if tokens.n_tokens == 0:
         raise MoetoolError("no real tokens in the data")
-    stats = collect(lm, tokens, top_tokens=top_n > 0, batch_size=batch_size, quiet=quiet)
-    frames = stats.tables(lm.tokenizer, top_n=top_n, min_count=min_count)
-    for name, df in frames.items():
-        if len(df):
-            run.write_csv(name, df)
-    run.save_figure(plot_load(frames["load.csv"]), "load_heatmap")
-    run.save_figure(plot_coactivation(frames["coactivation.csv"], frames["layers.csv"]), "coactivation")
-    if "domain_load.csv" in frames:
-        run.save_figure(plot_domain_load(frames["domain_load.csv"]), "domain_load")
-    run.add(data=tokens.describe(), definitions=DEFINITIONS, top_n=top_n, min_count=min_count,
-            routing="router (the model's own top-K)")
-    return frames
+    acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0, batch_size=opts.batch_size, quiet=quiet)
+    frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count)
+    tables = {name: df for name, df in frames.items() if len(df)}
+    return Result("stats", tables, opts, meta=dict(data=tokens.describe(), definitions=DEFINITIONS,
+                                                   routing="router (the model's own top-K)"),
+                  summary=summary_table(tables["layers.csv"]))
 
 
 def summary_table(layers: Any) -> Any:
@@ -397,17 +346,18 @@ def summary_lines(name: str, layers: Any) -> list[str]:
 
 
 def demo(parent: Any, quiet: bool) -> list[str]:
-    """``stats`` on the embedded ``tiny`` and ``tiny-fine`` (8192 tokens each) into ``parent/stats-<model>``."""
+    """``stats`` on the embedded demo models (8192 tokens each) into ``parent/stats-<model>``."""
     from ..data import load_tokens
+    from ..embedded import DEMO_MODELS
     from ..loading import load
+    from ..report.writers import write
 
     lines = []
-    for name in ("tiny", "tiny-fine"):
+    for name in DEMO_MODELS:
         lm = load(name)
         tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=8192)
-        child = parent.sub(f"stats-{name}")
-        frames = run_stats(lm, tokens, child, top_n=10, quiet=quiet)
-        child.finish(options=dict(model=name, data=None, seq_len=256, max_tokens=8192, batch_size=8, top_tokens=10,
-                                  min_count=5), model=lm)
-        lines += summary_lines(name, frames["layers.csv"])
+        res = stats(lm, tokens, quiet=quiet)
+        write(res, parent.sub(f"stats-{name}"), model=lm,
+              options=dict(model=name, data=None, seq_len=256, max_tokens=8192))
+        lines += summary_lines(name, res["layers"])
     return lines

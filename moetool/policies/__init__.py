@@ -1,7 +1,9 @@
 """Routing policies, by name: ``router``, ``norm:<node>[:<norm>]``, ``random``, ... (SPEC §Routing policies).
 
-``make_policy("norm:gate:l2", weights="softmax")`` parses a policy string; options a
-policy does not use are ignored, so one set of CLI flags serves every policy.
+"Routing" means one thing everywhere: a policy spec string. ``router`` is the model's own routing (through the
+override path). ``build_policy("norm:gate:l2", weights="softmax")`` parses a spec; options a policy does not
+use are ignored, so one set of CLI flags serves every policy. Every policy derives from
+:class:`moetool.policies.base.Policy`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def make_policy(spec: str, **options: Any):
         return cls.from_spec(args, **options)
     except (ValueError, TypeError) as e:
         raise MoetoolError(f"bad routing policy '{spec}': {e}") from None
+
+
+def build_policy(routing: str, weights: str = "softmax", seed: int = 0, **options: Any):
+    """``--routing`` + ``--weights`` (checked even when the policy ignores it) + options -> a policy object."""
+    from .norm import WEIGHTS
+
+    if weights not in WEIGHTS:
+        raise MoetoolError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
+    return make_policy(routing, weights=weights, seed=seed, **options)
 
 
 def policy_names() -> list[str]:

@@ -6,7 +6,7 @@ The attention probabilities ``A [B, heads, S, S]`` of the same decoder layer's s
 ``h*`` with the lowest mean attention-row entropy over the batch's real tokens (padding query rows
 excluded) is chosen once per batch and layer; ``s_i = Σ_j A_{h*}[i, j] π(h_j)`` over the real
 tokens ``j``, TopK of ``s_i``, weights renormalised over the chosen K. The normalised ``s`` is left
-in ``ev.extra["scores"]`` and the chosen head in ``ev.extra["head"]``.
+in ``ev.scores`` and the chosen head in ``ev.extra["head"]``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
-from .basic import NoArgsPolicy
+from .base import Policy
 from .similarity import choose, propagate
 
 
@@ -36,14 +36,14 @@ def lowest_entropy_head(A: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.argmin(mean)
 
 
-class AttentionPolicy(NoArgsPolicy):
+class AttentionPolicy(Policy):
     """``attention``: no arguments; needs the layer's attention probabilities."""
 
     name = "attention"
     needs_attention = True
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}
+        return {**super().describe(), "policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}
 
     def scores(self, ev: RoutingEvent) -> torch.Tensor:
         """The normalised Attention-Aware scores ``s [T, n]``."""
@@ -61,5 +61,5 @@ class AttentionPolicy(NoArgsPolicy):
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
-        ev.extra["scores"] = s
+        ev.scores = s
         return choose(s, ev.layer.top_k, ev.layer.weight_scale)

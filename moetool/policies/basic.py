@@ -8,22 +8,10 @@ import torch
 
 from .. import ops
 from ..engine.hooks import RoutingEvent
+from .base import Policy
 
 
-class NoArgsPolicy:
-    """Base of policies that take no ``:arg`` in their spec string."""
-
-    name = ""
-    needs_attention = False
-
-    @classmethod
-    def from_spec(cls, args: list[str], **_: Any):
-        if args:
-            raise ValueError(f"'{cls.name}' takes no arguments")
-        return cls()
-
-
-class RouterPolicy(NoArgsPolicy):
+class RouterPolicy(Policy):
     """``router``: unchanged. Returns the model's own choice through the override path."""
 
     name = "router"
@@ -32,12 +20,11 @@ class RouterPolicy(NoArgsPolicy):
         return ev.idx, ev.weights
 
 
-class RandomPolicy:
+class RandomPolicy(Policy):
     """``random``: K experts uniformly at random per token (seeded), uniform weights 1/K
     (times the layer's ``weight_scale``, 1 except DeepSeek's routed scaling factor)."""
 
     name = "random"
-    needs_attention = False
 
     def __init__(self, seed: int = 0):
         self.seed = seed

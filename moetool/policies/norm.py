@@ -17,12 +17,13 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..engine.probes import NODES, node_scores
+from .base import Policy
 
 WEIGHTS = ("softmax", "router", "uniform")
 
 
-class NormPolicy:
-    needs_attention = False
+class NormPolicy(Policy):
+    """``norm:<node>[:<norm>]`` with ``weights`` softmax | router | uniform."""
 
     def __init__(self, node: str = "gate", norm: str = "l2", weights: str = "softmax"):
         if node not in NODES:

@@ -8,7 +8,7 @@ largest ``s_i`` run, with weights ``s_i`` renormalised over the chosen K. ``sim=
 
 Padding tokens get zero weight as ``j``; a row with no admissible ``j`` (a left-padding query)
 keeps its own π, so nothing is NaN. The normalised score ``s`` of every token is left in
-``ev.extra["scores"]`` (``fluctuation`` reads its entropy).
+``ev.scores`` (``fluctuation`` reads its entropy).
 
 The two helpers :func:`propagate` and :func:`choose` are shared with ``attention`` routing.
 """
@@ -22,6 +22,7 @@ import torch
 
 from .. import ops
 from ..engine.hooks import RoutingEvent
+from .base import Policy
 
 SIMS = ("dot", "cosine")
 
@@ -63,10 +64,10 @@ def similarity_matrix(h: torch.Tensor, valid: torch.Tensor, shape: tuple[int, in
     return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-class SimilarityPolicy:
+class SimilarityPolicy(Policy):
     """``similarity[:tau]``, options ``sim`` (dot|cosine), ``causal`` (default True), ``tau``."""
 
-    needs_attention = False
+    name = "similarity"
 
     def __init__(self, tau: float | None = None, sim: str = "dot", causal: bool = True):
         if sim not in SIMS:
@@ -74,7 +75,6 @@ class SimilarityPolicy:
         if tau is not None and not tau > 0:
             raise ValueError(f"tau must be > 0, not {tau}")
         self.tau, self.sim, self.causal = tau, sim, bool(causal)
-        self.name = "similarity"
 
     @classmethod
     def from_spec(cls, args: list[str], tau: float | None = None, sim: str | None = None,
@@ -86,7 +86,7 @@ class SimilarityPolicy:
         return cls(tau, sim or "dot", True if causal is None else causal)
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": "similarity", "tau": self.tau if self.tau is not None else "sqrt(d)", "sim": self.sim,
+        return {**super().describe(), "policy": "similarity", "tau": self.tau if self.tau is not None else "sqrt(d)", "sim": self.sim,
                 "causal": self.causal}
 
     def scores(self, ev: RoutingEvent) -> torch.Tensor:
@@ -97,5 +97,5 @@ class SimilarityPolicy:
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
-        ev.extra["scores"] = s
+        ev.scores = s
         return choose(s, ev.layer.top_k, ev.layer.weight_scale)

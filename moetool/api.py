@@ -1,0 +1,131 @@
+"""The Python API: the experiments as functions of a loaded model and tokens, returning named DataFrames.
+
+    import moetool
+    lm = moetool.load("tiny")                                   # embedded name, alias, local dir or hub id
+    tokens = moetool.tokens(lm, "text.jsonl", seq_len=256, max_tokens=8192)   # None: the shipped held-out text
+    res = moetool.stats(lm, tokens)                             # a Result: res["load"], res.summary, res.definitions
+    moetool.write(res, "runs/stats")                            # the CLI's CSVs, figures and manifest
+
+Every experiment takes its options dataclass (``moetool.StatsOptions(...)``) or the same options as keywords, and
+returns a :class:`~moetool.experiments.result.Result` holding DataFrames with exactly the CLI's CSV columns (the
+command is a thin wrapper over the same function). ``moetool.hook`` is the hook engine itself, for custom probes.
+Nothing here imports torch until a function is called.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
+         attn_implementation: str | None = None, tokenizer: bool = True) -> Any:
+    """Load a MoE causal LM (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
+    ``lm.tokenizer``). ``attn_implementation="eager"`` is needed for ``routing="attention"``."""
+    from .loading import load as _load
+
+    return _load(name, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn_implementation,
+                 tokenizer=tokenizer)
+
+
+def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_tokens: int = 32768,
+           add_special_tokens: bool | None = False) -> Any:
+    """Pack ``data`` (text file, JSONL with ``text`` and optional ``domain``, or a folder; ``None`` = the shipped
+    held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``)."""
+    from .data import load_tokens
+
+    if lm.tokenizer is None:
+        from .errors import MoetoolError
+
+        raise MoetoolError("this model was loaded without a tokenizer (load(..., tokenizer=True))")
+    return load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
+
+
+def stats(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """Routing statistics of the model's own router: tables load, layers, coactivation, domain_load, top_tokens,
+    top_tokens_lift. Options: :class:`moetool.StatsOptions` (top_tokens, min_count, batch_size)."""
+    from .experiments.stats import stats as run
+
+    return run(lm, tokens, options, quiet=quiet, **overrides)
+
+
+def ppl(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """Perplexity under a routing policy: table ppl. Options: :class:`moetool.PplOptions` (routing, weights, sim,
+    causal, layers, seed, batch_size); ``routing="router"`` reproduces the unhooked model."""
+    from .experiments.ppl import ppl as run
+
+    return run(lm, tokens, options, quiet=quiet, **overrides)
+
+
+def norm_select(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """The Autonomy-of-Experts pilot: tables agreement and quality, ``summary`` = Table 1. Options:
+    :class:`moetool.NormSelectOptions` (nodes, norms, weights, layers, tasks, num_fewshot, limit, ...)."""
+    from .experiments.norm_select import norm_select as run
+
+    return run(lm, tokens, options, quiet=quiet, **overrides)
+
+
+def evaluate(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """lm-evaluation-harness accuracy under a routing policy: table eval. Options: :class:`moetool.EvalOptions`
+    (tasks, num_fewshot, limit, include_path, routing, weights, layers, ...)."""
+    from .experiments.lmeval import eval_tasks
+
+    return eval_tasks(lm, options, quiet=quiet, **overrides)
+
+
+def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, consumers: Iterable[Any] = (),
+         attention: bool = False, **policy_options: Any) -> Any:
+    """The hook engine as a context manager: every forward of ``lm.model`` inside the block hands a
+    :class:`~moetool.engine.RoutingEvent` (``h``, ``logits``, ``idx``, ``weights``, ``valid``, ``probs``, ``chosen_idx``,
+    ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object) replaces routing in ``layers``.
+
+        with moetool.hook(lm, consumers=[events.append]):
+            lm.model(input_ids=ids)
+    """
+    from .engine.hooks import Engine, select_layers
+
+    if isinstance(policy, str):
+        from .policies import build_policy
+
+        policy = build_policy(policy, **policy_options)
+    if layers is not None:
+        layers = [L.index for L in select_layers(lm.layers, layers)]
+    return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
+
+
+def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
+    """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
+    from .engine.runner import forward as run
+
+    return run(lm, tokens, **kwargs)
+
+
+def write(result: Any, out: str | Path, *, force: bool = False, model: Any = None) -> Path:
+    """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``."""
+    from .report import RunDir
+    from .report.writers import write as _write
+
+    run = RunDir.create(result.name.replace("_", "-"), out, force)
+    _write(result, run, model=model)
+    return run.path
+
+
+def figures(result: Any) -> dict[str, Any]:
+    """The experiment's figures as ``{name: matplotlib Figure}`` (the ones ``write`` saves)."""
+    from .report.plots import figures as _figures
+
+    return _figures(result)
+
+
+#: public name -> "module:attribute" (resolved lazily by ``moetool.__getattr__``)
+EXPORTS = {
+    **{name: f"moetool.api:{name}" for name in ("load", "tokens", "stats", "ppl", "norm_select", "evaluate", "hook",
+                                                 "forward", "write", "figures")},
+    "Result": "moetool.experiments.result:Result",
+    "StatsOptions": "moetool.experiments.stats:StatsOptions",
+    "PplOptions": "moetool.experiments.ppl:PplOptions",
+    "NormSelectOptions": "moetool.experiments.norm_select:NormSelectOptions",
+    "EvalOptions": "moetool.experiments.lmeval:EvalOptions",
+    "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
+    "MoetoolError": "moetool.errors:MoetoolError",
+}

@@ -1,0 +1,38 @@
+"""The policy contract: every routing policy derives from :class:`Policy`.
+
+A policy replaces the top-K choice of a MoE layer: ``select(event) -> (idx [T, K], w [T, K])``, best expert
+first. ``from_spec(args, **options)`` builds it from the ``:``-separated arguments of its spec string
+(``norm:gate:l2`` -> ``["gate", "l2"]``) and the shared keyword options (weights, seed, tau, sim, causal...):
+options a policy does not use are ignored, so one set of CLI flags serves every policy. ``describe()`` is what
+the manifest records. A policy that computes scores of every expert leaves them in ``ev.scores``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engine.hooks import RoutingEvent
+
+
+class Policy:
+    """Base class: ``name``, ``needs_attention``, ``weights`` (``None`` if the policy has no weight option)."""
+
+    name: str = ""
+    needs_attention: bool = False
+    weights: str | None = None
+
+    @classmethod
+    def from_spec(cls, args: list[str], **options: Any) -> "Policy":
+        """Default: a policy that takes no ``:arg`` in its spec."""
+        if args:
+            raise ValueError(f"'{cls.name}' takes no arguments")
+        return cls()
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's record of the policy: its name and the options it uses."""
+        return {"name": self.name, **({"weights": self.weights} if self.weights is not None else {})}
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError

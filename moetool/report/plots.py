@@ -1,0 +1,149 @@
+"""Per-experiment figures: ``figures(result) -> {name: matplotlib Figure}`` (saved by :mod:`moetool.report.writers`).
+
+Built on the house-style primitives of :mod:`moetool.report.figures`. One section per experiment; the functions
+take the experiment's tables, so a notebook can draw them from a :class:`~moetool.experiments.result.Result`
+(``moetool.plots.figures(result)``) without writing anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+# ----- stats ----------------------------------------------------------------------------------
+def plot_load(load: Any) -> Any:
+    """Heatmap layer x expert of load / uniform, diverging colormap centred at 1."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    from .figures import heatmap, new_figure
+
+    n = int(load["expert"].max()) + 1
+    mat = load.pivot(index="layer", columns="expert", values="load_fraction") * n  # [layers, n]
+    fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
+    im = heatmap(ax, mat.to_numpy(), title="expert load / uniform (1/n)", xlabel="expert", ylabel="layer",
+                 cmap="RdBu_r")
+    lo, hi = float(mat.min().min()), float(mat.max().max())
+    im.set_norm(TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01)))
+    ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
+    return fig
+
+
+def plot_coactivation(co: Any, layers: Any) -> Any:
+    """One ``P(b | a)`` panel per layer (diagonal blank)."""
+    import numpy as np
+
+    from .figures import grid_shape, heatmap, new_figure
+
+    rows, cols = grid_shape(len(layers))
+    fig, axes = new_figure(rows, cols, width=3.4, height=3.0)
+    top = float(np.nan_to_num(co["p_b_given_a"].max(), nan=1.0)) or 1.0  # one colour scale for every layer
+    for ax, info in zip(axes, layers.itertuples()):
+        n = info.n_experts
+        g = co[co["layer"] == info.layer]
+        mat = np.full((n, n), np.nan)  # [n, n] row a, column b; diagonal blank
+        mat[g["a"], g["b"]] = g["p_b_given_a"]
+        heatmap(ax, mat, title=f"layer {info.layer}", xlabel="b", ylabel="a").set_clim(0, top)
+    for ax in axes[len(layers):]:
+        ax.set_visible(False)
+    k, n = int(layers["top_k"].iloc[0]), int(layers["n_experts"].iloc[0])
+    fig.suptitle(f"P(b | a); independent uniform routing: (K-1)/(n-1) = {(k - 1) / max(n - 1, 1):.3g}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_domain_load(dom: Any) -> Any:
+    """Per layer: load fraction of each expert, one bar per domain; the uniform line 1/n."""
+    import numpy as np
+
+    from .figures import grid_shape, new_figure
+
+    layer_ids = sorted(dom["layer"].unique())
+    domains = list(dict.fromkeys(dom["domain"]))
+    n = int(dom["expert"].max()) + 1
+    rows, cols = grid_shape(len(layer_ids), max_cols=2)
+    fig, axes = new_figure(rows, cols, width=max(4.2, 0.12 * n * len(domains) + 2), height=2.8)
+    width = 0.8 / len(domains)
+    for ax, li in zip(axes, layer_ids):
+        g = dom[dom["layer"] == li]
+        for j, name in enumerate(domains):
+            d = g[g["domain"] == name]
+            ax.bar(d["expert"] + (j - (len(domains) - 1) / 2) * width, d["load_fraction"], width=width, label=name)
+        ax.axhline(1 / n, color="k", linewidth=0.8, linestyle="--")
+        ax.set_title(f"layer {li}")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("load fraction")
+        ax.set_xticks(np.arange(n))
+        ax.tick_params(axis="x", labelsize=6)
+    for ax in axes[len(layer_ids):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+
+
+def stats_figures(result: Any) -> dict[str, Any]:
+    out = {"load_heatmap": plot_load(result["load.csv"]),
+           "coactivation": plot_coactivation(result["coactivation.csv"], result["layers.csv"])}
+    if "domain_load.csv" in result.tables:
+        out["domain_load"] = plot_domain_load(result["domain_load.csv"])
+    return out
+
+
+# ----- norm-select ----------------------------------------------------------------------------
+def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None) -> dict[str, Any]:
+    """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``."""
+    import numpy as np
+
+    from ..experiments.norm_select import asked_rows
+    from .figures import line_by, new_figure
+
+    out = {}
+    acc = asked_rows(quality, metric, tasks)
+    fig, axes = new_figure(1, 2 if len(acc) else 1, width=max(4.2, 0.8 * quality.policy.nunique()))
+    ppl = quality[quality.metric == "perplexity"]
+    axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray")
+    axes[0].axhline(1.0, color="k", linewidth=0.8)
+    axes[0].set_xticks(range(len(ppl)), ppl.policy, rotation=35, ha="right")
+    axes[0].set_ylabel("perplexity / router perplexity")
+    axes[0].set_title("perplexity ratio (lower is better)")
+    if len(acc):
+        tasks = list(dict.fromkeys(acc.task))
+        pols = list(dict.fromkeys(acc.policy))
+        width = 0.8 / len(tasks)
+        for i, t in enumerate(tasks):
+            r = acc[acc.task == t].set_index("policy").reindex(pols)
+            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, label=t)
+        axes[1].axhline(1.0, color="k", linewidth=0.8)
+        axes[1].set_xticks(np.arange(len(pols)) + 0.4 - width / 2, pols, rotation=35, ha="right")
+        axes[1].set_ylabel(f"{metric} / router {metric}")
+        axes[1].set_title("accuracy retention")
+        axes[1].legend(fontsize=7, frameon=False)
+    out["retention"] = fig
+    fig, axes = new_figure(1, 2)
+    line_by(axes[0], agreement, "layer", "topk_overlap", "policy", title="top-K overlap with the router")
+    line_by(axes[1], agreement, "layer", "top1_agree", "policy", title="top-1 agreement with the router")
+    for ax in axes:
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xticks(sorted(agreement.layer.unique()))
+    out["agreement_by_layer"] = fig
+    return out
+
+
+def norm_select_figures(result: Any) -> dict[str, Any]:
+    tasks = result.meta.get("eval") or {}
+    return plot_norm_select(result["agreement.csv"], result["quality.csv"], tasks=tasks.get("tasks"))
+
+
+#: experiment name -> figure function
+FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "stats": stats_figures,
+    "norm_select": norm_select_figures,
+}
+
+
+def figures(result: Any) -> dict[str, Any]:
+    """Every figure of ``result`` (none for an experiment without figures)."""
+    fn = FIGURES.get(result.name)
+    return fn(result) if fn is not None else {}

@@ -1,0 +1,29 @@
+"""The one writer: a :class:`~moetool.experiments.result.Result` into a run folder.
+
+Every table -> CSV (``run.write_csv``), the experiment's figures (:mod:`moetool.report.plots`), the manifest:
+options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
+sections = ``result.meta``. Commands and ``moetool demo`` both call :func:`write`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] | None = None,
+          seed: int | None = None, finish: bool = True) -> Any:
+    """Write ``result`` into ``run`` (a :class:`~moetool.report.RunDir`); returns the manifest path (or ``None``
+    with ``finish=False``, when the caller adds more before finishing). ``seed`` defaults to the options' seed."""
+    from .plots import figures
+
+    for name, df in result.tables.items():
+        run.write_csv(name, df)
+    for name, fig in figures(result).items():
+        run.save_figure(fig, name)
+    run.add(**result.meta)
+    if not finish:
+        return None
+    opts = {**(options or {}), **result.manifest_options()}
+    if seed is None:
+        seed = getattr(result.options, "seed", None)
+    return run.finish(options=opts, model=model, seed=seed)
