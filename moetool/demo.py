@@ -10,7 +10,7 @@ import importlib
 import time
 from typing import Any, Callable
 
-from .embedded import DEMO_MODELS
+from .demo_models import DEMO_MODELS
 
 #: (step name, "module:function")
 STEPS: list[tuple[str, str]] = [

@@ -260,7 +260,7 @@ def summary_lines(name: str, approx: Any, per_layer: Any) -> list[str]:
 def demo(parent: Any, quiet: bool) -> list[str]:
     """The k-term view on every embedded base model (tiny, tiny-fine), 1024 held-out tokens."""
     from ..data import load_tokens
-    from ..embedded import DEMO_MODELS
+    from ..demo_models import DEMO_MODELS
     from ..loading import embedded_models, load
 
     child = parent.sub("approx")

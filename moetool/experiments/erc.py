@@ -259,7 +259,7 @@ def summary_lines(name: str, per_layer: Any, erc: Any) -> list[str]:
 
 def demo(parent: Any, quiet: bool) -> list[str]:
     """ERC of every embedded base model (tiny, tiny-fine), default settings with 4 noise draws."""
-    from ..embedded import DEMO_MODELS
+    from ..demo_models import DEMO_MODELS
     from ..loading import embedded_models, load
 
     child = parent.sub("erc")

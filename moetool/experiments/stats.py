@@ -348,7 +348,7 @@ def summary_lines(name: str, layers: Any) -> list[str]:
 def demo(parent: Any, quiet: bool) -> list[str]:
     """``stats`` on the embedded demo models (8192 tokens each) into ``parent/stats-<model>``."""
     from ..data import load_tokens
-    from ..embedded import DEMO_MODELS
+    from ..demo_models import DEMO_MODELS
     from ..loading import load
     from ..report.writers import write
 
