@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list)
+                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options)
 
 HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
 
@@ -44,30 +44,28 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
                 batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", seed: Seed = 0,
                 quiet: Quiet = False) -> None:
-    from moetool.data import load_tokens
-    from moetool.engine import select_layers
-    from moetool.experiments.mass_recall import MassRecallOptions, run_mass_recall, write_results
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
     opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),
                              shortlists=tuple(parse_list(shortlist, int, "shortlist size")),
                              centroids=tuple(parse_list(centroids, str, "centroids mode")),
-                             kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size)
+                             kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers))
+    DocumentStream(data)
     run = RunDir.create("mass-recall", out, force)
     lm = load(model, dtype=dtype, device=device)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
-    res = run_mass_recall(lm, tokens, opts, layers=select_layers(lm.layers, parse_layers(layers)), quiet=quiet)
-    write_results(run, res, opts, tokens)
-    run.finish(options=dict(model=model, data=str(data), codebook_size=list(opts.codebook_sizes),
-                            shortlist=list(opts.shortlists), centroids=list(opts.centroids),
-                            kmeans_iters=kmeans_iters, layers=layers, seq_len=seq_len, max_tokens=max_tokens,
-                            batch_size=batch_size, dtype=dtype, device=device), model=lm, seed=seed)
-    for note in res.notes:
+    res = compute(lm, tokens, opts, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                  dtype=dtype, device=device))
+    for note in res.meta["notes"]:
         typer.secho(f"note: {note}", err=True)
     if not quiet:
-        print_table(res.table.drop(columns=["tokens"]), f"mass recall: {model} ({tokens.n_tokens:,} tokens)")
+        print_table(res.summary, f"mass recall: {model} ({tokens.n_tokens:,} tokens)")
     echo_run(run.path)
 
 

@@ -38,6 +38,7 @@ from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from .kmeans import SphericalKMeans
+from .result import Result, resolve_options
 
 MODES = ("raw", "unit")
 BOUND_TOL = 1e-9
@@ -57,6 +58,7 @@ class MassRecallOptions:
     kmeans_iters: int = 1  # extra k-means passes over the data after the first
     seed: int = 0
     batch_size: int = 8
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
 
     def __post_init__(self) -> None:
         bad = [c for c in self.centroids if c not in MODES]
@@ -253,28 +255,22 @@ DEFINITIONS = {
 }
 
 
-def figures(run: Any, df: Any) -> None:
-    """Mass recall vs shortlist size per layer; mass recall vs router FLOPs fraction per layer."""
-    from ..report.figures import grid_shape, line_by, new_figure
+def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, *, quiet: bool = False,
+                **overrides: Any) -> Result:
+    """Mass recall of an IVF router per MoE layer, codebook size G, shortlist size M and centroid mode.
 
-    df = df.assign(codebook=[f"G={g} {c}" for g, c in zip(df["codebook_size"], df["centroids"])])
-    layers = sorted(df["layer"].unique())
-    for name, x in (("mass_recall_vs_shortlist", "shortlist_size"),
-                    ("mass_recall_vs_router_flops", "router_flops_frac")):
-        fig, axes = new_figure(*grid_shape(len(layers)))
-        for ax, layer in zip(axes, layers):
-            line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}")
-            ax.set_ylim(0, 1.02)
-        for ax in axes[len(layers):]:
-            ax.set_visible(False)
-        run.save_figure(fig, name)
+    Table ``mass_recall`` with :data:`COLUMNS` (see :data:`DEFINITIONS`); shortlist sizes larger than n are
+    skipped and listed in ``meta["notes"]``.
+    """
+    from ..engine.hooks import select_layers
 
-
-def write_results(run: Any, res: MassRecallResult, opts: MassRecallOptions, tokens: Any) -> None:
-    run.write_csv("mass_recall.csv", res.table)
-    figures(run, res.table)
-    run.add(definitions=DEFINITIONS, notes=res.notes, kmeans_reinits=res.reinits, data=tokens.describe(),
-            kmeans={"gamma": 0.95, "dead_code_tau": 1.0, "extra_passes": opts.kmeans_iters, "seed": opts.seed})
+    opts = resolve_options(MassRecallOptions, options, overrides)
+    res = run_mass_recall(lm, tokens, opts, layers=select_layers(lm.layers, opts.layers), quiet=quiet)
+    return Result("mass_recall", {"mass_recall.csv": res.table}, opts,
+                  meta=dict(definitions=DEFINITIONS, notes=res.notes, kmeans_reinits=res.reinits,
+                            data=tokens.describe(), kmeans={"gamma": 0.95, "dead_code_tau": 1.0,
+                                                            "extra_passes": opts.kmeans_iters, "seed": opts.seed}),
+                  summary=res.table.drop(columns=["tokens"]))
 
 
 def summary_lines(name: str, df: Any) -> list[str]:
@@ -296,19 +292,18 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     from ..data import load_tokens
     from ..loading import embedded_models, load
 
+    from ..demo_models import DEMO_MODELS
+    from ..report.writers import write
+
     child = parent.sub("mass-recall")
     opts = MassRecallOptions(codebook_sizes=(8, 32), shortlists=(2, 4, 8, 16), kmeans_iters=1)
-    names = [m for m in ("tiny", "tiny-fine") if m in embedded_models()]
+    names = [m for m in DEMO_MODELS if m in embedded_models()]
     lines: list[str] = []
     for name in names:
         lm = load(name)
         tokens = load_tokens(None, lm.tokenizer, seq_len=128, max_tokens=4096)
-        run = child.sub(name)
-        res = run_mass_recall(lm, tokens, opts, quiet=quiet)
-        write_results(run, res, opts, tokens)
-        run.finish(options=dict(model=name, codebook_sizes=list(opts.codebook_sizes), shortlists=list(opts.shortlists),
-                                centroids=list(opts.centroids), kmeans_iters=opts.kmeans_iters, seq_len=128,
-                                max_tokens=4096), model=lm, seed=opts.seed)
-        lines += summary_lines(name, res.table)
+        res = mass_recall(lm, tokens, opts, quiet=quiet)
+        write(res, child.sub(name), model=lm, options=dict(model=name, seq_len=128, max_tokens=4096))
+        lines += summary_lines(name, res["mass_recall"])
     child.finish(options=dict(models=names), seed=opts.seed)
     return lines or ["mass-recall: no embedded model found"]

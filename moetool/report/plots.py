@@ -136,10 +136,31 @@ def norm_select_figures(result: Any) -> dict[str, Any]:
     return plot_norm_select(result["agreement.csv"], result["quality.csv"], tasks=tasks.get("tasks"))
 
 
+# ----- mass-recall ----------------------------------------------------------------------------
+def plot_mass_recall(df: Any) -> dict[str, Any]:
+    """Mass recall vs shortlist size per layer; mass recall vs router FLOPs fraction per layer."""
+    from .figures import grid_shape, line_by, new_figure
+
+    df = df.assign(codebook=[f"G={g} {c}" for g, c in zip(df["codebook_size"], df["centroids"])])
+    layers = sorted(df["layer"].unique())
+    out = {}
+    for name, x in (("mass_recall_vs_shortlist", "shortlist_size"),
+                    ("mass_recall_vs_router_flops", "router_flops_frac")):
+        fig, axes = new_figure(*grid_shape(len(layers)))
+        for ax, layer in zip(axes, layers):
+            line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}")
+            ax.set_ylim(0, 1.02)
+        for ax in axes[len(layers):]:
+            ax.set_visible(False)
+        out[name] = fig
+    return out
+
+
 #: experiment name -> figure function
 FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "stats": stats_figures,
     "norm_select": norm_select_figures,
+    "mass_recall": lambda result: plot_mass_recall(result["mass_recall.csv"]),
 }
 
 
