@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Model, Out, Quiet, Seed, echo_run,
-                      handle_errors, parse_layers, parse_list)
+from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
+                      handle_errors, parse_layers, parse_list, run_options)
 
 HELP = r"""Expert–router coupling (ERC, paper 002) from the weights only: no data, no tokenizer.
 
@@ -41,29 +39,25 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         samples: int = typer.Option(1, "--samples", min=1, help="Noise draws (seeded); erc_loss is their mean."),
         node: str = typer.Option("gate", "--node", help="Probe node whose norm fills M: gate|up|act|glu|output."),
         norm: str = typer.Option("l2", "--norm", help="Norm of the node: l2|l1|linf."),
-        layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layers to analyse, e.g. '0,2,5-7' "
-                                   "(default: every MoE layer)."),
+        layers: Layers = None,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
         quiet: Quiet = False) -> None:
-    from moetool.experiments.erc import ErcOptions, parse_noise, run_erc, summary_lines, write_erc
-    from moetool.engine import select_layers
+    from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
     opts = ErcOptions(alphas=tuple(parse_list(alpha, float, "alpha")), noise=parse_noise(noise), samples=samples,
-                      node=node, norm=norm, seed=seed)
-    wanted = parse_layers(layers)
+                      node=node, norm=norm, seed=seed, layers=parse_layers(layers))
     run = RunDir.create("erc", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
-    res = run_erc(select_layers(lm.layers, wanted), opts, quiet=quiet)
-    erc_df, per_layer, _ = write_erc(run, res)
-    run.finish(options=dict(model=model, alpha=list(opts.alphas), noise=opts.noise, samples=samples, node=node,
-                            norm=norm, layers=layers, dtype=dtype, device=device), model=lm, seed=seed)
+    res = compute(lm, opts, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))
     if not quiet:
-        print_table(per_layer, "ERC per layer")
-        print_table(erc_df, "ERC loss")
-        typer.echo(summary_lines(model, per_layer, erc_df)[0])
+        print_table(res["erc_layers"], "ERC per layer")
+        print_table(res["erc"], "ERC loss")
+        typer.echo(summary_lines(model, res["erc_layers"], res["erc"])[0])
     echo_run(run.path)
 
 

@@ -29,8 +29,9 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': 
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of every random choice.")]
-Layers = Annotated[Optional[str], typer.Option("--layers", help="Decoder layers to apply the policy to, e.g. "
-                                               "'0,2,5-7' (default: every MoE layer).")]
+Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the command acts on (decoder "
+                                               "indices): where the policy replaces routing, or the layers an "
+                                               "analysis covers; e.g. '0,2,5-7' (default: every MoE layer).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 
 # routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
@@ -54,18 +55,30 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moetool.report import rundir  # the current-run registry: unfinished runs get their manifest status
+
         if kwargs.get("quiet"):
             quiet_libraries()
+        since = len(rundir.active_runs())
         try:
-            return fn(*args, **kwargs)
+            with rundir.terminate_as_interrupt():  # SIGTERM (a job's time limit) is handled like Ctrl-C
+                return fn(*args, **kwargs)
         except MoetoolError as e:
+            rundir.mark_unfinished(since, "failed", rundir.one_line(e))
             if os.environ.get("MOETOOL_DEBUG"):
                 raise
             typer.secho(f"error: {e}", fg="red", err=True)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            typer.secho("interrupted", err=True)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:
+            runs = rundir.mark_unfinished(since, "interrupted", "SIGTERM" if isinstance(e, rundir.Terminated)
+                                          else "SIGINT")
+            where = f"; partial results in {runs[-1]._path} (status: interrupted)" if runs else ""
+            typer.secho(f"interrupted ({'SIGTERM' if isinstance(e, rundir.Terminated) else 'Ctrl-C'}){where}",
+                        err=True)
+            raise typer.Exit(143 if isinstance(e, rundir.Terminated) else 130) from None
+        except Exception as e:
+            rundir.mark_unfinished(since, "failed", rundir.one_line(e))
+            raise
 
     return wrapper
 

@@ -21,6 +21,7 @@ from ..adapters.base import MoELayer
 from ..engine import probes
 from ..errors import MoetoolError
 from ..progress import progress
+from .result import Result, resolve_options
 
 DEFAULT_ALPHAS = (0.4, 0.6, 0.8, 1.0)
 NOISE_MODES = ("derived", "none")
@@ -54,6 +55,7 @@ class ErcOptions:
     node: str = "gate"  # probe node whose norm fills M
     norm: str = "l2"  # l2 | l1 | linf
     seed: int = 0
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
 
     def __post_init__(self) -> None:
         if not self.alphas:
@@ -215,38 +217,24 @@ def run_erc(layers: Sequence[MoELayer], opts: ErcOptions, quiet: bool = False) -
     return res
 
 
-# ----- output ------------------------------------------------------------------------------------
-def figures(run: Any, res: ErcResult, erc: Any) -> None:
-    from ..report.figures import grid_shape, heatmap, line_by, new_figure
+def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
+    """Expert–router coupling of every (or ``layers``') MoE layer, from the weights only (no data).
 
-    rows, cols = grid_shape(len(res.layers))
-    fig, axes = new_figure(rows, cols, width=3.8, height=3.2)
-    for ax, r in zip(axes, res.layers):
-        heatmap(ax, r.M.numpy(), title=f"layer {r.layer}  α_min={r.alpha_min:.2f}", xlabel="expert j",
-                ylabel="proxy i")
-    for ax in axes[len(res.layers):]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.suptitle(f"ERC matrix M[i, j] = ||{res.opts.node}_j(R_i)||_{res.opts.norm[1:]} (clean)", y=1.03)
-    run.save_figure(fig, "erc_matrix")
+    Tables ``erc`` (layer, alpha, erc_loss, erc_loss_clean), ``erc_layers`` (layer, n_experts, alpha_min,
+    row_dominance, col_dominance, eps_mean, router_abs_cos_mean) and ``erc_matrix`` (layer, i, j, m = clean M);
+    see :data:`DEFINITIONS`.
+    """
+    from ..engine.hooks import select_layers
 
-    fig, (ax,) = new_figure()
-    line_by(ax, erc.assign(layer=erc["layer"].map(lambda v: f"layer {v}")), "alpha", "erc_loss", "layer",
-            title=f"ERC loss vs α (noise {res.opts.noise}, {res.opts.samples} draws)")
-    run.save_figure(fig, "erc_loss")
-
-
-def write_erc(run: Any, res: ErcResult) -> tuple[Any, Any, Any]:
-    """CSV tables, figures and the manifest's definitions. Returns the three DataFrames."""
-    erc, per_layer, matrix = res.tables()
-    run.write_csv("erc.csv", erc)
-    run.write_csv("erc_layers.csv", per_layer)
-    run.write_csv("erc_matrix.csv", matrix)
-    figures(run, res, erc)
+    opts = resolve_options(ErcOptions, options, overrides)
+    res = run_erc(select_layers(lm.layers, opts.layers), opts, quiet=quiet)
+    erc_df, per_layer, matrix = res.tables()
     o = res.opts
-    run.add(definitions=DEFINITIONS, erc={"alphas": list(o.alphas), "noise": o.noise, "samples": o.samples,
-                                          "node": o.node, "norm": o.norm, "layers": [r.layer for r in res.layers]})
-    return erc, per_layer, matrix
+    return Result("erc", {"erc.csv": erc_df, "erc_layers.csv": per_layer, "erc_matrix.csv": matrix}, opts,
+                  meta=dict(definitions=DEFINITIONS,
+                            erc={"alphas": list(o.alphas), "noise": o.noise, "samples": o.samples, "node": o.node,
+                                 "norm": o.norm, "layers": [r.layer for r in res.layers]}),
+                  summary=per_layer)
 
 
 def summary_lines(name: str, per_layer: Any, erc: Any) -> list[str]:
@@ -262,16 +250,16 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     from ..demo_models import DEMO_MODELS
     from ..loading import embedded_models, load
 
+    from ..report.writers import write
+
     child = parent.sub("erc")
     opts = ErcOptions(samples=4)
     lines: list[str] = []
     names = [m for m in DEMO_MODELS if m in embedded_models()]
     for name in names:
         lm = load(name, tokenizer=False)
-        run = child.sub(name)
-        erc, per_layer, _ = write_erc(run, run_erc(lm.layers, opts, quiet=quiet))
-        run.finish(options=dict(model=name, alphas=list(opts.alphas), noise=opts.noise, samples=opts.samples),
-                   model=lm, seed=opts.seed)
-        lines += summary_lines(name, per_layer, erc)
+        res = erc(lm, opts, quiet=quiet)
+        write(res, child.sub(name), model=lm, options=dict(model=name))
+        lines += summary_lines(name, res["erc_layers"], res["erc"])
     child.finish(options=dict(models=names, samples=opts.samples), seed=opts.seed)
     return lines or ["erc: no embedded model found"]

@@ -156,10 +156,41 @@ def plot_mass_recall(df: Any) -> dict[str, Any]:
     return out
 
 
+# ----- erc ------------------------------------------------------------------------------------
+def plot_erc(erc: Any, per_layer: Any, matrix: Any, node: str, norm: str, noise: Any, samples: int) -> dict[str, Any]:
+    """``erc_matrix`` (one heatmap of the clean M per layer) and ``erc_loss`` (L_ERC vs α, one line per layer)."""
+    from .figures import grid_shape, heatmap, line_by, new_figure
+
+    rows, cols = grid_shape(len(per_layer))
+    fig, axes = new_figure(rows, cols, width=3.8, height=3.2)
+    for ax, r in zip(axes, per_layer.itertuples()):
+        M = matrix[matrix["layer"] == r.layer].pivot(index="i", columns="j", values="m")  # [n, n]
+        heatmap(ax, M.to_numpy(), title=f"layer {r.layer}  α_min={r.alpha_min:.2f}", xlabel="expert j",
+                ylabel="proxy i")
+    for ax in axes[len(per_layer):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.suptitle(f"ERC matrix M[i, j] = ||{node}_j(R_i)||_{norm[1:]} (clean)", y=1.03)
+    out = {"erc_matrix": fig}
+
+    fig, (ax,) = new_figure()
+    line_by(ax, erc.assign(layer=erc["layer"].map(lambda v: f"layer {v}")), "alpha", "erc_loss", "layer",
+            title=f"ERC loss vs α (noise {noise}, {samples} draws)")
+    out["erc_loss"] = fig
+    return out
+
+
+def erc_figures(result: Any) -> dict[str, Any]:
+    o = result.options
+    return plot_erc(result["erc.csv"], result["erc_layers.csv"], result["erc_matrix.csv"], o.node, o.norm, o.noise,
+                    o.samples)
+
+
 #: experiment name -> figure function
 FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "stats": stats_figures,
     "norm_select": norm_select_figures,
+    "erc": erc_figures,
     "mass_recall": lambda result: plot_mass_recall(result["mass_recall.csv"]),
 }
 
