@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list)
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
+                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options)
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
 
 Per MoE layer and real token all n experts run: u_e = π_e(h)·E_e(h),
 y = Σ_e u_e. A selector picks K experts S; rel. error = ||y_S − y|| / ||y||.
-Selectors: router (the model's own routing rule on its logits),
+Selectors (selection rules scored offline, not routing policies: the model
+keeps its own routing): router (the model's own routing rule on its logits),
 norm_oracle (TopK of ||u_e||, the paper's rule), best_subset (exhaustive over
 all C(n,K) subsets, only where C(n,K) <= --max-subsets), random (seeded). The
 model runs with its own router; all experts are computed on the side (about
@@ -36,36 +35,35 @@ Examples:
 @handle_errors
 def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
            selectors: str = typer.Option("router,norm_oracle,best_subset,random", "--selectors",
-                                         help="Comma-separated selectors: router, norm_oracle, best_subset, random."),
+                                         help="Comma-separated selection rules scored against the dense sum: "
+                                              "router, norm_oracle, best_subset, random. They do not change "
+                                              "the routing (the model runs with its own router), so they are "
+                                              "not --routing policies."),
            max_subsets: int = typer.Option(10_000, "--max-subsets", min=1,
                                            help="best_subset only in layers with C(n, K) at most this."),
-           layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layers to analyse, e.g. '0,2,5-7' "
-                                                "(default: every MoE layer)."),
+           layers: Layers = None,
            seq_len: SeqLen = 256, max_tokens: MaxTokens = 4096, batch_size: BatchSize = 4, dtype: Dtype = "auto",
            device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
-    from moetool.data import load_tokens
-    from moetool.experiments.approx import check_selectors, run_approx, summary_lines, write_approx
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
     from moetool.loading import load
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
-    chosen = parse_list(selectors, str, "selector")
-    check_selectors(chosen)
-    wanted = parse_layers(layers)
+    opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,
+                         layers=parse_layers(layers), batch_size=batch_size, seed=seed)
+    DocumentStream(data)
     run = RunDir.create("approx", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
-    red = run_approx(lm, tokens, selectors=chosen, seed=seed, max_subsets=max_subsets, layers=wanted,
-                     batch_size=batch_size, quiet=quiet)
-    table, per_layer = write_approx(run, red)
-    run.add(data=tokens.describe())
-    run.finish(options=dict(model=model, data=str(data), selectors=chosen, max_subsets=max_subsets, layers=layers,
-                            seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, dtype=dtype,
-                            device=device, device_map=device_map), model=lm, seed=seed)
+    res = compute(lm, tokens, opts, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                  dtype=dtype, device=device, device_map=device_map))
     if not quiet:
-        print_table(table, f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)")
-        print_table(per_layer, "router vs norm, orthogonality")
-        typer.echo(summary_lines(model, table, per_layer)[0])
+        print_table(res["approx"], f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)")
+        print_table(res["approx_layers"], "router vs norm, orthogonality")
+        typer.echo(summary_lines(model, res["approx"], res["approx_layers"])[0])
     echo_run(run.path)
 
 

@@ -24,6 +24,7 @@ from .. import ops
 from ..adapters.base import MoELayer
 from ..engine import probes
 from ..errors import MoetoolError
+from .result import Result, resolve_options
 
 SELECTORS = ("router", "norm_oracle", "best_subset", "random")
 MAX_SUBSETS = 10_000
@@ -220,32 +221,40 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
     return red
 
 
-def figures(run: Any, approx: Any, per_layer: Any) -> None:
-    from ..report.figures import line_by, new_figure
+@dataclass(frozen=True)
+class ApproxOptions:
+    """Options of :func:`approx`. ``selectors`` are selection rules scored offline against the dense sum of all
+    experts; they do not change the routing (the model runs with its own router), so they are not routing
+    policies (``--routing`` elsewhere)."""
 
-    fig, (ax,) = new_figure(width=5.0)
-    line_by(ax, approx, "layer", "rel_error_mean", "selector", title="k-term approximation error ||y_S − y||/||y||")
-    ax.set_xticks(sorted(approx["layer"].unique()))
-    run.save_figure(fig, "approx_error")
-    fig, (a1, a2) = new_figure(1, 2)
-    a1.plot(per_layer["layer"], per_layer["spearman_prob_vs_norm"], marker="o", markersize=3)
-    a1.set(xlabel="layer", ylabel="Spearman(π_e, ||E_e(h)||)", title="does the router predict the norm?")
-    a2.plot(per_layer["layer"], per_layer["mean_abs_cos"], marker="o", markersize=3)
-    a2.set(xlabel="layer", ylabel="mean |cos(u_i, u_j)|", title="orthogonality of the u_e")
-    for ax in (a1, a2):
-        ax.set_xticks(per_layer["layer"])
-    fig.tight_layout()
-    run.save_figure(fig, "approx_layers")
+    selectors: tuple[str, ...] = SELECTORS  # router | norm_oracle | best_subset | random
+    max_subsets: int = MAX_SUBSETS  # best_subset only in layers with C(n, K) at most this
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+    batch_size: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_selectors(self.selectors)
+        if self.max_subsets < 1:
+            raise MoetoolError(f"--max-subsets must be >= 1, got {self.max_subsets}")
 
 
-def write_approx(run: Any, red: ApproxReducer) -> tuple[Any, Any]:
-    approx, per_layer = red.tables()
-    run.write_csv("approx.csv", approx)
-    run.write_csv("approx_layers.csv", per_layer)
-    figures(run, approx, per_layer)
-    run.add(definitions=DEFINITIONS, approx={"selectors": list(red.selectors), "max_subsets": red.max_subsets,
-                                             "best_subset_skipped": red.skipped})
-    return approx, per_layer
+def approx(lm: Any, tokens: Any, options: ApproxOptions | None = None, *, quiet: bool = False,
+           **overrides: Any) -> Result:
+    """MoE as the best k-term approximation of the dense sum of all experts, per MoE layer and selector.
+
+    Tables ``approx`` (layer, selector, tokens, rel_error_mean, rel_error_median, same_set_as_router) and
+    ``approx_layers`` (layer, spearman_prob_vs_norm, mean_abs_cos); see :data:`DEFINITIONS`.
+    """
+    opts = resolve_options(ApproxOptions, options, overrides)
+    red = run_approx(lm, tokens, selectors=opts.selectors, seed=opts.seed, max_subsets=opts.max_subsets,
+                     layers=opts.layers, batch_size=opts.batch_size, quiet=quiet)
+    table, per_layer = red.tables()
+    return Result("approx", {"approx.csv": table, "approx_layers.csv": per_layer}, opts,
+                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(),
+                            approx={"selectors": list(red.selectors), "max_subsets": red.max_subsets,
+                                    "best_subset_skipped": red.skipped}),
+                  summary=table)
 
 
 def summary_lines(name: str, approx: Any, per_layer: Any) -> list[str]:
@@ -263,16 +272,16 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     from ..demo_models import DEMO_MODELS
     from ..loading import embedded_models, load
 
+    from ..report.writers import write
+
     child = parent.sub("approx")
     names = [m for m in DEMO_MODELS if m in embedded_models()]
     lines: list[str] = []
     for name in names:
         lm = load(name)
         tokens = load_tokens(None, lm.tokenizer, 128, 1024)
-        run = child.sub(name)
-        approx, per_layer = write_approx(run, run_approx(lm, tokens, quiet=quiet))
-        run.add(data=tokens.describe())
-        run.finish(options=dict(model=name, seq_len=128, max_tokens=1024), model=lm, seed=0)
-        lines += summary_lines(name, approx, per_layer)
+        res = approx(lm, tokens, batch_size=8, quiet=quiet)
+        write(res, child.sub(name), model=lm, options=dict(model=name, seq_len=128, max_tokens=1024))
+        lines += summary_lines(name, res["approx"], res["approx_layers"])
     child.finish(options=dict(models=names, seq_len=128, max_tokens=1024), seed=0)
     return lines or ["approx: no embedded model found"]
