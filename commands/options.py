@@ -59,7 +59,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         if kwargs.get("quiet"):
             quiet_libraries()
-        since = len(rundir.active_runs())
+        since = rundir.run_counter()
         try:
             with rundir.terminate_as_interrupt():  # SIGTERM (a job's time limit) is handled like Ctrl-C
                 return fn(*args, **kwargs)

@@ -1,50 +1,282 @@
-"""One house style for every figure (matplotlib, no screen needed)."""
+"""One house style for every figure (matplotlib, no screen needed): the one home of figure primitives.
+
+- :func:`house_style` is a context manager (``matplotlib.rc_context``): the global ``rcParams`` never change.
+  :func:`new_figure` builds its figure inside it; :func:`savefig` writes inside it, with TrueType fonts in PDF/PS
+  (``pdf.fonttype`` 42, no Type 3 fonts).
+- Sizes: :data:`ONE_COLUMN` (3.3 in) and :data:`TWO_COLUMN` (7 in); a figure never gets wider than two columns.
+- Colours: the Okabe–Ito colour-blind-safe palette. Related series share a colour and differ in line style
+  (:func:`line_by`'s ``twin``: a policy and its ``-isolated`` twin are solid and dashed).
+- Axis labels in words with units: :data:`LABELS` maps column names; :func:`line_by` and :func:`finalize` (run at
+  save time) replace a raw column-name label by its words. One legend per figure when panels share series.
+- ``title``/``caption`` arguments carry the model and data (:func:`describe_run` builds the text).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+ONE_COLUMN = 3.3  # inches
+TWO_COLUMN = 7.0
+
+#: Okabe & Ito (2008), colour-blind safe; black last.
+PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
+LINESTYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+STYLE: dict[str, Any] = {
+    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7, "ytick.labelsize": 7,
+    "legend.fontsize": 7, "figure.titlesize": 9, "legend.frameon": False,
+    "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
+    "grid.linewidth": 0.5, "lines.linewidth": 1.2, "lines.markersize": 3.5,
+    "figure.dpi": 100, "savefig.dpi": 200, "savefig.bbox": "tight",
+    "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType, never Type 3 (venues reject Type 3 fonts)
+    "image.cmap": "viridis",
+}
+
+#: column name -> axis label in words (with units). ``(%)`` columns are fractions in the CSVs, drawn ×100
+#: (see :data:`PERCENT`).
+LABELS: dict[str, str] = {
+    "layer": "decoder layer",
+    "expert": "expert",
+    "alpha": "α (margin of the ERC loss)",
+    "top1_change": "tokens whose top-1 expert changed (%)",
+    "topk_change": "tokens whose top-K set changed (%)",
+    "topk_overlap": "top-K overlap |A ∩ B| / K",
+    "top1_agree": "top-1 agreement with the router",
+    "jaccard": "Jaccard overlap of top-K sets",
+    "entropy_ratio": "routing entropy ratio (checkpoint / reference)",
+    "entropy_ref": "routing entropy of the reference (nats)",
+    "entropy_ckpt": "routing entropy of the checkpoint (nats)",
+    "entropy_vs_router": "routing entropy / the router's",
+    "mass_recall_mean": "mass recall (mean over tokens)",
+    "shortlist_size": "shortlist size (experts)",
+    "router_flops_frac": "router FLOPs (fraction of the full router)",
+    "codebook_size": "codebook size G",
+    "rel_error_mean": "relative error ||y_S − y|| / ||y|| (mean)",
+    "rel_error_median": "relative error ||y_S − y|| / ||y|| (median)",
+    "erc_loss": "ERC loss (mean over noise draws)",
+    "erc_loss_clean": "ERC loss (clean matrix)",
+    "load_fraction": "share of top-K assignments",
+    "token_fraction": "share of tokens choosing the expert",
+    "load_entropy": "load entropy (nats)",
+    "load_entropy_norm": "load entropy / log n",
+    "confidence_entropy": "routing confidence entropy (nats)",
+    "confidence_entropy_norm": "routing confidence entropy / log n",
+    "max_load_ratio": "max load / uniform load",
+    "p_b_given_a": "P(b | a)",
+    "perplexity": "perplexity",
+    "ratio": "ratio to the router",
+    "spearman_prob_vs_norm": "Spearman(π_e, ||E_e(h)||)",
+    "mean_abs_cos": "mean |cos(u_i, u_j)|",
+    "tokens": "tokens",
+}
+#: columns stored as fractions and drawn as percentages
+PERCENT = {"top1_change", "topk_change"}
 
 
-def new_figure(nrows: int = 1, ncols: int = 1, width: float = 4.2, height: float = 3.2) -> tuple[Any, Any]:
-    """``(fig, axes)`` with the house style; ``axes`` is always a flat list."""
+def label(column: str) -> str:
+    """Axis label of ``column``: its words from :data:`LABELS`, else the name with ``_`` as spaces."""
+    return LABELS.get(column, column.replace("_", " "))
+
+
+@contextlib.contextmanager
+def house_style() -> Iterator[None]:
+    """The house style for the block (``rc_context``: rcParams are restored afterwards)."""
     import matplotlib
+    from cycler import cycler
 
-    matplotlib.use("Agg")
+    if matplotlib.get_backend().lower() != "agg":  # no screen needed (Agg is also the headless default)
+        matplotlib.use("Agg")
+    with matplotlib.rc_context({**STYLE, "axes.prop_cycle": cycler(color=PALETTE)}):
+        yield
+
+
+def new_figure(nrows: int = 1, ncols: int = 1, width: float = 4.2, height: float = 3.2, *,
+               size: str | float | None = None, title: str = "", caption: str = "") -> tuple[Any, Any]:
+    """``(fig, axes)`` in the house style; ``axes`` is always a flat list.
+
+    ``width``/``height`` are per panel, in inches; the whole figure is scaled down to fit two columns (7 in).
+    ``size="one"`` / ``"two"`` (or a width in inches) fixes the whole figure's width instead. ``title`` (model,
+    data) goes above the panels, ``caption`` below.
+    """
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 9, "axes.spines.top": False, "axes.spines.right": False,
-                         "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": 100, "savefig.dpi": 150})
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    total_w, total_h = width * ncols, height * nrows
+    target = {"one": ONE_COLUMN, "two": TWO_COLUMN}.get(size, size) if size is not None else min(total_w, TWO_COLUMN)
+    scale = float(target) / total_w
+    h_scale = max(scale, 0.6)  # panels keep a readable height when squeezed sideways
+    with house_style():
+        fig, axes = plt.subplots(nrows, ncols, figsize=(float(target), total_h * h_scale), squeeze=False)
+    if title:
+        fig.suptitle(title)
+    if caption:
+        set_caption(fig, caption)
     return fig, list(axes.ravel())
 
 
-def grid_shape(n: int, max_cols: int = 4) -> tuple[int, int]:
-    cols = min(max_cols, max(1, n))
+def set_caption(fig: Any, text: str) -> None:
+    """A caption line below the panels (model, data, tokens)."""
+    fig.text(0.5, 0.0, text, ha="center", va="top", fontsize=7, color="0.3", gid="caption")
+
+
+def describe_run(model: Any = None, data: Any = None, tokens: int | None = None) -> str:
+    """``"tiny · data: held-out.txt · 8,192 tokens"``: the title/caption text of a run's figures."""
+    parts = [str(model)] if model else []
+    if data:
+        parts.append(f"data: {Path(str(data)).name}")
+    if tokens:
+        parts.append(f"{int(tokens):,} tokens")
+    return " · ".join(parts)
+
+
+def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
+    """``(rows, cols)`` for ``n`` panels: at most ``max_cols`` wide, near square (4 -> 2×2)."""
+    import math
+
+    n = max(1, n)
+    cols = min(max_cols, n if n <= max_cols else math.ceil(math.sqrt(n)))
     return -(-n // cols), cols
 
 
 def heatmap(ax: Any, matrix: Any, title: str = "", xlabel: str = "", ylabel: str = "", cmap: str = "viridis",
-            colorbar: bool = True) -> Any:
-    im = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest")
+            colorbar: bool = True, vmin: float | None = None, vmax: float | None = None,
+            colorbar_label: str = "") -> Any:
+    """``imshow`` of ``matrix`` (no grid). Pass ``vmin``/``vmax`` so every panel of a run shares one scale."""
+    im = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest", vmin=vmin, vmax=vmax)
     ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set_xlabel(label(xlabel) if xlabel in LABELS else xlabel)
+    ax.set_ylabel(label(ylabel) if ylabel in LABELS else ylabel)
     ax.grid(False)
     if colorbar:
-        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        cb = ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        if colorbar_label:
+            cb.set_label(label(colorbar_label))
     return im
 
 
-def line_by(ax: Any, df: Any, x: str, y: str, by: str, title: str = "", marker: str = "o") -> None:
-    """One line per value of column ``by``."""
-    for key, g in df.groupby(by, sort=False):
+def default_twin(key: str) -> tuple[str, int]:
+    """``(family, variant)`` of a series name: ``x-isolated`` / ``x+isolate`` / ``x (isolated)`` -> ``(x, 1)``,
+    anything else -> ``(key, 0)``. Series of one family share a colour; variant 1 is dashed."""
+    for suffix in ("-isolated", "+isolate", " (isolated)", ":isolate"):
+        if key.endswith(suffix):
+            return key[: -len(suffix)], 1
+    return key, 0
+
+
+def series_styles(keys: Sequence[Any], twin: Callable[[str], tuple[str, int]] | None = default_twin,
+                  families: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``{key: {color, linestyle, marker}}``: one colour (and marker) per family, one line style per variant.
+    ``families`` fixes the colour order (the same series get the same colour in every figure of a run)."""
+    twin = twin or (lambda k: (k, 0))
+    fam_of = {str(k): twin(str(k)) for k in keys}
+    order = list(families or []) + [f for f, _ in fam_of.values() if f not in (families or [])]
+    order = list(dict.fromkeys(order))
+    return {k: {"color": PALETTE[order.index(f) % len(PALETTE)], "linestyle": LINESTYLES[v % len(LINESTYLES)],
+                "marker": MARKERS[order.index(f) % len(MARKERS)]} for k, (f, v) in fam_of.items()}
+
+
+def line_by(ax: Any, df: Any, x: str, y: str, by: str, title: str = "", marker: str | None = None, *,
+            twin: Callable[[str], tuple[str, int]] | None = default_twin, families: Sequence[str] | None = None,
+            yerr: tuple[str, str] | None = None, legend: bool = True, xlabel: str | None = None,
+            ylabel: str | None = None) -> None:
+    """One line per value of column ``by``; axis labels from :data:`LABELS`.
+
+    ``twin`` maps a series name to ``(family, variant)``: a family shares a colour and marker, variants differ
+    in line style (default: ``<policy>-isolated`` dashed beside ``<policy>`` solid). ``yerr=(lo, hi)`` names the
+    columns of a confidence interval (drawn as error bars). Columns in :data:`PERCENT` are drawn ×100.
+    """
+    scale = 100.0 if y in PERCENT else 1.0
+    styles = series_styles(list(dict.fromkeys(str(k) for k in df[by])), twin, families)
+    for n, (key, g) in enumerate(df.groupby(by, sort=False)):
         g = g.sort_values(x)
-        ax.plot(g[x], g[y], marker=marker, label=str(key), linewidth=1.2, markersize=3)
+        st = dict(styles[str(key)])
+        if marker is not None:
+            st["marker"] = marker
+        # later series drawn slightly thinner on top, so a line hidden under another stays visible
+        kw = dict(label=str(key), linewidth=1.4 - 0.15 * min(n, 4), markersize=3.5, zorder=2 + n, **st)
+        if yerr is not None:
+            lo, hi = g[yerr[0]] * scale, g[yerr[1]] * scale
+            ys = g[y] * scale
+            ax.errorbar(g[x], ys, yerr=[ys - lo, hi - ys], capsize=2, elinewidth=0.8, **kw)
+        else:
+            ax.plot(g[x], g[y] * scale, **kw)
     if df[x].dtype.kind in "iu":  # layers, shortlist sizes: integer ticks only
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
+    ax.set_xlabel(xlabel if xlabel is not None else label(x))
+    ax.set_ylabel(ylabel if ylabel is not None else label(y))
     ax.set_title(title)
-    ax.legend(fontsize=7, frameon=False)
+    if legend:
+        ax.legend(fontsize=STYLE["legend.fontsize"], frameon=False)
+
+
+def finalize(fig: Any) -> Any:
+    """House rules applied before saving (idempotent): raw column-name axis labels become words, text sizes
+    follow the style, and panels that repeat the same legend get one legend for the figure."""
+    from matplotlib.text import Text
+
+    if getattr(fig, "_moetool_final", False):
+        return fig
+    fig._moetool_final = True
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    for ax in axes:
+        for axis, get, set_ in (("x", ax.get_xlabel, ax.set_xlabel), ("y", ax.get_ylabel, ax.set_ylabel)):
+            text = get()
+            if text in LABELS:
+                set_(label(text) if text not in PERCENT else label(text).replace("(%)", "(fraction)"))
+        ax.title.set_fontsize(STYLE["axes.titlesize"])
+        ax.xaxis.label.set_fontsize(STYLE["axes.labelsize"])
+        ax.yaxis.label.set_fontsize(STYLE["axes.labelsize"])
+        ax.tick_params(labelsize=STYLE["xtick.labelsize"])
+    if fig._suptitle is not None:
+        fig._suptitle.set_fontsize(STYLE["figure.titlesize"])
+    for ax in axes:
+        if ax.get_legend() is not None:
+            for t in ax.get_legend().get_texts():
+                t.set_fontsize(STYLE["legend.fontsize"])
+    below = _one_legend(fig, axes)
+    for t in fig.findobj(Text):
+        if t.get_gid() == "caption":
+            t.set_fontsize(7)
+            if below is not None:
+                t.set_y(below)
+    return fig
+
+
+def _one_legend(fig: Any, axes: list[Any]) -> float | None:
+    """Replace per-panel legends that repeat one set of series by one legend below the panels; returns the
+    figure y below that legend (for the caption), or ``None`` when nothing changed."""
+    legends = [(ax, ax.get_legend()) for ax in axes if ax.get_legend() is not None]
+    if len(legends) < 2:
+        return None
+    handles: dict[str, Any] = {}
+    for ax, _ in legends:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    if len(handles) > 12:
+        return None
+    for _, lg in legends:
+        lg.remove()
+    try:
+        fig.tight_layout()
+    except (ValueError, RuntimeError):  # a layout it cannot solve: keep matplotlib's own
+        pass
+    lg = fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                    ncol=min(len(handles), 4), fontsize=STYLE["legend.fontsize"], frameon=False)
+    bb = lg.get_window_extent(fig.canvas.get_renderer())
+    return bb.y0 / fig.bbox.height - 0.01
+
+
+def savefig(fig: Any, path: str | Path, *, finalized: bool = False, **kwargs: Any) -> Path:
+    """Save ``fig`` in the house style (format from the suffix; PDFs with TrueType fonts). Does not close it."""
+    if not finalized:
+        finalize(fig)
+    p = Path(path)
+    fmt = p.suffix.lstrip(".").lower() or "png"
+    with house_style():
+        fig.savefig(p, format=fmt, dpi=STYLE["savefig.dpi"] if fmt == "png" else None, bbox_inches="tight",
+                    **kwargs)
+    return p

@@ -1,0 +1,108 @@
+"""House style: TrueType fonts in PDFs, labels in words, twins share a colour, one legend, two-column width,
+and the style is a context (global rcParams untouched)."""
+
+import re
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import pytest
+
+from moetool.report import RunDir
+from moetool.report import figures as F
+
+
+def curves():
+    rows = [dict(pair=p, routing=r, layer=layer, top1_change=(i + 1) / 10 + layer / 100)
+            for p in ("early -> final", "final -> early")
+            for i, r in enumerate(["router", "router-isolated", "similarity", "similarity-isolated"])
+            for layer in range(4)]
+    return pd.DataFrame(rows)
+
+
+def draw():
+    df = curves()
+    fig, axes = F.new_figure(*F.grid_shape(2), title="tiny-fine-early vs tiny-fine",
+                             caption=F.describe_run("tiny", "data/held-out.txt", 8192))
+    for ax, p in zip(axes, ["early -> final", "final -> early"]):
+        F.line_by(ax, df[df.pair == p], "layer", "top1_change", "routing", title=p)
+    return fig, axes
+
+
+def font_subtypes(pdf: bytes) -> set[str]:
+    return set(re.findall(rb"/Subtype\s*/(\w+)", pdf)) & {b"Type3", b"TrueType", b"CIDFontType2", b"Type1",
+                                                           b"CIDFontType0"}
+
+
+def test_pdf_has_truetype_fonts_and_no_type3(tmp_path):
+    fig, _ = draw()
+    F.savefig(fig, tmp_path / "f.pdf")
+    subtypes = font_subtypes((tmp_path / "f.pdf").read_bytes())
+    assert b"Type3" not in subtypes and subtypes & {b"TrueType", b"CIDFontType2"}, subtypes
+    # the same figure with matplotlib's default (fonttype 3) does embed Type 3: the check can fail
+    fig2, _ = draw()
+    with matplotlib.rc_context({"pdf.fonttype": 3}):
+        fig2.savefig(tmp_path / "g.pdf")
+    assert b"Type3" in font_subtypes((tmp_path / "g.pdf").read_bytes())
+
+
+def test_style_context_leaves_rcparams_unchanged(tmp_path):
+    matplotlib.get_backend()  # resolve the backend first (that alone fills rcParams["backend"])
+    before = {k: repr(v) for k, v in matplotlib.rcParams.items()}
+    with F.house_style():
+        assert matplotlib.rcParams["pdf.fonttype"] == 42
+    fig, _ = draw()
+    F.savefig(fig, tmp_path / "f.png")
+    run = RunDir.create("x", tmp_path / "run")
+    run.save_figure(draw()[0], "f")
+    after = {k: repr(v) for k, v in matplotlib.rcParams.items()}
+    assert {k for k in before if before[k] != after[k]} == set()
+
+
+def test_labels_in_words_and_percent_scaled():
+    fig, axes = draw()
+    ax = axes[0]
+    assert ax.get_ylabel() == "tokens whose top-1 expert changed (%)" and ax.get_xlabel() == "decoder layer"
+    router = [ln for ln in ax.get_lines() if ln.get_label() == "router"][0]
+    np.testing.assert_allclose(router.get_ydata(), [10.0, 11.0, 12.0, 13.0])  # fractions drawn as %
+    fig2, (a,) = F.new_figure()
+    a.plot([0, 1], [0.1, 0.2])
+    a.set_xlabel("layer")
+    a.set_ylabel("rel_error_mean")  # a raw column name set by hand is replaced at save time
+    F.finalize(fig2)
+    assert a.get_ylabel() == F.LABELS["rel_error_mean"] and a.get_xlabel() == "decoder layer"
+    assert F.label("no_such_column") == "no such column"
+
+
+def test_twins_share_colour_and_differ_in_line_style():
+    fig, axes = draw()
+    lines = {ln.get_label(): ln for ln in axes[0].get_lines()}
+    assert lines["router"].get_color() == lines["router-isolated"].get_color() == F.PALETTE[0]
+    assert lines["similarity"].get_color() == lines["similarity-isolated"].get_color() == F.PALETTE[1]
+    assert lines["router"].get_linestyle() == "-" and lines["router-isolated"].get_linestyle() == "--"
+    # the same series get the same colour in every panel
+    other = {ln.get_label(): ln.get_color() for ln in axes[1].get_lines()}
+    assert other == {k: ln.get_color() for k, ln in lines.items()}
+
+
+def test_one_legend_per_figure_and_two_column_width():
+    fig, axes = draw()
+    assert all(ax.get_legend() is not None for ax in axes)
+    F.finalize(fig)
+    assert all(ax.get_legend() is None for ax in axes) and len(fig.legends) == 1
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["router", "router-isolated", "similarity",
+                                                                   "similarity-isolated"]
+    fig4, axes4 = F.new_figure(1, 4)  # a four-panel strip: at most two columns wide
+    assert fig4.get_size_inches()[0] == pytest.approx(F.TWO_COLUMN)
+    one, _ = F.new_figure(size="one")
+    assert one.get_size_inches()[0] == pytest.approx(F.ONE_COLUMN)
+    assert F.grid_shape(4) == (2, 2) and F.grid_shape(3) == (1, 3) and F.grid_shape(7) == (3, 3)
+
+
+def test_error_bars_from_interval_columns():
+    df = pd.DataFrame({"layer": [0, 1], "policy": ["a", "a"], "ratio": [1.0, 2.0], "lo": [0.9, 1.5],
+                       "hi": [1.2, 2.5]})
+    fig, (ax,) = F.new_figure()
+    F.line_by(ax, df, "layer", "ratio", "policy", yerr=("lo", "hi"))
+    segs = [c for c in ax.collections if hasattr(c, "get_segments")][0].get_segments()
+    np.testing.assert_allclose([s[:, 1] for s in segs], [[0.9, 1.2], [1.5, 2.5]])
