@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .options import (BatchSize, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, echo_run, handle_errors,
-                      parse_list)
+from .options import (BatchSize, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, Sim, echo_run,
+                      handle_errors, parse_list, run_options)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -40,42 +40,35 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                                                            "local directories, aliases or hub ids), in order."),
                 data: Data = None, out: Out = None, force: Force = False,
                 routing: str = typer.Option("router,similarity,attention", "--routing",
-                                            help="Routings compared, comma-separated: router, similarity, attention."),
+                                            help="Routing policies compared, comma-separated (router = the model's "
+                                                 "own routing; similarity, attention, or any --routing spec)."),
                 tau: Optional[float] = typer.Option(None, "--tau", help="Similarity temperature τ (default sqrt(d))."),
-                sim: str = typer.Option("dot", "--sim", help="Similarity: dot (raw h_i·h_j, the paper) or cosine."),
-                causal: bool = typer.Option(True, "--causal/--no-causal",
-                                            help="Similarity over earlier tokens only (j <= i), or all tokens."),
+                sim: str = Sim, causal: bool = Causal,
                 reference: str = typer.Option("previous", "--reference",
                                               help="Pairs: previous (i-1 vs i), first (0 vs i) or last (last vs i)."),
                 isolate: bool = typer.Option(False, "--isolate", help="Also feed the reference's MoE inputs to the "
                                              "other checkpoint's routers (rows <routing>-isolated)."),
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", quiet: Quiet = False) -> None:
-    from moetool.data import load_tokens
-    from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, run_fluctuation,
-                                                 summary_lines, write_results)
-    from moetool.loading import load
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
+                                                 summary_lines)
     from moetool.report import RunDir
     from moetool.report.console import print_table
+    from moetool.report.writers import write
 
-    opts = FluctuationOptions(routings=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
-                              reference=reference, isolate=isolate, batch_size=batch_size)
-    opts.policy("similarity")  # bad --sim / --tau fail here, before any model loads
+    opts = FluctuationOptions(routing=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
+                              reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device)
+    DocumentStream(data)
     tokenizer = check_checkpoints(checkpoints)
     run = RunDir.create("fluctuation", out, force)
     tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
-    attn = "eager" if opts.needs_attention else None
-    df = run_fluctuation(checkpoints, tokens, opts, lambda name: load(name, dtype=dtype, device=device,
-                                                                      attn_implementation=attn, tokenizer=False),
-                         quiet=quiet)
-    write_results(run, df, opts, tokens)
-    run.finish(options=dict(checkpoints=list(checkpoints), data=str(data), routing=list(opts.routings), tau=tau,
-                            sim=sim, causal=causal, reference=reference, isolate=isolate, seq_len=seq_len,
-                            max_tokens=max_tokens, batch_size=batch_size, dtype=dtype, device=device,
-                            attn_implementation=attn or "default"))
+    res = compute(checkpoints, tokens, opts, quiet=quiet)
+    write(res, run, options=run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len,
+                                        max_tokens=max_tokens))
     if not quiet:
-        print_table(df.drop(columns=["tokens"]), f"routing fluctuation ({tokens.n_tokens:,} tokens)")
-        for line in summary_lines(df):
+        print_table(res.summary, f"routing fluctuation ({tokens.n_tokens:,} tokens)")
+        for line in summary_lines(res["fluctuation"]):
             typer.echo(line)
     echo_run(run.path)
 

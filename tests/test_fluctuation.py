@@ -80,7 +80,7 @@ def hand_change(h: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, K: int) -> 
 
 
 def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
-    opts = FluctuationOptions(routings=("router",), isolate=True, batch_size=2)
+    opts = FluctuationOptions(routing=("router",), isolate=True, batch_size=2)
     df = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
     assert (df["reference"] == ckpts["a"]).all() and (df["checkpoint"] == ckpts["b"]).all()
     before = df[df["layer"] < J]
@@ -118,7 +118,7 @@ def test_reference_modes_and_processing_order():
 
 def test_three_checkpoints_reference_last(ckpts):
     """a, b, a with reference last: (a -> a) is all zeros, (a -> b) equals the two-checkpoint run."""
-    opts = FluctuationOptions(routings=("router",), reference="last", batch_size=2)
+    opts = FluctuationOptions(routing=("router",), reference="last", batch_size=2)
     df = run_fluctuation([ckpts["a"], ckpts["b"], ckpts["a"]], tokens(), opts, loader)
     same = df[df["checkpoint"] == ckpts["a"]]
     assert len(same) == 4 and (same[CHANGE] == 0).all().all()
@@ -141,7 +141,7 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
     input does not depend on any routing), not the entropy of π."""
     from moetool.policies import make_policy
 
-    opts = FluctuationOptions(routings=("similarity",), tau=40.0, batch_size=2)
+    opts = FluctuationOptions(routing=("similarity",), tau=40.0, batch_size=2)
     df = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
     a = loader(ckpts["a"])
     pol = make_policy("similarity", tau=40.0)

@@ -185,7 +185,7 @@ def run_experiment(name, lm, ts):
     if name == "fluctuation":
         mod, f = _entry("fluctuation", "capture")
         others = {"iso": {L.index: mod.router_copy(L) for L in lm.layers}}
-        return f(lm.model, lm.layers, ts, make_policy("similarity"), others=others, quiet=True)
+        return f(lm, ts, make_policy("similarity"), others=others, quiet=True)
     raise AssertionError(name)
 
 

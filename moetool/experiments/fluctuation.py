@@ -1,7 +1,7 @@
 """``fluctuation``: how routing changes between checkpoints (Graph of Tokens Fig. 3; SPEC §fluctuation).
 
-The same token ids go through every checkpoint (one loaded at a time). Per checkpoint, routing
-(``router``: the model's own top-K; ``similarity`` / ``attention``: that training-free policy applied
+The same token ids go through every checkpoint (one loaded at a time). Per checkpoint, routing (a policy spec as
+everywhere: ``router`` = the model's own top-K; ``similarity`` / ``attention``: that training-free policy applied
 in every MoE layer of the checkpoint, so its choice is what runs) and MoE layer, the chosen sets,
 the top-1 expert (the chosen expert with the largest routing weight) and the entropy sum are kept
 on the host (indices as int16/int32). Entropy: of ``π`` for ``router``; of the policy's normalised
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,11 +30,12 @@ import torch
 from .. import ops
 from ..adapters import _MOE_CONFIG_KEYS
 from ..adapters.base import MoELayer
-from ..engine.hooks import Engine, RoutingEvent
+from ..engine.hooks import RoutingEvent
+from ..engine.runner import forward
 from ..errors import MoetoolError
-from ..progress import progress
+from .result import Result, resolve_options
 
-ROUTINGS = ("router", "similarity", "attention")
+ROUTINGS = ("router", "similarity", "attention")  # the default comparison; any policy spec is accepted
 REFERENCES = ("previous", "first", "last")
 COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens", "top1_change", "topk_change", "topk_overlap",
            "jaccard", "entropy_ref", "entropy_ckpt", "entropy_ratio"]
@@ -41,30 +43,35 @@ COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens", "top1_change
 
 @dataclass(frozen=True)
 class FluctuationOptions:
-    routings: tuple[str, ...] = ROUTINGS
+    """Options of :func:`fluctuation`."""
+
+    routing: tuple[str, ...] = ROUTINGS  # policy specs compared (router = the model's own routing)
     tau: float | None = None  # similarity temperature (None: sqrt(d))
     sim: str = "dot"  # similarity: dot | cosine
     causal: bool = True  # similarity: j <= i only
     reference: str = "previous"
     isolate: bool = False
     batch_size: int = 8
+    dtype: str = "auto"  # how checkpoints given by name are loaded
+    device: str = "auto"
 
     def __post_init__(self) -> None:
-        bad = [r for r in self.routings if r not in ROUTINGS]
-        if bad or not self.routings:
-            raise MoetoolError(f"--routing {bad[0] if bad else ''!r}: choose from {', '.join(ROUTINGS)}")
+        if not self.routing:
+            raise MoetoolError(f"--routing is empty: give policy specs, e.g. {','.join(ROUTINGS)}")
+        for r in self.routing:
+            self.policy(r)  # an unknown spec or a bad --sim / --tau fails here, before any model loads
         if self.reference not in REFERENCES:
             raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
 
     @property
     def needs_attention(self) -> bool:
-        return "attention" in self.routings
+        return any(self.policy(r).needs_attention for r in self.routing)
 
     def policy(self, routing: str) -> Any:
-        """The policy applied for ``routing`` (``None`` for the model's own router)."""
-        from ..policies import make_policy
+        """The policy applied for ``routing`` (``router``: the model's own routing, through the override path)."""
+        from ..policies import build_policy
 
-        return None if routing == "router" else make_policy(routing, tau=self.tau, sim=self.sim, causal=self.causal)
+        return build_policy(routing, tau=self.tau, sim=self.sim, causal=self.causal)
 
 
 def pairs(names: Sequence[str], reference: str) -> list[tuple[int, int]]:
@@ -151,11 +158,12 @@ def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEve
     return iso
 
 
-def capture(model: Any, layers: Sequence[MoELayer], tokens: Any, policy: Any, *,
-            others: dict[Any, dict[int, MoELayer]] | None = None, batch_size: int = 8, description: str = "routing",
+def capture(lm: Any, tokens: Any, policy: Any, *, others: dict[Any, dict[int, MoELayer]] | None = None,
+            batch_size: int = 8, description: str = "routing",
             quiet: bool = False) -> tuple[dict[int, LayerRouting], dict[Any, dict[int, LayerRouting]]]:
-    """Run ``tokens`` with ``policy`` applied (None: the router); return per-layer routings, and per
+    """Run ``tokens`` through ``lm`` with ``policy`` applied in every MoE layer; return per-layer routings, and per
     key of ``others`` (router copies by layer index) the isolated routings on this run's ``h``."""
+    layers = lm.layers
     own = {L.index: LayerRouting() for L in layers}
     iso = {name: {L.index: LayerRouting() for L in layers} for name in (others or {})}
 
@@ -164,11 +172,8 @@ def capture(model: Any, layers: Sequence[MoELayer], tokens: Any, policy: Any, *,
         for name, routers in (others or {}).items():
             iso[name][ev.layer.index].add(*routing_of(isolated_event(ev, routers[ev.layer.index], policy)))
 
-    device = model.device
-    with torch.no_grad(), Engine(model, list(layers), policy=policy, consumers=[consume]):
-        for b in progress(tokens.batches(batch_size), total=tokens.n_batches(batch_size), description=description,
-                          quiet=quiet):
-            model(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device), use_cache=False)
+    forward(lm, tokens, policy=policy, consumers=[consume], batch_size=batch_size, description=description,
+            quiet=quiet)
     return own, iso
 
 
@@ -211,8 +216,8 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
             signature, first = sig, names[i]
         check_same("architecture", [first, names[i]], [signature, sig])
         partners = {c: routers[c] for r, c in plist if r == i and opts.isolate}
-        for routing in opts.routings:
-            own, iso = capture(lm.model, lm.layers, tokens, opts.policy(routing),
+        for routing in opts.routing:
+            own, iso = capture(lm, tokens, opts.policy(routing),
                                others=partners, batch_size=opts.batch_size,
                                description=f"{names[i]}: {routing}", quiet=quiet)
             runs[(i, routing)] = own
@@ -223,9 +228,9 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
         del lm
     rows = []
     for r, c in plist:
-        labels = [(routing, routing, runs[(c, routing)]) for routing in opts.routings]
+        labels = [(routing, routing, runs[(c, routing)]) for routing in opts.routing]
         if opts.isolate:
-            labels += [(f"{routing}-isolated", routing, isolated[(r, c, routing)]) for routing in opts.routings]
+            labels += [(f"{routing}-isolated", routing, isolated[(r, c, routing)]) for routing in opts.routing]
         for label, routing, other in labels:
             for layer, ref_rt in runs[(r, routing)].items():
                 rows.append({"layer": layer, "routing": label, "reference": names[r], "checkpoint": names[c],
@@ -276,39 +281,34 @@ DEFINITIONS = {
 }
 
 
-def figures(run: Any, df: Any) -> None:
-    """Paper Fig. 3: top-1 change (fluctuation rate) by layer per routing; entropy ratio by layer; plus each
-    routing's entropy relative to the router's (the paper's ratio, method / baseline) at each checkpoint."""
-    from ..report.figures import grid_shape, line_by, new_figure
+def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOptions | None = None, *,
+                quiet: bool = False, **overrides: Any) -> Result:
+    """Routing change between checkpoints of one architecture on the same ``tokens``.
 
-    df = df.assign(pair=[f"{r} -> {c}" for r, c in zip(df["reference"], df["checkpoint"])])
-    pairs_ = list(dict.fromkeys(df["pair"]))
-    for name, y in (("fluctuation_by_layer", "top1_change"), ("entropy_ratio_by_layer", "entropy_ratio")):
-        fig, axes = new_figure(*grid_shape(len(pairs_), 3))
-        for ax, p in zip(axes, pairs_):
-            line_by(ax, df[df["pair"] == p], "layer", y, "routing", title=p)
-        for ax in axes[len(pairs_):]:
-            ax.set_visible(False)
-        run.save_figure(fig, name)
-    plain = df[~df["routing"].str.endswith("-isolated")]
-    if "router" in set(plain["routing"]) and plain["routing"].nunique() > 1:
-        base = plain[plain["routing"] == "router"].set_index(["pair", "layer"])["entropy_ckpt"]
-        rel = plain.assign(entropy_vs_router=[e / base.get((p, l), float("nan")) for e, p, l in
-                                              zip(plain["entropy_ckpt"], plain["pair"], plain["layer"])])
-        fig, axes = new_figure(*grid_shape(len(pairs_), 3))
-        for ax, p in zip(axes, pairs_):
-            line_by(ax, rel[rel["pair"] == p], "layer", "entropy_vs_router", "routing", title=p.split(" -> ")[1])
-        for ax in axes[len(pairs_):]:
-            ax.set_visible(False)
-        run.save_figure(fig, "entropy_vs_router_by_layer")
+    ``checkpoints``: loaded models (``moetool.load(...)``; load them with ``attn_implementation="eager"`` for
+    ``attention`` routing) or names/paths, loaded one at a time. Table ``fluctuation`` with :data:`COLUMNS`
+    (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing.
+    """
+    opts = resolve_options(FluctuationOptions, options, overrides)
+    if all(isinstance(c, (str, Path)) for c in checkpoints):
+        from ..loading import load
 
-
-def write_results(run: Any, df: Any, opts: FluctuationOptions, tokens: Any) -> None:
-    run.write_csv("fluctuation.csv", df)
-    figures(run, df)
-    run.add(definitions=DEFINITIONS, data=tokens.describe(),
-            similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
-                        "causal": opts.causal})
+        names = [str(c) for c in checkpoints]
+        attn = "eager" if opts.needs_attention else None
+        df = run_fluctuation(names, tokens, opts, lambda n: load(n, dtype=opts.dtype, device=opts.device,
+                                                                 attn_implementation=attn, tokenizer=False),
+                             quiet=quiet)
+    else:
+        models = {str(i): lm for i, lm in enumerate(checkpoints)}
+        df = run_fluctuation(list(models), tokens, opts, models.__getitem__, quiet=quiet)
+        names = [getattr(lm, "name", str(i)) for i, lm in enumerate(checkpoints)]
+        for col in ("reference", "checkpoint"):
+            df[col] = [names[int(i)] for i in df[col]]
+    return Result("fluctuation", {"fluctuation.csv": df}, opts,
+                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), checkpoints=names,
+                            similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
+                                        "causal": opts.causal}),
+                  summary=df.drop(columns=["tokens"]))
 
 
 def summary_lines(df: Any) -> list[str]:
@@ -325,6 +325,8 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     from ..data import load_tokens
     from ..loading import embedded_models, load
 
+    from ..report.writers import write
+
     child = parent.sub("fluctuation")
     have = embedded_models()
     opts = FluctuationOptions(isolate=True)
@@ -334,12 +336,8 @@ def demo(parent: Any, quiet: bool) -> list[str]:
             continue
         names = [early, final]
         tokens = load_tokens(None, check_checkpoints(names), seq_len=128, max_tokens=2048)
-        run = child.sub(final)
-        df = run_fluctuation(names, tokens, opts, lambda n: load(n, attn_implementation="eager", tokenizer=False),
-                             quiet=quiet)
-        write_results(run, df, opts, tokens)
-        run.finish(options=dict(checkpoints=names, routing=list(opts.routings), reference=opts.reference,
-                                isolate=True, seq_len=128, max_tokens=2048))
-        lines += summary_lines(df)
+        res = fluctuation(names, tokens, opts, quiet=quiet)
+        write(res, child.sub(final), options=dict(checkpoints=names, seq_len=128, max_tokens=2048))
+        lines += summary_lines(res["fluctuation"])
     child.finish(options=dict(pairs=[["tiny-early", "tiny"], ["tiny-fine-early", "tiny-fine"]]))
     return lines or ["fluctuation: no embedded checkpoint pair found"]

@@ -208,11 +208,50 @@ def plot_approx(approx: Any, per_layer: Any) -> dict[str, Any]:
     return out
 
 
+# ----- fluctuation ----------------------------------------------------------------------------
+def plot_fluctuation(df: Any) -> dict[str, Any]:
+    """Paper Fig. 3: top-1 change (fluctuation rate) by layer per routing; entropy ratio by layer; plus each
+    routing's entropy relative to the router's (the paper's ratio, method / baseline) at each checkpoint."""
+    from .figures import grid_shape, line_by, new_figure
+
+    df = df.assign(pair=[f"{r} -> {c}" for r, c in zip(df["reference"], df["checkpoint"])])
+    pairs_ = list(dict.fromkeys(df["pair"]))
+    out = {}
+    for name, y in (("fluctuation_by_layer", "top1_change"), ("entropy_ratio_by_layer", "entropy_ratio")):
+        fig, axes = new_figure(*grid_shape(len(pairs_), 3))
+        for ax, p in zip(axes, pairs_):
+            line_by(ax, df[df["pair"] == p], "layer", y, "routing", title=p)
+        for ax in axes[len(pairs_):]:
+            ax.set_visible(False)
+        out[name] = fig
+    plain = df[~df["routing"].str.endswith("-isolated")]
+    if "router" in set(plain["routing"]) and plain["routing"].nunique() > 1:
+        base = plain[plain["routing"] == "router"].set_index(["pair", "layer"])["entropy_ckpt"]
+        rel = plain.assign(entropy_vs_router=[e / base.get((p, l), float("nan")) for e, p, l in
+                                              zip(plain["entropy_ckpt"], plain["pair"], plain["layer"])])
+        fig, axes = new_figure(*grid_shape(len(pairs_), 3))
+        for ax, p in zip(axes, pairs_):
+            line_by(ax, rel[rel["pair"] == p], "layer", "entropy_vs_router", "routing", title=p.split(" -> ")[1])
+        for ax in axes[len(pairs_):]:
+            ax.set_visible(False)
+        out["entropy_vs_router_by_layer"] = fig
+    return out
+
+
+def write_results(run: Any, df: Any, opts: FluctuationOptions, tokens: Any) -> None:
+    run.write_csv("fluctuation.csv", df)
+    figures(run, df)
+    run.add(definitions=DEFINITIONS, data=tokens.describe(),
+            similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
+                        "causal": opts.causal})
+
+
 #: experiment name -> figure function
 FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "stats": stats_figures,
     "norm_select": norm_select_figures,
     "erc": erc_figures,
+    "fluctuation": lambda result: plot_fluctuation(result["fluctuation.csv"]),
     "approx": lambda result: plot_approx(result["approx.csv"], result["approx_layers.csv"]),
     "mass_recall": lambda result: plot_mass_recall(result["mass_recall.csv"]),
 }
