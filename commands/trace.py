@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers)
+from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
+                      Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
+                      run_options)
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
 
 Writes trace.csv.gz (one row per real token and MoE layer: row, pos, token_id, token, domain, layer,
 expert_1..expert_K, weight_1..weight_K, and with --logits logit_0..logit_{n-1}) and manifest.json.
-Read it with pandas.read_csv(path). --routing traces what a policy chose instead of the router.
+Read it with pandas.read_csv(path); --format parquet writes trace.parquet (pandas.read_parquet).
+--routing traces what a policy chose in --layers instead of the router.
 
 Examples:
   moetool trace --out runs/trace-tiny
@@ -22,26 +24,33 @@ Examples:
 @handle_errors
 def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
           logits: bool = typer.Option(False, "--logits", help="Also write the full router logits."),
-          routing: str = typer.Option("router", "--routing", help="Policy whose choice is traced."),
+          routing: str = Routing, weights: str = Weights, sim: str = Sim, causal: bool = Causal,
+          fmt: str = typer.Option("csv.gz", "--format", help="csv.gz (pandas.read_csv) or parquet "
+                                  "(pandas.read_parquet; faster, smaller)."),
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
           quiet: Quiet = False) -> None:
-    from moetool.data import load_tokens
-    from moetool.experiments.trace import run_trace
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.errors import MoetoolError
+    from moetool.experiments.trace import TraceOptions, trace as compute
     from moetool.loading import load
-    from moetool.policies import make_policy
     from moetool.report import RunDir
+    from moetool.report.writers import write
 
-    policy = make_policy(routing, seed=seed)
+    if fmt not in ("csv.gz", "parquet"):
+        raise MoetoolError(f"--format must be csv.gz or parquet, not '{fmt}'")
+    opts = TraceOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),
+                        logits=logits, batch_size=batch_size, seed=seed)
+    policy = opts.policy()
+    DocumentStream(data)
     run = RunDir.create("trace", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map,
               attn_implementation="eager" if policy.needs_attention else None)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
-    path = run_trace(lm, tokens, run, policy=policy, policy_layers=parse_layers(layers), logits=logits,
-                     batch_size=batch_size, quiet=quiet)
-    run.finish(options=dict(model=model, data=str(data), routing=routing, layers=layers, logits=logits,
-                            seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, dtype=dtype,
-                            device=device), model=lm, seed=seed)
+    path = run.file(f"trace.{fmt}")
+    res = compute(lm, tokens, opts, path=path, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                  dtype=dtype, device=device, device_map=device_map, format=fmt))
     echo_run(path)
 
 

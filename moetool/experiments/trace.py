@@ -1,67 +1,114 @@
-"""Per-token routing dump: one row per (real token, MoE layer), streamed to ``trace.csv.gz``."""
+"""Per-token routing dump: one row per (real token, MoE layer).
+
+Columns: row (packed row index; global under data parallel), pos (position in the row), token_id, token, domain,
+layer (decoder layer index), expert_k / weight_k (the k-th chosen expert as the router or policy returned it, and
+its weight), logit_e (router logit of expert e, with ``logits=True``). Rows are layer-major within each batch.
+
+:class:`TraceCollector` keeps the batch's chosen experts, weights (and logits) on the device and makes one host copy
+per batch (the padding mask is read on the host: no device sync inside the forward). With a ``path`` the rows are
+streamed to ``.csv.gz`` or ``.parquet`` (:class:`moetool.engine.stream.TableStream`, a background writer), so
+memory stays flat in the number of tokens; without one, :func:`trace` returns them as a DataFrame.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.hooks import Engine, RoutingEvent
-from ..progress import progress
+import numpy as np
+import torch
+
+from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.runner import forward
+from .ppl import RoutingOptions
+from .result import Result, resolve_options
+
+FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row index), pos (position in row), "
+          "token_id, token, domain, layer (decoder layer index), expert_k / weight_k (k-th chosen expert, largest "
+          "first as the router returned them, and its weight), logit_e (router logit of expert e, --logits)")
 
 
-def events_frame(ev: RoutingEvent, ids: Any, rows: Any, pos: Any, domains: list[str], tokens: list[str] | None,
-                 logits: bool) -> Any:
-    """Valid tokens of one event as a DataFrame (host)."""
+@dataclass(frozen=True)
+class TraceOptions(RoutingOptions):
+    """Options of :func:`trace`: the routing traced (``router`` = the model's own) and the columns."""
+
+    logits: bool = False  # also the full router logits (logit_0 .. logit_{n-1})
+    batch_size: int = 8
+
+
+class TraceCollector:
+    """Engine consumer: this batch's chosen experts/weights (and logits) per layer, kept on the device."""
+
+    def __init__(self, logits: bool = False):
+        self.logits = logits
+        self.events: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        self.events.append((ev.layer.index, ev.chosen_idx, ev.chosen_weights, ev.logits if self.logits else None))
+
+    def columns(self, batch: Any, row_ids: np.ndarray, tokenizer: Any) -> dict[str, Any]:
+        """One batch's rows, layer-major; one host copy per tensor kind."""
+        ev, self.events = self.events, []
+        B, S = batch.input_ids.shape
+        keep = np.flatnonzero(batch.attention_mask.reshape(-1).numpy() != 0)  # host mask: no device sync
+        idx = torch.stack([e[1] for e in ev]).cpu().numpy()[:, keep]  # [L, t, K]
+        w = torch.stack([e[2].float() for e in ev]).cpu().numpy()[:, keep]  # [L, t, K]
+        L, t, K = idx.shape
+        ids = batch.input_ids.reshape(-1).numpy()[keep]  # [t]
+        rows = np.repeat(row_ids, S)[keep]
+        cols: dict[str, Any] = {"row": np.tile(rows, L), "pos": np.tile(np.tile(np.arange(S), B)[keep], L),
+                                "token_id": np.tile(ids, L)}
+        if tokenizer is not None:
+            cols["token"] = tokenizer.convert_ids_to_tokens(ids.tolist()) * L
+        cols["domain"] = np.tile(np.asarray(batch.domains, dtype=object)[np.repeat(np.arange(B), S)[keep]], L)
+        cols["layer"] = np.repeat(np.array([e[0] for e in ev]), t)
+        for k in range(K):
+            cols[f"expert_{k + 1}"] = idx[:, :, k].reshape(-1)
+        for k in range(K):
+            cols[f"weight_{k + 1}"] = w[:, :, k].reshape(-1)
+        if self.logits:
+            lg = torch.stack([e[3].float() for e in ev]).cpu().numpy()[:, keep]  # [L, t, n]
+            for e in range(lg.shape[-1]):
+                cols[f"logit_{e}"] = lg[:, :, e].reshape(-1)
+        return cols
+
+
+def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: str | Path | None = None,
+          quiet: bool = False, **overrides: Any) -> Result:
+    """Per-token routing of every MoE layer (what ran: the ``routing`` policy's choice in ``layers``).
+
+    Without ``path``: table ``trace`` (columns in the module docstring) in memory. With ``path``
+    (``.csv.gz`` or ``.parquet``): streamed there batch by batch; the result then holds no table and
+    ``meta["files"]`` names the file.
+    """
+    from ..engine.stream import TableStream
+
+    opts = resolve_options(TraceOptions, options, overrides)
+    policy = opts.policy()
+    layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
+    col = TraceCollector(opts.logits)
+    row_ids = (tokens.row_ids.numpy() if getattr(tokens, "row_ids", None) is not None
+               else np.arange(tokens.input_ids.shape[0]))
+    start = [0]
+    parts: list[dict[str, Any]] = []
+
+    def emit(sink: Any) -> Any:
+        def on_batch(batch: Any, _out: Any) -> None:
+            B = batch.input_ids.shape[0]
+            sink(col.columns(batch, row_ids[start[0]:start[0] + B], lm.tokenizer))
+            start[0] += B
+        return on_batch
+
+    meta = dict(format={"trace": FORMAT}, data=tokens.describe(), routing=policy.describe())
+    run = dict(policy=policy, layers=layers, consumers=[col], batch_size=opts.batch_size, description="trace",
+               quiet=quiet)
+    if path is not None:
+        with TableStream(path) as out:
+            forward(lm, tokens, on_batch=emit(out.write), **run)
+        return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}})
+    forward(lm, tokens, on_batch=emit(parts.append), **run)
     import pandas as pd
 
-    keep = ev.valid.cpu()
-    K = ev.chosen_idx.shape[-1]
-    cols: dict[str, Any] = {"row": rows[keep].numpy(), "pos": pos[keep].numpy(), "token_id": ids[keep].numpy()}
-    if tokens is not None:
-        cols["token"] = [t for t, k in zip(tokens, keep.tolist()) if k]
-    cols["domain"] = [domains[r] for r in rows[keep].tolist()]
-    cols["layer"] = ev.layer.index
-    idx = ev.chosen_idx[ev.valid].cpu().numpy()
-    w = ev.chosen_weights[ev.valid].float().cpu().numpy()
-    for k in range(K):
-        cols[f"expert_{k + 1}"] = idx[:, k]
-    for k in range(K):
-        cols[f"weight_{k + 1}"] = w[:, k]
-    if logits:
-        lg = ev.logits[ev.valid].float().cpu().numpy()
-        for e in range(lg.shape[1]):
-            cols[f"logit_{e}"] = lg[:, e]
-    return pd.DataFrame(cols)
-
-
-def run_trace(lm: Any, tokens: Any, run: Any, *, policy: Any = None, policy_layers: Any = None,
-              logits: bool = False, batch_size: int = 8, quiet: bool = False) -> Path:
-    import torch
-
-    path = run.file("trace.csv.gz")
-    events: list[RoutingEvent] = []
-    first, row0 = True, 0
-    with torch.no_grad(), Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers,
-                                 consumers=[events.append]):
-        for b in progress(tokens.batches(batch_size), total=tokens.n_batches(batch_size),
-                          description="trace", quiet=quiet):
-            events.clear()
-            lm.model(input_ids=b.input_ids.to(lm.device), attention_mask=b.attention_mask.to(lm.device),
-                     use_cache=False)
-            B, S = b.input_ids.shape
-            ids = b.input_ids.reshape(-1)
-            rows = (torch.arange(B).repeat_interleave(S) + row0)
-            pos = torch.arange(S).repeat(B)
-            doms = {row0 + i: d for i, d in enumerate(b.domains)}
-            toks = lm.tokenizer.convert_ids_to_tokens(ids.tolist()) if lm.tokenizer is not None else None
-            for ev in events:
-                df = events_frame(ev, ids, rows, pos, doms, toks, logits)
-                df.to_csv(path, mode="w" if first else "a", header=first, index=False, compression="gzip")
-                first = False
-            row0 += B
-    run.add(format={"trace.csv.gz": "one row per real (unpadded) token and MoE layer: row (packed row index), "
-                                     "pos (position in row), token_id, token, domain, layer (decoder layer index), "
-                                     "expert_k / weight_k (k-th chosen expert, largest first as the router "
-                                     "returned them, and its weight), logit_e (router logit of expert e, --logits)"},
-            data=tokens.describe(), routing=getattr(policy, "name", "router"))
-    return path
+    df = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
+    return Result("trace", {"trace.csv.gz": df}, opts, meta=meta)
