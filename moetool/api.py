@@ -73,6 +73,47 @@ def evaluate(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: 
     return eval_tasks(lm, options, quiet=quiet, **overrides)
 
 
+def erc(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """Expert–router coupling from the weights only (no tokens): tables erc, erc_layers, erc_matrix. Options:
+    :class:`moetool.ErcOptions` (alphas, noise, samples, node, norm, seed, layers)."""
+    from .experiments.erc import erc as run
+
+    return run(lm, options, quiet=quiet, **overrides)
+
+
+def approx(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """MoE as the best k-term approximation of the dense sum: tables approx, approx_layers. Options:
+    :class:`moetool.ApproxOptions` (selectors, max_subsets, layers, batch_size, seed)."""
+    from .experiments.approx import approx as run
+
+    return run(lm, tokens, options, quiet=quiet, **overrides)
+
+
+def mass_recall(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """Routing mass kept by an inverted-index router: table mass_recall. Options: :class:`moetool.MassRecallOptions`
+    (codebook_sizes, shortlists, centroids, kmeans_iters, seed, batch_size, layers)."""
+    from .experiments.mass_recall import mass_recall as run
+
+    return run(lm, tokens, options, quiet=quiet, **overrides)
+
+
+def fluctuation(checkpoints: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """Routing change between checkpoints (loaded models or names) on the same tokens: table fluctuation.
+    Options: :class:`moetool.FluctuationOptions` (routing, tau, sim, causal, reference, isolate, batch_size)."""
+    from .experiments.fluctuation import fluctuation as run
+
+    return run(checkpoints, tokens, options, quiet=quiet, **overrides)
+
+
+def trace(lm: Any, tokens: Any, options: Any = None, *, path: str | Path | None = None, quiet: bool = False,
+          **overrides: Any) -> Any:
+    """Per-token routing of every MoE layer: table trace (or streamed to ``path``, .csv.gz / .parquet). Options:
+    :class:`moetool.TraceOptions` (routing, weights, layers, logits, batch_size, seed)."""
+    from .experiments.trace import trace as run
+
+    return run(lm, tokens, options, path=path, quiet=quiet, **overrides)
+
+
 def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, consumers: Iterable[Any] = (),
          attention: bool = False, **policy_options: Any) -> Any:
     """The hook engine as a context manager: every forward of ``lm.model`` inside the block hands a
@@ -119,13 +160,19 @@ def figures(result: Any) -> dict[str, Any]:
 
 #: public name -> "module:attribute" (resolved lazily by ``moetool.__getattr__``)
 EXPORTS = {
-    **{name: f"moetool.api:{name}" for name in ("load", "tokens", "stats", "ppl", "norm_select", "evaluate", "hook",
-                                                 "forward", "write", "figures")},
+    **{name: f"moetool.api:{name}" for name in ("load", "tokens", "stats", "ppl", "norm_select", "evaluate", "erc",
+                                                 "approx", "mass_recall", "fluctuation", "trace", "hook", "forward",
+                                                 "write", "figures")},
     "Result": "moetool.experiments.result:Result",
     "StatsOptions": "moetool.experiments.stats:StatsOptions",
     "PplOptions": "moetool.experiments.ppl:PplOptions",
     "NormSelectOptions": "moetool.experiments.norm_select:NormSelectOptions",
     "EvalOptions": "moetool.experiments.lmeval:EvalOptions",
+    "ErcOptions": "moetool.experiments.erc:ErcOptions",
+    "ApproxOptions": "moetool.experiments.approx:ApproxOptions",
+    "MassRecallOptions": "moetool.experiments.mass_recall:MassRecallOptions",
+    "FluctuationOptions": "moetool.experiments.fluctuation:FluctuationOptions",
+    "TraceOptions": "moetool.experiments.trace:TraceOptions",
     "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
     "MoetoolError": "moetool.errors:MoetoolError",
 }

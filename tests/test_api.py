@@ -1,0 +1,106 @@
+"""The Python API: light import, the example tour runs, and each command writes exactly its API function's tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+import moetool
+from moetool.commands.app import app
+from moetool.errors import MoetoolError
+from moetool.loading import embedded_models
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
+
+
+def test_import_is_light_and_names_resolve_lazily():
+    code = ("import sys, moetool; assert 'torch' not in sys.modules; f = moetool.stats; o = moetool.load; "
+            "assert 'torch' not in sys.modules, 'resolving an API function imported torch'; print(f.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "stats"
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        moetool.nonsense  # noqa: B018
+    from moetool.api import EXPORTS
+
+    assert set(EXPORTS) <= set(dir(moetool))
+    for name in ("load", "tokens", "stats", "norm_select", "erc", "approx", "mass_recall", "fluctuation", "trace",
+                 "ppl", "evaluate", "hook"):
+        assert callable(getattr(moetool, name)) and getattr(moetool, name).__doc__, name
+
+
+def test_options_are_checked_before_any_work():
+    with pytest.raises(MoetoolError, match="unknown option"):
+        moetool.stats(None, None, top_n=3)
+    with pytest.raises(MoetoolError, match="must be a StatsOptions"):
+        moetool.stats(None, None, moetool.ErcOptions())
+
+
+def _tables_equal(frame: pd.DataFrame, path: Path, drop: tuple[str, ...] = ()) -> None:
+    """The API frame, through the same CSV round trip, equals the command's file."""
+    buf = io.StringIO()
+    frame.to_csv(buf, index=False)
+    buf.seek(0)
+    api = pd.read_csv(buf, keep_default_na=False).drop(columns=list(drop))
+    cli = pd.read_csv(path, keep_default_na=False).drop(columns=list(drop))
+    pd.testing.assert_frame_equal(api, cli)
+
+
+@needs_tiny
+def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
+    spec = importlib.util.spec_from_file_location("api_tour", ROOT / "examples" / "api_tour.py")
+    tour = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tour)
+    got = tour.main(tmp_path)
+    assert (tmp_path / "load_by_expert.png").stat().st_size > 0
+    assert (tmp_path / "stats" / "figures" / "load_heatmap.png").is_file()
+    for name in got["stats"].tables:
+        _tables_equal(got["stats"].tables[name], tmp_path / "stats" / name)
+    # independent check of the custom consumer: the same rate from moetool.trace's per-token rows
+    lm = moetool.load("tiny")
+    tr = moetool.trace(lm, moetool.tokens(lm, None, seq_len=128, max_tokens=2048), quiet=True)["trace"]
+    tr = tr.sort_values(["layer", "row", "pos"])
+    prev = tr.groupby(["layer", "row"])["expert_1"].shift()
+    adjacent = tr.groupby(["layer", "row"])["pos"].diff() == 1
+    for layer, rate in got["repeat_rate"].items():
+        sel = (tr["layer"] == layer) & adjacent
+        assert got["pairs"][layer] == int(sel.sum())
+        assert rate == pytest.approx(float((tr.loc[sel, "expert_1"] == prev[sel]).mean()), abs=0)
+
+
+@needs_tiny
+def test_commands_write_exactly_the_api_tables(tmp_path):
+    runner = CliRunner()
+    data = ["--max-tokens", "512", "--seq-len", "64"]
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
+
+    r = runner.invoke(app, ["stats", *data, "--top-tokens", "3", "--min-count", "2", "--out", str(tmp_path / "s"),
+                            "-q"])
+    assert r.exit_code == 0, r.output
+    res = moetool.stats(lm, tokens, top_tokens=3, min_count=2, quiet=True)
+    assert sorted(res.tables) == sorted(p.name for p in (tmp_path / "s").glob("*.csv"))
+    for name, frame in res.tables.items():
+        _tables_equal(frame, tmp_path / "s" / name)
+
+    r = runner.invoke(app, ["norm-select", *data, "--nodes", "gate,output", "--layers", "1-2",
+                            "--out", str(tmp_path / "n"), "-q"])
+    assert r.exit_code == 0, r.output
+    res = moetool.norm_select(lm, tokens, nodes=("gate", "output"), layers=(1, 2), quiet=True)
+    _tables_equal(res["agreement"], tmp_path / "n" / "agreement.csv")
+    _tables_equal(res["quality"], tmp_path / "n" / "quality.csv", drop=("seconds",))  # wall time
+
+    r = runner.invoke(app, ["erc", "--samples", "2", "--layers", "0,3", "--out", str(tmp_path / "e"), "-q"])
+    assert r.exit_code == 0, r.output
+    res = moetool.erc(lm, samples=2, layers=(0, 3), quiet=True)
+    for name in ("erc", "erc_layers", "erc_matrix"):
+        _tables_equal(res[name], tmp_path / "e" / f"{name}.csv")
+    assert sorted(res["erc_layers"]["layer"]) == [0, 3]
