@@ -13,6 +13,7 @@ from . import inspect as inspect_cmd
 from . import mass_recall as mass_recall_cmd
 from . import norm_select as norm_select_cmd
 from . import ppl as ppl_cmd
+from . import report as report_cmd
 from . import stats as stats_cmd
 from . import trace as trace_cmd
 
@@ -27,7 +28,7 @@ app = typer.Typer(
 )
 
 for module in (approx_cmd, demo_cmd, erc_cmd, eval_cmd, fluctuation_cmd, inspect_cmd, mass_recall_cmd,
-               norm_select_cmd, ppl_cmd, stats_cmd, trace_cmd):
+               norm_select_cmd, ppl_cmd, report_cmd, stats_cmd, trace_cmd):
     module.register(app)
 
 

@@ -21,6 +21,7 @@ Failing safely:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -48,6 +49,7 @@ _ACTIVE: "weakref.WeakValueDictionary[int, RunDir]" = weakref.WeakValueDictionar
 _COUNTER = itertools.count()
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -307,7 +309,7 @@ class RunDir:
             "options": self._options,
             "seed": extra.pop("seed", None),
             "model": extra.pop("model", None),
-            "versions": _versions(),
+            "versions": dict(_versions()),
             "git": git_revision(),
             "started": datetime.fromtimestamp(self.started).isoformat(timespec="seconds"),
             "wall_seconds": round(time.time() - self.started, 3),

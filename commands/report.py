@@ -1,0 +1,37 @@
+"""``moetool report``: gather run folders into one page for a paper (HTML, Markdown, LaTeX tables)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import typer
+
+from .options import Force, Out, echo_run, handle_errors
+
+HELP = """Gather run folders of any commands (a demo folder with its sub-runs included) into one report.
+
+Writes into --out: report.html (one self-contained page: every figure embedded, the tables, each
+run's manifest: model, data, options, versions, seed, wall time, git revision), report.md (the same
+in Markdown), tables/<run>/<name>.csv and .tex (LaTeX booktabs), figures/<run>/<name>.png and .pdf.
+Long tables are truncated in the page with a pointer to the full CSV.
+
+Examples:
+  moetool report runs/demo --out runs/demo-report
+  moetool report runs/stats-tiny runs/norm-select-tiny --out paper/ --force
+"""
+
+
+@handle_errors
+def report(run_dirs: List[Path] = typer.Argument(..., metavar="RUN_DIR...", help="Run folders to gather."),
+           out: Out = None, force: Force = False,
+           title: str = typer.Option("moetool report", "--title", help="Title of the page.")) -> None:
+    from moetool.report.page import write_report
+
+    page = write_report(run_dirs, out, force=force, title=title)
+    typer.echo(f"report: {page}")
+    echo_run(page.parent)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(report)
