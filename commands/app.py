@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 
 from . import approx as approx_cmd
@@ -31,9 +34,47 @@ for module in (approx_cmd, demo_cmd, erc_cmd, eval_cmd, fluctuation_cmd, inspect
                norm_select_cmd, ppl_cmd, report_cmd, stats_cmd, trace_cmd):
     module.register(app)
 
+#: environment defaults of the command line (never set by importing a moetool module; a user's value wins)
+CLI_ENVIRONMENT = {
+    # tokenizers' Rust thread pool and forked lm-eval/datasets workers: no "fork after parallelism" warnings
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def configure_environment() -> None:
+    """Process-wide defaults for a ``moetool`` command: :data:`CLI_ENVIRONMENT` (only where unset). Progress bars of
+    transformers are switched off where the weights load (:func:`moetool.loading.quiet_transformers`)."""
+    for key, value in CLI_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from moetool import __version__
+
+        typer.echo(f"moetool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print moetool's version and exit.")) -> None:
+    # runs before every command (the group's help text is the Typer(help=...) above)
+    configure_environment()
+
 
 def main() -> None:
-    app()
+    """The ``moetool`` console script: an error no command turned into one line is still one line (exit 1;
+    ``MOETOOL_DEBUG=1`` shows the traceback)."""
+    try:
+        app()
+    except Exception as e:  # noqa: BLE001 - the last resort of the one-line promise
+        if os.environ.get("MOETOOL_DEBUG"):
+            raise
+        text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        typer.secho(f"error: {type(e).__name__}{': ' + text if text else ''} (MOETOOL_DEBUG=1 shows the traceback)",
+                    fg="red", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

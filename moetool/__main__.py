@@ -1,3 +1,6 @@
+"""``python -m moetool``: the same entry point as the ``moetool`` console script."""
+
 from moetool.commands.app import main
 
-main()
+if __name__ == "__main__":
+    main()

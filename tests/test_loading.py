@@ -59,3 +59,103 @@ def test_dtype_and_device_choices():
     if not torch.cuda.is_available():
         with pytest.raises(MoetoolError, match="no CUDA"):
             pick_device("cuda")
+
+
+# ----- validate_run: refuse before any weight loads --------------------------------------------------------------
+def _mixtral(**kw):
+    from transformers import MixtralConfig
+
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    return MixtralConfig(**{**base, **kw})
+
+
+def test_validate_run_refuses_bad_sizes_as_usage_errors():
+    from moetool.loading import validate_run
+
+    cfg = _mixtral()
+    assert validate_run(cfg, seq_len=128, batch_size=4, max_tokens=1000, device="cpu").max_positions == 128
+    for kw, message in [(dict(seq_len=129), "--seq-len 129 is longer than the model's 128 positions "
+                                             "\\(mixtral max_position_embeddings\\): use --seq-len 128 or less"),
+                        (dict(seq_len=0), "--seq-len must be an integer of at least 2, not 0"),
+                        (dict(seq_len=-5), "--seq-len must be"),
+                        (dict(max_tokens=0), "--max-tokens must be an integer of at least 2, not 0"),
+                        (dict(max_tokens=-1), "--max-tokens must be"),
+                        (dict(batch_size=0), "--batch-size must be")]:
+        with pytest.raises(MoetoolError, match=message) as e:
+            validate_run(cfg, **{"seq_len": 64, "batch_size": 2, "max_tokens": 256, "device": "cpu", **kw})
+        assert e.value.exit_code == 2
+
+
+def test_validate_run_reads_positions_from_the_text_config_of_a_multimodal_model():
+    from transformers import LlavaConfig
+
+    from moetool.loading import max_positions, validate_run
+
+    cfg = LlavaConfig(text_config={**_mixtral(max_position_embeddings=77).to_dict(), "model_type": "mixtral"})
+    assert getattr(cfg, "max_position_embeddings", None) is None and max_positions(cfg) == 77
+    with pytest.raises(MoetoolError, match="longer than the model's 77 positions"):
+        validate_run(cfg, seq_len=78, device="cpu", check_memory=False)
+
+
+def test_validate_run_device_without_cuda_is_a_runtime_error():
+    import torch
+
+    from moetool.errors import MoetoolRuntimeError
+    from moetool.loading import validate_run
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(MoetoolRuntimeError, match="no CUDA device") as e:
+        validate_run(_mixtral(), seq_len=16, device="cuda")
+    assert e.value.exit_code == 1
+
+
+def test_memory_estimate_is_the_hand_formula_and_a_lower_bound_of_the_real_logits(monkeypatch):
+    """weights = parameters x 4 bytes (fp32), activations = logits rows*S*V + two hidden states rows*S*d; rows =
+    min(batch, ceil(max_tokens / S)). Refused exactly when weights + activations exceed the free memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moetool import loading
+    from moetool.errors import MoetoolRuntimeError
+
+    cfg = _mixtral()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    params = sum(p.numel() for p in model.parameters())
+    S, batch, max_tokens = 100, 16, 250  # 250 tokens fill ceil(250/100) = 3 rows: batches hold 3, not 16
+    weights, act = params * 4, 3 * S * 64 * 4 + 2 * 3 * S * 32 * 4
+    monkeypatch.setattr(loading, "available_memory", lambda dev: weights + act)
+    est = loading.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu", dtype="fp32")
+    assert (est.params, est.rows_per_batch, est.weights_bytes, est.activation_bytes) == (params, 3, weights, act)
+    with torch.no_grad():  # the logits term is real: the forward's own logits tensor has exactly that size
+        out = model(input_ids=torch.zeros(3, S, dtype=torch.long))
+    assert out.logits.numel() * out.logits.element_size() == 3 * S * 64 * 4 <= act
+    monkeypatch.setattr(loading, "available_memory", lambda dev: weights + act - 1)
+    with pytest.raises(MoetoolRuntimeError, match="a batch of 3 rows x --seq-len 100 needs at least") as e:
+        loading.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu", dtype="fp32")
+    assert e.value.exit_code == 1
+    monkeypatch.setattr(loading, "available_memory", lambda dev: weights - 1)
+    with pytest.raises(MoetoolRuntimeError, match=f"the weights alone need .*{params:,} parameters in float32"):
+        loading.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu", dtype="fp32")
+    # bf16 halves both terms; device_map="auto" (accelerate offloads) and unknown free memory refuse nothing
+    monkeypatch.setattr(loading, "available_memory", lambda dev: (weights + act) // 2)
+    assert loading.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu",
+                                dtype="bf16").activation_bytes == act // 2
+    monkeypatch.setattr(loading, "available_memory", lambda dev: 1)
+    loading.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu", device_map="auto")
+    monkeypatch.setattr(loading, "available_memory", lambda dev: None)
+    loading.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu")
+
+
+def test_available_ram_is_read_from_meminfo():
+    from pathlib import Path
+
+    from moetool.loading import _meminfo_available
+
+    avail = _meminfo_available()
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("no /proc/meminfo")
+    total = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                 if ln.startswith("MemTotal:"))
+    assert avail is not None and 0 < avail <= total

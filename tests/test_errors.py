@@ -1,0 +1,278 @@
+"""Failing safely at load time (#14): one line, exit 1 for runtime and 2 for usage errors, no traceback unless
+MOETOOL_DEBUG=1, and a hub id without network refused within seconds."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetool.commands.app import app
+from moetool.errors import MoetoolError, MoetoolRuntimeError
+from moetool.loading import check_safetensors, embedded_models
+
+runner = CliRunner()
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+
+def _one_line_error(r, code):
+    """The CLI contract: exit ``code``, exactly one non-empty line starting with 'error:', no traceback."""
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == code, r.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "Traceback" not in r.output
+    return lines[0]
+
+
+def _copy_tiny(tmp_path: Path, name: str) -> Path:
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(embedded_models()["tiny"], d)
+    return d
+
+
+# ----- corrupt weights ------------------------------------------------------------------------------------------
+def _tiny_safetensors(tmp_path: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    f = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.float16)}, f)
+    return f
+
+
+def test_check_safetensors_accepts_exact_files_and_names_what_is_wrong(tmp_path):
+    f = _tiny_safetensors(tmp_path)
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    assert len(data) == 8 + n + 6 * 4 + 4 * 2  # the layout the check relies on: header, then the tensors' bytes
+    check_safetensors(tmp_path)  # a good file passes
+    for name in embedded_models():  # and so do the shipped ones
+        check_safetensors(embedded_models()[name])
+    cases = {
+        "truncated": (data[:-1], f"truncated \\({len(data) - 1:,} of {len(data):,} bytes\\)"),
+        "longer": (data + b"\0", "corrupt \\(1 bytes more"),
+        "random": (os.urandom(4096), "not a safetensors file"),
+        "bad json": (data[:8] + b"{" * n + data[8 + n:], "not a safetensors file \\(unreadable header\\)"),
+        "empty": (b"", "not a safetensors file"),
+    }
+    for what, (blob, message) in cases.items():
+        f.write_bytes(blob)
+        with pytest.raises(MoetoolRuntimeError, match=message) as e:
+            check_safetensors(tmp_path)
+        assert e.value.exit_code == 1, what
+        assert str(f) in str(e.value) and "\n" not in str(e.value)
+
+
+@needs_tiny
+@pytest.mark.parametrize("damage", ["truncated", "random"])
+def test_corrupt_weights_are_one_line_exit_1(tmp_path, damage):
+    d = _copy_tiny(tmp_path, damage)
+    f = d / "model.safetensors"
+    blob = f.read_bytes()
+    f.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else os.urandom(100_000))
+    r = runner.invoke(app, ["trace", "--model", str(d), "--max-tokens", "64", "--out", str(tmp_path / "out"),
+                            "--quiet"])
+    line = _one_line_error(r, 1)
+    assert str(f) in line and ("truncated" if damage == "truncated" else "not a safetensors file") in line
+
+
+@needs_tiny
+def test_corrupt_weights_with_debug_show_the_traceback(tmp_path, monkeypatch):
+    d = _copy_tiny(tmp_path, "t")
+    (d / "model.safetensors").write_bytes(os.urandom(1000))
+    monkeypatch.setenv("MOETOOL_DEBUG", "1")
+    r = runner.invoke(app, ["trace", "--model", str(d), "--max-tokens", "64", "--out", str(tmp_path / "o"), "-q"])
+    assert r.exit_code != 0 and isinstance(r.exception, MoetoolRuntimeError)
+
+
+# ----- devices --------------------------------------------------------------------------------------------------
+@needs_tiny
+def test_device_cuda_without_cuda_is_one_line_exit_1(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = runner.invoke(app, ["trace", "--device", "cuda", "--max-tokens", "64", "--out", str(tmp_path / "o"), "-q"])
+    assert "no CUDA device" in _one_line_error(r, 1)
+
+
+# ----- the Hub without network ----------------------------------------------------------------------------------
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed once the socket is: connections are refused
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP port that accepts connections (the kernel's backlog) and never says a word: a hanging Hub."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+@pytest.mark.parametrize("network", ["as is", "refused", "hangs", "proxy refused"])
+def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, network, silent_server):
+    """A made-up hub id: this machine's own network (no DNS in CI), a refused connection, a Hub that accepts the
+    connection and never answers (the probe's timeout), an https proxy that refuses. One line, exit 1, < 3 s
+    (26 s of retries before)."""
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    endpoint = {"refused": f"http://127.0.0.1:{_closed_port()}", "hangs": silent_server,
+                "proxy refused": "https://hub.example.org"}.get(network)
+    if endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    if network == "proxy refused":
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{_closed_port()}")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    t0 = time.perf_counter()
+    r = runner.invoke(app, ["trace", "--model", "made-up-org/no-such-moe-model", "--max-tokens", "64",
+                            "--out", str(tmp_path / "o"), "-q"])
+    elapsed = time.perf_counter() - t0
+    line = _one_line_error(r, 1)
+    assert elapsed < 3.0, elapsed
+    assert "made-up-org/no-such-moe-model" in line
+    if endpoint:  # the offline verdict names the endpoint that did not answer, and why
+        assert f"not in the local Hugging Face cache and the Hub is out of reach (cannot reach {endpoint}" in line
+        assert {"refused": "refused", "hangs": "timed out", "proxy refused": "refused"}[network] in line.lower() \
+            or (network == "hangs" and "no answer within" in line), line
+
+
+HUB_404 = """
+import http.server, threading, time
+from moetool.errors import MoetoolRuntimeError
+hits = []
+class Hub(http.server.BaseHTTPRequestHandler):
+    def _reply(self):
+        hits.append(self.path)
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_GET = do_HEAD = _reply
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Hub)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+from moetool.loading import hub_offline, load_config
+import transformers.models.auto  # imports outside the timed part
+assert hub_offline() is None
+t0 = time.perf_counter()
+try:
+    load_config("made-up-org/no-such-moe-model")
+except MoetoolRuntimeError as e:
+    print("ERROR", round(time.perf_counter() - t0, 2), any("no-such-moe-model" in h for h in hits), str(e))
+"""
+
+
+def test_hub_online_path_is_kept_when_the_hub_answers(tmp_path):
+    """A local server stands in for the Hub: the probe sees it, so the normal online request is made (no
+    local_files_only) and reaches it; its 404 becomes the one-line 'no model' message, not the offline one."""
+    port = _closed_port()
+    env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_CACHE=str(tmp_path / "cache"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-c", HUB_404.format(port=port)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("ERROR ")), "")
+    assert line, out.stdout + out.stderr[-3000:]
+    _, seconds, reached, message = line.split(" ", 3)
+    assert reached == "True" and float(seconds) < 15.0, line  # a 404 is final: no 1+2+4+8+8 s of retries
+    assert message.startswith("the Hugging Face Hub has no model 'made-up-org/no-such-moe-model'"), message
+
+
+@needs_tiny
+def test_cached_hub_model_loads_offline(tmp_path):
+    """Offline (the endpoint refuses), a hub id already in the cache loads from it: the same weights."""
+    src = embedded_models()["tiny"]
+    snap = tmp_path / "hub" / "models--made-up-org--tiny-copy" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0" * 40)
+    code = ("import torch; from moetool.loading import load\n"
+            "a = load('made-up-org/tiny-copy', tokenizer=True); b = load('tiny', tokenizer=False)\n"
+            "sa, sb = a.model.state_dict(), b.model.state_dict()\n"
+            "print('SAME', a.kind, sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa),"
+            " a.tokenizer is not None)")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    env.pop("HF_HUB_OFFLINE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "SAME hub True True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+# ----- the entry point ------------------------------------------------------------------------------------------
+def test_unexpected_errors_are_one_line_from_the_console_script(monkeypatch, capsys):
+    import moetool.commands.app as app_module
+
+    def boom():
+        raise ValueError("first line\nsecond line")
+
+    monkeypatch.setattr(app_module, "app", boom)
+    monkeypatch.delenv("MOETOOL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    assert e.value.code == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == ["error: ValueError: first line (MOETOOL_DEBUG=1 shows the traceback)"]
+    monkeypatch.setenv("MOETOOL_DEBUG", "1")
+    with pytest.raises(ValueError):
+        app_module.main()
+
+
+def test_version_prints_the_package_version():
+    import moetool
+
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.strip() == f"moetool {moetool.__version__}"
+
+
+def test_importing_loading_changes_no_global_state():
+    code = ("import os, sys, json; before = dict(os.environ)\n"
+            "import moetool, moetool.loading, moetool.commands.app\n"
+            "print(json.dumps({'env': {k: v for k, v in os.environ.items() if before.get(k) != v},"
+            " 'heavy': [m for m in ('torch', 'transformers') if m in sys.modules]}))")
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out == {"env": {}, "heavy": []}
+
+
+def test_the_cli_sets_its_environment_defaults(monkeypatch):
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    r = runner.invoke(app, ["inspect", "--aliases", "--json"])
+    assert r.exit_code == 0 and os.environ.get("TOKENIZERS_PARALLELISM") == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # a user's own value wins
+    runner.invoke(app, ["inspect", "--aliases", "--json"])
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+@needs_tiny
+def test_loading_prints_no_transformers_progress_bar_and_restores_it(capfd):
+    from transformers.utils import logging as hf_logging
+
+    from moetool.loading import load
+
+    hf_logging.enable_progress_bar()
+    load("tiny")
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s]" not in err
+    assert hf_logging.is_progress_bar_enabled()  # the user's setting is untouched after the load
+    assert getattr(hf_logging, "_tqdm_hook", None) is None
+
+
+def test_errors_carry_their_exit_codes():
+    assert MoetoolError("x").exit_code == 2 and MoetoolRuntimeError("x").exit_code == 1
+    assert issubclass(MoetoolRuntimeError, MoetoolError)
