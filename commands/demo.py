@@ -12,7 +12,7 @@ HELP = """Run every experiment on the embedded tiny models (no network needed) i
 
 Steps: inspect, stats, norm-select (with an offline lm-eval task), erc, approx, mass-recall,
 fluctuation (early vs final training checkpoints). Each step writes CSVs, figures/ (PNG, PDF)
-and a manifest.json in its own sub-folder.
+and a manifest.json in its own sub-folder; report/report.html (and .md, LaTeX tables) gathers them all.
 
 Examples:
   moetool demo
@@ -38,9 +38,13 @@ def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
     records = run_demo(run, chosen, quiet=quiet, echo=typer.echo)
     run.add(steps=records)
     run.finish(options={"steps": chosen or known})
+    from moetool.report.page import write_report
+
+    page = write_report([run.path], run.sub("report"), title="moetool demo")  # every step's figures and tables
     typer.echo("")
     for r in records:
         typer.echo(f"{r['step']:<12} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
+    typer.echo(f"report: {page}")
     echo_run(run.path)
 
 

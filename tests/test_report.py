@@ -172,3 +172,13 @@ def test_format_ci():
     assert C.format_ci(1234.5, 1200.5, 1268.5) == "1234 ± 34"
     assert C.format_ci(float("nan"), 0, 1) == ""
     assert C.format_ci(0.5, float("nan"), float("nan")) == "0.5"
+
+
+def test_demo_ends_with_its_report(tmp_path):
+    out = tmp_path / "demo"
+    r = CliRunner().invoke(app, ["demo", "--steps", "inspect", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    text = (out / "report/report.html").read_text()
+    assert 'id="demo"' in text and 'id="demo-inspect"' in text and "models=" in text
+    assert json.loads((out / "manifest.json").read_text())["runs"] == ["inspect", "report"]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
