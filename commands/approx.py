@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options)
+                      Quiet, Seed, SeqLen, check_run, echo_run, handle_errors, parse_layers, parse_list, run_options)
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
 
@@ -54,7 +54,10 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
     opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,
                          layers=parse_layers(layers), batch_size=batch_size, seed=seed)
     DocumentStream(data)
+    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
+                    device_map=device_map)
     run = RunDir.create("approx", out, force)
+    run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
     res = compute(lm, tokens, opts, quiet=quiet)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
-                      handle_errors, parse_layers, parse_list, run_options)
+from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, check_run,
+                      echo_run, handle_errors, parse_layers, parse_list, run_options)
 
 HELP = r"""Expert–router coupling (ERC, paper 002) from the weights only: no data, no tokenizer.
 
@@ -50,7 +50,9 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
 
     opts = ErcOptions(alphas=tuple(parse_list(alpha, float, "alpha")), noise=parse_noise(noise), samples=samples,
                       node=node, norm=norm, seed=seed, layers=parse_layers(layers))
+    est = check_run(model, device=device, dtype=dtype, device_map=device_map)
     run = RunDir.create("erc", out, force)
+    run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
     res = compute(lm, opts, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))

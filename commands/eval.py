@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
-                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors,
+                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, check_run, echo_run, handle_errors,
                       parse_layers, parse_list, run_options)
 
 HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
@@ -51,7 +51,10 @@ def eval_command(model: Model = DEFAULT_MODEL,
                        sim=sim, causal=causal, layers=parse_layers(layers), batch_size=batch_size, seed=seed)
     policy = opts.policy()
     plan = plan_tasks(opts.tasks, opts.include_path)  # unknown tasks fail before anything is loaded
+    est = check_run(model, batch_size=batch_size, device=device, dtype=dtype, device_map=device_map,
+                    attn_implementation="eager" if policy.needs_attention else None)
     run = RunDir.create("eval", out, force)
+    run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map,
               attn_implementation="eager" if policy.needs_attention else None)
     res = eval_tasks(lm, opts, plan=plan, quiet=quiet)

@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .options import (BatchSize, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, Sim, echo_run,
-                      handle_errors, parse_list, run_options)
+from .options import (BatchSize, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, Sim, check_run,
+                      echo_run, handle_errors, parse_list, run_options)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -61,7 +61,10 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                               reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device)
     DocumentStream(data)
     tokenizer = check_checkpoints(checkpoints)
+    est = check_run(checkpoints[0], seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
+                    dtype=dtype, attn_implementation="eager" if opts.needs_attention else None)
     run = RunDir.create("fluctuation", out, force)
+    run.add(memory_estimate=est.as_dict())
     tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
     res = compute(checkpoints, tokens, opts, quiet=quiet)
     write(res, run, options=run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len,

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
-                      MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, echo_run, handle_errors,
-                      parse_layers, parse_list, run_options)
+                      MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, check_run, echo_run,
+                      handle_errors, parse_layers, parse_list, run_options)
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
@@ -60,7 +60,10 @@ def norm_select(model: Model = DEFAULT_MODEL,
     build_policy(opts.specs()[-1], weights, seed)  # a bad --weights fails before anything is loaded
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
     DocumentStream(data)
+    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
+                    device_map=device_map)
     run = RunDir.create("norm-select", out, force)
+    run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
     res = ns.norm_select(lm, tokens, opts, plan=plan, quiet=quiet)

@@ -68,7 +68,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if os.environ.get("MOETOOL_DEBUG"):
                 raise
             typer.secho(f"error: {e}", fg="red", err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(getattr(e, "exit_code", 2)) from None
         except KeyboardInterrupt as e:
             runs = rundir.mark_unfinished(since, "interrupted", "SIGTERM" if isinstance(e, rundir.Terminated)
                                           else "SIGINT")
@@ -122,6 +122,18 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
             raise MoetoolError(f"empty --layers range '{item}' (use low-high, e.g. {b}-{a})")
         out.extend(range(a, b + 1))
     return tuple(sorted(set(out)))
+
+
+def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
+              max_tokens: int | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+              attn_implementation: str | None = None) -> Any:
+    """``loading.validate_run`` on the model's config: bad sizes, too long --seq-len, no such device, not enough
+    memory fail with one line before any weight loads or any run folder exists. Returns the ``RunEstimate``."""
+    from moetool.loading import load_config, validate_run
+
+    config, _, _ = load_config(model)
+    return validate_run(config, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
+                        dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
 
 
 def run_options(**options: Any) -> dict[str, Any]:

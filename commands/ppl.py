@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
-                      Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
+from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
+                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, check_run, echo_run, handle_errors, parse_layers,
                       run_options)
 
 HELP = """Perplexity, mean next-token NLL and token count of --data with a routing policy applied.
@@ -38,7 +38,10 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
                       batch_size=batch_size, seed=seed)
     policy = opts.policy()  # a bad --routing fails before anything is loaded
     DocumentStream(data)
+    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
+                    device_map=device_map, attn_implementation="eager" if policy.needs_attention else None)
     run = RunDir.create("ppl", out, force)
+    run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map,
               attn_implementation="eager" if policy.needs_attention else None)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
-                      Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
+from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
+                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, check_run, echo_run, handle_errors, parse_layers,
                       run_options)
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
@@ -43,7 +43,10 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                         logits=logits, batch_size=batch_size, seed=seed)
     policy = opts.policy()
     DocumentStream(data)
+    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
+                    device_map=device_map, attn_implementation="eager" if policy.needs_attention else None)
     run = RunDir.create("trace", out, force)
+    run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map,
               attn_implementation="eager" if policy.needs_attention else None)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)

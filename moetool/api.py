@@ -117,8 +117,8 @@ def trace(lm: Any, tokens: Any, options: Any = None, *, path: str | Path | None 
 def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, consumers: Iterable[Any] = (),
          attention: bool = False, **policy_options: Any) -> Any:
     """The hook engine as a context manager: every forward of ``lm.model`` inside the block hands a
-    :class:`~moetool.engine.RoutingEvent` (``h``, ``logits``, ``idx``, ``weights``, ``valid``, ``probs``, ``chosen_idx``,
-    ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object) replaces routing in ``layers``.
+    :class:`~moetool.engine.RoutingEvent` (``h``, ``logits``, ``idx``, ``weights``, ``valid``, ``probs``,
+    ``chosen_idx``, ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object) replaces routing in ``layers``.
 
         with moetool.hook(lm, consumers=[events.append]):
             lm.model(input_ids=ids)

@@ -67,8 +67,9 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
 
     ``policy`` replaces routing in the MoE ``layers`` (decoder indices, ``None`` = every MoE layer; validated by
     :func:`moetool.engine.select_layers`); ``consumers`` see every routing event of the hooked ``moe_layers``
-    (``MoELayer`` objects, default ``lm.layers``: an analysis restricted to some layers hooks only those). With no policy and no consumers
-    (and ``attention=False``) no hook is installed at all: the unhooked reference a ``router`` run reproduces.
+    (``MoELayer`` objects, default ``lm.layers``: an analysis restricted to some layers hooks only those). With
+    no policy and no consumers (and ``attention=False``) no hook is installed at all: the unhooked reference a
+    ``router`` run reproduces.
     ``before_batch(batch)`` runs before each forward (a consumer registering the batch's token ids),
     ``on_batch(batch, output)`` after it (logits consumers, per-batch checks). ``nll=True`` reduces the
     next-token NLL of the real tokens (padding never counts).

@@ -7,7 +7,7 @@ take the experiment's tables, so a notebook can draw them from a :class:`~moetoo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 # ----- stats ----------------------------------------------------------------------------------
@@ -92,7 +92,8 @@ def stats_figures(result: Any) -> dict[str, Any]:
 
 
 # ----- norm-select ----------------------------------------------------------------------------
-def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None) -> dict[str, Any]:
+def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
+                     tasks: Iterable[str] | None = None) -> dict[str, Any]:
     """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``."""
     import numpy as np
 
