@@ -1,0 +1,334 @@
+"""Streaming consumers behind ``stats``' OLMoE-style analyses: vocabulary specialisation, cross-layer
+co-activation and the load-balancing view. Each rides on :func:`moetool.engine.forward` beside
+:class:`~moetool.experiments.stats.RoutingStats`, keeps its aggregates on the layer's device (padding is weighted
+out, never indexed away, so nothing waits for the device inside the forward) and turns them into DataFrames at
+the end with the pure functions below.
+
+Conventions (also in :data:`DEFINITIONS`, written to the manifest):
+
+* vocabulary specialisation counts each token's **first-ranked** expert, as allenai/OLMoE
+  ``scripts/run_moe_analysis.py`` (``do_token_analysis``: ``exp_ids[:, 0, layer]``) does;
+* cross-layer co-activation counts every pair (top-K at layer l) x (top-K at the next MoE layer) of a token;
+* the load-balancing view follows transformers' ``load_balancing_loss_func`` (f_e counts top-K assignments per
+  token, so it sums to K; P_e is the mean routing probability).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine.hooks import RoutingEvent
+from ..errors import MoetoolError
+
+VIEWS = ("input", "next_token", "predicted")
+
+DEFINITIONS = {
+    "specialization": "per layer and view, mean over token ids with >= min_count occurrences of the share of the "
+                      "token's occurrences whose first-ranked expert is the token's most frequent first-ranked "
+                      "expert (OLMoE sec. 5; top-1 as allenai/OLMoE run_moe_analysis.py). Views: input = the "
+                      "token at the position, next_token = the ground-truth next token (positions whose next "
+                      "position is real), predicted = argmax of the model's logits at the position. "
+                      "specialization_all_ids = the same mean over every token id (OLMoE's printed average)",
+    "specialized_tokens": "per layer, view and expert: token ids (>= min_count occurrences) whose most frequent "
+                          "first-ranked expert it is, ranked by specialization (ties: occurrences, token id)",
+    "cross_layer": "for consecutive MoE layers l -> next: count[a,b] = tokens with a in the top-K at l and b in "
+                   "the top-K at next (every pair of the two top-K sets); p_b_given_a = count / tokens with a at l "
+                   "(sums to K over b; independent uniform routing gives K/n)",
+    "cross_layer_summary": "mean_max_p = mean over experts a chosen at l of max_b p_b_given_a (uniform: K/n); "
+                           "mutual_information = MI in nats of the pair distribution count / sum(count) against "
+                           "the product of its marginals (0 = independent layers); _norm divides by log n",
+    "router_prob": "P_e: mean over real tokens of the router probability of e (the model's full routing "
+                   "distribution pi; softmax of the logits for softmax routers, as load_balancing_loss_func)",
+    "aux_loss": "n * sum_e f_e * P_e for the layer, f_e = token_fraction (tokens whose top-K contains e / tokens, "
+                "sums to K: transformers' convention); uniform routing gives K",
+    "aux_loss_hf_pooled": "the same loss pooled over all MoE layers as transformers' load_balancing_loss_func "
+                          "pools it: f and P averaged over every (layer, token) first, then n * sum f * P (not "
+                          "the mean of the per-layer losses); same value on every row",
+}
+
+
+def _sparse_counter(merge_min: int):
+    from .stats import SparseCounter  # stats imports this module
+
+    return SparseCounter(merge_min)
+
+
+def _masked_keys(ids: torch.Tensor, expert: torch.Tensor, n: int, keep: torch.Tensor) -> torch.Tensor:
+    """``ids * n + expert`` where ``keep``, else -1 (dropped when the counts are read): no boolean indexing."""
+    return torch.where(keep, ids.long() * n + expert.long(), torch.full_like(expert, -1, dtype=torch.long))
+
+
+# ----- vocabulary specialisation -------------------------------------------------------------------
+class VocabSpecialization:
+    """Counts (token id, first-ranked expert) per layer for the three :data:`VIEWS`.
+
+    ``begin_batch(batch)`` before each forward, the events during it, ``on_batch(batch, output)`` after it (the
+    predicted view needs the logits).
+    """
+
+    def __init__(self, layers: list[Any], merge_min: int = 1 << 20):
+        self.layers = {L.index: L for L in layers}
+        self.merge_min = merge_min
+        self.counters: dict[int, dict[str, Any]] = {}
+        self.n: dict[int, int] = {}
+        self._batch: dict[str, Any] | None = None
+        self._top1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin_batch(self, batch: Any) -> Any:
+        ids, mask = batch.input_ids, batch.attention_mask.bool()  # [B, S]
+        nxt = torch.zeros_like(ids)
+        nxt[:, :-1] = ids[:, 1:]
+        nmask = torch.zeros_like(mask)
+        nmask[:, :-1] = mask[:, 1:] & mask[:, :-1]
+        self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1), "next": nxt.reshape(-1),
+                       "next_ok": nmask.reshape(-1), "on": {}}
+        self._top1 = {}
+        return batch
+
+    def _on(self, key: str, device: Any) -> torch.Tensor:
+        cache = self._batch["on"]
+        if (key, device) not in cache:
+            cache[key, device] = self._batch[key].to(device)
+        return cache[key, device]
+
+    def _counter(self, li: int, n: int) -> dict[str, Any]:
+        if li not in self.counters:
+            self.counters[li] = {v: _sparse_counter(self.merge_min) for v in VIEWS}
+            self.n[li] = n
+        return self.counters[li]
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        if self._batch is None or self._batch["shape"] != tuple(ev.shape):
+            raise MoetoolError("VocabSpecialization: call begin_batch(batch) before each forward")
+        n, dev = ev.layer.n_experts, ev.idx.device
+        top1 = ev.idx[:, 0].long()  # [T] first-ranked expert (torch.topk order)
+        valid = ev.valid.to(dev)
+        c = self._counter(ev.layer.index, n)
+        c["input"].add(_masked_keys(self._on("ids", dev), top1, n, valid))
+        c["next_token"].add(_masked_keys(self._on("next", dev), top1, n, valid & self._on("next_ok", dev)))
+        self._top1[ev.layer.index] = (top1, valid)
+
+    def on_batch(self, batch: Any, output: Any) -> None:
+        pred = output.logits.argmax(-1).reshape(-1)  # [T] predicted next token at every position
+        for li, (top1, valid) in self._top1.items():
+            self.counters[li]["predicted"].add(_masked_keys(pred.to(top1.device), top1, self.n[li], valid))
+        self._top1 = {}
+
+    def token_table(self, li: int, view: str) -> Any:
+        """Per token id of one layer and view: see :func:`token_specialization`."""
+        keys, counts = self.counters[li][view].result()
+        return token_specialization(keys, counts, self.n[li])
+
+    def tables(self, tokenizer: Any = None, min_count: int = 10, top_n: int = 10) -> dict[str, Any]:
+        """``specialization.csv`` and ``specialized_tokens.csv``."""
+        import pandas as pd
+
+        from .stats import _decoder, _with_tokens
+
+        missing = sorted(set(self.layers) - set(self.counters))
+        if missing:
+            raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
+        rows, best = [], []
+        for li in sorted(self.counters):
+            for view in VIEWS:
+                tok = self.token_table(li, view)
+                if not len(tok):
+                    raise MoetoolError(f"layer {li}: no tokens for the {view} view (sequences of length 1?)")
+                kept = tok[tok["occurrences"] >= min_count]
+                rows.append({"layer": li, "view": view, "token_ids": len(kept),
+                             "specialization": float(kept["specialization"].mean()) if len(kept) else math.nan,
+                             "token_ids_all": len(tok), "specialization_all_ids": float(tok["specialization"].mean())})
+                df = kept.sort_values(["expert", "specialization", "occurrences", "token_id"],
+                                      ascending=[True, False, False, True], kind="stable")
+                df = df.groupby("expert", sort=False).head(top_n).copy()
+                df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
+                df.insert(0, "view", view)
+                df.insert(0, "layer", li)
+                best.append(df)
+        spec = pd.DataFrame(rows)
+        cols = ["layer", "view", "expert", "rank", "token_id", "token", "occurrences", "count", "specialization"]
+        tokens = _with_tokens(pd.concat(best, ignore_index=True), _decoder(tokenizer))[cols]
+        return {"specialization.csv": spec, "specialized_tokens.csv": tokens}
+
+
+def token_specialization(keys: torch.Tensor, counts: torch.Tensor, n: int) -> Any:
+    """From counts of keys ``token_id * n + expert`` (negative keys = padding, dropped): per token id its
+    ``occurrences``, most frequent ``expert`` (ties: lowest id), its ``count`` and ``specialization`` =
+    count / occurrences. Sorted by token id."""
+    import numpy as np
+    import pandas as pd
+
+    k, c = keys.cpu().numpy(), counts.cpu().numpy()
+    k, c = k[k >= 0], c[k >= 0]
+    df = pd.DataFrame({"token_id": k // n, "expert": k % n, "count": c})  # sorted by (token, expert)
+    occ = df.groupby("token_id", sort=True)["count"].sum()
+    best = df.sort_values(["token_id", "count", "expert"], ascending=[True, False, True], kind="stable")
+    best = best.drop_duplicates("token_id").set_index("token_id")
+    out = pd.DataFrame({"token_id": occ.index.to_numpy(), "occurrences": occ.to_numpy(),
+                        "expert": best.loc[occ.index, "expert"].to_numpy(),
+                        "count": best.loc[occ.index, "count"].to_numpy()})
+    out["specialization"] = out["count"] / out["occurrences"].astype(np.float64)
+    return out
+
+
+# ----- cross-layer co-activation ---------------------------------------------------------------------
+class CrossLayer:
+    """``count[a, b]`` for consecutive hooked MoE layers (l, next): tokens with a in the top-K at l and b at next.
+
+    ``top_k=1`` counts only the first-ranked expert at both layers. Events of one forward arrive in model
+    order; ``begin_batch`` clears the previous layer's indicator.
+    """
+
+    def __init__(self, layers: list[Any], top_k: int | None = None):
+        self.order = [L.index for L in layers]
+        self.top_k = top_k
+        self.counts: dict[tuple[int, int], torch.Tensor] = {}
+        self.k: dict[int, int] = {}
+        self._prev: tuple[int, torch.Tensor] | None = None
+
+    def begin_batch(self, batch: Any) -> Any:
+        self._prev = None
+        return batch
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        li, n, dev = ev.layer.index, ev.layer.n_experts, ev.idx.device
+        idx = ev.idx[:, : self.top_k] if self.top_k else ev.idx  # [T, K]
+        self.k[li] = idx.shape[-1]
+        m = ops.multi_hot(idx, n, dtype=torch.float64) * ev.valid.to(dev).unsqueeze(-1)  # [T, n], padding rows 0
+        prev, self._prev = self._prev, (li, m)
+        if prev is None:
+            return
+        pl, pm = prev
+        pos = self.order.index(li)
+        if pos == 0 or self.order[pos - 1] != pl:
+            raise MoetoolError(f"CrossLayer: layer {li} reported after layer {pl}, expected model order "
+                               "(call begin_batch before each forward)")
+        c = pm.to(dev).T @ m  # [n_prev, n]
+        key = (pl, li)
+        self.counts[key] = c if key not in self.counts else self.counts[key] + c
+
+    def tables(self) -> dict[str, Any]:
+        """``cross_layer.csv`` (layer, next_layer, a, b, count, p_b_given_a) and ``cross_layer_summary.csv``."""
+        import pandas as pd
+
+        if len(self.order) > 1 and len(self.counts) != len(self.order) - 1:
+            raise MoetoolError("CrossLayer: no events for some consecutive MoE layers (nothing ran?)")
+        pairs, summary = [], []
+        for (l0, l1), c in sorted(self.counts.items()):
+            c = c.cpu()
+            p, s = cross_layer_matrix(c, self.k[l0], self.k[l1])
+            a, b = torch.meshgrid(torch.arange(c.shape[0]), torch.arange(c.shape[1]), indexing="ij")
+            pairs.append(pd.DataFrame({"layer": l0, "next_layer": l1, "a": a.reshape(-1).numpy(),
+                                       "b": b.reshape(-1).numpy(), "count": c.reshape(-1).long().numpy(),
+                                       "p_b_given_a": p.reshape(-1).numpy()}))
+            summary.append({"layer": l0, "next_layer": l1, **s})
+        if not pairs:
+            return {}
+        return {"cross_layer.csv": pd.concat(pairs, ignore_index=True),
+                "cross_layer_summary.csv": pd.DataFrame(summary)}
+
+
+def cross_layer_matrix(count: torch.Tensor, k: int, k_next: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """``count [n, m]`` of (expert a at l, expert b at next) pairs of tokens counting ``k`` experts at l and
+    ``k_next`` at next -> ``(P(b | a) [n, m]`` (NaN rows for experts never chosen), summary dict)``."""
+    count = count.double()
+    total = float(count.sum())
+    if not total > 0:
+        raise MoetoolError("cross-layer co-activation: no tokens")
+    chose = count.sum(1, keepdim=True) / k_next  # [n, 1] tokens with a at l
+    p = count / chose  # NaN where nobody chose a
+    seen = chose.squeeze(1) > 0
+    joint = count / total
+    pa, pb = joint.sum(1, keepdim=True), joint.sum(0, keepdim=True)
+    mi = float(torch.special.xlogy(joint, joint / (pa * pb)).nan_to_num(0.0).sum())
+    m = count.shape[1]
+    return p, {"tokens": int(round(total / (k * k_next))), "mean_max_p": float(p[seen].max(1).values.mean()),
+               "uniform_max_p": k_next / m, "mutual_information": mi, "mutual_information_norm": mi / math.log(m)}
+
+
+# ----- load-balancing view ---------------------------------------------------------------------------
+class LoadBalance:
+    """Per layer: sum over real tokens of the routing probabilities ``[n]`` and the top-K assignment counts
+    ``[n]`` (``top_k=1``: first-ranked expert only), and the real-token count."""
+
+    def __init__(self, layers: list[Any], top_k: int | None = None):
+        self.layers = {L.index: L for L in layers}
+        self.top_k = top_k
+        self.acc: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        n, dev = ev.layer.n_experts, ev.idx.device
+        valid = ev.valid.to(dev)
+        idx = ev.idx[:, : self.top_k] if self.top_k else ev.idx  # [T, K]
+        a = self.acc.setdefault(ev.layer.index, {
+            "prob": torch.zeros(n, dtype=torch.float64, device=dev),
+            "assign": torch.zeros(n, dtype=torch.float64, device=dev),
+            "tokens": torch.zeros((), dtype=torch.float64, device=dev), "k": idx.shape[-1]})
+        a["prob"] += (ev.probs.to(dev).double() * valid.unsqueeze(-1)).sum(0)
+        a["assign"] += ops.one_hot_counts(idx, n, valid)
+        a["tokens"] += valid.sum()
+
+    def tables(self) -> tuple[Any, Any]:
+        """``(per expert: layer, expert, router_prob, token_fraction; per layer: layer, aux_loss,
+        aux_loss_hf_pooled)``."""
+        import pandas as pd
+
+        missing = sorted(set(self.layers) - set(self.acc))
+        if missing:
+            raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
+        experts, layers = [], []
+        sums = {k: [] for k in ("prob", "assign", "tokens")}
+        for li in sorted(self.acc):
+            a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in self.acc[li].items()}
+            tokens = float(a["tokens"])
+            if tokens <= 0:
+                raise MoetoolError(f"layer {li}: no real tokens (empty data or all padding)")
+            P, f = a["prob"] / tokens, a["assign"] / tokens  # [n]
+            experts.append(pd.DataFrame({"layer": li, "expert": range(len(P)), "router_prob": P.numpy(),
+                                         "token_fraction": f.numpy()}))
+            layers.append({"layer": li, "aux_loss": aux_loss(f, P)})
+            for k in sums:
+                sums[k].append(a[k])
+        if len({len(p) for p in sums["prob"]}) == 1:
+            tokens = sum(float(t) for t in sums["tokens"])
+            pooled = aux_loss(torch.stack(sums["assign"]).sum(0) / tokens, torch.stack(sums["prob"]).sum(0) / tokens)
+        else:
+            pooled = math.nan  # layers with different expert counts cannot be pooled
+        out = pd.DataFrame(layers)
+        out["aux_loss_hf_pooled"] = pooled
+        return pd.concat(experts, ignore_index=True), out
+
+
+def aux_loss(f: torch.Tensor, P: torch.Tensor) -> float:
+    """Switch / transformers auxiliary loss ``n * sum_e f_e P_e``."""
+    return float(len(P) * (f.double() * P.double()).sum())
+
+
+# ----- co-activation within a layer ------------------------------------------------------------------
+COACTIVATION = ("all", "adjacent")
+
+
+def coactivation_counts(idx: torch.Tensor, n: int, valid: torch.Tensor, mode: str = "all") -> torch.Tensor:
+    """``[n, n]`` float64: diagonal = valid tokens whose ``idx [T, K]`` contains e; off-diagonal ``[a, b]`` =
+
+    * ``all``: tokens whose top-K contains both a and b (every ordered pair of the top-K);
+    * ``adjacent``: tokens where a and b sit at neighbouring ranks (``idx[:, i]``, ``idx[:, i+1]``, both
+      orders), as allenai/OLMoE ``run_moe_analysis.py`` (``more_itertools.pairwise``) counts it.
+    """
+    v = valid.to(torch.float64).unsqueeze(-1)  # [T, 1]
+    m = ops.multi_hot(idx, n, dtype=torch.float64) * v  # [T, n]
+    if mode == "all":
+        return m.T @ m
+    if mode != "adjacent":
+        raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{mode}'")
+    co = torch.diag(m.sum(0))
+    for i in range(idx.shape[-1] - 1):
+        a = ops.multi_hot(idx[:, i:i + 1], n, dtype=torch.float64) * v
+        b = ops.multi_hot(idx[:, i + 1:i + 2], n, dtype=torch.float64)
+        ab = a.T @ b
+        co = co + ab + ab.T
+    return co

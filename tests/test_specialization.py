@@ -1,0 +1,233 @@
+"""OLMoE-style analyses of ``stats`` (vocabulary specialisation, cross-layer co-activation, load balancing,
+co-activation conventions) against hand counts over the captured routing of a tiny model."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from itertools import permutations
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import build_tiny_model
+from moetool.adapters import find_moe_layers
+from moetool.data import TokenSet
+from moetool.engine import forward
+from moetool.errors import MoetoolError
+from moetool.experiments.specialization import (CrossLayer, LoadBalance, VocabSpecialization,
+                                                coactivation_counts, cross_layer_matrix)
+
+
+def token_set(rows=5, seq=14, lo=3, hi=12, seed=11) -> TokenSet:
+    """Right-padded rows over a small id range (ids repeat); row 1 and 3 padded, padding id 3 is also real."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(lo, hi, (rows, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    for r, p in ((1, 5), (3, 2)):
+        ids[r, -p:], mask[r, -p:] = 3, 0
+    return TokenSet(ids, mask, [""] * rows, "test")
+
+
+def run(model_type: str, consumers_of, tokens=None, batch_size=2):
+    """Forward with the given consumers plus a recorder of (layer, idx, probs, valid) and of the logits."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    tokens = tokens or token_set()
+    cons = consumers_of(layers)
+    rec, logits = [], []
+
+    def before(b):
+        for c in cons:
+            if hasattr(c, "begin_batch"):
+                c.begin_batch(b)
+
+    def after(b, out):
+        logits.append(out.logits.clone())
+        for c in cons:
+            if hasattr(c, "on_batch"):
+                c.on_batch(b, out)
+
+    lm = SimpleNamespace(model=model, layers=layers, tokenizer=None)
+    forward(lm, tokens, consumers=[*cons, lambda ev: rec.append(
+        (ev.layer.index, ev.idx.clone(), ev.probs.clone(), ev.logits.clone(), ev.valid.clone()))],
+        batch_size=batch_size, before_batch=before, on_batch=after, quiet=True)
+    return cons, layers, tokens, rec, logits
+
+
+def per_token(tokens, rec, logits, layer, batch_size=2):
+    """[(input id, next id or None, predicted id, idx list, probs, logits)] per real token of ``layer``."""
+    out = []
+    events = [r for r in rec if r[0] == layer]
+    for bi, (_, idx, probs, lg, valid) in enumerate(events):
+        ids = tokens.input_ids[bi * batch_size:(bi + 1) * batch_size]
+        mask = tokens.attention_mask[bi * batch_size:(bi + 1) * batch_size]
+        pred = logits[bi].argmax(-1)
+        S = ids.shape[1]
+        for t in range(idx.shape[0]):
+            r, s = divmod(t, S)
+            assert bool(valid[t]) == bool(mask[r, s])
+            if not mask[r, s]:
+                continue
+            nxt = int(ids[r, s + 1]) if s + 1 < S and mask[r, s + 1] else None
+            out.append((int(ids[r, s]), nxt, int(pred[r, s]), idx[t].tolist(), probs[t], lg[t]))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_vocab_specialization_matches_hand_count(model_type):
+    (vs,), layers, tokens, rec, logits = run(model_type, lambda L: [VocabSpecialization(L, merge_min=3)])
+    t = vs.tables(None, min_count=4, top_n=2)
+    spec, best = t["specialization.csv"], t["specialized_tokens.csv"]
+    assert len(spec) == 3 * len(layers)
+    for L in layers:
+        toks = per_token(tokens, rec, logits, L.index)
+        for view, pick in (("input", 0), ("next_token", 1), ("predicted", 2)):
+            seen = defaultdict(list)
+            for row in toks:
+                if row[pick] is not None:
+                    seen[row[pick]].append(row[3][0])  # first-ranked expert
+            hand = {}
+            for tok, exps in seen.items():
+                (e, c), = sorted(Counter(exps).items(), key=lambda x: (-x[1], x[0]))[:1]
+                hand[tok] = (len(exps), e, c / len(exps))
+            row = spec[(spec.layer == L.index) & (spec.view == view)].iloc[0]
+            kept = [s for occ, _, s in hand.values() if occ >= 4]
+            assert row["token_ids"] == len(kept) and row["token_ids_all"] == len(hand)
+            assert row["specialization"] == pytest.approx(np.mean(kept), rel=1e-12)
+            assert row["specialization_all_ids"] == pytest.approx(np.mean([s for *_, s in hand.values()]), rel=1e-12)
+            got = best[(best.layer == L.index) & (best.view == view)]
+            for e, g in got.groupby("expert"):
+                want = sorted(((-s, -occ, tok) for tok, (occ, ee, s) in hand.items() if ee == e and occ >= 4))[:2]
+                assert g["token_id"].tolist() == [tok for *_, tok in want]
+                assert g["specialization"].tolist() == pytest.approx([-s for s, *_ in want], rel=1e-12)
+                assert g["rank"].tolist() == list(range(1, len(want) + 1))
+    # next-token and input views differ (the data is not constant), predicted is argmax of the logits
+    assert not spec[spec.view == "input"]["specialization"].equals(spec[spec.view == "next_token"]["specialization"])
+
+
+def test_vocab_specialization_ignores_padding():
+    """Padding id 3 also appears as a real token: its occurrences must equal its real count only."""
+    (vs,), layers, tokens, rec, logits = run("mixtral", lambda L: [VocabSpecialization(L)])
+    tok = vs.token_table(layers[0].index, "input").set_index("token_id")
+    real = int(((tokens.input_ids == 3) & tokens.attention_mask.bool()).sum())
+    assert tok.loc[3, "occurrences"] == real < int((tokens.input_ids == 3).sum())
+    assert tok["occurrences"].sum() == int(tokens.attention_mask.sum())
+
+
+@pytest.mark.parametrize("top_k", [None, 1])
+def test_cross_layer_matches_hand_count(top_k):
+    (cl,), layers, tokens, rec, logits = run("mixtral", lambda L: [CrossLayer(L, top_k=top_k)])
+    t = cl.tables()
+    pairs, summ = t["cross_layer.csv"], t["cross_layer_summary.csv"]
+    n, K = layers[0].n_experts, (top_k or layers[0].top_k)
+    assert summ[["layer", "next_layer"]].values.tolist() == [[a.index, b.index] for a, b in zip(layers, layers[1:])]
+    for L0, L1 in zip(layers, layers[1:]):
+        t0 = per_token(tokens, rec, logits, L0.index)
+        t1 = per_token(tokens, rec, logits, L1.index)
+        hand = Counter()
+        for r0, r1 in zip(t0, t1):
+            for a in r0[3][:K]:
+                for b in r1[3][:K]:
+                    hand[a, b] += 1
+        chose = Counter(a for r in t0 for a in r[3][:K])
+        g = pairs[pairs.layer == L0.index].set_index(["a", "b"])
+        for a in range(n):
+            for b in range(n):
+                assert g.loc[(a, b), "count"] == hand[a, b]
+                want = hand[a, b] / chose[a] if chose[a] else np.nan
+                np.testing.assert_allclose(g.loc[(a, b), "p_b_given_a"], want, rtol=1e-12)
+        # summary: mean max-p over chosen experts, MI of the pair distribution (independent numpy computation)
+        joint = np.array([[hand[a, b] for b in range(n)] for a in range(n)], dtype=float)
+        joint /= joint.sum()
+        pa, pb = joint.sum(1), joint.sum(0)
+        nz = joint > 0
+        mi = float((joint[nz] * np.log(joint[nz] / np.outer(pa, pb)[nz])).sum())
+        s = summ[summ.layer == L0.index].iloc[0]
+        assert s["tokens"] == len(t0)
+        assert s["mutual_information"] == pytest.approx(mi, rel=1e-10)
+        assert s["mean_max_p"] == pytest.approx(np.mean([max(hand[a, b] for b in range(n)) / chose[a]
+                                                         for a in range(n) if chose[a]]), rel=1e-12)
+        assert s["uniform_max_p"] == pytest.approx(K / n)
+
+
+def test_cross_layer_summary_closed_forms():
+    # independent layers: count = outer product -> MI 0; a deterministic map a -> b (a permutation) -> MI = H(a)
+    c = torch.outer(torch.tensor([1.0, 2, 3, 4]), torch.tensor([2.0, 2, 1, 5]))
+    assert cross_layer_matrix(c, 1, 1)[1]["mutual_information"] == pytest.approx(0.0, abs=1e-12)
+    perm = torch.eye(4)[[2, 0, 3, 1]] * torch.tensor([[1.0], [2], [3], [4]])
+    p, s = cross_layer_matrix(perm, 1, 1)
+    w = np.array([1, 2, 3, 4]) / 10
+    assert s["mutual_information"] == pytest.approx(-(w * np.log(w)).sum(), rel=1e-12)
+    assert s["mean_max_p"] == 1.0 and s["tokens"] == 10
+    with pytest.raises(MoetoolError, match="no tokens"):
+        cross_layer_matrix(torch.zeros(3, 3), 1, 1)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balance_matches_transformers(model_type, masked):
+    """Pooled aux loss == transformers' load_balancing_loss_func on the same router logits (with/without mask);
+    per-layer loss == the same function on that layer alone."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    tokens = token_set() if masked else token_set(rows=4, seq=9)
+    if not masked:
+        tokens.attention_mask[:] = 1
+    (lb,), layers, _, rec, _ = run(model_type, lambda L: [LoadBalance(L)], tokens=tokens, batch_size=len(
+        tokens.input_ids))
+    experts, per_layer = lb.tables()
+    n, K = layers[0].n_experts, layers[0].top_k
+    gate = tuple(lg for _, _, _, lg, _ in rec)
+    mask = tokens.attention_mask if masked else None
+    want = float(load_balancing_loss_func(gate, n, K, mask))
+    np.testing.assert_allclose(per_layer["aux_loss_hf_pooled"], want, rtol=1e-6)
+    for (li, idx, probs, lg, valid), row in zip(rec, per_layer.itertuples()):
+        assert row.layer == li
+        assert row.aux_loss == pytest.approx(float(load_balancing_loss_func((lg,), n, K, mask)), rel=1e-6)
+        v = valid.double()
+        g = experts[experts.layer == li]
+        np.testing.assert_allclose(g["router_prob"], (probs.double() * v[:, None]).sum(0) / v.sum(), rtol=1e-12)
+        hand = Counter(e for t in range(len(idx)) if valid[t] for e in idx[t].tolist())
+        np.testing.assert_allclose(g["token_fraction"], [hand[e] / v.sum() for e in range(n)], rtol=1e-12)
+
+
+def test_load_balance_top1_and_uniform_closed_form():
+    (lb,), layers, *_ = run("mixtral", lambda L: [LoadBalance(L, top_k=1)])
+    experts, per_layer = lb.tables()
+    np.testing.assert_allclose(experts.groupby("layer")["token_fraction"].sum(), 1.0)
+    np.testing.assert_allclose(experts.groupby("layer")["router_prob"].sum(), 1.0, rtol=1e-6)
+    # uniform routing: f = K/n, P = 1/n -> n * n * K/n * 1/n = K
+    from moetool.experiments.specialization import aux_loss
+    assert aux_loss(torch.full((8,), 2 / 8), torch.full((8,), 1 / 8)) == pytest.approx(2.0)
+
+
+def test_coactivation_conventions_on_k4_hand_counts():
+    """K = 4: 'all' counts the 12 ordered pairs of each token's top-4, 'adjacent' only ranks (1,2), (2,3),
+    (3,4) in both orders (OLMoE's pairwise), so it is never larger."""
+    gen = torch.Generator().manual_seed(5)
+    n, K, T = 7, 4, 40
+    idx = torch.stack([torch.randperm(n, generator=gen)[:K] for _ in range(T)])
+    valid = torch.rand(T, generator=gen) > 0.2
+    all_ = coactivation_counts(idx, n, valid, "all")
+    adj = coactivation_counts(idx, n, valid, "adjacent")
+    h_all, h_adj, chose = Counter(), Counter(), Counter()
+    for t in range(T):
+        if not valid[t]:
+            continue
+        row = idx[t].tolist()
+        chose.update(row)
+        h_all.update(permutations(row, 2))
+        for a, b in zip(row, row[1:]):
+            h_adj[a, b] += 1
+            h_adj[b, a] += 1
+    for a in range(n):
+        assert all_[a, a] == adj[a, a] == chose[a]
+        for b in range(n):
+            if a != b:
+                assert all_[a, b] == h_all[a, b] and adj[a, b] == h_adj[a, b]
+    assert (adj <= all_).all() and (adj < all_).any()
+    with pytest.raises(MoetoolError, match="coactivation"):
+        coactivation_counts(idx, n, valid, "neighbours")
