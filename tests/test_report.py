@@ -50,7 +50,7 @@ def make_runs(root: Path) -> Path:
 
 def test_report_gathers_every_run_figure_and_table(tmp_path):
     demo = make_runs(tmp_path)
-    assert [r.name for r in find_runs([demo])] == ["demo", "demo-approx", "demo-erc", "demo-stats-tiny"]
+    assert [r.name for r in find_runs([demo])] == ["demo", "demo-stats-tiny", "demo-erc", "demo-approx"]  # steps
     page = write_report([demo], tmp_path / "rep")
     out = page.parent
     text = page.read_text()
@@ -62,6 +62,7 @@ def test_report_gathers_every_run_figure_and_table(tmp_path):
     assert "<link" not in text and "<script" not in text
     # each run's manifest summary; the failed run says why
     assert "model_type=mixtral" in text and "seq_len=256" in text and "NaN in layer 2, batch 0" in text
+    assert "demo-stats-tiny: curve — tiny (PDF" in text  # the model in the figure caption
     assert 'class="status-failed"' in text
     # tables: every row in CSV and LaTeX, the long one truncated in the page with a note
     load = pd.read_csv(out / "tables/demo-stats-tiny/load.csv")

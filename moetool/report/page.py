@@ -44,6 +44,19 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "run"
 
 
+def _walk(folder: Path) -> Any:
+    """Run folders under ``folder``, depth first: a run, then its sub-runs in the order its manifest lists them
+    (a demo's step order), then any other sub-folders by name."""
+    m = read_manifest(folder)
+    if m is not None:
+        yield folder
+    listed = [str(r) for r in (m or {}).get("runs", [])]
+    subs = sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
+    for p in sorted(subs, key=lambda p: (listed.index(p.name) if p.name in listed else len(listed), p.name)):
+        if p.name != "figures":
+            yield from _walk(p)
+
+
 def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None) -> list[Run]:
     """Every moetool run under the given folders (a folder holding ``manifest.json``, and its sub-runs), in
     folder order; a path that is not a run folder and holds none is an error."""
@@ -53,8 +66,7 @@ def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None) -> li
         root = Path(d)
         if not root.is_dir():
             raise MoetoolError(f"{root}: not a folder")
-        found = sorted({m.parent for m in root.rglob(MANIFEST)}, key=lambda p: (len(p.relative_to(root).parts),
-                                                                                 str(p)))
+        found = list(_walk(root))
         skip = lambda p: p.resolve() in seen or any(q in seen for q in p.resolve().parents)  # noqa: E731
         found = [p for p in found if read_manifest(p) is not None and not skip(p)]
         if not found:
@@ -180,6 +192,19 @@ def _print_width(png: bytes) -> str:
     return f' width="{round(px * 96 / STYLE["savefig.dpi"])}"'
 
 
+def run_context(m: dict[str, Any]) -> str:
+    """``"tiny · data: heldout.jsonl · 8,192 tokens"`` from a manifest (the caption of its figures)."""
+    from .figures import describe_run
+
+    model, data = m.get("model"), m.get("data")
+    name = model.get("name") if isinstance(model, dict) else model
+    if not name and isinstance(m.get("options"), dict):
+        name = m["options"].get("model")
+    src = data.get("source") if isinstance(data, dict) else None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    return describe_run(name, src, tokens if isinstance(tokens, int) else None)
+
+
 # ----- the report -----------------------------------------------------------------------------------------------
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;
@@ -232,7 +257,8 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, fo
                     shutil.copyfile(pdf, tmp)
             raw = png.read_bytes()
             data = base64.b64encode(raw).decode("ascii")
-            cap = f"{r.name}: {stem}" + (f" (PDF: {rel}.pdf)" if pdf.is_file() else "")
+            ctx = run_context(r.manifest)
+            cap = f"{r.name}: {stem}" + (f" — {ctx}" if ctx else "") + (f" (PDF: {rel}.pdf)" if pdf.is_file() else "")
             body.append(f'<figure><img alt="{html.escape(stem)}"{_print_width(raw)} src="data:image/png;base64,{data}">'
                         f"<figcaption>{html.escape(cap)}</figcaption></figure>")
             md += [f"![{stem}]({rel}.png)", f"*{cap}*", ""]
