@@ -15,11 +15,12 @@ def progress(items: Iterable[T], total: int | None = None, description: str = "w
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    cols = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+    # the description is data (a policy spec such as "norm:up:l2"): no markup, no emoji codes
+    cols = [TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TimeRemainingColumn()]
     from rich.console import Console
 
-    with Progress(*cols, console=Console(file=sys.stderr), transient=False) as bar:
+    with Progress(*cols, console=Console(file=sys.stderr, emoji=False), transient=False) as bar:
         task = bar.add_task(description, total=total)
         for item in items:
             yield item

@@ -183,3 +183,11 @@ def test_demo_ends_with_its_report(tmp_path):
     assert 'id="demo"' in text and 'id="demo-inspect"' in text and "models=" in text
     assert json.loads((out / "manifest.json").read_text())["runs"] == ["inspect", "report"]
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_progress_prints_policy_specs_verbatim(capsys):
+    from moetool.progress import progress
+
+    assert list(progress(range(3), total=3, description="ppl norm:up:l2 [x]")) == [0, 1, 2]
+    err = capsys.readouterr().err
+    assert "ppl norm:up:l2 [x]" in err and "\U0001f199" not in err  # not "ppl norm🆙l2"
