@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, Seed, SeqLen, check_run, echo_run, handle_errors, parse_layers, parse_list, run_options)
+                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options, start_run)
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
 
@@ -44,22 +44,14 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
            layers: Layers = None,
            seq_len: SeqLen = 256, max_tokens: MaxTokens = 4096, batch_size: BatchSize = 4, dtype: Dtype = "auto",
            device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
-    from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
     opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,
                          layers=parse_layers(layers), batch_size=batch_size, seed=seed)
-    DocumentStream(data)
-    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
-                    device_map=device_map)
-    run = RunDir.create("approx", out, force)
-    run.add(memory_estimate=est.as_dict())
-    lm = load(model, dtype=dtype, device=device, device_map=device_map)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    run, lm, tokens = start_run("approx", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
     res = compute(lm, tokens, opts, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                                                   dtype=dtype, device=device, device_map=device_map))

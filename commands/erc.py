@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, check_run,
-                      echo_run, handle_errors, parse_layers, parse_list, run_options)
+from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
+                      handle_errors, parse_layers, parse_list, run_options, start_run)
 
 HELP = r"""Expert–router coupling (ERC, paper 002) from the weights only: no data, no tokenizer.
 
@@ -43,17 +43,13 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
         quiet: Quiet = False) -> None:
     from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
     opts = ErcOptions(alphas=tuple(parse_list(alpha, float, "alpha")), noise=parse_noise(noise), samples=samples,
                       node=node, norm=norm, seed=seed, layers=parse_layers(layers))
-    est = check_run(model, device=device, dtype=dtype, device_map=device_map)
-    run = RunDir.create("erc", out, force)
-    run.add(memory_estimate=est.as_dict())
-    lm = load(model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
+    run, lm, _ = start_run("erc", out, force, model, dtype=dtype, device=device, device_map=device_map,
+                           tokenizer=False)
     res = compute(lm, opts, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))
     if not quiet:

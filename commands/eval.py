@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
-                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, check_run, echo_run, handle_errors,
-                      parse_layers, parse_list, run_options)
+                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors, parse_layers,
+                      parse_list, run_options, start_run)
 
 HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
 
@@ -41,8 +41,6 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
                  quiet: Quiet = False) -> None:
     from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
@@ -51,12 +49,8 @@ def eval_command(model: Model = DEFAULT_MODEL,
                        sim=sim, causal=causal, layers=parse_layers(layers), batch_size=batch_size, seed=seed)
     policy = opts.policy()
     plan = plan_tasks(opts.tasks, opts.include_path)  # unknown tasks fail before anything is loaded
-    est = check_run(model, batch_size=batch_size, device=device, dtype=dtype, device_map=device_map,
-                    attn_implementation="eager" if policy.needs_attention else None)
-    run = RunDir.create("eval", out, force)
-    run.add(memory_estimate=est.as_dict())
-    lm = load(model, dtype=dtype, device=device, device_map=device_map,
-              attn_implementation="eager" if policy.needs_attention else None)
+    run, lm, _ = start_run("eval", out, force, model, batch_size=batch_size, dtype=dtype, device=device,
+                           device_map=device_map, attention=policy.needs_attention)
     res = eval_tasks(lm, opts, plan=plan, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))
     typer.echo(f"lm-eval on {model}, routing {policy.name}")  # plain echo: rich makes ':up:' an emoji

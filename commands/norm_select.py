@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
-                      MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, check_run, echo_run,
-                      handle_errors, parse_layers, parse_list, run_options)
+                      MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, echo_run, handle_errors,
+                      parse_layers, parse_list, run_options, start_run)
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
@@ -42,12 +42,9 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
                 force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
-    from moetool.data import DocumentStream, load_tokens
     from moetool.experiments import norm_select as ns
     from moetool.experiments.lmeval import plan_tasks
-    from moetool.loading import load
     from moetool.policies import build_policy
-    from moetool.report import RunDir
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
@@ -59,13 +56,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
                                 seed=seed)
     build_policy(opts.specs()[-1], weights, seed)  # a bad --weights fails before anything is loaded
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
-    DocumentStream(data)
-    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
-                    device_map=device_map)
-    run = RunDir.create("norm-select", out, force)
-    run.add(memory_estimate=est.as_dict())
-    lm = load(model, dtype=dtype, device=device, device_map=device_map)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    run, lm, tokens = start_run("norm-select", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
     res = ns.norm_select(lm, tokens, opts, plan=plan, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                                                   dtype=dtype, device=device, device_map=device_map))

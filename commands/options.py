@@ -136,6 +136,28 @@ def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None 
                         dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
 
 
+def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
+              max_tokens: int | None = None, batch_size: int | None = None, dtype: str = "auto", device: str = "auto",
+              device_map: str | None = None, attention: bool = False, tokenizer: bool = True) -> tuple[Any, Any, Any]:
+    """The start every command shares: ``--data`` must exist and the run must fit (:func:`check_run`) before the
+    run folder exists; then the folder (with the memory estimate), the model (eager attention for ``attention``),
+    and with ``seq_len`` the packed tokens of ``--data``. Returns ``(run, lm, tokens or None)``."""
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.loading import load
+    from moetool.report import RunDir
+
+    attn = "eager" if attention else None
+    if seq_len is not None:
+        DocumentStream(data)  # a missing --data fails before anything is loaded
+    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
+                    device_map=device_map, attn_implementation=attn)
+    run = RunDir.create(command, out, force)
+    run.add(memory_estimate=est.as_dict())
+    lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
+    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens) if seq_len is not None else None
+    return run, lm, tokens
+
+
 def run_options(**options: Any) -> dict[str, Any]:
     """The run-level manifest options (model, data, loading); paths as strings. The experiment's own options
     come from its options dataclass (see :func:`moetool.report.writers.write`)."""

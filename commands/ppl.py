@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, check_run, echo_run, handle_errors, parse_layers,
-                      run_options)
+                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
+                      run_options, start_run)
 
 HELP = """Perplexity, mean next-token NLL and token count of --data with a routing policy applied.
 
@@ -27,24 +27,16 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
         max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
         force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
-    from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.ppl import PplOptions, data_name, ppl as compute
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
     opts = PplOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),
                       batch_size=batch_size, seed=seed)
     policy = opts.policy()  # a bad --routing fails before anything is loaded
-    DocumentStream(data)
-    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
-                    device_map=device_map, attn_implementation="eager" if policy.needs_attention else None)
-    run = RunDir.create("ppl", out, force)
-    run.add(memory_estimate=est.as_dict())
-    lm = load(model, dtype=dtype, device=device, device_map=device_map,
-              attn_implementation="eager" if policy.needs_attention else None)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    run, lm, tokens = start_run("ppl", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                                attention=policy.needs_attention)
     res = compute(lm, tokens, opts, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                                                   dtype=dtype, device=device, device_map=device_map))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, check_run, echo_run, handle_errors, parse_layers,
-                      run_options)
+                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
+                      run_options, start_run)
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
 
@@ -30,11 +30,8 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
           quiet: Quiet = False) -> None:
-    from moetool.data import DocumentStream, load_tokens
     from moetool.errors import MoetoolError
     from moetool.experiments.trace import TraceOptions, trace as compute
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.writers import write
 
     if fmt not in ("csv.gz", "parquet"):
@@ -42,14 +39,9 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     opts = TraceOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),
                         logits=logits, batch_size=batch_size, seed=seed)
     policy = opts.policy()
-    DocumentStream(data)
-    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
-                    device_map=device_map, attn_implementation="eager" if policy.needs_attention else None)
-    run = RunDir.create("trace", out, force)
-    run.add(memory_estimate=est.as_dict())
-    lm = load(model, dtype=dtype, device=device, device_map=device_map,
-              attn_implementation="eager" if policy.needs_attention else None)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    run, lm, tokens = start_run("trace", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                                attention=policy.needs_attention)
     path = run.file(f"trace.{fmt}")
     res = compute(lm, tokens, opts, path=path, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
