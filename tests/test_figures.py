@@ -106,3 +106,15 @@ def test_error_bars_from_interval_columns():
     F.line_by(ax, df, "layer", "ratio", "policy", yerr=("lo", "hi"))
     segs = [c for c in ax.collections if hasattr(c, "get_segments")][0].get_segments()
     np.testing.assert_allclose([s[:, 1] for s in segs], [[0.9, 1.2], [1.5, 2.5]])
+
+
+def test_run_caption_goes_under_figures_without_one(tmp_path):
+    run = RunDir.create("x", tmp_path / "run")
+    run.caption = F.describe_run("tiny", "/data/heldout.jsonl", 8192)
+    assert run.caption == "tiny · data: heldout.jsonl · 8,192 tokens"
+    fig, _ = F.new_figure()
+    run.save_figure(fig, "a")
+    assert [t.get_text() for t in fig.texts if t.get_gid() == "caption"] == [run.caption]
+    fig2, _ = F.new_figure(caption="own")
+    run.save_figure(fig2, "b")
+    assert [t.get_text() for t in fig2.texts if t.get_gid() == "caption"] == ["own"]

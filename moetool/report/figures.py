@@ -121,6 +121,10 @@ def set_caption(fig: Any, text: str) -> None:
     fig.text(0.5, 0.0, text, ha="center", va="top", fontsize=7, color="0.3", gid="caption")
 
 
+def has_caption(fig: Any) -> bool:
+    return any(t.get_gid() == "caption" for t in fig.texts)
+
+
 def describe_run(model: Any = None, data: Any = None, tokens: int | None = None) -> str:
     """``"tiny · data: held-out.txt · 8,192 tokens"``: the title/caption text of a run's figures."""
     parts = [str(model)] if model else []

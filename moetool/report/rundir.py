@@ -178,6 +178,7 @@ class RunDir:
         self.parent = parent
         self._replace = replace  # the folder may hold a previous run to clear at the first write
         self._options: Any = None
+        self.caption = ""  # written under every figure saved without a caption of its own (model, data, tokens)
         self._seq = next(_COUNTER)
         _ACTIVE[self._seq] = self
 
@@ -279,12 +280,14 @@ class RunDir:
         return self._path / name
 
     def save_figure(self, fig: Any, name: str) -> list[Path]:
-        """``figures/<name>.png`` and ``.pdf`` in the house style (:func:`moetool.report.figures.savefig`);
-        closes the figure."""
-        from .figures import finalize, savefig
-
+        """``figures/<name>.png`` and ``.pdf`` in the house style (:func:`moetool.report.figures.savefig`), with
+        :attr:`caption` (e.g. ``describe_run(model, data, tokens)``) under a figure that has none; closes it."""
         import matplotlib.pyplot as plt
 
+        from .figures import finalize, has_caption, savefig, set_caption
+
+        if self.caption and not has_caption(fig):
+            set_caption(fig, self.caption)
         finalize(fig)
         paths = []
         try:
