@@ -77,7 +77,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                         err=True)
             raise typer.Exit(143 if isinstance(e, rundir.Terminated) else 130) from None
         except Exception as e:
-            rundir.mark_unfinished(since, "failed", rundir.one_line(e))
+            if not (isinstance(e, typer.Exit) and e.exit_code == 0):  # a deliberate clean exit is no failure
+                rundir.mark_unfinished(since, "failed", rundir.one_line(e))
             raise
 
     return wrapper
