@@ -13,21 +13,43 @@ HELP = """Routing statistics of every MoE layer on --data, model's own router.
 Padding never counts; every definition is also in manifest.json.
   load.csv: layer, expert, load_fraction (share of all top-K assignments,
     sums to 1, uniform 1/n), token_fraction (share of tokens picking the
-    expert, sums to K), tokens (tokens picking the expert)
+    expert, sums to K; f_e of the aux loss), router_prob (P_e: mean router
+    probability), tokens (tokens picking the expert)
   layers.csv: layer, n_experts, top_k, tokens, load_entropy (nats, AoE
     Ent_load), load_entropy_norm (/ log n), confidence_entropy (mean entropy
     of each token's full routing distribution, AoE Ent_conf),
-    confidence_entropy_norm, max_load_ratio (max load / (1/n))
-  coactivation.csv: layer, a, b, p_b_given_a, count (tokens picking a and b)
-  domain_load.csv: layer, domain, expert, load_fraction, tokens (if domains)
+    confidence_entropy_norm, max_load_ratio (max load / (1/n)), aux_loss
+    (n * sum f_e P_e, this layer), aux_loss_hf_pooled (pooled over layers as
+    transformers' load_balancing_loss_func)
+  coactivation.csv: layer, a, b, p_b_given_a, count (tokens picking a and b;
+    --coactivation all = every ordered pair of the top-K, adjacent = only
+    neighbouring ranks as OLMoE's heatmaps, lower for K > 2)
+  cross_layer.csv: layer, next_layer, a, b, count, p_b_given_a (P(b at the
+    next MoE layer | a at this one), same token, every top-K x top-K pair);
+    cross_layer_summary.csv: mean_max_p, uniform_max_p (K/n),
+    mutual_information (nats, 0 = independent), _norm (/ log n)
+  specialization.csv: layer, view (input, next_token, predicted), token_ids,
+    specialization (OLMoE sec. 5: mean over token ids with >= --min-count
+    occurrences of the share routed to the token's most frequent
+    first-ranked expert), token_ids_all, specialization_all_ids;
+    specialized_tokens.csv: the most specialised token ids per expert
+  domain_load.csv: layer, domain, expert, load_fraction, token_fraction
+    (K x load), uniform_token_fraction (K/n), tokens (if domains)
   top_tokens.csv: layer, expert, rank, token_id, token, count, share (count /
     the token's occurrences); top_tokens_lift.csv: the same ranked by lift =
     P(expert | token) / P(expert), plus lift, pairs with count >= --min-count
-  figures/: load heatmap (load / uniform), co-activation, per-domain load.
+  expert_tokens.parquet (--all-tokens): layer, expert, token_id, count for
+    every pair seen
+  figures/: load heatmap, co-activation, per-domain token fraction with the
+    K/n line, specialisation per layer, cross-layer heatmaps.
+
+Special tokens follow the tokenizer's default (a BOS where it adds one);
+--no-special-tokens adds none. The choice is in manifest.json (data).
 
 Examples:
   moetool stats --out runs/stats-tiny
   moetool stats --model tiny-fine --top-tokens 20 --max-tokens 16384
+  moetool stats --top-k 1 --coactivation adjacent   # OLMoE's *_top1 / heatmaps
   moetool stats --model mixtral-8x7b --data my.jsonl --device-map auto
 """
 
@@ -36,8 +58,22 @@ Examples:
 def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
           top_tokens: int = typer.Option(10, "--top-tokens", min=0,
                                          help="Most frequent token ids listed per expert (0: skip top tokens)."),
-          min_count: int = typer.Option(5, "--min-count", min=1,
-                                        help="Minimum (token, expert) count for top_tokens_lift.csv."),
+          min_count: int = typer.Option(10, "--min-count", min=1,
+                                        help="Minimum occurrences of a token id in specialization.csv and of a "
+                                             "(token, expert) pair in top_tokens_lift.csv."),
+          top_k: int = typer.Option(None, "--top-k", min=1, max=1,
+                                    help="1: every table on each token's first-ranked expert only (OLMoE's "
+                                         "*_top1). Default: the model's top-K."),
+          coactivation: str = typer.Option("all", "--coactivation",
+                                           help="all (default): count every ordered pair of the top-K (routed "
+                                                "to both); adjacent: only neighbouring ranks, as OLMoE's "
+                                                "heatmaps (lower for K > 2)."),
+          all_tokens: bool = typer.Option(False, "--all-tokens",
+                                          help="Write expert_tokens.parquet: every (layer, expert, token id) "
+                                               "count, not truncated."),
+          no_special_tokens: bool = typer.Option(False, "--no-special-tokens",
+                                                 help="Tokenize without special tokens (default: the tokenizer's "
+                                                      "own default, e.g. a BOS)."),
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quiet: Quiet = False) -> None:
     from moetool.data import DocumentStream, load_tokens
@@ -47,14 +83,17 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
-    opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size)
+    opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
+                        coactivation=coactivation, all_tokens=all_tokens)
     DocumentStream(data)  # a missing --data fails before a model is loaded
     run = RunDir.create("stats", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens,
+                         add_special_tokens=False if no_special_tokens else None)
     res = compute(lm, tokens, opts, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map))
+                                                  dtype=dtype, device=device, device_map=device_map,
+                                                  special_tokens="none" if no_special_tokens else "tokenizer default"))
     print_table(res.summary, title=f"{model}: {tokens.n_tokens:,} tokens")
     echo_run(run.path)
 

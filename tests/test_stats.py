@@ -23,14 +23,23 @@ from moetool.experiments.stats import RoutingStats, SparseCounter, StatsOptions,
 from moetool.loading import embedded_models
 
 COLUMNS = {
-    "load.csv": ["layer", "expert", "load_fraction", "token_fraction", "tokens"],
+    "load.csv": ["layer", "expert", "load_fraction", "token_fraction", "router_prob", "tokens"],
     "layers.csv": ["layer", "n_experts", "top_k", "tokens", "load_entropy", "load_entropy_norm",
-                   "confidence_entropy", "confidence_entropy_norm", "max_load_ratio"],
+                   "confidence_entropy", "confidence_entropy_norm", "max_load_ratio", "aux_loss", "aux_loss_hf_pooled"],
     "coactivation.csv": ["layer", "a", "b", "p_b_given_a", "count"],
-    "domain_load.csv": ["layer", "domain", "expert", "load_fraction", "tokens"],
+    "domain_load.csv": ["layer", "domain", "expert", "load_fraction", "token_fraction", "uniform_token_fraction",
+                        "tokens"],
+    "cross_layer.csv": ["layer", "next_layer", "a", "b", "count", "p_b_given_a"],
+    "cross_layer_summary.csv": ["layer", "next_layer", "tokens", "mean_max_p", "uniform_max_p", "mutual_information",
+                                "mutual_information_norm"],
+    "specialization.csv": ["layer", "view", "token_ids", "specialization", "token_ids_all", "specialization_all_ids"],
+    "specialized_tokens.csv": ["layer", "view", "expert", "rank", "token_id", "token", "occurrences", "count",
+                               "specialization"],
     "top_tokens.csv": ["layer", "expert", "rank", "token_id", "token", "count", "share"],
     "top_tokens_lift.csv": ["layer", "expert", "rank", "token_id", "token", "count", "share", "lift"],
 }
+#: columns the load-balancing consumer adds to RoutingStats' own tables (stats() merges them)
+LOAD_BALANCE_COLUMNS = {"router_prob", "aux_loss", "aux_loss_hf_pooled"}
 PAD = 3  # the id on padded positions; it also occurs as a real token, so counting padding changes every table
 
 
@@ -87,7 +96,7 @@ def collected(request):
 def test_load_is_a_hand_count_over_real_tokens(collected):
     stats, layers, batches, rec, t = collected
     load = t["load.csv"]
-    assert list(load.columns) == COLUMNS["load.csv"]
+    assert list(load.columns) == [c for c in COLUMNS["load.csv"] if c not in LOAD_BALANCE_COLUMNS]
     assert sorted(load["layer"].unique()) == [L.index for L in layers]
     for L in layers:
         toks = reference_tokens(batches, rec, L.index)
@@ -106,7 +115,7 @@ def test_load_is_a_hand_count_over_real_tokens(collected):
 def test_entropies_match_scipy(collected):
     stats, layers, batches, rec, t = collected
     lay = t["layers.csv"].set_index("layer")
-    assert list(t["layers.csv"].columns) == COLUMNS["layers.csv"]
+    assert list(t["layers.csv"].columns) == [c for c in COLUMNS["layers.csv"] if c not in LOAD_BALANCE_COLUMNS]
     for L in layers:
         toks = reference_tokens(batches, rec, L.index)
         hand = Counter(e for _, _, top, _ in toks for e in top)
@@ -167,6 +176,9 @@ def test_domain_load_is_a_hand_count_per_domain(collected):
             np.testing.assert_allclose(gd["load_fraction"], [hand[d][e] / (L.top_k * ntok[d])
                                                              for e in range(L.n_experts)], rtol=1e-12)
             assert gd["load_fraction"].sum() == pytest.approx(1.0)
+            np.testing.assert_allclose(gd["token_fraction"], [hand[d][e] / ntok[d] for e in range(L.n_experts)],
+                                       rtol=1e-12)
+            assert (gd["uniform_token_fraction"] == L.top_k / L.n_experts).all()
         # the domains partition the tokens: their counts add up to the overall load
         per_expert = g.groupby("expert")["tokens"].sum()
         assert per_expert.tolist() == load[load["layer"] == L.index]["tokens"].tolist()
@@ -246,11 +258,66 @@ def test_stats_writer_writes_every_file_with_exact_columns(tmp_path):
     for name, cols in COLUMNS.items():
         assert list(pd.read_csv(tmp_path / "run" / name, keep_default_na=False).columns) == cols
         assert name in frames
-    for fig in ("load_heatmap", "coactivation", "domain_load"):
+    for fig in ("load_heatmap", "coactivation", "domain_load", "specialization", "cross_layer"):
         assert (tmp_path / "run" / "figures" / f"{fig}.png").is_file()
     assert "definitions" in run.sections and run.sections["data"]["tokens"] == int(tokens.n_tokens)
     man = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert man["options"] == {"top_tokens": 2, "min_count": 1, "batch_size": 8}
+    assert man["options"] == {"top_tokens": 2, "min_count": 1, "batch_size": 8, "top_k": None,
+                              "coactivation": "all", "all_tokens": False, "specialization": True}
+    assert "specialization" in man["definitions"]
+
+
+def _stats_on_batches(**options):
+    model = build_tiny_model("mixtral")
+    batches = make_batches()
+    tokens = TokenSet(torch.cat([b.input_ids for b in batches[:1]]), torch.cat([b.attention_mask for b in batches[:1]]),
+                      batches[0].domains, "test")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    res = stats(lm, tokens, quiet=True, batch_size=2, **options)
+    rec = []
+    with torch.no_grad(), Engine(model, lm.layers, consumers=[lambda ev: rec.append(
+            (ev.layer.index, ev.idx.clone(), ev.probs.clone(), ev.valid.clone()))]):
+        for b in tokens.batches(2):
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    return res, lm.layers, list(tokens.batches(2)), rec
+
+
+def test_top1_variant_counts_the_first_ranked_expert_only():
+    res, layers, batches, rec = _stats_on_batches(top_k=1, min_count=1, top_tokens=50)
+    load, lay, co = res["load"], res["layers"], res["coactivation"]
+    assert (lay["top_k"] == 1).all()
+    for L in layers:
+        toks = reference_tokens(batches, rec, L.index)
+        hand = Counter(top[0] for _, _, top, _ in toks)
+        g = load[load["layer"] == L.index]
+        assert g["tokens"].tolist() == [hand[e] for e in range(L.n_experts)]
+        np.testing.assert_allclose(g["load_fraction"], g["token_fraction"], rtol=1e-12)
+        assert (co[co["layer"] == L.index]["count"] == 0).all()  # one expert per token: no pairs
+        top = res["top_tokens"]
+        pairs = Counter((top_[0], tok) for tok, _, top_, _ in toks)
+        for r in top[top["layer"] == L.index].itertuples():
+            assert r.count == pairs[r.expert, r.token_id]
+        # first-ranked = highest router probability
+        assert all(int(np.argmax(p)) == t[0] for _, _, t, p in toks)
+    np.testing.assert_allclose(res["cross_layer"].groupby(["layer", "a"])["p_b_given_a"].sum(min_count=1).dropna(), 1.0)
+
+
+def test_coactivation_adjacent_equals_all_for_k2_and_all_tokens_are_complete(tmp_path):
+    from moetool.report import RunDir
+    from moetool.report.writers import write
+
+    a, layers, batches, rec = _stats_on_batches(coactivation="adjacent", all_tokens=True, top_tokens=0)
+    b, *_ = _stats_on_batches()
+    pd.testing.assert_frame_equal(a["coactivation"], b["coactivation"])  # K = 2: the only pair is adjacent
+    assert "top_tokens.csv" not in a and "specialized_tokens.csv" not in a
+    run = RunDir.create("stats", tmp_path / "run")
+    write(a, run)
+    full = pd.read_parquet(tmp_path / "run" / "expert_tokens.parquet")
+    assert list(full.columns) == ["layer", "expert", "token_id", "count"]
+    for L in layers:
+        hand = Counter((e, tok) for tok, _, top, _ in reference_tokens(batches, rec, L.index) for e in top)
+        g = full[full["layer"] == L.index]
+        assert dict(zip(zip(g["expert"], g["token_id"]), g["count"])) == hand
 
 
 def test_stats_options_are_checked():
@@ -258,6 +325,10 @@ def test_stats_options_are_checked():
         stats(None, None, top_token=3)
     with pytest.raises(MoetoolError, match="min-count"):
         StatsOptions(min_count=0)
+    with pytest.raises(MoetoolError, match="top-k"):
+        StatsOptions(top_k=2)
+    with pytest.raises(MoetoolError, match="coactivation"):
+        StatsOptions(coactivation="neighbours")
 
 
 def _cli(*args):

@@ -27,6 +27,8 @@ from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from .result import Result, resolve_options
+from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
+                             VocabSpecialization, _masked_keys, coactivation_counts)
 
 #: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table)
 MERGE_MIN = 1 << 20
@@ -43,11 +45,18 @@ DEFINITIONS = {
     "confidence_entropy": "mean over tokens of the entropy in nats of the token's full routing distribution "
                           "pi (AoE Ent_conf); _norm divides by log n (1 = uniform pi)",
     "max_load_ratio": "max over experts of load_fraction / (1/n)",
-    "coactivation": "count[a,b] = tokens whose top-K contains both a and b (a != b, every ordered pair of the "
-                    "top-K, not only adjacent ranks); p_b_given_a = count[a,b] / tokens whose top-K contains a "
-                    "(empty if none); independent uniform routing gives (K-1)/(n-1)",
+    "top_k": "top_k = None: each token's top-K as the model chose it; top_k = 1: only its first-ranked expert "
+             "(OLMoE's *_top1 analyses); every table then counts K = 1",
+    "coactivation": "coactivation = all (default): count[a,b] = tokens whose top-K contains both a and b (a != b, "
+                    "every ordered pair of the top-K); coactivation = adjacent: only experts at neighbouring ranks "
+                    "(both orders), as OLMoE's heatmaps count (lower for K > 2); p_b_given_a = count[a,b] / tokens "
+                    "whose top-K contains a (empty if none); independent uniform routing gives (K-1)/(n-1) for all",
     "domain_load": "load_fraction computed over the tokens of one domain (rows carry one domain each); "
-                   "tokens = the domain's tokens whose top-K contains the expert",
+                   "token_fraction = the domain's tokens whose top-K contains the expert / the domain's tokens "
+                   "(K * load_fraction); uniform_token_fraction = K/n; tokens = the domain's tokens whose top-K "
+                   "contains the expert",
+    "expert_tokens": "expert_tokens.parquet (all_tokens): every (layer, expert, token_id) pair seen with its count "
+                     "(occurrences of the token whose top-K contains the expert), not truncated",
     "top_tokens": "per expert, the token ids most often routed to it (ranked by count, ties by token id); "
                   "count = occurrences of the token whose top-K contains the expert; share = count / all "
                   "occurrences of the token (sums to K over experts)",
@@ -120,12 +129,16 @@ class RoutingStats:
     """Consumer for :class:`Engine`: ``begin_batch(batch)`` before each forward, then the events reduce."""
 
     def __init__(self, layers: list[Any], domains: list[str] = (), top_tokens: bool = True,
-                 merge_min: int = MERGE_MIN):
+                 merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all"):
         self.layers = {L.index: L for L in layers}
         names = sorted(set(domains))
         self.domains = [d or NO_DOMAIN for d in names] if any(names) else []  # no domain split without labels
         self._dom_id = {d: i for i, d in enumerate(names)} if self.domains else {}
         self.top_tokens = top_tokens
+        self.top_k = top_k
+        if coactivation not in COACTIVATION:
+            raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{coactivation}'")
+        self.coactivation = coactivation
         self.merge_min = merge_min
         self.acc: dict[int, LayerAccumulator] = {}
         self.token_totals = SparseCounter(merge_min)  # keys: token ids (real tokens)
@@ -138,7 +151,8 @@ class RoutingStats:
             dom = torch.tensor([self._dom_id[d] for d in batch.domains]) if self.domains else None  # [B]
         except KeyError as e:
             raise MoetoolError(f"domain {e} was not declared to RoutingStats") from None
-        self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1), "dom": dom, "on": {}}
+        self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1),
+                       "dom": None if dom is None else dom.repeat_interleave(ids.shape[1]), "on": {}}
         if self.top_tokens:
             self.token_totals.add(ids[mask.bool()])
         return batch
@@ -155,24 +169,39 @@ class RoutingStats:
             raise MoetoolError("RoutingStats: call begin_batch(batch) before each forward")
         n, dev = L.n_experts, ev.idx.device
         a = self.acc.get(L.index)
+        idx = (ev.idx[:, : self.top_k] if self.top_k else ev.idx).long()  # [T, K] top-K (or first-ranked)
         if a is None:
-            a = self.acc[L.index] = LayerAccumulator.empty(n, ev.idx.shape[-1], len(self.domains), dev,
+            a = self.acc[L.index] = LayerAccumulator.empty(n, idx.shape[-1], len(self.domains), dev,
                                                           self.top_tokens, self.merge_min)
+        # padding is weighted out (never indexed away: no device sync inside the forward)
         valid = ev.valid.to(dev)  # [T]
-        idx = ev.idx[valid].long()  # [t, K] the model's own top-K, real tokens only
         a.tokens += valid.sum()
-        a.assign += ops.one_hot_counts(idx, n)
-        a.conf_sum += ops.entropy(ev.probs[valid].to(dev)).sum(dtype=torch.float64)
-        m = ops.multi_hot(idx, n)  # [t, n]
-        a.co += (m.T @ m).double()  # [n, n]
+        a.assign += ops.one_hot_counts(idx, n, valid)
+        a.conf_sum += (ops.entropy(ev.probs.to(dev)).double() * valid).sum()
+        a.co += coactivation_counts(idx, n, valid, self.coactivation)  # [n, n]
         if self.domains:
-            d = self._on("dom", dev).repeat_interleave(S)[valid]  # [t] domain of each real token
+            d = self._on("dom", dev)  # [T] domain of each token
             D = len(self.domains)
-            a.dom_assign += torch.bincount((d.unsqueeze(1) * n + idx).reshape(-1), minlength=D * n).view(D, n)
-            a.dom_tokens += torch.bincount(d, minlength=D)
+            w = valid.double()
+            a.dom_assign += torch.zeros(D * n, dtype=torch.float64, device=dev).index_add_(
+                0, (d.unsqueeze(1) * n + idx).reshape(-1), w.unsqueeze(1).expand(idx.shape).reshape(-1)).view(D, n)
+            a.dom_tokens += torch.zeros(D, dtype=torch.float64, device=dev).index_add_(0, d, w)
         if a.pairs is not None:
-            tok = self._on("ids", dev)[valid]  # [t]
-            a.pairs.add(tok.unsqueeze(1) * n + idx)  # [t, K]
+            tok = self._on("ids", dev).unsqueeze(1).expand(idx.shape)  # [T, K]
+            a.pairs.add(_masked_keys(tok, idx, n, valid.unsqueeze(1).expand(idx.shape)))
+
+    def pair_counts(self) -> Any:
+        """Every (layer, expert, token_id) pair seen with its count (all layers, sorted), not truncated."""
+        import pandas as pd
+
+        frames = []
+        for li in sorted(self.acc):
+            a = self.acc[li]
+            pk, pc = (t.cpu().numpy() for t in a.pairs.result())
+            keep = pk >= 0
+            frames.append(pd.DataFrame({"layer": li, "expert": pk[keep] % a.n, "token_id": pk[keep] // a.n,
+                                        "count": pc[keep]}).sort_values(["expert", "token_id"], kind="stable"))
+        return pd.concat(frames, ignore_index=True)
 
     # ----- tables ------------------------------------------------------------------------
     def tables(self, tokenizer: Any = None, top_n: int = 10, min_count: int = 5) -> dict[str, Any]:
@@ -225,7 +254,8 @@ def _domain_frames(layer: int, a: LayerAccumulator, domains: list[str]) -> list[
     da = a.dom_assign.cpu()  # [D, n]
     dl = da / da.sum(-1, keepdim=True)  # [D, n] float64, rows sum to 1
     return [pd.DataFrame({"layer": layer, "domain": name, "expert": range(a.n), "load_fraction": dl[di].numpy(),
-                          "tokens": da[di].long().numpy()})
+                          "token_fraction": (da[di] / a.dom_tokens[di].cpu()).numpy(),
+                          "uniform_token_fraction": a.k / a.n, "tokens": da[di].long().numpy()})
             for di, name in enumerate(domains) if a.dom_tokens[di] > 0]
 
 
@@ -234,6 +264,7 @@ def _pair_frame(layer: int, a: LayerAccumulator, tok_keys: Any, tok_counts: Any)
     import pandas as pd
 
     pk, pc = (t.cpu().numpy() for t in a.pairs.result())
+    pk, pc = pk[pk >= 0], pc[pk >= 0]  # -1 = padding
     pairs = pd.DataFrame({"layer": layer, "expert": pk % a.n, "token_id": pk // a.n, "count": pc})
     total = tok_counts[tok_keys.searchsorted(pairs["token_id"].to_numpy())]  # occurrences of each token
     pairs["share"] = pairs["count"] / total
@@ -286,9 +317,13 @@ def _with_tokens(df: Any, decode) -> Any:
 class StatsOptions:
     """Options of :func:`stats` (the manifest's options)."""
 
-    top_tokens: int = 10  # token ids listed per expert in top_tokens.csv (0: skip the top-token tables)
-    min_count: int = 5  # minimum (token, expert) count for top_tokens_lift.csv
+    top_tokens: int = 10  # token ids listed per expert in top_tokens.csv / specialized_tokens.csv (0: skip)
+    min_count: int = 10  # minimum occurrences: (token, expert) pairs in top_tokens_lift, token ids in specialization
     batch_size: int = 8  # rows per forward
+    top_k: int | None = None  # None: the model's top-K; 1: each token's first-ranked expert only
+    coactivation: str = "all"  # all: every ordered pair of the top-K; adjacent: neighbouring ranks (OLMoE)
+    all_tokens: bool = False  # expert_tokens.parquet: every (layer, expert, token id) count
+    specialization: bool = True  # vocabulary specialisation tables (three views)
 
     def __post_init__(self) -> None:
         if self.top_tokens < 0:
@@ -297,34 +332,83 @@ class StatsOptions:
             raise MoetoolError(f"--min-count must be >= 1, got {self.min_count}")
         if self.batch_size < 1:
             raise MoetoolError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.top_k not in (None, 1):
+            raise MoetoolError(f"--top-k must be 1 (first-ranked expert) or unset (the model's top-K), got {self.top_k}")
+        if self.coactivation not in COACTIVATION:
+            raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{self.coactivation}'")
+
+
+@dataclass
+class Collected:
+    """The consumers of one ``stats`` forward: :class:`RoutingStats` and the OLMoE-style analyses."""
+
+    routing: RoutingStats
+    load_balance: LoadBalance
+    cross_layer: CrossLayer
+    vocab: VocabSpecialization | None
+
+    def tables(self, tokenizer: Any = None, top_n: int = 10, min_count: int = 10,
+               all_tokens: bool = False) -> dict[str, Any]:
+        """Every table of :func:`stats` (``{file name: DataFrame}``)."""
+        out = self.routing.tables(tokenizer, top_n=top_n, min_count=min_count)
+        experts, per_layer = self.load_balance.tables()
+        load = out["load.csv"].merge(experts.drop(columns="token_fraction"), on=["layer", "expert"], how="left")
+        out["load.csv"] = load[["layer", "expert", "load_fraction", "token_fraction", "router_prob", "tokens"]]
+        out["layers.csv"] = out["layers.csv"].merge(per_layer, on="layer", how="left")
+        out.update(self.cross_layer.tables())
+        if self.vocab is not None:
+            out.update(self.vocab.tables(tokenizer, min_count=min_count, top_n=max(top_n, 1)))
+        if all_tokens:
+            out["expert_tokens.parquet"] = self.routing.pair_counts()
+        return out
 
 
 def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
-            merge_min: int = MERGE_MIN) -> RoutingStats:
-    """Forward ``tokens`` through ``lm`` with a :class:`RoutingStats` consumer attached."""
-    stats = RoutingStats(lm.layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min)
-    forward(lm, tokens, consumers=[stats], batch_size=batch_size, before_batch=stats.begin_batch,
+            merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
+            specialization: bool = True) -> Collected:
+    """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward)."""
+    layers = list(lm.layers)
+    c = Collected(RoutingStats(layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min, top_k=top_k,
+                               coactivation=coactivation),
+                  LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k),
+                  VocabSpecialization(layers, merge_min=merge_min) if specialization else None)
+    starters = [x for x in (c.routing, c.cross_layer, c.vocab) if x is not None]
+
+    def before(batch: Any) -> None:
+        for x in starters:
+            x.begin_batch(batch)
+
+    forward(lm, tokens, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
+            batch_size=batch_size, before_batch=before, on_batch=c.vocab.on_batch if c.vocab else None,
             description="stats", quiet=quiet)
-    return stats
+    return c
 
 
 def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: bool = False,
           **overrides: Any) -> Result:
     """How the model's own router uses its experts, per MoE layer, on ``tokens``.
 
-    Tables (see :data:`DEFINITIONS`): ``load`` (layer, expert, load_fraction, token_fraction, tokens), ``layers``
-    (layer, n_experts, top_k, tokens, load_entropy[_norm], confidence_entropy[_norm], max_load_ratio),
-    ``coactivation`` (layer, a, b, p_b_given_a, count), ``domain_load`` (when rows carry domains), ``top_tokens``
-    and ``top_tokens_lift`` (unless ``top_tokens=0``). Padding never counts.
+    Tables (see :data:`DEFINITIONS`): ``load`` (layer, expert, load_fraction, token_fraction, router_prob, tokens),
+    ``layers`` (layer, n_experts, top_k, tokens, load_entropy[_norm], confidence_entropy[_norm], max_load_ratio,
+    aux_loss, aux_loss_hf_pooled), ``coactivation`` (layer, a, b, p_b_given_a, count), ``cross_layer`` and
+    ``cross_layer_summary``, ``specialization`` and ``specialized_tokens``, ``domain_load`` (when rows carry
+    domains), ``top_tokens`` and ``top_tokens_lift`` (unless ``top_tokens=0``), ``expert_tokens.parquet``
+    (``all_tokens``). Padding never counts.
     """
     opts = resolve_options(StatsOptions, options, overrides)
     if tokens.n_tokens == 0:
         raise MoetoolError("no real tokens in the data")
-    acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0, batch_size=opts.batch_size, quiet=quiet)
-    frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count)
+    acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
+                  quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization)
+    frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count, all_tokens=opts.all_tokens)
+    if opts.top_tokens == 0:
+        for name in ("top_tokens.csv", "top_tokens_lift.csv", "specialized_tokens.csv"):
+            frames.pop(name, None)
     tables = {name: df for name, df in frames.items() if len(df)}
-    return Result("stats", tables, opts, meta=dict(data=tokens.describe(), definitions=DEFINITIONS,
-                                                   routing="router (the model's own top-K)"),
+    routing = "router (the model's own top-K)" if opts.top_k is None else "router, first-ranked expert only (top-1)"
+    return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
+                                                   definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
+                                                   routing=routing),
                   summary=summary_table(tables["layers.csv"]))
 
 
@@ -355,9 +439,9 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     lines = []
     for name in DEMO_MODELS:
         lm = load(name)
-        tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=8192)
+        tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=8192, add_special_tokens=None)
         res = stats(lm, tokens, quiet=quiet)
         write(res, parent.sub(f"stats-{name}"), model=lm,
-              options=dict(model=name, data=None, seq_len=256, max_tokens=8192))
+              options=dict(model=name, data=None, seq_len=256, max_tokens=8192, special_tokens="tokenizer default"))
         lines += summary_lines(name, res["layers"])
     return lines

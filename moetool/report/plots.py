@@ -52,7 +52,8 @@ def plot_coactivation(co: Any, layers: Any) -> Any:
 
 
 def plot_domain_load(dom: Any) -> Any:
-    """Per layer: load fraction of each expert, one bar per domain; the uniform line 1/n."""
+    """Per layer: token fraction of each expert (share of the domain's tokens using it, K x load), one bar per
+    domain; the uniform reference K/n dashed."""
     import numpy as np
 
     from .figures import grid_shape, new_figure
@@ -67,11 +68,12 @@ def plot_domain_load(dom: Any) -> Any:
         g = dom[dom["layer"] == li]
         for j, name in enumerate(domains):
             d = g[g["domain"] == name]
-            ax.bar(d["expert"] + (j - (len(domains) - 1) / 2) * width, d["load_fraction"], width=width, label=name)
-        ax.axhline(1 / n, color="k", linewidth=0.8, linestyle="--")
+            ax.bar(d["expert"] + (j - (len(domains) - 1) / 2) * width, d["token_fraction"], width=width, label=name)
+        ax.axhline(float(g["uniform_token_fraction"].iloc[0]), color="k", linewidth=0.8, linestyle="--",
+                   label="uniform K/n")
         ax.set_title(f"layer {li}")
         ax.set_xlabel("expert")
-        ax.set_ylabel("load fraction")
+        ax.set_ylabel("fraction of the domain's tokens")
         ax.set_xticks(np.arange(n))
         ax.tick_params(axis="x", labelsize=6)
     for ax in axes[len(layer_ids):]:
@@ -81,6 +83,39 @@ def plot_domain_load(dom: Any) -> Any:
     return fig
 
 
+def plot_specialization(spec: Any) -> Any:
+    """Vocabulary specialisation per layer, one line per view (input / next token / predicted)."""
+    from .figures import line_by, new_figure
+
+    y = "specialization" if spec["specialization"].notna().any() else "specialization_all_ids"
+    note = "" if y == "specialization" else " (every token id: none reaches --min-count)"
+    fig, (ax,) = new_figure(title="vocabulary specialisation (first-ranked expert)" + note)
+    line_by(ax, spec.dropna(subset=[y]), "layer", y, "view", marker="o", twin=None,
+            ylabel="share routed to the token's top expert")
+    ax.set_ylim(0, 1.02)
+    return fig
+
+
+def plot_cross_layer(pairs: Any, summary: Any) -> Any:
+    """One ``P(b at next | a at l)`` heatmap per pair of consecutive MoE layers (one colour scale)."""
+    import numpy as np
+
+    from .figures import grid_shape, heatmap, new_figure
+
+    rows, cols = grid_shape(len(summary))
+    fig, axes = new_figure(rows, cols, width=3.4, height=3.0)
+    top = float(np.nan_to_num(pairs["p_b_given_a"].max(), nan=1.0)) or 1.0
+    for ax, info in zip(axes, summary.itertuples()):
+        g = pairs[(pairs["layer"] == info.layer) & (pairs["next_layer"] == info.next_layer)]
+        mat = np.full((int(g["a"].max()) + 1, int(g["b"].max()) + 1), np.nan)  # [n, m] row a at l, column b
+        mat[g["a"], g["b"]] = g["p_b_given_a"]
+        heatmap(ax, mat, title=f"{info.layer} -> {info.next_layer}: MI {info.mutual_information:.3f} nats",
+                xlabel=f"expert at layer {info.next_layer}", ylabel=f"expert at layer {info.layer}", vmin=0, vmax=top)
+    for ax in axes[len(summary):]:
+        ax.set_visible(False)
+    fig.suptitle(f"P(b at next layer | a); independent uniform routing: K/n = {summary['uniform_max_p'].iloc[0]:.3g}")
+    fig.tight_layout()
+    return fig
 
 
 def stats_figures(result: Any) -> dict[str, Any]:
@@ -88,6 +123,10 @@ def stats_figures(result: Any) -> dict[str, Any]:
            "coactivation": plot_coactivation(result["coactivation.csv"], result["layers.csv"])}
     if "domain_load.csv" in result.tables:
         out["domain_load"] = plot_domain_load(result["domain_load.csv"])
+    if "specialization.csv" in result.tables:
+        out["specialization"] = plot_specialization(result["specialization.csv"])
+    if "cross_layer.csv" in result.tables:
+        out["cross_layer"] = plot_cross_layer(result["cross_layer.csv"], result["cross_layer_summary.csv"])
     return out
 
 

@@ -17,7 +17,10 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
     from .plots import figures
 
     for name, df in result.tables.items():
-        run.write_csv(name, df)
+        if name.endswith(".parquet"):  # large tables (stats --all-tokens): Parquet, one row group per layer
+            _write_parquet(run, name, df)
+        else:
+            run.write_csv(name, df)
     for name, fig in figures(result).items():
         run.save_figure(fig, name)
     run.add(**result.meta)
@@ -27,3 +30,11 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
     if seed is None:
         seed = getattr(result.options, "seed", None)
     return run.finish(options=opts, model=model, seed=seed)
+
+
+def _write_parquet(run: Any, name: str, df: Any) -> None:
+    from ..engine.stream import TableStream
+
+    with run.atomic(name) as tmp, TableStream(tmp) as out:
+        for _, part in (df.groupby("layer", sort=False) if "layer" in df else [(None, df)]):
+            out.write({c: part[c].to_numpy() for c in part.columns})
