@@ -17,15 +17,33 @@ Examples:
   moetool inspect                      # the embedded default model
   moetool inspect --model tiny-fine --json
   moetool inspect --aliases            # short names of well-known checkpoints
+  moetool inspect --families           # every MoE model type of the installed transformers (builds tiny models)
 """
 
 
 @handle_errors
 def inspect(model: Model = DEFAULT_MODEL,
             as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-            aliases: bool = typer.Option(False, "--aliases", help="List model aliases and embedded models.")) -> None:
+            aliases: bool = typer.Option(False, "--aliases", help="List model aliases and embedded models."),
+            families: bool = typer.Option(False, "--families", help="One row per MoE model type of the installed "
+                                          "transformers: supported or why not, routing rule, shared experts, "
+                                          "dense layers, experts implementation (checked on a tiny model of each).")
+            ) -> None:
     from moetool.report.console import console
 
+    if families:
+        import pandas as pd
+
+        from moetool.inspect import families as family_rows
+        from moetool.report.console import print_table
+
+        rows = family_rows()
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        n_ok = sum(r["supported"] == "yes" for r in rows)
+        print_table(pd.DataFrame(rows), title=f"MoE model types: {n_ok} supported of {len(rows)}", max_rows=len(rows))
+        return
     if aliases:
         from moetool.loading import ALIASES, embedded_models
 

@@ -21,6 +21,8 @@ from typing import Any
 UNSUPPORTED: dict[str, str] = {
     "switch_transformers": "encoder-decoder (T5-style) with top-1 routing in both stacks; moetool analyses decoder-only "
                            "causal LMs",
+    "doge": "Doge's CDMoE is product-key retrieval over thousands of single-neuron experts stored as embedding "
+            "rows (no router/experts modules with a top-K over expert MLPs); off (is_moe=False) by default",
     "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
                 "causal LMs",
 }
@@ -31,7 +33,7 @@ _EXPERTS_CLASS = re.compile(r"^class \w*Experts\(|@use_experts_implementation", 
 
 # ----- shrinking rules (key name -> small value), applied to every int field of the default config -----
 N_EXPERTS, TOP_K, N_LAYERS = 8, 2, 4
-TEXT = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=64, moe_inter=32, vocab=512)
+TEXT = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=64, moe_inter=32, vocab=1024)
 _EXACT: dict[str, int] = {
     # experts and routing
     "num_experts": N_EXPERTS, "num_local_experts": N_EXPERTS, "n_routed_experts": N_EXPERTS,
@@ -208,8 +210,8 @@ def _shrink_dict(d: dict, *, text: bool, old_hidden: int | None = None, skip: tu
         if isinstance(v, dict):
             if k in skip:
                 out[k] = v
-            elif text and v and all(str(i).isdigit() for i in v):  # per-layer overrides {layer index: ...}
-                out[k] = {i: (_shrink_dict(x, text=True) if isinstance(x, dict) else x) for i, x in v.items()
+            elif n_default and v and all(str(i).isdigit() for i in v):  # per-layer overrides {layer index: ...}
+                out[k] = {i: (_shrink_dict(x, text=text) if isinstance(x, dict) else x) for i, x in v.items()
                           if int(i) < n_new}
             elif text and v and all(isinstance(x, dict) for x in v.values()):  # per-layer-type overrides
                 out[k] = {i: _shrink_dict(x, text=True) for i, x in v.items()}
@@ -238,10 +240,16 @@ def _shrink_dict(d: dict, *, text: bool, old_hidden: int | None = None, skip: tu
             out[k] = None if "pad" in k else 1
         elif k.endswith("token_id") and isinstance(v, list):
             out[k] = [x for x in v if isinstance(x, int) and x < TEXT["vocab"]] or None
-        elif not text and k in ("num_attention_heads", "num_heads", "num_key_value_heads"):
+        elif not text and k in ("num_attention_heads", "num_heads", "num_key_value_heads", "encoder_attention_heads",
+                                "decoder_attention_heads"):
             out[k] = min(v, 2) if isinstance(v, int) else v
-        elif not text and ("intermediate" in k) and isinstance(v, int):
-            out[k] = 64
+        elif not text and isinstance(v, int) and not isinstance(v, bool) and k != "hidden_size" and \
+                v == d.get("hidden_size") and v != old_hidden and ("dim" in k or "hidden" in k or "size" in k):
+            out[k] = new_hidden  # a width tied to this tower's own
+        elif not text and isinstance(v, int) and not isinstance(v, bool) and (
+                "intermediate" in k or "ffn_dim" in k or k in ("d_model", "output_dim", "hidden_size")) and v > 64:
+            out[k] = TEXT["hidden"] if (old_hidden and v == old_hidden and k != "hidden_size") else \
+                64 if ("intermediate" in k or "ffn" in k) else 32
         else:
             out[k] = _shrink_value(k, v, old_hidden, new_hidden)
     # keep the attention geometry consistent
@@ -263,12 +271,13 @@ def _shrink_dict(d: dict, *, text: bool, old_hidden: int | None = None, skip: tu
     return out
 
 
-MAX_TINY_PARAMS = 12_000_000
+MAX_TINY_PARAMS = 20_000_000
 
 #: per-family fields the generic rules cannot guess (kept minimal; each line says why)
 FIXUPS: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 4, "attn_layer_offset": 3},  # an attention layer within the 4 (cache needs one)
     "doge": {"is_moe": True},  # MoE is opt-in
+    "gemma4_text": {"enable_moe_block": True},  # MoE is opt-in (the 26B-A4B checkpoint sets it)
     "dbrx": {"d_model": TEXT["hidden"], "n_heads": TEXT["heads"], "n_layers": N_LAYERS, "max_seq_len": 256,
              "vocab_size": TEXT["vocab"], "attn_config": {"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": TEXT["moe_inter"], "moe_num_experts": N_EXPERTS, "moe_top_k": TOP_K}},
@@ -332,8 +341,17 @@ def model_class(model_type: str) -> Any:
     raise ValueError(f"{model_type}: {kind} models are not analysed")
 
 
-def build_tiny(model_type: str, seed: int = 0) -> Any:
-    """A random fp32 eval model of ``tiny_config(model_type)`` (weights as the family initialises them)."""
+#: routers are re-drawn at this scale so top-K has no ties (logits ~ N(0, ~1) on unit-RMS inputs of width 64)
+ROUTER_STD, BIAS_STD, EXPERT_BIAS_STD = 0.15, 0.05, 0.1
+
+
+def build_tiny(model_type: str, seed: int = 0, redraw: bool = True) -> Any:
+    """A random fp32 eval model of ``tiny_config(model_type)``.
+
+    ``redraw``: every floating parameter and buffer of each MoE layer's router (correction biases at a smaller
+    scale) and the experts' biases are re-drawn, seeded: random init leaves some at zero or near-uniform, which
+    makes top-K a matter of ties. Needs an adapter for the family (``find_moe_layers``).
+    """
     import torch
 
     config, cls = tiny_config(model_type), model_class(model_type)
@@ -342,4 +360,18 @@ def build_tiny(model_type: str, seed: int = 0) -> Any:
     if n > MAX_TINY_PARAMS:
         raise ValueError(f"{model_type}: the shrunk config still has {n:,} parameters (> {MAX_TINY_PARAMS:,})")
     torch.manual_seed(seed)
-    return cls.from_config(config).float().eval()
+    model = cls.from_config(config).float().eval()
+    if redraw:
+        from . import find_moe_layers
+
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for L in find_moe_layers(model):
+                for name, t in [*L.router.named_parameters(), *L.router.named_buffers()]:
+                    if t.is_floating_point():
+                        std = BIAS_STD if "correction" in name else ROUTER_STD
+                        t.copy_(torch.randn(t.shape, generator=gen) * std)
+                for name, t in L.experts.named_parameters():
+                    if name.endswith("bias"):
+                        t.copy_(torch.randn(t.shape, generator=gen) * EXPERT_BIAS_STD)
+    return model
