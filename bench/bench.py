@@ -3,6 +3,7 @@
     python bench/bench.py                 # engine ratios on two Mixtral-shaped random models (~2-4 min on 2 cores)
     python bench/bench.py --real          # + one decoder layer at Mixtral-8x7B / Qwen3-30B-A3B width, bf16
     python bench/bench.py --rss           # + peak RSS of every command at 20k and 200k tokens
+    python bench/bench.py --lazy-data     # + load_tokens --max-tokens 20k/200k on a 200 MB corpus
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
 
 **Engine ratios** (``--shapes``): two random Mixtral-shaped models, 8 layers, d=512 — ``8x1024k2`` (8 experts,
@@ -77,7 +78,7 @@ def mixtral_model(n: int, inter: int, k: int, *, d: int = 512, layers: int = 8, 
     cfg = MixtralConfig(vocab_size=vocab, hidden_size=d, intermediate_size=inter, num_hidden_layers=layers,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=n,
                         num_experts_per_tok=k, max_position_embeddings=4096)
-    return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
 def qwen3_model(n: int, inter: int, k: int, *, d: int, heads: int, kv_heads: int, vocab: int = 256,
@@ -89,7 +90,7 @@ def qwen3_model(n: int, inter: int, k: int, *, d: int, heads: int, kv_heads: int
                          num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
                          num_experts=n, num_experts_per_tok=k, decoder_sparse_step=1, mlp_only_layers=[],
                          max_position_embeddings=4096)
-    return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
 def geometry(model) -> dict[str, int]:
@@ -225,6 +226,30 @@ def bench_shapes(a) -> list[dict[str, Any]]:
 
 
 # ----- real widths ----------------------------------------------------------------------------------------
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def exact_rss_mode() -> None:
+    """glibc: a fixed mmap threshold (128 KiB) so every tensor buffer is mmapped and returned to the OS when
+    freed; with ``malloc_trim`` before each call, the RSS peak above the RSS before is that call's own memory."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+
+def trim() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -240,6 +265,7 @@ def peak_extra(fn: Callable) -> tuple[float, int]:
         fn()
         torch.cuda.synchronize()
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+    trim()
     base, peak, stop = rss_bytes(), [0], threading.Event()
 
     def sample():
@@ -338,6 +364,46 @@ def bench_rss(a) -> list[dict[str, Any]]:
     return rows
 
 
+# ----- lazy --data ------------------------------------------------------------------------------------------
+def bench_lazy_data(a) -> list[dict[str, Any]]:
+    """``load_tokens`` with ``--max-tokens`` on a large generated corpus: seconds and bytes read, next to the
+    time merely reading the whole file takes (the eager path also tokenized all of it)."""
+    from moetool import data as D
+    from moetool.loading import load
+
+    tok = load("tiny").tokenizer
+    held = D.default_data_path().read_bytes()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moetool-bench-") as tmp:
+        p = Path(tmp) / "big.jsonl"
+        with open(p, "wb") as f:
+            for _ in range(max(1, a.lazy_mb * 2**20 // len(held))):
+                f.write(held)
+        size = p.stat().st_size
+        t0 = time.perf_counter()
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+        t_read = time.perf_counter() - t0
+        one = Path(tmp) / "one.jsonl"  # eager path (read all, tokenize all) on one copy, scaled to the file
+        one.write_bytes(held)
+        t0 = time.perf_counter()
+        D.pack(D.read_documents(one), tok, 256, None)
+        eager = (time.perf_counter() - t0) * size / len(held)
+        for cap in (20000, 200000):
+            stream = D.DocumentStream(p)
+            t0 = time.perf_counter()
+            ts = D.pack(stream, tok, 256, cap, source=str(p))
+            dt = time.perf_counter() - t0
+            rows.append({"section": "lazy_data", "model": "tiny", "variant": f"load_tokens {size / 2**20:.0f} MB",
+                         "device": "cpu", "tokens": ts.n_tokens, "seconds": dt,
+                         "mib_read": stream.bytes_read / 2**20, "read_whole_file_seconds": t_read,
+                         "eager_seconds_estimate": eager})
+            print(f"  lazy data {cap}: {dt:.2f}s, {stream.bytes_read / 2**20:.0f} of {size / 2**20:.0f} MiB read "
+                  f"(reading the whole file: {t_read:.2f}s; tokenizing all of it: ~{eager:.0f}s)", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -351,6 +417,8 @@ def main() -> None:
     ap.add_argument("--rss", action="store_true", help="peak RSS of every command at --rss-tokens")
     ap.add_argument("--rss-tokens", type=int, nargs="*", default=[20000, 200000])
     ap.add_argument("--commands", nargs="*", default=None, help="restrict --rss to these commands")
+    ap.add_argument("--lazy-data", action="store_true", help="load_tokens on a large generated corpus")
+    ap.add_argument("--lazy-mb", type=int, default=200)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--csv", default="bench.csv")
     a = ap.parse_args()
@@ -359,27 +427,29 @@ def main() -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.real:
+        exact_rss_mode()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
-    rows = bench_shapes(a) if a.shapes else []
-    if a.real:
-        rows += bench_real(a)
-    if a.rss:
-        rows += bench_rss(a)
+    rows: list[dict[str, Any]] = []
+    sections = [(bool(a.shapes), bench_shapes), (a.real, bench_real), (a.rss, bench_rss),
+                (a.lazy_data, bench_lazy_data)]
+    for wanted, section in sections:
+        if wanted:
+            rows += section(a)
+            pd.DataFrame(rows).to_csv(a.csv, index=False)  # saved after every section: a late failure loses nothing
     df = pd.DataFrame(rows)
     fmt = {"float_format": lambda x: f"{x:.2f}", "index": False}
     eng = df[df.section == "engine"] if len(df) else df
     if len(eng):
         print(f"\nEngine: ratio to the plain forward (median of {a.repeat} interleaved rounds; min-max), "
               f"device {dev}")
-        t = eng.assign(spread=eng.ratio_min.map("{:.2f}".format) + "-" + eng.ratio_max.map("{:.2f}".format))
-        wide = t.pivot(index="variant", columns="model", values=["ratio", "flop_ideal"]).reindex(eng.variant.unique())
-        wide.columns = [f"{m} {c}" for c, m in wide.columns]
-        print(wide.to_string(float_format=lambda x: f"{x:.2f}"))
+        for model, part in eng.groupby("model", sort=False):
+            t = part.assign(spread=part.ratio_min.map("{:.2f}".format) + "-" + part.ratio_max.map("{:.2f}".format))
+            print(f"{model} ({part.tokens.iloc[0]} tokens per pass, plain {part.seconds.iloc[0]:.2f}s)")
+            print(t[["variant", "ratio", "spread", "flop_ideal"]].to_string(**fmt))
         print("norm:gate FLOP-ideal if the chosen experts' gate were recomputed: " + ", ".join(
             f"{r.model} {r.flop_ideal_recompute:.2f}" for r in eng[eng.variant == "norm:gate"].itertuples()))
-        print("plain seconds per pass: " + ", ".join(
-            f"{r.model} {r.seconds:.2f}s ({r.tokens} tokens)" for r in eng[eng.variant == "plain"].itertuples()))
     real = df[df.section == "real"] if len(df) else df
     if len(real):
         print(f"\nReal widths, one decoder layer, bf16, {a.real_tokens} tokens, device {dev}")
@@ -389,6 +459,11 @@ def main() -> None:
     if len(rss):
         print("\nPeak RSS per command (MiB), embedded model tiny")
         print(rss.pivot(index="variant", columns="tokens", values="peak_rss_mib").to_string(float_format=lambda x: f"{x:.0f}"))
+    lazy = df[df.section == "lazy_data"] if len(df) else df
+    if len(lazy):
+        print("\nLazy --data (tokens asked of a large corpus)")
+        print(lazy[["variant", "tokens", "seconds", "mib_read", "read_whole_file_seconds", "eager_seconds_estimate"]]
+              .to_string(**fmt))
     df.to_csv(a.csv, index=False)
     print(f"\nwrote {a.csv}")
 
