@@ -364,3 +364,24 @@ def test_cli_on_embedded_tiny(tmp_path):
     n = int(lay["n_experts"].iloc[0])
     assert len(frames["coactivation.csv"]) == len(lay) * n * (n - 1)
     assert (out / "manifest.json").is_file() and (out / "figures" / "load_heatmap.png").is_file()
+
+
+@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
+def test_cli_variants_on_embedded_tiny(tmp_path):
+    """--top-k 1 --coactivation adjacent --all-tokens --no-special-tokens: K = 1 everywhere, the full pair table
+    holds every real token once per layer, the manifest records the tokenization."""
+    out = tmp_path / "out"
+    res = _cli("--model", "tiny", "--max-tokens", "512", "--seq-len", "64", "--top-k", "1", "--coactivation",
+               "adjacent", "--all-tokens", "--no-special-tokens", "--out", str(out), "-q")
+    assert res.exit_code == 0, res.output
+    lay = pd.read_csv(out / "layers.csv")
+    assert (lay["top_k"] == 1).all() and (lay["tokens"] == 512).all()
+    full = pd.read_parquet(out / "expert_tokens.parquet")
+    assert full.groupby("layer")["count"].sum().tolist() == [512] * len(lay)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["options"]["top_k"] == 1 and man["options"]["coactivation"] == "adjacent"
+    assert man["options"]["special_tokens"] == "none"
+    assert man["data"]["special_tokens"]["add_special_tokens"] is False
+    assert (out / "figures" / "specialization.png").is_file() and (out / "figures" / "cross_layer.png").is_file()
+    bad = _cli("--model", "tiny", "--coactivation", "neighbours", "--out", str(tmp_path / "bad"), "-q")
+    assert bad.exit_code == 2 and "coactivation" in bad.output
