@@ -117,7 +117,7 @@ class Engine:
         self.policy = policy
         self.policy_layers = {L.index for L in select_layers(layers, policy_layers, allow_empty=True)}
         self.consumers = list(consumers)
-        self.attention = attention or bool(policy is not None and getattr(policy, "needs_attention", False))
+        self.attention = attention or bool(policy is not None and policy.needs_attention)
         self._handles: list[Any] = []
         self._slots: dict[int, dict[str, Any]] = {}
         self._batch: tuple[tuple[int, int], torch.Tensor | None] | None = None
