@@ -429,6 +429,22 @@ def summary_lines(name: str, layers: Any) -> list[str]:
             f"{len(layers)} MoE layers; max load {worst['max_load_ratio']:.2f}x uniform (layer {int(worst['layer'])})"]
 
 
+def analysis_lines(name: str, res: Any) -> list[str]:
+    """Specialisation per view and cross-layer mutual information, one line each."""
+    out = []
+    if "specialization.csv" in res:
+        sp = res["specialization"]
+        views = ", ".join(f"{v} {g['specialization'].min():.2f}-{g['specialization'].max():.2f}"
+                          for v, g in sp.groupby("view", sort=False))
+        out.append(f"stats {name}: vocabulary specialisation (first-ranked expert) over layers: {views}")
+    if "cross_layer_summary.csv" in res:
+        cl = res["cross_layer_summary"]
+        out.append(f"stats {name}: consecutive layers: mutual information {cl['mutual_information'].min():.3f}-"
+                   f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) {cl['mean_max_p'].mean():.2f} "
+                   f"(uniform {cl['uniform_max_p'].iloc[0]:.3f})")
+    return out
+
+
 def demo(parent: Any, quiet: bool) -> list[str]:
     """``stats`` on the embedded demo models (8192 tokens each) into ``parent/stats-<model>``."""
     from ..data import load_tokens
@@ -443,5 +459,5 @@ def demo(parent: Any, quiet: bool) -> list[str]:
         res = stats(lm, tokens, quiet=quiet)
         write(res, parent.sub(f"stats-{name}"), model=lm,
               options=dict(model=name, data=None, seq_len=256, max_tokens=8192, special_tokens="tokenizer default"))
-        lines += summary_lines(name, res["layers"])
+        lines += summary_lines(name, res["layers"]) + analysis_lines(name, res)
     return lines
