@@ -96,6 +96,61 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert r0[:3] == [0, 1, 2] and r1[:3] == [3, 4, 5]  # each rank's slice of global batch 0
 
 
+def _forward_worker(rank, world, port, out):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    D.init("cpu")
+    try:
+        res = model_run()
+        if D.is_main():
+            torch.save(res, out)
+    finally:
+        D.shutdown()
+
+
+def model_run():
+    """engine.forward on the embedded model: perplexity (plain and norm:gate) and a consumer's token count."""
+    from moetool.data import load_tokens
+    from moetool.engine import forward
+    from moetool.loading import load
+    from moetool.policies import make_policy
+
+    lm = load("tiny")
+    ts = load_tokens(None, lm.tokenizer, 32, 300)
+
+    class Count:  # a consumer whose accumulator is all-reduced at the end
+        def __init__(self):
+            self.n = torch.zeros((), dtype=torch.float64)
+
+        def __call__(self, ev):
+            self.n += ev.valid.sum()
+
+        def reduce_across_ranks(self):
+            self.n = D.all_reduce(self.n)
+
+    cnt = Count()
+    plain = forward(lm, ts, nll=True, batch_size=3, quiet=True)
+    norm = forward(lm, ts, nll=True, batch_size=3, policy=make_policy("norm:gate"), consumers=[cnt], quiet=True)
+    return {"plain": (plain.nll.nll_sum, plain.nll.tokens), "norm": (norm.nll.nll_sum, norm.nll.tokens),
+            "events": float(cnt.n), "world": plain.world_size, "tokens": ts.n_tokens, "layers": len(lm.layers)}
+
+
+def test_forward_on_two_ranks_equals_one_process(tmp_path):
+    """engine.forward shards the rows itself and sums the NLL and the consumers' accumulators over ranks."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_forward_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    got, want = torch.load(out), model_run()
+    assert got["world"] == 2 and want["world"] == 1
+    for k in ("plain", "norm"):
+        assert got[k][1] == want[k][1] and got[k][0] == pytest.approx(want[k][0], rel=1e-9)
+    assert got["events"] == want["events"] == want["tokens"] * want["layers"]
+
+
 def test_shard_layout_and_single_process_noop(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

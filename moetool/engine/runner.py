@@ -42,6 +42,7 @@ class ForwardResult:
     nll: NLL
     seconds: float  # wall time of the forward passes (hooks, policy, consumers and NLL reduction included)
     batches: int
+    world_size: int = 1  # processes that shared the rows (torchrun / accelerate); nll is summed over all of them
 
     @property
     def perplexity(self) -> float:
@@ -73,8 +74,18 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``before_batch(batch)`` runs before each forward (a consumer registering the batch's token ids),
     ``on_batch(batch, output)`` after it (logits consumers, per-batch checks). ``nll=True`` reduces the
     next-token NLL of the real tokens (padding never counts).
+
+    Under a distributed launch (:mod:`moetool.distributed`, ``WORLD_SIZE > 1``) each rank runs its shard of the
+    rows (``distributed.shard``: its slice of every global batch) unless ``tokens`` is a shard already; the NLL
+    is summed over ranks, and every consumer with a ``reduce_across_ranks()`` method is asked to all-reduce its
+    accumulators at the end. Alone, none of this happens.
     """
+    from .. import distributed
     from .hooks import Engine
+
+    world = distributed.world_size()
+    if world > 1 and getattr(tokens, "row_ids", None) is None:
+        tokens = distributed.shard(tokens, batch_size)
 
     consumers = list(consumers)
     hooked = policy is not None or bool(consumers) or attention
@@ -101,5 +112,10 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                 c += bc.to(device)
             if on_batch is not None:
                 on_batch(b, out)
+    if world > 1:
+        s, c = distributed.all_reduce(s), distributed.all_reduce(c)
+        for consumer in consumers:
+            if hasattr(consumer, "reduce_across_ranks"):
+                consumer.reduce_across_ranks()
     result = NLL(float(s), int(c))
-    return ForwardResult(result, time.perf_counter() - t0, n)
+    return ForwardResult(result, time.perf_counter() - t0, n, world)
