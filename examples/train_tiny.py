@@ -23,16 +23,19 @@ Pipeline (all offline, deterministic given the CPython/torch/transformers versio
    stored as float16 to fit the package size budget; ``config.dtype`` stays
    float32 so ``from_pretrained`` loads (upcasts) them in float32.  Reported
    validation numbers are for the stored (float16-rounded) weights.
-4. Routing statistics (expert load entropy, per-token routing entropy,
-   per-domain load) on the validation split, and a round-trip check in a fresh
-   process with ``HF_HUB_OFFLINE=1``.  ``moetool/embedded/README.md`` is written
-   from the measured numbers.
+4. Validation loss and routing statistics (expert load entropy, per-token
+   routing entropy, per-domain load) on the validation split, computed by
+   moetool itself (``moetool.engine.forward`` and ``moetool.stats``), and a
+   round-trip check in a fresh process with ``HF_HUB_OFFLINE=1``.
+   ``moetool/embedded/README.md`` is written from the measured numbers.
 
 Models are trained in parallel subprocesses (``--jobs``, default 2), each with
 ``--threads`` torch threads (default 1): on a shared 2-core machine, one
 single-threaded process per core is far more robust than two-thread processes.
 
 Rebuild everything:  python examples/train_tiny.py
+Recompute and check the README's numbers from the shipped weights (no training):
+    python examples/train_tiny.py --check-readme
 """
 
 from __future__ import annotations
@@ -205,110 +208,103 @@ def unigram_ppl(train_stream: list[int], val_by_domain: dict, vocab_size: int) -
 
 
 # ------------------------------------------------------------------------ evaluation
-def evaluate(model, val_by_domain: dict, batch_size: int = 16, max_chunks: int | None = None,
-             routing: bool = False) -> dict:
-    """Token-level cross entropy on packed validation chunks, per domain and
-    overall.  With ``routing=True`` also collects router statistics through
-    forward hooks on every MoE router (``layers[i].mlp.gate``)."""
+# Every number below comes from moetool itself: the loss from the one forward loop (moetool.engine.forward,
+# nll=True: next-token NLL of real tokens), the routing statistics from the `stats` experiment (moetool.stats, whose
+# entropies are moetool.ops.entropy: load fractions, load entropy, confidence entropy = per-token routing entropy,
+# per-domain load). The README of the embedded models is computed by the same code as `moetool stats` / `moetool
+# ppl`; `--check-readme` recomputes it from the shipped weights.
+def as_lm(model):
+    """A trained model as moetool's experiments take it (``.model``, ``.layers``, ``.tokenizer``)."""
+    from types import SimpleNamespace
+
+    from moetool.adapters import find_moe_layers
+
+    return SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+
+
+def token_set(val_by_domain: dict, pad_id: int, max_chunks: int | None = None):
+    """The validation chunks as a moetool ``TokenSet``: one row per chunk (the shorter last chunk of a domain
+    right-padded, padding masked out), the domain of each row."""
     import torch
-    import torch.nn.functional as F
+
+    from moetool.data import TokenSet
+
+    rows, doms = [], []
+    for dom, chunks in val_by_domain.items():
+        for c in (chunks if max_chunks is None else chunks[:max_chunks]):
+            rows.append(c)
+            doms.append(dom)
+    S = max(len(c) for c in rows)
+    ids = torch.tensor([c + [pad_id] * (S - len(c)) for c in rows], dtype=torch.long)
+    mask = torch.tensor([[1] * len(c) + [0] * (S - len(c)) for c in rows], dtype=torch.long)
+    return TokenSet(ids, mask, doms, "validation split")
+
+
+def evaluate(model, val_by_domain: dict, batch_size: int = 16, max_chunks: int | None = None,
+             routing: bool = False, pad_id: int = 0) -> dict:
+    """Token-level cross entropy on packed validation chunks, per domain and overall (moetool.engine.forward
+    with ``nll=True``). With ``routing=True`` also the routing statistics of :func:`routing_summary`."""
+    from moetool.engine import forward
 
     model.eval()
-    hooks, rec = [], {}
-    if routing:
-        layers = model.model.layers
-        for li, layer in enumerate(layers):
-            gate = getattr(getattr(layer, "mlp", None), "gate", None)
-            if gate is None:
-                continue
-
-            def hook(mod, inp, out, li=li):
-                rec[li] = (out[0].detach().float(), out[2].detach())
-
-            hooks.append(gate.register_forward_hook(hook))
-    stats: dict = {}
-    route: dict = {}
+    was = getattr(model.config, "output_router_logits", False)
+    model.config.output_router_logits = False  # training-only output: no aux loss inside the forward
     try:
-        with torch.no_grad():
-            for dom, chunks in val_by_domain.items():
-                chunks = chunks if max_chunks is None else chunks[:max_chunks]
-                nll, n = 0.0, 0
-                # group by length so batches need no padding
-                by_len: dict[int, list[list[int]]] = {}
-                for c in chunks:
-                    by_len.setdefault(len(c), []).append(c)
-                for L in sorted(by_len, reverse=True):
-                    group = by_len[L]
-                    for i in range(0, len(group), batch_size):
-                        x = torch.tensor(group[i : i + batch_size], dtype=torch.long)
-                        rec.clear()
-                        logits = model(input_ids=x, output_router_logits=False, use_cache=False).logits
-                        lp = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
-                                             x[:, 1:].reshape(-1), reduction="sum")
-                        nll += float(lp)
-                        n += x[:, 1:].numel()
-                        for li, (lg, idx) in rec.items():
-                            E = lg.shape[-1]
-                            r = route.setdefault(li, {}).setdefault(
-                                dom, {"counts": torch.zeros(E, dtype=torch.float64), "ent_sum": 0.0, "tokens": 0})
-                            r["counts"] += torch.bincount(idx.reshape(-1), minlength=E).double()
-                            p = torch.softmax(lg, dim=-1)
-                            ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
-                            r["ent_sum"] += float(ent.sum())
-                            r["tokens"] += lg.shape[0]
-                stats[dom] = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": n, "_nll": nll}
+        lm = as_lm(model)
+        stats: dict = {}
+        for dom in val_by_domain:
+            res = forward(lm, token_set({dom: val_by_domain[dom]}, pad_id, max_chunks), nll=True,
+                          batch_size=batch_size, quiet=True)
+            stats[dom] = {"loss": res.nll.mean, "ppl": res.nll.ppl, "tokens": res.nll.tokens, "_nll": res.nll.nll_sum}
+        tot_nll = sum(v.pop("_nll") for v in stats.values())
+        tot_n = sum(v["tokens"] for v in stats.values())
+        stats["all"] = {"loss": tot_nll / tot_n, "ppl": math.exp(tot_nll / tot_n), "tokens": tot_n}
+        if routing:
+            stats["routing"] = routing_summary(lm, val_by_domain, pad_id, batch_size)
     finally:
-        for h in hooks:
-            h.remove()
-    tot_nll = sum(v["_nll"] for v in stats.values())
-    tot_n = sum(v["tokens"] for v in stats.values())
-    for v in stats.values():
-        v.pop("_nll")
-    stats["all"] = {"loss": tot_nll / tot_n, "ppl": math.exp(tot_nll / tot_n), "tokens": tot_n}
-    if routing:
-        stats["routing"] = summarize_routing(route)
+        model.config.output_router_logits = was
     return stats
 
 
-def _entropy(p) -> float:
-    p = [x for x in p if x > 0]
-    return float(-sum(x * math.log(x) for x in p))
+def routing_summary(lm, val_by_domain: dict, pad_id: int, batch_size: int = 16) -> list[dict]:
+    """Per MoE layer, from ``moetool.stats`` on all validation chunks and on each domain's: load fractions
+    (``load_fraction``: share of all top-K assignments), load entropy and mean per-token routing entropy
+    (``confidence_entropy``), dead experts, and the code-vs-prose total-variation distance of the loads."""
+    import moetool
 
+    def run(chunks: dict):
+        res = moetool.stats(lm, token_set(chunks, pad_id), quiet=True, top_tokens=0, batch_size=batch_size)
+        return res.tables["layers.csv"].set_index("layer"), res.tables["load.csv"]
 
-def summarize_routing(route: dict) -> list[dict]:
+    layers, load = run(val_by_domain)
+    per_dom = {dom: run({dom: chunks}) for dom, chunks in val_by_domain.items()}
     out = []
-    for li in sorted(route):
-        doms = route[li]
-        E = len(next(iter(doms.values()))["counts"])
-        total = sum(d["counts"] for d in doms.values())
-        frac = (total / total.sum()).tolist()
-        toks = sum(d["tokens"] for d in doms.values())
+    for li, row in layers.iterrows():
+        frac = load[load.layer == li].sort_values("expert")["load_fraction"].tolist()
+        n = int(row["n_experts"])
         entry = {
-            "layer": li,
-            "num_experts": E,
-            "log_n": math.log(E),
-            "load_entropy": _entropy(frac),
-            "mean_routing_entropy": sum(d["ent_sum"] for d in doms.values()) / toks,
+            "layer": int(li),
+            "num_experts": n,
+            "log_n": math.log(n),
+            "load_entropy": float(row["load_entropy"]),
+            "mean_routing_entropy": float(row["confidence_entropy"]),
             "min_load_frac": min(frac),
             "max_load_frac": max(frac),
             "dead_experts": [e for e, f in enumerate(frac) if f == 0.0],
             "load_frac": [round(f, 5) for f in frac],
             "by_domain": {},
         }
-        for dom, d in doms.items():
-            f = (d["counts"] / d["counts"].sum()).tolist()
-            entry["by_domain"][dom] = {
-                "load_frac": [round(x, 5) for x in f],
-                "load_entropy": _entropy(f),
-                "mean_routing_entropy": d["ent_sum"] / d["tokens"],
-            }
+        for dom, (dl, dload) in per_dom.items():
+            f = dload[dload.layer == li].sort_values("expert")["load_fraction"].tolist()
+            entry["by_domain"][dom] = {"load_frac": [round(x, 5) for x in f],
+                                       "load_entropy": float(dl.loc[li, "load_entropy"]),
+                                       "mean_routing_entropy": float(dl.loc[li, "confidence_entropy"])}
         if {"code", "prose"} <= set(entry["by_domain"]):
             fc = entry["by_domain"]["code"]["load_frac"]
             fp = entry["by_domain"]["prose"]["load_frac"]
             # total variation distance between the two domains' expert loads
             entry["code_vs_prose_tv"] = 0.5 * sum(abs(a - b) for a, b in zip(fc, fp))
-            ratio = [(e, (a + 1e-9) / (b + 1e-9)) for e, (a, b) in enumerate(zip(fc, fp))]
-            ratio.sort(key=lambda t: t[1])
+            ratio = sorted(((e, (a + 1e-9) / (b + 1e-9)) for e, (a, b) in enumerate(zip(fc, fp))), key=lambda t: t[1])
             entry["most_prose_expert"] = {"expert": ratio[0][0], "code": fc[ratio[0][0]], "prose": fp[ratio[0][0]]}
             entry["most_code_expert"] = {"expert": ratio[-1][0], "code": fc[ratio[-1][0]], "prose": fp[ratio[-1][0]]}
         out.append(entry)
@@ -575,6 +571,45 @@ def verify_dirs(dirs: list[str], work: Path, threads: int, seq_len: int) -> dict
 
 
 # ------------------------------------------------------------------------------ README
+def measured_lines(out_dir: Path, dirs: list[str], metas: dict | None = None) -> dict[str, list[str]]:
+    """The README lines that carry measured numbers, by section, from each directory's ``train_meta.json`` (or
+    ``metas[d]``): the models table, the validation-perplexity table, the routing bullets and the routing table."""
+    metas = metas or {}
+    out: dict[str, list[str]] = {"models": [], "val": [], "bullets": [], "routing": []}
+    for d in dirs:
+        m = metas.get(d) or json.loads((out_dir / d / "train_meta.json").read_text())
+        cfg = json.loads((out_dir / d / "config.json").read_text())
+        E = cfg.get("num_local_experts", cfg.get("num_experts"))
+        k = cfg["num_experts_per_tok"]
+        out["models"].append(
+            f"| `{d}` | {m['architecture']} (`{m['model_type']}`) | {E} / {k} | "
+            f"{m['num_parameters'] / 1e6:.2f}M | {m['checkpoint']} (step {m['step']}/{m['total_steps']}) | "
+            f"{m['tokens_seen'] / 1e6:.2f}M | {m['val_loss']:.3f} | {m['val_ppl']:.2f} | {m['unigram_val_ppl']:.2f} |")
+        v, u = m["val"], m["unigram_baseline"]
+        out["val"].append(f"| `{d}` | {v['all']['ppl']:.2f} | {v['code']['ppl']:.2f} | {v['prose']['ppl']:.2f} | "
+                          f"{u['all']['ppl']:.1f} / {u['code']['ppl']:.1f} / {u['prose']['ppl']:.1f} |")
+        if m["checkpoint"] != "final":
+            continue
+        R = m["routing"]
+        le = [r["load_entropy"] / r["log_n"] for r in R]
+        re_ = [r["mean_routing_entropy"] / r["log_n"] for r in R]
+        tv = [r["code_vs_prose_tv"] for r in R]
+        out["bullets"].append(
+            f"- `{d}`: aggregate load per layer close to uniform (load entropy {min(le):.3f}–{max(le):.3f} × log n; "
+            f"min load fraction {min(r['min_load_frac'] for r in R):.3f}, no dead expert) — that is what the "
+            f"load-balancing loss is for; per token the routing is clearly not uniform (routing entropy "
+            f"{min(re_):.2f}–{max(re_):.2f} × log n; a router spreading its mass evenly over exactly k={k} experts "
+            f"would give log k = {math.log(k):.3f}) and it differs by domain (code-vs-prose TV {min(tv):.2f}–{max(tv):.2f}).")
+        for r in R:
+            mc, mp = r["most_code_expert"], r["most_prose_expert"]
+            out["routing"].append(
+                f"| `{d}` | {r['layer']} | {r['log_n']:.3f} | {r['load_entropy']:.3f} | {r['mean_routing_entropy']:.3f} | "
+                f"{r['min_load_frac']:.3f} / {r['max_load_frac']:.3f} | {len(r['dead_experts'])} | "
+                f"{r['code_vs_prose_tv']:.3f} | #{mc['expert']} ({mc['code']:.3f}/{mc['prose']:.3f}) | "
+                f"#{mp['expert']} ({mp['code']:.3f}/{mp['prose']:.3f}) |")
+    return out
+
+
 def write_readme(out_dir: Path, summary: dict, args) -> None:
     lines = []
     a = lines.append
@@ -586,13 +621,8 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
     a("")
     a("| dir | class (model_type) | experts / top-k | params | checkpoint | tokens seen | val loss | val ppl | unigram ppl |")
     a("|---|---|---|---|---|---|---|---|---|")
-    for d in summary["dirs"]:
-        m = json.loads((out_dir / d / "train_meta.json").read_text())
-        cfg = json.loads((out_dir / d / "config.json").read_text())
-        E = cfg.get("num_local_experts", cfg.get("num_experts"))
-        a(f"| `{d}` | {m['architecture']} (`{m['model_type']}`) | {E} / {cfg['num_experts_per_tok']} | "
-          f"{m['num_parameters'] / 1e6:.2f}M | {m['checkpoint']} (step {m['step']}/{m['total_steps']}) | "
-          f"{m['tokens_seen'] / 1e6:.2f}M | {m['val_loss']:.3f} | {m['val_ppl']:.2f} | {m['unigram_val_ppl']:.2f} |")
+    numbers = measured_lines(out_dir, summary["dirs"])
+    lines.extend(numbers["models"])
     a("")
     a("Common architecture: 4 layers, hidden size 128, 4 attention heads / 2 KV heads, RoPE, "
       f"max_position_embeddings {args.max_position_embeddings}, tied input/output embeddings, every layer MoE. "
@@ -686,51 +716,92 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
     a("")
     a("| dir | val ppl (all) | code | prose | unigram ppl (all / code / prose) |")
     a("|---|---|---|---|---|")
-    u = summary["unigram"]
-    for d in summary["dirs"]:
-        m = json.loads((out_dir / d / "train_meta.json").read_text())
-        v = m["val"]
-        a(f"| `{d}` | {v['all']['ppl']:.2f} | {v['code']['ppl']:.2f} | {v['prose']['ppl']:.2f} | "
-          f"{u['all']['ppl']:.1f} / {u['code']['ppl']:.1f} / {u['prose']['ppl']:.1f} |")
+    lines.extend(numbers["val"])
     a("")
     a("Routing on the validation split (final checkpoints). Load entropy = entropy of the fraction of top-k "
       "assignments per expert; routing entropy = mean per-token entropy of the router softmax over all experts "
       "(both in nats, maximum log n). TV = total-variation distance between the code and prose expert-load "
       "distributions.")
     a("")
-    for d in summary["dirs"]:
-        m = json.loads((out_dir / d / "train_meta.json").read_text())
-        if m["checkpoint"] != "final":
-            continue
-        R = m["routing"]
-        le = [r["load_entropy"] / r["log_n"] for r in R]
-        re_ = [r["mean_routing_entropy"] / r["log_n"] for r in R]
-        tv = [r["code_vs_prose_tv"] for r in R]
-        k = json.loads((out_dir / d / "config.json").read_text())["num_experts_per_tok"]
-        a(f"- `{d}`: aggregate load per layer close to uniform (load entropy {min(le):.3f}–{max(le):.3f} × log n; "
-          f"min load fraction {min(r['min_load_frac'] for r in R):.3f}, no dead expert) — that is what the "
-          f"load-balancing loss is for; per token the routing is clearly not uniform (routing entropy "
-          f"{min(re_):.2f}–{max(re_):.2f} × log n; a router spreading its mass evenly over exactly k={k} experts "
-          f"would give log k = {math.log(k):.3f}) and it differs by domain (code-vs-prose TV {min(tv):.2f}–{max(tv):.2f}).")
+    lines.extend(numbers["bullets"])
     a("")
     a("| model | layer | log n | load entropy | routing entropy | min / max load frac | dead | code-vs-prose TV | most code-leaning expert (code/prose load) | most prose-leaning |")
     a("|---|---|---|---|---|---|---|---|---|---|")
-    for d in summary["dirs"]:
-        m = json.loads((out_dir / d / "train_meta.json").read_text())
-        if m["checkpoint"] != "final":
-            continue
-        for r in m["routing"]:
-            mc, mp = r["most_code_expert"], r["most_prose_expert"]
-            a(f"| `{d}` | {r['layer']} | {r['log_n']:.3f} | {r['load_entropy']:.3f} | {r['mean_routing_entropy']:.3f} | "
-              f"{r['min_load_frac']:.3f} / {r['max_load_frac']:.3f} | {len(r['dead_experts'])} | "
-              f"{r['code_vs_prose_tv']:.3f} | #{mc['expert']} ({mc['code']:.3f}/{mc['prose']:.3f}) | "
-              f"#{mp['expert']} ({mp['code']:.3f}/{mp['prose']:.3f}) |")
+    lines.extend(numbers["routing"])
     a("")
     a("Round trip: a fresh process with `HF_HUB_OFFLINE=1` loaded every directory with `AutoModelForCausalLM` / "
       "`AutoTokenizer` (no missing / unexpected / mismatched keys) and reproduced the validation loss "
       f"(max abs difference {summary['verify_max_abs_diff']:.2e}).")
     a("")
     (out_dir / "README.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def check_readme(out_dir: Path, models: list[str], write: bool = False, threads: int = 2) -> int:
+    """Re-evaluate the shipped model directories with moetool (``moetool.load``, the validation split rebuilt from
+    ``data/heldout.jsonl``, :func:`evaluate`) and compare every number the README prints. No training, weights
+    untouched. ``write``: put the recomputed numbers into ``train_meta.json`` and the README's number lines."""
+    import moetool
+    import torch
+
+    torch.set_num_threads(max(threads, 1))
+    dirs = model_dirs(out_dir, models)
+    rows = read_jsonl(out_dir / "data" / "heldout.jsonl")
+    by_dom: dict[str, list[str]] = {}
+    for r in rows:
+        by_dom.setdefault(r["domain"], []).append(r["text"])
+    stored, fresh, worst = {}, {}, 0.0
+    for d in dirs:
+        meta = json.loads((out_dir / d / "train_meta.json").read_text())
+        lm = moetool.load(str(out_dir / d), device="cpu")
+        tok = lm.tokenizer
+        seq_len = meta["hyperparameters"]["seq_len"]
+        val = {dom: val_chunks(encode_docs(tok, texts), tok.eos_token_id, seq_len) for dom, texts in sorted(by_dom.items())}
+        ev = evaluate(lm.model, val, routing=meta["checkpoint"] == "final", pad_id=tok.eos_token_id)
+        new = dict(meta, val={k: v for k, v in ev.items() if k != "routing"}, val_loss=ev["all"]["loss"],
+                   val_ppl=ev["all"]["ppl"])
+        diffs = [abs(ev[dom]["loss"] - meta["val"][dom]["loss"]) for dom in meta["val"]]
+        if "routing" in ev:
+            new["routing"] = ev["routing"]
+            for a, b in zip(ev["routing"], meta["routing"]):
+                diffs += [abs(a[k] - b[k]) for k in ("load_entropy", "mean_routing_entropy", "min_load_frac",
+                                                     "max_load_frac", "code_vs_prose_tv")]
+                diffs += [abs(x - y) for x, y in zip(a["load_frac"], b["load_frac"])]
+        worst = max(worst, *diffs)
+        log(f"{d}: val loss {ev['all']['loss']:.6f} (train_meta {meta['val_loss']:.6f}); largest difference of a "
+            f"stored number {max(diffs):.2e}")
+        stored[d], fresh[d] = meta, new
+    old, now = measured_lines(out_dir, dirs, stored), measured_lines(out_dir, dirs, fresh)
+    readme_path = out_dir / "README.md"
+    readme = readme_path.read_text(encoding="utf-8")
+    missing = [ln for sec in old.values() for ln in sec if ln not in readme]
+    changed = [(a, b) for sec in old for a, b in zip(old[sec], now[sec]) if a != b]
+    n_lines = sum(len(v) for v in now.values())
+    if missing:
+        log(f"README.md does not show {len(missing)} line(s) of the stored train_meta.json numbers, e.g. {missing[0]}")
+    for a, b in changed:
+        log(f"README line changes:\n  - {a}\n  + {b}")
+    log(f"{n_lines} README number lines: {n_lines - len(changed)} identical when recomputed with moetool, "
+        f"{len(changed)} changed; largest raw difference {worst:.2e}")
+    if write and changed:
+        for a, b in changed:
+            readme = readme.replace(a, b)
+        readme_path.write_text(readme, encoding="utf-8")
+        for d in dirs:
+            (out_dir / d / "train_meta.json").write_text(json.dumps(fresh[d], indent=2) + "\n", encoding="utf-8")
+        log(f"wrote {readme_path} and train_meta.json of {', '.join(dirs)}")
+        return 0
+    return 0 if not changed and not missing else 1
+
+
+def model_dirs(out_dir: Path, models: list[str]) -> list[str]:
+    """The built directories of ``models`` in README order: early, mid, final checkpoint of each."""
+    dirs = []
+    for m in models:
+        for kind in ("early", "mid", "final"):
+            d = out_dir / (m if kind == "final" else f"{m}-{kind}")
+            if (d / "train_meta.json").exists() and json.loads((d / "train_meta.json").read_text())["model"] == m:
+                dirs.append(d.name)
+    return dirs
 
 
 # -------------------------------------------------------------------------------- main
@@ -764,6 +835,11 @@ def parse_args(argv=None):
                     help="router load-balancing loss: per layer, averaged (default), or transformers' "
                          "built-in one computed over all layers' logits concatenated")
     ap.add_argument("--save-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--check-readme", action="store_true",
+                    help="no training: re-evaluate the model directories in --out-dir with moetool and check "
+                         "that every number of their README is reproduced (exit 1 if one is not)")
+    ap.add_argument("--write-readme", action="store_true",
+                    help="with --check-readme: write recomputed numbers into README.md and train_meta.json")
     ap.add_argument("--_train-one", dest="train_one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_verify", dest="verify", nargs="*", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -786,6 +862,9 @@ def main(argv=None) -> int:
         res = train_one(args.train_one, args, work)
         (work / f"result-{args.train_one}.json").write_text(json.dumps(res, indent=2))
         return 0
+    if args.check_readme:  # no training: recompute the README's numbers from the shipped weights
+        return check_readme(Path(args.out_dir), [m for m in args.models.split(",") if m], args.write_readme,
+                            max(args.threads, 2))
     if args.verify is not None:  # child process: fresh-process round-trip check
         print("VERIFY_JSON " + json.dumps(verify_dirs(args.verify, work, args.threads, args.seq_len)), flush=True)
         return 0
@@ -871,12 +950,7 @@ def main(argv=None) -> int:
         return 1
 
     # ---- fresh-process round trip
-    dirs = []
-    for m in models:
-        for kind in ("early", "mid", "final"):
-            d = out_dir / (m if kind == "final" else f"{m}-{kind}")
-            if (d / "train_meta.json").exists() and json.loads((d / "train_meta.json").read_text())["model"] == m:
-                dirs.append(d)
+    dirs = [out_dir / d for d in model_dirs(out_dir, models)]
     log("round-trip check in a fresh process (HF_HUB_OFFLINE=1)")
     cp = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_verify", *map(str, dirs),
                          "--work-dir", str(work), "--threads", str(max(args.threads, 2)),
