@@ -23,12 +23,30 @@ UNSUPPORTED: dict[str, str] = {
                            "causal LMs",
     "doge": "Doge's CDMoE is product-key retrieval over thousands of single-neuron experts stored as embedding "
             "rows (no router/experts modules with a top-K over expert MLPs); off (is_moe=False) by default",
+    "gemma4_assistant": "Gemma-4's speculative-decoding assistant (drafts from the target model's hidden states "
+                        "through a KV-shared head; not a standalone language model)",
+    "nemo_speechlm": "speech recognition (Nemotron-3.5-Transcribe: audio encoder -> transcript); its MoE text decoder "
+                     "is the nemotron_h family",
+    "diffusion_gemma": "block text-diffusion model (DiffusionGemmaForBlockDiffusion, bidirectional decoder): its forward "
+                       "samples, so two forwards on the same input differ and there is no routing to reproduce",
+    "llama4": "the router returns dense sigmoid scores, the block scales every expert's input by them and runs all "
+              "experts on all tokens (experts(x), no (idx, weights) call to override); needs its own engine path",
+    "llama4_text": "as llama4: experts(x) on score-scaled inputs of every token, no (idx, weights) call to override",
+    "dbrx": "the router module returns logits only (routing is DbrxFFN.route_tokens_to_experts, outside it); the "
+            "engine reads (logits, weights, idx) from the router module",
+    "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as "
+              "experts(inputs, expert_size); the attention is a mixture of experts too (MoA)",
+    "zaya": "the router logits come from a router MLP over a down-projection plus the previous layer's router state "
+            "(EDA), not from the layer input alone, and a skip class sits beside the n experts",
+    "longcat_flash": "zero-computation (identity) experts beside the routed ones (the router ranks n + zero_expert_num "
+                     "classes); the per-expert probes have no identity-expert path",
     "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
                 "causal LMs",
 }
 
 #: config keys (of the text config) that mark a model as mixture-of-experts
 _EXPERT_KEY = re.compile(r"(^|_)(n_)?(routed_|local_)?experts?($|_)|^moe_|_moe_|^n_routed_experts$")
+_EXPERT_FIELD = re.compile(r"\b\w*experts\w*\s*[:=]")  # a config field such as ``num_experts: int = 8``
 _EXPERTS_CLASS = re.compile(r"^class \w*Experts\(|@use_experts_implementation", re.M)
 
 # ----- shrinking rules (key name -> small value), applied to every int field of the default config -----
@@ -46,7 +64,8 @@ _EXACT: dict[str, int] = {
     "o_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "global_head_dim": 16,
     "num_global_key_value_heads": 2, "attention_chunk_size": 8, "sliding_window": 8,
     # linear attention / mamba / short convolutions
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_head_dim": 16,
+    "linear_num_heads": 2,
     "linear_num_value_heads": 4, "mamba_d_state": 8, "mamba_d_head": 16, "mamba_n_heads": 8,
     "mamba_head_dim": 16, "mamba_num_heads": 8, "ssm_state_size": 8, "mamba_n_groups": 1, "mamba_dt_rank": 8,
     "mamba_chunk_size": 8, "chunk_size": 8,
@@ -103,34 +122,33 @@ def _has_expert_fields(config: Any) -> bool:
     return any(_EXPERT_KEY.search(k) for k in _keys(text_config(config).to_dict()))
 
 
+@functools.lru_cache(maxsize=None)
+def _config_source(model_type: str) -> str:
+    folder = os.path.join(_transformers_dir(), "models", _module_name(model_type))
+    if not os.path.isdir(folder):
+        return ""
+    return "\n".join(open(os.path.join(folder, f), encoding="utf-8").read() for f in sorted(os.listdir(folder))
+                     if f.startswith("configuration_") and f.endswith(".py"))
+
+
 @functools.lru_cache(maxsize=1)
 def _discover() -> dict[str, str]:
-    """model_type -> head kind (``causal-lm`` | ``image-text-to-text`` | ``seq2seq``) of every MoE model type."""
-    import logging
-    import warnings
+    """model_type -> head kind (``causal-lm`` | ``image-text-to-text`` | ``seq2seq``) of every MoE model type.
 
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    Read from the installed sources (no config is built): a type with one of those heads is MoE if its modeling
+    file defines an experts module (or uses ``@use_experts_implementation``), its configuration file has expert
+    fields, or its configuration builds on the config class of a type found so (Kimi-K2.5 on DeepSeek-V3's).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     clm, itt, s2s = _mappings()
-    found: dict[str, str] = {}
-    level = logging.getLogger("transformers").level
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        for mt in CONFIG_MAPPING.keys():
-            kind = "causal-lm" if mt in clm else "image-text-to-text" if mt in itt else "seq2seq" if mt in s2s else None
-            if kind is None:
-                continue
-            src_moe = bool(_EXPERTS_CLASS.search(_modeling_source(mt)))
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    cfg_moe = _has_expert_fields(CONFIG_MAPPING[mt]())
-            except Exception:  # noqa: BLE001 - a config that cannot build with defaults: judge by the source
-                cfg_moe = False
-            if src_moe or cfg_moe:
-                found[mt] = kind
-    finally:
-        logging.getLogger("transformers").setLevel(level)
+    kinds = {mt: "causal-lm" if mt in clm else "image-text-to-text" if mt in itt else "seq2seq"
+             for mt in CONFIG_MAPPING_NAMES if mt in clm or mt in itt or mt in s2s}
+    found = {mt: k for mt, k in kinds.items()
+             if _EXPERTS_CLASS.search(_modeling_source(mt)) or _EXPERT_FIELD.search(_config_source(mt))}
+    moe_configs = re.compile(r"\b(" + "|".join(re.escape(CONFIG_MAPPING_NAMES[mt]) for mt in found) + r")\b|"
+                             r"model_type=\"(" + "|".join(re.escape(mt) for mt in found) + r")\"")
+    found.update({mt: k for mt, k in kinds.items() if mt not in found and moe_configs.search(_config_source(mt))})
     return found
 
 
@@ -190,7 +208,8 @@ def _shrink_value(key: str, value: Any, old_hidden: int | None, new_hidden: int)
         return new_hidden
     if old_hidden and value == old_hidden and ("hidden" in key or "dim" in key):
         return TEXT["hidden"]  # a width tied to the text model's
-    if "intermediate" in key or "ffn_hidden" in key or "expert_dim" in key or key.endswith("_ffn_size"):
+    if "intermediate" in key or "ffn_hidden" in key or "expert_dim" in key or key.endswith("_ffn_size") or \
+            key == "moe_hidden_size":
         return TEXT["moe_inter"] if ("moe" in key or "expert" in key) else TEXT["inter"]
     if "vocab_size" in key:
         return min(value, TEXT["vocab"])
@@ -288,6 +307,7 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 4},
     "granitemoehybrid": {"layer_types": ["linear_attention", "attention"] * 2},  # default: Mamba only, which fails
+    "dots3_note": {"vision_config": {"adapter_in_dim": 32}},  # tied to the vision width, which equals the text's
     "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections [8, 12, 12] need 128 * partial_rotary_factor / 2
     "ernie4_5_vl_moe_text": {"head_dim": 128},  # 3-D RoPE split sized for 128
 }
@@ -314,14 +334,16 @@ def tiny_config(model_type: str) -> Any:
         d = {k: (_shrink_dict(v, text=False, old_hidden=old_hidden) if isinstance(v, dict) and "model_type" in v
                  else v) for k, v in d.items()}
         d[sub] = _shrink_dict(tc.to_dict(), text=True)
-        d[sub].update(FIXUPS.get(tc.model_type, {}))
+        for k, v in FIXUPS.get(tc.model_type, {}).items():
+            d[sub][k] = {**d[sub][k], **v} if isinstance(v, dict) and isinstance(d[sub].get(k), dict) else v
         d = _shrink_dict(d, text=False, skip=(sub,))  # token ids etc. of the wrapper
         for k, v in list(d.items()):  # wrapper-level dims tied to the text width
             if isinstance(v, int) and not isinstance(v, bool) and v == old_hidden and "hidden" in k:
                 d[k] = TEXT["hidden"]
     else:
         d = _shrink_dict(d, text=True)
-    d.update(FIXUPS.get(model_type, {}))
+    for k, v in FIXUPS.get(model_type, {}).items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
     for k in ("architectures", "transformers_version", "model_type", "_name_or_path"):
         d.pop(k, None)
     with warnings.catch_warnings():
