@@ -193,7 +193,6 @@ EXPERIMENT_SYNCS = {  # experiment -> lines that sync inside the forward today (
     "approx": "approx.py:166 bool(keep.any()); :168 ev.h[keep] ...; :184 r.spearman[ok]; :57 torch.combinations",
     "mass_recall": "mass_recall.py:133,178,179 [valid] indexing; :184,194 bincount; kmeans.py:55,58,59 int()/float(), "
                    ":77 bincount, :81 nonzero",
-    "norm_select": "norm_select.py:89,90 [v] indexing in the agreement meter",
     "fluctuation": "fluctuation.py:123,124 .cpu() per layer; :125 float(); :139 [keep] indexing",
 }
 

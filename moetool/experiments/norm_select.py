@@ -87,8 +87,9 @@ class AgreementMeter:
         pol_top1 = ref_top1 if ev.chosen_idx is ev.idx else ev.chosen_idx[:, 0]  # [T]
         v = ev.valid  # [T]
         K = ev.idx.shape[-1]
-        s = torch.stack([ops.overlap_count(ev.chosen_idx[v], ev.idx[v]).sum().double() / K,
-                         (pol_top1[v] == ref_top1[v]).sum().double(), v.sum().double()])  # [3]
+        # padding weighted out, not indexed out: no host sync inside the forward
+        s = torch.stack([(ops.overlap_count(ev.chosen_idx, ev.idx) * v).sum().double() / K,
+                         ((pol_top1 == ref_top1) & v).sum().double(), v.sum().double()])  # [3]
         key = ev.layer.index
         self.sums[key] = self.sums[key] + s if key in self.sums else s
 
