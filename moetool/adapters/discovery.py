@@ -307,6 +307,8 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 4},
     "granitemoehybrid": {"layer_types": ["linear_attention", "attention"] * 2},  # default: Mamba only, which fails
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 3},  # read by its forward, absent from the defaults
+    "muse_spark": {"out_hidden_size": 32, "projector_hidden_size": 64},  # the vision adapter's widths
     "dots3_note": {"vision_config": {"adapter_in_dim": 32}},  # tied to the vision width, which equals the text's
     "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections [8, 12, 12] need 128 * partial_rotary_factor / 2
     "ernie4_5_vl_moe_text": {"head_dim": 128},  # 3-D RoPE split sized for 128
