@@ -93,12 +93,21 @@ def _module_name(model_type: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _modeling_source(model_type: str) -> str:
+def _source(model_type: str, prefix: str) -> str:
+    """The installed ``<prefix>*.py`` files of the model type's folder, joined (``""`` if none)."""
     folder = os.path.join(_transformers_dir(), "models", _module_name(model_type))
     if not os.path.isdir(folder):
         return ""
     return "\n".join(open(os.path.join(folder, f), encoding="utf-8").read() for f in sorted(os.listdir(folder))
-                     if f.startswith("modeling_") and f.endswith(".py"))
+                     if f.startswith(prefix) and f.endswith(".py"))
+
+
+def _modeling_source(model_type: str) -> str:
+    return _source(model_type, "modeling_")
+
+
+def _config_source(model_type: str) -> str:
+    return _source(model_type, "configuration_")
 
 
 def text_config(config: Any) -> Any:
@@ -120,15 +129,6 @@ def _keys(d: dict) -> list[str]:
 
 def _has_expert_fields(config: Any) -> bool:
     return any(_EXPERT_KEY.search(k) for k in _keys(text_config(config).to_dict()))
-
-
-@functools.lru_cache(maxsize=None)
-def _config_source(model_type: str) -> str:
-    folder = os.path.join(_transformers_dir(), "models", _module_name(model_type))
-    if not os.path.isdir(folder):
-        return ""
-    return "\n".join(open(os.path.join(folder, f), encoding="utf-8").read() for f in sorted(os.listdir(folder))
-                     if f.startswith("configuration_") and f.endswith(".py"))
 
 
 @functools.lru_cache(maxsize=1)
