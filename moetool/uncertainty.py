@@ -1,0 +1,211 @@
+"""Confidence intervals: the one home of interval math (document-level bootstrap, delta method).
+
+Bootstrap for streamed statistics
+---------------------------------
+A streamed statistic is a ratio of sums: agreement = Σ agree / Σ tokens, mean NLL = Σ nll / Σ tokens, a
+fluctuation rate, a load fraction. Resampling whole documents (packed rows) keeps the dependence between the
+tokens of one row: the consumer accumulates, per row ``r``, the numerator ``a[r]`` and the denominator ``b[r]``
+(:class:`RowSums`), and every bootstrap replicate is ``Σ_r w[r] a[r] / Σ_r w[r] b[r]`` with multinomial row
+weights ``w`` (``n_rows`` draws with replacement). All replicates of all statistics come out of ONE matrix
+product ``W [N_boot, n_rows] @ A [n_rows, k]``. The interval is the percentile interval (2.5%, 97.5%) of the
+replicates. ``n_boot = 0`` switches intervals off (``lo = hi = NaN``). Seeded: the same seed gives the same
+weights, so intervals of two statistics measured on the same rows are paired.
+
+Delta method
+------------
+For a ratio of two independent estimates (retention = acc_policy / acc_base with lm-eval standard errors):
+``se(a/b)² ≈ (a/b)² · ((se_a/a)² + (se_b/b)² − 2 cov/(a b))``; the interval is ``r ± z·se``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .errors import MoetoolError
+
+#: default number of bootstrap replicates (``--bootstrap``)
+DEFAULT_BOOTSTRAP = 1000
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its ``level`` interval ``[lo, hi]`` (NaN bounds when intervals are off)."""
+
+    value: float
+    lo: float = float("nan")
+    hi: float = float("nan")
+
+    @property
+    def half_width(self) -> float:
+        return (self.hi - self.lo) / 2
+
+    def covers(self, x: float) -> bool:
+        return self.lo <= x <= self.hi
+
+    def columns(self, name: str) -> dict[str, float]:
+        """``{name: value, name_lo: lo, name_hi: hi}`` for a CSV row."""
+        return {name: self.value, f"{name}_lo": self.lo, f"{name}_hi": self.hi}
+
+
+def check_n_boot(n_boot: int) -> int:
+    n_boot = int(n_boot)
+    if n_boot < 0:
+        raise MoetoolError(f"--bootstrap must be >= 0 (0 = no intervals), got {n_boot}")
+    if 0 < n_boot < 100:
+        raise MoetoolError(f"--bootstrap {n_boot} is too few replicates for a 95% percentile interval (use >= 100 or 0)")
+    return n_boot
+
+
+def bootstrap_weights(n_rows: int, n_boot: int, seed: int = 0) -> np.ndarray:
+    """Multinomial row weights ``[n_boot, n_rows]`` (float64): each replicate draws ``n_rows`` rows with
+    replacement; ``w[b, r]`` = how often row ``r`` was drawn."""
+    if n_rows < 2:
+        raise MoetoolError(f"a bootstrap needs at least 2 documents/rows, got {n_rows}")
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(n_rows, np.full(n_rows, 1.0 / n_rows), size=n_boot).astype(np.float64)
+
+
+def percentile(replicates: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval over axis 0 of ``replicates [N_boot, ...]``. NaN replicates (a resample whose
+    denominator is zero) are an error: never a narrower-looking interval."""
+    if np.isnan(replicates).any():
+        raise MoetoolError("bootstrap replicate is NaN (a resample with zero tokens): too few rows for an interval")
+    a = (1 - level) / 2
+    return np.quantile(replicates, a, axis=0), np.quantile(replicates, 1 - a, axis=0)
+
+
+def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                    level: float = LEVEL, transform: Callable[[np.ndarray], np.ndarray] | None = None
+                    ) -> list[Interval]:
+    """Intervals of ``k`` ratio statistics ``Σ num[:, j] / Σ den[:, j]`` from per-row sums.
+
+    ``num``: ``[n_rows]`` or ``[n_rows, k]``; ``den``: the same shape or ``[n_rows]`` (one denominator shared).
+    ``transform`` maps ratios to the reported statistic (``np.exp`` for a perplexity from a mean NLL).
+    """
+    num = np.asarray(num, dtype=np.float64)
+    one = num.ndim == 1
+    num = num.reshape(num.shape[0], -1)
+    den = np.asarray(den, dtype=np.float64)
+    den = np.broadcast_to(den.reshape(den.shape[0], -1), num.shape)
+    if not (np.isfinite(num).all() and np.isfinite(den).all()):
+        raise MoetoolError("per-row sums contain NaN/inf: no interval")
+    if den.sum(0).min() <= 0:
+        raise MoetoolError("a statistic has zero denominator: no tokens counted")
+    f = transform or (lambda x: x)
+    value = f(num.sum(0) / den.sum(0))
+    n_boot = check_n_boot(n_boot)
+    if n_boot == 0:
+        out = [Interval(float(v)) for v in value]
+    else:
+        w = bootstrap_weights(num.shape[0], n_boot, seed)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            reps = f((w @ num) / (w @ den))
+        lo, hi = percentile(reps, level)
+        out = [Interval(float(v), float(a), float(b)) for v, a, b in zip(value, lo, hi)]
+    return out[:1] if one else out
+
+
+def ratio_interval(num: Any, den: Any, **kw: Any) -> Interval:
+    """One ratio statistic ``Σ num / Σ den`` with its bootstrap interval (see :func:`ratio_intervals`)."""
+    return ratio_intervals(np.asarray(num, dtype=np.float64).reshape(-1), den, **kw)[0]
+
+
+def ppl_ratio_interval(nll_a: Any, nll_b: Any, tokens: Any, *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                       level: float = LEVEL) -> Interval:
+    """Perplexity ratio ``ppl_a / ppl_b = exp(mean NLL_a − mean NLL_b)`` of two runs over the SAME rows
+    (paired: one weight per row applies to both), from per-row NLL sums and per-row token counts."""
+    d = np.asarray(nll_a, dtype=np.float64) - np.asarray(nll_b, dtype=np.float64)
+    return ratio_intervals(d, tokens, n_boot=n_boot, seed=seed, level=level, transform=np.exp)[0]
+
+
+def delta_ratio(a: float, se_a: float, b: float, se_b: float, *, cov: float = 0.0, level: float = LEVEL) -> Interval:
+    """``a / b`` with its delta-method interval (``se`` = standard errors, ``cov`` their covariance)."""
+    vals = (a, se_a, b, se_b, cov)
+    if not all(math.isfinite(float(v)) for v in vals):
+        raise MoetoolError(f"delta method: non-finite input {vals}")
+    if b == 0:
+        raise MoetoolError("delta method: base accuracy is 0, the ratio is undefined")
+    if se_a < 0 or se_b < 0:
+        raise MoetoolError("delta method: standard errors must be >= 0")
+    r = a / b
+    var = (se_a / b) ** 2 + (a * se_b / b ** 2) ** 2 - 2 * a / b ** 3 * cov
+    se = math.sqrt(max(var, 0.0))
+    z = normal_quantile(0.5 + level / 2)
+    return Interval(r, r - z * se, r + z * se)
+
+
+def normal_quantile(p: float) -> float:
+    """Standard normal quantile (``statistics.NormalDist``; 1.959964 for 0.975)."""
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)
+
+
+class RowSums:
+    """Per-row (per packed row / document) sums of named quantities, streamed.
+
+    ``add(rows, **values)``: ``rows`` global row ids ``[m]`` (numpy/torch ints), each value ``[m]`` or
+    ``[m, k]`` — added to those rows (repeated ids accumulate). ``table(name)`` -> ``[n_rows, ...]`` over the
+    rows seen, in sorted row order. Memory: n_rows × k float64 per name (one row of numbers per document).
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, dict[int, np.ndarray]] = {}
+
+    def add(self, rows: Any, **values: Any) -> None:
+        rows = _np(rows).astype(np.int64).reshape(-1)
+        uniq, inv = np.unique(rows, return_inverse=True)
+        for name, v in values.items():
+            v = _np(v).astype(np.float64)
+            v = v.reshape(rows.shape[0], -1)
+            agg = np.zeros((uniq.shape[0], v.shape[1]))
+            np.add.at(agg, inv, v)
+            store = self._sums.setdefault(name, {})
+            for r, s in zip(uniq.tolist(), agg):
+                store[r] = store[r] + s if r in store else s
+
+    @property
+    def rows(self) -> list[int]:
+        keys: set[int] = set()
+        for store in self._sums.values():
+            keys.update(store)
+        return sorted(keys)
+
+    def table(self, name: str) -> np.ndarray:
+        store = self._sums.get(name)
+        if not store:
+            raise MoetoolError(f"no per-row sums named '{name}' were recorded")
+        rows = self.rows
+        width = next(iter(store.values())).shape[0]
+        out = np.zeros((len(rows), width))
+        for i, r in enumerate(rows):
+            if r in store:
+                out[i] = store[r]
+        return out[:, 0] if width == 1 else out
+
+    def interval(self, num: str, den: str, **kw: Any) -> list[Interval] | Interval:
+        """Bootstrap interval(s) of ``Σ num / Σ den`` over the recorded rows."""
+        a, b = self.table(num), self.table(den)
+        out = ratio_intervals(a, b, **kw)
+        return out[0] if a.ndim == 1 else out
+
+
+def _np(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def add_interval_columns(df: Any, name: str, intervals: Sequence[Interval]) -> Any:
+    """Set ``name``, ``name_lo``, ``name_hi`` columns of ``df`` (one interval per row)."""
+    if len(intervals) != len(df):
+        raise MoetoolError(f"{len(intervals)} intervals for {len(df)} rows")
+    df[name] = [i.value for i in intervals]
+    df[f"{name}_lo"] = [i.lo for i in intervals]
+    df[f"{name}_hi"] = [i.hi for i in intervals]
+    return df
