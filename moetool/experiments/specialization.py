@@ -57,6 +57,14 @@ def _sparse_counter(merge_min: int):
     return SparseCounter(merge_min)
 
 
+def on_device(batch: dict[str, Any], key: str, device: Any) -> torch.Tensor:
+    """``batch[key]`` copied to ``device`` once per batch (cached in ``batch["on"]``: one copy per device)."""
+    cache = batch["on"]
+    if (key, device) not in cache:
+        cache[key, device] = batch[key].to(device)
+    return cache[key, device]
+
+
 def _masked_keys(ids: torch.Tensor, expert: torch.Tensor, n: int, keep: torch.Tensor) -> torch.Tensor:
     """``ids * n + expert`` where ``keep``, else -1 (dropped when the counts are read): no boolean indexing."""
     return torch.where(keep, ids.long() * n + expert.long(), torch.full_like(expert, -1, dtype=torch.long))
@@ -90,10 +98,7 @@ class VocabSpecialization:
         return batch
 
     def _on(self, key: str, device: Any) -> torch.Tensor:
-        cache = self._batch["on"]
-        if (key, device) not in cache:
-            cache[key, device] = self._batch[key].to(device)
-        return cache[key, device]
+        return on_device(self._batch, key, device)
 
     def _counter(self, li: int, n: int) -> dict[str, Any]:
         if li not in self.counters:

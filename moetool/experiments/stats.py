@@ -28,7 +28,7 @@ from ..engine.runner import forward
 from ..errors import MoetoolError
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
-                             VocabSpecialization, _masked_keys, coactivation_counts)
+                             VocabSpecialization, _masked_keys, coactivation_counts, on_device)
 
 #: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table)
 MERGE_MIN = 1 << 20
@@ -158,10 +158,7 @@ class RoutingStats:
         return batch
 
     def _on(self, key: str, device: Any) -> torch.Tensor:
-        cache = self._batch["on"]
-        if (key, device) not in cache:
-            cache[key, device] = self._batch[key].to(device)
-        return cache[key, device]
+        return on_device(self._batch, key, device)
 
     def __call__(self, ev: RoutingEvent) -> None:
         L, (B, S) = ev.layer, ev.shape
