@@ -162,6 +162,12 @@ def test_cross_layer_summary_closed_forms():
     w = np.array([1, 2, 3, 4]) / 10
     assert s["mutual_information"] == pytest.approx(-(w * np.log(w)).sum(), rel=1e-12)
     assert s["mean_max_p"] == 1.0 and s["tokens"] == 10
+    # K differs between the layers: 3 tokens, top-1 at l = [0, 0, 1], top-2 at next = [0 1], [0 2], [1 2]
+    c = torch.tensor([[2.0, 1, 1], [0, 1, 1], [0, 0, 0]])
+    p, s = cross_layer_matrix(c, 1, 2)
+    np.testing.assert_allclose(p[:2], [[1, 0.5, 0.5], [0, 1, 1]])
+    assert torch.isnan(p[2]).all() and s["tokens"] == 3 and s["uniform_max_p"] == pytest.approx(2 / 3)
+    assert s["mean_max_p"] == 1.0
     with pytest.raises(MoetoolError, match="no tokens"):
         cross_layer_matrix(torch.zeros(3, 3), 1, 1)
 

@@ -364,6 +364,8 @@ def test_cli_on_embedded_tiny(tmp_path):
     n = int(lay["n_experts"].iloc[0])
     assert len(frames["coactivation.csv"]) == len(lay) * n * (n - 1)
     assert (out / "manifest.json").is_file() and (out / "figures" / "load_heatmap.png").is_file()
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["data"]["special_tokens"]["add_special_tokens"] == "tokenizer default"  # the tokenizer's own default
 
 
 @pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")

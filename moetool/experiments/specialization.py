@@ -32,7 +32,8 @@ DEFINITIONS = {
                       "expert (OLMoE sec. 5; top-1 as allenai/OLMoE run_moe_analysis.py). Views: input = the "
                       "token at the position, next_token = the ground-truth next token (positions whose next "
                       "position is real), predicted = argmax of the model's logits at the position. "
-                      "specialization_all_ids = the same mean over every token id (OLMoE's printed average)",
+                      "specialization_all_ids = the same mean over every token id (OLMoE's printed average); "
+                      "specialization is empty when no token id reaches min_count",
     "specialized_tokens": "per layer, view and expert: token ids (>= min_count occurrences) whose most frequent "
                           "first-ranked expert it is, ranked by specialization (ties: occurrences, token id)",
     "cross_layer": "for consecutive MoE layers l -> next: count[a,b] = tokens with a in the top-K at l and b in "
