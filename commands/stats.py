@@ -49,7 +49,7 @@ Special tokens follow the tokenizer's default (a BOS where it adds one);
 Examples:
   moetool stats --out runs/stats-tiny
   moetool stats --model tiny-fine --top-tokens 20 --max-tokens 16384
-  moetool stats --top-k 1 --coactivation adjacent   # OLMoE's *_top1 / heatmaps
+  moetool stats --top-k 1 --coactivation adjacent  # as OLMoE (top-1)
   moetool stats --model mixtral-8x7b --data my.jsonl --device-map auto
 """
 
