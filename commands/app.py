@@ -64,17 +64,38 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def main() -> None:
-    """The ``moetool`` console script: an error no command turned into one line is still one line (exit 1;
-    ``MOETOOL_DEBUG=1`` shows the traceback)."""
+    """The ``moetool`` console script. Every error is one line on stderr: a bad flag value or unknown option
+    (click's usage errors) exits 2, an error no command turned into one line exits 1 (``MOETOOL_DEBUG=1`` shows
+    the traceback)."""
     try:
-        app()
-    except Exception as e:  # noqa: BLE001 - the last resort of the one-line promise
-        if os.environ.get("MOETOOL_DEBUG"):
-            raise
-        text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        typer.secho(f"error: {type(e).__name__}{': ' + text if text else ''} (MOETOOL_DEBUG=1 shows the traceback)",
-                    fg="red", err=True)
-        sys.exit(1)
+        code = app(prog_name="moetool", standalone_mode=False)
+    except Exception as e:  # noqa: BLE001 - click's exceptions (Typer vendors its own click): by class name
+        kinds = {c.__name__ for c in type(e).__mro__}
+        if "ClickException" in kinds:
+            if "UsageError" in kinds and "NoArgsIsHelpError" not in kinds:
+                ctx = getattr(e, "ctx", None)
+                where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                typer.secho(f"error: {e.format_message()}{where}", fg="red", err=True)
+            else:  # `moetool` alone shows the help, as Typer shows it
+                from typer import rich_utils
+
+                rich_utils.rich_format_error(e)
+            sys.exit(e.exit_code)
+        if "Abort" in kinds:
+            typer.secho("aborted", err=True)
+            sys.exit(1)
+        _last_resort(e)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _last_resort(e: Exception) -> None:
+    """An error no command turned into one line: still one line, exit 1 (``MOETOOL_DEBUG=1`` re-raises)."""
+    if os.environ.get("MOETOOL_DEBUG"):
+        raise e
+    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    typer.secho(f"error: {type(e).__name__}{': ' + text if text else ''} (MOETOOL_DEBUG=1 shows the traceback)",
+                fg="red", err=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

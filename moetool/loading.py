@@ -420,9 +420,11 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
     * ``seq_len`` must not exceed the model's positions (:func:`max_positions`; ``text_config`` of a multimodal
       config) -- a usage error: the position encoding was never trained there and the statistics change;
     * ``device`` / ``dtype`` are resolved as :func:`load` resolves them (``--device cuda`` without CUDA: exit 1);
-    * memory: the weights plus one batch's activations (:func:`estimate_memory`, a lower bound; rows per batch =
-      ``min(batch_size, ceil(max_tokens / seq_len))``) must fit in the device's free memory (CUDA: free memory of
-      the device; CPU: available RAM, within a cgroup limit) -- a runtime error (exit 1). Skipped with
+    * memory: the weights plus one batch's activations (:func:`estimate_memory`, a lower bound) must fit in the
+      device's free memory (CUDA: free memory of the device; CPU: available RAM, within a cgroup limit) -- a
+      runtime error (exit 1). The batch is the one the options ask for, ``min(batch_size, ceil(max_tokens /
+      seq_len))`` rows: the data are not read yet, so a ``--data`` with fewer than ``max_tokens`` tokens (smaller
+      batches) can be refused although it would fit -- the message says which option to lower. Skipped with
       ``device_map="auto"`` (accelerate spreads and offloads) or when the free memory is unknown.
 
     Returns the :class:`RunEstimate` (its ``as_dict()`` fits a manifest).

@@ -217,7 +217,7 @@ def test_cached_hub_model_loads_offline(tmp_path):
 def test_unexpected_errors_are_one_line_from_the_console_script(monkeypatch, capsys):
     import moetool.commands.app as app_module
 
-    def boom():
+    def boom(**kwargs):  # called as app(prog_name=..., standalone_mode=False)
         raise ValueError("first line\nsecond line")
 
     monkeypatch.setattr(app_module, "app", boom)
@@ -230,6 +230,43 @@ def test_unexpected_errors_are_one_line_from_the_console_script(monkeypatch, cap
     monkeypatch.setenv("MOETOOL_DEBUG", "1")
     with pytest.raises(ValueError):
         app_module.main()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "--seq-len", "0"], "error: Invalid value for '--seq-len': Input should be greater than or equal to 2 "
+                                  "(see 'moetool trace --help')"),
+    (["trace", "--max-tokens", "-5"], "error: Invalid value for '--max-tokens'"),
+    (["trace", "--bogus"], "error: No such option: --bogus"),
+    (["tracee"], "error: No such command 'tracee'. Did you mean 'trace'?"),
+    (["trace", "--seq-len", "5000", "--max-tokens", "64"],
+     "error: --seq-len 5000 is longer than the model's 1024 positions (mixtral max_position_embeddings): use "
+     "--seq-len 1024 or less"),
+])
+def test_usage_errors_are_one_line_exit_2_from_the_console_script(monkeypatch, capsys, tmp_path, argv, message):
+    """Click's own usage errors (a bad flag value, an unknown option or command) and moetool's are one line on
+    stderr with exit 2, and leave no run folder behind."""
+    import moetool.commands.app as app_module
+
+    monkeypatch.setattr(sys, "argv", ["moetool", *argv, *(["--out", str(tmp_path / "run")] if argv[0] == "trace"
+                                                          and "--bogus" not in argv else [])])
+    monkeypatch.delenv("MOETOOL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    assert e.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_console_script_exit_codes_of_success_and_help(monkeypatch, capsys):
+    import moetool.commands.app as app_module
+
+    for argv, code in ((["--version"], 0), (["inspect", "--help"], 0), ([], 2)):
+        monkeypatch.setattr(sys, "argv", ["moetool", *argv])
+        with pytest.raises(SystemExit) as e:
+            app_module.main()
+        assert e.value.code == code, argv
+    assert "Usage: moetool [OPTIONS] COMMAND" in capsys.readouterr().out  # `moetool` alone: the help
 
 
 def test_version_prints_the_package_version():
