@@ -1,0 +1,148 @@
+"""moetool offload: cache policies against hand simulations, and the streamed tables against a manual
+computation on the embedded tiny model (coverage, hottest share, next-layer prediction)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.experiments.offload import default_capacities, expert_bytes, offload, simulate
+
+# K = 1, C = 2, requests 0 1 2 0 1 3 0 1 (worked by hand, see the module docstring's rules)
+TRACE_A = [[0], [1], [2], [0], [1], [3], [0], [1]]
+HAND_A = {
+    "lru": [0, 0, 0, 0, 0, 0, 0, 0],  # always evicts the expert that comes back next
+    "lfu": [0, 0, 0, 0, 0, 0, 0, 1],  # t6 evicts 3 (1 request) and keeps 1 (2 requests): t7 hits
+    "belady": [0, 0, 0, 1, 0, 0, 1, 0],  # t2 evicts 1 (next at 4, 0 at 3); t4 evicts 2 (never); t5 evicts 1 (7 > 6)
+}
+# K = 2, C = 3: {0,1} {0,2} {1,3} {0,1} {2,3}
+TRACE_B = [[0, 1], [0, 2], [1, 3], [0, 1], [2, 3]]
+HAND_B = {
+    "lru": [[0, 0], [1, 0], [1, 0], [0, 1], [0, 1]],  # t2 evicts 0 (tie with 2 at t1: lowest id); t3 evicts 2
+    "belady": [[0, 0], [1, 0], [1, 0], [1, 1], [0, 1]],  # t2 evicts 2 (next at 4, 0 at 3)
+}
+
+
+@pytest.mark.parametrize("policy", sorted(HAND_A))
+def test_hand_trace_k1(policy):
+    assert simulate(np.array(TRACE_A), 2, policy)[:, 0].astype(int).tolist() == HAND_A[policy]
+
+
+@pytest.mark.parametrize("policy", sorted(HAND_B))
+def test_hand_trace_k2(policy):
+    assert simulate(np.array(TRACE_B), 3, policy).astype(int).tolist() == HAND_B[policy]
+
+
+def test_policy_invariants_on_random_traces():
+    rng = np.random.default_rng(0)
+    n, K, T = 8, 2, 300
+    p = rng.dirichlet(np.ones(n) * 0.5)
+    trace = np.stack([rng.choice(n, K, replace=False, p=p) for _ in range(T)])
+    for C in range(K, n + 1):
+        h = {pol: int(simulate(trace, C, pol).sum()) for pol in ("lru", "lfu", "belady")}
+        assert h["belady"] >= max(h["lru"], h["lfu"]), (C, h)  # optimal offline
+        if C == K:  # the cache holds exactly the previous token's experts, whatever the policy
+            prev = sum(len(set(a) & set(b)) for a, b in zip(trace[1:], trace[:-1]))
+            assert h["lru"] == h["lfu"] == h["belady"] == prev
+    full = T * K - len(np.unique(trace))  # C = n: only cold misses
+    assert all(int(simulate(trace, n, pol).sum()) == full for pol in ("lru", "lfu", "belady"))
+    assert default_capacities(8, 2) == (2, 4, 6, 8)
+    with pytest.raises(MoetoolError):
+        simulate(trace, 1, "lru")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from moetool.data import load_tokens
+    from moetool.loading import load
+
+    lm = load("tiny")
+    tokens = load_tokens(None, lm.tokenizer, seq_len=32, max_tokens=256)
+    tokens.attention_mask[1, :5] = 0  # a left-padded row: padding must never count
+    return lm, tokens
+
+
+def _manual(lm, tokens):
+    """Per layer: the real tokens' chosen experts (hooks) and x_ℓ = hidden_states[ℓ] (transformers' own output)."""
+    from moetool.engine import forward
+
+    got = {L.index: [] for L in lm.layers}
+    hs = []
+
+    def rec(ev):
+        got[ev.layer.index].append(ev.idx[ev.valid])
+    forward(lm, tokens, consumers=[rec], batch_size=8, quiet=True,
+            on_batch=lambda b, out: None)
+    with torch.no_grad():
+        for b in tokens.batches(8):
+            out = lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask, output_hidden_states=True)
+            keep = b.attention_mask.reshape(-1).bool()
+            hs.append([h.reshape(-1, h.shape[-1])[keep] for h in out.hidden_states])
+    x = [torch.cat([h[i] for h in hs]) for i in range(len(hs[0]))]
+    return {i: torch.cat(v) for i, v in got.items()}, x
+
+
+def test_tables_match_manual_computation(tiny):
+    lm, tokens = tiny
+    res = offload(lm, tokens, bootstrap=200, quiet=True)
+    idx, x = _manual(lm, tokens)
+    T = tokens.n_tokens
+    lay = res["offload_layers"].set_index("layer")
+    cache = res["offload_cache"]
+    for L in lm.layers:
+        trace = idx[L.index]
+        assert trace.shape[0] == T
+        c = torch.bincount(trace.reshape(-1), minlength=L.n_experts).double()
+        assert lay.loc[L.index, "hottest_share"] == pytest.approx(float(c.max() / c.sum()))
+        n_params = sum(p[0].numel() for p in (L.experts.gate_up_proj, L.experts.down_proj))
+        assert lay.loc[L.index, "expert_bytes"] == expert_bytes(L) == n_params * 4  # fp32
+        for _, r in cache[cache.layer == L.index].iterrows():
+            assert r.hits == int(simulate(trace.numpy(), r.capacity, r.policy).sum())
+            assert r.hit_rate_lo <= r.hit_rate <= r.hit_rate_hi
+        # next-layer prediction by hand: route(logits(post_attention_layernorm_ℓ(x_ℓ))) vs the chosen set
+        if L.index > 0:
+            with torch.no_grad():
+                logits = L.logits(L.decoder_layer.post_attention_layernorm(x[L.index]))
+            pred, _ = L.route(logits)
+            topk = ((pred.unsqueeze(-1) == trace.unsqueeze(-2)).any(-1).sum(-1).double() / L.top_k).mean()
+            pr = res["offload_prefetch"].set_index("layer").loc[L.index]
+            assert pr.topk_recall == pytest.approx(float(topk))
+            assert pr.tokens == T
+    # coverage: first occurrence over all layers by hand
+    first = torch.stack([torch.full((L.n_experts,), T).scatter_reduce(
+        0, idx[L.index].reshape(-1), torch.arange(T).repeat_interleave(L.top_k), reduce="amin") for L in lm.layers])
+    for _, r in res["offload_coverage"].iterrows():
+        assert r.coverage == pytest.approx(float((first < r.tokens).double().mean()))
+
+
+def test_prediction_is_exact_when_attention_adds_nothing(tiny):
+    """Invariant: with every attention output projection zeroed, x_ℓ + attn = x_ℓ, so layer ℓ+1's router input IS
+    post_attention_layernorm(x_ℓ): top-1 and top-K recall must be exactly 1."""
+    lm, tokens = tiny
+    lm2 = copy.copy(lm)
+    lm2.model = copy.deepcopy(lm.model)
+    from moetool.adapters import find_moe_layers
+
+    lm2.layers = find_moe_layers(lm2.model)
+    with torch.no_grad():
+        for L in lm2.layers:
+            L.decoder_layer.self_attn.o_proj.weight.zero_()
+    pr = offload(lm2, tokens, bootstrap=0, policies=("lru",), quiet=True)["offload_prefetch"]
+    assert len(pr) == len(lm2.layers) - 1
+    assert (pr.top1_recall == 1.0).all() and (pr.topk_recall == 1.0).all()
+    pr0 = offload(lm, tokens, bootstrap=0, policies=("lru",), quiet=True)["offload_prefetch"]
+    assert (pr0.topk_recall < 1.0).any()  # the real model: attention moves the routing
+
+
+def test_options_are_checked(tiny):
+    lm, tokens = tiny
+    with pytest.raises(MoetoolError):
+        offload(lm, tokens, policies=("fifo",), quiet=True)
+    with pytest.raises(MoetoolError):
+        offload(lm, tokens, capacities=(1,), bootstrap=0, quiet=True)
+    with pytest.raises(MoetoolError):
+        offload(lm, tokens, bootstrap=5, quiet=True)
