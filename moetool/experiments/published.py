@@ -1,0 +1,134 @@
+"""Published numbers of the papers moetool reproduces, with their source, and layouts that put a measured run
+beside them (a user with a GPU sees at a glance whether the run reproduces the paper).
+
+Only numbers the papers state are here (``source`` says paper and table); nothing is interpolated. Values the
+sources do not give (e.g. the per-node rows of AoE Table 1 other than the best node, or ERC's α_min per layer)
+are absent, and the layouts show NaN for them rather than a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MoetoolError
+
+
+@dataclass(frozen=True)
+class Published:
+    paper: str  # short name
+    table: str  # where in the paper
+    model: str  # moetool model name / hub id family
+    task: str  # lm-eval task name ("" for weight-only numbers)
+    metric: str
+    policy: str  # "router" or "best node" (norm-select), "vanilla" (erc)
+    value: float
+    note: str = ""
+
+    @property
+    def source(self) -> str:
+        return f"{self.paper}, {self.table}"
+
+
+AOE = "Autonomy-of-Experts (AoE), Lv et al., ICML 2025, arXiv 2501.13074"
+ERC = "Expert-router coupling loss (ERC), Lv et al. (paper 002)"
+
+#: AoE Table 1 (pilot on Mixtral 8x7B, routers removed, experts chosen by an activation norm; no training)
+PUBLISHED: tuple[Published, ...] = (
+    Published(AOE, "Table 1", "mixtral-8x7b", "mmlu", "acc", "router", 70.35, "5-shot"),
+    Published(AOE, "Table 1", "mixtral-8x7b", "mmlu", "acc", "best node", 66.66, "5-shot"),
+    Published(AOE, "Table 1", "mixtral-8x7b", "mmlu", "retention", "best node", 94.8, "66.66 / 70.35, percent"),
+    Published(AOE, "Table 1", "mixtral-8x7b", "arc_challenge", "acc", "router", 62.12, ""),
+    Published(AOE, "Table 1", "mixtral-8x7b", "arc_challenge", "acc", "best node", 58.79, ""),
+    Published(AOE, "Table 1", "mixtral-8x7b", "arc_challenge", "retention", "best node", 94.6,
+              "58.79 / 62.12, percent"),
+    Published(ERC, "text, as quoted in SPEC §erc (no table number)", "vanilla-moe", "", "alpha_min", "vanilla", 5.0,
+              "approximate: the paper reads that a vanilla MoE needs α≈5 in every layer; no per-layer values given"),
+)
+
+#: model names accepted for the Mixtral rows
+MIXTRAL_NAMES = ("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1")
+
+
+def published(paper_model: str | None = None, metric: str | None = None) -> Any:
+    """All published numbers (or those of one model / metric) as a DataFrame with a ``source`` column."""
+    import pandas as pd
+
+    rows = [dict(paper=p.paper, table=p.table, model=p.model, task=p.task, metric=p.metric, policy=p.policy,
+                 value=p.value, note=p.note, source=p.source) for p in PUBLISHED
+            if (paper_model is None or p.model == paper_model) and (metric is None or p.metric == metric)]
+    return pd.DataFrame(rows)
+
+
+def paper_model(model: str) -> str | None:
+    """The published model key a moetool model name maps to (None: the papers give no number for it)."""
+    m = model.lower()
+    if m in (n.lower() for n in MIXTRAL_NAMES) or ("mixtral" in m and "8x7b" in m):
+        return "mixtral-8x7b"
+    return None
+
+
+def _get(model: str, task: str, metric: str, policy: str) -> float:
+    for p in PUBLISHED:
+        if (p.model, p.task, p.metric, p.policy) == (model, task, metric, policy):
+            return p.value
+    return float("nan")
+
+
+def aoe_table1(table: Any, model: str, tasks: Any = ("mmlu", "arc_challenge"), metric: str = "acc") -> Any:
+    """AoE Table 1 layout: the measured norm-select table (:func:`moetool.experiments.norm_select.table1`:
+    one row per policy, ``<task> <metric>`` and ``<task> retention`` columns, retention as a ratio) beside the
+    paper's numbers, in percent.
+
+    Rows: ``router`` and the measured best node per task (highest retention over the norm policies), each with
+    ``paper`` and ``measured`` columns per task and a ``Δ`` (measured − paper, percentage points). A model the
+    papers give no number for gets the measured columns only (paper columns NaN) and a ``note``.
+    """
+    import pandas as pd
+
+    key = paper_model(model)
+    tasks = list(tasks)
+    if table is None or len(table) == 0:
+        raise MoetoolError("no measured norm-select rows to lay out")
+    if "node" not in table.columns:
+        raise MoetoolError("aoe_table1 needs the norm-select Table-1 frame (a 'node' column)")
+    router = table[table.node == "router"]
+    norms = table[table.node != "router"]
+    if router.empty or norms.empty:
+        raise MoetoolError("aoe_table1 needs the router row and at least one norm policy row")
+    out = []
+    for label in ("router", "best node"):
+        row: dict[str, Any] = {"row": label}
+        for task in tasks:
+            acc, ret = f"{task} {metric}", f"{task} retention"
+            if acc not in table.columns:
+                raise MoetoolError(f"task {task!r} was not measured (columns: {', '.join(table.columns)})")
+            if label == "router":
+                m_acc, m_ret, node = float(router[acc].iloc[0]), 1.0, "router"
+            else:
+                best = norms.loc[norms[ret].astype(float).idxmax()]
+                m_acc, m_ret, node = float(best[acc]), float(best[ret]), f"{best['node']}:{best['norm']}"
+            p_acc = _get(key, task, metric, label) if key else float("nan")
+            p_ret = (100.0 if label == "router" else _get(key, task, "retention", label)) if key else float("nan")
+            row[f"{task} node"] = node
+            row[f"{task} {metric} paper"] = p_acc
+            row[f"{task} {metric} measured"] = 100 * m_acc
+            row[f"{task} retention paper"] = p_ret
+            row[f"{task} retention measured"] = 100 * m_ret
+            row[f"{task} retention Δ"] = 100 * m_ret - p_ret
+        out.append(row)
+    df = pd.DataFrame(out)
+    df.attrs["source"] = f"{AOE}, Table 1" if key else f"no published numbers for {model}"
+    return df
+
+
+def erc_alpha_min(layers: Any, model: str | None = None) -> Any:
+    """ERC layout: measured ``alpha_min`` per layer (``erc_layers.csv``) beside the paper's value where it gives
+    one (a vanilla MoE: α≈5 in every layer, approximate), with ``source``."""
+    if layers is None or "alpha_min" not in getattr(layers, "columns", ()):
+        raise MoetoolError("erc_alpha_min needs erc_layers with an alpha_min column")
+    df = layers[["layer", "alpha_min"]].rename(columns={"alpha_min": "alpha_min measured"}).copy()
+    ref = _get("vanilla-moe", "", "alpha_min", "vanilla")
+    df["alpha_min paper"] = ref
+    df["source"] = next(p.source + " (" + p.note + ")" for p in PUBLISHED if p.metric == "alpha_min")
+    return df

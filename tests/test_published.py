@@ -1,0 +1,63 @@
+"""Published numbers beside measured ones: values come from the table, the layout is right."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from moetool.errors import MoetoolError
+from moetool.experiments.published import PUBLISHED, aoe_table1, erc_alpha_min, paper_model, published
+
+
+def _measured():
+    # the shape of norm_select.table1(): router row first, one row per norm policy
+    return pd.DataFrame([
+        {"node": "router", "norm": "-", "mmlu acc": 0.70, "mmlu retention": 1.0, "arc_challenge acc": 0.62,
+         "arc_challenge retention": 1.0},
+        {"node": "gate", "norm": "l2", "mmlu acc": 0.63, "mmlu retention": 0.90, "arc_challenge acc": 0.60,
+         "arc_challenge retention": 0.9677},
+        {"node": "up", "norm": "l2", "mmlu acc": 0.665, "mmlu retention": 0.95, "arc_challenge acc": 0.55,
+         "arc_challenge retention": 0.887},
+    ])
+
+
+def test_published_values_are_consistent_ratios():
+    df = published("mixtral-8x7b")
+    get = lambda task, metric, pol: df[(df.task == task) & (df.metric == metric) & (df.policy == pol)].value.item()
+    for task, ret in (("mmlu", 94.8), ("arc_challenge", 94.6)):
+        assert get(task, "retention", "best node") == ret
+        # the paper's retention is its two accuracies' ratio, rounded to 0.1
+        assert round(100 * get(task, "acc", "best node") / get(task, "acc", "router"), 1) == ret
+    assert all(p.source.startswith(p.paper) for p in PUBLISHED)
+
+
+def test_aoe_table1_layout():
+    t = aoe_table1(_measured(), "mistralai/Mixtral-8x7B-v0.1")
+    assert t.row.tolist() == ["router", "best node"]
+    best = t.set_index("row").loc["best node"]
+    assert best["mmlu node"] == "up:l2" and best["arc_challenge node"] == "gate:l2"  # best per task
+    assert best["mmlu retention paper"] == 94.8 and best["arc_challenge retention paper"] == 94.6
+    assert best["mmlu acc paper"] == 66.66 and best["mmlu acc measured"] == pytest.approx(66.5)
+    assert best["mmlu retention Δ"] == pytest.approx(95.0 - 94.8)
+    router = t.set_index("row").loc["router"]
+    assert router["arc_challenge acc paper"] == 62.12 and router["mmlu retention paper"] == 100.0
+    assert "Table 1" in t.attrs["source"]
+
+
+def test_unknown_model_has_no_paper_numbers_and_errors_are_clear():
+    t = aoe_table1(_measured(), "tiny")
+    assert paper_model("tiny") is None
+    assert math.isnan(t.set_index("row").loc["best node", "mmlu retention paper"])
+    with pytest.raises(MoetoolError):
+        aoe_table1(_measured(), "mixtral-8x7b", tasks=("hellaswag",))
+    with pytest.raises(MoetoolError):
+        aoe_table1(_measured()[:1], "mixtral-8x7b")
+
+
+def test_erc_alpha_min_layout():
+    layers = pd.DataFrame({"layer": [0, 1], "alpha_min": [4.2, 5.6], "n_experts": [8, 8]})
+    t = erc_alpha_min(layers)
+    assert t.columns.tolist() == ["layer", "alpha_min measured", "alpha_min paper", "source"]
+    assert (t["alpha_min paper"] == 5.0).all() and t["alpha_min measured"].tolist() == [4.2, 5.6]
