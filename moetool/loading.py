@@ -69,7 +69,8 @@ def resolve(name: str) -> tuple[str, str]:
 
 
 # ----- the Hugging Face Hub: decide online/offline in a second, never wait for retries ----------------------------
-#: seconds the Hub (or the https proxy in front of it) may take to answer before moetool treats the machine as offline
+#: seconds the Hub (or the https proxy in front of it) may take to answer before moetool treats the machine as
+#: offline; a slow link raises it with the environment variable ``MOETOOL_HUB_TIMEOUT``
 HUB_PROBE_TIMEOUT = 1.5
 
 
@@ -125,8 +126,16 @@ def hub_offline() -> str | None:
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return "HF_HUB_OFFLINE is set"
     url = _hub_endpoint()
-    why = _probe(url, HUB_PROBE_TIMEOUT)
-    return None if why is None else f"cannot reach {url}: {why}"
+    try:
+        timeout = float(os.environ.get("MOETOOL_HUB_TIMEOUT") or HUB_PROBE_TIMEOUT)
+    except ValueError:
+        raise MoetoolError(f"MOETOOL_HUB_TIMEOUT must be a number of seconds, not "
+                           f"'{os.environ['MOETOOL_HUB_TIMEOUT']}'") from None
+    why = _probe(url, timeout)
+    if why is None:
+        return None
+    slow = "; a slow link: raise MOETOOL_HUB_TIMEOUT" if "timed out" in why or "no answer" in why else ""
+    return f"cannot reach {url}: {why}{slow}"
 
 
 def _one_line(err: BaseException) -> str:

@@ -136,6 +136,8 @@ def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, 
     import huggingface_hub.constants as hc
 
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    # the command's own imports are not what is timed: warm them with a name that fails before any network
+    assert runner.invoke(app, ["trace", "--model", "no-such-model", "--out", str(tmp_path / "w"), "-q"]).exit_code == 2
     t0 = time.perf_counter()
     r = runner.invoke(app, ["trace", "--model", "made-up-org/no-such-moe-model", "--max-tokens", "64",
                             "--out", str(tmp_path / "o"), "-q"])
@@ -147,6 +149,23 @@ def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, 
         assert f"not in the local Hugging Face cache and the Hub is out of reach (cannot reach {endpoint}" in line
         assert {"refused": "refused", "hangs": "timed out", "proxy refused": "refused"}[network] in line.lower() \
             or (network == "hangs" and "no answer within" in line), line
+
+
+def test_hub_timeout_is_configurable(monkeypatch, silent_server):
+    from moetool.loading import hub_offline
+
+    monkeypatch.setenv("HF_ENDPOINT", silent_server)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("MOETOOL_HUB_TIMEOUT", "0.3")
+    t0 = time.perf_counter()
+    why = hub_offline()
+    assert time.perf_counter() - t0 < 1.2
+    assert why.startswith(f"cannot reach {silent_server}: ") and why.endswith("raise MOETOOL_HUB_TIMEOUT")
+    monkeypatch.setenv("MOETOOL_HUB_TIMEOUT", "soon")
+    with pytest.raises(MoetoolError, match="MOETOOL_HUB_TIMEOUT must be a number of seconds"):
+        hub_offline()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_offline() == "HF_HUB_OFFLINE is set"
 
 
 HUB_404 = """
