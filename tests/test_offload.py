@@ -146,3 +146,23 @@ def test_options_are_checked(tiny):
         offload(lm, tokens, capacities=(1,), bootstrap=0, quiet=True)
     with pytest.raises(MoetoolError):
         offload(lm, tokens, bootstrap=5, quiet=True)
+
+
+def test_cli_writes_tables_and_figures(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    out = tmp_path / "off"
+    r = CliRunner().invoke(app, ["offload", "--out", str(out), "--max-tokens", "256", "--seq-len", "32",
+                                 "--capacity", "2,4", "--bootstrap", "100", "--quiet"])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+
+    cache = pd.read_csv(out / "offload_cache.csv")
+    assert sorted(cache.capacity.unique()) == [2, 4] and set(cache.policy) == {"lru", "lfu", "belady"}
+    assert (cache.hit_rate_lo <= cache.hit_rate).all() and (cache.hit_rate <= cache.hit_rate_hi).all()
+    assert (out / "figures" / "offload_hit_rate_vs_cache_size.png").exists()
+    assert (out / "figures" / "offload_prefetch_recall.png").exists()
+    r = CliRunner().invoke(app, ["offload", "--out", str(tmp_path / "bad"), "--policies", "fifo"])
+    assert r.exit_code == 2 and "fifo" in r.output

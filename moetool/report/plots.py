@@ -286,6 +286,8 @@ def write_results(run: Any, df: Any, opts: FluctuationOptions, tokens: Any) -> N
                         "causal": opts.causal})
 
 
+from .plots_offload import offload_figures  # noqa: E402
+
 #: experiment name -> figure function
 FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "stats": stats_figures,
@@ -294,6 +296,7 @@ FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "fluctuation": lambda result: plot_fluctuation(result["fluctuation.csv"]),
     "approx": lambda result: plot_approx(result["approx.csv"], result["approx_layers.csv"]),
     "mass_recall": lambda result: plot_mass_recall(result["mass_recall.csv"]),
+    "offload": offload_figures,  # moetool/report/plots_offload.py (helper F)
 }
 
 

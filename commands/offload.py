@@ -1,0 +1,83 @@
+"""``moetool offload``: could an expert cache or a prefetcher serve this model on limited memory? (issue #11)"""
+
+from __future__ import annotations
+
+import typer
+
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
+                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options, start_run)
+
+HELP = """Expert offloading analysis from the model's real routing (one forward, the router's own choices).
+
+Activation coverage: fraction of (layer, expert) slots activated by the first N real tokens (rows in data order,
+padding skipped); per layer the hottest expert's share of the T·K activations against uniform 1/n.
+Cache simulation: per MoE layer a cache of C experts serves the token stream; a token requests its K experts
+together (none of them is evicted for another; K <= C <= n); hit = expert resident before the token; hit rate =
+hits / (T·K requests), caches start empty. lru: evict the least recently requested; lfu: fewest requests so far
+(ties: LRU); belady: next request furthest ahead (optimal offline bound). Bytes moved per token = misses per
+token × one expert's bytes (gate, up, down, biases × their dtype's bytes).
+Next-layer prediction: layer ℓ+1's routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ the output of
+decoder layer ℓ (what a prefetcher can compute a layer ahead; --no-predict-norm: to x_ℓ itself); top-1 recall =
+predicted best expert == the expert ℓ+1 weighted highest; top-K recall = |predicted ∩ chosen| / K.
+Intervals: 95% document-level bootstrap over packed rows (--bootstrap N replicates, 0 = off).
+Memory: one [T, K] int16 request trace per layer is kept for the simulation (T bounded by --max-tokens).
+
+Writes offload_coverage.csv, offload_layers.csv, offload_cache.csv (layer, policy, capacity, requests, hits,
+hit_rate, hit_rate_lo, hit_rate_hi, misses_per_token, bytes_per_token), offload_prefetch.csv (layer,
+source_layer, tokens, top1_recall, topk_recall with _lo/_hi), figures/offload_hit_rate_vs_cache_size,
+figures/offload_prefetch_recall, figures/offload_coverage, manifest.json (definitions).
+
+Examples:
+  moetool offload --out runs/offload-tiny
+  moetool offload --model tiny-fine --capacity 2,3,4,6 --policies lru,belady --bootstrap 0
+"""
+
+
+@handle_errors
+def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
+            capacity: str = typer.Option(None, "--capacity", "-C",
+                                         help="Cache sizes C (experts per layer), comma-separated; default "
+                                              "K, 2K, n/4, n/2, 3n/4, n within [K, n]."),
+            policies: str = typer.Option("lru,lfu,belady", "--policies", help="Cache policies: lru, lfu, belady."),
+            coverage_tokens: str = typer.Option(None, "--coverage-tokens",
+                                                help="N of coverage(N), comma-separated (default powers of 4 "
+                                                     "from 16, and all tokens)."),
+            predict_norm: bool = typer.Option(True, "--predict-norm/--no-predict-norm",
+                                              help="Apply layer ℓ+1's post_attention_layernorm to x_ℓ before its "
+                                                   "router."),
+            bootstrap: int = typer.Option(1000, "--bootstrap", min=0,
+                                          help="Bootstrap replicates over packed rows for 95% intervals (0 = off)."),
+            layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192,
+            batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+            seed: Seed = 0, quiet: Quiet = False) -> None:
+    from moetool.experiments.offload import OffloadOptions, offload as compute
+    from moetool.report.console import print_table
+    from moetool.report.writers import write
+
+    opts = OffloadOptions(capacities=tuple(parse_list(capacity, int, "capacity")) if capacity else None,
+                          policies=tuple(parse_list(policies, str, "policy")),
+                          coverage_tokens=tuple(parse_list(coverage_tokens, int, "coverage tokens"))
+                          if coverage_tokens else None, predict_norm=predict_norm, bootstrap=bootstrap, seed=seed,
+                          batch_size=batch_size, layers=parse_layers(layers))
+    run, lm, tokens = start_run("offload", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    res = compute(lm, tokens, opts, quiet=quiet)
+    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                  dtype=dtype, device=device, device_map=device_map))
+    if not quiet:
+        print_table(res.summary, f"expert cache: {model} ({tokens.n_tokens:,} tokens; hit rate = mean over layers, "
+                                 f"bytes/token = sum over layers)", csv="offload_cache.csv")
+        pref = res["offload_prefetch"]
+        if len(pref):
+            from moetool.report.console import format_ci
+
+            shown = pref[["layer", "source_layer"]].assign(
+                **{c: [format_ci(r[c], r[f"{c}_lo"], r[f"{c}_hi"]) for _, r in pref.iterrows()]
+                   for c in ("top1_recall", "topk_recall")})
+            print_table(shown, "next-layer prediction recall (± half-width of the 95% interval)",
+                        csv="offload_prefetch.csv")
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(offload)
