@@ -35,6 +35,40 @@ ALIASES: dict[str, str] = {
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
     "gpt-oss-20b": "openai/gpt-oss-20b",
     "phi-3.5-moe": "microsoft/Phi-3.5-MoE-instruct",
+    "ax-k2": "skt/A.X-K2",  # axk2
+    "ling-3.0-flash": "inclusionAI/Ling-3.0-Flash",  # bailing_hybrid
+    "command-a-plus": "CohereLabs/command-a-plus-05-2026",  # cohere2_moe
+    "deepseek-ocr-2": "deepseek-community/DeepSeek-OCR-2",  # deepseek_ocr2
+    "deepseek-v3.2-exp": "deepseek-ai/DeepSeek-V3.2-Exp",  # deepseek_v32
+    "dots.llm1": "rednote-hilab/dots.llm1.base",  # dots1
+    "dots3-note": "dots-studio/dots3-note-prev",  # dots3_note
+    "k-exaone": "LGAI-EXAONE/K-EXAONE-236B-A23B",  # exaone_moe
+    "flexolmo": "allenai/FlexOlmo-7x7B-1T",  # flex_olmo
+    "glm-4.5": "zai-org/GLM-4.5",  # glm4_moe
+    "glm-4.5v": "zai-org/GLM-4.5V",  # glm4v_moe
+    "glm-5": "zai-org/GLM-5",  # glm_moe_dsa
+    "powermoe-3b": "ibm/PowerMoE-3b",  # granitemoe
+    "granite-swash-3b": "ibm-granite/granite-swash-3b-a600m",  # granitemoe_swa
+    "granite-4.0-h-tiny": "ibm-granite/granite-4.0-h-tiny",  # granitemoehybrid
+    "hy3": "tencent/Hy3-preview",  # hy_v3
+    "jamba-v0.1": "ai21labs/Jamba-v0.1",  # jamba
+    "kimi-k2.6": "moonshotai/Kimi-K2.6",  # kimi_k25
+    "kimi-linear": "moonshotai/Kimi-Linear-48B-A3B-Instruct",  # kimi_linear
+    "kolibri-1": "Aleph-Alpha/Kolibri-1",  # kolibri1
+    "laguna-xs.2": "poolside/laguna-XS.2",  # laguna
+    "lfm2-8b-a1b": "LiquidAI/LFM2-8B-A1B",  # lfm2_moe
+    "mellum2": "JetBrains/Mellum2-12B-A2.5B-Base",  # mellum
+    "mimo-v2-flash": "XiaomiMiMo/MiMo-V2-Flash",  # mimo_v2_flash
+    "mistral-small-4": "mistralai/Mistral-Small-4-119B-2603",  # mistral4
+    "mistral-large-4": "mistralai/Mistral-Large-4-1T-A52B",  # mistral_large4
+    "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B",  # qwen3_5_moe
+    "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",  # qwen3_next
+    "qwen3-omni-30b-a3b": "Qwen/Qwen3-Omni-30B-A3B-Instruct",  # qwen3_omni_moe_thinker
+    "qwen3-vl-30b-a3b": "Qwen/Qwen3-VL-30B-A3B-Instruct",  # qwen3_vl_moe
+    "qwen4-exp": "Qwen/Qwen4-Exp",  # qwen4_exp
+    "solar-open-100b": "upstage/Solar-Open-100B",  # solar_open
+    "step-3.7-flash": "stepfun-ai/Step-3.7-Flash",  # step3p7
+    "unlimited-ocr": "baidu/Unlimited-OCR",  # unlimited_ocr
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")

@@ -189,11 +189,11 @@ def test_dense_model_error():
 
 def test_unsupported_family_error():
     """7: an MoE family without an adapter names the supported ones."""
-    from transformers import GraniteMoeConfig
+    from transformers import JetMoeConfig
 
     with pytest.raises(MoetoolError) as err:
-        find_moe_layers(_tiny(GraniteMoeConfig, num_local_experts=4, num_experts_per_tok=2))
+        find_moe_layers(_tiny(JetMoeConfig, num_local_experts=4, num_experts_per_tok=2))
     msg = str(err.value)
-    assert "granitemoe" in msg and "\n" not in msg
+    assert "jetmoe" in msg and "\n" not in msg
     for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe"):
         assert family in msg

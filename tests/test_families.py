@@ -1,0 +1,170 @@
+"""Every MoE model type of the installed transformers: supported (and checked here) or listed with its reason.
+
+The types are discovered at test time (``moetool.adapters.discovery``), so a transformers upgrade that adds a
+family fails here until it is supported or listed in ``UNSUPPORTED``. Each supported type gets a tiny random
+model from its own config class (shrunk generically, routers re-drawn so top-K has no ties) and the checks the
+hand-written families pass in test_adapters.py / test_engine.py:
+
+* the ``router`` policy through the override path reproduces the unhooked logits bit for bit (padded batch);
+* the captured top-K is ``route(logits(h))`` of the adapter;
+* batched node norms equal a loop over the experts, one expert at a time, through the model's own experts module;
+* an override really runs: the experts' output is Σ w E(h) for the policy's choice;
+* padding never counts (events mark it invalid).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import padded_batch, run
+from test_engine import assert_same_routing
+
+from moetool import ops
+from moetool.adapters import discovery, find_moe_layers
+from moetool.engine import node_scores
+from moetool.policies import make_policy
+
+SEED = 0
+SUPPORTED = discovery.supported_types()
+
+
+def test_every_discovered_type_is_accounted_for():
+    """The discovery finds the families the issue names, and UNSUPPORTED lists only discovered types."""
+    found = set(discovery.moe_model_types())
+    for mt in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5_moe", "llama4", "jamba",
+               "dbrx", "jetmoe", "longcat_flash", "switch_transformers"):
+        assert mt in found
+    assert "llama" not in found and "qwen3" not in found and "mistral" not in found  # dense
+    stale = set(discovery.UNSUPPORTED) - found
+    assert not stale, f"UNSUPPORTED lists types transformers no longer has: {sorted(stale)}"
+    assert all(isinstance(r, str) and len(r) > 20 for r in discovery.UNSUPPORTED.values())
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(model_type: str):
+    """The tiny model of ``model_type`` (routers re-drawn, seeded) and its MoE layers."""
+    model = discovery.build_tiny(model_type, seed=SEED)
+    return model, find_moe_layers(model)
+
+
+@functools.lru_cache(maxsize=None)
+def captured(model_type: str):
+    model, layers = tiny(model_type)
+    _, events, _ = run(model, layers, padded_batch(seq=8))
+    return model, layers, events
+
+
+def one_expert(L, e: int, h: torch.Tensor) -> torch.Tensor:
+    """``E_e(h)`` through the model's own experts module (every token sent to expert ``e`` with weight 1)."""
+    idx = torch.full((h.shape[0], 1), e, dtype=torch.long)
+    w = torch.ones(h.shape[0], 1, dtype=h.dtype)
+    with torch.no_grad():
+        return L.experts(h, idx, w)
+
+
+def moe_by_loop(L, h, idx, w) -> torch.Tensor:
+    outs = torch.stack([one_expert(L, e, h) for e in range(L.n_experts)])  # [n, T, d]
+    T = torch.arange(h.shape[0])
+    return sum(w[:, k:k + 1].to(h.dtype) * outs[idx[:, k], T] for k in range(idx.shape[1]))
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_family(model_type):
+    model, layers = tiny(model_type)
+    batch = padded_batch(seq=8)
+    assert layers, f"{model_type}: no MoE layer in the tiny model"
+    with torch.no_grad():
+        want = model(**batch).logits
+    assert want.isfinite().all()
+
+    # 1. the router policy through the override path: the unhooked logits bit for bit
+    got, events, eng = run(model, layers, batch, policy=make_policy("router"))
+    assert torch.equal(got, want)
+    assert eng.reported == {L.index: 1 for L in layers}
+    mask = batch["attention_mask"].reshape(-1).bool()
+    for ev in events.values():  # 5. padding is marked, so it never counts
+        assert torch.equal(ev.valid, mask)
+
+    # 2. the captured top-K is the adapter's route(logits(h))
+    _, _, events = captured(model_type)
+    for L in layers:
+        ev = events[L.index]
+        logits = L.logits(ev.h)
+        assert torch.equal(logits, ev.logits)
+        idx, w = L.route(logits)
+        assert_same_routing(idx, w, ev.idx, ev.weights, rtol=1e-6, atol=1e-7)
+        p = L.probs(logits)
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]))
+        assert L.top_k < L.n_experts
+
+    # the block is routed experts + shared experts (families without one expose None)
+    for L in layers:
+        if L.block is L.decoder_layer:
+            continue
+        ev = events[L.index]
+        h = ev.h
+        with torch.no_grad():
+            out = L.block(h.unsqueeze(0))
+            out = (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
+            expected = L.experts(h, ev.idx, ev.weights)
+            if L.shared_experts is not None:
+                expected = expected + L.shared_experts(h)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+    # 3. batched node norms == a loop over the experts through the model's own module
+    L = layers[0]
+    h = events[L.index].h
+    outs = torch.stack([one_expert(L, e, h) for e in range(L.n_experts)])  # [n, T, d]
+    torch.testing.assert_close(node_scores(L, h, "output", "l2"), outs.norm(dim=-1).T, rtol=1e-5, atol=1e-5)
+    W = L.expert_weights()
+    glu = torch.stack([torch.linalg.vector_norm(
+        L.glu(torch.nn.functional.linear(h, W.gate[e], None if W.gate_bias is None else W.gate_bias[e]),
+              torch.nn.functional.linear(h, W.up[e], None if W.up_bias is None else W.up_bias[e])), dim=-1)
+        for e in range(L.n_experts)]).T
+    torch.testing.assert_close(node_scores(L, h, "glu", "l2"), glu, rtol=1e-5, atol=1e-5)
+
+    # 4. an override really runs: the experts' actual output is Σ w E(h) for the policy's choice
+    outs_by_layer: dict[int, torch.Tensor] = {}
+    _, events, _ = run(model, layers, batch, policy=make_policy("random", seed=0), experts_out=outs_by_layer)
+    differs = 0
+    for L in layers:
+        ev = events[L.index]
+        assert ev.chosen_idx.shape == (ev.h.shape[0], L.top_k)
+        torch.testing.assert_close(outs_by_layer[L.index], moe_by_loop(L, ev.h, ev.chosen_idx, ev.chosen_weights),
+                                   rtol=1e-5, atol=1e-5)
+        differs += int((~ops.same_set(ev.chosen_idx, ev.idx))[ev.valid].sum())
+    assert differs > 0
+
+
+def test_readme_families_agree_with_the_source():
+    """The README's family table is what ``moetool inspect --families`` computes (same tiny models)."""
+    from pathlib import Path
+
+    from moetool.inspect import family_row, families_markdown, readme_block
+
+    rows = [family_row(mt, *tiny(mt)) if mt in SUPPORTED else family_row(mt) for mt in discovery.moe_model_types()]
+    readme = readme_block((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8"))
+    assert readme is not None, "README.md lacks the families block (python -m moetool.inspect --readme)"
+    assert readme == families_markdown(rows), "README families block is stale: python -m moetool.inspect --readme"
+    assert sum(r["supported"] == "yes" for r in rows) == len(SUPPORTED)
+
+
+def test_inspect_families_cli(monkeypatch):
+    """``moetool inspect --families --json``: one row per type, supported or the reason (two types, for speed)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "switch_transformers"])
+    res = CliRunner().invoke(app, ["inspect", "--families", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["model_type"]: r for r in json.loads(res.output)}
+    assert rows["mixtral"]["supported"] == "yes" and rows["mixtral"]["shared_experts"] == "no"
+    assert rows["mixtral"]["dense_layers"] == "none" and "Experts" in rows["mixtral"]["experts"]
+    assert rows["switch_transformers"]["supported"] == "no: " + discovery.UNSUPPORTED["switch_transformers"]
+    res = CliRunner().invoke(app, ["inspect", "--families"])
+    assert res.exit_code == 0 and "1 supported of 2" in res.output
