@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options, start_run)
+                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, start_run)
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
 
@@ -46,15 +46,14 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
            device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,
                          layers=parse_layers(layers), batch_size=batch_size, seed=seed)
-    run, lm, tokens = start_run("approx", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    started = start_run("approx", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map))
+    started.write(res)
     if not quiet:
         print_table(res["approx"], f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)")
         print_table(res["approx_layers"], "router vs norm, orthogonality")

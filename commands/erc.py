@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
-                      handle_errors, parse_layers, parse_list, run_options, start_run)
+                      handle_errors, parse_layers, parse_list, start_run)
 
 HELP = r"""Expert–router coupling (ERC, paper 002) from the weights only: no data, no tokenizer.
 
@@ -44,14 +44,14 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         quiet: Quiet = False) -> None:
     from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = ErcOptions(alphas=tuple(parse_list(alpha, float, "alpha")), noise=parse_noise(noise), samples=samples,
                       node=node, norm=norm, seed=seed, layers=parse_layers(layers))
-    run, lm, _ = start_run("erc", out, force, model, dtype=dtype, device=device, device_map=device_map,
-                           tokenizer=False)
+    started = start_run("erc", out, force, model, dtype=dtype, device=device, device_map=device_map,
+                         tokenizer=False)
+    run, lm, _ = started
     res = compute(lm, opts, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))
+    started.write(res)
     if not quiet:
         print_table(res["erc_layers"], "ERC per layer")
         print_table(res["erc"], "ERC loss")

@@ -9,7 +9,7 @@ import typer
 
 from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
                       Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors, parse_layers,
-                      parse_list, run_options, start_run)
+                      parse_list, start_run)
 
 HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
 
@@ -42,17 +42,17 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  quiet: Quiet = False) -> None:
     from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = EvalOptions(tasks=tuple(parse_list(tasks, str, "task")), num_fewshot=num_fewshot, limit=limit,
                        include_path=str(include_path) if include_path else None, routing=routing, weights=weights,
                        sim=sim, causal=causal, layers=parse_layers(layers), batch_size=batch_size, seed=seed)
     policy = opts.policy()
     plan = plan_tasks(opts.tasks, opts.include_path)  # unknown tasks fail before anything is loaded
-    run, lm, _ = start_run("eval", out, force, model, batch_size=batch_size, dtype=dtype, device=device,
-                           device_map=device_map, attention=policy.needs_attention)
+    started = start_run("eval", out, force, model, batch_size=batch_size, dtype=dtype, device=device,
+                         device_map=device_map, attention=policy.needs_attention)
+    run, lm, _ = started
     res = eval_tasks(lm, opts, plan=plan, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, dtype=dtype, device=device, device_map=device_map))
+    started.write(res)
     typer.echo(f"lm-eval on {model}, routing {policy.name}")  # plain echo: rich makes ':up:' an emoji
     print_table(res.summary)
     echo_run(run.path)

@@ -9,7 +9,7 @@ import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
                       MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, echo_run, handle_errors,
-                      parse_layers, parse_list, run_options, start_run)
+                      parse_layers, parse_list, start_run)
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
@@ -46,7 +46,6 @@ def norm_select(model: Model = DEFAULT_MODEL,
     from moetool.experiments.lmeval import plan_tasks
     from moetool.policies import build_policy
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = ns.NormSelectOptions(nodes=tuple(ns.parse_nodes(nodes)), norms=tuple(ns.parse_norms(norm)),
                                 weights=weights, layers=parse_layers(layers),
@@ -56,11 +55,11 @@ def norm_select(model: Model = DEFAULT_MODEL,
                                 seed=seed)
     build_policy(opts.specs()[-1], weights, seed)  # a bad --weights fails before anything is loaded
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
-    run, lm, tokens = start_run("norm-select", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    started = start_run("norm-select", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    run, lm, tokens = started
     res = ns.norm_select(lm, tokens, opts, plan=plan, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map))
+    started.write(res)
     print_table(res.summary, title=f"norm-select on {model} (weights {weights})")
     echo_run(run.path)
 

@@ -137,12 +137,30 @@ def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None 
                         dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
 
 
+class StartedRun:
+    """What :func:`start_run` made: the run folder, the model, the tokens (``None`` without ``seq_len``) and the
+    run-level manifest options. Unpacks as ``run, lm, tokens``; ``write(result)`` is the one writer call."""
+
+    def __init__(self, run: Any, lm: Any, tokens: Any, options: dict[str, Any]):
+        self.run, self.lm, self.tokens, self.options = run, lm, tokens, options
+
+    def __iter__(self) -> Any:
+        return iter((self.run, self.lm, self.tokens))
+
+    def write(self, result: Any, **kwargs: Any) -> Any:
+        """:func:`moetool.report.writers.write` with this run's model and run-level options."""
+        from moetool.report.writers import write
+
+        return write(result, self.run, model=self.lm, options=self.options, **kwargs)
+
+
 def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
               max_tokens: int | None = None, batch_size: int | None = None, dtype: str = "auto", device: str = "auto",
-              device_map: str | None = None, attention: bool = False, tokenizer: bool = True) -> tuple[Any, Any, Any]:
+              device_map: str | None = None, attention: bool = False, tokenizer: bool = True) -> StartedRun:
     """The start every command shares: ``--data`` must exist and the run must fit (:func:`check_run`) before the
     run folder exists; then the folder (with the memory estimate), the model (eager attention for ``attention``),
-    and with ``seq_len`` the packed tokens of ``--data``. Returns ``(run, lm, tokens or None)``."""
+    and with ``seq_len`` the packed tokens of ``--data``. Unpacks as ``run, lm, tokens`` (tokens ``None`` without
+    ``seq_len``); ``.write(result)`` writes the result with the run-level options (model, data, sizes, device)."""
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
     from moetool.report import RunDir
@@ -156,7 +174,9 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
     tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens) if seq_len is not None else None
-    return run, lm, tokens
+    sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
+    options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
+    return StartedRun(run, lm, tokens, options)
 
 
 def run_options(**options: Any) -> dict[str, Any]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
-                      run_options, start_run)
+                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers, start_run)
 
 HELP = """Perplexity, mean next-token NLL and token count of --data with a routing policy applied.
 
@@ -29,17 +28,16 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
         force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
     from moetool.experiments.ppl import PplOptions, data_name, ppl as compute
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = PplOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),
                       batch_size=batch_size, seed=seed)
     policy = opts.policy()  # a bad --routing fails before anything is loaded
-    run, lm, tokens = start_run("ppl", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
-                                attention=policy.needs_attention)
+    started = start_run("ppl", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                         attention=policy.needs_attention)
+    run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map))
+    started.write(res)
     # plain echo: rich would render the ':up:' of norm:up as an emoji
     typer.echo(f"perplexity of {model} on {data_name(data)}, routing {policy.name}")
     print_table(res.summary)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
-                      run_options, start_run)
+                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers, start_run)
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
 
@@ -32,20 +31,20 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           quiet: Quiet = False) -> None:
     from moetool.errors import MoetoolError
     from moetool.experiments.trace import TraceOptions, trace as compute
-    from moetool.report.writers import write
 
     if fmt not in ("csv.gz", "parquet"):
         raise MoetoolError(f"--format must be csv.gz or parquet, not '{fmt}'")
     opts = TraceOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),
                         logits=logits, batch_size=batch_size, seed=seed)
     policy = opts.policy()
-    run, lm, tokens = start_run("trace", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
-                                attention=policy.needs_attention)
+    started = start_run("trace", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                         attention=policy.needs_attention)
+    run, lm, tokens = started
     path = run.file(f"trace.{fmt}")
     res = compute(lm, tokens, opts, path=path, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map, format=fmt))
+    started.options["format"] = fmt
+    started.write(res)
     echo_run(path)
 
 
