@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options)
+                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options, start_run)
 
 HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
 
@@ -19,10 +19,18 @@ MassRecall(h) = Σ_{e∈L(c(h))} π_e(h); top-K recall |TopK ∩ L|/K; exact-top
 its top-K); unit: router rows on the unit sphere, logits <w_e, h>, softmax. One codebook per (layer, G) for
 every M. Shortlist sizes larger than n are skipped (noted in manifest.json).
 
+Scale-aware bound: the proof holds for any point x and a fixed shortlist L: MassRecall(h) >= exp(−2||h − x||)
+ρ_L(x). The paper's x = c(h) (unit) against raw states of norm ≈ sqrt(d) gives ≈ e^{-2 sqrt(d)} (true, empty);
+x = s·c(h) keeps L for every s > 0, so bound_scaled = max_s exp(−2||h − s·c||) ρ_L(s·c). s = <h, c> minimises
+the distance but is not optimal (d/ds log ρ_L = E_{π|L}[z] − E_π[z] > 0 there when M < n), so moetool takes the
+best of s = 1, s = <h, c> and 64 grid points on [0, 2 max||h||] (any s gives a valid bound). Checked on every
+token (bound_scaled_holds_rate; 1 in unit mode, a theorem). Derivation also in manifest.json (bound_derivation).
+
 Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
 mass_recall_p05, topk_recall, exact_topk_rate, quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
-expert_coverage, router_flops_frac = (G+M)/n), figures/mass_recall_vs_shortlist and
-figures/mass_recall_vs_router_flops, manifest.json (definitions).
+bound_scaled_mean, bound_scaled_holds_rate, best_scale_mean, expert_coverage, router_flops_frac = (G+M)/n),
+figures/mass_recall_vs_shortlist, figures/mass_recall_vs_router_flops, figures/mass_recall_vs_bounds (measured
+vs both bounds, log scale), manifest.json (definitions, bound_derivation).
 
 Examples:
   moetool mass-recall --out runs/mr-tiny
@@ -44,10 +52,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
                 batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", seed: Seed = 0,
                 quiet: Quiet = False) -> None:
-    from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.console import print_table
     from moetool.report.writers import write
 
@@ -55,10 +60,8 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                              shortlists=tuple(parse_list(shortlist, int, "shortlist size")),
                              centroids=tuple(parse_list(centroids, str, "centroids mode")),
                              kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers))
-    DocumentStream(data)
-    run = RunDir.create("mass-recall", out, force)
-    lm = load(model, dtype=dtype, device=device)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens)
+    run, lm, tokens = start_run("mass-recall", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                batch_size=batch_size, dtype=dtype, device=device)
     res = compute(lm, tokens, opts, quiet=quiet)
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                                                   dtype=dtype, device=device))

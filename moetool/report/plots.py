@@ -193,6 +193,23 @@ def plot_mass_recall(df: Any) -> dict[str, Any]:
         for ax in axes[len(layers):]:
             ax.set_visible(False)
         out[name] = fig
+    if "bound_scaled_mean" in df.columns:  # measured mass recall against the paper's and the scale-aware bound
+        import pandas as pd
+
+        G = df["codebook_size"].max()
+        d = df[df["codebook_size"] == G]
+        long = pd.concat([pd.DataFrame({"layer": d["layer"], "shortlist_size": d["shortlist_size"], "value": d[col],
+                                        "series": [f"{what} ({c})" for c in d["centroids"]]})
+                          for col, what in (("mass_recall_mean", "measured"), ("bound_scaled_mean", "scale-aware bound"),
+                                            ("bound_mean", "paper bound"))])
+        fig, axes = new_figure(*grid_shape(len(layers)))
+        for ax, layer in zip(axes, layers):
+            line_by(ax, long[long["layer"] == layer], "shortlist_size", "value", "series", title=f"layer {layer}, G={G}",
+                    marker="o", xlabel="shortlist size M", ylabel="mass recall / lower bound (mean)")
+            ax.set_yscale("log")
+        for ax in axes[len(layers):]:
+            ax.set_visible(False)
+        out["mass_recall_vs_bounds"] = fig
     return out
 
 
