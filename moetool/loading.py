@@ -35,6 +35,9 @@ ALIASES: dict[str, str] = {
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
     "gpt-oss-20b": "openai/gpt-oss-20b",
     "phi-3.5-moe": "microsoft/Phi-3.5-MoE-instruct",
+    "trinity-mini": "arcee-ai/Trinity-Mini",  # afmoe
+    "ernie-4.5-21b-a3b": "baidu/ERNIE-4.5-21B-A3B-PT",  # ernie4_5_moe
+    "hunyuan-a13b": "tencent/Hunyuan-A13B-Instruct",  # hunyuan_v1_moe
     "ax-k2": "skt/A.X-K2",  # axk2
     "ling-3.0-flash": "inclusionAI/Ling-3.0-Flash",  # bailing_hybrid
     "command-a-plus": "CohereLabs/command-a-plus-05-2026",  # cohere2_moe

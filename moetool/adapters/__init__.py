@@ -60,6 +60,9 @@ ADAPTERS = LazyRegistry("MoE family", {
     "lfm2_moe": "moetool.adapters.glm4_moe:SigmoidAdapter",
     "minimax_m2": "moetool.adapters.glm4_moe:SigmoidAdapter",
     "step3p7": "moetool.adapters.glm4_moe:SigmoidAdapter",
+    "afmoe": "moetool.adapters.glm4_moe:SigmoidAdapter",
+    "hunyuan_v1_moe": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
+    "ernie4_5_moe": "moetool.adapters.glm4_moe:SoftmaxBiasAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

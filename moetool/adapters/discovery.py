@@ -42,28 +42,26 @@ UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "zero-computation (identity) experts beside the routed ones (the router ranks n + "
                      "zero_expert_num classes); the per-expert probes have no identity-expert path",
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
-    "afmoe": "no adapter yet: the router's projection is a submodule (gate.weight) and its rule (score_func, "
-             "route_scale) is not in the catalogue",
     "aria": "no adapter yet: experts stored for grouped GEMM (fc1 [E, H, 2I], fc2 [E, I, H]), a layout the adapters "
             "do not read",
     "aria_text": "no adapter yet: as aria: grouped-GEMM expert layout (fc1 [E, H, 2I], fc2 [E, I, H])",
-    "axk1": "no adapter yet: the block combines routed and shared experts differently from routed + shared_experts(h)",
-    "beam": "no adapter yet: the block's output is not routed + shared experts (an extra combination step)",
-    "flint": "no adapter yet: the shared expert is combined with the routed output by its own rule",
+    "axk1": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
+            "een them moetool does not model)",
+    "beam": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
+            "een them moetool does not model)",
+    "flint": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
+             "een them moetool does not model)",
     "minimax_m3_vl": "no adapter yet: experts with their own activation (no act_fn) and a differently combined shared"
                      " path",
     "minimax_m3_vl_text": "no adapter yet: as minimax_m3_vl: own expert activation, shared path combined differently",
     "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
                    "sqrtsoftplus scoring",
-    "ernie4_5_moe": "no adapter yet: softmax with the moe_statics correction bias and clamp(sum, moe_norm_min) "
-                    "renormalisation",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
     "gemma4": "no adapter yet: router (RMS norm, scaled projection, returns probabilities) and experts sit on the "
               "decoder layer beside a dense MLP",
     "gemma4_text": "no adapter yet: as gemma4: router with norm and per-expert scale, experts beside a dense MLP",
     "glm5_next": "no adapter yet: experts with their own activation (no act_fn attribute)",
     "hy_v4": "no adapter yet: experts with their own activation (no act_fn attribute)",
-    "hunyuan_v1_moe": "no adapter yet: the router's projection is gate.wg, and E / K may differ per layer",
     "inkling2": "no adapter yet: softcapped SwiGLU experts (activation of gate and up together)",
     "inkling2_text": "no adapter yet: softcapped SwiGLU experts (activation of gate and up together)",
     "inkling_mm_model": "no adapter yet: softcapped SwiGLU experts and a shared-expert sink",
@@ -76,8 +74,6 @@ UNSUPPORTED: dict[str, str] = {
                 "causal LMs",
 }
 
-#: config keys (of the text config) that mark a model as mixture-of-experts
-_EXPERT_KEY = re.compile(r"(^|_)(n_)?(routed_|local_)?experts?($|_)|^moe_|_moe_|^n_routed_experts$")
 _EXPERT_FIELD = re.compile(r"\b\w*experts\w*\s*[:=]")  # a config field such as ``num_experts: int = 8``
 _EXPERTS_CLASS = re.compile(r"^class \w*Experts\(|@use_experts_implementation", re.M)
 
@@ -149,19 +145,6 @@ def text_config(config: Any) -> Any:
         return config.get_text_config(decoder=True)
     except (ValueError, TypeError):
         return config
-
-
-def _keys(d: dict) -> list[str]:
-    out = []
-    for k, v in d.items():
-        out.append(str(k))
-        if isinstance(v, dict):
-            out += _keys(v)
-    return out
-
-
-def _has_expert_fields(config: Any) -> bool:
-    return any(_EXPERT_KEY.search(k) for k in _keys(text_config(config).to_dict()))
 
 
 @functools.lru_cache(maxsize=1)
@@ -341,6 +324,7 @@ FIXUPS: dict[str, dict[str, Any]] = {
                        "indexer_compress_ratio": 4},
     "granitemoehybrid": {"layer_types": ["linear_attention", "attention"] * 2},  # default: Mamba only, which fails
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 3},  # read by its forward, absent from the defaults
+    "hunyuan_v1_moe": {"num_experts": N_EXPERTS, "moe_topk": TOP_K},  # its defaults: one expert, top-1
     "muse_spark": {"out_hidden_size": 32, "projector_hidden_size": 64},  # the vision adapter's widths
     "dots3_note": {"vision_config": {"adapter_in_dim": 32}},  # tied to the vision width, which equals the text's
     "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections [8, 12, 12] need 128 * partial_rotary_factor / 2

@@ -63,10 +63,30 @@ def _shared(block: nn.Module) -> nn.Module | None:
     return None
 
 
+def _router_linear(router: nn.Module) -> nn.Module:
+    """The router's projection: the router itself, or its one ``nn.Linear`` child (``gate``, ``wg``, ...)."""
+    if isinstance(getattr(router, "weight", None), torch.Tensor):
+        return router
+    linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+    if len(linears) != 1:
+        raise MoetoolError(f"cannot tell the router projection of {type(router).__name__}")
+    return linears[0]
+
+
 class _SharedMixin:
     @property
     def shared_experts(self) -> nn.Module | None:
         return _shared(self.block)
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.router_weight().shape[0])
+
+    def router_weight(self) -> torch.Tensor:
+        return _router_linear(self.router).weight
+
+    def router_bias(self) -> torch.Tensor | None:
+        return getattr(_router_linear(self.router), "bias", None)
 
 
 class StructuralAdapter(Adapter):
@@ -142,10 +162,10 @@ class QwenStructuralAdapter(StructuralAdapter):
 
 # ----- sigmoid routers with an optional correction bias, groups, renormalisation and scale -----------------
 _BIAS_ATTRS = ("e_score_correction_bias", "expert_bias")
-_SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor")
+_SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 
 
-class SigmoidLayer(DeepseekV3Layer):
+class SigmoidLayer(_SharedMixin, DeepseekV3Layer):
     """``s = sigmoid(logits)``; top-K of ``s + bias`` (or of ``logits + bias``) within the best groups; weights =
     ``s`` of the chosen [/ sum] x scale. Where the bias lives (router or block), whether the weights are
     renormalised and what is ranked are read off the router itself: it is run once on random inputs and the
@@ -217,7 +237,10 @@ class SigmoidLayer(DeepseekV3Layer):
                 "expert_bias" in inspect.signature(self.router.forward).parameters:
             args = (h, self.correction_bias)
         with torch.no_grad():
-            logits, want_w, want_idx = self.router(*args)[:3]
+            try:
+                logits, want_w, want_idx = self.router(*args)[:3]
+            except ValueError:  # a router that unpacks [B, S, H]
+                logits, want_w, want_idx = self.router(h.unsqueeze(0), *args[1:])[:3]
             for rank_logits in (False, True):
                 for renorm in (self._renorm, not self._renorm):
                     self.rank_logits, self._renorm = rank_logits, renorm
@@ -232,3 +255,30 @@ class SigmoidLayer(DeepseekV3Layer):
 class SigmoidAdapter(StructuralAdapter):
     family = "sigmoid"
     layer_cls = SigmoidLayer
+
+
+class SoftmaxBiasLayer(_SharedMixin, MoELayer):
+    """ERNIE-4.5: softmax (fp32); top-K of ``p + moe_statics.e_score_correction_bias``; weights = ``p`` of the
+    chosen ``/ clamp(sum, moe_norm_min)``, cast to the model dtype."""
+
+    scoring = "softmax(fp32); top-k of p + correction bias; weights = p / clamp(sum, norm_min)"
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h.float(), self.router_weight().float())
+
+    def selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.probs(logits) + self.router.moe_statics.e_score_correction_bias.float().reshape(-1)
+
+    @property
+    def renormalize(self) -> bool:
+        return True
+
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        w = self.probs(logits).gather(-1, idx)
+        w = w / torch.clamp(w.sum(dim=-1, keepdim=True), min=self.router.norm_min)
+        return w.to(self.router_weight().dtype)
+
+
+class SoftmaxBiasAdapter(StructuralAdapter):
+    family = "softmax-bias"
+    layer_cls = SoftmaxBiasLayer
