@@ -27,7 +27,7 @@ from .deepseek_v2 import DeepseekV2Layer
 from .deepseek_v3 import DeepseekV3Layer, group_mask
 from .mixtral import MixtralLayer
 from .olmoe import OlmoeLayer
-from .qwen2_moe import GatedSharedExpert, Qwen2MoeLayer
+from .qwen2_moe import GatedSharedExpert
 
 _ROUTER_ATTRS = ("gate", "router")
 _SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
@@ -109,55 +109,30 @@ def _text_config(config: Any) -> Any:
         return config
 
 
-class SigmoidGroupedLayer(DeepseekV3Layer):
+class SigmoidGroupedLayer(_SharedMixin, DeepseekV3Layer):
     """DeepSeek-V3's router (GLM-4.5, DeepSeek-V3.2, dots.llm1, EXAONE-MoE, ...)."""
 
-    @property
-    def shared_experts(self) -> nn.Module | None:
-        return _shared(self.block)
 
-
-class SoftmaxGroupedLayer(DeepseekV2Layer):
-    @property
-    def shared_experts(self) -> nn.Module | None:
-        return _shared(self.block)
+class SoftmaxGroupedLayer(_SharedMixin, DeepseekV2Layer):
+    """DeepSeek-V2's router (DeepSeek-OCR-2, Unlimited-OCR)."""
 
 
 class SoftmaxRenormLayer(_SharedMixin, MixtralLayer):
-    pass
+    """Mixtral's router: softmax -> top-K -> renormalise (Granite-MoE, Qwen3.5/3-VL-MoE, Hunyuan, ...)."""
 
 
 class SoftmaxLayer(_SharedMixin, OlmoeLayer):
-    pass
+    """OLMoE's / Qwen's router: softmax -> top-K [-> renormalise if norm_topk_prob]."""
 
 
-class QwenLayer(_SharedMixin, Qwen2MoeLayer):
-    pass
+def _structural(family: str, layer_cls: type) -> type:
+    return type(f"{layer_cls.__name__[:-5]}Adapter", (StructuralAdapter,), {"family": family, "layer_cls": layer_cls})
 
 
-class Glm4MoeAdapter(StructuralAdapter):
-    family = "sigmoid-grouped"
-    layer_cls = SigmoidGroupedLayer
-
-
-class SoftmaxGroupedAdapter(StructuralAdapter):
-    family = "softmax-grouped"
-    layer_cls = SoftmaxGroupedLayer
-
-
-class SoftmaxRenormAdapter(StructuralAdapter):
-    family = "softmax-renorm"
-    layer_cls = SoftmaxRenormLayer
-
-
-class SoftmaxAdapter(StructuralAdapter):
-    family = "softmax"
-    layer_cls = SoftmaxLayer
-
-
-class QwenStructuralAdapter(StructuralAdapter):
-    family = "qwen-softmax"
-    layer_cls = QwenLayer
+Glm4MoeAdapter = _structural("sigmoid-grouped", SigmoidGroupedLayer)
+SoftmaxGroupedAdapter = _structural("softmax-grouped", SoftmaxGroupedLayer)
+SoftmaxRenormAdapter = _structural("softmax-renorm", SoftmaxRenormLayer)
+SoftmaxAdapter = _structural("softmax", SoftmaxLayer)
 
 
 # ----- sigmoid routers with an optional correction bias, groups, renormalisation and scale -----------------
@@ -252,9 +227,7 @@ class SigmoidLayer(_SharedMixin, DeepseekV3Layer):
                            f"(selection on sigmoid/logits + bias, with/without renormalisation, x {self.scale})")
 
 
-class SigmoidAdapter(StructuralAdapter):
-    family = "sigmoid"
-    layer_cls = SigmoidLayer
+SigmoidAdapter = _structural("sigmoid", SigmoidLayer)
 
 
 class SoftmaxBiasLayer(_SharedMixin, MoELayer):
@@ -279,6 +252,4 @@ class SoftmaxBiasLayer(_SharedMixin, MoELayer):
         return w.to(self.router_weight().dtype)
 
 
-class SoftmaxBiasAdapter(StructuralAdapter):
-    family = "softmax-bias"
-    layer_cls = SoftmaxBiasLayer
+SoftmaxBiasAdapter = _structural("softmax-bias", SoftmaxBiasLayer)
