@@ -20,6 +20,7 @@ STEPS: list[tuple[str, str]] = [
     ("erc", "moetool.experiments.erc:demo"),
     ("approx", "moetool.experiments.approx:demo"),
     ("mass-recall", "moetool.experiments.mass_recall:demo"),
+    ("offload", "moetool.experiments.offload:demo"),
     ("fluctuation", "moetool.experiments.fluctuation:demo"),
 ]
 
