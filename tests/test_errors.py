@@ -129,12 +129,14 @@ def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, 
         monkeypatch.delenv(var, raising=False)
     endpoint = {"refused": f"http://127.0.0.1:{_closed_port()}", "hangs": silent_server,
                 "proxy refused": "https://hub.example.org"}.get(network)
-    if endpoint:
-        monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    if network == "proxy refused":
-        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{_closed_port()}")
     import huggingface_hub.constants as hc
 
+    if endpoint:  # CI exports HF_HUB_OFFLINE=1: these cases are about a network that does not answer
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    if network == "proxy refused":
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{_closed_port()}")
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     # the command's own imports are not what is timed: warm them with a name that fails before any network
     assert runner.invoke(app, ["trace", "--model", "no-such-model", "--out", str(tmp_path / "w"), "-q"]).exit_code == 2
@@ -152,7 +154,11 @@ def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, 
 
 
 def test_hub_timeout_is_configurable(monkeypatch, silent_server):
+    import huggingface_hub.constants as hc
+
     from moetool.loading import hub_offline
+
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
 
     monkeypatch.setenv("HF_ENDPOINT", silent_server)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
