@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 
 import typer
@@ -34,6 +36,32 @@ app = typer.Typer(
 for module in (approx_cmd, demo_cmd, erc_cmd, eval_cmd, fluctuation_cmd, inspect_cmd, mass_recall_cmd,
                norm_select_cmd, offload_cmd, ppl_cmd, report_cmd, stats_cmd, trace_cmd):
     module.register(app)
+
+_TOPIC = re.compile(r"^[A-Z][\w\-/ ().,]{0,40}:(\s|$)")  # "Cache simulation: ...", "Writes:" start a line of their own
+
+
+def reflow(text: str) -> str:
+    """A command docstring, hard-wrapped in the source, as rich should wrap it: the lines of one sentence joined,
+    so a narrow terminal (or a log at 80 columns) re-wraps whole paragraphs instead of breaking every source line
+    twice. Kept on their own line: blank-line paragraph breaks, indented lines (examples, column lists; a line
+    indented deeper than the one before continues it), lines opening a topic ("Intervals: ...")."""
+    out: list[str] = []
+    prev_indent = None
+    for line in text.strip("\n").splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip(" "))
+        joinable = out and out[-1].strip() and stripped and prev_indent is not None and (
+            (indent == 0 and prev_indent == 0 and not _TOPIC.match(stripped)) or (indent > prev_indent > 0))
+        if joinable:
+            out[-1] = out[-1].rstrip() + " " + stripped
+        else:
+            out.append(line.rstrip())
+            prev_indent = indent if stripped else None
+    return "\n".join(out)
+
+
+for _info in app.registered_commands:
+    _info.help = reflow(_info.help or inspect.getdoc(_info.callback) or "")
 
 #: environment defaults of the command line (never set by importing a moetool module; a user's value wins)
 CLI_ENVIRONMENT = {
