@@ -24,28 +24,15 @@ Examples:
 @handle_errors
 def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
          steps: Optional[str] = typer.Option(None, "--steps", help="Comma-separated subset of the steps.")) -> None:
-    from moetool.demo import STEPS, run_demo
-    from moetool.errors import MoetoolError
-    from moetool.registry import did_you_mean
-    from moetool.report import RunDir
+    from moetool.demo import demo as run_demo
 
     chosen = parse_list(steps, str, "step") if steps else None
-    known = [s for s, _ in STEPS]
-    for s in chosen or []:
-        if s not in known:
-            raise MoetoolError(f"unknown demo step '{s}'{did_you_mean(s, known)}; steps: {', '.join(known)}")
-    run = RunDir.create("demo", out, force)
-    records = run_demo(run, chosen, quiet=quiet, echo=typer.echo)
-    run.add(steps=records)
-    run.finish(options={"steps": chosen or known})
-    from moetool.report.page import write_report
-
-    page = write_report([run.path], run.sub("report"), title="moetool demo")  # every step's figures and tables
+    path, records, page = run_demo(out, chosen, force=force, quiet=quiet, echo=typer.echo)
     typer.echo("")
     for r in records:
         typer.echo(f"{r['step']:<12} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
     typer.echo(f"report: {page}")
-    echo_run(run.path)
+    echo_run(path)
 
 
 def register(app: typer.Typer) -> None:

@@ -42,8 +42,10 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
 
 
 def stats(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Routing statistics of the model's own router: tables load, layers, coactivation, domain_load, top_tokens,
-    top_tokens_lift. Options: :class:`moetool.StatsOptions` (top_tokens, min_count, batch_size)."""
+    """Routing statistics of the model's own router: tables load, layers, coactivation, cross_layer(_summary),
+    specialization, specialized_tokens, domain_load, top_tokens, top_tokens_lift (expert_tokens with
+    ``all_tokens``). Options: :class:`moetool.StatsOptions` (top_tokens, min_count, top_k=1 for OLMoE's top-1
+    views, coactivation="all"|"adjacent", all_tokens, specialization, batch_size)."""
     from .experiments.stats import stats as run
 
     return run(lm, tokens, options, quiet=quiet, **overrides)
@@ -134,6 +136,51 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
 
 
+def offload(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
+    """Expert offloading from real routing: tables offload_coverage, offload_layers, offload_cache (LRU/LFU/Belady
+    hit rate by cache size, bytes per token), offload_prefetch (next-layer router recall). Options:
+    :class:`moetool.OffloadOptions`."""
+    from .experiments.offload import offload as run
+
+    return run(lm, tokens, options, quiet=quiet, **overrides)
+
+
+def inspect_model(name: str) -> dict[str, Any]:
+    """What ``moetool inspect --model NAME`` prints, as a dict: family, layers, which are MoE, n, K, routing,
+    shared experts, parameters (no weights loaded)."""
+    from .inspect import describe_model
+
+    return describe_model(name)
+
+
+def families() -> Any:
+    """``moetool inspect --families`` as a DataFrame: one row per MoE model type of the installed transformers,
+    supported or not (and why), routing rule, shared experts, dense layers, experts implementation."""
+    import pandas as pd
+
+    from .inspect import families as rows
+
+    return pd.DataFrame(rows())
+
+
+def write_report(run_dirs: Iterable[str | Path], out: str | Path, *, force: bool = False,
+           title: str = "moetool report") -> Path:
+    """``moetool report``: gather run folders into one HTML/Markdown page (+ LaTeX/CSV tables, PNG/PDF figures);
+    returns the path of ``report.html``."""
+    from .report.page import write_report as run
+
+    return run(list(run_dirs), out, force=force, title=title)
+
+
+def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, *, force: bool = False,
+         quiet: bool = False) -> Path:
+    """``moetool demo``: every experiment on the embedded models into ``out`` and a report page; returns the
+    folder."""
+    from .demo import demo as run
+
+    return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
+
+
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
     from .engine.runner import forward as run
@@ -160,9 +207,11 @@ def figures(result: Any) -> dict[str, Any]:
 
 #: public name -> "module:attribute" (resolved lazily by ``moetool.__getattr__``)
 EXPORTS = {
-    **{name: f"moetool.api:{name}" for name in ("load", "tokens", "stats", "ppl", "norm_select", "evaluate", "erc",
-                                                 "approx", "mass_recall", "fluctuation", "trace", "hook", "forward",
-                                                 "write", "figures")},
+    **{name: f"moetool.api:{name}" for name in (
+        "load", "tokens", "stats", "ppl", "norm_select", "evaluate", "erc", "approx", "mass_recall", "fluctuation",
+        "trace", "offload", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
+        "figures")},
+    "OffloadOptions": "moetool.experiments.offload:OffloadOptions",
     "Result": "moetool.experiments.result:Result",
     "StatsOptions": "moetool.experiments.stats:StatsOptions",
     "PplOptions": "moetool.experiments.ppl:PplOptions",

@@ -64,3 +64,24 @@ def run_demo(parent: Any, steps: list[str] | None = None, quiet: bool = False,
         records.append({"step": name, "seconds": round(time.time() - t0, 2), "summary": lines,
                         "folders": [str(parent.path / d) for d in new]})
     return records
+
+
+def demo(out: Any = None, steps: list[str] | None = None, *, force: bool = False, quiet: bool = False,
+         echo: Callable[[str], None] = print) -> tuple[Any, list[dict[str, Any]], Any]:
+    """``moetool demo``: every step (or ``steps``) into one run folder, then the report page gathering them.
+    Returns (run folder, one record per step, path of report.html)."""
+    from .errors import MoetoolError
+    from .registry import did_you_mean
+    from .report import RunDir
+    from .report.page import write_report
+
+    known = [s for s, _ in STEPS]
+    for s in steps or []:
+        if s not in known:
+            raise MoetoolError(f"unknown demo step '{s}'{did_you_mean(s, known)}; steps: {', '.join(known)}")
+    run = RunDir.create("demo", out, force)
+    records = run_demo(run, steps, quiet=quiet, echo=echo)
+    run.add(steps=records)
+    run.finish(options={"steps": steps or known})
+    page = write_report([run.path], run.sub("report"), title="moetool demo")  # every step's figures and tables
+    return run.path, records, page

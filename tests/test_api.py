@@ -104,3 +104,26 @@ def test_commands_write_exactly_the_api_tables(tmp_path):
     for name in ("erc", "erc_layers", "erc_matrix"):
         _tables_equal(res[name], tmp_path / "e" / f"{name}.csv")
     assert sorted(res["erc_layers"]["layer"]) == [0, 3]
+
+
+def test_every_command_has_its_python_function():
+    """`import moetool` offers what the CLI offers: one API function per command (eval -> evaluate; inspect,
+    report and demo are also subpackage names, so their functions are inspect_model, write_report, run_demo)."""
+    import moetool
+    from moetool.commands.app import app
+
+    names = {c.name or c.callback.__name__ for c in app.registered_commands}
+    assert names >= {"stats", "norm-select", "offload", "report", "demo", "inspect"}
+    for name in names:
+        fn = getattr(moetool, {"eval": "evaluate", "inspect": "inspect_model", "report": "write_report",
+                               "demo": "run_demo"}.get(name, name.replace("-", "_")))
+        assert callable(fn) and fn.__doc__, name
+
+
+def test_inspect_and_families_from_python():
+    import moetool
+    from moetool.inspect import families
+
+    assert moetool.inspect_model("tiny")["family"] == "mixtral"
+    df = moetool.families()
+    assert list(df.model_type) == [r["model_type"] for r in families()] and len(df) > 50
