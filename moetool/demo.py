@@ -25,6 +25,32 @@ STEPS: list[tuple[str, str]] = [
 ]
 
 
+def each_model(parent: Any, step: str, run_one: Callable[[Any, Any], tuple[Any, list[str]]], *,
+               seq_len: int | None = 128, max_tokens: int = 2048, seed: int | None = None,
+               **tokens_kw: Any) -> list[str]:
+    """One demo step over the embedded base models, one layout for every step: ``parent/<step>/<model>/`` per
+    model and ``parent/<step>/manifest.json``. ``run_one(lm, tokens) -> (Result, summary lines)``; tokens are
+    ``max_tokens`` of the shipped held-out text in rows of ``seq_len`` (``seq_len=None``: weights only, no
+    tokens). ``tokens_kw`` go to :func:`moetool.data.load_tokens`."""
+    from .data import load_tokens
+    from .loading import embedded_models, load
+    from .report.writers import write
+
+    child = parent.sub(step)
+    names = [m for m in DEMO_MODELS if m in embedded_models()]
+    sizes = {} if seq_len is None else dict(seq_len=seq_len, max_tokens=max_tokens)
+    lines: list[str] = []
+    for name in names:
+        lm = load(name, tokenizer=seq_len is not None)
+        tokens = None if seq_len is None else load_tokens(None, lm.tokenizer, seq_len=seq_len, max_tokens=max_tokens,
+                                                          **tokens_kw)
+        res, more = run_one(lm, tokens)
+        write(res, child.sub(name), model=lm, options=dict(model=name, **sizes, **tokens_kw))
+        lines += more
+    child.finish(options=dict(models=names, **sizes), seed=seed)
+    return lines or [f"{step}: no embedded model found"]
+
+
 def _load(target: str) -> Callable[..., list[str]]:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)

@@ -268,20 +268,10 @@ def summary_lines(name: str, approx: Any, per_layer: Any) -> list[str]:
 
 def demo(parent: Any, quiet: bool) -> list[str]:
     """The k-term view on every embedded base model (tiny, tiny-fine), 1024 held-out tokens."""
-    from ..data import load_tokens
-    from ..demo_models import DEMO_MODELS
-    from ..loading import embedded_models, load
+    from ..demo import each_model
 
-    from ..report.writers import write
-
-    child = parent.sub("approx")
-    names = [m for m in DEMO_MODELS if m in embedded_models()]
-    lines: list[str] = []
-    for name in names:
-        lm = load(name)
-        tokens = load_tokens(None, lm.tokenizer, 128, 1024)
+    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
         res = approx(lm, tokens, batch_size=8, quiet=quiet)
-        write(res, child.sub(name), model=lm, options=dict(model=name, seq_len=128, max_tokens=1024))
-        lines += summary_lines(name, res["approx"], res["approx_layers"])
-    child.finish(options=dict(models=names, seq_len=128, max_tokens=1024), seed=0)
-    return lines or ["approx: no embedded model found"]
+        return res, summary_lines(lm.name, res["approx"], res["approx_layers"])
+
+    return each_model(parent, "approx", one, max_tokens=1024, seed=0)

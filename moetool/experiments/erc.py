@@ -247,19 +247,12 @@ def summary_lines(name: str, per_layer: Any, erc: Any) -> list[str]:
 
 def demo(parent: Any, quiet: bool) -> list[str]:
     """ERC of every embedded base model (tiny, tiny-fine), default settings with 4 noise draws."""
-    from ..demo_models import DEMO_MODELS
-    from ..loading import embedded_models, load
+    from ..demo import each_model
 
-    from ..report.writers import write
-
-    child = parent.sub("erc")
     opts = ErcOptions(samples=4)
-    lines: list[str] = []
-    names = [m for m in DEMO_MODELS if m in embedded_models()]
-    for name in names:
-        lm = load(name, tokenizer=False)
+
+    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
         res = erc(lm, opts, quiet=quiet)
-        write(res, child.sub(name), model=lm, options=dict(model=name))
-        lines += summary_lines(name, res["erc_layers"], res["erc"])
-    child.finish(options=dict(models=names, samples=opts.samples), seed=opts.seed)
-    return lines or ["erc: no embedded model found"]
+        return res, summary_lines(lm.name, res["erc_layers"], res["erc"])
+
+    return each_model(parent, "erc", one, seq_len=None, seed=opts.seed)

@@ -372,21 +372,12 @@ def summary_lines(name: str, df: Any) -> list[str]:
 
 def demo(parent: Any, quiet: bool) -> list[str]:
     """Mass recall on the embedded base models, small settings."""
-    from ..data import load_tokens
-    from ..loading import embedded_models, load
+    from ..demo import each_model
 
-    from ..demo_models import DEMO_MODELS
-    from ..report.writers import write
-
-    child = parent.sub("mass-recall")
     opts = MassRecallOptions(codebook_sizes=(8, 32), shortlists=(2, 4, 8, 16), kmeans_iters=1)
-    names = [m for m in DEMO_MODELS if m in embedded_models()]
-    lines: list[str] = []
-    for name in names:
-        lm = load(name)
-        tokens = load_tokens(None, lm.tokenizer, seq_len=128, max_tokens=4096)
+
+    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
         res = mass_recall(lm, tokens, opts, quiet=quiet)
-        write(res, child.sub(name), model=lm, options=dict(model=name, seq_len=128, max_tokens=4096))
-        lines += summary_lines(name, res["mass_recall"])
-    child.finish(options=dict(models=names), seed=opts.seed)
-    return lines or ["mass-recall: no embedded model found"]
+        return res, summary_lines(lm.name, res["mass_recall"])
+
+    return each_model(parent, "mass-recall", one, max_tokens=4096, seed=opts.seed)

@@ -341,20 +341,12 @@ def summary_lines(name: str, res: Result) -> list[str]:
 
 def demo(parent: Any, quiet: bool) -> list[str]:
     """Offload analysis on the embedded base models (2048 tokens)."""
-    from ..data import load_tokens
-    from ..demo_models import DEMO_MODELS
-    from ..loading import embedded_models, load
-    from ..report.writers import write
+    from ..demo import each_model
 
-    child = parent.sub("offload")
     opts = OffloadOptions()
-    names = [m for m in DEMO_MODELS if m in embedded_models()]
-    lines: list[str] = []
-    for name in names:
-        lm = load(name)
-        tokens = load_tokens(None, lm.tokenizer, seq_len=128, max_tokens=2048)
+
+    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
         res = offload(lm, tokens, opts, quiet=quiet)
-        write(res, child.sub(name), model=lm, options=dict(model=name, seq_len=128, max_tokens=2048))
-        lines += summary_lines(name, res)
-    child.finish(options=dict(models=names), seed=opts.seed)
-    return lines or ["offload: no embedded model found"]
+        return res, summary_lines(lm.name, res)
+
+    return each_model(parent, "offload", one, max_tokens=2048, seed=opts.seed)

@@ -443,18 +443,12 @@ def analysis_lines(name: str, res: Any) -> list[str]:
 
 
 def demo(parent: Any, quiet: bool) -> list[str]:
-    """``stats`` on the embedded demo models (8192 tokens each) into ``parent/stats-<model>``."""
-    from ..data import load_tokens
-    from ..demo_models import DEMO_MODELS
-    from ..loading import load
-    from ..report.writers import write
+    """``stats`` on the embedded demo models (8192 tokens each, the tokenizer's own special tokens) into
+    ``parent/stats/<model>``."""
+    from ..demo import each_model
 
-    lines = []
-    for name in DEMO_MODELS:
-        lm = load(name)
-        tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=8192, add_special_tokens=None)
+    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
         res = stats(lm, tokens, quiet=quiet)
-        write(res, parent.sub(f"stats-{name}"), model=lm,
-              options=dict(model=name, data=None, seq_len=256, max_tokens=8192, special_tokens="tokenizer default"))
-        lines += summary_lines(name, res["layers"]) + analysis_lines(name, res)
-    return lines
+        return res, summary_lines(lm.name, res["layers"]) + analysis_lines(lm.name, res)
+
+    return each_model(parent, "stats", one, seq_len=256, max_tokens=8192, add_special_tokens=None)
