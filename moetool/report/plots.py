@@ -64,7 +64,8 @@ def plot_domain_load(dom: Any) -> Any:
     rows, cols = grid_shape(len(layer_ids), max_cols=2)
     fig, axes = new_figure(rows, cols, width=max(4.2, 0.12 * n * len(domains) + 2), height=2.8)
     width = 0.8 / len(domains)
-    for ax, li in zip(axes, layer_ids):
+    step = 1 if n <= 16 else 4  # 32+ expert labels side by side are unreadable
+    for i, (ax, li) in enumerate(zip(axes, layer_ids)):
         g = dom[dom["layer"] == li]
         for j, name in enumerate(domains):
             d = g[g["domain"] == name]
@@ -72,14 +73,15 @@ def plot_domain_load(dom: Any) -> Any:
         ax.axhline(float(g["uniform_token_fraction"].iloc[0]), color="k", linewidth=0.8, linestyle="--",
                    label="uniform K/n")
         ax.set_title(f"layer {li}")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("fraction of the domain's tokens")
-        ax.set_xticks(np.arange(n))
-        ax.tick_params(axis="x", labelsize=6)
+        ax.set_xlabel("expert" if i // cols == rows - 1 else "")
+        ax.set_xticks(np.arange(0, n, step))
+        ax.set_xlim(-0.6, n - 0.4)
     for ax in axes[len(layer_ids):]:
         ax.set_visible(False)
-    axes[0].legend(fontsize=7, frameon=False)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, fontsize=7)
+    fig.supylabel("share of the domain's tokens", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
 
 
