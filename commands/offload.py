@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options, start_run)
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
+                      parse_list, run_options, start_run)
 
 HELP = """Expert offloading analysis from the model's real routing (one forward, the router's own choices).
 
@@ -45,8 +46,7 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
             predict_norm: bool = typer.Option(True, "--predict-norm/--no-predict-norm",
                                               help="Apply layer ℓ+1's post_attention_layernorm to x_ℓ before its "
                                                    "router."),
-            bootstrap: int = typer.Option(1000, "--bootstrap", min=0,
-                                          help="Bootstrap replicates over packed rows for 95% intervals (0 = off)."),
+            bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
             layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192,
             batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
             seed: Seed = 0, quiet: Quiet = False) -> None:

@@ -33,6 +33,10 @@ Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the 
                                                "indices): where the policy replaces routing, or the layers an "
                                                "analysis covers; e.g. '0,2,5-7' (default: every MoE layer).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+DEFAULT_BOOTSTRAP = 1000  # mirrors moetool.uncertainty.DEFAULT_BOOTSTRAP (a test checks) without importing numpy
+Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, help="Replicates of the document-level bootstrap "
+                                        "over packed rows (seeded by --seed) for 95% intervals: *_lo/*_hi CSV "
+                                        "columns, error bars, 'value ± half-width' in tables. 0 = off; else >= 100.")]
 
 # routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
 Routing = typer.Option("router", "--routing", "-r", help="Routing policy: router, norm:<node>[:<norm>], random, ...")
