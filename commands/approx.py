@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, start_run)
+                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
 
@@ -44,6 +44,7 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
            layers: Layers = None,
            seq_len: SeqLen = 256, max_tokens: MaxTokens = 4096, batch_size: BatchSize = 4, dtype: Dtype = "auto",
            device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
     from moetool.report.console import print_table
 
@@ -55,8 +56,8 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
     res = compute(lm, tokens, opts, quiet=quiet)
     started.write(res)
     if not quiet:
-        print_table(res["approx"], f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)")
-        print_table(res["approx_layers"], "router vs norm, orthogonality")
+        print_table(res["approx"], f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)", csv="approx.csv")
+        print_table(res["approx_layers"], "router vs norm, orthogonality", csv="approx_layers.csv")
         typer.echo(summary_lines(model, res["approx"], res["approx_layers"])[0])
     echo_run(run.path)
 

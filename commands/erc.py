@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
-                      handle_errors, parse_layers, parse_list, start_run)
+                      handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = r"""Expert–router coupling (ERC, paper 002) from the weights only: no data, no tokenizer.
 
@@ -42,6 +42,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         layers: Layers = None,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
         quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
     from moetool.report.console import print_table
 
@@ -53,8 +54,8 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
     res = compute(lm, opts, quiet=quiet)
     started.write(res)
     if not quiet:
-        print_table(res["erc_layers"], "ERC per layer")
-        print_table(res["erc"], "ERC loss")
+        print_table(res["erc_layers"], "ERC per layer", csv="erc_layers.csv")
+        print_table(res["erc"], "ERC loss", csv="erc.csv")
         typer.echo(summary_lines(model, res["erc_layers"], res["erc"])[0])
     echo_run(run.path)
 

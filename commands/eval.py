@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
-                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors, parse_layers,
-                      parse_list, start_run)
+                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors,
+                      parse_layers, parse_list, preflight, start_run)
 
 HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
 
@@ -40,6 +40,7 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
                  device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
                  quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
     from moetool.report.console import print_table
 

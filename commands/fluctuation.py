@@ -7,7 +7,7 @@ from typing import List, Optional
 import typer
 
 from .options import (BatchSize, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, Sim, check_run,
-                      echo_run, handle_errors, parse_list, run_options)
+                      echo_run, handle_errors, parse_list, preflight, run_options)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -50,6 +50,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                                              "other checkpoint's routers (rows <routing>-isolated)."),
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", quiet: Quiet = False) -> None:
+    preflight(*checkpoints)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
                                                  summary_lines)
@@ -70,7 +71,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     write(res, run, options=run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len,
                                         max_tokens=max_tokens))
     if not quiet:
-        print_table(res.summary, f"routing fluctuation ({tokens.n_tokens:,} tokens)")
+        print_table(res.summary, f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
         for line in summary_lines(res["fluctuation"]):
             typer.echo(line)
     echo_run(run.path)

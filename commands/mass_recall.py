@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, run_options, start_run)
+                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, run_options,
+                      start_run)
 
 HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
 
@@ -52,6 +53,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
                 batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", seed: Seed = 0,
                 quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
     from moetool.report.console import print_table
     from moetool.report.writers import write
@@ -68,7 +70,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
     for note in res.meta["notes"]:
         typer.secho(f"note: {note}", err=True)
     if not quiet:
-        print_table(res.summary, f"mass recall: {model} ({tokens.n_tokens:,} tokens)")
+        print_table(res.summary, f"mass recall: {model} ({tokens.n_tokens:,} tokens)", csv="mass_recall.csv")
     echo_run(run.path)
 
 

@@ -9,7 +9,7 @@ import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
                       MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Weights, echo_run, handle_errors,
-                      parse_layers, parse_list, start_run)
+                      parse_layers, parse_list, preflight, start_run)
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
@@ -42,6 +42,7 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
                 force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments import norm_select as ns
     from moetool.experiments.lmeval import plan_tasks
     from moetool.policies import build_policy

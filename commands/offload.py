@@ -6,7 +6,7 @@ import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
-                      parse_list, run_options, start_run)
+                      parse_list, preflight, run_options, start_run)
 
 HELP = """Expert offloading analysis from the model's real routing (one forward, the router's own choices).
 
@@ -50,6 +50,7 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
             layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192,
             batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
             seed: Seed = 0, quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.offload import OffloadOptions, offload as compute
     from moetool.report.console import print_table
     from moetool.report.writers import write

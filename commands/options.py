@@ -129,6 +129,17 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(set(out)))
 
 
+def preflight(*models: str) -> None:
+    """Resolve every ``--model`` (embedded name, alias, directory, hub id) from its config alone, before a command
+    imports its experiment (and torch): an unknown name, a dense model or an uncached hub id without network fails
+    in about a second of the whole process instead of after the imports."""
+    from moetool.loading import load_config, resolve
+
+    kinds = {m: resolve(m)[1] for m in models}  # names alone: an unknown one fails here
+    for model in sorted(models, key=lambda m: kinds[m] not in ("hub", "alias")):  # the ones that may need the Hub
+        load_config(model)
+
+
 def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
               max_tokens: int | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
               attn_implementation: str | None = None) -> Any:

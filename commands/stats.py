@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, MaxTokens, Model, Out, Quiet,
-                      SeqLen, echo_run, handle_errors, run_options)
+                      SeqLen, echo_run, handle_errors, preflight, run_options)
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -76,6 +76,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                                       "own default, e.g. a BOS)."),
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.stats import StatsOptions, stats as compute
     from moetool.loading import load
@@ -94,7 +95,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                                                   dtype=dtype, device=device, device_map=device_map,
                                                   special_tokens="none" if no_special_tokens else "tokenizer default"))
-    print_table(res.summary, title=f"{model}: {tokens.n_tokens:,} tokens")
+    print_table(res.summary, title=f"{model}: {tokens.n_tokens:,} tokens", csv="layers.csv")
     echo_run(run.path)
 
 

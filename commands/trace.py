@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers, start_run)
+from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
+                      Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
+                      preflight, start_run)
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
 
@@ -29,6 +30,7 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
           quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.errors import MoetoolError
     from moetool.experiments.trace import TraceOptions, trace as compute
 

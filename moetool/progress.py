@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Iterable, Iterator, TypeVar
 
@@ -25,3 +26,18 @@ def progress(items: Iterable[T], total: int | None = None, description: str = "w
         for item in items:
             yield item
             bar.advance(task)
+
+
+@contextlib.contextmanager
+def status(description: str, quiet: bool = False) -> Iterator[None]:
+    """A spinner with ``description`` and the elapsed time while a library runs its own loop (lm-eval): the one
+    progress display when that library's bars are silenced. Binds to the real stderr on entry, so a caller may
+    redirect ``sys.stderr`` inside it."""
+    if quiet:
+        yield
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    with Console(file=sys.stderr, emoji=False).status(Text(description)):
+        yield

@@ -338,3 +338,24 @@ def test_loading_prints_no_transformers_progress_bar_and_restores_it(capfd):
 def test_errors_carry_their_exit_codes():
     assert MoetoolError("x").exit_code == 2 and MoetoolRuntimeError("x").exit_code == 1
     assert issubclass(MoetoolRuntimeError, MoetoolError)
+
+
+@pytest.mark.parametrize("argv", [["trace"], ["stats"], ["ppl"], ["norm-select"], ["erc"], ["approx"],
+                                  ["mass-recall"], ["offload"], ["inspect"], ["eval", "--tasks", "moetool_code"],
+                                  ["fluctuation", "tiny", "made-up-org/no-such-moe-model"]])
+def test_offline_hub_id_fails_before_torch_is_imported(tmp_path, argv):
+    """As a user times it (the whole process): the model is resolved from its config before the command imports
+    its experiment, so an uncached hub id without network fails with one line, exit 1, and torch never loads."""
+    if argv[0] != "fluctuation":
+        argv = [*argv, "--model", "made-up-org/no-such-moe-model"]
+    if argv[0] != "inspect":
+        argv = [*argv, "--out", str(tmp_path / "o")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "moetool", *argv], capture_output=True, text=True,
+                       env=env, timeout=120)
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("import time:")]
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert len(lines) == 1 and "made-up-org/no-such-moe-model" in lines[0] and "Hub is out of reach" in lines[0]
+    assert "torch" not in imported
+    assert not (tmp_path / "o").exists()

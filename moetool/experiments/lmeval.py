@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 from ..errors import MoetoolError
 from ..lmeval_compat import hub_offline, no_env_report
+from ..progress import status
 from ..registry import did_you_mean
 from .ppl import RoutingOptions
 from .result import Result, resolve_options
@@ -189,10 +190,13 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
     logging.getLogger("lm_eval").setLevel(logging.ERROR if quiet else logging.WARNING)
     hflm = make_hflm(lm, batch_size) if hflm is None else hflm
     t0 = time.perf_counter()
-    # lm-eval's and datasets' progress bars write to stderr: swallowed with quiet (errors still raise)
-    mute = contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext()
-    # lm-eval's environment report runs ~12 subprocesses per call: off (the manifest records the versions)
-    with hub_offline(plan.offline), torch.no_grad(), mute, no_env_report(), Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
+    # lm-eval's and datasets' own progress bars (stderr) are swallowed; moetool's spinner is the one display
+    # (errors still raise). lm-eval's environment report runs ~12 subprocesses per call: off (the manifest
+    # records the versions)
+    routing = f" ({policy.describe().get('name', '')})" if policy is not None else ""
+    what = f"lm-eval {', '.join(plan.names)}{routing}"
+    with status(what, quiet), contextlib.redirect_stderr(io.StringIO()), hub_offline(plan.offline), torch.no_grad(), \
+            no_env_report(), Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
         try:
             out = evaluator.simple_evaluate(
                 model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,

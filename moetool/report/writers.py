@@ -14,8 +14,14 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
           seed: int | None = None, finish: bool = True) -> Any:
     """Write ``result`` into ``run`` (a :class:`~moetool.report.RunDir`); returns the manifest path (or ``None``
     with ``finish=False``, when the caller adds more before finishing). ``seed`` defaults to the options' seed."""
+    from .figures import describe_run
     from .plots import figures
 
+    if not run.caption:  # the model and data under every figure (report pages and papers show them apart)
+        data = result.meta.get("data") or {}
+        who = (getattr(model, "name", None) or (options or {}).get("model")
+               or " vs ".join(map(str, result.meta.get("checkpoints", []))))
+        run.caption = describe_run(who, data.get("source"), data.get("tokens"))
     for name, df in result.tables.items():
         if name.endswith(".parquet"):  # large tables (stats --all-tokens): Parquet, one row group per layer
             _write_parquet(run, name, df)
