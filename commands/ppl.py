@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model,
-                      Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers, start_run)
+from .options import (BatchSize, Bootstrap, Causal, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype,
+                      Force, Layers, MaxTokens, Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run,
+                      handle_errors, parse_layers, preflight, start_run)
 
 HELP = """Perplexity, mean next-token NLL and token count of --data with a routing policy applied.
 
 --routing takes any policy: router (unchanged; reproduces the unhooked model exactly),
 norm:<node>[:<norm>] (AoE: the K experts with the largest node norm; node gate|up|act|glu|output,
 norm l2|l1|linf), random, and the others listed by the error for an unknown name. Writes ppl.csv
-(model, data, routing, weights, layers, tokens, nll_mean, perplexity, seconds) and manifest.json.
+(model, data, routing, weights, layers, tokens, nll_mean, perplexity, router_perplexity, ratio,
+seconds; *_lo/*_hi = 95% interval) and manifest.json. A policy other than router is compared with
+the model's own routing on the same rows (ratio = perplexity / router_perplexity; --no-baseline
+skips that second pass). Intervals: document-level bootstrap over packed rows (--bootstrap N,
+paired for the ratio; 0 = off).
 
 Examples:
   moetool ppl                                   # the router on the shipped held-out text
@@ -25,12 +30,16 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
         sim: str = Sim, causal: bool = Causal, layers: Layers = None, seq_len: SeqLen = 256,
         max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
-        force: Force = False, seed: Seed = 0, quiet: Quiet = False) -> None:
+        force: Force = False, seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+        baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also run the router on the same "
+                                      "rows for the perplexity ratio (policies other than router)."),
+        quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.ppl import PplOptions, data_name, ppl as compute
     from moetool.report.console import print_table
 
     opts = PplOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),
-                      batch_size=batch_size, seed=seed)
+                      batch_size=batch_size, seed=seed, bootstrap=bootstrap, baseline=baseline)
     policy = opts.policy()  # a bad --routing fails before anything is loaded
     started = start_run("ppl", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,

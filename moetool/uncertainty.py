@@ -110,6 +110,31 @@ def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_B
     return out[:1] if one else out
 
 
+def sum_intervals(sums: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], *, n_boot: int = DEFAULT_BOOTSTRAP,
+                  seed: int = 0, level: float = LEVEL) -> list[Interval]:
+    """Intervals of ``m`` statistics that are any function of the column sums of per-row sums ``[n_rows, k]``.
+
+    ``statistic([..., k]) -> [..., m]`` maps summed columns to the statistics (vectorised over leading axes):
+    the value is ``statistic(Σ_r sums[r])``, replicate ``b`` is ``statistic(W[b] @ sums)`` (the same multinomial
+    row weights as :func:`ratio_intervals` for the same seed and row count). A max over experts or a load entropy
+    is such a function; a plain ratio is :func:`ratio_intervals`.
+    """
+    sums = np.asarray(sums, dtype=np.float64)
+    sums = sums.reshape(sums.shape[0], -1)
+    if not np.isfinite(sums).all():
+        raise MoetoolError("per-row sums contain NaN/inf: no interval")
+    value = np.asarray(statistic(sums.sum(0)), dtype=np.float64).reshape(-1)
+    if not np.isfinite(value).all():
+        raise MoetoolError("a statistic of the summed rows is NaN/inf (no tokens counted?): no interval")
+    if check_n_boot(n_boot) == 0:
+        return [Interval(float(v)) for v in value]
+    w = bootstrap_weights(sums.shape[0], n_boot, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        reps = np.asarray(statistic(w @ sums), dtype=np.float64).reshape(n_boot, -1)
+    lo, hi = percentile(reps, level)
+    return [Interval(float(v), float(a), float(b)) for v, a, b in zip(value, lo, hi)]
+
+
 def ratio_interval(num: Any, den: Any, **kw: Any) -> Interval:
     """One ratio statistic ``Σ num / Σ den`` with its bootstrap interval (see :func:`ratio_intervals`)."""
     return ratio_intervals(np.asarray(num, dtype=np.float64).reshape(-1), den, **kw)[0]
@@ -193,6 +218,98 @@ class RowSums:
         a, b = self.table(num), self.table(den)
         out = ratio_intervals(a, b, **kw)
         return out[0] if a.ndim == 1 else out
+
+
+class RowTable:
+    """Per-row sums kept on the device while the forward runs (no host sync): the streaming side of
+    :class:`RowSums` for consumers inside :func:`moetool.engine.forward`.
+
+    ``RowTable(tokens)``; ``next_batch(batch)`` before each forward (the batch's rows are the next ``B`` rows of
+    ``tokens``); then ``add(name, values)`` with ``values [B]``/``[B, k]`` per row, or ``[B*S]``/``[B*S, k]``
+    per token (summed over each row's tokens; weight padding out yourself); ``add_counts(name, idx, n, valid)``
+    adds per-row counts of expert ids ``idx [B*S, K]`` (``[B, n]``). Rows are numbered by their GLOBAL row id
+    (``tokens.row_ids``, set by :func:`moetool.distributed.shard`; ``0..N-1`` alone), so
+    :meth:`reduce_across_ranks` (an all-reduce sum over a ``[N_global, k]`` table per name) leaves every rank
+    with every row, exactly as one process would. ``table(name)`` / ``interval(num, den)`` as :class:`RowSums`.
+    """
+
+    def __init__(self, tokens: Any) -> None:
+        import torch
+
+        ids = getattr(tokens, "row_ids", None)
+        self.row_ids = (torch.arange(tokens.input_ids.shape[0]) if ids is None else ids).long()
+        self._sums: dict[str, Any] = {}
+        self._start = 0
+        self._rows: slice | None = None
+
+    def next_batch(self, batch: Any) -> None:
+        B = batch.input_ids.shape[0]
+        self._rows = slice(self._start, self._start + B)
+        self._start += B
+
+    def _slot(self, name: str, B: int, k: int, like: Any) -> Any:
+        import torch
+
+        t = self._sums.get(name)
+        if t is None:
+            t = self._sums[name] = torch.zeros(self.row_ids.shape[0], k, dtype=torch.float64, device=like.device)
+        if t.shape[1] != k:
+            raise MoetoolError(f"row sums '{name}': width {k} after {t.shape[1]}")
+        return t[self._rows]
+
+    def add(self, name: str, values: Any) -> None:
+        if self._rows is None:
+            raise MoetoolError("RowTable: call next_batch(batch) before each forward")
+        B = self._rows.stop - self._rows.start
+        v = values.double()
+        if v.shape[0] != B:  # per token: [B*S(, k)] -> per row
+            v = v.reshape(B, -1, *v.shape[1:]).sum(1)
+        v = v.reshape(B, -1)
+        slot = self._slot(name, B, v.shape[1], v)
+        slot += v.to(slot.device)
+
+    def add_counts(self, name: str, idx: Any, n: int, valid: Any) -> None:
+        """Per-row counts of the ids ``idx [T, K]`` in ``0..n-1`` over the valid tokens (``[B, n]``)."""
+        import torch
+
+        from .ops import one_hot_counts
+
+        B = self._rows.stop - self._rows.start
+        row = torch.arange(B, device=idx.device).repeat_interleave(idx.shape[0] // B)  # [T] row of each token
+        self.add(name, one_hot_counts(idx.long() + (row * n).unsqueeze(-1), B * n, valid).view(B, n))
+
+    def reduce_across_ranks(self) -> None:
+        """All-reduce (sum) the rows of every rank into a ``[N_global, k]`` table per name (alone: nothing)."""
+        from . import distributed
+
+        if distributed.world_size() <= 1:
+            return
+        import torch
+
+        n = int(distributed.all_reduce(self.row_ids.max().reshape(1) + 1, op="max").item())
+        for name in sorted(self._sums):
+            t = self._sums[name]
+            full = torch.zeros(n, t.shape[1], dtype=torch.float64, device=t.device)
+            full.index_copy_(0, self.row_ids.to(t.device), t)
+            self._sums[name] = distributed.all_reduce(full)
+        self.row_ids = torch.arange(n)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._sums)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.row_ids.shape[0])
+
+    def table(self, name: str) -> np.ndarray:
+        t = self._sums.get(name)
+        if t is None:
+            raise MoetoolError(f"no per-row sums named '{name}' were recorded")
+        out = t.cpu().numpy()
+        return out[:, 0] if out.shape[1] == 1 else out
+
+    interval = RowSums.interval
 
 
 def _np(x: Any) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -92,3 +93,66 @@ def test_cli_matches_a_hand_perplexity_on_the_embedded_model(tmp_path):
     assert a.loc[0, "tokens"] == n and a.loc[0, "perplexity"] == pytest.approx(ref, rel=1e-6)
     assert b.loc[0, "routing"] == "norm:gate:l2" and str(b.loc[0, "layers"]) == "0"
     assert b.loc[0, "perplexity"] != a.loc[0, "perplexity"]
+
+
+def hand_row_nll(model, tokens, batch_size):
+    """Per-row next-token NLL sums and scored counts, by my own loop (no moetool code)."""
+    nll, cnt = [], []
+    with torch.no_grad():
+        for s in range(0, tokens.input_ids.shape[0], batch_size):
+            ids, mask = tokens.input_ids[s:s + batch_size], tokens.attention_mask[s:s + batch_size]
+            logp = F.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            for b in range(ids.shape[0]):
+                keep = [t for t in range(ids.shape[1] - 1) if mask[b, t] and mask[b, t + 1]]
+                nll.append(-sum(float(logp[b, t, ids[b, t + 1]]) for t in keep))
+                cnt.append(len(keep))
+    return np.array(nll), np.array(cnt, dtype=float)
+
+
+def _rows_tokens(n=7):
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 1024, (n, 12), generator=gen)
+    mask = torch.ones(n, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[4, 3:] = 0
+    return TokenSet(ids, mask, [""] * n, "test")
+
+
+def test_bootstrap_columns_equal_an_independent_interval_from_per_row_sums():
+    from moetool.experiments.ppl import ppl
+    from moetool.uncertainty import ppl_ratio_interval, ratio_intervals
+
+    lm, tokens = _LM(), _rows_tokens()
+    lm.name = "m"
+    nll, cnt = hand_row_nll(lm.model, tokens, 3)
+    res = ppl(lm, tokens, routing="norm:gate", layers=(3,), batch_size=3, bootstrap=200, seed=4, quiet=True)
+    row = res["ppl"].iloc[0]
+    # the baseline (router) run is the plain model: my per-row sums; the policy run's per-row sums via the hook
+    base = ratio_intervals(nll, cnt, n_boot=200, seed=4, transform=np.exp)[0]
+    assert row.router_perplexity == pytest.approx(base.value, rel=1e-6)
+    pol = perplexity(lm, tokens, policy=build_policy("norm:gate"), policy_layers=[3], batch_size=3, quiet=True)
+    assert row.perplexity == pytest.approx(pol.perplexity, rel=1e-12)
+    # the policy's own per-row sums (moetool's RowTable) equal to the float: re-derive the interval from them
+    from moetool.uncertainty import RowTable
+    from moetool import distributed
+    shard = distributed.shard(tokens, 3)
+    again = perplexity(lm, shard, policy=build_policy("norm:gate"), policy_layers=[3], batch_size=3, quiet=True,
+                       rows=RowTable(shard))
+    assert again.rows.table("scored").tolist() == cnt.tolist()
+    pn = again.rows.table("nll")
+    assert pn.sum() == pytest.approx(pol.nll.nll_sum, rel=1e-12)  # the rows add up to the plain NLL path
+    ci = ratio_intervals(pn, cnt, n_boot=200, seed=4, transform=np.exp)[0]
+    assert (row.perplexity_lo, row.perplexity_hi) == pytest.approx((ci.lo, ci.hi), rel=1e-12)
+    r = ppl_ratio_interval(pn, nll, cnt, n_boot=200, seed=4)
+    assert (row.ratio, row.ratio_lo, row.ratio_hi) == pytest.approx((r.value, r.lo, r.hi), rel=1e-6)
+    for name in ("perplexity", "ratio"):
+        assert row[f"{name}_lo"] <= row[name] <= row[f"{name}_hi"]
+    assert row.ratio_lo < row.ratio_hi and row.perplexity_lo < row.perplexity_hi
+    # bootstrap=0: same values, no interval; router: no baseline pass
+    off = ppl(lm, tokens, routing="norm:gate", layers=(3,), batch_size=3, bootstrap=0, quiet=True)["ppl"].iloc[0]
+    assert off.perplexity == row.perplexity and math.isnan(off.perplexity_lo) and math.isnan(off.ratio_hi)
+    plain = ppl(lm, tokens, batch_size=3, bootstrap=200, quiet=True)["ppl"].iloc[0]
+    assert math.isnan(plain.ratio) and plain.perplexity == pytest.approx(base.value, rel=1e-6)
+    assert (plain.perplexity_lo, plain.perplexity_hi) == pytest.approx((ratio_intervals(
+        nll, cnt, n_boot=200, seed=0, transform=np.exp)[0].lo, ratio_intervals(
+        nll, cnt, n_boot=200, seed=0, transform=np.exp)[0].hi), rel=1e-6)

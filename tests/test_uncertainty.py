@@ -89,3 +89,62 @@ def test_errors_are_one_line():
         ratio_interval([1.0, 2.0], [1.0, 1.0], n_boot=10)
     with pytest.raises(MoetoolError):
         delta_ratio(0.5, 0.01, 0.0, 0.01)
+
+
+def test_shared_cli_default_mirrors_the_library():
+    from moetool.commands.options import DEFAULT_BOOTSTRAP as cli_default
+    from moetool.uncertainty import DEFAULT_BOOTSTRAP
+
+    assert cli_default == DEFAULT_BOOTSTRAP
+
+
+def test_sum_intervals_of_a_ratio_equal_ratio_intervals_and_a_max_is_covered():
+    from moetool.uncertainty import ratio_intervals, sum_intervals
+
+    rng = np.random.default_rng(1)
+    a, b = rng.poisson(3, (40, 4)).astype(float), rng.poisson(9, 40).astype(float) + 1
+    ref = ratio_intervals(a, b, n_boot=300, seed=2)
+    got = sum_intervals(np.column_stack([a, b]), lambda s: s[..., :4] / s[..., 4:], n_boot=300, seed=2)
+    assert [(i.value, i.lo, i.hi) for i in got] == pytest.approx([(i.value, i.lo, i.hi) for i in ref], rel=1e-12)
+    mx = sum_intervals(a, lambda s: s.max(-1, keepdims=True) / s.sum(-1, keepdims=True), n_boot=300)[0]
+    assert mx.lo <= mx.value <= mx.hi and mx.value == pytest.approx(a.sum(0).max() / a.sum())
+
+
+def test_row_table_matches_row_sums_and_hand_counts():
+    import torch
+
+    from moetool.data import TokenSet
+    from moetool.uncertainty import RowTable
+
+    B, S, n = 2, 3, 4
+    ids = torch.zeros(5, S, dtype=torch.long)
+    tokens = TokenSet(ids, torch.ones_like(ids), [""] * 5, "t")
+    rt, rs = RowTable(tokens), RowSums()
+    rng = np.random.default_rng(0)
+    hand = np.zeros((5, n))
+    for batch in tokens.batches(B):
+        rt.next_batch(batch)
+        b = batch.input_ids.shape[0]
+        start = len(rs.rows)
+        x = rng.normal(size=b * S)
+        idx = rng.integers(0, n, (b * S, 2))
+        valid = rng.random(b * S) < 0.7
+        rt.add("x", torch.tensor(x))  # per token -> per row
+        rt.add("one", torch.ones(b))  # per row
+        rt.add_counts("c", torch.tensor(idx), n, torch.tensor(valid))
+        rows = np.repeat(np.arange(start, start + b), S)
+        rs.add(rows, x=x)
+        rs.add(np.arange(start, start + b), one=np.ones(b))
+        for t in range(b * S):
+            if valid[t]:
+                for e in idx[t]:
+                    hand[rows[t], e] += 1
+    assert rt.n_rows == 5 and rt.names == ["c", "one", "x"]
+    assert rt.table("x") == pytest.approx(rs.table("x"), rel=1e-12)
+    assert rt.table("one").tolist() == [1.0] * 5
+    assert rt.table("c").tolist() == hand.tolist()
+    a = rt.interval("x", "one", n_boot=200, seed=3)
+    b = rs.interval("x", "one", n_boot=200, seed=3)
+    assert (a.value, a.lo, a.hi) == pytest.approx((b.value, b.lo, b.hi), rel=1e-12)
+    with pytest.raises(MoetoolError):
+        rt.table("missing")

@@ -43,18 +43,23 @@ class ForwardResult:
     seconds: float  # wall time of the forward passes (hooks, policy, consumers and NLL reduction included)
     batches: int
     world_size: int = 1  # processes that shared the rows (torchrun / accelerate); nll is summed over all of them
+    rows: Any = None  # per-row sums (moetool.uncertainty.RowTable) when the caller asked for them (bootstrap)
 
     @property
     def perplexity(self) -> float:
         return self.nll.ppl
 
 
-def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of next-token NLL and number of scored tokens for one batch (device tensors)."""
+def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+              per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of next-token NLL and number of scored tokens for one batch (device tensors); ``per_row``: one sum and
+    count per row (``[B]`` each; the bootstrap's per-document sums)."""
     pred = logits[:, :-1].float()  # [B, S-1, V]
     tgt = input_ids[:, 1:]  # [B, S-1]
     keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tgt.reshape(-1), reduction="none")
+    if per_row:
+        return (nll.view(keep.shape) * keep).sum(1, dtype=torch.float64), keep.sum(1)
     keep = keep.reshape(-1)
     return (nll * keep).sum(dtype=torch.float64), keep.sum()
 

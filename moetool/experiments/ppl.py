@@ -13,17 +13,25 @@ from typing import Any, Iterable
 
 from ..engine.hooks import Consumer, select_layers
 from ..engine.runner import ForwardResult, forward
+from ..errors import MoetoolError
+from ..uncertainty import DEFAULT_BOOTSTRAP, check_n_boot, ppl_ratio_interval, ratio_intervals
 from .result import Result, resolve_options
 
 #: ppl.csv columns, one row per run
-PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "tokens", "nll_mean", "perplexity", "seconds")
+PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "tokens", "nll_mean", "perplexity", "perplexity_lo",
+               "perplexity_hi", "router_perplexity", "ratio", "ratio_lo", "ratio_hi", "seconds")
 
 PPL_DEFINITIONS = {
     "tokens": "scored next-token predictions: pairs of consecutive real (unpadded) tokens within a packed row",
     "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
                 "float64 sums)",
     "perplexity": "exp(nll_mean)",
-    "seconds": "wall time of the forward passes with the routing hooks installed",
+    "seconds": "wall time of the forward passes with the routing hooks installed (the baseline's not included)",
+    "router_perplexity": "perplexity of the model's own routing (unhooked) on the same rows (baseline; NaN when "
+                         "routing is router or baseline=False)",
+    "ratio": "perplexity / router_perplexity = exp(nll_mean - router nll_mean) (lower is better)",
+    "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty; "
+                 "the ratio's is paired: one row weight applies to both runs); NaN with bootstrap=0",
     "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer)",
 }
 
@@ -50,6 +58,11 @@ class PplOptions(RoutingOptions):
     """Options of :func:`ppl`."""
 
     batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    baseline: bool = True  # also run the router on the same rows (ratio column) when routing is not router
+
+    def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
 
 
 def data_name(path: str | Path | None) -> str:
@@ -59,21 +72,66 @@ def data_name(path: str | Path | None) -> str:
 
 def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
                consumers: Iterable[Consumer] = (), batch_size: int = 8, quiet: bool = False,
-               description: str = "perplexity") -> ForwardResult:
-    """Perplexity of ``lm`` on packed ``tokens`` with ``policy`` applied in ``policy_layers`` (one forward loop)."""
-    return forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
-                   nll=True, quiet=quiet, description=description)
+               description: str = "perplexity", rows: Any = None) -> ForwardResult:
+    """Perplexity of ``lm`` on packed ``tokens`` with ``policy`` applied in ``policy_layers`` (one forward loop).
+
+    ``rows`` (a :class:`moetool.uncertainty.RowTable` over ``tokens``, which must then be a shard from
+    :func:`moetool.distributed.shard` under a distributed launch) receives per-row ``nll`` sums and ``scored``
+    counts (and whatever ``consumers`` add to it); it is reduced across ranks at the end and returned as
+    ``result.rows``. The NLL is then their sum (the same float64 per-token values).
+    """
+    if rows is None:
+        return forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
+                       nll=True, quiet=quiet, description=description)
+    from ..engine.runner import NLL, batch_nll
+
+    def on_batch(batch: Any, out: Any) -> None:
+        logits = out.logits
+        s, c = batch_nll(logits, batch.input_ids.to(logits.device), batch.attention_mask.to(logits.device),
+                         per_row=True)
+        rows.add("nll", s)
+        rows.add("scored", c)
+
+    res = forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
+                  before_batch=rows.next_batch, on_batch=on_batch, quiet=quiet, description=description)
+    rows.reduce_across_ranks()
+    res.nll = NLL(float(rows.table("nll").sum()), int(rows.table("scored").sum()))
+    res.rows = rows
+    return res
 
 
-def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any) -> Any:
-    """One-row DataFrame with :data:`PPL_COLUMNS`."""
+def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_boot: int = DEFAULT_BOOTSTRAP,
+                  seed: int = 0) -> dict[str, Any]:
+    """``perplexity`` (and, with the router ``base`` run over the same rows, ``ratio``) with bootstrap intervals
+    from the runs' per-row sums: ``{perplexity, perplexity_lo, perplexity_hi[, ratio, ratio_lo, ratio_hi]}``."""
+    import numpy as np
+
+    nll, scored = run.rows.table("nll"), run.rows.table("scored")
+    kw = dict(n_boot=n_boot if run.rows.n_rows >= 2 else 0, seed=seed)
+    out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
+    if base is not None:
+        if not np.array_equal(base.rows.table("scored"), scored):
+            raise MoetoolError("the baseline scored different tokens: no paired ratio")
+        out.update(ppl_ratio_interval(nll, base.rows.table("nll"), scored, **kw).columns("ratio"))
+    return out
+
+
+def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any,
+              base: ForwardResult | None = None, intervals: dict[str, Any] | None = None) -> Any:
+    """One-row DataFrame with :data:`PPL_COLUMNS` (``base``: the router run; ``intervals``: :func:`ppl_intervals`;
+    missing ones are NaN)."""
     import pandas as pd
 
-    return pd.DataFrame([{
-        "model": model, "data": data, "routing": routing, "weights": weights,
-        "layers": "all" if layers is None else ",".join(str(i) for i in layers),
-        "tokens": result.nll.tokens, "nll_mean": result.nll.mean, "perplexity": result.perplexity,
-        "seconds": round(result.seconds, 3)}], columns=list(PPL_COLUMNS))
+    nan = float("nan")
+    row = {"model": model, "data": data, "routing": routing, "weights": weights,
+           "layers": "all" if layers is None else ",".join(str(i) for i in layers),
+           "tokens": result.nll.tokens, "nll_mean": result.nll.mean, "perplexity": result.perplexity,
+           "perplexity_lo": nan, "perplexity_hi": nan,
+           "router_perplexity": base.perplexity if base is not None else nan,
+           "ratio": result.perplexity / base.perplexity if base is not None else nan, "ratio_lo": nan,
+           "ratio_hi": nan, "seconds": round(result.seconds, 3)}
+    row.update({k: v for k, v in (intervals or {}).items() if k.endswith(("_lo", "_hi"))})
+    return pd.DataFrame([row], columns=list(PPL_COLUMNS))
 
 
 def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
@@ -82,12 +140,40 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
     Table ``ppl`` (one row): model, data, routing, weights, layers, tokens, nll_mean, perplexity, seconds
     (see :data:`PPL_DEFINITIONS`).
     """
+    from .. import distributed
+    from ..uncertainty import RowTable
+
     opts = resolve_options(PplOptions, options, overrides)
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
-    res = perplexity(lm, tokens, policy=policy, policy_layers=layers, batch_size=opts.batch_size, quiet=quiet)
+    shard = distributed.shard(tokens, opts.batch_size)  # alone: the same rows, numbered
+    res = perplexity(lm, shard, policy=policy, policy_layers=layers, batch_size=opts.batch_size, quiet=quiet,
+                     rows=RowTable(shard))
+    base = None
+    if opts.baseline and policy.name != "router":
+        base = perplexity(lm, shard, batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard),
+                          description="router baseline")
+    ci = ppl_intervals(res, base, n_boot=opts.bootstrap, seed=opts.seed)
     df = ppl_frame(res, model=lm.name, data=data_name(tokens.source), routing=policy.name,
-                   weights=policy.weights or "-", layers=layers)
+                   weights=policy.weights or "-", layers=layers, base=base, intervals=ci)
     return Result("ppl", {"ppl.csv": df}, opts,
-                  meta=dict(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=policy.describe()),
-                  summary=df[["weights", "layers", "tokens", "nll_mean", "perplexity", "seconds"]])
+                  meta=dict(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=policy.describe(),
+                            bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, res.rows.n_rows)),
+                  summary=ppl_summary(df))
+
+
+def ppl_summary(df: Any) -> Any:
+    """The console row (``value ± half-width`` via :func:`moetool.report.console.with_ci`); the baseline's
+    columns only when it ran."""
+    from ..report.console import with_ci
+
+    cols = ["weights", "layers", "tokens", "nll_mean", "perplexity", "perplexity_lo", "perplexity_hi"]
+    if df.router_perplexity.notna().any():
+        cols += ["router_perplexity", "ratio", "ratio_lo", "ratio_hi"]
+    return with_ci(df[cols + ["seconds"]]).rename(columns={"router_perplexity": "router"})
+
+
+def bootstrap_meta(n_boot: int, seed: int, n_rows: int) -> dict[str, Any]:
+    """The manifest's ``bootstrap`` section."""
+    return {"replicates": n_boot if n_rows >= 2 else 0, "seed": seed, "rows": n_rows, "level": 0.95,
+            "method": "document-level bootstrap over packed rows, percentile interval (moetool.uncertainty)"}

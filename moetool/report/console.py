@@ -51,6 +51,22 @@ def format_ci(value: float, lo: float, hi: float, digits: int = 2) -> str:
     return f"{value:.{dec}f} ± {half:.{dec}f}"
 
 
+def with_ci(df: Any, digits: int = 2) -> Any:
+    """A copy of ``df`` where every column ``c`` that has ``c_lo`` and ``c_hi`` beside it becomes the text
+    ``value ± half-width`` (:func:`format_ci`; the value alone where the interval is NaN), ``_lo``/``_hi``
+    dropped. Columns without an interval are kept as they are."""
+    out = df.copy()
+    for c in list(df.columns):
+        lo, hi = f"{c}_lo", f"{c}_hi"
+        if lo in df.columns and hi in df.columns:
+            if df[lo].isna().all():
+                out = out.drop(columns=[lo, hi])
+                continue
+            out[c] = [format_ci(float(v), float(a), float(b), digits) for v, a, b in zip(df[c], df[lo], df[hi])]
+            out = out.drop(columns=[lo, hi])
+    return out
+
+
 def _blocks(widths: Sequence[int], key: int, avail: int) -> list[list[int]]:
     """Column indices per block: column 0 (the key) repeated, the others added while the block fits."""
     blocks: list[list[int]] = []
