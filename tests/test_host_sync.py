@@ -179,7 +179,7 @@ def run_experiment(name, lm, ts):
         return f(lm, ts, mod.MassRecallOptions(codebook_sizes=(4,), shortlists=(2,)), quiet=True)
     if name == "norm_select":
         return _entry("norm_select", "run_norm_select")[1](lm, ts, [make_policy("router"), make_policy("norm:gate")],
-                                                             quiet=True)
+                                                             quiet=True, bootstrap=200)  # per-row sums too
     if name == "ppl":
         return _entry("ppl", "perplexity")[1](lm, ts, policy=make_policy("norm:gate"), quiet=True)
     if name == "fluctuation":

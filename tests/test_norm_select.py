@@ -197,3 +197,136 @@ def test_bad_flags_are_one_line_exit_2(command, args, tmp_path):
     assert r.exit_code == 2, r.output
     assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def _hand_row_agreement(events, K, B, S):
+    """Per layer, per packed row: [Σ |A ∩ B|/K, Σ top-1 agree, real tokens] from captured events (python sets);
+    events arrive batch by batch, every layer once per batch."""
+    out, seen = {}, {}
+    for ev in events:
+        li = ev.layer.index
+        b = seen.get(li, 0)  # batch number of this layer's event
+        seen[li] = b + 1
+        rows = out.setdefault(li, {})
+        probs = torch.softmax(ev.logits.float(), -1)
+        n_rows = ev.h.shape[0] // S
+        for t in range(ev.h.shape[0]):
+            r = b * B + t // S
+            s = rows.setdefault(r, [0.0, 0.0, 0.0])
+            if not bool(ev.valid[t]):
+                continue
+            pol, ref = ev.chosen_idx[t].tolist(), ev.idx[t].tolist()
+            s[0] += len(set(pol) & set(ref)) / K
+            s[1] += int(pol[0] == max(ref, key=lambda e: float(probs[t, e])))
+            s[2] += 1
+        assert n_rows <= B
+    import numpy as np
+    return {li: np.array([rows[r] for r in sorted(rows)]) for li, rows in out.items()}
+
+
+def test_bootstrap_columns_equal_independent_intervals_from_per_row_sums():
+    import numpy as np
+    from test_ppl import hand_row_nll
+
+    from moetool.uncertainty import ppl_ratio_interval, ratio_intervals
+
+    lm, tokens = _LM("mixtral"), _tokens(rows=5)
+    specs = ["router", "norm:gate:l2"]
+    res = ns.run_norm_select(lm, tokens, [make_policy(s) for s in specs], data="rand", batch_size=2, quiet=True,
+                             bootstrap=300, seed=1)
+    events = []
+    from moetool.experiments.ppl import perplexity
+    perplexity(lm, tokens, policy=make_policy("norm:gate:l2"), consumers=[events.append], batch_size=2, quiet=True)
+    hand = _hand_row_agreement(events, K=2, B=2, S=tokens.input_ids.shape[1])
+    a = res.agreement[res.agreement.policy == "norm:gate:l2"].set_index("layer")
+    for li, t in hand.items():
+        ov, t1 = ratio_intervals(t[:, :2], t[:, 2], n_boot=300, seed=1)
+        row = a.loc[li]
+        assert (row.topk_overlap, row.topk_overlap_lo, row.topk_overlap_hi) == pytest.approx((ov.value, ov.lo, ov.hi),
+                                                                                             abs=1e-12)
+        assert (row.top1_agree, row.top1_agree_lo, row.top1_agree_hi) == pytest.approx((t1.value, t1.lo, t1.hi),
+                                                                                       abs=1e-12)
+        assert row.topk_overlap_lo <= row.topk_overlap <= row.topk_overlap_hi
+        assert row.top1_agree_lo < row.top1_agree_hi
+    # pooled over layers (the Table-1 column)
+    pooled = sum(hand.values())
+    ov, _ = ratio_intervals(pooled[:, :2], pooled[:, 2], n_boot=300, seed=1)
+    t = ns.table1(res.agreement, res.quality, overall=res.overall).set_index("node")
+    assert (t.loc["gate", "top-K overlap_lo"], t.loc["gate", "top-K overlap_hi"]) == pytest.approx((ov.lo, ov.hi))
+    # perplexity: the router run is the plain model (my own per-row NLL); ratio paired on the same rows
+    nll, cnt = hand_row_nll(lm.model, tokens, 2)
+    q = res.quality.set_index("policy")
+    base = ratio_intervals(nll, cnt, n_boot=300, seed=1, transform=np.exp)[0]
+    assert (q.loc["router", "value_lo"], q.loc["router", "value_hi"]) == pytest.approx((base.lo, base.hi), rel=1e-6)
+    assert (q.loc["router", "ratio_lo"], q.loc["router", "ratio_hi"]) == (1.0, 1.0)
+    g = q.loc["norm:gate:l2"]
+    assert g.value_lo <= g.value <= g.value_hi and g.ratio_lo <= g.ratio <= g.ratio_hi and g.ratio_lo < g.ratio_hi
+    # bootstrap=0: the same values, NaN bounds
+    off = ns.run_norm_select(lm, tokens, [make_policy(s) for s in specs], data="rand", batch_size=2, quiet=True)
+    assert off.quality.value.tolist() == pytest.approx(res.quality.value.tolist(), rel=1e-12)
+    assert off.agreement.topk_overlap_lo.isna().all() and off.quality.value_lo.isna().all()
+
+
+FAKE_ACC = {"router": {"mmlu": (0.7035, 0.0037), "arc_challenge": (0.6212, 0.0142)},
+            "norm:gate:l2": {"mmlu": (0.6666, 0.0038), "arc_challenge": (0.5879, 0.0144)},
+            "norm:up:l2": {"mmlu": (0.60, 0.0040), "arc_challenge": (0.5900, 0.0144)}}
+
+
+@pytest.fixture
+def fake_lm_eval(monkeypatch):
+    """lm-eval replaced by fixed accuracies with standard errors per policy (no network, no lm-eval run)."""
+    import pandas as pd
+
+    from moetool.experiments import lmeval
+
+    def evaluate(lm, plan, *, policy=None, limit=None, **kw):
+        name = policy.name if policy is not None else "router"
+        rows = [{"task": t, "metric": "acc", "value": v, "stderr": se}
+                for t, (v, se) in FAKE_ACC.get(name, FAKE_ACC["router"]).items() if t in plan.names]
+        return lmeval.EvalResult(pd.DataFrame(rows, columns=list(lmeval.EVAL_COLUMNS)), 0.5, {})
+
+    monkeypatch.setattr(lmeval, "evaluate", evaluate)
+    monkeypatch.setattr(lmeval, "make_hflm", lambda lm, batch_size=8: None)
+    return lmeval.TaskPlan(names=["mmlu", "arc_challenge"], specs=[], include_path=None, include_defaults=False,
+                           offline=True, shipped_dir=None)
+
+
+def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
+    from moetool.experiments.published import console_layout
+    from moetool.uncertainty import delta_ratio
+
+    lm, tokens = _LM("mixtral"), _tokens(rows=4)
+    lm.name = "mistralai/Mixtral-8x7B-v0.1"
+    res = ns.norm_select(lm, tokens, nodes=("gate", "up"), batch_size=2, bootstrap=200, plan=fake_lm_eval,
+                         quiet=True)
+    q = res["quality"]
+    acc = q[q.metric == "acc"].set_index(["policy", "task"])
+    for (pol, task), r in acc.iterrows():
+        v, se = FAKE_ACC[pol][task]
+        b, se_b = FAKE_ACC["router"][task]
+        assert (r.value_lo, r.value_hi) == pytest.approx((v - 1.959964 * se, v + 1.959964 * se), abs=1e-6)
+        want = (1.0, 1.0) if pol == "router" else (delta_ratio(v, se, b, se_b).lo, delta_ratio(v, se, b, se_b).hi)
+        assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-12)
+        assert r.ratio_lo <= r.ratio <= r.ratio_hi
+    t = res["aoe_table1"].set_index("row")
+    best = t.loc["best node"]
+    assert best["mmlu node"] == "gate:l2" and best["arc_challenge node"] == "up:l2"  # highest retention per task
+    assert best["mmlu retention paper"] == 94.8 and best["arc_challenge retention paper"] == 94.6
+    assert best["mmlu retention measured"] == pytest.approx(100 * 0.6666 / 0.7035)
+    d = delta_ratio(0.6666, 0.0038, 0.7035, 0.0037)
+    assert (best["mmlu retention measured_lo"], best["mmlu retention measured_hi"]) == pytest.approx(
+        (100 * d.lo, 100 * d.hi))
+    assert best["mmlu retention Δ"] == pytest.approx(100 * 0.6666 / 0.7035 - 94.8)
+    assert t.loc["router", "mmlu acc paper"] == 70.35 and t.loc["router", "mmlu acc measured"] == pytest.approx(70.35)
+    title, shown = console_layout(res["aoe_table1"])
+    assert "Table 1" in title and "mmlu retention paper" in shown.columns
+    assert shown.set_index("row").loc["best node", "mmlu retention measured"].startswith("94.8")
+    # another model: the same layout, measured only, and the title says the paper has no numbers for it
+    lm.name = "tiny"
+    other = ns.norm_select(lm, tokens, nodes=("gate", "up"), batch_size=2, bootstrap=0, plan=fake_lm_eval,
+                           quiet=True)
+    title, shown = console_layout(other["aoe_table1"])
+    assert "not tiny" in title and "measured only" in title
+    assert not [c for c in shown.columns if "paper" in c or "Δ" in c]
+    # lm-eval's standard errors still give the accuracy/retention intervals without the bootstrap
+    assert shown.set_index("row").loc["best node", "mmlu retention measured"] == "94.8 ± 1.4"

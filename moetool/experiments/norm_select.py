@@ -22,10 +22,13 @@ from ..engine.hooks import RoutingEvent
 from ..engine.probes import NODES
 from ..errors import MoetoolError
 from ..registry import did_you_mean
+from ..uncertainty import DEFAULT_BOOTSTRAP, check_n_boot
 from .result import Result, resolve_options
 
-AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "top1_agree", "tokens")
-QUALITY_COLUMNS = ("policy", "task", "metric", "value", "router_value", "ratio", "seconds")
+AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "topk_overlap_lo", "topk_overlap_hi", "top1_agree",
+                     "top1_agree_lo", "top1_agree_hi", "tokens")
+QUALITY_COLUMNS = ("policy", "task", "metric", "value", "value_lo", "value_hi", "router_value", "ratio", "ratio_lo",
+                   "ratio_hi", "seconds")
 
 DEFINITIONS = {
     "topk_overlap": "mean over real tokens of |TopK_policy ∩ TopK_router| / K, TopK_router = the model's own "
@@ -38,6 +41,12 @@ DEFINITIONS = {
                "bookkeeping included), or the whole lm-eval run of all tasks under the policy; measured after "
                "one untimed warm-up forward (and a 1-item lm-eval run)",
     "agreement_layers": "only the layers the policy replaced (--layers) appear in agreement.csv",
+    "*_lo/*_hi": "95% intervals. Agreement and perplexity: document-level bootstrap over packed rows "
+                 "(percentile, --bootstrap replicates, seeded; a perplexity ratio is paired: one row weight applies "
+                 "to the policy and the router run). lm-eval metrics: value ± 1.96 lm-eval stderr; retention: "
+                 "delta method on the two accuracies and their stderrs, taken as independent (conservative: the "
+                 "same items are scored under both). The router's own ratio is exactly 1 ([1, 1]). NaN: off "
+                 "(--bootstrap 0) or no stderr from lm-eval",
 }
 
 
@@ -76,9 +85,10 @@ def sweep_specs(nodes: Iterable[str], norms: Iterable[str] = ("l2",)) -> list[st
 class AgreementMeter:
     """Consumer: per layer, on-device sums of |chosen ∩ router|/K, top-1 agreement and real tokens."""
 
-    def __init__(self, layers: Iterable[int] | None = None):
+    def __init__(self, layers: Iterable[int] | None = None, rows: Any = None):
         self.layers = None if layers is None else set(layers)
         self.sums: dict[int, torch.Tensor] = {}  # layer -> [3] float64: overlap/K, top1, tokens
+        self.rows = rows  # uncertainty.RowTable: the same three sums per packed row ("agree<layer>") for intervals
 
     def __call__(self, ev: RoutingEvent) -> None:
         if self.layers is not None and ev.layer.index not in self.layers:
@@ -88,20 +98,46 @@ class AgreementMeter:
         v = ev.valid  # [T]
         K = ev.idx.shape[-1]
         # padding weighted out, not indexed out: no host sync inside the forward
-        s = torch.stack([(ops.overlap_count(ev.chosen_idx, ev.idx) * v).sum().double() / K,
-                         ((pol_top1 == ref_top1) & v).sum().double(), v.sum().double()])  # [3]
+        per_token = torch.stack([ops.overlap_count(ev.chosen_idx, ev.idx).double() / K * v,
+                                 ((pol_top1 == ref_top1) & v).double(), v.double()], -1)  # [T, 3]
+        s = per_token.sum(0)  # [3]
         key = ev.layer.index
         self.sums[key] = self.sums[key] + s if key in self.sums else s
+        if self.rows is not None:
+            self.rows.add(f"agree{key}", per_token)
 
-    def frame(self, policy: str) -> Any:
+    def frame(self, policy: str, *, n_boot: int = 0, seed: int = 0) -> Any:
+        """Per layer: the three means, with bootstrap intervals from ``rows`` (``n_boot`` replicates) if kept."""
         import pandas as pd
+
+        from ..uncertainty import ratio_intervals
 
         rows = []
         for layer in sorted(self.sums):
             ov, t1, n = self.sums[layer].tolist()
-            rows.append({"layer": layer, "policy": policy, "topk_overlap": ov / n if n else float("nan"),
-                         "top1_agree": t1 / n if n else float("nan"), "tokens": int(n)})
+            row = {"layer": layer, "policy": policy, "topk_overlap": ov / n if n else float("nan"),
+                   "top1_agree": t1 / n if n else float("nan"), "tokens": int(n)}
+            if self.rows is not None and n:
+                t = self.rows.table(f"agree{layer}")  # [rows, 3]
+                a, b = ratio_intervals(t[:, :2], t[:, 2], n_boot=n_boot if t.shape[0] >= 2 else 0, seed=seed)
+                row.update({**a.columns("topk_overlap"), **b.columns("top1_agree")})
+            rows.append(row)
         return pd.DataFrame(rows, columns=list(AGREEMENT_COLUMNS))
+
+
+    def overall(self, policy: str, *, n_boot: int = 0, seed: int = 0) -> dict[str, Any]:
+        """Agreement pooled over the meter's layers (token-weighted, as Table 1) with bootstrap intervals from
+        ``rows``: ``{policy, topk_overlap[_lo/_hi], top1_agree[_lo/_hi]}`` (NaN bounds without rows)."""
+        from ..uncertainty import Interval, ratio_intervals
+
+        tot = sum(self.sums.values()).tolist() if self.sums else [0.0, 0.0, 0.0]
+        nan = float("nan")
+        if self.rows is not None and tot[2]:
+            t = sum(self.rows.table(f"agree{layer}") for layer in self.sums)  # [rows, 3]
+            a, b = ratio_intervals(t[:, :2], t[:, 2], n_boot=n_boot if t.shape[0] >= 2 else 0, seed=seed)
+        else:
+            a, b = (Interval(x / tot[2] if tot[2] else nan) for x in tot[:2])
+        return {"policy": policy, **a.columns("topk_overlap"), **b.columns("top1_agree")}
 
 
 @dataclass
@@ -109,35 +145,72 @@ class NormSelectResult:
     agreement: Any  # DataFrame, AGREEMENT_COLUMNS
     quality: Any  # DataFrame, QUALITY_COLUMNS
     evals: dict[str, Any] = field(default_factory=dict)  # policy -> EvalResult
+    overall: Any = None  # DataFrame: agreement pooled over layers with intervals (AgreementMeter.overall)
 
 
-def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str) -> Any:
-    """Rows per policy: perplexity on ``data`` and every lm-eval metric, with the router's value and the ratio."""
+def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_boot: int = 0, seed: int = 0) -> Any:
+    """Rows per policy: perplexity on ``data`` and every lm-eval metric, with the router's value and the ratio,
+    and their 95% intervals (bootstrap from the runs' per-row sums when kept; lm-eval stderr / delta method)."""
     import pandas as pd
 
+    from .ppl import ppl_intervals
+
+    nan = float("nan")
     rows = []
-    base_ppl = ppl["router"].perplexity
+    base_run = ppl["router"]
+    base_ppl = base_run.perplexity
     for name, pr in ppl.items():
-        rows.append({"policy": name, "task": data, "metric": "perplexity", "value": pr.perplexity,
-                     "router_value": base_ppl, "ratio": pr.perplexity / base_ppl, "seconds": round(pr.seconds, 3)})
+        row = {"policy": name, "task": data, "metric": "perplexity", "value": pr.perplexity, "value_lo": nan,
+               "value_hi": nan, "router_value": base_ppl, "ratio": pr.perplexity / base_ppl, "ratio_lo": nan,
+               "ratio_hi": nan, "seconds": round(pr.seconds, 3)}
+        if pr.rows is not None:
+            ci = ppl_intervals(pr, None if name == "router" else base_run, n_boot=n_boot, seed=seed)
+            row.update(value_lo=ci["perplexity_lo"], value_hi=ci["perplexity_hi"])
+            row.update({k: ci[k] for k in ("ratio_lo", "ratio_hi") if k in ci})
+        if name == "router":
+            row.update(ratio_lo=1.0, ratio_hi=1.0)
+        rows.append(row)
         if name in evals:
-            base = evals["router"].frame.set_index(["task", "metric"]).value
-            for r in evals[name].frame.itertuples(index=False):
-                ref = float(base.get((r.task, r.metric), float("nan")))
-                rows.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value,
-                             "router_value": ref, "ratio": r.value / ref if ref else float("nan"),
-                             "seconds": round(evals[name].seconds, 3)})
+            rows += eval_rows(name, evals[name], evals["router"])
     return pd.DataFrame(rows, columns=list(QUALITY_COLUMNS))
+
+
+def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
+    """quality rows of one policy's lm-eval result: value ± 1.96 stderr, retention by the delta method."""
+    from ..uncertainty import Interval, delta_ratio, normal_quantile
+
+    z = normal_quantile(0.975)
+    nan = float("nan")
+    ref = base.frame.set_index(["task", "metric"])
+    out = []
+    for r in res.frame.itertuples(index=False):
+        key = (r.task, r.metric)
+        b = float(ref.value.get(key, nan))
+        se, se_b = float(r.stderr), float(ref.stderr.get(key, nan))
+        ok = se == se and se_b == se_b and b == b and b != 0 and r.value == r.value
+        ratio = Interval(r.value / b if b else nan)
+        if name == "router":
+            ratio = Interval(ratio.value, 1.0, 1.0)
+        elif ok:
+            ratio = delta_ratio(float(r.value), se, b, se_b)
+        out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value,
+                    "value_lo": r.value - z * se if se == se else nan, "value_hi": r.value + z * se if se == se else nan,
+                    "router_value": b, **{k: v for k, v in ratio.columns("ratio").items()},
+                    "seconds": round(res.seconds, 3)})
+    return out
 
 
 def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "heldout",
                     policy_layers: Iterable[int] | None = None, batch_size: int = 8, plan: Any = None,
                     num_fewshot: int | None = None, limit: int | None = None, seed: int = 0,
-                    quiet: bool = False) -> NormSelectResult:
-    """Run every policy (the first must be ``router``, the baseline of the ratios)."""
+                    quiet: bool = False, bootstrap: int = 0) -> NormSelectResult:
+    """Run every policy (the first must be ``router``, the baseline of the ratios). ``bootstrap``: replicates for
+    the intervals of agreement and perplexity (per-row sums are kept whenever > 0)."""
     import pandas as pd
 
+    from .. import distributed
     from ..data import TokenSet
+    from ..uncertainty import RowTable
     from .lmeval import evaluate, make_hflm
     from .ppl import perplexity
 
@@ -153,16 +226,21 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
         perplexity(lm, head, policy=p, policy_layers=layers, batch_size=batch_size, quiet=True)
     if plan is not None:
         evaluate(lm, plan, limit=1, batch_size=batch_size, seed=seed, hflm=hflm, quiet=True)
-    ppl, evals, agree = {}, {}, []
+    ppl, evals, agree, overall = {}, {}, [], []
+    shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (RowTable's global row ids)
     for p in policies:
-        meter = AgreementMeter(layers)
-        ppl[p.name] = perplexity(lm, tokens, policy=p, policy_layers=layers, consumers=[meter],
-                                 batch_size=batch_size, quiet=quiet, description=f"ppl {p.name}")
-        agree.append(meter.frame(p.name))
+        rows = RowTable(shard) if bootstrap else None
+        meter = AgreementMeter(layers, rows=rows)
+        ppl[p.name] = perplexity(lm, shard, policy=p, policy_layers=layers, consumers=[meter],
+                                 batch_size=batch_size, quiet=quiet, description=f"ppl {p.name}", rows=rows)
+        agree.append(meter.frame(p.name, n_boot=bootstrap, seed=seed))
+        overall.append(meter.overall(p.name, n_boot=bootstrap, seed=seed))
         if plan is not None:
             evals[p.name] = evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
                                      limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
-    return NormSelectResult(pd.concat(agree, ignore_index=True), quality_frame(ppl, evals, data), evals)
+    return NormSelectResult(pd.concat(agree, ignore_index=True),
+                            quality_frame(ppl, evals, data, n_boot=bootstrap, seed=seed), evals,
+                            pd.DataFrame(overall))
 
 
 def asked_rows(quality: Any, metric: str, tasks: Iterable[str] | None) -> Any:
@@ -171,11 +249,16 @@ def asked_rows(quality: Any, metric: str, tasks: Iterable[str] | None) -> Any:
     return rows if tasks is None else rows[rows.task.isin(list(tasks))]
 
 
-def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None) -> Any:
+def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[str] | None = None,
+           overall: Any = None) -> Any:
     """The paper's Table 1 shape: one row per policy (node and norm; ``router`` first), quality, agreement
-    and time side by side. Agreement is the token-weighted mean over the replaced layers."""
+    and time side by side. Agreement is the token-weighted mean over the replaced layers. Every value column
+    ``c`` with an interval has ``c_lo``/``c_hi`` beside it (``overall``: the all-layer agreement intervals per
+    policy from :meth:`AgreementMeter.overall`; quality intervals from ``quality``'s columns)."""
     import pandas as pd
 
+    nan = float("nan")
+    over = {} if overall is None else overall.set_index("policy").to_dict("index")
     rows = []
     for name, q in quality.groupby("policy", sort=False):
         a = agreement[agreement.policy == name]
@@ -183,12 +266,17 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
         p = q[q.metric == "perplexity"].iloc[0]
         kind, _, rest = name.partition(":")
         node, _, norm = rest.partition(":")
-        row = {"node": node or kind, "norm": norm or "-", "ppl": p.value, "ppl ratio": p.ratio,
-               "top-K overlap": float((a.topk_overlap * a.tokens).sum() / n) if n else float("nan"),
-               "top-1 agree": float((a.top1_agree * a.tokens).sum() / n) if n else float("nan")}
+        o = over.get(name, {})
+        row = {"node": node or kind, "norm": norm or "-", "ppl": p.value, "ppl_lo": p.value_lo, "ppl_hi": p.value_hi,
+               "ppl ratio": p.ratio, "ppl ratio_lo": p.ratio_lo, "ppl ratio_hi": p.ratio_hi,
+               "top-K overlap": float((a.topk_overlap * a.tokens).sum() / n) if n else nan,
+               "top-K overlap_lo": o.get("topk_overlap_lo", nan), "top-K overlap_hi": o.get("topk_overlap_hi", nan),
+               "top-1 agree": float((a.top1_agree * a.tokens).sum() / n) if n else nan,
+               "top-1 agree_lo": o.get("top1_agree_lo", nan), "top-1 agree_hi": o.get("top1_agree_hi", nan)}
         for r in asked_rows(q, metric, tasks).itertuples(index=False):
-            row[f"{r.task} {metric}"] = r.value
-            row[f"{r.task} retention"] = r.ratio
+            row.update({f"{r.task} {metric}": r.value, f"{r.task} {metric}_lo": r.value_lo,
+                        f"{r.task} {metric}_hi": r.value_hi, f"{r.task} retention": r.ratio,
+                        f"{r.task} retention_lo": r.ratio_lo, f"{r.task} retention_hi": r.ratio_hi})
         row["seconds"] = float(p.seconds) + float(q[q.metric != "perplexity"].seconds.max()
                                                   if (q.metric != "perplexity").any() else 0.0)
         rows.append(row)
@@ -209,6 +297,10 @@ class NormSelectOptions:
     include_path: str | None = None
     batch_size: int = 8
     seed: int = 0
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+
+    def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
 
     def specs(self) -> list[str]:
         return sweep_specs(self.nodes, self.norms)
@@ -219,13 +311,16 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     """The AoE pilot: the router baseline and ``norm:<node>:<norm>`` for every node and norm.
 
     Tables ``agreement`` (layer, policy, topk_overlap, top1_agree, tokens) and ``quality`` (policy, task, metric,
-    value, router_value, ratio, seconds), see :data:`DEFINITIONS`; ``summary`` is the paper's Table 1 shape.
+    value, router_value, ratio, seconds), each value with ``_lo``/``_hi`` (95%; ``bootstrap=0``: NaN), see
+    :data:`DEFINITIONS`; ``summary`` is the paper's Table 1 shape; with lm-eval tasks measured by ``acc`` also
+    ``aoe_table1`` (:func:`moetool.experiments.published.aoe_table1`: AoE's published Mixtral numbers beside the
+    measured ones; measured only for other models).
     ``plan`` (from :func:`moetool.experiments.lmeval.plan_tasks`) may be passed when the tasks are resolved.
     """
     from ..engine.hooks import select_layers
     from ..policies import build_policy
     from .lmeval import plan_tasks
-    from .ppl import data_name
+    from .ppl import bootstrap_meta, data_name
 
     opts = resolve_options(NormSelectOptions, options, overrides)
     specs = opts.specs()
@@ -235,13 +330,21 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     res = run_norm_select(lm, tokens, policies, data=data_name(tokens.source), policy_layers=layers,
                           batch_size=opts.batch_size, plan=plan, num_fewshot=opts.num_fewshot, limit=opts.limit,
-                          seed=opts.seed, quiet=quiet)
+                          seed=opts.seed, quiet=quiet, bootstrap=opts.bootstrap)
     asked = plan.names if plan else None
-    return Result("norm_select", {"agreement.csv": res.agreement, "quality.csv": res.quality}, opts,
+    summary = table1(res.agreement, res.quality, tasks=asked, overall=res.overall)
+    tables = {"agreement.csv": res.agreement, "quality.csv": res.quality}
+    laid = [t for t in (asked or ()) if f"{t} acc" in summary.columns]
+    if laid:  # AoE Table 1 layout: the paper's numbers beside the measured ones (Mixtral), else measured only
+        from .published import aoe_table1
+
+        tables["aoe_table1.csv"] = aoe_table1(summary, lm.name, tasks=laid)
+    return Result("norm_select", tables, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights=opts.weights,
                             eval=plan.describe() if plan else None,
-                            n_samples={k: v.n_samples for k, v in res.evals.items()}),
-                  summary=table1(res.agreement, res.quality, tasks=asked))
+                            n_samples={k: v.n_samples for k, v in res.evals.items()},
+                            bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, tokens.input_ids.shape[0])),
+                  summary=summary)
 
 
 def summary_lines(table: Any) -> list[str]:

@@ -103,23 +103,46 @@ def aoe_table1(table: Any, model: str, tasks: Any = ("mmlu", "arc_challenge"), m
             acc, ret = f"{task} {metric}", f"{task} retention"
             if acc not in table.columns:
                 raise MoetoolError(f"task {task!r} was not measured (columns: {', '.join(table.columns)})")
-            if label == "router":
-                m_acc, m_ret, node = float(router[acc].iloc[0]), 1.0, "router"
-            else:
-                best = norms.loc[norms[ret].astype(float).idxmax()]
-                m_acc, m_ret, node = float(best[acc]), float(best[ret]), f"{best['node']}:{best['norm']}"
+            src = router.iloc[0] if label == "router" else norms.loc[norms[ret].astype(float).idxmax()]
+            node = "router" if label == "router" else f"{src['node']}:{src['norm']}"
+            m_acc, m_ret = float(src[acc]), 1.0 if label == "router" else float(src[ret])
             p_acc = _get(key, task, metric, label) if key else float("nan")
             p_ret = (100.0 if label == "router" else _get(key, task, "retention", label)) if key else float("nan")
             row[f"{task} node"] = node
             row[f"{task} {metric} paper"] = p_acc
             row[f"{task} {metric} measured"] = 100 * m_acc
+            row.update(_bounds(src, acc, f"{task} {metric} measured"))
             row[f"{task} retention paper"] = p_ret
             row[f"{task} retention measured"] = 100 * m_ret
+            row.update(_bounds(src, ret, f"{task} retention measured") if label != "router" else {})
             row[f"{task} retention Δ"] = 100 * m_ret - p_ret
         out.append(row)
     df = pd.DataFrame(out)
-    df.attrs["source"] = f"{AOE}, Table 1" if key else f"no published numbers for {model}"
+    df.attrs["published"] = key is not None
+    df.attrs["source"] = (f"{AOE}, Table 1: paper beside measured (accuracy and retention in %)" if key else
+                          f"AoE Table 1 layout; the paper gives numbers for Mixtral 8x7B only, not {model}: "
+                          f"measured only (accuracy and retention in %)")
     return df
+
+
+def _bounds(src: Any, col: str, name: str) -> dict[str, float]:
+    """``name_lo``/``name_hi`` in percent from the measured row's ``col_lo``/``col_hi`` (when it has them)."""
+    if f"{col}_lo" not in src.index:
+        return {}
+    return {f"{name}_lo": 100 * float(src[f"{col}_lo"]), f"{name}_hi": 100 * float(src[f"{col}_hi"])}
+
+
+def console_layout(table: Any) -> tuple[str, Any]:
+    """``(title, frame)`` to print a published layout (:func:`aoe_table1`, :func:`erc_alpha_min`): measured
+    values as ``value ± half-width``; without published numbers for the model, the paper and Δ columns are
+    dropped and the title says so."""
+    from ..report.console import with_ci
+
+    source = table.attrs.get("source", "")
+    df = table
+    if not table.attrs.get("published", True):
+        df = df[[c for c in df.columns if " paper" not in c and "Δ" not in c and c != "source"]]
+    return source, with_ci(df)
 
 
 def erc_alpha_min(layers: Any, model: str | None = None) -> Any:

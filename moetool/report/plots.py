@@ -145,7 +145,7 @@ def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
     acc = asked_rows(quality, metric, tasks)
     fig, axes = new_figure(1, 2 if len(acc) else 1, width=max(4.2, 0.8 * quality.policy.nunique()))
     ppl = quality[quality.metric == "perplexity"]
-    axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray")
+    axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray", yerr=_bar_err(ppl), capsize=2)
     axes[0].axhline(1.0, color="k", linewidth=0.8)
     axes[0].set_xticks(range(len(ppl)), ppl.policy, rotation=35, ha="right")
     axes[0].set_ylabel("perplexity / router perplexity")
@@ -156,7 +156,7 @@ def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
         width = 0.8 / len(tasks)
         for i, t in enumerate(tasks):
             r = acc[acc.task == t].set_index("policy").reindex(pols)
-            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, label=t)
+            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, label=t, yerr=_bar_err(r), capsize=2)
         axes[1].axhline(1.0, color="k", linewidth=0.8)
         axes[1].set_xticks(np.arange(len(pols)) + 0.4 - width / 2, pols, rotation=35, ha="right")
         axes[1].set_ylabel(f"{metric} / router {metric}")
@@ -164,13 +164,31 @@ def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
         axes[1].legend(fontsize=7, frameon=False)
     out["retention"] = fig
     fig, axes = new_figure(1, 2)
-    line_by(axes[0], agreement, "layer", "topk_overlap", "policy", title="top-K overlap with the router")
-    line_by(axes[1], agreement, "layer", "top1_agree", "policy", title="top-1 agreement with the router")
+    for ax, col, title in ((axes[0], "topk_overlap", "top-K overlap with the router"),
+                           (axes[1], "top1_agree", "top-1 agreement with the router")):
+        line_by(ax, agreement, "layer", col, "policy", title=title, yerr=_yerr(agreement, col))
     for ax in axes:
         ax.set_ylim(-0.02, 1.02)
         ax.set_xticks(sorted(agreement.layer.unique()))
     out["agreement_by_layer"] = fig
     return out
+
+
+def _yerr(df: Any, col: str) -> tuple[str, str] | None:
+    """``(col_lo, col_hi)`` when ``df`` has that interval (not all NaN: ``--bootstrap 0``), else None."""
+    lo, hi = f"{col}_lo", f"{col}_hi"
+    return (lo, hi) if lo in df.columns and hi in df.columns and df[lo].notna().any() else None
+
+
+def _bar_err(df: Any, col: str = "ratio") -> Any:
+    """matplotlib's ``yerr`` ``[2, n]`` (distances below / above) of ``col`` from ``col_lo``/``col_hi``; None
+    without an interval (NaN bounds draw no bar)."""
+    if _yerr(df, col) is None:
+        return None
+    import numpy as np
+
+    v = df[col].to_numpy(float)
+    return np.nan_to_num(np.vstack([v - df[f"{col}_lo"].to_numpy(float), df[f"{col}_hi"].to_numpy(float) - v]))
 
 
 def norm_select_figures(result: Any) -> dict[str, Any]:
