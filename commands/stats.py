@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, MaxTokens, Model, Out, Quiet,
-                      SeqLen, echo_run, handle_errors, preflight, run_options)
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
+                      MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, preflight, run_options)
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -41,7 +41,12 @@ Padding never counts; every definition is also in manifest.json.
   expert_tokens.parquet (--all-tokens): layer, expert, token_id, count for
     every pair seen
   figures/: load heatmap, co-activation, per-domain token fraction with the
-    K/n line, specialisation per layer, cross-layer heatmaps.
+    K/n line, specialisation per layer, cross-layer heatmaps, load per
+    expert with 95% error bars.
+Intervals: load_fraction, token_fraction, load_entropy_norm,
+confidence_entropy_norm and max_load_ratio get *_lo/*_hi (95% document-level
+bootstrap over packed rows, --bootstrap N replicates seeded by --seed, 0 =
+off); the console prints value ± half-width.
 
 Special tokens follow the tokenizer's default (a BOS where it adds one);
 --no-special-tokens adds none. The choice is in manifest.json (data).
@@ -75,7 +80,8 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                                  help="Tokenize without special tokens (default: the tokenizer's "
                                                       "own default, e.g. a BOS)."),
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
-          dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quiet: Quiet = False) -> None:
+          dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+          bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.stats import StatsOptions, stats as compute
@@ -85,7 +91,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     from moetool.report.writers import write
 
     opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
-                        coactivation=coactivation, all_tokens=all_tokens)
+                        coactivation=coactivation, all_tokens=all_tokens, bootstrap=bootstrap, seed=seed)
     DocumentStream(data)  # a missing --data fails before a model is loaded
     run = RunDir.create("stats", out, force)
     lm = load(model, dtype=dtype, device=device, device_map=device_map)

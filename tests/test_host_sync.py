@@ -173,7 +173,7 @@ def run_experiment(name, lm, ts):
     if name == "approx":
         return _entry("approx", "run_approx")[1](lm, ts, quiet=True)
     if name == "stats":
-        return _entry("stats", "collect")[1](lm, ts, quiet=True)
+        return _entry("stats", "collect")[1](lm, ts, quiet=True, row_sums=True)  # bootstrap's per-row sums too
     if name == "mass_recall":
         mod, f = _entry("mass_recall", "run_mass_recall")
         return f(lm, ts, mod.MassRecallOptions(codebook_sizes=(4,), shortlists=(2,)), quiet=True)

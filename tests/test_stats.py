@@ -23,9 +23,12 @@ from moetool.experiments.stats import RoutingStats, SparseCounter, StatsOptions,
 from moetool.loading import embedded_models
 
 COLUMNS = {
-    "load.csv": ["layer", "expert", "load_fraction", "token_fraction", "router_prob", "tokens"],
+    "load.csv": ["layer", "expert", "load_fraction", "load_fraction_lo", "load_fraction_hi", "token_fraction",
+                 "token_fraction_lo", "token_fraction_hi", "router_prob", "tokens"],
     "layers.csv": ["layer", "n_experts", "top_k", "tokens", "load_entropy", "load_entropy_norm",
-                   "confidence_entropy", "confidence_entropy_norm", "max_load_ratio", "aux_loss", "aux_loss_hf_pooled"],
+                   "load_entropy_norm_lo", "load_entropy_norm_hi", "confidence_entropy", "confidence_entropy_norm",
+                   "confidence_entropy_norm_lo", "confidence_entropy_norm_hi", "max_load_ratio", "max_load_ratio_lo",
+                   "max_load_ratio_hi", "aux_loss", "aux_loss_hf_pooled"],
     "coactivation.csv": ["layer", "a", "b", "p_b_given_a", "count"],
     "domain_load.csv": ["layer", "domain", "expert", "load_fraction", "token_fraction", "uniform_token_fraction",
                         "tokens"],
@@ -96,7 +99,7 @@ def collected(request):
 def test_load_is_a_hand_count_over_real_tokens(collected):
     stats, layers, batches, rec, t = collected
     load = t["load.csv"]
-    assert list(load.columns) == [c for c in COLUMNS["load.csv"] if c not in LOAD_BALANCE_COLUMNS]
+    assert list(load.columns) == [c for c in COLUMNS["load.csv"] if c not in LOAD_BALANCE_COLUMNS and not c.endswith(("_lo", "_hi"))]
     assert sorted(load["layer"].unique()) == [L.index for L in layers]
     for L in layers:
         toks = reference_tokens(batches, rec, L.index)
@@ -115,7 +118,7 @@ def test_load_is_a_hand_count_over_real_tokens(collected):
 def test_entropies_match_scipy(collected):
     stats, layers, batches, rec, t = collected
     lay = t["layers.csv"].set_index("layer")
-    assert list(t["layers.csv"].columns) == [c for c in COLUMNS["layers.csv"] if c not in LOAD_BALANCE_COLUMNS]
+    assert list(t["layers.csv"].columns) == [c for c in COLUMNS["layers.csv"] if c not in LOAD_BALANCE_COLUMNS and not c.endswith(("_lo", "_hi"))]
     for L in layers:
         toks = reference_tokens(batches, rec, L.index)
         hand = Counter(e for _, _, top, _ in toks for e in top)
@@ -263,7 +266,12 @@ def test_stats_writer_writes_every_file_with_exact_columns(tmp_path):
     assert "definitions" in run.sections and run.sections["data"]["tokens"] == int(tokens.n_tokens)
     man = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert man["options"] == {"top_tokens": 2, "min_count": 1, "batch_size": 8, "top_k": None,
-                              "coactivation": "all", "all_tokens": False, "specialization": True}
+                              "coactivation": "all", "all_tokens": False, "specialization": True, "bootstrap": 1000,
+                              "seed": 0}
+    assert man["bootstrap"]["replicates"] == 1000 and man["bootstrap"]["rows"] == 3
+    lay = frames["layers"]
+    assert ((lay.max_load_ratio_lo <= lay.max_load_ratio) & (lay.max_load_ratio <= lay.max_load_ratio_hi)).all()
+    assert (tmp_path / "run" / "figures" / "balance_by_layer.png").is_file()
     assert "specialization" in man["definitions"]
 
 
@@ -387,3 +395,60 @@ def test_cli_variants_on_embedded_tiny(tmp_path):
     assert (out / "figures" / "specialization.png").is_file() and (out / "figures" / "cross_layer.png").is_file()
     bad = _cli("--model", "tiny", "--coactivation", "neighbours", "--out", str(tmp_path / "bad"), "-q")
     assert bad.exit_code == 2 and "coactivation" in bad.output
+
+
+def test_bootstrap_columns_equal_independent_intervals_from_hand_row_counts():
+    """Per packed row: expert counts, real tokens and Σ entropy(pi) by hand from the captured events; every
+    *_lo/*_hi column equals uncertainty's interval computed from them (same seed = same row weights)."""
+    from moetool.uncertainty import ratio_intervals, sum_intervals
+
+    model = build_tiny_model("mixtral")
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 40, (5, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 6:], mask[4, 3:] = 0, 0
+    tokens = TokenSet(ids, mask, [""] * 5, "test")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    res = stats(lm, tokens, quiet=True, batch_size=2, bootstrap=300, seed=3, specialization=False, top_tokens=0)
+    rec = []
+    with torch.no_grad(), Engine(model, lm.layers, consumers=[lambda ev: rec.append(
+            (ev.layer.index, ev.idx.clone(), ev.probs.clone(), ev.valid.clone()))]):
+        for b in tokens.batches(2):
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    S, n = ids.shape[1], lm.layers[0].n_experts
+    load, lay = res["load"], res["layers"].set_index("layer")
+    kw = dict(n_boot=300, seed=3)
+    for L in lm.layers:
+        counts, toks, conf = np.zeros((5, n)), np.zeros(5), np.zeros(5)
+        for b, (_, idx, probs, valid) in enumerate(r for r in rec if r[0] == L.index):
+            for t in range(idx.shape[0]):
+                if valid[t]:
+                    row = 2 * b + t // S
+                    toks[row] += 1
+                    conf[row] += scipy_entropy(probs[t].double().numpy())
+                    for e in idx[t].tolist():
+                        counts[row, e] += 1
+        g = load[load.layer == L.index]
+        lf = ratio_intervals(counts, counts.sum(1), **kw)
+        tf = ratio_intervals(counts, toks, **kw)
+        np.testing.assert_allclose(g.load_fraction, [i.value for i in lf], rtol=1e-12)
+        np.testing.assert_allclose(g.load_fraction_lo, [i.lo for i in lf], rtol=1e-12)
+        np.testing.assert_allclose(g.token_fraction_hi, [i.hi for i in tf], rtol=1e-12)
+        assert (g.load_fraction_lo <= g.load_fraction).all() and (g.load_fraction <= g.load_fraction_hi).all()
+
+        def stat(s):
+            frac = s / s.sum(-1, keepdims=True)
+            return np.stack([scipy_entropy(frac, axis=-1) / math.log(n), frac.max(-1) * n], -1)
+
+        ent, mx = sum_intervals(counts, stat, **kw)
+        c = ratio_intervals(conf, toks, **kw)[0]
+        r = lay.loc[L.index]
+        assert (r.max_load_ratio_lo, r.max_load_ratio_hi) == pytest.approx((mx.lo, mx.hi), rel=1e-12)
+        assert (r.load_entropy_norm_lo, r.load_entropy_norm_hi) == pytest.approx((ent.lo, ent.hi), rel=1e-6)
+        assert (r.confidence_entropy_norm_lo * math.log(n), r.confidence_entropy_norm_hi * math.log(n)) == \
+            pytest.approx((c.lo, c.hi), rel=1e-5)
+        for col in ("max_load_ratio", "load_entropy_norm", "confidence_entropy_norm"):
+            assert r[f"{col}_lo"] <= r[col] <= r[f"{col}_hi"] and r[f"{col}_lo"] < r[f"{col}_hi"]
+    off = stats(lm, tokens, quiet=True, batch_size=2, bootstrap=0, specialization=False, top_tokens=0)
+    assert off["load"].load_fraction.tolist() == load.load_fraction.tolist()
+    assert off["layers"].max_load_ratio_lo.isna().all() and off["load"].token_fraction_hi.isna().all()

@@ -26,6 +26,7 @@ from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..uncertainty import DEFAULT_BOOTSTRAP, check_n_boot
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device)
@@ -65,6 +66,10 @@ DEFINITIONS = {
                        "count >= min_count",
     "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges); "
                          "memory grows with distinct pairs, not with n * vocab",
+    "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty; "
+                 "bootstrap replicates, seeded): load.csv load_fraction and token_fraction, layers.csv "
+                 "load_entropy_norm, confidence_entropy_norm and max_load_ratio; all from the same row weights; "
+                 "NaN with bootstrap=0",
 }
 
 
@@ -129,8 +134,10 @@ class RoutingStats:
     """Consumer for :class:`Engine`: ``begin_batch(batch)`` before each forward, then the events reduce."""
 
     def __init__(self, layers: list[Any], domains: list[str] = (), top_tokens: bool = True,
-                 merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all"):
+                 merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
+                 rows: Any = None):
         self.layers = {L.index: L for L in layers}
+        self.rows = rows  # uncertainty.RowTable: per packed row "tokens", "assign<layer>" [n], "conf<layer>"
         names = sorted(set(domains))
         self.domains = [d or NO_DOMAIN for d in names] if any(names) else []  # no domain split without labels
         self._dom_id = {d: i for i, d in enumerate(names)} if self.domains else {}
@@ -155,6 +162,9 @@ class RoutingStats:
                        "dom": None if dom is None else dom.repeat_interleave(ids.shape[1]), "on": {}}
         if self.top_tokens:
             self.token_totals.add(ids[mask.bool()])
+        if self.rows is not None:
+            self.rows.next_batch(batch)
+            self.rows.add("tokens", mask.sum(1))
         return batch
 
     def _on(self, key: str, device: Any) -> torch.Tensor:
@@ -174,7 +184,11 @@ class RoutingStats:
         valid = ev.valid.to(dev)  # [T]
         a.tokens += valid.sum()
         a.assign += ops.one_hot_counts(idx, n, valid)
-        a.conf_sum += (ops.entropy(ev.probs.to(dev)).double() * valid).sum()
+        conf = ops.entropy(ev.probs.to(dev)).double() * valid  # [T]
+        a.conf_sum += conf.sum()
+        if self.rows is not None:
+            self.rows.add_counts(f"assign{L.index}", idx, n, valid)
+            self.rows.add(f"conf{L.index}", conf)
         a.co += coactivation_counts(idx, n, valid, self.coactivation)  # [n, n]
         if self.domains:
             d = self._on("dom", dev)  # [T] domain of each token
@@ -186,6 +200,42 @@ class RoutingStats:
         if a.pairs is not None:
             tok = self._on("ids", dev).unsqueeze(1).expand(idx.shape)  # [T, K]
             a.pairs.add(_masked_keys(tok, idx, n, valid.unsqueeze(1).expand(idx.shape)))
+
+    def intervals(self, n_boot: int, seed: int = 0) -> tuple[Any, Any]:
+        """Bootstrap intervals from the per-row sums: ``(load, layers)`` frames keyed by layer (and expert) with
+        ``load_fraction``/``token_fraction`` and ``load_entropy_norm``/``confidence_entropy_norm``/``max_load_ratio``
+        ``_lo``/``_hi`` columns (every statistic from the same row weights: same seed, same rows)."""
+        import numpy as np
+        import pandas as pd
+
+        from ..uncertainty import ratio_intervals, sum_intervals
+
+        tokens = self.rows.table("tokens")  # [rows]
+        kw = dict(n_boot=n_boot if tokens.shape[0] >= 2 else 0, seed=seed)
+        load, layers = [], []
+        for li in sorted(self.acc):
+            n = self.acc[li].n
+            assign = self.rows.table(f"assign{li}").reshape(tokens.shape[0], n)  # [rows, n]
+            lf = ratio_intervals(assign, assign.sum(1), **kw)
+            tf = ratio_intervals(assign, tokens, **kw)
+            row = {"layer": li}
+            load.append(pd.DataFrame({"layer": li, "expert": range(n),
+                                      "load_fraction_lo": [i.lo for i in lf], "load_fraction_hi": [i.hi for i in lf],
+                                      "token_fraction_lo": [i.lo for i in tf],
+                                      "token_fraction_hi": [i.hi for i in tf]}))
+
+            def shape(s: np.ndarray, n: int = n) -> np.ndarray:  # summed counts [..., n] -> [..., 2]
+                frac = s / s.sum(-1, keepdims=True)
+                ent = ops.entropy(torch.from_numpy(frac)).double().numpy()
+                return np.stack([ent / math.log(n), frac.max(-1) * n], -1)
+
+            ent, mx = sum_intervals(assign, shape, **kw)
+            conf = ratio_intervals(self.rows.table(f"conf{li}"), tokens, transform=lambda x, n=n: x / math.log(n),
+                                   **kw)[0]
+            for name, ci in (("load_entropy_norm", ent), ("max_load_ratio", mx), ("confidence_entropy_norm", conf)):
+                row.update({f"{name}_lo": ci.lo, f"{name}_hi": ci.hi})
+            layers.append(row)
+        return pd.concat(load, ignore_index=True), pd.DataFrame(layers)
 
     def pair_counts(self) -> Any:
         """Every (layer, expert, token_id) pair seen with its count (all layers, sorted), not truncated."""
@@ -321,6 +371,8 @@ class StatsOptions:
     coactivation: str = "all"  # all: every ordered pair of the top-K; adjacent: neighbouring ranks (OLMoE)
     all_tokens: bool = False  # expert_tokens.parquet: every (layer, expert, token id) count
     specialization: bool = True  # vocabulary specialisation tables (three views)
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    seed: int = 0  # seeds the bootstrap's row weights
 
     def __post_init__(self) -> None:
         if self.top_tokens < 0:
@@ -333,6 +385,7 @@ class StatsOptions:
             raise MoetoolError(f"--top-k must be 1 (first-ranked expert) or unset (the model's top-K), got {self.top_k}")
         if self.coactivation not in COACTIVATION:
             raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{self.coactivation}'")
+        check_n_boot(self.bootstrap)
 
 
 @dataclass
@@ -362,11 +415,17 @@ class Collected:
 
 def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
             merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
-            specialization: bool = True) -> Collected:
-    """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward)."""
+            specialization: bool = True, row_sums: bool = False) -> Collected:
+    """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward). ``row_sums``: keep
+    per-packed-row sums for bootstrap intervals (``routing.rows``, a :class:`moetool.uncertainty.RowTable`)."""
+    from .. import distributed
+    from ..uncertainty import RowTable
+
     layers = list(lm.layers)
+    shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (the row table's ids)
+    rows = RowTable(shard) if row_sums else None
     c = Collected(RoutingStats(layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min, top_k=top_k,
-                               coactivation=coactivation),
+                               coactivation=coactivation, rows=rows),
                   LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k),
                   VocabSpecialization(layers, merge_min=merge_min) if specialization else None)
     starters = [x for x in (c.routing, c.cross_layer, c.vocab) if x is not None]
@@ -375,9 +434,11 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
         for x in starters:
             x.begin_batch(batch)
 
-    forward(lm, tokens, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
+    forward(lm, shard, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
             batch_size=batch_size, before_batch=before, on_batch=c.vocab.on_batch if c.vocab else None,
             description="stats", quiet=quiet)
+    if rows is not None:
+        rows.reduce_across_ranks()
     return c
 
 
@@ -396,23 +457,54 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     if tokens.n_tokens == 0:
         raise MoetoolError("no real tokens in the data")
     acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
-                  quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization)
+                  quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization,
+                  row_sums=opts.bootstrap > 0)
     frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count, all_tokens=opts.all_tokens)
+    frames["load.csv"], frames["layers.csv"] = with_intervals(acc.routing, frames["load.csv"], frames["layers.csv"],
+                                                              opts.bootstrap, opts.seed)
     if opts.top_tokens == 0:
         for name in ("top_tokens.csv", "top_tokens_lift.csv", "specialized_tokens.csv"):
             frames.pop(name, None)
     tables = {name: df for name, df in frames.items() if len(df)}
     routing = "router (the model's own top-K)" if opts.top_k is None else "router, first-ranked expert only (top-1)"
+    from .ppl import bootstrap_meta
+
     return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
                                                    definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
-                                                   routing=routing),
+                                                   routing=routing,
+                                                   bootstrap=bootstrap_meta(opts.bootstrap, opts.seed,
+                                                                            tokens.input_ids.shape[0])),
                   summary=summary_table(tables["layers.csv"]))
 
 
+#: columns of load.csv / layers.csv that get ``_lo``/``_hi`` (placed right after them)
+LOAD_CI = ("load_fraction", "token_fraction")
+LAYERS_CI = ("load_entropy_norm", "confidence_entropy_norm", "max_load_ratio")
+
+
+def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, seed: int) -> tuple[Any, Any]:
+    """``load`` and ``layers`` with the ``_lo``/``_hi`` columns of :data:`LOAD_CI` / :data:`LAYERS_CI` beside
+    their values (NaN when ``n_boot`` is 0)."""
+    if n_boot and routing.rows is not None:
+        ci_load, ci_layers = routing.intervals(n_boot, seed)
+        load = load.merge(ci_load, on=["layer", "expert"], how="left")
+        layers = layers.merge(ci_layers, on="layer", how="left")
+    for df, cols in ((load, LOAD_CI), (layers, LAYERS_CI)):
+        for c in cols:
+            for end in ("_lo", "_hi"):
+                if c + end not in df.columns:
+                    df[c + end] = float("nan")
+    order = lambda df, cols: [x for c in df.columns if not c.endswith(("_lo", "_hi"))
+                              for x in ([c, c + "_lo", c + "_hi"] if c in cols else [c])]
+    return load[order(load, LOAD_CI)], layers[order(layers, LAYERS_CI)]
+
+
 def summary_table(layers: Any) -> Any:
-    """``layers.csv`` with short headings, for the console."""
-    return layers[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm", "confidence_entropy_norm",
-                   "max_load_ratio"]].rename(columns={
+    """``layers.csv`` with short headings, for the console (``value ± half-width`` where intervals exist)."""
+    from ..report.console import with_ci
+
+    cols = ["layer", "n_experts", "top_k", "tokens"] + [x for c in LAYERS_CI for x in (c, c + "_lo", c + "_hi")]
+    return with_ci(layers[cols]).rename(columns={
         "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
         "confidence_entropy_norm": "Ent_conf/log n", "max_load_ratio": "max load/uniform"})
 

@@ -120,9 +120,24 @@ def plot_cross_layer(pairs: Any, summary: Any) -> Any:
     return fig
 
 
+def plot_balance(layers: Any) -> Any:
+    """Per layer: max load / uniform and load entropy / log n, with 95% error bars when ``_lo``/``_hi`` exist."""
+    from .figures import line_by, new_figure
+
+    df = layers.assign(model="router")
+    fig, axes = new_figure(1, 2)
+    for ax, col, title in ((axes[0], "max_load_ratio", "max load / uniform (1 = balanced)"),
+                           (axes[1], "load_entropy_norm", "load entropy / log n (1 = balanced)")):
+        line_by(ax, df, "layer", col, "model", title=title, marker="o", yerr=_yerr(df, col), legend=False,
+                ylabel="")
+        ax.axhline(1.0, color="k", linewidth=0.8)
+    return fig
+
+
 def stats_figures(result: Any) -> dict[str, Any]:
     out = {"load_heatmap": plot_load(result["load.csv"]),
-           "coactivation": plot_coactivation(result["coactivation.csv"], result["layers.csv"])}
+           "coactivation": plot_coactivation(result["coactivation.csv"], result["layers.csv"]),
+           "balance_by_layer": plot_balance(result["layers.csv"])}
     if "domain_load.csv" in result.tables:
         out["domain_load"] = plot_domain_load(result["domain_load.csv"])
     if "specialization.csv" in result.tables:
