@@ -20,7 +20,9 @@ Routed experts of the MoE layers only.
 
 Writes erc.csv (layer, alpha, erc_loss = mean over --samples draws of each
 draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,
-row_dominance, col_dominance, eps_mean, router_abs_cos_mean), erc_matrix.csv
+alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean;
+alpha_min_paper = the ERC paper's vanilla-MoE value α≈5 in every layer,
+approximate, printed beside the measured one), erc_matrix.csv
 (layer, i, j, m = clean M), figures/erc_matrix (heatmaps), figures/erc_loss,
 manifest.json (every definition).
 
@@ -44,6 +46,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
+    from moetool.experiments.published import erc_alpha_min
     from moetool.report.console import print_table
 
     opts = ErcOptions(alphas=tuple(parse_list(alpha, float, "alpha")), noise=parse_noise(noise), samples=samples,
@@ -55,6 +58,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
     started.write(res)
     if not quiet:
         print_table(res["erc_layers"], "ERC per layer", csv="erc_layers.csv")
+        typer.echo(f"alpha_min_paper: {erc_alpha_min(res['erc_layers'], model).attrs['source']}")
         print_table(res["erc"], "ERC loss", csv="erc.csv")
         typer.echo(summary_lines(model, res["erc_layers"], res["erc"])[0])
     echo_run(run.path)

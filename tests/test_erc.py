@@ -20,7 +20,7 @@ from moetool.loading import embedded_models
 runner = CliRunner()
 COLUMNS = {
     "erc.csv": ["layer", "alpha", "erc_loss", "erc_loss_clean"],
-    "erc_layers.csv": ["layer", "n_experts", "alpha_min", "row_dominance", "col_dominance", "eps_mean",
+    "erc_layers.csv": ["layer", "n_experts", "alpha_min", "alpha_min_paper", "row_dominance", "col_dominance", "eps_mean",
                        "router_abs_cos_mean"],
     "erc_matrix.csv": ["layer", "i", "j", "m"],
 }
@@ -205,6 +205,12 @@ def test_cli_on_embedded_tiny(tmp_path):
     per_layer = pd.read_csv(tmp_path / "erc_layers.csv")
     assert list(per_layer.columns) == COLUMNS["erc_layers.csv"]
     assert per_layer["alpha_min"].gt(0).all() and per_layer["row_dominance"].between(0, 1).all()
+    # the paper's value beside the measured one: the published vanilla-MoE alpha_min, every layer
+    from moetool.experiments.published import published
+    paper = published("vanilla-moe", "alpha_min").value.item()
+    assert (per_layer["alpha_min_paper"] == paper).all() and paper == 5.0
+    loud = runner.invoke(app, ["erc", "--model", "tiny", "--out", str(tmp_path / "loud")])
+    assert loud.exit_code == 0 and "alpha_min_paper: ERC alpha_min per layer" in " ".join(loud.output.split())
     erc = pd.read_csv(tmp_path / "erc.csv")
     # the loss is non-increasing in alpha in every layer
     assert (erc.sort_values(["layer", "alpha"]).groupby("layer")["erc_loss_clean"].diff().dropna() <= 1e-12).all()

@@ -38,6 +38,8 @@ DEFINITIONS = {
                 "draw's noisy M (not the loss of the mean M); erc_loss_clean = the loss of the clean M",
     "alpha_min": "max over i != j of max(M[i,j], M[j,i]) / M[i,i] on the clean M: the smallest alpha with "
                  "erc_loss_clean = 0",
+    "alpha_min_paper": "the ERC paper's alpha_min where it gives one: a vanilla MoE needs alpha ~ 5 in every layer "
+                       "(approximate, read from the paper's text; no per-layer table): moetool.experiments.published",
     "row_dominance": "fraction of proxies i with argmax_j M[i,j] = i (clean M)",
     "col_dominance": "fraction of experts j with argmax_i M[i,j] = j (clean M)",
     "router_abs_cos_mean": "mean |cos(R_i, R_j)| over ordered pairs i != j",
@@ -197,10 +199,14 @@ class ErcResult:
 
         erc = pd.DataFrame([{"layer": r.layer, "alpha": a, "erc_loss": lo, "erc_loss_clean": lc}
                             for r in self.layers for a, lo, lc in zip(self.opts.alphas, r.loss, r.loss_clean)])
+        from .published import erc_alpha_min
+
         per_layer = pd.DataFrame([{"layer": r.layer, "n_experts": r.M.shape[0], "alpha_min": r.alpha_min,
                                    "row_dominance": r.row_dominance, "col_dominance": r.col_dominance,
                                    "eps_mean": r.eps_mean, "router_abs_cos_mean": r.router_abs_cos_mean}
                                   for r in self.layers])
+        if len(per_layer):  # the paper's value beside the measured one, where it gives one
+            per_layer.insert(3, "alpha_min_paper", erc_alpha_min(per_layer)["alpha_min paper"].to_numpy())
         frames = []
         for r in self.layers:
             n = r.M.shape[0]
@@ -221,7 +227,7 @@ def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **ov
     """Expert–router coupling of every (or ``layers``') MoE layer, from the weights only (no data).
 
     Tables ``erc`` (layer, alpha, erc_loss, erc_loss_clean), ``erc_layers`` (layer, n_experts, alpha_min,
-    row_dominance, col_dominance, eps_mean, router_abs_cos_mean) and ``erc_matrix`` (layer, i, j, m = clean M);
+    alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean) and ``erc_matrix`` (layer, i, j, m = clean M);
     see :data:`DEFINITIONS`.
     """
     from ..engine.hooks import select_layers
