@@ -95,8 +95,12 @@ def test_results_frame_reads_lm_eval_results():
                              "exact_match_stderr,strict": "N/A"}}}
     df = lmeval.results_frame(res)
     assert list(df.columns) == list(lmeval.EVAL_COLUMNS)
-    assert df.values.tolist()[0] == ["t", "acc", 0.5, 0.1]
+    assert df.values.tolist()[0][:4] == ["t", "acc", 0.5, 0.1]
+    assert df.values.tolist()[0][4:] == pytest.approx([0.5 - 0.1959964, 0.5 + 0.1959964])  # value ∓ 1.96 stderr
     assert df.values.tolist()[1][:3] == ["t", "exact_match[strict]", 0.25] and math.isnan(df.values.tolist()[1][3])
+    assert math.isnan(df.value_lo[1]) and math.isnan(df.value_hi[1])  # no stderr: no interval
+    from moetool.experiments.lmeval import eval_summary
+    assert eval_summary(df).value.tolist() == ["0.50 ± 0.20", "0.25"]
 
 
 def plan_file(task):

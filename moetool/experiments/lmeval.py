@@ -34,7 +34,7 @@ from .ppl import RoutingOptions
 from .result import Result, resolve_options
 
 TASKS_ENV = "MOETOOL_TASKS"
-EVAL_COLUMNS = ("task", "metric", "value", "stderr")
+EVAL_COLUMNS = ("task", "metric", "value", "stderr", "value_lo", "value_hi")
 
 
 def shipped_tasks_dir() -> Path | None:
@@ -147,7 +147,8 @@ def _number(x: Any) -> float:
 
 
 def results_frame(results: dict[str, Any]) -> Any:
-    """lm-eval's ``results`` dict -> DataFrame (task, metric, value, stderr).
+    """lm-eval's ``results`` dict -> DataFrame (task, metric, value, stderr, value_lo, value_hi = value ∓ 1.96
+    stderr: lm-eval's normal-approximation 95% interval; NaN without a stderr).
 
     ``metric`` is lm-eval's metric name, suffixed ``[filter]`` when the filter is not ``none``.
     """
@@ -161,7 +162,12 @@ def results_frame(results: dict[str, Any]) -> Any:
                 continue
             rows.append({"task": task, "metric": metric if filt == "none" else f"{metric}[{filt}]",
                          "value": _number(val), "stderr": _number(res.get(f"{metric}_stderr,{filt}"))})
-    return pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
+    from ..uncertainty import normal_quantile
+
+    df = pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
+    z = normal_quantile(0.975)
+    df["value_lo"], df["value_hi"] = df.value - z * df.stderr, df.value + z * df.stderr
+    return df
 
 
 def make_hflm(lm: Any, batch_size: int = 8) -> Any:
@@ -212,7 +218,9 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
 
 
 EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
-                    "stderr": "lm-eval's standard error of the metric (NaN when it reports none)"}
+                    "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
+                    "value_lo/value_hi": "95% interval value ∓ 1.96 stderr (normal approximation on lm-eval's "
+                                         "standard error; NaN without one)"}
 
 
 @dataclass(frozen=True)
@@ -230,7 +238,7 @@ def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | 
                **overrides: Any) -> Result:
     """Benchmark accuracy through lm-evaluation-harness with the ``routing`` policy in ``layers``.
 
-    Table ``eval`` (task, metric, value, stderr), see :data:`EVAL_DEFINITIONS`. ``plan`` (from
+    Table ``eval`` (task, metric, value, stderr, value_lo, value_hi), see :data:`EVAL_DEFINITIONS`. ``plan`` (from
     :func:`plan_tasks`) may be passed when the caller resolved the tasks already.
     """
     from ..engine.hooks import select_layers
@@ -244,4 +252,11 @@ def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | 
     return Result("eval", {"eval.csv": res.frame}, opts,
                   meta=dict(eval=plan.describe(), n_samples=res.n_samples, routing=policy.describe(),
                             eval_seconds=round(res.seconds, 3), definitions=EVAL_DEFINITIONS),
-                  summary=res.frame)
+                  summary=eval_summary(res.frame))
+
+
+def eval_summary(frame: Any) -> Any:
+    """The console table: ``value ± half-width`` (lm-eval's stderr interval) beside the stderr."""
+    from ..report.console import with_ci
+
+    return with_ci(frame)
