@@ -19,6 +19,7 @@ For a ratio of two independent estimates (retention = acc_policy / acc_base with
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -63,11 +64,19 @@ def check_n_boot(n_boot: int) -> int:
 
 def bootstrap_weights(n_rows: int, n_boot: int, seed: int = 0) -> np.ndarray:
     """Multinomial row weights ``[n_boot, n_rows]`` (float64): each replicate draws ``n_rows`` rows with
-    replacement; ``w[b, r]`` = how often row ``r`` was drawn."""
+    replacement; ``w[b, r]`` = how often row ``r`` was drawn. Read-only and cached: every statistic of one run
+    (same rows, replicates, seed) reuses the same draw."""
     if n_rows < 2:
         raise MoetoolError(f"a bootstrap needs at least 2 documents/rows, got {n_rows}")
+    return _weights(int(n_rows), int(n_boot), int(seed))
+
+
+@functools.lru_cache(maxsize=4)
+def _weights(n_rows: int, n_boot: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return rng.multinomial(n_rows, np.full(n_rows, 1.0 / n_rows), size=n_boot).astype(np.float64)
+    w = rng.multinomial(n_rows, np.full(n_rows, 1.0 / n_rows), size=n_boot).astype(np.float64)
+    w.flags.writeable = False
+    return w
 
 
 def percentile(replicates: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +85,8 @@ def percentile(replicates: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray
     if np.isnan(replicates).any():
         raise MoetoolError("bootstrap replicate is NaN (a resample with zero tokens): too few rows for an interval")
     a = (1 - level) / 2
-    return np.quantile(replicates, a, axis=0), np.quantile(replicates, 1 - a, axis=0)
+    lo, hi = np.quantile(replicates, [a, 1 - a], axis=0)
+    return lo, hi
 
 
 def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
@@ -91,13 +101,15 @@ def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_B
     one = num.ndim == 1
     num = num.reshape(num.shape[0], -1)
     den = np.asarray(den, dtype=np.float64)
-    den = np.broadcast_to(den.reshape(den.shape[0], -1), num.shape)
+    den = den.reshape(den.shape[0], -1)  # [n_rows, k] or [n_rows, 1] (shared): broadcast after the sums
+    if den.shape[1] not in (1, num.shape[1]) or den.shape[0] != num.shape[0]:
+        raise MoetoolError(f"denominator shape {den.shape} does not fit numerator {num.shape}")
     if not (np.isfinite(num).all() and np.isfinite(den).all()):
         raise MoetoolError("per-row sums contain NaN/inf: no interval")
     if den.sum(0).min() <= 0:
         raise MoetoolError("a statistic has zero denominator: no tokens counted")
     f = transform or (lambda x: x)
-    value = f(num.sum(0) / den.sum(0))
+    value = np.broadcast_to(f(num.sum(0) / den.sum(0)), (num.shape[1],))
     n_boot = check_n_boot(n_boot)
     if n_boot == 0:
         out = [Interval(float(v)) for v in value]
