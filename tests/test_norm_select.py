@@ -316,3 +316,35 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     assert not [c for c in shown.columns if "paper" in c or "Δ" in c]
     # lm-eval's standard errors still give the accuracy/retention intervals without the bootstrap
     assert shown.set_index("row").loc["best node", "mmlu retention measured"] == "94.8 ± 1.4"
+
+
+@pytest.mark.skipif("tiny" not in __import__("moetool.loading", fromlist=["x"]).embedded_models(),
+                    reason="embedded model not built")
+def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypatch, tmp_path):
+    """`moetool norm-select --tasks mmlu,arc_challenge --num-fewshot 5` with lm-eval faked (no network) on the
+    embedded tiny model: measured-only AoE layout and a line saying why; with the model taken for Mixtral 8x7B the
+    paper's numbers stand beside the measured ones."""
+    import pandas as pd
+
+    from moetool.experiments import lmeval, published
+
+    monkeypatch.setattr(lmeval, "plan_tasks", lambda names, include_path=None: fake_lm_eval)
+    args = ["norm-select", "--model", "tiny", "--tasks", "mmlu,arc_challenge", "--num-fewshot", "5", "--nodes",
+            "gate,up", "--max-tokens", "512", "--seq-len", "64", "--bootstrap", "200", "-q"]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "not tiny: measured only" in text
+    assert "mmlu retention measured" in text and "paper" not in text.split("not tiny")[1]
+    t = pd.read_csv(tmp_path / "a" / "aoe_table1.csv").set_index("row")
+    assert t.loc["best node", "mmlu node"] == "gate:l2" and math.isnan(t.loc["best node", "mmlu retention paper"])
+    monkeypatch.setattr(published, "paper_model", lambda model: "mixtral-8x7b")
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "Table 1: paper beside measured" in text
+    t = pd.read_csv(tmp_path / "b" / "aoe_table1.csv").set_index("row")
+    assert t.loc["best node", "mmlu retention paper"] == 94.8 and t.loc["router", "arc_challenge acc paper"] == 62.12
+    assert t.loc["best node", "mmlu retention measured"] == pytest.approx(100 * 0.6666 / 0.7035)
+    table = text.split("Table 1: paper beside measured")[1]
+    assert "paper" in table and "Δ" in table and "62.12" in table  # the paper's router ARC-C accuracy
