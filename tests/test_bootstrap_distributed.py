@@ -1,0 +1,59 @@
+"""--bootstrap under data parallelism: the per-row sums (uncertainty.RowTable, numbered by global row id) of two
+gloo ranks, all-reduced, equal one process's, so the intervals are the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_distributed import free_port
+
+from moetool import distributed as D
+from moetool.loading import embedded_models
+
+pytestmark = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+
+def bootstrap_run():
+    """ppl (norm:gate, paired with the router) and stats' per-row sums on the embedded model, 13 rows of 32."""
+    from moetool.data import load_tokens
+    from moetool.experiments.ppl import ppl
+    from moetool.experiments.stats import collect
+    from moetool.loading import load
+
+    lm = load("tiny")
+    ts = load_tokens(None, lm.tokenizer, 32, 400)
+    row = ppl(lm, ts, routing="norm:gate", batch_size=3, bootstrap=200, quiet=True)["ppl"].iloc[0].to_dict()
+    c = collect(lm, ts, batch_size=3, quiet=True, row_sums=True, specialization=False, top_tokens=False)
+    rows = {name: c.routing.rows.table(name) for name in c.routing.rows.names}
+    return {"ppl": row, "rows": rows, "n_rows": int(ts.input_ids.shape[0])}
+
+
+def _worker(rank, world, port, out):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    D.init("cpu")
+    try:
+        res = bootstrap_run()
+        if D.is_main():
+            torch.save(res, out)
+    finally:
+        D.shutdown()
+
+
+def test_two_gloo_ranks_give_one_process_intervals(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    got, want = torch.load(out, weights_only=False), bootstrap_run()
+    assert want["n_rows"] >= 10  # rows split over ranks by global batches of 3
+    for k in ("tokens", "perplexity", "perplexity_lo", "perplexity_hi", "ratio", "ratio_lo", "ratio_hi"):
+        assert got["ppl"][k] == pytest.approx(want["ppl"][k], rel=1e-9), k
+    assert sorted(got["rows"]) == sorted(want["rows"])
+    for name, table in want["rows"].items():
+        assert table.shape[0] == want["n_rows"]
+        np.testing.assert_allclose(got["rows"][name], table, rtol=1e-9, atol=1e-9)
