@@ -62,6 +62,12 @@ def check_n_boot(n_boot: int) -> int:
     return n_boot
 
 
+def bootstrap_meta(n_boot: int, seed: int, n_rows: int) -> dict[str, Any]:
+    """The manifest's ``bootstrap`` section of a run over ``n_rows`` packed rows (no interval from one row)."""
+    return {"replicates": n_boot if n_rows >= 2 else 0, "seed": seed, "rows": n_rows, "level": LEVEL,
+            "method": "document-level bootstrap over packed rows, percentile interval (moetool.uncertainty)"}
+
+
 def bootstrap_weights(n_rows: int, n_boot: int, seed: int = 0) -> np.ndarray:
     """Multinomial row weights ``[n_boot, n_rows]`` (float64): each replicate draws ``n_rows`` rows with
     replacement; ``w[b, r]`` = how often row ``r`` was drawn. Read-only and cached: every statistic of one run

@@ -261,15 +261,13 @@ FAKE_ACC = {"router": {"mmlu": (0.7035, 0.0037), "arc_challenge": (0.6212, 0.014
 @pytest.fixture
 def fake_lm_eval(monkeypatch):
     """lm-eval replaced by fixed accuracies with standard errors per policy (no network, no lm-eval run)."""
-    import pandas as pd
-
     from moetool.experiments import lmeval
 
-    def evaluate(lm, plan, *, policy=None, limit=None, **kw):
+    def evaluate(lm, plan, *, policy=None, limit=None, **kw):  # lm-eval's results dict, read by moetool
         name = policy.name if policy is not None else "router"
-        rows = [{"task": t, "metric": "acc", "value": v, "stderr": se}
-                for t, (v, se) in FAKE_ACC.get(name, FAKE_ACC["router"]).items() if t in plan.names]
-        return lmeval.EvalResult(pd.DataFrame(rows, columns=list(lmeval.EVAL_COLUMNS)), 0.5, {})
+        results = {t: {"alias": t, "acc,none": v, "acc_stderr,none": se}
+                   for t, (v, se) in FAKE_ACC.get(name, FAKE_ACC["router"]).items() if t in plan.names}
+        return lmeval.EvalResult(lmeval.results_frame({"results": results}), 0.5, {})
 
     monkeypatch.setattr(lmeval, "evaluate", evaluate)
     monkeypatch.setattr(lmeval, "make_hflm", lambda lm, batch_size=8: None)

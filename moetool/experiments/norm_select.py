@@ -177,9 +177,8 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
 
 def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
     """quality rows of one policy's lm-eval result: value ± 1.96 stderr, retention by the delta method."""
-    from ..uncertainty import Interval, delta_ratio, normal_quantile
+    from ..uncertainty import Interval, delta_ratio
 
-    z = normal_quantile(0.975)
     nan = float("nan")
     ref = base.frame.set_index(["task", "metric"])
     out = []
@@ -194,9 +193,8 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
         elif ok:
             ratio = delta_ratio(float(r.value), se, b, se_b)
         out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value,
-                    "value_lo": r.value - z * se if se == se else nan, "value_hi": r.value + z * se if se == se else nan,
-                    "router_value": b, **{k: v for k, v in ratio.columns("ratio").items()},
-                    "seconds": round(res.seconds, 3)})
+                    "value_lo": r.value_lo, "value_hi": r.value_hi,  # lmeval.results_frame: value ∓ 1.96 stderr
+                    "router_value": b, **ratio.columns("ratio"), "seconds": round(res.seconds, 3)})
     return out
 
 
@@ -320,7 +318,8 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     from ..engine.hooks import select_layers
     from ..policies import build_policy
     from .lmeval import plan_tasks
-    from .ppl import bootstrap_meta, data_name
+    from ..uncertainty import bootstrap_meta
+    from .ppl import data_name
 
     opts = resolve_options(NormSelectOptions, options, overrides)
     specs = opts.specs()

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from ..engine.hooks import Consumer, select_layers
 from ..engine.runner import ForwardResult, forward
 from ..errors import MoetoolError
-from ..uncertainty import DEFAULT_BOOTSTRAP, check_n_boot, ppl_ratio_interval, ratio_intervals
+from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot, ppl_ratio_interval, ratio_intervals
 from .result import Result, resolve_options
 
 #: ppl.csv columns, one row per run
@@ -171,9 +171,3 @@ def ppl_summary(df: Any) -> Any:
     if df.router_perplexity.notna().any():
         cols += ["router_perplexity", "ratio", "ratio_lo", "ratio_hi"]
     return with_ci(df[cols + ["seconds"]]).rename(columns={"router_perplexity": "router"})
-
-
-def bootstrap_meta(n_boot: int, seed: int, n_rows: int) -> dict[str, Any]:
-    """The manifest's ``bootstrap`` section."""
-    return {"replicates": n_boot if n_rows >= 2 else 0, "seed": seed, "rows": n_rows, "level": 0.95,
-            "method": "document-level bootstrap over packed rows, percentile interval (moetool.uncertainty)"}

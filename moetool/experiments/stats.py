@@ -26,7 +26,7 @@ from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
-from ..uncertainty import DEFAULT_BOOTSTRAP, check_n_boot
+from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device)
@@ -467,8 +467,6 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
             frames.pop(name, None)
     tables = {name: df for name, df in frames.items() if len(df)}
     routing = "router (the model's own top-K)" if opts.top_k is None else "router, first-ranked expert only (top-1)"
-    from .ppl import bootstrap_meta
-
     return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
                                                    definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
                                                    routing=routing,
