@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_distributed import free_port
+from test_distributed import _forward_worker, free_port
 
-from moetool import distributed as D
 from moetool.loading import embedded_models
 
 pytestmark = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
@@ -29,26 +28,11 @@ def bootstrap_run():
     return {"ppl": row, "rows": rows, "n_rows": int(ts.input_ids.shape[0])}
 
 
-def _worker(rank, world, port, out):
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    D.init("cpu")
-    try:
-        res = bootstrap_run()
-        if D.is_main():
-            torch.save(res, out)
-    finally:
-        D.shutdown()
-
-
 def test_two_gloo_ranks_give_one_process_intervals(tmp_path):
     import torch.multiprocessing as mp
 
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_forward_worker, args=(2, free_port(), str(out), bootstrap_run), nprocs=2, join=True)
     got, want = torch.load(out, weights_only=False), bootstrap_run()
     assert want["n_rows"] >= 10  # rows split over ranks by global batches of 3
     for k in ("tokens", "perplexity", "perplexity_lo", "perplexity_hi", "ratio", "ratio_lo", "ratio_hi"):

@@ -96,7 +96,8 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert r0[:3] == [0, 1, 2] and r1[:3] == [3, 4, 5]  # each rank's slice of global batch 0
 
 
-def _forward_worker(rank, world, port, out):
+def _forward_worker(rank, world, port, out, run=None):
+    """One rank: init gloo, ``run()`` (default :func:`model_run`), rank 0 saves the result to ``out``."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -104,7 +105,7 @@ def _forward_worker(rank, world, port, out):
     torch.set_num_threads(1)
     D.init("cpu")
     try:
-        res = model_run()
+        res = (run or model_run)()
         if D.is_main():
             torch.save(res, out)
     finally:
