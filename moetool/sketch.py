@@ -44,7 +44,7 @@ class Moments:
     def add(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         """Add the values ``x`` (any shape); ``weight`` (same shape, e.g. a 0/1 padding mask) counts each one."""
         x = x.detach().double().reshape(-1)
-        w = torch.ones_like(x) if weight is None else weight.detach().reshape(-1).to(x)
+        w = torch.ones_like(x) if weight is None else weight.detach().reshape(-1).to(x.dtype)
         self._to(x.device)
         self.count += w.sum()
         self.sum += (w * x).sum()

@@ -16,7 +16,7 @@ from conftest import build_tiny_model, captured, padded_batch, reference_expert,
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.engine import Engine
-from moetool.experiments.approx import SELECTORS, ApproxReducer, approx_tokens
+from moetool.experiments.approx import MEDIAN_REL_TOL, SELECTORS, ApproxReducer, approx_tokens
 from moetool.loading import embedded_models
 
 COLUMNS = {"approx.csv": ["layer", "selector", "tokens", "rel_error_mean", "rel_error_median", "same_set_as_router"],
@@ -125,7 +125,9 @@ def test_reducer_tables_over_real_tokens(model_type):
         for sel, err in r.error.items():
             row = approx[(approx["layer"] == L.index) & (approx["selector"] == sel)].iloc[0]
             assert row["rel_error_mean"] == pytest.approx(err.double().mean().item(), rel=1e-5)
-            assert row["rel_error_median"] == pytest.approx(float(np.median(err.numpy())), rel=1e-5)
+            # streaming sketch: within its documented bound of the exact median (0.17 %), not identical
+            exact = float(np.median(err.numpy()))
+            assert abs(row["rel_error_median"] - exact) <= MEDIAN_REL_TOL * exact + 1e-12
             same = np.mean([set(a) == set(b) for a, b in zip(r.idx[sel].tolist(), ev.idx[ev.valid].tolist())])
             assert row["same_set_as_router"] == pytest.approx(same)
         lrow = per_layer[per_layer["layer"] == L.index].iloc[0]

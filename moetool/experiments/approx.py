@@ -8,12 +8,15 @@ Selectors: ``router`` (the model's routing math on the captured logits: TopK of 
 biased/grouped choice of DeepSeek-V3), ``norm_oracle`` (TopK of ``||u_e||``, the paper's rule),
 ``best_subset`` (exhaustive over all C(n, K) subsets where C(n, K) <= ``max_subsets``: the Gram matrix
 ``G = U Uᵀ`` per token, fp64, scores every subset at once as ``cᵀ G c`` with ``c`` its complement indicator),
-``random`` (K distinct experts uniformly, seeded). Reductions stay on the device; the per-token errors of a
-layer are kept there (one fp32 per token and selector) so the median is exact.
+``random`` (K distinct experts uniformly, seeded). Reductions stay on the device and never synchronise with
+the host inside the forward (padding is weighted out, not indexed out). Memory is flat in the number of tokens:
+per layer and selector the errors go into an exact :class:`~moetool.sketch.Moments` (mean) and a
+:class:`~moetool.sketch.QuantileSketch` (median within :data:`MEDIAN_REL_TOL` relative, see there).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -24,12 +27,15 @@ from .. import ops
 from ..adapters.base import MoELayer
 from ..engine import probes
 from ..errors import MoetoolError
+from ..sketch import QuantileSketch
 from .result import Result, resolve_options
 
 SELECTORS = ("router", "norm_oracle", "best_subset", "random")
 MAX_SUBSETS = 10_000
 #: elements of one per-chunk intermediate (U [T_c, n, d], or subset scores [T_c, C, n]) -> 128 MB fp32
 BUDGET = 1 << 25
+#: relative error bound of rel_error_median (QuantileSketch defaults: 8192 log bins over [1e-8, 1e4])
+MEDIAN_REL_TOL = QuantileSketch().rel_error
 
 DEFINITIONS = {
     "u_e": "u_e = pi_e(h) * E_e(h): pi the model's full routing distribution (softmax; DeepSeek-style sigmoid "
@@ -45,7 +51,9 @@ DEFINITIONS = {
     "random": "K distinct experts uniformly at random per token, seeded per layer (seed * 1_000_003 + layer)",
     "same_set_as_router": "fraction of tokens whose selected set equals the model's own top-K as captured from the "
                           "running model (so 1.0 for router checks that the routing math matches the model)",
-    "rel_error_median": "exact median (mean of the two middle values) of the per-token errors, kept on the device",
+    "rel_error_median": "median (mean of the two middle values) of the per-token errors from a streaming log-binned "
+                        f"sketch (moetool.sketch.QuantileSketch): within {MEDIAN_REL_TOL:.2%} relative of the exact "
+                        "median, memory flat in the number of tokens",
     "spearman_prob_vs_norm": "per token, the Spearman rank correlation across the n experts between pi_e and "
                              "||E_e(h)|| (average ranks for ties), then the mean over tokens (tokens with a "
                              "constant pi or norm, where it is undefined, are left out)",
@@ -53,12 +61,18 @@ DEFINITIONS = {
 }
 
 
+_SUBSETS: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def subset_matrix(n: int, k: int, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """All C(n, k) subsets: ``(idx [C, k] long, indicator [C, n] fp64)``."""
-    idx = torch.combinations(torch.arange(n, device=device), r=k)  # [C, k]
-    if k == 1:
-        idx = idx.view(-1, 1)
-    return idx, ops.multi_hot(idx, n, torch.float64)
+    """All C(n, k) subsets in lexicographic order: ``(idx [C, k] long, indicator [C, n] fp64)``.
+
+    Built once on the host (itertools) and cached per ``(n, k, device)``: no data-dependent op on the device."""
+    key = (n, k, str(torch.device(device) if device is not None else "cpu"))
+    if key not in _SUBSETS:
+        idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.long).view(-1, k)
+        _SUBSETS[key] = idx.to(key[2]), ops.multi_hot(idx, n, torch.float64).to(key[2])
+    return _SUBSETS[key]
 
 
 def best_subsets(G: torch.Tensor, subsets: tuple[torch.Tensor, torch.Tensor], budget: int = BUDGET) -> torch.Tensor:
@@ -145,7 +159,8 @@ def approx_tokens(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, select
 
 
 class ApproxReducer:
-    """Engine consumer: per layer, per-token errors (kept on device), same-set counts, Spearman and |cos| sums."""
+    """Engine consumer: per layer and selector an error sketch (exact mean, sketched median) and same-set counts,
+    per layer Spearman and |cos| sums; everything on the device, padding weighted out (no host sync)."""
 
     def __init__(self, selectors: Sequence[str] = SELECTORS, seed: int = 0, max_subsets: int = MAX_SUBSETS,
                  layers: Sequence[int] | None = None):
@@ -153,7 +168,7 @@ class ApproxReducer:
         self.seed = seed
         self.max_subsets = max_subsets
         self.layers = None if layers is None else set(layers)
-        self.errors: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.errors: dict[int, dict[str, QuantileSketch]] = {}
         self.same: dict[int, dict[str, torch.Tensor]] = {}
         self.stats: dict[int, torch.Tensor] = {}  # [4]: spearman sum, spearman count, |cos| sum, tokens
         self._gen: dict[int, torch.Generator] = {}
@@ -163,10 +178,9 @@ class ApproxReducer:
         L = ev.layer
         if self.layers is not None and L.index not in self.layers:
             return
-        keep = ev.valid
-        if not bool(keep.any()):
-            return
-        h, logits, captured = ev.h[keep], ev.logits[keep], ev.idx[keep]  # [T, d], [T, n], [T, K]
+        # every token position (padding too) is computed; padding is weighted out of every sum
+        h, logits = ev.h.reshape(-1, ev.h.shape[-1]), ev.logits.reshape(-1, ev.logits.shape[-1])  # [T, d], [T, n]
+        captured, keep = ev.idx.reshape(-1, ev.idx.shape[-1]), ev.valid.reshape(-1)  # [T, K], [T]
         if L.index not in self._gen:
             self._gen[L.index] = torch.Generator(device=h.device).manual_seed(self.seed * 1_000_003 + L.index)
             self.errors[L.index] = {}
@@ -176,15 +190,26 @@ class ApproxReducer:
                 self.skipped[L.index] = (f"C({L.n_experts},{L.top_k}) = {math.comb(L.n_experts, L.top_k)} "
                                          f"> {self.max_subsets}")
         r = approx_tokens(L, h, logits, self.selectors, self._gen[L.index], self.max_subsets)
+        keep = keep.to(h.device)
         captured = captured.to(h.device)
         for sel, err in r.error.items():
-            self.errors[L.index].setdefault(sel, []).append(err)
-            same = ops.same_set(r.idx[sel], captured).sum().double()
+            self.errors[L.index].setdefault(sel, QuantileSketch(device=h.device)).add(err, keep)
+            same = (ops.same_set(r.idx[sel], captured) & keep).sum().double()
             self.same[L.index][sel] = self.same[L.index].get(sel, 0) + same
-        ok = torch.isfinite(r.spearman)
-        self.stats[L.index] += torch.stack([r.spearman[ok].double().sum(), ok.sum().double(),
-                                            r.abs_cos.double().sum(), torch.tensor(float(h.shape[0]),
-                                                                                   device=h.device).double()])
+        ok = torch.isfinite(r.spearman) & keep
+        self.stats[L.index] += torch.stack([torch.where(ok, r.spearman.double(), 0.0).sum(), ok.sum().double(),
+                                            torch.where(keep, r.abs_cos.double(), 0.0).sum(), keep.sum().double()])
+
+    def reduce_across_ranks(self) -> None:
+        """Sum every rank's sketches and counters (data parallel); a no-op in one process."""
+        from .. import distributed
+
+        for li in sorted(self.errors):
+            for sel in self.selectors:
+                if sel in self.errors[li]:
+                    distributed.all_reduce_state(self.errors[li][sel])
+            self.same[li] = distributed.all_reduce_dict(self.same[li])
+        self.stats = distributed.all_reduce_dict(self.stats)
 
     def tables(self) -> tuple[Any, Any]:
         """``(approx, approx_layers)`` DataFrames with exactly the SPEC's columns."""
@@ -194,16 +219,20 @@ class ApproxReducer:
             raise MoetoolError("no tokens reached the analysed MoE layers (empty data?)")
         rows, layer_rows = [], []
         for li in sorted(self.errors):
+            sp_sum, sp_n, cos_sum, tok = self.stats[li].tolist()
+            if tok == 0:
+                continue
             for sel in self.selectors:
                 if sel not in self.errors[li]:
                     continue
-                err = torch.cat(self.errors[li][sel])  # [tokens]
-                rows.append({"layer": li, "selector": sel, "tokens": int(err.numel()),
-                             "rel_error_mean": float(err.double().mean()), "rel_error_median": ops.median(err),
-                             "same_set_as_router": float(self.same[li][sel]) / err.numel()})
-            sp_sum, sp_n, cos_sum, tok = self.stats[li].tolist()
+                sk = self.errors[li][sel]
+                rows.append({"layer": li, "selector": sel, "tokens": sk.n,
+                             "rel_error_mean": sk.mean, "rel_error_median": sk.median(),
+                             "same_set_as_router": float(self.same[li][sel]) / sk.n})
             layer_rows.append({"layer": li, "spearman_prob_vs_norm": sp_sum / sp_n if sp_n else float("nan"),
                                "mean_abs_cos": cos_sum / tok})
+        if not rows:
+            raise MoetoolError("no tokens reached the analysed MoE layers (empty data?)")
         return pd.DataFrame(rows), pd.DataFrame(layer_rows)
 
 
@@ -253,6 +282,7 @@ def approx(lm: Any, tokens: Any, options: ApproxOptions | None = None, *, quiet:
     return Result("approx", {"approx.csv": table, "approx_layers.csv": per_layer}, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(),
                             approx={"selectors": list(red.selectors), "max_subsets": red.max_subsets,
+                                    "median": f"QuantileSketch, within {MEDIAN_REL_TOL:.4%} relative of the exact median",
                                     "best_subset_skipped": red.skipped}),
                   summary=table)
 
