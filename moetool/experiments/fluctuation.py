@@ -2,9 +2,13 @@
 
 The same token ids go through every checkpoint (one loaded at a time). Per checkpoint, routing (a policy spec as
 everywhere: ``router`` = the model's own top-K; ``similarity`` / ``attention``: that training-free policy applied
-in every MoE layer of the checkpoint, so its choice is what runs) and MoE layer, the chosen sets,
-the top-1 expert (the chosen expert with the largest routing weight) and the entropy sum are kept
-on the host (indices as int16/int32). Entropy: of ``π`` for ``router``; of the policy's normalised
+in every MoE layer of the checkpoint, so its choice is what runs) and MoE layer, the chosen sets and
+the top-1 expert (the chosen expert with the largest routing weight) stay on the device during the forward
+(padding weighted out, no host sync), are copied to the host once per batch (all layers stacked, indices as
+int16/int32) and spilled to a temporary file (:class:`moetool.sketch.TokenSpill`), so host memory holds one
+batch, not the run; the entropy is an exact device-side sum (:class:`moetool.sketch.Moments`). Comparisons read
+two spills back batch by batch (the same tokens in the same order) and keep per-row sums only (one row of
+numbers per packed row): that is what the document-level bootstrap (``*_lo``/``*_hi``) resamples. Entropy: of ``π`` for ``router``; of the policy's normalised
 score distribution ``s_i`` for ``similarity`` / ``attention``.
 
 For each pair (reference, checkpoint) — ``reference`` ``previous`` (i-1, i), ``first`` (0, i) or ``last``
@@ -33,12 +37,15 @@ from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..sketch import Moments, TokenSpill
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
 from .result import Result, resolve_options
 
 ROUTINGS = ("router", "similarity", "attention")  # the default comparison; any policy spec is accepted
 REFERENCES = ("previous", "first", "last")
-COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens", "top1_change", "topk_change", "topk_overlap",
-           "jaccard", "entropy_ref", "entropy_ckpt", "entropy_ratio"]
+RATES = ("top1_change", "topk_change", "topk_overlap", "jaccard")  # per-token means, with bootstrap intervals
+COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens",
+           *(c for r in RATES for c in (r, f"{r}_lo", f"{r}_hi")), "entropy_ref", "entropy_ckpt", "entropy_ratio"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,11 @@ class FluctuationOptions:
     batch_size: int = 8
     dtype: str = "auto"  # how checkpoints given by name are loaded
     device: str = "auto"
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap over packed rows (0 = none)
+    seed: int = 0  # bootstrap seed
 
     def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
         if not self.routing:
             raise MoetoolError(f"--routing is empty: give policy specs, e.g. {','.join(ROUTINGS)}")
         for r in self.routing:
@@ -115,35 +125,69 @@ def router_copy(layer: MoELayer) -> MoELayer:
 
 
 # ----- capture -------------------------------------------------------------------------------
-@dataclass
-class LayerRouting:
-    """One checkpoint's routing at one layer over all real tokens (host)."""
+class Routing:
+    """One checkpoint's routing under one policy, every MoE layer, over all real tokens.
 
-    idx: list[torch.Tensor] = field(default_factory=list)  # per batch [N, K] int
-    top1: list[torch.Tensor] = field(default_factory=list)  # per batch [N]
-    entropy_sum: float = 0.0
-    tokens: int = 0
+    Inside the forward (:meth:`add`, per layer) everything stays on the device; :meth:`flush` (after each batch,
+    outside the forward) makes the batch's one host copy ``[layers, N, K + 1]`` (chosen set, top-1; real tokens
+    only) and spills it with the tokens' packed-row ids, so host memory is one batch whatever the run's length."""
 
-    def add(self, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor) -> None:
-        """Chosen ``idx [N, K]`` / weights ``w [N, K]`` and the distribution ``scores [N, n]`` of real tokens."""
+    def __init__(self, layers: Sequence[int], row_ids: Any = None):
+        self.layers = list(layers)
+        self.entropy = {li: Moments() for li in self.layers}
+        self.spill = TokenSpill()
+        self.tokens = 0
+        self._row_ids = row_ids  # global packed-row numbers (data parallel shard) or None: 0, 1, 2, ...
+        self._rows_done = 0
+        self._batch: dict[int, torch.Tensor] = {}
+        self._valid: torch.Tensor | None = None
+
+    def add(self, layer: int, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> None:
+        """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` and ``valid [T]``."""
         small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
-        self.idx.append(idx.to(small).cpu())
-        self.top1.append(idx.gather(1, w.float().argmax(-1, keepdim=True))[:, 0].to(small).cpu())
-        self.entropy_sum += float(ops.entropy(scores).sum(dtype=torch.float64))
-        self.tokens += int(idx.shape[0])
+        top1 = idx.gather(1, w.float().argmax(-1, keepdim=True))  # [T, 1]
+        self._batch[layer] = torch.cat([idx, top1], 1).to(small)  # [T, K + 1]
+        self._valid = valid
+        ent = ops.entropy(scores).double()
+        self.entropy[layer].add(torch.where(valid, ent, 0.0), valid)
 
-    def done(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(idx [N, K], top1 [N])`` over all batches (int64)."""
-        if len(self.idx) != 1:
-            self.idx, self.top1 = [torch.cat(self.idx)], [torch.cat(self.top1)]
-        return self.idx[0].long(), self.top1[0].long()
+    def flush(self, batch_rows: int) -> None:
+        """The batch's host copy (one per batch, after the forward) -> the spill."""
+        if not self._batch:
+            return
+        host = torch.stack([self._batch[li] for li in self.layers]).cpu()  # [L, T, K + 1]
+        valid = self._valid.cpu()
+        S = valid.shape[0] // batch_rows
+        start = self._rows_done
+        rows = (torch.arange(start, start + batch_rows) if self._row_ids is None
+                else torch.as_tensor(self._row_ids[start:start + batch_rows]).long())
+        self._rows_done += batch_rows
+        self.spill.append(host[:, valid])  # [L, N, K + 1]
+        self.spill.append(rows.repeat_interleave(S)[valid].int())  # [N] packed-row id of each token
+        self.tokens += int(valid.sum())
+        self._batch, self._valid = {}, None
+
+    def batches(self) -> Any:
+        """``(routing [L, N, K + 1] int64, rows [N] int64)`` per batch, in the order they ran."""
+        it = iter(self.spill)
+        for r in it:
+            yield r.long(), next(it).long()
+
+    def entropy_mean(self, layer: int) -> float:
+        return self.entropy[layer].mean
+
+    def reduce_across_ranks(self) -> None:
+        """Entropy sums over ranks (the spilled routing is compared per rank, then its per-row sums merge)."""
+        from .. import distributed
+
+        for m in self.entropy.values():
+            distributed.all_reduce_state(m)
 
 
-def routing_of(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(chosen idx, chosen weights, distribution)`` of the real tokens of an event, after any policy."""
-    keep = ev.valid
+def routing_of(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(chosen idx, chosen weights, distribution, valid)`` of an event (every position), after any policy."""
     scores = ev.scores if ev.scores is not None else ev.probs  # [T, n]
-    return ev.chosen_idx[keep], ev.chosen_weights[keep], scores[keep]
+    return ev.chosen_idx, ev.chosen_weights, scores, ev.valid
 
 
 def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEvent:
@@ -160,38 +204,87 @@ def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEve
 
 def capture(lm: Any, tokens: Any, policy: Any, *, others: dict[Any, dict[int, MoELayer]] | None = None,
             batch_size: int = 8, description: str = "routing",
-            quiet: bool = False) -> tuple[dict[int, LayerRouting], dict[Any, dict[int, LayerRouting]]]:
-    """Run ``tokens`` through ``lm`` with ``policy`` applied in every MoE layer; return per-layer routings, and per
-    key of ``others`` (router copies by layer index) the isolated routings on this run's ``h``."""
-    layers = lm.layers
-    own = {L.index: LayerRouting() for L in layers}
-    iso = {name: {L.index: LayerRouting() for L in layers} for name in (others or {})}
+            quiet: bool = False) -> tuple[Routing, dict[Any, Routing]]:
+    """Run ``tokens`` through ``lm`` with ``policy`` applied in every MoE layer; return its :class:`Routing`, and per
+    key of ``others`` (router copies by layer index) the isolated routing on this run's ``h``."""
+    layers = [L.index for L in lm.layers]
+    row_ids = getattr(tokens, "row_ids", None)
+    own = Routing(layers, row_ids)
+    iso = {name: Routing(layers, row_ids) for name in (others or {})}
 
     def consume(ev: RoutingEvent) -> None:
-        own[ev.layer.index].add(*routing_of(ev))
+        own.add(ev.layer.index, *routing_of(ev))
         for name, routers in (others or {}).items():
-            iso[name][ev.layer.index].add(*routing_of(isolated_event(ev, routers[ev.layer.index], policy)))
+            iso[name].add(ev.layer.index, *routing_of(isolated_event(ev, routers[ev.layer.index], policy)))
 
-    forward(lm, tokens, policy=policy, consumers=[consume], batch_size=batch_size, description=description,
-            quiet=quiet)
+    def flush(batch: Any, _out: Any) -> None:
+        for r in (own, *iso.values()):
+            r.flush(batch.input_ids.shape[0])
+
+    forward(lm, tokens, policy=policy, consumers=[consume], on_batch=flush, batch_size=batch_size,
+            description=description, quiet=quiet)
+    for r in (own, *iso.values()):
+        r.reduce_across_ranks()
     return own, iso
 
 
 # ----- comparison ----------------------------------------------------------------------------
-def compare(ref: LayerRouting, ckpt: LayerRouting) -> dict[str, float]:
-    """The SPEC's metrics for one layer between two routings of the same tokens."""
-    a, a1 = ref.done()
-    b, b1 = ckpt.done()
-    if a.shape != b.shape:
-        raise MoetoolError(f"the checkpoints saw different tokens ({a.shape[0]} vs {b.shape[0]}) or K")
-    e_ref, e_ck = ref.entropy_sum / max(ref.tokens, 1), ckpt.entropy_sum / max(ckpt.tokens, 1)
-    return {"tokens": int(a.shape[0]),
-            "top1_change": float((a1 != b1).double().mean()),
-            "topk_change": float((~ops.same_set(a, b)).double().mean()),
-            "topk_overlap": float((ops.overlap_count(a, b).double() / a.shape[1]).mean()),
-            "jaccard": float(ops.jaccard(a, b).double().mean()),
-            "entropy_ref": e_ref, "entropy_ckpt": e_ck,
-            "entropy_ratio": e_ck / e_ref if e_ref > 0 else float("nan")}
+def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[int, dict[str, float]]:
+    """The SPEC's metrics per layer between two routings of the same tokens (read back batch by batch).
+
+    Per-token rates are summed per packed row into ``rows`` (name ``"rates"``: ``[L * len(RATES)]`` per row, and
+    ``"tokens"``) when given, for the bootstrap."""
+    if ref.tokens != ckpt.tokens or len(ref.spill) != len(ckpt.spill):
+        raise MoetoolError(f"the checkpoints saw different tokens ({ref.tokens} vs {ckpt.tokens})")
+    L = len(ref.layers)
+    sums = torch.zeros(L, len(RATES), dtype=torch.float64)
+    for (a, rows_a), (b, _) in zip(ref.batches(), ckpt.batches()):
+        if a.shape != b.shape:
+            raise MoetoolError(f"the checkpoints saw different tokens ({a.shape[1]} vs {b.shape[1]}) or K")
+        A, B = a[..., :-1], b[..., :-1]  # [L, N, K]
+        K = A.shape[-1]
+        per = torch.stack([(a[..., -1] != b[..., -1]).double(), (~ops.same_set(A, B)).double(),
+                           ops.overlap_count(A, B).double() / K, ops.jaccard(A, B).double()], -1)  # [L, N, 4]
+        sums += per.sum(1)
+        if rows is not None and per.shape[1]:
+            rows.add(rows_a.numpy(), rates=per.permute(1, 0, 2).reshape(per.shape[1], -1).numpy(),
+                     tokens=torch.ones(per.shape[1], dtype=torch.float64).numpy())
+    from .. import distributed
+
+    sums = distributed.all_reduce(sums)  # data parallel: every rank compared its own rows (no-op alone)
+    n = int(distributed.all_reduce(torch.tensor(float(ref.tokens), dtype=torch.float64)))
+    if rows is not None and distributed.world_size() > 1:
+        for i, part in enumerate(distributed.gather_object(rows._sums)):  # every rank's rows (global ids)
+            if i != distributed.rank():
+                for name, store in part.items():
+                    mine = rows._sums.setdefault(name, {})
+                    for r, v in store.items():
+                        mine[r] = mine[r] + v if r in mine else v
+    out = {}
+    for j, li in enumerate(ref.layers):
+        e_ref, e_ck = ref.entropy_mean(li), ckpt.entropy_mean(li)
+        out[li] = {"tokens": n, **{r: float(sums[j, k]) / n if n else float("nan") for k, r in enumerate(RATES)},
+                   "entropy_ref": e_ref, "entropy_ckpt": e_ck,
+                   "entropy_ratio": e_ck / e_ref if e_ref > 0 else float("nan")}
+    return out
+
+
+def compare_with_intervals(ref: Routing, ckpt: Routing, n_boot: int, seed: int) -> dict[int, dict[str, float]]:
+    """:func:`compare` plus ``*_lo``/``*_hi`` of every rate: document-level bootstrap over packed rows
+    (moetool.uncertainty.ratio_intervals on the per-row sums; NaN with ``n_boot = 0``)."""
+    rows = RowSums() if n_boot else None
+    out = compare(ref, ckpt, rows)
+    if rows is not None and rows.rows:
+        ivs = ratio_intervals(rows.table("rates").reshape(len(rows.rows), -1), rows.table("tokens"),
+                              n_boot=n_boot, seed=seed)
+    else:
+        ivs = None
+    for j, li in enumerate(ref.layers):
+        for k, r in enumerate(RATES):
+            iv = ivs[j * len(RATES) + k] if ivs is not None else None
+            out[li][f"{r}_lo"] = iv.lo if iv is not None else float("nan")
+            out[li][f"{r}_hi"] = iv.hi if iv is not None else float("nan")
+    return out
 
 
 def processing_order(n: int, reference: str) -> list[int]:
@@ -205,8 +298,8 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
     import pandas as pd
 
     plist = pairs(names, opts.reference)
-    runs: dict[tuple[int, str], dict[int, LayerRouting]] = {}
-    isolated: dict[tuple[int, int, str], dict[int, LayerRouting]] = {}  # (ref, ckpt, routing)
+    runs: dict[tuple[int, str], Routing] = {}
+    isolated: dict[tuple[int, int, str], Routing] = {}  # (ref, ckpt, routing)
     routers: dict[int, dict[int, MoELayer]] = {}
     signature: dict[str, Any] | None = None
     for i in processing_order(len(names), opts.reference):
@@ -232,9 +325,10 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
         if opts.isolate:
             labels += [(f"{routing}-isolated", routing, isolated[(r, c, routing)]) for routing in opts.routing]
         for label, routing, other in labels:
-            for layer, ref_rt in runs[(r, routing)].items():
-                rows.append({"layer": layer, "routing": label, "reference": names[r], "checkpoint": names[c],
-                             **compare(ref_rt, other[layer])})
+            for layer, m in compare_with_intervals(runs[(r, routing)], other, opts.bootstrap, opts.seed).items():
+                rows.append({"layer": layer, "routing": label, "reference": names[r], "checkpoint": names[c], **m})
+    for rt in (*runs.values(), *isolated.values()):
+        rt.spill.close()
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
