@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .options import (BatchSize, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, SeqLen, Sim, check_run,
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, Seed, SeqLen, Sim, check_run,
                       echo_run, handle_errors, parse_list, preflight, run_options)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
@@ -24,8 +24,15 @@ Attention-Aware: the same layer's lowest-entropy attention head), the chosen set
 policy's normalised scores s_i = Σ_j S[i,j] π(h_j). --isolate adds rows <routing>-isolated: the
 reference's own MoE inputs (and attention) fed to the checkpoint's routers — router drift alone.
 
+Memory: routing stays on the device during the forward, one host copy per batch is spilled to a temporary
+file and read back batch by batch for the comparison, so RSS stays flat in the number of tokens.
+
+--bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows of
+every rate (per-row sums, moetool.uncertainty), *_lo/*_hi columns, error bars in fluctuation_by_layer, value ±
+half-width on the console.
+
 Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_change, topk_change, topk_overlap,
-jaccard, entropy_ref, entropy_ckpt, entropy_ratio), figures/fluctuation_by_layer, entropy_ratio_by_layer,
+jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), figures/fluctuation_by_layer, entropy_ratio_by_layer,
 entropy_vs_router_by_layer (each routing's entropy / the router's, the paper's ratio), manifest.json.
 
 Examples:
@@ -49,17 +56,19 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                 isolate: bool = typer.Option(False, "--isolate", help="Also feed the reference's MoE inputs to the "
                                              "other checkpoint's routers (rows <routing>-isolated)."),
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
+                bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
                 dtype: Dtype = "auto", device: Device = "auto", quiet: Quiet = False) -> None:
     preflight(*checkpoints)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
                                                  summary_lines)
     from moetool.report import RunDir
-    from moetool.report.console import print_table
+    from moetool.report.console import print_table, with_ci
     from moetool.report.writers import write
 
     opts = FluctuationOptions(routing=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
-                              reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device)
+                              reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device,
+                              bootstrap=bootstrap, seed=seed)
     DocumentStream(data)
     tokenizer = check_checkpoints(checkpoints)
     est = check_run(checkpoints[0], seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
@@ -71,7 +80,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     write(res, run, options=run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len,
                                         max_tokens=max_tokens))
     if not quiet:
-        print_table(res.summary, f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
+        print_table(with_ci(res.summary), f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
         for line in summary_lines(res["fluctuation"]):
             typer.echo(line)
     echo_run(run.path)

@@ -18,6 +18,7 @@ from moetool.errors import MoetoolError
 from moetool.experiments.fluctuation import (COLUMNS, FluctuationOptions, check_checkpoints, pairs, processing_order,
                                              run_fluctuation)
 from moetool.loading import embedded_models, load
+from moetool.uncertainty import ratio_intervals
 
 J = 2  # the perturbed layer
 CHANGE = ["top1_change", "topk_change"]
@@ -103,6 +104,23 @@ def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
     # isolated rows after J: the same h through both routers; later routers are identical -> no change
     after = df[(df["layer"] > J) & (df["routing"] == "router-isolated")]
     assert (after[CHANGE] == 0).all().all()
+    # bootstrap interval at J: the hand per-token top-K change summed per packed row, resampled by
+    # uncertainty.ratio_intervals with the same replicates and seed (documents = the 4 packed rows)
+    sa = torch.softmax(h @ wa.T, -1).argsort(-1, descending=True)[:, :2].sort(-1).values
+    sb = torch.softmax(h @ wb.T, -1).argsort(-1, descending=True)[:, :2].sort(-1).values
+    flag = (sa != sb).any(-1).double()
+    row_of = torch.arange(4).repeat_interleave(16)[tk.attention_mask.reshape(-1).bool()]
+    num = torch.zeros(4, dtype=torch.float64).index_add_(0, row_of, flag).numpy()
+    den = torch.bincount(row_of, minlength=4).double().numpy()
+    iv = ratio_intervals(num, den, n_boot=opts.bootstrap, seed=opts.seed)[0]
+    row = df[(df["layer"] == J) & (df["routing"] == "router")].iloc[0]
+    assert iv.value == pytest.approx(row["topk_change"], abs=1e-12)
+    assert (row["topk_change_lo"], row["topk_change_hi"]) == pytest.approx((iv.lo, iv.hi), abs=1e-12)
+    assert row["topk_change_lo"] < row["topk_change"] < row["topk_change_hi"]
+    off = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), FluctuationOptions(routing=("router",), batch_size=2,
+                                                                                 bootstrap=0), loader)
+    assert off["topk_change_lo"].isna().all() and (off["topk_change"] == df[df["routing"] == "router"]
+                                                   ["topk_change"].to_numpy()).all()
 
 
 def test_reference_modes_and_processing_order():

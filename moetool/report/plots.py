@@ -311,8 +311,10 @@ def plot_fluctuation(df: Any) -> dict[str, Any]:
     out = {}
     for name, y in (("fluctuation_by_layer", "top1_change"), ("entropy_ratio_by_layer", "entropy_ratio")):
         fig, axes = new_figure(*grid_shape(len(pairs_), 3))
+        lo, hi = f"{y}_lo", f"{y}_hi"  # bootstrap interval (error bars) when the run computed one
+        yerr = (lo, hi) if lo in df and hi in df and df[lo].notna().all() else None
         for ax, p in zip(axes, pairs_):
-            line_by(ax, df[df["pair"] == p], "layer", y, "routing", title=p)
+            line_by(ax, df[df["pair"] == p], "layer", y, "routing", title=p, yerr=yerr)
         for ax in axes[len(pairs_):]:
             ax.set_visible(False)
         out[name] = fig
