@@ -190,8 +190,6 @@ def run_experiment(name, lm, ts):
 
 
 EXPERIMENT_SYNCS = {  # experiment -> lines that sync inside the forward today (device-side fixes in NOTES.md)
-    "mass_recall": "mass_recall.py:133,178,179 [valid] indexing; :184,194 bincount; kmeans.py:55,58,59 int()/float(), "
-                   ":77 bincount, :81 nonzero",
 }
 
 

@@ -74,7 +74,7 @@ class SphericalKMeans:
         if self.codebook is None:
             self._init(x)
         g = (x @ self.codebook.T).argmax(-1)  # [N]
-        n_batch = torch.bincount(g, minlength=self.size).float()  # [G]
+        n_batch = torch.zeros(self.size, device=x.device).index_add_(0, g, torch.ones(g.shape, device=x.device))
         m_batch = torch.zeros_like(self.sums).index_add_(0, g, x)  # [G, d]
         self.counts.mul_(self.gamma).add_((1 - self.gamma) * n_batch)
         self.sums.mul_(self.gamma).add_((1 - self.gamma) * m_batch)

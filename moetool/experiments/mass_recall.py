@@ -179,19 +179,43 @@ def scaled_bound(layer: MoELayer, mode: str, h: torch.Tensor, codebook: torch.Te
 
 
 # ----- streaming passes ----------------------------------------------------------------------
+class RealTokens:
+    """The real (non-padding) tokens of each batch without a host sync: their number comes from the batch's HOST
+    attention mask (``before_batch``), their positions from a stable device-side argsort of the padding mask, so
+    :meth:`take` equals ``x[ev.valid]`` (same tokens, same order) with no boolean-mask indexing."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def before_batch(self, batch: Any) -> None:
+        self.n = int(batch.attention_mask.sum())  # a CPU tensor: no device synchronisation
+
+    def take(self, ev: RoutingEvent, *xs: torch.Tensor) -> list[torch.Tensor]:
+        pos = torch.argsort((~ev.valid).to(torch.uint8), stable=True)[: self.n]  # real positions, in order
+        return [x.index_select(0, pos.to(x.device)) for x in xs]
+
+
 def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRecallOptions,
                   quiet: bool = False) -> dict[tuple[int, int], SphericalKMeans]:
     """Pass 1 (+ ``kmeans_iters``): one streaming k-means per (layer, G)."""
     fits = {(L.index, G): SphericalKMeans(G, seed=opts.seed + 7919 * L.index + G)
             for L in layers for G in opts.codebook_sizes}
 
-    def consume(ev: RoutingEvent) -> None:
-        h = ev.h[ev.valid].float()  # [N, d]
-        for G in opts.codebook_sizes:
-            fits[(ev.layer.index, G)].update(h)
+    real = RealTokens()
+    pending: dict[int, torch.Tensor] = {}
+
+    def consume(ev: RoutingEvent) -> None:  # inside the forward: keep the batch's real states on the device
+        pending[ev.layer.index] = real.take(ev, ev.h)[0].float()  # [N, d]
+
+    def update(_batch: Any, _out: Any) -> None:  # after the forward: the sequential EMA steps (k-means++ init and
+        for li, h in pending.items():            # dead-code draws are data-dependent, so they run here)
+            for G in opts.codebook_sizes:
+                fits[(li, G)].update(h)
+        pending.clear()
 
     for p in range(1 + opts.kmeans_iters):
         forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
+                before_batch=real.before_batch, on_batch=update,
                 description=f"k-means pass {p + 1}/{1 + opts.kmeans_iters}", quiet=quiet)
     return fits
 
@@ -228,15 +252,17 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
     acc: dict[tuple[int, int, str, int], _Acc] = {}
     used: dict[tuple[int, int], torch.Tensor] = {}
 
+    real = RealTokens()
+
     def consume(ev: RoutingEvent) -> None:
-        L, keep = ev.layer, ev.valid
-        h = ev.h[keep]  # [N, d]
-        tok = {mode: token_space(L, mode, h, ev.logits[keep], ev.idx[keep]) for mode in opts.centroids}
+        L = ev.layer
+        h, logits, idx = real.take(ev, ev.h, ev.logits, ev.idx)  # [N, d], [N, n], [N, K]: the real tokens
+        tok = {mode: token_space(L, mode, h, logits, idx) for mode in opts.centroids}
         for G in opts.codebook_sizes:
             cb = fits[(L.index, G)].codebook  # [G, d]
             g = fits[(L.index, G)].assign(h)  # [N]
             eps = ops.vector_norm(h.double() - cb.double()[g])  # [N] fp64
-            cnt = torch.bincount(g, minlength=G)
+            cnt = torch.zeros(G, dtype=torch.long, device=g.device).index_add_(0, g, torch.ones_like(g))
             used[(L.index, G)] = used[(L.index, G)] + cnt if (L.index, G) in used else cnt
             hnorm = ops.vector_norm(h.double())
             for mode in opts.centroids:
@@ -251,7 +277,8 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                                        (t["mass"] >= sb - BOUND_TOL).double().sum(),
                                        (s_best / hnorm.clamp_min(1e-30)).sum()])
                     bins = (t["mass"] * HIST_BINS).long().clamp(0, HIST_BINS - 1)
-                    hist = torch.bincount(bins, minlength=HIST_BINS).double()
+                    hist = torch.zeros(HIST_BINS, dtype=torch.float64, device=bins.device).index_add_(
+                        0, bins, torch.ones(bins.shape, dtype=torch.float64, device=bins.device))
                     key = (L.index, G, mode, m)
                     if key in acc:
                         acc[key].sums += row
@@ -260,7 +287,7 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                         acc[key] = _Acc(row, hist)
 
     forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
-            description="mass recall", quiet=quiet)
+            before_batch=real.before_batch, description="mass recall", quiet=quiet)
     if not acc:
         raise MoetoolError("no tokens evaluated (empty data?)")
     rows = []
