@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
                       Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, run_options,
                       start_run)
 
@@ -27,8 +27,13 @@ the distance but is not optimal (d/ds log ρ_L = E_{π|L}[z] − E_π[z] > 0 the
 best of s = 1, s = <h, c> and 64 grid points on [0, 2 max||h||] (any s gives a valid bound). Checked on every
 token (bound_scaled_holds_rate; 1 in unit mode, a theorem). Derivation also in manifest.json (bound_derivation).
 
+--bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows (per-row
+sums on the device, moetool.uncertainty) of mass_recall_mean, topk_recall and exact_topk_rate (*_lo/*_hi
+columns, error bars in mass_recall_vs_shortlist, value ± half-width on the console). The codebook is held fixed
+(fitted once); the interval covers the evaluation tokens' sampling only.
+
 Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
-mass_recall_p05, topk_recall, exact_topk_rate, quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
+mass_recall_p05, topk_recall, exact_topk_rate (each mean with _lo/_hi), quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
 bound_scaled_mean, bound_scaled_holds_rate, best_scale_mean, expert_coverage, router_flops_frac = (G+M)/n),
 figures/mass_recall_vs_shortlist, figures/mass_recall_vs_router_flops, figures/mass_recall_vs_bounds (measured
 vs both bounds, log scale), manifest.json (definitions, bound_derivation).
@@ -51,17 +56,18 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                 kmeans_iters: int = typer.Option(1, "--kmeans-iters", min=0,
                                                  help="Extra k-means passes over the data after the first."),
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
-                batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", seed: Seed = 0,
-                quiet: Quiet = False) -> None:
+                batch_size: BatchSize = 8, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, dtype: Dtype = "auto",
+                device: Device = "auto", seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
-    from moetool.report.console import print_table
+    from moetool.report.console import print_table, with_ci
     from moetool.report.writers import write
 
     opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),
                              shortlists=tuple(parse_list(shortlist, int, "shortlist size")),
                              centroids=tuple(parse_list(centroids, str, "centroids mode")),
-                             kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers))
+                             kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers),
+                             bootstrap=bootstrap)
     run, lm, tokens = start_run("mass-recall", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                                 batch_size=batch_size, dtype=dtype, device=device)
     res = compute(lm, tokens, opts, quiet=quiet)
@@ -70,7 +76,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
     for note in res.meta["notes"]:
         typer.secho(f"note: {note}", err=True)
     if not quiet:
-        print_table(res.summary, f"mass recall: {model} ({tokens.n_tokens:,} tokens)", csv="mass_recall.csv")
+        print_table(with_ci(res.summary), f"mass recall: {model} ({tokens.n_tokens:,} tokens)", csv="mass_recall.csv")
     echo_run(run.path)
 
 

@@ -6,6 +6,7 @@ import functools
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model
@@ -20,6 +21,7 @@ from moetool.experiments.kmeans import SphericalKMeans
 from moetool.experiments.mass_recall import (COLUMNS, MassRecallOptions, evaluate, run_mass_recall,
                                              scaled_bound, token_metrics)
 from moetool.loading import embedded_models
+from moetool.uncertainty import ratio_intervals
 
 needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
@@ -250,6 +252,16 @@ def test_mass_recall_matches_hand_computation():
         assert row["expert_coverage"] == pytest.approx(len(covered) / 8)
         srt = sorted(mass)
         assert abs(row["mass_recall_p05"] - srt[math.ceil(0.05 * n_tok) - 1]) <= 1 / 4096 + 1e-12
+        # bootstrap: the hand per-token values summed per packed row (7 real tokens, then 5), resampled by
+        # uncertainty.ratio_intervals with the run's replicates and seed
+        row_of = [0] * 7 + [1] * 5
+        num = np.zeros((2, 3))
+        for r, vals in zip(row_of, zip(mass, hits, exact)):
+            num[r] += vals
+        ivs = ratio_intervals(num, np.array([7.0, 5.0]), n_boot=opts.bootstrap, seed=opts.seed)
+        for iv, col in zip(ivs, ("mass_recall_mean", "topk_recall", "exact_topk_rate")):
+            assert (row[f"{col}_lo"], row[f"{col}_hi"]) == pytest.approx((iv.lo, iv.hi), abs=1e-6), col
+            assert row[f"{col}_lo"] <= row[col] <= row[f"{col}_hi"]
 
 
 # ----- the command on the embedded models --------------------------------------------------------

@@ -49,6 +49,7 @@ from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
 from .kmeans import SphericalKMeans
 from .result import Result, resolve_options
 
@@ -59,6 +60,9 @@ HIST_BINS = 4096
 COLUMNS = ["layer", "codebook_size", "shortlist_size", "centroids", "tokens", "mass_recall_mean",
            "mass_recall_p05", "topk_recall", "exact_topk_rate", "quant_error_mean", "bound_mean",
            "bound_holds_rate", "bound_scaled_mean", "bound_scaled_holds_rate", "best_scale_mean", "dead_codes", "expert_coverage", "router_flops_frac"]
+CI = ("mass_recall_mean", "topk_recall", "exact_topk_rate")  # per-token means with bootstrap intervals
+CI_COLUMNS = [f"{c}_{e}" for c in CI for e in ("lo", "hi")]
+COLUMNS = [c for col in COLUMNS for c in ((col, f"{col}_lo", f"{col}_hi") if col in CI else (col,))]
 # per-(layer, G, mode, M) running sums, in this order
 _SUMS = ("tokens", "mass", "topk_recall", "exact", "eps", "bound", "holds", "bound_scaled", "holds_scaled",
          "scale")
@@ -71,6 +75,7 @@ class MassRecallOptions:
     centroids: tuple[str, ...] = ("raw", "unit")  # expert centroid modes
     kmeans_iters: int = 1  # extra k-means passes over the data after the first
     seed: int = 0
+    bootstrap: int = DEFAULT_BOOTSTRAP  # document-level bootstrap replicates over packed rows (0 = no intervals)
     batch_size: int = 8
     layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
 
@@ -84,6 +89,7 @@ class MassRecallOptions:
             raise MoetoolError("--shortlist values must be >= 1")
         if self.kmeans_iters < 0:
             raise MoetoolError("--kmeans-iters must be >= 0")
+        check_n_boot(self.bootstrap)
 
 
 # ----- the routing distribution in each centroid mode ----------------------------------------
@@ -192,7 +198,14 @@ class RealTokens:
 
     def take(self, ev: RoutingEvent, *xs: torch.Tensor) -> list[torch.Tensor]:
         pos = torch.argsort((~ev.valid).to(torch.uint8), stable=True)[: self.n]  # real positions, in order
+        self.pos, self.positions = pos, ev.valid.shape[0]
         return [x.index_select(0, pos.to(x.device)) for x in xs]
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-real-token ``values [N, k]`` of the last :meth:`take` back at their positions ``[T, k]`` (0 on
+        padding): per-row sums for the bootstrap."""
+        full = torch.zeros(self.positions, values.shape[1], dtype=values.dtype, device=values.device)
+        return full.index_copy_(0, self.pos.to(values.device), values)
 
 
 def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRecallOptions,
@@ -253,10 +266,19 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
     used: dict[tuple[int, int], torch.Tensor] = {}
 
     real = RealTokens()
+    rows = RowTable(tokens) if opts.bootstrap else None
+    first = layers[0].index
+
+    def before(batch: Any) -> None:
+        real.before_batch(batch)
+        if rows is not None:
+            rows.next_batch(batch)
 
     def consume(ev: RoutingEvent) -> None:
         L = ev.layer
         h, logits, idx = real.take(ev, ev.h, ev.logits, ev.idx)  # [N, d], [N, n], [N, K]: the real tokens
+        if rows is not None and L.index == first:
+            rows.add("tokens", ev.valid.double())
         tok = {mode: token_space(L, mode, h, logits, idx) for mode in opts.centroids}
         for G in opts.codebook_sizes:
             cb = fits[(L.index, G)].codebook  # [G, d]
@@ -280,6 +302,9 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                     hist = torch.zeros(HIST_BINS, dtype=torch.float64, device=bins.device).index_add_(
                         0, bins, torch.ones(bins.shape, dtype=torch.float64, device=bins.device))
                     key = (L.index, G, mode, m)
+                    if rows is not None:
+                        rows.add(f"{L.index}/{G}/{mode}/{m}", real.scatter(torch.stack(
+                            [t["mass"], t["topk_recall"], t["exact"]], -1)))
                     if key in acc:
                         acc[key].sums += row
                         acc[key].hist += hist
@@ -287,10 +312,10 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                         acc[key] = _Acc(row, hist)
 
     forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
-            before_batch=real.before_batch, description="mass recall", quiet=quiet)
+            before_batch=before, description="mass recall", quiet=quiet)
     if not acc:
         raise MoetoolError("no tokens evaluated (empty data?)")
-    rows = []
+    table_rows = []
     n_of = {L.index: L.n_experts for L in layers}
     for (layer, G, mode, m), a in acc.items():
         s = dict(zip(_SUMS, a.sums.tolist()))
@@ -298,7 +323,7 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
         _, order = spaces[(layer, G, mode)]
         covered = torch.unique(order[count > 0, :m])
         n = n_of[layer]
-        rows.append({"layer": layer, "codebook_size": G, "shortlist_size": m, "centroids": mode,
+        table_rows.append({"layer": layer, "codebook_size": G, "shortlist_size": m, "centroids": mode,
                      "tokens": int(s["tokens"]), "mass_recall_mean": s["mass"] / s["tokens"],
                      "mass_recall_p05": ops.hist_quantile(a.hist, 0.05),
                      "topk_recall": s["topk_recall"] / s["tokens"], "exact_topk_rate": s["exact"] / s["tokens"],
@@ -308,7 +333,20 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                      "bound_scaled_holds_rate": s["holds_scaled"] / s["tokens"],
                      "best_scale_mean": s["scale"] / s["tokens"], "dead_codes": int((count == 0).sum()),
                      "expert_coverage": covered.numel() / n, "router_flops_frac": (G + m) / n})
-    df = pd.DataFrame(rows, columns=COLUMNS).sort_values(["layer", "centroids", "codebook_size", "shortlist_size"])
+    ci = {}
+    if rows is not None:
+        rows.reduce_across_ranks()
+        keys = list(acc)
+        num = torch.cat([torch.as_tensor(rows.table(f"{k[0]}/{k[1]}/{k[2]}/{k[3]}")).reshape(rows.n_rows, -1)
+                         for k in keys], 1).numpy()
+        ivs = ratio_intervals(num, rows.table("tokens"), n_boot=opts.bootstrap, seed=opts.seed)
+        for i, k in enumerate(keys):
+            ci[k] = {f"{c}_{e}": getattr(ivs[3 * i + j], e) for j, c in enumerate(CI) for e in ("lo", "hi")}
+    for r in table_rows:
+        r.update(ci.get((r["layer"], r["codebook_size"], r["centroids"], r["shortlist_size"]),
+                        dict.fromkeys(CI_COLUMNS, float("nan"))))
+    df = pd.DataFrame(table_rows, columns=COLUMNS).sort_values(
+        ["layer", "centroids", "codebook_size", "shortlist_size"])
     return MassRecallResult(df.reset_index(drop=True), notes)
 
 

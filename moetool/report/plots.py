@@ -222,8 +222,11 @@ def plot_mass_recall(df: Any) -> dict[str, Any]:
     for name, x in (("mass_recall_vs_shortlist", "shortlist_size"),
                     ("mass_recall_vs_router_flops", "router_flops_frac")):
         fig, axes = new_figure(*grid_shape(len(layers)))
+        ci = ("mass_recall_mean_lo", "mass_recall_mean_hi")  # bootstrap interval, when the run computed one
+        yerr = ci if all(c in df for c in ci) and df[ci[0]].notna().all() else None
         for ax, layer in zip(axes, layers):
-            line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}")
+            line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}",
+                    yerr=yerr)
             ax.set_ylim(0, 1.02)
         for ax in axes[len(layers):]:
             ax.set_visible(False)
