@@ -118,3 +118,17 @@ def test_run_caption_goes_under_figures_without_one(tmp_path):
     fig2, _ = F.new_figure(caption="own")
     run.save_figure(fig2, "b")
     assert [t.get_text() for t in fig2.texts if t.get_gid() == "caption"] == ["own"]
+
+
+@pytest.mark.parametrize("rotation", [0, 45, 90])
+def test_caption_sits_below_rotated_tick_labels_and_legend(tmp_path, rotation):
+    """The caption's box overlaps no axes' box (tick labels included) and no figure legend."""
+    fig, _ = draw() if rotation == 0 else F.new_figure(caption=F.describe_run("tiny", "data/held-out.txt", 8192))
+    for ax in fig.axes:
+        ax.bar(range(4), [1, 2, 3, 4])
+        ax.set_xticks(range(4), [f"a long category name {i}" for i in range(4)], rotation=rotation)
+    F.savefig(fig, tmp_path / "f.png")
+    r = fig.canvas.get_renderer()
+    cap = [t for t in fig.texts if t.get_gid() == "caption"][0].get_window_extent(r)
+    others = [ax.get_tightbbox(r) for ax in fig.axes] + [lg.get_window_extent(r) for lg in fig.legends]
+    assert others and all(cap.y1 <= b.y0 + 1e-6 for b in others)

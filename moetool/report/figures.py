@@ -241,37 +241,45 @@ def finalize(fig: Any) -> Any:
         if ax.get_legend() is not None:
             for t in ax.get_legend().get_texts():
                 t.set_fontsize(STYLE["legend.fontsize"])
-    below = _one_legend(fig, axes)
-    for t in fig.findobj(Text):
-        if t.get_gid() == "caption":
+    _one_legend(fig, axes)
+    captions = [t for t in fig.findobj(Text) if t.get_gid() == "caption"]
+    if captions:
+        low = _lowest(fig, captions)
+        for t in captions:
             t.set_fontsize(7)
-            if below is not None:
-                t.set_y(below)
+            t.set_y(min(0.0, low - 0.01))
     return fig
 
 
-def _one_legend(fig: Any, axes: list[Any]) -> float | None:
-    """Replace per-panel legends that repeat one set of series by one legend below the panels; returns the
-    figure y below that legend (for the caption), or ``None`` when nothing changed."""
+def _lowest(fig: Any, skip: list[Any]) -> float:
+    """The figure y (fraction) of the lowest drawn thing but ``skip``: axes with their tick labels (rotated ones
+    reach far below), legends, texts. The caption goes under it, never over a label."""
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    boxes += [a.get_window_extent(renderer) for a in (*fig.legends, *fig.texts) if a not in skip and a.get_visible()]
+    ys = [b.y0 for b in boxes if b is not None and b.height > 0]
+    return min(ys) / fig.bbox.height if ys else 0.0
+
+
+def _one_legend(fig: Any, axes: list[Any]) -> None:
+    """Replace per-panel legends that repeat one set of series by one legend below the panels."""
     legends = [(ax, ax.get_legend()) for ax in axes if ax.get_legend() is not None]
     if len(legends) < 2:
-        return None
+        return
     handles: dict[str, Any] = {}
     for ax, _ in legends:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
     if len(handles) > 12:
-        return None
+        return
     for _, lg in legends:
         lg.remove()
     try:
         fig.tight_layout()
     except (ValueError, RuntimeError):  # a layout it cannot solve: keep matplotlib's own
         pass
-    lg = fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=(0.5, 0.0),
-                    ncol=min(len(handles), 4), fontsize=STYLE["legend.fontsize"], frameon=False)
-    bb = lg.get_window_extent(fig.canvas.get_renderer())
-    return bb.y0 / fig.bbox.height - 0.01
+    fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=min(len(handles), 4), fontsize=STYLE["legend.fontsize"], frameon=False)
 
 
 def savefig(fig: Any, path: str | Path, *, finalized: bool = False, **kwargs: Any) -> Path:
