@@ -1,4 +1,5 @@
-"""What ``--bootstrap`` costs: interval time / run time for stats, ppl and norm-select on the embedded models.
+"""What ``--bootstrap`` costs: interval time / run time for stats, ppl, norm-select, mass-recall and fluctuation on
+the embedded models (``intervals`` only where the replicates can be timed apart from the run).
 
     python bench/bench_bootstrap.py                       # tiny and tiny-fine, 32768 tokens, 1000 replicates
     python bench/bench_bootstrap.py --tokens 8192 --models tiny --replicates 1000 --repeat 3
@@ -41,7 +42,9 @@ def main() -> None:
     from moetool.experiments import norm_select as ns
     from moetool.experiments.ppl import perplexity, ppl, ppl_intervals
     from moetool.experiments.stats import collect, stats
-    from moetool.loading import load
+    from moetool.experiments.fluctuation import fluctuation
+    from moetool.experiments.mass_recall import mass_recall
+    from moetool.loading import embedded_models, load
     from moetool.policies import build_policy
     from moetool.uncertainty import RowTable
 
@@ -71,7 +74,12 @@ def main() -> None:
             "ppl": (lambda b: ppl(lm, tokens, quiet=True, bootstrap=b),
                     (lambda r=perplexity(lm, shard, rows=RowTable(shard), quiet=True): ppl_intervals(r, n_boot=N))),
             "norm-select": (lambda b: ns.norm_select(lm, tokens, quiet=True, bootstrap=b), ns_intervals),
+            "mass-recall": (lambda b: mass_recall(lm, tokens, quiet=True, bootstrap=b), None),
         }
+        if f"{name}-early" in embedded_models():  # the pair the README shows: <name>-early -> <name>
+            early = load(f"{name}-early", tokenizer=False)
+            runs["fluctuation"] = (lambda b: fluctuation([early, lm], tokens, routing=("router", "similarity"),
+                                                         quiet=True, bootstrap=b), None)
         for cmd, (run, only) in runs.items():
             base, over, part = [], [], []
             for i in range(args.repeat):  # alternate which goes first: a warm cache favours the second

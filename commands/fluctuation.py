@@ -81,7 +81,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                                         max_tokens=max_tokens))
     if not quiet:
         print_table(with_ci(res.summary), f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
-        for line in summary_lines(res["fluctuation"]):
+        for line in summary_lines(res["fluctuation_summary"]):
             typer.echo(line)
     echo_run(run.path)
 

@@ -57,7 +57,7 @@ def loader(name: str):
 
 def test_identical_checkpoints_change_nothing(ckpts):
     opts = FluctuationOptions(isolate=True, batch_size=2)
-    df = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
+    df, _ = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
     assert list(df.columns) == COLUMNS
     assert set(df["routing"]) == {"router", "similarity", "attention", "router-isolated", "similarity-isolated",
                                   "attention-isolated"}
@@ -82,7 +82,7 @@ def hand_change(h: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, K: int) -> 
 
 def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
     opts = FluctuationOptions(routing=("router",), isolate=True, batch_size=2)
-    df = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
+    df, _ = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
     assert (df["reference"] == ckpts["a"]).all() and (df["checkpoint"] == ckpts["b"]).all()
     before = df[df["layer"] < J]
     assert len(before) == 2 * J and (before[CHANGE] == 0).all().all() and (before["entropy_ratio"] == 1).all()
@@ -117,7 +117,7 @@ def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
     assert iv.value == pytest.approx(row["topk_change"], abs=1e-12)
     assert (row["topk_change_lo"], row["topk_change_hi"]) == pytest.approx((iv.lo, iv.hi), abs=1e-12)
     assert row["topk_change_lo"] < row["topk_change"] < row["topk_change_hi"]
-    off = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), FluctuationOptions(routing=("router",), batch_size=2,
+    off, _ = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), FluctuationOptions(routing=("router",), batch_size=2,
                                                                                  bootstrap=0), loader)
     assert off["topk_change_lo"].isna().all() and (off["topk_change"] == df[df["routing"] == "router"]
                                                    ["topk_change"].to_numpy()).all()
@@ -137,7 +137,7 @@ def test_reference_modes_and_processing_order():
 def test_three_checkpoints_reference_last(ckpts):
     """a, b, a with reference last: (a -> a) is all zeros, (a -> b) equals the two-checkpoint run."""
     opts = FluctuationOptions(routing=("router",), reference="last", batch_size=2)
-    df = run_fluctuation([ckpts["a"], ckpts["b"], ckpts["a"]], tokens(), opts, loader)
+    df, _ = run_fluctuation([ckpts["a"], ckpts["b"], ckpts["a"]], tokens(), opts, loader)
     same = df[df["checkpoint"] == ckpts["a"]]
     assert len(same) == 4 and (same[CHANGE] == 0).all().all()
     moved = df[(df["checkpoint"] == ckpts["b"]) & (df["layer"] == J)]
@@ -160,7 +160,7 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
     from moetool.policies import make_policy
 
     opts = FluctuationOptions(routing=("similarity",), tau=40.0, batch_size=2)
-    df = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
+    df, _ = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
     a = loader(ckpts["a"])
     pol = make_policy("similarity", tau=40.0)
     ent, ent_pi = [], []
@@ -192,3 +192,39 @@ def test_cli_on_embedded_checkpoints(tmp_path, early, final):
     moved = df[(df["reference"] == early) & (df["routing"] == "router")]
     assert (moved["top1_change"] > 0).any()
     assert (out / "figures" / "fluctuation_by_layer.png").exists()
+
+
+def test_pooled_summary_matches_the_layers_and_a_hand_bootstrap(ckpts):
+    """fluctuation_summary: mean over layers of top-1 change with its bootstrap interval (hand per-row sums at the
+    only changed layer for router-isolated) and the paired reduction of a policy against the router."""
+    from moetool.experiments.fluctuation import SUMMARY_COLUMNS
+
+    opts = FluctuationOptions(routing=("router", "similarity"), isolate=True, batch_size=2, bootstrap=500, seed=5)
+    df, pooled = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
+    assert list(pooled.columns) == SUMMARY_COLUMNS and len(pooled) == 4 and (pooled["layers"] == 4).all()
+    means = df.groupby("routing")["top1_change"].mean()
+    by = pooled.set_index("routing")
+    for label in means.index:
+        assert by.loc[label, "top1_change"] == pytest.approx(means[label], abs=1e-12)
+    for base, other in (("router", "similarity"), ("router-isolated", "similarity-isolated")):
+        assert by.loc[base, "reduction_vs_router"] != by.loc[base, "reduction_vs_router"]  # NaN for the router
+        want = by.loc[base, "top1_change"] - by.loc[other, "top1_change"]
+        assert by.loc[other, "reduction_vs_router"] == pytest.approx(want, abs=1e-12)
+        lo, hi = by.loc[other, ["reduction_vs_router_lo", "reduction_vs_router_hi"]]
+        assert lo <= by.loc[other, "reduction_vs_router"] <= hi
+    # router-isolated changes only at layer J: per row, the hand top-1 flags there over 4 layers' tokens
+    a, b = loader(ckpts["a"]), loader(ckpts["b"])
+    hs, tk = [], tokens()
+    with torch.no_grad(), Engine(a.model, [a.layers[J]], consumers=[lambda ev: hs.append(ev.h[ev.valid])]):
+        for bt in tk.batches(2):
+            a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
+    h = torch.cat(hs).double()
+    wa, wb = (m.layers[J].router.weight.detach().double() for m in (a, b))
+    flag = ((h @ wa.T).argmax(-1) != (h @ wb.T).argmax(-1)).double()
+    row_of = torch.arange(4).repeat_interleave(16)[tk.attention_mask.reshape(-1).bool()]
+    num = torch.zeros(4, dtype=torch.float64).index_add_(0, row_of, flag).numpy()
+    den = 4 * torch.bincount(row_of, minlength=4).double().numpy()
+    iv = ratio_intervals(num, den, n_boot=500, seed=5)[0]
+    assert iv.value > 0
+    assert tuple(by.loc["router-isolated", ["top1_change", "top1_change_lo", "top1_change_hi"]]) == pytest.approx(
+        (iv.value, iv.lo, iv.hi), abs=1e-12)

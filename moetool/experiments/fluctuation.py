@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -38,7 +39,7 @@ from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..sketch import Moments, TokenSpill
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
+from ..uncertainty import DEFAULT_BOOTSTRAP, Interval, RowSums, check_n_boot, ratio_intervals
 from .result import Result, resolve_options
 
 ROUTINGS = ("router", "similarity", "attention")  # the default comparison; any policy spec is accepted
@@ -46,6 +47,9 @@ REFERENCES = ("previous", "first", "last")
 RATES = ("top1_change", "topk_change", "topk_overlap", "jaccard")  # per-token means, with bootstrap intervals
 COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens",
            *(c for r in RATES for c in (r, f"{r}_lo", f"{r}_hi")), "entropy_ref", "entropy_ckpt", "entropy_ratio"]
+#: the headline table: mean over layers per pair and routing, and its paired difference from the router's
+SUMMARY_COLUMNS = ["routing", "reference", "checkpoint", "tokens", "layers", "top1_change", "top1_change_lo",
+                   "top1_change_hi", "reduction_vs_router", "reduction_vs_router_lo", "reduction_vs_router_hi"]
 
 
 @dataclass(frozen=True)
@@ -269,11 +273,19 @@ def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[in
     return out
 
 
-def compare_with_intervals(ref: Routing, ckpt: Routing, n_boot: int, seed: int) -> dict[int, dict[str, float]]:
+def compare_with_intervals(ref: Routing, ckpt: Routing, n_boot: int, seed: int,
+                           top1_rows: dict[int, np.ndarray] | None = None) -> dict[int, dict[str, float]]:
     """:func:`compare` plus ``*_lo``/``*_hi`` of every rate: document-level bootstrap over packed rows
-    (moetool.uncertainty.ratio_intervals on the per-row sums; NaN with ``n_boot = 0``)."""
-    rows = RowSums() if n_boot else None
+    (moetool.uncertainty.ratio_intervals on the per-row sums; NaN with ``n_boot = 0``). ``top1_rows`` receives
+    each packed row's top-1 changes summed over layers and its real tokens (row id -> [changes, tokens]), for
+    the pooled summary."""
+    rows = RowSums()
     out = compare(ref, ckpt, rows)
+    if top1_rows is not None and rows.rows:
+        per = rows.table("rates").reshape(len(rows.rows), len(ref.layers), len(RATES))[:, :, 0].sum(1)
+        top1_rows.update(zip(rows.rows, np.stack([per, rows.table("tokens")], 1)))
+    if not n_boot:
+        rows = None
     if rows is not None and rows.rows:
         ivs = ratio_intervals(rows.table("rates").reshape(len(rows.rows), -1), rows.table("tokens"),
                               n_boot=n_boot, seed=seed)
@@ -319,17 +331,48 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
         if opts.isolate and any(c == i for _, c in plist):
             routers[i] = {L.index: router_copy(L) for L in lm.layers}
         del lm
-    rows = []
+    rows, pooled = [], []
     for r, c in plist:
         labels = [(routing, routing, runs[(c, routing)]) for routing in opts.routing]
         if opts.isolate:
             labels += [(f"{routing}-isolated", routing, isolated[(r, c, routing)]) for routing in opts.routing]
+        per_row: dict[str, dict[int, np.ndarray]] = {}
         for label, routing, other in labels:
-            for layer, m in compare_with_intervals(runs[(r, routing)], other, opts.bootstrap, opts.seed).items():
+            per_row[label] = {}
+            for layer, m in compare_with_intervals(runs[(r, routing)], other, opts.bootstrap, opts.seed,
+                                                   per_row[label]).items():
                 rows.append({"layer": layer, "routing": label, "reference": names[r], "checkpoint": names[c], **m})
+        pooled += pooled_rows(per_row, runs[(r, opts.routing[0])], names[r], names[c], opts.bootstrap, opts.seed)
     for rt in (*runs.values(), *isolated.values()):
         rt.spill.close()
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=COLUMNS), pd.DataFrame(pooled, columns=SUMMARY_COLUMNS)
+
+
+def pooled_rows(per_row: dict[str, dict[int, np.ndarray]], ref: Routing, reference: str, checkpoint: str,
+                n_boot: int, seed: int) -> list[dict[str, Any]]:
+    """Mean over layers of the top-1 change per routing, and ``reduction_vs_router`` = router's − this routing's
+    (the same tokens: a paired difference). Both intervals are document-level bootstraps with one set of row
+    weights (same rows, same seed), so the difference's interval accounts for the pairing."""
+    L = len(ref.layers)
+    out = []
+    for label, rows in per_row.items():
+        ids = sorted(rows)
+        if not ids:
+            raise MoetoolError(f"no tokens compared for {reference} -> {checkpoint} ({label})")
+        num, tok = np.array([rows[i] for i in ids], dtype=np.float64).T
+        tok = tok * L
+        (mean,) = ratio_intervals(num, tok, n_boot=n_boot, seed=seed)
+        ref_label = "router-isolated" if label.endswith("-isolated") else "router"
+        base = per_row.get(ref_label)
+        if base is None or label == ref_label:
+            red = Interval(float("nan"))
+        else:
+            if sorted(base) != ids:
+                raise MoetoolError(f"{label} and {ref_label} compared different rows")
+            (red,) = ratio_intervals(np.array([base[i][0] for i in ids]) - num, tok, n_boot=n_boot, seed=seed)
+        out.append({"routing": label, "reference": reference, "checkpoint": checkpoint, "tokens": ref.tokens,
+                    "layers": L, **mean.columns("top1_change"), **red.columns("reduction_vs_router")})
+    return out
 
 
 # ----- the whole command ---------------------------------------------------------------------
@@ -389,27 +432,40 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
 
         names = [str(c) for c in checkpoints]
         attn = "eager" if opts.needs_attention else None
-        df = run_fluctuation(names, tokens, opts, lambda n: load(n, dtype=opts.dtype, device=opts.device,
-                                                                 attn_implementation=attn, tokenizer=False),
-                             quiet=quiet)
+        df, pooled = run_fluctuation(names, tokens, opts,
+                                     lambda n: load(n, dtype=opts.dtype, device=opts.device, attn_implementation=attn,
+                                                    tokenizer=False), quiet=quiet)
     else:
         models = {str(i): lm for i, lm in enumerate(checkpoints)}
-        df = run_fluctuation(list(models), tokens, opts, models.__getitem__, quiet=quiet)
+        df, pooled = run_fluctuation(list(models), tokens, opts, models.__getitem__, quiet=quiet)
         names = [getattr(lm, "name", str(i)) for i, lm in enumerate(checkpoints)]
-        for col in ("reference", "checkpoint"):
-            df[col] = [names[int(i)] for i in df[col]]
-    return Result("fluctuation", {"fluctuation.csv": df}, opts,
+        for t in (df, pooled):
+            for col in ("reference", "checkpoint"):
+                t[col] = [names[int(i)] for i in t[col]]
+    return Result("fluctuation", {"fluctuation.csv": df, "fluctuation_summary.csv": pooled}, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(), checkpoints=names,
                             similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
                                         "causal": opts.causal}),
                   summary=df.drop(columns=["tokens"]))
 
 
-def summary_lines(df: Any) -> list[str]:
-    """Mean over layers of top-1 change and entropy ratio, per pair and routing."""
+def summary_lines(pooled: Any) -> list[str]:
+    """Per pair: each routing's top-1 change (mean over layers, ± the 95% half-width) and, for a policy, its
+    paired reduction against the router with whether the interval excludes 0."""
+    from ..report.console import format_ci
+
     lines = []
-    for (r, c), d in df.groupby(["reference", "checkpoint"], sort=False):
-        parts = [f"{rt} {g['top1_change'].mean():.3f}" for rt, g in d.groupby("routing", sort=False)]
+    for (r, c), d in pooled.groupby(["reference", "checkpoint"], sort=False):
+        parts = []
+        for row in d.itertuples():
+            text = f"{row.routing} {format_ci(row.top1_change, row.top1_change_lo, row.top1_change_hi)}"
+            if np.isfinite(row.reduction_vs_router):
+                lo, hi = row.reduction_vs_router_lo, row.reduction_vs_router_hi
+                verdict = "" if not np.isfinite(lo) else (" (0 inside the interval)" if lo <= 0 <= hi
+                                                          else " (interval excludes 0)")
+                text += (f" [reduction vs router "
+                         f"{format_ci(row.reduction_vs_router, lo, hi)}{verdict}]")
+            parts.append(text)
         lines.append(f"{r} -> {c}: top-1 change (mean over layers) " + ", ".join(parts))
     return lines
 
@@ -432,6 +488,6 @@ def demo(parent: Any, quiet: bool) -> list[str]:
         tokens = load_tokens(None, check_checkpoints(names), seq_len=128, max_tokens=2048)
         res = fluctuation(names, tokens, opts, quiet=quiet)
         write(res, child.sub(final), options=dict(checkpoints=names, seq_len=128, max_tokens=2048))
-        lines += summary_lines(res["fluctuation"])
+        lines += summary_lines(res["fluctuation_summary"])
     child.finish(options=dict(pairs=[["tiny-early", "tiny"], ["tiny-fine-early", "tiny-fine"]]))
     return lines or ["fluctuation: no embedded checkpoint pair found"]
