@@ -102,6 +102,48 @@ def _bind_expert_args(experts: nn.Module):
     return get, put
 
 
+def offloaded(module: nn.Module) -> bool:
+    """Parameters kept off the device by accelerate (``device_map`` with CPU/disk offload) until its pre-forward."""
+    if not hasattr(module, "_hf_hook"):
+        return False
+    from accelerate.utils import has_offloaded_params
+
+    return has_offloaded_params(module)
+
+
+class AfterAccelerateLoads:
+    """An engine pre-hook ``hook(module, args, kwargs)`` run inside accelerate's ``pre_forward`` of an offloaded
+    experts module, right after it brought the weights (and the inputs) to the execution device: a probe in a
+    policy or consumer reuses those weights instead of moving the whole layer's experts a second time. A torch
+    forward pre-hook would run before accelerate's, with the weights still offloaded. ``remove()`` restores."""
+
+    def __init__(self, module: nn.Module, hook: Callable[..., Any]):
+        from .probes import ON_DEVICE
+
+        self.acc = module._hf_hook
+        self.had = "pre_forward" in vars(self.acc)
+        self.orig = orig = self.acc.pre_forward
+
+        def pre_forward(mod, *args, **kwargs):
+            args, kwargs = orig(mod, *args, **kwargs)
+            if not args and not kwargs:  # accelerate's align_module_device, not a forward
+                return args, kwargs
+            setattr(mod, ON_DEVICE, True)
+            try:
+                new = hook(mod, args, kwargs)
+            finally:
+                setattr(mod, ON_DEVICE, False)
+            return new if new is not None else (args, kwargs)
+
+        self.acc.pre_forward = pre_forward
+
+    def remove(self) -> None:
+        if self.had:
+            self.acc.pre_forward = self.orig
+        else:
+            vars(self.acc).pop("pre_forward", None)
+
+
 class Engine:
     """Hook every MoE layer of ``model`` for the duration of a ``with`` block.
 
@@ -130,7 +172,10 @@ class Engine:
         for L in self.layers:
             self._slots[L.index] = {}
             self._handles.append(L.router.register_forward_hook(self._router_hook(L)))
-            self._handles.append(L.experts.register_forward_pre_hook(self._experts_hook(L), with_kwargs=True))
+            if offloaded(L.experts):  # run inside accelerate's pre-forward, once the weights are on the device
+                self._handles.append(AfterAccelerateLoads(L.experts, self._experts_hook(L)))
+            else:
+                self._handles.append(L.experts.register_forward_pre_hook(self._experts_hook(L), with_kwargs=True))
             if self.attention:
                 if L.attention is None:
                     raise MoetoolError(f"layer {L.index} has no self-attention module to read")

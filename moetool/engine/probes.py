@@ -2,7 +2,8 @@
 
 One batched matmul over experts per chunk of tokens (never a Python loop over experts):
 ``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
-Works on offloaded (accelerate) layers: weights are brought to the device for the call.
+Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
+elsewhere they are brought to the device for the call.
 """
 
 from __future__ import annotations
@@ -22,10 +23,18 @@ NODES = ("gate", "up", "act", "glu", "output")
 DEFAULT_BUDGET = 1 << 26
 
 
+#: set on an experts module while accelerate's own pre-forward has its offloaded weights on the execution device
+#: (the engine runs its hook there, :func:`moetool.engine.hooks.after_accelerate_loads`): probes reuse them
+ON_DEVICE = "_moetool_weights_on_device"
+
+
 @contextlib.contextmanager
 def _weights_on_device(layer: MoELayer) -> Iterator[None]:
-    """Materialise offloaded expert weights (accelerate ``device_map``) for the duration of a probe."""
-    if hasattr(layer.experts, "_hf_hook"):
+    """Materialise offloaded expert weights (accelerate ``device_map``) for the duration of a probe, unless the
+    layer's own forward already brought them in (then they are reused, not moved a second time)."""
+    if getattr(layer.experts, ON_DEVICE, False):
+        yield
+    elif hasattr(layer.experts, "_hf_hook"):
         from accelerate.utils import align_module_device
 
         with align_module_device(layer.experts):
