@@ -171,11 +171,18 @@ class StartedRun:
 
 def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
               max_tokens: int | None = None, batch_size: int | None = None, dtype: str = "auto", device: str = "auto",
-              device_map: str | None = None, attention: bool = False, tokenizer: bool = True) -> StartedRun:
+              device_map: str | None = None, attention: bool = False, tokenizer: bool = True,
+              add_special_tokens: bool | None = False) -> StartedRun:
     """The start every command shares: ``--data`` must exist and the run must fit (:func:`check_run`) before the
     run folder exists; then the folder (with the memory estimate), the model (eager attention for ``attention``),
     and with ``seq_len`` the packed tokens of ``--data``. Unpacks as ``run, lm, tokens`` (tokens ``None`` without
-    ``seq_len``); ``.write(result)`` writes the result with the run-level options (model, data, sizes, device)."""
+    ``seq_len``); ``.write(result)`` writes the result with the run-level options (model, data, sizes, device).
+
+    Under ``torchrun`` / ``accelerate launch`` (:mod:`moetool.distributed`) every rank joins the process group
+    (gloo on CPU, nccl on ``cuda:LOCAL_RANK``) before loading; rank 0 alone gets the run folder, the others a
+    :class:`NullRun` (nothing written) and a silent stdout; the manifest records the world size and each rank's
+    rows and tokens (its shard of ``--batch-size`` rows of every global batch)."""
+    from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
     from moetool.report import RunDir
@@ -185,13 +192,53 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
                     device_map=device_map, attn_implementation=attn)
-    run = RunDir.create(command, out, force)
+    main = distributed.is_main()
+    run = RunDir.create(command, out, force) if main else NullRun(command, out)
+    distributed.init(device)  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
+    if not main:
+        sys.stdout = open(os.devnull, "w")  # one console: rank 0's
     run.add(memory_estimate=est.as_dict())
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens) if seq_len is not None else None
+    tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
+              if seq_len is not None else None)
+    if distributed.world_size() > 1:
+        run.add(distributed=rank_layout(tokens, batch_size))
     sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
     options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
     return StartedRun(run, lm, tokens, options)
+
+
+def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:
+    """The manifest's ``distributed`` section: world size, backend and (with tokens) each rank's rows and real
+    tokens, gathered from the ranks themselves (a collective: every rank calls it)."""
+    from moetool import distributed
+
+    info: dict[str, Any] = {"world_size": distributed.world_size(), "backend": distributed.backend()}
+    if tokens is not None and batch_size:
+        mine = distributed.shard(tokens, batch_size)
+        got = distributed.gather_object((int(mine.input_ids.shape[0]), int(mine.n_tokens)))
+        info.update(rows_per_rank=[r for r, _ in got], tokens_per_rank=[t for _, t in got],
+                    rows_per_global_batch=batch_size * distributed.world_size())
+    return info
+
+
+class NullRun:
+    """The run folder of a rank other than 0 under data parallelism: every write is dropped (rank 0 writes the
+    one run directory); ``path`` names rank 0's folder without creating anything."""
+
+    discard = True
+
+    def __init__(self, command: str, out: Any = None):
+        self.command, self._path, self.caption = command, Path(out) if out else Path("runs") / command, ""
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def __getattr__(self, name: str) -> Any:  # add, write_csv, save_figure, finish, mark, ...: nothing happens
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
 
 
 def run_options(**options: Any) -> dict[str, Any]:

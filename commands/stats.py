@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, preflight, run_options)
+                      MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, preflight, start_run)
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -83,24 +83,18 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.stats import StatsOptions, stats as compute
-    from moetool.loading import load
-    from moetool.report import RunDir
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
                         coactivation=coactivation, all_tokens=all_tokens, bootstrap=bootstrap, seed=seed)
-    DocumentStream(data)  # a missing --data fails before a model is loaded
-    run = RunDir.create("stats", out, force)
-    lm = load(model, dtype=dtype, device=device, device_map=device_map)
-    tokens = load_tokens(data, lm.tokenizer, seq_len, max_tokens,
-                         add_special_tokens=False if no_special_tokens else None)
+    started = start_run("stats", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                        add_special_tokens=False if no_special_tokens else None)
+    run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map,
-                                                  special_tokens="none" if no_special_tokens else "tokenizer default"))
+    started.options["special_tokens"] = "none" if no_special_tokens else "tokenizer default"
+    started.write(res)
     print_table(res.summary, title=f"{model}: {tokens.n_tokens:,} tokens", csv="layers.csv")
     echo_run(run.path)
 

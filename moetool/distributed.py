@@ -21,6 +21,7 @@ What a forward loop needs (one process or many):
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -77,8 +78,24 @@ def init(device: str | None = None) -> torch.device:
     if e.distributed and not initialized():
         if use_cuda:
             torch.cuda.set_device(dev)
-        _dist().init_process_group(backend="nccl" if use_cuda else "gloo", rank=e.rank, world_size=e.world_size)
+        _dist().init_process_group(backend="nccl" if use_cuda else "gloo", rank=e.rank, world_size=e.world_size,
+                                   timeout=_timeout())
+        atexit.register(shutdown)  # leave the group cleanly when the command ends
     return dev
+
+
+def _timeout() -> Any:
+    """``MOETOOL_DIST_TIMEOUT`` seconds for every collective (tests: a minute, so a mismatch fails instead of
+    hanging for torch's default 10-30 minutes); ``None`` = torch's default."""
+    from datetime import timedelta
+
+    raw = os.environ.get("MOETOOL_DIST_TIMEOUT")
+    if not raw:
+        return None
+    try:
+        return timedelta(seconds=float(raw))
+    except ValueError:
+        raise MoetoolError(f"MOETOOL_DIST_TIMEOUT must be a number of seconds, not '{raw}'") from None
 
 
 def shutdown() -> None:
@@ -92,6 +109,11 @@ def rank() -> int:
 
 def world_size() -> int:
     return _dist().get_world_size() if initialized() else 1
+
+
+def backend() -> str | None:
+    """``gloo`` / ``nccl`` in a process group, ``None`` alone."""
+    return str(_dist().get_backend()) if initialized() else None
 
 
 def is_main() -> bool:
@@ -159,6 +181,44 @@ def all_reduce_dict(acc: Mapping[str, Any], op: str = "sum") -> dict[str, Any]:
             out[k] = all_reduce_dict(v, op)
         else:
             out[k] = v
+    return out
+
+
+def all_reduce_keyed(acc: Mapping[Any, Any], op: str = "sum") -> dict[Any, Any]:
+    """Like :func:`all_reduce_dict` for accumulators keyed by what a rank happened to see (MoE layers, codebook
+    sizes): the ranks first agree on the union of keys (one ``all_gather_object``), a rank that lacks a key
+    joins with zeros of the shape another rank reported, and every rank then reduces the same tensors in the
+    same order -- so a rank with fewer (or no) rows never leaves a collective unmatched. Values: tensors or
+    dicts of tensors (other entries copied from whichever rank has them)."""
+    if not initialized():
+        return dict(acc)
+
+    def spec(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.dtype)
+        if isinstance(v, Mapping):
+            return {k: spec(x) for k, x in v.items()}
+        return ("value", v)
+
+    def zeros(sp: Any) -> Any:
+        if isinstance(sp, dict):
+            return {k: zeros(x) for k, x in sp.items()}
+        return torch.zeros(sp[1], dtype=sp[2]) if sp[0] == "tensor" else sp[1]
+
+    specs: dict[Any, Any] = {}
+    for part in gather_object({k: spec(v) for k, v in acc.items()}):
+        for k, sp in part.items():
+            specs.setdefault(k, sp)
+    out: dict[Any, Any] = {}
+    try:
+        order = sorted(specs)  # the same order on every rank (layer numbers, (layer, size) pairs)
+    except TypeError:
+        order = sorted(specs, key=repr)
+    for k in order:
+        v = acc[k] if k in acc else zeros(specs[k])
+        out[k] = all_reduce(v, op) if isinstance(v, torch.Tensor) else \
+            {n: all_reduce(x, op) if isinstance(x, torch.Tensor) else x for n, x in v.items()} \
+            if isinstance(v, Mapping) else v
     return out
 
 

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
 
+def _other_rank() -> bool:
+    """A data-parallel rank other than 0 (torchrun / accelerate set RANK): one display, rank 0's."""
+    return os.environ.get("RANK", "0") not in ("", "0")
+
+
 def progress(items: Iterable[T], total: int | None = None, description: str = "working",
              quiet: bool = False) -> Iterator[T]:
-    if quiet:
+    if quiet or _other_rank():
         yield from items
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -33,7 +39,7 @@ def status(description: str, quiet: bool = False) -> Iterator[None]:
     """A spinner with ``description`` and the elapsed time while a library runs its own loop (lm-eval): the one
     progress display when that library's bars are silenced. Binds to the real stderr on entry, so a caller may
     redirect ``sys.stderr`` inside it."""
-    if quiet:
+    if quiet or _other_rank():
         yield
         return
     from rich.console import Console

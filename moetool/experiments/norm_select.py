@@ -106,6 +106,14 @@ class AgreementMeter:
         if self.rows is not None:
             self.rows.add(f"agree{key}", per_token)
 
+    def reduce_across_ranks(self) -> None:
+        """Data parallel (called by ``engine.forward``): the per-layer sums all-reduced; alone a no-op. The row
+        table is reduced by its owner (``perplexity``)."""
+        from .. import distributed
+
+        if distributed.world_size() > 1:
+            self.sums = distributed.all_reduce_keyed(self.sums)
+
     def frame(self, policy: str, *, n_boot: int = 0, seed: int = 0) -> Any:
         """Per layer: the three means, with bootstrap intervals from ``rows`` (``n_boot`` replicates) if kept."""
         import pandas as pd

@@ -124,6 +124,22 @@ class VocabSpecialization:
             self.counters[li]["predicted"].add(_masked_keys(pred.to(top1.device), top1, self.n[li], valid))
         self._top1 = {}
 
+    def reduce_across_ranks(self) -> None:
+        """Data parallel: the (token, expert) counts of every rank merged (one exchange); alone a no-op."""
+        from .. import distributed
+
+        if distributed.world_size() <= 1:
+            return
+        parts = distributed.gather_object({li: (self.n[li], {v: c.host_state() for v, c in views.items()})
+                                           for li, views in self.counters.items()})
+        merged: dict[int, dict[str, Any]] = {}
+        for li in sorted({li for p in parts for li in p}):
+            have = [p[li] for p in parts if li in p]
+            self.n[li] = have[0][0]
+            cls = type(_sparse_counter(self.merge_min))
+            merged[li] = {v: cls.merged([h[1][v] for h in have], self.merge_min) for v in VIEWS}
+        self.counters = merged
+
     def token_table(self, li: int, view: str) -> Any:
         """Per token id of one layer and view: see :func:`token_specialization`."""
         keys, counts = self.counters[li][view].result()
@@ -217,6 +233,16 @@ class CrossLayer:
         key = (pl, li)
         self.counts[key] = c if key not in self.counts else self.counts[key] + c
 
+    def reduce_across_ranks(self) -> None:
+        """Data parallel: the pair counts all-reduced (a rank may lack a pair it never saw); alone a no-op."""
+        from .. import distributed
+
+        if distributed.world_size() <= 1:
+            return
+        for part in distributed.gather_object(self.k):
+            self.k.update(part)
+        self.counts = distributed.all_reduce_keyed(self.counts)
+
     def tables(self) -> dict[str, Any]:
         """``cross_layer.csv`` (layer, next_layer, a, b, count, p_b_given_a) and ``cross_layer_summary.csv``."""
         import pandas as pd
@@ -277,6 +303,13 @@ class LoadBalance:
         a["prob"] += (ev.probs.to(dev).double() * valid.unsqueeze(-1)).sum(0)
         a["assign"] += ops.one_hot_counts(idx, n, valid)
         a["tokens"] += valid.sum()
+
+    def reduce_across_ranks(self) -> None:
+        """Data parallel: per-layer sums all-reduced; alone a no-op."""
+        from .. import distributed
+
+        if distributed.world_size() > 1:
+            self.acc = distributed.all_reduce_keyed(self.acc)
 
     def tables(self) -> tuple[Any, Any]:
         """``(per expert: layer, expert, router_prob, token_fraction; per layer: layer, aux_loss,

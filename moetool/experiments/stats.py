@@ -107,6 +107,19 @@ class SparseCounter:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
         return self.keys, self.counts
 
+    def host_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``result()`` on the host (what ranks exchange under data parallelism)."""
+        keys, counts = self.result()
+        return keys.cpu(), counts.cpu()
+
+    @classmethod
+    def merged(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], merge_min: int = MERGE_MIN) -> "SparseCounter":
+        """One counter holding the summed counts of ``parts`` (``host_state()`` of every rank)."""
+        out = cls(merge_min)
+        if parts:
+            out.keys, out.counts = ops.unique_counts(torch.cat([k for k, _ in parts]), torch.cat([c for _, c in parts]))
+        return out
+
 
 @dataclass
 class LayerAccumulator:
@@ -200,6 +213,27 @@ class RoutingStats:
         if a.pairs is not None:
             tok = self._on("ids", dev).unsqueeze(1).expand(idx.shape)  # [T, K]
             a.pairs.add(_masked_keys(tok, idx, n, valid.unsqueeze(1).expand(idx.shape)))
+
+    def reduce_across_ranks(self) -> None:
+        """Data parallel: every rank's layer sums all-reduced, the sparse token counts merged (rows of a rank
+        count once); alone a no-op. The row table is reduced by its owner (``collect``)."""
+        from .. import distributed
+
+        if distributed.world_size() <= 1:
+            return
+        dense = distributed.all_reduce_keyed({li: {"tokens": a.tokens, "assign": a.assign, "conf_sum": a.conf_sum,
+                                                   "co": a.co, "dom_assign": a.dom_assign,
+                                                   "dom_tokens": a.dom_tokens, "n": a.n, "k": a.k}
+                                              for li, a in self.acc.items()})
+        sparse = distributed.gather_object({"tokens": self.token_totals.host_state(),
+                                            **{li: a.pairs.host_state() for li, a in self.acc.items()
+                                               if a.pairs is not None}})
+        self.token_totals = SparseCounter.merged([p["tokens"] for p in sparse], self.merge_min)
+        self.acc = {li: LayerAccumulator(d["n"], d["k"], d["tokens"], d["assign"], d["conf_sum"], d["co"],
+                                         d["dom_assign"], d["dom_tokens"],
+                                         SparseCounter.merged([p[li] for p in sparse if li in p], self.merge_min)
+                                         if self.top_tokens else None)
+                    for li, d in dense.items()}
 
     def intervals(self, n_boot: int, seed: int = 0) -> tuple[Any, Any]:
         """Bootstrap intervals from the per-row sums: ``(load, layers)`` frames keyed by layer (and expert) with

@@ -17,6 +17,8 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
     from .figures import describe_run
     from .plots import figures
 
+    if getattr(run, "discard", False):  # a data-parallel rank other than 0: rank 0 writes the one run folder
+        return None
     if not run.caption:  # the model and data under every figure (report pages and papers show them apart)
         data = result.meta.get("data") or {}
         who = (getattr(model, "name", None) or (options or {}).get("model")
