@@ -8,7 +8,10 @@ from ..errors import MoetoolError
 from ..registry import LazyRegistry
 from .base import Adapter, ExpertWeights, MoELayer
 
-#: model_type -> "module:AdapterClass" (imported on first use)
+#: model_type -> "module:AdapterClass" (imported on first use): the families whose structure needs a hand adapter.
+#: Every other model type whose config looks MoE (and that discovery.UNSUPPORTED does not list) gets the
+#: generic adapter (moetool/adapters/generic.py: layers found by structure, routing rule identified on the
+#: router at load; checked for every installed family by tests/test_families.py).
 ADAPTERS = LazyRegistry("MoE family", {
     "mixtral": "moetool.adapters.mixtral:MixtralAdapter",
     "minimax": "moetool.adapters.mixtral:MixtralAdapter",
@@ -19,58 +22,30 @@ ADAPTERS = LazyRegistry("MoE family", {
     "deepseek_v2": "moetool.adapters.deepseek_v2:DeepseekV2Adapter",
     "gpt_oss": "moetool.adapters.gpt_oss:GptOssAdapter",
     "phimoe": "moetool.adapters.phimoe:PhimoeAdapter",
-    # known routers, layers found by structure (moetool/adapters/glm4_moe.py; checked by tests/test_families.py)
-    "bailing_hybrid": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "deepseek_v32": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "dots1": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "dots3_note": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "dots3_note_text": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "exaone_moe": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "glm4_moe": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "glm4_moe_lite": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "glm4v_moe": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "glm_moe_dsa": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "kimi_k25": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "kimi_linear": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "mimo_v2_flash": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "solar_open": "moetool.adapters.glm4_moe:Glm4MoeAdapter",
-    "deepseek_ocr2": "moetool.adapters.glm4_moe:SoftmaxGroupedAdapter",
-    "unlimited_ocr": "moetool.adapters.glm4_moe:SoftmaxGroupedAdapter",
-    "cohere2_moe": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "flex_olmo": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "jamba": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "mellum": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "mistral4": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "qwen3_next": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "qwen3_omni_moe_thinker": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "qwen4_exp": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "qwen4_exp_text": "moetool.adapters.glm4_moe:SoftmaxAdapter",
-    "granitemoe": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "granitemoe_swa": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "granitemoehybrid": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "granitemoeshared": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "mistral_large4": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "qwen3_5_moe": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "qwen3_5_moe_text": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "qwen3_vl_moe": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "axk2": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "hy_v3": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "kolibri1": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "laguna": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "lfm2_moe": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "minimax_m2": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "step3p7": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "afmoe": "moetool.adapters.glm4_moe:SigmoidAdapter",
-    "hunyuan_v1_moe": "moetool.adapters.glm4_moe:SoftmaxRenormAdapter",
-    "ernie4_5_moe": "moetool.adapters.glm4_moe:SoftmaxBiasAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts
-_MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+_MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+                    "n_experts")
+
+
+def _looks_moe(config: Any) -> bool:
+    from .generic import text_config
+
+    return any(getattr(c, k, None) for c in (config, text_config(config)) for k in _MOE_CONFIG_KEYS)
+
+
+def _unsupported_reason(mt: str) -> str | None:
+    from .discovery import UNSUPPORTED
+
+    return UNSUPPORTED.get(mt)
 
 
 def supported_model_types() -> list[str]:
-    return ADAPTERS.names()
+    """Hand-adapted types plus every installed MoE type the generic adapter serves."""
+    from .discovery import supported_types
+
+    return sorted(set(ADAPTERS.names()) | set(supported_types()))
 
 
 def check_config(config: Any) -> None:
@@ -78,15 +53,23 @@ def check_config(config: Any) -> None:
     mt = getattr(config, "model_type", "?")
     if mt in ADAPTERS:
         return
-    if any(getattr(config, k, None) for k in _MOE_CONFIG_KEYS):
-        raise MoetoolError(
-            f"unsupported MoE family '{mt}'; supported: {', '.join(supported_model_types())}")
+    reason = _unsupported_reason(mt)
+    if reason is not None:
+        raise MoetoolError(f"unsupported MoE family '{mt}'; supported: {', '.join(supported_model_types())}. "
+                           f"Why not {mt}: {reason}")
+    if _looks_moe(config):
+        return  # the generic adapter; a router it cannot reproduce fails at load with what did not match
     raise MoetoolError(f"no MoE layers found in {mt} (a dense model?)")
 
 
 def get_adapter(config: Any) -> Adapter:
     check_config(config)
-    return ADAPTERS.get(config.model_type)()
+    mt = config.model_type
+    if mt in ADAPTERS:
+        return ADAPTERS.get(mt)()
+    from .generic import GenericAdapter
+
+    return GenericAdapter()
 
 
 def find_moe_layers(model: Any) -> list[MoELayer]:

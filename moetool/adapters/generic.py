@@ -1,0 +1,295 @@
+"""The generic adapter: MoE layers found by structure, routing rule identified by running the router.
+
+Most transformers 5.x families share one shape: a decoder layer (of the text decoder's ``layers`` list, also
+under ``model.model.language_model`` in multimodal checkpoints) holds a block -- a child such as ``mlp`` /
+``feed_forward`` / ``block_sparse_moe``, or the decoder layer itself -- with an ``experts`` module called as
+``experts(h, idx, w)`` and a ``gate`` / ``router`` module returning ``(logits, weights, idx)``; shared experts
+beside them as ``shared_experts`` / ``shared_expert`` (+ sigmoid ``shared_expert_gate``) / ``shared_mlp``.
+Decoder layers without such a block are dense.
+
+At load each layer's own router is run on seeded random inputs (its device, the model's dtype) and
+:func:`moetool.adapters.rules.identify` picks the catalogue rule (and variant: correction bias, groups, scale,
+renormalisation) that reproduces its indices exactly and its weights at the dtype's tolerance. The logits are
+checked too: ``logits(h)`` must equal the router's own bit for bit. Anything else is a one-line
+:class:`MoetoolError` naming the model type and what did not match: never a guess.
+
+The registry (``moetool/adapters/__init__.py``) falls back to :class:`GenericAdapter` for every model type whose
+config looks MoE and that ``discovery.UNSUPPORTED`` does not list, so a future family with a known rule works
+with no new code.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import MoetoolError
+from . import rules
+from .base import Adapter, MoELayer
+from .qwen2_moe import GatedSharedExpert
+
+_ROUTER_ATTRS = ("gate", "router")
+_SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
+_BIAS_ATTRS = ("e_score_correction_bias", "expert_bias")
+_SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
+_GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
+_N_TOKENS = 256
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (the config itself for text-only models)."""
+    try:
+        return config.get_text_config(decoder=True)
+    except (ValueError, TypeError):
+        return config
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The text decoder's layer list: the first ``layers`` ModuleList outside vision/audio towers."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers" and \
+                not any(s in name for s in _SKIP):
+            return list(mod)
+    return []
+
+
+def moe_parts(decoder_layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """``(block, router, experts)`` of a decoder layer, or None for a dense one."""
+    for block in (*decoder_layer.children(), decoder_layer):
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, nn.Module):
+            router = next((getattr(block, a) for a in _ROUTER_ATTRS if isinstance(getattr(block, a, None), nn.Module)),
+                          None)
+            if router is not None:
+                return block, router, experts
+    return None
+
+
+def shared_experts(block: nn.Module) -> nn.Module | None:
+    """The block's shared experts as one callable (Qwen's sigmoid-gated one wrapped), or None."""
+    if isinstance(getattr(block, "shared_expert_gate", None), nn.Module):
+        return GatedSharedExpert(block.shared_expert, block.shared_expert_gate)
+    for attr in ("shared_experts", "shared_expert", "shared_mlp"):
+        if isinstance(getattr(block, attr, None), nn.Module):
+            return getattr(block, attr)
+    return None
+
+
+def router_linear(router: nn.Module) -> nn.Module:
+    """The router's projection: the router itself, or its one ``nn.Linear`` child (``gate``, ``wg``, ...)."""
+    if isinstance(getattr(router, "weight", None), torch.Tensor):
+        return router
+    linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+    if len(linears) != 1:
+        raise MoetoolError(f"cannot tell the router projection of {type(router).__name__}")
+    return linears[0]
+
+
+def _attr(owners: tuple, names: tuple[str, ...]) -> Any:
+    for owner in owners:
+        for a in names:
+            v = getattr(owner, a, None)
+            if v is not None and not isinstance(v, bool):
+                return v
+    return None
+
+
+def correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
+    """The selection-only bias (``e_score_correction_bias`` / ``expert_bias``) of the router or its block."""
+    for name, t in [*router.named_buffers(), *router.named_parameters()]:
+        if name.split(".")[-1] in _BIAS_ATTRS:
+            return t
+    v = _attr((block,), _BIAS_ATTRS)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is_meta(*tensors: torch.Tensor | None) -> bool:
+    return any(t is not None and t.device.type == "meta" for t in tensors)
+
+
+class GenericLayer(MoELayer):
+    """An MoE layer whose routing is a catalogue rule, identified on the router itself (module docstring)."""
+
+    def __init__(self, index: int, decoder_layer: nn.Module, block: nn.Module, router: nn.Module,
+                 experts: nn.Module, config: Any):
+        super().__init__(index, decoder_layer, block, router, experts, config)
+        self.linear = router_linear(router)
+        self.rule, self.params, self.logits_mode, self.softcap = self._identify()
+        self.scoring = self.rule.text
+
+    # ----- shape and parts ---------------------------------------------------------------------------------
+    @property
+    def n_experts(self) -> int:
+        return int(self.linear.weight.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        return self.params.top_k
+
+    @property
+    def renormalize(self) -> bool:
+        return self.rule.renorm
+
+    @property
+    def weight_scale(self) -> float:
+        return self.params.scale
+
+    @property
+    def shared_experts(self) -> nn.Module | None:
+        return shared_experts(self.block)
+
+    def router_weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def router_bias(self) -> torch.Tensor | None:
+        return getattr(self.linear, "bias", None)
+
+    # ----- routing: the identified rule --------------------------------------------------------------------
+    def _p(self) -> rules.Params:
+        """The identified parameters with the live correction bias (a buffer may move with the model)."""
+        if self.params.bias is None:
+            return self.params
+        return replace(self.params, bias=correction_bias(self.router, self.block))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._logits(h, self.router_weight(), self.router_bias())
+
+    def _logits(self, h, w, b) -> torch.Tensor:
+        if self.logits_mode == "fp32":  # input and weight cast to fp32 (DeepSeek-V3, ERNIE)
+            out = F.linear(h.float(), w.float(), None if b is None else b.float())
+        else:  # in the weight's dtype [then cast to fp32]
+            out = F.linear(h.to(w.dtype), w, b)
+            if self.logits_mode == "native->fp32":
+                out = out.float()
+        return torch.tanh(out / self.softcap) * self.softcap if self.softcap else out
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.rule.probs(logits, self.params)
+
+    def selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.rule.scores(logits, self._p())
+
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.rule.weights(logits, idx, self.params)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.rule.select(logits, self._p())
+        return idx, self.weights_for(logits, idx)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "rule": self.rule.name, **self.params.describe()}
+
+    # ----- identification ----------------------------------------------------------------------------------
+    def _fail(self, what: str) -> MoetoolError:
+        mt = getattr(self.config, "model_type", "?")
+        return MoetoolError(f"{mt}: {what} (layer {self.index}, {type(self.router).__name__})")
+
+    def _identify(self):
+        router, block = self.router, self.block
+        bias = correction_bias(router, block)
+        if _is_meta(*router.parameters(), *router.buffers(), bias):  # a model built on the meta device
+            router, bias = _materialized(router), None if bias is None else torch.randn(
+                bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
+        lin = router_linear(router)
+        w = lin.weight
+        dtype = next((p.dtype for p in self.experts.parameters() if p.is_floating_point()), w.dtype)
+        if _is_meta(w) or dtype == torch.float64:
+            dtype = w.dtype
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(_N_TOKENS, w.shape[1], generator=gen).to(device=w.device, dtype=dtype)
+        with torch.no_grad():
+            out = _call_router(router, h, bias)
+            if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
+                    and not out[2].is_floating_point()):
+                raise self._fail("the router does not return (logits, weights, top-K indices)")
+            logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
+            recipe = self._logits_recipe(router, lin, h, logits)
+            top_k = int(want_idx.shape[-1])
+            cands = _candidates(router, top_k, None if bias is None else bias.detach())
+            try:
+                rule, params = rules.identify(logits, want_idx, want_w, cands)
+            except rules.NoRuleMatches as e:
+                raise self._fail(f"router output matches no known routing rule ({e})") from None
+        if bias is not None and params.bias is not None:
+            params = replace(params, bias=correction_bias(self.router, self.block))
+        return (rule, params, *recipe)
+
+    def _logits_recipe(self, router: nn.Module, lin: nn.Module, h: torch.Tensor, want: torch.Tensor):
+        cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
+        w, b = lin.weight, getattr(lin, "bias", None)
+        for mode in ("native", "native->fp32", "fp32"):
+            self.logits_mode, self.softcap = mode, cap
+            got = self._logits(h, w, b)
+            if got.dtype == want.dtype and torch.equal(got, want):
+                return mode, cap
+        raise self._fail("the router's logits are not a linear map of its input (logits(h) differs from the "
+                         "router's first output)")
+
+
+def _call_router(router: nn.Module, h: torch.Tensor, bias: torch.Tensor | None):
+    names = [n for n, p in inspect.signature(router.forward).parameters.items()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    extra = (bias,) if len(names) > 1 and (names[1] in _BIAS_ATTRS or
+                                           inspect.signature(router.forward).parameters[names[1]].default
+                                           is inspect.Parameter.empty) else ()
+    try:
+        return router(h, *extra)
+    except (ValueError, RuntimeError):  # a router that unpacks [B, S, H]
+        return router(h.unsqueeze(0), *extra)
+
+
+def _materialized(router: nn.Module) -> nn.Module:
+    """A CPU copy of a meta-device router with seeded random weights (the rule is in its code, not its values)."""
+    r = copy.deepcopy(router).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, t in [*r.named_parameters(), *r.named_buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen) * (0.05 if name.split(".")[-1] in _BIAS_ATTRS else 0.15))
+    return r
+
+
+def _candidates(router: nn.Module, top_k: int, bias: torch.Tensor | None) -> list[rules.Params]:
+    """Every parameter variant the router's attributes allow, most specific first."""
+    scale = _attr((router,), _SCALE_ATTRS)
+    scales = [float(scale), 1.0] if scale is not None and float(scale) != 1.0 else [1.0]
+    n_group = int(_attr((router,), _GROUP_ATTRS) or 1)
+    topk_group = int(getattr(router, "topk_group", None) or 1)
+    groups = [(1, 1, "top2sum")]
+    if n_group > 1:
+        groups = [(n_group, topk_group, "top2sum"), (n_group, topk_group, "max"), *groups]
+    norm_min = float(getattr(router, "norm_min", 0.0) or 0.0)
+    norms = ([(0.0, norm_min)] if norm_min else []) + [(0.0, 0.0), (1e-6, 0.0)]
+    jitter = getattr(router, "router_jitter_noise", None)
+    jitters = [None] + ([float(jitter)] if isinstance(jitter, (int, float)) else [])
+    return [rules.Params(top_k=top_k, bias=b, n_group=g, topk_group=tg, group_score=gs, scale=s, renorm_eps=eps,
+                         norm_min=nm, jitter_eps=j)
+            for b in ([bias, None] if bias is not None else [None]) for g, tg, gs in groups for s in scales
+            for eps, nm in norms for j in jitters]
+
+
+class GenericAdapter(Adapter):
+    """Any family of the common shape (module docstring)."""
+
+    family = "generic"
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        return decoder_layers(model)
+
+    def layers(self, model: nn.Module) -> list[MoELayer]:
+        out = []
+        config = text_config(model.config)
+        for i, dl in enumerate(decoder_layers(model)):
+            parts = moe_parts(dl)
+            if parts is not None:
+                block, router, experts = parts
+                out.append(self.layer_cls(i, dl, block, router, experts, config))
+        return out
+
+    layer_cls = GenericLayer

@@ -1,0 +1,238 @@
+"""The routing rules of the MoE families in transformers: one small catalogue of pure functions.
+
+A rule maps router logits ``[T, n]`` (and a few parameters read off the router: correction bias, groups,
+scale, ...) to the full routing distribution π ``[T, n]``, the top-K indices ``[T, K]`` and the weights
+``[T, K]`` the experts' outputs are summed with. Every rule here is one some installed family uses:
+
+=======================  =================================================================================
+``softmax-topk``         p = softmax(logits); top-K of p (+ bias) [within the best groups]; w = p x scale
+``softmax-topk-renorm``  as above, w = p / sum(p) x scale (Mixtral, Qwen3, ERNIE with clamp(sum, min))
+``topk-softmax``         top-K of logits (+ bias); w = softmax over the K chosen logits (gpt-oss, Granite)
+``sigmoid-topk``         s = sigmoid(logits); top-K of s + correction bias [within groups]; w = s x scale
+``sigmoid-topk-renorm``  as above, w = s / sum(s) x scale (DeepSeek-V3, GLM-4.5, MiniMax-M2)
+``topk-sigmoid``         top-K of logits (+ bias); w = sigmoid of the K chosen logits (Llama 4)
+``topk-sigmoid-renorm``  as above, w / sum(w) (Kolibri, Cohere2-MoE's sigmoid option)
+``sparsemixer``          Phi-3.5-MoE, eval mode: two rounds, each a softmax over the logits within 2 eps
+=======================  =================================================================================
+
+π is softmax(logits) for the softmax rules and sparsemixer, sigmoid(logits) normalised to sum to one for the
+sigmoid rules. :func:`identify` picks the rule (and parameter variant) that reproduces a router's own output.
+Top-K and renormalisation go through :mod:`moetool.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+
+from .. import ops
+
+
+@dataclass(frozen=True, eq=False)
+class Params:
+    """What a rule needs beyond the logits (read off the router and its block)."""
+
+    top_k: int
+    bias: torch.Tensor | None = None  # correction bias [n]: shifts the selection only, never the weights
+    n_group: int = 1  # group-limited top-K: keep the topk_group best of n_group contiguous groups
+    topk_group: int = 1
+    group_score: str = "top2sum"  # a group's score: the sum of its two best ("top2sum", DeepSeek-V3) or "max"
+    scale: float = 1.0  # routed_scaling_factor, applied to the weights last
+    renorm_eps: float = 0.0  # w / (sum + eps)
+    norm_min: float = 0.0  # w / clamp(sum, norm_min) (ERNIE-4.5)
+    jitter_eps: float | None = None  # sparsemixer's threshold (None: not a sparsemixer router)
+    weights_dtype: torch.dtype | None = None  # None: fp32
+
+    def describe(self) -> dict:
+        d = {"top_k": self.top_k, "correction_bias": self.bias is not None, "routed_scaling_factor": self.scale}
+        if self.n_group > 1:
+            d.update(n_group=self.n_group, topk_group=self.topk_group, group_score=self.group_score)
+        if self.renorm_eps:
+            d["renorm_eps"] = self.renorm_eps
+        if self.norm_min:
+            d["norm_min"] = self.norm_min
+        if self.jitter_eps is not None:
+            d["jitter_eps"] = self.jitter_eps
+        return d
+
+
+def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """``[T, n]`` bool: experts in the ``topk_group`` best of ``n_group`` contiguous groups.
+
+    A group is scored by the sum of its two best scores (``"top2sum"``, V3) or its best (``"max"``, V2).
+    """
+    T, n = scores.shape
+    grouped = scores.view(T, n_group, n // n_group)
+    gs = grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2sum" else grouped.max(dim=-1).values
+    keep = torch.zeros_like(gs).scatter_(1, torch.topk(gs, k=topk_group, dim=-1, sorted=False)[1], 1)
+    return keep.bool().unsqueeze(-1).expand(T, n_group, n // n_group).reshape(T, n)
+
+
+def _renorm(w: torch.Tensor, p: Params) -> torch.Tensor:
+    if not p.renorm_eps and not p.norm_min:
+        return ops.normalize(w)
+    return w / (w.sum(dim=-1, keepdim=True) + p.renorm_eps).clamp_min(p.norm_min)
+
+
+def sparsemixer_weights(logits: torch.Tensor, idx: torch.Tensor, eps: float) -> torch.Tensor:
+    """Phi-3.5-MoE's multipliers for the chosen set ``idx``, taken in descending logit order: the r-th is its
+    softmax over the logits minus the earlier chosen, dropping every expert ``e`` with
+    ``(s_j - s_e) / max(|s_e|, s_j) > 2 eps``. For the router's own top-2 this is sparsemixer (eval) exactly."""
+    chosen = logits.gather(-1, idx)
+    order = chosen.argsort(dim=-1, descending=True)
+    w = torch.empty_like(chosen)
+    remaining = logits
+    for r in range(idx.shape[-1]):
+        k = order[:, r:r + 1]
+        j = idx.gather(-1, k)
+        top = logits.gather(-1, j)
+        far = (top - logits) / logits.abs().clamp(min=top) > 2 * eps
+        w.scatter_(-1, k, torch.softmax(remaining.masked_fill(far, float("-inf")), dim=-1).gather(-1, j))
+        remaining = remaining.scatter(-1, j, float("-inf"))
+    return w
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One routing rule. ``score``: what top-K ranks (``softmax`` probabilities, ``sigmoid`` scores or raw
+    ``logits``); ``weight``: what the chosen get (``score`` = the ranked score itself, ``softmax`` /
+    ``sigmoid`` of the chosen logits, ``sparsemixer``); ``renorm``: weights divided by their sum."""
+
+    name: str
+    score: str
+    weight: str
+    renorm: bool
+    text: str
+
+    # ----- the full distribution ---------------------------------------------------------------------------
+    def probs(self, logits: torch.Tensor, p: Params | None = None) -> torch.Tensor:
+        """π over all n experts (fp32, rows sum to one)."""
+        if self.score == "sigmoid" or self.weight == "sigmoid":
+            return ops.normalize(torch.sigmoid(logits.float()))
+        return torch.softmax(logits.float(), dim=-1)
+
+    # ----- selection ---------------------------------------------------------------------------------------
+    def scores(self, logits: torch.Tensor, p: Params) -> torch.Tensor:
+        """What the rule ranks experts by (correction bias included, before any group restriction)."""
+        x = logits.float()
+        s = torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x) if self.score == "sigmoid" \
+            else x
+        return s if p.bias is None else s + p.bias.float().reshape(-1)
+
+    def select(self, logits: torch.Tensor, p: Params) -> torch.Tensor:
+        """Top-K indices ``[T, K]`` (largest first)."""
+        if self.weight == "sparsemixer":  # two rounds, each the best logit not yet picked
+            return ops.topk(logits, 2)
+        s = self.scores(logits, p)
+        if p.n_group > 1:
+            s = s.masked_fill(~group_mask(s, p.n_group, p.topk_group, p.group_score), float("-inf"))
+        return ops.topk(s, p.top_k)
+
+    # ----- weights -----------------------------------------------------------------------------------------
+    def weights(self, logits: torch.Tensor, idx: torch.Tensor, p: Params) -> torch.Tensor:
+        """The model's weights for any chosen set ``idx [T, K]`` (in ``idx``'s order)."""
+        x = logits.float()
+        if self.weight == "sparsemixer":
+            w = sparsemixer_weights(x, idx, p.jitter_eps or 0.0)
+        elif self.weight == "softmax":
+            w = torch.softmax(x.gather(-1, idx), dim=-1)
+        elif self.weight == "sigmoid":
+            w = torch.sigmoid(x.gather(-1, idx))
+        else:
+            w = (torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x)).gather(-1, idx)
+        if self.renorm:
+            w = _renorm(w, p)
+        if p.scale != 1.0:
+            w = w * p.scale
+        return w if p.weights_dtype is None else w.to(p.weights_dtype)
+
+    def __call__(self, logits: torch.Tensor, p: Params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(π [T, n], idx [T, K], weights [T, K])``."""
+        idx = self.select(logits, p)
+        return self.probs(logits, p), idx, self.weights(logits, idx, p)
+
+
+SOFTMAX_TOPK = Rule("softmax-topk", "softmax", "score", False, "softmax -> top-K (+ bias) -> weights = p x scale")
+SOFTMAX_TOPK_RENORM = Rule("softmax-topk-renorm", "softmax", "score", True,
+                           "softmax -> top-K (+ bias) -> weights = p / sum x scale")
+TOPK_SOFTMAX = Rule("topk-softmax", "logits", "softmax", False, "top-K of logits -> softmax over the K")
+SIGMOID_TOPK = Rule("sigmoid-topk", "sigmoid", "score", False,
+                    "sigmoid -> top-K of score + correction bias [within groups] -> weights = score x scale")
+SIGMOID_TOPK_RENORM = Rule("sigmoid-topk-renorm", "sigmoid", "score", True,
+                           "sigmoid -> top-K of score + correction bias [within groups] -> score / sum x scale")
+TOPK_SIGMOID = Rule("topk-sigmoid", "logits", "sigmoid", False, "top-K of logits (+ bias) -> sigmoid of the K")
+TOPK_SIGMOID_RENORM = Rule("topk-sigmoid-renorm", "logits", "sigmoid", True,
+                           "top-K of logits (+ bias) -> sigmoid of the K / sum")
+SPARSEMIXER = Rule("sparsemixer", "logits", "sparsemixer", False,
+                   "sparsemixer (eval): top-2 by logits; weight = softmax over the logits within 2 eps of it")
+
+#: the catalogue, in order of preference when two rules reproduce a router equally well
+RULES: tuple[Rule, ...] = (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORM, TOPK_SOFTMAX, SIGMOID_TOPK, SIGMOID_TOPK_RENORM,
+                           TOPK_SIGMOID, TOPK_SIGMOID_RENORM, SPARSEMIXER)
+BY_NAME = {r.name: r for r in RULES}
+
+
+# ----- identification ------------------------------------------------------------------------------------
+class NoRuleMatches(ValueError):
+    """No rule of the catalogue reproduces the router; the message says what came closest."""
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` for comparing weights of ``dtype`` (torch.testing's defaults)."""
+    return {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float64: (1e-7, 1e-7)}.get(
+        dtype, (1.3e-6, 1e-5))
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> float:
+    """How far ``got`` is from ``want`` in units of the tolerance (<= 1: allclose)."""
+    diff = (got.double() - want.double()).abs()
+    return float((diff / (atol + rtol * want.double().abs())).max()) if diff.numel() else 0.0
+
+
+def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+             candidates: Iterable[Params], rules: Iterable[Rule] = RULES) -> tuple[Rule, Params]:
+    """The rule and parameters that reproduce a router's own ``(logits, weights, idx)``.
+
+    Indices must be the same set per token, exactly; weights (compared in the router's own order) must be
+    allclose at the tolerance of their dtype. Among the matches: one that uses the correction bias (when a
+    candidate carries one) before one that ignores it, then the closest weights, then catalogue order, then
+    candidate order. None -> :class:`NoRuleMatches` naming the closest rule and what differed.
+    """
+    candidates = list(candidates)
+    has_bias = any(p.bias is not None for p in candidates)
+    rtol, atol = tolerance(weights.dtype)
+    matches: list[tuple[tuple, Rule, Params]] = []
+    idx_miss: tuple[float, str] = (-1.0, "")  # best index agreement of a rule whose indices differ
+    w_miss: tuple[float, str, float] = (float("inf"), "", 0.0)  # (error, rule, max |diff|) with the same indices
+    selected: dict[tuple, torch.Tensor] = {}
+    for r, rule in enumerate(rules):
+        for c, p in enumerate(candidates):
+            if (rule.weight == "sparsemixer") != (p.jitter_eps is not None):
+                continue
+            key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score)
+            if key not in selected:
+                selected[key] = rule.select(logits, p)
+            sel = selected[key]
+            if sel.shape != idx.shape:
+                continue
+            agree = float(ops.same_set(sel, idx).float().mean())
+            if agree < 1.0:
+                idx_miss = max(idx_miss, (agree, rule.name))
+                continue
+            got = rule.weights(logits, idx, replace(p, weights_dtype=None)).to(weights.dtype)
+            err = _error(got, weights, rtol, atol)
+            if err < w_miss[0]:
+                w_miss = (err, rule.name, float((got.double() - weights.double()).abs().max()))
+            if err <= 1.0:
+                matches.append(((has_bias and p.bias is None, err, r, c), rule, p))
+    if matches:
+        _, rule, p = min(matches, key=lambda m: m[0])
+        return rule, replace(p, weights_dtype=weights.dtype)
+    if w_miss[1]:
+        raise NoRuleMatches(f"indices matched {w_miss[1]}, weights differ by {w_miss[2]:.1e}")
+    if idx_miss[1]:
+        raise NoRuleMatches(f"indices match no rule (closest: {idx_miss[1]}, same top-{idx.shape[-1]} set on "
+                            f"{idx_miss[0]:.0%} of tokens)")
+    raise NoRuleMatches(f"no rule selects {idx.shape[-1]} experts")
