@@ -289,6 +289,7 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
         v, se = FAKE_ACC[pol][task]
         b, se_b = FAKE_ACC["router"][task]
         assert (r.value_lo, r.value_hi) == pytest.approx((v - 1.959964 * se, v + 1.959964 * se), abs=1e-6)
+        assert r.stderr == se  # lm-eval's own standard error, as in eval.csv
         want = (1.0, 1.0) if pol == "router" else (delta_ratio(v, se, b, se_b).lo, delta_ratio(v, se, b, se_b).hi)
         assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-12)
         assert r.ratio_lo <= r.ratio <= r.ratio_hi

@@ -27,8 +27,8 @@ from .result import Result, resolve_options
 
 AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "topk_overlap_lo", "topk_overlap_hi", "top1_agree",
                      "top1_agree_lo", "top1_agree_hi", "tokens")
-QUALITY_COLUMNS = ("policy", "task", "metric", "value", "value_lo", "value_hi", "router_value", "ratio", "ratio_lo",
-                   "ratio_hi", "seconds")
+QUALITY_COLUMNS = ("policy", "task", "metric", "value", "stderr", "value_lo", "value_hi", "router_value", "ratio",
+                   "ratio_lo", "ratio_hi", "seconds")
 
 DEFINITIONS = {
     "topk_overlap": "mean over real tokens of |TopK_policy ∩ TopK_router| / K, TopK_router = the model's own "
@@ -40,6 +40,8 @@ DEFINITIONS = {
     "seconds": "wall time of the pass that produced the row: the perplexity forwards (policy and agreement "
                "bookkeeping included), or the whole lm-eval run of all tasks under the policy; measured after "
                "one untimed warm-up forward (and a 1-item lm-eval run)",
+    "stderr": "lm-eval's standard error of an lm-eval metric (as in eval.csv); empty for perplexity, whose "
+              "interval is the bootstrap's (value_lo/value_hi)",
     "agreement_layers": "only the layers the policy replaced (--layers) appear in agreement.csv",
     "*_lo/*_hi": "95% intervals. Agreement and perplexity: document-level bootstrap over packed rows "
                  "(percentile, --bootstrap replicates, seeded; a perplexity ratio is paired: one row weight applies "
@@ -168,7 +170,7 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
     base_run = ppl["router"]
     base_ppl = base_run.perplexity
     for name, pr in ppl.items():
-        row = {"policy": name, "task": data, "metric": "perplexity", "value": pr.perplexity, "value_lo": nan,
+        row = {"policy": name, "task": data, "metric": "perplexity", "value": pr.perplexity, "stderr": nan, "value_lo": nan,
                "value_hi": nan, "router_value": base_ppl, "ratio": pr.perplexity / base_ppl, "ratio_lo": nan,
                "ratio_hi": nan, "seconds": round(pr.seconds, 3)}
         if pr.rows is not None:
@@ -200,7 +202,7 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
             ratio = Interval(ratio.value, 1.0, 1.0)
         elif ok:
             ratio = delta_ratio(float(r.value), se, b, se_b)
-        out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value,
+        out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value, "stderr": se,
                     "value_lo": r.value_lo, "value_hi": r.value_hi,  # lmeval.results_frame: value ∓ 1.96 stderr
                     "router_value": b, **ratio.columns("ratio"), "seconds": round(res.seconds, 3)})
     return out
