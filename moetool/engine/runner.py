@@ -64,6 +64,17 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     return (nll * keep).sum(dtype=torch.float64), keep.sum()
 
 
+def _rows(tokens: Any, start: int, count: int) -> str:
+    """``rows a-b`` of the batch starting at local row ``start`` (global row numbers under data parallel)."""
+    ids = getattr(tokens, "row_ids", None)
+    rows = list(range(start, start + count)) if ids is None else [int(i) for i in ids[start:start + count]]
+    if not rows:
+        return ""
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return (f"rows {rows[0]}-{rows[-1]}" if len(rows) > 1 else f"row {rows[0]}") if contiguous else \
+        "rows " + ",".join(map(str, rows))
+
+
 def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
@@ -86,6 +97,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     accumulators at the end. Alone, none of this happens.
     """
     from .. import distributed
+    from .guard import FiniteGuard
     from .hooks import Engine
 
     world = distributed.world_size()
@@ -99,17 +111,20 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                      attention=attention) if hooked else contextlib.nullcontext())
     model = lm.model
     device = model.device
+    guard = FiniteGuard(lm.layers)  # NaN/inf in any MoE layer: one line naming layer and batch, never a number
     s = torch.zeros((), dtype=torch.float64, device=device)
     c = torch.zeros((), dtype=torch.long, device=device)
     n = 0
     t0 = time.perf_counter()
-    with torch.no_grad(), engine:
+    with torch.no_grad(), engine, guard:
         for b in progress(tokens.batches(batch_size), total=tokens.n_batches(batch_size), description=description,
                           quiet=quiet):
             if before_batch is not None:
                 before_batch(b)
             ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
+            guard.mask = mask
             out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+            guard.check(n, _rows(tokens, n * batch_size, ids.shape[0]))
             n += 1
             if nll:
                 bs, bc = batch_nll(out.logits, ids, mask.to(out.logits.device))

@@ -1,0 +1,129 @@
+"""NaN/inf guard (#14): a non-finite router logit or experts output stops the run with one line naming the MoE
+layer, the tensor and the batch, exit 1, and no result file; no host sync inside the forward (test_host_sync)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetool.commands.app import app
+from moetool.errors import MoetoolRuntimeError
+from moetool.loading import embedded_models
+
+runner = CliRunner()
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+
+def _poisoned_tiny(tmp_path: Path, layer: int, expert: int) -> Path:
+    """The embedded tiny model with +inf in every weight of one expert's down projection."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "poisoned"
+    shutil.copytree(embedded_models()["tiny"], d)
+    w = load_file(d / "model.safetensors")
+    key = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight"
+    w[key] = torch.full_like(w[key], float("inf"))
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _first_batch_using(lm, ts, layer: int, expert: int, bs: int) -> int:
+    """Independent reference: the first batch in which a real token of ``layer`` routes to ``expert`` (the clean
+    model's choices up to that layer are the poisoned model's: the poison sits after the router)."""
+    from moetool.engine import Engine
+
+    seen = []
+    L = next(L for L in lm.layers if L.index == layer)
+    with torch.no_grad():
+        for i, b in enumerate(ts.batches(bs)):
+            with Engine(lm.model, [L], consumers=[lambda ev: seen.append((ev.idx[ev.valid] == expert).any())]):
+                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+            if seen.pop():
+                return i
+    raise AssertionError("expert never used")
+
+
+@needs_tiny
+def test_inf_in_an_expert_stops_ppl_with_one_line_naming_layer_and_batch(tmp_path):
+    from moetool.data import load_tokens
+    from moetool.loading import load
+
+    layer, expert, bs, seq = 1, 3, 2, 32
+    clean = load("tiny")
+    ts = load_tokens(None, clean.tokenizer, seq, 600)
+    want = _first_batch_using(clean, ts, layer, expert, bs)
+    model = _poisoned_tiny(tmp_path, layer, expert)
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["ppl", "--model", str(model), "--max-tokens", "600", "--seq-len", str(seq),
+                            "--batch-size", str(bs), "--out", str(out), "--quiet"])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 1, r.output
+    assert lines == [f"error: non-finite experts output in MoE layer {layer} at batch {want} "
+                     f"(rows {want * bs}-{want * bs + bs - 1}): results would be meaningless"], r.output
+    assert not list(out.glob("*.csv")) if out.exists() else True
+    if (out / "manifest.json").exists():
+        assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
+
+
+@needs_tiny
+def test_nan_input_embedding_is_caught_at_the_first_router():
+    from moetool.data import load_tokens
+    from moetool.engine import forward
+    from moetool.loading import load
+
+    lm = load("tiny")
+    ts = load_tokens(None, lm.tokenizer, 16, 200)
+    first = lm.layers[0].index
+    emb = lm.model.get_input_embeddings().weight
+    saved = emb.detach().clone()
+    tok = int(ts.input_ids[5, 3])  # a real token of row 5 (batch 1 with batch_size 4), absent from batch 0
+    assert ts.attention_mask[5, 3] == 1 and tok not in ts.input_ids[:4][ts.attention_mask[:4] == 1].tolist()
+    try:
+        with torch.no_grad():
+            emb[tok] = float("nan")
+        with pytest.raises(MoetoolRuntimeError) as e:
+            forward(lm, ts, batch_size=4, nll=True, quiet=True)
+        assert str(e.value) == (f"non-finite router logits in MoE layer {first} at batch 1 (rows 4-7): "
+                                "results would be meaningless")
+    finally:
+        with torch.no_grad():
+            emb.copy_(saved)
+
+
+def test_guard_flags_stay_on_the_device_until_check():
+    from conftest import build_tiny_model
+
+    from moetool.adapters import find_moe_layers
+    from moetool.engine.guard import FiniteGuard
+
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.no_grad(), FiniteGuard(layers) as g:
+        model(input_ids=ids)
+        assert len(g.flags) == 2 * len(layers) and all(f.dtype == torch.bool and f.dim() == 0
+                                                       for f in g.flags.values())
+        g.check(0)  # clean: no error, flags reset
+        assert g.flags == {}
+        L = layers[-1]
+        h = L.router.register_forward_hook(lambda m, a, o: (o[0].fill_(float("-inf")), *o[1:]), prepend=True)
+        model(input_ids=ids)
+        h.remove()
+        with pytest.raises(MoetoolRuntimeError, match=f"non-finite router logits in MoE layer {L.index} at batch 7: results would be meaningless$"):
+            g.check(7)
+        # padding (mask 0) is not checked: -inf in a padded position's logits only is fine, in a real one is not
+        g.mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+        for row, raises in ((4, False), (3, True)):
+            h = L.router.register_forward_hook(lambda m, a, o: (o[0].index_fill_(0, torch.tensor([row]), float("nan")),
+                                                                *o[1:]), prepend=True)
+            model(input_ids=ids)
+            h.remove()
+            if raises:
+                with pytest.raises(MoetoolRuntimeError, match=f"router logits in MoE layer {L.index} at batch 2:"):
+                    g.check(2)
+            else:
+                g.check(2)
