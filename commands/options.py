@@ -21,7 +21,27 @@ Data = Annotated[Optional[Path], typer.Option("--data", "-d", help="Text file, J
                                               "a folder of them. Default: the held-out text shipped with moetool.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per packed row.")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", min=2, help="Cap on real (unpadded) tokens read from --data.")]
-BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward pass.")]
+AUTO_BATCH = 0  # what --batch-size auto parses to; handle_errors replaces it by the chosen number of rows
+
+
+def parse_batch_size(value: Any) -> int:
+    """``--batch-size N`` (N >= 1) or ``auto`` (:data:`AUTO_BATCH`, resolved by :func:`resolve_batch_size`)."""
+    if isinstance(value, int):
+        return value
+    if str(value).strip().lower() == "auto":
+        return AUTO_BATCH
+    try:
+        n = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"'{value}' is neither a number of rows nor 'auto'") from None
+    if n < 1:
+        raise typer.BadParameter(f"{n} is not a number of rows (at least 1) nor 'auto'")
+    return n
+
+
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", parser=parse_batch_size, metavar="N|auto",
+                                        help="Rows per forward pass (per process under torchrun). 'auto': the "
+                                             "largest batch the device's free memory holds (see README, Scale).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto|bf16|fp16|fp32 (auto: the checkpoint's; fp32 on CPU).")]
 Device = Annotated[str, typer.Option("--device", help="auto|cuda|cpu.")]
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': let accelerate spread a model "
@@ -66,6 +86,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         since = rundir.run_counter()
         try:
             with rundir.terminate_as_interrupt():  # SIGTERM (a job's time limit) is handled like Ctrl-C
+                if kwargs.get("batch_size") == AUTO_BATCH:
+                    kwargs["batch_size"] = resolve_batch_size(kwargs)
                 return fn(*args, **kwargs)
         except MoetoolError as e:
             rundir.mark_unfinished(since, "failed", rundir.one_line(e))
@@ -152,6 +174,84 @@ def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None 
                         dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
 
 
+AUTO_SLACK = 3  # activations counted per row: 3x loading.estimate_memory's lower bound (fp32 logits copy and
+#                log-softmax of the NLL, expert intermediates, allocator slack)
+AUTO_SHARE = 0.8  # of the free memory left after the weights
+AUTO_MAX_ROWS = 1024
+AUTO_CHOICE: dict[str, Any] = {}  # the last --batch-size auto decision (start_run puts it in the manifest)
+
+
+def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None = None, device: str = "auto",
+                    dtype: str = "auto", device_map: str | None = None, attention: bool = False,
+                    processes: int = 1, world: int = 1) -> tuple[int, dict[str, Any]]:
+    """``--batch-size auto``: the largest number of rows whose activations fit the device's free memory.
+
+    rows = ``AUTO_SHARE x (free - weights) / (AUTO_SLACK x activations of one row)`` with ``free`` from
+    ``torch.cuda.mem_get_info`` on CUDA or the available RAM on CPU (shared by ``processes`` ranks on this node),
+    weights and one row's activations from :func:`moetool.loading.estimate_memory` (weights count 0 under
+    ``--device-map auto``: accelerate places them); at most the rows ``--max-tokens`` fills on each of ``world``
+    ranks and :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
+    from moetool.loading import (available_memory, count_parameters, estimate_memory, load_config, pick_device,
+                                 pick_dtype, text_config)
+
+    config, _, _ = load_config(model)
+    if not seq_len:  # eval: lm-eval packs its own requests; the model's context (at most 2048) is the bound
+        positions = getattr(text_config(config), "max_position_embeddings", None) or 2048
+        seq_len = min(int(positions), 2048)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, config, dev)
+    free = available_memory(dev)
+    fill = -(-max_tokens // seq_len) if max_tokens else AUTO_MAX_ROWS
+    fill = max(1, -(-fill // world))  # rows each rank gets
+    facts: dict[str, Any] = {"device": str(dev), "seq_len": seq_len, "free_bytes": free, "processes_per_node":
+                             processes, "slack": AUTO_SLACK, "share": AUTO_SHARE}
+    if free is None:
+        return min(8, fill), {**facts, "rows": min(8, fill), "reason": "free memory unknown: default 8"}
+    weights, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch_dtype,
+                                   params=None if device_map else count_parameters(config),
+                                   attn_implementation="eager" if attention else None)
+    budget = AUTO_SHARE * (free / (processes if dev.type == "cpu" else 1) - weights)
+    rows = int(budget // (AUTO_SLACK * max(act, 1)))
+    if rows < 1:
+        from moetool.errors import MoetoolRuntimeError
+
+        raise MoetoolRuntimeError(f"--batch-size auto: not even one row of --seq-len {seq_len} fits: "
+                                  f"{weights / 2**30:.1f} GiB of weights, {act * AUTO_SLACK / 2**30:.2f} GiB per "
+                                  f"row, {free / 2**30:.1f} GiB free on {dev}; lower --seq-len or use --device-map")
+    chosen = min(rows, fill, AUTO_MAX_ROWS)
+    why = "fits memory" if chosen == rows else ("rows the data fill" if chosen == fill else "cap")
+    return chosen, {**facts, "weights_bytes": weights, "row_bytes": act * AUTO_SLACK, "memory_rows": rows,
+                    "data_rows": fill, "rows": chosen, "reason": why}
+
+
+def resolve_batch_size(params: dict[str, Any]) -> int:
+    """The wrapper's half of ``--batch-size auto``: :func:`auto_batch_size` from the command's own options, the
+    minimum over ranks under torchrun (every rank must cut the same global batches), one console line."""
+    from moetool import distributed
+
+    model = params.get("model") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
+    e = distributed.env()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", e.world_size))
+    routing = str(params.get("routing") or "")
+    rows, facts = auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
+                                  device=params.get("device") or "auto", dtype=params.get("dtype") or "auto",
+                                  device_map=params.get("device_map"), attention="attention" in routing,
+                                  processes=processes, world=e.world_size)
+    if e.distributed:
+        import torch
+
+        distributed.init(params.get("device") or "auto")
+        rows = int(distributed.all_reduce(torch.tensor(rows), "min"))
+        facts["rows"] = rows
+    AUTO_CHOICE.clear()
+    AUTO_CHOICE.update(facts)
+    if e.rank == 0:
+        free = facts.get("free_bytes")
+        typer.secho(f"--batch-size auto: {rows} rows per forward ({facts['reason']}; "
+                    f"{'?' if free is None else f'{free / 2**30:.1f} GiB'} free on {facts['device']})", err=True)
+    return rows
+
+
 class StartedRun:
     """What :func:`start_run` made: the run folder, the model, the tokens (``None`` without ``seq_len``) and the
     run-level manifest options. Unpacks as ``run, lm, tokens``; ``write(result)`` is the one writer call."""
@@ -198,6 +298,8 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     if not main:
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's
     run.add(memory_estimate=est.as_dict())
+    if AUTO_CHOICE and AUTO_CHOICE.get("rows") == batch_size:
+        run.add(batch_size_auto=dict(AUTO_CHOICE))
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
     tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
               if seq_len is not None else None)

@@ -1,0 +1,71 @@
+"""``--batch-size auto``: rows from the free memory and the model's sizes; results equal an explicit batch size."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from moetool.commands import options as O
+from moetool.commands.app import app
+from moetool.loading import count_parameters, load_config
+
+runner = CliRunner()
+
+
+def per_row_and_weights(model="tiny", seq_len=64):
+    """Independent of estimate_memory: fp32 on CPU, logits + two hidden states per token, times the slack."""
+    config, _, _ = load_config(model)
+    row = seq_len * (config.vocab_size + 2 * config.hidden_size) * 4 * O.AUTO_SLACK
+    return row, count_parameters(config) * 4
+
+
+@pytest.mark.parametrize("k", [1, 5, 37])
+def test_auto_rows_from_free_memory(monkeypatch, k):
+    row, weights = per_row_and_weights()
+    free = weights + (k + 0.5) * row / O.AUTO_SHARE  # room for k rows and a half
+    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(free))
+    rows, facts = O.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")
+    assert rows == k and facts["memory_rows"] == k and facts["reason"] == "fits memory"
+    # two processes on the node share the RAM; the data cap: 300 tokens = 5 rows of 64 (3 per rank on 2 ranks)
+    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(2 * free))
+    assert O.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu", processes=2)[0] == k
+    assert O.auto_batch_size("tiny", seq_len=64, max_tokens=300, device="cpu", world=2, processes=2)[0] == min(k, 3)
+
+
+def test_auto_refuses_when_no_row_fits(monkeypatch):
+    row, weights = per_row_and_weights()
+    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(weights + 0.5 * row / O.AUTO_SHARE))
+    with pytest.raises(O.MoetoolError, match="not even one row"):
+        O.auto_batch_size("tiny", seq_len=64, device="cpu")
+    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: None)
+    assert O.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")[0] == 8
+
+
+def test_parse_batch_size():
+    assert O.parse_batch_size("auto") == O.AUTO_BATCH and O.parse_batch_size("12") == 12 == O.parse_batch_size(12)
+    for bad in ("0", "-3", "big"):
+        with pytest.raises(Exception, match="auto"):
+            O.parse_batch_size(bad)
+
+
+def test_cli_auto_equals_explicit_batch(tmp_path, monkeypatch):
+    """On the real CPU: auto picks a valid batch, says so on the console and in the manifest, and ppl's table
+    equals the one with that batch size given explicitly and with a different one (4)."""
+    row, weights = per_row_and_weights()
+    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(weights + 6.5 * row / O.AUTO_SHARE))
+    base = ["ppl", "--model", "tiny", "--max-tokens", "1500", "--seq-len", "64", "--routing", "norm:gate",
+            "--bootstrap", "0", "--quiet"]
+    r = runner.invoke(app, base + ["--batch-size", "auto", "--out", str(tmp_path / "auto")])
+    assert r.exit_code == 0, r.output
+    assert "--batch-size auto: 6 rows per forward" in r.output
+    man = json.loads((tmp_path / "auto" / "manifest.json").read_text())
+    assert man["batch_size_auto"]["rows"] == man["options"]["batch_size"] == 6
+    got = pd.read_csv(tmp_path / "auto" / "ppl.csv").drop(columns="seconds")
+    for bs in ("6", "4"):
+        r = runner.invoke(app, base + ["--batch-size", bs, "--out", str(tmp_path / bs)])
+        assert r.exit_code == 0, r.output
+        want = pd.read_csv(tmp_path / bs / "ppl.csv").drop(columns="seconds")
+        pd.testing.assert_frame_equal(got, want, check_exact=bs == "6", rtol=1e-6)
