@@ -168,6 +168,7 @@ class Engine:
 
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
+        attention = self._attention_modules()  # may refuse a layer: before any hook is installed
         self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         for L in self.layers:
             self._slots[L.index] = {}
@@ -176,11 +177,20 @@ class Engine:
                 self._handles.append(AfterAccelerateLoads(L.experts, self._experts_hook(L)))
             else:
                 self._handles.append(L.experts.register_forward_pre_hook(self._experts_hook(L), with_kwargs=True))
-            if self.attention:
-                if L.attention is None:
-                    raise MoetoolError(f"layer {L.index} has no self-attention module to read")
-                self._handles.append(L.attention.register_forward_hook(self._attention_hook(L)))
+            if L.index in attention:
+                self._handles.append(attention[L.index].register_forward_hook(self._attention_hook(L)))
         return self
+
+    def _attention_modules(self) -> dict[int, nn.Module]:
+        """The self-attention module to read per hooked layer (the policy's layers), if attention is wanted."""
+        out = {}
+        for L in self.layers if self.attention else ():
+            if self.policy is None or L.index in self.policy_layers:
+                pick = getattr(self.policy, "attention_module", None)  # the policy may refuse a layer (hybrids)
+                out[L.index] = pick(L) if pick is not None else L.attention
+                if out[L.index] is None:
+                    raise MoetoolError(f"layer {L.index} has no self-attention module to read")
+        return out
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:

@@ -7,6 +7,11 @@ The attention probabilities ``A [B, heads, S, S]`` of the same decoder layer's s
 excluded) is chosen once per batch and layer; ``s_i = Σ_j A_{h*}[i, j] π(h_j)`` over the real
 tokens ``j``, TopK of ``s_i``, weights renormalised over the chosen K. The normalised ``s`` is left
 in ``ev.scores`` and the chosen head in ``ev.extra["head"]``.
+
+Hybrid models: a MoE layer whose decoder layer mixes tokens with something other than softmax attention
+(Mamba, linear attention / DeltaNet, lightning attention, short convolutions) has no attention probabilities;
+:func:`softmax_attention` refuses it in one line naming the layer and its mixer (the engine asks the policy
+before hooking: ``policy.attention_module(layer)``).
 """
 
 from __future__ import annotations
@@ -14,12 +19,64 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
 from .base import Policy
 from .similarity import choose, propagate
+
+
+#: decoder-layer children that mix tokens (the first one present is the layer's mixer)
+_MIXER_ATTRS = ("self_attn", "attention", "attn", "linear_attn", "mamba", "mixer", "conv", "short_conv",
+                "token_mixer", "time_mix")
+#: class-name fragments of token mixers without softmax attention probabilities
+_NOT_SOFTMAX = ("mamba", "linear", "delta", "lightning", "conv", "retention", "rwkv", "ssm", "lru")
+#: per-layer config types of such mixers (``config.layer_types`` and the like)
+_LINEAR_TYPES = ("linear_attention", "mamba", "linear", "conv", "short_conv", "lightning", "deltanet", "mamba2")
+
+
+def _mixer(decoder_layer: nn.Module) -> tuple[str, nn.Module | None]:
+    for attr in _MIXER_ATTRS:
+        m = getattr(decoder_layer, attr, None)
+        if isinstance(m, nn.Module):
+            return attr, m
+    return "", None
+
+
+def _layer_type(layer: Any) -> str | None:
+    config = layer.config
+    for key in ("layer_types", "layers_block_type", "attn_type_list"):
+        types = getattr(config, key, None)
+        if isinstance(types, (list, tuple)) and layer.index < len(types) and isinstance(types[layer.index], str):
+            return types[layer.index]
+    return None
+
+
+def softmax_attention(layer: Any) -> nn.Module:
+    """The softmax self-attention module of ``layer``'s decoder layer (an :class:`~moetool.adapters.MoELayer`).
+
+    A decoder layer whose token mixer is Mamba, linear attention, lightning attention or a convolution (hybrid
+    models) has no attention probabilities: a :class:`MoetoolError` naming the layer and its mixer.
+    """
+    name, mod = _mixer(layer.decoder_layer)
+    if mod is layer.block:  # the decoder layer's one mixer is the MoE block (Nemotron-H's block type 'moe')
+        raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
+                           f"is the MoE block alone: {name} ({type(mod).__name__})); choose --layers among "
+                           f"softmax-attention layers or another policy")
+    kind = _layer_type(layer)
+    cls = type(mod).__name__ if mod is not None else ""
+    linear = (mod is None or name != "self_attn" and name not in ("attention", "attn")
+              or any(f in cls.lower() for f in _NOT_SOFTMAX)
+              or (kind is not None and kind.lower() in _LINEAR_TYPES))
+    if linear:
+        what = f"{name} ({cls})" if mod is not None else "no self-attention module"
+        kind_txt = f", layer type '{kind}'" if kind else ""
+        raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
+                           f"mixes tokens with {what}{kind_txt}); choose --layers among softmax-attention layers "
+                           f"or another policy")
+    return mod
 
 
 def lowest_entropy_head(A: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -45,6 +102,10 @@ class AttentionPolicy(Policy):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}
 
+    def attention_module(self, layer: Any) -> nn.Module:
+        """The module whose output carries ``layer``'s attention probabilities; refuses non-softmax mixers."""
+        return softmax_attention(layer)
+
     def scores(self, ev: RoutingEvent) -> torch.Tensor:
         """The normalised Attention-Aware scores ``s [T, n]``."""
         if ev.attn is None:
@@ -56,7 +117,7 @@ class AttentionPolicy(Policy):
                                f"do not match the batch ({B}, {S}) (a KV cache in use? pass use_cache=False)")
         head = lowest_entropy_head(ev.attn, ev.valid)
         ev.extra["head"] = head  # 0-d tensor: no host sync inside the forward
-        A = ev.attn[:, head]  # [B, S, S]
+        A = ev.attn.index_select(1, head.reshape(1)).squeeze(1)  # [B, S, S], the index stays on the device
         return propagate(A, ev.probs, ev.valid)
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
