@@ -108,7 +108,7 @@ def test_family(model_type):
         with torch.no_grad():
             out = L.block(h.unsqueeze(0))
             out = (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
-            expected = L.experts(h, ev.idx, ev.weights)
+            expected = L.experts(h, ev.idx, ev.weights) * getattr(L, "output_scale", 1.0)  # set where the block scales it
             if L.shared_experts is not None:
                 expected = expected + L.shared_experts(h)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

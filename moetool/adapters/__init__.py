@@ -22,6 +22,17 @@ ADAPTERS = LazyRegistry("MoE family", {
     "deepseek_v2": "moetool.adapters.deepseek_v2:DeepseekV2Adapter",
     "gpt_oss": "moetool.adapters.gpt_oss:GptOssAdapter",
     "phimoe": "moetool.adapters.phimoe:PhimoeAdapter",
+    # hand adapters where the generic one cannot read the structure (helper S)
+    "aria": "moetool.adapters.aria:AriaAdapter",
+    "aria_text": "moetool.adapters.aria:AriaAdapter",
+    "nemotron_h": "moetool.adapters.nemotron_h:NemotronHAdapter",
+    "nemotron_h_omni": "moetool.adapters.nemotron_h:NemotronHAdapter",
+    "glm5_next": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
+    "hy_v4": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
+    "minimax_m3_vl": "moetool.adapters.minimax_m3_vl:MiniMaxM3Adapter",
+    "minimax_m3_vl_text": "moetool.adapters.minimax_m3_vl:MiniMaxM3Adapter",
+    "inkling2": "moetool.adapters.inkling2:Inkling2Adapter",
+    "inkling2_text": "moetool.adapters.inkling2:Inkling2Adapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

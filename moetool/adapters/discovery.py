@@ -42,34 +42,25 @@ UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "zero-computation (identity) experts beside the routed ones (the router ranks n + "
                      "zero_expert_num classes); the per-expert probes have no identity-expert path",
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
-    "aria": "no adapter yet: experts stored for grouped GEMM (fc1 [E, H, 2I], fc2 [E, I, H]), a layout the adapters "
-            "do not read",
-    "aria_text": "no adapter yet: as aria: grouped-GEMM expert layout (fc1 [E, H, 2I], fc2 [E, I, H])",
     "axk1": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
             "een them moetool does not model)",
     "beam": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
             "een them moetool does not model)",
     "flint": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
              "een them moetool does not model)",
-    "minimax_m3_vl": "no adapter yet: experts with their own activation (no act_fn) and a differently combined shared"
-                     " path",
-    "minimax_m3_vl_text": "no adapter yet: as minimax_m3_vl: own expert activation, shared path combined differently",
     "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
                    "sqrtsoftplus scoring",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
     "gemma4": "no adapter yet: router (RMS norm, scaled projection, returns probabilities) and experts sit on the "
               "decoder layer beside a dense MLP",
     "gemma4_text": "no adapter yet: as gemma4: router with norm and per-expert scale, experts beside a dense MLP",
-    "glm5_next": "no adapter yet: experts with their own activation (no act_fn attribute)",
-    "hy_v4": "no adapter yet: experts with their own activation (no act_fn attribute)",
-    "inkling2": "no adapter yet: softcapped SwiGLU experts (activation of gate and up together)",
-    "inkling2_text": "no adapter yet: softcapped SwiGLU experts (activation of gate and up together)",
-    "inkling_mm_model": "no adapter yet: softcapped SwiGLU experts and a shared-expert sink",
-    "inkling_text": "no adapter yet: softcapped SwiGLU experts and a shared-expert sink",
+    "inkling_mm_model": "the router's weights are normalised over the K chosen routed logits together with the "
+                        "shared experts' logits (logsigmoid softmax), which the router does not return: the weights "
+                        "are no function of its logits, so route()/weights_for() cannot reproduce them",
+    "inkling_text": "as inkling_mm_model: routed weights normalised together with the shared experts' logits, which "
+                    "the router does not return",
     "muse_spark": "no adapter yet: experts and router work in a projected width (moe_hidden_size), not on the layer "
                   "input",
-    "nemotron_h": "no adapter yet: non-gated experts (up_proj, down_proj with relu^2; no gate_up_proj)",
-    "nemotron_h_omni": "no adapter yet: as nemotron_h: non-gated relu^2 experts",
     "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
                 "causal LMs",
 }

@@ -1,0 +1,159 @@
+"""Hand adapters (families whose experts or blocks differ from the common shape) and hybrid models.
+
+tests/test_families.py runs its generic checks on every supported type; here what those checks cannot see:
+
+* the experts' own activations (clamped SwiGLU, clamped alpha-SwiGLU, softcapped SwiGLU) with limits small
+  enough that the clamps and caps really bind on tiny random weights: the batched nodes then still equal the
+  model's own experts module, one expert at a time, and the clamp is seen to change the output;
+* Nemotron-H's non-gated experts: "glu" is act(up), what the down projection sees;
+* MiniMax-M3's block scales the routed output: ``output_scale`` is the block's factor;
+* hybrid models: attention routing refuses MoE layers whose decoder layer mixes tokens with Mamba / DeltaNet in
+  one line naming the layer and its mixer, and runs on the softmax-attention layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import padded_batch, run
+
+from moetool.adapters import discovery, find_moe_layers
+from moetool.engine import node_scores
+from moetool.errors import MoetoolError
+from moetool.policies import make_policy
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(model_type: str):
+    model = discovery.build_tiny(model_type, seed=0)
+    return model, find_moe_layers(model)
+
+
+def _h(L, T: int = 12) -> torch.Tensor:
+    d = L.router_weight().shape[1]
+    return torch.randn(T, d, generator=torch.Generator().manual_seed(3)) * 3.0  # large: clamps bind
+
+
+def _one_expert(L, e: int, h: torch.Tensor) -> torch.Tensor:
+    idx = torch.full((h.shape[0], 1), e, dtype=torch.long)
+    with torch.no_grad():
+        return L.experts(h, idx, torch.ones(h.shape[0], 1, dtype=h.dtype))
+
+
+def _assert_nodes_match_model(L, h):
+    """Batched output nodes == the model's experts module per expert; glu -> down reproduces them too."""
+    outs = torch.stack([_one_expert(L, e, h) for e in range(L.n_experts)])  # [n, T, d]
+    torch.testing.assert_close(node_scores(L, h, "output", "l2"), outs.norm(dim=-1).T, rtol=1e-5, atol=1e-5)
+    W = L.expert_weights()
+    for e in (0, L.n_experts - 1):
+        glu = L.glu(F.linear(h, W.gate[e]), F.linear(h, W.up[e]))
+        torch.testing.assert_close(F.linear(glu, W.down[e]), outs[e], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type, attr, small", [
+    ("glm5_next", "swiglu_limit", 0.05), ("hy_v4", "swiglu_limit", 0.05), ("minimax_m3_vl_text", "swiglu_limit", 0.05)])
+def test_clamped_swiglu_binds_and_matches(model_type, attr, small):
+    model, layers = tiny(model_type)
+    L = layers[0]
+    h = _h(L)
+    old = getattr(L.experts, attr)
+    before = _one_expert(L, 0, h)
+    try:
+        setattr(L.experts, attr, small)
+        if hasattr(L.experts, "limit"):
+            L.experts.limit = small
+        assert not torch.allclose(_one_expert(L, 0, h), before)  # the clamp binds at this limit
+        _assert_nodes_match_model(L, h)
+    finally:
+        setattr(L.experts, attr, old)
+        if hasattr(L.experts, "limit"):
+            L.experts.limit = old
+
+
+def test_softcapped_swiglu_binds_and_matches():
+    model, layers = tiny("inkling2_text")
+    L = layers[0]
+    h = _h(L)
+    fn = L.experts.act_fn
+    caps = fn.gate_softcap.softcap, fn.up_softcap.softcap
+    before = _one_expert(L, 0, h)
+    try:
+        fn.gate_softcap.softcap, fn.up_softcap.softcap = 0.1, 0.1
+        assert not torch.allclose(_one_expert(L, 0, h), before)
+        _assert_nodes_match_model(L, h)
+        g = torch.randn(5, 7)
+        torch.testing.assert_close(L.act(g), torch.tanh(g / 0.1) * 0.1 * torch.sigmoid(g))  # closed form
+    finally:
+        fn.gate_softcap.softcap, fn.up_softcap.softcap = caps
+
+
+def test_aria_transposed_layout():
+    """Aria's experts are (in, out): the canonical gate/up/down views are transposes of the stored tensors."""
+    model, layers = tiny("aria_text")
+    L = layers[0]
+    W, ex = L.expert_weights(), L.experts
+    inter = ex.gate_up_proj.shape[-1] // 2
+    assert torch.equal(W.gate[1], ex.gate_up_proj[1, :, :inter].T) and torch.equal(W.down[1], ex.down_proj[1].T)
+    _assert_nodes_match_model(L, _h(L))
+
+
+def test_nemotron_h_non_gated_experts():
+    model, layers = tiny("nemotron_h")
+    L = layers[0]
+    h = _h(L)
+    up = F.linear(h, L.experts.up_proj[2])
+    want = torch.relu(up) ** 2  # relu^2, Nemotron-H's mlp_hidden_act
+    assert L.config.mlp_hidden_act == "relu2"
+    torch.testing.assert_close(L.glu(up, up), want)
+    _assert_nodes_match_model(L, h)
+
+
+def test_minimax_m3_block_scales_the_routed_output():
+    model, layers = tiny("minimax_m3_vl_text")
+    L = layers[0]
+    assert L.output_scale == L.config.routed_scaling_factor != 1.0
+    assert L.weight_scale == 1.0  # the weights the router returns sum to one; the block scales after the experts
+    h = _h(L, 6) / 3
+    idx, w = L.route(L.logits(h))
+    torch.testing.assert_close(w.sum(-1), torch.ones(6))
+    with torch.no_grad():
+        out = L.block(h.unsqueeze(0)).reshape(h.shape)
+        want = L.experts(h, idx, w) * L.output_scale + L.shared_experts(h)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+# ----- hybrid models: attention routing on softmax-attention layers only -------------------------------------
+@pytest.mark.parametrize("model_type, refused, mixer, ok", [
+    ("jamba", 1, "mamba (JambaMambaMixer)", 3),
+    ("qwen3_next", 0, "linear_attn (Qwen3NextGatedDeltaNet)", 3),
+])
+def test_attention_policy_refuses_non_softmax_layers(model_type, refused, mixer, ok):
+    model, layers = tiny(model_type)
+    batch = padded_batch(seq=8)
+    impl, model.config._attn_implementation = model.config._attn_implementation, "eager"
+    try:
+        with pytest.raises(MoetoolError) as e:
+            run(model, layers, batch, policy=make_policy("attention"))
+        msg = str(e.value)
+        assert f"MoE layer {refused} has no softmax attention" in msg and mixer in msg and "\n" not in msg
+        # on the softmax-attention layer it runs: the scores are the propagation through the chosen head
+        got, events, _ = run(model, layers, batch, policy=make_policy("attention"), policy_layers=[ok])
+        ev = events[ok]
+        assert got.isfinite().all() and ev.scores is not None
+        torch.testing.assert_close(ev.scores.sum(-1), torch.ones(ev.scores.shape[0]))
+        other = [i for i in events if i != ok]
+        assert all(torch.equal(events[i].chosen_idx, events[i].idx) for i in other)  # untouched layers
+    finally:
+        model.config._attn_implementation = impl
+
+
+def test_attention_policy_nemotron_moe_layer_has_no_attention():
+    """Nemotron-H: a 'moe' decoder layer's one mixer is the MoE block itself."""
+    from moetool.policies.attention import softmax_attention
+
+    model, layers = tiny("nemotron_h")
+    with pytest.raises(MoetoolError, match=r"MoE layer \d+ has no softmax attention .*MoE block alone: mixer"):
+        softmax_attention(layers[0])
