@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import padded_batch, run
 from test_engine import assert_same_routing
+from test_rules import EXPECTED_RULE
 
 from moetool import ops
 from moetool.adapters import discovery, find_moe_layers
@@ -86,6 +87,10 @@ def test_family(model_type):
     mask = batch["attention_mask"].reshape(-1).bool()
     for ev in events.values():  # 5. padding is marked, so it never counts
         assert torch.equal(ev.valid, mask)
+
+    # the routing rule identified on the router is the one its modeling code implements (tests/test_rules.py)
+    assert model_type in EXPECTED_RULE, f"{model_type}: add its rule to tests/test_rules.py EXPECTED_RULE"
+    assert {L.describe()["rule"] for L in layers} == {EXPECTED_RULE[model_type]}
 
     # 2. the captured top-K is the adapter's route(logits(h))
     _, _, events = captured(model_type)

@@ -143,9 +143,19 @@ class MoELayer:
         idx = ops.topk(self.selection_scores(logits), self.top_k)
         return idx, self.weights_for(logits, idx)
 
+    def rule_name(self) -> str:
+        """The catalogue rule (moetool/adapters/rules.py) the router reproduces, identified on first use."""
+        name = self.__dict__.get("_rule_name")
+        if name is None:
+            from .generic import identify_layer
+
+            name = self.__dict__["_rule_name"] = identify_layer(self)[0].name
+        return name
+
     def describe(self) -> dict[str, Any]:
         return {
             "layer": self.index,
+            "rule": self.rule_name(),
             "n_experts": self.n_experts,
             "top_k": self.top_k,
             "scoring": self.scoring,

@@ -158,16 +158,7 @@ class GenericLayer(MoELayer):
         return replace(self.params, bias=correction_bias(self.router, self.block))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._logits(h, self.router_weight(), self.router_bias())
-
-    def _logits(self, h, w, b) -> torch.Tensor:
-        if self.logits_mode == "fp32":  # input and weight cast to fp32 (DeepSeek-V3, ERNIE)
-            out = F.linear(h.float(), w.float(), None if b is None else b.float())
-        else:  # in the weight's dtype [then cast to fp32]
-            out = F.linear(h.to(w.dtype), w, b)
-            if self.logits_mode == "native->fp32":
-                out = out.float()
-        return torch.tanh(out / self.softcap) * self.softcap if self.softcap else out
+        return linear_logits(h, self.router_weight(), self.router_bias(), self.logits_mode, self.softcap)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return self.rule.probs(logits, self.params)
@@ -185,51 +176,68 @@ class GenericLayer(MoELayer):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "rule": self.rule.name, **self.params.describe()}
 
-    # ----- identification ----------------------------------------------------------------------------------
-    def _fail(self, what: str) -> MoetoolError:
-        mt = getattr(self.config, "model_type", "?")
-        return MoetoolError(f"{mt}: {what} (layer {self.index}, {type(self.router).__name__})")
-
     def _identify(self):
-        router, block = self.router, self.block
-        bias = correction_bias(router, block)
-        if _is_meta(*router.parameters(), *router.buffers(), bias):  # a model built on the meta device
-            router, bias = _materialized(router), None if bias is None else torch.randn(
-                bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
-        lin = router_linear(router)
-        w = lin.weight
-        dtype = next((p.dtype for p in self.experts.parameters() if p.is_floating_point()), w.dtype)
-        if _is_meta(w) or dtype == torch.float64:
-            dtype = w.dtype
-        gen = torch.Generator().manual_seed(0)
-        h = torch.randn(_N_TOKENS, w.shape[1], generator=gen).to(device=w.device, dtype=dtype)
-        with torch.no_grad():
-            out = _call_router(router, h, bias)
-            if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
-                    and not out[2].is_floating_point()):
-                raise self._fail("the router does not return (logits, weights, top-K indices)")
-            logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
-            recipe = self._logits_recipe(router, lin, h, logits)
-            top_k = int(want_idx.shape[-1])
-            cands = _candidates(router, top_k, None if bias is None else bias.detach())
-            try:
-                rule, params = rules.identify(logits, want_idx, want_w, cands)
-            except rules.NoRuleMatches as e:
-                raise self._fail(f"router output matches no known routing rule ({e})") from None
-        if bias is not None and params.bias is not None:
-            params = replace(params, bias=correction_bias(self.router, self.block))
-        return (rule, params, *recipe)
+        return identify_layer(self)
 
-    def _logits_recipe(self, router: nn.Module, lin: nn.Module, h: torch.Tensor, want: torch.Tensor):
+
+LOGITS_MODES = ("native", "native->fp32", "fp32")
+
+
+def linear_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mode: str, softcap: float = 0.0):
+    """Router logits as the router computes them: ``native`` (in the weight's dtype), ``native->fp32`` (then
+    cast to fp32) or ``fp32`` (input and weight cast first); ``tanh`` soft-capped if ``softcap``."""
+    if mode == "fp32":
+        out = F.linear(h.float(), w.float(), None if b is None else b.float())
+    else:
+        out = F.linear(h.to(w.dtype), w, b)
+        if mode == "native->fp32":
+            out = out.float()
+    return torch.tanh(out / softcap) * softcap if softcap else out
+
+
+def identify_layer(L: MoELayer) -> tuple[rules.Rule, rules.Params, str, float]:
+    """``(rule, params, logits mode, softcap)`` reproducing ``L.router`` on seeded random inputs (its device, the
+    experts' dtype). Any MoE layer whose router returns ``(logits, weights, idx)`` from one linear projection:
+    the generic layer routes by it, hand-written layers report it (``describe()['rule']``)."""
+    mt = getattr(L.config, "model_type", "?")
+
+    def fail(what: str) -> MoetoolError:
+        return MoetoolError(f"{mt}: {what} (layer {L.index}, {type(L.router).__name__})")
+
+    router, block = L.router, L.block
+    bias = correction_bias(router, block)
+    if _is_meta(*router.parameters(), *router.buffers(), bias):  # a model built on the meta device
+        router = _materialized(router)
+        bias = correction_bias(router, block)
+        if _is_meta(bias):  # the block's, not the router's
+            bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
+    lin = router_linear(router)
+    w, b = lin.weight, getattr(lin, "bias", None)
+    dtype = next((p.dtype for p in L.experts.parameters() if p.is_floating_point()), w.dtype)
+    if _is_meta(w) or _is_meta(next(L.experts.parameters(), None)):
+        dtype = w.dtype
+    h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device,
+                                                                                          dtype=dtype)
+    with torch.no_grad():
+        out = _call_router(router, h, bias)
+        if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
+                and not out[2].is_floating_point()):
+            raise fail("the router does not return (logits, weights, top-K indices)")
+        logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
         cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
-        w, b = lin.weight, getattr(lin, "bias", None)
-        for mode in ("native", "native->fp32", "fp32"):
-            self.logits_mode, self.softcap = mode, cap
-            got = self._logits(h, w, b)
-            if got.dtype == want.dtype and torch.equal(got, want):
-                return mode, cap
-        raise self._fail("the router's logits are not a linear map of its input (logits(h) differs from the "
-                         "router's first output)")
+        mode = next((m for m in LOGITS_MODES if torch.equal(got := linear_logits(h, w, b, m, cap), logits)
+                     and got.dtype == logits.dtype), None)
+        if mode is None:
+            raise fail("the router's logits are not a linear map of its input (logits(h) differs from the "
+                       "router's first output)")
+        cands = _candidates(router, int(want_idx.shape[-1]), None if bias is None else bias.detach())
+        try:
+            rule, params = rules.identify(logits, want_idx, want_w, cands)
+        except rules.NoRuleMatches as e:
+            raise fail(f"router output matches no known routing rule ({e})") from None
+    if params.bias is not None:  # the live buffer, not the copy identification ran with
+        params = replace(params, bias=correction_bias(L.router, L.block))
+    return rule, params, mode, cap
 
 
 def _call_router(router: nn.Module, h: torch.Tensor, bias: torch.Tensor | None):

@@ -209,7 +209,9 @@ def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     selected: dict[tuple, torch.Tensor] = {}
     for r, rule in enumerate(rules):
         for c, p in enumerate(candidates):
-            if (rule.weight == "sparsemixer") != (p.jitter_eps is not None):
+            if rule.weight == "sparsemixer" and (p.jitter_eps is None or p.bias is not None or p.n_group > 1):
+                continue  # sparsemixer ranks the raw logits: no bias, no groups
+            if rule.weight != "sparsemixer" and p.jitter_eps is not None:
                 continue
             key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score)
             if key not in selected:
