@@ -97,14 +97,14 @@ def abs_cos_mean(x: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Ten
     """Mean ``|cos|`` over the ``m(m-1)`` ordered pairs of distinct rows of ``x [..., m, d]`` -> ``[...]``.
 
     Pass ``gram = x xᵀ [..., m, m]`` instead if it is already computed (``x`` is then ignored). A zero
-    row has cosine 0 with everything.
+    row has cosine 0 with everything; fewer than two rows (no pair) gives NaN.
     """
     g = (x.float() @ x.float().transpose(-1, -2)) if gram is None else gram  # [..., m, m]
     norm = g.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()  # [..., m]
     cos = g / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(g.dtype).tiny)
     m = g.shape[-1]
     off = ~torch.eye(m, dtype=torch.bool, device=g.device)
-    return (cos.abs() * off).sum((-2, -1)) / max(m * (m - 1), 1)
+    return (cos.abs() * off).sum((-2, -1)) / (m * (m - 1))  # no pair (m < 2): NaN, not 0
 
 
 def median(x: torch.Tensor) -> float:

@@ -354,6 +354,8 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
                     quiet: bool = False) -> MassRecallResult:
     """Fit the codebooks, then evaluate: the whole experiment on one model."""
     layers = list(lm.layers if layers is None else layers)
+    if tokens.n_tokens == 0:  # no codebook can be fitted: one line, not a crash in the codeword scoring
+        raise MoetoolError("no real tokens in the data")
     fits = fit_codebooks(lm, tokens, layers, opts, quiet)
     res = evaluate(lm, tokens, layers, fits, opts, quiet)
     res.reinits = {f"{k[0]}/{k[1]}": v.reinits for k, v in fits.items()}

@@ -1,0 +1,42 @@
+"""A statistic over zero tokens is missing, never 0 (#14): every experiment refuses data with no real token in one
+line instead of writing a table, and a mean over an empty set of pairs is NaN."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moetool import ops
+from moetool.errors import MoetoolError
+from moetool.loading import embedded_models
+
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+
+@pytest.fixture(scope="module")
+def all_padding():
+    from moetool.data import load_tokens
+    from moetool.loading import load
+
+    lm = load("tiny")
+    ts = load_tokens(None, lm.tokenizer, 16, 64)
+    return lm, replace(ts, attention_mask=torch.zeros_like(ts.attention_mask))
+
+
+@needs_tiny
+@pytest.mark.parametrize("name", ["stats", "ppl", "norm_select", "approx", "mass_recall", "offload"])
+def test_no_real_token_is_refused_not_tabulated(all_padding, name):
+    import moetool.api as api
+
+    lm, ts = all_padding
+    assert ts.n_tokens == 0
+    with pytest.raises(MoetoolError) as e:
+        getattr(api, name)(lm, ts, quiet=True)
+    assert "\n" not in str(e.value) and ("token" in str(e.value) or "denominator" in str(e.value)), e.value
+
+
+def test_mean_abs_cos_over_no_pair_is_nan():
+    x = torch.randn(3, 1, 4)  # three groups of a single row: no pair i != j
+    assert torch.isnan(ops.abs_cos_mean(x)).all()
+    y = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # one pair both ways: |cos| = 1/sqrt(2)
+    assert abs(float(ops.abs_cos_mean(y)) - 2 ** -0.5) < 1e-6
