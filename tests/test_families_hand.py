@@ -157,3 +157,58 @@ def test_attention_policy_nemotron_moe_layer_has_no_attention():
     model, layers = tiny("nemotron_h")
     with pytest.raises(MoetoolError, match=r"MoE layer \d+ has no softmax attention .*MoE block alone: mixer"):
         softmax_attention(layers[0])
+
+
+# ----- Llama 4: the weight scales the experts' input; the block class swap is bit-exact -------------------------
+@functools.lru_cache(maxsize=None)
+def llama4_top2():
+    """A tiny llama4_text with K = 2 (its default K = 1 cannot tell input from output scaling)."""
+    cfg = discovery.tiny_config("llama4_text")
+    cfg.num_experts_per_tok = 2
+    torch.manual_seed(0)
+    model = discovery.model_class("llama4_text").from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for blk in model.modules():
+            if type(blk).__name__ == "Llama4TextMoe":
+                blk.router.weight.copy_(torch.randn(blk.router.weight.shape, generator=gen) * 0.15)
+    return model
+
+
+def test_llama4_views_are_bit_exact_and_weights_scale_the_input():
+    import copy
+
+    from moetool.adapters.llama4 import restore
+
+    model = llama4_top2()
+    batch = padded_batch(seq=8)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(**batch).logits  # the original Llama4TextMoe forward
+    layers = find_moe_layers(model)
+    assert [L.top_k for L in layers] == [2] * len(layers) and layers[0].describe()["rule"] == "topk-sigmoid"
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, want)
+    got, events, _ = run(model, layers, batch, policy=make_policy("router"))
+    assert torch.equal(got, want)
+    L = layers[0]
+    ev = events[L.index]
+    logits = L.logits(ev.h)
+    top, idx = torch.topk(logits, 2, dim=1)  # Llama4Router by hand: sigmoid of the top-2 logits
+    assert torch.equal(ev.idx, idx) and torch.equal(ev.weights, torch.sigmoid(top))
+    ridx, rw = L.route(logits)
+    assert torch.equal(ridx, idx) and torch.equal(rw, ev.weights)
+
+    outs: dict[int, torch.Tensor] = {}
+    _, events, _ = run(model, layers, batch, policy=make_policy("random", seed=0), experts_out=outs)
+    ev = events[L.index]
+    w, i = ev.chosen_weights, ev.chosen_idx
+    assert (w < 0.99).any()
+    input_scaled = sum(torch.stack([_one_expert(L, e, ev.h * w[:, k:k + 1]) for e in range(L.n_experts)])[
+        i[:, k], torch.arange(ev.h.shape[0])] for k in range(2))
+    output_scaled = sum(w[:, k:k + 1] * torch.stack([_one_expert(L, e, ev.h) for e in range(L.n_experts)])[
+        i[:, k], torch.arange(ev.h.shape[0])] for k in range(2))
+    torch.testing.assert_close(outs[L.index], input_scaled, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(outs[L.index], output_scaled, rtol=1e-3, atol=1e-5)
+    restore(model)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, want)

@@ -37,6 +37,7 @@ EXPECTED_RULE = {
                    "sigmoid-topk-renorm"),
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",
+    "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",
     "phimoe": "sparsemixer",
 }
 

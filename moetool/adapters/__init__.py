@@ -33,6 +33,8 @@ ADAPTERS = LazyRegistry("MoE family", {
     "minimax_m3_vl_text": "moetool.adapters.minimax_m3_vl:MiniMaxM3Adapter",
     "inkling2": "moetool.adapters.inkling2:Inkling2Adapter",
     "inkling2_text": "moetool.adapters.inkling2:Inkling2Adapter",
+    "llama4": "moetool.adapters.llama4:Llama4Adapter",
+    "llama4_text": "moetool.adapters.llama4:Llama4Adapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

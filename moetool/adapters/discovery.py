@@ -30,9 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     "diffusion_gemma": "block text-diffusion model (DiffusionGemmaForBlockDiffusion, bidirectional decoder): its "
                        "forward samples, so two forwards on the same input differ and there is no routing to "
                        "reproduce",
-    "llama4": "the router returns dense sigmoid scores, the block scales every expert's input by them and runs all "
-              "experts on all tokens (experts(x), no (idx, weights) call to override); needs its own engine path",
-    "llama4_text": "as llama4: experts(x) on score-scaled inputs of every token, no (idx, weights) call to override",
     "dbrx": "the router module returns logits only (routing is DbrxFFN.route_tokens_to_experts, outside it); the "
             "engine reads (logits, weights, idx) from the router module",
     "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as experts(inputs, "
