@@ -47,7 +47,7 @@ def _worker(rank, world, port, out):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), MOETOOL_DIST_TIMEOUT="60")  # a mismatch fails in a minute
     torch.set_num_threads(1)
     dev = D.init("cpu")
     try:
@@ -101,7 +101,7 @@ def _forward_worker(rank, world, port, out, run=None):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), MOETOOL_DIST_TIMEOUT="60")  # a mismatch fails in a minute
     torch.set_num_threads(1)
     D.init("cpu")
     try:
@@ -150,6 +150,34 @@ def test_forward_on_two_ranks_equals_one_process(tmp_path):
     for k in ("plain", "norm"):
         assert got[k][1] == want[k][1] and got[k][0] == pytest.approx(want[k][0], rel=1e-9)
     assert got["events"] == want["events"] == want["tokens"] * want["layers"]
+
+
+def eval_run():
+    """lm-eval on the shipped offline task through moetool's HFLM: values and the rows each rank forwarded."""
+    from moetool.experiments import lmeval
+    from moetool.loading import load
+    from moetool.policies import make_policy
+
+    lm = load("tiny")
+    rows = [0]
+    lm.model.register_forward_hook(lambda m, args, out: rows.__setitem__(0, rows[0] + out.logits.shape[0]))
+    res = lmeval.evaluate(lm, lmeval.plan_tasks(["moetool_code"]), policy=make_policy("norm:gate"), limit=24,
+                          batch_size=4, quiet=True)
+    return {"values": res.frame.value.tolist(), "stderr": res.frame.stderr.tolist(),
+            "rows": D.gather_object(rows[0])}
+
+
+def test_eval_uses_lm_evals_own_split(tmp_path):
+    """Under 2 ranks lm-eval itself splits the requests (HFLM rank/world): each rank forwards about half the
+    rows one process forwards, and the gathered metrics equal one process's."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_forward_worker, args=(2, free_port(), str(out), eval_run), nprocs=2, join=True)
+    got, want = torch.load(out), eval_run()
+    assert got["values"] == want["values"] and got["stderr"] == want["stderr"]
+    (alone,), (r0, r1) = want["rows"], got["rows"]
+    assert 0 < r0 < alone and 0 < r1 < alone and r0 + r1 >= alone  # lm-eval pads the shorter rank
 
 
 def test_shard_layout_and_single_process_noop(monkeypatch):

@@ -179,7 +179,58 @@ def make_hflm(lm: Any, batch_size: int = 8) -> Any:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size)
+    hflm = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size)
+    return data_parallel(hflm)
+
+
+class _RankCollectives:
+    """The three ``accelerate.Accelerator`` calls HFLM makes under data parallelism (``gather`` of equal-shaped
+    tensors, ``wait_for_everyone``, ``unwrap_model``), on the process group :func:`moetool.distributed.init`
+    started (torchrun / accelerate launch): lm-eval's own request split and result gathering then run as under
+    ``accelerate launch lm_eval``, on the model moetool loaded and hooked."""
+
+    def gather(self, tensor: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)  # accelerate's layout
+
+    def wait_for_everyone(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def unwrap_model(self, model: Any) -> Any:
+        return model
+
+
+def data_parallel(hflm: Any) -> Any:
+    """Under a distributed launch, give ``hflm`` this process's rank and the world size (HFLM forgoes them for
+    a model object passed as ``pretrained``): lm-eval then splits every task's requests over the ranks, pads
+    them to equal forwards and gathers the metrics on rank 0 (:func:`evaluate` shares rank 0's results with
+    every rank). Alone: unchanged."""
+    from .. import distributed
+
+    if distributed.world_size() > 1:
+        hflm._rank, hflm._world_size = distributed.rank(), distributed.world_size()
+        hflm.accelerator = _RankCollectives()
+    return hflm
+
+
+def _shared_results(out: Any) -> Any:
+    """lm-eval returns results on rank 0 only; every rank gets rank 0's (the tables are the same everywhere)."""
+    from .. import distributed
+
+    if distributed.world_size() <= 1:
+        return out
+    import torch.distributed as dist
+
+    keep = None if out is None else {k: out[k] for k in ("results", "n-samples", "samples") if k in out}
+    box = [keep]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
@@ -210,6 +261,7 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
                 numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
         except (KeyError, FileNotFoundError, ConnectionError, OSError) as e:
             raise MoetoolError(f"lm-eval could not load the tasks {plan.names}: {type(e).__name__}: {e}") from None
+    out = _shared_results(out)
     seconds = time.perf_counter() - t0
     if out is None:
         raise MoetoolError("lm-eval returned no results")
