@@ -32,7 +32,6 @@ from torch import nn
 from ..errors import MoetoolError
 from . import rules
 from .base import Adapter, MoELayer
-from .qwen2_moe import GatedSharedExpert
 
 _ROUTER_ATTRS = ("gate", "router")
 _SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
@@ -69,6 +68,17 @@ def moe_parts(decoder_layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module
             if router is not None:
                 return block, router, experts
     return None
+
+
+class GatedSharedExpert(nn.Module):
+    """``sigmoid(gate(h)) * expert(h)``: Qwen's gated shared expert as one callable (shares the model's modules)."""
+
+    def __init__(self, expert: nn.Module, gate: nn.Module):
+        super().__init__()
+        self.expert, self.gate = expert, gate
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(h)) * self.expert(h)
 
 
 def shared_experts(block: nn.Module) -> nn.Module | None:

@@ -1,27 +1,18 @@
 """Mixtral (and its twin MiniMax): every decoder layer's ``mlp`` is MoE.
 
-Router ``mlp.gate`` (weight ``[E, H]``): logits in the hidden dtype, softmax in fp32,
-top-k, renormalise; the weights stay fp32.
+Router ``mlp.gate`` (weight ``[E, H]``): logits in the hidden dtype, softmax in fp32, top-k, renormalise; the
+weights stay fp32 (rule ``softmax-topk-renorm``, identified at load by the generic adapter). Nothing else is
+particular: this file names the family and its tiny test config.
 """
 
 from __future__ import annotations
 
-from .base import Adapter, MoELayer
+from .generic import GenericAdapter
 
 
-class MixtralLayer(MoELayer):
-    weights_fp32 = True
-    scoring = "softmax(fp32) -> top-k -> renormalize"
-
-    @property
-    def renormalize(self) -> bool:
-        return True
-
-
-class MixtralAdapter(Adapter):
+class MixtralAdapter(GenericAdapter):
     family = "mixtral"
     model_types = ("mixtral", "minimax")
-    layer_cls = MixtralLayer
 
     @staticmethod
     def tiny_config():

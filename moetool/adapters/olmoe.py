@@ -1,24 +1,20 @@
 """OLMoE: every decoder layer's ``mlp`` is MoE.
 
-Router ``mlp.gate`` (weight ``[E, H]``, no bias): logits in the model dtype, softmax in fp32,
-top-k, ``/ sum`` only if ``norm_topk_prob`` (False for the released OLMoE checkpoints, so the
-weights do not sum to one); weights cast back to the logits' dtype. Expert width is
-``intermediate_size`` (there is no separate ``moe_intermediate_size``). No shared expert.
+Router ``mlp.gate`` (weight ``[E, H]``, no bias): softmax in fp32, top-k, ``/ sum`` only if ``norm_topk_prob``
+(False for the released checkpoints, so the weights do not sum to one): rule ``softmax-topk`` or
+``softmax-topk-renorm``, identified at load by the generic adapter. Expert width is ``intermediate_size``. No
+shared expert. This file names the family and its tiny test config.
 """
 
 from __future__ import annotations
 
-from .base import TINY_SHAPE, Adapter, MoELayer
+from .base import TINY_SHAPE
+from .generic import GenericAdapter
 
 
-class OlmoeLayer(MoELayer):
-    scoring = "softmax(fp32) -> top-k [-> renormalize if norm_topk_prob]"
-
-
-class OlmoeAdapter(Adapter):
+class OlmoeAdapter(GenericAdapter):
     family = "olmoe"
     model_types = ("olmoe",)
-    layer_cls = OlmoeLayer
 
     @staticmethod
     def tiny_config():
