@@ -20,10 +20,11 @@ with no new code.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -214,6 +215,11 @@ def identify_layer(L: MoELayer) -> tuple[rules.Rule, rules.Params, str, float]:
     def fail(what: str) -> MoetoolError:
         return MoetoolError(f"{mt}: {what} (layer {L.index}, {type(L.router).__name__})")
 
+    with _loaded(L.router, L.block):  # accelerate-offloaded weights brought in for the check, then put back
+        return _identify_loaded(L, fail)
+
+
+def _identify_loaded(L: MoELayer, fail: Callable[[str], MoetoolError]) -> tuple[rules.Rule, rules.Params, str, float]:
     router, block = L.router, L.block
     bias = correction_bias(router, block)
     if _is_meta(*router.parameters(), *router.buffers(), bias):  # a model built on the meta device
@@ -248,6 +254,19 @@ def identify_layer(L: MoELayer) -> tuple[rules.Rule, rules.Params, str, float]:
     if params.bias is not None:  # the live buffer, not the copy identification ran with
         params = replace(params, bias=correction_bias(L.router, L.block))
     return rule, params, mode, cap
+
+
+@contextlib.contextmanager
+def _loaded(*modules: nn.Module) -> Iterator[None]:
+    """Every accelerate-offloaded tensor of ``modules`` (``device_map`` / ``cpu_offload``: kept on the meta device
+    until the module's pre-forward) on its execution device for the duration."""
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    with contextlib.ExitStack() as stack:
+        for m in {id(s): s for mod in modules for s in mod.modules()}.values():
+            if has_offloaded_params(m):
+                stack.enter_context(align_module_device(m))
+        yield
 
 
 def _call_router(router: nn.Module, h: torch.Tensor, bias: torch.Tensor | None):
