@@ -1,45 +1,33 @@
-"""DeepSeek-V2: the V3 layout (dense first ``first_k_dense_replace`` layers, fp32 router logits,
-ungated ``shared_experts``) with softmax routing and no renormalisation.
+"""DeepSeek-V2: the V3 layout (dense first ``first_k_dense_replace`` layers, fp32 router logits, ungated
+``shared_experts``) with softmax routing and no renormalisation.
 
 * Scores ``p = softmax(logits)`` in fp32; π = ``p``.
-* ``gate.topk_method``: ``greedy`` = plain top-k of ``p`` (V2-Lite); ``group_limited_greedy`` =
-  top-k within the ``topk_group`` best of ``n_group`` groups, a group scored by its best ``p``
-  (V2, V2.5). Experts outside the kept groups are zeroed (not ``-inf``), as in the model.
-* Weights = ``p`` of the chosen ``× routed_scaling_factor``. The 5.23 router ignores
-  ``config.norm_topk_prob``: it never renormalises.
+* ``gate.topk_method``: ``greedy`` = plain top-k of ``p`` (V2-Lite); ``group_limited_greedy`` = top-k within the
+  ``topk_group`` best of ``n_group`` groups, a group scored by its best ``p`` (V2, V2.5).
+* Weights = ``p`` of the chosen ``x routed_scaling_factor``. The 5.23 router ignores ``config.norm_topk_prob``:
+  it never renormalises. Rule ``softmax-topk`` (identified at load).
+
+What is particular: the router reads ``topk_method`` at every call, so :class:`DeepseekV2Layer` does too (a
+change after load is followed, not frozen at identification).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-import torch
+from .base import TINY_SHAPE
+from .deepseek_v3 import DeepseekV3Adapter
+from .generic import GenericLayer
+from .rules import Params
 
-from .. import ops
-from .base import TINY_SHAPE, MoELayer
-from .deepseek_v3 import DeepseekV3Adapter, DeepseekV3Layer, group_mask
 
-
-class DeepseekV2Layer(DeepseekV3Layer):
-    scoring = ("softmax(fp32) -> top-k (topk_method greedy, or group_limited_greedy: within the topk_group "
-               "best of n_group groups by group max) -> x routed_scaling_factor, no renormalization")
-
-    @property
-    def renormalize(self) -> bool:
-        return False
-
-    probs = MoELayer.probs
-    selection_scores = MoELayer.selection_scores
-
-    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return self.probs(logits).gather(-1, idx) * self.router.routed_scaling_factor
-
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.probs(logits)
-        if self.router.topk_method == "group_limited_greedy":
-            p = p.masked_fill(~group_mask(p, self.router.num_group, self.router.topk_group, "max"), 0.0)
-        idx = ops.topk(p, self.top_k)
-        return idx, p.gather(-1, idx) * self.router.routed_scaling_factor
+class DeepseekV2Layer(GenericLayer):
+    def _p(self) -> Params:
+        r = self.router
+        if r.topk_method == "group_limited_greedy":
+            return replace(super()._p(), n_group=int(r.num_group), topk_group=int(r.topk_group), group_score="max")
+        return replace(super()._p(), n_group=1, topk_group=1)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "topk_method": self.router.topk_method}
