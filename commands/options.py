@@ -48,6 +48,8 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': 
                                                   "larger than one GPU over GPUs and CPU.")]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "
+                                      "finished unit (same options; same result as an uninterrupted run).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of every random choice.")]
 Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the command acts on (decoder "
                                                "indices): where the policy replaces routing, or the layers an "
@@ -256,8 +258,9 @@ class StartedRun:
     """What :func:`start_run` made: the run folder, the model, the tokens (``None`` without ``seq_len``) and the
     run-level manifest options. Unpacks as ``run, lm, tokens``; ``write(result)`` is the one writer call."""
 
-    def __init__(self, run: Any, lm: Any, tokens: Any, options: dict[str, Any]):
+    def __init__(self, run: Any, lm: Any, tokens: Any, options: dict[str, Any], units: Any = None):
         self.run, self.lm, self.tokens, self.options = run, lm, tokens, options
+        self.units = units  # moetool.report.rundir.Units: finished units kept for --resume (None: not asked)
 
     def __iter__(self) -> Any:
         return iter((self.run, self.lm, self.tokens))
@@ -272,7 +275,7 @@ class StartedRun:
 def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
               max_tokens: int | None = None, batch_size: int | None = None, dtype: str = "auto", device: str = "auto",
               device_map: str | None = None, attention: bool = False, tokenizer: bool = True,
-              add_special_tokens: bool | None = False) -> StartedRun:
+              add_special_tokens: bool | None = False, resume: bool = False, units: Any = None) -> StartedRun:
     """The start every command shares: ``--data`` must exist and the run must fit (:func:`check_run`) before the
     run folder exists; then the folder (with the memory estimate), the model (eager attention for ``attention``),
     and with ``seq_len`` the packed tokens of ``--data``. Unpacks as ``run, lm, tokens`` (tokens ``None`` without
@@ -281,7 +284,10 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     Under ``torchrun`` / ``accelerate launch`` (:mod:`moetool.distributed`) every rank joins the process group
     (gloo on CPU, nccl on ``cuda:LOCAL_RANK``) before loading; rank 0 alone gets the run folder, the others a
     :class:`NullRun` (nothing written) and a silent stdout; the manifest records the world size and each rank's
-    rows and tokens (its shard of ``--batch-size`` rows of every global batch)."""
+    rows and tokens (its shard of ``--batch-size`` rows of every global batch).
+
+    ``units`` (the experiment's options dataclass) asks for unit checkpoints (``.units``) keyed by every option;
+    ``resume`` continues the unfinished run in ``out`` (other options: refused in one line before loading)."""
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
@@ -293,7 +299,10 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
                     device_map=device_map, attn_implementation=attn)
     main = distributed.is_main()
-    run = RunDir.create(command, out, force) if main else NullRun(command, out)
+    run = RunDir.create(command, out, force, resume=resume) if main else NullRun(command, out)
+    sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
+    options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
+    checkpoints = run.units({**options, **unit_key(units)}) if units is not None else None
     distributed.init(device)  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
     if not main:
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's
@@ -305,9 +314,14 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
               if seq_len is not None else None)
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
-    sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
-    options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
-    return StartedRun(run, lm, tokens, options)
+    return StartedRun(run, lm, tokens, options, checkpoints)
+
+
+def unit_key(options: Any) -> dict[str, Any]:
+    """The experiment options a resumed run must share (a dataclass or a dict)."""
+    import dataclasses
+
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)
 
 
 def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:

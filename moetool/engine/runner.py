@@ -133,7 +133,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
             if on_batch is not None:
                 on_batch(b, out)
     if world > 1:
-        s, c = distributed.all_reduce(s), distributed.all_reduce(c)
+        if nll:  # no collective otherwise: a caller's own per-batch collectives (k-means EMA) stay lined up
+            s, c = distributed.all_reduce(s), distributed.all_reduce(c)
         for consumer in consumers:
             if hasattr(consumer, "reduce_across_ranks"):
                 consumer.reduce_across_ranks()

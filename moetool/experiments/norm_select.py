@@ -211,9 +211,11 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
 def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "heldout",
                     policy_layers: Iterable[int] | None = None, batch_size: int = 8, plan: Any = None,
                     num_fewshot: int | None = None, limit: int | None = None, seed: int = 0,
-                    quiet: bool = False, bootstrap: int = 0) -> NormSelectResult:
+                    quiet: bool = False, bootstrap: int = 0, units: Any = None) -> NormSelectResult:
     """Run every policy (the first must be ``router``, the baseline of the ratios). ``bootstrap``: replicates for
-    the intervals of agreement and perplexity (per-row sums are kept whenever > 0)."""
+    the intervals of agreement and perplexity (per-row sums are kept whenever > 0). ``units``
+    (:class:`moetool.report.rundir.Units`): each finished policy is saved there, and one saved before an
+    interruption is taken from there instead of being run again (``--resume``)."""
     import pandas as pd
 
     from .. import distributed
@@ -237,15 +239,24 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     ppl, evals, agree, overall = {}, {}, [], []
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (RowTable's global row ids)
     for p in policies:
-        rows = RowTable(shard) if bootstrap else None
-        meter = AgreementMeter(layers, rows=rows)
-        ppl[p.name] = perplexity(lm, shard, policy=p, policy_layers=layers, consumers=[meter],
-                                 batch_size=batch_size, quiet=quiet, description=f"ppl {p.name}", rows=rows)
-        agree.append(meter.frame(p.name, n_boot=bootstrap, seed=seed))
-        overall.append(meter.overall(p.name, n_boot=bootstrap, seed=seed))
-        if plan is not None:
-            evals[p.name] = evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
-                                     limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
+        done = units.load(p.name) if units is not None else None
+        if done is None:
+            rows = RowTable(shard) if bootstrap else None
+            meter = AgreementMeter(layers, rows=rows)
+            run = perplexity(lm, shard, policy=p, policy_layers=layers, consumers=[meter], batch_size=batch_size,
+                             quiet=quiet, description=f"ppl {p.name}", rows=rows)
+            done = {"ppl": run, "agree": meter.frame(p.name, n_boot=bootstrap, seed=seed),
+                    "overall": meter.overall(p.name, n_boot=bootstrap, seed=seed)}
+            if plan is not None:
+                done["eval"] = evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
+                                        limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
+            if units is not None:
+                units.save(p.name, done)
+        ppl[p.name] = done["ppl"]
+        agree.append(done["agree"])
+        overall.append(done["overall"])
+        if "eval" in done:
+            evals[p.name] = done["eval"]
     return NormSelectResult(pd.concat(agree, ignore_index=True),
                             quality_frame(ppl, evals, data, n_boot=bootstrap, seed=seed), evals,
                             pd.DataFrame(overall))
@@ -315,7 +326,7 @@ class NormSelectOptions:
 
 
 def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, *, plan: Any = None,
-                quiet: bool = False, **overrides: Any) -> Result:
+                quiet: bool = False, units: Any = None, **overrides: Any) -> Result:
     """The AoE pilot: the router baseline and ``norm:<node>:<norm>`` for every node and norm.
 
     Tables ``agreement`` (layer, policy, topk_overlap, top1_agree, tokens) and ``quality`` (policy, task, metric,
@@ -324,6 +335,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     ``aoe_table1`` (:func:`moetool.experiments.published.aoe_table1`: AoE's published Mixtral numbers beside the
     measured ones; measured only for other models).
     ``plan`` (from :func:`moetool.experiments.lmeval.plan_tasks`) may be passed when the tasks are resolved.
+    ``units``: per-policy checkpoints for ``--resume`` (:class:`moetool.report.rundir.Units`).
     """
     from ..engine.hooks import select_layers
     from ..policies import build_policy
@@ -339,7 +351,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     res = run_norm_select(lm, tokens, policies, data=data_name(tokens.source), policy_layers=layers,
                           batch_size=opts.batch_size, plan=plan, num_fewshot=opts.num_fewshot, limit=opts.limit,
-                          seed=opts.seed, quiet=quiet, bootstrap=opts.bootstrap)
+                          seed=opts.seed, quiet=quiet, bootstrap=opts.bootstrap, units=units)
     asked = plan.names if plan else None
     summary = table1(res.agreement, res.quality, tasks=asked, overall=res.overall)
     tables = {"agreement.csv": res.agreement, "quality.csv": res.quality}

@@ -41,6 +41,7 @@ from typing import Any, Iterator
 from ..errors import MoetoolError
 
 MANIFEST = "manifest.json"
+UNITS = "units"  # finished units of an unfinished run (--resume), removed when the run completes
 PART = ".part-"  # prefix of a file being written
 
 # the current-run registry: runs created in this process and not finished yet, by creation number (weak: a run
@@ -133,8 +134,9 @@ def _check_writable(path: Path) -> None:
         raise MoetoolError(f"--out {path}: cannot write in {probe} ({e.strerror or e})") from None
 
 
-def _remove_previous(path: Path) -> None:
-    """Delete the result files of the moetool run in ``path`` (its manifest's files, sub-runs, figures/)."""
+def _remove_previous(path: Path, keep_units: bool = False) -> None:
+    """Delete the result files of the moetool run in ``path`` (its manifest's files, sub-runs, figures/ and
+    ``units/`` unless ``keep_units``: a resumed run keeps its finished units)."""
     m = read_manifest(path)
     if m is None:
         return
@@ -151,6 +153,8 @@ def _remove_previous(path: Path) -> None:
                 child.rmdir()
     if (path / "figures").is_dir():
         shutil.rmtree(path / "figures")
+    if (path / UNITS).is_dir() and not keep_units:
+        shutil.rmtree(path / UNITS)
     for p in path.glob(f"{PART}*"):
         with contextlib.suppress(OSError):
             p.unlink()
@@ -179,24 +183,44 @@ class RunDir:
         self._replace = replace  # the folder may hold a previous run to clear at the first write
         self._options: Any = None
         self.caption = ""  # written under every figure saved without a caption of its own (model, data, tokens)
+        self.resuming: dict[str, Any] | None = None  # the previous manifest when continuing an unfinished run
+        self._units: Units | None = None
         self._seq = next(_COUNTER)
         _ACTIVE[self._seq] = self
 
     # ----- creation --------------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, command: str, out: str | Path | None = None, force: bool = False) -> "RunDir":
-        """Validate ``--out`` (nothing is written yet); default ``runs/<command>-<time>-<suffix>``."""
+    def create(cls, command: str, out: str | Path | None = None, force: bool = False,
+               resume: bool = False) -> "RunDir":
+        """Validate ``--out`` (nothing is written yet); default ``runs/<command>-<time>-<suffix>``.
+
+        ``resume``: continue the unfinished ``command`` run in ``out`` (its finished units, :meth:`units`, are
+        kept; its other files are rewritten); an empty or missing ``out`` starts a new run, so a job script can
+        pass ``--resume`` every time."""
+        if resume and not out:
+            raise MoetoolError("--resume needs --out: the folder of the run to continue")
         path = Path(out) if out else _default_path(command)
         if path.exists() and not path.is_dir():
             raise MoetoolError(f"--out {path} exists and is not a folder")
         replace = False
         if path.is_dir() and any(p for p in path.iterdir() if not p.name.startswith(PART)):
             prev = read_manifest(path)
+            if resume and not force:
+                if prev is None:
+                    raise MoetoolError(f"--resume: {path} holds no moetool run")
+                if prev["command"] != command:
+                    raise MoetoolError(f"--resume: {path} holds a {prev['command']} run, not {command}")
+                if prev.get("status") == "complete":
+                    raise MoetoolError(f"--resume: the {command} run in {path} is complete: nothing to resume")
+                _check_writable(path)
+                run = cls(path, command, replace=True)
+                run.resuming = prev
+                return run
             if force or (prev is not None and prev.get("status") == "failed"):
                 replace = True
             elif prev is not None and prev.get("status") in ("interrupted", "running"):
                 raise MoetoolError(f"--out {path} holds an unfinished {prev['command']} run "
-                                   f"(status {prev['status']}); use --force to start over")
+                                   f"(status {prev['status']}); use --resume to continue it or --force to start over")
             else:
                 raise MoetoolError(f"--out {path} is not empty (use --force to write into it)")
         _check_writable(path)
@@ -224,7 +248,10 @@ class RunDir:
         if self.parent is not None:
             self.parent._ensure()
         if self._replace and self._path.is_dir():
-            _remove_previous(self._path)
+            _remove_previous(self._path, keep_units=self.resuming is not None)
+            if self.resuming is not None:
+                self.sections.setdefault("resumed", {"previous_status": self.resuming.get("status"),
+                                                     "previous_started": self.resuming.get("started")})
         try:
             self._path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -303,6 +330,13 @@ class RunDir:
         """Extra manifest sections (data description, definitions, per-experiment notes)."""
         self.sections.update(sections)
 
+    def units(self, key: dict[str, Any]) -> "Units":
+        """The checkpoints of this run's units (``key``: every option the results depend on). When resuming, a
+        ``key`` different from the one the run started with is refused in one line."""
+        if self._units is None:
+            self._units = Units(self, key)
+        return self._units
+
     # ----- manifest --------------------------------------------------------------------------------------------
     def manifest(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -339,6 +373,8 @@ class RunDir:
         self._options = options
         self.status = "complete"
         p = self._write_manifest(model=model.manifest() if hasattr(model, "manifest") else model, seed=seed)
+        if (self._path / UNITS).is_dir():  # the results are written: the checkpoints have served
+            shutil.rmtree(self._path / UNITS, ignore_errors=True)
         _ACTIVE.pop(self._seq, None)
         return p
 
@@ -412,3 +448,60 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+class Units:
+    """Finished units of a long run — a policy of ``norm-select``, a checkpoint of ``fluctuation`` — saved in
+    ``<run>/units/`` as they finish, so that ``--resume`` skips them and gives the same result as an uninterrupted
+    run. ``load(name)`` is ``None`` until ``save(name, obj)`` (pickled, written atomically); ``units/key.json``
+    holds the options the run started with (a resume with other options is refused before any work)."""
+
+    def __init__(self, run: RunDir, key: dict[str, Any]):
+        self.run = run
+        self.key = json.loads(json.dumps(_jsonable(key), sort_keys=True))
+        self.dir = run._path / UNITS
+        self.resumed: list[str] = []
+        old = self._read_key()
+        if run.resuming is not None and old is not None and old != self.key:
+            diff = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
+            what = ", ".join(f"{k}: {old.get(k)!r} -> {self.key.get(k)!r}" for k in diff[:4])
+            raise MoetoolError(f"--resume: {run._path} was started with other options ({what}); "
+                               f"rerun with the same options or use --force to start over")
+
+    def _read_key(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.dir / "key.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _file(name: str) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) + ".pkl"
+
+    def load(self, name: str) -> Any:
+        """The saved result of unit ``name`` (``None``: not finished before the interruption)."""
+        import pickle
+
+        if self.run.resuming is None:
+            return None
+        p = self.dir / self._file(name)
+        if not p.is_file():
+            return None
+        try:
+            obj = pickle.loads(p.read_bytes())
+        except Exception:  # a unit file from another moetool version or damaged: recompute it
+            return None
+        self.resumed.append(name)
+        return obj
+
+    def save(self, name: str, obj: Any) -> None:
+        """Keep unit ``name``'s result (call right after it finished)."""
+        import pickle
+
+        self.run._ensure()
+        self.dir.mkdir(exist_ok=True)
+        if self._read_key() is None:
+            with atomic_path(self.dir / "key.json") as tmp:
+                tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
+        with atomic_path(self.dir / self._file(name)) as tmp:
+            tmp.write_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))

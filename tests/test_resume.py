@@ -1,0 +1,108 @@
+"""--resume (#14): an interrupted run continues from its last finished unit and gives the same files as an
+uninterrupted run; other options are refused in one line; the unit checkpoints go once the run is complete."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from moetool.commands.app import app
+from moetool.loading import embedded_models
+from moetool.report import rundir
+
+runner = CliRunner()
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+TIMING = {"seconds"}  # wall time differs between any two runs
+
+
+def _same_csvs(a: Path, b: Path) -> list[str]:
+    names = sorted(p.name for p in a.glob("*.csv"))
+    assert names and names == sorted(p.name for p in b.glob("*.csv"))
+    for n in names:
+        x, y = pd.read_csv(a / n), pd.read_csv(b / n)
+        keep = [c for c in x.columns if c not in TIMING]
+        pd.testing.assert_frame_equal(x[keep], y[keep], check_exact=True)
+    return names
+
+
+def _interrupt_after_first_unit(monkeypatch):
+    """Ctrl-C right after the first unit was saved (the process dies between two units)."""
+    save = rundir.Units.save
+    saved = []
+
+    def save_then_interrupt(self, name, obj):
+        save(self, name, obj)
+        saved.append(name)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir.Units, "save", save_then_interrupt)
+    return saved
+
+
+def _count_units_run(monkeypatch):
+    save = rundir.Units.save
+    ran = []
+
+    def counting(self, name, obj):
+        ran.append(name)
+        save(self, name, obj)
+
+    monkeypatch.setattr(rundir.Units, "save", counting)
+    return ran
+
+
+@needs_tiny
+def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
+            "--bootstrap", "100", "--quiet"]
+    whole = tmp_path / "whole"
+    r = runner.invoke(app, [*args, "--out", str(whole)])
+    assert r.exit_code == 0, r.output
+    assert not (whole / "units").exists()  # a complete run keeps no checkpoints
+
+    part = tmp_path / "part"
+    with monkeypatch.context() as m:
+        saved = _interrupt_after_first_unit(m)
+        r = runner.invoke(app, [*args, "--out", str(part)])
+    assert r.exit_code == 130 and saved == ["router"], r.output
+    man = json.loads((part / "manifest.json").read_text())
+    assert man["status"] == "interrupted" and not list(part.glob("*.csv"))
+    assert (part / "units" / "router.pkl").is_file()
+
+    # without --resume the unfinished run is not overwritten by accident
+    r = runner.invoke(app, [*args, "--out", str(part)])
+    assert r.exit_code == 2 and "--resume" in r.output
+    # other options: refused in one line, the unfinished run left as it was
+    r = runner.invoke(app, [*args[:-3], "--bootstrap", "101", "--quiet", "--out", str(part), "--resume"])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "other options (bootstrap: 100 -> 101)" in lines[0], r.output
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+
+    with monkeypatch.context() as m:
+        ran = _count_units_run(m)
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert ran == ["norm:gate:l2", "norm:output:l2"]  # the router was not run again
+    man = json.loads((part / "manifest.json").read_text())
+    assert man["status"] == "complete" and man["resumed"]["previous_status"] == "interrupted"
+    assert not (part / "units").exists()
+    assert _same_csvs(whole, part) == ["agreement.csv", "quality.csv"]
+    # a complete run has nothing to resume
+    r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 2 and "nothing to resume" in r.output
+
+
+def test_resume_needs_out_and_a_run_of_the_same_command(tmp_path):
+    from moetool.errors import MoetoolError
+
+    with pytest.raises(MoetoolError, match="--resume needs --out"):
+        rundir.RunDir.create("stats", None, resume=True)
+    fresh = rundir.RunDir.create("stats", tmp_path / "new", resume=True)  # nothing there: a new run
+    assert fresh.resuming is None
+    other = rundir.RunDir.create("ppl", tmp_path / "ppl")
+    other.write_json("x.json", {})
+    other.mark("interrupted")
+    with pytest.raises(MoetoolError, match="holds a ppl run, not stats"):
+        rundir.RunDir.create("stats", tmp_path / "ppl", resume=True)
