@@ -298,11 +298,12 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
                     device_map=device_map, attn_implementation=attn)
+    alone = check_resume(resume)
     main = distributed.is_main()
     run = RunDir.create(command, out, force, resume=resume) if main else NullRun(command, out)
     sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
     options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
-    checkpoints = run.units({**options, **unit_key(units)}) if units is not None else None
+    checkpoints = run.units({**options, **unit_key(units)}) if units is not None and alone else None
     distributed.init(device)  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
     if not main:
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's
@@ -315,6 +316,18 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
     return StartedRun(run, lm, tokens, options, checkpoints)
+
+
+def check_resume(resume: bool) -> bool:
+    """True when unit checkpoints are kept: one process. Under ``torchrun`` (world size > 1) none are kept (a
+    rank's partial state is not the run's) and ``--resume`` is refused in one line on every rank."""
+    from moetool import distributed
+
+    world = distributed.env().world_size
+    if resume and world > 1:
+        raise MoetoolError(f"--resume is not supported under torchrun (world size {world}): "
+                           "resume the run in one process, or rerun it without --resume")
+    return world == 1
 
 
 def unit_key(options: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, preflight, start_run)
+                      MaxTokens, Model, Out, Quiet, Resume, Seed, SeqLen, echo_run, handle_errors, preflight, start_run)
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -51,6 +51,11 @@ off); the console prints value ± half-width.
 Special tokens follow the tokenizer's default (a BOS where it adds one);
 --no-special-tokens adds none. The choice is in manifest.json (data).
 
+--resume (with the --out of an interrupted run, same options): the
+accumulators saved after a batch (at most once a minute, and after the
+last) are restored and the forward goes on from the next batch: the same
+tables as an uninterrupted run.
+
 Examples:
   moetool stats --out runs/stats-tiny
   moetool stats --model tiny-fine --top-tokens 20 --max-tokens 16384
@@ -81,7 +86,8 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                                       "own default, e.g. a BOS)."),
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
-          bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, quiet: Quiet = False) -> None:
+          bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, resume: Resume = False,
+          quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.stats import StatsOptions, stats as compute
     from moetool.report.console import print_table
@@ -90,9 +96,10 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                         coactivation=coactivation, all_tokens=all_tokens, bootstrap=bootstrap, seed=seed)
     started = start_run("stats", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
-                        add_special_tokens=False if no_special_tokens else None)
+                        add_special_tokens=False if no_special_tokens else None, resume=resume,
+                        units={**vars(opts), "no_special_tokens": no_special_tokens})
     run, lm, tokens = started
-    res = compute(lm, tokens, opts, quiet=quiet)
+    res = compute(lm, tokens, opts, quiet=quiet, units=started.units)
     started.options["special_tokens"] = "none" if no_special_tokens else "tokenizer default"
     started.write(res)
     print_table(res.summary, title=f"{model}: {tokens.n_tokens:,} tokens", csv="layers.csv")

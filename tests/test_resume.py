@@ -106,3 +106,79 @@ def test_resume_needs_out_and_a_run_of_the_same_command(tmp_path):
     other.mark("interrupted")
     with pytest.raises(MoetoolError, match="holds a ppl run, not stats"):
         rundir.RunDir.create("stats", tmp_path / "ppl", resume=True)
+
+
+def _interrupt_after_saves(monkeypatch, n):
+    """Ctrl-C right after the ``n``-th unit save (checkpoints after every batch)."""
+    save = rundir.Units.save
+    saved = []
+
+    def save_then_maybe_interrupt(self, name, obj, refs=()):
+        save(self, name, obj, refs)
+        saved.append(name)
+        if len(saved) == n:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir.Units, "every_seconds", 0.0)
+    monkeypatch.setattr(rundir.Units, "save", save_then_maybe_interrupt)
+    return saved
+
+
+def _batches_run(monkeypatch):
+    """Batch numbers the resumed forward runs (from the NaN guard's per-batch check)."""
+    from moetool.engine import guard
+
+    check = guard.FiniteGuard.check
+    ran = []
+
+    def counting(self, batch, rows=""):
+        ran.append(batch)
+        return check(self, batch, rows)
+
+    monkeypatch.setattr(guard.FiniteGuard, "check", counting)
+    return ran
+
+
+@needs_tiny
+def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    # 12 rows of 32 tokens in batches of 2: 6 batches; interrupted after the 3rd batch's checkpoint
+    args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
+            "--min-count", "2", "--quiet"]
+    whole = tmp_path / "whole"
+    r = runner.invoke(app, [*args, "--out", str(whole)])
+    assert r.exit_code == 0, r.output
+
+    part = tmp_path / "part"
+    with monkeypatch.context() as m:
+        saved = _interrupt_after_saves(m, 3)
+        r = runner.invoke(app, [*args, "--out", str(part)])
+    assert r.exit_code == 130 and saved == ["batches"] * 3, r.output
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    assert not list(part.glob("*.csv")) and (part / "units" / "batches.pkl").is_file()
+
+    r = runner.invoke(app, [*args[:-3], "--min-count", "3", "--quiet", "--out", str(part), "--resume"])
+    assert r.exit_code == 2 and "other options (min_count: 2 -> 3)" in r.output, r.output
+
+    with monkeypatch.context() as m:
+        ran = _batches_run(m)
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert ran == [3, 4, 5]  # batches 0-2 were restored, not run again
+    assert json.loads((part / "manifest.json").read_text())["status"] == "complete"
+    assert not (part / "units").exists()
+    names = _same_csvs(whole, part)
+    assert {"load.csv", "layers.csv", "coactivation.csv", "top_tokens.csv", "specialization.csv"} <= set(names)
+
+
+def test_resume_refused_under_torchrun(monkeypatch):
+    from moetool.commands.options import check_resume
+    from moetool.errors import MoetoolError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert check_resume(False) is False  # no unit checkpoints: a rank's partial state is not the run's
+    with pytest.raises(MoetoolError, match="not supported under torchrun \\(world size 2\\)"):
+        check_resume(True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert check_resume(True) is True

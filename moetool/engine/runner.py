@@ -8,6 +8,7 @@ batch, and optionally reduces the next-token NLL on the device (sums and token c
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
             nll: bool = False, attention: bool = False, quiet: bool = False,
-            description: str = "forward") -> ForwardResult:
+            description: str = "forward", start_batch: int = 0) -> ForwardResult:
     """Run ``lm`` (a loaded model: ``.model``, ``.layers``) over ``tokens`` (a ``TokenSet``) in batches.
 
     ``policy`` replaces routing in the MoE ``layers`` (decoder indices, ``None`` = every MoE layer; validated by
@@ -89,7 +90,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``router`` run reproduces.
     ``before_batch(batch)`` runs before each forward (a consumer registering the batch's token ids),
     ``on_batch(batch, output)`` after it (logits consumers, per-batch checks). ``nll=True`` reduces the
-    next-token NLL of the real tokens (padding never counts).
+    next-token NLL of the real tokens (padding never counts). ``start_batch``: batches before it are not run
+    (``--resume``: the consumers' state up to there was restored); numbering (errors, progress) is unchanged.
 
     Under a distributed launch (:mod:`moetool.distributed`, ``WORLD_SIZE > 1``) each rank runs its shard of the
     rows (``distributed.shard``: its slice of every global batch) unless ``tokens`` is a shard already; the NLL
@@ -114,10 +116,11 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     guard = FiniteGuard(lm.layers)  # NaN/inf in any MoE layer: one line naming layer and batch, never a number
     s = torch.zeros((), dtype=torch.float64, device=device)
     c = torch.zeros((), dtype=torch.long, device=device)
-    n = 0
+    n = start_batch
     t0 = time.perf_counter()
     with torch.no_grad(), engine, guard:
-        for b in progress(tokens.batches(batch_size), total=tokens.n_batches(batch_size), description=description,
+        batches = itertools.islice(tokens.batches(batch_size), start_batch, None)
+        for b in progress(batches, total=tokens.n_batches(batch_size) - start_batch, description=description,
                           quiet=quiet):
             if before_batch is not None:
                 before_batch(b)
@@ -139,4 +142,4 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
             if hasattr(consumer, "reduce_across_ranks"):
                 consumer.reduce_across_ranks()
     result = NLL(float(s), int(c))
-    return ForwardResult(result, time.perf_counter() - t0, n, world)
+    return ForwardResult(result, time.perf_counter() - t0, n - start_batch, world)

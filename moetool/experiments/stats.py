@@ -449,9 +449,12 @@ class Collected:
 
 def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
             merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
-            specialization: bool = True, row_sums: bool = False) -> Collected:
+            specialization: bool = True, row_sums: bool = False, units: Any = None) -> Collected:
     """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward). ``row_sums``: keep
-    per-packed-row sums for bootstrap intervals (``routing.rows``, a :class:`moetool.uncertainty.RowTable`)."""
+    per-packed-row sums for bootstrap intervals (``routing.rows``, a :class:`moetool.uncertainty.RowTable`).
+    ``units`` (:class:`moetool.report.rundir.Units`, ``--resume``): the consumers' state after a batch is saved
+    now and then (:meth:`~moetool.report.rundir.Units.due`) and after the last one; a saved state is restored
+    and the forward goes on from the next batch (the same sums in the same order: the same tables)."""
     from .. import distributed
     from ..uncertainty import RowTable
 
@@ -462,22 +465,34 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
                                coactivation=coactivation, rows=rows),
                   LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k),
                   VocabSpecialization(layers, merge_min=merge_min) if specialization else None)
+    saved = units.load("batches", refs=layers) if units is not None else None
+    start = 0 if saved is None else saved["next_batch"]
+    if saved is not None:
+        c = saved["state"]
     starters = [x for x in (c.routing, c.cross_layer, c.vocab) if x is not None]
+    n_batches, done = shard.n_batches(batch_size), [start]
 
     def before(batch: Any) -> None:
         for x in starters:
             x.begin_batch(batch)
 
+    def after(batch: Any, output: Any) -> None:
+        if c.vocab is not None:
+            c.vocab.on_batch(batch, output)
+        done[0] += 1
+        if units is not None and (units.due() or done[0] == n_batches):
+            units.save("batches", {"next_batch": done[0], "state": c}, refs=layers)
+
     forward(lm, shard, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
-            batch_size=batch_size, before_batch=before, on_batch=c.vocab.on_batch if c.vocab else None,
-            description="stats", quiet=quiet)
-    if rows is not None:
-        rows.reduce_across_ranks()
+            batch_size=batch_size, before_batch=before, on_batch=after, description="stats", quiet=quiet,
+            start_batch=start)
+    if c.routing.rows is not None:
+        c.routing.rows.reduce_across_ranks()
     return c
 
 
 def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: bool = False,
-          **overrides: Any) -> Result:
+          units: Any = None, **overrides: Any) -> Result:
     """How the model's own router uses its experts, per MoE layer, on ``tokens``.
 
     Tables (see :data:`DEFINITIONS`): ``load`` (layer, expert, load_fraction, token_fraction, router_prob, tokens),
@@ -485,14 +500,14 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     aux_loss, aux_loss_hf_pooled), ``coactivation`` (layer, a, b, p_b_given_a, count), ``cross_layer`` and
     ``cross_layer_summary``, ``specialization`` and ``specialized_tokens``, ``domain_load`` (when rows carry
     domains), ``top_tokens`` and ``top_tokens_lift`` (unless ``top_tokens=0``), ``expert_tokens.parquet``
-    (``all_tokens``). Padding never counts.
+    (``all_tokens``). Padding never counts. ``units``: batch checkpoints for ``--resume`` (:func:`collect`).
     """
     opts = resolve_options(StatsOptions, options, overrides)
     if tokens.n_tokens == 0:
         raise MoetoolError("no real tokens in the data")
     acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
                   quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization,
-                  row_sums=opts.bootstrap > 0)
+                  row_sums=opts.bootstrap > 0, units=units)
     frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count, all_tokens=opts.all_tokens)
     frames["load.csv"], frames["layers.csv"] = with_intervals(acc.routing, frames["load.csv"], frames["layers.csv"],
                                                               opts.bootstrap, opts.seed)

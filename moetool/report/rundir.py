@@ -451,16 +451,26 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 
 class Units:
-    """Finished units of a long run — a policy of ``norm-select``, a checkpoint of ``fluctuation`` — saved in
-    ``<run>/units/`` as they finish, so that ``--resume`` skips them and gives the same result as an uninterrupted
-    run. ``load(name)`` is ``None`` until ``save(name, obj)`` (pickled, written atomically); ``units/key.json``
-    holds the options the run started with (a resume with other options is refused before any work)."""
+    """Finished units of a long run — a policy of ``norm-select``, a checkpoint of ``fluctuation``, a block of
+    batches of ``stats`` / ``trace`` — saved in ``<run>/units/`` as they finish, so that ``--resume`` skips them
+    and gives the same result as an uninterrupted run. ``load(name)`` is ``None`` until ``save(name, obj)``
+    (pickled, written atomically); ``units/key.json`` holds the options the run started with (a resume with other
+    options is refused before any work).
+
+    ``refs`` (save and load): live objects a unit's state points to but must not copy — the model's MoE layers
+    held by a consumer — pickled by position and put back from the ``refs`` given to ``load`` (a torch module
+    not among them is refused: it would copy the model). ``file(name)``: a side file of a unit (a spill, a part
+    of a streamed table) the caller writes before ``save`` records it. :meth:`due` paces batch checkpoints
+    (at most one per :attr:`every_seconds`)."""
+
+    every_seconds = 60.0  # batch checkpoints (stats, trace): at most this often (0: after every batch)
 
     def __init__(self, run: RunDir, key: dict[str, Any]):
         self.run = run
         self.key = json.loads(json.dumps(_jsonable(key), sort_keys=True))
         self.dir = run._path / UNITS
         self.resumed: list[str] = []
+        self._last = time.monotonic()
         old = self._read_key()
         if run.resuming is not None and old is not None and old != self.key:
             diff = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
@@ -478,7 +488,16 @@ class Units:
     def _file(name: str) -> str:
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) + ".pkl"
 
-    def load(self, name: str) -> Any:
+    def due(self) -> bool:
+        """True when the last checkpoint is at least :attr:`every_seconds` old."""
+        return time.monotonic() - self._last >= self.every_seconds
+
+    def file(self, name: str) -> Path:
+        """Path of side file ``name`` in ``units/`` (write it atomically, then :meth:`save` the unit naming it)."""
+        self._open()
+        return self.dir / name
+
+    def load(self, name: str, refs: Any = ()) -> Any:
         """The saved result of unit ``name`` (``None``: not finished before the interruption)."""
         import pickle
 
@@ -487,21 +506,42 @@ class Units:
         p = self.dir / self._file(name)
         if not p.is_file():
             return None
+        refs = list(refs)
+
+        class Unpickler(pickle.Unpickler):
+            def persistent_load(self, pid: Any) -> Any:
+                return refs[pid]
+
         try:
-            obj = pickle.loads(p.read_bytes())
+            with open(p, "rb") as fh:
+                obj = Unpickler(fh).load()
         except Exception:  # a unit file from another moetool version or damaged: recompute it
             return None
         self.resumed.append(name)
         return obj
 
-    def save(self, name: str, obj: Any) -> None:
+    def save(self, name: str, obj: Any, refs: Any = ()) -> None:
         """Keep unit ``name``'s result (call right after it finished)."""
         import pickle
 
+        self._open()
+        ids = {id(r): i for i, r in enumerate(refs)}
+        torch = sys.modules.get("torch")
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, o: Any) -> Any:
+                i = ids.get(id(o))
+                if i is None and torch is not None and isinstance(o, torch.nn.Module):
+                    raise MoetoolError(f"unit {name}: refusing to copy a {type(o).__name__} into a checkpoint")
+                return i
+
+        with atomic_path(self.dir / self._file(name)) as tmp, open(tmp, "wb") as fh:
+            Pickler(fh, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        self._last = time.monotonic()
+
+    def _open(self) -> None:
         self.run._ensure()
         self.dir.mkdir(exist_ok=True)
         if self._read_key() is None:
             with atomic_path(self.dir / "key.json") as tmp:
                 tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
-        with atomic_path(self.dir / self._file(name)) as tmp:
-            tmp.write_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
