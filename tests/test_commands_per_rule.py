@@ -1,0 +1,267 @@
+"""Every experiment command runs on a tiny model of each routing rule of the catalogue (``rules.RULES``).
+
+One installed family per rule: its tiny random model (``discovery.build_tiny``: the family's own config class,
+shrunk; routers re-drawn) is saved with ``save_pretrained`` beside the embedded model's tokenizer, loaded back
+by the CLI as ``--model <dir>``, and each command's tables are checked against the same model run by plain
+transformers here (no moetool engine): the experts module of every MoE layer is called as
+``experts(h, top_k_index, top_k_weights)`` in all these families, so a pre-hook on it gives the model's own
+choice and weights. ``topk-sigmoid-renorm`` has no family using it by default: Kolibri's ``norm_topk_prob=True``
+(a config option of the installed family) is that rule, so it is tested on Kolibri with the option set.
+
+Figures are built but not rendered (``RunDir.save_figure`` closes them): rendering PNG/PDF is rule-independent,
+covered by the commands' own tests, and would triple this file's time.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_erc import hand_alpha_min
+from test_ppl import hand_ppl
+from test_rules import EXPECTED_RULE
+from typer.testing import CliRunner
+
+from moetool.adapters import discovery, find_moe_layers, rules
+from moetool.commands.app import app
+from moetool.loading import EMBEDDED_DIR
+
+#: rule -> (model type, config overrides); the type's routers implement that rule (tests/test_rules.py)
+CASES: dict[str, tuple[str, dict]] = {
+    "softmax-topk": ("olmoe", {}),
+    "softmax-topk-renorm": ("mixtral", {}),
+    "topk-softmax": ("granitemoe", {}),
+    "sigmoid-topk": ("dots1", {}),
+    "sigmoid-topk-renorm": ("glm4_moe", {}),  # first decoder layer dense: MoE layers 1..3
+    "topk-sigmoid": ("kolibri1", {}),
+    "topk-sigmoid-renorm": ("kolibri1", {"norm_topk_prob": True}),  # no installed family's default
+    "sparsemixer": ("phimoe", {}),
+}
+SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
+SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
+runner = CliRunner()
+
+
+def test_every_rule_of_the_catalogue_has_a_case():
+    assert set(CASES) == {r.name for r in rules.RULES}
+    for rule, (mt, overrides) in CASES.items():
+        assert overrides or EXPECTED_RULE[mt] == rule
+    assert set(EXPECTED_RULE.values()) <= set(CASES)
+
+
+@dataclass
+class Case:
+    rule: str
+    path: Path  # the saved tiny model
+    perturbed: Path  # the same with every router re-drawn a little (fluctuation's second checkpoint)
+    tokens: object  # TokenSet the commands see
+    layers: list[int]  # MoE layer indices
+    n_experts: int
+    top_k: int
+    routing: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (idx, w) [real tokens, K], the model's own
+    routing_perturbed: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ppl: float
+    scored: int  # next-token pairs the perplexity averages over
+
+
+def plain_run(path: Path, tokens) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Plain transformers forward of ``tokens`` (one batch); each MoE layer's experts-module inputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    got, handles = {}, []
+    for L in find_moe_layers(model):  # (only to locate the experts modules)
+        handles.append(L.experts.register_forward_pre_hook(
+            lambda m, args, i=L.index: got.__setitem__(i, (args[1].detach(), args[2].detach().float()))))
+    with torch.no_grad():
+        model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+    for h in handles:
+        h.remove()
+    real = tokens.attention_mask.reshape(-1).bool()
+    for i, (idx, w) in got.items():
+        assert idx.shape[0] == real.shape[0]
+        got[i] = (idx[real], w[real])
+    return model, got
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_rendering():
+    import matplotlib.pyplot as plt
+
+    from moetool.report.rundir import RunDir
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunDir, "save_figure", lambda self, fig, name: plt.close(fig) or [])
+        yield
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory) -> Case:
+    from transformers import AutoTokenizer
+
+    from moetool.data import load_tokens
+
+    rule = request.param
+    mt, overrides = CASES[rule]
+    root = tmp_path_factory.mktemp(rule)
+    model = discovery.build_tiny(mt, seed=0)
+    model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
+    cfg = model.config.get_text_config(decoder=True)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    path, perturbed = root / "model", root / "perturbed"
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for L in find_moe_layers(model):
+            for t in L.router.parameters():
+                t.add_(torch.randn(t.shape, generator=gen) * discovery.ROUTER_STD)
+    model.save_pretrained(perturbed)
+    for p in (path, perturbed):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(EMBEDDED_DIR / "tiny" / f, p / f)
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tokens = load_tokens(None, tok, SEQ_LEN, MAX_TOKENS)
+    assert tokens.input_ids.shape[0] <= BATCH and tokens.n_tokens == MAX_TOKENS
+    ref, routing = plain_run(path, tokens)
+    layers = find_moe_layers(ref)
+    assert {L.describe()["rule"] for L in layers} == {rule}  # the saved model really routes by this rule
+    ppl, scored = hand_ppl(ref, tokens, BATCH)
+    _, routing_perturbed = plain_run(perturbed, tokens)
+    return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
+                routing, routing_perturbed, ppl, scored)
+
+
+def invoke(*args: str) -> None:
+    r = runner.invoke(app, list(args))
+    assert r.exit_code == 0, r.output
+
+
+def finite(df: pd.DataFrame) -> bool:
+    """Every numeric value finite (interval columns are empty with --bootstrap 0, and lm-eval's stderr for a
+    perplexity: left out)."""
+    num = df.select_dtypes("number").drop(columns=[c for c in df if c.endswith(("_lo", "_hi")) or c == "stderr"])
+    return bool(np.isfinite(num.to_numpy(dtype=float)).all())
+
+
+def sorted_choice(idx: torch.Tensor, w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    order = idx.argsort(dim=-1)
+    return idx.gather(-1, order).numpy(), w.gather(-1, order).numpy()
+
+
+def test_stats(case, tmp_path):
+    invoke("stats", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--out", str(tmp_path))
+    per_layer, load = pd.read_csv(tmp_path / "layers.csv"), pd.read_csv(tmp_path / "load.csv")
+    assert list(per_layer["layer"]) == case.layers and finite(per_layer) and finite(load)
+    assert (per_layer["tokens"] == case.tokens.n_tokens).all() and (per_layer["top_k"] == case.top_k).all()
+    for layer in case.layers:  # tokens per expert == the model's own choices, counted by hand
+        idx = case.routing[layer][0]
+        want = torch.bincount(idx.reshape(-1), minlength=case.n_experts).numpy()
+        got = load[load.layer == layer].sort_values("expert")
+        assert list(got["tokens"]) == list(want), layer
+        np.testing.assert_allclose(got["load_fraction"], want / idx.numel(), rtol=1e-9)
+
+
+def test_trace(case, tmp_path):
+    invoke("trace", "--model", str(case.path), *SMALL, "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "trace.csv.gz")
+    assert len(df) == case.tokens.n_tokens * len(case.layers)
+    K = case.top_k
+    for layer in case.layers:
+        got = df[df.layer == layer].sort_values(["row", "pos"])
+        g_idx, g_w = sorted_choice(torch.tensor(got[[f"expert_{k + 1}" for k in range(K)]].to_numpy()),
+                                   torch.tensor(got[[f"weight_{k + 1}" for k in range(K)]].to_numpy()))
+        w_idx, w_w = sorted_choice(*case.routing[layer])
+        assert (g_idx == w_idx).all(), layer
+        np.testing.assert_allclose(g_w, w_w, rtol=1e-6, atol=1e-7)
+
+
+def test_ppl(case, tmp_path):
+    invoke("ppl", "--model", str(case.path), *SMALL, "--routing", "router", "--bootstrap", "0",
+           "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "ppl.csv")
+    assert len(df) == 1 and df.loc[0, "tokens"] == case.scored
+    assert df.loc[0, "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
+
+
+def test_norm_select(case, tmp_path):
+    invoke("norm-select", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--out", str(tmp_path))
+    agree, quality = pd.read_csv(tmp_path / "agreement.csv"), pd.read_csv(tmp_path / "quality.csv")
+    assert finite(agree) and finite(quality) and len(agree.policy.unique()) > 1
+    for policy, rows in agree.groupby("policy"):
+        assert list(rows["layer"]) == case.layers, policy
+        assert rows[["topk_overlap", "top1_agree"]].stack().between(0, 1).all()
+    router = agree[agree.policy == "router"]
+    assert (router["topk_overlap"] == 1).all() and (router["top1_agree"] == 1).all()
+    q = quality.set_index("policy")
+    assert q.loc["router", "value"] == pytest.approx(case.ppl, rel=1e-6)
+    assert (quality["value"] > 1).all()
+
+
+def test_erc(case, tmp_path):
+    invoke("erc", "--model", str(case.path), "--noise", "none", "--samples", "1", "-q", "--out", str(tmp_path))
+    per_layer, matrix = pd.read_csv(tmp_path / "erc_layers.csv"), pd.read_csv(tmp_path / "erc_matrix.csv")
+    assert list(per_layer["layer"]) == case.layers and finite(per_layer) and finite(matrix)
+    for layer in case.layers:  # alpha_min is the closed form of the written matrix
+        M = matrix[matrix.layer == layer].pivot(index="i", columns="j", values="m").to_numpy()
+        assert M.shape == (case.n_experts, case.n_experts) and (M >= 0).all()
+        got = per_layer.set_index("layer").loc[layer, "alpha_min"]
+        assert got == pytest.approx(hand_alpha_min(torch.tensor(M)), rel=1e-5)
+
+
+def test_approx(case, tmp_path):
+    invoke("approx", "--model", str(case.path), *SMALL, "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "approx.csv")
+    assert finite(df)
+    for layer in case.layers:
+        rows = df[df.layer == layer].set_index("selector")
+        assert set(rows.index) == {"router", "norm_oracle", "best_subset", "random"}  # C(8, 2) subsets: exhaustive
+        assert (rows["tokens"] == case.tokens.n_tokens).all() and rows.loc["router", "same_set_as_router"] == 1
+        err = rows["rel_error_mean"]
+        assert (err >= 0).all() and err["best_subset"] <= err.min() + 1e-6  # per-token argmin: the smallest mean
+
+
+def test_mass_recall(case, tmp_path):
+    n = str(case.n_experts)
+    invoke("mass-recall", "--model", str(case.path), *SMALL, "--bootstrap", "0", "-G", "4", "-M", f"1,4,{n}",
+           "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "mass_recall.csv")
+    assert finite(df) and sorted(df.layer.unique()) == case.layers
+    assert (df["tokens"] == case.tokens.n_tokens).all()
+    everything = df[df.shortlist_size == case.n_experts]  # a shortlist of all experts recalls everything
+    assert len(everything) and np.allclose(everything["mass_recall_mean"], 1) and (everything["topk_recall"] == 1).all()
+    for _, rows in df.groupby(["layer", "codebook_size", "centroids"]):
+        assert rows.sort_values("shortlist_size")["mass_recall_mean"].is_monotonic_increasing
+
+
+def test_fluctuation(case, tmp_path):
+    same, other = str(case.path), str(case.perturbed)
+    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, "--bootstrap", "0",
+           "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "fluctuation.csv")
+    df = df[df.routing == "router"]
+    assert finite(df) and (df["tokens"] == case.tokens.n_tokens).all()
+    unchanged = df[df.checkpoint == same]
+    assert list(unchanged["layer"]) == case.layers
+    assert (unchanged[["top1_change", "topk_change"]] == 0).all().all() and (unchanged["topk_overlap"] == 1).all()
+    changed = df[df.checkpoint == other].set_index("layer")
+    assert list(changed.index) == case.layers
+    K = case.top_k
+    for layer in case.layers:  # by hand from the two models' own choices
+        (a, wa), (b, wb) = case.routing[layer], case.routing_perturbed[layer]
+        inter = np.array([len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist())])
+        top1 = a.gather(-1, wa.argmax(-1, keepdim=True)) != b.gather(-1, wb.argmax(-1, keepdim=True))
+        row = changed.loc[layer]
+        assert row["topk_change"] == pytest.approx((inter < K).mean(), abs=1e-9)
+        assert row["topk_overlap"] == pytest.approx(inter.mean() / K, abs=1e-9)
+        assert row["top1_change"] == pytest.approx(top1.numpy().mean(), abs=1e-9)
+    assert changed["topk_change"].max() > 0
+    assert not math.isnan(changed["entropy_ratio"].mean())
