@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import List, Optional
 
 import typer
 
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, Out, Quiet, Seed, SeqLen, Sim, check_run,
-                      echo_run, handle_errors, parse_list, preflight, run_options)
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, NullRun,
+                      Out, Quiet, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, parse_list, preflight,
+                      rank_layout, run_options)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -59,6 +62,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
                 dtype: Dtype = "auto", device: Device = "auto", quiet: Quiet = False) -> None:
     preflight(*checkpoints)  # before the experiment's imports: a bad --model fails at once
+    from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
                                                  summary_lines)
@@ -73,9 +77,15 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     tokenizer = check_checkpoints(checkpoints)
     est = check_run(checkpoints[0], seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
                     dtype=dtype, attn_implementation="eager" if opts.needs_attention else None)
-    run = RunDir.create("fluctuation", out, force)
+    main = distributed.is_main()  # torchrun / accelerate: rank 0 writes, the others compute their rows silently
+    run = RunDir.create("fluctuation", out, force) if main else NullRun("fluctuation", out)
+    distributed.init(device)
+    if not main:
+        sys.stdout = open(os.devnull, "w")
     run.add(memory_estimate=est.as_dict())
     tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
+    if distributed.world_size() > 1:
+        run.add(distributed=rank_layout(tokens, batch_size))
     res = compute(checkpoints, tokens, opts, quiet=quiet)
     write(res, run, options=run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len,
                                         max_tokens=max_tokens))

@@ -222,12 +222,44 @@ def all_reduce_keyed(acc: Mapping[Any, Any], op: str = "sum") -> dict[Any, Any]:
     return out
 
 
+def rank_counts(n: int, device: Any = None) -> torch.Tensor:
+    """``[world]`` long: every rank's ``n`` (one all-reduce of a one-hot vector; ``[n]`` alone)."""
+    out = torch.zeros(world_size(), dtype=torch.long, device=device)
+    out[rank()] = n
+    return all_reduce(out)
+
+
+def all_gather_rows(t: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's ``t`` (rows may differ in number, even 0) concatenated along dim 0 in rank order, on every
+    rank (``t`` alone). ``counts``: the ranks' row counts if known (:func:`rank_counts`), else one more
+    collective finds them."""
+    if not initialized():
+        return t
+    counts = rank_counts(t.shape[0]) if counts is None else counts
+    size = int(counts.max())
+    buf = torch.zeros((size, *t.shape[1:]), dtype=t.dtype, device=_backend_device())
+    buf[: t.shape[0]] = t.detach().to(buf.device)
+    parts = [torch.empty_like(buf) for _ in range(world_size())]
+    _dist().all_gather(parts, buf)
+    return torch.cat([p[: int(c)] for p, c in zip(parts, counts.tolist())]).to(t.device)
+
+
 def all_reduce_state(obj: Any) -> Any:
     """Reduce an object exposing ``state()``, ``load_state()`` and ``REDUCE`` (the :mod:`moetool.sketch` summaries)
     in place; returns it."""
     if initialized():
         obj.load_state({k: all_reduce(v, obj.REDUCE[k]) for k, v in obj.state().items()})
     return obj
+
+
+def gather_to_main(value: Any) -> list[Any] | None:
+    """``value`` of every rank in rank order on rank 0 (``None`` on the others; ``[value]`` alone): rows only the
+    writer needs (trace rows) travel once, not to every rank."""
+    if not initialized():
+        return [value]
+    out: list[Any] | None = [None] * world_size() if is_main() else None
+    _dist().gather_object(value, out, dst=0)
+    return out
 
 
 def gather_object(value: Any) -> list[Any]:

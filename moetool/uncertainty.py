@@ -231,6 +231,19 @@ class RowSums:
                 out[i] = store[r]
         return out[:, 0] if width == 1 else out
 
+    def merge_across_ranks(self) -> None:
+        """Data parallel: every rank's rows (global ids) merged into this one, on every rank (alone: nothing)."""
+        from . import distributed
+
+        if distributed.world_size() <= 1:
+            return
+        for i, part in enumerate(distributed.gather_object(self._sums)):
+            if i != distributed.rank():
+                for name, store in part.items():
+                    mine = self._sums.setdefault(name, {})
+                    for r, v in store.items():
+                        mine[r] = mine[r] + v if r in mine else v
+
     def interval(self, num: str, den: str, **kw: Any) -> list[Interval] | Interval:
         """Bootstrap interval(s) of ``Σ num / Σ den`` over the recorded rows."""
         a, b = self.table(num), self.table(den)

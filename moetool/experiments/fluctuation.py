@@ -257,13 +257,8 @@ def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[in
 
     sums = distributed.all_reduce(sums)  # data parallel: every rank compared its own rows (no-op alone)
     n = int(distributed.all_reduce(torch.tensor(float(ref.tokens), dtype=torch.float64)))
-    if rows is not None and distributed.world_size() > 1:
-        for i, part in enumerate(distributed.gather_object(rows._sums)):  # every rank's rows (global ids)
-            if i != distributed.rank():
-                for name, store in part.items():
-                    mine = rows._sums.setdefault(name, {})
-                    for r, v in store.items():
-                        mine[r] = mine[r] + v if r in mine else v
+    if rows is not None:
+        rows.merge_across_ranks()  # every rank's rows (global ids)
     out = {}
     for j, li in enumerate(ref.layers):
         e_ref, e_ck = ref.entropy_mean(li), ckpt.entropy_mean(li)
@@ -370,7 +365,7 @@ def pooled_rows(per_row: dict[str, dict[int, np.ndarray]], ref: Routing, referen
             if sorted(base) != ids:
                 raise MoetoolError(f"{label} and {ref_label} compared different rows")
             (red,) = ratio_intervals(np.array([base[i][0] for i in ids]) - num, tok, n_boot=n_boot, seed=seed)
-        out.append({"routing": label, "reference": reference, "checkpoint": checkpoint, "tokens": ref.tokens,
+        out.append({"routing": label, "reference": reference, "checkpoint": checkpoint, "tokens": int(tok.sum()) // L,
                     "layers": L, **mean.columns("top1_change"), **red.columns("reduction_vs_router")})
     return out
 
@@ -426,7 +421,12 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
     ``attention`` routing) or names/paths, loaded one at a time. Table ``fluctuation`` with :data:`COLUMNS`
     (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing.
     """
+    from .. import distributed
+
     opts = resolve_options(FluctuationOptions, options, overrides)
+    described = tokens.describe()
+    if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
+        tokens = distributed.shard(tokens, opts.batch_size)
     if all(isinstance(c, (str, Path)) for c in checkpoints):
         from ..loading import load
 
@@ -443,7 +443,7 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
             for col in ("reference", "checkpoint"):
                 t[col] = [names[int(i)] for i in t[col]]
     return Result("fluctuation", {"fluctuation.csv": df, "fluctuation_summary.csv": pooled}, opts,
-                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), checkpoints=names,
+                  meta=dict(definitions=DEFINITIONS, data=described, checkpoints=names,
                             similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
                                         "causal": opts.causal}),
                   summary=df.drop(columns=["tokens"]))

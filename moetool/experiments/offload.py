@@ -139,8 +139,10 @@ class OffloadCollector:
     """Consumer + decoder-layer pre-hooks: per layer, the real tokens' chosen experts (kept for the cache
     simulation), first-activation token index, activation counts and next-layer prediction sums per row."""
 
-    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions):
+    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions, row_ids: Any = None):
         self.layers = {L.index: L for L in layers}
+        self.row_ids = row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
+        self.merged: dict[Any, np.ndarray] | None = None
         self.opts = opts
         self.trace: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
         self.valid: list[torch.Tensor] = []  # host [B*S] bool per batch
@@ -158,7 +160,8 @@ class OffloadCollector:
     def before_batch(self, batch: Any) -> None:
         mask = batch.attention_mask.reshape(-1).bool()
         B, S = batch.attention_mask.shape
-        self._rows_now = torch.arange(self._row0, self._row0 + B).repeat_interleave(S)
+        self._rows_now = (torch.arange(self._row0, self._row0 + B) if self.row_ids is None
+                          else torch.as_tensor(self.row_ids[self._row0:self._row0 + B])).repeat_interleave(S)
         self._row0 += B
         self.valid.append(mask.cpu())
         self.rows.append(self._rows_now)
@@ -220,11 +223,41 @@ class OffloadCollector:
     # -- results
     def requests(self, i: int) -> np.ndarray:
         """Layer ``i``'s request trace of real tokens ``[T, K]`` (rows concatenated in order, padding dropped)."""
+        if self.merged is not None:
+            return self.merged[i]
         idx = torch.cat([t.cpu() for t in self.trace[i]])
         return idx[torch.cat(self.valid)].numpy()
 
     def token_rows(self) -> np.ndarray:
+        if self.merged is not None:
+            return self.merged["rows"]
         return torch.cat(self.rows)[torch.cat(self.valid)].numpy()
+
+    def merge_across_ranks(self) -> None:
+        """Data parallel: the token stream of every rank in global order (packed rows in order, each row's tokens
+        in order), the activation counts and first requests recomputed from it, the prediction sums merged, on
+        every rank, so the cache simulation and coverage see one process's stream (alone: nothing)."""
+        from .. import distributed
+
+        if distributed.world_size() <= 1:
+            return
+        empty = not self.valid  # a rank with no row at all
+        mine = {"rows": np.zeros(0, np.int64) if empty else self.token_rows(),
+                **{i: None if empty else self.requests(i) for i in self.layers}}
+        parts = distributed.gather_object(mine)
+        rows = np.concatenate([p["rows"] for p in parts])
+        order = np.argsort(rows, kind="stable")  # a row lives on one rank, its tokens in order
+        merged: dict[Any, np.ndarray] = {"rows": rows[order]}
+        for i, L in self.layers.items():
+            req = np.concatenate([p[i] for p in parts if p[i] is not None])[order]
+            merged[i] = req
+            n, T = L.n_experts, req.shape[0]
+            first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(first, req.reshape(-1).astype(np.int64), np.repeat(np.arange(T), req.shape[1]))
+            self.first[i] = torch.from_numpy(first)
+            self.counts[i] = torch.from_numpy(np.bincount(req.reshape(-1).astype(np.int64), minlength=n))
+        self.merged = merged
+        self.pred.merge_across_ranks()
 
 
 def _hit_rows(hits: np.ndarray, rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -242,10 +275,16 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
-    col = OffloadCollector(layers, opts)
+    from .. import distributed
+
+    described = tokens.describe()
+    if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
+        tokens = distributed.shard(tokens, opts.batch_size)
+    col = OffloadCollector(layers, opts, tokens.row_ids)
     with col.capture():
         forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
                 before_batch=col.before_batch, quiet=quiet, description="offload")
+    col.merge_across_ranks()
     rows = col.token_rows()
     T = int(rows.shape[0])
     if T < 2:
@@ -302,7 +341,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     summary = (cache_df.groupby(["policy", "capacity"], sort=False)
                .agg(hit_rate=("hit_rate", "mean"), bytes_per_token=("bytes_per_token", "sum")).reset_index())
     return Result("offload", tables, opts,
-                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), bootstrap={"replicates": kw["n_boot"],
+                  meta=dict(definitions=DEFINITIONS, data=described, bootstrap={"replicates": kw["n_boot"],
                             "unit": "packed row", "level": 0.95, "seed": opts.seed}),
                   summary=summary)
 

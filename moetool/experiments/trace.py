@@ -8,6 +8,11 @@ its weight), logit_e (router logit of expert e, with ``logits=True``). Rows are 
 per batch (the padding mask is read on the host: no device sync inside the forward). With a ``path`` the rows are
 streamed to ``.csv.gz`` or ``.parquet`` (:class:`moetool.engine.stream.TableStream`, a background writer), so
 memory stays flat in the number of tokens; without one, :func:`trace` returns them as a DataFrame.
+
+Data parallel (``torchrun`` / ``accelerate launch``): each rank traces its rows of every global batch and sends
+them to rank 0 after each batch (:func:`moetool.distributed.gather_to_main`); rank 0 merges the ranks' rows
+layer-major (:func:`merge_ranks`) and alone writes, so the file equals one process's row for row (a rank with no
+row in the last global batches still joins those gathers with nothing).
 """
 
 from __future__ import annotations
@@ -74,6 +79,25 @@ class TraceCollector:
         return cols
 
 
+def merge_ranks(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One global batch's columns from the ranks' parts (rank order = global row order): layer-major like one
+    process's batch (every layer's rows of rank 0, then rank 1, ...). ``None`` parts (no rows) are skipped."""
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    n_layers = len(np.unique(parts[0]["layer"]))
+    key = np.concatenate([np.repeat(np.arange(n_layers), len(p["layer"]) // n_layers) for p in parts])
+    order = np.argsort(key, kind="stable")  # by layer; within a layer ranks stay in order
+    out: dict[str, Any] = {}
+    for name, col in parts[0].items():
+        if isinstance(col, list):
+            merged = sum((p[name] for p in parts), [])
+            out[name] = [merged[i] for i in order]
+        else:
+            out[name] = np.concatenate([p[name] for p in parts])[order]
+    return out
+
+
 def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: str | Path | None = None,
           quiet: bool = False, **overrides: Any) -> Result:
     """Per-token routing of every MoE layer (what ran: the ``routing`` policy's choice in ``layers``).
@@ -82,33 +106,54 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     (``.csv.gz`` or ``.parquet``): streamed there batch by batch; the result then holds no table and
     ``meta["files"]`` names the file.
     """
+    from .. import distributed
     from ..engine.stream import TableStream
 
     opts = resolve_options(TraceOptions, options, overrides)
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     col = TraceCollector(opts.logits)
+    meta = dict(format={"trace": FORMAT}, data=tokens.describe(), routing=policy.describe())
+    world = distributed.world_size()
+    steps = distributed.n_steps(tokens.input_ids.shape[0], opts.batch_size, world)
+    if world > 1 and getattr(tokens, "row_ids", None) is None:
+        tokens = distributed.shard(tokens, opts.batch_size)
     row_ids = (tokens.row_ids.numpy() if getattr(tokens, "row_ids", None) is not None
                else np.arange(tokens.input_ids.shape[0]))
-    start = [0]
+    start, sent = [0], [0]
     parts: list[dict[str, Any]] = []
+
+    def send(sink: Any, cols: dict[str, Any] | None) -> None:
+        if world > 1:  # every rank, every global batch: rank 0 gets the batch's rows of all ranks
+            cols = merge_ranks(distributed.gather_to_main(cols) or [])
+            sent[0] += 1
+        if cols is not None and distributed.is_main():
+            sink(cols)
 
     def emit(sink: Any) -> Any:
         def on_batch(batch: Any, _out: Any) -> None:
             B = batch.input_ids.shape[0]
-            sink(col.columns(batch, row_ids[start[0]:start[0] + B], lm.tokenizer))
+            send(sink, col.columns(batch, row_ids[start[0]:start[0] + B], lm.tokenizer))
             start[0] += B
         return on_batch
 
-    meta = dict(format={"trace": FORMAT}, data=tokens.describe(), routing=policy.describe())
+    def finish(sink: Any) -> None:
+        while world > 1 and sent[0] < steps:  # this rank ran out of rows: join the remaining gathers
+            send(sink, None)
+
     run = dict(policy=policy, layers=layers, consumers=[col], batch_size=opts.batch_size, description="trace",
                quiet=quiet)
     if path is not None:
         with TableStream(path) as out:
             forward(lm, tokens, on_batch=emit(out.write), **run)
+            finish(out.write)
         return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}})
     forward(lm, tokens, on_batch=emit(parts.append), **run)
+    finish(parts.append)
     import pandas as pd
+
+    if not parts:  # a rank other than 0 under data parallel: rank 0 holds the table
+        return Result("trace", {}, opts, meta=meta)
 
     df = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
     return Result("trace", {"trace.csv.gz": df}, opts, meta=meta)
