@@ -72,6 +72,15 @@ ALIASES: dict[str, str] = {
     "solar-open-100b": "upstage/Solar-Open-100B",  # solar_open
     "step-3.7-flash": "stepfun-ai/Step-3.7-Flash",  # step3p7
     "unlimited-ocr": "baidu/Unlimited-OCR",  # unlimited_ocr
+    "llama-4-scout": "meta-llama/Llama-4-Scout-17B-16E",  # llama4
+    "aria": "rhymes-ai/Aria",  # aria
+    "nemotron-3-nano": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",  # nemotron_h
+    "nemotron-3-nano-omni": "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16",  # nemotron_h_omni
+    "minimax-m3": "MiniMaxAI/MiniMax-M3",  # minimax_m3_vl
+    "glm-5.3-flash": "zai-org/GLM-5.3-Flash",  # glm5_next
+    "hy4": "tencent/Hy4-preview",  # hy_v4
+    "inkling-2-small": "thinkingmachines/Inkling-2-Small-MXFP8",  # inkling2
+    "minimax-text-01": "MiniMaxAI/MiniMax-Text-01-hf",  # minimax
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")

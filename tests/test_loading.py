@@ -14,6 +14,53 @@ def test_alias_and_hub_id_resolve_without_network():
                             "gpt-oss-20b", "phi-3.5-moe"}
 
 
+#: the original families' aliases (lines without a ``# model_type`` comment)
+ORIGINAL_ALIASES = {"mixtral": "mixtral-8x7b", "olmoe": "olmoe", "qwen2_moe": "qwen1.5-moe", "qwen3_moe": "qwen3-30b-a3b",
+                    "deepseek_v2": "deepseek-v2-lite", "deepseek_v3": "deepseek-v3", "gpt_oss": "gpt-oss-20b",
+                    "phimoe": "phi-3.5-moe"}
+#: supported types with no alias: their installed docs name no checkpoint of their own
+NO_ALIAS = {
+    "glm4_moe_lite": "its docs name zai-org/GLM-4.5, a glm4_moe checkpoint",
+    "granitemoeshared": "its docs name a speech model and ibm/PowerMoE-3b (granitemoe)",
+    "minimax_m2": "its docs name MiniMaxAI/MiniMax-Text-01-hf, a minimax checkpoint",
+}
+
+
+def _family_aliases() -> dict[str, str]:
+    """model type -> alias, from the ``# model_type`` comments of the ALIASES lines, and the original ones."""
+    import re
+    from pathlib import Path
+
+    import moetool.loading
+
+    src = Path(moetool.loading.__file__).read_text()
+    found = {mt: alias for alias, mt in re.findall(r'^ +"([^"]+)": "[^"]+", +# (\w+)$', src, re.M)}
+    return {**found, **ORIGINAL_ALIASES}
+
+
+def test_every_supported_family_has_an_alias_named_in_its_installed_docs():
+    """An alias resolves to a checkpoint the family's own transformers files name (the docs' example), never an
+    invented one; every supported family (``*_text`` sub-types go with theirs) has one or a reason in NO_ALIAS."""
+    from pathlib import Path
+
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from moetool.adapters import discovery
+
+    by_type = _family_aliases()
+    assert set(by_type.values()) <= set(ALIASES)
+    models = Path(transformers.__file__).parent / "models"
+    for mt, alias in by_type.items():
+        if mt in ORIGINAL_ALIASES:  # chosen before, by the families' model cards
+            continue
+        files = (models / model_type_to_module_name(mt)).glob("*.py")
+        assert any(f'"{ALIASES[alias]}"' in f.read_text() for f in files), (alias, mt)
+    for mt in discovery.supported_types():
+        family = mt.removesuffix("_text")
+        assert family in by_type or family in NO_ALIAS or mt in by_type, mt
+
+
 def test_unknown_model_suggests_alias():
     with pytest.raises(MoetoolError, match="did you mean 'mixtral-8x7b'"):
         resolve("mixtral-8x7")
