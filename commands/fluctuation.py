@@ -9,8 +9,8 @@ from typing import List, Optional
 import typer
 
 from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, NullRun,
-                      Out, Quiet, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, parse_list, preflight,
-                      rank_layout, run_options)
+                      Out, Quiet, Resume, Seed, SeqLen, Sim, check_resume, check_run, echo_run, handle_errors,
+                      parse_list, preflight, rank_layout, run_options, unit_key)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -33,6 +33,10 @@ file and read back batch by batch for the comparison, so RSS stays flat in the n
 --bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows of
 every rate (per-row sums, moetool.uncertainty), *_lo/*_hi columns, error bars in fluctuation_by_layer, value ±
 half-width on the console.
+
+--resume (with the --out of an interrupted run, same options): checkpoints
+whose routing was captured before the interruption are read back, not run
+again; the same tables as an uninterrupted run.
 
 Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_change, topk_change, topk_overlap,
 jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), figures/fluctuation_by_layer, entropy_ratio_by_layer,
@@ -60,7 +64,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                                              "other checkpoint's routers (rows <routing>-isolated)."),
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
-                dtype: Dtype = "auto", device: Device = "auto", quiet: Quiet = False) -> None:
+                dtype: Dtype = "auto", device: Device = "auto", resume: Resume = False, quiet: Quiet = False) -> None:
     preflight(*checkpoints)  # before the experiment's imports: a bad --model fails at once
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
@@ -77,8 +81,11 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     tokenizer = check_checkpoints(checkpoints)
     est = check_run(checkpoints[0], seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
                     dtype=dtype, attn_implementation="eager" if opts.needs_attention else None)
+    alone = check_resume(resume)
     main = distributed.is_main()  # torchrun / accelerate: rank 0 writes, the others compute their rows silently
-    run = RunDir.create("fluctuation", out, force) if main else NullRun("fluctuation", out)
+    run = RunDir.create("fluctuation", out, force, resume=resume) if main else NullRun("fluctuation", out)
+    options = run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len, max_tokens=max_tokens)
+    units = run.units({**options, **unit_key(opts)}) if alone else None
     distributed.init(device)
     if not main:
         sys.stdout = open(os.devnull, "w")
@@ -86,9 +93,8 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
-    res = compute(checkpoints, tokens, opts, quiet=quiet)
-    write(res, run, options=run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len,
-                                        max_tokens=max_tokens))
+    res = compute(checkpoints, tokens, opts, quiet=quiet, units=units)
+    write(res, run, options=options)
     if not quiet:
         print_table(with_ci(res.summary), f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
         for line in summary_lines(res["fluctuation_summary"]):

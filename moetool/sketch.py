@@ -218,6 +218,28 @@ class TokenSpill:
                 flat = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
                 yield flat.view(dtype).reshape(shape)
 
+    def save(self, path: str | Path) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+        """Copy the spilled bytes to ``path``; returns the layout :meth:`restore` needs (``--resume``)."""
+        import shutil
+
+        self._fh.flush()
+        shutil.copyfile(self.path, path)
+        return list(self._meta)
+
+    @classmethod
+    def restore(cls, path: str | Path, layout: list[tuple[tuple[int, ...], torch.dtype, int]],
+                directory: str | Path | None = None) -> "TokenSpill":
+        """A spill holding a copy of what :meth:`save` wrote (further appends go after it)."""
+        import shutil
+
+        out = cls(directory)
+        out._fh.close()
+        shutil.copyfile(path, out.path)
+        out._fh = open(out.path, "ab")
+        out._meta = list(layout)
+        out.nbytes = sum(size for _, _, size in out._meta)
+        return out
+
     def close(self) -> None:
         if not self._fh.closed:
             self._fh.close()

@@ -182,3 +182,43 @@ def test_resume_refused_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     assert check_resume(True) is True
+
+
+@needs_tiny
+def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    from moetool.experiments import fluctuation as fl
+
+    if "tiny-early" not in embedded_models():
+        pytest.skip("embedded checkpoint pair not built")
+    # order of work (--reference previous): tiny (checkpoint 1) first, then tiny-early fed to tiny's routers too
+    args = ["fluctuation", "tiny-early", "tiny", "--routing", "router,similarity", "--isolate", "--max-tokens", "256",
+            "--seq-len", "32", "--batch-size", "4", "--bootstrap", "100", "--quiet"]
+    whole = tmp_path / "whole"
+    r = runner.invoke(app, [*args, "--out", str(whole)])
+    assert r.exit_code == 0, r.output
+
+    part = tmp_path / "part"
+    with monkeypatch.context() as m:
+        saved = _interrupt_after_first_unit(m)
+        r = runner.invoke(app, [*args, "--out", str(part)])
+    assert r.exit_code == 130 and saved == ["checkpoint-1"], r.output
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    assert sorted(p.name for p in (part / "units").iterdir()) == [
+        "checkpoint-1-0.spill", "checkpoint-1-1.spill", "checkpoint-1.pkl", "key.json"]
+
+    with monkeypatch.context() as m:
+        captured = []
+        capture = fl.capture
+
+        def counting(lm, tokens, policy, **kw):
+            captured.append((kw["description"], sorted(kw.get("others") or {})))
+            return capture(lm, tokens, policy, **kw)
+
+        m.setattr(fl, "capture", counting)
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 0, r.output
+    # only tiny-early ran (tiny was read back; its routers were reloaded for the isolated rows)
+    assert captured == [("tiny-early: router", [1]), ("tiny-early: similarity", [1])]
+    assert json.loads((part / "manifest.json").read_text())["status"] == "complete"
+    assert not (part / "units").exists()
+    assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]

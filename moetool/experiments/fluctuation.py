@@ -180,6 +180,23 @@ class Routing:
     def entropy_mean(self, layer: int) -> float:
         return self.entropy[layer].mean
 
+    def checkpoint(self, path: Path) -> dict[str, Any]:
+        """The finished routing as a picklable state, its spill copied to ``path`` (``--resume``)."""
+        return {"layers": self.layers, "entropy": {li: m.state() for li, m in self.entropy.items()},
+                "tokens": self.tokens, "row_ids": self._row_ids, "rows_done": self._rows_done,
+                "spill": self.spill.save(path)}
+
+    @classmethod
+    def restore(cls, state: dict[str, Any], path: Path) -> "Routing":
+        """The routing :meth:`checkpoint` saved (its spill read back from ``path``)."""
+        out = cls(state["layers"], state["row_ids"])
+        for li, m in state["entropy"].items():
+            out.entropy[li].load_state(m)
+        out.tokens, out._rows_done = state["tokens"], state["rows_done"]
+        out.spill.close()
+        out.spill = TokenSpill.restore(path, state["spill"])
+        return out
+
     def reduce_across_ranks(self) -> None:
         """Entropy sums over ranks (the spilled routing is compared per rank, then its per-row sums merge)."""
         from .. import distributed
@@ -300,8 +317,13 @@ def processing_order(n: int, reference: str) -> list[int]:
 
 
 def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions, load_fn: Callable[[str], Any],
-                    quiet: bool = False) -> Any:
-    """Load each checkpoint in turn with ``load_fn(name) -> LoadedModel`` and compare; returns the table."""
+                    quiet: bool = False, units: Any = None) -> Any:
+    """Load each checkpoint in turn with ``load_fn(name) -> LoadedModel`` and compare; returns the table.
+
+    ``units`` (:class:`moetool.report.rundir.Units`, ``--resume``): each checkpoint's captured routing (every
+    routing, and the isolated ones it fed) is saved once captured; a checkpoint saved before an interruption is
+    read back instead of being loaded and run again (with ``isolate``, a later checkpoint still needing its
+    routers loads it for them only)."""
     import pandas as pd
 
     plist = pairs(names, opts.reference)
@@ -309,13 +331,29 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
     isolated: dict[tuple[int, int, str], Routing] = {}  # (ref, ckpt, routing)
     routers: dict[int, dict[int, MoELayer]] = {}
     signature: dict[str, Any] | None = None
+
+    def routers_of(c: int) -> dict[int, MoELayer]:
+        if c not in routers:  # captured before an interruption: its routers only
+            lm = load_fn(names[c])
+            routers[c] = {L.index: router_copy(L) for L in lm.layers}
+        return routers[c]
+
     for i in processing_order(len(names), opts.reference):
+        saved = units.load(f"checkpoint-{i}") if units is not None else None
+        if saved is not None:
+            for key, (state, spill) in saved.items():
+                rt = Routing.restore(state, units.file(spill))
+                if len(key) == 1:
+                    runs[(i, key[0])] = rt
+                else:
+                    isolated[(i, key[0], key[1])] = rt
+            continue
         lm = load_fn(names[i])
         sig = layer_signature(lm.layers)
         if signature is None:
             signature, first = sig, names[i]
         check_same("architecture", [first, names[i]], [signature, sig])
-        partners = {c: routers[c] for r, c in plist if r == i and opts.isolate}
+        partners = {c: routers_of(c) for r, c in plist if r == i and opts.isolate}
         for routing in opts.routing:
             own, iso = capture(lm, tokens, opts.policy(routing),
                                others=partners, batch_size=opts.batch_size,
@@ -326,6 +364,14 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
         if opts.isolate and any(c == i for _, c in plist):
             routers[i] = {L.index: router_copy(L) for L in lm.layers}
         del lm
+        if units is not None:
+            done = {(routing,): runs[(i, routing)] for routing in opts.routing}
+            done.update({(c, routing): isolated[(i, c, routing)] for c in partners for routing in opts.routing})
+            state = {}
+            for n, (key, rt) in enumerate(done.items()):
+                spill = f"checkpoint-{i}-{n}.spill"
+                state[key] = (rt.checkpoint(units.file(spill)), spill)
+            units.save(f"checkpoint-{i}", state)
     rows, pooled = [], []
     for r, c in plist:
         labels = [(routing, routing, runs[(c, routing)]) for routing in opts.routing]
@@ -414,12 +460,13 @@ DEFINITIONS = {
 
 
 def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOptions | None = None, *,
-                quiet: bool = False, **overrides: Any) -> Result:
+                quiet: bool = False, units: Any = None, **overrides: Any) -> Result:
     """Routing change between checkpoints of one architecture on the same ``tokens``.
 
     ``checkpoints``: loaded models (``moetool.load(...)``; load them with ``attn_implementation="eager"`` for
     ``attention`` routing) or names/paths, loaded one at a time. Table ``fluctuation`` with :data:`COLUMNS`
-    (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing.
+    (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing. ``units``: per-checkpoint
+    captures kept for ``--resume`` (:func:`run_fluctuation`).
     """
     from .. import distributed
 
@@ -434,10 +481,10 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
         attn = "eager" if opts.needs_attention else None
         df, pooled = run_fluctuation(names, tokens, opts,
                                      lambda n: load(n, dtype=opts.dtype, device=opts.device, attn_implementation=attn,
-                                                    tokenizer=False), quiet=quiet)
+                                                    tokenizer=False), quiet=quiet, units=units)
     else:
         models = {str(i): lm for i, lm in enumerate(checkpoints)}
-        df, pooled = run_fluctuation(list(models), tokens, opts, models.__getitem__, quiet=quiet)
+        df, pooled = run_fluctuation(list(models), tokens, opts, models.__getitem__, quiet=quiet, units=units)
         names = [getattr(lm, "name", str(i)) for i, lm in enumerate(checkpoints)]
         for t in (df, pooled):
             for col in ("reference", "checkpoint"):
