@@ -1,7 +1,8 @@
 """gpt-oss: every decoder layer's ``mlp`` is MoE; biased router, interleaved and transposed experts.
 
 * Router ``mlp.router``: weight ``[E, H]`` **and bias** ``[E]``; top-k on the raw logits, then
-  softmax over the k chosen logits only (in the logits' dtype). π = softmax over all n logits.
+  softmax over the k chosen logits only (in the logits' dtype): rule ``topk-softmax``, identified at load by the
+  generic layer this one extends. π = softmax over all n logits.
 * Experts store ``gate_up_proj [E, H, 2I]`` (``x @ W``, transposed vs. the common layout) with
   gate and up **interleaved** (gate ``[..., ::2]``, up ``[..., 1::2]``), ``gate_up_proj_bias [E, 2I]``,
   ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``. The canonical views are transposes
@@ -10,18 +11,19 @@
   ``act = g * sigmoid(alpha * g)``, ``glu = act * (clamp(up, ±limit) + 1)`` (alpha 1.702, limit 7).
 * The block returns ``(h, router_scores)``; MXFP4 checkpoints must be loaded with
   ``dequantize=True`` (the kernels bypass the router and experts modules).
+
+What is particular here: the experts' layout and clamped SwiGLU; the routing is the generic layer's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import TINY_SHAPE, Adapter, ExpertWeights, MoELayer
+from .base import TINY_SHAPE, ExpertWeights
+from .generic import GenericAdapter, GenericLayer
 
 
-class GptOssLayer(MoELayer):
-    scoring = "top-k on logits (with router bias) -> softmax over the k"
-
+class GptOssLayer(GenericLayer):
     def expert_weights(self) -> ExpertWeights:
         ex = self.experts
         gate_up, bias = ex.gate_up_proj.transpose(1, 2), ex.gate_up_proj_bias  # [n, 2I, d] interleaved
@@ -36,19 +38,11 @@ class GptOssLayer(MoELayer):
         limit = self.experts.limit
         return (up.clamp(min=-limit, max=limit) + 1) * self.act(gate)
 
-    def selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The raw logits (top-k before any softmax)."""
-        return logits
 
-    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.gather(-1, idx), dim=-1, dtype=logits.dtype)
-
-
-class GptOssAdapter(Adapter):
+class GptOssAdapter(GenericAdapter):
     family = "gpt_oss"
     model_types = ("gpt_oss",)
     layer_cls = GptOssLayer
-    router_attr = "router"
 
     @staticmethod
     def tiny_config():

@@ -9,57 +9,24 @@ Router ``mlp.router`` is an ``nn.Linear`` subclass (weight ``[E, H]``, no bias) 
   with every expert ``e`` dropped (``-inf``) if ``(s[j_r] - s[e]) / max(|s[e]|, s[j_r]) > 2 ε``,
   ``ε = router_jitter_noise`` (so the threshold applies in eval too; multipliers do not sum to one).
 
-Training mode samples (Gumbel) instead and jitters the inputs in place: use ``model.eval()``.
+That is rule ``sparsemixer`` of :mod:`moetool.adapters.rules` (``ε`` read off the router), identified at load by
+the generic adapter; ``weights_for`` on any other set is :func:`moetool.adapters.rules.sparsemixer_weights`: the
+set in descending logit order, each its masked softmax with the earlier chosen removed (what the model would
+assign had it picked those experts; for the router's own set, sparsemixer bit for bit).
 
-``weights_for`` on an arbitrary set uses the same rule with the set taken in descending logit
-order: the multiplier of the r-th chosen expert is its masked softmax with the earlier chosen
-removed and the threshold at its own logit. For the router's set this *is* sparsemixer (bitwise),
-and for any other set it is what the model would assign had it picked those experts; unpicked
-higher-logit experts stay in the softmax and shrink the weight. (The alternative, renormalised
-softmax probabilities, would not reproduce the model's multipliers on its own choice.)
+Training mode samples (Gumbel) instead and jitters the inputs in place: use ``model.eval()``. This file names the
+family and its tiny test config.
 """
 
 from __future__ import annotations
 
-import torch
-
-from .base import TINY_SHAPE, Adapter, MoELayer
-
-
-class PhimoeLayer(MoELayer):
-    scoring = "sparsemixer (eval): top-2 by logits; weight = softmax over the logits within 2*jitter of it"
-
-    @property
-    def top_k(self) -> int:
-        return 2  # sparsemixer hard-codes two rounds
-
-    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        eps = self.router.router_jitter_noise
-        chosen = logits.gather(-1, idx)
-        order = chosen.argsort(dim=-1, descending=True)
-        w = torch.empty_like(chosen)
-        remaining = logits
-        for r in range(idx.shape[-1]):
-            k = order[:, r:r + 1]
-            j = idx.gather(-1, k)
-            top = logits.gather(-1, j)
-            far = (top - logits) / logits.abs().clamp(min=top) > 2 * eps
-            w.scatter_(-1, k, torch.softmax(remaining.masked_fill(far, float("-inf")), dim=-1).gather(-1, j))
-            remaining = remaining.scatter(-1, j, float("-inf"))
-        return w
-
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        first = logits.max(dim=-1, keepdim=True)[1]
-        second = logits.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]
-        idx = torch.cat((first, second), dim=-1)
-        return idx, self.weights_for(logits, idx)
+from .base import TINY_SHAPE
+from .generic import GenericAdapter
 
 
-class PhimoeAdapter(Adapter):
+class PhimoeAdapter(GenericAdapter):
     family = "phimoe"
     model_types = ("phimoe",)
-    layer_cls = PhimoeLayer
-    router_attr = "router"
 
     @staticmethod
     def tiny_config():

@@ -81,7 +81,9 @@ def sparsemixer_weights(logits: torch.Tensor, idx: torch.Tensor, eps: float) -> 
     softmax over the logits minus the earlier chosen, dropping every expert ``e`` with
     ``(s_j - s_e) / max(|s_e|, s_j) > 2 eps``. For the router's own top-2 this is sparsemixer (eval) exactly."""
     chosen = logits.gather(-1, idx)
-    order = chosen.argsort(dim=-1, descending=True)
+    # descending logits, ties by expert index (the model's max() takes the lowest index first): in bf16 ties occur
+    by_index = idx.argsort(dim=-1, stable=True)
+    order = by_index.gather(-1, chosen.gather(-1, by_index).argsort(dim=-1, descending=True, stable=True))
     w = torch.empty_like(chosen)
     remaining = logits
     for r in range(idx.shape[-1]):
@@ -123,8 +125,9 @@ class Rule:
 
     def select(self, logits: torch.Tensor, p: Params) -> torch.Tensor:
         """Top-K indices ``[T, K]`` (largest first)."""
-        if self.weight == "sparsemixer":  # two rounds, each the best logit not yet picked
-            return ops.topk(logits, 2)
+        if self.weight == "sparsemixer":  # two rounds, each the best logit not yet picked (max(): ties as the model)
+            first = logits.max(dim=-1, keepdim=True)[1]
+            return torch.cat((first, logits.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]), dim=-1)
         s = self.scores(logits, p)
         if p.n_group > 1:
             s = s.masked_fill(~group_mask(s, p.n_group, p.topk_group, p.group_score), float("-inf"))
@@ -134,8 +137,8 @@ class Rule:
     def weights(self, logits: torch.Tensor, idx: torch.Tensor, p: Params) -> torch.Tensor:
         """The model's weights for any chosen set ``idx [T, K]`` (in ``idx``'s order)."""
         x = logits.float()
-        if self.weight == "sparsemixer":
-            w = sparsemixer_weights(x, idx, p.jitter_eps or 0.0)
+        if self.weight == "sparsemixer":  # in the logits' own dtype, as the model: its 2 eps mask flips in fp32
+            w = sparsemixer_weights(logits, idx, p.jitter_eps or 0.0).float()
         elif self.weight == "softmax":
             w = torch.softmax(x.gather(-1, idx), dim=-1)
         elif self.weight == "sigmoid":
