@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
-                      Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors, parse_layers,
-                      preflight, start_run)
+                      Model, Out, Quiet, Resume, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors,
+                      parse_layers, preflight, start_run)
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
 
@@ -14,6 +14,9 @@ Writes trace.csv.gz (one row per real token and MoE layer: row, pos, token_id, t
 expert_1..expert_K, weight_1..weight_K, and with --logits logit_0..logit_{n-1}) and manifest.json.
 Read it with pandas.read_csv(path); --format parquet writes trace.parquet (pandas.read_parquet).
 --routing traces what a policy chose in --layers instead of the router.
+--resume (with the --out of an interrupted run, same options): the rows of
+the batches checkpointed before the interruption (at most once a minute) are
+kept and the trace goes on from the next batch: the same file, row for row.
 
 Examples:
   moetool trace --out runs/trace-tiny
@@ -29,7 +32,7 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                   "(pandas.read_parquet; faster, smaller)."),
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
-          quiet: Quiet = False) -> None:
+          resume: Resume = False, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.errors import MoetoolError
     from moetool.experiments.trace import TraceOptions, trace as compute
@@ -41,13 +44,18 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     policy = opts.policy()
     started = start_run("trace", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
-                         attention=policy.needs_attention)
+                         attention=policy.needs_attention, resume=resume, units={**vars(opts), "format": fmt})
     run, lm, tokens = started
-    path = run.file(f"trace.{fmt}")
-    res = compute(lm, tokens, opts, path=path, quiet=quiet)
+    name = f"trace.{fmt}"
+    if getattr(run, "discard", False):  # a rank other than 0 under torchrun: its rows go to rank 0
+        res = compute(lm, tokens, opts, quiet=quiet)
+    else:  # written under a temporary name, renamed once complete
+        with run.atomic(name) as tmp:
+            res = compute(lm, tokens, opts, path=tmp, quiet=quiet, units=started.units)
+        res.meta["files"] = {"trace": name}
     started.options["format"] = fmt
     started.write(res)
-    echo_run(path)
+    echo_run(run.path / name)
 
 
 def register(app: typer.Typer) -> None:

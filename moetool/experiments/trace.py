@@ -98,13 +98,70 @@ def merge_ranks(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return out
 
 
+class PartStream:
+    """The trace streamed in parts under ``units/`` (``--resume``): the part being written is closed and recorded
+    at each batch checkpoint (:meth:`~moetool.report.rundir.Units.due`, and after the last batch); a resumed run
+    starts a new part at the next batch; :meth:`assemble` copies the parts' row groups (one per batch) in order
+    into the final file, so it equals an uninterrupted run's row for row."""
+
+    def __init__(self, units: Any, n_batches: int):
+        saved = units.load("batches") or {"next_batch": 0, "rows": 0, "parts": []}
+        self.units, self.n_batches = units, n_batches
+        self.next_batch, self.rows, self.parts = saved["next_batch"], saved["rows"], list(saved["parts"])
+        self._out: Any = None
+
+    def _name(self) -> str:
+        return f"trace-{len(self.parts):05d}.parquet"
+
+    def write(self, columns: dict[str, Any]) -> None:
+        from ..engine.stream import TableStream
+
+        if self._out is None:
+            self._out = TableStream(self.units.file(".part-" + self._name()))
+        self._out.write(columns)
+
+    def batch_done(self, rows: int) -> None:
+        """After a batch's rows were written (``rows``: packed rows done so far)."""
+        import os
+
+        self.next_batch += 1
+        if self._out is not None and (self.units.due() or self.next_batch == self.n_batches):
+            self._out.close()
+            self._out = None
+            os.replace(self.units.file(".part-" + self._name()), self.units.file(self._name()))
+            self.parts.append(self._name())
+            self.units.save("batches", {"next_batch": self.next_batch, "rows": rows, "parts": self.parts})
+
+    def abort(self) -> None:
+        if self._out is not None:
+            try:
+                self._out.close()
+            except Exception:  # noqa: BLE001 - the caller's error wins
+                pass
+            self.units.file(".part-" + self._name()).unlink(missing_ok=True)
+            self._out = None
+
+    def assemble(self, path: str | Path) -> None:
+        import pyarrow.parquet as pq
+
+        from ..engine.stream import TableStream
+
+        with TableStream(path) as out:
+            for name in self.parts:
+                f = pq.ParquetFile(self.units.file(name))
+                for g in range(f.num_row_groups):
+                    t = f.read_row_group(g)
+                    out.write({c: t.column(c) for c in t.column_names})
+
+
 def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: str | Path | None = None,
-          quiet: bool = False, **overrides: Any) -> Result:
+          quiet: bool = False, units: Any = None, **overrides: Any) -> Result:
     """Per-token routing of every MoE layer (what ran: the ``routing`` policy's choice in ``layers``).
 
     Without ``path``: table ``trace`` (columns in the module docstring) in memory. With ``path``
     (``.csv.gz`` or ``.parquet``): streamed there batch by batch; the result then holds no table and
-    ``meta["files"]`` names the file.
+    ``meta["files"]`` names the file. ``units`` (with ``path``, one process; ``--resume``): streamed in parts
+    checkpointed now and then (:class:`PartStream`), a resumed run goes on from the next batch.
     """
     from .. import distributed
     from ..engine.stream import TableStream
@@ -130,11 +187,13 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
         if cols is not None and distributed.is_main():
             sink(cols)
 
-    def emit(sink: Any) -> Any:
+    def emit(sink: Any, after: Any = None) -> Any:
         def on_batch(batch: Any, _out: Any) -> None:
             B = batch.input_ids.shape[0]
             send(sink, col.columns(batch, row_ids[start[0]:start[0] + B], lm.tokenizer))
             start[0] += B
+            if after is not None:
+                after(start[0])
         return on_batch
 
     def finish(sink: Any) -> None:
@@ -143,6 +202,15 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
 
     run = dict(policy=policy, layers=layers, consumers=[col], batch_size=opts.batch_size, description="trace",
                quiet=quiet)
+    if path is not None and units is not None and world == 1:
+        ps = PartStream(units, tokens.n_batches(opts.batch_size))
+        start[0] = ps.rows
+        try:
+            forward(lm, tokens, on_batch=emit(ps.write, ps.batch_done), start_batch=ps.next_batch, **run)
+        finally:
+            ps.abort()
+        ps.assemble(path)
+        return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}})
     if path is not None:
         with TableStream(path) as out:
             forward(lm, tokens, on_batch=emit(out.write), **run)
