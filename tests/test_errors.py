@@ -359,3 +359,20 @@ def test_offline_hub_id_fails_before_torch_is_imported(tmp_path, argv):
     assert len(lines) == 1 and "made-up-org/no-such-moe-model" in lines[0] and "Hub is out of reach" in lines[0]
     assert "torch" not in imported
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("out, message", [
+    ("afile", "exists and is not a folder"),
+    ("afile/run", "afile is a file, not a folder"),
+    ("/proc/moetool-run", "cannot write in /proc"),  # unwritable even for root
+])
+def test_bad_out_is_one_line_exit_2_before_anything_loads(tmp_path, monkeypatch, out, message):
+    """#14: --out that is a file (or under one) and an unwritable --out: one line, exit 2, nothing written, and
+    refused before the model loads (no traceback)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.setattr("moetool.loading.load", lambda *a, **k: pytest.fail("the model was loaded"))
+    r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", out])
+    line = _one_line_error(r, 2)
+    assert message in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "mine"

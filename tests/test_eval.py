@@ -208,3 +208,20 @@ def test_lm_eval_compat_is_pinned_to_the_installed_version():
     with lmeval_compat.no_env_report():
         assert evaluator.add_env_info({}) is None and evaluator.add_env_info is not original
     assert evaluator.add_env_info is original
+
+
+def test_lm_evals_own_bars_are_silenced_under_moetools_display(model_dir, no_network, capfd):
+    """#14 'one progress display': lm-eval alone prints its tqdm bars on stderr; through moetool (not quiet) none."""
+    from lm_eval import evaluator
+
+    lm = load(str(model_dir))
+    plan = lmeval.plan_tasks([TASK])
+    hflm = lmeval.make_hflm(lm, batch_size=4)
+    capfd.readouterr()
+    with lmeval_compat.hub_offline(plan.offline):
+        evaluator.simple_evaluate(model=hflm, tasks=list(plan.specs), limit=2, task_manager=plan.task_manager())
+    alone = capfd.readouterr().err
+    assert "it/s]" in alone or "%|" in alone  # what would interleave with moetool's progress
+    lmeval.evaluate(lm, plan, limit=2, hflm=hflm, quiet=False)
+    err = capfd.readouterr().err
+    assert "it/s]" not in err and "%|" not in err and "lm_eval" not in err, err

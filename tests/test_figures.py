@@ -132,3 +132,38 @@ def test_caption_sits_below_rotated_tick_labels_and_legend(tmp_path, rotation):
     cap = [t for t in fig.texts if t.get_gid() == "caption"][0].get_window_extent(r)
     others = [ax.get_tightbbox(r) for ax in fig.axes] + [lg.get_window_extent(r) for lg in fig.legends]
     assert others and all(cap.y1 <= b.y0 + 1e-6 for b in others)
+
+
+# Okabe & Ito (2008), "Color Universal Design": the eight colour-blind-safe colours
+OKABE_ITO = {"#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7"}
+
+
+def test_palette_is_colour_blind_safe_and_is_what_figures_draw():
+    assert set(F.PALETTE) == OKABE_ITO and len(F.PALETTE) == len(OKABE_ITO)
+    fig, axes = draw()
+    drawn = {matplotlib.colors.to_hex(ln.get_color()).upper() for ax in axes for ln in ax.get_lines()}
+    assert drawn and drawn <= OKABE_ITO
+    with F.house_style():  # a plain plot in the house style cycles through the same colours
+        fig2, (ax,) = F.new_figure()
+        colours = [matplotlib.colors.to_hex(ax.plot([0, 1])[0].get_color()).upper() for _ in range(3)]
+    assert colours == F.PALETTE[:3]
+
+
+def test_heatmap_panels_of_one_figure_share_one_colour_scale_and_layer_order():
+    from moetool.report.plots import plot_coactivation, plot_cross_layer
+
+    # two layers whose largest P(b|a) differ (0.9 vs 0.3): both panels on the scale 0 .. 0.9
+    co = pd.DataFrame([dict(layer=li, a=a, b=b, p_b_given_a=(0.9 if li == 3 else 0.3) * (a + b) / 4, count=1)
+                       for li in (3, 1) for a in range(3) for b in range(3) if a != b])
+    layers = pd.DataFrame({"layer": [1, 3], "n_experts": [3, 3], "top_k": [2, 2]})
+    fig = plot_coactivation(co, layers)
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert [im.get_clim() for im in images] == [(0.0, pytest.approx(0.9 * 3 / 4))] * 2
+    assert [im.axes.get_title() for im in images] == ["layer 1", "layer 3"]
+    pairs = pd.DataFrame([dict(layer=li, next_layer=li + 2, a=a, b=b, p_b_given_a=p, count=1)
+                          for li, p in ((1, 0.2), (3, 0.7)) for a in range(2) for b in range(2)])
+    summary = pd.DataFrame({"layer": [1, 3], "next_layer": [3, 5], "mutual_information": [0.1, 0.2],
+                            "uniform_max_p": [0.5, 0.5]})
+    fig = plot_cross_layer(pairs, summary)
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert [im.get_clim() for im in images] == [(0.0, 0.7)] * 2
