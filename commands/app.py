@@ -110,7 +110,10 @@ def main() -> None:
 
                 rich_utils.rich_format_error(e)
             sys.exit(e.exit_code)
-        if "Abort" in kinds:
+        if "Abort" in kinds:  # click's own: Ctrl-C outside a command's handler (startup), or EOF at a prompt
+            if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
+                typer.secho("interrupted (Ctrl-C)", err=True)
+                sys.exit(130)
             typer.secho("aborted", err=True)
             sys.exit(1)
         _last_resort(e)

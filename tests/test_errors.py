@@ -376,3 +376,22 @@ def test_bad_out_is_one_line_exit_2_before_anything_loads(tmp_path, monkeypatch,
     line = _one_line_error(r, 2)
     assert message in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_ctrl_c_outside_a_command_exits_130_in_one_line(monkeypatch, capsys):
+    """Ctrl-C while the CLI starts (before a command's own handler): click's Abort -> 'interrupted', exit 130."""
+    import click
+
+    import moetool.commands.app as app_module
+
+    def interrupted(**kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise click.exceptions.Abort() from e
+
+    monkeypatch.setattr(app_module, "app", interrupted)
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    assert e.value.code == 130
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == ["interrupted (Ctrl-C)"]
