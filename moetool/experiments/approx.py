@@ -48,7 +48,8 @@ DEFINITIONS = {
     "best_subset": "argmin over all C(n, K) subsets of ||y_S - y||, via the per-token Gram matrix G = U U^T in fp64 "
                    "(error^2 * ||y||^2 = c^T G c, c the complement indicator); only where C(n, K) <= max_subsets, "
                    "other layers have no best_subset row",
-    "random": "K distinct experts uniformly at random per token, seeded per layer (seed * 1_000_003 + layer)",
+    "random": "K distinct experts uniformly at random per token, seeded per layer and packed row (the same draws "
+              "whatever the batch size or number of processes)",
     "same_set_as_router": "fraction of tokens whose selected set equals the model's own top-K as captured from the "
                           "running model (so 1.0 for router checks that the routing math matches the model)",
     "rel_error_median": "median (mean of the two middle values) of the per-token errors from a streaming log-binned "
@@ -115,7 +116,8 @@ def best_subset_applies(n: int, k: int, max_subsets: int = MAX_SUBSETS) -> bool:
 
 
 def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Sequence[str],
-           generator: torch.Generator | None, subsets: tuple[torch.Tensor, torch.Tensor] | None) -> TokenApprox:
+           generator: torch.Generator | None, subsets: tuple[torch.Tensor, torch.Tensor] | None,
+           noise: torch.Tensor | None = None) -> TokenApprox:
     K = layer.top_k
     pi = layer.probs(logits)  # [T, n] fp32
     E = probes.expert_outputs(layer, h).float()  # [n, T, d]
@@ -128,7 +130,9 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
         elif sel == "norm_oracle":
             idx[sel] = ops.topk(ops.vector_norm(U), K)
         elif sel == "random":
-            idx[sel] = ops.topk(torch.rand(U.shape[:2], generator=generator, device=U.device), K)
+            u = noise.to(U.device) if noise is not None else torch.rand(U.shape[:2], generator=generator,
+                                                                         device=U.device)
+            idx[sel] = ops.topk(u, K)
         elif sel == "best_subset" and subsets is not None:
             idx[sel] = best_subsets(G, subsets)
     return TokenApprox(idx=idx, error={s: rel_error(U, i) for s, i in idx.items()},
@@ -139,10 +143,11 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
 @torch.no_grad()
 def approx_tokens(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Sequence[str] = SELECTORS,
                   generator: torch.Generator | None = None, max_subsets: int = MAX_SUBSETS,
-                  budget: int = BUDGET) -> TokenApprox:
+                  budget: int = BUDGET, noise: torch.Tensor | None = None) -> TokenApprox:
     """Selections, errors, Spearman and |cos| for router inputs ``h [T, d]`` with router ``logits [T, n]``.
 
-    ``best_subset`` is left out (absent from ``idx``/``error``) where C(n, K) > ``max_subsets``.
+    ``best_subset`` is left out (absent from ``idx``/``error``) where C(n, K) > ``max_subsets``. ``random`` ranks
+    the experts by ``noise [T, n]`` when given (uniform draws), else by draws of ``generator``.
     """
     check_selectors(selectors)
     n, K = layer.n_experts, layer.top_k
@@ -151,8 +156,8 @@ def approx_tokens(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, select
         subsets = subset_matrix(n, K, h.device)
     d = h.shape[-1]
     step = max(1, budget // max(n * d, (subsets[0].shape[0] * n) if subsets is not None else 1))
-    parts = [_chunk(layer, h[s:s + step], logits[s:s + step], selectors, generator, subsets)
-             for s in range(0, h.shape[0], step)]
+    parts = [_chunk(layer, h[s:s + step], logits[s:s + step], selectors, generator, subsets,
+                    None if noise is None else noise[s:s + step]) for s in range(0, h.shape[0], step)]
     return TokenApprox(idx={k: torch.cat([p.idx[k] for p in parts]) for k in parts[0].idx},
                        error={k: torch.cat([p.error[k] for p in parts]) for k in parts[0].error},
                        spearman=torch.cat([p.spearman for p in parts]), abs_cos=torch.cat([p.abs_cos for p in parts]))
@@ -163,7 +168,7 @@ class ApproxReducer:
     per layer Spearman and |cos| sums; everything on the device, padding weighted out (no host sync)."""
 
     def __init__(self, selectors: Sequence[str] = SELECTORS, seed: int = 0, max_subsets: int = MAX_SUBSETS,
-                 layers: Sequence[int] | None = None):
+                 layers: Sequence[int] | None = None, row_ids: Any = None):
         self.selectors = tuple(selectors)
         self.seed = seed
         self.max_subsets = max_subsets
@@ -173,6 +178,26 @@ class ApproxReducer:
         self.stats: dict[int, torch.Tensor] = {}  # [4]: spearman sum, spearman count, |cos| sum, tokens
         self._gen: dict[int, torch.Generator] = {}
         self.skipped: dict[int, str] = {}
+        self.row_ids = row_ids  # global packed-row ids of the token stream (before_batch walks them) or None
+        self._row0, self._rows = 0, None
+
+    def before_batch(self, batch: Any) -> None:
+        """The batch's global rows: ``random`` draws per (layer, row), whatever the batching or the rank."""
+        B = batch.input_ids.shape[0]
+        if self.row_ids is not None:
+            self._rows = [int(r) for r in self.row_ids[self._row0:self._row0 + B]]
+        self._row0 += B
+
+    def _noise(self, L: MoELayer, ev: Any, device: torch.device) -> torch.Tensor | None:
+        """``[B*S, n]`` uniform draws, row r's from a generator seeded by (seed, layer, r); None without rows."""
+        B, S = ev.shape
+        if "random" not in self.selectors or self._rows is None or len(self._rows) != B or \
+                B * S != ev.h.reshape(-1, ev.h.shape[-1]).shape[0]:
+            return None
+        base = (self.seed * 1_000_003 + L.index) * 1_000_000_007
+        return torch.cat([torch.rand((S, L.n_experts), device=device,
+                                     generator=torch.Generator(device=device).manual_seed(base + r))
+                          for r in self._rows])
 
     def __call__(self, ev: Any) -> None:
         L = ev.layer
@@ -189,7 +214,8 @@ class ApproxReducer:
             if "best_subset" in self.selectors and not best_subset_applies(L.n_experts, L.top_k, self.max_subsets):
                 self.skipped[L.index] = (f"C({L.n_experts},{L.top_k}) = {math.comb(L.n_experts, L.top_k)} "
                                          f"> {self.max_subsets}")
-        r = approx_tokens(L, h, logits, self.selectors, self._gen[L.index], self.max_subsets)
+        r = approx_tokens(L, h, logits, self.selectors, self._gen[L.index], self.max_subsets,
+                          noise=self._noise(L, ev, h.device))
         keep = keep.to(h.device)
         captured = captured.to(h.device)
         for sel, err in r.error.items():
@@ -243,10 +269,15 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
     from ..engine.hooks import select_layers
     from ..engine.runner import forward
 
+    from .. import distributed
+
     if layers is not None:
         select_layers(lm.layers, layers)  # validates the indices
-    red = ApproxReducer(selectors, seed, max_subsets, layers)
-    forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
+    if tokens.row_ids is None:  # global row ids (data parallel: this rank's rows; alone: 0, 1, ...)
+        tokens = distributed.shard(tokens, batch_size)
+    red = ApproxReducer(selectors, seed, max_subsets, layers, row_ids=tokens.row_ids)
+    forward(lm, tokens, consumers=[red], batch_size=batch_size, before_batch=red.before_batch, description="approx",
+            quiet=quiet)
     return red
 
 

@@ -217,9 +217,18 @@ class ErcResult:
 
 
 def run_erc(layers: Sequence[MoELayer], opts: ErcOptions, quiet: bool = False) -> ErcResult:
+    """Every layer's :func:`erc_layer` (seeded per layer). Data parallel: rank r takes layers r, r + world, ... and
+    the ranks exchange their results, so no layer is computed twice and every rank holds all of them."""
+    from .. import distributed
+
+    world, rank = distributed.world_size(), distributed.rank()
+    mine = list(layers)[rank::world]
     res = ErcResult(opts)
-    for L in progress(layers, total=len(layers), description="erc", quiet=quiet):
+    for L in progress(mine, total=len(mine), description="erc", quiet=quiet):
         res.layers.append(erc_layer(L, opts))
+    if world > 1:
+        got = {r.layer: r for part in distributed.gather_object(res.layers) for r in part}
+        res.layers = [got[L.index] for L in layers]
     return res
 
 

@@ -13,6 +13,12 @@ codeword gets, so a codeword only dies after it has drawn on average fewer than 
 batch; if the first batch has fewer tokens than codewords, tokens are reused (the duplicates
 die and are re-initialised later). Dead codewords of one batch are re-initialised on distinct
 random tokens when the batch has enough.
+
+Data parallel (:class:`GlobalBatch`): each rank holds its slice of the global batch; the batch counts and sums
+``n_g^batch``, ``m_g^batch`` are all-reduced before the EMA step, k-means++ draws from the gathered ``1 - cos``
+distances, and a drawn token (a k-means++ pick, a dead-code seed) is fetched from the rank that holds it. The
+generator's draws are the same on every rank, so every rank keeps the codebook one process would fit on the
+same global batches; a rank with no token in a batch still joins every collective.
 """
 
 from __future__ import annotations
@@ -28,6 +34,39 @@ DEAD_TAU = 1.0
 def assign(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """``c(h) = argmax_g cos(h, c_g)`` for tokens ``x [N, d]`` and unit codewords ``[G, d]`` -> ``[N]`` long."""
     return (ops.unit(x.float()) @ codebook.float().T).argmax(-1)  # [N]
+
+
+class GlobalBatch:
+    """One global k-means batch split over data-parallel ranks: this rank holds global rows
+    ``offset … offset + n − 1``. Every rank builds one per batch (also with ``n = 0``) and makes the same calls."""
+
+    def __init__(self, n: int, device: torch.device):
+        from .. import distributed
+
+        counts = distributed.rank_counts(n, device)
+        self.counts, self.n = counts, n
+        self.total = int(counts.sum())
+        self.offset = int(counts[: distributed.rank()].sum())
+
+    @staticmethod
+    def sum(t: torch.Tensor) -> torch.Tensor:
+        from .. import distributed
+
+        return distributed.all_reduce(t)
+
+    def cat(self, v: torch.Tensor) -> torch.Tensor:
+        """Per-row ``v [n]`` of every rank, in global row order ``[total]``."""
+        from .. import distributed
+
+        return distributed.all_gather_rows(v, self.counts)
+
+    def rows(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (global numbers) of the global batch, from whichever rank holds each."""
+        local = idx.to(x.device) - self.offset
+        mine = (local >= 0) & (local < self.n)
+        out = torch.zeros(idx.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        out[mine] = x[local[mine]]
+        return self.sum(out)
 
 
 class SphericalKMeans:
@@ -48,44 +87,53 @@ class SphericalKMeans:
             self._gen = torch.Generator(device=device).manual_seed(self.seed)
         return self._gen
 
-    def _init(self, x: torch.Tensor) -> None:
-        """Spherical k-means++ on the first batch ``x [N, d]`` (unit rows)."""
+    def _init(self, x: torch.Tensor, gb: GlobalBatch | None = None) -> None:
+        """Spherical k-means++ on the first batch ``x [N, d]`` (unit rows; a rank's slice of it under ``gb``)."""
         gen = self._generator(x.device)
-        N, G = x.shape[0], self.size
-        picks = [int(torch.randint(N, (1,), generator=gen, device=x.device))]
-        dist = (1 - x @ x[picks[0]]).clamp_min(0)  # [N] 1 - cos to the nearest pick so far
+        N, G = (x.shape[0] if gb is None else gb.total), self.size
+
+        def row(j: int) -> torch.Tensor:
+            return x[j] if gb is None else gb.rows(torch.tensor([j], device=x.device), x)[0]
+
+        j = int(torch.randint(N, (1,), generator=gen, device=x.device))
+        picks = [row(j)]
+        dist = (1 - x @ picks[0]).clamp_min(0)  # [N] 1 - cos to the nearest pick so far
         for _ in range(1, G):
-            if float(dist.sum()) > 0:
-                j = int(torch.multinomial(dist, 1, generator=gen))
+            if float(dist.sum() if gb is None else gb.sum(dist.sum())) > 0:
+                j = int(torch.multinomial(dist if gb is None else gb.cat(dist), 1, generator=gen))
             else:  # every token already coincides with a pick: reuse one
                 j = int(torch.randint(N, (1,), generator=gen, device=x.device))
-            picks.append(j)
-            dist = torch.minimum(dist, (1 - x @ x[j]).clamp_min(0))
-        self.codebook = x[picks].clone()  # [G, d]
+            picks.append(row(j))
+            dist = torch.minimum(dist, (1 - x @ picks[-1]).clamp_min(0))
+        self.codebook = torch.stack(picks)  # [G, d]
         self.sums = self.codebook.clone()
         self.counts = torch.ones(G, device=x.device)
 
     @torch.no_grad()
-    def update(self, h: torch.Tensor) -> torch.Tensor:
-        """One EMA step on the batch ``h [N, d]`` (real tokens only); returns the assignments ``[N]``."""
+    def update(self, h: torch.Tensor, gb: GlobalBatch | None = None) -> torch.Tensor:
+        """One EMA step on the batch ``h [N, d]`` (real tokens only; under data parallel this rank's slice of the
+        global batch ``gb``); returns the assignments ``[N]``."""
         x = ops.unit(h.float())  # [N, d] h'
-        if x.shape[0] == 0:
+        N = x.shape[0] if gb is None else gb.total
+        if N == 0:
             return torch.zeros(0, dtype=torch.long, device=x.device)
         if self.codebook is None:
-            self._init(x)
+            self._init(x, gb)
         g = (x @ self.codebook.T).argmax(-1)  # [N]
         n_batch = torch.zeros(self.size, device=x.device).index_add_(0, g, torch.ones(g.shape, device=x.device))
         m_batch = torch.zeros_like(self.sums).index_add_(0, g, x)  # [G, d]
+        if gb is not None:
+            n_batch, m_batch = gb.sum(n_batch), gb.sum(m_batch)
         self.counts.mul_(self.gamma).add_((1 - self.gamma) * n_batch)
         self.sums.mul_(self.gamma).add_((1 - self.gamma) * m_batch)
         dead = (self.counts < self.tau).nonzero().flatten()  # [D]
         if dead.numel():
             gen = self._generator(x.device)
-            if x.shape[0] >= dead.numel():
-                u = torch.randperm(x.shape[0], generator=gen, device=x.device)[: dead.numel()]
+            if N >= dead.numel():
+                u = torch.randperm(N, generator=gen, device=x.device)[: dead.numel()]
             else:
-                u = torch.randint(x.shape[0], (dead.numel(),), generator=gen, device=x.device)
-            self.sums[dead] = x[u]
+                u = torch.randint(N, (dead.numel(),), generator=gen, device=x.device)
+            self.sums[dead] = x[u] if gb is None else gb.rows(u, x)
             self.counts[dead] = 1.0
             self.reinits += int(dead.numel())
         self.codebook = ops.unit(self.sums)

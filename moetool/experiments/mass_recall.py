@@ -20,8 +20,8 @@ passes over the data); pass 2 evaluates, for every shortlist size ``M`` and expe
   E_{π|L}[z] − E_π[z] >= 0`` when L is the top-M at c (every z in L is >= every z outside), > 0 unless M = n
   or ties, while the distance term is stationary at ``s = <h, c>``; so the optimum lies at ``s > <h, c>``.
   moetool therefore takes the best of ``s = 1``, ``s = <h, c>`` and a grid of SCALES scales on
-  ``[0, 2 max ||h||]`` (per batch): a maximum over valid bounds is a valid bound, so the grid only makes it
-  slightly conservative. bound_scaled_mean / bound_scaled_holds_rate / best_scale_mean (s*/||h||) report it; it
+  ``[0, 2 max ||h||]`` (max over the layer's data, so the batching never changes it): a maximum over valid bounds
+  is a valid bound, so the grid only makes it slightly conservative. bound_scaled_mean / bound_scaled_holds_rate / best_scale_mean (s*/||h||) report it; it
   is a theorem in unit mode (holds rate 1) and by construction >= the paper's bound on every token.
 
 Centroid modes: ``raw`` — the router as the model runs it: ``π = layer.probs(layer.logits(h))`` (the
@@ -50,7 +50,7 @@ from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
-from .kmeans import SphericalKMeans
+from .kmeans import GlobalBatch, SphericalKMeans
 from .result import Result, resolve_options
 
 MODES = ("raw", "unit")
@@ -154,15 +154,18 @@ def codeword_probs_at(layer: MoELayer, mode: str, points: torch.Tensor) -> torch
 
 
 def scaled_bound(layer: MoELayer, mode: str, h: torch.Tensor, codebook: torch.Tensor, g: torch.Tensor,
-                 in_lists: Sequence[torch.Tensor], scales: int = SCALES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 in_lists: Sequence[torch.Tensor], scales: int = SCALES,
+                 hmax: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Scale-aware Proposition 1 for each shortlist table in ``in_lists`` ([G, n] bool):
-    ``max_s exp(−2 ||h − s·c||) ρ_L(s·c)`` over s ∈ {1, <h, c>} ∪ grid -> ``[(bound [N], s* [N]), ...]``."""
+    ``max_s exp(−2 ||h − s·c||) ρ_L(s·c)`` over s ∈ {1, <h, c>} ∪ grid -> ``[(bound [N], s* [N]), ...]``; the grid
+    spans [0, 2·hmax], ``hmax`` = the largest ||h|| of the layer's data (None: of this batch)."""
     h = h.double()
     cb = codebook.double()
     c = cb[g]  # [N, d]
     p = (h * c).sum(-1)  # [N] projection <h, c> (unit codewords)
     hn2 = (h * h).sum(-1)
-    grid = torch.linspace(0.0, 2.0, scales, dtype=torch.float64, device=h.device) * hn2.max().sqrt()  # no sync
+    top = hn2.max().sqrt() if hmax is None else hmax.to(h.device, torch.float64)
+    grid = torch.linspace(0.0, 2.0, scales, dtype=torch.float64, device=h.device) * top  # no sync
     grid = torch.cat([grid, torch.ones(1, dtype=torch.float64, device=h.device)])  # s = 1: the paper's bound
     # ||h − s·c||² = (a − s·||c||)² + ||h_⊥||², a = <h, c>/||c||, h_⊥ computed directly (no cancellation when h ∥ c;
     # codewords are unit only up to fp32 rounding, so ||c|| is kept)
@@ -209,27 +212,54 @@ class RealTokens:
 
 
 def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRecallOptions,
-                  quiet: bool = False) -> dict[tuple[int, int], SphericalKMeans]:
-    """Pass 1 (+ ``kmeans_iters``): one streaming k-means per (layer, G)."""
+                  quiet: bool = False, steps: int | None = None,
+                  norms: dict[int, torch.Tensor] | None = None) -> dict[tuple[int, int], SphericalKMeans]:
+    """Pass 1 (+ ``kmeans_iters``): one streaming k-means per (layer, G).
+
+    Data parallel (``tokens`` this rank's shard, ``steps`` = batches of the global run): every EMA step runs on
+    the global batch (:class:`~.kmeans.GlobalBatch`: per-batch sums all-reduced, drawn tokens fetched from their
+    rank), so the codebooks equal one process's over the same global batches; a rank out of rows joins the
+    remaining steps with no token. ``norms`` (filled when given): the largest ||h|| per layer over all ranks,
+    the scale grid of :func:`scaled_bound` (so the bound does not depend on how rows are batched)."""
+    from .. import distributed
+
     fits = {(L.index, G): SphericalKMeans(G, seed=opts.seed + 7919 * L.index + G)
             for L in layers for G in opts.codebook_sizes}
-
+    world = distributed.world_size()
     real = RealTokens()
     pending: dict[int, torch.Tensor] = {}
+    done = [0]
 
     def consume(ev: RoutingEvent) -> None:  # inside the forward: keep the batch's real states on the device
         pending[ev.layer.index] = real.take(ev, ev.h)[0].float()  # [N, d]
 
     def update(_batch: Any, _out: Any) -> None:  # after the forward: the sequential EMA steps (k-means++ init and
-        for li, h in pending.items():            # dead-code draws are data-dependent, so they run here)
+        for L in layers:                          # dead-code draws are data-dependent, so they run here)
+            h = pending.get(L.index)
+            if h is None:
+                if world == 1:
+                    continue
+                w = L.router_weight()
+                h = torch.zeros(0, w.shape[-1], device=w.device)  # no token here: join the global step
+            if norms is not None and h.shape[0]:
+                top = h.double().norm(dim=-1).max()
+                norms[L.index] = torch.maximum(norms[L.index], top) if L.index in norms else top
+            gb = GlobalBatch(h.shape[0], h.device) if world > 1 else None
             for G in opts.codebook_sizes:
-                fits[(li, G)].update(h)
+                fits[(L.index, G)].update(h, gb)
         pending.clear()
+        done[0] += 1
 
     for p in range(1 + opts.kmeans_iters):
+        done[0] = 0
         forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
                 before_batch=real.before_batch, on_batch=update,
                 description=f"k-means pass {p + 1}/{1 + opts.kmeans_iters}", quiet=quiet)
+        while world > 1 and steps is not None and done[0] < steps:
+            update(None, None)
+    if norms is not None and world > 1:
+        norms.update({k: v.to(layers[0].router_weight().device) for k, v in distributed.all_reduce_keyed(
+            {k: v.cpu() for k, v in norms.items()}, "max").items()})
     return fits
 
 
@@ -247,8 +277,10 @@ class MassRecallResult:
 
 
 def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
-             opts: MassRecallOptions, quiet: bool = False) -> MassRecallResult:
-    """Pass 2: every (layer, G, centroids, M) on the same tokens; returns the table with SPEC's columns."""
+             opts: MassRecallOptions, quiet: bool = False,
+             norms: dict[int, torch.Tensor] | None = None) -> MassRecallResult:
+    """Pass 2: every (layer, G, centroids, M) on the same tokens; returns the table with SPEC's columns.
+    ``norms``: the largest ||h|| per layer (:func:`fit_codebooks`), the scale grid of the bound."""
     import pandas as pd
 
     notes: list[str] = []
@@ -289,7 +321,8 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
             hnorm = ops.vector_norm(h.double())
             for mode in opts.centroids:
                 probs_c, _ = spaces[(L.index, G, mode)]
-                scaled = scaled_bound(L, mode, h, cb, g, [masks[(L.index, G, mode, m)] for m in ms[L.index]])
+                scaled = scaled_bound(L, mode, h, cb, g, [masks[(L.index, G, mode, m)] for m in ms[L.index]],
+                                      hmax=(norms or {}).get(L.index))
                 for m, (sb, s_best) in zip(ms[L.index], scaled):
                     t = token_metrics(tok[mode][0], tok[mode][1], g, eps, probs_c, masks[(L.index, G, mode, m)])
                     sb = torch.maximum(sb, t["bound"])  # s = 1 is in the grid; guards rounding only
@@ -313,6 +346,12 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
 
     forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
             before_batch=before, description="mass recall", quiet=quiet)
+    from .. import distributed
+
+    if distributed.world_size() > 1:  # sums, histograms, codeword use over ranks (a rank may lack keys)
+        used = distributed.all_reduce_keyed(used)
+        acc = {k: _Acc(v["sums"], v["hist"]) for k, v in distributed.all_reduce_keyed(
+            {k: {"sums": a.sums, "hist": a.hist} for k, a in acc.items()}).items()}
     if not acc:
         raise MoetoolError("no tokens evaluated (empty data?)")
     table_rows = []
@@ -356,8 +395,15 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
     layers = list(lm.layers if layers is None else layers)
     if tokens.n_tokens == 0:  # no codebook can be fitted: one line, not a crash in the codeword scoring
         raise MoetoolError("no real tokens in the data")
-    fits = fit_codebooks(lm, tokens, layers, opts, quiet)
-    res = evaluate(lm, tokens, layers, fits, opts, quiet)
+    from .. import distributed
+
+    steps = None
+    if distributed.world_size() > 1 and tokens.row_ids is None:  # shard once: global row ids for the bootstrap
+        steps = distributed.n_steps(tokens.input_ids.shape[0], opts.batch_size, distributed.world_size())
+        tokens = distributed.shard(tokens, opts.batch_size)
+    norms: dict[int, torch.Tensor] = {}
+    fits = fit_codebooks(lm, tokens, layers, opts, quiet, steps, norms)
+    res = evaluate(lm, tokens, layers, fits, opts, quiet, norms)
     res.reinits = {f"{k[0]}/{k[1]}": v.reinits for k, v in fits.items()}
     return res
 
@@ -373,8 +419,8 @@ DEFINITIONS = {
     "bound_mean": "mean exp(−2ε(h)) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) with the mode's scoring",
     "bound_holds_rate": f"fraction of tokens with mass recall >= bound − {BOUND_TOL} (a theorem in unit mode)",
     "bound_scaled_mean": "mean over tokens of max_s exp(−2||h − s·c(h)||) ρ_L(s·c(h)), L = L(c(h)) fixed, over "
-                         "s ∈ {1, <h, c>} ∪ 64-point grid on [0, 2 max||h||]: Proposition 1 at the best scale "
-                         "(valid for every s > 0; s = <h, c> is not optimal in general, see module docstring)",
+                         "s ∈ {1, <h, c>} ∪ 64-point grid on [0, 2 max||h||] (max over the layer's data): "
+                         "Proposition 1 at the best scale (valid for every s > 0; s = <h, c> is not optimal in general, see module docstring)",
     "bound_scaled_holds_rate": f"fraction of tokens with mass recall >= bound_scaled − {BOUND_TOL} "
                                "(a theorem in unit mode)",
     "best_scale_mean": "mean s*/||h|| of the scale that gave bound_scaled",
@@ -399,7 +445,8 @@ BOUND_DERIVATION = (
     "and gives bound_scaled = max_s exp(−2||h − s·c||) ρ_L(s·c). s = <h, c> minimises the distance but is not "
     "optimal: d/ds log ρ_L(s·c) = E_{π|L}[z] − E_π[z] > 0 for L = top-M at c (M < n, no ties) while the distance "
     "term is stationary there, so the optimum is at s > <h, c>; moetool maximises over s ∈ {1, <h, c>} ∪ "
-    f"{SCALES} grid points on [0, 2 max||h||] (a maximum of valid bounds is valid). A theorem in unit mode; in raw "
+    f"{SCALES} grid points on [0, 2 max||h||] (max over the layer's data, whatever the batching; a maximum of "
+    "valid bounds is valid). A theorem in unit mode; in raw "
     "mode (router rows of any norm, the model's scoring) it is checked per token like the paper's bound.")
 
 
