@@ -5,6 +5,7 @@ Nothing here imports torch: ``moetool --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -90,6 +91,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             with rundir.terminate_as_interrupt():  # SIGTERM (a job's time limit) is handled like Ctrl-C
                 if kwargs.get("batch_size") == AUTO_BATCH:
                     kwargs["batch_size"] = resolve_batch_size(kwargs)
+                    with auto_backoff():
+                        return fn(*args, **kwargs)
                 return fn(*args, **kwargs)
         except MoetoolError as e:
             rundir.mark_unfinished(since, "failed", rundir.one_line(e))
@@ -254,6 +257,21 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
     return rows
 
 
+@contextlib.contextmanager
+def auto_backoff() -> Any:
+    """``--batch-size auto``'s second half for one command: on out-of-memory the forward loop halves the rows,
+    retries them and goes on (:data:`moetool.engine.runner.BACKOFF`); off again afterwards."""
+    from moetool.engine.runner import BACKOFF
+
+    BACKOFF.enabled, BACKOFF.rows = True, None
+    BACKOFF.events.clear()
+    try:
+        yield
+    finally:
+        BACKOFF.enabled, BACKOFF.rows = False, None
+        BACKOFF.events.clear()
+
+
 class StartedRun:
     """What :func:`start_run` made: the run folder, the model, the tokens (``None`` without ``seq_len``) and the
     run-level manifest options. Unpacks as ``run, lm, tokens``; ``write(result)`` is the one writer call."""
@@ -267,8 +285,11 @@ class StartedRun:
 
     def write(self, result: Any, **kwargs: Any) -> Any:
         """:func:`moetool.report.writers.write` with this run's model and run-level options."""
+        from moetool.engine.runner import BACKOFF
         from moetool.report.writers import write
 
+        if BACKOFF.rows is not None:  # --batch-size auto backed off on out-of-memory: the rows that ran
+            self.run.add(batch_size_auto={**AUTO_CHOICE, "rows": BACKOFF.rows, "out_of_memory_at": BACKOFF.events})
         return write(result, self.run, model=self.lm, options=self.options, **kwargs)
 
 

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -65,6 +65,81 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     return (nll * keep).sum(dtype=torch.float64), keep.sum()
 
 
+@dataclass
+class Backoff:
+    """``--batch-size auto``'s second half: on out-of-memory the runner halves the rows of the batch, retries the
+    same rows and goes on at the smaller size (later :func:`forward` calls of the run start there)."""
+
+    enabled: bool = False  # set by the CLI for --batch-size auto (one process; under torchrun an OOM stays fatal)
+    rows: int | None = None  # rows per forward after the last back-off (None: never backed off)
+    events: list[int] = field(default_factory=list)  # the row counts that ran out of memory
+
+
+BACKOFF = Backoff()
+
+
+def is_oom(e: BaseException) -> bool:
+    """An allocator's out-of-memory: ``torch.OutOfMemoryError`` (CUDA, MPS) or the CPU allocator's RuntimeError."""
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and any(s in msg for s in ("out of memory", "not enough memory",
+                                                                    "DefaultCPUAllocator: can't allocate"))
+
+
+def _back_off(rows: int, seq_len: int) -> int:
+    """Half of ``rows`` after an out-of-memory (one console line); 1 row that does not fit: one error line."""
+    import gc
+    import sys
+
+    from .. import distributed
+    from ..errors import MoetoolRuntimeError
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if rows <= 1:
+        raise MoetoolRuntimeError(f"out of memory even with 1 row of {seq_len} tokens per forward: lower --seq-len, "
+                                  "use --device-map auto or a smaller --dtype")
+    new = rows // 2
+    BACKOFF.rows = new
+    BACKOFF.events.append(rows)
+    if distributed.is_main():
+        print(f"--batch-size auto: out of memory at {rows} rows per forward; going on with {new}", file=sys.stderr)
+    return new
+
+
+def _rng_snapshot(policy: Any) -> list[tuple[Any, Any]]:
+    """The states of the random generators a policy holds (attributes, or dicts of them per device)."""
+    snap: list[tuple[Any, Any]] = []
+    for v in vars(policy).values() if policy is not None and hasattr(policy, "__dict__") else ():
+        if isinstance(v, torch.Generator):
+            snap.append((v, v.get_state()))
+        elif isinstance(v, dict) and all(isinstance(g, torch.Generator) for g in v.values()):
+            snap.append((v, {k: g.get_state() for k, g in v.items()}))
+    return snap
+
+
+def _rng_restore(snap: list[tuple[Any, Any]]) -> None:
+    """Back to :func:`_rng_snapshot` (generators made since then are dropped: they start afresh later)."""
+    for obj, st in snap:
+        if isinstance(obj, torch.Generator):
+            obj.set_state(st)
+            continue
+        for k in list(obj):
+            if k in st:
+                obj[k].set_state(st[k])
+            else:
+                del obj[k]
+
+
+def _slice(b: Any, start: int, count: int) -> Any:
+    from ..data import TokenBatch
+
+    return TokenBatch(b.input_ids[start:start + count], b.attention_mask[start:start + count],
+                      b.domains[start:start + count])
+
+
 def _rows(tokens: Any, start: int, count: int) -> str:
     """``rows a-b`` of the batch starting at local row ``start`` (global row numbers under data parallel)."""
     ids = getattr(tokens, "row_ids", None)
@@ -97,6 +172,13 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     rows (``distributed.shard``: its slice of every global batch) unless ``tokens`` is a shard already; the NLL
     is summed over ranks, and every consumer with a ``reduce_across_ranks()`` method is asked to all-reduce its
     accumulators at the end. Alone, none of this happens.
+
+    ``--batch-size auto`` (:data:`BACKOFF` enabled, one process): an out-of-memory halves the rows and retries the
+    same rows, each batch of ``batch_size`` rows then runs as consecutive sub-batches of the smaller size
+    (numbering unchanged), so the result is the run an explicit smaller ``--batch-size`` gives when it divides
+    ``batch_size``. No consumer may see a batch twice: with consumers (or ``before_batch``) the first batch runs
+    once without them to find the rows that fit; an out-of-memory after a consumer saw part of a batch is one
+    error line naming the rows to use.
     """
     from .. import distributed
     from .guard import FiniteGuard
@@ -118,23 +200,67 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     c = torch.zeros((), dtype=torch.long, device=device)
     n = start_batch
     t0 = time.perf_counter()
+    backoff = BACKOFF.enabled and world == 1
+    rows = min(batch_size, BACKOFF.rows) if backoff and BACKOFF.rows else batch_size
+    sized = not backoff or (not hooked and before_batch is None)  # a retry could not double-feed anyone
+
+    def run(b: Any) -> Any:
+        ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
+        guard.mask = mask
+        return model(input_ids=ids, attention_mask=mask, use_cache=False), ids, mask
+
+    def events() -> int:
+        return sum(getattr(engine, "reported", {}).values())
+
     with torch.no_grad(), engine, guard:
         batches = itertools.islice(tokens.batches(batch_size), start_batch, None)
         for b in progress(batches, total=tokens.n_batches(batch_size) - start_batch, description=description,
                           quiet=quiet):
-            if before_batch is not None:
-                before_batch(b)
-            ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
-            guard.mask = mask
-            out = model(input_ids=ids, attention_mask=mask, use_cache=False)
-            guard.check(n, _rows(tokens, n * batch_size, ids.shape[0]))
+            start, B = 0, b.input_ids.shape[0]
+            while start < B:
+                sub = b if start == 0 and rows >= B else _slice(b, start, rows)
+                count = sub.input_ids.shape[0]
+                if not sized:  # these rows once without consumers: find what fits before anyone sees a token
+                    saved, rng = getattr(engine, "consumers", None), _rng_snapshot(policy)
+                    if saved is not None:
+                        engine.consumers = []
+                    try:
+                        run(sub)
+                        sized = True
+                    except Exception as e:
+                        if not is_oom(e):
+                            raise
+                        rows = _back_off(count, b.input_ids.shape[1])
+                        continue
+                    finally:
+                        if saved is not None:
+                            engine.consumers = saved
+                        _rng_restore(rng)  # a random policy draws the same again after the trial
+                if before_batch is not None:
+                    before_batch(sub)
+                seen = events()
+                try:
+                    out, ids, mask = run(sub)
+                except Exception as e:
+                    if not (backoff and is_oom(e)):
+                        raise
+                    if events() != seen or before_batch is not None:
+                        from ..errors import MoetoolRuntimeError
+
+                        raise MoetoolRuntimeError(
+                            f"out of memory at batch {n} ({_rows(tokens, n * batch_size + start, count)}) after the "
+                            f"analysis saw part of it: rerun with --batch-size {max(count // 2, 1)}") from None
+                    rows = _back_off(count, b.input_ids.shape[1])
+                    continue
+                guard.check(n, _rows(tokens, n * batch_size + start, count))
+                if nll:
+                    bs, bc = batch_nll(out.logits, ids, mask.to(out.logits.device))
+                    s += bs.to(device)
+                    c += bc.to(device)
+                if on_batch is not None:
+                    on_batch(sub, out)
+                start += count
             n += 1
-            if nll:
-                bs, bc = batch_nll(out.logits, ids, mask.to(out.logits.device))
-                s += bs.to(device)
-                c += bc.to(device)
-            if on_batch is not None:
-                on_batch(b, out)
     if world > 1:
         if nll:  # no collective otherwise: a caller's own per-batch collectives (k-means EMA) stay lined up
             s, c = distributed.all_reduce(s), distributed.all_reduce(c)

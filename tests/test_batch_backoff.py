@@ -1,0 +1,151 @@
+"""``--batch-size auto`` backs off on out-of-memory: the rows are halved, the same rows retried, the run goes on.
+
+The out-of-memory is injected: the model's forward raises ``torch.OutOfMemoryError`` (or the CPU allocator's
+RuntimeError) above a number of rows. The results must equal the run with that smaller batch size given explicitly
+(every consumer saw every row once), and the console/manifest say what ran.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetool.data import load_tokens
+from moetool.engine import runner
+from moetool.errors import MoetoolError
+from moetool.loading import load
+
+CPU_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried "
+                       "to allocate 123456789 bytes.")
+
+
+@pytest.fixture
+def backoff(monkeypatch):
+    state = runner.Backoff(enabled=True)
+    monkeypatch.setattr(runner, "BACKOFF", state)
+    return state
+
+
+def limit_rows(lm, max_rows, error=None):
+    """``lm``'s forward fails with an out-of-memory above ``max_rows`` rows; returns the row counts it was called
+    with (those that ran and those that failed)."""
+    calls = []
+    orig = lm.model.forward
+
+    def forward(*args, **kwargs):
+        rows = kwargs["input_ids"].shape[0]
+        calls.append(rows)
+        if rows > max_rows:
+            raise error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return orig(*args, **kwargs)
+
+    lm.model.forward = forward
+    return calls
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    lm = load("tiny")
+    return lm, load_tokens(None, lm.tokenizer, 64, 1500)  # 24 packed rows
+
+
+def tables(res):
+    return {k: v.drop(columns=[c for c in ("seconds",) if c in v]) for k, v in res.tables.items()}
+
+
+def same(a, b):
+    assert a.keys() == b.keys() and a
+    for k in a:
+        pd.testing.assert_frame_equal(a[k].reset_index(drop=True), b[k].reset_index(drop=True), check_exact=False,
+                                      rtol=1e-6, atol=1e-9, obj=k)
+
+
+@pytest.mark.parametrize("error", [None, CPU_OOM], ids=["OutOfMemoryError", "cpu-allocator"])
+def test_ppl_random_policy_backs_off_to_the_explicit_run(tiny, backoff, error, capsys):
+    """NLL sums and a random policy's draws (the sizing trial restores its generator) equal --batch-size 2."""
+    from moetool.experiments.ppl import ppl
+
+    lm, tokens = tiny
+    want = tables(ppl(lm, tokens, routing="random", batch_size=2, bootstrap=100, quiet=True))
+    calls = limit_rows(lm, 2, error)
+    try:
+        got = tables(ppl(lm, tokens, routing="random", batch_size=8, bootstrap=100, quiet=True))
+    finally:
+        del lm.model.forward
+    same(got, want)
+    assert backoff.rows == 2 and backoff.events == [8, 4]  # 8 -> 4 -> 2, then every forward at 2
+    assert calls[:2] == [8, 4] and set(calls[2:]) == {2}
+    err = capsys.readouterr().err
+    assert "out of memory at 8 rows per forward; going on with 4" in err and "going on with 2" in err
+
+
+def test_stateful_consumers_see_every_row_once(tiny, backoff):
+    """mass-recall (per-batch k-means EMA steps, before_batch row registration) and trace (rows written after
+    each batch) with an out-of-memory above 3 rows: the same tables as --batch-size 3 of 6."""
+    from moetool.experiments.mass_recall import mass_recall
+    from moetool.experiments.trace import trace
+
+    lm, tokens = tiny
+    kw = dict(codebook_sizes=(4,), shortlists=(2,), bootstrap=100, quiet=True)
+    want = {**tables(mass_recall(lm, tokens, batch_size=3, **kw)), **tables(trace(lm, tokens, batch_size=3,
+                                                                                  quiet=True))}
+    calls = limit_rows(lm, 3)
+    try:
+        got = {**tables(mass_recall(lm, tokens, batch_size=6, **kw)), **tables(trace(lm, tokens, batch_size=6,
+                                                                                     quiet=True))}
+    finally:
+        del lm.model.forward
+    same(got, want)
+    assert backoff.events == [6] and calls.count(6) == 1  # the sizing trial failed once; no consumer saw it
+    assert len(got["trace.csv.gz"]) == len(lm.layers) * tokens.n_tokens
+
+
+def test_off_without_auto_and_one_row_that_does_not_fit(tiny, backoff):
+    from moetool.experiments.ppl import ppl
+
+    lm, tokens = tiny
+    limit_rows(lm, 0)
+    try:
+        with pytest.raises(MoetoolError, match="out of memory even with 1 row of 64 tokens"):
+            ppl(lm, tokens, batch_size=4, bootstrap=0, quiet=True)
+        backoff.enabled = False  # an explicit --batch-size: the allocator's error as it is
+        with pytest.raises(torch.OutOfMemoryError):
+            ppl(lm, tokens, batch_size=4, bootstrap=0, quiet=True)
+    finally:
+        del lm.model.forward
+
+
+def test_cli_auto_records_the_rows_that_ran(tmp_path, monkeypatch):
+    """The CLI: --batch-size auto picks 8 rows, the forward fails above 2, the run goes on; manifest and console
+    name the rows that ran; ppl.csv equals --batch-size 2; the back-off is off again for the next command."""
+    from moetool.commands import options as O
+    from moetool.commands.app import app
+    from transformers import PreTrainedModel
+
+    monkeypatch.setattr(O, "auto_batch_size", lambda model, **kw: (8, {"rows": 8, "reason": "test", "device": "cpu",
+                                                                         "free_bytes": None}))
+    orig = PreTrainedModel.__call__
+
+    def call(self, *args, **kwargs):
+        if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return orig(self, *args, **kwargs)
+
+    base = ["ppl", "--model", "tiny", "--max-tokens", "1500", "--seq-len", "64", "--bootstrap", "0", "--quiet"]
+    cli = CliRunner()
+    monkeypatch.setattr(PreTrainedModel, "__call__", call)
+    r = cli.invoke(app, base + ["--batch-size", "auto", "--out", str(tmp_path / "auto")])
+    assert r.exit_code == 0, r.output
+    assert "going on with 2" in r.output
+    man = json.loads((tmp_path / "auto" / "manifest.json").read_text())
+    assert man["batch_size_auto"]["rows"] == 2 and man["batch_size_auto"]["out_of_memory_at"] == [8, 4]
+    assert not runner.BACKOFF.enabled and runner.BACKOFF.rows is None
+    monkeypatch.setattr(PreTrainedModel, "__call__", orig)
+    r = cli.invoke(app, base + ["--batch-size", "2", "--out", str(tmp_path / "two")])
+    assert r.exit_code == 0, r.output
+    got, want = (pd.read_csv(tmp_path / d / "ppl.csv").drop(columns="seconds") for d in ("auto", "two"))
+    pd.testing.assert_frame_equal(got, want, rtol=1e-6)
