@@ -123,10 +123,10 @@ def test_family(model_type):
     h = events[L.index].h
     outs = torch.stack([one_expert(L, e, h) for e in range(L.n_experts)])  # [n, T, d]
     torch.testing.assert_close(node_scores(L, h, "output", "l2"), outs.norm(dim=-1).T, rtol=1e-5, atol=1e-5)
-    W = L.expert_weights()
+    W, x = L.expert_weights(), L.expert_input(h)  # what the experts compute on (gemma4: a normed copy of h)
     glu = torch.stack([torch.linalg.vector_norm(
-        L.glu(torch.nn.functional.linear(h, W.gate[e], None if W.gate_bias is None else W.gate_bias[e]),
-              torch.nn.functional.linear(h, W.up[e], None if W.up_bias is None else W.up_bias[e])), dim=-1)
+        L.glu(torch.nn.functional.linear(x, W.gate[e], None if W.gate_bias is None else W.gate_bias[e]),
+              torch.nn.functional.linear(x, W.up[e], None if W.up_bias is None else W.up_bias[e])), dim=-1)
         for e in range(L.n_experts)]).T
     torch.testing.assert_close(node_scores(L, h, "glu", "l2"), glu, rtol=1e-5, atol=1e-5)
 

@@ -7,6 +7,8 @@ tests/test_families.py runs its generic checks on every supported type; here wha
   model's own experts module, one expert at a time, and the clamp is seen to change the output;
 * Nemotron-H's non-gated experts: "glu" is act(up), what the down projection sees;
 * MiniMax-M3's block scales the routed output: ``output_scale`` is the block's factor;
+* Gemma 4's decoder layers read router / experts through views: bit for bit the original model, the router
+  written out by hand (normed input, per-expert scale), the experts on their own normed copy of the input;
 * hybrid models: attention routing refuses MoE layers whose decoder layer mixes tokens with Mamba / DeltaNet in
   one line naming the layer and its mixer, and runs on the softmax-attention layers.
 """
@@ -210,5 +212,70 @@ def test_llama4_views_are_bit_exact_and_weights_scale_the_input():
     torch.testing.assert_close(outs[L.index], input_scaled, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(outs[L.index], output_scaled, rtol=1e-3, atol=1e-5)
     restore(model)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, want)
+
+
+def gemma4_tiny():
+    """A tiny gemma4_text with its MoE block; router scale and per-expert scale drawn away from their init (ones)."""
+    torch.manual_seed(0)
+    model = discovery.model_class("gemma4_text").from_config(discovery.tiny_config("gemma4_text")).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "Gemma4TextRouter":
+                m.proj.weight.copy_(torch.randn(m.proj.weight.shape, generator=gen) * 0.5)
+                for t in (m.scale, m.per_expert_scale):
+                    t.copy_(1 + 0.3 * torch.randn(t.shape, generator=gen))
+    return model
+
+
+def test_gemma4_views_are_bit_exact_and_route_as_the_router_by_hand():
+    """The swapped decoder layers compute the original model bit for bit; the router, written out here from its
+    raw parameters (weightless RMS norm, x scale / sqrt(d), projection, softmax, top-K, renormalised, x
+    per_expert_scale), is what the adapter routes by; the experts see pre_feedforward_layernorm_2(h)."""
+    import copy
+    import math
+
+    from test_engine import assert_same_routing
+
+    from moetool.adapters.gemma4 import restore
+    from moetool.engine import expert_outputs
+
+    model = gemma4_tiny()
+    batch = padded_batch(seq=8)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(**batch).logits  # the original decoder layers
+    layers = find_moe_layers(model)
+    assert layers and {L.describe()["rule"] for L in layers} == {"softmax-topk-renorm"}
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, want)
+    got, events, _ = run(model, layers, batch, policy=make_policy("router"))
+    assert torch.equal(got, want)
+    for L in layers:
+        ev, r = events[L.index], L.decoder_layer._modules["router"]
+        h = ev.h
+        x = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + r.norm.eps, -0.5) * r.scale / math.sqrt(h.shape[-1])
+        logits = x @ r.proj.weight.T
+        torch.testing.assert_close(ev.logits, logits, rtol=1e-5, atol=1e-5)
+        top, idx = torch.softmax(logits, -1).topk(L.top_k, dim=-1)
+        w = top / top.sum(-1, keepdim=True) * r.per_expert_scale[idx]
+        assert_same_routing(ev.idx, ev.weights, idx, w, rtol=1e-5, atol=1e-6)
+        ridx, rw = L.route(L.logits(h))
+        assert_same_routing(ridx, rw, ev.idx, ev.weights, rtol=0, atol=0)
+        assert not torch.allclose(w.sum(-1), torch.ones(w.shape[0]))  # the per-expert scale is really applied
+
+    L = layers[0]
+    h = events[L.index].h
+    experts, norm2 = L.decoder_layer._modules["experts"], L.decoder_layer._modules["pre_feedforward_layernorm_2"]
+    with torch.no_grad():
+        own = torch.stack([experts(norm2(h), torch.full((h.shape[0], 1), e), torch.ones(h.shape[0], 1))
+                           for e in range(L.n_experts)])
+        raw = torch.stack([experts(h, torch.full((h.shape[0], 1), e), torch.ones(h.shape[0], 1))
+                           for e in range(L.n_experts)])
+    torch.testing.assert_close(expert_outputs(L, h), own, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(own, raw, rtol=1e-3, atol=1e-4)  # the norm matters
+    restore(model)
+    assert type(L.decoder_layer).__name__ == "Gemma4TextDecoderLayer"
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, want)

@@ -38,6 +38,7 @@ EXPECTED_RULE = {
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",
     "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",
+    "gemma4": "softmax-topk-renorm", "gemma4_text": "softmax-topk-renorm",  # times per_expert_scale[idx]
     "phimoe": "sparsemixer",
 }
 

@@ -35,6 +35,8 @@ ADAPTERS = LazyRegistry("MoE family", {
     "inkling2_text": "moetool.adapters.inkling2:Inkling2Adapter",
     "llama4": "moetool.adapters.llama4:Llama4Adapter",
     "llama4_text": "moetool.adapters.llama4:Llama4Adapter",
+    "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
+    "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

@@ -105,6 +105,11 @@ class MoELayer:
         inter = gate_up.shape[1] // 2
         return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj)
 
+    def expert_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the experts compute on, for router inputs ``h``: ``h`` itself, except where the model feeds the
+        experts a transformed copy (gemma4: a separate RMS norm)."""
+        return h
+
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         """``act(W_g h)``."""
         return self.experts.act_fn(gate)

@@ -48,9 +48,6 @@ UNSUPPORTED: dict[str, str] = {
     "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
                    "sqrtsoftplus scoring",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
-    "gemma4": "no adapter yet: router (RMS norm, scaled projection, returns probabilities) and experts sit on the "
-              "decoder layer beside a dense MLP",
-    "gemma4_text": "no adapter yet: as gemma4: router with norm and per-expert scale, experts beside a dense MLP",
     "inkling_mm_model": "the router's weights are normalised over the K chosen routed logits together with the "
                         "shared experts' logits (logsigmoid softmax), which the router does not return: the weights "
                         "are no function of its logits, so route()/weights_for() cannot reproduce them",

@@ -184,6 +184,9 @@ class GenericLayer(MoELayer):
         idx = self.rule.select(logits, self._p())
         return idx, self.weights_for(logits, idx)
 
+    def rule_name(self) -> str:
+        return self.rule.name  # identified at load already
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "rule": self.rule.name, **self.params.describe()}
 
@@ -309,6 +312,16 @@ def _candidates(router: nn.Module, top_k: int, bias: torch.Tensor | None) -> lis
                          norm_min=nm, jitter_eps=j)
             for b in ([bias, None] if bias is not None else [None]) for g, tg, gs in groups for s in scales
             for eps, nm in norms for j in jitters]
+
+
+def restore_views(model: nn.Module) -> None:
+    """Undo a hand adapter's per-instance class swap (llama4, gemma4) on every module of ``model``: the class
+    named by its ``_moetool_original`` comes back and the unregistered ``_moetool_views`` go."""
+    for m in model.modules():
+        original = type(m).__dict__.get("_moetool_original")
+        if original is not None:
+            m.__class__ = original
+            m.__dict__.pop("_moetool_views", None)
 
 
 class GenericAdapter(Adapter):

@@ -33,6 +33,7 @@ from torch import nn
 from . import rules
 from .base import ExpertWeights
 from .generic import GenericAdapter, GenericLayer
+from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 
 class Llama4RouterView(nn.Module):
@@ -87,15 +88,6 @@ def _block_forward(self, hidden_states: torch.Tensor):
     out = self.shared_expert(hidden_states)
     out.add_(routed)
     return out, router_logits
-
-
-def restore(model: nn.Module) -> None:
-    """Undo the class swap on every block of ``model`` (the original ``Llama4TextMoe`` forward)."""
-    for m in model.modules():
-        original = type(m).__dict__.get("_moetool_original")
-        if original is not None:
-            m.__class__ = original
-            m.__dict__.pop("_moetool_views", None)
 
 
 class Llama4Layer(GenericLayer):

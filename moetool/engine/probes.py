@@ -62,7 +62,7 @@ def _bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.T
 
 
 def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[str]) -> dict[str, torch.Tensor]:
-    h = h.to(device=W.gate.device, dtype=W.gate.dtype)
+    h = layer.expert_input(h).to(device=W.gate.device, dtype=W.gate.dtype)
     out: dict[str, torch.Tensor] = {}
     gate = _bmm(h, W.gate, W.gate_bias)  # [n, T, I]
     if "gate" in want:
