@@ -391,5 +391,7 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
     shipped = tuple(shipped_tasks())
     res = norm_select(lm, tokens, NormSelectOptions(tasks=shipped or None, limit=20, batch_size=16), quiet=quiet)
-    write(res, parent.sub("norm-select"), model=lm, options=dict(model="tiny", seq_len=256, max_tokens=2048))
+    child = parent.sub("norm-select")  # the demo's one layout: <step>/<model>/ (moetool.demo.each_model)
+    write(res, child.sub("tiny"), model=lm, options=dict(model="tiny", seq_len=256, max_tokens=2048))
+    child.finish(options=dict(models=["tiny"], seq_len=256, max_tokens=2048))
     return summary_lines(res.summary)
