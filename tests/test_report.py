@@ -191,3 +191,24 @@ def test_progress_prints_policy_specs_verbatim(capsys):
     assert list(progress(range(3), total=3, description="ppl norm:up:l2 [x]")) == [0, 1, 2]
     err = capsys.readouterr().err
     assert "ppl norm:up:l2 [x]" in err and "\U0001f199" not in err  # not "ppl norm🆙l2"
+
+
+def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
+    """Every demo step: <step>/<model>/ with <step>/manifest.json (norm-select was <step>/ alone). The sweep is
+    cut to one node without tasks here (the layout, not the numbers, is under test)."""
+    from moetool.experiments import norm_select as ns
+    from moetool.loading import embedded_models
+
+    if "tiny" not in embedded_models():
+        pytest.skip("embedded model not built")
+    real = ns.norm_select
+    monkeypatch.setattr(ns, "norm_select", lambda lm, tokens, opts, quiet: real(
+        lm, tokens, ns.NormSelectOptions(nodes=("gate",), norms=("l2",), batch_size=16, bootstrap=0), quiet=True))
+    parent = RunDir.create("demo", tmp_path / "demo")
+    lines = ns.demo(parent, quiet=True)
+    parent.finish(options={})
+    step = tmp_path / "demo" / "norm-select"
+    assert json.loads((step / "manifest.json").read_text())["status"] == "complete"
+    assert json.loads((step / "manifest.json").read_text())["runs"] == ["tiny"]
+    assert (step / "tiny" / "agreement.csv").is_file() and not (step / "agreement.csv").exists()
+    assert lines and "norm:gate:l2" in "\n".join(lines)
