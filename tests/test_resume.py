@@ -27,17 +27,20 @@ def _same_csvs(a: Path, b: Path) -> list[str]:
     return names
 
 
-def _interrupt_after_first_unit(monkeypatch):
-    """Ctrl-C right after the first unit was saved (the process dies between two units)."""
+def _interrupt_after_saves(monkeypatch, n):
+    """Ctrl-C right after the ``n``-th unit save: the process dies between two units (stats/trace checkpoint
+    after every batch here)."""
     save = rundir.Units.save
     saved = []
 
-    def save_then_interrupt(self, name, obj):
-        save(self, name, obj)
+    def save_then_maybe_interrupt(self, name, obj, refs=()):
+        save(self, name, obj, refs)
         saved.append(name)
-        raise KeyboardInterrupt
+        if len(saved) == n:
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(rundir.Units, "save", save_then_interrupt)
+    monkeypatch.setattr(rundir.Units, "every_seconds", 0.0)
+    monkeypatch.setattr(rundir.Units, "save", save_then_maybe_interrupt)
     return saved
 
 
@@ -45,9 +48,9 @@ def _count_units_run(monkeypatch):
     save = rundir.Units.save
     ran = []
 
-    def counting(self, name, obj):
+    def counting(self, name, obj, refs=()):
         ran.append(name)
-        save(self, name, obj)
+        save(self, name, obj, refs)
 
     monkeypatch.setattr(rundir.Units, "save", counting)
     return ran
@@ -64,7 +67,7 @@ def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
     part = tmp_path / "part"
     with monkeypatch.context() as m:
-        saved = _interrupt_after_first_unit(m)
+        saved = _interrupt_after_saves(m, 1)
         r = runner.invoke(app, [*args, "--out", str(part)])
     assert r.exit_code == 130 and saved == ["router"], r.output
     man = json.loads((part / "manifest.json").read_text())
@@ -106,22 +109,6 @@ def test_resume_needs_out_and_a_run_of_the_same_command(tmp_path):
     other.mark("interrupted")
     with pytest.raises(MoetoolError, match="holds a ppl run, not stats"):
         rundir.RunDir.create("stats", tmp_path / "ppl", resume=True)
-
-
-def _interrupt_after_saves(monkeypatch, n):
-    """Ctrl-C right after the ``n``-th unit save (checkpoints after every batch)."""
-    save = rundir.Units.save
-    saved = []
-
-    def save_then_maybe_interrupt(self, name, obj, refs=()):
-        save(self, name, obj, refs)
-        saved.append(name)
-        if len(saved) == n:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(rundir.Units, "every_seconds", 0.0)
-    monkeypatch.setattr(rundir.Units, "save", save_then_maybe_interrupt)
-    return saved
 
 
 def _batches_run(monkeypatch):
@@ -199,7 +186,7 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
     part = tmp_path / "part"
     with monkeypatch.context() as m:
-        saved = _interrupt_after_first_unit(m)
+        saved = _interrupt_after_saves(m, 1)
         r = runner.invoke(app, [*args, "--out", str(part)])
     assert r.exit_code == 130 and saved == ["checkpoint-1"], r.output
     assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
