@@ -263,6 +263,7 @@ def test_gemma4_views_are_bit_exact_and_route_as_the_router_by_hand():
         assert_same_routing(ev.idx, ev.weights, idx, w, rtol=1e-5, atol=1e-6)
         ridx, rw = L.route(L.logits(h))
         assert_same_routing(ridx, rw, ev.idx, ev.weights, rtol=0, atol=0)
+        assert torch.equal(L.logits(h.double()), L.logits(h))  # any input dtype (mass-recall passes fp64 points)
         assert not torch.allclose(w.sum(-1), torch.ones(w.shape[0]))  # the per-expert scale is really applied
 
     L = layers[0]

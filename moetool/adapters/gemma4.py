@@ -113,9 +113,10 @@ class Gemma4Layer(GenericLayer):
         return self._router.per_expert_scale[idx]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The router's projection of its normed, scaled input (its own modules, its order of operations)."""
+        """The router's projection of its normed, scaled input (its own modules, its order of operations); ``h`` in
+        the router's dtype, as the model passes it."""
         r = self._router
-        return r.proj(r.norm(h) * r.scale * r.scalar_root_size)
+        return r.proj(r.norm(h.to(r.proj.weight.dtype)) * r.scale * r.scalar_root_size)
 
     def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return super().weights_for(logits, idx) * self._scale(idx)
