@@ -56,23 +56,38 @@ def _count_units_run(monkeypatch):
     return ran
 
 
+def _whole_then_interrupted(tmp_path, monkeypatch, args, n):
+    """``args`` run whole into ``whole/``, then into ``part/`` interrupted right after the ``n``-th unit save
+    (exit 130, manifest "interrupted", no table written); returns (whole, part, units saved)."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    r = runner.invoke(app, [*args, "--out", str(whole)])
+    assert r.exit_code == 0, r.output
+    assert not (whole / "units").exists()  # a complete run keeps no checkpoints
+    with monkeypatch.context() as m:
+        saved = _interrupt_after_saves(m, n)
+        r = runner.invoke(app, [*args, "--out", str(part)])
+    assert r.exit_code == 130, r.output
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    assert not list(part.glob("*.csv")) and not list(part.rglob(".part-*"))  # nothing half-written
+    return whole, part, saved
+
+
+def _resumed(args, part):
+    """``--resume`` of ``part``: complete, and its checkpoints gone."""
+    r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 0, r.output
+    man = json.loads((part / "manifest.json").read_text())
+    assert man["status"] == "complete" and man["resumed"]["previous_status"] == "interrupted"
+    assert not (part / "units").exists()
+    return man
+
+
 @needs_tiny
 def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
             "--bootstrap", "100", "--quiet"]
-    whole = tmp_path / "whole"
-    r = runner.invoke(app, [*args, "--out", str(whole)])
-    assert r.exit_code == 0, r.output
-    assert not (whole / "units").exists()  # a complete run keeps no checkpoints
-
-    part = tmp_path / "part"
-    with monkeypatch.context() as m:
-        saved = _interrupt_after_saves(m, 1)
-        r = runner.invoke(app, [*args, "--out", str(part)])
-    assert r.exit_code == 130 and saved == ["router"], r.output
-    man = json.loads((part / "manifest.json").read_text())
-    assert man["status"] == "interrupted" and not list(part.glob("*.csv"))
-    assert (part / "units" / "router.pkl").is_file()
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
+    assert saved == ["router"] and (part / "units" / "router.pkl").is_file()
 
     # without --resume the unfinished run is not overwritten by accident
     r = runner.invoke(app, [*args, "--out", str(part)])
@@ -85,12 +100,8 @@ def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         ran = _count_units_run(m)
-        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
-    assert r.exit_code == 0, r.output
+        _resumed(args, part)
     assert ran == ["norm:gate:l2", "norm:output:l2"]  # the router was not run again
-    man = json.loads((part / "manifest.json").read_text())
-    assert man["status"] == "complete" and man["resumed"]["previous_status"] == "interrupted"
-    assert not (part / "units").exists()
     assert _same_csvs(whole, part) == ["agreement.csv", "quality.csv"]
     # a complete run has nothing to resume
     r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
@@ -131,28 +142,16 @@ def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     # 12 rows of 32 tokens in batches of 2: 6 batches; interrupted after the 3rd batch's checkpoint
     args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
             "--min-count", "2", "--quiet"]
-    whole = tmp_path / "whole"
-    r = runner.invoke(app, [*args, "--out", str(whole)])
-    assert r.exit_code == 0, r.output
-
-    part = tmp_path / "part"
-    with monkeypatch.context() as m:
-        saved = _interrupt_after_saves(m, 3)
-        r = runner.invoke(app, [*args, "--out", str(part)])
-    assert r.exit_code == 130 and saved == ["batches"] * 3, r.output
-    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
-    assert not list(part.glob("*.csv")) and (part / "units" / "batches.pkl").is_file()
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 3)
+    assert saved == ["batches"] * 3 and (part / "units" / "batches.pkl").is_file()
 
     r = runner.invoke(app, [*args[:-3], "--min-count", "3", "--quiet", "--out", str(part), "--resume"])
     assert r.exit_code == 2 and "other options (min_count: 2 -> 3)" in r.output, r.output
 
     with monkeypatch.context() as m:
         ran = _batches_run(m)
-        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
-    assert r.exit_code == 0, r.output
+        _resumed(args, part)
     assert ran == [3, 4, 5]  # batches 0-2 were restored, not run again
-    assert json.loads((part / "manifest.json").read_text())["status"] == "complete"
-    assert not (part / "units").exists()
     names = _same_csvs(whole, part)
     assert {"load.csv", "layers.csv", "coactivation.csv", "top_tokens.csv", "specialization.csv"} <= set(names)
 
@@ -180,16 +179,8 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     # order of work (--reference previous): tiny (checkpoint 1) first, then tiny-early fed to tiny's routers too
     args = ["fluctuation", "tiny-early", "tiny", "--routing", "router,similarity", "--isolate", "--max-tokens", "256",
             "--seq-len", "32", "--batch-size", "4", "--bootstrap", "100", "--quiet"]
-    whole = tmp_path / "whole"
-    r = runner.invoke(app, [*args, "--out", str(whole)])
-    assert r.exit_code == 0, r.output
-
-    part = tmp_path / "part"
-    with monkeypatch.context() as m:
-        saved = _interrupt_after_saves(m, 1)
-        r = runner.invoke(app, [*args, "--out", str(part)])
-    assert r.exit_code == 130 and saved == ["checkpoint-1"], r.output
-    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
+    assert saved == ["checkpoint-1"]
     assert sorted(p.name for p in (part / "units").iterdir()) == [
         "checkpoint-1-0.spill", "checkpoint-1-1.spill", "checkpoint-1.pkl", "key.json"]
 
@@ -202,12 +193,9 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
             return capture(lm, tokens, policy, **kw)
 
         m.setattr(fl, "capture", counting)
-        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
-    assert r.exit_code == 0, r.output
+        _resumed(args, part)
     # only tiny-early ran (tiny was read back; its routers were reloaded for the isolated rows)
     assert captured == [("tiny-early: router", [1]), ("tiny-early: similarity", [1])]
-    assert json.loads((part / "manifest.json").read_text())["status"] == "complete"
-    assert not (part / "units").exists()
     assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]
 
 
@@ -218,27 +206,15 @@ def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt
     args = ["trace", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--logits", "--format", fmt,
             "--quiet"]
     read = pd.read_parquet if fmt == "parquet" else pd.read_csv
-    whole = tmp_path / "whole"
-    r = runner.invoke(app, [*args, "--out", str(whole)])
-    assert r.exit_code == 0, r.output
-
-    part = tmp_path / "part"
-    with monkeypatch.context() as m:
-        saved = _interrupt_after_saves(m, 2)
-        r = runner.invoke(app, [*args, "--out", str(part)])
-    assert r.exit_code == 130 and saved == ["batches"] * 2, r.output
-    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
-    assert not (part / f"trace.{fmt}").exists() and not list(part.rglob(".part-*"))  # nothing half-written
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 2)
+    assert saved == ["batches"] * 2 and not (part / f"trace.{fmt}").exists()
     assert sorted(p.name for p in (part / "units").glob("trace-*")) == ["trace-00000.parquet", "trace-00001.parquet"]
 
     with monkeypatch.context() as m:
         ran = _batches_run(m)
-        monkeypatch.setattr(rundir.Units, "every_seconds", 0.0)
-        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
-    assert r.exit_code == 0, r.output
+        m.setattr(rundir.Units, "every_seconds", 0.0)
+        _resumed(args, part)
     assert ran == [2, 3]
-    assert json.loads((part / "manifest.json").read_text())["status"] == "complete"
-    assert not (part / "units").exists()
     a, b = read(whole / f"trace.{fmt}"), read(part / f"trace.{fmt}")
     pd.testing.assert_frame_equal(a, b, check_exact=True)
     assert sorted(set(a["row"])) == list(range(8)) and a["layer"].value_counts().nunique() == 1
