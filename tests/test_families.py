@@ -98,6 +98,7 @@ def test_family(model_type):
         ev = events[L.index]
         logits = L.logits(ev.h)
         assert torch.equal(logits, ev.logits)
+        assert torch.equal(L.logits(ev.h.double()), logits)  # any input dtype: mass-recall passes fp64 points
         idx, w = L.route(logits)
         assert_same_routing(idx, w, ev.idx, ev.weights, rtol=1e-6, atol=1e-7)
         p = L.probs(logits)
