@@ -220,3 +220,43 @@ def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt
     assert sorted(set(a["row"])) == list(range(8)) and a["layer"].value_counts().nunique() == 1
     batch = (a["row"] // 2).to_numpy()
     assert (batch[1:] >= batch[:-1]).all()  # batches in order across the parts (layer-major within a batch)
+
+
+@needs_tiny
+@pytest.mark.parametrize("command", ["stats", "trace"])
+def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, monkeypatch, command):
+    """--batch-size auto after an out-of-memory runs each batch in parts (on_batch per part): a checkpoint is only
+    taken at the end of a whole batch, numbered in batches of --batch-size (what --resume skips)."""
+    import torch
+
+    from moetool.data import load_tokens
+    from moetool.engine import runner as engine_runner
+    from moetool.experiments import stats, trace
+    from moetool.loading import load
+
+    lm = load("tiny")
+    tokens = load_tokens(None, lm.tokenizer, 32, 384)  # 12 rows: 3 batches of 4
+    monkeypatch.setattr(engine_runner, "BACKOFF", engine_runner.Backoff(enabled=True))
+    forward = lm.model.forward
+
+    def at_most_two_rows(*args, **kwargs):  # out of memory above 2 rows: every batch runs as two parts
+        if kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    lm.model.forward = at_most_two_rows
+    units = rundir.RunDir.create(command, tmp_path / "r").units({"batch_size": 4})
+    monkeypatch.setattr(rundir.Units, "every_seconds", 0.0)
+    saved, save = [], rundir.Units.save
+
+    def recording(self, name, obj, refs=()):
+        saved.append(obj["next_batch"])
+        save(self, name, obj, refs)
+
+    monkeypatch.setattr(rundir.Units, "save", recording)
+    if command == "stats":
+        stats.collect(lm, tokens, batch_size=4, units=units, quiet=True)
+    else:
+        trace.trace(lm, tokens, trace.TraceOptions(batch_size=4), path=tmp_path / "t.parquet", units=units, quiet=True)
+        assert len(pd.read_parquet(tmp_path / "t.parquet")) == 4 * tokens.n_tokens  # every row once (4 MoE layers)
+    assert engine_runner.BACKOFF.events == [4] and saved == [1, 2, 3]

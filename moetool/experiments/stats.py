@@ -470,7 +470,7 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
     if saved is not None:
         c = saved["state"]
     starters = [x for x in (c.routing, c.cross_layer, c.vocab) if x is not None]
-    n_batches, done = shard.n_batches(batch_size), [start]
+    n_rows, done = shard.input_ids.shape[0], [start * batch_size]  # rows: a backed-off batch runs in parts
 
     def before(batch: Any) -> None:
         for x in starters:
@@ -479,9 +479,10 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
     def after(batch: Any, output: Any) -> None:
         if c.vocab is not None:
             c.vocab.on_batch(batch, output)
-        done[0] += 1
-        if units is not None and (units.due() or done[0] == n_batches):
-            units.save("batches", {"next_batch": done[0], "state": c}, refs=layers)
+        done[0] += batch.input_ids.shape[0]
+        batch_end = done[0] % batch_size == 0 or done[0] == n_rows
+        if units is not None and batch_end and (units.due() or done[0] == n_rows):
+            units.save("batches", {"next_batch": -(-done[0] // batch_size), "state": c}, refs=layers)
 
     forward(lm, shard, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
             batch_size=batch_size, before_batch=before, on_batch=after, description="stats", quiet=quiet,

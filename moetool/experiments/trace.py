@@ -104,9 +104,9 @@ class PartStream:
     starts a new part at the next batch; :meth:`assemble` copies the parts' row groups (one per batch) in order
     into the final file, so it equals an uninterrupted run's row for row."""
 
-    def __init__(self, units: Any, n_batches: int):
+    def __init__(self, units: Any, n_rows: int, batch_size: int):
         saved = units.load("batches") or {"next_batch": 0, "rows": 0, "parts": []}
-        self.units, self.n_batches = units, n_batches
+        self.units, self.n_rows, self.batch_size = units, n_rows, batch_size
         self.next_batch, self.rows, self.parts = saved["next_batch"], saved["rows"], list(saved["parts"])
         self._out: Any = None
 
@@ -121,11 +121,14 @@ class PartStream:
         self._out.write(columns)
 
     def batch_done(self, rows: int) -> None:
-        """After a batch's rows were written (``rows``: packed rows done so far)."""
+        """After a batch's rows were written (``rows``: packed rows done so far; a batch backed off after an
+        out-of-memory comes in parts: a checkpoint only at the end of a whole batch)."""
         import os
 
-        self.next_batch += 1
-        if self._out is not None and (self.units.due() or self.next_batch == self.n_batches):
+        if rows % self.batch_size and rows != self.n_rows:
+            return
+        self.next_batch = -(-rows // self.batch_size)
+        if self._out is not None and (self.units.due() or rows == self.n_rows):
             self._out.close()
             self._out = None
             os.replace(self.units.file(".part-" + self._name()), self.units.file(self._name()))
@@ -203,7 +206,7 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     run = dict(policy=policy, layers=layers, consumers=[col], batch_size=opts.batch_size, description="trace",
                quiet=quiet)
     if path is not None and units is not None and world == 1:
-        ps = PartStream(units, tokens.n_batches(opts.batch_size))
+        ps = PartStream(units, tokens.input_ids.shape[0], opts.batch_size)
         start[0] = ps.rows
         try:
             forward(lm, tokens, on_batch=emit(ps.write, ps.batch_done), start_batch=ps.next_batch, **run)
