@@ -346,8 +346,8 @@ def check_resume(resume: bool) -> bool:
 
     world = distributed.env().world_size
     if resume and world > 1:
-        raise MoetoolError(f"--resume is not supported under torchrun (world size {world}): "
-                           "resume the run in one process, or rerun it without --resume")
+        raise MoetoolError(f"--resume is not supported under torchrun (world size {world}): no unit checkpoints are "
+                           "kept there; start the run over with --force")
     return world == 1
 
 
