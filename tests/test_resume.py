@@ -245,7 +245,8 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
         return forward(*args, **kwargs)
 
     lm.model.forward = at_most_two_rows
-    units = rundir.RunDir.create(command, tmp_path / "r").units({"batch_size": 4})
+    run = rundir.RunDir.create(command, tmp_path / "r")
+    units = run.units({"batch_size": 4})
     monkeypatch.setattr(rundir.Units, "every_seconds", 0.0)
     saved, save = [], rundir.Units.save
 
@@ -260,3 +261,4 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
         trace.trace(lm, tokens, trace.TraceOptions(batch_size=4), path=tmp_path / "t.parquet", units=units, quiet=True)
         assert len(pd.read_parquet(tmp_path / "t.parquet")) == 4 * tokens.n_tokens  # every row once (4 MoE layers)
     assert engine_runner.BACKOFF.events == [4] and saved == [1, 2, 3]
+    run.finish(options={})  # leaves no unfinished run in this process's registry
