@@ -315,6 +315,10 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     from moetool.report import RunDir
 
     attn = "eager" if attention else None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if device_map and per_node > 1:  # every rank would spread its own copy over the same GPUs
+        raise MoetoolError(f"--device-map spreads one model over this node's GPUs: launch one process per node "
+                           f"(torchrun --nproc-per-node 1), not {per_node}")
     if seq_len is not None:
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,

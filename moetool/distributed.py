@@ -42,12 +42,24 @@ class DistEnv:
         return self.world_size > 1
 
 
+# torchrun and ``accelerate launch --multi_gpu`` set RANK / WORLD_SIZE / LOCAL_RANK; ``accelerate launch --cpu
+# --mpirun_hostfile ...`` starts the ranks with mpirun (Open MPI, MPICH / Intel MPI, MVAPICH names) and sets only
+# MASTER_ADDR / MASTER_PORT itself: the same fallbacks accelerate's own PartialState reads
+_RANK = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+_WORLD = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_LOCAL = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def _first(names: tuple[str, ...], default: str) -> str:
+    return next((os.environ[n] for n in names if os.environ.get(n)), default)
+
+
 def env() -> DistEnv:
-    """The launcher's view of this process (torchrun and accelerate set the same variables)."""
+    """The launcher's view of this process (torchrun and accelerate set the same variables; MPI's as a fallback)."""
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+        world = int(_first(_WORLD, "1"))
+        rank = int(_first(_RANK, "0"))
+        local = int(_first(_LOCAL, str(rank)))
     except ValueError:
         raise MoetoolError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
     if world < 1 or not 0 <= rank < world:

@@ -12,7 +12,8 @@ T = TypeVar("T")
 
 def _other_rank() -> bool:
     """A data-parallel rank other than 0 (torchrun / accelerate set RANK): one display, rank 0's."""
-    return os.environ.get("RANK", "0") not in ("", "0")
+    return any(os.environ.get(n, "0") not in ("", "0")  # torchrun / accelerate, or mpirun (moetool.distributed)
+               for n in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
 
 
 def progress(items: Iterable[T], total: int | None = None, description: str = "working",

@@ -317,11 +317,17 @@ class RowTable:
             return
         import torch
 
-        n = int(distributed.all_reduce(self.row_ids.max().reshape(1) + 1, op="max").item())
-        for name in sorted(self._sums):
-            t = self._sums[name]
-            full = torch.zeros(n, t.shape[1], dtype=torch.float64, device=t.device)
-            full.index_copy_(0, self.row_ids.to(t.device), t)
+        ids = self.row_ids
+        top = ids.max().reshape(1) + 1 if ids.numel() else torch.zeros(1, dtype=torch.long)
+        n = int(distributed.all_reduce(top, op="max").item())
+        widths: dict[str, int] = {}  # a rank with no row recorded no name: the ranks agree on names and widths
+        for part in distributed.gather_object({k: int(t.shape[1]) for k, t in self._sums.items()}):
+            widths.update(part)
+        for name in sorted(widths):
+            t = self._sums.get(name)
+            full = torch.zeros(n, widths[name], dtype=torch.float64, device=None if t is None else t.device)
+            if t is not None:
+                full.index_copy_(0, ids.to(t.device), t)
             self._sums[name] = distributed.all_reduce(full)
         self.row_ids = torch.arange(n)
 

@@ -133,3 +133,39 @@ def test_accelerate_launch_two_ranks_equal_one_process(runs, tmp_path):
     same_tables(root / "one1", tmp_path / "two")
     check_manifest(root / "one1", tmp_path / "two")
     assert p.stdout.count("results in") == 1
+
+
+LAUNCHER_VARS = [("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, accelerate launch --multi_gpu
+                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # mpirun (Open MPI)
+                 ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH / Intel MPI
+                 ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK")]  # MVAPICH
+
+
+@pytest.mark.parametrize("names", LAUNCHER_VARS, ids=[n[0] for n in LAUNCHER_VARS])
+def test_launcher_environment(monkeypatch, names):
+    """What each launcher sets is what moetool reads (accelerate launch --cpu --mpirun_hostfile starts the ranks
+    with mpirun: only the MPI names are set, MASTER_ADDR/PORT by accelerate); one progress display, rank 0's."""
+    from moetool import distributed, progress
+
+    for var in sum(LAUNCHER_VARS, ()):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.env() == distributed.DistEnv(0, 1, 0) and not progress._other_rank()
+    for var, value in zip(names, ("3", "4", "1")):
+        monkeypatch.setenv(var, value)
+    assert distributed.env() == distributed.DistEnv(3, 4, 1) and progress._other_rank()
+    monkeypatch.setenv(names[0], "4")
+    with pytest.raises(distributed.MoetoolError, match="RANK=4 WORLD_SIZE=4"):
+        distributed.env()
+
+
+def test_device_map_needs_one_process_per_node(tmp_path, monkeypatch):
+    """--device-map spreads one model over a node's GPUs: several ranks per node would share them; refused in one
+    line before anything is loaded or created."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    r = CliRunner().invoke(app, ["ppl", "--device-map", "auto", "--max-tokens", "256", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "launch one process per node (torchrun --nproc-per-node 1), not 2" in r.output
+    assert not (tmp_path / "x").exists()

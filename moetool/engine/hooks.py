@@ -43,6 +43,7 @@ class RoutingEvent:
     chosen_weights: torch.Tensor | None = None  # [T, K]
     scores: torch.Tensor | None = None  # [T, n] the scores the policy chose from (similarity, attention), if any
     extra: dict[str, Any] = field(default_factory=dict)
+    rows: list[int] | None = None  # the batch's B global packed-row ids (engine.forward sets them; else None)
 
     @cached_property
     def probs(self) -> torch.Tensor:
@@ -165,6 +166,7 @@ class Engine:
         self._batch: tuple[tuple[int, int], torch.Tensor | None] | None = None
         self.reported: dict[int, int] = {}
         self.forwards = 0
+        self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
 
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
@@ -250,8 +252,9 @@ class Engine:
                 (B, S), valid = (1, h.shape[0]), None
             if valid is None:
                 valid = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+            rows = self.rows if self.rows is not None and len(self.rows) == B else None
             ev = RoutingEvent(layer=L, h=h, logits=slot.pop("logits"), idx=idx, weights=w,
-                              valid=valid.to(h.device), shape=(B, S), attn=slot.pop("attn", None))
+                              valid=valid.to(h.device), shape=(B, S), attn=slot.pop("attn", None), rows=rows)
             slot.clear()
             self.reported[L.index] = self.reported.get(L.index, 0) + 1
             new = None

@@ -204,9 +204,14 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     rows = min(batch_size, BACKOFF.rows) if backoff and BACKOFF.rows else batch_size
     sized = not backoff or (not hooked and before_batch is None)  # a retry could not double-feed anyone
 
-    def run(b: Any) -> Any:
+    row_ids = getattr(tokens, "row_ids", None)
+    row_ids = torch.arange(tokens.input_ids.shape[0]) if row_ids is None else row_ids
+
+    def run(b: Any, first: int) -> Any:
         ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
         guard.mask = mask
+        if hooked:  # events carry the batch's global packed-row ids (per-row seeded random choices)
+            engine.rows = row_ids[first:first + ids.shape[0]].tolist()  # host ints, before the forward
         return model(input_ids=ids, attention_mask=mask, use_cache=False), ids, mask
 
     def events() -> int:
@@ -225,7 +230,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                     if saved is not None:
                         engine.consumers = []
                     try:
-                        run(sub)
+                        run(sub, n * batch_size + start)
                         sized = True
                     except Exception as e:
                         if not is_oom(e):
@@ -240,7 +245,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                     before_batch(sub)
                 seen = events()
                 try:
-                    out, ids, mask = run(sub)
+                    out, ids, mask = run(sub, n * batch_size + start)
                 except Exception as e:
                     if not (backoff and is_oom(e)):
                         raise

@@ -168,7 +168,7 @@ class ApproxReducer:
     per layer Spearman and |cos| sums; everything on the device, padding weighted out (no host sync)."""
 
     def __init__(self, selectors: Sequence[str] = SELECTORS, seed: int = 0, max_subsets: int = MAX_SUBSETS,
-                 layers: Sequence[int] | None = None, row_ids: Any = None):
+                 layers: Sequence[int] | None = None):
         self.selectors = tuple(selectors)
         self.seed = seed
         self.max_subsets = max_subsets
@@ -178,26 +178,15 @@ class ApproxReducer:
         self.stats: dict[int, torch.Tensor] = {}  # [4]: spearman sum, spearman count, |cos| sum, tokens
         self._gen: dict[int, torch.Generator] = {}
         self.skipped: dict[int, str] = {}
-        self.row_ids = row_ids  # global packed-row ids of the token stream (before_batch walks them) or None
-        self._row0, self._rows = 0, None
-
-    def before_batch(self, batch: Any) -> None:
-        """The batch's global rows: ``random`` draws per (layer, row), whatever the batching or the rank."""
-        B = batch.input_ids.shape[0]
-        if self.row_ids is not None:
-            self._rows = [int(r) for r in self.row_ids[self._row0:self._row0 + B]]
-        self._row0 += B
 
     def _noise(self, L: MoELayer, ev: Any, device: torch.device) -> torch.Tensor | None:
-        """``[B*S, n]`` uniform draws, row r's from a generator seeded by (seed, layer, r); None without rows."""
-        B, S = ev.shape
-        if "random" not in self.selectors or self._rows is None or len(self._rows) != B or \
-                B * S != ev.h.reshape(-1, ev.h.shape[-1]).shape[0]:
+        """``[B*S, n]`` uniform draws for ``random``, row r's seeded by (seed, layer, r) (the batch's global rows
+        from engine.forward), so neither the batch size nor the number of ranks changes them; None without rows."""
+        if "random" not in self.selectors or ev.rows is None:
             return None
-        base = (self.seed * 1_000_003 + L.index) * 1_000_000_007
-        return torch.cat([torch.rand((S, L.n_experts), device=device,
-                                     generator=torch.Generator(device=device).manual_seed(base + r))
-                          for r in self._rows])
+        from ..policies.basic import uniform_rows
+
+        return uniform_rows(self.seed, L.index, ev.rows, ev.shape[1], L.n_experts, device)
 
     def __call__(self, ev: Any) -> None:
         L = ev.layer
@@ -230,12 +219,19 @@ class ApproxReducer:
         """Sum every rank's sketches and counters (data parallel); a no-op in one process."""
         from .. import distributed
 
-        for li in sorted(self.errors):
-            for sel in self.selectors:
-                if sel in self.errors[li]:
-                    distributed.all_reduce_state(self.errors[li][sel])
-            self.same[li] = distributed.all_reduce_dict(self.same[li])
-        self.stats = distributed.all_reduce_dict(self.stats)
+        if distributed.world_size() <= 1:
+            return
+        seen: dict[int, list[str]] = {}  # a rank with no row saw no layer: the ranks agree on (layer, selector)
+        for part in distributed.gather_object({li: sorted(e) for li, e in self.errors.items()}):
+            for li, sels in part.items():
+                seen[li] = sorted(set(seen.get(li, [])) | set(sels))
+        for li in sorted(seen):
+            errors, same = self.errors.setdefault(li, {}), self.same.setdefault(li, {})
+            self.stats.setdefault(li, torch.zeros(4, dtype=torch.float64))
+            for sel in seen[li]:
+                distributed.all_reduce_state(errors.setdefault(sel, QuantileSketch()))
+                same[sel] = distributed.all_reduce(torch.as_tensor(same.get(sel, 0), dtype=torch.float64))
+        self.stats = distributed.all_reduce_dict({li: self.stats[li] for li in sorted(self.stats)})
 
     def tables(self) -> tuple[Any, Any]:
         """``(approx, approx_layers)`` DataFrames with exactly the SPEC's columns."""
@@ -269,15 +265,10 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
     from ..engine.hooks import select_layers
     from ..engine.runner import forward
 
-    from .. import distributed
-
     if layers is not None:
         select_layers(lm.layers, layers)  # validates the indices
-    if tokens.row_ids is None:  # global row ids (data parallel: this rank's rows; alone: 0, 1, ...)
-        tokens = distributed.shard(tokens, batch_size)
-    red = ApproxReducer(selectors, seed, max_subsets, layers, row_ids=tokens.row_ids)
-    forward(lm, tokens, consumers=[red], batch_size=batch_size, before_batch=red.before_batch, description="approx",
-            quiet=quiet)
+    red = ApproxReducer(selectors, seed, max_subsets, layers)
+    forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
     return red
 
 

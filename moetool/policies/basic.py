@@ -20,6 +20,15 @@ class RouterPolicy(Policy):
         return ev.idx, ev.weights
 
 
+def uniform_rows(seed: int, layer: int, rows: Any, per_row: int, width: int, device: Any) -> torch.Tensor:
+    """``[len(rows) * per_row, width]`` uniform draws, packed row r's from a generator seeded by (seed, layer, r):
+    what a random choice draws for a token depends on its row, not on how rows are batched or split over ranks."""
+    base = (seed * 1_000_003 + layer) * 1_000_000_007
+    return torch.cat([torch.rand((per_row, width), device=device,
+                                 generator=torch.Generator(device=device).manual_seed(base + int(r)))
+                      for r in rows])
+
+
 class RandomPolicy(Policy):
     """``random``: K experts uniformly at random per token (seeded), uniform weights 1/K
     (times the layer's ``weight_scale``, 1 except DeepSeek's routed scaling factor)."""
@@ -38,8 +47,12 @@ class RandomPolicy(Policy):
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         dev = ev.h.device
-        if dev not in self._gen:
-            self._gen[dev] = torch.Generator(device=dev).manual_seed(self.seed)
         T, n, K = ev.h.shape[0], ev.layer.n_experts, ev.layer.top_k
-        idx = ops.topk(torch.rand(T, n, generator=self._gen[dev], device=dev), K)
+        if ev.rows is not None:  # seeded per (layer, packed row): the same draws for any batch size or rank count
+            u = uniform_rows(self.seed, ev.layer.index, ev.rows, T // len(ev.rows), n, dev)
+        else:
+            if dev not in self._gen:
+                self._gen[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+            u = torch.rand(T, n, generator=self._gen[dev], device=dev)
+        idx = ops.topk(u, K)
         return idx, torch.full((T, K), ev.layer.weight_scale / K, device=dev)

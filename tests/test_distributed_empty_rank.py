@@ -1,0 +1,49 @@
+"""A rank with no row at all (2 packed rows, 2 ranks x 2 rows per global batch: rank 1 gets nothing) still joins
+every collective, and every experiment's tables equal one process's (2 gloo processes on CPU)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from test_distributed import _forward_worker, free_port
+
+
+def experiments():
+    """Every data experiment through the API on 2 packed rows, 2 rows per global batch; rank 0's tables."""
+    from moetool import distributed
+    from moetool.data import load_tokens
+    from moetool.experiments.approx import approx
+    from moetool.experiments.fluctuation import fluctuation
+    from moetool.experiments.mass_recall import mass_recall
+    from moetool.experiments.offload import offload
+    from moetool.experiments.ppl import ppl
+    from moetool.experiments.stats import stats
+    from moetool.experiments.trace import trace
+    from moetool.loading import load
+
+    lm = load("tiny")
+    tokens = load_tokens(None, lm.tokenizer, 64, 120)
+    assert tokens.input_ids.shape[0] == 2
+    bs = 4 // distributed.world_size()  # alone: both rows in one batch; 2 ranks: rank 0 has them, rank 1 none
+    results = [ppl(lm, tokens, routing="random", batch_size=bs, bootstrap=100, quiet=True),
+               stats(lm, tokens, batch_size=bs, bootstrap=100, quiet=True),
+               approx(lm, tokens, selectors=("router", "random"), batch_size=bs, quiet=True),
+               mass_recall(lm, tokens, codebook_sizes=(4,), shortlists=(2,), batch_size=bs, bootstrap=100,
+                           quiet=True),
+               offload(lm, tokens, batch_size=bs, bootstrap=100, quiet=True),
+               trace(lm, tokens, batch_size=bs, quiet=True),
+               fluctuation(["tiny-early", "tiny"], tokens, routing=("router",), batch_size=bs, bootstrap=100,
+                           quiet=True)]
+    return {k: v.drop(columns=[c for c in ("seconds",) if c in v]) for r in results for k, v in r.tables.items()}
+
+
+def test_rank_without_rows_equals_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_forward_worker, args=(2, free_port(), str(out), experiments), nprocs=2, join=True)
+    got, want = torch.load(out, weights_only=False), experiments()
+    assert sorted(got) == sorted(want) and len(want) >= 10
+    for name in want:
+        pd.testing.assert_frame_equal(got[name], want[name], check_exact=False, rtol=1e-6, atol=1e-9, obj=name)
