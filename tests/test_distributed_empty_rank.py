@@ -16,6 +16,7 @@ def experiments():
     from moetool.experiments.approx import approx
     from moetool.experiments.fluctuation import fluctuation
     from moetool.experiments.mass_recall import mass_recall
+    from moetool.experiments.norm_select import norm_select
     from moetool.experiments.offload import offload
     from moetool.experiments.ppl import ppl
     from moetool.experiments.stats import stats
@@ -28,6 +29,7 @@ def experiments():
     bs = 4 // distributed.world_size()  # alone: both rows in one batch; 2 ranks: rank 0 has them, rank 1 none
     results = [ppl(lm, tokens, routing="random", batch_size=bs, bootstrap=100, quiet=True),
                stats(lm, tokens, batch_size=bs, bootstrap=100, quiet=True),
+               norm_select(lm, tokens, nodes=("gate",), batch_size=bs, bootstrap=100, quiet=True),
                approx(lm, tokens, selectors=("router", "random"), batch_size=bs, quiet=True),
                mass_recall(lm, tokens, codebook_sizes=(4,), shortlists=(2,), batch_size=bs, bootstrap=100,
                            quiet=True),
