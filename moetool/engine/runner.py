@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from ..errors import MoetoolError
 from ..progress import progress
 
 
@@ -151,6 +152,35 @@ def _rows(tokens: Any, start: int, count: int) -> str:
         "rows " + ",".join(map(str, rows))
 
 
+def vocabulary(model: Any) -> int | None:
+    """How many token ids ``model`` reads and predicts: the fewest of its input embedding rows, its LM head's
+    outputs and a ``unpadded_vocab_size`` its forward slices the logits to (``None`` when it has none of them)."""
+    sizes = []
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and hasattr(emb, "num_embeddings"):
+        sizes.append(int(emb.num_embeddings))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "out_features"):
+        sizes.append(int(head.out_features))
+    for c in (model.config, getattr(model.config, "text_config", None)):
+        if isinstance(getattr(c, "unpadded_vocab_size", None), int):
+            sizes.append(c.unpadded_vocab_size)
+    return min(sizes) if sizes else None
+
+
+def check_token_ids(model: Any, tokens: Any) -> None:
+    """A token id the model cannot read or predict (a tokenizer that does not match the model) is one
+    error line, not an index error deep in the forward or a perplexity over clipped logits."""
+    n = vocabulary(model)
+    ids = tokens.input_ids  # padding too: every id goes through the embedding
+    if n is None or not ids.numel():
+        return
+    top = int(ids.max())
+    if top >= n or int(ids.min()) < 0:
+        raise MoetoolError(f"token id {top if top >= n else int(ids.min())} of the data is outside the model's "
+                           f"vocabulary of {n:,} ids: the tokenizer does not match the model")
+
+
 def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
@@ -188,6 +218,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     if world > 1 and getattr(tokens, "row_ids", None) is None:
         tokens = distributed.shard(tokens, batch_size)
 
+    check_token_ids(lm.model, tokens)
     consumers = list(consumers)
     hooked = policy is not None or bool(consumers) or attention
     hooked_layers = list(lm.layers if moe_layers is None else moe_layers)

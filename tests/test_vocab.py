@@ -1,0 +1,46 @@
+"""A token id the model cannot read or predict (tokenizer and model do not match) is one error line before the
+forward, never an IndexError inside it or a perplexity over logits that lack the id."""
+
+import math
+
+import pytest
+import torch
+
+import moetool
+from moetool.data import TokenSet
+from moetool.engine.runner import forward, vocabulary
+from moetool.errors import MoetoolError
+from moetool.loading import embedded_models
+
+needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+
+def _tokens(ids, pad_from=None):
+    ids = torch.tensor(ids)
+    mask = torch.ones_like(ids)
+    if pad_from is not None:
+        mask[:, pad_from:] = 0
+    return TokenSet(ids, mask, [""] * ids.shape[0], "test")
+
+
+@needs_tiny
+def test_ids_past_the_vocabulary_are_one_line():
+    lm = moetool.load("tiny")
+    n = lm.model.get_input_embeddings().weight.shape[0]
+    assert vocabulary(lm.model) == n == lm.model.lm_head.weight.shape[0]
+    ok = forward(lm, _tokens([[5, 6, n - 1, 7]]), nll=True, quiet=True)  # the last id is fine
+    assert math.isfinite(ok.perplexity) and ok.perplexity > 1
+    with pytest.raises(MoetoolError, match=rf"token id {n} .*vocabulary of {n:,} ids"):
+        forward(lm, _tokens([[5, 6, n, 7]]), nll=True, quiet=True)
+    with pytest.raises(MoetoolError, match=rf"token id {n + 3} "):  # a padding id goes through the embedding too
+        forward(lm, _tokens([[5, 6, 7, n + 3]], pad_from=3), nll=True, quiet=True)
+
+
+@needs_tiny
+def test_logits_sliced_below_the_embedding_count(monkeypatch):
+    lm = moetool.load("tiny")
+    n = lm.model.get_input_embeddings().weight.shape[0]
+    monkeypatch.setattr(lm.model.config, "unpadded_vocab_size", n - 10, raising=False)  # inkling2's slicing
+    assert vocabulary(lm.model) == n - 10
+    with pytest.raises(MoetoolError, match=rf"token id {n - 5} "):
+        forward(lm, _tokens([[5, n - 5, 7, 8]]), quiet=True)
