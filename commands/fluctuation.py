@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import List, Optional
 
 import typer
 
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, NullRun,
-                      Out, Quiet, Resume, Seed, SeqLen, Sim, check_resume, check_run, echo_run, handle_errors,
-                      parse_list, preflight, rank_layout, run_options, unit_key)
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, Out,
+                      Quiet, Resume, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, open_run, parse_list,
+                      preflight, rank_layout, run_options, unit_key)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -70,7 +68,6 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     from moetool.data import DocumentStream, load_tokens
     from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
                                                  summary_lines)
-    from moetool.report import RunDir
     from moetool.report.console import print_table, with_ci
     from moetool.report.writers import write
 
@@ -81,15 +78,9 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     tokenizer = check_checkpoints(checkpoints)
     est = check_run(checkpoints[0], seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
                     dtype=dtype, attn_implementation="eager" if opts.needs_attention else None)
-    alone = check_resume(resume)
-    main = distributed.is_main()  # torchrun / accelerate: rank 0 writes, the others compute their rows silently
-    run = RunDir.create("fluctuation", out, force, resume=resume) if main else NullRun("fluctuation", out)
     options = run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len, max_tokens=max_tokens)
-    units = run.units({**options, **unit_key(opts)}) if alone else None
-    distributed.init(device)
-    if not main:
-        sys.stdout = open(os.devnull, "w")
-    run.add(memory_estimate=est.as_dict())
+    run, units = open_run("fluctuation", out, force, resume=resume, device=device, estimate=est,
+                          batch_size=batch_size, units={**options, **unit_key(opts)})
     tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))

@@ -312,7 +312,6 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
-    from moetool.report import RunDir
 
     attn = "eager" if attention else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -323,24 +322,37 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
                     device_map=device_map, attn_implementation=attn)
-    alone = check_resume(resume)
-    main = distributed.is_main()
-    run = RunDir.create(command, out, force, resume=resume) if main else NullRun(command, out)
     sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
     options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
-    checkpoints = run.units({**options, **unit_key(units)}) if units is not None and alone else None
-    distributed.init(device)  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
-    if not main:
-        sys.stdout = open(os.devnull, "w")  # one console: rank 0's
-    run.add(memory_estimate=est.as_dict())
-    if AUTO_CHOICE and AUTO_CHOICE.get("rows") == batch_size:
-        run.add(batch_size_auto=dict(AUTO_CHOICE))
+    run, checkpoints = open_run(command, out, force, resume=resume, device=device, estimate=est,
+                                batch_size=batch_size, units=None if units is None else {**options, **unit_key(units)})
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
     tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
               if seq_len is not None else None)
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
     return StartedRun(run, lm, tokens, options, checkpoints)
+
+
+def open_run(command: str, out: Any, force: bool, *, resume: bool, device: str, estimate: Any,
+             batch_size: int | None, units: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The run folder on rank 0 (a :class:`NullRun` on the other ranks, whose stdout goes to /dev/null: one
+    console), the process group joined (alone: nothing), the memory estimate and any ``--batch-size auto``
+    choice in the manifest; ``units`` (the key of unit checkpoints) -> ``(run, Units | None)``."""
+    from moetool import distributed
+    from moetool.report import RunDir
+
+    alone = check_resume(resume)
+    main = distributed.is_main()
+    run = RunDir.create(command, out, force, resume=resume) if main else NullRun(command, out)
+    checkpoints = run.units(units) if units is not None and alone else None
+    distributed.init(device)  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
+    if not main:
+        sys.stdout = open(os.devnull, "w")  # one console: rank 0's
+    run.add(memory_estimate=estimate.as_dict())
+    if AUTO_CHOICE and AUTO_CHOICE.get("rows") == batch_size:
+        run.add(batch_size_auto=dict(AUTO_CHOICE))
+    return run, checkpoints
 
 
 def check_resume(resume: bool) -> bool:
