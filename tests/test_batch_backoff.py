@@ -149,3 +149,19 @@ def test_cli_auto_records_the_rows_that_ran(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     got, want = (pd.read_csv(tmp_path / d / "ppl.csv").drop(columns="seconds") for d in ("auto", "two"))
     pd.testing.assert_frame_equal(got, want, rtol=1e-6)
+
+
+def test_no_back_off_under_torchrun(tiny, backoff, monkeypatch):
+    """Several ranks must cut the same global batches: an out-of-memory there is one line naming the rows to use."""
+    from moetool import distributed
+    from moetool.experiments.ppl import ppl
+
+    lm, tokens = tiny
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # rank 0 of 2 (no process group: reductions no-op)
+    limit_rows(lm, 2)
+    try:
+        with pytest.raises(MoetoolError, match="out of memory at 4 rows per process on 2 ranks .* --batch-size 2"):
+            ppl(lm, tokens, batch_size=4, bootstrap=0, quiet=True)
+    finally:
+        del lm.model.forward
+    assert backoff.rows is None

@@ -279,6 +279,12 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                     out, ids, mask = run(sub, n * batch_size + start)
                 except Exception as e:
                     if not (backoff and is_oom(e)):
+                        if BACKOFF.enabled and is_oom(e):  # torchrun: every rank must cut the same batches
+                            from ..errors import MoetoolRuntimeError
+
+                            raise MoetoolRuntimeError(
+                                f"out of memory at {count} rows per process on {world} ranks (no back-off under "
+                                f"torchrun): rerun with --batch-size {max(count // 2, 1)}") from None
                         raise
                     if events() != seen or before_batch is not None:
                         from ..errors import MoetoolRuntimeError
