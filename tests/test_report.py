@@ -211,4 +211,7 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     assert json.loads((step / "manifest.json").read_text())["status"] == "complete"
     assert json.loads((step / "manifest.json").read_text())["runs"] == ["tiny"]
     assert (step / "tiny" / "agreement.csv").is_file() and not (step / "agreement.csv").exists()
+    # the per-model run is a norm-select run (the report's "command" row), not a run of a command named "tiny"
+    assert [json.loads((d / "manifest.json").read_text())["command"] for d in (step, step / "tiny")] == \
+        ["norm-select", "norm-select"]
     assert lines and "norm:gate:l2" in "\n".join(lines)

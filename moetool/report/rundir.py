@@ -266,7 +266,9 @@ class RunDir:
             if self.created:
                 self._write_manifest()
         child_path = self._path / name
-        return RunDir(child_path, name, parent=self, replace=self._replace or read_manifest(child_path) is not None)
+        # a demo's step is named after its command; a step's per-model runs keep the step's command
+        command = name if self.parent is None else self.command
+        return RunDir(child_path, command, parent=self, replace=self._replace or read_manifest(child_path) is not None)
 
     # ----- writing ---------------------------------------------------------------------------------------------
     def _record(self, p: Path) -> Path:
