@@ -52,10 +52,10 @@ DEFINITIONS = {
 }
 
 
-def _sparse_counter(merge_min: int):
-    from .stats import SparseCounter  # stats imports this module
+def _sparse_counter(merge_min: int | None):
+    from .stats import MERGE_MIN, SparseCounter  # stats imports this module
 
-    return SparseCounter(merge_min)
+    return SparseCounter(MERGE_MIN if merge_min is None else merge_min)
 
 
 def on_device(batch: dict[str, Any], key: str, device: Any) -> torch.Tensor:
@@ -79,7 +79,7 @@ class VocabSpecialization:
     predicted view needs the logits).
     """
 
-    def __init__(self, layers: list[Any], merge_min: int = 1 << 20):
+    def __init__(self, layers: list[Any], merge_min: int | None = None):
         self.layers = {L.index: L for L in layers}
         self.merge_min = merge_min
         self.counters: dict[int, dict[str, Any]] = {}

@@ -31,8 +31,11 @@ from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device)
 
-#: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table)
-MERGE_MIN = 1 << 20
+#: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table, so the
+#: sorting stays amortised O(log) per key). Small on purpose: every (layer, view) has its own counter, and a 2^20
+#: floor held up to 8 MiB of unmerged keys per counter (stats peak RSS 705 -> 1153 MiB from 200k to 1M tokens on
+#: the embedded model; 2^16: 661 -> 662 MiB, same time; bench/bench.py --rss).
+MERGE_MIN = 1 << 16
 NO_DOMAIN = "(none)"
 
 DEFINITIONS = {
