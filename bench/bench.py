@@ -349,7 +349,8 @@ def bench_rss(a) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="moetool-bench-") as tmp:
         held = default_data_path().read_text(encoding="utf-8")
         corpus = Path(tmp) / "corpus.jsonl"
-        corpus.write_text(held * 5, encoding="utf-8")  # ~330k tokens
+        copies = max(5, -(-max(a.rss_tokens, default=0) * 5 // 300_000))  # 5 copies: ~330k tokens
+        corpus.write_text(held * copies, encoding="utf-8")
         for name, args in COMMANDS.items():
             if a.commands and name not in a.commands:
                 continue

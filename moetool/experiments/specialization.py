@@ -23,6 +23,7 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
+from ..sketch import MERGE_MIN, SparseCounter
 
 VIEWS = ("input", "next_token", "predicted")
 
@@ -52,12 +53,6 @@ DEFINITIONS = {
 }
 
 
-def _sparse_counter(merge_min: int | None):
-    from .stats import MERGE_MIN, SparseCounter  # stats imports this module
-
-    return SparseCounter(MERGE_MIN if merge_min is None else merge_min)
-
-
 def on_device(batch: dict[str, Any], key: str, device: Any) -> torch.Tensor:
     """``batch[key]`` copied to ``device`` once per batch (cached in ``batch["on"]``: one copy per device)."""
     cache = batch["on"]
@@ -79,7 +74,7 @@ class VocabSpecialization:
     predicted view needs the logits).
     """
 
-    def __init__(self, layers: list[Any], merge_min: int | None = None):
+    def __init__(self, layers: list[Any], merge_min: int = MERGE_MIN):
         self.layers = {L.index: L for L in layers}
         self.merge_min = merge_min
         self.counters: dict[int, dict[str, Any]] = {}
@@ -103,7 +98,7 @@ class VocabSpecialization:
 
     def _counter(self, li: int, n: int) -> dict[str, Any]:
         if li not in self.counters:
-            self.counters[li] = {v: _sparse_counter(self.merge_min) for v in VIEWS}
+            self.counters[li] = {v: SparseCounter(self.merge_min) for v in VIEWS}
             self.n[li] = n
         return self.counters[li]
 
@@ -136,8 +131,7 @@ class VocabSpecialization:
         for li in sorted({li for p in parts for li in p}):
             have = [p[li] for p in parts if li in p]
             self.n[li] = have[0][0]
-            cls = type(_sparse_counter(self.merge_min))
-            merged[li] = {v: cls.merged([h[1][v] for h in have], self.merge_min) for v in VIEWS}
+            merged[li] = {v: SparseCounter.merged([h[1][v] for h in have], self.merge_min) for v in VIEWS}
         self.counters = merged
 
     def token_table(self, li: int, view: str) -> Any:

@@ -26,16 +26,12 @@ from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..sketch import MERGE_MIN, SparseCounter
 from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device)
 
-#: keys buffered before a merge (at least; a merge also waits until the buffer is as large as the table, so the
-#: sorting stays amortised O(log) per key). Small on purpose: every (layer, view) has its own counter, and a 2^20
-#: floor held up to 8 MiB of unmerged keys per counter (stats peak RSS 705 -> 1153 MiB from 200k to 1M tokens on
-#: the embedded model; 2^16: 661 -> 662 MiB, same time; bench/bench.py --rss).
-MERGE_MIN = 1 << 16
 NO_DOMAIN = "(none)"
 
 DEFINITIONS = {
@@ -74,54 +70,6 @@ DEFINITIONS = {
                  "load_entropy_norm, confidence_entropy_norm and max_load_ratio; all from the same row weights; "
                  "NaN with bootstrap=0",
 }
-
-
-class SparseCounter:
-    """Exact counts of int64 keys streamed in batches; memory proportional to the distinct keys seen."""
-
-    def __init__(self, merge_min: int = MERGE_MIN):
-        self.merge_min = merge_min
-        self.keys: torch.Tensor | None = None  # [U] sorted unique keys
-        self.counts: torch.Tensor | None = None  # [U] int64
-        self._pending: list[torch.Tensor] = []
-        self._pending_n = 0
-
-    def add(self, keys: torch.Tensor) -> None:
-        self._pending.append(keys.reshape(-1).long())
-        self._pending_n += keys.numel()
-        if self._pending_n >= max(self.merge_min, 0 if self.keys is None else self.keys.numel()):
-            self._merge()
-
-    def _merge(self) -> None:
-        if not self._pending:
-            return
-        keys = torch.cat(self._pending)  # [P]
-        counts = torch.ones_like(keys)
-        if self.keys is not None:
-            keys = torch.cat([self.keys, keys.to(self.keys.device)])
-            counts = torch.cat([self.counts, counts.to(self.keys.device)])
-        self.keys, self.counts = ops.unique_counts(keys, counts)
-        self._pending, self._pending_n = [], 0
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sorted unique keys [U], counts [U])``, both int64 on the device the keys came from."""
-        self._merge()
-        if self.keys is None:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        return self.keys, self.counts
-
-    def host_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``result()`` on the host (what ranks exchange under data parallelism)."""
-        keys, counts = self.result()
-        return keys.cpu(), counts.cpu()
-
-    @classmethod
-    def merged(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], merge_min: int = MERGE_MIN) -> "SparseCounter":
-        """One counter holding the summed counts of ``parts`` (``host_state()`` of every rank)."""
-        out = cls(merge_min)
-        if parts:
-            out.keys, out.counts = ops.unique_counts(torch.cat([k for k, _ in parts]), torch.cat([c for _, c in parts]))
-        return out
 
 
 @dataclass
