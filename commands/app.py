@@ -18,6 +18,7 @@ from . import inspect as inspect_cmd
 from . import mass_recall as mass_recall_cmd
 from . import norm_select as norm_select_cmd
 from . import offload as offload_cmd
+from . import plan as plan_cmd
 from . import ppl as ppl_cmd
 from . import report as report_cmd
 from . import stats as stats_cmd
@@ -34,7 +35,7 @@ app = typer.Typer(
 )
 
 for module in (approx_cmd, demo_cmd, erc_cmd, eval_cmd, fluctuation_cmd, inspect_cmd, mass_recall_cmd,
-               norm_select_cmd, offload_cmd, ppl_cmd, report_cmd, stats_cmd, trace_cmd):
+               norm_select_cmd, offload_cmd, plan_cmd, ppl_cmd, report_cmd, stats_cmd, trace_cmd):
     module.register(app)
 
 _TOPIC = re.compile(r"^[A-Z][\w\-/ ().,]{0,40}:(\s|$)")  # "Cache simulation: ...", "Writes:" start a line of their own

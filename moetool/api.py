@@ -153,6 +153,15 @@ def inspect_model(name: str) -> dict[str, Any]:
     return describe_model(name)
 
 
+def plan(name: str = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8) -> Any:
+    """``moetool plan``: tables params (bytes by group and format), layouts (what fits ``nodes`` x ``gpus``, the
+    command to run) and throughput (a ceiling in tokens/s per command), from the config alone."""
+    from .experiments.plan import plan as run
+    from .loading import load_config
+
+    return run(load_config(name)[0], gpus, nodes, seq_len=seq_len, rows=rows, model=name)
+
+
 def families() -> Any:
     """``moetool inspect --families`` as a DataFrame: one row per MoE model type of the installed transformers,
     supported or not (and why), routing rule, shared experts, dense layers, experts implementation."""
@@ -209,7 +218,7 @@ def figures(result: Any) -> dict[str, Any]:
 EXPORTS = {
     **{name: f"moetool.api:{name}" for name in (
         "load", "tokens", "stats", "ppl", "norm_select", "evaluate", "erc", "approx", "mass_recall", "fluctuation",
-        "trace", "offload", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
+        "trace", "offload", "inspect_model", "plan", "families", "write_report", "run_demo", "hook", "forward", "write",
         "figures")},
     "OffloadOptions": "moetool.experiments.offload:OffloadOptions",
     "Result": "moetool.experiments.result:Result",

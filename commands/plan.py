@@ -1,0 +1,85 @@
+"""``moetool plan``: what fits where, and how fast it can be, from the config alone."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from .options import (
+    DEFAULT_MODEL,
+    Force,
+    Model,
+    Out,
+    echo_run,
+    handle_errors,
+    preflight,
+)
+
+HELP = """Memory and speed plan of a checkpoint on given GPUs, from its config alone (no weights are read).
+
+Parameter bytes by group and format (bf16, the checkpoint's own format such as fp8 or mxfp4, fp8 with
+128x128 block scales), activations and KV cache per row, which layouts fit (one GPU per replica with data
+parallel, --quantize fp8, --device-map auto over one node, tensor+expert parallel over every GPU) with
+the command to run, and a ceiling in tokens/s per command from dense peak FLOP/s and HBM bandwidth
+(upper bounds: min of the compute and the weight-reading ceilings).
+
+GPUs: H100, H200, B200, A100-80, A100-40, L40S, RTX4090 (vendor datasheet rates, dense, no sparsity).
+A layout may use 90% of a GPU's memory. Writes params.csv, layouts.csv, throughput.csv and manifest.json.
+
+Examples:
+  moetool plan --model examples/configs/mixtral-8x7b --gpus 1xH100
+  moetool plan --model examples/configs/deepseek-v3 --gpus 8xH100 --nodes 2
+  moetool plan --model qwen3-30b-a3b --gpus 8xA100-80 --json
+"""
+
+
+@handle_errors
+def plan(model: Model = DEFAULT_MODEL,
+         gpus: str = typer.Option("8xH100", "--gpus", help="GPUs per node, COUNTxNAME (e.g. 8xH100, 1xRTX4090)."),
+         nodes: int = typer.Option(1, "--nodes", help="Nodes (each with --gpus).", min=1),
+         seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per row the commands would run.", min=2),
+         batch_size: int = typer.Option(8, "--batch-size", help="Rows per batch the commands would run.", min=1),
+         as_json: bool = typer.Option(False, "--json", help="Print the tables as JSON (no run folder)."),
+         out: Out = None, force: Force = False) -> None:
+    from moetool.experiments.plan import parse_gpus
+
+    parse_gpus(gpus)  # a bad --gpus fails before the config is read
+    preflight(model)
+    from moetool.experiments.plan import plan as compute
+    from moetool.loading import load_config
+    from moetool.report.console import console, print_table
+
+    config, source, _ = load_config(model)
+    run = None
+    if not as_json:
+        from moetool.report import RunDir
+
+        run = RunDir.create("plan", out, force)  # a non-empty --out fails before the work
+    res = compute(config, gpus, nodes, seq_len=seq_len, rows=batch_size, model=model)
+    if as_json:
+        typer.echo(json.dumps({"plan": res.meta["plan"], **{n: res[n].to_dict(orient="records") for n in res.names}},
+                              indent=2, default=str))
+        return
+    from moetool.report.writers import write
+
+    p = res.meta["plan"]
+    c = console()
+    c.print(f"{model} ({source}): {p['total_params'] / 1e9:.1f}B parameters, "
+            f"{p['active_params'] / 1e9:.1f}B active, {p['n_experts']} experts top-{p['top_k']} in "
+            f"{p['moe_layers']} MoE layers, stored as {p['native_format']}; "
+            f"{nodes} node{'s' if nodes > 1 else ''} of {gpus}", markup=False, highlight=False)
+    print_table(res["params"], title="parameter bytes by group and format")
+    print_table(res["layouts"], title=f"layouts (rows of {seq_len} tokens x {batch_size})")
+    thr = res["throughput"]
+    if len(thr):
+        wide = thr.pivot(index="command", columns="layout", values="tokens_per_s").round(0)
+        print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)")
+    else:
+        c.print("no layout fits: add GPUs or nodes, or a larger GPU")
+    write(res, run, options={"model": model})
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(plan)

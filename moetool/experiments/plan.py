@@ -1,0 +1,296 @@
+"""``plan``: what a checkpoint needs before any weight is downloaded -- bytes by format, memory per row, which
+layouts fit a given set of GPUs, the command to run, and a ceiling in tokens/s for each command.
+
+Everything comes from the config alone: the model is built on the meta device (no memory, no weights) and its
+parameters are grouped by what they are (embeddings, output head, routers, routed experts, shared experts, other
+matrices, vectors). Bytes per format:
+
+* ``bf16`` / ``fp16``: 2 bytes per parameter; ``fp32``: 4;
+* ``fp8`` (transformers' fine-grained FP8, DeepSeek-V3's release format): 1 byte per parameter plus one fp32
+  ``scale_inv`` per 128 x 128 block, for every matrix but the embeddings, output head and routers (kept in
+  bf16, as the released checkpoints keep them); vectors (norms, biases) stay bf16;
+* ``mxfp4`` (gpt-oss): routed experts only, 4 bits per parameter plus one uint8 (E8M0) scale per block of 32;
+  the rest bf16. ``fp4`` (FP4-packed experts, two values per int8 byte, one UE8M0 scale per 32) is the same size.
+
+Throughput ceilings are upper bounds, not predictions: per token a routed forward costs
+``2 x (active matrix parameters) + 4 x layers x (seq_len / 2) x (attention width)`` FLOPs (causal attention sees
+half the sequence on average); a command that runs all ``n`` experts of every MoE layer (approx, the norm
+policies of norm-select) adds ``2 x`` the routed-expert parameters a token does not use. A batch of
+``rows x seq_len`` tokens reads every weight byte of its GPU once (large batches touch every expert). The
+ceiling is ``min(compute, memory)``: ``gpus x peak FLOP/s / FLOPs per token`` and ``tokens per batch x
+bandwidth / bytes read per batch`` (``--device-map`` runs one GPU at a time: one GPU's FLOP/s, every byte
+read in turn).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MoetoolError
+from .result import Result
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU's memory and dense peak rates (vendor datasheets, SXM parts, no structured sparsity)."""
+
+    name: str
+    memory_gb: float  # decimal GB (1e9 bytes), as vendors quote it
+    bf16_tflops: float
+    fp8_tflops: float | None  # None: no FP8 tensor cores (Ampere)
+    hbm_tbps: float  # TB/s (1e12 bytes/s)
+
+
+GPUS = {g.name: g for g in (
+    Gpu("H100", 80, 989, 1979, 3.35),
+    Gpu("H200", 141, 989, 1979, 4.8),
+    Gpu("B200", 192, 2250, 4500, 8.0),
+    Gpu("A100-80", 80, 312, None, 2.039),
+    Gpu("A100-40", 40, 312, None, 1.555),
+    Gpu("L40S", 48, 362, 733, 0.864),
+    Gpu("RTX4090", 24, 165, 330, 1.008),
+)}
+GPU_ALIASES = {"A100": "A100-80", "4090": "RTX4090"}
+
+#: part of a GPU's memory a layout may plan for (the rest: CUDA context, allocator fragmentation, workspace)
+USABLE = 0.9
+FP8_BLOCK = 128 * 128  # one fp32 scale per 128 x 128 block
+MX_BLOCK = 32  # one E8M0 byte per 32 values
+
+#: the parameter groups (columns of params.csv)
+GROUPS = ("embeddings", "lm_head", "routers", "routed_experts", "shared_experts", "other_matrices", "vectors")
+
+#: per command: (routed forwards per token, all-expert forwards per token); None: reads weights, not data
+COMMANDS: dict[str, tuple[int, int] | None] = {
+    "ppl": (1, 0), "stats": (1, 0), "trace": (1, 0), "eval": (1, 0), "offload": (1, 0),
+    "fluctuation": (1, 0),  # per checkpoint, one checkpoint in memory at a time
+    "approx": (0, 1),  # the routed forward and all n experts per MoE layer input
+    "mass-recall": (3, 0),  # k-means pass 1, one extra pass (kmeans_iters=1), the evaluation pass
+    "norm-select": (1, 5),  # the router baseline + one norm policy per probe node (5 nodes), each runs all experts
+    "erc": None,  # router rows through the experts: no data tokens
+}
+
+DEFINITIONS = {
+    "group": "what the parameters are: embeddings, lm_head (untied output head), routers, routed_experts, "
+             "shared_experts, other_matrices (attention, dense MLPs), vectors (norms, biases)",
+    "params": "parameters in the group (the model built from its config on the meta device)",
+    "active_params": "parameters one token uses: routed experts x K/n per MoE layer, everything else whole",
+    "bytes_<format>": "bytes of the group stored in that format (module docstring: which groups each format "
+                      "quantizes, block scales included)",
+    "layout": "how the model is placed: 1 GPU per replica (data parallel over all GPUs), --quantize fp8, "
+              "--device-map auto over one node's GPUs (one replica per node), tensor+expert parallel over every GPU",
+    "gib_per_gpu": "weights on the fullest GPU + activations of one batch (logits + 2 hidden states, "
+                   "loading.estimate_memory), GiB",
+    "fits": f"gib_per_gpu <= {USABLE:.0%} of the GPU's memory",
+    "available": "whether this moetool version runs the layout (no: what is missing)",
+    "command": "the command line for the layout (ppl as the example command)",
+    "tokens_per_s": "ceiling min(compute, memory) for the command under the layout (an upper bound)",
+    "bound": "which ceiling binds: compute (FLOPs) or memory (weight bytes read per batch)",
+}
+
+
+def parse_gpus(spec: str) -> tuple[int, Gpu]:
+    """``"8xH100"`` -> ``(8, H100)``; ``"H200"`` is one GPU. Unknown names are one line listing the known ones."""
+    m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?([A-Za-z0-9\-]+)\s*", spec or "")
+    if not m:
+        raise MoetoolError(f"bad --gpus '{spec}' (use e.g. 8xH100)")
+    count = int(m.group(1) or 1)
+    name = m.group(2).upper().replace("RTX-", "RTX")
+    name = GPU_ALIASES.get(name, name)
+    if name not in GPUS:
+        raise MoetoolError(f"unknown GPU '{m.group(2)}' in --gpus (known: {', '.join(GPUS)})")
+    if count < 1:
+        raise MoetoolError(f"--gpus needs at least one GPU, not {count}")
+    return count, GPUS[name]
+
+
+def native_format(config: Any) -> str:
+    """The checkpoint's storage format: its ``quantization_config`` (fp8, mxfp4, fp4) or its ``torch_dtype``."""
+    from ..loading import text_config
+
+    q = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
+    if q:
+        q = q if isinstance(q, dict) else getattr(q, "to_dict", lambda: vars(q))()
+        method = str(q.get("quant_method", "")).lower()
+        if method == "fp8" or "fp8" in str(q.get("fmt", "")).lower():
+            return "fp8"
+        if method in ("mxfp4", "fp4"):
+            return method
+        raise MoetoolError(f"quantization '{method or q}' of this checkpoint is not one moetool can size "
+                           f"(fp8, mxfp4, fp4)")
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16")
+    return {"torch.float32": "fp32", "float32": "fp32", "torch.float16": "fp16", "float16": "fp16"}.get(dtype, "bf16")
+
+
+def parameter_groups(config: Any) -> dict[str, Any]:
+    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..adapters import find_moe_layers
+    from ..loading import quiet_transformers
+
+    with torch.device("meta"), quiet_transformers():
+        model = AutoModelForCausalLM.from_config(config)
+    layers = find_moe_layers(model)
+    seen: set[int] = set()
+    groups = dict.fromkeys(GROUPS, 0)
+    inactive = 0
+
+    def add(group: str, module: Any) -> int:
+        n = 0
+        for p in (module.parameters() if module is not None else ()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        groups[group] += n
+        return n
+
+    add("embeddings", model.get_input_embeddings())
+    add("lm_head", model.get_output_embeddings())  # 0 when tied (the same tensor, seen already)
+    for L in layers:
+        add("routers", L.router)
+        inactive += add("routed_experts", L.experts) * (L.n_experts - L.top_k) // L.n_experts
+        add("shared_experts", L.shared_experts)
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            groups["vectors" if p.dim() < 2 else "other_matrices"] += p.numel()
+    total = sum(groups.values())
+    return {"groups": groups, "total": total, "active": total - inactive, "inactive_experts": inactive,
+            "n_experts": layers[0].n_experts, "top_k": layers[0].top_k, "moe_layers": len(layers)}
+
+
+def group_bytes(groups: dict[str, int], fmt: str) -> dict[str, float]:
+    """Bytes of each group stored in ``fmt`` (module docstring)."""
+    plain = {"bf16": 2, "fp16": 2, "fp32": 4}
+    if fmt in plain:
+        return {g: n * plain[fmt] for g, n in groups.items()}
+    out = {g: 2.0 * n for g, n in groups.items()}  # bf16 for what the format leaves alone
+    if fmt == "fp8":
+        for g in ("routed_experts", "shared_experts", "other_matrices"):
+            out[g] = groups[g] * (1 + 4 / FP8_BLOCK)
+    elif fmt in ("mxfp4", "fp4"):
+        out["routed_experts"] = groups["routed_experts"] * (0.5 + 1 / MX_BLOCK)
+    else:
+        raise MoetoolError(f"unknown weight format '{fmt}' (bf16, fp16, fp32, fp8, mxfp4, fp4)")
+    return out
+
+
+def _attention_width(tc: Any) -> tuple[int, int]:
+    """(query width, per-token KV-cache values per layer) of the attention (MLA caches the decompressed k, v)."""
+    heads = int(getattr(tc, "num_attention_heads", 0) or 0)
+    if getattr(tc, "kv_lora_rank", None):  # DeepSeek MLA as transformers runs it
+        qk = int(tc.qk_nope_head_dim) + int(tc.qk_rope_head_dim)
+        return heads * qk, heads * (qk + int(tc.v_head_dim))
+    head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+    kv = int(getattr(tc, "num_key_value_heads", None) or heads)
+    return heads * head_dim, 2 * kv * head_dim
+
+
+def per_row(config: Any, seq_len: int) -> dict[str, int]:
+    """Bytes per row of ``seq_len`` tokens in bf16: activations of one forward (lower bound of
+    ``loading.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
+    import torch
+
+    from ..loading import estimate_memory, text_config
+
+    tc = text_config(config)
+    _, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch.bfloat16, params=None)
+    _, kv_values = _attention_width(tc)
+    n_layers = int(tc.num_hidden_layers)
+    types = list(getattr(tc, "layer_types", None) or [])[:n_layers]
+    window = getattr(tc, "sliding_window", None)
+    sliding = sum(t == "sliding_attention" for t in types) if window else 0
+    positions = (n_layers - sliding) * seq_len + sliding * min(seq_len, int(window or seq_len))
+    return {"activation_bytes": int(act), "kv_cache_bytes": int(positions * kv_values * 2)}
+
+
+def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_experts: bool) -> float:
+    """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs."""
+    from ..loading import text_config
+
+    tc = text_config(config)
+    q_width, _ = _attention_width(tc)
+    matrices = counts["active"] - counts["groups"]["embeddings"] - counts["groups"]["vectors"]
+    if all_experts:
+        matrices += counts["inactive_experts"]
+    return 2.0 * matrices + 4.0 * int(tc.num_hidden_layers) * (seq_len / 2) * q_width
+
+
+def plan(config: Any, gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8,
+         model: str = "MODEL") -> Result:
+    """Tables ``params``, ``layouts`` and ``throughput`` for ``config`` on ``nodes`` x ``gpus`` (module docstring)."""
+    import pandas as pd
+
+    for flag, value in (("--nodes", nodes), ("--seq-len", seq_len), ("--batch-size", rows)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MoetoolError(f"{flag} must be a positive integer, not {value!r}")
+    per_node, gpu = parse_gpus(gpus)
+    native = native_format(config)
+    counts = parameter_groups(config)
+    formats = list(dict.fromkeys(["bf16", native, "fp8"]))
+    sizes = {f: group_bytes(counts["groups"], f) for f in formats}
+    params = pd.DataFrame([{"group": g, "params": n, **{f"bytes_{f}": round(sizes[f][g]) for f in formats}}
+                           for g, n in counts["groups"].items()])
+    params.loc[len(params)] = {"group": "total", "params": counts["total"],
+                               **{f"bytes_{f}": round(sum(sizes[f].values())) for f in formats}}
+    row = per_row(config, seq_len)
+    act = row["activation_bytes"] * rows
+    usable = USABLE * gpu.memory_gb * 1e9
+    weights = {f: sum(sizes[f].values()) for f in formats}
+    world = per_node * nodes
+    launch = (f"torchrun --nnodes {nodes} --nproc-per-node {{n}} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
+              f"-m moetool" if nodes > 1 else "torchrun --nproc-per-node {n} -m moetool")
+    base = f"ppl --model {model} --seq-len {seq_len} --batch-size {rows}"
+    # (layout, format, shards of the weights, replicas, GPUs computing at once per replica, available, command)
+    layouts = [("1 GPU per replica, data parallel", native, 1, world, 1, "yes",
+                (launch.format(n=per_node) if world > 1 else "moetool") + " " + base)]
+    if native in ("bf16", "fp16", "fp32"):
+        ok = "no: moetool has no --quantize yet" if gpu.fp8_tflops else f"no: {gpu.name} has no FP8 tensor cores"
+        layouts.append(("1 GPU per replica, --quantize fp8", "fp8", 1, world, 1, ok, ""))
+    if per_node > 1:
+        layouts.append((f"--device-map auto over {per_node} GPUs, one replica per node", native, per_node, nodes, 0,
+                        "yes", (launch.format(n=1) if nodes > 1 else "moetool") + f" {base} --device-map auto"))
+    if world > 1:
+        layouts.append((f"tensor+expert parallel over {world} GPUs", native, world, 1, world,
+                        "no: moetool has no --tp/--ep yet", ""))
+    lay_rows, thr_rows = [], []
+    tokens_batch = rows * seq_len
+    for name, fmt, shards, replicas, computing, available, command in layouts:
+        per_gpu = weights[fmt] / shards + act
+        fits = per_gpu <= usable
+        lay_rows.append({"layout": name, "format": fmt, "gpus": shards * replicas, "replicas": replicas,
+                         "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits, "available": available,
+                         "command": command if fits and available == "yes" else ""})
+        if not fits:
+            continue
+        peak = (gpu.fp8_tflops if fmt == "fp8" and gpu.fp8_tflops else gpu.bf16_tflops) * 1e12
+        parallel = computing or 1  # --device-map: one GPU at a time
+        bytes_read = weights[fmt] / shards * (shards if computing == 0 else 1)  # per batch, on the busiest path
+        memory = replicas * tokens_batch * gpu.hbm_tbps * 1e12 / bytes_read
+        for cmd, cost in COMMANDS.items():
+            if cost is None:
+                continue
+            fwd, full = cost
+            flops = (fwd * flops_per_token(config, counts, seq_len, all_experts=False)
+                     + full * flops_per_token(config, counts, seq_len, all_experts=True))
+            compute = replicas * parallel * peak / flops
+            mem = memory / (fwd + full)
+            thr_rows.append({"layout": name, "command": cmd, "tflops_per_token": flops / 1e12,
+                             "compute_tokens_per_s": compute, "memory_tokens_per_s": mem,
+                             "tokens_per_s": min(compute, mem), "bound": "compute" if compute <= mem else "memory"})
+    summary = pd.DataFrame(lay_rows)
+    meta = {"definitions": DEFINITIONS,
+            "plan": {"gpu": vars(gpu), "gpus_per_node": per_node, "nodes": nodes, "seq_len": seq_len, "rows": rows,
+                     "native_format": native, "total_params": counts["total"], "active_params": counts["active"],
+                     "n_experts": counts["n_experts"], "top_k": counts["top_k"], "moe_layers": counts["moe_layers"],
+                     **{f"{k}_per_row": v for k, v in row.items()}}}
+    if not math.isfinite(sum(r["tokens_per_s"] for r in thr_rows) or 0.0):
+        raise MoetoolError("the throughput ceiling is not finite (a zero-size config?)")
+    return Result("plan", {"params.csv": params, "layouts.csv": summary, "throughput.csv": pd.DataFrame(thr_rows)},
+                  options={"gpus": gpus, "nodes": nodes, "seq_len": seq_len, "rows": rows}, meta=meta,
+                  summary=summary)

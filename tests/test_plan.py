@@ -1,0 +1,177 @@
+"""``moetool plan``: parameter counts against the published sizes of five flagship checkpoints, bytes and
+throughput against hand-written closed forms, layouts against what is known to fit, and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetool.errors import MoetoolError
+from moetool.experiments import plan as P
+from moetool.loading import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+#: (total, active) parameters as published by each model's authors (model cards / technical reports)
+PUBLISHED = {
+    "mixtral-8x7b": (46.7e9, 12.9e9),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    "deepseek-v3": (671e9, 37e9),
+    "kimi-k2": (1.04e12, 32e9),
+    "gpt-oss-120b": (116.8e9, 5.13e9),  # OpenAI counts active parameters without the embedding table
+}
+
+
+def config(name: str):
+    return load_config(str(CONFIGS / name))[0]
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return {name: P.parameter_groups(config(name)) for name in PUBLISHED}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameters_match_published_sizes(counts, name):
+    total, active = PUBLISHED[name]
+    c = counts[name]
+    assert c["total"] == pytest.approx(total, rel=0.015)
+    own = c["active"] - (c["groups"]["embeddings"] if name == "gpt-oss-120b" else 0)
+    assert own == pytest.approx(active, rel=0.03)
+    assert sum(c["groups"].values()) == c["total"]
+
+
+def test_groups_against_a_real_model():
+    """On the embedded model (real weights): every parameter counted once, in the group its module says."""
+    from moetool.loading import load
+
+    lm = load("tiny", tokenizer=False)
+    c = P.parameter_groups(lm.model.config)
+    assert c["total"] == sum(p.numel() for p in lm.model.parameters())
+    experts = sum(p.numel() for L in lm.layers for p in L.experts.parameters())
+    routers = sum(p.numel() for L in lm.layers for p in L.router.parameters())
+    assert c["groups"]["routed_experts"] == experts and c["groups"]["routers"] == routers
+    n, k = lm.layers[0].n_experts, lm.layers[0].top_k
+    assert c["active"] == c["total"] - experts * (n - k) // n
+
+
+def test_bytes_per_format_closed_form():
+    groups = {"embeddings": 10, "lm_head": 10, "routers": 4, "routed_experts": 16384 * 3, "shared_experts": 16384,
+              "other_matrices": 16384 * 2, "vectors": 6}
+    fp8 = P.group_bytes(groups, "fp8")
+    assert fp8["routed_experts"] == 16384 * 3 + 3 * 4 and fp8["other_matrices"] == 16384 * 2 + 2 * 4
+    assert fp8["embeddings"] == 20 and fp8["routers"] == 8 and fp8["vectors"] == 12
+    mx = P.group_bytes(groups, "mxfp4")
+    assert mx["routed_experts"] == 16384 * 3 * 0.5 + 16384 * 3 / 32 and mx["other_matrices"] == 16384 * 2 * 2
+    assert sum(P.group_bytes(groups, "fp32").values()) == 4 * sum(groups.values())
+    with pytest.raises(MoetoolError, match="unknown weight format"):
+        P.group_bytes(groups, "int3")
+
+
+def test_checkpoint_sizes(counts):
+    """The released files: DeepSeek-V3 in FP8 is ~671 GB (without its MTP layer); gpt-oss-120b in MXFP4 60.8 GiB."""
+    assert P.native_format(config("deepseek-v3")) == "fp8" and P.native_format(config("gpt-oss-120b")) == "mxfp4"
+    assert P.native_format(config("mixtral-8x7b")) == "bf16"
+    dsv3 = sum(P.group_bytes(counts["deepseek-v3"]["groups"], "fp8").values())
+    assert 665e9 < dsv3 < 680e9
+    oss = sum(P.group_bytes(counts["gpt-oss-120b"]["groups"], "mxfp4").values())
+    assert oss / 2 ** 30 == pytest.approx(60.8, abs=0.5)
+
+
+def layouts(name: str, gpus: str, nodes: int = 1):
+    df = P.plan(config(name), gpus, nodes, seq_len=2048, rows=8)["layouts"]
+    return {row.layout.split(" over")[0].split(",")[0] if "over" in row.layout else row.layout: row
+            for row in df.itertuples()}
+
+
+def test_layouts_fit_as_known():
+    mix = layouts("mixtral-8x7b", "1xH100")
+    assert not mix["1 GPU per replica, data parallel"].fits  # 93 GB in bf16 > one 80 GB H100
+    assert mix["1 GPU per replica, --quantize fp8"].fits
+    assert layouts("mixtral-8x7b", "2xH100")["--device-map auto"].fits
+    one_node = layouts("deepseek-v3", "8xH100")  # 671 GB / 8 = 84 GB per GPU > 72 GB usable
+    assert not any(r.fits for r in one_node.values())
+    two = layouts("deepseek-v3", "8xH100", nodes=2)
+    assert two["tensor+expert parallel"].fits and two["tensor+expert parallel"].available.startswith("no")
+    assert layouts("deepseek-v3", "8xH200")["--device-map auto"].fits  # 84 GB per 141 GB GPU
+    assert not layouts("kimi-k2", "8xH200")["--device-map auto"].fits  # 1.03 TB / 8 = 129 GB > 127 GB
+    fits = layouts("kimi-k2", "8xH200", nodes=2)["tensor+expert parallel"]
+    act = 8 * (2048 * 163840 * 2 + 2 * 2048 * 7168 * 2)  # 8 rows: bf16 logits and two hidden states
+    assert fits.fits and fits.gib_per_gpu == pytest.approx((1.029e12 / 16 + act) / 2 ** 30, abs=0.3)
+
+
+def test_throughput_closed_form():
+    """Mixtral-8x7B with --quantize fp8 on one H100, rows of 2048 x 8, written out by hand from its dimensions."""
+    res = P.plan(config("mixtral-8x7b"), "1xH100", 1, seq_len=2048, rows=8)
+    thr = res["throughput"].set_index("command")
+    layer_expert = 8 * 3 * 4096 * 14336
+    total = 32000 * 4096 * 2 + 32 * (4096 * 8 + layer_expert + 4096 * (4096 * 2 + 1024 * 2) + 2 * 4096) + 4096
+    assert res.meta["plan"]["total_params"] == total
+    vectors = 32 * 2 * 4096 + 4096
+    active_matrices = total - 32000 * 4096 - vectors - 32 * layer_expert * 6 // 8
+    flops = 2 * active_matrices + 4 * 32 * 1024 * 4096
+    assert thr.loc["ppl", "compute_tokens_per_s"] == pytest.approx(1979e12 / flops, rel=1e-9)
+    fp8_bytes = (2 * 2 * 32000 * 4096 + 2 * 32 * 4096 * 8 + 2 * vectors
+                 + (32 * (layer_expert + 4096 * (4096 * 2 + 1024 * 2))) * (1 + 4 / 16384))
+    assert thr.loc["ppl", "memory_tokens_per_s"] == pytest.approx(16384 * 3.35e12 / fp8_bytes, rel=1e-9)
+    assert thr.loc["ppl", "bound"] == "compute"
+    all_experts = flops + 2 * 32 * layer_expert * 6 // 8
+    assert thr.loc["approx", "tokens_per_s"] == pytest.approx(1979e12 / all_experts, rel=1e-9)
+    assert thr.loc["norm-select", "tokens_per_s"] == pytest.approx(1979e12 / (flops + 5 * all_experts), rel=1e-9)
+
+
+def test_replicas_and_device_map_scale():
+    one = P.plan(config("qwen3-30b-a3b"), "1xH100", 1)["throughput"].set_index(["layout", "command"])
+    eight = P.plan(config("qwen3-30b-a3b"), "8xH100", 2)["throughput"].set_index(["layout", "command"])
+    dp = "1 GPU per replica, data parallel"
+    assert eight.loc[(dp, "ppl"), "tokens_per_s"] == pytest.approx(16 * one.loc[(dp, "ppl"), "tokens_per_s"])
+    dm = eight.loc[("--device-map auto over 8 GPUs, one replica per node", "ppl")]
+    # one GPU computes at a time and every byte is read in turn: two nodes, one replica each, = 2 x one GPU
+    assert dm["tokens_per_s"] == pytest.approx(2 * one.loc[(dp, "ppl"), "tokens_per_s"])
+
+
+def test_kv_cache_per_row():
+    mix = P.per_row(config("mixtral-8x7b"), 1000)
+    assert mix["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 1000 * 2
+    oss = P.per_row(config("gpt-oss-120b"), 1000)  # 18 sliding layers keep 128 positions
+    assert oss["kv_cache_bytes"] == (18 * 1000 + 18 * 128) * 2 * 8 * 64 * 2
+    dsv3 = P.per_row(config("deepseek-v3"), 10)  # transformers caches MLA's decompressed keys and values
+    assert dsv3["kv_cache_bytes"] == 61 * 10 * 128 * (192 + 128) * 2
+
+
+@pytest.mark.parametrize("spec, want", [("8xH100", (8, "H100")), ("h200", (1, "H200")), ("2 x a100", (2, "A100-80")),
+                                        ("4*rtx4090", (4, "RTX4090"))])
+def test_parse_gpus(spec, want):
+    n, gpu = P.parse_gpus(spec)
+    assert (n, gpu.name) == want
+
+
+@pytest.mark.parametrize("spec", ["8xZ100", "0xH100", "x", ""])
+def test_parse_gpus_refuses(spec):
+    with pytest.raises(MoetoolError):
+        P.parse_gpus(spec)
+
+
+def moetool(*args: str):
+    return subprocess.run([sys.executable, "-m", "moetool", *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_cli(tmp_path):
+    r = moetool("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["plan"]["native_format"] == "mxfp4" and out["layouts"][0]["fits"]
+    assert out["layouts"][0]["command"].startswith("moetool ppl --model")
+    r = moetool("plan", "--gpus", "8xZ100", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown GPU 'Z100'" in r.stderr
+    assert not (tmp_path / "x").exists()
+    r = moetool("plan", "--nodes", "0")
+    assert r.returncode == 2
+    r = moetool("plan", "--gpus", "1xRTX4090", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert {p.name for p in (tmp_path / "run").iterdir()} >= {"params.csv", "layouts.csv", "throughput.csv",
+                                                               "manifest.json"}
