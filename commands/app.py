@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import re
@@ -9,20 +10,7 @@ import sys
 
 import typer
 
-from . import approx as approx_cmd
-from . import demo as demo_cmd
-from . import erc as erc_cmd
-from . import eval as eval_cmd
-from . import fluctuation as fluctuation_cmd
-from . import inspect as inspect_cmd
-from . import mass_recall as mass_recall_cmd
-from . import norm_select as norm_select_cmd
-from . import offload as offload_cmd
-from . import plan as plan_cmd
-from . import ppl as ppl_cmd
-from . import report as report_cmd
-from . import stats as stats_cmd
-from . import trace as trace_cmd
+from moetool.experiments.registry import command_modules
 
 app = typer.Typer(
     name="moetool",
@@ -34,9 +22,8 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for module in (approx_cmd, demo_cmd, erc_cmd, eval_cmd, fluctuation_cmd, inspect_cmd, mass_recall_cmd,
-               norm_select_cmd, offload_cmd, plan_cmd, ppl_cmd, report_cmd, stats_cmd, trace_cmd):
-    module.register(app)
+for name in command_modules():  # every experiment of the registry, then demo, inspect, report
+    importlib.import_module(name).register(app)
 
 _TOPIC = re.compile(r"^[A-Z][\w\-/ ().,]{0,40}:(\s|$)")  # "Cache simulation: ...", "Writes:" start a line of their own
 

@@ -59,7 +59,7 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
     if not quiet:
         print_table(res["approx"], f"k-term approximation: {model} ({tokens.n_tokens:,} tokens)", csv="approx.csv")
         print_table(res["approx_layers"], "router vs norm, orthogonality", csv="approx_layers.csv")
-        typer.echo(summary_lines(model, res["approx"], res["approx_layers"])[0])
+        typer.echo(summary_lines(model, res)[0])
     echo_run(run.path)
 
 

@@ -60,7 +60,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         print_table(res["erc_layers"], "ERC per layer", csv="erc_layers.csv")
         typer.echo(f"alpha_min_paper: {erc_alpha_min(res['erc_layers'], model).attrs['source']}")
         print_table(res["erc"], "ERC loss", csv="erc.csv")
-        typer.echo(summary_lines(model, res["erc_layers"], res["erc"])[0])
+        typer.echo(summary_lines(model, res)[0])
     echo_run(run.path)
 
 

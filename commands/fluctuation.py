@@ -88,7 +88,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     write(res, run, options=options)
     if not quiet:
         print_table(with_ci(res.summary), f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
-        for line in summary_lines(res["fluctuation_summary"]):
+        for line in summary_lines(" vs ".join(checkpoints), res):
             typer.echo(line)
     echo_run(run.path)
 

@@ -47,16 +47,16 @@ def plan(model: Model = DEFAULT_MODEL,
     parse_gpus(gpus)  # a bad --gpus fails before the config is read
     preflight(model)
     from moetool.experiments.plan import plan as compute
-    from moetool.loading import load_config
+    from moetool.loading import resolve
     from moetool.report.console import console, print_table
 
-    config, source, _ = load_config(model)
+    source = resolve(model)[0]
     run = None
     if not as_json:
         from moetool.report import RunDir
 
         run = RunDir.create("plan", out, force)  # a non-empty --out fails before the work
-    res = compute(config, gpus, nodes, seq_len=seq_len, rows=batch_size, model=model)
+    res = compute(model, gpus, nodes, seq_len=seq_len, rows=batch_size)
     if as_json:
         typer.echo(json.dumps({"plan": res.meta["plan"], **{n: res[n].to_dict(orient="records") for n in res.names}},
                               indent=2, default=str))

@@ -41,79 +41,22 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
     return load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
 
 
-def stats(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Routing statistics of the model's own router: tables load, layers, coactivation, cross_layer(_summary),
-    specialization, specialized_tokens, domain_load, top_tokens, top_tokens_lift (expert_tokens with
-    ``all_tokens``). Options: :class:`moetool.StatsOptions` (top_tokens, min_count, top_k=1 for OLMoE's top-1
-    views, coactivation="all"|"adjacent", all_tokens, specialization, batch_size)."""
-    from .experiments.stats import stats as run
-
-    return run(lm, tokens, options, quiet=quiet, **overrides)
 
 
-def ppl(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Perplexity under a routing policy: table ppl. Options: :class:`moetool.PplOptions` (routing, weights, sim,
-    causal, layers, seed, batch_size); ``routing="router"`` reproduces the unhooked model."""
-    from .experiments.ppl import ppl as run
-
-    return run(lm, tokens, options, quiet=quiet, **overrides)
 
 
-def norm_select(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """The Autonomy-of-Experts pilot: tables agreement and quality, ``summary`` = Table 1. Options:
-    :class:`moetool.NormSelectOptions` (nodes, norms, weights, layers, tasks, num_fewshot, limit, ...)."""
-    from .experiments.norm_select import norm_select as run
-
-    return run(lm, tokens, options, quiet=quiet, **overrides)
 
 
-def evaluate(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """lm-evaluation-harness accuracy under a routing policy: table eval. Options: :class:`moetool.EvalOptions`
-    (tasks, num_fewshot, limit, include_path, routing, weights, layers, ...)."""
-    from .experiments.lmeval import eval_tasks
-
-    return eval_tasks(lm, options, quiet=quiet, **overrides)
 
 
-def erc(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Expert–router coupling from the weights only (no tokens): tables erc, erc_layers, erc_matrix. Options:
-    :class:`moetool.ErcOptions` (alphas, noise, samples, node, norm, seed, layers)."""
-    from .experiments.erc import erc as run
-
-    return run(lm, options, quiet=quiet, **overrides)
 
 
-def approx(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """MoE as the best k-term approximation of the dense sum: tables approx, approx_layers. Options:
-    :class:`moetool.ApproxOptions` (selectors, max_subsets, layers, batch_size, seed)."""
-    from .experiments.approx import approx as run
-
-    return run(lm, tokens, options, quiet=quiet, **overrides)
 
 
-def mass_recall(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Routing mass kept by an inverted-index router: table mass_recall. Options: :class:`moetool.MassRecallOptions`
-    (codebook_sizes, shortlists, centroids, kmeans_iters, seed, batch_size, layers)."""
-    from .experiments.mass_recall import mass_recall as run
-
-    return run(lm, tokens, options, quiet=quiet, **overrides)
 
 
-def fluctuation(checkpoints: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Routing change between checkpoints (loaded models or names) on the same tokens: table fluctuation.
-    Options: :class:`moetool.FluctuationOptions` (routing, tau, sim, causal, reference, isolate, batch_size)."""
-    from .experiments.fluctuation import fluctuation as run
-
-    return run(checkpoints, tokens, options, quiet=quiet, **overrides)
 
 
-def trace(lm: Any, tokens: Any, options: Any = None, *, path: str | Path | None = None, quiet: bool = False,
-          **overrides: Any) -> Any:
-    """Per-token routing of every MoE layer: table trace (or streamed to ``path``, .csv.gz / .parquet). Options:
-    :class:`moetool.TraceOptions` (routing, weights, layers, logits, batch_size, seed)."""
-    from .experiments.trace import trace as run
-
-    return run(lm, tokens, options, path=path, quiet=quiet, **overrides)
 
 
 def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, consumers: Iterable[Any] = (),
@@ -136,13 +79,6 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
 
 
-def offload(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
-    """Expert offloading from real routing: tables offload_coverage, offload_layers, offload_cache (LRU/LFU/Belady
-    hit rate by cache size, bytes per token), offload_prefetch (next-layer router recall). Options:
-    :class:`moetool.OffloadOptions`."""
-    from .experiments.offload import offload as run
-
-    return run(lm, tokens, options, quiet=quiet, **overrides)
 
 
 def inspect_model(name: str) -> dict[str, Any]:
@@ -151,15 +87,6 @@ def inspect_model(name: str) -> dict[str, Any]:
     from .inspect import describe_model
 
     return describe_model(name)
-
-
-def plan(name: str = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8) -> Any:
-    """``moetool plan``: tables params (bytes by group and format), layouts (what fits ``nodes`` x ``gpus``, the
-    command to run) and throughput (a ceiling in tokens/s per command), from the config alone."""
-    from .experiments.plan import plan as run
-    from .loading import load_config
-
-    return run(load_config(name)[0], gpus, nodes, seq_len=seq_len, rows=rows, model=name)
 
 
 def families() -> Any:
@@ -214,23 +141,56 @@ def figures(result: Any) -> dict[str, Any]:
     return _figures(result)
 
 
-#: public name -> "module:attribute" (resolved lazily by ``moetool.__getattr__``)
-EXPORTS = {
-    **{name: f"moetool.api:{name}" for name in (
-        "load", "tokens", "stats", "ppl", "norm_select", "evaluate", "erc", "approx", "mass_recall", "fluctuation",
-        "trace", "offload", "inspect_model", "plan", "families", "write_report", "run_demo", "hook", "forward", "write",
-        "figures")},
-    "OffloadOptions": "moetool.experiments.offload:OffloadOptions",
-    "Result": "moetool.experiments.result:Result",
-    "StatsOptions": "moetool.experiments.stats:StatsOptions",
-    "PplOptions": "moetool.experiments.ppl:PplOptions",
-    "NormSelectOptions": "moetool.experiments.norm_select:NormSelectOptions",
-    "EvalOptions": "moetool.experiments.lmeval:EvalOptions",
-    "ErcOptions": "moetool.experiments.erc:ErcOptions",
-    "ApproxOptions": "moetool.experiments.approx:ApproxOptions",
-    "MassRecallOptions": "moetool.experiments.mass_recall:MassRecallOptions",
-    "FluctuationOptions": "moetool.experiments.fluctuation:FluctuationOptions",
-    "TraceOptions": "moetool.experiments.trace:TraceOptions",
-    "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
-    "MoetoolError": "moetool.errors:MoetoolError",
-}
+class ExperimentFunction:
+    """``moetool.<experiment>``: the experiment's compute function (:mod:`moetool.experiments.registry`), imported
+    on the first call, so ``import moetool`` and resolving the name stay free of torch. ``__doc__`` and
+    ``__signature__`` are the function's own (reading them imports it)."""
+
+    def __init__(self, spec: Any):
+        self._spec = spec
+        self.__name__ = self.__qualname__ = spec.api
+        self.__module__ = "moetool"
+
+    @property
+    def function(self) -> Any:
+        return self._spec.load()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    @property  # type: ignore[override]
+    def __doc__(self) -> str | None:  # noqa: D105
+        return self.function.__doc__
+
+    @property
+    def __signature__(self) -> Any:
+        import inspect
+
+        return inspect.signature(self.function)
+
+    def __repr__(self) -> str:
+        return f"<moetool.{self._spec.api}: {self._spec.module}.{self._spec.function}>"
+
+
+def _exports() -> dict[str, str]:
+    from .experiments.registry import EXPERIMENTS
+
+    out: dict[str, str] = {}
+    for spec in EXPERIMENTS.values():  # every experiment's function and options dataclass
+        globals()[spec.api] = ExperimentFunction(spec)
+        out[spec.api] = f"moetool.api:{spec.api}"
+        if spec.options:
+            out[spec.options] = f"{spec.module}:{spec.options}"
+    return {
+        **out,
+        **{name: f"moetool.api:{name}" for name in (
+            "load", "tokens", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
+            "figures")},
+        "Result": "moetool.experiments.result:Result",
+        "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
+        "MoetoolError": "moetool.errors:MoetoolError",
+    }
+
+
+#: name in ``import moetool`` -> "module:attr" (resolved on first use by ``moetool.__getattr__``)
+EXPORTS = _exports()

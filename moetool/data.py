@@ -156,6 +156,13 @@ class TokenSet:
     def n_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def require_tokens(self) -> "TokenSet":
+        """``self``, or one line when no position is a real token (empty data or all padding): a statistic over
+        zero tokens is missing, never a table."""
+        if self.n_tokens == 0:
+            raise MoetoolError("no real tokens in the data")
+        return self
+
     @property
     def has_domains(self) -> bool:
         return any(self.domains)

@@ -1,59 +1,74 @@
 """``moetool demo``: every experiment on the embedded models, with no network, into one run folder.
 
-Each experiment module exposes ``demo(parent: RunDir, quiet: bool) -> list[str]`` that writes
-into its own sub-folder and returns summary lines. The steps run in this order.
+The steps are ``inspect`` and every experiment whose spec in :mod:`moetool.experiments.registry` has a
+:class:`~moetool.experiments.registry.Demo`, in the registry's order; :func:`run_step` runs any of them the same
+way (``<step>/<model>/`` per model, ``<step>/manifest.json``). Experiments write nothing: this module writes.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Any, Callable
 
 from .demo_models import DEMO_MODELS
-
-#: (step name, "module:function")
-STEPS: list[tuple[str, str]] = [
-    ("inspect", "moetool.demo:inspect_demo"),
-    ("stats", "moetool.experiments.stats:demo"),
-    ("norm-select", "moetool.experiments.norm_select:demo"),
-    ("erc", "moetool.experiments.erc:demo"),
-    ("approx", "moetool.experiments.approx:demo"),
-    ("mass-recall", "moetool.experiments.mass_recall:demo"),
-    ("offload", "moetool.experiments.offload:demo"),
-    ("fluctuation", "moetool.experiments.fluctuation:demo"),
-]
+from .experiments.registry import EXPERIMENTS, Experiment
 
 
-def each_model(parent: Any, step: str, run_one: Callable[[Any, Any], tuple[Any, list[str]]], *,
-               seq_len: int | None = 128, max_tokens: int = 2048, seed: int | None = None,
-               **tokens_kw: Any) -> list[str]:
-    """One demo step over the embedded base models, one layout for every step: ``parent/<step>/<model>/`` per
-    model and ``parent/<step>/manifest.json``. ``run_one(lm, tokens) -> (Result, summary lines)``; tokens are
-    ``max_tokens`` of the shipped held-out text in rows of ``seq_len`` (``seq_len=None``: weights only, no
-    tokens). ``tokens_kw`` go to :func:`moetool.data.load_tokens`."""
+def steps() -> list[str]:
+    """The demo's steps, in order."""
+    return ["inspect"] + [name for name, spec in EXPERIMENTS.items() if spec.demo is not None]
+
+
+def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
+    """One demo step: ``spec.function`` on each of the spec's demo models (or checkpoint pairs) with the demo's
+    sizes and options, each result written to ``parent/<step>/<model>/``; returns the summary lines."""
+    import importlib
+
     from .data import load_tokens
     from .loading import embedded_models, load
     from .report.writers import write
 
-    child = parent.sub(step)
-    names = [m for m in DEMO_MODELS if m in embedded_models()]
-    sizes = {} if seq_len is None else dict(seq_len=seq_len, max_tokens=max_tokens)
+    demo = spec.demo
+    compute = spec.load()
+    overrides = dict(demo.options)
+    if demo.options_from:
+        module, _, attr = demo.options_from.partition(":")
+        overrides.update(getattr(importlib.import_module(module), attr)())
+    opts = spec.options_class()(**overrides)
+    seed = getattr(opts, "seed", None)
+    lines_of = spec.load(spec.lines) if spec.lines else (lambda name, res: [])
+    child = parent.sub(spec.name)
+    have = embedded_models()
+    sizes = {} if demo.seq_len is None else dict(seq_len=demo.seq_len, max_tokens=demo.max_tokens)
     lines: list[str] = []
-    for name in names:
-        lm = load(name, tokenizer=seq_len is not None)
-        tokens = None if seq_len is None else load_tokens(None, lm.tokenizer, seq_len=seq_len, max_tokens=max_tokens,
-                                                          **tokens_kw)
-        res, more = run_one(lm, tokens)
-        write(res, child.sub(name), model=lm, options=dict(model=name, **sizes, **tokens_kw))
-        lines += more
-    child.finish(options=dict(models=names, **sizes), seed=seed)
-    return lines or [f"{step}: no embedded model found"]
+    done: list[Any] = []
+    for model in demo.models:
+        names = list(model) if isinstance(model, tuple) else [model]
+        if not all(n in have for n in names):
+            continue
+        if spec.inputs == "checkpoints":
+            from .experiments.fluctuation import check_checkpoints
 
-
-def _load(target: str) -> Callable[..., list[str]]:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+            tokens = load_tokens(None, check_checkpoints(names), seq_len=demo.seq_len, max_tokens=demo.max_tokens,
+                                 **demo.tokens)
+            res = compute(names, tokens, opts, quiet=quiet)
+            write(res, child.sub(names[-1]), options=dict(checkpoints=names, **sizes, **demo.tokens))
+            label = " -> ".join(names)
+        else:
+            lm = load(names[0], tokenizer=demo.seq_len is not None)
+            if demo.seq_len is None:
+                res = compute(lm, opts, quiet=quiet)
+            else:
+                tokens = load_tokens(None, lm.tokenizer, seq_len=demo.seq_len, max_tokens=demo.max_tokens,
+                                     **demo.tokens)
+                res = compute(lm, tokens, opts, quiet=quiet)
+            write(res, child.sub(names[0]), model=lm, options=dict(model=names[0], **sizes, **demo.tokens))
+            label = lm.name
+        done.append(names if len(names) > 1 else names[0])
+        lines += lines_of(label, res)
+    key = "pairs" if spec.inputs == "checkpoints" else "models"
+    child.finish(options={key: done, **sizes}, seed=seed)
+    return lines or [f"{spec.name}: no embedded model found"]
 
 
 def inspect_demo(parent: Any, quiet: bool) -> list[str]:
@@ -71,19 +86,17 @@ def inspect_demo(parent: Any, quiet: bool) -> list[str]:
     return lines
 
 
-def run_demo(parent: Any, steps: list[str] | None = None, quiet: bool = False,
+def run_demo(parent: Any, chosen: list[str] | None = None, quiet: bool = False,
              echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run the demo steps (all by default); returns one record per step."""
-    names = [s for s, _ in STEPS]
-    chosen = steps or names
     records = []
-    for name, target in STEPS:
-        if name not in chosen:
+    for name in steps():
+        if chosen and name not in chosen:
             continue
         echo(f"== {name}")
         t0 = time.time()
         before = {p.name for p in parent.path.iterdir()}
-        lines = _load(target)(parent, quiet)
+        lines = inspect_demo(parent, quiet) if name == "inspect" else run_step(parent, EXPERIMENTS[name], quiet)
         for line in lines:
             echo(f"   {line}")
         new = sorted(p.name for p in parent.path.iterdir() if p.is_dir() and p.name not in before)
@@ -92,7 +105,7 @@ def run_demo(parent: Any, steps: list[str] | None = None, quiet: bool = False,
     return records
 
 
-def demo(out: Any = None, steps: list[str] | None = None, *, force: bool = False, quiet: bool = False,
+def demo(out: Any = None, chosen: list[str] | None = None, *, force: bool = False, quiet: bool = False,
          echo: Callable[[str], None] = print) -> tuple[Any, list[dict[str, Any]], Any]:
     """``moetool demo``: every step (or ``steps``) into one run folder, then the report page gathering them.
     Returns (run folder, one record per step, path of report.html)."""
@@ -101,13 +114,13 @@ def demo(out: Any = None, steps: list[str] | None = None, *, force: bool = False
     from .report import RunDir
     from .report.page import write_report
 
-    known = [s for s, _ in STEPS]
-    for s in steps or []:
+    known = steps()
+    for s in chosen or []:
         if s not in known:
             raise MoetoolError(f"unknown demo step '{s}'{did_you_mean(s, known)}; steps: {', '.join(known)}")
     run = RunDir.create("demo", out, force)
-    records = run_demo(run, steps, quiet=quiet, echo=echo)
+    records = run_demo(run, chosen, quiet=quiet, echo=echo)
     run.add(steps=records)
-    run.finish(options={"steps": steps or known})
+    run.finish(options={"steps": chosen or known})
     page = write_report([run.path], run.sub("report"), title="moetool demo")  # every step's figures and tables
     return run.path, records, page

@@ -55,6 +55,19 @@ def test_every_rule_of_the_catalogue_has_a_case():
     assert set(EXPECTED_RULE.values()) <= set(CASES)
 
 
+#: experiments with no test here, and why (every other experiment of the registry must have ``test_<function>``)
+NOT_PER_RULE = {"eval": "lm-eval tasks: tests/test_eval.py (norm-select runs the same harness here)",
+                "plan": "reads the config only: tests/test_plan.py"}
+
+
+def test_every_experiment_has_a_per_rule_test():
+    from moetool.experiments.registry import EXPERIMENTS
+
+    missing = [name for name, spec in EXPERIMENTS.items()
+               if name not in NOT_PER_RULE and f"test_{spec.function}" not in globals()]
+    assert not missing, f"experiments without a per-rule test here: {missing}"
+
+
 @dataclass
 class Case:
     rule: str
@@ -265,3 +278,24 @@ def test_fluctuation(case, tmp_path):
         assert row["top1_change"] == pytest.approx(top1.numpy().mean(), abs=1e-9)
     assert changed["topk_change"].max() > 0
     assert not math.isnan(changed["entropy_ratio"].mean())
+
+
+def test_offload(case, tmp_path):
+    K, n = case.top_k, case.n_experts
+    invoke("offload", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--capacity", f"{K},{n}",
+           "--out", str(tmp_path))
+    lay = pd.read_csv(tmp_path / "offload_layers.csv").set_index("layer")
+    cache = pd.read_csv(tmp_path / "offload_cache.csv")
+    assert list(lay.index) == case.layers and finite(cache)
+    T = case.tokens.n_tokens
+    for layer in case.layers:  # by hand from the model's own choices, tokens in data order
+        sets = [set(row) for row in case.routing[layer][0].tolist()]
+        counts = np.bincount(case.routing[layer][0].reshape(-1).numpy(), minlength=n)
+        assert lay.loc[layer, "experts_used"] == (counts > 0).sum()
+        assert lay.loc[layer, "hottest_share"] == pytest.approx(counts.max() / (T * K))
+        rows = cache[cache.layer == layer]
+        assert (rows["requests"] == T * K).all()
+        # capacity K: after each token the cache holds exactly its K experts, whatever the policy
+        assert (rows[rows.capacity == K]["hits"] == sum(len(a & b) for a, b in zip(sets[1:], sets))).all()
+        # capacity n: only first requests miss
+        assert (rows[rows.capacity == n]["hits"] == T * K - (counts > 0).sum()).all()

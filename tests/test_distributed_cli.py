@@ -88,6 +88,13 @@ CASES = [
     ("offload", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
+NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}
+
+
+def test_every_experiment_has_a_case():
+    from moetool.experiments.registry import EXPERIMENTS
+
+    assert {c for c, _ in CASES} == set(EXPERIMENTS) - set(NOT_DISTRIBUTED)
 SEQUENCE = (str(Path(__file__).with_name("cli_sequence.py")),)
 
 

@@ -164,6 +164,9 @@ def test_cli(tmp_path):
     r = moetool("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    import moetool
+
+    assert moetool.plan(str(CONFIGS / "gpt-oss-120b"), "1xH100")["layouts"].to_dict(orient="records") == out["layouts"]
     assert out["plan"]["native_format"] == "mxfp4" and out["layouts"][0]["fits"]
     assert out["layouts"][0]["command"].startswith("moetool ppl --model")
     r = moetool("plan", "--gpus", "8xZ100", "--out", str(tmp_path / "x"))

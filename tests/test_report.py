@@ -196,7 +196,9 @@ def test_progress_prints_policy_specs_verbatim(capsys):
 def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     """Every demo step: <step>/<model>/ with <step>/manifest.json (norm-select was <step>/ alone). The sweep is
     cut to one node without tasks here (the layout, not the numbers, is under test)."""
+    from moetool.demo import run_step
     from moetool.experiments import norm_select as ns
+    from moetool.experiments.registry import EXPERIMENTS
     from moetool.loading import embedded_models
 
     if "tiny" not in embedded_models():
@@ -205,7 +207,7 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(ns, "norm_select", lambda lm, tokens, opts, quiet: real(
         lm, tokens, ns.NormSelectOptions(nodes=("gate",), norms=("l2",), batch_size=16, bootstrap=0), quiet=True))
     parent = RunDir.create("demo", tmp_path / "demo")
-    lines = ns.demo(parent, quiet=True)
+    lines = run_step(parent, EXPERIMENTS["norm-select"], quiet=True)
     parent.finish(options={})
     step = tmp_path / "demo" / "norm-select"
     assert json.loads((step / "manifest.json").read_text())["status"] == "complete"

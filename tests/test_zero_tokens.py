@@ -8,6 +8,7 @@ import torch
 
 from moetool import ops
 from moetool.errors import MoetoolError
+from moetool.experiments.registry import EXPERIMENTS
 from moetool.loading import embedded_models
 
 needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
@@ -24,14 +25,12 @@ def all_padding():
 
 
 @needs_tiny
-@pytest.mark.parametrize("name", ["stats", "ppl", "norm_select", "approx", "mass_recall", "offload"])
+@pytest.mark.parametrize("name", [n for n, spec in EXPERIMENTS.items() if spec.inputs == "tokens"])
 def test_no_real_token_is_refused_not_tabulated(all_padding, name):
-    import moetool.api as api
-
     lm, ts = all_padding
     assert ts.n_tokens == 0
     with pytest.raises(MoetoolError) as e:
-        getattr(api, name)(lm, ts, quiet=True)
+        EXPERIMENTS[name].load()(lm, ts, quiet=True)
     assert "\n" not in str(e.value) and ("token" in str(e.value) or "denominator" in str(e.value)), e.value
 
 

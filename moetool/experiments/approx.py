@@ -309,21 +309,11 @@ def approx(lm: Any, tokens: Any, options: ApproxOptions | None = None, *, quiet:
                   summary=table)
 
 
-def summary_lines(name: str, approx: Any, per_layer: Any) -> list[str]:
+def summary_lines(name: str, res: Any) -> list[str]:
+    approx, per_layer = res["approx"], res["approx_layers"]
     by = approx.groupby("selector", sort=False)["rel_error_mean"].mean()
     rate = approx[approx["selector"] == "norm_oracle"]["same_set_as_router"].mean()
     errs = ", ".join(f"{s} {v:.3f}" for s, v in by.items())
     return [f"approx {name}: mean rel. error {errs}; norm oracle = router set on {rate:.0%} of tokens; "
             f"Spearman(π, ||E||) {per_layer['spearman_prob_vs_norm'].mean():.2f}; "
             f"mean |cos| {per_layer['mean_abs_cos'].mean():.3f}"]
-
-
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """The k-term view on every embedded base model (tiny, tiny-fine), 1024 held-out tokens."""
-    from ..demo import each_model
-
-    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
-        res = approx(lm, tokens, batch_size=8, quiet=quiet)
-        return res, summary_lines(lm.name, res["approx"], res["approx_layers"])
-
-    return each_model(parent, "approx", one, max_tokens=1024, seed=0)

@@ -252,22 +252,10 @@ def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **ov
                   summary=per_layer)
 
 
-def summary_lines(name: str, per_layer: Any, erc: Any) -> list[str]:
+def summary_lines(name: str, res: Any) -> list[str]:
+    per_layer, erc = res["erc_layers"], res["erc"]
     top = erc[erc["alpha"] == erc["alpha"].max()]
     return [f"erc {name}: alpha_min {per_layer['alpha_min'].min():.2f}-{per_layer['alpha_min'].max():.2f} over "
             f"{len(per_layer)} layers; row/col dominance {per_layer['row_dominance'].mean():.2f}/"
             f"{per_layer['col_dominance'].mean():.2f}; L_ERC(α={top['alpha'].iloc[0]:g}) mean "
             f"{top['erc_loss'].mean():.4g} (clean {top['erc_loss_clean'].mean():.4g})"]
-
-
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """ERC of every embedded base model (tiny, tiny-fine), default settings with 4 noise draws."""
-    from ..demo import each_model
-
-    opts = ErcOptions(samples=4)
-
-    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
-        res = erc(lm, opts, quiet=quiet)
-        return res, summary_lines(lm.name, res["erc_layers"], res["erc"])
-
-    return each_model(parent, "erc", one, seq_len=None, seed=opts.seed)

@@ -496,9 +496,11 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
                   summary=df.drop(columns=["tokens"]))
 
 
-def summary_lines(pooled: Any) -> list[str]:
+def summary_lines(name: str, res: Any) -> list[str]:
     """Per pair: each routing's top-1 change (mean over layers, ± the 95% half-width) and, for a policy, its
-    paired reduction against the router with whether the interval excludes 0."""
+    paired reduction against the router with whether the interval excludes 0 (``name`` is not needed: the pairs
+    name themselves)."""
+    pooled = res["fluctuation_summary"]
     from ..report.console import format_ci
 
     lines = []
@@ -515,26 +517,3 @@ def summary_lines(pooled: Any) -> list[str]:
             parts.append(text)
         lines.append(f"{r} -> {c}: top-1 change (mean over layers) " + ", ".join(parts))
     return lines
-
-
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """tiny-early -> tiny and tiny-fine-early -> tiny-fine, every routing, with --isolate, small data."""
-    from ..data import load_tokens
-    from ..loading import embedded_models, load
-
-    from ..report.writers import write
-
-    child = parent.sub("fluctuation")
-    have = embedded_models()
-    opts = FluctuationOptions(isolate=True)
-    lines: list[str] = []
-    for early, final in (("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")):
-        if early not in have or final not in have:
-            continue
-        names = [early, final]
-        tokens = load_tokens(None, check_checkpoints(names), seq_len=128, max_tokens=2048)
-        res = fluctuation(names, tokens, opts, quiet=quiet)
-        write(res, child.sub(final), options=dict(checkpoints=names, seq_len=128, max_tokens=2048))
-        lines += summary_lines(res["fluctuation_summary"])
-    child.finish(options=dict(pairs=[["tiny-early", "tiny"], ["tiny-fine-early", "tiny-fine"]]))
-    return lines or ["fluctuation: no embedded checkpoint pair found"]

@@ -393,8 +393,7 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
                     quiet: bool = False) -> MassRecallResult:
     """Fit the codebooks, then evaluate: the whole experiment on one model."""
     layers = list(lm.layers if layers is None else layers)
-    if tokens.n_tokens == 0:  # no codebook can be fitted: one line, not a crash in the codeword scoring
-        raise MoetoolError("no real tokens in the data")
+    tokens.require_tokens()  # no codebook can be fitted on nothing: one line, not a crash in the scoring
     from .. import distributed
 
     steps = None
@@ -468,8 +467,9 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
                   summary=res.table.drop(columns=["tokens"]))
 
 
-def summary_lines(name: str, df: Any) -> list[str]:
+def summary_lines(name: str, res: Any) -> list[str]:
     """Mass recall (layer mean) per centroids mode at the largest G and two shortlist sizes; bound check."""
+    df = res["mass_recall"]
     lines = []
     for mode, d in df.groupby("centroids", sort=False):
         G = d["codebook_size"].max()
@@ -482,16 +482,3 @@ def summary_lines(name: str, df: Any) -> list[str]:
                      f"scale-aware bound on {d['bound_scaled_holds_rate'].min():.1%}; mean bound paper "
                      f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}")
     return lines
-
-
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """Mass recall on the embedded base models, small settings."""
-    from ..demo import each_model
-
-    opts = MassRecallOptions(codebook_sizes=(8, 32), shortlists=(2, 4, 8, 16), kmeans_iters=1)
-
-    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
-        res = mass_recall(lm, tokens, opts, quiet=quiet)
-        return res, summary_lines(lm.name, res["mass_recall"])
-
-    return each_model(parent, "mass-recall", one, max_tokens=4096, seed=opts.seed)

@@ -368,10 +368,10 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
                   summary=summary)
 
 
-def summary_lines(table: Any) -> list[str]:
-    """One line per policy of the Table-1-shaped summary."""
+def summary_lines(name: str, res: Any) -> list[str]:
+    """One line per policy of the Table-1-shaped summary (``res.summary``)."""
     lines = []
-    for r in table.to_dict("records"):
+    for r in res.summary.to_dict("records"):
         name = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
         accs = "".join(f", {k[:-4]} acc {v:.2f} (x{r[k[:-4] + ' retention']:.2f})"
                        for k, v in r.items() if k.endswith(" acc"))
@@ -380,18 +380,8 @@ def summary_lines(table: Any) -> list[str]:
     return lines
 
 
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """The sweep on the embedded ``tiny`` model: 5 nodes, 2048 tokens, the shipped offline tasks (20 items each)."""
-    from ..data import load_tokens
-    from ..loading import load
-    from ..report.writers import write
+def demo_options() -> dict[str, Any]:
+    """What ``moetool demo`` adds to its options: the shipped offline lm-eval tasks (none if not installed)."""
     from .lmeval import shipped_tasks
 
-    lm = load("tiny")
-    tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
-    shipped = tuple(shipped_tasks())
-    res = norm_select(lm, tokens, NormSelectOptions(tasks=shipped or None, limit=20, batch_size=16), quiet=quiet)
-    child = parent.sub("norm-select")  # the demo's one layout: <step>/<model>/ (moetool.demo.each_model)
-    write(res, child.sub("tiny"), model=lm, options=dict(model="tiny", seq_len=256, max_tokens=2048))
-    child.finish(options=dict(models=["tiny"], seq_len=256, max_tokens=2048))
-    return summary_lines(res.summary)
+    return {"tasks": tuple(shipped_tasks()) or None}

@@ -376,16 +376,3 @@ def summary_lines(name: str, res: Result) -> list[str]:
         lines.append(f"{name} offload: next-layer prediction top-1 recall {pref.top1_recall.mean():.3f}, "
                      f"top-K recall {pref.topk_recall.mean():.3f} (mean over layers)")
     return lines
-
-
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """Offload analysis on the embedded base models (2048 tokens)."""
-    from ..demo import each_model
-
-    opts = OffloadOptions()
-
-    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
-        res = offload(lm, tokens, opts, quiet=quiet)
-        return res, summary_lines(lm.name, res)
-
-    return each_model(parent, "offload", one, max_tokens=2048, seed=opts.seed)

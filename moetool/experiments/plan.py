@@ -221,10 +221,18 @@ def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_ex
     return 2.0 * matrices + 4.0 * int(tc.num_hidden_layers) * (seq_len / 2) * q_width
 
 
-def plan(config: Any, gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8,
-         model: str = "MODEL") -> Result:
-    """Tables ``params``, ``layouts`` and ``throughput`` for ``config`` on ``nodes`` x ``gpus`` (module docstring)."""
+def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8) -> Result:
+    """Tables ``params`` (bytes by group and format), ``layouts`` (what fits ``nodes`` x ``gpus``, the command to
+    run) and ``throughput`` (a ceiling in tokens/s per command) for ``model`` -- a name (embedded, alias,
+    directory, hub id: only its config is read) or a transformers config (module docstring)."""
     import pandas as pd
+
+    if isinstance(model, str):
+        from ..loading import load_config
+
+        config = load_config(model)[0]
+    else:
+        config, model = model, getattr(model, "_name_or_path", None) or "MODEL"
 
     for flag, value in (("--nodes", nodes), ("--seq-len", seq_len), ("--batch-size", rows)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -455,8 +455,7 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     (``all_tokens``). Padding never counts. ``units``: batch checkpoints for ``--resume`` (:func:`collect`).
     """
     opts = resolve_options(StatsOptions, options, overrides)
-    if tokens.n_tokens == 0:
-        raise MoetoolError("no real tokens in the data")
+    tokens.require_tokens()
     acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
                   quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization,
                   row_sums=opts.bootstrap > 0, units=units)
@@ -508,13 +507,14 @@ def summary_table(layers: Any) -> Any:
         "confidence_entropy_norm": "Ent_conf/log n", "max_load_ratio": "max load/uniform"})
 
 
-def summary_lines(name: str, layers: Any) -> list[str]:
-    """Short human-readable lines about one model's ``layers.csv``."""
+def summary_lines(name: str, res: Any) -> list[str]:
+    """Short human-readable lines about one model's run: ``layers.csv``, then :func:`analysis_lines`."""
+    layers = res["layers"]
     worst = layers.loc[layers["max_load_ratio"].idxmax()]
     return [f"stats {name}: load entropy / log n {layers['load_entropy_norm'].min():.3f}-"
             f"{layers['load_entropy_norm'].max():.3f}, confidence entropy / log n "
             f"{layers['confidence_entropy_norm'].min():.3f}-{layers['confidence_entropy_norm'].max():.3f} over "
-            f"{len(layers)} MoE layers; max load {worst['max_load_ratio']:.2f}x uniform (layer {int(worst['layer'])})"]
+            f"{len(layers)} MoE layers; max load {worst['max_load_ratio']:.2f}x uniform (layer {int(worst['layer'])})"] + analysis_lines(name, res)
 
 
 def analysis_lines(name: str, res: Any) -> list[str]:
@@ -531,15 +531,3 @@ def analysis_lines(name: str, res: Any) -> list[str]:
                    f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) {cl['mean_max_p'].mean():.2f} "
                    f"(uniform {cl['uniform_max_p'].iloc[0]:.3f})")
     return out
-
-
-def demo(parent: Any, quiet: bool) -> list[str]:
-    """``stats`` on the embedded demo models (8192 tokens each, the tokenizer's own special tokens) into
-    ``parent/stats/<model>``."""
-    from ..demo import each_model
-
-    def one(lm: Any, tokens: Any) -> tuple[Result, list[str]]:
-        res = stats(lm, tokens, quiet=quiet)
-        return res, summary_lines(lm.name, res["layers"]) + analysis_lines(lm.name, res)
-
-    return each_model(parent, "stats", one, seq_len=256, max_tokens=8192, add_special_tokens=None)

@@ -170,6 +170,7 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     from ..engine.stream import TableStream
 
     opts = resolve_options(TraceOptions, options, overrides)
+    tokens.require_tokens()
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     col = TraceCollector(opts.logits)

@@ -335,29 +335,27 @@ def plot_fluctuation(df: Any) -> dict[str, Any]:
     return out
 
 
-def write_results(run: Any, df: Any, opts: FluctuationOptions, tokens: Any) -> None:
-    run.write_csv("fluctuation.csv", df)
-    figures(run, df)
-    run.add(definitions=DEFINITIONS, data=tokens.describe(),
-            similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
-                        "causal": opts.causal})
+def fluctuation_figures(result: Any) -> dict[str, Any]:
+    return plot_fluctuation(result["fluctuation.csv"])
 
 
-from .plots_offload import offload_figures  # noqa: E402
+def approx_figures(result: Any) -> dict[str, Any]:
+    return plot_approx(result["approx.csv"], result["approx_layers.csv"])
 
-#: experiment name -> figure function
-FIGURES: dict[str, Callable[[Any], dict[str, Any]]] = {
-    "stats": stats_figures,
-    "norm_select": norm_select_figures,
-    "erc": erc_figures,
-    "fluctuation": lambda result: plot_fluctuation(result["fluctuation.csv"]),
-    "approx": lambda result: plot_approx(result["approx.csv"], result["approx_layers.csv"]),
-    "mass_recall": lambda result: plot_mass_recall(result["mass_recall.csv"]),
-    "offload": offload_figures,  # moetool/report/plots_offload.py (helper F)
-}
+
+def mass_recall_figures(result: Any) -> dict[str, Any]:
+    return plot_mass_recall(result["mass_recall.csv"])
 
 
 def figures(result: Any) -> dict[str, Any]:
-    """Every figure of ``result`` (none for an experiment without figures)."""
-    fn = FIGURES.get(result.name)
-    return fn(result) if fn is not None else {}
+    """Every figure of ``result``: the ``figures`` function its experiment's spec names
+    (:mod:`moetool.experiments.registry`; none for an experiment without figures or a result of no experiment)."""
+    import importlib
+
+    from ..experiments.registry import EXPERIMENTS
+
+    target = next((e.figures for e in EXPERIMENTS.values() if e.result == result.name), None)
+    if target is None:
+        return {}
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(result)

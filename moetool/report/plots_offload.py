@@ -1,4 +1,4 @@
-"""Figures of ``moetool offload`` (registered in :data:`moetool.report.plots.FIGURES`): hit rate vs cache size per
+"""Figures of ``moetool offload`` (named by its spec in :mod:`moetool.experiments.registry`): hit rate vs cache size per
 policy (one panel per layer, 95% bootstrap error bars), next-layer prediction recall per layer, activation
 coverage vs tokens."""
 

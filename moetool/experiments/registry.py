@@ -1,0 +1,122 @@
+"""The experiment registry: one :class:`Experiment` spec per experiment, from which everything else is derived.
+
+* the command line: ``moetool <name>`` is ``<command>.register(app)`` for every spec (``moetool.commands.app``);
+* ``import moetool``: ``moetool.<api>`` is the compute function and ``moetool.<Options>`` its options dataclass
+  (``moetool.api.EXPORTS``);
+* ``moetool demo``: a spec with a :class:`Demo` is a demo step, run by :func:`moetool.demo.run_step`;
+* figures: :func:`moetool.report.plots.figures` draws the spec's ``figures`` function for a result;
+* the parametrised tests (every command with zero tokens, under torchrun, per routing rule) read :data:`EXPERIMENTS`.
+
+Everything here is a string (``"module:attr"``), so the command line's ``--help`` imports no torch, pandas or
+matplotlib. How to add an experiment: ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MoetoolError
+from ..registry import did_you_mean
+
+from ..demo_models import DEMO_MODELS as BASE  # the embedded base models every demo step runs on
+
+PAIRS = (("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine"))
+
+
+@dataclass(frozen=True)
+class Demo:
+    """How ``moetool demo`` runs an experiment: on ``models`` (``PAIRS`` for checkpoint pairs), ``max_tokens`` of
+    the shipped held-out text in rows of ``seq_len`` (``None``: weights only), with ``options`` overriding the
+    options dataclass's defaults (``options_from``: ``"module:attr"`` returning more overrides when the step runs,
+    e.g. the shipped lm-eval tasks), and ``tokens`` passed to :func:`moetool.data.load_tokens`."""
+
+    models: tuple[Any, ...] = BASE
+    seq_len: int | None = 128
+    max_tokens: int = 2048
+    options: dict[str, Any] = field(default_factory=dict)
+    options_from: str | None = None
+    tokens: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment. ``module`` holds ``function`` (``(lm, tokens, options=None, *, quiet, **overrides) ->
+    Result``; ``inputs`` says what it takes instead of ``(lm, tokens)``: ``"weights"`` = ``(lm, options)``,
+    ``"checkpoints"`` = ``(names or models, tokens, options)``), ``options`` (its dataclass) and ``lines``
+    (``(name, Result) -> list[str]``: what the demo prints). ``api`` is its name in ``import moetool``;
+    ``command`` the module of its CLI command; ``figures`` the ``"module:attr"`` drawing its figures."""
+
+    name: str
+    module: str
+    function: str
+    options: str | None = None
+    api: str = ""
+    inputs: str = "tokens"
+    command: str = ""
+    figures: str | None = None
+    lines: str | None = "summary_lines"
+    demo: Demo | None = None
+
+    @property
+    def result(self) -> str:
+        """The :class:`Result` name its function returns (``norm_select`` for ``norm-select``)."""
+        return self.function
+
+    def load(self, attr: str | None = None) -> Any:
+        """The compute function (or another attribute of the experiment's module)."""
+        return getattr(importlib.import_module(self.module), attr or self.function)
+
+    def options_class(self) -> Any:
+        return self.load(self.options) if self.options else None
+
+
+def _x(name: str, function: str, options: str | None, **kw: Any) -> Experiment:
+    module = f"moetool.experiments.{kw.pop('file', function)}"
+    return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function),
+                      command=f"moetool.commands.{kw.pop('cmd', function)}", **kw)
+
+
+#: every experiment, in the demo's order
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
+    _x("stats", "stats", "StatsOptions", figures="moetool.report.plots:stats_figures",
+       demo=Demo(seq_len=256, max_tokens=8192, tokens={"add_special_tokens": None})),
+    _x("norm-select", "norm_select", "NormSelectOptions", figures="moetool.report.plots:norm_select_figures",
+       demo=Demo(models=("tiny",), seq_len=256, max_tokens=2048, options={"limit": 20, "batch_size": 16},
+                 options_from="moetool.experiments.norm_select:demo_options")),
+    _x("erc", "erc", "ErcOptions", inputs="weights", figures="moetool.report.plots:erc_figures",
+       demo=Demo(seq_len=None, options={"samples": 4})),
+    _x("approx", "approx", "ApproxOptions", figures="moetool.report.plots:approx_figures",
+       demo=Demo(max_tokens=1024, options={"batch_size": 8})),
+    _x("mass-recall", "mass_recall", "MassRecallOptions", figures="moetool.report.plots:mass_recall_figures",
+       demo=Demo(max_tokens=4096, options={"codebook_sizes": (8, 32), "shortlists": (2, 4, 8, 16),
+                                           "kmeans_iters": 1})),
+    _x("offload", "offload", "OffloadOptions", figures="moetool.report.plots_offload:offload_figures",
+       demo=Demo(max_tokens=2048)),
+    _x("fluctuation", "fluctuation", "FluctuationOptions", inputs="checkpoints",
+       figures="moetool.report.plots:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True})),
+    _x("ppl", "ppl", "PplOptions", lines=None),
+    _x("eval", "eval_tasks", "EvalOptions", file="lmeval", api="evaluate", cmd="eval", inputs="model", lines=None),
+    _x("trace", "trace", "TraceOptions", lines=None),
+    _x("plan", "plan", None, inputs="config", lines=None),
+)}
+
+#: commands that are not experiments (their modules under moetool.commands)
+OTHER_COMMANDS = ("demo", "inspect", "report")
+
+
+def get(name: str) -> Experiment:
+    """The spec of a command name (``norm-select``) or result name (``norm_select``); one line if unknown."""
+    if name in EXPERIMENTS:
+        return EXPERIMENTS[name]
+    for spec in EXPERIMENTS.values():
+        if spec.result == name:
+            return spec
+    raise MoetoolError(f"unknown experiment '{name}'{did_you_mean(name, EXPERIMENTS)}; known: "
+                       f"{', '.join(EXPERIMENTS)}")
+
+
+def command_modules() -> list[str]:
+    """Every CLI command's module, experiments first (the order of ``moetool --help`` is alphabetical anyway)."""
+    return [spec.command for spec in EXPERIMENTS.values()] + [f"moetool.commands.{c}" for c in OTHER_COMMANDS]
