@@ -50,7 +50,8 @@ def _experts_impl(experts: Any) -> str:
 
 
 def family_row(model_type: str, model: Any = None, layers: list | None = None) -> dict[str, Any]:
-    """One row of the families table; the tiny model (``discovery.build_tiny``) is built unless given."""
+    """One row of the families table; the tiny model (:func:`moetool.adapters.tiny.build_tiny`) is built unless
+    given."""
     from .adapters import discovery, find_moe_layers
     from .errors import MoetoolError
 
@@ -61,7 +62,9 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
     empty = {"routing": "", "shared_experts": "", "dense_layers": "", "experts": ""}
     try:
         if model is None:
-            model = discovery.build_tiny(model_type)
+            from .adapters.tiny import build_tiny
+
+            model = build_tiny(model_type)
     except Exception as e:  # noqa: BLE001 - any failure of the family's own code on the shrunk config
         return {**row, "supported": f"unchecked: no tiny model ({type(e).__name__}: {str(e).splitlines()[0]})",
                 **empty}

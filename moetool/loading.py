@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from .configs import text_config
 from .errors import MoetoolError, MoetoolRuntimeError
 from .registry import did_you_mean
 
@@ -332,17 +333,6 @@ def pick_dtype(dtype: str, config: Any, device) -> Any:
 # ----- validate a run from the config, before any weight loads ----------------------------------------------------
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 GiB = 1024 ** 3
-
-
-def text_config(config: Any) -> Any:
-    """The language model's config (``text_config`` of a multimodal config; the config itself otherwise)."""
-    get = getattr(config, "get_text_config", None)
-    if callable(get):
-        try:
-            return get(decoder=True)
-        except TypeError:
-            return get()
-    return getattr(config, "text_config", None) or config
 
 
 def _positions(config: Any) -> tuple[int | None, str]:

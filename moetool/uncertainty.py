@@ -363,3 +363,39 @@ def add_interval_columns(df: Any, name: str, intervals: Sequence[Interval]) -> A
     df[f"{name}_lo"] = [i.lo for i in intervals]
     df[f"{name}_hi"] = [i.hi for i in intervals]
     return df
+
+
+# ----- writing an interval --------------------------------------------------------------------------------
+def format_ci(value: float, lo: float, hi: float, digits: int = 2) -> str:
+    """``"0.512 ± 0.013"``: the value and the half-width ``(hi - lo) / 2`` of its interval, both rounded to the
+    decimal place of the half-width's ``digits`` significant digits. An interval far from symmetric is written
+    ``"0.512 [0.49, 0.53]"``; a missing value (NaN) is ``""``; a missing interval gives the value alone."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return f"{value:.4g}"
+    half = (hi - lo) / 2
+    if half <= 0:
+        return f"{value:.4g} ± 0"
+    place = digits - 1 - math.floor(math.log10(half))  # decimals that keep `digits` significant digits of half
+    dec = max(place, 0)
+    below, above = value - lo, hi - value
+    if min(below, above) < 0 or abs(above - below) > 0.25 * half:  # asymmetric (or value outside): the interval
+        return f"{value:.{dec}f} [{lo:.{dec}f}, {hi:.{dec}f}]"
+    return f"{value:.{dec}f} ± {half:.{dec}f}"
+
+
+def with_ci(df: Any, digits: int = 2) -> Any:
+    """A copy of ``df`` where every column ``c`` that has ``c_lo`` and ``c_hi`` beside it becomes the text
+    ``value ± half-width`` (:func:`format_ci`; the value alone where the interval is NaN), ``_lo``/``_hi``
+    dropped. Columns without an interval are kept as they are."""
+    out = df.copy()
+    for c in list(df.columns):
+        lo, hi = f"{c}_lo", f"{c}_hi"
+        if lo in df.columns and hi in df.columns:
+            if df[lo].isna().all():
+                out = out.drop(columns=[lo, hi])
+                continue
+            out[c] = [format_ci(float(v), float(a), float(b), digits) for v, a, b in zip(df[c], df[lo], df[hi])]
+            out = out.drop(columns=[lo, hi])
+    return out

@@ -1,6 +1,6 @@
 """Every experiment command runs on a tiny model of each routing rule of the catalogue (``rules.RULES``).
 
-One installed family per rule: its tiny random model (``discovery.build_tiny``: the family's own config class,
+One installed family per rule: its tiny random model (``moetool.adapters.tiny.build_tiny``: the family's own config class,
 shrunk; routers re-drawn) is saved with ``save_pretrained`` beside the embedded model's tokenizer, loaded back
 by the CLI as ``--model <dir>``, and each command's tables are checked against the same model run by plain
 transformers here (no moetool engine): the experts module of every MoE layer is called as
@@ -28,7 +28,7 @@ from test_ppl import hand_ppl
 from test_rules import EXPECTED_RULE
 from typer.testing import CliRunner
 
-from moetool.adapters import discovery, find_moe_layers, rules
+from moetool.adapters import find_moe_layers, rules, tiny
 from moetool.commands.app import app
 from moetool.loading import EMBEDDED_DIR
 
@@ -123,7 +123,7 @@ def case(request, tmp_path_factory) -> Case:
     rule = request.param
     mt, overrides = CASES[rule]
     root = tmp_path_factory.mktemp(rule)
-    model = discovery.build_tiny(mt, seed=0)
+    model = tiny.build_tiny(mt, seed=0)
     model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
     cfg = model.config.get_text_config(decoder=True)
     for k, v in overrides.items():
@@ -134,7 +134,7 @@ def case(request, tmp_path_factory) -> Case:
     with torch.no_grad():
         for L in find_moe_layers(model):
             for t in L.router.parameters():
-                t.add_(torch.randn(t.shape, generator=gen) * discovery.ROUTER_STD)
+                t.add_(torch.randn(t.shape, generator=gen) * tiny.ROUTER_STD)
     model.save_pretrained(perturbed)
     for p in (path, perturbed):
         for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -24,6 +24,7 @@ from test_rules import EXPECTED_RULE
 
 from moetool import ops
 from moetool.adapters import discovery, find_moe_layers
+from moetool.adapters.tiny import build_tiny
 from moetool.engine import node_scores
 from moetool.policies import make_policy
 
@@ -46,7 +47,7 @@ def test_every_discovered_type_is_accounted_for():
 @functools.lru_cache(maxsize=None)
 def tiny(model_type: str):
     """The tiny model of ``model_type`` (routers re-drawn, seeded) and its MoE layers."""
-    model = discovery.build_tiny(model_type, seed=SEED)
+    model = build_tiny(model_type, seed=SEED)
     return model, find_moe_layers(model)
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from conftest import padded_batch, run
 
 from moetool.adapters import discovery, find_moe_layers
+from moetool.adapters.tiny import build_tiny
 from moetool.engine import node_scores
 from moetool.errors import MoetoolError
 from moetool.policies import make_policy
@@ -30,7 +31,7 @@ from moetool.policies import make_policy
 
 @functools.lru_cache(maxsize=None)
 def tiny(model_type: str):
-    model = discovery.build_tiny(model_type, seed=0)
+    model = build_tiny(model_type, seed=0)
     return model, find_moe_layers(model)
 
 

@@ -156,12 +156,12 @@ def test_parse_gpus_refuses(spec):
         P.parse_gpus(spec)
 
 
-def moetool(*args: str):
+def cli(*args: str):
     return subprocess.run([sys.executable, "-m", "moetool", *args], capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_cli(tmp_path):
-    r = moetool("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
+    r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     import moetool
@@ -169,12 +169,12 @@ def test_cli(tmp_path):
     assert moetool.plan(str(CONFIGS / "gpt-oss-120b"), "1xH100")["layouts"].to_dict(orient="records") == out["layouts"]
     assert out["plan"]["native_format"] == "mxfp4" and out["layouts"][0]["fits"]
     assert out["layouts"][0]["command"].startswith("moetool ppl --model")
-    r = moetool("plan", "--gpus", "8xZ100", "--out", str(tmp_path / "x"))
+    r = cli("plan", "--gpus", "8xZ100", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown GPU 'Z100'" in r.stderr
     assert not (tmp_path / "x").exists()
-    r = moetool("plan", "--nodes", "0")
+    r = cli("plan", "--nodes", "0")
     assert r.returncode == 2
-    r = moetool("plan", "--gpus", "1xRTX4090", "--out", str(tmp_path / "run"))
+    r = cli("plan", "--gpus", "1xRTX4090", "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
     assert {p.name for p in (tmp_path / "run").iterdir()} >= {"params.csv", "layouts.csv", "throughput.csv",
                                                                "manifest.json"}

@@ -45,7 +45,7 @@ _MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe
 
 
 def _looks_moe(config: Any) -> bool:
-    from .discovery import text_config  # no torch import: configs are checked before the model loads
+    from ..configs import text_config  # no torch import: configs are checked before the model loads
 
     return any(getattr(c, k, None) for c in (config, text_config(config)) for k in _MOE_CONFIG_KEYS)
 

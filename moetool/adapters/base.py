@@ -11,9 +11,11 @@ loaded model and wraps each in an :class:`MoELayer` subclass that knows
   :meth:`MoELayer.probs` (the full routing distribution π, summing to one) and
   :meth:`MoELayer.weights_for` (the model's weights for any chosen set).
 
-The base class implements the common transformers 5.x layout (fused
-``experts.gate_up_proj [E, 2I, H]`` with gate first, ``experts.down_proj [E, H, I]``,
-softmax -> top-K -> optional renormalisation); families override what differs.
+This module is the contract only. The one implementation of the routing is
+:class:`moetool.adapters.generic.GenericLayer` (the rule identified on the router itself,
+:mod:`moetool.adapters.rules`); hand adapters subclass it where a family's structure differs.
+The expert-weight views here are the common transformers 5.x layout (fused
+``experts.gate_up_proj [E, 2I, H]`` with gate first, ``experts.down_proj [E, H, I]``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
 
 #: the shape every adapter's ``tiny_config()`` shares (with its family's expert sizes: ~1-2M parameters)
 TINY_SHAPE: dict[str, int] = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -45,12 +45,10 @@ class ExpertWeights:
 
 
 class MoELayer:
-    """One MoE layer. Subclass per family; the defaults are the common 5.x layout."""
+    """One MoE layer: where to hook, its weights and its routing (the contract every adapter fulfils)."""
 
-    #: the weights returned by the router are fp32 (mixtral, deepseek) rather than cast back to the logits' dtype
-    weights_fp32: ClassVar[bool] = False
     #: human-readable scoring, for ``inspect``
-    scoring: ClassVar[str] = "softmax -> top-k"
+    scoring: str = ""
 
     def __init__(self, index: int, decoder_layer: nn.Module, block: nn.Module, router: nn.Module,
                  experts: nn.Module, config: Any):
@@ -64,16 +62,16 @@ class MoELayer:
     # ----- shape -------------------------------------------------------------------------
     @property
     def n_experts(self) -> int:
-        return int(self.router.weight.shape[0])
+        raise NotImplementedError
 
     @property
     def top_k(self) -> int:
-        return int(self.router.top_k)
+        raise NotImplementedError
 
     @property
     def renormalize(self) -> bool:
         """Whether the chosen experts' probabilities are renormalised to sum to one."""
-        return bool(getattr(self.router, "norm_topk_prob", False))
+        raise NotImplementedError
 
     @property
     def weight_scale(self) -> float:
@@ -82,7 +80,7 @@ class MoELayer:
         Policies whose weights sum to one (norm ``softmax``/``uniform``, ``random``) multiply by it,
         so the routed output keeps the model's own scale.
         """
-        return 1.0
+        raise NotImplementedError
 
     @property
     def attention(self) -> nn.Module | None:
@@ -91,14 +89,15 @@ class MoELayer:
 
     @property
     def shared_experts(self) -> nn.Module | None:
-        return None
+        raise NotImplementedError
 
     # ----- weights -----------------------------------------------------------------------
     def router_weight(self) -> torch.Tensor:
-        return self.router.weight  # [n, d]
+        """``R [n, d]``."""
+        raise NotImplementedError
 
     def router_bias(self) -> torch.Tensor | None:
-        return getattr(self.router, "bias", None)
+        raise NotImplementedError
 
     def expert_weights(self) -> ExpertWeights:
         gate_up = self.experts.gate_up_proj  # [n, 2I, d]
@@ -121,41 +120,27 @@ class MoELayer:
     # ----- routing, exactly as the model does it ----------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Router logits for router inputs ``h [T, d]`` -> ``[T, n]``."""
-        w = self.router_weight()
-        b = self.router_bias()
-        return F.linear(h.to(w.dtype), w, b)
+        raise NotImplementedError
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The full routing distribution π over all n experts (fp32, rows sum to one)."""
-        return torch.softmax(logits.float(), dim=-1)
+        raise NotImplementedError
 
     def selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The scores the model ranks experts by (π for softmax families)."""
-        return self.probs(logits)
-
-    def _weights_dtype(self, logits: torch.Tensor) -> torch.dtype:
-        return torch.float32 if self.weights_fp32 else logits.dtype
+        raise NotImplementedError
 
     def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The model's routing weights for a chosen set ``idx [T, K]`` (renormalised as the model does)."""
-        w = self.probs(logits).gather(-1, idx)
-        if self.renormalize:
-            w = ops.normalize(w)
-        return w.to(self._weights_dtype(logits))
+        raise NotImplementedError
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(idx [T, K], weights [T, K])`` exactly as the model's router computes them."""
-        idx = ops.topk(self.selection_scores(logits), self.top_k)
-        return idx, self.weights_for(logits, idx)
+        raise NotImplementedError
 
     def rule_name(self) -> str:
-        """The catalogue rule (moetool/adapters/rules.py) the router reproduces, identified on first use."""
-        name = self.__dict__.get("_rule_name")
-        if name is None:
-            from .generic import identify_layer
-
-            name = self.__dict__["_rule_name"] = identify_layer(self)[0].name
-        return name
+        """The catalogue rule (moetool/adapters/rules.py) the router reproduces."""
+        raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -174,25 +159,14 @@ class Adapter:
     """A model family: which decoder layers are MoE and how to wrap them."""
 
     family: ClassVar[str] = ""
-    model_types: ClassVar[tuple[str, ...]] = ()
     layer_cls: ClassVar[type[MoELayer]] = MoELayer
-    block_attr: ClassVar[str] = "mlp"
-    router_attr: ClassVar[str] = "gate"
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
-        base = getattr(model, "model", model)
-        return list(base.layers)
-
-    def is_moe_block(self, index: int, block: nn.Module, config: Any) -> bool:
-        return hasattr(block, "experts") and hasattr(block, self.router_attr)
+        raise NotImplementedError
 
     def layers(self, model: nn.Module) -> list[MoELayer]:
-        out = []
-        for i, dl in enumerate(self.decoder_layers(model)):
-            block = getattr(dl, self.block_attr, None)
-            if block is not None and self.is_moe_block(i, block, model.config):
-                out.append(self.layer_cls(i, dl, block, getattr(block, self.router_attr), block.experts, model.config))
-        return out
+        """Every MoE layer of ``model``, wrapped in :attr:`layer_cls`."""
+        raise NotImplementedError
 
     @staticmethod
     def tiny_config() -> Any:

@@ -35,7 +35,6 @@ class DeepseekV2Layer(GenericLayer):
 
 class DeepseekV2Adapter(DeepseekV3Adapter):
     family = "deepseek_v2"
-    model_types = ("deepseek_v2",)
     layer_cls = DeepseekV2Layer
 
     @staticmethod

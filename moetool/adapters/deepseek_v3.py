@@ -26,7 +26,6 @@ __all__ = ["DeepseekV3Adapter", "group_mask"]
 
 class DeepseekV3Adapter(GenericAdapter):
     family = "deepseek_v3"
-    model_types = ("deepseek_v3",)
 
     @staticmethod
     def tiny_config():

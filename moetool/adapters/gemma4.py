@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..configs import text_config
 from . import rules
 from .base import ExpertWeights
-from .generic import GenericAdapter, GenericLayer, _candidates, decoder_layers, text_config
+from .generic import GenericAdapter, GenericLayer, _candidates, decoder_layers
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 _N_TOKENS = 256

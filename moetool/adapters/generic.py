@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..configs import text_config
 from ..errors import MoetoolError
 from . import rules
 from .base import Adapter, MoELayer
@@ -40,14 +41,6 @@ _BIAS_ATTRS = ("e_score_correction_bias", "expert_bias")
 _SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 _GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
 _N_TOKENS = 256
-
-
-def text_config(config: Any) -> Any:
-    """The decoder's config (the config itself for text-only models)."""
-    try:
-        return config.get_text_config(decoder=True)
-    except (ValueError, TypeError):
-        return config
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

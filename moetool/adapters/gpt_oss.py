@@ -41,7 +41,6 @@ class GptOssLayer(GenericLayer):
 
 class GptOssAdapter(GenericAdapter):
     family = "gpt_oss"
-    model_types = ("gpt_oss",)
     layer_cls = GptOssLayer
 
     @staticmethod

@@ -127,7 +127,8 @@ class Llama4Adapter(GenericAdapter):
     layer_cls = Llama4Layer
 
     def layers(self, model: nn.Module) -> list:
-        from .generic import decoder_layers, text_config
+        from ..configs import text_config
+        from .generic import decoder_layers
 
         config = text_config(model.config)
         out = []

@@ -12,7 +12,6 @@ from .generic import GenericAdapter
 
 class MixtralAdapter(GenericAdapter):
     family = "mixtral"
-    model_types = ("mixtral", "minimax")
 
     @staticmethod
     def tiny_config():

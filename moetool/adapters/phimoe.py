@@ -26,7 +26,6 @@ from .generic import GenericAdapter
 
 class PhimoeAdapter(GenericAdapter):
     family = "phimoe"
-    model_types = ("phimoe",)
 
     @staticmethod
     def tiny_config():

@@ -25,7 +25,7 @@ weights differ, so they measure router drift; the plain rows add the drift of th
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -501,7 +501,7 @@ def summary_lines(name: str, res: Any) -> list[str]:
     paired reduction against the router with whether the interval excludes 0 (``name`` is not needed: the pairs
     name themselves)."""
     pooled = res["fluctuation_summary"]
-    from ..report.console import format_ci
+    from ..uncertainty import format_ci
 
     lines = []
     for (r, c), d in pooled.groupby(["reference", "checkpoint"], sort=False):

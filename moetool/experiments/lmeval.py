@@ -309,6 +309,6 @@ def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | 
 
 def eval_summary(frame: Any) -> Any:
     """The console table: ``value ± half-width`` (lm-eval's stderr interval) beside the stderr."""
-    from ..report.console import with_ci
+    from ..uncertainty import with_ci
 
     return with_ci(frame)

@@ -109,7 +109,7 @@ def parse_gpus(spec: str) -> tuple[int, Gpu]:
 
 def native_format(config: Any) -> str:
     """The checkpoint's storage format: its ``quantization_config`` (fp8, mxfp4, fp4) or its ``torch_dtype``."""
-    from ..loading import text_config
+    from ..configs import text_config
 
     q = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
     if q:
@@ -196,7 +196,8 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
     ``loading.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
     import torch
 
-    from ..loading import estimate_memory, text_config
+    from ..configs import text_config
+    from ..loading import estimate_memory
 
     tc = text_config(config)
     _, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch.bfloat16, params=None)
@@ -211,7 +212,7 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
 
 def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_experts: bool) -> float:
     """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs."""
-    from ..loading import text_config
+    from ..configs import text_config
 
     tc = text_config(config)
     q_width, _ = _attention_width(tc)

@@ -163,9 +163,9 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
 
 
 def ppl_summary(df: Any) -> Any:
-    """The console row (``value ± half-width`` via :func:`moetool.report.console.with_ci`); the baseline's
+    """The console row (``value ± half-width`` via :func:`moetool.uncertainty.with_ci`); the baseline's
     columns only when it ran."""
-    from ..report.console import with_ci
+    from ..uncertainty import with_ci
 
     cols = ["weights", "layers", "tokens", "nll_mean", "perplexity", "perplexity_lo", "perplexity_hi"]
     if df.router_perplexity.notna().any():

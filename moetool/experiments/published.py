@@ -136,7 +136,7 @@ def console_layout(table: Any) -> tuple[str, Any]:
     """``(title, frame)`` to print a published layout (:func:`aoe_table1`, :func:`erc_alpha_min`): measured
     values as ``value ± half-width``; without published numbers for the model, the paper and Δ columns are
     dropped and the title says so."""
-    from ..report.console import with_ci
+    from ..uncertainty import with_ci
 
     source = table.attrs.get("source", "")
     df = table

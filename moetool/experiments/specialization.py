@@ -143,8 +143,6 @@ class VocabSpecialization:
         """``specialization.csv`` and ``specialized_tokens.csv``."""
         import pandas as pd
 
-        from .stats import _decoder, _with_tokens
-
         missing = sorted(set(self.layers) - set(self.counters))
         if missing:
             raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
@@ -167,7 +165,7 @@ class VocabSpecialization:
                 best.append(df)
         spec = pd.DataFrame(rows)
         cols = ["layer", "view", "expert", "rank", "token_id", "token", "occurrences", "count", "specialization"]
-        tokens = _with_tokens(pd.concat(best, ignore_index=True), _decoder(tokenizer))[cols]
+        tokens = with_tokens(pd.concat(best, ignore_index=True), token_decoder(tokenizer))[cols]
         return {"specialization.csv": spec, "specialized_tokens.csv": tokens}
 
 
@@ -365,3 +363,21 @@ def coactivation_counts(idx: torch.Tensor, n: int, valid: torch.Tensor, mode: st
         ab = a.T @ b
         co = co + ab + ab.T
     return co
+
+
+def token_decoder(tokenizer: Any):
+    """``decode(token id) -> text`` of one id, cached (``""`` without a tokenizer)."""
+    cache: dict[int, str] = {}
+
+    def decode(i: int) -> str:
+        if i not in cache:
+            cache[i] = tokenizer.decode([i]) if tokenizer is not None else ""
+        return cache[i]
+    return decode
+
+
+def with_tokens(df: Any, decode: Any) -> Any:
+    """``df`` with a ``token`` column: the text of each ``token_id``."""
+    df = df.reset_index(drop=True)
+    df["token"] = [decode(int(i)) for i in df["token_id"]]
+    return df

@@ -30,7 +30,8 @@ from ..sketch import MERGE_MIN, SparseCounter
 from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
-                             VocabSpecialization, _masked_keys, coactivation_counts, on_device)
+                             VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
+                             with_tokens)
 
 NO_DOMAIN = "(none)"
 
@@ -245,7 +246,7 @@ class RoutingStats:
             raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
         load, layers, co, dom, top, lift = [], [], [], [], [], []
         tok_keys, tok_counts = (t.cpu().numpy() for t in self.token_totals.result())
-        decode = _decoder(tokenizer)
+        decode = token_decoder(tokenizer)
         for li in sorted(self.acc):
             a = self.acc[li]
             tokens = int(a.tokens)
@@ -274,8 +275,8 @@ class RoutingStats:
             out["domain_load.csv"] = pd.concat(dom, ignore_index=True)
         if top:
             cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
-            out["top_tokens.csv"] = _with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
-            out["top_tokens_lift.csv"] = _with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+            out["top_tokens.csv"] = with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
+            out["top_tokens_lift.csv"] = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
         return out
 
 
@@ -325,23 +326,6 @@ def _rank(pairs: Any, by: str, top_n: int) -> Any:
     df = df.groupby("expert", sort=False).head(top_n).copy()
     df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
     return df
-
-
-def _decoder(tokenizer: Any):
-    cache: dict[int, str] = {}
-
-    def decode(i: int) -> str:
-        if i not in cache:
-            cache[i] = tokenizer.decode([i]) if tokenizer is not None else ""
-        return cache[i]
-    return decode
-
-
-def _with_tokens(df: Any, decode) -> Any:
-    df = df.reset_index(drop=True)
-    df["token"] = [decode(int(i)) for i in df["token_id"]]
-    return df
-
 
 
 # ----- the experiment ----------------------------------------------------------------------------
@@ -499,7 +483,7 @@ def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, s
 
 def summary_table(layers: Any) -> Any:
     """``layers.csv`` with short headings, for the console (``value ± half-width`` where intervals exist)."""
-    from ..report.console import with_ci
+    from ..uncertainty import with_ci
 
     cols = ["layer", "n_experts", "top_k", "tokens"] + [x for c in LAYERS_CI for x in (c, c + "_lo", c + "_hi")]
     return with_ci(layers[cols]).rename(columns={

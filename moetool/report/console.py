@@ -4,7 +4,7 @@
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
   columns when piped) is split into column blocks that repeat the key column, text cells wrap.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
-- :func:`format_ci` writes ``value ± half-width`` for a confidence interval.
+- Intervals are written ``value ± half-width`` by :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import sys
 from typing import Any, Sequence
+
+from ..uncertainty import format_ci, with_ci  # noqa: F401 - the console's interval text, for the commands
 
 MAX_ROWS = 30  # longer tables are summarised
 HEAD_ROWS = 20  # rows shown of a summarised table
@@ -30,41 +32,6 @@ def _fmt(v: Any, floatfmt: str) -> str:
     if isinstance(v, float):
         return "" if math.isnan(v) else floatfmt.format(v)  # missing stays empty, never a plausible number
     return str(v)
-
-
-def format_ci(value: float, lo: float, hi: float, digits: int = 2) -> str:
-    """``"0.512 ± 0.013"``: the value and the half-width ``(hi - lo) / 2`` of its interval, both rounded to the
-    decimal place of the half-width's ``digits`` significant digits. An interval far from symmetric is written
-    ``"0.512 [0.49, 0.53]"``; a missing value (NaN) is ``""``; a missing interval gives the value alone."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
-        return f"{value:.4g}"
-    half = (hi - lo) / 2
-    if half <= 0:
-        return f"{value:.4g} ± 0"
-    place = digits - 1 - math.floor(math.log10(half))  # decimals that keep `digits` significant digits of half
-    dec = max(place, 0)
-    below, above = value - lo, hi - value
-    if min(below, above) < 0 or abs(above - below) > 0.25 * half:  # asymmetric (or value outside): the interval
-        return f"{value:.{dec}f} [{lo:.{dec}f}, {hi:.{dec}f}]"
-    return f"{value:.{dec}f} ± {half:.{dec}f}"
-
-
-def with_ci(df: Any, digits: int = 2) -> Any:
-    """A copy of ``df`` where every column ``c`` that has ``c_lo`` and ``c_hi`` beside it becomes the text
-    ``value ± half-width`` (:func:`format_ci`; the value alone where the interval is NaN), ``_lo``/``_hi``
-    dropped. Columns without an interval are kept as they are."""
-    out = df.copy()
-    for c in list(df.columns):
-        lo, hi = f"{c}_lo", f"{c}_hi"
-        if lo in df.columns and hi in df.columns:
-            if df[lo].isna().all():
-                out = out.drop(columns=[lo, hi])
-                continue
-            out[c] = [format_ci(float(v), float(a), float(b), digits) for v, a, b in zip(df[c], df[lo], df[hi])]
-            out = out.drop(columns=[lo, hi])
-    return out
 
 
 def _blocks(widths: Sequence[int], key: int, avail: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ take the experiment's tables, so a notebook can draw them from a :class:`~moetoo
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 
 # ----- stats ----------------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""The layers hold: every import of every module (function-local ones too) goes to the same layer or one below,
+and no modules import each other in a cycle. ARCHITECTURE.md describes the layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: lowest first; a module may import its own layer and the layers before it (a group is moetool.<name>)
+LAYERS: list[set[str]] = [
+    {"errors", "registry", "configs", "demo_models", "progress", "ops", "lmeval_compat"},
+    {"sketch", "uncertainty", "distributed", "data"},
+    {"adapters"},
+    {"loading", "engine"},
+    {"policies"},
+    {"experiments"},
+    {"report", "inspect"},
+    {"demo", "api"},
+    {"commands", "moetool", "__main__"},
+]
+RANK = {group: i for i, groups in enumerate(LAYERS) for group in groups}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = ["moetool", "commands", *rel.parts[1:]] if rel.parts[0] == "commands" else list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    files = [*ROOT.joinpath("moetool").rglob("*.py"), *ROOT.joinpath("commands").rglob("*.py")]
+    return {module_name(p): p for p in files if "embedded" not in p.parts}
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The moetool modules ``name`` imports anywhere in its source (``from .x import y`` counts the submodule
+    ``x.y`` when ``y`` is one, else ``x``)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            found = subs if len(subs) == len(node.names) else [target, *subs]
+        elif isinstance(node, ast.Import):
+            found = [a.name for a in node.names]
+        else:
+            continue
+        out |= {t for t in found if t in known and t != name}
+    return out
+
+
+def group(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_every_module_has_a_layer():
+    assert {group(m) for m in modules()} <= set(RANK), set(map(group, modules())) - set(RANK)
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = sorted(f"{a} -> {b}" for a, deps in graph().items() for b in deps if RANK[group(b)] > RANK[group(a)])
+    assert not bad, "imports from a higher layer:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    g = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_checker_sees_a_cycle_and_a_layer_break(tmp_path, monkeypatch):
+    """The checks themselves: a planted upward import and a planted cycle are found."""
+    g = graph()
+    assert "moetool.engine.runner" in g["moetool.experiments.stats"]  # imports are read (function-local too)
+    assert "moetool.adapters.tiny" in g["moetool.inspect"]  # a function-local import counts
+    g["moetool.ops"].add("moetool.report.console")
+    assert any(RANK[group(b)] > RANK[group(a)] for a, deps in g.items() for b in deps)
