@@ -87,7 +87,7 @@ def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
             "--bootstrap", "100", "--quiet"]
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
-    assert saved == ["router"] and (part / "units" / "router.pkl").is_file()
+    assert saved == ["router"] and (part / "units" / "router.unit").is_file()
 
     # without --resume the unfinished run is not overwritten by accident
     r = runner.invoke(app, [*args, "--out", str(part)])
@@ -143,7 +143,7 @@ def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
             "--min-count", "2", "--quiet"]
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 3)
-    assert saved == ["batches"] * 3 and (part / "units" / "batches.pkl").is_file()
+    assert saved == ["batches"] * 3 and (part / "units" / "batches.unit").is_file()
 
     r = runner.invoke(app, [*args[:-3], "--min-count", "3", "--quiet", "--out", str(part), "--resume"])
     assert r.exit_code == 2 and "other options (min_count: 2 -> 3)" in r.output, r.output
@@ -182,7 +182,7 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
     assert saved == ["checkpoint-1"]
     assert sorted(p.name for p in (part / "units").iterdir()) == [
-        "checkpoint-1-0.spill", "checkpoint-1-1.spill", "checkpoint-1.pkl", "key.json"]
+        "checkpoint-1-0.spill", "checkpoint-1-1.spill", "checkpoint-1.unit", "inputs.json", "key.json"]
 
     with monkeypatch.context() as m:
         captured = []

@@ -83,7 +83,7 @@ def test_interrupted_write_leaves_no_half_file(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run.write_csv("t.csv", Boom())
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [rd.LOCK, "manifest.json"]  # the run still runs
     assert manifest(tmp_path / "r")["files"] == []
 
 
@@ -96,6 +96,7 @@ def test_force_removes_the_previous_runs_results_only(tmp_path):
     child.write_json("x.json", {"a": 1})
     child.finish(options={})
     old.figures.joinpath("stale.png").write_bytes(b"x")
+    old.file("figures/stale.png")  # listed, as save_figure lists its files
     old.finish(options={})
     (out / "notes.txt").write_text("mine")
     with pytest.raises(MoetoolError, match="not empty"):
