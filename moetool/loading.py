@@ -600,9 +600,11 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.index.j
 
 
 def weights_fingerprint(name: str) -> dict[str, Any]:
-    """The weight files model ``name`` loads from: ``{"files": {file: [bytes, mtime_ns]}}`` for a local, embedded
+    """The weight files model ``name`` loads from: ``{"files": {file: {bytes, modified}}}`` for a local, embedded
     or cached hub model (a hub model also gives the cached revision), ``{"source": id}`` when nothing is on disk
     yet. Stats files only (``--resume`` refuses a run whose weights changed since it started)."""
+    from datetime import datetime
+
     source, kind = resolve(name)
     folder = Path(source) if kind in ("local", "embedded") else None
     out: dict[str, Any] = {"source": source}
@@ -618,5 +620,6 @@ def weights_fingerprint(name: str) -> dict[str, Any]:
             out["revision"] = folder.name
     if folder is not None:
         files = sorted({f for pattern in _WEIGHT_FILES for f in folder.glob(pattern) if f.is_file()})
-        out["files"] = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+        out["files"] = {f.name: {"bytes": f.stat().st_size, "modified": datetime.fromtimestamp(
+            f.stat().st_mtime_ns / 1e9).isoformat(timespec="microseconds")} for f in files}
     return out

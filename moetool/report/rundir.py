@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from datetime import datetime
 from pathlib import Path
@@ -586,6 +587,7 @@ CHECKPOINT_TYPES = frozenset({
     "moetool.sketch.SparseCounter", "moetool.experiments.stats.Collected", "moetool.experiments.stats.RoutingStats",
     "moetool.experiments.stats.LayerAccumulator", "moetool.experiments.specialization.VocabSpecialization",
     "moetool.experiments.specialization.CrossLayer", "moetool.experiments.specialization.LoadBalance",
+    "moetool.experiments.lmeval.EvalResult",
 })
 UNIT_FORMAT = 1  # the layout of a unit file (``<name>.unit``: torch.save of plain containers and tensors)
 
@@ -776,8 +778,8 @@ class Units:
             old_units = sorted(p.name for p in self.dir.glob("*.pkl"))
             if old_units:  # an older moetool's pickles: never unpickled
                 raise MoetoolRuntimeError(
-                    f"--resume: {self.dir} holds pickled checkpoints ({old_units[0]}) that moetool no longer reads "
-                    "(unpickling can run code): start over with --force")
+                    f"--resume: the checkpoint {self.dir / old_units[0]} is a pickle (an older moetool's, or "
+                    "tampered): unsafe to load, not read (unpickling can run code); start over with --force")
 
     def _read_key(self, name: str = "key.json") -> dict[str, Any] | None:
         try:
@@ -797,7 +799,7 @@ class Units:
             before = (old or {}).get(what)
             if before is None or before == new:
                 continue
-            where = _first_difference(before, new)
+            where = _first_difference(before, new, what)
             label = {"data": "the data", "model": "the model's weights"}.get(what, what)
             raise MoetoolError(f"--resume: {label} changed since {self.run._path} was started ({where}); resume "
                                "with what the run read or use --force to start over")
@@ -831,8 +833,6 @@ class Units:
     def load(self, name: str, refs: Any = ()) -> Any:
         """The saved result of unit ``name`` (``None``: not finished before the interruption). A unit file that
         cannot be read back (damaged, tampered, a side file missing) is refused in one line."""
-        import pickle
-
         import torch
 
         if self.run.resuming is None:
@@ -841,10 +841,13 @@ class Units:
         if not p.is_file():
             return None
         try:
-            stored = torch.load(p, map_location=None, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError, AttributeError,
-                TypeError) as e:
-            raise self._damaged(p, one_line(e)[:120]) from None
+            with warnings.catch_warnings():  # torch's remarks on a foreign file: the one line below says it
+                warnings.simplefilter("ignore")
+                stored = torch.load(p, map_location=None, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - refused by the safe unpickler, truncated, not a torch file
+            why = ("the safe loader refused it: it asks to run code or build objects" if "Weights only" in str(e)
+                   else one_line(e)[:100])
+            raise self._damaged(p, why) from None
         try:
             if type(stored) is not dict or stored.get("format") != UNIT_FORMAT or type(stored.get("files")) is not dict:
                 raise _Damaged("not a moetool unit")
@@ -898,5 +901,5 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str:
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
                 return _first_difference(x, y, f"{where}[{i}]")
-    short = lambda v: (repr(v)[:40] + "…") if len(repr(v)) > 40 else repr(v)  # noqa: E731
+    short = lambda v: (repr(v)[:24] + "…") if len(repr(v)) > 24 else repr(v)  # noqa: E731
     return f"{where or 'fingerprint'}: {short(a)} -> {short(b)}"
