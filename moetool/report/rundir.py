@@ -10,8 +10,11 @@ Failing safely:
   ``--force`` -> one-line :class:`~moetool.errors.MoetoolError`); the folder is made at the first write, so a run
   that fails before any result leaves nothing behind that blocks its rerun. A folder holding a *failed* moetool run
   is replaced without ``--force``.
-- ``--force`` over a previous moetool run removes that run's result files (the files its manifest lists, its
-  sub-runs and ``figures/``), so no stale CSV sits beside the new manifest; other files are left alone.
+- ``--force`` over a previous moetool run removes that run's result files (the files its manifest and its
+  sub-runs' list, the folders they leave empty), so no stale CSV sits beside the new manifest; other files are
+  left alone, and a listed path outside the folder or through a link is refused before anything is removed.
+- One run writes into a folder at a time: an advisory lock (``fcntl.flock`` on ``.moetool-lock``) is held from
+  validation or the first write until the run ends; a second run is refused in one line naming the holder.
 - Every file is written under a temporary name (``.part-<pid>-<name>``) and renamed when complete.
 - ``manifest.json`` says ``"status": "running"`` from the first write, ``"complete"`` only from :meth:`finish`,
   ``"interrupted"`` after Ctrl-C / SIGTERM and ``"failed"`` (with ``"error"``) otherwise: the CLI's error handler
