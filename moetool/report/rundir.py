@@ -157,16 +157,16 @@ def _not_a_link(p: Path, path: Path) -> None:
                            f"(clear the folder yourself or choose another --out)")
 
 
-def _removal_plan(path: Path, keep_units: bool = False) -> tuple[list[Path], list[Path]]:
-    """What removing the moetool run in ``path`` deletes: ``(files, folders)`` — the files its manifest lists
-    (and its manifest), those of its sub-runs, and ``units/`` unless ``keep_units`` (folders: removed whole for
-    ``units/``, else only when left empty). Every path is checked first: a listed path outside the run folder
-    or through a link, or ``figures/`` / ``units/`` / a sub-run that is a link, is refused in one line."""
+def _removal_plan(path: Path, keep_units: bool = False) -> tuple[list[Path], list[Path], list[Path]]:
+    """What removing the moetool run in ``path`` deletes: ``(files, folders, trees)`` — the files its manifest
+    lists (and its manifest) and those of its sub-runs; the folders they sit in, removed when left empty; and
+    ``units/`` (removed whole) unless ``keep_units``. Every path is checked first: a listed path outside the run
+    folder or through a link, or ``figures/`` / ``units/`` / a sub-run that is a link, is refused in one line."""
     m = read_manifest(path)
     if m is None:
-        return [], []
+        return [], [], []
     here = path.resolve()
-    files, dirs = [], []
+    files, dirs, trees = [], [], []
     for name in ("figures", UNITS):
         _not_a_link(path / name, path)
     for rel in [*m.get("files", []), MANIFEST]:
@@ -180,28 +180,26 @@ def _removal_plan(path: Path, keep_units: bool = False) -> tuple[list[Path], lis
         child = _inside(here, sub, "sub-run", path)
         _not_a_link(child, path)
         if child.is_dir():
-            f, d = _removal_plan(child)
-            files += f
-            dirs += [*d, child]
+            f, d, t = _removal_plan(child)
+            files, dirs, trees = files + f, dirs + [*d, child], trees + t
     if (here / UNITS).is_dir() and not keep_units:
-        dirs.append(here / UNITS)
-    return files, dirs
+        trees.append(here / UNITS)
+    return files, dirs, trees
 
 
 def _remove_previous(path: Path, keep_units: bool = False) -> None:
     """Delete the result files of the moetool run in ``path`` (:func:`_removal_plan`, checked before anything is
     removed): its manifest's files, its sub-runs', the folders they leave empty and ``units/`` unless
     ``keep_units`` (a resumed run keeps its finished units). Files the run did not list are left alone."""
-    files, dirs = _removal_plan(path, keep_units)
+    files, dirs, trees = _removal_plan(path, keep_units)
     for p in files:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
+    for d in trees:
+        shutil.rmtree(d, ignore_errors=True)
     for d in sorted(set(dirs), key=lambda d: len(d.parts), reverse=True):  # deepest first
-        if d.name == UNITS and d.parent == path.resolve():
-            shutil.rmtree(d, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                d.rmdir()  # only when empty: a user's own file keeps its folder
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when empty: a user's own file keeps its folder
     for p in path.glob(f"{PART}*"):
         with contextlib.suppress(OSError):
             p.unlink()
