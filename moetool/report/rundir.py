@@ -333,7 +333,7 @@ class RunDir:
         """Keep the folder's lock until the run ends (:meth:`finish`, :meth:`mark`, or this object is dropped)."""
         self._lock = lock
         if lock is not None:
-            self._unlocker = weakref.finalize(self, _unlock, lock, self._path)
+            self._unlocker = weakref.finalize(self, _unlock, lock, self._path.absolute())
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -804,8 +804,8 @@ class Units:
             label = {"data": "the data", "model": "the model's weights"}.get(what, what)
             raise MoetoolError(f"--resume: {label} changed since {self.run._path} was started ({where}); resume "
                                "with what the run read or use --force to start over")
-        if self.dir.is_dir():
-            self._write_inputs()
+        if self.run.resuming is not None and self.dir.is_dir():
+            self._write_inputs()  # a resumed run's checkpoints: what they were made from (else at the first save)
 
     def _write_inputs(self) -> None:
         merged = {**(self._read_key("inputs.json") or {}), **self.inputs}
