@@ -82,6 +82,10 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     run, units = open_run("fluctuation", out, force, resume=resume, device=device, estimate=est,
                           batch_size=batch_size, units={**options, **unit_key(opts)})
     tokens = load_tokens(data, tokenizer, seq_len, max_tokens)
+    if units is not None:  # --resume: refused when the data or a checkpoint's weights differ from what the run read
+        from moetool.loading import weights_fingerprint
+
+        units.check_inputs(data=tokens.fingerprint(), model=[weights_fingerprint(c) for c in checkpoints])
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
     res = compute(checkpoints, tokens, opts, quiet=quiet, units=units)

@@ -311,7 +311,7 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     ``resume`` continues the unfinished run in ``out`` (other options: refused in one line before loading)."""
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
-    from moetool.loading import load
+    from moetool.loading import load, weights_fingerprint
 
     attn = "eager" if attention else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -326,9 +326,13 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
     run, checkpoints = open_run(command, out, force, resume=resume, device=device, estimate=est,
                                 batch_size=batch_size, units=None if units is None else {**options, **unit_key(units)})
+    if checkpoints is not None:  # --resume: refused when the weights changed since the run started
+        checkpoints.check_inputs(model=weights_fingerprint(model))
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
     tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
               if seq_len is not None else None)
+    if checkpoints is not None and tokens is not None:  # --resume: refused when other data was read
+        checkpoints.check_inputs(data=tokens.fingerprint())
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
     return StartedRun(run, lm, tokens, options, checkpoints)

@@ -175,6 +175,17 @@ class TokenSet:
             yield TokenBatch(self.input_ids[s:s + batch_size], self.attention_mask[s:s + batch_size],
                              self.domains[s:s + batch_size])
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What was read, not where from: rows, tokens and a SHA-256 of the token ids, padding mask and domains
+        (``--resume`` refuses other data read from the same path)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for t in (self.input_ids, self.attention_mask):
+            h.update(t.detach().cpu().long().contiguous().numpy().tobytes())
+        h.update(json.dumps(list(self.domains)).encode())
+        return {"rows": int(self.input_ids.shape[0]), "tokens": self.n_tokens, "sha256": h.hexdigest()}
+
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "rows": int(self.input_ids.shape[0]), "seq_len": int(self.input_ids.shape[1]),
                 "tokens": self.n_tokens, "domains": sorted(set(self.domains)),

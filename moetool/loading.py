@@ -583,3 +583,33 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
             tok.pad_token = tok.eos_token
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,
                        layers=find_moe_layers(model), device=model.device, dtype=torch_dtype)
+
+
+#: files whose name, size and modification time make a model's fingerprint (weights, their index, config)
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.index.json", "config.json")
+
+
+def weights_fingerprint(name: str) -> dict[str, Any]:
+    """The weight files model ``name`` loads from: ``{"files": {file: {bytes, modified}}}`` for a local, embedded
+    or cached hub model (a hub model also gives the cached revision), ``{"source": id}`` when nothing is on disk
+    yet. Stats files only (``--resume`` refuses a run whose weights changed since it started)."""
+    from datetime import datetime
+
+    source, kind = resolve(name)
+    folder = Path(source) if kind in ("local", "embedded") else None
+    out: dict[str, Any] = {"source": source}
+    if folder is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+        except Exception:  # noqa: BLE001 - no cache, odd id: the fingerprint is the id alone
+            cached = None
+        if isinstance(cached, str):
+            folder = Path(cached).parent
+            out["revision"] = folder.name
+    if folder is not None:
+        files = sorted({f for pattern in _WEIGHT_FILES for f in folder.glob(pattern) if f.is_file()})
+        out["files"] = {f.name: {"bytes": f.stat().st_size, "modified": datetime.fromtimestamp(
+            f.stat().st_mtime_ns / 1e9).isoformat(timespec="microseconds")} for f in files}
+    return out

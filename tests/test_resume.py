@@ -2,6 +2,7 @@
 uninterrupted run; other options are refused in one line; the unit checkpoints go once the run is complete."""
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -87,7 +88,7 @@ def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
             "--bootstrap", "100", "--quiet"]
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
-    assert saved == ["router"] and (part / "units" / "router.pkl").is_file()
+    assert saved == ["router"] and (part / "units" / "router.unit").is_file()
 
     # without --resume the unfinished run is not overwritten by accident
     r = runner.invoke(app, [*args, "--out", str(part)])
@@ -143,7 +144,7 @@ def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
             "--min-count", "2", "--quiet"]
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 3)
-    assert saved == ["batches"] * 3 and (part / "units" / "batches.pkl").is_file()
+    assert saved == ["batches"] * 3 and (part / "units" / "batches.unit").is_file()
 
     r = runner.invoke(app, [*args[:-3], "--min-count", "3", "--quiet", "--out", str(part), "--resume"])
     assert r.exit_code == 2 and "other options (min_count: 2 -> 3)" in r.output, r.output
@@ -182,7 +183,7 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
     assert saved == ["checkpoint-1"]
     assert sorted(p.name for p in (part / "units").iterdir()) == [
-        "checkpoint-1-0.spill", "checkpoint-1-1.spill", "checkpoint-1.pkl", "key.json"]
+        "checkpoint-1-0.spill", "checkpoint-1-1.spill", "checkpoint-1.unit", "inputs.json", "key.json"]
 
     with monkeypatch.context() as m:
         captured = []
@@ -262,3 +263,136 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
         assert len(pd.read_parquet(tmp_path / "t.parquet")) == 4 * tokens.n_tokens  # every row once (4 MoE layers)
     assert engine_runner.BACKOFF.events == [4] and saved == [1, 2, 3]
     run.finish(options={})  # leaves no unfinished run in this process's registry
+
+
+# ----- #21: a resume reads back only what this run wrote, from the same data and weights, and runs no code ------
+STATS = ["stats", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "0", "--min-count", "2",
+         "--quiet"]
+
+
+def _interrupted(monkeypatch, args, out, n=1):
+    with monkeypatch.context() as m:
+        _interrupt_after_saves(m, n)
+        r = runner.invoke(app, [*args, "--out", str(out)])
+    assert r.exit_code == 130, r.output
+
+
+def _one_line_error(r, code):
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == code and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+@needs_tiny
+def test_resume_refuses_other_data_read_from_the_same_path(tmp_path, monkeypatch):
+    data = tmp_path / "data.txt"
+    data.write_text("The old text about rivers and the sea, told again and again. " * 40)
+    part = tmp_path / "part"
+    _interrupted(monkeypatch, [*STATS, "--data", str(data)], part)
+    data.write_text("A new text: numbers, prices and a shopping list for the week. " * 40)  # same path
+    r = runner.invoke(app, [*STATS, "--data", str(data), "--out", str(part), "--resume"])
+    line = _one_line_error(r, 2)
+    assert "--resume: the data changed since" in line and "data.sha256" in line and "--force" in line
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"  # left as it was
+    r = runner.invoke(app, [*STATS, "--data", str(data), "--out", str(part), "--force"])
+    assert r.exit_code == 0, r.output
+
+
+@needs_tiny
+def test_resume_refuses_weights_changed_since_the_run_started(tmp_path, monkeypatch):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(embedded_models()["tiny"], model)
+    part = tmp_path / "part"
+    args = [*STATS, "--model", str(model)]
+    _interrupted(monkeypatch, args, part)
+    w = model / "model.safetensors"
+    w.write_bytes(w.read_bytes())  # rewritten (a new conversion): same size, new time
+    os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 10**9))
+    r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    line = _one_line_error(r, 2)
+    assert "--resume: the model's weights changed since" in line and "model.safetensors" in line, line
+
+
+class _Payload:
+    """A pickle that runs a shell command when it is unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@needs_tiny
+@pytest.mark.parametrize("suffix", ["unit", "pkl"])
+def test_resume_never_unpickles_a_tampered_checkpoint(tmp_path, monkeypatch, suffix):
+    import pickle
+
+    part, marker = tmp_path / "part", tmp_path / "pwned"
+    _interrupted(monkeypatch, STATS, part)
+    # the checkpoint replaced by a payload: under the unit's own name, or as a pickle an older moetool wrote
+    (part / "units" / f"batches.{suffix}").write_bytes(pickle.dumps(_Payload(marker)))
+    r = runner.invoke(app, [*STATS, "--out", str(part), "--resume"])
+    assert not marker.exists(), "the checkpoint ran code"
+    line = _one_line_error(r, 1)
+    assert "unsafe" in line and "--force" in line and "batches" in line, line
+
+
+@needs_tiny
+def test_resume_with_a_missing_unit_part_says_the_checkpoint_is_damaged(tmp_path, monkeypatch):
+    part = tmp_path / "part"
+    args = ["trace", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--format", "parquet", "--quiet"]
+    _interrupted(monkeypatch, args, part, n=2)
+    (part / "units" / "trace-00000.parquet").unlink()
+    for _ in range(2):  # not "cannot write" (again and again): the damage is named, and how to start over
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+        line = _one_line_error(r, 1)
+        assert "is damaged" in line and "trace-00000.parquet is missing" in line and "--force" in line, line
+    r = runner.invoke(app, [*args, "--out", str(part), "--force"])
+    assert r.exit_code == 0, r.output
+    assert len(pd.read_parquet(part / "trace.parquet")) > 0
+
+
+def test_unit_checkpoints_round_trip_without_pickle_and_refuse_foreign_types(tmp_path):
+    import numpy as np
+    import torch
+
+    from moetool.engine.runner import NLL, ForwardResult
+    from moetool.errors import MoetoolError
+    from moetool.experiments.lmeval import EvalResult
+
+    layer = torch.nn.Linear(2, 2)  # a live object a unit points to: stored by position, never copied
+    shared = [1, 2]
+    frame = pd.DataFrame({"task": ["a", "b"], "value": [0.5, float("nan")], "n": [1, 2]})
+    obj = {("router",): (ForwardResult(NLL(1.5, 3), 0.25, 2, rows=None), {"x", "y"}),
+           "eval": EvalResult(frame=frame, seconds=1.0, n_samples={"a": {"original": 2}}),
+           "np": np.arange(6, dtype=np.int32).reshape(2, 3), "f": np.float64(0.1), "t": torch.arange(4),
+           "same": (shared, shared), "slice": slice(1, None), "dev": torch.device("cpu"), "dtype": torch.int16,
+           "layer": layer, 7: None}
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    units.save("u", obj, refs=[layer])
+    with pytest.raises(MoetoolError, match="unit v: refusing to copy a Linear"):
+        units.save("v", {"m": layer})
+    with pytest.raises(MoetoolError, match="unit w: cannot checkpoint a pathlib"):
+        units.save("w", tmp_path)
+    run.mark("interrupted")
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    back = again.units({"a": 1}).load("u", refs=[layer])
+    assert back["layer"] is layer and back[7] is None and back["dtype"] is torch.int16
+    fr, tags = back[("router",)]
+    assert isinstance(fr, ForwardResult) and fr.nll == NLL(1.5, 3) and fr.seconds == 0.25 and tags == {"x", "y"}
+    pd.testing.assert_frame_equal(back["eval"].frame, frame)
+    assert back["eval"].n_samples == {"a": {"original": 2}}
+    assert back["np"].dtype == np.int32 and (back["np"] == obj["np"]).all() and type(back["f"]) is np.float64
+    assert torch.equal(back["t"], obj["t"]) and back["same"][0] is back["same"][1] == [1, 2]
+    assert back["slice"] == slice(1, None) and back["dev"] == torch.device("cpu")
+    # a unit naming a type outside the checkpoint types is refused, not built
+    torch.save({"format": rundir.UNIT_FORMAT, "files": {},
+                "unit": {"__t": "obj", "c": "subprocess.Popen", "s": {"__t": "dict", "k": [], "v": []}}},
+               tmp_path / "r" / "units" / "u.unit")
+    with pytest.raises(MoetoolError, match="u.unit is damaged or unsafe .type 'subprocess.Popen' is not one"):
+        again.units({"a": 1}).load("u")
+    again.mark("interrupted")

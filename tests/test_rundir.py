@@ -83,7 +83,7 @@ def test_interrupted_write_leaves_no_half_file(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run.write_csv("t.csv", Boom())
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [rd.LOCK, "manifest.json"]  # the run still runs
     assert manifest(tmp_path / "r")["files"] == []
 
 
@@ -96,6 +96,7 @@ def test_force_removes_the_previous_runs_results_only(tmp_path):
     child.write_json("x.json", {"a": 1})
     child.finish(options={})
     old.figures.joinpath("stale.png").write_bytes(b"x")
+    old.file("figures/stale.png")  # listed, as save_figure lists its files
     old.finish(options={})
     (out / "notes.txt").write_text("mine")
     with pytest.raises(MoetoolError, match="not empty"):
@@ -217,3 +218,130 @@ def test_sigint_in_the_middle_of_a_real_demo_run(tmp_path):
         if sub.is_dir() and (sub / "manifest.json").exists() and sub.name != "inspect":
             assert manifest(sub)["status"] == "interrupted"
     assert not list(out.rglob(".part-*"))
+
+
+# ----- #21 item 7: --force removes only what the earlier run listed, checked before anything is removed ----------
+def _complete_run_with_a_figure(out):
+    old = RunDir.create("stats", out)
+    old.write_csv("load.csv", DF)
+    with old.atomic("figures/load.png") as tmp:
+        tmp.write_bytes(b"png")
+    old.finish(options={})
+    return old
+
+
+def test_force_keeps_a_users_own_file_in_the_earlier_runs_figures(tmp_path):
+    out = tmp_path / "r"
+    _complete_run_with_a_figure(out)
+    (out / "figures" / "mine.png").write_bytes(b"my own figure")
+    new = RunDir.create("ppl", out, force=True)
+    new.write_csv("ppl.csv", DF)
+    new.finish(options={})
+    assert (out / "figures" / "mine.png").read_bytes() == b"my own figure"
+    assert sorted(p.name for p in (out / "figures").iterdir()) == ["mine.png"]  # the listed figure went
+    assert sorted(p.name for p in out.iterdir()) == ["figures", "manifest.json", "ppl.csv"]
+    # without a file of the user's, the figures/ folder the run's files sat in goes with them
+    _complete_run_with_a_figure(tmp_path / "s")
+    newer = RunDir.create("erc", tmp_path / "s", force=True)
+    newer.write_csv("erc.csv", DF)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [rd.LOCK, "erc.csv", "manifest.json"]
+
+
+@pytest.mark.parametrize("linked", ["figures", "units"])
+def test_force_refuses_a_linked_folder_before_removing_anything(tmp_path, linked):
+    out, elsewhere = tmp_path / "r", tmp_path / "elsewhere"
+    _complete_run_with_a_figure(out)
+    elsewhere.mkdir()
+    (elsewhere / "precious.png").write_bytes(b"x")
+    if (out / linked).exists():
+        import shutil
+
+        shutil.rmtree(out / linked)
+    (out / linked).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(MoetoolError, match=f"--force: .*{linked} is a link .*nothing removed") as e:
+        run = RunDir.create("ppl", out, force=True)
+        run.write_csv("ppl.csv", DF)  # the original code failed here, the old manifest already deleted
+    assert len(str(e.value).splitlines()) == 1
+    assert manifest(out)["command"] == "stats" and (out / "load.csv").is_file()  # nothing removed
+    assert (elsewhere / "precious.png").is_file()
+
+
+@pytest.mark.parametrize("listed", ["../outside.csv", "/tmp/../{tmp}/outside.csv", "sub/../../outside.csv"])
+def test_force_refuses_a_manifest_listing_paths_outside_the_run(tmp_path, listed):
+    out = tmp_path / "r"
+    _complete_run_with_a_figure(out)
+    (tmp_path / "outside.csv").write_text("not moetool's")
+    m = manifest(out)
+    m["files"].append(listed.format(tmp=tmp_path))
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(MoetoolError, match="outside the run folder or through a link: nothing removed"):
+        run = RunDir.create("ppl", out, force=True)
+        run.write_csv("ppl.csv", DF)
+    assert (out / "load.csv").is_file() and (out / "figures" / "load.png").is_file()
+    assert (tmp_path / "outside.csv").read_text() == "not moetool's"
+
+
+# ----- #21 item 6: one run at a time in a folder (an advisory lock held for the run) ---------------------------
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    out = tmp_path / "r"
+    first, second = RunDir.create("stats", out), RunDir.create("ppl", out)  # both validated: nothing there yet
+    first.write_csv("load.csv", DF)
+    with pytest.raises(MoetoolError, match=f"--out {out} is in use by another moetool run \\(pid {os.getpid()}\\)"):
+        second.write_csv("ppl.csv", DF)
+    with pytest.raises(MoetoolError, match="in use by another moetool run"):  # --force too, before anything
+        RunDir.create("ppl", out, force=True)
+    assert manifest(out)["command"] == "stats" and sorted(p.name for p in out.iterdir()) == [
+        rd.LOCK, "load.csv", "manifest.json"]
+    first.finish(options={})
+    assert not (out / rd.LOCK).exists()  # released and removed when the run ends
+    again = RunDir.create("ppl", out, force=True)  # the folder is free again
+    again.write_csv("ppl.csv", DF)
+    again.mark("failed", "x")
+    assert not (out / rd.LOCK).exists()
+
+
+LOCK_HOLDER = textwrap.dedent("""
+    import sys, time
+    import pandas as pd
+    from moetool.report import RunDir
+
+    run = RunDir.create("stats", sys.argv[1])
+    run.write_csv("load.csv", pd.DataFrame({"a": [1]}))
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+STATS = ["stats", "--max-tokens", "64", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "0", "--quiet"]
+
+
+@needs_tiny
+def test_a_run_in_another_process_holds_the_folder(tmp_path):
+    from moetool.commands.app import app
+
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        r = CliRunner().invoke(app, STATS + ["--out", str(out), "--force"])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, r.output
+        assert f"--out {out} is in use by another moetool run (pid {p.pid})" in lines[0]
+        assert manifest(out)["status"] == "running" and (out / "load.csv").is_file()  # the first run untouched
+    finally:
+        p.kill()
+        p.wait()
+    run = RunDir.create("stats", out, force=True)  # its holder died: the folder is free (a stale lock file is fine)
+    run.write_csv("layers.csv", DF)
+    run.finish(options={})
+    assert sorted(p.name for p in out.iterdir()) == ["layers.csv", "manifest.json"]
+
+
+def test_runs_go_unlocked_where_there_is_no_fcntl(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # import fcntl -> ImportError, as on Windows
+    run = RunDir.create("stats", tmp_path / "r")
+    run.write_csv("load.csv", DF)
+    assert not (tmp_path / "r" / rd.LOCK).exists()
+    run.finish(options={})
+    assert manifest(tmp_path / "r")["status"] == "complete"

@@ -10,8 +10,11 @@ Failing safely:
   ``--force`` -> one-line :class:`~moetool.errors.MoetoolError`); the folder is made at the first write, so a run
   that fails before any result leaves nothing behind that blocks its rerun. A folder holding a *failed* moetool run
   is replaced without ``--force``.
-- ``--force`` over a previous moetool run removes that run's result files (the files its manifest lists, its
-  sub-runs and ``figures/``), so no stale CSV sits beside the new manifest; other files are left alone.
+- ``--force`` over a previous moetool run removes that run's result files (the files its manifest and its
+  sub-runs' list, the folders they leave empty), so no stale CSV sits beside the new manifest; other files are
+  left alone, and a listed path outside the folder or through a link is refused before anything is removed.
+- One run writes into a folder at a time: an advisory lock (``fcntl.flock`` on ``.moetool-lock``) is held from
+  validation or the first write until the run ends; a second run is refused in one line naming the holder.
 - Every file is written under a temporary name (``.part-<pid>-<name>``) and renamed when complete.
 - ``manifest.json`` says ``"status": "running"`` from the first write, ``"complete"`` only from :meth:`finish`,
   ``"interrupted"`` after Ctrl-C / SIGTERM and ``"failed"`` (with ``"error"``) otherwise: the CLI's error handler
@@ -33,14 +36,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, MoetoolRuntimeError
 
 MANIFEST = "manifest.json"
+LOCK = ".moetool-lock"  # the advisory lock of the process writing the run (removed when the run ends)
 UNITS = "units"  # finished units of an unfinished run (--resume), removed when the run completes
 PART = ".part-"  # prefix of a file being written
 
@@ -134,30 +139,114 @@ def _check_writable(path: Path) -> None:
         raise MoetoolError(f"--out {path}: cannot write in {probe} ({e.strerror or e})") from None
 
 
-def _remove_previous(path: Path, keep_units: bool = False) -> None:
-    """Delete the result files of the moetool run in ``path`` (its manifest's files, sub-runs, figures/ and
-    ``units/`` unless ``keep_units``: a resumed run keeps its finished units)."""
+def _inside(root: Path, rel: Any, what: str, path: Path) -> Path:
+    """``root / rel`` when it lies in the run folder ``root`` through no link (its last part may be a link: that
+    link is what gets removed, never its target); else one-line refusal (nothing has been removed yet)."""
+    full = root / str(rel)
+    lexical = Path(os.path.normpath(full))
+    real = full.parent.resolve() / full.name
+    if full.name in ("", ".", "..") or lexical != real or root not in real.parents:
+        raise MoetoolError(f"--force: the manifest in {path} lists {what} {str(rel)!r}, outside the run folder or "
+                           f"through a link: nothing removed (clear the folder yourself or choose another --out)")
+    return real
+
+
+def _not_a_link(p: Path, path: Path) -> None:
+    if p.is_symlink():
+        raise MoetoolError(f"--force: {p} is a link (to {os.readlink(p)}): nothing removed from {path} "
+                           f"(clear the folder yourself or choose another --out)")
+
+
+def _removal_plan(path: Path, keep_units: bool = False) -> tuple[list[Path], list[Path], list[Path]]:
+    """What removing the moetool run in ``path`` deletes: ``(files, folders, trees)`` — the files its manifest
+    lists (and its manifest) and those of its sub-runs; the folders they sit in, removed when left empty; and
+    ``units/`` (removed whole) unless ``keep_units``. Every path is checked first: a listed path outside the run
+    folder or through a link, or ``figures/`` / ``units/`` / a sub-run that is a link, is refused in one line."""
     m = read_manifest(path)
     if m is None:
-        return
-    root = path.resolve()
+        return [], [], []
+    here = path.resolve()
+    files, dirs, trees = [], [], []
+    for name in ("figures", UNITS):
+        _not_a_link(path / name, path)
     for rel in [*m.get("files", []), MANIFEST]:
-        p = (path / str(rel)).resolve()
-        if p.is_file() and root in p.parents:  # never outside the run folder
-            p.unlink()
+        p = _inside(here, rel, "file", path)
+        if p.is_file() or p.is_symlink():
+            files.append(p)
+            for d in p.relative_to(here).parents:  # the folders it sits in (figures/), removed when left empty
+                if d != Path("."):
+                    dirs.append(here / d)
     for sub in m.get("runs", []):
-        child = (path / str(sub)).resolve()
-        if child.is_dir() and root in child.parents:
-            _remove_previous(child)
-            with contextlib.suppress(OSError):
-                child.rmdir()
-    if (path / "figures").is_dir():
-        shutil.rmtree(path / "figures")
-    if (path / UNITS).is_dir() and not keep_units:
-        shutil.rmtree(path / UNITS)
+        child = _inside(here, sub, "sub-run", path)
+        _not_a_link(child, path)
+        if child.is_dir():
+            f, d, t = _removal_plan(child)
+            files, dirs, trees = files + f, dirs + [*d, child], trees + t
+    if (here / UNITS).is_dir() and not keep_units:
+        trees.append(here / UNITS)
+    return files, dirs, trees
+
+
+def _remove_previous(path: Path, keep_units: bool = False) -> None:
+    """Delete the result files of the moetool run in ``path`` (:func:`_removal_plan`, checked before anything is
+    removed): its manifest's files, its sub-runs', the folders they leave empty and ``units/`` unless
+    ``keep_units`` (a resumed run keeps its finished units). Files the run did not list are left alone."""
+    files, dirs, trees = _removal_plan(path, keep_units)
+    for p in files:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    for d in trees:
+        shutil.rmtree(d, ignore_errors=True)
+    for d in sorted(set(dirs), key=lambda d: len(d.parts), reverse=True):  # deepest first
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when empty: a user's own file keeps its folder
     for p in path.glob(f"{PART}*"):
         with contextlib.suppress(OSError):
             p.unlink()
+
+
+def _lock(folder: Path) -> int | None:
+    """Take the run folder's advisory lock (``fcntl.flock`` on ``LOCK``, held until :func:`_unlock` or the
+    process ends): a file descriptor; ``None`` where locks do not exist (no ``fcntl``, a file system without
+    locks). Held by another process: one-line refusal naming the folder and that process."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks, runs go unlocked
+        return None
+    p = folder / LOCK
+    while True:
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None  # a folder we cannot write in fails at the first write with its own message
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise MoetoolRuntimeError(f"--out {folder} is in use by another moetool run (pid {holder}): wait for it "
+                                      "to finish or choose another --out") from None
+        except OSError:
+            os.close(fd)
+            return None  # no locks on this file system
+        try:  # the previous holder may have removed the file between our open and lock: lock the new one
+            same = os.fstat(fd).st_ino == os.stat(p).st_ino
+        except OSError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def _unlock(fd: int | None, folder: Path) -> None:
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(folder / LOCK)  # while still held: a waiting run then locks a new file (see _lock)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _default_path(command: str) -> Path:
@@ -185,6 +274,7 @@ class RunDir:
         self.caption = ""  # written under every figure saved without a caption of its own (model, data, tokens)
         self.resuming: dict[str, Any] | None = None  # the previous manifest when continuing an unfinished run
         self._units: Units | None = None
+        self._lock: int | None = None  # the folder's advisory lock (a top-level run, while it runs)
         self._seq = next(_COUNTER)
         _ACTIVE[self._seq] = self
 
@@ -202,8 +292,19 @@ class RunDir:
         path = Path(out) if out else _default_path(command)
         if path.exists() and not path.is_dir():
             raise MoetoolError(f"--out {path} exists and is not a folder")
+        lock = _lock(path) if path.is_dir() else None  # a run writing there now: refused before anything else
+        try:
+            run = cls._validated(path, command, force, resume)
+        except BaseException:
+            _unlock(lock, path)
+            raise
+        run._hold(lock)
+        return run
+
+    @classmethod
+    def _validated(cls, path: Path, command: str, force: bool, resume: bool) -> "RunDir":
         replace = False
-        if path.is_dir() and any(p for p in path.iterdir() if not p.name.startswith(PART)):
+        if path.is_dir() and any(p for p in path.iterdir() if not p.name.startswith(PART) and p.name != LOCK):
             prev = read_manifest(path)
             if resume and not force:
                 if prev is None:
@@ -213,11 +314,13 @@ class RunDir:
                 if prev.get("status") == "complete":
                     raise MoetoolError(f"--resume: the {command} run in {path} is complete: nothing to resume")
                 _check_writable(path)
+                _removal_plan(path, keep_units=True)  # what the first write removes: checked now
                 run = cls(path, command, replace=True)
                 run.resuming = prev
                 return run
             if force or (prev is not None and prev.get("status") == "failed"):
                 replace = True
+                _removal_plan(path)
             elif prev is not None and prev.get("status") in ("interrupted", "running"):
                 raise MoetoolError(f"--out {path} holds an unfinished {prev['command']} run "
                                    f"(status {prev['status']}); use --resume to continue it or --force to start over")
@@ -225,6 +328,17 @@ class RunDir:
                 raise MoetoolError(f"--out {path} is not empty (use --force to write into it)")
         _check_writable(path)
         return cls(path, command, replace=replace)
+
+    def _hold(self, lock: int | None) -> None:
+        """Keep the folder's lock until the run ends (:meth:`finish`, :meth:`mark`, or this object is dropped)."""
+        self._lock = lock
+        if lock is not None:
+            self._unlocker = weakref.finalize(self, _unlock, lock, self._path.absolute())
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._unlocker()
+            self._lock = None
 
     @property
     def path(self) -> Path:
@@ -247,6 +361,17 @@ class RunDir:
             return
         if self.parent is not None:
             self.parent._ensure()
+        elif self._lock is None:  # a top-level run: lock the folder before anything is removed or written
+            try:
+                self._path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise MoetoolError(f"cannot create {self._path}: {e.strerror or e}") from None
+            self._hold(_lock(self._path))
+            if not self._replace and any(p for p in self._path.iterdir()
+                                         if not p.name.startswith(PART) and p.name != LOCK):
+                self._release()
+                raise MoetoolRuntimeError(f"--out {self._path} was filled by another run while this one ran: "
+                                          "nothing written (choose another --out)")
         if self._replace and self._path.is_dir():
             _remove_previous(self._path, keep_units=self.resuming is not None)
             if self.resuming is not None:
@@ -378,18 +503,22 @@ class RunDir:
         if (self._path / UNITS).is_dir():  # the results are written: the checkpoints have served
             shutil.rmtree(self._path / UNITS, ignore_errors=True)
         _ACTIVE.pop(self._seq, None)
+        self._release()
         return p
 
     def mark(self, status: str, error: str | None = None) -> None:
         """Record an unfinished run as ``interrupted`` or ``failed`` (only if its folder exists: a run that
         wrote nothing leaves nothing)."""
         _ACTIVE.pop(self._seq, None)
-        if self.status in ("complete", "new"):
-            return
-        self.status = status
-        extra = {"error": error} if error else {}
-        with contextlib.suppress(MoetoolError):
-            self._write_manifest(**extra)
+        try:
+            if self.status in ("complete", "new"):
+                return
+            self.status = status
+            extra = {"error": error} if error else {}
+            with contextlib.suppress(MoetoolError):
+                self._write_manifest(**extra)
+        finally:
+            self._release()
 
     # a run used as a context manager (the Python API) is marked like a CLI run when the block raises
     def __enter__(self) -> "RunDir":
@@ -452,18 +581,183 @@ def terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+#: the project's own types a unit checkpoint may hold, stored as their attributes (:func:`_encode`); a resumed
+#: checkpoint builds nothing else (no pickle: a tampered checkpoint cannot run code)
+CHECKPOINT_TYPES = frozenset({
+    "moetool.engine.runner.NLL", "moetool.engine.runner.ForwardResult", "moetool.uncertainty.RowTable",
+    "moetool.sketch.SparseCounter", "moetool.experiments.stats.Collected", "moetool.experiments.stats.RoutingStats",
+    "moetool.experiments.stats.LayerAccumulator", "moetool.experiments.specialization.VocabSpecialization",
+    "moetool.experiments.specialization.CrossLayer", "moetool.experiments.specialization.LoadBalance",
+    "moetool.experiments.lmeval.EvalResult",
+})
+UNIT_FORMAT = 1  # the layout of a unit file (``<name>.unit``: torch.save of plain containers and tensors)
+
+
+class _Damaged(Exception):
+    """A unit checkpoint that cannot be read back as :func:`_encode` wrote it."""
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _encode(x: Any, refs: dict[int, int], memo: dict[int, tuple[int, Any]], unit: str) -> Any:
+    """``x`` as plain containers and tensors only (what ``torch.load(weights_only=True)`` reads without running
+    code): tuples, dicts, sets, numpy, pandas frames, slices, devices and :data:`CHECKPOINT_TYPES` objects become
+    tagged dicts (``{"__t": kind, ...}``); ``refs`` (id -> position) are stored by position; lists, dicts, sets and
+    objects seen twice are stored once (``memo``, in the order :func:`_decode` meets them)."""
+    import torch
+
+    t = type(x)
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t in (torch.Tensor, torch.nn.Parameter):
+        return x
+    if id(x) in refs:
+        return {"__t": "ref", "i": refs[id(x)]}
+    if isinstance(x, torch.nn.Module):
+        raise MoetoolError(f"unit {unit}: refusing to copy a {t.__name__} into a checkpoint")
+    if id(x) in memo:
+        return {"__t": "same", "i": memo[id(x)][0]}
+    enc = functools.partial(_encode, refs=refs, memo=memo, unit=unit)
+    if t in (list, dict, set) or _type_name(t) in CHECKPOINT_TYPES:
+        memo[id(x)] = (len(memo), x)  # x kept alive: its id is not reused while encoding
+    if t is list:
+        return [enc(v) for v in x]
+    if t is dict:
+        return {"__t": "dict", "k": [enc(k) for k in x], "v": [enc(v) for v in x.values()]}
+    if t is set:
+        return {"__t": "set", "v": [enc(v) for v in x]}
+    if t is tuple:
+        return {"__t": "tuple", "v": [enc(v) for v in x]}
+    if t is slice:
+        return {"__t": "slice", "v": [enc(x.start), enc(x.stop), enc(x.step)]}
+    if t is torch.device:
+        return {"__t": "device", "v": str(x)}
+    if t is torch.dtype:
+        return {"__t": "dtype", "v": str(x).removeprefix("torch.")}
+    if _type_name(t) in CHECKPOINT_TYPES:
+        return {"__t": "obj", "c": _type_name(t), "s": enc(dict(vars(x)))}
+    np = sys.modules.get("numpy")
+    if np is not None and t is np.ndarray and x.dtype != object:
+        return {"__t": "np", "d": x.dtype.str, "s": list(x.shape),
+                "v": torch.frombuffer(bytearray(np.ascontiguousarray(x).tobytes()) or bytearray(1), dtype=torch.uint8)}
+    if np is not None and isinstance(x, np.generic) and x.dtype != object:
+        return {"__t": "npscalar", "d": x.dtype.str, "v": x.item()}
+    pd = sys.modules.get("pandas")
+    if pd is not None and t is pd.DataFrame:
+        import io
+
+        buf = io.BytesIO()
+        x.to_parquet(buf)
+        return {"__t": "frame", "v": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
+    raise MoetoolError(f"unit {unit}: cannot checkpoint a {_type_name(t)} (add it to rundir.CHECKPOINT_TYPES if "
+                       "it holds only plain data)")
+
+
+def _decode(x: Any, refs: list[Any], memo: list[Any]) -> Any:
+    """The object :func:`_encode` stored (``refs``: the live objects given to ``load``); any other structure
+    raises :class:`_Damaged`."""
+    import torch
+
+    if x is None or type(x) in (bool, int, float, str, torch.Tensor, torch.nn.Parameter):
+        return x
+    dec = functools.partial(_decode, refs=refs, memo=memo)
+    if type(x) is list:
+        out: Any = []
+        memo.append(out)
+        out.extend(dec(v) for v in x)
+        return out
+    if type(x) is not dict or not isinstance(x.get("__t"), str):
+        raise _Damaged(f"unexpected {type(x).__name__}")
+    tag, v = x["__t"], x.get("v")
+    if tag == "ref":
+        i = x.get("i")
+        if type(i) is not int or not 0 <= i < len(refs):
+            raise _Damaged(f"reference {i!r} to a live object out of range")
+        return refs[i]
+    if tag == "same":
+        i = x.get("i")
+        if type(i) is not int or not 0 <= i < len(memo):
+            raise _Damaged(f"back-reference {i!r} out of range")
+        return memo[i]
+    if tag == "dict":
+        out = {}
+        memo.append(out)
+        keys, values = x.get("k"), v
+        if type(keys) is not list or type(values) is not list or len(keys) != len(values):
+            raise _Damaged("malformed dict")
+        for k, val in zip(keys, values):
+            out[dec(k)] = dec(val)
+        return out
+    if tag == "set":
+        out = set()
+        memo.append(out)
+        out.update(dec(e) for e in v)
+        return out
+    if tag == "tuple":
+        return tuple(dec(e) for e in v)
+    if tag == "slice":
+        return slice(*(dec(e) for e in v))
+    if tag == "device":
+        return torch.device(v)
+    if tag == "dtype":
+        d = getattr(torch, str(v), None)
+        if not isinstance(d, torch.dtype):
+            raise _Damaged(f"unknown dtype {v!r}")
+        return d
+    if tag == "obj":
+        name = x.get("c")
+        if name not in CHECKPOINT_TYPES:
+            raise _Damaged(f"type {name!r} is not one a checkpoint may hold")
+        import importlib
+
+        module, _, qual = name.rpartition(".")
+        cls = getattr(importlib.import_module(module), qual)
+        out = object.__new__(cls)
+        memo.append(out)
+        state = dec(x.get("s"))
+        if type(state) is not dict or not all(type(k) is str for k in state):
+            raise _Damaged(f"malformed {qual}")
+        vars(out).update(state)
+        return out
+    if tag in ("np", "npscalar"):
+        import numpy as np
+
+        dtype = np.dtype(str(x.get("d")))
+        if dtype == object:
+            raise _Damaged("numpy object array")
+        if tag == "npscalar":
+            return dtype.type(v)
+        shape = tuple(int(n) for n in x.get("s"))
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return np.frombuffer(v.numpy().tobytes()[:n], dtype=dtype).reshape(shape).copy()
+    if tag == "frame":
+        import io
+
+        import pandas as pd
+
+        return pd.read_parquet(io.BytesIO(v.numpy().tobytes()))
+    raise _Damaged(f"unknown entry {tag!r}")
+
+
 class Units:
     """Finished units of a long run — a policy of ``norm-select``, a checkpoint of ``fluctuation``, a block of
     batches of ``stats`` / ``trace`` — saved in ``<run>/units/`` as they finish, so that ``--resume`` skips them
     and gives the same result as an uninterrupted run. ``load(name)`` is ``None`` until ``save(name, obj)``
-    (pickled, written atomically); ``units/key.json`` holds the options the run started with (a resume with other
-    options is refused before any work).
+    (``<name>.unit``, written atomically: ``torch.save`` of plain containers and tensors — the project's own
+    types of :data:`CHECKPOINT_TYPES` stored as their attributes — read back with ``weights_only=True``, so a
+    tampered checkpoint cannot run code); ``units/key.json`` holds the options the run started with (a resume
+    with other options is refused before any work), ``units/inputs.json`` the fingerprints of the data and
+    weights it read (:meth:`check_inputs`).
 
     ``refs`` (save and load): live objects a unit's state points to but must not copy — the model's MoE layers
-    held by a consumer — pickled by position and put back from the ``refs`` given to ``load`` (a torch module
+    held by a consumer — stored by position and put back from the ``refs`` given to ``load`` (a torch module
     not among them is refused: it would copy the model). ``file(name)``: a side file of a unit (a spill, a part
-    of a streamed table) the caller writes before ``save`` records it. :meth:`due` paces batch checkpoints
-    (at most one per :attr:`every_seconds`)."""
+    of a streamed table) the caller writes before ``save`` records it (with its size: a side file missing or
+    changed on resume is a damaged checkpoint). A unit that cannot be read back is refused in one line
+    (damaged: start over with ``--force``). :meth:`due` paces batch checkpoints (at most one per
+    :attr:`every_seconds`)."""
 
     every_seconds = 60.0  # batch checkpoints (stats, trace): at most this often (0: after every batch)
 
@@ -472,6 +766,8 @@ class Units:
         self.key = json.loads(json.dumps(_jsonable(key), sort_keys=True))
         self.dir = run._path / UNITS
         self.resumed: list[str] = []
+        self.inputs: dict[str, Any] = {}
+        self._side: set[str] = set()  # side files handed out (file()) or read back with a unit
         self._last = time.monotonic()
         old = self._read_key()
         if run.resuming is not None and old is not None and old != self.key:
@@ -479,16 +775,46 @@ class Units:
             what = ", ".join(f"{k}: {old.get(k)!r} -> {self.key.get(k)!r}" for k in diff[:4])
             raise MoetoolError(f"--resume: {run._path} was started with other options ({what}); "
                                f"rerun with the same options or use --force to start over")
+        if run.resuming is not None and self.dir.is_dir():
+            old_units = sorted(p.name for p in self.dir.glob("*.pkl"))
+            if old_units:  # an older moetool's pickles: never unpickled
+                raise MoetoolRuntimeError(
+                    f"--resume: the checkpoint {self.dir / old_units[0]} is a pickle (an older moetool's, or "
+                    "tampered): unsafe to load, not read (unpickling can run code); start over with --force")
 
-    def _read_key(self) -> dict[str, Any] | None:
+    def _read_key(self, name: str = "key.json") -> dict[str, Any] | None:
         try:
-            return json.loads((self.dir / "key.json").read_text())
+            return json.loads((self.dir / name).read_text())
         except (OSError, ValueError):
             return None
 
+    def check_inputs(self, **inputs: Any) -> None:
+        """Record the fingerprints of what the run reads (``data=``: its token ids, ``model=``: its weight files,
+        see :func:`moetool.loading.weights_fingerprint`); when resuming, fingerprints other than those the run
+        started with are refused in one line (checkpoints of other data or weights would mix into the
+        tables)."""
+        inputs = json.loads(json.dumps(_jsonable(inputs), sort_keys=True))
+        self.inputs.update(inputs)
+        old = self._read_key("inputs.json") if self.run.resuming is not None else None
+        for what, new in inputs.items():
+            before = (old or {}).get(what)
+            if before is None or before == new:
+                continue
+            where = _first_difference(before, new, what)
+            label = {"data": "the data", "model": "the model's weights"}.get(what, what)
+            raise MoetoolError(f"--resume: {label} changed since {self.run._path} was started ({where}); resume "
+                               "with what the run read or use --force to start over")
+        if self.run.resuming is not None and self.dir.is_dir():
+            self._write_inputs()  # a resumed run's checkpoints: what they were made from (else at the first save)
+
+    def _write_inputs(self) -> None:
+        merged = {**(self._read_key("inputs.json") or {}), **self.inputs}
+        with atomic_path(self.dir / "inputs.json") as tmp:
+            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+
     @staticmethod
     def _file(name: str) -> str:
-        return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) + ".pkl"
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) + ".unit"
 
     def due(self) -> bool:
         """True when the last checkpoint is at least :attr:`every_seconds` old."""
@@ -497,48 +823,63 @@ class Units:
     def file(self, name: str) -> Path:
         """Path of side file ``name`` in ``units/`` (write it atomically, then :meth:`save` the unit naming it)."""
         self._open()
+        if not name.startswith(PART):
+            self._side.add(name)
         return self.dir / name
 
+    def _damaged(self, p: Path, why: str) -> MoetoolRuntimeError:
+        return MoetoolRuntimeError(f"--resume: the checkpoint {p} is damaged or unsafe ({why}): start over with "
+                                   "--force")
+
     def load(self, name: str, refs: Any = ()) -> Any:
-        """The saved result of unit ``name`` (``None``: not finished before the interruption)."""
-        import pickle
+        """The saved result of unit ``name`` (``None``: not finished before the interruption). A unit file that
+        cannot be read back (damaged, tampered, a side file missing) is refused in one line."""
+        import torch
 
         if self.run.resuming is None:
             return None
         p = self.dir / self._file(name)
         if not p.is_file():
             return None
-        refs = list(refs)
-
-        class Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                return refs[pid]
-
         try:
-            with open(p, "rb") as fh:
-                obj = Unpickler(fh).load()
-        except Exception:  # a unit file from another moetool version or damaged: recompute it
-            return None
+            with warnings.catch_warnings():  # torch's remarks on a foreign file: the one line below says it
+                warnings.simplefilter("ignore")
+                stored = torch.load(p, map_location=None, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - refused by the safe unpickler, truncated, not a torch file
+            why = ("the safe loader refused it: it asks to run code or build objects" if "Weights only" in str(e)
+                   else one_line(e)[:100])
+            raise self._damaged(p, why) from None
+        try:
+            if type(stored) is not dict or stored.get("format") != UNIT_FORMAT or type(stored.get("files")) is not dict:
+                raise _Damaged("not a moetool unit")
+            for side, size in stored["files"].items():
+                f = self.dir / str(side)
+                if Path(str(side)).name != str(side) or not f.is_file():
+                    raise _Damaged(f"its file {side} is missing")
+                if f.stat().st_size != size:
+                    raise _Damaged(f"its file {side} has {f.stat().st_size:,} bytes, not {size:,}")
+            obj = _decode(stored.get("unit"), list(refs), [])
+        except (_Damaged, MoetoolError, ValueError, TypeError, KeyError, ImportError, AttributeError,
+                OSError) as e:
+            raise self._damaged(p, str(e) or type(e).__name__) from None
+        self._side.update(stored["files"])
         self.resumed.append(name)
         return obj
 
     def save(self, name: str, obj: Any, refs: Any = ()) -> None:
-        """Keep unit ``name``'s result (call right after it finished)."""
-        import pickle
+        """Keep unit ``name``'s result (call right after it finished); the side files written so far
+        (:meth:`file`) are recorded with their sizes."""
+        import torch
 
         self._open()
         ids = {id(r): i for i, r in enumerate(refs)}
-        torch = sys.modules.get("torch")
-
-        class Pickler(pickle.Pickler):
-            def persistent_id(self, o: Any) -> Any:
-                i = ids.get(id(o))
-                if i is None and torch is not None and isinstance(o, torch.nn.Module):
-                    raise MoetoolError(f"unit {name}: refusing to copy a {type(o).__name__} into a checkpoint")
-                return i
-
-        with atomic_path(self.dir / self._file(name)) as tmp, open(tmp, "wb") as fh:
-            Pickler(fh, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        unit = _encode(obj, ids, {}, name)
+        files = {f: (self.dir / f).stat().st_size for f in sorted(self._side) if (self.dir / f).is_file()}
+        try:
+            with atomic_path(self.dir / self._file(name)) as tmp:
+                torch.save({"format": UNIT_FORMAT, "files": files, "unit": unit}, tmp)
+        except OSError as e:
+            raise MoetoolRuntimeError(f"cannot write {self.dir / self._file(name)}: {e.strerror or e}") from None
         self._last = time.monotonic()
 
     def _open(self) -> None:
@@ -547,3 +888,19 @@ class Units:
         if self._read_key() is None:
             with atomic_path(self.dir / "key.json") as tmp:
                 tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
+        if self.inputs and self._read_key("inputs.json") is None:
+            self._write_inputs()
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> str:
+    """``path: old -> new`` of the first place two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{where}[{i}]")
+    short = lambda v: (repr(v)[:24] + "…") if len(repr(v)) > 24 else repr(v)  # noqa: E731
+    return f"{where or 'fingerprint'}: {short(a)} -> {short(b)}"
