@@ -420,6 +420,3 @@ def run_options(**options: Any) -> dict[str, Any]:
 def echo_run(path: Any) -> None:
     typer.secho(f"results in {path}", fg="green", err=False)
 
-
-def argv() -> list[str]:
-    return list(sys.argv)

@@ -48,3 +48,18 @@ def status(description: str, quiet: bool = False) -> Iterator[None]:
 
     with Console(file=sys.stderr, emoji=False).status(Text(description)):
         yield
+
+
+@contextlib.contextmanager
+def logger_level(name: str, level: int) -> Iterator[None]:
+    """The ``logging`` logger ``name`` at ``level`` for the block, its own level restored after it: library code
+    never changes a user's logging configuration for good."""
+    import logging
+
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

@@ -22,7 +22,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "deepseek_v2": "moetool.adapters.deepseek_v2:DeepseekV2Adapter",
     "gpt_oss": "moetool.adapters.gpt_oss:GptOssAdapter",
     "phimoe": "moetool.adapters.phimoe:PhimoeAdapter",
-    # hand adapters where the generic one cannot read the structure (helper S)
+    # hand adapters where the generic one cannot read the structure
     "aria": "moetool.adapters.aria:AriaAdapter",
     "aria_text": "moetool.adapters.aria:AriaAdapter",
     "nemotron_h": "moetool.adapters.nemotron_h:NemotronHAdapter",

@@ -9,7 +9,7 @@
   its two best biased scores. Weights are the *unbiased* ``s`` of the chosen, ``/ (sum + 1e-20)`` if
   ``norm_topk_prob``, then ``x routed_scaling_factor`` (so they sum to the factor, not to one): rule
   ``sigmoid-topk[-renorm]`` with bias, groups and scale, identified at load (moetool/adapters/rules.py).
-* π (SPEC notation): ``s`` normalised to sum to one over all n experts.
+* π: ``s`` normalised to sum to one over all n experts.
 * ``mlp.shared_experts``: one ungated dense MLP added to every token.
 
 Nothing here is particular beyond the tiny test config.

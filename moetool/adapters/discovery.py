@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from ..configs import text_config
+from ..progress import logger_level
 
 #: model_type -> why moetool does not analyse it (every other discovered type must pass tests/test_families.py)
 UNSUPPORTED: dict[str, str] = {
@@ -319,8 +320,7 @@ def tiny_config(model_type: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), logger_level("transformers", logging.ERROR):
         warnings.simplefilter("ignore")
         default = cls()
     d = default.to_dict()

@@ -22,7 +22,7 @@ So the routing weight multiplies the expert's input, not its output: ``y = Σ_k 
 With the model's own ``(idx, w)`` the scores tensor is the one ``Llama4Router`` builds, element for element, so
 the logits are bit for bit the original model's (tests/test_families_hand.py checks it against an unswapped
 copy). The routing rule (``topk-sigmoid``) is identified by the generic adapter on the router view.
-:attr:`Llama4Layer.weights_scale_input` tells consumers that ``w`` scales the experts' input.
+``describe()["weights_scale_input"]`` says that ``w`` scales the experts' input (``inspect`` shows it).
 """
 
 from __future__ import annotations
@@ -91,8 +91,7 @@ def _block_forward(self, hidden_states: torch.Tensor):
 
 
 class Llama4Layer(GenericLayer):
-    #: the routing weight scales the experts' input: y = Σ_k E_k(w_k h), not Σ_k w_k E_k(h)
-    weights_scale_input = True
+    """The routing weight scales the experts' input: y = Σ_k E_k(w_k h), not Σ_k w_k E_k(h)."""
 
     def __init__(self, index, decoder_layer, block, router, experts, config):
         router_view, experts_view = _views(block)

@@ -234,7 +234,7 @@ class ApproxReducer:
         self.stats = distributed.all_reduce_dict({li: self.stats[li] for li in sorted(self.stats)})
 
     def tables(self) -> tuple[Any, Any]:
-        """``(approx, approx_layers)`` DataFrames with exactly the SPEC's columns."""
+        """``(approx, approx_layers)`` DataFrames with exactly the columns of DEFINITIONS."""
         import pandas as pd
 
         if not self.errors:

@@ -194,7 +194,7 @@ class ErcResult:
     layers: list[LayerErc] = field(default_factory=list)
 
     def tables(self) -> tuple[Any, Any, Any]:
-        """``(erc, erc_layers, erc_matrix)`` DataFrames with exactly the SPEC's columns."""
+        """``(erc, erc_layers, erc_matrix)`` DataFrames with exactly the columns of DEFINITIONS."""
         import pandas as pd
 
         erc = pd.DataFrame([{"layer": r.layer, "alpha": a, "erc_loss": lo, "erc_loss_clean": lc}

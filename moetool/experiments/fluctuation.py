@@ -1,4 +1,4 @@
-"""``fluctuation``: how routing changes between checkpoints (Graph of Tokens Fig. 3; SPEC §fluctuation).
+"""``fluctuation``: how routing changes between checkpoints (Graph of Tokens Fig. 3).
 
 The same token ids go through every checkpoint (one loaded at a time). Per checkpoint, routing (a policy spec as
 everywhere: ``router`` = the model's own top-K; ``similarity`` / ``attention``: that training-free policy applied
@@ -251,7 +251,7 @@ def capture(lm: Any, tokens: Any, policy: Any, *, others: dict[Any, dict[int, Mo
 
 # ----- comparison ----------------------------------------------------------------------------
 def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[int, dict[str, float]]:
-    """The SPEC's metrics per layer between two routings of the same tokens (read back batch by batch).
+    """The metrics per layer between two routings of the same tokens (read back batch by batch).
 
     Per-token rates are summed per packed row into ``rows`` (name ``"rates"``: ``[L * len(RATES)]`` per row, and
     ``"tokens"``) when given, for the bootstrap."""

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from ..errors import MoetoolError
 from ..lmeval_compat import hub_offline, no_env_report
-from ..progress import status
+from ..progress import logger_level, status
 from ..registry import did_you_mean
 from .ppl import RoutingOptions
 from .result import Result, resolve_options
@@ -176,10 +176,10 @@ def make_hflm(lm: Any, batch_size: int = 8) -> Any:
         raise MoetoolError("lm-eval needs the model's tokenizer")
     if lm.tokenizer.bos_token_id is None and lm.tokenizer.eos_token_id is None:
         raise MoetoolError("the tokenizer has neither a BOS nor an EOS token: lm-eval cannot use it")
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
     from lm_eval.models.huggingface import HFLM
 
-    hflm = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size)
+    with logger_level("lm_eval", logging.ERROR):
+        hflm = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size)
     return data_parallel(hflm)
 
 
@@ -244,7 +244,6 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
 
     from ..engine.hooks import Engine
 
-    logging.getLogger("lm_eval").setLevel(logging.ERROR if quiet else logging.WARNING)
     hflm = make_hflm(lm, batch_size) if hflm is None else hflm
     t0 = time.perf_counter()
     # lm-eval's and datasets' own progress bars (stderr) are swallowed; moetool's spinner is the one display
@@ -253,7 +252,8 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
     routing = f" ({policy.describe().get('name', '')})" if policy is not None else ""
     what = f"lm-eval {', '.join(plan.names)}{routing}"
     with status(what, quiet), contextlib.redirect_stderr(io.StringIO()), hub_offline(plan.offline), torch.no_grad(), \
-            no_env_report(), Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
+            logger_level("lm_eval", logging.ERROR if quiet else logging.WARNING), no_env_report(), \
+            Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
         try:
             out = evaluator.simple_evaluate(
                 model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,

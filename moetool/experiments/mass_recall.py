@@ -1,4 +1,4 @@
-"""``mass-recall``: how much routing mass an inverted-index (IVF) router keeps (AIR-MoE; SPEC §mass-recall).
+"""``mass-recall``: how much routing mass an inverted-index (IVF) router keeps (AIR-MoE).
 
 Per MoE layer and codebook size ``G``, a codebook of unit codewords is fitted on the router inputs
 ``h`` by streaming adaptive spherical k-means (:mod:`.kmeans`; pass 1, plus ``kmeans_iters`` extra
@@ -279,7 +279,7 @@ class MassRecallResult:
 def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
              opts: MassRecallOptions, quiet: bool = False,
              norms: dict[int, torch.Tensor] | None = None) -> MassRecallResult:
-    """Pass 2: every (layer, G, centroids, M) on the same tokens; returns the table with SPEC's columns.
+    """Pass 2: every (layer, G, centroids, M) on the same tokens; returns the table with the columns of DEFINITIONS.
     ``norms``: the largest ||h|| per layer (:func:`fit_codebooks`), the scale grid of the bound."""
     import pandas as pd
 

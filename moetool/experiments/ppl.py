@@ -1,4 +1,4 @@
-"""Perplexity under a routing policy (SPEC §Routing policies): ``moetool ppl`` and the ``norm-select`` sweep.
+"""Perplexity under a routing policy: ``moetool ppl`` and the ``norm-select`` sweep.
 
 The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
 (:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.

@@ -42,7 +42,7 @@ PUBLISHED: tuple[Published, ...] = (
     Published(AOE, "Table 1", "mixtral-8x7b", "arc_challenge", "acc", "best node", 58.79, ""),
     Published(AOE, "Table 1", "mixtral-8x7b", "arc_challenge", "retention", "best node", 94.6,
               "58.79 / 62.12, percent"),
-    Published(ERC, "text, as quoted in SPEC §erc (no table number)", "vanilla-moe", "", "alpha_min", "vanilla", 5.0,
+    Published(ERC, "text (no table number)", "vanilla-moe", "", "alpha_min", "vanilla", 5.0,
               "approximate: the paper reads that a vanilla MoE needs α≈5 in every layer; no per-layer values given"),
 )
 

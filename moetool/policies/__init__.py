@@ -1,4 +1,4 @@
-"""Routing policies, by name: ``router``, ``norm:<node>[:<norm>]``, ``random``, ... (SPEC §Routing policies).
+"""Routing policies, by name: ``router``, ``norm:<node>[:<norm>]``, ``random``, ...
 
 "Routing" means one thing everywhere: a policy spec string. ``router`` is the model's own routing (through the
 override path). ``build_policy("norm:gate:l2", weights="softmax")`` parses a spec; options a policy does not

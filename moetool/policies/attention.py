@@ -1,4 +1,4 @@
-"""``attention`` — Attention-Aware routing (Graph of Tokens, Def. 5 / Eq. 14; SPEC §Routing policies).
+"""``attention`` — Attention-Aware routing (Graph of Tokens, Def. 5 / Eq. 14).
 
 The attention probabilities ``A [B, heads, S, S]`` of the same decoder layer's self-attention
 (read by the engine from the attention module's ``output[1]``; the model must run with

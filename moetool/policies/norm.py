@@ -1,4 +1,4 @@
-"""``norm:<node>[:<norm>]`` — Autonomy-of-Experts' training-free pilot (SPEC §Routing policies).
+"""``norm:<node>[:<norm>]`` — Autonomy-of-Experts' training-free pilot.
 
 The router is ignored; every expert computes ``node`` for the token (batched over experts)
 and the K with the largest norm run. Weights (``--weights``): ``softmax`` over the chosen

@@ -1,4 +1,4 @@
-"""``similarity[:tau]`` — Similarity-Aware routing (Graph of Tokens, Def. 2; SPEC §Routing policies).
+"""``similarity[:tau]`` — Similarity-Aware routing (Graph of Tokens, Def. 2).
 
 Per sequence, ``S[i, j] = softmax_j(h_i · h_j / tau)`` over the real tokens ``j`` of the same
 sequence (causal, ``j <= i``, by default), ``s_i = Σ_j S[i, j] π(h_j)``; the K experts with the
