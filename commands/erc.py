@@ -23,8 +23,9 @@ draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,
 alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean;
 alpha_min_paper = the ERC paper's vanilla-MoE value α≈5 in every layer,
 approximate, printed beside the measured one), erc_matrix.csv
-(layer, i, j, m = clean M), figures/erc_matrix (heatmaps), figures/erc_loss,
-manifest.json (every definition).
+(layer, i, j, m = clean M), figures/erc_matrix (heatmaps), figures/erc_loss
+(clean L_ERC(α) from 0 past every layer's alpha_min, which is marked; the noisy
+loss at the --alpha values as points), manifest.json (every definition).
 
 Examples:
   moetool erc --out runs/erc-tiny

@@ -167,3 +167,296 @@ def test_heatmap_panels_of_one_figure_share_one_colour_scale_and_layer_order():
     fig = plot_cross_layer(pairs, summary)
     images = [ax.images[0] for ax in fig.axes if ax.images]
     assert [im.get_clim() for im in images] == [(0.0, 0.7)] * 2
+
+
+# ----- issue 24: legends off the data, α past α_min, mass-recall axes, retention labels, colour bars, backend -----
+def along(xy, step=1.0):
+    """Points every ``step`` display pixels along the polyline ``xy`` (its vertices included)."""
+    out = [xy[:1]]
+    for a, b in zip(xy[:-1], xy[1:]):
+        k = max(1, int(np.hypot(*(b - a)) / step))
+        out.append(a + (b - a) * np.linspace(0, 1, k + 1)[1:, None])
+    return np.concatenate(out)
+
+
+def drawn_points(ax):
+    """Display coordinates of what ``ax`` draws as data: line vertices and the lines between them, error bars,
+    scatter offsets; and the boxes of its bars."""
+    from matplotlib.collections import LineCollection, PathCollection
+
+    pts = []
+    for ln in ax.get_lines():
+        xy = ln.get_transform().transform(np.asarray(ln.get_xydata(), float))
+        xy = xy[np.isfinite(xy).all(1)]
+        if len(xy):
+            pts.append(along(xy) if ln.get_linestyle() not in ("None", "none", "") else xy)
+    for c in ax.collections:
+        if isinstance(c, LineCollection):
+            pts += [along(c.get_transform().transform(np.asarray(s, float))) for s in c.get_segments() if len(s)]
+        elif isinstance(c, PathCollection):
+            pts.append(c.get_offset_transform().transform(np.asarray(c.get_offsets(), float)))
+    pts = np.concatenate(pts) if pts else np.zeros((0, 2))
+    return pts[np.isfinite(pts).all(1)], [p.get_window_extent() for p in ax.patches]
+
+
+def legends_on_data(fig):
+    """(legend texts, what it covers) for every legend whose box holds a drawn point (a line's vertex or a point on
+    the line between two) or meets a bar."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    assert legends, "no legend drawn"
+    bad = []
+    for lg in legends:
+        box = lg.get_window_extent(r)
+        for ax in fig.axes:
+            pts, bars = drawn_points(ax)
+            inside = [(float(x), float(y)) for x, y in pts if box.x0 <= x <= box.x1 and box.y0 <= y <= box.y1]
+            hit = [b for b in bars if b.width > 0 and b.height > 0 and b.overlaps(box)]
+            if inside or hit:
+                bad.append(([t.get_text() for t in lg.get_texts()], inside[:3], len(hit)))
+    return bad
+
+
+#: a tiny-early -> tiny run (384 tokens): per routing and layer (top-1 change, its 95% interval, entropy ratio)
+ROUTINGS = {
+    "router": [(0.06, 0.039, 0.094, 1.167), (0.414, 0.375, 0.453, 0.842), (0.273, 0.211, 0.32, 0.789),
+               (0.331, 0.273, 0.398, 0.84)],
+    "similarity": [(0.06, 0.047, 0.086, 1.164), (0.396, 0.352, 0.461, 0.846), (0.271, 0.188, 0.352, 0.792),
+                   (0.328, 0.266, 0.414, 0.843)],
+    "attention": [(0.544, 0.5, 0.594, 1.021), (0.734, 0.672, 0.805, 0.864), (0.427, 0.102, 0.648, 0.92),
+                  (0.323, 0.039, 0.484, 0.944)],
+    "router-isolated": [(0.055, 0.039, 0.086, 1.032), (0.31, 0.25, 0.344, 0.728), (0.143, 0.117, 0.172, 0.674),
+                        (0.206, 0.188, 0.234, 0.766)],
+    "similarity-isolated": [(0.06, 0.039, 0.102, 1.032), (0.328, 0.266, 0.375, 0.757), (0.146, 0.125, 0.172, 0.708),
+                            (0.208, 0.172, 0.242, 0.79)],
+    "attention-isolated": [(0.154, 0.07, 0.203, 1.006), (0.628, 0.531, 0.781, 0.838), (0.096, 0.016, 0.188, 0.705),
+                           (0.135, 0.102, 0.188, 0.889)]}
+
+
+#: entropy ratios that cross the whole panel (no free corner): matplotlib's "best" legend spot lies on a line
+ZIGZAG = {"router": [1.2, 0.7, 1.2, 0.7], "similarity": [0.7, 1.2, 0.7, 1.2], "attention": [0.95] * 4,
+          "router-isolated": [1.1, 0.8, 1.1, 0.8], "similarity-isolated": [0.8, 1.1, 0.8, 1.1],
+          "attention-isolated": [1.0, 0.9, 0.9, 1.0]}
+
+
+def fluctuation_table(entropy=None):
+    """One checkpoint pair (the demo's shape: one panel, so the legend is the panel's own), six routings;
+    ``entropy``: routing -> entropy ratio per layer instead of the run's."""
+    return pd.DataFrame([dict(layer=layer, routing=r, reference="tiny-early", checkpoint="tiny", top1_change=y,
+                              top1_change_lo=lo, top1_change_hi=hi, entropy_ref=1.4,
+                              entropy_ratio=e if entropy is None else entropy[r][layer])
+                         for r, rows in ROUTINGS.items() for layer, (y, lo, hi, e) in enumerate(rows)]
+                        ).eval("entropy_ckpt = entropy_ref * entropy_ratio")
+
+
+def quality_table(metric="acc"):
+    rows = []
+    for p, ppl, accs in (("router", 1.0, (0.8, 0.65)), ("norm:gate:l2", 1.95, (0.7, 0.6)),
+                         ("norm:up:l2", 6.5, (0.4, 0.35)), ("norm:act:l2", 8.8, (0.25, 0.45)),
+                         ("norm:glu:l2", 2.2, (0.4, 0.55)), ("norm:output:l2", 2.1, (0.55, 0.55))):
+        rows.append(dict(policy=p, task="heldout", metric="perplexity", value=50 * ppl, router_value=50.0, ratio=ppl,
+                         ratio_lo=ppl * 0.9, ratio_hi=ppl * 1.15))
+        for t, a, base in zip(("moetool_code", "moetool_prose"), accs, (0.8, 0.65)):
+            ratio = a / base
+            for m in ("acc", "acc_norm"):
+                rows.append(dict(policy=p, task=t, metric=m, value=a, router_value=base, ratio=ratio,
+                                 ratio_lo=ratio - (0 if p == "router" else 0.33), ratio_hi=ratio + (0 if p == "router" else 0.45)))
+    return pd.DataFrame(rows)
+
+
+def agreement_table():
+    return pd.DataFrame([dict(layer=layer, policy=p, topk_overlap=0.5, top1_agree=0.4, tokens=100)
+                         for p in ("router", "norm:gate:l2") for layer in range(4)])
+
+
+@pytest.mark.parametrize("name,entropy", [("fluctuation_by_layer", None), ("entropy_ratio_by_layer", ZIGZAG),
+                                          ("retention", None)])
+def test_legends_cover_no_data_point(tmp_path, name, entropy):
+    """After saving, no legend's box holds a point of a line or an error bar or meets a bar (the legends of these
+    figures used to sit on the curves and bars: one checkpoint pair = one panel with its own legend)."""
+    from moetool.report.plots import plot_fluctuation, plot_norm_select
+
+    if name == "retention":
+        fig = plot_norm_select(agreement_table(), quality_table(), "acc", ["moetool_code", "moetool_prose"])[name]
+    else:
+        fig = plot_fluctuation(fluctuation_table(entropy))[name]
+    F.savefig(fig, tmp_path / f"{name}.png")
+    assert legends_on_data(fig) == []
+
+
+def test_place_legends_moves_a_legend_off_the_data_and_keeps_one_that_covers_none():
+    fig, (ax,) = F.new_figure()
+    ax.plot([0, 1], [0, 1], label="diagonal")
+    ax.plot([0, 1], [0.9, 0.95], label="top")
+    ax.legend(loc="upper left")  # on the "top" line
+    assert legends_on_data(fig)
+    F.finalize(fig)
+    assert legends_on_data(fig) == [] and ax.get_legend() is not None
+    fig2, (ax2,) = F.new_figure()
+    ax2.plot([0, 1], [0, 0.2], label="low")
+    ax2.legend(loc="upper left")  # covers nothing: stays where it is
+    F.finalize(fig2)
+    assert ax2.get_legend()._loc == 2 and legends_on_data(fig2) == []
+
+
+def hand_erc_loss(M, a):
+    n = len(M)
+    return sum(max(M[i, j] - a * M[i, i], 0) + max(M[j, i] - a * M[i, i], 0)
+               for i in range(n) for j in range(n) if j != i) / n ** 2
+
+
+def erc_tables():
+    """Two layers with α_min 1.8 and 2.2 (off-diagonal up to that times the diagonal); erc.csv at α 0.4 .. 1.0."""
+    rng = np.random.default_rng(0)
+    mats = {}
+    for layer, amin in ((0, 1.8), (1, 2.2)):
+        M = 0.2 + 0.6 * rng.random((4, 4))  # off-diagonal below the diagonal (1) but for one pair
+        np.fill_diagonal(M, 1.0)
+        M[2, 1] = amin  # max over i != j of max(M[i,j], M[j,i]) / M[i,i] = amin
+        mats[layer] = M
+    matrix = pd.DataFrame([dict(layer=layer, i=i, j=j, m=M[i, j]) for layer, M in mats.items()
+                           for i in range(4) for j in range(4)])
+    alphas = (0.4, 0.6, 0.8, 1.0)
+    erc = pd.DataFrame([dict(layer=layer, alpha=a, erc_loss=hand_erc_loss(M, a) * 1.01, erc_loss_clean=hand_erc_loss(M, a))
+                        for layer, M in mats.items() for a in alphas])
+    per_layer = pd.DataFrame({"layer": [0, 1], "n_experts": [4, 4], "alpha_min": [1.8, 2.2]})
+    return erc, per_layer, matrix, mats
+
+
+def test_erc_loss_sweeps_past_alpha_min_and_marks_it():
+    from moetool.report.plots import plot_erc
+
+    erc, per_layer, matrix, mats = erc_tables()
+    fig = plot_erc(erc, per_layer, matrix, "gate", "l2", "derived", 4)["erc_loss"]
+    ax = fig.axes[0]
+    assert ax.get_xlim()[1] > 2.2 * 1.1  # was 1.0 (the --alpha values only)
+    marks = [ln for ln in ax.get_lines() if ln.get_gid() == "alpha_min"]
+    assert sorted(float(ln.get_xdata()[0]) for ln in marks) == pytest.approx([1.8, 2.2])
+    for layer, amin in ((0, 1.8), (1, 2.2)):
+        (curve,) = [ln for ln in ax.get_lines() if ln.get_label().startswith(f"layer {layer} ")]
+        x, y = np.asarray(curve.get_xdata(), float), np.asarray(curve.get_ydata(), float)
+        np.testing.assert_allclose(y, [hand_erc_loss(mats[layer], a) for a in x], atol=1e-12)
+        assert x.max() > amin and y[x >= amin].max() == 0 and (y[x < amin] > 0).all()
+        assert f"α_min {amin:.2f}" in curve.get_label()
+    noisy = [ln for ln in ax.get_lines() if ln.get_gid() == "erc_loss_noisy"]  # erc.csv's own points
+    assert sorted(np.concatenate([ln.get_xdata() for ln in noisy]).tolist()) == sorted(erc["alpha"].tolist())
+
+
+def mass_recall_table():
+    rows = []
+    for layer in (0, 1):
+        for G in (8, 32):
+            for c in ("raw", "unit"):
+                for m, rec in ((2, 0.62), (4, 0.81), (8, 1.0)):
+                    rows.append(dict(layer=layer, codebook_size=G, shortlist_size=m, centroids=c,
+                                     mass_recall_mean=rec - (0.05 if c == "raw" else 0), bound_mean=5e-10 * m,
+                                     bound_scaled_mean=0.02 * m, router_flops_frac=(G + m) / 8))
+    return pd.DataFrame(rows)
+
+
+def test_mass_recall_bounds_axis_spans_the_measured_values_and_says_what_is_clipped():
+    from moetool.report.plots import plot_mass_recall
+
+    df = mass_recall_table()
+    fig = plot_mass_recall(df)["mass_recall_vs_bounds"]
+    for ax in fig.axes:
+        lo, hi = ax.get_ylim()
+        assert ax.get_yscale() == "linear" and 0.3 < lo <= df["mass_recall_mean"].min() and 1.0 <= hi < 1.1
+        assert "/" not in ax.get_ylabel() and "bound" in ax.get_ylabel()  # not "mass recall / lower bound"
+    title = fig._suptitle.get_text()
+    assert "clipped" in title and "paper bound max 4e-09" in title and "scale-aware bound max 0.16" in title
+
+
+def test_mass_recall_vs_router_flops_marks_the_full_router():
+    from moetool.report.plots import plot_mass_recall
+
+    fig = plot_mass_recall(mass_recall_table())["mass_recall_vs_router_flops"]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 2
+    for ax in panels:
+        ref = [ln for ln in ax.get_lines() if ln.get_label().startswith("full router")]
+        assert len(ref) == 1 and list(ref[0].get_xdata()) == [1.0, 1.0]
+        assert ax.get_xlim()[0] < 1.0 < ax.get_xlim()[1]
+
+
+@pytest.mark.parametrize("metric", ["acc", "acc_norm"])
+def test_retention_names_the_metric_and_the_items(metric):
+    from moetool.experiments.result import Result
+    from moetool.report.plots import norm_select_figures
+
+    res = Result("norm_select", {"agreement.csv": agreement_table(), "quality.csv": quality_table()},
+                 meta={"eval": {"tasks": ["moetool_code", "moetool_prose"]},
+                       "n_samples": {"router": {"moetool_code": {"original": 100, "effective": 20},
+                                                "moetool_prose": {"original": 57, "effective": 57}}}})
+    if metric == "acc":
+        fig = norm_select_figures(res)["retention"]
+    else:
+        from moetool.report.plots import eval_items, plot_norm_select
+
+        fig = plot_norm_select(agreement_table(), quality_table(), metric, ["moetool_code", "moetool_prose"],
+                               eval_items(res.meta["n_samples"]))["retention"]
+    ax = fig.axes[1]
+    assert f"lm-eval {metric}," in ax.get_title() and ax.get_ylabel() == f"{metric} / router {metric}"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["moetool_code (20 items)",
+                                                                   "moetool_prose (57 items)"]
+
+
+def stats_heatmaps():
+    from moetool.report.plots import plot_coactivation, plot_cross_layer, plot_load
+
+    n = 6
+    load = pd.DataFrame([dict(layer=li, expert=e, load_fraction=(1 + (e + li) % 3) / (2 * n)) for li in range(3)
+                         for e in range(n)])
+    co = pd.DataFrame([dict(layer=li, a=a, b=b, p_b_given_a=(a + b) / 20, count=1) for li in range(3)
+                       for a in range(n) for b in range(n) if a != b])
+    layers = pd.DataFrame({"layer": [0, 1, 2], "n_experts": [n] * 3, "top_k": [2] * 3})
+    pairs = pd.DataFrame([dict(layer=li, next_layer=li + 1, a=a, b=b, p_b_given_a=(a * b) / 30, count=1)
+                          for li in range(2) for a in range(n) for b in range(n)])
+    summary = pd.DataFrame({"layer": [0, 1], "next_layer": [1, 2], "mutual_information": [0.1, 0.2],
+                            "uniform_max_p": [2 / n] * 2})
+    return {"load_heatmap": plot_load(load), "coactivation": plot_coactivation(co, layers),
+            "cross_layer": plot_cross_layer(pairs, summary)}
+
+
+def test_every_colour_bar_has_a_label_and_square_matrices_get_square_cells(tmp_path):
+    from moetool.report.plots import plot_erc
+
+    erc, per_layer, matrix, _ = erc_tables()
+    figs = {**stats_heatmaps(), "erc_matrix": plot_erc(erc, per_layer, matrix, "gate", "l2", "none", 1)["erc_matrix"]}
+    for name, fig in figs.items():
+        F.savefig(fig, tmp_path / f"{name}.png")
+        images = [im for ax in fig.axes for im in ax.images]
+        assert images, name
+        for im in images:
+            assert im.colorbar is not None and im.colorbar.ax.get_ylabel().strip(), name
+            rows, cols = im.get_array().shape
+            box = im.axes.get_window_extent()  # the drawn matrix (after the aspect is applied)
+            cell_w, cell_h = box.width / cols, box.height / rows
+            if rows == cols:  # expert x expert: square cells (they were squashed into wide rectangles)
+                assert cell_w == pytest.approx(cell_h, rel=0.02), name
+            # the colour bar is as tall as the matrix
+            assert im.colorbar.ax.get_window_extent().height == pytest.approx(box.height, rel=0.02), name
+    with pytest.raises(ValueError, match="colorbar_label"):
+        F.heatmap(F.new_figure()[1][0], np.eye(2))
+
+
+def test_house_style_leaves_the_users_backend_alone(tmp_path):
+    """house_style() used to call matplotlib.use('Agg'), switching a notebook's backend; figures are now built on
+    their own Agg canvas and not registered with pyplot (a notebook does not show or keep each one)."""
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")  # the user's choice (non-interactive, so the test runs headless)
+        open_figs = plt.get_fignums()
+        with F.house_style():
+            pass
+        fig, _ = draw()
+        F.savefig(fig, tmp_path / "f.png")
+        F.savefig(fig, tmp_path / "f.pdf")
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == open_figs
+        assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "f.pdf").read_bytes()[:4] == b"%PDF"
+    finally:
+        matplotlib.use(before)

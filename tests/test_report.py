@@ -38,7 +38,7 @@ def make_runs(root: Path) -> Path:
     b = demo.sub("erc")
     b.write_csv("erc.csv", pd.DataFrame({"alpha": [0.5, 1.0], "erc_loss": [0.3, 0.1]}))
     fig, (ax,) = F.new_figure()
-    F.heatmap(ax, np.eye(3), title="M", xlabel="expert", ylabel="layer")
+    F.heatmap(ax, np.eye(3), title="M", xlabel="expert", ylabel="layer", colorbar_label="m")
     b.save_figure(fig, "matrix")
     b.finish(options={})
     c = demo.sub("approx")

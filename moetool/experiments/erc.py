@@ -152,6 +152,27 @@ def alpha_min(M: torch.Tensor) -> float:
     return float(ratio[off].max())
 
 
+def alpha_sweep(alpha_mins: Sequence[float], alphas: Sequence[float] = (), points: int = 61) -> list[float]:
+    """The α grid of the ERC loss figure: ``points`` steps from 0 to 1.15 × the largest α_min (or --alpha), plus
+    every α_min and --alpha value exactly (the clean loss reaches 0 at α_min, and erc.csv's α lie on it)."""
+    top = 1.15 * max([*alpha_mins, *alphas, 1e-3])
+    grid = {round(top * k / (points - 1), 12) for k in range(points)}
+    return sorted(grid | {float(a) for a in (*alpha_mins, *alphas)})
+
+
+def loss_curves(matrix: Any, alphas: Sequence[float] = (), points: int = 61) -> Any:
+    """Clean ``L_ERC(α)`` of every layer of an ``erc_matrix`` table (layer, i, j, m) on :func:`alpha_sweep`'s grid,
+    past every layer's α_min: DataFrame (layer, alpha, erc_loss_clean, alpha_min). erc.csv keeps the --alpha values."""
+    import pandas as pd
+
+    Ms = {int(layer): torch.tensor(g.pivot(index="i", columns="j", values="m").to_numpy(), dtype=torch.float64)
+          for layer, g in matrix.groupby("layer", sort=True)}  # layer -> [n, n]
+    mins = {layer: alpha_min(M) for layer, M in Ms.items()}
+    grid = alpha_sweep(list(mins.values()), alphas, points)
+    return pd.DataFrame([{"layer": layer, "alpha": a, "erc_loss_clean": float(v), "alpha_min": mins[layer]}
+                         for layer, M in Ms.items() for a, v in zip(grid, erc_loss(M, grid).tolist())])
+
+
 def dominance(M: torch.Tensor) -> tuple[float, float]:
     """``(row, col)``: fraction of i with ``argmax_j M[i,j] = i``, of j with ``argmax_i M[i,j] = j``."""
     own = torch.arange(M.shape[-1], device=M.device)

@@ -9,6 +9,10 @@
 - Axis labels in words with units: :data:`LABELS` maps column names; :func:`line_by` and :func:`finalize` (run at
   save time) replace a raw column-name label by its words. One legend per figure when panels share series.
 - ``title``/``caption`` arguments carry the model and data (:func:`describe_run` builds the text).
+- No legend covers data (:func:`place_legends`, run by :func:`finalize`); every colour bar has a label and a square
+  matrix gets square cells (:func:`heatmap`).
+- Figures are built with the object-oriented API on their own Agg canvas: the active backend (a notebook's) is
+  never switched and pyplot does not keep them.
 """
 
 from __future__ import annotations
@@ -87,8 +91,8 @@ def house_style() -> Iterator[None]:
     import matplotlib
     from cycler import cycler
 
-    if matplotlib.get_backend().lower() != "agg":  # no screen needed (Agg is also the headless default)
-        matplotlib.use("Agg")
+    # no matplotlib.use(): the user's backend (a notebook's inline one) is left alone; figures are built with
+    # the object-oriented API on an Agg canvas (new_figure), which needs no backend and no screen
     with matplotlib.rc_context({**STYLE, "axes.prop_cycle": cycler(color=PALETTE)}):
         yield
 
@@ -101,14 +105,19 @@ def new_figure(nrows: int = 1, ncols: int = 1, width: float = 4.2, height: float
     ``size="one"`` / ``"two"`` (or a width in inches) fixes the whole figure's width instead. ``title`` (model,
     data) goes above the panels, ``caption`` below.
     """
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     total_w, total_h = width * ncols, height * nrows
     target = {"one": ONE_COLUMN, "two": TWO_COLUMN}.get(size, size) if size is not None else min(total_w, TWO_COLUMN)
     scale = float(target) / total_w
     h_scale = max(scale, 0.6)  # panels keep a readable height when squeezed sideways
     with house_style():
-        fig, axes = plt.subplots(nrows, ncols, figsize=(float(target), total_h * h_scale), squeeze=False)
+        # a bare Figure on an Agg canvas: not registered with pyplot (a notebook does not show or keep every figure
+        # built) and independent of the active backend
+        fig = Figure(figsize=(float(target), total_h * h_scale))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(nrows, ncols, squeeze=False)
     if title:
         fig.suptitle(title)
     if caption:
@@ -147,16 +156,28 @@ def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
 def heatmap(ax: Any, matrix: Any, title: str = "", xlabel: str = "", ylabel: str = "", cmap: str = "viridis",
             colorbar: bool = True, vmin: float | None = None, vmax: float | None = None,
             colorbar_label: str = "") -> Any:
-    """``imshow`` of ``matrix`` (no grid). Pass ``vmin``/``vmax`` so every panel of a run shares one scale."""
-    im = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest", vmin=vmin, vmax=vmax)
+    """``imshow`` of ``matrix`` (no grid). Pass ``vmin``/``vmax`` so every panel of a run shares one scale.
+
+    A square matrix (expert x expert) gets square cells; a colour bar always says what it measures
+    (``colorbar_label``, a column name or words; required with ``colorbar``) and is as tall as the matrix.
+    """
+    import numpy as np
+
+    if colorbar and not colorbar_label:
+        raise ValueError("heatmap: a colour bar needs colorbar_label (what the colours measure)")
+    rows, cols = np.shape(matrix)[:2]
+    im = ax.imshow(matrix, aspect="equal" if rows == cols else "auto", cmap=cmap, interpolation="nearest",
+                   vmin=vmin, vmax=vmax)
     ax.set_title(title)
     ax.set_xlabel(label(xlabel) if xlabel in LABELS else xlabel)
     ax.set_ylabel(label(ylabel) if ylabel in LABELS else ylabel)
     ax.grid(False)
     if colorbar:
-        cb = ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-        if colorbar_label:
-            cb.set_label(label(colorbar_label))
+        # in axes coordinates, so it follows the (aspect-shrunk) matrix: as tall as the drawn cells
+        cb = ax.figure.colorbar(im, cax=ax.inset_axes((1.04, 0.0, 0.05, 1.0)))
+        cb.set_label(label(colorbar_label) if colorbar_label in LABELS else colorbar_label,
+                     fontsize=STYLE["axes.labelsize"])
+        cb.ax.tick_params(labelsize=STYLE["ytick.labelsize"])
     return im
 
 
@@ -242,6 +263,7 @@ def finalize(fig: Any) -> Any:
             for t in ax.get_legend().get_texts():
                 t.set_fontsize(STYLE["legend.fontsize"])
     _one_legend(fig, axes)
+    place_legends(fig)
     captions = [t for t in fig.findobj(Text) if t.get_gid() == "caption"]
     if captions:
         low = _lowest(fig, captions)
@@ -280,6 +302,82 @@ def _one_legend(fig: Any, axes: list[Any]) -> None:
         pass
     fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=(0.5, 0.0),
                ncol=min(len(handles), 4), fontsize=STYLE["legend.fontsize"], frameon=False)
+
+
+def data_extents(ax: Any, renderer: Any) -> tuple[list[Any], list[Any]]:
+    """What ``ax`` draws as data, in display coordinates: ``(paths, boxes)``. Paths: every line (reference lines
+    included), error-bar segment and scatter point; boxes: bars and other patches."""
+    import numpy as np
+    from matplotlib.collections import LineCollection, PathCollection
+    from matplotlib.path import Path as MPath
+
+    paths, boxes = [], []
+    for ln in ax.get_lines():
+        if ln.get_visible() and len(ln.get_xydata()):
+            xy = ln.get_transform().transform(np.asarray(ln.get_xydata(), float))
+            paths.append(MPath(xy[np.isfinite(xy).all(1)]))
+    for c in ax.collections:
+        if not c.get_visible():
+            continue
+        if isinstance(c, LineCollection):
+            paths += [MPath(c.get_transform().transform(np.asarray(seg, float))) for seg in c.get_segments()
+                      if len(seg)]
+        elif isinstance(c, PathCollection):
+            xy = c.get_offset_transform().transform(np.asarray(c.get_offsets(), float))
+            paths += [MPath(p[None]) for p in xy[np.isfinite(xy).all(1)]]
+    boxes += [p.get_window_extent(renderer) for p in ax.patches if p.get_visible()]
+    return paths, boxes
+
+
+def covers_data(box: Any, axes: Sequence[Any], renderer: Any) -> bool:
+    """Whether the display box ``box`` (a legend's) covers anything the ``axes`` draw as data."""
+    for ax in axes:
+        paths, boxes = data_extents(ax, renderer)
+        if any(b.overlaps(box) for b in boxes):
+            return True
+        for p in paths:
+            if len(p.vertices) == 1:
+                if box.contains(*p.vertices[0]):
+                    return True
+            elif len(p.vertices) and p.intersects_bbox(box, filled=False):
+                return True
+    return False
+
+
+#: in-axes legend corners tried before a legend goes outside its axes
+LEGEND_SPOTS = ("upper right", "upper left", "lower right", "lower left", "center right", "center left",
+                "upper center", "lower center")
+
+
+def place_legends(fig: Any) -> None:
+    """Every axes legend covers no data: it stays where it is if it covers none, else takes the first free corner
+    of :data:`LEGEND_SPOTS`, else goes outside its axes (to the right when no panel is there, else under the
+    panels as a figure legend)."""
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        lg = ax.get_legend()
+        if lg is None or not lg.get_visible():
+            continue
+        fig.canvas.draw()  # positions after layout (limits, aspect, tight_layout)
+        if not covers_data(lg.get_window_extent(renderer), axes, renderer):
+            continue
+        for spot in LEGEND_SPOTS:
+            lg.set_loc(spot)
+            if not covers_data(lg.get_window_extent(renderer), axes, renderer):
+                break
+        else:
+            box = ax.get_position()
+            right = [o for o in axes if o is not ax and o not in ax.child_axes and o.get_position().x0 >= box.x1
+                     and o.get_position().y0 < box.y1 and o.get_position().y1 > box.y0]
+            if not right:
+                lg.set_loc("upper left")
+                lg.set_bbox_to_anchor((1.02, 1.0), transform=ax.transAxes)
+            else:
+                handles, labels = ax.get_legend_handles_labels()
+                lg.remove()
+                fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                           ncol=min(len(handles), 4), fontsize=STYLE["legend.fontsize"], frameon=False)
 
 
 def savefig(fig: Any, path: str | Path, *, finalized: bool = False, **kwargs: Any) -> Path:

@@ -21,7 +21,7 @@ def plot_load(load: Any) -> Any:
     mat = load.pivot(index="layer", columns="expert", values="load_fraction") * n  # [layers, n]
     fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
     im = heatmap(ax, mat.to_numpy(), title="expert load / uniform (1/n)", xlabel="expert", ylabel="layer",
-                 cmap="RdBu_r")
+                 cmap="RdBu_r", colorbar_label="load / uniform load (1 = balanced)")
     lo, hi = float(mat.min().min()), float(mat.max().max())
     im.set_norm(TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01)))
     ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
@@ -42,7 +42,8 @@ def plot_coactivation(co: Any, layers: Any) -> Any:
         g = co[co["layer"] == info.layer]
         mat = np.full((n, n), np.nan)  # [n, n] row a, column b; diagonal blank
         mat[g["a"], g["b"]] = g["p_b_given_a"]
-        heatmap(ax, mat, title=f"layer {info.layer}", xlabel="b", ylabel="a").set_clim(0, top)
+        heatmap(ax, mat, title=f"layer {info.layer}", xlabel="b", ylabel="a", colorbar_label="p_b_given_a",
+                vmin=0, vmax=top)
     for ax in axes[len(layers):]:
         ax.set_visible(False)
     k, n = int(layers["top_k"].iloc[0]), int(layers["n_experts"].iloc[0])
@@ -112,7 +113,8 @@ def plot_cross_layer(pairs: Any, summary: Any) -> Any:
         mat = np.full((int(g["a"].max()) + 1, int(g["b"].max()) + 1), np.nan)  # [n, m] row a at l, column b
         mat[g["a"], g["b"]] = g["p_b_given_a"]
         heatmap(ax, mat, title=f"{info.layer} -> {info.next_layer}: MI {info.mutual_information:.3f} nats",
-                xlabel=f"expert at layer {info.next_layer}", ylabel=f"expert at layer {info.layer}", vmin=0, vmax=top)
+                xlabel=f"expert at layer {info.next_layer}", ylabel=f"expert at layer {info.layer}", vmin=0, vmax=top,
+                colorbar_label="P(b at next layer | a)")
     for ax in axes[len(summary):]:
         ax.set_visible(False)
     fig.suptitle(f"P(b at next layer | a); independent uniform routing: K/n = {summary['uniform_max_p'].iloc[0]:.3g}")
@@ -149,8 +151,10 @@ def stats_figures(result: Any) -> dict[str, Any]:
 
 # ----- norm-select ----------------------------------------------------------------------------
 def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
-                     tasks: Iterable[str] | None = None) -> dict[str, Any]:
-    """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``."""
+                     tasks: Iterable[str] | None = None, items: dict[str, int] | None = None) -> dict[str, Any]:
+    """``retention`` (perplexity ratio and accuracy retention by policy) and ``agreement_by_layer``.
+
+    ``items``: task -> number of lm-eval items scored (shown beside each task; ``n_samples`` of the manifest)."""
     import numpy as np
 
     from ..experiments.norm_select import asked_rows
@@ -171,12 +175,20 @@ def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
         width = 0.8 / len(tasks)
         for i, t in enumerate(tasks):
             r = acc[acc.task == t].set_index("policy").reindex(pols)
-            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, label=t, yerr=_bar_err(r), capsize=2)
+            n = (items or {}).get(t)
+            axes[1].bar(np.arange(len(pols)) + i * width, r.ratio, width, yerr=_bar_err(r), capsize=2,
+                        label=f"{t} ({n:,} items)" if n else t)
         axes[1].axhline(1.0, color="k", linewidth=0.8)
         axes[1].set_xticks(np.arange(len(pols)) + 0.4 - width / 2, pols, rotation=35, ha="right")
         axes[1].set_ylabel(f"{metric} / router {metric}")
-        axes[1].set_title("accuracy retention")
-        axes[1].legend(fontsize=7, frameon=False)
+        how = {"acc": ", unnormalised", "acc_norm": ", length-normalised"}.get(metric, "")
+        axes[1].set_title(f"accuracy retention (lm-eval {metric}{how})")
+        # the legend in a band of headroom above the bars and error bars (it covers no data; finalize checks)
+        ncol = 1 if len(tasks) < 4 else 2
+        top = float(np.nanmax(np.concatenate([acc.ratio.to_numpy(float), acc.get("ratio_hi", acc.ratio).to_numpy(float),
+                                              [1.0]])))
+        axes[1].set_ylim(0, top * (1.08 + 0.1 * -(-len(tasks) // ncol)))
+        axes[1].legend(fontsize=7, frameon=False, loc="upper center", ncol=ncol)
     out["retention"] = fig
     fig, axes = new_figure(1, 2)
     for ax, col, title in ((axes[0], "topk_overlap", "top-K overlap with the router"),
@@ -208,12 +220,27 @@ def _bar_err(df: Any, col: str = "ratio") -> Any:
 
 def norm_select_figures(result: Any) -> dict[str, Any]:
     tasks = result.meta.get("eval") or {}
-    return plot_norm_select(result["agreement.csv"], result["quality.csv"], tasks=tasks.get("tasks"))
+    return plot_norm_select(result["agreement.csv"], result["quality.csv"], tasks=tasks.get("tasks"),
+                            items=eval_items(result.meta.get("n_samples")))
+
+
+def eval_items(n_samples: Any) -> dict[str, int]:
+    """task -> items lm-eval scored for the router baseline, from a manifest's ``n_samples`` ({policy: {task:
+    {original, effective}}}); {} when the run has none."""
+    per_task = (n_samples or {}).get("router") or {}
+    out = {}
+    for task, n in per_task.items():
+        n = n.get("effective", n.get("original")) if isinstance(n, dict) else n
+        if n is not None:
+            out[task] = int(n)
+    return out
 
 
 # ----- mass-recall ----------------------------------------------------------------------------
 def plot_mass_recall(df: Any) -> dict[str, Any]:
     """Mass recall vs shortlist size per layer; mass recall vs router FLOPs fraction per layer."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     from .figures import grid_shape, line_by, new_figure
 
     df = df.assign(codebook=[f"G={g} {c}" for g, c in zip(df["codebook_size"], df["centroids"])])
@@ -224,31 +251,62 @@ def plot_mass_recall(df: Any) -> dict[str, Any]:
         fig, axes = new_figure(*grid_shape(len(layers)))
         ci = ("mass_recall_mean_lo", "mass_recall_mean_hi")  # bootstrap interval, when the run computed one
         yerr = ci if all(c in df for c in ci) and df[ci[0]].notna().all() else None
+        flops = x == "router_flops_frac"
+        lo, hi = min(float(df[x].min()), 1.0), max(float(df[x].max()), 1.0)  # the x range, the full router's 1 included
         for ax, layer in zip(axes, layers):
+            if flops:  # the exact router's cost: left of the line the IVF router is cheaper
+                ax.axvline(1.0, color="k", linewidth=0.8, linestyle="--", label="full router ((G + M) / n = 1)")
             line_by(ax, df[df["layer"] == layer], x, "mass_recall_mean", "codebook", title=f"layer {layer}",
-                    yerr=yerr)
+                    yerr=yerr, xlabel="router inner products / the full router's, (G + M) / n" if flops else None)
             ax.set_ylim(0, 1.02)
+            if flops and hi / lo > 8:  # codebooks of very different sizes: a log axis keeps each one's curve apart
+                ax.set_xscale("log")
+                ax.set_xlim(lo / 1.15, hi * 1.15)
+                ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
         for ax in axes[len(layers):]:
             ax.set_visible(False)
         out[name] = fig
     if "bound_scaled_mean" in df.columns:  # measured mass recall against the paper's and the scale-aware bound
-        import pandas as pd
-
-        G = df["codebook_size"].max()
-        d = df[df["codebook_size"] == G]
-        long = pd.concat([pd.DataFrame({"layer": d["layer"], "shortlist_size": d["shortlist_size"], "value": d[col],
-                                        "series": [f"{what} ({c})" for c in d["centroids"]]})
-                          for col, what in (("mass_recall_mean", "measured"), ("bound_scaled_mean", "scale-aware bound"),
-                                            ("bound_mean", "paper bound"))])
-        fig, axes = new_figure(*grid_shape(len(layers)))
-        for ax, layer in zip(axes, layers):
-            line_by(ax, long[long["layer"] == layer], "shortlist_size", "value", "series", title=f"layer {layer}, G={G}",
-                    marker="o", xlabel="shortlist size M", ylabel="mass recall / lower bound (mean)")
-            ax.set_yscale("log")
-        for ax in axes[len(layers):]:
-            ax.set_visible(False)
-        out["mass_recall_vs_bounds"] = fig
+        out["mass_recall_vs_bounds"] = plot_mass_recall_bounds(df)
     return out
+
+
+def plot_mass_recall_bounds(df: Any) -> Any:
+    """Measured mass recall beside Proposition 1's bound and the scale-aware bound, largest codebook, per layer. The
+    y axis spans the measured values (linear): bounds far below them (the paper's bound is often ~1e-9) are clipped,
+    and the title says which and how low they go."""
+    import pandas as pd
+
+    from .figures import grid_shape, line_by, new_figure
+
+    G = df["codebook_size"].max()
+    d = df[df["codebook_size"] == G]
+    layers = sorted(d["layer"].unique())
+    series = (("mass_recall_mean", "measured"), ("bound_scaled_mean", "scale-aware bound"),
+              ("bound_mean", "paper bound (Prop. 1)"))
+    long = pd.concat([pd.DataFrame({"layer": d["layer"], "shortlist_size": d["shortlist_size"], "value": d[col],
+                                    "series": [f"{what} ({c})" for c in d["centroids"]]}) for col, what in series])
+    measured = d["mass_recall_mean"].to_numpy(float)
+    lo = max(0.0, float(measured.min()) - 0.1 * (1.02 - float(measured.min())))
+    lo = 0.05 * (lo // 0.05)  # a round lower limit below every measured value
+    clipped = []
+    for col, what in series[1:]:
+        v = d[col].to_numpy(float)
+        if (v < lo).any():
+            clipped.append(f"{what.split(' (')[0]} max {v.max():.2g}" + ("" if (v < lo).all() else ", partly shown"))
+    title = f"mass recall and its lower bounds, G={G}"
+    if clipped:
+        title += f"\nbelow the axis (clipped at {lo:g}): " + "; ".join(clipped)
+    fig, axes = new_figure(*grid_shape(len(layers)), title=title)
+    for ax, layer in zip(axes, layers):
+        line_by(ax, long[long["layer"] == layer], "shortlist_size", "value", "series", title=f"layer {layer}",
+                marker="o", xlabel="shortlist size M (experts)", ylabel="mass recall or bound (mean over tokens)")
+        ax.set_ylim(lo, 1.02)
+    for ax in axes[len(layers):]:
+        ax.set_visible(False)
+    return fig
 
 
 # ----- erc ------------------------------------------------------------------------------------
@@ -261,16 +319,36 @@ def plot_erc(erc: Any, per_layer: Any, matrix: Any, node: str, norm: str, noise:
     for ax, r in zip(axes, per_layer.itertuples()):
         M = matrix[matrix["layer"] == r.layer].pivot(index="i", columns="j", values="m")  # [n, n]
         heatmap(ax, M.to_numpy(), title=f"layer {r.layer}  α_min={r.alpha_min:.2f}", xlabel="expert j",
-                ylabel="proxy i")
+                ylabel="proxy i", colorbar_label=f"M[i, j] = ||{node}_j(R_i)||_{norm[1:]}")
     for ax in axes[len(per_layer):]:
         ax.set_visible(False)
     fig.tight_layout()
     fig.suptitle(f"ERC matrix M[i, j] = ||{node}_j(R_i)||_{norm[1:]} (clean)", y=1.03)
     out = {"erc_matrix": fig}
 
+    from matplotlib.lines import Line2D
+
+    from ..experiments.erc import loss_curves
+
+    # the clean loss swept past every layer's α_min (erc.csv holds --alpha only; the noisy draws are not kept)
+    curves = loss_curves(matrix, sorted(set(erc["alpha"])))
+    name = {layer: f"layer {layer} (α_min {a:.2f})" for layer, a in zip(per_layer["layer"], per_layer["alpha_min"])}
     fig, (ax,) = new_figure()
-    line_by(ax, erc.assign(layer=erc["layer"].map(lambda v: f"layer {v}")), "alpha", "erc_loss", "layer",
-            title=f"ERC loss vs α (noise {noise}, {samples} draws)")
+    line_by(ax, curves.assign(layer=curves["layer"].map(name)), "alpha", "erc_loss_clean", "layer", marker="",
+            title=f"ERC loss vs α (noise {noise}, {samples} draws)", ylabel="ERC loss L_ERC(α)", legend=False)
+    colour = {ln.get_label(): ln.get_color() for ln in ax.get_lines()}
+    for layer, g in erc.groupby("layer", sort=True):
+        ax.plot(g["alpha"], g["erc_loss"], linestyle="none", marker="o", markersize=3.5, color=colour[name[layer]],
+                gid="erc_loss_noisy")
+    for r in per_layer.itertuples():  # where the clean loss reaches 0
+        ax.axvline(r.alpha_min, color=colour[name[r.layer]], linestyle=":", linewidth=0.9, gid="alpha_min")
+    handles, labels = ax.get_legend_handles_labels()
+    key = [Line2D([], [], color="0.3", label="clean M (line)"),
+           Line2D([], [], color="0.3", linestyle="none", marker="o", markersize=3.5,
+                  label=f"noisy M, mean of {samples} draws (--alpha)"),
+           Line2D([], [], color="0.3", linestyle=":", linewidth=0.9, label="α_min: clean loss reaches 0")]
+    ax.legend(handles + key, labels + [h.get_label() for h in key], fontsize=7, frameon=False)
+    ax.set_xlim(0, float(curves["alpha"].max()))
     out["erc_loss"] = fig
     return out
 
