@@ -62,7 +62,8 @@ def test_report_gathers_every_run_figure_and_table(tmp_path):
     assert "<link" not in text and "<script" not in text
     # each run's manifest summary; the failed run says why
     assert "model_type=mixtral" in text and "seq_len=256" in text and "NaN in layer 2, batch 0" in text
-    assert "demo-stats-tiny: curve — tiny (PDF" in text  # the model in the figure caption
+    assert "<b>curve</b> Run: tiny. " in text  # the model in the figure caption
+    assert '<a href="figures/demo-stats-tiny/curve.pdf">PDF</a>' in text
     assert 'class="status-failed"' in text
     # tables: every row in CSV and LaTeX, the long one truncated in the page with a note
     load = pd.read_csv(out / "tables/demo-stats-tiny/load.csv")
@@ -72,10 +73,11 @@ def test_report_gathers_every_run_figure_and_table(tmp_path):
     tex = (out / "tables/demo-stats-tiny/layers.tex").read_text()
     assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex
     assert r"norm:up:l2 \\" in tex.replace("& ", "") or "norm:up:l2" in tex
-    assert r"a\_b\&c" in tex and "2.075 &" in tex  # escaped text, 4 significant digits, NaN empty
+    assert r"a\_b\&c" in tex and r"2.075 \\" in tex  # escaped text, 4 significant digits, NaN empty
+    assert "layer & policy & load\\_entropy" in tex  # key columns first
     assert (out / "figures/demo-stats-tiny/curve.pdf").read_bytes()[:4] == b"%PDF"
     md = (out / "report.md").read_text()
-    assert "![curve](figures/demo-stats-tiny/curve.png)" in md and "| layer | load_entropy | policy |" in md
+    assert "![curve](figures/demo-stats-tiny/curve.png)" in md and "| layer | policy | load\\_entropy |" in md
     m = json.loads((out / "manifest.json").read_text())
     assert m["command"] == "report" and m["status"] == "complete" and len(m["gathered"]) == 4
 
@@ -98,6 +100,93 @@ def test_report_command(tmp_path):
     r = CliRunner().invoke(app, ["report", str(demo), "--out", str(tmp_path / "rep"), "--title", "demo"])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "rep/report.html").exists() and "<title>demo</title>" in (tmp_path / "rep/report.html").read_text()
+
+
+# ----- hostile run folders: a report page is shared, a run folder may come from anyone --------------------------
+PAYLOAD = '"><script>alert(1)</script>'
+TEX_PAYLOAD = r"\input{/etc/passwd}\write18{touch pwned}"
+
+
+def hostile_run(tmp_path: Path) -> Path:
+    """A finished run whose manifest and files were edited to inject markup and to read files outside it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "secret.txt").write_text("TOP-SECRET-TXT")
+    (outside / "secret.csv").write_text("secret_col\nTOP-SECRET-CSV\n")
+    png = F.new_figure()[0]
+    png.savefig(outside / "stolen.png")
+    run = RunDir.create("stats", outside / "run")
+    run.write_csv("layers.csv", pd.DataFrame({"layer": [0, 1], "policy": [PAYLOAD, TEX_PAYLOAD],
+                                              "token": [" the", "\n"]}))
+    run.write_csv(r"x}\input{secret}.csv", pd.DataFrame({"v": [1.0]}))  # a file name that is a LaTeX command
+    run.finish(options={"model": PAYLOAD})
+    d = outside / "run"
+    (d / "link.csv").symlink_to(outside / "secret.csv")
+    (d / "figures").mkdir()
+    (d / "figures" / "link.png").symlink_to(outside / "stolen.png")
+    m = json.loads((d / "manifest.json").read_text())
+    m["status"] = PAYLOAD
+    m["error"] = "<img src=x onerror=alert(2)> [click](javascript:alert(3))"
+    m["files"] += ["../../secret.txt", str(outside / "secret.csv"), "figures/../../stolen.png", "link.csv",
+                   "figures/link.png", {"not": "a path"}]
+    (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+def test_report_escapes_injected_text_and_reads_nothing_outside_the_run(tmp_path, capsys):
+    d = hostile_run(tmp_path)
+    page = write_report([d], tmp_path / "rep")
+    out = page.parent
+    text = page.read_text()
+    err = capsys.readouterr().err
+    # HTML: no markup from the manifest or a cell, in text or in an attribute (status was class="status-<it>")
+    assert "<script" not in text and "<img src=x" not in text and PAYLOAD not in text and 'status-"' not in text
+    assert 'class="status-other"' in text and html_escaped(PAYLOAD) in text
+    # Markdown: no raw HTML, no link from data
+    md = (out / "report.md").read_text()
+    assert "<script" not in md and "<img" not in md and "](javascript" not in md
+    assert "&lt;script&gt;" in md and r"\[click\]\(javascript:alert\(3\)\)" in md
+    # LaTeX: no command from a cell, a column or a file name (label included)
+    tex = "".join(p.read_text() for p in sorted(out.rglob("*.tex")))
+    assert tex.count("\\begin{table}") == 2
+    assert "\\input" not in tex and "\\write18" not in tex and "\\textbackslash{}input\\{/etc/passwd\\}" in tex
+    assert re.findall(r"\\label\{([^}]*)\}", tex) == ["tab:run-layers", "tab:run-x-input-secret"]
+    assert "\\textvisiblespace{}the" in tex  # a whitespace token stays visible in print
+    # nothing from outside the run folder: not by ../, an absolute path, figures/../.., nor a symbolic link
+    everything = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert b"TOP-SECRET" not in everything
+    assert text.count("data:image/png") == 0 and not (out / "figures").exists()
+    assert sorted(p.name for p in (out / "tables/run").iterdir()) == [
+        "layers.csv", "layers.tex", "x-input-secret.csv", "x-input-secret.tex"]
+    for entry in ("../../secret.txt", "figures/../../stolen.png", "link.csv", "figures/link.png", "secret.csv"):
+        assert entry in err and entry in text, entry  # one warning line each, and a note in the page
+    assert all(ln.startswith("warning: ") for ln in err.strip().splitlines())
+
+
+def html_escaped(s: str) -> str:
+    import html
+
+    return html.escape(s)
+
+
+def test_report_follows_no_symlink_out_of_or_back_into_a_run(tmp_path, capsys):
+    """``latest -> .`` gathered one run 36 times and failed half-written; links to other runs are not followed."""
+    demo = make_runs(tmp_path / "a")
+    other = RunDir.create("erc", tmp_path / "elsewhere")
+    other.write_csv("erc.csv", pd.DataFrame({"alpha": [1.0], "erc_loss": [0.5]}))
+    other.finish(options={})
+    (demo / "latest").symlink_to(".")
+    (demo / "erc" / "up").symlink_to("..")
+    (demo / "stats-tiny" / "elsewhere").symlink_to(tmp_path / "elsewhere")
+    (demo / "loop").symlink_to("loop")  # a dangling self-loop
+    page = write_report([demo], tmp_path / "rep")
+    m = json.loads((page.parent / "manifest.json").read_text())
+    assert m["status"] == "complete"
+    assert [Path(p).relative_to(demo).as_posix() for p in m["gathered"]] == [".", "stats-tiny", "erc", "approx"]
+    err = capsys.readouterr().err
+    for link in ("latest", "up", "elsewhere"):
+        assert f"{link}: a symbolic link to a folder, not followed" in err
+    assert "tables/demo-stats-tiny-elsewhere" not in page.read_text()
 
 
 CHECK = """<img id="control-broken" src="missing-control.png"><script>
