@@ -27,7 +27,9 @@ from typing import Any, Callable, Sequence
 from ..errors import MoetoolError
 from .rundir import MANIFEST, RunDir, read_manifest
 
-HTML_ROWS = 20  # rows of a table shown in the page / Markdown (the CSV and LaTeX hold every row)
+HTML_ROWS = 20  # a table of up to this many rows is shown whole in the page / Markdown
+PREVIEW_ROWS = 10  # a longer one (erc_matrix: 4,096 rows) by its first rows and a link to the CSV; the CSV and
+# LaTeX copies hold every row
 TABLE_SUFFIXES = (".csv",)  # streamed tables (.csv.gz, .parquet: per-token traces) are listed, not rendered
 
 
@@ -196,17 +198,18 @@ def to_latex(df: Any, caption: str = "", label: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-#: identifying columns, shown first in the page (in the table's own order): a row is read from its key
+#: identifying columns, shown first in the page in this order (what is compared, then where in the model, then
+#: the swept setting): a row is read from its key
 KEY_COLUMNS = ("model", "checkpoint", "reference", "task", "metric", "policy", "routing", "selector", "method",
-               "node", "norm", "codebook", "codebook_size", "centroids", "view", "domain", "layer", "next_layer",
-               "expert", "a", "b", "i", "j", "rank", "token_id", "token", "pair", "capacity", "shortlist_size",
-               "alpha", "tokens_seen")
+               "node", "norm", "view", "domain", "layer", "next_layer", "expert", "a", "b", "i", "j", "rank",
+               "token_id", "token", "pair", "codebook", "codebook_size", "centroids", "capacity", "shortlist_size",
+               "alpha")
 
 
 def key_first(df: Any) -> Any:
-    """``df`` with its key columns (:data:`KEY_COLUMNS`) moved to the front, every other column after them, each
-    group in the table's order."""
-    keys = [c for c in df.columns if str(c) in KEY_COLUMNS]
+    """``df`` with its key columns (:data:`KEY_COLUMNS`, in that order) first, every other column after them in
+    the table's order."""
+    keys = sorted((c for c in df.columns if str(c) in KEY_COLUMNS), key=lambda c: KEY_COLUMNS.index(str(c)))
     return df[keys + [c for c in df.columns if c not in keys]] if keys else df
 
 
@@ -353,7 +356,7 @@ def run_context(m: dict[str, Any]) -> str:
 
 # ----- the report -----------------------------------------------------------------------------------------------
 CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;max-width:1340px;margin:1.5em auto;
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;max-width:1400px;margin:1.5em auto;
 padding:0 1.5em;color:#222;line-height:1.4}
 h1{font-size:1.6em}h2{font-size:1.3em;border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.5em}
 h3{font-size:1.05em;margin:1.5em 0 .3em}
@@ -366,7 +369,8 @@ th.n,td.n{text-align:right;font-variant-numeric:tabular-nums}
 .scroll th:first-child,.scroll td:first-child{position:sticky;left:0;background:#fff}
 table.meta{margin:.5em 0 1em}table.meta td{white-space:normal;word-break:break-word;vertical-align:top}
 table.meta td:first-child{font-weight:600;white-space:nowrap}
-figure{margin:1.2em 0 1.8em}figure img{display:block;max-width:none;border:1px solid #eee}
+figure{margin:1.2em -1.5em 1.8em}figure img{display:block;max-width:none;margin:0 auto}
+figcaption{padding:0 1.5em}
 figcaption,.note,.def{color:#555;font-size:.85em}figcaption b{color:#222}
 .warn{color:#b35900;font-size:.9em}
 .status-complete{color:#1a7f37}.status-failed,.status-interrupted,.status-running,.status-other{color:#b35900}
@@ -448,12 +452,11 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, fo
                 tables.append((csv, stem, None, str(e)))
                 continue
             tables.append((csv, stem, key_first(df), ""))
-        toc = [f'<li>figures: ' + ", ".join(f'<a href="#{r.name}--fig-{stem}">{html.escape(stem)}</a>'
-                                             for _, stem, _, _ in figs) + "</li>"] if figs else []
-        toc += [f'<li>tables: ' + ", ".join(
-            f'<a href="#{r.name}--tab-{stem}">{html.escape(csv.name)}</a>' + (f" ({len(df):,} row{'s' if len(df) != 1 else ''})"
-                                                                         if df is not None else "")
-            for csv, stem, df, _ in tables) + "</li>"] if tables else []
+        rows_of = lambda df: f" ({len(df):,} row{'s' if len(df) != 1 else ''})" if df is not None else ""  # noqa: E731
+        toc = [("figures", [(f"{r.name}--fig-{stem}", stem, "") for _, stem, _, _ in figs]),
+               ("tables", [(f"{r.name}--tab-{stem}", csv.name, rows_of(df)) for csv, stem, df, _ in tables])]
+        toc = [f"<li>{what}: " + ", ".join(f'<a href="#{a}">{html.escape(t)}</a>{n}' for a, t, n in items) + "</li>"
+               for what, items in toc if items]
         if toc:
             body.append('<nav class="toc"><b>contents</b><ul>' + "".join(toc) + "</ul></nav>")
         ctx = run_context(m)
@@ -465,17 +468,18 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, fo
             shows, said, data = figure_caption(png.stem, m)
             srcs = [f"tables/{r.name}/{table_stem[t]}.csv" for t in data if t in table_stem]
             data64 = base64.b64encode(raw).decode("ascii")
-            cap_html = (f"<b>{html.escape(png.stem)}</b>" + (f": {html.escape(shows)}." if shows != png.stem else "") +
-                        (f" {html.escape(said)}." if said else "") +
+            text = [f": {shows}." if shows != png.stem else "", f" {said}." if said else ""]
+            run_ctx = f" Run: {ctx}." if ctx else ""
+            cap_html = (f"<b>{html.escape(png.stem)}</b>" + html.escape("".join(text)) +
                         (" Data: " + ", ".join(f'<a href="{s}">{s}</a>' for s in srcs) + "." if srcs else "") +
-                        (f" Run: {html.escape(ctx)}." if ctx else "") +
-                        f' <a href="{rel}.png">full size</a>' + (f' · <a href="{rel}.pdf">PDF</a>' if has_pdf else ""))
+                        html.escape(run_ctx) + f' <a href="{rel}.png">full size</a>' +
+                        (f' · <a href="{rel}.pdf">PDF</a>' if has_pdf else ""))
             body.append(f'<figure id="{r.name}--fig-{stem}"><div class="scroll"><a href="{html.escape(rel)}.png" '
                         f'title="open at full size"><img alt="{html.escape(png.stem)}"{dims} '
                         f'src="data:image/png;base64,{data64}"></a></div><figcaption>{cap_html}</figcaption></figure>')
-            cap_md = (f"**{md_escape(png.stem)}**" + (f": {md_escape(shows)}." if shows != png.stem else "") +
-                      (f" {md_escape(said)}." if said else "") + (f" Data: {md_escape(', '.join(srcs))}." if srcs else "") +
-                      (f" Run: {md_escape(ctx)}." if ctx else "") + (f" PDF: {rel}.pdf" if has_pdf else ""))
+            cap_md = (f"**{md_escape(png.stem)}**" + md_escape("".join(text)) +
+                      (" Data: " + ", ".join(f"[{s}]({s})" for s in srcs) + "." if srcs else "") +
+                      md_escape(run_ctx) + (f" PDF: [{rel}.pdf]({rel}.pdf)" if has_pdf else ""))
             md += [f"![{md_escape(png.stem)}]({rel}.png)", "", cap_md, ""]
         for csv, stem, df, err in tables:
             if df is None:
@@ -487,16 +491,16 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, fo
                 shutil.copyfile(csv, tmp)
             with run.atomic(f"{rel}.tex") as tmp:
                 tmp.write_text(to_latex(df, caption=f"{r.name}: {csv.name}", label=f"tab:{r.name}-{stem}"))
-            shown = min(len(df), HTML_ROWS)
+            shown = len(df) if len(df) <= HTML_ROWS else PREVIEW_ROWS
             what = defs.get(csv.stem) if isinstance(defs.get(csv.stem), str) else ""
             more = (f"first {shown} of {len(df):,} rows; every row in " if len(df) > shown else f"{len(df)} rows; ")
             body += [f'<h3 id="{r.name}--tab-{stem}">{html.escape(csv.name)}</h3>']
             body += [f'<p class="def">{html.escape(what)}</p>'] if what else []
-            body += [to_html_table(df, HTML_ROWS, defs, csv.stem),
+            body += [to_html_table(df, shown, defs, csv.stem),
                      f'<p class="note">{html.escape(more)}<a href="{rel}.csv">{html.escape(rel)}.csv</a> '
                      f'(LaTeX: <a href="{rel}.tex">{html.escape(rel)}.tex</a>)</p>']
             md += [f"### {md_escape(csv.name)}", ""] + ([md_escape(what), ""] if what else [])
-            md += [to_markdown(df), "", f"*{md_escape(more)}[{md_escape(rel)}.csv]({rel}.csv) (LaTeX: {rel}.tex)*", ""]
+            md += [to_markdown(df, shown), "", f"*{md_escape(more)}[{rel}.csv]({rel}.csv) (LaTeX: {rel}.tex)*", ""]
         if r.other:
             note = "other files: " + ", ".join(r.other)
             body.append(f'<p class="note">{html.escape(note)}</p>')
