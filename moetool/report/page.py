@@ -3,12 +3,21 @@ report for a paper.
 
 ``write_report(run_dirs, out)`` writes into ``out``:
 
-- ``report.html``: one self-contained page (figures embedded as base64 PNG, no script, no external file), one
+- ``report.html``: one self-contained page (figures embedded as base64 PNG, no script, nothing fetched), one
   section per run: its manifest summary (command, status, model, data, options, versions, seed, wall time, git
-  revision), every figure, every table (long ones truncated with a note pointing to the CSV);
+  revision), a table of contents, every figure at its pixel size (a click opens the PNG copy, a link the PDF; the
+  caption says what it shows, the definitions of what it plots and the CSVs it was drawn from), every table in its
+  own horizontal scroll box (key columns first, numbers right-aligned, whitespace tokens shown as ␣ ↵; tables of
+  more than :data:`HTML_ROWS` rows by their first :data:`PREVIEW_ROWS` and a link to the CSV);
 - ``report.md``: the same in Markdown, figures linked to the copies below;
 - ``tables/<run>/<name>.csv`` and ``.tex`` (LaTeX ``booktabs``), ``figures/<run>/<name>.png`` and ``.pdf``;
-- ``manifest.json`` (``command: report``, the runs gathered).
+- ``manifest.json`` (``command: report``, the runs gathered, ``not_gathered``: the warnings).
+
+Run folders are shared, so nothing in them is trusted: every text (manifest fields, file names, table cells) is
+escaped for the format it is written in (HTML, Markdown, LaTeX; labels and copied file names are slugs), only files
+that resolve inside their run folder are read (a manifest entry ``../x``, ``/etc/passwd``, ``figures/../../x.png``
+or a symbolic link out of the run is refused with a ``warning:`` line and a note in the page), and no symbolic link
+to a folder is followed (``latest -> .`` would gather a run again and again).
 """
 
 from __future__ import annotations
