@@ -170,7 +170,7 @@ def tex_escape(text: str) -> str:
     return "".join(_TEX.get(c, c) for c in str(text))
 
 
-_MD = set("\\`*_[]()|~#!")
+_MD = set("\\`*_[]|~#")  # with [ ] escaped no link or image can form: ( ) ! stay as they are
 
 
 def md_escape(text: Any) -> str:
