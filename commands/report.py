@@ -11,10 +11,15 @@ from .options import Force, Out, echo_run, handle_errors
 
 HELP = """Gather run folders of any commands (a demo folder with its sub-runs included) into one report.
 
-Writes into --out: report.html (one self-contained page: every figure embedded, the tables, each
-run's manifest: model, data, options, versions, seed, wall time, git revision), report.md (the same
+Writes into --out: report.html (one self-contained page: each run's manifest (model, data, options,
+versions, seed, wall time, git revision) and contents, every figure at its pixel size with a caption
+saying what it shows and the CSV it came from, every table in its own scroll box), report.md (the same
 in Markdown), tables/<run>/<name>.csv and .tex (LaTeX booktabs), figures/<run>/<name>.png and .pdf.
-Long tables are truncated in the page with a pointer to the full CSV.
+Tables longer than 20 rows show their first 10 rows and link the full CSV.
+
+Only files inside each run folder are read: a manifest entry pointing elsewhere (../, an absolute
+path, a symbolic link out of the run) is skipped with a warning, and symbolic links to folders are
+not followed. Every text from a run is escaped in HTML, Markdown and LaTeX.
 
 Examples:
   moetool report runs/demo --out runs/demo-report

@@ -17,7 +17,7 @@ from moetool.commands.app import app
 from moetool.report import RunDir
 from moetool.report import console as C
 from moetool.report import figures as F
-from moetool.report.page import find_runs, to_latex, write_report
+from moetool.report.page import find_runs, png_size, to_latex, write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -34,12 +34,18 @@ def make_runs(root: Path) -> Path:
     F.line_by(ax, pd.DataFrame({"layer": [0, 1, 0, 1], "policy": ["r", "r", "r-isolated", "r-isolated"],
                                 "top1_change": [0.1, 0.2, 0.15, 0.25]}), "layer", "top1_change", "policy")
     a.save_figure(fig, "curve")
+    a.write_csv("top_tokens.csv", pd.DataFrame({"count": [9, 8, 7, 6], "token": [" the", "\n", "NA", "x"],
+                                                "expert": [0, 0, 1, 1], "layer": [0, 0, 0, 0]}))
     a.finish(options={"model": "tiny", "seq_len": 256}, model={"name": "tiny", "model_type": "mixtral"}, seed=3)
     b = demo.sub("erc")
     b.write_csv("erc.csv", pd.DataFrame({"alpha": [0.5, 1.0], "erc_loss": [0.3, 0.1]}))
-    fig, (ax,) = F.new_figure()
-    F.heatmap(ax, np.eye(3), title="M", xlabel="expert", ylabel="layer", colorbar_label="m")
-    b.save_figure(fig, "matrix")
+    b.write_csv("wide.csv", pd.DataFrame({f"column_{i}": [i / 7] for i in range(40)}))  # wider than any page
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(8.0, 2.2))  # about as wide as a 1400-px window (the demo's widest: 1390 px)
+    F.heatmap(fig.add_subplot(), np.eye(3), title="M", xlabel="expert", ylabel="layer", colorbar_label="m")
+    b.save_figure(fig, "erc_loss")
+    b.add(definitions={"erc_loss": "L_ERC: mean hinge loss over proxies", "erc": "one row per alpha"})
     b.finish(options={})
     c = demo.sub("approx")
     c.write_csv("approx.csv", pd.DataFrame({"x": [1]}))
@@ -58,26 +64,70 @@ def test_report_gathers_every_run_figure_and_table(tmp_path):
     srcs = re.findall(r'src="([^"]*)"', text)
     assert len(srcs) == 2 and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert {base64.b64decode(s.split(",", 1)[1]) for s in srcs} == {
-        (demo / f).read_bytes() for f in ("stats-tiny/figures/curve.png", "erc/figures/matrix.png")}
+        (demo / f).read_bytes() for f in ("stats-tiny/figures/curve.png", "erc/figures/erc_loss.png")}
     assert "<link" not in text and "<script" not in text
     # each run's manifest summary; the failed run says why
     assert "model_type=mixtral" in text and "seq_len=256" in text and "NaN in layer 2, batch 0" in text
-    assert "demo-stats-tiny: curve — tiny (PDF" in text  # the model in the figure caption
+    assert "<b>curve</b> Run: tiny. " in text  # the model in the figure caption
+    # a figure at its pixel size, a link to the full-size PNG and the PDF; a known figure says what it shows,
+    # its definitions (the manifest's, as the CSV's columns) and the data it came from
+    w, h = png_size((demo / "erc/figures/erc_loss.png").read_bytes())
+    assert 1360 < w <= 1400 and f'width="{w}" height="{h}"' in text
+    assert '<a href="figures/demo-stats-tiny/curve.png" title="open at full size">' in text
+    assert '<a href="figures/demo-stats-tiny/curve.pdf">PDF</a>' in text
+    assert ("<b>erc_loss</b>: ERC loss against the margin α, one line per layer. erc_loss: L_ERC: mean hinge loss "
+            'over proxies. Data: <a href="tables/demo-erc/erc.csv">tables/demo-erc/erc.csv</a>.') in text
+    assert '<p class="def">one row per alpha</p>' in text  # a table's definition above it
+    # every table in its own scroll box; numbers right-aligned; key columns first; whitespace tokens visible
+    assert text.count('<div class="scroll"><table>') == text.count("<table>") == 6
+    assert text.count('<table class="meta">') == 4  # the manifests
+    tokens = re.search(r'<h3 id="demo-stats-tiny--tab-top_tokens">.*?</table>', text, re.S).group(0)
+    assert re.findall(r"<th[^>]*>(\w+)</th>", tokens) == ["layer", "expert", "token", "count"]
+    assert re.findall(r'<td class="t">([^<]*)</td>', tokens) == ["␣the", "↵", "NA", "x"]
+    assert '<td class="n">9</td>' in tokens and '<th class="n">count</th>' in tokens
+    # a table of contents per run, every link to an anchor on the page
+    assert '<a href="#demo-stats-tiny--tab-top_tokens">top_tokens.csv</a> (4 rows)' in text
+    anchors = set(re.findall(r'href="#([^"]+)"', text))
+    assert len(anchors) > 8 and anchors <= set(re.findall(r'id="([^"]+)"', text))
     assert 'class="status-failed"' in text
     # tables: every row in CSV and LaTeX, the long one truncated in the page with a note
     load = pd.read_csv(out / "tables/demo-stats-tiny/load.csv")
     assert len(load) == 32 and load.equals(pd.read_csv(demo / "stats-tiny/load.csv"))
-    assert "first 20 of 32 rows" in text
-    assert text.count("<tr>") >= 20 + 2 + 2
+    assert "first 10 of 32 rows" in text
+    assert text.count("<tr>") >= 10 + 2 + 2
     tex = (out / "tables/demo-stats-tiny/layers.tex").read_text()
     assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex
     assert r"norm:up:l2 \\" in tex.replace("& ", "") or "norm:up:l2" in tex
-    assert r"a\_b\&c" in tex and "2.075 &" in tex  # escaped text, 4 significant digits, NaN empty
+    assert r"a\_b\&c" in tex and r"2.075 \\" in tex  # escaped text, 4 significant digits, NaN empty
+    assert "policy & layer & load\\_entropy" in tex  # key columns first
     assert (out / "figures/demo-stats-tiny/curve.pdf").read_bytes()[:4] == b"%PDF"
     md = (out / "report.md").read_text()
-    assert "![curve](figures/demo-stats-tiny/curve.png)" in md and "| layer | load_entropy | policy |" in md
+    assert "![curve](figures/demo-stats-tiny/curve.png)" in md and "| policy | layer | load\\_entropy |" in md
     m = json.loads((out / "manifest.json").read_text())
     assert m["command"] == "report" and m["status"] == "complete" and len(m["gathered"]) == 4
+
+
+def test_every_figure_has_a_caption_from_the_definitions():
+    """Every figure the experiments draw (``out["name"]`` in the plot code) has a caption, and every definition
+    a caption cites is one an experiment writes into its manifest (so the page shows it)."""
+    import importlib
+
+    from moetool.report import plots
+
+    src = "".join((Path(plots.__file__).parent / f).read_text() for f in ("plots.py", "plots_offload.py"))
+    drawn = set(re.findall(r'out\["(\w+)"\] = ', src)) | set(re.findall(r'"(\w+)": (?:plot_\w+\(|fig\})', src))
+    drawn |= set(re.findall(r'for name, \w+ in \(\("(\w+)", "\w+"\),', src))  # for name, y in (("a", "y"),
+    drawn |= set(re.findall(r'\),\s+\("(\w+)", "\w+"\)\):', src))  # ("b", "y")):
+    assert {"load_heatmap", "coactivation", "erc_matrix", "retention", "offload_coverage"} <= drawn
+    assert drawn == set(plots.FIGURE_CAPTIONS)
+    defs: set[str] = set()
+    for m in ("stats", "norm_select", "erc", "approx", "mass_recall", "fluctuation", "offload", "ppl"):
+        mod = importlib.import_module(f"moetool.experiments.{m}")
+        defs |= {k for n in dir(mod) if n.endswith("DEFINITIONS") and isinstance(getattr(mod, n), dict)
+                 for k in getattr(mod, n)}
+    for name, (shows, tables, keys) in plots.FIGURE_CAPTIONS.items():
+        assert shows and tables and all(t.endswith(".csv") for t in tables), name
+        assert set(keys) <= defs, (name, set(keys) - defs)
 
 
 def test_latex_table_hand_check():
@@ -100,36 +150,144 @@ def test_report_command(tmp_path):
     assert (tmp_path / "rep/report.html").exists() and "<title>demo</title>" in (tmp_path / "rep/report.html").read_text()
 
 
-CHECK = """<img id="control-broken" src="missing-control.png"><script>
+# ----- hostile run folders: a report page is shared, a run folder may come from anyone --------------------------
+PAYLOAD = '"><script>alert(1)</script>'
+TEX_PAYLOAD = r"\input{/etc/passwd}\write18{touch pwned}"
+
+
+def hostile_run(tmp_path: Path) -> Path:
+    """A finished run whose manifest and files were edited to inject markup and to read files outside it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "secret.txt").write_text("TOP-SECRET-TXT")
+    (outside / "secret.csv").write_text("secret_col\nTOP-SECRET-CSV\n")
+    png = F.new_figure()[0]
+    png.savefig(outside / "stolen.png")
+    run = RunDir.create("stats", outside / "run")
+    run.write_csv("layers.csv", pd.DataFrame({"layer": [0, 1], "policy": [PAYLOAD, TEX_PAYLOAD],
+                                              "token": [" the", "\n"]}))
+    run.write_csv(r"x}\input{secret}.csv", pd.DataFrame({"v": [1.0]}))  # a file name that is a LaTeX command
+    run.finish(options={"model": PAYLOAD})
+    d = outside / "run"
+    (d / "link.csv").symlink_to(outside / "secret.csv")
+    (d / "figures").mkdir()
+    (d / "figures" / "link.png").symlink_to(outside / "stolen.png")
+    m = json.loads((d / "manifest.json").read_text())
+    m["status"] = PAYLOAD
+    m["error"] = "<img src=x onerror=alert(2)> [click](javascript:alert(3))"
+    m["files"] += ["../../secret.txt", str(outside / "secret.csv"), "figures/../../stolen.png", "link.csv",
+                   "figures/link.png", {"not": "a path"}]
+    (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+def test_report_escapes_injected_text_and_reads_nothing_outside_the_run(tmp_path, capsys):
+    d = hostile_run(tmp_path)
+    page = write_report([d], tmp_path / "rep")
+    out = page.parent
+    text = page.read_text()
+    err = capsys.readouterr().err
+    # HTML: no markup from the manifest or a cell, in text or in an attribute (status was class="status-<it>")
+    assert "<script" not in text and "<img src=x" not in text and PAYLOAD not in text and 'status-"' not in text
+    assert 'class="status-other"' in text and html_escaped(PAYLOAD) in text
+    # Markdown: no raw HTML, no link from data
+    md = (out / "report.md").read_text()
+    assert "<script" not in md and "<img" not in md and not re.search(r"(?<!\\)\]\(", md.replace(
+        "](figures/", "").replace("](tables/", ""))  # no link from data (the report's own links are to its copies)
+    assert "&lt;script&gt;" in md and r"\[click\](javascript:alert(3))" in md
+    # LaTeX: no command from a cell, a column or a file name (label included)
+    tex = "".join(p.read_text() for p in sorted(out.rglob("*.tex")))
+    assert tex.count("\\begin{table}") == 2
+    assert "\\input" not in tex and "\\write18" not in tex and "\\textbackslash{}input\\{/etc/passwd\\}" in tex
+    assert re.findall(r"\\label\{([^}]*)\}", tex) == ["tab:run-layers", "tab:run-x-input-secret"]
+    assert "\\textvisiblespace{}the" in tex  # a whitespace token stays visible in print
+    # nothing from outside the run folder: not by ../, an absolute path, figures/../.., nor a symbolic link
+    everything = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert b"TOP-SECRET" not in everything
+    assert text.count("data:image/png") == 0 and not (out / "figures").exists()
+    assert sorted(p.name for p in (out / "tables/run").iterdir()) == [
+        "layers.csv", "layers.tex", "x-input-secret.csv", "x-input-secret.tex"]
+    for entry in ("../../secret.txt", "figures/../../stolen.png", "link.csv", "figures/link.png", "secret.csv"):
+        assert entry in err and entry in text, entry  # one warning line each, and a note in the page
+    assert all(ln.startswith("warning: ") for ln in err.strip().splitlines())
+
+
+def html_escaped(s: str) -> str:
+    import html
+
+    return html.escape(s)
+
+
+def test_report_follows_no_symlink_out_of_or_back_into_a_run(tmp_path, capsys):
+    """``latest -> .`` gathered one run 36 times and failed half-written; links to other runs are not followed."""
+    demo = make_runs(tmp_path / "a")
+    other = RunDir.create("erc", tmp_path / "elsewhere")
+    other.write_csv("erc.csv", pd.DataFrame({"alpha": [1.0], "erc_loss": [0.5]}))
+    other.finish(options={})
+    (demo / "latest").symlink_to(".")
+    (demo / "erc" / "up").symlink_to("..")
+    (demo / "stats-tiny" / "elsewhere").symlink_to(tmp_path / "elsewhere")
+    (demo / "loop").symlink_to("loop")  # a dangling self-loop
+    page = write_report([demo], tmp_path / "rep")
+    m = json.loads((page.parent / "manifest.json").read_text())
+    assert m["status"] == "complete"
+    assert [Path(p).relative_to(demo).as_posix() for p in m["gathered"]] == [".", "stats-tiny", "erc", "approx"]
+    err = capsys.readouterr().err
+    for link in ("latest", "up", "elsewhere"):
+        assert f"{link}: a symbolic link to a folder, not followed" in err
+    assert "tables/demo-stats-tiny-elsewhere" not in page.read_text()
+
+
+CHECK = """<img id="control-broken" src="missing-control.png">
+<img id="control-small" style="width:20px" src="CONTROL_SRC">
+<div style="overflow:hidden"><div id="control-wide" style="width:3000px">x</div></div><script>
 console.error("moetool-control");
 window.addEventListener("load", () => {
   const imgs = [...document.images];
-  const broken = imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.id || i.alt);
-  document.body.setAttribute("data-check", JSON.stringify({images: imgs.length, broken: broken}));
+  const vw = document.documentElement.clientWidth;
+  const name = e => e.id || e.alt || e.tagName;
+  const broken = imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(name);
+  const small = imgs.filter(i => i.naturalWidth > 0 && i.getBoundingClientRect().width < i.naturalWidth - 0.5);
+  const out = [...document.body.querySelectorAll("*")].filter(
+    e => e.getBoundingClientRect().right > vw + 0.5 && !e.closest(".scroll"));
+  const boxes = [...document.querySelectorAll(".scroll")];
+  document.body.setAttribute("data-check", JSON.stringify({images: imgs.length, broken: broken,
+    below_native: small.map(name), beyond_window: out.map(name), page_scroll: document.documentElement.scrollWidth - vw,
+    widths: imgs.filter(i => !i.id).map(i => [i.naturalWidth, Math.round(i.getBoundingClientRect().width)]),
+    scrolling_boxes: boxes.filter(b => b.scrollWidth > b.clientWidth)
+      .map(b => b.querySelector("th") ? "table" : "figure")}));
 });
 </script></body>"""
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install -y chromium)")
 def test_html_renders_in_headless_chromium(tmp_path):
-    """No broken image and no console message; a screenshot is taken. A control image and a control console
-    message injected into a copy prove the checks can fail."""
+    """At 1400 px: no broken image, no console message, no horizontal page scroll (a 40-column table scrolls in
+    its own box), every figure at its pixel size; a screenshot is taken. Control elements injected into a copy (a
+    broken image, a console message, an image shown at 20 px, an element wider than the window) prove the checks
+    can fail."""
     page = write_report([make_runs(tmp_path)], tmp_path / "rep")
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    text = page.read_text()
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+             "--disable-background-networking", f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1000"]
     check = tmp_path / "check.html"
-    check.write_text(page.read_text().replace("</body>", CHECK))
+    src = re.search(r'src="(data:image/png;base64,[^"]*)"', text).group(1)
+    check.write_text(text.replace("</body>", CHECK.replace("CONTROL_SRC", src)))
     r = subprocess.run([*flags, "--virtual-time-budget=3000", "--enable-logging=stderr", "--v=0", "--dump-dom",
-                        check.as_uri()], capture_output=True, text=True, timeout=60)
+                        check.as_uri()], capture_output=True, text=True, timeout=120)
     found = re.search(r'data-check="([^"]*)"', r.stdout)
     assert found, r.stderr[-2000:]
     res = json.loads(found.group(1).replace("&quot;", '"'))
-    assert res == {"images": 3, "broken": ["control-broken"]}  # 2 figures + the control
+    widths = res.pop("widths")
+    assert res == {"images": 4, "broken": ["control-broken"], "below_native": ["control-small"],
+                   "beyond_window": ["control-wide"], "page_scroll": 0, "scrolling_boxes": ["table"]}
+    assert len(widths) == 2 and all(w == shown for w, shown in widths) and max(w for w, _ in widths) > 1360
     console = [ln for ln in r.stderr.splitlines() if ":CONSOLE" in ln]
     assert len(console) == 1 and "moetool-control" in console[0], console
     shot = tmp_path / "report.png"
-    r = subprocess.run([*flags, "--window-size=1000,1400", f"--screenshot={shot}", page.as_uri()],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
+    assert png_size(shot.read_bytes())[0] == 1400
 
 
 # ----- console --------------------------------------------------------------------------------------------------

@@ -3,12 +3,21 @@ report for a paper.
 
 ``write_report(run_dirs, out)`` writes into ``out``:
 
-- ``report.html``: one self-contained page (figures embedded as base64 PNG, no script, no external file), one
+- ``report.html``: one self-contained page (figures embedded as base64 PNG, no script, nothing fetched), one
   section per run: its manifest summary (command, status, model, data, options, versions, seed, wall time, git
-  revision), every figure, every table (long ones truncated with a note pointing to the CSV);
+  revision), a table of contents, every figure at its pixel size (a click opens the PNG copy, a link the PDF; the
+  caption says what it shows, the definitions of what it plots and the CSVs it was drawn from), every table in its
+  own horizontal scroll box (key columns first, numbers right-aligned, whitespace tokens shown as ␣ ↵; tables of
+  more than :data:`HTML_ROWS` rows by their first :data:`PREVIEW_ROWS` and a link to the CSV);
 - ``report.md``: the same in Markdown, figures linked to the copies below;
 - ``tables/<run>/<name>.csv`` and ``.tex`` (LaTeX ``booktabs``), ``figures/<run>/<name>.png`` and ``.pdf``;
-- ``manifest.json`` (``command: report``, the runs gathered).
+- ``manifest.json`` (``command: report``, the runs gathered, ``not_gathered``: the warnings).
+
+Run folders are shared, so nothing in them is trusted: every text (manifest fields, file names, table cells) is
+escaped for the format it is written in (HTML, Markdown, LaTeX; labels and copied file names are slugs), only files
+that resolve inside their run folder are read (a manifest entry ``../x``, ``/etc/passwd``, ``figures/../../x.png``
+or a symbolic link out of the run is refused with a ``warning:`` line and a note in the page), and no symbolic link
+to a folder is followed (``latest -> .`` would gather a run again and again).
 """
 
 from __future__ import annotations
@@ -19,14 +28,17 @@ import json
 import math
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import MoetoolError
 from .rundir import MANIFEST, RunDir, read_manifest
 
-HTML_ROWS = 20  # rows of a table shown in the page / Markdown (the CSV and LaTeX hold every row)
+HTML_ROWS = 20  # a table of up to this many rows is shown whole in the page / Markdown
+PREVIEW_ROWS = 10  # a longer one (erc_matrix: 4,096 rows) by its first rows and a link to the CSV; the CSV and
+# LaTeX copies hold every row
 TABLE_SUFFIXES = (".csv",)  # streamed tables (.csv.gz, .parquet: per-token traces) are listed, not rendered
 
 
@@ -38,35 +50,74 @@ class Run:
     tables: list[Path] = field(default_factory=list)
     figures: list[Path] = field(default_factory=list)  # PNGs (a PDF beside each one when written)
     other: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # manifest entries that point outside the run folder
+
+    def inside(self, rel: Any) -> Path | None:
+        """``rel`` (a manifest entry) as a path in this run folder, or ``None`` when it is not a relative path
+        whose every symbolic link resolves inside the folder (``../x``, ``/etc/passwd``, ``figures/../../x.png``,
+        a link to elsewhere)."""
+        if not isinstance(rel, str) or not rel or "\x00" in rel:
+            return None
+        root = self.path.resolve()
+        try:
+            fp = (self.path / rel).resolve()
+        except (OSError, RuntimeError, ValueError):  # a symlink loop
+            return None
+        return fp if fp != root and fp.is_relative_to(root) else None
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "run"
 
 
-def _walk(folder: Path) -> Any:
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
     """Run folders under ``folder``, depth first: a run, then its sub-runs in the order its manifest lists them
-    (a demo's step order), then any other sub-folders by name."""
+    (a demo's step order), then any other sub-folders by name. Symbolic links to folders are not followed (a
+    ``latest -> .`` link would gather a run again and again; a link out of the run would gather another's)."""
+    real = folder.resolve()
+    if real in visited:
+        return
+    visited.add(real)
     m = read_manifest(folder)
     if m is not None:
         yield folder
     listed = [str(r) for r in (m or {}).get("runs", [])]
-    subs = sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
+    try:
+        entries = sorted(folder.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        warn(f"{folder}: not read ({e.strerror or e})")
+        return
+    subs = []
+    for p in entries:
+        if p.name.startswith(".") or p.name == "figures":
+            continue
+        if p.is_symlink():
+            if p.is_dir():
+                warn(f"{p}: a symbolic link to a folder, not followed")
+            continue
+        if p.is_dir():
+            subs.append(p)
     for p in sorted(subs, key=lambda p: (listed.index(p.name) if p.name in listed else len(listed), p.name)):
-        if p.name != "figures":
-            yield from _walk(p)
+        yield from _walk(p, warn, visited)
 
 
-def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None) -> list[Run]:
+def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
+              warn: Callable[[str], None] = _warn) -> list[Run]:
     """Every moetool run under the given folders (a folder holding ``manifest.json``, and its sub-runs), in
-    folder order; a path that is not a run folder and holds none is an error."""
+    folder order; a path that is not a run folder and holds none is an error. Only files that resolve inside
+    their run folder are gathered: any other entry of a manifest's ``files`` is refused (``warn`` gets one line,
+    the run's :attr:`Run.refused` lists it)."""
     runs: list[Run] = []
     seen: set[Path] = {Path(exclude).resolve()} if exclude is not None else set()
     for d in run_dirs:
         root = Path(d)
         if not root.is_dir():
             raise MoetoolError(f"{root}: not a folder")
-        found = list(_walk(root))
+        found = list(_walk(root, warn, set()))
         skip = lambda p: p.resolve() in seen or any(q in seen for q in p.resolve().parents)  # noqa: E731
         found = [p for p in found if read_manifest(p) is not None and not skip(p)]
         if not found:
@@ -79,10 +130,19 @@ def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None) -> li
             while name in {r.name for r in runs}:
                 name += "_"
             run = Run(p, name, m)
+            if (p / MANIFEST).is_symlink():  # its files would be read relative to another folder's manifest
+                warn(f"{p / MANIFEST}: a symbolic link, run not gathered")
+                continue
+            real = p.resolve()
             for f in m.get("files", []):
-                fp = p / f
+                fp = run.inside(f)
+                if fp is None:
+                    run.refused.append(str(f))
+                    warn(f"{p}: manifest lists {str(f)!r}, outside the run folder: not read")
+                    continue
                 if not fp.is_file():
                     continue
+                f = fp.relative_to(real).as_posix()
                 if f.startswith("figures/") and fp.suffix == ".png":
                     run.figures.append(fp)
                 elif fp.suffix in TABLE_SUFFIXES and not f.endswith(".gz"):
@@ -101,11 +161,33 @@ def _cell(v: Any) -> str:
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "<": r"\textless{}",
+        ">": r"\textgreater{}", "|": r"\textbar{}", "\n": " ", "\r": " "}
 
 
 def tex_escape(text: str) -> str:
-    return "".join(_TEX.get(c, c) for c in text)
+    """``text`` as LaTeX prints it: every special character escaped (no command, group or line break from data)."""
+    return "".join(_TEX.get(c, c) for c in str(text))
+
+
+_MD = set("\\`*_[]|~#")  # with [ ] escaped no link or image can form: ( ) ! stay as they are
+
+
+def md_escape(text: Any) -> str:
+    """``text`` as Markdown prints it on one line: HTML (``<script>``) and Markdown syntax (links, images,
+    emphasis, table bars) escaped, line breaks as ``↵``."""
+    t = html.escape(str(text), quote=False).replace("\r\n", "\n").replace("\n", "↵").replace("\r", "↵")
+    return "".join("\\" + c if c in _MD else c for c in t)
+
+
+_TEX_VISIBLE = {" ": r"\textvisiblespace{}", "\n": r"$\hookleftarrow$", "\r": r"$\hookleftarrow$",
+                "\t": r"$\rightarrowtail$"}
+
+
+def _tex_cell(v: Any, column: Any) -> str:
+    if isinstance(v, str) and _is_token(column):  # a whitespace token stays visible in print too
+        return "".join(_TEX_VISIBLE.get(c) or tex_escape(c) for c in v)
+    return tex_escape(_cell(v))
 
 
 def to_latex(df: Any, caption: str = "", label: str = "") -> str:
@@ -114,34 +196,98 @@ def to_latex(df: Any, caption: str = "", label: str = "") -> str:
     align = "".join("r" if df[c].dtype.kind in "fiub" else "l" for c in df.columns)
     lines = [r"\begin{table}[t]", r"\centering", rf"\begin{{tabular}}{{{align}}}", r"\toprule",
              " & ".join(tex_escape(str(c)) for c in df.columns) + r" \\", r"\midrule"]
-    lines += [" & ".join(tex_escape(_cell(v)) for v in row) + r" \\" for row in df.itertuples(index=False)]
+    lines += [" & ".join(_tex_cell(v, c) for v, c in zip(row, df.columns)) + r" \\"
+              for row in df.itertuples(index=False)]
     lines += [r"\bottomrule", r"\end{tabular}"]
     if caption:
         lines.append(rf"\caption{{{tex_escape(caption)}}}")
     if label:
-        lines.append(rf"\label{{{label}}}")
+        lines.append(rf"\label{{{re.sub(r'[^A-Za-z0-9:._-]+', '-', label)}}}")  # a label takes no escapes
     lines.append(r"\end{table}")
     return "\n".join(lines) + "\n"
 
 
+#: identifying columns, shown first in the page in this order (what is compared, then where in the model, then
+#: the swept setting): a row is read from its key
+KEY_COLUMNS = ("model", "checkpoint", "reference", "task", "metric", "policy", "routing", "selector", "method",
+               "node", "norm", "view", "domain", "layer", "next_layer", "expert", "a", "b", "i", "j", "rank",
+               "token_id", "token", "pair", "codebook", "codebook_size", "centroids", "capacity", "shortlist_size",
+               "alpha")
+
+
+def key_first(df: Any) -> Any:
+    """``df`` with its key columns (:data:`KEY_COLUMNS`, in that order) first, every other column after them in
+    the table's order."""
+    keys = sorted((c for c in df.columns if str(c) in KEY_COLUMNS), key=lambda c: KEY_COLUMNS.index(str(c)))
+    return df[keys + [c for c in df.columns if c not in keys]] if keys else df
+
+
+def _is_token(column: Any) -> bool:
+    """A column of token text (``token``): every space and newline in it is shown (numeric ``token_id`` /
+    ``tokens`` columns never reach the text path)."""
+    return "token" in str(column).lower()
+
+
+_VISIBLE = {" ": "␣", "\n": "↵", "\r": "␍", "\t": "⇥"}
+
+
+def visible(text: str, every_space: bool = True) -> str:
+    """Whitespace shown: ``" the"`` -> ``"␣the"``, a newline token -> ``"↵"``; ``every_space=False`` marks only
+    leading and trailing spaces (and every newline / tab), for text that is not a token."""
+    if every_space:
+        return "".join(_VISIBLE.get(c, c) for c in text)
+    core = text.strip(" ")
+    if not core:
+        return "␣" * len(text)
+    lead, trail = len(text) - len(text.lstrip(" ")), len(text) - len(text.rstrip(" "))
+    return "␣" * lead + "".join(_VISIBLE.get(c, c) if c != " " else c for c in core) + "␣" * trail
+
+
+def _shown(v: Any, column: Any) -> str:
+    return _cell(v) if not isinstance(v, str) else visible(v, every_space=_is_token(column))
+
+
 def to_markdown(df: Any, max_rows: int = HTML_ROWS) -> str:
+    """A Markdown table of the first ``max_rows`` rows, every cell escaped (:func:`md_escape`), whitespace
+    tokens visible."""
     head = df.head(max_rows)
-    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
-    lines = ["| " + " | ".join(esc(c) for c in df.columns) + " |",
+    lines = ["| " + " | ".join(md_escape(c) for c in df.columns) + " |",
              "|" + "|".join("---:" if df[c].dtype.kind in "fiub" else ":---" for c in df.columns) + "|"]
-    lines += ["| " + " | ".join(esc(_cell(v)) for v in row) + " |" for row in head.itertuples(index=False)]
+    lines += ["| " + " | ".join(md_escape(_shown(v, c)) for v, c in zip(row, df.columns)) + " |"
+              for row in head.itertuples(index=False)]
     return "\n".join(lines)
 
 
-def to_html_table(df: Any, max_rows: int = HTML_ROWS) -> str:
+def column_definition(definitions: Any, table: str, column: Any) -> str:
+    """The manifest's definition of ``column`` of ``table`` (``"load.tokens"``, ``"tokens"``, ``"*_lo/*_hi"``
+    for interval bounds, the base column for ``_norm`` / ``_mean``), or ``""``."""
+    if not isinstance(definitions, dict):
+        return ""
+    c = str(column)
+    for key in (f"{table}.{c}", c, c.rsplit("_", 1)[0] if c.endswith(("_norm", "_mean", "_all_ids")) else None,
+                "*_lo/*_hi" if c.endswith(("_lo", "_hi")) else None):
+        if key and isinstance(definitions.get(key), str):
+            return definitions[key]
+    return ""
+
+
+def to_html_table(df: Any, max_rows: int = HTML_ROWS, definitions: Any = None, table: str = "") -> str:
+    """The first ``max_rows`` rows in a horizontal scroll box of their own: numbers right-aligned, the first
+    column kept in view while scrolling, each header's definition as its tooltip, whitespace tokens visible."""
     head = df.head(max_rows)
     num = [df[c].dtype.kind in "fiub" for c in df.columns]
-    out = ["<table>", "<thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns) +
+
+    def th(c: Any, k: bool) -> str:
+        d = column_definition(definitions, table, c)
+        tip = f' title="{html.escape(d)}"' if d else ""
+        return f'<th class="{"n" if k else "t"}"{tip}>{html.escape(str(c))}</th>'
+
+    out = ['<div class="scroll"><table>', "<thead><tr>" + "".join(th(c, k) for c, k in zip(df.columns, num)) +
            "</tr></thead>", "<tbody>"]
     for row in head.itertuples(index=False):
-        out.append("<tr>" + "".join(f'<td class="{"n" if k else "t"}">{html.escape(_cell(v))}</td>'
-                                    for v, k in zip(row, num)) + "</tr>")
-    out.append("</tbody></table>")
+        out.append("<tr>" + "".join(f'<td class="{"n" if k else "t"}">{html.escape(_shown(v, c))}</td>'
+                                    for v, c, k in zip(row, df.columns, num)) + "</tr>")
+    out.append("</tbody></table></div>")
     return "\n".join(out)
 
 
@@ -182,14 +328,26 @@ def summary(m: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _print_width(png: bytes) -> str:
-    """`` width="…"``: a PNG saved at the house dpi shown at its print size (96 CSS px per inch)."""
-    from .figures import STYLE
-
+def png_size(png: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` in pixels of a PNG (from its header), or ``None`` when it is not one."""
     if png[:8] != b"\x89PNG\r\n\x1a\n" or len(png) < 24:
-        return ""
-    px = int.from_bytes(png[16:20], "big")
-    return f' width="{round(px * 96 / STYLE["savefig.dpi"])}"'
+        return None
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+
+
+def figure_caption(stem: str, m: dict[str, Any]) -> tuple[str, str, list[str]]:
+    """``(what the figure shows, the definitions of what it plots, the tables it is drawn from)`` for figure
+    ``stem`` of a run with manifest ``m`` (:data:`moetool.report.plots.FIGURE_CAPTIONS`, the definitions the
+    run's CSVs carry); an unknown figure is ``(stem, "", [])``."""
+    from .plots import FIGURE_CAPTIONS
+
+    info = FIGURE_CAPTIONS.get(stem)
+    if info is None:
+        return stem, "", []
+    shows, tables, keys = info
+    defs = m.get("definitions") if isinstance(m.get("definitions"), dict) else {}
+    said = "; ".join(f"{k}: {defs[k]}" for k in keys if isinstance(defs.get(k), str))
+    return shows, said, list(tables)
 
 
 def run_context(m: dict[str, Any]) -> str:
@@ -207,87 +365,163 @@ def run_context(m: dict[str, Any]) -> str:
 
 # ----- the report -----------------------------------------------------------------------------------------------
 CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;
-padding:0 1em;color:#222;line-height:1.4}
-h1{font-size:1.6em}h2{font-size:1.3em;border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-h3{font-size:1.05em;margin-bottom:.3em}
-table{border-collapse:collapse;font-size:.85em;margin:.5em 0 1em}
-th,td{padding:.15em .6em;border-bottom:1px solid #e3e3e3}th{border-bottom:2px solid #888;text-align:left}
-td.n{text-align:right;font-variant-numeric:tabular-nums}
-table.meta td:first-child{font-weight:600;white-space:nowrap;vertical-align:top}
-table.meta td{word-break:break-word}
-figure{margin:1em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
-figcaption,.note{color:#666;font-size:.85em}
-.status-complete{color:#1a7f37}.status-failed,.status-interrupted,.status-running{color:#b35900}
-nav ul{columns:2;font-size:.9em}
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;max-width:1400px;margin:1.5em auto;
+padding:0 1.5em;color:#222;line-height:1.4}
+h1{font-size:1.6em}h2{font-size:1.3em;border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.5em}
+h3{font-size:1.05em;margin:1.5em 0 .3em}
+p,figcaption,ul{max-width:75em}
+.scroll{overflow-x:auto;max-width:100%;margin:.4em 0 .6em}
+table{border-collapse:collapse;font-size:.85em}
+th,td{padding:.15em .6em;border-bottom:1px solid #e3e3e3;white-space:nowrap}
+th{border-bottom:2px solid #888;text-align:left;background:#fff}
+th.n,td.n{text-align:right;font-variant-numeric:tabular-nums}
+.scroll th:first-child,.scroll td:first-child{position:sticky;left:0;background:#fff}
+table.meta{margin:.5em 0 1em}table.meta td{white-space:normal;word-break:break-word;vertical-align:top}
+table.meta td:first-child{font-weight:600;white-space:nowrap}
+figure{margin:1.2em -1.5em 1.8em}figure img{display:block;max-width:none;margin:0 auto}
+figcaption{padding:0 1.5em}
+figcaption,.note,.def{color:#555;font-size:.85em}figcaption b{color:#222}
+.warn{color:#b35900;font-size:.9em}
+.status-complete{color:#1a7f37}.status-failed,.status-interrupted,.status-running,.status-other{color:#b35900}
+nav.runs ul{columns:2;font-size:.9em}nav.toc{font-size:.9em;margin:.5em 0 1em}nav.toc ul{margin:.2em 0}
 """
+STATUSES = ("complete", "failed", "interrupted", "running")
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, force: bool = False,
-                 title: str = "moetool report") -> Path:
+                 title: str = "moetool report", warn: Callable[[str], None] = _warn) -> Path:
     """Gather ``run_dirs`` into ``out`` (a folder, or a :class:`RunDir` such as ``demo``'s ``sub("report")``);
-    returns the path of ``report.html``."""
+    returns the path of ``report.html``. Every text from a run (manifest fields, file names, table cells) is
+    escaped for the format it is written in; only files inside each run folder are read (others: one ``warn``
+    line each, and a note in the page)."""
     import pandas as pd
 
     run = out if isinstance(out, RunDir) else RunDir.create("report", out, force)
-    runs = find_runs(run_dirs, exclude=run._path)
-    md = [f"# {title}", ""]
-    body = [f"<h1>{html.escape(title)}</h1>", "<nav><ul>"]
+    warnings: list[str] = []
+
+    def warned(msg: str) -> None:
+        warnings.append(msg)
+        warn(msg)
+
+    runs = find_runs(run_dirs, exclude=run._path, warn=warned)
+    md = [f"# {md_escape(title)}", ""]
+    body = [f"<h1>{html.escape(title)}</h1>", '<nav class="runs"><ul>']
     body += [f'<li><a href="#{r.name}">{html.escape(r.name)}</a> '
              f'({html.escape(str(r.manifest.get("command", "")))}, {html.escape(str(r.manifest.get("status", "?")))})'
              f"</li>" for r in runs]
     body.append("</ul></nav>")
+    md += [f"- {md_escape(r.name)}" for r in runs] + [""]
+    if warnings:
+        body += ['<p class="warn">not gathered:</p><ul class="warn">'] + \
+                [f"<li>{html.escape(w)}</li>" for w in warnings] + ["</ul>"]
+        md += ["**not gathered:**", ""] + [f"- {md_escape(w)}" for w in warnings] + [""]
     for r in runs:
-        status = str(r.manifest.get("status", "unknown (written before moetool recorded a status)"))
+        m = r.manifest
+        defs = m.get("definitions") if isinstance(m.get("definitions"), dict) else {}
+        status = str(m.get("status", "unknown (written before moetool recorded a status)"))
+        css = "status-" + (status if status in STATUSES else "other")
         body.append(f'<h2 id="{r.name}">{html.escape(r.name)}</h2>')
-        md += [f"## {r.name}", ""]
-        rows = summary(r.manifest)
+        md += [f"## {md_escape(r.name)}", ""]
+        rows = summary(m)
         body.append('<table class="meta">' + "".join(
-            f'<tr><td>{html.escape(k)}</td><td class="{"status-" + status if k == "status" else ""}">'
+            f'<tr><td>{html.escape(k)}</td><td class="{css if k == "status" else ""}">'
             f"{html.escape(v)}</td></tr>" for k, v in rows) + "</table>")
-        md += [f"- **{k}**: {v}" for k, v in rows] + [""]
+        md += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in rows] + [""]
+        if r.refused:
+            note = "files listed in the manifest outside the run folder, not read: " + ", ".join(r.refused)
+            body.append(f'<p class="warn">{html.escape(note)}</p>')
+            md += [f"*{md_escape(note)}*", ""]
+        # copy first (names made safe and unique), then the contents, then the sections
+        taken: set[str] = set()  # figures/<run>/<stem>.png
+        figs = []
         for png in r.figures:
-            stem = png.stem
+            stem = _unique(_slug(png.stem), taken)
             rel = f"figures/{r.name}/{stem}"
             with run.atomic(f"{rel}.png") as tmp:
                 shutil.copyfile(png, tmp)
             pdf = png.with_suffix(".pdf")
-            if pdf.is_file():
+            has_pdf = pdf.is_file() and not pdf.is_symlink()
+            if has_pdf:
                 with run.atomic(f"{rel}.pdf") as tmp:
                     shutil.copyfile(pdf, tmp)
-            raw = png.read_bytes()
-            data = base64.b64encode(raw).decode("ascii")
-            ctx = run_context(r.manifest)
-            cap = f"{r.name}: {stem}" + (f" — {ctx}" if ctx else "") + (f" (PDF: {rel}.pdf)" if pdf.is_file() else "")
-            body.append(f'<figure><img alt="{html.escape(stem)}"{_print_width(raw)} src="data:image/png;base64,{data}">'
-                        f"<figcaption>{html.escape(cap)}</figcaption></figure>")
-            md += [f"![{stem}]({rel}.png)", f"*{cap}*", ""]
+            figs.append((png, stem, rel, has_pdf))
+        tables, taken = [], set()  # tables/<run>/<stem>.csv
         for csv in r.tables:
-            try:
-                df = pd.read_csv(csv)
+            stem = _unique(_slug(csv.stem), taken)
+            try:  # text as written ("NA", "null" and "nan" are tokens): only an empty cell is missing
+                df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
             except (OSError, ValueError, pd.errors.ParserError) as e:
-                body.append(f'<p class="note">{html.escape(csv.name)}: unreadable ({html.escape(str(e))})</p>')
+                tables.append((csv, stem, None, str(e)))
                 continue
-            rel = f"tables/{r.name}/{csv.stem}"
+            tables.append((csv, stem, key_first(df), ""))
+        rows_of = lambda df: f" ({len(df):,} row{'s' if len(df) != 1 else ''})" if df is not None else ""  # noqa: E731
+        toc = [("figures", [(f"{r.name}--fig-{stem}", stem, "") for _, stem, _, _ in figs]),
+               ("tables", [(f"{r.name}--tab-{stem}", csv.name, rows_of(df)) for csv, stem, df, _ in tables])]
+        toc = [f"<li>{what}: " + ", ".join(f'<a href="#{a}">{html.escape(t)}</a>{n}' for a, t, n in items) + "</li>"
+               for what, items in toc if items]
+        if toc:
+            body.append('<nav class="toc"><b>contents</b><ul>' + "".join(toc) + "</ul></nav>")
+        ctx = run_context(m)
+        table_stem = {csv.name: stem for csv, stem, df, _ in tables if df is not None}
+        for png, stem, rel, has_pdf in figs:
+            raw = png.read_bytes()
+            size = png_size(raw)
+            dims = f' width="{size[0]}" height="{size[1]}"' if size else ""
+            shows, said, data = figure_caption(png.stem, m)
+            srcs = [f"tables/{r.name}/{table_stem[t]}.csv" for t in data if t in table_stem]
+            data64 = base64.b64encode(raw).decode("ascii")
+            text = [f": {shows}." if shows != png.stem else "", f" {said}." if said else ""]
+            run_ctx = f" Run: {ctx}." if ctx else ""
+            cap_html = (f"<b>{html.escape(png.stem)}</b>" + html.escape("".join(text)) +
+                        (" Data: " + ", ".join(f'<a href="{s}">{s}</a>' for s in srcs) + "." if srcs else "") +
+                        html.escape(run_ctx) + f' <a href="{rel}.png">full size</a>' +
+                        (f' · <a href="{rel}.pdf">PDF</a>' if has_pdf else ""))
+            body.append(f'<figure id="{r.name}--fig-{stem}"><div class="scroll"><a href="{html.escape(rel)}.png" '
+                        f'title="open at full size"><img alt="{html.escape(png.stem)}"{dims} '
+                        f'src="data:image/png;base64,{data64}"></a></div><figcaption>{cap_html}</figcaption></figure>')
+            cap_md = (f"**{md_escape(png.stem)}**" + md_escape("".join(text)) +
+                      (" Data: " + ", ".join(f"[{s}]({s})" for s in srcs) + "." if srcs else "") +
+                      md_escape(run_ctx) + (f" PDF: [{rel}.pdf]({rel}.pdf)" if has_pdf else ""))
+            md += [f"![{md_escape(png.stem)}]({rel}.png)", "", cap_md, ""]
+        for csv, stem, df, err in tables:
+            if df is None:
+                body.append(f'<p class="note">{html.escape(csv.name)}: unreadable ({html.escape(err)})</p>')
+                md += [f"*{md_escape(csv.name)}: unreadable ({md_escape(err)})*", ""]
+                continue
+            rel = f"tables/{r.name}/{stem}"
             with run.atomic(f"{rel}.csv") as tmp:
                 shutil.copyfile(csv, tmp)
             with run.atomic(f"{rel}.tex") as tmp:
-                tmp.write_text(to_latex(df, caption=f"{r.name}: {csv.name}", label=f"tab:{_slug(r.name)}-{csv.stem}"))
-            more = (f"first {HTML_ROWS} of {len(df)} rows; every row in {rel}.csv (LaTeX: {rel}.tex)"
-                    if len(df) > HTML_ROWS else f"{len(df)} rows; {rel}.csv, LaTeX: {rel}.tex")
-            body += [f"<h3>{html.escape(csv.name)}</h3>", to_html_table(df), f'<p class="note">{html.escape(more)}</p>']
-            md += [f"### {csv.name}", "", to_markdown(df), "", f"*{more}*", ""]
+                tmp.write_text(to_latex(df, caption=f"{r.name}: {csv.name}", label=f"tab:{r.name}-{stem}"))
+            shown = len(df) if len(df) <= HTML_ROWS else PREVIEW_ROWS
+            what = defs.get(csv.stem) if isinstance(defs.get(csv.stem), str) else ""
+            more = (f"first {shown} of {len(df):,} rows; every row in " if len(df) > shown else f"{len(df)} rows; ")
+            body += [f'<h3 id="{r.name}--tab-{stem}">{html.escape(csv.name)}</h3>']
+            body += [f'<p class="def">{html.escape(what)}</p>'] if what else []
+            body += [to_html_table(df, shown, defs, csv.stem),
+                     f'<p class="note">{html.escape(more)}<a href="{rel}.csv">{html.escape(rel)}.csv</a> '
+                     f'(LaTeX: <a href="{rel}.tex">{html.escape(rel)}.tex</a>)</p>']
+            md += [f"### {md_escape(csv.name)}", ""] + ([md_escape(what), ""] if what else [])
+            md += [to_markdown(df, shown), "", f"*{md_escape(more)}[{rel}.csv]({rel}.csv) (LaTeX: {rel}.tex)*", ""]
         if r.other:
             note = "other files: " + ", ".join(r.other)
             body.append(f'<p class="note">{html.escape(note)}</p>')
-            md += [f"*{note}*", ""]
+            md += [f"*{md_escape(note)}*", ""]
     page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n" + "\n".join(body) +
             "\n</body></html>\n")
     with run.atomic("report.html") as tmp:
         tmp.write_text(page, encoding="utf-8")
     with run.atomic("report.md") as tmp:
         tmp.write_text("\n".join(md) + "\n", encoding="utf-8")
-    run.add(gathered=[str(r.path) for r in runs])
+    run.add(gathered=[str(r.path) for r in runs], not_gathered=warnings)
     run.finish(options={"run_dirs": [str(d) for d in run_dirs], "title": title})
     return run.path / "report.html"

@@ -425,6 +425,64 @@ def mass_recall_figures(result: Any) -> dict[str, Any]:
     return plot_mass_recall(result["mass_recall.csv"])
 
 
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots): the
+#: report page's captions (:mod:`moetool.report.page`), kept beside the functions that draw the figures
+FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "load_heatmap": ("Expert load relative to uniform routing (load_fraction × n), one row per layer and one column "
+                     "per expert; 1 (white) is balanced, red above, blue below", ("load.csv",), ("load_fraction",)),
+    "coactivation": ("P(b | a) per layer: of the tokens whose top-K contains expert a (row), the share whose top-K "
+                     "also contains expert b (column); the title gives independent uniform routing's (K-1)/(n-1)",
+                     ("coactivation.csv", "layers.csv"), ("coactivation",)),
+    "balance_by_layer": ("Per layer: the largest expert load over uniform (left) and load entropy / log n (right); "
+                         "1 is perfectly balanced; error bars: the bootstrap interval", ("layers.csv",),
+                         ("max_load_ratio", "load_entropy", "*_lo/*_hi")),
+    "domain_load": ("Per layer: the share of each domain's tokens routed to each expert (one bar per domain); "
+                    "dashed: uniform routing's K/n", ("domain_load.csv",), ("domain_load",)),
+    "specialization": ("Vocabulary specialisation per layer, one line per view (input token, next token, predicted "
+                       "token): the share of a token's occurrences routed to its most frequent first-ranked expert",
+                       ("specialization.csv",), ("specialization",)),
+    "cross_layer": ("P(expert b at the next MoE layer | expert a at this one), one heatmap per pair of consecutive "
+                    "layers, with their mutual information", ("cross_layer.csv", "cross_layer_summary.csv"),
+                    ("cross_layer", "cross_layer_summary")),
+    "retention": ("Each routing policy against the router: perplexity ratio (left, lower is better) and accuracy "
+                  "retention per task (right, when tasks were evaluated); error bars: the bootstrap interval",
+                  ("quality.csv",), ("ratio", "value", "*_lo/*_hi")),
+    "agreement_by_layer": ("Per layer: top-K overlap (left) and top-1 agreement (right) of each policy's expert "
+                           "choice with the router's", ("agreement.csv",), ("topk_overlap", "top1_agree")),
+    "mass_recall_vs_shortlist": ("Per layer: mean mass recall against the shortlist size M, one line per codebook",
+                                 ("mass_recall.csv",), ("mass_recall_mean", "codebook", "centroids")),
+    "mass_recall_vs_router_flops": ("Per layer: mean mass recall against the router FLOPs spent (fraction of the "
+                                    "full router's), one line per codebook", ("mass_recall.csv",),
+                                    ("mass_recall_mean", "router_flops_frac")),
+    "mass_recall_vs_bounds": ("Per layer, largest codebook: measured mass recall beside the paper's lower bound "
+                              "and the scale-aware bound (log scale)", ("mass_recall.csv",),
+                              ("mass_recall_mean", "bound_mean", "bound_scaled_mean")),
+    "erc_matrix": ("The clean ERC matrix M[i, j] per layer: the norm of expert j's output on proxy i; the title "
+                   "gives the layer's α_min", ("erc_matrix.csv", "erc_layers.csv"), ("M", "proxy", "alpha_min")),
+    "erc_loss": ("ERC loss against the margin α, one line per layer", ("erc.csv",), ("erc_loss",)),
+    "approx_error": ("Per layer: mean relative error ||y_S − y|| / ||y|| of the k-term approximation, one line per "
+                     "expert selector", ("approx.csv",), ("rel_error",)),
+    "approx_layers": ("Per layer: Spearman correlation of the router's probability with the expert output norm "
+                      "(left) and the mean |cos| between the u_e (right)", ("approx_layers.csv",),
+                      ("spearman_prob_vs_norm", "mean_abs_cos")),
+    "fluctuation_by_layer": ("Per layer: the share of tokens whose top-1 expert changes between the two "
+                             "checkpoints, one panel per checkpoint pair, one line per routing",
+                             ("fluctuation.csv",), ("top1_change", "routing")),
+    "entropy_ratio_by_layer": ("Per layer: routing entropy at the checkpoint over the reference's, one panel per "
+                               "checkpoint pair, one line per routing", ("fluctuation.csv",),
+                               ("entropy_ratio", "routing")),
+    "entropy_vs_router_by_layer": ("Per layer: each routing's entropy over the router's at the same checkpoint",
+                                   ("fluctuation.csv",), ("entropy_ref/entropy_ckpt", "routing")),
+    "offload_hit_rate_vs_cache_size": ("Per layer: expert-cache hit rate against the cache size C, one line per "
+                                       "eviction policy; error bars: the bootstrap interval",
+                                       ("offload_cache.csv",), ("hit_rate", "policy")),
+    "offload_prefetch_recall": ("Per layer: recall of the next layer's experts predicted from this layer's output "
+                                "(top-1 and top-K)", ("offload_prefetch.csv",), ("top1_recall", "topk_recall")),
+    "offload_coverage": ("Share of (layer, expert) slots activated by the first N tokens",
+                         ("offload_coverage.csv",), ("coverage",)),
+}
+
+
 def figures(result: Any) -> dict[str, Any]:
     """Every figure of ``result``: the ``figures`` function its experiment's spec names
     (:mod:`moetool.experiments.registry`; none for an experiment without figures or a result of no experiment)."""
