@@ -276,55 +276,56 @@ class MassRecallResult:
     reinits: dict[str, int] = field(default_factory=dict)  # "layer/G" -> dead-code re-initialisations
 
 
-def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
-             opts: MassRecallOptions, quiet: bool = False,
-             norms: dict[int, torch.Tensor] | None = None) -> MassRecallResult:
-    """Pass 2: every (layer, G, centroids, M) on the same tokens; returns the table with the columns of DEFINITIONS.
-    ``norms``: the largest ||h|| per layer (:func:`fit_codebooks`), the scale grid of the bound."""
-    import pandas as pd
+class RecallCollector:
+    """Pass 2's streaming reducer (a forward consumer): per (layer, G, centroids, M) the sums of the token metrics
+    and a histogram of mass recall, codeword use per (layer, G), and the per-row sums the bootstrap needs.
+    Reductions stay on the device; :meth:`merge_across_ranks` then :meth:`table`."""
 
-    notes: list[str] = []
-    ms: dict[int, list[int]] = {}
-    for L in layers:
-        ms[L.index] = [m for m in opts.shortlists if m <= L.n_experts]
-        skipped = [m for m in opts.shortlists if m > L.n_experts]
-        if skipped:
-            notes.append(f"layer {L.index}: shortlist sizes {skipped} > n = {L.n_experts} experts skipped")
-    with torch.no_grad():
-        spaces = {(L.index, G, mode): codeword_space(L, mode, fits[(L.index, G)].codebook)
-                  for L in layers for G in opts.codebook_sizes for mode in opts.centroids}
-        masks = {key + (m,): shortlist_mask(order, m) for key, (_, order) in spaces.items() for m in ms[key[0]]}
-    acc: dict[tuple[int, int, str, int], _Acc] = {}
-    used: dict[tuple[int, int], torch.Tensor] = {}
+    def __init__(self, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
+                 opts: MassRecallOptions, norms: dict[int, torch.Tensor] | None = None):
+        self.layers, self.fits, self.opts, self.norms = list(layers), fits, opts, norms or {}
+        self.notes: list[str] = []
+        self.ms: dict[int, list[int]] = {}
+        for L in self.layers:
+            self.ms[L.index] = [m for m in opts.shortlists if m <= L.n_experts]
+            skipped = [m for m in opts.shortlists if m > L.n_experts]
+            if skipped:
+                self.notes.append(f"layer {L.index}: shortlist sizes {skipped} > n = {L.n_experts} experts skipped")
+        with torch.no_grad():
+            self.spaces = {(L.index, G, mode): codeword_space(L, mode, fits[(L.index, G)].codebook)
+                           for L in self.layers for G in opts.codebook_sizes for mode in opts.centroids}
+            self.masks = {key + (m,): shortlist_mask(order, m)
+                          for key, (_, order) in self.spaces.items() for m in self.ms[key[0]]}
+        self.acc: dict[tuple[int, int, str, int], _Acc] = {}
+        self.used: dict[tuple[int, int], torch.Tensor] = {}
+        self.real = RealTokens()
+        self.rows = RowTable(tokens) if opts.bootstrap else None
+        self.first = self.layers[0].index
 
-    real = RealTokens()
-    rows = RowTable(tokens) if opts.bootstrap else None
-    first = layers[0].index
+    def before_batch(self, batch: Any) -> None:
+        self.real.before_batch(batch)
+        if self.rows is not None:
+            self.rows.next_batch(batch)
 
-    def before(batch: Any) -> None:
-        real.before_batch(batch)
-        if rows is not None:
-            rows.next_batch(batch)
-
-    def consume(ev: RoutingEvent) -> None:
-        L = ev.layer
-        h, logits, idx = real.take(ev, ev.h, ev.logits, ev.idx)  # [N, d], [N, n], [N, K]: the real tokens
-        if rows is not None and L.index == first:
+    def __call__(self, ev: RoutingEvent) -> None:
+        L, opts, rows = ev.layer, self.opts, self.rows
+        h, logits, idx = self.real.take(ev, ev.h, ev.logits, ev.idx)  # [N, d], [N, n], [N, K]: the real tokens
+        if rows is not None and L.index == self.first:
             rows.add("tokens", ev.valid.double())
         tok = {mode: token_space(L, mode, h, logits, idx) for mode in opts.centroids}
         for G in opts.codebook_sizes:
-            cb = fits[(L.index, G)].codebook  # [G, d]
-            g = fits[(L.index, G)].assign(h)  # [N]
+            cb = self.fits[(L.index, G)].codebook  # [G, d]
+            g = self.fits[(L.index, G)].assign(h)  # [N]
             eps = ops.vector_norm(h.double() - cb.double()[g])  # [N] fp64
             cnt = torch.zeros(G, dtype=torch.long, device=g.device).index_add_(0, g, torch.ones_like(g))
-            used[(L.index, G)] = used[(L.index, G)] + cnt if (L.index, G) in used else cnt
+            self.used[(L.index, G)] = self.used[(L.index, G)] + cnt if (L.index, G) in self.used else cnt
             hnorm = ops.vector_norm(h.double())
             for mode in opts.centroids:
-                probs_c, _ = spaces[(L.index, G, mode)]
-                scaled = scaled_bound(L, mode, h, cb, g, [masks[(L.index, G, mode, m)] for m in ms[L.index]],
-                                      hmax=(norms or {}).get(L.index))
-                for m, (sb, s_best) in zip(ms[L.index], scaled):
-                    t = token_metrics(tok[mode][0], tok[mode][1], g, eps, probs_c, masks[(L.index, G, mode, m)])
+                probs_c, _ = self.spaces[(L.index, G, mode)]
+                scaled = scaled_bound(L, mode, h, cb, g, [self.masks[(L.index, G, mode, m)] for m in self.ms[L.index]],
+                                      hmax=self.norms.get(L.index))
+                for m, (sb, s_best) in zip(self.ms[L.index], scaled):
+                    t = token_metrics(tok[mode][0], tok[mode][1], g, eps, probs_c, self.masks[(L.index, G, mode, m)])
                     sb = torch.maximum(sb, t["bound"])  # s = 1 is in the grid; guards rounding only
                     row = torch.stack([torch.tensor(float(h.shape[0]), dtype=torch.float64, device=h.device),
                                        t["mass"].sum(), t["topk_recall"].sum(), t["exact"].sum(), eps.sum(),
@@ -336,57 +337,77 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
                         0, bins, torch.ones(bins.shape, dtype=torch.float64, device=bins.device))
                     key = (L.index, G, mode, m)
                     if rows is not None:
-                        rows.add(f"{L.index}/{G}/{mode}/{m}", real.scatter(torch.stack(
+                        rows.add(f"{L.index}/{G}/{mode}/{m}", self.real.scatter(torch.stack(
                             [t["mass"], t["topk_recall"], t["exact"]], -1)))
-                    if key in acc:
-                        acc[key].sums += row
-                        acc[key].hist += hist
+                    if key in self.acc:
+                        self.acc[key].sums += row
+                        self.acc[key].hist += hist
                     else:
-                        acc[key] = _Acc(row, hist)
+                        self.acc[key] = _Acc(row, hist)
 
-    forward(lm, tokens, consumers=[consume], moe_layers=layers, batch_size=opts.batch_size,
-            before_batch=before, description="mass recall", quiet=quiet)
-    from .. import distributed
+    def merge_across_ranks(self) -> None:
+        """Data parallel: sums, histograms and codeword use over ranks (a rank may lack keys); alone: nothing."""
+        from .. import distributed
 
-    if distributed.world_size() > 1:  # sums, histograms, codeword use over ranks (a rank may lack keys)
-        used = distributed.all_reduce_keyed(used)
-        acc = {k: _Acc(v["sums"], v["hist"]) for k, v in distributed.all_reduce_keyed(
-            {k: {"sums": a.sums, "hist": a.hist} for k, a in acc.items()}).items()}
-    if not acc:
-        raise MoetoolError("no tokens evaluated (empty data?)")
-    table_rows = []
-    n_of = {L.index: L.n_experts for L in layers}
-    for (layer, G, mode, m), a in acc.items():
-        s = dict(zip(_SUMS, a.sums.tolist()))
-        count = used[(layer, G)]
-        _, order = spaces[(layer, G, mode)]
-        covered = torch.unique(order[count > 0, :m])
-        n = n_of[layer]
-        table_rows.append({"layer": layer, "codebook_size": G, "shortlist_size": m, "centroids": mode,
-                     "tokens": int(s["tokens"]), "mass_recall_mean": s["mass"] / s["tokens"],
-                     "mass_recall_p05": ops.hist_quantile(a.hist, 0.05),
-                     "topk_recall": s["topk_recall"] / s["tokens"], "exact_topk_rate": s["exact"] / s["tokens"],
-                     "quant_error_mean": s["eps"] / s["tokens"], "bound_mean": s["bound"] / s["tokens"],
-                     "bound_holds_rate": s["holds"] / s["tokens"],
-                     "bound_scaled_mean": s["bound_scaled"] / s["tokens"],
-                     "bound_scaled_holds_rate": s["holds_scaled"] / s["tokens"],
-                     "best_scale_mean": s["scale"] / s["tokens"], "dead_codes": int((count == 0).sum()),
-                     "expert_coverage": covered.numel() / n, "router_flops_frac": (G + m) / n})
-    ci = {}
-    if rows is not None:
-        rows.reduce_across_ranks()
-        keys = list(acc)
-        num = torch.cat([torch.as_tensor(rows.table(f"{k[0]}/{k[1]}/{k[2]}/{k[3]}")).reshape(rows.n_rows, -1)
-                         for k in keys], 1).numpy()
-        ivs = ratio_intervals(num, rows.table("tokens"), n_boot=opts.bootstrap, seed=opts.seed)
-        for i, k in enumerate(keys):
-            ci[k] = {f"{c}_{e}": getattr(ivs[3 * i + j], e) for j, c in enumerate(CI) for e in ("lo", "hi")}
-    for r in table_rows:
-        r.update(ci.get((r["layer"], r["codebook_size"], r["centroids"], r["shortlist_size"]),
-                        dict.fromkeys(CI_COLUMNS, float("nan"))))
-    df = pd.DataFrame(table_rows, columns=COLUMNS).sort_values(
-        ["layer", "centroids", "codebook_size", "shortlist_size"])
-    return MassRecallResult(df.reset_index(drop=True), notes)
+        if distributed.world_size() > 1:
+            self.used = distributed.all_reduce_keyed(self.used)
+            self.acc = {k: _Acc(v["sums"], v["hist"]) for k, v in distributed.all_reduce_keyed(
+                {k: {"sums": a.sums, "hist": a.hist} for k, a in self.acc.items()}).items()}
+        if self.rows is not None:
+            self.rows.reduce_across_ranks()
+
+    def table(self) -> Any:
+        """The ``mass_recall`` table (columns of DEFINITIONS), intervals from the per-row sums."""
+        import pandas as pd
+
+        if not self.acc:
+            raise MoetoolError("no tokens evaluated (empty data?)")
+        table_rows = []
+        n_of = {L.index: L.n_experts for L in self.layers}
+        for (layer, G, mode, m), a in self.acc.items():
+            s = dict(zip(_SUMS, a.sums.tolist()))
+            count = self.used[(layer, G)]
+            _, order = self.spaces[(layer, G, mode)]
+            covered = torch.unique(order[count > 0, :m])
+            n = n_of[layer]
+            table_rows.append({"layer": layer, "codebook_size": G, "shortlist_size": m, "centroids": mode,
+                               "tokens": int(s["tokens"]), "mass_recall_mean": s["mass"] / s["tokens"],
+                               "mass_recall_p05": ops.hist_quantile(a.hist, 0.05),
+                               "topk_recall": s["topk_recall"] / s["tokens"],
+                               "exact_topk_rate": s["exact"] / s["tokens"],
+                               "quant_error_mean": s["eps"] / s["tokens"], "bound_mean": s["bound"] / s["tokens"],
+                               "bound_holds_rate": s["holds"] / s["tokens"],
+                               "bound_scaled_mean": s["bound_scaled"] / s["tokens"],
+                               "bound_scaled_holds_rate": s["holds_scaled"] / s["tokens"],
+                               "best_scale_mean": s["scale"] / s["tokens"], "dead_codes": int((count == 0).sum()),
+                               "expert_coverage": covered.numel() / n, "router_flops_frac": (G + m) / n})
+        ci = {}
+        if self.rows is not None:
+            rows, keys = self.rows, list(self.acc)
+            num = torch.cat([torch.as_tensor(rows.table(f"{k[0]}/{k[1]}/{k[2]}/{k[3]}")).reshape(rows.n_rows, -1)
+                             for k in keys], 1).numpy()
+            ivs = ratio_intervals(num, rows.table("tokens"), n_boot=self.opts.bootstrap, seed=self.opts.seed)
+            for i, k in enumerate(keys):
+                ci[k] = {f"{c}_{e}": getattr(ivs[3 * i + j], e) for j, c in enumerate(CI) for e in ("lo", "hi")}
+        for r in table_rows:
+            r.update(ci.get((r["layer"], r["codebook_size"], r["centroids"], r["shortlist_size"]),
+                            dict.fromkeys(CI_COLUMNS, float("nan"))))
+        df = pd.DataFrame(table_rows, columns=COLUMNS).sort_values(
+            ["layer", "centroids", "codebook_size", "shortlist_size"])
+        return df.reset_index(drop=True)
+
+
+def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
+             opts: MassRecallOptions, quiet: bool = False,
+             norms: dict[int, torch.Tensor] | None = None) -> MassRecallResult:
+    """Pass 2: every (layer, G, centroids, M) on the same tokens (:class:`RecallCollector`); returns the table with
+    the columns of DEFINITIONS. ``norms``: the largest ||h|| per layer (:func:`fit_codebooks`), the scale grid of
+    the bound."""
+    col = RecallCollector(tokens, layers, fits, opts, norms)
+    forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
+            before_batch=col.before_batch, description="mass recall", quiet=quiet)
+    col.merge_across_ranks()
+    return MassRecallResult(col.table(), col.notes)
 
 
 def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Sequence[MoELayer] | None = None,
