@@ -299,3 +299,17 @@ def test_offload(case, tmp_path):
         assert (rows[rows.capacity == K]["hits"] == sum(len(a & b) for a, b in zip(sets[1:], sets))).all()
         # capacity n: only first requests miss
         assert (rows[rows.capacity == n]["hits"] == T * K - (counts > 0).sum()).all()
+
+
+def test_topk(case, tmp_path):
+    K, n = case.top_k, case.n_experts
+    sparse = case.rule == "sparsemixer"  # its weights are defined for its own K rounds only (refused otherwise)
+    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", str(K) if sparse else f"1,{K}",
+           "--ps", "none" if sparse else "1", "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
+    assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
+    assert df.loc[f"topk:{K}", "perplexity"] == df.loc["router", "perplexity"]  # the model's own routing
+    assert df.loc[f"topk:{K}", "mean_experts"] == K
+    if not sparse:
+        assert df.loc["topk:1", "mean_experts"] == 1 and df.loc["topp:1", "mean_experts"] == n
+        assert finite(df.drop(columns=["kind"]))

@@ -86,6 +86,7 @@ CASES = [
     ("trace", ["--model", "tiny", *DATA, "--logits"]),
     ("trace", ["--model", "tiny", *DATA, "--format", "parquet", "--routing", "norm:gate"]),
     ("offload", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
+    ("topk", ["--model", "tiny", *DATA, "--ks", "1", "--ps", "0.8", "--bootstrap", "100"]),
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}

@@ -121,8 +121,10 @@ def test_every_figure_has_a_caption_from_the_definitions():
     assert {"load_heatmap", "coactivation", "erc_matrix", "retention", "offload_coverage"} <= drawn
     assert drawn == set(plots.FIGURE_CAPTIONS)
     defs: set[str] = set()
-    for m in ("stats", "norm_select", "erc", "approx", "mass_recall", "fluctuation", "offload", "ppl"):
-        mod = importlib.import_module(f"moetool.experiments.{m}")
+    from moetool.experiments.registry import EXPERIMENTS
+
+    for spec in EXPERIMENTS.values():
+        mod = importlib.import_module(spec.module)
         defs |= {k for n in dir(mod) if n.endswith("DEFINITIONS") and isinstance(getattr(mod, n), dict)
                  for k in getattr(mod, n)}
     for name, (shows, tables, keys) in plots.FIGURE_CAPTIONS.items():

@@ -130,12 +130,17 @@ class MoELayer:
         """The scores the model ranks experts by (π for softmax families)."""
         raise NotImplementedError
 
-    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The model's routing weights for a chosen set ``idx [T, K]`` (renormalised as the model does)."""
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's routing weights for a chosen set ``idx [T, K]`` (renormalised as the model does); ``mask``
+        [T, K] bool: per token only the columns where it is True are chosen (the others get weight 0)."""
         raise NotImplementedError
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(idx [T, K], weights [T, K])`` exactly as the model's router computes them."""
+        raise NotImplementedError
+
+    def route_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's routing with ``k`` experts per token instead of K (``route_k(logits, K) == route(logits)``)."""
         raise NotImplementedError
 
     def rule_name(self) -> str:

@@ -119,8 +119,8 @@ class Gemma4Layer(GenericLayer):
         r = self._router
         return r.proj(r.norm(h.to(r.proj.weight.dtype)) * r.scale * r.scalar_root_size)
 
-    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return super().weights_for(logits, idx) * self._scale(idx)
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().weights_for(logits, idx, mask) * self._scale(idx)
 
     def expert_input(self, h: torch.Tensor) -> torch.Tensor:
         return self.experts.norm(h)

@@ -170,11 +170,18 @@ class GenericLayer(MoELayer):
     def selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
         return self.rule.scores(logits, self._p())
 
-    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return self.rule.weights(logits, idx, self.params)
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.rule.weights(logits, idx, self.params, mask)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.rule.select(logits, self._p())
+        return idx, self.weights_for(logits, idx)
+
+    def route_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rule.weight == "sparsemixer" and k != self.top_k:
+            raise MoetoolError(f"layer {self.index}: sparsemixer routing has exactly {self.top_k} rounds; "
+                               f"no top-{k} of it is defined")
+        idx = self.rule.select(logits, replace(self._p(), top_k=k))
         return idx, self.weights_for(logits, idx)
 
     def rule_name(self) -> str:

@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 
 from .. import ops
+from ..errors import MoetoolError
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,17 +135,26 @@ class Rule:
         return ops.topk(s, p.top_k)
 
     # ----- weights -----------------------------------------------------------------------------------------
-    def weights(self, logits: torch.Tensor, idx: torch.Tensor, p: Params) -> torch.Tensor:
-        """The model's weights for any chosen set ``idx [T, K]`` (in ``idx``'s order)."""
+    def weights(self, logits: torch.Tensor, idx: torch.Tensor, p: Params,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's weights for any chosen set ``idx [T, K]`` (in ``idx``'s order). ``mask [T, K]`` (bool):
+        a chosen set of its own size per token, the columns where it is False not chosen (weight 0, and left out
+        of a softmax over the chosen or a renormalisation)."""
         x = logits.float()
         if self.weight == "sparsemixer":  # in the logits' own dtype, as the model: its 2 eps mask flips in fp32
+            if mask is not None:
+                raise MoetoolError("sparsemixer weights are defined for its own two rounds, not a chosen set of "
+                                   "any size")
             w = sparsemixer_weights(logits, idx, p.jitter_eps or 0.0).float()
         elif self.weight == "softmax":
-            w = torch.softmax(x.gather(-1, idx), dim=-1)
+            chosen = x.gather(-1, idx)
+            w = torch.softmax(chosen if mask is None else chosen.masked_fill(~mask, float("-inf")), dim=-1)
         elif self.weight == "sigmoid":
             w = torch.sigmoid(x.gather(-1, idx))
         else:
             w = (torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x)).gather(-1, idx)
+        if mask is not None:
+            w = w * mask
         if self.renorm:
             w = _renorm(w, p)
         if p.scale != 1.0:

@@ -19,6 +19,8 @@ POLICIES = LazyRegistry("routing policy", {
     "random": "moetool.policies.basic:RandomPolicy",
     "similarity": "moetool.policies.similarity:SimilarityPolicy",
     "attention": "moetool.policies.attention:AttentionPolicy",
+    "topk": "moetool.policies.topk:TopKPolicy",
+    "topp": "moetool.policies.topk:TopPPolicy",
 })
 
 

@@ -425,9 +425,47 @@ def mass_recall_figures(result: Any) -> dict[str, Any]:
     return plot_mass_recall(result["mass_recall.csv"])
 
 
+# ----- topk ---------------------------------------------------------------------------------
+def plot_topk(df: Any, layers: Any) -> dict[str, Any]:
+    """``topk_frontier``: perplexity / the router's against the experts per token (fixed k, top-p; the router a
+    star), and
+    ``topk_layers``: experts per token by layer for each top-p policy."""
+    from .figures import line_by, new_figure
+
+    out = {}
+    fig, (ax,) = new_figure(width=5.0)
+    sweep = df[df["kind"] != "router"]
+    if len(sweep):
+        line_by(ax, sweep, "mean_experts", "ratio", "kind", title="compute-quality frontier",
+                yerr=("ratio_lo", "ratio_hi"), xlabel="experts per token (mean over MoE layers)",
+                ylabel="perplexity / router's (paired)")
+    router = df[df["kind"] == "router"]
+    ax.scatter(router["mean_experts"], router["ratio"], marker="*", s=90, color="black", zorder=10,
+               label="router (the model's K)")
+    ax.legend()
+    out["topk_frontier"] = fig
+    topp = layers[layers["kind"] == "topp"]
+    if len(topp):
+        fig, (ax,) = new_figure(width=5.0)
+        line_by(ax, topp, "layer", "mean_experts", "policy", title="top-p: experts per token by layer",
+                ylabel="experts per token (mean)")
+        out["topk_layers"] = fig
+    return out
+
+
+def topk_figures(result: Any) -> dict[str, Any]:
+    return plot_topk(result["topk.csv"], result["topk_layers.csv"])
+
+
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots): the
 #: report page's captions (:mod:`moetool.report.page`), kept beside the functions that draw the figures
 FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "topk_frontier": ("Perplexity relative to the model's own routing on the same rows against the experts each "
+                      "token uses (mean over MoE layers), for fixed k below the model's K and top-p routing; the "
+                      "star is the model's own routing; error bars: the paired bootstrap interval", ("topk.csv",),
+                      ("mean_experts", "ratio", "*_lo/*_hi")),
+    "topk_layers": ("Top-p routing: experts per token (mean over real tokens) in each MoE layer, one line per p",
+                    ("topk_layers.csv",), ("mean_experts",)),
     "load_heatmap": ("Expert load relative to uniform routing (load_fraction × n), one row per layer and one column "
                      "per expert; 1 (white) is balanced, red above, blue below", ("load.csv",), ("load_fraction",)),
     "coactivation": ("P(b | a) per layer: of the tokens whose top-K contains expert a (row), the share whose top-K "

@@ -1,0 +1,112 @@
+"""Fewer (or more) experts per token than the model's K: ``topk:<k>`` and ``topp:<p>``.
+
+``topk:<k>``: the model's own routing with k experts per token instead of K (its ranking, group limits and
+correction bias; weights as its rule gives them to the chosen set, renormalised where the rule renormalises):
+``topk:K`` reproduces the model exactly.
+
+``topp:<p>[:<kmax>]``: per token, the smallest set of experts, taken in decreasing order of the model's routing
+distribution π, whose mass reaches p (at least one, at most ``kmax``, default n): dynamic-K / top-p routing
+(Huang et al. 2024, "Harder Tasks Need More Experts: Dynamic Routing in MoE Models", arXiv 2403.07652). Weights
+as the rule gives them to that set (a softmax over the chosen, a renormalisation over them, or the scores
+alone), times the routed scaling factor. Ranking by π ignores DeepSeek's group limits and correction bias.
+The experts module receives ``kmax`` columns per token; the unchosen carry weight 0 (what runs is still
+computed, what counts is the mass the chosen carry).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine.hooks import RoutingEvent
+from ..errors import MoetoolError
+from .base import Policy
+
+
+def _sparsemixer(layer: Any) -> bool:
+    return getattr(getattr(layer, "rule", None), "weight", "") == "sparsemixer"
+
+
+def _number(text: str, cast: Any, what: str) -> Any:
+    try:
+        return cast(text)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, not '{text}'") from None
+
+
+class TopKPolicy(Policy):
+    """``topk:<k>``: the model's routing with k experts per token (module docstring)."""
+
+    name = "topk"
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError(f"k must be at least 1, not {k}")
+        self.k = k
+        self.name = f"topk:{k}"
+
+    @classmethod
+    def from_spec(cls, args: list[str], **_: Any) -> "TopKPolicy":
+        if len(args) != 1:
+            raise ValueError("use topk:<k>, e.g. topk:1")
+        return cls(_number(args[0], int, "k"))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "k": self.k}
+
+    def check(self, layer: Any) -> None:
+        """One line before any forward where ``layer`` cannot route k experts (sparsemixer's two rounds)."""
+        if _sparsemixer(layer) and self.k != layer.top_k:
+            raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose {layer.top_k} rounds "
+                               f"define no top-{self.k}")
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        return ev.layer.route_k(ev.logits, min(self.k, ev.layer.n_experts))
+
+
+class TopPPolicy(Policy):
+    """``topp:<p>[:<kmax>]``: the smallest set of experts whose routing mass reaches p (module docstring)."""
+
+    name = "topp"
+
+    def __init__(self, p: float, kmax: int | None = None):
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"p must be in (0, 1], not {p}")
+        if kmax is not None and kmax < 1:
+            raise ValueError(f"kmax must be at least 1, not {kmax}")
+        self.p, self.kmax = p, kmax
+        self.name = f"topp:{p:g}" + (f":{kmax}" if kmax is not None else "")
+
+    @classmethod
+    def from_spec(cls, args: list[str], **_: Any) -> "TopPPolicy":
+        if len(args) not in (1, 2):
+            raise ValueError("use topp:<p>[:<kmax>], e.g. topp:0.9")
+        return cls(_number(args[0], float, "p"), _number(args[1], int, "kmax") if len(args) == 2 else None)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "p": self.p, "kmax": self.kmax}
+
+    def check(self, layer: Any) -> None:
+        """One line before any forward where ``layer``'s weights are not defined for a set of any size."""
+        if _sparsemixer(layer):
+            raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose weights are defined "
+                               f"for its own {layer.top_k} rounds only")
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        L = ev.layer
+        width = min(self.kmax or L.n_experts, L.n_experts)
+        idx, mask = top_p(ev.probs, self.p, width)
+        return idx, L.weights_for(ev.logits, idx, mask)
+
+
+def top_p(probs: torch.Tensor, p: float, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx [T, width], mask [T, width])``: experts in decreasing ``probs``; ``mask`` keeps the smallest prefix
+    whose mass reaches ``p`` (at least one expert; all ``width`` when the mass within them stays below p)."""
+    idx = ops.topk(probs, width)
+    mass = probs.gather(-1, idx).cumsum(-1)
+    before = mass - probs.gather(-1, idx)  # the mass of the experts ranked above each one
+    mask = before < p  # an expert is kept while the mass above it has not reached p yet
+    mask[:, 0] = True
+    return idx, mask

@@ -1,0 +1,166 @@
+"""Reduced and dynamic K (``topk:<k>``, ``topp:<p>``, ``moetool topk``) against hand computations and the
+invariant that ``topk:K`` is the model's own routing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FAMILIES, padded_batch, run
+
+from moetool.adapters import find_moe_layers, rules
+from moetool.errors import MoetoolError
+from moetool.policies import make_policy
+from moetool.policies.topk import top_p
+
+
+def test_topk_at_the_models_k_reproduces_the_model(family, tiny_model, batch):
+    """``topk:K`` goes through the model's own routing with K replaced by K: logits bit for bit (every family:
+    group limits, correction biases, scaling factors, hand adapters)."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        want = model(**batch).logits
+    got, _, _ = run(model, layers, batch, policy=make_policy(f"topk:{layers[0].top_k}"))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")])
+def test_topk_one_is_the_first_ranked_expert(model_type, tiny_model, batch):
+    model = tiny_model(model_type)
+    layers = find_moe_layers(model)
+    _, events, _ = run(model, layers, batch, policy=make_policy("topk:1"))
+    for ev in events.values():
+        L = ev.layer
+        idx, w = L.route(ev.logits)  # the model's own top-K on the same router input
+        assert torch.equal(ev.chosen_idx[:, 0], idx[:, 0])
+        if L.renormalize:  # one chosen expert renormalised: its weight is the scaling factor
+            assert torch.allclose(ev.chosen_weights[:, 0].float(), torch.full_like(w[:, 0], L.weight_scale))
+
+
+def test_top_p_by_hand():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.05, 0.9, 0.05], [0.34, 0.33, 0.33]])
+    idx, mask = top_p(probs, 0.6, 3)
+    assert idx.tolist() == [[0, 1, 2], [1, 0, 2], [0, 1, 2]]
+    assert mask.tolist() == [[True, True, False], [True, False, False], [True, True, False]]
+    assert top_p(probs, 0.5, 3)[1][0].tolist() == [True, False, False]  # 0.5 reaches 0.5: one expert
+    assert top_p(probs, 1.0, 3)[1].all()
+    assert top_p(probs, 1.0, 2)[1].tolist() == [[True, True]] * 3  # capped at kmax = 2
+
+
+def test_masked_weights_by_hand():
+    """A chosen set of its own size per token: a softmax over the chosen, a renormalisation over them, or the
+    scores alone -- each by hand from the logits."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6)
+    idx = torch.argsort(logits, dim=-1, descending=True)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1] * 6], dtype=torch.bool)
+    p = rules.Params(top_k=2, scale=2.5)
+    pi = torch.softmax(logits, -1).gather(-1, idx)
+    for t in range(4):
+        m = mask[t]
+        chosen_logits = logits[t].gather(-1, idx[t])[m]
+        soft = rules.TOPK_SOFTMAX.weights(logits, idx, p, mask)[t]
+        assert torch.allclose(soft[m], torch.softmax(chosen_logits, -1) * 2.5) and (soft[~m] == 0).all()
+        renorm = rules.SOFTMAX_TOPK_RENORM.weights(logits, idx, p, mask)[t]
+        assert torch.allclose(renorm[m], pi[t][m] / pi[t][m].sum() * 2.5) and (renorm[~m] == 0).all()
+        plain = rules.SOFTMAX_TOPK.weights(logits, idx, p, mask)[t]
+        assert torch.allclose(plain[m], pi[t][m] * 2.5) and (plain[~m] == 0).all()
+        sig = rules.SIGMOID_TOPK_RENORM.weights(logits, idx, p, mask)[t]
+        s = torch.sigmoid(logits[t].gather(-1, idx[t]))[m]
+        assert torch.allclose(sig[m], s / s.sum() * 2.5)
+    with pytest.raises(MoetoolError, match="sparsemixer"):
+        rules.SPARSEMIXER.weights(logits, idx, p, mask)
+
+
+@pytest.fixture(scope="module")
+def tiny_topk():
+    import moetool
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
+    return lm, tokens, moetool.topk(lm, tokens, ks=(1,), ps=(0.6, 1.0), bootstrap=100, quiet=True)
+
+
+def test_experts_per_token_by_hand(tiny_topk):
+    """The first MoE layer sees the same input under any policy: its top-p counts come from the unhooked
+    router's π by hand; topk:1 uses one expert, the router K, topp:1 every expert (weights are positive)."""
+    import numpy as np
+
+    import moetool
+
+    lm, tokens, res = tiny_topk
+    first = lm.layers[0]
+    probs = []
+    with moetool.hook(lm, layers=[first.index], consumers=[lambda ev: probs.append(
+            (ev.probs[ev.valid].numpy(), first.index == ev.layer.index))]):
+        with torch.no_grad():
+            for b in tokens.batches(8):
+                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    pi = np.concatenate([p for p, ok in probs if ok])
+    ranked = -np.sort(-pi, axis=1)
+    before = np.cumsum(ranked, axis=1) - ranked
+    want = np.maximum((before < 0.6).sum(1), 1).mean()
+    layers = res["topk_layers"].set_index(["policy", "layer"])
+    assert layers.loc[("topp:0.6", first.index), "mean_experts"] == pytest.approx(want, abs=1e-12)
+    assert (layers.loc["topk:1", "mean_experts"] == 1).all()
+    assert (layers.loc["router", "mean_experts"] == first.top_k).all()
+    assert (layers.loc["topp:1", "mean_experts"] == first.n_experts).all()
+    t = res["topk"].set_index("policy")
+    assert t.loc["router", "ratio"] == 1 and t.loc["topk:1", "experts_frac"] == 1 / first.top_k
+    assert t.loc["topk:1", "ratio_lo"] <= t.loc["topk:1", "ratio"] <= t.loc["topk:1", "ratio_hi"]
+
+
+def test_same_rows_as_ppl(tiny_topk):
+    """The policies' perplexities are what ``moetool ppl`` gives for the same routing on the same rows."""
+    import moetool
+
+    lm, tokens, res = tiny_topk
+    want = moetool.ppl(lm, tokens, routing="topk:1", bootstrap=0, baseline=False, quiet=True)["ppl"]
+    t = res["topk"].set_index("policy")
+    assert t.loc["topk:1", "perplexity"] == pytest.approx(float(want["perplexity"].iloc[0]), rel=1e-12)
+
+
+@pytest.mark.parametrize("spec, message", [("topk:0", "at least 1"), ("topp:1.5", "(0, 1]"), ("topk:x", "number"),
+                                           ("topp", "topp:<p>")])
+def test_bad_specs_are_one_line(spec, message):
+    with pytest.raises(MoetoolError, match="bad routing policy") as e:
+        make_policy(spec)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sparsemixer_refuses_before_any_forward(tiny_model):
+    model = tiny_model("phimoe")
+    L = find_moe_layers(model)[0]
+    make_policy("topk:2").check(L)  # its own K: fine
+    for spec in ("topk:1", "topp:0.9"):
+        with pytest.raises(MoetoolError, match="sparsemixer"):
+            make_policy(spec).check(L)
+
+
+def test_cli_refuses_bad_values_in_one_line(tmp_path):
+    for args in (["--ps", "0.5,1.5"], ["--ks", "0"]):
+        r = subprocess.run([sys.executable, "-m", "moetool", "topk", *args, "--out", str(tmp_path / "x")],
+                           capture_output=True, text=True, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "x").exists()
+
+
+def test_padded_batch_counts_real_tokens_only(tiny_model):
+    from moetool.experiments.topk import ExpertCounter
+
+    model = tiny_model("mixtral")
+    batch = padded_batch()
+    counter = ExpertCounter()
+    run(model, find_moe_layers(model), batch, policy=make_policy("topk:1"))
+    from moetool.engine import Engine
+
+    with torch.no_grad(), Engine(model, find_moe_layers(model), policy=make_policy("topk:1"), consumers=[counter]):
+        model(**batch)
+    rows = counter.rows()
+    real = int(batch["attention_mask"].sum())
+    assert all(r["tokens"] == real and r["mean_experts"] == 1 for r in rows)
+    assert json.dumps(rows)  # plain numbers
