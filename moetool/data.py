@@ -1,6 +1,10 @@
 """``--data``: a text file, a JSONL file (``text``, optional ``domain``) or a folder of them,
 tokenized with the model's tokenizer and packed into ``--seq-len`` rows.
 
+A JSONL ``domain`` is a string (``""`` or null/missing: no domain); a number, boolean, list or object is refused
+in one line naming the file and line (coercing them would merge ``0``/``false`` with undomained text and split
+``3`` from ``3.0``).
+
 Packing: documents of one domain are concatenated with the EOS token between them and cut
 into rows of ``seq_len``; each domain's last row is right-padded (``attention_mask`` 0) so a
 row never mixes domains. Rows of different domains are interleaved, and ``max_tokens``
@@ -119,8 +123,16 @@ class DocumentStream:
                         raise MoetoolError(f"{path} line {n}: not valid JSON") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                         raise MoetoolError(f"{path} line {n}: needs a string field 'text'")
+                    domain = rec.get("domain")
+                    if domain is not None and not isinstance(domain, str):  # 0/false would merge with no domain,
+                        kind = {bool: "boolean", int: "number", float: "number", list: "list", dict: "object"}.get(
+                            type(domain), type(domain).__name__)  # 3 and 3.0 split: never coerced
+                        shown = json.dumps(domain)
+                        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                        raise MoetoolError(f"{path} line {n}: 'domain' must be a string or null, got the {kind} "
+                                           f"{shown} (quote it to use it as a domain name)")
                     if rec["text"].strip():
-                        yield Document(rec["text"], str(rec.get("domain") or ""))
+                        yield Document(rec["text"], domain or "")
         except OSError as e:
             raise MoetoolError(f"cannot read data file {path}: {e}") from None
 

@@ -67,6 +67,31 @@ def test_bad_jsonl_gives_one_line_error(tmp_path, content, msg):
         load_tokens(p, CharTokenizer())
 
 
+@pytest.mark.parametrize("domain, shown", [
+    (0, "the number 0"), (False, "the boolean false"), (True, "the boolean true"), (3, "the number 3"),
+    (3.0, "the number 3.0"), (["a", "b"], 'the list ["a", "b"]'), ({"name": "code"}, 'the object {"name": "code"}'),
+    (list(range(100)), "the list [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10..."),
+])
+def test_a_domain_that_is_not_a_string_is_refused_naming_the_line(tmp_path, domain, shown):
+    """Issue 21.5: 0 and false merged with undomained text, 3 and 3.0 became two domains, a list became a string.
+    Only a string (or null / missing: no domain) is a domain; anything else is one line naming file and line."""
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"text": "fine", "domain": "code"}) + "\n\n" + json.dumps({"text": "x", "domain": domain})
+                 + "\n")
+    with pytest.raises(MoetoolError) as e:
+        load_tokens(p, CharTokenizer())
+    assert str(e.value) == (f"{p} line 3: 'domain' must be a string or null, got {shown} (quote it to use it as a "
+                            f"domain name)")
+
+
+def test_string_null_and_missing_domains_are_kept(tmp_path):
+    p = tmp_path / "d.jsonl"
+    recs = [{"text": "a", "domain": "3"}, {"text": "b", "domain": None}, {"text": "c"}, {"text": "d", "domain": ""},
+            {"text": "e", "domain": "0"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert [d.domain for d in read_documents(p)] == ["3", "", "", "", "0"]
+
+
 def test_missing_and_empty_folder(tmp_path):
     with pytest.raises(MoetoolError, match="data not found"):
         read_documents(tmp_path / "nope")
