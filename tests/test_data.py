@@ -70,7 +70,7 @@ def test_bad_jsonl_gives_one_line_error(tmp_path, content, msg):
 @pytest.mark.parametrize("domain, shown", [
     (0, "the number 0"), (False, "the boolean false"), (True, "the boolean true"), (3, "the number 3"),
     (3.0, "the number 3.0"), (["a", "b"], 'the list ["a", "b"]'), ({"name": "code"}, 'the object {"name": "code"}'),
-    (list(range(100)), "the list [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10..."),
+    (list(range(100)), "the list [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11..."),
 ])
 def test_a_domain_that_is_not_a_string_is_refused_naming_the_line(tmp_path, domain, shown):
     """Issue 21.5: 0 and false merged with undomained text, 3 and 3.0 became two domains, a list became a string.
