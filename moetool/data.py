@@ -15,12 +15,14 @@ in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer), a domain st
 holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can no longer
 change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
 interleave exactly as if the corpus had been read whole. A text file larger than :data:`TEXT_PREFIX_BYTES`
-is tokenized by a growing prefix cut at a line break. Time and memory follow the tokens asked for, not the
-corpus.
+(and a JSONL document longer than that many characters) is tokenized by a growing prefix cut at a line break or
+a space, so one long line is tokenized in bounded pieces too. Time and memory follow the tokens asked for, not
+the corpus.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,8 @@ DEFAULT_MAX_TOKENS = 32768
 DOMAIN_SCAN_BYTES = 64 << 20
 #: documents per tokenizer call (fast tokenizers encode a batch in parallel, same ids as one by one)
 TOKENIZE_BATCH = 256
-#: a text file larger than this is tokenized by a growing prefix (cut at a line break), not read whole
+#: a text file larger than this (a document longer, in characters) is tokenized by a growing prefix (cut at a
+#: line break or a space), not whole
 TEXT_PREFIX_BYTES = 8 << 20
 
 
@@ -195,29 +198,37 @@ def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool | None) -
 
 
 def _safe_cut(text: str, before: int) -> int:
-    """Index of the last line break before ``before`` with non-blank characters on both sides (0: none).
+    """Index of the last line break or space before ``before`` with non-blank characters on both sides (0: none).
 
     Every tokenizer moetool supports splits its pre-tokens there (byte-level BPE regexes, Metaspace
-    SentencePiece), so the tokens of ``text[:cut]`` are the first tokens of any longer text with that prefix.
+    SentencePiece), so the tokens of ``text[:cut]`` are the first tokens of any longer text with that prefix. A
+    space counts as well as a line break: a long line without one (a 52 MB line) is cut as early as a paragraph.
     """
-    i = before
-    while True:
-        i = text.rfind("\n", 1, i)
-        if i <= 0:
-            return 0
-        if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
-            return i
-        i -= 1
+    best = 0
+    for sep in ("\n", " "):
+        i = before
+        while i > best:
+            i = text.rfind(sep, best + 1, i)
+            if i <= 0:
+                break
+            if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
+                best = i
+                break
+            i -= 1
+    return best
 
 
-def _encode_prefix(tokenizer: Any, doc: LargeText, want: int, add_special_tokens: bool | None) -> list[int]:
-    """At least ``want`` leading tokens of a large text file (all of them if it holds fewer), read by prefix."""
+def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
+                   add_special_tokens: bool | None) -> list[int]:
+    """At least ``want`` leading tokens of a large text file or a long document (all of them if it holds fewer),
+    tokenized by a growing prefix (``16 * want`` characters at first, doubled while too short) cut at a line break
+    or a space (:func:`_safe_cut`): time and memory follow ``want``, not the length of a line."""
     if not getattr(tokenizer, "is_fast", False):
         return _encode(tokenizer, [doc.text], add_special_tokens)[0]
     kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
     chars, text = max(16 * want, 1 << 16), ""
     try:
-        with open(doc.path, encoding="utf-8") as fh:
+        with (open(doc.path, encoding="utf-8") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
             while True:
                 more = fh.read(chars - len(text))
                 text += more
@@ -234,8 +245,8 @@ def _encode_prefix(tokenizer: Any, doc: LargeText, want: int, add_special_tokens
                     if len(ids) >= want:
                         return ids
                 chars *= 2
-    except (OSError, UnicodeDecodeError) as e:
-        raise MoetoolError(f"cannot read data file {doc.path}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a file only: a document is in memory already
+        raise MoetoolError(f"cannot read data file {getattr(doc, 'path', '')}: {e}") from None
 
 
 def _rows_final(lengths: list[int], seq_len: int, max_tokens: int, open_: list[bool]) -> bool:
@@ -299,7 +310,7 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
             if final():
                 break
             continue
-        if isinstance(d, LargeText):
+        if isinstance(d, LargeText) or (need is not None and len(d.text) > TEXT_PREFIX_BYTES):  # a long document
             flush()
             s = streams[d.domain]
             add(d.domain, _encode_prefix(tokenizer, d, (need - len(s)) if need is not None else 1 << 62,

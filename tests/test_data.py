@@ -193,3 +193,36 @@ def test_special_tokens_follow_the_tokenizer_default_and_are_recorded():
     off = pack(docs, t, seq_len=9, max_tokens=None)  # today's behaviour stays the default
     assert off.input_ids.tolist() == [[a, b, 1, c, d, e, 2, 2, 2]]
     assert off.describe()["special_tokens"] == {"add_special_tokens": False, "added_per_document": []}
+
+
+class Recording:
+    """A fast tokenizer that records the length of every text it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, text, **kw):
+        self.lengths.append(len(text) if isinstance(text, str) else sum(map(len, text)))
+        return self.tok(text, **kw)
+
+
+def test_one_long_line_is_tokenized_in_bounded_pieces_with_the_ids_of_its_prefix(tmp_path, monkeypatch, bpe):
+    """Issue 21.9: one 52 MB line without a newline took 137 s and 7 GB for 1,024 tokens (the whole line was
+    tokenized: no line break to cut at). Now the line is tokenized by a prefix cut at a space: the tokenizer sees
+    at most 64k characters for 200 tokens, and the ids are the first ids of the text tokenized whole."""
+    words = [d.text.split() for d in read_documents(None)]
+    text = " ".join(w for ws in words for w in ws)  # one line, single spaces
+    while len(text) < 400_000:
+        text = text + " " + text
+    assert "\n" not in text
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    want = list(bpe(text[: text.index(" ", 20_000)])["input_ids"])[:200]  # the whole text's first tokens
+    for name, content in (("line.txt", text), ("line.jsonl", json.dumps({"text": text}) + "\n")):
+        (tmp_path / name).write_text(content)
+        tok = Recording(bpe)
+        got = load_tokens(tmp_path / name, tok, 64, 200)
+        assert got.n_tokens == 200 and got.input_ids[got.attention_mask.bool()].tolist() == want
+        assert max(tok.lengths) <= 1 << 16, (name, max(tok.lengths))  # not the 400k+ characters of the line
