@@ -73,10 +73,10 @@ def check_n_boot(n_boot: int) -> int:
     return n_boot
 
 
-def bootstrap_meta(n_boot: int, seed: int, n_rows: int) -> dict[str, Any]:
+def bootstrap_meta(n_boot: int, seed: int, n_rows: int, interval: str = "percentile interval") -> dict[str, Any]:
     """The manifest's ``bootstrap`` section of a run over ``n_rows`` packed rows (no interval from one row)."""
     return {"replicates": n_boot if n_rows >= 2 else 0, "seed": seed, "rows": n_rows, "level": LEVEL,
-            "method": "document-level bootstrap over packed rows, percentile interval (moetool.uncertainty)"}
+            "method": f"document-level bootstrap over packed rows, {interval} (moetool.uncertainty)"}
 
 
 def bootstrap_weights(n_rows: int, n_boot: int, seed: int = 0) -> np.ndarray:

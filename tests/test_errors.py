@@ -422,3 +422,4 @@ def test_a_failing_figure_keeps_every_table_and_fails_the_run_in_one_line(tmp_pa
     for name in ("load.csv", "layers.csv", "coactivation.csv"):
         assert name in m["files"] and len(pd.read_csv(out / name)) > 0
     assert "definitions" in m and m["bootstrap"]["replicates"] == 100  # the sections are there too
+    assert "BCa for max_load_ratio" in m["bootstrap"]["method"] and "BCa" in m["definitions"]["*_lo/*_hi"]

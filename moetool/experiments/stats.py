@@ -475,8 +475,10 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
                                                    definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
                                                    routing=routing,
-                                                   bootstrap=bootstrap_meta(opts.bootstrap, opts.seed,
-                                                                            tokens.input_ids.shape[0])),
+                                                   bootstrap=bootstrap_meta(
+                                                       opts.bootstrap, opts.seed, tokens.input_ids.shape[0],
+                                                       "percentile interval; BCa for max_load_ratio and "
+                                                       "load_entropy_norm (biased under resampling)")),
                   summary=summary_table(tables["layers.csv"]))
 
 
