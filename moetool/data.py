@@ -242,7 +242,9 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
                         if end > cut:
                             break
                         ids.append(t)
-                    if len(ids) >= want:
+                    # the cut is a token boundary for this tokenizer: text[:cut] alone gives the same ids (else
+                    # grow: never ids that tokenizing the whole text would not give)
+                    if len(ids) >= want and list(tokenizer(text[:cut], **kw)["input_ids"])[:len(ids)] == ids:
                         return ids
                 chars *= 2
     except (OSError, UnicodeDecodeError) as e:  # a file only: a document is in memory already

@@ -226,3 +226,24 @@ def test_one_long_line_is_tokenized_in_bounded_pieces_with_the_ids_of_its_prefix
         got = load_tokens(tmp_path / name, tok, 64, 200)
         assert got.n_tokens == 200 and got.input_ids[got.attention_mask.bool()].tolist() == want
         assert max(tok.lengths) <= 1 << 16, (name, max(tok.lengths))  # not the 400k+ characters of the line
+
+
+def test_a_cut_the_tokenizer_does_not_split_at_is_never_used(tmp_path, monkeypatch):
+    """The prefix is cut only where tokenizing text[:cut] alone gives the ids it has inside the longer text. A
+    tokenizer whose ids depend on the whole text (here: on its length) never passes, so the file is tokenized whole
+    and the ids are those of the whole text, never ids a whole-text tokenization would not give."""
+
+    class WholeTextTokenizer:
+        is_fast, eos_token_id, pad_token_id = True, 1, 2
+
+        def __call__(self, text, return_offsets_mapping=False, add_special_tokens=False):
+            out = {"input_ids": [ord(c) * 1_000_000 + len(text) for c in text]}
+            if return_offsets_mapping:
+                out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+            return out
+
+    text = " ".join(["word"] * 30_000)  # one line of 150k characters
+    (tmp_path / "line.txt").write_text(text)
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    got = load_tokens(tmp_path / "line.txt", WholeTextTokenizer(), 16, 100)
+    assert got.input_ids[got.attention_mask.bool()].tolist() == WholeTextTokenizer()(text)["input_ids"][:100]
