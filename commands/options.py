@@ -18,8 +18,9 @@ from moetool.errors import MoetoolError
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
                                     "(moetool inspect --aliases), local directory or hub id.")]
-Data = Annotated[Optional[Path], typer.Option("--data", "-d", help="Text file, JSONL (text, optional domain) or "
-                                              "a folder of them. Default: the held-out text shipped with moetool.")]
+Data = Annotated[Optional[Path], typer.Option("--data", "-d", help="Text file, JSONL (text, optional domain: a "
+                                              "string or null; a number, boolean, list or object is refused) or a "
+                                              "folder of them. Default: the held-out text shipped with moetool.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per packed row.")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", min=2, help="Cap on real (unpadded) tokens read from --data.")]
 AUTO_BATCH = 0  # what --batch-size auto parses to; handle_errors replaces it by the chosen number of rows

@@ -129,8 +129,8 @@ def write(result: Any, out: str | Path, *, force: bool = False, model: Any = Non
     from .report import RunDir
     from .report.writers import write as _write
 
-    run = RunDir.create(result.name.replace("_", "-"), out, force)
-    _write(result, run, model=model)
+    with RunDir.create(result.name.replace("_", "-"), out, force) as run:  # an error marks the run failed
+        _write(result, run, model=model)
     return run.path
 
 

@@ -1,6 +1,10 @@
 """``--data``: a text file, a JSONL file (``text``, optional ``domain``) or a folder of them,
 tokenized with the model's tokenizer and packed into ``--seq-len`` rows.
 
+A JSONL ``domain`` is a string (``""`` or null/missing: no domain); a number, boolean, list or object is refused
+in one line naming the file and line (coercing them would merge ``0``/``false`` with undomained text and split
+``3`` from ``3.0``).
+
 Packing: documents of one domain are concatenated with the EOS token between them and cut
 into rows of ``seq_len``; each domain's last row is right-padded (``attention_mask`` 0) so a
 row never mixes domains. Rows of different domains are interleaved, and ``max_tokens``
@@ -11,12 +15,14 @@ in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer), a domain st
 holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can no longer
 change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
 interleave exactly as if the corpus had been read whole. A text file larger than :data:`TEXT_PREFIX_BYTES`
-is tokenized by a growing prefix cut at a line break. Time and memory follow the tokens asked for, not the
-corpus.
+(and a JSONL document longer than that many characters) is tokenized by a growing prefix cut at a line break or
+a space, so one long line is tokenized in bounded pieces too. Time and memory follow the tokens asked for, not
+the corpus.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +39,8 @@ DEFAULT_MAX_TOKENS = 32768
 DOMAIN_SCAN_BYTES = 64 << 20
 #: documents per tokenizer call (fast tokenizers encode a batch in parallel, same ids as one by one)
 TOKENIZE_BATCH = 256
-#: a text file larger than this is tokenized by a growing prefix (cut at a line break), not read whole
+#: a text file larger than this (a document longer, in characters) is tokenized by a growing prefix (cut at a
+#: line break or a space), not whole
 TEXT_PREFIX_BYTES = 8 << 20
 
 
@@ -119,8 +126,16 @@ class DocumentStream:
                         raise MoetoolError(f"{path} line {n}: not valid JSON") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                         raise MoetoolError(f"{path} line {n}: needs a string field 'text'")
+                    domain = rec.get("domain")
+                    if domain is not None and not isinstance(domain, str):  # 0/false would merge with no domain,
+                        kind = {bool: "boolean", int: "number", float: "number", list: "list", dict: "object"}.get(
+                            type(domain), type(domain).__name__)  # 3 and 3.0 split: never coerced
+                        shown = json.dumps(domain)
+                        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                        raise MoetoolError(f"{path} line {n}: 'domain' must be a string or null, got the {kind} "
+                                           f"{shown} (quote it to use it as a domain name)")
                     if rec["text"].strip():
-                        yield Document(rec["text"], str(rec.get("domain") or ""))
+                        yield Document(rec["text"], domain or "")
         except OSError as e:
             raise MoetoolError(f"cannot read data file {path}: {e}") from None
 
@@ -201,29 +216,37 @@ def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool | None) -
 
 
 def _safe_cut(text: str, before: int) -> int:
-    """Index of the last line break before ``before`` with non-blank characters on both sides (0: none).
+    """Index of the last line break or space before ``before`` with non-blank characters on both sides (0: none).
 
     Every tokenizer moetool supports splits its pre-tokens there (byte-level BPE regexes, Metaspace
-    SentencePiece), so the tokens of ``text[:cut]`` are the first tokens of any longer text with that prefix.
+    SentencePiece), so the tokens of ``text[:cut]`` are the first tokens of any longer text with that prefix. A
+    space counts as well as a line break: a long line without one (a 52 MB line) is cut as early as a paragraph.
     """
-    i = before
-    while True:
-        i = text.rfind("\n", 1, i)
-        if i <= 0:
-            return 0
-        if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
-            return i
-        i -= 1
+    best = 0
+    for sep in ("\n", " "):
+        i = before
+        while i > best:
+            i = text.rfind(sep, best + 1, i)
+            if i <= 0:
+                break
+            if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
+                best = i
+                break
+            i -= 1
+    return best
 
 
-def _encode_prefix(tokenizer: Any, doc: LargeText, want: int, add_special_tokens: bool | None) -> list[int]:
-    """At least ``want`` leading tokens of a large text file (all of them if it holds fewer), read by prefix."""
+def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
+                   add_special_tokens: bool | None) -> list[int]:
+    """At least ``want`` leading tokens of a large text file or a long document (all of them if it holds fewer),
+    tokenized by a growing prefix (``16 * want`` characters at first, doubled while too short) cut at a line break
+    or a space (:func:`_safe_cut`): time and memory follow ``want``, not the length of a line."""
     if not getattr(tokenizer, "is_fast", False):
         return _encode(tokenizer, [doc.text], add_special_tokens)[0]
     kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
     chars, text = max(16 * want, 1 << 16), ""
     try:
-        with open(doc.path, encoding="utf-8") as fh:
+        with (open(doc.path, encoding="utf-8") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
             while True:
                 more = fh.read(chars - len(text))
                 text += more
@@ -237,11 +260,13 @@ def _encode_prefix(tokenizer: Any, doc: LargeText, want: int, add_special_tokens
                         if end > cut:
                             break
                         ids.append(t)
-                    if len(ids) >= want:
+                    # the cut is a token boundary for this tokenizer: text[:cut] alone gives the same ids (else
+                    # grow: never ids that tokenizing the whole text would not give)
+                    if len(ids) >= want and list(tokenizer(text[:cut], **kw)["input_ids"])[:len(ids)] == ids:
                         return ids
                 chars *= 2
-    except (OSError, UnicodeDecodeError) as e:
-        raise MoetoolError(f"cannot read data file {doc.path}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a file only: a document is in memory already
+        raise MoetoolError(f"cannot read data file {getattr(doc, 'path', '')}: {e}") from None
 
 
 def _rows_final(lengths: list[int], seq_len: int, max_tokens: int, open_: list[bool]) -> bool:
@@ -305,7 +330,7 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
             if final():
                 break
             continue
-        if isinstance(d, LargeText):
+        if isinstance(d, LargeText) or (need is not None and len(d.text) > TEXT_PREFIX_BYTES):  # a long document
             flush()
             s = streams[d.domain]
             add(d.domain, _encode_prefix(tokenizer, d, (need - len(s)) if need is not None else 1 << 62,

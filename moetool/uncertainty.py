@@ -11,6 +11,17 @@ product ``W [N_boot, n_rows] @ A [n_rows, k]``. The interval is the percentile i
 replicates. ``n_boot = 0`` switches intervals off (``lo = hi = NaN``). Seeded: the same seed gives the same
 weights, so intervals of two statistics measured on the same rows are paired.
 
+BCa for biased statistics
+-------------------------
+A statistic that is not a plain ratio, such as a max over experts or a load entropy, is biased under resampling:
+the max of resampled loads is larger on average than the max of the loads (with near-uniform routing the whole
+percentile interval can lie above the estimate). :func:`sum_intervals` with ``method="bca"`` gives the
+bias-corrected and accelerated interval (:func:`bca`, Efron 1987): bias correction ``z0`` from the share of
+replicates below the estimate, acceleration ``a`` from the leave-one-row-out jackknife. When BCa is degenerate
+(every replicate on one side of the estimate, zero jackknife spread, or a zero-width interval from a resample of
+a few rows whose replicates vary) the percentile interval is used; either
+interval is then widened to include the estimate, so an interval never excludes the number it belongs to.
+
 Delta method
 ------------
 For a ratio of two independent estimates (retention = acc_policy / acc_base with lm-eval standard errors):
@@ -62,10 +73,10 @@ def check_n_boot(n_boot: int) -> int:
     return n_boot
 
 
-def bootstrap_meta(n_boot: int, seed: int, n_rows: int) -> dict[str, Any]:
+def bootstrap_meta(n_boot: int, seed: int, n_rows: int, interval: str = "percentile interval") -> dict[str, Any]:
     """The manifest's ``bootstrap`` section of a run over ``n_rows`` packed rows (no interval from one row)."""
     return {"replicates": n_boot if n_rows >= 2 else 0, "seed": seed, "rows": n_rows, "level": LEVEL,
-            "method": "document-level bootstrap over packed rows, percentile interval (moetool.uncertainty)"}
+            "method": f"document-level bootstrap over packed rows, {interval} (moetool.uncertainty)"}
 
 
 def bootstrap_weights(n_rows: int, n_boot: int, seed: int = 0) -> np.ndarray:
@@ -93,6 +104,50 @@ def percentile(replicates: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray
     a = (1 - level) / 2
     lo, hi = np.quantile(replicates, [a, 1 - a], axis=0)
     return lo, hi
+
+
+def bca(replicates: np.ndarray, value: np.ndarray, jackknife: np.ndarray, level: float = LEVEL
+        ) -> tuple[np.ndarray, np.ndarray]:
+    """Bias-corrected and accelerated (BCa) interval of ``m`` statistics, widened to include ``value``.
+
+    ``replicates [N_boot, m]`` bootstrap replicates, ``value [m]`` the estimates, ``jackknife [n_rows, m]`` the
+    leave-one-row-out values. Per statistic: ``z0 = Φ⁻¹(share of replicates below the estimate, ties count
+    half)``, ``a = Σ d³ / (6 (Σ d²)^1.5)`` with ``d = mean(jackknife) − jackknife``, and the interval is the
+    replicates' quantiles at ``Φ(z0 + (z0 + z) / (1 − a (z0 + z)))`` for ``z = Φ⁻¹((1 ∓ level) / 2)``. Degenerate
+    (``z0`` infinite, no jackknife spread, ``1 − a (z0 + z) <= 0``, or both adjusted levels on one value of a
+    few-row resample: a zero-width interval where the replicates vary): the percentile interval. Either way
+    ``lo <= value <= hi``.
+    """
+    from statistics import NormalDist
+
+    nd = NormalDist()
+    reps = np.asarray(replicates, dtype=np.float64)
+    reps = reps.reshape(reps.shape[0], -1)
+    value = np.asarray(value, dtype=np.float64).reshape(-1)
+    jack = np.asarray(jackknife, dtype=np.float64).reshape(-1, value.shape[0])
+    if np.isnan(reps).any():
+        raise MoetoolError("bootstrap replicate is NaN (a resample with zero tokens): too few rows for an interval")
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(reps, [tail, 1 - tail], axis=0)  # the percentile interval: the fallback
+    for j in range(value.shape[0]):
+        r, v = reps[:, j], value[j]
+        p = (np.sum(r < v) + 0.5 * np.sum(r == v)) / r.shape[0]
+        d = jack[:, j].mean() - jack[:, j]
+        ss = float(np.sum(d ** 2))
+        if not 0 < p < 1 or not ss > 0:  # NaN too: a jackknife row that leaves no tokens
+            continue
+        z0, a = nd.inv_cdf(p), float(np.sum(d ** 3)) / (6 * ss ** 1.5)
+        q = []
+        for z in (nd.inv_cdf(tail), nd.inv_cdf(1 - tail)):
+            den = 1 - a * (z0 + z)
+            if den <= 0:
+                break
+            q.append(nd.cdf(z0 + (z0 + z) / den))
+        if len(q) == 2:
+            b_lo, b_hi = np.quantile(r, q)
+            if b_hi > b_lo or hi[j] == lo[j]:  # both levels on one atom of a few-row resample: degenerate
+                lo[j], hi[j] = b_lo, b_hi
+    return np.minimum(lo, value), np.maximum(hi, value)
 
 
 def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
@@ -129,14 +184,20 @@ def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_B
 
 
 def sum_intervals(sums: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], *, n_boot: int = DEFAULT_BOOTSTRAP,
-                  seed: int = 0, level: float = LEVEL) -> list[Interval]:
+                  seed: int = 0, level: float = LEVEL, method: str = "percentile") -> list[Interval]:
     """Intervals of ``m`` statistics that are any function of the column sums of per-row sums ``[n_rows, k]``.
 
     ``statistic([..., k]) -> [..., m]`` maps summed columns to the statistics (vectorised over leading axes):
     the value is ``statistic(Σ_r sums[r])``, replicate ``b`` is ``statistic(W[b] @ sums)`` (the same multinomial
     row weights as :func:`ratio_intervals` for the same seed and row count). A max over experts or a load entropy
     is such a function; a plain ratio is :func:`ratio_intervals`.
+
+    ``method``: ``"percentile"``, or ``"bca"`` for a statistic biased under resampling (a max, an entropy):
+    :func:`bca`, with the jackknife over rows ``statistic(Σ sums − sums[r])``; its interval always contains the
+    value.
     """
+    if method not in ("percentile", "bca"):
+        raise MoetoolError(f"interval method must be percentile or bca, got '{method}'")
     sums = np.asarray(sums, dtype=np.float64)
     sums = sums.reshape(sums.shape[0], -1)
     if not np.isfinite(sums).all():
@@ -149,7 +210,9 @@ def sum_intervals(sums: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray
     w = bootstrap_weights(sums.shape[0], n_boot, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         reps = np.asarray(statistic(w @ sums), dtype=np.float64).reshape(n_boot, -1)
-    lo, hi = percentile(reps, level)
+        if method == "bca":
+            jack = np.asarray(statistic(sums.sum(0) - sums), dtype=np.float64).reshape(sums.shape[0], -1)
+    lo, hi = bca(reps, value, jack, level) if method == "bca" else percentile(reps, level)
     return [Interval(float(v), float(a), float(b)) for v, a, b in zip(value, lo, hi)]
 
 

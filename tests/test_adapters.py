@@ -197,3 +197,58 @@ def test_unsupported_family_error():
     assert "jetmoe" in msg and "\n" not in msg
     for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe"):
         assert family in msg
+
+
+@pytest.mark.parametrize("top_k", [0, 9, -1])
+def test_top_k_outside_one_to_n_experts_is_one_line_config_error_even_in_inspect(tmp_path, top_k):
+    """Issue 21.4: num_experts_per_tok = 0 or > experts gave "RuntimeError: selected index k out of range" (even
+    in inspect, which loads no weights): now one line naming the field, exit 2, before any model is built."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.loading import embedded_models
+
+    d = tmp_path / "model"
+    d.mkdir()
+    cfg = json.loads((embedded_models()["tiny"] / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": top_k}))
+    r = CliRunner().invoke(app, ["inspect", "--model", str(d)])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0] == (f"error: num_experts_per_tok = {top_k} in the mixtral config, but the model has 8 experts: "
+                        f"top-K must be between 1 and 8 (fix config.json)")
+
+
+def test_top_k_check_reads_per_layer_lists_and_counts_zero_experts():
+    from transformers import MixtralConfig
+
+    from moetool.adapters import check_top_k
+
+    cfg = MixtralConfig(num_local_experts=4, num_experts_per_tok=4)
+    check_top_k(cfg)  # top-K = n: every expert, allowed
+    cfg.moe_topk = [2, 5, 1]  # a per-layer list (Hunyuan's moe_topk): each entry
+    with pytest.raises(MoetoolError, match="moe_topk = 5 .* 4 experts"):
+        check_top_k(cfg)
+    cfg.zero_expert_num = 1  # zero-computation experts the router may pick (LongCat): 5 choices
+    check_top_k(cfg)
+
+
+def test_no_top_k_refusal_for_any_supported_model_type():
+    """No false refusal: the tiny config and the default config (the released model's shape) of every supported
+    model type pass the top-K check."""
+    import warnings
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from moetool.adapters import check_top_k, discovery, supported_model_types
+
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mt in supported_model_types():
+            for cfg in (discovery.tiny_config(mt), CONFIG_MAPPING[mt]()):
+                check_top_k(cfg)
+                checked += 1
+    assert checked >= 2 * 60

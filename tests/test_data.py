@@ -67,6 +67,31 @@ def test_bad_jsonl_gives_one_line_error(tmp_path, content, msg):
         load_tokens(p, CharTokenizer())
 
 
+@pytest.mark.parametrize("domain, shown", [
+    (0, "the number 0"), (False, "the boolean false"), (True, "the boolean true"), (3, "the number 3"),
+    (3.0, "the number 3.0"), (["a", "b"], 'the list ["a", "b"]'), ({"name": "code"}, 'the object {"name": "code"}'),
+    (list(range(100)), "the list [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11..."),
+])
+def test_a_domain_that_is_not_a_string_is_refused_naming_the_line(tmp_path, domain, shown):
+    """Issue 21.5: 0 and false merged with undomained text, 3 and 3.0 became two domains, a list became a string.
+    Only a string (or null / missing: no domain) is a domain; anything else is one line naming file and line."""
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"text": "fine", "domain": "code"}) + "\n\n" + json.dumps({"text": "x", "domain": domain})
+                 + "\n")
+    with pytest.raises(MoetoolError) as e:
+        load_tokens(p, CharTokenizer())
+    assert str(e.value) == (f"{p} line 3: 'domain' must be a string or null, got {shown} (quote it to use it as a "
+                            f"domain name)")
+
+
+def test_string_null_and_missing_domains_are_kept(tmp_path):
+    p = tmp_path / "d.jsonl"
+    recs = [{"text": "a", "domain": "3"}, {"text": "b", "domain": None}, {"text": "c"}, {"text": "d", "domain": ""},
+            {"text": "e", "domain": "0"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert [d.domain for d in read_documents(p)] == ["3", "", "", "", "0"]
+
+
 def test_missing_and_empty_folder(tmp_path):
     with pytest.raises(MoetoolError, match="data not found"):
         read_documents(tmp_path / "nope")
@@ -168,3 +193,57 @@ def test_special_tokens_follow_the_tokenizer_default_and_are_recorded():
     off = pack(docs, t, seq_len=9, max_tokens=None)  # today's behaviour stays the default
     assert off.input_ids.tolist() == [[a, b, 1, c, d, e, 2, 2, 2]]
     assert off.describe()["special_tokens"] == {"add_special_tokens": False, "added_per_document": []}
+
+
+class Recording:
+    """A fast tokenizer that records the length of every text it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, text, **kw):
+        self.lengths.append(len(text) if isinstance(text, str) else sum(map(len, text)))
+        return self.tok(text, **kw)
+
+
+def test_one_long_line_is_tokenized_in_bounded_pieces_with_the_ids_of_its_prefix(tmp_path, monkeypatch, bpe):
+    """Issue 21.9: one 52 MB line without a newline took 137 s and 7 GB for 1,024 tokens (the whole line was
+    tokenized: no line break to cut at). Now the line is tokenized by a prefix cut at a space: the tokenizer sees
+    at most 64k characters for 200 tokens, and the ids are the first ids of the text tokenized whole."""
+    words = [d.text.split() for d in read_documents(None)]
+    text = " ".join(w for ws in words for w in ws)  # one line, single spaces
+    while len(text) < 400_000:
+        text = text + " " + text
+    assert "\n" not in text
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    want = list(bpe(text[: text.index(" ", 20_000)])["input_ids"])[:200]  # the whole text's first tokens
+    for name, content in (("line.txt", text), ("line.jsonl", json.dumps({"text": text}) + "\n")):
+        (tmp_path / name).write_text(content)
+        tok = Recording(bpe)
+        got = load_tokens(tmp_path / name, tok, 64, 200)
+        assert got.n_tokens == 200 and got.input_ids[got.attention_mask.bool()].tolist() == want
+        assert max(tok.lengths) <= 1 << 16, (name, max(tok.lengths))  # not the 400k+ characters of the line
+
+
+def test_a_cut_the_tokenizer_does_not_split_at_is_never_used(tmp_path, monkeypatch):
+    """The prefix is cut only where tokenizing text[:cut] alone gives the ids it has inside the longer text. A
+    tokenizer whose ids depend on the whole text (here: on its length) never passes, so the file is tokenized whole
+    and the ids are those of the whole text, never ids a whole-text tokenization would not give."""
+
+    class WholeTextTokenizer:
+        is_fast, eos_token_id, pad_token_id = True, 1, 2
+
+        def __call__(self, text, return_offsets_mapping=False, add_special_tokens=False):
+            out = {"input_ids": [ord(c) * 1_000_000 + len(text) for c in text]}
+            if return_offsets_mapping:
+                out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+            return out
+
+    text = " ".join(["word"] * 30_000)  # one line of 150k characters
+    (tmp_path / "line.txt").write_text(text)
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    got = load_tokens(tmp_path / "line.txt", WholeTextTokenizer(), 16, 100)
+    assert got.input_ids[got.attention_mask.bool()].tolist() == WholeTextTokenizer()(text)["input_ids"][:100]

@@ -395,3 +395,31 @@ def test_ctrl_c_outside_a_command_exits_130_in_one_line(monkeypatch, capsys):
         app_module.main()
     assert e.value.code == 130
     assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == ["interrupted (Ctrl-C)"]
+
+
+# ----- a figure that fails never loses the tables --------------------------------------------------------------
+@needs_tiny
+def test_a_failing_figure_keeps_every_table_and_fails_the_run_in_one_line(tmp_path, monkeypatch):
+    """Issue 21.1: stats' balance figure raised "'yerr' must not contain negative values" after every table was
+    computed. Now every CSV is written and listed, the manifest says which figure failed (figures_failed) with
+    status failed, and the command exits 1 with one line."""
+    import pandas as pd
+
+    from moetool.report import plots
+
+    def broken(layers):
+        raise ValueError("'yerr' must not contain negative values")
+
+    monkeypatch.setattr(plots, "plot_balance", broken)
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["stats", "--max-tokens", "128", "--seq-len", "32", "--out", str(out), "--quiet",
+                            "--bootstrap", "100"])
+    line = _one_line_error(r, 1)
+    assert "figure(s) failed" in line and "'yerr' must not contain negative values" in line, line
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "failed" and "figure(s) failed" in m["error"]
+    assert list(m["figures_failed"].values()) == ["ValueError: 'yerr' must not contain negative values"]
+    for name in ("load.csv", "layers.csv", "coactivation.csv"):
+        assert name in m["files"] and len(pd.read_csv(out / name)) > 0
+    assert "definitions" in m and m["bootstrap"]["replicates"] == 100  # the sections are there too
+    assert "BCa for max_load_ratio" in m["bootstrap"]["method"] and "BCa" in m["definitions"]["*_lo/*_hi"]

@@ -108,6 +108,25 @@ def test_error_bars_from_interval_columns():
     np.testing.assert_allclose([s[:, 1] for s in segs], [[0.9, 1.2], [1.5, 2.5]])
 
 
+def test_error_bars_are_never_negative_when_an_interval_excludes_its_value(tmp_path):
+    """Issue 21.1: stats' balance figure with the issue's interval of max_load_ratio (estimate 1.339, interval
+    [1.340, 1.895], entirely above it) failed with "'yerr' must not contain negative values". The bar below is
+    drawn with length 0, the bar above to the bound; NaN bounds (no interval) draw no bar."""
+    from moetool.report.plots import plot_balance
+
+    lengths = F.error_lengths([1.339, 2.0, 1.0], [1.340, 1.5, np.nan], [1.895, 1.9, np.nan])
+    np.testing.assert_allclose(lengths[:, :2], [[0.0, 0.5], [0.556, 0.0]], atol=1e-12)
+    assert np.isnan(lengths[:, 2]).all() and lengths.shape == (2, 3)
+    layers = pd.DataFrame({"layer": [0, 1], "max_load_ratio": [1.2, 1.339], "max_load_ratio_lo": [1.1, 1.340],
+                           "max_load_ratio_hi": [1.3, 1.895], "load_entropy_norm": [0.99, 0.98],
+                           "load_entropy_norm_lo": [0.98, 0.97], "load_entropy_norm_hi": [0.995, 0.985]})
+    fig = plot_balance(layers)
+    segs = [c for c in fig.axes[0].collections if hasattr(c, "get_segments")][0].get_segments()
+    np.testing.assert_allclose([s[:, 1] for s in segs], [[1.1, 1.3], [1.339, 1.895]])
+    RunDir.create("stats", tmp_path / "run").save_figure(fig, "balance_by_layer")
+    assert (tmp_path / "run" / "figures" / "balance_by_layer.png").stat().st_size > 0
+
+
 def test_run_caption_goes_under_figures_without_one(tmp_path):
     run = RunDir.create("x", tmp_path / "run")
     run.caption = F.describe_run("tiny", "/data/heldout.jsonl", 8192)

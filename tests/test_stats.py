@@ -440,7 +440,7 @@ def test_bootstrap_columns_equal_independent_intervals_from_hand_row_counts():
             frac = s / s.sum(-1, keepdims=True)
             return np.stack([scipy_entropy(frac, axis=-1) / math.log(n), frac.max(-1) * n], -1)
 
-        ent, mx = sum_intervals(counts, stat, **kw)
+        ent, mx = sum_intervals(counts, stat, method="bca", **kw)  # biased statistics: BCa (issue 21.1)
         c = ratio_intervals(conf, toks, **kw)[0]
         r = lay.loc[L.index]
         assert (r.max_load_ratio_lo, r.max_load_ratio_hi) == pytest.approx((mx.lo, mx.hi), rel=1e-12)

@@ -176,3 +176,65 @@ def test_max_load_and_entropy_intervals_cover_the_known_values():
         covered += [ci.covers(t) for ci, t in zip(cis, truth)]
     rate = covered / reps
     assert (rate >= 0.88).all() and (rate <= 0.99).all(), rate
+
+
+def _max_load_ratio(s):
+    """max over experts of load fraction × n, of summed counts ``[..., n]`` (as stats' layers.csv)."""
+    frac = s / s.sum(-1, keepdims=True)
+    return frac.max(-1, keepdims=True) * s.shape[-1]
+
+
+def test_bca_of_a_max_over_near_uniform_loads_contains_the_estimate():
+    """Issue 21.1: with uniform routing the max over experts is biased upward under resampling, so the percentile
+    interval can lie entirely above the estimate (stats' figure then failed on negative error bars). The BCa
+    interval contains its estimate in every one of 200 data sets, the percentile one does not."""
+    from moetool.uncertainty import sum_intervals
+
+    rng = np.random.default_rng(0)
+    above, bca_widths, pct_widths = 0, [], []
+    for t in range(200):
+        a = rng.multinomial(500, np.full(8, 1 / 8), size=16).astype(float)  # 16 rows, 500 top-K assignments each
+        (pct,) = sum_intervals(a, _max_load_ratio, n_boot=400, seed=t)
+        (ci,) = sum_intervals(a, _max_load_ratio, n_boot=400, seed=t, method="bca")
+        above += pct.lo > pct.value
+        assert ci.lo <= ci.value <= ci.hi, (t, ci)
+        assert ci.value == pct.value == pytest.approx(_max_load_ratio(a.sum(0))[0])
+        bca_widths.append(ci.hi - ci.lo)
+        pct_widths.append(pct.hi - pct.lo)
+    assert above >= 2  # the problem is real on this data: some percentile intervals exclude the estimate
+    assert 0.5 < np.median(bca_widths) / np.median(pct_widths) < 2  # an interval, not a blow-up
+
+
+def test_bca_matches_scipy_on_a_skewed_statistic():
+    """Same BCa (bias correction from the share below the estimate, jackknife acceleration) as
+    scipy.stats.bootstrap(method='BCa') on the same rows: the bounds agree within Monte Carlo error."""
+    st = pytest.importorskip("scipy.stats")
+    from moetool.uncertainty import sum_intervals
+
+    rng = np.random.default_rng(3)
+    a = rng.multinomial(40, np.full(8, 1 / 8), size=30).astype(float)
+    (ci,) = sum_intervals(a, _max_load_ratio, n_boot=20000, seed=1, method="bca")
+    (pct,) = sum_intervals(a, _max_load_ratio, n_boot=20000, seed=1)
+    ref = st.bootstrap((np.arange(30),), lambda idx, axis=-1: _max_load_ratio(a[idx].sum(-2))[..., 0],
+                       n_resamples=20000, method="BCa", random_state=2, vectorized=True).confidence_interval
+    assert ci.lo == pytest.approx(ref.low, abs=0.02) and ci.hi == pytest.approx(ref.high, abs=0.02)
+    assert pct.lo - ci.lo > 0.02  # and BCa moved the biased interval down, unlike the percentile one
+
+
+def test_bca_degenerate_falls_back_to_the_percentile_interval_widened_to_the_estimate():
+    from moetool.uncertainty import bca
+
+    reps = np.linspace(2.0, 3.0, 1001)[:, None]  # every replicate above the estimate: z0 infinite
+    lo, hi = bca(reps, np.array([1.5]), np.array([[1.4], [1.6], [1.5]]))
+    assert lo[0] == 1.5 and hi[0] == pytest.approx(np.quantile(reps, 0.975))
+    lo, hi = bca(reps, np.array([2.5]), np.full((3, 1), 2.5))  # no jackknife spread: percentile interval
+    assert (lo[0], hi[0]) == pytest.approx(tuple(np.quantile(reps, [0.025, 0.975])))
+    # the estimate is the smallest replicate (4% of them, 5 rows): BCa's adjusted levels both fall on it, a
+    # zero-width interval; the percentile interval is used instead
+    reps = np.r_[np.full(40, 2.0), np.linspace(2.1, 3.9, 960)][:, None]
+    lo, hi = bca(reps, np.array([2.0]), np.array([[2.6], [2.4], [2.6], [2.8], [2.2]]))
+    assert lo[0] == 2.0 and hi[0] == pytest.approx(np.quantile(reps, 0.975)) and hi[0] > 3.8
+    with pytest.raises(MoetoolError, match="percentile or bca"):
+        from moetool.uncertainty import sum_intervals
+
+        sum_intervals(np.ones((3, 2)), _max_load_ratio, method="basic")

@@ -63,9 +63,37 @@ def supported_model_types() -> list[str]:
     return sorted(set(ADAPTERS.names()) | set(supported_types()))
 
 
+#: config attributes holding the number of routed experts / the experts each token is routed to (top-K)
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "n_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k", "top_k_experts")
+
+
+def check_top_k(config: Any) -> None:
+    """A top-K the router cannot choose (``num_experts_per_tok`` = 0, or more than the experts) is one line, before
+    any model is built: torch's topk would fail deep in the forward (even ``inspect``) with "selected index k out of
+    range". Checked on the config and its decoder config where both counts are integers (a per-layer list of top-K
+    values: each one); ``zero_expert_num`` (zero-computation experts the router may choose) counts as experts."""
+    from .discovery import text_config
+
+    for c in {id(c): c for c in (config, text_config(config))}.values():
+        experts = [getattr(c, k, None) for k in _EXPERT_KEYS]
+        experts = [int(v) for v in experts if isinstance(v, int) and not isinstance(v, bool)]
+        if not experts:
+            continue
+        n = max(experts) + int(getattr(c, "zero_expert_num", 0) or 0)
+        for key in _TOP_K_KEYS:
+            value = getattr(c, key, None)
+            for k in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= n:
+                    raise MoetoolError(f"{key} = {k} in the {getattr(config, 'model_type', '?')} config, but the "
+                                       f"model has {n} experts: top-K must be between 1 and {n} (fix config.json)")
+
+
 def check_config(config: Any) -> None:
-    """Fail fast, before loading weights, on a dense or unsupported model."""
+    """Fail fast, before loading weights, on a dense or unsupported model, or a top-K the experts cannot serve
+    (:func:`check_top_k`)."""
     mt = getattr(config, "model_type", "?")
+    check_top_k(config)
     if mt in ADAPTERS:
         return
     reason = _unsupported_reason(mt)
@@ -95,5 +123,5 @@ def find_moe_layers(model: Any) -> list[MoELayer]:
     return layers
 
 
-__all__ = ["ADAPTERS", "Adapter", "ExpertWeights", "MoELayer", "check_config", "find_moe_layers",
+__all__ = ["ADAPTERS", "Adapter", "ExpertWeights", "MoELayer", "check_config", "check_top_k", "find_moe_layers",
            "get_adapter", "supported_model_types"]

@@ -66,10 +66,14 @@ DEFINITIONS = {
                        "count >= min_count",
     "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges); "
                          "memory grows with distinct pairs, not with n * vocab",
-    "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty; "
-                 "bootstrap replicates, seeded): load.csv load_fraction and token_fraction, layers.csv "
-                 "load_entropy_norm, confidence_entropy_norm and max_load_ratio; all from the same row weights; "
-                 "NaN with bootstrap=0",
+    "*_lo/*_hi": "95% document-level bootstrap interval over packed rows (moetool.uncertainty; bootstrap "
+                 "replicates, seeded; all from the same row weights; NaN with bootstrap=0): percentile interval for "
+                 "the ratios load.csv load_fraction and token_fraction and layers.csv confidence_entropy_norm; BCa "
+                 "(bias-corrected and accelerated, jackknife over rows) for layers.csv load_entropy_norm and "
+                 "max_load_ratio, because a max over experts and an entropy are biased under resampling (with "
+                 "near-uniform routing the percentile interval of max_load_ratio can lie entirely above the "
+                 "estimate); where BCa is degenerate the percentile interval is used, and these two intervals "
+                 "are widened to include the estimate",
 }
 
 
@@ -215,7 +219,7 @@ class RoutingStats:
                 ent = ops.entropy(torch.from_numpy(frac)).double().numpy()
                 return np.stack([ent / math.log(n), frac.max(-1) * n], -1)
 
-            ent, mx = sum_intervals(assign, shape, **kw)
+            ent, mx = sum_intervals(assign, shape, method="bca", **kw)  # biased under resampling: BCa
             conf = ratio_intervals(self.rows.table(f"conf{li}"), tokens, transform=lambda x, n=n: x / math.log(n),
                                    **kw)[0]
             for name, ci in (("load_entropy_norm", ent), ("max_load_ratio", mx), ("confidence_entropy_norm", conf)):
@@ -454,8 +458,10 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
                                                    definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
                                                    routing=routing,
-                                                   bootstrap=bootstrap_meta(opts.bootstrap, opts.seed,
-                                                                            tokens.input_ids.shape[0])),
+                                                   bootstrap=bootstrap_meta(
+                                                       opts.bootstrap, opts.seed, tokens.input_ids.shape[0],
+                                                       "percentile interval; BCa for max_load_ratio and "
+                                                       "load_entropy_norm (biased under resampling)")),
                   summary=summary_table(tables["layers.csv"]))
 
 

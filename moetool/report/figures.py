@@ -202,6 +202,20 @@ def series_styles(keys: Sequence[Any], twin: Callable[[str], tuple[str, int]] | 
                 "marker": MARKERS[order.index(f) % len(MARKERS)]} for k, (f, v) in fam_of.items()}
 
 
+def error_lengths(value: Any, lo: Any, hi: Any) -> Any:
+    """matplotlib's ``yerr`` ``[2, n]`` (lengths below / above ``value``) of the interval ``[lo, hi]``.
+
+    Never negative: a bound on the wrong side of its value (an interval that does not contain its estimate, or
+    float rounding between a table's value and its interval) draws no bar on that side rather than failing the
+    figure; NaN bounds (no interval) stay NaN: no bar."""
+    import numpy as np
+
+    v = np.asarray(value, dtype=float)
+    below = np.asarray(v - np.asarray(lo, dtype=float))
+    above = np.asarray(np.asarray(hi, dtype=float) - v)
+    return np.clip(np.vstack([below.reshape(1, -1), above.reshape(1, -1)]), 0.0, None)  # NaN stays NaN
+
+
 def line_by(ax: Any, df: Any, x: str, y: str, by: str, title: str = "", marker: str | None = None, *,
             twin: Callable[[str], tuple[str, int]] | None = default_twin, families: Sequence[str] | None = None,
             yerr: tuple[str, str] | None = None, legend: bool = True, xlabel: str | None = None,
@@ -222,9 +236,9 @@ def line_by(ax: Any, df: Any, x: str, y: str, by: str, title: str = "", marker: 
         # later series drawn slightly thinner on top, so a line hidden under another stays visible
         kw = dict(label=str(key), linewidth=1.4 - 0.15 * min(n, 4), markersize=3.5, zorder=2 + n, **st)
         if yerr is not None:
-            lo, hi = g[yerr[0]] * scale, g[yerr[1]] * scale
             ys = g[y] * scale
-            ax.errorbar(g[x], ys, yerr=[ys - lo, hi - ys], capsize=2, elinewidth=0.8, **kw)
+            ax.errorbar(g[x], ys, yerr=error_lengths(ys, g[yerr[0]] * scale, g[yerr[1]] * scale), capsize=2,
+                        elinewidth=0.8, **kw)
         else:
             ax.plot(g[x], g[y] * scale, **kw)
     if df[x].dtype.kind in "iu":  # layers, shortlist sizes: integer ticks only

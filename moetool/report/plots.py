@@ -214,8 +214,9 @@ def _bar_err(df: Any, col: str = "ratio") -> Any:
         return None
     import numpy as np
 
-    v = df[col].to_numpy(float)
-    return np.nan_to_num(np.vstack([v - df[f"{col}_lo"].to_numpy(float), df[f"{col}_hi"].to_numpy(float) - v]))
+    from .figures import error_lengths
+
+    return np.nan_to_num(error_lengths(df[col], df[f"{col}_lo"], df[f"{col}_hi"]))
 
 
 def norm_select_figures(result: Any) -> dict[str, Any]:

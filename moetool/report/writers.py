@@ -1,6 +1,8 @@
 """The one writer: a :class:`~moetool.experiments.result.Result` into a run folder.
 
-Every table -> CSV (``run.write_csv``), the experiment's figures (:mod:`moetool.report.plots`), the manifest:
+Every table -> CSV (``run.write_csv``), then the experiment's figures (:mod:`moetool.report.plots`): a figure that
+fails is listed under ``figures_failed`` in the manifest (the tables stay written) and the run fails with one line
+(:class:`~moetool.errors.MoetoolRuntimeError`, exit 1). Then the manifest:
 options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
 sections = ``result.meta``. Commands and ``moetool demo`` both call :func:`write`.
 """
@@ -14,8 +16,10 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
           seed: int | None = None, finish: bool = True) -> Any:
     """Write ``result`` into ``run`` (a :class:`~moetool.report.RunDir`); returns the manifest path (or ``None``
     with ``finish=False``, when the caller adds more before finishing). ``seed`` defaults to the options' seed."""
+    from ..errors import MoetoolRuntimeError
     from .figures import describe_run
     from .plots import figures
+    from .rundir import one_line
 
     if getattr(run, "discard", False):  # a data-parallel rank other than 0: rank 0 writes the one run folder
         return None
@@ -29,9 +33,22 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
             _write_parquet(run, name, df)
         else:
             run.write_csv(name, df)
-    for name, fig in figures(result).items():
-        run.save_figure(fig, name)
+    failed: dict[str, str] = {}  # a figure that cannot be drawn or saved never loses the tables written above
+    try:
+        built = figures(result)
+    except Exception as e:  # noqa: BLE001 - any drawing error: recorded, then one line and exit 1 below
+        built, failed[f"{result.name} figures"] = {}, one_line(e)
+    for name, fig in built.items():
+        try:
+            run.save_figure(fig, name)
+        except Exception as e:  # noqa: BLE001
+            failed[name] = one_line(e)
     run.add(**result.meta)
+    if failed:
+        run.add(figures_failed=failed)
+        first = next(iter(failed.items()))
+        raise MoetoolRuntimeError(f"{len(failed)} figure(s) failed ({first[0]}: {first[1]}); every table is written "
+                                  f"in {run.path}, manifest.json lists figures_failed")
     if not finish:
         return None
     opts = {**(options or {}), **result.manifest_options()}
