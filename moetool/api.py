@@ -18,6 +18,19 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
+def _timed(model: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
+    """``run(*args, **kwargs)`` -> its Result, which records the model (a loaded model's manifest entry, or the
+    checkpoint names) and when the computation started and how long it took (for :func:`write`)."""
+    import time
+
+    started, t0 = time.time(), time.perf_counter()
+    res = run(*args, **kwargs)
+    res.started, res.wall_seconds = started, round(time.perf_counter() - t0, 3)
+    if res.model is None:
+        res.model = model.manifest() if hasattr(model, "manifest") else model
+    return res
+
+
 def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True) -> Any:
     """Load a MoE causal LM (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
@@ -48,7 +61,7 @@ def stats(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **o
     views, coactivation="all"|"adjacent", all_tokens, specialization, batch_size)."""
     from .experiments.stats import stats as run
 
-    return run(lm, tokens, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, quiet=quiet, **overrides)
 
 
 def ppl(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -56,7 +69,7 @@ def ppl(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **ove
     causal, layers, seed, batch_size); ``routing="router"`` reproduces the unhooked model."""
     from .experiments.ppl import ppl as run
 
-    return run(lm, tokens, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, quiet=quiet, **overrides)
 
 
 def norm_select(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -64,7 +77,7 @@ def norm_select(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = Fals
     :class:`moetool.NormSelectOptions` (nodes, norms, weights, layers, tasks, num_fewshot, limit, ...)."""
     from .experiments.norm_select import norm_select as run
 
-    return run(lm, tokens, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, quiet=quiet, **overrides)
 
 
 def evaluate(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -72,7 +85,7 @@ def evaluate(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: 
     (tasks, num_fewshot, limit, include_path, routing, weights, layers, ...)."""
     from .experiments.lmeval import eval_tasks
 
-    return eval_tasks(lm, options, quiet=quiet, **overrides)
+    return _timed(lm, eval_tasks, lm, options, quiet=quiet, **overrides)
 
 
 def erc(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -80,7 +93,7 @@ def erc(lm: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) 
     :class:`moetool.ErcOptions` (alphas, noise, samples, node, norm, seed, layers)."""
     from .experiments.erc import erc as run
 
-    return run(lm, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, options, quiet=quiet, **overrides)
 
 
 def approx(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -88,7 +101,7 @@ def approx(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **
     :class:`moetool.ApproxOptions` (selectors, max_subsets, layers, batch_size, seed)."""
     from .experiments.approx import approx as run
 
-    return run(lm, tokens, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, quiet=quiet, **overrides)
 
 
 def mass_recall(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -96,7 +109,7 @@ def mass_recall(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = Fals
     (codebook_sizes, shortlists, centroids, kmeans_iters, seed, batch_size, layers)."""
     from .experiments.mass_recall import mass_recall as run
 
-    return run(lm, tokens, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, quiet=quiet, **overrides)
 
 
 def fluctuation(checkpoints: Any, tokens: Any, options: Any = None, *, quiet: bool = False, **overrides: Any) -> Any:
@@ -104,7 +117,8 @@ def fluctuation(checkpoints: Any, tokens: Any, options: Any = None, *, quiet: bo
     Options: :class:`moetool.FluctuationOptions` (routing, tau, sim, causal, reference, isolate, batch_size)."""
     from .experiments.fluctuation import fluctuation as run
 
-    return run(checkpoints, tokens, options, quiet=quiet, **overrides)
+    return _timed([getattr(c, "name", c) for c in checkpoints], run, checkpoints, tokens, options, quiet=quiet,
+                  **overrides)
 
 
 def trace(lm: Any, tokens: Any, options: Any = None, *, path: str | Path | None = None, quiet: bool = False,
@@ -113,7 +127,7 @@ def trace(lm: Any, tokens: Any, options: Any = None, *, path: str | Path | None 
     :class:`moetool.TraceOptions` (routing, weights, layers, logits, batch_size, seed)."""
     from .experiments.trace import trace as run
 
-    return run(lm, tokens, options, path=path, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, path=path, quiet=quiet, **overrides)
 
 
 def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, consumers: Iterable[Any] = (),
@@ -142,7 +156,7 @@ def offload(lm: Any, tokens: Any, options: Any = None, *, quiet: bool = False, *
     :class:`moetool.OffloadOptions`."""
     from .experiments.offload import offload as run
 
-    return run(lm, tokens, options, quiet=quiet, **overrides)
+    return _timed(lm, run, lm, tokens, options, quiet=quiet, **overrides)
 
 
 def inspect_model(name: str) -> dict[str, Any]:
@@ -189,7 +203,9 @@ def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
 
 
 def write(result: Any, out: str | Path, *, force: bool = False, model: Any = None) -> Path:
-    """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``."""
+    """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``. The manifest's
+    model (unless ``model`` is given), ``started`` and ``wall_seconds`` are the result's: from the start of the
+    computation to the end of the write."""
     from .report import RunDir
     from .report.writers import write as _write
 

@@ -41,11 +41,12 @@ def each_model(parent: Any, step: str, run_one: Callable[[Any, Any], tuple[Any, 
     sizes = {} if seq_len is None else dict(seq_len=seq_len, max_tokens=max_tokens)
     lines: list[str] = []
     for name in names:
+        run = child.sub(name)  # before the model loads: the manifest's wall time is the whole sub-run's
         lm = load(name, tokenizer=seq_len is not None)
         tokens = None if seq_len is None else load_tokens(None, lm.tokenizer, seq_len=seq_len, max_tokens=max_tokens,
                                                           **tokens_kw)
         res, more = run_one(lm, tokens)
-        write(res, child.sub(name), model=lm, options=dict(model=name, **sizes, **tokens_kw))
+        write(res, run, model=lm, options=dict(model=name, **sizes, **tokens_kw))
         lines += more
     child.finish(options=dict(models=names, **sizes), seed=seed)
     return lines or [f"{step}: no embedded model found"]

@@ -532,9 +532,10 @@ def demo(parent: Any, quiet: bool) -> list[str]:
         if early not in have or final not in have:
             continue
         names = [early, final]
+        run = child.sub(final)  # before the work: the manifest's wall time is the whole sub-run's
         tokens = load_tokens(None, check_checkpoints(names), seq_len=128, max_tokens=2048)
         res = fluctuation(names, tokens, opts, quiet=quiet)
-        write(res, child.sub(final), options=dict(checkpoints=names, seq_len=128, max_tokens=2048))
+        write(res, run, options=dict(checkpoints=names, seq_len=128, max_tokens=2048))
         lines += summary_lines(res["fluctuation_summary"])
     child.finish(options=dict(pairs=[["tiny-early", "tiny"], ["tiny-fine-early", "tiny-fine"]]))
     return lines or ["fluctuation: no embedded checkpoint pair found"]

@@ -387,11 +387,12 @@ def demo(parent: Any, quiet: bool) -> list[str]:
     from ..report.writers import write
     from .lmeval import shipped_tasks
 
+    child = parent.sub("norm-select")  # the demo's one layout: <step>/<model>/ (moetool.demo.each_model)
+    run = child.sub("tiny")  # made before the work: the manifests' wall times are the step's and the sub-run's
     lm = load("tiny")
     tokens = load_tokens(None, lm.tokenizer, seq_len=256, max_tokens=2048)
     shipped = tuple(shipped_tasks())
     res = norm_select(lm, tokens, NormSelectOptions(tasks=shipped or None, limit=20, batch_size=16), quiet=quiet)
-    child = parent.sub("norm-select")  # the demo's one layout: <step>/<model>/ (moetool.demo.each_model)
-    write(res, child.sub("tiny"), model=lm, options=dict(model="tiny", seq_len=256, max_tokens=2048))
+    write(res, run, model=lm, options=dict(model="tiny", seq_len=256, max_tokens=2048))
     child.finish(options=dict(models=["tiny"], seq_len=256, max_tokens=2048))
     return summary_lines(res.summary)
