@@ -2,7 +2,8 @@
 
 - No emoji codes (``norm:up:l2`` stays text) and no markup in data cells (``[bold]`` in a cell stays text).
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
-  columns when piped) is split into column blocks that repeat the key column, text cells wrap.
+  columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
+  column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``), text cells wrap.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
 - :func:`format_ci` writes ``value ± half-width`` for a confidence interval.
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any, Sequence
 
@@ -67,12 +69,28 @@ def with_ci(df: Any, digits: int = 2) -> Any:
     return out
 
 
-def _blocks(widths: Sequence[int], key: int, avail: int) -> list[list[int]]:
-    """Column indices per block: column 0 (the key) repeated, the others added while the block fits."""
+_NUMBER = re.compile(r"^\s*[-+]?(\d|\.\d|inf|nan)", re.IGNORECASE)  # a number, or "value ± half" / "value [lo, hi]"
+
+
+def key_columns(df: Any) -> int:
+    """How many leading columns label the rows: the first column, and the text columns right after it whose cells
+    are not numbers (``with_ci`` turns numbers into text ``0.41 ± 0.02``, which stays a value column)."""
+    n = 1 if len(df.columns) else 0
+    for c in list(df.columns)[1:]:
+        col = df[c]
+        if col.dtype.kind != "O" or any(_NUMBER.match(str(v)) for v in col if v is not None):
+            break
+        n += 1
+    return n
+
+
+def _blocks(widths: Sequence[int], key: int, avail: int, keys: int = 1) -> list[list[int]]:
+    """Column indices per block after the ``keys`` leading key columns (repeated in every block, ``key`` their
+    width), the others added while the block fits."""
     blocks: list[list[int]] = []
     cur: list[int] = []
     used = key
-    for i, w in enumerate(widths[1:], start=1):
+    for i, w in enumerate(widths[keys:], start=keys):
         if cur and used + w + 3 > avail:
             blocks.append(cur)
             cur, used = [], key
@@ -84,8 +102,9 @@ def _blocks(widths: Sequence[int], key: int, avail: int) -> list[list[int]]:
 
 
 def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                 max_rows: int = MAX_ROWS, width: int | None = None) -> list[Any]:
-    """The rich renderables of :func:`print_table` (tables and the "more rows" note)."""
+                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None) -> list[Any]:
+    """The rich renderables of :func:`print_table` (tables and the "more rows" note). ``keys``: the number of
+    leading key columns every block of a split table repeats (default :func:`key_columns`)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -99,9 +118,13 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     # a column's width is its longest cell (numbers never fold); a header longer than 14 may fold
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
     out: list[Any] = []
-    blocks = _blocks(widths, widths[0] + 4, avail - 1) if cols else [[]]
+    nkeys = min(key_columns(df) if keys is None else max(keys, 1), len(cols))
+    rest = max(widths[nkeys:], default=0) + 3
+    if cols and sum(w + 3 for w in widths[:nkeys]) + 1 + rest > avail - 1:  # no room for a value beside the keys
+        nkeys = 1
+    blocks = _blocks(widths, sum(w + 3 for w in widths[:nkeys]) + 1, avail - 1, nkeys) if cols else [[]]
     for b, idx in enumerate(blocks):
-        idx = [0, *idx] if cols else []
+        idx = [*range(nkeys), *idx] if cols else []
         t = Table(title=Text(title + (f" ({b + 1}/{len(blocks)})" if len(blocks) > 1 else "")) if title else None,
                   show_lines=False, padding=(0, 1))
         for i in idx:
@@ -117,9 +140,9 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                max_rows: int = MAX_ROWS) -> None:
+                max_rows: int = MAX_ROWS, keys: int | None = None) -> None:
     """Print ``df`` as a table that fits the console (see the module docstring); ``csv`` names the file that
     holds every row of a long table."""
     con = console()
-    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width):
+    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys):
         con.print(r)
