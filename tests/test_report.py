@@ -180,6 +180,18 @@ def test_every_part_of_a_split_table_keeps_the_row_labels():
     assert C.key_columns(df[["layer", "entropy_ref", "routing"]]) == 1  # labels lead; a number column ends them
 
 
+def test_long_text_cells_wrap_whole_instead_of_being_cut_at_the_edge():
+    """inspect --families' reasons (up to 300 characters) were cut at the console width: every word is printed."""
+    reason = ("no: the router's weights are normalised over the K chosen routed logits together with the shared "
+              "experts' logits (logsigmoid softmax), which the router does not return: the weights are no function")
+    df = pd.DataFrame({"model_type": ["inkling_text", "mixtral"], "head": ["causal-lm", "causal-lm"],
+                       "supported": [reason, "yes"], "routing": ["", "softmax-topk-renorm"]})
+    text = rendered(df, title="MoE model types")
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    words = " ".join(ln.split("│")[3] for ln in text.splitlines() if ln.count("│") >= 4).split()
+    assert " ".join(words).startswith(reason)
+
+
 def test_long_tables_are_summarised_with_a_pointer():
     df = pd.DataFrame({"layer": range(100), "v": np.arange(100) / 3})
     text = rendered(df, csv="mass_recall.csv")

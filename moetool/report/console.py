@@ -119,9 +119,11 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
     out: list[Any] = []
     nkeys = min(key_columns(df) if keys is None else max(keys, 1), len(cols))
-    rest = max(widths[nkeys:], default=0) + 3
-    if cols and sum(w + 3 for w in widths[:nkeys]) + 1 + rest > avail - 1:  # no room for a value beside the keys
-        nkeys = 1
+    room = lambda n: avail - 1 - sum(w + 3 for w in widths[:n]) - 4  # noqa: E731 - beside n key columns
+    while nkeys > 1 and room(nkeys) < max([w for i, w in enumerate(widths) if numeric[i] and i >= nkeys] + [20]):
+        nkeys -= 1  # no room for a value beside every key column: fewer keys
+    # a text column wider than the room beside the keys wraps (whole words: a reason is never cut at the edge)
+    widths = [w if numeric[i] or i < nkeys else max(min(w, room(nkeys)), min(w, 14)) for i, w in enumerate(widths)]
     blocks = _blocks(widths, sum(w + 3 for w in widths[:nkeys]) + 1, avail - 1, nkeys) if cols else [[]]
     for b, idx in enumerate(blocks):
         idx = [*range(nkeys), *idx] if cols else []
@@ -129,7 +131,7 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
                   show_lines=False, padding=(0, 1))
         for i in idx:
             t.add_column(Text(cols[i]), justify="right" if numeric[i] else "left",
-                         min_width=widths[i], overflow="fold")
+                         min_width=widths[i], max_width=None if numeric[i] else widths[i], overflow="fold")
         for r in cells:
             t.add_row(*[Text(r[i]) for i in idx])
         out.append(t)
