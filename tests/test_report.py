@@ -196,6 +196,7 @@ def test_long_tables_are_summarised_with_a_pointer():
     df = pd.DataFrame({"layer": range(100), "v": np.arange(100) / 3})
     text = rendered(df, csv="mass_recall.csv")
     assert "… 80 more rows in mass_recall.csv" in text
+    assert "… 80 more rows not shown" in rendered(df)  # no CSV named: none promised
     assert "19 " in text and " 20 " not in text.split("…")[0].replace("│", " ")
 
 

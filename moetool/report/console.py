@@ -136,7 +136,7 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
             t.add_row(*[Text(r[i]) for i in idx])
         out.append(t)
     if n > max_rows:
-        where = f" in {csv}" if csv else " (every row is in the run's CSV)"
+        where = f" in {csv}" if csv else " not shown"
         out.append(Text(f"… {n - len(shown)} more rows{where}"))
     return out
 
