@@ -37,8 +37,12 @@ whose routing was captured before the interruption are read back, not run
 again; the same tables as an uninterrupted run.
 
 Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_change, topk_change, topk_overlap,
-jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), figures/fluctuation_by_layer, entropy_ratio_by_layer,
-entropy_vs_router_by_layer (each routing's entropy / the router's, the paper's ratio), manifest.json.
+jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), fluctuation_summary.csv (the headline,
+one row per routing, reference and checkpoint: routing, reference, checkpoint, tokens, layers, top1_change =
+the top-1 change averaged over layers, reduction_vs_router = the router's top1_change minus this routing's
+(paired bootstrap), each with _lo/_hi),
+figures/fluctuation_by_layer, figures/entropy_ratio_by_layer, figures/entropy_vs_router_by_layer (each
+routing's entropy / the router's, the paper's ratio), manifest.json.
 
 Examples:
   moetool fluctuation tiny-early tiny --out runs/fluct-tiny

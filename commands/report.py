@@ -13,11 +13,12 @@ HELP = """Gather run folders of any commands (a demo folder with its sub-runs in
 
 Writes into --out: report.html (one self-contained page: every figure embedded, the tables, each
 run's manifest: model, data, options, versions, seed, wall time, git revision), report.md (the same
-in Markdown), tables/<run>/<name>.csv and .tex (LaTeX booktabs), figures/<run>/<name>.png and .pdf.
+in Markdown), tables/<run>/<name>.csv and tables/<run>/<name>.tex (LaTeX booktabs),
+figures/<run>/<name>.png and figures/<run>/<name>.pdf.
 Long tables are truncated in the page with a pointer to the full CSV.
 
 Examples:
-  moetool report runs/demo --out runs/demo-report
+  moetool report runs/demo-* --out runs/demo-report    # the folder(s) moetool demo wrote
   moetool report runs/stats-tiny runs/norm-select-tiny --out paper/ --force
 """
 
