@@ -1,4 +1,5 @@
-"""``moetool fluctuation``: routing change between checkpoints (Graph of Tokens, paper 004, Fig. 3)."""
+"""``moetool fluctuation``: routing change between checkpoints (Graph of Tokens: Nguyen, Tran, Nguyen,
+Baraniuk 2025, arXiv 2505.00792, Fig. 3)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Dev
                       preflight, rank_layout, run_options, unit_key)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
+
+Source: Nguyen, Tran, Nguyen, Baraniuk (2025), "Improving Routing in Sparse Mixture of Experts with Graph of
+Tokens", arXiv 2505.00792 (routing fluctuation, Fig. 3; Similarity-/Attention-Aware routing).
 
 Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
 layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
