@@ -1,4 +1,5 @@
-"""``moetool approx``: MoE as the best k-term approximation of the dense sum of all experts (paper 001)."""
+"""``moetool approx``: MoE as the best k-term approximation of the dense sum of all experts (Su 2025,
+"MoE Travelogue 1: Starting from Geometric Meaning", https://kexue.fm/archives/10699)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, 
                       Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
+
+Source: Su (2025), "MoE环游记：1、从几何意义出发" (MoE Travelogue 1: Starting from Geometric Meaning),
+https://kexue.fm/archives/10699: MoE as the best K-term approximation of the dense sum.
 
 Per MoE layer and real token all n experts run: u_e = π_e(h)·E_e(h),
 y = Σ_e u_e. A selector picks K experts S; rel. error = ||y_S − y|| / ||y||.

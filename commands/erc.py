@@ -7,7 +7,10 @@ import typer
 from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
                       handle_errors, parse_layers, parse_list, preflight, start_run)
 
-HELP = r"""Expert–router coupling (ERC, paper 002) from the weights only: no data, no tokenizer.
+HELP = r"""Expert–router coupling (ERC) from the weights only: no data, no tokenizer.
+
+Source: Lv, Ma, Ma, Qiao (2025), "Coupling Experts and Routers in Mixture-of-Experts via an Auxiliary Loss",
+arXiv 2512.23447.
 
 Per MoE layer, router row R_i is a proxy token for expert i, perturbed
 R~_i = R_i ⊙ δ_i with δ_i ~ U(1−eps_i, 1+eps_i)^d. M\[i,j] = ||W_g^j R~_i||

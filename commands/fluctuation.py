@@ -1,4 +1,5 @@
-"""``moetool fluctuation``: routing change between checkpoints (Graph of Tokens, paper 004, Fig. 3)."""
+"""``moetool fluctuation``: routing change between checkpoints (Graph of Tokens: Nguyen, Tran, Nguyen,
+Baraniuk 2025, arXiv 2505.00792, Fig. 3)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Dev
                       preflight, rank_layout, run_options, unit_key)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
+
+Source: Nguyen, Tran, Nguyen, Baraniuk (2025), "Improving Routing in Sparse Mixture of Experts with Graph of
+Tokens", arXiv 2505.00792 (routing fluctuation, Fig. 3; Similarity-/Attention-Aware routing).
 
 Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
 layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
@@ -37,8 +41,12 @@ whose routing was captured before the interruption are read back, not run
 again; the same tables as an uninterrupted run.
 
 Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_change, topk_change, topk_overlap,
-jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), figures/fluctuation_by_layer, entropy_ratio_by_layer,
-entropy_vs_router_by_layer (each routing's entropy / the router's, the paper's ratio), manifest.json.
+jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), fluctuation_summary.csv (the headline,
+one row per routing, reference and checkpoint: routing, reference, checkpoint, tokens, layers, top1_change =
+the top-1 change averaged over layers, reduction_vs_router = the router's top1_change minus this routing's
+(paired bootstrap), each with _lo/_hi),
+figures/fluctuation_by_layer, figures/entropy_ratio_by_layer, figures/entropy_vs_router_by_layer (each
+routing's entropy / the router's, the paper's ratio), manifest.json.
 
 Examples:
   moetool fluctuation tiny-early tiny --out runs/fluct-tiny

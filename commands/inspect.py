@@ -17,7 +17,14 @@ Examples:
   moetool inspect                      # the embedded default model
   moetool inspect --model tiny-fine --json
   moetool inspect --aliases            # short names of well-known checkpoints
-  moetool inspect --families           # every MoE model type of the installed transformers (builds tiny models)
+  moetool inspect --families           # every MoE model type of the installed transformers
+  moetool inspect --families --json    # the same rows as JSON
+
+--families builds a tiny model of each family once per installation (15 s
+to minutes on a CPU) and keeps the table in ~/.cache/moetool
+(MOETOOL_CACHE_DIR, XDG_CACHE_HOME), keyed by the transformers, torch and
+moetool versions and moetool's adapter code; later calls answer from it
+(--refresh rebuilds it).
 """
 
 
@@ -27,7 +34,9 @@ def inspect(model: Model = DEFAULT_MODEL,
             aliases: bool = typer.Option(False, "--aliases", help="List model aliases and embedded models."),
             families: bool = typer.Option(False, "--families", help="One row per MoE model type of the installed "
                                           "transformers: supported or why not, routing rule, shared experts, "
-                                          "dense layers, experts implementation (checked on a tiny model of each).")
+                                          "dense layers, experts implementation (checked on a tiny model of each, "
+                                          "cached per installation)."),
+            refresh: bool = typer.Option(False, "--refresh", help="--families: rebuild the cached table.")
             ) -> None:
     from moetool.report.console import console
 
@@ -37,7 +46,7 @@ def inspect(model: Model = DEFAULT_MODEL,
         from moetool.inspect import families as family_rows
         from moetool.report.console import print_table
 
-        rows = family_rows()
+        rows = family_rows(cache=not refresh)
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return
@@ -56,7 +65,7 @@ def inspect(model: Model = DEFAULT_MODEL,
 
         from moetool.report.console import print_table
 
-        print_table(pd.DataFrame(rows), title="model aliases")
+        print_table(pd.DataFrame(rows), title="model aliases", max_rows=len(rows))  # every alias
         return
     from moetool.inspect import describe_model
 

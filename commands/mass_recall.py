@@ -1,4 +1,5 @@
-"""``moetool mass-recall``: routing mass kept by an inverted-index (IVF) router (AIR-MoE, paper 003)."""
+"""``moetool mass-recall``: routing mass kept by an inverted-index (IVF) router (AIR-MoE: Kladny et al. 2026,
+arXiv 2605.04952)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MOD
                       start_run)
 
 HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
+
+Source: Kladny, Mordig, Schölkopf, Muehlebach (2026), "Adaptive Inverted-Index Routing for Granular
+Mixtures-of-Experts" (AIR-MoE), arXiv 2605.04952.
 
 Per MoE layer: a codebook of G unit codewords is fitted on the router inputs h by streaming adaptive spherical
 k-means (EMA γ=0.95, dead codes below τ=1 re-initialised on a random token of the batch; k-means++ init; the

@@ -13,6 +13,9 @@ from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MOD
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
+Source: Lv et al. (2025), "Autonomy-of-Experts Models", ICML 2025, arXiv 2501.13074 (Table 1: the
+training-free pilot on Mixtral 8x7B).
+
 Sweeps the router baseline and norm:<node>:<norm> for every --nodes and --norm. Per policy:
 agreement with the router per layer (mean |TopK_policy ∩ TopK_router|/K and top-1 agreement over
 real tokens; TopK_router is the model's own choice for the hidden state reached under the policy),

@@ -89,6 +89,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             quiet_libraries()
         since = rundir.run_counter()
         try:
+            refuse_busy_out(kwargs)  # before the command imports torch: a used --out is refused in under a second
             with rundir.terminate_as_interrupt():  # SIGTERM (a job's time limit) is handled like Ctrl-C
                 if kwargs.get("batch_size") == AUTO_BATCH:
                     kwargs["batch_size"] = resolve_batch_size(kwargs)
@@ -97,8 +98,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(*args, **kwargs)
         except MoetoolError as e:
             rundir.mark_unfinished(since, "failed", rundir.one_line(e))
-            if os.environ.get("MOETOOL_DEBUG"):
-                raise
+            if os.environ.get("MOETOOL_DEBUG"):  # the traceback, then the same line and exit code as without
+                import traceback
+
+                traceback.print_exc()
             typer.secho(f"error: {e}", fg="red", err=True)
             raise typer.Exit(getattr(e, "exit_code", 2)) from None
         except KeyboardInterrupt as e:
@@ -114,6 +117,24 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     return wrapper
+
+
+def refuse_busy_out(params: dict[str, Any]) -> None:
+    """A command's ``--out`` that holds files and no moetool run, or a complete one, without ``--force`` or
+    ``--resume``: refused now, in the command layer, before any heavy import (torch takes seconds to import).
+    Every other case (a failed or unfinished run, ``--force``, ``--resume``) is decided where the run starts
+    (:meth:`moetool.report.RunDir.create`, which gives the same message for this one)."""
+    out = params.get("out")
+    if not out or params.get("force") or params.get("resume"):
+        return
+    from moetool.report.rundir import PART, read_manifest
+
+    path = Path(out)
+    if not path.is_dir() or not any(not p.name.startswith(PART) for p in path.iterdir()):
+        return
+    prev = read_manifest(path)
+    if prev is None or prev.get("status") == "complete":
+        raise MoetoolError(f"--out {path} is not empty (use --force to write into it)")
 
 
 def quiet_libraries() -> None:

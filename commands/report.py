@@ -22,7 +22,7 @@ path, a symbolic link out of the run) is skipped with a warning, and symbolic li
 not followed. Every text from a run is escaped in HTML, Markdown and LaTeX.
 
 Examples:
-  moetool report runs/demo --out runs/demo-report
+  moetool report runs/demo-* --out runs/demo-report    # the folder(s) moetool demo wrote
   moetool report runs/stats-tiny runs/norm-select-tiny --out paper/ --force
 """
 

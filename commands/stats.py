@@ -40,9 +40,12 @@ Padding never counts; every definition is also in manifest.json.
     P(expert | token) / P(expert), plus lift, pairs with count >= --min-count
   expert_tokens.parquet (--all-tokens): layer, expert, token_id, count for
     every pair seen
-  figures/: load heatmap, co-activation, per-domain token fraction with the
-    K/n line, specialisation per layer, cross-layer heatmaps, load per
-    expert with 95% error bars.
+  figures/ (PNG and PDF): figures/load_heatmap (load / uniform per layer and
+    expert), figures/coactivation (P(b | a) per layer), figures/balance_by_layer
+    (max load ratio and normalised load entropy per layer, 95% error bars),
+    figures/domain_load (per-domain token fraction with the K/n line; if
+    domains), figures/specialization (per layer and view), figures/cross_layer
+    (P(b at the next layer | a) heatmaps).
 Intervals: load_fraction, token_fraction, load_entropy_norm,
 confidence_entropy_norm and max_load_ratio get *_lo/*_hi (95% document-level
 bootstrap over packed rows, --bootstrap N replicates seeded by --seed, 0 =

@@ -18,6 +18,24 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
+def _timed(model: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
+    """``run(*args, **kwargs)`` -> its Result, which records the model (a loaded model's manifest entry, or the
+    checkpoint names) and when the computation started and how long it took (for :func:`write`)."""
+    import time
+
+    started, t0 = time.time(), time.perf_counter()
+    res = run(*args, **kwargs)
+    res.started, res.wall_seconds = started, round(time.perf_counter() - t0, 3)
+    if res.model is None:
+        if hasattr(model, "manifest"):
+            res.model = model.manifest()
+        elif isinstance(model, (str, list)) or model is None:
+            res.model = model
+        else:  # a transformers config (plan)
+            res.model = getattr(model, "_name_or_path", None) or type(model).__name__
+    return res
+
+
 def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True) -> Any:
     """Load a MoE causal LM (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
@@ -41,24 +59,6 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
     return load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, consumers: Iterable[Any] = (),
          attention: bool = False, **policy_options: Any) -> Any:
     """The hook engine as a context manager: every forward of ``lm.model`` inside the block hands a
@@ -77,8 +77,6 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
-
-
 
 
 def inspect_model(name: str) -> dict[str, Any]:
@@ -125,7 +123,9 @@ def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
 
 
 def write(result: Any, out: str | Path, *, force: bool = False, model: Any = None) -> Path:
-    """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``."""
+    """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``. The manifest's
+    model (unless ``model`` is given), ``started`` and ``wall_seconds`` are the result's: from the start of the
+    computation to the end of the write."""
     from .report import RunDir
     from .report.writers import write as _write
 
@@ -156,7 +156,11 @@ class ExperimentFunction:
         return self._spec.load()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function(*args, **kwargs)
+        """The experiment, its Result recording the model and the computation's start and wall time."""
+        first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
+        if self._spec.inputs == "checkpoints" and first is not None:
+            first = [getattr(c, "name", c) for c in first]
+        return _timed(first, self.function, *args, **kwargs)
 
     @property  # type: ignore[override]
     def __doc__(self) -> str | None:  # noqa: D105

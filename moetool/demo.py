@@ -46,13 +46,14 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
         names = list(model) if isinstance(model, tuple) else [model]
         if not all(n in have for n in names):
             continue
+        run = child.sub(names[-1])  # before the work: the sub-run's manifest times the whole of it
         if spec.inputs == "checkpoints":
             from .experiments.fluctuation import check_checkpoints
 
             tokens = load_tokens(None, check_checkpoints(names), seq_len=demo.seq_len, max_tokens=demo.max_tokens,
                                  **demo.tokens)
             res = compute(names, tokens, opts, quiet=quiet)
-            write(res, child.sub(names[-1]), options=dict(checkpoints=names, **sizes, **demo.tokens))
+            write(res, run, options=dict(checkpoints=names, **sizes, **demo.tokens))
             label = " -> ".join(names)
         else:
             lm = load(names[0], tokenizer=demo.seq_len is not None)
@@ -62,7 +63,7 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
                 tokens = load_tokens(None, lm.tokenizer, seq_len=demo.seq_len, max_tokens=demo.max_tokens,
                                      **demo.tokens)
                 res = compute(lm, tokens, opts, quiet=quiet)
-            write(res, child.sub(names[0]), model=lm, options=dict(model=names[0], **sizes, **demo.tokens))
+            write(res, run, model=lm, options=dict(model=names[0], **sizes, **demo.tokens))
             label = lm.name
         done.append(names if len(names) > 1 else names[0])
         lines += lines_of(label, res)

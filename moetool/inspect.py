@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -89,11 +93,67 @@ def _decoder_layer_count(model: Any, layers: list) -> range:
     return range(int(n) if n else max(x.index for x in layers) + 1)
 
 
-def families(model_types: list[str] | None = None) -> list[dict[str, Any]]:
-    """The families table: one row per MoE model type of the installed transformers."""
+def families(model_types: list[str] | None = None, *, cache: bool = True) -> list[dict[str, Any]]:
+    """The families table: one row per MoE model type of the installed transformers (or of ``model_types``).
+
+    Building a tiny model of each family takes 15 s to minutes on a CPU, so the whole table (``model_types``
+    None) is kept in :func:`cache_dir` under :func:`families_cache_key` (the installed transformers, torch and
+    moetool versions and a hash of moetool's adapter code): it is built once per installation and rebuilt as
+    soon as any of them changes. ``cache=False`` builds it anew (and refreshes the cached copy)."""
+    whole = model_types is None
+    path = None
+    if whole:
+        key = families_cache_key()
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        path = cache_dir() / f"families-{digest}.json"
+        if cache:
+            try:
+                stored = json.loads(path.read_text(encoding="utf-8"))
+                if stored.get("key") == key and isinstance(stored.get("rows"), list):
+                    return stored["rows"]
+            except (OSError, ValueError, AttributeError):
+                pass
     from .adapters import discovery
 
-    return [family_row(mt) for mt in (model_types or discovery.moe_model_types())]
+    rows = [family_row(mt) for mt in (model_types or discovery.moe_model_types())]
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".part-{os.getpid()}-{path.name}")
+            tmp.write_text(json.dumps({"key": key, "rows": rows}), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError:  # an unwritable cache only costs the next call the time again
+            pass
+    return rows
+
+
+def cache_dir() -> Path:
+    """Where moetool keeps what it computes once per installation: ``MOETOOL_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/moetool``, else ``~/.cache/moetool``."""
+    if os.environ.get("MOETOOL_CACHE_DIR"):
+        return Path(os.environ["MOETOOL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetool"
+
+
+def families_cache_key() -> dict[str, Any]:
+    """What the families table depends on, read without importing torch or transformers: the installed
+    transformers, torch, moetool and Python versions and a hash of moetool's adapter and inspection code (an
+    edited adapter in a source checkout changes it too)."""
+    import importlib.metadata as md
+    import platform
+
+    key: dict[str, Any] = {"python": platform.python_version()}
+    for pkg in ("transformers", "torch", "moetool"):
+        try:
+            key[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            key[pkg] = None
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted([here / "inspect.py", *(here / "adapters").glob("*.py")]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    key["code"] = h.hexdigest()[:16]
+    return key
 
 
 def families_markdown(rows: list[dict[str, Any]]) -> str:
@@ -121,8 +181,6 @@ def readme_block(text: str) -> str | None:
 
 def write_readme(path: str, rows: list[dict[str, Any]]) -> None:
     """Replace the families block of ``path`` (it must hold the markers) with the table of ``rows``."""
-    from pathlib import Path
-
     p = Path(path)
     text = p.read_text(encoding="utf-8")
     old = readme_block(text)
@@ -135,6 +193,6 @@ if __name__ == "__main__":  # python -m moetool.inspect --readme [README.md]
     import sys
 
     if len(sys.argv) >= 2 and sys.argv[1] == "--readme":
-        write_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md", families())
+        write_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md", families(cache=False))
     else:
         raise SystemExit("usage: python -m moetool.inspect --readme [README.md]")

@@ -24,6 +24,12 @@ BIAS_STD = 0.05  # e_score_correction_bias: moves some choices off the plain sig
 EXPERT_BIAS_STD = 0.1
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test its own moetool cache (``inspect --families``' table): no test reads another's or the user's."""
+    monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path_factory.mktemp("moetool-cache")))
+
+
 def pytest_generate_tests(metafunc):
     """Any test taking a ``family`` argument runs once per family."""
     if "family" in metafunc.fixturenames:

@@ -127,3 +127,45 @@ def test_inspect_and_families_from_python():
     assert moetool.inspect_model("tiny")["family"] == "mixtral"
     df = moetool.families()
     assert list(df.model_type) == [r["model_type"] for r in families()] and len(df) > 50
+
+
+@needs_tiny
+def test_write_records_the_results_model_and_compute_time(tmp_path):
+    """moetool.write(res, out) with no model= records the model the result was computed on, and a wall time from
+    the start of the computation (it was model: null and the seconds of the write)."""
+    import json
+    import time
+    from datetime import datetime
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=256)
+    res = moetool.ppl(lm, tokens, quiet=True)
+    assert res.model["name"] == "tiny" and res.wall_seconds > 0
+    time.sleep(1.2)  # a result written later still records when its computation ran
+    m = json.loads((moetool.write(res, tmp_path / "p") / "manifest.json").read_text())
+    assert m["model"]["name"] == "tiny" and m["model"]["model_type"] == "mixtral"
+    assert m["started"] == datetime.fromtimestamp(res.started).isoformat(timespec="seconds")
+    assert m["wall_seconds"] >= res.wall_seconds + 1.2
+
+
+def test_demo_sub_runs_record_the_wall_time_of_their_work(tmp_path, monkeypatch):
+    """A demo step's per-model run starts before its model loads and its work runs (the norm-select demo
+    recorded 4.4 s for a 126 s step: its folder was made at the write)."""
+    import json
+    import time
+
+    from moetool import demo as demo_module
+    from moetool.experiments.result import Result
+    from moetool.report import RunDir
+
+    monkeypatch.setattr(demo_module, "DEMO_MODELS", ("tiny",))
+
+    def one(lm, tokens):
+        time.sleep(1.5)
+        return Result("custom", {"x.csv": pd.DataFrame({"a": [1]})}), []
+
+    parent = RunDir.create("demo", tmp_path / "demo")
+    demo_module.each_model(parent, "custom", one, seq_len=None)
+    sub = json.loads((tmp_path / "demo" / "custom" / "tiny" / "manifest.json").read_text())
+    step = json.loads((tmp_path / "demo" / "custom" / "manifest.json").read_text())
+    assert sub["wall_seconds"] >= 1.5 and step["wall_seconds"] >= sub["wall_seconds"]

@@ -49,6 +49,18 @@ def test_aliases_listed():
     assert {"name": "olmoe", "resolves to": "allenai/OLMoE-1B-7B-0924"} in rows
 
 
+def test_aliases_table_lists_every_alias_and_points_to_no_csv():
+    """The table printed every alias after the 20th as '… 37 more rows (every row is in the run's CSV)', but
+    inspect writes no CSV: every row is printed."""
+    from moetool.loading import ALIASES
+
+    r = runner.invoke(app, ["inspect", "--aliases"], env={"COLUMNS": "100"})
+    assert r.exit_code == 0 and len(ALIASES) > 30
+    assert "CSV" not in r.output and "more rows" not in r.output
+    names = {ln.split("│")[1].strip() for ln in r.output.splitlines() if ln.count("│") >= 3}
+    assert set(ALIASES) <= names
+
+
 @needs_tiny
 def test_inspect_counts_parameters_of_the_real_model():
     from moetool.loading import load

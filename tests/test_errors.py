@@ -89,7 +89,40 @@ def test_corrupt_weights_with_debug_show_the_traceback(tmp_path, monkeypatch):
     (d / "model.safetensors").write_bytes(os.urandom(1000))
     monkeypatch.setenv("MOETOOL_DEBUG", "1")
     r = runner.invoke(app, ["trace", "--model", str(d), "--max-tokens", "64", "--out", str(tmp_path / "o"), "-q"])
-    assert r.exit_code != 0 and isinstance(r.exception, MoetoolRuntimeError)
+    assert r.exit_code == 1 and "Traceback" in r.output and "MoetoolRuntimeError" in r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(monkeypatch, capsys):
+    """MOETOOL_DEBUG=1 adds the traceback; a usage error still exits 2 (README: exit codes)."""
+    import moetool.commands.app as app_module
+
+    monkeypatch.setattr(sys, "argv", ["moetool", "ppl", "--layers", "3-1"])
+    monkeypatch.setenv("MOETOOL_DEBUG", "1")
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" in err
+    assert err.strip().splitlines()[-1] == "error: empty --layers range '3-1' (use low-high, e.g. 1-3)"
+
+
+@pytest.mark.parametrize("previous", ["files", "complete-run"])
+def test_a_used_out_is_refused_before_torch_is_imported(tmp_path, previous):
+    """A non-empty --out (other files, or a complete run) without --force: exit 2 in one line, torch never
+    imported (it took 7 s of a 2-core machine before the refusal)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if previous == "files":
+        (out / "notes.txt").write_text("mine")
+    else:
+        (out / "manifest.json").write_text(json.dumps({"command": "stats", "status": "complete", "files": []}))
+    code = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, "
+            "file=sys.stderr)); from moetool.commands.app import main; "
+            f"sys.argv = ['moetool', 'stats', '--out', {str(out)!r}]; main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert lines == [f"error: --out {out} is not empty (use --force to write into it)", "torch imported: False"]
 
 
 # ----- devices --------------------------------------------------------------------------------------------------

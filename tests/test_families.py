@@ -175,3 +175,53 @@ def test_inspect_families_cli(monkeypatch):
     assert rows["switch_transformers"]["supported"] == "no: " + discovery.UNSUPPORTED["switch_transformers"]
     res = CliRunner().invoke(app, ["inspect", "--families"])
     assert res.exit_code == 0 and "1 supported of 2" in res.output
+
+
+def test_families_answer_from_a_cache_keyed_by_the_installation(monkeypatch):
+    """The table is built once (a tiny model per family: 14 s idle, minutes under load) and then read from the
+    cache; a different transformers version (or adapter code) is another key and builds it again."""
+    import moetool.inspect as mi
+
+    built = []
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "switch_transformers"])
+    monkeypatch.setattr(mi, "family_row", lambda mt: built.append(mt) or {"model_type": mt, "supported": "yes"})
+    first = mi.families()
+    assert built == ["mixtral", "switch_transformers"] and mi.families() == first and len(built) == 2
+    key = mi.families_cache_key()
+    monkeypatch.setattr(mi, "families_cache_key", lambda: {**key, "transformers": "0.0.1"})
+    assert mi.families() == first and len(built) == 4  # another transformers: built again
+    assert mi.families(cache=False) == first and len(built) == 6  # --refresh
+
+
+def test_inspect_families_from_the_cache_imports_no_torch(tmp_path):
+    """A cached table answers without torch or transformers, whole reasons and --json kept."""
+    import json
+    import subprocess
+    import sys
+
+    import moetool.inspect as mi
+
+    reason = "no: " + "a long reason that a terminal of 80 columns cannot hold on one line " * 3 + "END"
+    rows = [{"model_type": "mixtral", "head": "causal-lm", "supported": "yes", "routing": "softmax-topk-renorm",
+             "shared_experts": "no", "dense_layers": "none", "experts": "MixtralExperts"},
+            {"model_type": "zzz_moe", "head": "causal-lm", "supported": reason, "routing": "", "shared_experts": "",
+             "dense_layers": "", "experts": ""}]
+    cache = tmp_path / "cache"
+    mi_key = mi.families_cache_key()
+    digest = __import__("hashlib").sha256(json.dumps(mi_key, sort_keys=True).encode()).hexdigest()[:16]
+    cache.mkdir()
+    (cache / f"families-{digest}.json").write_text(json.dumps({"key": mi_key, "rows": rows}))
+    code = ("import atexit, sys; atexit.register(lambda: print('heavy:', 'torch' in sys.modules or 'transformers' "
+            "in sys.modules, file=sys.stderr)); from moetool.commands.app import main; "
+            "sys.argv = ['moetool', 'inspect', '--families'] + sys.argv[1:]; main()")
+    env = {**__import__("os").environ, "MOETOOL_CACHE_DIR": str(cache), "COLUMNS": "80"}
+    for extra in ([], ["--json"]):
+        r = subprocess.run([sys.executable, "-c", code, *extra], capture_output=True, text=True, timeout=120,
+                           env=env)
+        assert r.returncode == 0 and r.stderr.strip() == "heavy: False", r.stderr
+        if extra:
+            assert json.loads(r.stdout) == rows
+        else:
+            assert "1 supported of 2" in r.stdout
+            words = " ".join(seg.split("│")[3] for seg in r.stdout.splitlines() if seg.count("│") >= 4).split()
+            assert reason in " ".join(words)

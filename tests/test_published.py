@@ -61,3 +61,31 @@ def test_erc_alpha_min_layout():
     t = erc_alpha_min(layers)
     assert t.columns.tolist() == ["layer", "alpha_min measured", "alpha_min paper", "source"]
     assert (t["alpha_min paper"] == 5.0).all() and t["alpha_min measured"].tolist() == [4.2, 5.6]
+
+
+def test_papers_are_cited_as_papers():
+    """No 'paper 001'-style numbers (they mean something only inside this repository's notes) in the README, the
+    --help texts or the package; every reference of published.REFERENCES is in the README's Citing section."""
+    import re
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.experiments.published import REFERENCES
+
+    root = Path(__file__).resolve().parents[1]
+    texts = {str(p): p.read_text(encoding="utf-8") for p in [root / "README.md", *(root / "moetool").rglob("*.py"),
+                                                             *(root / "commands").glob("*.py")]}
+    for info in app.registered_commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        r = CliRunner().invoke(app, [name, "--help"], terminal_width=200)
+        assert r.exit_code == 0, r.output
+        texts[f"{name} --help"] = r.output
+    bad = [where for where, text in texts.items() if re.search(r"\bpapers? 00\d", text)]
+    assert not bad, bad
+    readme = texts[str(root / "README.md")]
+    citing = readme[readme.index("## Citing"):]
+    for ref in REFERENCES.values():
+        ident = re.search(r"arXiv:(\d{4}\.\d{5})|(https://\S+)", ref)
+        assert ident and (ident.group(1) or ident.group(2)) in citing, ref

@@ -319,10 +319,44 @@ def test_tables_fit_80_columns_without_truncating_numbers():
     assert text.count("norm:up:l2") > 3
 
 
+def test_every_part_of_a_split_table_keeps_the_row_labels():
+    """fluctuation's console table (layer, routing, reference, checkpoint, then values as 'v ± h' text) split for
+    80 columns: every part repeats all four label columns, so router/similarity rows can be told apart (parts 2-3
+    showed only 'layer')."""
+    rows = [(layer, routing) for routing in ("router", "similarity", "attention") for layer in range(4)]
+    df = pd.DataFrame({"layer": [r[0] for r in rows], "routing": [r[1] for r in rows],
+                       "reference": "tiny-early", "checkpoint": "tiny",
+                       **{c: [f"0.{i}{j}1 ± 0.022" for i, j in rows] for c in
+                          ("top1_change", "topk_change", "topk_overlap", "jaccard", "entropy_ratio_of_ckpt")},
+                       "entropy_ref": np.linspace(1, 2, 12), "entropy_ckpt": np.linspace(2, 3, 12)})
+    assert C.key_columns(df) == 4
+    parts = C.render_table(df, title="routing fluctuation", width=80)
+    assert len(parts) >= 3
+    text = rendered(df, title="routing fluctuation")
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    for part in parts:
+        assert [c.header.plain for c in part.columns[:4]] == ["layer", "routing", "reference", "checkpoint"]
+        assert list(part.columns[1].cells)[4].plain == "similarity"
+    assert C.key_columns(df[["layer", "entropy_ref", "routing"]]) == 1  # labels lead; a number column ends them
+
+
+def test_long_text_cells_wrap_whole_instead_of_being_cut_at_the_edge():
+    """inspect --families' reasons (up to 300 characters) were cut at the console width: every word is printed."""
+    reason = ("no: the router's weights are normalised over the K chosen routed logits together with the shared "
+              "experts' logits (logsigmoid softmax), which the router does not return: the weights are no function")
+    df = pd.DataFrame({"model_type": ["inkling_text", "mixtral"], "head": ["causal-lm", "causal-lm"],
+                       "supported": [reason, "yes"], "routing": ["", "softmax-topk-renorm"]})
+    text = rendered(df, title="MoE model types")
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    words = " ".join(ln.split("│")[3] for ln in text.splitlines() if ln.count("│") >= 4).split()
+    assert " ".join(words).startswith(reason)
+
+
 def test_long_tables_are_summarised_with_a_pointer():
     df = pd.DataFrame({"layer": range(100), "v": np.arange(100) / 3})
     text = rendered(df, csv="mass_recall.csv")
     assert "… 80 more rows in mass_recall.csv" in text
+    assert "… 80 more rows not shown" in rendered(df)  # no CSV named: none promised
     assert "19 " in text and " 20 " not in text.split("…")[0].replace("│", " ")
 
 

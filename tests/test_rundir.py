@@ -345,3 +345,31 @@ def test_runs_go_unlocked_where_there_is_no_fcntl(tmp_path, monkeypatch):
     assert not (tmp_path / "r" / rd.LOCK).exists()
     run.finish(options={})
     assert manifest(tmp_path / "r")["status"] == "complete"
+
+
+@pytest.mark.parametrize("direct_url, git", [
+    ({"url": "https://github.com/o/moetool.git", "vcs_info": {"vcs": "git", "commit_id": "ab" * 20}},
+     {"commit": "ab" * 20, "dirty": False, "from": "pip direct_url.json"}),
+    ({"url": "file:///src/moetool", "dir_info": {}}, None),
+])
+def test_an_installed_package_records_its_version_and_known_revision(tmp_path, monkeypatch, direct_url, git):
+    """Outside a git checkout (pip install . / pip install git+URL) the manifest records the package version, where
+    it was installed from and pip's recorded commit when there is one (it said only "git": null)."""
+    import importlib.metadata as md
+
+    class Dist:
+        version = "9.8.7"
+
+        def read_text(self, name):
+            return json.dumps(direct_url) if name == "direct_url.json" else None
+
+    monkeypatch.setattr(md, "distribution", lambda name: Dist())
+    monkeypatch.setattr(rd, "__file__", str(tmp_path / "site-packages" / "moetool" / "report" / "rundir.py"))
+    monkeypatch.setattr(rd, "_GIT", {})
+    run = RunDir.create("stats", tmp_path / "r")
+    run.write_csv("t.csv", DF)
+    run.finish(options={})
+    m = manifest(tmp_path / "r")
+    assert m["git"] == git
+    assert m["package"]["version"] == "9.8.7" and m["package"]["installed_from"] == direct_url["url"]
+    assert m["package"]["editable"] is False

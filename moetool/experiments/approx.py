@@ -1,4 +1,5 @@
-"""MoE as the best k-term approximation of a dense sum (paper 001).
+"""MoE as the best k-term approximation of a dense sum (Su 2025, "MoE Travelogue 1: Starting from Geometric
+Meaning", https://kexue.fm/archives/10699).
 
 Per MoE layer and real token, all ``n`` experts run (batched probes): ``u_e = π_e(h) E_e(h)``, the dense target
 ``y = Σ_e u_e``. A selector picks ``K`` experts ``S``; its relative error is ``||y_S − y|| / ||y||`` with

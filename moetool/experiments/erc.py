@@ -1,4 +1,4 @@
-"""Expert–router coupling (ERC, paper 002): the n×n matrix M of proxy-token activations, from weights only.
+"""Expert–router coupling (ERC; Lv, Ma, Ma, Qiao 2025, arXiv 2512.23447): the n×n matrix M of proxy-token activations, from weights only.
 
 Per MoE layer, router row ``R_i`` is expert i's proxy token. ``M[i, j] = || node_j(R~_i) ||``: how strongly
 expert j answers proxy i (node ``gate`` = ``W_g^j R~_i`` by default). A coupled layer has a dominant

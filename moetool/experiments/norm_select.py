@@ -1,4 +1,4 @@
-"""``norm-select``: the Autonomy-of-Experts pilot (paper 000, Table 1).
+"""``norm-select``: the Autonomy-of-Experts pilot (Lv et al., ICML 2025, arXiv 2501.13074, Table 1).
 
 For the router baseline and one ``norm:<node>:<norm>`` policy per probe node, the policy replaces
 the top-K choice in the chosen layers and the model runs on ``--data`` (perplexity, with the

@@ -30,8 +30,20 @@ class Published:
         return f"{self.paper}, {self.table}"
 
 
+#: the works moetool's experiments come from, as the README's "Citing" section gives them
+REFERENCES = {
+    "aoe": "Lv et al. (2025). Autonomy-of-Experts Models. ICML 2025. arXiv:2501.13074",
+    "su": "Su, Jianlin (2025). MoE环游记：1、从几何意义出发 (MoE Travelogue 1: Starting from Geometric Meaning). "
+          "Scientific Spaces blog, 8 February 2025. https://kexue.fm/archives/10699",
+    "erc": "Lv, Ma, Ma, Qiao (2025). Coupling Experts and Routers in Mixture-of-Experts via an Auxiliary Loss. "
+           "arXiv:2512.23447",
+    "air-moe": "Kladny, Mordig, Schölkopf, Muehlebach (2026). Adaptive Inverted-Index Routing for Granular "
+               "Mixtures-of-Experts (AIR-MoE). arXiv:2605.04952",
+    "graph-of-tokens": "Nguyen, Tran, Nguyen, Baraniuk (2025). Improving Routing in Sparse Mixture of Experts with "
+                       "Graph of Tokens. arXiv:2505.00792",
+}
 AOE = "Autonomy-of-Experts (AoE), Lv et al., ICML 2025, arXiv 2501.13074"
-ERC = "Expert-router coupling loss (ERC), Lv et al. (paper 002)"
+ERC = "Expert-router coupling loss (ERC), Lv, Ma, Ma, Qiao 2025, arXiv 2512.23447"
 
 #: AoE Table 1 (pilot on Mixtral 8x7B, routers removed, experts chosen by an activation norm; no training)
 PUBLISHED: tuple[Published, ...] = (

@@ -35,7 +35,10 @@ class Result:
     ``tables`` maps the file name each table is written to (``"load.csv"``) to its DataFrame; ``result["load"]``
     and ``result["load.csv"]`` both work. ``options`` is the experiment's options dataclass (the manifest's
     options), ``meta`` the manifest sections (``definitions`` of every column, ``data`` description, ...),
-    ``summary`` the table the command prints (a DataFrame, may be ``None``).
+    ``summary`` the table the command prints (a DataFrame, may be ``None``). The Python API's functions also
+    record ``model`` (the model's manifest entry, or the checkpoint names), ``started`` (Unix time the computation
+    began) and ``wall_seconds`` (its wall time), so ``moetool.write(result, out)`` records them, not the time of the
+    write.
     """
 
     name: str
@@ -43,6 +46,9 @@ class Result:
     options: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
     summary: Any = None
+    model: Any = None
+    started: float | None = None
+    wall_seconds: float | None = None
 
     def _key(self, key: str) -> str:
         if key in self.tables:

@@ -2,7 +2,8 @@
 
 - No emoji codes (``norm:up:l2`` stays text) and no markup in data cells (``[bold]`` in a cell stays text).
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
-  columns when piped) is split into column blocks that repeat the key column, text cells wrap.
+  columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
+  column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``), text cells wrap.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
 - Intervals are written ``value ± half-width`` by :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any, Sequence
 
@@ -34,12 +36,28 @@ def _fmt(v: Any, floatfmt: str) -> str:
     return str(v)
 
 
-def _blocks(widths: Sequence[int], key: int, avail: int) -> list[list[int]]:
-    """Column indices per block: column 0 (the key) repeated, the others added while the block fits."""
+_NUMBER = re.compile(r"^\s*[-+]?(\d|\.\d|inf|nan)", re.IGNORECASE)  # a number, or "value ± half" / "value [lo, hi]"
+
+
+def key_columns(df: Any) -> int:
+    """How many leading columns label the rows: the first column, and the text columns right after it whose cells
+    are not numbers (``with_ci`` turns numbers into text ``0.41 ± 0.02``, which stays a value column)."""
+    n = 1 if len(df.columns) else 0
+    for c in list(df.columns)[1:]:
+        col = df[c]
+        if col.dtype.kind != "O" or any(_NUMBER.match(str(v)) for v in col if v is not None):
+            break
+        n += 1
+    return n
+
+
+def _blocks(widths: Sequence[int], key: int, avail: int, keys: int = 1) -> list[list[int]]:
+    """Column indices per block after the ``keys`` leading key columns (repeated in every block, ``key`` their
+    width), the others added while the block fits."""
     blocks: list[list[int]] = []
     cur: list[int] = []
     used = key
-    for i, w in enumerate(widths[1:], start=1):
+    for i, w in enumerate(widths[keys:], start=keys):
         if cur and used + w + 3 > avail:
             blocks.append(cur)
             cur, used = [], key
@@ -51,8 +69,9 @@ def _blocks(widths: Sequence[int], key: int, avail: int) -> list[list[int]]:
 
 
 def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                 max_rows: int = MAX_ROWS, width: int | None = None) -> list[Any]:
-    """The rich renderables of :func:`print_table` (tables and the "more rows" note)."""
+                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None) -> list[Any]:
+    """The rich renderables of :func:`print_table` (tables and the "more rows" note). ``keys``: the number of
+    leading key columns every block of a split table repeats (default :func:`key_columns`)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -66,27 +85,33 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     # a column's width is its longest cell (numbers never fold); a header longer than 14 may fold
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
     out: list[Any] = []
-    blocks = _blocks(widths, widths[0] + 4, avail - 1) if cols else [[]]
+    nkeys = min(key_columns(df) if keys is None else max(keys, 1), len(cols))
+    room = lambda n: avail - 1 - sum(w + 3 for w in widths[:n]) - 4  # noqa: E731 - beside n key columns
+    while nkeys > 1 and room(nkeys) < max([w for i, w in enumerate(widths) if numeric[i] and i >= nkeys] + [20]):
+        nkeys -= 1  # no room for a value beside every key column: fewer keys
+    # a text column wider than the room beside the keys wraps (whole words: a reason is never cut at the edge)
+    widths = [w if numeric[i] or i < nkeys else max(min(w, room(nkeys)), min(w, 14)) for i, w in enumerate(widths)]
+    blocks = _blocks(widths, sum(w + 3 for w in widths[:nkeys]) + 1, avail - 1, nkeys) if cols else [[]]
     for b, idx in enumerate(blocks):
-        idx = [0, *idx] if cols else []
+        idx = [*range(nkeys), *idx] if cols else []
         t = Table(title=Text(title + (f" ({b + 1}/{len(blocks)})" if len(blocks) > 1 else "")) if title else None,
                   show_lines=False, padding=(0, 1))
         for i in idx:
             t.add_column(Text(cols[i]), justify="right" if numeric[i] else "left",
-                         min_width=widths[i], overflow="fold")
+                         min_width=widths[i], max_width=None if numeric[i] else widths[i], overflow="fold")
         for r in cells:
             t.add_row(*[Text(r[i]) for i in idx])
         out.append(t)
     if n > max_rows:
-        where = f" in {csv}" if csv else " (every row is in the run's CSV)"
+        where = f" in {csv}" if csv else " not shown"
         out.append(Text(f"… {n - len(shown)} more rows{where}"))
     return out
 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                max_rows: int = MAX_ROWS) -> None:
+                max_rows: int = MAX_ROWS, keys: int | None = None) -> None:
     """Print ``df`` as a table that fits the console (see the module docstring); ``csv`` names the file that
     holds every row of a long table."""
     con = console()
-    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width):
+    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys):
         con.print(r)

@@ -71,11 +71,41 @@ def _versions() -> dict[str, str]:
 _GIT: dict[str, Any] = {}
 
 
+def package_source() -> dict[str, Any]:
+    """How moetool was installed, from its distribution metadata: ``version`` and, when pip recorded it
+    (``direct_url.json``, PEP 610), ``installed_from`` (a URL), ``editable`` and the VCS ``commit`` of a
+    ``pip install git+URL@rev``. A plain ``pip install .`` records no revision (see :func:`git_revision`)."""
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {"name": "moetool", "version": None}
+    try:
+        dist = md.distribution("moetool")
+    except md.PackageNotFoundError:
+        return out
+    out["version"] = dist.version
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "null") or {}
+    except ValueError:
+        info = {}
+    if info.get("url"):
+        out["installed_from"] = info["url"]
+        out["editable"] = bool((info.get("dir_info") or {}).get("editable"))
+    vcs = info.get("vcs_info") or {}
+    if vcs.get("commit_id"):
+        out.update(vcs=vcs.get("vcs", "git"), commit=vcs["commit_id"])
+    return out
+
+
 def git_revision() -> dict[str, Any] | None:
-    """``{"commit": sha, "dirty": bool}`` of moetool's own source when it is a git checkout, else ``None``
-    (cached; two ``git`` calls with a 2 s timeout, any failure -> ``None``)."""
+    """``{"commit": sha, "dirty": bool}`` of moetool's own source when it is a git checkout (an editable install
+    or the source tree); for a package pip installed from a git URL, the commit pip recorded
+    (``{"commit": sha, "dirty": false, "from": "pip direct_url.json"}``); else ``None``: a ``pip install .``
+    keeps no revision, the manifest's ``package`` block then has the version and the folder it came from (cached;
+    two ``git`` calls with a 2 s timeout, any failure -> ``None``)."""
     if "rev" not in _GIT:
-        _GIT["rev"] = None
+        pkg = package_source()
+        _GIT["rev"] = ({"commit": pkg["commit"], "dirty": False, "from": "pip direct_url.json"} if pkg.get("commit")
+                       else None)
         root = Path(__file__).resolve().parents[2]
         if (root / ".git").exists() and shutil.which("git"):
             try:
@@ -475,6 +505,7 @@ class RunDir:
             "model": extra.pop("model", None),
             "versions": dict(_versions()),
             "git": git_revision(),
+            "package": package_source(),
             "started": datetime.fromtimestamp(self.started).isoformat(timespec="seconds"),
             "wall_seconds": round(time.time() - self.started, 3),
             **self.sections,

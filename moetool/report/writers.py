@@ -23,9 +23,14 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
 
     if getattr(run, "discard", False):  # a data-parallel rank other than 0: rank 0 writes the one run folder
         return None
+    if model is None:
+        model = result.model
+    if result.started is not None and result.started < run.started:  # the run began with the computation, not
+        run.started = result.started  # with the folder made to write it (the manifest's started / wall_seconds)
     if not run.caption:  # the model and data under every figure (report pages and papers show them apart)
         data = result.meta.get("data") or {}
-        who = (getattr(model, "name", None) or (options or {}).get("model")
+        who = ((model.get("name") if isinstance(model, dict) else getattr(model, "name", None))
+               or (options or {}).get("model")
                or " vs ".join(map(str, result.meta.get("checkpoints", []))))
         run.caption = describe_run(who, data.get("source"), data.get("tokens"))
     for name, df in result.tables.items():

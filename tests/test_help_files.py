@@ -1,0 +1,85 @@
+"""Every file a command's ``--help`` names exists after a run, and every file a run writes is named in its
+``--help`` (figures by their name under ``figures/``; a PDF goes with its PNG). One small run per command on the
+embedded models."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetool.commands.app import app
+from moetool.loading import embedded_models
+
+runner = CliRunner()
+pytestmark = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+
+SMALL = ["--max-tokens", "256", "--seq-len", "64"]
+RUNS = {  # command -> its arguments (small, no bootstrap: the files are the point, not the numbers)
+    "stats": ["stats", *SMALL, "--bootstrap", "0", "--all-tokens", "--min-count", "2"],
+    "ppl": ["ppl", *SMALL, "--bootstrap", "0", "--routing", "norm:gate"],
+    "trace": ["trace", "--max-tokens", "128", "--seq-len", "64"],
+    "erc": ["erc", "--samples", "2"],
+    "approx": ["approx", "--max-tokens", "128", "--seq-len", "64"],
+    "mass-recall": ["mass-recall", *SMALL, "--bootstrap", "0"],
+    "offload": ["offload", *SMALL, "--bootstrap", "0"],
+    "fluctuation": ["fluctuation", "tiny-early", "tiny", *SMALL, "--bootstrap", "0"],
+    "norm-select": ["norm-select", "--nodes", "gate", *SMALL, "--bootstrap", "0"],
+}
+#: named by --help but written only with an option these runs do not take
+CONDITIONAL = {"trace": {"trace.parquet"},  # --format parquet
+               "norm-select": {"aoe_table1.csv"}}  # lm-eval --tasks scored by acc
+FILE = re.compile(r"(?<![\w/<>.-])([\w-]+\.(?:csv\.gz|csv|parquet|json|html|md|tex))(?![\w])")
+FIGURE = re.compile(r"figures/([a-z0-9_]+)")
+TEMPLATE = re.compile(r"[\w/.-]*<\w+>[\w/<>.-]*\.(?:csv|tex|png|pdf)")
+
+_done: dict[str, Path] = {}
+
+
+def run_dir(command: str, tmp_path_factory) -> Path:
+    if command not in _done:
+        out = tmp_path_factory.mktemp(command) / "run"
+        args = (RUNS[command] if command != "report" else ["report", str(run_dir("stats", tmp_path_factory))])
+        r = runner.invoke(app, [*args, "--out", str(out), *(["-q"] if command != "report" else [])])
+        assert r.exit_code == 0, r.output
+        _done[command] = out
+    return _done[command]
+
+
+def help_text(command: str) -> str:
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "3000"}, terminal_width=3000)
+    assert r.exit_code == 0
+    return r.output
+
+
+def written(out: Path) -> list[str]:
+    return json.loads((out / "manifest.json").read_text())["files"]
+
+
+@pytest.mark.parametrize("command", [*RUNS, "report"])
+def test_help_names_exactly_the_files_a_run_writes(command, tmp_path_factory):
+    text = help_text(command)
+    out = run_dir(command, tmp_path_factory)
+    files = written(out)
+    named = set(FILE.findall(text)) - CONDITIONAL.get(command, set())
+    figures = set(FIGURE.findall(text))
+    templates = [re.compile(re.sub(r"<\w+>", "[^/]+", re.escape(t).replace(r"\<", "<").replace(r"\>", ">")) + "$")
+                 for t in TEMPLATE.findall(text)]
+    missing = sorted(n for n in named if not (out / n).exists())
+    missing += sorted(f"figures/{f}.png" for f in figures if not (out / "figures" / f"{f}.png").exists())
+    assert not missing, f"{command} --help names files its run did not write: {missing}"
+
+    def described(f: str) -> bool:
+        png = f[:-4] + ".png" if f.endswith(".pdf") else f
+        if any(t.match(f) for t in templates):
+            return True
+        if png.startswith("figures/") and png.count("/") == 1:
+            return Path(png).stem in figures
+        return f in named
+
+    undescribed = [f for f in files if not described(f)]
+    assert not undescribed, f"{command} writes files its --help does not name: {undescribed}"
+    assert (out / "manifest.json").exists()

@@ -1,0 +1,105 @@
+"""The README runs as written: every fenced block says whether it runs (``<!-- runnable -->``) or is a template /
+not run by the tests (``<!-- template: … -->``, ``<!-- not run by the tests: … -->``), and the runnable ones are
+run here on the embedded models, as a reader would paste them (a fresh folder, the installed ``moetool``). A shell
+line ending in ``# … exit N`` must exit N (and print the ``error: …`` line its comment quotes); every other line must
+succeed. Every ``moetool <command> --option`` the README mentions names an option that exists."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetool.loading import embedded_models
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+MARKER = re.compile(r"<!--\s*(runnable|template\b[^>]*|not run by the tests\b[^>]*?)\s*-->\s*$")
+
+
+def blocks() -> list[tuple[int, str, str, str | None]]:
+    """``(line, language, code, marker)`` of every fenced block (marker: the HTML comment on the line before)."""
+    text = README.read_text(encoding="utf-8")
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = MARKER.search(before)
+        out.append((text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2),
+                    marker.group(1).split(":")[0].strip() if marker else None))
+    return out
+
+
+RUNNABLE = [b for b in blocks() if b[3] == "runnable"]
+
+
+def test_every_block_says_whether_it_runs():
+    unmarked = [line for line, _, _, marker in blocks() if marker is None]
+    assert not unmarked, f"README.md blocks at lines {unmarked} need <!-- runnable --> or <!-- template: … -->"
+    assert len(RUNNABLE) >= 3
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg", "COLUMNS": "100",
+            "MOETOOL_CACHE_DIR": str(tmp_path / "cache")}
+
+
+@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
+@pytest.mark.parametrize("line, lang, code", [b[:3] for b in RUNNABLE], ids=[f"line{b[0]}" for b in RUNNABLE])
+def test_runnable_block_runs_as_written(tmp_path, line, lang, code):
+    env = _env(tmp_path)
+    if lang == "python":
+        script = tmp_path / "snippet.py"
+        script.write_text(code)
+        r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, f"README.md line {line}:\n{r.stderr[-3000:]}"
+        return
+    assert lang == "bash", f"README.md line {line}: a runnable block is bash or python"
+    for cmd in (ln for ln in code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")):
+        command, _, comment = cmd.partition("  #")
+        code_expected = int(m.group(1)) if (m := re.search(r"\bexit (\d+)\s*$", comment)) else 0
+        r = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == code_expected, f"README.md line {line}: `{command.strip()}` exited {r.returncode}:\n" \
+                                              f"{r.stderr[-3000:]}"
+        if (quoted := re.search(r"(error: .*?); exit \d+\s*$", comment)):
+            assert quoted.group(1) in r.stderr, f"`{command.strip()}`: {r.stderr[-500:]}"
+        elif code_expected:
+            assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_every_command_and_option_the_readme_names_exists():
+    """``moetool offload --cache-sizes`` (README) did not exist (the option is --capacity)."""
+    import typer.main
+
+    from moetool.commands.app import app
+
+    group = typer.main.get_command(app)
+    text = README.read_text(encoding="utf-8")
+    spans = re.findall(r"`(moetool [^`]+)`", text) + [ln for _, _, code, _ in blocks() for ln in code.splitlines()]
+    checked = 0
+    for span in spans:
+        if "moetool " not in span:
+            continue
+        words = shlex.split(span.split(" #", 1)[0].replace("\\|", "|"), posix=True)
+        try:
+            words = words[words.index("moetool") + 1:]
+        except ValueError:  # "-m moetool ..." (torchrun, accelerate)
+            words = words[words.index("-m") + 2:] if "-m" in words and words[words.index("-m") + 1] == "moetool" \
+                else []
+        if not words or words[0].startswith("-") or "COMMAND" in words[0]:
+            continue
+        cmd = group.commands.get(words[0])
+        assert cmd is not None, f"README names `moetool {words[0]}`: no such command ({span})"
+        opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+        bad = [w.split("=")[0] for w in words[1:] if w.startswith("--") and w.split("=")[0] not in opts]
+        assert not bad, f"README: `moetool {words[0]}` has no option {bad} ({span})"
+        checked += 1
+    assert checked > 30
