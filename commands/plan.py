@@ -6,15 +6,7 @@ import json
 
 import typer
 
-from .options import (
-    DEFAULT_MODEL,
-    Force,
-    Model,
-    Out,
-    echo_run,
-    handle_errors,
-    preflight,
-)
+from .options import DEFAULT_MODEL, Force, Model, Out, Quiet, echo_run, handle_errors, preflight
 
 HELP = """Memory and speed plan of a checkpoint on given GPUs, from its config alone (no weights are read).
 
@@ -41,7 +33,7 @@ def plan(model: Model = DEFAULT_MODEL,
          seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per row the commands would run.", min=2),
          batch_size: int = typer.Option(8, "--batch-size", help="Rows per batch the commands would run.", min=1),
          as_json: bool = typer.Option(False, "--json", help="Print the tables as JSON (no run folder)."),
-         out: Out = None, force: Force = False) -> None:
+         out: Out = None, force: Force = False, quiet: Quiet = False) -> None:
     from moetool.experiments.plan import parse_gpus
 
     parse_gpus(gpus)  # a bad --gpus fails before the config is read
@@ -65,6 +57,10 @@ def plan(model: Model = DEFAULT_MODEL,
 
     p = res.meta["plan"]
     c = console()
+    if quiet:
+        write(res, run, options={"model": model})
+        echo_run(run.path)
+        return
     c.print(f"{model} ({source}): {p['total_params'] / 1e9:.1f}B parameters, "
             f"{p['active_params'] / 1e9:.1f}B active, {p['n_experts']} experts top-{p['top_k']} in "
             f"{p['moe_layers']} MoE layers, stored as {p['native_format']}; "

@@ -14,7 +14,8 @@ HELP = """Gather run folders of any commands (a demo folder with its sub-runs in
 Writes into --out: report.html (one self-contained page: each run's manifest (model, data, options,
 versions, seed, wall time, git revision) and contents, every figure at its pixel size with a caption
 saying what it shows and the CSV it came from, every table in its own scroll box), report.md (the same
-in Markdown), tables/<run>/<name>.csv and .tex (LaTeX booktabs), figures/<run>/<name>.png and .pdf.
+in Markdown), tables/<run>/<name>.csv and tables/<run>/<name>.tex (LaTeX booktabs),
+figures/<run>/<name>.png and figures/<run>/<name>.pdf.
 Tables longer than 20 rows show their first 10 rows and link the full CSV.
 
 Only files inside each run folder are read: a manifest entry pointing elsewhere (../, an absolute

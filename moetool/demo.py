@@ -34,7 +34,8 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
     if demo.options_from:
         module, _, attr = demo.options_from.partition(":")
         overrides.update(getattr(importlib.import_module(module), attr)())
-    opts = spec.options_class()(**overrides)
+    options_class = spec.options_class()
+    opts = options_class(**overrides) if options_class is not None else None
     seed = getattr(opts, "seed", None)
     lines_of = spec.load(spec.lines) if spec.lines else (lambda name, res: [])
     child = parent.sub(spec.name)

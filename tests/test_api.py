@@ -154,18 +154,20 @@ def test_demo_sub_runs_record_the_wall_time_of_their_work(tmp_path, monkeypatch)
     import json
     import time
 
-    from moetool import demo as demo_module
+    from moetool.demo import run_step
+    from moetool.experiments.registry import Demo, Experiment
     from moetool.experiments.result import Result
     from moetool.report import RunDir
 
-    monkeypatch.setattr(demo_module, "DEMO_MODELS", ("tiny",))
-
-    def one(lm, tokens):
+    def one(lm, options, quiet=False):
         time.sleep(1.5)
-        return Result("custom", {"x.csv": pd.DataFrame({"a": [1]})}), []
+        return Result("custom", {"x.csv": pd.DataFrame({"a": [1]})})
 
+    spec = Experiment(name="custom", module="-", function="one", inputs="weights", lines=None,
+                      demo=Demo(models=("tiny",), seq_len=None))
+    monkeypatch.setattr(Experiment, "load", lambda self, attr=None: one)
     parent = RunDir.create("demo", tmp_path / "demo")
-    demo_module.each_model(parent, "custom", one, seq_len=None)
+    run_step(parent, spec)
     sub = json.loads((tmp_path / "demo" / "custom" / "tiny" / "manifest.json").read_text())
     step = json.loads((tmp_path / "demo" / "custom" / "manifest.json").read_text())
     assert sub["wall_seconds"] >= 1.5 and step["wall_seconds"] >= sub["wall_seconds"]

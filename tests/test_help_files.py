@@ -28,7 +28,16 @@ RUNS = {  # command -> its arguments (small, no bootstrap: the files are the poi
     "offload": ["offload", *SMALL, "--bootstrap", "0"],
     "fluctuation": ["fluctuation", "tiny-early", "tiny", *SMALL, "--bootstrap", "0"],
     "norm-select": ["norm-select", "--nodes", "gate", *SMALL, "--bootstrap", "0"],
+    "topk": ["topk", *SMALL, "--bootstrap", "0", "--ks", "1", "--ps", "0.9"],
+    "plan": ["plan", "--gpus", "1xH100"],
 }
+NOT_RUN = {"eval": "lm-eval's tasks: tests/test_eval.py checks its files"}
+
+
+def test_every_experiment_is_run_here():
+    from moetool.experiments.registry import EXPERIMENTS
+
+    assert set(RUNS) == set(EXPERIMENTS) - set(NOT_RUN)
 #: named by --help but written only with an option these runs do not take
 CONDITIONAL = {"trace": {"trace.parquet"},  # --format parquet
                "norm-select": {"aoe_table1.csv"}}  # lm-eval --tasks scored by acc
