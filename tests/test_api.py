@@ -15,10 +15,8 @@ from typer.testing import CliRunner
 import moetool
 from moetool.commands.app import app
 from moetool.errors import MoetoolError
-from moetool.loading import embedded_models
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
 
 
 def test_import_is_light_and_names_resolve_lazily():
@@ -54,7 +52,6 @@ def _tables_equal(frame: pd.DataFrame, path: Path, drop: tuple[str, ...] = ()) -
     pd.testing.assert_frame_equal(api, cli)
 
 
-@needs_tiny
 def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
     spec = importlib.util.spec_from_file_location("api_tour", ROOT / "examples" / "api_tour.py")
     tour = importlib.util.module_from_spec(spec)
@@ -76,7 +73,6 @@ def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
         assert rate == pytest.approx(float((tr.loc[sel, "expert_1"] == prev[sel]).mean()), abs=0)
 
 
-@needs_tiny
 def test_commands_write_exactly_the_api_tables(tmp_path):
     runner = CliRunner()
     data = ["--max-tokens", "512", "--seq-len", "64"]
@@ -129,7 +125,6 @@ def test_inspect_and_families_from_python():
     assert list(df.model_type) == [r["model_type"] for r in families()] and len(df) > 50
 
 
-@needs_tiny
 def test_write_records_the_results_model_and_compute_time(tmp_path):
     """moetool.write(res, out) with no model= records the model the result was computed on, and a wall time from
     the start of the computation (it was model: null and the seconds of the write)."""

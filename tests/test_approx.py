@@ -17,7 +17,6 @@ from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.engine import Engine
 from moetool.experiments.approx import MEDIAN_REL_TOL, SELECTORS, ApproxReducer, approx_tokens
-from moetool.loading import embedded_models
 
 COLUMNS = {"approx.csv": ["layer", "selector", "tokens", "rel_error_mean", "rel_error_median", "same_set_as_router"],
            "approx_layers.csv": ["layer", "spearman_prob_vs_norm", "mean_abs_cos"]}
@@ -135,7 +134,6 @@ def test_reducer_tables_over_real_tokens(model_type):
         assert lrow["mean_abs_cos"] == pytest.approx(r.abs_cos.double().mean().item(), rel=1e-5)
 
 
-@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
 def test_cli_on_embedded_tiny(tmp_path):
     r = CliRunner().invoke(app, ["approx", "--model", "tiny", "--out", str(tmp_path), "--max-tokens", "256",
                                  "--seq-len", "64", "-q"])

@@ -8,9 +8,7 @@ import pytest
 import torch
 from test_distributed import _forward_worker, free_port
 
-from moetool.loading import embedded_models
 
-pytestmark = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 def bootstrap_run():

@@ -4,14 +4,11 @@ import json
 import subprocess
 import sys
 
-import pytest
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
-from moetool.loading import embedded_models
 
 runner = CliRunner()
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 HELP_PROBE = """
 import sys
@@ -61,7 +58,6 @@ def test_aliases_table_lists_every_alias_and_points_to_no_csv():
     assert set(ALIASES) <= names
 
 
-@needs_tiny
 def test_inspect_counts_parameters_of_the_real_model():
     from moetool.loading import load
 
@@ -79,7 +75,6 @@ def test_inspect_counts_parameters_of_the_real_model():
     assert info["moe_layers"][0]["n_experts"] == lm.config.num_local_experts
 
 
-@needs_tiny
 def test_trace_matches_the_routers_own_choice(tmp_path):
     import pandas as pd
     import torch
@@ -118,7 +113,6 @@ def test_trace_matches_the_routers_own_choice(tmp_path):
     assert abs(sel["logit_0"].to_numpy() - logits[:n_real, 0].numpy()).max() < 1e-4
 
 
-@needs_tiny
 def test_out_dir_refused_unless_force(tmp_path):
     (tmp_path / "keep.txt").write_text("x")
     r = runner.invoke(app, ["trace", "--max-tokens", "64", "--out", str(tmp_path), "--quiet"])

@@ -15,7 +15,6 @@ from conftest import build_tiny_model, reference_expert
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.experiments.erc import (ErcOptions, derived_eps, erc_layer, erc_loss, noise_eps, proxy_tokens, run_erc)
-from moetool.loading import embedded_models
 
 runner = CliRunner()
 COLUMNS = {
@@ -198,7 +197,6 @@ def test_cli_on_a_saved_tiny_model(tmp_path):
         assert r.exit_code == 2 and len(errors) == 1 and msg in errors[0], r.output
 
 
-@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
 def test_cli_on_embedded_tiny(tmp_path):
     r = runner.invoke(app, ["erc", "--model", "tiny", "--out", str(tmp_path), "--samples", "2", "-q"])
     assert r.exit_code == 0, r.output

@@ -17,7 +17,6 @@ from moetool.errors import MoetoolError, MoetoolRuntimeError
 from moetool.loading import check_safetensors, embedded_models
 
 runner = CliRunner()
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 def _one_line_error(r, code):
@@ -70,7 +69,6 @@ def test_check_safetensors_accepts_exact_files_and_names_what_is_wrong(tmp_path)
         assert str(f) in str(e.value) and "\n" not in str(e.value)
 
 
-@needs_tiny
 @pytest.mark.parametrize("damage", ["truncated", "random"])
 def test_corrupt_weights_are_one_line_exit_1(tmp_path, damage):
     d = _copy_tiny(tmp_path, damage)
@@ -83,7 +81,6 @@ def test_corrupt_weights_are_one_line_exit_1(tmp_path, damage):
     assert str(f) in line and ("truncated" if damage == "truncated" else "not a safetensors file") in line
 
 
-@needs_tiny
 def test_corrupt_weights_with_debug_show_the_traceback(tmp_path, monkeypatch):
     d = _copy_tiny(tmp_path, "t")
     (d / "model.safetensors").write_bytes(os.urandom(1000))
@@ -126,7 +123,6 @@ def test_a_used_out_is_refused_before_torch_is_imported(tmp_path, previous):
 
 
 # ----- devices --------------------------------------------------------------------------------------------------
-@needs_tiny
 def test_device_cuda_without_cuda_is_one_line_exit_1(tmp_path):
     import torch
 
@@ -250,7 +246,6 @@ def test_hub_online_path_is_kept_when_the_hub_answers(tmp_path):
     assert message.startswith("the Hugging Face Hub has no model 'made-up-org/no-such-moe-model'"), message
 
 
-@needs_tiny
 def test_cached_hub_model_loads_offline(tmp_path):
     """Offline (the endpoint refuses), a hub id already in the cache loads from it: the same weights."""
     src = embedded_models()["tiny"]
@@ -354,7 +349,6 @@ def test_the_cli_sets_its_environment_defaults(monkeypatch):
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
 
 
-@needs_tiny
 def test_loading_prints_no_transformers_progress_bar_and_restores_it(capfd):
     from transformers.utils import logging as hf_logging
 
@@ -431,7 +425,6 @@ def test_ctrl_c_outside_a_command_exits_130_in_one_line(monkeypatch, capsys):
 
 
 # ----- a figure that fails never loses the tables --------------------------------------------------------------
-@needs_tiny
 def test_a_failing_figure_keeps_every_table_and_fails_the_run_in_one_line(tmp_path, monkeypatch):
     """Issue 21.1: stats' balance figure raised "'yerr' must not contain negative values" after every table was
     computed. Now every CSV is written and listed, the manifest says which figure failed (figures_failed) with

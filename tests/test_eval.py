@@ -23,7 +23,6 @@ from moetool.experiments import norm_select as ns
 from moetool.loading import embedded_models, load
 from moetool.policies import make_policy
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 TASK = "moetool_prose"
 
 
@@ -178,7 +177,6 @@ def test_eval_and_norm_select_cli_offline(model_dir, tmp_path, no_network):
     assert (tmp_path / "n" / "figures" / "agreement_by_layer.png").is_file()
 
 
-@needs_tiny
 def test_embedded_model_is_above_chance_on_the_shipped_tasks(no_network):
     lm = load("tiny")
     tasks = ["moetool_code", "moetool_prose"]
@@ -187,7 +185,6 @@ def test_embedded_model_is_above_chance_on_the_shipped_tasks(no_network):
         assert res.value(task, "acc") >= 0.45
 
 
-@needs_tiny
 def test_shipped_tasks_come_from_the_embedded_models_training_text():
     root = lmeval.shipped_tasks_dir()
     built = json.loads((root / "build_info.json").read_text())["corpus_train_sha256"]

@@ -13,7 +13,6 @@ from moetool.errors import MoetoolRuntimeError
 from moetool.loading import embedded_models
 
 runner = CliRunner()
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 def _poisoned_tiny(tmp_path: Path, layer: int, expert: int) -> Path:
@@ -47,7 +46,6 @@ def _first_batch_using(lm, ts, layer: int, expert: int, bs: int) -> int:
     raise AssertionError("expert never used")
 
 
-@needs_tiny
 def test_inf_in_an_expert_stops_ppl_with_one_line_naming_layer_and_batch(tmp_path):
     from moetool.data import load_tokens
     from moetool.loading import load
@@ -69,7 +67,6 @@ def test_inf_in_an_expert_stops_ppl_with_one_line_naming_layer_and_batch(tmp_pat
         assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
 
 
-@needs_tiny
 def test_nan_input_embedding_is_caught_at_the_first_router():
     from moetool.data import load_tokens
     from moetool.engine import forward

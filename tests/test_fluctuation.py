@@ -17,7 +17,7 @@ from moetool.engine import Engine
 from moetool.errors import MoetoolError
 from moetool.experiments.fluctuation import (COLUMNS, FluctuationOptions, check_checkpoints, pairs, processing_order,
                                              run_fluctuation)
-from moetool.loading import embedded_models, load
+from moetool.loading import load
 from moetool.uncertainty import ratio_intervals
 
 J = 2  # the perturbed layer
@@ -179,8 +179,6 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
 def test_cli_on_embedded_checkpoints(tmp_path, early, final):
     import pandas as pd
 
-    if not {early, final} <= set(embedded_models()):
-        pytest.skip("embedded checkpoints not built")
     out = tmp_path / "f"
     r = CliRunner().invoke(app, ["fluctuation", early, final, final, "--max-tokens", "384", "--seq-len", "128",
                                  "--isolate", "--out", str(out), "-q"])

@@ -12,10 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
-from moetool.loading import embedded_models
 
 runner = CliRunner()
-pytestmark = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 SMALL = ["--max-tokens", "256", "--seq-len", "64"]
 RUNS = {  # command -> its arguments (small, no bootstrap: the files are the point, not the numbers)

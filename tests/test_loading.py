@@ -208,3 +208,14 @@ def test_available_ram_is_read_from_meminfo():
     total = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                  if ln.startswith("MemTotal:"))
     assert avail is not None and 0 < avail <= total
+
+
+def test_the_embedded_models_are_shipped():
+    """The tests run on the embedded models and never skip without them: a package or checkout that lost them
+    fails here (and in every test that loads one), instead of turning green by skipping."""
+    from moetool.loading import embedded_models
+
+    models = embedded_models()
+    assert {"tiny", "tiny-early", "tiny-fine", "tiny-fine-early"} <= set(models)
+    for path in models.values():
+        assert (path / "config.json").is_file() and any(path.glob("*.safetensors")), path

@@ -20,10 +20,8 @@ from moetool.engine import Engine
 from moetool.experiments.kmeans import SphericalKMeans
 from moetool.experiments.mass_recall import (COLUMNS, MassRecallOptions, evaluate, run_mass_recall,
                                              scaled_bound, token_metrics)
-from moetool.loading import embedded_models
 from moetool.uncertainty import ratio_intervals
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 # ----- k-means -----------------------------------------------------------------------------------------
@@ -265,13 +263,10 @@ def test_mass_recall_matches_hand_computation():
 
 
 # ----- the command on the embedded models --------------------------------------------------------
-@needs_tiny
 @pytest.mark.parametrize("name", ["tiny", "tiny-fine"])
 def test_cli_on_embedded_model(tmp_path, name):
     import pandas as pd
 
-    if name not in embedded_models():
-        pytest.skip(f"{name} not built")
     out = tmp_path / name
     r = CliRunner().invoke(app, ["mass-recall", "--model", name, "--max-tokens", "768", "--seq-len", "128",
                                  "--codebook-size", "4,16", "--shortlist", "1,4,64", "--out", str(out), "-q"])

@@ -214,7 +214,7 @@ def _hand_row_agreement(events, K, B, S):
 def test_bootstrap_columns_equal_independent_intervals_from_per_row_sums():
     from test_ppl import hand_row_nll
 
-    from moetool.uncertainty import ppl_ratio_interval, ratio_intervals
+    from moetool.uncertainty import ratio_intervals
 
     lm, tokens = _LM("mixtral"), _tokens(rows=5)
     specs = ["router", "norm:gate:l2"]
@@ -317,8 +317,6 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     assert shown.set_index("row").loc["best node", "mmlu retention measured"] == "94.8 ± 1.4"
 
 
-@pytest.mark.skipif("tiny" not in __import__("moetool.loading", fromlist=["x"]).embedded_models(),
-                    reason="embedded model not built")
 def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypatch, tmp_path):
     """`moetool norm-select --tasks mmlu,arc_challenge --num-fewshot 5` with lm-eval faked (no network) on the
     embedded tiny model: measured-only AoE layout and a line saying why; with the model taken for Mixtral 8x7B the

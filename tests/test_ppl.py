@@ -17,9 +17,7 @@ from moetool.commands.app import app
 from moetool.data import TokenSet
 from moetool.experiments.ppl import PPL_COLUMNS, perplexity, ppl_frame
 from moetool.policies import build_policy
-from moetool.loading import embedded_models
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 class _LM:
@@ -75,7 +73,6 @@ def test_policy_and_layers_change_perplexity_only_where_asked():
     assert df.loc[0, "layers"] == "3" and df.loc[0, "perplexity"] == pytest.approx(math.exp(df.loc[0, "nll_mean"]))
 
 
-@needs_tiny
 def test_cli_matches_a_hand_perplexity_on_the_embedded_model(tmp_path):
     from moetool.data import load_tokens
     from moetool.loading import load

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from moetool.loading import embedded_models
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
@@ -50,7 +49,6 @@ def _env(tmp_path: Path) -> dict[str, str]:
             "MOETOOL_CACHE_DIR": str(tmp_path / "cache")}
 
 
-@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 @pytest.mark.parametrize("line, lang, code", [b[:3] for b in RUNNABLE], ids=[f"line{b[0]}" for b in RUNNABLE])
 def test_runnable_block_runs_as_written(tmp_path, line, lang, code):
     env = _env(tmp_path)

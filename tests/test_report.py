@@ -393,10 +393,6 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     from moetool.demo import run_step
     from moetool.experiments import norm_select as ns
     from moetool.experiments.registry import EXPERIMENTS
-    from moetool.loading import embedded_models
-
-    if "tiny" not in embedded_models():
-        pytest.skip("embedded model not built")
     real = ns.norm_select
     monkeypatch.setattr(ns, "norm_select", lambda lm, tokens, opts, quiet: real(
         lm, tokens, ns.NormSelectOptions(nodes=("gate",), norms=("l2",), batch_size=16, bootstrap=0), quiet=True))

@@ -14,7 +14,6 @@ from moetool.loading import embedded_models
 from moetool.report import rundir
 
 runner = CliRunner()
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 TIMING = {"seconds"}  # wall time differs between any two runs
 
 
@@ -83,7 +82,6 @@ def _resumed(args, part):
     return man
 
 
-@needs_tiny
 def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
             "--bootstrap", "100", "--quiet"]
@@ -138,7 +136,6 @@ def _batches_run(monkeypatch):
     return ran
 
 
-@needs_tiny
 def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     # 12 rows of 32 tokens in batches of 2: 6 batches; interrupted after the 3rd batch's checkpoint
     args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
@@ -171,12 +168,9 @@ def test_resume_refused_under_torchrun(monkeypatch):
     assert check_resume(True) is True
 
 
-@needs_tiny
 def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     from moetool.experiments import fluctuation as fl
 
-    if "tiny-early" not in embedded_models():
-        pytest.skip("embedded checkpoint pair not built")
     # order of work (--reference previous): tiny (checkpoint 1) first, then tiny-early fed to tiny's routers too
     args = ["fluctuation", "tiny-early", "tiny", "--routing", "router,similarity", "--isolate", "--max-tokens", "256",
             "--seq-len", "32", "--batch-size", "4", "--bootstrap", "100", "--quiet"]
@@ -200,7 +194,6 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]
 
 
-@needs_tiny
 @pytest.mark.parametrize("fmt", ["csv.gz", "parquet"])
 def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt):
     # 8 rows of 32 tokens in batches of 2: 4 batches; interrupted after the 2nd batch's checkpoint
@@ -223,7 +216,6 @@ def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt
     assert (batch[1:] >= batch[:-1]).all()  # batches in order across the parts (layer-major within a batch)
 
 
-@needs_tiny
 @pytest.mark.parametrize("command", ["stats", "trace"])
 def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, monkeypatch, command):
     """--batch-size auto after an out-of-memory runs each batch in parts (on_batch per part): a checkpoint is only
@@ -283,7 +275,6 @@ def _one_line_error(r, code):
     return lines[0]
 
 
-@needs_tiny
 def test_resume_refuses_other_data_read_from_the_same_path(tmp_path, monkeypatch):
     data = tmp_path / "data.txt"
     data.write_text("The old text about rivers and the sea, told again and again. " * 40)
@@ -298,7 +289,6 @@ def test_resume_refuses_other_data_read_from_the_same_path(tmp_path, monkeypatch
     assert r.exit_code == 0, r.output
 
 
-@needs_tiny
 def test_resume_refuses_weights_changed_since_the_run_started(tmp_path, monkeypatch):
     import shutil
 
@@ -325,7 +315,6 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@needs_tiny
 @pytest.mark.parametrize("suffix", ["unit", "pkl"])
 def test_resume_never_unpickles_a_tampered_checkpoint(tmp_path, monkeypatch, suffix):
     import pickle
@@ -340,7 +329,6 @@ def test_resume_never_unpickles_a_tampered_checkpoint(tmp_path, monkeypatch, suf
     assert "unsafe" in line and "--force" in line and "batches" in line, line
 
 
-@needs_tiny
 def test_resume_with_a_missing_unit_part_says_the_checkpoint_is_damaged(tmp_path, monkeypatch):
     part = tmp_path / "part"
     args = ["trace", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--format", "parquet", "--quiet"]

@@ -17,11 +17,9 @@ import typer
 from typer.testing import CliRunner
 
 from moetool.errors import MoetoolError
-from moetool.loading import embedded_models
 from moetool.report import RunDir
 from moetool.report import rundir as rd
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 DF = pd.DataFrame({"a": [1, 2], "b": [0.5, 0.25]})
 
 
@@ -198,7 +196,6 @@ def test_sigterm_is_handled_like_sigint(tmp_path):
     assert m["status"] == "interrupted" and m["error"] == "SIGTERM" and m["files"] == ["first.csv"]
 
 
-@needs_tiny
 def test_sigint_in_the_middle_of_a_real_demo_run(tmp_path):
     """``moetool demo --steps inspect,stats``: SIGINT once the first sub-run is complete (stats is running)."""
     out = tmp_path / "demo"
@@ -315,7 +312,6 @@ LOCK_HOLDER = textwrap.dedent("""
 STATS = ["stats", "--max-tokens", "64", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "0", "--quiet"]
 
 
-@needs_tiny
 def test_a_run_in_another_process_holds_the_folder(tmp_path):
     from moetool.commands.app import app
 

@@ -8,7 +8,6 @@ from itertools import permutations
 from types import SimpleNamespace
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 

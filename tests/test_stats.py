@@ -20,7 +20,6 @@ from moetool.data import TokenBatch, TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
 from moetool.experiments.stats import RoutingStats, SparseCounter, StatsOptions, stats
-from moetool.loading import embedded_models
 
 COLUMNS = {
     "load.csv": ["layer", "expert", "load_fraction", "load_fraction_lo", "load_fraction_hi", "token_fraction",
@@ -356,7 +355,6 @@ def test_cli_empty_data_is_one_line_error(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:") and "no text" in lines[0]
 
 
-@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
 def test_cli_on_embedded_tiny(tmp_path):
     out = tmp_path / "out"
     res = _cli("--model", "tiny", "--max-tokens", "1024", "--seq-len", "64", "--top-tokens", "3",
@@ -376,7 +374,6 @@ def test_cli_on_embedded_tiny(tmp_path):
     assert man["data"]["special_tokens"]["add_special_tokens"] == "tokenizer default"  # the tokenizer's own default
 
 
-@pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model 'tiny' not built yet")
 def test_cli_variants_on_embedded_tiny(tmp_path):
     """--top-k 1 --coactivation adjacent --all-tokens --no-special-tokens: K = 1 everywhere, the full pair table
     holds every real token once per layer, the manifest records the tokenization."""

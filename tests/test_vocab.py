@@ -10,9 +10,7 @@ import moetool
 from moetool.data import TokenSet
 from moetool.engine.runner import forward, vocabulary
 from moetool.errors import MoetoolError
-from moetool.loading import embedded_models
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 def _tokens(ids, pad_from=None):
@@ -23,7 +21,6 @@ def _tokens(ids, pad_from=None):
     return TokenSet(ids, mask, [""] * ids.shape[0], "test")
 
 
-@needs_tiny
 def test_ids_past_the_vocabulary_are_one_line():
     lm = moetool.load("tiny")
     n = lm.model.get_input_embeddings().weight.shape[0]
@@ -36,7 +33,6 @@ def test_ids_past_the_vocabulary_are_one_line():
         forward(lm, _tokens([[5, 6, 7, n + 3]], pad_from=3), nll=True, quiet=True)
 
 
-@needs_tiny
 def test_logits_sliced_below_the_embedding_count(monkeypatch):
     lm = moetool.load("tiny")
     n = lm.model.get_input_embeddings().weight.shape[0]

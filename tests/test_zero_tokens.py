@@ -9,9 +9,7 @@ import torch
 from moetool import ops
 from moetool.errors import MoetoolError
 from moetool.experiments.registry import EXPERIMENTS
-from moetool.loading import embedded_models
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,6 @@ def all_padding():
     return lm, replace(ts, attention_mask=torch.zeros_like(ts.attention_mask))
 
 
-@needs_tiny
 @pytest.mark.parametrize("name", [n for n, spec in EXPERIMENTS.items() if spec.inputs == "tokens"])
 def test_no_real_token_is_refused_not_tabulated(all_padding, name):
     lm, ts = all_padding
