@@ -34,6 +34,7 @@ def loads_of_experts(monkeypatch, layers) -> dict[int, int]:
 
 @pytest.mark.parametrize("fam", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("spec", ["norm:gate", "norm:output", "router"])
+@pytest.mark.slow
 def test_offloaded_probe_reuses_the_forward_weights(fam, spec, monkeypatch):
     from accelerate import cpu_offload
 

@@ -52,6 +52,7 @@ def _tables_equal(frame: pd.DataFrame, path: Path, drop: tuple[str, ...] = ()) -
     pd.testing.assert_frame_equal(api, cli)
 
 
+@pytest.mark.slow
 def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
     spec = importlib.util.spec_from_file_location("api_tour", ROOT / "examples" / "api_tour.py")
     tour = importlib.util.module_from_spec(spec)
@@ -73,6 +74,7 @@ def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
         assert rate == pytest.approx(float((tr.loc[sel, "expert_1"] == prev[sel]).mean()), abs=0)
 
 
+@pytest.mark.slow
 def test_commands_write_exactly_the_api_tables(tmp_path):
     runner = CliRunner()
     data = ["--max-tokens", "512", "--seq-len", "64"]
@@ -116,6 +118,7 @@ def test_every_command_has_its_python_function():
         assert callable(fn) and fn.__doc__, name
 
 
+@pytest.mark.slow
 def test_inspect_and_families_from_python():
     import moetool
     from moetool.inspect import families

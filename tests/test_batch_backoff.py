@@ -65,6 +65,7 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("error", [None, CPU_OOM], ids=["OutOfMemoryError", "cpu-allocator"])
+@pytest.mark.slow
 def test_ppl_random_policy_backs_off_to_the_explicit_run(tiny, backoff, error, capsys):
     """NLL sums and a random policy's draws (the sizing trial restores its generator) equal --batch-size 2."""
     from moetool.experiments.ppl import ppl
@@ -83,6 +84,7 @@ def test_ppl_random_policy_backs_off_to_the_explicit_run(tiny, backoff, error, c
     assert "out of memory at 8 rows per forward; going on with 4" in err and "going on with 2" in err
 
 
+@pytest.mark.slow
 def test_stateful_consumers_see_every_row_once(tiny, backoff):
     """mass-recall (per-batch k-means EMA steps, before_batch row registration) and trace (rows written after
     each batch) with an out-of-memory above 3 rows: the same tables as --batch-size 3 of 6."""
@@ -119,6 +121,7 @@ def test_off_without_auto_and_one_row_that_does_not_fit(tiny, backoff):
         del lm.model.forward
 
 
+@pytest.mark.slow
 def test_cli_auto_records_the_rows_that_ran(tmp_path, monkeypatch):
     """The CLI: --batch-size auto picks 8 rows, the forward fails above 2, the run goes on; manifest and console
     name the rows that ran; ppl.csv equals --batch-size 2; the back-off is off again for the next command."""

@@ -8,6 +8,8 @@ import pytest
 import torch
 from test_distributed import _forward_worker, free_port
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+
 
 
 

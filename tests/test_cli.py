@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
@@ -26,6 +27,7 @@ def _commands():
     return sorted(c.name or c.callback.__name__ for c in app.registered_commands)
 
 
+@pytest.mark.slow
 def test_help_of_every_command_never_imports_torch():
     for args in [["--help"], ["--version"], *[[c, "--help"] for c in _commands()]]:
         out = subprocess.run([sys.executable, "-c", HELP_PROBE.format(args=args)], capture_output=True, text=True,

@@ -32,6 +32,8 @@ from moetool.adapters import find_moe_layers, rules, tiny
 from moetool.commands.app import app
 from moetool.loading import EMBEDDED_DIR
 
+pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow'
+
 #: rule -> (model type, config overrides); the type's routers implement that rule (tests/test_rules.py)
 CASES: dict[str, tuple[str, dict]] = {
     "softmax-topk": ("olmoe", {}),

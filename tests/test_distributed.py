@@ -12,6 +12,8 @@ from moetool.data import Document, pack
 from moetool.errors import MoetoolError
 from moetool.sketch import QuantileSketch
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+
 
 class CharTokenizer:
     eos_token_id = 1

@@ -12,6 +12,8 @@ from moetool.commands import options as O
 from moetool.commands.app import app
 from moetool.loading import count_parameters, load_config
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+
 runner = CliRunner()
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from test_distributed import free_port
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+
 
 def _env():
     env = dict(os.environ, MOETOOL_DIST_TIMEOUT="60", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

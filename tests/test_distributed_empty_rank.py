@@ -4,9 +4,12 @@ every collective, and every experiment's tables equal one process's (2 gloo proc
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 import torch
 
 from test_distributed import _forward_worker, free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
 
 
 def experiments():

@@ -172,6 +172,7 @@ def test_noise_none_derived_eps_and_sample_average():
     assert r.eps_mean == pytest.approx(np.mean(hand_eps(R)), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_on_a_saved_tiny_model(tmp_path):
     model = build_tiny_model("mixtral")
     model.save_pretrained(tmp_path / "model")
@@ -197,6 +198,7 @@ def test_cli_on_a_saved_tiny_model(tmp_path):
         assert r.exit_code == 2 and len(errors) == 1 and msg in errors[0], r.output
 
 
+@pytest.mark.slow
 def test_cli_on_embedded_tiny(tmp_path):
     r = runner.invoke(app, ["erc", "--model", "tiny", "--out", str(tmp_path), "--samples", "2", "-q"])
     assert r.exit_code == 0, r.output

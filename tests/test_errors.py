@@ -150,6 +150,7 @@ def silent_server():
 
 
 @pytest.mark.parametrize("network", ["as is", "refused", "hangs", "proxy refused"])
+@pytest.mark.slow
 def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, network, silent_server):
     """A made-up hub id: this machine's own network (no DNS in CI), a refused connection, a Hub that accepts the
     connection and never answers (the probe's timeout), an https proxy that refuses. One line, exit 1, < 3 s
@@ -230,6 +231,7 @@ except MoetoolRuntimeError as e:
 """
 
 
+@pytest.mark.slow
 def test_hub_online_path_is_kept_when_the_hub_answers(tmp_path):
     """A local server stands in for the Hub: the probe sees it, so the normal online request is made (no
     local_files_only) and reaches it; its 404 becomes the one-line 'no model' message, not the offline one."""
@@ -246,6 +248,7 @@ def test_hub_online_path_is_kept_when_the_hub_answers(tmp_path):
     assert message.startswith("the Hugging Face Hub has no model 'made-up-org/no-such-moe-model'"), message
 
 
+@pytest.mark.slow
 def test_cached_hub_model_loads_offline(tmp_path):
     """Offline (the endpoint refuses), a hub id already in the cache loads from it: the same weights."""
     src = embedded_models()["tiny"]

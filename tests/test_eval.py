@@ -123,6 +123,7 @@ def hand_loglikelihood(lm, context, continuation, policy):
     return sum(float(logp[t - 1, whole[t]]) for t in range(ctx_len, len(whole)))
 
 
+@pytest.mark.slow
 def test_routing_reaches_lm_eval_loglikelihoods(model_dir, no_network):
     from lm_eval import evaluator
 
@@ -149,6 +150,7 @@ def test_routing_reaches_lm_eval_loglikelihoods(model_dir, no_network):
         assert res.n_samples[TASK]["effective"] == 2
 
 
+@pytest.mark.slow
 def test_eval_and_norm_select_cli_offline(model_dir, tmp_path, no_network):
     runner = CliRunner()
     r = runner.invoke(app, ["eval", "--model", str(model_dir), "--tasks", TASK, "--limit", "2", "--routing",
@@ -177,6 +179,7 @@ def test_eval_and_norm_select_cli_offline(model_dir, tmp_path, no_network):
     assert (tmp_path / "n" / "figures" / "agreement_by_layer.png").is_file()
 
 
+@pytest.mark.slow
 def test_embedded_model_is_above_chance_on_the_shipped_tasks(no_network):
     lm = load("tiny")
     tasks = ["moetool_code", "moetool_prose"]

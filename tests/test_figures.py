@@ -438,6 +438,7 @@ def stats_heatmaps():
             "cross_layer": plot_cross_layer(pairs, summary)}
 
 
+@pytest.mark.slow
 def test_every_colour_bar_has_a_label_and_square_matrices_get_square_cells(tmp_path):
     from moetool.report.plots import plot_erc
 

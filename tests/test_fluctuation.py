@@ -176,6 +176,7 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
 
 
 @pytest.mark.parametrize("early,final", [("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")])
+@pytest.mark.slow
 def test_cli_on_embedded_checkpoints(tmp_path, early, final):
     import pandas as pd
 

@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from moetool.commands.app import app
 
+pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow'
+
 runner = CliRunner()
 
 SMALL = ["--max-tokens", "256", "--seq-len", "64"]

@@ -264,6 +264,7 @@ def test_mass_recall_matches_hand_computation():
 
 # ----- the command on the embedded models --------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny", "tiny-fine"])
+@pytest.mark.slow
 def test_cli_on_embedded_model(tmp_path, name):
     import pandas as pd
 

@@ -148,6 +148,7 @@ def test_options_are_checked(tiny):
         offload(lm, tokens, bootstrap=5, quiet=True)
 
 
+@pytest.mark.slow
 def test_cli_writes_tables_and_figures(tmp_path):
     from typer.testing import CliRunner
 

@@ -36,6 +36,7 @@ def counts():
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.slow
 def test_parameters_match_published_sizes(counts, name):
     total, active = PUBLISHED[name]
     c = counts[name]
@@ -160,6 +161,7 @@ def cli(*args: str):
     return subprocess.run([sys.executable, "-m", "moetool", *args], capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_cli(tmp_path):
     r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
     assert r.returncode == 0, r.stderr

@@ -263,6 +263,7 @@ window.addEventListener("load", () => {
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install -y chromium)")
+@pytest.mark.slow
 def test_html_renders_in_headless_chromium(tmp_path):
     """At 1400 px: no broken image, no console message, no horizontal page scroll (a 40-column table scrolls in
     its own box), every figure at its pixel size; a screenshot is taken. Control elements injected into a copy (a
@@ -387,6 +388,7 @@ def test_progress_prints_policy_specs_verbatim(capsys):
     assert "ppl norm:up:l2 [x]" in err and "\U0001f199" not in err  # not "ppl norm🆙l2"
 
 
+@pytest.mark.slow
 def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     """Every demo step: <step>/<model>/ with <step>/manifest.json (norm-select was <step>/ alone). The sweep is
     cut to one node without tasks here (the layout, not the numbers, is under test)."""

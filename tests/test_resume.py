@@ -82,6 +82,7 @@ def _resumed(args, part):
     return man
 
 
+@pytest.mark.slow
 def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
             "--bootstrap", "100", "--quiet"]
@@ -136,6 +137,7 @@ def _batches_run(monkeypatch):
     return ran
 
 
+@pytest.mark.slow
 def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     # 12 rows of 32 tokens in batches of 2: 6 batches; interrupted after the 3rd batch's checkpoint
     args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
@@ -168,6 +170,7 @@ def test_resume_refused_under_torchrun(monkeypatch):
     assert check_resume(True) is True
 
 
+@pytest.mark.slow
 def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     from moetool.experiments import fluctuation as fl
 
@@ -195,6 +198,7 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["csv.gz", "parquet"])
+@pytest.mark.slow
 def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt):
     # 8 rows of 32 tokens in batches of 2: 4 batches; interrupted after the 2nd batch's checkpoint
     args = ["trace", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--logits", "--format", fmt,
@@ -217,6 +221,7 @@ def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt
 
 
 @pytest.mark.parametrize("command", ["stats", "trace"])
+@pytest.mark.slow
 def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, monkeypatch, command):
     """--batch-size auto after an out-of-memory runs each batch in parts (on_batch per part): a checkpoint is only
     taken at the end of a whole batch, numbered in batches of --batch-size (what --resume skips)."""
@@ -275,6 +280,7 @@ def _one_line_error(r, code):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_data_read_from_the_same_path(tmp_path, monkeypatch):
     data = tmp_path / "data.txt"
     data.write_text("The old text about rivers and the sea, told again and again. " * 40)

@@ -196,6 +196,7 @@ def test_sigterm_is_handled_like_sigint(tmp_path):
     assert m["status"] == "interrupted" and m["error"] == "SIGTERM" and m["files"] == ["first.csv"]
 
 
+@pytest.mark.slow
 def test_sigint_in_the_middle_of_a_real_demo_run(tmp_path):
     """``moetool demo --steps inspect,stats``: SIGINT once the first sub-run is complete (stats is running)."""
     out = tmp_path / "demo"

@@ -245,6 +245,7 @@ def test_forward_without_begin_batch_is_an_error():
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
+@pytest.mark.slow
 def test_stats_writer_writes_every_file_with_exact_columns(tmp_path):
     from moetool.report import RunDir
     from moetool.report.writers import write
@@ -309,6 +310,7 @@ def test_top1_variant_counts_the_first_ranked_expert_only():
     np.testing.assert_allclose(res["cross_layer"].groupby(["layer", "a"])["p_b_given_a"].sum(min_count=1).dropna(), 1.0)
 
 
+@pytest.mark.slow
 def test_coactivation_adjacent_equals_all_for_k2_and_all_tokens_are_complete(tmp_path):
     from moetool.report import RunDir
     from moetool.report.writers import write
@@ -355,6 +357,7 @@ def test_cli_empty_data_is_one_line_error(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:") and "no text" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_on_embedded_tiny(tmp_path):
     out = tmp_path / "out"
     res = _cli("--model", "tiny", "--max-tokens", "1024", "--seq-len", "64", "--top-tokens", "3",
@@ -374,6 +377,7 @@ def test_cli_on_embedded_tiny(tmp_path):
     assert man["data"]["special_tokens"]["add_special_tokens"] == "tokenizer default"  # the tokenizer's own default
 
 
+@pytest.mark.slow
 def test_cli_variants_on_embedded_tiny(tmp_path):
     """--top-k 1 --coactivation adjacent --all-tokens --no-special-tokens: K = 1 everywhere, the full pair table
     holds every real token once per layer, the manifest records the tokenization."""

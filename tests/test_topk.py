@@ -85,6 +85,7 @@ def tiny_topk():
     return lm, tokens, moetool.topk(lm, tokens, ks=(1,), ps=(0.6, 1.0), bootstrap=100, quiet=True)
 
 
+@pytest.mark.slow
 def test_experts_per_token_by_hand(tiny_topk):
     """The first MoE layer sees the same input under any policy: its top-p counts come from the unhooked
     router's π by hand; topk:1 uses one expert, the router K, topp:1 every expert (weights are positive)."""
@@ -141,6 +142,7 @@ def test_sparsemixer_refuses_before_any_forward(tiny_model):
             make_policy(spec).check(L)
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_values_in_one_line(tmp_path):
     for args in (["--ps", "0.5,1.5"], ["--ks", "0"]):
         r = subprocess.run([sys.executable, "-m", "moetool", "topk", *args, "--out", str(tmp_path / "x")],

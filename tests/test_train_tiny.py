@@ -54,6 +54,7 @@ def _reference(model, val, n_experts):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-fine"])
+@pytest.mark.slow
 def test_evaluate_through_moetool_equals_the_hand_reference(name):
     import moetool
 
