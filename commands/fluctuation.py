@@ -9,7 +9,7 @@ import typer
 
 from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, Out,
                       Quiet, Resume, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, open_run, parse_list,
-                      preflight, rank_layout, run_options, unit_key)
+                      preflight, rank_layout, run_options, unit_key, write_result)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
 
@@ -77,7 +77,6 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
                                                  summary_lines)
     from moetool.report.console import print_table, with_ci
-    from moetool.report.writers import write
 
     opts = FluctuationOptions(routing=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
                               reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device,
@@ -97,7 +96,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
     if distributed.world_size() > 1:
         run.add(distributed=rank_layout(tokens, batch_size))
     res = compute(checkpoints, tokens, opts, quiet=quiet, units=units)
-    write(res, run, options=options)
+    write_result(res, run, options=options)
     if not quiet:
         print_table(with_ci(res.summary), f"routing fluctuation ({tokens.n_tokens:,} tokens)", csv="fluctuation.csv")
         for line in summary_lines(" vs ".join(checkpoints), res):

@@ -6,8 +6,7 @@ from __future__ import annotations
 import typer
 
 from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, run_options,
-                      start_run)
+                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
 
@@ -66,18 +65,17 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
     from moetool.report.console import print_table, with_ci
-    from moetool.report.writers import write
 
     opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),
                              shortlists=tuple(parse_list(shortlist, int, "shortlist size")),
                              centroids=tuple(parse_list(centroids, str, "centroids mode")),
                              kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers),
                              bootstrap=bootstrap)
-    run, lm, tokens = start_run("mass-recall", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                batch_size=batch_size, dtype=dtype, device=device)
+    started = start_run("mass-recall", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                        batch_size=batch_size, dtype=dtype, device=device)
+    run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device))
+    started.write(res)
     for note in res.meta["notes"]:
         typer.secho(f"note: {note}", err=True)
     if not quiet:

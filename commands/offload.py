@@ -6,7 +6,7 @@ import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
-                      parse_list, preflight, run_options, start_run)
+                      parse_list, preflight, start_run)
 
 HELP = """Expert offloading analysis from the model's real routing (one forward, the router's own choices).
 
@@ -53,18 +53,17 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.offload import OffloadOptions, offload as compute
     from moetool.report.console import print_table
-    from moetool.report.writers import write
 
     opts = OffloadOptions(capacities=tuple(parse_list(capacity, int, "capacity")) if capacity else None,
                           policies=tuple(parse_list(policies, str, "policy")),
                           coverage_tokens=tuple(parse_list(coverage_tokens, int, "coverage tokens"))
                           if coverage_tokens else None, predict_norm=predict_norm, bootstrap=bootstrap, seed=seed,
                           batch_size=batch_size, layers=parse_layers(layers))
-    run, lm, tokens = start_run("offload", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    started = start_run("offload", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    write(res, run, model=lm, options=run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                                                  dtype=dtype, device=device, device_map=device_map))
+    started.write(res)
     if not quiet:
         print_table(res.summary, f"expert cache: {model} ({tokens.n_tokens:,} tokens; hit rate = mean over layers, "
                                  f"bytes/token = sum over layers)", csv="offload_cache.csv")

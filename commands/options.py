@@ -306,13 +306,19 @@ class StartedRun:
         return iter((self.run, self.lm, self.tokens))
 
     def write(self, result: Any, **kwargs: Any) -> Any:
-        """:func:`moetool.report.writers.write` with this run's model and run-level options."""
-        from moetool.engine.runner import BACKOFF
-        from moetool.report.writers import write
+        """:func:`write_result` with this run's model and run-level options."""
+        return write_result(result, self.run, model=self.lm, options=self.options, **kwargs)
 
-        if BACKOFF.rows is not None:  # --batch-size auto backed off on out-of-memory: the rows that ran
-            self.run.add(batch_size_auto={**AUTO_CHOICE, "rows": BACKOFF.rows, "out_of_memory_at": BACKOFF.events})
-        return write(result, self.run, model=self.lm, options=self.options, **kwargs)
+
+def write_result(result: Any, run: Any, **kwargs: Any) -> Any:
+    """The one writer call of every command: :func:`moetool.report.writers.write`, the ``--batch-size auto``
+    back-off (the rows that ran after an out-of-memory) recorded in the manifest first."""
+    from moetool.engine.runner import BACKOFF
+    from moetool.report.writers import write
+
+    if BACKOFF.rows is not None:  # --batch-size auto backed off on out-of-memory: the rows that ran
+        run.add(batch_size_auto={**AUTO_CHOICE, "rows": BACKOFF.rows, "out_of_memory_at": BACKOFF.events})
+    return write(result, run, **kwargs)
 
 
 def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
