@@ -514,6 +514,57 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
     return est
 
 
+_SHOWN_KEYS = 3  # names a refused load report shows of each kind
+
+
+def _keys_sample(keys: Any) -> str:
+    names = sorted(k if isinstance(k, str) else f"{k[0]} (checkpoint {list(k[1])}, model {list(k[2])})"
+                   for k in keys)
+    more = f", ... ({len(names) - _SHOWN_KEYS} more)" if len(names) > _SHOWN_KEYS else ""
+    return ", ".join(names[:_SHOWN_KEYS]) + more
+
+
+def check_loading_info(source: str, config: Any, info: dict[str, Any]) -> None:
+    """Refuse (one line, exit 1) a load whose report (``from_pretrained(..., output_loading_info=True)``) lists a
+    MISSING parameter (transformers initialised it at random), an UNEXPECTED one (a checkpoint weight the model
+    has no place for) or one of the wrong shape: such a model computes numbers that look like results and are
+    noise (a config naming another family, a conversion mistake, a transformers version that renamed expert
+    parameters). transformers has already taken out of these sets what is legitimately absent: weights tied to
+    another (``lm_head`` tied to the embeddings), non-persistent buffers, its ``_keys_to_ignore_on_load_*``."""
+    parts = [f"{len(keys)} {what}: {_keys_sample(keys)}"
+             for what, keys in (("missing (would be random)", info.get("missing_keys") or ()),
+                                ("unexpected (not used)", info.get("unexpected_keys") or ()),
+                                ("of the wrong shape", info.get("mismatched_keys") or ()))
+             if keys]
+    if parts:
+        family = getattr(config, "model_type", "?")
+        raise MoetoolRuntimeError(
+            f"the weights of {source} do not fit its config ({family}): {'; '.join(parts)} -- a checkpoint of "
+            f"another family or transformers version, or a conversion mistake: fix config.json or convert the "
+            f"weights")
+
+
+class _DropLoadReport:
+    """A :mod:`logging` filter: transformers' multi-line LOAD REPORT table is dropped (check_loading_info says
+    the same in one line)."""
+
+    @staticmethod
+    def filter(record: Any) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _no_load_report() -> Iterator[None]:
+    import logging
+
+    log = logging.getLogger("transformers.modeling_utils")
+    log.addFilter(_DropLoadReport)
+    try:
+        yield
+    finally:
+        log.removeFilter(_DropLoadReport)
+
+
 @dataclass
 class LoadedModel:
     name: str  # what the user typed
@@ -560,9 +611,13 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         kwargs["device_map"] = "auto"
     if kind in ("local", "embedded"):
         check_safetensors(source)
+    # the load report comes back to us (output_loading_info), wrong shapes included (ignore_mismatched_sizes:
+    # refused below by check_loading_info, with the names, instead of transformers' "see the report above")
+    kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        with quiet_transformers(), _no_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        check_loading_info(source, config, info)
     except MoetoolError:
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each

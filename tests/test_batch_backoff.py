@@ -168,3 +168,60 @@ def test_no_back_off_under_torchrun(tiny, backoff, monkeypatch):
     finally:
         del lm.model.forward
     assert backoff.rows is None
+
+
+# ----- the NLL step (#21.8): chunked, and inside the back-off ---------------------------------------------------
+def test_chunked_nll_equals_one_cross_entropy_and_never_copies_the_whole_logits(tiny, monkeypatch):
+    """batch_nll over chunks of positions gives the per-token NLL sums of one cross_entropy over the whole batch;
+    no step holds more than NLL_CHUNK_ELEMENTS fp32 logits (it held rows x positions x vocab)."""
+    import torch.nn.functional as F
+
+    lm, tokens = tiny
+    ids, mask = tokens.input_ids[:4].clone(), tokens.attention_mask[:4].clone()
+    mask[1, :5] = 0  # a padded row
+    with torch.no_grad():
+        logits = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.to(torch.bfloat16)
+    B, S, V = logits.shape
+    keep = (mask[:, 1:].bool() & mask[:, :-1].bool())
+    ref = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none")
+    ref = (ref.view(B, S - 1).double() * keep).sum(1)
+
+    seen = []
+    orig = F.cross_entropy
+
+    def spy(pred, *args, **kwargs):
+        seen.append(pred.numel())
+        return orig(pred, *args, **kwargs)
+
+    monkeypatch.setattr(runner.F, "cross_entropy", spy)
+    monkeypatch.setattr(runner, "NLL_CHUNK_ELEMENTS", 5 * B * V, raising=False)  # 5 positions a step: 13 steps
+    sums, counts = runner.batch_nll(logits, ids, mask, per_row=True)
+    total, n = runner.batch_nll(logits, ids, mask)
+    torch.testing.assert_close(sums, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(counts, keep.sum(1)) and int(n) == int(keep.sum())
+    assert float(total) == pytest.approx(float(ref.sum()), rel=1e-6)
+    assert max(seen) <= 5 * B * V and len(seen) == 2 * -(-(S - 1) // 5)
+
+
+@pytest.mark.parametrize("bootstrap", [0, 100], ids=["total", "per-row"])
+def test_out_of_memory_in_the_nll_step_backs_off(tiny, backoff, bootstrap, capsys, monkeypatch):
+    """The fp32 NLL of a batch was computed outside the back-off: an out-of-memory there ended the run. Now it
+    halves the rows like one in the forward, and the result equals --batch-size 2 (with and without the
+    bootstrap's per-row sums)."""
+    from moetool.experiments.ppl import ppl
+
+    lm, tokens = tiny
+    want = tables(ppl(lm, tokens, batch_size=2, bootstrap=bootstrap, quiet=True))
+    orig, calls = runner.batch_nll, []
+
+    def nll(logits, *args, **kwargs):
+        calls.append(logits.shape[0])
+        if logits.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return orig(logits, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "batch_nll", nll)
+    got = tables(ppl(lm, tokens, batch_size=8, bootstrap=bootstrap, quiet=True))
+    same(got, want)
+    assert backoff.rows == 2 and backoff.events == [8, 4] and calls[:2] == [8, 4]
+    assert "out of memory at 8 rows per forward; going on with 4" in capsys.readouterr().err

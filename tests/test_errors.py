@@ -122,6 +122,52 @@ def test_a_used_out_is_refused_before_torch_is_imported(tmp_path, previous):
     assert lines == [f"error: --out {out} is not empty (use --force to write into it)", "torch imported: False"]
 
 
+@needs_tiny
+@pytest.mark.parametrize("change, expect", [
+    # a qwen3_moe checkpoint whose config says mixtral: every expert weight has another name
+    ("family", ["(mixtral)", "8 missing (would be random): model.layers.0.mlp.experts.down_proj, ",
+                "392 unexpected (not used): model.layers.0.mlp.experts.0.down_proj.weight, "]),
+    # the router's weights renamed in the file (a conversion mistake): missing and unexpected, 4 layers each
+    ("renamed", ["4 missing (would be random): model.layers.0.mlp.gate.weight, ",
+                 "4 unexpected (not used): model.layers.0.mlp.router.weight, "]),
+    # a config that disagrees with the weights' shapes
+    ("shape", ["12 of the wrong shape: model.layers.0.mlp.experts.down_proj (checkpoint [32, 128, 48], model "
+               "[16, 128, 48]), "]),
+])
+def test_weights_that_do_not_fit_the_config_are_one_line_exit_1_before_any_forward(tmp_path, monkeypatch,
+                                                                                   change, expect):
+    """#21.2: transformers initialises missing parameters at random and skips unexpected ones; a run on such a
+    model gave perplexity 5.7e4 with exit 0. Its load report is one line naming the count and the first names."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / change
+    shutil.copytree(embedded_models()["tiny-fine"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    if change == "family":
+        cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                   intermediate_size=cfg["moe_intermediate_size"])
+    elif change == "shape":
+        cfg["num_local_experts"] = 16
+    else:
+        f = d / "model.safetensors"
+        save_file({k.replace("mlp.gate.", "mlp.router."): v for k, v in load_file(f).items()}, f,
+                  metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    for cls in (MixtralForCausalLM, Qwen3MoeForCausalLM):
+        monkeypatch.setattr(cls, "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    r = runner.invoke(app, ["ppl", "--model", str(d), "--max-tokens", "64", "--out", str(tmp_path / "out"),
+                            "--no-baseline", "--quiet"])
+    line = _one_line_error(r, 1)
+    assert line.startswith(f"error: the weights of {d} do not fit its config"), line
+    for part in expect:
+        assert part in line, line
+    assert not (tmp_path / "out" / "ppl.csv").exists()
+
+
 # ----- devices --------------------------------------------------------------------------------------------------
 def test_device_cuda_without_cuda_is_one_line_exit_1(tmp_path):
     import torch

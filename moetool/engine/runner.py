@@ -52,18 +52,31 @@ class ForwardResult:
         return self.nll.ppl
 
 
+#: fp32 logit elements one step of :func:`batch_nll` holds (x 4 bytes, twice: the fp32 copy and its log-softmax):
+#: 128 MiB each; a batch's logits are never copied to fp32 whole (rows x positions x a 150k-250k vocabulary)
+NLL_CHUNK_ELEMENTS = 1 << 25
+
+
 def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
               per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token NLL and number of scored tokens for one batch (device tensors); ``per_row``: one sum and
-    count per row (``[B]`` each; the bootstrap's per-document sums)."""
-    pred = logits[:, :-1].float()  # [B, S-1, V]
-    tgt = input_ids[:, 1:]  # [B, S-1]
-    keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
-    nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tgt.reshape(-1), reduction="none")
+    count per row (``[B]`` each; the bootstrap's per-document sums).
+
+    Computed in fp32 over chunks of positions of at most :data:`NLL_CHUNK_ELEMENTS` logits (at least one
+    position), summed in fp64: the same per-token values as one ``cross_entropy`` over the whole batch."""
+    B, S, V = logits.shape
+    keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()  # [B, S-1]
+    sums = torch.zeros(B, dtype=torch.float64, device=logits.device)
+    step = max(1, NLL_CHUNK_ELEMENTS // max(B * V, 1))
+    for p0 in range(0, S - 1, step):
+        p1 = min(p0 + step, S - 1)
+        pred = logits[:, p0:p1].float()  # [B, p, V]: a bounded fp32 copy
+        nll = F.cross_entropy(pred.reshape(-1, V), input_ids[:, p0 + 1:p1 + 1].reshape(-1), reduction="none")
+        sums += (nll.view(B, p1 - p0) * keep[:, p0:p1]).sum(1, dtype=torch.float64)
+        del pred, nll
     if per_row:
-        return (nll.view(keep.shape) * keep).sum(1, dtype=torch.float64), keep.sum(1)
-    keep = keep.reshape(-1)
-    return (nll * keep).sum(dtype=torch.float64), keep.sum()
+        return sums, keep.sum(1)
+    return sums.sum(), keep.sum()
 
 
 @dataclass
@@ -184,8 +197,9 @@ def check_token_ids(model: Any, tokens: Any) -> None:
 def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
-            nll: bool = False, attention: bool = False, quiet: bool = False,
-            description: str = "forward", start_batch: int = 0) -> ForwardResult:
+            nll: bool = False, per_row_nll: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+            attention: bool = False, quiet: bool = False, description: str = "forward",
+            start_batch: int = 0) -> ForwardResult:
     """Run ``lm`` (a loaded model: ``.model``, ``.layers``) over ``tokens`` (a ``TokenSet``) in batches.
 
     ``policy`` replaces routing in the MoE ``layers`` (decoder indices, ``None`` = every MoE layer; validated by
@@ -195,7 +209,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``router`` run reproduces.
     ``before_batch(batch)`` runs before each forward (a consumer registering the batch's token ids),
     ``on_batch(batch, output)`` after it (logits consumers, per-batch checks). ``nll=True`` reduces the
-    next-token NLL of the real tokens (padding never counts). ``start_batch``: batches before it are not run
+    next-token NLL of the real tokens (padding never counts); ``per_row_nll(sums, counts)`` receives it per row
+    of each batch (``[B]`` each; the bootstrap's per-document sums). ``start_batch``: batches before it are not run
     (``--resume``: the consumers' state up to there was restored); numbering (errors, progress) is unchanged.
 
     Under a distributed launch (:mod:`moetool.distributed`, ``WORLD_SIZE > 1``) each rank runs its shard of the
@@ -206,9 +221,10 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``--batch-size auto`` (:data:`BACKOFF` enabled, one process): an out-of-memory halves the rows and retries the
     same rows, each batch of ``batch_size`` rows then runs as consecutive sub-batches of the smaller size
     (numbering unchanged), so the result is the run an explicit smaller ``--batch-size`` gives when it divides
-    ``batch_size``. No consumer may see a batch twice: with consumers (or ``before_batch``) the first batch runs
-    once without them to find the rows that fit; an out-of-memory after a consumer saw part of a batch is one
-    error line naming the rows to use.
+    ``batch_size``. The back-off covers the forward and the NLL of a batch (:func:`batch_nll`, in bounded fp32
+    chunks), the allocations that grow with its rows. No consumer may see a batch twice: with consumers (or
+    ``before_batch``) the first batch runs once without them (forward and NLL) to find the rows that fit; an
+    out-of-memory after a consumer saw part of a batch is one error line naming the rows to use.
     """
     from .. import distributed
     from .guard import FiniteGuard
@@ -248,6 +264,15 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     def events() -> int:
         return sum(getattr(engine, "reported", {}).values())
 
+    want_nll = nll or per_row_nll is not None
+
+    def run_nll(b: Any, first: int) -> tuple[Any, Any]:
+        """The forward of ``b`` and its NLL (``None`` unless asked for): every large allocation of a batch."""
+        out, ids, mask = run(b, first)
+        if not want_nll:
+            return out, None
+        return out, batch_nll(out.logits, ids.to(out.logits.device), mask.to(out.logits.device), per_row=True)
+
     with torch.no_grad(), engine, guard:
         batches = itertools.islice(tokens.batches(batch_size), start_batch, None)
         for b in progress(batches, total=tokens.n_batches(batch_size) - start_batch, description=description,
@@ -260,23 +285,27 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                     saved, rng = getattr(engine, "consumers", None), _rng_snapshot(policy)
                     if saved is not None:
                         engine.consumers = []
+                    oom = False
                     try:
-                        run(sub, n * batch_size + start)
+                        run_nll(sub, n * batch_size + start)
                         sized = True
                     except Exception as e:
                         if not is_oom(e):
                             raise
-                        rows = _back_off(count, b.input_ids.shape[1])
-                        continue
+                        oom = True  # backed off below, once the exception (and the tensors its frames hold) is gone
                     finally:
                         if saved is not None:
                             engine.consumers = saved
                         _rng_restore(rng)  # a random policy draws the same again after the trial
+                    if oom:
+                        rows = _back_off(count, b.input_ids.shape[1])
+                        continue
                 if before_batch is not None:
                     before_batch(sub)
                 seen = events()
+                out = nll_rows = None
                 try:
-                    out, ids, mask = run(sub, n * batch_size + start)
+                    out, nll_rows = run_nll(sub, n * batch_size + start)
                 except Exception as e:
                     if not (backoff and is_oom(e)):
                         if BACKOFF.enabled and is_oom(e):  # torchrun: every rank must cut the same batches
@@ -292,13 +321,15 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                         raise MoetoolRuntimeError(
                             f"out of memory at batch {n} ({_rows(tokens, n * batch_size + start, count)}) after the "
                             f"analysis saw part of it: rerun with --batch-size {max(count // 2, 1)}") from None
+                if out is None:  # out of memory in the forward or the NLL: nothing of this try was kept
                     rows = _back_off(count, b.input_ids.shape[1])
                     continue
                 guard.check(n, _rows(tokens, n * batch_size + start, count))
                 if nll:
-                    bs, bc = batch_nll(out.logits, ids, mask.to(out.logits.device))
-                    s += bs.to(device)
-                    c += bc.to(device)
+                    s += nll_rows[0].sum().to(device)
+                    c += nll_rows[1].sum().to(device)
+                if per_row_nll is not None:
+                    per_row_nll(*nll_rows)
                 if on_batch is not None:
                     on_batch(sub, out)
                 start += count

@@ -83,17 +83,14 @@ def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Itera
     if rows is None:
         return forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
                        nll=True, quiet=quiet, description=description)
-    from ..engine.runner import NLL, batch_nll
+    from ..engine.runner import NLL
 
-    def on_batch(batch: Any, out: Any) -> None:
-        logits = out.logits
-        s, c = batch_nll(logits, batch.input_ids.to(logits.device), batch.attention_mask.to(logits.device),
-                         per_row=True)
-        rows.add("nll", s)
-        rows.add("scored", c)
+    def per_row(nll: Any, scored: Any) -> None:
+        rows.add("nll", nll)
+        rows.add("scored", scored)
 
     res = forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
-                  before_batch=rows.next_batch, on_batch=on_batch, quiet=quiet, description=description)
+                  before_batch=rows.next_batch, per_row_nll=per_row, quiet=quiet, description=description)
     rows.reduce_across_ranks()
     res.nll = NLL(float(rows.table("nll").sum()), int(rows.table("scored").sum()))
     res.rows = rows
