@@ -122,7 +122,6 @@ def test_a_used_out_is_refused_before_torch_is_imported(tmp_path, previous):
     assert lines == [f"error: --out {out} is not empty (use --force to write into it)", "torch imported: False"]
 
 
-@needs_tiny
 @pytest.mark.parametrize("change, expect", [
     # a qwen3_moe checkpoint whose config says mixtral: every expert weight has another name
     ("family", ["(mixtral)", "8 missing (would be random): model.layers.0.mlp.experts.down_proj, ",
