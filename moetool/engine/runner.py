@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, MoetoolRuntimeError
 from ..progress import progress
 
 
@@ -194,6 +194,26 @@ def check_token_ids(model: Any, tokens: Any) -> None:
                            f"vocabulary of {n:,} ids: the tokenizer does not match the model")
 
 
+def _sizing_trial(engine: Any, policy: Any, attempt: Callable[[], Any]) -> bool:
+    """Run ``attempt`` (a batch's forward and NLL) once with the engine's consumers detached and the policy's random
+    state restored after it: ``True`` when it fits, ``False`` on an out-of-memory (the caller backs off once the
+    exception, and the tensors its frames hold, are gone); any other error propagates."""
+    saved, rng = getattr(engine, "consumers", None), _rng_snapshot(policy)
+    if saved is not None:
+        engine.consumers = []
+    try:
+        attempt()
+        return True
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        return False
+    finally:
+        if saved is not None:
+            engine.consumers = saved
+        _rng_restore(rng)  # a random policy draws the same again after the trial
+
+
 def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
@@ -282,22 +302,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                 sub = b if start == 0 and rows >= B else _slice(b, start, rows)
                 count = sub.input_ids.shape[0]
                 if not sized:  # these rows once without consumers: find what fits before anyone sees a token
-                    saved, rng = getattr(engine, "consumers", None), _rng_snapshot(policy)
-                    if saved is not None:
-                        engine.consumers = []
-                    oom = False
-                    try:
-                        run_nll(sub, n * batch_size + start)
-                        sized = True
-                    except Exception as e:
-                        if not is_oom(e):
-                            raise
-                        oom = True  # backed off below, once the exception (and the tensors its frames hold) is gone
-                    finally:
-                        if saved is not None:
-                            engine.consumers = saved
-                        _rng_restore(rng)  # a random policy draws the same again after the trial
-                    if oom:
+                    sized = _sizing_trial(engine, policy, lambda: run_nll(sub, n * batch_size + start))
+                    if not sized:
                         rows = _back_off(count, b.input_ids.shape[1])
                         continue
                 if before_batch is not None:
@@ -309,15 +315,11 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
                 except Exception as e:
                     if not (backoff and is_oom(e)):
                         if BACKOFF.enabled and is_oom(e):  # torchrun: every rank must cut the same batches
-                            from ..errors import MoetoolRuntimeError
-
                             raise MoetoolRuntimeError(
                                 f"out of memory at {count} rows per process on {world} ranks (no back-off under "
                                 f"torchrun): rerun with --batch-size {max(count // 2, 1)}") from None
                         raise
                     if events() != seen or before_batch is not None:
-                        from ..errors import MoetoolRuntimeError
-
                         raise MoetoolRuntimeError(
                             f"out of memory at batch {n} ({_rows(tokens, n * batch_size + start, count)}) after the "
                             f"analysis saw part of it: rerun with --batch-size {max(count // 2, 1)}") from None
