@@ -30,6 +30,7 @@ DEFINITIONS = {
     "order": "which assignments an expert keeps: order = its first C in the batch's flattened token order (row 0 "
              "of the batch position by position, then row 1, ...: GShard/Switch), score = its C with the highest "
              "routing weight (the model's gate value; ties to the earlier token)",
+    "layer/expert": "decoder layer index of the MoE layer / expert index within it",
     "tokens": "scored next-token predictions (capacity.csv, as moetool ppl) / real tokens the layer routed "
               "(capacity_layers.csv)",
     "assignments": "(token, expert) assignments of real tokens by the model's own routing in the layer, K per token "
