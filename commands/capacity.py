@@ -18,8 +18,8 @@ capacity. --order order: an expert keeps its first C assignments in the batch's 
 position by position, then row 1, ...); --order score: its C with the highest routing weight (ties: the earlier
 token). Capacity depends on the batch: the same text in batches of other rows drops other assignments (under
 torchrun each process's batches of --batch-size rows are the one-process batches, so the tables are the same).
-cf >= n/K drops nothing (cf may be inf). The policy capacity:<cf>[:order|score] works in ppl, eval and trace too
-norm-select too (capacity per forward batch there as well).
+cf >= n/K drops nothing (cf may be inf). The policy capacity:<cf>[:order|score] works in ppl, eval and trace
+too (capacity per forward batch there as well).
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 model's own routing on the same rows.
 
