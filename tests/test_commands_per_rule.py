@@ -315,3 +315,36 @@ def test_topk(case, tmp_path):
     if not sparse:
         assert df.loc["topk:1", "mean_experts"] == 1 and df.loc["topp:1", "mean_experts"] == n
         assert finite(df.drop(columns=["kind"]))
+
+
+def test_capacity(case, tmp_path):
+    K, n = case.top_k, case.n_experts
+    big = n / K  # every expert can take every real token: nothing dropped
+    invoke("capacity", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--cf", f"0.5,{big!r}",
+           "--order", "order,score", "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "capacity.csv").set_index(["cf", "order"])
+    lay = pd.read_csv(tmp_path / "capacity_layers.csv")
+    exp = pd.read_csv(tmp_path / "capacity_experts.csv")
+    assert finite(df.reset_index().drop(columns=["order"])) and finite(lay.drop(columns=["order"]))
+    T = case.tokens.n_tokens  # one batch: C = ceil(cf * T * K / n)
+    for order in ("order", "score"):
+        assert df.loc[(big, order), "dropped"] == 0
+        assert df.loc[(big, order), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)  # the model's own routing
+        assert df.loc[(0.5, order), "router_perplexity"] == pytest.approx(case.ppl, rel=1e-6)
+        first = exp[(exp.cf == 0.5) & (exp.order == order) & (exp.layer == case.layers[0])].sort_values("expert")
+        load = torch.bincount(case.routing[case.layers[0]][0].reshape(-1), minlength=n).numpy()
+        cap = math.ceil(0.5 * T * K / n)
+        assert list(first["load"]) == list(load) and (first["capacity"] == cap).all()
+        assert list(first["dropped"]) == list(np.maximum(load - cap, 0))  # the first layer: by hand
+        rows = lay[(lay.cf == 0.5) & (lay.order == order)]
+        assert list(rows["layer"]) == case.layers and (rows["tokens"] == T).all()
+    idx = case.routing[case.layers[0]][0]  # token order: an expert keeps the first C real tokens routed to it
+    seen, lost = {}, 0
+    for row in idx.tolist():
+        kept = []
+        for e in row:
+            seen[e] = seen.get(e, 0) + 1
+            kept.append(seen[e] <= math.ceil(0.5 * T * K / n))
+        lost += not any(kept)
+    got = lay[(lay.cf == 0.5) & (lay.order == "order") & (lay.layer == case.layers[0])]
+    assert int(got["tokens_dropped_all"].iloc[0]) == lost

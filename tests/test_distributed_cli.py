@@ -89,6 +89,10 @@ CASES = [
     ("trace", ["--model", "tiny", *DATA, "--format", "parquet", "--routing", "norm:gate"]),
     ("offload", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
     ("topk", ["--model", "tiny", *DATA, "--ks", "1", "--ps", "0.8", "--bootstrap", "100"]),
+    # capacity is per forward batch of --batch-size rows: the same 2 rows per batch on both sides (a rank's batches
+    # are the one-process batches), not the 4-row one-process batches of the other cases
+    ("capacity", ["--model", "tiny", *DATA, "--batch-size", "2", "--cf", "0.5,1.25", "--order", "order,score",
+                  "--bootstrap", "100"]),
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}
@@ -104,11 +108,13 @@ SEQUENCE = (str(Path(__file__).with_name("cli_sequence.py")),)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case once alone (one process, batches of 4 rows) and once on 2 torchrun ranks (2 rows each: the same
-    global batches). Each side runs all the commands one after another in ONE process per rank
-    (tests/cli_sequence.py), so the launcher, the process group and the imports are paid once, not per command."""
+    global batches); a case giving its own --batch-size keeps it on both sides. Each side runs all the commands one
+    after another in ONE process per rank (tests/cli_sequence.py), so the launcher, the process group and the
+    imports are paid once, not per command."""
     root = tmp_path_factory.mktemp("dist")
     for side, rows in (("one", "4"), ("two", "2")):
-        seq = [[command, "--quiet", *extra] + ["--batch-size", rows] * ("--max-tokens" in extra)
+        seq = [[command, "--quiet", *extra] + ["--batch-size", rows] * ("--max-tokens" in extra
+                                                                        and "--batch-size" not in extra)
                + ["--out", str(root / f"{side}{i}")] for i, (command, extra) in enumerate(CASES)]
         (root / f"{side}.json").write_text(json.dumps(seq))
     run_cli([str(root / "one.json")], root, target=SEQUENCE, timeout=600)

@@ -458,6 +458,40 @@ def topk_figures(result: Any) -> dict[str, Any]:
     return plot_topk(result["topk.csv"], result["topk_layers.csv"])
 
 
+# ----- capacity -----------------------------------------------------------------------------
+def plot_capacity(df: Any, layers: Any) -> dict[str, Any]:
+    """``capacity_curve``: the dropped share of assignments (left) and perplexity / the router's (right) against the
+    capacity factor, one line per drop order; ``capacity_layers``: the dropped share by layer, one line per cf and
+    order. cf = inf sits at the right of the finite ones (no such x): left out of the curves."""
+    import numpy as np
+
+    from .figures import line_by, new_figure
+
+    out = {}
+    finite = df[np.isfinite(df["cf"])]
+    if len(finite):
+        fig, axes = new_figure(ncols=2, width=4.0)
+        line_by(axes[0], finite, "cf", "dropped_frac", "order", title="dropped assignments", marker="o",
+                xlabel="capacity factor cf", ylabel="dropped share of assignments")
+        line_by(axes[1], finite, "cf", "ratio", "order", title="perplexity", marker="o",
+                yerr=("ratio_lo", "ratio_hi"), xlabel="capacity factor cf", ylabel="perplexity / router's (paired)")
+        axes[1].axhline(1.0, color="black", linewidth=0.6, linestyle=":")
+        if finite["ratio"].max() > 4:  # a collapse at small cf would flatten the rest
+            axes[1].set_yscale("log")
+        out["capacity_curve"] = fig
+    if len(layers):
+        lay = layers.assign(series=[f"cf {cf:g} ({order})" for cf, order in zip(layers["cf"], layers["order"])])
+        fig, (ax,) = new_figure(width=5.0)
+        line_by(ax, lay, "layer", "dropped_frac", "series", title="dropped assignments by layer",
+                ylabel="dropped share of assignments")
+        out["capacity_layers"] = fig
+    return out
+
+
+def capacity_figures(result: Any) -> dict[str, Any]:
+    return plot_capacity(result["capacity.csv"], result["capacity_layers.csv"])
+
+
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots): the
 #: report page's captions (:mod:`moetool.report.page`), kept beside the functions that draw the figures
 FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
@@ -467,6 +501,13 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                       ("mean_experts", "ratio", "*_lo/*_hi")),
     "topk_layers": ("Top-p routing: experts per token (mean over real tokens) in each MoE layer, one line per p",
                     ("topk_layers.csv",), ("mean_experts",)),
+    "capacity_curve": ("Expert capacity C = ceil(cf · tokens · K / n) per batch and MoE layer: the share of the "
+                       "model's assignments beyond capacity (left) and perplexity relative to the model's own "
+                       "routing on the same rows with them dropped (right) against cf, one line per drop order; "
+                       "error bars: the paired bootstrap interval", ("capacity.csv",),
+                       ("cf", "order", "dropped_frac", "ratio", "*_lo/*_hi")),
+    "capacity_layers": ("The share of assignments beyond expert capacity in each MoE layer, one line per capacity "
+                        "factor and drop order", ("capacity_layers.csv",), ("cf", "dropped_frac")),
     "load_heatmap": ("Expert load relative to uniform routing (load_fraction × n), one row per layer and one column "
                      "per expert; 1 (white) is balanced, red above, blue below", ("load.csv",), ("load_fraction",)),
     "coactivation": ("P(b | a) per layer: of the tokens whose top-K contains expert a (row), the share whose top-K "

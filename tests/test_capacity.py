@@ -1,0 +1,198 @@
+"""Expert capacity and token dropping (``capacity:<cf>[:order|score]``, ``moetool capacity``) against a hand loop over
+tokens, the invariant that a capacity no expert can exceed reproduces the model, and hand counts of the tables."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import padded_batch, run
+
+from moetool.adapters import find_moe_layers
+from moetool.errors import MoetoolError
+from moetool.policies import make_policy
+from moetool.policies.capacity import capacity, drop_mask
+
+
+def hand_drop(idx, valid, n, cap, scores=None):
+    """Per expert, its assignments of real tokens in token order (t, then k) -- or by decreasing score, ties in
+    token order -- and everything after the first ``cap`` dropped: the test's own loop."""
+    T, K = idx.shape
+    dropped = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(n):
+        mine = [(t, k) for t in range(T) for k in range(K) if valid[t] and int(idx[t, k]) == e]
+        if scores is not None:
+            mine.sort(key=lambda tk: -float(scores[tk]))  # Python's sort is stable: ties keep token order
+        for t, k in mine[cap:]:
+            dropped[t, k] = True
+    return dropped
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_drop_mask_is_the_hand_loop(seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, n, K = 40, 6, 2
+    idx = torch.rand(T, n, generator=gen).argsort(-1)[:, :K]  # distinct experts per token
+    valid = torch.rand(T, generator=gen) > 0.25  # padding scattered through the batch
+    scores = (torch.rand(T, K, generator=gen) * 5).round() / 5  # coarse: many ties
+    for cap in (0, 1, 3, 7, 40):
+        for s in (None, scores):
+            got = drop_mask(idx, valid, n, torch.tensor(float(cap)), s)
+            assert torch.equal(got, hand_drop(idx, valid, n, cap, s)), (cap, s is None)
+    assert not drop_mask(idx, valid, n, torch.tensor(math.inf)).any()
+    assert not drop_mask(idx, valid, n, torch.tensor(0.0))[~valid].any()  # padding never dropped, never counted
+
+
+def test_capacity_is_the_exact_ceiling():
+    """C = ceil(cf · tokens · K / n) with cf read as its decimal: 1.1 · 10 is 11, not the float 11.000000000000002
+    whose ceiling is 12."""
+    assert float(capacity(1.1, torch.tensor(10), 1, 1)) == 11
+    assert float(capacity(1.25, torch.tensor(100), 2, 8)) == 32  # 31.25 -> 32
+    assert float(capacity(0.5, torch.tensor(3), 2, 8)) == 1  # 0.375 -> 1
+    assert float(capacity(2.0, torch.tensor(0), 2, 8)) == 0  # no real token: no capacity
+    assert math.isinf(float(capacity(math.inf, torch.tensor(5), 2, 8)))
+
+
+def test_a_capacity_no_expert_can_exceed_reproduces_the_model(family, tiny_model, batch):
+    """cf = n/K gives every expert a capacity of all the batch's real tokens (at most one assignment each): nothing
+    dropped, logits bit for bit (every family); likewise cf = inf."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        want = model(**batch).logits
+    L = layers[0]
+    for spec in (f"capacity:{L.n_experts / L.top_k!r}", "capacity:inf:score"):
+        got, events, _ = run(model, layers, batch, policy=make_policy(spec))
+        assert torch.equal(got, want), spec
+        assert not any(ev.extra["dropped"].any() for ev in events.values())
+
+
+@pytest.mark.parametrize("order", ["order", "score"])
+def test_dropped_assignments_weigh_nothing(tiny_model, order):
+    """cf = 0.5 on a padded batch: the model's experts kept, the hand loop's dropped set at weight 0, the rest at
+    the model's own weights."""
+    model = tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    batch = padded_batch(batch=3, seq=12, pad=5)
+    _, events, _ = run(model, layers, batch, policy=make_policy(f"capacity:0.5:{order}"))
+    for ev in events.values():
+        n, K = ev.layer.n_experts, ev.idx.shape[1]
+        real = int(ev.valid.sum())
+        cap = math.ceil(0.5 * real * K / n)
+        want = hand_drop(ev.idx, ev.valid, n, cap, ev.weights if order == "score" else None)
+        assert want.any() and float(ev.extra["capacity"]) == cap
+        assert torch.equal(ev.extra["dropped"], want)
+        assert torch.equal(ev.chosen_idx, ev.idx)
+        assert (ev.chosen_weights[want] == 0).all() and torch.equal(ev.chosen_weights[~want], ev.weights[~want])
+
+
+def test_policy_and_counter_stay_on_the_device(tiny_model):
+    from test_host_sync import detect
+
+    from moetool.engine import Engine
+    from moetool.experiments.capacity import DropCounter
+
+    model = tiny_model("mixtral")
+    for spec in ("capacity:0.5", "capacity:1:score"):
+        counter = DropCounter()
+        with detect(model) as det, torch.no_grad(), Engine(model, find_moe_layers(model),
+                                                           policy=make_policy(spec), consumers=[counter]):
+            out = model(**padded_batch()).logits
+        assert not det.hits and out.isfinite().all() and counter.acc, (spec, det.hits)
+
+
+@pytest.fixture(scope="module")
+def tiny_capacity():
+    import moetool
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=640)  # 10 rows: batches of 4, 4 and 2
+    res = moetool.capacity(lm, tokens, cfs=(0.5, 1.25), orders=("order", "score"), batch_size=4, bootstrap=100,
+                           quiet=True)
+    return lm, tokens, res
+
+
+def test_tables_are_the_hand_count_of_the_first_layer(tiny_capacity):
+    """The first MoE layer sees the same input under any capacity: per batch of 4 rows its captured routing,
+    dropped by the hand loop, gives the per-expert and per-layer counts of the tables."""
+    import moetool
+
+    lm, tokens, res = tiny_capacity
+    first = lm.layers[0]
+    n = first.n_experts
+    seen = []
+    with moetool.hook(lm, layers=[first.index], consumers=[
+            lambda ev: seen.append((ev.idx.clone(), ev.weights.clone(), ev.valid.clone()))
+            if ev.layer.index == first.index else None]):
+        with torch.no_grad():
+            for b in tokens.batches(4):
+                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    assert len(seen) == 3
+    experts = res["capacity_experts"].set_index(["cf", "order", "layer", "expert"]).sort_index()
+    layers = res["capacity_layers"].set_index(["cf", "order", "layer"]).sort_index()
+    for cf in (0.5, 1.25):
+        for order in ("order", "score"):
+            load, dropped, cap, lost, tokens_seen = torch.zeros(n), torch.zeros(n), 0, 0, 0
+            for idx, w, valid in seen:
+                K, real = idx.shape[1], int(valid.sum())
+                c = math.ceil(cf * real * K / n)
+                d = hand_drop(idx, valid, n, c, w if order == "score" else None)
+                load += torch.bincount(idx[valid].reshape(-1), minlength=n)
+                dropped += torch.bincount(idx[d], minlength=n)
+                cap, lost, tokens_seen = cap + c, lost + int(d.all(-1).sum()), tokens_seen + real
+            got = experts.loc[(cf, order, first.index)]
+            assert got["load"].tolist() == load.long().tolist()
+            assert got["dropped"].tolist() == dropped.long().tolist() and dropped.sum() > 0
+            assert (got["capacity"] == cap).all()
+            row = layers.loc[(cf, order, first.index)]
+            assert row["tokens"] == tokens_seen == tokens.n_tokens
+            assert row["tokens_dropped_all"] == lost
+            assert row["dropped_frac"] == pytest.approx(float(dropped.sum()) / float(load.sum()), rel=1e-12)
+
+
+def test_perplexity_is_ppl_under_the_policy(tiny_capacity):
+    """The sweep's perplexity is ``moetool ppl --routing capacity:...`` on the same rows and batches; the ratio is
+    paired with the router and its interval holds it."""
+    import moetool
+
+    lm, tokens, res = tiny_capacity
+    want = moetool.ppl(lm, tokens, routing="capacity:1.25:score", batch_size=4, bootstrap=0, quiet=True)["ppl"]
+    t = res["capacity"].set_index(["cf", "order"])
+    row = t.loc[(1.25, "score")]
+    assert row["perplexity"] == pytest.approx(float(want["perplexity"].iloc[0]), rel=1e-12)
+    assert row["router_perplexity"] == pytest.approx(float(want["router_perplexity"].iloc[0]), rel=1e-12)
+    assert row["ratio_lo"] <= row["ratio"] <= row["ratio_hi"]
+    assert t.loc[(0.5, "order"), "dropped_frac"] > t.loc[(1.25, "order"), "dropped_frac"]
+
+
+@pytest.mark.parametrize("spec, message", [("capacity:0", "positive"), ("capacity:x", "number"),
+                                           ("capacity:1:last", "order"), ("capacity", "capacity:<cf>"),
+                                           ("capacity:nan", "positive")])
+def test_bad_specs_are_one_line(spec, message):
+    with pytest.raises(MoetoolError, match="bad routing policy") as e:
+        make_policy(spec)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_refuses_bad_values_in_one_line(tmp_path):
+    for args in (["--cf", "0.5,-1"], ["--order", "random"]):
+        r = subprocess.run([sys.executable, "-m", "moetool", "capacity", *args, "--out", str(tmp_path / "x")],
+                           capture_output=True, text=True, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "x").exists()
+
+
+def test_backed_off_batches_are_refused(monkeypatch):
+    """Capacity is per batch of --batch-size rows: batches cut smaller by an out-of-memory back-off would give
+    another capacity, so the run stops with one line."""
+    from moetool.engine.runner import BACKOFF
+    from moetool.errors import MoetoolRuntimeError
+    from moetool.experiments.capacity import _check_batches
+
+    monkeypatch.setattr(BACKOFF, "rows", 2)
+    with pytest.raises(MoetoolRuntimeError, match="rerun with --batch-size 2"):
+        _check_batches(4)
+    _check_batches(2)
