@@ -98,6 +98,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        figures="moetool.report.plots:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True})),
     _x("topk", "topk", "TopkOptions", figures="moetool.report.plots:topk_figures",
        demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)})),
+    _x("prune", "prune", "PruneOptions", figures="moetool.report.plots:prune_figures",
+       demo=Demo(models=("tiny",), max_tokens=2048, options={"fractions": (0.25, 0.5), "ablate": 4})),
     _x("ppl", "ppl", "PplOptions", lines=None),
     _x("eval", "eval_tasks", "EvalOptions", file="lmeval", api="evaluate", cmd="eval", inputs="model", lines=None),
     _x("trace", "trace", "TraceOptions", lines=None),

@@ -21,6 +21,7 @@ POLICIES = LazyRegistry("routing policy", {
     "attention": "moetool.policies.attention:AttentionPolicy",
     "topk": "moetool.policies.topk:TopKPolicy",
     "topp": "moetool.policies.topk:TopPPolicy",
+    "prune": "moetool.policies.prune:PrunePolicy",
 })
 
 
