@@ -87,6 +87,8 @@ CASES = [
     ("trace", ["--model", "tiny", *DATA, "--format", "parquet", "--routing", "norm:gate"]),
     ("offload", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
     ("topk", ["--model", "tiny", *DATA, "--ks", "1", "--ps", "0.8", "--bootstrap", "100"]),
+    ("prune", ["--model", "tiny", *DATA, "--fractions", "0.25", "--criteria", "reap,random", "--ablate", "1",
+               "--bootstrap", "100"]),
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}

@@ -241,5 +241,5 @@ def summary_lines(name: str, res: Result) -> list[str]:
     if len(abl):
         worst = abl.loc[abl.delta_ppl.idxmax()]
         out.append(f"  single-expert ablation (top {len(abl)} by REAP): largest delta ppl {worst.delta_ppl:+.2f} "
-                   f"(layer {worst.layer}, expert {worst.expert})")
+                   f"(layer {int(worst.layer)}, expert {int(worst.expert)})")
     return out
