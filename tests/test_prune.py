@@ -207,3 +207,31 @@ def test_cli_refuses_bad_values_in_one_line(tmp_path):
                             "--out", str(tmp_path / "x")], capture_output=True, text=True, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert not (tmp_path / "x").exists()
+
+
+def test_sets_for_other_layers_refused_before_any_forward(tiny_model, batch, tmp_path):
+    """An explicit set naming a layer the policy does not run in, or an importance table without rows for a
+    layer it runs in, would silently remove nothing there: one line before any forward."""
+    import pandas as pd
+
+    model = tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    first, second = layers[0].index, layers[1].index
+    seen = []
+    handle = model.register_forward_pre_hook(lambda *a: seen.append(1))
+    imp = tmp_path / "imp.csv"
+    pd.DataFrame({"layer": [first] * 8, "expert": range(8), "reap": range(8)}).to_csv(imp, index=False)
+    policy = make_policy(f"prune:reap:0.25:{imp}")
+    assert policy.removed == {first: [0, 1]}
+    try:
+        with pytest.raises(MoetoolError, match=r"layers \[99\], which are not MoE layers"):
+            run(model, layers, batch, policy=PrunePolicy({99: [0]}))
+        with pytest.raises(MoetoolError, match="layers the policy runs in"):
+            run(model, layers, batch, policy=PrunePolicy({second: [0]}), policy_layers=[first])
+        with pytest.raises(MoetoolError, match=rf"no rows for MoE layers \[{second}"):
+            run(model, layers, batch, policy=policy)
+    finally:
+        handle.remove()
+    assert not seen
+    _, events, _ = run(model, layers, batch, policy=policy, policy_layers=[first])  # its own layer: fine
+    assert not torch.isin(events[first].chosen_idx, torch.tensor([0, 1])).any()

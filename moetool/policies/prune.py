@@ -146,6 +146,23 @@ class PrunePolicy(Policy):
         return cls(removed_from_importance(pd.read_csv(path), criterion, fraction), criterion=criterion,
                    fraction=fraction)
 
+    def check_layers(self, policy_layers: list[int], moe_layers: list[int]) -> None:
+        """Before any forward (the engine calls it): a set measured on data covers every layer the policy runs in
+        (else those would silently keep all), and explicit sets name only layers it runs in."""
+        if self.removed is None:
+            return
+        if self.criterion == "file":
+            outside = sorted(k for k, v in self.removed.items() if v and k not in policy_layers)
+            if outside:
+                where = "MoE layers" if set(outside) - set(moe_layers) else "layers the policy runs in (--layers)"
+                raise MoetoolError(f"{self.name}: removes experts in layers {outside}, which are not "
+                                   f"{where} (it runs in {policy_layers})")
+        else:
+            missing = sorted(set(policy_layers) - set(self.removed))
+            if missing:
+                raise MoetoolError(f"{self.name}: the importance table has no rows for MoE layers {missing} (a table "
+                                   f"of another model?)")
+
     def removed_in(self, layer: Any) -> list[int]:
         """The experts removed from ``layer`` (an :class:`MoELayer`)."""
         if self.removed is None:
