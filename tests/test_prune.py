@@ -201,8 +201,14 @@ def test_too_few_kept_experts_refused(tiny_model):
         PrunePolicy({L.index: [L.n_experts]}).check(L)
 
 
-def test_cli_refuses_bad_values_in_one_line(tmp_path):
-    for args in (["--fractions", "0.9"], ["--criteria", "reap,size"]):  # 0.9 of 8 leaves 1 < K = 2
+def test_bad_options_refused_in_one_line(tmp_path):
+    from moetool.experiments.prune import PruneOptions
+
+    for kw, message in (({"criteria": ("reap", "size")}, "--criteria"), ({"fractions": (1.0,)}, r"\[0, 1\)"),
+                        ({"ablate": -1}, "--ablate")):
+        with pytest.raises(MoetoolError, match=message):
+            PruneOptions(**kw)
+    for args in (["--fractions", "0.9"],):  # 0.9 of 8 leaves 1 < K = 2: refused before any forward, no folder
         r = subprocess.run([sys.executable, "-m", "moetool", "prune", *args, "--max-tokens", "256",
                             "--out", str(tmp_path / "x")], capture_output=True, text=True, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
