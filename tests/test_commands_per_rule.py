@@ -348,3 +348,25 @@ def test_capacity(case, tmp_path):
         lost += not any(kept)
     got = lay[(lay.cf == 0.5) & (lay.order == "order") & (lay.layer == case.layers[0])]
     assert int(got["tokens_dropped_all"].iloc[0]) == lost
+
+
+def test_prune(case, tmp_path):
+    """Importance against the model's own routing counted by hand; removing nothing is the model exactly; a
+    quarter of the experts removed by REAP and at random: finite."""
+    invoke("prune", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--fractions", "0,0.25",
+           "--criteria", "reap,random", "--ablate", "1", "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "prune.csv").set_index(["criterion", "fraction"])
+    assert df.loc[("router", 0.0), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
+    assert df.loc[("reap", 0.0), "perplexity"] == df.loc[("router", 0.0), "perplexity"]
+    assert df.loc[("reap", 0.25), "removed"] == len(case.layers) * (case.n_experts // 4)
+    assert finite(df)
+    imp = pd.read_csv(tmp_path / "prune_importance.csv")
+    assert finite(imp) and (imp["reap"] >= 0).all()
+    for layer in case.layers:
+        idx, w = case.routing[layer]
+        got = imp[imp.layer == layer].sort_values("expert")
+        assert list(got["frequency"]) == torch.bincount(idx.reshape(-1), minlength=case.n_experts).tolist()
+        want = torch.zeros(case.n_experts, dtype=torch.float64).index_add_(0, idx.reshape(-1), w.double().reshape(-1))
+        np.testing.assert_allclose(got["weighted"], want.numpy(), rtol=1e-5)
+    abl = pd.read_csv(tmp_path / "prune_ablation.csv")
+    assert len(abl) == 1 and abl["reap"].iloc[0] == imp["reap"].max()

@@ -93,6 +93,8 @@ CASES = [
     # are the one-process batches), not the 4-row one-process batches of the other cases
     ("capacity", ["--model", "tiny", *DATA, "--batch-size", "2", "--cf", "0.5,1.25", "--order", "order,score",
                   "--bootstrap", "100"]),
+    ("prune", ["--model", "tiny", *DATA, "--fractions", "0.25", "--criteria", "reap,random", "--ablate", "1",
+               "--bootstrap", "100"]),
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}

@@ -143,6 +143,19 @@ class MoELayer:
         """The model's routing with ``k`` experts per token instead of K (``route_k(logits, K) == route(logits)``)."""
         raise NotImplementedError
 
+    def route_masked(self, logits: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's routing among the experts where ``keep [n]`` (bool) is True (removed experts' selection
+        scores -inf before the top-K; the chosen get the weights the rule gives them, renormalised where it
+        renormalises); ``route_masked(logits, all True) == route(logits)``."""
+        raise NotImplementedError
+
+    def keep_problem(self, keep: torch.Tensor) -> str | None:
+        """Why the routing cannot choose K experts among ``keep [n]`` (``None``: it can)."""
+        kept = int(keep.sum())
+        if kept < self.top_k:
+            return f"keeps {kept} of {self.n_experts} experts, fewer than its top-{self.top_k}"
+        return None
+
     def rule_name(self) -> str:
         """The catalogue rule (moetool/adapters/rules.py) the router reproduces."""
         raise NotImplementedError

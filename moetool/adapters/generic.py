@@ -184,6 +184,23 @@ class GenericLayer(MoELayer):
         idx = self.rule.select(logits, replace(self._p(), top_k=k))
         return idx, self.weights_for(logits, idx)
 
+    def route_masked(self, logits: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = keep.to(logits.device)
+        if self.rule.weight == "sparsemixer":  # its weights are softmaxes over the logits of its rounds: the removed
+            logits = logits.masked_fill(~keep, float("-inf"))  # experts leave them as they leave the selection
+        idx = self.rule.select(logits, self._p(), keep)
+        return idx, self.weights_for(logits, idx)
+
+    def keep_problem(self, keep: torch.Tensor) -> str | None:
+        problem = super().keep_problem(keep)
+        p = self.params
+        if problem is None and p.n_group > 1:  # the topk_group groups chosen must hold K kept experts whichever
+            counts = keep.reshape(p.n_group, -1).sum(-1).sort().values  # groups win: the fewest-kept ones count
+            if int(counts[:p.topk_group].sum()) < self.top_k:
+                problem = (f"keeps fewer than {self.top_k} experts within some {p.topk_group} of its {p.n_group} "
+                           f"groups (group-limited routing)")
+        return problem
+
     def rule_name(self) -> str:
         return self.rule.name  # identified at load already
 

@@ -124,12 +124,17 @@ class Rule:
             else x
         return s if p.bias is None else s + p.bias.float().reshape(-1)
 
-    def select(self, logits: torch.Tensor, p: Params) -> torch.Tensor:
-        """Top-K indices ``[T, K]`` (largest first)."""
+    def select(self, logits: torch.Tensor, p: Params, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Top-K indices ``[T, K]`` (largest first). ``keep [n]`` (bool): only these experts can be chosen (the
+        others' selection scores are -inf before any group restriction and the top-K)."""
         if self.weight == "sparsemixer":  # two rounds, each the best logit not yet picked (max(): ties as the model)
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
             first = logits.max(dim=-1, keepdim=True)[1]
             return torch.cat((first, logits.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]), dim=-1)
         s = self.scores(logits, p)
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
         if p.n_group > 1:
             s = s.masked_fill(~group_mask(s, p.n_group, p.topk_group, p.group_score), float("-inf"))
         return ops.topk(s, p.top_k)

@@ -171,6 +171,7 @@ class Engine:
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
         attention = self._attention_modules()  # may refuse a layer: before any hook is installed
+        self._check_policy()
         self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         for L in self.layers:
             self._slots[L.index] = {}
@@ -182,6 +183,20 @@ class Engine:
             if L.index in attention:
                 self._handles.append(attention[L.index].register_forward_hook(self._attention_hook(L)))
         return self
+
+    def _check_policy(self) -> None:
+        """A policy refuses what it cannot do before any forward: ``check(layer)`` per layer it runs in (e.g. a
+        top-k a sparsemixer router has no rounds for), ``check_layers(policy layers, MoE layers)`` once (e.g. a
+        pruning set naming layers it does not run in)."""
+        if self.policy is None:
+            return
+        check = getattr(self.policy, "check", None)
+        for L in self.layers:
+            if check is not None and L.index in self.policy_layers:
+                check(L)
+        check_layers = getattr(self.policy, "check_layers", None)
+        if check_layers is not None:
+            check_layers(sorted(self.policy_layers), sorted(L.index for L in self.layers))
 
     def _attention_modules(self) -> dict[int, nn.Module]:
         """The self-attention module to read per hooked layer (the policy's layers), if attention is wanted."""

@@ -22,6 +22,7 @@ POLICIES = LazyRegistry("routing policy", {
     "topk": "moetool.policies.topk:TopKPolicy",
     "topp": "moetool.policies.topk:TopPPolicy",
     "capacity": "moetool.policies.capacity:CapacityPolicy",
+    "prune": "moetool.policies.prune:PrunePolicy",
 })
 
 

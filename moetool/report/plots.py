@@ -492,9 +492,62 @@ def capacity_figures(result: Any) -> dict[str, Any]:
     return plot_capacity(result["capacity.csv"], result["capacity_layers.csv"])
 
 
+# ----- prune --------------------------------------------------------------------------------
+def plot_prune(curve: Any, importance: Any, ablation: Any) -> dict[str, Any]:
+    """``prune_curve``: perplexity / the model's against the fraction of experts removed per layer, one line per
+    criterion (the model itself a star at 0); ``prune_importance``: REAP saliency per layer and expert;
+    ``prune_ablation``: perplexity / the model's for each single-expert ablation (when any ran)."""
+    from .figures import error_lengths, heatmap, line_by, new_figure
+
+    out = {}
+    fig, (ax,) = new_figure(width=5.0)
+    sweep = curve[curve["criterion"] != "router"]
+    if len(sweep):
+        line_by(ax, sweep, "fraction", "ratio", "criterion", title="perplexity as experts are removed",
+                yerr=("ratio_lo", "ratio_hi"), xlabel="fraction of each layer's experts removed",
+                ylabel="perplexity / the model's (paired)")
+    router = curve[curve["criterion"] == "router"]
+    ax.scatter(router["fraction"], router["ratio"], marker="*", s=90, color="black", zorder=10,
+               label="the model (nothing removed)")
+    ax.legend()
+    out["prune_curve"] = fig
+    mat = importance.pivot(index="layer", columns="expert", values="reap")  # [layers, n]
+    n = mat.shape[1]
+    fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
+    heatmap(ax, mat.to_numpy(), title="REAP saliency", xlabel="expert", ylabel="layer",
+            colorbar_label="mean weight x ||expert output||")
+    ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
+    out["prune_importance"] = fig
+    if len(ablation):
+        fig, (ax,) = new_figure(width=max(4.2, 0.35 * len(ablation) + 1.5))
+        x = range(len(ablation))
+        ax.bar(x, ablation["ratio"] - 1.0, bottom=1.0, color="#4C72B0",
+               yerr=error_lengths(ablation["ratio"], ablation["ratio_lo"], ablation["ratio_hi"]), capsize=2)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(list(x), [f"{r.layer}:{r.expert}" for r in ablation.itertuples()], rotation=60)
+        ax.set_xlabel("layer:expert (by REAP saliency, largest first)")
+        ax.set_ylabel("perplexity / the model's (paired)")
+        ax.set_title("single-expert ablation")
+        out["prune_ablation"] = fig
+    return out
+
+
+def prune_figures(result: Any) -> dict[str, Any]:
+    return plot_prune(result["prune.csv"], result["prune_importance.csv"], result["prune_ablation.csv"])
+
+
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots): the
 #: report page's captions (:mod:`moetool.report.page`), kept beside the functions that draw the figures
 FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "prune_curve": ("Perplexity relative to the model's own routing on the same rows against the fraction of each "
+                    "MoE layer's experts removed (masked out of the top-K), the least important first by each "
+                    "criterion, or a seeded random set; the star is the model; error bars: the paired bootstrap "
+                    "interval", ("prune.csv",), ("fraction", "ratio", "criterion", "*_lo/*_hi")),
+    "prune_importance": ("REAP saliency of each expert (one row per MoE layer): the mean over the tokens routed to "
+                         "it of routing weight times the norm of its output", ("prune_importance.csv",), ("reap",)),
+    "prune_ablation": ("Perplexity relative to the model's own routing when one expert alone is removed, for the "
+                       "experts with the largest REAP saliency; error bars: the paired bootstrap interval",
+                       ("prune_ablation.csv",), ("ratio", "rank", "*_lo/*_hi")),
     "topk_frontier": ("Perplexity relative to the model's own routing on the same rows against the experts each "
                       "token uses (mean over MoE layers), for fixed k below the model's K and top-p routing; the "
                       "star is the model's own routing; error bars: the paired bootstrap interval", ("topk.csv",),

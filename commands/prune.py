@@ -1,0 +1,70 @@
+"""``moetool prune``: expert importance (frequency, router-weighted, REAP) and perplexity as experts are removed."""
+
+from __future__ import annotations
+
+import typer
+
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
+                      parse_list, preflight, start_run)
+
+HELP = """Expert importance and pruning: which experts matter, and perplexity as the least important are removed.
+
+One pass of the model's own routing over --data measures, per MoE layer and expert, over the real tokens routed
+to it: the routed frequency, the router-weighted frequency (the sum of the routing weights it gets) and the REAP
+saliency (Lasby et al. 2025, arXiv 2510.13999: the mean of routing weight x ||expert output||_2; every expert's
+output from batched probes in memory-bounded chunks). Then, per criterion (--criteria: frequency, weighted, reap,
+random = a seeded permutation per layer) and fraction (--fractions), floor(fraction x n) experts of each MoE layer
+(--layers) with the lowest value are removed: masked out of the top-K (the model's choice among the rest, weights
+as its rule gives them, renormalised where it renormalises), and the model runs on the same rows. Last, each of
+the --ablate experts with the largest REAP saliency is removed alone.
+The same pruning works in ppl, eval, trace and norm-select: --routing prune:reap:0.25:<prune_importance.csv>,
+prune:random:0.25, prune:file:<removed.json|csv> (prune_removed.csv of this command with :<criterion>:<fraction>).
+Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
+model's own routing on the same rows.
+
+Writes prune_importance.csv (layer, expert, tokens, frequency, weighted, reap),
+prune.csv (criterion, fraction, removed, removed_frac, tokens, perplexity, ratio; *_lo/*_hi; the router first),
+prune_removed.csv (criterion, fraction, layer, expert: every removed set),
+prune_ablation.csv (rank, layer, expert, reap, frequency, tokens, perplexity, delta_ppl, ratio; *_lo/*_hi),
+figures/prune_curve (perplexity / the model's vs fraction removed, one line per criterion),
+figures/prune_importance (REAP saliency per layer and expert), figures/prune_ablation (perplexity / the model's
+for each single-expert ablation) and manifest.json (definitions).
+
+Examples:
+  moetool prune
+  moetool prune --model tiny-fine --fractions 0.25,0.5 --criteria reap,random --ablate 4 --max-tokens 4096
+"""
+
+
+@handle_errors
+def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
+          fractions: str = typer.Option("0.125,0.25,0.5", "--fractions",
+                                        help="Fractions of each MoE layer's experts removed, comma-separated."),
+          criteria: str = typer.Option("frequency,weighted,reap,random", "--criteria",
+                                       help="Importance criteria, comma-separated: frequency, weighted, reap, "
+                                            "random."),
+          ablate: int = typer.Option(8, "--ablate", help="Single-expert ablations of the experts with the largest "
+                                                          "REAP saliency (0: none)."),
+          bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
+          max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
+          device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
+    from moetool.experiments.prune import PruneOptions, prune as compute
+    from moetool.report.console import print_table
+
+    opts = PruneOptions(fractions=tuple(parse_list(fractions, float, "fraction")),
+                        criteria=tuple(parse_list(criteria, str, "criterion")), ablate=ablate,
+                        layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap, seed=seed)
+    started = start_run("prune", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    run, lm, tokens = started
+    res = compute(lm, tokens, opts, quiet=quiet)
+    started.write(res)
+    print_table(res.summary, f"perplexity with experts removed: {model} ({tokens.n_tokens:,} tokens)",
+                csv="prune.csv")
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(prune)

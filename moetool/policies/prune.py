@@ -1,0 +1,212 @@
+"""Expert pruning as a routing policy: ``prune:<criterion>:<fraction>[:<importance.csv>]`` and ``prune:file:<path>``.
+
+A pruned layer routes as the model does among the experts it keeps: the removed experts' selection scores are
+-inf before the rule's top-K (and before DeepSeek's group choice), and the chosen get the weights the family's
+rule gives them (renormalised where it renormalises: :meth:`moetool.adapters.base.MoELayer.route_masked`).
+Without renormalisation (``softmax-topk``, ``sigmoid-topk``) the removed experts' routing mass is not handed on.
+Removing nothing reproduces the model exactly.
+
+Which experts go, per MoE layer: the ``⌊fraction · n⌋`` with the lowest importance (ties: the lower expert index
+first), importance by routed ``frequency``, router-``weighted`` frequency or ``reap`` saliency as measured on data
+by ``moetool prune`` (its ``prune_importance.csv``, passed as the spec's last argument), or ``random`` (seeded per
+layer: the first of a permutation, so a smaller fraction's set is inside a larger one's). ``prune:file:<path>``
+takes explicit sets: a JSON object ``{"<layer>": [experts...]}`` or a CSV with ``layer`` and ``expert`` columns
+(``moetool prune``'s ``prune_removed.csv`` needs ``:<criterion>:<fraction>`` after the path to pick one set).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..engine.hooks import RoutingEvent
+from ..errors import MoetoolError
+from .base import Policy
+
+CRITERIA = ("frequency", "weighted", "reap", "random")
+
+
+def n_removed(fraction: float, n: int) -> int:
+    """Experts removed from a layer of ``n``: ``⌊fraction · n⌋`` (a float just below an integer counts as it)."""
+    return int(math.floor(fraction * n + 1e-9))
+
+
+def lowest(scores: Any, m: int) -> list[int]:
+    """The ``m`` experts with the lowest score, ties broken by the lower index (sorted ascending)."""
+    import numpy as np
+
+    s = np.asarray(scores, dtype=np.float64)
+    order = np.lexsort((np.arange(len(s)), s))  # by score, then by index
+    return sorted(int(e) for e in order[:m])
+
+
+def random_removed(seed: int, layer: int, n: int, m: int) -> list[int]:
+    """The first ``m`` of a permutation of ``n`` experts seeded by ``(seed, layer)`` (sorted ascending)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    return sorted(int(e) for e in torch.randperm(n, generator=gen)[:m])
+
+
+def removed_from_importance(importance: Any, criterion: str, fraction: float) -> dict[int, list[int]]:
+    """Per layer of ``importance`` (``prune_importance.csv``: layer, expert and the criterion's column), the
+    experts a ``fraction`` removes."""
+    need = {"layer", "expert", criterion}
+    if not need <= set(importance.columns):
+        raise MoetoolError(f"the importance table lacks column(s) {sorted(need - set(importance.columns))}")
+    out = {}
+    for layer, g in importance.groupby("layer", sort=True):
+        g = g.sort_values("expert")
+        if list(g["expert"]) != list(range(len(g))):
+            raise MoetoolError(f"the importance table's layer {layer} does not list experts 0..{len(g) - 1} once")
+        out[int(layer)] = lowest(g[criterion].to_numpy(), n_removed(fraction, len(g)))
+    return out
+
+
+def read_removed(path: str, criterion: str | None = None, fraction: float | None = None) -> dict[int, list[int]]:
+    """Removed experts per layer from a JSON object ``{"<layer>": [experts]}`` or a CSV with ``layer``, ``expert``
+    (and, for ``prune_removed.csv``, ``criterion`` and ``fraction``: the set of one pair)."""
+    import pandas as pd
+
+    p = Path(path)
+    if not p.is_file():
+        raise MoetoolError(f"prune: no file '{path}'")
+    if p.suffix == ".json":
+        try:
+            raw = json.loads(p.read_text())
+            return {int(k): sorted({int(e) for e in v}) for k, v in raw.items()}
+        except (ValueError, TypeError, AttributeError) as e:
+            raise MoetoolError(f"prune: {path} is not a JSON object of layer -> list of experts ({e})") from None
+    df = pd.read_csv(p)
+    if not {"layer", "expert"} <= set(df.columns):
+        raise MoetoolError(f"prune: {path} has no 'layer' and 'expert' columns")
+    if "criterion" in df.columns:
+        pairs = sorted({(c, float(f)) for c, f in zip(df["criterion"], df["fraction"])})
+        if criterion is None:
+            raise MoetoolError(f"prune: {path} holds several sets: add :<criterion>:<fraction> (one of "
+                               f"{', '.join(f'{c}:{f:g}' for c, f in pairs)})")
+        df = df[(df["criterion"] == criterion) & ((df["fraction"] - fraction).abs() < 1e-12)]
+        if df.empty:
+            raise MoetoolError(f"prune: {path} has no set {criterion}:{fraction:g}")
+    return {int(layer): sorted(int(e) for e in g["expert"]) for layer, g in df.groupby("layer")}
+
+
+class PrunePolicy(Policy):
+    """Route among the kept experts (module docstring). ``removed``: layer -> removed experts (layers absent keep
+    all); ``fraction`` with ``removed=None``: a seeded random set per layer."""
+
+    name = "prune"
+
+    def __init__(self, removed: Mapping[int, Iterable[int]] | None = None, *, criterion: str = "file",
+                 fraction: float | None = None, seed: int = 0, name: str | None = None):
+        if fraction is not None and not 0.0 <= fraction < 1.0:
+            raise ValueError(f"fraction must be in [0, 1), not {fraction}")
+        if removed is None and (criterion != "random" or fraction is None):
+            raise ValueError("give the removed experts, or a fraction of random ones")
+        self.removed = None if removed is None else {int(k): sorted({int(e) for e in v}) for k, v in removed.items()}
+        self.criterion, self.fraction, self.seed = criterion, fraction, seed
+        self.name = name or ("prune:" + criterion + (f":{fraction:g}" if fraction is not None else ""))
+        self._keep: dict[tuple[int, Any], torch.Tensor] = {}
+
+    @classmethod
+    def from_spec(cls, args: list[str], seed: int = 0, **_: Any) -> "PrunePolicy":
+        use = "use prune:<frequency|weighted|reap>:<fraction>:<prune_importance.csv>, prune:random:<fraction> or " \
+              "prune:file:<removed.json|csv>"
+        if not args:
+            raise ValueError(use)
+        criterion = args[0]
+        if criterion == "file":
+            if len(args) < 2:
+                raise ValueError(use)
+            path, pick = ":".join(args[1:]), None
+            if len(args) >= 4 and args[-2] in CRITERIA:  # prune_removed.csv:<criterion>:<fraction>
+                path, pick = ":".join(args[1:-2]), (args[-2], _fraction(args[-1]))
+            removed = read_removed(path, *(pick or (None, None)))
+            return cls(removed, criterion="file", name=f"prune:file:{Path(path).name}"
+                       + (f":{pick[0]}:{pick[1]:g}" if pick else ""))
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown criterion '{criterion}' (choose from {', '.join(CRITERIA)}, file)")
+        if len(args) < 2:
+            raise ValueError(use)
+        fraction = _fraction(args[1])
+        if criterion == "random":
+            if len(args) != 2:
+                raise ValueError("use prune:random:<fraction> (the seed is --seed)")
+            return cls(None, criterion="random", fraction=fraction, seed=seed)
+        if len(args) < 3:
+            raise ValueError(f"prune:{criterion}:<fraction> needs the importance measured on data: add "
+                             f":<prune_importance.csv> from moetool prune")
+        import pandas as pd
+
+        path = ":".join(args[2:])
+        if not Path(path).is_file():
+            raise ValueError(f"no file '{path}'")
+        return cls(removed_from_importance(pd.read_csv(path), criterion, fraction), criterion=criterion,
+                   fraction=fraction)
+
+    def check_layers(self, policy_layers: list[int], moe_layers: list[int]) -> None:
+        """Before any forward (the engine calls it): a set measured on data covers every layer the policy runs in
+        (else those would silently keep all), and explicit sets name only layers it runs in."""
+        if self.removed is None:
+            return
+        if self.criterion == "file":
+            outside = sorted(k for k, v in self.removed.items() if v and k not in policy_layers)
+            if outside:
+                where = "MoE layers" if set(outside) - set(moe_layers) else "layers the policy runs in (--layers)"
+                raise MoetoolError(f"{self.name}: removes experts in layers {outside}, which are not "
+                                   f"{where} (it runs in {policy_layers})")
+        else:
+            missing = sorted(set(policy_layers) - set(self.removed))
+            if missing:
+                raise MoetoolError(f"{self.name}: the importance table has no rows for MoE layers {missing} (a table "
+                                   f"of another model?)")
+
+    def removed_in(self, layer: Any) -> list[int]:
+        """The experts removed from ``layer`` (an :class:`MoELayer`)."""
+        if self.removed is None:
+            return random_removed(self.seed, layer.index, layer.n_experts, n_removed(self.fraction, layer.n_experts))
+        return self.removed.get(layer.index, [])
+
+    def check(self, layer: Any) -> None:
+        """One line before any forward where ``layer`` cannot route among the experts it keeps."""
+        self.keep(layer, torch.device("cpu"))
+
+    def keep(self, layer: Any, device: Any) -> torch.Tensor:
+        """``[n]`` bool: the experts ``layer`` keeps (checked once per layer, cached per device)."""
+        key = (layer.index, device)
+        if key not in self._keep:
+            removed = self.removed_in(layer)
+            n = layer.n_experts
+            bad = [e for e in removed if not 0 <= e < n]
+            if bad:
+                raise MoetoolError(f"{self.name}: layer {layer.index} has experts 0..{n - 1}, not {bad}")
+            keep = torch.ones(n, dtype=torch.bool)
+            keep[removed] = False
+            problem = layer.keep_problem(keep)
+            if problem:
+                raise MoetoolError(f"{self.name}: layer {layer.index} {problem}")
+            self._keep[key] = keep.to(device)
+        return self._keep[key]
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "criterion": self.criterion, "fraction": self.fraction}
+        if self.removed is not None:
+            out["removed"] = {str(k): v for k, v in sorted(self.removed.items())}
+        else:
+            out["seed"] = self.seed
+        return out
+
+    def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
+        return ev.layer.route_masked(ev.logits, self.keep(ev.layer, ev.logits.device))
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise ValueError(f"fraction must be a number, not '{text}'") from None
+    if not 0.0 <= f < 1.0:
+        raise ValueError(f"fraction must be in [0, 1), not {f:g}")
+    return f
