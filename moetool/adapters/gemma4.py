@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..configs import text_config
+from ..errors import MoetoolError
 from . import rules
 from .base import ExpertWeights
 from .generic import GenericAdapter, GenericLayer, _candidates, decoder_layers
@@ -152,8 +153,6 @@ class Gemma4Layer(GenericLayer):
         return rule, params, "native", 0.0
 
     def _fail(self, what: str):
-        from ..errors import MoetoolError
-
         return MoetoolError(f"{getattr(self.config, 'model_type', '?')}: {what} (layer {self.index}, gemma4 router)")
 
 

@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..configs import text_config
 from . import rules
 from .base import ExpertWeights
-from .generic import GenericAdapter, GenericLayer
+from .generic import GenericAdapter, GenericLayer, decoder_layers
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 
@@ -126,9 +127,6 @@ class Llama4Adapter(GenericAdapter):
     layer_cls = Llama4Layer
 
     def layers(self, model: nn.Module) -> list:
-        from ..configs import text_config
-        from .generic import decoder_layers
-
         config = text_config(model.config)
         out = []
         for i, dl in enumerate(decoder_layers(model)):

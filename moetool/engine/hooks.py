@@ -25,6 +25,7 @@ from torch import nn
 
 from ..adapters.base import MoELayer
 from ..errors import MoetoolError
+from .probes import ON_DEVICE
 
 
 @dataclass
@@ -119,8 +120,6 @@ class AfterAccelerateLoads:
     forward pre-hook would run before accelerate's, with the weights still offloaded. ``remove()`` restores."""
 
     def __init__(self, module: nn.Module, hook: Callable[..., Any]):
-        from .probes import ON_DEVICE
-
         self.acc = module._hf_hook
         self.had = "pre_forward" in vars(self.acc)
         self.orig = orig = self.acc.pre_forward

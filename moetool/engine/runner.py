@@ -17,8 +17,12 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from .. import distributed
+from ..data import TokenBatch
 from ..errors import MoetoolError, MoetoolRuntimeError
 from ..progress import progress
+from .guard import FiniteGuard
+from .hooks import Engine
 
 
 @dataclass
@@ -106,9 +110,6 @@ def _back_off(rows: int, seq_len: int) -> int:
     import gc
     import sys
 
-    from .. import distributed
-    from ..errors import MoetoolRuntimeError
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -148,8 +149,6 @@ def _rng_restore(snap: list[tuple[Any, Any]]) -> None:
 
 
 def _slice(b: Any, start: int, count: int) -> Any:
-    from ..data import TokenBatch
-
     return TokenBatch(b.input_ids[start:start + count], b.attention_mask[start:start + count],
                       b.domains[start:start + count])
 
@@ -246,10 +245,6 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``before_batch``) the first batch runs once without them (forward and NLL) to find the rows that fit; an
     out-of-memory after a consumer saw part of a batch is one error line naming the rows to use.
     """
-    from .. import distributed
-    from .guard import FiniteGuard
-    from .hooks import Engine
-
     world = distributed.world_size()
     if world > 1 and getattr(tokens, "row_ids", None) is None:
         tokens = distributed.shard(tokens, batch_size)

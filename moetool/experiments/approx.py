@@ -24,10 +24,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..adapters.base import MoELayer
 from ..engine import probes
+from ..engine.hooks import select_layers
+from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..policies.basic import uniform_rows
 from ..sketch import QuantileSketch
 from .result import Result, resolve_options
 
@@ -185,7 +188,6 @@ class ApproxReducer:
         from engine.forward), so neither the batch size nor the number of ranks changes them; None without rows."""
         if "random" not in self.selectors or ev.rows is None:
             return None
-        from ..policies.basic import uniform_rows
 
         return uniform_rows(self.seed, L.index, ev.rows, ev.shape[1], L.n_experts, device)
 
@@ -218,8 +220,6 @@ class ApproxReducer:
 
     def reduce_across_ranks(self) -> None:
         """Sum every rank's sketches and counters (data parallel); a no-op in one process."""
-        from .. import distributed
-
         if distributed.world_size() <= 1:
             return
         seen: dict[int, list[str]] = {}  # a rank with no row saw no layer: the ranks agree on (layer, selector)
@@ -263,9 +263,6 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
                max_subsets: int = MAX_SUBSETS, layers: Sequence[int] | None = None, batch_size: int = 8,
                quiet: bool = False) -> ApproxReducer:
     """Run the model with the plain router over ``tokens`` and reduce every MoE layer's events."""
-    from ..engine.hooks import select_layers
-    from ..engine.runner import forward
-
     if layers is not None:
         select_layers(lm.layers, layers)  # validates the indices
     red = ApproxReducer(selectors, seed, max_subsets, layers)

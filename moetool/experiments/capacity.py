@@ -14,9 +14,13 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.runner import BACKOFF
 from ..errors import MoetoolError, MoetoolRuntimeError
-from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
+from ..policies import make_policy
+from ..policies.capacity import ORDERS, cf_text
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from .ppl import data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -61,8 +65,6 @@ class CapacityOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from ..policies.capacity import ORDERS
-
         check_n_boot(self.bootstrap)
         if not self.cfs or any(not cf > 0 or math.isnan(cf) for cf in self.cfs):
             raise MoetoolError(f"--cf must be positive numbers (inf allowed), not {list(self.cfs)}")
@@ -72,8 +74,6 @@ class CapacityOptions:
 
     def specs(self) -> list[tuple[float, str, str]]:
         """``(cf, order, policy spec)`` in the sweep's order."""
-        from ..policies.capacity import cf_text
-
         return [(cf, order, f"capacity:{cf_text(cf)}:{order}") for order in dict.fromkeys(self.orders)
                 for cf in dict.fromkeys(self.cfs)]
 
@@ -103,8 +103,6 @@ class DropCounter:
         self.acc[ev.layer.index] = new if prev is None else {k: prev[k] + v for k, v in new.items()}
 
     def merge_across_ranks(self) -> None:
-        from .. import distributed
-
         if distributed.world_size() > 1:
             self.acc = distributed.all_reduce_keyed(self.acc)
 
@@ -128,8 +126,6 @@ class DropCounter:
 
 def _check_batches(batch_size: int) -> None:
     """Capacity is per batch of --batch-size rows: a run whose batches out-of-memory cut smaller is refused."""
-    from ..engine.runner import BACKOFF
-
     if BACKOFF.rows is not None and BACKOFF.rows < batch_size:
         raise MoetoolRuntimeError(f"capacity is per batch of --batch-size rows, but out of memory cut the batches "
                                   f"to {BACKOFF.rows} rows: rerun with --batch-size {BACKOFF.rows}")
@@ -142,10 +138,6 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
     dropped_frac), ``capacity_layers`` (per layer) and ``capacity_experts`` (per layer and expert: load, capacity,
     dropped); see :data:`DEFINITIONS`."""
     import pandas as pd
-
-    from .. import distributed
-    from ..policies import make_policy
-    from ..uncertainty import RowTable, with_ci
 
     opts = resolve_options(CapacityOptions, options, overrides)
     tokens.require_tokens()

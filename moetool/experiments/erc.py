@@ -16,11 +16,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..adapters.base import MoELayer
 from ..engine import probes
+from ..engine.hooks import select_layers
 from ..errors import MoetoolError
 from ..progress import progress
+from .published import erc_alpha_min
 from .result import Result, resolve_options
 
 DEFAULT_ALPHAS = (0.4, 0.6, 0.8, 1.0)
@@ -220,7 +222,6 @@ class ErcResult:
 
         erc = pd.DataFrame([{"layer": r.layer, "alpha": a, "erc_loss": lo, "erc_loss_clean": lc}
                             for r in self.layers for a, lo, lc in zip(self.opts.alphas, r.loss, r.loss_clean)])
-        from .published import erc_alpha_min
 
         per_layer = pd.DataFrame([{"layer": r.layer, "n_experts": r.M.shape[0], "alpha_min": r.alpha_min,
                                    "row_dominance": r.row_dominance, "col_dominance": r.col_dominance,
@@ -240,8 +241,6 @@ class ErcResult:
 def run_erc(layers: Sequence[MoELayer], opts: ErcOptions, quiet: bool = False) -> ErcResult:
     """Every layer's :func:`erc_layer` (seeded per layer). Data parallel: rank r takes layers r, r + world, ... and
     the ranks exchange their results, so no layer is computed twice and every rank holds all of them."""
-    from .. import distributed
-
     world, rank = distributed.world_size(), distributed.rank()
     mine = list(layers)[rank::world]
     res = ErcResult(opts)
@@ -260,8 +259,6 @@ def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **ov
     alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean) and ``erc_matrix`` (layer, i, j, m = clean M);
     see :data:`DEFINITIONS`.
     """
-    from ..engine.hooks import select_layers
-
     opts = resolve_options(ErcOptions, options, overrides)
     res = run_erc(select_layers(lm.layers, opts.layers), opts, quiet=quiet)
     erc_df, per_layer, matrix = res.tables()

@@ -32,14 +32,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..adapters import _MOE_CONFIG_KEYS
 from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..loading import load_config
+from ..policies import build_policy
 from ..sketch import Moments, TokenSpill
-from ..uncertainty import DEFAULT_BOOTSTRAP, Interval, RowSums, check_n_boot, ratio_intervals
+from ..uncertainty import DEFAULT_BOOTSTRAP, Interval, RowSums, check_n_boot, format_ci, ratio_intervals
 from .result import Result, resolve_options
 
 ROUTINGS = ("router", "similarity", "attention")  # the default comparison; any policy spec is accepted
@@ -83,8 +85,6 @@ class FluctuationOptions:
 
     def policy(self, routing: str) -> Any:
         """The policy applied for ``routing`` (``router``: the model's own routing, through the override path)."""
-        from ..policies import build_policy
-
         return build_policy(routing, tau=self.tau, sim=self.sim, causal=self.causal)
 
 
@@ -199,8 +199,6 @@ class Routing:
 
     def reduce_across_ranks(self) -> None:
         """Entropy sums over ranks (the spilled routing is compared per rank, then its per-row sums merge)."""
-        from .. import distributed
-
         for m in self.entropy.values():
             distributed.all_reduce_state(m)
 
@@ -270,7 +268,6 @@ def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[in
         if rows is not None and per.shape[1]:
             rows.add(rows_a.numpy(), rates=per.permute(1, 0, 2).reshape(per.shape[1], -1).numpy(),
                      tokens=torch.ones(per.shape[1], dtype=torch.float64).numpy())
-    from .. import distributed
 
     sums = distributed.all_reduce(sums)  # data parallel: every rank compared its own rows (no-op alone)
     n = int(distributed.all_reduce(torch.tensor(float(ref.tokens), dtype=torch.float64)))
@@ -421,8 +418,6 @@ def check_checkpoints(names: Sequence[str]) -> Any:
     """Configs (before any weight loads) and tokenizer vocabularies must agree; returns the first tokenizer."""
     from transformers import AutoTokenizer
 
-    from ..loading import load_config
-
     pairs(names, "previous")  # at least two
     loaded = [load_config(n) for n in names]
     check_same("architecture", names, [architecture(cfg) for cfg, _, _ in loaded])
@@ -468,8 +463,6 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
     (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing. ``units``: per-checkpoint
     captures kept for ``--resume`` (:func:`run_fluctuation`).
     """
-    from .. import distributed
-
     opts = resolve_options(FluctuationOptions, options, overrides)
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
@@ -501,7 +494,6 @@ def summary_lines(name: str, res: Any) -> list[str]:
     paired reduction against the router with whether the interval excludes 0 (``name`` is not needed: the pairs
     name themselves)."""
     pooled = res["fluctuation_summary"]
-    from ..uncertainty import format_ci
 
     lines = []
     for (r, c), d in pooled.groupby(["reference", "checkpoint"], sort=False):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import distributed, ops
 
 GAMMA = 0.95
 DEAD_TAU = 1.0
@@ -41,8 +41,6 @@ class GlobalBatch:
     ``offset … offset + n − 1``. Every rank builds one per batch (also with ``n = 0``) and makes the same calls."""
 
     def __init__(self, n: int, device: torch.device):
-        from .. import distributed
-
         counts = distributed.rank_counts(n, device)
         self.counts, self.n = counts, n
         self.total = int(counts.sum())
@@ -50,14 +48,10 @@ class GlobalBatch:
 
     @staticmethod
     def sum(t: torch.Tensor) -> torch.Tensor:
-        from .. import distributed
-
         return distributed.all_reduce(t)
 
     def cat(self, v: torch.Tensor) -> torch.Tensor:
         """Per-row ``v [n]`` of every rank, in global row order ``[total]``."""
-        from .. import distributed
-
         return distributed.all_gather_rows(v, self.counts)
 
     def rows(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..adapters.base import MoELayer
-from ..engine.hooks import RoutingEvent
+from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
@@ -221,8 +221,6 @@ def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRe
     rank), so the codebooks equal one process's over the same global batches; a rank out of rows joins the
     remaining steps with no token. ``norms`` (filled when given): the largest ||h|| per layer over all ranks,
     the scale grid of :func:`scaled_bound` (so the bound does not depend on how rows are batched)."""
-    from .. import distributed
-
     fits = {(L.index, G): SphericalKMeans(G, seed=opts.seed + 7919 * L.index + G)
             for L in layers for G in opts.codebook_sizes}
     world = distributed.world_size()
@@ -347,8 +345,6 @@ class RecallCollector:
 
     def merge_across_ranks(self) -> None:
         """Data parallel: sums, histograms and codeword use over ranks (a rank may lack keys); alone: nothing."""
-        from .. import distributed
-
         if distributed.world_size() > 1:
             self.used = distributed.all_reduce_keyed(self.used)
             self.acc = {k: _Acc(v["sums"], v["hist"]) for k, v in distributed.all_reduce_keyed(
@@ -415,7 +411,6 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
     """Fit the codebooks, then evaluate: the whole experiment on one model."""
     layers = list(lm.layers if layers is None else layers)
     tokens.require_tokens()  # no codebook can be fitted on nothing: one line, not a crash in the scoring
-    from .. import distributed
 
     steps = None
     if distributed.world_size() > 1 and tokens.row_ids is None:  # shard once: global row ids for the bootstrap
@@ -477,8 +472,6 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
     Table ``mass_recall`` with :data:`COLUMNS` (see :data:`DEFINITIONS`); shortlist sizes larger than n are
     skipped and listed in ``meta["notes"]``.
     """
-    from ..engine.hooks import select_layers
-
     opts = resolve_options(MassRecallOptions, options, overrides)
     res = run_mass_recall(lm, tokens, opts, layers=select_layers(lm.layers, opts.layers), quiet=quiet)
     return Result("mass_recall", {"mass_recall.csv": res.table}, opts,

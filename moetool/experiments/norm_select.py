@@ -17,12 +17,17 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import ops
-from ..engine.hooks import RoutingEvent
+from .. import distributed, ops
+from ..data import TokenSet
+from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import NODES
 from ..errors import MoetoolError
+from ..policies import build_policy
 from ..registry import did_you_mean
-from ..uncertainty import DEFAULT_BOOTSTRAP, check_n_boot
+from ..uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
+                           ratio_intervals)
+from .lmeval import evaluate, make_hflm, plan_tasks, shipped_tasks
+from .ppl import data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
 AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "topk_overlap_lo", "topk_overlap_hi", "top1_agree",
@@ -111,16 +116,12 @@ class AgreementMeter:
     def reduce_across_ranks(self) -> None:
         """Data parallel (called by ``engine.forward``): the per-layer sums all-reduced; alone a no-op. The row
         table is reduced by its owner (``perplexity``)."""
-        from .. import distributed
-
         if distributed.world_size() > 1:
             self.sums = distributed.all_reduce_keyed(self.sums)
 
     def frame(self, policy: str, *, n_boot: int = 0, seed: int = 0) -> Any:
         """Per layer: the three means, with bootstrap intervals from ``rows`` (``n_boot`` replicates) if kept."""
         import pandas as pd
-
-        from ..uncertainty import ratio_intervals
 
         rows = []
         for layer in sorted(self.sums):
@@ -138,8 +139,6 @@ class AgreementMeter:
     def overall(self, policy: str, *, n_boot: int = 0, seed: int = 0) -> dict[str, Any]:
         """Agreement pooled over the meter's layers (token-weighted, as Table 1) with bootstrap intervals from
         ``rows``: ``{policy, topk_overlap[_lo/_hi], top1_agree[_lo/_hi]}`` (NaN bounds without rows)."""
-        from ..uncertainty import Interval, ratio_intervals
-
         tot = sum(self.sums.values()).tolist() if self.sums else [0.0, 0.0, 0.0]
         nan = float("nan")
         if self.rows is not None and tot[2]:
@@ -163,8 +162,6 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
     and their 95% intervals (bootstrap from the runs' per-row sums when kept; lm-eval stderr / delta method)."""
     import pandas as pd
 
-    from .ppl import ppl_intervals
-
     nan = float("nan")
     rows = []
     base_run = ppl["router"]
@@ -187,8 +184,6 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
 
 def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
     """quality rows of one policy's lm-eval result: value ± 1.96 stderr, retention by the delta method."""
-    from ..uncertainty import Interval, delta_ratio
-
     nan = float("nan")
     ref = base.frame.set_index(["task", "metric"])
     out = []
@@ -217,12 +212,6 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     (:class:`moetool.report.rundir.Units`): each finished policy is saved there, and one saved before an
     interruption is taken from there instead of being run again (``--resume``)."""
     import pandas as pd
-
-    from .. import distributed
-    from ..data import TokenSet
-    from ..uncertainty import RowTable
-    from .lmeval import evaluate, make_hflm
-    from .ppl import perplexity
 
     if not policies or policies[0].name != "router":
         raise MoetoolError("the sweep must start with the 'router' baseline")
@@ -337,12 +326,6 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     ``plan`` (from :func:`moetool.experiments.lmeval.plan_tasks`) may be passed when the tasks are resolved.
     ``units``: per-policy checkpoints for ``--resume`` (:class:`moetool.report.rundir.Units`).
     """
-    from ..engine.hooks import select_layers
-    from ..policies import build_policy
-    from .lmeval import plan_tasks
-    from ..uncertainty import bootstrap_meta
-    from .ppl import data_name
-
     opts = resolve_options(NormSelectOptions, options, overrides)
     specs = opts.specs()
     policies = [build_policy(s, opts.weights, opts.seed) for s in specs]
@@ -382,6 +365,4 @@ def summary_lines(name: str, res: Any) -> list[str]:
 
 def demo_options() -> dict[str, Any]:
     """What ``moetool demo`` adds to its options: the shipped offline lm-eval tasks (none if not installed)."""
-    from .lmeval import shipped_tasks
-
     return {"tasks": tuple(shipped_tasks()) or None}

@@ -42,12 +42,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
 from .result import Result, resolve_options
 
 POLICIES = ("lru", "lfu", "belady")
@@ -237,8 +237,6 @@ class OffloadCollector:
         """Data parallel: the token stream of every rank in global order (packed rows in order, each row's tokens
         in order), the activation counts and first requests recomputed from it, the prediction sums merged, on
         every rank, so the cache simulation and coverage see one process's stream (alone: nothing)."""
-        from .. import distributed
-
         if distributed.world_size() <= 1:
             return
         empty = not self.valid  # a rank with no row at all
@@ -271,11 +269,8 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     ``offload_prefetch`` (see :data:`DEFINITIONS`)."""
     import pandas as pd
 
-    from ..uncertainty import ratio_intervals
-
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
-    from .. import distributed
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids

@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.probes import DEFAULT_BUDGET, node_scores
 from ..errors import MoetoolError
 from ..policies.prune import CRITERIA, PrunePolicy, lowest, n_removed, random_removed
-from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from .ppl import data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -91,8 +93,6 @@ class Importance:
         self.acc: dict[int, dict[str, torch.Tensor]] = {}
 
     def __call__(self, ev: RoutingEvent) -> None:
-        from ..engine.probes import DEFAULT_BUDGET, node_scores
-
         L = ev.layer
         if L.index not in self.layers:
             return
@@ -111,8 +111,6 @@ class Importance:
         self.acc[L.index] = step if prev is None else {k: prev[k] + v for k, v in step.items()}
 
     def merge_across_ranks(self) -> None:
-        from .. import distributed
-
         if distributed.world_size() > 1:
             self.acc = distributed.all_reduce_keyed(self.acc)
 
@@ -154,9 +152,6 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, quiet: b
     REAP. Tables ``prune_importance``, ``prune`` (one row per criterion and fraction, the router first),
     ``prune_removed`` (the removed sets) and ``prune_ablation``; see :data:`DEFINITIONS`."""
     import pandas as pd
-
-    from .. import distributed
-    from ..uncertainty import RowTable, with_ci
 
     opts = resolve_options(PruneOptions, options, overrides)
     tokens.require_tokens()

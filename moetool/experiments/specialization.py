@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
 from ..sketch import MERGE_MIN, SparseCounter
@@ -121,8 +121,6 @@ class VocabSpecialization:
 
     def reduce_across_ranks(self) -> None:
         """Data parallel: the (token, expert) counts of every rank merged (one exchange); alone a no-op."""
-        from .. import distributed
-
         if distributed.world_size() <= 1:
             return
         parts = distributed.gather_object({li: (self.n[li], {v: c.host_state() for v, c in views.items()})
@@ -227,8 +225,6 @@ class CrossLayer:
 
     def reduce_across_ranks(self) -> None:
         """Data parallel: the pair counts all-reduced (a rank may lack a pair it never saw); alone a no-op."""
-        from .. import distributed
-
         if distributed.world_size() <= 1:
             return
         for part in distributed.gather_object(self.k):
@@ -298,8 +294,6 @@ class LoadBalance:
 
     def reduce_across_ranks(self) -> None:
         """Data parallel: per-layer sums all-reduced; alone a no-op."""
-        from .. import distributed
-
         if distributed.world_size() > 1:
             self.acc = distributed.all_reduce_keyed(self.acc)
 

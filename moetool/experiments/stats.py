@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from .. import ops
+from .. import distributed, ops
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..sketch import MERGE_MIN, SparseCounter
-from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
+from ..uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals, sum_intervals,
+                           with_ci)
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
@@ -173,8 +174,6 @@ class RoutingStats:
     def reduce_across_ranks(self) -> None:
         """Data parallel: every rank's layer sums all-reduced, the sparse token counts merged (rows of a rank
         count once); alone a no-op. The row table is reduced by its owner (``collect``)."""
-        from .. import distributed
-
         if distributed.world_size() <= 1:
             return
         dense = distributed.all_reduce_keyed({li: {"tokens": a.tokens, "assign": a.assign, "conf_sum": a.conf_sum,
@@ -197,8 +196,6 @@ class RoutingStats:
         ``_lo``/``_hi`` columns (every statistic from the same row weights: same seed, same rows)."""
         import numpy as np
         import pandas as pd
-
-        from ..uncertainty import ratio_intervals, sum_intervals
 
         tokens = self.rows.table("tokens")  # [rows]
         kw = dict(n_boot=n_boot if tokens.shape[0] >= 2 else 0, seed=seed)
@@ -394,9 +391,6 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
     ``units`` (:class:`moetool.report.rundir.Units`, ``--resume``): the consumers' state after a batch is saved
     now and then (:meth:`~moetool.report.rundir.Units.due`) and after the last one; a saved state is restored
     and the forward goes on from the next batch (the same sums in the same order: the same tables)."""
-    from .. import distributed
-    from ..uncertainty import RowTable
-
     layers = list(lm.layers)
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (the row table's ids)
     rows = RowTable(shard) if row_sums else None
@@ -489,8 +483,6 @@ def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, s
 
 def summary_table(layers: Any) -> Any:
     """``layers.csv`` with short headings, for the console (``value ± half-width`` where intervals exist)."""
-    from ..uncertainty import with_ci
-
     cols = ["layer", "n_experts", "top_k", "tokens"] + [x for c in LAYERS_CI for x in (c, c + "_lo", c + "_hi")]
     return with_ci(layers[cols]).rename(columns={
         "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..engine.hooks import RoutingEvent, select_layers
 from ..errors import MoetoolError
-from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
+from ..policies import make_policy
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from .ppl import data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -80,8 +82,6 @@ class ExpertCounter:
         self.hist[ev.layer.index] = h if prev is None else prev + h
 
     def merge_across_ranks(self) -> None:
-        from .. import distributed
-
         if distributed.world_size() > 1:
             self.hist = distributed.all_reduce_keyed(self.hist)
 
@@ -105,10 +105,6 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     mean_experts, experts_frac, perplexity, ratio with intervals) and ``topk_layers`` (policy, layer,
     mean/min/max experts); see :data:`DEFINITIONS`."""
     import pandas as pd
-
-    from .. import distributed
-    from ..policies import make_policy
-    from ..uncertainty import RowTable
 
     opts = resolve_options(TopkOptions, options, overrides)
     tokens.require_tokens()
@@ -148,7 +144,6 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
         table.append(row)
         per_layer += [{"policy": spec, "kind": kind, "value": value, **r} for r in counts[spec]]
     df = pd.DataFrame(table)
-    from ..uncertainty import with_ci
 
     summary = with_ci(df[["policy", "mean_experts", "experts_frac", "perplexity", "perplexity_lo", "perplexity_hi",
                           "ratio", "ratio_lo", "ratio_hi"]])

@@ -24,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import distributed
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import forward
+from ..engine.stream import TableStream
 from .ppl import RoutingOptions
 from .result import Result, resolve_options
 
@@ -114,8 +116,6 @@ class PartStream:
         return f"trace-{len(self.parts):05d}.parquet"
 
     def write(self, columns: dict[str, Any]) -> None:
-        from ..engine.stream import TableStream
-
         if self._out is None:
             self._out = TableStream(self.units.file(".part-" + self._name()))
         self._out.write(columns)
@@ -147,8 +147,6 @@ class PartStream:
     def assemble(self, path: str | Path) -> None:
         import pyarrow.parquet as pq
 
-        from ..engine.stream import TableStream
-
         with TableStream(path) as out:
             for name in self.parts:
                 f = pq.ParquetFile(self.units.file(name))
@@ -166,9 +164,6 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     ``meta["files"]`` names the file. ``units`` (with ``path``, one process; ``--resume``): streamed in parts
     checkpointed now and then (:class:`PartStream`), a resumed run goes on from the next batch.
     """
-    from .. import distributed
-    from ..engine.stream import TableStream
-
     opts = resolve_options(TraceOptions, options, overrides)
     tokens.require_tokens()
     policy = opts.policy()
