@@ -98,6 +98,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        figures="moetool.report.plots:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True})),
     _x("topk", "topk", "TopkOptions", figures="moetool.report.plots:topk_figures",
        demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)})),
+    _x("placement", "placement", "PlacementOptions", figures="moetool.report.plots:placement_figures",
+       demo=Demo(max_tokens=4096)),
     _x("ppl", "ppl", "PplOptions", lines=None),
     _x("eval", "eval_tasks", "EvalOptions", file="lmeval", api="evaluate", cmd="eval", inputs="model", lines=None),
     _x("trace", "trace", "TraceOptions", lines=None),
