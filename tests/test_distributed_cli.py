@@ -87,6 +87,8 @@ CASES = [
     ("trace", ["--model", "tiny", *DATA, "--format", "parquet", "--routing", "norm:gate"]),
     ("offload", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
     ("topk", ["--model", "tiny", *DATA, "--ks", "1", "--ps", "0.8", "--bootstrap", "100"]),
+    ("placement", ["--model", "tiny", *DATA, "--gpus", "2,4", "--extra-slots", "0,1", "--reference-data",
+                   str(Path(__file__).parents[1] / "README.md")]),  # other text: the stale placement
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}
