@@ -26,7 +26,7 @@ Writes placement.csv (layer, gpus, nodes, replicas, slots_per_gpu, method, imbal
 mean_gpu_load, min_gpu_load, max_replicas), placement_overall.csv (gpus, nodes, replicas, slots_per_gpu, method,
 imbalance = sum of the layers' max / sum of their mean, max_layer_imbalance, layers),
 placement_loads.csv (data_set, layer, expert, tokens, load, load_fraction), figures/placement_imbalance (imbalance
-vs G per method), figures/placement_layers (per-layer imbalance at the largest G) and manifest.json (definitions).
+vs G per method), figures/placement_layers (per-layer imbalance at the largest G below n) and manifest.json (definitions).
 
 Examples:
   moetool placement

@@ -313,10 +313,17 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
                   summary=summary.round(3))
 
 
+def headline_gpus(df: Any) -> int:
+    """The largest G below n in a placement table (with one expert per GPU every placement without replicas is the
+    same), else the largest."""
+    below = df[df["slots_per_gpu"] > 1 + df["replicas"] // df["gpus"]]["gpus"]
+    return int((below if len(below) else df["gpus"]).max())
+
+
 def summary_lines(name: str, res: Result) -> list[str]:
-    """One line: at the largest G, the overall imbalance of each method (and R)."""
+    """One line: at :func:`headline_gpus`, the overall imbalance of each method (and R)."""
     df = res["placement_overall"]
-    G = int(df["gpus"].max())
+    G = headline_gpus(df)
     parts = [f"{r.method}{f' R={r.replicas}' if r.replicas else ''} {r.imbalance:.2f}x"
              for r in df[df.gpus == G].itertuples()]
     return [f"placement {name}: max/mean GPU load on {G} GPUs: " + ", ".join(parts)]
