@@ -19,8 +19,10 @@ its replicas' loads (an expert with c replicas gives each load / c), and the imb
 static layout), round_robin (e on GPU e % G), and eplb: DeepSeek's expert-parallel load balancer (DeepSeek-AI,
 EPLB, 2025, github.com/deepseek-ai/EPLB, MIT; ported in moetool.experiments.placement) with R = extra_slots x G
 redundant replicas for the heaviest experts, hierarchical over --nodes when the expert groups (--groups, default
-the model's routing groups) divide into them. With --reference-data, eplb_stale: EPLB fitted on the reference's
-loads and evaluated on --data's (a placement computed once, traffic changed).
+the model's routing groups) divide into them. With --reference-data and/or --reference-model, eplb_stale: EPLB
+fitted on the loads of the reference model (default --model) on the reference data (default --data), evaluated
+on --data's under --model (a placement computed once; the traffic or the weights changed). A reference model must
+have the model's architecture and tokenizer; both models are held in memory.
 
 Writes placement.csv (layer, gpus, nodes, replicas, slots_per_gpu, method, imbalance, max_gpu_load,
 mean_gpu_load, min_gpu_load, max_replicas), placement_overall.csv (gpus, nodes, replicas, slots_per_gpu, method,
@@ -31,6 +33,7 @@ vs G per method), figures/placement_layers (per-layer imbalance at the largest G
 Examples:
   moetool placement
   moetool placement --model tiny-fine --gpus 2,4,8 --extra-slots 0,1,2 --reference-data other.jsonl
+  moetool placement --model tiny --reference-model tiny-early
 """
 
 
@@ -45,11 +48,15 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                                 "routing groups, else 1)."),
               reference_data: Optional[Path] = typer.Option(None, "--reference-data", help="Text/JSONL whose loads "
                                                             "the stale EPLB placement is computed from."),
+              reference_model: str = typer.Option(None, "--reference-model", help="Checkpoint (same architecture "
+                                                  "and tokenizer) whose loads the stale EPLB placement is "
+                                                  "computed from."),
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
               dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
               quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
+    from moetool.loading import load
     from moetool.experiments.placement import PlacementOptions, placement as compute
     from moetool.report.console import print_table
 
@@ -58,12 +65,19 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                             layers=parse_layers(layers), batch_size=batch_size)
     if reference_data is not None:
         DocumentStream(reference_data)  # a missing file fails before the run folder exists
+    if reference_model is not None:  # configs and vocabularies must agree, before any weight loads
+        from moetool.experiments.fluctuation import check_checkpoints
+
+        preflight(reference_model)
+        check_checkpoints([model, reference_model])
     started = start_run("placement", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
     run, lm, tokens = started
     reference = (load_tokens(reference_data, lm.tokenizer, seq_len, max_tokens) if reference_data is not None
                  else None)
-    res = compute(lm, tokens, opts, reference=reference, quiet=quiet)
+    ref_lm = (load(reference_model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
+              if reference_model is not None else None)
+    res = compute(lm, tokens, opts, reference=reference, reference_model=ref_lm, quiet=quiet)
     started.write(res)
     print_table(res.summary, f"per-GPU load imbalance (max/mean): {model} ({tokens.n_tokens:,} tokens)",
                 csv="placement_overall.csv")

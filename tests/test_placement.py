@@ -153,25 +153,46 @@ def test_loads_and_imbalance_by_hand(tiny_placement):
     assert set(res.definitions) >= {"imbalance", "max_gpu_load/min_gpu_load", "mean_gpu_load", "load", "method"}
 
 
-def test_staleness_on_other_data(tiny_placement, tmp_path):
-    """A reference of other text: eplb_stale is EPLB fitted on its loads (checked by refitting) evaluated on the
-    data's."""
+@pytest.mark.parametrize("what", ["data", "model", "both"])
+def test_staleness(tiny_placement, tmp_path, what):
+    """A reference of other text, another checkpoint (tiny-early), or both: the reference loads are that model's
+    choices on that text counted by hand, and eplb_stale is EPLB fitted on them (refitted here) evaluated on the
+    data's loads under the model."""
     import moetool
 
     lm, tokens, _ = tiny_placement
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # arithmetic" for i in range(200)))
-    ref = moetool.tokens(lm, str(other), seq_len=64, max_tokens=512)
-    res = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), reference=ref, quiet=True)
+    ref = moetool.tokens(lm, str(other), seq_len=64, max_tokens=512) if what != "model" else None
+    ref_lm = moetool.load("tiny-early") if what != "data" else None
+    res = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), reference=ref, reference_model=ref_lm,
+                            quiet=True)
+    n = lm.layers[0].n_experts
+    counts = {L.index: torch.zeros(n, dtype=torch.float64) for L in lm.layers}
+    with moetool.hook(ref_lm or lm, consumers=[lambda ev: counts[ev.layer.index].add_(
+            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double())]):
+        with torch.no_grad():
+            for b in (ref or tokens).batches(8):
+                (ref_lm or lm).model(input_ids=b.input_ids, attention_mask=b.attention_mask)
     loads = res["placement_loads"]
     idx = [L.index for L in lm.layers]
     w = {s: torch.tensor(loads[loads.data_set == s].pivot(index="layer", columns="expert", values="load")
                          .loc[idx].to_numpy()) for s in ("data", "reference")}
+    assert torch.equal(w["reference"], torch.stack([counts[i] for i in idx]))
     assert not torch.equal(w["data"], w["reference"])
     phy2log, _, count = rebalance_experts(w["reference"], 12, 1, 1, 4)
     want = imbalance(gpu_loads(w["data"], phy2log, count, 4))
     got = res["placement"].query("method == 'eplb_stale'").sort_values("layer")["imbalance"].to_numpy()
     assert got.tolist() == pytest.approx(want.tolist(), rel=1e-12)
+    assert res.meta["reference"]["model"] == ("tiny-early" if ref_lm else "tiny")
+
+
+def test_reference_model_of_other_layers_is_refused(tiny_placement):
+    import moetool
+
+    lm, tokens, _ = tiny_placement
+    with pytest.raises(MoetoolError, match="reference model's MoE layers"):
+        moetool.placement(lm, tokens, gpus=(2,), reference_model=moetool.load("tiny-fine"), quiet=True)
 
 
 def test_bad_options_are_one_line():
@@ -190,7 +211,8 @@ def test_bad_options_are_one_line():
 
 
 def test_cli_refuses_bad_values_in_one_line(tmp_path):
-    for args in (["--extra-slots", "-1"], ["--reference-data", str(tmp_path / "missing.txt")]):
+    for args in (["--extra-slots", "-1"], ["--reference-data", str(tmp_path / "missing.txt")],
+                 ["--reference-model", "tiny-fine"]):  # another architecture: refused before any weight loads
         r = subprocess.run([sys.executable, "-m", "moetool", "placement", *args, "--out", str(tmp_path / "x")],
                            capture_output=True, text=True, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -14,8 +14,9 @@ Placements:
   DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB, MIT licence): R redundant replicas for the
   heaviest experts, then a balanced packing of the replicas onto GPUs (hierarchical: groups of experts to nodes
   first when the expert groups divide into the nodes), computed from the loads it is evaluated on;
-* ``eplb_stale``: the EPLB placement computed from another data set's loads (``reference``), evaluated on the
-  data's: what a placement fitted once loses when the traffic changes.
+* ``eplb_stale``: the EPLB placement computed from another data set's loads (``reference``) and/or another
+  checkpoint's (``reference_model``), evaluated on the data's under the model: what a placement fitted once loses
+  when the traffic or the weights change.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ DEFINITIONS = {
                 "round_robin",
     "slots_per_gpu": "(n + R) / G expert replicas on every GPU",
     "method": "contiguous (expert e on GPU e*G//n), round_robin (e on GPU e % G), eplb (DeepSeek's EPLB, "
-              "github.com/deepseek-ai/EPLB, from the data's own loads), eplb_stale (EPLB from the reference data's "
-              "loads, evaluated on the data's)",
+              "github.com/deepseek-ai/EPLB, from the data's own loads), eplb_stale (EPLB from the loads of the "
+              "reference data and/or reference model, evaluated on the data's under the model)",
     "imbalance": "max over GPUs of the GPU load / mean GPU load (1 = balanced); placement_overall.csv: sum over "
                  "layers of the max / sum of the mean (the time of the layers, each waiting for its busiest GPU, "
                  "over the balanced time; every layer routes the same tokens, so also the mean over layers)",
@@ -55,7 +56,8 @@ DEFINITIONS = {
     "max_replicas": "the most replicas any expert of the layer has",
     "max_layer_imbalance": "the largest per-layer imbalance over the MoE layers",
     "layers": "MoE layers summed over",
-    "data_set": "data (--data: loads the placements are evaluated on) or reference (--reference-data: the loads "
+    "data_set": "data (--data under --model: the loads the placements are evaluated on) or reference "
+                "(--reference-data under --reference-model, each defaulting to the data / model: the loads "
                 "eplb_stale is computed from)",
     "load": "top-K assignments of real tokens routed to the expert by the model's own routing (sums to tokens * K "
             "per layer)",
@@ -242,12 +244,14 @@ def model_groups(layer: Any) -> int:
 
 
 def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, reference: Any = None,
-              quiet: bool = False, **overrides: Any) -> Result:
+              reference_model: Any = None, quiet: bool = False, **overrides: Any) -> Result:
     """Per-GPU load imbalance of expert-parallel placements (contiguous, round-robin, DeepSeek's EPLB with R
     redundant replicas) under the model's measured per-expert loads on ``tokens``; with ``reference`` (another
-    TokenSet) also EPLB fitted on the reference's loads and evaluated on ``tokens``' (staleness). Tables
-    ``placement`` (per layer, G, R, method), ``placement_overall`` (over the layers) and ``placement_loads``
-    (layer, expert loads); see :data:`DEFINITIONS`."""
+    TokenSet) and/or ``reference_model`` (another checkpoint of the same architecture and tokenizer, loaded) also
+    EPLB fitted on the loads of the reference model (default ``lm``) on the reference data (default ``tokens``),
+    evaluated on ``tokens``' loads under ``lm`` (staleness). Tables ``placement`` (per layer, G, R, method),
+    ``placement_overall`` (over the layers) and ``placement_loads`` (layer, expert loads); see
+    :data:`DEFINITIONS`."""
     import pandas as pd
 
     opts = resolve_options(PlacementOptions, options, overrides)
@@ -265,8 +269,13 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     gpu_counts = opts.gpu_counts(n)
     load, n_tok = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement")
     ref_load = ref_tok = None
-    if reference is not None:
-        ref_load, ref_tok = expert_loads(lm, reference, layers, opts.batch_size, quiet, "placement (reference)")
+    if reference is not None or reference_model is not None:
+        ref_lm = lm if reference_model is None else reference_model
+        ref_layers = select_layers(ref_lm.layers, opts.layers)
+        if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
+            raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
+        ref_load, ref_tok = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
+                                         opts.batch_size, quiet, "placement (reference)")
     idx = [L.index for L in layers]
     rows = []
 
@@ -305,8 +314,10 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
                                  "ported in moetool.experiments.placement",
                           policy="hierarchical" if groups % opts.nodes == 0 else "global"))
-    if reference is not None:
-        meta.update(reference=reference.describe(), reference_name=data_name(reference.source))
+    if ref_load is not None:
+        ref_tokens = tokens if reference is None else reference
+        meta.update(reference=dict(data=ref_tokens.describe(), data_name=data_name(ref_tokens.source),
+                                   model=(lm if reference_model is None else reference_model).name))
     summary = overall[["gpus", "replicas", "method", "imbalance", "max_layer_imbalance"]]
     return Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
                                 "placement_loads.csv": pd.concat(loads, ignore_index=True)}, opts, meta=meta,
