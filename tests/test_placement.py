@@ -217,3 +217,12 @@ def test_cli_refuses_bad_values_in_one_line(tmp_path):
                            capture_output=True, text=True, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model_type, groups", [("deepseek_v2", 4), ("deepseek_v3", 2), ("mixtral", 1)])
+def test_default_groups_are_the_routing_groups(tiny_model, model_type, groups):
+    """EPLB's expert groups default to the routing's n_group (the tiny configs': 4, 2, none)."""
+    from moetool.adapters import find_moe_layers
+    from moetool.experiments.placement import model_groups
+
+    assert model_groups(find_moe_layers(tiny_model(model_type))[0]) == groups

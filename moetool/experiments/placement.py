@@ -239,8 +239,8 @@ def expert_loads(lm: Any, tokens: Any, layers: list[Any], batch_size: int, quiet
 
 
 def model_groups(layer: Any) -> int:
-    """The routing's expert groups (``n_group`` of group-limited routing), 1 without."""
-    return int(getattr(getattr(layer, "params", None), "n_group", 1) or 1)
+    """The routing's expert groups (``n_group`` of group-limited routing, as ``inspect`` describes it), 1 without."""
+    return int(layer.describe().get("n_group", 1) or 1)
 
 
 def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, reference: Any = None,
