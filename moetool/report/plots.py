@@ -513,7 +513,7 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "placement_imbalance": ("Per-GPU load imbalance (max / mean GPU load; summed over MoE layers, each waiting for "
                             "its busiest GPU) against the number of GPUs, one line per expert placement: contiguous, "
                             "round-robin, DeepSeek's EPLB with R = slots × G redundant replicas, and (dashed, same colour) "
-                            "EPLB fitted on the reference data (stale); dotted: perfect balance", ("placement_overall.csv",),
+                            "EPLB fitted on the reference data or checkpoint (stale); dotted: perfect balance", ("placement_overall.csv",),
                             ("imbalance", "method", "replicas")),
     "placement_layers": ("Per MoE layer: per-GPU load imbalance at the largest number of GPUs below the number of "
                          "experts, one line per placement", ("placement.csv",), ("imbalance", "method", "replicas")),
