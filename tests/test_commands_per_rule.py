@@ -185,6 +185,34 @@ def test_stats(case, tmp_path):
         np.testing.assert_allclose(got["load_fraction"], want / idx.numel(), rtol=1e-9)
 
 
+def test_placement(case, tmp_path):
+    """Expert loads == the model's own choices counted by hand (tokens * K per layer); the contiguous and
+    round-robin GPU loads summed by hand from them; EPLB's imbalance from the hand loads."""
+    import json
+
+    from moetool.experiments.placement import gpu_loads, imbalance, rebalance_experts
+
+    n, K, G = case.n_experts, case.top_k, 2
+    invoke("placement", "--model", str(case.path), *SMALL, "--gpus", str(G), "--extra-slots", "0,1",
+           "--out", str(tmp_path))
+    df, load = pd.read_csv(tmp_path / "placement.csv"), pd.read_csv(tmp_path / "placement_loads.csv")
+    assert finite(df) and sorted(df["layer"].unique()) == case.layers
+    groups = json.loads((tmp_path / "manifest.json").read_text())["groups"]  # the routing's n_group, else 1
+    for layer in case.layers:
+        want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=n).double()
+        got = load[load.layer == layer].sort_values("expert")
+        assert list(got["load"]) == want.tolist() and want.sum() == case.tokens.n_tokens * K, layer
+        rows = df[df.layer == layer].set_index(["method", "replicas"])
+        for method, gpu_of in (("contiguous", lambda e: e * G // n), ("round_robin", lambda e: e % G)):
+            per_gpu = [float(want[[e for e in range(n) if gpu_of(e) == g]].sum()) for g in range(G)]
+            assert rows.loc[(method, 0), "imbalance"] == pytest.approx(max(per_gpu) * G / sum(per_gpu), rel=1e-12)
+        for R in (0, G):
+            phy2log, _, count = rebalance_experts(want[None], n + R, groups, 1, G)
+            assert rows.loc[("eplb", R), "imbalance"] == pytest.approx(
+                float(imbalance(gpu_loads(want[None], phy2log, count, G))), rel=1e-12)
+            assert rows.loc[("eplb", R), "imbalance"] >= 1
+
+
 def test_trace(case, tmp_path):
     invoke("trace", "--model", str(case.path), *SMALL, "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "trace.csv.gz")

@@ -95,6 +95,8 @@ CASES = [
                   "--bootstrap", "100"]),
     ("prune", ["--model", "tiny", *DATA, "--fractions", "0.25", "--criteria", "reap,random", "--ablate", "1",
                "--bootstrap", "100"]),
+    ("placement", ["--model", "tiny", *DATA, "--gpus", "2,4", "--extra-slots", "0,1", "--reference-data",
+                   str(Path(__file__).parents[1] / "README.md")]),  # other text: the stale placement
 ]
 IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}

@@ -31,6 +31,7 @@ RUNS = {  # command -> its arguments (small, no bootstrap: the files are the poi
     "topk": ["topk", *SMALL, "--bootstrap", "0", "--ks", "1", "--ps", "0.9"],
     "plan": ["plan", "--gpus", "1xH100"],
     "capacity": ["capacity", *SMALL, "--bootstrap", "0", "--cf", "1"],
+    "placement": ["placement", *SMALL, "--gpus", "2,4"],
     "prune": ["prune", *SMALL, "--bootstrap", "0", "--fractions", "0.25", "--criteria", "reap", "--ablate", "1"],
 }
 NOT_RUN = {"eval": "lm-eval's tasks: tests/test_eval.py checks its files"}

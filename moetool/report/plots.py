@@ -536,6 +536,49 @@ def prune_figures(result: Any) -> dict[str, Any]:
     return plot_prune(result["prune.csv"], result["prune_importance.csv"], result["prune_ablation.csv"])
 
 
+# ----- placement -----------------------------------------------------------------------------
+def _placement_series(df: Any) -> Any:
+    """``df`` with ``series``: the method, with EPLB's redundant slots per GPU when it has any."""
+    df = df.copy()
+    extra = df["replicas"] // df["gpus"]
+    df["series"] = [m if e == 0 else f"{m} +{e}/GPU" for m, e in zip(df["method"], extra)]
+    return df
+
+
+def _stale_twin(series: str) -> tuple[str, int]:
+    """``eplb_stale[ +r/GPU]`` drawn dashed in the colour of ``eplb[ +r/GPU]``."""
+    return series.replace("eplb_stale", "eplb"), int("eplb_stale" in series)
+
+
+def plot_placement(overall: Any, per_layer: Any) -> dict[str, Any]:
+    """``placement_imbalance``: overall per-GPU load imbalance against G, one line per placement;
+    ``placement_layers``: per-layer imbalance at the largest G below n."""
+    from .figures import line_by, new_figure
+
+    fig, (ax,) = new_figure(width=5.0)
+    line_by(ax, _placement_series(overall), "gpus", "imbalance", "series", title="expert-parallel load imbalance",
+            xlabel="GPUs (G)", ylabel="max / mean GPU load (over layers)", twin=_stale_twin)
+    ax.set_xscale("log", base=2)
+    gs = sorted(int(g) for g in overall["gpus"].unique())
+    ax.set_xticks(gs, [str(g) for g in gs])
+    ax.minorticks_off()
+    ax.axhline(1.0, color="black", lw=0.6, ls=":")
+    out = {"placement_imbalance": fig}
+    from ..experiments.placement import headline_gpus
+
+    G = headline_gpus(per_layer)
+    fig, (ax,) = new_figure(width=5.0)
+    line_by(ax, _placement_series(per_layer[per_layer["gpus"] == G]), "layer", "imbalance", "series",
+            title=f"per-layer load imbalance on {G} GPUs", ylabel="max / mean GPU load", twin=_stale_twin)
+    ax.axhline(1.0, color="black", lw=0.6, ls=":")
+    out["placement_layers"] = fig
+    return out
+
+
+def placement_figures(result: Any) -> dict[str, Any]:
+    return plot_placement(result["placement_overall.csv"], result["placement.csv"])
+
+
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots): the
 #: report page's captions (:mod:`moetool.report.page`), kept beside the functions that draw the figures
 FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
@@ -561,6 +604,15 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                        ("cf", "order", "dropped_frac", "ratio", "*_lo/*_hi")),
     "capacity_layers": ("The share of assignments beyond expert capacity in each MoE layer, one line per capacity "
                         "factor and drop order", ("capacity_layers.csv",), ("cf", "dropped_frac")),
+
+
+    "placement_imbalance": ("Per-GPU load imbalance (max / mean GPU load; summed over MoE layers, each waiting for "
+                            "its busiest GPU) against the number of GPUs, one line per expert placement: contiguous, "
+                            "round-robin, DeepSeek's EPLB with R = slots × G redundant replicas, and (dashed, same colour) "
+                            "EPLB fitted on the reference data or checkpoint (stale); dotted: perfect balance", ("placement_overall.csv",),
+                            ("imbalance", "method", "replicas")),
+    "placement_layers": ("Per MoE layer: per-GPU load imbalance at the largest number of GPUs below the number of "
+                         "experts, one line per placement", ("placement.csv",), ("imbalance", "method", "replicas")),
     "load_heatmap": ("Expert load relative to uniform routing (load_fraction × n), one row per layer and one column "
                      "per expert; 1 (white) is balanced, red above, blue below", ("load.csv",), ("load_fraction",)),
     "coactivation": ("P(b | a) per layer: of the tokens whose top-K contains expert a (row), the share whose top-K "

@@ -1,0 +1,88 @@
+"""``moetool placement``: expert-parallel placement what-if -- per-GPU load imbalance, static layouts vs EPLB."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
+                      Quiet, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+
+HELP = """Expert-parallel placement what-if: per-GPU load imbalance under the model's measured expert loads.
+
+The model's own top-K routing is counted per (layer, expert) on --data in one forward. For each G in --gpus, the
+n experts (plus R redundant replicas) are spread over G GPUs, (n + R) / G slots each; a GPU's load is the sum of
+its replicas' loads (an expert with c replicas gives each load / c), and the imbalance is max / mean GPU load
+(1 = balanced; every MoE layer waits for its busiest GPU). Placements: contiguous (expert e on GPU e*G//n, the
+static layout), round_robin (e on GPU e % G), and eplb: DeepSeek's expert-parallel load balancer (DeepSeek-AI,
+EPLB, 2025, github.com/deepseek-ai/EPLB, MIT; ported in moetool.experiments.placement) with R = extra_slots x G
+redundant replicas for the heaviest experts, hierarchical over --nodes when the expert groups (--groups, default
+the model's routing groups) divide into them. With --reference-data and/or --reference-model, eplb_stale: EPLB
+fitted on the loads of the reference model (default --model) on the reference data (default --data), evaluated
+on --data's under --model (a placement computed once; the traffic or the weights changed). A reference model must
+have the model's architecture and tokenizer; both models are held in memory.
+
+Writes placement.csv (layer, gpus, nodes, replicas, slots_per_gpu, method, imbalance, max_gpu_load,
+mean_gpu_load, min_gpu_load, max_replicas), placement_overall.csv (gpus, nodes, replicas, slots_per_gpu, method,
+imbalance = sum of the layers' max / sum of their mean, max_layer_imbalance, layers),
+placement_loads.csv (data_set, layer, expert, tokens, load, load_fraction), figures/placement_imbalance (imbalance
+vs G per method), figures/placement_layers (per-layer imbalance at the largest G below n) and manifest.json (definitions).
+
+Examples:
+  moetool placement
+  moetool placement --model tiny-fine --gpus 2,4,8 --extra-slots 0,1,2 --reference-data other.jsonl
+  moetool placement --model tiny --reference-model tiny-early
+"""
+
+
+@handle_errors
+def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
+              gpus: str = typer.Option(None, "--gpus", help="GPU counts G, comma-separated; each must divide the "
+                                                            "number of experts (default: powers of two up to n)."),
+              extra_slots: str = typer.Option("0,1", "--extra-slots", help="Redundant replica slots per GPU for "
+                                                                             "EPLB, comma-separated (R = slots x G)."),
+              nodes: int = typer.Option(1, "--nodes", help="Nodes for EPLB's hierarchical packing (divides G)."),
+              groups: int = typer.Option(None, "--groups", help="Expert groups for EPLB (default: the model's "
+                                                                "routing groups, else 1)."),
+              reference_data: Optional[Path] = typer.Option(None, "--reference-data", help="Text/JSONL whose loads "
+                                                            "the stale EPLB placement is computed from."),
+              reference_model: str = typer.Option(None, "--reference-model", help="Checkpoint (same architecture "
+                                                  "and tokenizer) whose loads the stale EPLB placement is "
+                                                  "computed from."),
+              layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
+              dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+              quiet: Quiet = False) -> None:
+    preflight(model)  # before the experiment's imports: a bad --model fails at once
+    from moetool.data import DocumentStream, load_tokens
+    from moetool.loading import load
+    from moetool.experiments.placement import PlacementOptions, placement as compute
+    from moetool.report.console import print_table
+
+    opts = PlacementOptions(gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
+                            extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
+                            layers=parse_layers(layers), batch_size=batch_size)
+    if reference_data is not None:
+        DocumentStream(reference_data)  # a missing file fails before the run folder exists
+    if reference_model is not None:  # configs and vocabularies must agree, before any weight loads
+        from moetool.experiments.fluctuation import check_checkpoints
+
+        preflight(reference_model)
+        check_checkpoints([model, reference_model])
+    started = start_run("placement", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+    run, lm, tokens = started
+    reference = (load_tokens(reference_data, lm.tokenizer, seq_len, max_tokens) if reference_data is not None
+                 else None)
+    ref_lm = (load(reference_model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
+              if reference_model is not None else None)
+    res = compute(lm, tokens, opts, reference=reference, reference_model=ref_lm, quiet=quiet)
+    started.write(res)
+    print_table(res.summary, f"per-GPU load imbalance (max/mean): {model} ({tokens.n_tokens:,} tokens)",
+                csv="placement_overall.csv")
+    echo_run(run.path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help=HELP)(placement)

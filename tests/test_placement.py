@@ -1,0 +1,208 @@
+"""Expert-parallel placement (``moetool placement``): the EPLB implementation against hand-worked examples and its
+invariants, and the experiment's loads and imbalances against independent counts on the embedded model. (During
+development it was also compared with DeepSeek's own eplb.py on 1,600 random load sets: identical placements; that
+code is not part of this repository.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.experiments.placement import (PlacementOptions, gpu_loads, imbalance, rebalance_experts,
+                                           static_placement)
+
+#: (layers, n, G, extra slots per GPU, groups, nodes): global (1 group), hierarchical over 1, 2 and 4 nodes, and
+#: groups that do not divide into the nodes (EPLB's global fallback)
+CONFIGS = [(3, 16, 4, 0, 1, 1), (3, 16, 4, 1, 4, 2), (2, 32, 8, 2, 8, 4), (2, 12, 4, 1, 3, 2), (2, 8, 2, 1, 4, 2),
+           (2, 64, 16, 1, 8, 2), (2, 16, 4, 3, 4, 1)]
+
+
+def test_eplb_by_hand():
+    """Loads [8, 2, 1, 1] on 2 GPUs, worked by hand.
+    R = 0: heaviest first into the lightest pack with room: 8 -> GPU0, 2 -> GPU1, 1 -> GPU1, 1 -> GPU0 (GPU1 full):
+    GPU loads [9, 3], imbalance 9/6 = 1.5 (contiguous {8,2},{1,1}: 10/6; round-robin {8,1},{2,1}: 9/6).
+    R = 2: replicas go to the largest load per replica: expert 0 (8/1), then expert 0 again (8/2 = 4 > 2): three
+    replicas of 8/3; slots [e0, e1, e2, e3, e0, e0] with loads [8/3, 2, 1, 1, 8/3, 8/3] packed 3 per GPU:
+    8/3 -> G0, 8/3 -> G1, 8/3 -> G0 (tie: the first), 2 -> G1, 1 -> G1 (G1 full), 1 -> G0:
+    GPU0 = {e0, e0, e3} = 19/3, GPU1 = {e0, e1, e2} = 17/3, imbalance (19/3)/6 = 19/18."""
+    w = torch.tensor([[8.0, 2.0, 1.0, 1.0]])
+    phy2log, rank, count = rebalance_experts(w, 4, 1, 1, 2)
+    assert phy2log.tolist() == [[0, 3, 1, 2]] and count.tolist() == [[1, 1, 1, 1]]
+    assert gpu_loads(w, phy2log, count, 2).tolist() == [[9.0, 3.0]]
+    assert imbalance(gpu_loads(w, phy2log, count, 2)).item() == 1.5
+    phy2log, rank, count = rebalance_experts(w, 6, 1, 1, 2)
+    assert phy2log.tolist() == [[0, 0, 3, 0, 1, 2]] and count.tolist() == [[3, 1, 1, 1]]
+    assert sorted(rank[0, phy2log[0] == 0].tolist()) == [0, 1, 2]
+    assert gpu_loads(w, phy2log, count, 2)[0].tolist() == pytest.approx([19 / 3, 17 / 3], abs=1e-12)
+    assert imbalance(gpu_loads(w, phy2log, count, 2)).item() == pytest.approx(19 / 18, abs=1e-12)
+    contiguous = gpu_loads(w, *static_placement(1, 4, 2, "contiguous"), 2)
+    round_robin = gpu_loads(w, *static_placement(1, 4, 2, "round_robin"), 2)
+    assert contiguous.tolist() == [[10.0, 2.0]] and round_robin.tolist() == [[9.0, 3.0]]
+
+
+def zipf_loads(L: int, n: int, seed: int) -> torch.Tensor:
+    """Skewed loads: 1/rank over a random permutation of the experts, per layer."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([(1e4 / torch.arange(1, n + 1).double())[torch.randperm(n, generator=g)] for _ in range(L)])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
+def test_eplb_invariants(config):
+    L, n, G, extra, groups, nodes = config
+    R = extra * G
+    w = zipf_loads(L, n, seed=n + G)
+    phy2log, rank, count = rebalance_experts(w, n + R, groups, nodes, G)
+    assert phy2log.shape == (L, n + R) and (n + R) % G == 0  # (n + R) / G slots on every GPU
+    for layer in range(L):
+        assert set(phy2log[layer].tolist()) == set(range(n))  # every expert placed
+        assert torch.equal(torch.bincount(phy2log[layer], minlength=n), count[layer])  # its replicas counted
+        for e in range(n):  # ranks 0 .. c-1 of each expert
+            assert sorted(rank[layer, phy2log[layer] == e].tolist()) == list(range(int(count[layer, e])))
+    assert (count.sum(-1) == n + R).all() and (count >= 1).all()
+    per_gpu = gpu_loads(w, phy2log, count, G)
+    assert torch.allclose(per_gpu.sum(-1), w.sum(-1))  # no load lost or counted twice
+    imb = imbalance(per_gpu)
+    assert (imb >= 1 - 1e-12).all()
+    if nodes > 1:  # expert groups confined to nodes: balance traded for locality, no bound against the static ones
+        return
+    if R == 0:  # skewed loads: balanced packing beats both static layouts in every layer
+        for method in ("contiguous", "round_robin"):
+            static = imbalance(gpu_loads(w, *static_placement(L, n, G, method), G))
+            assert (imb <= static + 1e-12).all() and (imb < static).any()
+    else:  # replicas of the heaviest experts: below both static layouts and EPLB without replicas
+        static = imbalance(gpu_loads(w, *static_placement(L, n, G, "round_robin"), G))
+        phy2log, _, count = rebalance_experts(w, n, groups, nodes, G)
+        assert (imb < static).all() and (imb < imbalance(gpu_loads(w, phy2log, count, G))).all()
+
+
+def test_static_layouts_by_hand():
+    phy2log, count = static_placement(1, 8, 4, "contiguous")
+    assert phy2log.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # GPU g: experts 2g, 2g + 1 (e -> e * G // n)
+    phy2log, count = static_placement(1, 8, 4, "round_robin")
+    assert phy2log.tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]  # GPU g: experts g, g + 4 (e -> e % G)
+
+
+@pytest.fixture(scope="module")
+def tiny_placement():
+    import moetool
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=740)  # the last row padded
+    return lm, tokens, moetool.placement(lm, tokens, gpus=(2, 4), extra_slots=(0, 1), reference=tokens, quiet=True)
+
+
+def test_loads_and_imbalance_by_hand(tiny_placement):
+    """Loads counted from the routing events by hand (real tokens only); the static layouts' GPU loads summed by
+    hand from them; EPLB fitted on the same data as the reference: eplb_stale == eplb."""
+    import moetool
+
+    lm, tokens, res = tiny_placement
+    n, K = lm.layers[0].n_experts, lm.layers[0].top_k
+    counts = {L.index: torch.zeros(n, dtype=torch.float64) for L in lm.layers}
+    with moetool.hook(lm, consumers=[lambda ev: counts[ev.layer.index].add_(
+            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double())]):
+        with torch.no_grad():
+            for b in tokens.batches(8):
+                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    loads = res["placement_loads"]
+    for li, c in counts.items():
+        got = loads[(loads.data_set == "data") & (loads.layer == li)].sort_values("expert")
+        assert got["load"].tolist() == c.tolist() and c.sum() == tokens.n_tokens * K
+    df = res["placement"]
+    for G in (2, 4):
+        for li, c in counts.items():
+            rows = df[(df.gpus == G) & (df.layer == li)].set_index(["method", "replicas"])
+            for method, gpu_of in (("contiguous", lambda e: e * G // n), ("round_robin", lambda e: e % G)):
+                per_gpu = [sum(float(c[e]) for e in range(n) if gpu_of(e) == g) for g in range(G)]
+                r = rows.loc[(method, 0)]
+                assert r["max_gpu_load"] == max(per_gpu) and r["min_gpu_load"] == min(per_gpu)
+                assert r["mean_gpu_load"] == tokens.n_tokens * K / G
+                assert r["imbalance"] == pytest.approx(max(per_gpu) / (sum(per_gpu) / G), rel=1e-12)
+            for R in (0, G):
+                assert rows.loc[("eplb", R)].equals(rows.loc[("eplb_stale", R)])
+                assert rows.loc[("eplb", R), "slots_per_gpu"] == (n + R) // G
+    overall = res["placement_overall"].set_index(["gpus", "replicas", "method"])
+    one = df[(df.gpus == 4) & (df.method == "eplb") & (df.replicas == 4)]
+    assert overall.loc[(4, 4, "eplb"), "imbalance"] == pytest.approx(
+        one["max_gpu_load"].sum() / one["mean_gpu_load"].sum(), rel=1e-12)
+    assert set(res.definitions) >= {"imbalance", "max_gpu_load/min_gpu_load", "mean_gpu_load", "load", "method"}
+
+
+@pytest.mark.parametrize("what", ["data", "model", "both"])
+def test_staleness(tiny_placement, tmp_path, what):
+    """A reference of other text, another checkpoint (tiny-early), or both: the reference loads are that model's
+    choices on that text counted by hand, and eplb_stale is EPLB fitted on them (refitted here) evaluated on the
+    data's loads under the model."""
+    import moetool
+
+    lm, tokens, _ = tiny_placement
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # arithmetic" for i in range(200)))
+    ref = moetool.tokens(lm, str(other), seq_len=64, max_tokens=512) if what != "model" else None
+    ref_lm = moetool.load("tiny-early") if what != "data" else None
+    res = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), reference=ref, reference_model=ref_lm,
+                            quiet=True)
+    n = lm.layers[0].n_experts
+    counts = {L.index: torch.zeros(n, dtype=torch.float64) for L in lm.layers}
+    with moetool.hook(ref_lm or lm, consumers=[lambda ev: counts[ev.layer.index].add_(
+            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double())]):
+        with torch.no_grad():
+            for b in (ref or tokens).batches(8):
+                (ref_lm or lm).model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    loads = res["placement_loads"]
+    idx = [L.index for L in lm.layers]
+    w = {s: torch.tensor(loads[loads.data_set == s].pivot(index="layer", columns="expert", values="load")
+                         .loc[idx].to_numpy()) for s in ("data", "reference")}
+    assert torch.equal(w["reference"], torch.stack([counts[i] for i in idx]))
+    assert not torch.equal(w["data"], w["reference"])
+    phy2log, _, count = rebalance_experts(w["reference"], 12, 1, 1, 4)
+    want = imbalance(gpu_loads(w["data"], phy2log, count, 4))
+    got = res["placement"].query("method == 'eplb_stale'").sort_values("layer")["imbalance"].to_numpy()
+    assert got.tolist() == pytest.approx(want.tolist(), rel=1e-12)
+    assert res.meta["reference"]["model"] == ("tiny-early" if ref_lm else "tiny")
+
+
+def test_reference_model_of_other_layers_is_refused(tiny_placement):
+    import moetool
+
+    lm, tokens, _ = tiny_placement
+    with pytest.raises(MoetoolError, match="reference model's MoE layers"):
+        moetool.placement(lm, tokens, gpus=(2,), reference_model=moetool.load("tiny-fine"), quiet=True)
+
+
+def test_bad_options_are_one_line():
+    for kw, message in ((dict(gpus=(0,)), "--gpus"), (dict(extra_slots=(-1,)), "--extra-slots"),
+                        (dict(nodes=0), "--nodes"), (dict(groups=0), "--groups")):
+        with pytest.raises(MoetoolError, match=message) as e:
+            PlacementOptions(**kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(MoetoolError, match="must divide the 8 experts"):
+        PlacementOptions(gpus=(3,)).gpu_counts(8)
+    with pytest.raises(MoetoolError, match="multiple of --nodes"):
+        PlacementOptions(gpus=(2,), nodes=4).gpu_counts(8)
+    assert PlacementOptions().gpu_counts(8) == [2, 4, 8] and PlacementOptions().gpu_counts(12) == [2, 4]
+    with pytest.raises(MoetoolError, match="multiple of the GPUs"):
+        rebalance_experts(torch.ones(1, 8), 9, 1, 1, 2)
+
+
+def test_cli_refuses_bad_values_in_one_line(tmp_path):
+    for args in (["--extra-slots", "-1"], ["--reference-data", str(tmp_path / "missing.txt")],
+                 ["--reference-model", "tiny-fine"]):  # another architecture: refused before any weight loads
+        r = subprocess.run([sys.executable, "-m", "moetool", "placement", *args, "--out", str(tmp_path / "x")],
+                           capture_output=True, text=True, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model_type, groups", [("deepseek_v2", 4), ("deepseek_v3", 2), ("mixtral", 1)])
+def test_default_groups_are_the_routing_groups(tiny_model, model_type, groups):
+    """EPLB's expert groups default to the routing's n_group (the tiny configs': 4, 2, none)."""
+    from moetool.adapters import find_moe_layers
+    from moetool.experiments.placement import model_groups
+
+    assert model_groups(find_moe_layers(tiny_model(model_type))[0]) == groups
