@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
 
 HELP = """Expert capacity and token dropping: which assignments a capacity factor drops, and what it costs.
@@ -47,19 +47,16 @@ def capacity(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, f
              device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.capacity import CapacityOptions, capacity as compute
-    from moetool.report.console import print_table
 
     opts = CapacityOptions(cfs=tuple(parse_list(cf, float, "capacity factor")),
                            orders=tuple(parse_list(order, str, "order")), layers=parse_layers(layers),
                            batch_size=batch_size, bootstrap=bootstrap, seed=seed)
     started = start_run("capacity", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
-    run, lm, tokens = started
+    _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    started.write(res)
-    print_table(res.summary, f"capacity factor, dropped assignments and perplexity: {model} "
-                             f"({tokens.n_tokens:,} tokens)", csv="capacity.csv")
-    echo_run(run.path)
+    finish_command(started, res, f"capacity factor, dropped assignments and perplexity: {model} "
+                                 f"({tokens.n_tokens:,} tokens)", "capacity.csv")
 
 
 def register(app: typer.Typer) -> None:

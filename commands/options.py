@@ -310,6 +310,16 @@ class StartedRun:
         return write_result(result, self.run, model=self.lm, options=self.options, **kwargs)
 
 
+def finish_command(started: StartedRun, result: Any, title: str, csv: str) -> None:
+    """The end every experiment command shares: write the result (:meth:`StartedRun.write`), print its summary
+    table under ``title`` (long tables point to ``csv``) and the run folder."""
+    from moetool.report.console import print_table
+
+    started.write(result)
+    print_table(result.summary, title, csv=csv)
+    echo_run(started.run.path)
+
+
 def write_result(result: Any, run: Any, **kwargs: Any) -> Any:
     """The one writer call of every command: :func:`moetool.report.writers.write`, the ``--batch-size auto``
     back-off (the rows that ran after an out-of-memory) recorded in the manifest first."""

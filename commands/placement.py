@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+                      Quiet, SeqLen, finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = """Expert-parallel placement what-if: per-GPU load imbalance under the model's measured expert loads.
 
@@ -58,7 +58,6 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
     from moetool.experiments.placement import PlacementOptions, placement as compute
-    from moetool.report.console import print_table
 
     opts = PlacementOptions(gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
                             extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
@@ -72,16 +71,14 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
         check_checkpoints([model, reference_model])
     started = start_run("placement", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
-    run, lm, tokens = started
+    _, lm, tokens = started
     reference = (load_tokens(reference_data, lm.tokenizer, seq_len, max_tokens) if reference_data is not None
                  else None)
     ref_lm = (load(reference_model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
               if reference_model is not None else None)
     res = compute(lm, tokens, opts, reference=reference, reference_model=ref_lm, quiet=quiet)
-    started.write(res)
-    print_table(res.summary, f"per-GPU load imbalance (max/mean): {model} ({tokens.n_tokens:,} tokens)",
-                csv="placement_overall.csv")
-    echo_run(run.path)
+    finish_command(started, res, f"per-GPU load imbalance (max/mean): {model} ({tokens.n_tokens:,} tokens)",
+                   "placement_overall.csv")
 
 
 def register(app: typer.Typer) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
 
 HELP = """Expert importance and pruning: which experts matter, and perplexity as the least important are removed.
@@ -51,19 +51,16 @@ def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.prune import PruneOptions, prune as compute
-    from moetool.report.console import print_table
 
     opts = PruneOptions(fractions=tuple(parse_list(fractions, float, "fraction")),
                         criteria=tuple(parse_list(criteria, str, "criterion")), ablate=ablate,
                         layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap, seed=seed)
     started = start_run("prune", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
-    run, lm, tokens = started
+    _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    started.write(res)
-    print_table(res.summary, f"perplexity with experts removed: {model} ({tokens.n_tokens:,} tokens)",
-                csv="prune.csv")
-    echo_run(run.path)
+    finish_command(started, res, f"perplexity with experts removed: {model} ({tokens.n_tokens:,} tokens)",
+                   "prune.csv")
 
 
 def register(app: typer.Typer) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
 
 HELP = """The compute-quality frontier of reduced and dynamic K: perplexity against experts per token.
@@ -41,7 +41,6 @@ def topk(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force
          device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.topk import TopkOptions, topk as compute
-    from moetool.report.console import print_table
 
     masses = () if ps.strip().lower() == "none" else tuple(parse_list(ps, float, "p"))
     opts = TopkOptions(ks=tuple(parse_list(ks, int, "k")) if ks else None, ps=masses,
@@ -49,12 +48,10 @@ def topk(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force
                        seed=seed)
     started = start_run("topk", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
-    run, lm, tokens = started
+    _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
-    started.write(res)
-    print_table(res.summary, f"experts per token and perplexity: {model} ({tokens.n_tokens:,} tokens)",
-                csv="topk.csv")
-    echo_run(run.path)
+    finish_command(started, res, f"experts per token and perplexity: {model} ({tokens.n_tokens:,} tokens)",
+                   "topk.csv")
 
 
 def register(app: typer.Typer) -> None:

@@ -426,6 +426,22 @@ def mass_recall_figures(result: Any) -> dict[str, Any]:
     return plot_mass_recall(result["mass_recall.csv"])
 
 
+def ratio_curve(df: Any, by: str, x: str, *, title: str, xlabel: str, star: str) -> Any:
+    """One figure: perplexity / the model's own (paired ratio, bootstrap error bars) against ``x``, one line per
+    value of ``by``; the row whose ``by`` is ``router`` (the model itself) a star."""
+    from .figures import line_by, new_figure
+
+    fig, (ax,) = new_figure(width=5.0)
+    sweep = df[df[by] != "router"]
+    if len(sweep):
+        line_by(ax, sweep, x, "ratio", by, title=title, yerr=("ratio_lo", "ratio_hi"), xlabel=xlabel,
+                ylabel="perplexity / the model's own (paired)")
+    router = df[df[by] == "router"]
+    ax.scatter(router[x], router["ratio"], marker="*", s=90, color="black", zorder=10, label=star)
+    ax.legend()
+    return fig
+
+
 # ----- topk ---------------------------------------------------------------------------------
 def plot_topk(df: Any, layers: Any) -> dict[str, Any]:
     """``topk_frontier``: perplexity / the router's against the experts per token (fixed k, top-p; the router a
@@ -433,18 +449,9 @@ def plot_topk(df: Any, layers: Any) -> dict[str, Any]:
     ``topk_layers``: experts per token by layer for each top-p policy."""
     from .figures import line_by, new_figure
 
-    out = {}
-    fig, (ax,) = new_figure(width=5.0)
-    sweep = df[df["kind"] != "router"]
-    if len(sweep):
-        line_by(ax, sweep, "mean_experts", "ratio", "kind", title="compute-quality frontier",
-                yerr=("ratio_lo", "ratio_hi"), xlabel="experts per token (mean over MoE layers)",
-                ylabel="perplexity / router's (paired)")
-    router = df[df["kind"] == "router"]
-    ax.scatter(router["mean_experts"], router["ratio"], marker="*", s=90, color="black", zorder=10,
-               label="router (the model's K)")
-    ax.legend()
-    out["topk_frontier"] = fig
+    out = {"topk_frontier": ratio_curve(df, "kind", "mean_experts", title="compute-quality frontier",
+                                        xlabel="experts per token (mean over MoE layers)",
+                                        star="router (the model's K)")}
     topp = layers[layers["kind"] == "topp"]
     if len(topp):
         fig, (ax,) = new_figure(width=5.0)
@@ -497,20 +504,11 @@ def plot_prune(curve: Any, importance: Any, ablation: Any) -> dict[str, Any]:
     """``prune_curve``: perplexity / the model's against the fraction of experts removed per layer, one line per
     criterion (the model itself a star at 0); ``prune_importance``: REAP saliency per layer and expert;
     ``prune_ablation``: perplexity / the model's for each single-expert ablation (when any ran)."""
-    from .figures import error_lengths, heatmap, line_by, new_figure
+    from .figures import error_lengths, heatmap, new_figure
 
-    out = {}
-    fig, (ax,) = new_figure(width=5.0)
-    sweep = curve[curve["criterion"] != "router"]
-    if len(sweep):
-        line_by(ax, sweep, "fraction", "ratio", "criterion", title="perplexity as experts are removed",
-                yerr=("ratio_lo", "ratio_hi"), xlabel="fraction of each layer's experts removed",
-                ylabel="perplexity / the model's (paired)")
-    router = curve[curve["criterion"] == "router"]
-    ax.scatter(router["fraction"], router["ratio"], marker="*", s=90, color="black", zorder=10,
-               label="the model (nothing removed)")
-    ax.legend()
-    out["prune_curve"] = fig
+    out = {"prune_curve": ratio_curve(curve, "criterion", "fraction", title="perplexity as experts are removed",
+                                      xlabel="fraction of each layer's experts removed",
+                                      star="the model (nothing removed)")}
     mat = importance.pivot(index="layer", columns="expert", values="reap")  # [layers, n]
     n = mat.shape[1]
     fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
