@@ -38,7 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, write_error
 
 MANIFEST = "manifest.json"
 UNITS = "units"  # finished units of an unfinished run (--resume), removed when the run completes
@@ -252,12 +252,19 @@ class RunDir:
             if self.resuming is not None:
                 self.sections.setdefault("resumed", {"previous_status": self.resuming.get("status"),
                                                      "previous_started": self.resuming.get("started")})
+        made = not self._path.exists()
         try:
             self._path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise MoetoolError(f"cannot create {self._path}: {e.strerror or e}") from None
+            raise write_error(e, self._path, what="create") from None
         self.status = "running"
-        self._write_manifest()
+        try:
+            self._write_manifest()
+        except MoetoolError:  # (a full disk) a folder this run made and could not describe is not left behind
+            if made:
+                shutil.rmtree(self._path, ignore_errors=True)
+                self.status = "new"
+            raise
 
     def sub(self, name: str) -> "RunDir":
         """A child run folder (``demo`` puts each experiment in its own); made at its first write."""
@@ -292,7 +299,7 @@ class RunDir:
             with atomic_path(p) as tmp:
                 yield tmp
         except OSError as e:
-            raise MoetoolError(f"cannot write {p}: {e.strerror or e}") from None
+            raise write_error(e, p) from None
         self._record(p)
 
     def write_csv(self, name: str, df: Any) -> Path:
@@ -366,7 +373,7 @@ class RunDir:
             with atomic_path(p) as tmp:
                 tmp.write_text(json.dumps(_jsonable(self.manifest(**extra)), indent=2))
         except OSError as e:
-            raise MoetoolError(f"cannot write {p}: {e.strerror or e}") from None
+            raise write_error(e, p) from None
         return p
 
     def finish(self, *, options: dict[str, Any], model: Any = None, seed: int | None = None) -> Path:
@@ -537,13 +544,30 @@ class Units:
                     raise MoetoolError(f"unit {name}: refusing to copy a {type(o).__name__} into a checkpoint")
                 return i
 
-        with atomic_path(self.dir / self._file(name)) as tmp, open(tmp, "wb") as fh:
-            Pickler(fh, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        target = self.dir / self._file(name)
+        try:
+            with atomic_path(target) as tmp, open(tmp, "wb") as fh:
+                Pickler(fh, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        except OSError as e:
+            self._drop_if_unfinished()
+            raise write_error(e, target) from None
         self._last = time.monotonic()
 
     def _open(self) -> None:
         self.run._ensure()
-        self.dir.mkdir(exist_ok=True)
-        if self._read_key() is None:
-            with atomic_path(self.dir / "key.json") as tmp:
-                tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
+        target = self.dir
+        try:
+            self.dir.mkdir(exist_ok=True)
+            if self._read_key() is None:
+                target = self.dir / "key.json"
+                with atomic_path(target) as tmp:
+                    tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
+        except OSError as e:
+            self._drop_if_unfinished()
+            raise write_error(e, target) from None
+
+    def _drop_if_unfinished(self) -> None:
+        """After a failed write (a full disk): ``units/`` goes if it holds no finished unit (nothing a resume
+        could use; its key and side files only take room); finished units stay for ``--resume``."""
+        if self.dir.is_dir() and not any(self.dir.glob("*.pkl")):
+            shutil.rmtree(self.dir, ignore_errors=True)
