@@ -58,11 +58,20 @@ CLI_ENVIRONMENT = {
 }
 
 
+#: moetool's own environment variables holding a number of seconds (checked when a command starts)
+ENV_SECONDS = ("MOETOOL_HUB_TIMEOUT", "MOETOOL_DIST_TIMEOUT")
+
+
 def configure_environment() -> None:
     """Process-wide defaults for a ``moetool`` command: :data:`CLI_ENVIRONMENT` (only where unset). Progress bars of
-    transformers are switched off where the weights load (:func:`moetool.loading.quiet_transformers`)."""
+    transformers are switched off where the weights load (:func:`moetool.loading.quiet_transformers`). A bad
+    :data:`ENV_SECONDS` value (``-1``, ``inf``, ``nan``) is one usage line before anything runs."""
+    from moetool.errors import env_seconds
+
     for key, value in CLI_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+    for name in ENV_SECONDS:
+        env_seconds(name)
 
 
 def _version(value: bool) -> None:
@@ -77,15 +86,24 @@ def _version(value: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print moetool's version and exit.")) -> None:
     # runs before every command (the group's help text is the Typer(help=...) above)
-    configure_environment()
+    from moetool.errors import MoetoolError
+
+    try:
+        configure_environment()
+    except MoetoolError as e:  # a bad MOETOOL_*_TIMEOUT: one line before the command runs
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(e.exit_code) from None
 
 
 def main() -> None:
     """The ``moetool`` console script. Every error is one line on stderr: a bad flag value or unknown option
     (click's usage errors) exits 2, an error no command turned into one line exits 1 (``MOETOOL_DEBUG=1`` shows
     the traceback)."""
+    from .options import quiet_repeated_interrupts, said_interrupted
+
     try:
-        code = app(prog_name="moetool", standalone_mode=False)
+        with quiet_repeated_interrupts():  # more Ctrl-C while the run stops: no traceback from exit handlers
+            code = app(prog_name="moetool", standalone_mode=False)
     except Exception as e:  # noqa: BLE001 - click's exceptions (Typer vendors its own click): by class name
         kinds = {c.__name__ for c in type(e).__mro__}
         if "ClickException" in kinds:
@@ -100,6 +118,7 @@ def main() -> None:
             sys.exit(e.exit_code)
         if "Abort" in kinds:  # click's own: Ctrl-C outside a command's handler (startup), or EOF at a prompt
             if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
+                said_interrupted()
                 typer.secho("interrupted (Ctrl-C)", err=True)
                 sys.exit(130)
             typer.secho("aborted", err=True)
@@ -109,9 +128,17 @@ def main() -> None:
 
 
 def _last_resort(e: Exception) -> None:
-    """An error no command turned into one line: still one line, exit 1 (``MOETOOL_DEBUG=1`` re-raises)."""
+    """An error no command turned into one line: still one line, exit 1 (``MOETOOL_DEBUG=1`` re-raises). A
+    moetool error raised before a command (a bad environment variable) keeps its exit code; a full disk is exit 1
+    naming the file (:func:`moetool.errors.write_error`)."""
+    from moetool.errors import MoetoolError, is_disk_full, write_error
+
     if os.environ.get("MOETOOL_DEBUG"):
         raise e
+    known = write_error(e) if is_disk_full(e) else e
+    if isinstance(known, MoetoolError):
+        typer.secho(f"error: {known}", fg="red", err=True)
+        sys.exit(known.exit_code)
     text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
     typer.secho(f"error: {type(e).__name__}{': ' + text if text else ''} (MOETOOL_DEBUG=1 shows the traceback)",
                 fg="red", err=True)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, is_disk_full, write_error
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
                                     "(moetool inspect --aliases), local directory or hub id.")]
@@ -79,7 +79,9 @@ DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importin
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Known errors become one line on stderr and exit code 2 (MOETOOL_DEBUG=1: full traceback)."""
+    """Known errors become one line on stderr and exit code 2 (a usage error) or 1 (:class:`MoetoolRuntimeError`;
+    a full disk anywhere, even in a library's temporary file, is one: :func:`moetool.errors.write_error`);
+    MOETOOL_DEBUG=1: full traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -96,22 +98,24 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                     with auto_backoff():
                         return fn(*args, **kwargs)
                 return fn(*args, **kwargs)
-        except MoetoolError as e:
-            rundir.mark_unfinished(since, "failed", rundir.one_line(e))
-            if os.environ.get("MOETOOL_DEBUG"):  # the traceback, then the same line and exit code as without
-                import traceback
-
-                traceback.print_exc()
-            typer.secho(f"error: {e}", fg="red", err=True)
-            raise typer.Exit(getattr(e, "exit_code", 2)) from None
         except KeyboardInterrupt as e:
             runs = rundir.mark_unfinished(since, "interrupted", "SIGTERM" if isinstance(e, rundir.Terminated)
                                           else "SIGINT")
             where = f"; partial results in {runs[-1]._path} (status: interrupted)" if runs else ""
+            said_interrupted()
             typer.secho(f"interrupted ({'SIGTERM' if isinstance(e, rundir.Terminated) else 'Ctrl-C'}){where}",
                         err=True)
             raise typer.Exit(143 if isinstance(e, rundir.Terminated) else 130) from None
         except Exception as e:
+            error = write_error(e) if is_disk_full(e) else e  # an OSError of a full disk no write turned into one
+            if isinstance(error, MoetoolError):
+                rundir.mark_unfinished(since, "failed", rundir.one_line(error))
+                if os.environ.get("MOETOOL_DEBUG"):  # the traceback, then the same line and exit code as without
+                    import traceback
+
+                    traceback.print_exc()
+                typer.secho(f"error: {error}", fg="red", err=True)
+                raise typer.Exit(getattr(error, "exit_code", 2)) from None
             if not (isinstance(e, typer.Exit) and e.exit_code == 0):  # a deliberate clean exit is no failure
                 rundir.mark_unfinished(since, "failed", rundir.one_line(e))
             raise
@@ -135,6 +139,62 @@ def refuse_busy_out(params: dict[str, Any]) -> None:
     prev = read_manifest(path)
     if prev is None or prev.get("status") == "complete":
         raise MoetoolError(f"--out {path} is not empty (use --force to write into it)")
+
+
+# ----- Ctrl-C: the first one interrupts, more of them never print a traceback ----------------------------------
+#: seconds after the first Ctrl-C in which more of them are ignored (the run's manifests are being marked and the
+#: interpreter is shutting down: torch's exit handlers print a traceback when a KeyboardInterrupt hits them); a
+#: Ctrl-C later than that ends the process at once (exit 130), in case shutting down hangs
+INTERRUPT_GRACE = 2.0
+_INTERRUPT: dict[str, Any] = {"at": None, "said": False}
+
+
+def said_interrupted() -> None:
+    """The one ``interrupted`` line is printed (a later Ctrl-C adds none)."""
+    _INTERRUPT["said"] = True
+
+
+def _more_sigint(signum: int, frame: Any) -> None:
+    import time
+
+    if time.monotonic() - _INTERRUPT["at"] < INTERRUPT_GRACE:
+        return
+    if not _INTERRUPT["said"]:
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def _first_sigint(signum: int, frame: Any) -> None:
+    import signal
+    import time
+
+    _INTERRUPT["at"] = time.monotonic()
+    signal.signal(signal.SIGINT, _more_sigint)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def quiet_repeated_interrupts() -> Any:
+    """For the console script (main thread): the first SIGINT raises :class:`KeyboardInterrupt` as Python's own
+    handler does; later ones are handled by :func:`_more_sigint` while the run stops. Python's handler is back
+    after the block unless an interrupt came: then SIGINT is ignored for the interpreter's shutdown (Python resets
+    its own handlers to the default late in it, and a Ctrl-C there ended the process by the signal, not 130)."""
+    import signal
+
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, a background job): keep it so
+            yield
+            return
+        signal.signal(signal.SIGINT, _first_sigint)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if _INTERRUPT["at"] is None else signal.SIG_IGN)
 
 
 def quiet_libraries() -> None:

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import MoetoolError
+from .errors import MoetoolError, env_seconds
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,8 @@ def _timeout() -> Any:
     hanging for torch's default 10-30 minutes); ``None`` = torch's default."""
     from datetime import timedelta
 
-    raw = os.environ.get("MOETOOL_DIST_TIMEOUT")
-    if not raw:
-        return None
-    try:
-        return timedelta(seconds=float(raw))
-    except ValueError:
-        raise MoetoolError(f"MOETOOL_DIST_TIMEOUT must be a number of seconds, not '{raw}'") from None
+    seconds = env_seconds("MOETOOL_DIST_TIMEOUT")
+    return None if seconds is None else timedelta(seconds=seconds)
 
 
 def shutdown() -> None:

@@ -17,3 +17,48 @@ class MoetoolRuntimeError(MoetoolError):
     weights, no CUDA, not enough memory). Printed as one line; exit code 1."""
 
     exit_code = 1
+
+
+#: ``errno`` values of a write that ran out of room (disk full, quota, file size limit): the machine's problem
+DISK_FULL = frozenset(("ENOSPC", "EFBIG", "EDQUOT"))
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """``e`` is an :class:`OSError` of a full disk, an exhausted quota or a file size limit."""
+    import errno
+
+    return isinstance(e, OSError) and errno.errorcode.get(e.errno or -1) in DISK_FULL
+
+
+def write_error(e: OSError, path: object = None, *, what: str = "write") -> MoetoolRuntimeError:
+    """One line (exit 1) for an :class:`OSError` while writing ``path`` (default: the file the error names; when
+    it names none, a full disk is most likely the temporary folder, ``TMPDIR``, and the line says which that is)."""
+    where = path if path is not None else e.filename
+    if where is None:
+        import tempfile
+
+        where = f"a file (none named; temporary files go to {tempfile.gettempdir()}, set by TMPDIR)"
+    hint = ": free space or write elsewhere (--out, TMPDIR)" if is_disk_full(e) else ""
+    return MoetoolRuntimeError(f"cannot {what} {where}: {e.strerror or e}{hint}")
+
+
+#: the longest timeout :func:`env_seconds` accepts (about 31 years; torch's and threading's limits are larger)
+MAX_SECONDS = 1e9
+
+
+def env_seconds(name: str, default: float | None = None) -> float | None:
+    """The environment variable ``name`` as a positive, finite number of seconds (``default`` when unset or
+    empty); anything else (``-1``, ``0``, ``inf``, ``nan``, ``soon``) is a one-line usage error."""
+    import os
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value <= MAX_SECONDS):  # NaN fails too
+        raise MoetoolError(f"{name} must be a number of seconds greater than 0 and at most {MAX_SECONDS:g}, "
+                           f"not '{raw}'")
+    return value

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .configs import text_config
-from .errors import MoetoolError, MoetoolRuntimeError
+from .errors import MoetoolError, MoetoolRuntimeError, env_seconds
 from .registry import did_you_mean
 
 DEFAULT_MODEL = "tiny"
@@ -174,11 +174,7 @@ def hub_offline() -> str | None:
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return "HF_HUB_OFFLINE is set"
     url = _hub_endpoint()
-    try:
-        timeout = float(os.environ.get("MOETOOL_HUB_TIMEOUT") or HUB_PROBE_TIMEOUT)
-    except ValueError:
-        raise MoetoolError(f"MOETOOL_HUB_TIMEOUT must be a number of seconds, not "
-                           f"'{os.environ['MOETOOL_HUB_TIMEOUT']}'") from None
+    timeout = env_seconds("MOETOOL_HUB_TIMEOUT", HUB_PROBE_TIMEOUT)
     why = _probe(url, timeout)
     if why is None:
         return None
@@ -432,8 +428,8 @@ def estimate_memory(config: Any, *, seq_len: int, rows: int, dtype: Any, params:
     activations = the logits ``rows x seq_len x vocab`` (transformers computes them for every position) +
     two hidden-state tensors ``rows x seq_len x hidden`` + the attention probabilities
     ``rows x heads x seq_len^2`` only with ``attn_implementation="eager"`` (SDPA kernels need not materialise them).
-    Everything else (KV projections, expert intermediates, the fp32 copy of the logits an NLL makes, allocator
-    slack) is left out, so a run refused by this bound cannot fit; one that passes may still run out.
+    Everything else (KV projections, expert intermediates, the fp32 chunks of the logits an NLL makes --
+    ``moetool.engine.runner.NLL_CHUNK_ELEMENTS`` at a time --, allocator slack) is left out, so a run refused by this bound cannot fit; one that passes may still run out.
     """
     import torch
 

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from . import ops
-from .errors import MoetoolError
+from .errors import MoetoolError, write_error
 
 
 class Moments:
@@ -263,15 +263,22 @@ class TokenSpill:
     def append(self, t: torch.Tensor) -> None:
         a = t.detach().cpu().contiguous()
         raw = a.reshape(-1).view(torch.uint8).numpy().tobytes() if a.numel() else b""
-        self._fh.write(raw)
+        self._io(self._fh.write, raw)
         self._meta.append((tuple(a.shape), a.dtype, len(raw)))
         self.nbytes += len(raw)
 
     def __len__(self) -> int:
         return len(self._meta)
 
+    def _io(self, op: Any, *args: Any) -> Any:
+        """A write to the spill file; an :class:`OSError` (a full ``TMPDIR``) names the file (exit 1)."""
+        try:
+            return op(*args)
+        except OSError as e:
+            raise write_error(e, self.path) from None
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        self._fh.flush()
+        self._io(self._fh.flush)
         with open(self.path, "rb") as fh:
             for shape, dtype, size in self._meta:
                 buf = bytearray(fh.read(size))
@@ -282,8 +289,11 @@ class TokenSpill:
         """Copy the spilled bytes to ``path``; returns the layout :meth:`restore` needs (``--resume``)."""
         import shutil
 
-        self._fh.flush()
-        shutil.copyfile(self.path, path)
+        self._io(self._fh.flush)
+        try:
+            shutil.copyfile(self.path, path)
+        except OSError as e:
+            raise write_error(e, path) from None
         return list(self._meta)
 
     @classmethod

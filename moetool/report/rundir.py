@@ -42,7 +42,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import MoetoolError, MoetoolRuntimeError
+from ..errors import MoetoolError, MoetoolRuntimeError, write_error
 
 MANIFEST = "manifest.json"
 LOCK = ".moetool-lock"  # the advisory lock of the process writing the run (removed when the run ends)
@@ -407,12 +407,19 @@ class RunDir:
             if self.resuming is not None:
                 self.sections.setdefault("resumed", {"previous_status": self.resuming.get("status"),
                                                      "previous_started": self.resuming.get("started")})
+        made = not self._path.exists()
         try:
             self._path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise MoetoolError(f"cannot create {self._path}: {e.strerror or e}") from None
+            raise write_error(e, self._path, what="create") from None
         self.status = "running"
-        self._write_manifest()
+        try:
+            self._write_manifest()
+        except MoetoolError:  # (a full disk) a folder this run made and could not describe is not left behind
+            if made:
+                shutil.rmtree(self._path, ignore_errors=True)
+                self.status = "new"
+            raise
 
     def sub(self, name: str) -> "RunDir":
         """A child run folder (``demo`` puts each experiment in its own); made at its first write."""
@@ -447,7 +454,7 @@ class RunDir:
             with atomic_path(p) as tmp:
                 yield tmp
         except OSError as e:
-            raise MoetoolError(f"cannot write {p}: {e.strerror or e}") from None
+            raise write_error(e, p) from None
         self._record(p)
 
     def write_csv(self, name: str, df: Any) -> Path:
@@ -522,7 +529,7 @@ class RunDir:
             with atomic_path(p) as tmp:
                 tmp.write_text(json.dumps(_jsonable(self.manifest(**extra)), indent=2))
         except OSError as e:
-            raise MoetoolError(f"cannot write {p}: {e.strerror or e}") from None
+            raise write_error(e, p) from None
         return p
 
     def finish(self, *, options: dict[str, Any], model: Any = None, seed: int | None = None) -> Path:
@@ -906,21 +913,36 @@ class Units:
         ids = {id(r): i for i, r in enumerate(refs)}
         unit = _encode(obj, ids, {}, name)
         files = {f: (self.dir / f).stat().st_size for f in sorted(self._side) if (self.dir / f).is_file()}
+        target = self.dir / self._file(name)
         try:
-            with atomic_path(self.dir / self._file(name)) as tmp:
+            with atomic_path(target) as tmp:
                 torch.save({"format": UNIT_FORMAT, "files": files, "unit": unit}, tmp)
         except OSError as e:
-            raise MoetoolRuntimeError(f"cannot write {self.dir / self._file(name)}: {e.strerror or e}") from None
+            self._drop_if_unfinished()
+            raise write_error(e, target) from None
         self._last = time.monotonic()
 
     def _open(self) -> None:
         self.run._ensure()
-        self.dir.mkdir(exist_ok=True)
-        if self._read_key() is None:
-            with atomic_path(self.dir / "key.json") as tmp:
-                tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
-        if self.inputs and self._read_key("inputs.json") is None:
-            self._write_inputs()
+        target = self.dir
+        try:
+            self.dir.mkdir(exist_ok=True)
+            if self._read_key() is None:
+                target = self.dir / "key.json"
+                with atomic_path(target) as tmp:
+                    tmp.write_text(json.dumps(self.key, indent=1, sort_keys=True))
+            if self.inputs and self._read_key("inputs.json") is None:
+                target = self.dir / "inputs.json"
+                self._write_inputs()
+        except OSError as e:
+            self._drop_if_unfinished()
+            raise write_error(e, target) from None
+
+    def _drop_if_unfinished(self) -> None:
+        """After a failed write (a full disk): ``units/`` goes if it holds no finished unit (nothing a resume
+        could use; its key and side files only take room); finished units stay for ``--resume``."""
+        if self.dir.is_dir() and not any(self.dir.glob("*.unit")):
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _first_difference(a: Any, b: Any, where: str = "") -> str:
