@@ -18,12 +18,10 @@ from typer.testing import CliRunner
 
 from moetool.commands.app import app
 from moetool.errors import MoetoolRuntimeError
-from moetool.loading import embedded_models
 from moetool.report import RunDir
 from moetool.report import rundir as rd
 from moetool.sketch import TokenSpill
 
-needs_tiny = pytest.mark.skipif("tiny" not in embedded_models(), reason="embedded model not built")
 runner = CliRunner()
 FULL = {"ENOSPC": "No space left on device", "EFBIG": "File too large"}
 
@@ -36,7 +34,6 @@ def _one_line_error(r, code):
 
 
 # ----- a full disk ------------------------------------------------------------------------------------------------
-@needs_tiny
 @pytest.mark.parametrize("code", sorted(FULL))
 def test_a_full_disk_writing_a_table_is_exit_1_naming_the_file(tmp_path, monkeypatch, code):
     """The CSV writer fails as a full disk makes it fail: one line naming ppl.csv, exit 1 (it was 2, a usage
@@ -54,22 +51,20 @@ def test_a_full_disk_writing_a_table_is_exit_1_naming_the_file(tmp_path, monkeyp
     assert not list(out.rglob(".part-*"))
 
 
-@needs_tiny
 def test_a_full_disk_at_the_first_checkpoint_leaves_no_units_folder(tmp_path, monkeypatch):
     """stats saves its first unit into units/ and the disk is full: units/ held nothing a resume could use and
     is removed; the line names the checkpoint file (it was 'OSError: [Errno 28] No space left on device')."""
-    import pickle
+    import torch
 
-    class FullDisk(pickle.Pickler):
-        def dump(self, obj):
-            raise OSError(errno.ENOSPC, FULL["ENOSPC"])  # as a write through a file handle: no file name
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, FULL["ENOSPC"])  # as a write through a file handle: no file name
 
-    monkeypatch.setattr(pickle, "Pickler", FullDisk)
+    monkeypatch.setattr(torch, "save", full_disk)
     out = tmp_path / "run"
     r = runner.invoke(app, ["stats", "--max-tokens", "128", "--seq-len", "32", "--bootstrap", "0", "--out",
                             str(out), "-q"])
     line = _one_line_error(r, 1)
-    assert f"cannot write {out / 'units'}{os.sep}" in line and ".pkl: No space left on device" in line, line
+    assert f"cannot write {out / 'units'}{os.sep}" in line and ".unit: No space left on device" in line, line
     assert not (out / "units").exists()
     assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
 
@@ -185,7 +180,6 @@ RUNNING = textwrap.dedent("""
 """)
 
 
-@needs_tiny
 def test_eight_quick_ctrl_c_exit_130_with_one_line(tmp_path):
     """Eight SIGINTs 10 ms apart in the middle of a run: the first stops it; the others used to hit torch's exit
     handlers (two 'Exception ignored in atexit callback' tracebacks) and end the process by the signal."""

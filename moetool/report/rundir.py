@@ -389,6 +389,7 @@ class RunDir:
     def _ensure(self) -> None:
         if self.created:
             return
+        made = not self._path.exists()  # (before the lock makes it)
         if self.parent is not None:
             self.parent._ensure()
         elif self._lock is None:  # a top-level run: lock the folder before anything is removed or written
@@ -407,7 +408,6 @@ class RunDir:
             if self.resuming is not None:
                 self.sections.setdefault("resumed", {"previous_status": self.resuming.get("status"),
                                                      "previous_started": self.resuming.get("started")})
-        made = not self._path.exists()
         try:
             self._path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -417,6 +417,7 @@ class RunDir:
             self._write_manifest()
         except MoetoolError:  # (a full disk) a folder this run made and could not describe is not left behind
             if made:
+                self._release()
                 shutil.rmtree(self._path, ignore_errors=True)
                 self.status = "new"
             raise
