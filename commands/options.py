@@ -252,67 +252,21 @@ def preflight(*models: str) -> None:
 def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
               max_tokens: int | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
               attn_implementation: str | None = None) -> Any:
-    """``loading.validate_run`` on the model's config: bad sizes, too long --seq-len, no such device, not enough
+    """``sizing.validate_run`` on the model's config: bad sizes, too long --seq-len, no such device, not enough
     memory fail with one line before any weight loads or any run folder exists. Returns the ``RunEstimate``."""
-    from moetool.loading import load_config, validate_run
+    from moetool.loading import load_config
+    from moetool.sizing import validate_run
 
     config, _, _ = load_config(model)
     return validate_run(config, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
                         dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
 
 
-AUTO_SLACK = 3  # activations counted per row: 3x loading.estimate_memory's lower bound (fp32 logits copy and
-#                log-softmax of the NLL, expert intermediates, allocator slack)
-AUTO_SHARE = 0.8  # of the free memory left after the weights
-AUTO_MAX_ROWS = 1024
 AUTO_CHOICE: dict[str, Any] = {}  # the last --batch-size auto decision (start_run puts it in the manifest)
 
 
-def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None = None, device: str = "auto",
-                    dtype: str = "auto", device_map: str | None = None, attention: bool = False,
-                    processes: int = 1, world: int = 1) -> tuple[int, dict[str, Any]]:
-    """``--batch-size auto``: the largest number of rows whose activations fit the device's free memory.
-
-    rows = ``AUTO_SHARE x (free - weights) / (AUTO_SLACK x activations of one row)`` with ``free`` from
-    ``torch.cuda.mem_get_info`` on CUDA or the available RAM on CPU (shared by ``processes`` ranks on this node),
-    weights and one row's activations from :func:`moetool.loading.estimate_memory` (weights count 0 under
-    ``--device-map auto``: accelerate places them); at most the rows ``--max-tokens`` fills on each of ``world``
-    ranks and :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
-    from moetool.loading import (available_memory, count_parameters, estimate_memory, load_config, pick_device,
-                                 pick_dtype, text_config)
-
-    config, _, _ = load_config(model)
-    if not seq_len:  # eval: lm-eval packs its own requests; the model's context (at most 2048) is the bound
-        positions = getattr(text_config(config), "max_position_embeddings", None) or 2048
-        seq_len = min(int(positions), 2048)
-    dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, config, dev)
-    free = available_memory(dev)
-    fill = -(-max_tokens // seq_len) if max_tokens else AUTO_MAX_ROWS
-    fill = max(1, -(-fill // world))  # rows each rank gets
-    facts: dict[str, Any] = {"device": str(dev), "seq_len": seq_len, "free_bytes": free, "processes_per_node":
-                             processes, "slack": AUTO_SLACK, "share": AUTO_SHARE}
-    if free is None:
-        return min(8, fill), {**facts, "rows": min(8, fill), "reason": "free memory unknown: default 8"}
-    weights, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch_dtype,
-                                   params=None if device_map else count_parameters(config),
-                                   attn_implementation="eager" if attention else None)
-    budget = AUTO_SHARE * (free / (processes if dev.type == "cpu" else 1) - weights)
-    rows = int(budget // (AUTO_SLACK * max(act, 1)))
-    if rows < 1:
-        from moetool.errors import MoetoolRuntimeError
-
-        raise MoetoolRuntimeError(f"--batch-size auto: not even one row of --seq-len {seq_len} fits: "
-                                  f"{weights / 2**30:.1f} GiB of weights, {act * AUTO_SLACK / 2**30:.2f} GiB per "
-                                  f"row, {free / 2**30:.1f} GiB free on {dev}; lower --seq-len or use --device-map")
-    chosen = min(rows, fill, AUTO_MAX_ROWS)
-    why = "fits memory" if chosen == rows else ("rows the data fill" if chosen == fill else "cap")
-    return chosen, {**facts, "weights_bytes": weights, "row_bytes": act * AUTO_SLACK, "memory_rows": rows,
-                    "data_rows": fill, "rows": chosen, "reason": why}
-
-
 def resolve_batch_size(params: dict[str, Any]) -> int:
-    """The wrapper's half of ``--batch-size auto``: :func:`auto_batch_size` from the command's own options, the
+    """The wrapper's half of ``--batch-size auto``: :func:`moetool.sizing.auto_batch_size` from the command's own options, the
     minimum over ranks under torchrun (every rank must cut the same global batches), one console line."""
     from moetool import distributed
 
@@ -320,7 +274,9 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
     e = distributed.env()
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", e.world_size))
     routing = str(params.get("routing") or "")
-    rows, facts = auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
+    from moetool import sizing
+
+    rows, facts = sizing.auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
                                   device=params.get("device") or "auto", dtype=params.get("dtype") or "auto",
                                   device_map=params.get("device_map"), attention="attention" in routing,
                                   processes=processes, world=e.world_size)

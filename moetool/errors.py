@@ -62,3 +62,14 @@ def env_seconds(name: str, default: float | None = None) -> float | None:
         raise MoetoolError(f"{name} must be a number of seconds greater than 0 and at most {MAX_SECONDS:g}, "
                            f"not '{raw}'")
     return value
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """The first non-empty line of an error, at most ``limit`` characters, after its type name unless it is one of
+    moetool's own (whose text is written to be read alone)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    if isinstance(exc, MoetoolError):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .configs import text_config
-from .errors import MoetoolError, MoetoolRuntimeError, env_seconds
+from .errors import MoetoolError, MoetoolRuntimeError, one_line
+from .hub import hub_error, hub_kwargs
 from .registry import did_you_mean
 
 DEFAULT_MODEL = "tiny"
@@ -117,100 +115,6 @@ def resolve(name: str) -> tuple[str, str]:
 
 
 # ----- the Hugging Face Hub: decide online/offline in a second, never wait for retries ----------------------------
-#: seconds the Hub (or the https proxy in front of it) may take to answer before moetool treats the machine as
-#: offline; a slow link raises it with the environment variable ``MOETOOL_HUB_TIMEOUT``
-HUB_PROBE_TIMEOUT = 1.5
-
-
-def _hub_endpoint() -> str:
-    """The Hub's base URL: ``HF_ENDPOINT``, default https://huggingface.co."""
-    from huggingface_hub import constants
-
-    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-
-
-_REACHABLE: set[str] = set()  # successes are remembered for the process; failures are probed again
-
-
-def _probe(url: str, timeout: float) -> str | None:
-    """``None`` if ``url`` answers a HEAD request (any HTTP status) within ``timeout`` seconds, else why not.
-
-    urllib honours ``HTTPS_PROXY`` / ``NO_PROXY`` as a download does. DNS resolution cannot be timed out, so the
-    request runs in a daemon thread that is abandoned after ``timeout``.
-    """
-    if url in _REACHABLE:
-        return None
-    import urllib.error
-    import urllib.request
-
-    result: dict[str, str] = {}
-
-    def attempt() -> None:
-        try:
-            opener = urllib.request.build_opener()  # a fresh one: the proxy settings of now, not of the first call
-            opener.open(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-            result["ok"] = ""
-        except urllib.error.HTTPError:  # the server answered (404, 401, ...): the network is there
-            result["ok"] = ""
-        except Exception as e:  # noqa: BLE001 - URLError, timeouts, TLS errors, connection resets
-            reason = getattr(e, "reason", e)
-            result["error"] = str(reason) or type(reason).__name__
-
-    t = threading.Thread(target=attempt, daemon=True, name="moetool-hub-probe")
-    t.start()
-    t.join(timeout)
-    if "ok" in result:
-        _REACHABLE.add(url)
-        return None
-    return result.get("error", f"no answer within {timeout:g} s")
-
-
-def hub_offline() -> str | None:
-    """Why the Hub must not be contacted (``HF_HUB_OFFLINE`` set, or no answer from it within
-    :data:`HUB_PROBE_TIMEOUT` s), or ``None`` when it answers. Offline, models load from the local cache only
-    (``local_files_only``): an uncached hub id fails at once instead of after ~30 s of retries."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        return "HF_HUB_OFFLINE is set"
-    url = _hub_endpoint()
-    timeout = env_seconds("MOETOOL_HUB_TIMEOUT", HUB_PROBE_TIMEOUT)
-    why = _probe(url, timeout)
-    if why is None:
-        return None
-    slow = "; a slow link: raise MOETOOL_HUB_TIMEOUT" if "timed out" in why or "no answer" in why else ""
-    return f"cannot reach {url}: {why}{slow}"
-
-
-def _one_line(err: BaseException) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    text = text if len(text) <= 240 else text[:237] + "..."
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def _hub_error(source: str, err: Exception, offline: str | None) -> MoetoolError:
-    last = source.split("/")[-1]
-    if offline:
-        return MoetoolRuntimeError(
-            f"'{source}' is not in the local Hugging Face cache and the Hub is out of reach ({offline}): download it "
-            f"where there is network (hf download {source}) and pass the folder, e.g. --model /path/to/{last}")
-    chain = [err, err.__cause__, err.__context__]
-    if any(type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError") for e in chain if e is not None) \
-            or "not a valid model identifier" in str(err):
-        return MoetoolRuntimeError(f"the Hugging Face Hub has no model '{source}' that you may read (a typo, or a "
-                                   f"gated/private model: log in with `hf auth login`): {_one_line(err)}")
-    return MoetoolRuntimeError(f"could not fetch '{source}' from the Hugging Face Hub ({_one_line(err)})")
-
-
-def _hub_kwargs(kind: str) -> tuple[dict[str, Any], str | None]:
-    """``from_pretrained`` keyword arguments for a model of this kind, and why we are offline (hub kinds only)."""
-    if kind not in ("hub", "alias"):
-        return {}, None
-    offline = hub_offline()
-    return ({"local_files_only": True} if offline else {}), offline
-
-
 # ----- local files ---------------------------------------------------------------------------------------------
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
@@ -268,24 +172,24 @@ def quiet_transformers() -> Iterator[None]:
 
 def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
     source, kind = resolve(name)
-    hub_kwargs, offline = _hub_kwargs(kind)
+    from_hub, offline = hub_kwargs(kind)
     if offline:  # decided before transformers (and torch) are even imported: a second, not half a minute
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(source, "config.json"), str):
-            raise _hub_error(source, FileNotFoundError("config.json not cached"), offline)
+            raise hub_error(source, FileNotFoundError("config.json not cached"), offline)
     from transformers import AutoConfig
 
     from .adapters import check_config
 
     try:
-        config = AutoConfig.from_pretrained(source, **hub_kwargs)
+        config = AutoConfig.from_pretrained(source, **from_hub)
     except Exception as e:  # noqa: BLE001 - hub/network errors come in many types
         if kind in ("hub", "alias"):
-            raise _hub_error(source, e, offline) from e
-        raise MoetoolRuntimeError(f"cannot read the config of {source}: {_one_line(e)}") from e
+            raise hub_error(source, e, offline) from e
+        raise MoetoolRuntimeError(f"cannot read the config of {source}: {one_line(e)}") from e
     check_config(config)
-    return config, source, kind, hub_kwargs, offline
+    return config, source, kind, from_hub, offline
 
 
 def load_config(name: str) -> tuple[Any, str, str]:
@@ -324,190 +228,6 @@ def pick_dtype(dtype: str, config: Any, device) -> Any:
     if not isinstance(ck, torch.dtype) or device.type == "cpu":
         return torch.float32
     return ck
-
-
-# ----- validate a run from the config, before any weight loads ----------------------------------------------------
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-GiB = 1024 ** 3
-
-
-def _positions(config: Any) -> tuple[int | None, str]:
-    for cfg in (text_config(config), config):
-        for key in _POSITION_KEYS:
-            value = getattr(cfg, key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value, key
-    return None, ""
-
-
-def max_positions(config: Any) -> int | None:
-    """The longest sequence the model was built for (``max_position_embeddings`` or an equivalent key, read from
-    the text config of a multimodal model); ``None`` if the config names none."""
-    return _positions(config)[0]
-
-
-def count_parameters(config: Any) -> int | None:
-    """Parameters of the model ``config`` describes (built on the meta device: no memory, no weights; tied
-    embeddings count once); ``None`` if it cannot be built from its config."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"), quiet_transformers():
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - an estimate only: the load itself reports real problems
-        return None
-    return sum(p.numel() for p in model.parameters())
-
-
-def _meminfo_available() -> int | None:
-    """Bytes of RAM available to this process: ``MemAvailable`` of /proc/meminfo (psutil if installed), capped
-    by a cgroup v2/v1 memory limit (containers, cluster jobs)."""
-    avail = None
-    try:
-        import psutil  # type: ignore[import-not-found]
-
-        avail = int(psutil.virtual_memory().available)
-    except ImportError:
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            used = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 1 << 60:
-            room = max(int(limit) - used, 0)
-            avail = room if avail is None else min(avail, room)
-        break
-    return avail
-
-
-def available_memory(device: Any) -> int | None:
-    """Free bytes on ``device`` (a ``torch.device``): ``torch.cuda.mem_get_info`` on CUDA, available RAM on CPU
-    (:func:`_meminfo_available`); ``None`` when unknown (then nothing is refused)."""
-    import torch
-
-    if device.type == "cuda" and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type == "cpu":
-        return _meminfo_available()
-    return None
-
-
-@dataclass
-class RunEstimate:
-    """What :func:`validate_run` checked: a *lower bound* of the memory one forward batch needs."""
-
-    device: str
-    dtype: str
-    max_positions: int | None
-    rows_per_batch: int  # min(--batch-size, rows --max-tokens can fill)
-    params: int | None
-    weights_bytes: int
-    activation_bytes: int
-    available_bytes: int | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def estimate_memory(config: Any, *, seq_len: int, rows: int, dtype: Any, params: int | None,
-                    attn_implementation: str | None = None) -> tuple[int, int]:
-    """``(weights, activations)`` in bytes: a lower bound of what one forward of ``rows x seq_len`` tokens holds.
-
-    weights = parameters x element size (0 for a quantized checkpoint: its size depends on the kernel);
-    activations = the logits ``rows x seq_len x vocab`` (transformers computes them for every position) +
-    two hidden-state tensors ``rows x seq_len x hidden`` + the attention probabilities
-    ``rows x heads x seq_len^2`` only with ``attn_implementation="eager"`` (SDPA kernels need not materialise them).
-    Everything else (KV projections, expert intermediates, the fp32 chunks of the logits an NLL makes --
-    ``moetool.engine.runner.NLL_CHUNK_ELEMENTS`` at a time --, allocator slack) is left out, so a run refused by this bound cannot fit; one that passes may still run out.
-    """
-    import torch
-
-    tc = text_config(config)
-    size = torch.empty((), dtype=dtype).element_size()
-    quantized = getattr(config, "quantization_config", None) or getattr(tc, "quantization_config", None)
-    weights = 0 if quantized or params is None else params * size
-    vocab = int(getattr(tc, "vocab_size", 0) or 0)
-    hidden = int(getattr(tc, "hidden_size", 0) or 0)
-    tokens = rows * seq_len
-    act = tokens * vocab * size + 2 * tokens * hidden * size
-    if attn_implementation == "eager":
-        heads = int(getattr(tc, "num_attention_heads", 0) or 0)
-        act += rows * heads * seq_len * seq_len * size
-    return weights, act
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 1024 ** 2:.0f} MiB"
-
-
-def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | None = None,
-                 max_tokens: int | None = None, device: Any = "auto", dtype: Any = "auto",
-                 device_map: str | None = None, attn_implementation: str | None = None,
-                 check_memory: bool = True) -> RunEstimate:
-    """Refuse, with one line and before any weight loads or any run folder exists, inputs a run cannot use.
-
-    * ``seq_len``, ``max_tokens``, ``batch_size`` must be positive (``seq_len`` at least 2: one next-token
-      prediction) -- usage errors (exit 2);
-    * ``seq_len`` must not exceed the model's positions (:func:`max_positions`; ``text_config`` of a multimodal
-      config) -- a usage error: the position encoding was never trained there and the statistics change;
-    * ``device`` / ``dtype`` are resolved as :func:`load` resolves them (``--device cuda`` without CUDA: exit 1);
-    * memory: the weights plus one batch's activations (:func:`estimate_memory`, a lower bound) must fit in the
-      device's free memory (CUDA: free memory of the device; CPU: available RAM, within a cgroup limit) -- a
-      runtime error (exit 1). The batch is the one the options ask for, ``min(batch_size, ceil(max_tokens /
-      seq_len))`` rows: the data are not read yet, so a ``--data`` with fewer than ``max_tokens`` tokens (smaller
-      batches) can be refused although it would fit -- the message says which option to lower. Skipped with
-      ``device_map="auto"`` (accelerate spreads and offloads) or when the free memory is unknown.
-
-    Returns the :class:`RunEstimate` (its ``as_dict()`` fits a manifest).
-    """
-    for flag, value, least in (("--seq-len", seq_len, 2), ("--max-tokens", max_tokens, 2),
-                               ("--batch-size", batch_size, 1)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-            raise MoetoolError(f"{flag} must be an integer of at least {least}, not {value!r}")
-    positions, key = _positions(config)
-    if seq_len is not None and positions is not None and seq_len > positions:
-        mt = getattr(text_config(config), "model_type", None) or getattr(config, "model_type", "the model")
-        raise MoetoolError(f"--seq-len {seq_len} is longer than the model's {positions} positions "
-                           f"({mt} {key}): use --seq-len {positions} or less")
-    dev = pick_device(device) if not hasattr(device, "type") else device
-    torch_dtype = pick_dtype(dtype, config, dev) if isinstance(dtype, str) else dtype
-    rows = batch_size or 1
-    if max_tokens is not None and seq_len:
-        rows = min(rows, -(-max_tokens // seq_len))
-    est = RunEstimate(device=str(dev), dtype=str(torch_dtype).replace("torch.", ""), max_positions=positions,
-                      rows_per_batch=rows, params=None, weights_bytes=0, activation_bytes=0, available_bytes=None)
-    if not check_memory or device_map or seq_len is None:
-        return est
-    est.available_bytes = available_memory(dev)
-    if est.available_bytes is None:
-        return est
-    est.params = count_parameters(config)
-    est.weights_bytes, est.activation_bytes = estimate_memory(
-        config, seq_len=seq_len, rows=rows, dtype=torch_dtype, params=est.params,
-        attn_implementation=attn_implementation)
-    avail = est.available_bytes
-    if est.weights_bytes > avail:
-        raise MoetoolRuntimeError(
-            f"the weights alone need {_gib(est.weights_bytes)} ({est.params:,} parameters in {est.dtype}) but "
-            f"{dev} has {_gib(avail)} free: use a smaller --dtype, --device-map auto or a larger machine")
-    if est.weights_bytes + est.activation_bytes > avail:
-        raise MoetoolRuntimeError(
-            f"a batch of {rows} rows x --seq-len {seq_len} needs at least {_gib(est.activation_bytes)} of "
-            f"activations (logits over {int(getattr(text_config(config), 'vocab_size', 0)):,} tokens in "
-            f"{est.dtype}) besides {_gib(est.weights_bytes)} of weights, but {dev} has {_gib(avail)} free: "
-            f"lower --batch-size or --seq-len")
-    return est
 
 
 _SHOWN_KEYS = 3  # names a refused load report shows of each kind
@@ -590,7 +310,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     there), local ``*.safetensors`` files are checked before loading (:func:`check_safetensors`), a hub id is
     read from the cache when the Hub is out of reach, and transformers' own progress bars stay off.
     """
-    config, source, kind, hub_kwargs, offline = _read_config(name)
+    config, source, kind, from_hub, offline = _read_config(name)
     import torch  # noqa: F401 - heavy imports only here
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -598,7 +318,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
 
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, config, dev)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, **hub_kwargs}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, **from_hub}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map:
@@ -618,8 +338,8 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each
         if kind in ("hub", "alias") and isinstance(e, OSError):
-            raise _hub_error(source, e, offline) from e
-        raise MoetoolRuntimeError(f"cannot load the weights of {source}: {_one_line(e)}") from e
+            raise hub_error(source, e, offline) from e
+        raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
     if not device_map:
         model.to(dev)
     model.eval()
@@ -627,9 +347,9 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     if tokenizer:
         try:
             with quiet_transformers():
-                tok = AutoTokenizer.from_pretrained(source, **hub_kwargs)
+                tok = AutoTokenizer.from_pretrained(source, **from_hub)
         except Exception as e:  # noqa: BLE001
-            raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {_one_line(e)}") from e
+            raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {one_line(e)}") from e
         if tok.pad_token_id is None and tok.eos_token_id is not None:
             tok.pad_token = tok.eos_token
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,

@@ -125,11 +125,12 @@ def test_off_without_auto_and_one_row_that_does_not_fit(tiny, backoff):
 def test_cli_auto_records_the_rows_that_ran(tmp_path, monkeypatch):
     """The CLI: --batch-size auto picks 8 rows, the forward fails above 2, the run goes on; manifest and console
     name the rows that ran; ppl.csv equals --batch-size 2; the back-off is off again for the next command."""
-    from moetool.commands import options as O
-    from moetool.commands.app import app
     from transformers import PreTrainedModel
 
-    monkeypatch.setattr(O, "auto_batch_size", lambda model, **kw: (8, {"rows": 8, "reason": "test", "device": "cpu",
+    from moetool import sizing
+    from moetool.commands.app import app
+
+    monkeypatch.setattr(sizing, "auto_batch_size", lambda model, **kw: (8, {"rows": 8, "reason": "test", "device": "cpu",
                                                                          "free_bytes": None}))
     orig = PreTrainedModel.__call__
 

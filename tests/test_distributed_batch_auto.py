@@ -8,9 +8,11 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from moetool import sizing
 from moetool.commands import options as O
 from moetool.commands.app import app
-from moetool.loading import count_parameters, load_config
+from moetool.loading import load_config
+from moetool.sizing import count_parameters
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
 
@@ -20,30 +22,30 @@ runner = CliRunner()
 def per_row_and_weights(model="tiny", seq_len=64):
     """Independent of estimate_memory: fp32 on CPU, logits + two hidden states per token, times the slack."""
     config, _, _ = load_config(model)
-    row = seq_len * (config.vocab_size + 2 * config.hidden_size) * 4 * O.AUTO_SLACK
+    row = seq_len * (config.vocab_size + 2 * config.hidden_size) * 4 * sizing.AUTO_SLACK
     return row, count_parameters(config) * 4
 
 
 @pytest.mark.parametrize("k", [1, 5, 37])
 def test_auto_rows_from_free_memory(monkeypatch, k):
     row, weights = per_row_and_weights()
-    free = weights + (k + 0.5) * row / O.AUTO_SHARE  # room for k rows and a half
-    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(free))
-    rows, facts = O.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")
+    free = weights + (k + 0.5) * row / sizing.AUTO_SHARE  # room for k rows and a half
+    monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(free))
+    rows, facts = sizing.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")
     assert rows == k and facts["memory_rows"] == k and facts["reason"] == "fits memory"
     # two processes on the node share the RAM; the data cap: 300 tokens = 5 rows of 64 (3 per rank on 2 ranks)
-    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(2 * free))
-    assert O.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu", processes=2)[0] == k
-    assert O.auto_batch_size("tiny", seq_len=64, max_tokens=300, device="cpu", world=2, processes=2)[0] == min(k, 3)
+    monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(2 * free))
+    assert sizing.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu", processes=2)[0] == k
+    assert sizing.auto_batch_size("tiny", seq_len=64, max_tokens=300, device="cpu", world=2, processes=2)[0] == min(k, 3)
 
 
 def test_auto_refuses_when_no_row_fits(monkeypatch):
     row, weights = per_row_and_weights()
-    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(weights + 0.5 * row / O.AUTO_SHARE))
+    monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(weights + 0.5 * row / sizing.AUTO_SHARE))
     with pytest.raises(O.MoetoolError, match="not even one row"):
-        O.auto_batch_size("tiny", seq_len=64, device="cpu")
-    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: None)
-    assert O.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")[0] == 8
+        sizing.auto_batch_size("tiny", seq_len=64, device="cpu")
+    monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: None)
+    assert sizing.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")[0] == 8
 
 
 def test_parse_batch_size():
@@ -57,7 +59,7 @@ def test_cli_auto_equals_explicit_batch(tmp_path, monkeypatch):
     """On the real CPU: auto picks a valid batch, says so on the console and in the manifest, and ppl's table
     equals the one with that batch size given explicitly and with a different one (4)."""
     row, weights = per_row_and_weights()
-    monkeypatch.setattr("moetool.loading.available_memory", lambda dev: int(weights + 6.5 * row / O.AUTO_SHARE))
+    monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(weights + 6.5 * row / sizing.AUTO_SHARE))
     base = ["ppl", "--model", "tiny", "--max-tokens", "1500", "--seq-len", "64", "--routing", "norm:gate",
             "--bootstrap", "0", "--quiet"]
     r = runner.invoke(app, base + ["--batch-size", "auto", "--out", str(tmp_path / "auto")])

@@ -231,7 +231,7 @@ def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, 
 def test_hub_timeout_is_configurable(monkeypatch, silent_server):
     import huggingface_hub.constants as hc
 
-    from moetool.loading import hub_offline
+    from moetool.hub import hub_offline
 
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
 
@@ -265,7 +265,8 @@ class Hub(http.server.BaseHTTPRequestHandler):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Hub)
 threading.Thread(target=server.serve_forever, daemon=True).start()
-from moetool.loading import hub_offline, load_config
+from moetool.hub import hub_offline
+from moetool.loading import load_config
 import transformers.models.auto  # imports outside the timed part
 assert hub_offline() is None
 t0 = time.perf_counter()

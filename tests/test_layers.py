@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: lowest first; a module may import its own layer and the layers before it (a group is moetool.<name>)
 LAYERS: list[set[str]] = [
     {"errors", "registry", "configs", "demo_models", "progress", "ops", "lmeval_compat"},
-    {"sketch", "uncertainty", "distributed", "data"},
+    {"sketch", "uncertainty", "distributed", "data", "hub"},
     {"adapters"},
-    {"loading", "engine"},
+    {"loading", "sizing", "engine"},
     {"policies"},
     {"experiments"},
     {"report", "inspect"},

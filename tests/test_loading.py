@@ -2,6 +2,7 @@
 
 import pytest
 
+from moetool import sizing
 from moetool.errors import MoetoolError
 from moetool.loading import ALIASES, load_config, pick_dtype, pick_device, resolve
 
@@ -120,7 +121,7 @@ def _mixtral(**kw):
 
 
 def test_validate_run_refuses_bad_sizes_as_usage_errors():
-    from moetool.loading import validate_run
+    from moetool.sizing import validate_run
 
     cfg = _mixtral()
     assert validate_run(cfg, seq_len=128, batch_size=4, max_tokens=1000, device="cpu").max_positions == 128
@@ -139,7 +140,7 @@ def test_validate_run_refuses_bad_sizes_as_usage_errors():
 def test_validate_run_reads_positions_from_the_text_config_of_a_multimodal_model():
     from transformers import LlavaConfig
 
-    from moetool.loading import max_positions, validate_run
+    from moetool.sizing import max_positions, validate_run
 
     cfg = LlavaConfig(text_config={**_mixtral(max_position_embeddings=77).to_dict(), "model_type": "mixtral"})
     assert getattr(cfg, "max_position_embeddings", None) is None and max_positions(cfg) == 77
@@ -151,7 +152,7 @@ def test_validate_run_device_without_cuda_is_a_runtime_error():
     import torch
 
     from moetool.errors import MoetoolRuntimeError
-    from moetool.loading import validate_run
+    from moetool.sizing import validate_run
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -166,7 +167,6 @@ def test_memory_estimate_is_the_hand_formula_and_a_lower_bound_of_the_real_logit
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moetool import loading
     from moetool.errors import MoetoolRuntimeError
 
     cfg = _mixtral()
@@ -174,33 +174,33 @@ def test_memory_estimate_is_the_hand_formula_and_a_lower_bound_of_the_real_logit
     params = sum(p.numel() for p in model.parameters())
     S, batch, max_tokens = 100, 16, 250  # 250 tokens fill ceil(250/100) = 3 rows: batches hold 3, not 16
     weights, act = params * 4, 3 * S * 64 * 4 + 2 * 3 * S * 32 * 4
-    monkeypatch.setattr(loading, "available_memory", lambda dev: weights + act)
-    est = loading.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu", dtype="fp32")
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: weights + act)
+    est = sizing.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu", dtype="fp32")
     assert (est.params, est.rows_per_batch, est.weights_bytes, est.activation_bytes) == (params, 3, weights, act)
     with torch.no_grad():  # the logits term is real: the forward's own logits tensor has exactly that size
         out = model(input_ids=torch.zeros(3, S, dtype=torch.long))
     assert out.logits.numel() * out.logits.element_size() == 3 * S * 64 * 4 <= act
-    monkeypatch.setattr(loading, "available_memory", lambda dev: weights + act - 1)
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: weights + act - 1)
     with pytest.raises(MoetoolRuntimeError, match="a batch of 3 rows x --seq-len 100 needs at least") as e:
-        loading.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu", dtype="fp32")
+        sizing.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu", dtype="fp32")
     assert e.value.exit_code == 1
-    monkeypatch.setattr(loading, "available_memory", lambda dev: weights - 1)
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: weights - 1)
     with pytest.raises(MoetoolRuntimeError, match=f"the weights alone need .*{params:,} parameters in float32"):
-        loading.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu", dtype="fp32")
+        sizing.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu", dtype="fp32")
     # bf16 halves both terms; device_map="auto" (accelerate offloads) and unknown free memory refuse nothing
-    monkeypatch.setattr(loading, "available_memory", lambda dev: (weights + act) // 2)
-    assert loading.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu",
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: (weights + act) // 2)
+    assert sizing.validate_run(cfg, seq_len=S, batch_size=batch, max_tokens=max_tokens, device="cpu",
                                 dtype="bf16").activation_bytes == act // 2
-    monkeypatch.setattr(loading, "available_memory", lambda dev: 1)
-    loading.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu", device_map="auto")
-    monkeypatch.setattr(loading, "available_memory", lambda dev: None)
-    loading.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu")
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: 1)
+    sizing.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu", device_map="auto")
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: None)
+    sizing.validate_run(cfg, seq_len=S, batch_size=batch, device="cpu")
 
 
 def test_available_ram_is_read_from_meminfo():
     from pathlib import Path
 
-    from moetool.loading import _meminfo_available
+    from moetool.sizing import _meminfo_available
 
     avail = _meminfo_available()
     if not Path("/proc/meminfo").exists():

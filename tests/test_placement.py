@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pandas as pd
 import pytest
 import torch
 

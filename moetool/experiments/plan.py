@@ -83,7 +83,7 @@ DEFINITIONS = {
     "layout": "how the model is placed: 1 GPU per replica (data parallel over all GPUs), --quantize fp8, "
               "--device-map auto over one node's GPUs (one replica per node), tensor+expert parallel over every GPU",
     "gib_per_gpu": "weights on the fullest GPU + activations of one batch (logits + 2 hidden states, "
-                   "loading.estimate_memory), GiB",
+                   "sizing.estimate_memory), GiB",
     "fits": f"gib_per_gpu <= {USABLE:.0%} of the GPU's memory",
     "available": "whether this moetool version runs the layout (no: what is missing)",
     "command": "the command line for the layout (ppl as the example command)",
@@ -193,11 +193,11 @@ def _attention_width(tc: Any) -> tuple[int, int]:
 
 def per_row(config: Any, seq_len: int) -> dict[str, int]:
     """Bytes per row of ``seq_len`` tokens in bf16: activations of one forward (lower bound of
-    ``loading.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
+    ``sizing.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
     import torch
 
     from ..configs import text_config
-    from ..loading import estimate_memory
+    from ..sizing import estimate_memory
 
     tc = text_config(config)
     _, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch.bfloat16, params=None)

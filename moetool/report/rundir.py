@@ -42,7 +42,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import MoetoolError, MoetoolRuntimeError, write_error
+from ..errors import MoetoolError, MoetoolRuntimeError, one_line, write_error  # noqa: F401 (one_line: rundir.one_line)
 
 MANIFEST = "manifest.json"
 LOCK = ".moetool-lock"  # the advisory lock of the process writing the run (removed when the run ends)
@@ -568,10 +568,6 @@ class RunDir:
             self.mark("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", one_line(exc))
 
 
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    msg = text[0] if text else ""
-    return msg if isinstance(exc, MoetoolError) else f"{type(exc).__name__}: {msg}".rstrip(": ")
 
 
 def active_runs() -> list[RunDir]:
