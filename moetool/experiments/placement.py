@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.runner import forward
+from .. import distributed
 from ..engine.hooks import select_layers
+from ..engine.runner import forward
 from ..errors import MoetoolError
 from .ppl import data_name
 from .result import Result, resolve_options
@@ -226,8 +227,6 @@ def expert_loads(lm: Any, tokens: Any, layers: list[Any], batch_size: int, quiet
                  ) -> tuple[torch.Tensor, int]:
     """``(loads [layers, n] float64, real tokens)``: the model's own top-K assignments per (layer, expert), counted
     on the device in one forward (summed over data-parallel ranks)."""
-    from .. import distributed
-
     counter = LoadBalance(layers)
     forward(lm, distributed.shard(tokens, batch_size), consumers=[counter], moe_layers=layers,
             batch_size=batch_size, quiet=quiet, description=description)
