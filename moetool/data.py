@@ -296,8 +296,23 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
         raise MoetoolError("--seq-len must be at least 2")
     if max_tokens is not None and max_tokens < 2:
         raise MoetoolError("--max-tokens must be at least 2")
+    streams = _domain_streams(docs, tokenizer, seq_len, max_tokens, add_special_tokens)
+    if not streams:
+        raise MoetoolError(f"no text in {source or 'the data'}")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    ids_out, mask_out, doms = _pack_rows(streams, seq_len, max_tokens, pad)
+    if not ids_out:
+        raise MoetoolError(f"no tokens in {source or 'the data'} (empty text?)")
+    return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
+                    special_tokens=_special_meta(tokenizer, add_special_tokens))
+
+
+def _domain_streams(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int, max_tokens: int | None,
+                    add_special_tokens: bool | None) -> dict[str, list[int]]:
+    """One token stream per domain, documents joined by EOS; a domain stops growing once it holds every row
+    ``max_tokens`` can use, and reading stops once no later document can change the rows."""
+    eos = tokenizer.eos_token_id
     # a domain stream of `need` tokens holds every row max_tokens can use: later documents change nothing
     need = None if max_tokens is None else -(-max_tokens // seq_len) * seq_len
     streams: dict[str, list[int]] = {}
@@ -344,8 +359,13 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
         if final():
             break
     flush()
-    if not streams:
-        raise MoetoolError(f"no text in {source or 'the data'}")
+    return streams
+
+
+def _pack_rows(streams: dict[str, list[int]], seq_len: int, max_tokens: int | None,
+               pad: int) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """Rows of ``seq_len`` cut from each domain's stream, domains interleaved, at most ``max_tokens`` real tokens
+    (a row of fewer than 2 tokens has no next-token prediction and is dropped): ``(ids, mask, domains)``."""
     per_domain: list[list[tuple[list[int], str]]] = []
     for dom, s in streams.items():
         per_domain.append([(s[i:i + seq_len], dom) for i in range(0, len(s), seq_len)])
@@ -364,10 +384,7 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
         ids_out.append(toks + [pad] * (seq_len - len(toks)))
         mask_out.append([1] * len(toks) + [0] * (seq_len - len(toks)))
         doms.append(dom)
-    if not ids_out:
-        raise MoetoolError(f"no tokens in {source or 'the data'} (empty text?)")
-    return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
-                    special_tokens=_special_meta(tokenizer, add_special_tokens))
+    return ids_out, mask_out, doms
 
 
 def _special_meta(tokenizer: Any, add_special_tokens: bool | None) -> dict[str, Any]:
