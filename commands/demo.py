@@ -8,11 +8,14 @@ import typer
 
 from .options import Force, Out, Quiet, echo_run, handle_errors, parse_list
 
-HELP = """Run every experiment on the embedded tiny models (no network needed) into one run folder.
+from moetool.experiments.registry import EXPERIMENTS  # specs as strings: no torch
 
-Steps: inspect, stats, norm-select (with an offline lm-eval task), erc, approx, mass-recall,
-fluctuation (early vs final training checkpoints). Each step writes CSVs, figures/ (PNG, PDF)
-and a manifest.json in its own sub-folder; report/report.html (and .md, LaTeX tables) gathers them all.
+HELP = f"""Run every experiment on the embedded tiny models (no network needed) into one run folder.
+
+Steps: inspect, {", ".join(n for n, e in EXPERIMENTS.items() if e.demo is not None)} (norm-select with the
+shipped offline lm-eval tasks, fluctuation on the early vs final training checkpoints). Each step writes
+CSVs, figures/ (PNG, PDF) and a manifest.json in its own sub-folder; report/report.html (and .md, LaTeX
+tables) gathers them all.
 
 Examples:
   moetool demo
