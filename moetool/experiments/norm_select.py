@@ -26,7 +26,7 @@ from ..policies import build_policy
 from ..registry import did_you_mean
 from ..uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
                            ratio_intervals)
-from .lmeval import evaluate, make_hflm, plan_tasks, shipped_tasks
+from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from .ppl import data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -216,7 +216,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     if not policies or policies[0].name != "router":
         raise MoetoolError("the sweep must start with the 'router' baseline")
     layers = None if policy_layers is None else sorted(policy_layers)
-    hflm = make_hflm(lm, batch_size) if plan is not None else None
+    hflm = lmeval.make_hflm(lm, batch_size) if plan is not None else None
     # untimed warm-up (kernels, allocator, lm-eval's dataset build and cache), so that the first policy's
     # seconds are comparable; on a shared CPU they stay noisy (bench/bench_norm_select.py interleaves runs)
     rows = 3 * batch_size
@@ -224,7 +224,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     for p in (policies[0], policies[-1]):
         perplexity(lm, head, policy=p, policy_layers=layers, batch_size=batch_size, quiet=True)
     if plan is not None:
-        evaluate(lm, plan, limit=1, batch_size=batch_size, seed=seed, hflm=hflm, quiet=True)
+        lmeval.evaluate(lm, plan, limit=1, batch_size=batch_size, seed=seed, hflm=hflm, quiet=True)
     ppl, evals, agree, overall = {}, {}, [], []
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (RowTable's global row ids)
     for p in policies:
@@ -237,7 +237,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
             done = {"ppl": run, "agree": meter.frame(p.name, n_boot=bootstrap, seed=seed),
                     "overall": meter.overall(p.name, n_boot=bootstrap, seed=seed)}
             if plan is not None:
-                done["eval"] = evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
+                done["eval"] = lmeval.evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
                                         limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
             if units is not None:
                 units.save(p.name, done)
@@ -330,7 +330,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     specs = opts.specs()
     policies = [build_policy(s, opts.weights, opts.seed) for s in specs]
     if plan is None and opts.tasks is not None:
-        plan = plan_tasks(opts.tasks, opts.include_path)
+        plan = lmeval.plan_tasks(opts.tasks, opts.include_path)
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     res = run_norm_select(lm, tokens, policies, data=data_name(tokens.source), policy_layers=layers,
                           batch_size=opts.batch_size, plan=plan, num_fewshot=opts.num_fewshot, limit=opts.limit,
@@ -365,4 +365,4 @@ def summary_lines(name: str, res: Any) -> list[str]:
 
 def demo_options() -> dict[str, Any]:
     """What ``moetool demo`` adds to its options: the shipped offline lm-eval tasks (none if not installed)."""
-    return {"tasks": tuple(shipped_tasks()) or None}
+    return {"tasks": tuple(lmeval.shipped_tasks()) or None}

@@ -90,7 +90,9 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     while nkeys > 1 and room(nkeys) < max([w for i, w in enumerate(widths) if numeric[i] and i >= nkeys] + [20]):
         nkeys -= 1  # no room for a value beside every key column: fewer keys
     # a text column wider than the room beside the keys wraps (whole words: a reason is never cut at the edge)
+    natural = widths
     widths = [w if numeric[i] or i < nkeys else max(min(w, room(nkeys)), min(w, 14)) for i, w in enumerate(widths)]
+    wraps = [widths[i] < natural[i] for i in range(len(cols))]  # only these are held to their width
     blocks = _blocks(widths, sum(w + 3 for w in widths[:nkeys]) + 1, avail - 1, nkeys) if cols else [[]]
     for b, idx in enumerate(blocks):
         idx = [*range(nkeys), *idx] if cols else []
@@ -98,7 +100,7 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
                   show_lines=False, padding=(0, 1))
         for i in idx:
             t.add_column(Text(cols[i]), justify="right" if numeric[i] else "left",
-                         min_width=widths[i], max_width=None if numeric[i] else widths[i], overflow="fold")
+                         min_width=widths[i], max_width=widths[i] if wraps[i] else None, overflow="fold")
         for r in cells:
             t.add_row(*[Text(r[i]) for i in idx])
         out.append(t)
