@@ -316,7 +316,7 @@ class StartedRun:
 
     def __init__(self, run: Any, lm: Any, tokens: Any, options: dict[str, Any], units: Any = None):
         self.run, self.lm, self.tokens, self.options = run, lm, tokens, options
-        self.units = units  # moetool.report.rundir.Units: finished units kept for --resume (None: not asked)
+        self.units = units  # moetool.checkpoints.Units: finished units kept for --resume (None: not asked)
 
     def __iter__(self) -> Any:
         return iter((self.run, self.lm, self.tokens))

@@ -317,7 +317,7 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
                     quiet: bool = False, units: Any = None) -> Any:
     """Load each checkpoint in turn with ``load_fn(name) -> LoadedModel`` and compare; returns the table.
 
-    ``units`` (:class:`moetool.report.rundir.Units`, ``--resume``): each checkpoint's captured routing (every
+    ``units`` (:class:`moetool.checkpoints.Units`, ``--resume``): each checkpoint's captured routing (every
     routing, and the isolated ones it fed) is saved once captured; a checkpoint saved before an interruption is
     read back instead of being loaded and run again (with ``isolate``, a later checkpoint still needing its
     routers loads it for them only)."""

@@ -209,7 +209,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
                     quiet: bool = False, bootstrap: int = 0, units: Any = None) -> NormSelectResult:
     """Run every policy (the first must be ``router``, the baseline of the ratios). ``bootstrap``: replicates for
     the intervals of agreement and perplexity (per-row sums are kept whenever > 0). ``units``
-    (:class:`moetool.report.rundir.Units`): each finished policy is saved there, and one saved before an
+    (:class:`moetool.checkpoints.Units`): each finished policy is saved there, and one saved before an
     interruption is taken from there instead of being run again (``--resume``)."""
     import pandas as pd
 
@@ -324,7 +324,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     ``aoe_table1`` (:func:`moetool.experiments.published.aoe_table1`: AoE's published Mixtral numbers beside the
     measured ones; measured only for other models).
     ``plan`` (from :func:`moetool.experiments.lmeval.plan_tasks`) may be passed when the tasks are resolved.
-    ``units``: per-policy checkpoints for ``--resume`` (:class:`moetool.report.rundir.Units`).
+    ``units``: per-policy checkpoints for ``--resume`` (:class:`moetool.checkpoints.Units`).
     """
     opts = resolve_options(NormSelectOptions, options, overrides)
     specs = opts.specs()

@@ -388,8 +388,8 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
             specialization: bool = True, row_sums: bool = False, units: Any = None) -> Collected:
     """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward). ``row_sums``: keep
     per-packed-row sums for bootstrap intervals (``routing.rows``, a :class:`moetool.uncertainty.RowTable`).
-    ``units`` (:class:`moetool.report.rundir.Units`, ``--resume``): the consumers' state after a batch is saved
-    now and then (:meth:`~moetool.report.rundir.Units.due`) and after the last one; a saved state is restored
+    ``units`` (:class:`moetool.checkpoints.Units`, ``--resume``): the consumers' state after a batch is saved
+    now and then (:meth:`~moetool.checkpoints.Units.due`) and after the last one; a saved state is restored
     and the forward goes on from the next batch (the same sums in the same order: the same tables)."""
     layers = list(lm.layers)
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (the row table's ids)

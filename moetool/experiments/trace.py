@@ -102,7 +102,7 @@ def merge_ranks(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 
 class PartStream:
     """The trace streamed in parts under ``units/`` (``--resume``): the part being written is closed and recorded
-    at each batch checkpoint (:meth:`~moetool.report.rundir.Units.due`, and after the last batch); a resumed run
+    at each batch checkpoint (:meth:`~moetool.checkpoints.Units.due`, and after the last batch); a resumed run
     starts a new part at the next batch; :meth:`assemble` copies the parts' row groups (one per batch) in order
     into the final file, so it equals an uninterrupted run's row for row."""
 
