@@ -111,3 +111,13 @@ def test_bad_options_are_one_line():
         SuperExpertsOptions(percentile=100.0)
     with pytest.raises(MoetoolError, match="--fraction-of-max"):
         SuperExpertsOptions(fraction_of_max=1.5)
+
+
+def test_more_super_than_other_experts_refused(tiny_run):
+    """Every expert above the 0th percentile: no random set as large as a layer's super set exists; one line,
+    not a random ablation of fewer experts."""
+    import moetool
+
+    lm, tokens, _ = tiny_run
+    with pytest.raises(MoetoolError, match="no random set of the same size"):
+        moetool.super_experts(lm, tokens, percentile=0.0, fraction_of_max=0.0, bootstrap=0, quiet=True)

@@ -172,6 +172,10 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     by_index = {L.index: L for L in layers}
     rand = {layer: random_removed(opts.seed, layer, by_index[layer].n_experts, len(es), exclude=es)
             for layer, es in removed.items()}
+    short = [layer for layer, es in removed.items() if len(rand[layer]) < len(es)]
+    if short:  # a random set smaller than the super set would compare unlike with like
+        raise MoetoolError(f"super-experts: layers {short} have more super experts than other experts, so no random "
+                           f"set of the same size exists (raise --percentile or --fraction-of-max)")
     nan = float("nan")
 
     def row(ablation: str, res: Any, sets: dict[int, list[int]]) -> dict[str, Any]:
