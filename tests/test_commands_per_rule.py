@@ -398,3 +398,23 @@ def test_prune(case, tmp_path):
         np.testing.assert_allclose(got["weighted"], want.numpy(), rtol=1e-5)
     abl = pd.read_csv(tmp_path / "prune_ablation.csv")
     assert len(abl) == 1 and abl["reap"].iloc[0] == imp["reap"].max()
+
+
+def test_super_experts(case, tmp_path):
+    """Routed counts against the model's own routing by hand; the super flags by the criterion over the maxima;
+    nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
+    from moetool.experiments.super_experts import super_mask
+
+    invoke("super-experts", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--out", str(tmp_path))
+    table = pd.read_csv(tmp_path / "super_experts.csv")
+    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.layers
+    for layer in case.layers:
+        got = table[table.layer == layer].sort_values("expert")
+        want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts)
+        assert list(got["routed"]) == want.tolist()
+        assert ((got["max_abs_output"] > 0) == (want > 0).numpy()).all()
+    assert list(table["is_super"]) == list(super_mask(table["max_abs_output"])[0])
+    abl = pd.read_csv(tmp_path / "super_experts_ablation.csv").set_index("ablation")
+    assert abl.loc["none", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
+    assert abl.loc["super", "removed"] == abl.loc["random", "removed"] == int(table["is_super"].sum())
+    assert np.isfinite(abl[["perplexity", "ratio"]].to_numpy()).all()

@@ -95,6 +95,7 @@ CASES = [
                   "--bootstrap", "100"]),
     ("prune", ["--model", "tiny", *DATA, "--fractions", "0.25", "--criteria", "reap,random", "--ablate", "1",
                "--bootstrap", "100"]),
+    ("super-experts", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
     ("placement", ["--model", "tiny", *DATA, "--gpus", "2,4", "--extra-slots", "0,1", "--reference-data",
                    str(Path(__file__).parents[1] / "README.md")]),  # other text: the stale placement
 ]

@@ -119,3 +119,22 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
 def expert_outputs(layer: MoELayer, h: torch.Tensor, budget: int = DEFAULT_BUDGET) -> torch.Tensor:
     """``E_e(h)`` for every expert: ``[n, T, d]`` (before any routing weight)."""
     return expert_nodes(layer, h, ("output",), budget)["output"]
+
+
+def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: str = "output",
+                  budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+    """Per expert, the largest ``|node|`` over its dimensions and the tokens ``routed [T, n]`` (bool) sends to it:
+    ``[n]`` fp32 on h's device, a running max over memory-bounded token chunks (0 for an expert with no token;
+    a NaN output propagates)."""
+    if node not in NODES:
+        raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
+    with _weights_on_device(layer):
+        W = _matmul_ready(layer, {node})
+        step = _chunk_size(layer, W, budget)
+        best = torch.zeros(W.gate.shape[0], dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], step):
+            y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n, T_c, d]
+            m = y.abs().amax(dim=-1).float().to(h.device)  # [n, T_c]
+            m = torch.where(routed[s:s + step].T, m, torch.zeros_like(m))
+            best = torch.maximum(best, m.amax(dim=1))
+    return best

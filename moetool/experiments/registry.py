@@ -102,6 +102,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")})),
     _x("prune", "prune", "PruneOptions", figures="moetool.report.plots:prune_figures",
        demo=Demo(models=("tiny",), max_tokens=2048, options={"fractions": (0.25, 0.5), "ablate": 4})),
+    _x("super-experts", "super_experts", "SuperExpertsOptions", figures="moetool.report.plots:super_experts_figures",
+       demo=Demo(models=("tiny",), max_tokens=2048)),
     _x("placement", "placement", "PlacementOptions", figures="moetool.report.plots:placement_figures",
        demo=Demo(max_tokens=4096)),
     _x("ppl", "ppl", "PplOptions", lines=None),

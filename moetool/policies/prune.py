@@ -44,10 +44,12 @@ def lowest(scores: Any, m: int) -> list[int]:
     return sorted(int(e) for e in order[:m])
 
 
-def random_removed(seed: int, layer: int, n: int, m: int) -> list[int]:
-    """The first ``m`` of a permutation of ``n`` experts seeded by ``(seed, layer)`` (sorted ascending)."""
+def random_removed(seed: int, layer: int, n: int, m: int, exclude: Iterable[int] = ()) -> list[int]:
+    """The first ``m`` of a permutation of ``n`` experts seeded by ``(seed, layer)``, skipping ``exclude`` (sorted
+    ascending)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
-    return sorted(int(e) for e in torch.randperm(n, generator=gen)[:m])
+    skip = {int(e) for e in exclude}
+    return sorted([int(e) for e in torch.randperm(n, generator=gen) if int(e) not in skip][:m])
 
 
 def removed_from_importance(importance: Any, criterion: str, fraction: float) -> dict[int, list[int]]:

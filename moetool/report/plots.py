@@ -534,6 +534,45 @@ def prune_figures(result: Any) -> dict[str, Any]:
     return plot_prune(result["prune.csv"], result["prune_importance.csv"], result["prune_ablation.csv"])
 
 
+# ----- super experts -------------------------------------------------------------------------
+def plot_super_experts(table: Any) -> dict[str, Any]:
+    """``super_experts_heatmap``: max |expert output| per layer and expert (log colour), the super experts boxed;
+    ``super_experts_ranked``: every (layer, expert) maximum, largest first (log scale), with the threshold."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    from .figures import heatmap, new_figure
+
+    mat = table.pivot(index="layer", columns="expert", values="max_abs_output")  # [layers, n]
+    n = mat.shape[1]
+    fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
+    heatmap(ax, np.log10(mat.to_numpy().clip(min=1e-12)), title="max |expert output|", xlabel="expert",
+            ylabel="layer", colorbar_label="log10 max_abs_output")
+    ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
+    rows = {layer: i for i, layer in enumerate(mat.index)}
+    for r in table[table.is_super].itertuples():
+        ax.add_patch(Rectangle((r.expert - 0.5, rows[r.layer] - 0.5), 1, 1, fill=False, edgecolor="red",
+                               linewidth=1.2))
+    out = {"super_experts_heatmap": fig}
+    ranked = table.sort_values("rank")
+    fig, (ax,) = new_figure(width=5.0)
+    colors = ["#C44E52" if s else "#4C72B0" for s in ranked["is_super"]]
+    ax.bar(range(len(ranked)), ranked["max_abs_output"].clip(lower=1e-12), color=colors, width=1.0)
+    ax.axhline(float(ranked["threshold"].iloc[0]), color="black", linewidth=0.8, linestyle="--",
+               label="threshold")
+    ax.set_yscale("log")
+    ax.set_xlabel("(layer, expert) by rank")
+    ax.set_ylabel("max |expert output|")
+    ax.set_title("super experts (red)")
+    ax.legend(loc="upper right", fontsize=7)
+    out["super_experts_ranked"] = fig
+    return out
+
+
+def super_experts_figures(result: Any) -> dict[str, Any]:
+    return plot_super_experts(result["super_experts.csv"])
+
+
 # ----- placement -----------------------------------------------------------------------------
 def _placement_series(df: Any) -> Any:
     """``df`` with ``series``: the method, with EPLB's redundant slots per GPU when it has any."""
@@ -589,6 +628,12 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "prune_ablation": ("Perplexity relative to the model's own routing when one expert alone is removed, for the "
                        "experts with the largest REAP saliency; error bars: the paired bootstrap interval",
                        ("prune_ablation.csv",), ("ratio", "rank", "*_lo/*_hi")),
+    "super_experts_heatmap": ("Largest |output| of each expert's down projection over the tokens routed to it and "
+                              "its output dimensions (log scale; one row per MoE layer); the super experts boxed",
+                              ("super_experts.csv",), ("max_abs_output", "is_super")),
+    "super_experts_ranked": ("Every (layer, expert) maximum |output| of the down projection, largest first (log "
+                             "scale); red: the super experts; dashed: the threshold they pass",
+                             ("super_experts.csv",), ("max_abs_output", "rank", "is_super", "threshold")),
     "topk_frontier": ("Perplexity relative to the model's own routing on the same rows against the experts each "
                       "token uses (mean over MoE layers), for fixed k below the model's K and top-p routing; the "
                       "star is the model's own routing; error bars: the paired bootstrap interval", ("topk.csv",),
