@@ -208,8 +208,7 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     shard = distributed.shard(tokens, opts.batch_size)
     col = MarginCollector(shard, layers, opts)
     forward(lm, shard, consumers=[col], moe_layers=layers, batch_size=opts.batch_size, before_batch=col.before_batch,
-            quiet=quiet, description="margin")
-    col.reduce_across_ranks()
+            quiet=quiet, description="margin")  # the forward all-reduces the collector (reduce_across_ranks)
     df, fl, bins = col.tables()
     summary = fl[["layer", "eps", "topk_flip", "top1_flip"]].merge(df[["layer", "margin_p50"]], on="layer")
     return Result("margin", {"margin.csv": df, "margin_flips.csv": fl, "margin_bins.csv": bins}, opts,
