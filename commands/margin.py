@@ -14,13 +14,13 @@ Margin: the K-th minus the (K+1)-th largest selection score of a token (the scor
 softmax probabilities or sigmoids, correction bias included) -- its mean, 5th/50th/95th percentiles (a streaming
 log-binned sketch, relative error in the manifest) and the share of tokens below each --thresholds value.
 Brittleness: the router input h is perturbed, h' = h + eps ||h|| z / sqrt(d) with z ~ N(0, I) seeded per packed row
-(--seed; the same z for every eps), the layer's routing is recomputed from h' and compared with the one from h:
-the share of tokens whose top-K set changed and whose top-1 changed, for each --eps, also per margin bin (edges
-0, the thresholds, inf). The forward itself is the model's; only its routing inputs are read.
+(--seed; the same z for every eps; noise_rel: the relative size that survives rounding to the model's dtype), the
+layer's routing is recomputed from h' and compared with the one from h: the share of tokens whose top-K set
+changed and whose top-1 changed, for each --eps, also per margin bin (edges 0, the thresholds, inf). The forward itself is the model's; only its routing inputs are read.
 Intervals: 95% document-level bootstrap over packed rows for the flip rates (--bootstrap N, 0 = off).
 
 Writes margin.csv (layer, tokens, margin_mean, margin_p05, margin_p50, margin_p95, frac_below_<thr>),
-margin_flips.csv (layer, eps, tokens, topk_flip, top1_flip; *_lo/*_hi),
+margin_flips.csv (layer, eps, tokens, noise_rel, topk_flip, top1_flip; *_lo/*_hi),
 margin_bins.csv (layer, eps, margin_lo, margin_hi, tokens, topk_flip, top1_flip),
 figures/margin_flips (flip rate against eps by layer), figures/margin_quantiles (margin percentiles by layer) and
 manifest.json (definitions).

@@ -75,6 +75,9 @@ def test_no_noise_no_flips_and_flips_by_hand(tiny):
     assert got["top1_flip"] == pytest.approx(float(one_flip.mean()), abs=1e-12)
     assert got["topk_flip"] > 0 and got["top1_flip"] > 0  # eps 0.1 moves some tokens: the comparison bites
     assert got["topk_flip_lo"] <= got["topk_flip"] <= got["topk_flip_hi"]
+    rel = ((hn.float() - h.float()).norm(dim=-1) / h.float().norm(dim=-1))[valid].double()
+    assert got["noise_rel"] == pytest.approx(float(rel.mean()), rel=1e-6)
+    assert got["noise_rel"] == pytest.approx(eps, rel=0.05)  # fp32: the noise as asked (||z|| ~ sqrt(d))
 
     # per margin bin: the flips of the tokens below / above the threshold
     m = a.sort(-1, descending=True).values
@@ -91,3 +94,14 @@ def test_no_noise_no_flips_and_flips_by_hand(tiny):
 def test_bad_options_are_one_line(bad, msg):
     with pytest.raises(MoetoolError, match=msg):
         MarginOptions(**bad)
+
+
+def test_noise_rounded_to_the_routers_dtype_is_reported():
+    """In bf16 a noise below its resolution (about 0.4% of each component) largely rounds away: noise_rel says
+    so, instead of the flip rate of a perturbation that never reached the router passing for eps's."""
+    lm = moetool.load("tiny", dtype="bf16")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    fl = margin(lm, tokens, eps=(1e-4, 0.1), bootstrap=0, quiet=True)["margin_flips"]
+    small, big = fl[fl.eps == 1e-4]["noise_rel"], fl[fl.eps == 0.1]["noise_rel"]
+    assert (small < 0.5e-4).all()  # most of it rounded away
+    assert ((big > 0.09) & (big < 0.11)).all()  # well above the resolution: as asked

@@ -51,6 +51,9 @@ DEFINITIONS = {
     "frac_below_<thr>": "share of real tokens with margin < thr",
     "eps": "relative size of the noise on the router input: h' = h + eps * ||h|| * z / sqrt(d), z ~ N(0, I) "
            "seeded per (seed, layer, packed row), the same z for every eps",
+    "noise_rel": "mean over real tokens of ||h' - h|| / ||h|| as applied: h' is formed in fp32 and rounded to h's "
+                 "dtype (the router's input as the model computes it), so in bf16/fp16 a small eps partly rounds "
+                 "away and noise_rel falls below eps (fp32: about eps)",
     "topk_flip": "share of real tokens whose top-K set under layer.route(layer.logits(h')) differs from the one "
                  "of layer.route(layer.logits(h))",
     "top1_flip": "share of real tokens whose top-1 (the chosen expert with the largest selection score) differs",
@@ -118,6 +121,7 @@ class MarginCollector:
         nb, E = len(opts.thresholds) + 1, len(opts.eps)
         self.sketch = {i: QuantileSketch(SKETCH_LO, SKETCH_HI) for i in self.layers}
         self.bins = {i: torch.zeros(nb, 1 + 2 * E, dtype=torch.float64) for i in self.layers}  # tokens, flips
+        self.noise = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}  # sum of ||h' - h|| / ||h||
 
     def before_batch(self, batch: Any) -> None:
         self.rows.next_batch(batch)
@@ -138,10 +142,15 @@ class MarginCollector:
             raise MoetoolError("margin: the forward gave no packed-row ids (the noise is seeded per row)")
         z = uniform_rows(self.opts.seed, L.index, ev.rows, h.shape[0] // len(ev.rows), h.shape[-1], h.device,
                          draw=torch.randn)
-        cols = []
+        cols, rel = [], []
+        hnorm = ops.vector_norm(h.float()).clamp_min(torch.finfo(torch.float32).tiny)
         for eps in self.opts.eps:
-            k, one = flips(L, h, noisy_inputs(h, eps, z))
+            hn = noisy_inputs(h, eps, z)
+            k, one = flips(L, h, hn)
             cols += [k.double() * w, one.double() * w]
+            rel.append((ops.vector_norm(hn.float() - h.float()) / hnorm).double() @ w)
+        noise = self.noise[L.index] = self.noise[L.index].to(h.device)
+        noise += torch.stack(rel)
         fl = torch.stack(cols, -1)  # [T, 2E]
         self.rows.add(f"{L.index}/tokens", w)
         self.rows.add(f"{L.index}/below", below)
@@ -157,6 +166,7 @@ class MarginCollector:
         for i in sorted(self.layers):
             distributed.all_reduce_state(self.sketch[i])
             self.bins[i] = distributed.all_reduce(self.bins[i])
+            self.noise[i] = distributed.all_reduce(self.noise[i])
         self.rows.reduce_across_ranks()
 
     def tables(self) -> tuple[Any, Any, Any]:
@@ -177,9 +187,11 @@ class MarginCollector:
             margins.append(row)
             fl = self.rows.table(f"{i}/flips").reshape(tok.shape[0], -1)
             ci = ratio_intervals(fl, tok, n_boot=opts.bootstrap, seed=opts.seed)
+            noise = self.noise[i].cpu().tolist()
             for j, eps in enumerate(opts.eps):
                 k, one = ci[2 * j], ci[2 * j + 1]
-                flip_rows.append({"layer": i, "eps": eps, "tokens": int(n), "topk_flip": k.value, "topk_flip_lo": k.lo,
+                flip_rows.append({"layer": i, "eps": eps, "tokens": int(n), "noise_rel": noise[j] / n,
+                                  "topk_flip": k.value, "topk_flip_lo": k.lo,
                                   "topk_flip_hi": k.hi, "top1_flip": one.value, "top1_flip_lo": one.lo,
                                   "top1_flip_hi": one.hi})
             acc = self.bins[i].cpu().numpy()
