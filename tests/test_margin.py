@@ -105,3 +105,13 @@ def test_noise_rounded_to_the_routers_dtype_is_reported():
     small, big = fl[fl.eps == 1e-4]["noise_rel"], fl[fl.eps == 0.1]["noise_rel"]
     assert (small < 0.5e-4).all()  # most of it rounded away
     assert ((big > 0.09) & (big < 0.11)).all()  # well above the resolution: as asked
+
+
+def test_a_layer_routing_every_expert_has_no_margin():
+    """K = n: no (K+1)-th score; one line before any forward, not a table of NaN or index errors."""
+    from types import SimpleNamespace
+
+    layers = [SimpleNamespace(index=0, top_k=2, n_experts=8), SimpleNamespace(index=1, top_k=4, n_experts=4)]
+    tokens = SimpleNamespace(require_tokens=lambda: None)
+    with pytest.raises(MoetoolError, match="layer 1: routes all 4 experts"):
+        margin(SimpleNamespace(layers=layers), tokens, quiet=True)
