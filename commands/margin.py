@@ -16,7 +16,8 @@ log-binned sketch, relative error in the manifest) and the share of tokens below
 Brittleness: the router input h is perturbed, h' = h + eps ||h|| z / sqrt(d) with z ~ N(0, I) seeded per packed row
 (--seed; the same z for every eps; noise_rel: the relative size that survives rounding to the model's dtype), the
 layer's routing is recomputed from h' and compared with the one from h: the share of tokens whose top-K set
-changed and whose top-1 changed, for each --eps, also per margin bin (edges 0, the thresholds, inf). The forward itself is the model's; only its routing inputs are read.
+changed and whose top-1 changed, for each --eps, also per margin bin (edges 0, the thresholds, inf). The forward
+itself is the model's; only its routing inputs are read.
 Intervals: 95% document-level bootstrap over packed rows for the flip rates (--bootstrap N, 0 = off).
 
 Writes margin.csv (layer, tokens, margin_mean, margin_p05, margin_p50, margin_p95, frac_below_<thr>),

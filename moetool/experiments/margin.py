@@ -99,15 +99,18 @@ def noisy_inputs(h: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
     return (hf + eps * ops.vector_norm(hf).unsqueeze(-1) * z / math.sqrt(h.shape[-1])).to(h.dtype)
 
 
-def flips(layer: Any, h: torch.Tensor, h_noisy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(topk_flip [T], top1_flip [T])`` bool: the layer's routing of ``h_noisy`` against that of ``h``."""
-    out = []
-    for x in (h, h_noisy):
-        logits = layer.logits(x)
-        idx, _ = layer.route(logits)
-        out.append((idx, ops.best_of(idx, layer.selection_scores(logits))))
-    (a, a1), (b, b1) = out
-    return ~ops.same_set(a, b), a1 != b1
+def routing_of(layer: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top-K set [T, K], top-1 [T])`` of the layer's routing recomputed from router inputs ``h``
+    (``layer.route(layer.logits(h))``; the top-1 is the chosen expert with the largest selection score)."""
+    logits = layer.logits(h)
+    idx, _ = layer.route(logits)
+    return idx, ops.best_of(idx, layer.selection_scores(logits))
+
+
+def flips(clean: tuple[torch.Tensor, torch.Tensor], noisy: tuple[torch.Tensor, torch.Tensor]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_flip [T], top1_flip [T])`` bool between two :func:`routing_of` results."""
+    return ~ops.same_set(clean[0], noisy[0]), clean[1] != noisy[1]
 
 
 class MarginCollector:
@@ -144,9 +147,10 @@ class MarginCollector:
                          draw=torch.randn)
         cols, rel = [], []
         hnorm = ops.vector_norm(h.float()).clamp_min(torch.finfo(torch.float32).tiny)
+        clean = routing_of(L, h)
         for eps in self.opts.eps:
             hn = noisy_inputs(h, eps, z)
-            k, one = flips(L, h, hn)
+            k, one = flips(clean, routing_of(L, hn))
             cols += [k.double() * w, one.double() * w]
             rel.append((ops.vector_norm(hn.float() - h.float()) / hnorm).double() @ w)
         noise = self.noise[L.index] = self.noise[L.index].to(h.device)
