@@ -115,3 +115,19 @@ def test_a_layer_routing_every_expert_has_no_margin():
     tokens = SimpleNamespace(require_tokens=lambda: None)
     with pytest.raises(MoetoolError, match="layer 1: routes all 4 experts"):
         margin(SimpleNamespace(layers=layers), tokens, quiet=True)
+
+
+def test_every_column_has_its_own_definition(tiny):
+    """The report's tooltips: each column of each table resolves to a definition; the margin bin edges are not
+    mistaken for bootstrap bounds (they end in _lo/_hi)."""
+    from moetool.report.page import column_definition
+
+    lm, tokens, _, _ = tiny
+    res = margin(lm, tokens, eps=(0.01,), thresholds=(0.02, 0.2), bootstrap=0, quiet=True)
+    defs = res.meta["definitions"]
+    for name, df in res.tables.items():
+        for c in df.columns:
+            assert column_definition(defs, name.removesuffix(".csv"), c), (name, c)
+    assert "bootstrap" not in column_definition(defs, "margin_bins", "margin_lo")
+    assert column_definition(defs, "margin", "frac_below_0.2") == "share of real tokens with margin < 0.2"
+    assert "bin" in column_definition(defs, "margin_bins", "topk_flip")

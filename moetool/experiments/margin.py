@@ -46,8 +46,9 @@ DEFINITIONS = {
               "model ranks experts by: layer.selection_scores of the captured router logits, correction bias "
               "included; before any group limit); >= 0",
     "margin_mean": "mean margin over the real tokens (exact)",
-    "margin_p05/margin_p50/margin_p95": "5th, 50th, 95th percentile of the margin (QuantileSketch: within its "
-                                        "relative error of np.quantile)",
+    **{f"margin_p{q}": f"{name} percentile of the margin over the real tokens (QuantileSketch: within its relative "
+                         f"error, sketch_rel_error in the manifest, of np.quantile)"
+       for q, name in (("05", "5th"), ("50", "50th"), ("95", "95th"))},
     "frac_below_<thr>": "share of real tokens with margin < thr",
     "eps": "relative size of the noise on the router input: h' = h + eps * ||h|| * z / sqrt(d), z ~ N(0, I) "
            "seeded per (seed, layer, packed row), the same z for every eps",
@@ -57,7 +58,12 @@ DEFINITIONS = {
     "topk_flip": "share of real tokens whose top-K set under layer.route(layer.logits(h')) differs from the one "
                  "of layer.route(layer.logits(h))",
     "top1_flip": "share of real tokens whose top-1 (the chosen expert with the largest selection score) differs",
-    "margin_lo/margin_hi": "margin bin [lo, hi) of margin_bins.csv (edges: 0, the thresholds, inf)",
+    "margin_lo": "lower edge of the margin bin [margin_lo, margin_hi) of margin_bins.csv (edges: 0, the thresholds, "
+                 "inf); not an interval bound",
+    "margin_hi": "upper edge (excluded) of the margin bin of margin_bins.csv; not an interval bound",
+    "margin_bins.tokens": "real tokens of the layer whose margin falls in the bin",
+    "margin_bins.topk_flip": "topk_flip among the tokens of the bin (NaN for an empty bin); no interval",
+    "margin_bins.top1_flip": "top1_flip among the tokens of the bin (NaN for an empty bin); no interval",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
 
@@ -228,7 +234,8 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     df, fl, bins = col.tables()
     summary = fl[["layer", "eps", "topk_flip", "top1_flip"]].merge(df[["layer", "margin_p50"]], on="layer")
     return Result("margin", {"margin.csv": df, "margin_flips.csv": fl, "margin_bins.csv": bins}, opts,
-                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source),
+                  meta=dict(definitions={**DEFINITIONS, **{_thr(t): f"share of real tokens with margin < {t:g}"
+                                                         for t in opts.thresholds}}, data=tokens.describe(), data_name=data_name(tokens.source),
                             layers=[L.index for L in layers], sketch_rel_error=col.sketch[layers[0].index].rel_error,
                             bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, col.rows.n_rows)),
                   summary=summary)

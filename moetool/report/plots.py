@@ -632,7 +632,7 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                      ("eps", "topk_flip", "top1_flip", "*_lo/*_hi")),
     "margin_quantiles": ("Routing margin: 5th, 50th and 95th percentile over real tokens of the K-th minus the "
                          "(K+1)-th largest selection score, by MoE layer", ("margin.csv",),
-                         ("margin", "margin_p05/margin_p50/margin_p95")),
+                         ("margin", "margin_p05", "margin_p50", "margin_p95")),
     "capacity_curve": ("Expert capacity C = ceil(cf · tokens · K / n) per batch and MoE layer: the share of the "
                        "model's assignments beyond capacity (left) and perplexity relative to the model's own "
                        "routing on the same rows with them dropped (right) against cf, one line per drop order; "
