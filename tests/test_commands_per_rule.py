@@ -345,6 +345,30 @@ def test_topk(case, tmp_path):
         assert finite(df.drop(columns=["kind"]))
 
 
+def test_margin(case, tmp_path):
+    invoke("margin", "--model", str(case.path), *SMALL, "--bootstrap", "100", "--eps", "0,0.05",
+           "--thresholds", "0.01,0.1", "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "margin.csv").set_index("layer")
+    fl = pd.read_csv(tmp_path / "margin_flips.csv")
+    bins = pd.read_csv(tmp_path / "margin_bins.csv")
+    real = int(case.tokens.attention_mask.sum())
+    assert sorted(df.index) == case.layers and (df["tokens"] == real).all()
+    assert (df[["margin_mean", "margin_p05", "margin_p50", "margin_p95"]] >= 0).all().all()
+    assert (df["margin_p05"] <= df["margin_p50"]).all() and (df["margin_p50"] <= df["margin_p95"]).all()
+    assert (df["frac_below_0.01"] <= df["frac_below_0.1"]).all()
+    zero = fl[fl.eps == 0]
+    assert len(zero) == len(case.layers)
+    assert (zero[["topk_flip", "topk_flip_lo", "topk_flip_hi", "top1_flip"]] == 0).all().all()
+    assert fl[["topk_flip", "top1_flip"]].stack().between(0, 1).all()
+    # the bins split the layer's real tokens; their flips add up to the layer's
+    for (layer, eps), g in bins.groupby(["layer", "eps"]):
+        assert g["tokens"].sum() == real
+        row = fl[(fl.layer == layer) & (fl.eps == eps)].iloc[0]
+        assert (g["topk_flip"].fillna(0) * g["tokens"]).sum() == pytest.approx(row["topk_flip"] * real)
+        below = g[g.margin_hi <= 0.01]["tokens"].sum()
+        assert below == round(df.loc[layer, "frac_below_0.01"] * real)
+
+
 def test_capacity(case, tmp_path):
     K, n = case.top_k, case.n_experts
     big = n / K  # every expert can take every real token: nothing dropped

@@ -184,6 +184,8 @@ def run_experiment(name, lm, ts):
         mod, f = _entry("fluctuation", "capture")
         others = {"iso": {L.index: mod.router_copy(L) for L in lm.layers}}
         return f(lm, ts, make_policy("similarity"), others=others, quiet=True)
+    if name == "margin":
+        return _entry("margin", "margin")[1](lm, ts, quiet=True, bootstrap=0)  # noise, re-routing, sketch, rows
     raise AssertionError(name)
 
 
@@ -203,7 +205,8 @@ def embedded():
     return out
 
 
-@pytest.mark.parametrize("experiment", ["approx", "stats", "mass_recall", "norm_select", "ppl", "fluctuation"])
+@pytest.mark.parametrize("experiment", ["approx", "stats", "mass_recall", "norm_select", "ppl", "fluctuation",
+                                        "margin"])
 def test_experiment_consumers_stay_on_the_device(experiment, embedded, request):
     if experiment in EXPERIMENT_SYNCS:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"syncs today: {EXPERIMENT_SYNCS[experiment]}"))

@@ -20,12 +20,14 @@ class RouterPolicy(Policy):
         return ev.idx, ev.weights
 
 
-def uniform_rows(seed: int, layer: int, rows: Any, per_row: int, width: int, device: Any) -> torch.Tensor:
+def uniform_rows(seed: int, layer: int, rows: Any, per_row: int, width: int, device: Any,
+                 draw: Any = torch.rand) -> torch.Tensor:
     """``[len(rows) * per_row, width]`` uniform draws, packed row r's from a generator seeded by (seed, layer, r):
-    what a random choice draws for a token depends on its row, not on how rows are batched or split over ranks."""
+    what a random choice draws for a token depends on its row, not on how rows are batched or split over ranks.
+    ``draw=torch.randn``: standard normal draws, seeded the same way."""
     base = (seed * 1_000_003 + layer) * 1_000_000_007
-    return torch.cat([torch.rand((per_row, width), device=device,
-                                 generator=torch.Generator(device=device).manual_seed(base + int(r)))
+    return torch.cat([draw((per_row, width), device=device,
+                           generator=torch.Generator(device=device).manual_seed(base + int(r)))
                       for r in rows])
 
 

@@ -465,6 +465,37 @@ def topk_figures(result: Any) -> dict[str, Any]:
     return plot_topk(result["topk.csv"], result["topk_layers.csv"])
 
 
+# ----- margin -------------------------------------------------------------------------------
+def plot_margin(margins: Any, flips: Any) -> dict[str, Any]:
+    """``margin_flips``: the top-K (left) and top-1 (right) flip rates against the noise size eps, one line per
+    layer (bootstrap error bars), and ``margin_quantiles``: the 5th/50th/95th percentile of the margin by layer."""
+    from .figures import line_by, new_figure
+
+    fl = flips.assign(layer=flips["layer"].map(lambda i: f"layer {i}"))
+    fig, axes = new_figure(1, 2, width=4.0)
+    for ax, col, title in ((axes[0], "topk_flip", "top-K set changed"), (axes[1], "top1_flip", "top-1 changed")):
+        line_by(ax, fl, "eps", col, "layer", title=title, marker="o", yerr=(f"{col}_lo", f"{col}_hi"),
+                xlabel="eps (noise / ||h||)", ylabel="share of tokens")
+        positive = fl["eps"][fl["eps"] > 0]
+        if len(positive):
+            ax.set_xscale("symlog", linthresh=float(positive.min())) if (fl["eps"] == 0).any() else ax.set_xscale("log")
+    out = {"margin_flips": fig}
+    cols = {"margin_p05": "5th percentile", "margin_p50": "median", "margin_p95": "95th percentile"}
+    q = margins.melt(id_vars="layer", value_vars=list(cols), var_name="quantile", value_name="margin")
+    q["quantile"] = q["quantile"].map(cols)
+    fig, (ax,) = new_figure(width=5.0)
+    line_by(ax, q, "layer", "margin", "quantile", title="routing margin by layer", marker="o",
+            ylabel="margin s(K) - s(K+1)")
+    if (q["margin"] > 0).all():
+        ax.set_yscale("log")
+    out["margin_quantiles"] = fig
+    return out
+
+
+def margin_figures(result: Any) -> dict[str, Any]:
+    return plot_margin(result["margin.csv"], result["margin_flips.csv"])
+
+
 # ----- capacity -----------------------------------------------------------------------------
 def plot_capacity(df: Any, layers: Any) -> dict[str, Any]:
     """``capacity_curve``: the dropped share of assignments (left) and perplexity / the router's (right) against the
@@ -640,6 +671,13 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                       ("mean_experts", "ratio", "*_lo/*_hi")),
     "topk_layers": ("Top-p routing: experts per token (mean over real tokens) in each MoE layer, one line per p",
                     ("topk_layers.csv",), ("mean_experts",)),
+    "margin_flips": ("Share of real tokens whose top-K set (left) or top-1 expert (right) changes when the router "
+                     "input h is perturbed by Gaussian noise of relative size eps (h + eps ||h|| z / sqrt(d)), one "
+                     "line per MoE layer; error bars: the bootstrap interval", ("margin_flips.csv",),
+                     ("eps", "topk_flip", "top1_flip", "*_lo/*_hi")),
+    "margin_quantiles": ("Routing margin: 5th, 50th and 95th percentile over real tokens of the K-th minus the "
+                         "(K+1)-th largest selection score, by MoE layer", ("margin.csv",),
+                         ("margin", "margin_p05", "margin_p50", "margin_p95")),
     "capacity_curve": ("Expert capacity C = ceil(cf · tokens · K / n) per batch and MoE layer: the share of the "
                        "model's assignments beyond capacity (left) and perplexity relative to the model's own "
                        "routing on the same rows with them dropped (right) against cf, one line per drop order; "

@@ -1,0 +1,133 @@
+"""``moetool margin``: the routing margin against a hand computation from the captured logits, zero flips without
+noise, and the flip rates against a hand re-routing of the first MoE layer under the same seeded noise."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import moetool
+from moetool.errors import MoetoolError
+from moetool.experiments.margin import MarginOptions, margin
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=500)  # 8 rows, the last one padded
+    first = lm.layers[0]
+    got = {"h": [], "logits": [], "valid": [], "rows": []}
+
+    def grab(ev):
+        if ev.layer.index == first.index:
+            got["h"].append(ev.h.reshape(-1, ev.h.shape[-1]).clone())
+            got["logits"].append(ev.logits.reshape(-1, ev.logits.shape[-1]).clone())
+            got["valid"].append(ev.valid.reshape(-1).clone())
+            got["rows"] += [int(r) for r in ev.rows]
+
+    moetool.forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
+    cap = {k: torch.cat(v) if k != "rows" else v for k, v in got.items()}
+    assert not cap["valid"].all()  # padding is there, and must not count
+    return lm, tokens, first, cap
+
+
+def test_margins_of_the_first_layer_by_hand(tiny):
+    lm, tokens, L, cap = tiny
+    res = margin(lm, tokens, eps=(0.0,), thresholds=(0.01, 0.05), bootstrap=0, batch_size=3, quiet=True)
+    row = res["margin"].set_index("layer").loc[L.index]
+    valid = cap["valid"]
+    scores = L.selection_scores(cap["logits"][valid]).float()  # the model's ranking scores, bias included
+    s = scores.sort(dim=-1, descending=True).values
+    m = (s[:, L.top_k - 1] - s[:, L.top_k]).double().numpy()
+    assert row["tokens"] == int(valid.sum()) == m.shape[0]
+    assert row["margin_mean"] == pytest.approx(m.mean(), rel=1e-9)
+    rel = 2e-3 + 1e-6  # the sketch's bound (about 0.17% with 8192 bins over 1e-12 .. 1e4: under 0.2%)
+    for q, col in ((0.05, "margin_p05"), (0.5, "margin_p50"), (0.95, "margin_p95")):
+        assert row[col] == pytest.approx(np.quantile(m, q), rel=rel)
+    assert row["frac_below_0.01"] == (m < 0.01).mean() and row["frac_below_0.05"] == (m < 0.05).mean()
+    assert 0 < row["frac_below_0.01"] < row["frac_below_0.05"] < 1  # the thresholds split the tokens
+
+
+def test_no_noise_no_flips_and_flips_by_hand(tiny):
+    lm, tokens, L, cap = tiny
+    eps, seed = 0.1, 3
+    res = margin(lm, tokens, eps=(0.0, eps), thresholds=(0.02,), bootstrap=100, seed=seed, batch_size=3, quiet=True)
+    fl = res["margin_flips"]
+    zero = fl[fl.eps == 0]
+    assert (zero[["topk_flip", "top1_flip", "topk_flip_lo", "topk_flip_hi"]] == 0).all().all()
+    got = fl[(fl.layer == L.index) & (fl.eps == eps)].iloc[0]
+
+    # the test's own noise: row r's z from a generator seeded by (seed, layer, r), N(0, I) in d dimensions
+    h, valid, K = cap["h"], cap["valid"], L.top_k
+    S, d = h.shape[0] // len(cap["rows"]), h.shape[1]
+    base = (seed * 1_000_003 + L.index) * 1_000_000_007
+    z = torch.cat([torch.randn(S, d, generator=torch.Generator().manual_seed(base + r)) for r in cap["rows"]])
+    hn = (h.float() + eps * h.float().norm(dim=-1, keepdim=True) * z / math.sqrt(d)).to(h.dtype)
+    with torch.no_grad():
+        a, b = (L.selection_scores(L.logits(x)).float() for x in (h, hn))
+    top_a, top_b = a.topk(K).indices.sort(-1).values, b.topk(K).indices.sort(-1).values
+    set_flip = (top_a != top_b).any(-1)[valid].double()
+    one_flip = (a.argmax(-1) != b.argmax(-1))[valid].double()
+    assert got["topk_flip"] == pytest.approx(float(set_flip.mean()), abs=1e-12)
+    assert got["top1_flip"] == pytest.approx(float(one_flip.mean()), abs=1e-12)
+    assert got["topk_flip"] > 0 and got["top1_flip"] > 0  # eps 0.1 moves some tokens: the comparison bites
+    assert got["topk_flip_lo"] <= got["topk_flip"] <= got["topk_flip_hi"]
+    rel = ((hn.float() - h.float()).norm(dim=-1) / h.float().norm(dim=-1))[valid].double()
+    assert got["noise_rel"] == pytest.approx(float(rel.mean()), rel=1e-6)
+    assert got["noise_rel"] == pytest.approx(eps, rel=0.05)  # fp32: the noise as asked (||z|| ~ sqrt(d))
+
+    # per margin bin: the flips of the tokens below / above the threshold
+    m = a.sort(-1, descending=True).values
+    low = (m[:, K - 1] - m[:, K] < 0.02)[valid]
+    bins = res["margin_bins"]
+    mine = bins[(bins.layer == L.index) & (bins.eps == eps)].set_index("margin_lo")
+    assert mine.loc[0.0, "tokens"] == int(low.sum())
+    assert mine.loc[0.0, "topk_flip"] == pytest.approx(float(set_flip[low].mean()), abs=1e-12)
+    assert mine.loc[0.02, "topk_flip"] == pytest.approx(float(set_flip[~low].mean()), abs=1e-12)
+
+
+@pytest.mark.parametrize("bad, msg", [({"eps": (-0.1,)}, "--eps"), ({"thresholds": (0.1, 0.01)}, "increase"),
+                                      ({"thresholds": (0.0,)}, "positive")])
+def test_bad_options_are_one_line(bad, msg):
+    with pytest.raises(MoetoolError, match=msg):
+        MarginOptions(**bad)
+
+
+def test_noise_rounded_to_the_routers_dtype_is_reported():
+    """In bf16 a noise below its resolution (about 0.4% of each component) largely rounds away: noise_rel says
+    so, instead of the flip rate of a perturbation that never reached the router passing for eps's."""
+    lm = moetool.load("tiny", dtype="bf16")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    fl = margin(lm, tokens, eps=(1e-4, 0.1), bootstrap=0, quiet=True)["margin_flips"]
+    small, big = fl[fl.eps == 1e-4]["noise_rel"], fl[fl.eps == 0.1]["noise_rel"]
+    assert (small < 0.5e-4).all()  # most of it rounded away
+    assert ((big > 0.09) & (big < 0.11)).all()  # well above the resolution: as asked
+
+
+def test_a_layer_routing_every_expert_has_no_margin():
+    """K = n: no (K+1)-th score; one line before any forward, not a table of NaN or index errors."""
+    from types import SimpleNamespace
+
+    layers = [SimpleNamespace(index=0, top_k=2, n_experts=8), SimpleNamespace(index=1, top_k=4, n_experts=4)]
+    tokens = SimpleNamespace(require_tokens=lambda: None)
+    with pytest.raises(MoetoolError, match="layer 1: routes all 4 experts"):
+        margin(SimpleNamespace(layers=layers), tokens, quiet=True)
+
+
+def test_every_column_has_its_own_definition(tiny):
+    """The report's tooltips: each column of each table resolves to a definition; the margin bin edges are not
+    mistaken for bootstrap bounds (they end in _lo/_hi)."""
+    from moetool.report.page import column_definition
+
+    lm, tokens, _, _ = tiny
+    res = margin(lm, tokens, eps=(0.01,), thresholds=(0.02, 0.2), bootstrap=0, quiet=True)
+    defs = res.meta["definitions"]
+    for name, df in res.tables.items():
+        for c in df.columns:
+            assert column_definition(defs, name.removesuffix(".csv"), c), (name, c)
+    assert "bootstrap" not in column_definition(defs, "margin_bins", "margin_lo")
+    assert column_definition(defs, "margin", "frac_below_0.2") == "share of real tokens with margin < 0.2"
+    assert "bin" in column_definition(defs, "margin_bins", "topk_flip")
