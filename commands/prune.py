@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import typer
 
+from pathlib import Path
+from typing import Optional
+
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
-                      parse_list, preflight, start_run)
+                      IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen,
+                      finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = """Expert importance and pruning: which experts matter, and perplexity as the least important are removed.
 
@@ -17,7 +20,9 @@ output from batched probes in memory-bounded chunks). Then, per criterion (--cri
 random = a seeded permutation per layer) and fraction (--fractions), floor(fraction x n) experts of each MoE layer
 (--layers) with the lowest value are removed: masked out of the top-K (the model's choice among the rest, weights
 as its rule gives them, renormalised where it renormalises), and the model runs on the same rows. Last, each of
-the --ablate experts with the largest REAP saliency is removed alone.
+the --ablate experts with the largest REAP saliency is removed alone. With --tasks, the router and every
+(criterion, fraction) also run lm-eval under the same pruning (as norm-select does): accuracy, and its retention
+against the router's (delta method on lm-eval's standard errors).
 The same pruning works in ppl, eval, trace and norm-select: --routing prune:reap:0.25:<prune_importance.csv>,
 prune:random:0.25, prune:file:<removed.json|csv> (prune_removed.csv of this command with :<criterion>:<fraction>).
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
@@ -29,11 +34,16 @@ prune_removed.csv (criterion, fraction, layer, expert: every removed set),
 prune_ablation.csv (rank, layer, expert, reap, frequency, tokens, perplexity, delta_ppl, ratio; *_lo/*_hi),
 figures/prune_curve (perplexity / the model's vs fraction removed, one line per criterion),
 figures/prune_importance (REAP saliency per layer and expert), figures/prune_ablation (perplexity / the model's
-for each single-expert ablation) and manifest.json (definitions).
+for each single-expert ablation) and manifest.json (definitions); with --tasks also
+prune_eval.csv (criterion, fraction, task, metric, value, stderr, value_lo/hi, router_value, retention,
+retention_lo/hi; the router first) and figures/prune_accuracy (accuracy retention vs fraction removed, one line per
+criterion, one panel per task).
+--tasks: see `moetool eval --help` (shipped offline tasks: moetool_code, moetool_prose).
 
 Examples:
   moetool prune
   moetool prune --model tiny-fine --fractions 0.25,0.5 --criteria reap,random --ablate 4 --max-tokens 4096
+  moetool prune --criteria reap,random --tasks moetool_code,moetool_prose --limit 60
 """
 
 
@@ -46,19 +56,28 @@ def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                             "random."),
           ablate: int = typer.Option(8, "--ablate", help="Single-expert ablations of the experts with the largest "
                                                           "REAP saliency (0: none)."),
+          tasks: Optional[str] = typer.Option(None, "--tasks", "-t", help="lm-eval tasks (comma list) run under "
+                                              "every pruning; default: perplexity only."),
+          num_fewshot: Optional[int] = NumFewshot, limit: Optional[int] = Limit,
+          include_path: Optional[Path] = IncludePath,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
           max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
           device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
+    from moetool.experiments.lmeval import plan_tasks
     from moetool.experiments.prune import PruneOptions, prune as compute
 
     opts = PruneOptions(fractions=tuple(parse_list(fractions, float, "fraction")),
                         criteria=tuple(parse_list(criteria, str, "criterion")), ablate=ablate,
-                        layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap, seed=seed)
+                        layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap, seed=seed,
+                        tasks=tuple(parse_list(tasks, str, "task")) if tasks is not None else None,
+                        num_fewshot=num_fewshot, limit=limit,
+                        include_path=str(include_path) if include_path else None)
+    plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None  # before the model loads
     started = start_run("prune", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
     _, lm, tokens = started
-    res = compute(lm, tokens, opts, quiet=quiet)
+    res = compute(lm, tokens, opts, plan=plan, quiet=quiet)
     finish_command(started, res, f"perplexity with experts removed: {model} ({tokens.n_tokens:,} tokens)",
                    "prune.csv")
 

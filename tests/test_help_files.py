@@ -33,7 +33,8 @@ RUNS = {  # command -> its arguments (small, no bootstrap: the files are the poi
     "plan": ["plan", "--gpus", "1xH100"],
     "capacity": ["capacity", *SMALL, "--bootstrap", "0", "--cf", "1"],
     "placement": ["placement", *SMALL, "--gpus", "2,4"],
-    "prune": ["prune", *SMALL, "--bootstrap", "0", "--fractions", "0.25", "--criteria", "reap", "--ablate", "1"],
+    "prune": ["prune", *SMALL, "--bootstrap", "0", "--fractions", "0.25", "--criteria", "reap", "--ablate", "1",
+              "--tasks", "moetool_code", "--limit", "2"],  # prune_eval.csv, figures/prune_accuracy: the shipped task
     "super-experts": ["super-experts", *SMALL, "--bootstrap", "0"],
 }
 NOT_RUN = {"eval": "lm-eval's tasks: tests/test_eval.py checks its files"}

@@ -241,3 +241,109 @@ def test_sets_for_other_layers_refused_before_any_forward(tiny_model, batch, tmp
     assert not seen
     _, events, _ = run(model, layers, batch, policy=policy, policy_layers=[first])  # its own layer: fine
     assert not torch.isin(events[first].chosen_idx, torch.tensor([0, 1])).any()
+
+
+# ----- lm-eval accuracy against the fraction removed (--tasks) -----------------------------------------------------
+PRUNE_ACC = {"router": {"mmlu": (0.70, 0.004), "arc_challenge": (0.62, 0.014)},
+             "prune:reap:0.25": {"mmlu": (0.66, 0.005), "arc_challenge": (0.55, 0.015)},
+             "prune:random:0.25": {"mmlu": (0.35, 0.006), "arc_challenge": (0.61, 0.013)},
+             "prune:reap:0": {"mmlu": (0.69, 0.004), "arc_challenge": (0.62, 0.014)}}
+
+
+@pytest.fixture
+def fake_prune_lm_eval(monkeypatch):
+    """lm-eval replaced by fixed accuracies with standard errors per policy name (as test_norm_select's
+    fake_lm_eval); every call recorded."""
+    from moetool.experiments import lmeval
+
+    calls = []
+
+    def evaluate(lm, plan, *, policy=None, limit=None, **kw):
+        name = policy.name if policy is not None else "router"
+        calls.append({"name": name, "limit": limit, **kw})
+        results = {t: {"alias": t, "acc,none": v, "acc_stderr,none": se}
+                   for t, (v, se) in PRUNE_ACC[name].items() if t in plan.names}
+        return lmeval.EvalResult(lmeval.results_frame({"results": results}), 0.5, {t: 9 for t in plan.names})
+
+    plan = lmeval.TaskPlan(names=["mmlu", "arc_challenge"], specs=[], include_path=None, include_defaults=False,
+                           offline=True, shipped_dir=None)
+    monkeypatch.setattr(lmeval, "evaluate", evaluate)
+    monkeypatch.setattr(lmeval, "make_hflm", lambda lm, batch_size=8: "hflm")
+    monkeypatch.setattr(lmeval, "plan_tasks", lambda names, include_path=None: plan)
+    return calls
+
+
+@pytest.mark.slow
+def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
+    """`moetool prune --tasks ... --num-fewshot 2 --limit 3`: every pruning of the perplexity curve runs lm-eval under
+    the same policy in the same layers (once per distinct removed set); prune_eval.csv's value ∓ 1.96 stderr, retention = value / router's and its
+    delta-method interval sqrt((se/v)^2 + (se_b/b)^2) x retention, the router's [1, 1]; the figure is drawn."""
+    import math
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["prune", "--model", "tiny", "--tasks", "mmlu,arc_challenge", "--num-fewshot", "2",
+                                 "--limit", "3", "--fractions", "0,0.25", "--criteria", "reap,random", "--ablate",
+                                 "1", "--layers", "1,3", "--max-tokens", "256", "--seq-len", "64", "--bootstrap", "0",
+                                 "-q", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    calls = fake_prune_lm_eval
+    # random at 0 removes the same (no) experts as reap at 0: one lm-eval run, as one perplexity forward
+    assert [c["name"] for c in calls] == ["router", "prune:reap:0", "prune:reap:0.25", "prune:random:0.25"]
+    assert all(c["limit"] == 3 and c["num_fewshot"] == 2 and c["policy_layers"] == [1, 3] and c["hflm"] == "hflm"
+               for c in calls)
+    ev = pd.read_csv(out / "prune_eval.csv")
+    assert list(ev.columns) == ["criterion", "fraction", "task", "metric", "value", "stderr", "value_lo", "value_hi",
+                                "router_value", "retention", "retention_lo", "retention_hi"]
+    assert list(zip(ev.criterion, ev.fraction))[::2] == [("router", 0.0), ("reap", 0.0), ("reap", 0.25),
+                                                         ("random", 0.0), ("random", 0.25)]
+    z = 1.959963984540054
+    for row in ev.itertuples():
+        name = "router" if row.criterion == "router" else f"prune:{row.criterion}:{row.fraction:g}"
+        name = "prune:reap:0" if name == "prune:random:0" else name
+        v, se = PRUNE_ACC[name][row.task]
+        b, se_b = PRUNE_ACC["router"][row.task]
+        assert (row.metric, row.value, row.stderr, row.router_value) == ("acc", v, se, b)
+        assert (row.value_lo, row.value_hi) == pytest.approx((v - z * se, v + z * se), rel=1e-9)
+        assert row.retention == pytest.approx(v / b, rel=1e-12)
+        half = z * v / b * math.sqrt((se / v) ** 2 + (se_b / b) ** 2)
+        want = (1.0, 1.0) if name == "router" else (v / b - half, v / b + half)
+        assert (row.retention_lo, row.retention_hi) == pytest.approx(want, rel=1e-6)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["eval"]["tasks"] == ["mmlu", "arc_challenge"] and "retention_lo" in m["definitions"]
+    assert (out / "figures" / "prune_accuracy.png").exists()
+    assert not (tmp_path / "plain").exists()
+
+
+def test_without_tasks_no_lm_eval(fake_prune_lm_eval, tiny_prune):
+    """Without --tasks nothing of lm-eval runs and no prune_eval table is written."""
+    _, _, res = tiny_prune
+    assert "prune_eval.csv" not in res.tables and "eval" not in res.meta and not fake_prune_lm_eval
+
+
+@pytest.mark.slow
+def test_accuracy_on_the_shipped_tasks_matches_eval(tiny_prune, tmp_path):
+    """The real lm-eval on the shipped offline task, 5 items: prune's router row is `moetool eval`'s accuracy, and
+    its reap 0.25 row is `moetool eval --routing prune:reap:0.25:<prune_importance.csv>`'s."""
+    import moetool
+    from moetool.experiments import lmeval
+
+    if "moetool_code" not in lmeval.shipped_tasks():
+        pytest.skip("the shipped offline tasks are not installed")
+    lm, tokens, _ = tiny_prune
+    res = moetool.prune(lm, tokens, fractions=(0.25,), criteria=("reap",), ablate=1, bootstrap=0,
+                        tasks=("moetool_code",), limit=5, quiet=True)
+    ev = res["prune_eval"].set_index(["criterion", "metric"])
+    want = moetool.evaluate(lm, tasks=("moetool_code",), limit=5, quiet=True)["eval"].set_index("metric")
+    assert ev.loc[("router", "acc"), "value"] == want.loc["acc", "value"]
+    assert ev.loc[("router", "acc"), "stderr"] == want.loc["acc", "stderr"]
+    imp = tmp_path / "prune_importance.csv"
+    res["prune_importance"].to_csv(imp, index=False)
+    pruned = moetool.evaluate(lm, tasks=("moetool_code",), limit=5, routing=f"prune:reap:0.25:{imp}",
+                              quiet=True)["eval"].set_index("metric")
+    assert ev.loc[("reap", "acc"), "value"] == pruned.loc["acc", "value"]
+    assert ev.loc[("reap", "acc"), "retention"] == pytest.approx(pruned.loc["acc", "value"] / want.loc["acc", "value"])

@@ -13,6 +13,9 @@ Then per criterion (and a seeded random one) and fraction, the ``⌊fraction · 
 chosen MoE layer are removed (:class:`moetool.policies.prune.PrunePolicy`: masked out of the top-K) and the model
 runs on the same rows: perplexity with the paired ratio to the model's own routing (document-level bootstrap).
 Last, single-expert ablations: each of the ``ablate`` experts with the largest REAP saliency removed alone.
+With lm-eval tasks (``tasks``), the router and every (criterion, fraction) policy also run the tasks (as
+``norm-select`` does: :func:`moetool.experiments.lmeval.evaluate`, rows by
+:func:`moetool.experiments.norm_select.eval_rows`): accuracy and its retention against the fraction removed.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from .. import distributed
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import DEFAULT_BUDGET, node_scores
 from ..errors import MoetoolError
+from ..policies import build_policy
 from ..policies.prune import CRITERIA, PrunePolicy, lowest, n_removed, random_removed
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
+from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
+from .norm_select import eval_rows
 from .ppl import data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -55,8 +61,21 @@ DEFINITIONS = {
     "ratio": "perplexity / the model's own perplexity on the same rows (paired)",
     "delta_ppl": "perplexity - the model's own perplexity (single-expert ablation)",
     "rank": "rank of the expert by REAP saliency over all chosen MoE layers (1 = largest)",
+    "task": "lm-eval task (prune_eval.csv, with --tasks)",
+    "metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
+    "value": "the lm-eval metric with the experts removed (the router row: the model's own)",
+    "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
+    "value_lo": "value - 1.96 stderr (95% normal interval on lm-eval's standard error; NaN without one)",
+    "value_hi": "value + 1.96 stderr (95% normal interval on lm-eval's standard error; NaN without one)",
+    "router_value": "the same metric under the model's own routing (nothing removed)",
+    "retention": "value / router_value: accuracy retention (higher is better)",
+    "retention_lo": "95% lower bound of retention: delta method on the two values and their lm-eval stderrs, taken "
+                    "as independent (conservative: the same items are scored under both); the router's is 1",
+    "retention_hi": "95% upper bound of retention (delta method, as retention_lo); the router's is 1",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
+EVAL_COLUMNS = ("criterion", "fraction", "task", "metric", "value", "stderr", "value_lo", "value_hi", "router_value",
+                "retention", "retention_lo", "retention_hi")
 
 
 @dataclass(frozen=True)
@@ -70,9 +89,15 @@ class PruneOptions:
     batch_size: int = 8
     bootstrap: int = DEFAULT_BOOTSTRAP
     seed: int = 0  # the random criterion's permutations and the bootstrap
+    tasks: tuple[str, ...] | None = None  # lm-eval tasks run under every policy (None: perplexity only)
+    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
+    limit: int | None = None  # at most this many items per task (None: all)
+    include_path: str | None = None  # folder of extra lm-eval task YAMLs
 
     def __post_init__(self) -> None:
         check_n_boot(self.bootstrap)
+        if self.limit is not None and self.limit < 1:
+            raise MoetoolError(f"--limit must be at least 1, not {self.limit}")
         if not self.fractions or any(not 0.0 <= f < 1.0 for f in self.fractions):
             raise MoetoolError(f"--fractions must lie in [0, 1), not {list(self.fractions)}")
         bad = [c for c in self.criteria if c not in CRITERIA]
@@ -145,16 +170,20 @@ def removed_sets(importance: Any, layers: list[Any], criterion: str, fraction: f
     return out
 
 
-def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, quiet: bool = False,
+def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: Any = None, quiet: bool = False,
           **overrides: Any) -> Result:
     """Expert importance (frequency, router-weighted frequency, REAP saliency), perplexity against the fraction of
     experts removed per layer for each criterion and random, and single-expert ablations of the top experts by
     REAP. Tables ``prune_importance``, ``prune`` (one row per criterion and fraction, the router first),
-    ``prune_removed`` (the removed sets) and ``prune_ablation``; see :data:`DEFINITIONS`."""
+    ``prune_removed`` (the removed sets) and ``prune_ablation``; with ``tasks`` also ``prune_eval`` (lm-eval accuracy
+    and retention per criterion and fraction, the router first); see :data:`DEFINITIONS`. ``plan`` (from
+    :func:`moetool.experiments.lmeval.plan_tasks`) may be passed when the caller resolved the tasks already."""
     import pandas as pd
 
     opts = resolve_options(PruneOptions, options, overrides)
     tokens.require_tokens()
+    if plan is None and opts.tasks is not None:  # before any forward: an unknown task fails at once
+        plan = lmeval.plan_tasks(opts.tasks, opts.include_path)
     layers = select_layers(lm.layers, opts.layers)
     indices = [L.index for L in layers]
     for f in opts.fractions:  # before any forward: every layer keeps at least its K experts
@@ -169,8 +198,20 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, quiet: b
         return perplexity(lm, shard, policy=policy, policy_layers=policy_layers, consumers=consumers,
                           batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard), description=description)
 
+    hflm = lmeval.make_hflm(lm, opts.batch_size) if plan is not None else None
+
+    def evaluate(policy: Any) -> Any:
+        return lmeval.evaluate(lm, plan, policy=policy, policy_layers=indices, num_fewshot=opts.num_fewshot,
+                               limit=opts.limit, batch_size=opts.batch_size, seed=opts.seed, hflm=hflm, quiet=quiet)
+
+    def accuracy(criterion: str, fraction: float, name: str, res: Any) -> list[dict[str, Any]]:
+        return [{"criterion": criterion, "fraction": fraction, **{k: r[k] for k in EVAL_COLUMNS[2:9]},
+                 "retention": r["ratio"], "retention_lo": r["ratio_lo"], "retention_hi": r["ratio_hi"]}
+                for r in eval_rows(name, res, base_eval)]
+
     imp = Importance(indices)
     base = run(None, indices, "router + importance", (imp,))
+    base_eval = evaluate(build_policy("router")) if plan is not None else None
     imp.merge_across_ranks()
     importance = imp.table()
     nan = float("nan")
@@ -186,7 +227,8 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, quiet: b
 
     n_total = sum(L.n_experts for L in layers)
     table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **row(base)}]
-    removed_rows, done = [], {}
+    removed_rows, done, evals = [], {}, {}
+    eval_table = accuracy("router", 0.0, "router", base_eval) if plan is not None else []
     for criterion in opts.criteria:
         for f in opts.fractions:
             removed = removed_sets(importance, layers, criterion, f, opts.seed)
@@ -196,9 +238,13 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, quiet: b
                 for L in layers:
                     policy.check(L)
                 done[key] = run(policy, indices, policy.name)
+                if plan is not None:
+                    evals[key] = (policy.name, evaluate(policy))
             m = sum(len(v) for v in removed.values())
             table.append({"criterion": criterion, "fraction": f, "removed": m, "removed_frac": m / n_total,
                           **row(done[key])})
+            if plan is not None:
+                eval_table += accuracy(criterion, f, *evals[key])
             removed_rows += [{"criterion": criterion, "fraction": f, "layer": layer, "expert": e}
                              for layer, es in sorted(removed.items()) for e in es]
     ablation = []
@@ -217,11 +263,15 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, quiet: b
     removed_df = pd.DataFrame(removed_rows, columns=["criterion", "fraction", "layer", "expert"])
     summary = with_ci(df[["criterion", "fraction", "removed", "perplexity", "perplexity_lo", "perplexity_hi",
                           "ratio", "ratio_lo", "ratio_hi"]])
-    return Result("prune", {"prune_importance.csv": importance, "prune.csv": df, "prune_removed.csv": removed_df,
-                            "prune_ablation.csv": ablation_df}, opts,
-                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source),
-                            layers=indices, bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, base.rows.n_rows)),
-                  summary=summary)
+    tables = {"prune_importance.csv": importance, "prune.csv": df, "prune_removed.csv": removed_df,
+              "prune_ablation.csv": ablation_df}
+    meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
+                bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, base.rows.n_rows))
+    if plan is not None:
+        tables["prune_eval.csv"] = pd.DataFrame(eval_table, columns=list(EVAL_COLUMNS))
+        meta.update(eval=plan.describe(), n_samples={"router": base_eval.n_samples,
+                                                     **{n: r.n_samples for n, r in evals.values()}})
+    return Result("prune", tables, opts, meta=meta, summary=summary)
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
@@ -232,6 +282,14 @@ def summary_lines(name: str, res: Result) -> list[str]:
     for f, g in df[df.criterion != "router"].groupby("fraction"):
         out.append(f"  {f:g} of experts removed: " + ", ".join(f"{r.criterion} x{r.ratio:.2f}"
                                                                for r in g.itertuples()))
+    if "prune_eval.csv" in res.tables:  # lm-eval: each criterion's accuracy retention per task and fraction
+        ev = res["prune_eval"]
+        for (task, metric), g in ev[ev.criterion != "router"].groupby(["task", "metric"], sort=False):
+            if metric != "acc":
+                continue
+            b = float(g.router_value.iloc[0])
+            out.append(f"  {task} acc (router {b:.3f}) retention: " + ", ".join(
+                f"{r.criterion}@{r.fraction:g} x{r.retention:.2f}" for r in g.itertuples()))
     abl = res["prune_ablation"]
     if len(abl):
         worst = abl.loc[abl.delta_ppl.idxmax()]

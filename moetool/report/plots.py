@@ -561,8 +561,34 @@ def plot_prune(curve: Any, importance: Any, ablation: Any) -> dict[str, Any]:
     return out
 
 
+def plot_prune_accuracy(evals: Any, metric: str = "acc") -> Any:
+    """``prune_accuracy``: lm-eval accuracy retention (``metric`` / the router's) against the fraction of experts
+    removed per layer, one line per criterion (delta-method error bars), one panel per task; the router a star."""
+    from .figures import line_by, new_figure
+
+    rows = evals[evals.metric == metric]
+    tasks = list(dict.fromkeys(rows.task))
+    fig, axes = new_figure(ncols=max(1, len(tasks)), width=4.2)
+    for ax, task in zip(axes, tasks):
+        g = rows[rows.task == task]
+        sweep = g[g.criterion != "router"]
+        if len(sweep):
+            line_by(ax, sweep, "fraction", "retention", "criterion", title=task,
+                    yerr=("retention_lo", "retention_hi"), xlabel="fraction of each layer's experts removed",
+                    ylabel=f"{metric} / the model's")
+        router = g[g.criterion == "router"]
+        ax.scatter(router["fraction"], router["retention"], marker="*", s=90, color="black", zorder=10,
+                   label=f"the model ({metric} {float(router['value'].iloc[0]):.3f})" if len(router) else "the model")
+        ax.legend(fontsize=7)
+    return fig
+
+
 def prune_figures(result: Any) -> dict[str, Any]:
-    return plot_prune(result["prune.csv"], result["prune_importance.csv"], result["prune_ablation.csv"])
+    out = plot_prune(result["prune.csv"], result["prune_importance.csv"], result["prune_ablation.csv"])
+    evals = result.tables.get("prune_eval.csv")
+    if evals is not None and (evals.metric == "acc").any():
+        out["prune_accuracy"] = plot_prune_accuracy(evals)
+    return out
 
 
 # ----- super experts -------------------------------------------------------------------------
@@ -659,6 +685,10 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "prune_ablation": ("Perplexity relative to the model's own routing when one expert alone is removed, for the "
                        "experts with the largest REAP saliency; error bars: the paired bootstrap interval",
                        ("prune_ablation.csv",), ("ratio", "rank", "*_lo/*_hi")),
+    "prune_accuracy": ("lm-eval accuracy relative to the model's own routing (retention) against the fraction of "
+                       "each MoE layer's experts removed, one line per criterion, one panel per task; the star is "
+                       "the model; error bars: the delta-method interval on lm-eval's standard errors",
+                       ("prune_eval.csv",), ("fraction", "retention", "criterion", "retention_lo", "retention_hi")),
     "super_experts_heatmap": ("Largest |output| of each expert's down projection over the tokens routed to it and "
                               "its output dimensions (log scale; one row per MoE layer); the super experts boxed",
                               ("super_experts.csv",), ("max_abs_output", "is_super")),
