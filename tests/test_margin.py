@@ -199,3 +199,21 @@ def test_bad_policies_are_one_line(tiny, bad, msg):
     lm, tokens, _, _ = tiny
     with pytest.raises(MoetoolError, match=msg):
         margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=bad, quiet=True)
+
+
+def test_cli_policies_none_writes_no_jaccard_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    args = ["margin", "--max-tokens", "128", "--seq-len", "64", "--bootstrap", "0", "--eps", "0.05", "--quiet"]
+    r = CliRunner().invoke(app, [*args, "--policies", "none", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert not (tmp_path / "a" / "margin_jaccard.csv").exists()
+    r = CliRunner().invoke(app, [*args, "--policies", "router,topk:1", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+
+    jac = pd.read_csv(tmp_path / "b" / "margin_jaccard.csv")
+    assert set(jac.policy) == {"router", "topk:1"} and (jac[jac.policy == "router"].soft_jaccard == 1).all()
+    assert (tmp_path / "b" / "figures" / "margin_jaccard.png").exists()
