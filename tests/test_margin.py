@@ -131,3 +131,89 @@ def test_every_column_has_its_own_definition(tiny):
     assert "bootstrap" not in column_definition(defs, "margin_bins", "margin_lo")
     assert column_definition(defs, "margin", "frac_below_0.2") == "share of real tokens with margin < 0.2"
     assert "bin" in column_definition(defs, "margin_bins", "topk_flip")
+
+
+def test_the_router_against_itself_agrees_exactly(tiny):
+    lm, tokens, _, _ = tiny
+    res = margin(lm, tokens, eps=(0.0,), bootstrap=100, policies=("router",), batch_size=3, quiet=True)
+    jac = res["margin_jaccard"]
+    assert sorted(jac.layer) == [L.index for L in lm.layers] and (jac.policy == "router").all()
+    assert (jac[["soft_jaccard", "soft_jaccard_lo", "soft_jaccard_hi", "jaccard", "jaccard_lo", "jaccard_hi"]]
+            == 1.0).all().all()
+    assert "margin_jaccard" not in margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=(), quiet=True)
+
+
+def test_policy_jaccards_of_the_first_layer_by_hand(tiny):
+    """topp:0.5 (masked columns of weight 0: not chosen) and random (seeded per row), each by its own select on the
+    captured events of the first MoE layer; the router's weights renormalised over its chosen set."""
+    from moetool.policies import build_policy
+
+    lm, tokens, L, _ = tiny
+    specs = ("topp:0.5", "random")
+    pols = [build_policy(s, seed=5) for s in specs]
+    per = {s: [] for s in specs}
+
+    def grab(ev):
+        if ev.layer.index != L.index:
+            return
+        valid = ev.valid.reshape(-1)
+        r_idx, r_w = ev.idx[valid].tolist(), ev.weights[valid].double().tolist()
+        for s, p in zip(specs, pols):
+            p_idx, p_w = (x[valid] for x in p.select(ev))
+            for ri, rw, pi, pw in zip(r_idx, r_w, p_idx.tolist(), p_w.double().tolist()):
+                a, b = {}, {}
+                for e, x in zip(ri, rw):
+                    a[e] = a.get(e, 0.0) + x
+                for e, x in zip(pi, pw):
+                    b[e] = b.get(e, 0.0) + x
+                a = {e: x / sum(a.values()) for e, x in a.items() if x > 0}
+                b = {e: x / sum(b.values()) for e, x in b.items() if x > 0}
+                keys = set(a) | set(b)
+                soft = (sum(min(a.get(e, 0), b.get(e, 0)) for e in keys)
+                        / sum(max(a.get(e, 0), b.get(e, 0)) for e in keys))
+                per[s].append((soft, len(set(a) & set(b)) / len(keys)))
+
+    moetool.forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
+    res = margin(lm, tokens, eps=(0.0,), bootstrap=0, seed=5, policies=specs, batch_size=3, quiet=True)
+    jac = res["margin_jaccard"].set_index(["layer", "policy"])
+    for s in specs:
+        got = jac.loc[(L.index, s)]
+        want = np.array(per[s]).mean(0)
+        assert got["tokens"] == len(per[s])
+        assert got["soft_jaccard"] == pytest.approx(want[0], abs=1e-6)
+        assert got["jaccard"] == pytest.approx(want[1], abs=1e-6)  # fp32 per token
+        assert 0 < got["soft_jaccard"] < 1 and 0 < got["jaccard"] < 1  # the comparison bites
+    # topp:0.5 chooses fewer than its kmax columns: a masked expert counted as chosen would lower its jaccard
+    assert jac.loc[(L.index, "topp:0.5"), "jaccard"] > 0.5
+
+
+def test_top1_against_the_router_is_its_top1_weight(tiny):
+    lm, tokens, _, _ = tiny
+    jac = margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=("topk:1",), quiet=True)["margin_jaccard"]
+    assert (jac["jaccard"] == 1 / lm.layers[0].top_k).all()  # the top-1 is always in the top-K set
+
+
+@pytest.mark.parametrize("bad, msg", [(("attention",), "needs attention"), (("random", "random"), "twice"),
+                                      (("nope",), "nope")])
+def test_bad_policies_are_one_line(tiny, bad, msg):
+    lm, tokens, _, _ = tiny
+    with pytest.raises(MoetoolError, match=msg):
+        margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=bad, quiet=True)
+
+
+def test_cli_policies_none_writes_no_jaccard_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    args = ["margin", "--max-tokens", "128", "--seq-len", "64", "--bootstrap", "0", "--eps", "0.05", "--quiet"]
+    r = CliRunner().invoke(app, [*args, "--policies", "none", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert not (tmp_path / "a" / "margin_jaccard.csv").exists()
+    r = CliRunner().invoke(app, [*args, "--policies", "router,topk:1", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+
+    jac = pd.read_csv(tmp_path / "b" / "margin_jaccard.csv")
+    assert set(jac.policy) == {"router", "topk:1"} and (jac[jac.policy == "router"].soft_jaccard == 1).all()
+    assert (tmp_path / "b" / "figures" / "margin_jaccard.png").exists()

@@ -64,6 +64,19 @@ class Policy(Protocol):
 Consumer = Callable[[RoutingEvent], None]
 
 
+def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
+    """A policy refuses what it cannot do before any forward: ``check(layer)`` per MoE layer of ``layers`` it runs in
+    (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once."""
+    layers, policy_layers = list(layers), set(policy_layers)
+    check = getattr(policy, "check", None)
+    for L in layers:
+        if check is not None and L.index in policy_layers:
+            check(L)
+    check_layers = getattr(policy, "check_layers", None)
+    if check_layers is not None:
+        check_layers(sorted(policy_layers), sorted(L.index for L in layers))
+
+
 def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, *,
                   allow_empty: bool = False) -> list[MoELayer]:
     """The MoE layers whose decoder index is in ``wanted`` (``None`` = every MoE layer), in model order.
@@ -187,15 +200,8 @@ class Engine:
         """A policy refuses what it cannot do before any forward: ``check(layer)`` per layer it runs in (e.g. a
         top-k a sparsemixer router has no rounds for), ``check_layers(policy layers, MoE layers)`` once (e.g. a
         pruning set naming layers it does not run in)."""
-        if self.policy is None:
-            return
-        check = getattr(self.policy, "check", None)
-        for L in self.layers:
-            if check is not None and L.index in self.policy_layers:
-                check(L)
-        check_layers = getattr(self.policy, "check_layers", None)
-        if check_layers is not None:
-            check_layers(sorted(self.policy_layers), sorted(L.index for L in self.layers))
+        if self.policy is not None:
+            check_policy(self.policy, self.layers, self.policy_layers)
 
     def _attention_modules(self) -> dict[int, nn.Module]:
         """The self-attention module to read per hooked layer (the policy's layers), if attention is wanted."""

@@ -9,7 +9,10 @@ Per MoE layer, over the real tokens of the data with the model's own routing:
 * the flip rate under noise: the router input ``h`` perturbed as ``h + eps ||h|| z / sqrt(d)``, ``z ~ N(0, I)``
   drawn per packed row from a generator seeded by (seed, layer, row) (the same ``z`` for every eps), the
   layer's routing recomputed (``layer.route(layer.logits(h'))``) and compared with the same computation on ``h``:
-  the share of tokens whose top-K set changed and whose top-1 changed; per margin bin too.
+  the share of tokens whose top-K set changed and whose top-1 changed; per margin bin too;
+* the agreement with routing policies (``policies``: specs of :mod:`moetool.policies`): each policy's
+  ``select`` on the same routing event, as a side computation (the model still runs its own routing), against the
+  router's choice: the soft (weighted) Jaccard and the plain Jaccard of the chosen sets (:func:`jaccards`).
 
 Capture only: the forward itself is the model's (a consumer reads each routing event on the device, no host
 synchronisation). Intervals: document-level bootstrap over packed rows (:class:`~moetool.uncertainty.RowTable`).
@@ -18,15 +21,16 @@ synchronisation). Intervals: document-level bootstrap over packed rows (:class:`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 
 from .. import distributed, ops
-from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.hooks import RoutingEvent, check_policy, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..policies import build_policy
 from ..policies.basic import uniform_rows
 from ..sketch import QuantileSketch
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals
@@ -35,6 +39,8 @@ from .result import Result, resolve_options
 
 DEFAULT_EPS = (0.001, 0.01, 0.05, 0.1)
 DEFAULT_THRESHOLDS = (0.001, 0.01, 0.1)
+#: policies compared with the router by default (topk:<k> is refused by sparsemixer routers: not a default)
+DEFAULT_POLICIES = ("norm:gate", "random")
 QUANTILES = (0.05, 0.5, 0.95)
 #: margin sketch range: selection scores are probabilities, sigmoids or biased scores (fp32 gaps well inside)
 SKETCH_LO, SKETCH_HI = 1e-12, 1e4
@@ -64,6 +70,14 @@ DEFINITIONS = {
     "margin_bins.tokens": "real tokens of the layer whose margin falls in the bin",
     "margin_bins.topk_flip": "topk_flip among the tokens of the bin (NaN for an empty bin); no interval",
     "margin_bins.top1_flip": "top1_flip among the tokens of the bin (NaN for an empty bin); no interval",
+    "policy": "routing policy spec (moetool.policies) whose choice, computed on the same routing event as a side "
+              "computation (the model runs its own routing), is compared with the router's",
+    "soft_jaccard": "mean over real tokens of sum_e min(w_r[e], w_p[e]) / sum_e max(w_r[e], w_p[e]) over the n "
+                    "experts, w_r (router) and w_p (policy) each a token's weights over its chosen experts "
+                    "normalised to sum 1 (0 on the others); 1 = same experts with the same weights",
+    "jaccard": "mean over real tokens of |S_r ∩ S_p| / |S_r ∪ S_p|, S the experts a routing chose with non-zero "
+               "weight (a policy's masked or dropped columns carry 0)",
+    "margin_jaccard.tokens": "real tokens of the layer compared",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
 
@@ -82,9 +96,12 @@ class MarginOptions:
     batch_size: int = 8
     bootstrap: int = DEFAULT_BOOTSTRAP
     seed: int = 0
+    policies: tuple[str, ...] = DEFAULT_POLICIES  # routing policy specs compared with the router (() = none)
 
     def __post_init__(self) -> None:
         check_n_boot(self.bootstrap)
+        if len(set(self.policies)) != len(self.policies):
+            raise MoetoolError(f"--policies: a policy is named twice in {list(self.policies)}")
         if not self.eps or any(not (math.isfinite(e) and e >= 0) for e in self.eps):
             raise MoetoolError(f"--eps must be finite non-negative numbers, not {list(self.eps)}")
         if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
@@ -119,12 +136,42 @@ def flips(clean: tuple[torch.Tensor, torch.Tensor], noisy: tuple[torch.Tensor, t
     return ~ops.same_set(clean[0], noisy[0]), clean[1] != noisy[1]
 
 
+def weight_vectors(idx: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """``[T, n]`` fp32: each token's weights ``w [T, K]`` on its experts ``idx [T, K]``, normalised to sum 1 (0 on the
+    experts not chosen; an all-zero row stays 0)."""
+    dense = torch.zeros(idx.shape[0], n, dtype=torch.float32, device=idx.device)
+    return ops.normalize(dense.scatter_add_(1, idx.long(), w.float().to(idx.device)))
+
+
+def jaccards(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(soft [T], plain [T])`` fp32 between two :func:`weight_vectors`: ``sum min / sum max`` and
+    ``|A ∩ B| / |A ∪ B|`` of their supports (0 where both are empty)."""
+    tiny = torch.finfo(torch.float32).tiny
+    soft = torch.minimum(a, b).sum(-1) / torch.maximum(a, b).sum(-1).clamp_min(tiny)
+    sa, sb = a > 0, b > 0
+    plain = (sa & sb).sum(-1).float() / (sa | sb).sum(-1).clamp_min(1).float()
+    return soft, plain
+
+
+def make_policies(specs: Sequence[str], moe_layers: Sequence[Any], layers: Sequence[Any], seed: int) -> list[Any]:
+    """The policies of ``specs`` (seeded by ``seed``), each checked on ``layers`` (of the model's ``moe_layers``)
+    before any forward as the engine checks an override; one line for a policy that needs attention probabilities (margin does not capture them)."""
+    out = []
+    for spec in specs:
+        p = build_policy(spec, seed=seed)
+        if p.needs_attention:
+            raise MoetoolError(f"--policies: '{spec}' needs attention probabilities, which margin does not capture")
+        check_policy(p, moe_layers, {L.index for L in layers})
+        out.append(p)
+    return out
+
+
 class MarginCollector:
     """Forward consumer: margins (sketch, threshold counts), flips per eps (per-row sums for the bootstrap) and
     flips per margin bin, per MoE layer; device tensors only."""
 
-    def __init__(self, tokens: Any, layers: Sequence[Any], opts: MarginOptions):
-        self.opts, self.layers = opts, {L.index: L for L in layers}
+    def __init__(self, tokens: Any, layers: Sequence[Any], opts: MarginOptions, policies: Sequence[Any] = ()):
+        self.opts, self.layers, self.policies = opts, {L.index: L for L in layers}, list(policies)
         self.rows = RowTable(tokens)
         self.edges = torch.tensor(opts.thresholds, dtype=torch.float32)
         nb, E = len(opts.thresholds) + 1, len(opts.eps)
@@ -169,6 +216,14 @@ class MarginCollector:
         per = torch.cat([w.unsqueeze(-1), fl], -1)
         acc = self.bins[L.index] = self.bins[L.index].to(h.device)
         acc.index_add_(0, b, per)
+        if self.policies:
+            n = L.n_experts
+            mine = weight_vectors(ev.idx.reshape(-1, ev.idx.shape[-1]), ev.weights.reshape(-1, ev.weights.shape[-1]), n)
+            cols = []
+            for p in self.policies:  # on a copy: a policy's notes (scores, extra) stay off the shared event
+                pidx, pw = p.select(replace(ev, scores=None, extra={}))
+                cols += list(jaccards(mine, weight_vectors(pidx, pw, n)))
+            self.rows.add(f"{L.index}/jaccard", torch.stack(cols, -1).double() * w.unsqueeze(-1))
 
     def reduce_across_ranks(self) -> None:
         if distributed.world_size() <= 1:
@@ -183,7 +238,7 @@ class MarginCollector:
         import pandas as pd
 
         opts, nan = self.opts, float("nan")
-        margins, flip_rows, bin_rows = [], [], []
+        margins, flip_rows, bin_rows, jac_rows = [], [], [], []
         for i in sorted(self.layers):
             sk = self.sketch[i]
             tok = self.rows.table(f"{i}/tokens")
@@ -212,14 +267,23 @@ class MarginCollector:
                     bin_rows.append({"layer": i, "eps": eps, "margin_lo": edges[b], "margin_hi": edges[b + 1],
                                      "tokens": int(t), "topk_flip": acc[b, 1 + 2 * j] / t if t else nan,
                                      "top1_flip": acc[b, 2 + 2 * j] / t if t else nan})
-        return pd.DataFrame(margins), pd.DataFrame(flip_rows), pd.DataFrame(bin_rows)
+            if self.policies:
+                jac = self.rows.table(f"{i}/jaccard").reshape(tok.shape[0], -1)
+                ci = ratio_intervals(jac, tok, n_boot=opts.bootstrap, seed=opts.seed)
+                for j, spec in enumerate(opts.policies):
+                    soft, plain = ci[2 * j], ci[2 * j + 1]
+                    jac_rows.append({"layer": i, "policy": spec, "soft_jaccard": soft.value, "soft_jaccard_lo": soft.lo,
+                                     "soft_jaccard_hi": soft.hi, "jaccard": plain.value, "jaccard_lo": plain.lo,
+                                     "jaccard_hi": plain.hi, "tokens": int(n)})
+        return pd.DataFrame(margins), pd.DataFrame(flip_rows), pd.DataFrame(bin_rows), pd.DataFrame(jac_rows)
 
 
 def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet: bool = False,
            **overrides: Any) -> Result:
     """Routing margin and brittleness per MoE layer. Tables ``margin`` (margin mean, quantiles, shares below the
     thresholds), ``margin_flips`` (top-K and top-1 flip rates per eps with intervals) and ``margin_bins`` (flip
-    rates per margin bin); see :data:`DEFINITIONS`."""
+    rates per margin bin) and, with ``policies``, ``margin_jaccard`` (soft and plain Jaccard between the router and
+    each policy per layer, with intervals); see :data:`DEFINITIONS`."""
     opts = resolve_options(MarginOptions, options, overrides)
     tokens.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
@@ -227,16 +291,21 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
         if L.top_k >= L.n_experts:
             raise MoetoolError(f"layer {L.index}: routes all {L.n_experts} experts (K = n): no (K+1)-th score, "
                                "no margin")
+    policies = make_policies(opts.policies, lm.layers, layers, opts.seed)
     shard = distributed.shard(tokens, opts.batch_size)
-    col = MarginCollector(shard, layers, opts)
+    col = MarginCollector(shard, layers, opts, policies)
     forward(lm, shard, consumers=[col], moe_layers=layers, batch_size=opts.batch_size, before_batch=col.before_batch,
             quiet=quiet, description="margin")  # the forward all-reduces the collector (reduce_across_ranks)
-    df, fl, bins = col.tables()
+    df, fl, bins, jac = col.tables()
     summary = fl[["layer", "eps", "topk_flip", "top1_flip"]].merge(df[["layer", "margin_p50"]], on="layer")
-    return Result("margin", {"margin.csv": df, "margin_flips.csv": fl, "margin_bins.csv": bins}, opts,
+    tables = {"margin.csv": df, "margin_flips.csv": fl, "margin_bins.csv": bins}
+    if policies:
+        tables["margin_jaccard.csv"] = jac
+    return Result("margin", tables, opts,
                   meta=dict(definitions={**DEFINITIONS, **{_thr(t): f"share of real tokens with margin < {t:g}"
                                                          for t in opts.thresholds}}, data=tokens.describe(), data_name=data_name(tokens.source),
-                            layers=[L.index for L in layers], sketch_rel_error=col.sketch[layers[0].index].rel_error,
+                            layers=[L.index for L in layers], policies=[p.describe() for p in policies],
+                            sketch_rel_error=col.sketch[layers[0].index].rel_error,
                             bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, col.rows.n_rows)),
                   summary=summary)
 

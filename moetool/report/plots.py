@@ -492,8 +492,22 @@ def plot_margin(margins: Any, flips: Any) -> dict[str, Any]:
     return out
 
 
+def plot_margin_jaccard(jac: Any) -> dict[str, Any]:
+    """``margin_jaccard``: the soft Jaccard between the router and each policy by layer (bootstrap error bars)."""
+    from .figures import line_by, new_figure
+
+    fig, (ax,) = new_figure(width=5.0)
+    line_by(ax, jac, "layer", "soft_jaccard", "policy", title="soft Jaccard with the router by layer", marker="o",
+            yerr=("soft_jaccard_lo", "soft_jaccard_hi"), ylabel="soft Jaccard (mean over tokens)")
+    ax.set_ylim(0, 1.05)
+    return {"margin_jaccard": fig}
+
+
 def margin_figures(result: Any) -> dict[str, Any]:
-    return plot_margin(result["margin.csv"], result["margin_flips.csv"])
+    out = plot_margin(result["margin.csv"], result["margin_flips.csv"])
+    if "margin_jaccard.csv" in result.tables and len(result["margin_jaccard.csv"]):
+        out.update(plot_margin_jaccard(result["margin_jaccard.csv"]))
+    return out
 
 
 # ----- capacity -----------------------------------------------------------------------------
@@ -708,6 +722,11 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "margin_quantiles": ("Routing margin: 5th, 50th and 95th percentile over real tokens of the K-th minus the "
                          "(K+1)-th largest selection score, by MoE layer", ("margin.csv",),
                          ("margin", "margin_p05", "margin_p50", "margin_p95")),
+    "margin_jaccard": ("Soft Jaccard sum_e min(w_r, w_p) / sum_e max(w_r, w_p) between the router's weights and "
+                       "each routing policy's on the same tokens (each normalised to sum 1 over its chosen experts; "
+                       "the policy computed on the side, the model running its own routing), mean over real tokens "
+                       "by MoE layer, one line per policy; error bars: the bootstrap interval",
+                       ("margin_jaccard.csv",), ("policy", "soft_jaccard", "*_lo/*_hi")),
     "capacity_curve": ("Expert capacity C = ceil(cf · tokens · K / n) per batch and MoE layer: the share of the "
                        "model's assignments beyond capacity (left) and perplexity relative to the model's own "
                        "routing on the same rows with them dropped (right) against cf, one line per drop order; "
