@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import distributed
+from .. import distributed, ops
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import BACKOFF
 from ..errors import MoetoolError, MoetoolRuntimeError
@@ -91,9 +91,8 @@ class DropCounter:
         if dropped is None:  # a layer the policy does not act on
             return
         n, f64 = ev.layer.n_experts, torch.float64
-        live = ev.valid[:, None].expand_as(ev.idx).reshape(-1).to(f64)
         flat = ev.idx.reshape(-1).to(torch.int64)
-        new = {"load": torch.zeros(n, dtype=f64, device=flat.device).index_add_(0, flat, live),
+        new = {"load": ops.one_hot_counts(ev.idx, n, ev.valid),
                "dropped": torch.zeros(n, dtype=f64, device=flat.device).index_add_(0, flat,
                                                                                      dropped.reshape(-1).to(f64)),
                "capacity": ev.extra["capacity"].to(f64),

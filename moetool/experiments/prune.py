@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import distributed
+from .. import distributed, ops
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import DEFAULT_BUDGET, node_scores
 from ..errors import MoetoolError
@@ -129,7 +129,7 @@ class Importance:
         flat = idx.reshape(-1)
         zero = torch.zeros(n, dtype=torch.float64, device=idx.device)
         step = {"tokens": ev.valid.double().sum().reshape(1),
-                "frequency": zero.index_add(0, flat, valid.reshape(-1)),
+                "frequency": ops.one_hot_counts(idx, n, ev.valid),
                 "weighted": zero.index_add(0, flat, w.reshape(-1)),
                 "reap_sum": zero.index_add(0, flat, (w * norms.gather(-1, idx).double()).reshape(-1))}
         prev = self.acc.get(L.index)
