@@ -79,6 +79,11 @@ ALIASES: dict[str, str] = {
     "glm-5.3-flash": "zai-org/GLM-5.3-Flash",  # glm5_next
     "hy4": "tencent/Hy4-preview",  # hy_v4
     "inkling-2-small": "thinkingmachines/Inkling-2-Small-MXFP8",  # inkling2
+    "hy4-vl": "tencent/Hy4",  # hy_v4_vl
+    "inkling-2-mini": "thinkingmachines/Inkling-2-Mini",  # inkling2_loop
+    "lara-4-mini": "translated/Lara-4-Mini-Base",  # lara_mini
+    "sarvam-105b": "sarvamai/sarvam-105b",  # sarvam_mla
+    "sarvam-30b": "sarvamai/sarvam-30b",  # sarvam_moe
     "minimax-text-01": "MiniMaxAI/MiniMax-Text-01-hf",  # minimax
     "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it",  # gemma4
 }

@@ -25,7 +25,7 @@ from moetool.policies import make_policy
 EXPECTED_RULE = {
     **dict.fromkeys(["mixtral", "minimax", "ernie4_5_moe", "hunyuan_v1_moe", "mellum", "mistral4", "mistral_large4",
                      "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_vl_moe",
-                     "qwen4_exp", "qwen4_exp_text"], "softmax-topk-renorm"),
+                     "qwen4_exp", "qwen4_exp_text", "lara_mini"], "softmax-topk-renorm"),
     **dict.fromkeys(["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_ocr2", "unlimited_ocr", "flex_olmo",
                      "jamba"], "softmax-topk"),
     **dict.fromkeys(["gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "cohere2_moe",
@@ -33,7 +33,8 @@ EXPECTED_RULE = {
     **dict.fromkeys(["deepseek_v3", "afmoe", "axk2", "bailing_hybrid", "deepseek_v32", "dots3_note", "dots3_note_text",
                      "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa", "hy_v3", "kimi_k25",
                      "kimi_linear", "laguna", "lfm2_moe", "mimo_v2_flash", "minimax_m2", "solar_open", "step3p7", "nemotron_h", "nemotron_h_omni",
-                     "glm5_next", "hy_v4", "inkling2", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text"],
+                     "glm5_next", "hy_v4", "hy_v4_vl", "inkling2", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text",
+                     "inkling2_loop", "inkling2_loop_text", "sarvam_mla", "sarvam_moe"],
                    "sigmoid-topk-renorm"),
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",

@@ -1,4 +1,4 @@
-"""Inkling-2 (``inkling2`` and its text decoder ``inkling2_text``): sigmoid routing, softcapped SwiGLU experts.
+"""Inkling-2 (``inkling2``, ``inkling2_loop`` and their text decoders ``*_text``): sigmoid routing, softcapped SwiGLU experts.
 
 * Router ``mlp.gate`` (``Inkling2TopKRouter``, fp32): ``scoring_func`` (sigmoid) scores, top-K of score +
   correction bias, weights = chosen scores / (sum + 1e-20) x ``routed_scaling_factor`` (identified at load by
