@@ -36,6 +36,11 @@ Examples:
   moetool norm-select --max-tokens 4096
   moetool norm-select --nodes gate,output --norm l1,l2 --tasks moetool_code,moetool_prose --limit 60
   moetool norm-select --model mixtral-8x7b --tasks mmlu,arc_challenge --num-fewshot 5 --device-map auto
+  moetool norm-select --prune random:0.25     # on a model with a quarter of each layer's experts removed
+
+--prune <criterion>:<fraction>[:<csv>]: every row is on the pruned model: "router" is the model's router
+among the kept experts, each norm policy picks the K largest norms among them, agreement is with the
+pruned router (criteria and files as the prune: policy, see `moetool prune --help`).
 """
 
 
@@ -51,7 +56,13 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
                 force: Force = False, resume: Resume = False, seed: Seed = 0,
-                bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, quiet: Quiet = False) -> None:
+                bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+                prune: Optional[str] = typer.Option(None, "--prune", help="Run on the pruned model: "
+                                                    "<criterion>:<fraction>[:<prune_importance.csv>] or "
+                                                    "file:<removed.json|csv> (as the prune: policy; see moetool "
+                                                    "prune). The router baseline routes among the kept experts and "
+                                                    "every norm policy chooses among them."),
+                quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments import norm_select as ns
     from moetool.experiments.lmeval import plan_tasks
@@ -64,8 +75,10 @@ def norm_select(model: Model = DEFAULT_MODEL,
                                 tasks=tuple(parse_list(tasks, str, "task")) if tasks is not None else None,
                                 num_fewshot=num_fewshot, limit=limit,
                                 include_path=str(include_path) if include_path else None, batch_size=batch_size,
-                                seed=seed, bootstrap=bootstrap)
+                                seed=seed, bootstrap=bootstrap, prune=prune)
     build_policy(opts.specs()[-1], weights, seed)  # a bad --weights fails before anything is loaded
+    if opts.prune is not None:
+        build_policy(opts.prune, weights, seed)  # a bad --prune (spec, file) too
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
     started = start_run("norm-select", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
@@ -73,7 +86,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
     run, lm, tokens = started
     res = ns.norm_select(lm, tokens, opts, plan=plan, quiet=quiet, units=started.units)
     started.write(res)
-    print_table(with_ci(res.summary), title=f"norm-select on {model} (weights {weights}; ± = 95% interval)")
+    on = f"{model} pruned by {opts.prune}" if opts.prune else model
+    print_table(with_ci(res.summary), title=f"norm-select on {on} (weights {weights}; ± = 95% interval)")
     if "aoe_table1.csv" in res.tables:
         title, table = console_layout(res["aoe_table1"])
         print_table(table, title=title, csv="aoe_table1.csv")

@@ -346,3 +346,77 @@ def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypa
     assert t.loc["best node", "mmlu retention measured"] == pytest.approx(100 * 0.6666 / 0.7035)
     table = text.split("Table 1: paper beside measured")[1]
     assert "paper" in table and "Δ" in table and "62.12" in table  # the paper's router ARC-C accuracy
+
+
+def test_norm_select_on_a_pruned_model(tmp_path):
+    """--prune: 'router' is the pruned router (its perplexity is ppl --routing prune:...), each norm policy takes
+    the K largest hand-computed norms among the kept experts, agreement is with the pruned router's choice, and
+    pruning nothing (random:0) gives the unpruned tables exactly."""
+    import json
+
+    import pandas as pd
+
+    from moetool.experiments.ppl import perplexity
+
+    lm, tokens = _LM("mixtral"), _tokens()
+    removed = {L.index: [0, 3, 5] for L in lm.layers}
+    path = tmp_path / "removed.json"
+    path.write_text(json.dumps(removed))
+    res = ns.norm_select(lm, tokens, nodes=("gate", "glu"), prune=f"file:{path}", batch_size=2, bootstrap=0,
+                         quiet=True)
+    q = res["quality"].set_index("policy")
+    assert list(q.index) == ["router", "norm:gate:l2", "norm:glu:l2"]
+    pruned_router = perplexity(lm, tokens, policy=make_policy(f"prune:file:{path}"), batch_size=2, quiet=True)
+    plain_router = perplexity(lm, tokens, policy=make_policy("router"), batch_size=2, quiet=True)
+    assert q.loc["router", "value"] == pytest.approx(pruned_router.perplexity, rel=1e-12)
+    assert abs(q.loc["router", "value"] - plain_router.perplexity) > 1e-3  # pruning changed the model
+    assert res.meta["pruned"]["removed"] == {str(k): v for k, v in removed.items()}
+    a = res["agreement"]
+    assert (a[a.policy == "router"].topk_overlap == 1.0).all() and (a[a.policy == "router"].top1_agree == 1.0).all()
+
+    # the norm policy on the pruned model against the hand computation from raw weights
+    prune = make_policy(f"prune:file:{path}")
+    pol = make_policy("norm:gate:l2")
+    pol.among = prune
+    _, events, _ = run(lm.model, lm.layers, padded_batch(), policy=pol)
+    for L in lm.layers:
+        ev = events[L.index]
+        assert not torch.isin(ev.chosen_idx, torch.tensor(removed[L.index])).any()
+        _, _, norms = hand_choice("mixtral", L, ev.h, "gate", "l2", "softmax")
+        norms[:, removed[L.index]] = -math.inf
+        gap = norms.sort(-1, descending=True).values
+        idx = torch.argsort(norms, dim=-1, descending=True)[:, :2]
+        clear = (gap[:, 1] - gap[:, 2]) > 1e-4
+        assert clear.float().mean() > 0.8 and torch.equal(ev.chosen_idx[clear], idx[clear])
+
+    # agreement with the pruned router's choice, by hand from the logits the policy's run saw
+    evs = []
+    perplexity(lm, tokens, policy=pol, consumers=[evs.append], batch_size=2, quiet=True)
+    sums: dict[int, list[float]] = {}
+    for ev in evs:
+        logits = ev.logits.float().clone()
+        logits[:, removed[ev.layer.index]] = -math.inf
+        ref = torch.topk(logits, 2, dim=-1).indices  # Mixtral: the top-K of the logits among the kept
+        v = ev.valid
+        ov = (ev.chosen_idx.unsqueeze(-1) == ref.unsqueeze(-2)).any(-1).sum(-1).double() / 2
+        t1 = (ev.chosen_idx[:, 0] == ref[:, 0]).double()
+        s = sums.setdefault(ev.layer.index, [0.0, 0.0, 0.0])
+        s[0] += float(ov[v].sum()); s[1] += float(t1[v].sum()); s[2] += float(v.sum())
+    for r in a[a.policy == "norm:gate:l2"].itertuples():
+        ov, t1, n = sums[r.layer]
+        assert r.tokens == n and r.topk_overlap == pytest.approx(ov / n, abs=1e-12)
+        assert r.top1_agree == pytest.approx(t1 / n, abs=1e-12)
+
+    # pruning nothing is the unpruned sweep, number for number
+    zero = ns.norm_select(lm, tokens, nodes=("gate", "glu"), prune="random:0", batch_size=2, bootstrap=0, quiet=True)
+    plain = ns.norm_select(lm, tokens, nodes=("gate", "glu"), batch_size=2, bootstrap=0, quiet=True)
+    for t in ("agreement", "quality"):
+        pd.testing.assert_frame_equal(zero[t].drop(columns="seconds", errors="ignore"),
+                                      plain[t].drop(columns="seconds", errors="ignore"))
+
+
+def test_norm_select_prune_flag_is_one_line(tmp_path):
+    out = CliRunner().invoke(app, ["norm-select", "--prune", "frequency:0.5", "--max-tokens", "64", "-q",
+                                   "--out", str(tmp_path / "r")])
+    assert out.exit_code == 2, out.output
+    assert "importance" in out.output and len(out.output.strip().splitlines()) == 1

@@ -48,6 +48,9 @@ DEFINITIONS = {
     "stderr": "lm-eval's standard error of an lm-eval metric (as in eval.csv); empty for perplexity, whose "
               "interval is the bootstrap's (value_lo/value_hi)",
     "agreement_layers": "only the layers the policy replaced (--layers) appear in agreement.csv",
+    "pruned": "with --prune: every row is on the pruned model — 'router' is the model's router among the kept "
+              "experts (removed experts' scores -inf before its top-K, weights as its rule gives them), each norm "
+              "policy takes the K largest norms among the kept experts, and agreement is with the pruned router",
     "*_lo/*_hi": "95% intervals. Agreement and perplexity: document-level bootstrap over packed rows "
                  "(percentile, --bootstrap replicates, seeded; a perplexity ratio is paired: one row weight applies "
                  "to the policy and the router run). lm-eval metrics: value ± 1.96 lm-eval stderr; retention: "
@@ -92,20 +95,26 @@ def sweep_specs(nodes: Iterable[str], norms: Iterable[str] = ("l2",)) -> list[st
 class AgreementMeter:
     """Consumer: per layer, on-device sums of |chosen ∩ router|/K, top-1 agreement and real tokens."""
 
-    def __init__(self, layers: Iterable[int] | None = None, rows: Any = None):
+    def __init__(self, layers: Iterable[int] | None = None, rows: Any = None, reference: Any = None,
+                 same: bool = False):
         self.layers = None if layers is None else set(layers)
         self.sums: dict[int, torch.Tensor] = {}  # layer -> [3] float64: overlap/K, top1, tokens
         self.rows = rows  # uncertainty.RowTable: the same three sums per packed row ("agree<layer>") for intervals
+        # the router's choice: the model's own (ev.idx), or ``reference.select(ev)`` (the pruned router); ``same``:
+        # the measured policy is that reference
+        self.reference, self.same = reference, same
 
     def __call__(self, ev: RoutingEvent) -> None:
         if self.layers is not None and ev.layer.index not in self.layers:
             return
-        ref_top1 = ops.best_of(ev.idx, ev.layer.selection_scores(ev.logits))  # [T]
-        pol_top1 = ref_top1 if ev.chosen_idx is ev.idx else ev.chosen_idx[:, 0]  # [T]
+        ref = ev.idx if self.reference is None else self.reference.select(ev)[0]  # [T, K]
+        ref_top1 = ops.best_of(ref, ev.layer.selection_scores(ev.logits))  # [T]
+        same = self.same or (self.reference is None and ev.chosen_idx is ev.idx)
+        pol_top1 = ref_top1 if same else ev.chosen_idx[:, 0]  # [T]
         v = ev.valid  # [T]
-        K = ev.idx.shape[-1]
+        K = ref.shape[-1]
         # padding weighted out, not indexed out: no host sync inside the forward
-        per_token = torch.stack([ops.overlap_count(ev.chosen_idx, ev.idx).double() / K * v,
+        per_token = torch.stack([ops.overlap_count(ev.chosen_idx, ref).double() / K * v,
                                  ((pol_top1 == ref_top1) & v).double(), v.double()], -1)  # [T, 3]
         s = per_token.sum(0)  # [3]
         key = ev.layer.index
@@ -206,14 +215,17 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
 def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "heldout",
                     policy_layers: Iterable[int] | None = None, batch_size: int = 8, plan: Any = None,
                     num_fewshot: int | None = None, limit: int | None = None, seed: int = 0,
-                    quiet: bool = False, bootstrap: int = 0, units: Any = None) -> NormSelectResult:
+                    quiet: bool = False, bootstrap: int = 0, units: Any = None,
+                    pruned: Any = None) -> NormSelectResult:
     """Run every policy (the first must be ``router``, the baseline of the ratios). ``bootstrap``: replicates for
     the intervals of agreement and perplexity (per-row sums are kept whenever > 0). ``units``
     (:class:`moetool.checkpoints.Units`): each finished policy is saved there, and one saved before an
-    interruption is taken from there instead of being run again (``--resume``)."""
+    interruption is taken from there instead of being run again (``--resume``). ``pruned`` (a
+    :class:`moetool.policies.prune.PrunePolicy`): the model is pruned — the ``router`` baseline is the pruned router
+    (``policies[0]`` is that policy) and agreement is measured against its choice."""
     import pandas as pd
 
-    if not policies or policies[0].name != "router":
+    if not policies or (policies[0].name != "router" and policies[0] is not pruned):
         raise MoetoolError("the sweep must start with the 'router' baseline")
     layers = None if policy_layers is None else sorted(policy_layers)
     hflm = lmeval.make_hflm(lm, batch_size) if plan is not None else None
@@ -228,24 +240,25 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     ppl, evals, agree, overall = {}, {}, [], []
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (RowTable's global row ids)
     for p in policies:
-        done = units.load(p.name) if units is not None else None
+        name = "router" if p is pruned else p.name  # the pruned model's router is its router
+        done = units.load(name) if units is not None else None
         if done is None:
             rows = RowTable(shard) if bootstrap else None
-            meter = AgreementMeter(layers, rows=rows)
+            meter = AgreementMeter(layers, rows=rows, reference=pruned, same=p is pruned)
             run = perplexity(lm, shard, policy=p, policy_layers=layers, consumers=[meter], batch_size=batch_size,
-                             quiet=quiet, description=f"ppl {p.name}", rows=rows)
-            done = {"ppl": run, "agree": meter.frame(p.name, n_boot=bootstrap, seed=seed),
-                    "overall": meter.overall(p.name, n_boot=bootstrap, seed=seed)}
+                             quiet=quiet, description=f"ppl {name}", rows=rows)
+            done = {"ppl": run, "agree": meter.frame(name, n_boot=bootstrap, seed=seed),
+                    "overall": meter.overall(name, n_boot=bootstrap, seed=seed)}
             if plan is not None:
                 done["eval"] = lmeval.evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
                                         limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
             if units is not None:
-                units.save(p.name, done)
-        ppl[p.name] = done["ppl"]
+                units.save(name, done)
+        ppl[name] = done["ppl"]
         agree.append(done["agree"])
         overall.append(done["overall"])
         if "eval" in done:
-            evals[p.name] = done["eval"]
+            evals[name] = done["eval"]
     return NormSelectResult(pd.concat(agree, ignore_index=True),
                             quality_frame(ppl, evals, data, n_boot=bootstrap, seed=seed), evals,
                             pd.DataFrame(overall))
@@ -306,9 +319,12 @@ class NormSelectOptions:
     batch_size: int = 8
     seed: int = 0
     bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    prune: str | None = None  # run on the pruned model: a prune:<criterion>:<fraction>[:<csv>] policy spec
 
     def __post_init__(self) -> None:
         check_n_boot(self.bootstrap)
+        if self.prune is not None and not self.prune.startswith("prune:"):
+            object.__setattr__(self, "prune", "prune:" + self.prune)
 
     def specs(self) -> list[str]:
         return sweep_specs(self.nodes, self.norms)
@@ -329,12 +345,21 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     opts = resolve_options(NormSelectOptions, options, overrides)
     specs = opts.specs()
     policies = [build_policy(s, opts.weights, opts.seed) for s in specs]
+    pruned = None
+    if opts.prune is not None:  # the router baseline is the pruned router; the norm policies choose among the kept
+        pruned = build_policy(opts.prune, opts.weights, opts.seed)
+        if pruned.name.partition(":")[0] != "prune":
+            raise MoetoolError(f"--prune takes a prune policy (prune:<criterion>:<fraction>[:<csv>]), not "
+                               f"'{opts.prune}'")
+        policies = [pruned] + policies[1:]
+        for p in policies[1:]:
+            p.among = pruned
     if plan is None and opts.tasks is not None:
         plan = lmeval.plan_tasks(opts.tasks, opts.include_path)
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     res = run_norm_select(lm, tokens, policies, data=data_name(tokens.source), policy_layers=layers,
                           batch_size=opts.batch_size, plan=plan, num_fewshot=opts.num_fewshot, limit=opts.limit,
-                          seed=opts.seed, quiet=quiet, bootstrap=opts.bootstrap, units=units)
+                          seed=opts.seed, quiet=quiet, bootstrap=opts.bootstrap, units=units, pruned=pruned)
     asked = plan.names if plan else None
     summary = table1(res.agreement, res.quality, tasks=asked, overall=res.overall)
     tables = {"agreement.csv": res.agreement, "quality.csv": res.quality}
@@ -345,6 +370,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
         tables["aoe_table1.csv"] = aoe_table1(summary, lm.name, tasks=laid)
     return Result("norm_select", tables, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights=opts.weights,
+                            pruned=None if pruned is None else pruned.describe(),
                             eval=plan.describe() if plan else None,
                             n_samples={k: v.n_samples for k, v in res.evals.items()},
                             bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, tokens.input_ids.shape[0])),
@@ -353,7 +379,8 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
 
 def summary_lines(name: str, res: Any) -> list[str]:
     """One line per policy of the Table-1-shaped summary (``res.summary``)."""
-    lines = []
+    pruned = res.meta.get("pruned")
+    lines = [f"on the model pruned by {pruned['name']}"] if pruned else []
     for r in res.summary.to_dict("records"):
         name = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
         accs = "".join(f", {k[:-4]} acc {v:.2f} (x{r[k[:-4] + ' retention']:.2f})"

@@ -6,6 +6,10 @@ norms (AoE Algorithm 1, default), ``router`` (the model's probabilities of the c
 renormalised as the model does), ``uniform`` (1/K). ``softmax`` and ``uniform`` weights are
 multiplied by the layer's ``weight_scale`` (DeepSeek's ``routed_scaling_factor``; 1 elsewhere) so the
 routed output keeps the model's scale.
+
+``among`` (a :class:`moetool.policies.prune.PrunePolicy`): the policy on a pruned model — it chooses the K largest
+norms among the experts the pruning keeps (``norm-select --prune``). ``router`` weights of a kept set are the
+model's own for that set: the pruned router gives its chosen experts the same weights.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ WEIGHTS = ("softmax", "router", "uniform")
 class NormPolicy(Policy):
     """``norm:<node>[:<norm>]`` with ``weights`` softmax | router | uniform."""
 
-    def __init__(self, node: str = "gate", norm: str = "l2", weights: str = "softmax"):
+    def __init__(self, node: str = "gate", norm: str = "l2", weights: str = "softmax", among: Any = None):
         if node not in NODES:
             raise ValueError(f"unknown node '{node}' (choose from {', '.join(NODES)})")
         if norm not in ops.NORMS:
             raise ValueError(f"unknown norm '{norm}' (choose from {', '.join(ops.NORMS)})")
         if weights not in WEIGHTS:
             raise ValueError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
-        self.node, self.norm, self.weights = node, norm, weights
+        self.node, self.norm, self.weights, self.among = node, norm, weights, among
         self.name = f"norm:{node}:{norm}"
 
     @classmethod
@@ -47,6 +51,8 @@ class NormPolicy(Policy):
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
+        if self.among is not None:  # removed experts are never chosen
+            s = s.masked_fill(~self.among.keep(ev.layer, s.device), float("-inf"))
         idx = ops.topk(s, ev.layer.top_k)  # [T, K]
         if self.weights == "router":
             return idx, ev.layer.weights_for(ev.logits, idx)
@@ -55,3 +61,16 @@ class NormPolicy(Policy):
         else:
             w = torch.full(idx.shape, 1.0 / idx.shape[-1], device=idx.device)
         return idx, w * ev.layer.weight_scale
+
+    def check(self, layer: Any) -> None:
+        """On a pruned model: the pruning's own check (one line before any forward)."""
+        if self.among is not None:
+            self.among.check(layer)
+
+    def check_layers(self, policy_layers: list[int], moe_layers: list[int]) -> None:
+        if self.among is not None:
+            self.among.check_layers(policy_layers, moe_layers)
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        return out if self.among is None else {**out, "among": self.among.describe()}
