@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, SeqLen, finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
 
 HELP = """Expert-parallel placement what-if: per-GPU load imbalance under the model's measured expert loads.
 
@@ -53,7 +53,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                   "computed from."),
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
               dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
-              quiet: Quiet = False) -> None:
+              seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
@@ -61,7 +61,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
 
     opts = PlacementOptions(gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
                             extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
-                            layers=parse_layers(layers), batch_size=batch_size)
+                            layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap, seed=seed)
     if reference_data is not None:
         DocumentStream(reference_data)  # a missing file fails before the run folder exists
     if reference_model is not None:  # configs and vocabularies must agree, before any weight loads

@@ -205,3 +205,56 @@ def test_default_groups_are_the_routing_groups(tiny_model, model_type, groups):
     from moetool.experiments.placement import model_groups
 
     assert model_groups(find_moe_layers(tiny_model(model_type))[0]) == groups
+
+
+def test_imbalance_intervals_by_hand(tiny_placement):
+    """The imbalance intervals: per-row loads counted by hand from the routing events, resampled with the same
+    row weights, each static layout's imbalance summed by hand per replicate, BCa as moetool.uncertainty; the
+    value lies inside, and the overall interval is the one of Σ max / Σ mean."""
+    import numpy as np
+
+    import moetool
+    from moetool.uncertainty import bca, bootstrap_weights
+
+    lm, tokens, res = tiny_placement
+    n, S = lm.layers[0].n_experts, tokens.input_ids.shape[1]
+    layer_ids = [L.index for L in lm.layers]
+    rows = tokens.input_ids.shape[0]
+    per_row = {li: np.zeros((rows, n)) for li in layer_ids}
+    start = [0]
+
+    def count(ev):
+        idx, valid = ev.idx.tolist(), ev.valid.tolist()
+        for t, (experts, ok) in enumerate(zip(idx, valid)):
+            if ok:
+                for e in experts:
+                    per_row[ev.layer.index][start[0] + t // S, e] += 1
+
+    with moetool.hook(lm, consumers=[count]):
+        with torch.no_grad():
+            for b in tokens.batches(8):
+                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                start[0] += b.input_ids.shape[0]
+    w = bootstrap_weights(rows, 1000, 0)
+    df, overall = res["placement"], res["placement_overall"].set_index(["gpus", "replicas", "method"])
+    for G, method, gpu_of in ((2, "contiguous", lambda e: e * G // n), (4, "round_robin", lambda e: e % G)):
+        onehot = np.array([[1.0 if gpu_of(e) == g else 0.0 for g in range(G)] for e in range(n)])  # [n, G]
+
+        def stat(loads):  # loads [..., L, n] -> per-layer imbalance [..., L] and overall [...]
+            gpu = loads @ onehot
+            mx, mean = gpu.max(-1), gpu.mean(-1)
+            return np.concatenate([mx / mean, (mx.sum(-1) / mean.sum(-1))[..., None]], -1)
+
+        sums = np.stack([per_row[li] for li in layer_ids], 1)  # [rows, L, n]
+        value = stat(sums.sum(0))
+        reps = stat(np.einsum("br,rln->bln", w, sums))
+        jack = stat(sums.sum(0) - sums)
+        lo, hi = bca(reps, value, jack)
+        got = df[(df.gpus == G) & (df.method == method)].set_index("layer").loc[layer_ids]
+        assert np.allclose(got.imbalance, value[:-1], rtol=1e-12)
+        assert np.allclose(got.imbalance_lo, lo[:-1], rtol=1e-9) and np.allclose(got.imbalance_hi, hi[:-1], rtol=1e-9)
+        o = overall.loc[(G, 0, method)]
+        assert o.imbalance == pytest.approx(value[-1], rel=1e-12)
+        assert o.imbalance_lo == pytest.approx(lo[-1], rel=1e-9) and o.imbalance_hi == pytest.approx(hi[-1], rel=1e-9)
+        assert (got.imbalance_lo <= got.imbalance).all() and (got.imbalance <= got.imbalance_hi).all()
+        assert (got.imbalance_hi > got.imbalance_lo).all()  # the data do vary

@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from .. import distributed
-from ..engine.hooks import select_layers
+from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, sum_intervals,
+                           with_ci)
 from .ppl import data_name
 from .result import Result, resolve_options
 from .specialization import LoadBalance
@@ -50,6 +52,11 @@ DEFINITIONS = {
     "imbalance": "max over GPUs of the GPU load / mean GPU load (1 = balanced); placement_overall.csv: sum over "
                  "layers of the max / sum of the mean (the time of the layers, each waiting for its busiest GPU, "
                  "over the balanced time; every layer routes the same tokens, so also the mean over layers)",
+    "imbalance_lo/imbalance_hi": "95% interval of the imbalance: document-level bootstrap over the packed rows of "
+                                 "--data (--bootstrap replicates, seeded; BCa, as a max is biased under "
+                                 "resampling), each placement held fixed — computed once from the full loads "
+                                 "(eplb: in-sample; eplb_stale: from the reference) — and evaluated on every "
+                                 "resample's loads; NaN with --bootstrap 0",
     "max_gpu_load/min_gpu_load": "the busiest / least busy GPU's load: routed token assignments, an expert with c "
                                  "replicas giving each replica load / c (tokens split evenly over replicas, "
                                  "EPLB's assumption)",
@@ -77,8 +84,11 @@ class PlacementOptions:
     groups: int | None = None  # expert groups for EPLB (None: the model's routing groups, n_group, else 1)
     layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
     batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap of the imbalances (0 = none)
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
         if self.gpus is not None and (not self.gpus or min(self.gpus) < 1):
             raise MoetoolError(f"--gpus must be positive integers, not {list(self.gpus)}")
         if not self.extra_slots or min(self.extra_slots) < 0:
@@ -210,11 +220,11 @@ def static_placement(L: int, n: int, gpus: int, method: str) -> tuple[torch.Tens
 
 
 def gpu_loads(load: torch.Tensor, phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> torch.Tensor:
-    """Per-GPU load ``[L, G]`` of a placement (slot s on GPU ``s // (P / G)``) under ``load [L, n]``: each replica
-    of expert e carries ``load[e] / count[e]``."""
+    """Per-GPU load ``[..., L, G]`` of a placement (slot s on GPU ``s // (P / G)``) under ``load [..., L, n]``: each
+    replica of expert e carries ``load[e] / count[e]``."""
     L, P = phy2log.shape
-    share = (load.double() / count).gather(-1, phy2log)  # [L, P]
-    return share.view(L, gpus, P // gpus).sum(-1)
+    share = (load.double() / count).gather(-1, phy2log.expand(*load.shape[:-1], P))  # [..., L, P]
+    return share.view(*load.shape[:-1], gpus, P // gpus).sum(-1)
 
 
 def imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
@@ -222,19 +232,58 @@ def imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
     return per_gpu.max(-1).values / per_gpu.mean(-1)
 
 
+def imbalance_statistic(phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> Any:
+    """``statistic(loads [..., L * n]) -> [..., L + 1]`` for :func:`moetool.uncertainty.sum_intervals`: the
+    per-layer imbalance of the fixed placement ``(phy2log, count)`` under summed loads, then the overall one (sum
+    over layers of the max / sum of the mean), vectorised over the bootstrap replicates."""
+    L = phy2log.shape[0]
+
+    def statistic(s: np.ndarray) -> np.ndarray:
+        lead = s.shape[:-1]
+        flat = torch.from_numpy(np.ascontiguousarray(s)).reshape(-1, L, s.shape[-1] // L)  # [b, L, n]
+        per_gpu = gpu_loads(flat, phy2log, count, gpus)  # [b, L, G]
+        mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [b, L]
+        out = torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1)  # [b, L + 1]
+        return out.reshape(*lead, L + 1).numpy()
+
+    return statistic
+
+
 # ----- the experiment ---------------------------------------------------------------------------------------
-def expert_loads(lm: Any, tokens: Any, layers: list[Any], batch_size: int, quiet: bool, description: str
-                 ) -> tuple[torch.Tensor, int]:
-    """``(loads [layers, n] float64, real tokens)``: the model's own top-K assignments per (layer, expert), counted
-    on the device in one forward (summed over data-parallel ranks)."""
+class RowLoads:
+    """Consumer: per packed row, the top-K assignment counts of every hooked layer (``rows`` names "load<layer>",
+    ``[rows, n]``): the bootstrap's per-document loads."""
+
+    def __init__(self, rows: RowTable) -> None:
+        self.rows = rows
+
+    def begin_batch(self, batch: Any) -> None:
+        self.rows.next_batch(batch)
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        self.rows.add_counts(f"load{ev.layer.index}", ev.idx, ev.layer.n_experts, ev.valid.to(ev.idx.device))
+
+
+def expert_loads(lm: Any, tokens: Any, layers: list[Any], batch_size: int, quiet: bool, description: str,
+                 row_sums: bool = False) -> tuple[torch.Tensor, int, np.ndarray | None]:
+    """``(loads [layers, n] float64, real tokens, per-row loads [rows, layers * n] or None)``: the model's own
+    top-K assignments per (layer, expert), counted on the device in one forward (summed over data-parallel
+    ranks); ``row_sums``: also per packed row, for the bootstrap."""
     counter = LoadBalance(layers)
-    forward(lm, distributed.shard(tokens, batch_size), consumers=[counter], moe_layers=layers,
-            batch_size=batch_size, quiet=quiet, description=description)
+    shard = distributed.shard(tokens, batch_size)
+    per_row = RowLoads(RowTable(shard)) if row_sums else None
+    forward(lm, shard, consumers=[c for c in (counter, per_row) if c is not None], moe_layers=layers,
+            batch_size=batch_size, quiet=quiet, description=description,
+            before_batch=per_row.begin_batch if per_row is not None else None)
     missing = [L.index for L in layers if L.index not in counter.acc]
     if missing:
         raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
     load = torch.stack([counter.acc[L.index]["assign"].cpu() for L in layers])  # [layers, n]
-    return load, int(counter.acc[layers[0].index]["tokens"].item())
+    rows = None
+    if per_row is not None:
+        per_row.rows.reduce_across_ranks()
+        rows = np.concatenate([per_row.rows.table(f"load{L.index}").reshape(-1, L.n_experts) for L in layers], 1)
+    return load, int(counter.acc[layers[0].index]["tokens"].item()), rows
 
 
 def model_groups(layer: Any) -> int:
@@ -266,24 +315,32 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     if n % groups:
         raise MoetoolError(f"--groups {groups} must divide the {n} experts")
     gpu_counts = opts.gpu_counts(n)
-    load, n_tok = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement")
+    load, n_tok, row_loads = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement",
+                                          row_sums=opts.bootstrap > 0)
     ref_load = ref_tok = None
     if reference is not None or reference_model is not None:
         ref_lm = lm if reference_model is None else reference_model
         ref_layers = select_layers(ref_lm.layers, opts.layers)
         if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
             raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
-        ref_load, ref_tok = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
-                                         opts.batch_size, quiet, "placement (reference)")
+        ref_load, ref_tok, _ = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
+                                            opts.batch_size, quiet, "placement (reference)")
     idx = [L.index for L in layers]
-    rows = []
+    rows, overall_ci = [], {}
+    nan = float("nan")
+    n_boot = opts.bootstrap if row_loads is not None and row_loads.shape[0] >= 2 else 0
 
     def add(G: int, R: int, method: str, phy2log: torch.Tensor, count: torch.Tensor) -> None:
         per_gpu = gpu_loads(load, phy2log, count, G)  # [layers, G]
         imb = imbalance(per_gpu)
+        ci = (sum_intervals(row_loads, imbalance_statistic(phy2log, count, G), n_boot=n_boot, seed=opts.seed,
+                            method="bca") if n_boot else None)  # per layer, then overall
+        overall_ci[(G, R, method)] = (ci[-1].lo, ci[-1].hi) if ci else (nan, nan)
         for j, li in enumerate(idx):
             rows.append({"layer": li, "gpus": G, "nodes": opts.nodes, "replicas": R, "slots_per_gpu": (n + R) // G,
-                         "method": method, "imbalance": float(imb[j]), "max_gpu_load": float(per_gpu[j].max()),
+                         "method": method, "imbalance": float(imb[j]),
+                         "imbalance_lo": ci[j].lo if ci else nan, "imbalance_hi": ci[j].hi if ci else nan,
+                         "max_gpu_load": float(per_gpu[j].max()),
                          "mean_gpu_load": float(per_gpu[j].mean()), "min_gpu_load": float(per_gpu[j].min()),
                          "max_replicas": int(count[j].max())})
 
@@ -304,12 +361,16 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
                     layers=("layer", "size"))
                .reset_index())
     overall.insert(5, "imbalance", overall.pop("max_sum") / overall.pop("mean_sum"))
+    bounds = [overall_ci[(g, r, m)] for g, r, m in zip(overall.gpus, overall.replicas, overall.method)]
+    overall.insert(6, "imbalance_lo", [b[0] for b in bounds])
+    overall.insert(7, "imbalance_hi", [b[1] for b in bounds])
     loads = [pd.DataFrame({"data_set": name, "layer": li, "expert": range(n), "tokens": t,
                            "load": lo[j].numpy(), "load_fraction": (lo[j] / (t * K)).numpy()})
              for name, lo, t in (("data", load, n_tok), ("reference", ref_load, ref_tok)) if lo is not None
              for j, li in enumerate(idx)]
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,
                 n_experts=n, top_k=K, groups=groups,
+                bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0], "BCa interval"),
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
                                  "ported in moetool.experiments.placement",
                           policy="hierarchical" if groups % opts.nodes == 0 else "global"))
@@ -317,7 +378,8 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
         ref_tokens = tokens if reference is None else reference
         meta.update(reference=dict(data=ref_tokens.describe(), data_name=data_name(ref_tokens.source),
                                    model=(lm if reference_model is None else reference_model).name))
-    summary = overall[["gpus", "replicas", "method", "imbalance", "max_layer_imbalance"]]
+    summary = with_ci(overall[["gpus", "replicas", "method", "imbalance", "imbalance_lo", "imbalance_hi",
+                               "max_layer_imbalance"]], digits=2)
     return Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
                                 "placement_loads.csv": pd.concat(loads, ignore_index=True)}, opts, meta=meta,
                   summary=summary.round(3))
@@ -334,6 +396,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
     """One line: at :func:`headline_gpus`, the overall imbalance of each method (and R)."""
     df = res["placement_overall"]
     G = headline_gpus(df)
-    parts = [f"{r.method}{f' R={r.replicas}' if r.replicas else ''} {r.imbalance:.2f}x"
+    parts = [f"{r.method}{f' R={r.replicas}' if r.replicas else ''} "
+             f"{format_ci(r.imbalance, r.imbalance_lo, r.imbalance_hi)}x"
              for r in df[df.gpus == G].itertuples()]
     return [f"placement {name}: max/mean GPU load on {G} GPUs: " + ", ".join(parts)]
