@@ -4,8 +4,9 @@ The same tokens go through the model once per precision (one model in memory at 
 loaded or converted, run, freed). The reference is the most precise run of the list (fp32 > bf16/fp16 > fp8 >
 fp4/mxfp4; the first listed on a tie). Per MoE layer and precision, against the reference, token by token:
 
-* ``top1_flip``: the top-1 (the chosen expert with the largest selection score, :func:`moetool.ops.best_of`)
-  differs; ``topk_flip``: the chosen top-K set differs (:func:`moetool.ops.same_set`);
+* ``top1_flip``: the top-1 (the chosen expert with the largest selection score, :func:`moetool.ops.best_of`; a tie,
+  frequent in bf16, goes to the lowest expert id) differs; ``topk_flip``: the chosen top-K set differs
+  (:func:`moetool.ops.same_set`);
 * the flip rates per bin of the reference run's routing margin (the K-th minus the (K+1)-th selection score,
   :func:`moetool.experiments.margin.token_margins`), and that margin's mean and median per layer;
 * ``delta_nll``: the mean next-token NLL change (this precision's minus the reference's on the same tokens).
@@ -77,7 +78,8 @@ DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
     "tokens": "real (non-padding) tokens routed by the layer in both runs",
     "top1_flip": "share of real tokens whose top-1 expert (the chosen expert with the largest selection score of its "
-                 "own run) differs from the reference run's",
+                 "own run; a tie, frequent in bf16/fp16, goes to the lowest expert id) differs from the reference "
+                 "run's",
     "topk_flip": "share of real tokens whose chosen top-K set differs from the reference run's",
     "margin_mean": "mean over real tokens of the reference run's routing margin s_(K) - s_(K+1): the K-th minus the "
                    "(K+1)-th largest selection score (layer.selection_scores of the router logits, bias included)",
@@ -222,7 +224,7 @@ class _Run:
     def routing(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(top-K idx [T, K], top-1 [T], logits [T, n], valid [T])`` of the model's own routing in an event."""
         logits = ev.logits.reshape(-1, ev.logits.shape[-1])
-        idx = ev.idx.reshape(-1, ev.idx.shape[-1])
+        idx = ev.idx.reshape(-1, ev.idx.shape[-1]).sort(-1).values  # ascending ids: a tie goes to the lowest
         return idx, ops.best_of(idx, ev.layer.selection_scores(logits)), logits, ev.valid.reshape(-1)
 
 
