@@ -213,3 +213,16 @@ def test_cli_bad_precision_is_one_line_before_any_work(tmp_path):
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(app, ["agreement", "tiny", "--model", "tiny-fine", "--out", str(tmp_path / "y")])
     assert r.exit_code != 0 and "twice" in r.output and not (tmp_path / "y").exists()
+
+
+def test_fp4_groups_that_do_not_divide_the_input_dim_are_one_line_before_any_run(monkeypatch):
+    from moetool.experiments import agreement as mod
+
+    lm = moetool.load("tiny", dtype="fp32")
+    runs = []
+    monkeypatch.setattr(mod, "run_precision", lambda *a, **k: runs.append(a))
+    monkeypatch.setattr(mod.formats, "FP4_GROUP", 36)  # 128 and 192 are not multiples of 36
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    with pytest.raises(MoetoolError, match="not a multiple of the format's 36-value groups"):
+        agreement(lm, tokens, precisions=("fp32", "mxfp4"), bootstrap=0, quiet=True)
+    assert not runs

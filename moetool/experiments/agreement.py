@@ -169,6 +169,19 @@ def quantized_views(lm: Any, fmt: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def check_formats(lm: Any, precisions: Sequence[str]) -> None:
+    """One line before any run when a simulated format cannot quantize this model's matrices (FP4/MXFP4 groups of 32
+    input values) or the adapter's expert views are not the parameters (:func:`quantized_views`)."""
+    for p in precisions:
+        fmt = PRECISIONS[p][1]
+        if fmt is None:
+            continue
+        for name, w in quantized_views(lm, fmt):
+            if fmt in ("fp4", "mxfp4") and w.shape[-1] % formats.FP4_GROUP:
+                raise MoetoolError(f"--precisions {p}: {name} has an input dim of {w.shape[-1]}, not a multiple of "
+                                   f"the format's {formats.FP4_GROUP}-value groups")
+
+
 @torch.no_grad()
 def simulate_format(lm: Any, fmt: str) -> dict[str, Any]:
     """Replace, in place, the weights ``fmt`` quantizes by their quantize-dequantize (:func:`formats.fake_quantize`,
@@ -389,6 +402,7 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
                 raise MoetoolError(f"layer {L.index}: routes all {L.n_experts} experts (K = n): every precision "
                                    "chooses the same set, no (K+1)-th score, no margin")
         if ref is None:
+            check_formats(lm, order)  # on the first model loaded: before any forward
             manifest = lm.manifest()
             ref = col = ReferenceRun(shard, layers)
         else:
