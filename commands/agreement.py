@@ -45,7 +45,7 @@ Examples:
 
 
 @handle_errors
-def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="The model (as --model)."),
+def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="The model (as --model)."),
               model: Optional[str] = typer.Option(None, "--model", "-m", help="Embedded name (tiny, tiny-fine, ...), "
                                                   "alias (moetool inspect --aliases), local directory or hub id "
                                                   f"(default {DEFAULT_MODEL})."),
