@@ -270,7 +270,7 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
     minimum over ranks under torchrun (every rank must cut the same global batches), one console line."""
     from moetool import distributed
 
-    model = params.get("model") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
+    model = params.get("model") or params.get("model_arg") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
     e = distributed.env()
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", e.world_size))
     routing = str(params.get("routing") or "")

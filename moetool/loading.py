@@ -307,6 +307,25 @@ class LoadedModel:
                 "moe_layers": [L.index for L in self.layers], "config": self.config.to_dict()}
 
 
+def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(source, **from_hub)
+    except Exception as e:  # noqa: BLE001
+        raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {one_line(e)}") from e
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer :func:`load` gives ``name`` (pad = eos when it has none), without loading the weights."""
+    _, source, _, from_hub, _ = _read_config(name)
+    return _tokenizer(source, from_hub)
+
+
 def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True) -> LoadedModel:
     """Load a supported MoE causal LM in eval mode with its tokenizer and wrapped MoE layers.
@@ -317,7 +336,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     """
     config, source, kind, from_hub, offline = _read_config(name)
     import torch  # noqa: F401 - heavy imports only here
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .adapters import find_moe_layers
 
@@ -348,15 +367,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     if not device_map:
         model.to(dev)
     model.eval()
-    tok = None
-    if tokenizer:
-        try:
-            with quiet_transformers():
-                tok = AutoTokenizer.from_pretrained(source, **from_hub)
-        except Exception as e:  # noqa: BLE001
-            raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {one_line(e)}") from e
-        if tok.pad_token_id is None and tok.eos_token_id is not None:
-            tok.pad_token = tok.eos_token
+    tok = _tokenizer(source, from_hub) if tokenizer else None
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,
                        layers=find_moe_layers(model), device=model.device, dtype=torch_dtype)
 

@@ -85,11 +85,14 @@ class Case:
     scored: int  # next-token pairs the perplexity averages over
 
 
-def plain_run(path: Path, tokens) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Plain transformers forward of ``tokens`` (one batch); each MoE layer's experts-module inputs."""
+def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
+              ) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Plain transformers forward of ``tokens`` (one batch); each MoE layer's experts-module inputs. ``dtype``: the
+    model as transformers loads it in that dtype (default: fp32)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    model = (AutoModelForCausalLM.from_pretrained(path).float() if dtype is None else
+             AutoModelForCausalLM.from_pretrained(path, dtype=dtype)).eval()
     got, handles = {}, []
     for L in find_moe_layers(model):  # (only to locate the experts modules)
         handles.append(L.experts.register_forward_pre_hook(
@@ -367,6 +370,29 @@ def test_margin(case, tmp_path):
         assert (g["topk_flip"].fillna(0) * g["tokens"]).sum() == pytest.approx(row["topk_flip"] * real)
         below = g[g.margin_hi <= 0.01]["tokens"].sum()
         assert below == round(df.loc[layer, "frac_below_0.01"] * real)
+
+
+def test_agreement(case, tmp_path):
+    invoke("agreement", "--model", str(case.path), *SMALL, "--bootstrap", "100", "--precisions", "bf16,fp32,fp8",
+           "--thresholds", "0.01,0.1", "--out", str(tmp_path))
+    df = pd.read_csv(tmp_path / "agreement.csv").set_index(["precision", "layer"])
+    s = pd.read_csv(tmp_path / "agreement_summary.csv").set_index("precision")
+    bins = pd.read_csv(tmp_path / "agreement_bins.csv")
+    real = int(case.tokens.attention_mask.sum())
+    assert sorted(s.index) == ["bf16", "fp8"] and (s["reference"] == "fp32").all() and s.loc["fp8", "simulated"]
+    assert set(df.index.get_level_values("layer")) == set(case.layers) and (df["tokens"] == real).all()
+    assert finite(df.drop(columns=["reference"])) and finite(s.drop(columns=["reference"]))
+    assert df[["top1_flip", "topk_flip"]].stack().between(0, 1).all() and (df["margin_mean"] >= 0).all()
+    # bf16 top-K sets against the model loaded in bf16 by plain transformers, compared with the fp32 routing
+    _, bf16 = plain_run(case.path, case.tokens, torch.bfloat16)
+    for i in case.layers:
+        ref, mine = case.routing[i][0], bf16[i][0]
+        flips = int((ref.sort(-1).values != mine.sort(-1).values).any(-1).sum())
+        assert round(df.loc[("bf16", i), "topk_flip"] * real) == flips, i
+        for p in ("bf16", "fp8"):  # the margin bins split the layer's real tokens; their flips add up
+            g = bins[(bins.layer == i) & (bins.precision == p)]
+            assert g["tokens"].sum() == real
+            assert (g["topk_flip"].fillna(0) * g["tokens"]).sum() == pytest.approx(df.loc[(p, i), "topk_flip"] * real)
 
 
 def test_capacity(case, tmp_path):

@@ -90,6 +90,7 @@ CASES = [
     ("offload", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
     ("topk", ["--model", "tiny", *DATA, "--ks", "1", "--ps", "0.8", "--bootstrap", "100"]),
     ("margin", ["--model", "tiny", *DATA, "--eps", "0,0.05", "--bootstrap", "100"]),
+    ("agreement", ["--model", "tiny", *DATA, "--precisions", "fp32,bf16,fp8", "--bootstrap", "100"]),
     # capacity is per forward batch of --batch-size rows: the same 2 rows per batch on both sides (a rank's batches
     # are the one-process batches), not the 4-row one-process batches of the other cases
     ("capacity", ["--model", "tiny", *DATA, "--batch-size", "2", "--cf", "0.5,1.25", "--order", "order,score",

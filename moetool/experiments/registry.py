@@ -100,6 +100,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)})),
     _x("margin", "margin", "MarginOptions", figures="moetool.report.plots:margin_figures",
        demo=Demo(max_tokens=2048, options={"bootstrap": 200})),
+    _x("agreement", "agreement", "AgreementOptions", figures="moetool.report.plots:agreement_figures",
+       demo=Demo(max_tokens=2048, options={"precisions": ("fp32", "bf16", "fp8"), "bootstrap": 200})),
     _x("capacity", "capacity", "CapacityOptions", figures="moetool.report.plots:capacity_figures",
        demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")})),
     _x("prune", "prune", "PruneOptions", figures="moetool.report.plots:prune_figures",

@@ -510,6 +510,43 @@ def margin_figures(result: Any) -> dict[str, Any]:
     return out
 
 
+# ----- agreement ----------------------------------------------------------------------------
+def plot_agreement(per_layer: Any, bins: Any) -> dict[str, Any]:
+    """``agreement_by_layer``: the top-K set (left) and top-1 (right) flip rates against the reference by layer, one
+    line per precision (bootstrap error bars); ``agreement_margin``: the same flip rates per bin of the reference's
+    routing margin, pooled over layers (tokens-weighted), one line per precision."""
+    from .figures import line_by, new_figure
+
+    fig, axes = new_figure(1, 2, width=4.0)
+    ref = per_layer["reference"].iloc[0] if len(per_layer) else "reference"
+    for ax, col, title in ((axes[0], "topk_flip", "top-K set differs"), (axes[1], "top1_flip", "top-1 differs")):
+        line_by(ax, per_layer, "layer", col, "precision", title=f"{title} (vs {ref})", marker="o",
+                yerr=(f"{col}_lo", f"{col}_hi"), ylabel="share of tokens")
+    out = {"agreement_by_layer": fig}
+    b = bins.copy()
+    for col in ("topk_flip", "top1_flip"):
+        b[col] = b[col].fillna(0) * b["tokens"]
+    pooled = b.groupby(["precision", "margin_lo", "margin_hi"], sort=False)[["tokens", "topk_flip", "top1_flip"]].sum()
+    pooled = pooled.reset_index()
+    pooled = pooled[pooled["tokens"] > 0]
+    for col in ("topk_flip", "top1_flip"):
+        pooled[col] = pooled[col] / pooled["tokens"]
+    edges = sorted(set(bins["margin_lo"]))
+    pooled["bin"] = pooled["margin_lo"].map(edges.index)
+    names = [f"[{lo:g}, {hi:g})" for lo, hi in zip(edges, [*edges[1:], float("inf")])]
+    fig, axes = new_figure(1, 2, width=4.0)
+    for ax, col, title in ((axes[0], "topk_flip", "top-K set differs"), (axes[1], "top1_flip", "top-1 differs")):
+        line_by(ax, pooled, "bin", col, "precision", title=f"{title} by reference margin", marker="o",
+                xlabel="reference margin s(K) - s(K+1)", ylabel="share of tokens in the bin")
+        ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
+    out["agreement_margin"] = fig
+    return out
+
+
+def agreement_figures(result: Any) -> dict[str, Any]:
+    return plot_agreement(result["agreement.csv"], result["agreement_bins.csv"])
+
+
 # ----- capacity -----------------------------------------------------------------------------
 def plot_capacity(df: Any, layers: Any) -> dict[str, Any]:
     """``capacity_curve``: the dropped share of assignments (left) and perplexity / the router's (right) against the
@@ -727,6 +764,15 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                        "the policy computed on the side, the model running its own routing), mean over real tokens "
                        "by MoE layer, one line per policy; error bars: the bootstrap interval",
                        ("margin_jaccard.csv",), ("policy", "soft_jaccard", "*_lo/*_hi")),
+    "agreement_by_layer": ("Share of real tokens whose chosen top-K set (left) or top-1 expert (right) differs from "
+                           "the reference run's (the most precise of the list) on the same tokens, by MoE layer, one "
+                           "line per precision (fp8/fp4/mxfp4 simulated by quantize-dequantize of the weights, run "
+                           "in bf16); error bars: the bootstrap interval", ("agreement.csv",),
+                           ("precision", "reference", "topk_flip", "top1_flip", "*_lo/*_hi")),
+    "agreement_margin": ("The same flip rates per bin of the reference run's routing margin (K-th minus (K+1)-th "
+                         "selection score), pooled over MoE layers (tokens-weighted), one line per precision; empty "
+                         "bins left out", ("agreement_bins.csv",),
+                         ("margin_lo", "margin_hi", "agreement_bins.topk_flip", "agreement_bins.top1_flip")),
     "capacity_curve": ("Expert capacity C = ceil(cf · tokens · K / n) per batch and MoE layer: the share of the "
                        "model's assignments beyond capacity (left) and perplexity relative to the model's own "
                        "routing on the same rows with them dropped (right) against cf, one line per drop order; "

@@ -1,0 +1,233 @@
+"""The math of the quantized weight formats checkpoints ship their experts in: the one home of it.
+
+Formats (``FORMATS``):
+
+- ``fp8``: block-scaled FP8 (DeepSeek-V3/R1, Kimi-K2, Qwen3/GLM FP8 releases): ``float8_e4m3fn`` codes, one scale per
+  ``128 x 128`` block of the ``[out, in]`` matrix, stored as its inverse (``*_scale_inv``, the number the codes are
+  multiplied by) in fp32 or, in the UE8M0 form (``scale_fmt="ue8m0"``), as a power of two in ``float8_e8m0fnu``.
+  Quantization is transformers' own (``Fp8Quantize``): scale_inv = 1 / (448 / amax) per block (UE8M0: rounded up to a power
+  of two), codes = clamp(w / scale_inv) cast to e4m3 (round to nearest even). Blocks at a ragged edge are partial.
+- ``fp4``: FP4-packed experts (DeepSeek-V4-style ``expert_dtype="fp4"``): e2m1 values packed two per ``int8`` byte
+  (low nibble first) along the input dim, one scale per ``1 x 32`` group of a row, fp32 or UE8M0. Quantization:
+  scale = amax / 6 (UE8M0: rounded up to a power of two), codes = nearest e2m1 value (ties to even).
+- ``mxfp4``: OCP MXFP4 (gpt-oss): e2m1 packed two per ``uint8`` byte (low nibble first), one E8M0 exponent byte
+  (bias 127) per 32 consecutive input values; the scale is amax / 6 rounded up to a power of two (the rounding
+  transformers' gpt-oss kernels use, so no value clips), codes the nearest e2m1 value (ties to even).
+- ``bf16`` / ``fp16`` / ``fp32``: plain casts.
+
+:func:`fake_quantize` is quantize-then-dequantize of a full-precision weight with a format's rules (what a run "in
+fp8" on CPU simulates); the ``dequantize_*`` functions read stored codes back, for any leading (expert) dims, so
+callers dequantize a slice of experts at a time. Everything computes in fp32 and is exact against transformers'
+dequantization of the same codes (tests/test_formats.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import MoetoolError
+
+#: the formats :func:`fake_quantize` takes
+FORMATS = ("fp32", "bf16", "fp16", "fp8", "fp4", "mxfp4")
+PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: quantized formats: how each stores its experts
+DESCRIPTIONS = {
+    "fp8": "FP8 e4m3, one scale per 128x128 block (fp32 or UE8M0 scale_inv)",
+    "fp4": "FP4 e2m1 packed two per int8 byte, one scale per 1x32 group (fp32 or UE8M0)",
+    "mxfp4": "MXFP4: e2m1 packed two per uint8 byte, one E8M0 exponent per 32 values",
+}
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+FP8_BLOCK = (128, 128)
+FP4_GROUP = 32
+FP4_MAX = 6.0
+#: the 16 e2m1 codes, in code order (bit 3 is the sign)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: midpoints between consecutive non-negative e2m1 values; at the odd-numbered ones a tie rounds up (to even)
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+SCALE_FORMS = ("float", "ue8m0")
+
+
+def _e8m0_dtype() -> torch.dtype:
+    return torch.float8_e8m0fnu
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= ``x`` (``x`` > 0, fp32)."""
+    return torch.exp2(torch.ceil(torch.log2(x.clamp(min=torch.finfo(torch.float32).tiny))))
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    size = x.shape[dim]
+    extra = -size % multiple
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+# ---------------------------------------------------------------------------------------------------------- FP8
+
+
+def quantize_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "float"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., N, K]`` -> (e4m3 codes ``[..., N, K]``, scale_inv ``[..., ceil(N/bn), ceil(K/bk)]``), transformers'
+    ``Fp8Quantize`` rules (fp32 scale_inv, or UE8M0 ``float8_e8m0fnu`` powers of two); a ragged edge block is a
+    partial block."""
+    if scale_fmt not in SCALE_FORMS:
+        raise MoetoolError(f"unknown FP8 scale form '{scale_fmt}' (choose from {', '.join(SCALE_FORMS)})")
+    bn, bk = block
+    *lead, n, k = weight.shape
+    w = _pad_to(_pad_to(weight.float(), -2, bn), -1, bk)
+    tiles = w.reshape(*lead, w.shape[-2] // bn, bn, w.shape[-1] // bk, bk)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, 1.0), torch.ones_like(amax))
+    inv = 1.0 / scale
+    if scale_fmt == "ue8m0":
+        inv = _pow2_ceil(inv)
+        scale = 1.0 / inv
+    q = (tiles * scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.reshape(w.shape)[..., :n, :k]
+    return q, (inv.to(_e8m0_dtype()) if scale_fmt == "ue8m0" else inv)
+
+
+def scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as fp32 multipliers: fp32/bf16 as they are, ``float8_e8m0fnu`` decoded, raw E8M0 bytes (``uint8``,
+    bias 127) as ``2 ** (byte - 127)``."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def dequantize_fp8(
+    codes: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    block: tuple[int, int] | list[int] | None = None,
+) -> torch.Tensor:
+    """FP8 ``[..., N, K]`` codes (or FP4 ``int8``-packed ``[..., N, K/2]``) times their block scales ``[..., sn, sk]``
+    -> ``[..., N, K]`` in ``dtype``. ``block`` (``[bn, bk]``; a ragged last block is partial) is the module's
+    ``block_size``; without it the block is read from the scale grid, which must then divide the matrix (how
+    transformers' ``Fp8Dequantize`` reads 128x128 FP8 and 1x32 FP4 alike)."""
+    fp4_x2 = getattr(torch, "float4_e2m1fn_x2", None)
+    fp4 = codes.dtype in (torch.int8, fp4_x2)
+    values = unpack_fp4(codes) if fp4 else codes.to(torch.float32)
+    *_, n, k = values.shape
+    sn, sk = scale_inv.shape[-2:]
+    if fp4:
+        block = (1, FP4_GROUP)
+    if block is None:
+        if n % sn or k % sk:
+            raise MoetoolError(f"weight [{n}, {k}] is not a whole number of blocks of its scale grid [{sn}, {sk}]")
+        block = (n // sn, k // sk)
+    bn, bk = block
+    if math.ceil(n / bn) != sn or math.ceil(k / bk) != sk:
+        raise MoetoolError(f"scale grid [{sn}, {sk}] does not fit weight [{n}, {k}] in blocks of [{bn}, {bk}]")
+    s = scales_fp32(scale_inv)
+    s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (values * s).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------- FP4
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """The nearest e2m1 code (``uint8`` 0..15, sign in bit 3) of each value of ``x`` (already scaled into +-6;
+    beyond saturates to 6), ties to even mantissa."""
+    a = x.abs().float().clamp(max=FP4_MAX)
+    bounds = torch.tensor(_E2M1_BOUNDS, device=x.device)
+    idx = torch.bucketize(a, bounds)  # a at a midpoint lands on the lower value
+    at = torch.gather(bounds, 0, idx.clamp(max=len(_E2M1_BOUNDS) - 1).flatten()).view_as(a) == a
+    idx = idx + (at & (idx % 2 == 1)).long()  # ...except at 0.75, 1.75, 3.5, where even is the upper one
+    return (idx | (torch.signbit(x).long() << 3) * (idx > 0)).to(torch.uint8)
+
+
+def pack_fp4(codes: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Pack e2m1 codes ``[..., K]`` (K even) two per byte, element ``2i`` in the low nibble -> ``[..., K/2]``."""
+    c = codes.to(torch.uint8)
+    packed = c[..., 0::2] | (c[..., 1::2] << 4)
+    return packed.view(torch.int8) if dtype == torch.int8 else packed
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Two e2m1 values per byte (low nibble first; ``uint8``, ``int8`` or ``float4_e2m1fn_x2``) -> fp32, the last dim
+    twice as long."""
+    u8 = packed.contiguous().view(torch.uint8)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    out = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
+    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _group_scales(weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., K]`` (K a multiple of 32) -> (groups ``[..., K/32, 32]`` fp32, scale ``[..., K/32]`` fp32)."""
+    *lead, k = weight.shape
+    if k % FP4_GROUP:
+        raise MoetoolError(f"FP4 groups are {FP4_GROUP} input values: an input dim of {k} is not a multiple")
+    g = weight.float().reshape(*lead, k // FP4_GROUP, FP4_GROUP)
+    amax = g.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP4_MAX, torch.ones_like(amax))
+    return g, (_pow2_ceil(scale) if pow2 else scale)
+
+
+def quantize_fp4(weight: torch.Tensor, scale_fmt: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., N, K]`` -> (``int8`` packed ``[..., N, K/2]``, scales ``[..., N, K/32]`` fp32 or ``float8_e8m0fnu``):
+    the FP4 expert storage of transformers' ``FP8Experts(expert_dtype="fp4")``."""
+    if scale_fmt not in SCALE_FORMS:
+        raise MoetoolError(f"unknown FP4 scale form '{scale_fmt}' (choose from {', '.join(SCALE_FORMS)})")
+    g, scale = _group_scales(weight, scale_fmt == "ue8m0")
+    codes = e2m1_codes(g / scale[..., None]).reshape(weight.shape)
+    return pack_fp4(codes, torch.int8), (scale.to(_e8m0_dtype()) if scale_fmt == "ue8m0" else scale)
+
+
+# -------------------------------------------------------------------------------------------------------- MXFP4
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., N, K]`` -> (blocks ``uint8 [..., N, K/32, 16]``, E8M0 exponent bytes ``uint8 [..., N, K/32]``): the
+    gpt-oss checkpoint form (``*_blocks``, ``*_scales``), 32 consecutive input values per scale."""
+    g, scale = _group_scales(weight, True)
+    codes = e2m1_codes(g / scale[..., None])
+    exponent = torch.log2(scale).round().to(torch.int32) + 127
+    return pack_fp4(codes), exponent.clamp(0, 254).to(torch.uint8)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Blocks ``uint8 [..., N, G, 16]`` and exponent bytes ``uint8 [..., N, G]`` -> ``[..., N, 32 G]`` in ``dtype``
+    (the matrix the blocks were cut from; gpt-oss' model layout is its transpose)."""
+    values = unpack_fp4(blocks)  # [..., N, G, 32]
+    out = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return out.reshape(*blocks.shape[:-2], -1).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------- fake quant
+
+
+def fake_quantize(weight: torch.Tensor, fmt: str, *, in_dim: int = -1, scale_fmt: str | None = None) -> torch.Tensor:
+    """Quantize ``weight`` with format ``fmt``'s rules and read it back: the weight a checkpoint in ``fmt`` would hold,
+    in ``weight``'s dtype and shape. ``bf16`` / ``fp16`` / ``fp32`` are plain casts (and back). The last two dims
+    are one matrix (leading dims, e.g. experts, are independent); ``in_dim`` (-1 or -2) is its input dim, along which
+    FP4/MXFP4 groups run (gpt-oss stores ``[in, out]``: pass ``in_dim=-2``). ``scale_fmt``: ``float`` (default for
+    fp8 and fp4) or ``ue8m0`` (power-of-two scales; always for mxfp4)."""
+    if fmt in PLAIN:
+        return weight.to(PLAIN[fmt]).to(weight.dtype)
+    if fmt not in DESCRIPTIONS:
+        raise MoetoolError(f"unknown weight format '{fmt}' (choose from {', '.join(FORMATS)})")
+    if weight.dim() < 2:
+        raise MoetoolError(f"{fmt} quantizes matrices: got a tensor of shape {tuple(weight.shape)}")
+    if in_dim not in (-1, -2):
+        raise MoetoolError(f"in_dim is -1 or -2, not {in_dim}")
+    w = weight if in_dim == -1 else weight.transpose(-1, -2)
+    if fmt == "fp8":
+        out = dequantize_fp8(*quantize_fp8(w, scale_fmt=scale_fmt or "float"), block=FP8_BLOCK)
+    elif fmt == "fp4":
+        out = dequantize_fp8(*quantize_fp4(w, scale_fmt=scale_fmt or "float"))
+    else:
+        if scale_fmt not in (None, "ue8m0"):
+            raise MoetoolError("mxfp4 scales are always E8M0 powers of two (scale_fmt='ue8m0')")
+        out = dequantize_mxfp4(*quantize_mxfp4(w))
+    out = out if in_dim == -1 else out.transpose(-1, -2)
+    return out.to(weight.dtype).contiguous()

@@ -1,0 +1,228 @@
+"""``moetool agreement``: routing agreement across precisions against plain transformers forwards.
+
+The hand reference loads the embedded tiny Mixtral with transformers itself in each precision (fp8 / mxfp4: the bf16
+model whose matrices are replaced, here by their own parameter names, with ``formats.fake_quantize``), runs one
+forward per batch with ``output_router_logits=True`` (no moetool engine, no hooks) and computes top-K sets, top-1,
+the reference margin, flips and the NLL change with plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import moetool
+from moetool import formats
+from moetool.errors import MoetoolError
+from moetool.experiments.agreement import (AgreementOptions, CompareRun, ReferenceRun, agreement, load_precision,
+                                           run_precision, tables)
+from moetool.loading import EMBEDDED_DIR
+
+TINY = EMBEDDED_DIR / "tiny"
+THRESHOLDS = (0.001, 0.01, 0.1)
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    lm = moetool.load("tiny")
+    t = moetool.tokens(lm, None, seq_len=64, max_tokens=500)  # 8 rows (two batches of 4), the last one padded
+    assert not t.attention_mask.bool().all()
+    return t
+
+
+def hand_model(precision: str):
+    """The embedded tiny model as transformers loads it in ``precision``; fp8 / mxfp4: bf16 with the format's
+    matrices fake-quantized, chosen by parameter name (fp8: attention projections and experts, not the router
+    ``mlp.gate``, embeddings or LM head; mxfp4: the experts only), experts one matrix (gate, up, down) at a time."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision, torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype).eval()
+    if precision in ("fp8", "mxfp4"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("experts.gate_up_proj"):  # [E, 2I, H], gate rows first
+                    inter = p.shape[1] // 2
+                    for e in range(p.shape[0]):
+                        p[e, :inter] = formats.fake_quantize(p[e, :inter].clone(), precision)
+                        p[e, inter:] = formats.fake_quantize(p[e, inter:].clone(), precision)
+                elif name.endswith("experts.down_proj"):  # [E, H, I]
+                    for e in range(p.shape[0]):
+                        p[e] = formats.fake_quantize(p[e].clone(), precision)
+                elif precision == "fp8" and "self_attn" in name and name.endswith("_proj.weight"):
+                    p.copy_(formats.fake_quantize(p, "fp8"))
+    return model
+
+
+def hand_run(model, tokens, K=2):
+    """Per layer: top-K sets (sorted) [T, K], top-1 [T], margin of the softmax [T] over real tokens; per-token NLL
+    sum and count."""
+    sets, top1, margin = {}, {}, {}
+    nll_sum, nll_n = 0.0, 0
+    valid = []
+    with torch.no_grad():
+        for b in range(0, tokens.input_ids.shape[0], BATCH):
+            ids, mask = tokens.input_ids[b:b + BATCH], tokens.attention_mask[b:b + BATCH]
+            out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+            valid.append(mask.reshape(-1).bool())
+            for j, logits in enumerate(out.router_logits):
+                lg = logits.float()
+                top = torch.topk(lg, K, dim=-1).indices
+                sets.setdefault(j, []).append(top.sort(-1).values)
+                top1.setdefault(j, []).append(lg.argmax(-1))
+                p = torch.sort(torch.softmax(lg, -1), -1, descending=True).values
+                margin.setdefault(j, []).append(p[:, K - 1] - p[:, K])
+            lp = F.log_softmax(out.logits.float(), -1)[:, :-1]
+            nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            keep = mask[:, 1:].bool() & mask[:, :-1].bool()
+            nll_sum += float(nll[keep].double().sum())
+            nll_n += int(keep.sum())
+    v = torch.cat(valid)
+    cat = {j: (torch.cat(sets[j])[v], torch.cat(top1[j])[v], torch.cat(margin[j])[v]) for j in sets}
+    return cat, nll_sum / nll_n
+
+
+@pytest.fixture(scope="module")
+def hand(tokens):
+    return {p: hand_run(hand_model(p), tokens) for p in ("fp32", "bf16", "fp8")}
+
+
+@pytest.fixture(scope="module")
+def result(tokens):
+    return agreement("tiny", tokens, precisions=("bf16", "fp32", "fp8"), thresholds=THRESHOLDS, bootstrap=100,
+                     batch_size=BATCH, device="cpu", quiet=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_flips_margin_bins_and_nll_by_hand(result, hand, precision):
+    ref, ref_nll = hand["fp32"]
+    mine, nll = hand[precision]
+    df = result["agreement"].set_index(["precision", "layer"])
+    bins = result["agreement_bins"]
+    s = result["agreement_summary"].set_index("precision")
+    edges = torch.tensor(THRESHOLDS)
+    total = [0, 0, 0]
+    for j, layer in enumerate(sorted(result.meta["layers"])):  # every layer of the tiny model is MoE
+        (rs, r1, rm), (ms, m1, _) = ref[j], mine[j]
+        topk = (rs != ms).any(-1)
+        one = r1 != m1
+        n = rs.shape[0]
+        row = df.loc[(precision, layer)]
+        assert row["reference"] == "fp32" and row["tokens"] == n
+        assert round(row["topk_flip"] * n) == int(topk.sum()) and round(row["top1_flip"] * n) == int(one.sum())
+        assert row["margin_mean"] == pytest.approx(float(rm.double().mean()), rel=1e-5)
+        b = torch.bucketize(rm, edges, right=True)
+        g = bins[(bins.precision == precision) & (bins.layer == layer)].reset_index(drop=True)
+        for k in range(len(THRESHOLDS) + 1):
+            sel = b == k
+            assert g.loc[k, "tokens"] == int(sel.sum())
+            if sel.any():
+                assert round(g.loc[k, "topk_flip"] * int(sel.sum())) == int(topk[sel].sum())
+                assert round(g.loc[k, "top1_flip"] * int(sel.sum())) == int(one[sel].sum())
+        total = [total[0] + n, total[1] + int(topk.sum()), total[2] + int(one.sum())]
+    assert s.loc[precision, "topk_flip"] == pytest.approx(total[1] / total[0], abs=1e-12)
+    assert s.loc[precision, "top1_flip"] == pytest.approx(total[2] / total[0], abs=1e-12)
+    assert s.loc[precision, "nll_ref"] == pytest.approx(ref_nll, rel=1e-6)
+    assert s.loc[precision, "delta_nll"] == pytest.approx(nll - ref_nll, abs=2e-6)
+    assert s.loc[precision, "delta_nll_lo"] <= s.loc[precision, "delta_nll"] <= s.loc[precision, "delta_nll_hi"]
+    assert s.loc[precision, "simulated"] == (precision == "fp8")
+    if precision == "fp8":
+        assert total[1] > 0  # the comparison is not vacuous: fp8 changes some top-K set of the tiny model
+
+
+@pytest.mark.slow
+def test_manifest_says_what_was_simulated(result):
+    assert result.meta["reference"] == "fp32" and result.meta["simulated"] == ["fp8"]
+    rec = result.meta["precisions"]["fp8"]
+    assert rec["simulated"] and rec["format"] == "fp8" and rec["dtype"] == "bfloat16"
+    assert rec["matrices"] == 4 * (4 + 3)  # q, k, v, o and the experts' gate, up, down in each of 4 layers
+    assert not result.meta["precisions"]["bf16"]["simulated"]
+    assert list(result["agreement_summary"]["precision"]) == ["bf16", "fp8"]  # the listed order, reference out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp8", "mxfp4"])
+def test_the_weights_the_run_used_are_fake_quantize_of_the_bf16_weights(precision):
+    lm, rec, owned = load_precision("tiny", precision, "cpu")
+    assert owned and rec["simulated"]
+    mine = dict(lm.model.named_parameters())
+    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.bfloat16)
+    expected = dict(hand_model(precision).named_parameters())
+    changed = 0
+    for name, p in plain.named_parameters():
+        assert mine[name].dtype == p.dtype
+        assert torch.equal(mine[name], expected[name]), name
+        changed += not torch.equal(mine[name], p)
+        if "mlp.gate." in name or "embed" in name or "lm_head" in name or "norm" in name:
+            assert torch.equal(mine[name], p), f"{name} must not be quantized"
+        if precision == "mxfp4" and "self_attn" in name:
+            assert torch.equal(mine[name], p), f"{name}: mxfp4 quantizes the experts only"
+    assert changed == (4 * 6 if precision == "fp8" else 4 * 2)
+
+
+@pytest.mark.slow
+def test_the_reference_against_itself_is_exactly_zero(tokens):
+    lm, _, _ = load_precision("tiny", "fp32", "cpu")
+    opts = AgreementOptions(precisions=("fp32", "bf16"), thresholds=THRESHOLDS, bootstrap=100, batch_size=BATCH)
+    ref = ReferenceRun(tokens, lm.layers)
+    run_precision(lm, tokens, ref, lm.layers, opts, "ref", True)
+    again = CompareRun(tokens, lm.layers, ref, opts.thresholds)
+    run_precision(lm, tokens, again, lm.layers, opts, "again", True)
+    per_layer, summary, bins = tables("fp32", ref, {"fp32": again}, {"fp32": {"simulated": False}}, opts)
+    cols = ["top1_flip", "top1_flip_lo", "top1_flip_hi", "topk_flip", "topk_flip_lo", "topk_flip_hi"]
+    assert (per_layer[cols] == 0).all().all() and (summary[cols] == 0).all().all()
+    assert (summary[["delta_nll", "delta_nll_lo", "delta_nll_hi"]] == 0).all().all()
+    assert (bins[["top1_flip", "topk_flip"]].fillna(0) == 0).all().all()
+    assert bins.groupby("layer")["tokens"].sum().eq(int(tokens.attention_mask.sum())).all()
+
+
+def test_a_loaded_model_is_used_for_its_own_precision():
+    lm = moetool.load("tiny", dtype="fp32")
+    same, rec, owned = load_precision(lm, "fp32", "cpu")
+    assert same is lm and not owned and rec == {"dtype": "float32", "simulated": False}
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(precisions=("fp32",)), "at least two"),
+    (dict(precisions=("fp32", "int4")), "unknown ['int4']"),
+    (dict(precisions=("bf16", "bf16")), "named twice"),
+    (dict(thresholds=(0.1, 0.01)), "increase strictly"),
+    (dict(thresholds=(0.0,)), "finite positive"),
+    (dict(bootstrap=5), "too few"),
+])
+def test_bad_options_are_one_line(bad, msg):
+    with pytest.raises(MoetoolError, match=None) as e:
+        AgreementOptions(**bad)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("given, ref", [(("bf16", "fp8"), "bf16"), (("fp8", "fp16", "bf16"), "fp16"),
+                                        (("mxfp4", "fp8"), "fp8"), (("fp4", "fp32", "bf16"), "fp32")])
+def test_the_reference_is_the_most_precise(given, ref):
+    assert AgreementOptions(precisions=given).reference == ref
+
+
+def test_cli_bad_precision_is_one_line_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    r = CliRunner().invoke(app, ["agreement", "tiny", "--precisions", "fp32,fp7", "--out", str(tmp_path / "x")])
+    assert r.exit_code != 0 and r.output.strip().startswith("error: ") and "fp7" in r.output
+    assert not (tmp_path / "x").exists()
+    r = CliRunner().invoke(app, ["agreement", "tiny", "--model", "tiny-fine", "--out", str(tmp_path / "y")])
+    assert r.exit_code != 0 and "twice" in r.output and not (tmp_path / "y").exists()
+
+
+def test_fp4_groups_that_do_not_divide_the_input_dim_are_one_line_before_any_run(monkeypatch):
+    from moetool.experiments import agreement as mod
+
+    lm = moetool.load("tiny", dtype="fp32")
+    runs = []
+    monkeypatch.setattr(mod, "run_precision", lambda *a, **k: runs.append(a))
+    monkeypatch.setattr(mod.formats, "FP4_GROUP", 36)  # 128 and 192 are not multiples of 36
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    with pytest.raises(MoetoolError, match="not a multiple of the format's 36-value groups"):
+        agreement(lm, tokens, precisions=("fp32", "mxfp4"), bootstrap=0, quiet=True)
+    assert not runs

@@ -1,0 +1,150 @@
+"""``moetool.formats``: quantize / dequantize of every expert format against transformers' own routines and hand
+references (nearest e2m1 value by brute force, per-block scales one block at a time)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.integrations import finegrained_fp8 as tf_fp8
+from transformers.integrations import mxfp4 as tf_mx
+
+from moetool import formats
+from moetool.errors import MoetoolError
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def weight(*shape, dtype=torch.float32):
+    w = torch.randn(*shape, generator=GEN) * torch.linspace(0.01, 3.0, shape[-1])  # scales differ per block
+    return w.to(dtype)
+
+
+def tf_quantizer(scale_fmt, block=(128, 128)):
+    cfg = SimpleNamespace(weight_block_size=list(block), scale_fmt=scale_fmt)
+    return SimpleNamespace(quantization_config=cfg)
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_matches_transformers_quantize_and_dequantize(scale_fmt):
+    w = weight(3, 256, 384)  # 3 experts, 2 x 3 blocks each
+    q, s = formats.quantize_fp8(w, scale_fmt=scale_fmt)
+    ref = tf_fp8.Fp8Quantize(tf_quantizer(scale_fmt))._quantize_one("experts.gate_up_proj", w)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(q.view(torch.uint8), ref["experts.gate_up_proj"].view(torch.uint8))
+    assert s.dtype == ref["experts.gate_up_proj_scale_inv"].dtype and s.shape == (3, 2, 3)
+    assert torch.equal(s.float(), ref["experts.gate_up_proj_scale_inv"].float())
+    deq = tf_fp8.Fp8Dequantize(tf_quantizer(scale_fmt))._dequantize_one(q, s, output_dtype=torch.float32)
+    assert torch.equal(formats.dequantize_fp8(q, s), deq)
+    assert torch.equal(formats.fake_quantize(w, "fp8", scale_fmt=scale_fmt), deq)
+    # transformers' backward-pass dequantization reads the same numbers
+    assert torch.equal(tf_fp8._dequantize_fp8_weight(q, s, [128, 128], torch.float32), deq)
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_ragged_blocks_one_block_at_a_time(scale_fmt):
+    """Shapes that are not multiples of 128 (tiny models): each partial edge block scaled by its own amax."""
+    w = weight(2, 200, 72)
+    q, s = formats.quantize_fp8(w, scale_fmt=scale_fmt)
+    assert s.shape == (2, 2, 1)
+    for e, i, j in itertools.product(range(2), range(2), range(1)):
+        blk = w[e, 128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)]
+        scale = 448.0 / blk.abs().max()
+        if scale_fmt == "ue8m0":
+            scale = 1 / 2.0 ** torch.ceil(torch.log2(1 / scale))
+        assert torch.equal(s[e, i, j].float(), 1 / scale)
+        codes = (blk * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(q[e, 128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)].view(torch.uint8), codes.view(torch.uint8))
+    deq = formats.dequantize_fp8(q, s, block=(128, 128))
+    assert torch.equal(deq, tf_fp8._dequantize_fp8_weight(q, s, [128, 128], torch.float32))
+    assert torch.equal(formats.fake_quantize(w, "fp8", scale_fmt=scale_fmt), deq)
+    q3, s3 = formats.quantize_fp8(weight(2, 201, 72), scale_fmt=scale_fmt)
+    with pytest.raises(MoetoolError, match="not a whole number of blocks"):
+        formats.dequantize_fp8(q3, s3)  # a ragged grid needs the module's block size
+    with pytest.raises(MoetoolError, match="does not fit"):
+        formats.dequantize_fp8(q3, s3, block=(64, 64))
+
+
+def nearest_e2m1(x):
+    """Brute force: the e2m1 value nearest each x (clamped to +-6), ties to the one with an even mantissa."""
+    vals = torch.tensor(formats.E2M1_VALUES[:8])
+    a = x.abs().clamp(max=6.0)
+    d = (a[..., None] - vals).abs()
+    best = d.min(-1, keepdim=True).values
+    cand = d == best
+    even = torch.tensor([True, False, True, False, True, False, True, False])  # 0, 1, 2, 4 end in mantissa 0
+    pick = torch.where(cand.sum(-1, keepdim=True) > 1, cand & even, cand).float().argmax(-1)
+    return vals[pick] * torch.where(x < 0, -1.0, 1.0)
+
+
+def test_e2m1_rounding_is_nearest_with_ties_to_even():
+    x = torch.cat([torch.linspace(-7, 7, 2801), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -5.0])])
+    codes = formats.e2m1_codes(x)
+    got = torch.tensor(formats.E2M1_VALUES)[codes.long()]
+    assert torch.equal(got.abs(), nearest_e2m1(x).abs()) and torch.equal(got, nearest_e2m1(x))
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp4_packed_matches_transformers_dequantize(scale_fmt):
+    w = weight(2, 48, 128)
+    packed, s = formats.quantize_fp4(w, scale_fmt=scale_fmt)
+    assert packed.dtype == torch.int8 and packed.shape == (2, 48, 64) and s.shape == (2, 48, 4)
+    deq = tf_fp8.Fp8Dequantize(tf_quantizer(scale_fmt))._dequantize_one(packed, s, output_dtype=torch.float32)
+    assert torch.equal(formats.dequantize_fp8(packed, s), deq)
+    assert torch.equal(formats.fake_quantize(w, "fp4", scale_fmt=scale_fmt), deq)
+    # hand: each group of 32 is amax/6 (ue8m0: rounded up to a power of two) times the nearest e2m1 value
+    g = w.reshape(2, 48, 4, 32)
+    scale = g.abs().amax(-1) / 6.0
+    if scale_fmt == "ue8m0":
+        scale = 2.0 ** torch.ceil(torch.log2(scale))
+    hand = (nearest_e2m1(g / scale[..., None]) * scale[..., None]).reshape(w.shape)
+    assert torch.equal(deq, hand)
+
+
+def test_mxfp4_matches_transformers_gpt_oss_dequantize():
+    w = weight(3, 64, 96)  # [experts, out, in]
+    blocks, scales = formats.quantize_mxfp4(w)
+    assert blocks.shape == (3, 64, 3, 16) and scales.shape == (3, 64, 3) and scales.dtype == torch.uint8
+    # transformers' gpt-oss loader turns the checkpoint blocks into its [experts, in, out] model layout
+    ref = tf_mx.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(formats.dequantize_mxfp4(blocks, scales).transpose(1, 2), ref)
+    g = w.reshape(3, 64, 3, 32)
+    scale = 2.0 ** torch.ceil(torch.log2(g.abs().amax(-1) / 6.0))
+    assert torch.equal(scales.int() - 127, torch.log2(scale).int())
+    hand = (nearest_e2m1(g / scale[..., None]) * scale[..., None]).reshape(w.shape)
+    assert torch.equal(formats.fake_quantize(w, "mxfp4"), hand)
+    # gpt-oss' own layout: groups along dim -2
+    assert torch.equal(formats.fake_quantize(w.transpose(1, 2), "mxfp4", in_dim=-2), hand.transpose(1, 2))
+
+
+@pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "ue8m0"), ("fp4", "ue8m0"), ("mxfp4", None)])
+def test_power_of_two_formats_are_idempotent_and_keep_dtype(fmt, scale_fmt):
+    w = weight(4, 256, 128, dtype=torch.bfloat16)
+    once = formats.fake_quantize(w, fmt, scale_fmt=scale_fmt)
+    assert once.dtype == torch.bfloat16 and once.shape == w.shape
+    assert torch.equal(formats.fake_quantize(once, fmt, scale_fmt=scale_fmt), once)
+    assert not torch.equal(once, w)
+
+
+def test_plain_casts_and_errors_are_bounded():
+    w = weight(64, 128)
+    assert torch.equal(formats.fake_quantize(w, "bf16"), w.bfloat16().float())
+    assert torch.equal(formats.fake_quantize(w, "fp16"), w.half().float())
+    assert torch.equal(formats.fake_quantize(w, "fp32"), w)
+    # worst-case relative error of each format, per block: fp8 e4m3 half an ulp (2^-4), fp4 half the widest gap (1/6)
+    rel8 = ((formats.fake_quantize(w, "fp8") - w).abs() / w.abs().amax()).max()
+    assert 0 < rel8 <= 2.0**-4
+    for fmt in ("fp4", "mxfp4"):
+        g = w.reshape(64, 4, 32)
+        err = (formats.fake_quantize(w, fmt) - w).reshape(64, 4, 32).abs().amax(-1) / g.abs().amax(-1)
+        assert 0 < err.max() <= (2 / 6 if fmt == "mxfp4" else 1 / 6) + 1e-6
+
+
+def test_bad_formats_are_one_line():
+    with pytest.raises(MoetoolError, match="unknown weight format 'int3'"):
+        formats.fake_quantize(weight(4, 32), "int3")
+    with pytest.raises(MoetoolError, match="not a multiple"):
+        formats.fake_quantize(weight(4, 40), "mxfp4")
+    with pytest.raises(MoetoolError, match="matrices"):
+        formats.fake_quantize(torch.ones(32), "fp8")
