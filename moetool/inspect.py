@@ -26,16 +26,15 @@ def describe_layers(model: Any, layers: list) -> dict[str, Any]:
 
 
 def describe_model(name: str) -> dict[str, Any]:
-    from .loading import load_config
+    from .loading import auto_model_class, load_config
 
     config, source, kind = load_config(name)  # first: a bad name fails before torch is imported
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .adapters import find_moe_layers, get_adapter
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     info = describe_layers(model, find_moe_layers(model))
     return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info}
 
