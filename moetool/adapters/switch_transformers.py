@@ -123,13 +123,26 @@ class SwitchLayer(GenericLayer):
         self.stack, self.stack_layer = stack, stack_layer
         super().__init__(index, decoder_layer, block, router_view, experts_view, config)
 
+    #: ``SwitchTransformersAttention`` returns ``(output, position_bias, attention probabilities)``
+    attention_probs_index = 2
+
     @property
     def attention(self) -> nn.Module | None:
-        return None  # T5 attention returns no probabilities to the engine's hook: attention routing is refused
+        """The block's self-attention (bidirectional in the encoder, causal in the decoder; eager for probabilities)."""
+        return self.decoder_layer.layer[0].SelfAttention
+
+    @property
+    def softmax_attention(self) -> nn.Module:
+        return self.attention
 
     @property
     def shared_experts(self) -> nn.Module | None:
         return None
+
+    @property
+    def router_norm(self) -> nn.Module:
+        """The norm between the block's input stream and the router (the feed-forward sublayer's layer norm)."""
+        return self.decoder_layer.layer[-1].layer_norm
 
     @property
     def capacity(self) -> int:
