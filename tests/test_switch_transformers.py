@@ -44,6 +44,7 @@ def _small_capacity_model(capacity: int = 3):
     return SwitchTransformersForConditionalGeneration(config).float().eval()
 
 
+@pytest.mark.slow
 def test_capacity_drops_reproduced_bit_for_bit():
     model = _small_capacity_model(3)
     plain = copy.deepcopy(model)
