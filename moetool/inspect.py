@@ -87,6 +87,10 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
 
 
 def _decoder_layer_count(model: Any, layers: list) -> range:
+    if getattr(model.config, "is_encoder_decoder", False):  # both stacks, numbered on as the adapter numbers them
+        from .adapters import get_adapter
+
+        return range(len(get_adapter(model.config).decoder_layers(model)))
     cfg = layers[0].config if layers else model.config
     n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None) or getattr(cfg, "n_layers", None)
     return range(int(n) if n else max(x.index for x in layers) + 1)
