@@ -81,6 +81,7 @@ ALIASES: dict[str, str] = {
     "inkling-2-small": "thinkingmachines/Inkling-2-Small-MXFP8",  # inkling2
     "minimax-text-01": "MiniMaxAI/MiniMax-Text-01-hf",  # minimax
     "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it",  # gemma4
+    "switch-base-8": "google/switch-base-8",  # switch_transformers
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
