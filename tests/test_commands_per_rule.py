@@ -371,7 +371,8 @@ def test_offload(case, tmp_path):
 def test_topk(case, tmp_path):
     K, n = case.top_k, case.n_experts
     sparse = case.rule == "sparsemixer"  # its weights are defined for its own K rounds only (refused otherwise)
-    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", str(K) if sparse or K == 1 else f"1,{K}",
+    ks = str(K) if sparse or K == 1 else f"1,{K}"  # top-1 routers (Switch): K is 1 already
+    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", ks,
            "--ps", "none" if sparse else "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
     assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)

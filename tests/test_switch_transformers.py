@@ -133,3 +133,23 @@ def test_nllb_moe_refused_while_its_experts_ignore_the_routing():
     actual = sum(gates[:, e:e + 1] * torch.where((first == e)[:, None], ex[1], ex[0]) for e in range(4))
     torch.testing.assert_close(out, actual)  # expert_1 for the top-1 choice, expert_0 for the second
     assert not torch.allclose(out, routed, atol=1e-3)
+
+
+def test_bf16_ranks_the_rounded_probabilities():
+    """In bf16 Switch ranks its fp32 probabilities cast back to bf16 with argmax (ties: the lowest index): identified
+    as softmax-topk with rank_dtype bf16; the router policy reproduces the unhooked logits bit for bit and route()
+    the model's own choice."""
+    model = build_tiny("switch_transformers").to(torch.bfloat16)
+    restore_views(model)
+    plain = copy.deepcopy(model)
+    layers = find_moe_layers(model)
+    assert {L.describe().get("rank_dtype") for L in layers} == {"bfloat16"}
+    batch = _rows(S=64)
+    inputs = {**batch, **seq2seq_inputs(model, batch["input_ids"], batch["attention_mask"])}
+    with torch.no_grad():
+        want = plain(**inputs).logits
+    got, events, _ = run(model, layers, inputs, policy=make_policy("router"))
+    assert torch.equal(got, want)
+    for L in layers:
+        idx, w = L.route(events[L.index].logits)
+        assert torch.equal(idx, events[L.index].idx) and torch.equal(w, events[L.index].weights)

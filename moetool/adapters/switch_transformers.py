@@ -34,14 +34,16 @@ Layers of both stacks are one list: the encoder's sparse blocks keep their block
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MoetoolError
 from .base import ExpertWeights
-from .generic import GenericAdapter, GenericLayer
+from .generic import GenericAdapter, GenericLayer, identify_layer
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 
@@ -162,6 +164,24 @@ class SwitchLayer(GenericLayer):
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(up)
+
+    def _identify(self):
+        """The generic identification, then how the router breaks ties in a half-precision model: it ranks its fp32
+        probabilities cast back to the input dtype (``argmax``: the lowest index among equal ones). Checked on the
+        router's own output for near-uniform probabilities, where rounding makes ties: the rank dtype (or fp32
+        ranking) that reproduces its choice there is kept; neither is one error line."""
+        rule, params, mode, cap = identify_layer(self)
+        if params.weights_dtype not in (torch.bfloat16, torch.float16):
+            return rule, params, mode, cap
+        w = self.linear.weight
+        h = torch.randn(256, w.shape[1], generator=torch.Generator().manual_seed(0)) * 1e-3
+        with torch.no_grad():
+            logits, _, idx = self.router(h.to(device=w.device, dtype=params.weights_dtype))
+        for p in (replace(params, rank_dtype=params.weights_dtype), replace(params, rank_dtype=None)):
+            if torch.equal(rule.select(logits, p), idx):
+                return rule, p, mode, cap
+        raise MoetoolError(f"switch_transformers: the router's choice among near-equal probabilities matches no "
+                           f"ranking (layer {self.index})")
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "stack": self.stack, "stack_layer": self.stack_layer,
