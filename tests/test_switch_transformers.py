@@ -153,3 +153,50 @@ def test_bf16_ranks_the_rounded_probabilities():
     for L in layers:
         idx, w = L.route(events[L.index].logits)
         assert torch.equal(idx, events[L.index].idx) and torch.equal(w, events[L.index].weights)
+
+
+def test_vocabulary_views_follow_each_stack():
+    """VocabSpecialization's (token, top-1 expert) keys by hand: an encoder position t reads token t (next: t+1,
+    predicted: the decoder's argmax at t+1); a decoder position t reads token t-1 (next: t, predicted: argmax at t)."""
+    from types import SimpleNamespace
+
+    from moetool.experiments.specialization import VocabSpecialization
+
+    model = build_tiny("switch_transformers")
+    layers = find_moe_layers(model)
+    batch = _rows()
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    col = VocabSpecialization(layers)
+    col.begin_batch(SimpleNamespace(**batch))
+    inputs = {**batch, **seq2seq_inputs(model, batch["input_ids"], batch["attention_mask"])}
+    logits, events, _ = run(model, layers, inputs)
+    for ev in events.values():
+        col(ev)
+    col.on_batch(None, SimpleNamespace(logits=logits))
+    pred = logits.argmax(-1)
+    B, S = ids.shape
+    for L in layers:
+        top1 = events[L.index].idx[:, 0].reshape(B, S)
+        want = {"input": [], "next_token": [], "predicted": []}
+        for b in range(B):
+            for t in range(S):
+                if not mask[b, t]:
+                    continue
+                e = int(top1[b, t])
+                if L.stack == "encoder":
+                    want["input"].append((int(ids[b, t]), e))
+                    if t + 1 < S and mask[b, t + 1]:
+                        want["next_token"].append((int(ids[b, t + 1]), e))
+                        want["predicted"].append((int(pred[b, t + 1]), e))
+                else:
+                    if t > 0 and mask[b, t - 1]:
+                        want["input"].append((int(ids[b, t - 1]), e))
+                    want["next_token"].append((int(ids[b, t]), e))
+                    want["predicted"].append((int(pred[b, t]), e))
+        for view, pairs in want.items():
+            keys, counts = col.counters[L.index][view].result()
+            got = {(int(k) // L.n_experts, int(k) % L.n_experts): int(c) for k, c in zip(keys, counts) if k >= 0}
+            hand: dict = {}
+            for p in pairs:
+                hand[p] = hand.get(p, 0) + 1
+            assert got == hand, (L.index, view)
