@@ -200,3 +200,20 @@ def test_vocabulary_views_follow_each_stack():
             for p in pairs:
                 hand[p] = hand.get(p, 0) + 1
             assert got == hand, (L.index, view)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identified_on_the_meta_device_in_train_mode(dtype):
+    """inspect / plan / sizing build the model on the meta device by from_config (train mode): identification runs
+    the router in eval mode (its jitter is for training only), so both precisions are identified."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from moetool.adapters.discovery import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForSeq2SeqLM.from_config(tiny_config("switch_transformers"), dtype=dtype)
+    assert model.training
+    layers = find_moe_layers(model)
+    want = None if dtype == torch.float32 else "bfloat16"
+    assert [(L.describe()["rule"], L.describe().get("rank_dtype")) for L in layers] == [("softmax-topk", want)] * 4
+    assert all(L.router.__dict__["router"].training for L in layers)  # the mode is given back

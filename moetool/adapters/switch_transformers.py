@@ -170,10 +170,21 @@ class SwitchLayer(GenericLayer):
         probabilities cast back to the input dtype (``argmax``: the lowest index among equal ones). Checked on the
         router's own output for near-uniform probabilities, where rounding makes ties: the rank dtype (or fp32
         ranking) that reproduces its choice there is kept; neither is one error line."""
+        router = self.router.__dict__["router"]
+        was = router.training
+        router.eval()  # the router's jitter is for training only (a model built by from_config is in train mode)
+        try:
+            return self._identify_eval()
+        finally:
+            router.train(was)
+
+    def _identify_eval(self):
         rule, params, mode, cap = identify_layer(self)
         if params.weights_dtype not in (torch.bfloat16, torch.float16):
             return rule, params, mode, cap
         w = self.linear.weight
+        if w.device.type == "meta":  # no weights to run (inspect of a hub model): the modeling code's ranking
+            return rule, replace(params, rank_dtype=params.weights_dtype), mode, cap
         h = torch.randn(256, w.shape[1], generator=torch.Generator().manual_seed(0)) * 1e-3
         with torch.no_grad():
             logits, _, idx = self.router(h.to(device=w.device, dtype=params.weights_dtype))
