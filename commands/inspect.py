@@ -81,13 +81,14 @@ def inspect(model: Model = DEFAULT_MODEL,
     c.print(f"parameters: total {info['total_params']:,}, active per token {info['active_params']:,} "
             f"({info['active_params'] / info['total_params']:.1%})")
     t = Table(title="MoE layers")
-    for col in ("layer", "n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias",
-                "expert_params"):
+    cols = ("layer", "n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias", "expert_params")
+    if any("stack" in L for L in info["moe_layers"]):  # an encoder-decoder: which stack, and the block in it
+        cols = ("layer", "stack", "stack_layer", *cols[1:])
+    for col in cols:
         t.add_column(col)
     for L in info["moe_layers"]:
         t.add_row(*[f"{L[k]:,}" if isinstance(L[k], int) and not isinstance(L[k], bool) else str(L[k])
-                    for k in ("layer", "n_experts", "top_k", "scoring", "renormalize", "shared_experts",
-                              "router_bias", "expert_params")])
+                    for k in cols])
     c.print(t)
     if info["dense_layers"]:
         c.print(f"dense (non-MoE) decoder layers: {info['dense_layers']}")

@@ -19,23 +19,23 @@ def describe_layers(model: Any, layers: list) -> dict[str, Any]:
         inactive += ep * (L.n_experts - L.top_k) // L.n_experts
         rows.append({**L.describe(), "expert_params": ep})
     moe = {L.index for L in layers}
-    n_layers = int(getattr(model.config, "num_hidden_layers", len(rows)))
+    n_layers = len(_decoder_layer_count(model, layers)) if getattr(model.config, "is_encoder_decoder", False) else \
+        int(getattr(model.config, "num_hidden_layers", len(rows)))
     return {"model_type": model.config.model_type, "num_layers": n_layers, "moe_layers": rows,
             "dense_layers": [i for i in range(n_layers) if i not in moe],
             "total_params": int(total), "active_params": int(total - inactive)}
 
 
 def describe_model(name: str) -> dict[str, Any]:
-    from .loading import load_config
+    from .loading import auto_model_class, load_config
 
     config, source, kind = load_config(name)  # first: a bad name fails before torch is imported
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .adapters import find_moe_layers, get_adapter
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     info = describe_layers(model, find_moe_layers(model))
     return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info}
 
@@ -88,6 +88,10 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
 
 
 def _decoder_layer_count(model: Any, layers: list) -> range:
+    if getattr(model.config, "is_encoder_decoder", False):  # both stacks, numbered on as the adapter numbers them
+        from .adapters import get_adapter
+
+        return range(len(get_adapter(model.config).decoder_layers(model)))
     cfg = layers[0].config if layers else model.config
     n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None) or getattr(cfg, "n_layers", None)
     return range(int(n) if n else max(x.index for x in layers) + 1)

@@ -86,6 +86,7 @@ ALIASES: dict[str, str] = {
     "sarvam-30b": "sarvamai/sarvam-30b",  # sarvam_moe
     "minimax-text-01": "MiniMaxAI/MiniMax-Text-01-hf",  # minimax
     "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it",  # gemma4
+    "switch-base-8": "google/switch-base-8",  # switch_transformers
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -173,6 +174,14 @@ def quiet_transformers() -> Iterator[None]:
         yield
     finally:
         set_hook(previous)
+
+
+def auto_model_class(config: Any) -> Any:
+    """The transformers Auto class a model of ``config`` loads with: ``AutoModelForSeq2SeqLM`` for an encoder-decoder
+    (Switch Transformers), ``AutoModelForCausalLM`` otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
 
 
 def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
@@ -328,7 +337,7 @@ def load_tokenizer(name: str) -> Any:
 
 def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True) -> LoadedModel:
-    """Load a supported MoE causal LM in eval mode with its tokenizer and wrapped MoE layers.
+    """Load a supported MoE causal LM (or encoder-decoder LM) in eval mode with its tokenizer and wrapped MoE layers.
 
     Every failure is one :class:`MoetoolError` line: the config is read first (dense or unsupported models stop
     there), local ``*.safetensors`` files are checked before loading (:func:`check_safetensors`), a hub id is
@@ -336,7 +345,6 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     """
     config, source, kind, from_hub, offline = _read_config(name)
     import torch  # noqa: F401 - heavy imports only here
-    from transformers import AutoModelForCausalLM
 
     from .adapters import find_moe_layers
 
@@ -356,7 +364,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
         with quiet_transformers(), _no_load_report():
-            model, info = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            model, info = auto_model_class(config).from_pretrained(source, **kwargs)
         check_loading_info(source, config, info)
     except MoetoolError:
         raise

@@ -22,8 +22,11 @@ def vector_norm(x: torch.Tensor, norm: str = "l2", dim: int = -1) -> torch.Tenso
     return torch.linalg.vector_norm(x, ord=_ORD[norm], dim=dim)
 
 
-def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest scores along the last dim, largest first. ``[T, n] -> [T, k]``."""
+def topk(scores: torch.Tensor, k: int, *, stable: bool = False) -> torch.Tensor:
+    """Indices of the ``k`` largest scores along the last dim, largest first. ``[T, n] -> [T, k]``. ``stable``: equal
+    scores in index order (the lowest first, as ``argmax``), by a stable sort."""
+    if stable:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.topk(scores, k, dim=-1).indices
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .configs import text_config
 from .errors import MoetoolError, MoetoolRuntimeError
-from .loading import load_config, pick_device, pick_dtype, quiet_transformers
+from .loading import auto_model_class, load_config, pick_device, pick_dtype, quiet_transformers
 
 # ----- validate a run from the config, before any weight loads ----------------------------------------------------
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -35,11 +35,10 @@ def count_parameters(config: Any) -> int | None:
     """Parameters of the model ``config`` describes (built on the meta device: no memory, no weights; tied
     embeddings count once); ``None`` if it cannot be built from its config."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"), quiet_transformers():
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
     except Exception:  # noqa: BLE001 - an estimate only: the load itself reports real problems
         return None
     return sum(p.numel() for p in model.parameters())

@@ -44,16 +44,21 @@ CASES: dict[str, tuple[str, dict]] = {
     "topk-sigmoid": ("kolibri1", {}),
     "topk-sigmoid-renorm": ("kolibri1", {"norm_topk_prob": True}),  # no installed family's default
     "sparsemixer": ("phimoe", {}),
+    # a structure beside the rules: an encoder-decoder (both stacks' MoE layers; top-1 softmax with expert capacity)
+    "softmax-topk-seq2seq": ("switch_transformers", {}),
 }
+#: case -> its catalogue rule, where the case is a structure rather than a rule
+RULE_OF = {"softmax-topk-seq2seq": "softmax-topk"}
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
 runner = CliRunner()
 
 
 def test_every_rule_of_the_catalogue_has_a_case():
-    assert set(CASES) == {r.name for r in rules.RULES}
+    assert {RULE_OF.get(c, c) for c in CASES} == {r.name for r in rules.RULES}
+    assert set(CASES) - set(RULE_OF) == {r.name for r in rules.RULES}
     for rule, (mt, overrides) in CASES.items():
-        assert overrides or EXPECTED_RULE[mt] == rule
+        assert overrides or EXPECTED_RULE[mt] == RULE_OF.get(rule, rule)
     assert set(EXPECTED_RULE.values()) <= set(CASES)
 
 
@@ -85,12 +90,42 @@ class Case:
     scored: int  # next-token pairs the perplexity averages over
 
 
+def plain_seq2seq_run(path: Path, tokens, dtype: torch.dtype | None = None
+                      ) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]], float]:
+    """Switch Transformers by plain transformers: the rows as source and labels (``labels`` = the rows, padding
+    -100: transformers builds the decoder input itself); each sparse MLP's dispatch (encoder block ``i`` = layer
+    ``i``, decoder block ``j`` = ``n_encoder + j``: the adapter's numbering) and the model's own loss."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = (AutoModelForSeq2SeqLM.from_pretrained(path).float() if dtype is None else
+             AutoModelForSeq2SeqLM.from_pretrained(path, dtype=dtype)).eval()
+    got, handles = {}, []
+    n_enc = len(model.encoder.block)
+    for offset, blocks in ((0, model.encoder.block), (n_enc, model.decoder.block)):
+        for j, blk in enumerate(blocks):
+            if blk.layer[-1].is_sparse:
+                handles.append(blk.layer[-1].mlp.experts.register_forward_pre_hook(
+                    lambda m, args, i=offset + j: got.__setitem__(i, (args[1].detach(), args[2].detach().float()))))
+    ids, mask = tokens.input_ids, tokens.attention_mask
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+    for h in handles:
+        h.remove()
+    real = mask.reshape(-1).bool()
+    for i, (dispatch, w) in got.items():  # [T, 1, n] one-hot (no capacity drop at these lengths), [T, 1]
+        assert dispatch.shape[0] == real.shape[0] and (dispatch.sum(-1) == 1).all()
+        got[i] = (dispatch.argmax(-1)[real], w[real])
+    return model, got, math.exp(loss)
+
+
 def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
               ) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Plain transformers forward of ``tokens`` (one batch); each MoE layer's experts-module inputs. ``dtype``: the
     model as transformers loads it in that dtype (default: fp32)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if AutoConfig.from_pretrained(path).is_encoder_decoder:
+        return plain_seq2seq_run(path, tokens, dtype)[:2]
     model = (AutoModelForCausalLM.from_pretrained(path).float() if dtype is None else
              AutoModelForCausalLM.from_pretrained(path, dtype=dtype)).eval()
     got, handles = {}, []
@@ -125,9 +160,10 @@ def case(request, tmp_path_factory) -> Case:
 
     from moetool.data import load_tokens
 
-    rule = request.param
-    mt, overrides = CASES[rule]
-    root = tmp_path_factory.mktemp(rule)
+    key = request.param
+    mt, overrides = CASES[key]
+    rule = RULE_OF.get(key, key)
+    root = tmp_path_factory.mktemp(key)
     model = tiny.build_tiny(mt, seed=0)
     model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
     cfg = model.config.get_text_config(decoder=True)
@@ -152,7 +188,10 @@ def case(request, tmp_path_factory) -> Case:
     ref, routing = plain_run(path, tokens)
     layers = find_moe_layers(ref)
     assert {L.describe()["rule"] for L in layers} == {rule}  # the saved model really routes by this rule
-    ppl, scored = hand_ppl(ref, tokens, BATCH)
+    if ref.config.is_encoder_decoder:  # the model's own seq2seq loss over every real target token (one batch)
+        ppl, scored = plain_seq2seq_run(path, tokens)[2], int(tokens.attention_mask.sum())
+    else:
+        ppl, scored = hand_ppl(ref, tokens, BATCH)
     _, routing_perturbed = plain_run(perturbed, tokens)
     return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
                 routing, routing_perturbed, ppl, scored)
@@ -337,7 +376,8 @@ def test_offload(case, tmp_path):
 def test_topk(case, tmp_path):
     K, n = case.top_k, case.n_experts
     sparse = case.rule == "sparsemixer"  # its weights are defined for its own K rounds only (refused otherwise)
-    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", str(K) if sparse else f"1,{K}",
+    ks = str(K) if sparse or K == 1 else f"1,{K}"  # top-1 routers (Switch): K is 1 already
+    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", ks,
            "--ps", "none" if sparse else "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
     assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)

@@ -26,6 +26,7 @@ from moetool import ops
 from moetool.adapters import discovery, find_moe_layers
 from moetool.adapters.tiny import build_tiny
 from moetool.engine import node_scores
+from moetool.engine.runner import is_seq2seq, seq2seq_inputs
 from moetool.policies import make_policy
 
 SEED = 0
@@ -54,8 +55,15 @@ def tiny(model_type: str):
 @functools.lru_cache(maxsize=None)
 def captured(model_type: str):
     model, layers = tiny(model_type)
-    _, events, _ = run(model, layers, padded_batch(seq=8))
+    _, events, _ = run(model, layers, model_inputs(model, padded_batch(seq=8)))
     return model, layers, events
+
+
+def model_inputs(model, batch: dict) -> dict:
+    """The forward's inputs: an encoder-decoder's decoder reads the same rows (moetool's seq2seq forward)."""
+    if not is_seq2seq(model):
+        return batch
+    return {**batch, **seq2seq_inputs(model, batch["input_ids"], batch["attention_mask"])}
 
 
 def one_expert(L, e: int, h: torch.Tensor) -> torch.Tensor:
@@ -75,7 +83,7 @@ def moe_by_loop(L, h, idx, w) -> torch.Tensor:
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_family(model_type):
     model, layers = tiny(model_type)
-    batch = padded_batch(seq=8)
+    batch = model_inputs(model, padded_batch(seq=8))
     assert layers, f"{model_type}: no MoE layer in the tiny model"
     with torch.no_grad():
         want = model(**batch).logits
@@ -166,13 +174,13 @@ def test_inspect_families_cli(monkeypatch):
 
     from moetool.commands.app import app
 
-    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "switch_transformers"])
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "nllb-moe"])
     res = CliRunner().invoke(app, ["inspect", "--families", "--json"])
     assert res.exit_code == 0, res.output
     rows = {r["model_type"]: r for r in json.loads(res.output)}
     assert rows["mixtral"]["supported"] == "yes" and rows["mixtral"]["shared_experts"] == "no"
     assert rows["mixtral"]["dense_layers"] == "none" and "Experts" in rows["mixtral"]["experts"]
-    assert rows["switch_transformers"]["supported"] == "no: " + discovery.UNSUPPORTED["switch_transformers"]
+    assert rows["nllb-moe"]["supported"] == "no: " + discovery.UNSUPPORTED["nllb-moe"]
     res = CliRunner().invoke(app, ["inspect", "--families"])
     assert res.exit_code == 0 and "1 supported of 2" in res.output
 
@@ -183,10 +191,10 @@ def test_families_answer_from_a_cache_keyed_by_the_installation(monkeypatch):
     import moetool.inspect as mi
 
     built = []
-    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "switch_transformers"])
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "nllb-moe"])
     monkeypatch.setattr(mi, "family_row", lambda mt: built.append(mt) or {"model_type": mt, "supported": "yes"})
     first = mi.families()
-    assert built == ["mixtral", "switch_transformers"] and mi.families() == first and len(built) == 2
+    assert built == ["mixtral", "nllb-moe"] and mi.families() == first and len(built) == 2
     key = mi.families_cache_key()
     monkeypatch.setattr(mi, "families_cache_key", lambda: {**key, "transformers": "0.0.1"})
     assert mi.families() == first and len(built) == 4  # another transformers: built again

@@ -41,6 +41,7 @@ EXPECTED_RULE = {
     "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",
     "gemma4": "softmax-topk-renorm", "gemma4_text": "softmax-topk-renorm",  # times per_expert_scale[idx]
     "phimoe": "sparsemixer",
+    "switch_transformers": "softmax-topk",  # top-1: argmax of softmax, weight = its probability
 }
 
 

@@ -40,6 +40,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "llama4_text": "moetool.adapters.llama4:Llama4Adapter",
     "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
+    "switch_transformers": "moetool.adapters.switch_transformers:SwitchAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

@@ -22,8 +22,6 @@ from ..progress import logger_level
 
 #: model_type -> why moetool does not analyse it (every other discovered type must pass tests/test_families.py)
 UNSUPPORTED: dict[str, str] = {
-    "switch_transformers": "encoder-decoder (T5-style) with top-1 routing in both stacks; moetool analyses decoder-"
-                           "only causal LMs",
     "doge": "Doge's CDMoE is product-key retrieval over thousands of single-neuron experts stored as embedding rows "
             "(no router/experts modules with a top-K over expert MLPs); off (is_moe=False) by default",
     "gemma4_assistant": "Gemma-4's speculative-decoding assistant (drafts from the target model's hidden states "
@@ -58,8 +56,10 @@ UNSUPPORTED: dict[str, str] = {
                     "the router does not return",
     "muse_spark": "no adapter yet: experts and router work in a projected width (moe_hidden_size), not on the layer "
                   "input",
-    "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
-                "causal LMs",
+    "nllb-moe": "its experts module runs the wrong experts in the installed transformers: NllbMoeExperts one-hot "
+                "encodes the router's 0/1 top-1 dispatch mask, so every token goes through expert_1 (weighted by its "
+                "top-1 gate) and expert_0 (its top-2 gate) whatever the router chose; the output is not the routing "
+                "(a transformers bug, checked against the router's own choice)",
 }
 
 _EXPERT_FIELD = re.compile(r"\b\w*experts\w*\s*[:=]")  # a config field such as ``num_experts: int = 8``
@@ -310,6 +310,12 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections [8, 12, 12] need 128 * partial_rotary_factor / 2
     "ernie4_5_vl_moe_text": {"head_dim": 128},  # 3-D RoPE split sized for 128
     "hy_v4_vl_text": {"rope_parameters": {"mrope_section": [2, 1, 1]}},  # must sum to qk_rope_head_dim // 2 = 4
+    # encoder-decoder (T5 field names the generic rules do not know): 4 + 4 blocks, every other one sparse
+    "switch_transformers": {"d_model": TEXT["hidden"], "d_ff": TEXT["inter"], "d_kv": TEXT["head_dim"],
+                            "num_heads": TEXT["heads"], "num_layers": N_LAYERS, "num_decoder_layers": N_LAYERS,
+                            "num_sparse_encoder_layers": 2, "num_sparse_decoder_layers": 2, "encoder_sparse_step": 2,
+                            "decoder_sparse_step": 2,
+                            "vocab_size": TEXT["vocab"], "decoder_start_token_id": 0},
 }
 
 
@@ -326,7 +332,7 @@ def tiny_config(model_type: str) -> Any:
         default = cls()
     d = default.to_dict()
     tc = text_config(default)
-    composite = tc is not default
+    composite = tc is not default and not getattr(default, "is_encoder_decoder", False)  # T5: a decoder copy
     if composite:
         sub = next(k for k, v in d.items() if isinstance(v, dict) and v.get("model_type") == tc.model_type)
         old_hidden = tc.hidden_size
@@ -351,12 +357,14 @@ def tiny_config(model_type: str) -> Any:
 
 
 def model_class(model_type: str) -> Any:
-    """The Auto class that builds the family's language model (causal LM, or image-text-to-text)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """The Auto class that builds the family's language model (causal LM, image-text-to-text or seq2seq LM)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     kind = head_kind(model_type)
     if kind == "causal-lm":
         return AutoModelForCausalLM
     if kind == "image-text-to-text":
         return AutoModelForImageTextToText
+    if kind == "seq2seq":
+        return AutoModelForSeq2SeqLM
     raise ValueError(f"{model_type}: {kind} models are not analysed")

@@ -292,6 +292,8 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
             raise fail("the router's logits are not a linear map of its input (logits(h) differs from the "
                        "router's first output)")
         cands = _candidates(router, int(want_idx.shape[-1]), None if bias is None else bias.detach())
+        if want_w.dtype != torch.float32 and want_w.is_floating_point():  # ranked in the output's own precision
+            cands += [replace(c, rank_dtype=want_w.dtype) for c in cands if c.jitter_eps is None]
         try:
             rule, params = rules.identify(logits, want_idx, want_w, cands)
         except rules.NoRuleMatches as e:

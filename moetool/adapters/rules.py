@@ -45,6 +45,8 @@ class Params:
     norm_min: float = 0.0  # w / clamp(sum, norm_min) (ERNIE-4.5)
     jitter_eps: float | None = None  # sparsemixer's threshold (None: not a sparsemixer router)
     weights_dtype: torch.dtype | None = None  # None: fp32
+    rank_dtype: torch.dtype | None = None  # scores rounded to this dtype before the top-K, ties to the lowest index
+    # (Switch Transformers ranks its fp32 probabilities cast back to the input dtype, with argmax)
 
     def describe(self) -> dict:
         d = {"top_k": self.top_k, "correction_bias": self.bias is not None, "routed_scaling_factor": self.scale}
@@ -56,6 +58,8 @@ class Params:
             d["norm_min"] = self.norm_min
         if self.jitter_eps is not None:
             d["jitter_eps"] = self.jitter_eps
+        if self.rank_dtype is not None:
+            d["rank_dtype"] = str(self.rank_dtype).removeprefix("torch.")
         return d
 
 
@@ -137,6 +141,8 @@ class Rule:
             s = s.masked_fill(~keep, float("-inf"))
         if p.n_group > 1:
             s = s.masked_fill(~group_mask(s, p.n_group, p.topk_group, p.group_score), float("-inf"))
+        if p.rank_dtype is not None:
+            return ops.topk(s.to(p.rank_dtype), p.top_k, stable=True)
         return ops.topk(s, p.top_k)
 
     # ----- weights -----------------------------------------------------------------------------------------
@@ -231,7 +237,8 @@ def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 continue  # sparsemixer ranks the raw logits: no bias, no groups
             if rule.weight != "sparsemixer" and p.jitter_eps is not None:
                 continue
-            key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score)
+            key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score,
+                   p.rank_dtype)
             if key not in selected:
                 selected[key] = rule.select(logits, p)
             sel = selected[key]

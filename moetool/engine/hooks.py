@@ -251,8 +251,10 @@ class Engine:
     def _attention_hook(self, L: MoELayer):
         slot = self._slots[L.index]
 
+        k = getattr(L, "attention_probs_index", 1)  # where the module's output tuple holds the probabilities
+
         def hook(module, args, out):
-            attn = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            attn = out[k] if isinstance(out, tuple) and len(out) > k else None
             if attn is None:
                 raise MoetoolError("attention probabilities are not available: load the model with "
                                    "attn_implementation='eager' (moetool does this for attention routing)")

@@ -62,25 +62,51 @@ NLL_CHUNK_ELEMENTS = 1 << 25
 
 
 def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-              per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              per_row: bool = False, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token NLL and number of scored tokens for one batch (device tensors); ``per_row``: one sum and
-    count per row (``[B]`` each; the bootstrap's per-document sums).
+    count per row (``[B]`` each; the bootstrap's per-document sums). ``shift=False`` (an encoder-decoder's
+    :func:`seq2seq_inputs`): position ``t`` predicts ``input_ids[:, t]`` itself, every real position scored.
 
     Computed in fp32 over chunks of positions of at most :data:`NLL_CHUNK_ELEMENTS` logits (at least one
     position), summed in fp64: the same per-token values as one ``cross_entropy`` over the whole batch."""
     B, S, V = logits.shape
-    keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()  # [B, S-1]
+    d = int(shift)
+    keep = attention_mask[:, d:].bool() & attention_mask[:, :S - d].bool()  # [B, S-d]
     sums = torch.zeros(B, dtype=torch.float64, device=logits.device)
     step = max(1, NLL_CHUNK_ELEMENTS // max(B * V, 1))
-    for p0 in range(0, S - 1, step):
-        p1 = min(p0 + step, S - 1)
+    for p0 in range(0, S - d, step):
+        p1 = min(p0 + step, S - d)
         pred = logits[:, p0:p1].float()  # [B, p, V]: a bounded fp32 copy
-        nll = F.cross_entropy(pred.reshape(-1, V), input_ids[:, p0 + 1:p1 + 1].reshape(-1), reduction="none")
+        nll = F.cross_entropy(pred.reshape(-1, V), input_ids[:, p0 + d:p1 + d].reshape(-1), reduction="none")
         sums += (nll.view(B, p1 - p0) * keep[:, p0:p1]).sum(1, dtype=torch.float64)
         del pred, nll
     if per_row:
         return sums, keep.sum(1)
     return sums.sum(), keep.sum()
+
+
+def is_seq2seq(model: Any) -> bool:
+    """An encoder-decoder model (Switch Transformers): its forward takes the decoder's input too."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def seq2seq_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The decoder's side of an encoder-decoder forward over packed text rows: **the text as both source and target**.
+
+    The encoder reads the row ``ids [B, S]``; the decoder is teacher-forced on the same row shifted right
+    (``decoder_start_token_id`` at each row's first real position), so decoder position ``t`` reads token ``t-1``
+    and predicts token ``t``; its mask is the row's. Both stacks' routing events have the row's shape and padding,
+    so every analysis reads them like a causal LM's; the loss is the model's own seq2seq cross-entropy with
+    ``labels = ids`` (padding ignored): :func:`batch_nll` with ``shift=False``.
+    """
+    start = getattr(model.config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(model.config, "pad_token_id", None) or 0
+    dec = ids.roll(1, dims=1)
+    first = (mask.cumsum(dim=1) == 1) & mask.bool()  # each row's first real position
+    dec[:, 0] = start
+    dec = dec.masked_fill(first, start)
+    return {"decoder_input_ids": dec, "decoder_attention_mask": mask}
 
 
 @dataclass
@@ -256,6 +282,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     engine = (Engine(lm.model, hooked_layers, policy=policy, policy_layers=layers, consumers=consumers,
                      attention=attention) if hooked else contextlib.nullcontext())
     model = lm.model
+    s2s = is_seq2seq(model)
     device = model.device
     guard = FiniteGuard(lm.layers)  # NaN/inf in any MoE layer: one line naming layer and batch, never a number
     s = torch.zeros((), dtype=torch.float64, device=device)
@@ -274,7 +301,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
         guard.mask = mask
         if hooked:  # events carry the batch's global packed-row ids (per-row seeded random choices)
             engine.rows = row_ids[first:first + ids.shape[0]].tolist()  # host ints, before the forward
-        return model(input_ids=ids, attention_mask=mask, use_cache=False), ids, mask
+        extra = seq2seq_inputs(model, ids, mask) if s2s else {}
+        return model(input_ids=ids, attention_mask=mask, use_cache=False, **extra), ids, mask
 
     def events() -> int:
         return sum(getattr(engine, "reported", {}).values())
@@ -286,7 +314,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
         out, ids, mask = run(b, first)
         if not want_nll:
             return out, None
-        return out, batch_nll(out.logits, ids.to(out.logits.device), mask.to(out.logits.device), per_row=True)
+        return out, batch_nll(out.logits, ids.to(out.logits.device), mask.to(out.logits.device), per_row=True,
+                              shift=not s2s)
 
     with torch.no_grad(), engine, guard:
         batches = itertools.islice(tokens.batches(batch_size), start_batch, None)

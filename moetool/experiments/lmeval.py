@@ -172,6 +172,9 @@ def results_frame(results: dict[str, Any]) -> Any:
 
 def make_hflm(lm: Any, batch_size: int = 8) -> Any:
     """lm-eval's HF wrapper around the loaded model object (no reload, hooks stay visible)."""
+    if getattr(lm.model.config, "is_encoder_decoder", False):
+        raise MoetoolError(f"lm-eval tasks score a causal LM's continuations; {lm.model.config.model_type} is an "
+                           f"encoder-decoder model (ppl gives its own seq2seq loss)")
     if lm.tokenizer is None:
         raise MoetoolError("lm-eval needs the model's tokenizer")
     if lm.tokenizer.bos_token_id is None and lm.tokenizer.eos_token_id is None:

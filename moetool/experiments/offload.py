@@ -21,7 +21,8 @@ Everything comes from one forward pass over the packed rows with the model's own
   decoder layer ``ℓ`` (= the input of decoder layer ``ℓ+1``, captured by a forward pre-hook on it). The
   prediction for MoE layer ``ℓ+1`` is its own routing (``route``: the model's scoring, bias, groups) applied to
   ``post_attention_layernorm_{ℓ+1}(x_ℓ)`` — exactly the router input except for layer ``ℓ+1``'s attention
-  update (``predict_norm=False``: to ``x_ℓ`` itself). top-1 recall = fraction of real tokens whose
+  update (``predict_norm=False``: to ``x_ℓ`` itself; Switch Transformers: the feed-forward's own layer norm, and
+  the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
   predicted best expert is the expert the layer actually weighted highest; top-K recall = mean
   ``|predicted top-K ∩ chosen| / K``. The first decoder layer has no layer ahead of it and is skipped.
 
@@ -173,7 +174,7 @@ class OffloadCollector:
         """Forward pre-hooks on the analysed MoE layers' decoder layers: their input = the previous layer's output."""
         handles = []
         for i, L in self.layers.items():
-            if i == 0:
+            if getattr(L, "stack_layer", i) == 0:  # the first layer of its stack (encoder-decoder: of either)
                 continue
 
             def hook(module, args, kwargs, i=i):
@@ -206,7 +207,7 @@ class OffloadCollector:
         if x is None:
             return
         if self.opts.predict_norm:
-            norm = getattr(L.decoder_layer, "post_attention_layernorm", None)
+            norm = getattr(L, "router_norm", None) or getattr(L.decoder_layer, "post_attention_layernorm", None)
             if norm is None:
                 raise MoetoolError(f"layer {i}: no post_attention_layernorm to apply before the router "
                                    f"(use predict_norm=False / --no-predict-norm)")

@@ -128,13 +128,12 @@ def native_format(config: Any) -> str:
 def parameter_groups(config: Any) -> dict[str, Any]:
     """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ..adapters import find_moe_layers
-    from ..loading import quiet_transformers
+    from ..loading import auto_model_class, quiet_transformers
 
     with torch.device("meta"), quiet_transformers():
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     layers = find_moe_layers(model)
     seen: set[int] = set()
     groups = dict.fromkeys(GROUPS, 0)

@@ -22,9 +22,13 @@ PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "tokens", "nll_m
                "perplexity_hi", "router_perplexity", "ratio", "ratio_lo", "ratio_hi", "seconds")
 
 PPL_DEFINITIONS = {
-    "tokens": "scored next-token predictions: pairs of consecutive real (unpadded) tokens within a packed row",
+    "tokens": "scored next-token predictions: pairs of consecutive real (unpadded) tokens within a packed row "
+              "(encoder-decoder models: every real token of the row, each a target of the decoder)",
     "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
-                "float64 sums)",
+                "float64 sums); encoder-decoder models (Switch Transformers): the model's own seq2seq loss with the "
+                "row as both source and target -- the encoder reads the row, the decoder is teacher-forced on it "
+                "shifted right (decoder_start_token_id first) and position t predicts token t: mean cross-entropy "
+                "over the real target tokens, transformers' loss with labels = the row (padding -100)",
     "perplexity": "exp(nll_mean)",
     "seconds": "wall time of the forward passes with the routing hooks installed (the baseline's not included)",
     "router_perplexity": "perplexity of the model's own routing (unhooked) on the same rows (baseline; NaN when "

@@ -32,7 +32,11 @@ DEFINITIONS = {
                       "token's occurrences whose first-ranked expert is the token's most frequent first-ranked "
                       "expert (OLMoE sec. 5; top-1 as allenai/OLMoE run_moe_analysis.py). Views: input = the "
                       "token at the position, next_token = the ground-truth next token (positions whose next "
-                      "position is real), predicted = argmax of the model's logits at the position. "
+                      "position is real), predicted = argmax of the model's logits at the position. Encoder-decoder "
+                      "models (the row as source and target): an encoder position t reads token t, its next_token "
+                      "is token t+1 and its predicted the decoder's argmax for token t+1; a decoder position t reads "
+                      "token t-1 (input; the first real position reads the start token: left out), its next_token "
+                      "is token t and its predicted the argmax of the logits at t. "
                       "specialization_all_ids = the same mean over every token id (OLMoE's printed average); "
                       "specialization is empty when no token id reaches min_count",
     "specialized_tokens": "per layer, view and expert: token ids (>= min_count occurrences) whose most frequent "
@@ -90,6 +94,12 @@ class VocabSpecialization:
         nmask[:, :-1] = mask[:, 1:] & mask[:, :-1]
         self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1), "next": nxt.reshape(-1),
                        "next_ok": nmask.reshape(-1), "on": {}}
+        if any(getattr(L, "stack", None) == "decoder" for L in self.layers.values()):  # decoder position t reads t-1
+            prev = torch.zeros_like(ids)
+            prev[:, 1:] = ids[:, :-1]
+            pmask = torch.zeros_like(mask)
+            pmask[:, 1:] = mask[:, 1:] & mask[:, :-1]
+            self._batch.update(prev=prev.reshape(-1), prev_ok=pmask.reshape(-1))
         self._top1 = {}
         return batch
 
@@ -109,14 +119,27 @@ class VocabSpecialization:
         top1 = ev.idx[:, 0].long()  # [T] first-ranked expert (torch.topk order)
         valid = ev.valid.to(dev)
         c = self._counter(ev.layer.index, n)
-        c["input"].add(_masked_keys(self._on("ids", dev), top1, n, valid))
-        c["next_token"].add(_masked_keys(self._on("next", dev), top1, n, valid & self._on("next_ok", dev)))
+        if getattr(ev.layer, "stack", None) == "decoder":  # reads the previous token, predicts this one
+            c["input"].add(_masked_keys(self._on("prev", dev), top1, n, valid & self._on("prev_ok", dev)))
+            c["next_token"].add(_masked_keys(self._on("ids", dev), top1, n, valid))
+        else:
+            c["input"].add(_masked_keys(self._on("ids", dev), top1, n, valid))
+            c["next_token"].add(_masked_keys(self._on("next", dev), top1, n, valid & self._on("next_ok", dev)))
         self._top1[ev.layer.index] = (top1, valid)
 
     def on_batch(self, batch: Any, output: Any) -> None:
-        pred = output.logits.argmax(-1).reshape(-1)  # [T] predicted next token at every position
+        pred = output.logits.argmax(-1)  # [B, S] predicted next token at every position
+        seq2seq = any(getattr(L, "stack", None) is not None for L in self.layers.values())
+        if seq2seq:  # an encoder-decoder: the logits at t predict token t itself; encoder layers get t+1's
+            nxt = torch.zeros_like(pred)
+            nxt[:, :-1] = pred[:, 1:]
+            nxt = nxt.reshape(-1)
+        pred = pred.reshape(-1)
         for li, (top1, valid) in self._top1.items():
-            self.counters[li]["predicted"].add(_masked_keys(pred.to(top1.device), top1, self.n[li], valid))
+            keys = pred
+            if seq2seq and getattr(self.layers[li], "stack", None) == "encoder":
+                keys, valid = nxt, valid & self._on("next_ok", valid.device)
+            self.counters[li]["predicted"].add(_masked_keys(keys.to(top1.device), top1, self.n[li], valid))
         self._top1 = {}
 
     def reduce_across_ranks(self) -> None:

@@ -33,7 +33,9 @@ from .result import Result, resolve_options
 
 FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row index), pos (position in row), "
           "token_id, token, domain, layer (decoder layer index), expert_k / weight_k (k-th chosen expert, largest "
-          "first as the router returned them, and its weight), logit_e (router logit of expert e, --logits)")
+          "first as the router returned them, and its weight), logit_e (router logit of expert e, --logits). "
+          "Encoder-decoder models (the row as source and target): token is the row's token at pos; the encoder "
+          "reads it there, the decoder reads the token at pos-1 and predicts it")
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ def softmax_attention(layer: Any) -> nn.Module:
     A decoder layer whose token mixer is Mamba, linear attention, lightning attention or a convolution (hybrid
     models) has no attention probabilities: a :class:`MoetoolError` naming the layer and its mixer.
     """
+    own = getattr(layer, "softmax_attention", None)  # an adapter that names it (Switch Transformers' T5 blocks)
+    if own is not None:
+        return own
     name, mod = _mixer(layer.decoder_layer)
     if mod is layer.block:  # the decoder layer's one mixer is the MoE block (Nemotron-H's block type 'moe')
         raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
