@@ -143,7 +143,8 @@ def quantized_views(lm: Any, fmt: str) -> list[tuple[str, torch.Tensor]]:
     the model's parameters in the ``[out, in]`` layout (the input dim last: FP4/MXFP4 groups run along it).
 
     Routed experts: the adapter's canonical views (``gate``/``up`` ``[n, I, d]``, ``down`` ``[n, d, I]``), which must
-    share the experts' parameter storage (a layout the adapter copies is refused in one line); fp8 also takes every
+    share the experts' parameter storage, or else the experts module's own per-expert ``nn.Linear`` weights (a
+    layout the adapter copies, with neither, is refused in one line); fp8 also takes every
     other ``nn.Linear`` weight except the routers', the embeddings' and the LM head's."""
     model = lm.model
     out: list[tuple[str, torch.Tensor]] = []
@@ -152,11 +153,14 @@ def quantized_views(lm: Any, fmt: str) -> list[tuple[str, torch.Tensor]]:
         ew = L.expert_weights()
         mats = {"gate": ew.gate, "up": ew.up, "down": ew.down}
         own = {p.untyped_storage().data_ptr() for p in L.experts.parameters()}
-        for k, w in mats.items():
-            if w.untyped_storage().data_ptr() not in own:
-                raise MoetoolError(f"{fmt}: layer {L.index}'s expert weights are not views of its parameters "
-                                   f"({type(L.experts).__name__}): cannot simulate {fmt} on this family")
-            out.append((f"layer {L.index} experts.{k}", w))
+        linears = [(n, m.weight) for n, m in L.experts.named_modules() if isinstance(m, nn.Linear)]
+        if all(w.untyped_storage().data_ptr() in own for w in mats.values()):
+            out += [(f"layer {L.index} experts.{k}", w) for k, w in mats.items()]
+        elif linears:  # per-expert linears (Switch, un-fused checkpoints): each expert matrix is its own weight
+            out += [(f"layer {L.index} experts.{n}", w) for n, w in linears]
+        else:
+            raise MoetoolError(f"{fmt}: layer {L.index}'s expert weights are not views of its parameters "
+                               f"({type(L.experts).__name__}): cannot simulate {fmt} on this family")
         skip |= {id(m) for m in L.experts.modules()}
         skip |= {id(m) for m in L.router.modules()}
     if fmt == "fp8":
