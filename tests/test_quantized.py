@@ -257,7 +257,9 @@ def _tokens(rows=3, seq=12):
 def _same_tables(a, b):
     assert set(a.tables) == set(b.tables)
     for name in a.tables:
-        pd.testing.assert_frame_equal(a.tables[name].reset_index(drop=True), b.tables[name].reset_index(drop=True),
+        x, y = (t.tables[name].drop(columns=["seconds"], errors="ignore").reset_index(drop=True) for t in (a, b))
+        assert len(x) > 0
+        pd.testing.assert_frame_equal(x, y,
                                       rtol=1e-5, atol=1e-6, check_dtype=False)
 
 
@@ -288,7 +290,7 @@ class UnfusedExperts(nn.ModuleList):
 
     def __init__(self, mlps, act_fn):
         super().__init__(mlps)
-        self.act_fn = act_fn
+        self.__dict__["act_fn"] = act_fn  # not a child: the list holds experts only
 
     def forward(self, h, idx, w):
         out = torch.zeros_like(h)
