@@ -32,12 +32,13 @@ def describe_model(name: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .adapters import find_moe_layers, get_adapter
+    from .adapters import find_moe_layers, get_adapter, quant
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     info = describe_layers(model, find_moe_layers(model))
-    return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info}
+    return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info,
+            "experts_format": quant.checkpoint_format(config)}
 
 
 # ----- every MoE family of the installed transformers (``moetool inspect --families``) ------------------

@@ -397,3 +397,28 @@ def test_quantize_flag_is_one_line_on_cpu(tmp_path):
         assert res.exit_code == 2, res.output
         assert msg in res.output and len(res.output.strip().splitlines()) == 1
         assert not (tmp_path / flag).exists()
+
+
+@pytest.mark.parametrize("qc,fmt,weights", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+     "block-scaled FP8 e4m3 (128x128 blocks, UE8M0 scale_inv)", "probes dequantize FP8Experts a slice"),
+    ({"quant_method": "fp8", "expert_dtype": "fp4", "weight_block_size": [128, 128]},
+     "FP4 e2m1 experts packed in int8, 1x32 groups, fp32 scales", "probes dequantize FP8Experts a slice"),
+    ({"quant_method": "mxfp4"}, "MXFP4 (e2m1 in 32-value blocks, E8M0 scales)", "probes dequantize the MXFP4"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes (nn.Linear only)", "unquantized experts"),
+    ({"quant_method": "gptq", "bits": 4}, "gptq (per-expert quantized linears of its own library)", "refused"),
+])
+def test_inspect_shows_the_expert_format_and_what_commands_do(tmp_path, qc, fmt, weights):
+    from typer.testing import CliRunner
+
+    from moetool.adapters import ADAPTERS
+    from moetool.commands.app import app
+    from moetool.inspect import describe_model
+
+    cfg = ADAPTERS.get("mixtral").tiny_config()
+    cfg.quantization_config = qc
+    cfg.save_pretrained(tmp_path)
+    info = describe_model(str(tmp_path))["experts_format"]
+    assert info["format"] == fmt and weights in info["weights"]
+    out = CliRunner().invoke(app, ["inspect", "--model", str(tmp_path)], env={"COLUMNS": "400"}).output
+    assert f"experts: {fmt}" in out and weights in out

@@ -316,3 +316,58 @@ def route_through_modules(layer: MoELayer) -> _RouteThroughModules | None:
     if "Mxfp4GptOssMLP" in _class_names(layer.block) and not getattr(layer.experts, "_is_hooked", False):
         return _RouteThroughModules(layer.experts)
     return None
+
+
+# ----------------------------------------------------------------------------------- from the config alone
+
+#: quant_method values whose experts transformers keeps in a module this view reads (on a GPU)
+_READABLE_METHODS = {"fp8": "FP8Experts", "mxfp4": "Mxfp4GptOssMLP / Mxfp4GptOssExperts"}
+
+
+def _qc_get(qc: Any, key: str, default: Any = None) -> Any:
+    return qc.get(key, default) if isinstance(qc, dict) else getattr(qc, key, default)
+
+
+def checkpoint_format(config: Any, quantize: str | None = None) -> dict[str, str]:
+    """What a checkpoint's experts are stored in (its config's ``quantization_config``, or ``--quantize``), what
+    loading gives on a GPU and on CPU, and what moetool's commands do with it: ``{format, gpu, cpu, routing,
+    weights}`` (one line each), for ``inspect`` and the manifest. From the config alone (no weights)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None and quantize == "fp8":
+        qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "float", "quantize": True}
+    routing = "routing commands (ppl, trace, stats, ...) capture the router's own output"
+    if qc is None:
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "?").replace("torch.", "")
+        return {"format": f"plain ({dtype})", "gpu": "experts as stored", "cpu": "experts as stored",
+                "routing": routing, "weights": "probes read the expert weights as stored"}
+    method = str(getattr(_qc_get(qc, "quant_method"), "value", _qc_get(qc, "quant_method")))
+    if method == "fp8":
+        fp4 = _qc_get(qc, "expert_dtype", "fp8") == "fp4"
+        scales = "UE8M0" if _qc_get(qc, "scale_fmt", "float") == "ue8m0" else "fp32"
+        block = _qc_get(qc, "weight_block_size", None)
+        fmt = (f"FP4 e2m1 experts packed in int8, 1x32 groups, {scales} scales" if fp4 else
+               f"block-scaled FP8 e4m3 ({'x'.join(map(str, block)) if block else 'per-tensor'} blocks, "
+               f"{scales} scale_inv)")
+        if _qc_get(qc, "quantize", False):
+            fmt = f"--quantize fp8: bf16 checkpoint quantized at load to {fmt}"
+        return {"format": fmt, "gpu": "experts become transformers' FP8Experts",
+                "cpu": "transformers dequantizes at load: plain experts",
+                "routing": routing,
+                "weights": "probes dequantize FP8Experts a slice of experts at a time (exact, in the model's dtype; "
+                           "activations unquantized)"}
+    if method == "mxfp4":
+        return {"format": "MXFP4 (e2m1 in 32-value blocks, E8M0 scales)",
+                "gpu": "MLP becomes transformers' Mxfp4GptOssMLP (Triton kernels, router module bypassed)",
+                "cpu": "transformers dequantizes at load: plain experts",
+                "routing": "the engine routes the MXFP4 block through its router and experts modules (its "
+                           "expert-parallel path, same rule) so the router's own output is captured",
+                "weights": "probes dequantize the MXFP4 blocks a slice of experts at a time (exact)"}
+    if method == "bitsandbytes":
+        return {"format": "bitsandbytes (nn.Linear only)",
+                "gpu": "attention and dense linears quantized; fused 3-D experts stay unquantized",
+                "cpu": "bitsandbytes needs its own backend", "routing": routing,
+                "weights": "probes read the unquantized experts as stored (said in the console and the manifest)"}
+    return {"format": f"{method} (per-expert quantized linears of its own library)",
+            "gpu": f"experts un-fused into {method} linears", "cpu": f"{method} needs its own backend",
+            "routing": routing + " if the experts module is still called as experts(h, idx, w)",
+            "weights": f"refused in one line before any work ({method} linears: a format moetool cannot read)"}
