@@ -177,6 +177,9 @@ def test_probes_equal_the_dequantized_model_and_dequantize_a_few_experts_at_a_ti
         got = probes.expert_nodes(Lq, h, probes.NODES)
         for node in probes.NODES:
             torch.testing.assert_close(got[node], want[node], rtol=1e-6, atol=1e-6)
+            # one node alone dequantizes only the matrices it reads (gate rows of gate_up, ...): same numbers
+            torch.testing.assert_close(probes.node_scores(Lq, h, node), probes.node_scores(Ld, h, node),
+                                       rtol=1e-6, atol=1e-6)
         n, per = quant._sizes(Lq, quant.expert_format(Lq))
         seen.clear()  # a budget of two experts' weights: slices of at most two experts, same numbers
         small = probes.node_scores(Lq, h, "output", "l1", budget=2 * per)

@@ -188,9 +188,9 @@ class _Mxfp4:
         blocks = weight.storage.layout.unswizzle_data(weight.storage.data).transpose(-1, -2)
         return blocks.reshape(*scales.shape, -1), scales
 
-    def read(self, proj: str, sl: slice, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, proj: str, sl: slice, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
         blocks, scales = self.parts[proj]
-        return formats.dequantize_mxfp4(blocks[sl], scales[sl], dtype)  # [e, out, in]
+        return formats.dequantize_mxfp4(blocks[sl, rows], scales[sl, rows], dtype)  # [e, out rows, in]
 
 
 def _per_expert_weight(lin: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -219,22 +219,58 @@ def _out_in(lin: nn.Module) -> int:
     return int(lin.out_features) * int(lin.in_features)
 
 
-def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, state: Any) -> ExpertWeights:
+PARTS = ("gate", "up", "down")
+
+
+def _absent(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A part the caller did not ask for: its shape, no memory (a stride-0 view of one zero)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def _rows(ex: nn.Module, name: str, sl: slice, rows: slice, dtype: torch.dtype) -> torch.Tensor | None:
+    """Rows ``rows`` of FP8Experts' ``name`` for experts ``sl``, dequantized: only their scale blocks are read
+    (None when the rows do not start and end on a block boundary: the caller reads the whole matrix)."""
+    w, s = getattr(ex, name), getattr(ex, f"{name}_scale_inv")
+    bn = 1 if w.dtype == torch.int8 else (getattr(ex, "block_size", None) or (w.shape[1], 0))[0]
+    start, stop = rows.start, rows.stop
+    if start % bn or (stop % bn and stop != w.shape[1]):
+        return None
+    block = None if w.dtype == torch.int8 else ex.block_size
+    return formats.dequantize_fp8(w[sl, start:stop], s[sl, start // bn:-(-stop // bn)], dtype, block=block)
+
+
+def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, state: Any,
+          parts: frozenset[str] = frozenset(PARTS)) -> ExpertWeights:
     ex = layer.experts
     if fmt.kind in ("fp8", "fp4"):
-        down = _fp8_pair(ex, "down_proj", sl, dtype)  # [e, d, I]
+        n_sl = len(range(*sl.indices(ex.down_proj.shape[0])))
+        d = ex.down_proj.shape[1]
+        inter = ex.down_proj.shape[2] * (2 if fmt.kind == "fp4" else 1)
+        device = ex.down_proj.device
+        down = _fp8_pair(ex, "down_proj", sl, dtype) if "down" in parts else _absent((n_sl, d, inter), dtype, device)
         if not getattr(ex, "has_gate", True):
             up = _fp8_pair(ex, "up_proj", sl, dtype)
             return ExpertWeights(gate=up, up=up, down=down)
-        gate_up = _fp8_pair(ex, "gate_up_proj", sl, dtype)  # [e, 2I, d], gate first
-        inter = gate_up.shape[1] // 2
-        return ExpertWeights(gate=gate_up[:, :inter].contiguous(), up=gate_up[:, inter:].contiguous(), down=down)
+        got = {}
+        for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
+            if part in parts:
+                got[part] = _rows(ex, "gate_up_proj", sl, rows, dtype)
+        if any(v is None for v in got.values()):  # a block straddles gate and up: read the fused matrix
+            gate_up = _fp8_pair(ex, "gate_up_proj", sl, dtype)  # [e, 2I, d], gate first
+            got = {p: gate_up[:, r].contiguous() for p, r in (("gate", slice(0, inter)), ("up", slice(inter, None)))
+                   if p in got}
+        gate, up = (got.get(p, _absent((n_sl, inter, d), dtype, device)) for p in ("gate", "up"))
+        return ExpertWeights(gate=gate, up=up, down=down)
     if fmt.kind == "mxfp4":
-        gate_up = state.read("gate_up_proj", sl, dtype)  # [e, 2I, d], gate and up interleaved (gpt-oss)
+        n_sl = len(range(*sl.indices(ex.num_experts)))
+        inter, d = ex.intermediate_size, ex.hidden_size
         bias = ex.gate_up_proj_bias[sl].to(dtype)
-        down = state.read("down_proj", sl, dtype)  # [e, d, I]
-        return ExpertWeights(gate=gate_up[:, ::2].contiguous(), up=gate_up[:, 1::2].contiguous(), down=down,
-                             gate_bias=bias[:, ::2], up_bias=bias[:, 1::2], down_bias=ex.down_proj_bias[sl].to(dtype))
+        device = bias.device
+        gate, up = ((state.read("gate_up_proj", sl, dtype, rows=slice(i, None, 2)) if p in parts
+                     else _absent((n_sl, inter, d), dtype, device)) for i, p in enumerate(("gate", "up")))
+        down = state.read("down_proj", sl, dtype) if "down" in parts else _absent((n_sl, d, inter), dtype, device)
+        return ExpertWeights(gate=gate, up=up, down=down, gate_bias=bias[:, ::2], up_bias=bias[:, 1::2],
+                             down_bias=ex.down_proj_bias[sl].to(dtype))
     items = _per_expert(ex)[sl]
     g, u, dn = next(ns for ns in _LINEAR_NAMES if hasattr(items[0], ns[0]))
 
@@ -250,22 +286,28 @@ def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, sta
 
 
 def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None,
-                  plain: ExpertWeights | None = None) -> Iterator[tuple[slice, ExpertWeights]]:
+                  plain: ExpertWeights | None = None,
+                  parts: frozenset[str] | set[str] = frozenset(PARTS)) -> Iterator[tuple[slice, ExpertWeights]]:
     """``(experts slice, weights)`` covering every expert of ``layer``: one slice of views for plain experts
     (``plain``: the views to use, e.g. made matmul-ready), else dequantized slices of at most ``budget`` weight
-    elements (one expert at least) in ``dtype``. Unreadable formats raise (:func:`require_readable`)."""
+    elements (one expert at least) in ``dtype``. Only ``parts`` (of gate, up, down) are dequantized for FP8/FP4
+    and MXFP4 experts; the others are stride-0 placeholders of the right shape that must not be read.
+    Unreadable formats raise (:func:`require_readable`)."""
     fmt = expert_format(layer)
     if fmt.kind == "plain":
         yield slice(0, None), plain if plain is not None else layer.expert_weights()
         return
     require_readable(layer, "a probe")
     n, per = _sizes(layer, fmt)
+    parts = frozenset(parts)
+    if fmt.kind != "linears":  # gate, up and down are a third of an expert each
+        per = max(1, per * len(parts) // 3)
     dtype = dtype or torch.float32
     step = max(1, budget // max(per, 1))
     state = _Mxfp4(layer.experts) if fmt.kind == "mxfp4" else None
     for s in range(0, n, step):
         sl = slice(s, min(n, s + step))
-        yield sl, _read(layer, fmt, sl, dtype, state)
+        yield sl, _read(layer, fmt, sl, dtype, state, parts)
 
 
 def dequantized(layer: MoELayer, dtype: torch.dtype = torch.float32) -> ExpertWeights:

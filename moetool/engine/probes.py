@@ -46,6 +46,11 @@ def _weights_on_device(layer: MoELayer) -> Iterator[None]:
         yield
 
 
+def _parts(want: set[str]) -> set[str]:
+    """The expert matrices the nodes ``want`` read (what :func:`_nodes_chunk` touches)."""
+    return {"gate"} | ({"up"} if want & {"up", "glu", "output"} else set()) | ({"down"} if "output" in want else set())
+
+
 def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
     """The layer's expert weights; a needed view lacking a unit stride is copied once per probe call.
 
@@ -53,7 +58,7 @@ def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
     views (``gate_up_proj[..., ::2]``) have none, and torch then falls back to a kernel ~10x slower.
     """
     W = layer.expert_weights()
-    need = {"gate"} | ({"up"} if want & {"up", "glu", "output"} else set()) | ({"down"} if "output" in want else set())
+    need = _parts(want)
     fix = {k: t.contiguous() for k in need if 1 not in (t := getattr(W, k)).stride()[-2:]}
     return dataclasses.replace(W, **fix) if fix else W
 
@@ -96,7 +101,8 @@ def _chunks(layer: MoELayer, h: torch.Tensor, want: set[str], budget: int) -> It
     """Expert slices with their (dequantized) weights: the whole layer's views for plain experts."""
     plain = quant.expert_format(layer).kind == "plain"
     dtype = h.dtype if h.is_floating_point() else None
-    yield from quant.expert_chunks(layer, budget, dtype, plain=_matmul_ready(layer, want) if plain else None)
+    yield from quant.expert_chunks(layer, budget, dtype, plain=_matmul_ready(layer, want) if plain else None,
+                                   parts=_parts(want))
 
 
 def _check(want: set[str]) -> None:
