@@ -254,7 +254,7 @@ def preflight(*models: str) -> None:
 
 def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
               max_tokens: int | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
-              attn_implementation: str | None = None) -> Any:
+              attn_implementation: str | None = None, quantize: str | None = None) -> Any:
     """``sizing.validate_run`` on the model's config: bad sizes, too long --seq-len, no such device, not enough
     memory fail with one line before any weight loads or any run folder exists. Returns the ``RunEstimate``."""
     from moetool.loading import load_config
@@ -262,7 +262,8 @@ def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None 
 
     config, _, _ = load_config(model)
     return validate_run(config, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
-                        dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+                        dtype=dtype, device_map=device_map, attn_implementation=attn_implementation,
+                        quantize=quantize)
 
 
 AUTO_CHOICE: dict[str, Any] = {}  # the last --batch-size auto decision (start_run puts it in the manifest)
@@ -282,7 +283,7 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
     rows, facts = sizing.auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
                                   device=params.get("device") or "auto", dtype=params.get("dtype") or "auto",
                                   device_map=params.get("device_map"), attention="attention" in routing,
-                                  processes=processes, world=e.world_size)
+                                  processes=processes, world=e.world_size, quantize=params.get("quantize"))
     if e.distributed:
         import torch
 
@@ -380,7 +381,7 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     if seq_len is not None:
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
-                    device_map=device_map, attn_implementation=attn)
+                    device_map=device_map, attn_implementation=attn, quantize=quantize)
     sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
     options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map,
                           **({"quantize": quantize} if quantize else {}))

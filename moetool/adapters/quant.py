@@ -129,7 +129,8 @@ def expert_format(layer: MoELayer) -> ExpertFormat:
                                 f"per-expert linears of class {bad}: a quantized format moetool cannot read")
         what = "FP8Linear (128x128-block FP8)" if "fp8" in kinds else "nn.Linear"
         return ExpertFormat("linears", f"{len(items)} per-expert MLPs of {what}")
-    codes = [(n, t) for n, t in [*ex.named_parameters(), *ex.named_buffers()] if _is_codes(t)]
+    codes = [(n, t) for n, t in [*ex.named_parameters(), *((n, b) for n, b in ex.named_buffers() if b.dim() >= 2)]
+             if _is_codes(t)]  # matrices of codes (a small integer buffer, e.g. expert ids, is not one)
     if codes:
         n, t = codes[0]
         return ExpertFormat("unreadable", f"{type(ex).__name__} with {n} in {t.dtype}",
