@@ -312,7 +312,10 @@ def _fp8_linear(w, block=(64, 64)):
     return lin, _tf_dequantize(out["weight"], out["weight_scale_inv"], block)
 
 
-def test_per_expert_fp8_linears_read_exactly():
+def test_per_expert_fp8_linears_read_exactly(monkeypatch):
+    # tests only: FP8Linear's GPU kernel as dequantize (transformers') then matmul
+    monkeypatch.setattr(tf_fp8.FP8Linear, "forward", lambda self, x: F.linear(
+        x, _tf_dequantize(self.weight, self.weight_scale_inv, self.block_size).to(x.dtype), self.bias))
     plain = build_tiny_model("qwen3_moe")
     qm, dq = copy.deepcopy(plain), copy.deepcopy(plain)
     for Lq, Ld in zip(find_moe_layers(qm), find_moe_layers(dq)):
@@ -338,6 +341,14 @@ def test_per_expert_fp8_linears_read_exactly():
         h = torch.randn(5, got.gate.shape[-1], generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(probes.node_scores(Lq, h, "glu", budget=1), probes.node_scores(Ld, h, "glu"),
                                    rtol=1e-6, atol=1e-6)
+    # routing and a norm policy through the un-fused experts equal the dequantized model's
+    lq, ld = find_moe_layers(qm), find_moe_layers(dq)
+    q_logits, q_events, _ = run(qm, lq, padded_batch(), policy=make_policy("norm:glu"))
+    d_logits, d_events, _ = run(dq, ld, padded_batch(), policy=make_policy("norm:glu"))
+    for Lq in lq:
+        assert torch.equal(q_events[Lq.index].idx, d_events[Lq.index].idx)
+        assert torch.equal(q_events[Lq.index].chosen_idx, d_events[Lq.index].chosen_idx)
+    torch.testing.assert_close(q_logits, d_logits, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------- refusals
