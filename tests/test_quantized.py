@@ -266,7 +266,6 @@ def _same_tables(a, b):
                                       rtol=1e-5, atol=1e-6, check_dtype=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", [FP8_CASES[1], "mxfp4"], ids=[IDS[1], "gpt_oss-mxfp4"])
 def test_experiments_equal_the_dequantized_model(case, kernels):
     from moetool.experiments.approx import approx
