@@ -435,3 +435,43 @@ def test_inspect_shows_the_expert_format_and_what_commands_do(tmp_path, qc, fmt,
     assert info["format"] == fmt and weights in info["weights"]
     out = CliRunner().invoke(app, ["inspect", "--model", str(tmp_path)], env={"COLUMNS": "400"}).output
     assert f"experts: {fmt}" in out and weights in out
+
+
+@pytest.mark.parametrize("case", [FP8_CASES[0], "mxfp4"], ids=[IDS[0], "gpt_oss-mxfp4"])
+def test_a_bf16_model_with_fp32_scales_or_biases_identifies_its_routing(case):
+    """The routing check runs the router on inputs of the hidden states' dtype (the router's), not the dtype of
+    the quantized experts' fp32 scales or biases."""
+    qm, _ = _models(case)
+    for L in find_moe_layers(qm):
+        L.router.to(torch.bfloat16)
+    layers = find_moe_layers(qm)
+    assert layers and all(L.logits_mode == "native" and L.top_k == 2 for L in layers)
+
+
+def test_per_tensor_fp8_experts_one_scale_per_half():
+    """FP8Experts without a block size: one scale per expert matrix, the fused gate_up one per half."""
+    plain = build_tiny_model("mixtral")
+    qm = copy.deepcopy(plain)
+    L = find_moe_layers(qm)[0]
+    cls = use_experts_implementation(experts_class=tf_fp8.FP8Experts, experts_interface=tf_fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    new = cls(config=qm.config, block_size=None)
+    gu, dn = L.experts.gate_up_proj.detach(), L.experts.down_proj.detach()
+    assert new.gate_up_proj_scale_inv.shape == (8, 2, 1) and new.down_proj_scale_inv.shape == (8, 1, 1)
+    inter = gu.shape[1] // 2
+    ref = {}
+    for name, w, halves in (("gate_up_proj", gu, 2), ("down_proj", dn, 1)):
+        parts = w.reshape(w.shape[0], halves, -1, w.shape[-1])
+        inv = parts.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+        q = (parts / inv).to(torch.float8_e4m3fn)
+        setattr(new, name, nn.Parameter(q.reshape(w.shape), requires_grad=False))
+        setattr(new, f"{name}_scale_inv", nn.Parameter(inv[..., 0], requires_grad=False))
+        ref[name] = (q.float() * inv).reshape(w.shape)  # by hand: each half times its own scale
+    L.block.experts = new
+    L = find_moe_layers(qm)[0]
+    assert quant.expert_format(L).detail.startswith("FP8Experts, e4m3, per-tensor")
+    got = quant.dequantized(L)
+    assert torch.equal(got.gate, ref["gate_up_proj"][:, :inter]) and torch.equal(got.up, ref["gate_up_proj"][:, inter:])
+    assert torch.equal(got.down, ref["down_proj"])
+    h = torch.randn(4, gu.shape[-1], generator=torch.Generator().manual_seed(3))
+    want = torch.stack([F.linear(h, ref["gate_up_proj"][e, :inter]) for e in range(8)])
+    torch.testing.assert_close(probes.expert_nodes(L, h, ["gate"])["gate"], want, rtol=1e-6, atol=1e-6)

@@ -168,11 +168,10 @@ def model_quantization(model: nn.Module) -> dict[str, Any]:
 
 
 def _fp8_pair(ex: nn.Module, name: str, sl: slice, dtype: torch.dtype) -> torch.Tensor:
+    """FP8Experts' ``name`` for experts ``sl``, dequantized. Without ``block_size`` the scales are per tensor (a
+    fused gate_up keeps one for each half: ``[E, 2, 1]``); the block is then read from the scale grid."""
     w, s = getattr(ex, name)[sl], getattr(ex, f"{name}_scale_inv")[sl]
-    block = getattr(ex, "block_size", None)
-    if block is None and w.dtype != torch.int8:  # per-tensor: one scale per expert
-        s = s.reshape(s.shape[0], 1, 1)
-    return formats.dequantize_fp8(w, s, dtype, block=block)
+    return formats.dequantize_fp8(w, s, dtype, block=getattr(ex, "block_size", None))
 
 
 class _Mxfp4:
@@ -232,11 +231,12 @@ def _rows(ex: nn.Module, name: str, sl: slice, rows: slice, dtype: torch.dtype) 
     """Rows ``rows`` of FP8Experts' ``name`` for experts ``sl``, dequantized: only their scale blocks are read
     (None when the rows do not start and end on a block boundary: the caller reads the whole matrix)."""
     w, s = getattr(ex, name), getattr(ex, f"{name}_scale_inv")
-    bn = 1 if w.dtype == torch.int8 else (getattr(ex, "block_size", None) or (w.shape[1], 0))[0]
+    block = None if w.dtype == torch.int8 else getattr(ex, "block_size", None)
+    bn = 1 if w.dtype == torch.int8 else block[0] if block else w.shape[1] // s.shape[1]
     start, stop = rows.start, rows.stop
     if start % bn or (stop % bn and stop != w.shape[1]):
         return None
-    block = None if w.dtype == torch.int8 else ex.block_size
+    block = block or (None if w.dtype == torch.int8 else (bn, w.shape[2]))
     return formats.dequantize_fp8(w[sl, start:stop], s[sl, start // bn:-(-stop // bn)], dtype, block=block)
 
 
