@@ -362,7 +362,9 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
             raise MoetoolError(f"--quantize fp8: {name} is already quantized ({_quant_method(config)}); load it as is")
         from transformers import FineGrainedFP8Config
 
-        kwargs["quantization_config"] = FineGrainedFP8Config(weight_block_size=(128, 128))
+        # the routers stay in the model's dtype, as in DeepSeek's FP8 checkpoints: moetool reads their rows
+        kwargs["quantization_config"] = FineGrainedFP8Config(weight_block_size=(128, 128),
+                                                             modules_to_not_convert=["gate", "router", "lm_head"])
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map:

@@ -475,3 +475,27 @@ def test_per_tensor_fp8_experts_one_scale_per_half():
     h = torch.randn(4, gu.shape[-1], generator=torch.Generator().manual_seed(3))
     want = torch.stack([F.linear(h, ref["gate_up_proj"][e, :inter]) for e in range(8)])
     torch.testing.assert_close(probes.expert_nodes(L, h, ["gate"])["gate"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_quantize_fp8_asks_transformers_for_block_fp8_with_the_routers_kept(monkeypatch):
+    """The GPU path of --quantize fp8 up to from_pretrained (no GPU here: CUDA is pretended, the load stopped)."""
+    import transformers
+
+    from moetool import loading
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def from_pretrained(source, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(MoetoolError, match="cannot load the weights"):
+        loading.load("tiny", quantize="fp8")
+    qc = seen["quantization_config"]
+    assert isinstance(qc, transformers.FineGrainedFP8Config) and list(qc.weight_block_size) == [128, 128]
+    assert {"gate", "router"} <= set(qc.modules_to_not_convert) and qc.scale_fmt == "float"
