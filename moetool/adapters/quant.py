@@ -127,7 +127,7 @@ def expert_format(layer: MoELayer) -> ExpertFormat:
             bad = next(type(lin).__name__ for lin in lins if _linear_kind(lin) is None)
             return ExpertFormat("unreadable", f"{len(items)} per-expert MLPs of {bad}",
                                 f"per-expert linears of class {bad}: a quantized format moetool cannot read")
-        what = "FP8Linear (128x128-block FP8)" if "fp8" in kinds else "nn.Linear"
+        what = "FP8Linear (block-scaled FP8)" if "fp8" in kinds else "nn.Linear"
         return ExpertFormat("linears", f"{len(items)} per-expert MLPs of {what}")
     codes = [(n, t) for n, t in [*ex.named_parameters(), *((n, b) for n, b in ex.named_buffers() if b.dim() >= 2)]
              if _is_codes(t)]  # matrices of codes (a small integer buffer, e.g. expert ids, is not one)
