@@ -499,3 +499,17 @@ def test_quantize_fp8_asks_transformers_for_block_fp8_with_the_routers_kept(monk
     qc = seen["quantization_config"]
     assert isinstance(qc, transformers.FineGrainedFP8Config) and list(qc.weight_block_size) == [128, 128]
     assert {"gate", "router"} <= set(qc.modules_to_not_convert) and qc.scale_fmt == "float"
+
+
+def test_bitsandbytes_is_said_in_one_console_line(tmp_path, monkeypatch, capsys):
+    from moetool import loading
+    from moetool.commands import options
+
+    m = copy.deepcopy(build_tiny_model("mixtral"))
+    m.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    lm = loading.LoadedModel("tiny", "x", "local", m, None, find_moe_layers(m), torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(loading, "load", lambda *a, **k: lm)  # the load itself needs bitsandbytes' CUDA backend
+    options.start_run("erc", tmp_path / "run", False, "tiny", device="cpu")
+    lines = [x for x in capsys.readouterr().err.splitlines() if "bitsandbytes" in x]
+    assert lines == ["note: bitsandbytes quantizes nn.Linear only: the fused 3-D expert weights stayed unquantized "
+                     "(experts in full precision, the rest quantized)"]
