@@ -513,3 +513,21 @@ def test_bitsandbytes_is_said_in_one_console_line(tmp_path, monkeypatch, capsys)
     lines = [x for x in capsys.readouterr().err.splitlines() if "bitsandbytes" in x]
     assert lines == ["note: bitsandbytes quantizes nn.Linear only: the fused 3-D expert weights stayed unquantized "
                      "(experts in full precision, the rest quantized)"]
+
+
+@pytest.mark.parametrize("case", [FP8_CASES[0], FP8_CASES[2], "mxfp4"], ids=[IDS[0], IDS[2], "gpt_oss-mxfp4"])
+def test_offload_counts_the_stored_bytes_of_one_expert(case):
+    from moetool.experiments.offload import expert_bytes
+
+    qm, dq = _models(case)
+    Lq, Ld = find_moe_layers(qm)[0], find_moe_layers(dq)[0]
+    W = Ld.expert_weights()
+    inter, d = W.gate.shape[1], W.gate.shape[2]
+    if case == "mxfp4":  # half a byte per value, one scale byte per 32 values, fp32 biases
+        want = 3 * inter * d // 2 + 3 * inter * d // 32 + (2 * inter + d) * 4
+    elif case[1] == "fp8":  # a byte per value, one fp32 scale per 128x128 block
+        want = 3 * inter * d + 4 * (2 * inter // 128 * d // 128 + d // 128 * -(-inter // 128))
+    else:  # fp4: half a byte per value, one fp32 scale per 32 values
+        want = 3 * inter * d // 2 + 4 * 3 * inter * d // 32
+    assert expert_bytes(Lq) == want
+    assert expert_bytes(Ld) == 3 * inter * d * 4 + (0 if W.gate_bias is None else (2 * inter + d) * 4)

@@ -175,8 +175,9 @@ def _fp8_pair(ex: nn.Module, name: str, sl: slice, dtype: torch.dtype) -> torch.
 
 
 class _Mxfp4:
-    """A Mxfp4GptOssExperts' blocks and scales in checkpoint form (``[E, R, G, 16]``, ``[E, R, G]``), unswizzled
-    once per probe call exactly as transformers' ``Mxfp4ReverseDeserialize`` does."""
+    """A Mxfp4GptOssExperts' blocks and scales (``[E, R, G*16]``, ``[E, R, G]``; a slice of experts is cut into the
+    checkpoint's ``[e, R, G, 16]`` blocks), unswizzled once per probe call exactly as transformers'
+    ``Mxfp4ReverseDeserialize`` does."""
 
     def __init__(self, ex: nn.Module):
         self.parts = {p: self._unswizzle(ex, p) for p in ("gate_up_proj", "down_proj")}
@@ -186,11 +187,13 @@ class _Mxfp4:
         weight, scales = getattr(ex, proj), getattr(ex, f"{proj}_precision_config").weight_scale
         scales = scales.storage.layout.unswizzle_data(scales.storage.data).transpose(-1, -2)
         blocks = weight.storage.layout.unswizzle_data(weight.storage.data).transpose(-1, -2)
-        return blocks.reshape(*scales.shape, -1), scales
+        return blocks, scales  # [E, R, G*16] and [E, R, G]: views (a strided layout copies nothing)
 
     def read(self, proj: str, sl: slice, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
         blocks, scales = self.parts[proj]
-        return formats.dequantize_mxfp4(blocks[sl, rows], scales[sl, rows], dtype)  # [e, out rows, in]
+        b = blocks[sl, rows]  # only this slice of experts is made contiguous
+        b = b.reshape(*b.shape[:-1], -1, 16)
+        return formats.dequantize_mxfp4(b, scales[sl, rows], dtype)  # [e, out rows, in]
 
 
 def _per_expert_weight(lin: nn.Module, dtype: torch.dtype) -> torch.Tensor:
