@@ -4,6 +4,7 @@
     python bench/bench.py --real          # + one decoder layer at Mixtral-8x7B / Qwen3-30B-A3B width, bf16
     python bench/bench.py --rss           # + peak RSS of every command at 20k and 200k tokens
     python bench/bench.py --lazy-data     # + load_tokens --max-tokens 20k/200k on a 200 MB corpus
+    python bench/bench.py --shapes --quant  # only: quantized-expert probes against the plain probe
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
 
 **Engine ratios** (``--shapes``): two random Mixtral-shaped models, 8 layers, d=512 — ``8x1024k2`` (8 experts,
@@ -40,6 +41,12 @@ outputs (token chunks keep the probe's intermediate within ``engine.probes.DEFAU
 **RSS per command** (``--rss``): ``moetool <command>`` on the embedded models in a subprocess at 20k and 200k
 tokens of a corpus made by repeating the held-out text; its peak RSS (``wait4``). Flat memory = the 200k figure
 close to the 20k one.
+
+**Quantized probes** (``--quant``): one Mixtral-shaped MoE layer (d=``--quant-d``, 8 experts of width
+``--quant-inter``, top-2; bf16 on CUDA, fp32 on CPU) and copies of it whose experts are transformers' ``FP8Experts``
+holding the same weights quantized (FP8 128x128 with fp32 scales, FP8 with UE8M0 scales, FP4 packed 1x32): the probe
+``node_scores(gate)`` and ``expert_outputs`` over the same ``--quant-tokens`` tokens, quantized time / plain time
+(median of ``--repeat`` interleaved rounds). The extra is the dequantization of every expert, a slice at a time.
 
 Speed targets are ratios printed here, never timed tests. Not a test.
 """
@@ -317,6 +324,57 @@ def bench_real(a) -> list[dict[str, Any]]:
     return rows
 
 
+# ----- quantized probes ----------------------------------------------------------------------------------
+def fp8_experts_copy(model, expert_dtype: str, scale_fmt: str):
+    """A copy of ``model`` whose experts are transformers' FP8Experts holding its weights quantized by
+    moetool.formats (128x128 FP8 blocks, or FP4 packed in 1x32 groups)."""
+    import copy
+
+    from torch import nn
+    from transformers.integrations import finegrained_fp8 as tf_fp8
+    from transformers.integrations.moe import use_experts_implementation
+
+    from moetool import formats
+    from moetool.adapters import find_moe_layers
+
+    qm = copy.deepcopy(model)
+    cls = use_experts_implementation(experts_class=tf_fp8.FP8Experts, experts_interface=tf_fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    for L in find_moe_layers(qm):
+        new = cls(config=qm.config, block_size=(128, 128), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(L.experts, name).detach()
+            q, sc = formats.quantize_fp8(w, scale_fmt=scale_fmt) if expert_dtype == "fp8" else \
+                formats.quantize_fp4(w, scale_fmt)
+            setattr(new, name, nn.Parameter(q, requires_grad=False))
+            setattr(new, f"{name}_scale_inv", nn.Parameter(sc, requires_grad=False))
+        L.block.experts = new.to(w.device)
+    return qm
+
+
+def bench_quant(a) -> list[dict[str, Any]]:
+    from moetool.adapters import find_moe_layers
+    from moetool.engine import probes
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = mixtral_model(8, a.quant_inter, 2, d=a.quant_d, layers=1, vocab=256, dtype=dtype).to(dev)
+    h = torch.randn(a.quant_tokens, a.quant_d, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+    formats_ = {"plain": model, "fp8 (fp32 scales)": fp8_experts_copy(model, "fp8", "float"),
+                "fp8 (UE8M0 scales)": fp8_experts_copy(model, "fp8", "ue8m0"),
+                "fp4 (packed, 1x32)": fp8_experts_copy(model, "fp4", "float")}
+    layer = {k: find_moe_layers(m)[0] for k, m in formats_.items()}
+    rows = []
+    for probe, fn in (("node_scores(gate)", lambda L: probes.node_scores(L, h, "gate")),
+                      ("expert_outputs", lambda L: probes.expert_outputs(L, h))):
+        res = interleaved({k: (lambda L=L: fn(L)) for k, L in layer.items()}, a.repeat)
+        for k in layer:
+            rows.append({"section": "quant", "model": f"mixtral-d{a.quant_d}-8x{a.quant_inter}", "variant": k,
+                         "probe": probe, "device": str(dev), "tokens": a.quant_tokens, "ratio": res[k]["ratio"],
+                         "ratio_min": res[k]["ratio_min"], "ratio_max": res[k]["ratio_max"],
+                         "seconds": res[k]["seconds"]})
+    return rows
+
+
 # ----- RSS per command ------------------------------------------------------------------------------------
 COMMANDS = {  # command -> its arguments (data and tokens appended)
     "stats": ["stats", "--model", "tiny"],
@@ -420,6 +478,10 @@ def main() -> None:
     ap.add_argument("--commands", nargs="*", default=None, help="restrict --rss to these commands")
     ap.add_argument("--lazy-data", action="store_true", help="load_tokens on a large generated corpus")
     ap.add_argument("--lazy-mb", type=int, default=200)
+    ap.add_argument("--quant", action="store_true", help="quantized-expert probes against the plain probe")
+    ap.add_argument("--quant-d", type=int, default=1024)
+    ap.add_argument("--quant-inter", type=int, default=2048)
+    ap.add_argument("--quant-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--csv", default="bench.csv")
     a = ap.parse_args()
@@ -434,7 +496,7 @@ def main() -> None:
     print(f"device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     sections = [(bool(a.shapes), bench_shapes), (a.real, bench_real), (a.rss, bench_rss),
-                (a.lazy_data, bench_lazy_data)]
+                (a.lazy_data, bench_lazy_data), (a.quant, bench_quant)]
     for wanted, section in sections:
         if wanted:
             rows += section(a)
@@ -465,6 +527,12 @@ def main() -> None:
         print("\nLazy --data (tokens asked of a large corpus)")
         print(lazy[["variant", "tokens", "seconds", "mib_read", "read_whole_file_seconds", "eager_seconds_estimate"]]
               .to_string(**fmt))
+    quant = df[df.section == "quant"] if len(df) else df
+    if len(quant):
+        print(f"\nQuantized expert probes: time / plain probe time, same {a.quant_tokens} tokens (median of {a.repeat} "
+              f"rounds; min-max), {quant.model.iloc[0]}, device {dev}")
+        t = quant.assign(spread=quant.ratio_min.map("{:.2f}".format) + "-" + quant.ratio_max.map("{:.2f}".format))
+        print(t[["probe", "variant", "ratio", "spread", "seconds"]].to_string(**fmt))
     df.to_csv(a.csv, index=False)
     print(f"\nwrote {a.csv}")
 

@@ -7,6 +7,7 @@ import typer
 
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
                       Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
 
@@ -48,7 +49,8 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
                                            help="best_subset only in layers with C(n, K) at most this."),
            layers: Layers = None,
            seq_len: SeqLen = 256, max_tokens: MaxTokens = 4096, batch_size: BatchSize = 4, dtype: Dtype = "auto",
-           device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+           device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
+           quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
     from moetool.report.console import print_table
@@ -56,7 +58,7 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
     opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,
                          layers=parse_layers(layers), batch_size=batch_size, seed=seed)
     started = start_run("approx", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     started.write(res)

@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """Expert capacity and token dropping: which assignments a capacity factor drops, and what it costs.
 
@@ -44,7 +45,7 @@ def capacity(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, f
                                                                "weight), or both: order,score."),
              bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
              max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-             device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+             device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.capacity import CapacityOptions, capacity as compute
 
@@ -52,7 +53,7 @@ def capacity(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, f
                            orders=tuple(parse_list(order, str, "order")), layers=parse_layers(layers),
                            batch_size=batch_size, bootstrap=bootstrap, seed=seed)
     started = start_run("capacity", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     finish_command(started, res, f"capacity factor, dropped assignments and perplexity: {model} "

@@ -6,6 +6,7 @@ import typer
 
 from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
                       handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = r"""Expert–router coupling (ERC) from the weights only: no data, no tokenizer.
 
@@ -46,7 +47,8 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         node: str = typer.Option("gate", "--node", help="Probe node whose norm fills M: gate|up|act|glu|output."),
         norm: str = typer.Option("l2", "--norm", help="Norm of the node: l2|l1|linf."),
         layers: Layers = None,
-        dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
+        dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+        seed: Seed = 0,
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
@@ -55,7 +57,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
 
     opts = ErcOptions(alphas=tuple(parse_list(alpha, float, "alpha")), noise=parse_noise(noise), samples=samples,
                       node=node, norm=norm, seed=seed, layers=parse_layers(layers))
-    started = start_run("erc", out, force, model, dtype=dtype, device=device, device_map=device_map,
+    started = start_run("erc", out, force, model, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
                          tokenizer=False)
     run, lm, _ = started
     res = compute(lm, opts, quiet=quiet)

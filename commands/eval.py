@@ -10,6 +10,7 @@ import typer
 from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
                       Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
 
@@ -39,7 +40,8 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  include_path: Optional[Path] = IncludePath,
                  routing: str = Routing, weights: str = Weights, sim: str = Sim, causal: bool = Causal,
                  layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-                 device_map: DeviceMap = None, out: Out = None, force: Force = False, seed: Seed = 0,
+                 device_map: DeviceMap = None, quantize: Quantize = None, out: Out = None, force: Force = False,
+                 seed: Seed = 0,
                  quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
@@ -51,7 +53,7 @@ def eval_command(model: Model = DEFAULT_MODEL,
     policy = opts.policy()
     plan = plan_tasks(opts.tasks, opts.include_path)  # unknown tasks fail before anything is loaded
     started = start_run("eval", out, force, model, batch_size=batch_size, dtype=dtype, device=device,
-                         device_map=device_map, attention=policy.needs_attention)
+                         device_map=device_map, quantize=quantize, attention=policy.needs_attention)
     run, lm, _ = started
     res = eval_tasks(lm, opts, plan=plan, quiet=quiet)
     started.write(res)

@@ -92,6 +92,11 @@ def inspect(model: Model = DEFAULT_MODEL,
     c.print(t)
     if info["dense_layers"]:
         c.print(f"dense (non-MoE) decoder layers: {info['dense_layers']}")
+    fmt = info["experts_format"]
+    c.print(f"experts: {fmt['format']}; on a GPU {fmt['gpu']}; on CPU {fmt['cpu']}")
+    c.print(f"  routing: {fmt['routing']}")
+    c.print(f"  weight-reading commands (approx, erc, norm-select, prune, super-experts, norm:<node>): "
+            f"{fmt['weights']}")
 
 
 def register(app: typer.Typer) -> None:

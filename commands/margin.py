@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """Routing margin and brittleness per MoE layer, over the real tokens of --data with the model's own routing.
 
@@ -51,7 +52,7 @@ def margin(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
                                              "Jaccard), comma-separated; none = off."),
            bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
            max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-           device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+           device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.margin import MarginOptions, margin as compute
 
@@ -61,7 +62,7 @@ def margin(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
                          policies=() if policies.strip().lower() == "none" else
                          tuple(parse_list(policies, str, "policy")))
     started = start_run("margin", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     finish_command(started, res, f"routing margin and flips under noise: {model} ({tokens.n_tokens:,} tokens)",

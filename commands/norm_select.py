@@ -10,6 +10,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Resume, Seed, SeqLen, Weights,
                       echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
 
@@ -54,7 +55,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 num_fewshot: Optional[int] = NumFewshot, limit: Optional[int] = Limit,
                 include_path: Optional[Path] = IncludePath,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
-                dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
+                dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+                quantize: Quantize = None, out: Out = None,
                 force: Force = False, resume: Resume = False, seed: Seed = 0,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
                 prune: Optional[str] = typer.Option(None, "--prune", help="Run on the pruned model: "
@@ -81,7 +83,7 @@ def norm_select(model: Model = DEFAULT_MODEL,
         build_policy(opts.prune, weights, seed)  # a bad --prune (spec, file) too
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
     started = start_run("norm-select", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
                          resume=resume, units=opts)
     run, lm, tokens = started
     res = ns.norm_select(lm, tokens, opts, plan=plan, quiet=quiet, units=started.units)

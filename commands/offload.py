@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """Expert offloading analysis from the model's real routing (one forward, the router's own choices).
 
@@ -49,6 +50,7 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
             bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
             layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192,
             batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+            quantize: Quantize = None,
             seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.offload import OffloadOptions, offload as compute
@@ -60,7 +62,7 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
                           if coverage_tokens else None, predict_norm=predict_norm, bootstrap=bootstrap, seed=seed,
                           batch_size=batch_size, layers=parse_layers(layers))
     started = start_run("offload", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     started.write(res)

@@ -48,6 +48,9 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto|bf16|fp16|fp32 (auto: 
 Device = Annotated[str, typer.Option("--device", help="auto|cuda|cpu.")]
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': let accelerate spread a model "
                                                   "larger than one GPU over GPUs and CPU.")]
+Quantize = Annotated[Optional[str], typer.Option("--quantize", metavar="fp8", help="fp8: load a bf16 checkpoint with "
+                                                 "transformers' block-scaled FP8 quantization (CUDA only; "
+                                                 "Mixtral-8x7B then fits one 80 GB GPU).")]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "
@@ -251,7 +254,7 @@ def preflight(*models: str) -> None:
 
 def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
               max_tokens: int | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
-              attn_implementation: str | None = None) -> Any:
+              attn_implementation: str | None = None, quantize: str | None = None) -> Any:
     """``sizing.validate_run`` on the model's config: bad sizes, too long --seq-len, no such device, not enough
     memory fail with one line before any weight loads or any run folder exists. Returns the ``RunEstimate``."""
     from moetool.loading import load_config
@@ -259,7 +262,8 @@ def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None 
 
     config, _, _ = load_config(model)
     return validate_run(config, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
-                        dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+                        dtype=dtype, device_map=device_map, attn_implementation=attn_implementation,
+                        quantize=quantize)
 
 
 AUTO_CHOICE: dict[str, Any] = {}  # the last --batch-size auto decision (start_run puts it in the manifest)
@@ -279,7 +283,7 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
     rows, facts = sizing.auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
                                   device=params.get("device") or "auto", dtype=params.get("dtype") or "auto",
                                   device_map=params.get("device_map"), attention="attention" in routing,
-                                  processes=processes, world=e.world_size)
+                                  processes=processes, world=e.world_size, quantize=params.get("quantize"))
     if e.distributed:
         import torch
 
@@ -350,7 +354,8 @@ def write_result(result: Any, run: Any, **kwargs: Any) -> Any:
 def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
               max_tokens: int | None = None, batch_size: int | None = None, dtype: str = "auto", device: str = "auto",
               device_map: str | None = None, attention: bool = False, tokenizer: bool = True,
-              add_special_tokens: bool | None = False, resume: bool = False, units: Any = None) -> StartedRun:
+              add_special_tokens: bool | None = False, resume: bool = False, units: Any = None,
+              quantize: str | None = None) -> StartedRun:
     """The start every command shares: ``--data`` must exist and the run must fit (:func:`check_run`) before the
     run folder exists; then the folder (with the memory estimate), the model (eager attention for ``attention``),
     and with ``seq_len`` the packed tokens of ``--data``. Unpacks as ``run, lm, tokens`` (tokens ``None`` without
@@ -365,8 +370,9 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     ``resume`` continues the unfinished run in ``out`` (other options: refused in one line before loading)."""
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
-    from moetool.loading import load, weights_fingerprint
+    from moetool.loading import check_quantize, load, weights_fingerprint
 
+    check_quantize(quantize, device)  # --quantize on CPU: one line before anything
     attn = "eager" if attention else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if device_map and per_node > 1:  # every rank would spread its own copy over the same GPUs
@@ -375,14 +381,19 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     if seq_len is not None:
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
-                    device_map=device_map, attn_implementation=attn)
+                    device_map=device_map, attn_implementation=attn, quantize=quantize)
     sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
-    options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map)
+    options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map,
+                          **({"quantize": quantize} if quantize else {}))
     run, checkpoints = open_run(command, out, force, resume=resume, device=device, estimate=est,
                                 batch_size=batch_size, units=None if units is None else {**options, **unit_key(units)})
     if checkpoints is not None:  # --resume: refused when the weights changed since the run started
         checkpoints.check_inputs(model=weights_fingerprint(model))
-    lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer)
+    lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer,
+              quantize=quantize)
+    note = lm.quantization().get("note")
+    if note and distributed.rank() == 0:
+        typer.secho(f"note: {note}", err=True)
     tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
               if seq_len is not None else None)
     if checkpoints is not None and tokens is not None:  # --resume: refused when other data was read

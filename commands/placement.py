@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, finish_command, handle_errors,
+                      parse_layers, parse_list, preflight, start_run)
 
 HELP = """Expert-parallel placement what-if: per-GPU load imbalance under the model's measured expert loads.
 
@@ -52,7 +53,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                   "and tokenizer) whose loads the stale EPLB placement is "
                                                   "computed from."),
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
-              dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+              dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
               seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
@@ -70,11 +71,12 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
         preflight(reference_model)
         check_checkpoints([model, reference_model])
     started = start_run("placement", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     _, lm, tokens = started
     reference = (load_tokens(reference_data, lm.tokenizer, seq_len, max_tokens) if reference_data is not None
                  else None)
-    ref_lm = (load(reference_model, dtype=dtype, device=device, device_map=device_map, tokenizer=False)
+    ref_lm = (load(reference_model, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
+    tokenizer=False)
               if reference_model is not None else None)
     res = compute(lm, tokens, opts, reference=reference, reference_model=ref_lm, quiet=quiet)
     finish_command(started, res, f"per-GPU load imbalance (max/mean): {model} ({tokens.n_tokens:,} tokens)",

@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Causal, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype,
                       Force, Layers, MaxTokens, Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run,
                       handle_errors, parse_layers, preflight, start_run)
+from .options import Quantize
 
 HELP = """Perplexity, mean next-token NLL and token count of --data with a routing policy applied.
 
@@ -29,7 +30,8 @@ Examples:
 def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing, weights: str = Weights,
         sim: str = Sim, causal: bool = Causal, layers: Layers = None, seq_len: SeqLen = 256,
         max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
-        dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, out: Out = None,
+        dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+        out: Out = None,
         force: Force = False, seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
         baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also run the router on the same "
                                       "rows for the perplexity ratio (policies other than router)."),
@@ -42,7 +44,7 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
                       batch_size=batch_size, seed=seed, bootstrap=bootstrap, baseline=baseline)
     policy = opts.policy()  # a bad --routing fails before anything is loaded
     started = start_run("ppl", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
                          attention=policy.needs_attention)
     run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)

@@ -10,6 +10,7 @@ from typing import Optional
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen,
                       finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """Expert importance and pruning: which experts matter, and perplexity as the least important are removed.
 
@@ -62,7 +63,7 @@ def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           include_path: Optional[Path] = IncludePath,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
           max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-          device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+          device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.lmeval import plan_tasks
     from moetool.experiments.prune import PruneOptions, prune as compute
@@ -75,7 +76,7 @@ def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                         include_path=str(include_path) if include_path else None)
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None  # before the model loads
     started = start_run("prune", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     _, lm, tokens = started
     res = compute(lm, tokens, opts, plan=plan, quiet=quiet)
     finish_command(started, res, f"perplexity with experts removed: {model} ({tokens.n_tokens:,} tokens)",

@@ -7,6 +7,7 @@ import typer
 
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       MaxTokens, Model, Out, Quiet, Resume, Seed, SeqLen, echo_run, handle_errors, preflight, start_run)
+from .options import Quantize
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -90,7 +91,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                                  help="Tokenize without special tokens (default: the tokenizer's "
                                                       "own default, e.g. a BOS)."),
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
-          dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+          dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, resume: Resume = False,
           quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
@@ -100,7 +101,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
                         coactivation=coactivation, all_tokens=all_tokens, bootstrap=bootstrap, seed=seed)
     started = start_run("stats", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
                         add_special_tokens=False if no_special_tokens else None, resume=resume,
                         units={**vars(opts), "no_special_tokens": no_special_tokens})
     run, lm, tokens = started

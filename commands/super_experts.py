@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       preflight, start_run)
+from .options import Quantize
 
 HELP = """Super Experts: the experts whose down projection makes extreme outputs, and what removing them costs.
 
@@ -41,7 +42,7 @@ def super_experts(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = No
                                                         help="... and is at least this fraction of the largest."),
                   bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
                   max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto",
-                  device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
+                  device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
                   quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.super_experts import SuperExpertsOptions, super_experts as compute
@@ -49,7 +50,7 @@ def super_experts(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = No
     opts = SuperExpertsOptions(percentile=percentile, fraction_of_max=fraction_of_max, layers=parse_layers(layers),
                                batch_size=batch_size, bootstrap=bootstrap, seed=seed)
     started = start_run("super-experts", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     finish_command(started, res, f"super experts and perplexity without them: {model} ({tokens.n_tokens:,} tokens)",

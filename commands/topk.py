@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, finish_command, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
+from .options import Quantize
 
 HELP = """The compute-quality frontier of reduced and dynamic K: perplexity against experts per token.
 
@@ -38,7 +39,7 @@ def topk(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force
                                                        "(default: all n)."),
          bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
          max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-         device_map: DeviceMap = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+         device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.topk import TopkOptions, topk as compute
 
@@ -47,7 +48,7 @@ def topk(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force
                        kmax=kmax, layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap,
                        seed=seed)
     started = start_run("topk", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     _, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     finish_command(started, res, f"experts per token and perplexity: {model} ({tokens.n_tokens:,} tokens)",

@@ -7,6 +7,7 @@ import typer
 from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
                       Model, Out, Quiet, Resume, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors,
                       parse_layers, preflight, start_run)
+from .options import Quantize
 
 HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
 
@@ -31,7 +32,8 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           fmt: str = typer.Option("csv.gz", "--format", help="csv.gz (pandas.read_csv) or parquet "
                                   "(pandas.read_parquet; faster, smaller)."),
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
-          dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, seed: Seed = 0,
+          dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+          seed: Seed = 0,
           resume: Resume = False, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.errors import MoetoolError
@@ -43,7 +45,7 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                         logits=logits, batch_size=batch_size, seed=seed)
     policy = opts.policy()
     started = start_run("trace", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
                          attention=policy.needs_attention, resume=resume, units={**vars(opts), "format": fmt})
     run, lm, tokens = started
     name = f"trace.{fmt}"

@@ -138,7 +138,7 @@ def dequantize_fp8(
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """The nearest e2m1 code (``uint8`` 0..15, sign in bit 3) of each value of ``x`` (already scaled into +-6;
     beyond saturates to 6), ties to even mantissa."""
-    a = x.abs().float().clamp(max=FP4_MAX)
+    a = x.abs().float().clamp(max=FP4_MAX).contiguous()
     bounds = torch.tensor(_E2M1_BOUNDS, device=x.device)
     idx = torch.bucketize(a, bounds)  # a at a midpoint lands on the lower value
     at = torch.gather(bounds, 0, idx.clamp(max=len(_E2M1_BOUNDS) - 1).flatten()).view_as(a) == a

@@ -32,12 +32,13 @@ def describe_model(name: str) -> dict[str, Any]:
     config, source, kind = load_config(name)  # first: a bad name fails before torch is imported
     import torch
 
-    from .adapters import find_moe_layers, get_adapter
+    from .adapters import find_moe_layers, get_adapter, quant
 
     with torch.device("meta"):
         model = auto_model_class(config).from_config(config)
     info = describe_layers(model, find_moe_layers(model))
-    return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info}
+    return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info,
+            "experts_format": quant.checkpoint_format(config)}
 
 
 # ----- every MoE family of the installed transformers (``moetool inspect --families``) ------------------

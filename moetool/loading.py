@@ -295,6 +295,23 @@ def _no_load_report() -> Iterator[None]:
         log.removeFilter(_DropLoadReport)
 
 
+QUANTIZE = ("fp8",)
+
+
+def check_quantize(quantize: str | None, device: str = "auto") -> None:
+    """``--quantize``: ``fp8`` (transformers' ``FineGrainedFP8Config``, block-scaled e4m3 128x128) needs a CUDA device;
+    anything else, or no GPU, is one line before any work."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE:
+        raise MoetoolError(f"--quantize takes {', '.join(QUANTIZE)}, not '{quantize}'")
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        raise MoetoolError("--quantize fp8 needs a CUDA GPU (transformers' FP8 kernels); on CPU load the checkpoint "
+                           "as it is (transformers dequantizes FP8 checkpoints on CPU)")
+
+
 @dataclass
 class LoadedModel:
     name: str  # what the user typed
@@ -305,15 +322,35 @@ class LoadedModel:
     layers: list  # [MoELayer]
     device: Any
     dtype: Any
+    quantize: str | None = None  # --quantize: the quantization moetool asked transformers for at load
 
     @property
     def config(self) -> Any:
         return self.model.config
 
+    def quantization(self) -> dict[str, Any]:
+        """How the model was loaded: transformers' ``quant_method`` (None: not quantized), ``--quantize``, and for
+        bitsandbytes the note that its fused experts stayed unquantized."""
+        from .adapters import quant
+
+        return {**quant.model_quantization(self.model), "quantize": self.quantize}
+
+    def expert_formats(self) -> dict[str, Any]:
+        """Each distinct expert format with the MoE layers stored in it (``{detail: {kind, layers}}``)."""
+        from .adapters import quant
+
+        out: dict[str, Any] = {}
+        for L in self.layers:
+            fmt = quant.expert_format(L)
+            out.setdefault(fmt.detail, {"kind": fmt.kind, "readable": fmt.readable, "layers": []})["layers"].append(
+                L.index)
+        return out
+
     def manifest(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "kind": self.kind,
                 "model_type": self.config.model_type, "device": str(self.device), "dtype": str(self.dtype),
-                "moe_layers": [L.index for L in self.layers], "config": self.config.to_dict()}
+                "moe_layers": [L.index for L in self.layers], "quantization": self.quantization(),
+                "expert_formats": self.expert_formats(), "config": self.config.to_dict()}
 
 
 def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
@@ -336,7 +373,7 @@ def load_tokenizer(name: str) -> Any:
 
 
 def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
-         attn_implementation: str | None = None, tokenizer: bool = True) -> LoadedModel:
+         attn_implementation: str | None = None, tokenizer: bool = True, quantize: str | None = None) -> LoadedModel:
     """Load a supported MoE causal LM (or encoder-decoder LM) in eval mode with its tokenizer and wrapped MoE layers.
 
     Every failure is one :class:`MoetoolError` line: the config is read first (dense or unsupported models stop
@@ -348,9 +385,18 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
 
     from .adapters import find_moe_layers
 
+    check_quantize(quantize, device)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, config, dev)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, **from_hub}
+    if quantize == "fp8":  # GPU only (check_quantize); not testable on CPU
+        if getattr(config, "quantization_config", None) is not None:
+            raise MoetoolError(f"--quantize fp8: {name} is already quantized ({_quant_method(config)}); load it as is")
+        from transformers import FineGrainedFP8Config
+
+        # the routers stay in the model's dtype, as in DeepSeek's FP8 checkpoints: moetool reads their rows
+        kwargs["quantization_config"] = FineGrainedFP8Config(weight_block_size=(128, 128),
+                                                             modules_to_not_convert=["gate", "router", "lm_head"])
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map:
@@ -377,7 +423,12 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     model.eval()
     tok = _tokenizer(source, from_hub) if tokenizer else None
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,
-                       layers=find_moe_layers(model), device=model.device, dtype=torch_dtype)
+                       layers=find_moe_layers(model), device=model.device, dtype=torch_dtype, quantize=quantize)
+
+
+def _quant_method(config: Any) -> str:
+    qc = getattr(config, "quantization_config", None)
+    return str(qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc))
 
 
 #: files whose name, size and modification time make a model's fingerprint (weights, their index, config)

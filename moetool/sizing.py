@@ -105,10 +105,11 @@ class RunEstimate:
 
 
 def estimate_memory(config: Any, *, seq_len: int, rows: int, dtype: Any, params: int | None,
-                    attn_implementation: str | None = None) -> tuple[int, int]:
+                    attn_implementation: str | None = None, quantize: str | None = None) -> tuple[int, int]:
     """``(weights, activations)`` in bytes: a lower bound of what one forward of ``rows x seq_len`` tokens holds.
 
-    weights = parameters x element size (0 for a quantized checkpoint: its size depends on the kernel);
+    weights = parameters x element size (0 for a quantized checkpoint or ``--quantize``: its size depends on the
+    kernel);
     activations = the logits ``rows x seq_len x vocab`` (transformers computes them for every position) +
     two hidden-state tensors ``rows x seq_len x hidden`` + the attention probabilities
     ``rows x heads x seq_len^2`` only with ``attn_implementation="eager"`` (SDPA kernels need not materialise them).
@@ -119,7 +120,7 @@ def estimate_memory(config: Any, *, seq_len: int, rows: int, dtype: Any, params:
 
     tc = text_config(config)
     size = torch.empty((), dtype=dtype).element_size()
-    quantized = getattr(config, "quantization_config", None) or getattr(tc, "quantization_config", None)
+    quantized = quantize or getattr(config, "quantization_config", None) or getattr(tc, "quantization_config", None)
     weights = 0 if quantized or params is None else params * size
     vocab = int(getattr(tc, "vocab_size", 0) or 0)
     hidden = int(getattr(tc, "hidden_size", 0) or 0)
@@ -138,7 +139,7 @@ def _gib(n: int) -> str:
 def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | None = None,
                  max_tokens: int | None = None, device: Any = "auto", dtype: Any = "auto",
                  device_map: str | None = None, attn_implementation: str | None = None,
-                 check_memory: bool = True) -> RunEstimate:
+                 check_memory: bool = True, quantize: str | None = None) -> RunEstimate:
     """Refuse, with one line and before any weight loads or any run folder exists, inputs a run cannot use.
 
     * ``seq_len``, ``max_tokens``, ``batch_size`` must be positive (``seq_len`` at least 2: one next-token
@@ -179,7 +180,7 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
     est.params = count_parameters(config)
     est.weights_bytes, est.activation_bytes = estimate_memory(
         config, seq_len=seq_len, rows=rows, dtype=torch_dtype, params=est.params,
-        attn_implementation=attn_implementation)
+        attn_implementation=attn_implementation, quantize=quantize)
     avail = est.available_bytes
     if est.weights_bytes > avail:
         raise MoetoolRuntimeError(
@@ -203,7 +204,7 @@ AUTO_MAX_ROWS = 1024
 
 def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None = None, device: str = "auto",
                     dtype: str = "auto", device_map: str | None = None, attention: bool = False,
-                    processes: int = 1, world: int = 1) -> tuple[int, dict[str, Any]]:
+                    processes: int = 1, world: int = 1, quantize: str | None = None) -> tuple[int, dict[str, Any]]:
     """``--batch-size auto``: the largest number of rows whose activations fit the device's free memory.
 
     rows = ``AUTO_SHARE x (free - weights) / (AUTO_SLACK x activations of one row)`` with ``free`` from
@@ -226,7 +227,7 @@ def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None =
         return min(8, fill), {**facts, "rows": min(8, fill), "reason": "free memory unknown: default 8"}
     weights, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch_dtype,
                                    params=None if device_map else count_parameters(config),
-                                   attn_implementation="eager" if attention else None)
+                                   attn_implementation="eager" if attention else None, quantize=quantize)
     budget = AUTO_SHARE * (free / (processes if dev.type == "cpu" else 1) - weights)
     rows = int(budget // (AUTO_SLACK * max(act, 1)))
     if rows < 1:

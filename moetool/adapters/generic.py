@@ -32,7 +32,7 @@ from torch import nn
 
 from ..configs import text_config
 from ..errors import MoetoolError
-from . import rules
+from . import quant, rules
 from .base import Adapter, MoELayer
 
 _ROUTER_ATTRS = ("gate", "router")
@@ -275,8 +275,8 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
     lin = router_linear(router)
     w, b = lin.weight, getattr(lin, "bias", None)
     dtype = next((p.dtype for p in L.experts.parameters() if p.is_floating_point()), w.dtype)
-    if _is_meta(w) or _is_meta(next(L.experts.parameters(), None)):
-        dtype = w.dtype
+    if _is_meta(w) or _is_meta(next(L.experts.parameters(), None)) or quant.expert_format(L).kind != "plain":
+        dtype = w.dtype  # quantized experts (codes, fp32 scales or biases): the hidden states are the router's dtype
     h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device,
                                                                                           dtype=dtype)
     with torch.no_grad():

@@ -9,8 +9,9 @@
   (no copies).
 * Clamped SwiGLU (``GptOssExperts._apply_gate``): ``g = clamp(gate, max=limit)``,
   ``act = g * sigmoid(alpha * g)``, ``glu = act * (clamp(up, ±limit) + 1)`` (alpha 1.702, limit 7).
-* The block returns ``(h, router_scores)``; MXFP4 checkpoints must be loaded with
-  ``dequantize=True`` (the kernels bypass the router and experts modules).
+* The block returns ``(h, router_scores)``. MXFP4 checkpoints on a GPU: transformers' ``Mxfp4GptOssMLP``, whose
+  kernel path bypasses the router and experts modules; the engine routes it through them while it hooks
+  (:func:`moetool.adapters.quant.route_through_modules`) and probes dequantize its blocks (:mod:`.quant`).
 
 What is particular here: the experts' layout and clamped SwiGLU; the routing is the generic layer's.
 """

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from ..adapters import quant
 from ..adapters.base import MoELayer
 from ..errors import MoetoolError
 from .probes import ON_DEVICE
@@ -187,6 +188,9 @@ class Engine:
         self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         for L in self.layers:
             self._slots[L.index] = {}
+            through = quant.route_through_modules(L)  # MXFP4 gpt-oss: its kernel path bypasses both modules
+            if through is not None:
+                self._handles.append(through)
             self._handles.append(L.router.register_forward_hook(self._router_hook(L)))
             if offloaded(L.experts):  # run inside accelerate's pre-forward, once the weights are on the device
                 self._handles.append(AfterAccelerateLoads(L.experts, self._experts_hook(L)))

@@ -2,6 +2,8 @@
 
 One batched matmul over experts per chunk of tokens (never a Python loop over experts):
 ``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
+Quantized experts (FP8 / FP4 / MXFP4 / per-expert linears, :mod:`moetool.adapters.quant`) are dequantized a slice
+of experts at a time (at most ``budget`` weight elements), in the tokens' dtype; plain ones are read as stored.
 Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
 elsewhere they are brought to the device for the call.
 """
@@ -15,6 +17,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .. import ops
+from ..adapters import quant
 from ..adapters.base import ExpertWeights, MoELayer
 
 NODES = ("gate", "up", "act", "glu", "output")
@@ -43,6 +46,11 @@ def _weights_on_device(layer: MoELayer) -> Iterator[None]:
         yield
 
 
+def _parts(want: set[str]) -> set[str]:
+    """The expert matrices the nodes ``want`` read (what :func:`_nodes_chunk` touches)."""
+    return {"gate"} | ({"up"} if want & {"up", "glu", "output"} else set()) | ({"down"} if "output" in want else set())
+
+
 def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
     """The layer's expert weights; a needed view lacking a unit stride is copied once per probe call.
 
@@ -50,7 +58,7 @@ def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
     views (``gate_up_proj[..., ::2]``) have none, and torch then falls back to a kernel ~10x slower.
     """
     W = layer.expert_weights()
-    need = {"gate"} | ({"up"} if want & {"up", "glu", "output"} else set()) | ({"down"} if "output" in want else set())
+    need = _parts(want)
     fix = {k: t.contiguous() for k in need if 1 not in (t := getattr(W, k)).stride()[-2:]}
     return dataclasses.replace(W, **fix) if fix else W
 
@@ -84,23 +92,39 @@ def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[s
     return out
 
 
-def _chunk_size(layer: MoELayer, W: ExpertWeights, budget: int) -> int:
+def _chunk_size(W: ExpertWeights, budget: int) -> int:
     n, inter = W.gate.shape[0], max(W.gate.shape[1], W.down.shape[1])
     return max(1, budget // (3 * n * inter))
+
+
+def _chunks(layer: MoELayer, h: torch.Tensor, want: set[str], budget: int) -> Iterator[tuple[slice, ExpertWeights]]:
+    """Expert slices with their (dequantized) weights: the whole layer's views for plain experts."""
+    plain = quant.expert_format(layer).kind == "plain"
+    dtype = h.dtype if h.is_floating_point() else None
+    yield from quant.expert_chunks(layer, budget, dtype, plain=_matmul_ready(layer, want) if plain else None,
+                                   parts=_parts(want))
+
+
+def _check(want: set[str]) -> None:
+    unknown = want - set(NODES)
+    if unknown:
+        raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
 
 
 def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
                  budget: int = DEFAULT_BUDGET) -> dict[str, torch.Tensor]:
     """Nodes of all experts for tokens ``h [T, d]``: ``{node: [n, T, I or d]}`` (on h's device)."""
     want = set(nodes)
-    unknown = want - set(NODES)
-    if unknown:
-        raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
+    _check(want)
+    per_slice = []
     with _weights_on_device(layer):
-        W = _matmul_ready(layer, want)
-        step = _chunk_size(layer, W, budget)
-        parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
-    return {k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want}
+        for _, W in _chunks(layer, h, want, budget):
+            step = _chunk_size(W, budget)
+            parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
+            per_slice.append({k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want})
+    if len(per_slice) == 1:
+        return per_slice[0]
+    return {k: torch.cat([p[k] for p in per_slice], dim=0) for k in want}
 
 
 def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
@@ -108,12 +132,14 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
     """Norm of ``node`` for every expert: ``[T, n]`` fp32, streamed over token chunks."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
+    cols = []
     with _weights_on_device(layer):
-        W = _matmul_ready(layer, {node})
-        step = _chunk_size(layer, W, budget)
-        out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
-               for s in range(0, h.shape[0], step)]  # each [T_c, n]
-    return torch.cat(out, dim=0).to(h.device)
+        for _, W in _chunks(layer, h, {node}, budget):
+            step = _chunk_size(W, budget)
+            out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
+                   for s in range(0, h.shape[0], step)]  # each [T_c, n_slice]
+            cols.append(torch.cat(out, dim=0).to(h.device))
+    return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
 
 
 def expert_outputs(layer: MoELayer, h: torch.Tensor, budget: int = DEFAULT_BUDGET) -> torch.Tensor:
@@ -128,13 +154,15 @@ def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: 
     a NaN output propagates)."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
+    out = []
     with _weights_on_device(layer):
-        W = _matmul_ready(layer, {node})
-        step = _chunk_size(layer, W, budget)
-        best = torch.zeros(W.gate.shape[0], dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], step):
-            y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n, T_c, d]
-            m = y.abs().amax(dim=-1).float().to(h.device)  # [n, T_c]
-            m = torch.where(routed[s:s + step].T, m, torch.zeros_like(m))
-            best = torch.maximum(best, m.amax(dim=1))
-    return best
+        for sl, W in _chunks(layer, h, {node}, budget):
+            step = _chunk_size(W, budget)
+            best = torch.zeros(W.gate.shape[0], dtype=torch.float32, device=h.device)
+            for s in range(0, h.shape[0], step):
+                y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n_slice, T_c, d]
+                m = y.abs().amax(dim=-1).float().to(h.device)  # [n_slice, T_c]
+                m = torch.where(routed[s:s + step, sl].T, m, torch.zeros_like(m))
+                best = torch.maximum(best, m.amax(dim=1))
+            out.append(best)
+    return out[0] if len(out) == 1 else torch.cat(out)

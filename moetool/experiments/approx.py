@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import distributed, ops
+from ..adapters import quant
 from ..adapters.base import MoELayer
 from ..engine import probes
 from ..engine.hooks import select_layers
@@ -263,8 +264,7 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
                max_subsets: int = MAX_SUBSETS, layers: Sequence[int] | None = None, batch_size: int = 8,
                quiet: bool = False) -> ApproxReducer:
     """Run the model with the plain router over ``tokens`` and reduce every MoE layer's events."""
-    if layers is not None:
-        select_layers(lm.layers, layers)  # validates the indices
+    quant.require_readable(select_layers(lm.layers, layers), "approx")  # validates the indices too
     red = ApproxReducer(selectors, seed, max_subsets, layers)
     forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
     return red

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import distributed, ops
+from ..adapters import quant
 from ..adapters.base import MoELayer
 from ..engine import probes
 from ..engine.hooks import select_layers
@@ -260,7 +261,9 @@ def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **ov
     see :data:`DEFINITIONS`.
     """
     opts = resolve_options(ErcOptions, options, overrides)
-    res = run_erc(select_layers(lm.layers, opts.layers), opts, quiet=quiet)
+    layers = select_layers(lm.layers, opts.layers)
+    quant.require_readable(layers, "erc")
+    res = run_erc(layers, opts, quiet=quiet)
     erc_df, per_layer, matrix = res.tables()
     o = res.opts
     return Result("erc", {"erc.csv": erc_df, "erc_layers.csv": per_layer, "erc_matrix.csv": matrix}, opts,

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from .. import distributed, ops
+from ..adapters import quant
 from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import forward
@@ -126,13 +127,8 @@ def default_capacities(n: int, k: int) -> tuple[int, ...]:
 
 
 def expert_bytes(layer: MoELayer) -> int:
-    """Bytes of one expert's weights (gate, up, down and biases) in their stored dtype."""
-    w = layer.expert_weights()
-    total = 0
-    for t in (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias):
-        if t is not None:
-            total += t[0].numel() * t.element_size()
-    return int(total)
+    """Bytes of one expert's weights (gate, up, down and biases) as stored (codes and scales when quantized)."""
+    return quant.stored_bytes_per_expert(layer)
 
 
 # ----- streaming consumer ---------------------------------------------------------------------

@@ -258,8 +258,10 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
     layouts = [("1 GPU per replica, data parallel", native, 1, world, 1, "yes",
                 (launch.format(n=per_node) if world > 1 else "moetool") + " " + base)]
     if native in ("bf16", "fp16", "fp32"):
-        ok = "no: moetool has no --quantize yet" if gpu.fp8_tflops else f"no: {gpu.name} has no FP8 tensor cores"
-        layouts.append(("1 GPU per replica, --quantize fp8", "fp8", 1, world, 1, ok, ""))
+        ok = "yes" if gpu.fp8_tflops else f"no: {gpu.name} has no FP8 tensor cores"
+        layouts.append(("1 GPU per replica, --quantize fp8", "fp8", 1, world, 1, ok,
+                        ((launch.format(n=per_node) if world > 1 else "moetool") + f" {base} --quantize fp8")
+                        if gpu.fp8_tflops else ""))
     if per_node > 1:
         layouts.append((f"--device-map auto over {per_node} GPUs, one replica per node", native, per_node, nodes, 0,
                         "yes", (launch.format(n=1) if nodes > 1 else "moetool") + f" {base} --device-map auto"))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import distributed, ops
+from ..adapters import quant
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import DEFAULT_BUDGET, node_scores
 from ..errors import MoetoolError
@@ -185,6 +186,7 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     if plan is None and opts.tasks is not None:  # before any forward: an unknown task fails at once
         plan = lmeval.plan_tasks(opts.tasks, opts.include_path)
     layers = select_layers(lm.layers, opts.layers)
+    quant.require_readable(layers, "prune")  # its importance reads expert outputs
     indices = [L.index for L in layers]
     for f in opts.fractions:  # before any forward: every layer keeps at least its K experts
         for L in layers:

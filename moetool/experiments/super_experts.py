@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import distributed
+from ..adapters import quant
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import DEFAULT_BUDGET, routed_absmax
 from ..errors import MoetoolError
@@ -156,6 +157,7 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     opts = resolve_options(SuperExpertsOptions, options, overrides)
     tokens.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
+    quant.require_readable(layers, "super-experts")
     indices = [L.index for L in layers]
     shard = distributed.shard(tokens, opts.batch_size)
 

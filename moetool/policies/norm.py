@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..adapters import quant
 from ..engine.hooks import RoutingEvent
 from ..engine.probes import NODES, node_scores
 from .base import Policy
@@ -44,6 +45,10 @@ class NormPolicy(Policy):
         if not args or len(args) > 2:
             raise ValueError("use norm:<node>[:<norm>], e.g. norm:gate or norm:output:l1")
         return cls(args[0], args[1] if len(args) > 1 else (norm or "l2"), weights)
+
+    def check(self, layer: Any) -> None:
+        """Experts in a format moetool cannot read: one line before any forward."""
+        quant.require_readable(layer, f"--routing {self.name}")
 
     def scores(self, ev: RoutingEvent) -> torch.Tensor:
         """Node norm of every expert ``[T, n]``."""
