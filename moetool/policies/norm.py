@@ -47,8 +47,11 @@ class NormPolicy(Policy):
         return cls(args[0], args[1] if len(args) > 1 else (norm or "l2"), weights)
 
     def check(self, layer: Any) -> None:
-        """Experts in a format moetool cannot read: one line before any forward."""
+        """Experts in a format moetool cannot read, and (on a pruned model) the pruning's own check: one line before
+        any forward."""
         quant.require_readable(layer, f"--routing {self.name}")
+        if self.among is not None:
+            self.among.check(layer)
 
     def scores(self, ev: RoutingEvent) -> torch.Tensor:
         """Node norm of every expert ``[T, n]``."""
@@ -66,11 +69,6 @@ class NormPolicy(Policy):
         else:
             w = torch.full(idx.shape, 1.0 / idx.shape[-1], device=idx.device)
         return idx, w * ev.layer.weight_scale
-
-    def check(self, layer: Any) -> None:
-        """On a pruned model: the pruning's own check (one line before any forward)."""
-        if self.among is not None:
-            self.among.check(layer)
 
     def check_layers(self, policy_layers: list[int], moe_layers: list[int]) -> None:
         if self.among is not None:
