@@ -37,6 +37,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "llama4_text": "moetool.adapters.llama4:Llama4Adapter",
     "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
+    "dbrx": "moetool.adapters.dbrx:DbrxAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

@@ -33,8 +33,6 @@ UNSUPPORTED: dict[str, str] = {
     "diffusion_gemma": "block text-diffusion model (DiffusionGemmaForBlockDiffusion, bidirectional decoder): its "
                        "forward samples, so two forwards on the same input differ and there is no routing to "
                        "reproduce",
-    "dbrx": "the router module returns logits only (routing is DbrxFFN.route_tokens_to_experts, outside it); the "
-            "engine reads (logits, weights, idx) from the router module",
     "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as experts(inputs, "
               "expert_size); the attention is a mixture of experts too (MoA)",
     "zaya": "the router logits come from a router MLP over a down-projection plus the previous layer's router state "
