@@ -24,8 +24,10 @@ from test_rules import EXPECTED_RULE
 
 from moetool import ops
 from moetool.adapters import discovery, find_moe_layers
+from moetool.adapters.generic import hash_table
 from moetool.adapters.tiny import build_tiny
 from moetool.engine import node_scores
+from moetool.errors import MoetoolError
 from moetool.policies import make_policy
 
 SEED = 0
@@ -91,7 +93,7 @@ def test_family(model_type):
 
     # the routing rule identified on the router is the one its modeling code implements (tests/test_rules.py)
     assert model_type in EXPECTED_RULE, f"{model_type}: add its rule to tests/test_rules.py EXPECTED_RULE"
-    assert {L.describe()["rule"] for L in layers} == {EXPECTED_RULE[model_type]}
+    assert {L.describe()["rule"].removeprefix("hash:") for L in layers} == {EXPECTED_RULE[model_type]}
 
     # 2. the captured top-K is the adapter's route(logits(h))
     _, _, events = captured(model_type)
@@ -100,7 +102,13 @@ def test_family(model_type):
         logits = L.logits(ev.h)
         assert torch.equal(logits, ev.logits)
         assert torch.equal(L.logits(ev.h.double()), logits)  # any input dtype: mass-recall passes fp64 points
-        idx, w = L.route(logits)
+        if getattr(L, "hash_routed", False):  # experts by token id: the table's rows, weighted by the rule
+            with pytest.raises(MoetoolError, match="hash-routed"):
+                L.route(logits)
+            idx = hash_table(L.router)[padded_batch(seq=8)["input_ids"].reshape(-1)]
+            w = L.weights_for(logits, idx)
+        else:
+            idx, w = L.route(logits)
         assert_same_routing(idx, w, ev.idx, ev.weights, rtol=1e-6, atol=1e-7)
         p = L.probs(logits)
         torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]))
@@ -113,7 +121,8 @@ def test_family(model_type):
         ev = events[L.index]
         h = ev.h
         with torch.no_grad():
-            out = L.block(h.unsqueeze(0))
+            ids = {"input_ids": padded_batch(seq=8)["input_ids"]} if getattr(L, "hash_routed", False) else {}
+            out = L.block(h.unsqueeze(0), **ids)
             out = (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
             expected = L.experts(h, ev.idx, ev.weights) * getattr(L, "output_scale", 1.0)  # set where the block scales it
             if L.shared_experts is not None:

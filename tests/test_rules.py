@@ -40,7 +40,8 @@ EXPECTED_RULE = {
     "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",
     "gemma4": "softmax-topk-renorm", "gemma4_text": "softmax-topk-renorm",  # times per_expert_scale[idx]
     "phimoe": "sparsemixer",
-    "dbrx": "softmax-topk-renorm",  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
+    "dbrx": "softmax-topk-renorm",
+    "deepseek_v4": "sqrtsoftplus-topk-renorm",  # its hash-routed layers: "hash:" + the rule that weights them  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
 }
 
 

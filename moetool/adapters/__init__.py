@@ -38,6 +38,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
     "dbrx": "moetool.adapters.dbrx:DbrxAdapter",
+    "deepseek_v4": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

@@ -46,8 +46,6 @@ UNSUPPORTED: dict[str, str] = {
             "een them moetool does not model)",
     "flint": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
              "een them moetool does not model)",
-    "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
-                   "sqrtsoftplus scoring",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
     "inkling_mm_model": "the router's weights are normalised over the K chosen routed logits together with the "
                         "shared experts' logits (logsigmoid softmax), which the router does not return: the weights "
