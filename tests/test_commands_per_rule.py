@@ -5,7 +5,10 @@ shrunk; routers re-drawn) is saved with ``save_pretrained`` beside the embedded 
 by the CLI as ``--model <dir>``, and each command's tables are checked against the same model run by plain
 transformers here (no moetool engine): the experts module of every MoE layer is called as
 ``experts(h, top_k_index, top_k_weights)`` in all these families, so a pre-hook on it gives the model's own
-choice and weights. ``topk-sigmoid-renorm`` has no family using it by default: Kolibri's ``norm_topk_prob=True``
+choice and weights. DeepSeek-V4's first layers are hash-routed (experts by token id, weighted by its
+``sqrtsoftplus`` rule): commands that recompute the routing from the logits (margin, mass-recall, approx,
+offload, topk, prune, super-experts' ablation) refuse them in one line (checked) and run with ``--layers`` on its
+top-K layer; the others cover every layer. ``topk-sigmoid-renorm`` has no family using it by default: Kolibri's ``norm_topk_prob=True``
 (a config option of the installed family) is that rule, so it is tested on Kolibri with the option set.
 
 Figures are built but not rendered (``RunDir.save_figure`` closes them): rendering PNG/PDF is rule-independent,
@@ -29,7 +32,10 @@ from test_rules import EXPECTED_RULE
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers, rules, tiny
+from moetool.adapters.generic import hash_table, random_table
 from moetool.commands.app import app
+from moetool.errors import MoetoolError
+from moetool.policies.attention import softmax_attention
 from moetool.loading import EMBEDDED_DIR
 
 pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow'
@@ -44,6 +50,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "topk-sigmoid": ("kolibri1", {}),
     "topk-sigmoid-renorm": ("kolibri1", {"norm_topk_prob": True}),  # no installed family's default
     "sparsemixer": ("phimoe", {}),
+    "sqrtsoftplus-topk-renorm": ("deepseek_v4", {}),  # layers 0-2 hash-routed (experts by token id), layer 3 top-K
 }
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
@@ -54,6 +61,7 @@ def test_every_rule_of_the_catalogue_has_a_case():
     assert set(CASES) == {r.name for r in rules.RULES}
     for rule, (mt, overrides) in CASES.items():
         assert overrides or EXPECTED_RULE[mt] == rule
+    assert set(EXPECTED_RULE.values()) <= set(CASES)
     assert set(EXPECTED_RULE.values()) <= set(CASES)
 
 
@@ -83,6 +91,12 @@ class Case:
     routing_perturbed: dict[int, tuple[torch.Tensor, torch.Tensor]]
     ppl: float
     scored: int  # next-token pairs the perplexity averages over
+    logit_layers: list[int]  # the MoE layers routed from their logits (all but hash-routed ones)
+
+    @property
+    def layer_args(self) -> list[str]:
+        """``--layers`` for commands that recompute the routing from the logits (none when every layer is)."""
+        return [] if self.logit_layers == self.layers else ["--layers", ",".join(map(str, self.logit_layers))]
 
 
 def plain_run(path: Path, tokens) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -127,6 +141,11 @@ def case(request, tmp_path_factory) -> Case:
     root = tmp_path_factory.mktemp(rule)
     model = tiny.build_tiny(mt, seed=0)
     model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
+    gen = torch.Generator().manual_seed(3)
+    for L in find_moe_layers(model):  # a hash router's token table follows the vocabulary
+        table = hash_table(L.router)
+        if table is not None:
+            L.router.tid2eid = random_table((2048, table.shape[1]), L.n_experts, gen)
     cfg = model.config.get_text_config(decoder=True)
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -148,11 +167,12 @@ def case(request, tmp_path_factory) -> Case:
     assert tokens.input_ids.shape[0] <= BATCH and tokens.n_tokens == MAX_TOKENS
     ref, routing = plain_run(path, tokens)
     layers = find_moe_layers(ref)
-    assert {L.describe()["rule"] for L in layers} == {rule}  # the saved model really routes by this rule
+    assert {L.describe()["rule"].removeprefix("hash:") for L in layers} == {rule}  # the saved model routes so
     ppl, scored = hand_ppl(ref, tokens, BATCH)
     _, routing_perturbed = plain_run(perturbed, tokens)
     return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
-                routing, routing_perturbed, ppl, scored)
+                routing, routing_perturbed, ppl, scored,
+                [L.index for L in layers if not getattr(L, "hash_routed", False)])
 
 
 def invoke(*args: str) -> None:
@@ -261,10 +281,10 @@ def test_erc(case, tmp_path):
 
 
 def test_approx(case, tmp_path):
-    invoke("approx", "--model", str(case.path), *SMALL, "--out", str(tmp_path))
+    invoke("approx", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "approx.csv")
     assert finite(df)
-    for layer in case.layers:
+    for layer in case.logit_layers:
         rows = df[df.layer == layer].set_index("selector")
         assert set(rows.index) == {"router", "norm_oracle", "best_subset", "random"}  # C(8, 2) subsets: exhaustive
         assert (rows["tokens"] == case.tokens.n_tokens).all() and rows.loc["router", "same_set_as_router"] == 1
@@ -274,10 +294,10 @@ def test_approx(case, tmp_path):
 
 def test_mass_recall(case, tmp_path):
     n = str(case.n_experts)
-    invoke("mass-recall", "--model", str(case.path), *SMALL, "--bootstrap", "0", "-G", "4", "-M", f"1,4,{n}",
-           "--out", str(tmp_path))
+    invoke("mass-recall", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "-G", "4", "-M",
+           f"1,4,{n}", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "mass_recall.csv")
-    assert finite(df) and sorted(df.layer.unique()) == case.layers
+    assert finite(df) and sorted(df.layer.unique()) == case.logit_layers
     assert (df["tokens"] == case.tokens.n_tokens).all()
     everything = df[df.shortlist_size == case.n_experts]  # a shortlist of all experts recalls everything
     assert len(everything) and np.allclose(everything["mass_recall_mean"], 1) and (everything["topk_recall"] == 1).all()
@@ -285,9 +305,20 @@ def test_mass_recall(case, tmp_path):
         assert rows.sort_values("shortlist_size")["mass_recall_mean"].is_monotonic_increasing
 
 
+def case_model(case: Case):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(case.path)
+
+
 def test_fluctuation(case, tmp_path):
     same, other = str(case.path), str(case.perturbed)
-    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, "--bootstrap", "0",
+    try:  # attention routing where every MoE layer has token-to-token attention probabilities (else refused)
+        [softmax_attention(L) for L in find_moe_layers(case_model(case))]
+        routing = []
+    except MoetoolError:
+        routing = ["--routing", "router,similarity"]
+    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, *routing, "--bootstrap", "0",
            "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "fluctuation.csv")
     df = df[df.routing == "router"]
@@ -312,13 +343,17 @@ def test_fluctuation(case, tmp_path):
 
 def test_offload(case, tmp_path):
     K, n = case.top_k, case.n_experts
-    invoke("offload", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--capacity", f"{K},{n}",
-           "--out", str(tmp_path))
+    if case.rule == "sqrtsoftplus-topk-renorm":  # DeepSeek-V4: hyper-connected residual streams (hc_mult per token)
+        r = runner.invoke(app, ["offload", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path)])
+        assert r.exit_code != 0 and "residual streams per token" in r.output, r.output
+        return
+    invoke("offload", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--capacity",
+           f"{K},{n}", "--out", str(tmp_path))
     lay = pd.read_csv(tmp_path / "offload_layers.csv").set_index("layer")
     cache = pd.read_csv(tmp_path / "offload_cache.csv")
-    assert list(lay.index) == case.layers and finite(cache)
+    assert list(lay.index) == case.logit_layers and finite(cache)
     T = case.tokens.n_tokens
-    for layer in case.layers:  # by hand from the model's own choices, tokens in data order
+    for layer in case.logit_layers:  # by hand from the model's own choices, tokens in data order
         sets = [set(row) for row in case.routing[layer][0].tolist()]
         counts = np.bincount(case.routing[layer][0].reshape(-1).numpy(), minlength=n)
         assert lay.loc[layer, "experts_used"] == (counts > 0).sum()
@@ -334,30 +369,32 @@ def test_offload(case, tmp_path):
 def test_topk(case, tmp_path):
     K, n = case.top_k, case.n_experts
     sparse = case.rule == "sparsemixer"  # its weights are defined for its own K rounds only (refused otherwise)
-    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", str(K) if sparse else f"1,{K}",
-           "--ps", "none" if sparse else "1", "--out", str(tmp_path))
+    invoke("topk", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0",
+           "--ks", str(K) if sparse else f"1,{K}", "--ps", "none" if sparse else "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
     assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[f"topk:{K}", "perplexity"] == df.loc["router", "perplexity"]  # the model's own routing
     assert df.loc[f"topk:{K}", "mean_experts"] == K
     if not sparse:
-        assert df.loc["topk:1", "mean_experts"] == 1 and df.loc["topp:1", "mean_experts"] == n
+        def mean(k):  # over every MoE layer: the policy's k in its layers, K in the others (hash-routed ones)
+            return (k * len(case.logit_layers) + K * (len(case.layers) - len(case.logit_layers))) / len(case.layers)
+        assert df.loc["topk:1", "mean_experts"] == mean(1) and df.loc["topp:1", "mean_experts"] == mean(n)
         assert finite(df.drop(columns=["kind"]))
 
 
 def test_margin(case, tmp_path):
-    invoke("margin", "--model", str(case.path), *SMALL, "--bootstrap", "100", "--eps", "0,0.05",
+    invoke("margin", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "100", "--eps", "0,0.05",
            "--thresholds", "0.01,0.1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "margin.csv").set_index("layer")
     fl = pd.read_csv(tmp_path / "margin_flips.csv")
     bins = pd.read_csv(tmp_path / "margin_bins.csv")
     real = int(case.tokens.attention_mask.sum())
-    assert sorted(df.index) == case.layers and (df["tokens"] == real).all()
+    assert sorted(df.index) == case.logit_layers and (df["tokens"] == real).all()
     assert (df[["margin_mean", "margin_p05", "margin_p50", "margin_p95"]] >= 0).all().all()
     assert (df["margin_p05"] <= df["margin_p50"]).all() and (df["margin_p50"] <= df["margin_p95"]).all()
     assert (df["frac_below_0.01"] <= df["frac_below_0.1"]).all()
     zero = fl[fl.eps == 0]
-    assert len(zero) == len(case.layers)
+    assert len(zero) == len(case.logit_layers)
     assert (zero[["topk_flip", "topk_flip_lo", "topk_flip_hi", "top1_flip"]] == 0).all().all()
     assert fl[["topk_flip", "top1_flip"]].stack().between(0, 1).all()
     # the bins split the layer's real tokens; their flips add up to the layer's
@@ -405,16 +442,16 @@ def test_capacity(case, tmp_path):
 def test_prune(case, tmp_path):
     """Importance against the model's own routing counted by hand; removing nothing is the model exactly; a
     quarter of the experts removed by REAP and at random: finite."""
-    invoke("prune", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--fractions", "0,0.25",
+    invoke("prune", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--fractions", "0,0.25",
            "--criteria", "reap,random", "--ablate", "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "prune.csv").set_index(["criterion", "fraction"])
     assert df.loc[("router", 0.0), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[("reap", 0.0), "perplexity"] == df.loc[("router", 0.0), "perplexity"]
-    assert df.loc[("reap", 0.25), "removed"] == len(case.layers) * (case.n_experts // 4)
+    assert df.loc[("reap", 0.25), "removed"] == len(case.logit_layers) * (case.n_experts // 4)
     assert finite(df)
     imp = pd.read_csv(tmp_path / "prune_importance.csv")
     assert finite(imp) and (imp["reap"] >= 0).all()
-    for layer in case.layers:
+    for layer in case.logit_layers:
         idx, w = case.routing[layer]
         got = imp[imp.layer == layer].sort_values("expert")
         assert list(got["frequency"]) == torch.bincount(idx.reshape(-1), minlength=case.n_experts).tolist()
@@ -429,10 +466,10 @@ def test_super_experts(case, tmp_path):
     nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
     from moetool.experiments.super_experts import super_mask
 
-    invoke("super-experts", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--out", str(tmp_path))
+    invoke("super-experts", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--out", str(tmp_path))
     table = pd.read_csv(tmp_path / "super_experts.csv")
-    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.layers
-    for layer in case.layers:
+    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.logit_layers
+    for layer in case.logit_layers:
         got = table[table.layer == layer].sort_values("expert")
         want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts)
         assert list(got["routed"]) == want.tolist()
@@ -442,3 +479,18 @@ def test_super_experts(case, tmp_path):
     assert abl.loc["none", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert abl.loc["super", "removed"] == abl.loc["random", "removed"] == int(table["is_super"].sum())
     assert np.isfinite(abl[["perplexity", "ratio"]].to_numpy()).all()
+
+
+def test_hash_routed_layers_are_refused_in_one_line(case, tmp_path):
+    """Where the routing must be recomputed from the logits, hash-routed layers are refused before any work, in one
+    line naming them and the layers to choose instead (the other commands above ran on every layer)."""
+    if case.logit_layers == case.layers:
+        pytest.skip("no hash-routed layer")
+    hashed = [i for i in case.layers if i not in case.logit_layers]
+    for args in (["margin"], ["mass-recall"], ["approx"], ["offload"], ["topk", "--ks", "1"],
+                 ["prune", "--fractions", "0.25", "--criteria", "random"]):
+        r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], *SMALL, "--out", str(tmp_path / args[0])])
+        assert r.exit_code != 0, (args, r.output)
+        assert f"MoE layers {hashed} are hash-routed" in r.output, (args, r.output)
+        assert "--layers " + ",".join(map(str, case.logit_layers)) in r.output
+        assert not (tmp_path / args[0] / "manifest.json").exists()

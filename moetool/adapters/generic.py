@@ -197,9 +197,14 @@ class GenericLayer(MoELayer):
     def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.rule.weights(logits, idx, self.params, mask)
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's routing; a hash-routed layer's needs the tokens' ids (``token_ids [T]``: its table's rows,
+        weighted by the rule) and refuses without them."""
         if self.hash_routed:
-            raise self._hash_refused("routing from the router logits")
+            if token_ids is None:
+                raise self._hash_refused("routing from the router logits alone")
+            idx = hash_table(self.router)[token_ids.to(logits.device)].long()
+            return idx, self.weights_for(logits, idx)
         idx = self.rule.select(logits, self._p())
         return idx, self.weights_for(logits, idx)
 

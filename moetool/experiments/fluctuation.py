@@ -214,7 +214,7 @@ def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEve
     dev = other.router_weight().device
     h = ev.h.to(dev)
     logits = other.logits(h)  # [T, n]
-    idx, w = other.route(logits)
+    idx, w = other.route(logits, ev.token_ids) if getattr(other, "hash_routed", False) else other.route(logits)
     iso = RoutingEvent(layer=other, h=h, logits=logits, idx=idx, weights=w, valid=ev.valid.to(dev), shape=ev.shape,
                        attn=None if ev.attn is None else ev.attn.to(dev))
     iso.chosen_idx, iso.chosen_weights = policy.select(iso) if policy is not None else (idx, w)

@@ -44,7 +44,7 @@ import torch
 
 from .. import distributed, ops
 from ..adapters.base import MoELayer
-from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.hooks import RoutingEvent, refuse_hash_routed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
@@ -205,6 +205,10 @@ class OffloadCollector:
         x = self._x.pop(i, None)
         if x is None:
             return
+        if x.shape[0] != ev.h.shape[0]:  # DeepSeek-V4's hyper-connections: hc_mult residual streams per token
+            raise MoetoolError(f"offload's next-layer prediction: decoder layer {i}'s input carries "
+                               f"{x.shape[0] // max(ev.h.shape[0], 1)} residual streams per token (hyper-"
+                               f"connections), not one hidden state: layer {i}'s routing cannot be predicted from it")
         if self.opts.predict_norm:
             norm = getattr(L.decoder_layer, "post_attention_layernorm", None)
             if norm is None:
@@ -271,6 +275,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
+    refuse_hash_routed(layers, "offload's next-layer prediction")
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
