@@ -88,6 +88,8 @@ def reference(rule: str, logits: list[float], k: int, bias=None, n_group=1, topk
         base = _softmax(logits)
     elif rule.startswith("sigmoid"):
         base = [_sigmoid(x) for x in logits]
+    elif rule.startswith("sqrtsoftplus"):
+        base = [math.sqrt(math.log1p(math.exp(x))) for x in logits]
     else:
         base = list(logits)
     rank = [base[e] + b[e] for e in range(n)]
