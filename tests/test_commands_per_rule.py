@@ -52,6 +52,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "sparsemixer": ("phimoe", {}),
     "sqrtsoftplus-topk-renorm": ("deepseek_v4", {}),  # layers 0-2 hash-routed (experts by token id), layer 3 top-K
 }
+#: structure -> (model type, config overrides): families whose rule is in CASES but whose block differs
+STRUCTURES: dict[str, tuple[str, dict]] = {
+    "block-routed": ("dbrx", {}),  # the router returns logits only; DbrxFFN.route_tokens_to_experts routes
+}
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
 runner = CliRunner()
@@ -130,15 +134,15 @@ def no_rendering():
         yield
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=[*CASES, *STRUCTURES], ids=[*CASES, *STRUCTURES])
 def case(request, tmp_path_factory) -> Case:
     from transformers import AutoTokenizer
 
     from moetool.data import load_tokens
 
-    rule = request.param
-    mt, overrides = CASES[rule]
-    root = tmp_path_factory.mktemp(rule)
+    mt, overrides = CASES.get(request.param) or STRUCTURES[request.param]
+    rule = request.param if request.param in CASES else EXPECTED_RULE[mt]
+    root = tmp_path_factory.mktemp(request.param)
     model = tiny.build_tiny(mt, seed=0)
     model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
     gen = torch.Generator().manual_seed(3)

@@ -96,6 +96,11 @@ class DbrxLayer(GenericLayer):
     def shared_experts(self) -> nn.Module | None:
         return None
 
+    @property
+    def pre_router_norm(self) -> nn.Module:
+        """The norm between the residual stream and the router (others' ``post_attention_layernorm``)."""
+        return self.decoder_layer.norm_attn_norm.norm_2
+
     def expert_weights(self) -> ExpertWeights:
         mlp = self.experts.experts.mlp
         n, d = mlp.moe_num_experts, mlp.hidden_size
