@@ -64,6 +64,8 @@ def one_expert(L, e: int, h: torch.Tensor) -> torch.Tensor:
     """``E_e(h)`` through the model's own experts module (every token sent to expert ``e`` with weight 1)."""
     idx = torch.full((h.shape[0], 1), e, dtype=torch.long)
     w = torch.ones(h.shape[0], 1, dtype=h.dtype)
+    if L.n_identity:  # LongCat's experts module cannot take K = 1 (it squeezes the K axis): e twice, weights 1 and 0
+        idx, w = idx.expand(-1, 2), torch.cat((w, torch.zeros_like(w)), dim=-1)
     with torch.no_grad():
         return L.experts(h, idx, w)
 
@@ -138,7 +140,9 @@ def test_family(model_type):
     glu = torch.stack([torch.linalg.vector_norm(
         L.glu(torch.nn.functional.linear(x, W.gate[e], None if W.gate_bias is None else W.gate_bias[e]),
               torch.nn.functional.linear(x, W.up[e], None if W.up_bias is None else W.up_bias[e])), dim=-1)
-        for e in range(L.n_experts)]).T
+        for e in range(L.n_experts - L.n_identity)]).T
+    if L.n_identity:  # zero-computation experts (LongCat): their activations are their input itself
+        glu = torch.cat((glu, x.norm(dim=-1, keepdim=True).expand(-1, L.n_identity)), dim=-1)
     torch.testing.assert_close(node_scores(L, h, "glu", "l2"), glu, rtol=1e-5, atol=1e-5)
 
     # 4. an override really runs: the experts' actual output is Σ w E(h) for the policy's choice

@@ -41,7 +41,8 @@ EXPECTED_RULE = {
     "gemma4": "softmax-topk-renorm", "gemma4_text": "softmax-topk-renorm",  # times per_expert_scale[idx]
     "phimoe": "sparsemixer",
     "dbrx": "softmax-topk-renorm",
-    "deepseek_v4": "sqrtsoftplus-topk-renorm",  # its hash-routed layers: "hash:" + the rule that weights them  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
+    "deepseek_v4": "sqrtsoftplus-topk-renorm",
+    "longcat_flash": "softmax-topk",  # over n routed + zero_expert_num identity experts  # its hash-routed layers: "hash:" + the rule that weights them  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
 }
 
 

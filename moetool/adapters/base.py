@@ -69,6 +69,14 @@ class MoELayer:
         raise NotImplementedError
 
     @property
+    def n_identity(self) -> int:
+        """Zero-computation (identity) experts among the ``n_experts`` the router ranks: the last ``n_identity``
+        indices (LongCat-Flash's ``zero_expert_num``). Such an expert's output is its input, ``E_e(h) = h``; its
+        "activations" are ``h`` itself (probes: every node's norm is ``||h||``). It has no weights:
+        :meth:`expert_weights` stacks the ``n_experts - n_identity`` computed experts only."""
+        return 0
+
+    @property
     def renormalize(self) -> bool:
         """Whether the chosen experts' probabilities are renormalised to sum to one."""
         raise NotImplementedError
@@ -100,9 +108,11 @@ class MoELayer:
         raise NotImplementedError
 
     def expert_weights(self) -> ExpertWeights:
-        gate_up = self.experts.gate_up_proj  # [n, 2I, d]
+        """The computed experts' weights (identity experts have none: see :attr:`n_identity`)."""
+        m = self.n_experts - self.n_identity
+        gate_up = self.experts.gate_up_proj[:m]  # [m, 2I, d] (LongCat stores rows for its identity experts too)
         inter = gate_up.shape[1] // 2
-        return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj)
+        return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj[:m])
 
     def expert_input(self, h: torch.Tensor) -> torch.Tensor:
         """What the experts compute on, for router inputs ``h``: ``h`` itself, except where the model feeds the
@@ -169,6 +179,7 @@ class MoELayer:
             "scoring": self.scoring,
             "renormalize": self.renormalize,
             "shared_experts": self.shared_experts is not None,
+            **({"identity_experts": self.n_identity} if self.n_identity else {}),
             "router_bias": self.router_bias() is not None,
         }
 

@@ -160,6 +160,11 @@ class GenericLayer(MoELayer):
         return shared_experts(self.block)
 
     @property
+    def n_identity(self) -> int:
+        """Zero-computation experts: the experts module's ``zero_expert_num`` (LongCat-Flash), else 0."""
+        return int(getattr(self.experts, "zero_expert_num", 0) or 0)
+
+    @property
     def hash_routed(self) -> bool:
         """Experts chosen by token id (a fixed table), not by the router's scores: the weights are the rule's
         for that set (:meth:`weights_for`), but no re-routing from logits (:meth:`route`, ``route_k``,

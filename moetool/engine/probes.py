@@ -2,7 +2,10 @@
 
 One batched matmul over experts per chunk of tokens (never a Python loop over experts):
 ``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
-Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
+Zero-computation (identity) experts (``layer.n_identity``, the last indices: LongCat-Flash) have no weights: their
+output is their input ``x = expert_input(h)`` and so is every "activation" node, so their norms (every node) are
+``||x||`` and their output rows are ``x``; an I-wide node tensor of them does not exist (:func:`expert_nodes` refuses
+it). Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
 elsewhere they are brought to the device for the call.
 """
 
@@ -16,6 +19,7 @@ import torch
 
 from .. import ops
 from ..adapters.base import ExpertWeights, MoELayer
+from ..errors import MoetoolError
 
 NODES = ("gate", "up", "act", "glu", "output")
 
@@ -84,6 +88,11 @@ def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[s
     return out
 
 
+def _identity_input(layer: MoELayer, W: ExpertWeights, h: torch.Tensor) -> torch.Tensor:
+    """What an identity expert outputs (and its every node): the experts' input, in the experts' dtype."""
+    return layer.expert_input(h).to(device=W.gate.device, dtype=W.gate.dtype)
+
+
 def _chunk_size(layer: MoELayer, W: ExpertWeights, budget: int) -> int:
     n, inter = W.gate.shape[0], max(W.gate.shape[1], W.down.shape[1])
     return max(1, budget // (3 * n * inter))
@@ -96,11 +105,19 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
     unknown = want - set(NODES)
     if unknown:
         raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
+    z = layer.n_identity
+    if z and want - {"output"}:
+        raise MoetoolError(f"layer {layer.index}: its {z} zero-computation experts have no {sorted(want - {'output'})}"
+                           f" activations of the experts' width (theirs are the input itself): use node norms")
     with _weights_on_device(layer):
         W = _matmul_ready(layer, want)
         step = _chunk_size(layer, W, budget)
         parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
-    return {k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want}
+        out = {k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want}
+        if z:  # identity experts: E_e(h) = h
+            x = _identity_input(layer, W, h).to(h.device)
+            out["output"] = torch.cat((out["output"], x.unsqueeze(0).expand(z, *x.shape)), dim=0)
+    return out
 
 
 def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
@@ -113,7 +130,11 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
         step = _chunk_size(layer, W, budget)
         out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
                for s in range(0, h.shape[0], step)]  # each [T_c, n]
-    return torch.cat(out, dim=0).to(h.device)
+        scores = torch.cat(out, dim=0).to(h.device)
+        if layer.n_identity:  # identity experts: every node is the input itself
+            x = ops.vector_norm(_identity_input(layer, W, h), norm).to(h.device)  # [T]
+            scores = torch.cat((scores, x.unsqueeze(-1).expand(-1, layer.n_identity)), dim=-1)
+    return scores
 
 
 def expert_outputs(layer: MoELayer, h: torch.Tensor, budget: int = DEFAULT_BUDGET) -> torch.Tensor:
@@ -131,10 +152,14 @@ def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: 
     with _weights_on_device(layer):
         W = _matmul_ready(layer, {node})
         step = _chunk_size(layer, W, budget)
-        best = torch.zeros(W.gate.shape[0], dtype=torch.float32, device=h.device)
+        z = layer.n_identity
+        best = torch.zeros(W.gate.shape[0] + z, dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], step):
             y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n, T_c, d]
             m = y.abs().amax(dim=-1).float().to(h.device)  # [n, T_c]
+            if z:  # identity experts: |node| is |h|
+                x = _identity_input(layer, W, h[s:s + step]).abs().amax(dim=-1).float().to(h.device)  # [T_c]
+                m = torch.cat((m, x.unsqueeze(0).expand(z, -1)), dim=0)
             m = torch.where(routed[s:s + step].T, m, torch.zeros_like(m))
             best = torch.maximum(best, m.amax(dim=1))
     return best
