@@ -55,6 +55,7 @@ CASES: dict[str, tuple[str, dict]] = {
 #: structure -> (model type, config overrides): families whose rule is in CASES but whose block differs
 STRUCTURES: dict[str, tuple[str, dict]] = {
     "block-routed": ("dbrx", {}),  # the router returns logits only; DbrxFFN.route_tokens_to_experts routes
+    "zero-computation": ("longcat_flash", {}),  # 8 routed + 2 identity experts (output = input)
 }
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
@@ -96,6 +97,7 @@ class Case:
     ppl: float
     scored: int  # next-token pairs the perplexity averages over
     logit_layers: list[int]  # the MoE layers routed from their logits (all but hash-routed ones)
+    n_identity: int  # zero-computation experts (the last indices), 0 for most families
 
     @property
     def layer_args(self) -> list[str]:
@@ -176,7 +178,7 @@ def case(request, tmp_path_factory) -> Case:
     _, routing_perturbed = plain_run(perturbed, tokens)
     return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
                 routing, routing_perturbed, ppl, scored,
-                [L.index for L in layers if not getattr(L, "hash_routed", False)])
+                [L.index for L in layers if not getattr(L, "hash_routed", False)], layers[0].n_identity)
 
 
 def invoke(*args: str) -> None:
@@ -201,12 +203,17 @@ def test_stats(case, tmp_path):
     per_layer, load = pd.read_csv(tmp_path / "layers.csv"), pd.read_csv(tmp_path / "load.csv")
     assert list(per_layer["layer"]) == case.layers and finite(per_layer) and finite(load)
     assert (per_layer["tokens"] == case.tokens.n_tokens).all() and (per_layer["top_k"] == case.top_k).all()
+    identity = case.n_experts - case.n_identity  # the first zero-computation expert (none: n)
+    assert ("zero_compute_fraction" in per_layer) == (case.n_identity > 0)
     for layer in case.layers:  # tokens per expert == the model's own choices, counted by hand
         idx = case.routing[layer][0]
         want = torch.bincount(idx.reshape(-1), minlength=case.n_experts).numpy()
         got = load[load.layer == layer].sort_values("expert")
         assert list(got["tokens"]) == list(want), layer
         np.testing.assert_allclose(got["load_fraction"], want / idx.numel(), rtol=1e-9)
+        if case.n_identity:  # the share of routed assignments taking the zero-computation route
+            row = per_layer.set_index("layer").loc[layer]
+            assert row["zero_compute_fraction"] == pytest.approx(float((idx >= identity).double().mean()), abs=1e-12)
 
 
 def test_placement(case, tmp_path):

@@ -119,6 +119,11 @@ class MoELayer:
         experts a transformed copy (gemma4: a separate RMS norm)."""
         return h
 
+    def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx, w)`` as handed to the model's experts module for a policy's choice (the same, except where the
+        module cannot take that shape: LongCat's cannot take one expert per token)."""
+        return idx, w
+
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         """``act(W_g h)``."""
         return self.experts.act_fn(gate)

@@ -165,6 +165,20 @@ class GenericLayer(MoELayer):
         return int(getattr(self.experts, "zero_expert_num", 0) or 0)
 
     @property
+    def pre_router_norm(self) -> nn.Module | None:
+        """The norm between the residual stream and the MoE block: the decoder layer's ``post_attention_layernorm``
+        (LongCat's two sublayers have one each: its shortcut MoE reads the first's output)."""
+        norm = getattr(self.decoder_layer, "post_attention_layernorm", None)
+        return norm[0] if isinstance(norm, nn.ModuleList) else norm
+
+    def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongCat's experts module squeezes the K axis of its one-hot mask, so K = 1 fails there: the one expert is
+        given twice, the second time with weight 0 (the same sum)."""
+        if self.n_identity and idx.shape[-1] == 1:
+            return idx.expand(-1, 2), torch.cat((w, torch.zeros_like(w)), dim=-1)
+        return idx, w
+
+    @property
     def hash_routed(self) -> bool:
         """Experts chosen by token id (a fixed table), not by the router's scores: the weights are the rule's
         for that set (:meth:`weights_for`), but no re-routing from logits (:meth:`route`, ``route_k``,

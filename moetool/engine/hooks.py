@@ -305,7 +305,7 @@ class Engine:
                 nidx = nidx.to(device=idx.device, dtype=idx.dtype)
                 nw = nw.to(device=w.device, dtype=w.dtype)
                 ev.chosen_idx, ev.chosen_weights = nidx, nw
-                new = put(args, kwargs, nidx, nw)
+                new = put(args, kwargs, *L.experts_args(nidx, nw))
             else:
                 ev.chosen_idx, ev.chosen_weights = idx, w
             with torch.no_grad():

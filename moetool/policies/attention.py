@@ -65,6 +65,9 @@ def softmax_attention(layer: Any) -> nn.Module:
         raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
                            f"is the MoE block alone: {name} ({type(mod).__name__})); choose --layers among "
                            f"softmax-attention layers or another policy")
+    if isinstance(mod, nn.ModuleList):  # LongCat-Flash: two attention sublayers per decoder layer
+        raise MoetoolError(f"attention routing: MoE layer {layer.index}'s decoder layer has {len(mod)} attention "
+                           f"sublayers ({name}); which one's probabilities route is not defined: choose another policy")
     if getattr(mod, "compressor", None) is not None:  # DeepSeek-V4's CSA/HCA: keys are compressed blocks too
         raise MoetoolError(f"attention routing: MoE layer {layer.index} attends over compressed key blocks beside the "
                            f"tokens ({type(mod).__name__}): its probabilities are not token-to-token; choose --layers "
