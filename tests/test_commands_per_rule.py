@@ -98,7 +98,7 @@ class Case:
     ppl: float
     scored: int  # next-token pairs the perplexity averages over
     logit_layers: list[int]  # the MoE layers routed from their logits (all but hash-routed ones)
-    n_identity: int  # zero-computation experts (the last indices), 0 for most families
+    n_zero_compute: int  # zero-computation experts (the last indices), 0 for most families
 
     @property
     def layer_args(self) -> list[str]:
@@ -179,7 +179,7 @@ def case(request, tmp_path_factory) -> Case:
     _, routing_perturbed = plain_run(perturbed, tokens)
     return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
                 routing, routing_perturbed, ppl, scored,
-                [L.index for L in layers if not getattr(L, "hash_routed", False)], layers[0].n_identity)
+                [L.index for L in layers if not getattr(L, "hash_routed", False)], layers[0].n_zero_compute)
 
 
 def invoke(*args: str) -> None:
@@ -204,15 +204,15 @@ def test_stats(case, tmp_path):
     per_layer, load = pd.read_csv(tmp_path / "layers.csv"), pd.read_csv(tmp_path / "load.csv")
     assert list(per_layer["layer"]) == case.layers and finite(per_layer) and finite(load)
     assert (per_layer["tokens"] == case.tokens.n_tokens).all() and (per_layer["top_k"] == case.top_k).all()
-    identity = case.n_experts - case.n_identity  # the first zero-computation expert (none: n)
-    assert ("zero_compute_fraction" in per_layer) == (case.n_identity > 0)
+    identity = case.n_experts - case.n_zero_compute  # the first zero-computation expert (none: n)
+    assert ("zero_compute_fraction" in per_layer) == (case.n_zero_compute > 0)
     for layer in case.layers:  # tokens per expert == the model's own choices, counted by hand
         idx = case.routing[layer][0]
         want = torch.bincount(idx.reshape(-1), minlength=case.n_experts).numpy()
         got = load[load.layer == layer].sort_values("expert")
         assert list(got["tokens"]) == list(want), layer
         np.testing.assert_allclose(got["load_fraction"], want / idx.numel(), rtol=1e-9)
-        if case.n_identity:  # the share of routed assignments taking the zero-computation route
+        if case.n_zero_compute:  # the share of routed assignments taking the zero-computation route
             row = per_layer.set_index("layer").loc[layer]
             assert row["zero_compute_fraction"] == pytest.approx(float((idx >= identity).double().mean()), abs=1e-12)
 

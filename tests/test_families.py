@@ -64,7 +64,7 @@ def one_expert(L, e: int, h: torch.Tensor) -> torch.Tensor:
     """``E_e(h)`` through the model's own experts module (every token sent to expert ``e`` with weight 1)."""
     idx = torch.full((h.shape[0], 1), e, dtype=torch.long)
     w = torch.ones(h.shape[0], 1, dtype=h.dtype)
-    if L.n_identity:  # LongCat's experts module cannot take K = 1 (it squeezes the K axis): e twice, weights 1 and 0
+    if hasattr(L.experts, "identity_expert"):  # LongCat's experts module cannot take K = 1 (it squeezes the K axis): e twice, weights 1 and 0
         idx, w = idx.expand(-1, 2), torch.cat((w, torch.zeros_like(w)), dim=-1)
     with torch.no_grad():
         return L.experts(h, idx, w)
@@ -101,9 +101,9 @@ def test_family(model_type):
     _, _, events = captured(model_type)
     for L in layers:
         ev = events[L.index]
-        logits = L.logits(ev.h)
+        logits = L.logits(ev.h, **ev.inputs)  # Zaya: the carried router state too
         assert torch.equal(logits, ev.logits)
-        assert torch.equal(L.logits(ev.h.double()), logits)  # any input dtype: mass-recall passes fp64 points
+        assert torch.equal(L.logits(ev.h.double(), **ev.inputs), logits)  # any input dtype: mass-recall passes fp64 points
         if getattr(L, "hash_routed", False):  # experts by token id: the table's rows, weighted by the rule
             with pytest.raises(MoetoolError, match="hash-routed"):
                 L.route(logits)
@@ -124,7 +124,8 @@ def test_family(model_type):
         h = ev.h
         with torch.no_grad():
             ids = {"input_ids": padded_batch(seq=8)["input_ids"]} if getattr(L, "hash_routed", False) else {}
-            out = L.block(h.unsqueeze(0), **ids)
+            state = [s.unsqueeze(0) for s in ev.inputs.values()]  # Zaya: the carried router state
+            out = L.block(h.unsqueeze(0), *state, **ids)
             out = (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
             expected = L.experts(h, ev.idx, ev.weights) * getattr(L, "output_scale", 1.0)  # set where the block scales it
             if L.shared_experts is not None:
@@ -140,9 +141,10 @@ def test_family(model_type):
     glu = torch.stack([torch.linalg.vector_norm(
         L.glu(torch.nn.functional.linear(x, W.gate[e], None if W.gate_bias is None else W.gate_bias[e]),
               torch.nn.functional.linear(x, W.up[e], None if W.up_bias is None else W.up_bias[e])), dim=-1)
-        for e in range(L.n_experts - L.n_identity)]).T
-    if L.n_identity:  # zero-computation experts (LongCat): their activations are their input itself
-        glu = torch.cat((glu, x.norm(dim=-1, keepdim=True).expand(-1, L.n_identity)), dim=-1)
+        for e in range(L.n_experts - L.n_zero_compute)]).T
+    if L.n_zero_compute:  # zero-computation experts: activations = the input itself (LongCat), 0 (Zaya's skip)
+        own = x.norm(dim=-1, keepdim=True) if L.zero_compute_output == "input" else torch.zeros(x.shape[0], 1)
+        glu = torch.cat((glu, own.expand(-1, L.n_zero_compute)), dim=-1)
     torch.testing.assert_close(node_scores(L, h, "glu", "l2"), glu, rtol=1e-5, atol=1e-5)
 
     # 4. an override really runs: the experts' actual output is Σ w E(h) for the policy's choice

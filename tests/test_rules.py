@@ -42,7 +42,8 @@ EXPECTED_RULE = {
     "phimoe": "sparsemixer",
     "dbrx": "softmax-topk-renorm",
     "deepseek_v4": "sqrtsoftplus-topk-renorm",
-    "longcat_flash": "softmax-topk",  # over n routed + zero_expert_num identity experts  # its hash-routed layers: "hash:" + the rule that weights them  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
+    "longcat_flash": "softmax-topk",
+    "zaya": "softmax-topk",  # over n experts + a skip class, logits from h and the carried router state  # over n routed + zero_expert_num identity experts  # its hash-routed layers: "hash:" + the rule that weights them  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
 }
 
 

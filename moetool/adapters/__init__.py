@@ -39,6 +39,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
     "dbrx": "moetool.adapters.dbrx:DbrxAdapter",
     "deepseek_v4": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
+    "zaya": "moetool.adapters.zaya:ZayaAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

@@ -69,12 +69,29 @@ class MoELayer:
         raise NotImplementedError
 
     @property
-    def n_identity(self) -> int:
-        """Zero-computation (identity) experts among the ``n_experts`` the router ranks: the last ``n_identity``
-        indices (LongCat-Flash's ``zero_expert_num``). Such an expert's output is its input, ``E_e(h) = h``; its
-        "activations" are ``h`` itself (probes: every node's norm is ``||h||``). It has no weights:
-        :meth:`expert_weights` stacks the ``n_experts - n_identity`` computed experts only."""
+    def n_zero_compute(self) -> int:
+        """Zero-computation experts among the ``n_experts`` the router ranks: the last ``n_zero_compute`` indices
+        (LongCat-Flash's ``zero_expert_num`` identity experts, Zaya's skip class). They have no weights:
+        :meth:`expert_weights` stacks the ``n_experts - n_zero_compute`` computed experts only; what they output is
+        :attr:`zero_compute_output`."""
         return 0
+
+    #: what a zero-computation expert outputs: ``"input"`` (identity, LongCat: ``E_e(h) = h``, its "activations"
+    #: are ``h`` itself, every node's norm ``||h||``) or ``"zero"`` (a skip, Zaya: ``E_e(h) = 0``, every norm 0)
+    zero_compute_output: str = "input"
+
+    def router_inputs(self, args: tuple) -> dict[str, torch.Tensor]:
+        """Inputs of the routing rule beyond the router's ``h``, read off the router module's call ``args`` (the
+        engine puts them in ``RoutingEvent.inputs`` and :meth:`logits` takes them as keywords): none by default;
+        Zaya's carried router state."""
+        return {}
+
+    @property
+    def carried_state(self) -> bool:
+        """The router logits depend on state carried from the previous layer (Zaya's EDA), not on ``h`` alone:
+        :meth:`logits` needs that state (``RoutingEvent.inputs``); experiments that recompute routing from other
+        inputs refuse the layer in one line."""
+        return False
 
     @property
     def renormalize(self) -> bool:
@@ -108,8 +125,8 @@ class MoELayer:
         raise NotImplementedError
 
     def expert_weights(self) -> ExpertWeights:
-        """The computed experts' weights (identity experts have none: see :attr:`n_identity`)."""
-        m = self.n_experts - self.n_identity
+        """The computed experts' weights (identity experts have none: see :attr:`n_zero_compute`)."""
+        m = self.n_experts - self.n_zero_compute
         gate_up = self.experts.gate_up_proj[:m]  # [m, 2I, d] (LongCat stores rows for its identity experts too)
         inter = gate_up.shape[1] // 2
         return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj[:m])
@@ -184,7 +201,7 @@ class MoELayer:
             "scoring": self.scoring,
             "renormalize": self.renormalize,
             "shared_experts": self.shared_experts is not None,
-            **({"identity_experts": self.n_identity} if self.n_identity else {}),
+            **({"identity_experts": self.n_zero_compute} if self.n_zero_compute else {}),
             "router_bias": self.router_bias() is not None,
         }
 

@@ -35,8 +35,6 @@ UNSUPPORTED: dict[str, str] = {
                        "reproduce",
     "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as experts(inputs, "
               "expert_size); the attention is a mixture of experts too (MoA)",
-    "zaya": "the router logits come from a router MLP over a down-projection plus the previous layer's router state "
-            "(EDA), not from the layer input alone, and a skip class sits beside the n experts",
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
     "axk1": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
             "een them moetool does not model)",

@@ -37,7 +37,7 @@ from .base import Adapter, MoELayer
 
 _ROUTER_ATTRS = ("gate", "router")
 _SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
-_BIAS_ATTRS = ("e_score_correction_bias", "expert_bias")
+_BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 _SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 _GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
 _N_TOKENS = 256
@@ -160,7 +160,7 @@ class GenericLayer(MoELayer):
         return shared_experts(self.block)
 
     @property
-    def n_identity(self) -> int:
+    def n_zero_compute(self) -> int:
         """Zero-computation experts: the experts module's ``zero_expert_num`` (LongCat-Flash), else 0."""
         return int(getattr(self.experts, "zero_expert_num", 0) or 0)
 
@@ -174,7 +174,7 @@ class GenericLayer(MoELayer):
     def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """LongCat's experts module squeezes the K axis of its one-hot mask, so K = 1 fails there: the one expert is
         given twice, the second time with weight 0 (the same sum)."""
-        if self.n_identity and idx.shape[-1] == 1:
+        if hasattr(self.experts, "identity_expert") and idx.shape[-1] == 1:
             return idx.expand(-1, 2), torch.cat((w, torch.zeros_like(w)), dim=-1)
         return idx, w
 

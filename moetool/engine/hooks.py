@@ -45,6 +45,8 @@ class RoutingEvent:
     scores: torch.Tensor | None = None  # [T, n] the scores the policy chose from (similarity, attention), if any
     extra: dict[str, Any] = field(default_factory=dict)
     rows: list[int] | None = None  # the batch's B global packed-row ids (engine.forward sets them; else None)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the rule's inputs beyond h (MoELayer.router_inputs:
+    # Zaya's carried router state), passed to layer.logits(h, **inputs)
     token_ids: torch.Tensor | None = None  # [T] the forward's input ids (None when it was given embeddings): the
     # input of a hash-routed layer's rule (experts by token id)
 
@@ -64,6 +66,21 @@ class Policy(Protocol):
 
 
 Consumer = Callable[[RoutingEvent], None]
+
+
+def refuse_recomputed(layers: Iterable[MoELayer], what: str) -> None:
+    """One line when ``what`` recomputes routing from inputs other than the events' (perturbed, predicted or
+    codebook points) and some of ``layers`` cannot: a carried router state (:attr:`MoELayer.carried_state`) or a
+    hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``)."""
+    layers = list(layers)
+    stateful = [L.index for L in layers if getattr(L, "carried_state", False)]
+    if stateful:
+        others = [L.index for L in layers if L.index not in stateful]
+        raise MoetoolError(f"{what} needs the routing recomputed from the layer input alone, but the router logits of "
+                           f"MoE layers {stateful} also depend on the previous layer's router state (carried state): " +
+                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
+                            "no other layer is left"))
+    refuse_hash_routed(layers, what)
 
 
 def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
@@ -266,6 +283,7 @@ class Engine:
 
         def hook(module, args, out):
             slot["logits"], slot["weights"], slot["idx"] = out[0], out[1], out[2]
+            slot["inputs"] = L.router_inputs(args)
         return hook
 
     def _attention_hook(self, L: MoELayer):
@@ -295,7 +313,8 @@ class Engine:
             rows = self.rows if self.rows is not None and len(self.rows) == B else None
             ev = RoutingEvent(layer=L, h=h, logits=slot.pop("logits"), idx=idx, weights=w,
                               valid=valid.to(h.device), shape=(B, S), attn=slot.pop("attn", None), rows=rows,
-                              token_ids=None if token_ids is None else token_ids.to(h.device))
+                              token_ids=None if token_ids is None else token_ids.to(h.device),
+                              inputs=slot.pop("inputs", {}))
             slot.clear()
             self.reported[L.index] = self.reported.get(L.index, 0) + 1
             new = None

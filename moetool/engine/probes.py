@@ -2,9 +2,9 @@
 
 One batched matmul over experts per chunk of tokens (never a Python loop over experts):
 ``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
-Zero-computation (identity) experts (``layer.n_identity``, the last indices: LongCat-Flash) have no weights: their
-output is their input ``x = expert_input(h)`` and so is every "activation" node, so their norms (every node) are
-``||x||`` and their output rows are ``x``; an I-wide node tensor of them does not exist (:func:`expert_nodes` refuses
+Zero-computation experts (``layer.n_zero_compute``, the last indices) have no weights: an identity expert's
+(LongCat-Flash) output is its input ``x = expert_input(h)`` and so is every "activation" node, so its norms (every
+node) are ``||x||`` and its output rows ``x``; a skip expert's (Zaya) are all 0; an I-wide node tensor of them does not exist (:func:`expert_nodes` refuses
 it). Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
 elsewhere they are brought to the device for the call.
 """
@@ -89,8 +89,10 @@ def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[s
 
 
 def _identity_input(layer: MoELayer, W: ExpertWeights, h: torch.Tensor) -> torch.Tensor:
-    """What an identity expert outputs (and its every node): the experts' input, in the experts' dtype."""
-    return layer.expert_input(h).to(device=W.gate.device, dtype=W.gate.dtype)
+    """What a zero-computation expert outputs (and its every node): the experts' input (identity experts) or zeros
+    (skip experts, ``zero_compute_output == "zero"``), in the experts' dtype."""
+    x = layer.expert_input(h).to(device=W.gate.device, dtype=W.gate.dtype)
+    return torch.zeros_like(x) if layer.zero_compute_output == "zero" else x
 
 
 def _chunk_size(layer: MoELayer, W: ExpertWeights, budget: int) -> int:
@@ -105,7 +107,7 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
     unknown = want - set(NODES)
     if unknown:
         raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
-    z = layer.n_identity
+    z = layer.n_zero_compute
     if z and want - {"output"}:
         raise MoetoolError(f"layer {layer.index}: its {z} zero-computation experts have no {sorted(want - {'output'})}"
                            f" activations of the experts' width (theirs are the input itself): use node norms")
@@ -131,9 +133,9 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
         out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
                for s in range(0, h.shape[0], step)]  # each [T_c, n]
         scores = torch.cat(out, dim=0).to(h.device)
-        if layer.n_identity:  # identity experts: every node is the input itself
+        if layer.n_zero_compute:  # identity experts: every node is the input itself
             x = ops.vector_norm(_identity_input(layer, W, h), norm).to(h.device)  # [T]
-            scores = torch.cat((scores, x.unsqueeze(-1).expand(-1, layer.n_identity)), dim=-1)
+            scores = torch.cat((scores, x.unsqueeze(-1).expand(-1, layer.n_zero_compute)), dim=-1)
     return scores
 
 
@@ -152,7 +154,7 @@ def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: 
     with _weights_on_device(layer):
         W = _matmul_ready(layer, {node})
         step = _chunk_size(layer, W, budget)
-        z = layer.n_identity
+        z = layer.n_zero_compute
         best = torch.zeros(W.gate.shape[0] + z, dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], step):
             y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n, T_c, d]

@@ -44,7 +44,7 @@ import torch
 
 from .. import distributed, ops
 from ..adapters.base import MoELayer
-from ..engine.hooks import RoutingEvent, refuse_hash_routed, select_layers
+from ..engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
@@ -275,7 +275,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
-    refuse_hash_routed(layers, "offload's next-layer prediction")
+    refuse_recomputed(layers, "offload's next-layer prediction")
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids

@@ -266,7 +266,7 @@ class RoutingStats:
             layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
                            "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
                            "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
-            z = getattr(self.layers.get(li), "n_identity", 0)
+            z = getattr(self.layers.get(li), "n_zero_compute", 0)
             if z:  # zero-computation experts (LongCat-Flash): how often the routing takes the identity route
                 layers[-1]["zero_compute_fraction"] = float(frac[n - z:].sum())
             co.append(_coactivation_frame(li, a.co.cpu()))
