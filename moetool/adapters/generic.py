@@ -135,6 +135,7 @@ class GenericLayer(MoELayer):
                  experts: nn.Module, config: Any):
         super().__init__(index, decoder_layer, block, router, experts, config)
         self.linear = router_linear(router)
+        self._hash_routed = hash_table(router) is not None  # read once: route() runs per batch
         self.rule, self.params, self.logits_mode, self.softcap = self._identify()
         self.scoring = self.rule.text
 
@@ -183,7 +184,7 @@ class GenericLayer(MoELayer):
         """Experts chosen by token id (a fixed table), not by the router's scores: the weights are the rule's
         for that set (:meth:`weights_for`), but no re-routing from logits (:meth:`route`, ``route_k``,
         ``route_masked``) is defined; policies and experiments that need one refuse the layer in one line."""
-        return hash_table(self.router) is not None
+        return self._hash_routed
 
     def _hash_refused(self, what: str) -> MoetoolError:
         return MoetoolError(f"layer {self.index} is hash-routed (experts chosen by token id through "

@@ -211,7 +211,7 @@ class Engine:
         self.attention = attention or bool(policy is not None and policy.needs_attention)
         self._handles: list[Any] = []
         self._slots: dict[int, dict[str, Any]] = {}
-        self._batch: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self._batch: tuple[tuple[int, int], torch.Tensor | None, torch.Tensor | None] | None = None  # (B, S), valid, ids
         self.reported: dict[int, int] = {}
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
