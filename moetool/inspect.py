@@ -90,6 +90,11 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
 
 
 def _decoder_layer_count(model: Any, layers: list) -> range:
+    from .adapters import get_adapter
+
+    decoder = get_adapter(model.config).decoder_layers(model)  # LongCat's config counts its 2 sublayers per layer
+    if decoder:
+        return range(len(decoder))
     cfg = layers[0].config if layers else model.config
     n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None) or getattr(cfg, "n_layers", None)
     return range(int(n) if n else max(x.index for x in layers) + 1)
