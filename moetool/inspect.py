@@ -81,7 +81,9 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
     d = L.describe()
     n_layers = len(_decoder_layer_count(model, layers))
     dense = [i for i in range(n_layers) if i not in {x.index for x in layers}]
-    return {**row, "supported": "yes", "routing": str(d.get("rule") or d.get("scoring")),
+    rules = dict.fromkeys(str(x.describe().get("rule") or x.scoring) for x in layers)  # in layer order (hash, top-K)
+    return {**row, "supported": "yes", "routing": " + ".join(rules) if len(rules) > 1 else str(d.get("rule") or
+                                                                                                d.get("scoring")),
             "shared_experts": "yes" if any(x.shared_experts is not None for x in layers) else "no",
             "dense_layers": (f"{len(dense)} of {n_layers} in the tiny model ({', '.join(map(str, dense))})"
                              if dense else "none"),
@@ -89,10 +91,11 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
 
 
 def _decoder_layer_count(model: Any, layers: list) -> range:
-    if getattr(model.config, "is_encoder_decoder", False):  # both stacks, numbered on as the adapter numbers them
-        from .adapters import get_adapter
+    from .adapters import get_adapter
 
-        return range(len(get_adapter(model.config).decoder_layers(model)))
+    decoder = get_adapter(model.config).decoder_layers(model)  # LongCat's config counts its 2 sublayers per layer
+    if decoder:
+        return range(len(decoder))
     cfg = layers[0].config if layers else model.config
     n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None) or getattr(cfg, "n_layers", None)
     return range(int(n) if n else max(x.index for x in layers) + 1)

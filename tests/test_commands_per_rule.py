@@ -5,7 +5,10 @@ shrunk; routers re-drawn) is saved with ``save_pretrained`` beside the embedded 
 by the CLI as ``--model <dir>``, and each command's tables are checked against the same model run by plain
 transformers here (no moetool engine): the experts module of every MoE layer is called as
 ``experts(h, top_k_index, top_k_weights)`` in all these families, so a pre-hook on it gives the model's own
-choice and weights. ``topk-sigmoid-renorm`` has no family using it by default: Kolibri's ``norm_topk_prob=True``
+choice and weights. DeepSeek-V4's first layers are hash-routed (experts by token id, weighted by its
+``sqrtsoftplus`` rule): commands that recompute the routing from the logits (margin, mass-recall, approx,
+offload, topk, prune, super-experts' ablation) refuse them in one line (checked) and run with ``--layers`` on its
+top-K layer; the others cover every layer. ``topk-sigmoid-renorm`` has no family using it by default: Kolibri's ``norm_topk_prob=True``
 (a config option of the installed family) is that rule, so it is tested on Kolibri with the option set.
 
 Figures are built but not rendered (``RunDir.save_figure`` closes them): rendering PNG/PDF is rule-independent,
@@ -29,7 +32,10 @@ from test_rules import EXPECTED_RULE
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers, rules, tiny
+from moetool.adapters.generic import hash_table, random_table
 from moetool.commands.app import app
+from moetool.errors import MoetoolError
+from moetool.policies.attention import softmax_attention
 from moetool.loading import EMBEDDED_DIR
 
 pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow'
@@ -44,22 +50,27 @@ CASES: dict[str, tuple[str, dict]] = {
     "topk-sigmoid": ("kolibri1", {}),
     "topk-sigmoid-renorm": ("kolibri1", {"norm_topk_prob": True}),  # no installed family's default
     "sparsemixer": ("phimoe", {}),
-    # a structure beside the rules: an encoder-decoder (both stacks' MoE layers; top-1 softmax with expert capacity)
-    "softmax-topk-seq2seq": ("switch_transformers", {}),
+    "sqrtsoftplus-topk-renorm": ("deepseek_v4", {}),  # layers 0-2 hash-routed (experts by token id), layer 3 top-K
 }
-#: case -> its catalogue rule, where the case is a structure rather than a rule
-RULE_OF = {"softmax-topk-seq2seq": "softmax-topk"}
+#: structure -> (model type, config overrides): families whose rule is in CASES but whose block differs
+STRUCTURES: dict[str, tuple[str, dict]] = {
+    "block-routed": ("dbrx", {}),  # the router returns logits only; DbrxFFN.route_tokens_to_experts routes
+    "zero-computation": ("longcat_flash", {}),  # 8 routed + 2 identity experts (output = input)
+    "carried-state": ("zaya", {}),  # router logits from h and the previous layer's router state; a skip class
+    "seq2seq": ("switch_transformers", {}),  # encoder-decoder: both stacks' MoE layers; top-1 with expert capacity
+}
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
 runner = CliRunner()
 
 
 def test_every_rule_of_the_catalogue_has_a_case():
-    assert {RULE_OF.get(c, c) for c in CASES} == {r.name for r in rules.RULES}
-    assert set(CASES) - set(RULE_OF) == {r.name for r in rules.RULES}
+    assert set(CASES) == {r.name for r in rules.RULES}
     for rule, (mt, overrides) in CASES.items():
-        assert overrides or EXPECTED_RULE[mt] == RULE_OF.get(rule, rule)
+        assert overrides or EXPECTED_RULE[mt] == rule
     assert set(EXPECTED_RULE.values()) <= set(CASES)
+    for structure, (mt, _) in STRUCTURES.items():  # a structure case runs a family the catalogue's cases do not
+        assert mt not in {m for m, _ in CASES.values()} and EXPECTED_RULE[mt] in CASES, structure
 
 
 #: experiments with no test here, and why (every other experiment of the registry must have ``test_<function>``)
@@ -88,6 +99,15 @@ class Case:
     routing_perturbed: dict[int, tuple[torch.Tensor, torch.Tensor]]
     ppl: float
     scored: int  # next-token pairs the perplexity averages over
+    logit_layers: list[int]  # the MoE layers whose routing can be recomputed from other inputs (all but hash-routed
+    # ones and those with a carried router state)
+    n_zero_compute: int  # zero-computation experts (the last indices), 0 for most families
+    structure: str  # the CASES / STRUCTURES key
+
+    @property
+    def layer_args(self) -> list[str]:
+        """``--layers`` for commands that recompute the routing from the logits (none when every layer is)."""
+        return [] if self.logit_layers == self.layers else ["--layers", ",".join(map(str, self.logit_layers))]
 
 
 def plain_seq2seq_run(path: Path, tokens, dtype: torch.dtype | None = None
@@ -154,18 +174,22 @@ def no_rendering():
         yield
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=[*CASES, *STRUCTURES], ids=[*CASES, *STRUCTURES])
 def case(request, tmp_path_factory) -> Case:
     from transformers import AutoTokenizer
 
     from moetool.data import load_tokens
 
-    key = request.param
-    mt, overrides = CASES[key]
-    rule = RULE_OF.get(key, key)
-    root = tmp_path_factory.mktemp(key)
+    mt, overrides = CASES.get(request.param) or STRUCTURES[request.param]
+    rule = request.param if request.param in CASES else EXPECTED_RULE[mt]
+    root = tmp_path_factory.mktemp(request.param)
     model = tiny.build_tiny(mt, seed=0)
     model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
+    gen = torch.Generator().manual_seed(3)
+    for L in find_moe_layers(model):  # a hash router's token table follows the vocabulary
+        table = hash_table(L.router)
+        if table is not None:
+            L.router.tid2eid = random_table((2048, table.shape[1]), L.n_experts, gen)
     cfg = model.config.get_text_config(decoder=True)
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -187,14 +211,16 @@ def case(request, tmp_path_factory) -> Case:
     assert tokens.input_ids.shape[0] <= BATCH and tokens.n_tokens == MAX_TOKENS
     ref, routing = plain_run(path, tokens)
     layers = find_moe_layers(ref)
-    assert {L.describe()["rule"] for L in layers} == {rule}  # the saved model really routes by this rule
+    assert {L.describe()["rule"].removeprefix("hash:") for L in layers} == {rule}  # the saved model routes so
     if ref.config.is_encoder_decoder:  # the model's own seq2seq loss over every real target token (one batch)
         ppl, scored = plain_seq2seq_run(path, tokens)[2], int(tokens.attention_mask.sum())
     else:
         ppl, scored = hand_ppl(ref, tokens, BATCH)
     _, routing_perturbed = plain_run(perturbed, tokens)
     return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
-                routing, routing_perturbed, ppl, scored)
+                routing, routing_perturbed, ppl, scored,
+                [L.index for L in layers if not getattr(L, "hash_routed", False) and not L.carried_state],
+                layers[0].n_zero_compute, request.param)
 
 
 def invoke(*args: str) -> None:
@@ -219,12 +245,17 @@ def test_stats(case, tmp_path):
     per_layer, load = pd.read_csv(tmp_path / "layers.csv"), pd.read_csv(tmp_path / "load.csv")
     assert list(per_layer["layer"]) == case.layers and finite(per_layer) and finite(load)
     assert (per_layer["tokens"] == case.tokens.n_tokens).all() and (per_layer["top_k"] == case.top_k).all()
+    identity = case.n_experts - case.n_zero_compute  # the first zero-computation expert (none: n)
+    assert ("zero_compute_fraction" in per_layer) == (case.n_zero_compute > 0)
     for layer in case.layers:  # tokens per expert == the model's own choices, counted by hand
         idx = case.routing[layer][0]
         want = torch.bincount(idx.reshape(-1), minlength=case.n_experts).numpy()
         got = load[load.layer == layer].sort_values("expert")
         assert list(got["tokens"]) == list(want), layer
         np.testing.assert_allclose(got["load_fraction"], want / idx.numel(), rtol=1e-9)
+        if case.n_zero_compute:  # the share of routed assignments taking the zero-computation route
+            row = per_layer.set_index("layer").loc[layer]
+            assert row["zero_compute_fraction"] == pytest.approx(float((idx >= identity).double().mean()), abs=1e-12)
 
 
 def test_placement(case, tmp_path):
@@ -234,16 +265,17 @@ def test_placement(case, tmp_path):
 
     from moetool.experiments.placement import gpu_loads, imbalance, rebalance_experts
 
-    n, K, G = case.n_experts, case.top_k, 2
+    n, K, G = case.n_experts - case.n_zero_compute, case.top_k, 2  # zero-computation experts are not placed
     invoke("placement", "--model", str(case.path), *SMALL, "--gpus", str(G), "--extra-slots", "0,1",
            "--out", str(tmp_path))
     df, load = pd.read_csv(tmp_path / "placement.csv"), pd.read_csv(tmp_path / "placement_loads.csv")
     assert finite(df) and sorted(df["layer"].unique()) == case.layers
     groups = json.loads((tmp_path / "manifest.json").read_text())["groups"]  # the routing's n_group, else 1
     for layer in case.layers:
-        want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=n).double()
+        every = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts).double()
+        want = every[:n]
         got = load[load.layer == layer].sort_values("expert")
-        assert list(got["load"]) == want.tolist() and want.sum() == case.tokens.n_tokens * K, layer
+        assert list(got["load"]) == want.tolist() and every.sum() == case.tokens.n_tokens * K, layer
         rows = df[df.layer == layer].set_index(["method", "replicas"])
         for method, gpu_of in (("contiguous", lambda e: e * G // n), ("round_robin", lambda e: e % G)):
             per_gpu = [float(want[[e for e in range(n) if gpu_of(e) == g]].sum()) for g in range(G)]
@@ -291,7 +323,18 @@ def test_norm_select(case, tmp_path):
     assert (quality["value"] > 1).all()
 
 
+def refused(case, tmp_path, *args: str, match: str) -> bool:
+    """Where the case's router has no matrix over the layer input (Zaya): the command refuses in one line."""
+    if case.structure != "carried-state":
+        return False
+    r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], "--out", str(tmp_path)])
+    assert r.exit_code != 0 and match in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    return True
+
+
 def test_erc(case, tmp_path):
+    if refused(case, tmp_path, "erc", "-q", match="not a matrix R [n, d]"):
+        return
     invoke("erc", "--model", str(case.path), "--noise", "none", "--samples", "1", "-q", "--out", str(tmp_path))
     per_layer, matrix = pd.read_csv(tmp_path / "erc_layers.csv"), pd.read_csv(tmp_path / "erc_matrix.csv")
     assert list(per_layer["layer"]) == case.layers and finite(per_layer) and finite(matrix)
@@ -303,10 +346,10 @@ def test_erc(case, tmp_path):
 
 
 def test_approx(case, tmp_path):
-    invoke("approx", "--model", str(case.path), *SMALL, "--out", str(tmp_path))
+    invoke("approx", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "approx.csv")
     assert finite(df)
-    for layer in case.layers:
+    for layer in case.logit_layers:
         rows = df[df.layer == layer].set_index("selector")
         assert set(rows.index) == {"router", "norm_oracle", "best_subset", "random"}  # C(8, 2) subsets: exhaustive
         assert (rows["tokens"] == case.tokens.n_tokens).all() and rows.loc["router", "same_set_as_router"] == 1
@@ -315,11 +358,13 @@ def test_approx(case, tmp_path):
 
 
 def test_mass_recall(case, tmp_path):
+    if refused(case, tmp_path, "mass-recall", *SMALL, *case.layer_args, match="not a matrix R [n, d]"):
+        return
     n = str(case.n_experts)
-    invoke("mass-recall", "--model", str(case.path), *SMALL, "--bootstrap", "0", "-G", "4", "-M", f"1,4,{n}",
-           "--out", str(tmp_path))
+    invoke("mass-recall", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "-G", "4", "-M",
+           f"1,4,{n}", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "mass_recall.csv")
-    assert finite(df) and sorted(df.layer.unique()) == case.layers
+    assert finite(df) and sorted(df.layer.unique()) == case.logit_layers
     assert (df["tokens"] == case.tokens.n_tokens).all()
     everything = df[df.shortlist_size == case.n_experts]  # a shortlist of all experts recalls everything
     assert len(everything) and np.allclose(everything["mass_recall_mean"], 1) and (everything["topk_recall"] == 1).all()
@@ -327,9 +372,20 @@ def test_mass_recall(case, tmp_path):
         assert rows.sort_values("shortlist_size")["mass_recall_mean"].is_monotonic_increasing
 
 
+def case_model(case: Case):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(case.path)
+
+
 def test_fluctuation(case, tmp_path):
     same, other = str(case.path), str(case.perturbed)
-    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, "--bootstrap", "0",
+    try:  # attention routing where every MoE layer has token-to-token attention probabilities (else refused)
+        [softmax_attention(L) for L in find_moe_layers(case_model(case))]
+        routing = []
+    except MoetoolError:
+        routing = ["--routing", "router,similarity"]
+    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, *routing, "--bootstrap", "0",
            "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "fluctuation.csv")
     df = df[df.routing == "router"]
@@ -354,13 +410,19 @@ def test_fluctuation(case, tmp_path):
 
 def test_offload(case, tmp_path):
     K, n = case.top_k, case.n_experts
-    invoke("offload", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--capacity", f"{K},{n}",
-           "--out", str(tmp_path))
+    if refused(case, tmp_path, "offload", *SMALL, match="carried state"):  # prediction needs layer 0's successors
+        return
+    if case.rule == "sqrtsoftplus-topk-renorm":  # DeepSeek-V4: hyper-connected residual streams (hc_mult per token)
+        r = runner.invoke(app, ["offload", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path)])
+        assert r.exit_code != 0 and "residual streams per token" in r.output, r.output
+        return
+    invoke("offload", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--capacity",
+           f"{K},{n}", "--out", str(tmp_path))
     lay = pd.read_csv(tmp_path / "offload_layers.csv").set_index("layer")
     cache = pd.read_csv(tmp_path / "offload_cache.csv")
-    assert list(lay.index) == case.layers and finite(cache)
+    assert list(lay.index) == case.logit_layers and finite(cache)
     T = case.tokens.n_tokens
-    for layer in case.layers:  # by hand from the model's own choices, tokens in data order
+    for layer in case.logit_layers:  # by hand from the model's own choices, tokens in data order
         sets = [set(row) for row in case.routing[layer][0].tolist()]
         counts = np.bincount(case.routing[layer][0].reshape(-1).numpy(), minlength=n)
         assert lay.loc[layer, "experts_used"] == (counts > 0).sum()
@@ -376,31 +438,32 @@ def test_offload(case, tmp_path):
 def test_topk(case, tmp_path):
     K, n = case.top_k, case.n_experts
     sparse = case.rule == "sparsemixer"  # its weights are defined for its own K rounds only (refused otherwise)
-    ks = str(K) if sparse or K == 1 else f"1,{K}"  # top-1 routers (Switch): K is 1 already
-    invoke("topk", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--ks", ks,
-           "--ps", "none" if sparse else "1", "--out", str(tmp_path))
+    invoke("topk", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0",
+           "--ks", str(K) if sparse or K == 1 else f"1,{K}", "--ps", "none" if sparse else "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
     assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[f"topk:{K}", "perplexity"] == df.loc["router", "perplexity"]  # the model's own routing
     assert df.loc[f"topk:{K}", "mean_experts"] == K
     if not sparse:
-        assert df.loc["topk:1", "mean_experts"] == 1 and df.loc["topp:1", "mean_experts"] == n
+        def mean(k):  # over every MoE layer: the policy's k in its layers, K in the others (hash-routed ones)
+            return (k * len(case.logit_layers) + K * (len(case.layers) - len(case.logit_layers))) / len(case.layers)
+        assert df.loc["topk:1", "mean_experts"] == mean(1) and df.loc["topp:1", "mean_experts"] == mean(n)
         assert finite(df.drop(columns=["kind"]))
 
 
 def test_margin(case, tmp_path):
-    invoke("margin", "--model", str(case.path), *SMALL, "--bootstrap", "100", "--eps", "0,0.05",
+    invoke("margin", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "100", "--eps", "0,0.05",
            "--thresholds", "0.01,0.1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "margin.csv").set_index("layer")
     fl = pd.read_csv(tmp_path / "margin_flips.csv")
     bins = pd.read_csv(tmp_path / "margin_bins.csv")
     real = int(case.tokens.attention_mask.sum())
-    assert sorted(df.index) == case.layers and (df["tokens"] == real).all()
+    assert sorted(df.index) == case.logit_layers and (df["tokens"] == real).all()
     assert (df[["margin_mean", "margin_p05", "margin_p50", "margin_p95"]] >= 0).all().all()
     assert (df["margin_p05"] <= df["margin_p50"]).all() and (df["margin_p50"] <= df["margin_p95"]).all()
     assert (df["frac_below_0.01"] <= df["frac_below_0.1"]).all()
     zero = fl[fl.eps == 0]
-    assert len(zero) == len(case.layers)
+    assert len(zero) == len(case.logit_layers)
     assert (zero[["topk_flip", "topk_flip_lo", "topk_flip_hi", "top1_flip"]] == 0).all().all()
     assert fl[["topk_flip", "top1_flip"]].stack().between(0, 1).all()
     # the bins split the layer's real tokens; their flips add up to the layer's
@@ -471,16 +534,16 @@ def test_capacity(case, tmp_path):
 def test_prune(case, tmp_path):
     """Importance against the model's own routing counted by hand; removing nothing is the model exactly; a
     quarter of the experts removed by REAP and at random: finite."""
-    invoke("prune", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--fractions", "0,0.25",
+    invoke("prune", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--fractions", "0,0.25",
            "--criteria", "reap,random", "--ablate", "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "prune.csv").set_index(["criterion", "fraction"])
     assert df.loc[("router", 0.0), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[("reap", 0.0), "perplexity"] == df.loc[("router", 0.0), "perplexity"]
-    assert df.loc[("reap", 0.25), "removed"] == len(case.layers) * (case.n_experts // 4)
+    assert df.loc[("reap", 0.25), "removed"] == len(case.logit_layers) * (case.n_experts // 4)
     assert finite(df)
     imp = pd.read_csv(tmp_path / "prune_importance.csv")
     assert finite(imp) and (imp["reap"] >= 0).all()
-    for layer in case.layers:
+    for layer in case.logit_layers:
         idx, w = case.routing[layer]
         got = imp[imp.layer == layer].sort_values("expert")
         assert list(got["frequency"]) == torch.bincount(idx.reshape(-1), minlength=case.n_experts).tolist()
@@ -495,10 +558,10 @@ def test_super_experts(case, tmp_path):
     nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
     from moetool.experiments.super_experts import super_mask
 
-    invoke("super-experts", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--out", str(tmp_path))
+    invoke("super-experts", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--out", str(tmp_path))
     table = pd.read_csv(tmp_path / "super_experts.csv")
-    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.layers
-    for layer in case.layers:
+    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.logit_layers
+    for layer in case.logit_layers:
         got = table[table.layer == layer].sort_values("expert")
         want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts)
         assert list(got["routed"]) == want.tolist()
@@ -508,3 +571,24 @@ def test_super_experts(case, tmp_path):
     assert abl.loc["none", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert abl.loc["super", "removed"] == abl.loc["random", "removed"] == int(table["is_super"].sum())
     assert np.isfinite(abl[["perplexity", "ratio"]].to_numpy()).all()
+
+
+def test_hash_and_carried_state_layers_are_refused_in_one_line(case, tmp_path):
+    """Where the routing must be recomputed from the logits, hash-routed layers are refused before any work, in one
+    line naming them and the layers to choose instead (the other commands above ran on every layer)."""
+    if case.logit_layers == case.layers:
+        pytest.skip("every layer's routing can be recomputed from its input")
+    others = [i for i in case.layers if i not in case.logit_layers]
+    if case.structure == "carried-state":  # the logits need the carried state: policies (on the events) still run
+        commands = (["margin"], ["mass-recall"], ["offload"])
+        says = f"the router logits of MoE layers {others} also depend on the previous layer's router state"
+    else:
+        commands = (["margin"], ["mass-recall"], ["approx"], ["offload"], ["topk", "--ks", "1"],
+                    ["prune", "--fractions", "0.25", "--criteria", "random"])
+        says = f"MoE layers {others} are hash-routed"
+    for args in commands:
+        r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], *SMALL, "--out", str(tmp_path / args[0])])
+        assert r.exit_code != 0, (args, r.output)
+        assert says in r.output, (args, r.output)
+        assert "--layers " + ",".join(map(str, case.logit_layers)) in r.output
+        assert not (tmp_path / args[0] / "manifest.json").exists()

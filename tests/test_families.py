@@ -24,8 +24,10 @@ from test_rules import EXPECTED_RULE
 
 from moetool import ops
 from moetool.adapters import discovery, find_moe_layers
+from moetool.adapters.generic import hash_table
 from moetool.adapters.tiny import build_tiny
 from moetool.engine import node_scores
+from moetool.errors import MoetoolError
 from moetool.engine.runner import is_seq2seq, seq2seq_inputs
 from moetool.policies import make_policy
 
@@ -70,6 +72,8 @@ def one_expert(L, e: int, h: torch.Tensor) -> torch.Tensor:
     """``E_e(h)`` through the model's own experts module (every token sent to expert ``e`` with weight 1)."""
     idx = torch.full((h.shape[0], 1), e, dtype=torch.long)
     w = torch.ones(h.shape[0], 1, dtype=h.dtype)
+    if hasattr(L.experts, "identity_expert"):  # LongCat's experts module cannot take K = 1 (it squeezes the K axis): e twice, weights 1 and 0
+        idx, w = idx.expand(-1, 2), torch.cat((w, torch.zeros_like(w)), dim=-1)
     with torch.no_grad():
         return L.experts(h, idx, w)
 
@@ -99,16 +103,22 @@ def test_family(model_type):
 
     # the routing rule identified on the router is the one its modeling code implements (tests/test_rules.py)
     assert model_type in EXPECTED_RULE, f"{model_type}: add its rule to tests/test_rules.py EXPECTED_RULE"
-    assert {L.describe()["rule"] for L in layers} == {EXPECTED_RULE[model_type]}
+    assert {L.describe()["rule"].removeprefix("hash:") for L in layers} == {EXPECTED_RULE[model_type]}
 
     # 2. the captured top-K is the adapter's route(logits(h))
     _, _, events = captured(model_type)
     for L in layers:
         ev = events[L.index]
-        logits = L.logits(ev.h)
+        logits = L.logits(ev.h, **ev.inputs)  # Zaya: the carried router state too
         assert torch.equal(logits, ev.logits)
-        assert torch.equal(L.logits(ev.h.double()), logits)  # any input dtype: mass-recall passes fp64 points
-        idx, w = L.route(logits)
+        assert torch.equal(L.logits(ev.h.double(), **ev.inputs), logits)  # any input dtype: mass-recall passes fp64 points
+        if getattr(L, "hash_routed", False):  # experts by token id: the table's rows, weighted by the rule
+            with pytest.raises(MoetoolError, match="hash-routed"):
+                L.route(logits)
+            idx = hash_table(L.router)[padded_batch(seq=8)["input_ids"].reshape(-1)]
+            w = L.weights_for(logits, idx)
+        else:
+            idx, w = L.route(logits)
         assert_same_routing(idx, w, ev.idx, ev.weights, rtol=1e-6, atol=1e-7)
         p = L.probs(logits)
         torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]))
@@ -121,7 +131,9 @@ def test_family(model_type):
         ev = events[L.index]
         h = ev.h
         with torch.no_grad():
-            out = L.block(h.unsqueeze(0))
+            ids = {"input_ids": padded_batch(seq=8)["input_ids"]} if getattr(L, "hash_routed", False) else {}
+            state = [s.unsqueeze(0) for s in ev.inputs.values()]  # Zaya: the carried router state
+            out = L.block(h.unsqueeze(0), *state, **ids)
             out = (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
             expected = L.experts(h, ev.idx, ev.weights) * getattr(L, "output_scale", 1.0)  # set where the block scales it
             if L.shared_experts is not None:
@@ -137,7 +149,10 @@ def test_family(model_type):
     glu = torch.stack([torch.linalg.vector_norm(
         L.glu(torch.nn.functional.linear(x, W.gate[e], None if W.gate_bias is None else W.gate_bias[e]),
               torch.nn.functional.linear(x, W.up[e], None if W.up_bias is None else W.up_bias[e])), dim=-1)
-        for e in range(L.n_experts)]).T
+        for e in range(L.n_experts - L.n_zero_compute)]).T
+    if L.n_zero_compute:  # zero-computation experts: activations = the input itself (LongCat), 0 (Zaya's skip)
+        own = x.norm(dim=-1, keepdim=True) if L.zero_compute_output == "input" else torch.zeros(x.shape[0], 1)
+        glu = torch.cat((glu, own.expand(-1, L.n_zero_compute)), dim=-1)
     torch.testing.assert_close(node_scores(L, h, "glu", "l2"), glu, rtol=1e-5, atol=1e-5)
 
     # 4. an override really runs: the experts' actual output is Σ w E(h) for the policy's choice

@@ -42,6 +42,10 @@ EXPECTED_RULE = {
     "gemma4": "softmax-topk-renorm", "gemma4_text": "softmax-topk-renorm",  # times per_expert_scale[idx]
     "phimoe": "sparsemixer",
     "switch_transformers": "softmax-topk",  # top-1: argmax of softmax, weight = its probability
+    "dbrx": "softmax-topk-renorm",  # routed by its block (DbrxFFN.route_tokens_to_experts), p-norm 1
+    "deepseek_v4": "sqrtsoftplus-topk-renorm",  # its hash-routed layers: "hash:" + the rule that weights them
+    "longcat_flash": "softmax-topk",  # over n routed + zero_expert_num identity experts
+    "zaya": "softmax-topk",  # over n experts + a skip class, logits from h and the carried router state
 }
 
 
@@ -88,6 +92,8 @@ def reference(rule: str, logits: list[float], k: int, bias=None, n_group=1, topk
         base = _softmax(logits)
     elif rule.startswith("sigmoid"):
         base = [_sigmoid(x) for x in logits]
+    elif rule.startswith("sqrtsoftplus"):
+        base = [math.sqrt(math.log1p(math.exp(x))) for x in logits]
     else:
         base = list(logits)
     rank = [base[e] + b[e] for e in range(n)]

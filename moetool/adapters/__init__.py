@@ -41,6 +41,9 @@ ADAPTERS = LazyRegistry("MoE family", {
     "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
     "switch_transformers": "moetool.adapters.switch_transformers:SwitchAdapter",
+    "dbrx": "moetool.adapters.dbrx:DbrxAdapter",
+    "deepseek_v4": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
+    "zaya": "moetool.adapters.zaya:ZayaAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

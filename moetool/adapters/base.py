@@ -69,6 +69,31 @@ class MoELayer:
         raise NotImplementedError
 
     @property
+    def n_zero_compute(self) -> int:
+        """Zero-computation experts among the ``n_experts`` the router ranks: the last ``n_zero_compute`` indices
+        (LongCat-Flash's ``zero_expert_num`` identity experts, Zaya's skip class). They have no weights:
+        :meth:`expert_weights` stacks the ``n_experts - n_zero_compute`` computed experts only; what they output is
+        :attr:`zero_compute_output`."""
+        return 0
+
+    #: what a zero-computation expert outputs: ``"input"`` (identity, LongCat: ``E_e(h) = h``, its "activations"
+    #: are ``h`` itself, every node's norm ``||h||``) or ``"zero"`` (a skip, Zaya: ``E_e(h) = 0``, every norm 0)
+    zero_compute_output: str = "input"
+
+    def router_inputs(self, args: tuple) -> dict[str, torch.Tensor]:
+        """Inputs of the routing rule beyond the router's ``h``, read off the router module's call ``args`` (the
+        engine puts them in ``RoutingEvent.inputs`` and :meth:`logits` takes them as keywords): none by default;
+        Zaya's carried router state."""
+        return {}
+
+    @property
+    def carried_state(self) -> bool:
+        """The router logits depend on state carried from the previous layer (Zaya's EDA), not on ``h`` alone:
+        :meth:`logits` needs that state (``RoutingEvent.inputs``); experiments that recompute routing from other
+        inputs refuse the layer in one line."""
+        return False
+
+    @property
     def renormalize(self) -> bool:
         """Whether the chosen experts' probabilities are renormalised to sum to one."""
         raise NotImplementedError
@@ -100,14 +125,21 @@ class MoELayer:
         raise NotImplementedError
 
     def expert_weights(self) -> ExpertWeights:
-        gate_up = self.experts.gate_up_proj  # [n, 2I, d]
+        """The computed experts' weights (identity experts have none: see :attr:`n_zero_compute`)."""
+        m = self.n_experts - self.n_zero_compute
+        gate_up = self.experts.gate_up_proj[:m]  # [m, 2I, d] (LongCat stores rows for its identity experts too)
         inter = gate_up.shape[1] // 2
-        return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj)
+        return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj[:m])
 
     def expert_input(self, h: torch.Tensor) -> torch.Tensor:
         """What the experts compute on, for router inputs ``h``: ``h`` itself, except where the model feeds the
         experts a transformed copy (gemma4: a separate RMS norm)."""
         return h
+
+    def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx, w)`` as handed to the model's experts module for a policy's choice (the same, except where the
+        module cannot take that shape: LongCat's cannot take one expert per token)."""
+        return idx, w
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         """``act(W_g h)``."""
@@ -169,6 +201,7 @@ class MoELayer:
             "scoring": self.scoring,
             "renormalize": self.renormalize,
             "shared_experts": self.shared_experts is not None,
+            **({"identity_experts": self.n_zero_compute} if self.n_zero_compute else {}),
             "router_bias": self.router_bias() is not None,
         }
 

@@ -31,14 +31,8 @@ UNSUPPORTED: dict[str, str] = {
     "diffusion_gemma": "block text-diffusion model (DiffusionGemmaForBlockDiffusion, bidirectional decoder): its "
                        "forward samples, so two forwards on the same input differ and there is no routing to "
                        "reproduce",
-    "dbrx": "the router module returns logits only (routing is DbrxFFN.route_tokens_to_experts, outside it); the "
-            "engine reads (logits, weights, idx) from the router module",
     "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as experts(inputs, "
               "expert_size); the attention is a mixture of experts too (MoA)",
-    "zaya": "the router logits come from a router MLP over a down-projection plus the previous layer's router state "
-            "(EDA), not from the layer input alone, and a skip class sits beside the n experts",
-    "longcat_flash": "zero-computation (identity) experts beside the routed ones (the router ranks n + "
-                     "zero_expert_num classes); the per-expert probes have no identity-expert path",
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
     "axk1": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
             "een them moetool does not model)",
@@ -46,8 +40,6 @@ UNSUPPORTED: dict[str, str] = {
             "een them moetool does not model)",
     "flint": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
              "een them moetool does not model)",
-    "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
-                   "sqrtsoftplus scoring",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
     "inkling_mm_model": "the router's weights are normalised over the K chosen routed logits together with the "
                         "shared experts' logits (logsigmoid softmax), which the router does not return: the weights "

@@ -37,7 +37,7 @@ from .base import Adapter, MoELayer
 
 _ROUTER_ATTRS = ("gate", "router")
 _SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
-_BIAS_ATTRS = ("e_score_correction_bias", "expert_bias")
+_BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 _SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 _GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
 _N_TOKENS = 256
@@ -113,6 +113,17 @@ def correction_bias(router: nn.Module, block: nn.Module) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def hash_table(router: nn.Module) -> torch.Tensor | None:
+    """The token-id -> experts table ``[vocab, K]`` of a hash router (one whose forward takes ``input_ids``:
+    DeepSeek-V4's ``DeepseekV4HashRouter.tid2eid``), or None for a router that chooses by its scores."""
+    if "input_ids" not in inspect.signature(router.forward).parameters:
+        return None
+    tables = [t for _, t in router.named_buffers() if not t.is_floating_point() and t.dim() == 2]
+    if len(tables) != 1:
+        raise MoetoolError(f"cannot tell the token-id table of the hash router {type(router).__name__}")
+    return tables[0]
+
+
 def _is_meta(*tensors: torch.Tensor | None) -> bool:
     return any(t is not None and t.device.type == "meta" for t in tensors)
 
@@ -124,6 +135,7 @@ class GenericLayer(MoELayer):
                  experts: nn.Module, config: Any):
         super().__init__(index, decoder_layer, block, router, experts, config)
         self.linear = router_linear(router)
+        self._hash_routed = hash_table(router) is not None  # read once: route() runs per batch
         self.rule, self.params, self.logits_mode, self.softcap = self._identify()
         self.scoring = self.rule.text
 
@@ -148,6 +160,36 @@ class GenericLayer(MoELayer):
     def shared_experts(self) -> nn.Module | None:
         return shared_experts(self.block)
 
+    @property
+    def n_zero_compute(self) -> int:
+        """Zero-computation experts: the experts module's ``zero_expert_num`` (LongCat-Flash), else 0."""
+        return int(getattr(self.experts, "zero_expert_num", 0) or 0)
+
+    @property
+    def pre_router_norm(self) -> nn.Module | None:
+        """The norm between the residual stream and the MoE block: the decoder layer's ``post_attention_layernorm``
+        (LongCat's two sublayers have one each: its shortcut MoE reads the first's output)."""
+        norm = getattr(self.decoder_layer, "post_attention_layernorm", None)
+        return norm[0] if isinstance(norm, nn.ModuleList) else norm
+
+    def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongCat's experts module squeezes the K axis of its one-hot mask, so K = 1 fails there: the one expert is
+        given twice, the second time with weight 0 (the same sum)."""
+        if hasattr(self.experts, "identity_expert") and idx.shape[-1] == 1:
+            return idx.expand(-1, 2), torch.cat((w, torch.zeros_like(w)), dim=-1)
+        return idx, w
+
+    @property
+    def hash_routed(self) -> bool:
+        """Experts chosen by token id (a fixed table), not by the router's scores: the weights are the rule's
+        for that set (:meth:`weights_for`), but no re-routing from logits (:meth:`route`, ``route_k``,
+        ``route_masked``) is defined; policies and experiments that need one refuse the layer in one line."""
+        return self._hash_routed
+
+    def _hash_refused(self, what: str) -> MoetoolError:
+        return MoetoolError(f"layer {self.index} is hash-routed (experts chosen by token id through "
+                            f"{type(self.router).__name__}'s table, not by its logits): {what} is not defined there")
+
     def router_weight(self) -> torch.Tensor:
         return self.linear.weight
 
@@ -168,16 +210,27 @@ class GenericLayer(MoELayer):
         return self.rule.probs(logits, self.params)
 
     def selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The scores the model ranks experts by; on a hash-routed layer the scores its chosen experts are weighted
+        by (it ranks none: the best of a chosen set by them is its heaviest expert)."""
         return self.rule.scores(logits, self._p())
 
     def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.rule.weights(logits, idx, self.params, mask)
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's routing; a hash-routed layer's needs the tokens' ids (``token_ids [T]``: its table's rows,
+        weighted by the rule) and refuses without them."""
+        if self.hash_routed:
+            if token_ids is None:
+                raise self._hash_refused("routing from the router logits alone")
+            idx = hash_table(self.router)[token_ids.to(logits.device)].long()
+            return idx, self.weights_for(logits, idx)
         idx = self.rule.select(logits, self._p())
         return idx, self.weights_for(logits, idx)
 
     def route_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hash_routed:
+            raise self._hash_refused(f"a top-{k} of the router's scores")
         if self.rule.weight == "sparsemixer" and k != self.top_k:
             raise MoetoolError(f"layer {self.index}: sparsemixer routing has exactly {self.top_k} rounds; "
                                f"no top-{k} of it is defined")
@@ -185,6 +238,8 @@ class GenericLayer(MoELayer):
         return idx, self.weights_for(logits, idx)
 
     def route_masked(self, logits: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hash_routed:
+            raise self._hash_refused("routing among a subset of the experts")
         keep = keep.to(logits.device)
         if self.rule.weight == "sparsemixer":  # its weights are softmaxes over the logits of its rounds: the removed
             logits = logits.masked_fill(~keep, float("-inf"))  # experts leave them as they leave the selection
@@ -202,10 +257,11 @@ class GenericLayer(MoELayer):
         return problem
 
     def rule_name(self) -> str:
-        return self.rule.name  # identified at load already
+        """The catalogue rule; ``hash:<rule>`` on a hash-routed layer (experts by token id, weighted by the rule)."""
+        return ("hash:" if self.hash_routed else "") + self.rule.name
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "rule": self.rule.name, **self.params.describe()}
+        return {**super().describe(), "rule": self.rule_name(), **self.params.describe()}
 
     def _identify(self):
         return identify_layer(self)
@@ -279,7 +335,10 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
         dtype = w.dtype  # quantized experts (codes, fp32 scales or biases): the hidden states are the router's dtype
     h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device,
                                                                                           dtype=dtype)
+    table = hash_table(router)
     with torch.no_grad():
+        if table is not None:  # a hash router: its experts are its table's for the token ids; the weights a rule's
+            return _identify_hash(L, router, h, table, bias, fail)
         out = _call_router(router, h, bias)
         if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
                 and not out[2].is_floating_point()):
@@ -301,6 +360,29 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
     if params.bias is not None:  # the live buffer, not the copy identification ran with
         params = replace(params, bias=correction_bias(L.router, L.block))
     return rule, params, mode, cap
+
+
+def _identify_hash(L: MoELayer, router: nn.Module, h: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None,
+                   fail: Callable[[str], MoetoolError]) -> tuple[rules.Rule, rules.Params, str, float]:
+    """A hash router on seeded random token ids: its indices must be its table's rows for them exactly; its weights
+    must be a catalogue rule's weights for that set (the rule's own selection is not used)."""
+    lin = router_linear(router)
+    ids = torch.randint(0, table.shape[0], (h.shape[0],), generator=torch.Generator().manual_seed(0)).to(table.device)
+    out = router(h, ids)
+    logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
+    if not torch.equal(want_idx.long(), table[ids].long()):
+        raise fail("the hash router's experts are not its token-id table's rows")
+    mode = next((m for m in LOGITS_MODES if torch.equal(got := linear_logits(h, lin.weight, getattr(lin, "bias", None),
+                                                                             m), logits)
+                 and got.dtype == logits.dtype), None)
+    if mode is None:
+        raise fail("the router's logits are not a linear map of its input")
+    cands = _candidates(router, int(want_idx.shape[-1]), None if bias is None else bias.detach())
+    try:
+        rule, params = rules.identify(logits, want_idx, want_w, cands, fixed_selection=True)
+    except rules.NoRuleMatches as e:
+        raise fail(f"the hash router's weights match no known routing rule ({e})") from None
+    return rule, params, mode, 0.0
 
 
 @contextlib.contextmanager
@@ -336,7 +418,15 @@ def _materialized(router: nn.Module) -> nn.Module:
         for name, t in [*r.named_parameters(), *r.named_buffers()]:
             if t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=gen) * (0.05 if name.split(".")[-1] in _BIAS_ATTRS else 0.15))
+        table = hash_table(r)
+        if table is not None:  # a random token -> K distinct experts table
+            table.copy_(random_table(table.shape, router_linear(r).weight.shape[0], gen))
     return r
+
+
+def random_table(shape: tuple[int, int], n: int, gen: torch.Generator) -> torch.Tensor:
+    """``[vocab, K]``: K distinct experts of ``n`` per token id, drawn uniformly (a hash router's table)."""
+    return torch.rand(shape[0], n, generator=gen).argsort(dim=-1)[:, :shape[1]]
 
 
 def _candidates(router: nn.Module, top_k: int, bias: torch.Tensor | None) -> list[rules.Params]:

@@ -1,4 +1,8 @@
-"""GLM-5-Next and Hunyuan-V4 (``glm5_next``, ``hy_v4``): DeepSeek-V3 routing, clamped SwiGLU experts.
+"""GLM-5-Next, Hunyuan-V4 and DeepSeek-V4 (``glm5_next``, ``hy_v4``, ``deepseek_v4``): clamped SwiGLU experts.
+
+DeepSeek-V4 routes by ``sqrtsoftplus`` scores (rule ``sqrtsoftplus-topk-renorm``) and its first layers are
+hash-routed (``DeepseekV4HashRouter``: experts by token id; the generic layer identifies and reports them, see
+``GenericLayer.hash_routed``); its experts store the limit as ``limit`` and apply their own ``act_fn``.
 
 * Router ``mlp.gate``: sigmoid, correction bias, groups, ``routed_scaling_factor`` (identified at load by the
   generic adapter).
@@ -17,12 +21,17 @@ from .generic import GenericAdapter, GenericLayer
 
 
 class ClampedSwiGLULayer(GenericLayer):
+    @property
+    def limit(self) -> float:
+        limit = getattr(self.experts, "swiglu_limit", None)
+        return self.experts.limit if limit is None else limit
+
     def act(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate.clamp(max=self.experts.swiglu_limit))
+        act = getattr(self.experts, "act_fn", F.silu)
+        return act(gate.clamp(max=self.limit))
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        limit = self.experts.swiglu_limit
-        return self.act(gate) * up.clamp(min=-limit, max=limit)
+        return self.act(gate) * up.clamp(min=-self.limit, max=self.limit)
 
 
 class ClampedSwiGLUAdapter(GenericAdapter):

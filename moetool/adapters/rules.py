@@ -13,10 +13,12 @@ scale, ...) to the full routing distribution π ``[T, n]``, the top-K indices ``
 ``topk-sigmoid``         top-K of logits (+ bias); w = sigmoid of the K chosen logits (Llama 4)
 ``topk-sigmoid-renorm``  as above, w / sum(w) (Kolibri, Cohere2-MoE's sigmoid option)
 ``sparsemixer``          Phi-3.5-MoE, eval mode: two rounds, each a softmax over the logits within 2 eps
+``sqrtsoftplus-topk-renorm``  s = sqrt(softplus(logits)); top-K of s + correction bias; w = s / sum(s) x scale
+                         (DeepSeek-V4; its hash-routed layers choose by token id and weight the same way)
 =======================  =================================================================================
 
-π is softmax(logits) for the softmax rules and sparsemixer, sigmoid(logits) normalised to sum to one for the
-sigmoid rules. :func:`identify` picks the rule (and parameter variant) that reproduces a router's own output.
+π is softmax(logits) for the softmax rules and sparsemixer, sigmoid(logits) (sqrt(softplus(logits)) for
+sqrtsoftplus) normalised to sum to one for the sigmoid rules. :func:`identify` picks the rule (and parameter variant) that reproduces a router's own output.
 Top-K and renormalisation go through :mod:`moetool.ops`.
 """
 
@@ -101,6 +103,11 @@ def sparsemixer_weights(logits: torch.Tensor, idx: torch.Tensor, eps: float) -> 
     return w
 
 
+def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(softplus(x))``: DeepSeek-V4's router score (transformers' ``ACT2FN["sqrtsoftplus"]``)."""
+    return torch.nn.functional.softplus(x).sqrt()
+
+
 @dataclass(frozen=True)
 class Rule:
     """One routing rule. ``score``: what top-K ranks (``softmax`` probabilities, ``sigmoid`` scores or raw
@@ -116,6 +123,8 @@ class Rule:
     # ----- the full distribution ---------------------------------------------------------------------------
     def probs(self, logits: torch.Tensor, p: Params | None = None) -> torch.Tensor:
         """π over all n experts (fp32, rows sum to one)."""
+        if self.score == "sqrtsoftplus":
+            return ops.normalize(sqrtsoftplus(logits.float()))
         if self.score == "sigmoid" or self.weight == "sigmoid":
             return ops.normalize(torch.sigmoid(logits.float()))
         return torch.softmax(logits.float(), dim=-1)
@@ -125,7 +134,7 @@ class Rule:
         """What the rule ranks experts by (correction bias included, before any group restriction)."""
         x = logits.float()
         s = torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x) if self.score == "sigmoid" \
-            else x
+            else sqrtsoftplus(x) if self.score == "sqrtsoftplus" else x
         return s if p.bias is None else s + p.bias.float().reshape(-1)
 
     def select(self, logits: torch.Tensor, p: Params, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,7 +172,8 @@ class Rule:
         elif self.weight == "sigmoid":
             w = torch.sigmoid(x.gather(-1, idx))
         else:
-            w = (torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x)).gather(-1, idx)
+            w = (torch.softmax(x, dim=-1) if self.score == "softmax" else sqrtsoftplus(x) if self.score == "sqrtsoftplus"
+                 else torch.sigmoid(x)).gather(-1, idx)
         if mask is not None:
             w = w * mask
         if self.renorm:
@@ -191,10 +201,12 @@ TOPK_SIGMOID_RENORM = Rule("topk-sigmoid-renorm", "logits", "sigmoid", True,
                            "top-K of logits (+ bias) -> sigmoid of the K / sum")
 SPARSEMIXER = Rule("sparsemixer", "logits", "sparsemixer", False,
                    "sparsemixer (eval): top-2 by logits; weight = softmax over the logits within 2 eps of it")
+SQRTSOFTPLUS_TOPK_RENORM = Rule("sqrtsoftplus-topk-renorm", "sqrtsoftplus", "score", True,
+                                "sqrt(softplus) -> top-K of score + correction bias -> score / sum x scale")
 
 #: the catalogue, in order of preference when two rules reproduce a router equally well
 RULES: tuple[Rule, ...] = (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORM, TOPK_SOFTMAX, SIGMOID_TOPK, SIGMOID_TOPK_RENORM,
-                           TOPK_SIGMOID, TOPK_SIGMOID_RENORM, SPARSEMIXER)
+                           TOPK_SIGMOID, TOPK_SIGMOID_RENORM, SPARSEMIXER, SQRTSOFTPLUS_TOPK_RENORM)
 BY_NAME = {r.name: r for r in RULES}
 
 
@@ -216,13 +228,16 @@ def _error(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> f
 
 
 def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-             candidates: Iterable[Params], rules: Iterable[Rule] = RULES) -> tuple[Rule, Params]:
+             candidates: Iterable[Params], rules: Iterable[Rule] = RULES, *,
+             fixed_selection: bool = False) -> tuple[Rule, Params]:
     """The rule and parameters that reproduce a router's own ``(logits, weights, idx)``.
 
     Indices must be the same set per token, exactly; weights (compared in the router's own order) must be
     allclose at the tolerance of their dtype. Among the matches: one that uses the correction bias (when a
     candidate carries one) before one that ignores it, then the closest weights, then catalogue order, then
     candidate order. None -> :class:`NoRuleMatches` naming the closest rule and what differed.
+    ``fixed_selection``: the indices were not chosen by the rule (a hash router's table): only the weights count,
+    and rules whose weights are not the score of the chosen (softmax over the K, sparsemixer) are not tried.
     """
     candidates = list(candidates)
     has_bias = any(p.bias is not None for p in candidates)
@@ -242,9 +257,11 @@ def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
             if key not in selected:
                 selected[key] = rule.select(logits, p)
             sel = selected[key]
+            if fixed_selection and rule.weight != "score":
+                continue
             if sel.shape != idx.shape:
                 continue
-            agree = float(ops.same_set(sel, idx).float().mean())
+            agree = 1.0 if fixed_selection else float(ops.same_set(sel, idx).float().mean())
             if agree < 1.0:
                 idx_miss = max(idx_miss, (agree, rule.name))
                 continue

@@ -6,6 +6,7 @@ from typing import Any
 
 from . import find_moe_layers
 from .discovery import MAX_TINY_PARAMS, model_class, tiny_config
+from .generic import hash_table, random_table
 
 #: routers are re-drawn at this scale so top-K has no ties (logits ~ N(0, ~1) on unit-RMS inputs of width 64)
 ROUTER_STD, BIAS_STD, EXPERT_BIAS_STD = 0.15, 0.05, 0.1
@@ -35,6 +36,9 @@ def build_tiny(model_type: str, seed: int = 0, redraw: bool = True) -> Any:
                     if t.is_floating_point():
                         std = BIAS_STD if "correction" in name else ROUTER_STD
                         t.copy_(torch.randn(t.shape, generator=gen) * std)
+                table = hash_table(L.router)
+                if table is not None:  # a hash router's token -> experts table (zeros at init: every token alike)
+                    table.copy_(random_table(tuple(table.shape), L.n_experts, gen))
                 for name, t in L.experts.named_parameters():
                     if name.endswith("bias"):
                         t.copy_(torch.randn(t.shape, generator=gen) * EXPERT_BIAS_STD)

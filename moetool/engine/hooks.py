@@ -46,6 +46,10 @@ class RoutingEvent:
     scores: torch.Tensor | None = None  # [T, n] the scores the policy chose from (similarity, attention), if any
     extra: dict[str, Any] = field(default_factory=dict)
     rows: list[int] | None = None  # the batch's B global packed-row ids (engine.forward sets them; else None)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the rule's inputs beyond h (MoELayer.router_inputs:
+    # Zaya's carried router state), passed to layer.logits(h, **inputs)
+    token_ids: torch.Tensor | None = None  # [T] the forward's input ids (None when it was given embeddings): the
+    # input of a hash-routed layer's rule (experts by token id)
 
     @cached_property
     def probs(self) -> torch.Tensor:
@@ -65,10 +69,42 @@ class Policy(Protocol):
 Consumer = Callable[[RoutingEvent], None]
 
 
+def refuse_recomputed(layers: Iterable[MoELayer], what: str) -> None:
+    """One line when ``what`` recomputes routing from inputs other than the events' (perturbed, predicted or
+    codebook points) and some of ``layers`` cannot: a carried router state (:attr:`MoELayer.carried_state`) or a
+    hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``)."""
+    layers = list(layers)
+    stateful = [L.index for L in layers if getattr(L, "carried_state", False)]
+    if stateful:
+        others = [L.index for L in layers if L.index not in stateful]
+        raise MoetoolError(f"{what} needs the routing recomputed from the layer input alone, but the router logits of "
+                           f"MoE layers {stateful} also depend on the previous layer's router state (carried state): " +
+                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
+                            "no other layer is left"))
+    refuse_hash_routed(layers, what)
+
+
+def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
+    """One line when any of ``layers`` is hash-routed (experts chosen by token id, :attr:`GenericLayer.hash_routed`):
+    ``what`` needs the routing as a function of the router's logits, which such a layer does not have. The line
+    names those layers and the others (``--layers``)."""
+    layers = list(layers)
+    hashed = [L.index for L in layers if getattr(L, "hash_routed", False)]
+    if hashed:
+        others = [L.index for L in layers if L.index not in hashed]
+        raise MoetoolError(f"{what} needs the routing recomputed from the router logits, but MoE layers {hashed} are "
+                           f"hash-routed (experts chosen by token id): " +
+                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
+                            "no other layer is left"))
+
+
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
     """A policy refuses what it cannot do before any forward: ``check(layer)`` per MoE layer of ``layers`` it runs in
-    (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once."""
+    (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once; a policy that re-ranks experts by the
+    router's scores (``routes_by_scores``) refuses hash-routed layers (:func:`refuse_hash_routed`)."""
     layers, policy_layers = list(layers), set(policy_layers)
+    if getattr(policy, "routes_by_scores", False):
+        refuse_hash_routed([L for L in layers if L.index in policy_layers], f"policy {policy.name}")
     check = getattr(policy, "check", None)
     for L in layers:
         if check is not None and L.index in policy_layers:
@@ -176,7 +212,7 @@ class Engine:
         self.attention = attention or bool(policy is not None and policy.needs_attention)
         self._handles: list[Any] = []
         self._slots: dict[int, dict[str, Any]] = {}
-        self._batch: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self._batch: tuple[tuple[int, int], torch.Tensor | None, torch.Tensor | None] | None = None  # (B, S), valid, ids
         self.reported: dict[int, int] = {}
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
@@ -242,7 +278,8 @@ class Engine:
         valid = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == (B, S):
             valid = mask.reshape(-1).bool()
-        self._batch = ((B, S), valid)
+        token_ids = ids.reshape(-1) if not ids.is_floating_point() else None
+        self._batch = ((B, S), valid, token_ids)
         self.forwards += 1
 
     def _router_hook(self, L: MoELayer):
@@ -250,6 +287,7 @@ class Engine:
 
         def hook(module, args, out):
             slot["logits"], slot["weights"], slot["idx"] = out[0], out[1], out[2]
+            slot["inputs"] = L.router_inputs(args)
         return hook
 
     def _attention_hook(self, L: MoELayer):
@@ -273,14 +311,16 @@ class Engine:
             h, idx, w = get(args, kwargs)
             if "logits" not in slot:
                 raise MoetoolError(f"layer {L.index}: experts ran before the router reported")
-            (B, S), valid = self._batch if self._batch else ((1, h.shape[0]), None)
+            (B, S), valid, token_ids = self._batch if self._batch else ((1, h.shape[0]), None, None)
             if B * S != h.shape[0]:  # a caller that does not go through the model's forward
-                (B, S), valid = (1, h.shape[0]), None
+                (B, S), valid, token_ids = (1, h.shape[0]), None, None
             if valid is None:
                 valid = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
             rows = self.rows if self.rows is not None and len(self.rows) == B else None
             ev = RoutingEvent(layer=L, h=h, logits=slot.pop("logits"), idx=idx, weights=w,
-                              valid=valid.to(h.device), shape=(B, S), attn=slot.pop("attn", None), rows=rows)
+                              valid=valid.to(h.device), shape=(B, S), attn=slot.pop("attn", None), rows=rows,
+                              token_ids=None if token_ids is None else token_ids.to(h.device),
+                              inputs=slot.pop("inputs", {}))
             slot.clear()
             self.reported[L.index] = self.reported.get(L.index, 0) + 1
             new = None
@@ -290,7 +330,7 @@ class Engine:
                 nidx = nidx.to(device=idx.device, dtype=idx.dtype)
                 nw = nw.to(device=w.device, dtype=w.dtype)
                 ev.chosen_idx, ev.chosen_weights = nidx, nw
-                new = put(args, kwargs, nidx, nw)
+                new = put(args, kwargs, *L.experts_args(nidx, nw))
             else:
                 ev.chosen_idx, ev.chosen_weights = idx, w
             with torch.no_grad():

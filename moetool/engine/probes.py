@@ -4,6 +4,10 @@ One batched matmul over experts per chunk of tokens (never a Python loop over ex
 ``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
 Quantized experts (FP8 / FP4 / MXFP4 / per-expert linears, :mod:`moetool.adapters.quant`) are dequantized a slice
 of experts at a time (at most ``budget`` weight elements), in the tokens' dtype; plain ones are read as stored.
+Zero-computation experts (``layer.n_zero_compute``, the last indices) have no weights: an identity expert's
+(LongCat-Flash) output is its input ``x = expert_input(h)`` and so is every "activation" node, so its norms (every
+node) are ``||x||`` and its output rows ``x``; a skip expert's (Zaya) are all 0; an I-wide node tensor of them does
+not exist (:func:`expert_nodes` refuses it).
 Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
 elsewhere they are brought to the device for the call.
 """
@@ -19,6 +23,7 @@ import torch
 from .. import ops
 from ..adapters import quant
 from ..adapters.base import ExpertWeights, MoELayer
+from ..errors import MoetoolError
 
 NODES = ("gate", "up", "act", "glu", "output")
 
@@ -92,6 +97,13 @@ def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[s
     return out
 
 
+def _identity_input(layer: MoELayer, W: ExpertWeights, h: torch.Tensor) -> torch.Tensor:
+    """What a zero-computation expert outputs (and its every node): the experts' input (identity experts) or zeros
+    (skip experts, ``zero_compute_output == "zero"``), in the experts' dtype."""
+    x = layer.expert_input(h).to(device=W.gate.device, dtype=W.gate.dtype)
+    return torch.zeros_like(x) if layer.zero_compute_output == "zero" else x
+
+
 def _chunk_size(W: ExpertWeights, budget: int) -> int:
     n, inter = W.gate.shape[0], max(W.gate.shape[1], W.down.shape[1])
     return max(1, budget // (3 * n * inter))
@@ -116,12 +128,19 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
     """Nodes of all experts for tokens ``h [T, d]``: ``{node: [n, T, I or d]}`` (on h's device)."""
     want = set(nodes)
     _check(want)
+    z = layer.n_zero_compute
+    if z and want - {"output"}:
+        raise MoetoolError(f"layer {layer.index}: its {z} zero-computation experts have no {sorted(want - {'output'})}"
+                           f" activations of the experts' width (theirs are the input itself): use node norms")
     per_slice = []
     with _weights_on_device(layer):
         for _, W in _chunks(layer, h, want, budget):
             step = _chunk_size(W, budget)
             parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
             per_slice.append({k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want})
+        if z:  # identity experts: E_e(h) = h (skip experts: 0)
+            x = _identity_input(layer, W, h).to(h.device)
+            per_slice.append({"output": x.unsqueeze(0).expand(z, *x.shape)})
     if len(per_slice) == 1:
         return per_slice[0]
     return {k: torch.cat([p[k] for p in per_slice], dim=0) for k in want}
@@ -139,6 +158,9 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
             out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
                    for s in range(0, h.shape[0], step)]  # each [T_c, n_slice]
             cols.append(torch.cat(out, dim=0).to(h.device))
+        if layer.n_zero_compute:  # identity experts: every node is the input itself
+            x = ops.vector_norm(_identity_input(layer, W, h), norm).to(h.device)  # [T]
+            cols.append(x.unsqueeze(-1).expand(-1, layer.n_zero_compute))
     return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
 
 
@@ -165,4 +187,9 @@ def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: 
                 m = torch.where(routed[s:s + step, sl].T, m, torch.zeros_like(m))
                 best = torch.maximum(best, m.amax(dim=1))
             out.append(best)
+        z = layer.n_zero_compute
+        if z:  # identity experts: |node| is |h|, over the tokens routed to each
+            x = _identity_input(layer, W, h).abs().amax(dim=-1).float().to(h.device)  # [T]
+            m = torch.where(routed[:, -z:].T, x.unsqueeze(0).expand(z, -1), torch.zeros(z, x.shape[0], device=h.device))
+            out.append(m.amax(dim=1))
     return out[0] if len(out) == 1 else torch.cat(out)

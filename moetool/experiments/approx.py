@@ -28,7 +28,7 @@ from .. import distributed, ops
 from ..adapters import quant
 from ..adapters.base import MoELayer
 from ..engine import probes
-from ..engine.hooks import select_layers
+from ..engine.hooks import refuse_hash_routed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..policies.basic import uniform_rows
@@ -264,7 +264,10 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
                max_subsets: int = MAX_SUBSETS, layers: Sequence[int] | None = None, batch_size: int = 8,
                quiet: bool = False) -> ApproxReducer:
     """Run the model with the plain router over ``tokens`` and reduce every MoE layer's events."""
-    quant.require_readable(select_layers(lm.layers, layers), "approx")  # validates the indices too
+    chosen = select_layers(lm.layers, layers)  # validates the indices
+    quant.require_readable(chosen, "approx")
+    if "router" in selectors:
+        refuse_hash_routed(chosen, "approx's router selector")
     red = ApproxReducer(selectors, seed, max_subsets, layers)
     forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
     return red

@@ -211,10 +211,10 @@ def routing_of(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEvent:
     """``ev``'s router inputs (and attention) through ``other``'s router, then ``policy`` (None: its top-K)."""
-    dev = other.router_weight().device
+    dev = next(other.router.parameters()).device
     h = ev.h.to(dev)
-    logits = other.logits(h)  # [T, n]
-    idx, w = other.route(logits)
+    logits = other.logits(h, **{k: v.to(dev) for k, v in ev.inputs.items()})  # [T, n] (Zaya: the carried state too)
+    idx, w = other.route(logits, ev.token_ids) if getattr(other, "hash_routed", False) else other.route(logits)
     iso = RoutingEvent(layer=other, h=h, logits=logits, idx=idx, weights=w, valid=ev.valid.to(dev), shape=ev.shape,
                        attn=None if ev.attn is None else ev.attn.to(dev))
     iso.chosen_idx, iso.chosen_weights = policy.select(iso) if policy is not None else (idx, w)

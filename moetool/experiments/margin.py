@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import distributed, ops
-from ..engine.hooks import RoutingEvent, check_policy, select_layers
+from ..engine.hooks import RoutingEvent, check_policy, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..policies import build_policy
@@ -287,6 +287,7 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     opts = resolve_options(MarginOptions, options, overrides)
     tokens.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
+    refuse_recomputed(layers, "margin")
     for L in layers:
         if L.top_k >= L.n_experts:
             raise MoetoolError(f"layer {L.index}: routes all {L.n_experts} experts (K = n): no (K+1)-th score, "

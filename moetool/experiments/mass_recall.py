@@ -46,7 +46,7 @@ import torch
 
 from .. import distributed, ops
 from ..adapters.base import MoELayer
-from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
@@ -473,7 +473,9 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
     skipped and listed in ``meta["notes"]``.
     """
     opts = resolve_options(MassRecallOptions, options, overrides)
-    res = run_mass_recall(lm, tokens, opts, layers=select_layers(lm.layers, opts.layers), quiet=quiet)
+    layers = select_layers(lm.layers, opts.layers)
+    refuse_recomputed(layers, "mass-recall")
+    res = run_mass_recall(lm, tokens, opts, layers=layers, quiet=quiet)
     return Result("mass_recall", {"mass_recall.csv": res.table}, opts,
                   meta=dict(definitions=DEFINITIONS, bound_derivation=BOUND_DERIVATION, notes=res.notes, kmeans_reinits=res.reinits,
                             data=tokens.describe(), kmeans={"gamma": 0.95, "dead_code_tau": 1.0,

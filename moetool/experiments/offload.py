@@ -46,7 +46,7 @@ import torch
 from .. import distributed, ops
 from ..adapters import quant
 from ..adapters.base import MoELayer
-from ..engine.hooks import RoutingEvent, select_layers
+from ..engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
@@ -202,8 +202,13 @@ class OffloadCollector:
         x = self._x.pop(i, None)
         if x is None:
             return
+        if x.shape[0] != ev.h.shape[0]:  # DeepSeek-V4's hyper-connections: hc_mult residual streams per token
+            raise MoetoolError(f"offload's next-layer prediction: decoder layer {i}'s input carries "
+                               f"{x.shape[0] // max(ev.h.shape[0], 1)} residual streams per token (hyper-"
+                               f"connections), not one hidden state: layer {i}'s routing cannot be predicted from it")
         if self.opts.predict_norm:
-            norm = getattr(L, "router_norm", None) or getattr(L.decoder_layer, "post_attention_layernorm", None)
+            norm = (getattr(L, "router_norm", None) or getattr(L, "pre_router_norm", None)
+                    or getattr(L.decoder_layer, "post_attention_layernorm", None))
             if norm is None:
                 raise MoetoolError(f"layer {i}: no post_attention_layernorm to apply before the router "
                                    f"(use predict_norm=False / --no-predict-norm)")
@@ -268,6 +273,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
+    refuse_recomputed(layers, "offload's next-layer prediction")
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids

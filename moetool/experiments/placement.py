@@ -41,6 +41,10 @@ METHODS = ("contiguous", "round_robin", "eplb", "eplb_stale")
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
+    "zero_computation_experts": "experts with no computation (LongCat-Flash's identity experts, Zaya's skip class) "
+                                "are not placed: n counts the computed experts, their loads leave out the "
+                                "assignments to zero-computation experts (load_fraction then sums to 1 minus "
+                                "stats' zero_compute_fraction)",
     "gpus": "G, the GPUs the layer's experts are spread over (expert parallelism)",
     "nodes": "server nodes the GPUs sit in (EPLB's hierarchical packing: expert groups to nodes first)",
     "replicas": "R, the redundant expert replicas beyond the n experts (extra_slots x G); 0 for contiguous and "
@@ -307,8 +311,9 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     if reference is not None:
         reference.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
-    n, K = layers[0].n_experts, layers[0].top_k
-    if any(L.n_experts != n for L in layers):
+    z = layers[0].n_zero_compute  # zero-computation experts (identity, skip) run nowhere: not placed
+    n, K = layers[0].n_experts - z, layers[0].top_k
+    if any(L.n_experts - L.n_zero_compute != n for L in layers):
         raise MoetoolError("the chosen MoE layers have different numbers of experts: choose layers of one n "
                            "with --layers")
     groups = opts.groups if opts.groups is not None else model_groups(layers[0])
@@ -317,6 +322,9 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     gpu_counts = opts.gpu_counts(n)
     load, n_tok, row_loads = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement",
                                           row_sums=opts.bootstrap > 0)
+    load = load[:, :n]  # the computed experts' (zero-computation assignments take no GPU)
+    if row_loads is not None:
+        row_loads = row_loads.reshape(row_loads.shape[0], len(layers), n + z)[:, :, :n].reshape(row_loads.shape[0], -1)
     ref_load = ref_tok = None
     if reference is not None or reference_model is not None:
         ref_lm = lm if reference_model is None else reference_model
@@ -325,6 +333,7 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
             raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
         ref_load, ref_tok, _ = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
                                             opts.batch_size, quiet, "placement (reference)")
+        ref_load = ref_load[:, :n]
     idx = [L.index for L in layers]
     rows, overall_ci = [], {}
     nan = float("nan")
@@ -369,7 +378,7 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
              for name, lo, t in (("data", load, n_tok), ("reference", ref_load, ref_tok)) if lo is not None
              for j, li in enumerate(idx)]
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,
-                n_experts=n, top_k=K, groups=groups,
+                n_experts=n, top_k=K, groups=groups, zero_computation_experts_not_placed=z,
                 bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0], "BCa interval"),
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
                                  "ported in moetool.experiments.placement",

@@ -47,6 +47,9 @@ DEFINITIONS = {
     "confidence_entropy": "mean over tokens of the entropy in nats of the token's full routing distribution "
                           "pi (AoE Ent_conf); _norm divides by log n (1 = uniform pi)",
     "max_load_ratio": "max over experts of load_fraction / (1/n)",
+    "zero_compute_fraction": "layers with zero-computation (identity) experts only (LongCat-Flash): assignments to "
+                             "them / (K * tokens), the fraction of routed assignments that take the zero-computation "
+                             "route (output = input, no expert MLP); the sum of their load_fraction",
     "top_k": "top_k = None: each token's top-K as the model chose it; top_k = 1: only its first-ranked expert "
              "(OLMoE's *_top1 analyses); every table then counts K = 1",
     "coactivation": "coactivation = all (default): count[a,b] = tokens whose top-K contains both a and b (a != b, "
@@ -263,6 +266,9 @@ class RoutingStats:
             layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
                            "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
                            "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
+            z = getattr(self.layers.get(li), "n_zero_compute", 0)
+            if z:  # zero-computation experts (LongCat-Flash): how often the routing takes the identity route
+                layers[-1]["zero_compute_fraction"] = float(frac[n - z:].sum())
             co.append(_coactivation_frame(li, a.co.cpu()))
             if self.domains:
                 dom += _domain_frames(li, a, self.domains)

@@ -68,6 +68,13 @@ def softmax_attention(layer: Any) -> nn.Module:
         raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
                            f"is the MoE block alone: {name} ({type(mod).__name__})); choose --layers among "
                            f"softmax-attention layers or another policy")
+    if isinstance(mod, nn.ModuleList):  # LongCat-Flash: two attention sublayers per decoder layer
+        raise MoetoolError(f"attention routing: MoE layer {layer.index}'s decoder layer has {len(mod)} attention "
+                           f"sublayers ({name}); which one's probabilities route is not defined: choose another policy")
+    if getattr(mod, "compressor", None) is not None:  # DeepSeek-V4's CSA/HCA: keys are compressed blocks too
+        raise MoetoolError(f"attention routing: MoE layer {layer.index} attends over compressed key blocks beside the "
+                           f"tokens ({type(mod).__name__}): its probabilities are not token-to-token; choose --layers "
+                           f"among plain softmax-attention layers or another policy")
     kind = _layer_type(layer)
     cls = type(mod).__name__ if mod is not None else ""
     linear = (mod is None or name != "self_attn" and name not in ("attention", "attn")

@@ -22,6 +22,8 @@ class Policy:
     name: str = ""
     needs_attention: bool = False
     weights: str | None = None
+    #: re-ranks experts by the router's scores (``route_k`` / ``route_masked``): refused on hash-routed layers
+    routes_by_scores: bool = False
 
     @classmethod
     def from_spec(cls, args: list[str], **options: Any) -> "Policy":

@@ -99,6 +99,7 @@ class PrunePolicy(Policy):
     """Route among the kept experts (module docstring). ``removed``: layer -> removed experts (layers absent keep
     all); ``fraction`` with ``removed=None``: a seeded random set per layer."""
 
+    routes_by_scores = True
     name = "prune"
 
     def __init__(self, removed: Mapping[int, Iterable[int]] | None = None, *, criterion: str = "file",

@@ -39,6 +39,7 @@ def _number(text: str, cast: Any, what: str) -> Any:
 class TopKPolicy(Policy):
     """``topk:<k>``: the model's routing with k experts per token (module docstring)."""
 
+    routes_by_scores = True
     name = "topk"
 
     def __init__(self, k: int):
@@ -69,6 +70,7 @@ class TopKPolicy(Policy):
 class TopPPolicy(Policy):
     """``topp:<p>[:<kmax>]``: the smallest set of experts whose routing mass reaches p (module docstring)."""
 
+    routes_by_scores = True
     name = "topp"
 
     def __init__(self, p: float, kmax: int | None = None):
