@@ -83,6 +83,27 @@ class MoELayer:
         raise NotImplementedError
 
     @property
+    def output_scale(self) -> float:
+        """What the block multiplies the experts' output by, after the experts (Beam, MiniMax-M3: the
+        ``routed_scaling_factor`` sits on the block, not in the routing weights); 1 where the weights carry it."""
+        return 1.0
+
+    def post_step(self) -> nn.Module | None:
+        """A step the block applies to routed + shared output before returning it (A.X-K1: ``post_mlp_layernorm``);
+        ``None``: the block returns the sum itself."""
+        return None
+
+    def block_output(self, routed: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The block's output from the experts' output ``routed [T, d]`` for router inputs ``h [T, d]``:
+        ``post_step(routed x output_scale + shared_experts(h))`` (each part where the layer has it)."""
+        out = routed * self.output_scale if self.output_scale != 1.0 else routed
+        shared = self.shared_experts
+        if shared is not None:
+            out = out + shared(h)
+        post = self.post_step()
+        return out if post is None else post(out)
+
+    @property
     def attention(self) -> nn.Module | None:
         """The same decoder layer's self-attention (for attention-aware routing)."""
         return getattr(self.decoder_layer, "self_attn", None)
@@ -170,6 +191,8 @@ class MoELayer:
             "renormalize": self.renormalize,
             "shared_experts": self.shared_experts is not None,
             "router_bias": self.router_bias() is not None,
+            **({"output_scale": self.output_scale} if self.output_scale != 1.0 else {}),
+            **({"post_step": type(self.post_step()).__name__} if self.post_step() is not None else {}),
         }
 
 

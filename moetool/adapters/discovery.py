@@ -42,12 +42,6 @@ UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "zero-computation (identity) experts beside the routed ones (the router ranks n + "
                      "zero_expert_num classes); the per-expert probes have no identity-expert path",
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
-    "axk1": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
-            "een them moetool does not model)",
-    "beam": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
-            "een them moetool does not model)",
-    "flint": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
-             "een them moetool does not model)",
     "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
                    "sqrtsoftplus scoring",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",

@@ -41,6 +41,8 @@ _BIAS_ATTRS = ("e_score_correction_bias", "expert_bias")
 _SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 _GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
 _N_TOKENS = 256
+#: a norm the block applies to routed + shared output before returning it (A.X-K1)
+_POST_STEP_ATTRS = ("post_mlp_layernorm",)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -147,6 +149,19 @@ class GenericLayer(MoELayer):
     @property
     def shared_experts(self) -> nn.Module | None:
         return shared_experts(self.block)
+
+    @property
+    def output_scale(self) -> float:
+        """The block's ``routed_scaling_factor`` where the router does not apply one itself (Beam, Laguna,
+        Step-3.7: ``experts(h, idx, w) x factor``); 1 otherwise (the factor is in the weights, ``weight_scale``)."""
+        factor = _attr((self.block,), _SCALE_ATTRS)
+        if factor is None or _attr((self.router,), _SCALE_ATTRS) is not None:
+            return 1.0
+        return float(factor)
+
+    def post_step(self) -> nn.Module | None:
+        return next((getattr(self.block, a) for a in _POST_STEP_ATTRS
+                     if isinstance(getattr(self.block, a, None), nn.Module)), None)
 
     def router_weight(self) -> torch.Tensor:
         return self.linear.weight
