@@ -29,6 +29,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "nemotron_h_omni": "moetool.adapters.nemotron_h:NemotronHAdapter",
     "glm5_next": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
     "hy_v4": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
+    "hy_v4_vl": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
     "minimax_m3_vl": "moetool.adapters.minimax_m3_vl:MiniMaxM3Adapter",
     "minimax_m3_vl_text": "moetool.adapters.minimax_m3_vl:MiniMaxM3Adapter",
     "inkling2": "moetool.adapters.inkling2:Inkling2Adapter",

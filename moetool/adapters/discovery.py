@@ -303,6 +303,7 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "dots3_note": {"vision_config": {"adapter_in_dim": 32}},  # tied to the vision width, which equals the text's
     "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections [8, 12, 12] need 128 * partial_rotary_factor / 2
     "ernie4_5_vl_moe_text": {"head_dim": 128},  # 3-D RoPE split sized for 128
+    "hy_v4_vl_text": {"rope_parameters": {"mrope_section": [2, 1, 1]}},  # must sum to qk_rope_head_dim // 2 (8 // 2)
 }
 
 

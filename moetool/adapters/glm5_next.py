@@ -1,4 +1,5 @@
-"""GLM-5-Next and Hunyuan-V4 (``glm5_next``, ``hy_v4``): DeepSeek-V3 routing, clamped SwiGLU experts.
+"""GLM-5-Next and Hunyuan-V4 (``glm5_next``, ``hy_v4``, its vision-language ``hy_v4_vl``): DeepSeek-V3 routing,
+clamped SwiGLU experts.
 
 * Router ``mlp.gate``: sigmoid, correction bias, groups, ``routed_scaling_factor`` (identified at load by the
   generic adapter).
