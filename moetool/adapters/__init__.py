@@ -38,6 +38,8 @@ ADAPTERS = LazyRegistry("MoE family", {
     "llama4_text": "moetool.adapters.llama4:Llama4Adapter",
     "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
+    "muse_spark": "moetool.adapters.muse_spark:MuseSparkAdapter",
+    "muse_spark_text": "moetool.adapters.muse_spark:MuseSparkAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

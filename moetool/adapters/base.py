@@ -130,6 +130,12 @@ class MoELayer:
         experts a transformed copy (gemma4: a separate RMS norm)."""
         return h
 
+    def expert_output(self, y: torch.Tensor) -> torch.Tensor:
+        """What the block makes of one expert's output ``y = W_o glu [..., d_e]`` before weighting it: ``y`` itself,
+        except where the experts work in a projected width (muse_spark: a per-expert norm, then the projection
+        back to the model width; linear in the weights, so ``block = Σ w expert_output(y)``)."""
+        return y
+
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         """``act(W_g h)``."""
         return self.experts.act_fn(gate)

@@ -50,8 +50,6 @@ UNSUPPORTED: dict[str, str] = {
                         "are no function of its logits, so route()/weights_for() cannot reproduce them",
     "inkling_text": "as inkling_mm_model: routed weights normalised together with the shared experts' logits, which "
                     "the router does not return",
-    "muse_spark": "no adapter yet: experts and router work in a projected width (moe_hidden_size), not on the layer "
-                  "input",
     "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
                 "causal LMs",
 }
