@@ -33,7 +33,7 @@ EXPECTED_RULE = {
     **dict.fromkeys(["deepseek_v3", "afmoe", "axk2", "bailing_hybrid", "deepseek_v32", "dots3_note", "dots3_note_text",
                      "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa", "hy_v3", "kimi_k25",
                      "kimi_linear", "laguna", "lfm2_moe", "mimo_v2_flash", "minimax_m2", "solar_open", "step3p7", "nemotron_h", "nemotron_h_omni",
-                     "glm5_next", "hy_v4", "inkling2", "axk1", "beam", "flint", "hy_v4_vl", "muse_spark", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text"],
+                     "glm5_next", "hy_v4", "inkling2", "axk1", "beam", "flint", "hy_v4_vl", "muse_spark", "inkling_text", "inkling_mm_model", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text"],
                    "sigmoid-topk-renorm"),
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",
@@ -151,6 +151,45 @@ def test_renorm_variants():
     torch.testing.assert_close(got, chosen / (chosen.sum(-1, keepdim=True) + 0.5))
     got = rules.SIGMOID_TOPK_RENORM.weights(logits, idx, rules.Params(top_k=2, norm_min=5.0))
     torch.testing.assert_close(got, chosen / 5.0)
+
+
+def test_weights_normalised_with_shared_logits():
+    """``Params.shared`` (Inkling): logits [T, n + s], the last s the shared experts'; selection and π over the n
+    routed only; w_j = sigmoid(l_j) / (sum of the chosen's sigmoids + sum of the shared's) x scale, per token in
+    plain floats; identification recovers s, and without the shared columns no rule reproduces the weights."""
+    gen = torch.Generator().manual_seed(9)
+    T, n, s, k = 32, 8, 2, 2
+    logits = torch.randn(T, n + s, generator=gen)
+    bias = torch.randn(n, generator=gen) * 0.3
+    p = rules.Params(top_k=k, bias=bias, scale=3.0, shared=s)
+    probs, idx, w = rules.SIGMOID_TOPK_RENORM(logits, p)
+    assert probs.shape == (T, n) and idx.max() < n
+    torch.testing.assert_close(probs.sum(-1), torch.ones(T))
+    for t in range(T):
+        x = logits[t].tolist()
+        rank = [_sigmoid(x[e]) + float(bias[e]) for e in range(n)]
+        want_idx = sorted(range(n), key=lambda e: -rank[e])[:k]
+        denom = sum(_sigmoid(x[e]) for e in want_idx) + sum(_sigmoid(v) for v in x[n:])
+        assert idx[t].tolist() == want_idx
+        torch.testing.assert_close(w[t], torch.tensor([_sigmoid(x[e]) / denom * 3.0 for e in want_idx]),
+                                   rtol=1e-5, atol=1e-6)
+    mask = torch.tensor([[True, False]] * T)  # a chosen set of one: only its own and the shared mass
+    one = rules.SIGMOID_TOPK_RENORM.weights(logits, idx, p, mask)
+    sg = torch.sigmoid(logits)
+    torch.testing.assert_close(one[:, 0], sg.gather(-1, idx[:, :1])[:, 0] /
+                               (sg.gather(-1, idx[:, :1])[:, 0] + sg[:, n:].sum(-1)) * 3.0)
+    assert (one[:, 1] == 0).all()
+    # the model's own formulation: softmax over logsigmoid of the chosen and the shared logits
+    lp = torch.nn.functional.logsigmoid(torch.cat([logits[:, :n].gather(-1, idx), logits[:, n:]], -1))
+    model_w = torch.exp(lp - torch.logsumexp(lp, -1, keepdim=True))[:, :k] * 3.0
+    torch.testing.assert_close(w, model_w)
+    cands = [rules.Params(top_k=k, bias=b, scale=3.0, shared=s) for b in (bias, None)]
+    got, gp = rules.identify(logits, idx, model_w, cands)
+    assert got is rules.SIGMOID_TOPK_RENORM and gp.shared == s
+    with pytest.raises(rules.NoRuleMatches):
+        rules.identify(logits[:, :n], idx, model_w, [rules.Params(top_k=k, bias=bias, scale=3.0)])
+    with pytest.raises(MoetoolError, match="renormalised sigmoid"):
+        rules.SOFTMAX_TOPK.weights(logits, idx, p)
 
 
 @pytest.mark.parametrize("rule", rules.RULES, ids=lambda r: r.name)

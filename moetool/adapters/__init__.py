@@ -38,6 +38,8 @@ ADAPTERS = LazyRegistry("MoE family", {
     "llama4_text": "moetool.adapters.llama4:Llama4Adapter",
     "gemma4": "moetool.adapters.gemma4:Gemma4Adapter",
     "gemma4_text": "moetool.adapters.gemma4:Gemma4Adapter",
+    "inkling_text": "moetool.adapters.inkling:InklingAdapter",
+    "inkling_mm_model": "moetool.adapters.inkling:InklingAdapter",
     "muse_spark": "moetool.adapters.muse_spark:MuseSparkAdapter",
     "muse_spark_text": "moetool.adapters.muse_spark:MuseSparkAdapter",
 })

@@ -146,8 +146,15 @@ class MoELayer:
 
     # ----- routing, exactly as the model does it ----------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Router logits for router inputs ``h [T, d]`` -> ``[T, n]``."""
+        """Router logits for router inputs ``h [T, d]`` -> ``[T, n]`` (``[T, n + s]`` where the rule needs the
+        shared experts' logits too: :meth:`captured_logits`)."""
         raise NotImplementedError
+
+    def captured_logits(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The logits the routing methods take, from the router's input ``h`` and first output ``out`` (the engine
+        calls this in its router hook): ``out`` itself, except where the rule needs more of the router's
+        projection than it returns (Inkling: the shared experts' logits appended, ``[T, n + s]``)."""
+        return out
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The full routing distribution π over all n experts (fp32, rows sum to one)."""

@@ -45,11 +45,6 @@ UNSUPPORTED: dict[str, str] = {
     "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
                    "sqrtsoftplus scoring",
     "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
-    "inkling_mm_model": "the router's weights are normalised over the K chosen routed logits together with the "
-                        "shared experts' logits (logsigmoid softmax), which the router does not return: the weights "
-                        "are no function of its logits, so route()/weights_for() cannot reproduce them",
-    "inkling_text": "as inkling_mm_model: routed weights normalised together with the shared experts' logits, which "
-                    "the router does not return",
     "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
                 "causal LMs",
 }

@@ -45,6 +45,8 @@ class Params:
     norm_min: float = 0.0  # w / clamp(sum, norm_min) (ERNIE-4.5)
     jitter_eps: float | None = None  # sparsemixer's threshold (None: not a sparsemixer router)
     weights_dtype: torch.dtype | None = None  # None: fp32
+    shared: int = 0  # trailing logit columns that are shared experts' (Inkling): never chosen, but their sigmoid
+    #                 scores join the chosen ones' in the renormalisation (w = s / (sum s + sum s_shared))
 
     def describe(self) -> dict:
         d = {"top_k": self.top_k, "correction_bias": self.bias is not None, "routed_scaling_factor": self.scale}
@@ -56,6 +58,8 @@ class Params:
             d["norm_min"] = self.norm_min
         if self.jitter_eps is not None:
             d["jitter_eps"] = self.jitter_eps
+        if self.shared:
+            d["normalised_with_shared_logits"] = self.shared
         return d
 
 
@@ -71,10 +75,23 @@ def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score:
     return keep.bool().unsqueeze(-1).expand(T, n_group, n // n_group).reshape(T, n)
 
 
-def _renorm(w: torch.Tensor, p: Params) -> torch.Tensor:
+def _renorm(w: torch.Tensor, p: Params, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """``w / sum(w)`` (+ eps, clamped at norm_min); ``extra [T, 1]``: mass beside the chosen in the denominator."""
+    if extra is not None:
+        return w / (w.sum(dim=-1, keepdim=True) + extra + p.renorm_eps).clamp_min(p.norm_min)
     if not p.renorm_eps and not p.norm_min:
         return ops.normalize(w)
     return w / (w.sum(dim=-1, keepdim=True) + p.renorm_eps).clamp_min(p.norm_min)
+
+
+def routed_part(logits: torch.Tensor, p: Params | None) -> torch.Tensor:
+    """The routed experts' logits ``[T, n]`` of logits that may carry ``p.shared`` trailing shared columns."""
+    return logits[..., :logits.shape[-1] - p.shared] if p is not None and p.shared else logits
+
+
+def shared_mass(logits: torch.Tensor, p: Params) -> torch.Tensor:
+    """``[T, 1]`` fp32: the shared experts' sigmoid scores summed (what the chosen routed ones share the weight with)."""
+    return torch.sigmoid(logits[..., logits.shape[-1] - p.shared:].float()).sum(dim=-1, keepdim=True)
 
 
 def sparsemixer_weights(logits: torch.Tensor, idx: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,6 +129,7 @@ class Rule:
     # ----- the full distribution ---------------------------------------------------------------------------
     def probs(self, logits: torch.Tensor, p: Params | None = None) -> torch.Tensor:
         """π over all n experts (fp32, rows sum to one)."""
+        logits = routed_part(logits, p)
         if self.score == "sigmoid" or self.weight == "sigmoid":
             return ops.normalize(torch.sigmoid(logits.float()))
         return torch.softmax(logits.float(), dim=-1)
@@ -119,7 +137,7 @@ class Rule:
     # ----- selection ---------------------------------------------------------------------------------------
     def scores(self, logits: torch.Tensor, p: Params) -> torch.Tensor:
         """What the rule ranks experts by (correction bias included, before any group restriction)."""
-        x = logits.float()
+        x = routed_part(logits, p).float()
         s = torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x) if self.score == "sigmoid" \
             else x
         return s if p.bias is None else s + p.bias.float().reshape(-1)
@@ -144,7 +162,15 @@ class Rule:
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """The model's weights for any chosen set ``idx [T, K]`` (in ``idx``'s order). ``mask [T, K]`` (bool):
         a chosen set of its own size per token, the columns where it is False not chosen (weight 0, and left out
-        of a softmax over the chosen or a renormalisation)."""
+        of a softmax over the chosen or a renormalisation). With ``p.shared`` the logits carry the shared experts'
+        after the routed ones: sigmoid weights are renormalised together with theirs."""
+        extra = None
+        if p.shared:
+            if not (self.renorm and "sigmoid" in (self.score, self.weight)):
+                raise MoetoolError(f"{self.name}: weights normalised with shared experts' logits are defined for "
+                                   f"the renormalised sigmoid rules only")
+            extra = shared_mass(logits, p)
+            logits = routed_part(logits, p)
         x = logits.float()
         if self.weight == "sparsemixer":  # in the logits' own dtype, as the model: its 2 eps mask flips in fp32
             if mask is not None:
@@ -161,7 +187,7 @@ class Rule:
         if mask is not None:
             w = w * mask
         if self.renorm:
-            w = _renorm(w, p)
+            w = _renorm(w, p, extra)
         if p.scale != 1.0:
             w = w * p.scale
         return w if p.weights_dtype is None else w.to(p.weights_dtype)
@@ -231,7 +257,10 @@ def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 continue  # sparsemixer ranks the raw logits: no bias, no groups
             if rule.weight != "sparsemixer" and p.jitter_eps is not None:
                 continue
-            key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score)
+            if p.shared and not (rule.renorm and "sigmoid" in (rule.score, rule.weight)):
+                continue  # normalised with the shared experts' scores: the renormalised sigmoid rules only
+            key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score,
+                   p.shared)
             if key not in selected:
                 selected[key] = rule.select(logits, p)
             sel = selected[key]
