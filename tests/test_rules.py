@@ -33,8 +33,13 @@ EXPECTED_RULE = {
     **dict.fromkeys(["deepseek_v3", "afmoe", "axk2", "bailing_hybrid", "deepseek_v32", "dots3_note", "dots3_note_text",
                      "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa", "hy_v3", "kimi_k25",
                      "kimi_linear", "laguna", "lfm2_moe", "mimo_v2_flash", "minimax_m2", "solar_open", "step3p7", "nemotron_h", "nemotron_h_omni",
-                     "glm5_next", "hy_v4", "inkling2", "axk1", "beam", "flint", "hy_v4_vl", "muse_spark", "inkling_text", "inkling_mm_model", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text"],
+                     "glm5_next", "hy_v4", "inkling2", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text"],
                    "sigmoid-topk-renorm"),
+    # issue 26: a step after the experts (axk1, beam), projected experts (muse_spark), weights normalised with the
+    # shared experts' logits (inkling), the text group of per-modality groups (ernie4_5_vl_moe)
+    **dict.fromkeys(["axk1", "beam", "flint", "hy_v4_vl", "muse_spark", "inkling_text", "inkling_mm_model"],
+                    "sigmoid-topk-renorm"),
+    "ernie4_5_vl_moe": "softmax-topk-renorm",
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",
     "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",

@@ -44,7 +44,6 @@ UNSUPPORTED: dict[str, str] = {
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
     "deepseek_v4": "no adapter yet: hash-routed layers (DeepseekV4HashRouter picks experts by token id) and "
                    "sqrtsoftplus scoring",
-    "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
     "nllb-moe": "encoder-decoder translation model (top-2 routing in both stacks); moetool analyses decoder-only "
                 "causal LMs",
 }

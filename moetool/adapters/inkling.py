@@ -108,8 +108,9 @@ class SharedNormalisedLayer(GenericLayer):
                 raise fail("the router's routed logits are not the first rows of its projection")
             full = linear_logits(h, w, None, mode)
             g = float(self.router.global_scale.float().reshape(-1)[0])
+            bias = None if bias is None else bias.detach()
             cands = [replace(c, shared=full.shape[-1] - n, scale=c.scale * g)
-                     for c in _candidates(self.router, int(want_idx.shape[-1]), None if bias is None else bias.detach())]
+                     for c in _candidates(self.router, int(want_idx.shape[-1]), bias)]
             try:
                 rule, params = rules.identify(full, want_idx, want_w, cands)
             except rules.NoRuleMatches as e:

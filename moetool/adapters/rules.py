@@ -90,7 +90,7 @@ def routed_part(logits: torch.Tensor, p: Params | None) -> torch.Tensor:
 
 
 def shared_mass(logits: torch.Tensor, p: Params) -> torch.Tensor:
-    """``[T, 1]`` fp32: the shared experts' sigmoid scores summed (what the chosen routed ones share the weight with)."""
+    """``[T, 1]`` fp32: the shared experts' sigmoid scores summed (what the chosen routed ones share weight with)."""
     return torch.sigmoid(logits[..., logits.shape[-1] - p.shared:].float()).sum(dim=-1, keepdim=True)
 
 
