@@ -40,6 +40,7 @@ EXPECTED_RULE = {
     **dict.fromkeys(["axk1", "beam", "flint", "hy_v4_vl", "muse_spark", "inkling_text", "inkling_mm_model"],
                     "sigmoid-topk-renorm"),
     "ernie4_5_vl_moe": "softmax-topk-renorm",
+    "jetmoe": "topk-softmax",
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",
     "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",

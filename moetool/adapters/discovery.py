@@ -35,8 +35,6 @@ UNSUPPORTED: dict[str, str] = {
                        "reproduce",
     "dbrx": "the router module returns logits only (routing is DbrxFFN.route_tokens_to_experts, outside it); the "
             "engine reads (logits, weights, idx) from the router module",
-    "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as experts(inputs, "
-              "expert_size); the attention is a mixture of experts too (MoA)",
     "zaya": "the router logits come from a router MLP over a down-projection plus the previous layer's router state "
             "(EDA), not from the layer input alone, and a skip class sits beside the n experts",
     "longcat_flash": "zero-computation (identity) experts beside the routed ones (the router ranks n + "
