@@ -37,7 +37,8 @@ def build_tiny(model_type: str, seed: int = 0, redraw: bool = True) -> Any:
                     if t.is_floating_point():
                         std = BIAS_STD if "correction" in name else ROUTER_STD
                         t.copy_(torch.randn(t.shape, generator=gen) * std + (name in ONE_CENTRED))
-                for name, t in L.experts.named_parameters():
+                post = L.post_step()  # a bias the block adds after the experts (jetmoe) too
+                for name, t in [*L.experts.named_parameters(), *(post.named_parameters() if post else [])]:
                     if name.endswith("bias"):
                         t.copy_(torch.randn(t.shape, generator=gen) * EXPERT_BIAS_STD)
     return model
