@@ -45,6 +45,13 @@ CASES: dict[str, tuple[str, dict]] = {
     "topk-sigmoid-renorm": ("kolibri1", {"norm_topk_prob": True}),  # no installed family's default
     "sparsemixer": ("phimoe", {}),
 }
+#: structure -> (model type, its rule): the adapter contract's widenings of issue 26, every command on one model each
+STRUCTURES: dict[str, tuple[str, str]] = {
+    "post-step": ("axk1", "sigmoid-topk-renorm"),  # a norm after routed + shared (MoELayer.post_step)
+    "output-scale": ("beam", "sigmoid-topk-renorm"),  # routed_scaling_factor on the block (MoELayer.output_scale)
+    "shared-logits": ("inkling_text", "sigmoid-topk-renorm"),  # weights normalised with the shared experts' logits
+    "dispatch-views": ("jetmoe", "topk-softmax"),  # a dispatch-tuple router and grouped experts, through views
+}
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
 runner = CliRunner()
@@ -52,6 +59,7 @@ runner = CliRunner()
 
 def test_every_rule_of_the_catalogue_has_a_case():
     assert set(CASES) == {r.name for r in rules.RULES}
+    assert all(EXPECTED_RULE[mt] == rule for mt, rule in STRUCTURES.values())
     for rule, (mt, overrides) in CASES.items():
         assert overrides or EXPECTED_RULE[mt] == rule
     assert set(EXPECTED_RULE.values()) <= set(CASES)
@@ -116,15 +124,15 @@ def no_rendering():
         yield
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=[*CASES, *STRUCTURES], ids=[*CASES, *STRUCTURES])
 def case(request, tmp_path_factory) -> Case:
     from transformers import AutoTokenizer
 
     from moetool.data import load_tokens
 
-    rule = request.param
-    mt, overrides = CASES[rule]
-    root = tmp_path_factory.mktemp(rule)
+    key = request.param
+    (mt, overrides), rule = (CASES[key], key) if key in CASES else ((STRUCTURES[key][0], {}), STRUCTURES[key][1])
+    root = tmp_path_factory.mktemp(key)
     model = tiny.build_tiny(mt, seed=0)
     model.resize_token_embeddings(2048)  # the embedded tokenizer's vocabulary
     cfg = model.config.get_text_config(decoder=True)

@@ -194,6 +194,7 @@ def test_weights_normalised_with_shared_logits():
     assert got is rules.SIGMOID_TOPK_RENORM and gp.shared == s
     with pytest.raises(rules.NoRuleMatches):
         rules.identify(logits[:, :n], idx, model_w, [rules.Params(top_k=k, bias=bias, scale=3.0)])
+    torch.testing.assert_close(w, model_w, rtol=0, atol=0)  # computed as the model does: bit for bit
     with pytest.raises(MoetoolError, match="renormalised sigmoid"):
         rules.SOFTMAX_TOPK.weights(logits, idx, p)
 

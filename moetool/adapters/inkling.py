@@ -12,7 +12,8 @@ What ``InklingTopkRouter`` does for the MoE input ``h [T, d]`` (fp32 throughout)
 So the routed weights are a function of the logits once the shared experts' logits are among them: the layer's
 logits are ``[T, n + s]`` (routed, then shared; :meth:`captured_logits` appends the shared ones the router
 computes but does not return), and the rule is ``sigmoid-topk-renorm`` with ``Params.shared = s``
-(:mod:`moetool.adapters.rules`: the shared sigmoid mass joins the denominator). π, selection scores and every
+(:mod:`moetool.adapters.rules`: the shared sigmoid mass joins the denominator; computed as the router does, a
+softmax of logsigmoids, so the weights are the router's bit for bit). π, selection scores and every
 policy see the ``n`` routed experts only. :attr:`shared_experts` is the model's shared experts with the gammas of
 the layer's own routing (what the block computes); a policy replaces the routed experts' choice and weights, the
 block's shared experts keep the router's gammas (for the router's own choice).
@@ -110,7 +111,8 @@ class SharedNormalisedLayer(GenericLayer):
             g = float(self.router.global_scale.float().reshape(-1)[0])
             bias = None if bias is None else bias.detach()
             cands = [replace(c, shared=full.shape[-1] - n, scale=c.scale * g)
-                     for c in _candidates(self.router, int(want_idx.shape[-1]), bias)]
+                     for c in _candidates(self.router, int(want_idx.shape[-1]), bias)
+                     if not c.renorm_eps and not c.norm_min]
             try:
                 rule, params = rules.identify(full, want_idx, want_w, cands)
             except rules.NoRuleMatches as e:

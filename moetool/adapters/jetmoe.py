@@ -18,7 +18,8 @@ forward. The bias is the layer's :meth:`post_step` (``block = Σ w E(h) + bias``
 
 The attention of every layer is a mixture of experts too (``JetMoeMoA``: per-expert query and output projections
 chosen by its own top-K router, inside the attention). Its routing is not reported: moetool analyses the MLP MoE
-(``describe()['attention_experts']`` says so).
+(``describe()['attention_experts']`` says so). Its attention probabilities (softmax, eager) are what attention-aware
+routing reads (:attr:`attention`: ``self_attention``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class DispatchLayer(GenericLayer):
                  experts: nn.Module, config: Any):
         router_view, experts_view = _views(block)
         super().__init__(index, decoder_layer, block, router_view, experts_view, config)
+
+    @property
+    def attention(self) -> nn.Module | None:
+        return getattr(self.decoder_layer, "self_attention", None)  # softmax attention over MoA queries
 
     def post_step(self) -> nn.Module | None:
         return AddBias(self.block.bias)

@@ -15,6 +15,10 @@ scale, ...) to the full routing distribution π ``[T, n]``, the top-K indices ``
 ``sparsemixer``          Phi-3.5-MoE, eval mode: two rounds, each a softmax over the logits within 2 eps
 =======================  =================================================================================
 
+With ``Params.shared = s`` (Inkling) the logits carry ``s`` shared experts' logits after the ``n`` routed ones: π,
+the selection and every index concern the routed ones; a renormalised sigmoid rule's weights are then
+``sigmoid(l) / (sum over the chosen and the shared)`` (an extra input of the rule, not a new rule).
+
 π is softmax(logits) for the softmax rules and sparsemixer, sigmoid(logits) normalised to sum to one for the
 sigmoid rules. :func:`identify` picks the rule (and parameter variant) that reproduces a router's own output.
 Top-K and renormalisation go through :mod:`moetool.ops`.
@@ -26,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 from .. import ops
 from ..errors import MoetoolError
@@ -75,10 +80,7 @@ def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score:
     return keep.bool().unsqueeze(-1).expand(T, n_group, n // n_group).reshape(T, n)
 
 
-def _renorm(w: torch.Tensor, p: Params, extra: torch.Tensor | None = None) -> torch.Tensor:
-    """``w / sum(w)`` (+ eps, clamped at norm_min); ``extra [T, 1]``: mass beside the chosen in the denominator."""
-    if extra is not None:
-        return w / (w.sum(dim=-1, keepdim=True) + extra + p.renorm_eps).clamp_min(p.norm_min)
+def _renorm(w: torch.Tensor, p: Params) -> torch.Tensor:
     if not p.renorm_eps and not p.norm_min:
         return ops.normalize(w)
     return w / (w.sum(dim=-1, keepdim=True) + p.renorm_eps).clamp_min(p.norm_min)
@@ -87,11 +89,6 @@ def _renorm(w: torch.Tensor, p: Params, extra: torch.Tensor | None = None) -> to
 def routed_part(logits: torch.Tensor, p: Params | None) -> torch.Tensor:
     """The routed experts' logits ``[T, n]`` of logits that may carry ``p.shared`` trailing shared columns."""
     return logits[..., :logits.shape[-1] - p.shared] if p is not None and p.shared else logits
-
-
-def shared_mass(logits: torch.Tensor, p: Params) -> torch.Tensor:
-    """``[T, 1]`` fp32: the shared experts' sigmoid scores summed (what the chosen routed ones share weight with)."""
-    return torch.sigmoid(logits[..., logits.shape[-1] - p.shared:].float()).sum(dim=-1, keepdim=True)
 
 
 def sparsemixer_weights(logits: torch.Tensor, idx: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,13 +161,8 @@ class Rule:
         a chosen set of its own size per token, the columns where it is False not chosen (weight 0, and left out
         of a softmax over the chosen or a renormalisation). With ``p.shared`` the logits carry the shared experts'
         after the routed ones: sigmoid weights are renormalised together with theirs."""
-        extra = None
         if p.shared:
-            if not (self.renorm and "sigmoid" in (self.score, self.weight)):
-                raise MoetoolError(f"{self.name}: weights normalised with shared experts' logits are defined for "
-                                   f"the renormalised sigmoid rules only")
-            extra = shared_mass(logits, p)
-            logits = routed_part(logits, p)
+            return self._weights_with_shared(logits, idx, p, mask)
         x = logits.float()
         if self.weight == "sparsemixer":  # in the logits' own dtype, as the model: its 2 eps mask flips in fp32
             if mask is not None:
@@ -187,7 +179,24 @@ class Rule:
         if mask is not None:
             w = w * mask
         if self.renorm:
-            w = _renorm(w, p, extra)
+            w = _renorm(w, p)
+        if p.scale != 1.0:
+            w = w * p.scale
+        return w if p.weights_dtype is None else w.to(p.weights_dtype)
+
+    def _weights_with_shared(self, logits: torch.Tensor, idx: torch.Tensor, p: Params,
+                             mask: torch.Tensor | None) -> torch.Tensor:
+        """``sigmoid(l) / (sum over the chosen and the shared)`` x scale, computed as Inkling's router does (a softmax
+        of logsigmoids over the chosen routed logits and the shared ones)."""
+        if not (self.renorm and "sigmoid" in (self.score, self.weight)) or p.renorm_eps or p.norm_min:
+            raise MoetoolError(f"{self.name}: weights normalised with shared experts' logits are defined for "
+                               f"the renormalised sigmoid rules only (no eps, no clamp)")
+        x = logits.float()
+        chosen = routed_part(x, p).gather(-1, idx)
+        if mask is not None:
+            chosen = chosen.masked_fill(~mask, float("-inf"))
+        lp = F.logsigmoid(torch.cat([chosen, x[..., x.shape[-1] - p.shared:]], dim=-1))
+        w = torch.exp(lp - torch.logsumexp(lp, dim=-1, keepdim=True))[..., :idx.shape[-1]]
         if p.scale != 1.0:
             w = w * p.scale
         return w if p.weights_dtype is None else w.to(p.weights_dtype)
@@ -257,7 +266,8 @@ def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 continue  # sparsemixer ranks the raw logits: no bias, no groups
             if rule.weight != "sparsemixer" and p.jitter_eps is not None:
                 continue
-            if p.shared and not (rule.renorm and "sigmoid" in (rule.score, rule.weight)):
+            if p.shared and not (rule.renorm and "sigmoid" in (rule.score, rule.weight)) or \
+                    p.shared and (p.renorm_eps or p.norm_min):
                 continue  # normalised with the shared experts' scores: the renormalised sigmoid rules only
             key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score,
                    p.shared)
