@@ -285,19 +285,24 @@ def test_unsupported_and_dense_configs():
 
     from moetool.adapters import discovery
 
-    if "jetmoe" in discovery.UNSUPPORTED:
-        with pytest.raises(MoetoolError, match="unsupported MoE family 'jetmoe'.*Why not jetmoe: "):
-            check_config(JetMoeConfig())
+    from transformers import DiffusionGemmaConfig
+
+    assert "jetmoe" not in discovery.UNSUPPORTED  # supported (its MLP MoE): its config passes
+    check_config(JetMoeConfig())
+    with pytest.raises(MoetoolError, match="unsupported MoE family 'diffusion_gemma'.*Why not diffusion_gemma: "):
+        check_config(DiffusionGemmaConfig())  # refused on purpose (issue 26)
     with pytest.raises(MoetoolError, match="no MoE layers found in llama"):
         check_config(LlamaConfig())
 
 
-def test_meta_device_model_identifies_the_same_rule():
-    """``inspect`` builds models on the meta device: the rule is identified on a materialised copy."""
+@pytest.mark.parametrize("model_type", ["glm4_moe", "inkling_text", "jetmoe", "muse_spark"])
+def test_meta_device_model_identifies_the_same_rule(model_type):
+    """``inspect`` builds models on the meta device: the rule is identified on a materialised copy (hand
+    adapters with views and the shared-logit router too)."""
     from moetool.adapters import discovery
 
-    config = discovery.tiny_config("glm4_moe")
+    config = discovery.tiny_config(model_type)
     with torch.device("meta"):
-        model = discovery.model_class("glm4_moe").from_config(config)
+        model = discovery.model_class(model_type).from_config(config)
     layers = find_moe_layers(model)
-    assert layers and {L.describe()["rule"] for L in layers} == {EXPECTED_RULE["glm4_moe"]}
+    assert layers and {L.describe()["rule"] for L in layers} == {EXPECTED_RULE[model_type]}

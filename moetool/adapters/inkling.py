@@ -29,7 +29,8 @@ from torch import nn
 
 from ..errors import MoetoolError
 from . import rules
-from .generic import LOGITS_MODES, GenericAdapter, GenericLayer, _candidates, correction_bias, linear_logits
+from .generic import (LOGITS_MODES, GenericAdapter, GenericLayer, _candidates, _materialized, correction_bias,
+                      linear_logits)
 
 _N_TOKENS = 256
 
@@ -89,16 +90,17 @@ class SharedNormalisedLayer(GenericLayer):
         def fail(what: str) -> MoetoolError:
             return MoetoolError(f"{mt}: {what} (layer {self.index}, {type(self.router).__name__})")
 
-        w = self.linear.weight
-        if w.device.type == "meta":
-            raise fail("a meta-device Inkling router cannot be identified (load the weights)")
-        n = int(w.shape[0]) - int(self.router.n_shared_experts)
+        router = self.router
+        if router.weight.device.type == "meta":  # a model built on the meta device: the rule is in the router's code
+            router = _materialized(router)
+        w = router.weight
+        n = int(w.shape[0]) - int(router.n_shared_experts)
         dtype = next((p.dtype for p in self.experts.parameters() if p.is_floating_point()), w.dtype)
         h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device,
                                                                                               dtype=dtype)
-        bias = correction_bias(self.router, self.block)
+        bias = correction_bias(router, self.block)
         with torch.no_grad():
-            out = self.router(h)
+            out = router(h)
             if not (isinstance(out, tuple) and len(out) == 4):
                 raise fail("the router does not return (routed logits, weights, indices, shared gammas)")
             routed, want_w, want_idx, _ = out
@@ -108,10 +110,10 @@ class SharedNormalisedLayer(GenericLayer):
             if mode is None:
                 raise fail("the router's routed logits are not the first rows of its projection")
             full = linear_logits(h, w, None, mode)
-            g = float(self.router.global_scale.float().reshape(-1)[0])
+            g = float(router.global_scale.float().reshape(-1)[0])
             bias = None if bias is None else bias.detach()
             cands = [replace(c, shared=full.shape[-1] - n, scale=c.scale * g)
-                     for c in _candidates(self.router, int(want_idx.shape[-1]), bias)
+                     for c in _candidates(router, int(want_idx.shape[-1]), bias)
                      if not c.renorm_eps and not c.norm_min]
             try:
                 rule, params = rules.identify(full, want_idx, want_w, cands)

@@ -39,7 +39,10 @@ class ProjectedExpertsView(nn.Module):
 
     def __init__(self, experts: nn.Module, pre_proj: nn.Module, pre_norm: nn.Module, post_proj: nn.Module):
         super().__init__()
-        self.experts, self.pre_proj, self.pre_norm, self.post_proj = experts, pre_proj, pre_norm, post_proj
+        self.experts = experts
+        # not registered: the view's parameters are the experts' (``plan`` counts the dense projections apart)
+        for name, m in (("pre_proj", pre_proj), ("pre_norm", pre_norm), ("post_proj", post_proj)):
+            object.__setattr__(self, name, m)
 
     def project_in(self, h: torch.Tensor) -> torch.Tensor:
         return self.pre_norm(self.pre_proj(h))
