@@ -136,6 +136,10 @@ def test_beam_output_scale_and_axk1_post_step():
 
 def test_ernie4_5_vl_moe_routes_the_text_group():
     model, layers = tiny("ernie4_5_vl_moe")
+    from moetool.inspect import family_row
+
+    assert family_row("ernie4_5_vl_moe", model, layers)["routing"] == \
+        "softmax-topk-renorm (text tokens within the text expert group)"
     for L in layers:
         assert L.router is L.block.text_moe.gate and L.experts is L.block.text_moe.experts
         assert L.describe()["expert_group"].startswith("text")

@@ -27,7 +27,8 @@ class TextGroupLayer(GenericLayer):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "expert_group": "text (text tokens route within the text experts; the "
-                                                      "vision group is not used for text)"}
+                                                      "vision group is not used for text)",
+                "note": "text tokens within the text expert group"}
 
 
 class Ernie45VLMoeAdapter(GenericAdapter):

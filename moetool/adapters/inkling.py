@@ -82,7 +82,8 @@ class SharedNormalisedLayer(GenericLayer):
         return mass / (chosen + mass.sum(-1, keepdim=True)) * p.scale
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "n_shared_logits": self.n_shared}
+        return {**super().describe(), "n_shared_logits": self.n_shared,
+                "note": "weights normalised with the shared experts' logits"}
 
     def _identify(self):
         mt = getattr(self.config, "model_type", "?")

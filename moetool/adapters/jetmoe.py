@@ -131,7 +131,8 @@ class DispatchLayer(GenericLayer):
         return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.output_linear.weight)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "attention_experts": MOA_NOTE}
+        return {**super().describe(), "attention_experts": MOA_NOTE,
+                "note": "the MLP MoE; the attention experts (MoA) are not analysed"}
 
 
 class JetMoeAdapter(GenericAdapter):

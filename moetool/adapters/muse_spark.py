@@ -91,7 +91,8 @@ class ProjectedExpertsLayer(GenericLayer):
         return self._experts.act_fn(gate)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "expert_width": int(self._experts.gate_up_proj.shape[-1])}
+        return {**super().describe(), "expert_width": int(self._experts.gate_up_proj.shape[-1]),
+                "note": "experts in a projected width"}
 
 
 class MuseSparkAdapter(GenericAdapter):
