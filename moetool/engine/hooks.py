@@ -245,7 +245,8 @@ class Engine:
         slot = self._slots[L.index]
 
         def hook(module, args, out):
-            slot["logits"], slot["weights"], slot["idx"] = L.captured_logits(args[0], out[0]), out[1], out[2]
+            slot["logits"] = L.captured_logits(args[0] if args else None, out[0])
+            slot["weights"], slot["idx"] = out[1], out[2]
         return hook
 
     def _attention_hook(self, L: MoELayer):
