@@ -57,7 +57,10 @@ def _views_bit_exact(model_type: str):
 def test_jetmoe_views_bit_exact_router_by_hand_and_bias_after_the_sum():
     model, _, _ = _views_bit_exact("jetmoe")
     layers = find_moe_layers(model)
-    assert len(layers) == model.config.num_hidden_layers and "not analysed" in layers[0].describe()["attention_experts"]
+    assert len(layers) == model.config.num_hidden_layers
+    moa = layers[0].describe()["attention_experts"]  # the attention experts' router: the same rule, identified apart
+    assert moa["rule"] == "topk-softmax" and not moa["analysed"] and moa["n_experts"] == model.config.num_local_experts
+    assert moa["top_k"] == model.config.num_experts_per_tok
     _, events, _ = run(model, layers, padded_batch(seq=8), policy=make_policy("router"))
     for L in layers:
         ev, gating = events[L.index], L.block._modules["router"]

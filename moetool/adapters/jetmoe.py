@@ -17,8 +17,10 @@ group, weight, ``index_add``), then adds the block's bias: the same operations o
 forward. The bias is the layer's :meth:`post_step` (``block = Σ w E(h) + bias``).
 
 The attention of every layer is a mixture of experts too (``JetMoeMoA``: per-expert query and output projections
-chosen by its own top-K router, inside the attention). Its routing is not reported: moetool analyses the MLP MoE
-(``describe()['attention_experts']`` says so). Its attention probabilities (softmax, eager) are what attention-aware
+chosen by its own top-K router, inside the attention): a second routed layer type. Its router's rule is identified
+at load like the MLP MoE's and reported apart (``describe()['attention_experts']``: rule, experts, top-K, and that
+it is not analysed); the commands analyse the MLP MoE only (the MoA experts are no ``experts(h, idx, w)`` of the
+layer input: their outputs pass through the attention). Its attention probabilities (softmax, eager) are what attention-aware
 routing reads (:attr:`attention`: ``self_attention``).
 """
 
@@ -31,12 +33,36 @@ import torch
 from torch import nn
 
 from ..configs import text_config
+from ..errors import MoetoolError
+from . import rules
 from .base import ExpertWeights
-from .generic import GenericAdapter, GenericLayer, decoder_layers
+from .generic import GenericAdapter, GenericLayer, _candidates, _materialized, decoder_layers
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
-MOA_NOTE = ("mixture of attention experts (JetMoeMoA, top-K query/output projections inside the attention): not "
-            "analysed; the MLP MoE is")
+MOA_NOTE = ("mixture of attention experts (JetMoeMoA: top-K query/output projections inside the attention): "
+            "routing identified at load, not analysed by the commands (they analyse the MLP MoE)")
+_N_TOKENS = 256
+
+
+def moa_routing(decoder_layer: nn.Module) -> dict[str, Any] | None:
+    """The attention experts' routing, identified on their own router at load (as the MLP MoE's): ``{rule, n_experts,
+    top_k}``; None without attention experts. A rule no catalogue entry reproduces is one line, as for the MLP MoE."""
+    moa = getattr(getattr(decoder_layer, "self_attention", None), "experts", None)
+    gating = getattr(moa, "router", None)
+    if not isinstance(gating, nn.Module) or not hasattr(gating, "layer"):
+        return None
+    view = DispatchRouterView(gating)
+    if view.weight.device.type == "meta":
+        view = _materialized(view)
+    w = view.weight
+    h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
+    with torch.no_grad():
+        logits, weights, idx = view(h)
+        try:
+            rule, _ = rules.identify(logits, idx, weights, _candidates(view, int(idx.shape[-1]), None))
+        except rules.NoRuleMatches as e:
+            raise MoetoolError(f"jetmoe: the attention experts' router matches no known routing rule ({e})") from None
+    return {"rule": rule.name, "n_experts": int(w.shape[0]), "top_k": int(idx.shape[-1])}
 
 
 class DispatchRouterView(nn.Module):
@@ -114,6 +140,7 @@ class DispatchLayer(GenericLayer):
                  experts: nn.Module, config: Any):
         router_view, experts_view = _views(block)
         super().__init__(index, decoder_layer, block, router_view, experts_view, config)
+        self.attention_routing = moa_routing(decoder_layer)  # the second routed layer type, reported apart
 
     @property
     def attention(self) -> nn.Module | None:
@@ -131,8 +158,13 @@ class DispatchLayer(GenericLayer):
         return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.output_linear.weight)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "attention_experts": MOA_NOTE,
-                "note": "the MLP MoE; the attention experts (MoA) are not analysed"}
+        d = {**super().describe(), "note": "the MLP MoE; the attention experts (MoA) are not analysed"}
+        if self.attention_routing is not None:
+            a = self.attention_routing
+            d["note"] = (f"the MLP MoE; attention experts (MoA): {a['rule']}, top-{a['top_k']} of {a['n_experts']}, "
+                         f"not analysed")
+            d["attention_experts"] = {**a, "analysed": False, "what": MOA_NOTE}
+        return d
 
 
 class JetMoeAdapter(GenericAdapter):
