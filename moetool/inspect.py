@@ -82,8 +82,10 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
     n_layers = len(_decoder_layer_count(model, layers))
     dense = [i for i in range(n_layers) if i not in {x.index for x in layers}]
     rules = dict.fromkeys(str(x.describe().get("rule") or x.scoring) for x in layers)  # in layer order (hash, top-K)
-    return {**row, "supported": "yes", "routing": " + ".join(rules) if len(rules) > 1 else str(d.get("rule") or
-                                                                                                d.get("scoring")),
+    note = f" ({d['note']})" if d.get("note") else ""  # what a layer routes beyond its rule (issue 26 adapters)
+    return {**row, "supported": "yes", "routing": (" + ".join(rules) if len(rules) > 1 else str(d.get("rule") or
+                                                                                                 d.get("scoring")))
+            + note,
             "shared_experts": "yes" if any(x.shared_experts is not None for x in layers) else "no",
             "dense_layers": (f"{len(dense)} of {n_layers} in the tiny model ({', '.join(map(str, dense))})"
                              if dense else "none"),

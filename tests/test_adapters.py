@@ -188,13 +188,15 @@ def test_dense_model_error():
 
 
 def test_unsupported_family_error():
-    """7: an MoE family without an adapter names the supported ones."""
-    from transformers import JetMoeConfig
+    """7: an MoE family moetool refuses names the supported ones (before any layer is read: the config decides)."""
+    from types import SimpleNamespace
+
+    from transformers import DiffusionGemmaConfig
 
     with pytest.raises(MoetoolError) as err:
-        find_moe_layers(_tiny(JetMoeConfig, num_local_experts=4, num_experts_per_tok=2))
+        find_moe_layers(SimpleNamespace(config=DiffusionGemmaConfig()))  # refused on purpose (issue 26)
     msg = str(err.value)
-    assert "jetmoe" in msg and "\n" not in msg
+    assert "diffusion_gemma" in msg and "\n" not in msg
     for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe"):
         assert family in msg
 

@@ -52,12 +52,17 @@ CASES: dict[str, tuple[str, dict]] = {
     "sparsemixer": ("phimoe", {}),
     "sqrtsoftplus-topk-renorm": ("deepseek_v4", {}),  # layers 0-2 hash-routed (experts by token id), layer 3 top-K
 }
-#: structure -> (model type, config overrides): families whose rule is in CASES but whose block differs
+#: structure -> (model type, config overrides): families whose rule is in CASES but whose block differs (issue 26's
+#: widenings of the adapter contract), every command on one model each
 STRUCTURES: dict[str, tuple[str, dict]] = {
     "block-routed": ("dbrx", {}),  # the router returns logits only; DbrxFFN.route_tokens_to_experts routes
     "zero-computation": ("longcat_flash", {}),  # 8 routed + 2 identity experts (output = input)
     "carried-state": ("zaya", {}),  # router logits from h and the previous layer's router state; a skip class
     "seq2seq": ("switch_transformers", {}),  # encoder-decoder: both stacks' MoE layers; top-1 with expert capacity
+    "post-step": ("axk1", {}),  # a norm after routed + shared (MoELayer.post_step)
+    "output-scale": ("beam", {}),  # routed_scaling_factor on the block (MoELayer.output_scale)
+    "shared-logits": ("inkling_text", {}),  # weights normalised with the shared experts' logits
+    "dispatch-views": ("jetmoe", {}),  # a dispatch-tuple router and grouped experts, through views
 }
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]

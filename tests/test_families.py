@@ -135,10 +135,12 @@ def test_family(model_type):
             state = [s.unsqueeze(0) for s in ev.inputs.values()]  # Zaya: the carried router state
             out = L.block(h.unsqueeze(0), *state, **ids)
             out = (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
-            expected = L.experts(h, ev.idx, ev.weights) * getattr(L, "output_scale", 1.0)  # set where the block scales it
-            if L.shared_experts is not None:
-                expected = expected + L.shared_experts(h)
+            routed = L.experts(h, ev.idx, ev.weights) * L.output_scale  # set where the block scales it
+            expected = routed + (L.shared_experts(h) if L.shared_experts is not None else 0)
+            if L.post_step() is not None:  # a step after the sum (axk1: post_mlp_layernorm)
+                expected = L.post_step()(expected)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.block_output(L.experts(h, ev.idx, ev.weights), h), out, rtol=1e-5, atol=1e-5)
 
     # 3. batched node norms == a loop over the experts through the model's own module
     L = layers[0]

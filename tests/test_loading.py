@@ -84,11 +84,10 @@ def test_dense_model_is_refused_before_weights(tmp_path):
 
 
 def test_unsupported_moe_family_names_supported_ones(tmp_path):
-    from transformers import JetMoeConfig
+    from transformers import DiffusionGemmaConfig
 
-    JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                 intermediate_size=64, num_local_experts=4).save_pretrained(tmp_path)
-    with pytest.raises(MoetoolError, match="unsupported MoE family 'jetmoe'; supported: .*mixtral"):
+    DiffusionGemmaConfig().save_pretrained(tmp_path)  # refused on purpose (issue 26)
+    with pytest.raises(MoetoolError, match="unsupported MoE family 'diffusion_gemma'; supported: .*mixtral"):
         load_config(str(tmp_path))
 
 

@@ -36,6 +36,12 @@ EXPECTED_RULE = {
                      "glm5_next", "hy_v4", "hy_v4_vl", "inkling2", "inkling2_text", "minimax_m3_vl", "minimax_m3_vl_text",
                      "inkling2_loop", "inkling2_loop_text", "sarvam_mla", "sarvam_moe"],
                    "sigmoid-topk-renorm"),
+    # issue 26: a step after the experts (axk1, beam), projected experts (muse_spark), weights normalised with the
+    # shared experts' logits (inkling), the text group of per-modality groups (ernie4_5_vl_moe)
+    **dict.fromkeys(["axk1", "beam", "flint", "hy_v4_vl", "muse_spark", "inkling_text", "inkling_mm_model"],
+                    "sigmoid-topk-renorm"),
+    "ernie4_5_vl_moe": "softmax-topk-renorm",
+    "jetmoe": "topk-softmax",
     "dots1": "sigmoid-topk",
     "kolibri1": "topk-sigmoid",
     "llama4": "topk-sigmoid", "llama4_text": "topk-sigmoid",
@@ -161,6 +167,46 @@ def test_renorm_variants():
     torch.testing.assert_close(got, chosen / 5.0)
 
 
+def test_weights_normalised_with_shared_logits():
+    """``Params.shared`` (Inkling): logits [T, n + s], the last s the shared experts'; selection and π over the n
+    routed only; w_j = sigmoid(l_j) / (sum of the chosen's sigmoids + sum of the shared's) x scale, per token in
+    plain floats; identification recovers s, and without the shared columns no rule reproduces the weights."""
+    gen = torch.Generator().manual_seed(9)
+    T, n, s, k = 32, 8, 2, 2
+    logits = torch.randn(T, n + s, generator=gen)
+    bias = torch.randn(n, generator=gen) * 0.3
+    p = rules.Params(top_k=k, bias=bias, scale=3.0, shared=s)
+    probs, idx, w = rules.SIGMOID_TOPK_RENORM(logits, p)
+    assert probs.shape == (T, n) and idx.max() < n
+    torch.testing.assert_close(probs.sum(-1), torch.ones(T))
+    for t in range(T):
+        x = logits[t].tolist()
+        rank = [_sigmoid(x[e]) + float(bias[e]) for e in range(n)]
+        want_idx = sorted(range(n), key=lambda e: -rank[e])[:k]
+        denom = sum(_sigmoid(x[e]) for e in want_idx) + sum(_sigmoid(v) for v in x[n:])
+        assert idx[t].tolist() == want_idx
+        torch.testing.assert_close(w[t], torch.tensor([_sigmoid(x[e]) / denom * 3.0 for e in want_idx]),
+                                   rtol=1e-5, atol=1e-6)
+    mask = torch.tensor([[True, False]] * T)  # a chosen set of one: only its own and the shared mass
+    one = rules.SIGMOID_TOPK_RENORM.weights(logits, idx, p, mask)
+    sg = torch.sigmoid(logits)
+    torch.testing.assert_close(one[:, 0], sg.gather(-1, idx[:, :1])[:, 0] /
+                               (sg.gather(-1, idx[:, :1])[:, 0] + sg[:, n:].sum(-1)) * 3.0)
+    assert (one[:, 1] == 0).all()
+    # the model's own formulation: softmax over logsigmoid of the chosen and the shared logits
+    lp = torch.nn.functional.logsigmoid(torch.cat([logits[:, :n].gather(-1, idx), logits[:, n:]], -1))
+    model_w = torch.exp(lp - torch.logsumexp(lp, -1, keepdim=True))[:, :k] * 3.0
+    torch.testing.assert_close(w, model_w)
+    cands = [rules.Params(top_k=k, bias=b, scale=3.0, shared=s) for b in (bias, None)]
+    got, gp = rules.identify(logits, idx, model_w, cands)
+    assert got is rules.SIGMOID_TOPK_RENORM and gp.shared == s
+    with pytest.raises(rules.NoRuleMatches):
+        rules.identify(logits[:, :n], idx, model_w, [rules.Params(top_k=k, bias=bias, scale=3.0)])
+    torch.testing.assert_close(w, model_w, rtol=0, atol=0)  # computed as the model does: bit for bit
+    with pytest.raises(MoetoolError, match="renormalised sigmoid"):
+        rules.SOFTMAX_TOPK.weights(logits, idx, p)
+
+
 @pytest.mark.parametrize("rule", rules.RULES, ids=lambda r: r.name)
 def test_identify_recovers_each_rule(rule):
     """A router computed by a rule (with bias, groups, scale) is identified as that rule and variant, or as one
@@ -247,19 +293,24 @@ def test_unsupported_and_dense_configs():
 
     from moetool.adapters import discovery
 
-    if "jetmoe" in discovery.UNSUPPORTED:
-        with pytest.raises(MoetoolError, match="unsupported MoE family 'jetmoe'.*Why not jetmoe: "):
-            check_config(JetMoeConfig())
+    from transformers import DiffusionGemmaConfig
+
+    assert "jetmoe" not in discovery.UNSUPPORTED  # supported (its MLP MoE): its config passes
+    check_config(JetMoeConfig())
+    with pytest.raises(MoetoolError, match="unsupported MoE family 'diffusion_gemma'.*Why not diffusion_gemma: "):
+        check_config(DiffusionGemmaConfig())  # refused on purpose (issue 26)
     with pytest.raises(MoetoolError, match="no MoE layers found in llama"):
         check_config(LlamaConfig())
 
 
-def test_meta_device_model_identifies_the_same_rule():
-    """``inspect`` builds models on the meta device: the rule is identified on a materialised copy."""
+@pytest.mark.parametrize("model_type", ["glm4_moe", "inkling_text", "jetmoe", "muse_spark"])
+def test_meta_device_model_identifies_the_same_rule(model_type):
+    """``inspect`` builds models on the meta device: the rule is identified on a materialised copy (hand
+    adapters with views and the shared-logit router too)."""
     from moetool.adapters import discovery
 
-    config = discovery.tiny_config("glm4_moe")
+    config = discovery.tiny_config(model_type)
     with torch.device("meta"):
-        model = discovery.model_class("glm4_moe").from_config(config)
+        model = discovery.model_class(model_type).from_config(config)
     layers = find_moe_layers(model)
-    assert layers and {L.describe()["rule"] for L in layers} == {EXPECTED_RULE["glm4_moe"]}
+    assert layers and {L.describe()["rule"] for L in layers} == {EXPECTED_RULE[model_type]}

@@ -44,6 +44,12 @@ ADAPTERS = LazyRegistry("MoE family", {
     "dbrx": "moetool.adapters.dbrx:DbrxAdapter",
     "deepseek_v4": "moetool.adapters.glm5_next:ClampedSwiGLUAdapter",
     "zaya": "moetool.adapters.zaya:ZayaAdapter",
+    "inkling_text": "moetool.adapters.inkling:InklingAdapter",
+    "inkling_mm_model": "moetool.adapters.inkling:InklingAdapter",
+    "ernie4_5_vl_moe": "moetool.adapters.ernie4_5_vl_moe:Ernie45VLMoeAdapter",
+    "jetmoe": "moetool.adapters.jetmoe:JetMoeAdapter",
+    "muse_spark": "moetool.adapters.muse_spark:MuseSparkAdapter",
+    "muse_spark_text": "moetool.adapters.muse_spark:MuseSparkAdapter",
 })
 
 #: config attributes whose presence marks a model as mixture-of-experts

@@ -108,6 +108,27 @@ class MoELayer:
         raise NotImplementedError
 
     @property
+    def output_scale(self) -> float:
+        """What the block multiplies the experts' output by, after the experts (Beam, MiniMax-M3: the
+        ``routed_scaling_factor`` sits on the block, not in the routing weights); 1 where the weights carry it."""
+        return 1.0
+
+    def post_step(self) -> nn.Module | None:
+        """A step the block applies to routed + shared output before returning it (A.X-K1: ``post_mlp_layernorm``);
+        ``None``: the block returns the sum itself."""
+        return None
+
+    def block_output(self, routed: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The block's output from the experts' output ``routed [T, d]`` for router inputs ``h [T, d]``:
+        ``post_step(routed x output_scale + shared_experts(h))`` (each part where the layer has it)."""
+        out = routed * self.output_scale if self.output_scale != 1.0 else routed
+        shared = self.shared_experts
+        if shared is not None:
+            out = out + shared(h)
+        post = self.post_step()
+        return out if post is None else post(out)
+
+    @property
     def attention(self) -> nn.Module | None:
         """The same decoder layer's self-attention (for attention-aware routing)."""
         return getattr(self.decoder_layer, "self_attn", None)
@@ -141,6 +162,12 @@ class MoELayer:
         module cannot take that shape: LongCat's cannot take one expert per token)."""
         return idx, w
 
+    def expert_output(self, y: torch.Tensor) -> torch.Tensor:
+        """What the block makes of one expert's output ``y = W_o glu [..., d_e]`` before weighting it: ``y`` itself,
+        except where the experts work in a projected width (muse_spark: a per-expert norm, then the projection
+        back to the model width; linear in the weights, so ``block = Σ w expert_output(y)``)."""
+        return y
+
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         """``act(W_g h)``."""
         return self.experts.act_fn(gate)
@@ -151,8 +178,15 @@ class MoELayer:
 
     # ----- routing, exactly as the model does it ----------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Router logits for router inputs ``h [T, d]`` -> ``[T, n]``."""
+        """Router logits for router inputs ``h [T, d]`` -> ``[T, n]`` (``[T, n + s]`` where the rule needs the
+        shared experts' logits too: :meth:`captured_logits`)."""
         raise NotImplementedError
+
+    def captured_logits(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The logits the routing methods take, from the router's input ``h`` and first output ``out`` (the engine
+        calls this in its router hook): ``out`` itself, except where the rule needs more of the router's
+        projection than it returns (Inkling: the shared experts' logits appended, ``[T, n + s]``)."""
+        return out
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The full routing distribution π over all n experts (fp32, rows sum to one)."""
@@ -203,6 +237,8 @@ class MoELayer:
             "shared_experts": self.shared_experts is not None,
             **({"identity_experts": self.n_zero_compute} if self.n_zero_compute else {}),
             "router_bias": self.router_bias() is not None,
+            **({"output_scale": self.output_scale} if self.output_scale != 1.0 else {}),
+            **({"post_step": type(self.post_step()).__name__} if self.post_step() is not None else {}),
         }
 
 

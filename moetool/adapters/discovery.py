@@ -31,23 +31,7 @@ UNSUPPORTED: dict[str, str] = {
     "diffusion_gemma": "block text-diffusion model (DiffusionGemmaForBlockDiffusion, bidirectional decoder): its "
                        "forward samples, so two forwards on the same input differ and there is no routing to "
                        "reproduce",
-    "jetmoe": "JetMoeTopKGating returns sorted dispatch tuples and experts run per sorted group as experts(inputs, "
-              "expert_size); the attention is a mixture of experts too (MoA)",
     # families whose structure or routing rule moetool does not read yet (the reason says what differs)
-    "axk1": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
-            "een them moetool does not model)",
-    "beam": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
-            "een them moetool does not model)",
-    "flint": "no adapter yet: the block's output is not experts(h, idx, w) + its shared-expert module (a step betw"
-             "een them moetool does not model)",
-    "ernie4_5_vl_moe": "no adapter yet: text and vision expert groups in one layer (per-modality routing)",
-    "inkling_mm_model": "the router's weights are normalised over the K chosen routed logits together with the "
-                        "shared experts' logits (logsigmoid softmax), which the router does not return: the weights "
-                        "are no function of its logits, so route()/weights_for() cannot reproduce them",
-    "inkling_text": "as inkling_mm_model: routed weights normalised together with the shared experts' logits, which "
-                    "the router does not return",
-    "muse_spark": "no adapter yet: experts and router work in a projected width (moe_hidden_size), not on the layer "
-                  "input",
     "nllb-moe": "its experts module runs the wrong experts in the installed transformers: NllbMoeExperts one-hot "
                 "encodes the router's 0/1 top-1 dispatch mask, so every token goes through expert_1 (weighted by its "
                 "top-1 gate) and expert_0 (its top-2 gate) whatever the router chose; the output is not the routing "

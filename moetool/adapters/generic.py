@@ -40,7 +40,10 @@ _SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
 _BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 _SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 _GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
+_LOGIT_MULT_ATTRS = ("output_multiplier",)  # a factor on the projection's output (muse_spark)
 _N_TOKENS = 256
+#: a norm the block applies to routed + shared output before returning it (A.X-K1)
+_POST_STEP_ATTRS = ("post_mlp_layernorm",)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -136,6 +139,7 @@ class GenericLayer(MoELayer):
         super().__init__(index, decoder_layer, block, router, experts, config)
         self.linear = router_linear(router)
         self._hash_routed = hash_table(router) is not None  # read once: route() runs per batch
+        self.logit_mult = logit_multiplier(router)
         self.rule, self.params, self.logits_mode, self.softcap = self._identify()
         self.scoring = self.rule.text
 
@@ -190,6 +194,18 @@ class GenericLayer(MoELayer):
         return MoetoolError(f"layer {self.index} is hash-routed (experts chosen by token id through "
                             f"{type(self.router).__name__}'s table, not by its logits): {what} is not defined there")
 
+    def output_scale(self) -> float:
+        """The block's ``routed_scaling_factor`` where the router does not apply one itself (Beam, Laguna,
+        Step-3.7: ``experts(h, idx, w) x factor``); 1 otherwise (the factor is in the weights, ``weight_scale``)."""
+        factor = _attr((self.block,), _SCALE_ATTRS)
+        if factor is None or _attr((self.router,), _SCALE_ATTRS) is not None:
+            return 1.0
+        return float(factor)
+
+    def post_step(self) -> nn.Module | None:
+        return next((getattr(self.block, a) for a in _POST_STEP_ATTRS
+                     if isinstance(getattr(self.block, a, None), nn.Module)), None)
+
     def router_weight(self) -> torch.Tensor:
         return self.linear.weight
 
@@ -204,7 +220,8 @@ class GenericLayer(MoELayer):
         return replace(self.params, bias=correction_bias(self.router, self.block))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear_logits(h, self.router_weight(), self.router_bias(), self.logits_mode, self.softcap)
+        return linear_logits(h, self.router_weight(), self.router_bias(), self.logits_mode, self.softcap,
+                             self.logit_mult)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return self.rule.probs(logits, self.params)
@@ -270,15 +287,25 @@ class GenericLayer(MoELayer):
 LOGITS_MODES = ("native", "native->fp32", "fp32")
 
 
-def linear_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mode: str, softcap: float = 0.0):
+def logit_multiplier(router: nn.Module) -> float:
+    """The factor a router multiplies its projection's output by (``output_multiplier``; 1 if none)."""
+    v = _attr((router,), _LOGIT_MULT_ATTRS)
+    return 1.0 if v is None else float(v)
+
+
+def linear_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mode: str, softcap: float = 0.0,
+                  mult: float = 1.0):
     """Router logits as the router computes them: ``native`` (in the weight's dtype), ``native->fp32`` (then
-    cast to fp32) or ``fp32`` (input and weight cast first); ``tanh`` soft-capped if ``softcap``."""
+    cast to fp32) or ``fp32`` (input and weight cast first); times ``mult`` if not 1; ``tanh`` soft-capped if
+    ``softcap``."""
     if mode == "fp32":
         out = F.linear(h.float(), w.float(), None if b is None else b.float())
     else:
         out = F.linear(h.to(w.dtype), w, b)
         if mode == "native->fp32":
             out = out.float()
+    if mult != 1.0:
+        out = out * mult
     return torch.tanh(out / softcap) * softcap if softcap else out
 
 
@@ -345,7 +372,8 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
             raise fail("the router does not return (logits, weights, top-K indices)")
         logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
         cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
-        mode = next((m for m in LOGITS_MODES if torch.equal(got := linear_logits(h, w, b, m, cap), logits)
+        mult = logit_multiplier(router)
+        mode = next((m for m in LOGITS_MODES if torch.equal(got := linear_logits(h, w, b, m, cap, mult), logits)
                      and got.dtype == logits.dtype), None)
         if mode is None:
             raise fail("the router's logits are not a linear map of its input (logits(h) differs from the "

@@ -1,4 +1,5 @@
-"""GLM-5-Next, Hunyuan-V4 and DeepSeek-V4 (``glm5_next``, ``hy_v4``, ``deepseek_v4``): clamped SwiGLU experts.
+"""GLM-5-Next, Hunyuan-V4 (and its vision-language ``hy_v4_vl``) and DeepSeek-V4 (``glm5_next``, ``hy_v4``,
+``deepseek_v4``): clamped SwiGLU experts (GLM-5-Next and Hunyuan-V4 route as DeepSeek-V3).
 
 DeepSeek-V4 routes by ``sqrtsoftplus`` scores (rule ``sqrtsoftplus-topk-renorm``) and its first layers are
 hash-routed (``DeepseekV4HashRouter``: experts by token id; the generic layer identifies and reports them, see

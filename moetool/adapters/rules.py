@@ -17,6 +17,10 @@ scale, ...) to the full routing distribution π ``[T, n]``, the top-K indices ``
                          (DeepSeek-V4; its hash-routed layers choose by token id and weight the same way)
 =======================  =================================================================================
 
+With ``Params.shared = s`` (Inkling) the logits carry ``s`` shared experts' logits after the ``n`` routed ones: π,
+the selection and every index concern the routed ones; a renormalised sigmoid rule's weights are then
+``sigmoid(l) / (sum over the chosen and the shared)`` (an extra input of the rule, not a new rule).
+
 π is softmax(logits) for the softmax rules and sparsemixer, sigmoid(logits) (sqrt(softplus(logits)) for
 sqrtsoftplus) normalised to sum to one for the sigmoid rules. :func:`identify` picks the rule (and parameter variant) that reproduces a router's own output.
 Top-K and renormalisation go through :mod:`moetool.ops`.
@@ -28,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 from .. import ops
 from ..errors import MoetoolError
@@ -49,6 +54,8 @@ class Params:
     weights_dtype: torch.dtype | None = None  # None: fp32
     rank_dtype: torch.dtype | None = None  # scores rounded to this dtype before the top-K, ties to the lowest index
     # (Switch Transformers ranks its fp32 probabilities cast back to the input dtype, with argmax)
+    shared: int = 0  # trailing logit columns that are shared experts' (Inkling): never chosen, but their sigmoid
+    #                 scores join the chosen ones' in the renormalisation (w = s / (sum s + sum s_shared))
 
     def describe(self) -> dict:
         d = {"top_k": self.top_k, "correction_bias": self.bias is not None, "routed_scaling_factor": self.scale}
@@ -62,6 +69,8 @@ class Params:
             d["jitter_eps"] = self.jitter_eps
         if self.rank_dtype is not None:
             d["rank_dtype"] = str(self.rank_dtype).removeprefix("torch.")
+        if self.shared:
+            d["normalised_with_shared_logits"] = self.shared
         return d
 
 
@@ -81,6 +90,11 @@ def _renorm(w: torch.Tensor, p: Params) -> torch.Tensor:
     if not p.renorm_eps and not p.norm_min:
         return ops.normalize(w)
     return w / (w.sum(dim=-1, keepdim=True) + p.renorm_eps).clamp_min(p.norm_min)
+
+
+def routed_part(logits: torch.Tensor, p: Params | None) -> torch.Tensor:
+    """The routed experts' logits ``[T, n]`` of logits that may carry ``p.shared`` trailing shared columns."""
+    return logits[..., :logits.shape[-1] - p.shared] if p is not None and p.shared else logits
 
 
 def sparsemixer_weights(logits: torch.Tensor, idx: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,6 +137,7 @@ class Rule:
     # ----- the full distribution ---------------------------------------------------------------------------
     def probs(self, logits: torch.Tensor, p: Params | None = None) -> torch.Tensor:
         """π over all n experts (fp32, rows sum to one)."""
+        logits = routed_part(logits, p)
         if self.score == "sqrtsoftplus":
             return ops.normalize(sqrtsoftplus(logits.float()))
         if self.score == "sigmoid" or self.weight == "sigmoid":
@@ -132,7 +147,7 @@ class Rule:
     # ----- selection ---------------------------------------------------------------------------------------
     def scores(self, logits: torch.Tensor, p: Params) -> torch.Tensor:
         """What the rule ranks experts by (correction bias included, before any group restriction)."""
-        x = logits.float()
+        x = routed_part(logits, p).float()
         s = torch.softmax(x, dim=-1) if self.score == "softmax" else torch.sigmoid(x) if self.score == "sigmoid" \
             else sqrtsoftplus(x) if self.score == "sqrtsoftplus" else x
         return s if p.bias is None else s + p.bias.float().reshape(-1)
@@ -159,7 +174,10 @@ class Rule:
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """The model's weights for any chosen set ``idx [T, K]`` (in ``idx``'s order). ``mask [T, K]`` (bool):
         a chosen set of its own size per token, the columns where it is False not chosen (weight 0, and left out
-        of a softmax over the chosen or a renormalisation)."""
+        of a softmax over the chosen or a renormalisation). With ``p.shared`` the logits carry the shared experts'
+        after the routed ones: sigmoid weights are renormalised together with theirs."""
+        if p.shared:
+            return self._weights_with_shared(logits, idx, p, mask)
         x = logits.float()
         if self.weight == "sparsemixer":  # in the logits' own dtype, as the model: its 2 eps mask flips in fp32
             if mask is not None:
@@ -178,6 +196,23 @@ class Rule:
             w = w * mask
         if self.renorm:
             w = _renorm(w, p)
+        if p.scale != 1.0:
+            w = w * p.scale
+        return w if p.weights_dtype is None else w.to(p.weights_dtype)
+
+    def _weights_with_shared(self, logits: torch.Tensor, idx: torch.Tensor, p: Params,
+                             mask: torch.Tensor | None) -> torch.Tensor:
+        """``sigmoid(l) / (sum over the chosen and the shared)`` x scale, computed as Inkling's router does (a softmax
+        of logsigmoids over the chosen routed logits and the shared ones)."""
+        if not (self.renorm and "sigmoid" in (self.score, self.weight)) or p.renorm_eps or p.norm_min:
+            raise MoetoolError(f"{self.name}: weights normalised with shared experts' logits are defined for "
+                               f"the renormalised sigmoid rules only (no eps, no clamp)")
+        x = logits.float()
+        chosen = routed_part(x, p).gather(-1, idx)
+        if mask is not None:
+            chosen = chosen.masked_fill(~mask, float("-inf"))
+        lp = F.logsigmoid(torch.cat([chosen, x[..., x.shape[-1] - p.shared:]], dim=-1))
+        w = torch.exp(lp - torch.logsumexp(lp, dim=-1, keepdim=True))[..., :idx.shape[-1]]
         if p.scale != 1.0:
             w = w * p.scale
         return w if p.weights_dtype is None else w.to(p.weights_dtype)
@@ -252,8 +287,11 @@ def identify(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 continue  # sparsemixer ranks the raw logits: no bias, no groups
             if rule.weight != "sparsemixer" and p.jitter_eps is not None:
                 continue
+            if p.shared and not (rule.renorm and "sigmoid" in (rule.score, rule.weight)) or \
+                    p.shared and (p.renorm_eps or p.norm_min):
+                continue  # normalised with the shared experts' scores: the renormalised sigmoid rules only
             key = (rule.score, rule.weight == "sparsemixer", id(p.bias), p.n_group, p.topk_group, p.group_score,
-                   p.rank_dtype)
+                   p.rank_dtype, p.shared)
             if key not in selected:
                 selected[key] = rule.select(logits, p)
             sel = selected[key]

@@ -10,6 +10,8 @@ from .generic import hash_table, random_table
 
 #: routers are re-drawn at this scale so top-K has no ties (logits ~ N(0, ~1) on unit-RMS inputs of width 64)
 ROUTER_STD, BIAS_STD, EXPERT_BIAS_STD = 0.15, 0.05, 0.1
+#: router parameters that multiply the weights (default 1): re-drawn around 1, so the weights keep their sign
+ONE_CENTRED = ("global_scale",)
 
 
 def build_tiny(model_type: str, seed: int = 0, redraw: bool = True) -> Any:
@@ -35,11 +37,12 @@ def build_tiny(model_type: str, seed: int = 0, redraw: bool = True) -> Any:
                 for name, t in [*L.router.named_parameters(), *L.router.named_buffers()]:
                     if t.is_floating_point():
                         std = BIAS_STD if "correction" in name else ROUTER_STD
-                        t.copy_(torch.randn(t.shape, generator=gen) * std)
+                        t.copy_(torch.randn(t.shape, generator=gen) * std + (name in ONE_CENTRED))
                 table = hash_table(L.router)
                 if table is not None:  # a hash router's token -> experts table (zeros at init: every token alike)
                     table.copy_(random_table(tuple(table.shape), L.n_experts, gen))
-                for name, t in L.experts.named_parameters():
+                post = L.post_step()  # a bias the block adds after the experts (jetmoe) too
+                for name, t in [*L.experts.named_parameters(), *(post.named_parameters() if post else [])]:
                     if name.endswith("bias"):
                         t.copy_(torch.randn(t.shape, generator=gen) * EXPERT_BIAS_STD)
     return model

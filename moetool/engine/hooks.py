@@ -35,7 +35,7 @@ class RoutingEvent:
 
     layer: MoELayer
     h: torch.Tensor  # [T, d] router input
-    logits: torch.Tensor  # [T, n] router logits as the model computed them
+    logits: torch.Tensor  # [T, n] router logits as the model computed them ([T, n + s]: layer.captured_logits)
     idx: torch.Tensor  # [T, K] the model's own top-K
     weights: torch.Tensor  # [T, K] the model's own weights
     valid: torch.Tensor  # [T] bool, False on padding
@@ -286,7 +286,8 @@ class Engine:
         slot = self._slots[L.index]
 
         def hook(module, args, out):
-            slot["logits"], slot["weights"], slot["idx"] = out[0], out[1], out[2]
+            slot["logits"] = L.captured_logits(args[0] if args else None, out[0])
+            slot["weights"], slot["idx"] = out[1], out[2]
             slot["inputs"] = L.router_inputs(args)
         return hook
 

@@ -94,6 +94,7 @@ def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[s
                 out["output"] = torch.matmul(glu, W.down.transpose(-1, -2))  # [n, T, d]
                 if W.down_bias is not None:
                     out["output"] = out["output"] + W.down_bias.unsqueeze(1)
+                out["output"] = layer.expert_output(out["output"])  # in the model's width (muse_spark)
     return out
 
 

@@ -54,7 +54,7 @@ class TraceCollector:
         self.events: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def __call__(self, ev: RoutingEvent) -> None:
-        self.events.append((ev.layer.index, ev.chosen_idx, ev.chosen_weights, ev.logits if self.logits else None))
+        self.events.append((ev.layer.index, ev.chosen_idx, ev.chosen_weights, ev.logits[..., :ev.layer.n_experts] if self.logits else None))
 
     def columns(self, batch: Any, row_ids: np.ndarray, tokenizer: Any) -> dict[str, Any]:
         """One batch's rows, layer-major; one host copy per tensor kind."""

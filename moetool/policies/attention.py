@@ -29,7 +29,7 @@ from .similarity import choose, propagate
 
 
 #: decoder-layer children that mix tokens (the first one present is the layer's mixer)
-_MIXER_ATTRS = ("self_attn", "attention", "attn", "linear_attn", "mamba", "mixer", "conv", "short_conv",
+_MIXER_ATTRS = ("self_attn", "self_attention", "attention", "attn", "linear_attn", "mamba", "mixer", "conv", "short_conv",
                 "token_mixer", "time_mix")
 #: class-name fragments of token mixers without softmax attention probabilities
 _NOT_SOFTMAX = ("mamba", "linear", "delta", "lightning", "conv", "retention", "rwkv", "ssm", "lru")
@@ -77,7 +77,7 @@ def softmax_attention(layer: Any) -> nn.Module:
                            f"among plain softmax-attention layers or another policy")
     kind = _layer_type(layer)
     cls = type(mod).__name__ if mod is not None else ""
-    linear = (mod is None or name != "self_attn" and name not in ("attention", "attn")
+    linear = (mod is None or name != "self_attn" and name not in ("self_attention", "attention", "attn")
               or any(f in cls.lower() for f in _NOT_SOFTMAX)
               or (kind is not None and kind.lower() in _LINEAR_TYPES))
     if linear:
