@@ -194,6 +194,7 @@ class GenericLayer(MoELayer):
         return MoetoolError(f"layer {self.index} is hash-routed (experts chosen by token id through "
                             f"{type(self.router).__name__}'s table, not by its logits): {what} is not defined there")
 
+    @property
     def output_scale(self) -> float:
         """The block's ``routed_scaling_factor`` where the router does not apply one itself (Beam, Laguna,
         Step-3.7: ``experts(h, idx, w) x factor``); 1 otherwise (the factor is in the weights, ``weight_scale``)."""
