@@ -76,7 +76,7 @@ def inspect(model: Model = DEFAULT_MODEL,
     from rich.table import Table
 
     c = console()
-    c.print(f"[bold]{info['name']}[/] -> {info['source']}  family [bold]{info['family']}[/] "
+    c.print(f"{info['name']} -> {info['source']}  family {info['family']} "
             f"({info['model_type']}), {info['num_layers']} decoder layers, {len(info['moe_layers'])} MoE")
     c.print(f"parameters: total {info['total_params']:,}, active per token {info['active_params']:,} "
             f"({info['active_params'] / info['total_params']:.1%})")

@@ -178,10 +178,18 @@ def quiet_transformers() -> Iterator[None]:
 
 def auto_model_class(config: Any) -> Any:
     """The transformers Auto class a model of ``config`` loads with: ``AutoModelForSeq2SeqLM`` for an encoder-decoder
-    (Switch Transformers), ``AutoModelForCausalLM`` otherwise."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    (Switch Transformers), ``AutoModelForImageTextToText`` for a vision-language family with no causal-LM head class
+    (Qwen3-VL-MoE, GLM-4.5V, ...: moetool feeds it text only), ``AutoModelForCausalLM`` otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
-    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
+    mt = getattr(config, "model_type", None)
+    if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
