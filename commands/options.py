@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,10 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto|bf16|fp16|fp32 (auto: 
 Device = Annotated[str, typer.Option("--device", help="auto|cuda|cpu.")]
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': let accelerate spread a model "
                                                   "larger than one GPU over GPUs and CPU.")]
+TP_HELP = ("Tensor parallel: split attention heads and every expert's features over N processes with transformers' "
+           "own engine (under torchrun; world = data parallel x N). See README, Several GPUs and nodes.")
+EP_HELP = ("Expert parallel: split the experts over N processes (whole experts per rank; equal to --tp, or alone: "
+           "dense layers replicated). Under torchrun.")
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "
@@ -87,6 +92,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from moetool.report import rundir  # the current-run registry: unfinished runs get their manifest status
 
+        if parallel:
+            tp, ep = kwargs.pop("tp", 1), kwargs.pop("ep", 1)
+            try:
+                set_parallel(tp, ep)
+            except MoetoolError as e:
+                typer.secho(f"error: {e}", fg="red", err=True)
+                raise typer.Exit(2) from None
         if kwargs.get("quiet"):
             quiet_libraries()
         since = rundir.run_counter()
@@ -120,7 +132,26 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 rundir.mark_unfinished(since, "failed", rundir.one_line(e))
             raise
 
+    # every command that loads a model (it has --dtype) takes --tp / --ep: added to its signature here, so the
+    # flags are declared once; the wrapper takes them out and sets moetool.distributed.set_parallel
+    sig = inspect.signature(fn)
+    parallel = "dtype" in sig.parameters and "tp" not in sig.parameters
+    if parallel:
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=1,
+                                   annotation=Annotated[int, typer.Option(f"--{name}", min=1, help=text)])
+                 for name, text in (("tp", TP_HELP), ("ep", EP_HELP))]
+        params = list(sig.parameters.values())
+        wrapper.__signature__ = sig.replace(parameters=[*params, *extra])  # type: ignore[attr-defined]
     return wrapper
+
+
+def set_parallel(tp: int, ep: int) -> None:
+    """``--tp`` / ``--ep`` for the command about to run (1, 1: nothing split). Imports torch only when asked."""
+    if tp == 1 and ep == 1 and "moetool.distributed" not in sys.modules:
+        return
+    from moetool import distributed
+
+    distributed.set_parallel(tp, ep)
 
 
 def refuse_busy_out(params: dict[str, Any]) -> None:
@@ -284,7 +315,7 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
         import torch
 
         distributed.init(params.get("device") or "auto")
-        rows = int(distributed.all_reduce(torch.tensor(rows), "min"))
+        rows = int(distributed.all_reduce_world(torch.tensor(rows), "min"))  # a model group shares its batch
         facts["rows"] = rows
     AUTO_CHOICE.clear()
     AUTO_CHOICE.update(facts)
@@ -372,6 +403,10 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     if device_map and per_node > 1:  # every rank would spread its own copy over the same GPUs
         raise MoetoolError(f"--device-map spreads one model over this node's GPUs: launch one process per node "
                            f"(torchrun --nproc-per-node 1), not {per_node}")
+    if distributed.parallel().active:  # --tp / --ep: a layout that cannot work is one line before any folder
+        from moetool.loading import load_config
+
+        distributed.check_parallel(load_config(model)[0], device_map)
     if seq_len is not None:
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
@@ -438,6 +473,9 @@ def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:
     from moetool import distributed
 
     info: dict[str, Any] = {"world_size": distributed.world_size(), "backend": distributed.backend()}
+    par = distributed.parallel()
+    if par.active:  # world_size above counts data-parallel groups; each group is tp/ep ranks holding one model
+        info.update(tp=par.tp, ep=par.ep, dp=distributed.world_size(), processes=distributed.world_size() * par.group)
     if tokens is not None and batch_size:
         mine = distributed.shard(tokens, batch_size)
         got = distributed.gather_object((int(mine.input_ids.shape[0]), int(mine.n_tokens)))

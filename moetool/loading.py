@@ -299,7 +299,17 @@ class LoadedModel:
     def manifest(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "kind": self.kind,
                 "model_type": self.config.model_type, "device": str(self.device), "dtype": str(self.dtype),
-                "moe_layers": [L.index for L in self.layers], "config": self.config.to_dict()}
+                "moe_layers": [L.index for L in self.layers], "config": self.config.to_dict(), **self.parallel()}
+
+    def parallel(self) -> dict[str, Any]:
+        """``{"parallel": {tp, ep, dp, world}}`` when loaded with --tp/--ep (transformers' DistributedConfig)."""
+        from . import distributed
+
+        par = distributed.parallel()
+        if not par.active:
+            return {}
+        return {"parallel": {"tp": par.tp, "ep": par.ep, "dp": distributed.world_size(), "group": par.group,
+                             "world": distributed.world_size() * par.group, "engine": "transformers DistributedConfig"}}
 
 
 def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
@@ -325,6 +335,17 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         if device_map != "auto":
             raise MoetoolError("--device-map takes 'auto' (accelerate places the layers)")
         kwargs["device_map"] = "auto"
+    from . import distributed
+
+    par = distributed.check_parallel(config, device_map)
+    if par.active:  # --tp / --ep: transformers' own engine splits the model over this rank's group
+        from transformers.distributed import DistributedConfig
+
+        distributed.init(device)
+        dp = distributed.world_size()
+        kwargs["distributed_config"] = DistributedConfig(
+            tp_size=par.group, ep_size=par.ep if par.ep > 1 else None, tp_plan={} if par.tp == 1 else None,
+            dp_replicate_size=dp if dp > 1 else None)
     if kind in ("local", "embedded"):
         check_safetensors(source)
     # the load report comes back to us (output_loading_info), wrong shapes included (ignore_mismatched_sizes:
@@ -340,7 +361,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         if kind in ("hub", "alias") and isinstance(e, OSError):
             raise hub_error(source, e, offline) from e
         raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
-    if not device_map:
+    if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)
     model.eval()
     tok = None
