@@ -140,7 +140,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=1,
                                    annotation=Annotated[int, typer.Option(f"--{name}", min=1, help=text)])
                  for name, text in (("tp", TP_HELP), ("ep", EP_HELP))]
-        params = list(sig.parameters.values())
+        import typing
+
+        hints = typing.get_type_hints(fn, include_extras=True)  # the module's own names (Annotated options)
+        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
         wrapper.__signature__ = sig.replace(parameters=[*params, *extra])  # type: ignore[attr-defined]
     return wrapper
 

@@ -4,6 +4,19 @@ One batched matmul over experts per chunk of tokens (never a Python loop over ex
 ``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
 Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
 elsewhere they are brought to the device for the call.
+
+Under tensor / expert parallel (``--tp`` / ``--ep``: transformers' ``DistributedConfig`` made the expert weights
+DTensors) every rank computes with the shard it holds and the results are gathered over the ranks holding the
+layer, once per token chunk -- never the weights (one DeepSeek-V3 layer's experts are ~22 GB in bf16):
+
+* expert parallel (``Shard(0)``: whole experts per rank): the rank's experts' nodes / norms, gathered along the
+  expert dimension (the same per-expert arithmetic as one process);
+* tensor parallel (each expert's intermediate features split, ``gate_up_proj`` packed per rank): the rank's
+  features of gate / up / act / glu, gathered along the feature dimension before any norm; the down projection's
+  partial outputs summed over the ranks (its bias added once, after the sum).
+
+Every rank of the group runs the same probe on the same tokens (the hooks fire identically on each), so the
+collectives line up.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import torch
 
 from .. import ops
 from ..adapters.base import ExpertWeights, MoELayer
+from ..errors import MoetoolError
 
 NODES = ("gate", "up", "act", "glu", "output")
 
@@ -41,6 +55,105 @@ def _weights_on_device(layer: MoELayer) -> Iterator[None]:
             yield
     else:
         yield
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a layer's expert weights are split over ranks: ``kind`` ``experts`` (EP) or ``features`` (TP)."""
+
+    kind: str
+    group: object  # the torch.distributed process group of the ranks holding the layer
+    size: int
+    rank: int
+
+
+def _dtensor_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed: nothing is split
+        return {}
+    return {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
+def split_of(layer: MoELayer) -> Split | None:
+    """The layer's expert split under ``--tp`` / ``--ep`` (``None``: whole weights on this rank)."""
+    params = _dtensor_params(layer.experts)
+    if not params:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    kinds = set()
+    group = size = rank = None
+    for name, p in params.items():
+        for dim, pl in enumerate(p.placements):
+            if isinstance(pl, Replicate):
+                continue
+            shard_dim = getattr(pl, "dim", None)
+            kinds.add("experts" if isinstance(pl, Shard) and type(pl) is Shard and shard_dim == 0 and p.ndim == 3
+                      else "features")
+            mesh = p.device_mesh
+            group, size, rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise MoetoolError(f"layer {layer.index}: its expert weights are split in a way moetool cannot read "
+                           f"({', '.join(f'{n}: {p.placements}' for n, p in params.items())})")
+    return Split(kinds.pop(), group, size, rank)
+
+
+@contextlib.contextmanager
+def _local_weights(layer: MoELayer) -> Iterator[None]:
+    """The experts module's DTensor parameters replaced by this rank's local shards for the block."""
+    params = _dtensor_params(layer.experts)
+    if not params:
+        yield
+        return
+    modules = dict(layer.experts.named_modules())
+    swapped = []
+    for name, p in params.items():
+        owner, _, attr = name.rpartition(".")
+        mod = modules[owner]
+        mod._parameters[attr] = p.to_local()
+        swapped.append((mod, attr, p))
+    try:
+        yield
+    finally:
+        for mod, attr, p in swapped:
+            mod._parameters[attr] = p
+
+
+def _gather(t: torch.Tensor, dim: int, split: Split) -> torch.Tensor:
+    """The ranks' ``t`` concatenated along ``dim`` in rank order (their experts, or their features)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(split.size)]
+    dist.all_gather(parts, t.contiguous(), group=split.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _sum(t: torch.Tensor, split: Split) -> torch.Tensor:
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    dist.all_reduce(t, group=split.group)
+    return t
+
+
+def _split_nodes(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[str],
+                 split: Split | None) -> dict[str, torch.Tensor]:
+    """:func:`_nodes_chunk` for every expert and feature, whatever this rank holds (see the module docstring)."""
+    if split is None:
+        return _nodes_chunk(layer, W, h, want)
+    if split.kind == "experts":
+        return {k: _gather(v, 0, split) for k, v in _nodes_chunk(layer, W, h, want).items()}
+    bias = W.down_bias
+    out = _nodes_chunk(layer, dataclasses.replace(W, down_bias=None), h, want)
+    for k in out:
+        if k == "output":
+            out[k] = _sum(out[k], split) + (0 if bias is None else bias.unsqueeze(1))
+        else:
+            out[k] = _gather(out[k], -1, split)
+    return out
 
 
 def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
@@ -96,10 +209,11 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
     unknown = want - set(NODES)
     if unknown:
         raise ValueError(f"unknown node(s) {sorted(unknown)}; choose from {', '.join(NODES)}")
-    with _weights_on_device(layer):
+    split = split_of(layer)
+    with _weights_on_device(layer), _local_weights(layer):
         W = _matmul_ready(layer, want)
         step = _chunk_size(layer, W, budget)
-        parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
+        parts = [_split_nodes(layer, W, h[s:s + step], want, split) for s in range(0, h.shape[0], step)]
     return {k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want}
 
 
@@ -108,10 +222,11 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
     """Norm of ``node`` for every expert: ``[T, n]`` fp32, streamed over token chunks."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
-    with _weights_on_device(layer):
+    split = split_of(layer)
+    with _weights_on_device(layer), _local_weights(layer):
         W = _matmul_ready(layer, {node})
         step = _chunk_size(layer, W, budget)
-        out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
+        out = [ops.vector_norm(_split_nodes(layer, W, h[s:s + step], {node}, split)[node], norm).T
                for s in range(0, h.shape[0], step)]  # each [T_c, n]
     return torch.cat(out, dim=0).to(h.device)
 
@@ -128,12 +243,13 @@ def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: 
     a NaN output propagates)."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
-    with _weights_on_device(layer):
+    split = split_of(layer)
+    with _weights_on_device(layer), _local_weights(layer):
         W = _matmul_ready(layer, {node})
         step = _chunk_size(layer, W, budget)
-        best = torch.zeros(W.gate.shape[0], dtype=torch.float32, device=h.device)
+        best = torch.zeros(routed.shape[1], dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], step):
-            y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n, T_c, d]
+            y = _split_nodes(layer, W, h[s:s + step], {node}, split)[node]  # [n, T_c, d]
             m = y.abs().amax(dim=-1).float().to(h.device)  # [n, T_c]
             m = torch.where(routed[s:s + step].T, m, torch.zeros_like(m))
             best = torch.maximum(best, m.amax(dim=1))

@@ -130,7 +130,7 @@ def expert_bytes(layer: MoELayer) -> int:
     total = 0
     for t in (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias):
         if t is not None:
-            total += t[0].numel() * t.element_size()
+            total += (t.numel() // t.shape[0]) * t.element_size()  # global shapes (a DTensor's too), no indexing
     return int(total)
 
 
