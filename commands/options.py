@@ -83,6 +83,11 @@ IncludePath = typer.Option(None, "--include-path", help="Folder of extra lm-eval
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
 
 
+#: commands that refuse --tp / --ep (one line, before anything loads), by command function
+NO_PARALLEL = {"eval_command": "eval runs lm-eval's own request loop, which shards requests over processes, not over "
+                               "model groups: --tp/--ep are not supported there (run it with --device-map auto)"}
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Known errors become one line on stderr and exit code 2 (a usage error) or 1 (:class:`MoetoolRuntimeError`;
     a full disk anywhere, even in a library's temporary file, is one: :func:`moetool.errors.write_error`);
@@ -95,6 +100,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         if parallel:
             tp, ep = kwargs.pop("tp", 1), kwargs.pop("ep", 1)
             try:
+                if (tp > 1 or ep > 1) and fn.__name__ in NO_PARALLEL:
+                    raise MoetoolError(NO_PARALLEL[fn.__name__])
                 set_parallel(tp, ep)
             except MoetoolError as e:
                 typer.secho(f"error: {e}", fg="red", err=True)
@@ -425,7 +432,7 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
               if seq_len is not None else None)
     if checkpoints is not None and tokens is not None:  # --resume: refused when other data was read
         checkpoints.check_inputs(data=tokens.fingerprint())
-    if distributed.world_size() > 1:
+    if distributed.world_size() > 1 or distributed.parallel().active:
         run.add(distributed=rank_layout(tokens, batch_size))
     return StartedRun(run, lm, tokens, options, checkpoints)
 

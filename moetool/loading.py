@@ -281,6 +281,26 @@ def _no_load_report() -> Iterator[None]:
         log.removeFilter(_DropLoadReport)
 
 
+@contextlib.contextmanager
+def _whole_replicas(active: bool) -> Iterator[None]:
+    """Data parallel over model groups (``--tp`` with world = dp × tp): transformers lays the dp groups out as
+    ``dp_replicate_size`` and then wraps the model in FSDP2 (HSDP with shard size 1) -- a training device that
+    turns every replicated weight into a DTensor outside the forward. moetool only runs forwards, each group on its
+    own batches, so every group keeps its whole replica: the FSDP2 step is skipped for this load (tensor and expert
+    parallel are applied as transformers does them)."""
+    if not active:
+        yield
+        return
+    from transformers.distributed import mixin
+
+    original = mixin.apply_fully_sharded_data_parallelism
+    mixin.apply_fully_sharded_data_parallelism = lambda model, *args, **kwargs: model
+    try:
+        yield
+    finally:
+        mixin.apply_fully_sharded_data_parallelism = original
+
+
 @dataclass
 class LoadedModel:
     name: str  # what the user typed
@@ -352,7 +372,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     # refused below by check_loading_info, with the names, instead of transformers' "see the report above")
     kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        with quiet_transformers(), _no_load_report():
+        with quiet_transformers(), _no_load_report(), _whole_replicas(par.active):
             model, info = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         check_loading_info(source, config, info)
     except MoetoolError:

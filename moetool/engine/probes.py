@@ -89,8 +89,9 @@ def split_of(layer: MoELayer) -> Split | None:
             if isinstance(pl, Replicate):
                 continue
             shard_dim = getattr(pl, "dim", None)
-            kinds.add("experts" if isinstance(pl, Shard) and type(pl) is Shard and shard_dim == 0 and p.ndim == 3
-                      else "features")
+            # Shard(0): whole experts per rank (EP); a split of any other dim (_StridedShard of the packed
+            # gate/up, Shard(-1) of down) splits every expert's features (TP)
+            kinds.add("experts" if type(pl) is Shard and shard_dim == 0 else "features")
             mesh = p.device_mesh
             group, size, rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
     if not kinds:
