@@ -51,8 +51,8 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': 
                                                   "larger than one GPU over GPUs and CPU.")]
 TP_HELP = ("Tensor parallel: split attention heads and every expert's features over N processes with transformers' "
            "own engine (under torchrun; world = data parallel x N). See README, Several GPUs and nodes.")
-EP_HELP = ("Expert parallel: split the experts over N processes (whole experts per rank; equal to --tp, or alone: "
-           "dense layers replicated). Under torchrun.")
+EP_HELP = ("Expert parallel: whole experts split over the N processes of the --tp group instead of each "
+           "expert's features (N must equal --tp). Under torchrun.")
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "

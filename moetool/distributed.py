@@ -51,9 +51,9 @@ class DistEnv:
 @dataclass(frozen=True)
 class Parallel:
     """How one model is split over a group of ranks: ``tp`` = tensor parallel size (attention heads and expert
-    intermediate features split), ``ep`` = expert parallel size (whole experts split). transformers needs ``ep``
-    to be 1 or ``tp`` (the ranks of an expert group share one batch); ``--ep N`` alone is ``tp_size=N`` with an
-    empty tensor-parallel plan (dense layers replicated, experts split)."""
+    intermediate features split), ``ep`` = expert parallel size (whole experts split instead). transformers needs
+    ``ep`` to be 1 or ``tp``: its expert groups are its tensor-parallel groups (the ranks sharing one batch), and
+    it refuses a tensor-parallel size without a tensor-parallel plan, so there is no ``--ep`` without ``--tp``."""
 
     tp: int = 1
     ep: int = 1
@@ -76,9 +76,9 @@ def set_parallel(tp: int = 1, ep: int = 1) -> Parallel:
     """``--tp`` / ``--ep`` of this command (validated against the model by :func:`check_parallel`)."""
     if tp < 1 or ep < 1:
         raise MoetoolError(f"--tp and --ep take a number of ranks >= 1, not --tp {tp} --ep {ep}")
-    if tp > 1 and ep > 1 and ep != tp:
-        raise MoetoolError(f"--ep {ep} with --tp {tp}: transformers splits experts over the ranks of one tensor "
-                           f"parallel group, so --ep must equal --tp (or be left out: --ep 1)")
+    if ep > 1 and ep != tp:
+        raise MoetoolError(f"--ep {ep} with --tp {tp}: transformers splits the experts over the ranks of one tensor "
+                           f"parallel group, so --ep must equal --tp (--tp {ep} --ep {ep}), or be left out (--ep 1)")
     _PARALLEL[0] = Parallel(tp, ep)
     return _PARALLEL[0]
 

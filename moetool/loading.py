@@ -364,7 +364,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         distributed.init(device)
         dp = distributed.world_size()
         kwargs["distributed_config"] = DistributedConfig(
-            tp_size=par.group, ep_size=par.ep if par.ep > 1 else None, tp_plan={} if par.tp == 1 else None,
+            tp_size=par.tp, ep_size=par.ep if par.ep > 1 else None,
             dp_replicate_size=dp if dp > 1 else None)
     if kind in ("local", "embedded"):
         check_safetensors(source)

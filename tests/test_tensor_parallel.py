@@ -7,9 +7,9 @@ Two launches, each running every command in ONE process per rank (tests/cli_sequ
 * 4 ranks, ``--tp 2 --ep 2``: two model groups of 2 ranks (data parallel over the groups, world = dp 2 × tp 2),
   whole experts split over the ranks of a group.
 
-Tables equal one process to relative 1e-5 (absolute 2e-6 for float32 values near zero: raw router logits in traces
-and routing margins, which TP's all-reduced attention sums in another order); traces row for row (the same rows,
-token ids, experts). Refusals (bad layouts) are one line before any run folder exists.
+Tables equal one process to relative 1e-5 (absolute 2e-6 for float32 values near zero: routing margins, which TP's
+all-reduced attention sums in another order); traces row for row (the same rows, token ids and experts exactly; their
+per-token float32 weights and logits to relative 5e-5). Refusals (bad layouts) are one line before any run folder exists.
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ def test_tables_equal_one_process(runs, layout):
         for name in names:
             a, b = _read(one / name), _read(par / name)
             a, b = (x.drop(columns=[c for c in ("seconds",) if c in x]) for x in (a, b))
-            pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-5, atol=2e-6, obj=f"{command}{i}/{name}")
+            # a trace keeps every token's float32 weights and logits: tp's re-ordered sums move the last bits, which
+            # a softmax over expert norms (norm:gate weights) can lift to ~1e-5; its routing is checked exactly below
+            rtol = 5e-5 if name.startswith("trace.") else 1e-5
+            pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=rtol, atol=2e-6, obj=f"{command}{i}/{name}")
             num = a.select_dtypes("number").columns
             if len(num):
                 rel = ((a[num] - b[num]).abs() / a[num].abs().clip(lower=1e-3)).max().max()
@@ -127,14 +130,15 @@ def test_bad_layouts_are_one_line_before_loading(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("world, tp, ep, device_map, says", [
-    (4, 4, 1, None, "2 key/value heads do not split over 4 ranks"),
-    (3, 1, 3, None, "8 experts do not split over 3 ranks"),
-    (6, 4, 1, None, "world size 6 is not a multiple of the 4 ranks"),
-    (2, 2, 1, "auto", "--device-map with --tp 2"),
-    (2, 1, 2, "auto", "--device-map with --ep 2"),
+@pytest.mark.parametrize("world, tp, ep, device_map, tweak, says", [
+    (4, 4, 1, None, {}, "2 key/value heads do not split over 4 ranks"),
+    (2, 2, 2, None, {"num_local_experts": 5}, "5 experts do not split over 2 ranks"),
+    (2, 2, 1, None, {"intermediate_size": 191}, "191 expert intermediate features do not split over 2 ranks"),
+    (6, 4, 1, None, {}, "world size 6 is not a multiple of the 4 ranks"),
+    (2, 2, 1, "auto", {}, "--device-map with --tp 2"),
+    (2, 2, 2, "auto", {}, "--device-map with --tp 2"),
 ])
-def test_check_parallel_refuses(monkeypatch, world, tp, ep, device_map, says):
+def test_check_parallel_refuses(monkeypatch, world, tp, ep, device_map, tweak, says):
     """The layout checks on the config alone, as a launcher's environment presents the processes."""
     from moetool import distributed
     from moetool.errors import MoetoolError
@@ -143,6 +147,8 @@ def test_check_parallel_refuses(monkeypatch, world, tp, ep, device_map, says):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     config = load_config("tiny")[0]
+    for k, v in tweak.items():
+        setattr(config, k, v)
     try:
         distributed.set_parallel(tp, ep)
         with pytest.raises(MoetoolError, match=re.escape(says)):
@@ -155,8 +161,9 @@ def test_set_parallel_refuses_ep_other_than_tp():
     from moetool import distributed
     from moetool.errors import MoetoolError
 
-    with pytest.raises(MoetoolError, match="--ep must equal --tp"):
-        distributed.set_parallel(2, 4)
+    for tp, ep in ((2, 4), (1, 2)):  # no --ep without the same --tp: transformers' expert groups are its tp groups
+        with pytest.raises(MoetoolError, match="--ep must equal --tp"):
+            distributed.set_parallel(tp, ep)
     assert distributed.parallel() == distributed.Parallel(1, 1)
 
 
@@ -168,7 +175,7 @@ def test_check_parallel_accepts(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     config = load_config("tiny")[0]
     try:
-        for tp, ep in ((2, 1), (2, 2), (1, 2), (1, 4)):
+        for tp, ep in ((2, 1), (2, 2), (1, 1)):  # world 4: two model groups of 2
             want = distributed.set_parallel(tp, ep)
             assert distributed.check_parallel(config) == want == distributed.Parallel(tp, ep)
     finally:
