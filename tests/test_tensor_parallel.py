@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from test_distributed_cli import CASES, NOT_DISTRIBUTED, SEQUENCE, run_cli
+from test_distributed_cli import CASES, NOT_DISTRIBUTED, SEQUENCE, accelerate_launch, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -101,6 +101,18 @@ def test_tables_equal_one_process(runs, layout):
         d = m.get("distributed", {})
         assert d.get("tp", tp) == tp and d.get("processes", world) == world
     print(layout, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def test_accelerate_launch_tp(runs):
+    """``accelerate launch`` (its own launcher, the same rank variables) with --tp 2: stats equals one process."""
+    i, (command, extra) = next((i, c) for i, c in enumerate(_cases()) if c[0] == "stats")
+    out = runs / "accelerate" / f"{command}{i}"
+    run_cli([command, "--quiet", *extra, "--batch-size", "4", "--tp", "2", "--out", str(out)], runs, world=2,
+            launcher=accelerate_launch)
+    for f in (runs / "one" / f"{command}{i}").glob("*.csv"):
+        pd.testing.assert_frame_equal(_read(f), _read(out / f.name), check_exact=False, rtol=1e-5, atol=2e-6,
+                                      obj=f.name)
+    assert json.loads((out / "manifest.json").read_text())["model"]["parallel"]["tp"] == 2
 
 
 def test_traces_row_for_row(runs):
