@@ -84,7 +84,8 @@ DEFINITIONS = {
               "--device-map auto over one node's GPUs (one replica per node), tensor+expert parallel (--tp N --ep N) "
               "within each node (one replica per node) or over every GPU",
     "gib_per_gpu": "weights on the fullest GPU + activations of one batch (logits + 2 hidden states, "
-                   "sizing.estimate_memory), GiB",
+                   "sizing.estimate_memory), GiB; tensor+expert parallel: the routed experts split over the GPUs, "
+                   "every other weight counted whole (an upper bound)",
     "fits": f"gib_per_gpu <= {USABLE:.0%} of the GPU's memory",
     "available": "whether this moetool version runs the layout (no: what is missing)",
     "command": "the command line for the layout (ppl as the example command)",
@@ -288,6 +289,10 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
     tokens_batch = rows * seq_len
     for name, fmt, shards, replicas, computing, available, command in layouts:
         per_gpu = weights[fmt] / shards + act
+        if name.startswith("tensor+expert"):  # routed experts split; the rest counted whole on every GPU (an upper
+            # bound: which dense layers a model's tensor-parallel plan splits differs, e.g. DeepSeek-V3's MLA is whole)
+            routed = sizes[fmt].get("routed_experts", 0)
+            per_gpu = routed / shards + (weights[fmt] - routed) + act
         fits = per_gpu <= usable
         lay_rows.append({"layout": name, "format": fmt, "gpus": shards * replicas, "replicas": replicas,
                          "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits, "available": available,
