@@ -227,8 +227,12 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
     with _weights_on_device(layer), _local_weights(layer):
         W = _matmul_ready(layer, {node})
         step = _chunk_size(layer, W, budget)
-        out = [ops.vector_norm(_split_nodes(layer, W, h[s:s + step], {node}, split)[node], norm).T
-               for s in range(0, h.shape[0], step)]  # each [T_c, n]
+        if split is not None and split.kind == "experts":  # whole experts here: norms of this rank's, gathered
+            out = [_gather(ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T, 1, split)
+                   for s in range(0, h.shape[0], step)]  # each [T_c, n]
+        else:
+            out = [ops.vector_norm(_split_nodes(layer, W, h[s:s + step], {node}, split)[node], norm).T
+                   for s in range(0, h.shape[0], step)]  # each [T_c, n]
     return torch.cat(out, dim=0).to(h.device)
 
 
