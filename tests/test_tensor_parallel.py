@@ -192,3 +192,83 @@ def test_check_parallel_accepts(monkeypatch):
             assert distributed.check_parallel(config) == want == distributed.Parallel(tp, ep)
     finally:
         distributed.set_parallel(1, 1)
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A one-process gloo group and a 1-rank device mesh: DTensor expert weights without a launcher."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from test_distributed import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_of_reads_the_placements(one_rank_group):
+    """Shard(0) of the fused expert weights = whole experts per rank (ep); a split of another dim = every expert's
+    features (tp), read only for the layout moetool verified (the base fused gate_up/down view); a family with its
+    own expert layout (gpt-oss: interleaved gate/up and biases) is refused in one line, never read wrongly."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.engine.probes import split_of
+    from moetool.errors import MoetoolError
+
+    def put(layer, placement):
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(layer.experts, name)
+            layer.experts._parameters[name] = torch.nn.Parameter(
+                distribute_tensor(p.detach(), one_rank_group, [placement]), requires_grad=False)
+
+    mix = find_moe_layers(build_tiny("mixtral"))[0]
+    assert split_of(mix) is None
+    put(mix, Shard(0))
+    assert split_of(mix).kind == "experts" and split_of(mix).size == 1
+    mix = find_moe_layers(build_tiny("mixtral"))[0]
+    put(mix, Shard(1))
+    assert split_of(mix).kind == "features"
+    oss = find_moe_layers(build_tiny("gpt_oss"))[0]
+    put(oss, Shard(0))
+    assert split_of(oss).kind == "experts"
+    oss = find_moe_layers(build_tiny("gpt_oss"))[0]
+    put(oss, Shard(1))
+    with pytest.raises(MoetoolError, match="split by --tp alone is not supported; use --tp N --ep N"):
+        split_of(oss)
+
+
+@pytest.mark.parametrize("placement_dim", [0, 1])
+def test_probes_read_dtensor_weights(one_rank_group, placement_dim):
+    """Probes on DTensor expert weights (the rank's local shard, gathered / summed over the group) equal the same
+    probes on the plain weights (a 1-rank group: the collectives are the identity; tests above use 2 and 4 ranks)."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.engine.probes import expert_nodes, node_scores, routed_absmax
+
+    layer = find_moe_layers(build_tiny("mixtral"))[0]
+    h = torch.randn(37, layer.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(0))
+    routed = torch.rand(37, layer.experts.gate_up_proj.shape[0], generator=torch.Generator().manual_seed(1)) < 0.3
+    want = {n: node_scores(layer, h, n) for n in ("gate", "glu", "output")}
+    nodes = expert_nodes(layer, h, ("act", "output"))
+    peak = routed_absmax(layer, h, routed)
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(layer.experts, name)
+        layer.experts._parameters[name] = torch.nn.Parameter(
+            distribute_tensor(p.detach(), one_rank_group, [Shard(placement_dim)]), requires_grad=False)
+    for n, ref in want.items():
+        torch.testing.assert_close(node_scores(layer, h, n), ref, rtol=0, atol=0)
+    got = expert_nodes(layer, h, ("act", "output"))
+    for n in nodes:
+        torch.testing.assert_close(got[n], nodes[n], rtol=0, atol=0)
+    torch.testing.assert_close(routed_absmax(layer, h, routed), peak, rtol=0, atol=0)

@@ -99,7 +99,14 @@ def split_of(layer: MoELayer) -> Split | None:
     if len(kinds) > 1:
         raise MoetoolError(f"layer {layer.index}: its expert weights are split in a way moetool cannot read "
                            f"({', '.join(f'{n}: {p.placements}' for n, p in params.items())})")
-    return Split(kinds.pop(), group, size, rank)
+    kind = kinds.pop()
+    if kind == "features" and type(layer).expert_weights is not MoELayer.expert_weights:
+        # verified: fused gate_up_proj [n, 2I, d] split as transformers' packed_colwise (each rank: its slice of
+        # gate, then of up) and down_proj split on I; a family with its own expert layout (interleaved gate/up,
+        # biases, per-expert linears) could read its local shard wrongly: refused rather than guessed
+        raise MoetoolError(f"layer {layer.index}: reading the {type(layer).__name__} expert weights split by --tp "
+                           f"alone is not supported; use --tp N --ep N (whole experts per rank)")
+    return Split(kind, group, size, rank)
 
 
 @contextlib.contextmanager
