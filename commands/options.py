@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,10 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': 
 Quantize = Annotated[Optional[str], typer.Option("--quantize", metavar="fp8", help="fp8: load a bf16 checkpoint with "
                                                  "transformers' block-scaled FP8 quantization (CUDA only; "
                                                  "Mixtral-8x7B then fits one 80 GB GPU).")]
+TP_HELP = ("Tensor parallel: split attention heads and every expert's features over N processes with transformers' "
+           "own engine (under torchrun; world = data parallel x N). See README, Several GPUs and nodes.")
+EP_HELP = ("Expert parallel: whole experts split over the N processes of the --tp group instead of each "
+           "expert's features (N must equal --tp). Under torchrun.")
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "
@@ -81,6 +86,11 @@ IncludePath = typer.Option(None, "--include-path", help="Folder of extra lm-eval
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
 
 
+#: commands that refuse --tp / --ep (one line, before anything loads), by command function
+NO_PARALLEL = {"eval_command": "eval runs lm-eval's own request loop, which shards requests over processes, not over "
+                               "model groups: --tp/--ep are not supported there (run it with --device-map auto)"}
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Known errors become one line on stderr and exit code 2 (a usage error) or 1 (:class:`MoetoolRuntimeError`;
     a full disk anywhere, even in a library's temporary file, is one: :func:`moetool.errors.write_error`);
@@ -90,6 +100,15 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from moetool.report import rundir  # the current-run registry: unfinished runs get their manifest status
 
+        if parallel:
+            tp, ep = kwargs.pop("tp", 1), kwargs.pop("ep", 1)
+            try:
+                if (tp > 1 or ep > 1) and fn.__name__ in NO_PARALLEL:
+                    raise MoetoolError(NO_PARALLEL[fn.__name__])
+                set_parallel(tp, ep)
+            except MoetoolError as e:
+                typer.secho(f"error: {e}", fg="red", err=True)
+                raise typer.Exit(2) from None
         if kwargs.get("quiet"):
             quiet_libraries()
         since = rundir.run_counter()
@@ -123,7 +142,29 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 rundir.mark_unfinished(since, "failed", rundir.one_line(e))
             raise
 
+    # every command that loads a model (it has --dtype) takes --tp / --ep: added to its signature here, so the
+    # flags are declared once; the wrapper takes them out and sets moetool.distributed.set_parallel
+    sig = inspect.signature(fn)
+    parallel = "dtype" in sig.parameters and "tp" not in sig.parameters
+    if parallel:
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=1,
+                                   annotation=Annotated[int, typer.Option(f"--{name}", min=1, help=text)])
+                 for name, text in (("tp", TP_HELP), ("ep", EP_HELP))]
+        import typing
+
+        hints = typing.get_type_hints(fn, include_extras=True)  # the module's own names (Annotated options)
+        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+        wrapper.__signature__ = sig.replace(parameters=[*params, *extra])  # type: ignore[attr-defined]
     return wrapper
+
+
+def set_parallel(tp: int, ep: int) -> None:
+    """``--tp`` / ``--ep`` for the command about to run (1, 1: nothing split). Imports torch only when asked."""
+    if tp == 1 and ep == 1 and "moetool.distributed" not in sys.modules:
+        return
+    from moetool import distributed
+
+    distributed.set_parallel(tp, ep)
 
 
 def refuse_busy_out(params: dict[str, Any]) -> None:
@@ -288,7 +329,7 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
         import torch
 
         distributed.init(params.get("device") or "auto")
-        rows = int(distributed.all_reduce(torch.tensor(rows), "min"))
+        rows = int(distributed.all_reduce_world(torch.tensor(rows), "min"))  # a model group shares its batch
         facts["rows"] = rows
     AUTO_CHOICE.clear()
     AUTO_CHOICE.update(facts)
@@ -378,6 +419,10 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
     if device_map and per_node > 1:  # every rank would spread its own copy over the same GPUs
         raise MoetoolError(f"--device-map spreads one model over this node's GPUs: launch one process per node "
                            f"(torchrun --nproc-per-node 1), not {per_node}")
+    if distributed.parallel().active:  # --tp / --ep: a layout that cannot work is one line before any folder
+        from moetool.loading import load_config
+
+        distributed.check_parallel(load_config(model)[0], device_map)
     if seq_len is not None:
         DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
@@ -398,7 +443,7 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
               if seq_len is not None else None)
     if checkpoints is not None and tokens is not None:  # --resume: refused when other data was read
         checkpoints.check_inputs(data=tokens.fingerprint())
-    if distributed.world_size() > 1:
+    if distributed.world_size() > 1 or distributed.parallel().active:
         run.add(distributed=rank_layout(tokens, batch_size))
     return StartedRun(run, lm, tokens, options, checkpoints)
 
@@ -449,6 +494,9 @@ def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:
     from moetool import distributed
 
     info: dict[str, Any] = {"world_size": distributed.world_size(), "backend": distributed.backend()}
+    par = distributed.parallel()
+    if par.active:  # world_size above counts data-parallel groups; each group is tp/ep ranks holding one model
+        info.update(tp=par.tp, ep=par.ep, dp=distributed.world_size(), processes=distributed.world_size() * par.group)
     if tokens is not None and batch_size:
         mine = distributed.shard(tokens, batch_size)
         got = distributed.gather_object((int(mine.input_ids.shape[0]), int(mine.n_tokens)))

@@ -17,6 +17,12 @@ What a forward loop needs (one process or many):
    global batches.
 3. only ``is_main()`` creates the run directory and writes; ``gather_object`` brings per-rank facts (token counts)
    to the manifest.
+
+Tensor and expert parallel (``--tp N`` / ``--ep N``, :func:`set_parallel`): transformers' own engine
+(``DistributedConfig``) splits ONE model over a group of ``max(tp, ep)`` consecutive ranks, which all see the same
+tokens; data parallel runs across groups (world = dp × group). Then :func:`rank` / :func:`world_size` are the
+data-parallel rank and size (the group's number and the number of groups), every reduction above runs over the ranks
+of this rank's position in its group (one per group: each group counted once) and :func:`is_main` is global rank 0.
 """
 
 from __future__ import annotations
@@ -40,6 +46,82 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one model is split over a group of ranks: ``tp`` = tensor parallel size (attention heads and expert
+    intermediate features split), ``ep`` = expert parallel size (whole experts split instead). transformers needs
+    ``ep`` to be 1 or ``tp``: its expert groups are its tensor-parallel groups (the ranks sharing one batch), and
+    it refuses a tensor-parallel size without a tensor-parallel plan, so there is no ``--ep`` without ``--tp``."""
+
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def group(self) -> int:
+        """Ranks holding one copy of the model (they see the same tokens)."""
+        return max(self.tp, self.ep)
+
+    @property
+    def active(self) -> bool:
+        return self.group > 1
+
+
+_PARALLEL = [Parallel()]
+_GROUPS: dict[str, Any] = {}  # "dp": this rank's data-parallel process group (tp/ep runs only)
+
+
+def set_parallel(tp: int = 1, ep: int = 1) -> Parallel:
+    """``--tp`` / ``--ep`` of this command (validated against the model by :func:`check_parallel`)."""
+    if tp < 1 or ep < 1:
+        raise MoetoolError(f"--tp and --ep take a number of ranks >= 1, not --tp {tp} --ep {ep}")
+    if ep > 1 and ep != tp:
+        raise MoetoolError(f"--ep {ep} with --tp {tp}: transformers splits the experts over the ranks of one tensor "
+                           f"parallel group, so --ep must equal --tp (--tp {ep} --ep {ep}), or be left out (--ep 1)")
+    _PARALLEL[0] = Parallel(tp, ep)
+    return _PARALLEL[0]
+
+
+def parallel() -> Parallel:
+    return _PARALLEL[0]
+
+
+def check_parallel(config: Any, device_map: str | None = None) -> Parallel:
+    """One line before anything loads for a layout that cannot work: not under a launcher, a world not divisible
+    by the group, ``--device-map`` with it, heads, key/value heads, experts or expert features not divisible."""
+    par = parallel()
+    if not par.active:
+        return par
+    flag = f"--tp {par.tp}" if par.tp > 1 else f"--ep {par.ep}"
+    world = env().world_size
+    if world == 1:
+        raise MoetoolError(f"{flag} splits the model over {par.group} processes: launch with torchrun "
+                           f"--nproc-per-node {par.group} (or accelerate launch); this is one process")
+    if world % par.group:
+        raise MoetoolError(f"{flag}: the world size {world} is not a multiple of the {par.group} ranks holding one "
+                           f"model (world = data parallel × {par.group})")
+    if device_map:
+        raise MoetoolError(f"--device-map with {flag}: tensor/expert parallel already places the model on the ranks' "
+                           "devices; use one or the other")
+    text = getattr(config, "get_text_config", lambda: config)()
+    checks = []
+    if par.tp > 1:
+        checks += [("attention heads", getattr(text, "num_attention_heads", None), par.tp),
+                   ("key/value heads", getattr(text, "num_key_value_heads", None), par.tp)]
+    n_experts = next((getattr(text, k) for k in ("n_routed_experts", "num_local_experts", "num_experts",
+                                                  "moe_num_experts") if isinstance(getattr(text, k, None), int)), None)
+    if par.ep > 1:
+        checks.append(("experts", n_experts, par.ep))
+    elif par.tp > 1:
+        inter = next((getattr(text, k) for k in ("moe_intermediate_size", "intermediate_size")
+                      if isinstance(getattr(text, k, None), int)), None)
+        checks.append(("expert intermediate features", inter, par.tp))  # tp alone splits each expert's features
+    for what, n, size in checks:
+        if isinstance(n, int) and n % size:
+            raise MoetoolError(f"{flag}: the model's {n} {what} do not split over {size} ranks (choose a divisor "
+                               f"of {n})")
+    return par
 
 
 # torchrun and ``accelerate launch --multi_gpu`` set RANK / WORLD_SIZE / LOCAL_RANK; ``accelerate launch --cpu
@@ -93,7 +175,25 @@ def init(device: str | None = None) -> torch.device:
         _dist().init_process_group(backend="nccl" if use_cuda else "gloo", rank=e.rank, world_size=e.world_size,
                                    timeout=_timeout())
         atexit.register(shutdown)  # leave the group cleanly when the command ends
+    _dp_group()
     return dev
+
+
+def _dp_group() -> Any:
+    """Under tp/ep: the process group of the ranks at this rank's position in every model group (one per group),
+    made once by every rank in the same order; ``None`` (the whole world) otherwise."""
+    g = parallel().group
+    if g == 1 or not initialized():
+        return None
+    world = _dist().get_world_size()
+    if _GROUPS.get("dp_key") != (g, world):
+        mine = _dist().get_rank() % g
+        for pos in range(g):
+            group = _dist().new_group(list(range(pos, world, g)))
+            if pos == mine:
+                _GROUPS["dp"] = group
+        _GROUPS["dp_key"] = (g, world)
+    return _GROUPS["dp"]
 
 
 def _timeout() -> Any:
@@ -108,14 +208,26 @@ def _timeout() -> Any:
 def shutdown() -> None:
     if initialized():
         _dist().destroy_process_group()
+    _GROUPS.clear()
 
 
-def rank() -> int:
+def global_rank() -> int:
     return _dist().get_rank() if initialized() else env().rank
 
 
+def rank() -> int:
+    """The data-parallel rank (the model group's number under tp/ep; the process's rank otherwise)."""
+    return global_rank() // parallel().group
+
+
 def world_size() -> int:
-    return _dist().get_world_size() if initialized() else 1
+    """The data-parallel size: processes, or model groups under tp/ep (1 alone)."""
+    return _dist().get_world_size() // parallel().group if initialized() else 1
+
+
+def _reduces() -> bool:
+    """True when there is more than one data-parallel part to combine."""
+    return initialized() and world_size() > 1
 
 
 def backend() -> str | None:
@@ -125,7 +237,7 @@ def backend() -> str | None:
 
 def is_main() -> bool:
     """True on rank 0 (or alone): the one process that writes the run directory."""
-    return rank() == 0
+    return global_rank() == 0
 
 
 def barrier() -> None:
@@ -169,12 +281,12 @@ def _backend_device() -> torch.device:
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``t`` reduced over ranks (a new tensor on ``t``'s device; ``t`` itself alone)."""
-    if not initialized():
+    """``t`` reduced over the data-parallel ranks (a new tensor on ``t``'s device; ``t`` itself alone)."""
+    if not _reduces():
         return t
     d = _dist()
     buf = t.detach().to(_backend_device()).clone()
-    d.all_reduce(buf, op=getattr(d.ReduceOp, _OPS[op]))
+    d.all_reduce(buf, op=getattr(d.ReduceOp, _OPS[op]), group=_dp_group())
     return buf.to(t.device)
 
 
@@ -197,7 +309,7 @@ def all_reduce_keyed(acc: Mapping[Any, Any], op: str = "sum") -> dict[Any, Any]:
     joins with zeros of the shape another rank reported, and every rank then reduces the same tensors in the
     same order -- so a rank with fewer (or no) rows never leaves a collective unmatched. Values: tensors or
     dicts of tensors (other entries copied from whichever rank has them)."""
-    if not initialized():
+    if not _reduces():
         return dict(acc)
 
     def spec(v: Any) -> Any:
@@ -240,21 +352,21 @@ def all_gather_rows(t: torch.Tensor, counts: torch.Tensor | None = None) -> torc
     """Every rank's ``t`` (rows may differ in number, even 0) concatenated along dim 0 in rank order, on every
     rank (``t`` alone). ``counts``: the ranks' row counts if known (:func:`rank_counts`), else one more
     collective finds them."""
-    if not initialized():
+    if not _reduces():
         return t
     counts = rank_counts(t.shape[0]) if counts is None else counts
     size = int(counts.max())
     buf = torch.zeros((size, *t.shape[1:]), dtype=t.dtype, device=_backend_device())
     buf[: t.shape[0]] = t.detach().to(buf.device)
     parts = [torch.empty_like(buf) for _ in range(world_size())]
-    _dist().all_gather(parts, buf)
+    _dist().all_gather(parts, buf, group=_dp_group())
     return torch.cat([p[: int(c)] for p, c in zip(parts, counts.tolist())]).to(t.device)
 
 
 def all_reduce_state(obj: Any) -> Any:
     """Reduce an object exposing ``state()``, ``load_state()`` and ``REDUCE`` (the :mod:`moetool.sketch` summaries)
     in place; returns it."""
-    if initialized():
+    if _reduces():
         obj.load_state({k: all_reduce(v, obj.REDUCE[k]) for k, v in obj.state().items()})
     return obj
 
@@ -262,17 +374,29 @@ def all_reduce_state(obj: Any) -> Any:
 def gather_to_main(value: Any) -> list[Any] | None:
     """``value`` of every rank in rank order on rank 0 (``None`` on the others; ``[value]`` alone): rows only the
     writer needs (trace rows) travel once, not to every rank."""
-    if not initialized():
+    if not _reduces():
         return [value]
-    out: list[Any] | None = [None] * world_size() if is_main() else None
-    _dist().gather_object(value, out, dst=0)
-    return out
+    dst = global_rank() % parallel().group  # this data-parallel group's first rank (global rank 0 for the writer's)
+    out: list[Any] | None = [None] * world_size() if global_rank() == dst else None
+    _dist().gather_object(value, out, dst=dst, group=_dp_group())
+    return out if is_main() else None
 
 
 def gather_object(value: Any) -> list[Any]:
     """``value`` of every rank, in rank order (``[value]`` alone)."""
-    if not initialized():
+    if not _reduces():
         return [value]
     out: list[Any] = [None] * world_size()
-    _dist().all_gather_object(out, value)
+    _dist().all_gather_object(out, value, group=_dp_group())
     return out
+
+
+def all_reduce_world(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``t`` reduced over EVERY process (not only the data-parallel ranks): a choice all ranks of a model group
+    must share (``--batch-size auto``)."""
+    if not initialized():
+        return t
+    d = _dist()
+    buf = t.detach().to(_backend_device()).clone()
+    d.all_reduce(buf, op=getattr(d.ReduceOp, _OPS[op]))
+    return buf.to(t.device)

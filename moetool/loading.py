@@ -320,6 +320,26 @@ def check_quantize(quantize: str | None, device: str = "auto") -> None:
                            "as it is (transformers dequantizes FP8 checkpoints on CPU)")
 
 
+@contextlib.contextmanager
+def _whole_replicas(active: bool) -> Iterator[None]:
+    """Data parallel over model groups (``--tp`` with world = dp × tp): transformers lays the dp groups out as
+    ``dp_replicate_size`` and then wraps the model in FSDP2 (HSDP with shard size 1) -- a training device that
+    turns every replicated weight into a DTensor outside the forward. moetool only runs forwards, each group on its
+    own batches, so every group keeps its whole replica: the FSDP2 step is skipped for this load (tensor and expert
+    parallel are applied as transformers does them)."""
+    if not active:
+        yield
+        return
+    from transformers.distributed import mixin
+
+    original = mixin.apply_fully_sharded_data_parallelism
+    mixin.apply_fully_sharded_data_parallelism = lambda model, *args, **kwargs: model
+    try:
+        yield
+    finally:
+        mixin.apply_fully_sharded_data_parallelism = original
+
+
 @dataclass
 class LoadedModel:
     name: str  # what the user typed
@@ -358,7 +378,17 @@ class LoadedModel:
         return {"name": self.name, "source": self.source, "kind": self.kind,
                 "model_type": self.config.model_type, "device": str(self.device), "dtype": str(self.dtype),
                 "moe_layers": [L.index for L in self.layers], "quantization": self.quantization(),
-                "expert_formats": self.expert_formats(), "config": self.config.to_dict()}
+                "expert_formats": self.expert_formats(), "config": self.config.to_dict(), **self.parallel()}
+
+    def parallel(self) -> dict[str, Any]:
+        """``{"parallel": {tp, ep, dp, world}}`` when loaded with --tp/--ep (transformers' DistributedConfig)."""
+        from . import distributed
+
+        par = distributed.parallel()
+        if not par.active:
+            return {}
+        return {"parallel": {"tp": par.tp, "ep": par.ep, "dp": distributed.world_size(), "group": par.group,
+                             "world": distributed.world_size() * par.group, "engine": "transformers DistributedConfig"}}
 
 
 def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
@@ -411,13 +441,24 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         if device_map != "auto":
             raise MoetoolError("--device-map takes 'auto' (accelerate places the layers)")
         kwargs["device_map"] = "auto"
+    from . import distributed
+
+    par = distributed.check_parallel(config, device_map)
+    if par.active:  # --tp / --ep: transformers' own engine splits the model over this rank's group
+        from transformers.distributed import DistributedConfig
+
+        distributed.init(device)
+        dp = distributed.world_size()
+        kwargs["distributed_config"] = DistributedConfig(
+            tp_size=par.tp, ep_size=par.ep if par.ep > 1 else None,
+            dp_replicate_size=dp if dp > 1 else None)
     if kind in ("local", "embedded"):
         check_safetensors(source)
     # the load report comes back to us (output_loading_info), wrong shapes included (ignore_mismatched_sizes:
     # refused below by check_loading_info, with the names, instead of transformers' "see the report above")
     kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        with quiet_transformers(), _no_load_report():
+        with quiet_transformers(), _no_load_report(), _whole_replicas(par.active):
             model, info = auto_model_class(config).from_pretrained(source, **kwargs)
         check_loading_info(source, config, info)
     except MoetoolError:
@@ -426,7 +467,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         if kind in ("hub", "alias") and isinstance(e, OSError):
             raise hub_error(source, e, offline) from e
         raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
-    if not device_map:
+    if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)
     model.eval()
     tok = _tokenizer(source, from_hub) if tokenizer else None

@@ -326,8 +326,8 @@ def stored_bytes_per_expert(layer: MoELayer) -> int:
     ex = layer.experts
     if fmt.kind == "plain":
         w = layer.expert_weights()
-        return int(sum(t[0].numel() * t.element_size() for t in (w.gate, w.up, w.down, w.gate_bias, w.up_bias,
-                                                                  w.down_bias) if t is not None))
+        return int(sum((t.numel() // t.shape[0]) * t.element_size()  # global shapes (a DTensor's too), no indexing
+                       for t in (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias) if t is not None))
     if fmt.kind == "linears":
         items = _per_expert(ex)
         return int(sum(t.numel() * t.element_size() for t in [*items[0].parameters(), *items[0].buffers()]))

@@ -10,6 +10,19 @@ node) are ``||x||`` and its output rows ``x``; a skip expert's (Zaya) are all 0;
 not exist (:func:`expert_nodes` refuses it).
 Works on offloaded (accelerate) layers: inside the layer's forward the weights accelerate brought in are reused;
 elsewhere they are brought to the device for the call.
+
+Under tensor / expert parallel (``--tp`` / ``--ep``: transformers' ``DistributedConfig`` made the expert weights
+DTensors) every rank computes with the shard it holds and the results are gathered over the ranks holding the
+layer, once per token chunk -- never the weights (one DeepSeek-V3 layer's experts are ~22 GB in bf16):
+
+* expert parallel (``Shard(0)``: whole experts per rank): the rank's experts' nodes / norms, gathered along the
+  expert dimension (the same per-expert arithmetic as one process);
+* tensor parallel (each expert's intermediate features split, ``gate_up_proj`` packed per rank): the rank's
+  features of gate / up / act / glu, gathered along the feature dimension before any norm; the down projection's
+  partial outputs summed over the ranks (its bias added once, after the sum).
+
+Every rank of the group runs the same probe on the same tokens (the hooks fire identically on each), so the
+collectives line up.
 """
 
 from __future__ import annotations
@@ -54,6 +67,123 @@ def _weights_on_device(layer: MoELayer) -> Iterator[None]:
 def _parts(want: set[str]) -> set[str]:
     """The expert matrices the nodes ``want`` read (what :func:`_nodes_chunk` touches)."""
     return {"gate"} | ({"up"} if want & {"up", "glu", "output"} else set()) | ({"down"} if "output" in want else set())
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a layer's expert weights are split over ranks: ``kind`` ``experts`` (EP) or ``features`` (TP)."""
+
+    kind: str
+    group: object  # the torch.distributed process group of the ranks holding the layer
+    size: int
+    rank: int
+
+
+def _dtensor_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed: nothing is split
+        return {}
+    return {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
+def split_of(layer: MoELayer) -> Split | None:
+    """The layer's expert split under ``--tp`` / ``--ep`` (``None``: whole weights on this rank)."""
+    params = _dtensor_params(layer.experts)
+    if not params:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    kinds = set()
+    group = size = rank = None
+    for name, p in params.items():
+        for dim, pl in enumerate(p.placements):
+            if isinstance(pl, Replicate):
+                continue
+            shard_dim = getattr(pl, "dim", None)
+            # Shard(0): whole experts per rank (EP); a split of any other dim (_StridedShard of the packed
+            # gate/up, Shard(-1) of down) splits every expert's features (TP)
+            kinds.add("experts" if type(pl) is Shard and shard_dim == 0 else "features")
+            mesh = p.device_mesh
+            group, size, rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise MoetoolError(f"layer {layer.index}: its expert weights are split in a way moetool cannot read "
+                           f"({', '.join(f'{n}: {p.placements}' for n, p in params.items())})")
+    kind = kinds.pop()
+    if kind == "features" and type(layer).expert_weights is not MoELayer.expert_weights:
+        # verified: fused gate_up_proj [n, 2I, d] split as transformers' packed_colwise (each rank: its slice of
+        # gate, then of up) and down_proj split on I; a family with its own expert layout (interleaved gate/up,
+        # biases, per-expert linears) could read its local shard wrongly: refused rather than guessed
+        raise MoetoolError(f"layer {layer.index}: reading the {type(layer).__name__} expert weights split by --tp "
+                           f"alone is not supported; use --tp N --ep N (whole experts per rank)")
+    return Split(kind, group, size, rank)
+
+
+def _split(layer: MoELayer) -> Split | None:
+    """:func:`split_of`, refusing quantized experts under ``--tp``/``--ep`` (their sliced dequantization and the
+    split are not composed: one line rather than a guess)."""
+    split = split_of(layer)
+    if split is not None and quant.expert_format(layer).kind != "plain":
+        raise MoetoolError(f"layer {layer.index}: quantized expert weights ({quant.expert_format(layer).kind}) split "
+                           f"by --tp/--ep cannot be read by the probes yet; run without --tp/--ep")
+    return split
+
+
+@contextlib.contextmanager
+def _local_weights(layer: MoELayer) -> Iterator[None]:
+    """The experts module's DTensor parameters replaced by this rank's local shards for the block."""
+    params = _dtensor_params(layer.experts)
+    if not params:
+        yield
+        return
+    modules = dict(layer.experts.named_modules())
+    swapped = []
+    for name, p in params.items():
+        owner, _, attr = name.rpartition(".")
+        mod = modules[owner]
+        mod._parameters[attr] = p.to_local()
+        swapped.append((mod, attr, p))
+    try:
+        yield
+    finally:
+        for mod, attr, p in swapped:
+            mod._parameters[attr] = p
+
+
+def _gather(t: torch.Tensor, dim: int, split: Split) -> torch.Tensor:
+    """The ranks' ``t`` concatenated along ``dim`` in rank order (their experts, or their features)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(split.size)]
+    dist.all_gather(parts, t.contiguous(), group=split.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _sum(t: torch.Tensor, split: Split) -> torch.Tensor:
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    dist.all_reduce(t, group=split.group)
+    return t
+
+
+def _split_nodes(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[str],
+                 split: Split | None) -> dict[str, torch.Tensor]:
+    """:func:`_nodes_chunk` for every expert and feature, whatever this rank holds (see the module docstring)."""
+    if split is None:
+        return _nodes_chunk(layer, W, h, want)
+    if split.kind == "experts":
+        return {k: _gather(v, 0, split) for k, v in _nodes_chunk(layer, W, h, want).items()}
+    bias = W.down_bias
+    out = _nodes_chunk(layer, dataclasses.replace(W, down_bias=None), h, want)
+    for k in out:
+        if k == "output":
+            out[k] = _sum(out[k], split) + (0 if bias is None else bias.unsqueeze(1))
+        else:
+            out[k] = _gather(out[k], -1, split)
+    return out
 
 
 def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
@@ -133,11 +263,12 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
     if z and want - {"output"}:
         raise MoetoolError(f"layer {layer.index}: its {z} zero-computation experts have no {sorted(want - {'output'})}"
                            f" activations of the experts' width (theirs are the input itself): use node norms")
+    split = _split(layer)
     per_slice = []
-    with _weights_on_device(layer):
+    with _weights_on_device(layer), _local_weights(layer):
         for _, W in _chunks(layer, h, want, budget):
             step = _chunk_size(W, budget)
-            parts = [_nodes_chunk(layer, W, h[s:s + step], want) for s in range(0, h.shape[0], step)]
+            parts = [_split_nodes(layer, W, h[s:s + step], want, split) for s in range(0, h.shape[0], step)]
             per_slice.append({k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want})
         if z:  # identity experts: E_e(h) = h (skip experts: 0)
             x = _identity_input(layer, W, h).to(h.device)
@@ -152,12 +283,17 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
     """Norm of ``node`` for every expert: ``[T, n]`` fp32, streamed over token chunks."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
+    split = _split(layer)
     cols = []
-    with _weights_on_device(layer):
+    with _weights_on_device(layer), _local_weights(layer):
         for _, W in _chunks(layer, h, {node}, budget):
             step = _chunk_size(W, budget)
-            out = [ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T
-                   for s in range(0, h.shape[0], step)]  # each [T_c, n_slice]
+            if split is not None and split.kind == "experts":  # whole experts here: norms of this rank's, gathered
+                out = [_gather(ops.vector_norm(_nodes_chunk(layer, W, h[s:s + step], {node})[node], norm).T, 1, split)
+                       for s in range(0, h.shape[0], step)]  # each [T_c, n]
+            else:
+                out = [ops.vector_norm(_split_nodes(layer, W, h[s:s + step], {node}, split)[node], norm).T
+                       for s in range(0, h.shape[0], step)]  # each [T_c, n_slice]
             cols.append(torch.cat(out, dim=0).to(h.device))
         if layer.n_zero_compute:  # identity experts: every node is the input itself
             x = ops.vector_norm(_identity_input(layer, W, h), norm).to(h.device)  # [T]
@@ -177,18 +313,20 @@ def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: 
     a NaN output propagates)."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
+    split = _split(layer)
+    z = layer.n_zero_compute
     out = []
-    with _weights_on_device(layer):
+    with _weights_on_device(layer), _local_weights(layer):
         for sl, W in _chunks(layer, h, {node}, budget):
             step = _chunk_size(W, budget)
-            best = torch.zeros(W.gate.shape[0], dtype=torch.float32, device=h.device)
+            best = None
             for s in range(0, h.shape[0], step):
-                y = _nodes_chunk(layer, W, h[s:s + step], {node})[node]  # [n_slice, T_c, d]
+                y = _split_nodes(layer, W, h[s:s + step], {node}, split)[node]  # [n_slice, T_c, d]
                 m = y.abs().amax(dim=-1).float().to(h.device)  # [n_slice, T_c]
-                m = torch.where(routed[s:s + step, sl].T, m, torch.zeros_like(m))
-                best = torch.maximum(best, m.amax(dim=1))
-            out.append(best)
-        z = layer.n_zero_compute
+                cols = routed[s:s + step, :routed.shape[1] - z][:, sl]  # the computed experts of the slice
+                m = torch.where(cols.T, m, torch.zeros_like(m))
+                best = m.amax(dim=1) if best is None else torch.maximum(best, m.amax(dim=1))
+            out.append(best if best is not None else torch.zeros(0, device=h.device))
         if z:  # identity experts: |node| is |h|, over the tokens routed to each
             x = _identity_input(layer, W, h).abs().amax(dim=-1).float().to(h.device)  # [T]
             m = torch.where(routed[:, -z:].T, x.unsqueeze(0).expand(z, -1), torch.zeros(z, x.shape[0], device=h.device))

@@ -289,7 +289,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     c = torch.zeros((), dtype=torch.long, device=device)
     n = start_batch
     t0 = time.perf_counter()
-    backoff = BACKOFF.enabled and world == 1
+    backoff = BACKOFF.enabled and world == 1 and not distributed.parallel().active  # a model group shares rows
     rows = min(batch_size, BACKOFF.rows) if backoff and BACKOFF.rows else batch_size
     sized = not backoff or (not hooked and before_batch is None)  # a retry could not double-feed anyone
 

@@ -81,15 +81,29 @@ DEFINITIONS = {
     "bytes_<format>": "bytes of the group stored in that format (module docstring: which groups each format "
                       "quantizes, block scales included)",
     "layout": "how the model is placed: 1 GPU per replica (data parallel over all GPUs), --quantize fp8, "
-              "--device-map auto over one node's GPUs (one replica per node), tensor+expert parallel over every GPU",
+              "--device-map auto over one node's GPUs (one replica per node), tensor+expert parallel (--tp N --ep N) "
+              "within each node (one replica per node) or over every GPU",
     "gib_per_gpu": "weights on the fullest GPU + activations of one batch (logits + 2 hidden states, "
-                   "sizing.estimate_memory), GiB",
+                   "sizing.estimate_memory), GiB; tensor+expert parallel: the routed experts split over the GPUs, "
+                   "every other weight counted whole (an upper bound)",
     "fits": f"gib_per_gpu <= {USABLE:.0%} of the GPU's memory",
     "available": "whether this moetool version runs the layout (no: what is missing)",
     "command": "the command line for the layout (ppl as the example command)",
     "tokens_per_s": "ceiling min(compute, memory) for the command under the layout (an upper bound)",
     "bound": "which ceiling binds: compute (FLOPs) or memory (weight bytes read per batch)",
 }
+
+
+def split_refusal(config: Any, size: int) -> str:
+    """Why ``--tp size --ep size`` cannot split this model ('' when it can): attention heads, key/value heads
+    and routed experts must divide over the ranks (the same rule as ``moetool.distributed.check_parallel``)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    for what, keys in (("attention heads", ("num_attention_heads",)), ("key/value heads", ("num_key_value_heads",)),
+                       ("experts", ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"))):
+        n = next((getattr(text, k) for k in keys if isinstance(getattr(text, k, None), int)), None)
+        if n is not None and n % size:
+            return f"{n} {what} do not split over {size} GPUs"
+    return ""
 
 
 def parse_gpus(spec: str) -> tuple[int, Gpu]:
@@ -265,13 +279,21 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
     if per_node > 1:
         layouts.append((f"--device-map auto over {per_node} GPUs, one replica per node", native, per_node, nodes, 0,
                         "yes", (launch.format(n=1) if nodes > 1 else "moetool") + f" {base} --device-map auto"))
-    if world > 1:
-        layouts.append((f"tensor+expert parallel over {world} GPUs", native, world, 1, world,
-                        "no: moetool has no --tp/--ep yet", ""))
+    groups = ([(per_node, nodes, f"tensor+expert parallel within each node ({per_node} GPUs), one replica per "
+                                 "node")] if per_node > 1 and nodes > 1 else [])
+    groups += [(world, 1, f"tensor+expert parallel over {world} GPUs")] if world > 1 else []
+    for size, replicas, name in groups:  # transformers' DistributedConfig(tp_size=size, ep_size=size)
+        why = split_refusal(config, size)
+        layouts.append((name, native, size, replicas, size, f"no: {why}" if why else "yes",
+                        f"{launch.format(n=per_node)} {base} --tp {size} --ep {size}"))
     lay_rows, thr_rows = [], []
     tokens_batch = rows * seq_len
     for name, fmt, shards, replicas, computing, available, command in layouts:
         per_gpu = weights[fmt] / shards + act
+        if name.startswith("tensor+expert"):  # routed experts split; the rest counted whole on every GPU (an upper
+            # bound: which dense layers a model's tensor-parallel plan splits differs, e.g. DeepSeek-V3's MLA is whole)
+            routed = sizes[fmt].get("routed_experts", 0)
+            per_gpu = routed / shards + (weights[fmt] - routed) + act
         fits = per_gpu <= usable
         lay_rows.append({"layout": name, "format": fmt, "gpus": shards * replicas, "replicas": replicas,
                          "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits, "available": available,
