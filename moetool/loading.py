@@ -87,6 +87,17 @@ ALIASES: dict[str, str] = {
     "minimax-text-01": "MiniMaxAI/MiniMax-Text-01-hf",  # minimax
     "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it",  # gemma4
     "switch-base-8": "google/switch-base-8",  # switch_transformers
+    "ax-k1": "skt/A.X-K1",  # axk1
+    "beam-1.0": "reflection/Beam-1.0-501B-A23B",  # beam
+    "flint": "RecursiveSI/flint",  # flint
+    "muse-spark": "meta-models/Muse-Spark-Open-816B-A42B",  # muse_spark
+    "inkling": "thinkingmachines/Inkling",  # inkling_mm_model
+    "ernie-4.5-vl-28b-a3b": "baidu/ERNIE-4.5-VL-28B-A3B-PT",  # ernie4_5_vl_moe
+    "jetmoe-8b": "jetmoe/jetmoe-8b",  # jetmoe
+    "dbrx-instruct": "transformers-community/dbrx-instruct",  # dbrx
+    "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash-Base",  # deepseek_v4
+    "longcat-flash": "meituan-longcat/LongCat-Flash-Chat",  # longcat_flash
+    "zaya1-8b": "Zyphra/ZAYA1-8B",  # zaya
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")

@@ -24,6 +24,7 @@ NO_ALIAS = {
     "glm4_moe_lite": "its docs name zai-org/GLM-4.5, a glm4_moe checkpoint",
     "granitemoeshared": "its docs name a speech model and ibm/PowerMoE-3b (granitemoe)",
     "minimax_m2": "its docs name MiniMaxAI/MiniMax-Text-01-hf, a minimax checkpoint",
+    "inkling": "inkling_text is the text decoder of inkling_mm_model's checkpoint (alias inkling)",
 }
 
 
