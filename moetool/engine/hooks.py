@@ -69,18 +69,25 @@ class Policy(Protocol):
 Consumer = Callable[[RoutingEvent], None]
 
 
+def _refuse_layers(layers: list[MoELayer], attr: str, what: str, needs: str, because: str,
+                   subject: str = "MoE layers") -> None:
+    """One line naming the ``layers`` whose ``attr`` is set (``what`` cannot run there) and the others."""
+    bad = [L.index for L in layers if getattr(L, attr, False)]
+    if bad:
+        others = [L.index for L in layers if L.index not in bad]
+        raise MoetoolError(f"{what} needs the routing recomputed from {needs}, but {subject} {bad} {because}: " +
+                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
+                            "no other layer is left"))
+
+
 def refuse_recomputed(layers: Iterable[MoELayer], what: str) -> None:
     """One line when ``what`` recomputes routing from inputs other than the events' (perturbed, predicted or
     codebook points) and some of ``layers`` cannot: a carried router state (:attr:`MoELayer.carried_state`) or a
     hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``)."""
     layers = list(layers)
-    stateful = [L.index for L in layers if getattr(L, "carried_state", False)]
-    if stateful:
-        others = [L.index for L in layers if L.index not in stateful]
-        raise MoetoolError(f"{what} needs the routing recomputed from the layer input alone, but the router logits of "
-                           f"MoE layers {stateful} also depend on the previous layer's router state (carried state): " +
-                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
-                            "no other layer is left"))
+    _refuse_layers(layers, "carried_state", what, "the layer input alone",
+                   "also depend on the previous layer's router state (carried state)",
+                   subject="the router logits of MoE layers")
     refuse_hash_routed(layers, what)
 
 
@@ -88,14 +95,8 @@ def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
     """One line when any of ``layers`` is hash-routed (experts chosen by token id, :attr:`GenericLayer.hash_routed`):
     ``what`` needs the routing as a function of the router's logits, which such a layer does not have. The line
     names those layers and the others (``--layers``)."""
-    layers = list(layers)
-    hashed = [L.index for L in layers if getattr(L, "hash_routed", False)]
-    if hashed:
-        others = [L.index for L in layers if L.index not in hashed]
-        raise MoetoolError(f"{what} needs the routing recomputed from the router logits, but MoE layers {hashed} are "
-                           f"hash-routed (experts chosen by token id): " +
-                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
-                            "no other layer is left"))
+    _refuse_layers(list(layers), "hash_routed", what, "the router logits",
+                   "are hash-routed (experts chosen by token id)")
 
 
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
