@@ -305,7 +305,7 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
         bytes_read = weights[fmt] / shards * (shards if computing == 0 else 1)  # per batch, on the busiest path
         memory = replicas * tokens_batch * gpu.hbm_tbps * 1e12 / bytes_read
         for cmd, cost in COMMANDS.items():
-            if cost is None:
+            if cost is None or (cmd == "eval" and name.startswith("tensor+expert")):  # lm-eval refuses --tp
                 continue
             fwd, full = cost
             flops = (fwd * flops_per_token(config, counts, seq_len, all_experts=False)
