@@ -58,6 +58,7 @@ STRUCTURES: dict[str, tuple[str, dict]] = {
     "block-routed": ("dbrx", {}),  # the router returns logits only; DbrxFFN.route_tokens_to_experts routes
     "zero-computation": ("longcat_flash", {}),  # 8 routed + 2 identity experts (output = input)
     "carried-state": ("zaya", {}),  # router logits from h and the previous layer's router state; a skip class
+    "product-key": ("doge", {}),  # k^2 product-key logits mixing the batch's tokens; single-neuron experts; dense MLP
     "seq2seq": ("switch_transformers", {}),  # encoder-decoder: both stacks' MoE layers; top-1 with expert capacity
     "post-step": ("axk1", {}),  # a norm after routed + shared (MoELayer.post_step)
     "output-scale": ("beam", {}),  # routed_scaling_factor on the block (MoELayer.output_scale)

@@ -78,7 +78,8 @@ def refuse_recomputed(layers: Iterable[MoELayer], what: str) -> None:
     if stateful:
         others = [L.index for L in layers if L.index not in stateful]
         raise MoetoolError(f"{what} needs the routing recomputed from the layer input alone, but the router logits of "
-                           f"MoE layers {stateful} also depend on the previous layer's router state (carried state): " +
+                           f"MoE layers {stateful} also depend on "
+                           f"{next(L for L in layers if L.index in stateful).routing_context}: " +
                            (f"choose the others with --layers {','.join(map(str, others))}" if others else
                             "no other layer is left"))
     refuse_hash_routed(layers, what)
