@@ -40,6 +40,7 @@ whole routing distribution.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -209,10 +210,10 @@ class DogeLayer(GenericLayer):
         router = self.router
         if _is_meta(router.weight):
             router = _materialized(router)
+        elif router.weight.dtype != torch.float32:  # low precision: equal sums x_i + y_j tie often, and the model's
+            router = copy.deepcopy(router).float()  # two-stage order among ties is not a rule's; the rule is in the code
         w = router.weight
-        dtype = self.experts.down_embed.weight.dtype if not _is_meta(self.experts.down_embed.weight) else w.dtype
-        h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device,
-                                                                                              dtype=dtype)
+        h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
         with torch.no_grad():
             logits, weights, idx, _ = router(h)
             try:
@@ -221,7 +222,7 @@ class DogeLayer(GenericLayer):
                 raise MoetoolError(f"{mt}: router output matches no known routing rule ({e}) (layer {self.index}, "
                                    f"DogeCDMoE)") from None
             if not _is_meta(*self.block.parameters()):
-                x = h.unsqueeze(0).to(self.block.router_gate.weight.dtype)
+                x = h.unsqueeze(0).to(self.block.router_gate.weight)
                 want = self.block._moetool_original.forward(self.block, x)
                 got = self.block(x)
                 if not all(torch.equal(a, b) for a, b in zip(want, got)):
