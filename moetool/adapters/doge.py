@@ -33,6 +33,15 @@ Because the logits of a token depend on other tokens, :meth:`DogeLayer.logits` t
 what recomputes routing from other inputs (perturbed or predicted points) refuses in one line. There is no router
 matrix ``R [n, d]`` (:meth:`DogeLayer.router_weight` refuses in one line).
 
+So the model's routing, and every number from it (perplexity included), depends on how tokens are batched and
+padded (``--batch``): moetool runs the model as it is, with the batches it is given.
+
+Precision: in fp32 ``route(logits)`` is the model's choice exactly (tests). In bf16 equal sums ``x_i + y_j`` tie
+often and the model breaks ties in its two-stage order, which the ``[T, k^2]`` logits do not carry: re-routing from
+captured logits (policies other than ``router``, ``topk:K``) then differs from the model's own set on ties (the
+tiny model: 0.4-0.7% of tokens, tied experts' scores equal); the ``router`` policy and the captured events are the
+model's own. The rule is identified on an fp32 copy of the router view for that reason.
+
 Size: the full logits are ``[T, k^2]`` per layer (real Doge-MoE checkpoints: ``k^2`` of a few thousand to 16384
 experts; fp32 ``T x n`` per captured event, e.g. 64 MiB for ``T = 1024``, ``n = 16384``), the cost of seeing the
 whole routing distribution.
