@@ -58,6 +58,7 @@ STRUCTURES: dict[str, tuple[str, dict]] = {
     "block-routed": ("dbrx", {}),  # the router returns logits only; DbrxFFN.route_tokens_to_experts routes
     "zero-computation": ("longcat_flash", {}),  # 8 routed + 2 identity experts (output = input)
     "carried-state": ("zaya", {}),  # router logits from h and the previous layer's router state; a skip class
+    "product-key": ("doge", {}),  # k^2 product-key logits mixing the batch's tokens; single-neuron experts; dense MLP
     "seq2seq": ("switch_transformers", {}),  # encoder-decoder: both stacks' MoE layers; top-1 with expert capacity
     "post-step": ("axk1", {}),  # a norm after routed + shared (MoELayer.post_step)
     "output-scale": ("beam", {}),  # routed_scaling_factor on the block (MoELayer.output_scale)
@@ -108,11 +109,28 @@ class Case:
     # ones and those with a carried router state)
     n_zero_compute: int  # zero-computation experts (the last indices), 0 for most families
     structure: str  # the CASES / STRUCTURES key
+    routed_layers: list[int]  # the MoE layers routed from their logits (all but hash-routed ones): policies run there
 
     @property
     def layer_args(self) -> list[str]:
         """``--layers`` for commands that recompute the routing from the logits (none when every layer is)."""
-        return [] if self.logit_layers == self.layers else ["--layers", ",".join(map(str, self.logit_layers))]
+        if not self.logit_layers or self.logit_layers == self.layers:  # none: such commands refuse (Doge)
+            return []
+        return ["--layers", ",".join(map(str, self.logit_layers))]
+
+    @property
+    def route_args(self) -> list[str]:
+        """``--layers`` for commands that route from the events' logits (policies): every layer but hash-routed ones
+        (Doge's logits depend on the whole batch: they are the events', so policies run on every layer)."""
+        if self.structure == "carried-state":  # zaya: the layers whose logits are the input's alone (layer 0)
+            return self.layer_args
+        if self.routed_layers == self.layers:
+            return []
+        return ["--layers", ",".join(map(str, self.routed_layers))]
+
+    @property
+    def policy_layers(self) -> list[int]:
+        return self.logit_layers if self.structure == "carried-state" else self.routed_layers
 
 
 def plain_seq2seq_run(path: Path, tokens, dtype: torch.dtype | None = None
@@ -225,7 +243,8 @@ def case(request, tmp_path_factory) -> Case:
     return Case(rule, path, perturbed, tokens, [L.index for L in layers], layers[0].n_experts, layers[0].top_k,
                 routing, routing_perturbed, ppl, scored,
                 [L.index for L in layers if not getattr(L, "hash_routed", False) and not L.carried_state],
-                layers[0].n_zero_compute, request.param)
+                layers[0].n_zero_compute, request.param,
+                [L.index for L in layers if not getattr(L, "hash_routed", False)])
 
 
 def invoke(*args: str) -> None:
@@ -329,8 +348,9 @@ def test_norm_select(case, tmp_path):
 
 
 def refused(case, tmp_path, *args: str, match: str) -> bool:
-    """Where the case's router has no matrix over the layer input (Zaya): the command refuses in one line."""
-    if case.structure != "carried-state":
+    """Where the case's router has no matrix over the layer input (Zaya, Doge) or its logits depend on more than the
+    layer input: the command refuses in one line."""
+    if case.structure not in ("carried-state", "product-key"):
         return False
     r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], "--out", str(tmp_path)])
     assert r.exit_code != 0 and match in r.output and len(r.output.strip().splitlines()) == 1, r.output
@@ -351,10 +371,10 @@ def test_erc(case, tmp_path):
 
 
 def test_approx(case, tmp_path):
-    invoke("approx", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path))
+    invoke("approx", "--model", str(case.path), *SMALL, *case.route_args, "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "approx.csv")
     assert finite(df)
-    for layer in case.logit_layers:
+    for layer in case.policy_layers:
         rows = df[df.layer == layer].set_index("selector")
         assert set(rows.index) == {"router", "norm_oracle", "best_subset", "random"}  # C(8, 2) subsets: exhaustive
         assert (rows["tokens"] == case.tokens.n_tokens).all() and rows.loc["router", "same_set_as_router"] == 1
@@ -363,7 +383,8 @@ def test_approx(case, tmp_path):
 
 
 def test_mass_recall(case, tmp_path):
-    if refused(case, tmp_path, "mass-recall", *SMALL, *case.layer_args, match="not a matrix R [n, d]"):
+    if refused(case, tmp_path, "mass-recall", *SMALL, *case.layer_args,
+               match="not a matrix R [n, d]" if case.structure == "carried-state" else "also depend on"):
         return
     n = str(case.n_experts)
     invoke("mass-recall", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "-G", "4", "-M",
@@ -415,7 +436,7 @@ def test_fluctuation(case, tmp_path):
 
 def test_offload(case, tmp_path):
     K, n = case.top_k, case.n_experts
-    if refused(case, tmp_path, "offload", *SMALL, match="carried state"):  # prediction needs layer 0's successors
+    if refused(case, tmp_path, "offload", *SMALL, match="also depend on"):  # prediction needs layer 0's successors
         return
     if case.rule == "sqrtsoftplus-topk-renorm":  # DeepSeek-V4: hyper-connected residual streams (hc_mult per token)
         r = runner.invoke(app, ["offload", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path)])
@@ -443,7 +464,7 @@ def test_offload(case, tmp_path):
 def test_topk(case, tmp_path):
     K, n = case.top_k, case.n_experts
     sparse = case.rule == "sparsemixer"  # its weights are defined for its own K rounds only (refused otherwise)
-    invoke("topk", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0",
+    invoke("topk", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0",
            "--ks", str(K) if sparse or K == 1 else f"1,{K}", "--ps", "none" if sparse else "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
     assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
@@ -451,12 +472,14 @@ def test_topk(case, tmp_path):
     assert df.loc[f"topk:{K}", "mean_experts"] == K
     if not sparse:
         def mean(k):  # over every MoE layer: the policy's k in its layers, K in the others (hash-routed ones)
-            return (k * len(case.logit_layers) + K * (len(case.layers) - len(case.logit_layers))) / len(case.layers)
+            return (k * len(case.policy_layers) + K * (len(case.layers) - len(case.policy_layers))) / len(case.layers)
         assert df.loc["topk:1", "mean_experts"] == mean(1) and df.loc["topp:1", "mean_experts"] == mean(n)
         assert finite(df.drop(columns=["kind"]))
 
 
 def test_margin(case, tmp_path):
+    if not case.logit_layers:  # Doge: no layer's routing is a function of its own input (refused: the last test)
+        pytest.skip("no MoE layer's routing can be recomputed from its input alone")
     invoke("margin", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "100", "--eps", "0,0.05",
            "--thresholds", "0.01,0.1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "margin.csv").set_index("layer")
@@ -539,16 +562,16 @@ def test_capacity(case, tmp_path):
 def test_prune(case, tmp_path):
     """Importance against the model's own routing counted by hand; removing nothing is the model exactly; a
     quarter of the experts removed by REAP and at random: finite."""
-    invoke("prune", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--fractions", "0,0.25",
+    invoke("prune", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--fractions", "0,0.25",
            "--criteria", "reap,random", "--ablate", "1", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "prune.csv").set_index(["criterion", "fraction"])
     assert df.loc[("router", 0.0), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[("reap", 0.0), "perplexity"] == df.loc[("router", 0.0), "perplexity"]
-    assert df.loc[("reap", 0.25), "removed"] == len(case.logit_layers) * (case.n_experts // 4)
+    assert df.loc[("reap", 0.25), "removed"] == len(case.policy_layers) * (case.n_experts // 4)
     assert finite(df)
     imp = pd.read_csv(tmp_path / "prune_importance.csv")
     assert finite(imp) and (imp["reap"] >= 0).all()
-    for layer in case.logit_layers:
+    for layer in case.policy_layers:
         idx, w = case.routing[layer]
         got = imp[imp.layer == layer].sort_values("expert")
         assert list(got["frequency"]) == torch.bincount(idx.reshape(-1), minlength=case.n_experts).tolist()
@@ -563,10 +586,10 @@ def test_super_experts(case, tmp_path):
     nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
     from moetool.experiments.super_experts import super_mask
 
-    invoke("super-experts", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--out", str(tmp_path))
+    invoke("super-experts", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--out", str(tmp_path))
     table = pd.read_csv(tmp_path / "super_experts.csv")
-    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.logit_layers
-    for layer in case.logit_layers:
+    assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.policy_layers
+    for layer in case.policy_layers:
         got = table[table.layer == layer].sort_values("expert")
         want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts)
         assert list(got["routed"]) == want.tolist()
@@ -587,6 +610,9 @@ def test_hash_and_carried_state_layers_are_refused_in_one_line(case, tmp_path):
     if case.structure == "carried-state":  # the logits need the carried state: policies (on the events) still run
         commands = (["margin"], ["mass-recall"], ["offload"])
         says = f"the router logits of MoE layers {others} also depend on the previous layer's router state"
+    elif case.structure == "product-key":  # the logits of a token depend on the batch's other tokens (Doge)
+        commands = (["margin"], ["mass-recall"], ["offload"])
+        says = f"the router logits of MoE layers {others} also depend on the other tokens of the batch"
     else:
         commands = (["margin"], ["mass-recall"], ["approx"], ["offload"], ["topk", "--ks", "1"],
                     ["prune", "--fractions", "0.25", "--criteria", "random"])
@@ -595,5 +621,6 @@ def test_hash_and_carried_state_layers_are_refused_in_one_line(case, tmp_path):
         r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], *SMALL, "--out", str(tmp_path / args[0])])
         assert r.exit_code != 0, (args, r.output)
         assert says in r.output, (args, r.output)
-        assert "--layers " + ",".join(map(str, case.logit_layers)) in r.output
+        assert ("--layers " + ",".join(map(str, case.logit_layers)) if case.logit_layers else "no other layer is left"
+                ) in r.output
         assert not (tmp_path / args[0] / "manifest.json").exists()

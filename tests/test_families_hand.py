@@ -281,3 +281,48 @@ def test_gemma4_views_are_bit_exact_and_route_as_the_router_by_hand():
     assert type(L.decoder_layer).__name__ == "Gemma4TextDecoderLayer"
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, want)
+
+
+def test_doge_product_keys_by_hand_and_views_bit_exact():
+    """Doge's CDMoE: the logits are the k^2 product-key sums written out from ``router_gate``'s raw weight, with the
+    model's token mixing (``view(2, T, k)`` of the flattened ``[T, 2k]`` projection: token t's x is half t mod 2 of
+    token t // 2, its y half (T + t) mod 2 of token (T + t) // 2); the model's two-stage top-K is the full top-K of
+    the sums; the experts by hand from the embedding rows; the swapped block is ``DogeCDMoE.forward`` bit for bit;
+    and what recomputes routing from other inputs is refused in one line."""
+    from moetool.engine.hooks import refuse_recomputed
+
+    model, layers = tiny("doge")
+    L = layers[0]
+    k = L.router.num_keys
+    assert L.n_experts == k * k == 16 and L.rule_name() == "topk-softmax"
+    T, d = 10, L.block.router_gate.weight.shape[1]
+    h = torch.randn(T, d, generator=torch.Generator().manual_seed(5))
+    W = L.block.router_gate.weight.detach().double()  # [2k, d]
+    proj = h.double() @ W.T  # [T, 2k]
+    want = torch.empty(T, k, k, dtype=torch.float64)
+    for t in range(T):
+        x = proj[t // 2, (t % 2) * k:(t % 2 + 1) * k]
+        u = T + t
+        y = proj[u // 2, (u % 2) * k:(u % 2 + 1) * k]
+        want[t] = x[:, None] + y[None, :]
+    logits = L.logits(h)
+    torch.testing.assert_close(logits.double(), want.reshape(T, k * k), rtol=1e-6, atol=1e-6)
+    # not a function of a token's own input: the first half of the tokens routed alone gets other logits
+    assert not torch.allclose(L.logits(h[:T // 2]), logits[:T // 2])
+    _, w, idx, _ = L.router(h)  # the model's own two-stage selection
+    ridx, rw = L.route(logits)
+    assert torch.equal(ridx, idx) and torch.equal(idx, logits.topk(L.top_k, dim=-1).indices)
+    torch.testing.assert_close(rw, w, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(w, torch.softmax(logits.gather(-1, idx), dim=-1))
+    # experts by hand: sum_e w_e act(down_embed[e] . h) up_embed[e]
+    D, U = L.block.down_embed.weight.detach(), L.block.up_embed.weight.detach()
+    by_hand = torch.einsum("tk,tkd->td", F.silu(torch.einsum("tkd,td->tk", D[idx], h)) * w, U[idx])
+    torch.testing.assert_close(L.experts(h, idx, w), by_hand, rtol=1e-5, atol=1e-6)
+    x = h.unsqueeze(0)
+    with torch.no_grad():
+        for a, b in zip(type(L.block)._moetool_original.forward(L.block, x), L.block(x)):
+            assert torch.equal(a, b)
+    with pytest.raises(MoetoolError, match="other tokens of the batch"):
+        refuse_recomputed(layers, "margin")
+    with pytest.raises(MoetoolError, match="not a matrix R"):
+        L.router_weight()

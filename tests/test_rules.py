@@ -52,6 +52,7 @@ EXPECTED_RULE = {
     "deepseek_v4": "sqrtsoftplus-topk-renorm",  # its hash-routed layers: "hash:" + the rule that weights them
     "longcat_flash": "softmax-topk",  # over n routed + zero_expert_num identity experts
     "zaya": "softmax-topk",  # over n experts + a skip class, logits from h and the carried router state
+    "doge": "topk-softmax",  # over the k^2 product-key sums (two-stage top-K = full top-K); logits mix tokens
 }
 
 

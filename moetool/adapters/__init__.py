@@ -48,6 +48,7 @@ ADAPTERS = LazyRegistry("MoE family", {
     "inkling_mm_model": "moetool.adapters.inkling:InklingAdapter",
     "ernie4_5_vl_moe": "moetool.adapters.ernie4_5_vl_moe:Ernie45VLMoeAdapter",
     "jetmoe": "moetool.adapters.jetmoe:JetMoeAdapter",
+    "doge": "moetool.adapters.doge:DogeAdapter",
     "muse_spark": "moetool.adapters.muse_spark:MuseSparkAdapter",
     "muse_spark_text": "moetool.adapters.muse_spark:MuseSparkAdapter",
 })

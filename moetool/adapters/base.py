@@ -86,6 +86,9 @@ class MoELayer:
         Zaya's carried router state."""
         return {}
 
+    #: what else the router logits depend on where :attr:`carried_state` (named in refusals)
+    routing_context: str = "the previous layer's router state (carried state)"
+
     @property
     def carried_state(self) -> bool:
         """The router logits depend on state carried from the previous layer (Zaya's EDA), not on ``h`` alone:

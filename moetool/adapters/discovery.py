@@ -22,8 +22,6 @@ from ..progress import logger_level
 
 #: model_type -> why moetool does not analyse it (every other discovered type must pass tests/test_families.py)
 UNSUPPORTED: dict[str, str] = {
-    "doge": "Doge's CDMoE is product-key retrieval over thousands of single-neuron experts stored as embedding rows "
-            "(no router/experts modules with a top-K over expert MLPs); off (is_moe=False) by default",
     "gemma4_assistant": "Gemma-4's speculative-decoding assistant (drafts from the target model's hidden states "
                         "through a KV-shared head; not a standalone language model)",
     "nemo_speechlm": "speech recognition (Nemotron-3.5-Transcribe: audio encoder -> transcript); its MoE text decoder"
@@ -267,7 +265,7 @@ MAX_TINY_PARAMS = 20_000_000
 #: per-family fields the generic rules cannot guess (kept minimal; each line says why)
 FIXUPS: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 4, "attn_layer_offset": 3},  # an attention layer within the 4 (cache needs one)
-    "doge": {"is_moe": True},  # MoE is opt-in
+    "doge": {"is_moe": True, "num_experts": 16},  # MoE is opt-in; a square key grid (8 leaves 4 rows unreachable)
     "gemma4_text": {"enable_moe_block": True},  # MoE is opt-in (the 26B-A4B checkpoint sets it)
     "dbrx": {"d_model": TEXT["hidden"], "n_heads": TEXT["heads"], "n_layers": N_LAYERS, "max_seq_len": 256,
              "vocab_size": TEXT["vocab"], "attn_config": {"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},

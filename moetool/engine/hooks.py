@@ -85,8 +85,8 @@ def refuse_recomputed(layers: Iterable[MoELayer], what: str) -> None:
     codebook points) and some of ``layers`` cannot: a carried router state (:attr:`MoELayer.carried_state`) or a
     hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``)."""
     layers = list(layers)
-    _refuse_layers(layers, "carried_state", what, "the layer input alone",
-                   "also depend on the previous layer's router state (carried state)",
+    context = next((L.routing_context for L in layers if getattr(L, "carried_state", False)), "")
+    _refuse_layers(layers, "carried_state", what, "the layer input alone", f"also depend on {context}",
                    subject="the router logits of MoE layers")
     refuse_hash_routed(layers, what)
 
