@@ -88,7 +88,9 @@ DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importin
 
 #: commands that refuse --tp / --ep (one line, before anything loads), by command function
 NO_PARALLEL = {"eval_command": "eval runs lm-eval's own request loop, which shards requests over processes, not over "
-                               "model groups: --tp/--ep are not supported there (run it with --device-map auto)"}
+                               "model groups: --tp/--ep are not supported there (run it with --device-map auto)",
+               "agreement": "agreement loads and fake-quantizes one whole model per precision in each process: "
+                            "--tp/--ep are not supported there (run it data parallel under torchrun)"}
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,7 +147,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     # every command that loads a model (it has --dtype) takes --tp / --ep: added to its signature here, so the
     # flags are declared once; the wrapper takes them out and sets moetool.distributed.set_parallel
     sig = inspect.signature(fn)
-    parallel = "dtype" in sig.parameters and "tp" not in sig.parameters
+    parallel = ("dtype" in sig.parameters or fn.__name__ in NO_PARALLEL) and "tp" not in sig.parameters
     if parallel:
         extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=1,
                                    annotation=Annotated[int, typer.Option(f"--{name}", min=1, help=text)])

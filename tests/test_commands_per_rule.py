@@ -399,9 +399,11 @@ def test_mass_recall(case, tmp_path):
 
 
 def case_model(case: Case):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(case.path)
+    from moetool.loading import auto_model_class
+
+    return auto_model_class(AutoConfig.from_pretrained(case.path)).from_pretrained(case.path)
 
 
 def test_fluctuation(case, tmp_path):

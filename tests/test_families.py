@@ -250,3 +250,19 @@ def test_inspect_families_from_the_cache_imports_no_torch(tmp_path):
             assert "1 supported of 2" in r.stdout
             words = " ".join(seg.split("│")[3] for seg in r.stdout.splitlines() if seg.count("│") >= 4).split()
             assert reason in " ".join(words)
+
+
+@pytest.mark.parametrize("model_type", ["dbrx", "deepseek_v4"])
+def test_bf16_routers_that_rank_in_bf16_are_identified(model_type):
+    """DBRX's block and DeepSeek-V4's sqrtsoftplus rank in bf16 with their own order of near-ties: the rule is
+    identified on the router in fp32 for the call, and the model is left bit for bit as it was."""
+    model = build_tiny(model_type, seed=SEED).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = find_moe_layers(model)
+    assert {L.describe()["rule"].removeprefix("hash:") for L in layers} == {EXPECTED_RULE[model_type]}
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    _, events, _ = run(model, layers, padded_batch(seq=8))
+    for L in layers:  # the events are the model's own choice
+        ev = events[L.index]
+        assert ev.weights.dtype == torch.bfloat16 and ev.idx.shape[-1] == L.top_k

@@ -385,10 +385,37 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
         try:
             rule, params = rules.identify(logits, want_idx, want_w, cands)
         except rules.NoRuleMatches as e:
-            raise fail(f"router output matches no known routing rule ({e})") from None
+            if h.dtype == torch.float32:
+                raise fail(f"router output matches no known routing rule ({e})") from None
+            rule, params = _identify_fp32(router, h, bias, cands, fail, e)
+            params = replace(params, weights_dtype=want_w.dtype)  # the model's weights stay in its dtype
     if params.bias is not None:  # the live buffer, not the copy identification ran with
         params = replace(params, bias=correction_bias(L.router, L.block))
     return rule, params, mode, cap
+
+
+def _identify_fp32(router: nn.Module, h: torch.Tensor, bias: torch.Tensor | None, cands: list[rules.Params],
+                   fail: Callable[[str], MoetoolError], low: Exception) -> tuple[rules.Rule, rules.Params]:
+    """The rule of a router that ranks in bf16/fp16 with its own order of near-ties (DBRX's block, DeepSeek-V4's
+    sqrtsoftplus): identified on the same router with its parameters in fp32 for the call (bf16/fp16 -> fp32 -> back
+    is exact, so the model is unchanged after). The logits mode was found in the model's own dtype before. At run
+    time the rule re-ranks the model's logits in fp32: the events keep the model's own choice; a policy that
+    re-routes may order a near-tie (equal in bf16) differently."""
+    tensors = [t for t in (*router.parameters(), *router.buffers(), bias) if t is not None and t.is_floating_point()]
+    dtypes = [t.dtype for t in tensors]
+    try:
+        for t in tensors:
+            t.data = t.data.float()
+        out = _call_router(router, h.float(), None if bias is None else bias)
+        logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
+        fp32 = [replace(c, bias=None if c.bias is None else c.bias.float(), rank_dtype=None) for c in cands
+                if c.rank_dtype is None]
+        return rules.identify(logits, want_idx, want_w, fp32)
+    except rules.NoRuleMatches:
+        raise fail(f"router output matches no known routing rule ({low}; also in fp32)") from None
+    finally:
+        for t, d in zip(tensors, dtypes):
+            t.data = t.data.to(d)
 
 
 def _identify_hash(L: MoELayer, router: nn.Module, h: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None,
