@@ -64,6 +64,7 @@ STRUCTURES: dict[str, tuple[str, dict]] = {
     "output-scale": ("beam", {}),  # routed_scaling_factor on the block (MoELayer.output_scale)
     "shared-logits": ("inkling_text", {}),  # weights normalised with the shared experts' logits
     "dispatch-views": ("jetmoe", {}),  # a dispatch-tuple router and grouped experts, through views
+    "projected-width": ("muse_spark", {}),  # router and experts in a projected width (a vision-language family)
 }
 SEQ_LEN, MAX_TOKENS, BATCH = 32, 200, 8  # 7 packed rows: one batch, here and in the commands
 SMALL = ["--seq-len", str(SEQ_LEN), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(BATCH), "-q"]
@@ -165,12 +166,15 @@ def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
               ) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Plain transformers forward of ``tokens`` (one batch); each MoE layer's experts-module inputs. ``dtype``: the
     model as transformers loads it in that dtype (default: fp32)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    if AutoConfig.from_pretrained(path).is_encoder_decoder:
+    from moetool.loading import auto_model_class
+
+    config = AutoConfig.from_pretrained(path)
+    if config.is_encoder_decoder:
         return plain_seq2seq_run(path, tokens, dtype)[:2]
-    model = (AutoModelForCausalLM.from_pretrained(path).float() if dtype is None else
-             AutoModelForCausalLM.from_pretrained(path, dtype=dtype)).eval()
+    cls = auto_model_class(config)  # causal LM, or a vision-language family's image-text-to-text class
+    model = (cls.from_pretrained(path).float() if dtype is None else cls.from_pretrained(path, dtype=dtype)).eval()
     got, handles = {}, []
     for L in find_moe_layers(model):  # (only to locate the experts modules)
         handles.append(L.experts.register_forward_pre_hook(
