@@ -230,11 +230,12 @@ def quiet_repeated_interrupts() -> Any:
 
     try:
         previous = signal.getsignal(signal.SIGINT)
-        if previous is signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, a background job): keep it so
-            yield
-            return
-        signal.signal(signal.SIGINT, _first_sigint)
+        installed = previous is not signal.SIG_IGN  # started with Ctrl-C ignored (nohup, a background job): keep it
+        if installed:
+            signal.signal(signal.SIGINT, _first_sigint)
     except ValueError:  # not the main thread
+        installed = False
+    if not installed:  # (outside the try: an error of the block must not reach its except)
         yield
         return
     try:

@@ -98,6 +98,7 @@ ALIASES: dict[str, str] = {
     "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash-Base",  # deepseek_v4
     "longcat-flash": "meituan-longcat/LongCat-Flash-Chat",  # longcat_flash
     "zaya1-8b": "Zyphra/ZAYA1-8B",  # zaya
+    "doge-320m": "SmallDoge/Doge-320M",  # doge
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")

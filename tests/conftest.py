@@ -134,3 +134,11 @@ def reference_moe(model_type: str, layer, h: torch.Tensor, idx: torch.Tensor, w:
         for k in range(idx.shape[1]):
             out[t] += w[t, k] * reference_expert(model_type, layer, int(idx[t, k]), h[t:t + 1])["output"][0]
     return out
+
+
+def ctrl_c_default() -> None:
+    """``preexec_fn`` of a child the test sends SIGINT: Ctrl-C handled as in a terminal even when the suite itself
+    was started with SIGINT ignored (a background job, nohup), which children would inherit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from conftest import ctrl_c_default
 from moetool.commands.app import app
 from moetool.errors import MoetoolRuntimeError
 from moetool.report import RunDir
@@ -185,7 +186,8 @@ def test_eight_quick_ctrl_c_exit_130_with_one_line(tmp_path):
     handlers (two 'Exception ignored in atexit callback' tracebacks) and end the process by the signal."""
     mark = tmp_path / "mark"
     p = subprocess.Popen([sys.executable, "-c", RUNNING, str(mark), str(tmp_path / "out")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=ctrl_c_default)  # a suite started in the background ignores SIGINT
     t0 = time.time()
     while not mark.exists():
         assert p.poll() is None, p.communicate()

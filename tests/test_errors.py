@@ -498,3 +498,27 @@ def test_a_failing_figure_keeps_every_table_and_fails_the_run_in_one_line(tmp_pa
         assert name in m["files"] and len(pd.read_csv(out / name)) > 0
     assert "definitions" in m and m["bootstrap"]["replicates"] == 100  # the sections are there too
     assert "BCa for max_load_ratio" in m["bootstrap"]["method"] and "BCa" in m["definitions"]["*_lo/*_hi"]
+
+
+def test_errors_are_one_line_when_ctrl_c_is_ignored(monkeypatch, capsys):
+    """Started with SIGINT ignored (nohup, a background job): an error of the command is still its own one line
+    (the interrupt guard used to catch it as "not the main thread" and yield twice: "generator didn't stop")."""
+    import signal
+
+    import moetool.commands.app as app_module
+
+    def boom(**kwargs):
+        raise ValueError("first line")
+
+    monkeypatch.setattr(app_module, "app", boom)
+    monkeypatch.delenv("MOETOOL_DEBUG", raising=False)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(SystemExit) as e:
+            app_module.main()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # left as it was
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert e.value.code == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == ["error: ValueError: first line (MOETOOL_DEBUG=1 shows the traceback)"]

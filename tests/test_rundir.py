@@ -16,6 +16,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from conftest import ctrl_c_default
 from moetool.errors import MoetoolError
 from moetool.report import RunDir
 from moetool.report import rundir as rd
@@ -201,7 +202,8 @@ def test_sigint_in_the_middle_of_a_real_demo_run(tmp_path):
     """``moetool demo --steps inspect,stats``: SIGINT once the first sub-run is complete (stats is running)."""
     out = tmp_path / "demo"
     p = subprocess.Popen([sys.executable, "-m", "moetool", "demo", "--steps", "inspect,stats", "--out", str(out),
-                          "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=ctrl_c_default)
     first = out / "inspect" / "manifest.json"
     _wait_for(lambda: first.exists() and json.loads(first.read_text())["status"] == "complete", p, 120)
     p.send_signal(signal.SIGINT)
