@@ -142,7 +142,7 @@ class SwitchLayer(GenericLayer):
         return None
 
     @property
-    def router_norm(self) -> nn.Module:
+    def pre_router_norm(self) -> nn.Module:
         """The norm between the block's input stream and the router (the feed-forward sublayer's layer norm)."""
         return self.decoder_layer.layer[-1].layer_norm
 

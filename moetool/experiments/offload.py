@@ -207,8 +207,7 @@ class OffloadCollector:
                                f"{x.shape[0] // max(ev.h.shape[0], 1)} residual streams per token (hyper-"
                                f"connections), not one hidden state: layer {i}'s routing cannot be predicted from it")
         if self.opts.predict_norm:
-            norm = (getattr(L, "router_norm", None) or getattr(L, "pre_router_norm", None)
-                    or getattr(L.decoder_layer, "post_attention_layernorm", None))
+            norm = getattr(L, "pre_router_norm", None) or getattr(L.decoder_layer, "post_attention_layernorm", None)
             if norm is None:
                 raise MoetoolError(f"layer {i}: no post_attention_layernorm to apply before the router "
                                    f"(use predict_norm=False / --no-predict-norm)")
