@@ -22,7 +22,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for name in command_modules():  # every experiment of the registry, then demo, inspect, report
+for name in command_modules():  # every experiment of the registry (generated ones too), then demo, inspect, report
     importlib.import_module(name).register(app)
 
 _TOPIC = re.compile(r"^[A-Z][\w\-/ ().,]{0,40}:(\s|$)")  # "Cache simulation: ...", "Writes:" start a line of their own

@@ -16,6 +16,8 @@ import pytest
 
 from test_distributed import free_port
 
+from moetool.experiments.registry import EXPERIMENTS
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
 
 
@@ -97,18 +99,14 @@ CASES = [
                   "--bootstrap", "100"]),
     ("prune", ["--model", "tiny", *DATA, "--fractions", "0.25", "--criteria", "reap,random", "--ablate", "1",
                "--bootstrap", "100"]),
-    ("super-experts", ["--model", "tiny", *DATA, "--bootstrap", "100"]),
     ("placement", ["--model", "tiny", *DATA, "--gpus", "2,4", "--extra-slots", "0,1", "--reference-data",
                    str(Path(__file__).parents[1] / "README.md")]),  # other text: the stale placement
 ]
-IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no model runs"}
-
-
-def test_every_experiment_has_a_case():
-    from moetool.experiments.registry import EXPERIMENTS
-
-    assert {c for c, _ in CASES} == set(EXPERIMENTS) - set(NOT_DISTRIBUTED)
+# every other experiment of the registry: a short run with its spec's sample flags
+CASES += [(name, ["--model", "tiny", *DATA, *spec.sample]) for name, spec in EXPERIMENTS.items()
+          if name not in {c for c, _ in CASES} | set(NOT_DISTRIBUTED)]
+IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
 SEQUENCE = (str(Path(__file__).with_name("cli_sequence.py")),)
 
 

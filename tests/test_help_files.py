@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
+from moetool.experiments.registry import EXPERIMENTS
 
 pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow'
 
@@ -36,15 +37,10 @@ RUNS = {  # command -> its arguments (small, no bootstrap: the files are the poi
     "placement": ["placement", *SMALL, "--gpus", "2,4"],
     "prune": ["prune", *SMALL, "--bootstrap", "0", "--fractions", "0.25", "--criteria", "reap", "--ablate", "1",
               "--tasks", "moetool_code", "--limit", "2"],  # prune_eval.csv, figures/prune_accuracy: the shipped task
-    "super-experts": ["super-experts", *SMALL, "--bootstrap", "0"],
 }
 NOT_RUN = {"eval": "lm-eval's tasks: tests/test_eval.py checks its files"}
-
-
-def test_every_experiment_is_run_here():
-    from moetool.experiments.registry import EXPERIMENTS
-
-    assert set(RUNS) == set(EXPERIMENTS) - set(NOT_RUN)
+RUNS.update({name: [name, *SMALL, *spec.sample] for name, spec in EXPERIMENTS.items()  # the others: their sample
+             if name not in RUNS and name not in NOT_RUN})
 #: named by --help but written only with an option these runs do not take
 CONDITIONAL = {"trace": {"trace.parquet"},  # --format parquet
                "norm-select": {"aoe_table1.csv"}}  # lm-eval --tasks scored by acc

@@ -41,6 +41,32 @@ class Demo:
 
 
 @dataclass(frozen=True)
+class Flag:
+    """One option of a command generated from the registry (an :class:`Experiment` with no ``command`` module):
+    ``--<flag>`` sets the options dataclass's field ``field`` (default: the flag's name with ``_`` for ``-``).
+    ``kind`` is ``int``, ``float``, ``str`` or ``bool`` (``--x/--no-x``), or ``ints``, ``floats``, ``strs``: a
+    comma-separated list, a tuple in the options. ``default`` is shown by ``--help`` (a list as its text,
+    ``"0.5,1"``); ``None`` leaves the options dataclass's own default."""
+
+    flag: str
+    kind: str = "str"
+    default: Any = None
+    help: str = ""
+    field: str | None = None
+
+    KINDS = ("int", "float", "str", "bool", "ints", "floats", "strs")
+
+    def __post_init__(self) -> None:
+        if not self.flag.startswith("--") or self.kind not in self.KINDS:
+            raise ValueError(f"bad Flag({self.flag!r}, {self.kind!r}): '--name' and one of {self.KINDS}")
+
+    @property
+    def name(self) -> str:
+        """The option's field (and the generated command's parameter)."""
+        return self.field or self.flag[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
 class Experiment:
     """One experiment. ``module`` holds ``function`` (``(lm, tokens, options=None, *, quiet, **overrides) ->
     Result``; ``inputs`` says what it takes instead of ``(lm, tokens)``: ``"weights"`` = ``(lm, options)``,
@@ -54,10 +80,14 @@ class Experiment:
     options: str | None = None
     api: str = ""
     inputs: str = "tokens"
-    command: str = ""
+    command: str | None = ""
     figures: str | None = None
     lines: str | None = "summary_lines"
     demo: Demo | None = None
+    flags: tuple[Flag, ...] = ()
+    bootstrap: bool = False
+    title: str = ""
+    sample: tuple[str, ...] = ()
 
     @property
     def result(self) -> str:
@@ -74,8 +104,9 @@ class Experiment:
 
 def _x(name: str, function: str, options: str | None, **kw: Any) -> Experiment:
     module = f"moetool.experiments.{kw.pop('file', function)}"
+    cmd = kw.pop("cmd", function)  # None: a command generated from the spec
     return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function),
-                      command=f"moetool.commands.{kw.pop('cmd', function)}", **kw)
+                      command=cmd and f"moetool.commands.{cmd}", **kw)
 
 
 #: every experiment, in the demo's order
@@ -107,7 +138,11 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     _x("prune", "prune", "PruneOptions", figures="moetool.report.plots:prune_figures",
        demo=Demo(models=("tiny",), max_tokens=2048, options={"fractions": (0.25, 0.5), "ablate": 4})),
     _x("super-experts", "super_experts", "SuperExpertsOptions", figures="moetool.report.plots:super_experts_figures",
-       demo=Demo(models=("tiny",), max_tokens=2048)),
+       demo=Demo(models=("tiny",), max_tokens=2048), cmd=None, bootstrap=True,
+       title="super experts and perplexity without them", sample=("--bootstrap", "100"),
+       flags=(Flag("--percentile", "float", 99.5, "A super expert's maximum exceeds this percentile of every "
+                   "(layer, expert) maximum."),
+              Flag("--fraction-of-max", "float", 0.1, "... and is at least this fraction of the largest."))),
     _x("placement", "placement", "PlacementOptions", figures="moetool.report.plots:placement_figures",
        demo=Demo(max_tokens=4096)),
     _x("ppl", "ppl", "PplOptions", lines=None),
@@ -132,5 +167,12 @@ def get(name: str) -> Experiment:
 
 
 def command_modules() -> list[str]:
-    """Every CLI command's module, experiments first (the order of ``moetool --help`` is alphabetical anyway)."""
-    return [spec.command for spec in EXPERIMENTS.values()] + [f"moetool.commands.{c}" for c in OTHER_COMMANDS]
+    """Every CLI command's module, experiments first (the order of ``moetool --help`` is alphabetical anyway);
+    ``moetool.commands.generated`` registers the experiments with ``command=None`` (:func:`generated`)."""
+    hand = [spec.command for spec in EXPERIMENTS.values() if spec.command]
+    return hand + ["moetool.commands.generated"] + [f"moetool.commands.{c}" for c in OTHER_COMMANDS]
+
+
+def generated() -> list[Experiment]:
+    """The experiments whose command is generated from their spec (``moetool.commands.generated``)."""
+    return [spec for spec in EXPERIMENTS.values() if not spec.command]

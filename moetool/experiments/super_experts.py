@@ -1,19 +1,40 @@
-"""``super-experts``: experts whose down projection makes extreme outputs, and what removing them costs (issue #25).
+"""Super Experts: the experts whose down projection makes extreme outputs, and what removing them costs.
 
-Super Experts (Su et al. 2025, "Unveiling Super Experts in Mixture-of-Experts Large Language Models", arXiv
-2507.23279): a few experts whose down projection produces rare but extreme activation outliers, which become the
-massive activations of the hidden states; removing them hurts far more than removing others. One pass of the
-model's own routing over the data measures, per (MoE layer, expert), the largest ``|E_e(h)|`` over the output
-dimensions and over the real tokens whose top-K holds the expert (every expert's output from the engine's batched
-probes in memory-bounded token chunks, :func:`moetool.engine.probes.routed_absmax`; a running max on the device;
-the max over data-parallel ranks). The criterion, the paper's profiling criterion: with ``A`` the maxima of every
-(layer, expert) of the chosen layers, an expert is super when its maximum exceeds the 99.5th percentile of ``A``
-and is at least a tenth of ``max(A)`` (both settable).
+One pass of the model's own routing over --data measures, per MoE layer (--layers) and expert, the largest
+|output| of its down projection over its output dimensions and the real tokens routed to it (every expert's output
+from batched probes in memory-bounded chunks; a running max). Super Experts (Su et al. 2025, "Unveiling Super
+Experts in Mixture-of-Experts Large Language Models", arXiv 2507.23279): an expert whose maximum exceeds the
+--percentile (99.5) percentile of every (layer, expert) maximum and is at least --fraction-of-max (0.1) of the
+largest. Then the model runs on the same rows with the super experts removed (masked out of the top-K, as
+prune's policy) and with as many random other experts removed in each layer (seeded by --seed).
+Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
+model's own routing on the same rows.
 
-Then the model runs on the same rows with the super experts removed (:class:`moetool.policies.prune.PrunePolicy`:
-masked out of the top-K) and with as many random other experts removed in each layer (seeded): perplexity with the
-paired ratio to the model's own routing (document-level bootstrap).
+Writes super_experts.csv (layer, expert, routed, max_abs_output, share_of_max, rank, is_super, threshold),
+super_experts_ablation.csv (ablation: none|super|random, removed, experts, tokens, perplexity, delta_ppl, ratio;
+*_lo/*_hi), figures/super_experts_heatmap (max |output| per layer and expert, the super experts boxed),
+figures/super_experts_ranked (every maximum by rank, with the threshold) and manifest.json (definitions,
+criterion).
+
+Examples:
+  moetool super-experts
+  moetool super-experts --model tiny-fine --max-tokens 4096 --percentile 99 --fraction-of-max 0.2
 """
+
+# How (the command's --help above is this module's docstring):
+# Super Experts (Su et al. 2025, "Unveiling Super Experts in Mixture-of-Experts Large Language Models", arXiv
+# 2507.23279): a few experts whose down projection produces rare but extreme activation outliers, which become the
+# massive activations of the hidden states; removing them hurts far more than removing others. One pass of the
+# model's own routing over the data measures, per (MoE layer, expert), the largest ``|E_e(h)|`` over the output
+# dimensions and over the real tokens whose top-K holds the expert (every expert's output from the engine's batched
+# probes in memory-bounded token chunks, :func:`moetool.engine.probes.routed_absmax`; a running max on the device;
+# the max over data-parallel ranks). The criterion, the paper's profiling criterion: with ``A`` the maxima of every
+# (layer, expert) of the chosen layers, an expert is super when its maximum exceeds the 99.5th percentile of ``A``
+# and is at least a tenth of ``max(A)`` (both settable).
+#
+# Then the model runs on the same rows with the super experts removed (:class:`moetool.policies.prune.PrunePolicy`:
+# masked out of the top-K) and with as many random other experts removed in each layer (seeded): perplexity with the
+# paired ratio to the model's own routing (document-level bootstrap).
 
 from __future__ import annotations
 
