@@ -134,7 +134,12 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     _x("agreement", "agreement", "AgreementOptions", figures="moetool.report.plots:agreement_figures",
        demo=Demo(max_tokens=2048, options={"precisions": ("fp32", "bf16", "fp8"), "bootstrap": 200})),
     _x("capacity", "capacity", "CapacityOptions", figures="moetool.report.plots:capacity_figures",
-       demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")})),
+       demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")}), cmd=None,
+       bootstrap=True, title="capacity factor, dropped assignments and perplexity",
+       flags=(Flag("--cf", "floats", "0.5,1,1.25,1.5,2", "Capacity factors, comma-separated (inf allowed).",
+                   field="cfs"),
+              Flag("--order", "strs", "order", "Which assignments an expert keeps: order (the first in token "
+                   "order), score (the highest routing weight), or both: order,score.", field="orders"))),
     _x("prune", "prune", "PruneOptions", figures="moetool.report.plots:prune_figures",
        demo=Demo(models=("tiny",), max_tokens=2048, options={"fractions": (0.25, 0.5), "ablate": 4})),
     _x("super-experts", "super_experts", "SuperExpertsOptions", figures="moetool.report.plots:super_experts_figures",
