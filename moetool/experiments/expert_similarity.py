@@ -94,7 +94,8 @@ class SimilaritySums:
     * ``tokens``: real tokens.
 
     Every expert's output comes from :func:`moetool.engine.probes.expert_outputs` over token chunks of at most
-    ``budget`` output elements (a few such buffers live at once)."""
+    ``budget / 4`` output elements ``[n, T_c, d]`` (the outputs, their unit vectors and the probe's own buffers live
+    at once; the probe bounds its intermediates by ``budget`` itself)."""
 
     def __init__(self, layers: list[int], budget: int | None = None) -> None:
         self.layers = set(layers)
