@@ -166,7 +166,8 @@ def test_bad_options_are_one_line(tiny):
 
     lm, ts = tiny
     for bad, flag in (({"batch_size": 0}, "--batch-size"), ({"batch_size": 2.5}, "--batch-size"),
-                      ({"layers": (-1,)}, "--layers"), ({"layers": "0"}, "--layers"), ({"seed": "x"}, "--seed")):
+                      ({"layers": (-1,)}, "--layers"), ({"layers": "0"}, "--layers"), ({"layers": (0.5,)}, "--layers"),
+                      ({"seed": "x"}, "--seed"), ({"batch_size": True}, "--batch-size")):
         with pytest.raises(MoetoolError, match=flag) as e:
             ExpertSimilarityOptions(**bad)
         assert "\n" not in str(e.value)
@@ -218,3 +219,54 @@ def test_no_host_sync_inside_the_forward(tiny):
     with detect(lm.model) as det:
         expert_similarity(lm, ts, quiet=True)
     assert not det.hits, sorted(det.hits)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine along the last dim, NaN where either vector is 0 (undefined), float64."""
+    a, b = a.double(), b.double()
+    na, nb = a.norm(dim=-1), b.norm(dim=-1)
+    return torch.where((na > 0) & (nb > 0), (a * b).sum(-1) / (na * nb), torch.tensor(float("nan"), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])  # identity experts (output = input); a skip class
+def test_zero_computation_experts_by_hand(model_type):
+    """Every expert's output through the model's own experts module (all tokens sent to it with weight 1); identity
+    experts compare as their input, a skip expert's 0 output has no cosine (NaN, left out of the layer means)."""
+    from conftest import padded_batch
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.engine import Engine
+    from moetool.experiments.expert_similarity import SimilaritySums, tables
+    from test_families import one_expert
+
+    model = build_tiny(model_type, seed=0)
+    layers = find_moe_layers(model)
+    assert any(L.n_zero_compute for L in layers)
+    sums = SimilaritySums([L.index for L in layers])
+    events = {}
+    with torch.no_grad(), Engine(model, layers, consumers=[sums, lambda ev: events.__setitem__(ev.layer.index, ev)]):
+        model(**padded_batch(seq=8))
+    mats = sums.matrices()
+    per_layer, pairs = tables(mats, {L.index: L.n_experts for L in layers})
+    for L in layers:
+        ev = events[L.index]
+        h, valid = ev.h, ev.valid
+        outs = torch.stack([one_expert(L, e, h) for e in range(L.n_experts)])[:, valid]  # [n, T_real, d]
+        mean = outs.double().mean(1)
+        n = L.n_experts
+        oc = _cos(mean[:, None], mean[None, :]).numpy()
+        per_token = _cos(outs[:, None], outs[None, :])  # [n, n, T_real]
+        tc = torch.where(per_token.isnan().all(-1), float("nan"), per_token.nan_to_num().sum(-1) /
+                         (~per_token.isnan()).sum(-1).clamp_min(1)).numpy()
+        z = L.n_zero_compute
+        if z and L.zero_compute_output == "zero":
+            assert np.isnan(oc[-1, :]).all() and np.isnan(tc[-1, :]).all()
+        elif z >= 2:  # two identity experts: the same output
+            assert oc[-1, -2] == pytest.approx(1.0) and tc[-1, -2] == pytest.approx(1.0)
+        np.testing.assert_allclose(mats[L.index]["output_cos"], oc, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(mats[L.index]["token_cos"], tc, atol=1e-5, rtol=0)
+        i, j = np.triu_indices(n, k=1)
+        row = per_layer.set_index("layer").loc[L.index]
+        assert row.mean_output_cos == pytest.approx(np.nanmean(oc[i, j]), abs=1e-5)
+        assert row.max_token_cos == pytest.approx(np.nanmax(tc[i, j]), abs=1e-5)
+        assert len(pairs[pairs.layer == L.index]) == n * (n - 1) // 2

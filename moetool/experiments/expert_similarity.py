@@ -22,6 +22,7 @@ Examples:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +75,18 @@ class ExpertSimilarityOptions:
     seed: int = 0  # nothing here is random; recorded for the manifest like every experiment's seed
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if not _integer(self.batch_size) or self.batch_size < 1:
             raise MoetoolError(f"--batch-size must be an integer >= 1, not {self.batch_size!r}")
-        if self.layers is not None and (isinstance(self.layers, (str, bytes)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
+        if self.layers is not None and (isinstance(self.layers, (str, bytes)) or
+                                        not all(_integer(i) and i >= 0 for i in self.layers)):
             raise MoetoolError(f"--layers must be decoder layer indices >= 0, not {self.layers!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not _integer(self.seed):
             raise MoetoolError(f"--seed must be an integer, not {self.seed!r}")
+
+
+def _integer(x: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 class SimilaritySums:
