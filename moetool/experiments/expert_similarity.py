@@ -126,8 +126,8 @@ class SimilaritySums:
             nz = (ops.vector_norm(y) > 0).float()  # [n, T_c]
             parts = (y.sum(1).double(), (u.flatten(1) @ u.flatten(1).T).double(), (nz @ nz.T).double())
             out, cos, both = parts if out is None else (out + parts[0], cos + parts[1], both + parts[2])
-        m = ops.multi_hot(ev.idx, n) * valid.unsqueeze(-1).float()  # [T, n] the model's own top-K, real tokens
-        co = (m.T @ m).double()
+        m = ops.multi_hot(ev.idx, n) * valid.to(ev.idx.device).unsqueeze(-1).float()  # [T, n] own top-K, real tokens
+        co = (m.T @ m).double().to(dev)
         new = {"out": out, "cos": cos, "both": both, "co": co, "tokens": valid.double().sum()}
         self.acc[L.index] = new if a is None else {k: a[k] + new[k] for k in new}
 
