@@ -1,0 +1,272 @@
+"""Expert similarity (``moetool expert-similarity``) against a hand computation from the raw parameters of the
+embedded tiny model: each MoE layer's input and top-K captured with plain forward hooks on the model's own router,
+every expert's output from the fused 3-D expert weights in float64, and the three matrices (cosine of mean outputs,
+mean per-token cosine, Jaccard of the routed token sets) computed pair by pair; padding left out."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_host_sync import detect
+
+from moetool.errors import MoetoolError, MoetoolRuntimeError
+
+PAD = {1: 5, 3: 2}  # row -> left-padded positions (the second and fourth rows)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from moetool.data import load_tokens
+    from moetool.loading import load
+
+    lm = load("tiny")
+    ts = load_tokens(None, lm.tokenizer, 24, 96)  # 4 rows of 24
+    mask = ts.attention_mask.clone()
+    for row, n in PAD.items():
+        mask[row, :n] = 0
+    return lm, replace(ts, attention_mask=mask)
+
+
+def _blocks(model) -> dict[int, torch.nn.Module]:
+    """The model's sparse MoE blocks by decoder index, found by class name (not through moetool's adapters)."""
+    out = {}
+    for name, m in model.named_modules():
+        if type(m).__name__ == "MixtralSparseMoeBlock":
+            out[int(re.search(r"layers\.(\d+)\.", name + ".").group(1))] = m
+    return out
+
+
+def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
+    """Per MoE layer, the three [n, n] matrices from one plain forward of all rows (float64, loops over pairs)."""
+    blocks = _blocks(lm.model)
+    seen, handles = {}, []
+    for i, blk in blocks.items():  # the router's input is the experts' input; its output holds the model's top-K
+        handles.append(blk.gate.register_forward_hook(
+            lambda m, args, out, i=i: seen.__setitem__(i, (args[0].detach().clone(), out[2].detach().clone()))))
+    try:
+        with torch.no_grad():
+            lm.model(input_ids=ts.input_ids, attention_mask=ts.attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    valid = ts.attention_mask.reshape(-1).bool()
+    real = torch.nonzero(valid).flatten().tolist()
+    out = {}
+    for i, blk in blocks.items():
+        h, top = seen[i]
+        h = h.reshape(-1, h.shape[-1]).double()
+        ex = blk.experts
+        n = ex.gate_up_proj.shape[0]
+        E = []
+        for e in range(n):  # gate_up_proj [n, 2I, d] (gate first), down_proj [n, d, I], SiLU
+            gate, up = F.linear(h, ex.gate_up_proj[e].detach().double()).chunk(2, dim=-1)
+            E.append(F.linear(F.silu(gate) * up, ex.down_proj[e].detach().double()))
+        E = torch.stack(E)[:, real]  # [n, T_real, d]
+        mean = E.mean(1)
+        routed = [{t for t in real if e in top[t].tolist()} for e in range(n)]
+        oc, tc, co = (np.full((n, n), np.nan) for _ in range(3))
+        for a in range(n):
+            for b in range(n):
+                oc[a, b] = float(F.cosine_similarity(mean[a], mean[b], dim=0))
+                tc[a, b] = float(F.cosine_similarity(E[a], E[b], dim=-1).mean())
+                union = routed[a] | routed[b]
+                co[a, b] = len(routed[a] & routed[b]) / len(union) if union else math.nan
+        out[i] = {"output_cos": oc, "token_cos": tc, "co_selection": co, "tokens": len(real)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    from moetool.experiments.expert_similarity import expert_similarity
+
+    lm, ts = tiny
+    return expert_similarity(lm, ts, batch_size=3, quiet=True)  # two batches: the sums carry over
+
+
+def test_every_pair_against_the_hand_computation(tiny, run):
+    lm, ts = tiny
+    hand = hand_matrices(lm, ts)
+    pairs = run["expert_similarity_pairs"]
+    assert sorted(set(pairs.layer)) == sorted(hand) == [0, 1, 2, 3]
+    for layer, m in hand.items():
+        p = pairs[pairs.layer == layer]
+        n = m["output_cos"].shape[0]
+        assert len(p) == n * (n - 1) // 2 and (p.i < p.j).all()
+        for col in ("output_cos", "token_cos", "co_selection"):
+            want = m[col][p.i.to_numpy(), p.j.to_numpy()]
+            np.testing.assert_allclose(p[col].to_numpy(), want, atol=1e-5, rtol=0, err_msg=f"layer {layer} {col}")
+        # the experts really differ: a sum over the wrong tokens or a mean instead of a cosine would show
+        assert np.ptp(p.token_cos) > 0.05 and np.ptp(p.co_selection) > 0.05
+    per_layer = run["expert_similarity"].set_index("layer")
+    assert run.summary is not None and list(run.summary.layer) == [0, 1, 2, 3]
+    for layer, m in hand.items():
+        row = per_layer.loc[layer]
+        i, j = np.triu_indices(m["output_cos"].shape[0], k=1)
+        assert row.tokens == m["tokens"] == ts.n_tokens == 96 - sum(PAD.values())
+        assert row.n_experts == 8
+        for col, short in (("output_cos", "output_cos"), ("token_cos", "token_cos"), ("co_selection", "co_selection")):
+            v = m[col][i, j]
+            assert row[f"mean_{short}"] == pytest.approx(v.mean(), abs=1e-5)
+            assert row[f"max_{short}"] == pytest.approx(v.max(), abs=1e-5)
+        for col, pair in (("output_cos", "max_output_pair"), ("token_cos", "max_token_pair")):
+            k = int(np.argmax(m[col][i, j]))
+            assert row[pair] == f"{i[k]}-{j[k]}"
+
+
+def test_batch_size_and_token_chunks_do_not_change_the_sums(tiny, run):
+    """One row per batch with one token per probe chunk gives the same matrices as the run's batches of three."""
+    from moetool.engine.runner import forward
+    from moetool.experiments.expert_similarity import SimilaritySums, tables
+
+    lm, ts = tiny
+    sums = SimilaritySums([L.index for L in lm.layers], budget=1)  # one token per chunk
+    forward(lm, ts, consumers=[sums], batch_size=1, quiet=True)
+    per_layer, pairs = tables(sums.matrices(), {L.index: L.n_experts for L in lm.layers})
+    want = run["expert_similarity_pairs"]
+    for col in ("output_cos", "token_cos", "co_selection"):
+        np.testing.assert_allclose(pairs[col], want[col], atol=1e-6, rtol=0)
+
+
+def test_layers_option_and_nan_on_padding_left_out(tiny, run):
+    """``layers`` keeps those layers' rows, with the same numbers; NaN put into the padded positions of the last
+    MoE layer's input (after it nothing mixes positions) changes nothing: padding is masked, not multiplied by 0."""
+    from moetool.experiments.expert_similarity import expert_similarity
+
+    lm, ts = tiny
+    blk = _blocks(lm.model)[3]
+    pad = ~ts.attention_mask.bool()
+
+    def poison(module, args):
+        x = args[0].clone()
+        x[pad] = float("nan")
+        return (x,)
+
+    handle = blk.register_forward_pre_hook(poison)
+    try:
+        res = expert_similarity(lm, ts, layers=(3,), batch_size=len(ts.input_ids), quiet=True)
+    finally:
+        handle.remove()
+    got = res["expert_similarity_pairs"]
+    want = run["expert_similarity_pairs"]
+    want = want[want.layer == 3].reset_index(drop=True)
+    assert list(res["expert_similarity"].layer) == [3] and len(got) == 28
+    for col in ("output_cos", "token_cos", "co_selection"):
+        np.testing.assert_allclose(got[col], want[col], atol=1e-6, rtol=0)
+    assert np.isfinite(got[["output_cos", "token_cos", "co_selection"]].to_numpy()).all()
+
+
+def test_bad_options_are_one_line(tiny):
+    from moetool.experiments.expert_similarity import ExpertSimilarityOptions, expert_similarity
+
+    lm, ts = tiny
+    for bad, flag in (({"batch_size": 0}, "--batch-size"), ({"batch_size": 2.5}, "--batch-size"),
+                      ({"layers": (-1,)}, "--layers"), ({"layers": "0"}, "--layers"), ({"layers": (0.5,)}, "--layers"),
+                      ({"seed": "x"}, "--seed"), ({"batch_size": True}, "--batch-size")):
+        with pytest.raises(MoetoolError, match=flag) as e:
+            ExpertSimilarityOptions(**bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(MoetoolError, match="--batch-size"):
+        expert_similarity(lm, ts, batch_size=0, quiet=True)
+    with pytest.raises(MoetoolError, match="unknown option"):
+        expert_similarity(lm, ts, percentile=3, quiet=True)
+    with pytest.raises(MoetoolError, match="not MoE layers"):
+        expert_similarity(lm, ts, layers=(9,), quiet=True)
+
+
+def test_no_real_token_and_non_finite_sums_are_refused(tiny):
+    from moetool.engine.runner import forward
+    from moetool.experiments.expert_similarity import SimilaritySums, expert_similarity
+
+    lm, ts = tiny
+    with pytest.raises(MoetoolError, match="no real tokens"):
+        expert_similarity(lm, replace(ts, attention_mask=torch.zeros_like(ts.attention_mask)), quiet=True)
+    sums = SimilaritySums([2])
+    forward(lm, replace(ts, input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1]), consumers=[sums],
+            moe_layers=[L for L in lm.layers if L.index == 2], quiet=True)
+    sums.acc[2]["out"][5, 0] = float("inf")  # an expert that overflowed on some token (not one routed to it)
+    with pytest.raises(MoetoolRuntimeError, match="layer 2: an expert output is NaN or inf") as e:
+        sums.matrices()
+    assert "\n" not in str(e.value)
+
+
+def test_inf_in_an_expert_stops_the_run_with_one_line(tiny):
+    from moetool.experiments.expert_similarity import expert_similarity
+
+    lm, ts = tiny
+    w = _blocks(lm.model)[1].experts.down_proj
+    saved = w[4].clone()
+    with torch.no_grad():
+        w[4] = float("inf")
+    try:
+        with pytest.raises(MoetoolRuntimeError) as e:
+            expert_similarity(lm, ts, quiet=True)
+    finally:
+        with torch.no_grad():
+            w[4] = saved
+    assert "\n" not in str(e.value) and "layer 1" in str(e.value)
+
+
+def test_no_host_sync_inside_the_forward(tiny):
+    from moetool.experiments.expert_similarity import expert_similarity
+
+    lm, ts = tiny
+    with detect(lm.model) as det:
+        expert_similarity(lm, ts, quiet=True)
+    assert not det.hits, sorted(det.hits)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine along the last dim, NaN where either vector is 0 (undefined), float64."""
+    a, b = a.double(), b.double()
+    na, nb = a.norm(dim=-1), b.norm(dim=-1)
+    return torch.where((na > 0) & (nb > 0), (a * b).sum(-1) / (na * nb), torch.tensor(float("nan"), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])  # identity experts (output = input); a skip class
+def test_zero_computation_experts_by_hand(model_type):
+    """Every expert's output through the model's own experts module (all tokens sent to it with weight 1); identity
+    experts compare as their input, a skip expert's 0 output has no cosine (NaN, left out of the layer means)."""
+    from conftest import padded_batch
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.engine import Engine
+    from moetool.experiments.expert_similarity import SimilaritySums, tables
+    from test_families import one_expert
+
+    model = build_tiny(model_type, seed=0)
+    layers = find_moe_layers(model)
+    assert any(L.n_zero_compute for L in layers)
+    sums = SimilaritySums([L.index for L in layers])
+    events = {}
+    with torch.no_grad(), Engine(model, layers, consumers=[sums, lambda ev: events.__setitem__(ev.layer.index, ev)]):
+        model(**padded_batch(seq=8))
+    mats = sums.matrices()
+    per_layer, pairs = tables(mats, {L.index: L.n_experts for L in layers})
+    for L in layers:
+        ev = events[L.index]
+        h, valid = ev.h, ev.valid
+        outs = torch.stack([one_expert(L, e, h) for e in range(L.n_experts)])[:, valid]  # [n, T_real, d]
+        mean = outs.double().mean(1)
+        n = L.n_experts
+        oc = _cos(mean[:, None], mean[None, :]).numpy()
+        per_token = _cos(outs[:, None], outs[None, :])  # [n, n, T_real]
+        tc = torch.where(per_token.isnan().all(-1), float("nan"), per_token.nan_to_num().sum(-1) /
+                         (~per_token.isnan()).sum(-1).clamp_min(1)).numpy()
+        z = L.n_zero_compute
+        if z and L.zero_compute_output == "zero":
+            assert np.isnan(oc[-1, :]).all() and np.isnan(tc[-1, :]).all()
+        elif z >= 2:  # two identity experts: the same output
+            assert oc[-1, -2] == pytest.approx(1.0) and tc[-1, -2] == pytest.approx(1.0)
+        np.testing.assert_allclose(mats[L.index]["output_cos"], oc, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(mats[L.index]["token_cos"], tc, atol=1e-5, rtol=0)
+        i, j = np.triu_indices(n, k=1)
+        row = per_layer.set_index("layer").loc[L.index]
+        assert row.mean_output_cos == pytest.approx(np.nanmean(oc[i, j]), abs=1e-5)
+        assert row.max_token_cos == pytest.approx(np.nanmax(tc[i, j]), abs=1e-5)
+        assert len(pairs[pairs.layer == L.index]) == n * (n - 1) // 2
