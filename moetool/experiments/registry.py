@@ -150,6 +150,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
               Flag("--fraction-of-max", "float", 0.1, "... and is at least this fraction of the largest."))),
     _x("placement", "placement", "PlacementOptions", figures="moetool.report.plots:placement_figures",
        demo=Demo(max_tokens=4096)),
+    _x("expert-similarity", "expert_similarity", "ExpertSimilarityOptions", cmd=None, title="expert similarity",
+       demo=Demo(max_tokens=2048)),
     _x("ppl", "ppl", "PplOptions", lines=None),
     _x("eval", "eval_tasks", "EvalOptions", file="lmeval", api="evaluate", cmd="eval", inputs="model", lines=None),
     _x("trace", "trace", "TraceOptions", lines=None),
