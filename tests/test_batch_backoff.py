@@ -273,3 +273,28 @@ def test_out_of_memory_after_a_consumer_saw_rows_is_one_line(tiny, backoff, monk
         runner.forward(lm, tokens, nll=True, batch_size=8, quiet=True, consumers=[lambda ev: seen.append(ev.shape)])
     assert nll_calls == [8, 8, 8] and backoff.events == [] and backoff.rows is None
     assert seen == [(8, 64)] * (2 * len(lm.layers))  # batches 0 and 1, once each (the trial fed no one)
+
+
+def test_sizing_trial_leaves_a_policys_generator_as_it_found_it(tiny, backoff):
+    """A policy drawing from its own generator in call order (not seeded per row): the sizing trial that fits (2
+    rows) draws too, and the generator is put back, so the run draws what the explicit --batch-size 2 run draws."""
+    import dataclasses
+
+    from moetool.policies.basic import RandomPolicy
+
+    class InCallOrder(RandomPolicy):
+        def select(self, ev):
+            return super().select(dataclasses.replace(ev, rows=None))  # its per-device generator, not the rows
+
+    lm, tokens = tiny
+    backoff.enabled = False
+    want = runner.forward(lm, tokens, policy=InCallOrder(3), nll=True, batch_size=2, quiet=True)
+    backoff.enabled = True
+    calls = limit_rows(lm, 2)
+    try:
+        got = runner.forward(lm, tokens, policy=InCallOrder(3), nll=True, batch_size=8, quiet=True)
+    finally:
+        del lm.model.forward
+    assert calls == [8, 4, 2] + [2] * 12 and backoff.events == [8, 4]  # the trials, then 12 forwards of 2 rows
+    assert got.nll.tokens == want.nll.tokens
+    assert got.nll.nll_sum == pytest.approx(want.nll.nll_sum, rel=1e-12)
