@@ -269,9 +269,9 @@ class _RowsThatFit:
     """The rows of a batch one forward runs: all of them, or under ``--batch-size auto`` (:data:`BACKOFF` enabled,
     one process) the rows that fit.
 
-    :meth:`run` runs a batch as consecutive sub-batches of :attr:`rows` rows (the whole batch unless the run backed off). An
-    out-of-memory in a sub-batch's :class:`_Step` halves :attr:`rows` (:func:`_back_off` remembers them for the
-    run's later calls) and retries the same rows. No consumer may see rows twice: with an engine or ``before_batch``
+    :meth:`run` runs a batch as consecutive sub-batches of :attr:`rows` rows (the whole batch unless the run backed
+    off). An out-of-memory in a sub-batch's :class:`_Step` halves :attr:`rows` (:func:`_back_off` remembers them for
+    the run's later calls) and retries the same rows. No consumer may see rows twice: with an engine or ``before_batch``
     the first rows run once without them (:func:`_sizing_trial`) until they fit, and an out-of-memory after a
     consumer saw part of a batch is one error line naming the rows to use."""
 
