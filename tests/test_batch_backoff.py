@@ -226,3 +226,75 @@ def test_out_of_memory_in_the_nll_step_backs_off(tiny, backoff, bootstrap, capsy
     same(got, want)
     assert backoff.rows == 2 and backoff.events == [8, 4] and calls[:2] == [8, 4]
     assert "out of memory at 8 rows per forward; going on with 4" in capsys.readouterr().err
+
+
+# ----- the retry inside the run (no sizing trial: nothing hooked) and its refusal once a consumer saw rows ---------
+def test_unhooked_forward_retries_the_same_rows(tiny, backoff, capsys):
+    """Nothing hooked and no before_batch: no sizing trial, the out-of-memory comes in the run itself; the same
+    rows are retried at half the rows, and the per-row and total NLL equal the explicit --batch-size 2 run."""
+    lm, tokens = tiny
+    want_rows, got_rows = [], []
+    backoff.enabled = False
+    want = runner.forward(lm, tokens, nll=True, batch_size=2, quiet=True,
+                          per_row_nll=lambda s, c: want_rows.append((s, c)))
+    backoff.enabled = True
+    calls = limit_rows(lm, 2)
+    try:
+        got = runner.forward(lm, tokens, nll=True, batch_size=8, quiet=True,
+                             per_row_nll=lambda s, c: got_rows.append((s, c)))
+    finally:
+        del lm.model.forward
+    assert calls == [8, 4] + [2] * 12 and backoff.events == [8, 4] and backoff.rows == 2  # 24 rows, 2 a forward
+    assert got.batches == 3 and want.batches == 12
+    torch.testing.assert_close(torch.cat([s for s, _ in got_rows]), torch.cat([s for s, _ in want_rows]),
+                               rtol=1e-12, atol=0)
+    assert torch.equal(torch.cat([c for _, c in got_rows]), torch.cat([c for _, c in want_rows]))
+    m = tokens.attention_mask.bool()
+    assert got.nll.tokens == want.nll.tokens == int((m[:, 1:] & m[:, :-1]).sum())  # next-token targets
+    assert got.nll.nll_sum == pytest.approx(want.nll.nll_sum, rel=1e-12)
+    assert "out of memory at 8 rows per forward; going on with 4" in capsys.readouterr().err
+
+
+def test_out_of_memory_after_a_consumer_saw_rows_is_one_line(tiny, backoff, monkeypatch):
+    """The sizing trial fits 8 rows; the run's NLL of batch 1 then runs out of memory after the consumer saw its
+    routing events: a retry would feed it the rows twice, so one line names the batch, its rows and the size."""
+    lm, tokens = tiny
+    orig, nll_calls, seen = runner.batch_nll, [], []
+
+    def nll(logits, *args, **kwargs):
+        nll_calls.append(logits.shape[0])
+        if len(nll_calls) == 3:  # the trial (batch 0), batch 0, then batch 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return orig(logits, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "batch_nll", nll)
+    with pytest.raises(MoetoolError, match=r"^out of memory at batch 1 \(rows 8-15\) after the analysis saw part of "
+                                           r"it: rerun with --batch-size 4$"):
+        runner.forward(lm, tokens, nll=True, batch_size=8, quiet=True, consumers=[lambda ev: seen.append(ev.shape)])
+    assert nll_calls == [8, 8, 8] and backoff.events == [] and backoff.rows is None
+    assert seen == [(8, 64)] * (2 * len(lm.layers))  # batches 0 and 1, once each (the trial fed no one)
+
+
+def test_sizing_trial_leaves_a_policys_generator_as_it_found_it(tiny, backoff):
+    """A policy drawing from its own generator in call order (not seeded per row): the sizing trial that fits (2
+    rows) draws too, and the generator is put back, so the run draws what the explicit --batch-size 2 run draws."""
+    import dataclasses
+
+    from moetool.policies.basic import RandomPolicy
+
+    class InCallOrder(RandomPolicy):
+        def select(self, ev):
+            return super().select(dataclasses.replace(ev, rows=None))  # its per-device generator, not the rows
+
+    lm, tokens = tiny
+    backoff.enabled = False
+    want = runner.forward(lm, tokens, policy=InCallOrder(3), nll=True, batch_size=2, quiet=True)
+    backoff.enabled = True
+    calls = limit_rows(lm, 2)
+    try:
+        got = runner.forward(lm, tokens, policy=InCallOrder(3), nll=True, batch_size=8, quiet=True)
+    finally:
+        del lm.model.forward
+    assert calls == [8, 4, 2] + [2] * 12 and backoff.events == [8, 4]  # the trials, then 12 forwards of 2 rows
+    assert got.nll.tokens == want.nll.tokens
+    assert got.nll.nll_sum == pytest.approx(want.nll.nll_sum, rel=1e-12)

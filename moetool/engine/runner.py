@@ -12,7 +12,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +239,106 @@ def _sizing_trial(engine: Any, policy: Any, attempt: Callable[[], Any]) -> bool:
         _rng_restore(rng)  # a random policy draws the same again after the trial
 
 
+class _Step:
+    """One forward of packed rows on the model's device and their per-row NLL when asked for: every allocation
+    that grows with the rows (what the back-off retries). An encoder-decoder gets the decoder's side
+    (:func:`seq2seq_inputs`) and is scored unshifted."""
+
+    def __init__(self, model: Any, engine: Engine | None, guard: FiniteGuard, tokens: Any, want_nll: bool):
+        self.model, self.engine, self.guard, self.want_nll = model, engine, guard, want_nll
+        self.s2s, self.device = is_seq2seq(model), model.device
+        row_ids = getattr(tokens, "row_ids", None)
+        self.row_ids = torch.arange(tokens.input_ids.shape[0]) if row_ids is None else row_ids
+
+    def __call__(self, b: Any, first: int) -> tuple[Any, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The output for the rows ``b`` (the first is local row ``first``) and their NLL ``(sums, counts)`` per row
+        (``None`` unless asked for)."""
+        ids, mask = b.input_ids.to(self.device), b.attention_mask.to(self.device)
+        self.guard.mask = mask
+        if self.engine is not None:  # events carry the batch's global packed-row ids (per-row seeded random choices)
+            self.engine.rows = self.row_ids[first:first + ids.shape[0]].tolist()  # host ints, before the forward
+        extra = seq2seq_inputs(self.model, ids, mask) if self.s2s else {}
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
+        if not self.want_nll:
+            return out, None
+        dev = out.logits.device
+        return out, batch_nll(out.logits, ids.to(dev), mask.to(dev), per_row=True, shift=not self.s2s)
+
+
+class _RowsThatFit:
+    """The rows of a batch one forward runs: all of them, or under ``--batch-size auto`` (:data:`BACKOFF` enabled,
+    one process) the rows that fit.
+
+    :meth:`run` runs a batch as consecutive sub-batches of :attr:`rows` rows (the whole batch unless the run backed
+    off). An out-of-memory in a sub-batch's :class:`_Step` halves :attr:`rows` (:func:`_back_off` remembers them for
+    the run's later calls) and retries the same rows. No consumer may see rows twice: with an engine or ``before_batch``
+    the first rows run once without them (:func:`_sizing_trial`) until they fit, and an out-of-memory after a
+    consumer saw part of a batch is one error line naming the rows to use."""
+
+    def __init__(self, step: _Step, batch_size: int, *, engine: Engine | None, policy: Any,
+                 before_batch: Callable[[Any], None] | None, tokens: Any, world: int):
+        self.step, self.engine, self.policy, self.before_batch = step, engine, policy, before_batch
+        self.tokens, self.world = tokens, world
+        self.auto = BACKOFF.enabled and world == 1 and not distributed.parallel().active  # a model group shares rows
+        self.rows = min(batch_size, BACKOFF.rows) if self.auto and BACKOFF.rows else batch_size
+        self.sized = not self.auto or (engine is None and before_batch is None)  # a retry could not double-feed anyone
+
+    def run(self, b: Any, n: int, first: int) -> Iterator[tuple[int, Any, Any, Any]]:
+        """Batch ``n`` (its first row is local row ``first``): ``(first row, sub-batch, output, per-row NLL)`` of each
+        sub-batch once it ran, ``before_batch`` called before its forward."""
+        start, B, seq_len = 0, b.input_ids.shape[0], b.input_ids.shape[1]
+        while start < B:
+            sub = b if start == 0 and self.rows >= B else _slice(b, start, self.rows)
+            count, at = sub.input_ids.shape[0], first + start
+            if not self.sized:  # these rows once without consumers: find what fits before anyone sees a token
+                self.sized = _sizing_trial(self.engine, self.policy, lambda: self.step(sub, at))
+                if not self.sized:
+                    self.rows = _back_off(count, seq_len)
+                    continue
+            if self.before_batch is not None:
+                self.before_batch(sub)
+            ran = self._attempt(sub, n, at)
+            if ran is None:  # out of memory in the forward or the NLL: nothing of this try was kept
+                self.rows = _back_off(count, seq_len)
+                continue
+            yield (at, sub, *ran)
+            del ran  # this output goes before the next forward
+            start += count
+
+    def _attempt(self, sub: Any, n: int, at: int) -> tuple[Any, Any] | None:
+        """``step(sub)``, or ``None`` after an out-of-memory the back-off may retry (the exception, and the tensors
+        its frames held, are gone by then); any other error propagates, an out-of-memory that may not be retried as
+        one line naming the rows to use."""
+        seen = self._events()
+        try:
+            return self.step(sub, at)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            count = sub.input_ids.shape[0]
+            if not self.auto:
+                if BACKOFF.enabled:  # torchrun: every rank must cut the same batches
+                    raise MoetoolRuntimeError(
+                        f"out of memory at {count} rows per process on {self.world} ranks (no back-off under "
+                        f"torchrun): rerun with --batch-size {max(count // 2, 1)}") from None
+                raise
+            if self._events() != seen or self.before_batch is not None:
+                raise MoetoolRuntimeError(
+                    f"out of memory at batch {n} ({_rows(self.tokens, at, count)}) after the analysis saw part of "
+                    f"it: rerun with --batch-size {max(count // 2, 1)}") from None
+        return None
+
+    def _events(self) -> int:
+        """Routing events reported so far (a consumer saw rows once this grew)."""
+        return sum(getattr(self.engine, "reported", {}).values())
+
+
+def _batches(tokens: Any, batch_size: int, start_batch: int, description: str, quiet: bool) -> Iterable[Any]:
+    """The batches from ``start_batch`` on under a progress bar (``--resume``: the earlier ones are skipped)."""
+    return progress(itertools.islice(tokens.batches(batch_size), start_batch, None),
+                    total=tokens.n_batches(batch_size) - start_batch, description=description, quiet=quiet)
+
+
 def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
@@ -272,99 +372,39 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     out-of-memory after a consumer saw part of a batch is one error line naming the rows to use.
     """
     world = distributed.world_size()
-    if world > 1 and getattr(tokens, "row_ids", None) is None:
+    if world > 1 and getattr(tokens, "row_ids", None) is None:  # this rank's slice of every global batch
         tokens = distributed.shard(tokens, batch_size)
-
     check_token_ids(lm.model, tokens)
     consumers = list(consumers)
-    hooked = policy is not None or bool(consumers) or attention
-    hooked_layers = list(lm.layers if moe_layers is None else moe_layers)
-    engine = (Engine(lm.model, hooked_layers, policy=policy, policy_layers=layers, consumers=consumers,
-                     attention=attention) if hooked else contextlib.nullcontext())
-    model = lm.model
-    s2s = is_seq2seq(model)
-    device = model.device
+    engine = None  # nothing to hook: no hook at all (the unhooked reference)
+    if policy is not None or consumers or attention:
+        engine = Engine(lm.model, list(lm.layers if moe_layers is None else moe_layers), policy=policy,
+                        policy_layers=layers, consumers=consumers, attention=attention)
     guard = FiniteGuard(lm.layers)  # NaN/inf in any MoE layer: one line naming layer and batch, never a number
-    s = torch.zeros((), dtype=torch.float64, device=device)
-    c = torch.zeros((), dtype=torch.long, device=device)
+    step = _Step(lm.model, engine, guard, tokens, want_nll=nll or per_row_nll is not None)
+    fit = _RowsThatFit(step, batch_size, engine=engine, policy=policy, before_batch=before_batch, tokens=tokens,
+                       world=world)
+    nll_sum = torch.zeros((), dtype=torch.float64, device=step.device)
+    nll_count = torch.zeros((), dtype=torch.long, device=step.device)
     n = start_batch
     t0 = time.perf_counter()
-    backoff = BACKOFF.enabled and world == 1 and not distributed.parallel().active  # a model group shares rows
-    rows = min(batch_size, BACKOFF.rows) if backoff and BACKOFF.rows else batch_size
-    sized = not backoff or (not hooked and before_batch is None)  # a retry could not double-feed anyone
-
-    row_ids = getattr(tokens, "row_ids", None)
-    row_ids = torch.arange(tokens.input_ids.shape[0]) if row_ids is None else row_ids
-
-    def run(b: Any, first: int) -> Any:
-        ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
-        guard.mask = mask
-        if hooked:  # events carry the batch's global packed-row ids (per-row seeded random choices)
-            engine.rows = row_ids[first:first + ids.shape[0]].tolist()  # host ints, before the forward
-        extra = seq2seq_inputs(model, ids, mask) if s2s else {}
-        return model(input_ids=ids, attention_mask=mask, use_cache=False, **extra), ids, mask
-
-    def events() -> int:
-        return sum(getattr(engine, "reported", {}).values())
-
-    want_nll = nll or per_row_nll is not None
-
-    def run_nll(b: Any, first: int) -> tuple[Any, Any]:
-        """The forward of ``b`` and its NLL (``None`` unless asked for): every large allocation of a batch."""
-        out, ids, mask = run(b, first)
-        if not want_nll:
-            return out, None
-        return out, batch_nll(out.logits, ids.to(out.logits.device), mask.to(out.logits.device), per_row=True,
-                              shift=not s2s)
-
-    with torch.no_grad(), engine, guard:
-        batches = itertools.islice(tokens.batches(batch_size), start_batch, None)
-        for b in progress(batches, total=tokens.n_batches(batch_size) - start_batch, description=description,
-                          quiet=quiet):
-            start, B = 0, b.input_ids.shape[0]
-            while start < B:
-                sub = b if start == 0 and rows >= B else _slice(b, start, rows)
-                count = sub.input_ids.shape[0]
-                if not sized:  # these rows once without consumers: find what fits before anyone sees a token
-                    sized = _sizing_trial(engine, policy, lambda: run_nll(sub, n * batch_size + start))
-                    if not sized:
-                        rows = _back_off(count, b.input_ids.shape[1])
-                        continue
-                if before_batch is not None:
-                    before_batch(sub)
-                seen = events()
-                out = nll_rows = None
-                try:
-                    out, nll_rows = run_nll(sub, n * batch_size + start)
-                except Exception as e:
-                    if not (backoff and is_oom(e)):
-                        if BACKOFF.enabled and is_oom(e):  # torchrun: every rank must cut the same batches
-                            raise MoetoolRuntimeError(
-                                f"out of memory at {count} rows per process on {world} ranks (no back-off under "
-                                f"torchrun): rerun with --batch-size {max(count // 2, 1)}") from None
-                        raise
-                    if events() != seen or before_batch is not None:
-                        raise MoetoolRuntimeError(
-                            f"out of memory at batch {n} ({_rows(tokens, n * batch_size + start, count)}) after the "
-                            f"analysis saw part of it: rerun with --batch-size {max(count // 2, 1)}") from None
-                if out is None:  # out of memory in the forward or the NLL: nothing of this try was kept
-                    rows = _back_off(count, b.input_ids.shape[1])
-                    continue
-                guard.check(n, _rows(tokens, n * batch_size + start, count))
+    with torch.no_grad(), contextlib.nullcontext() if engine is None else engine, guard:
+        for b in _batches(tokens, batch_size, start_batch, description, quiet):
+            for at, sub, out, nll_rows in fit.run(b, n, n * batch_size):
+                guard.check(n, _rows(tokens, at, sub.input_ids.shape[0]))
                 if nll:
-                    s += nll_rows[0].sum().to(device)
-                    c += nll_rows[1].sum().to(device)
+                    nll_sum += nll_rows[0].sum().to(step.device)
+                    nll_count += nll_rows[1].sum().to(step.device)
                 if per_row_nll is not None:
                     per_row_nll(*nll_rows)
                 if on_batch is not None:
                     on_batch(sub, out)
-                start += count
+                del out, nll_rows  # this output goes before the next forward
             n += 1
     if world > 1:
         if nll:  # no collective otherwise: a caller's own per-batch collectives (k-means EMA) stay lined up
-            s, c = distributed.all_reduce(s), distributed.all_reduce(c)
+            nll_sum, nll_count = distributed.all_reduce(nll_sum), distributed.all_reduce(nll_count)
         for consumer in consumers:
             if hasattr(consumer, "reduce_across_ranks"):
                 consumer.reduce_across_ranks()
-    result = NLL(float(s), int(c))
-    return ForwardResult(result, time.perf_counter() - t0, n - start_batch, world)
+    return ForwardResult(NLL(float(nll_sum), int(nll_count)), time.perf_counter() - t0, n - start_batch, world)
