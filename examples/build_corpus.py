@@ -240,7 +240,7 @@ def build_groups(stdlib: Path, prose_file_fraction: float, seed: int) -> dict[st
 
 
 # --------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=1234)
@@ -256,66 +256,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prose-file-fraction", type=float, default=0.7,
                     help="fraction of stdlib modules used for docstring prose instead of code")
     ap.add_argument("--heldout", default=None, help="also write the validation split here (JSONL)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    print(f"[corpus] python {sys.version.split()[0]}  stdlib={stdlib}", flush=True)
-    groups = build_groups(stdlib, args.prose_file_fraction, args.seed)
 
+def split_domain(domain: str, groups: list[tuple[str, str]], rng: random.Random, args,
+                 train: list[dict], val: list[dict]) -> dict:
+    """Assign the (shuffled) groups of one domain whole to validation until its character budget is met (at most
+    ``--val-max-docs-per-group`` random documents of each), then to train until its budget is met; append the
+    documents to ``val`` / ``train`` and return the domain's statistics."""
+    g = list(groups)  # already sorted by source
+    rng.shuffle(g)
+    n_val = n_train = 0
+    val_groups = train_groups = 0
+    for source, text in g:
+        docs = chunk_blocks(text, args.max_chars, args.min_chars)
+        if not docs:
+            continue
+        if n_val < args.val_chars_per_domain:
+            k = min(args.val_max_docs_per_group, len(docs))
+            for i in sorted(rng.sample(range(len(docs)), k)):
+                val.append({"text": docs[i], "domain": domain, "source": f"{source}#{i}"})
+                n_val += len(docs[i])
+            val_groups += 1
+        elif n_train < args.train_chars_per_domain:
+            for i, d in enumerate(docs):
+                train.append({"text": d, "domain": domain, "source": f"{source}#{i}"})
+                n_train += len(d)
+            train_groups += 1
+        else:
+            break
+    print(f"[corpus] {domain}: train {n_train:,} chars / {train_groups} groups; "
+          f"validation {n_val:,} chars / {val_groups} groups (of {len(g)} groups)", flush=True)
+    return {"train_chars": n_train, "train_groups": train_groups,
+            "val_chars": n_val, "val_groups": val_groups,
+            "available_groups": len(g)}
+
+
+def split(groups: dict[str, list[tuple[str, str]]], args) -> tuple[list[dict], list[dict], dict]:
+    """The train and validation documents of both domains (one random stream for both) and their statistics."""
     rng = random.Random(args.seed + 1)
     train, val = [], []
-    stats = {}
-    for domain in ("code", "prose"):
-        g = list(groups[domain])  # already sorted by source
-        rng.shuffle(g)
-        n_val = n_train = 0
-        val_groups = train_groups = 0
-        for source, text in g:
-            docs = chunk_blocks(text, args.max_chars, args.min_chars)
-            if not docs:
-                continue
-            if n_val < args.val_chars_per_domain:
-                k = min(args.val_max_docs_per_group, len(docs))
-                for i in sorted(rng.sample(range(len(docs)), k)):
-                    val.append({"text": docs[i], "domain": domain, "source": f"{source}#{i}"})
-                    n_val += len(docs[i])
-                val_groups += 1
-            elif n_train < args.train_chars_per_domain:
-                for i, d in enumerate(docs):
-                    train.append({"text": d, "domain": domain, "source": f"{source}#{i}"})
-                    n_train += len(d)
-                train_groups += 1
-            else:
-                break
-        stats[domain] = {"train_chars": n_train, "train_groups": train_groups,
-                         "val_chars": n_val, "val_groups": val_groups,
-                         "available_groups": len(g)}
-        print(f"[corpus] {domain}: train {n_train:,} chars / {train_groups} groups; "
-              f"validation {n_val:,} chars / {val_groups} groups (of {len(g)} groups)", flush=True)
-
+    stats = {domain: split_domain(domain, groups[domain], rng, args, train, val) for domain in ("code", "prose")}
     train_sources = {r["source"].rsplit("#", 1)[0] for r in train}
     val_sources = {r["source"].rsplit("#", 1)[0] for r in val}
     assert not (train_sources & val_sources), "train/validation group overlap"
+    return train, val, stats
 
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = {}
-    for name, rows in (("train.jsonl", train), ("validation.jsonl", val)):
-        payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        (out / name).write_text(payload, encoding="utf-8")
-        files[name] = {"docs": len(rows), "bytes": len(payload.encode()), "sha256": sha256_text(payload)}
-        print(f"[corpus] wrote {out / name}: {len(rows)} docs, {len(payload.encode()):,} bytes", flush=True)
-    if args.heldout:
-        hp = Path(args.heldout)
-        hp.parent.mkdir(parents=True, exist_ok=True)
-        payload = "".join(json.dumps({"text": r["text"], "domain": r["domain"], "source": r["source"]},
-                                     ensure_ascii=False) + "\n" for r in val)
-        hp.write_text(payload, encoding="utf-8")
-        files["heldout"] = {"path": str(hp), "docs": len(val), "bytes": len(payload.encode()),
-                            "sha256": sha256_text(payload)}
-        print(f"[corpus] wrote {hp}: {len(val)} docs, {len(payload.encode()):,} bytes", flush=True)
 
-    manifest = {
+def write_jsonl(path: Path, rows: list[dict]) -> dict:
+    """Write ``rows`` as JSONL; return the file's entry of the manifest (documents, bytes, sha256)."""
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    path.write_text(payload, encoding="utf-8")
+    print(f"[corpus] wrote {path}: {len(rows)} docs, {len(payload.encode()):,} bytes", flush=True)
+    return {"docs": len(rows), "bytes": len(payload.encode()), "sha256": sha256_text(payload)}
+
+
+def manifest(args, stdlib: Path, stats: dict, files: dict) -> dict:
+    return {
         "python_version": sys.version.split()[0],
         "stdlib": str(stdlib),
         "seed": args.seed,
@@ -334,7 +331,24 @@ def main(argv: list[str] | None = None) -> int:
              "license": LICENSE},
         ],
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    print(f"[corpus] python {sys.version.split()[0]}  stdlib={stdlib}", flush=True)
+    train, val, stats = split(build_groups(stdlib, args.prose_file_fraction, args.seed), args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"train.jsonl": write_jsonl(out / "train.jsonl", train),
+             "validation.jsonl": write_jsonl(out / "validation.jsonl", val)}
+    if args.heldout:
+        hp = Path(args.heldout)
+        hp.parent.mkdir(parents=True, exist_ok=True)
+        held = [{"text": r["text"], "domain": r["domain"], "source": r["source"]} for r in val]
+        files["heldout"] = {"path": str(hp)} | write_jsonl(hp, held)
+    (out / "manifest.json").write_text(json.dumps(manifest(args, stdlib, stats, files), indent=2) + "\n",
+                                       encoding="utf-8")
     return 0
 
 

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -215,8 +216,6 @@ def unigram_ppl(train_stream: list[int], val_by_domain: dict, vocab_size: int) -
 # ppl`; `--check-readme` recomputes it from the shipped weights.
 def as_lm(model):
     """A trained model as moetool's experiments take it (``.model``, ``.layers``, ``.tokenizer``)."""
-    from types import SimpleNamespace
-
     from moetool.adapters import find_moe_layers
 
     return SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
@@ -383,45 +382,167 @@ def reload_and_eval(path: Path, val_by_domain: dict) -> dict:
     return evaluate(m, val_by_domain, routing=True)
 
 
-def train_one(name: str, args, work: Path) -> dict:
-    """Train one model (runs in its own process)."""
-    import torch
+def load_training_data(work: Path, corpus_dir: Path) -> SimpleNamespace:
+    """What the parent process prepared in ``work`` for the training processes: the tokenizer, the encoded train
+    documents and validation chunks, the unigram baseline, the validation-document counts and the corpus manifest."""
     from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(work / "tokenizer")
+    enc = json.loads((work / "encoded.json").read_text())
+    return SimpleNamespace(
+        tok=tok,
+        train_docs=enc["train"],
+        val_by_domain=enc["val"],
+        unigram=json.loads((work / "unigram.json").read_text()),
+        manifest=json.loads((corpus_dir / "manifest.json").read_text()),
+        val_docs=json.loads((work / "val_docs.json").read_text()),
+    )
+
+
+def build_model(name: str, tok, args):
+    """A freshly initialised model ``name`` (from the current torch seed) in training mode."""
+    import torch
+
+    cfg = model_config(name, len(tok), tok.eos_token_id, args.max_position_embeddings)
+    cfg._experts_implementation = args.experts_implementation
+    model = model_class(name)(cfg)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"{name}: {type(model).__name__} {n_params / 1e6:.3f}M params, experts={args.experts_implementation}, "
+        f"threads={torch.get_num_threads()}")
+    return model
+
+
+def make_optimizer(model, args):
+    """AdamW with weight decay on the matrices (embeddings excluded), none on vectors."""
+    import torch
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def checkpoint_steps(args) -> dict[int, str]:
+    """{step: checkpoint kind}: early, optionally mid, and final."""
+    total = args.steps
+    ckpts = {max(1, int(round(args.early_frac * total))): "early", total: "final"}
+    if args.mid_frac:
+        ckpts[max(1, int(round(args.mid_frac * total)))] = "mid"
+    return ckpts
+
+
+def train_step(model, opt, x, aux_loss: str, grad_clip: float):
+    """One optimizer step on the batch ``x``; returns the (LM loss, aux loss) tensors."""
+    import torch
+
+    cfg = model.config
+    if aux_loss == "hf":
+        # transformers' own: one Switch-style loss over all layers' router
+        # logits concatenated (balances the load summed over layers only)
+        out = model(input_ids=x, labels=x, output_router_logits=True, use_cache=False)
+        loss = out.loss
+        aux_t = out.aux_loss
+        lm_t = out.loss - cfg.router_aux_loss_coef * out.aux_loss
+    else:
+        # the same Switch-style loss (transformers' load_balancing_loss_func)
+        # applied to each MoE layer separately and averaged over layers, so
+        # that an expert cannot die in one layer while balanced in aggregate
+        lb_loss = sys.modules[type(model).__module__].load_balancing_loss_func
+        n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        out = model(input_ids=x, output_router_logits=True, use_cache=False)
+        logits = out.logits
+        lm_t = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        aux_t = torch.stack([lb_loss((rl,), n_experts, cfg.num_experts_per_tok) for rl in out.router_logits]).mean()
+        loss = lm_t + cfg.router_aux_loss_coef * aux_t
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return lm_t, aux_t
+
+
+def checkpoint_meta(name: str, kind: str, step: int, model, args, data: SimpleNamespace, train_wall_s: float) -> dict:
+    """``train_meta.json`` of a checkpoint before its evaluation (which :func:`save_and_score` adds)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    cfg = model.config
+    tokens_seen = step * args.batch_size * args.seq_len
+    manifest = data.manifest
+    return {
+        "name": checkpoint_dir(args, name, kind).name,
+        "model": name,
+        "checkpoint": kind,
+        "architecture": type(model).__name__,
+        "model_type": cfg.model_type,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "step": step,
+        "total_steps": args.steps,
+        "tokens_seen": tokens_seen,
+        "epochs_seen": tokens_seen / len(pack(data.train_docs, data.tok.eos_token_id)),
+        "train_wall_s": round(train_wall_s, 1),
+        "seed": args.seed,
+        "command": args.command,
+        "hyperparameters": {k: getattr(args, k) for k in (
+            "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_frac", "weight_decay",
+            "grad_clip", "threads", "experts_implementation", "early_frac", "mid_frac", "aux_loss")}
+        | {"optimizer": "AdamW(betas=(0.9,0.95), eps=1e-8)", "schedule": "linear warmup + cosine",
+           "router_aux_loss_coef": cfg.router_aux_loss_coef},
+        "weights_dtype": args.save_dtype,
+        "unigram_baseline": data.unigram,
+        "validation_docs": data.val_docs,
+        "corpus": {"sources": manifest["sources"], "files": manifest["files"],
+                   "python_version": manifest["python_version"], "stats": manifest["stats"]},
+        "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": len(data.tok), "eos_token": EOS},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+    }
+
+
+def checkpoint_dir(args, name: str, kind: str) -> Path:
+    return Path(args.out_dir) / (name if kind == "final" else f"{name}-{kind}")
+
+
+def save_and_score(model, d: Path, meta: dict, curve: list[dict], data: SimpleNamespace, args, work: Path) -> dict:
+    """Save the checkpoint once, then evaluate exactly what was stored (fp16-rounded weights): the full validation
+    numbers go into the last curve row and ``meta``, both rewritten in ``d``."""
+    save_checkpoint(model, work / "tokenizer", d, meta, curve, args.save_dtype)
+    ev = reload_and_eval(d, data.val_by_domain)
+    row = curve[-1]
+    row["val_loss"] = f"{ev['all']['loss']:.5f}"
+    row["val_ppl"] = f"{ev['all']['ppl']:.3f}"
+    meta["val"] = {k: v for k, v in ev.items() if k != "routing"}
+    meta["val_loss"] = ev["all"]["loss"]
+    meta["val_ppl"] = ev["all"]["ppl"]
+    meta["unigram_val_ppl"] = data.unigram["all"]["ppl"]
+    meta["routing"] = ev["routing"]
+    write_curve(d / "training_curve.csv", curve)
+    (d / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    log(f"{meta['model']} saved {meta['checkpoint']} checkpoint -> {d}: val loss {ev['all']['loss']:.4f} "
+        f"ppl {ev['all']['ppl']:.2f} (unigram ppl {data.unigram['all']['ppl']:.2f})")
+    return {"dir": str(d), "val_loss": ev["all"]["loss"], "val_ppl": ev["all"]["ppl"]}
+
+
+def train_one(name: str, args, work: Path) -> dict:
+    """Train one model (runs in its own process): the training loop, with a curve row every ``--log-every`` steps,
+    a validation-subset loss every ``--eval-every`` steps and a saved, scored checkpoint at each checkpoint step."""
+    import torch
 
     torch.set_num_threads(args.threads)
     set_seed(args.seed)
     t_start = time.time()
-    tok = AutoTokenizer.from_pretrained(work / "tokenizer")
-    eos_id = tok.eos_token_id
-    enc = json.loads((work / "encoded.json").read_text())
-    train_docs, val_by_domain = enc["train"], enc["val"]
-    unigram = json.loads((work / "unigram.json").read_text())
-    manifest = json.loads((Path(args.corpus_dir) / "manifest.json").read_text())
-
-    cfg = model_config(name, len(tok), eos_id, args.max_position_embeddings)
-    cfg._experts_implementation = args.experts_implementation
-    model = model_class(name)(cfg)
-    model.train()
-    lb_loss = sys.modules[type(model).__module__].load_balancing_loss_func
-    n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-    top_k = cfg.num_experts_per_tok
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"{name}: {type(model).__name__} {n_params / 1e6:.3f}M params, experts={args.experts_implementation}, "
-        f"threads={torch.get_num_threads()}")
-
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    data = load_training_data(work, Path(args.corpus_dir))
+    model = build_model(name, data.tok, args)
+    opt = make_optimizer(model, args)
     total = args.steps
     warmup = max(1, int(args.warmup_frac * total))
-    early_step = max(1, int(round(args.early_frac * total)))
-    ckpts = {early_step: "early", total: "final"}
-    if args.mid_frac:
-        ckpts[max(1, int(round(args.mid_frac * total)))] = "mid"
+    ckpts = checkpoint_steps(args)
     tokens_per_step = args.batch_size * args.seq_len
-    it = batches(train_docs, eos_id, args.seq_len, args.batch_size, args.seed)
+    it = batches(data.train_docs, data.tok.eos_token_id, args.seq_len, args.batch_size, args.seed)
     curve: list[dict] = []
     acc_loss = acc_aux = 0.0
     acc_n = 0
@@ -432,27 +553,7 @@ def train_one(name: str, args, work: Path) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         epoch, x = next(it)
-        if args.aux_loss == "hf":
-            # transformers' own: one Switch-style loss over all layers' router
-            # logits concatenated (balances the load summed over layers only)
-            out = model(input_ids=x, labels=x, output_router_logits=True, use_cache=False)
-            loss = out.loss
-            aux_t = out.aux_loss
-            lm_t = out.loss - cfg.router_aux_loss_coef * out.aux_loss
-        else:
-            # the same Switch-style loss (transformers' load_balancing_loss_func)
-            # applied to each MoE layer separately and averaged over layers, so
-            # that an expert cannot die in one layer while balanced in aggregate
-            out = model(input_ids=x, output_router_logits=True, use_cache=False)
-            logits = out.logits
-            lm_t = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-            aux_t = torch.stack([lb_loss((rl,), n_experts, top_k) for rl in out.router_logits]).mean()
-            loss = lm_t + cfg.router_aux_loss_coef * aux_t
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        lm_t, aux_t = train_step(model, opt, x, args.aux_loss, args.grad_clip)
         acc_loss += lm_t.detach().item()
         acc_aux += aux_t.detach().item()
         acc_n += 1
@@ -463,7 +564,7 @@ def train_one(name: str, args, work: Path) -> dict:
             acc_loss = acc_aux = 0.0
             acc_n = 0
         if step % args.eval_every == 0 or step in ckpts:
-            ev = evaluate(model, val_by_domain, max_chunks=args.eval_chunks)
+            ev = evaluate(model, data.val_by_domain, max_chunks=args.eval_chunks)
             row["val_loss_subset"] = f"{ev['all']['loss']:.5f}"
             model.train()
         if row is not None:
@@ -475,51 +576,8 @@ def train_one(name: str, args, work: Path) -> dict:
                 + f" | {step * tokens_per_step / el:.0f} tok/s, eta {el / step * (total - step) / 60:.1f} min")
         if step in ckpts:
             kind = ckpts[step]
-            d = Path(args.out_dir) / (name if kind == "final" else f"{name}-{kind}")
-            meta = {
-                "name": d.name,
-                "model": name,
-                "checkpoint": kind,
-                "architecture": type(model).__name__,
-                "model_type": cfg.model_type,
-                "num_parameters": n_params,
-                "step": step,
-                "total_steps": total,
-                "tokens_seen": step * tokens_per_step,
-                "epochs_seen": step * tokens_per_step / len(pack(train_docs, eos_id)),
-                "train_wall_s": round(time.time() - t_train, 1),
-                "seed": args.seed,
-                "command": args.command,
-                "hyperparameters": {k: getattr(args, k) for k in (
-                    "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_frac", "weight_decay",
-                    "grad_clip", "threads", "experts_implementation", "early_frac", "mid_frac", "aux_loss")}
-                | {"optimizer": "AdamW(betas=(0.9,0.95), eps=1e-8)", "schedule": "linear warmup + cosine",
-                   "router_aux_loss_coef": cfg.router_aux_loss_coef},
-                "weights_dtype": args.save_dtype,
-                "unigram_baseline": unigram,
-                "validation_docs": json.loads((work / "val_docs.json").read_text()),
-                "corpus": {"sources": manifest["sources"], "files": manifest["files"],
-                           "python_version": manifest["python_version"], "stats": manifest["stats"]},
-                "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": len(tok), "eos_token": EOS},
-                "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                             "transformers": __import__("transformers").__version__,
-                             "tokenizers": __import__("tokenizers").__version__},
-            }
-            # save once, then evaluate exactly what was stored (fp16-rounded weights)
-            save_checkpoint(model, work / "tokenizer", d, meta, curve, args.save_dtype)
-            ev = reload_and_eval(d, val_by_domain)
-            row["val_loss"] = f"{ev['all']['loss']:.5f}"
-            row["val_ppl"] = f"{ev['all']['ppl']:.3f}"
-            meta["val"] = {k: v for k, v in ev.items() if k != "routing"}
-            meta["val_loss"] = ev["all"]["loss"]
-            meta["val_ppl"] = ev["all"]["ppl"]
-            meta["unigram_val_ppl"] = unigram["all"]["ppl"]
-            meta["routing"] = ev["routing"]
-            write_curve(d / "training_curve.csv", curve)
-            (d / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            results[kind] = {"dir": str(d), "val_loss": ev["all"]["loss"], "val_ppl": ev["all"]["ppl"]}
-            log(f"{name} saved {kind} checkpoint -> {d}: val loss {ev['all']['loss']:.4f} "
-                f"ppl {ev['all']['ppl']:.2f} (unigram ppl {unigram['all']['ppl']:.2f})")
+            meta = checkpoint_meta(name, kind, step, model, args, data, time.time() - t_train)
+            results[kind] = save_and_score(model, checkpoint_dir(args, name, kind), meta, curve, data, args, work)
             model.train()
     results["wall_s"] = time.time() - t_start
     return results
@@ -610,7 +668,8 @@ def measured_lines(out_dir: Path, dirs: list[str], metas: dict | None = None) ->
     return out
 
 
-def write_readme(out_dir: Path, summary: dict, args) -> None:
+def readme_intro(numbers: dict, args) -> list[str]:
+    """Title, the models table, the architecture and the files of a model directory."""
     lines = []
     a = lines.append
     a("# moetool embedded default models")
@@ -621,7 +680,6 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
     a("")
     a("| dir | class (model_type) | experts / top-k | params | checkpoint | tokens seen | val loss | val ppl | unigram ppl |")
     a("|---|---|---|---|---|---|---|---|---|")
-    numbers = measured_lines(out_dir, summary["dirs"])
     lines.extend(numbers["models"])
     a("")
     a("Common architecture: 4 layers, hidden size 128, 4 attention heads / 2 KV heads, RoPE, "
@@ -648,12 +706,24 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
       "command, seed, corpus sources and hashes, validation numbers per domain, unigram baseline, routing "
       "statistics).")
     a("")
-    a("## Tokenizer")
-    a("")
-    a(f"Byte-level BPE trained with `tokenizers` on the train split, vocabulary {summary['vocab_size']}, "
-      f"`{EOS}` is eos, bos and pad token (documents are separated by it in training). "
-      "Wrapped as `PreTrainedTokenizerFast`; no special tokens are added automatically.")
-    a("")
+    return lines
+
+
+def readme_tokenizer(summary: dict) -> list[str]:
+    return [
+        "## Tokenizer",
+        "",
+        f"Byte-level BPE trained with `tokenizers` on the train split, vocabulary {summary['vocab_size']}, "
+        f"`{EOS}` is eos, bos and pad token (documents are separated by it in training). "
+        "Wrapped as `PreTrainedTokenizerFast`; no special tokens are added automatically.",
+        "",
+    ]
+
+
+def readme_training(summary: dict, args) -> list[str]:
+    """The training recipe, the rebuild command and the versions it was built with."""
+    lines = []
+    a = lines.append
     a("## Training")
     a("")
     a(f"AdamW (β=(0.9, 0.95), weight decay {args.weight_decay} on matrices), peak lr {args.lr}, "
@@ -680,6 +750,13 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
       f"Python {platform.python_version()}, torch {summary['versions']['torch']}, transformers "
       f"{summary['versions']['transformers']}, tokenizers {summary['versions']['tokenizers']}.")
     a("")
+    return lines
+
+
+def readme_corpus(summary: dict, args) -> list[str]:
+    """The corpus sources, its split and the held-out file."""
+    lines = []
+    a = lines.append
     a("## Corpus (`examples/build_corpus.py`)")
     a("")
     a("Built offline from text shipped with every CPython installation; all of it is under the "
@@ -708,6 +785,13 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
     a("`data/heldout.jsonl` (fields `text`, `domain`, `source`) is exactly the validation split: the default "
       "`--data` of moetool commands. The models never saw these documents.")
     a("")
+    return lines
+
+
+def readme_numbers(numbers: dict, summary: dict, args) -> list[str]:
+    """The measured numbers: validation perplexities, routing bullets and table, the round trip."""
+    lines = []
+    a = lines.append
     a("## Measured numbers (validation split, stored weights)")
     a("")
     a("Perplexity is per token of the packed validation stream (chunks of "
@@ -733,6 +817,15 @@ def write_readme(out_dir: Path, summary: dict, args) -> None:
       "`AutoTokenizer` (no missing / unexpected / mismatched keys) and reproduced the validation loss "
       f"(max abs difference {summary['verify_max_abs_diff']:.2e}).")
     a("")
+    return lines
+
+
+def write_readme(out_dir: Path, summary: dict, args) -> None:
+    """``README.md`` of the model directories: its number lines are :func:`measured_lines`, the rest describes the
+    build from ``summary`` and the options."""
+    numbers = measured_lines(out_dir, summary["dirs"])
+    lines = (readme_intro(numbers, args) + readme_tokenizer(summary) + readme_training(summary, args)
+             + readme_corpus(summary, args) + readme_numbers(numbers, summary, args))
     (out_dir / "README.md").write_text("\n".join(lines), encoding="utf-8")
 
 
@@ -848,59 +941,33 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    import transformers
+def build_corpus_into(corpus: Path) -> None:
+    """Run ``examples/build_corpus.py`` with its default options into ``corpus``."""
+    sys.path.insert(0, str(HERE))
+    import build_corpus
 
-    transformers.utils.logging.disable_progress_bar()
-    raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(raw_argv)
-    args.command = os.environ.get("MOETOOL_BUILD_COMMAND") or (
-        "python examples/train_tiny.py" + ("" if not raw_argv else " " + shlex.join(raw_argv)))
-    work = args.work_dir
+    log("building corpus")
+    build_corpus.main(["--out-dir", str(corpus)])
 
-    if args.train_one:  # child process: train one model
-        res = train_one(args.train_one, args, work)
-        (work / f"result-{args.train_one}.json").write_text(json.dumps(res, indent=2))
-        return 0
-    if args.check_readme:  # no training: recompute the README's numbers from the shipped weights
-        return check_readme(Path(args.out_dir), [m for m in args.models.split(",") if m], args.write_readme,
-                            max(args.threads, 2))
-    if args.verify is not None:  # child process: fresh-process round-trip check
-        print("VERIFY_JSON " + json.dumps(verify_dirs(args.verify, work, args.threads, args.seq_len)), flush=True)
-        return 0
 
-    t0 = time.time()
-    work.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(args.out_dir)
-    heldout = out_dir / "data" / "heldout.jsonl"
-    corpus = Path(args.corpus_dir)
-    if not args.no_build_corpus:
-        sys.path.insert(0, str(HERE))
-        import build_corpus
-
-        log("building corpus")
-        build_corpus.main(["--out-dir", str(corpus)])
-
-    import numpy as np  # noqa: F401
-    import torch
-
-    torch.set_num_threads(max(args.threads, 1))
-    set_seed(args.seed)
-    train_rows = read_jsonl(corpus / "train.jsonl")
-    val_rows_all = read_jsonl(corpus / "validation.jsonl")
-    log(f"training tokenizer on {len(train_rows)} docs (vocab {args.vocab_size})")
-    tok = train_tokenizer([r["text"] for r in train_rows], args.vocab_size, work / "tokenizer",
-                          args.max_position_embeddings)
+def fresh_tokenizer(train_rows: list[dict], args, tok_dir: Path):
+    """Train the tokenizer on the train split, save it in ``tok_dir`` and load it back as the model directories
+    will (``AutoTokenizer``)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(work / "tokenizer")
+    log(f"training tokenizer on {len(train_rows)} docs (vocab {args.vocab_size})")
+    train_tokenizer([r["text"] for r in train_rows], args.vocab_size, tok_dir, args.max_position_embeddings)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     assert tok.eos_token == EOS and tok.pad_token == EOS, (tok.eos_token, tok.pad_token)
-    eos_id = tok.eos_token_id
-    train_ids = encode_docs(tok, [r["text"] for r in train_rows])
-    # Validation / held-out documents must fit in the trained context together
-    # with one leading <|endoftext|>: drop the few longer ones (whole documents).
+    return tok
+
+
+def write_heldout(tok, val_rows_all: list[dict], seq_len: int, work: Path, heldout: Path) -> list[dict]:
+    """Validation / held-out documents must fit in the trained context together with one leading <|endoftext|>:
+    drop the few longer ones (whole documents). Writes the kept ones to ``heldout`` and to the work dir; returns
+    them."""
     val_lens = [len(ids) for ids in encode_docs(tok, [r["text"] for r in val_rows_all])]
-    val_rows = [r for r, n in zip(val_rows_all, val_lens) if n + 1 <= args.seq_len]
+    val_rows = [r for r, n in zip(val_rows_all, val_lens) if n + 1 <= seq_len]
     n_drop = len(val_rows_all) - len(val_rows)
     (work / "validation.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in val_rows),
                                            encoding="utf-8")
@@ -909,12 +976,25 @@ def main(argv=None) -> int:
                                           ensure_ascii=False) + "\n" for r in val_rows), encoding="utf-8")
     (work / "paths.json").write_text(json.dumps({"validation": str(work / "validation.jsonl")}))
     log(f"validation/held-out: kept {len(val_rows)} of {len(val_rows_all)} documents (dropped {n_drop} longer "
-        f"than {args.seq_len - 1} tokens); wrote {heldout} ({heldout.stat().st_size:,} bytes)")
+        f"than {seq_len - 1} tokens); wrote {heldout} ({heldout.stat().st_size:,} bytes)")
+    return val_rows
+
+
+def prepare_data(args, corpus: Path, work: Path, heldout: Path) -> SimpleNamespace:
+    """Tokenizer, held-out split, encoded train documents and validation chunks, unigram baseline: written to
+    ``work`` for the training processes (:func:`load_training_data`), returned for the summary."""
+    train_rows = read_jsonl(corpus / "train.jsonl")
+    val_rows_all = read_jsonl(corpus / "validation.jsonl")
+    tok = fresh_tokenizer(train_rows, args, work / "tokenizer")
+    eos_id = tok.eos_token_id
+    train_ids = encode_docs(tok, [r["text"] for r in train_rows])
+    val_rows = write_heldout(tok, val_rows_all, args.seq_len, work, heldout)
     by_dom: dict[str, list[str]] = {}
     for r in val_rows:
         by_dom.setdefault(r["domain"], []).append(r["text"])
     val = {dom: val_chunks(encode_docs(tok, texts), eos_id, args.seq_len) for dom, texts in sorted(by_dom.items())}
-    (work / "val_docs.json").write_text(json.dumps({"kept": len(val_rows), "dropped_too_long": n_drop,
+    (work / "val_docs.json").write_text(json.dumps({"kept": len(val_rows),
+                                                    "dropped_too_long": len(val_rows_all) - len(val_rows),
                                                     "by_domain": {d: len(t) for d, t in by_dom.items()}}))
     train_stream = pack(train_ids, eos_id)
     unigram = unigram_ppl(train_stream, val, len(tok))
@@ -924,11 +1004,18 @@ def main(argv=None) -> int:
         f"(code {unigram['code']['ppl']:.2f}, prose {unigram['prose']['ppl']:.2f})")
     (work / "encoded.json").write_text(json.dumps({"train": train_ids, "val": val}))
     (work / "unigram.json").write_text(json.dumps(unigram))
+    return SimpleNamespace(vocab_size=len(tok), train_tokens=len(train_stream), unigram=unigram)
 
-    # ---- train the models in parallel child processes
-    models = [m for m in args.models.split(",") if m]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MOETOOL_BUILD_COMMAND=args.command,
-               OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+
+def build_env(args) -> dict:
+    """The environment of the child processes: offline, the build command, ``--threads`` threads."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MOETOOL_BUILD_COMMAND=args.command,
+                OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+
+
+def train_models(models: list[str], args, raw_argv: list[str], env: dict) -> list[str]:
+    """Train ``models`` in child processes (this script with ``--_train-one``), at most ``--jobs`` at a time;
+    returns the names of those that failed."""
     pending = list(models)
     running: dict[str, subprocess.Popen] = {}
     failed = []
@@ -945,23 +1032,26 @@ def main(argv=None) -> int:
                 log(f"{m} finished with exit code {p.returncode}")
                 if p.returncode != 0:
                     failed.append(m)
-    if failed:
-        log(f"FAILED: {failed}")
-        return 1
+    return failed
 
-    # ---- fresh-process round trip
-    dirs = [out_dir / d for d in model_dirs(out_dir, models)]
+
+def round_trip(dirs: list[Path], args, env: dict) -> dict | None:
+    """:func:`verify_dirs` in a fresh process (``--_verify``); its result, or None if the process failed."""
     log("round-trip check in a fresh process (HF_HUB_OFFLINE=1)")
     cp = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_verify", *map(str, dirs),
-                         "--work-dir", str(work), "--threads", str(max(args.threads, 2)),
+                         "--work-dir", str(args.work_dir), "--threads", str(max(args.threads, 2)),
                          "--seq-len", str(args.seq_len)],
                         env=env, capture_output=True, text=True)
     line = [l for l in cp.stdout.splitlines() if l.startswith("VERIFY_JSON ")]
     if cp.returncode != 0 or not line:
         print(cp.stdout, cp.stderr)
         log("verification process failed")
-        return 1
-    ver = json.loads(line[0][len("VERIFY_JSON "):])
+        return None
+    return json.loads(line[0][len("VERIFY_JSON "):])
+
+
+def round_trip_ok(ver: dict) -> bool:
+    """Log each directory's round trip; True if every one loaded cleanly and reproduced its validation loss."""
     ok = True
     for d, v in ver.items():
         bad_keys = any(v["loading_info"].get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
@@ -970,9 +1060,13 @@ def main(argv=None) -> int:
         log(f"verify {Path(d).name}: {v['model_class']} {v['dtype']} tok={v['tokenizer_class']} eos={v['eos_token']!r} "
             f"val_loss {v['val_loss']:.5f} (meta {v['meta_val_loss']:.5f}, diff {v['abs_diff']:.1e}) "
             f"load_info={v['loading_info']} warnings={v['warnings']} -> {'OK' if good else 'FAIL'}")
-    (work / "verify.json").write_text(json.dumps(ver, indent=2))
+    return ok
 
-    # ---- checks + summary + README
+
+def checks_ok(dirs: list[Path], out_dir: Path, unigram: dict) -> bool:
+    """Each checkpoint beats the unigram baseline, each early checkpoint is worse than its final one, no final
+    checkpoint has a dead expert (the routing of the final ones is logged)."""
+    ok = True
     for d in dirs:
         m = json.loads((d / "train_meta.json").read_text())
         if not m["val_ppl"] < unigram["all"]["ppl"]:
@@ -991,28 +1085,86 @@ def main(argv=None) -> int:
                     f"max {r['max_load_frac']:.4f}, dead {r['dead_experts']}, code-vs-prose TV {r['code_vs_prose_tv']:.3f}")
                 if r["dead_experts"]:
                     ok = False
-    import transformers
-    import tokenizers
+    return ok
 
-    summary = {
+
+def build_summary(dirs: list[Path], args, data: SimpleNamespace, corpus: Path, ver: dict, t0: float) -> dict:
+    """What :func:`write_readme` reports besides the directories' ``train_meta.json``."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return {
         "dirs": [d.name for d in dirs],
         "command": args.command,
-        "vocab_size": len(tok),
-        "unigram": unigram,
-        "train_tokens": len(train_stream),
-        "val_tokens": unigram["all"]["tokens"],
-        "val_docs": json.loads((work / "val_docs.json").read_text()),
+        "vocab_size": data.vocab_size,
+        "unigram": data.unigram,
+        "train_tokens": data.train_tokens,
+        "val_tokens": data.unigram["all"]["tokens"],
+        "val_docs": json.loads((args.work_dir / "val_docs.json").read_text()),
         "corpus": json.loads((corpus / "manifest.json").read_text()),
         "verify_max_abs_diff": max(v["abs_diff"] for v in ver.values()),
         "total_wall_s": time.time() - t0,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__},
     }
+
+
+def build(args, raw_argv: list[str]) -> int:
+    """The whole build: corpus, tokenizer and data, the models (child processes), the fresh-process round trip,
+    the checks and the README."""
+    import numpy as np  # noqa: F401
+    import torch
+
+    t0 = time.time()
+    work, out_dir, corpus = args.work_dir, Path(args.out_dir), Path(args.corpus_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.no_build_corpus:
+        build_corpus_into(corpus)
+    torch.set_num_threads(max(args.threads, 1))
+    set_seed(args.seed)
+    data = prepare_data(args, corpus, work, out_dir / "data" / "heldout.jsonl")
+    models = [m for m in args.models.split(",") if m]
+    env = build_env(args)
+    failed = train_models(models, args, raw_argv, env)
+    if failed:
+        log(f"FAILED: {failed}")
+        return 1
+    dirs = [out_dir / d for d in model_dirs(out_dir, models)]
+    ver = round_trip(dirs, args, env)
+    if ver is None:
+        return 1
+    ok = round_trip_ok(ver)
+    (work / "verify.json").write_text(json.dumps(ver, indent=2))
+    ok &= checks_ok(dirs, out_dir, data.unigram)
+    summary = build_summary(dirs, args, data, corpus, ver, t0)
     write_readme(out_dir, summary, args)
     total = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
     log(f"done in {summary['total_wall_s'] / 60:.1f} min; {out_dir} holds {total / 1e6:.2f} MB; "
         f"checks {'passed' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    args.command = os.environ.get("MOETOOL_BUILD_COMMAND") or (
+        "python examples/train_tiny.py" + ("" if not raw_argv else " " + shlex.join(raw_argv)))
+    if args.train_one:  # child process: train one model
+        res = train_one(args.train_one, args, args.work_dir)
+        (args.work_dir / f"result-{args.train_one}.json").write_text(json.dumps(res, indent=2))
+        return 0
+    if args.check_readme:  # no training: recompute the README's numbers from the shipped weights
+        return check_readme(Path(args.out_dir), [m for m in args.models.split(",") if m], args.write_readme,
+                            max(args.threads, 2))
+    if args.verify is not None:  # child process: fresh-process round trip
+        print("VERIFY_JSON " + json.dumps(verify_dirs(args.verify, args.work_dir, args.threads, args.seq_len)),
+              flush=True)
+        return 0
+    return build(args, raw_argv)
 
 
 if __name__ == "__main__":
