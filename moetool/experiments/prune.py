@@ -171,8 +171,8 @@ def removed_sets(importance: Any, layers: list[Any], criterion: str, fraction: f
     return out
 
 
-ABLATION_COLUMNS = ["rank", "layer", "expert", "reap", "frequency", "tokens", "perplexity", "perplexity_lo",
-                    "perplexity_hi", "delta_ppl", "ratio", "ratio_lo", "ratio_hi"]
+ABLATION_COLUMNS = ("rank", "layer", "expert", "reap", "frequency", "tokens", "perplexity", "perplexity_lo",
+                    "perplexity_hi", "delta_ppl", "ratio", "ratio_lo", "ratio_hi")
 
 
 def _check_fractions(layers: list[Any], fractions: tuple[float, ...]) -> None:
@@ -300,7 +300,7 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     df = pd.DataFrame(table)
     tables = {"prune_importance.csv": importance, "prune.csv": df,
               "prune_removed.csv": pd.DataFrame(removed_rows, columns=["criterion", "fraction", "layer", "expert"]),
-              "prune_ablation.csv": pd.DataFrame(ablation, columns=ABLATION_COLUMNS)}
+              "prune_ablation.csv": pd.DataFrame(ablation, columns=list(ABLATION_COLUMNS))}
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
                 bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, runs.base.rows.n_rows))
     if plan is not None:
