@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import MoetoolError, MoetoolRuntimeError, one_line, write_error
 from .files import PART, atomic_path, jsonable as _jsonable
@@ -105,81 +105,113 @@ def _decode(x: Any, refs: list[Any], memo: list[Any]) -> Any:
         return x
     dec = functools.partial(_decode, refs=refs, memo=memo)
     if type(x) is list:
-        out: Any = []
-        memo.append(out)
-        out.extend(dec(v) for v in x)
-        return out
+        return _decode_into([], memo, dec, x)
     if type(x) is not dict or not isinstance(x.get("__t"), str):
         raise _Damaged(f"unexpected {type(x).__name__}")
-    tag, v = x["__t"], x.get("v")
-    if tag == "ref":
-        i = x.get("i")
-        if type(i) is not int or not 0 <= i < len(refs):
-            raise _Damaged(f"reference {i!r} to a live object out of range")
-        return refs[i]
-    if tag == "same":
-        i = x.get("i")
-        if type(i) is not int or not 0 <= i < len(memo):
-            raise _Damaged(f"back-reference {i!r} out of range")
-        return memo[i]
-    if tag == "dict":
-        out = {}
-        memo.append(out)
-        keys, values = x.get("k"), v
-        if type(keys) is not list or type(values) is not list or len(keys) != len(values):
-            raise _Damaged("malformed dict")
-        for k, val in zip(keys, values):
-            out[dec(k)] = dec(val)
-        return out
-    if tag == "set":
-        out = set()
-        memo.append(out)
-        out.update(dec(e) for e in v)
-        return out
-    if tag == "tuple":
-        return tuple(dec(e) for e in v)
-    if tag == "slice":
-        return slice(*(dec(e) for e in v))
-    if tag == "device":
-        return torch.device(v)
-    if tag == "dtype":
-        d = getattr(torch, str(v), None)
-        if not isinstance(d, torch.dtype):
-            raise _Damaged(f"unknown dtype {v!r}")
-        return d
-    if tag == "obj":
-        name = x.get("c")
-        if name not in CHECKPOINT_TYPES:
-            raise _Damaged(f"type {name!r} is not one a checkpoint may hold")
-        import importlib
+    decoder = _DECODERS.get(x["__t"])
+    if decoder is None:
+        raise _Damaged(f"unknown entry {x['__t']!r}")
+    return decoder(x, dec, refs, memo)
 
-        module, _, qual = name.rpartition(".")
-        cls = getattr(importlib.import_module(module), qual)
-        out = object.__new__(cls)
-        memo.append(out)
-        state = dec(x.get("s"))
-        if type(state) is not dict or not all(type(k) is str for k in state):
-            raise _Damaged(f"malformed {qual}")
-        vars(out).update(state)
-        return out
-    if tag in ("np", "npscalar"):
-        import numpy as np
 
-        dtype = np.dtype(str(x.get("d")))
-        if dtype == object:
-            raise _Damaged("numpy object array")
-        if tag == "npscalar":
-            return dtype.type(v)
-        shape = tuple(int(n) for n in x.get("s"))
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return np.frombuffer(v.numpy().tobytes()[:n], dtype=dtype).reshape(shape).copy()
-    if tag == "frame":
-        import io
+def _indexed(x: dict[str, Any], pool: list[Any], what: str) -> Any:
+    """``pool[x["i"]]``: a live object (``ref``) or one decoded before (``same``)."""
+    i = x.get("i")
+    if type(i) is not int or not 0 <= i < len(pool):
+        raise _Damaged(what.format(i=i))
+    return pool[i]
 
-        import pandas as pd
 
-        return pd.read_parquet(io.BytesIO(v.numpy().tobytes()))
-    raise _Damaged(f"unknown entry {tag!r}")
+def _decode_into(out: Any, memo: list[Any], dec: Callable[[Any], Any], entries: Any) -> Any:
+    """A list or set: ``out`` recorded in ``memo`` first (a ``same`` entry inside it finds it), then filled."""
+    memo.append(out)
+    if type(out) is list:
+        out.extend(dec(v) for v in entries)
+    else:
+        out.update(dec(v) for v in entries)
+    return out
+
+
+def _decode_dict(x: dict[str, Any], dec: Callable[[Any], Any], memo: list[Any]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    memo.append(out)
+    keys, values = x.get("k"), x.get("v")
+    if type(keys) is not list or type(values) is not list or len(keys) != len(values):
+        raise _Damaged("malformed dict")
+    for k, val in zip(keys, values):
+        out[dec(k)] = dec(val)
+    return out
+
+
+def _decode_dtype(v: Any) -> Any:
+    import torch
+
+    d = getattr(torch, str(v), None)
+    if not isinstance(d, torch.dtype):
+        raise _Damaged(f"unknown dtype {v!r}")
+    return d
+
+
+def _decode_obj(x: dict[str, Any], dec: Callable[[Any], Any], memo: list[Any]) -> Any:
+    """A :data:`CHECKPOINT_TYPES` object rebuilt from its attributes (no other type is built)."""
+    import importlib
+
+    name = x.get("c")
+    if name not in CHECKPOINT_TYPES:
+        raise _Damaged(f"type {name!r} is not one a checkpoint may hold")
+    module, _, qual = name.rpartition(".")
+    out = object.__new__(getattr(importlib.import_module(module), qual))
+    memo.append(out)
+    state = dec(x.get("s"))
+    if type(state) is not dict or not all(type(k) is str for k in state):
+        raise _Damaged(f"malformed {qual}")
+    vars(out).update(state)
+    return out
+
+
+def _decode_numpy(x: dict[str, Any]) -> Any:
+    """A numpy array (``np``: raw bytes and shape) or scalar (``npscalar``); object dtypes are refused."""
+    import numpy as np
+
+    dtype = np.dtype(str(x.get("d")))
+    if dtype == object:
+        raise _Damaged("numpy object array")
+    if x["__t"] == "npscalar":
+        return dtype.type(x.get("v"))
+    shape = tuple(int(n) for n in x.get("s"))
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return np.frombuffer(x.get("v").numpy().tobytes()[:n], dtype=dtype).reshape(shape).copy()
+
+
+def _decode_frame(v: Any) -> Any:
+    import io
+
+    import pandas as pd
+
+    return pd.read_parquet(io.BytesIO(v.numpy().tobytes()))
+
+
+def _decode_device(v: Any) -> Any:
+    import torch
+
+    return torch.device(v)
+
+
+#: per tag of :func:`_encode`, ``decoder(entry, dec, refs, memo)`` (``dec``: :func:`_decode` of a nested entry)
+_DECODERS: dict[str, Callable[[dict[str, Any], Callable[[Any], Any], list[Any], list[Any]], Any]] = {
+    "ref": lambda x, dec, refs, memo: _indexed(x, refs, "reference {i!r} to a live object out of range"),
+    "same": lambda x, dec, refs, memo: _indexed(x, memo, "back-reference {i!r} out of range"),
+    "dict": lambda x, dec, refs, memo: _decode_dict(x, dec, memo),
+    "set": lambda x, dec, refs, memo: _decode_into(set(), memo, dec, x.get("v")),
+    "tuple": lambda x, dec, refs, memo: tuple(dec(e) for e in x.get("v")),
+    "slice": lambda x, dec, refs, memo: slice(*(dec(e) for e in x.get("v"))),
+    "device": lambda x, dec, refs, memo: _decode_device(x.get("v")),
+    "dtype": lambda x, dec, refs, memo: _decode_dtype(x.get("v")),
+    "obj": lambda x, dec, refs, memo: _decode_obj(x, dec, memo),
+    "np": lambda x, dec, refs, memo: _decode_numpy(x),
+    "npscalar": lambda x, dec, refs, memo: _decode_numpy(x),
+    "frame": lambda x, dec, refs, memo: _decode_frame(x.get("v")),
+}
 
 
 class Units:

@@ -295,6 +295,104 @@ def model_groups(layer: Any) -> int:
     return int(layer.describe().get("n_group", 1) or 1)
 
 
+def _placed_experts(layers: list[Any], groups: int | None) -> tuple[int, int, int, int]:
+    """``(n, z, K, groups)`` of the chosen MoE layers: the experts placed (zero-computation experts, ``z``, run
+    nowhere: not placed), top-K, and the expert groups (``groups``, else the model's routing groups); layers of
+    different n, or groups that do not divide n, are refused."""
+    z = layers[0].n_zero_compute
+    n, K = layers[0].n_experts - z, layers[0].top_k
+    if any(L.n_experts - L.n_zero_compute != n for L in layers):
+        raise MoetoolError("the chosen MoE layers have different numbers of experts: choose layers of one n "
+                           "with --layers")
+    groups = groups if groups is not None else model_groups(layers[0])
+    if n % groups:
+        raise MoetoolError(f"--groups {groups} must divide the {n} experts")
+    return n, z, K, groups
+
+
+def _data_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, z: int,
+                quiet: bool) -> tuple[torch.Tensor, int, np.ndarray | None]:
+    """:func:`expert_loads` on the data, the computed experts' only (zero-computation assignments take no GPU)."""
+    load, n_tok, row_loads = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement",
+                                          row_sums=opts.bootstrap > 0)
+    if row_loads is not None:
+        row_loads = row_loads.reshape(row_loads.shape[0], len(layers), n + z)[:, :, :n].reshape(row_loads.shape[0], -1)
+    return load[:, :n], n_tok, row_loads
+
+
+def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, reference: Any,
+                     reference_model: Any, quiet: bool) -> tuple[torch.Tensor | None, int | None]:
+    """The loads (and real tokens) of the reference model (default ``lm``) on the reference data (default
+    ``tokens``) that ``eplb_stale`` is fitted on; ``(None, None)`` without a reference."""
+    if reference is None and reference_model is None:
+        return None, None
+    ref_lm = lm if reference_model is None else reference_model
+    ref_layers = select_layers(ref_lm.layers, opts.layers)
+    if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
+        raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
+    ref_load, ref_tok, _ = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
+                                        opts.batch_size, quiet, "placement (reference)")
+    return ref_load[:, :n], ref_tok
+
+
+def _placements(load: torch.Tensor, ref_load: torch.Tensor | None, n: int, groups: int, gpu_counts: list[int],
+                opts: PlacementOptions) -> Any:
+    """``(G, R, method, phy2log, count)`` of every placement evaluated, in the tables' order."""
+    for G in gpu_counts:
+        for method in ("contiguous", "round_robin"):
+            yield (G, 0, method, *static_placement(load.shape[0], n, G, method))
+        for extra in sorted(set(opts.extra_slots)):
+            R = extra * G
+            phy2log, _, count = rebalance_experts(load, n + R, groups, opts.nodes, G)
+            yield G, R, "eplb", phy2log, count
+            if ref_load is not None:
+                phy2log, _, count = rebalance_experts(ref_load, n + R, groups, opts.nodes, G)
+                yield G, R, "eplb_stale", phy2log, count
+
+
+def _evaluate(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: int, idx: list[int], n: int,
+              opts: PlacementOptions, G: int, R: int, method: str, phy2log: torch.Tensor,
+              count: torch.Tensor) -> tuple[list[dict[str, Any]], tuple[float, float]]:
+    """``placement.csv`` rows of one placement under the data's loads (per layer, with bootstrap intervals when
+    ``n_boot``), and the interval of its overall imbalance."""
+    nan = float("nan")
+    per_gpu = gpu_loads(load, phy2log, count, G)  # [layers, G]
+    imb = imbalance(per_gpu)
+    ci = (sum_intervals(row_loads, imbalance_statistic(phy2log, count, G), n_boot=n_boot, seed=opts.seed,
+                        method="bca") if n_boot else None)  # per layer, then overall
+    rows = [{"layer": li, "gpus": G, "nodes": opts.nodes, "replicas": R, "slots_per_gpu": (n + R) // G,
+             "method": method, "imbalance": float(imb[j]),
+             "imbalance_lo": ci[j].lo if ci else nan, "imbalance_hi": ci[j].hi if ci else nan,
+             "max_gpu_load": float(per_gpu[j].max()),
+             "mean_gpu_load": float(per_gpu[j].mean()), "min_gpu_load": float(per_gpu[j].min()),
+             "max_replicas": int(count[j].max())} for j, li in enumerate(idx)]
+    return rows, ((ci[-1].lo, ci[-1].hi) if ci else (nan, nan))
+
+
+def _overall_table(df: Any, overall_ci: dict[tuple[int, int, str], tuple[float, float]]) -> Any:
+    """``placement_overall.csv``: per placement, the sum over layers of the max / sum of the mean GPU load."""
+    overall = (df.groupby(["gpus", "nodes", "replicas", "slots_per_gpu", "method"], sort=False)
+               .agg(max_sum=("max_gpu_load", "sum"), mean_sum=("mean_gpu_load", "sum"),
+                    max_layer_imbalance=("imbalance", "max"),
+                    layers=("layer", "size"))
+               .reset_index())
+    overall.insert(5, "imbalance", overall.pop("max_sum") / overall.pop("mean_sum"))
+    bounds = [overall_ci[(g, r, m)] for g, r, m in zip(overall.gpus, overall.replicas, overall.method)]
+    overall.insert(6, "imbalance_lo", [b[0] for b in bounds])
+    overall.insert(7, "imbalance_hi", [b[1] for b in bounds])
+    return overall
+
+
+def _loads_table(idx: list[int], n: int, K: int, *loads: tuple[str, torch.Tensor | None, int | None]) -> Any:
+    """``placement_loads.csv``: per data set (name, loads, real tokens; ``None`` loads left out), layer and expert."""
+    import pandas as pd
+
+    return pd.concat([pd.DataFrame({"data_set": name, "layer": li, "expert": range(n), "tokens": t,
+                                    "load": lo[j].numpy(), "load_fraction": (lo[j] / (t * K)).numpy()})
+                      for name, lo, t in loads if lo is not None
+                      for j, li in enumerate(idx)], ignore_index=True)
+
+
 def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, reference: Any = None,
               reference_model: Any = None, quiet: bool = False, **overrides: Any) -> Result:
     """Per-GPU load imbalance of expert-parallel placements (contiguous, round-robin, DeepSeek's EPLB with R
@@ -311,72 +409,19 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     if reference is not None:
         reference.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
-    z = layers[0].n_zero_compute  # zero-computation experts (identity, skip) run nowhere: not placed
-    n, K = layers[0].n_experts - z, layers[0].top_k
-    if any(L.n_experts - L.n_zero_compute != n for L in layers):
-        raise MoetoolError("the chosen MoE layers have different numbers of experts: choose layers of one n "
-                           "with --layers")
-    groups = opts.groups if opts.groups is not None else model_groups(layers[0])
-    if n % groups:
-        raise MoetoolError(f"--groups {groups} must divide the {n} experts")
+    n, z, K, groups = _placed_experts(layers, opts.groups)
     gpu_counts = opts.gpu_counts(n)
-    load, n_tok, row_loads = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement",
-                                          row_sums=opts.bootstrap > 0)
-    load = load[:, :n]  # the computed experts' (zero-computation assignments take no GPU)
-    if row_loads is not None:
-        row_loads = row_loads.reshape(row_loads.shape[0], len(layers), n + z)[:, :, :n].reshape(row_loads.shape[0], -1)
-    ref_load = ref_tok = None
-    if reference is not None or reference_model is not None:
-        ref_lm = lm if reference_model is None else reference_model
-        ref_layers = select_layers(ref_lm.layers, opts.layers)
-        if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
-            raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
-        ref_load, ref_tok, _ = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
-                                            opts.batch_size, quiet, "placement (reference)")
-        ref_load = ref_load[:, :n]
+    load, n_tok, row_loads = _data_loads(lm, tokens, layers, opts, n, z, quiet)
+    ref_load, ref_tok = _reference_loads(lm, tokens, layers, opts, n, reference, reference_model, quiet)
     idx = [L.index for L in layers]
-    rows, overall_ci = [], {}
-    nan = float("nan")
     n_boot = opts.bootstrap if row_loads is not None and row_loads.shape[0] >= 2 else 0
-
-    def add(G: int, R: int, method: str, phy2log: torch.Tensor, count: torch.Tensor) -> None:
-        per_gpu = gpu_loads(load, phy2log, count, G)  # [layers, G]
-        imb = imbalance(per_gpu)
-        ci = (sum_intervals(row_loads, imbalance_statistic(phy2log, count, G), n_boot=n_boot, seed=opts.seed,
-                            method="bca") if n_boot else None)  # per layer, then overall
-        overall_ci[(G, R, method)] = (ci[-1].lo, ci[-1].hi) if ci else (nan, nan)
-        for j, li in enumerate(idx):
-            rows.append({"layer": li, "gpus": G, "nodes": opts.nodes, "replicas": R, "slots_per_gpu": (n + R) // G,
-                         "method": method, "imbalance": float(imb[j]),
-                         "imbalance_lo": ci[j].lo if ci else nan, "imbalance_hi": ci[j].hi if ci else nan,
-                         "max_gpu_load": float(per_gpu[j].max()),
-                         "mean_gpu_load": float(per_gpu[j].mean()), "min_gpu_load": float(per_gpu[j].min()),
-                         "max_replicas": int(count[j].max())})
-
-    for G in gpu_counts:
-        for method in ("contiguous", "round_robin"):
-            add(G, 0, method, *static_placement(len(layers), n, G, method))
-        for extra in sorted(set(opts.extra_slots)):
-            R = extra * G
-            phy2log, _, count = rebalance_experts(load, n + R, groups, opts.nodes, G)
-            add(G, R, "eplb", phy2log, count)
-            if ref_load is not None:
-                phy2log, _, count = rebalance_experts(ref_load, n + R, groups, opts.nodes, G)
-                add(G, R, "eplb_stale", phy2log, count)
+    rows, overall_ci = [], {}
+    for G, R, method, phy2log, count in _placements(load, ref_load, n, groups, gpu_counts, opts):
+        layer_rows, overall_ci[(G, R, method)] = _evaluate(load, row_loads, n_boot, idx, n, opts, G, R, method,
+                                                           phy2log, count)
+        rows += layer_rows
     df = pd.DataFrame(rows)
-    overall = (df.groupby(["gpus", "nodes", "replicas", "slots_per_gpu", "method"], sort=False)
-               .agg(max_sum=("max_gpu_load", "sum"), mean_sum=("mean_gpu_load", "sum"),
-                    max_layer_imbalance=("imbalance", "max"),
-                    layers=("layer", "size"))
-               .reset_index())
-    overall.insert(5, "imbalance", overall.pop("max_sum") / overall.pop("mean_sum"))
-    bounds = [overall_ci[(g, r, m)] for g, r, m in zip(overall.gpus, overall.replicas, overall.method)]
-    overall.insert(6, "imbalance_lo", [b[0] for b in bounds])
-    overall.insert(7, "imbalance_hi", [b[1] for b in bounds])
-    loads = [pd.DataFrame({"data_set": name, "layer": li, "expert": range(n), "tokens": t,
-                           "load": lo[j].numpy(), "load_fraction": (lo[j] / (t * K)).numpy()})
-             for name, lo, t in (("data", load, n_tok), ("reference", ref_load, ref_tok)) if lo is not None
-             for j, li in enumerate(idx)]
+    overall = _overall_table(df, overall_ci)
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,
                 n_experts=n, top_k=K, groups=groups, zero_computation_experts_not_placed=z,
                 bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0], "BCa interval"),
@@ -389,9 +434,9 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
                                    model=(lm if reference_model is None else reference_model).name))
     summary = with_ci(overall[["gpus", "replicas", "method", "imbalance", "imbalance_lo", "imbalance_hi",
                                "max_layer_imbalance"]], digits=2)
-    return Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
-                                "placement_loads.csv": pd.concat(loads, ignore_index=True)}, opts, meta=meta,
-                  summary=summary.round(3))
+    loads = _loads_table(idx, n, K, ("data", load, n_tok), ("reference", ref_load, ref_tok))
+    return Result("placement", {"placement.csv": df, "placement_overall.csv": overall, "placement_loads.csv": loads},
+                  opts, meta=meta, summary=summary.round(3))
 
 
 def headline_gpus(df: Any) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import MoetoolError
 from .result import Result
@@ -235,94 +235,132 @@ def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_ex
     return 2.0 * matrices + 4.0 * int(tc.num_hidden_layers) * (seq_len / 2) * q_width
 
 
+class _Layout(NamedTuple):
+    """A way to place the model on the GPUs (a row of ``layouts.csv`` before its memory is checked)."""
+
+    name: str
+    format: str
+    shards: int  # of the weights
+    replicas: int
+    computing: int  # GPUs computing at once per replica (0: --device-map, one at a time)
+    available: str  # "yes", or "no: why"
+    command: str
+
+
+def _config_of(model: Any) -> tuple[Any, Any]:
+    """``(config, name)`` of ``model``: a name whose config alone is read, or a transformers config."""
+    if isinstance(model, str):
+        from ..loading import load_config
+
+        return load_config(model)[0], model
+    return model, getattr(model, "_name_or_path", None) or "MODEL"
+
+
+def _params_table(counts: dict[str, Any], sizes: dict[str, dict[str, float]]) -> Any:
+    """``params.csv``: parameters and bytes per format of each group, then the total."""
+    import pandas as pd
+
+    params = pd.DataFrame([{"group": g, "params": n, **{f"bytes_{f}": round(sizes[f][g]) for f in sizes}}
+                           for g, n in counts["groups"].items()])
+    params.loc[len(params)] = {"group": "total", "params": counts["total"],
+                               **{f"bytes_{f}": round(sum(sizes[f].values())) for f in sizes}}
+    return params
+
+
+def _layouts(config: Any, native: str, gpu: Gpu, per_node: int, nodes: int, base: str) -> list[_Layout]:
+    """The layouts to check on ``nodes`` x ``per_node`` GPUs, each with the command (``base``: its arguments)."""
+    world = per_node * nodes
+    launch = (f"torchrun --nnodes {nodes} --nproc-per-node {{n}} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
+              f"-m moetool" if nodes > 1 else "torchrun --nproc-per-node {n} -m moetool")
+    layouts = [_Layout("1 GPU per replica, data parallel", native, 1, world, 1, "yes",
+                       (launch.format(n=per_node) if world > 1 else "moetool") + " " + base)]
+    if native in ("bf16", "fp16", "fp32"):
+        ok = "yes" if gpu.fp8_tflops else f"no: {gpu.name} has no FP8 tensor cores"
+        layouts.append(_Layout("1 GPU per replica, --quantize fp8", "fp8", 1, world, 1, ok,
+                               ((launch.format(n=per_node) if world > 1 else "moetool") + f" {base} --quantize fp8")
+                               if gpu.fp8_tflops else ""))
+    if per_node > 1:
+        layouts.append(_Layout(f"--device-map auto over {per_node} GPUs, one replica per node", native, per_node,
+                               nodes, 0, "yes",
+                               (launch.format(n=1) if nodes > 1 else "moetool") + f" {base} --device-map auto"))
+    groups = ([(per_node, nodes, f"tensor+expert parallel within each node ({per_node} GPUs), one replica per "
+                                 "node")] if per_node > 1 and nodes > 1 else [])
+    groups += [(world, 1, f"tensor+expert parallel over {world} GPUs")] if world > 1 else []
+    for size, replicas, name in groups:  # transformers' DistributedConfig(tp_size=size, ep_size=size)
+        why = split_refusal(config, size)
+        layouts.append(_Layout(name, native, size, replicas, size, f"no: {why}" if why else "yes",
+                               f"{launch.format(n=per_node)} {base} --tp {size} --ep {size}"))
+    return layouts
+
+
+def _bytes_per_gpu(lay: _Layout, sizes: dict[str, dict[str, float]], act: float) -> float:
+    """Weights on the fullest GPU of ``lay`` plus ``act`` bytes of activations."""
+    weights = sum(sizes[lay.format].values())
+    if lay.name.startswith("tensor+expert"):  # routed experts split; the rest counted whole on every GPU (an upper
+        # bound: which dense layers a model's tensor-parallel plan splits differs, e.g. DeepSeek-V3's MLA is whole)
+        routed = sizes[lay.format].get("routed_experts", 0)
+        return routed / lay.shards + (weights - routed) + act
+    return weights / lay.shards + act
+
+
+def _throughput(lay: _Layout, config: Any, counts: dict[str, Any], gpu: Gpu, weights: float, seq_len: int,
+                rows: int) -> list[dict[str, Any]]:
+    """``throughput.csv`` rows of a layout that fits: per command, the compute and memory ceilings."""
+    tokens_batch = rows * seq_len
+    peak = (gpu.fp8_tflops if lay.format == "fp8" and gpu.fp8_tflops else gpu.bf16_tflops) * 1e12
+    parallel = lay.computing or 1  # --device-map: one GPU at a time
+    bytes_read = weights / lay.shards * (lay.shards if lay.computing == 0 else 1)  # per batch, on the busiest path
+    memory = lay.replicas * tokens_batch * gpu.hbm_tbps * 1e12 / bytes_read
+    out = []
+    for cmd, cost in COMMANDS.items():
+        if cost is None or (cmd == "eval" and lay.name.startswith("tensor+expert")):  # lm-eval refuses --tp
+            continue
+        fwd, full = cost
+        flops = (fwd * flops_per_token(config, counts, seq_len, all_experts=False)
+                 + full * flops_per_token(config, counts, seq_len, all_experts=True))
+        compute = lay.replicas * parallel * peak / flops
+        mem = memory / (fwd + full)
+        out.append({"layout": lay.name, "command": cmd, "tflops_per_token": flops / 1e12,
+                    "compute_tokens_per_s": compute, "memory_tokens_per_s": mem,
+                    "tokens_per_s": min(compute, mem), "bound": "compute" if compute <= mem else "memory"})
+    return out
+
+
 def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8) -> Result:
     """Tables ``params`` (bytes by group and format), ``layouts`` (what fits ``nodes`` x ``gpus``, the command to
     run) and ``throughput`` (a ceiling in tokens/s per command) for ``model`` -- a name (embedded, alias,
     directory, hub id: only its config is read) or a transformers config (module docstring)."""
     import pandas as pd
 
-    if isinstance(model, str):
-        from ..loading import load_config
-
-        config = load_config(model)[0]
-    else:
-        config, model = model, getattr(model, "_name_or_path", None) or "MODEL"
-
+    config, model = _config_of(model)
     for flag, value in (("--nodes", nodes), ("--seq-len", seq_len), ("--batch-size", rows)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MoetoolError(f"{flag} must be a positive integer, not {value!r}")
     per_node, gpu = parse_gpus(gpus)
     native = native_format(config)
     counts = parameter_groups(config)
-    formats = list(dict.fromkeys(["bf16", native, "fp8"]))
-    sizes = {f: group_bytes(counts["groups"], f) for f in formats}
-    params = pd.DataFrame([{"group": g, "params": n, **{f"bytes_{f}": round(sizes[f][g]) for f in formats}}
-                           for g, n in counts["groups"].items()])
-    params.loc[len(params)] = {"group": "total", "params": counts["total"],
-                               **{f"bytes_{f}": round(sum(sizes[f].values())) for f in formats}}
+    sizes = {f: group_bytes(counts["groups"], f) for f in dict.fromkeys(["bf16", native, "fp8"])}
     row = per_row(config, seq_len)
     act = row["activation_bytes"] * rows
-    usable = USABLE * gpu.memory_gb * 1e9
-    weights = {f: sum(sizes[f].values()) for f in formats}
-    world = per_node * nodes
-    launch = (f"torchrun --nnodes {nodes} --nproc-per-node {{n}} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
-              f"-m moetool" if nodes > 1 else "torchrun --nproc-per-node {n} -m moetool")
-    base = f"ppl --model {model} --seq-len {seq_len} --batch-size {rows}"
-    # (layout, format, shards of the weights, replicas, GPUs computing at once per replica, available, command)
-    layouts = [("1 GPU per replica, data parallel", native, 1, world, 1, "yes",
-                (launch.format(n=per_node) if world > 1 else "moetool") + " " + base)]
-    if native in ("bf16", "fp16", "fp32"):
-        ok = "yes" if gpu.fp8_tflops else f"no: {gpu.name} has no FP8 tensor cores"
-        layouts.append(("1 GPU per replica, --quantize fp8", "fp8", 1, world, 1, ok,
-                        ((launch.format(n=per_node) if world > 1 else "moetool") + f" {base} --quantize fp8")
-                        if gpu.fp8_tflops else ""))
-    if per_node > 1:
-        layouts.append((f"--device-map auto over {per_node} GPUs, one replica per node", native, per_node, nodes, 0,
-                        "yes", (launch.format(n=1) if nodes > 1 else "moetool") + f" {base} --device-map auto"))
-    groups = ([(per_node, nodes, f"tensor+expert parallel within each node ({per_node} GPUs), one replica per "
-                                 "node")] if per_node > 1 and nodes > 1 else [])
-    groups += [(world, 1, f"tensor+expert parallel over {world} GPUs")] if world > 1 else []
-    for size, replicas, name in groups:  # transformers' DistributedConfig(tp_size=size, ep_size=size)
-        why = split_refusal(config, size)
-        layouts.append((name, native, size, replicas, size, f"no: {why}" if why else "yes",
-                        f"{launch.format(n=per_node)} {base} --tp {size} --ep {size}"))
     lay_rows, thr_rows = [], []
-    tokens_batch = rows * seq_len
-    for name, fmt, shards, replicas, computing, available, command in layouts:
-        per_gpu = weights[fmt] / shards + act
-        if name.startswith("tensor+expert"):  # routed experts split; the rest counted whole on every GPU (an upper
-            # bound: which dense layers a model's tensor-parallel plan splits differs, e.g. DeepSeek-V3's MLA is whole)
-            routed = sizes[fmt].get("routed_experts", 0)
-            per_gpu = routed / shards + (weights[fmt] - routed) + act
-        fits = per_gpu <= usable
-        lay_rows.append({"layout": name, "format": fmt, "gpus": shards * replicas, "replicas": replicas,
-                         "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits, "available": available,
-                         "command": command if fits and available == "yes" else ""})
-        if not fits:
-            continue
-        peak = (gpu.fp8_tflops if fmt == "fp8" and gpu.fp8_tflops else gpu.bf16_tflops) * 1e12
-        parallel = computing or 1  # --device-map: one GPU at a time
-        bytes_read = weights[fmt] / shards * (shards if computing == 0 else 1)  # per batch, on the busiest path
-        memory = replicas * tokens_batch * gpu.hbm_tbps * 1e12 / bytes_read
-        for cmd, cost in COMMANDS.items():
-            if cost is None or (cmd == "eval" and name.startswith("tensor+expert")):  # lm-eval refuses --tp
-                continue
-            fwd, full = cost
-            flops = (fwd * flops_per_token(config, counts, seq_len, all_experts=False)
-                     + full * flops_per_token(config, counts, seq_len, all_experts=True))
-            compute = replicas * parallel * peak / flops
-            mem = memory / (fwd + full)
-            thr_rows.append({"layout": name, "command": cmd, "tflops_per_token": flops / 1e12,
-                             "compute_tokens_per_s": compute, "memory_tokens_per_s": mem,
-                             "tokens_per_s": min(compute, mem), "bound": "compute" if compute <= mem else "memory"})
+    for lay in _layouts(config, native, gpu, per_node, nodes, f"ppl --model {model} --seq-len {seq_len} "
+                                                             f"--batch-size {rows}"):
+        per_gpu = _bytes_per_gpu(lay, sizes, act)
+        fits = per_gpu <= USABLE * gpu.memory_gb * 1e9
+        lay_rows.append({"layout": lay.name, "format": lay.format, "gpus": lay.shards * lay.replicas,
+                         "replicas": lay.replicas, "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits,
+                         "available": lay.available, "command": lay.command if fits and lay.available == "yes" else ""})
+        if fits:
+            thr_rows += _throughput(lay, config, counts, gpu, sum(sizes[lay.format].values()), seq_len, rows)
+    if not math.isfinite(sum(r["tokens_per_s"] for r in thr_rows) or 0.0):
+        raise MoetoolError("the throughput ceiling is not finite (a zero-size config?)")
     summary = pd.DataFrame(lay_rows)
     meta = {"definitions": DEFINITIONS,
             "plan": {"gpu": vars(gpu), "gpus_per_node": per_node, "nodes": nodes, "seq_len": seq_len, "rows": rows,
                      "native_format": native, "total_params": counts["total"], "active_params": counts["active"],
                      "n_experts": counts["n_experts"], "top_k": counts["top_k"], "moe_layers": counts["moe_layers"],
                      **{f"{k}_per_row": v for k, v in row.items()}}}
-    if not math.isfinite(sum(r["tokens_per_s"] for r in thr_rows) or 0.0):
-        raise MoetoolError("the throughput ceiling is not finite (a zero-size config?)")
-    return Result("plan", {"params.csv": params, "layouts.csv": summary, "throughput.csv": pd.DataFrame(thr_rows)},
+    return Result("plan", {"params.csv": _params_table(counts, sizes), "layouts.csv": summary,
+                           "throughput.csv": pd.DataFrame(thr_rows)},
                   options={"gpus": gpus, "nodes": nodes, "seq_len": seq_len, "rows": rows}, meta=meta,
                   summary=summary)

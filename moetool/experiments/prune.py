@@ -171,6 +171,110 @@ def removed_sets(importance: Any, layers: list[Any], criterion: str, fraction: f
     return out
 
 
+ABLATION_COLUMNS = ("rank", "layer", "expert", "reap", "frequency", "tokens", "perplexity", "perplexity_lo",
+                    "perplexity_hi", "delta_ppl", "ratio", "ratio_lo", "ratio_hi")
+
+
+def _check_fractions(layers: list[Any], fractions: tuple[float, ...]) -> None:
+    """Before any forward: every layer keeps at least its K experts at every fraction."""
+    for f in fractions:
+        for L in layers:
+            m = n_removed(f, L.n_experts)
+            if L.n_experts - m < L.top_k:
+                raise MoetoolError(f"--fractions {f:g} removes {m} of layer {L.index}'s {L.n_experts} experts, "
+                                   f"leaving fewer than its top-{L.top_k}")
+
+
+class _Runs:
+    """The forwards (and lm-eval runs, with a task ``plan``) of one :func:`prune` call, all on the same rows, and
+    their rows compared with the model's own routing (``base``, ``base_eval``: set by :meth:`measure`)."""
+
+    def __init__(self, lm: Any, shard: Any, opts: PruneOptions, plan: Any, indices: list[int], quiet: bool) -> None:
+        self.lm, self.shard, self.opts, self.plan, self.indices, self.quiet = lm, shard, opts, plan, indices, quiet
+        self.hflm = lmeval.make_hflm(lm, opts.batch_size) if plan is not None else None
+        self.base: Any = None
+        self.base_eval: Any = None
+
+    def ppl(self, policy: Any, policy_layers: list[int], description: str, consumers: tuple = ()) -> Any:
+        return perplexity(self.lm, self.shard, policy=policy, policy_layers=policy_layers, consumers=consumers,
+                          batch_size=self.opts.batch_size, quiet=self.quiet, rows=RowTable(self.shard),
+                          description=description)
+
+    def evaluate(self, policy: Any) -> Any:
+        o = self.opts
+        return lmeval.evaluate(self.lm, self.plan, policy=policy, policy_layers=self.indices,
+                               num_fewshot=o.num_fewshot, limit=o.limit, batch_size=o.batch_size, seed=o.seed,
+                               hflm=self.hflm, quiet=self.quiet)
+
+    def measure(self) -> Any:
+        """The model's own routing (perplexity, and lm-eval with tasks) and ``prune_importance.csv``."""
+        imp = Importance(self.indices)
+        self.base = self.ppl(None, self.indices, "router + importance", (imp,))
+        self.base_eval = self.evaluate(build_policy("router")) if self.plan is not None else None
+        imp.merge_across_ranks()
+        return imp.table()
+
+    def row(self, res: Any) -> dict[str, Any]:
+        """tokens, perplexity and the paired ratio to the model's own routing, with bootstrap intervals."""
+        base, nan = self.base, float("nan")
+        ci = ppl_intervals(res, None if res is base else base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
+        out = {"tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
+               "ratio": res.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan}
+        out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
+        if res is base:
+            out.update(ratio_lo=1.0, ratio_hi=1.0)
+        return out
+
+    def accuracy(self, criterion: str, fraction: float, name: str, res: Any) -> list[dict[str, Any]]:
+        """``prune_eval.csv`` rows of one lm-eval run: value and retention against the model's own."""
+        return [{"criterion": criterion, "fraction": fraction, **{k: r[k] for k in EVAL_COLUMNS[2:9]},
+                 "retention": r["ratio"], "retention_lo": r["ratio_lo"], "retention_hi": r["ratio_hi"]}
+                for r in eval_rows(name, res, self.base_eval)]
+
+
+def _pruned(runs: _Runs, importance: Any, layers: list[Any]) -> tuple[list, list, list, dict]:
+    """Per criterion and fraction, the experts removed and the model run without them: rows of ``prune.csv``
+    (the router first), ``prune_removed.csv`` and ``prune_eval.csv``, and the lm-eval runs by removed set."""
+    opts, with_tasks = runs.opts, runs.plan is not None
+    n_total = sum(L.n_experts for L in layers)
+    table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **runs.row(runs.base)}]
+    removed_rows, done, evals = [], {}, {}
+    eval_table = runs.accuracy("router", 0.0, "router", runs.base_eval) if with_tasks else []
+    for criterion in opts.criteria:
+        for f in opts.fractions:
+            removed = removed_sets(importance, layers, criterion, f, opts.seed)
+            key = tuple(sorted((k, tuple(v)) for k, v in removed.items()))
+            if key not in done:  # two criteria removing the same experts: one forward
+                policy = PrunePolicy(removed, criterion=criterion, fraction=f)
+                for L in layers:
+                    policy.check(L)
+                done[key] = runs.ppl(policy, runs.indices, policy.name)
+                if with_tasks:
+                    evals[key] = (policy.name, runs.evaluate(policy))
+            m = sum(len(v) for v in removed.values())
+            table.append({"criterion": criterion, "fraction": f, "removed": m, "removed_frac": m / n_total,
+                          **runs.row(done[key])})
+            if with_tasks:
+                eval_table += runs.accuracy(criterion, f, *evals[key])
+            removed_rows += [{"criterion": criterion, "fraction": f, "layer": layer, "expert": e}
+                             for layer, es in sorted(removed.items()) for e in es]
+    return table, removed_rows, eval_table, evals
+
+
+def _ablations(runs: _Runs, importance: Any, layers: list[Any]) -> list[dict[str, Any]]:
+    """``prune_ablation.csv`` rows: each of the ``ablate`` experts with the largest REAP saliency removed alone."""
+    ablation = []
+    top = importance.sort_values(["reap", "layer", "expert"], ascending=[False, True, True]).head(runs.opts.ablate)
+    by_index = {L.index: L for L in layers}
+    for rank, r in enumerate(top.itertuples(), 1):
+        policy = PrunePolicy({int(r.layer): [int(r.expert)]}, name=f"ablate layer {r.layer} expert {r.expert}")
+        policy.check(by_index[int(r.layer)])
+        res = runs.ppl(policy, [int(r.layer)], policy.name)
+        ablation.append({"rank": rank, "layer": int(r.layer), "expert": int(r.expert), "reap": r.reap,
+                         "frequency": r.frequency, **runs.row(res), "delta_ppl": res.perplexity - runs.base.perplexity})
+    return ablation
+
+
 def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: Any = None, quiet: bool = False,
           **overrides: Any) -> Result:
     """Expert importance (frequency, router-weighted frequency, REAP saliency), perplexity against the fraction of
@@ -187,92 +291,24 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
         plan = lmeval.plan_tasks(opts.tasks, opts.include_path)
     layers = select_layers(lm.layers, opts.layers)
     quant.require_readable(layers, "prune")  # its importance reads expert outputs
+    _check_fractions(layers, opts.fractions)
     indices = [L.index for L in layers]
-    for f in opts.fractions:  # before any forward: every layer keeps at least its K experts
-        for L in layers:
-            m = n_removed(f, L.n_experts)
-            if L.n_experts - m < L.top_k:
-                raise MoetoolError(f"--fractions {f:g} removes {m} of layer {L.index}'s {L.n_experts} experts, "
-                                   f"leaving fewer than its top-{L.top_k}")
-    shard = distributed.shard(tokens, opts.batch_size)
-
-    def run(policy: Any, policy_layers: list[int], description: str, consumers: tuple = ()) -> Any:
-        return perplexity(lm, shard, policy=policy, policy_layers=policy_layers, consumers=consumers,
-                          batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard), description=description)
-
-    hflm = lmeval.make_hflm(lm, opts.batch_size) if plan is not None else None
-
-    def evaluate(policy: Any) -> Any:
-        return lmeval.evaluate(lm, plan, policy=policy, policy_layers=indices, num_fewshot=opts.num_fewshot,
-                               limit=opts.limit, batch_size=opts.batch_size, seed=opts.seed, hflm=hflm, quiet=quiet)
-
-    def accuracy(criterion: str, fraction: float, name: str, res: Any) -> list[dict[str, Any]]:
-        return [{"criterion": criterion, "fraction": fraction, **{k: r[k] for k in EVAL_COLUMNS[2:9]},
-                 "retention": r["ratio"], "retention_lo": r["ratio_lo"], "retention_hi": r["ratio_hi"]}
-                for r in eval_rows(name, res, base_eval)]
-
-    imp = Importance(indices)
-    base = run(None, indices, "router + importance", (imp,))
-    base_eval = evaluate(build_policy("router")) if plan is not None else None
-    imp.merge_across_ranks()
-    importance = imp.table()
-    nan = float("nan")
-
-    def row(res: Any) -> dict[str, Any]:
-        ci = ppl_intervals(res, None if res is base else base, n_boot=opts.bootstrap, seed=opts.seed)
-        out = {"tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
-               "ratio": res.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan}
-        out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        if res is base:
-            out.update(ratio_lo=1.0, ratio_hi=1.0)
-        return out
-
-    n_total = sum(L.n_experts for L in layers)
-    table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **row(base)}]
-    removed_rows, done, evals = [], {}, {}
-    eval_table = accuracy("router", 0.0, "router", base_eval) if plan is not None else []
-    for criterion in opts.criteria:
-        for f in opts.fractions:
-            removed = removed_sets(importance, layers, criterion, f, opts.seed)
-            key = tuple(sorted((k, tuple(v)) for k, v in removed.items()))
-            if key not in done:  # two criteria removing the same experts: one forward
-                policy = PrunePolicy(removed, criterion=criterion, fraction=f)
-                for L in layers:
-                    policy.check(L)
-                done[key] = run(policy, indices, policy.name)
-                if plan is not None:
-                    evals[key] = (policy.name, evaluate(policy))
-            m = sum(len(v) for v in removed.values())
-            table.append({"criterion": criterion, "fraction": f, "removed": m, "removed_frac": m / n_total,
-                          **row(done[key])})
-            if plan is not None:
-                eval_table += accuracy(criterion, f, *evals[key])
-            removed_rows += [{"criterion": criterion, "fraction": f, "layer": layer, "expert": e}
-                             for layer, es in sorted(removed.items()) for e in es]
-    ablation = []
-    top = importance.sort_values(["reap", "layer", "expert"], ascending=[False, True, True]).head(opts.ablate)
-    by_index = {L.index: L for L in layers}
-    for rank, r in enumerate(top.itertuples(), 1):
-        policy = PrunePolicy({int(r.layer): [int(r.expert)]}, name=f"ablate layer {r.layer} expert {r.expert}")
-        policy.check(by_index[int(r.layer)])
-        res = run(policy, [int(r.layer)], policy.name)
-        ablation.append({"rank": rank, "layer": int(r.layer), "expert": int(r.expert), "reap": r.reap,
-                         "frequency": r.frequency, **row(res), "delta_ppl": res.perplexity - base.perplexity})
+    runs = _Runs(lm, distributed.shard(tokens, opts.batch_size), opts, plan, indices, quiet)
+    importance = runs.measure()
+    table, removed_rows, eval_table, evals = _pruned(runs, importance, layers)
+    ablation = _ablations(runs, importance, layers)
     df = pd.DataFrame(table)
-    abl_cols = ["rank", "layer", "expert", "reap", "frequency", "tokens", "perplexity", "perplexity_lo",
-                "perplexity_hi", "delta_ppl", "ratio", "ratio_lo", "ratio_hi"]
-    ablation_df = pd.DataFrame(ablation, columns=abl_cols)
-    removed_df = pd.DataFrame(removed_rows, columns=["criterion", "fraction", "layer", "expert"])
-    summary = with_ci(df[["criterion", "fraction", "removed", "perplexity", "perplexity_lo", "perplexity_hi",
-                          "ratio", "ratio_lo", "ratio_hi"]])
-    tables = {"prune_importance.csv": importance, "prune.csv": df, "prune_removed.csv": removed_df,
-              "prune_ablation.csv": ablation_df}
+    tables = {"prune_importance.csv": importance, "prune.csv": df,
+              "prune_removed.csv": pd.DataFrame(removed_rows, columns=["criterion", "fraction", "layer", "expert"]),
+              "prune_ablation.csv": pd.DataFrame(ablation, columns=list(ABLATION_COLUMNS))}
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
-                bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, base.rows.n_rows))
+                bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, runs.base.rows.n_rows))
     if plan is not None:
         tables["prune_eval.csv"] = pd.DataFrame(eval_table, columns=list(EVAL_COLUMNS))
-        meta.update(eval=plan.describe(), n_samples={"router": base_eval.n_samples,
+        meta.update(eval=plan.describe(), n_samples={"router": runs.base_eval.n_samples,
                                                      **{n: r.n_samples for n, r in evals.values()}})
+    summary = with_ci(df[["criterion", "fraction", "removed", "perplexity", "perplexity_lo", "perplexity_hi",
+                          "ratio", "ratio_lo", "ratio_hi"]])
     return Result("prune", tables, opts, meta=meta, summary=summary)
 
 

@@ -395,24 +395,10 @@ def _unique(name: str, taken: set[str]) -> str:
     return name
 
 
-def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, force: bool = False,
-                 title: str = "moetool report", warn: Callable[[str], None] = _warn) -> Path:
-    """Gather ``run_dirs`` into ``out`` (a folder, or a :class:`RunDir` such as ``demo``'s ``sub("report")``);
-    returns the path of ``report.html``. Every text from a run (manifest fields, file names, table cells) is
-    escaped for the format it is written in; only files inside each run folder are read (others: one ``warn``
-    line each, and a note in the page)."""
-    import pandas as pd
-
-    run = out if isinstance(out, RunDir) else RunDir.create("report", out, force)
-    warnings: list[str] = []
-
-    def warned(msg: str) -> None:
-        warnings.append(msg)
-        warn(msg)
-
-    runs = find_runs(run_dirs, exclude=run._path, warn=warned)
-    md = [f"# {md_escape(title)}", ""]
-    body = [f"<h1>{html.escape(title)}</h1>", '<nav class="runs"><ul>']
+def _index(title: str, runs: list[Run], warnings: list[str], body: list[str], md: list[str]) -> None:
+    """The title, the list of runs and what was not gathered."""
+    md += [f"# {md_escape(title)}", ""]
+    body += [f"<h1>{html.escape(title)}</h1>", '<nav class="runs"><ul>']
     body += [f'<li><a href="#{r.name}">{html.escape(r.name)}</a> '
              f'({html.escape(str(r.manifest.get("command", "")))}, {html.escape(str(r.manifest.get("status", "?")))})'
              f"</li>" for r in runs]
@@ -422,98 +408,162 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, fo
         body += ['<p class="warn">not gathered:</p><ul class="warn">'] + \
                 [f"<li>{html.escape(w)}</li>" for w in warnings] + ["</ul>"]
         md += ["**not gathered:**", ""] + [f"- {md_escape(w)}" for w in warnings] + [""]
+
+
+def _run_header(r: Run, body: list[str], md: list[str]) -> None:
+    """A run's heading, its manifest summary and the files it lists outside its folder."""
+    status = str(r.manifest.get("status", "unknown (written before moetool recorded a status)"))
+    css = "status-" + (status if status in STATUSES else "other")
+    body.append(f'<h2 id="{r.name}">{html.escape(r.name)}</h2>')
+    md += [f"## {md_escape(r.name)}", ""]
+    rows = summary(r.manifest)
+    body.append('<table class="meta">' + "".join(
+        f'<tr><td>{html.escape(k)}</td><td class="{css if k == "status" else ""}">'
+        f"{html.escape(v)}</td></tr>" for k, v in rows) + "</table>")
+    md += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in rows] + [""]
+    if r.refused:
+        note = "files listed in the manifest outside the run folder, not read: " + ", ".join(r.refused)
+        body.append(f'<p class="warn">{html.escape(note)}</p>')
+        md += [f"*{md_escape(note)}*", ""]
+
+
+def _copy_figures(run: RunDir, r: Run) -> list[tuple[Path, str, str, bool]]:
+    """``(png, stem, rel, has_pdf)`` of each figure of ``r``, copied to ``rel.png`` (and ``rel.pdf``) under
+    ``figures/<run>/`` with a safe, unique stem."""
+    taken: set[str] = set()
+    figs = []
+    for png in r.figures:
+        stem = _unique(_slug(png.stem), taken)
+        rel = f"figures/{r.name}/{stem}"
+        with run.atomic(f"{rel}.png") as tmp:
+            shutil.copyfile(png, tmp)
+        pdf = png.with_suffix(".pdf")
+        has_pdf = pdf.is_file() and not pdf.is_symlink()
+        if has_pdf:
+            with run.atomic(f"{rel}.pdf") as tmp:
+                shutil.copyfile(pdf, tmp)
+        figs.append((png, stem, rel, has_pdf))
+    return figs
+
+
+def _read_tables(r: Run) -> list[tuple[Path, str, Any, str]]:
+    """``(csv, stem, table or None, error)`` of each table of ``r`` (stems safe and unique for
+    ``tables/<run>/<stem>.csv``; key columns first)."""
+    import pandas as pd
+
+    tables, taken = [], set()
+    for csv in r.tables:
+        stem = _unique(_slug(csv.stem), taken)
+        try:  # text as written ("NA", "null" and "nan" are tokens): only an empty cell is missing
+            df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
+        except (OSError, ValueError, pd.errors.ParserError) as e:
+            tables.append((csv, stem, None, str(e)))
+            continue
+        tables.append((csv, stem, key_first(df), ""))
+    return tables
+
+
+def _toc(r: Run, figs: list[tuple[Path, str, str, bool]], tables: list[tuple[Path, str, Any, str]]) -> list[str]:
+    """The run's table of contents (none without figures or tables)."""
+    rows_of = lambda df: f" ({len(df):,} row{'s' if len(df) != 1 else ''})" if df is not None else ""  # noqa: E731
+    toc = [("figures", [(f"{r.name}--fig-{stem}", stem, "") for _, stem, _, _ in figs]),
+           ("tables", [(f"{r.name}--tab-{stem}", csv.name, rows_of(df)) for csv, stem, df, _ in tables])]
+    toc = [f"<li>{what}: " + ", ".join(f'<a href="#{a}">{html.escape(t)}</a>{n}' for a, t, n in items) + "</li>"
+           for what, items in toc if items]
+    return ['<nav class="toc"><b>contents</b><ul>' + "".join(toc) + "</ul></nav>"] if toc else []
+
+
+def _figure(r: Run, fig: tuple[Path, str, str, bool], table_stem: dict[str, str], ctx: str, body: list[str],
+            md: list[str]) -> None:
+    """A figure embedded at its pixel size, with its caption: what it shows, the definitions of what it plots,
+    the tables it was drawn from (``table_stem``: their copies' stems) and the run (``ctx``)."""
+    png, stem, rel, has_pdf = fig
+    raw = png.read_bytes()
+    size = png_size(raw)
+    dims = f' width="{size[0]}" height="{size[1]}"' if size else ""
+    shows, said, data = figure_caption(png.stem, r.manifest)
+    srcs = [f"tables/{r.name}/{table_stem[t]}.csv" for t in data if t in table_stem]
+    data64 = base64.b64encode(raw).decode("ascii")
+    text = [f": {shows}." if shows != png.stem else "", f" {said}." if said else ""]
+    run_ctx = f" Run: {ctx}." if ctx else ""
+    cap_html = (f"<b>{html.escape(png.stem)}</b>" + html.escape("".join(text)) +
+                (" Data: " + ", ".join(f'<a href="{s}">{s}</a>' for s in srcs) + "." if srcs else "") +
+                html.escape(run_ctx) + f' <a href="{rel}.png">full size</a>' +
+                (f' · <a href="{rel}.pdf">PDF</a>' if has_pdf else ""))
+    body.append(f'<figure id="{r.name}--fig-{stem}"><div class="scroll"><a href="{html.escape(rel)}.png" '
+                f'title="open at full size"><img alt="{html.escape(png.stem)}"{dims} '
+                f'src="data:image/png;base64,{data64}"></a></div><figcaption>{cap_html}</figcaption></figure>')
+    cap_md = (f"**{md_escape(png.stem)}**" + md_escape("".join(text)) +
+              (" Data: " + ", ".join(f"[{s}]({s})" for s in srcs) + "." if srcs else "") +
+              md_escape(run_ctx) + (f" PDF: [{rel}.pdf]({rel}.pdf)" if has_pdf else ""))
+    md += [f"![{md_escape(png.stem)}]({rel}.png)", "", cap_md, ""]
+
+
+def _table(run: RunDir, r: Run, table: tuple[Path, str, Any, str], defs: dict[str, Any], body: list[str],
+           md: list[str]) -> None:
+    """A table copied as CSV and LaTeX under ``tables/<run>/`` and shown (a long one by its first rows), with
+    its definition; an unreadable one as a note."""
+    csv, stem, df, err = table
+    if df is None:
+        body.append(f'<p class="note">{html.escape(csv.name)}: unreadable ({html.escape(err)})</p>')
+        md += [f"*{md_escape(csv.name)}: unreadable ({md_escape(err)})*", ""]
+        return
+    rel = f"tables/{r.name}/{stem}"
+    with run.atomic(f"{rel}.csv") as tmp:
+        shutil.copyfile(csv, tmp)
+    with run.atomic(f"{rel}.tex") as tmp:
+        tmp.write_text(to_latex(df, caption=f"{r.name}: {csv.name}", label=f"tab:{r.name}-{stem}"))
+    shown = len(df) if len(df) <= HTML_ROWS else PREVIEW_ROWS
+    what = defs.get(csv.stem) if isinstance(defs.get(csv.stem), str) else ""
+    more = (f"first {shown} of {len(df):,} rows; every row in " if len(df) > shown else f"{len(df)} rows; ")
+    body += [f'<h3 id="{r.name}--tab-{stem}">{html.escape(csv.name)}</h3>']
+    body += [f'<p class="def">{html.escape(what)}</p>'] if what else []
+    body += [to_html_table(df, shown, defs, csv.stem),
+             f'<p class="note">{html.escape(more)}<a href="{rel}.csv">{html.escape(rel)}.csv</a> '
+             f'(LaTeX: <a href="{rel}.tex">{html.escape(rel)}.tex</a>)</p>']
+    md += [f"### {md_escape(csv.name)}", ""] + ([md_escape(what), ""] if what else [])
+    md += [to_markdown(df, shown), "", f"*{md_escape(more)}[{rel}.csv]({rel}.csv) (LaTeX: {rel}.tex)*", ""]
+
+
+def _run_section(run: RunDir, r: Run, body: list[str], md: list[str]) -> None:
+    """One run: its header, then its files copied (names made safe and unique), then its contents, figures,
+    tables and other files."""
+    defs = r.manifest.get("definitions") if isinstance(r.manifest.get("definitions"), dict) else {}
+    _run_header(r, body, md)
+    figs = _copy_figures(run, r)
+    tables = _read_tables(r)
+    body += _toc(r, figs, tables)
+    ctx = run_context(r.manifest)
+    table_stem = {csv.name: stem for csv, stem, df, _ in tables if df is not None}
+    for fig in figs:
+        _figure(r, fig, table_stem, ctx, body, md)
+    for table in tables:
+        _table(run, r, table, defs, body, md)
+    if r.other:
+        note = "other files: " + ", ".join(r.other)
+        body.append(f'<p class="note">{html.escape(note)}</p>')
+        md += [f"*{md_escape(note)}*", ""]
+
+
+def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, force: bool = False,
+                 title: str = "moetool report", warn: Callable[[str], None] = _warn) -> Path:
+    """Gather ``run_dirs`` into ``out`` (a folder, or a :class:`RunDir` such as ``demo``'s ``sub("report")``);
+    returns the path of ``report.html``. Every text from a run (manifest fields, file names, table cells) is
+    escaped for the format it is written in; only files inside each run folder are read (others: one ``warn``
+    line each, and a note in the page)."""
+    run = out if isinstance(out, RunDir) else RunDir.create("report", out, force)
+    warnings: list[str] = []
+
+    def warned(msg: str) -> None:
+        warnings.append(msg)
+        warn(msg)
+
+    runs = find_runs(run_dirs, exclude=run._path, warn=warned)
+    body: list[str] = []
+    md: list[str] = []
+    _index(title, runs, warnings, body, md)
     for r in runs:
-        m = r.manifest
-        defs = m.get("definitions") if isinstance(m.get("definitions"), dict) else {}
-        status = str(m.get("status", "unknown (written before moetool recorded a status)"))
-        css = "status-" + (status if status in STATUSES else "other")
-        body.append(f'<h2 id="{r.name}">{html.escape(r.name)}</h2>')
-        md += [f"## {md_escape(r.name)}", ""]
-        rows = summary(m)
-        body.append('<table class="meta">' + "".join(
-            f'<tr><td>{html.escape(k)}</td><td class="{css if k == "status" else ""}">'
-            f"{html.escape(v)}</td></tr>" for k, v in rows) + "</table>")
-        md += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in rows] + [""]
-        if r.refused:
-            note = "files listed in the manifest outside the run folder, not read: " + ", ".join(r.refused)
-            body.append(f'<p class="warn">{html.escape(note)}</p>')
-            md += [f"*{md_escape(note)}*", ""]
-        # copy first (names made safe and unique), then the contents, then the sections
-        taken: set[str] = set()  # figures/<run>/<stem>.png
-        figs = []
-        for png in r.figures:
-            stem = _unique(_slug(png.stem), taken)
-            rel = f"figures/{r.name}/{stem}"
-            with run.atomic(f"{rel}.png") as tmp:
-                shutil.copyfile(png, tmp)
-            pdf = png.with_suffix(".pdf")
-            has_pdf = pdf.is_file() and not pdf.is_symlink()
-            if has_pdf:
-                with run.atomic(f"{rel}.pdf") as tmp:
-                    shutil.copyfile(pdf, tmp)
-            figs.append((png, stem, rel, has_pdf))
-        tables, taken = [], set()  # tables/<run>/<stem>.csv
-        for csv in r.tables:
-            stem = _unique(_slug(csv.stem), taken)
-            try:  # text as written ("NA", "null" and "nan" are tokens): only an empty cell is missing
-                df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
-            except (OSError, ValueError, pd.errors.ParserError) as e:
-                tables.append((csv, stem, None, str(e)))
-                continue
-            tables.append((csv, stem, key_first(df), ""))
-        rows_of = lambda df: f" ({len(df):,} row{'s' if len(df) != 1 else ''})" if df is not None else ""  # noqa: E731
-        toc = [("figures", [(f"{r.name}--fig-{stem}", stem, "") for _, stem, _, _ in figs]),
-               ("tables", [(f"{r.name}--tab-{stem}", csv.name, rows_of(df)) for csv, stem, df, _ in tables])]
-        toc = [f"<li>{what}: " + ", ".join(f'<a href="#{a}">{html.escape(t)}</a>{n}' for a, t, n in items) + "</li>"
-               for what, items in toc if items]
-        if toc:
-            body.append('<nav class="toc"><b>contents</b><ul>' + "".join(toc) + "</ul></nav>")
-        ctx = run_context(m)
-        table_stem = {csv.name: stem for csv, stem, df, _ in tables if df is not None}
-        for png, stem, rel, has_pdf in figs:
-            raw = png.read_bytes()
-            size = png_size(raw)
-            dims = f' width="{size[0]}" height="{size[1]}"' if size else ""
-            shows, said, data = figure_caption(png.stem, m)
-            srcs = [f"tables/{r.name}/{table_stem[t]}.csv" for t in data if t in table_stem]
-            data64 = base64.b64encode(raw).decode("ascii")
-            text = [f": {shows}." if shows != png.stem else "", f" {said}." if said else ""]
-            run_ctx = f" Run: {ctx}." if ctx else ""
-            cap_html = (f"<b>{html.escape(png.stem)}</b>" + html.escape("".join(text)) +
-                        (" Data: " + ", ".join(f'<a href="{s}">{s}</a>' for s in srcs) + "." if srcs else "") +
-                        html.escape(run_ctx) + f' <a href="{rel}.png">full size</a>' +
-                        (f' · <a href="{rel}.pdf">PDF</a>' if has_pdf else ""))
-            body.append(f'<figure id="{r.name}--fig-{stem}"><div class="scroll"><a href="{html.escape(rel)}.png" '
-                        f'title="open at full size"><img alt="{html.escape(png.stem)}"{dims} '
-                        f'src="data:image/png;base64,{data64}"></a></div><figcaption>{cap_html}</figcaption></figure>')
-            cap_md = (f"**{md_escape(png.stem)}**" + md_escape("".join(text)) +
-                      (" Data: " + ", ".join(f"[{s}]({s})" for s in srcs) + "." if srcs else "") +
-                      md_escape(run_ctx) + (f" PDF: [{rel}.pdf]({rel}.pdf)" if has_pdf else ""))
-            md += [f"![{md_escape(png.stem)}]({rel}.png)", "", cap_md, ""]
-        for csv, stem, df, err in tables:
-            if df is None:
-                body.append(f'<p class="note">{html.escape(csv.name)}: unreadable ({html.escape(err)})</p>')
-                md += [f"*{md_escape(csv.name)}: unreadable ({md_escape(err)})*", ""]
-                continue
-            rel = f"tables/{r.name}/{stem}"
-            with run.atomic(f"{rel}.csv") as tmp:
-                shutil.copyfile(csv, tmp)
-            with run.atomic(f"{rel}.tex") as tmp:
-                tmp.write_text(to_latex(df, caption=f"{r.name}: {csv.name}", label=f"tab:{r.name}-{stem}"))
-            shown = len(df) if len(df) <= HTML_ROWS else PREVIEW_ROWS
-            what = defs.get(csv.stem) if isinstance(defs.get(csv.stem), str) else ""
-            more = (f"first {shown} of {len(df):,} rows; every row in " if len(df) > shown else f"{len(df)} rows; ")
-            body += [f'<h3 id="{r.name}--tab-{stem}">{html.escape(csv.name)}</h3>']
-            body += [f'<p class="def">{html.escape(what)}</p>'] if what else []
-            body += [to_html_table(df, shown, defs, csv.stem),
-                     f'<p class="note">{html.escape(more)}<a href="{rel}.csv">{html.escape(rel)}.csv</a> '
-                     f'(LaTeX: <a href="{rel}.tex">{html.escape(rel)}.tex</a>)</p>']
-            md += [f"### {md_escape(csv.name)}", ""] + ([md_escape(what), ""] if what else [])
-            md += [to_markdown(df, shown), "", f"*{md_escape(more)}[{rel}.csv]({rel}.csv) (LaTeX: {rel}.tex)*", ""]
-        if r.other:
-            note = "other files: " + ", ".join(r.other)
-            body.append(f'<p class="note">{html.escape(note)}</p>')
-            md += [f"*{md_escape(note)}*", ""]
+        _run_section(run, r, body, md)
     page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n" + "\n".join(body) +
