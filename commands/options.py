@@ -118,8 +118,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             refuse_busy_out(kwargs)  # before the command imports torch: a used --out is refused in under a second
             with rundir.terminate_as_interrupt():  # SIGTERM (a job's time limit) is handled like Ctrl-C
                 if kwargs.get("batch_size") == AUTO_BATCH:
-                    kwargs["batch_size"] = resolve_batch_size(kwargs)
                     with auto_backoff():
+                        kwargs["batch_size"] = resolve_batch_size(kwargs)
                         return fn(*args, **kwargs)
                 return fn(*args, **kwargs)
         except KeyboardInterrupt as e:
@@ -310,13 +310,12 @@ def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None 
                         quantize=quantize)
 
 
-AUTO_CHOICE: dict[str, Any] = {}  # the last --batch-size auto decision (start_run puts it in the manifest)
-
-
 def resolve_batch_size(params: dict[str, Any]) -> int:
     """The wrapper's half of ``--batch-size auto``: :func:`moetool.sizing.auto_batch_size` from the command's own options, the
-    minimum over ranks under torchrun (every rank must cut the same global batches), one console line."""
+    minimum over ranks under torchrun (every rank must cut the same global batches), one console line. The
+    decision is kept for the manifest in ``BACKOFF.choice`` (:func:`auto_backoff` resets it for each command)."""
     from moetool import distributed
+    from moetool.engine.runner import BACKOFF
 
     model = params.get("model") or params.get("model_arg") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
     e = distributed.env()
@@ -334,8 +333,7 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
         distributed.init(params.get("device") or "auto")
         rows = int(distributed.all_reduce_world(torch.tensor(rows), "min"))  # a model group shares its batch
         facts["rows"] = rows
-    AUTO_CHOICE.clear()
-    AUTO_CHOICE.update(facts)
+    BACKOFF.choice = facts
     if e.rank == 0:
         free = facts.get("free_bytes")
         typer.secho(f"--batch-size auto: {rows} rows per forward ({facts['reason']}; "
@@ -345,17 +343,16 @@ def resolve_batch_size(params: dict[str, Any]) -> int:
 
 @contextlib.contextmanager
 def auto_backoff() -> Any:
-    """``--batch-size auto``'s second half for one command: on out-of-memory the forward loop halves the rows,
-    retries them and goes on (:data:`moetool.engine.runner.BACKOFF`); off again afterwards."""
+    """``--batch-size auto`` for one command: its decision (``BACKOFF.choice``) and, on out-of-memory, the forward
+    loop halving the rows, retrying them and going on (:data:`moetool.engine.runner.BACKOFF`); all of it reset
+    before and after the command."""
     from moetool.engine.runner import BACKOFF
 
-    BACKOFF.enabled, BACKOFF.rows = True, None
-    BACKOFF.events.clear()
+    BACKOFF.reset(enabled=True)
     try:
         yield
     finally:
-        BACKOFF.enabled, BACKOFF.rows = False, None
-        BACKOFF.events.clear()
+        BACKOFF.reset(enabled=False)
 
 
 class StartedRun:
@@ -391,7 +388,7 @@ def write_result(result: Any, run: Any, **kwargs: Any) -> Any:
     from moetool.report.writers import write
 
     if BACKOFF.rows is not None:  # --batch-size auto backed off on out-of-memory: the rows that ran
-        run.add(batch_size_auto={**AUTO_CHOICE, "rows": BACKOFF.rows, "out_of_memory_at": BACKOFF.events})
+        run.add(batch_size_auto={**BACKOFF.choice, "rows": BACKOFF.rows, "out_of_memory_at": BACKOFF.events})
     return write(result, run, **kwargs)
 
 
@@ -457,7 +454,7 @@ def open_run(command: str, out: Any, force: bool, *, resume: bool, device: str, 
     console), the process group joined (alone: nothing), the memory estimate and any ``--batch-size auto``
     choice in the manifest; ``units`` (the key of unit checkpoints) -> ``(run, Units | None)``."""
     from moetool import distributed
-    from moetool.report import RunDir
+    from moetool.report.rundir import NullRun, RunDir
 
     alone = check_resume(resume)
     main = distributed.is_main()
@@ -467,8 +464,10 @@ def open_run(command: str, out: Any, force: bool, *, resume: bool, device: str, 
     if not main:
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's
     run.add(memory_estimate=estimate.as_dict())
-    if AUTO_CHOICE and AUTO_CHOICE.get("rows") == batch_size:
-        run.add(batch_size_auto=dict(AUTO_CHOICE))
+    from moetool.engine.runner import BACKOFF
+
+    if BACKOFF.choice and BACKOFF.choice.get("rows") == batch_size:
+        run.add(batch_size_auto=dict(BACKOFF.choice))
     return run, checkpoints
 
 
@@ -506,25 +505,6 @@ def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:
         info.update(rows_per_rank=[r for r, _ in got], tokens_per_rank=[t for _, t in got],
                     rows_per_global_batch=batch_size * distributed.world_size())
     return info
-
-
-class NullRun:
-    """The run folder of a rank other than 0 under data parallelism: every write is dropped (rank 0 writes the
-    one run directory); ``path`` names rank 0's folder without creating anything."""
-
-    discard = True
-
-    def __init__(self, command: str, out: Any = None):
-        self.command, self._path, self.caption = command, Path(out) if out else Path("runs") / command, ""
-
-    @property
-    def path(self) -> Path:
-        return self._path
-
-    def __getattr__(self, name: str) -> Any:  # add, write_csv, save_figure, finish, mark, ...: nothing happens
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
 
 
 def run_options(**options: Any) -> dict[str, Any]:

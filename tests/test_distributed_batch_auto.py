@@ -67,6 +67,7 @@ def test_cli_auto_equals_explicit_batch(tmp_path, monkeypatch):
     assert "--batch-size auto: 6 rows per forward" in r.output
     man = json.loads((tmp_path / "auto" / "manifest.json").read_text())
     assert man["batch_size_auto"]["rows"] == man["options"]["batch_size"] == 6
+    assert man["batch_size_auto"]["device"] == "cpu" and man["batch_size_auto"]["reason"]  # the decision's facts
     got = pd.read_csv(tmp_path / "auto" / "ppl.csv").drop(columns="seconds")
     for bs in ("6", "4"):
         r = runner.invoke(app, base + ["--batch-size", bs, "--out", str(tmp_path / bs)])

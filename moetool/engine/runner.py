@@ -117,6 +117,12 @@ class Backoff:
     enabled: bool = False  # set by the CLI for --batch-size auto (one process; under torchrun an OOM stays fatal)
     rows: int | None = None  # rows per forward after the last back-off (None: never backed off)
     events: list[int] = field(default_factory=list)  # the row counts that ran out of memory
+    choice: dict[str, Any] = field(default_factory=dict)  # the --batch-size auto decision (for the manifest)
+
+    def reset(self, enabled: bool) -> None:
+        """A command's start or end: no decision, no back-off yet."""
+        self.enabled, self.rows, self.choice = enabled, None, {}
+        self.events.clear()
 
 
 BACKOFF = Backoff()

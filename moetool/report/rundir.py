@@ -592,3 +592,22 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+class NullRun:
+    """The run folder of a rank other than 0 under data parallelism: every write is dropped (rank 0 writes the
+    one run directory); ``path`` names rank 0's folder without creating anything."""
+
+    discard = True
+
+    def __init__(self, command: str, out: Any = None):
+        self.command, self._path, self.caption = command, Path(out) if out else Path("runs") / command, ""
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def __getattr__(self, name: str) -> Any:  # add, write_csv, save_figure, finish, mark, ...: nothing happens
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
