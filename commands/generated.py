@@ -69,15 +69,16 @@ def parameters(spec: Experiment) -> list[tuple[str, Any, Any]]:
 
 
 def options_of(spec: Experiment, params: dict[str, Any]) -> dict[str, Any]:
-    """The options dataclass's keywords from the command's parameters (a list flag parsed; an unset flag with
-    no default leaves the dataclass's own)."""
+    """The options dataclass's keywords from the command's parameters (a list flag parsed, ``none`` the empty
+    tuple; an unset flag with no default leaves the dataclass's own)."""
     kw: dict[str, Any] = {}
     for flag in spec.flags:
         value = params.get(flag.name)
         if value is None:
             continue
         if flag.kind in ("ints", "floats", "strs"):
-            value = tuple(parse_list(value, CASTS[flag.kind[:-1]], flag.flag[2:]))
+            value = () if value.strip().lower() == "none" else tuple(parse_list(value, CASTS[flag.kind[:-1]],
+                                                                                flag.flag[2:]))
         kw[flag.name] = value
     for name in TO_OPTIONS:
         if name in params:
@@ -100,7 +101,8 @@ def run(spec: Experiment, params: dict[str, Any]) -> None:
     quiet = params["quiet"]
     res = compute(lm, tokens, opts, quiet=quiet) if tokens_in else compute(lm, opts, quiet=quiet)
     title = f"{spec.title or spec.name}: {model}" + (f" ({tokens.n_tokens:,} tokens)" if tokens_in else "")
-    csv = next((name for name, df in res.tables.items() if df is res.summary), next(iter(res.tables)))
+    csv = spec.summary_csv or next((name for name, df in res.tables.items() if df is res.summary),
+                                   next(iter(res.tables)))
     finish_command(started, res, title, csv)
 
 

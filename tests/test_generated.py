@@ -49,8 +49,8 @@ def test_help_is_the_module_docstring_and_lists_every_flag(spec):
 
 
 def test_flags_fill_the_options():
-    """Each flag kind parses to the options' type: lists to tuples, an unset flag without default to nothing (the
-    dataclass keeps its own default), --layers to a tuple of indices."""
+    """Each flag kind parses to the options' type: lists to tuples (``none``: the empty one), an unset flag without
+    default to nothing (the dataclass keeps its own default), --layers to a tuple of indices."""
     spec = Experiment(name="x", module="moetool.experiments.super_experts", function="super_experts",
                       options="SuperExpertsOptions", command=None, bootstrap=True,
                       flags=(Flag("--fractions", "floats", (0.25, 0.5)), Flag("--ks", "ints"),
@@ -61,6 +61,7 @@ def test_flags_fill_the_options():
     kw = options_of(spec, params)
     assert kw == {"fractions": (0.25, 0.5), "ks": (1, 3), "names": ("a", "b"), "exact": True, "pp": 0.9,
                   "layers": (0, 2, 3), "batch_size": 8, "bootstrap": 1000, "seed": 0}
+    assert options_of(spec, {**params, "fractions": "None"})["fractions"] == ()  # a list flag's none: empty
     with pytest.raises(Exception, match="ks"):
         options_of(spec, {**params, "ks": "1,x"})
     with pytest.raises(ValueError, match="bad Flag"):

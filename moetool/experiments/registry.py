@@ -45,8 +45,8 @@ class Flag:
     """One option of a command generated from the registry (an :class:`Experiment` with no ``command`` module):
     ``--<flag>`` sets the options dataclass's field ``field`` (default: the flag's name with ``_`` for ``-``).
     ``kind`` is ``int``, ``float``, ``str`` or ``bool`` (``--x/--no-x``), or ``ints``, ``floats``, ``strs``: a
-    comma-separated list, a tuple in the options. ``default`` is shown by ``--help`` (a list as its text,
-    ``"0.5,1"``); ``None`` leaves the options dataclass's own default."""
+    comma-separated list, a tuple in the options (``none``: the empty tuple). ``default`` is shown by ``--help``
+    (a list as its text, ``"0.5,1"``); ``None`` leaves the options dataclass's own default."""
 
     flag: str
     kind: str = "str"
@@ -87,6 +87,7 @@ class Experiment:
     flags: tuple[Flag, ...] = ()
     bootstrap: bool = False
     title: str = ""
+    summary_csv: str | None = None
     sample: tuple[str, ...] = ()
 
     @property
@@ -128,9 +129,19 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     _x("fluctuation", "fluctuation", "FluctuationOptions", inputs="checkpoints",
        figures="moetool.report.plots:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True})),
     _x("topk", "topk", "TopkOptions", figures="moetool.report.plots:topk_figures",
-       demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)})),
+       demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)}), cmd=None, bootstrap=True,
+       title="experts per token and perplexity",
+       flags=(Flag("--ks", "ints", None, "Fixed experts per token, comma-separated (default 1 .. K-1)."),
+              Flag("--ps", "floats", "0.5,0.7,0.8,0.9,0.95,0.99", "Top-p masses, comma-separated ('none': no top-p)."),
+              Flag("--kmax", "int", None, "At most this many experts per token under top-p (default: all n)."))),
     _x("margin", "margin", "MarginOptions", figures="moetool.report.plots:margin_figures",
-       demo=Demo(max_tokens=2048, options={"bootstrap": 200})),
+       demo=Demo(max_tokens=2048, options={"bootstrap": 200}), cmd=None, bootstrap=True,
+       title="routing margin and flips under noise", summary_csv="margin_flips.csv",
+       flags=(Flag("--eps", "floats", "0.001,0.01,0.05,0.1", "Relative noise sizes on the router input, "
+                   "comma-separated."),
+              Flag("--thresholds", "floats", "0.001,0.01,0.1", "Margin thresholds (increasing), comma-separated."),
+              Flag("--policies", "strs", "norm:gate,random", "Routing policies compared with the router (soft and "
+                   "plain top-N Jaccard), comma-separated; none = off."))),
     _x("agreement", "agreement", "AgreementOptions", figures="moetool.report.plots:agreement_figures",
        demo=Demo(max_tokens=2048, options={"precisions": ("fp32", "bf16", "fp8"), "bootstrap": 200})),
     _x("capacity", "capacity", "CapacityOptions", figures="moetool.report.plots:capacity_figures",
