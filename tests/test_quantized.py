@@ -531,3 +531,23 @@ def test_offload_counts_the_stored_bytes_of_one_expert(case):
         want = 3 * inter * d // 2 + 4 * 3 * inter * d // 32
     assert expert_bytes(Lq) == want
     assert expert_bytes(Ld) == 3 * inter * d * 4 + (0 if W.gate_bias is None else (2 * inter + d) * 4)
+
+
+@pytest.mark.parametrize("case", [FP8_CASES[0], "mxfp4"], ids=[IDS[0], "gpt_oss-mxfp4"])
+def test_quantized_experts_split_by_tp_or_ep_are_one_line(case, monkeypatch, kernels):
+    """Under --tp/--ep the probes would read a rank's slice of quantized experts, whose sliced dequantization is not
+    composed with the split: refused in one line naming the format (the split itself is substituted here: a real
+    one needs several processes; tests/test_tensor_parallel.py runs the plain split under gloo). The same layers
+    unsplit, and plain weights under the same split, are not refused."""
+    qm, dq = _models(case)
+    Lq, Ld = find_moe_layers(qm)[0], find_moe_layers(dq)[0]
+    h = torch.randn(3, qm.config.hidden_size)
+    probes.node_scores(Lq, h, "output")  # unsplit: read
+    monkeypatch.setattr(probes, "split_of", lambda layer: probes.Split("experts", None, 2, 0))
+    fmt = "mxfp4" if case == "mxfp4" else case[1]
+    for call in (lambda: probes.node_scores(Lq, h, "output"), lambda: probes.expert_nodes(Lq, h, ("gate",))):
+        with pytest.raises(MoetoolError) as e:
+            call()
+        assert str(e.value) == (f"layer {Lq.index}: quantized expert weights ({fmt}) split by --tp/--ep cannot be "
+                                "read by the probes yet; run without --tp/--ep")
+    assert probes._split(Ld) is not None  # plain weights pass the check (and go on to the split's gather)
