@@ -132,3 +132,54 @@ def test_no_local_import_of_moetool_modules_where_torch_is_imported_anyway():
                   if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("moetool"))
                   and isinstance(parents.get(n), (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert not found, "import these at the top of the module:\n" + "\n".join(found)
+
+
+def test_architecture_md_names_what_exists():
+    """ARCHITECTURE.md stays true: every file it names exists, and every dotted name it gives of moetool's code
+    (``engine.hooks.refuse_recomputed``, ``loading.auto_model_class``, ``RoutingEvent.token_ids``,
+    ``rules.Params.shared``) resolves: a module by its path or its unique file name, a class by where it is defined,
+    then attributes (dataclass fields count)."""
+    import importlib
+    import re
+
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    tokens = {re.sub(r"\(.*\)$", "", t) for t in re.findall(r"`([^`\n]+)`", text) if "<" not in t}
+    files = modules()
+    stems: dict[str, list[str]] = {}
+    for name in files:
+        stems.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    missing = [t for t in tokens if re.fullmatch(r"[\w/.]+(\.py|/)", t) and not (ROOT / t).exists()
+               and not (ROOT / "moetool" / t).exists() and not ("/" not in t and t[:-3] in stems)]
+    assert not missing, f"ARCHITECTURE.md names files that do not exist: {missing}"
+    classes = {node.name: name for name, path in files.items() for node in ast.parse(path.read_text()).body
+               if isinstance(node, ast.ClassDef)}
+
+    def has(obj, attr):
+        return hasattr(obj, attr) or attr in getattr(obj, "__dataclass_fields__", {})
+
+    unresolved, checked = [], 0
+    for token in sorted(t for t in tokens if re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", t)):
+        parts = token.split(".")[1:] if token.startswith("moetool.") else token.split(".")
+        if parts[-1] == "py":
+            continue
+        if parts[0] in classes:  # a class, where it is defined
+            obj, rest = getattr(importlib.import_module(classes[parts[0]]), parts[0]), parts[1:]
+        else:  # the longest module prefix (a path under moetool, or a unique file name)
+            for cut in range(len(parts), 0, -1):
+                dotted = ".".join(["moetool", *parts[:cut]])
+                unique = stems.get(parts[0], []) if cut == 1 else []
+                module = dotted if dotted in files else unique[0] if len(unique) == 1 else None
+                if module:
+                    obj, rest = importlib.import_module(module), parts[cut:]
+                    break
+            else:
+                continue  # not moetool's (config.is_encoder_decoder)
+        for attr in rest:
+            if not has(obj, attr):
+                unresolved.append(token)
+                break
+            obj = getattr(obj, attr, None)
+        else:
+            checked += 1
+    assert not unresolved, f"ARCHITECTURE.md names what does not exist: {unresolved}"
+    assert checked >= 10  # the check reads the document
