@@ -32,8 +32,9 @@ def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
     chosen = parse_list(steps, str, "step") if steps else None
     path, records, page = run_demo(out, chosen, force=force, quiet=quiet, echo=typer.echo)
     typer.echo("")
+    width = max((len(r["step"]) for r in records), default=0)
     for r in records:
-        typer.echo(f"{r['step']:<12} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
+        typer.echo(f"{r['step']:<{width}} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
     typer.echo(f"report: {page}")
     echo_run(path)
 
