@@ -52,7 +52,7 @@ def flag_parameter(flag: Flag) -> tuple[str, Any, Any]:
         option = typer.Option(f"{flag.flag}/--no-{flag.flag[2:]}", help=flag.help)
         return flag.name, Annotated[bool, option], bool(flag.default)
     many = flag.kind.endswith("s") and flag.kind != "str"
-    kind = str if many else {"int": int, "float": float, "str": str}[flag.kind]
+    kind = str if many else CASTS[flag.kind]
     default = ",".join(map(str, flag.default)) if many and isinstance(flag.default, (tuple, list)) else flag.default
     return flag.name, Annotated[Optional[kind], typer.Option(flag.flag, help=flag.help)], default
 
