@@ -38,7 +38,7 @@ from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
-from ..loading import load_config
+from ..loading import load, load_config
 from ..policies import build_policy
 from ..sketch import Moments, TokenSpill
 from ..uncertainty import DEFAULT_BOOTSTRAP, Interval, RowSums, check_n_boot, format_ci, ratio_intervals
@@ -468,8 +468,6 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
         tokens = distributed.shard(tokens, opts.batch_size)
     if all(isinstance(c, (str, Path)) for c in checkpoints):
-        from ..loading import load
-
         names = [str(c) for c in checkpoints]
         attn = "eager" if opts.needs_attention else None
         df, pooled = run_fluctuation(names, tokens, opts,

@@ -28,6 +28,7 @@ from ..uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta
                            ratio_intervals)
 from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from .ppl import data_name, perplexity, ppl_intervals
+from .published import aoe_table1
 from .result import Result, resolve_options
 
 AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "topk_overlap_lo", "topk_overlap_hi", "top1_agree",
@@ -365,8 +366,6 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     tables = {"agreement.csv": res.agreement, "quality.csv": res.quality}
     laid = [t for t in (asked or ()) if f"{t} acc" in summary.columns]
     if laid:  # AoE Table 1 layout: the paper's numbers beside the measured ones (Mixtral), else measured only
-        from .published import aoe_table1
-
         tables["aoe_table1.csv"] = aoe_table1(summary, lm.name, tasks=laid)
     return Result("norm_select", tables, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(), policies=specs, weights=opts.weights,
