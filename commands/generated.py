@@ -124,4 +124,5 @@ def make(spec: Experiment) -> Any:
 
 def register(app: typer.Typer) -> None:
     for spec in generated():
-        app.command(name=spec.name, help=help_text(spec))(make(spec))
+        command = make(spec)
+        app.command(name=spec.name, help=command.__doc__)(command)
