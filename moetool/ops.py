@@ -141,3 +141,13 @@ def best_of(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     The top-1 of a chosen set whatever order it came in (some routers return top-K unsorted).
     """
     return idx.gather(-1, scores.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without a host synchronisation: a CPU tensor bound for a GPU is pinned and copied
+    asynchronously (a copy from pageable host memory makes the host wait for the GPU: a sync inside the forward).
+    Already there: ``t`` itself."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -119,7 +119,7 @@ def hand_loglikelihood(lm, context, continuation, policy):
     ctx_len = len(lm.tokenizer(context, add_special_tokens=False).input_ids)
     ids = torch.tensor([whole[:-1]])
     with torch.no_grad(), Engine(lm.model, lm.layers, policy=policy):
-        logp = torch.log_softmax(lm.model(ids).logits[0].float(), -1)  # [S, V]
+        logp = torch.log_softmax(lm.model(ids.to(lm.device)).logits[0].float().cpu(), -1)  # [S, V]
     return sum(float(logp[t - 1, whole[t]]) for t in range(ctx_len, len(whole)))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import feed
 from test_host_sync import detect
 
 from moetool.errors import MoetoolError, MoetoolRuntimeError
@@ -51,7 +52,7 @@ def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
             lambda m, args, out, i=i: seen.__setitem__(i, (args[0].detach().clone(), out[2].detach().clone()))))
     try:
         with torch.no_grad():
-            lm.model(input_ids=ts.input_ids, attention_mask=ts.attention_mask, use_cache=False)
+            feed(lm.model, ts.input_ids, ts.attention_mask, use_cache=False)
     finally:
         for h in handles:
             h.remove()

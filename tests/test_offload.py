@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import feed
+
 from moetool.errors import MoetoolError
 from moetool.experiments.offload import default_capacities, expert_bytes, offload, simulate
 
@@ -74,13 +76,13 @@ def _manual(lm, tokens):
     hs = []
 
     def rec(ev):
-        got[ev.layer.index].append(ev.idx[ev.valid])
+        got[ev.layer.index].append(ev.idx[ev.valid].cpu())
     forward(lm, tokens, consumers=[rec], batch_size=8, quiet=True,
             on_batch=lambda b, out: None)
     with torch.no_grad():
         for b in tokens.batches(8):
-            out = lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask, output_hidden_states=True)
-            keep = b.attention_mask.reshape(-1).bool()
+            out = feed(lm.model, b.input_ids, b.attention_mask, output_hidden_states=True)
+            keep = b.attention_mask.reshape(-1).bool().to(out.logits.device)
             hs.append([h.reshape(-1, h.shape[-1])[keep] for h in out.hidden_states])
     x = [torch.cat([h[i] for h in hs]) for i in range(len(hs[0]))]
     return {i: torch.cat(v) for i, v in got.items()}, x
@@ -107,7 +109,7 @@ def test_tables_match_manual_computation(tiny):
         if L.index > 0:
             with torch.no_grad():
                 logits = L.logits(L.decoder_layer.post_attention_layernorm(x[L.index]))
-            pred, _ = L.route(logits)
+            pred = L.route(logits)[0].cpu()
             topk = ((pred.unsqueeze(-1) == trace.unsqueeze(-2)).any(-1).sum(-1).double() / L.top_k).mean()
             pr = res["offload_prefetch"].set_index("layer").loc[L.index]
             assert pr.topk_recall == pytest.approx(float(topk))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILIES, padded_batch, run
+from conftest import FAMILIES, feed, padded_batch, run
 
 from moetool.adapters import find_moe_layers, rules
 from moetool.errors import MoetoolError
@@ -97,10 +97,10 @@ def test_experts_per_token_by_hand(tiny_topk):
     first = lm.layers[0]
     probs = []
     with moetool.hook(lm, layers=[first.index], consumers=[lambda ev: probs.append(
-            (ev.probs[ev.valid].numpy(), first.index == ev.layer.index))]):
+            (ev.probs[ev.valid].cpu().numpy(), first.index == ev.layer.index))]):
         with torch.no_grad():
             for b in tokens.batches(8):
-                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed(lm.model, b.input_ids, b.attention_mask)
     pi = np.concatenate([p for p, ok in probs if ok])
     ranked = -np.sort(-pi, axis=1)
     before = np.cumsum(ranked, axis=1) - ranked

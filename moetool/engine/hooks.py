@@ -222,6 +222,7 @@ class Engine:
     def __enter__(self) -> "Engine":
         attention = self._attention_modules()  # may refuse a layer: before any hook is installed
         self._check_policy()
+        self._attn_was = _eager_attention(self.model) if attention else None
         self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         for L in self.layers:
             self._slots[L.index] = {}
@@ -259,6 +260,9 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self, "_attn_was", None) is not None:  # the attention implementation the model came with
+            self.model.set_attn_implementation(self._attn_was)
+            self._attn_was = None
         if exc[0] is None:
             self.check_all_reported()
 
@@ -340,3 +344,18 @@ class Engine:
                     c(ev)
             return new
         return hook
+
+
+def _eager_attention(model: nn.Module) -> str | None:
+    """Switch ``model`` to eager attention (the only implementation that returns its probabilities: SDPA and flash
+    kernels, CUDA's default, never materialise them) for an engine that reads them; the implementation it had, to
+    restore on exit, or ``None`` when it already was eager or cannot be switched (the attention hook then says so)."""
+    config = getattr(model, "config", None)
+    was = getattr(config, "_attn_implementation", None)
+    if was in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        return None
+    try:
+        model.set_attn_implementation("eager")
+    except (ValueError, ImportError):
+        return None
+    return was if getattr(config, "_attn_implementation", None) == "eager" else None

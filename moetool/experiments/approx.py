@@ -209,8 +209,8 @@ class ApproxReducer:
                                          f"> {self.max_subsets}")
         r = approx_tokens(L, h, logits, self.selectors, self._gen[L.index], self.max_subsets,
                           noise=self._noise(L, ev, h.device))
-        keep = keep.to(h.device)
-        captured = captured.to(h.device)
+        keep = ops.to_device(keep, h.device)
+        captured = ops.to_device(captured, h.device)
         for sel, err in r.error.items():
             self.errors[L.index].setdefault(sel, QuantileSketch(device=h.device)).add(err, keep)
             same = (ops.same_set(r.idx[sel], captured) & keep).sum().double()

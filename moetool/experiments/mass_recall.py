@@ -325,7 +325,7 @@ class RecallCollector:
                 for m, (sb, s_best) in zip(self.ms[L.index], scaled):
                     t = token_metrics(tok[mode][0], tok[mode][1], g, eps, probs_c, self.masks[(L.index, G, mode, m)])
                     sb = torch.maximum(sb, t["bound"])  # s = 1 is in the grid; guards rounding only
-                    row = torch.stack([torch.tensor(float(h.shape[0]), dtype=torch.float64, device=h.device),
+                    row = torch.stack([torch.full((), float(h.shape[0]), dtype=torch.float64, device=h.device),
                                        t["mass"].sum(), t["topk_recall"].sum(), t["exact"].sum(), eps.sum(),
                                        t["bound"].sum(), t["holds"].sum(), sb.sum(),
                                        (t["mass"] >= sb - BOUND_TOL).double().sum(),

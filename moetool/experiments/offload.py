@@ -49,7 +49,7 @@ from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
 from .result import Result, resolve_options
 
 POLICIES = ("lru", "lfu", "belady")
@@ -136,9 +136,9 @@ class OffloadCollector:
     """Consumer + decoder-layer pre-hooks: per layer, the real tokens' chosen experts (kept for the cache
     simulation), first-activation token index, activation counts and next-layer prediction sums per row."""
 
-    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions, row_ids: Any = None):
+    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions, tokens: Any):
         self.layers = {L.index: L for L in layers}
-        self.row_ids = row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
+        self.row_ids = tokens.row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
         self.merged: dict[Any, np.ndarray] | None = None
         self.opts = opts
         self.trace: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
@@ -146,7 +146,7 @@ class OffloadCollector:
         self.rows: list[torch.Tensor] = []  # host [B*S] row id per batch
         self.first = {i: None for i in self.layers}
         self.counts = {i: None for i in self.layers}
-        self.pred = RowSums()
+        self.pred = RowTable(tokens)  # next-layer prediction sums per row, on the device (no host sync per event)
         self._x: dict[int, torch.Tensor] = {}
         self._base = 0
         self._row0 = 0
@@ -160,6 +160,7 @@ class OffloadCollector:
         self._rows_now = (torch.arange(self._row0, self._row0 + B) if self.row_ids is None
                           else torch.as_tensor(self.row_ids[self._row0:self._row0 + B])).repeat_interleave(S)
         self._row0 += B
+        self.pred.next_batch(batch)
         self.valid.append(mask.cpu())
         self.rows.append(self._rows_now)
         self._pos = (self._base + torch.cumsum(mask.long(), 0) - 1)
@@ -191,7 +192,7 @@ class OffloadCollector:
         n = L.n_experts
         self.trace[i].append(idx.to(torch.int16 if n < 2 ** 15 else torch.int32))
         valid = ev.valid
-        pos = self._pos.to(idx.device)
+        pos = ops.to_device(self._pos, idx.device)
         big = torch.iinfo(torch.int64).max
         p = torch.where(valid, pos, torch.full_like(pos, big)).unsqueeze(-1).expand(idx.shape)
         first = torch.full((n,), big, dtype=torch.int64, device=idx.device).scatter_reduce(
@@ -219,7 +220,8 @@ class OffloadCollector:
         v = valid.double()
         top1 = (pred_top1 == real_top1).double() * v
         topk = ops.overlap_count(pred_idx, idx).double() / idx.shape[-1] * v
-        self.pred.add(self._rows_now, **{f"top1_{i}": top1, f"topk_{i}": topk, f"n_{i}": v})
+        for name, value in ((f"top1_{i}", top1), (f"topk_{i}", topk), (f"n_{i}", v)):  # per token -> per row
+            self.pred.add(name, value)
 
     # -- results
     def requests(self, i: int) -> np.ndarray:
@@ -256,7 +258,7 @@ class OffloadCollector:
             self.first[i] = torch.from_numpy(first)
             self.counts[i] = torch.from_numpy(np.bincount(req.reshape(-1).astype(np.int64), minlength=n))
         self.merged = merged
-        self.pred.merge_across_ranks()
+        self.pred.reduce_across_ranks()
 
 
 def _hit_rows(hits: np.ndarray, rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -277,7 +279,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
         tokens = distributed.shard(tokens, opts.batch_size)
-    col = OffloadCollector(layers, opts, tokens.row_ids)
+    col = OffloadCollector(layers, opts, tokens)
     with col.capture():
         forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
                 before_batch=col.before_batch, quiet=quiet, description="offload")
