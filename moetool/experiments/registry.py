@@ -169,7 +169,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     _x("placement", "placement", "PlacementOptions", figures="moetool.report.plots:placement_figures",
        demo=Demo(max_tokens=4096)),
     _x("expert-similarity", "expert_similarity", "ExpertSimilarityOptions", cmd=None, title="expert similarity",
-       demo=Demo(max_tokens=2048),
+       demo=Demo(max_tokens=2048), sample=("--cluster-to", "2"),
        flags=(Flag("--cluster-to", "int", None, "HC-SMoE's groups: cluster each layer's experts into this many "
                    "(average linkage on the distance of mean outputs); default: the merge order only."),)),
     _x("ppl", "ppl", "PplOptions", lines=None),
