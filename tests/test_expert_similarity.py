@@ -276,3 +276,33 @@ def test_zero_computation_experts_by_hand(model_type):
         assert row.mean_output_cos == pytest.approx(np.nanmean(oc[i, j]), abs=1e-5)
         assert row.max_token_cos == pytest.approx(np.nanmax(tc[i, j]), abs=1e-5)
         assert len(pairs[pairs.layer == L.index]) == n * (n - 1) // 2
+
+
+def test_average_linkage_by_hand():
+    """Points on a line, worked by hand: each merge joins the two clusters with the smallest mean distance over
+    their pairs of points; ties go to the lowest names; the groups and dominant experts at 3 and 2 clusters."""
+    from moetool.experiments.expert_similarity import average_linkage, dominant, groups
+
+    x = np.array([0.0, 1.0, 5.0, 6.5, 20.0])
+    d = np.abs(x[:, None] - x[None, :])
+    merges = average_linkage(d)
+    # (0,1) at 1; (2,3) at 1.5; {0,1}-{2,3}: mean(5, 6.5, 4, 5.5) = 5.25; then 4: mean(20, 19, 15, 13.5) = 16.875
+    assert [(a, b, size, left) for a, b, _, size, left in merges] == [(0, 1, 2, 4), (2, 3, 2, 3), (0, 2, 4, 2),
+                                                                       (0, 4, 5, 1)]
+    np.testing.assert_allclose([m[2] for m in merges], [1.0, 1.5, 5.25, 16.875])
+    assert groups(merges, 5, 3).tolist() == [0, 0, 1, 1, 2] and groups(merges, 5, 2).tolist() == [0, 0, 0, 0, 1]
+    assert groups(merges, 5, 5).tolist() == [0, 1, 2, 3, 4]
+    # dominant: the member closest to its group's mean (ties: the lowest): {0,1} -> 0, {2,3} -> 2, {4} -> 4
+    assert dominant(x[:, None], groups(merges, 5, 3)).tolist() == [True, False, True, False, True]
+    assert [m[:2] for m in average_linkage(np.abs(np.subtract.outer([0.0, 1, 2], [0.0, 1, 2])))] == [(0, 1), (0, 2)]
+
+
+def test_cluster_to_more_groups_than_experts_refused(tiny):
+    from moetool.experiments.expert_similarity import ExpertSimilarityOptions, expert_similarity
+
+    lm, ts = tiny
+    with pytest.raises(MoetoolError, match=r"--cluster-to 9 asks for more groups than MoE layers \[0, 1, 2, 3\]"):
+        expert_similarity(lm, ts, cluster_to=9, quiet=True)
+    for bad in (0, True, 2.5):
+        with pytest.raises(MoetoolError, match="--cluster-to"):
+            ExpertSimilarityOptions(cluster_to=bad)
