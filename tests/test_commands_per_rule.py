@@ -602,7 +602,8 @@ def test_super_experts(case, tmp_path):
     nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
     from moetool.experiments.super_experts import super_mask
 
-    invoke("super-experts", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--out", str(tmp_path))
+    invoke("super-experts", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--include-layers",
+           "1", "--out", str(tmp_path))  # every layer (the default, the paper's code's, profiles the first 75%)
     table = pd.read_csv(tmp_path / "super_experts.csv")
     assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.policy_layers
     for layer in case.policy_layers:
