@@ -273,6 +273,10 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
+    for L in layers:  # before any forward
+        for C in opts.capacities or ():
+            if C < L.top_k or C > L.n_experts:
+                raise MoetoolError(f"--capacity {C} outside [K={L.top_k}, n={L.n_experts}] for layer {L.index}")
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
@@ -313,8 +317,6 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
                     "expert_bytes": nbytes})
         req = col.requests(i)
         for C in opts.capacities or default_capacities(n, K):
-            if C < K or C > n:
-                raise MoetoolError(f"--capacity {C} outside [K={K}, n={n}] for layer {i}")
             for pol in opts.policies:
                 hits = simulate(req, C, pol)
                 a, b = _hit_rows(hits, rows, n_rows)
