@@ -346,6 +346,8 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
 
 DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed (offload_layers.csv, offload_prefetch.csv)",
+    "offload_coverage.tokens": "N: the first N real tokens of the data, in row order",
     "coverage": "fraction of (layer, expert) slots activated by at least one of the first N real tokens "
                 "(rows concatenated in data order, padding skipped)",
     "hottest_share": "largest fraction of the layer's T·K activations taken by one expert",
