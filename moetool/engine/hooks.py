@@ -112,8 +112,8 @@ def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups:
         group = " (its group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
         most = min(most(L) for L in over)
         names = ", ".join(str(L.index) for L in over)
-        raise MoetoolError(f"{what} = {k}: MoE layer{'s' if len(over) > 1 else ''} {names} can route a token to at "
-                           f"most {most} experts{group}; choose at most {most}")
+        raise MoetoolError(f"{what}: {k} experts per token, but MoE layer{'s' if len(over) > 1 else ''} {names} can "
+                           f"route a token to at most {most}{group}; choose at most {most}")
 
 
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:

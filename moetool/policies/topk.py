@@ -96,7 +96,7 @@ class TopPPolicy(Policy):
         """One line before any forward where ``kmax`` is more experts than ``layer`` has, or ``layer``'s weights are
         not defined for a set of any size."""
         if self.kmax is not None:
-            refuse_above_max_k(f"{self.name}: kmax", self.kmax, [layer], groups=False)  # π ranks every expert
+            refuse_above_max_k(f"{self.name} (kmax)", self.kmax, [layer], groups=False)  # π ranks every expert
         if _sparsemixer(layer):
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose weights are defined "
                                f"for its own {layer.top_k} rounds only")
