@@ -89,8 +89,8 @@ class MoELayer:
 
     @property
     def max_k(self) -> int:
-        """The most experts this layer's routing can give one token (``n_experts``; fewer under group limits):
-        a ``topk:<k>``, ``--ks``, ``--kmax`` above it is refused (:func:`moetool.engine.hooks.refuse_above_max_k`)."""
+        """The most experts this layer's routing can give one token (``n_experts``; fewer under group limits): a
+        ``topk:<k>`` / ``topk --ks`` above it is refused (:func:`moetool.engine.hooks.refuse_above_max_k`)."""
         return self.n_experts
 
     @property

@@ -42,9 +42,9 @@ from .. import distributed, ops
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.runner import BACKOFF
 from ..errors import MoetoolError, MoetoolRuntimeError
-from ..registry import unique
 from ..policies import make_policy
 from ..policies.capacity import ORDERS, cf_text
+from ..registry import unique
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options

@@ -88,7 +88,7 @@ DEFINITIONS = {
                    "every other weight counted whole (an upper bound)",
     "fits": f"gib_per_gpu <= {USABLE:.0%} of the GPU's memory",
     "available": "whether this moetool version runs the layout (no: what is missing)",
-    "command": "the command line for the layout (ppl as the example command); not written when no layout fits",
+    "command": "the command line for the layout (ppl as the example command); the column is not written when no layout can run",
     "why": "why the layout runs or not: fits (GiB per GPU of the usable), needs more GiB per GPU than usable, or "
            "what this moetool version lacks for it",
     "tokens_per_s": "ceiling min(compute, memory) for the command under the layout (an upper bound)",

@@ -10,8 +10,8 @@ Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off
 router on the same rows.
 
 Writes topk.csv (policy, kind, value, tokens, scored_tokens, mean_experts, experts_frac, perplexity, ratio;
-*_lo/*_hi),
-topk_layers.csv (policy, kind, value, layer, tokens, mean_experts, experts_frac, min_experts, max_experts),
+*_lo/*_hi), topk_layers.csv (policy, kind, value, layer, tokens, mean_experts, experts_frac, min_experts,
+max_experts),
 figures/topk_frontier (perplexity / the router's vs experts per token), figures/topk_layers (top-p: experts per token by
 layer) and manifest.json (definitions).
 
