@@ -172,3 +172,11 @@ def ctrl_c_default() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wilson_by_hand(p, n, z=1.959964):
+    """The Wilson bounds as the roots in π of (p - π)² = z² π (1 - π) / n (the score test's acceptance region)."""
+    import numpy as np
+
+    a = 1 + z * z / n
+    return sorted(np.roots([a, -(2 * p + z * z / n), p * p]).real.tolist())

@@ -340,7 +340,7 @@ def test_ppl(case, tmp_path):
     invoke("ppl", "--model", str(case.path), *SMALL, "--routing", "router", "--bootstrap", "0",
            "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "ppl.csv")
-    assert len(df) == 1 and df.loc[0, "tokens"] == case.scored
+    assert len(df) == 1 and df.loc[0, "scored_tokens"] == case.scored
     assert df.loc[0, "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
 
 

@@ -87,7 +87,7 @@ def test_cli_matches_a_hand_perplexity_on_the_embedded_model(tmp_path):
     assert list(a.columns) == list(PPL_COLUMNS) and (tmp_path / "a" / "manifest.json").is_file()
     lm = load("tiny")
     ref, n = hand_ppl(lm.model, load_tokens(None, lm.tokenizer, 64, 300), 4)
-    assert a.loc[0, "tokens"] == n and a.loc[0, "perplexity"] == pytest.approx(ref, rel=1e-6)
+    assert a.loc[0, "scored_tokens"] == n and a.loc[0, "perplexity"] == pytest.approx(ref, rel=1e-6)
     assert b.loc[0, "routing"] == "norm:gate:l2" and str(b.loc[0, "layers"]) == "0"
     assert b.loc[0, "perplexity"] != a.loc[0, "perplexity"]
 

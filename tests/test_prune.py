@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import captured, reference_expert, run
+from conftest import captured, reference_expert, run, wilson_by_hand
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -127,7 +127,7 @@ def test_importance_by_hand(model_type, reap_weights):
                 rsum[e] += gate * float(out.double().norm())
         for e in range(n):
             row = table.loc[(L.index, e)]
-            assert row["tokens"] == int(ev.valid.sum())
+            assert row["layer_tokens"] == int(ev.valid.sum())
             assert row["frequency"] == freq[e]
             assert row["weighted"] == pytest.approx(wsum[e], rel=1e-6)
             assert row["reap"] == pytest.approx(rsum[e] / freq[e] if freq[e] else 0.0, rel=1e-5)
@@ -163,7 +163,7 @@ def test_experiment_tables(tiny_prune):
         got = removed[(removed.criterion == "reap") & (removed.fraction == 0.25) & (removed.layer == layer)]
         assert sorted(got["expert"]) == sorted(int(e) for e in np.argsort(r, kind="stable")[:2])
         assert len(removed[(removed.criterion == "random") & (removed.layer == layer)]) == 2
-    assert set(imp["tokens"]) == {int(res.meta["data"]["tokens"])}
+    assert set(imp["layer_tokens"]) == {int(res.meta["data"]["tokens"])}
     abl = res["prune_ablation"]
     top = imp.sort_values("reap", ascending=False).head(2)
     assert list(zip(abl.layer, abl.expert)) == list(zip(top.layer, top.expert))
@@ -328,7 +328,7 @@ def fake_prune_lm_eval(monkeypatch):
 @pytest.mark.slow
 def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
     """`moetool prune --tasks ... --num-fewshot 2 --limit 3`: every pruning of the perplexity curve runs lm-eval under
-    the same policy in the same layers (once per distinct removed set); prune_eval.csv's value ∓ 1.96 stderr, retention = value / router's and its
+    the same policy in the same layers (once per distinct removed set); prune_eval.csv's value with its Wilson interval, retention = value / router's and its
     delta-method interval sqrt((se/v)^2 + (se_b/b)^2) x retention, the router's [1, 1]; the figure is drawn."""
     import math
 
@@ -360,7 +360,8 @@ def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
         v, se = PRUNE_ACC[name][row.task]
         b, se_b = PRUNE_ACC["router"][row.task]
         assert (row.metric, row.value, row.stderr, row.router_value) == ("acc", v, se, b)
-        assert (row.value_lo, row.value_hi) == pytest.approx((v - z * se, v + z * se), rel=1e-9)
+        n = v * (1 - v) / se ** 2 + 1  # the items lm-eval's stderr implies for 0/1 scores
+        assert (row.value_lo, row.value_hi) == pytest.approx(wilson_by_hand(v, n), rel=1e-9)
         assert row.retention == pytest.approx(v / b, rel=1e-12)
         half = z * v / b * math.sqrt((se / v) ** 2 + (se_b / b) ** 2)
         want = (1.0, 1.0) if name == "router" else (v / b - half, v / b + half)

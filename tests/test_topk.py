@@ -82,7 +82,7 @@ def tiny_topk():
 
     lm = moetool.load("tiny")
     tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
-    return lm, tokens, moetool.topk(lm, tokens, ks=(1,), ps=(0.6, 1.0), bootstrap=100, quiet=True)
+    return lm, tokens, moetool.topk(lm, tokens, ks=(1, 8), ps=(0.6, 1.0), bootstrap=100, quiet=True)
 
 
 @pytest.mark.slow
@@ -111,8 +111,21 @@ def test_experts_per_token_by_hand(tiny_topk):
     assert (layers.loc["router", "mean_experts"] == first.top_k).all()
     assert (layers.loc["topp:1", "mean_experts"] == first.n_experts).all()
     t = res["topk"].set_index("policy")
-    assert t.loc["router", "ratio"] == 1 and t.loc["topk:1", "experts_frac"] == 1 / first.top_k
+    assert t.loc["router", "ratio"] == 1 and t.loc["topk:1", "experts_frac"] == 1 / first.n_experts
+    assert t.loc["topk:8", "experts_frac"] == 1 and (t["experts_frac"] <= 1).all()  # all 8 experts: the whole layer
     assert t.loc["topk:1", "ratio_lo"] <= t.loc["topk:1", "ratio"] <= t.loc["topk:1", "ratio_hi"]
+
+
+def test_tokens_count_one_thing(tiny_topk):
+    """``tokens`` is the real tokens each layer routed in topk.csv and topk_layers.csv alike; the predictions the
+    perplexity averages over are ``scored_tokens`` (one fewer per packed row); experts_frac is mean_experts / n."""
+    lm, tokens, res = tiny_topk
+    real = int(tokens.attention_mask.sum())
+    t, layers = res["topk"], res["topk_layers"]
+    assert (t["tokens"] == real).all() and (layers["tokens"] == real).all()
+    assert (t["scored_tokens"] == real - tokens.input_ids.shape[0]).all()
+    assert layers["experts_frac"].tolist() == pytest.approx((layers["mean_experts"] / 8).tolist(), abs=0)
+    assert "tokens" in res.meta["definitions"] and "scored_tokens" in res.meta["definitions"]
 
 
 def test_same_rows_as_ppl(tiny_topk):
@@ -140,6 +153,34 @@ def test_sparsemixer_refuses_before_any_forward(tiny_model):
     for spec in ("topk:1", "topp:0.9"):
         with pytest.raises(MoetoolError, match="sparsemixer"):
             make_policy(spec).check(L)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_k_above_the_experts_available_is_refused(tiny_model, kind):
+    """topk:<k> and topp's kmax above what a layer can route a token to: one line before any forward, never a
+    clamped k recorded as k. DeepSeek-V3's group limits (topk_group of n_group groups) allow fewer than n."""
+    model = tiny_model(kind)
+    L = find_moe_layers(model)[0]
+    c = model.config
+    n = c.num_local_experts if kind == "mixtral" else c.n_routed_experts
+    most = n if kind == "mixtral" else c.topk_group * n // c.n_group
+    assert most < n or kind == "mixtral"
+    make_policy(f"topk:{most}").check(L)
+    make_policy(f"topp:0.9:{n}").check(L)  # top-p ranks by π over every expert, group limits aside
+    for spec, limit in ((f"topk:{most + 1}", most), (f"topk:{n + 90}", most), (f"topp:0.9:{n + 1}", n)):
+        with pytest.raises(MoetoolError, match=f"can route a token to at most {limit}[;( ]") as e:
+            make_policy(spec).check(L)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_cli_refuses_k_above_n_before_any_forward(tmp_path):
+    for args in (["ppl", "--routing", "topk:999"], ["topk", "--ks", "1,99"], ["topk", "--kmax", "9"],
+                 ["ppl", "--routing", "topp:0.5:9"]):
+        r = subprocess.run([sys.executable, "-m", "moetool", *args, "--max-tokens", "256", "--out",
+                            str(tmp_path / "x")], capture_output=True, text=True, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "at most 8; choose at most 8" in r.stderr, r.stderr
+        assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow

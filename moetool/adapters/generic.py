@@ -274,6 +274,11 @@ class GenericLayer(MoELayer):
                            f"groups (group-limited routing)")
         return problem
 
+    @property
+    def max_k(self) -> int:
+        p = self.params  # group-limited: only the experts of the topk_group groups chosen can be routed to
+        return p.topk_group * (self.n_experts // p.n_group) if p.n_group > 1 else self.n_experts
+
     def rule_name(self) -> str:
         """The catalogue rule; ``hash:<rule>`` on a hash-routed layer (experts by token id, weighted by the rule)."""
         return ("hash:" if self.hash_routed else "") + self.rule.name

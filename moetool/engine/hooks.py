@@ -99,6 +99,23 @@ def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
                    "are hash-routed (experts chosen by token id)")
 
 
+def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups: bool = True) -> None:
+    """One line (before any forward) when ``k`` experts per token (``topk:<k>`` and ``topk --ks``; ``topp``'s
+    ``kmax`` and ``topk --kmax``) is more than one of ``layers`` can route a token to (:attr:`MoELayer.max_k`; with
+    ``groups=False``, for what ranks every expert regardless of group limits, ``n_experts``): never a silently
+    smaller ``k`` recorded as ``k``."""
+    def most(L: MoELayer) -> int:
+        return L.max_k if groups else L.n_experts
+
+    over = [L for L in layers if k > most(L)]
+    if over:
+        group = " (its group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
+        limit = min(most(L) for L in over)
+        names = ", ".join(str(L.index) for L in over)
+        raise MoetoolError(f"{what}: {k} experts per token, but MoE layer{'s' if len(over) > 1 else ''} {names} can "
+                           f"route a token to at most {limit}{group}; choose at most {limit}")
+
+
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
     """A policy refuses what it cannot do before any forward: ``check(layer)`` per MoE layer of ``layers`` it runs in
     (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once; a policy that re-ranks experts by the

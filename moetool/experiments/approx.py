@@ -43,6 +43,7 @@ BUDGET = 1 << 25
 MEDIAN_REL_TOL = QuantileSketch().rel_error
 
 DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed",
     "u_e": "u_e = pi_e(h) * E_e(h): pi the model's full routing distribution (softmax; DeepSeek-style sigmoid "
            "scores normalised to sum to one), E_e the expert's output before any routing weight",
     "rel_error": "||y_S - y|| / ||y||, y = sum of all n u_e, y_S = sum over the K chosen; computed in fp32 as "

@@ -275,6 +275,10 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
+    for L in layers:  # before any forward
+        for C in opts.capacities or ():
+            if C < L.top_k or C > L.n_experts:
+                raise MoetoolError(f"--capacity {C} outside [K={L.top_k}, n={L.n_experts}] for layer {L.index}")
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
@@ -315,8 +319,6 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
                     "expert_bytes": nbytes})
         req = col.requests(i)
         for C in opts.capacities or default_capacities(n, K):
-            if C < K or C > n:
-                raise MoetoolError(f"--capacity {C} outside [K={K}, n={n}] for layer {i}")
             for pol in opts.policies:
                 hits = simulate(req, C, pol)
                 a, b = _hit_rows(hits, rows, n_rows)
@@ -346,6 +348,8 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
 
 DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed (offload_layers.csv, offload_prefetch.csv)",
+    "offload_coverage.tokens": "N: the first N real tokens of the data, in row order",
     "coverage": "fraction of (layer, expert) slots activated by at least one of the first N real tokens "
                 "(rows concatenated in data order, padding skipped)",
     "hottest_share": "largest fraction of the layer's T·K activations taken by one expert",

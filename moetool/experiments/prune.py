@@ -38,10 +38,11 @@ from ..engine.probes import DEFAULT_BUDGET, node_scores
 from ..errors import MoetoolError
 from ..policies import build_policy
 from ..policies.prune import CRITERIA, PrunePolicy, lowest, n_removed, random_removed
+from ..registry import unique
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from .norm_select import eval_rows
-from .ppl import data_name, perplexity, ppl_intervals
+from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5)
@@ -51,8 +52,9 @@ REAP_WEIGHTS = ("renormalised", "softmax")
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
     "expert": "expert index within the layer",
-    "tokens": "real (unpadded) tokens the layer routed (prune_importance.csv); scored next-token predictions "
-              "(prune.csv, prune_ablation.csv)",
+    "layer_tokens": "real (unpadded) tokens the layer routed, the same on every expert row of the layer (the "
+                    "denominator of frequency; prune_importance.csv)",
+    "scored_tokens": SCORED_TOKENS,
     "frequency": "routed frequency: real tokens whose top-K (the model's own routing) holds the expert",
     "weighted": "router-weighted frequency: the sum over those tokens of the routing weight the expert gets (what "
                 "the model multiplies its output by: renormalised where the rule renormalises, times the scaling "
@@ -78,8 +80,8 @@ DEFINITIONS = {
     "metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
     "value": "the lm-eval metric with the experts removed (the router row: the model's own)",
     "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
-    "value_lo": "value - 1.96 stderr (95% normal interval on lm-eval's standard error; NaN without one)",
-    "value_hi": "value + 1.96 stderr (95% normal interval on lm-eval's standard error; NaN without one)",
+    "value_lo": lmeval.INTERVAL_DEFINITION,
+    "value_hi": lmeval.INTERVAL_DEFINITION,
     "router_value": "the same metric under the model's own routing (nothing removed)",
     "retention": "value / router_value: accuracy retention (higher is better)",
     "retention_lo": "95% lower bound of retention: delta method on the two values and their lm-eval stderrs, taken "
@@ -171,7 +173,7 @@ class Importance:
             self.acc = distributed.all_reduce_keyed(self.acc)
 
     def table(self) -> Any:
-        """``prune_importance.csv``: layer, expert, tokens, frequency, weighted, reap."""
+        """``prune_importance.csv``: layer, expert, layer_tokens, frequency, weighted, reap."""
         import pandas as pd
 
         rows = []
@@ -182,7 +184,7 @@ class Importance:
                 raise MoetoolError(f"layer {layer}: no real tokens (empty data or all padding)")
             freq = a["frequency"]
             reap = torch.where(freq > 0, a["reap_sum"] / freq.clamp_min(1), torch.zeros_like(freq))
-            rows += [{"layer": layer, "expert": e, "tokens": tokens, "frequency": int(freq[e]),
+            rows += [{"layer": layer, "expert": e, "layer_tokens": tokens, "frequency": int(freq[e]),
                       "weighted": float(a["weighted"][e]), "reap": float(reap[e])} for e in range(len(freq))]
         return pd.DataFrame(rows)
 
@@ -201,7 +203,7 @@ def removed_sets(importance: Any, layers: list[Any], criterion: str, fraction: f
     return out
 
 
-ABLATION_COLUMNS = ("rank", "layer", "expert", "reap", "frequency", "tokens", "perplexity", "perplexity_lo",
+ABLATION_COLUMNS = ("rank", "layer", "expert", "reap", "frequency", "scored_tokens", "perplexity", "perplexity_lo",
                     "perplexity_hi", "delta_ppl", "ratio", "ratio_lo", "ratio_hi")
 
 
@@ -253,7 +255,7 @@ class _Runs:
         """tokens, perplexity and the paired ratio to the model's own routing, with bootstrap intervals."""
         base, nan = self.base, float("nan")
         ci = ppl_intervals(res, None if res is base else base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
-        out = {"tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
+        out = {"scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
                "ratio": res.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan}
         out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
         if res is base:
@@ -275,8 +277,8 @@ def _pruned(runs: _Runs, importance: Any, layers: list[Any]) -> tuple[list, list
     table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **runs.row(runs.base)}]
     removed_rows, done, evals = [], {}, {}
     eval_table = runs.accuracy("router", 0.0, "router", runs.base_eval) if with_tasks else []
-    for criterion in opts.criteria:
-        for f in opts.fractions:
+    for criterion in unique(opts.criteria):
+        for f in unique(opts.fractions):
             removed = removed_sets(importance, layers, criterion, f, opts.seed)
             key = tuple(sorted((k, tuple(v)) for k, v in removed.items()))
             if key not in done:  # two criteria removing the same experts: one forward

@@ -19,7 +19,7 @@ Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off
 model's own routing on the same rows.
 
 Writes super_experts.csv (layer, expert, routed, max_abs_output, share_of_max, rank, is_super, threshold,
-can_pass, degenerate), super_experts_ablation.csv (ablation: none|super|random, removed, experts, tokens,
+can_pass, degenerate), super_experts_ablation.csv (ablation: none|super|random, removed, experts, scored_tokens,
 perplexity, delta_ppl, ratio; *_lo/*_hi), figures/super_experts_heatmap (max |output| per layer and expert, the
 super experts boxed), figures/super_experts_ranked (every maximum by rank, with the threshold) and manifest.json
 (definitions, criterion).
@@ -64,7 +64,7 @@ from ..engine.probes import DEFAULT_BUDGET, routed_absmax
 from ..errors import MoetoolError
 from ..policies.prune import PrunePolicy, random_removed
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
-from .ppl import data_name, perplexity, ppl_intervals
+from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
 SOURCE = "Su et al. 2025, arXiv 2507.23279"
@@ -102,7 +102,7 @@ DEFINITIONS = {
                 "layer removed, a seeded permutation of the layer's other experts)",
     "removed": "experts removed, summed over the MoE layers",
     "experts": "the removed experts as layer:expert, space-separated",
-    "tokens": "scored next-token predictions",
+    "scored_tokens": SCORED_TOKENS,
     "perplexity": "exp(mean next-token NLL) of the data with the experts removed (as moetool ppl)",
     "ratio": "perplexity / the model's own perplexity on the same rows (paired)",
     "delta_ppl": "perplexity - the model's own perplexity",
@@ -308,7 +308,7 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     def row(ablation: str, res: Any, sets: dict[int, list[int]]) -> dict[str, Any]:
         ci = ppl_intervals(res, None if res is base else base, n_boot=opts.bootstrap, seed=opts.seed)
         out = {"ablation": ablation, "removed": sum(len(v) for v in sets.values()), "experts": _label(sets),
-               "tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
+               "scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
                "delta_ppl": res.perplexity - base.perplexity, "ratio": res.perplexity / base.perplexity,
                "ratio_lo": nan, "ratio_hi": nan}
         out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})

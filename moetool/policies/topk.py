@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..engine.hooks import RoutingEvent
+from ..engine.hooks import RoutingEvent, refuse_above_max_k
 from ..errors import MoetoolError
 from .base import Policy
 
@@ -58,13 +58,15 @@ class TopKPolicy(Policy):
         return {"name": self.name, "k": self.k}
 
     def check(self, layer: Any) -> None:
-        """One line before any forward where ``layer`` cannot route k experts (sparsemixer's two rounds)."""
+        """One line before any forward where ``layer`` cannot route k experts (more than it has, sparsemixer's two
+        rounds)."""
+        refuse_above_max_k(self.name, self.k, [layer])
         if _sparsemixer(layer) and self.k != layer.top_k:
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose {layer.top_k} rounds "
                                f"define no top-{self.k}")
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
-        return ev.layer.route_k(ev.logits, min(self.k, ev.layer.n_experts))
+        return ev.layer.route_k(ev.logits, self.k)
 
 
 class TopPPolicy(Policy):
@@ -91,14 +93,17 @@ class TopPPolicy(Policy):
         return {"name": self.name, "p": self.p, "kmax": self.kmax}
 
     def check(self, layer: Any) -> None:
-        """One line before any forward where ``layer``'s weights are not defined for a set of any size."""
+        """One line before any forward where ``kmax`` is more experts than ``layer`` has, or ``layer``'s weights are
+        not defined for a set of any size."""
+        if self.kmax is not None:
+            refuse_above_max_k(f"{self.name} (kmax)", self.kmax, [layer], groups=False)  # π ranks every expert
         if _sparsemixer(layer):
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose weights are defined "
                                f"for its own {layer.top_k} rounds only")
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         L = ev.layer
-        width = min(self.kmax or L.n_experts, L.n_experts)
+        width = self.kmax or L.n_experts
         idx, mask = top_p(ev.probs, self.p, width)
         return idx, L.weights_for(ev.logits, idx, mask)
 
