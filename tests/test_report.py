@@ -409,3 +409,30 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     assert [json.loads((d / "manifest.json").read_text())["command"] for d in (step, step / "tiny")] == \
         ["norm-select", "norm-select"]
     assert lines and "norm:gate:l2" in "\n".join(lines)
+
+
+def test_report_says_an_invalid_manifest_and_a_folder_given_twice(tmp_path):
+    """Issue 35 item 11: a run whose manifest.json is not JSON is refused with the line of the error (not "no
+    manifest.json in it"); a sub-run's is a warning; the same folder given twice is gathered once and said."""
+    demo = make_runs(tmp_path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text('{\n  "command": "stats",\n  "files": [,]\n}\n')
+    err = json.JSONDecodeError
+    try:
+        json.loads((bad / "manifest.json").read_text())
+    except err as e:
+        where = f"line {e.lineno}, column {e.colno}"
+    assert where == "line 3, column 13"
+    r = CliRunner().invoke(app, ["report", str(bad), "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f"manifest.json is not valid JSON ({where}" in r.output
+    shutil.copytree(bad, demo / "erc-broken")
+    warnings: list[str] = []
+    runs = find_runs([demo, demo], warn=warnings.append)
+    assert [r.name for r in runs] == ["demo", "demo-stats-tiny", "demo-erc", "demo-approx"]  # each run once
+    assert any("erc-broken: manifest.json is not valid JSON (line 3" in w for w in warnings), warnings
+    assert any("given twice" in w and "gathered once" in w for w in warnings), warnings
+    r = CliRunner().invoke(app, ["report", str(demo), str(demo), "--out", str(tmp_path / "rep2")])
+    assert r.exit_code == 0, r.output
+    assert "given twice" in (tmp_path / "rep2/report.html").read_text()

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import MoetoolError
-from .rundir import MANIFEST, RunDir, read_manifest
+from .rundir import MANIFEST, RunDir, manifest_problem, read_manifest
 
 HTML_ROWS = 20  # a table of up to this many rows is shown whole in the page / Markdown
 PREVIEW_ROWS = 10  # a longer one (erc_matrix: 4,096 rows) by its first rows and a link to the CSV; the CSV and
@@ -74,7 +74,7 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
+def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path], top: bool = True) -> Any:
     """Run folders under ``folder``, depth first: a run, then its sub-runs in the order its manifest lists them
     (a demo's step order), then any other sub-folders by name. Symbolic links to folders are not followed (a
     ``latest -> .`` link would gather a run again and again; a link out of the run would gather another's)."""
@@ -85,6 +85,8 @@ def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
     m = read_manifest(folder)
     if m is not None:
         yield folder
+    elif (folder / MANIFEST).is_file() and not top:  # an unreadable sub-run is said, not skipped in silence
+        warn(f"{folder}: {manifest_problem(folder)}: not gathered")
     listed = [str(r) for r in (m or {}).get("runs", [])]
     try:
         entries = sorted(folder.iterdir(), key=lambda p: p.name)
@@ -102,7 +104,7 @@ def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
         if p.is_dir():
             subs.append(p)
     for p in sorted(subs, key=lambda p: (listed.index(p.name) if p.name in listed else len(listed), p.name)):
-        yield from _walk(p, warn, visited)
+        yield from _walk(p, warn, visited, top=False)
 
 
 def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
@@ -113,15 +115,29 @@ def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
     the run's :attr:`Run.refused` lists it)."""
     runs: list[Run] = []
     seen: set[Path] = {Path(exclude).resolve()} if exclude is not None else set()
+    given: dict[Path, Path] = {}
     for d in run_dirs:
         root = Path(d)
         if not root.is_dir():
             raise MoetoolError(f"{root}: not a folder")
+        if root.resolve() in given:  # `report RUN RUN`: gathered once
+            warn(f"{root}: given twice (as {given[root.resolve()]}), gathered once")
+            continue
+        given[root.resolve()] = root
+        problem = manifest_problem(root)
         found = list(_walk(root, warn, set()))
         skip = lambda p: p.resolve() in seen or any(q in seen for q in p.resolve().parents)  # noqa: E731
-        found = [p for p in found if read_manifest(p) is not None and not skip(p)]
+        found = [p for p in found if read_manifest(p) is not None]
+        if not found and problem and problem != f"no {MANIFEST}":  # the run itself is unreadable: say why
+            raise MoetoolError(f"{root}: {problem}")
         if not found:
             raise MoetoolError(f"{root}: no moetool run (no manifest.json) in it")
+        if problem and problem != f"no {MANIFEST}":
+            warn(f"{root}: {problem}: not gathered (its sub-runs are)")
+        if all(skip(p) for p in found):
+            warn(f"{root}: already gathered with a folder given before it")
+            continue
+        found = [p for p in found if not skip(p)]
         for p in found:
             seen.add(p.resolve())
             m = read_manifest(p) or {}

@@ -128,6 +128,27 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     return m if isinstance(m, dict) and "command" in m and isinstance(m.get("files", []), list) else None
 
 
+def manifest_problem(path: Path) -> str | None:
+    """Why folder ``path`` holds no readable moetool manifest, in a few words: ``"no manifest.json"``,
+    ``"manifest.json is not valid JSON (line 3, column 5: ...)"``, ``"manifest.json is not a moetool manifest"``;
+    ``None`` when :func:`read_manifest` reads it."""
+    f = Path(path) / MANIFEST
+    if not f.is_file():
+        return f"no {MANIFEST}"
+    try:
+        m = json.loads(f.read_text())
+    except OSError as e:
+        return f"{MANIFEST} is not readable ({e.strerror or e})"
+    except UnicodeDecodeError:
+        return f"{MANIFEST} is not text"
+    except json.JSONDecodeError as e:
+        return f"{MANIFEST} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+    if read_manifest(path) is None:
+        return (f"{MANIFEST} is not a moetool manifest (" +
+                ("no command" if not isinstance(m, dict) or "command" not in m else "files is not a list") + ")")
+    return None
+
+
 
 
 def _check_writable(path: Path) -> None:
