@@ -394,25 +394,20 @@ def test_unit_checkpoints_round_trip_without_pickle_and_refuse_foreign_types(tmp
 
 def test_an_unfinished_run_is_offered_resume_only_by_a_command_that_has_it(tmp_path):
     """Issue 35 item 12: `demo` (no --resume) into the folder of an interrupted demo says to use --force, not
-    "use --resume"; stats (which takes --resume) still offers it, and --resume then gets past the check."""
-    from moetool.commands.demo import demo as demo_command  # noqa: F401 - the command exists
-    import click
-
-    d = rundir.RunDir.create("demo", tmp_path / "d")
-    d.mark("interrupted", "Ctrl-C")
-    r = runner.invoke(app, ["demo", "--out", str(tmp_path / "d")])
-    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
-    assert "--resume to" not in r.output and "moetool demo has no --resume: use --force to start over" in r.output
-    demo_params = {p.name for p in click.Command.get_params(typer_command("demo"), click.Context(click.Command("x")))}
-    assert "resume" not in demo_params  # what the message says is true
-    s = rundir.RunDir.create("stats", tmp_path / "s")
-    s.mark("interrupted", "Ctrl-C")
-    r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", str(tmp_path / "s")])
-    assert r.exit_code == 2 and "use --resume to continue it or --force to start over" in r.output, r.output
-
-
-def typer_command(name: str):
+    "use --resume"; stats (which takes --resume) still offers it."""
     import typer.main
 
-    group = typer.main.get_command(app)
-    return group.commands[name]
+    commands = typer.main.get_command(app).commands
+    assert "resume" not in {p.name for p in commands["demo"].params}  # what the message says is true
+    assert "resume" in {p.name for p in commands["stats"].params}
+    for command in ("demo", "stats"):
+        d = rundir.RunDir.create(command, tmp_path / command)
+        d.write_csv("part.csv", pd.DataFrame({"x": [1]}))  # the folder exists: mark() records the status
+        d.mark("interrupted", "Ctrl-C")
+        assert rundir.read_manifest(tmp_path / command)["status"] == "interrupted"
+    r = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "--resume to" not in r.output and "moetool demo has no --resume: use --force to start over" in r.output
+    r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", str(tmp_path / "stats")])
+    assert r.exit_code == 2 and "use --resume to continue it or --force to start over" in r.output, r.output
+
