@@ -512,7 +512,7 @@ def margin_figures(result: Any) -> dict[str, Any]:
 
 # ----- agreement ----------------------------------------------------------------------------
 def plot_agreement(per_layer: Any, bins: Any) -> dict[str, Any]:
-    """``agreement_by_layer``: the top-K set (left) and top-1 (right) flip rates against the reference by layer, one
+    """``agreement_flips_by_layer``: the top-K set (left) and top-1 (right) flip rates against the reference by layer, one
     line per precision (bootstrap error bars); ``agreement_margin``: the same flip rates per bin of the reference's
     routing margin, pooled over layers (tokens-weighted), one line per precision."""
     from .figures import line_by, new_figure
@@ -522,7 +522,7 @@ def plot_agreement(per_layer: Any, bins: Any) -> dict[str, Any]:
     for ax, col, title in ((axes[0], "topk_flip", "top-K set differs"), (axes[1], "top1_flip", "top-1 differs")):
         line_by(ax, per_layer, "layer", col, "precision", title=f"{title} (vs {ref})", marker="o",
                 yerr=(f"{col}_lo", f"{col}_hi"), ylabel="share of tokens")
-    out = {"agreement_by_layer": fig}
+    out = {"agreement_flips_by_layer": fig}
     b = bins.copy()
     for col in ("topk_flip", "top1_flip"):
         b[col] = b[col].fillna(0) * b["tokens"]
@@ -764,7 +764,7 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                        "the policy computed on the side, the model running its own routing), mean over real tokens "
                        "by MoE layer, one line per policy; error bars: the bootstrap interval",
                        ("margin_jaccard.csv",), ("policy", "soft_jaccard", "*_lo/*_hi")),
-    "agreement_by_layer": ("Share of real tokens whose chosen top-K set (left) or top-1 expert (right) differs from "
+    "agreement_flips_by_layer": ("Share of real tokens whose chosen top-K set (left) or top-1 expert (right) differs from "
                            "the reference run's (the most precise of the list) on the same tokens, by MoE layer, one "
                            "line per precision (fp8/fp4/mxfp4 simulated by quantize-dequantize of the weights, run "
                            "in bf16); error bars: the bootstrap interval", ("agreement.csv",),
