@@ -436,3 +436,52 @@ def test_report_says_an_invalid_manifest_and_a_folder_given_twice(tmp_path):
     r = CliRunner().invoke(app, ["report", str(demo), str(demo), "--out", str(tmp_path / "rep2")])
     assert r.exit_code == 0, r.output
     assert "given twice" in (tmp_path / "rep2/report.html").read_text()
+
+
+def test_page_opens_with_headline_numbers_and_an_index_of_what_differs(tmp_path):
+    """Issue 35 item 16: the page starts with one table of each run's headline numbers (its manifest's
+    ``headline``, as ``write`` records it from the experiment's own summary lines) linking to its section; the
+    index labels runs by command and model, without the repeated folder prefix, and skips parents with metadata
+    only."""
+    import moetool
+    from moetool.experiments.registry import EXPERIMENTS
+    from moetool.report.writers import write
+
+    demo = make_runs(tmp_path)
+    lm = moetool.load("tiny")
+    res = moetool.erc(lm)
+    run = RunDir.create("erc", demo / "erc-real")
+    write(res, run, model=lm, options={"model": "tiny"})
+    expected = EXPERIMENTS["erc"].load("summary_lines")("tiny", res)
+    assert json.loads((demo / "erc-real/manifest.json").read_text())["headline"] == expected and expected
+    text = write_report([demo], tmp_path / "rep").read_text()
+    head = text[text.index("<h1>"):text.index('<h2 id="demo"')]
+    table = re.search(r'<table class="headline">.*?</table>', head, re.S).group(0)
+    assert '<a href="#demo-erc-real">erc</a></td><td>tiny</td>' in table
+    assert all(html_escaped(line) in table for line in expected)
+    index = re.search(r'<nav class="runs">.*?</nav>', head, re.S).group(0)
+    entries = re.findall(r'<li><a href="#([^"]+)">([^<]*)</a> <span class="note">([^<]*)</span>', index)
+    assert entries == [("demo-stats-tiny", "stats-tiny · tiny", "stats-tiny"), ("demo-erc", "erc", "erc"),
+                       ("demo-approx", "approx", "approx, failed"), ("demo-erc-real", "erc · tiny", "erc-real")]
+    assert '<h2 id="demo-stats-tiny">stats-tiny · tiny <span class="note">stats-tiny</span></h2>' in text
+
+
+def test_metadata_shows_human_values_and_relative_paths(tmp_path):
+    """Issue 35 item 17: no raw Python values (torch.float32, ['tiny', 'tiny-fine'], None, True) and no absolute
+    paths inside the run or the package in a run's metadata rows."""
+    from moetool.loading import embedded_models
+    from moetool.report.page import summary
+
+    src = embedded_models()["tiny"]
+    m = {"command": "stats", "status": "complete",
+         "model": {"name": "tiny", "source": str(src), "dtype": "torch.float32", "device": "cpu"},
+         "data": {"source": str(tmp_path / "data" / "x.jsonl"), "tokens": 32768, "domains": ["code", "prose"]},
+         "options": {"models": ["tiny", "tiny-fine"], "top_k": None, "all_tokens": False,
+                     "pairs": [["tiny-early", "tiny"]]},
+         "argv": ["/venv/bin/moetool", "stats", "--out", str(tmp_path)]}
+    rows = dict(summary(m, tmp_path))
+    assert rows["model"] == "name=tiny, source=moetool/embedded/tiny, dtype=float32, device=cpu"
+    assert rows["data"] == "source=data/x.jsonl, tokens=32,768, domains=code, prose"
+    assert rows["options"] == "models=tiny, tiny-fine; top_k=none; all_tokens=no; pairs=(tiny-early, tiny)"
+    assert rows["command line"] == "moetool stats --out ."
+    assert "torch." not in str(rows) and "[" not in str(rows) and str(tmp_path) not in str(rows)
