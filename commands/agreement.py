@@ -34,7 +34,7 @@ Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off
 Writes agreement.csv (precision, reference, layer, tokens, top1_flip, topk_flip, margin_mean, margin_p50;
 *_lo/*_hi), agreement_summary.csv (precision, reference, simulated, tokens, layers, top1_flip, topk_flip,
 nll_ref, nll, delta_nll; *_lo/*_hi), agreement_bins.csv (precision, layer, margin_lo, margin_hi, tokens, top1_flip,
-topk_flip), figures/agreement_by_layer (flip rates by layer, one line per precision), figures/agreement_margin
+topk_flip), figures/agreement_flips_by_layer (flip rates by layer, one line per precision), figures/agreement_margin
 (flip rates against the reference margin, pooled over layers) and manifest.json (definitions, precisions: which
 were simulated and which weights).
 

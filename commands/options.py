@@ -461,7 +461,8 @@ def open_run(command: str, out: Any, force: bool, *, resume: bool, device: str, 
 
     alone = check_resume(resume)
     main = distributed.is_main()
-    run = RunDir.create(command, out, force, resume=resume) if main else NullRun(command, out)
+    run = (RunDir.create(command, out, force, resume=resume, resumable=units is not None) if main
+           else NullRun(command, out))
     checkpoints = run.units(units) if units is not None and alone else None
     distributed.init(device)  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
     if not main:

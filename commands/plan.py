@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import typer
 
@@ -31,7 +32,8 @@ Examples:
 def plan(model: Model = DEFAULT_MODEL,
          gpus: str = typer.Option("8xH100", "--gpus", help="GPUs per node, COUNTxNAME (e.g. 8xH100, 1xRTX4090)."),
          nodes: int = typer.Option(1, "--nodes", help="Nodes (each with --gpus).", min=1),
-         seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per row the commands would run.", min=2),
+         seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per row the commands would run "
+                                               "(default 2048, or the model's positions when it has fewer).", min=2),
          batch_size: int = typer.Option(8, "--batch-size", help="Rows per batch the commands would run.", min=1),
          as_json: bool = typer.Option(False, "--json", help="Print the tables as JSON (no run folder)."),
          out: Out = None, force: Force = False, quiet: Quiet = False) -> None:
@@ -41,7 +43,7 @@ def plan(model: Model = DEFAULT_MODEL,
     preflight(model)
     from moetool.experiments.plan import plan as compute
     from moetool.loading import resolve
-    from moetool.report.console import console, print_table
+    from moetool.report.console import console, count_text, print_table
 
     source = resolve(model)[0]
     run = None
@@ -62,12 +64,12 @@ def plan(model: Model = DEFAULT_MODEL,
         write(res, run, options={"model": model})
         echo_run(run.path)
         return
-    c.print(f"{model} ({source}): {p['total_params'] / 1e9:.1f}B parameters, "
-            f"{p['active_params'] / 1e9:.1f}B active, {p['n_experts']} experts top-{p['top_k']} in "
+    c.print(f"{model} ({source}): {count_text(p['total_params'])} parameters, "
+            f"{count_text(p['active_params'])} active, {p['n_experts']} experts top-{p['top_k']} in "
             f"{p['moe_layers']} MoE layers, stored as {p['native_format']}; "
             f"{nodes} node{'s' if nodes > 1 else ''} of {gpus}", markup=False, highlight=False)
     print_table(res["params"], title="parameter bytes by group and format")
-    print_table(res["layouts"], title=f"layouts (rows of {seq_len} tokens x {batch_size})")
+    print_layouts(c, res["layouts"], f"layouts (rows of {p['seq_len']} tokens x {batch_size})")
     if "throughput" in res:
         wide = res["throughput"].pivot(index="command", columns="layout", values="tokens_per_s").round(0)
         print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)")
@@ -75,6 +77,22 @@ def plan(model: Model = DEFAULT_MODEL,
         c.print("no layout fits: add GPUs or nodes, or a larger GPU")
     write(res, run, options={"model": model})
     echo_run(run.path)
+
+
+def print_layouts(c: object, layouts: object, title: str) -> None:
+    """Each layout in a few lines, its command on one line of its own (unwrapped: it is copied as it is), so the
+    list reads the same in 80 columns as in 200 (a table of eight columns splits into one-column slices there)."""
+    c.print(title + ":", soft_wrap=True)
+    for r in layouts.to_dict(orient="records"):
+        gpus, replicas = int(r["gpus"]), int(r["replicas"])
+        c.print(f"  {r['layout']}: {r['format']}, {gpus} GPU{'s' if gpus != 1 else ''}, {replicas} "
+                f"replica{'s' if replicas != 1 else ''}, {r['gib_per_gpu']:g} GiB per GPU, "
+                f"{'fits' if r['fits'] else 'does not fit'}"
+                + ("" if r["available"] == "yes" else f"; not available ({r['available'][4:]})"), soft_wrap=True)
+        if r.get("command"):  # no command column where nothing fits (the why column says why)
+            c.print(f"    {r['command']}", soft_wrap=True)
+        elif not r["fits"] and r.get("why"):
+            c.print(f"    {r['why']}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -207,9 +207,18 @@ class TokenSet:
                 "special_tokens": self.special_tokens}
 
 
+def _call_options(tokenizer: Any, add_special_tokens: bool | None) -> dict[str, Any]:
+    """Keyword arguments of every tokenizer call: the special-token choice (``None``: the tokenizer's default) and,
+    for a transformers tokenizer, ``verbose=False`` -- moetool packs the ids into rows itself, so transformers'
+    "Token indices sequence length is longer than the specified maximum ... indexing errors" about a long
+    document is noise."""
+    quiet = {"verbose": False} if hasattr(tokenizer, "deprecation_warnings") else {}  # transformers' own only
+    return {**quiet, **({} if add_special_tokens is None else {"add_special_tokens": add_special_tokens})}
+
+
 def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool | None) -> list[list[int]]:
     """Token ids of each text; one batched call with a fast tokenizer (ids identical to one call per text)."""
-    kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    kw = _call_options(tokenizer, add_special_tokens)
     if getattr(tokenizer, "is_fast", False) and len(texts) > 1:
         return list(tokenizer(texts, **kw)["input_ids"])
     return [list(tokenizer(t, **kw)["input_ids"]) for t in texts]
@@ -243,7 +252,7 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
     or a space (:func:`_safe_cut`): time and memory follow ``want``, not the length of a line."""
     if not getattr(tokenizer, "is_fast", False):
         return _encode(tokenizer, [doc.text], add_special_tokens)[0]
-    kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    kw = _call_options(tokenizer, add_special_tokens)
     chars, text = max(16 * want, 1 << 16), ""
     try:
         with (open(doc.path, encoding="utf-8") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
@@ -389,7 +398,7 @@ def _pack_rows(streams: dict[str, list[int]], seq_len: int, max_tokens: int | No
 
 def _special_meta(tokenizer: Any, add_special_tokens: bool | None) -> dict[str, Any]:
     """What the manifest records about special tokens: the choice and what it meant for this tokenizer."""
-    kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    kw = _call_options(tokenizer, add_special_tokens)
     try:
         added = list(tokenizer("", **kw)["input_ids"])
     except Exception:  # a tokenizer that cannot encode "" : record the choice only

@@ -411,6 +411,20 @@ class LoadedModel:
                              "world": distributed.world_size() * par.group, "engine": "transformers DistributedConfig"}}
 
 
+#: the files a tokenizer is read from (transformers' fast tokenizer first, then the slow ones' vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def _tokenizer_problem(source: str, exc: BaseException) -> str:
+    """What is wrong, in one line: a local folder holding none of :data:`TOKENIZER_FILES` names the missing file
+    (transformers' own text stops at "...backend tokenizer from one of:"); otherwise the error's first line."""
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return f"no {TOKENIZER_FILES[0]} in {folder} (nor {', '.join(TOKENIZER_FILES[1:])})"
+    return one_line(exc)
+
+
 def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
@@ -418,7 +432,7 @@ def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
         with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(source, **from_hub)
     except Exception as e:  # noqa: BLE001
-        raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {one_line(e)}") from e
+        raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {_tokenizer_problem(source, e)}") from e
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok

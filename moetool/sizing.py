@@ -31,6 +31,17 @@ def max_positions(config: Any) -> int | None:
     return _positions(config)[0]
 
 
+def check_seq_len(config: Any, seq_len: int | None) -> int | None:
+    """The model's positions (:func:`max_positions`); a ``seq_len`` longer than them is refused in one line (a
+    usage error: the position encoding was never trained there and the statistics change)."""
+    positions, key = _positions(config)
+    if seq_len is not None and positions is not None and seq_len > positions:
+        mt = getattr(text_config(config), "model_type", None) or getattr(config, "model_type", "the model")
+        raise MoetoolError(f"--seq-len {seq_len} is longer than the model's {positions} positions "
+                           f"({mt} {key}): use --seq-len {positions} or less")
+    return positions
+
+
 def count_parameters(config: Any) -> int | None:
     """Parameters of the model ``config`` describes (built on the meta device: no memory, no weights; tied
     embeddings count once); ``None`` if it cannot be built from its config."""
@@ -160,11 +171,7 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
                                ("--batch-size", batch_size, 1)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
             raise MoetoolError(f"{flag} must be an integer of at least {least}, not {value!r}")
-    positions, key = _positions(config)
-    if seq_len is not None and positions is not None and seq_len > positions:
-        mt = getattr(text_config(config), "model_type", None) or getattr(config, "model_type", "the model")
-        raise MoetoolError(f"--seq-len {seq_len} is longer than the model's {positions} positions "
-                           f"({mt} {key}): use --seq-len {positions} or less")
+    positions = check_seq_len(config, seq_len)
     dev = pick_device(device) if not hasattr(device, "type") else device
     torch_dtype = pick_dtype(dtype, config, dev) if isinstance(dtype, str) else dtype
     rows = batch_size or 1

@@ -247,3 +247,24 @@ def test_a_cut_the_tokenizer_does_not_split_at_is_never_used(tmp_path, monkeypat
     monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
     got = load_tokens(tmp_path / "line.txt", WholeTextTokenizer(), 16, 100)
     assert got.input_ids[got.attention_mask.bool()].tolist() == WholeTextTokenizer()(text)["input_ids"][:100]
+
+
+def test_a_long_document_packs_without_transformers_length_warning(tmp_path, capfd):
+    """Issue 35 item 13: a document longer than the tokenizer's model_max_length (1,024 for the embedded tiny)
+    packed into 256-token rows prints no "Token indices sequence length is longer ..." warning (moetool packs the
+    rows itself); the ids are those of the tokenizer called on its own (counted here, warning and all)."""
+    from moetool.loading import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    assert tok.model_max_length == 1024
+    text = " ".join(f"word{i} and more" for i in range(800))
+    (tmp_path / "doc.txt").write_text(text)
+    ids = tok(text, add_special_tokens=False)["input_ids"]  # transformers warns here: the reference
+    assert len(ids) > 2 * tok.model_max_length
+    capfd.readouterr()
+    tok.deprecation_warnings.clear()  # transformers warns once per tokenizer: armed again for moetool's call
+    ts = load_tokens(tmp_path / "doc.txt", tok, seq_len=256, max_tokens=None)
+    err = capfd.readouterr().err
+    assert "Token indices sequence length" not in err, err
+    assert ts.n_tokens == len(ids)
+    assert ts.input_ids[ts.attention_mask.bool()].tolist() == ids

@@ -260,3 +260,24 @@ def test_vision_language_families_load_and_run_from_the_cli(model_type, tmp_path
     assert got["model"]["model_type"] == model_type
     assert int(row["scored_tokens"]) == n and float(row["perplexity"]) == pytest.approx(want, rel=1e-5)
     assert torch.isfinite(torch.tensor(want))
+
+
+def test_a_missing_tokenizer_file_is_named(tmp_path):
+    """Issue 35 item 10: a model folder whose tokenizer.json was deleted fails in one line naming the file
+    (transformers' own first line stops at "...backend tokenizer from one of:"); with the file back it loads."""
+    import shutil
+
+    from moetool.errors import MoetoolRuntimeError
+    from moetool.loading import embedded_models, load_tokenizer
+
+    src = embedded_models()["tiny"]
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, folder / f)
+    with pytest.raises(MoetoolRuntimeError) as e:
+        load_tokenizer(str(folder))
+    msg = str(e.value)
+    assert "\n" not in msg and f"no tokenizer.json in {folder}" in msg, msg
+    shutil.copyfile(src / "tokenizer.json", folder / "tokenizer.json")
+    assert load_tokenizer(str(folder))("hello world")["input_ids"]

@@ -217,3 +217,37 @@ def test_cli_nothing_fits_exits_0(tmp_path):
         assert {p.name for p in out.iterdir()} == {"params.csv", "layouts.csv", "manifest.json"}
         m = json.loads((out / "manifest.json").read_text())
         assert m["status"] != "failed"
+
+
+def test_plan_reads_at_80_columns_and_respects_the_models_positions(tmp_path):
+    """Issue 35 item 9: at 80 columns every suggested command is one whole line (not a 5-wide column of a split
+    table), a small model's parameters print in M (counted here from the loaded model), and the default --seq-len
+    is the model's positions when it has fewer than 2048 (the suggested command passes the commands' own check);
+    a longer explicit --seq-len is refused in one line, as ppl would refuse it."""
+    from typer.testing import CliRunner
+
+    import moetool
+    from commands.app import app
+    from moetool.sizing import check_seq_len, max_positions
+
+    lm = moetool.load("tiny")
+    total = sum(p.numel() for p in lm.model.parameters())
+    positions = max_positions(lm.model.config)
+    assert positions == 1024
+    runner = CliRunner(env={"COLUMNS": "80"})
+    r = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "8xH100", "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert f"{total / 1e6:.3g}M parameters" in r.output.replace("\n", " ") and "0.0B" not in r.output, first
+    lines = r.output.splitlines()
+    cmd = f"moetool ppl --model tiny --seq-len {positions} --batch-size 8 --device-map auto"
+    assert any(ln.strip() == cmd for ln in lines), r.output
+    assert sum("--nproc-per-node 8 -m moetool ppl --model tiny" in ln for ln in lines) == 2
+    assert "(1/" not in r.output.split("ceiling")[0]  # the layouts are not split into slices
+    check_seq_len(lm.model.config, positions)  # what the suggested commands run is accepted
+    layouts = P.plan("tiny", "8xH100")["layouts"]
+    assert all(f"--seq-len {positions} " in c for c in layouts["command"] if c)
+    with pytest.raises(MoetoolError, match="longer than the model's 1024 positions"):
+        P.plan("tiny", "8xH100", seq_len=2048)
+    r = runner.invoke(app, ["plan", "--model", "tiny", "--seq-len", "2048", "--out", str(tmp_path / "q")])
+    assert r.exit_code == 2 and "use --seq-len 1024 or less" in r.output

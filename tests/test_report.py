@@ -409,3 +409,79 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     assert [json.loads((d / "manifest.json").read_text())["command"] for d in (step, step / "tiny")] == \
         ["norm-select", "norm-select"]
     assert lines and "norm:gate:l2" in "\n".join(lines)
+
+
+def test_report_says_an_invalid_manifest_and_a_folder_given_twice(tmp_path):
+    """Issue 35 item 11: a run whose manifest.json is not JSON is refused with the line of the error (not "no
+    manifest.json in it"); a sub-run's is a warning; the same folder given twice is gathered once and said."""
+    demo = make_runs(tmp_path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text('{\n  "command": "stats",\n  "files": [,]\n}\n')
+    err = json.JSONDecodeError
+    try:
+        json.loads((bad / "manifest.json").read_text())
+    except err as e:
+        where = f"line {e.lineno}, column {e.colno}"
+    assert where == "line 3, column 13"
+    r = CliRunner().invoke(app, ["report", str(bad), "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f"manifest.json is not valid JSON ({where}" in r.output
+    shutil.copytree(bad, demo / "erc-broken")
+    warnings: list[str] = []
+    runs = find_runs([demo, demo], warn=warnings.append)
+    assert [r.name for r in runs] == ["demo", "demo-stats-tiny", "demo-erc", "demo-approx"]  # each run once
+    assert any("erc-broken: manifest.json is not valid JSON (line 3" in w for w in warnings), warnings
+    assert any("given twice" in w and "gathered once" in w for w in warnings), warnings
+    r = CliRunner().invoke(app, ["report", str(demo), str(demo), "--out", str(tmp_path / "rep2")])
+    assert r.exit_code == 0, r.output
+    assert "given twice" in (tmp_path / "rep2/report.html").read_text()
+
+
+def test_page_opens_with_headline_numbers_and_an_index_of_what_differs(tmp_path):
+    """Issue 35 item 16: the page starts with one table of each run's headline numbers (its manifest's
+    ``headline``, as ``write`` records it from the experiment's own summary lines) linking to its section; the
+    index labels runs by command and model, without the repeated folder prefix, and skips parents with metadata
+    only."""
+    import moetool
+    from moetool.experiments.registry import EXPERIMENTS
+    from moetool.report.writers import write
+
+    demo = make_runs(tmp_path)
+    lm = moetool.load("tiny")
+    res = moetool.erc(lm)
+    run = RunDir.create("erc", demo / "erc-real")
+    write(res, run, model=lm, options={"model": "tiny"})
+    expected = EXPERIMENTS["erc"].load("summary_lines")("tiny", res)
+    assert json.loads((demo / "erc-real/manifest.json").read_text())["headline"] == expected and expected
+    text = write_report([demo], tmp_path / "rep").read_text()
+    head = text[text.index("<h1>"):text.index('<h2 id="demo"')]
+    table = re.search(r'<table class="headline">.*?</table>', head, re.S).group(0)
+    assert '<a href="#demo-erc-real">erc</a></td><td>tiny</td>' in table
+    assert all(html_escaped(line) in table for line in expected)
+    index = re.search(r'<nav class="runs">.*?</nav>', head, re.S).group(0)
+    entries = re.findall(r'<li><a href="#([^"]+)">([^<]*)</a> <span class="note">([^<]*)</span>', index)
+    assert entries == [("demo-stats-tiny", "stats-tiny · tiny", "stats-tiny"), ("demo-erc", "erc", "erc"),
+                       ("demo-approx", "approx", "approx, failed"), ("demo-erc-real", "erc · tiny", "erc-real")]
+    assert '<h2 id="demo-stats-tiny">stats-tiny · tiny <span class="note">stats-tiny</span></h2>' in text
+
+
+def test_metadata_shows_human_values_and_relative_paths(tmp_path):
+    """Issue 35 item 17: no raw Python values (torch.float32, ['tiny', 'tiny-fine'], None, True) and no absolute
+    paths inside the run or the package in a run's metadata rows."""
+    from moetool.loading import embedded_models
+    from moetool.report.page import summary
+
+    src = embedded_models()["tiny"]
+    m = {"command": "stats", "status": "complete",
+         "model": {"name": "tiny", "source": str(src), "dtype": "torch.float32", "device": "cpu"},
+         "data": {"source": str(tmp_path / "data" / "x.jsonl"), "tokens": 32768, "domains": ["code", "prose"]},
+         "options": {"models": ["tiny", "tiny-fine"], "top_k": None, "all_tokens": False,
+                     "pairs": [["tiny-early", "tiny"]]},
+         "argv": ["/venv/bin/moetool", "stats", "--out", str(tmp_path)]}
+    rows = dict(summary(m, tmp_path))
+    assert rows["model"] == "name=tiny, source=moetool/embedded/tiny, dtype=float32, device=cpu"
+    assert rows["data"] == "source=data/x.jsonl, tokens=32,768, domains=code, prose"
+    assert rows["options"] == "models=tiny, tiny-fine; top_k=none; all_tokens=no; pairs=(tiny-early, tiny)"
+    assert rows["command line"] == "moetool stats --out ."
+    assert "torch." not in str(rows) and "[" not in str(rows) and str(tmp_path) not in str(rows)

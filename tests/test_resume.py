@@ -390,3 +390,24 @@ def test_unit_checkpoints_round_trip_without_pickle_and_refuse_foreign_types(tmp
     with pytest.raises(MoetoolError, match="u.unit is damaged or unsafe .type 'subprocess.Popen' is not one"):
         again.units({"a": 1}).load("u")
     again.mark("interrupted")
+
+
+def test_an_unfinished_run_is_offered_resume_only_by_a_command_that_has_it(tmp_path):
+    """Issue 35 item 12: `demo` (no --resume) into the folder of an interrupted demo says to use --force, not
+    "use --resume"; stats (which takes --resume) still offers it."""
+    import typer.main
+
+    commands = typer.main.get_command(app).commands
+    assert "resume" not in {p.name for p in commands["demo"].params}  # what the message says is true
+    assert "resume" in {p.name for p in commands["stats"].params}
+    for command in ("demo", "stats"):
+        d = rundir.RunDir.create(command, tmp_path / command)
+        d.write_csv("part.csv", pd.DataFrame({"x": [1]}))  # the folder exists: mark() records the status
+        d.mark("interrupted", "Ctrl-C")
+        assert rundir.read_manifest(tmp_path / command)["status"] == "interrupted"
+    r = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "--resume to" not in r.output and "moetool demo has no --resume: use --force to start over" in r.output
+    r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", str(tmp_path / "stats")])
+    assert r.exit_code == 2 and "use --resume to continue it or --force to start over" in r.output, r.output
+

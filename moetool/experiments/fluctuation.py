@@ -489,14 +489,14 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
 
 
 def summary_lines(name: str, res: Any) -> list[str]:
-    """Per pair: each routing's top-1 change (mean over layers, ± the 95% half-width) and, for a policy, its
-    paired reduction against the router with whether the interval excludes 0 (``name`` is not needed: the pairs
-    name themselves)."""
+    """Per pair, a heading line, then one line per routing: its top-1 change (mean over layers, ± the 95%
+    half-width) and, for a policy, its paired reduction against the router with whether the interval excludes 0
+    (``name`` is not needed: the pairs name themselves)."""
     pooled = res["fluctuation_summary"]
 
     lines = []
     for (r, c), d in pooled.groupby(["reference", "checkpoint"], sort=False):
-        parts = []
+        lines.append(f"{r} -> {c}: top-1 change (mean over layers)")
         for row in d.itertuples():
             text = f"{row.routing} {format_ci(row.top1_change, row.top1_change_lo, row.top1_change_hi)}"
             if np.isfinite(row.reduction_vs_router):
@@ -505,6 +505,5 @@ def summary_lines(name: str, res: Any) -> list[str]:
                                                           else " (interval excludes 0)")
                 text += (f" [reduction vs router "
                          f"{format_ci(row.reduction_vs_router, lo, hi)}{verdict}]")
-            parts.append(text)
-        lines.append(f"{r} -> {c}: top-1 change (mean over layers) " + ", ".join(parts))
+            lines.append(f"  {text}")
     return lines

@@ -377,14 +377,15 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
 
 
 def summary_lines(name: str, res: Any) -> list[str]:
-    """One line per policy of the Table-1-shaped summary (``res.summary``)."""
+    """One line per policy of the Table-1-shaped summary (``res.summary``), each naming the model ``name``."""
     pruned = res.meta.get("pruned")
-    lines = [f"on the model pruned by {pruned['name']}"] if pruned else []
+    lines = [f"{name}: on the model pruned by {pruned['name']}"] if pruned else []
     for r in res.summary.to_dict("records"):
-        name = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
+        policy = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
         accs = "".join(f", {k[:-4]} acc {v:.2f} (x{r[k[:-4] + ' retention']:.2f})"
                        for k, v in r.items() if k.endswith(" acc"))
-        lines.append(f"{name}: ppl {r['ppl']:.1f} (x{r['ppl ratio']:.2f}), top-K overlap {r['top-K overlap']:.2f}, "
+        lines.append(f"{name}, {policy}: ppl {r['ppl']:.1f} (x{r['ppl ratio']:.2f}), top-K overlap "
+                     f"{r['top-K overlap']:.2f}, "
                      f"top-1 agree {r['top-1 agree']:.2f}{accs}")
     return lines
 

@@ -60,6 +60,8 @@ USABLE = 0.9
 FP8_BLOCK = 128 * 128  # one fp32 scale per 128 x 128 block
 MX_BLOCK = 32  # one E8M0 byte per 32 values
 
+SEQ_LEN = 2048  # tokens per row the commands would run, unless the model has fewer positions
+
 #: the parameter groups (columns of params.csv)
 GROUPS = ("embeddings", "lm_head", "routers", "routed_experts", "shared_experts", "other_matrices", "vectors")
 
@@ -328,16 +330,23 @@ def _throughput(lay: _Layout, config: Any, counts: dict[str, Any], gpu: Gpu, wei
     return out
 
 
-def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: int = 2048, rows: int = 8) -> Result:
+def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: int | None = None,
+         rows: int = 8) -> Result:
     """Tables ``params`` (bytes by group and format), ``layouts`` (what fits ``nodes`` x ``gpus``, the command to
     run) and ``throughput`` (a ceiling in tokens/s per command) for ``model`` -- a name (embedded, alias,
-    directory, hub id: only its config is read) or a transformers config (module docstring)."""
+    directory, hub id: only its config is read) or a transformers config (module docstring). ``seq_len``:
+    :data:`SEQ_LEN`, or the model's positions when it has fewer (a longer one is refused: the commands refuse it)."""
     import pandas as pd
 
+    from ..sizing import check_seq_len, max_positions
+
     config, model = _config_of(model)
+    if seq_len is None:
+        seq_len = min(SEQ_LEN, max_positions(config) or SEQ_LEN)
     for flag, value in (("--nodes", nodes), ("--seq-len", seq_len), ("--batch-size", rows)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MoetoolError(f"{flag} must be a positive integer, not {value!r}")
+    check_seq_len(config, seq_len)  # the suggested commands would refuse it
     per_node, gpu = parse_gpus(gpus)
     native = native_format(config)
     counts = parameter_groups(config)

@@ -30,6 +30,16 @@ def console(stderr: bool = False, width: int | None = None) -> Any:
                    width=width)
 
 
+def count_text(n: float) -> str:
+    """A count for a sentence, in the largest unit that keeps it at least 1 with 3 significant digits:
+    ``2823296`` -> ``"2.82M"``, ``46702792704`` -> ``"46.7B"``, ``512`` -> ``"512"``."""
+    r = float(f"{n:.3g}")  # rounded first: 999,999 is "1M", not "1e+03K"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(r) >= scale:
+            return f"{r / scale:.3g}{unit}"
+    return f"{n:.3g}" if isinstance(n, float) and not float(n).is_integer() else str(int(n))
+
+
 def _fmt(v: Any, floatfmt: str) -> str:
     if isinstance(v, float):
         return "" if math.isnan(v) else floatfmt.format(v)  # missing stays empty, never a plausible number

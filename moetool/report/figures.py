@@ -216,6 +216,25 @@ def error_lengths(value: Any, lo: Any, hi: Any) -> Any:
     return np.clip(np.vstack([below.reshape(1, -1), above.reshape(1, -1)]), 0.0, None)  # NaN stays NaN
 
 
+def log_axis_if_wide(ax: Any, values: Any, axis: str = "y", decades: float = 1.0) -> bool:
+    """A log scale on ``axis`` only when the positive ``values`` span at least ``decades`` decades (max / min >=
+    10 ** decades), with ticks a reader reads at a glance: 1, 2, 5 x 10^k written as plain numbers (``20``,
+    ``0.5``), never ``3 x 10^1`` or a lone ``10^0``; a smaller range stays linear. Returns whether it is log."""
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if len(v) == 0 or v.max() < v.min() * 10 ** decades:
+        return False
+    getattr(ax, f"set_{axis}scale")("log")
+    ax_ = ax.yaxis if axis == "y" else ax.xaxis
+    ax_.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax_.set_minor_formatter(NullFormatter())
+    return True
+
+
 def line_by(ax: Any, df: Any, x: str, y: str, by: str, title: str = "", marker: str | None = None, *,
             twin: Callable[[str], tuple[str, int]] | None = default_twin, families: Sequence[str] | None = None,
             yerr: tuple[str, str] | None = None, legend: bool = True, xlabel: str | None = None,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import MoetoolError
-from .rundir import MANIFEST, RunDir, read_manifest
+from .rundir import MANIFEST, RunDir, manifest_problem, read_manifest
 
 HTML_ROWS = 20  # a table of up to this many rows is shown whole in the page / Markdown
 PREVIEW_ROWS = 10  # a longer one (erc_matrix: 4,096 rows) by its first rows and a link to the CSV; the CSV and
@@ -51,6 +51,17 @@ class Run:
     figures: list[Path] = field(default_factory=list)  # PNGs (a PDF beside each one when written)
     other: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # manifest entries that point outside the run folder
+    rel: str = ""  # the folder relative to the gathered root ("stats/tiny"), what the index shows beside the label
+
+    @property
+    def label(self) -> str:
+        """What tells this run from the others: ``"stats · tiny"`` (command and model, checkpoints or models)."""
+        return run_label(self.manifest)
+
+    @property
+    def has_content(self) -> bool:
+        """Figures or tables of its own, or not complete (a parent holding sub-runs only has neither)."""
+        return bool(self.figures or self.tables or self.other) or self.manifest.get("status") != "complete"
 
     def inside(self, rel: Any) -> Path | None:
         """``rel`` (a manifest entry) as a path in this run folder, or ``None`` when it is not a relative path
@@ -74,7 +85,7 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
+def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path], top: bool = True) -> Any:
     """Run folders under ``folder``, depth first: a run, then its sub-runs in the order its manifest lists them
     (a demo's step order), then any other sub-folders by name. Symbolic links to folders are not followed (a
     ``latest -> .`` link would gather a run again and again; a link out of the run would gather another's)."""
@@ -85,6 +96,8 @@ def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
     m = read_manifest(folder)
     if m is not None:
         yield folder
+    elif (folder / MANIFEST).is_file() and not top:  # an unreadable sub-run is said, not skipped in silence
+        warn(f"{folder}: {manifest_problem(folder)}: not gathered")
     listed = [str(r) for r in (m or {}).get("runs", [])]
     try:
         entries = sorted(folder.iterdir(), key=lambda p: p.name)
@@ -102,7 +115,7 @@ def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path]) -> Any:
         if p.is_dir():
             subs.append(p)
     for p in sorted(subs, key=lambda p: (listed.index(p.name) if p.name in listed else len(listed), p.name)):
-        yield from _walk(p, warn, visited)
+        yield from _walk(p, warn, visited, top=False)
 
 
 def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
@@ -113,15 +126,29 @@ def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
     the run's :attr:`Run.refused` lists it)."""
     runs: list[Run] = []
     seen: set[Path] = {Path(exclude).resolve()} if exclude is not None else set()
+    given: dict[Path, Path] = {}
     for d in run_dirs:
         root = Path(d)
         if not root.is_dir():
             raise MoetoolError(f"{root}: not a folder")
+        if root.resolve() in given:  # `report RUN RUN`: gathered once
+            warn(f"{root}: given twice (as {given[root.resolve()]}), gathered once")
+            continue
+        given[root.resolve()] = root
+        problem = manifest_problem(root)
         found = list(_walk(root, warn, set()))
         skip = lambda p: p.resolve() in seen or any(q in seen for q in p.resolve().parents)  # noqa: E731
-        found = [p for p in found if read_manifest(p) is not None and not skip(p)]
+        found = [p for p in found if read_manifest(p) is not None]
+        if not found and problem and problem != f"no {MANIFEST}":  # the run itself is unreadable: say why
+            raise MoetoolError(f"{root}: {problem}")
         if not found:
             raise MoetoolError(f"{root}: no moetool run (no manifest.json) in it")
+        if problem and problem != f"no {MANIFEST}":
+            warn(f"{root}: {problem}: not gathered (its sub-runs are)")
+        if all(skip(p) for p in found):
+            warn(f"{root}: already gathered with a folder given before it")
+            continue
+        found = [p for p in found if not skip(p)]
         for p in found:
             seen.add(p.resolve())
             m = read_manifest(p) or {}
@@ -129,7 +156,8 @@ def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
             name = _slug("/".join([root.resolve().name, *rel.parts]))
             while name in {r.name for r in runs}:
                 name += "_"
-            run = Run(p, name, m)
+            shown = "/".join([root.resolve().name, *rel.parts] if len(run_dirs) > 1 or not rel.parts else rel.parts)
+            run = Run(p, name, m, rel=shown)
             if (p / MANIFEST).is_symlink():  # its files would be read relative to another folder's manifest
                 warn(f"{p / MANIFEST}: a symbolic link, run not gathered")
                 continue
@@ -292,27 +320,83 @@ def to_html_table(df: Any, max_rows: int = HTML_ROWS, definitions: Any = None, t
 
 
 # ----- manifest summary -----------------------------------------------------------------------------------------
-def summary(m: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(field, text)`` rows of a manifest: what a reader needs to reproduce the run."""
+def human(v: Any, run: Path | None = None) -> str:
+    """A manifest value as a reader writes it: a list ``tiny, tiny-fine`` (a pair ``tiny-early -> tiny``), a dtype
+    ``float32`` (not ``torch.float32``), ``none`` for null, an absolute path relative to the run folder or to the
+    installed package (``moetool/embedded/tiny``), a large count with thousands separators."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10_000 else str(v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(f"({human(x, run)})" if isinstance(x, (list, tuple)) else human(x, run) for x in v)
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={human(x, run)}" for k, x in v.items())
+    text = str(v)
+    if text.startswith("torch.") and text[6:].replace("_", "").isalnum():
+        return text[6:]  # torch.float32 -> float32
+    return shown_path(text, run)
+
+
+def shown_path(text: str, run: Path | None = None) -> str:
+    """An absolute path inside the run folder or the installed moetool package, relative to it (the package's as
+    ``moetool/...``); any other text as it is."""
+    if not text.startswith("/") or "\n" in text:
+        return text
+    p = Path(text)
+    package = Path(__file__).resolve().parents[1]
+    for base, prefix in ((run, ""), (package, "moetool/")):
+        if base is None:
+            continue
+        try:
+            return prefix + (p.resolve().relative_to(Path(base).resolve()).as_posix() or ".")
+        except (ValueError, OSError, RuntimeError):
+            continue
+    return text
+
+
+def run_label(m: dict[str, Any]) -> str:
+    """``"stats · tiny"``: the command and what it ran on (the model, the models of a demo step, the checkpoint
+    pairs ``tiny-early -> tiny``), what tells runs of one report apart."""
+    cmd = str(m.get("command", "?"))
+    model, opts = m.get("model"), m.get("options") if isinstance(m.get("options"), dict) else {}
+    who = model.get("name") if isinstance(model, dict) else model
+    who = who or opts.get("model")
+    if not who and isinstance(opts.get("pairs") or opts.get("checkpoints"), (list, tuple)):
+        items = opts.get("pairs") or [opts["checkpoints"]]
+        who = ", ".join(" -> ".join(map(str, p)) if isinstance(p, (list, tuple)) else str(p) for p in items)
+    if not who and isinstance(opts.get("models"), (list, tuple)):
+        who = ", ".join(map(str, opts["models"]))
+    return f"{cmd} · {who}" if who else cmd
+
+
+def summary(m: dict[str, Any], run: Path | None = None) -> list[tuple[str, str]]:
+    """``(field, text)`` rows of a manifest: what a reader needs to reproduce the run, in human values
+    (:func:`human`; paths relative to the run folder ``run`` or the package)."""
     rows: list[tuple[str, str]] = [("command", str(m.get("command", ""))), ("status", str(m.get("status", "")))]
     if m.get("error"):
         rows.append(("error", str(m["error"])))
     model = m.get("model")
     if isinstance(model, dict):
-        rows.append(("model", ", ".join(f"{k}={model[k]}" for k in ("name", "source", "model_type", "dtype", "device")
+        rows.append(("model", ", ".join(f"{k}={human(model[k], run)}" for k in ("name", "source", "model_type",
+                                                                                 "dtype", "device")
                                         if model.get(k) is not None) or json.dumps(model)[:200]))
     elif model:
-        rows.append(("model", str(model)))
+        rows.append(("model", human(model, run)))
     data = m.get("data")
     if isinstance(data, dict):
-        rows.append(("data", ", ".join(f"{k}={data[k]}" for k in ("source", "tokens", "rows", "seq_len",
-                                                                   "domains") if data.get(k) is not None)
+        rows.append(("data", ", ".join(f"{k}={human(data[k], run)}" for k in ("source", "tokens", "rows", "seq_len",
+                                                                               "domains") if data.get(k) is not None)
                      or json.dumps(data)[:200]))
     elif data:
-        rows.append(("data", str(data)))
+        rows.append(("data", human(data, run)))
     opts = m.get("options")
     if isinstance(opts, dict) and opts:
-        rows.append(("options", ", ".join(f"{k}={v}" for k, v in opts.items())))
+        rows.append(("options", "; ".join(f"{k}={human(v, run)}" for k, v in opts.items())))
     if m.get("seed") is not None:
         rows.append(("seed", str(m["seed"])))
     if m.get("wall_seconds") is not None:
@@ -323,7 +407,7 @@ def summary(m: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(git, dict) and git.get("commit"):
         rows.append(("git", git["commit"][:12] + (" (uncommitted changes)" if git.get("dirty") else "")))
     if m.get("argv"):
-        rows.append(("command line", " ".join(Path(str(m["argv"][0])).name if i == 0 else str(a)
+        rows.append(("command line", " ".join(Path(str(m["argv"][0])).name if i == 0 else shown_path(str(a), run)
                                               for i, a in enumerate(m["argv"]))))
     return rows
 
@@ -378,6 +462,7 @@ th.n,td.n{text-align:right;font-variant-numeric:tabular-nums}
 .scroll th:first-child,.scroll td:first-child{position:sticky;left:0;background:#fff}
 table.meta{margin:.5em 0 1em}table.meta td{white-space:normal;word-break:break-word;vertical-align:top}
 table.meta td:first-child{font-weight:600;white-space:nowrap}
+table.headline td{white-space:normal;vertical-align:top}table.headline td:last-child{min-width:40em}
 figure{margin:1.2em -1.5em 1.8em}figure img{display:block;max-width:none;margin:0 auto}
 figcaption{padding:0 1.5em}
 figcaption,.note,.def{color:#555;font-size:.85em}figcaption b{color:#222}
@@ -398,25 +483,58 @@ def _unique(name: str, taken: set[str]) -> str:
 def _index(title: str, runs: list[Run], warnings: list[str], body: list[str], md: list[str]) -> None:
     """The title, the list of runs and what was not gathered."""
     md += [f"# {md_escape(title)}", ""]
-    body += [f"<h1>{html.escape(title)}</h1>", '<nav class="runs"><ul>']
-    body += [f'<li><a href="#{r.name}">{html.escape(r.name)}</a> '
-             f'({html.escape(str(r.manifest.get("command", "")))}, {html.escape(str(r.manifest.get("status", "?")))})'
-             f"</li>" for r in runs]
+    body.append(f"<h1>{html.escape(title)}</h1>")
+    _headlines(runs, body, md)
+    listed = [r for r in runs if r.has_content]  # a parent holding only sub-runs is not an entry of its own
+    body += ["<h2>runs</h2>", '<nav class="runs"><ul>']
+    body += [f'<li><a href="#{r.name}">{html.escape(r.label)}</a> <span class="note">{html.escape(r.rel)}'
+             + (f", {html.escape(str(r.manifest.get('status', '?')))}" if r.manifest.get("status") != "complete"
+                else "") + "</span></li>" for r in listed]
     body.append("</ul></nav>")
-    md += [f"- {md_escape(r.name)}" for r in runs] + [""]
+    md += ["## runs", ""] + [f"- {md_escape(r.label)} ({md_escape(r.rel)})" for r in listed] + [""]
     if warnings:
         body += ['<p class="warn">not gathered:</p><ul class="warn">'] + \
                 [f"<li>{html.escape(w)}</li>" for w in warnings] + ["</ul>"]
         md += ["**not gathered:**", ""] + [f"- {md_escape(w)}" for w in warnings] + [""]
 
 
+def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
+    """The page's first table: each run's headline numbers (its manifest's ``headline``, the lines its
+    experiment prints, intervals where it gives them), linking to the run's section; a demo folder written before
+    runs recorded them falls back on the demo's step summaries. Nothing when no run has any."""
+    rows = [(r.name, str(r.manifest.get("command", "")), r.label.partition(" · ")[2], list(r.manifest["headline"]))
+            for r in runs if isinstance(r.manifest.get("headline"), list) and r.manifest["headline"]]
+    if not rows:
+        by_path = {r.path.resolve(): r for r in runs}
+        for r in runs:
+            for step in r.manifest.get("steps") or []:
+                if not isinstance(step, dict) or not step.get("summary"):
+                    continue
+                target = next((by_path[Path(f).resolve()] for f in step.get("folders") or []
+                               if Path(f).resolve() in by_path), r)
+                rows.append((target.name, str(step.get("step", "")), target.label.partition(" · ")[2],
+                             [str(x) for x in step["summary"]]))
+    if not rows:
+        return
+    body += ['<h2 id="results">results at a glance</h2>', '<div class="scroll"><table class="headline">',
+             "<thead><tr><th>experiment</th><th>model</th><th>headline numbers (± the 95% interval where the "
+             "experiment gives one)</th></tr></thead><tbody>"]
+    body += [f'<tr><td><a href="#{name}">{html.escape(cmd)}</a></td><td>{html.escape(who)}</td><td>'
+             + "<br>".join(html.escape(line) for line in lines) + "</td></tr>" for name, cmd, who, lines in rows]
+    body.append("</tbody></table></div>")
+    md += ["## results at a glance", "", "| experiment | model | headline numbers |", "|:---|:---|:---|"]
+    md += [f"| [{md_escape(cmd)}](#{name}) | {md_escape(who)} | " + "<br>".join(md_escape(x) for x in lines) + " |"
+           for name, cmd, who, lines in rows]
+    md.append("")
+
+
 def _run_header(r: Run, body: list[str], md: list[str]) -> None:
     """A run's heading, its manifest summary and the files it lists outside its folder."""
     status = str(r.manifest.get("status", "unknown (written before moetool recorded a status)"))
     css = "status-" + (status if status in STATUSES else "other")
-    body.append(f'<h2 id="{r.name}">{html.escape(r.name)}</h2>')
-    md += [f"## {md_escape(r.name)}", ""]
-    rows = summary(r.manifest)
+    body.append(f'<h2 id="{r.name}">{html.escape(r.label)} <span class="note">{html.escape(r.rel)}</span></h2>')
+    md += [f"## {md_escape(r.label)} ({md_escape(r.rel)})", ""]
+    rows = summary(r.manifest, r.path)
     body.append('<table class="meta">' + "".join(
         f'<tr><td>{html.escape(k)}</td><td class="{css if k == "status" else ""}">'
         f"{html.escape(v)}</td></tr>" for k, v in rows) + "</table>")

@@ -426,13 +426,20 @@ def mass_recall_figures(result: Any) -> dict[str, Any]:
     return plot_mass_recall(result["mass_recall.csv"])
 
 
-def ratio_curve(df: Any, by: str, x: str, *, title: str, xlabel: str, star: str) -> Any:
+def ratio_curve(df: Any, by: str, x: str, *, title: str, xlabel: str, star: str, join: bool = False) -> Any:
     """One figure: perplexity / the model's own (paired ratio, bootstrap error bars) against ``x``, one line per
-    value of ``by``; the row whose ``by`` is ``router`` (the model itself) a star."""
+    value of ``by``; the row whose ``by`` is ``router`` (the model itself) a star. ``join``: the model's row is
+    every line's first point too (a sweep that starts from the model: nothing pruned is the model)."""
+    import pandas as pd
+
     from .figures import line_by, new_figure
 
     fig, (ax,) = new_figure(width=5.0)
     sweep = df[df[by] != "router"]
+    start = df[df[by] == "router"]
+    if join and len(start) and len(sweep):
+        sweep = pd.concat([start.assign(**{by: v}) for v in dict.fromkeys(sweep[by])] + [sweep])
+        sweep = sweep.sort_values(x, kind="stable")
     if len(sweep):
         line_by(ax, sweep, x, "ratio", by, title=title, yerr=("ratio_lo", "ratio_hi"), xlabel=xlabel,
                 ylabel="perplexity / the model's own (paired)")
@@ -512,7 +519,7 @@ def margin_figures(result: Any) -> dict[str, Any]:
 
 # ----- agreement ----------------------------------------------------------------------------
 def plot_agreement(per_layer: Any, bins: Any) -> dict[str, Any]:
-    """``agreement_by_layer``: the top-K set (left) and top-1 (right) flip rates against the reference by layer, one
+    """``agreement_flips_by_layer``: the top-K set (left) and top-1 (right) flip rates against the reference by layer, one
     line per precision (bootstrap error bars); ``agreement_margin``: the same flip rates per bin of the reference's
     routing margin, pooled over layers (tokens-weighted), one line per precision."""
     from .figures import line_by, new_figure
@@ -522,7 +529,7 @@ def plot_agreement(per_layer: Any, bins: Any) -> dict[str, Any]:
     for ax, col, title in ((axes[0], "topk_flip", "top-K set differs"), (axes[1], "top1_flip", "top-1 differs")):
         line_by(ax, per_layer, "layer", col, "precision", title=f"{title} (vs {ref})", marker="o",
                 yerr=(f"{col}_lo", f"{col}_hi"), ylabel="share of tokens")
-    out = {"agreement_by_layer": fig}
+    out = {"agreement_flips_by_layer": fig}
     b = bins.copy()
     for col in ("topk_flip", "top1_flip"):
         b[col] = b[col].fillna(0) * b["tokens"]
@@ -536,8 +543,8 @@ def plot_agreement(per_layer: Any, bins: Any) -> dict[str, Any]:
     names = [f"[{lo:g}, {hi:g})" for lo, hi in zip(edges, [*edges[1:], float("inf")])]
     fig, axes = new_figure(1, 2, width=4.0)
     for ax, col, title in ((axes[0], "topk_flip", "top-K set differs"), (axes[1], "top1_flip", "top-1 differs")):
-        line_by(ax, pooled, "bin", col, "precision", title=f"{title} by reference margin", marker="o",
-                xlabel="reference margin s(K) - s(K+1)", ylabel="share of tokens in the bin")
+        line_by(ax, pooled, "bin", col, "precision", title=f"{title}, by the top-K margin", marker="o",
+                xlabel="reference top-K margin s(K) - s(K+1)", ylabel="share of tokens in the bin")
         ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
     out["agreement_margin"] = fig
     return out
@@ -553,8 +560,9 @@ def plot_capacity(df: Any, layers: Any) -> dict[str, Any]:
     capacity factor, one line per drop order; ``capacity_layers``: the dropped share by layer, one line per cf and
     order. cf = inf sits at the right of the finite ones (no such x): left out of the curves."""
     import numpy as np
+    import pandas as pd
 
-    from .figures import line_by, new_figure
+    from .figures import line_by, log_axis_if_wide, new_figure
 
     out = {}
     finite = df[np.isfinite(df["cf"])]
@@ -565,8 +573,8 @@ def plot_capacity(df: Any, layers: Any) -> dict[str, Any]:
         line_by(axes[1], finite, "cf", "ratio", "order", title="perplexity", marker="o",
                 yerr=("ratio_lo", "ratio_hi"), xlabel="capacity factor cf", ylabel="perplexity / router's (paired)")
         axes[1].axhline(1.0, color="black", linewidth=0.6, linestyle=":")
-        if finite["ratio"].max() > 4:  # a collapse at small cf would flatten the rest
-            axes[1].set_yscale("log")
+        # a collapse at small cf would flatten the rest: log, with readable ticks, when the range is wide
+        log_axis_if_wide(axes[1], pd.concat([finite["ratio"], finite["ratio_hi"], finite["ratio_lo"]]))
         out["capacity_curve"] = fig
     if len(layers):
         lay = layers.assign(series=[f"cf {cf:g} ({order})" for cf, order in zip(layers["cf"], layers["order"])])
@@ -590,7 +598,7 @@ def plot_prune(curve: Any, importance: Any, ablation: Any) -> dict[str, Any]:
 
     out = {"prune_curve": ratio_curve(curve, "criterion", "fraction", title="perplexity as experts are removed",
                                       xlabel="fraction of each layer's experts removed",
-                                      star="the model (nothing removed)")}
+                                      star="the model (nothing removed)", join=True)}
     mat = importance.pivot(index="layer", columns="expert", values="reap")  # [layers, n]
     n = mat.shape[1]
     fig, (ax,) = new_figure(width=max(4.2, 0.18 * n + 2), height=max(2.4, 0.3 * len(mat) + 1.2))
@@ -649,7 +657,7 @@ def plot_super_experts(table: Any) -> dict[str, Any]:
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    from .figures import heatmap, new_figure
+    from .figures import heatmap, log_axis_if_wide, new_figure
 
     mat = table.pivot(index="layer", columns="expert", values="max_abs_output")  # [layers, n]
     n = mat.shape[1]
@@ -668,7 +676,7 @@ def plot_super_experts(table: Any) -> dict[str, Any]:
     ax.bar(range(len(ranked)), ranked["max_abs_output"].clip(lower=1e-12), color=colors, width=1.0)
     ax.axhline(float(ranked["threshold"].iloc[0]), color="black", linewidth=0.8, linestyle="--",
                label="threshold")
-    ax.set_yscale("log")
+    log_axis_if_wide(ax, [*ranked["max_abs_output"], float(ranked["threshold"].iloc[0])])
     ax.set_xlabel("(layer, expert) by rank")
     ax.set_ylabel("max |expert output|")
     ax.set_title("super experts (red)")
@@ -701,8 +709,9 @@ def plot_placement(overall: Any, per_layer: Any) -> dict[str, Any]:
     from .figures import line_by, new_figure
 
     fig, (ax,) = new_figure(width=5.0)
+    err = ("imbalance_lo", "imbalance_hi") if {"imbalance_lo", "imbalance_hi"} <= set(overall.columns) else None
     line_by(ax, _placement_series(overall), "gpus", "imbalance", "series", title="expert-parallel load imbalance",
-            xlabel="GPUs (G)", ylabel="max / mean GPU load (over layers)", twin=_stale_twin)
+            xlabel="GPUs (G)", ylabel="max / mean GPU load (over layers)", twin=_stale_twin, yerr=err)
     ax.set_xscale("log", base=2)
     gs = sorted(int(g) for g in overall["gpus"].unique())
     ax.set_xticks(gs, [str(g) for g in gs])
@@ -713,8 +722,9 @@ def plot_placement(overall: Any, per_layer: Any) -> dict[str, Any]:
 
     G = headline_gpus(per_layer)
     fig, (ax,) = new_figure(width=5.0)
+    err = ("imbalance_lo", "imbalance_hi") if {"imbalance_lo", "imbalance_hi"} <= set(per_layer.columns) else None
     line_by(ax, _placement_series(per_layer[per_layer["gpus"] == G]), "layer", "imbalance", "series",
-            title=f"per-layer load imbalance on {G} GPUs", ylabel="max / mean GPU load", twin=_stale_twin)
+            title=f"per-layer load imbalance on {G} GPUs", ylabel="max / mean GPU load", twin=_stale_twin, yerr=err)
     ax.axhline(1.0, color="black", lw=0.6, ls=":")
     out["placement_layers"] = fig
     return out
@@ -744,7 +754,8 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                               "its output dimensions (log scale; one row per MoE layer); the super experts boxed",
                               ("super_experts.csv",), ("max_abs_output", "is_super")),
     "super_experts_ranked": ("Every (layer, expert) maximum |output| of the down projection, largest first (log "
-                             "scale); red: the super experts; dashed: the threshold they pass",
+                             "scale when the values span a decade or more); red: the super experts; dashed: the "
+                             "threshold they pass",
                              ("super_experts.csv",), ("max_abs_output", "rank", "is_super", "threshold")),
     "topk_frontier": ("Perplexity relative to the model's own routing on the same rows against the experts each "
                       "token uses (mean over MoE layers), for fixed k below the model's K and top-p routing; the "
@@ -764,31 +775,33 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                        "the policy computed on the side, the model running its own routing), mean over real tokens "
                        "by MoE layer, one line per policy; error bars: the bootstrap interval",
                        ("margin_jaccard.csv",), ("policy", "soft_jaccard", "*_lo/*_hi")),
-    "agreement_by_layer": ("Share of real tokens whose chosen top-K set (left) or top-1 expert (right) differs from "
+    "agreement_flips_by_layer": ("Share of real tokens whose chosen top-K set (left) or top-1 expert (right) differs from "
                            "the reference run's (the most precise of the list) on the same tokens, by MoE layer, one "
                            "line per precision (fp8/fp4/mxfp4 simulated by quantize-dequantize of the weights, run "
                            "in bf16); error bars: the bootstrap interval", ("agreement.csv",),
                            ("precision", "reference", "topk_flip", "top1_flip", "*_lo/*_hi")),
-    "agreement_margin": ("The same flip rates per bin of the reference run's routing margin (K-th minus (K+1)-th "
-                         "selection score), pooled over MoE layers (tokens-weighted), one line per precision; empty "
-                         "bins left out", ("agreement_bins.csv",),
+    "agreement_margin": ("The same flip rates per bin of the reference run's top-K routing margin (K-th minus "
+                         "(K+1)-th selection score; the top-1 panel is binned by this top-K margin too), pooled "
+                         "over MoE layers (tokens-weighted), one line per precision; empty bins left out", ("agreement_bins.csv",),
                          ("margin_lo", "margin_hi", "agreement_bins.topk_flip", "agreement_bins.top1_flip")),
     "capacity_curve": ("Expert capacity C = ceil(cf · tokens · K / n) per batch and MoE layer: the share of the "
                        "model's assignments beyond capacity (left) and perplexity relative to the model's own "
                        "routing on the same rows with them dropped (right) against cf, one line per drop order; "
-                       "error bars: the paired bootstrap interval", ("capacity.csv",),
+                       "error bars: the paired bootstrap interval; dotted: no change (ratio 1)", ("capacity.csv",),
                        ("cf", "order", "dropped_frac", "ratio", "*_lo/*_hi")),
     "capacity_layers": ("The share of assignments beyond expert capacity in each MoE layer, one line per capacity "
                         "factor and drop order", ("capacity_layers.csv",), ("cf", "dropped_frac")),
 
 
     "placement_imbalance": ("Per-GPU load imbalance (max / mean GPU load; summed over MoE layers, each waiting for "
-                            "its busiest GPU) against the number of GPUs, one line per expert placement: contiguous, "
-                            "round-robin, DeepSeek's EPLB with R = slots × G redundant replicas, and (dashed, same colour) "
-                            "EPLB fitted on the reference data or checkpoint (stale); dotted: perfect balance", ("placement_overall.csv",),
-                            ("imbalance", "method", "replicas")),
+                            "its busiest GPU) against the number of GPUs, one line per expert placement the legend "
+                            "names: contiguous, round-robin, DeepSeek's EPLB with R = slots × G redundant replicas "
+                            "(+r/GPU), and eplb_stale (EPLB fitted on a --reference, when one was given); dotted: "
+                            "perfect balance; error bars: the bootstrap interval", ("placement_overall.csv",),
+                            ("imbalance", "method", "replicas", "imbalance_lo/imbalance_hi")),
     "placement_layers": ("Per MoE layer: per-GPU load imbalance at the largest number of GPUs below the number of "
-                         "experts, one line per placement", ("placement.csv",), ("imbalance", "method", "replicas")),
+                         "experts, one line per placement; dotted: perfect balance; error bars: the bootstrap "
+                         "interval", ("placement.csv",), ("imbalance", "method", "replicas", "imbalance_lo/imbalance_hi")),
     "load_heatmap": ("Expert load relative to uniform routing (load_fraction × n), one row per layer and one column "
                      "per expert; 1 (white) is balanced, red above, blue below", ("load.csv",), ("load_fraction",)),
     "coactivation": ("P(b | a) per layer: of the tokens whose top-K contains expert a (row), the share whose top-K "

@@ -128,6 +128,27 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     return m if isinstance(m, dict) and "command" in m and isinstance(m.get("files", []), list) else None
 
 
+def manifest_problem(path: Path) -> str | None:
+    """Why folder ``path`` holds no readable moetool manifest, in a few words: ``"no manifest.json"``,
+    ``"manifest.json is not valid JSON (line 3, column 5: ...)"``, ``"manifest.json is not a moetool manifest"``;
+    ``None`` when :func:`read_manifest` reads it."""
+    f = Path(path) / MANIFEST
+    if not f.is_file():
+        return f"no {MANIFEST}"
+    try:
+        m = json.loads(f.read_text())
+    except OSError as e:
+        return f"{MANIFEST} is not readable ({e.strerror or e})"
+    except UnicodeDecodeError:
+        return f"{MANIFEST} is not text"
+    except json.JSONDecodeError as e:
+        return f"{MANIFEST} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+    if read_manifest(path) is None:
+        return (f"{MANIFEST} is not a moetool manifest (" +
+                ("no command" if not isinstance(m, dict) or "command" not in m else "files is not a list") + ")")
+    return None
+
+
 
 
 def _check_writable(path: Path) -> None:
@@ -289,12 +310,13 @@ class RunDir:
     # ----- creation --------------------------------------------------------------------------------------------
     @classmethod
     def create(cls, command: str, out: str | Path | None = None, force: bool = False,
-               resume: bool = False) -> "RunDir":
+               resume: bool = False, resumable: bool = False) -> "RunDir":
         """Validate ``--out`` (nothing is written yet); default ``runs/<command>-<time>-<suffix>``.
 
         ``resume``: continue the unfinished ``command`` run in ``out`` (its finished units, :meth:`units`, are
         kept; its other files are rewritten); an empty or missing ``out`` starts a new run, so a job script can
-        pass ``--resume`` every time."""
+        pass ``--resume`` every time. ``resumable``: the command takes ``--resume`` (a refusal of an unfinished
+        run in ``out`` offers it only then)."""
         if resume and not out:
             raise MoetoolError("--resume needs --out: the folder of the run to continue")
         path = Path(out) if out else _default_path(command)
@@ -302,7 +324,7 @@ class RunDir:
             raise MoetoolError(f"--out {path} exists and is not a folder")
         lock = _lock(path) if path.is_dir() else None  # a run writing there now: refused before anything else
         try:
-            run = cls._validated(path, command, force, resume)
+            run = cls._validated(path, command, force, resume, resumable)
         except BaseException:
             _unlock(lock, path)
             raise
@@ -310,7 +332,7 @@ class RunDir:
         return run
 
     @classmethod
-    def _validated(cls, path: Path, command: str, force: bool, resume: bool) -> "RunDir":
+    def _validated(cls, path: Path, command: str, force: bool, resume: bool, resumable: bool) -> "RunDir":
         replace = False
         if path.is_dir() and any(p for p in path.iterdir() if not p.name.startswith(PART) and p.name != LOCK):
             prev = read_manifest(path)
@@ -330,8 +352,10 @@ class RunDir:
                 replace = True
                 _removal_plan(path)
             elif prev is not None and prev.get("status") in ("interrupted", "running"):
+                how = ("use --resume to continue it or --force to start over" if resumable and prev["command"] == command
+                       else f"moetool {command} has no --resume: use --force to start over, or another --out")
                 raise MoetoolError(f"--out {path} holds an unfinished {prev['command']} run "
-                                   f"(status {prev['status']}); use --resume to continue it or --force to start over")
+                                   f"(status {prev['status']}); {how}")
             else:
                 raise MoetoolError(f"--out {path} is not empty (use --force to write into it)")
         _check_writable(path)

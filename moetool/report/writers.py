@@ -49,6 +49,9 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         except Exception as e:  # noqa: BLE001
             failed[name] = one_line(e)
     run.add(**result.meta)
+    headline = headline_lines(result, model, options)
+    if headline:
+        run.add(headline=headline)
     if failed:
         run.add(figures_failed=failed)
         first = next(iter(failed.items()))
@@ -60,6 +63,23 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
     if seed is None:
         seed = getattr(result.options, "seed", None)
     return run.finish(options=opts, model=model, seed=seed)
+
+
+def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | None = None) -> list[str]:
+    """The experiment's headline numbers of ``result`` (its spec's ``summary_lines``, the lines ``moetool demo``
+    prints, intervals where the experiment gives them), for the manifest's ``headline`` and the report page's
+    summary table; ``[]`` for an experiment without them or a result of no experiment."""
+    from ..experiments.registry import EXPERIMENTS
+
+    spec = next((e for e in EXPERIMENTS.values() if e.result == result.name), None)
+    if spec is None or not spec.lines:
+        return []
+    who = ((model.get("name") if isinstance(model, dict) else getattr(model, "name", None))
+           or (options or {}).get("model") or " -> ".join(map(str, result.meta.get("checkpoints", []))) or spec.name)
+    try:
+        return [str(line) for line in spec.load(spec.lines)(str(who), result)]
+    except Exception:  # noqa: BLE001 - a headline that cannot be said is left out: the tables are the record
+        return []
 
 
 def _write_parquet(run: Any, name: str, df: Any) -> None:
