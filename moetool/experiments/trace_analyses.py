@@ -1,0 +1,193 @@
+"""Analyses of routing read from a trace instead of a forward: ``stats --trace`` and ``placement --trace``.
+
+The trace is moetool's own (``moetool trace``) or an engine's dump imported by ``moetool import-trace``
+(:mod:`moetool.traces`); it is read streamed (:func:`moetool.traces.store.read_batches`) into per-layer sums on the
+host -- real tokens, top-K assignments per expert, co-activation counts -- with the same functions the forward's
+consumers use (:func:`moetool.ops.one_hot_counts`, :func:`.specialization.coactivation_counts`), so the tables are
+those of the same routing captured by moetool. A counts-only dump (SGLang ``stat`` / ``per_pass``, legacy CSV) gives
+the loads alone: real tokens = assignments / K there.
+
+What needs more than the chosen ids refuses or is left out, in one line each (``meta["left_out"]``): the router's
+probabilities (router_prob, confidence entropy, aux loss: an engine records ids only), token ids (top tokens,
+specialisation), the order of the top-K (``--top-k 1``, ``--coactivation adjacent`` on a Megatron trace, whose ids
+are sorted by expert id; on counts), per-token rows (co-activation on counts), the document rows of a forward
+(bootstrap intervals).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..errors import MoetoolError
+from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
+from .result import Result
+from .specialization import coactivation_counts
+
+#: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
+NO_PROBS = "the router's probabilities: an engine's dump records the chosen expert ids only"
+
+
+@dataclass
+class LayerSums:
+    """Host sums of one MoE layer over a trace."""
+
+    n: int
+    k: int
+    tokens: int
+    assign: torch.Tensor  # [n] float64: tokens whose top-K contains e
+    co: torch.Tensor | None  # [n, n] float64 (diagonal = assign); None for counts-only
+
+
+def _ordered(src: TraceSource) -> bool:
+    return "sorted" not in str(src.routing_source.get("order", ""))
+
+
+def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str | None = "all",
+               layers: tuple[int, ...] | None = None) -> dict[int, LayerSums]:
+    """Per MoE layer of the trace: real tokens, assignments and (``coactivation``) co-activation counts;
+    ``top_k=1``: each token's first-ranked expert only. Layers ``layers`` only (default: every layer present)."""
+    if top_k is not None and not _ordered(src):
+        raise MoetoolError(f"--top-k 1 on {src.path}: its ids are sorted by expert id (Megatron's router hook), the "
+                           f"first-ranked expert is unknown")
+    if coactivation == "adjacent" and not _ordered(src):
+        raise MoetoolError(f"--coactivation adjacent on {src.path}: its ids are sorted by expert id (Megatron's "
+                           f"router hook), neighbouring ranks are unknown; use --coactivation all")
+    if src.kind == "loads":
+        if top_k is not None or coactivation == "adjacent":
+            raise MoetoolError(f"{src.path} holds counts only: no per-token top-K for --top-k 1 or --coactivation "
+                               f"adjacent")
+        K = src.shape.top_k()
+        out = {}
+        for li, c in read_loads(src).items():
+            if layers is not None and li not in layers:
+                continue
+            total = int(c.sum())
+            if total % K:
+                raise MoetoolError(f"{src.path}: layer {li} counts {total} assignments, not a multiple of top-{K}")
+            out[li] = LayerSums(len(c), K, total // K, torch.from_numpy(c.astype(np.float64)), None)
+        return out
+    cols = expert_columns(src)
+    sums: dict[int, dict[str, Any]] = {}
+    for df in read_batches(src, ["layer", *cols]):
+        for li, g in df.groupby("layer", sort=False):
+            li = int(li)
+            if layers is not None and li not in layers:
+                continue
+            if li not in src.shape.moe:
+                raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            n = src.shape.n_experts(li)
+            idx = torch.from_numpy(np.array(g[cols].to_numpy(dtype=np.int64)))  # [t, K], a writable copy
+            if top_k is not None:
+                idx = idx[:, :top_k]
+            if idx.numel() and (idx.min() < 0 or idx.max() >= n):
+                raise MoetoolError(f"--trace {src.path}: layer {li} has expert ids outside 0..{n - 1}")
+            valid = torch.ones(idx.shape[0], dtype=torch.bool)
+            s = sums.setdefault(li, {"tokens": 0, "assign": torch.zeros(n, dtype=torch.float64),
+                                     "co": torch.zeros(n, n, dtype=torch.float64) if coactivation else None,
+                                     "k": idx.shape[1]})
+            s["tokens"] += idx.shape[0]
+            s["assign"] += ops.one_hot_counts(idx, n, valid)
+            if coactivation:
+                s["co"] += coactivation_counts(idx, n, valid, coactivation)
+    if not sums:
+        raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
+    return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"])
+            for li, s in sorted(sums.items())}
+
+
+# ----- stats ------------------------------------------------------------------------------------------------------
+def stats_from_trace(src: TraceSource, options: Any) -> Result:
+    """``stats`` tables that need only the chosen experts: ``load.csv`` (layer, expert, load_fraction,
+    token_fraction, tokens), ``layers.csv`` (layer, n_experts, top_k, tokens, load_entropy[_norm], max_load_ratio)
+    and ``coactivation.csv`` (per-token traces), with the definitions of :mod:`.stats`; what they leave out is
+    listed in ``meta["left_out"]``. ``options``: :class:`.stats.StatsOptions` (``top_k``, ``coactivation``)."""
+    import pandas as pd
+
+    from .stats import DEFINITIONS, _coactivation_frame
+
+    if options.all_tokens:
+        raise MoetoolError("--all-tokens needs per-token token ids and a forward's tokenizer: not on --trace")
+    sums = trace_sums(src, top_k=options.top_k, coactivation=None if src.kind == "loads" else options.coactivation)
+    load, layers, co = [], [], []
+    for li, a in sums.items():
+        if a.tokens == 0:
+            raise MoetoolError(f"--trace {src.path}: layer {li} routed no token")
+        frac = a.assign / a.assign.sum()  # [n] sums to 1
+        load.append(pd.DataFrame({"layer": li, "expert": range(a.n), "load_fraction": frac.numpy(),
+                                  "token_fraction": (a.assign / a.tokens).numpy(), "tokens": a.assign.long().numpy()}))
+        ent = float(ops.entropy(frac))
+        layers.append({"layer": li, "n_experts": a.n, "top_k": a.k, "tokens": a.tokens, "load_entropy": ent,
+                       "load_entropy_norm": ent / math.log(a.n), "max_load_ratio": float(frac.max()) * a.n})
+        if a.co is not None:
+            co.append(_coactivation_frame(li, a.co))
+    tables = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers)}
+    if co:
+        tables["coactivation.csv"] = pd.concat(co, ignore_index=True)
+    left_out = {"router_prob, confidence_entropy, aux_loss": NO_PROBS,
+                "top_tokens, specialization, domain_load": "token ids and domains of a forward's data",
+                "cross_layer": "not computed from a trace",
+                "*_lo/*_hi": "the bootstrap resamples a forward's packed rows"}
+    if not co:
+        left_out["coactivation"] = "a counts-only dump has no per-token top-K"
+    defs = {k: v for k, v in DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
+                                                          "load_entropy", "max_load_ratio", "top_k", "coactivation")}
+    if src.kind == "loads":
+        defs["tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
+    summary = pd.DataFrame(layers)[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm",
+                                    "max_load_ratio"]].rename(columns={
+                                        "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
+                                        "max_load_ratio": "max load/uniform"}).round(4)
+    return Result("stats_trace", tables, options, meta=dict(trace=src.describe(), definitions=defs,
+                                                            left_out=left_out), summary=summary)
+
+
+# ----- placement --------------------------------------------------------------------------------------------------
+def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[str, Any]]:
+    """``placement`` tables from the trace's loads (every MoE layer of one n, or ``options.layers``): the same
+    placements and tables as :func:`.placement.placement` (no bootstrap: a trace has no packed rows), and
+    ``{"load", "layers", "n", "groups"}`` for an export."""
+    import pandas as pd
+
+    from .placement import DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
+
+    sums = trace_sums(src, coactivation=None, layers=options.layers)
+    idx = list(sums)
+    ns = {sums[li].n for li in idx}
+    if len(ns) != 1:
+        raise MoetoolError("the trace's MoE layers have different numbers of experts: choose layers of one n with "
+                           "--layers")
+    n = ns.pop()
+    K = sums[idx[0]].k
+    groups = options.groups or 1
+    if n % groups:
+        raise MoetoolError(f"--groups {groups} must divide the {n} experts")
+    gpu_counts = options.gpu_counts(n)
+    load = torch.stack([sums[li].assign for li in idx])  # [layers, n] float64
+    tokens = {sums[li].tokens for li in idx}
+    if len(tokens) != 1:
+        raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
+    n_tok = tokens.pop()
+    rows, overall_ci = [], {}
+    for G, R, method, phy2log, count in _placements(load, None, n, groups, gpu_counts, options):
+        layer_rows, overall_ci[(G, R, method)] = _evaluate(load, None, 0, idx, n, options, G, R, method, phy2log,
+                                                           count)
+        rows += layer_rows
+    df = pd.DataFrame(rows)
+    overall = _overall_table(df, overall_ci)
+    meta = dict(definitions=DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K, groups=groups,
+                eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
+                                 "ported in moetool.experiments.placement",
+                          policy="hierarchical" if groups % options.nodes == 0 else "global"),
+                left_out={"imbalance_lo/imbalance_hi": "the bootstrap resamples a forward's packed rows",
+                          "eplb_stale": "--reference-data / --reference-model need a forward"})
+    summary = overall[["gpus", "replicas", "method", "imbalance", "max_layer_imbalance"]].round(3)
+    res = Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
+                               "placement_loads.csv": _loads_table(idx, n, K, ("data", load, n_tok))},
+                 options, meta=meta, summary=summary)
+    return res, {"load": load, "layers": idx, "n": n, "groups": groups}
