@@ -65,7 +65,7 @@ def sglang_routed_response(experts: dict[int, np.ndarray], num_layers: int, seql
     T, K = next(iter(experts.values())).shape
     host = torch.zeros((T, num_layers, K), dtype=torch.int32)
     for layer_id, topk_ids in experts.items():
-        host[:, layer_id, :] = torch.from_numpy(topk_ids)
+        host[:, layer_id, :] = torch.from_numpy(np.array(topk_ids))
     routed = host[torch.arange(T)[: seqlen - 1]]
     b64 = base64.b64encode(routed.detach().cpu().contiguous().numpy().tobytes()).decode("utf-8")
     return {"text": "", "meta_info": {"id": "0", "finish_reason": {"type": "length"}, "routed_experts": b64}}
@@ -113,7 +113,7 @@ def sglang_per_token_record(forward_pass_id: int, experts: dict[int, np.ndarray]
     _topk_ids_of_layer = torch.zeros((num_layers, num_tokens, _TOP_K_NUM), dtype=torch.int32)
     _topk_ids_of_layer[...] = -1  # reset()
     for layer_idx, ids in experts.items():  # on_select_experts
-        topk_ids = to_physical(torch.from_numpy(ids), p2l, layer_idx)
+        topk_ids = to_physical(torch.tensor(ids), p2l, layer_idx)
         _topk_ids_of_layer[layer_idx, : topk_ids.shape[0], : topk_ids.shape[1]] = topk_ids
     metadata = dict(input_ids=list(input_ids), positions=list(positions), extend_seq_lens=[num_tokens],
                     forward_mode=1)
@@ -148,7 +148,7 @@ def megatron_records(step: int, experts: dict[int, np.ndarray], n_experts: int, 
     out = []
     for layer, ids in experts.items():
         second = torch.zeros(ids.shape[0], n_experts, dtype=torch.bool)
-        second.scatter_(1, torch.from_numpy(ids), True)
+        second.scatter_(1, torch.tensor(ids), True)
         topk = ids.shape[1]
         num_tokens = second.shape[0]
         _, expert_idx = second.nonzero(as_tuple=True)

@@ -113,7 +113,7 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
 
     if options.all_tokens:
         raise MoetoolError("--all-tokens needs per-token token ids and a forward's tokenizer: not on --trace")
-    sums = trace_sums(src, top_k=options.top_k, coactivation=None if src.kind == "loads" else options.coactivation)
+    sums = trace_sums(src, top_k=options.top_k, coactivation=options.coactivation)  # counts: no co-activation
     load, layers, co = [], [], []
     for li, a in sums.items():
         if a.tokens == 0:
