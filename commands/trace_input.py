@@ -68,6 +68,23 @@ def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, 
     echo_run(run.path)
 
 
+def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: Optional[int], out: Any,
+                     force: bool) -> None:
+    from moetool.experiments.trace_analyses import offload_from_trace
+    from moetool.report.console import print_table
+    from moetool.traces.store import open_trace
+
+    from .options import write_result
+
+    res = offload_from_trace(open_trace(trace, config), opts, max_tokens)
+    run = _run("offload", out, force)
+    write_result(res, run, options={"trace": str(trace), "trace_config": config, "max_tokens": max_tokens})
+    for what, why in res.meta["left_out"].items():
+        typer.echo(f"left out: {what} ({why})")
+    print_table(res.summary, f"expert cache hit rate: {trace}", csv="offload_cache.csv")
+    echo_run(run.path)
+
+
 def write_export_file(run: Any, export: str, loads: dict[str, Any], opts: Any, shape: Any) -> None:
     """``--export sglang|eplb``: EPLB's placement of the loads at the one ``--gpus`` G and ``--extra-slots`` given
     (R = slots x G), in the file the engine loads (:mod:`moetool.traces.export`)."""

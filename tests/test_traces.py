@@ -42,6 +42,7 @@ def captured(tmp_path_factory):
     """The embedded model's routing captured by moetool (trace), the forward's own stats and placement tables, and
     that routing written in every engine's format."""
     import moetool
+    from moetool.experiments.offload import OffloadOptions, offload
     from moetool.experiments.placement import placement
     from moetool.experiments.stats import stats
     from moetool.experiments.trace import trace
@@ -51,6 +52,7 @@ def captured(tmp_path_factory):
     tr = trace(lm, toks, quiet=True)["trace"]
     st = stats(lm, toks, StatsOptions(top_tokens=0, specialization=False, bootstrap=0), quiet=True)
     pl = placement(lm, toks, PlacementOptions(gpus=(2, 4), extra_slots=(0, 1), bootstrap=0), quiet=True)
+    off = offload(lm, toks, OffloadOptions(bootstrap=0), quiet=True)
     shape = ModelShape.from_config("tiny")
     K, n, L = shape.top_k(), 8, shape.num_layers
     cols = [f"expert_{k + 1}" for k in range(K)]
@@ -90,7 +92,7 @@ def captured(tmp_path_factory):
     for step, (ex, _) in enumerate(requests):
         ew.megatron_flush(root / "mcore" / "router_trace_rank0.jsonl", ew.megatron_records(step, ex, n))
     files["megatron"] = [root / "mcore"]
-    return dict(trace=tr, stats=st, placement=pl, shape=shape, files=files, root=root, requests=requests, p2l=p2l,
+    return dict(trace=tr, stats=st, placement=pl, offload=off, shape=shape, files=files, root=root, requests=requests, p2l=p2l,
                 cols=cols)
 
 
@@ -179,6 +181,25 @@ def test_placement_tables_equal_forward(captured, imported, fmt):
     for name in ("placement", "placement_overall", "placement_loads"):
         cols = [c for c in ref[name].columns if not c.endswith(("_lo", "_hi"))]
         _same(res[name], ref[name], cols)
+
+
+@pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-per-token"))
+def test_offload_tables_equal_forward(captured, imported, fmt):
+    """Coverage, per-layer shares and every cache policy's hits on the trace's token stream equal the forward's
+    (Megatron's sorted ids: a token's K requests are served together, so their order does not change a hit)."""
+    from moetool.experiments.offload import OffloadOptions
+    from moetool.experiments.trace_analyses import offload_from_trace
+
+    res = offload_from_trace(open_trace(imported[fmt]), OffloadOptions(bootstrap=0), None)
+    ref = captured["offload"]
+    assert set(res.tables) == {"offload_coverage.csv", "offload_layers.csv", "offload_cache.csv"}
+    for name in ("offload_coverage", "offload_layers", "offload_cache"):
+        cols = [c for c in ref[name].columns if c not in ("expert_bytes", "bytes_per_token")
+                and not c.endswith(("_lo", "_hi"))]
+        assert "bytes_per_token" not in res[name].columns and "expert_bytes" not in res[name].columns
+        _same(res[name], ref[name], cols)
+    few = offload_from_trace(open_trace(imported[fmt]), OffloadOptions(bootstrap=0), 40)
+    assert (few["offload_layers"]["tokens"] == 40).all()
 
 
 @pytest.mark.parametrize("kind", ("sglang", "eplb"))

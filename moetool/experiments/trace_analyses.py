@@ -191,3 +191,87 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
                                "placement_loads.csv": _loads_table(idx, n, K, ("data", load, n_tok))},
                  options, meta=meta, summary=summary)
     return res, {"load": load, "layers": idx, "n": n, "groups": groups}
+
+
+# ----- offload ----------------------------------------------------------------------------------------------------
+class TraceStream:
+    """A trace's token stream in the shape :func:`.offload.offload_tables` reads from its collector: per layer the
+    requests ``[T, K]`` in (row, position) order, the row of each token, the first request and the count of each
+    expert; no next-layer prediction (that needs the hidden states of a forward)."""
+
+    def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int]):
+        from ..uncertainty import RowSums
+
+        self.merged: dict[Any, np.ndarray] = {"rows": rows, **requests}
+        self.first, self.counts = {}, {}
+        for i, req in requests.items():
+            T = req.shape[0]
+            first = np.full(n[i], np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(first, req.reshape(-1), np.repeat(np.arange(T), req.shape[1]))
+            self.first[i] = torch.from_numpy(first)
+            self.counts[i] = ops.one_hot_counts(torch.from_numpy(req), n[i])
+        self.pred = RowSums()
+
+    def requests(self, i: int) -> np.ndarray:
+        return self.merged[i]
+
+    def token_rows(self) -> np.ndarray:
+        return self.merged["rows"]
+
+
+def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: int | None) -> TraceStream:
+    """The trace's first ``max_tokens`` tokens of every MoE layer in (row, position) order, read streamed (the
+    file holds each layer's tokens in that order: ``moetool trace`` and ``import-trace`` write them so)."""
+    if src.kind == "loads":
+        raise MoetoolError(f"{src.path} holds counts only: the cache simulation needs each token's experts in order")
+    cols = expert_columns(src)
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    taken: dict[int, int] = {}
+    last: dict[int, tuple[int, int]] = {}
+    for df in read_batches(src, ["row", "pos", "layer", *cols]):
+        for li, g in df.groupby("layer", sort=False):
+            li = int(li)
+            if (layers is not None and li not in layers) or (max_tokens and taken.get(li, 0) >= max_tokens):
+                continue
+            if li not in src.shape.moe:
+                raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            if max_tokens:
+                g = g.iloc[: max_tokens - taken.get(li, 0)]
+            key = g["row"].to_numpy() * (1 << 32) + g["pos"].to_numpy()
+            if (np.diff(key) < 0).any() or (li in last and key[0] < last[li][0] * (1 << 32) + last[li][1]):
+                raise MoetoolError(f"--trace {src.path}: layer {li}'s tokens are not in (row, position) order")
+            last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
+            parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64)))
+            taken[li] = taken.get(li, 0) + len(g)
+        if max_tokens and parts and all(taken.get(li, 0) >= max_tokens for li in (layers or src.shape.moe_layers)):
+            break
+    if not parts:
+        raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
+    keys = {li: np.concatenate([p[1] for p in ps]) for li, ps in parts.items()}
+    first = next(iter(keys.values()))
+    if any(len(k) != len(first) or (k != first).any() for k in keys.values()):
+        raise MoetoolError(f"--trace {src.path}: the MoE layers routed different tokens")
+    rows = np.concatenate([p[0] for p in next(iter(parts.values()))])
+    _, rows = np.unique(rows, return_inverse=True)  # packed-row numbers 0.. in order (the bootstrap's units)
+    reqs = {li: np.concatenate([p[2] for p in ps]) for li, ps in sorted(parts.items())}
+    return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs})
+
+
+def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -> Result:
+    """``offload``'s coverage, per-layer and cache tables on the trace's first ``max_tokens`` tokens; expert bytes
+    (the serving precision) and the next-layer prediction (hidden states) are left out."""
+    from types import SimpleNamespace
+
+    from .offload import offload_tables
+
+    stream = token_stream(src, options.layers, max_tokens)
+    layers = [SimpleNamespace(index=li, n_experts=src.shape.n_experts(li), top_k=stream.requests(li).shape[1])
+              for li in sorted(k for k in stream.merged if k != "rows")]
+    res = offload_tables(stream, layers, options, {"trace": str(src.path), "tokens": int(len(stream.token_rows()))},
+                         None)
+    res.tables.pop("offload_prefetch.csv")
+    res.name = "offload_trace"
+    res.meta.update(trace=src.describe(), left_out={
+        "offload_prefetch": "the next-layer prediction needs a forward's hidden states",
+        "expert_bytes, bytes_per_token": "an expert's bytes depend on the serving precision, not in a trace"})
+    return res
