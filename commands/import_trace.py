@@ -49,39 +49,17 @@ def import_trace(sources: List[Path] = typer.Argument(..., help="Dump files or f
                  config: str = typer.Option(..., "--config", help="The model whose routing was recorded: a name or "
                                                                   "a folder with its config.json (no weights read)."),
                  out: Out = None, force: Force = False) -> None:
-    import shutil
-    import tempfile
+    import json
 
-    from moetool import __version__
-    from moetool.report.rundir import RunDir
-    from moetool.traces import readers, store
-    from moetool.traces.shape import ModelShape
+    from moetool.api import import_trace as run_import
 
-    shape = ModelShape.from_config(config)
-    if not shape.moe:
-        from moetool.errors import MoetoolError
-
-        raise MoetoolError(f"--config {config}: no MoE layer")
-    dump = readers.read(list(sources), shape, fmt)
-    run = RunDir.create("import-trace", out, force)  # validated now; the folder is made only after a clean read
-    with tempfile.TemporaryDirectory(prefix="moetool-import-") as tmp:  # nothing written if the dump is bad
-        if dump.counts is not None:
-            name, kind = store.LOADS, "loads"
-            written = store.write_loads(dump.counts, Path(tmp) / name)
-        else:
-            name, kind = store.TRACE, "trace"
-            written = store.write_trace(dump.chunks, shape, Path(tmp) / name)
-        with run.atomic(name) as dst:
-            shutil.move(str(Path(tmp) / name), dst)
-    run.add(routing_source={"format": dump.format, "kind": kind, "files": dump.sources, "ids": dump.ids,
-                            "order": dump.order, "weights": "none (the engine records expert ids only)",
-                            "read_as": readers.SOURCES[dump.format], "moetool_version": __version__,
-                            "notes": dump.notes, "shape": shape.to_manifest(), **written})
-    run.finish(options={"sources": [str(s) for s in sources], "format": fmt, "config": config})
-    for note in dump.notes:
+    path = run_import(sources, config, out, format=fmt, force=force)
+    rs = json.loads((path.parent / "manifest.json").read_text())["routing_source"]
+    for note in rs["notes"]:
         typer.echo(f"note: {note}")
-    typer.echo(f"{dump.format}: " + ", ".join(f"{v:,} {k}" for k, v in written.items()))
-    echo_run(run.path / name)
+    counted = {k: rs[k] for k in ("tokens", "rows", "requests", "assignments") if k in rs}
+    typer.echo(f"{rs['format']}: " + ", ".join(f"{v:,} {k}" for k, v in counted.items()))
+    echo_run(path)
 
 
 def register(app: typer.Typer) -> None:

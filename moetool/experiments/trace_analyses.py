@@ -30,7 +30,8 @@ from .result import Result
 from .specialization import coactivation_counts
 
 #: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
-NO_PROBS = "the router's probabilities: an engine's dump records the chosen expert ids only"
+NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "
+            "only)")
 
 
 @dataclass
