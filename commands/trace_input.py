@@ -85,6 +85,26 @@ def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: 
     echo_run(run.path)
 
 
+def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: str, bootstrap: int, seed: int,
+                          max_tokens: Optional[int], out: Any, force: bool) -> None:
+    from moetool.experiments.fluctuation import FluctuationOptions
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+    from moetool.report.console import print_table
+    from moetool.traces.store import open_trace
+
+    from .options import write_result
+
+    opts = FluctuationOptions(routing=("router",), reference=reference, bootstrap=bootstrap, seed=seed)
+    res = fluctuation_from_traces([open_trace(t, config) for t in traces], [str(t) for t in traces], opts, max_tokens)
+    run = _run("fluctuation", out, force)
+    write_result(res, run, options={"traces": [str(t) for t in traces], "trace_config": config,
+                                    "max_tokens": max_tokens})
+    for what, why in res.meta["left_out"].items():
+        typer.echo(f"left out: {what} ({why})")
+    print_table(res.summary, "routing change between recorded routings (mean over layers)", csv="fluctuation.csv")
+    echo_run(run.path)
+
+
 def write_export_file(run: Any, export: str, loads: dict[str, Any], opts: Any, shape: Any) -> None:
     """``--export sglang|eplb``: EPLB's placement of the loads at the one ``--gpus`` G and ``--extra-slots`` given
     (R = slots x G), in the file the engine loads (:mod:`moetool.traces.export`)."""

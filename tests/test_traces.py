@@ -37,6 +37,15 @@ PER_TOKEN = ("vllm", "vllm-npy", "sglang-routed", "sglang-per-token", "megatron"
 COUNTS = ("sglang-stat", "sglang-per-pass")
 
 
+def _requests(tr: pd.DataFrame, cols: list[str]) -> list[tuple[dict[int, np.ndarray], list[int]]]:
+    """Per packed row of a captured trace: the experts per layer ``[T, K]`` and the token ids ``[T]``."""
+    out = []
+    for _, g in tr.groupby("row", sort=True):
+        experts = {int(li): gg.sort_values("pos")[cols].to_numpy() for li, gg in g.groupby("layer")}
+        out.append((experts, g[g.layer == g.layer.min()].sort_values("pos").token_id.tolist()))
+    return out
+
+
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     """The embedded model's routing captured by moetool (trace), the forward's own stats and placement tables, and
@@ -56,11 +65,7 @@ def captured(tmp_path_factory):
     shape = ModelShape.from_config("tiny")
     K, n, L = shape.top_k(), 8, shape.num_layers
     cols = [f"expert_{k + 1}" for k in range(K)]
-    requests = []  # per packed row: experts per layer [T, K], token ids [T]
-    for _, g in tr.groupby("row", sort=True):
-        experts = {int(li): gg.sort_values("pos")[cols].to_numpy() for li, gg in g.groupby("layer")}
-        ids = g[g.layer == g.layer.min()].sort_values("pos").token_id.tolist()
-        requests.append((experts, ids))
+    requests = _requests(tr, cols)
     root = tmp_path_factory.mktemp("dumps")
     files: dict[str, list[Path]] = {}
     # vLLM: OpenAI responses (T + 1 tokens: T forwarded), and bare .npy files of RequestOutput's array
@@ -92,7 +97,7 @@ def captured(tmp_path_factory):
     for step, (ex, _) in enumerate(requests):
         ew.megatron_flush(root / "mcore" / "router_trace_rank0.jsonl", ew.megatron_records(step, ex, n))
     files["megatron"] = [root / "mcore"]
-    return dict(trace=tr, stats=st, placement=pl, offload=off, shape=shape, files=files, root=root, requests=requests, p2l=p2l,
+    return dict(lm=lm, tokens=toks, trace=tr, stats=st, placement=pl, offload=off, shape=shape, files=files, root=root, requests=requests, p2l=p2l,
                 cols=cols)
 
 
@@ -200,6 +205,38 @@ def test_offload_tables_equal_forward(captured, imported, fmt):
         _same(res[name], ref[name], cols)
     few = offload_from_trace(open_trace(imported[fmt]), OffloadOptions(bootstrap=0), 40)
     assert (few["offload_layers"]["tokens"] == 40).all()
+
+
+def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path):
+    """Two recorded routings of the same tokens (tiny-early and tiny): with gate weights (moetool trace) every rate
+    of the forward's fluctuation for the router; from engine dumps (vLLM) the set rates, top1_change left out."""
+    import moetool
+    from moetool.experiments.fluctuation import FluctuationOptions, fluctuation
+    from moetool.experiments.trace import trace
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    early = moetool.load("tiny-early")
+    toks = captured["tokens"]
+    tr_early = trace(early, toks, quiet=True)["trace"]
+    opts = FluctuationOptions(routing=("router",), bootstrap=0)
+    ref = fluctuation([early, captured["lm"]], toks, opts, quiet=True)["fluctuation"].sort_values("layer")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    tr_early.to_parquet(tmp_path / "a" / "trace.parquet", index=False)
+    captured["trace"].to_parquet(tmp_path / "b" / "trace.parquet", index=False)
+    rates = ["topk_change", "topk_overlap", "jaccard"]
+    got = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], opts, None)["fluctuation"]
+    _same(got, ref, ["layer", "tokens", "top1_change", *rates])
+    # the same routing through vLLM's format: ids only
+    lines = [json.dumps(ew.vllm_response(ew.vllm_routed_experts(ex, 4, 8), ids, [ids[0]]))
+             for ex, ids in _requests(tr_early, captured["cols"])]
+    (tmp_path / "early.jsonl").write_text("\n".join(lines) + "\n")
+    assert import_cli([tmp_path / "early.jsonl"], tmp_path / "early").exit_code == 0
+    got = fluctuation_from_traces([open_trace(tmp_path / "early"), open_trace(imported["vllm"])], ["a", "b"], opts,
+                                  None)
+    assert "top1_change" not in got["fluctuation"].columns and "top1_change" in got.meta["left_out"]
+    _same(got["fluctuation"], ref, ["layer", "tokens", *rates])
 
 
 @pytest.mark.parametrize("kind", ("sglang", "eplb"))

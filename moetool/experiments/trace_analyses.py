@@ -200,9 +200,12 @@ class TraceStream:
     requests ``[T, K]`` in (row, position) order, the row of each token, the first request and the count of each
     expert; no next-layer prediction (that needs the hidden states of a forward)."""
 
-    def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int]):
+    def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int],
+                 keys: np.ndarray | None = None, weights: dict[int, np.ndarray] | None = None):
         from ..uncertainty import RowSums
 
+        self.keys = keys  # [T] (row, position) of each token, for aligning two traces
+        self.weights = weights  # per layer [T, K] gate weights (a trace of moetool trace), else None
         self.merged: dict[Any, np.ndarray] = {"rows": rows, **requests}
         self.first, self.counts = {}, {}
         for i, req in requests.items():
@@ -220,16 +223,18 @@ class TraceStream:
         return self.merged["rows"]
 
 
-def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: int | None) -> TraceStream:
+def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: int | None,
+                 weights: bool = False) -> TraceStream:
     """The trace's first ``max_tokens`` tokens of every MoE layer in (row, position) order, read streamed (the
     file holds each layer's tokens in that order: ``moetool trace`` and ``import-trace`` write them so)."""
     if src.kind == "loads":
         raise MoetoolError(f"{src.path} holds counts only: the cache simulation needs each token's experts in order")
     cols = expert_columns(src)
-    parts: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    wcols = [c.replace("expert_", "weight_") for c in cols] if weights and src.weights else []
+    parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
     taken: dict[int, int] = {}
     last: dict[int, tuple[int, int]] = {}
-    for df in read_batches(src, ["row", "pos", "layer", *cols]):
+    for df in read_batches(src, ["row", "pos", "layer", *cols, *wcols]):
         for li, g in df.groupby("layer", sort=False):
             li = int(li)
             if (layers is not None and li not in layers) or (max_tokens and taken.get(li, 0) >= max_tokens):
@@ -242,7 +247,8 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
             if (np.diff(key) < 0).any() or (li in last and key[0] < last[li][0] * (1 << 32) + last[li][1]):
                 raise MoetoolError(f"--trace {src.path}: layer {li}'s tokens are not in (row, position) order")
             last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
-            parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64)))
+            parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64),
+                                             g[wcols].to_numpy(dtype=np.float64) if wcols else None))
             taken[li] = taken.get(li, 0) + len(g)
         if max_tokens and parts and all(taken.get(li, 0) >= max_tokens for li in (layers or src.shape.moe_layers)):
             break
@@ -255,7 +261,8 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     rows = np.concatenate([p[0] for p in next(iter(parts.values()))])
     _, rows = np.unique(rows, return_inverse=True)  # packed-row numbers 0.. in order (the bootstrap's units)
     reqs = {li: np.concatenate([p[2] for p in ps]) for li, ps in sorted(parts.items())}
-    return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs})
+    w = {li: np.concatenate([p[3] for p in ps]) for li, ps in sorted(parts.items())} if wcols else None
+    return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs}, first, w)
 
 
 def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -> Result:
@@ -276,3 +283,57 @@ def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -
         "offload_prefetch": "the next-layer prediction needs a forward's hidden states",
         "expert_bytes, bytes_per_token": "an expert's bytes depend on the serving precision, not in a trace"})
     return res
+
+
+# ----- fluctuation ------------------------------------------------------------------------------------------------
+def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: Any,
+                            max_tokens: int | None) -> Result:
+    """``fluctuation`` between recorded routings of the same tokens (the traces' (row, position) must agree, and
+    their token ids where both have them), e.g. a model's routing at two training steps: per pair and layer the
+    top-K change, overlap and Jaccard of :func:`.fluctuation.compare` with its bootstrap intervals; top1_change only
+    when every trace has gate weights (``moetool trace``: the top-1 is the largest weight; an engine's dump has no
+    weights), entropies never (they need the router's probabilities)."""
+    import pandas as pd
+
+    from .fluctuation import RATES, Routing, compare_with_intervals, pairs
+
+    streams = [token_stream(src, None, max_tokens, weights=True) for src in srcs]
+    layers = sorted(k for k in streams[0].merged if k != "rows")
+    for name, st in zip(names[1:], streams[1:]):
+        if sorted(k for k in st.merged if k != "rows") != layers or not np.array_equal(st.keys, streams[0].keys):
+            raise MoetoolError(f"--trace {name}: not the same tokens (rows, positions, MoE layers) as {names[0]}")
+    top1 = all(st.weights is not None for st in streams)
+    routings = []
+    for st in streams:
+        r = Routing(layers)
+        per = []
+        for li in layers:
+            req = torch.from_numpy(st.requests(li))  # [T, K]
+            best = (req.gather(1, torch.from_numpy(st.weights[li]).argmax(1, keepdim=True)) if top1
+                    else torch.full((req.shape[0], 1), -1, dtype=torch.int64))  # no top-1: its column is dropped
+            per.append(torch.cat([req, best], 1))
+        r.spill.append(torch.stack(per).to(torch.int32))  # [L, T, K + 1], one batch
+        r.spill.append(torch.from_numpy(st.token_rows()).to(torch.int32))
+        r.tokens = int(len(st.token_rows()))
+        routings.append(r)
+    rows = []
+    for i, j in pairs(names, options.reference):
+        res = compare_with_intervals(routings[i], routings[j], options.bootstrap, options.seed)
+        for li in layers:
+            row = {"layer": li, "routing": "recorded", "reference": names[i], "checkpoint": names[j],
+                   "tokens": res[li]["tokens"]}
+            for rate in RATES:
+                if rate == "top1_change" and not top1:
+                    continue
+                row.update({c: res[li][c] for c in (rate, f"{rate}_lo", f"{rate}_hi")})
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    left_out = {"entropy_ref, entropy_ckpt, entropy_ratio": NO_PROBS,
+                "isolated rows": "--isolate feeds one checkpoint's inputs to another's routers: a forward"}
+    if not top1:
+        left_out["top1_change"] = "the top-1 is the chosen expert of largest weight: an engine's dump has no weights"
+    summary = df.groupby(["reference", "checkpoint"], sort=False)[
+        [c for c in ("top1_change", "topk_change", "jaccard") if c in df]].mean().reset_index().round(4)
+    return Result("fluctuation_trace", {"fluctuation.csv": df}, options,
+                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out), summary=summary)
+
