@@ -124,7 +124,6 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     import shutil
     import tempfile
 
-    from . import __version__
     from .errors import MoetoolError
     from .report import RunDir
     from .traces import readers, store
@@ -147,8 +146,9 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
             shutil.move(str(Path(tmp) / name), dst)
     run.add(routing_source={"format": dump.format, "kind": kind, "files": dump.sources, "ids": dump.ids,
                             "order": dump.order, "weights": "none (the engine records expert ids only)",
-                            "read_as": readers.SOURCES[dump.format], "moetool_version": __version__,
-                            "notes": dump.notes, "shape": shape.to_manifest(), **written})
+                            "read_as": readers.SOURCES[dump.format],
+                            "engine_version": dump.describe_version(), "notes": dump.notes,
+                            "shape": shape.to_manifest(), **written})
     run.finish(options={"sources": sources, "format": format, "config": config})
     return run.path / name
 

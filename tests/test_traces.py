@@ -97,7 +97,8 @@ def captured(tmp_path_factory):
     for step, (ex, _) in enumerate(requests):
         ew.megatron_flush(root / "mcore" / "router_trace_rank0.jsonl", ew.megatron_records(step, ex, n))
     files["megatron"] = [root / "mcore"]
-    return dict(lm=lm, tokens=toks, trace=tr, stats=st, placement=pl, offload=off, shape=shape, files=files, root=root, requests=requests, p2l=p2l,
+    return dict(lm=lm, tokens=toks, trace=tr, stats=st, placement=pl, offload=off, shape=shape, files=files,
+                root=root, requests=requests, p2l=p2l,
                 cols=cols)
 
 
@@ -127,6 +128,20 @@ def test_sniffed(captured, fmt):
     assert readers.resolve_format(files, None) == EXPECTED_FORMAT[fmt]
 
 
+def test_megatron_folder_sidecars_ignored(captured, tmp_path):
+    """A Megatron trace folder also holds router_state_rank*.pt (--dump-router-weights) and bf16 sidecars: they are
+    no routing dump; the folder is read as the trace alone."""
+    import shutil
+
+    shutil.copytree(captured["files"]["megatron"][0], tmp_path / "t")
+    torch.save({"weight": torch.zeros(2, 2)}, tmp_path / "t" / "router_state_rank0.pt")
+    (tmp_path / "t" / "logits_rank0.bin").write_bytes(b"\0" * 8)
+    files = readers.expand([tmp_path / "t"])
+    assert [f.name for f in files] == ["router_trace_rank0.jsonl"]
+    dump = readers.read([tmp_path / "t"], captured["shape"])
+    assert dump.format == "megatron" and any("logits sidecar" in n for n in dump.notes)
+
+
 @pytest.mark.parametrize("fmt", PER_TOKEN)
 def test_trace_rows_read_back(captured, imported, fmt):
     """Every (row, position, layer) of the captured routing, with its experts (Megatron: as a set, its hook sorts
@@ -149,6 +164,7 @@ def test_trace_rows_read_back(captured, imported, fmt):
     assert b[[f"weight_{k + 1}" for k in range(len(cols))]].isna().all().all()  # no gate weights recorded
     man = json.loads((imported[fmt] / "manifest.json").read_text())["routing_source"]
     assert man["format"] == EXPECTED_FORMAT[fmt] and man["tokens"] == len(a) // 4
+    assert ("uint8" in man["engine_version"]) == fmt.startswith("vllm")  # 8 experts: vLLM's narrow ids
 
 
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:

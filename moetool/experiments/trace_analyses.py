@@ -26,8 +26,13 @@ import torch
 from .. import ops
 from ..errors import MoetoolError
 from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
+from ..uncertainty import RowSums
+from .fluctuation import RATES, Routing, compare_with_intervals, pairs
+from .offload import offload_tables
+from .placement import DEFINITIONS as PLACEMENT_DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
 from .result import Result
 from .specialization import coactivation_counts
+from .stats import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame
 
 #: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
 NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "
@@ -110,7 +115,6 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
     listed in ``meta["left_out"]``. ``options``: :class:`.stats.StatsOptions` (``top_k``, ``coactivation``)."""
     import pandas as pd
 
-    from .stats import DEFINITIONS, _coactivation_frame
 
     if options.all_tokens:
         raise MoetoolError("--all-tokens needs per-token token ids and a forward's tokenizer: not on --trace")
@@ -136,7 +140,7 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                 "*_lo/*_hi": "the bootstrap resamples a forward's packed rows"}
     if not co:
         left_out["coactivation"] = "a counts-only dump has no per-token top-K"
-    defs = {k: v for k, v in DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
+    defs = {k: v for k, v in STATS_DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
                                                           "load_entropy", "max_load_ratio", "top_k", "coactivation")}
     if src.kind == "loads":
         defs["tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
@@ -155,7 +159,6 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     ``{"load", "layers", "n", "groups"}`` for an export."""
     import pandas as pd
 
-    from .placement import DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
 
     sums = trace_sums(src, coactivation=None, layers=options.layers)
     idx = list(sums)
@@ -181,7 +184,8 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
         rows += layer_rows
     df = pd.DataFrame(rows)
     overall = _overall_table(df, overall_ci)
-    meta = dict(definitions=DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K, groups=groups,
+    meta = dict(definitions=PLACEMENT_DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K,
+                groups=groups,
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
                                  "ported in moetool.experiments.placement",
                           policy="hierarchical" if groups % options.nodes == 0 else "global"),
@@ -202,7 +206,6 @@ class TraceStream:
 
     def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int],
                  keys: np.ndarray | None = None, weights: dict[int, np.ndarray] | None = None):
-        from ..uncertainty import RowSums
 
         self.keys = keys  # [T] (row, position) of each token, for aligning two traces
         self.weights = weights  # per layer [T, K] gate weights (a trace of moetool trace), else None
@@ -270,7 +273,6 @@ def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -
     (the serving precision) and the next-layer prediction (hidden states) are left out."""
     from types import SimpleNamespace
 
-    from .offload import offload_tables
 
     stream = token_stream(src, options.layers, max_tokens)
     layers = [SimpleNamespace(index=li, n_experts=src.shape.n_experts(li), top_k=stream.requests(li).shape[1])
@@ -295,7 +297,6 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     weights), entropies never (they need the router's probabilities)."""
     import pandas as pd
 
-    from .fluctuation import RATES, Routing, compare_with_intervals, pairs
 
     streams = [token_stream(src, None, max_tokens, weights=True) for src in srcs]
     layers = sorted(k for k in streams[0].merged if k != "rows")

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from ..errors import MoetoolError
+from ..experiments.placement import rebalance_experts
+from .readers import load_pt
 from .shape import ModelShape
 
 EXPORTS = ("sglang", "eplb")
@@ -46,8 +48,6 @@ def log2phy_map(phy2log: torch.Tensor, phyrank: torch.Tensor, logcnt: torch.Tens
 def eplb_placement(load: torch.Tensor, gpus: int, replicas: int, groups: int, nodes: int) -> dict[str, torch.Tensor]:
     """EPLB (moetool's port, :func:`moetool.experiments.placement.rebalance_experts`) on ``load [L, n]`` with
     ``n + replicas`` slots over ``gpus``: ``phy2log``, ``phyrank``, ``logcnt``, ``log2phy``."""
-    from ..experiments.placement import rebalance_experts
-
     n = load.shape[1]
     phy2log, phyrank, logcnt = rebalance_experts(load, n + replicas, groups, nodes, gpus)
     return {"phy2log": phy2log, "phyrank": phyrank, "logcnt": logcnt, "log2phy": log2phy_map(phy2log, phyrank, logcnt)}
@@ -77,14 +77,13 @@ def read_sglang_location(path: Path, num_logical_experts: int) -> dict[str, torc
     """An ``--init-expert-location`` file as SGLang reads it (``.pt`` with ``weights_only=True``, ``.json``):
     ``physical_to_logical_map [L, P]`` and ``logical_to_all_physical_map [L, n, X]`` (-1 padded), computed as its
     ``_compute_logical_to_all_physical_map`` does; a map naming an expert outside n is one line."""
-    from .readers import load_pt
-
     data = load_pt(path) if path.suffix == ".pt" else json.loads(path.read_text())
     if "physical_to_logical_map" not in data:
         raise MoetoolError(f"{path}: no physical_to_logical_map")
     p2l = torch.as_tensor(data["physical_to_logical_map"], dtype=torch.int64)
     if p2l.ndim != 2 or p2l.min() < 0 or p2l.max() >= num_logical_experts:
-        raise MoetoolError(f"{path}: physical_to_logical_map must be [layers, slots] ids in 0..{num_logical_experts - 1}")
+        raise MoetoolError(f"{path}: physical_to_logical_map must be [layers, slots] ids in "
+                           f"0..{num_logical_experts - 1}")
     L, P = p2l.shape
     l2p: list[list[list[int]]] = [[[] for _ in range(num_logical_experts)] for _ in range(L)]
     for layer_id in range(L):

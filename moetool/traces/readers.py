@@ -55,6 +55,8 @@ SOURCES = {
 }
 
 NPY_MAGIC = b"\x93NUMPY"
+#: files beside Megatron's router traces in their folder that are no routing dump (router weights, sidecars)
+MEGATRON_SIDECARS = ("router_state_rank", "hidden_states_rank", "logits_rank")
 
 
 @dataclass
@@ -88,6 +90,11 @@ class Dump:
     notes: list[str] = field(default_factory=list)
     chunks: Iterator[Chunk] | None = None
     counts: Counts | None = None
+    seen: set[str] = field(default_factory=set)  # what the files revealed of the engine's version (filled as read)
+
+    def describe_version(self) -> str:
+        """What the dump says of the engine's version, after it was read (the manifest's ``engine_version``)."""
+        return "; ".join(sorted(self.seen)) or "not recorded in the dump"
 
 
 # ----- sniffing ---------------------------------------------------------------------------------------------
@@ -97,7 +104,8 @@ def expand(paths: list[str | Path]) -> list[Path]:
     for p in map(Path, paths):
         if p.is_dir():
             found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".jsonl", ".json", ".pt", ".npy",
-                                                                                   ".csv"))
+                                                                                   ".csv")
+                           and not f.name.startswith(MEGATRON_SIDECARS))
             if not found:
                 raise MoetoolError(f"{p}: no .jsonl, .pt, .npy or .csv dump files in the folder")
             out += found
@@ -277,7 +285,7 @@ def _vllm_requests(obj: Any, where: str) -> Iterator[tuple[Any, Any, str]]:
         yield ch["routed_experts"], ids, f"{where} choice {j}"
 
 
-def read_vllm(files: list[Path], shape: ModelShape) -> Iterator[Chunk]:
+def read_vllm(files: list[Path], shape: ModelShape, seen: set[str] | None = None) -> Iterator[Chunk]:
     row = 0
     for path in files:
         if path.suffix.lower() == ".npy":
@@ -286,6 +294,10 @@ def read_vllm(files: list[Path], shape: ModelShape) -> Iterator[Chunk]:
             items = (r for i, obj in _jsonl(path) for r in _vllm_requests(obj, f"{path}:{i}"))
         for payload, ids, where in items:
             arr = load_npy(payload if isinstance(payload, Path) else _b64(payload, where), where)
+            if seen is not None:
+                seen.add(f"routed_experts dtype {arr.dtype} ("
+                         + ("uint8/uint16: vLLM's narrow ids, v0.33 and later" if arr.dtype.kind == "u"
+                            else "signed: vLLM before v0.33") + ")")
             experts = split_layers(arr, shape, where)
             T = arr.shape[0]
             yield Chunk(np.full(T, row, dtype=np.int64), np.arange(T, dtype=np.int64), _token_ids(ids, T, where),
@@ -317,7 +329,7 @@ def _sglang_requests(obj: Any, where: str) -> Iterator[tuple[Any, str | None, An
         yield ext["routed_experts"], ext.get("routed_experts_dtype"), None, f"{where} choice {j}"
 
 
-def read_sglang_routed(files: list[Path], shape: ModelShape) -> Iterator[Chunk]:
+def read_sglang_routed(files: list[Path], shape: ModelShape, seen: set[str] | None = None) -> Iterator[Chunk]:
     L, K = shape.num_layers, shape.top_k()
     row = 0
     for path in files:
@@ -332,6 +344,9 @@ def read_sglang_routed(files: list[Path], shape: ModelShape) -> Iterator[Chunk]:
                     raise MoetoolError(f"{where}: {len(raw)} bytes are no whole number of {dt.name} rows of "
                                        f"{L} layers x top-{K} (--config {shape.source}): another model, or truncated")
                 arr = np.frombuffer(raw, dtype=dt).reshape(-1, L, K)  # sglang's reshape from the config
+                if seen is not None:
+                    seen.add(f"routed_experts {dt.name}" + (" (routed_experts_dtype given)" if dtype else
+                                                            " (no routed_experts_dtype: int32, SGLang's default)"))
                 T = arr.shape[0]
                 yield Chunk(np.full(T, row, dtype=np.int64), np.arange(T, dtype=np.int64), _token_ids(ids, T, where),
                             split_layers(arr, shape, where))
@@ -417,10 +432,14 @@ def read_sglang_dump(files: list[Path], shape: ModelShape) -> Dump:
     dump = Dump("sglang-dump", [str(p) for p, _, _ in loaded], ids="physical, mapped to logical with "
                 "last_physical_to_logical_map" if kind in ("per_pass", "per_token") else "logical")
     dump.notes.append(f"recorder mode: {kind}")
+    dump.seen.add("legacy CSV recorder (before mid-2025)" if kind == "csv" else
+                  f"expert_distribution recorder, mode {kind} (.pt, python/sglang/srt/eplb/expert_distribution.py)")
     if len(loaded) > 1:
         dump.notes.append(f"{len(loaded)} files (ranks) summed: ranks that saw the same tokens (tensor parallel "
                           f"without DP attention) count them once each; relative loads are unaffected")
     if kind == "per_token":
+        dump.notes.append("per_token records carry no request ids: a row is one sequence of one forward pass (a "
+                          "request's decode steps are rows of their own)")
         dump.chunks = _sglang_per_token(loaded, shape)
         return dump
     total: dict[int, np.ndarray] | None = None
@@ -565,13 +584,20 @@ def read(sources: list[str | Path], shape: ModelShape, fmt: str | None = None) -
     files = expand(sources)
     fmt = resolve_format(files, fmt)
     names = [str(f) for f in files]
-    if fmt == "vllm":
-        return Dump(fmt, names, chunks=read_vllm(files, shape))
-    if fmt == "sglang-routed":
-        return Dump(fmt, names, chunks=read_sglang_routed(files, shape))
+    if fmt in ("vllm", "sglang-routed"):
+        dump = Dump(fmt, names)
+        dump.chunks = (read_vllm if fmt == "vllm" else read_sglang_routed)(files, shape, dump.seen)
+        return dump
     if fmt == "sglang-dump":
         return read_sglang_dump(files, shape)
     dump = Dump(fmt, names, order="sorted by expert id (Megatron's hook reads the routing map: the rank of each "
                                   "expert in a token's top-K is lost)")
+    if len(files) > 1:
+        dump.notes.append(f"{len(files)} rank files read one after the other: ranks that routed the same tokens "
+                          f"(tensor parallel) count them once each; relative loads are unaffected")
+    if any(f.parent.joinpath(f.name.replace("router_trace_", "logits_").replace(".jsonl", ".bin")).is_file()
+           for f in files):
+        dump.notes.append("the logits sidecar (logits_rank*.bin) is not read: the trace keeps the chosen ids")
+    dump.seen.add("router_trace.py JSONL (stage pre_dispatch)")
     dump.chunks = read_megatron(files, shape, dump.notes)
     return dump

@@ -1,6 +1,6 @@
 """What ``--config`` says about a model whose routing was recorded elsewhere: its decoder layers, which of them are
 MoE, and the number of experts n and the top-K of each (read from the config alone: the model is built on the meta
-device, :func:`moetool.inspect.describe_model`; no weight is read)."""
+device, as ``moetool inspect`` does; no weight is read)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,21 @@ class ModelShape:
     @classmethod
     def from_config(cls, name: str) -> "ModelShape":
         """The shape of ``name`` (a model name, an embedded model, a folder with a ``config.json``)."""
-        from ..inspect import describe_model
+        import torch
 
-        info = describe_model(name)
-        return cls(int(info["num_layers"]), {int(r["layer"]): (int(r["n_experts"]), int(r["top_k"]))
-                                             for r in info["moe_layers"]}, name)
+        from ..adapters import find_moe_layers
+        from ..configs import text_config
+        from ..loading import auto_model_class, load_config
+
+        config, _, _ = load_config(name)  # a bad name fails before torch builds anything
+        with torch.device("meta"):
+            model = auto_model_class(config).from_config(config)
+        layers = find_moe_layers(model)
+        n_layers = getattr(text_config(config), "num_hidden_layers", None)
+        if n_layers is None or getattr(config, "is_encoder_decoder", False):
+            raise MoetoolError(f"--config {name}: a decoder-only model with num_hidden_layers is needed (an engine's "
+                               f"dump numbers its decoder layers)")
+        return cls(int(n_layers), {L.index: (int(L.n_experts), int(L.top_k)) for L in layers}, name)
 
     @classmethod
     def from_manifest(cls, d: dict[str, Any]) -> "ModelShape":
