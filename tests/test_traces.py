@@ -355,6 +355,18 @@ def test_sglang_routed_wrong_model(captured, tmp_path):
     _refused(import_cli([tmp_path / "s.jsonl"], tmp_path / "out"), tmp_path / "out", "no whole number")
 
 
+def test_megatron_bad_records(tmp_path):
+    """A record of another model's layer, another top-K, or ragged top_indices: one line each."""
+    good = {"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
+            "top_indices": [[0, 1], [2, 3]]}
+    for bad, words in (({"layer": 7}, "not an MoE layer"), ({"topk": 3, "top_indices": [[0, 1, 2], [1, 2, 3]]},
+                                                                "top-3 in the trace"),
+                       ({"top_indices": [[0, 1], [2]]}, "not a [num_tokens]"), ({"top_indices": [[0, 9], [2, 3]]},
+                                                                                 "outside the 8 experts")):
+        (tmp_path / "router_trace_rank0.jsonl").write_text(json.dumps({**good, **bad}) + "\n")
+        _refused(import_cli([tmp_path / "router_trace_rank0.jsonl"], tmp_path / "out"), tmp_path / "out", words)
+
+
 def test_dense_layers_masked_and_checked(captured):
     """With a dense layer (index 4 here) the dump's zero rows there are dropped; routed rows there are refused."""
     ex, ids = captured["requests"][0]

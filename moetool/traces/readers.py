@@ -452,10 +452,17 @@ def read_sglang_dump(files: list[Path], shape: ModelShape) -> Dump:
             c = _layer_counts(c.astype(np.int64), shape, str(path))
         else:
             p2l = _np(d["last_physical_to_logical_map"], str(path)).astype(np.int64)
+            n_max = max(shape.n_experts(li) for li in shape.moe)
+            if p2l.min() < 0 or p2l.max() >= n_max:
+                raise MoetoolError(f"{path}: the physical-to-logical map names expert {int(p2l.max())}, beyond the "
+                                   f"{n_max} experts of --config {shape.source}")
             phys = sum(_np(r["global_physical_count"], str(path)).astype(np.int64) for r in d["records"])
             if isinstance(phys, int):
                 raise MoetoolError(f"{path}: no records")
-            n = max(shape.n_experts(li) for li in shape.moe) if shape.moe else 0
+            if phys.shape != p2l.shape:
+                raise MoetoolError(f"{path}: global_physical_count {list(phys.shape)} and the map {list(p2l.shape)} "
+                                   f"disagree")
+            n = n_max
             logical = np.zeros((p2l.shape[0], n), dtype=np.int64)
             for li in range(p2l.shape[0]):  # sglang's _convert_global_physical_count_to_logical_count
                 np.add.at(logical[li], p2l[li], phys[li])
@@ -549,15 +556,22 @@ def read_megatron(files: list[Path], shape: ModelShape, notes: list[str]) -> Ite
             if rec.get("block", "decoder") != "decoder" or rec.get("mtp_idx") is not None:
                 skipped += 1
                 continue
-            li, k = int(rec["layer"]), int(rec["topk"])
+            try:
+                li, k, num_tokens, top = int(rec["layer"]), int(rec["topk"]), int(rec["num_tokens"]), rec["top_indices"]
+            except (KeyError, TypeError, ValueError):
+                raise MoetoolError(f"{where}: not a Megatron router trace record (layer, topk, num_tokens, "
+                                   f"top_indices)") from None
             if li not in shape.moe:
                 raise MoetoolError(f"{where}: layer {li} is not an MoE layer of --config {shape.source} "
                                    f"(MoE layers {shape.moe_layers})")
             if k != K:
                 raise MoetoolError(f"{where}: top-{k} in the trace, top-{K} in --config {shape.source}")
-            ids = np.asarray(rec["top_indices"], dtype=np.int64).reshape(-1, K)
-            if ids.shape[0] != int(rec["num_tokens"]):
-                raise MoetoolError(f"{where}: {ids.shape[0]} rows of top_indices, num_tokens {rec['num_tokens']}")
+            try:
+                ids = np.asarray(top, dtype=np.int64).reshape(-1, K)
+            except (ValueError, TypeError):
+                raise MoetoolError(f"{where}: top_indices is not a [num_tokens][{K}] list of expert ids") from None
+            if ids.shape[0] != num_tokens:
+                raise MoetoolError(f"{where}: {ids.shape[0]} rows of top_indices, num_tokens {num_tokens}")
             check_ids(ids, shape.n_experts(li), where, li)
             k2 = (rec.get("rank"), rec.get("step"))
             if key is not None and (k2 != key or li in group):
