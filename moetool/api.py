@@ -133,8 +133,8 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     shape = ModelShape.from_config(config)
     if not shape.moe:
         raise MoetoolError(f"--config {config}: no MoE layer")
+    run = RunDir.create("import-trace", out, force)  # --out validated first; the folder is made after a clean read
     dump = readers.read(sources, shape, format)
-    run = RunDir.create("import-trace", out, force)  # validated now; the folder is made only after a clean read
     with tempfile.TemporaryDirectory(prefix="moetool-import-") as tmp:  # nothing written if the dump is bad
         if dump.counts is not None:
             name, kind = store.LOADS, "loads"
