@@ -70,7 +70,8 @@ tables as an uninterrupted run.
 routing from there instead of a forward: load.csv (without router_prob),
 layers.csv (without the confidence entropy and aux loss: they need the router's
 probabilities, which the engines do not record), coactivation.csv (per-token
-traces; none from counts-only dumps); no intervals, top tokens or figures.
+traces; none from counts-only dumps), top_tokens.csv and top_tokens_lift.csv
+(where the trace has token ids); no intervals, specialisation or figures.
 
 Examples:
   moetool stats --out runs/stats-tiny

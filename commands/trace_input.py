@@ -12,7 +12,7 @@ from .options import echo_run
 
 #: the ``--trace`` option of the commands that take one
 Trace = typer.Option(None, "--trace", help="Analyse the routing in this trace (a moetool trace / import-trace run "
-                                           "folder or its trace.parquet / loads.parquet) instead of running "
+                                           "folder, or its trace or loads Parquet file) instead of running "
                                            "--model on --data.")
 TraceConfig = typer.Option(None, "--trace-config", help="With --trace: the model whose routing it is, when the "
                                                         "trace's manifest does not say (a name or config folder).")

@@ -25,14 +25,15 @@ import torch
 
 from .. import ops
 from ..errors import MoetoolError
+from ..sketch import SparseCounter
 from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
 from ..uncertainty import RowSums
 from .fluctuation import RATES, Routing, compare_with_intervals, pairs
 from .offload import offload_tables
 from .placement import DEFINITIONS as PLACEMENT_DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
 from .result import Result
-from .specialization import coactivation_counts
-from .stats import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame
+from .specialization import coactivation_counts, token_decoder, with_tokens
+from .stats import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank
 
 #: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
 NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "
@@ -48,6 +49,7 @@ class LayerSums:
     tokens: int
     assign: torch.Tensor  # [n] float64: tokens whose top-K contains e
     co: torch.Tensor | None  # [n, n] float64 (diagonal = assign); None for counts-only
+    pairs: Any = None  # SparseCounter of token_id * n + expert (pairs=True, traces with token ids)
 
 
 def _ordered(src: TraceSource) -> bool:
@@ -55,9 +57,12 @@ def _ordered(src: TraceSource) -> bool:
 
 
 def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str | None = "all",
-               layers: tuple[int, ...] | None = None) -> dict[int, LayerSums]:
+               layers: tuple[int, ...] | None = None, pairs: Any = None) -> dict[int, LayerSums]:
     """Per MoE layer of the trace: real tokens, assignments and (``coactivation``) co-activation counts;
-    ``top_k=1``: each token's first-ranked expert only. Layers ``layers`` only (default: every layer present)."""
+    ``top_k=1``: each token's first-ranked expert only. Layers ``layers`` only (default: every layer present).
+    ``pairs`` (a :class:`~moetool.sketch.SparseCounter` receiving every token id once, at the first MoE layer):
+    also the (token id, expert) counts per layer, as ``stats`` counts them; refused when the trace has no token
+    ids."""
     if top_k is not None and not _ordered(src):
         raise MoetoolError(f"--top-k 1 on {src.path}: its ids are sorted by expert id (Megatron's router hook), the "
                            f"first-ranked expert is unknown")
@@ -80,7 +85,9 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
         return out
     cols = expert_columns(src)
     sums: dict[int, dict[str, Any]] = {}
-    for df in read_batches(src, ["layer", *cols]):
+    first_layer = min(layers) if layers else None
+    no_ids: list[int] = []
+    for df in read_batches(src, ["layer", *cols] + (["token_id"] if pairs is not None else [])):
         for li, g in df.groupby("layer", sort=False):
             li = int(li)
             if layers is not None and li not in layers:
@@ -99,12 +106,21 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
                                      "k": idx.shape[1]})
             s["tokens"] += idx.shape[0]
             s["assign"] += ops.one_hot_counts(idx, n, valid)
+            ids = (torch.from_numpy(np.array(g["token_id"].to_numpy(dtype=np.int64)))
+                   if pairs is not None and not no_ids else None)
+            if ids is not None and ids.numel() and ids.min() < 0:  # the responses carried no token ids: no pairs
+                no_ids.append(li)
+            elif ids is not None:
+                first_layer = li if first_layer is None else first_layer
+                if li == first_layer:
+                    pairs.add(ids)
+                s.setdefault("pairs", SparseCounter()).add(ids.unsqueeze(1) * n + idx)
             if coactivation:
                 s["co"] += coactivation_counts(idx, n, valid, coactivation)
     if not sums:
         raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
-    return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"])
-            for li, s in sorted(sums.items())}
+    return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"],
+                          None if no_ids else s.get("pairs")) for li, s in sorted(sums.items())}
 
 
 # ----- stats ------------------------------------------------------------------------------------------------------
@@ -117,9 +133,12 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
 
 
     if options.all_tokens:
-        raise MoetoolError("--all-tokens needs per-token token ids and a forward's tokenizer: not on --trace")
-    sums = trace_sums(src, top_k=options.top_k, coactivation=options.coactivation)  # counts: no co-activation
-    load, layers, co = [], [], []
+        raise MoetoolError("--all-tokens: not on --trace (top_tokens.csv is)")
+    totals = SparseCounter() if options.top_tokens and src.kind == "trace" else None
+    sums = trace_sums(src, top_k=options.top_k, coactivation=options.coactivation, pairs=totals)  # counts: no co
+    load, layers, co, top, lift = [], [], [], [], []
+    if totals is not None:
+        tok_keys, tok_counts = (t.numpy() for t in totals.result())
     for li, a in sums.items():
         if a.tokens == 0:
             raise MoetoolError(f"--trace {src.path}: layer {li} routed no token")
@@ -131,17 +150,30 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                        "load_entropy_norm": ent / math.log(a.n), "max_load_ratio": float(frac.max()) * a.n})
         if a.co is not None:
             co.append(_coactivation_frame(li, a.co))
+        if a.pairs is not None:  # the forward's own ranking (stats._pair_frame, _rank) on the trace's counts
+            pf = _pair_frame(li, a, tok_keys, tok_counts)
+            top.append(_rank(pf, "count", options.top_tokens))
+            lift.append(_rank(pf[pf["count"] >= options.min_count], "lift", options.top_tokens))
     tables = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers)}
     if co:
         tables["coactivation.csv"] = pd.concat(co, ignore_index=True)
+    if top:
+        decode = token_decoder(_tokenizer(src))
+        cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
+        tables["top_tokens.csv"] = with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
+        tables["top_tokens_lift.csv"] = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
     left_out = {"router_prob, confidence_entropy, aux_loss": NO_PROBS,
-                "top_tokens, specialization, domain_load": "token ids and domains of a forward's data",
+                "specialization, domain_load": "the next / predicted tokens and the domains of a forward's data",
                 "cross_layer": "not computed from a trace",
                 "*_lo/*_hi": "the bootstrap resamples a forward's packed rows"}
     if not co:
         left_out["coactivation"] = "a counts-only dump has no per-token top-K"
+    if options.top_tokens and not top:
+        left_out["top_tokens, top_tokens_lift"] = ("a counts-only dump" if src.kind == "loads" else
+                                                   "the trace has no token ids (the responses carried none)")
     defs = {k: v for k, v in STATS_DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
-                                                          "load_entropy", "max_load_ratio", "top_k", "coactivation")}
+                                                                "load_entropy", "max_load_ratio", "top_k",
+                                                                "coactivation", "top_tokens", "top_tokens_lift")}
     if src.kind == "loads":
         defs["tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
     summary = pd.DataFrame(layers)[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm",
@@ -150,6 +182,17 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                                         "max_load_ratio": "max load/uniform"}).round(4)
     return Result("stats_trace", tables, options, meta=dict(trace=src.describe(), definitions=defs,
                                                             left_out=left_out), summary=summary)
+
+
+def _tokenizer(src: TraceSource) -> Any:
+    """The model's tokenizer for the ``token`` column (no weights read); ``None`` (empty text) where it cannot be
+    read, e.g. off the Hub."""
+    from ..loading import load_tokenizer
+
+    try:
+        return load_tokenizer(src.shape.source)
+    except MoetoolError:
+        return None
 
 
 # ----- placement --------------------------------------------------------------------------------------------------
