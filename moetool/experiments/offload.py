@@ -270,8 +270,6 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
             **overrides: Any) -> Result:
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
     ``offload_prefetch`` (see :data:`DEFINITIONS`)."""
-    import pandas as pd
-
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
@@ -288,6 +286,16 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
         forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
                 before_batch=col.before_batch, quiet=quiet, description="offload")
     col.merge_across_ranks()
+    return offload_tables(col, layers, opts, described, {L.index: expert_bytes(L) for L in layers})
+
+
+def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, described: dict[str, Any],
+                   nbytes_of: dict[int, int] | None) -> Result:
+    """The tables of :func:`offload` from a collector's token stream (``token_rows``, ``requests(i)``, ``first``,
+    ``counts``, ``pred``) over ``layers`` (``index``, ``n_experts``, ``top_k``); ``nbytes_of``: each layer's expert
+    bytes, ``None`` when unknown (a recorded trace: expert_bytes and bytes_per_token are left out)."""
+    import pandas as pd
+
     rows = col.token_rows()
     T = int(rows.shape[0])
     if T < 2:
@@ -312,11 +320,11 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
         i, n, K = L.index, L.n_experts, L.top_k
         c = col.counts[L.index].cpu().double()
         share = c / c.sum()
-        nbytes = expert_bytes(L)
+        nbytes = nbytes_of[i] if nbytes_of is not None else None
         lay.append({"layer": i, "n_experts": n, "top_k": K, "tokens": T, "hottest_expert": int(share.argmax()),
                     "hottest_share": float(share.max()), "uniform_share": 1.0 / n,
                     "hottest_vs_uniform": float(share.max() * n), "experts_used": int((c > 0).sum()),
-                    "expert_bytes": nbytes})
+                    **({"expert_bytes": nbytes} if nbytes is not None else {})})
         req = col.requests(i)
         for C in opts.capacities or default_capacities(n, K):
             for pol in opts.policies:
@@ -326,7 +334,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
                 misses = T * K - int(hits.sum())
                 cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": int(hits.sum()),
                               **iv.columns("hit_rate"), "misses_per_token": misses / T,
-                              "bytes_per_token": misses / T * nbytes})
+                              **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
         if f"n_{i}" in col.pred._sums:
             num = np.stack([col.pred.table(f"top1_{i}"), col.pred.table(f"topk_{i}")], 1)
             den = col.pred.table(f"n_{i}")
@@ -340,7 +348,8 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
                                                                   "topk_recall_lo", "topk_recall_hi"])}
     cache_df = tables["offload_cache.csv"]
     summary = (cache_df.groupby(["policy", "capacity"], sort=False)
-               .agg(hit_rate=("hit_rate", "mean"), bytes_per_token=("bytes_per_token", "sum")).reset_index())
+               .agg(hit_rate=("hit_rate", "mean"), **({"bytes_per_token": ("bytes_per_token", "sum")}
+                                                      if nbytes_of is not None else {})).reset_index())
     return Result("offload", tables, opts,
                   meta=dict(definitions=DEFINITIONS, data=described, bootstrap={"replicates": kw["n_boot"],
                             "unit": "packed row", "level": 0.95, "seed": opts.seed}),

@@ -179,7 +179,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
 )}
 
 #: commands that are not experiments (their modules under moetool.commands)
-OTHER_COMMANDS = ("demo", "inspect", "report")
+OTHER_COMMANDS = ("demo", "inspect", "report", "import_trace")
 
 
 def get(name: str) -> Experiment:
