@@ -6,6 +6,8 @@
     python bench/bench.py --lazy-data     # + load_tokens --max-tokens 20k/200k on a 200 MB corpus
     python bench/bench.py --shapes --quant  # only: quantized-expert probes against the plain probe
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
+    python bench/bench.py --gpu           # issue #36's figures on any CUDA machine (~3-4 min on an H100; --quick:
+                                          # half); on CPU scaled-down shapes, said so (bench/bench_gpu.py)
 
 **Engine ratios** (``--shapes``): two random Mixtral-shaped models, 8 layers, d=512 — ``8x1024k2`` (8 experts,
 I=1024, top-2) and ``64x128k8`` (64 experts, I=128, top-8) — over ``--tokens`` random tokens in batches of
@@ -351,11 +353,11 @@ def fp8_experts_copy(model, expert_dtype: str, scale_fmt: str):
     return qm
 
 
-def bench_quant(a) -> list[dict[str, Any]]:
+def bench_quant(a, device: Any = None) -> list[dict[str, Any]]:
     from moetool.adapters import find_moe_layers
     from moetool.engine import probes
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = mixtral_model(8, a.quant_inter, 2, d=a.quant_d, layers=1, vocab=256, dtype=dtype).to(dev)
     h = torch.randn(a.quant_tokens, a.quant_d, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
@@ -483,8 +485,23 @@ def main() -> None:
     ap.add_argument("--quant-inter", type=int, default=2048)
     ap.add_argument("--quant-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--gpu", action="store_true", help="issue #36's figures: real-width shapes, quantized probes, "
+                    "command ratios (bench/bench_gpu.py); scaled down without CUDA")
+    ap.add_argument("--quick", action="store_true", help="--gpu with fewer tokens and rounds")
+    ap.add_argument("--gpu-cpu", action="store_true", help="--gpu's scaled-down run even where CUDA is available")
+    ap.add_argument("--gpu-sections", nargs="*", default=["shapes", "quant", "commands"],
+                    choices=["shapes", "quant", "commands"])
+    ap.add_argument("--gpu-tokens", type=int, default=16384, help="--gpu shapes: tokens per timed pass")
+    ap.add_argument("--gpu-seq", type=int, default=2048, help="--gpu: tokens per row")
+    ap.add_argument("--gpu-batch", type=int, default=4, help="--gpu shapes: rows per forward")
+    ap.add_argument("--gpu-repeat", type=int, default=5, help="--gpu shapes: interleaved rounds")
+    ap.add_argument("--gpu-command-tokens", type=int, default=65536, help="--gpu commands: tokens")
+    ap.add_argument("--gpu-command-batch-tokens", type=int, default=16384, help="--gpu commands: tokens per forward")
+    ap.add_argument("--gpu-commands", nargs="*", default=None, help="--gpu: restrict to these commands")
     ap.add_argument("--csv", default="bench.csv")
     a = ap.parse_args()
+    if a.gpu:
+        return main_gpu(a)
 
     import pandas as pd
 
@@ -535,6 +552,28 @@ def main() -> None:
         print(t[["probe", "variant", "ratio", "spread", "seconds"]].to_string(**fmt))
     df.to_csv(a.csv, index=False)
     print(f"\nwrote {a.csv}")
+
+
+def main_gpu(a) -> None:
+    """``--gpu``: the sections of bench_gpu.run, the CSV saved after each, the printout also in <csv>.txt."""
+    import pandas as pd
+
+    import bench_gpu
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not torch.cuda.is_available() or a.gpu_cpu:
+        exact_rss_mode()  # CPU peaks are RSS peaks
+    Path(a.csv).parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for part in bench_gpu.run(a):
+        rows += part
+        pd.DataFrame(rows).to_csv(a.csv, index=False)
+    df = pd.DataFrame(rows)
+    text = bench_gpu.report(df, a) + f"\n\ntotal {time.perf_counter() - t0:.0f}s; wrote {a.csv}"
+    print(text)
+    Path(a.csv).with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
