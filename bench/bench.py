@@ -115,12 +115,18 @@ def geometry(model) -> dict[str, int]:
                 layers=len(layers))
 
 
-def flop_ideals(g: dict[str, int], seq: int) -> dict[str, float]:
-    """FLOP-ideal ratio of every variant (formulas in the module docstring)."""
+def plain_flops(g: dict[str, int], seq: int) -> float:
+    """FLOPs per token of the plain forward (the module docstring's ``plain``)."""
     d, inter, n, k, H, G, h = g["d"], g["inter"], g["n"], g["k"], g["heads"], g["kv_heads"], g["head_dim"]
     s_mean = (seq + 1) / 2
     attention = 2 * d * H * h + 2 * 2 * d * G * h + 2 * H * h * d + 2 * 2 * H * h * s_mean
-    plain = g["layers"] * (attention + 2 * n * d + k * 3 * 2 * inter * d) + 2 * d * g["vocab"]
+    return g["layers"] * (attention + 2 * n * d + k * 3 * 2 * inter * d) + 2 * d * g["vocab"]
+
+
+def flop_ideals(g: dict[str, int], seq: int) -> dict[str, float]:
+    """FLOP-ideal ratio of every variant (formulas in the module docstring)."""
+    d, inter, n, k = g["d"], g["inter"], g["n"], g["k"]
+    plain = plain_flops(g, seq)
     extra = {"norm:gate": (n - k) * 2 * inter * d, "norm:gate (recompute)": n * 2 * inter * d,
              "all_expert_outputs": n * 3 * 2 * inter * d}
     out = {v: 1.0 for v in ("plain", "capture", "router_logits", "hand_item_loop")}

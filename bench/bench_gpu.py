@@ -133,14 +133,6 @@ def probe_flops(g: dict[str, int]) -> dict[str, float]:
     return {"norm:gate": 2.0 * per, "all_expert_outputs": 6.0 * per}
 
 
-def plain_flops(g: dict[str, int], seq: int) -> float:
-    """FLOPs per token of the plain forward (bench.flop_ideals' ``plain``)."""
-    d, inter, n, k, H, G, h = g["d"], g["inter"], g["n"], g["k"], g["heads"], g["kv_heads"], g["head_dim"]
-    s_mean = (seq + 1) / 2
-    attention = 2 * d * H * h + 2 * 2 * d * G * h + 2 * H * h * d + 2 * 2 * H * h * s_mean
-    return g["layers"] * (attention + 2 * n * d + k * 3 * 2 * inter * d) + 2 * d * g["vocab"]
-
-
 def bench_gpu_shapes(a, dev: torch.device, full: bool, peak: float | None, mm: float) -> list[dict[str, Any]]:
     dtype = torch.bfloat16 if full else torch.float32
     names = ["plain", "capture", "router_logits", "hand_item_loop", "norm:gate", "all_expert_outputs"]
@@ -156,7 +148,7 @@ def bench_gpu_shapes(a, dev: torch.device, full: bool, peak: float | None, mm: f
         g = B.geometry(model)
         g["head_dim"] = c["head_dim"]
         ideal = B.flop_ideals(g, a.gpu_seq)
-        fp = plain_flops(g, a.gpu_seq)
+        fp = B.plain_flops(g, a.gpu_seq)
         pf = probe_flops(g)
         plain_s = res["plain"]["seconds"]
         model_name = label if full else f"{label} scaled down"
