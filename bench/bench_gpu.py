@@ -80,7 +80,7 @@ def build(c: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int
         cfg = Qwen3MoeConfig(num_experts=c["n"], moe_intermediate_size=c["inter"], head_dim=c["head_dim"],
                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, **common)
     else:
-        cfg = OlmoeConfig(num_experts=c["n"], **common)
+        cfg = OlmoeConfig(num_experts=c["n"], eos_token_id=min(50279, c["vocab"] - 1), **common)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
