@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import MoetoolError
@@ -140,7 +141,20 @@ def native_format(config: Any) -> str:
 
 
 def parameter_groups(config: Any) -> dict[str, Any]:
-    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone."""
+    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone (a
+    model on the meta device; the counts of a config seen before come from the cache, :func:`moetool.inspect.cached`:
+    building it imports transformers' modeling code, seconds the counts do not depend on)."""
+    import hashlib
+
+    from ..inspect import cached
+
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # this counting code itself
+    return cached("plan-params", {"config": digest, "class": type(config).__name__, "plan_code": code},
+                  lambda: _parameter_groups(config))
+
+
+def _parameter_groups(config: Any) -> dict[str, Any]:
     import torch
 
     from ..adapters import find_moe_layers
