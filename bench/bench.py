@@ -38,7 +38,8 @@ capture, router_logits and hand_item_loop have an ideal of 1.00 (no extra arithm
 Mixtral-8x7B (d=4096, 8 experts, I=14336, top-2, 32/8 heads) and Qwen3-30B-A3B (d=2048, 128 experts, I=768,
 top-8, 32/4 heads), bf16, random weights; time per 1,000 tokens and peak extra memory (CUDA: max allocated;
 CPU: peak RSS sampled every 2 ms above the RSS before the call) of plain, capture, norm:gate and all-expert
-outputs (token chunks keep the probe's intermediate within ``engine.probes.DEFAULT_BUDGET``).
+outputs (token chunks sized by ``engine.probes.auto_budget``: a share of a CUDA device's free memory,
+``DEFAULT_BUDGET`` on the CPU).
 
 **RSS per command** (``--rss``): ``moetool <command>`` on the embedded models in a subprocess at 20k and 200k
 tokens of a corpus made by repeating the held-out text; its peak RSS (``wait4``). Flat memory = the 200k figure
