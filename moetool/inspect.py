@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from .files import cache_dir, cached, installation_key, read_cached, write_cached  # noqa: F401 (cache_dir: re-export)
 
 
 def describe_layers(model: Any, layers: list) -> dict[str, Any]:
@@ -34,81 +35,29 @@ def describe_model(name: str, *, cache: bool = True) -> dict[str, Any]:
     building it imports torch and transformers' modeling code, seconds that the answer does not depend on."""
     from .loading import resolve
 
-    path, key = None, None
-    if cache:
-        path, key = _describe_cache(*resolve(name))  # a bad name fails here, before torch is imported
-        stored = _read_cache(path, key) if path is not None else None
-        if stored is not None:
-            source, kind = resolve(name)
-            return {"name": name, "source": source, "kind": kind, **stored}
+    source, kind = resolve(name)  # a bad name fails here, before torch is imported
+    if cache and kind in ("local", "embedded"):
+        h = hashlib.sha256()
+        for f in sorted([Path(source) / "config.json", *Path(source).glob("*.py")]):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        info = cached("describe", {**families_cache_key(), "model_files": h.hexdigest()}, lambda: _describe(name))
+    else:
+        info = _describe(name)
+    return {"name": name, "source": source, "kind": kind, **info}
+
+
+def _describe(name: str) -> dict[str, Any]:
     from .loading import auto_model_class, load_config
 
-    config, source, kind = load_config(name)
+    config, _, _ = load_config(name)
     import torch
 
     from .adapters import find_moe_layers, get_adapter, quant
 
     with torch.device("meta"):
         model = auto_model_class(config).from_config(config)
-    info = {"family": get_adapter(config).family, **describe_layers(model, find_moe_layers(model)),
+    return {"family": get_adapter(config).family, **describe_layers(model, find_moe_layers(model)),
             "experts_format": quant.checkpoint_format(config)}
-    if path is not None:
-        _write_cache(path, key, info)
-    return {"name": name, "source": source, "kind": kind, **info}
-
-
-def _describe_cache(source: str, kind: str) -> tuple[Path | None, dict[str, Any] | None]:
-    """Where the description of a model on disk is cached, and its key: the installation
-    (:func:`families_cache_key`) and a hash of the config and the code files in the model's directory.
-    ``(None, None)`` for a hub model (its config is not read here)."""
-    if kind not in ("local", "embedded"):
-        return None, None
-    d = Path(source)
-    h = hashlib.sha256()
-    for f in sorted([d / "config.json", *d.glob("*.py")]):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    key = {**families_cache_key(), "model_files": h.hexdigest()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"describe-{digest}.json", key
-
-
-def cached(name: str, key: dict[str, Any], compute: Any, kind: type = dict) -> Any:
-    """``compute()``, or what it returned before in this installation (:func:`families_cache_key`) for the same
-    ``key`` (kept in :func:`cache_dir` as ``<name>-<digest>.json``; only JSON-exact values are kept)."""
-    key = {**families_cache_key(), **key}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}-{digest}.json"
-    value = _read_cache(path, key, "value", kind)
-    if value is None:
-        value = compute()
-        _write_cache(path, key, value, "value")
-    return value
-
-
-def _read_cache(path: Path, key: dict[str, Any], field: str = "info", kind: type = dict) -> Any:
-    """The ``field`` stored at ``path`` under exactly ``key`` (None: absent, stale or unreadable)."""
-    try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get(field), kind):
-        return None
-    return stored[field]
-
-
-def _write_cache(path: Path, key: dict[str, Any], value: Any, field: str = "info") -> None:
-    """Atomically, and only what JSON gives back unchanged (else the next answer would differ in type)."""
-    from .files import atomic_path
-
-    try:
-        text = json.dumps({"key": key, field: value})
-        if json.loads(text)[field] != value:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text(text, encoding="utf-8")
-    except (OSError, TypeError, ValueError):  # an unwritable cache only costs the next call the time again
-        pass
 
 
 # ----- every MoE family of the installed transformers (``moetool inspect --families``) ------------------
@@ -187,44 +136,23 @@ def families(model_types: list[str] | None = None, *, cache: bool = True) -> lis
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         path = cache_dir() / f"families-{digest}.json"
         if cache:
-            stored = _read_cache(path, key, "rows", list)
+            stored = read_cached(path, key, "rows", list)
             if stored is not None:
                 return stored
     from .adapters import discovery
 
     rows = [family_row(mt) for mt in (model_types or discovery.moe_model_types())]
     if path is not None:
-        _write_cache(path, key, rows, "rows")
+        write_cached(path, key, rows, "rows")
     return rows
 
 
-def cache_dir() -> Path:
-    """Where moetool keeps what it computes once per installation: ``MOETOOL_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/moetool``, else ``~/.cache/moetool``."""
-    if os.environ.get("MOETOOL_CACHE_DIR"):
-        return Path(os.environ["MOETOOL_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetool"
-
-
 def families_cache_key() -> dict[str, Any]:
-    """What the families table depends on, read without importing torch or transformers: the installed
-    transformers, torch, moetool and Python versions and a hash of moetool's adapter and inspection code (an
-    edited adapter in a source checkout changes it too)."""
-    import importlib.metadata as md
-    import platform
-
-    key: dict[str, Any] = {"python": platform.python_version()}
-    for pkg in ("transformers", "torch", "moetool"):
-        try:
-            key[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            key[pkg] = None
+    """What the families table (and a model's description) depends on, read without importing torch or
+    transformers: :func:`moetool.files.installation_key` over moetool's adapter and inspection code (an edited
+    adapter in a source checkout changes it too)."""
     here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted([here / "inspect.py", *(here / "adapters").glob("*.py")]):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    key["code"] = h.hexdigest()[:16]
-    return key
+    return installation_key([here / "inspect.py", *(here / "adapters").glob("*.py")])
 
 
 def families_markdown(rows: list[dict[str, Any]]) -> str:

@@ -146,12 +146,12 @@ def parameter_groups(config: Any) -> dict[str, Any]:
     building it imports transformers' modeling code, seconds the counts do not depend on)."""
     import hashlib
 
-    from ..inspect import cached
+    from ..files import cached, installation_key
 
-    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # this counting code itself
-    return cached("plan-params", {"config": digest, "class": type(config).__name__, "plan_code": code},
-                  lambda: _parameter_groups(config))
+    here = Path(__file__).resolve().parents[1]  # this counting code and the adapters it finds layers with
+    key = {**installation_key([Path(__file__).resolve(), *(here / "adapters").glob("*.py")]),
+           "config": hashlib.sha256(config.to_json_string().encode()).hexdigest(), "class": type(config).__name__}
+    return cached("plan-params", key, lambda: _parameter_groups(config))
 
 
 def _parameter_groups(config: Any) -> dict[str, Any]:
