@@ -18,8 +18,9 @@ def vector_norm(x: torch.Tensor, norm: str = "l2", dim: int = -1) -> torch.Tenso
     """``l2`` / ``l1`` / ``linf`` norm along ``dim``, accumulated in fp32 (fp64 input stays fp64)."""
     if norm not in _ORD:
         raise ValueError(f"unknown norm '{norm}' (choose from {', '.join(NORMS)})")
-    x = x if x.dtype == torch.float64 else x.float()
-    return torch.linalg.vector_norm(x, ord=_ORD[norm], dim=dim)
+    # dtype=float32: a CUDA bf16/fp16 input is accumulated in fp32 by the reduction itself (no fp32 copy of x)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(x, ord=_ORD[norm], dim=dim, dtype=dtype)
 
 
 def topk(scores: torch.Tensor, k: int, *, stable: bool = False) -> torch.Tensor:

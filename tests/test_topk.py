@@ -207,3 +207,22 @@ def test_padded_batch_counts_real_tokens_only(tiny_model):
     real = int(batch["attention_mask"].sum())
     assert all(r["tokens"] == real and r["mean_experts"] == 1 for r in rows)
     assert json.dumps(rows)  # plain numbers
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_top_p_hands_the_experts_only_the_batchs_largest_set(model_type, tiny_model, batch):
+    """topp gives the experts module as many columns as the batch's largest chosen set (not kmax = n): the same
+    block output as the full-width choice (unchosen columns weigh 0), fewer columns computed."""
+    model = tiny_model(model_type)
+    _, events, _ = run(model, find_moe_layers(model), batch)
+    pol = make_policy("topp:0.5")
+    for ev in events.values():
+        L = ev.layer
+        idx, w = pol.select(ev)
+        full_idx, mask = top_p(ev.probs, 0.5, L.n_experts)
+        full_w = L.weights_for(ev.logits, full_idx, mask)
+        assert idx.shape[1] == int(mask.sum(-1).max()) < L.n_experts
+        assert torch.equal(idx, full_idx[:, :idx.shape[1]]) and (full_w[:, idx.shape[1]:] == 0).all()
+        with torch.no_grad():
+            torch.testing.assert_close(L.experts(ev.h, idx, w), L.experts(ev.h, full_idx, full_w),
+                                       rtol=1e-6, atol=1e-6)

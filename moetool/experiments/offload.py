@@ -78,9 +78,50 @@ class OffloadOptions:
 
 
 # ----- cache simulation (pure) ----------------------------------------------------------------
-def simulate(trace: Any, capacity: int, policy: str) -> np.ndarray:
+#: tokens per block of the vectorised LRU ranks ([block, n] and [block, K, n] arrays)
+LRU_BLOCK = 4096
+
+
+def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(seen [T, K] bool, rank [T, K] int)`` of every request of ``trace [T, K]``: whether the expert was
+    requested before the token, and how many experts were used more recently than it before the token (ties
+    within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
+
+    With requests grouped per token (a token's experts never evict each other), the LRU cache of capacity C
+    holds, before token t, exactly the C experts of highest (last request, id): each token's misses evict the
+    least recent residents it does not request, which keeps that set. So a request hits iff ``seen and rank < C``
+    for every C at once: vectorised over tokens (blocks of :data:`LRU_BLOCK`), linear in tokens x n."""
+    trace = np.asarray(trace, dtype=np.int64)
+    T, K = trace.shape
+    n = int(trace.max()) + 1 if trace.size else 1
+    seen = np.zeros((T, K), dtype=bool)
+    rank = np.zeros((T, K), dtype=np.int64)
+    last = np.full(n, -1, dtype=np.int64)  # last requesting token of each expert, before the block
+    ids = np.arange(n, dtype=np.int64)
+    for b0 in range(0, T, LRU_BLOCK):
+        tr = trace[b0:b0 + LRU_BLOCK]
+        B = tr.shape[0]
+        at = np.full((B, n), -1, dtype=np.int64)
+        np.put_along_axis(at, tr, (b0 + np.arange(B, dtype=np.int64))[:, None], axis=1)  # token t requests x
+        upto = np.maximum.accumulate(np.maximum(at, last[None, :]), axis=0)  # last request at or before t
+        before = np.vstack([last[None, :], upto[:-1]])  # strictly before t: the state the token meets
+        key = np.where(before >= 0, before * n + ids, -1)  # recency, ties by id; -1: never requested
+        mine = np.take_along_axis(key, tr, axis=1)  # [B, K]
+        seen[b0:b0 + B] = mine >= 0
+        rank[b0:b0 + B] = (key[:, None, :] > mine[:, :, None]).sum(-1)
+        last = upto[-1]
+    return seen, rank
+
+
+def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Hits of an expert cache over a request trace: ``trace [T, K]`` expert ids (one row per token, distinct
-    within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring."""
+    within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring.
+    ``lru``: :func:`lru_ranks` of the trace, when the caller already has them (several capacities).
+
+    LRU, and any policy whose capacity holds every expert of the trace (nothing is ever evicted: a request
+    hits iff it was requested before), come from :func:`lru_ranks` (vectorised); capacity K (any policy: the
+    cache holds the previous token's experts) is closed-form; LFU and Belady between are simulated token by
+    token."""
     trace = np.asarray(trace)
     if trace.ndim != 2:
         raise MoetoolError(f"cache trace must be [tokens, K], got shape {trace.shape}")
@@ -89,6 +130,13 @@ def simulate(trace: Any, capacity: int, policy: str) -> np.ndarray:
         raise MoetoolError(f"unknown cache policy {policy!r} (choose from {', '.join(POLICIES)})")
     if capacity < K:
         raise MoetoolError(f"cache capacity {capacity} < K = {K}: a token's experts cannot all be resident")
+    if policy == "lru" or capacity >= len(np.unique(trace)):
+        seen, rank = lru if lru is not None else lru_ranks(trace)
+        return seen & (rank < capacity) if policy == "lru" else seen.copy()
+    if capacity == K:  # the cache holds exactly the previous token's experts, whatever the policy
+        hits = np.zeros((T, K), dtype=bool)
+        hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
+        return hits
     rows = trace.tolist()
     hits = np.zeros((T, K), dtype=bool)
     last: dict[int, int] = {}  # resident expert -> last request time
@@ -326,9 +374,10 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
                     "hottest_vs_uniform": float(share.max() * n), "experts_used": int((c > 0).sum()),
                     **({"expert_bytes": nbytes} if nbytes is not None else {})})
         req = col.requests(i)
+        lru = lru_ranks(req) if len(req) else None
         for C in opts.capacities or default_capacities(n, K):
             for pol in opts.policies:
-                hits = simulate(req, C, pol)
+                hits = simulate(req, C, pol, lru=lru)
                 a, b = _hit_rows(hits, rows, n_rows)
                 iv = ci(a, b)[0]
                 misses = T * K - int(hits.sum())

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import MoetoolError
@@ -144,7 +145,20 @@ def native_format(config: Any) -> str:
 
 
 def parameter_groups(config: Any) -> dict[str, Any]:
-    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone."""
+    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone (a
+    model on the meta device; the counts of a config seen before come from the cache, :func:`moetool.inspect.cached`:
+    building it imports transformers' modeling code, seconds the counts do not depend on)."""
+    import hashlib
+
+    from ..files import cached, installation_key
+
+    here = Path(__file__).resolve().parents[1]  # this counting code and the adapters it finds layers with
+    key = {**installation_key([Path(__file__).resolve(), *(here / "adapters").glob("*.py")]),
+           "config": hashlib.sha256(config.to_json_string().encode()).hexdigest(), "class": type(config).__name__}
+    return cached("plan-params", key, lambda: _parameter_groups(config))
+
+
+def _parameter_groups(config: Any) -> dict[str, Any]:
     import torch
 
     from ..adapters import find_moe_layers

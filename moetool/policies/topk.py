@@ -9,8 +9,8 @@ distribution π, whose mass reaches p (at least one, at most ``kmax``, default n
 (Huang et al. 2024, "Harder Tasks Need More Experts: Dynamic Routing in MoE Models", arXiv 2403.07652). Weights
 as the rule gives them to that set (a softmax over the chosen, a renormalisation over them, or the scores
 alone), times the routed scaling factor. Ranking by π ignores DeepSeek's group limits and correction bias.
-The experts module receives ``kmax`` columns per token; the unchosen carry weight 0 (what runs is still
-computed, what counts is the mass the chosen carry).
+The experts module receives as many columns per token as the batch's largest set (at most ``kmax``); a token's
+unchosen columns carry weight 0 (what runs is still computed, what counts is the mass the chosen carry).
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ class TopPPolicy(Policy):
         L = ev.layer
         width = self.kmax or L.n_experts
         idx, mask = top_p(ev.probs, self.p, width)
+        # only as many columns as the batch's largest set: the experts module computes every column it receives
+        # (the unchosen at weight 0), and transformers' grouped kernels hold [tokens x columns] intermediates
+        used = int(mask.sum(-1).max()) if mask.numel() else 1
+        idx, mask = idx[:, :max(used, 1)], mask[:, :max(used, 1)]
         return idx, L.weights_for(ev.logits, idx, mask)
 
 
