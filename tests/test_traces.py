@@ -288,6 +288,16 @@ def test_export_read_back(captured, imported, kind, tmp_path):
     assert np.allclose(per_gpu.max(-1).values.numpy(), eplb.max_gpu_load.to_numpy(), rtol=1e-12)
 
 
+def test_export_of_a_forward_uses_its_loads(captured, imported):
+    """``placement --export`` after a forward exports from the result's own loads: the trace's, per layer."""
+    from moetool.commands.trace_input import loads_of_result
+
+    got = loads_of_result(captured["placement"])
+    _, ref = placement_from_trace(open_trace(imported["vllm"]), PlacementOptions(gpus=(2,), bootstrap=0))
+    assert got["layers"] == ref["layers"] and got["n"] == ref["n"] and got["groups"] == ref["groups"] == 1
+    assert torch.equal(got["load"], ref["load"])
+
+
 def test_sglang_map_keeps_dense_layers_trivial(tmp_path):
     """A dense layer gets SGLang's own trivial row (arange(P) % n); the MoE layers EPLB's."""
     from moetool.traces.export import eplb_placement, write_export

@@ -25,6 +25,7 @@ import torch
 
 from .. import ops
 from ..errors import MoetoolError
+from ..loading import load_tokenizer
 from ..sketch import SparseCounter
 from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
 from ..uncertainty import RowSums
@@ -187,8 +188,6 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
 def _tokenizer(src: TraceSource) -> Any:
     """The model's tokenizer for the ``token`` column (no weights read); ``None`` (empty text) where it cannot be
     read, e.g. off the Hub."""
-    from ..loading import load_tokenizer
-
     try:
         return load_tokenizer(src.shape.source)
     except MoetoolError:
