@@ -21,7 +21,8 @@ MassRecall(h) = Σ_{e∈L(c(h))} π_e(h); top-K recall |TopK ∩ L|/K; exact-top
 ε = ||h − c(h)||; bound = exp(−2ε) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) (Proposition 1; a theorem with
 --centroids unit, so bound_holds_rate is 1 there). --centroids raw: the model's own router (bias, scoring,
 its top-K); unit: router rows on the unit sphere, logits <w_e, h>, softmax. One codebook per (layer, G) for
-every M. Shortlist sizes larger than n are skipped (noted in manifest.json).
+every M. A shortlist size larger than a layer's n experts is refused before any forward (the default
+sizes 2,4,8,16 stop at n).
 
 Scale-aware bound: the proof holds for any point x and a fixed shortlist L: MassRecall(h) >= exp(−2||h − x||)
 ρ_L(x). The paper's x = c(h) (unit) against raw states of norm ≈ sqrt(d) gives ≈ e^{-2 sqrt(d)} (true, empty);
@@ -52,8 +53,9 @@ Examples:
 def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, force: Force = False,
                 codebook_size: str = typer.Option("8,32,128", "--codebook-size", "-G",
                                                   help="Codebook sizes G, comma-separated."),
-                shortlist: str = typer.Option("2,4,8,16", "--shortlist", "-M",
-                                              help="Shortlist sizes M, comma-separated (sizes > n are skipped)."),
+                shortlist: str = typer.Option(None, "--shortlist", "-M",
+                                              help="Shortlist sizes M, comma-separated, each at most the layer's n "
+                                                   "experts (default: 2,4,8,16 up to n)."),
                 centroids: str = typer.Option("raw,unit", "--centroids",
                                               help="Expert centroid modes, comma-separated: raw (the router as "
                                                    "is) and/or unit (rows on the unit sphere)."),
@@ -67,7 +69,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
     from moetool.report.console import print_table, with_ci
 
     opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),
-                             shortlists=tuple(parse_list(shortlist, int, "shortlist size")),
+                             shortlists=tuple(parse_list(shortlist, int, "shortlist size")) if shortlist else None,
                              centroids=tuple(parse_list(centroids, str, "centroids mode")),
                              kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers),
                              bootstrap=bootstrap)
@@ -76,8 +78,6 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
     run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     started.write(res)
-    for note in res.meta["notes"]:
-        typer.secho(f"note: {note}", err=True)
     if not quiet:
         print_table(with_ci(res.summary), f"mass recall: {model} ({tokens.n_tokens:,} tokens)", csv="mass_recall.csv")
     echo_run(run.path)

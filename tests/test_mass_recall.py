@@ -17,6 +17,7 @@ from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.data import TokenSet
 from moetool.engine import Engine
+from moetool.errors import MoetoolError
 from moetool.experiments.kmeans import SphericalKMeans
 from moetool.experiments.mass_recall import (COLUMNS, MassRecallOptions, evaluate, run_mass_recall,
                                              scaled_bound, token_metrics)
@@ -167,7 +168,7 @@ def tokens_for_test(rows: int = 6, seq: int = 24, seed: int = 5) -> TokenSet:
 def tiny_result(model_type: str):
     model = build_tiny_model(model_type)
     lm = SimpleNamespace(model=model, layers=find_moe_layers(model), device=model.device)
-    opts = MassRecallOptions(codebook_sizes=(3, 12), shortlists=(1, 2, 4, 8, 9), batch_size=3)
+    opts = MassRecallOptions(codebook_sizes=(3, 12), shortlists=(1, 2, 4, 8), batch_size=3)
     return run_mass_recall(lm, tokens_for_test(), opts, quiet=True)
 
 
@@ -177,7 +178,7 @@ def test_invariants_on_tiny_model(model_type):
     df = res.table
     assert list(df.columns) == COLUMNS
     assert (df["tokens"] == 6 * 24 - 6).all()
-    assert any("[9]" in note for note in res.notes) and 9 not in set(df["shortlist_size"])  # M > n skipped
+    assert sorted(set(df["shortlist_size"])) == [1, 2, 4, 8]
     full = df[df["shortlist_size"] == 8]  # n = 8
     assert (full["mass_recall_mean"] == 1.0).all() and (full["mass_recall_p05"] == 1.0).all()
     assert (full["topk_recall"] == 1.0).all() and (full["exact_topk_rate"] == 1.0).all()
@@ -269,8 +270,13 @@ def test_cli_on_embedded_model(tmp_path, name):
     import pandas as pd
 
     out = tmp_path / name
+    n_experts = {"tiny": 8, "tiny-fine": 32}[name]
     r = CliRunner().invoke(app, ["mass-recall", "--model", name, "--max-tokens", "768", "--seq-len", "128",
-                                 "--codebook-size", "4,16", "--shortlist", "1,4,64", "--out", str(out), "-q"])
+                                 "--codebook-size", "4,16", "--shortlist", "64", "--out", str(out), "-q"])
+    assert r.exit_code == 2 and f"more than the {n_experts} experts" in r.output and not out.exists()
+    r = CliRunner().invoke(app, ["mass-recall", "--model", name, "--max-tokens", "768", "--seq-len", "128",
+                                 "--codebook-size", "4,16", "--shortlist", f"1,4,{n_experts}", "--out", str(out),
+                                 "-q"])
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "mass_recall.csv")
     assert list(df.columns) == COLUMNS
@@ -278,5 +284,25 @@ def test_cli_on_embedded_model(tmp_path, name):
     assert (df.loc[df["centroids"] == "unit", "bound_scaled_holds_rate"] == 1.0).all()
     assert (df["bound_scaled_mean"] >= df["bound_mean"]).all()
     n = int(round(((df["codebook_size"] + df["shortlist_size"]) / df["router_flops_frac"]).iloc[0]))
-    assert set(df["shortlist_size"]) == {m for m in (1, 4, 64) if m <= n}
+    assert n == n_experts and set(df["shortlist_size"]) == {1, 4, n}
     assert (out / "figures" / "mass_recall_vs_shortlist.png").exists()
+
+
+def test_shortlist_above_n_is_refused_before_any_forward():
+    """A shortlist of more experts than a layer has (M = 9 of n = 8) is refused in one line before the codebook
+    is fitted, never skipped; without --shortlist the sizes 2, 4, 8, 16 stop at each layer's n."""
+    model = build_tiny_model("mixtral")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), device=model.device)
+
+    class NoForward:  # any forward would read the rows: the refusal comes first
+        def require_tokens(self):
+            pass
+
+        def __getattr__(self, name):
+            raise AssertionError(f"a forward started ({name})")
+
+    with pytest.raises(MoetoolError, match=r"--shortlist 9: more than the 8 experts of MoE layer 0") as e:
+        run_mass_recall(lm, NoForward(), MassRecallOptions(shortlists=(4, 9)), quiet=True)
+    assert "\n" not in str(e.value)
+    assert MassRecallOptions().shortlist_sizes(8) == [2, 4, 8] and MassRecallOptions().shortlist_sizes(32) == [2, 4, 8, 16]
+    assert MassRecallOptions(shortlists=(4, 2, 4)).shortlist_sizes(8) == [4, 2]

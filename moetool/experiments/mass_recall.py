@@ -49,6 +49,7 @@ from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
+from ..registry import unique
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
 from .kmeans import GlobalBatch, SphericalKMeans
 from .result import Result, resolve_options
@@ -57,6 +58,9 @@ MODES = ("raw", "unit")
 BOUND_TOL = 1e-9
 SCALES = 64  # grid points of the 1-D search over s (plus s = 1 and s = <h, c>)
 HIST_BINS = 4096
+#: shortlist sizes M when none are given (those up to each layer's n)
+DEFAULT_SHORTLISTS = (2, 4, 8, 16)
+
 COLUMNS = ["layer", "codebook_size", "shortlist_size", "centroids", "tokens", "mass_recall_mean",
            "mass_recall_p05", "topk_recall", "exact_topk_rate", "quant_error_mean", "bound_mean",
            "bound_holds_rate", "bound_scaled_mean", "bound_scaled_holds_rate", "best_scale_mean", "dead_codes", "expert_coverage", "router_flops_frac"]
@@ -71,7 +75,7 @@ _SUMS = ("tokens", "mass", "topk_recall", "exact", "eps", "bound", "holds", "bou
 @dataclass(frozen=True)
 class MassRecallOptions:
     codebook_sizes: tuple[int, ...] = (8, 32, 128)  # G: codewords per layer
-    shortlists: tuple[int, ...] = (2, 4, 8, 16)  # M: experts per shortlist (sizes > n are skipped)
+    shortlists: tuple[int, ...] | None = None  # M: experts per shortlist (None: 2, 4, 8, 16 up to each layer's n)
     centroids: tuple[str, ...] = ("raw", "unit")  # expert centroid modes
     kmeans_iters: int = 1  # extra k-means passes over the data after the first
     seed: int = 0
@@ -85,11 +89,16 @@ class MassRecallOptions:
             raise MoetoolError(f"--centroids {bad[0]!r}: choose from {', '.join(MODES)}")
         if not self.codebook_sizes or min(self.codebook_sizes) < 1:
             raise MoetoolError("--codebook-size values must be >= 1")
-        if not self.shortlists or min(self.shortlists) < 1:
+        if self.shortlists is not None and (not self.shortlists or min(self.shortlists) < 1):
             raise MoetoolError("--shortlist values must be >= 1")
         if self.kmeans_iters < 0:
             raise MoetoolError("--kmeans-iters must be >= 0")
         check_n_boot(self.bootstrap)
+
+    def shortlist_sizes(self, n: int) -> list[int]:
+        """The shortlist sizes M run on a layer of ``n`` experts: the given ones (each at most n: checked before
+        any forward by :func:`run_mass_recall`), or the defaults up to n."""
+        return unique(self.shortlists) if self.shortlists is not None else [m for m in DEFAULT_SHORTLISTS if m <= n]
 
 
 # ----- the routing distribution in each centroid mode ----------------------------------------
@@ -270,7 +279,6 @@ class _Acc:
 @dataclass
 class MassRecallResult:
     table: Any  # DataFrame with COLUMNS
-    notes: list[str] = field(default_factory=list)  # shortlist sizes skipped
     reinits: dict[str, int] = field(default_factory=dict)  # "layer/G" -> dead-code re-initialisations
 
 
@@ -282,13 +290,7 @@ class RecallCollector:
     def __init__(self, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[int, int], SphericalKMeans],
                  opts: MassRecallOptions, norms: dict[int, torch.Tensor] | None = None):
         self.layers, self.fits, self.opts, self.norms = list(layers), fits, opts, norms or {}
-        self.notes: list[str] = []
-        self.ms: dict[int, list[int]] = {}
-        for L in self.layers:
-            self.ms[L.index] = [m for m in opts.shortlists if m <= L.n_experts]
-            skipped = [m for m in opts.shortlists if m > L.n_experts]
-            if skipped:
-                self.notes.append(f"layer {L.index}: shortlist sizes {skipped} > n = {L.n_experts} experts skipped")
+        self.ms: dict[int, list[int]] = {L.index: opts.shortlist_sizes(L.n_experts) for L in self.layers}
         with torch.no_grad():
             self.spaces = {(L.index, G, mode): codeword_space(L, mode, fits[(L.index, G)].codebook)
                            for L in self.layers for G in opts.codebook_sizes for mode in opts.centroids}
@@ -403,7 +405,7 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
     forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
             before_batch=col.before_batch, description="mass recall", quiet=quiet)
     col.merge_across_ranks()
-    return MassRecallResult(col.table(), col.notes)
+    return MassRecallResult(col.table())
 
 
 def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Sequence[MoELayer] | None = None,
@@ -411,6 +413,11 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
     """Fit the codebooks, then evaluate: the whole experiment on one model."""
     layers = list(lm.layers if layers is None else layers)
     tokens.require_tokens()  # no codebook can be fitted on nothing: one line, not a crash in the scoring
+    for L in layers:  # a shortlist of more experts than the layer has: refused before any forward, never skipped
+        over = [m for m in opts.shortlist_sizes(L.n_experts) if m > L.n_experts]
+        if over:
+            raise MoetoolError(f"--shortlist {over[0]}: more than the {L.n_experts} experts of MoE layer {L.index}; "
+                               f"choose sizes up to {L.n_experts}")
 
     steps = None
     if distributed.world_size() > 1 and tokens.row_ids is None:  # shard once: global row ids for the bootstrap
@@ -470,15 +477,15 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
                 **overrides: Any) -> Result:
     """Mass recall of an IVF router per MoE layer, codebook size G, shortlist size M and centroid mode.
 
-    Table ``mass_recall`` with :data:`COLUMNS` (see :data:`DEFINITIONS`); shortlist sizes larger than n are
-    skipped and listed in ``meta["notes"]``.
+    Table ``mass_recall`` with :data:`COLUMNS` (see :data:`DEFINITIONS`); a shortlist size larger than a
+    layer's n is refused before any forward (the default sizes stop at n).
     """
     opts = resolve_options(MassRecallOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "mass-recall")
     res = run_mass_recall(lm, tokens, opts, layers=layers, quiet=quiet)
     return Result("mass_recall", {"mass_recall.csv": res.table}, opts,
-                  meta=dict(definitions=DEFINITIONS, bound_derivation=BOUND_DERIVATION, notes=res.notes, kmeans_reinits=res.reinits,
+                  meta=dict(definitions=DEFINITIONS, bound_derivation=BOUND_DERIVATION, kmeans_reinits=res.reinits,
                             data=tokens.describe(), kmeans={"gamma": 0.95, "dead_code_tau": 1.0,
                                                             "extra_passes": opts.kmeans_iters, "seed": opts.seed}),
                   summary=res.table.drop(columns=["tokens"]))
