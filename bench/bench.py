@@ -6,6 +6,8 @@
     python bench/bench.py --lazy-data     # + load_tokens --max-tokens 20k/200k on a 200 MB corpus
     python bench/bench.py --shapes --quant  # only: quantized-expert probes against the plain probe
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
+    python bench/bench.py --gpu           # issue #36's figures on any CUDA machine (~3-4 min on an H100; --quick:
+                                          # half); on CPU scaled-down shapes, said so (bench/bench_gpu.py)
 
 **Engine ratios** (``--shapes``): two random Mixtral-shaped models, 8 layers, d=512 — ``8x1024k2`` (8 experts,
 I=1024, top-2) and ``64x128k8`` (64 experts, I=128, top-8) — over ``--tokens`` random tokens in batches of
@@ -36,7 +38,8 @@ capture, router_logits and hand_item_loop have an ideal of 1.00 (no extra arithm
 Mixtral-8x7B (d=4096, 8 experts, I=14336, top-2, 32/8 heads) and Qwen3-30B-A3B (d=2048, 128 experts, I=768,
 top-8, 32/4 heads), bf16, random weights; time per 1,000 tokens and peak extra memory (CUDA: max allocated;
 CPU: peak RSS sampled every 2 ms above the RSS before the call) of plain, capture, norm:gate and all-expert
-outputs (token chunks keep the probe's intermediate within ``engine.probes.DEFAULT_BUDGET``).
+outputs (token chunks sized by ``engine.probes.auto_budget``: a share of a CUDA device's free memory,
+``DEFAULT_BUDGET`` on the CPU).
 
 **RSS per command** (``--rss``): ``moetool <command>`` on the embedded models in a subprocess at 20k and 200k
 tokens of a corpus made by repeating the held-out text; its peak RSS (``wait4``). Flat memory = the 200k figure
@@ -113,12 +116,18 @@ def geometry(model) -> dict[str, int]:
                 layers=len(layers))
 
 
-def flop_ideals(g: dict[str, int], seq: int) -> dict[str, float]:
-    """FLOP-ideal ratio of every variant (formulas in the module docstring)."""
+def plain_flops(g: dict[str, int], seq: int) -> float:
+    """FLOPs per token of the plain forward (the module docstring's ``plain``)."""
     d, inter, n, k, H, G, h = g["d"], g["inter"], g["n"], g["k"], g["heads"], g["kv_heads"], g["head_dim"]
     s_mean = (seq + 1) / 2
     attention = 2 * d * H * h + 2 * 2 * d * G * h + 2 * H * h * d + 2 * 2 * H * h * s_mean
-    plain = g["layers"] * (attention + 2 * n * d + k * 3 * 2 * inter * d) + 2 * d * g["vocab"]
+    return g["layers"] * (attention + 2 * n * d + k * 3 * 2 * inter * d) + 2 * d * g["vocab"]
+
+
+def flop_ideals(g: dict[str, int], seq: int) -> dict[str, float]:
+    """FLOP-ideal ratio of every variant (formulas in the module docstring)."""
+    d, inter, n, k = g["d"], g["inter"], g["n"], g["k"]
+    plain = plain_flops(g, seq)
     extra = {"norm:gate": (n - k) * 2 * inter * d, "norm:gate (recompute)": n * 2 * inter * d,
              "all_expert_outputs": n * 3 * 2 * inter * d}
     out = {v: 1.0 for v in ("plain", "capture", "router_logits", "hand_item_loop")}
@@ -351,11 +360,11 @@ def fp8_experts_copy(model, expert_dtype: str, scale_fmt: str):
     return qm
 
 
-def bench_quant(a) -> list[dict[str, Any]]:
+def bench_quant(a, device: Any = None) -> list[dict[str, Any]]:
     from moetool.adapters import find_moe_layers
     from moetool.engine import probes
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = mixtral_model(8, a.quant_inter, 2, d=a.quant_d, layers=1, vocab=256, dtype=dtype).to(dev)
     h = torch.randn(a.quant_tokens, a.quant_d, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
@@ -483,8 +492,23 @@ def main() -> None:
     ap.add_argument("--quant-inter", type=int, default=2048)
     ap.add_argument("--quant-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--gpu", action="store_true", help="issue #36's figures: real-width shapes, quantized probes, "
+                    "command ratios (bench/bench_gpu.py); scaled down without CUDA")
+    ap.add_argument("--quick", action="store_true", help="--gpu with fewer tokens and rounds")
+    ap.add_argument("--gpu-cpu", action="store_true", help="--gpu's scaled-down run even where CUDA is available")
+    ap.add_argument("--gpu-sections", nargs="*", default=["shapes", "quant", "commands"],
+                    choices=["shapes", "quant", "commands"])
+    ap.add_argument("--gpu-tokens", type=int, default=16384, help="--gpu shapes: tokens per timed pass")
+    ap.add_argument("--gpu-seq", type=int, default=2048, help="--gpu: tokens per row")
+    ap.add_argument("--gpu-batch", type=int, default=4, help="--gpu shapes: rows per forward")
+    ap.add_argument("--gpu-repeat", type=int, default=5, help="--gpu shapes: interleaved rounds")
+    ap.add_argument("--gpu-command-tokens", type=int, default=65536, help="--gpu commands: tokens")
+    ap.add_argument("--gpu-command-batch-tokens", type=int, default=16384, help="--gpu commands: tokens per forward")
+    ap.add_argument("--gpu-commands", nargs="*", default=None, help="--gpu: restrict to these commands")
     ap.add_argument("--csv", default="bench.csv")
     a = ap.parse_args()
+    if a.gpu:
+        return main_gpu(a)
 
     import pandas as pd
 
@@ -535,6 +559,28 @@ def main() -> None:
         print(t[["probe", "variant", "ratio", "spread", "seconds"]].to_string(**fmt))
     df.to_csv(a.csv, index=False)
     print(f"\nwrote {a.csv}")
+
+
+def main_gpu(a) -> None:
+    """``--gpu``: the sections of bench_gpu.run, the CSV saved after each, the printout also in <csv>.txt."""
+    import pandas as pd
+
+    import bench_gpu
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not torch.cuda.is_available() or a.gpu_cpu:
+        exact_rss_mode()  # CPU peaks are RSS peaks
+    Path(a.csv).parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for part in bench_gpu.run(a):
+        rows += part
+        pd.DataFrame(rows).to_csv(a.csv, index=False)
+    df = pd.DataFrame(rows)
+    text = bench_gpu.report(df, a) + f"\n\ntotal {time.perf_counter() - t0:.0f}s; wrote {a.csv}"
+    print(text)
+    Path(a.csv).with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: moetool's whole test suite on a CUDA machine, then the engine benchmark there.
 #
-#   bash bench/gpu_check.sh            # suite (pytest-xdist, one worker per core up to 15) + bench/bench.py --real
+#   bash bench/gpu_check.sh            # suite (pytest-xdist, one worker per core up to 15) + bench/bench.py --gpu
 #   OUT=dir bash bench/gpu_check.sh    # where the logs go (default gpu_check/)
 #
 # Needs: a CUDA GPU, python3 with a CUDA build of torch, pytest, pytest-xdist and pytest-timeout. Packages the
 # machine lacks can be brought as wheels in .whl/ (see README "On a GPU"); they are installed without an index.
 # Writes: $OUT/env.txt, $OUT/suite.txt (pytest's summary, every failure with its line), $OUT/junit.xml,
-# $OUT/bench.txt. About 4-6 minutes on one H100 (suite ~2.5 min with 15 workers).
+# $OUT/bench.txt (+ bench.csv). About 6-8 minutes on one H100 (suite ~3 min with 15 workers, bench --gpu 3-4 min;
+# BENCH_ARGS="--gpu --quick" for a shorter one, BENCH=0 for none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check}
@@ -35,7 +36,7 @@ rc=$?
 echo "suite exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/suite.txt"
 tail -3 "$OUT/suite.txt"
 if [ "${BENCH:-1}" = 1 ]; then
-    timeout "${BENCH_TIMEOUT:-240}" $PY bench/bench.py --real --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1
+    timeout "${BENCH_TIMEOUT:-300}" $PY bench/bench.py ${BENCH_ARGS:---gpu} --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1
     echo "bench exit $?" >> "$OUT/bench.txt"; tail -25 "$OUT/bench.txt"
 fi
 exit $rc

@@ -3,10 +3,12 @@ Baraniuk 2025, arXiv 2505.00792, Fig. 3)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+from .trace_input import TraceConfig
 from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, Out,
                       Quiet, Resume, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, open_run, parse_list,
                       preflight, rank_layout, run_options, unit_key, write_result)
@@ -48,15 +50,21 @@ the top-1 change averaged over layers, reduction_vs_router = the router's top1_c
 figures/fluctuation_by_layer, figures/entropy_ratio_by_layer, figures/entropy_vs_router_by_layer (each
 routing's entropy / the router's, the paper's ratio), manifest.json.
 
+--trace RUN (twice or more, instead of checkpoints): the recorded routings of the same tokens (moetool trace
+or import-trace runs, e.g. one model at two training steps), their first --max-tokens tokens: fluctuation.csv
+with topk_change, topk_overlap, jaccard (and top1_change when every trace has gate weights, as moetool trace
+writes them); no entropies (they need the router's probabilities), no --isolate, no figures.
+
 Examples:
   moetool fluctuation tiny-early tiny --out runs/fluct-tiny
+  moetool fluctuation --trace runs/step-1000 --trace runs/step-2000 --bootstrap 0
   moetool fluctuation tiny-fine-early tiny-fine --routing router,similarity --sim cosine --tau 0.1 --isolate
   moetool fluctuation ckpt-1000 ckpt-2000 ckpt-3000 --reference last
 """
 
 
 @handle_errors
-def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more checkpoints (embedded names, "
+def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more checkpoints (embedded names, "
                                                            "local directories, aliases or hub ids), in order."),
                 data: Data = None, out: Out = None, force: Force = False,
                 routing: str = typer.Option("router,similarity,attention", "--routing",
@@ -70,7 +78,21 @@ def fluctuation(checkpoints: List[str] = typer.Argument(..., help="Two or more c
                                              "other checkpoint's routers (rows <routing>-isolated)."),
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
-                dtype: Dtype = "auto", device: Device = "auto", resume: Resume = False, quiet: Quiet = False) -> None:
+                dtype: Dtype = "auto", device: Device = "auto", resume: Resume = False, quiet: Quiet = False,
+                trace: List[Path] = typer.Option(None, "--trace", help="Two or more recorded routings of the same "
+                                                 "tokens (moetool trace / import-trace runs), in order, instead of "
+                                                 "checkpoints."),
+                trace_config: Optional[str] = TraceConfig) -> None:
+    if trace:  # recorded routings instead of forwards (commands/trace_input.py)
+        from .trace_input import fluctuation_on_traces, refuse
+
+        refuse({"checkpoints": checkpoints, "--data": data, "--isolate": isolate, "--resume": resume,
+                "--routing": routing != "router,similarity,attention" and routing})
+        return fluctuation_on_traces(trace, trace_config, reference, bootstrap, seed, max_tokens, out, force)
+    if not checkpoints:
+        from moetool.errors import MoetoolError
+
+        raise MoetoolError("give two or more checkpoints (or --trace runs)")
     preflight(*checkpoints)  # before the experiment's imports: a bad --model fails at once
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens

@@ -26,11 +26,12 @@ topk_overlap, top1_agree, tokens), quality.csv (policy, task, metric, value, rou
 seconds; perplexity rows have task = the data name), figures/retention and
 figures/agreement_by_layer, manifest.json, and prints a Table-1-shaped summary. Every value has a
 95% interval (*_lo/*_hi; ± in the tables; error bars): document-level bootstrap over packed rows
-for agreement and perplexity (--bootstrap N, 0 = off), lm-eval's standard errors for accuracy and
-the delta method for retention. With lm-eval tasks scored by acc it also prints and writes
-aoe_table1.csv: AoE Table 1's layout (router and best node per task), the paper's published
-Mixtral 8x7B numbers (MMLU 70.35 -> 66.66 = 94.8%, ARC-C 62.12 -> 58.79 = 94.6%) beside the measured
-ones; for other models the measured columns only.
+for agreement and perplexity (--bootstrap N, 0 = off), Wilson's interval for an accuracy (inside
+[0, 1]; lm-eval's standard error beside it) and the delta method for retention. With lm-eval tasks
+scored by acc it also prints and writes aoe_table1.csv: AoE Table 1's layout (router and best node
+per task), the paper's published Mixtral 8x7B numbers (MMLU 70.35% -> 66.66% = 94.8%, ARC-C 62.12% ->
+58.79% = 94.6%) as fractions (0.7035, as in quality.csv) beside the measured ones; for other models the
+measured columns only.
 --tasks: see `moetool eval --help` (shipped offline tasks: moetool_code, moetool_prose).
 
 Examples:

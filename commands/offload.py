@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from .trace_input import Trace, TraceConfig
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
@@ -29,8 +33,14 @@ hit_rate, hit_rate_lo, hit_rate_hi, misses_per_token, bytes_per_token), offload_
 source_layer, tokens, top1_recall, topk_recall with _lo/_hi), figures/offload_hit_rate_vs_cache_size,
 figures/offload_prefetch_recall, figures/offload_coverage, manifest.json (definitions).
 
+--trace PATH (a moetool trace or import-trace run) simulates the caches on the first --max-tokens tokens of
+recorded routing instead of a forward: offload_coverage.csv, offload_layers.csv and offload_cache.csv without
+expert_bytes / bytes_per_token (an expert's bytes depend on the serving precision); no offload_prefetch.csv (the
+prediction needs a forward's hidden states) and no figures.
+
 Examples:
   moetool offload --out runs/offload-tiny
+  moetool offload --trace runs/vllm-trace --max-tokens 100000 --policies lru,belady
   moetool offload --model tiny-fine --capacity 2,3,4,6 --policies lru,belady --bootstrap 0
 """
 
@@ -51,8 +61,10 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
             layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192,
             batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
             quantize: Quantize = None,
-            seed: Seed = 0, quiet: Quiet = False) -> None:
-    preflight(model)  # before the experiment's imports: a bad --model fails at once
+            seed: Seed = 0, quiet: Quiet = False, trace: Optional[Path] = Trace,
+            trace_config: Optional[str] = TraceConfig) -> None:
+    if trace is None:
+        preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.offload import OffloadOptions, offload as compute
     from moetool.report.console import print_table
 
@@ -61,6 +73,11 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
                           coverage_tokens=tuple(parse_list(coverage_tokens, int, "coverage tokens"))
                           if coverage_tokens else None, predict_norm=predict_norm, bootstrap=bootstrap, seed=seed,
                           batch_size=batch_size, layers=parse_layers(layers))
+    if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)
+        from .trace_input import offload_on_trace, refuse
+
+        refuse({"--data": data})
+        return offload_on_trace(trace, trace_config, opts, max_tokens, out, force)
     started = start_run("offload", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     run, lm, tokens = started

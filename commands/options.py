@@ -16,6 +16,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from moetool.errors import MoetoolError, is_disk_full, write_error
+from moetool.registry import unique
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
                                     "(moetool inspect --aliases), local directory or hub id.")]
@@ -252,7 +253,9 @@ def quiet_libraries() -> None:
 
 
 def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "value") -> list[Any]:
-    """``"a,b,c"`` -> list; a clear error for a bad item."""
+    """``"a,b,c"`` -> list; a clear error for a bad item. The one parser of every comma-separated flag: a value
+    given twice (``0.5,0.5``, ``0.5,.50``: equal once cast) is kept once, at its first place, so no table has a
+    row computed twice."""
     if text is None:
         return []
     out = []
@@ -265,7 +268,7 @@ def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "
             raise MoetoolError(f"bad {what} '{item}' in '{text}'") from None
     if not out:
         raise MoetoolError(f"empty list of {what}s: '{text}'")
-    return out
+    return unique(out)
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from .trace_input import Trace, TraceConfig
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, finish_command, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
@@ -31,8 +32,15 @@ imbalance = sum of the layers' max / sum of their mean, max_layer_imbalance, lay
 placement_loads.csv (data_set, layer, expert, tokens, load, load_fraction), figures/placement_imbalance (imbalance
 vs G per method), figures/placement_layers (per-layer imbalance at the largest G below n) and manifest.json (definitions).
 
+--trace PATH (a moetool trace or import-trace run) takes the loads from recorded routing instead of a forward
+(no bootstrap, no eplb_stale; --groups defaults to 1). --export sglang writes sglang_expert_location.json
+(physical_to_logical_map for SGLang's --init-expert-location; every decoder layer a row, dense ones SGLang's
+trivial map), --export eplb writes eplb_placement.json (EPLB's phy2log, log2phy, logcnt): the EPLB placement at
+the one --gpus G and --extra-slots given.
+
 Examples:
   moetool placement
+  moetool placement --trace runs/vllm-trace --gpus 8 --extra-slots 1 --export sglang
   moetool placement --model tiny-fine --gpus 2,4,8 --extra-slots 0,1,2 --reference-data other.jsonl
   moetool placement --model tiny --reference-model tiny-early
 """
@@ -54,7 +62,22 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                   "computed from."),
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
               dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
-              seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, quiet: Quiet = False) -> None:
+              seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, quiet: Quiet = False,
+              trace: Optional[Path] = Trace, trace_config: Optional[str] = TraceConfig,
+              export: str = typer.Option(None, "--export", help="Also write the EPLB placement at the one --gpus G "
+                                                                "and --extra-slots given, as the engine loads it: "
+                                                                "sglang (--init-expert-location file) or eplb "
+                                                                "(phy2log, log2phy, logcnt).")) -> None:
+    if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)
+        from moetool.experiments.placement import PlacementOptions
+
+        from .trace_input import placement_on_trace, refuse
+
+        refuse({"--data": data, "--reference-data": reference_data, "--reference-model": reference_model})
+        return placement_on_trace(trace, trace_config, PlacementOptions(
+            gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
+            extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
+            layers=parse_layers(layers), batch_size=batch_size, bootstrap=0, seed=seed), out, force, export)
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
@@ -63,6 +86,14 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     opts = PlacementOptions(gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
                             extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
                             layers=parse_layers(layers), batch_size=batch_size, bootstrap=bootstrap, seed=seed)
+    if export is not None:  # checked before the forward: one placement, a known format
+        from moetool.errors import MoetoolError
+        from moetool.traces.export import EXPORTS
+
+        if export not in EXPORTS or (gpus is None or len(set(parse_list(gpus, int, "G"))) != 1
+                                     or len(set(opts.extra_slots)) != 1):
+            raise MoetoolError(f"--export {export}: one of {', '.join(EXPORTS)}, with one --gpus G and one "
+                               f"--extra-slots value (it writes one placement)")
     if reference_data is not None:
         DocumentStream(reference_data)  # a missing file fails before the run folder exists
     if reference_model is not None:  # configs and vocabularies must agree, before any weight loads
@@ -79,6 +110,12 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     tokenizer=False)
               if reference_model is not None else None)
     res = compute(lm, tokens, opts, reference=reference, reference_model=ref_lm, quiet=quiet)
+    if export is not None:
+        from moetool.traces.shape import ModelShape
+
+        from .trace_input import loads_of_result, write_export_file
+
+        write_export_file(started.run, export, loads_of_result(res), opts, ModelShape.from_config(model))
     finish_command(started, res, f"per-GPU load imbalance (max/mean): {model} ({tokens.n_tokens:,} tokens)",
                    "placement_overall.csv")
 

@@ -18,7 +18,8 @@ the command to run, and a ceiling in tokens/s per command from dense peak FLOP/s
 (upper bounds: min of the compute and the weight-reading ceilings).
 
 GPUs: H100, H200, B200, A100-80, A100-40, L40S, RTX4090 (vendor datasheet rates, dense, no sparsity).
-A layout may use 90% of a GPU's memory. Writes params.csv, layouts.csv, throughput.csv and manifest.json.
+A layout may use 90% of a GPU's memory. Writes params.csv, layouts.csv (with why each layout runs or not),
+throughput.csv (when a layout fits) and manifest.json. No layout fitting is an answer (exit 0), not an error.
 
 Examples:
   moetool plan --model examples/configs/mixtral-8x7b --gpus 1xH100
@@ -69,9 +70,8 @@ def plan(model: Model = DEFAULT_MODEL,
             f"{nodes} node{'s' if nodes > 1 else ''} of {gpus}", markup=False, highlight=False)
     print_table(res["params"], title="parameter bytes by group and format")
     print_layouts(c, res["layouts"], f"layouts (rows of {p['seq_len']} tokens x {batch_size})")
-    thr = res["throughput"]
-    if len(thr):
-        wide = thr.pivot(index="command", columns="layout", values="tokens_per_s").round(0)
+    if "throughput" in res:
+        wide = res["throughput"].pivot(index="command", columns="layout", values="tokens_per_s").round(0)
         print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)")
     else:
         c.print("no layout fits: add GPUs or nodes, or a larger GPU")
@@ -89,8 +89,10 @@ def print_layouts(c: object, layouts: object, title: str) -> None:
                 f"replica{'s' if replicas != 1 else ''}, {r['gib_per_gpu']:g} GiB per GPU, "
                 f"{'fits' if r['fits'] else 'does not fit'}"
                 + ("" if r["available"] == "yes" else f"; not available ({r['available'][4:]})"), soft_wrap=True)
-        if r["command"]:
+        if r.get("command"):  # no command column where nothing fits (the why column says why)
             c.print(f"    {r['command']}", soft_wrap=True)
+        elif not r["fits"] and r.get("why"):
+            c.print(f"    {r['why']}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

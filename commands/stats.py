@@ -3,8 +3,12 @@ per-domain load, top tokens per expert)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from .trace_input import Trace, TraceConfig
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       MaxTokens, Model, Out, Quiet, Resume, Seed, SeqLen, echo_run, handle_errors, preflight, start_run)
 from .options import Quantize
@@ -62,6 +66,13 @@ accumulators saved after a batch (at most once a minute, and after the
 last) are restored and the forward goes on from the next batch: the same
 tables as an uninterrupted run.
 
+--trace PATH (a moetool trace or import-trace run, see import-trace) reads the
+routing from there instead of a forward: load.csv (without router_prob),
+layers.csv (without the confidence entropy and aux loss: they need the router's
+probabilities, which the engines do not record), coactivation.csv (per-token
+traces; none from counts-only dumps), top_tokens.csv and top_tokens_lift.csv
+(where the trace has token ids); no intervals, specialisation or figures.
+
 Examples:
   moetool stats --out runs/stats-tiny
   moetool stats --model tiny-fine --top-tokens 20 --max-tokens 16384
@@ -93,7 +104,16 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, resume: Resume = False,
-          quiet: Quiet = False) -> None:
+          quiet: Quiet = False, trace: Optional[Path] = Trace, trace_config: Optional[str] = TraceConfig) -> None:
+    if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)
+        from moetool.experiments.stats import StatsOptions
+
+        from .trace_input import refuse, stats_on_trace
+
+        refuse({"--data": data, "--resume": resume, "--no-special-tokens": no_special_tokens})
+        return stats_on_trace(trace, trace_config, StatsOptions(
+            top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
+            coactivation=coactivation, all_tokens=all_tokens, bootstrap=0, seed=seed), out, force)
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.stats import StatsOptions, stats as compute
     from moetool.report.console import print_table

@@ -43,13 +43,15 @@ def main(out: Path) -> dict:
         top1 = ev.idx[:, 0].reshape(B, S)
         valid = ev.valid.reshape(B, S)
         both = valid[:, 1:] & valid[:, :-1]
-        same[ev.layer.index] = same.get(ev.layer.index, 0) + int(((top1[:, 1:] == top1[:, :-1]) & both).sum())
-        pairs[ev.layer.index] = pairs.get(ev.layer.index, 0) + int(both.sum())
+        # tensors on the model's device: no host sync per event (int() once, after the forwards)
+        same[ev.layer.index] = same.get(ev.layer.index, 0) + ((top1[:, 1:] == top1[:, :-1]) & both).sum()
+        pairs[ev.layer.index] = pairs.get(ev.layer.index, 0) + both.sum()
 
     with torch.no_grad(), moetool.hook(lm, consumers=[repeat_rate]):
         for batch in tokens.batches(8):
-            lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    rates = {layer: same[layer] / pairs[layer] for layer in sorted(same)}
+            lm.model(input_ids=batch.input_ids.to(lm.device), attention_mask=batch.attention_mask.to(lm.device))
+    pairs = {layer: int(n) for layer, n in pairs.items()}
+    rates = {layer: int(same[layer]) / pairs[layer] for layer in sorted(same)}
     print("top-1 repeats the previous token's:", {k: round(v, 3) for k, v in rates.items()})
 
     # 4. write the experiment as the CLI would, and a figure of your own beside it

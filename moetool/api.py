@@ -115,6 +115,44 @@ def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, 
     return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
 
 
+def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | None = None, *,
+                 format: str | None = None, force: bool = False) -> Path:
+    """``moetool import-trace``: an engine's routing dump (``format`` vllm, sglang-routed, sglang-dump or megatron;
+    sniffed when ``None``) checked against the model ``config`` and written as moetool's trace (``trace.parquet``)
+    or loads (``loads.parquet``) with a manifest (``routing_source``) into the folder ``out``; returns the file. A
+    bad dump raises :class:`~moetool.errors.MoetoolError` before anything is written."""
+    import shutil
+    import tempfile
+
+    from .errors import MoetoolError
+    from .report import RunDir
+    from .traces import readers, store
+    from .traces.shape import ModelShape
+
+    sources = [str(s) for s in sources]
+    shape = ModelShape.from_config(config)
+    if not shape.moe:
+        raise MoetoolError(f"--config {config}: no MoE layer")
+    run = RunDir.create("import-trace", out, force)  # --out validated first; the folder is made after a clean read
+    dump = readers.read(sources, shape, format)
+    with tempfile.TemporaryDirectory(prefix="moetool-import-") as tmp:  # nothing written if the dump is bad
+        if dump.counts is not None:
+            name, kind = store.LOADS, "loads"
+            written = store.write_loads(dump.counts, Path(tmp) / name)
+        else:
+            name, kind = store.TRACE, "trace"
+            written = store.write_trace(dump.chunks, shape, Path(tmp) / name)
+        with run.atomic(name) as dst:
+            shutil.move(str(Path(tmp) / name), dst)
+    run.add(routing_source={"format": dump.format, "kind": kind, "files": dump.sources, "ids": dump.ids,
+                            "order": dump.order, "weights": "none (the engine records expert ids only)",
+                            "read_as": readers.SOURCES[dump.format],
+                            "engine_version": dump.describe_version(), "notes": dump.notes,
+                            "shape": shape.to_manifest(), **written})
+    run.finish(options={"sources": sources, "format": format, "config": config})
+    return run.path / name
+
+
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
     from .engine.runner import forward as run
@@ -189,7 +227,7 @@ def _exports() -> dict[str, str]:
         **out,
         **{name: f"moetool.api:{name}" for name in (
             "load", "tokens", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
-            "figures")},
+            "figures", "import_trace")},
         "Result": "moetool.experiments.result:Result",
         "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
         "MoetoolError": "moetool.errors:MoetoolError",

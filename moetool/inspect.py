@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from .files import cache_dir, cached, installation_key, read_cached, write_cached  # noqa: F401 (cache_dir: re-export)
 
 
 def describe_layers(model: Any, layers: list) -> dict[str, Any]:
@@ -26,18 +27,36 @@ def describe_layers(model: Any, layers: list) -> dict[str, Any]:
             "total_params": int(total), "active_params": int(total - inactive)}
 
 
-def describe_model(name: str) -> dict[str, Any]:
+def describe_model(name: str, *, cache: bool = True) -> dict[str, Any]:
+    """The MoE structure of ``name`` from its config (a model built on the meta device: no weight is read).
+
+    A model on disk (a local directory, an embedded model) is answered from :func:`cache_dir` when the same
+    config (and code files beside it) was described before by this installation (:func:`families_cache_key`):
+    building it imports torch and transformers' modeling code, seconds that the answer does not depend on."""
+    from .loading import resolve
+
+    source, kind = resolve(name)  # a bad name fails here, before torch is imported
+    if cache and kind in ("local", "embedded"):
+        h = hashlib.sha256()
+        for f in sorted([Path(source) / "config.json", *Path(source).glob("*.py")]):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        info = cached("describe", {**families_cache_key(), "model_files": h.hexdigest()}, lambda: _describe(name))
+    else:
+        info = _describe(name)
+    return {"name": name, "source": source, "kind": kind, **info}
+
+
+def _describe(name: str) -> dict[str, Any]:
     from .loading import auto_model_class, load_config
 
-    config, source, kind = load_config(name)  # first: a bad name fails before torch is imported
+    config, _, _ = load_config(name)
     import torch
 
     from .adapters import find_moe_layers, get_adapter, quant
 
     with torch.device("meta"):
         model = auto_model_class(config).from_config(config)
-    info = describe_layers(model, find_moe_layers(model))
-    return {"name": name, "source": source, "kind": kind, "family": get_adapter(config).family, **info,
+    return {"family": get_adapter(config).family, **describe_layers(model, find_moe_layers(model)),
             "experts_format": quant.checkpoint_format(config)}
 
 
@@ -117,53 +136,23 @@ def families(model_types: list[str] | None = None, *, cache: bool = True) -> lis
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         path = cache_dir() / f"families-{digest}.json"
         if cache:
-            try:
-                stored = json.loads(path.read_text(encoding="utf-8"))
-                if stored.get("key") == key and isinstance(stored.get("rows"), list):
-                    return stored["rows"]
-            except (OSError, ValueError, AttributeError):
-                pass
+            stored = read_cached(path, key, "rows", list)
+            if stored is not None:
+                return stored
     from .adapters import discovery
 
     rows = [family_row(mt) for mt in (model_types or discovery.moe_model_types())]
     if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".part-{os.getpid()}-{path.name}")
-            tmp.write_text(json.dumps({"key": key, "rows": rows}), encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError:  # an unwritable cache only costs the next call the time again
-            pass
+        write_cached(path, key, rows, "rows")
     return rows
 
 
-def cache_dir() -> Path:
-    """Where moetool keeps what it computes once per installation: ``MOETOOL_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/moetool``, else ``~/.cache/moetool``."""
-    if os.environ.get("MOETOOL_CACHE_DIR"):
-        return Path(os.environ["MOETOOL_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetool"
-
-
 def families_cache_key() -> dict[str, Any]:
-    """What the families table depends on, read without importing torch or transformers: the installed
-    transformers, torch, moetool and Python versions and a hash of moetool's adapter and inspection code (an
-    edited adapter in a source checkout changes it too)."""
-    import importlib.metadata as md
-    import platform
-
-    key: dict[str, Any] = {"python": platform.python_version()}
-    for pkg in ("transformers", "torch", "moetool"):
-        try:
-            key[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            key[pkg] = None
+    """What the families table (and a model's description) depends on, read without importing torch or
+    transformers: :func:`moetool.files.installation_key` over moetool's adapter and inspection code (an edited
+    adapter in a source checkout changes it too)."""
     here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted([here / "inspect.py", *(here / "adapters").glob("*.py")]):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    key["code"] = h.hexdigest()[:16]
-    return key
+    return installation_key([here / "inspect.py", *(here / "adapters").glob("*.py")])
 
 
 def families_markdown(rows: list[dict[str, Any]]) -> str:

@@ -328,8 +328,9 @@ def check_quantize(quantize: str | None, device: str = "auto") -> None:
     import torch
 
     if device == "cpu" or not torch.cuda.is_available():
-        raise MoetoolError("--quantize fp8 needs a CUDA GPU (transformers' FP8 kernels); on CPU load the checkpoint "
-                           "as it is (transformers dequantizes FP8 checkpoints on CPU)")
+        raise MoetoolError("--quantize fp8 quantizes on a CUDA GPU while loading (never the whole model in host "
+                           "memory); on CPU load the checkpoint as it is (transformers dequantizes FP8 checkpoints "
+                           "on CPU)")
 
 
 @contextlib.contextmanager
@@ -373,7 +374,14 @@ class LoadedModel:
         bitsandbytes the note that its fused experts stayed unquantized."""
         from .adapters import quant
 
-        return {**quant.model_quantization(self.model), "quantize": self.quantize}
+        from .adapters import fp8_backend
+
+        out = {**quant.model_quantization(self.model), "quantize": self.quantize}
+        if fp8_backend.has_fp8_layers(self.model):  # which computes its FP8 layers: transformers' kernel or torch
+            out["fp8_backend"] = fp8_backend.backend()
+            if out["fp8_backend"] == "torch":
+                out["fp8_backend_note"] = fp8_backend.TORCH_NOTE
+        return out
 
     def expert_formats(self) -> dict[str, Any]:
         """Each distinct expert format with the MoE layers stored in it (``{detail: {kind, layers}}``)."""
@@ -478,6 +486,10 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         kwargs["distributed_config"] = DistributedConfig(
             tp_size=par.tp, ep_size=par.ep if par.ep > 1 else None,
             dp_replicate_size=dp if dp > 1 else None)
+    if dev.type == "cuda" and not device_map and not par.active:
+        # straight onto the GPU: safetensors streamed to the device, and --quantize fp8 quantizes there while loading
+        # (never a whole model in host memory first)
+        kwargs["device_map"] = {"": str(dev)}
     if kind in ("local", "embedded"):
         check_safetensors(source)
     # the load report comes back to us (output_loading_info), wrong shapes included (ignore_mismatched_sizes:
@@ -496,6 +508,9 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)
     model.eval()
+    from .adapters import fp8_backend
+
+    fp8_backend.ensure(model)  # FP8 layers: transformers' kernel, or moetool's torch path where it cannot be had
     tok = _tokenizer(source, from_hub) if tokenizer else None
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,
                        layers=find_moe_layers(model), device=model.device, dtype=torch_dtype, quantize=quantize)

@@ -18,8 +18,9 @@ def vector_norm(x: torch.Tensor, norm: str = "l2", dim: int = -1) -> torch.Tenso
     """``l2`` / ``l1`` / ``linf`` norm along ``dim``, accumulated in fp32 (fp64 input stays fp64)."""
     if norm not in _ORD:
         raise ValueError(f"unknown norm '{norm}' (choose from {', '.join(NORMS)})")
-    x = x if x.dtype == torch.float64 else x.float()
-    return torch.linalg.vector_norm(x, ord=_ORD[norm], dim=dim)
+    # dtype=float32: a CUDA bf16/fp16 input is accumulated in fp32 by the reduction itself (no fp32 copy of x)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(x, ord=_ORD[norm], dim=dim, dtype=dtype)
 
 
 def topk(scores: torch.Tensor, k: int, *, stable: bool = False) -> torch.Tensor:
@@ -141,3 +142,13 @@ def best_of(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     The top-1 of a chosen set whatever order it came in (some routers return top-K unsorted).
     """
     return idx.gather(-1, scores.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without a host synchronisation: a CPU tensor bound for a GPU is pinned and copied
+    asynchronously (a copy from pageable host memory makes the host wait for the GPU: a sync inside the forward).
+    Already there: ``t`` itself."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -18,6 +18,12 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 
+def unique(items: Iterable[Any]) -> list[Any]:
+    """``items`` without repeats, each at its first place: how every list flag treats a value given twice
+    (``--fractions 0.5,0.5`` runs 0.5 once; ``commands.options.parse_list``, ``--nodes``, ``--norm``)."""
+    return list(dict.fromkeys(items))
+
+
 class LazyRegistry:
     """``name -> "package.module:attr"``; the module is imported on first :meth:`get`."""
 

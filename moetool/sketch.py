@@ -56,7 +56,7 @@ class Moments:
 
     def _to(self, device: torch.device) -> None:
         if self.count.device != device:
-            self.count, self.sum, self.sumsq = (t.to(device) for t in (self.count, self.sum, self.sumsq))
+            self.count, self.sum, self.sumsq = (ops.to_device(t, device) for t in (self.count, self.sum, self.sumsq))
 
     def merge(self, other: "Moments") -> "Moments":
         for k in self.REDUCE:
@@ -114,7 +114,7 @@ class QuantileSketch:
             return
         w = torch.ones_like(x, dtype=torch.long) if weight is None else weight.detach().reshape(-1).long()
         if self.counts.device != x.device:
-            self.counts, self.min, self.max = (t.to(x.device) for t in (self.counts, self.min, self.max))
+            self.counts, self.min, self.max = (ops.to_device(t, x.device) for t in (self.counts, self.min, self.max))
         b = ((x.clamp_min(self.lo).log() - self._log_lo) * (self.bins / self._log_span)).floor()
         b = b.clamp(0, self.bins - 1).long() + 2
         b = torch.where(x > self.hi, self.bins + 2, b)

@@ -22,6 +22,11 @@ replicates below the estimate, acceleration ``a`` from the leave-one-row-out jac
 a few rows whose replicates vary) the percentile interval is used; either
 interval is then widened to include the estimate, so an interval never excludes the number it belongs to.
 
+Wilson score interval for proportions
+-----------------------------------
+An accuracy over ``n`` items scored 0 or 1 (lm-eval's ``acc``, ``acc_norm``, ``exact_match``): :func:`wilson`,
+inside [0, 1] even at 10 items or an accuracy of 0 or 1, where ``p ± 1.96·se`` leaves [0, 1].
+
 Delta method
 ------------
 For a ratio of two independent estimates (retention = acc_policy / acc_base with lm-eval standard errors):
@@ -243,6 +248,21 @@ def delta_ratio(a: float, se_a: float, b: float, se_b: float, *, cov: float = 0.
     se = math.sqrt(max(var, 0.0))
     z = normal_quantile(0.5 + level / 2)
     return Interval(r, r - z * se, r + z * se)
+
+
+def wilson(p: float, n: float, *, level: float = LEVEL) -> Interval:
+    """A proportion ``p`` of ``n`` items (an accuracy) with its Wilson score interval (Wilson 1927), always inside
+    [0, 1] (unlike ``p ± z·se``): centre ``(p + z²/2n) / (1 + z²/n)``, half-width
+    ``z / (1 + z²/n) · sqrt(p(1 - p)/n + z²/4n²)``. NaN bounds when ``n`` is not a positive finite count or ``p``
+    lies outside [0, 1] (not a proportion)."""
+    nan = float("nan")
+    if not (math.isfinite(p) and math.isfinite(n) and n > 0 and 0.0 <= p <= 1.0):
+        return Interval(p, nan, nan)
+    z = normal_quantile(0.5 + level / 2)
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z / d * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return Interval(p, max(centre - half, 0.0), min(centre + half, 1.0))  # [0, 1] exactly: only rounding clipped
 
 
 def normal_quantile(p: float) -> float:

@@ -4,6 +4,10 @@ independent per-expert reference computed straight from each family's raw parame
 from __future__ import annotations
 
 import functools
+import os
+
+if os.environ.get("MOETOOL_TEST_DEVICE", "").lower() == "cpu":  # a CUDA machine told to test the CPU path: hide
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the GPU before torch starts, so --device auto in the CLI agrees
 
 import pytest
 import torch
@@ -14,6 +18,32 @@ from moetool.engine import Engine
 
 # tiny models gain nothing from intra-op threads, and on a shared 2-core machine they spin and wait
 torch.set_num_threads(1)
+
+# ----- the device the suite runs on ------------------------------------------------------------------------------
+#: where the tests' models, inputs and references go: where ``--device auto`` (the CLI's and ``moetool.load``'s
+#: default) puts a model -- CUDA when present, else the CPU (CI). ``MOETOOL_TEST_DEVICE=cpu`` tests the CPU path on a
+#: CUDA machine (the GPU is hidden above, so the CLI agrees); any other value must be where ``auto`` lands.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if os.environ.get("MOETOOL_TEST_DEVICE", "").lower() not in ("", "cpu", DEVICE.type):
+    raise RuntimeError(f"MOETOOL_TEST_DEVICE={os.environ['MOETOOL_TEST_DEVICE']} but --device auto picks {DEVICE}")
+ON_CUDA = DEVICE.type == "cuda"
+# references in exact fp32: TF32 off (torch's default for matmuls; cuDNN's is on)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+#: fp32 results of one computation through two code paths on the suite's device: CPU kernels give bit-identical or
+#: 1e-6-close values here; CUDA's GEMM kernels differ with the operands' shapes and layouts (a batch of 8 rows vs
+#: one of 1, a fused bias, a transposed weight), so their fp32 sums legitimately differ in the last bits -- a few
+#: ulps of the largest partial sum. The one place where a test's fp32 tolerance depends on the device.
+FP32_RTOL, FP32_ATOL = (2e-5, 2e-6) if ON_CUDA else (1e-6, 1e-7)
+
+
+def feed(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs):
+    """``model(input_ids=ids, attention_mask=mask, **kwargs)`` with the inputs on the model's device (a test builds
+    them on the CPU; ``--device auto`` may have put the model on CUDA)."""
+    dev = next(model.parameters()).device
+    if mask is not None:
+        kwargs["attention_mask"] = mask.to(dev)
+    return model(input_ids=ids.to(dev), **kwargs)
 
 #: every registered model type that is a family of its own (aliases such as minimax excluded)
 FAMILIES = [mt for mt in ADAPTERS.names() if ADAPTERS.get(mt).family == mt]
@@ -142,3 +172,11 @@ def ctrl_c_default() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wilson_by_hand(p, n, z=1.959964):
+    """The Wilson bounds as the roots in π of (p - π)² = z² π (1 - π) / n (the score test's acceptance region)."""
+    import numpy as np
+
+    a = 1 + z * z / n
+    return sorted(np.roots([a, -(2 * p + z * z / n), p * p]).real.tolist())

@@ -254,3 +254,30 @@ def test_no_top_k_refusal_for_any_supported_model_type():
                 check_top_k(cfg)
                 checked += 1
     assert checked >= 2 * 60
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3", "dbrx"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_router_weights_are_named_first(tiny_model, kind, value):
+    """A NaN or inf router weight is found before any routing rule is identified on it: one line naming the MoE
+    layer and the tensor, a runtime error (exit 1, as the README says for NaN/inf), whatever the family
+    (a hand adapter's router view too)."""
+    import copy
+
+    from moetool.errors import MoetoolRuntimeError
+
+    from moetool.adapters.tiny import build_tiny
+
+    # the session's cached model stays intact; dbrx: a hand adapter whose router is a view over the block's
+    model = build_tiny(kind) if kind == "dbrx" else copy.deepcopy(tiny_model(kind))
+    second = find_moe_layers(model)[1]
+    name, t = next((n, t) for n, t in second.router.named_parameters() if t.dim() == 2)
+    with torch.no_grad():
+        t[0, 1] = value
+        t[1, 0] = value
+    with pytest.raises(MoetoolRuntimeError) as e:
+        find_moe_layers(model)
+    msg = str(e.value)
+    assert e.value.exit_code == 1 and "\n" not in msg
+    assert f"MoE layer {second.index}:" in msg and name.rsplit(".", 1)[-1] in msg and "non-finite" in msg
+    assert ("2 NaN and 0 inf" if value != value else "0 NaN and 2 inf") in msg

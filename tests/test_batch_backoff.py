@@ -180,6 +180,7 @@ def test_chunked_nll_equals_one_cross_entropy_and_never_copies_the_whole_logits(
     lm, tokens = tiny
     ids, mask = tokens.input_ids[:4].clone(), tokens.attention_mask[:4].clone()
     mask[1, :5] = 0  # a padded row
+    ids, mask = ids.to(lm.device), mask.to(lm.device)  # where --device auto put the model
     with torch.no_grad():
         logits = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.to(torch.bfloat16)
     B, S, V = logits.shape

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import padded_batch, run
+from conftest import feed, padded_batch, run
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -125,11 +125,11 @@ def test_tables_are_the_hand_count_of_the_first_layer(tiny_capacity):
     n = first.n_experts
     seen = []
     with moetool.hook(lm, layers=[first.index], consumers=[
-            lambda ev: seen.append((ev.idx.clone(), ev.weights.clone(), ev.valid.clone()))
+            lambda ev: seen.append((ev.idx.cpu(), ev.weights.cpu(), ev.valid.cpu()))
             if ev.layer.index == first.index else None]):
         with torch.no_grad():
             for b in tokens.batches(4):
-                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed(lm.model, b.input_ids, b.attention_mask)
     assert len(seen) == 3
     experts = res["capacity_experts"].set_index(["cf", "order", "layer", "expert"]).sort_index()
     layers = res["capacity_layers"].set_index(["cf", "order", "layer"]).sort_index()

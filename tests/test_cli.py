@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import feed
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
@@ -104,9 +105,9 @@ def test_trace_matches_the_routers_own_choice(tmp_path):
 
     handle = L.router.register_forward_hook(grab)
     with torch.no_grad():
-        lm.model(input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1])
+        feed(lm.model, ts.input_ids[:1], ts.attention_mask[:1])
     handle.remove()
-    logits = torch.nn.functional.linear(got["h"].reshape(-1, got["h"].shape[-1]), L.router.weight).detach()
+    logits = torch.nn.functional.linear(got["h"].reshape(-1, got["h"].shape[-1]), L.router.weight).detach().cpu()
     top = torch.topk(torch.softmax(logits.float(), -1), L.top_k).indices
     sel = first[first.layer == L.index].sort_values("pos")
     n_real = int(ts.attention_mask[0].sum())

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import DEVICE, FP32_ATOL, FP32_RTOL, ON_CUDA, feed
 from test_erc import hand_alpha_min
 from test_ppl import hand_ppl
 from test_rules import EXPECTED_RULE
@@ -137,20 +138,21 @@ def plain_seq2seq_run(path: Path, tokens, dtype: torch.dtype | None = None
     from transformers import AutoModelForSeq2SeqLM
 
     model = (AutoModelForSeq2SeqLM.from_pretrained(path).float() if dtype is None else
-             AutoModelForSeq2SeqLM.from_pretrained(path, dtype=dtype)).eval()
+             AutoModelForSeq2SeqLM.from_pretrained(path, dtype=dtype)).eval().to(DEVICE)
     got, handles = {}, []
     n_enc = len(model.encoder.block)
     for offset, blocks in ((0, model.encoder.block), (n_enc, model.decoder.block)):
         for j, blk in enumerate(blocks):
             if blk.layer[-1].is_sparse:
                 handles.append(blk.layer[-1].mlp.experts.register_forward_pre_hook(
-                    lambda m, args, i=offset + j: got.__setitem__(i, (args[1].detach(), args[2].detach().float()))))
-    ids, mask = tokens.input_ids, tokens.attention_mask
+                    lambda m, args, i=offset + j: got.__setitem__(i, (args[1].detach().cpu(),
+                                                                       args[2].detach().float().cpu()))))
+    ids, mask = tokens.input_ids.to(DEVICE), tokens.attention_mask.to(DEVICE)
     with torch.no_grad():
         loss = float(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
     for h in handles:
         h.remove()
-    real = mask.reshape(-1).bool()
+    real = mask.reshape(-1).bool().cpu()
     for i, (dispatch, w) in got.items():  # [T, 1, n] one-hot (no capacity drop at these lengths), [T, 1]
         assert dispatch.shape[0] == real.shape[0] and (dispatch.sum(-1) == 1).all()
         got[i] = (dispatch.argmax(-1)[real], w[real])
@@ -159,8 +161,9 @@ def plain_seq2seq_run(path: Path, tokens, dtype: torch.dtype | None = None
 
 def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
               ) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Plain transformers forward of ``tokens`` (one batch); each MoE layer's experts-module inputs. ``dtype``: the
-    model as transformers loads it in that dtype (default: fp32)."""
+    """Plain transformers forward of ``tokens`` (one batch) on the suite's device (where the CLI's ``--device auto``
+    runs the commands: CUDA's fp32/bf16 sums are not the CPU's); each MoE layer's experts-module inputs (on the CPU).
+    ``dtype``: the model as transformers loads it in that dtype (default: fp32)."""
     from transformers import AutoConfig
 
     from moetool.loading import auto_model_class
@@ -170,12 +173,13 @@ def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
         return plain_seq2seq_run(path, tokens, dtype)[:2]
     cls = auto_model_class(config)  # causal LM, or a vision-language family's image-text-to-text class
     model = (cls.from_pretrained(path).float() if dtype is None else cls.from_pretrained(path, dtype=dtype)).eval()
+    model.to(DEVICE)
     got, handles = {}, []
     for L in find_moe_layers(model):  # (only to locate the experts modules)
         handles.append(L.experts.register_forward_pre_hook(
-            lambda m, args, i=L.index: got.__setitem__(i, (args[1].detach(), args[2].detach().float()))))
+            lambda m, args, i=L.index: got.__setitem__(i, (args[1].detach().cpu(), args[2].detach().float().cpu()))))
     with torch.no_grad():
-        model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+        feed(model, tokens.input_ids, tokens.attention_mask)
     for h in handles:
         h.remove()
     real = tokens.attention_mask.reshape(-1).bool()
@@ -258,6 +262,14 @@ def finite(df: pd.DataFrame) -> bool:
     return bool(np.isfinite(num.to_numpy(dtype=float)).all())
 
 
+def near_tie(w: torch.Tensor) -> torch.Tensor:
+    """``[T]``: the two largest of each token's K weights within fp32 rounding of each other (CUDA's run-to-run
+    noise can order them either way)."""
+    top2 = w.float().topk(min(2, w.shape[-1]), dim=-1).values
+    return (top2[:, 0] - top2[:, -1]).abs() <= 1e-6 * top2[:, 0].abs() + FP32_ATOL if w.shape[-1] > 1 else \
+        torch.zeros(w.shape[0], dtype=torch.bool)
+
+
 def sorted_choice(idx: torch.Tensor, w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     order = idx.argsort(dim=-1)
     return idx.gather(-1, order).numpy(), w.gather(-1, order).numpy()
@@ -321,14 +333,14 @@ def test_trace(case, tmp_path):
                                    torch.tensor(got[[f"weight_{k + 1}" for k in range(K)]].to_numpy()))
         w_idx, w_w = sorted_choice(*case.routing[layer])
         assert (g_idx == w_idx).all(), layer
-        np.testing.assert_allclose(g_w, w_w, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(g_w, w_w, rtol=FP32_RTOL, atol=FP32_ATOL)
 
 
 def test_ppl(case, tmp_path):
     invoke("ppl", "--model", str(case.path), *SMALL, "--routing", "router", "--bootstrap", "0",
            "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "ppl.csv")
-    assert len(df) == 1 and df.loc[0, "tokens"] == case.scored
+    assert len(df) == 1 and df.loc[0, "scored_tokens"] == case.scored
     assert df.loc[0, "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
 
 
@@ -430,7 +442,10 @@ def test_fluctuation(case, tmp_path):
         row = changed.loc[layer]
         assert row["topk_change"] == pytest.approx((inter < K).mean(), abs=1e-9)
         assert row["topk_overlap"] == pytest.approx(inter.mean() / K, abs=1e-9)
-        assert row["top1_change"] == pytest.approx(top1.numpy().mean(), abs=1e-9)
+        # on CUDA two forwards of the same model may differ in the last bit (atomics in Doge's product-key router):
+        # a token whose two largest weights are within that noise may take either top-1; on the CPU: exact
+        slack = float((near_tie(wa) | near_tie(wb)).double().mean()) if ON_CUDA else 0.0
+        assert row["top1_change"] == pytest.approx(top1.numpy().mean(), abs=1e-9 + slack)
     assert changed["topk_change"].max() > 0
     assert not math.isnan(changed["entropy_ratio"].mean())
 
@@ -587,7 +602,8 @@ def test_super_experts(case, tmp_path):
     nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
     from moetool.experiments.super_experts import super_mask
 
-    invoke("super-experts", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--out", str(tmp_path))
+    invoke("super-experts", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--include-layers",
+           "1", "--out", str(tmp_path))  # every layer (the default, the paper's code's, profiles the first 75%)
     table = pd.read_csv(tmp_path / "super_experts.csv")
     assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.policy_layers
     for layer in case.policy_layers:

@@ -176,3 +176,24 @@ def test_layer_selection_one_meaning():
         select_layers(layers, [])
     with pytest.raises(MoetoolError, match="not MoE layers"):
         select_layers(layers, [max(idx) + 5])
+
+
+def test_attention_routing_switches_an_sdpa_model_to_eager_for_the_run(tiny_model, batch):
+    """Issue 37.3: SDPA (CUDA's default, and the CPU's) never materialises attention probabilities; the engine
+    switches the model to eager attention itself for an attention-reading policy and gives it back after. Same
+    choices and logits as the model loaded eager."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("mixtral"))
+    assert model.config._attn_implementation == "sdpa"
+    layers = find_moe_layers(model)
+    got, events, _ = run(model, layers, batch, policy=make_policy("attention"))
+    assert model.config._attn_implementation == "sdpa"  # given back
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    want, want_events, _ = run(eager, find_moe_layers(eager), batch, policy=make_policy("attention"))
+    assert torch.equal(got, want)
+    for i, ev in events.items():
+        assert ev.attn is not None and torch.equal(ev.chosen_idx, want_events[i].chosen_idx)
+    plain, _, _ = run(model, layers, batch)  # capture only: no probabilities asked, SDPA again
+    assert model.config._attn_implementation == "sdpa" and plain.isfinite().all()

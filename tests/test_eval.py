@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import build_tiny_model
+from conftest import build_tiny_model, wilson_by_hand
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
@@ -94,12 +94,38 @@ def test_results_frame_reads_lm_eval_results():
                              "exact_match_stderr,strict": "N/A"}}}
     df = lmeval.results_frame(res)
     assert list(df.columns) == list(lmeval.EVAL_COLUMNS)
-    assert df.values.tolist()[0][:4] == ["t", "acc", 0.5, 0.1]
-    assert df.values.tolist()[0][4:] == pytest.approx([0.5 - 0.1959964, 0.5 + 0.1959964])  # value ∓ 1.96 stderr
+    assert df.values.tolist()[0][:4] == ["t", "acc", 0.5, 0.1]  # lm-eval's stderr as it gave it
+    # no n-samples: the items lm-eval's stderr implies for 0/1 scores, se² = p(1-p)/(n-1): n = 26
+    assert df.values.tolist()[0][4:] == pytest.approx(wilson_by_hand(0.5, 26), abs=1e-6)
     assert df.values.tolist()[1][:3] == ["t", "exact_match[strict]", 0.25] and math.isnan(df.values.tolist()[1][3])
-    assert math.isnan(df.value_lo[1]) and math.isnan(df.value_hi[1])  # no stderr: no interval
+    assert math.isnan(df.value_lo[1]) and math.isnan(df.value_hi[1])  # no stderr, no item count: no interval
     from moetool.experiments.lmeval import eval_summary
-    assert eval_summary(df).value.tolist() == ["0.50 ± 0.20", "0.25"]
+    assert eval_summary(df).value.tolist() == ["0.50 ± 0.18", "0.25"]
+
+
+def test_accuracy_intervals_stay_inside_0_1():
+    """eval --limit 10: an accuracy of 0.9 or 1.0 over 10 items has a Wilson interval inside [0, 1] (p ± 1.96 se
+    gave an upper bound of 1.06); a group's items are its subtasks'; a metric that is no proportion keeps
+    value ∓ 1.96 stderr; the stderr column stays lm-eval's."""
+    se9 = math.sqrt(0.9 * 0.1 / 9)  # lm-eval's sample standard error of a mean of ten 0/1 scores
+    res = {"results": {"a": {"acc,none": 0.9, "acc_stderr,none": se9, "acc_norm,none": 1.0,
+                             "acc_norm_stderr,none": 0.0},
+                       "g": {"acc,none": 0.25, "acc_stderr,none": 0.05},
+                       "b": {"acc,none": 0.2, "acc_stderr,none": 0.1},
+                       "c": {"acc,none": 0.3, "acc_stderr,none": 0.1},
+                       "p": {"word_perplexity,none": 12.5, "word_perplexity_stderr,none": 0.5}},
+           "n-samples": {"a": {"original": 100, "effective": 10}, "b": {"effective": 40}, "c": {"effective": 60}},
+           "group_subtasks": {"g": ["b", "c"]}}
+    df = lmeval.results_frame(res).set_index(["task", "metric"])
+    assert (df.value_lo >= 0).all() and (df.loc[df.index != ("p", "word_perplexity"), "value_hi"] <= 1).all()
+    assert [df.loc[("a", "acc"), c] for c in ("value_lo", "value_hi")] == pytest.approx(wilson_by_hand(0.9, 10))
+    assert df.loc[("a", "acc"), "stderr"] == se9 and 0.9 + 1.96 * se9 > 1  # what the Wald bound gave
+    lo, hi = df.loc[("a", "acc_norm"), ["value_lo", "value_hi"]]  # 10 of 10: upper bound 1, lower z²-closed form
+    assert hi == 1 and lo == pytest.approx(10 / (10 + 1.959964 ** 2), abs=1e-6)
+    assert [df.loc[("g", "acc"), c] for c in ("value_lo", "value_hi")] == pytest.approx(wilson_by_hand(0.25, 100))
+    assert [df.loc[("p", "word_perplexity"), c] for c in ("value_lo", "value_hi")] == pytest.approx(
+        [12.5 - 1.959964 * 0.5, 12.5 + 1.959964 * 0.5])
+    assert "Wilson" in lmeval.EVAL_DEFINITIONS["value_lo"]
 
 
 def plan_file(task):
@@ -119,7 +145,7 @@ def hand_loglikelihood(lm, context, continuation, policy):
     ctx_len = len(lm.tokenizer(context, add_special_tokens=False).input_ids)
     ids = torch.tensor([whole[:-1]])
     with torch.no_grad(), Engine(lm.model, lm.layers, policy=policy):
-        logp = torch.log_softmax(lm.model(ids).logits[0].float(), -1)  # [S, V]
+        logp = torch.log_softmax(lm.model(ids.to(lm.device)).logits[0].float().cpu(), -1)  # [S, V]
     return sum(float(logp[t - 1, whole[t]]) for t in range(ctx_len, len(whole)))
 
 

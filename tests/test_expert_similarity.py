@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import feed
 from test_host_sync import detect
 
 from moetool.errors import MoetoolError, MoetoolRuntimeError
@@ -51,7 +52,7 @@ def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
             lambda m, args, out, i=i: seen.__setitem__(i, (args[0].detach().clone(), out[2].detach().clone()))))
     try:
         with torch.no_grad():
-            lm.model(input_ids=ts.input_ids, attention_mask=ts.attention_mask, use_cache=False)
+            feed(lm.model, ts.input_ids, ts.attention_mask, use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -77,7 +78,8 @@ def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
                 tc[a, b] = float(F.cosine_similarity(E[a], E[b], dim=-1).mean())
                 union = routed[a] | routed[b]
                 co[a, b] = len(routed[a] & routed[b]) / len(union) if union else math.nan
-        out[i] = {"output_cos": oc, "token_cos": tc, "co_selection": co, "tokens": len(real)}
+        od = torch.cdist(mean, mean).numpy()  # Euclidean distance of the mean outputs (HC-SMoE's)
+        out[i] = {"output_dist": od, "output_cos": oc, "token_cos": tc, "co_selection": co, "tokens": len(real)}
     return out
 
 
@@ -98,7 +100,7 @@ def test_every_pair_against_the_hand_computation(tiny, run):
         p = pairs[pairs.layer == layer]
         n = m["output_cos"].shape[0]
         assert len(p) == n * (n - 1) // 2 and (p.i < p.j).all()
-        for col in ("output_cos", "token_cos", "co_selection"):
+        for col in ("output_dist", "output_cos", "token_cos", "co_selection"):
             want = m[col][p.i.to_numpy(), p.j.to_numpy()]
             np.testing.assert_allclose(p[col].to_numpy(), want, atol=1e-5, rtol=0, err_msg=f"layer {layer} {col}")
         # the experts really differ: a sum over the wrong tokens or a mean instead of a cosine would show
@@ -117,6 +119,9 @@ def test_every_pair_against_the_hand_computation(tiny, run):
         for col, pair in (("output_cos", "max_output_pair"), ("token_cos", "max_token_pair")):
             k = int(np.argmax(m[col][i, j]))
             assert row[pair] == f"{i[k]}-{j[k]}"
+        k = int(np.argmin(m["output_dist"][i, j]))
+        assert row.min_dist_pair == f"{i[k]}-{j[k]}"
+        assert row.min_output_dist == pytest.approx(m["output_dist"][i, j].min(), rel=1e-5)
 
 
 def test_batch_size_and_token_chunks_do_not_change_the_sums(tiny, run):
@@ -127,9 +132,9 @@ def test_batch_size_and_token_chunks_do_not_change_the_sums(tiny, run):
     lm, ts = tiny
     sums = SimilaritySums([L.index for L in lm.layers], budget=1)  # one token per chunk
     forward(lm, ts, consumers=[sums], batch_size=1, quiet=True)
-    per_layer, pairs = tables(sums.matrices(), {L.index: L.n_experts for L in lm.layers})
+    pairs = tables(sums.matrices(), {L.index: L.n_experts for L in lm.layers})["expert_similarity_pairs.csv"]
     want = run["expert_similarity_pairs"]
-    for col in ("output_cos", "token_cos", "co_selection"):
+    for col in ("output_dist", "output_cos", "token_cos", "co_selection"):
         np.testing.assert_allclose(pairs[col], want[col], atol=1e-6, rtol=0)
 
 
@@ -247,7 +252,8 @@ def test_zero_computation_experts_by_hand(model_type):
     with torch.no_grad(), Engine(model, layers, consumers=[sums, lambda ev: events.__setitem__(ev.layer.index, ev)]):
         model(**padded_batch(seq=8))
     mats = sums.matrices()
-    per_layer, pairs = tables(mats, {L.index: L.n_experts for L in layers})
+    out = tables(mats, {L.index: L.n_experts for L in layers})
+    per_layer, pairs = out["expert_similarity.csv"], out["expert_similarity_pairs.csv"]
     for L in layers:
         ev = events[L.index]
         h, valid = ev.h, ev.valid
@@ -265,8 +271,39 @@ def test_zero_computation_experts_by_hand(model_type):
             assert oc[-1, -2] == pytest.approx(1.0) and tc[-1, -2] == pytest.approx(1.0)
         np.testing.assert_allclose(mats[L.index]["output_cos"], oc, atol=1e-5, rtol=0)
         np.testing.assert_allclose(mats[L.index]["token_cos"], tc, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(mats[L.index]["output_dist"], torch.cdist(mean, mean).numpy(), atol=1e-5, rtol=1e-5)
         i, j = np.triu_indices(n, k=1)
         row = per_layer.set_index("layer").loc[L.index]
         assert row.mean_output_cos == pytest.approx(np.nanmean(oc[i, j]), abs=1e-5)
         assert row.max_token_cos == pytest.approx(np.nanmax(tc[i, j]), abs=1e-5)
         assert len(pairs[pairs.layer == L.index]) == n * (n - 1) // 2
+
+
+def test_average_linkage_by_hand():
+    """Points on a line, worked by hand: each merge joins the two clusters with the smallest mean distance over
+    their pairs of points; ties go to the lowest names; the groups and dominant experts at 3 and 2 clusters."""
+    from moetool.experiments.expert_similarity import average_linkage, dominant, groups
+
+    x = np.array([0.0, 1.0, 5.0, 6.5, 20.0])
+    d = np.abs(x[:, None] - x[None, :])
+    merges = average_linkage(d)
+    # (0,1) at 1; (2,3) at 1.5; {0,1}-{2,3}: mean(5, 6.5, 4, 5.5) = 5.25; then 4: mean(20, 19, 15, 13.5) = 16.875
+    assert [(a, b, size, left) for a, b, _, size, left in merges] == [(0, 1, 2, 4), (2, 3, 2, 3), (0, 2, 4, 2),
+                                                                       (0, 4, 5, 1)]
+    np.testing.assert_allclose([m[2] for m in merges], [1.0, 1.5, 5.25, 16.875])
+    assert groups(merges, 5, 3).tolist() == [0, 0, 1, 1, 2] and groups(merges, 5, 2).tolist() == [0, 0, 0, 0, 1]
+    assert groups(merges, 5, 5).tolist() == [0, 1, 2, 3, 4]
+    # dominant: the member closest to its group's mean (ties: the lowest): {0,1} -> 0, {2,3} -> 2, {4} -> 4
+    assert dominant(x[:, None], groups(merges, 5, 3)).tolist() == [True, False, True, False, True]
+    assert [m[:2] for m in average_linkage(np.abs(np.subtract.outer([0.0, 1, 2], [0.0, 1, 2])))] == [(0, 1), (0, 2)]
+
+
+def test_cluster_to_more_groups_than_experts_refused(tiny):
+    from moetool.experiments.expert_similarity import ExpertSimilarityOptions, expert_similarity
+
+    lm, ts = tiny
+    with pytest.raises(MoetoolError, match=r"--cluster-to 9 asks for more groups than MoE layers \[0, 1, 2, 3\]"):
+        expert_similarity(lm, ts, cluster_to=9, quiet=True)
+    for bad in (0, True, 2.5):
+        with pytest.raises(MoetoolError, match="--cluster-to"):
+            ExpertSimilarityOptions(cluster_to=bad)

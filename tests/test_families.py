@@ -18,7 +18,7 @@ import functools
 
 import pytest
 import torch
-from conftest import padded_batch, run
+from conftest import DEVICE, ON_CUDA, padded_batch, run
 from test_engine import assert_same_routing
 from test_rules import EXPECTED_RULE
 
@@ -266,3 +266,31 @@ def test_bf16_routers_that_rank_in_bf16_are_identified(model_type):
     for L in layers:  # the events are the model's own choice
         ev = events[L.index]
         assert ev.weights.dtype == torch.bfloat16 and ev.idx.shape[-1] == L.top_k
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="compares the GPU with the CPU (on the CPU: test_rules' substitution test)")
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_family_on_the_gpu_identifies_the_cpu_rule_and_routes_as_the_model(model_type):
+    """Issue 37.4: the same rule identified on the GPU as on the CPU, and the router policy through the override
+    path gives the unhooked model's logits there (to fp32 rounding: CUDA's index_add_ in the experts sums duplicates
+    with atomics, in no fixed order) and the model's own top-K."""
+    import copy
+
+    model, layers = tiny(model_type)
+    gpu = copy.deepcopy(model).to(DEVICE)
+    gpu_layers = find_moe_layers(gpu)
+    assert [L.describe()["rule"] for L in gpu_layers] == [L.describe()["rule"] for L in layers]
+    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+             for k, v in model_inputs(model, padded_batch(seq=8)).items()}
+    chosen = {}
+    handles = [L.experts.register_forward_pre_hook(lambda m, a, i=L.index: chosen.__setitem__(i, a[1].clone()))
+               for L in gpu_layers if not hasattr(L.experts, "identity_expert")]
+    with torch.no_grad():
+        want = gpu(**batch).logits
+    for h in handles:
+        h.remove()
+    got, events, _ = run(gpu, gpu_layers, batch, policy=make_policy("router"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for i, idx in chosen.items():
+        if idx.dtype in (torch.int64, torch.int32) and idx.shape == events[i].idx.shape:
+            assert torch.equal(idx.sort(-1).values, events[i].idx.sort(-1).values), i

@@ -33,6 +33,8 @@ def _poisoned_tiny(tmp_path: Path, layer: int, expert: int) -> Path:
 def _first_batch_using(lm, ts, layer: int, expert: int, bs: int) -> int:
     """Independent reference: the first batch in which a real token of ``layer`` routes to ``expert`` (the clean
     model's choices up to that layer are the poisoned model's: the poison sits after the router)."""
+    from conftest import feed
+
     from moetool.engine import Engine
 
     seen = []
@@ -40,7 +42,7 @@ def _first_batch_using(lm, ts, layer: int, expert: int, bs: int) -> int:
     with torch.no_grad():
         for i, b in enumerate(ts.batches(bs)):
             with Engine(lm.model, [L], consumers=[lambda ev: seen.append((ev.idx[ev.valid] == expert).any())]):
-                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed(lm.model, b.input_ids, b.attention_mask)
             if seen.pop():
                 return i
     raise AssertionError("expert never used")

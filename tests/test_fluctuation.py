@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, feed
 from typer.testing import CliRunner
 
 from moetool import ops
@@ -90,11 +90,11 @@ def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
     a, b = loader(ckpts["a"]), loader(ckpts["b"])
     hs = []
     tk = tokens()
-    with torch.no_grad(), Engine(a.model, [a.layers[J]], consumers=[lambda ev: hs.append(ev.h[ev.valid])]):
+    with torch.no_grad(), Engine(a.model, [a.layers[J]], consumers=[lambda ev: hs.append(ev.h[ev.valid].cpu())]):
         for bt in tk.batches(2):
-            a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
+            feed(a.model, bt.input_ids, bt.attention_mask)
     h = torch.cat(hs).double()
-    wa, wb = (m.layers[J].router.weight.detach().double() for m in (a, b))
+    wa, wb = (m.layers[J].router.weight.detach().double().cpu() for m in (a, b))
     want = hand_change(h, wa, wb, 2)
     assert want["topk_change"] > 0  # the perturbation really moved some choices
     for routing in ("router", "router-isolated"):
@@ -165,9 +165,9 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
     pol = make_policy("similarity", tau=40.0)
     ent, ent_pi = [], []
     with torch.no_grad(), Engine(a.model, [a.layers[0]], consumers=[
-            lambda ev: (ent.append(pol.scores(ev)[ev.valid].double()), ent_pi.append(ev.probs[ev.valid]))]):
+            lambda ev: (ent.append(pol.scores(ev)[ev.valid].double().cpu()), ent_pi.append(ev.probs[ev.valid].cpu()))]):
         for bt in tokens().batches(2):
-            a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
+            feed(a.model, bt.input_ids, bt.attention_mask)
     s = torch.cat(ent)
     want = float((-(s * s.clamp_min(1e-300).log()).sum(-1)).mean())
     got = float(df[df["layer"] == 0]["entropy_ref"].iloc[0])
@@ -214,11 +214,11 @@ def test_pooled_summary_matches_the_layers_and_a_hand_bootstrap(ckpts):
     # router-isolated changes only at layer J: per row, the hand top-1 flags there over 4 layers' tokens
     a, b = loader(ckpts["a"]), loader(ckpts["b"])
     hs, tk = [], tokens()
-    with torch.no_grad(), Engine(a.model, [a.layers[J]], consumers=[lambda ev: hs.append(ev.h[ev.valid])]):
+    with torch.no_grad(), Engine(a.model, [a.layers[J]], consumers=[lambda ev: hs.append(ev.h[ev.valid].cpu())]):
         for bt in tk.batches(2):
-            a.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask)
+            feed(a.model, bt.input_ids, bt.attention_mask)
     h = torch.cat(hs).double()
-    wa, wb = (m.layers[J].router.weight.detach().double() for m in (a, b))
+    wa, wb = (m.layers[J].router.weight.detach().double().cpu() for m in (a, b))
     flag = ((h @ wa.T).argmax(-1) != (h @ wb.T).argmax(-1)).double()
     row_of = torch.arange(4).repeat_interleave(16)[tk.attention_mask.reshape(-1).bool()]
     num = torch.zeros(4, dtype=torch.float64).index_add_(0, row_of, flag).numpy()

@@ -43,7 +43,8 @@ RUNS.update({name: [name, *SMALL, *spec.sample] for name, spec in EXPERIMENTS.it
              if name not in RUNS and name not in NOT_RUN})
 #: named by --help but written only with an option these runs do not take
 CONDITIONAL = {"trace": {"trace.parquet"},  # --format parquet
-               "norm-select": {"aoe_table1.csv"}}  # lm-eval --tasks scored by acc
+               "norm-select": {"aoe_table1.csv"},  # lm-eval --tasks scored by acc
+               "placement": {"sglang_expert_location.json", "eplb_placement.json"}}  # --export
 FILE = re.compile(r"(?<![\w/<>.-])([\w-]+\.(?:csv\.gz|csv|parquet|json|html|md|tex))(?![\w])")
 FIGURE = re.compile(r"figures/([a-z0-9_]+)")
 TEMPLATE = re.compile(r"[\w/.-]*<\w+>[\w/<>.-]*\.(?:csv|tex|png|pdf)")

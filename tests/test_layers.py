@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"adapters"},
     {"loading", "sizing", "engine"},
     {"policies"},
-    {"experiments"},
+    {"experiments", "traces"},
     {"report", "inspect"},
     {"demo", "api"},
     {"commands", "moetool", "__main__"},

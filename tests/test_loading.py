@@ -258,7 +258,7 @@ def test_vision_language_families_load_and_run_from_the_cli(model_type, tmp_path
     tok.pad_token = tok.pad_token or tok.eos_token
     want, n = hand_ppl(ref, load_tokens(None, tok, 32, 200), 8)
     assert got["model"]["model_type"] == model_type
-    assert int(row["tokens"]) == n and float(row["perplexity"]) == pytest.approx(want, rel=1e-5)
+    assert int(row["scored_tokens"]) == n and float(row["perplexity"]) == pytest.approx(want, rel=1e-5)
     assert torch.isfinite(torch.tensor(want))
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, padded_batch, reference_expert, run
+from conftest import build_tiny_model, padded_batch, reference_expert, run, wilson_by_hand
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers
@@ -288,7 +288,8 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     for (pol, task), r in acc.iterrows():
         v, se = FAKE_ACC[pol][task]
         b, se_b = FAKE_ACC["router"][task]
-        assert (r.value_lo, r.value_hi) == pytest.approx((v - 1.959964 * se, v + 1.959964 * se), abs=1e-6)
+        n = v * (1 - v) / se ** 2 + 1  # the items lm-eval's stderr implies (no n-samples here)
+        assert (r.value_lo, r.value_hi) == pytest.approx(wilson_by_hand(v, n), abs=1e-6)  # Wilson, inside [0, 1]
         assert r.stderr == se  # lm-eval's own standard error, as in eval.csv
         want = (1.0, 1.0) if pol == "router" else (delta_ratio(v, se, b, se_b).lo, delta_ratio(v, se, b, se_b).hi)
         assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-12)
@@ -296,16 +297,17 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     t = res["aoe_table1"].set_index("row")
     best = t.loc["best node"]
     assert best["mmlu node"] == "gate:l2" and best["arc_challenge node"] == "up:l2"  # highest retention per task
-    assert best["mmlu retention paper"] == 94.8 and best["arc_challenge retention paper"] == 94.6
-    assert best["mmlu retention measured"] == pytest.approx(100 * 0.6666 / 0.7035)
+    assert best["mmlu retention paper"] == pytest.approx(0.948) and best["arc_challenge retention paper"] == 0.946
+    assert best["mmlu retention measured"] == pytest.approx(0.6666 / 0.7035)  # a fraction, as in quality.csv
     d = delta_ratio(0.6666, 0.0038, 0.7035, 0.0037)
-    assert (best["mmlu retention measured_lo"], best["mmlu retention measured_hi"]) == pytest.approx(
-        (100 * d.lo, 100 * d.hi))
-    assert best["mmlu retention Δ"] == pytest.approx(100 * 0.6666 / 0.7035 - 94.8)
-    assert t.loc["router", "mmlu acc paper"] == 70.35 and t.loc["router", "mmlu acc measured"] == pytest.approx(70.35)
+    assert (best["mmlu retention measured_lo"], best["mmlu retention measured_hi"]) == pytest.approx((d.lo, d.hi))
+    assert best["mmlu retention Δ"] == pytest.approx(0.6666 / 0.7035 - 0.948)
+    assert t.loc["router", "mmlu acc paper"] == pytest.approx(0.7035) and t.loc["router", "mmlu acc measured"] == 0.7035
+    assert t.loc["router", "mmlu acc measured"] == q.set_index(["policy", "task", "metric"]).loc[
+        ("router", "mmlu", "acc"), "value"]  # one unit per quantity across the tables
     title, shown = console_layout(res["aoe_table1"])
     assert "Table 1" in title and "mmlu retention paper" in shown.columns
-    assert shown.set_index("row").loc["best node", "mmlu retention measured"].startswith("94.8")
+    assert shown.set_index("row").loc["best node", "mmlu retention measured"].startswith("0.94")
     # another model: the same layout, measured only, and the title says the paper has no numbers for it
     lm.name = "tiny"
     other = ns.norm_select(lm, tokens, nodes=("gate", "up"), batch_size=2, bootstrap=0, plan=fake_lm_eval,
@@ -314,7 +316,7 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     assert "not tiny" in title and "measured only" in title
     assert not [c for c in shown.columns if "paper" in c or "Δ" in c]
     # lm-eval's standard errors still give the accuracy/retention intervals without the bootstrap
-    assert shown.set_index("row").loc["best node", "mmlu retention measured"] == "94.8 ± 1.4"
+    assert shown.set_index("row").loc["best node", "mmlu retention measured"] == "0.948 ± 0.014"
 
 
 @pytest.mark.slow
@@ -335,17 +337,18 @@ def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypa
     assert "not tiny: measured only" in text
     assert "mmlu retention measured" in text and "paper" not in text.split("not tiny")[1]
     t = pd.read_csv(tmp_path / "a" / "aoe_table1.csv").set_index("row")
-    assert t.loc["best node", "mmlu node"] == "gate:l2" and math.isnan(t.loc["best node", "mmlu retention paper"])
+    assert t.loc["best node", "mmlu node"] == "gate:l2" and "mmlu retention paper" not in t.columns
     monkeypatch.setattr(published, "paper_model", lambda model: "mixtral-8x7b")
     r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "Table 1: paper beside measured" in text
     t = pd.read_csv(tmp_path / "b" / "aoe_table1.csv").set_index("row")
-    assert t.loc["best node", "mmlu retention paper"] == 94.8 and t.loc["router", "arc_challenge acc paper"] == 62.12
-    assert t.loc["best node", "mmlu retention measured"] == pytest.approx(100 * 0.6666 / 0.7035)
+    assert t.loc["best node", "mmlu retention paper"] == pytest.approx(0.948)
+    assert t.loc["router", "arc_challenge acc paper"] == pytest.approx(0.6212)
+    assert t.loc["best node", "mmlu retention measured"] == pytest.approx(0.6666 / 0.7035)
     table = text.split("Table 1: paper beside measured")[1]
-    assert "paper" in table and "Δ" in table and "62.12" in table  # the paper's router ARC-C accuracy
+    assert "paper" in table and "Δ" in table and "0.6212" in table  # the paper's router ARC-C accuracy
 
 
 def test_norm_select_on_a_pruned_model(tmp_path):

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import feed
+
 from moetool.errors import MoetoolError
 from moetool.experiments.offload import default_capacities, expert_bytes, offload, simulate
 
@@ -55,6 +57,49 @@ def test_policy_invariants_on_random_traces():
         simulate(trace, 1, "lru")
 
 
+def _lru_by_hand(trace, C):
+    """LRU with a token's requests protected, one request at a time (the module docstring's rule), written
+    independently of moetool: residents ordered by (last request, id), the least recent evicted."""
+    last, hits = {}, np.zeros(trace.shape, dtype=bool)
+    for t, row in enumerate(trace.tolist()):
+        for j, e in enumerate(row):
+            if e in last:
+                hits[t, j] = True
+            elif len(last) >= C:
+                del last[min((x for x in last if x not in row), key=lambda x: (last[x], x))]
+            last[e] = t
+    return hits
+
+
+@pytest.mark.parametrize("n,K,T", [(8, 2, 700), (16, 4, 500), (5, 1, 300), (64, 8, 200)])
+def test_vectorised_lru_matches_token_by_token(n, K, T, monkeypatch):
+    """LRU (every capacity from one rank computation, blocks of tokens) == the request-by-request simulation;
+    capacity >= the distinct experts (nothing evicted) hits every repeat, for every policy."""
+    from moetool.experiments import offload as off
+
+    monkeypatch.setattr(off, "LRU_BLOCK", 64)  # several blocks: the state carried across them
+    rng = np.random.default_rng(n * K)
+    p = rng.dirichlet(np.ones(n) * 0.3)
+    trace = np.stack([rng.choice(n, K, replace=False, p=p) for _ in range(T)])
+    ranks = off.lru_ranks(trace)
+    for C in sorted({K, K + 1, 2 * K, n // 2, n - 1, n} - set(range(K))):
+        want = _lru_by_hand(trace, C)
+        assert np.array_equal(simulate(trace, C, "lru"), want), C
+        assert np.array_equal(simulate(trace, C, "lru", lru=ranks), want), C
+    distinct = len(np.unique(trace))
+    first = np.zeros(trace.shape, dtype=bool)
+    seen = set()
+    for t, row in enumerate(trace.tolist()):
+        first[t] = [e in seen for e in row]
+        seen.update(row)
+    for pol in ("lru", "lfu", "belady"):
+        assert np.array_equal(simulate(trace, max(K, distinct), pol), first)
+    if distinct > K:  # capacity K, any policy: the previous token's experts, by hand
+        prev = np.array([[t > 0 and e in trace[t - 1] for e in row] for t, row in enumerate(trace.tolist())])
+        for pol in ("lru", "lfu", "belady"):
+            assert np.array_equal(simulate(trace, K, pol), prev)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from moetool.data import load_tokens
@@ -74,13 +119,13 @@ def _manual(lm, tokens):
     hs = []
 
     def rec(ev):
-        got[ev.layer.index].append(ev.idx[ev.valid])
+        got[ev.layer.index].append(ev.idx[ev.valid].cpu())
     forward(lm, tokens, consumers=[rec], batch_size=8, quiet=True,
             on_batch=lambda b, out: None)
     with torch.no_grad():
         for b in tokens.batches(8):
-            out = lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask, output_hidden_states=True)
-            keep = b.attention_mask.reshape(-1).bool()
+            out = feed(lm.model, b.input_ids, b.attention_mask, output_hidden_states=True)
+            keep = b.attention_mask.reshape(-1).bool().to(out.logits.device)
             hs.append([h.reshape(-1, h.shape[-1])[keep] for h in out.hidden_states])
     x = [torch.cat([h[i] for h in hs]) for i in range(len(hs[0]))]
     return {i: torch.cat(v) for i, v in got.items()}, x
@@ -107,7 +152,7 @@ def test_tables_match_manual_computation(tiny):
         if L.index > 0:
             with torch.no_grad():
                 logits = L.logits(L.decoder_layer.post_attention_layernorm(x[L.index]))
-            pred, _ = L.route(logits)
+            pred = L.route(logits)[0].cpu()
             topk = ((pred.unsqueeze(-1) == trace.unsqueeze(-2)).any(-1).sum(-1).double() / L.top_k).mean()
             pr = res["offload_prefetch"].set_index("layer").loc[L.index]
             assert pr.topk_recall == pytest.approx(float(topk))

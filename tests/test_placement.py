@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from conftest import feed
+
 from moetool.errors import MoetoolError
 from moetool.experiments.placement import (PlacementOptions, gpu_loads, imbalance, rebalance_experts,
                                            static_placement)
@@ -104,10 +106,10 @@ def test_loads_and_imbalance_by_hand(tiny_placement):
     n, K = lm.layers[0].n_experts, lm.layers[0].top_k
     counts = {L.index: torch.zeros(n, dtype=torch.float64) for L in lm.layers}
     with moetool.hook(lm, consumers=[lambda ev: counts[ev.layer.index].add_(
-            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double())]):
+            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double().cpu())]):
         with torch.no_grad():
             for b in tokens.batches(8):
-                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed(lm.model, b.input_ids, b.attention_mask)
     loads = res["placement_loads"]
     for li, c in counts.items():
         got = loads[(loads.data_set == "data") & (loads.layer == li)].sort_values("expert")
@@ -149,10 +151,10 @@ def test_staleness(tiny_placement, tmp_path, what):
     n = lm.layers[0].n_experts
     counts = {L.index: torch.zeros(n, dtype=torch.float64) for L in lm.layers}
     with moetool.hook(ref_lm or lm, consumers=[lambda ev: counts[ev.layer.index].add_(
-            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double())]):
+            torch.bincount(ev.idx[ev.valid].reshape(-1), minlength=n).double().cpu())]):
         with torch.no_grad():
             for b in (ref or tokens).batches(8):
-                (ref_lm or lm).model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed((ref_lm or lm).model, b.input_ids, b.attention_mask)
     loads = res["placement_loads"]
     idx = [L.index for L in lm.layers]
     w = {s: torch.tensor(loads[loads.data_set == s].pivot(index="layer", columns="expert", values="load")
@@ -233,7 +235,7 @@ def test_imbalance_intervals_by_hand(tiny_placement):
     with moetool.hook(lm, consumers=[count]):
         with torch.no_grad():
             for b in tokens.batches(8):
-                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed(lm.model, b.input_ids, b.attention_mask)
                 start[0] += b.input_ids.shape[0]
     w = bootstrap_weights(rows, 1000, 0)
     df, overall = res["placement"], res["placement_overall"].set_index(["gpus", "replicas", "method"])

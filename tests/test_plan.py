@@ -190,6 +190,35 @@ def test_cli(tmp_path):
                                                                "manifest.json"}
 
 
+def test_nothing_fits_is_an_answer():
+    """gpt-oss-120b on one RTX 4090: no layout fits. The tables say why (the GiB each layout needs per GPU against
+    the 90% of 24 GB usable); there is no throughput ceiling to give and no empty column."""
+    res = P.plan(config("gpt-oss-120b"), "1xRTX4090")
+    assert "throughput" not in res and res.names == ["params", "layouts"]
+    lay = res["layouts"]
+    usable = P.USABLE * 24e9 / 2 ** 30
+    assert not lay["fits"].any() and "command" not in lay.columns
+    for r in lay.itertuples():
+        assert r.gib_per_gpu > usable
+        assert r.why == (f"needs {r.gib_per_gpu:.1f} GiB per GPU, more than the {usable:.1f} usable "
+                         f"(90% of RTX4090's 24 GB)")
+    assert "why" in res.meta["definitions"]
+    fits = P.plan(config("gpt-oss-120b"), "1xH100")["layouts"]  # the same column where something fits
+    assert fits.loc[0, "why"].startswith("fits: ") and fits.loc[0, "command"].startswith("moetool ppl")
+
+
+@pytest.mark.slow
+def test_cli_nothing_fits_exits_0(tmp_path):
+    for gpus in ("1xRTX4090", "1xA100-40"):
+        out = tmp_path / gpus
+        r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", gpus, "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        assert "no layout fits" in r.stdout
+        assert {p.name for p in out.iterdir()} == {"params.csv", "layouts.csv", "manifest.json"}
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["status"] != "failed"
+
+
 def test_plan_reads_at_80_columns_and_respects_the_models_positions(tmp_path):
     """Issue 35 item 9: at 80 columns every suggested command is one whole line (not a 5-wide column of a split
     table), a small model's parameters print in M (counted here from the loaded model), and the default --seq-len

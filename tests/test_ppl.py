@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model
+from conftest import build_tiny_model, feed
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers
@@ -40,7 +40,7 @@ def hand_ppl(model, tokens, batch_size):
     with torch.no_grad():
         for s in range(0, tokens.input_ids.shape[0], batch_size):
             ids, mask = tokens.input_ids[s:s + batch_size], tokens.attention_mask[s:s + batch_size]
-            logp = F.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            logp = F.log_softmax(feed(model, ids, mask).logits.float(), dim=-1).cpu()
             for b in range(ids.shape[0]):
                 for t in range(ids.shape[1] - 1):
                     if mask[b, t] and mask[b, t + 1]:
@@ -87,7 +87,7 @@ def test_cli_matches_a_hand_perplexity_on_the_embedded_model(tmp_path):
     assert list(a.columns) == list(PPL_COLUMNS) and (tmp_path / "a" / "manifest.json").is_file()
     lm = load("tiny")
     ref, n = hand_ppl(lm.model, load_tokens(None, lm.tokenizer, 64, 300), 4)
-    assert a.loc[0, "tokens"] == n and a.loc[0, "perplexity"] == pytest.approx(ref, rel=1e-6)
+    assert a.loc[0, "scored_tokens"] == n and a.loc[0, "perplexity"] == pytest.approx(ref, rel=1e-6)
     assert b.loc[0, "routing"] == "norm:gate:l2" and str(b.loc[0, "layers"]) == "0"
     assert b.loc[0, "perplexity"] != a.loc[0, "perplexity"]
 
@@ -98,7 +98,7 @@ def hand_row_nll(model, tokens, batch_size):
     with torch.no_grad():
         for s in range(0, tokens.input_ids.shape[0], batch_size):
             ids, mask = tokens.input_ids[s:s + batch_size], tokens.attention_mask[s:s + batch_size]
-            logp = F.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            logp = F.log_softmax(feed(model, ids, mask).logits.float(), dim=-1).cpu()
             for b in range(ids.shape[0]):
                 keep = [t for t in range(ids.shape[1] - 1) if mask[b, t] and mask[b, t + 1]]
                 nll.append(-sum(float(logp[b, t, ids[b, t + 1]]) for t in keep))

@@ -5,12 +5,13 @@ nothing reproduces the model exactly."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import captured, reference_expert, run
+from conftest import captured, reference_expert, run, wilson_by_hand
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -92,17 +93,20 @@ def test_weights_among_the_kept_by_hand(model_type, tiny_model, batch):
             assert got[e] == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
-def test_importance_by_hand(model_type):
+@pytest.mark.parametrize("reap_weights", ["renormalised", "softmax"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "olmoe"])
+def test_importance_by_hand(model_type, reap_weights):
     """Frequency, weighted frequency and REAP saliency from the captured routing of the padded batch and each
-    expert's output from its raw parameters (conftest.reference_expert), one token at a time."""
+    expert's output from its raw parameters (conftest.reference_expert), one token at a time. REAP's gate weight
+    from the router logits by hand: the softmax over all experts, divided by its sum over the token's top-K when
+    renormalised (olmoe's own weights are not renormalised: the model's weight is not REAP's there)."""
     from moetool.engine import Engine
     from moetool.experiments.prune import Importance
 
     model, layers, events = captured(model_type)
     from conftest import padded_batch
 
-    imp = Importance([L.index for L in layers])
+    imp = Importance([L.index for L in layers], reap_weights=reap_weights)
     with torch.no_grad(), Engine(model, layers, consumers=[imp]):
         model(**padded_batch())
     table = imp.table().set_index(["layer", "expert"])
@@ -112,15 +116,18 @@ def test_importance_by_hand(model_type):
         freq, wsum, rsum = [0] * n, [0.0] * n, [0.0] * n
         h = L.expert_input(ev.h)
         for t in torch.nonzero(ev.valid).flatten().tolist():
-            for e, w in zip(ev.idx[t].tolist(), ev.weights[t].double().tolist()):
+            p = torch.softmax(ev.logits[t, :n].double(), -1)
+            top = ev.idx[t].tolist()
+            for e, w in zip(top, ev.weights[t].double().tolist()):
                 with torch.no_grad():
                     out = reference_expert(model_type, L, e, h[t:t + 1])["output"][0]
+                gate = float(p[e] / p[top].sum()) if reap_weights == "renormalised" else float(p[e])
                 freq[e] += 1
                 wsum[e] += w
-                rsum[e] += w * float(out.double().norm())
+                rsum[e] += gate * float(out.double().norm())
         for e in range(n):
             row = table.loc[(L.index, e)]
-            assert row["tokens"] == int(ev.valid.sum())
+            assert row["layer_tokens"] == int(ev.valid.sum())
             assert row["frequency"] == freq[e]
             assert row["weighted"] == pytest.approx(wsum[e], rel=1e-6)
             assert row["reap"] == pytest.approx(rsum[e] / freq[e] if freq[e] else 0.0, rel=1e-5)
@@ -156,7 +163,7 @@ def test_experiment_tables(tiny_prune):
         got = removed[(removed.criterion == "reap") & (removed.fraction == 0.25) & (removed.layer == layer)]
         assert sorted(got["expert"]) == sorted(int(e) for e in np.argsort(r, kind="stable")[:2])
         assert len(removed[(removed.criterion == "random") & (removed.layer == layer)]) == 2
-    assert set(imp["tokens"]) == {int(res.meta["data"]["tokens"])}
+    assert set(imp["layer_tokens"]) == {int(res.meta["data"]["tokens"])}
     abl = res["prune_ablation"]
     top = imp.sort_values("reap", ascending=False).head(2)
     assert list(zip(abl.layer, abl.expert)) == list(zip(top.layer, top.expert))
@@ -205,14 +212,59 @@ def test_bad_options_refused_in_one_line(tmp_path):
     from moetool.experiments.prune import PruneOptions
 
     for kw, message in (({"criteria": ("reap", "size")}, "--criteria"), ({"fractions": (1.0,)}, r"\[0, 1\)"),
-                        ({"ablate": -1}, "--ablate")):
+                        ({"ablate": -1}, "--ablate"), ({"reap_weights": "raw"}, "--reap-weights")):
         with pytest.raises(MoetoolError, match=message):
             PruneOptions(**kw)
-    for args in (["--fractions", "0.9"],):  # 0.9 of 8 leaves 1 < K = 2: refused before any forward, no folder
+    # 0.9 of 8 leaves 1 < K = 2; 0.01 of 8 removes floor(0.08) = 0 experts everywhere (it could only give the
+    # router's row again): refused before any forward, no folder
+    for args, message in ((["--fractions", "0.9"], "fewer than its top-2"),
+                          (["--fractions", "0.25,0.01"], r"--fractions 0.01 removes no expert .*floor\(0.01 x 8\) = 0")):
         r = subprocess.run([sys.executable, "-m", "moetool", "prune", *args, "--max-tokens", "256",
                             "--out", str(tmp_path / "x")], capture_output=True, text=True, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert re.search(message, r.stderr), r.stderr
         assert not (tmp_path / "x").exists()
+
+
+def test_ablate_0_leaves_the_ablation_table_out(tiny_prune):
+    """``ablate=0``: no prune_ablation table (the manifest's not_written says why), the curve's numbers those of
+    the run with ablations (the ablations change nothing else)."""
+    import moetool
+
+    lm, tokens, full = tiny_prune
+    res = moetool.prune(lm, tokens, fractions=(0.25,), criteria=("reap",), ablate=0, bootstrap=0, quiet=True)
+    assert "prune_ablation" not in res and "prune_removed" in res
+    assert res.meta["not_written"] == {"prune_ablation.csv": "no single-expert ablation: --ablate 0"}
+    got = res["prune"].set_index(["criterion", "fraction"])
+    want = full["prune"].set_index(["criterion", "fraction"])
+    for key in (("router", 0.0), ("reap", 0.25)):
+        assert got.loc[key, "perplexity"] == want.loc[key, "perplexity"]
+
+
+@pytest.mark.slow
+def test_nothing_removed_by_choice_writes_no_empty_table(tmp_path):
+    """`moetool prune --fractions 0 --ablate 0`: nothing removed and no ablation, by the user's choice: exit 0, the
+    importance and the curve written, no empty prune_removed.csv or prune_ablation.csv, manifest complete with
+    not_written saying why; the rows at 0 are the router's perplexity."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["prune", "--model", "tiny", "--fractions", "0", "--ablate", "0", "--criteria",
+                                 "reap,random", "--max-tokens", "256", "--seq-len", "64", "--bootstrap", "0", "-q",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert not (out / "prune_removed.csv").exists() and not (out / "prune_ablation.csv").exists()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "complete"
+    assert set(m["not_written"]) == {"prune_removed.csv", "prune_ablation.csv"}
+    assert "prune_removed.csv" not in m["files"] and "figures/prune_ablation.png" not in m["files"]
+    assert "figures/prune_curve.png" in m["files"]
+    curve = pd.read_csv(out / "prune.csv")
+    assert list(curve.criterion) == ["router", "reap", "random"] and (curve.removed == 0).all()
+    assert (curve.perplexity == curve.perplexity.iloc[0]).all()
 
 
 def test_sets_for_other_layers_refused_before_any_forward(tiny_model, batch, tmp_path):
@@ -276,7 +328,7 @@ def fake_prune_lm_eval(monkeypatch):
 @pytest.mark.slow
 def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
     """`moetool prune --tasks ... --num-fewshot 2 --limit 3`: every pruning of the perplexity curve runs lm-eval under
-    the same policy in the same layers (once per distinct removed set); prune_eval.csv's value ∓ 1.96 stderr, retention = value / router's and its
+    the same policy in the same layers (once per distinct removed set); prune_eval.csv's value with its Wilson interval, retention = value / router's and its
     delta-method interval sqrt((se/v)^2 + (se_b/b)^2) x retention, the router's [1, 1]; the figure is drawn."""
     import math
 
@@ -308,7 +360,8 @@ def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
         v, se = PRUNE_ACC[name][row.task]
         b, se_b = PRUNE_ACC["router"][row.task]
         assert (row.metric, row.value, row.stderr, row.router_value) == ("acc", v, se, b)
-        assert (row.value_lo, row.value_hi) == pytest.approx((v - z * se, v + z * se), rel=1e-9)
+        n = v * (1 - v) / se ** 2 + 1  # the items lm-eval's stderr implies for 0/1 scores
+        assert (row.value_lo, row.value_hi) == pytest.approx(wilson_by_hand(v, n), rel=1e-9)
         assert row.retention == pytest.approx(v / b, rel=1e-12)
         half = z * v / b * math.sqrt((se / v) ** 2 + (se_b / b) ** 2)
         want = (1.0, 1.0) if name == "router" else (v / b - half, v / b + half)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import pytest
 
@@ -38,18 +36,21 @@ def test_aoe_table1_layout():
     assert t.row.tolist() == ["router", "best node"]
     best = t.set_index("row").loc["best node"]
     assert best["mmlu node"] == "up:l2" and best["arc_challenge node"] == "gate:l2"  # best per task
-    assert best["mmlu retention paper"] == 94.8 and best["arc_challenge retention paper"] == 94.6
-    assert best["mmlu acc paper"] == 66.66 and best["mmlu acc measured"] == pytest.approx(66.5)
-    assert best["mmlu retention Δ"] == pytest.approx(95.0 - 94.8)
+    # one unit with quality.csv: fractions (the paper's 94.8% is 0.948)
+    assert best["mmlu retention paper"] == pytest.approx(0.948) and best["arc_challenge retention paper"] == 0.946
+    assert best["mmlu acc paper"] == pytest.approx(0.6666) and best["mmlu acc measured"] == 0.665
+    assert best["mmlu retention Δ"] == pytest.approx(0.95 - 0.948)
     router = t.set_index("row").loc["router"]
-    assert router["arc_challenge acc paper"] == 62.12 and router["mmlu retention paper"] == 100.0
+    assert router["arc_challenge acc paper"] == pytest.approx(0.6212) and router["mmlu retention paper"] == 1.0
+    assert all(0 <= v <= 1 for c, v in router.items() if ("acc" in c or "retention" in c) and "Δ" not in c)
     assert "Table 1" in t.attrs["source"]
 
 
 def test_unknown_model_has_no_paper_numbers_and_errors_are_clear():
     t = aoe_table1(_measured(), "tiny")
     assert paper_model("tiny") is None
-    assert math.isnan(t.set_index("row").loc["best node", "mmlu retention paper"])
+    assert not [c for c in t.columns if "paper" in c or "Δ" in c]  # no numbers: no empty column written
+    assert t.set_index("row").loc["best node", "mmlu retention measured"] == 0.95
     with pytest.raises(MoetoolError):
         aoe_table1(_measured(), "mixtral-8x7b", tasks=("hellaswag",))
     with pytest.raises(MoetoolError):

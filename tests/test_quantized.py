@@ -404,7 +404,7 @@ def test_quantize_flag_is_one_line_on_cpu(tmp_path):
 
     from moetool.commands.app import app
 
-    for flag, msg in (("fp8", "needs a CUDA GPU"), ("int4", "--quantize takes fp8, not 'int4'")):
+    for flag, msg in (("fp8", "quantizes on a CUDA GPU while loading"), ("int4", "--quantize takes fp8, not 'int4'")):
         res = CliRunner().invoke(app, ["ppl", "--model", "tiny", "--quantize", flag, "--device", "cpu",
                                        "--out", str(tmp_path / flag)])
         assert res.exit_code == 2, res.output

@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import padded_batch, run
 from torch import nn
 
@@ -315,3 +317,58 @@ def test_meta_device_model_identifies_the_same_rule(model_type):
         model = discovery.model_class(model_type).from_config(config)
     layers = find_moe_layers(model)
     assert layers and {L.describe()["rule"] for L in layers} == {EXPECTED_RULE[model_type]}
+
+
+# ----- the same answer on every device (issue 37.4) ---------------------------------------------------------------
+def _split_k(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``h @ w.T (+ b)`` in fp32 summed as two halves of ``d`` then added: what a split-K GEMM (cuBLAS on a GPU)
+    computes -- the same value up to the order of the sum."""
+    d = h.shape[-1] // 2
+    out = F.linear(h[..., :d].float(), w[:, :d].float()) + F.linear(h[..., d:].float(), w[:, d:].float())
+    return out if b is None else out + b.float()
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "mixtral", "granitemoe", "dots1", "glm4_moe", "kolibri1", "phimoe"])
+def test_a_router_summing_in_another_order_identifies_the_same_rule(model_type, monkeypatch):
+    """By substitution for a GPU's kernels: transformers' own ``F.linear`` (the routers' projection, and everything
+    the router derives from its logits) sums in another order, so its logits are no longer bit-equal to any logits
+    mode of moetool's; the rule identified is the same, with the same parameters. Logits off by 0.1% are refused."""
+    from moetool.adapters.generic import LOGITS_MODES, identify_layer, linear_logits, router_linear
+
+    from moetool.adapters.tiny import build_tiny
+
+    L = find_moe_layers(build_tiny(model_type, seed=0))[0]  # the per-rule models of tests/test_commands_per_rule.py
+    want_rule, want_params, _, _ = identify_layer(L)
+    lin = router_linear(L.router)
+    w, b = lin.weight, getattr(lin, "bias", None)
+    h = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0))
+    assert not any(torch.equal(_split_k(h, w, b), linear_logits(h, w, b, m)) for m in LOGITS_MODES)  # really differs
+    plain = F.linear
+
+    def transformers_linear(scale):
+        def linear(x, weight, bias=None):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            model_code = caller.startswith("transformers.") or caller == "torch.nn.modules.linear"  # nn.Linear routers
+            return _split_k(x, weight, bias).to(x.dtype) * scale if model_code else plain(x, weight, bias)
+        return linear
+
+    monkeypatch.setattr(F, "linear", transformers_linear(1.0))
+    rule, params, mode, _ = identify_layer(L)
+    assert rule.name == want_rule.name == EXPECTED_RULE[model_type] and mode in LOGITS_MODES
+    assert params.describe() == want_params.describe()
+    monkeypatch.setattr(F, "linear", transformers_linear(1.001))
+    with pytest.raises(MoetoolError, match="not a linear map of its input"):
+        identify_layer(L)
+
+
+def test_mm_fp32_mode_is_the_fp32_product_off_cuda():
+    """``mm->fp32`` (Kolibri1's CUDA router: a GEMM in the input dtype with fp32 output) is, where that kernel does
+    not exist, the fp32 product of the same operands: bf16 inputs give the exact products, summed in fp32."""
+    from moetool.adapters.generic import linear_logits
+
+    gen = torch.Generator().manual_seed(1)
+    h, w = (torch.randn(s, generator=gen).bfloat16() for s in ((16, 32), (8, 32)))
+    got = linear_logits(h, w, None, "mm->fp32")
+    assert got.dtype == torch.float32
+    assert torch.equal(got, F.linear(h.float(), w.float()))
+    torch.testing.assert_close(got.double(), h.double() @ w.double().T, rtol=1e-6, atol=1e-6)

@@ -46,16 +46,51 @@ def test_criterion_by_hand():
 
     a = np.array([1.0] * 197 + [3.0, 20.0, 100.0])
     # 99th percentile: position 0.99 x 199 = 197.01 -> 3 + 0.01 x (20 - 3) = 3.17
-    mask, p, f = super_mask(a, 99.0, 0.1)
+    mask, p, f = super_mask(a, 99.0, 0.1, "fraction")
     assert p == pytest.approx(3.17) and f == pytest.approx(10.0)
     assert list(np.flatnonzero(mask)) == [198, 199]
-    mask, _, f = super_mask(a, 99.0, 0.5)  # 20 is above the percentile but under half the largest
+    mask, _, f = super_mask(a, 99.0, 0.5, "fraction")  # 20 is above the percentile but under half the largest
     assert f == 50.0 and list(np.flatnonzero(mask)) == [199]
     mask, p, _ = super_mask(a, 99.5, 0.1)  # 198.005 -> 20 + 0.005 x 80 = 20.4
     assert p == pytest.approx(20.4) and list(np.flatnonzero(mask)) == [199]
     assert not super_mask(np.full(50, 7.0))[0].any()  # nothing exceeds the percentile of equal maxima
     with pytest.raises(MoetoolError):
         super_mask(np.array([1.0, float("nan")]))
+    # the code's max // 10 (floor division, strictly above) against the fraction rule's >= 0.1 x max
+    b = np.array([0.0] * 300 + [10.0, 10.0, 100.0])  # 90th percentile: position 271.8 -> 0.0
+    m_floor, p, f_floor = super_mask(b, 90.0, 0.1)  # floordiv: 100 // 10 = 10, 10.0 > 10 is False
+    m_frac, _, f_frac = super_mask(b, 90.0, 0.1, "fraction")  # fraction: 10.0 >= 10.0
+    assert p == 0.0 and f_floor == 10.0 and f_frac == 10.0
+    assert list(np.flatnonzero(m_floor)) == [302] and list(np.flatnonzero(m_frac)) == [300, 301, 302]
+    c = np.array([1.0] * 300 + [9.5, 99.0])  # 99 // 10 = 9 (floor) while 0.1 x 99 = 9.9: 9.5 passes floordiv only
+    assert list(np.flatnonzero(super_mask(c, 90.0, 0.1)[0])) == [300, 301]
+    assert list(np.flatnonzero(super_mask(c, 90.0, 0.1, "fraction")[0])) == [301]
+
+
+def test_degenerate_and_layer_cut_by_hand():
+    """How many values can pass the percentile (N - 1 - floor((N - 1) q / 100)), checked by brute force on
+    distinct values; the code's round(0.75 L) with Python's half-to-even rounding."""
+    from moetool.experiments.super_experts import can_pass, included_layers
+
+    for n in (2, 32, 128, 200, 201, 401, 1000):
+        for q in (99.5, 99.0, 90.0):
+            a = np.arange(n, dtype=float) ** 1.5
+            assert can_pass(n, q) == int((a > np.percentile(a, q)).sum()), (n, q)
+    assert can_pass(200, 99.5) == 1 and can_pass(201, 99.5) == 1 and can_pass(202, 99.5) == 2
+    assert [included_layers(L, 0.75) for L in (2, 4, 6, 10, 27, 48, 61)] == [2, 3, 4, 8, 20, 36, 46]
+
+
+def test_first_rows_by_hand():
+    """The token the paper's code reads per row and expert: slot-major (first choices in position order, then
+    second choices), padding skipped."""
+    from moetool.experiments.super_experts import first_rows
+
+    idx = torch.tensor([[2, 0], [1, 2], [0, 1],   # row 0: expert 0 first chosen at slot 0 by token 2
+                        [3, 1], [1, 0], [1, 3]])  # row 1: expert 3 at slot 0 by token 3
+    valid = torch.tensor([True, True, True, False, True, True])  # token 3 is padding: expert 3 -> token 5 slot 1
+    got = first_rows(idx, valid, (2, 3), 4)
+    want = {(2, 0), (1, 1), (0, 2), (4, 1), (4, 0), (5, 3)}
+    assert {(int(t), int(e)) for t, e in torch.nonzero(got)} == want
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +113,8 @@ def test_ablations(tiny_run, tmp_path):
     table, abl = res["super_experts"], res["super_experts_ablation"].set_index("ablation")
     want_mask = super_mask(table["max_abs_output"])[0]
     assert list(table["is_super"]) == list(want_mask) and want_mask.any()
+    assert sorted(set(table.layer)) == [0, 1, 2]  # the first round(0.75 x 4) = 3 decoder layers, as the code
+    assert (table.can_pass == 1).all() and table.degenerate.all()  # 24 maxima: only the largest can pass
     assert sorted(table["rank"]) == list(range(1, len(table) + 1))
     assert table.loc[table["rank"] == 1, "max_abs_output"].iloc[0] == table["max_abs_output"].max()
     own = moetool.ppl(lm, tokens, bootstrap=0, baseline=False, quiet=True)["ppl"]
@@ -111,6 +148,10 @@ def test_bad_options_are_one_line():
         SuperExpertsOptions(percentile=100.0)
     with pytest.raises(MoetoolError, match="--fraction-of-max"):
         SuperExpertsOptions(fraction_of_max=1.5)
+    for bad, flag in ((dict(max_rule="ge"), "--max-rule"), (dict(reading="all"), "--reading"),
+                      (dict(include_layers=0.0), "--include-layers"), (dict(include_layers=1.5), "--include-layers")):
+        with pytest.raises(MoetoolError, match=flag):
+            SuperExpertsOptions(**bad)
 
 
 def test_more_super_than_other_experts_refused(tiny_run):
@@ -121,3 +162,11 @@ def test_more_super_than_other_experts_refused(tiny_run):
     lm, tokens, _ = tiny_run
     with pytest.raises(MoetoolError, match="no random set of the same size"):
         moetool.super_experts(lm, tokens, percentile=0.0, fraction_of_max=0.0, bootstrap=0, quiet=True)
+
+
+def test_layer_cut_leaving_nothing_refused(tiny_run):
+    import moetool
+
+    lm, tokens, _ = tiny_run
+    with pytest.raises(MoetoolError, match=r"--include-layers 0.5 keeps decoder layers < round\(0.5 x 4\) = 2"):
+        moetool.super_experts(lm, tokens, layers=(2, 3), include_layers=0.5, bootstrap=0, quiet=True)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILIES, padded_batch, run
+from conftest import FAMILIES, feed, padded_batch, run
 
 from moetool.adapters import find_moe_layers, rules
 from moetool.errors import MoetoolError
@@ -82,7 +82,7 @@ def tiny_topk():
 
     lm = moetool.load("tiny")
     tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
-    return lm, tokens, moetool.topk(lm, tokens, ks=(1,), ps=(0.6, 1.0), bootstrap=100, quiet=True)
+    return lm, tokens, moetool.topk(lm, tokens, ks=(1, 8), ps=(0.6, 1.0), bootstrap=100, quiet=True)
 
 
 @pytest.mark.slow
@@ -97,10 +97,10 @@ def test_experts_per_token_by_hand(tiny_topk):
     first = lm.layers[0]
     probs = []
     with moetool.hook(lm, layers=[first.index], consumers=[lambda ev: probs.append(
-            (ev.probs[ev.valid].numpy(), first.index == ev.layer.index))]):
+            (ev.probs[ev.valid].cpu().numpy(), first.index == ev.layer.index))]):
         with torch.no_grad():
             for b in tokens.batches(8):
-                lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                feed(lm.model, b.input_ids, b.attention_mask)
     pi = np.concatenate([p for p, ok in probs if ok])
     ranked = -np.sort(-pi, axis=1)
     before = np.cumsum(ranked, axis=1) - ranked
@@ -111,8 +111,21 @@ def test_experts_per_token_by_hand(tiny_topk):
     assert (layers.loc["router", "mean_experts"] == first.top_k).all()
     assert (layers.loc["topp:1", "mean_experts"] == first.n_experts).all()
     t = res["topk"].set_index("policy")
-    assert t.loc["router", "ratio"] == 1 and t.loc["topk:1", "experts_frac"] == 1 / first.top_k
+    assert t.loc["router", "ratio"] == 1 and t.loc["topk:1", "experts_frac"] == 1 / first.n_experts
+    assert t.loc["topk:8", "experts_frac"] == 1 and (t["experts_frac"] <= 1).all()  # all 8 experts: the whole layer
     assert t.loc["topk:1", "ratio_lo"] <= t.loc["topk:1", "ratio"] <= t.loc["topk:1", "ratio_hi"]
+
+
+def test_tokens_count_one_thing(tiny_topk):
+    """``tokens`` is the real tokens each layer routed in topk.csv and topk_layers.csv alike; the predictions the
+    perplexity averages over are ``scored_tokens`` (one fewer per packed row); experts_frac is mean_experts / n."""
+    lm, tokens, res = tiny_topk
+    real = int(tokens.attention_mask.sum())
+    t, layers = res["topk"], res["topk_layers"]
+    assert (t["tokens"] == real).all() and (layers["tokens"] == real).all()
+    assert (t["scored_tokens"] == real - tokens.input_ids.shape[0]).all()
+    assert layers["experts_frac"].tolist() == pytest.approx((layers["mean_experts"] / 8).tolist(), abs=0)
+    assert "tokens" in res.meta["definitions"] and "scored_tokens" in res.meta["definitions"]
 
 
 def test_same_rows_as_ppl(tiny_topk):
@@ -142,6 +155,34 @@ def test_sparsemixer_refuses_before_any_forward(tiny_model):
             make_policy(spec).check(L)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_k_above_the_experts_available_is_refused(tiny_model, kind):
+    """topk:<k> and topp's kmax above what a layer can route a token to: one line before any forward, never a
+    clamped k recorded as k. DeepSeek-V3's group limits (topk_group of n_group groups) allow fewer than n."""
+    model = tiny_model(kind)
+    L = find_moe_layers(model)[0]
+    c = model.config
+    n = c.num_local_experts if kind == "mixtral" else c.n_routed_experts
+    most = n if kind == "mixtral" else c.topk_group * n // c.n_group
+    assert most < n or kind == "mixtral"
+    make_policy(f"topk:{most}").check(L)
+    make_policy(f"topp:0.9:{n}").check(L)  # top-p ranks by π over every expert, group limits aside
+    for spec, limit in ((f"topk:{most + 1}", most), (f"topk:{n + 90}", most), (f"topp:0.9:{n + 1}", n)):
+        with pytest.raises(MoetoolError, match=f"can route a token to at most {limit}[;( ]") as e:
+            make_policy(spec).check(L)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_cli_refuses_k_above_n_before_any_forward(tmp_path):
+    for args in (["ppl", "--routing", "topk:999"], ["topk", "--ks", "1,99"], ["topk", "--kmax", "9"],
+                 ["ppl", "--routing", "topp:0.5:9"]):
+        r = subprocess.run([sys.executable, "-m", "moetool", *args, "--max-tokens", "256", "--out",
+                            str(tmp_path / "x")], capture_output=True, text=True, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "at most 8; choose at most 8" in r.stderr, r.stderr
+        assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.slow
 def test_cli_refuses_bad_values_in_one_line(tmp_path):
     for args in (["--ps", "0.5,1.5"], ["--ks", "0"]):
@@ -166,3 +207,22 @@ def test_padded_batch_counts_real_tokens_only(tiny_model):
     real = int(batch["attention_mask"].sum())
     assert all(r["tokens"] == real and r["mean_experts"] == 1 for r in rows)
     assert json.dumps(rows)  # plain numbers
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_top_p_hands_the_experts_only_the_batchs_largest_set(model_type, tiny_model, batch):
+    """topp gives the experts module as many columns as the batch's largest chosen set (not kmax = n): the same
+    block output as the full-width choice (unchosen columns weigh 0), fewer columns computed."""
+    model = tiny_model(model_type)
+    _, events, _ = run(model, find_moe_layers(model), batch)
+    pol = make_policy("topp:0.5")
+    for ev in events.values():
+        L = ev.layer
+        idx, w = pol.select(ev)
+        full_idx, mask = top_p(ev.probs, 0.5, L.n_experts)
+        full_w = L.weights_for(ev.logits, full_idx, mask)
+        assert idx.shape[1] == int(mask.sum(-1).max()) < L.n_experts
+        assert torch.equal(idx, full_idx[:, :idx.shape[1]]) and (full_w[:, idx.shape[1]:] == 0).all()
+        with torch.no_grad():
+            torch.testing.assert_close(L.experts(ev.h, idx, w), L.experts(ev.h, full_idx, full_w),
+                                       rtol=1e-6, atol=1e-6)

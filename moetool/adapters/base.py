@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..errors import MoetoolRuntimeError
+
 
 #: the shape every adapter's ``tiny_config()`` shares (with its family's expert sizes: ~1-2M parameters)
 TINY_SHAPE: dict[str, int] = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -58,6 +60,23 @@ class MoELayer:
         self.router = router
         self.experts = experts
         self.config = config
+        self.check_finite_router()
+
+    def check_finite_router(self) -> None:
+        """NaN/inf in the router's parameters or buffers (a corrupt or overflowed checkpoint): one line naming the
+        layer and the tensor (exit 1), before any routing rule is identified on them. Tensors not in memory (meta,
+        accelerate-offloaded) are not read here."""
+        for name, t in [*self.router.named_parameters(), *self.router.named_buffers()]:
+            if not t.is_floating_point() or t.is_meta or t.numel() == 0:
+                continue
+            bad = ~torch.isfinite(t.detach())
+            if bool(bad.any()):
+                own = [*self.decoder_layer.named_parameters(), *self.decoder_layer.named_buffers()]
+                name = next((n for n, p in own if p is t), name)  # its path in the decoder layer (views too)
+                nan = int(torch.isnan(t.detach()).sum())
+                raise MoetoolRuntimeError(
+                    f"non-finite router weight in MoE layer {self.index}: {name} has {nan} NaN and "
+                    f"{int(bad.sum()) - nan} inf of its {t.numel()} values (a corrupt checkpoint?)")
 
     # ----- shape -------------------------------------------------------------------------
     @property
@@ -67,6 +86,12 @@ class MoELayer:
     @property
     def top_k(self) -> int:
         raise NotImplementedError
+
+    @property
+    def max_k(self) -> int:
+        """The most experts this layer's routing can give one token (``n_experts``; fewer under group limits): a
+        ``topk:<k>`` / ``topk --ks`` above it is refused (:func:`moetool.engine.hooks.refuse_above_max_k`)."""
+        return self.n_experts
 
     @property
     def n_zero_compute(self) -> int:

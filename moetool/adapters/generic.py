@@ -274,6 +274,11 @@ class GenericLayer(MoELayer):
                            f"groups (group-limited routing)")
         return problem
 
+    @property
+    def max_k(self) -> int:
+        p = self.params  # group-limited: only the experts of the topk_group groups chosen can be routed to
+        return p.topk_group * (self.n_experts // p.n_group) if p.n_group > 1 else self.n_experts
+
     def rule_name(self) -> str:
         """The catalogue rule; ``hash:<rule>`` on a hash-routed layer (experts by token id, weighted by the rule)."""
         return ("hash:" if self.hash_routed else "") + self.rule.name
@@ -285,7 +290,7 @@ class GenericLayer(MoELayer):
         return identify_layer(self)
 
 
-LOGITS_MODES = ("native", "native->fp32", "fp32")
+LOGITS_MODES = ("native", "native->fp32", "fp32", "mm->fp32")
 
 
 def logit_multiplier(router: nn.Module) -> float:
@@ -294,13 +299,58 @@ def logit_multiplier(router: nn.Module) -> float:
     return 1.0 if v is None else float(v)
 
 
+def mm_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``h @ w.T`` as fp32 from a GEMM in the operands' dtype with fp32 output, the way some routers compute on CUDA
+    (Kolibri1: ``torch.mm(h, w.t(), out_dtype=torch.float32)`` when ``h.is_cuda`` and the dtypes match, torch >= 2.8;
+    its CPU path is ``F.linear`` in fp32). Where that kernel does not exist (the CPU, older torch, mixed dtypes) the
+    same products are summed in fp32 by ``F.linear`` on fp32 copies: the identical value up to summation order."""
+    if h.is_cuda and h.dtype == w.dtype:
+        try:
+            return torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out_dtype=torch.float32).reshape(*h.shape[:-1], -1)
+        except TypeError:  # torch < 2.8: no out_dtype
+            pass
+    return F.linear(h.float(), w.float())
+
+
+def nearest_logits_mode(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float, mult: float,
+                        logits: torch.Tensor) -> str | None:
+    """The logits mode closest to the router's ``logits`` when none reproduces them bit for bit, if it is within the
+    rounding of a sum of ``d`` products (else ``None``: not a linear map of the input).
+
+    Why a tolerance: a GEMM kernel's summation order depends on the device, the shapes and the library (cuBLAS splits
+    a long ``d`` across threads; CPU kernels block it differently), so the same ``h @ W.T`` computed by the router and
+    by :func:`linear_logits` may differ in the last bits on a GPU while agreeing on the CPU. The bound: each of two
+    fp32-accumulated sums of ``d`` terms is within ``d·u·(|h|·|W|ᵀ + |b|)`` of the exact value (u = 2⁻²⁴; the
+    standard forward-error bound of recursive summation, Higham 2002, §3.1), plus one rounding of each output to its
+    dtype (``u_out·|logit|``); times ``|mult|`` (softcapping's tanh is 1-Lipschitz). A different function (a
+    non-linear router, another weight, a missing bias) is off by the logits' own scale, orders of magnitude above."""
+    hd, wd = h.detach().double(), w.detach().double()
+    mag = hd.abs() @ wd.abs().T + (0.0 if b is None else b.detach().double().abs())
+    d = h.shape[-1]
+    best, best_err = None, None
+    for m in LOGITS_MODES:
+        got = linear_logits(h, w, b, m, softcap, mult)
+        if got.dtype != logits.dtype or got.shape != logits.shape:
+            continue
+        u_out = torch.finfo(logits.dtype).eps
+        tol = abs(mult) * 2 * d * torch.finfo(torch.float32).eps * mag + 2 * u_out * logits.detach().double().abs()
+        err = (got.double() - logits.double()).abs()
+        if bool((err <= tol).all()) and (best_err is None or float(err.max()) < best_err):
+            best, best_err = m, float(err.max())
+    return best
+
+
 def linear_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mode: str, softcap: float = 0.0,
                   mult: float = 1.0):
     """Router logits as the router computes them: ``native`` (in the weight's dtype), ``native->fp32`` (then
-    cast to fp32) or ``fp32`` (input and weight cast first); times ``mult`` if not 1; ``tanh`` soft-capped if
-    ``softcap``."""
+    cast to fp32), ``fp32`` (input and weight cast first) or ``mm->fp32`` (fp32 logits from one GEMM in the input's
+    dtype, :func:`mm_fp32`); times ``mult`` if not 1; ``tanh`` soft-capped if ``softcap``."""
     if mode == "fp32":
         out = F.linear(h.float(), w.float(), None if b is None else b.float())
+    elif mode == "mm->fp32":
+        out = mm_fp32(h, w)
+        if b is not None:
+            out = out + b.float()
     else:
         out = F.linear(h.to(w.dtype), w, b)
         if mode == "native->fp32":
@@ -375,7 +425,7 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
         cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
         mult = logit_multiplier(router)
         mode = next((m for m in LOGITS_MODES if torch.equal(got := linear_logits(h, w, b, m, cap, mult), logits)
-                     and got.dtype == logits.dtype), None)
+                     and got.dtype == logits.dtype), None) or nearest_logits_mode(h, w, b, cap, mult, logits)
         if mode is None:
             raise fail("the router's logits are not a linear map of its input (logits(h) differs from the "
                        "router's first output)")
@@ -430,7 +480,8 @@ def _identify_hash(L: MoELayer, router: nn.Module, h: torch.Tensor, table: torch
         raise fail("the hash router's experts are not its token-id table's rows")
     mode = next((m for m in LOGITS_MODES if torch.equal(got := linear_logits(h, lin.weight, getattr(lin, "bias", None),
                                                                              m), logits)
-                 and got.dtype == logits.dtype), None)
+                 and got.dtype == logits.dtype), None) or nearest_logits_mode(
+        h, lin.weight, getattr(lin, "bias", None), 0.0, 1.0, logits)
     if mode is None:
         raise fail("the router's logits are not a linear map of its input")
     cands = _candidates(router, int(want_idx.shape[-1]), None if bias is None else bias.detach())

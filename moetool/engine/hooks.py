@@ -99,6 +99,23 @@ def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
                    "are hash-routed (experts chosen by token id)")
 
 
+def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups: bool = True) -> None:
+    """One line (before any forward) when ``k`` experts per token (``topk:<k>`` and ``topk --ks``; ``topp``'s
+    ``kmax`` and ``topk --kmax``) is more than one of ``layers`` can route a token to (:attr:`MoELayer.max_k`; with
+    ``groups=False``, for what ranks every expert regardless of group limits, ``n_experts``): never a silently
+    smaller ``k`` recorded as ``k``."""
+    def most(L: MoELayer) -> int:
+        return L.max_k if groups else L.n_experts
+
+    over = [L for L in layers if k > most(L)]
+    if over:
+        group = " (its group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
+        limit = min(most(L) for L in over)
+        names = ", ".join(str(L.index) for L in over)
+        raise MoetoolError(f"{what}: {k} experts per token, but MoE layer{'s' if len(over) > 1 else ''} {names} can "
+                           f"route a token to at most {limit}{group}; choose at most {limit}")
+
+
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
     """A policy refuses what it cannot do before any forward: ``check(layer)`` per MoE layer of ``layers`` it runs in
     (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once; a policy that re-ranks experts by the
@@ -222,6 +239,7 @@ class Engine:
     def __enter__(self) -> "Engine":
         attention = self._attention_modules()  # may refuse a layer: before any hook is installed
         self._check_policy()
+        self._attn_was = _eager_attention(self.model) if attention else None
         self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         for L in self.layers:
             self._slots[L.index] = {}
@@ -259,6 +277,9 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self, "_attn_was", None) is not None:  # the attention implementation the model came with
+            self.model.set_attn_implementation(self._attn_was)
+            self._attn_was = None
         if exc[0] is None:
             self.check_all_reported()
 
@@ -340,3 +361,18 @@ class Engine:
                     c(ev)
             return new
         return hook
+
+
+def _eager_attention(model: nn.Module) -> str | None:
+    """Switch ``model`` to eager attention (the only implementation that returns its probabilities: SDPA and flash
+    kernels, CUDA's default, never materialise them) for an engine that reads them; the implementation it had, to
+    restore on exit, or ``None`` when it already was eager or cannot be switched (the attention hook then says so)."""
+    config = getattr(model, "config", None)
+    was = getattr(config, "_attn_implementation", None)
+    if was in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        return None
+    try:
+        model.set_attn_implementation("eager")
+    except (ValueError, ImportError):
+        return None
+    return was if getattr(config, "_attn_implementation", None) == "eager" else None

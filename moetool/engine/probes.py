@@ -1,9 +1,16 @@
 """Batched probes: a node of all ``n`` experts of a layer at once.
 
-One batched matmul over experts per chunk of tokens (never a Python loop over experts):
-``gate = h @ W_g^T`` for every expert is ``[n, T, I]``. Token chunks bound peak memory.
+All experts of a node in one large GEMM per chunk of tokens (never a Python loop over experts): ``h [T, d]``
+against the experts' stacked weights flattened to ``[n·I, d]`` (a view where they are stored that way: the fused
+``gate_up_proj [n, 2I, d]`` gives gate and up of every expert in one ``[T, d] x [d, n·2I]`` product), else one
+batched matmul; the down projection is one batched matmul ``[n, T, I] x [n, I, d]``. Token chunks bound peak
+memory: ``budget`` elements of fp32 intermediates, by default (``budget=None``) a share of the free memory of an
+accelerator (CUDA: :func:`torch.cuda.mem_get_info` and the allocator's cached bytes) and :data:`DEFAULT_BUDGET` on
+the CPU, so a GPU runs thousands of tokens per product rather than a few hundred.
 Quantized experts (FP8 / FP4 / MXFP4 / per-expert linears, :mod:`moetool.adapters.quant`) are dequantized a slice
-of experts at a time (at most ``budget`` weight elements), in the tokens' dtype; plain ones are read as stored.
+of experts at a time (at most ``budget`` weight elements, :data:`DEFAULT_BUDGET` by default; never a whole large
+layer at once), in the tokens' dtype, once per probe call, then every token chunk reuses the slice; plain ones are
+read as stored.
 Zero-computation experts (``layer.n_zero_compute``, the last indices) have no weights: an identity expert's
 (LongCat-Flash) output is its input ``x = expert_input(h)`` and so is every "activation" node, so its norms (every
 node) are ``||x||`` and its output rows ``x``; a skip expert's (Zaya) are all 0; an I-wide node tensor of them does
@@ -40,8 +47,24 @@ from ..errors import MoetoolError
 
 NODES = ("gate", "up", "act", "glu", "output")
 
-#: elements of one ``[n, T_chunk, I]`` intermediate (fp32: 4 bytes each) -> 256 MB by default
+#: elements of one ``[n, T_chunk, I]`` intermediate (fp32: 4 bytes each) -> 256 MB: the CPU's token chunks and the
+#: dequantized weight slices of quantized experts
 DEFAULT_BUDGET = 1 << 26
+
+#: share of an accelerator's free memory one probe call's token-chunk intermediates may use (``budget=None``)
+FREE_SHARE = 0.4
+
+
+def auto_budget(device: torch.device | str) -> int:
+    """The token-chunk budget (elements of fp32 intermediates) on ``device``: :data:`FREE_SHARE` of a CUDA device's
+    free memory (the driver's free bytes plus what torch's allocator holds unused), at least :data:`DEFAULT_BUDGET`;
+    :data:`DEFAULT_BUDGET` elsewhere (host memory is not measured)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return DEFAULT_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(DEFAULT_BUDGET, int((free + cached) * FREE_SHARE) // 4)
 
 
 #: set on an experts module while accelerate's own pre-forward has its offloaded weights on the execution device
@@ -198,33 +221,76 @@ def _matmul_ready(layer: MoELayer, want: set[str]) -> ExpertWeights:
     return dataclasses.replace(W, **fix) if fix else W
 
 
-def _bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [T, in]`` against stacked ``w [n, out, in]`` -> ``[n, T, out]`` (one batched matmul)."""
-    y = torch.matmul(x.unsqueeze(0), w.transpose(-1, -2))  # [n, T, out]
-    return y if bias is None else y + bias.unsqueeze(1)
+def _flat(w: torch.Tensor) -> torch.Tensor | None:
+    """``w [n, out, in]`` as one ``[n·out, in]`` matrix without a copy (None where its strides do not allow it)."""
+    n, out, k = w.shape
+    if w.stride(2) == 1 and (w.stride(1) == k or out == 1) and (w.stride(0) == out * k or n == 1):
+        return w.as_strided((n * out, k), (k, 1))
+    return None
+
+
+def _wide(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, in]`` against stacked ``w [n, out, in]`` -> ``[T, n, out]``: one GEMM ``[T, in] x [in, n·out]`` when
+    the experts' rows flatten to one matrix (a view), else one batched matmul."""
+    n, out, _ = w.shape
+    flat = _flat(w)
+    if flat is not None:
+        y = (x @ flat.T).view(x.shape[0], n, out)
+    else:
+        y = torch.matmul(x.unsqueeze(0), w.transpose(-1, -2)).transpose(0, 1)  # [T, n, out] (a view)
+    return y if bias is None else y + bias
+
+
+def _fused_gate_up(W: ExpertWeights) -> torch.Tensor | None:
+    """``[n, 2I, d]``: gate and up as the two halves of one stored matrix (transformers' ``gate_up_proj``), a view;
+    None when they are stored apart (or interleaved: gpt-oss)."""
+    g, u = W.gate, W.up
+    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device or g.stride() != u.stride():
+        return None
+    n, inter, d = g.shape
+    if g.stride() != (2 * inter * d, d, 1) or u.data_ptr() != g.data_ptr() + inter * d * g.element_size():
+        return None
+    return g.as_strided((n, 2 * inter, d), (2 * inter * d, d, 1))
+
+
+def _gate_up(x: torch.Tensor, W: ExpertWeights, need_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every expert's gate (and up) pre-activations for ``x [T, d]``: ``[T, n, I]`` each; gate and up of a fused
+    matrix in one GEMM."""
+    fused = _fused_gate_up(W) if need_up else None
+    if fused is not None:
+        inter = W.gate.shape[1]
+        y = _wide(x, fused, None)  # [T, n, 2I]
+        gate, up = y[..., :inter], y[..., inter:]
+        if W.gate_bias is not None:
+            gate = gate + W.gate_bias
+        if W.up_bias is not None:
+            up = up + W.up_bias
+        return gate, up
+    return _wide(x, W.gate, W.gate_bias), (_wide(x, W.up, W.up_bias) if need_up else None)
 
 
 def _nodes_chunk(layer: MoELayer, W: ExpertWeights, h: torch.Tensor, want: set[str]) -> dict[str, torch.Tensor]:
+    """``{node: [n, T, I or d]}`` for the tokens ``h`` (views of ``[T, n, I]`` products for the I-wide nodes)."""
     h = layer.expert_input(h).to(device=W.gate.device, dtype=W.gate.dtype)
     out: dict[str, torch.Tensor] = {}
-    gate = _bmm(h, W.gate, W.gate_bias)  # [n, T, I]
+    gate, up = _gate_up(h, W, bool(want & {"up", "glu", "output"}))  # [T, n, I]
     if "gate" in want:
-        out["gate"] = gate
+        out["gate"] = gate.transpose(0, 1)
     if "act" in want:
-        out["act"] = layer.act(gate)
-    if want & {"up", "glu", "output"}:
-        up = _bmm(h, W.up, W.up_bias)  # [n, T, I]
+        out["act"] = layer.act(gate).transpose(0, 1)
+    if up is not None:
         if "up" in want:
-            out["up"] = up
+            out["up"] = up.transpose(0, 1)
         if want & {"glu", "output"}:
-            glu = layer.glu(gate, up)  # [n, T, I]
+            glu = layer.glu(gate, up).transpose(0, 1)  # [n, T, I]
+            del gate, up
             if "glu" in want:
                 out["glu"] = glu
             if "output" in want:
-                out["output"] = torch.matmul(glu, W.down.transpose(-1, -2))  # [n, T, d]
+                y = torch.matmul(glu, W.down.transpose(-1, -2))  # [n, T, d]: one batched matmul
                 if W.down_bias is not None:
-                    out["output"] = out["output"] + W.down_bias.unsqueeze(1)
-                out["output"] = layer.expert_output(out["output"])  # in the model's width (muse_spark)
+                    y = y + W.down_bias.unsqueeze(1)
+                out["output"] = layer.expert_output(y)  # in the model's width (muse_spark)
     return out
 
 
@@ -235,17 +301,23 @@ def _identity_input(layer: MoELayer, W: ExpertWeights, h: torch.Tensor) -> torch
     return torch.zeros_like(x) if layer.zero_compute_output == "zero" else x
 
 
-def _chunk_size(W: ExpertWeights, budget: int) -> int:
+def _chunk_size(W: ExpertWeights, budget: int | None) -> int:
+    """Tokens per product: ``budget`` fp32 elements over three ``[n, T, I]`` intermediates (``None``: the free
+    memory of the weights' device, :func:`auto_budget`)."""
     n, inter = W.gate.shape[0], max(W.gate.shape[1], W.down.shape[1])
+    if budget is None:
+        budget = auto_budget(W.gate.device)
     return max(1, budget // (3 * n * inter))
 
 
-def _chunks(layer: MoELayer, h: torch.Tensor, want: set[str], budget: int) -> Iterator[tuple[slice, ExpertWeights]]:
-    """Expert slices with their (dequantized) weights: the whole layer's views for plain experts."""
+def _chunks(layer: MoELayer, h: torch.Tensor, want: set[str],
+            budget: int | None) -> Iterator[tuple[slice, ExpertWeights]]:
+    """Expert slices with their (dequantized) weights: the whole layer's views for plain experts; quantized ones
+    in slices of at most ``budget`` (default :data:`DEFAULT_BUDGET`) weight elements."""
     plain = quant.expert_format(layer).kind == "plain"
     dtype = h.dtype if h.is_floating_point() else None
-    yield from quant.expert_chunks(layer, budget, dtype, plain=_matmul_ready(layer, want) if plain else None,
-                                   parts=_parts(want))
+    yield from quant.expert_chunks(layer, DEFAULT_BUDGET if budget is None else budget, dtype,
+                                   plain=_matmul_ready(layer, want) if plain else None, parts=_parts(want))
 
 
 def _check(want: set[str]) -> None:
@@ -255,7 +327,7 @@ def _check(want: set[str]) -> None:
 
 
 def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
-                 budget: int = DEFAULT_BUDGET) -> dict[str, torch.Tensor]:
+                 budget: int | None = None) -> dict[str, torch.Tensor]:
     """Nodes of all experts for tokens ``h [T, d]``: ``{node: [n, T, I or d]}`` (on h's device)."""
     want = set(nodes)
     _check(want)
@@ -269,7 +341,8 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
         for _, W in _chunks(layer, h, want, budget):
             step = _chunk_size(W, budget)
             parts = [_split_nodes(layer, W, h[s:s + step], want, split) for s in range(0, h.shape[0], step)]
-            per_slice.append({k: torch.cat([p[k] for p in parts], dim=1).to(h.device) for k in want})
+            per_slice.append({k: (parts[0][k].contiguous() if len(parts) == 1 else
+                                  torch.cat([p[k] for p in parts], dim=1)).to(h.device) for k in want})
         if z:  # identity experts: E_e(h) = h (skip experts: 0)
             x = _identity_input(layer, W, h).to(h.device)
             per_slice.append({"output": x.unsqueeze(0).expand(z, *x.shape)})
@@ -279,7 +352,7 @@ def expert_nodes(layer: MoELayer, h: torch.Tensor, nodes: Iterable[str],
 
 
 def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
-                budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+                budget: int | None = None) -> torch.Tensor:
     """Norm of ``node`` for every expert: ``[T, n]`` fp32, streamed over token chunks."""
     if node not in NODES:
         raise ValueError(f"unknown node '{node}'; choose from {', '.join(NODES)}")
@@ -301,13 +374,13 @@ def node_scores(layer: MoELayer, h: torch.Tensor, node: str, norm: str = "l2",
     return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
 
 
-def expert_outputs(layer: MoELayer, h: torch.Tensor, budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+def expert_outputs(layer: MoELayer, h: torch.Tensor, budget: int | None = None) -> torch.Tensor:
     """``E_e(h)`` for every expert: ``[n, T, d]`` (before any routing weight)."""
     return expert_nodes(layer, h, ("output",), budget)["output"]
 
 
 def routed_absmax(layer: MoELayer, h: torch.Tensor, routed: torch.Tensor, node: str = "output",
-                  budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+                  budget: int | None = None) -> torch.Tensor:
     """Per expert, the largest ``|node|`` over its dimensions and the tokens ``routed [T, n]`` (bool) sends to it:
     ``[n]`` fp32 on h's device, a running max over memory-bounded token chunks (0 for an expert with no token;
     a NaN output propagates)."""

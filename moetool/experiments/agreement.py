@@ -209,7 +209,7 @@ def load_precision(model: Any, precision: str, device: str) -> tuple[Any, dict[s
     if not isinstance(model, (str, Path)):
         if fmt is None and model.dtype == dtype:
             return model, {"dtype": str(dtype).replace("torch.", ""), "simulated": False}, False
-        device = str(model.device)
+        device = model.device.type  # "cuda" / "cpu": the load puts it on the current device of that kind
         model = model.name
     lm = load(str(model), dtype=LOAD_DTYPE[dtype], device=device, tokenizer=False)
     record: dict[str, Any] = {"dtype": str(dtype).replace("torch.", ""), "simulated": fmt is not None}
@@ -300,19 +300,19 @@ class CompareRun(_Run):
         idx, top1, _, valid = self.routing(ev)
         B, S = ev.shape
         dev = idx.device
-        r_idx = self.ref.idx[L.index][self._slice].to(dev)
+        r_idx = ops.to_device(self.ref.idx[L.index][self._slice], dev)
         if r_idx.shape[:2] != (B, S) or r_idx.shape[-1] != idx.shape[-1]:
             raise MoetoolError(f"layer {L.index}: the runs saw different batches ({tuple(r_idx.shape)} vs "
                                f"{(B, S, idx.shape[-1])})")
-        r_top1 = self.ref.top1[L.index][self._slice].to(dev).reshape(-1)
-        m = self.ref.margin[L.index][self._slice].to(dev).reshape(-1)
-        w = valid.to(dev).double()
+        r_top1 = ops.to_device(self.ref.top1[L.index][self._slice], dev).reshape(-1)
+        m = ops.to_device(self.ref.margin[L.index][self._slice], dev).reshape(-1)
+        w = ops.to_device(valid, dev).double()
         topk = (~ops.same_set(r_idx.reshape(-1, idx.shape[-1]).long(), idx.long())).double() * w
         one = (r_top1.long() != top1.long()).double() * w
         fl = torch.stack([w, topk, one], -1)  # [T, 3]
         self.rows.add(f"{L.index}/flips", fl)
-        b = torch.bucketize(m, self.edges.to(dev), right=True)
-        acc = self.bins[L.index] = self.bins[L.index].to(dev)
+        b = torch.bucketize(m, ops.to_device(self.edges, dev), right=True)
+        acc = self.bins[L.index] = ops.to_device(self.bins[L.index], dev)
         acc.index_add_(0, b, fl)
 
     def reduce_across_ranks(self) -> None:

@@ -43,6 +43,7 @@ BUDGET = 1 << 25
 MEDIAN_REL_TOL = QuantileSketch().rel_error
 
 DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed",
     "u_e": "u_e = pi_e(h) * E_e(h): pi the model's full routing distribution (softmax; DeepSeek-style sigmoid "
            "scores normalised to sum to one), E_e the expert's output before any routing weight",
     "rel_error": "||y_S - y|| / ||y||, y = sum of all n u_e, y_S = sum over the K chosen; computed in fp32 as "
@@ -209,8 +210,8 @@ class ApproxReducer:
                                          f"> {self.max_subsets}")
         r = approx_tokens(L, h, logits, self.selectors, self._gen[L.index], self.max_subsets,
                           noise=self._noise(L, ev, h.device))
-        keep = keep.to(h.device)
-        captured = captured.to(h.device)
+        keep = ops.to_device(keep, h.device)
+        captured = ops.to_device(captured, h.device)
         for sel, err in r.error.items():
             self.errors[L.index].setdefault(sel, QuantileSketch(device=h.device)).add(err, keep)
             same = (ops.same_set(r.idx[sel], captured) & keep).sum().double()

@@ -13,7 +13,7 @@ too (capacity per forward batch there as well).
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 model's own routing on the same rows.
 
-Writes capacity.csv (cf, order, tokens, perplexity, router_perplexity, ratio, assignments, dropped,
+Writes capacity.csv (cf, order, scored_tokens, perplexity, router_perplexity, ratio, assignments, dropped,
 dropped_frac, tokens_dropped_all_frac; *_lo/*_hi), capacity_layers.csv (cf, order, layer, tokens, assignments,
 capacity, dropped, dropped_frac, tokens_dropped_all, tokens_dropped_all_frac), capacity_experts.csv (cf, order,
 layer, expert, load, capacity, dropped), figures/capacity_curve (dropped fraction and perplexity / the router's
@@ -44,8 +44,9 @@ from ..engine.runner import BACKOFF
 from ..errors import MoetoolError, MoetoolRuntimeError
 from ..policies import make_policy
 from ..policies.capacity import ORDERS, cf_text
+from ..registry import unique
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
-from .ppl import data_name, perplexity, ppl_intervals
+from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
 DEFAULT_CFS = (0.5, 1.0, 1.25, 1.5, 2.0)
@@ -59,8 +60,8 @@ DEFINITIONS = {
              "of the batch position by position, then row 1, ...: GShard/Switch), score = its C with the highest "
              "routing weight (the model's gate value; ties to the earlier token)",
     "layer/expert": "decoder layer index of the MoE layer / expert index within it",
-    "tokens": "scored next-token predictions (capacity.csv, as moetool ppl) / real tokens the layer routed "
-              "(capacity_layers.csv)",
+    "tokens": "real (unpadded) tokens the layer routed (capacity_layers.csv)",
+    "scored_tokens": SCORED_TOKENS + " (capacity.csv)",
     "assignments": "(token, expert) assignments of real tokens by the model's own routing in the layer, K per token "
                    "(its input already changed by the drops of the layers before it)",
     "load": "assignments of real tokens to the expert (summed over batches)",
@@ -98,8 +99,8 @@ class CapacityOptions:
 
     def specs(self) -> list[tuple[float, str, str]]:
         """``(cf, order, policy spec)`` in the sweep's order."""
-        return [(cf, order, f"capacity:{cf_text(cf)}:{order}") for order in dict.fromkeys(self.orders)
-                for cf in dict.fromkeys(self.cfs)]
+        return [(cf, order, f"capacity:{cf_text(cf)}:{order}") for order in unique(self.orders)
+                for cf in unique(self.cfs)]
 
 
 class DropCounter:
@@ -183,7 +184,7 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
         lay, exp = counter.rows()
         ci = ppl_intervals(run, base, n_boot=opts.bootstrap, seed=opts.seed)
         assigned, dropped = sum(r["assignments"] for r in lay), sum(r["dropped"] for r in lay)
-        row = {"cf": cf, "order": order, "tokens": run.nll.tokens, "perplexity": run.perplexity,
+        row = {"cf": cf, "order": order, "scored_tokens": run.nll.tokens, "perplexity": run.perplexity,
                "perplexity_lo": nan, "perplexity_hi": nan, "router_perplexity": base.perplexity,
                "ratio": run.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan,
                "assignments": assigned, "dropped": dropped, "dropped_frac": dropped / assigned,

@@ -450,7 +450,8 @@ DEFINITIONS = {
                "checkpoint's routers, compared with the reference's choice on the same h (router drift only)",
     "top1": "the chosen expert with the largest routing weight (the model's or the policy's renormalised weights)",
     "attention head": "chosen per batch and layer (lowest mean row entropy over the batch's real tokens)",
-    "tokens": "token ids from the first checkpoint's tokenizer, the same for every checkpoint",
+    "tokens": "real (unpadded) tokens the layer routed in both runs (fluctuation_summary.csv: per MoE layer); "
+              "token ids from the first checkpoint's tokenizer, the same for every checkpoint",
 }
 
 

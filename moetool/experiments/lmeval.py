@@ -146,9 +146,41 @@ def _number(x: Any) -> float:
     return v if math.isfinite(v) else float("nan")
 
 
+#: lm-eval metrics that are a share of items scored 0 or 1: their interval is Wilson's, inside [0, 1]
+PROPORTIONS = ("acc", "acc_norm", "exact_match", "acc_mutual_info")
+
+
+def _items(results: dict[str, Any], task: str) -> float:
+    """The items lm-eval scored for ``task`` (``n-samples`` effective; a group: the sum over its subtasks); NaN
+    when the results do not say."""
+    n = results.get("n-samples", {}).get(task, {})
+    if isinstance(n, dict) and n.get("effective") is not None:
+        return float(n["effective"])
+    subtasks = results.get("group_subtasks", {}).get(task)
+    if subtasks:
+        return float(sum(_items(results, t) for t in subtasks))
+    return float("nan")
+
+
+def _interval(results: dict[str, Any], task: str, metric: str, value: float, stderr: float) -> tuple[float, float]:
+    """``(value_lo, value_hi)``: a proportion's Wilson interval over the items scored (:func:`_items`; without
+    them, the item count lm-eval's stderr implies for a mean of 0/1 scores, se² = p(1-p)/(n-1)), any other
+    metric's value ∓ 1.96 stderr (lm-eval's normal approximation); NaN without a stderr or an item count."""
+    from ..uncertainty import normal_quantile, wilson
+
+    if metric.partition("[")[0] in PROPORTIONS and 0.0 <= value <= 1.0:
+        n = _items(results, task)
+        if not math.isfinite(n) and stderr > 0:
+            n = value * (1 - value) / stderr ** 2 + 1
+        iv = wilson(value, n)
+        return iv.lo, iv.hi
+    z = normal_quantile(0.975)
+    return value - z * stderr, value + z * stderr
+
+
 def results_frame(results: dict[str, Any]) -> Any:
-    """lm-eval's ``results`` dict -> DataFrame (task, metric, value, stderr, value_lo, value_hi = value ∓ 1.96
-    stderr: lm-eval's normal-approximation 95% interval; NaN without a stderr).
+    """lm-eval's ``results`` dict -> DataFrame (task, metric, value, stderr = lm-eval's, value_lo, value_hi: the
+    95% interval, Wilson's for a proportion, else value ∓ 1.96 stderr; see :func:`_interval`).
 
     ``metric`` is lm-eval's metric name, suffixed ``[filter]`` when the filter is not ``none``.
     """
@@ -162,12 +194,9 @@ def results_frame(results: dict[str, Any]) -> Any:
                 continue
             rows.append({"task": task, "metric": metric if filt == "none" else f"{metric}[{filt}]",
                          "value": _number(val), "stderr": _number(res.get(f"{metric}_stderr,{filt}"))})
-    from ..uncertainty import normal_quantile
-
-    df = pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
-    z = normal_quantile(0.975)
-    df["value_lo"], df["value_hi"] = df.value - z * df.stderr, df.value + z * df.stderr
-    return df
+    for r in rows:
+        r["value_lo"], r["value_hi"] = _interval(results, r["task"], r["metric"], r["value"], r["stderr"])
+    return pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
 
 
 def make_hflm(lm: Any, batch_size: int = 8) -> Any:
@@ -272,10 +301,15 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
                       samples=dict(out.get("samples", {})) if log_samples else {})
 
 
+#: what value_lo/value_hi are, in eval.csv and wherever lm-eval values are tabled (norm-select, prune)
+INTERVAL_DEFINITION = ("95% interval of the metric: a proportion (acc, acc_norm, exact_match) gets the Wilson score "
+                       "interval over the items lm-eval scored (n-samples; a group: the sum over its subtasks; else "
+                       "the count its stderr implies), always inside [0, 1]; any other metric value ∓ 1.96 stderr "
+                       "(lm-eval's normal approximation); NaN without a stderr or an item count")
+
 EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
                     "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
-                    "value_lo/value_hi": "95% interval value ∓ 1.96 stderr (normal approximation on lm-eval's "
-                                         "standard error; NaN without one)"}
+                    "value_lo": INTERVAL_DEFINITION, "value_hi": INTERVAL_DEFINITION}
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ class MarginCollector:
             k, one = flips(clean, routing_of(L, hn))
             cols += [k.double() * w, one.double() * w]
             rel.append((ops.vector_norm(hn.float() - h.float()) / hnorm).double() @ w)
-        noise = self.noise[L.index] = self.noise[L.index].to(h.device)
+        noise = self.noise[L.index] = ops.to_device(self.noise[L.index], h.device)
         noise += torch.stack(rel)
         fl = torch.stack(cols, -1)  # [T, 2E]
         self.rows.add(f"{L.index}/tokens", w)
@@ -243,7 +243,7 @@ class MarginCollector:
         self.rows.add(f"{L.index}/flips", fl)
         b = torch.bucketize(m, edges, right=True)  # [T] bin of [0, t1), [t1, t2), ..., [t_last, inf)
         per = torch.cat([w.unsqueeze(-1), fl], -1)
-        acc = self.bins[L.index] = self.bins[L.index].to(h.device)
+        acc = self.bins[L.index] = ops.to_device(self.bins[L.index], h.device)
         acc.index_add_(0, b, per)
         if self.policies:
             n = L.n_experts

@@ -325,7 +325,7 @@ class RecallCollector:
                 for m, (sb, s_best) in zip(self.ms[L.index], scaled):
                     t = token_metrics(tok[mode][0], tok[mode][1], g, eps, probs_c, self.masks[(L.index, G, mode, m)])
                     sb = torch.maximum(sb, t["bound"])  # s = 1 is in the grid; guards rounding only
-                    row = torch.stack([torch.tensor(float(h.shape[0]), dtype=torch.float64, device=h.device),
+                    row = torch.stack([torch.full((), float(h.shape[0]), dtype=torch.float64, device=h.device),
                                        t["mass"].sum(), t["topk_recall"].sum(), t["exact"].sum(), eps.sum(),
                                        t["bound"].sum(), t["holds"].sum(), sb.sum(),
                                        (t["mass"] >= sb - BOUND_TOL).double().sum(),
@@ -425,6 +425,7 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
 
 # ----- report --------------------------------------------------------------------------------
 DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed",
     "mass_recall_mean": "mean over real tokens of Σ_{e∈L(c(h))} π_e(h), computed as 1 − Σ_{e∉L} π_e(h) in fp64",
     "mass_recall_p05": "5th percentile of mass recall (4096-bin histogram, upper bin edge)",
     "topk_recall": "mean |TopK(h) ∩ L(c(h))| / K",

@@ -23,7 +23,7 @@ from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import NODES
 from ..errors import MoetoolError
 from ..policies import build_policy
-from ..registry import did_you_mean
+from ..registry import did_you_mean, unique
 from ..uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
                            ratio_intervals)
 from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
@@ -54,7 +54,7 @@ DEFINITIONS = {
               "policy takes the K largest norms among the kept experts, and agreement is with the pruned router",
     "*_lo/*_hi": "95% intervals. Agreement and perplexity: document-level bootstrap over packed rows "
                  "(percentile, --bootstrap replicates, seeded; a perplexity ratio is paired: one row weight applies "
-                 "to the policy and the router run). lm-eval metrics: value ± 1.96 lm-eval stderr; retention: "
+                 "to the policy and the router run). lm-eval metrics: " + lmeval.INTERVAL_DEFINITION + "; retention: "
                  "delta method on the two accuracies and their stderrs, taken as independent (conservative: the "
                  "same items are scored under both). The router's own ratio is exactly 1 ([1, 1]). NaN: off "
                  "(--bootstrap 0) or no stderr from lm-eval",
@@ -72,9 +72,8 @@ def parse_nodes(text: str | None) -> list[str]:
         if item not in NODES:
             raise MoetoolError(f"unknown node '{item}'{did_you_mean(item, NODES)}; choose from "
                                f"{', '.join(NODES)} or 'all'")
-        if item not in out:
-            out.append(item)
-    return out
+        out.append(item)
+    return unique(out)
 
 
 def parse_norms(text: str) -> list[str]:
@@ -85,7 +84,7 @@ def parse_norms(text: str) -> list[str]:
     for n in out:
         if n not in ops.NORMS:
             raise MoetoolError(f"unknown norm '{n}'{did_you_mean(n, ops.NORMS)}; choose from {', '.join(ops.NORMS)}")
-    return list(dict.fromkeys(out))
+    return unique(out)
 
 
 def sweep_specs(nodes: Iterable[str], norms: Iterable[str] = ("l2",)) -> list[str]:
@@ -193,7 +192,8 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
 
 
 def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
-    """quality rows of one policy's lm-eval result: value ± 1.96 stderr, retention by the delta method."""
+    """quality rows of one policy's lm-eval result: the value with lmeval.results_frame's interval (Wilson for a
+    proportion), retention by the delta method."""
     nan = float("nan")
     ref = base.frame.set_index(["task", "metric"])
     out = []
@@ -208,7 +208,7 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
         elif ok:
             ratio = delta_ratio(float(r.value), se, b, se_b)
         out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value, "stderr": se,
-                    "value_lo": r.value_lo, "value_hi": r.value_hi,  # lmeval.results_frame: value ∓ 1.96 stderr
+                    "value_lo": r.value_lo, "value_hi": r.value_hi,  # lmeval.results_frame's interval
                     "router_value": b, **ratio.columns("ratio"), "seconds": round(res.seconds, 3)})
     return out
 

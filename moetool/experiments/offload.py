@@ -49,7 +49,7 @@ from ..adapters.base import MoELayer
 from ..engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ..engine.runner import forward
 from ..errors import MoetoolError
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowSums, check_n_boot, ratio_intervals
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
 from .result import Result, resolve_options
 
 POLICIES = ("lru", "lfu", "belady")
@@ -78,9 +78,50 @@ class OffloadOptions:
 
 
 # ----- cache simulation (pure) ----------------------------------------------------------------
-def simulate(trace: Any, capacity: int, policy: str) -> np.ndarray:
+#: tokens per block of the vectorised LRU ranks ([block, n] and [block, K, n] arrays)
+LRU_BLOCK = 4096
+
+
+def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(seen [T, K] bool, rank [T, K] int)`` of every request of ``trace [T, K]``: whether the expert was
+    requested before the token, and how many experts were used more recently than it before the token (ties
+    within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
+
+    With requests grouped per token (a token's experts never evict each other), the LRU cache of capacity C
+    holds, before token t, exactly the C experts of highest (last request, id): each token's misses evict the
+    least recent residents it does not request, which keeps that set. So a request hits iff ``seen and rank < C``
+    for every C at once: vectorised over tokens (blocks of :data:`LRU_BLOCK`), linear in tokens x n."""
+    trace = np.asarray(trace, dtype=np.int64)
+    T, K = trace.shape
+    n = int(trace.max()) + 1 if trace.size else 1
+    seen = np.zeros((T, K), dtype=bool)
+    rank = np.zeros((T, K), dtype=np.int64)
+    last = np.full(n, -1, dtype=np.int64)  # last requesting token of each expert, before the block
+    ids = np.arange(n, dtype=np.int64)
+    for b0 in range(0, T, LRU_BLOCK):
+        tr = trace[b0:b0 + LRU_BLOCK]
+        B = tr.shape[0]
+        at = np.full((B, n), -1, dtype=np.int64)
+        np.put_along_axis(at, tr, (b0 + np.arange(B, dtype=np.int64))[:, None], axis=1)  # token t requests x
+        upto = np.maximum.accumulate(np.maximum(at, last[None, :]), axis=0)  # last request at or before t
+        before = np.vstack([last[None, :], upto[:-1]])  # strictly before t: the state the token meets
+        key = np.where(before >= 0, before * n + ids, -1)  # recency, ties by id; -1: never requested
+        mine = np.take_along_axis(key, tr, axis=1)  # [B, K]
+        seen[b0:b0 + B] = mine >= 0
+        rank[b0:b0 + B] = (key[:, None, :] > mine[:, :, None]).sum(-1)
+        last = upto[-1]
+    return seen, rank
+
+
+def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Hits of an expert cache over a request trace: ``trace [T, K]`` expert ids (one row per token, distinct
-    within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring."""
+    within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring.
+    ``lru``: :func:`lru_ranks` of the trace, when the caller already has them (several capacities).
+
+    LRU, and any policy whose capacity holds every expert of the trace (nothing is ever evicted: a request
+    hits iff it was requested before), come from :func:`lru_ranks` (vectorised); capacity K (any policy: the
+    cache holds the previous token's experts) is closed-form; LFU and Belady between are simulated token by
+    token."""
     trace = np.asarray(trace)
     if trace.ndim != 2:
         raise MoetoolError(f"cache trace must be [tokens, K], got shape {trace.shape}")
@@ -89,6 +130,13 @@ def simulate(trace: Any, capacity: int, policy: str) -> np.ndarray:
         raise MoetoolError(f"unknown cache policy {policy!r} (choose from {', '.join(POLICIES)})")
     if capacity < K:
         raise MoetoolError(f"cache capacity {capacity} < K = {K}: a token's experts cannot all be resident")
+    if policy == "lru" or capacity >= len(np.unique(trace)):
+        seen, rank = lru if lru is not None else lru_ranks(trace)
+        return seen & (rank < capacity) if policy == "lru" else seen.copy()
+    if capacity == K:  # the cache holds exactly the previous token's experts, whatever the policy
+        hits = np.zeros((T, K), dtype=bool)
+        hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
+        return hits
     rows = trace.tolist()
     hits = np.zeros((T, K), dtype=bool)
     last: dict[int, int] = {}  # resident expert -> last request time
@@ -136,9 +184,9 @@ class OffloadCollector:
     """Consumer + decoder-layer pre-hooks: per layer, the real tokens' chosen experts (kept for the cache
     simulation), first-activation token index, activation counts and next-layer prediction sums per row."""
 
-    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions, row_ids: Any = None):
+    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions, tokens: Any):
         self.layers = {L.index: L for L in layers}
-        self.row_ids = row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
+        self.row_ids = tokens.row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
         self.merged: dict[Any, np.ndarray] | None = None
         self.opts = opts
         self.trace: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
@@ -146,7 +194,7 @@ class OffloadCollector:
         self.rows: list[torch.Tensor] = []  # host [B*S] row id per batch
         self.first = {i: None for i in self.layers}
         self.counts = {i: None for i in self.layers}
-        self.pred = RowSums()
+        self.pred = RowTable(tokens)  # next-layer prediction sums per row, on the device (no host sync per event)
         self._x: dict[int, torch.Tensor] = {}
         self._base = 0
         self._row0 = 0
@@ -160,6 +208,7 @@ class OffloadCollector:
         self._rows_now = (torch.arange(self._row0, self._row0 + B) if self.row_ids is None
                           else torch.as_tensor(self.row_ids[self._row0:self._row0 + B])).repeat_interleave(S)
         self._row0 += B
+        self.pred.next_batch(batch)
         self.valid.append(mask.cpu())
         self.rows.append(self._rows_now)
         self._pos = (self._base + torch.cumsum(mask.long(), 0) - 1)
@@ -191,7 +240,7 @@ class OffloadCollector:
         n = L.n_experts
         self.trace[i].append(idx.to(torch.int16 if n < 2 ** 15 else torch.int32))
         valid = ev.valid
-        pos = self._pos.to(idx.device)
+        pos = ops.to_device(self._pos, idx.device)
         big = torch.iinfo(torch.int64).max
         p = torch.where(valid, pos, torch.full_like(pos, big)).unsqueeze(-1).expand(idx.shape)
         first = torch.full((n,), big, dtype=torch.int64, device=idx.device).scatter_reduce(
@@ -219,7 +268,8 @@ class OffloadCollector:
         v = valid.double()
         top1 = (pred_top1 == real_top1).double() * v
         topk = ops.overlap_count(pred_idx, idx).double() / idx.shape[-1] * v
-        self.pred.add(self._rows_now, **{f"top1_{i}": top1, f"topk_{i}": topk, f"n_{i}": v})
+        for name, value in ((f"top1_{i}", top1), (f"topk_{i}", topk), (f"n_{i}", v)):  # per token -> per row
+            self.pred.add(name, value)
 
     # -- results
     def requests(self, i: int) -> np.ndarray:
@@ -256,7 +306,7 @@ class OffloadCollector:
             self.first[i] = torch.from_numpy(first)
             self.counts[i] = torch.from_numpy(np.bincount(req.reshape(-1).astype(np.int64), minlength=n))
         self.merged = merged
-        self.pred.merge_across_ranks()
+        self.pred.reduce_across_ranks()
 
 
 def _hit_rows(hits: np.ndarray, rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -268,20 +318,32 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
             **overrides: Any) -> Result:
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
     ``offload_prefetch`` (see :data:`DEFINITIONS`)."""
-    import pandas as pd
-
     opts = resolve_options(OffloadOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
+    for L in layers:  # before any forward
+        for C in opts.capacities or ():
+            if C < L.top_k or C > L.n_experts:
+                raise MoetoolError(f"--capacity {C} outside [K={L.top_k}, n={L.n_experts}] for layer {L.index}")
 
     described = tokens.describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
         tokens = distributed.shard(tokens, opts.batch_size)
-    col = OffloadCollector(layers, opts, tokens.row_ids)
+    col = OffloadCollector(layers, opts, tokens)
     with col.capture():
         forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
                 before_batch=col.before_batch, quiet=quiet, description="offload")
     col.merge_across_ranks()
+    return offload_tables(col, layers, opts, described, {L.index: expert_bytes(L) for L in layers})
+
+
+def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, described: dict[str, Any],
+                   nbytes_of: dict[int, int] | None) -> Result:
+    """The tables of :func:`offload` from a collector's token stream (``token_rows``, ``requests(i)``, ``first``,
+    ``counts``, ``pred``) over ``layers`` (``index``, ``n_experts``, ``top_k``); ``nbytes_of``: each layer's expert
+    bytes, ``None`` when unknown (a recorded trace: expert_bytes and bytes_per_token are left out)."""
+    import pandas as pd
+
     rows = col.token_rows()
     T = int(rows.shape[0])
     if T < 2:
@@ -306,23 +368,22 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
         i, n, K = L.index, L.n_experts, L.top_k
         c = col.counts[L.index].cpu().double()
         share = c / c.sum()
-        nbytes = expert_bytes(L)
+        nbytes = nbytes_of[i] if nbytes_of is not None else None
         lay.append({"layer": i, "n_experts": n, "top_k": K, "tokens": T, "hottest_expert": int(share.argmax()),
                     "hottest_share": float(share.max()), "uniform_share": 1.0 / n,
                     "hottest_vs_uniform": float(share.max() * n), "experts_used": int((c > 0).sum()),
-                    "expert_bytes": nbytes})
+                    **({"expert_bytes": nbytes} if nbytes is not None else {})})
         req = col.requests(i)
+        lru = lru_ranks(req) if len(req) else None
         for C in opts.capacities or default_capacities(n, K):
-            if C < K or C > n:
-                raise MoetoolError(f"--capacity {C} outside [K={K}, n={n}] for layer {i}")
             for pol in opts.policies:
-                hits = simulate(req, C, pol)
+                hits = simulate(req, C, pol, lru=lru)
                 a, b = _hit_rows(hits, rows, n_rows)
                 iv = ci(a, b)[0]
                 misses = T * K - int(hits.sum())
                 cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": int(hits.sum()),
                               **iv.columns("hit_rate"), "misses_per_token": misses / T,
-                              "bytes_per_token": misses / T * nbytes})
+                              **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
         if f"n_{i}" in col.pred._sums:
             num = np.stack([col.pred.table(f"top1_{i}"), col.pred.table(f"topk_{i}")], 1)
             den = col.pred.table(f"n_{i}")
@@ -336,7 +397,8 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
                                                                   "topk_recall_lo", "topk_recall_hi"])}
     cache_df = tables["offload_cache.csv"]
     summary = (cache_df.groupby(["policy", "capacity"], sort=False)
-               .agg(hit_rate=("hit_rate", "mean"), bytes_per_token=("bytes_per_token", "sum")).reset_index())
+               .agg(hit_rate=("hit_rate", "mean"), **({"bytes_per_token": ("bytes_per_token", "sum")}
+                                                      if nbytes_of is not None else {})).reset_index())
     return Result("offload", tables, opts,
                   meta=dict(definitions=DEFINITIONS, data=described, bootstrap={"replicates": kw["n_boot"],
                             "unit": "packed row", "level": 0.95, "seed": opts.seed}),
@@ -344,6 +406,8 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
 
 
 DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed (offload_layers.csv, offload_prefetch.csv)",
+    "offload_coverage.tokens": "N: the first N real tokens of the data, in row order",
     "coverage": "fraction of (layer, expert) slots activated by at least one of the first N real tokens "
                 "(rows concatenated in data order, padding skipped)",
     "hottest_share": "largest fraction of the layer's T·K activations taken by one expert",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import MoetoolError
@@ -90,7 +91,9 @@ DEFINITIONS = {
                    "every other weight counted whole (an upper bound)",
     "fits": f"gib_per_gpu <= {USABLE:.0%} of the GPU's memory",
     "available": "whether this moetool version runs the layout (no: what is missing)",
-    "command": "the command line for the layout (ppl as the example command)",
+    "command": "the command line for the layout (ppl as the example command); the column is not written when no layout can run",
+    "why": "why the layout runs or not: fits (GiB per GPU of the usable), needs more GiB per GPU than usable, or "
+           "what this moetool version lacks for it",
     "tokens_per_s": "ceiling min(compute, memory) for the command under the layout (an upper bound)",
     "bound": "which ceiling binds: compute (FLOPs) or memory (weight bytes read per batch)",
 }
@@ -142,7 +145,20 @@ def native_format(config: Any) -> str:
 
 
 def parameter_groups(config: Any) -> dict[str, Any]:
-    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone."""
+    """Parameter counts by group (:data:`GROUPS`), active counts, and the MoE shape, from the config alone (a
+    model on the meta device; the counts of a config seen before come from the cache, :func:`moetool.inspect.cached`:
+    building it imports transformers' modeling code, seconds the counts do not depend on)."""
+    import hashlib
+
+    from ..files import cached, installation_key
+
+    here = Path(__file__).resolve().parents[1]  # this counting code and the adapters it finds layers with
+    key = {**installation_key([Path(__file__).resolve(), *(here / "adapters").glob("*.py")]),
+           "config": hashlib.sha256(config.to_json_string().encode()).hexdigest(), "class": type(config).__name__}
+    return cached("plan-params", key, lambda: _parameter_groups(config))
+
+
+def _parameter_groups(config: Any) -> dict[str, Any]:
     import torch
 
     from ..adapters import find_moe_layers
@@ -356,20 +372,30 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
                                                              f"--batch-size {rows}"):
         per_gpu = _bytes_per_gpu(lay, sizes, act)
         fits = per_gpu <= USABLE * gpu.memory_gb * 1e9
+        usable = USABLE * gpu.memory_gb * 1e9 / 2 ** 30
+        why = (f"needs {per_gpu / 2 ** 30:.1f} GiB per GPU, more than the {usable:.1f} usable "
+               f"({USABLE:.0%} of {gpu.name}'s {gpu.memory_gb:g} GB)" if not fits
+               else f"fits: {per_gpu / 2 ** 30:.1f} of {usable:.1f} usable GiB per GPU" if lay.available == "yes"
+               else f"fits, but not available: {lay.available.removeprefix('no: ')}")
         lay_rows.append({"layout": lay.name, "format": lay.format, "gpus": lay.shards * lay.replicas,
                          "replicas": lay.replicas, "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits,
-                         "available": lay.available, "command": lay.command if fits and lay.available == "yes" else ""})
+                         "available": lay.available, "command": lay.command if fits and lay.available == "yes" else "",
+                         "why": why})
         if fits:
             thr_rows += _throughput(lay, config, counts, gpu, sum(sizes[lay.format].values()), seq_len, rows)
     if not math.isfinite(sum(r["tokens_per_s"] for r in thr_rows) or 0.0):
         raise MoetoolError("the throughput ceiling is not finite (a zero-size config?)")
     summary = pd.DataFrame(lay_rows)
+    if not summary["command"].astype(bool).any():  # nothing runs: an answer (the why column), not an error
+        summary = summary.drop(columns=["command"])
     meta = {"definitions": DEFINITIONS,
             "plan": {"gpu": vars(gpu), "gpus_per_node": per_node, "nodes": nodes, "seq_len": seq_len, "rows": rows,
                      "native_format": native, "total_params": counts["total"], "active_params": counts["active"],
                      "n_experts": counts["n_experts"], "top_k": counts["top_k"], "moe_layers": counts["moe_layers"],
                      **{f"{k}_per_row": v for k, v in row.items()}}}
-    return Result("plan", {"params.csv": _params_table(counts, sizes), "layouts.csv": summary,
-                           "throughput.csv": pd.DataFrame(thr_rows)},
+    tables = {"params.csv": _params_table(counts, sizes), "layouts.csv": summary}
+    if thr_rows:  # no layout fits: no ceiling to give; layouts.csv says why
+        tables["throughput.csv"] = pd.DataFrame(thr_rows)
+    return Result("plan", tables,
                   options={"gpus": gpus, "nodes": nodes, "seq_len": seq_len, "rows": rows}, meta=meta,
                   summary=summary)

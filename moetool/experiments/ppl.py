@@ -18,12 +18,17 @@ from ..uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot, ppl_r
 from .result import Result, resolve_options
 
 #: ppl.csv columns, one row per run
-PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "tokens", "nll_mean", "perplexity", "perplexity_lo",
+PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "scored_tokens", "nll_mean", "perplexity", "perplexity_lo",
                "perplexity_hi", "router_perplexity", "ratio", "ratio_lo", "ratio_hi", "seconds")
 
+#: the one meaning of ``scored_tokens`` in every perplexity table (ppl, topk, capacity, prune, super-experts);
+#: ``tokens`` is always real (unpadded) tokens routed (by the layer, or to the expert on a per-expert row)
+SCORED_TOKENS = ("scored next-token predictions, what the perplexity averages over: pairs of consecutive real "
+                 "(unpadded) tokens within a packed row, so one fewer than the row's real tokens (encoder-decoder "
+                 "models: every real token of the row, each a target of the decoder)")
+
 PPL_DEFINITIONS = {
-    "tokens": "scored next-token predictions: pairs of consecutive real (unpadded) tokens within a packed row "
-              "(encoder-decoder models: every real token of the row, each a target of the decoder)",
+    "scored_tokens": SCORED_TOKENS,
     "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
                 "float64 sums); encoder-decoder models (Switch Transformers): the model's own seq2seq loss with the "
                 "row as both source and target -- the encoder reads the row, the decoder is teacher-forced on it "
@@ -126,7 +131,7 @@ def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, wei
     nan = float("nan")
     row = {"model": model, "data": data, "routing": routing, "weights": weights,
            "layers": "all" if layers is None else ",".join(str(i) for i in layers),
-           "tokens": result.nll.tokens, "nll_mean": result.nll.mean, "perplexity": result.perplexity,
+           "scored_tokens": result.nll.tokens, "nll_mean": result.nll.mean, "perplexity": result.perplexity,
            "perplexity_lo": nan, "perplexity_hi": nan,
            "router_perplexity": base.perplexity if base is not None else nan,
            "ratio": result.perplexity / base.perplexity if base is not None else nan, "ratio_lo": nan,
@@ -168,7 +173,7 @@ def ppl_summary(df: Any) -> Any:
     columns only when it ran."""
     from ..uncertainty import with_ci
 
-    cols = ["weights", "layers", "tokens", "nll_mean", "perplexity", "perplexity_lo", "perplexity_hi"]
+    cols = ["weights", "layers", "scored_tokens", "nll_mean", "perplexity", "perplexity_lo", "perplexity_hi"]
     if df.router_perplexity.notna().any():
         cols += ["router_perplexity", "ratio", "ratio_lo", "ratio_hi"]
     return with_ci(df[cols + ["seconds"]]).rename(columns={"router_perplexity": "router"})

@@ -3,11 +3,17 @@
 One pass of the model's own routing over the data measures, per (MoE layer, expert), over the real tokens whose
 top-K holds the expert: how many (``frequency``), the sum of the routing weights they give it (``weighted``), and
 the REAP saliency (Lasby et al. 2025, "REAP the Experts: Why Pruning Prevails for One-Shot MoE Compression",
-arXiv 2510.13999, Eq. 9): the mean over those tokens of the routing weight times the L2 norm of the expert's output
+arXiv 2510.13999, Eq. 9): the mean over those tokens of the gate weight times the L2 norm of the expert's output
 ``||E_e(h)||`` (all experts' outputs from the engine's batched probes, in memory-bounded token chunks;
-:func:`moetool.engine.probes.node_scores`). The weight is what the model multiplies the expert's output by
-(renormalised where its rule renormalises, times DeepSeek's scaling factor, which is the same for every expert of
-a layer), REAP's gate value.
+:func:`moetool.engine.probes.node_scores`). The gate weight (``reap_weights``), as REAP's code
+(CerebrasResearch/reap @ 1970473, ``src/reap/pruning_metrics.py`` ``update_pruning_state``: ``routing_weights =
+F.softmax(router_logits)``, divided by its sum over the token's top-K when ``renormalize_router_weights``) with
+``π`` the router's distribution over the n experts (``RoutingEvent.probs``; the softmax of the logits for softmax
+routers): ``renormalised`` (default) ``π_e / Σ_{k in top-K} π_k`` -- REAP's README (2026-03-11) calls it correct,
+``reap.layerwise_prune`` always uses it, ``reap.main`` when the config sets ``norm_topk_prob`` (Qwen3-MoE, not
+Mixtral); ``softmax``: ``π_e`` -- what ``reap.main`` uses on a config without ``norm_topk_prob`` (Mixtral). The
+router-weighted frequency (``weighted``) sums what the model multiplies the expert's output by (renormalised where
+its rule renormalises, times DeepSeek's scaling factor, the same for every expert of a layer).
 
 Then per criterion (and a seeded random one) and fraction, the ``⌊fraction · n⌋`` least important experts of every
 chosen MoE layer are removed (:class:`moetool.policies.prune.PrunePolicy`: masked out of the top-K) and the model
@@ -32,26 +38,34 @@ from ..engine.probes import DEFAULT_BUDGET, node_scores
 from ..errors import MoetoolError
 from ..policies import build_policy
 from ..policies.prune import CRITERIA, PrunePolicy, lowest, n_removed, random_removed
+from ..registry import unique
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from .norm_select import eval_rows
-from .ppl import data_name, perplexity, ppl_intervals
+from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5)
 MEASURED = ("frequency", "weighted", "reap")  # the criteria measured on data (random is not)
+REAP_WEIGHTS = ("renormalised", "softmax")
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
     "expert": "expert index within the layer",
-    "tokens": "real (unpadded) tokens the layer routed (prune_importance.csv); scored next-token predictions "
-              "(prune.csv, prune_ablation.csv)",
+    "layer_tokens": "real (unpadded) tokens the layer routed, the same on every expert row of the layer (the "
+                    "denominator of frequency; prune_importance.csv)",
+    "scored_tokens": SCORED_TOKENS,
     "frequency": "routed frequency: real tokens whose top-K (the model's own routing) holds the expert",
     "weighted": "router-weighted frequency: the sum over those tokens of the routing weight the expert gets (what "
                 "the model multiplies its output by: renormalised where the rule renormalises, times the scaling "
                 "factor)",
-    "reap": "REAP saliency (Lasby et al. 2025, arXiv 2510.13999, Eq. 9): the mean over those tokens of routing "
-            "weight x ||E_e(h)||_2 (the expert's output before any weight); 0 for an expert never routed",
+    "reap": "REAP saliency (Lasby et al. 2025, arXiv 2510.13999, Eq. 9): the mean over those tokens of gate weight "
+            "x ||E_e(h)||_2 (the expert's output before any weight); 0 for an expert never routed. Gate weight "
+            "(reap_weights, as CerebrasResearch/reap src/reap/pruning_metrics.py update_pruning_state): "
+            "renormalised (default) pi_e / sum of pi over the token's top-K, REAP's renormalize_router_weights path "
+            "(reap.layerwise_prune; reap.main where the config sets norm_topk_prob); softmax: pi_e, reap.main on a "
+            "config without norm_topk_prob (Mixtral); pi = the router's distribution over the n experts (softmax "
+            "of the logits for softmax routers)",
     "criterion": "frequency | weighted | reap (the experts with the lowest value go first; ties: the lower index), "
                  "random (a seeded permutation per layer), router (the model, nothing removed)",
     "fraction": "requested fraction of each chosen MoE layer's experts removed: floor(fraction x n) per layer",
@@ -66,8 +80,8 @@ DEFINITIONS = {
     "metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
     "value": "the lm-eval metric with the experts removed (the router row: the model's own)",
     "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
-    "value_lo": "value - 1.96 stderr (95% normal interval on lm-eval's standard error; NaN without one)",
-    "value_hi": "value + 1.96 stderr (95% normal interval on lm-eval's standard error; NaN without one)",
+    "value_lo": lmeval.INTERVAL_DEFINITION,
+    "value_hi": lmeval.INTERVAL_DEFINITION,
     "router_value": "the same metric under the model's own routing (nothing removed)",
     "retention": "value / router_value: accuracy retention (higher is better)",
     "retention_lo": "95% lower bound of retention: delta method on the two values and their lm-eval stderrs, taken "
@@ -86,6 +100,7 @@ class PruneOptions:
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS  # fractions of each layer's experts removed
     criteria: tuple[str, ...] = CRITERIA  # frequency | weighted | reap | random
     ablate: int = 8  # single-expert ablations of the experts with the largest REAP saliency (0: none)
+    reap_weights: str = "renormalised"  # REAP's gate weight: renormalised (pi over the top-K's sum) | softmax (pi)
     layers: tuple[int, ...] | None = None  # MoE layers measured and pruned (None: every MoE layer)
     batch_size: int = 8
     bootstrap: int = DEFAULT_BOOTSTRAP
@@ -106,16 +121,32 @@ class PruneOptions:
             raise MoetoolError(f"--criteria must be some of {', '.join(CRITERIA)}, not {list(self.criteria)}")
         if self.ablate < 0:
             raise MoetoolError(f"--ablate must be at least 0, not {self.ablate}")
+        if self.reap_weights not in REAP_WEIGHTS:
+            raise MoetoolError(f"--reap-weights must be one of {', '.join(REAP_WEIGHTS)}, not {self.reap_weights!r}")
+
+
+def reap_gate(ev: RoutingEvent, reap_weights: str = "renormalised") -> torch.Tensor:
+    """``[T, K]`` REAP's gate weight of the token's top-K experts (``ev.idx``): ``π_e`` (softmax) or ``π_e / Σ_{k
+    in top-K} π_k`` (renormalised), ``π`` the router's distribution over the n experts (float64)."""
+    p = ev.probs.double().gather(-1, ev.idx)  # [T, K]
+    if reap_weights == "softmax":
+        return p
+    if reap_weights == "renormalised":
+        return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    raise MoetoolError(f"--reap-weights must be one of {', '.join(REAP_WEIGHTS)}, not {reap_weights!r}")
 
 
 class Importance:
     """Per MoE layer: real tokens, and per expert the routed count, the sum of routing weights and the sum of
-    weight x ||E_e(h)||_2 over the tokens routed to it (a forward consumer; device float64 sums, no host sync;
-    summed over data-parallel ranks). Only the layers in ``layers`` are measured."""
+    REAP's gate weight (:func:`reap_gate`) x ||E_e(h)||_2 over the tokens routed to it (a forward consumer; device
+    float64 sums, no host sync; summed over data-parallel ranks). Only the layers in ``layers`` are measured."""
 
-    def __init__(self, layers: list[int], budget: int | None = None) -> None:
+    def __init__(self, layers: list[int], budget: int | None = None, reap_weights: str = "renormalised") -> None:
+        if reap_weights not in REAP_WEIGHTS:
+            raise MoetoolError(f"--reap-weights must be one of {', '.join(REAP_WEIGHTS)}, not {reap_weights!r}")
         self.layers = set(layers)
         self.budget = budget
+        self.reap_weights = reap_weights
         self.acc: dict[int, dict[str, torch.Tensor]] = {}
 
     def __call__(self, ev: RoutingEvent) -> None:
@@ -127,12 +158,13 @@ class Importance:
         idx = ev.idx  # the model's own routing (no policy runs in this pass)
         valid = ev.valid.double().unsqueeze(-1).expand(idx.shape)  # [T, K]
         w = ev.weights.double() * valid
+        g = reap_gate(ev, self.reap_weights) * valid
         flat = idx.reshape(-1)
         zero = torch.zeros(n, dtype=torch.float64, device=idx.device)
         step = {"tokens": ev.valid.double().sum().reshape(1),
                 "frequency": ops.one_hot_counts(idx, n, ev.valid),
                 "weighted": zero.index_add(0, flat, w.reshape(-1)),
-                "reap_sum": zero.index_add(0, flat, (w * norms.gather(-1, idx).double()).reshape(-1))}
+                "reap_sum": zero.index_add(0, flat, (g * norms.gather(-1, idx).double()).reshape(-1))}
         prev = self.acc.get(L.index)
         self.acc[L.index] = step if prev is None else {k: prev[k] + v for k, v in step.items()}
 
@@ -141,7 +173,7 @@ class Importance:
             self.acc = distributed.all_reduce_keyed(self.acc)
 
     def table(self) -> Any:
-        """``prune_importance.csv``: layer, expert, tokens, frequency, weighted, reap."""
+        """``prune_importance.csv``: layer, expert, layer_tokens, frequency, weighted, reap."""
         import pandas as pd
 
         rows = []
@@ -152,7 +184,7 @@ class Importance:
                 raise MoetoolError(f"layer {layer}: no real tokens (empty data or all padding)")
             freq = a["frequency"]
             reap = torch.where(freq > 0, a["reap_sum"] / freq.clamp_min(1), torch.zeros_like(freq))
-            rows += [{"layer": layer, "expert": e, "tokens": tokens, "frequency": int(freq[e]),
+            rows += [{"layer": layer, "expert": e, "layer_tokens": tokens, "frequency": int(freq[e]),
                       "weighted": float(a["weighted"][e]), "reap": float(reap[e])} for e in range(len(freq))]
         return pd.DataFrame(rows)
 
@@ -171,13 +203,18 @@ def removed_sets(importance: Any, layers: list[Any], criterion: str, fraction: f
     return out
 
 
-ABLATION_COLUMNS = ("rank", "layer", "expert", "reap", "frequency", "tokens", "perplexity", "perplexity_lo",
+ABLATION_COLUMNS = ("rank", "layer", "expert", "reap", "frequency", "scored_tokens", "perplexity", "perplexity_lo",
                     "perplexity_hi", "delta_ppl", "ratio", "ratio_lo", "ratio_hi")
 
 
 def _check_fractions(layers: list[Any], fractions: tuple[float, ...]) -> None:
-    """Before any forward: every layer keeps at least its K experts at every fraction."""
+    """Before any forward: every layer keeps at least its K experts at every fraction, and a fraction above 0
+    removes an expert somewhere (one that floors to none everywhere could only give the router's row again)."""
     for f in fractions:
+        if f > 0 and all(n_removed(f, L.n_experts) == 0 for L in layers):
+            n = max(L.n_experts for L in layers)
+            raise MoetoolError(f"--fractions {f:g} removes no expert in any chosen MoE layer (floor({f:g} x {n}) = 0); "
+                               f"use at least {1 / n:g}, or 0 for the model with nothing removed")
         for L in layers:
             m = n_removed(f, L.n_experts)
             if L.n_experts - m < L.top_k:
@@ -208,7 +245,7 @@ class _Runs:
 
     def measure(self) -> Any:
         """The model's own routing (perplexity, and lm-eval with tasks) and ``prune_importance.csv``."""
-        imp = Importance(self.indices)
+        imp = Importance(self.indices, reap_weights=self.opts.reap_weights)
         self.base = self.ppl(None, self.indices, "router + importance", (imp,))
         self.base_eval = self.evaluate(build_policy("router")) if self.plan is not None else None
         imp.merge_across_ranks()
@@ -218,7 +255,7 @@ class _Runs:
         """tokens, perplexity and the paired ratio to the model's own routing, with bootstrap intervals."""
         base, nan = self.base, float("nan")
         ci = ppl_intervals(res, None if res is base else base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
-        out = {"tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
+        out = {"scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
                "ratio": res.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan}
         out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
         if res is base:
@@ -240,8 +277,8 @@ def _pruned(runs: _Runs, importance: Any, layers: list[Any]) -> tuple[list, list
     table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **runs.row(runs.base)}]
     removed_rows, done, evals = [], {}, {}
     eval_table = runs.accuracy("router", 0.0, "router", runs.base_eval) if with_tasks else []
-    for criterion in opts.criteria:
-        for f in opts.fractions:
+    for criterion in unique(opts.criteria):
+        for f in unique(opts.fractions):
             removed = removed_sets(importance, layers, criterion, f, opts.seed)
             key = tuple(sorted((k, tuple(v)) for k, v in removed.items()))
             if key not in done:  # two criteria removing the same experts: one forward
@@ -298,11 +335,21 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     table, removed_rows, eval_table, evals = _pruned(runs, importance, layers)
     ablation = _ablations(runs, importance, layers)
     df = pd.DataFrame(table)
-    tables = {"prune_importance.csv": importance, "prune.csv": df,
-              "prune_removed.csv": pd.DataFrame(removed_rows, columns=["criterion", "fraction", "layer", "expert"]),
-              "prune_ablation.csv": pd.DataFrame(ablation, columns=list(ABLATION_COLUMNS))}
+    tables = {"prune_importance.csv": importance, "prune.csv": df}
+    not_written = {}  # the optional tables empty by the user's choice: not written, the manifest says why
+    if removed_rows:
+        tables["prune_removed.csv"] = pd.DataFrame(removed_rows, columns=["criterion", "fraction", "layer", "expert"])
+    else:
+        not_written["prune_removed.csv"] = "no expert removed: --fractions 0 only"
+    if ablation:
+        tables["prune_ablation.csv"] = pd.DataFrame(ablation, columns=list(ABLATION_COLUMNS))
+    else:
+        not_written["prune_ablation.csv"] = "no single-expert ablation: --ablate 0"
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
+                reap_weights=opts.reap_weights,
                 bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, runs.base.rows.n_rows))
+    if not_written:
+        meta["not_written"] = not_written
     if plan is not None:
         tables["prune_eval.csv"] = pd.DataFrame(eval_table, columns=list(EVAL_COLUMNS))
         meta.update(eval=plan.describe(), n_samples={"router": runs.base_eval.n_samples,
@@ -328,8 +375,8 @@ def summary_lines(name: str, res: Result) -> list[str]:
             b = float(g.router_value.iloc[0])
             out.append(f"  {task} acc (router {b:.3f}) retention: " + ", ".join(
                 f"{r.criterion}@{r.fraction:g} x{r.retention:.2f}" for r in g.itertuples()))
-    abl = res["prune_ablation"]
-    if len(abl):
+    abl = res.tables.get("prune_ablation.csv")
+    if abl is not None and len(abl):
         worst = abl.loc[abl.delta_ppl.idxmax()]
         out.append(f"  single-expert ablation (top {len(abl)} by REAP): largest delta ppl {worst.delta_ppl:+.2f} "
                    f"(layer {int(worst.layer)}, expert {int(worst.expert)})")

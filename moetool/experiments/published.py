@@ -90,11 +90,11 @@ def _get(model: str, task: str, metric: str, policy: str) -> float:
 def aoe_table1(table: Any, model: str, tasks: Any = ("mmlu", "arc_challenge"), metric: str = "acc") -> Any:
     """AoE Table 1 layout: the measured norm-select table (:func:`moetool.experiments.norm_select.table1`:
     one row per policy, ``<task> <metric>`` and ``<task> retention`` columns, retention as a ratio) beside the
-    paper's numbers, in percent.
+    paper's numbers, all as fractions (0.7035, as quality.csv: the paper's percentages divided by 100).
 
     Rows: ``router`` and the measured best node per task (highest retention over the norm policies), each with
-    ``paper`` and ``measured`` columns per task and a ``Δ`` (measured − paper, percentage points). A model the
-    papers give no number for gets the measured columns only (paper columns NaN) and a ``note``.
+    ``paper`` and ``measured`` columns per task and a ``Δ`` (measured − paper, a fraction). A model the papers give
+    no number for gets the measured columns only (no paper or Δ column: an empty column is not written).
     """
     import pandas as pd
 
@@ -118,30 +118,32 @@ def aoe_table1(table: Any, model: str, tasks: Any = ("mmlu", "arc_challenge"), m
             src = router.iloc[0] if label == "router" else norms.loc[norms[ret].astype(float).idxmax()]
             node = "router" if label == "router" else f"{src['node']}:{src['norm']}"
             m_acc, m_ret = float(src[acc]), 1.0 if label == "router" else float(src[ret])
-            p_acc = _get(key, task, metric, label) if key else float("nan")
-            p_ret = (100.0 if label == "router" else _get(key, task, "retention", label)) if key else float("nan")
             row[f"{task} node"] = node
-            row[f"{task} {metric} paper"] = p_acc
-            row[f"{task} {metric} measured"] = 100 * m_acc
+            if key:  # the paper's percentages as fractions
+                row[f"{task} {metric} paper"] = _get(key, task, metric, label) / 100
+            row[f"{task} {metric} measured"] = m_acc
             row.update(_bounds(src, acc, f"{task} {metric} measured"))
-            row[f"{task} retention paper"] = p_ret
-            row[f"{task} retention measured"] = 100 * m_ret
+            p_ret = (1.0 if label == "router" else _get(key, task, "retention", label) / 100) if key else None
+            if key:
+                row[f"{task} retention paper"] = p_ret
+            row[f"{task} retention measured"] = m_ret
             row.update(_bounds(src, ret, f"{task} retention measured") if label != "router" else {})
-            row[f"{task} retention Δ"] = 100 * m_ret - p_ret
+            if key:
+                row[f"{task} retention Δ"] = m_ret - p_ret
         out.append(row)
     df = pd.DataFrame(out)
     df.attrs["published"] = key is not None
-    df.attrs["source"] = (f"{AOE}, Table 1: paper beside measured (accuracy and retention in %)" if key else
-                          f"AoE Table 1 layout; the paper gives numbers for Mixtral 8x7B only, not {model}: "
-                          f"measured only (accuracy and retention in %)")
+    df.attrs["source"] = (f"{AOE}, Table 1: paper beside measured (accuracy and retention as fractions)" if key
+                          else f"AoE Table 1 layout; the paper gives numbers for Mixtral 8x7B only, not {model}: "
+                          f"measured only (accuracy and retention as fractions)")
     return df
 
 
 def _bounds(src: Any, col: str, name: str) -> dict[str, float]:
-    """``name_lo``/``name_hi`` in percent from the measured row's ``col_lo``/``col_hi`` (when it has them)."""
+    """``name_lo``/``name_hi`` from the measured row's ``col_lo``/``col_hi`` (when it has them)."""
     if f"{col}_lo" not in src.index:
         return {}
-    return {f"{name}_lo": 100 * float(src[f"{col}_lo"]), f"{name}_hi": 100 * float(src[f"{col}_hi"])}
+    return {f"{name}_lo": float(src[f"{col}_lo"]), f"{name}_hi": float(src[f"{col}_hi"])}
 
 
 def console_layout(table: Any) -> tuple[str, Any]:

@@ -158,11 +158,20 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        title="super experts and perplexity without them", sample=("--bootstrap", "100"),
        flags=(Flag("--percentile", "float", 99.5, "A super expert's maximum exceeds this percentile of every "
                    "(layer, expert) maximum."),
-              Flag("--fraction-of-max", "float", 0.1, "... and is at least this fraction of the largest."))),
+              Flag("--fraction-of-max", "float", 0.1, "... and above the largest // (1 / this) (--max-rule "
+                   "floordiv) or at least this x the largest (--max-rule fraction)."),
+              Flag("--max-rule", "str", "floordiv", "floordiv: > largest // (1 / --fraction-of-max), the paper's "
+                   "code (largest // 10); fraction: >= --fraction-of-max x the largest."),
+              Flag("--include-layers", "float", 0.75, "Only the MoE layers of the first round(this x L) decoder "
+                   "layers, as the paper's code; 1: every layer."),
+              Flag("--reading", "str", "routed", "routed: every routed token; first-row: per row, the first token "
+                   "routed to the expert (what the paper's code's hook reads)."))),
     _x("placement", "placement", "PlacementOptions", figures="moetool.report.plots:placement_figures",
        demo=Demo(max_tokens=4096)),
     _x("expert-similarity", "expert_similarity", "ExpertSimilarityOptions", cmd=None, title="expert similarity",
-       demo=Demo(max_tokens=2048)),
+       demo=Demo(max_tokens=2048), sample=("--cluster-to", "2"),
+       flags=(Flag("--cluster-to", "int", None, "HC-SMoE's groups: cluster each layer's experts into this many "
+                   "(average linkage on the distance of mean outputs); default: the merge order only."),)),
     _x("ppl", "ppl", "PplOptions", lines=None),
     _x("eval", "eval_tasks", "EvalOptions", file="lmeval", api="evaluate", cmd="eval", inputs="model", lines=None),
     _x("trace", "trace", "TraceOptions", lines=None),
@@ -170,7 +179,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
 )}
 
 #: commands that are not experiments (their modules under moetool.commands)
-OTHER_COMMANDS = ("demo", "inspect", "report")
+OTHER_COMMANDS = ("demo", "inspect", "report", "import_trace")
 
 
 def get(name: str) -> Experiment:

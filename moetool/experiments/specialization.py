@@ -61,7 +61,7 @@ def on_device(batch: dict[str, Any], key: str, device: Any) -> torch.Tensor:
     """``batch[key]`` copied to ``device`` once per batch (cached in ``batch["on"]``: one copy per device)."""
     cache = batch["on"]
     if (key, device) not in cache:
-        cache[key, device] = batch[key].to(device)
+        cache[key, device] = ops.to_device(batch[key], device)
     return cache[key, device]
 
 
@@ -242,7 +242,7 @@ class CrossLayer:
         if pos == 0 or self.order[pos - 1] != pl:
             raise MoetoolError(f"CrossLayer: layer {li} reported after layer {pl}, expected model order "
                                "(call begin_batch before each forward)")
-        c = pm.to(dev).T @ m  # [n_prev, n]
+        c = ops.to_device(pm, dev).T @ m  # [n_prev, n]
         key = (pl, li)
         self.counts[key] = c if key not in self.counts else self.counts[key] + c
 

@@ -9,8 +9,9 @@ ppl, eval, trace and norm-select: --routing topk:1, --routing topp:0.9.
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 router on the same rows.
 
-Writes topk.csv (policy, kind, value, tokens, mean_experts, experts_frac, perplexity, ratio; *_lo/*_hi),
-topk_layers.csv (policy, kind, value, layer, tokens, mean_experts, min_experts, max_experts),
+Writes topk.csv (policy, kind, value, tokens, scored_tokens, mean_experts, experts_frac, perplexity, ratio;
+*_lo/*_hi), topk_layers.csv (policy, kind, value, layer, tokens, mean_experts, experts_frac, min_experts,
+max_experts),
 figures/topk_frontier (perplexity / the router's vs experts per token), figures/topk_layers (top-p: experts per token by
 layer) and manifest.json (definitions).
 
@@ -36,8 +37,9 @@ from .. import distributed
 from ..engine.hooks import RoutingEvent, select_layers
 from ..errors import MoetoolError
 from ..policies import make_policy
+from ..registry import unique
 from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
-from .ppl import data_name, perplexity, ppl_intervals
+from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
 DEFAULT_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -47,9 +49,12 @@ DEFINITIONS = {
               "of experts in decreasing π whose mass reaches p; moetool.policies.topk)",
     "kind": "router | topk | topp",
     "value": "k of topk, p of topp (the model's K for the router)",
+    "tokens": "real (unpadded) tokens each MoE layer routed (the same in topk.csv and topk_layers.csv)",
+    "scored_tokens": SCORED_TOKENS,
     "mean_experts": "experts with a nonzero weight per real token and MoE layer, averaged over the layers the "
                     "policy ran in (topk.csv) or per layer (topk_layers.csv)",
-    "experts_frac": "mean_experts / K: the routed-expert compute relative to the model's own",
+    "experts_frac": "mean_experts / n: the share of the layer's n experts a token uses, in [0, 1] (topk.csv: "
+                    "averaged over the layers); the compute relative to the model's own is mean_experts / K",
     "min_experts/max_experts": "fewest / most experts a real token used in the layer",
     "perplexity": "exp(mean next-token NLL) of the data under the policy (as moetool ppl)",
     "ratio": "perplexity / the router's perplexity on the same rows (paired)",
@@ -82,8 +87,8 @@ class TopkOptions:
         """``(policy spec, kind, value)`` in the sweep's order, the router first."""
         ks = self.ks if self.ks is not None else tuple(range(1, K))
         tail = f":{self.kmax}" if self.kmax is not None else ""
-        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in ks]
-                + [(f"topp:{p:g}{tail}", "topp", float(p)) for p in self.ps])
+        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in unique(ks)]
+                + [(f"topp:{p:g}{tail}", "topp", float(p)) for p in unique(self.ps)])
 
 
 class ExpertCounter:
@@ -112,9 +117,10 @@ class ExpertCounter:
             if tokens == 0:
                 raise MoetoolError(f"layer {layer}: no real tokens (empty data or all padding)")
             used = torch.nonzero(h).flatten()
-            out.append({"layer": layer, "tokens": int(tokens),
-                        "mean_experts": float((h * torch.arange(len(h), dtype=torch.float64)).sum()) / tokens,
-                        "min_experts": int(used.min()), "max_experts": int(used.max())})
+            mean = float((h * torch.arange(len(h), dtype=torch.float64)).sum()) / tokens
+            out.append({"layer": layer, "tokens": int(tokens), "mean_experts": mean,
+                        "experts_frac": mean / (len(h) - 1), "min_experts": int(used.min()),
+                        "max_experts": int(used.max())})
         return out
 
 
@@ -152,9 +158,10 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     for spec, kind, value in specs:
         ci = ppl_intervals(runs[spec], None if spec == "router" else base, n_boot=opts.bootstrap, seed=opts.seed)
         mean = sum(r["mean_experts"] for r in counts[spec]) / len(counts[spec])
+        frac = sum(r["experts_frac"] for r in counts[spec]) / len(counts[spec])
         nan = float("nan")
-        row = {"policy": spec, "kind": kind, "value": value, "tokens": runs[spec].nll.tokens, "mean_experts": mean,
-               "experts_frac": mean / K, "perplexity": runs[spec].perplexity, "perplexity_lo": nan,
+        row = {"policy": spec, "kind": kind, "value": value, "tokens": counts[spec][0]["tokens"],
+               "scored_tokens": runs[spec].nll.tokens, "mean_experts": mean, "experts_frac": frac, "perplexity": runs[spec].perplexity, "perplexity_lo": nan,
                "perplexity_hi": nan, "ratio": runs[spec].perplexity / base.perplexity, "ratio_lo": nan,
                "ratio_hi": nan}
         row.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
 from .base import Policy
@@ -178,8 +179,8 @@ class PrunePolicy(Policy):
 
     def keep(self, layer: Any, device: Any) -> torch.Tensor:
         """``[n]`` bool: the experts ``layer`` keeps (checked once per layer, cached per device)."""
-        key = (layer.index, device)
-        if key not in self._keep:
+        key, cpu = (layer.index, device), (layer.index, torch.device("cpu"))
+        if cpu not in self._keep:  # built and checked on the host (check(), before any forward)
             removed = self.removed_in(layer)
             n = layer.n_experts
             bad = [e for e in removed if not 0 <= e < n]
@@ -190,7 +191,9 @@ class PrunePolicy(Policy):
             problem = layer.keep_problem(keep)
             if problem:
                 raise MoetoolError(f"{self.name}: layer {layer.index} {problem}")
-            self._keep[key] = keep.to(device)
+            self._keep[cpu] = keep
+        if key not in self._keep:  # inside the forward: an asynchronous copy, no host sync
+            self._keep[key] = ops.to_device(self._keep[cpu], device)
         return self._keep[key]
 
     def describe(self) -> dict[str, Any]:

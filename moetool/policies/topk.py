@@ -9,8 +9,8 @@ distribution π, whose mass reaches p (at least one, at most ``kmax``, default n
 (Huang et al. 2024, "Harder Tasks Need More Experts: Dynamic Routing in MoE Models", arXiv 2403.07652). Weights
 as the rule gives them to that set (a softmax over the chosen, a renormalisation over them, or the scores
 alone), times the routed scaling factor. Ranking by π ignores DeepSeek's group limits and correction bias.
-The experts module receives ``kmax`` columns per token; the unchosen carry weight 0 (what runs is still
-computed, what counts is the mass the chosen carry).
+The experts module receives as many columns per token as the batch's largest set (at most ``kmax``); a token's
+unchosen columns carry weight 0 (what runs is still computed, what counts is the mass the chosen carry).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..engine.hooks import RoutingEvent
+from ..engine.hooks import RoutingEvent, refuse_above_max_k
 from ..errors import MoetoolError
 from .base import Policy
 
@@ -58,13 +58,15 @@ class TopKPolicy(Policy):
         return {"name": self.name, "k": self.k}
 
     def check(self, layer: Any) -> None:
-        """One line before any forward where ``layer`` cannot route k experts (sparsemixer's two rounds)."""
+        """One line before any forward where ``layer`` cannot route k experts (more than it has, sparsemixer's two
+        rounds)."""
+        refuse_above_max_k(self.name, self.k, [layer])
         if _sparsemixer(layer) and self.k != layer.top_k:
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose {layer.top_k} rounds "
                                f"define no top-{self.k}")
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
-        return ev.layer.route_k(ev.logits, min(self.k, ev.layer.n_experts))
+        return ev.layer.route_k(ev.logits, self.k)
 
 
 class TopPPolicy(Policy):
@@ -91,15 +93,22 @@ class TopPPolicy(Policy):
         return {"name": self.name, "p": self.p, "kmax": self.kmax}
 
     def check(self, layer: Any) -> None:
-        """One line before any forward where ``layer``'s weights are not defined for a set of any size."""
+        """One line before any forward where ``kmax`` is more experts than ``layer`` has, or ``layer``'s weights are
+        not defined for a set of any size."""
+        if self.kmax is not None:
+            refuse_above_max_k(f"{self.name} (kmax)", self.kmax, [layer], groups=False)  # π ranks every expert
         if _sparsemixer(layer):
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose weights are defined "
                                f"for its own {layer.top_k} rounds only")
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         L = ev.layer
-        width = min(self.kmax or L.n_experts, L.n_experts)
+        width = self.kmax or L.n_experts
         idx, mask = top_p(ev.probs, self.p, width)
+        # only as many columns as the batch's largest set: the experts module computes every column it receives
+        # (the unchosen at weight 0), and transformers' grouped kernels hold [tokens x columns] intermediates
+        used = int(mask.sum(-1).max()) if mask.numel() else 1
+        idx, mask = idx[:, :max(used, 1)], mask[:, :max(used, 1)]
         return idx, L.weights_for(ev.logits, idx, mask)
 
 

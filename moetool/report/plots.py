@@ -606,7 +606,7 @@ def plot_prune(curve: Any, importance: Any, ablation: Any) -> dict[str, Any]:
             colorbar_label="mean weight x ||expert output||")
     ax.set_yticks(range(len(mat)), [str(i) for i in mat.index])
     out["prune_importance"] = fig
-    if len(ablation):
+    if ablation is not None and len(ablation):  # none with --ablate 0
         fig, (ax,) = new_figure(width=max(4.2, 0.35 * len(ablation) + 1.5))
         x = range(len(ablation))
         ax.bar(x, ablation["ratio"] - 1.0, bottom=1.0, color="#4C72B0",
@@ -643,7 +643,7 @@ def plot_prune_accuracy(evals: Any, metric: str = "acc") -> Any:
 
 
 def prune_figures(result: Any) -> dict[str, Any]:
-    out = plot_prune(result["prune.csv"], result["prune_importance.csv"], result["prune_ablation.csv"])
+    out = plot_prune(result["prune.csv"], result["prune_importance.csv"], result.tables.get("prune_ablation.csv"))
     evals = result.tables.get("prune_eval.csv")
     if evals is not None and (evals.metric == "acc").any():
         out["prune_accuracy"] = plot_prune_accuracy(evals)

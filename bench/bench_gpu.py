@@ -1,0 +1,306 @@
+"""``python bench/bench.py --gpu``: every figure of the performance issue (#36) in one run, on any CUDA machine.
+
+    python bench/bench.py --gpu                    # ~3-4 min on one H100: shapes, quantized probes, commands
+    python bench/bench.py --gpu --quick            # fewer tokens and rounds (~1.5 min on an H100)
+    python bench/bench.py --gpu --csv gpu.csv      # the figures as CSV (default bench.csv) + gpu.txt (the printout)
+
+Sections (random weights built directly on the device, bf16 on CUDA, nothing downloaded):
+
+1. **Real-width shapes**: Mixtral-8x7B (4 of its 32 layers), Qwen3-30B-A3B (8 of 48), OLMoE-1B-7B (all 16) at their
+   published widths and vocabularies; ``--gpu-tokens`` tokens (default 16,384) in rows of ``--gpu-seq`` (2,048),
+   ``--gpu-batch`` rows per forward. Variants interleaved as in ``--shapes`` (plain, capture, router_logits,
+   hand_item_loop, norm:gate, all_expert_outputs): ratio to the plain forward (median of rounds), its FLOP-ideal,
+   the plain forward's tokens/s and share of the bf16 peak, and for the probes the **achieved throughput of the
+   probe's extra work**: the FLOPs the probe runs (norm:gate: every expert's gate, ``layers·n·2·I·d`` per token;
+   all-expert outputs: ``layers·n·6·I·d``) over its extra time per token (variant time − plain time), as a share of
+   the nominal dense bf16 peak (known cards) and of a measured 8192³ bf16 matmul on the same card.
+2. **Quantized probes**: ``bench.py --quant`` (one d=1024 layer, 8 experts of width 2048, 1,024 tokens): FP8
+   (fp32 / UE8M0 scales) and FP4 probes as a ratio of the bf16 probe.
+3. **Commands against one bare ``moetool.forward``** over the same tokens (Mixtral-8x7B width, 2 layers, one
+   loaded model, the API with each command's defaults but ``batch_size``): ppl, stats, placement, margin,
+   expert-similarity, approx, offload, topk; time ratio (each command between two bare forwards, ratio to their
+   mean) and peak memory (CUDA: max allocated; CPU: peak RSS above the RSS before), next to the model's bytes and
+   the bare forward's peak. ``--gpu-command-tokens`` (default 65,536; ``--quick`` 32,768).
+
+On a machine without CUDA the same command runs **scaled-down** shapes (widths / 16, 2 layers, small vocabulary,
+fp32, about a thousand tokens) and says so in every table: those figures describe the code paths, not the hardware.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import bench as B
+
+#: the published widths (config.json of each checkpoint); ``layers`` = how many of them are built
+GPU_SHAPES = {
+    "Mixtral-8x7B (4 of 32 layers)": dict(family="mixtral", d=4096, inter=14336, n=8, k=2, heads=32, kv_heads=8,
+                                          head_dim=128, layers=4, vocab=32000),
+    "Qwen3-30B-A3B (8 of 48 layers)": dict(family="qwen3_moe", d=2048, inter=768, n=128, k=8, heads=32, kv_heads=4,
+                                           head_dim=128, layers=8, vocab=151936),
+    "OLMoE-1B-7B (all 16 layers)": dict(family="olmoe", d=2048, inter=1024, n=64, k=8, heads=16, kv_heads=16,
+                                        head_dim=128, layers=16, vocab=50304),
+}
+COMMANDS_SHAPE = dict(family="mixtral", d=4096, inter=14336, n=8, k=2, heads=32, kv_heads=8, head_dim=128, layers=2,
+                      vocab=32000)
+COMMANDS = ("ppl", "stats", "placement", "margin", "expert_similarity", "approx", "offload", "topk")
+
+#: nominal dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device-name fragment, first match wins
+NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0),
+                       ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0),
+                       ("L4", 121.0))
+
+
+def scaled(c: dict[str, Any]) -> dict[str, Any]:
+    """The CPU stand-in of a shape: widths / 16 (heads / 4, head width 32), at most 2 layers, vocabulary 2,048."""
+    return {**c, "d": max(64, c["d"] // 16), "inter": max(32, c["inter"] // 16), "heads": max(2, c["heads"] // 4),
+            "kv_heads": max(1, min(c["kv_heads"], c["heads"] // 4)), "head_dim": 32, "layers": min(2, c["layers"]),
+            "vocab": 2048}
+
+
+def build(c: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A random model of shape ``c``, its weights created on ``device`` (no host copy of a multi-GB model)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=c["vocab"], hidden_size=c["d"], intermediate_size=c["inter"],
+                  num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                  num_experts_per_tok=c["k"], max_position_embeddings=8192)
+    if c["family"] == "mixtral":
+        cfg = MixtralConfig(num_local_experts=c["n"], head_dim=c["head_dim"], **common)
+    elif c["family"] == "qwen3_moe":
+        cfg = Qwen3MoeConfig(num_experts=c["n"], moe_intermediate_size=c["inter"], head_dim=c["head_dim"],
+                             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, **common)
+    else:
+        cfg = OlmoeConfig(num_experts=c["n"], eos_token_id=min(50279, c["vocab"] - 1), **common)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.to(device).eval()
+
+
+def environment(dev: torch.device) -> dict[str, str]:
+    import transformers
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": "cpu (" + (platform.processor() or platform.machine()) + f", {torch.get_num_threads()} threads)"}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        env["device"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = "?"
+    return env
+
+
+def nominal_peak(dev: torch.device) -> float | None:
+    """The card's nominal dense bf16 FLOP/s, or None (CPU, an unknown card)."""
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    return next((t * 1e12 for frag, t in NOMINAL_BF16_TFLOPS if frag in name), None)
+
+
+def matmul_flops(dev: torch.device, dtype: torch.dtype) -> float:
+    """Measured FLOP/s of one square matmul (8192³ bf16 on CUDA, 1024³ in ``dtype`` on CPU): the attainable peak."""
+    m = 8192 if dev.type == "cuda" else 1024
+    a = torch.randn(m, m, device=dev, dtype=dtype)
+    b = torch.randn(m, m, device=dev, dtype=dtype)
+    reps = 20 if dev.type == "cuda" else 3
+    a @ b
+    B.sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    B.sync()
+    return 2 * m ** 3 * reps / (time.perf_counter() - t0)
+
+
+def probe_flops(g: dict[str, int]) -> dict[str, float]:
+    """FLOPs per token the probe itself runs (every expert, whatever the forward computes)."""
+    per = g["layers"] * g["n"] * g["inter"] * g["d"]
+    return {"norm:gate": 2.0 * per, "all_expert_outputs": 6.0 * per}
+
+
+def bench_gpu_shapes(a, dev: torch.device, full: bool, peak: float | None, mm: float) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if full else torch.float32
+    names = ["plain", "capture", "router_logits", "hand_item_loop", "norm:gate", "all_expert_outputs"]
+    rows = []
+    for label, c0 in GPU_SHAPES.items():
+        c = c0 if full else scaled(c0)
+        t0 = time.perf_counter()
+        model = build(c, dev, dtype)
+        t_build = time.perf_counter() - t0
+        batches = B.random_batches(c["vocab"], a.gpu_tokens, a.gpu_batch, a.gpu_seq, dev)
+        tokens = sum(int(m.sum()) for _, m in batches)
+        res = B.interleaved(B.variants(model, batches, names), a.gpu_repeat)
+        g = B.geometry(model)
+        g["head_dim"] = c["head_dim"]
+        ideal = B.flop_ideals(g, a.gpu_seq)
+        fp = B.plain_flops(g, a.gpu_seq)
+        pf = probe_flops(g)
+        plain_s = res["plain"]["seconds"]
+        model_name = label if full else f"{label} scaled down"
+        for v in names:
+            row = {"section": "gpu_shapes", "model": model_name, "variant": v, "device": str(dev), "tokens": tokens,
+                   "ratio": res[v]["ratio"], "ratio_min": res[v]["ratio_min"], "ratio_max": res[v]["ratio_max"],
+                   "flop_ideal": ideal[v], "seconds": res[v]["seconds"], "tokens_per_s": tokens / res[v]["seconds"],
+                   "ratio_to_ideal": res[v]["ratio"] / ideal[v]}
+            if v == "plain":
+                row["tflops"] = fp * tokens / plain_s / 1e12
+            if v in pf:
+                extra = (res[v]["ratio"] - 1.0) * plain_s  # the probe's extra time (median ratio x plain time)
+                row["tflops"] = pf[v] * tokens / extra / 1e12 if extra > 0 else float("nan")
+            if "tflops" in row:
+                row["pct_nominal_peak"] = 100 * row["tflops"] * 1e12 / peak if peak else float("nan")
+                row["pct_measured_matmul"] = 100 * row["tflops"] * 1e12 / mm
+            rows.append(row)
+        print(f"  {model_name}: built in {t_build:.0f}s, measured in {time.perf_counter() - t0 - t_build:.0f}s",
+              file=sys.stderr)
+        del model, batches
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def random_tokenset(vocab: int, tokens: int, seq: int):
+    from moetool.data import TokenSet
+
+    rows = max(1, tokens // seq)
+    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(1))
+    return TokenSet(ids, torch.ones_like(ids), [""] * rows, source="random token ids")
+
+
+def command_calls(lm: Any, tokens: Any, batch: int) -> dict[str, Callable[[], Any]]:
+    import moetool
+
+    kw = dict(batch_size=batch, quiet=True)
+    return {"bare forward": lambda: moetool.forward(lm, tokens, batch_size=batch, quiet=True),
+            **{name: (lambda f=getattr(moetool, name): f(lm, tokens, **kw)) for name in COMMANDS}}
+
+
+def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:
+    from moetool.adapters import find_moe_layers
+    from moetool.loading import LoadedModel
+
+    dtype = torch.bfloat16 if full else torch.float32
+    c = COMMANDS_SHAPE if full else scaled(COMMANDS_SHAPE)
+    model = build(c, dev, dtype)
+    lm = LoadedModel("random", "random weights", "random", model, None, find_moe_layers(model), dev, dtype)
+    seq = a.gpu_seq if full else min(a.gpu_seq, 256)
+    tokens = random_tokenset(c["vocab"], a.gpu_command_tokens, seq)
+    batch = max(1, a.gpu_command_batch_tokens // seq)
+    calls = command_calls(lm, tokens, batch)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    label = f"mixtral-width d{c['d']} I{c['inter']} {c['layers']} layers" + ("" if full else " (scaled down)")
+    wanted = [n for n in COMMANDS if not a.gpu_commands or n in a.gpu_commands]
+    bare = calls["bare forward"]
+    bare()  # warm-up
+    bares: list[tuple[float, int]] = [B.peak_extra(bare)]
+    rows = []
+    for name in wanted:
+        t0 = time.perf_counter()
+        try:
+            dt, mem = B.peak_extra(calls[name])
+            error = None
+        except Exception as e:  # noqa: BLE001 - a failing command is reported, not a number
+            dt, mem, error = float("nan"), 0, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        bares.append(B.peak_extra(bare))
+        ref = (bares[-2][0] + bares[-1][0]) / 2
+        rows.append({"section": "gpu_commands", "model": label, "variant": name, "device": str(dev),
+                     "tokens": tokens.n_tokens, "seconds": dt, "ratio": dt / ref if error is None else float("nan"),
+                     "bare_seconds": ref, "peak_extra_gib": mem / 2**30 if error is None else float("nan"),
+                     "model_gib": model_bytes / 2**30, "error": error})
+        print(f"  {name}: {time.perf_counter() - t0:.1f}s" + (f" ({error})" if error else ""), file=sys.stderr)
+    bare_s = statistics.median(t for t, _ in bares)
+    bare_mem = max(m for _, m in bares)
+    for r in rows:
+        r["bare_peak_extra_gib"] = bare_mem / 2**30
+        # peak of the command / peak of the bare forward, both above what the model holds
+        r["peak_ratio"] = r["peak_extra_gib"] / (bare_mem / 2**30) if bare_mem else float("nan")
+    rows.insert(0, {"section": "gpu_commands", "model": label, "variant": "bare forward", "device": str(dev),
+                    "tokens": tokens.n_tokens, "seconds": bare_s, "ratio": 1.0, "bare_seconds": bare_s,
+                    "peak_extra_gib": bare_mem / 2**30, "model_gib": model_bytes / 2**30,
+                    "bare_peak_extra_gib": bare_mem / 2**30, "peak_ratio": 1.0, "error": None})
+    del lm, model
+    return rows
+
+
+def run(a) -> list[dict[str, Any]]:
+    """Every section of ``--gpu``; the rows of each (saved by the caller)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.gpu_cpu else "cpu")
+    full = dev.type == "cuda"
+    if a.quick:
+        a.gpu_tokens, a.gpu_command_tokens, a.gpu_repeat = min(a.gpu_tokens, 8192), min(a.gpu_command_tokens, 32768), 3
+    if not full:  # scaled down: the same code paths on a CPU, about a thousand tokens
+        a.gpu_tokens, a.gpu_seq, a.gpu_batch = min(a.gpu_tokens, 512 if a.quick else 1024), min(a.gpu_seq, 256), \
+            min(a.gpu_batch, 4)
+        a.gpu_command_tokens = min(a.gpu_command_tokens, 1024 if a.quick else 2048)
+        a.gpu_command_batch_tokens = min(a.gpu_command_batch_tokens, 1024)
+        a.quant_d, a.quant_inter, a.quant_tokens = 256, 512, 256
+        a.gpu_repeat = min(a.gpu_repeat, 2)
+    env = environment(dev)
+    dtype = torch.bfloat16 if full else torch.float32
+    peak = nominal_peak(dev)
+    mm = matmul_flops(dev, dtype)
+    env["nominal peak"] = f"{peak / 1e12:.0f} TFLOP/s dense bf16" if peak else "unknown"
+    env["measured matmul"] = f"{mm / 1e12:.3g} TFLOP/s ({'8192^3 bf16' if full else '1024^3 fp32'})"
+    if not full:
+        env["scale"] = ("SCALED DOWN (no CUDA device): widths / 16, 2 layers, vocabulary 2,048, fp32, few tokens; "
+                        "these figures describe code paths, not the hardware")
+    rows: list[dict[str, Any]] = [{"section": "env", "variant": k, "value": v} for k, v in env.items()]
+    for k, v in env.items():
+        print(f"{k}: {v}", file=sys.stderr)
+    a.gpu_env = env
+    yield rows
+    if "shapes" in a.gpu_sections:
+        yield bench_gpu_shapes(a, dev, full, peak, mm)
+    if "quant" in a.gpu_sections:
+        yield B.bench_quant(a, device=dev)
+    if "commands" in a.gpu_sections:
+        yield bench_gpu_commands(a, dev, full)
+
+
+def fmt_table(df, cols: list[str]) -> str:
+    cols = [c for c in cols if c in df.columns]
+    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.2f}", na_rep="-")
+
+
+def report(df, a) -> str:
+    """The printout of ``--gpu`` (also written next to the CSV as ``<csv stem>.txt``)."""
+    out = ["moetool bench --gpu (issue #36)"]
+    env = df[df.section == "env"]
+    out += [f"  {r.variant}: {r.value}" for r in env.itertuples()]
+    shapes = df[df.section == "gpu_shapes"]
+    if len(shapes):
+        out.append(f"\nReal-width shapes: ratio to the plain forward (median of {a.gpu_repeat} interleaved rounds), "
+                   f"{int(shapes.tokens.iloc[0])} tokens in rows of {a.gpu_seq}, {a.gpu_batch} rows per forward. "
+                   "tflops: plain = its FLOPs / its time; probes = the probe's FLOPs / its extra time over plain")
+        for model, part in shapes.groupby("model", sort=False):
+            t = part.assign(spread=part.ratio_min.map("{:.2f}".format) + "-" + part.ratio_max.map("{:.2f}".format))
+            out.append(f"{model}: plain {part.tokens_per_s.iloc[0] / 1e3:.1f}k tokens/s")
+            out.append(fmt_table(t, ["variant", "ratio", "spread", "flop_ideal", "ratio_to_ideal", "tflops",
+                                     "pct_nominal_peak", "pct_measured_matmul"]))
+    quant = df[df.section == "quant"]
+    if len(quant):
+        out.append(f"\nQuantized probes: time / the plain ({'bf16' if 'cuda' in quant.device.iloc[0] else 'fp32'}) "
+                   f"probe on the same {int(quant.tokens.iloc[0])} tokens, {quant.model.iloc[0]}")
+        out.append(fmt_table(quant, ["probe", "variant", "ratio", "ratio_min", "ratio_max", "seconds"]))
+    cmds = df[df.section == "gpu_commands"]
+    if len(cmds):
+        out.append(f"\nCommands against one bare moetool.forward over the same {int(cmds.tokens.iloc[0])} tokens, "
+                   f"{cmds.model.iloc[0]} (model {cmds.model_gib.iloc[0]:.2f} GiB; peak_extra = memory above the "
+                   "model's at the command's peak; peak_ratio = that / the bare forward's)")
+        out.append(fmt_table(cmds, ["variant", "ratio", "seconds", "peak_extra_gib", "peak_ratio", "error"]))
+    return "\n".join(out)

@@ -1,0 +1,383 @@
+"""Analyses of routing read from a trace instead of a forward: ``stats --trace`` and ``placement --trace``.
+
+The trace is moetool's own (``moetool trace``) or an engine's dump imported by ``moetool import-trace``
+(:mod:`moetool.traces`); it is read streamed (:func:`moetool.traces.store.read_batches`) into per-layer sums on the
+host -- real tokens, top-K assignments per expert, co-activation counts -- with the same functions the forward's
+consumers use (:func:`moetool.ops.one_hot_counts`, :func:`.specialization.coactivation_counts`), so the tables are
+those of the same routing captured by moetool. A counts-only dump (SGLang ``stat`` / ``per_pass``, legacy CSV) gives
+the loads alone: real tokens = assignments / K there.
+
+What needs more than the chosen ids refuses or is left out, in one line each (``meta["left_out"]``): the router's
+probabilities (router_prob, confidence entropy, aux loss: an engine records ids only), token ids (top tokens,
+specialisation), the order of the top-K (``--top-k 1``, ``--coactivation adjacent`` on a Megatron trace, whose ids
+are sorted by expert id; on counts), per-token rows (co-activation on counts), the document rows of a forward
+(bootstrap intervals).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..errors import MoetoolError
+from ..sketch import SparseCounter
+from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
+from ..uncertainty import RowSums
+from .fluctuation import RATES, Routing, compare_with_intervals, pairs
+from .offload import offload_tables
+from .placement import DEFINITIONS as PLACEMENT_DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
+from .result import Result
+from .specialization import coactivation_counts, token_decoder, with_tokens
+from .stats import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank
+
+#: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
+NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "
+            "only)")
+
+
+@dataclass
+class LayerSums:
+    """Host sums of one MoE layer over a trace."""
+
+    n: int
+    k: int
+    tokens: int
+    assign: torch.Tensor  # [n] float64: tokens whose top-K contains e
+    co: torch.Tensor | None  # [n, n] float64 (diagonal = assign); None for counts-only
+    pairs: Any = None  # SparseCounter of token_id * n + expert (pairs=True, traces with token ids)
+
+
+def _ordered(src: TraceSource) -> bool:
+    return "sorted" not in str(src.routing_source.get("order", ""))
+
+
+def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str | None = "all",
+               layers: tuple[int, ...] | None = None, pairs: Any = None) -> dict[int, LayerSums]:
+    """Per MoE layer of the trace: real tokens, assignments and (``coactivation``) co-activation counts;
+    ``top_k=1``: each token's first-ranked expert only. Layers ``layers`` only (default: every layer present).
+    ``pairs`` (a :class:`~moetool.sketch.SparseCounter` receiving every token id once, at the first MoE layer):
+    also the (token id, expert) counts per layer, as ``stats`` counts them; refused when the trace has no token
+    ids."""
+    if top_k is not None and not _ordered(src):
+        raise MoetoolError(f"--top-k 1 on {src.path}: its ids are sorted by expert id (Megatron's router hook), the "
+                           f"first-ranked expert is unknown")
+    if coactivation == "adjacent" and not _ordered(src):
+        raise MoetoolError(f"--coactivation adjacent on {src.path}: its ids are sorted by expert id (Megatron's "
+                           f"router hook), neighbouring ranks are unknown; use --coactivation all")
+    if src.kind == "loads":
+        if top_k is not None or coactivation == "adjacent":
+            raise MoetoolError(f"{src.path} holds counts only: no per-token top-K for --top-k 1 or --coactivation "
+                               f"adjacent")
+        K = src.shape.top_k()
+        out = {}
+        for li, c in read_loads(src).items():
+            if layers is not None and li not in layers:
+                continue
+            total = int(c.sum())
+            if total % K:
+                raise MoetoolError(f"{src.path}: layer {li} counts {total} assignments, not a multiple of top-{K}")
+            out[li] = LayerSums(len(c), K, total // K, torch.from_numpy(c.astype(np.float64)), None)
+        return out
+    cols = expert_columns(src)
+    sums: dict[int, dict[str, Any]] = {}
+    first_layer = min(layers) if layers else None
+    no_ids: list[int] = []
+    for df in read_batches(src, ["layer", *cols] + (["token_id"] if pairs is not None else [])):
+        for li, g in df.groupby("layer", sort=False):
+            li = int(li)
+            if layers is not None and li not in layers:
+                continue
+            if li not in src.shape.moe:
+                raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            n = src.shape.n_experts(li)
+            idx = torch.from_numpy(np.array(g[cols].to_numpy(dtype=np.int64)))  # [t, K], a writable copy
+            if top_k is not None:
+                idx = idx[:, :top_k]
+            if idx.numel() and (idx.min() < 0 or idx.max() >= n):
+                raise MoetoolError(f"--trace {src.path}: layer {li} has expert ids outside 0..{n - 1}")
+            valid = torch.ones(idx.shape[0], dtype=torch.bool)
+            s = sums.setdefault(li, {"tokens": 0, "assign": torch.zeros(n, dtype=torch.float64),
+                                     "co": torch.zeros(n, n, dtype=torch.float64) if coactivation else None,
+                                     "k": idx.shape[1]})
+            s["tokens"] += idx.shape[0]
+            s["assign"] += ops.one_hot_counts(idx, n, valid)
+            ids = (torch.from_numpy(np.array(g["token_id"].to_numpy(dtype=np.int64)))
+                   if pairs is not None and not no_ids else None)
+            if ids is not None and ids.numel() and ids.min() < 0:  # the responses carried no token ids: no pairs
+                no_ids.append(li)
+            elif ids is not None:
+                first_layer = li if first_layer is None else first_layer
+                if li == first_layer:
+                    pairs.add(ids)
+                s.setdefault("pairs", SparseCounter()).add(ids.unsqueeze(1) * n + idx)
+            if coactivation:
+                s["co"] += coactivation_counts(idx, n, valid, coactivation)
+    if not sums:
+        raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
+    return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"],
+                          None if no_ids else s.get("pairs")) for li, s in sorted(sums.items())}
+
+
+# ----- stats ------------------------------------------------------------------------------------------------------
+def stats_from_trace(src: TraceSource, options: Any) -> Result:
+    """``stats`` tables that need only the chosen experts: ``load.csv`` (layer, expert, load_fraction,
+    token_fraction, tokens), ``layers.csv`` (layer, n_experts, top_k, tokens, load_entropy[_norm], max_load_ratio)
+    and ``coactivation.csv`` (per-token traces), with the definitions of :mod:`.stats`; what they leave out is
+    listed in ``meta["left_out"]``. ``options``: :class:`.stats.StatsOptions` (``top_k``, ``coactivation``)."""
+    import pandas as pd
+
+
+    if options.all_tokens:
+        raise MoetoolError("--all-tokens: not on --trace (top_tokens.csv is)")
+    totals = SparseCounter() if options.top_tokens and src.kind == "trace" else None
+    sums = trace_sums(src, top_k=options.top_k, coactivation=options.coactivation, pairs=totals)  # counts: no co
+    load, layers, co, top, lift = [], [], [], [], []
+    if totals is not None:
+        tok_keys, tok_counts = (t.numpy() for t in totals.result())
+    for li, a in sums.items():
+        if a.tokens == 0:
+            raise MoetoolError(f"--trace {src.path}: layer {li} routed no token")
+        frac = a.assign / a.assign.sum()  # [n] sums to 1
+        load.append(pd.DataFrame({"layer": li, "expert": range(a.n), "load_fraction": frac.numpy(),
+                                  "token_fraction": (a.assign / a.tokens).numpy(), "tokens": a.assign.long().numpy()}))
+        ent = float(ops.entropy(frac))
+        layers.append({"layer": li, "n_experts": a.n, "top_k": a.k, "tokens": a.tokens, "load_entropy": ent,
+                       "load_entropy_norm": ent / math.log(a.n), "max_load_ratio": float(frac.max()) * a.n})
+        if a.co is not None:
+            co.append(_coactivation_frame(li, a.co))
+        if a.pairs is not None:  # the forward's own ranking (stats._pair_frame, _rank) on the trace's counts
+            pf = _pair_frame(li, a, tok_keys, tok_counts)
+            top.append(_rank(pf, "count", options.top_tokens))
+            lift.append(_rank(pf[pf["count"] >= options.min_count], "lift", options.top_tokens))
+    tables = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers)}
+    if co:
+        tables["coactivation.csv"] = pd.concat(co, ignore_index=True)
+    if top:
+        decode = token_decoder(_tokenizer(src))
+        cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
+        tables["top_tokens.csv"] = with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
+        tables["top_tokens_lift.csv"] = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+    left_out = {"router_prob, confidence_entropy, aux_loss": NO_PROBS,
+                "specialization, domain_load": "the next / predicted tokens and the domains of a forward's data",
+                "cross_layer": "not computed from a trace",
+                "*_lo/*_hi": "the bootstrap resamples a forward's packed rows"}
+    if not co:
+        left_out["coactivation"] = "a counts-only dump has no per-token top-K"
+    if options.top_tokens and not top:
+        left_out["top_tokens, top_tokens_lift"] = ("a counts-only dump" if src.kind == "loads" else
+                                                   "the trace has no token ids (the responses carried none)")
+    defs = {k: v for k, v in STATS_DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
+                                                                "load_entropy", "max_load_ratio", "top_k",
+                                                                "coactivation", "top_tokens", "top_tokens_lift")}
+    if src.kind == "loads":
+        defs["tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
+    summary = pd.DataFrame(layers)[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm",
+                                    "max_load_ratio"]].rename(columns={
+                                        "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
+                                        "max_load_ratio": "max load/uniform"}).round(4)
+    return Result("stats_trace", tables, options, meta=dict(trace=src.describe(), definitions=defs,
+                                                            left_out=left_out), summary=summary)
+
+
+def _tokenizer(src: TraceSource) -> Any:
+    """The model's tokenizer for the ``token`` column (no weights read); ``None`` (empty text) where it cannot be
+    read, e.g. off the Hub."""
+    from ..loading import load_tokenizer
+
+    try:
+        return load_tokenizer(src.shape.source)
+    except MoetoolError:
+        return None
+
+
+# ----- placement --------------------------------------------------------------------------------------------------
+def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[str, Any]]:
+    """``placement`` tables from the trace's loads (every MoE layer of one n, or ``options.layers``): the same
+    placements and tables as :func:`.placement.placement` (no bootstrap: a trace has no packed rows), and
+    ``{"load", "layers", "n", "groups"}`` for an export."""
+    import pandas as pd
+
+
+    sums = trace_sums(src, coactivation=None, layers=options.layers)
+    idx = list(sums)
+    ns = {sums[li].n for li in idx}
+    if len(ns) != 1:
+        raise MoetoolError("the trace's MoE layers have different numbers of experts: choose layers of one n with "
+                           "--layers")
+    n = ns.pop()
+    K = sums[idx[0]].k
+    groups = options.groups or 1
+    if n % groups:
+        raise MoetoolError(f"--groups {groups} must divide the {n} experts")
+    gpu_counts = options.gpu_counts(n)
+    load = torch.stack([sums[li].assign for li in idx])  # [layers, n] float64
+    tokens = {sums[li].tokens for li in idx}
+    if len(tokens) != 1:
+        raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
+    n_tok = tokens.pop()
+    rows, overall_ci = [], {}
+    for G, R, method, phy2log, count in _placements(load, None, n, groups, gpu_counts, options):
+        layer_rows, overall_ci[(G, R, method)] = _evaluate(load, None, 0, idx, n, options, G, R, method, phy2log,
+                                                           count)
+        rows += layer_rows
+    df = pd.DataFrame(rows)
+    overall = _overall_table(df, overall_ci)
+    meta = dict(definitions=PLACEMENT_DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K,
+                groups=groups,
+                eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
+                                 "ported in moetool.experiments.placement",
+                          policy="hierarchical" if groups % options.nodes == 0 else "global"),
+                left_out={"imbalance_lo/imbalance_hi": "the bootstrap resamples a forward's packed rows",
+                          "eplb_stale": "--reference-data / --reference-model need a forward"})
+    summary = overall[["gpus", "replicas", "method", "imbalance", "max_layer_imbalance"]].round(3)
+    res = Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
+                               "placement_loads.csv": _loads_table(idx, n, K, ("data", load, n_tok))},
+                 options, meta=meta, summary=summary)
+    return res, {"load": load, "layers": idx, "n": n, "groups": groups}
+
+
+# ----- offload ----------------------------------------------------------------------------------------------------
+class TraceStream:
+    """A trace's token stream in the shape :func:`.offload.offload_tables` reads from its collector: per layer the
+    requests ``[T, K]`` in (row, position) order, the row of each token, the first request and the count of each
+    expert; no next-layer prediction (that needs the hidden states of a forward)."""
+
+    def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int],
+                 keys: np.ndarray | None = None, weights: dict[int, np.ndarray] | None = None):
+
+        self.keys = keys  # [T] (row, position) of each token, for aligning two traces
+        self.weights = weights  # per layer [T, K] gate weights (a trace of moetool trace), else None
+        self.merged: dict[Any, np.ndarray] = {"rows": rows, **requests}
+        self.first, self.counts = {}, {}
+        for i, req in requests.items():
+            T = req.shape[0]
+            first = np.full(n[i], np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(first, req.reshape(-1), np.repeat(np.arange(T), req.shape[1]))
+            self.first[i] = torch.from_numpy(first)
+            self.counts[i] = ops.one_hot_counts(torch.from_numpy(req), n[i])
+        self.pred = RowSums()
+
+    def requests(self, i: int) -> np.ndarray:
+        return self.merged[i]
+
+    def token_rows(self) -> np.ndarray:
+        return self.merged["rows"]
+
+
+def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: int | None,
+                 weights: bool = False) -> TraceStream:
+    """The trace's first ``max_tokens`` tokens of every MoE layer in (row, position) order, read streamed (the
+    file holds each layer's tokens in that order: ``moetool trace`` and ``import-trace`` write them so)."""
+    if src.kind == "loads":
+        raise MoetoolError(f"{src.path} holds counts only: the cache simulation needs each token's experts in order")
+    cols = expert_columns(src)
+    wcols = [c.replace("expert_", "weight_") for c in cols] if weights and src.weights else []
+    parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
+    taken: dict[int, int] = {}
+    last: dict[int, tuple[int, int]] = {}
+    for df in read_batches(src, ["row", "pos", "layer", *cols, *wcols]):
+        for li, g in df.groupby("layer", sort=False):
+            li = int(li)
+            if (layers is not None and li not in layers) or (max_tokens and taken.get(li, 0) >= max_tokens):
+                continue
+            if li not in src.shape.moe:
+                raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            if max_tokens:
+                g = g.iloc[: max_tokens - taken.get(li, 0)]
+            key = g["row"].to_numpy() * (1 << 32) + g["pos"].to_numpy()
+            if (np.diff(key) < 0).any() or (li in last and key[0] < last[li][0] * (1 << 32) + last[li][1]):
+                raise MoetoolError(f"--trace {src.path}: layer {li}'s tokens are not in (row, position) order")
+            last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
+            parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64),
+                                             g[wcols].to_numpy(dtype=np.float64) if wcols else None))
+            taken[li] = taken.get(li, 0) + len(g)
+        if max_tokens and parts and all(taken.get(li, 0) >= max_tokens for li in (layers or src.shape.moe_layers)):
+            break
+    if not parts:
+        raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
+    keys = {li: np.concatenate([p[1] for p in ps]) for li, ps in parts.items()}
+    first = next(iter(keys.values()))
+    if any(len(k) != len(first) or (k != first).any() for k in keys.values()):
+        raise MoetoolError(f"--trace {src.path}: the MoE layers routed different tokens")
+    rows = np.concatenate([p[0] for p in next(iter(parts.values()))])
+    _, rows = np.unique(rows, return_inverse=True)  # packed-row numbers 0.. in order (the bootstrap's units)
+    reqs = {li: np.concatenate([p[2] for p in ps]) for li, ps in sorted(parts.items())}
+    w = {li: np.concatenate([p[3] for p in ps]) for li, ps in sorted(parts.items())} if wcols else None
+    return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs}, first, w)
+
+
+def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -> Result:
+    """``offload``'s coverage, per-layer and cache tables on the trace's first ``max_tokens`` tokens; expert bytes
+    (the serving precision) and the next-layer prediction (hidden states) are left out."""
+    from types import SimpleNamespace
+
+
+    stream = token_stream(src, options.layers, max_tokens)
+    layers = [SimpleNamespace(index=li, n_experts=src.shape.n_experts(li), top_k=stream.requests(li).shape[1])
+              for li in sorted(k for k in stream.merged if k != "rows")]
+    res = offload_tables(stream, layers, options, {"trace": str(src.path), "tokens": int(len(stream.token_rows()))},
+                         None)
+    res.tables.pop("offload_prefetch.csv")
+    res.name = "offload_trace"
+    res.meta.update(trace=src.describe(), left_out={
+        "offload_prefetch": "the next-layer prediction needs a forward's hidden states",
+        "expert_bytes, bytes_per_token": "an expert's bytes depend on the serving precision, not in a trace"})
+    return res
+
+
+# ----- fluctuation ------------------------------------------------------------------------------------------------
+def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: Any,
+                            max_tokens: int | None) -> Result:
+    """``fluctuation`` between recorded routings of the same tokens (the traces' (row, position) must agree, and
+    their token ids where both have them), e.g. a model's routing at two training steps: per pair and layer the
+    top-K change, overlap and Jaccard of :func:`.fluctuation.compare` with its bootstrap intervals; top1_change only
+    when every trace has gate weights (``moetool trace``: the top-1 is the largest weight; an engine's dump has no
+    weights), entropies never (they need the router's probabilities)."""
+    import pandas as pd
+
+
+    streams = [token_stream(src, None, max_tokens, weights=True) for src in srcs]
+    layers = sorted(k for k in streams[0].merged if k != "rows")
+    for name, st in zip(names[1:], streams[1:]):
+        if sorted(k for k in st.merged if k != "rows") != layers or not np.array_equal(st.keys, streams[0].keys):
+            raise MoetoolError(f"--trace {name}: not the same tokens (rows, positions, MoE layers) as {names[0]}")
+    top1 = all(st.weights is not None for st in streams)
+    routings = []
+    for st in streams:
+        r = Routing(layers)
+        per = []
+        for li in layers:
+            req = torch.from_numpy(st.requests(li))  # [T, K]
+            best = (req.gather(1, torch.from_numpy(st.weights[li]).argmax(1, keepdim=True)) if top1
+                    else torch.full((req.shape[0], 1), -1, dtype=torch.int64))  # no top-1: its column is dropped
+            per.append(torch.cat([req, best], 1))
+        r.spill.append(torch.stack(per).to(torch.int32))  # [L, T, K + 1], one batch
+        r.spill.append(torch.from_numpy(st.token_rows()).to(torch.int32))
+        r.tokens = int(len(st.token_rows()))
+        routings.append(r)
+    rows = []
+    for i, j in pairs(names, options.reference):
+        res = compare_with_intervals(routings[i], routings[j], options.bootstrap, options.seed)
+        for li in layers:
+            row = {"layer": li, "routing": "recorded", "reference": names[i], "checkpoint": names[j],
+                   "tokens": res[li]["tokens"]}
+            for rate in RATES:
+                if rate == "top1_change" and not top1:
+                    continue
+                row.update({c: res[li][c] for c in (rate, f"{rate}_lo", f"{rate}_hi")})
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    left_out = {"entropy_ref, entropy_ckpt, entropy_ratio": NO_PROBS,
+                "isolated rows": "--isolate feeds one checkpoint's inputs to another's routers: a forward"}
+    if not top1:
+        left_out["top1_change"] = "the top-1 is the chosen expert of largest weight: an engine's dump has no weights"
+    summary = df.groupby(["reference", "checkpoint"], sort=False)[
+        [c for c in ("top1_change", "topk_change", "jaccard") if c in df]].mean().reset_index().round(4)
+    return Result("fluctuation_trace", {"fluctuation.csv": df}, options,
+                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out), summary=summary)
+

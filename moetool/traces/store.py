@@ -1,0 +1,185 @@
+"""An engine's dump as moetool's own files, and those files read back, streamed.
+
+Per-token routing is written as the trace Parquet ``moetool trace`` writes (:mod:`moetool.experiments.trace`):
+``row, pos, token_id, domain, layer, expert_1..expert_K, weight_1..weight_K``, rows layer-major within each chunk.
+The engines record ids only: ``weight_k`` are NaN (no gate weights), ``token_id`` is -1 where the dump has no token
+ids, ``domain`` is empty. Counts-only dumps are written as ``loads.parquet`` (``layer, expert, count``). The
+manifest's ``routing_source`` section says where the routing came from (format, files, ids' kind, order, moetool's
+version, notes) and the model's shape (``--config``).
+
+Reading back (:func:`open_trace`) takes a run folder, a ``trace.parquet`` / ``trace.csv.gz`` or a
+``loads.parquet``; a trace written by ``moetool trace`` itself gets its model's shape from its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import MoetoolError
+from .readers import Chunk, Counts
+from .shape import ModelShape
+
+TRACE = "trace.parquet"
+LOADS = "loads.parquet"
+ROWS_PER_READ = 1 << 16  # Parquet rows per streamed read
+
+
+def chunk_columns(chunk: Chunk, layers: list[int]) -> dict[str, Any]:
+    """One chunk's trace rows, layer-major (every token at the first MoE layer, then the next...)."""
+    T = len(chunk.row)
+    L = len(layers)
+    idx = np.stack([chunk.experts[li] for li in layers])  # [L, T, K]
+    K = idx.shape[-1]
+    cols: dict[str, Any] = {"row": np.tile(chunk.row, L), "pos": np.tile(chunk.pos, L),
+                            "token_id": np.tile(chunk.token_id, L), "domain": np.full(T * L, "", dtype=object),
+                            "layer": np.repeat(np.asarray(layers, dtype=np.int64), T)}
+    for k in range(K):
+        cols[f"expert_{k + 1}"] = idx[:, :, k].reshape(-1).astype(np.int64)
+    for k in range(K):
+        cols[f"weight_{k + 1}"] = np.full(T * L, np.nan, dtype=np.float32)
+    return cols
+
+
+def write_trace(chunks: Iterator[Chunk], shape: ModelShape, path: Path) -> dict[str, int]:
+    """Stream ``chunks`` into the trace Parquet at ``path`` (:class:`~moetool.engine.stream.TableStream`, one row
+    group per chunk); returns the numbers written (tokens, rows, requests)."""
+    from ..engine.stream import TableStream
+
+    tokens = rows = 0
+    seen_rows: set[int] = set()
+    with TableStream(path) as out:
+        for c in chunks:
+            if len(c.row) == 0:
+                continue
+            out.write(chunk_columns(c, shape.moe_layers))
+            tokens += len(c.row)
+            rows += len(c.row) * len(shape.moe)
+            seen_rows.update(np.unique(c.row).tolist())
+    if tokens == 0:
+        raise MoetoolError("the dump holds no routed token: nothing to import")
+    return {"tokens": tokens, "rows": rows, "requests": len(seen_rows)}
+
+
+def write_loads(counts: Counts, path: Path) -> dict[str, int]:
+    """Counts-only routing as ``layer, expert, count`` Parquet."""
+    import pandas as pd
+
+    if not counts.counts or not any(c.sum() for c in counts.counts.values()):
+        raise MoetoolError("the dump counts no routed token: nothing to import")
+    df = pd.concat([pd.DataFrame({"layer": li, "expert": np.arange(len(c)), "count": c})
+                    for li, c in sorted(counts.counts.items())], ignore_index=True)
+    df.to_parquet(path, index=False)
+    return {"assignments": int(df["count"].sum())}
+
+
+# ----- reading back ---------------------------------------------------------------------------------------------
+@dataclass
+class TraceSource:
+    """A trace or loads file to analyse: ``kind`` ``"trace"`` (per-token rows) or ``"loads"`` (counts only),
+    the model's shape, and the manifest's ``routing_source`` (empty for a trace of ``moetool trace``)."""
+
+    path: Path
+    kind: str
+    shape: ModelShape
+    routing_source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> bool:
+        """Whether the trace carries gate weights (a trace of ``moetool trace``; never an engine's dump)."""
+        return self.kind == "trace" and not self.routing_source
+
+    def describe(self) -> dict[str, Any]:
+        return {"trace": str(self.path), "kind": self.kind, "routing_source": self.routing_source or
+                "moetool trace", "shape": self.shape.to_manifest()}
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    p = folder / "manifest.json"
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise MoetoolError(f"{p}: not valid JSON") from None
+
+
+def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
+    """The trace or loads file at ``path`` (or in the run folder ``path``), with the model's shape from the
+    manifest (imported: ``routing_source.shape``; ``moetool trace``: its model) or from ``config``."""
+    p = Path(path)
+    if p.is_dir():
+        found = [p / n for n in (TRACE, "trace.csv.gz", LOADS) if (p / n).is_file()]
+        if not found:
+            raise MoetoolError(f"{p}: no trace.parquet, trace.csv.gz or loads.parquet in the folder (write one with "
+                               f"moetool trace or moetool import-trace)")
+        p = found[0]
+    elif not p.is_file():
+        raise MoetoolError(f"--trace {p}: no such file or folder")
+    if not (p.name.endswith(".parquet") or p.name.endswith(".csv.gz")):
+        raise MoetoolError(f"--trace {p}: a trace is a .parquet or .csv.gz file (moetool trace / import-trace)")
+    man = _manifest(p.parent)
+    rs = man.get("routing_source") or {}
+    kind = "loads" if p.name == LOADS or rs.get("kind") == "loads" else "trace"
+    if config is not None:
+        shape = ModelShape.from_config(config)
+    elif rs.get("shape"):
+        shape = ModelShape.from_manifest(rs["shape"])
+    elif (man.get("model") or {}).get("name"):
+        shape = ModelShape.from_config(man["model"]["name"])
+    else:
+        raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --config")
+    return TraceSource(p, kind, shape, rs)
+
+
+def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator[Any]:
+    """The trace's rows as pandas DataFrames of at most :data:`ROWS_PER_READ` rows, in file order."""
+    if src.path.name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            f = pq.ParquetFile(src.path)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a truncated or foreign file
+            raise MoetoolError(f"--trace {src.path}: not a readable Parquet file: {str(e).splitlines()[0]}") from None
+        for b in f.iter_batches(batch_size=ROWS_PER_READ, columns=columns):
+            yield b.to_pandas()
+    else:
+        import pandas as pd
+
+        yield from pd.read_csv(src.path, chunksize=ROWS_PER_READ, usecols=columns)
+
+
+def expert_columns(src: TraceSource) -> list[str]:
+    """``expert_1 .. expert_K`` of the trace (K from its schema)."""
+    if src.path.name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        names = pq.ParquetFile(src.path).schema_arrow.names
+    else:
+        import pandas as pd
+
+        names = list(pd.read_csv(src.path, nrows=0).columns)
+    cols = [c for c in names if c.startswith("expert_")]
+    if "layer" not in names or not cols:
+        raise MoetoolError(f"--trace {src.path}: no layer / expert_k columns: not a moetool trace")
+    return sorted(cols, key=lambda c: int(c.split("_")[1]))
+
+
+def read_loads(src: TraceSource) -> dict[int, np.ndarray]:
+    """``{layer: [n] counts}`` of a loads file."""
+    import pandas as pd
+
+    df = pd.read_parquet(src.path)
+    out = {}
+    for li, g in df.groupby("layer", sort=True):
+        li = int(li)
+        if li not in src.shape.moe:
+            raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+        c = np.zeros(src.shape.n_experts(li), dtype=np.int64)
+        c[g["expert"].to_numpy()] = g["count"].to_numpy()
+        out[li] = c
+    return out

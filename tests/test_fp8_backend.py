@@ -1,0 +1,125 @@
+"""FP8 that runs without ``kernels`` (issue 37.5): moetool's torch path for transformers' FP8 layers.
+
+transformers computes ``FP8Linear`` / ``FP8Experts`` only through the ``kernels-community/finegrained-fp8`` kernel
+(a Hub download). :mod:`moetool.adapters.fp8_backend` puts a torch implementation of its three entry points in its
+place when it cannot be had. Here (no ``kernels``, no network, as on CI and the GPU machine found) the quantized
+tiny models of tests/test_quantized.py run their own forwards through it -- no test substitution of the quantized
+linear -- under each experts implementation transformers dispatches to (eager loop, batched, grouped), and equal the
+model holding transformers' own dequantization of the same codes. On a CUDA machine the same runs on the GPU, and
+``moetool.load(..., quantize="fp8")`` quantizes on the GPU while loading and runs a forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, ON_CUDA, padded_batch
+from test_quantized import FP8_CASES, IDS, _tf_dequantize, _tf_quantizer, fp8_models
+from transformers.integrations import finegrained_fp8 as tf_fp8
+
+from moetool.adapters import find_moe_layers, fp8_backend
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The torch path installed as a load would without ``kernels``; transformers' kernel slot and the choice put
+    back after the test."""
+    monkeypatch.setattr(tf_fp8, "_FINEGRAINED_FP8", None)
+    monkeypatch.setattr(fp8_backend, "_CHOSEN", None)
+    return None
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=IDS)
+def test_quantized_experts_run_and_equal_the_dequantized_model(case, impl, torch_path, capsys):
+    qm, dq = fp8_models(*case)
+    for L in find_moe_layers(qm):
+        L.experts.config._experts_implementation = impl
+    qm, dq = qm.to(DEVICE), dq.to(DEVICE)
+    inputs = {k: v.to(DEVICE) for k, v in padded_batch().items()}
+    with pytest.raises(ImportError, match="kernel"):  # what transformers alone does here: no forward at all
+        with torch.no_grad():
+            qm(**inputs)
+    assert fp8_backend.ensure(qm, prefer_kernel=False) == "torch" and fp8_backend.backend() == "torch"
+    assert "torch path" in capsys.readouterr().err  # said once
+    with torch.no_grad():
+        got, want = qm(**inputs).logits, dq(**inputs).logits
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fp8_backend.ensure(qm) == "torch" and "torch path" not in capsys.readouterr().err  # not said twice
+    assert fp8_backend.ensure(dq) is None  # no FP8 layer: nothing to choose
+
+
+@pytest.mark.parametrize("block, scale_fmt", [((128, 128), "float"), ((64, 64), "ue8m0"), (None, "float")])
+def test_fp8_linear_equals_its_dequantized_weight(block, scale_fmt, torch_path):
+    """``FP8Linear`` (what ``--quantize fp8`` makes of attention and dense projections): its own forward through
+    the torch path is ``F.linear`` with transformers' dequantization of its codes."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=gen) * 0.05  # whole blocks: transformers' quantizer leaves others unquantized
+    lin = tf_fp8.FP8Linear(256, 256, block_size=block, scale_fmt=scale_fmt)
+    if block is None:  # per tensor: one fp32 scale
+        scale = w.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+        q, s = (w / scale).to(torch.float8_e4m3fn), scale.reshape(())
+        ref = q.float() * scale
+    else:
+        out = tf_fp8.Fp8Quantize(_tf_quantizer(block, scale_fmt))._quantize_one("l.weight", w)
+        q, s = out["l.weight"], out["l.weight_scale_inv"]
+        ref = _tf_dequantize(q, s, block)
+    lin.weight = torch.nn.Parameter(q, requires_grad=False)
+    lin.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+    fp8_backend.ensure(lin, prefer_kernel=False)
+    lin, ref = lin.to(DEVICE), ref.to(DEVICE)
+    x = torch.randn(3, 7, 256, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        got = lin(x)
+    torch.testing.assert_close(got, F.linear(x, ref), rtol=1e-5, atol=1e-6)
+
+
+def test_batched_matmul_leaves_expert_parallel_sentinels_zero(torch_path):
+    """Rows whose expert id is past the last expert (expert parallel's sentinel) come out zero, the rest are their
+    expert's product: by hand per row."""
+    gen = torch.Generator().manual_seed(1)
+    E, N, K = 3, 128, 256
+    w = torch.randn(E, N, K, generator=gen)
+    q, s = [], []
+    for e in range(E):
+        out = tf_fp8.Fp8Quantize(_tf_quantizer((128, 128), "float"))._quantize_one("w", w[e])
+        q.append(out["w"]), s.append(out["w_scale_inv"])  # noqa: E401
+    q, s = torch.stack(q), torch.stack(s)
+    x = torch.randn(6, K, generator=gen)
+    ids = torch.tensor([2, 0, 3, 2, 1, 5])
+    got = fp8_backend.batched_matmul(x, q, s, block_size=[128, 128], expert_ids=ids)
+    for r, e in enumerate(ids.tolist()):
+        want = torch.zeros(N) if e >= E else x[r] @ _tf_dequantize(q[e], s[e], (128, 128)).T
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU refusal (on CUDA: the next test)")
+def test_quantize_fp8_on_the_cpu_is_one_line():
+    from moetool.errors import MoetoolError
+    from moetool.loading import load
+
+    with pytest.raises(MoetoolError, match="quantizes on a CUDA GPU while loading") as e:
+        load("tiny", quantize="fp8", device="cpu")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="--quantize fp8 quantizes on a CUDA GPU")
+def test_quantize_fp8_loads_onto_the_gpu_and_runs(monkeypatch):
+    """On a GPU without ``kernels`` (or with it): the embedded model quantized while loading onto the GPU, its
+    forward runs, its perplexity within 2% of the unquantized model's, the manifest says which backend computed."""
+    import moetool
+    from moetool.loading import load
+
+    monkeypatch.setattr(fp8_backend, "_CHOSEN", None)
+    lm = load("tiny", quantize="fp8")
+    assert lm.device.type == "cuda" and fp8_backend.has_fp8_layers(lm.model)
+    assert all(p.device.type == "cuda" for p in lm.model.parameters())
+    man = lm.manifest()["quantization"]
+    assert man["fp8_backend"] in ("kernels", "torch")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
+    got = float(moetool.ppl(lm, tokens, bootstrap=0, baseline=False, quiet=True)["ppl"]["perplexity"].iloc[0])
+    plain = moetool.load("tiny")
+    want = float(moetool.ppl(plain, tokens, bootstrap=0, baseline=False, quiet=True)["ppl"]["perplexity"].iloc[0])
+    assert abs(got / want - 1) < 0.02, (got, want)

@@ -1,0 +1,69 @@
+"""The probes' one-GEMM layout and token chunks from free memory (issue #36): the same numbers as a per-expert
+loop over the raw parameters, whatever the chunking, on a fused (gate_up_proj) and an interleaved layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_tiny_model, reference_expert
+from moetool.adapters import find_moe_layers
+from moetool.engine import probes
+
+
+def _h(layer, T: int = 37) -> torch.Tensor:
+    d = layer.expert_weights().gate.shape[-1]
+    return torch.randn(T, d, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("budget", [None, 1, 10_000])
+def test_nodes_match_per_expert_reference(model_type, budget):
+    L = find_moe_layers(build_tiny_model(model_type))[0]
+    h = _h(L)
+    got = probes.expert_nodes(L, h, probes.NODES, budget=budget)
+    for e in range(L.n_experts):
+        ref = reference_expert(model_type, L, e, h)
+        for node in probes.NODES:
+            assert got[node].shape[0] == L.n_experts and got[node].is_contiguous()
+            torch.testing.assert_close(got[node][e], ref[node], rtol=1e-5, atol=1e-6)
+    scores = probes.node_scores(L, h, "gate", "l2", budget=budget)  # [T, n]
+    ref = torch.stack([reference_expert(model_type, L, e, h)["gate"].norm(dim=-1) for e in range(L.n_experts)], 1)
+    torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_gate_up_is_one_view_of_the_stored_matrix():
+    L = find_moe_layers(build_tiny_model("mixtral"))[0]
+    fused = probes._fused_gate_up(L.expert_weights())
+    assert fused is not None and fused.data_ptr() == L.experts.gate_up_proj.data_ptr()
+    torch.testing.assert_close(fused, L.experts.gate_up_proj, rtol=0, atol=0)
+    # gpt-oss interleaves gate and up (copied to unit stride per call): not one fused matrix
+    G = find_moe_layers(build_tiny_model("gpt_oss"))[0]
+    assert probes._fused_gate_up(probes._matmul_ready(G, {"output"})) is None
+
+
+def test_wide_gemm_equals_batched_matmul_on_a_strided_view():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 16, generator=gen)
+    big = torch.randn(4, 10, 16, generator=gen)
+    w = big[:, :6]  # [4, 6, 16] with expert stride 160: cannot flatten, the batched path
+    assert probes._flat(w) is None and probes._flat(big) is not None
+    want = torch.einsum("td,nod->tno", x, w)
+    torch.testing.assert_close(probes._wide(x, w, None), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probes._wide(x, w.contiguous(), None), want, rtol=1e-5, atol=1e-6)
+    bias = torch.randn(4, 6, generator=gen)
+    torch.testing.assert_close(probes._wide(x, w.contiguous(), bias), want + bias, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_budget_is_a_share_of_free_device_memory(monkeypatch):
+    assert probes.auto_budget("cpu") == probes.DEFAULT_BUDGET
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 12 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
+    assert probes.auto_budget("cuda") == int(62 * gib * probes.FREE_SHARE) // 4
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    assert probes.auto_budget("cuda") == probes.DEFAULT_BUDGET  # never below the CPU's budget

@@ -1,0 +1,413 @@
+"""Routing recorded elsewhere (``moetool import-trace``, ``stats``/``placement --trace``, ``placement --export``).
+
+Routing captured by moetool on the embedded model is written in each engine's own format by the writers ported
+from the engines' source (``tests/engine_writers.py``), imported, and read back: the trace rows equal the captured
+ones, and the tables of ``stats --trace`` / ``placement --trace`` equal those of the same routing measured by a
+forward (``moetool.stats`` / ``moetool.placement`` on the model). Exports are read back as the engines read them.
+Bad dumps: one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+import engine_writers as ew  # noqa: E402
+
+from moetool.commands.app import app  # noqa: E402
+from moetool.errors import MoetoolError  # noqa: E402
+from moetool.experiments.placement import PlacementOptions, gpu_loads, imbalance  # noqa: E402
+from moetool.experiments.stats import StatsOptions  # noqa: E402
+from moetool.experiments.trace_analyses import placement_from_trace, stats_from_trace  # noqa: E402
+from moetool.traces import readers  # noqa: E402
+from moetool.traces.export import read_eplb, read_sglang_location  # noqa: E402
+from moetool.traces.shape import ModelShape  # noqa: E402
+from moetool.traces.store import open_trace  # noqa: E402
+
+runner = CliRunner()
+REDUNDANT = 4  # extra physical slots of the SGLang dumps' expert location (a non-trivial physical -> logical map)
+PER_TOKEN = ("vllm", "vllm-npy", "sglang-routed", "sglang-per-token", "megatron")
+COUNTS = ("sglang-stat", "sglang-per-pass")
+
+
+def _requests(tr: pd.DataFrame, cols: list[str]) -> list[tuple[dict[int, np.ndarray], list[int]]]:
+    """Per packed row of a captured trace: the experts per layer ``[T, K]`` and the token ids ``[T]``."""
+    out = []
+    for _, g in tr.groupby("row", sort=True):
+        experts = {int(li): gg.sort_values("pos")[cols].to_numpy() for li, gg in g.groupby("layer")}
+        out.append((experts, g[g.layer == g.layer.min()].sort_values("pos").token_id.tolist()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """The embedded model's routing captured by moetool (trace), the forward's own stats and placement tables, and
+    that routing written in every engine's format."""
+    import moetool
+    from moetool.experiments.offload import OffloadOptions, offload
+    from moetool.experiments.placement import placement
+    from moetool.experiments.stats import stats
+    from moetool.experiments.trace import trace
+
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    tr = trace(lm, toks, quiet=True)["trace"]
+    st = stats(lm, toks, StatsOptions(top_tokens=5, min_count=2, specialization=False, bootstrap=0), quiet=True)
+    pl = placement(lm, toks, PlacementOptions(gpus=(2, 4), extra_slots=(0, 1), bootstrap=0), quiet=True)
+    off = offload(lm, toks, OffloadOptions(bootstrap=0), quiet=True)
+    shape = ModelShape.from_config("tiny")
+    K, n, L = shape.top_k(), 8, shape.num_layers
+    cols = [f"expert_{k + 1}" for k in range(K)]
+    requests = _requests(tr, cols)
+    root = tmp_path_factory.mktemp("dumps")
+    files: dict[str, list[Path]] = {}
+    # vLLM: OpenAI responses (T + 1 tokens: T forwarded), and bare .npy files of RequestOutput's array
+    lines = [json.dumps(ew.vllm_response(ew.vllm_routed_experts(ex, L, n), ids, [ids[0]])) for ex, ids in requests]
+    (root / "vllm.jsonl").write_text("\n".join(lines) + "\n")
+    files["vllm"] = [root / "vllm.jsonl"]
+    files["vllm-npy"] = []
+    for i, (ex, _) in enumerate(requests):
+        p = root / f"vllm-{i:03d}.npy"
+        np.save(p, ew.vllm_routed_experts(ex, L, n))
+        files["vllm-npy"].append(p)
+    # SGLang /generate responses
+    lines = [json.dumps(ew.sglang_routed_response(ex, L, len(ids) + 1)) for ex, ids in requests]
+    (root / "sglang.jsonl").write_text("\n".join(lines) + "\n")
+    files["sglang-routed"] = [root / "sglang.jsonl"]
+    # SGLang recorder: one forward pass per packed row
+    p2l = ew.physical_map(L, n, REDUNDANT)
+    for mode, per_token in (("per-token", True), ("per-pass", False)):
+        recs = [ew.sglang_per_token_record(i, ex, ids, list(range(len(ids))), L, p2l, per_token=per_token)
+                for i, (ex, ids) in enumerate(requests)]
+        ew.sglang_detail_dump(root / f"expert_distribution_recorder_{mode}_0.pt", recs, p2l)
+        files[f"sglang-{mode}"] = [root / f"expert_distribution_recorder_{mode}_0.pt"]
+    recs = [ew.sglang_per_token_record(i, ex, ids, list(range(len(ids))), L, p2l, per_token=False)
+            for i, (ex, ids) in enumerate(requests)]
+    ew.sglang_stat_dump(root / "expert_distribution_recorder_stat.pt", recs, p2l, n)
+    files["sglang-stat"] = [root / "expert_distribution_recorder_stat.pt"]
+    # Megatron: one step per packed row
+    (root / "mcore").mkdir()
+    for step, (ex, _) in enumerate(requests):
+        ew.megatron_flush(root / "mcore" / "router_trace_rank0.jsonl", ew.megatron_records(step, ex, n))
+    files["megatron"] = [root / "mcore"]
+    return dict(lm=lm, tokens=toks, trace=tr, stats=st, placement=pl, offload=off, shape=shape, files=files,
+                root=root, requests=requests, p2l=p2l,
+                cols=cols)
+
+
+def import_cli(files, out, *extra):
+    return runner.invoke(app, ["import-trace", *map(str, files), "--config", "tiny", "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def imported(captured, tmp_path_factory):
+    out = {}
+    for fmt, files in captured["files"].items():
+        run = tmp_path_factory.mktemp("imp") / fmt
+        r = import_cli(files, run)
+        assert r.exit_code == 0, r.output
+        out[fmt] = run
+    return out
+
+
+EXPECTED_FORMAT = {"vllm": "vllm", "vllm-npy": "vllm", "sglang-routed": "sglang-routed",
+                   "sglang-per-token": "sglang-dump", "sglang-per-pass": "sglang-dump", "sglang-stat": "sglang-dump",
+                   "megatron": "megatron"}
+
+
+@pytest.mark.parametrize("fmt", list(EXPECTED_FORMAT))
+def test_sniffed(captured, fmt):
+    files = readers.expand(captured["files"][fmt])
+    assert readers.resolve_format(files, None) == EXPECTED_FORMAT[fmt]
+
+
+def test_megatron_folder_sidecars_ignored(captured, tmp_path):
+    """A Megatron trace folder also holds router_state_rank*.pt (--dump-router-weights) and bf16 sidecars: they are
+    no routing dump; the folder is read as the trace alone."""
+    import shutil
+
+    shutil.copytree(captured["files"]["megatron"][0], tmp_path / "t")
+    torch.save({"weight": torch.zeros(2, 2)}, tmp_path / "t" / "router_state_rank0.pt")
+    (tmp_path / "t" / "logits_rank0.bin").write_bytes(b"\0" * 8)
+    files = readers.expand([tmp_path / "t"])
+    assert [f.name for f in files] == ["router_trace_rank0.jsonl"]
+    dump = readers.read([tmp_path / "t"], captured["shape"])
+    assert dump.format == "megatron" and any("logits sidecar" in n for n in dump.notes)
+
+
+@pytest.mark.parametrize("fmt", PER_TOKEN)
+def test_trace_rows_read_back(captured, imported, fmt):
+    """Every (row, position, layer) of the captured routing, with its experts (Megatron: as a set, its hook sorts
+    them) and token id where the format carries one."""
+    cols = captured["cols"]
+    key = ["row", "layer", "pos"]
+    a = captured["trace"].sort_values(key).reset_index(drop=True)
+    b = pd.read_parquet(imported[fmt] / "trace.parquet").sort_values(key).reset_index(drop=True)
+    assert list(b.columns) == ["row", "pos", "token_id", "domain", "layer", *cols, *[f"weight_{k + 1}"
+                                                                                     for k in range(len(cols))]]
+    assert len(a) == len(b)
+    assert (a[key].to_numpy() == b[key].to_numpy()).all()
+    ea, eb = a[cols].to_numpy(), b[cols].to_numpy()
+    if fmt == "megatron":
+        ea = np.sort(ea, 1)
+        assert (np.diff(eb, axis=1) > 0).all()  # sorted by expert id, as the hook path gives them
+    assert (ea == eb).all()
+    has_ids = fmt in ("vllm", "sglang-per-token")
+    assert ((b.token_id.to_numpy() == a.token_id.to_numpy()).all() if has_ids else (b.token_id == -1).all())
+    assert b[[f"weight_{k + 1}" for k in range(len(cols))]].isna().all().all()  # no gate weights recorded
+    man = json.loads((imported[fmt] / "manifest.json").read_text())["routing_source"]
+    assert man["format"] == EXPECTED_FORMAT[fmt] and man["tokens"] == len(a) // 4
+    assert ("uint8" in man["engine_version"]) == fmt.startswith("vllm")  # 8 experts: vLLM's narrow ids
+
+
+def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
+    pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
+                                  rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", PER_TOKEN + COUNTS + ("moetool",))
+def test_stats_tables_equal_forward(captured, imported, fmt, tmp_path):
+    """load.csv, layers.csv (the columns that need only the chosen experts) and coactivation.csv of the trace equal
+    the forward's stats tables of the same routing."""
+    if fmt == "moetool":  # moetool's own trace (with weights), shape from --trace-config
+        captured["trace"].to_parquet(tmp_path / "trace.parquet", index=False)
+        src = open_trace(tmp_path, "tiny")
+        assert src.weights
+    else:
+        src = open_trace(imported[fmt])
+        assert not src.weights and src.kind == ("loads" if fmt in COUNTS else "trace")
+    res = stats_from_trace(src, StatsOptions(top_tokens=5, min_count=2, bootstrap=0))
+    ref = captured["stats"]
+    if fmt in ("vllm", "sglang-per-token", "moetool"):  # token ids in the trace: the same top tokens, as ranked
+        for name in ("top_tokens", "top_tokens_lift"):
+            pd.testing.assert_frame_equal(res[name].reset_index(drop=True), ref[name].reset_index(drop=True),
+                                          check_dtype=False, rtol=1e-12, atol=1e-12)
+    else:
+        assert "top_tokens.csv" not in res.tables and "top_tokens, top_tokens_lift" in res.meta["left_out"]
+    _same(res["load"], ref["load"], ["layer", "expert", "load_fraction", "token_fraction", "tokens"])
+    _same(res["layers"], ref["layers"], ["layer", "n_experts", "top_k", "tokens", "load_entropy", "load_entropy_norm",
+                                         "max_load_ratio"])
+    if fmt in COUNTS:
+        assert "coactivation.csv" not in res.tables and "coactivation" in res.meta["left_out"]
+    else:
+        _same(res["coactivation"], ref["coactivation"], ["layer", "a", "b", "p_b_given_a", "count"])
+
+
+@pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-stat"))
+def test_placement_tables_equal_forward(captured, imported, fmt):
+    res, _ = placement_from_trace(open_trace(imported[fmt]), PlacementOptions(gpus=(2, 4), extra_slots=(0, 1),
+                                                                              bootstrap=0))
+    ref = captured["placement"]
+    for name in ("placement", "placement_overall", "placement_loads"):
+        cols = [c for c in ref[name].columns if not c.endswith(("_lo", "_hi"))]
+        _same(res[name], ref[name], cols)
+
+
+@pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-per-token"))
+def test_offload_tables_equal_forward(captured, imported, fmt):
+    """Coverage, per-layer shares and every cache policy's hits on the trace's token stream equal the forward's
+    (Megatron's sorted ids: a token's K requests are served together, so their order does not change a hit)."""
+    from moetool.experiments.offload import OffloadOptions
+    from moetool.experiments.trace_analyses import offload_from_trace
+
+    res = offload_from_trace(open_trace(imported[fmt]), OffloadOptions(bootstrap=0), None)
+    ref = captured["offload"]
+    assert set(res.tables) == {"offload_coverage.csv", "offload_layers.csv", "offload_cache.csv"}
+    for name in ("offload_coverage", "offload_layers", "offload_cache"):
+        cols = [c for c in ref[name].columns if c not in ("expert_bytes", "bytes_per_token")
+                and not c.endswith(("_lo", "_hi"))]
+        assert "bytes_per_token" not in res[name].columns and "expert_bytes" not in res[name].columns
+        _same(res[name], ref[name], cols)
+    few = offload_from_trace(open_trace(imported[fmt]), OffloadOptions(bootstrap=0), 40)
+    assert (few["offload_layers"]["tokens"] == 40).all()
+
+
+def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path):
+    """Two recorded routings of the same tokens (tiny-early and tiny): with gate weights (moetool trace) every rate
+    of the forward's fluctuation for the router; from engine dumps (vLLM) the set rates, top1_change left out."""
+    import moetool
+    from moetool.experiments.fluctuation import FluctuationOptions, fluctuation
+    from moetool.experiments.trace import trace
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    early = moetool.load("tiny-early")
+    toks = captured["tokens"]
+    tr_early = trace(early, toks, quiet=True)["trace"]
+    opts = FluctuationOptions(routing=("router",), bootstrap=0)
+    ref = fluctuation([early, captured["lm"]], toks, opts, quiet=True)["fluctuation"].sort_values("layer")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    tr_early.to_parquet(tmp_path / "a" / "trace.parquet", index=False)
+    captured["trace"].to_parquet(tmp_path / "b" / "trace.parquet", index=False)
+    rates = ["topk_change", "topk_overlap", "jaccard"]
+    got = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], opts, None)["fluctuation"]
+    _same(got, ref, ["layer", "tokens", "top1_change", *rates])
+    # the same routing through vLLM's format: ids only
+    lines = [json.dumps(ew.vllm_response(ew.vllm_routed_experts(ex, 4, 8), ids, [ids[0]]))
+             for ex, ids in _requests(tr_early, captured["cols"])]
+    (tmp_path / "early.jsonl").write_text("\n".join(lines) + "\n")
+    assert import_cli([tmp_path / "early.jsonl"], tmp_path / "early").exit_code == 0
+    got = fluctuation_from_traces([open_trace(tmp_path / "early"), open_trace(imported["vllm"])], ["a", "b"], opts,
+                                  None)
+    assert "top1_change" not in got["fluctuation"].columns and "top1_change" in got.meta["left_out"]
+    _same(got["fluctuation"], ref, ["layer", "tokens", *rates])
+
+
+@pytest.mark.parametrize("kind", ("sglang", "eplb"))
+def test_export_read_back(captured, imported, kind, tmp_path):
+    """The exported placement, read back as SGLang / EPLB's outputs are read, puts on each GPU the loads
+    placement.csv reports for EPLB at that G and R."""
+    out = tmp_path / "pl"
+    r = runner.invoke(app, ["placement", "--trace", str(imported["vllm"]), "--gpus", "4", "--extra-slots", "1",
+                            "--export", kind, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    table = pd.read_csv(out / "placement.csv")
+    eplb = table[(table.method == "eplb") & (table.gpus == 4)].sort_values("layer")
+    loads = pd.read_csv(out / "placement_loads.csv")
+    load = torch.tensor(np.stack([g.sort_values("expert")["load"].to_numpy() for _, g in loads.groupby("layer")]))
+    if kind == "sglang":
+        got = read_sglang_location(out / "sglang_expert_location.json", 8)
+        phy2log = got["physical_to_logical_map"]
+        assert phy2log.shape == (4, 8 + 4)
+        count = (got["logical_to_all_physical_map"] >= 0).sum(-1)
+    else:
+        got = read_eplb(out / "eplb_placement.json")
+        phy2log, count = got["phy2log"], got["logcnt"]
+        assert got["num_gpus"] == 4 and got["num_replicas"] == 12 and got["layers"] == [0, 1, 2, 3]
+    assert torch.equal(count, torch.stack([torch.bincount(p, minlength=8) for p in phy2log]))
+    per_gpu = gpu_loads(load, phy2log, count, 4)
+    assert np.allclose(imbalance(per_gpu).numpy(), eplb.imbalance.to_numpy(), rtol=1e-12)
+    assert np.allclose(per_gpu.max(-1).values.numpy(), eplb.max_gpu_load.to_numpy(), rtol=1e-12)
+
+
+def test_sglang_map_keeps_dense_layers_trivial(tmp_path):
+    """A dense layer gets SGLang's own trivial row (arange(P) % n); the MoE layers EPLB's."""
+    from moetool.traces.export import eplb_placement, write_export
+
+    shape = ModelShape(3, {1: (4, 2), 2: (4, 2)}, "hand")
+    load = torch.tensor([[9.0, 1, 1, 1], [1.0, 1, 1, 9]])
+    placed = eplb_placement(load, 2, 2, 1, 1)
+    write_export("sglang", tmp_path / "m.json", placed, [1, 2], shape, {})
+    got = read_sglang_location(tmp_path / "m.json", 4)["physical_to_logical_map"]
+    assert got[0].tolist() == [0, 1, 2, 3, 0, 1]
+    assert torch.equal(got[1:], placed["phy2log"])
+    assert (got[1] == 0).sum() == 3 and (got[2] == 3).sum() == 3  # the heavy expert replicated: 9 / 3 = 3 per slot
+
+
+# ----- bad input: one line, exit 2, nothing written --------------------------------------------------------------
+def _refused(r, out: Path, words: str) -> None:
+    assert r.exit_code == 2, r.output
+    assert words in r.output and len([ln for ln in r.output.splitlines() if ln.startswith("error")]) == 1
+    assert not out.exists()
+
+
+def test_truncated_npy(captured, tmp_path):
+    data = captured["files"]["vllm-npy"][0].read_bytes()
+    (tmp_path / "t.npy").write_bytes(data[: len(data) - 7])
+    _refused(import_cli([tmp_path / "t.npy"], tmp_path / "out"), tmp_path / "out", "truncated")
+
+
+def test_truncated_pt(captured, tmp_path):
+    data = captured["files"]["sglang-stat"][0].read_bytes()
+    (tmp_path / "t.pt").write_bytes(data[: len(data) // 2])
+    _refused(import_cli([tmp_path / "t.pt"], tmp_path / "out"), tmp_path / "out", "truncated")
+
+
+def test_pt_with_code_refused(tmp_path):
+    """A .pt holding a pickled object (not tensors and plain data) is never unpickled."""
+    torch.save({"logical_count": torch.zeros(1, 4, 8), "hook": PlacementOptions()}, tmp_path / "x.pt")
+    _refused(import_cli([tmp_path / "x.pt"], tmp_path / "out"), tmp_path / "out", "weights_only")
+
+
+def test_layer_count_disagrees(captured, tmp_path):
+    ex, _ = captured["requests"][0]
+    np.save(tmp_path / "r.npy", ew.vllm_routed_experts(ex, 6, 8))  # a 6-layer model's dump, --config tiny has 4
+    _refused(import_cli([tmp_path / "r.npy"], tmp_path / "out"), tmp_path / "out", "6 layers in the dump, 4")
+
+
+def test_expert_count_disagrees(captured, tmp_path):
+    ex, _ = captured["requests"][0]
+    ex = {li: v + 8 for li, v in ex.items()}  # ids of a 16-expert model
+    np.save(tmp_path / "r.npy", ew.vllm_routed_experts(ex, 4, 16))
+    _refused(import_cli([tmp_path / "r.npy"], tmp_path / "out"), tmp_path / "out", "outside the 8 experts")
+
+
+def test_physical_ids_without_map(captured, tmp_path):
+    d = torch.load(captured["files"]["sglang-per-token"][0], weights_only=True)
+    d.pop("last_physical_to_logical_map")
+    torch.save(d, tmp_path / "nomap.pt")
+    _refused(import_cli([tmp_path / "nomap.pt"], tmp_path / "out"), tmp_path / "out", "without last_physical")
+
+
+def test_mixed_formats(captured, tmp_path):
+    files = [captured["files"]["vllm"][0], captured["files"]["sglang-routed"][0]]
+    _refused(import_cli(files, tmp_path / "out"), tmp_path / "out", "mixed formats")
+
+
+def test_sglang_routed_wrong_model(captured, tmp_path):
+    """Raw int32 of a model with another layers x top-K product cannot be reshaped from --config."""
+    import base64
+
+    raw = base64.b64encode(np.zeros(5 * 3, dtype=np.int32).tobytes()).decode()
+    (tmp_path / "s.jsonl").write_text(json.dumps({"meta_info": {"routed_experts": raw}}) + "\n")
+    _refused(import_cli([tmp_path / "s.jsonl"], tmp_path / "out"), tmp_path / "out", "no whole number")
+
+
+def test_megatron_bad_records(tmp_path):
+    """A record of another model's layer, another top-K, or ragged top_indices: one line each."""
+    good = {"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
+            "top_indices": [[0, 1], [2, 3]]}
+    for bad, words in (({"layer": 7}, "not an MoE layer"), ({"topk": 3, "top_indices": [[0, 1, 2], [1, 2, 3]]},
+                                                                "top-3 in the trace"),
+                       ({"top_indices": [[0, 1], [2]]}, "not a [num_tokens]"), ({"top_indices": [[0, 9], [2, 3]]},
+                                                                                 "outside the 8 experts")):
+        (tmp_path / "router_trace_rank0.jsonl").write_text(json.dumps({**good, **bad}) + "\n")
+        _refused(import_cli([tmp_path / "router_trace_rank0.jsonl"], tmp_path / "out"), tmp_path / "out", words)
+
+
+def test_dense_layers_masked_and_checked(captured):
+    """With a dense layer (index 4 here) the dump's zero rows there are dropped; routed rows there are refused."""
+    ex, ids = captured["requests"][0]
+    shape = ModelShape(5, {i: (8, 2) for i in range(4)}, "hand")
+    arr = ew.vllm_routed_experts(ex, 5, 8)
+    got = readers.split_layers(arr, shape, "t")
+    assert sorted(got) == [0, 1, 2, 3] and all((got[li] == ex[li]).all() for li in got)
+    arr[:, 4] = 1
+    with pytest.raises(MoetoolError, match="layer 4 is dense"):
+        readers.split_layers(arr, shape, "t")
+
+
+def test_trace_refusals(captured, imported, tmp_path):
+    """What needs a forward, probabilities or the top-K order refuses in one line."""
+    out = tmp_path / "out"
+    cases = [(["stats", "--trace", str(imported["megatron"]), "--top-k", "1"], "sorted by expert id"),
+             (["stats", "--trace", str(imported["megatron"]), "--coactivation", "adjacent"], "sorted by expert id"),
+             (["stats", "--trace", str(imported["sglang-stat"]), "--coactivation", "adjacent"], "counts only"),
+             (["stats", "--trace", str(imported["vllm"]), "--all-tokens"], "--all-tokens"),
+             (["placement", "--trace", str(imported["vllm"]), "--reference-model", "tiny-early"], "--reference-model"),
+             (["placement", "--trace", str(imported["vllm"]), "--export", "eplb"], "one --gpus G")]
+    for args, words in cases:
+        _refused(runner.invoke(app, [*args, "--out", str(out)]), out, words)
+
+
+def test_counts_duplicated_across_ranks(captured, tmp_path):
+    """Two ranks' per_pass dumps of the same tokens: counts double, load fractions do not move; a note says so."""
+    import shutil
+
+    src = captured["files"]["sglang-per-pass"][0]
+    for r in (0, 1):
+        shutil.copy(src, tmp_path / f"expert_distribution_recorder_{r}.pt")
+    shape = captured["shape"]
+    two = readers.read([tmp_path], shape)
+    one = readers.read([src], shape)
+    for li in shape.moe_layers:
+        assert (two.counts.counts[li] == 2 * one.counts.counts[li]).all()
+    assert any("relative loads are unaffected" in n for n in two.notes)
