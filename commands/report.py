@@ -11,8 +11,9 @@ from .options import Force, Out, echo_run, handle_errors
 
 HELP = """Gather run folders of any commands (a demo folder with its sub-runs included) into one report.
 
-Writes into --out: report.html (one self-contained page: each run's manifest (model, data, options,
-versions, seed, wall time, git revision) and contents, every figure at its pixel size with a caption
+Writes into --out: report.html (one self-contained page: a table of each run's headline numbers
+linking to its section, an index of the runs by command and model, each run's manifest (model, data,
+options, versions, seed, wall time, git revision) and contents, every figure at its pixel size with a caption
 saying what it shows and the CSV it came from, every table in its own scroll box), report.md (the same
 in Markdown), tables/<run>/<name>.csv and tables/<run>/<name>.tex (LaTeX booktabs),
 figures/<run>/<name>.png and figures/<run>/<name>.pdf.

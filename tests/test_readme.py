@@ -103,3 +103,47 @@ def test_every_command_and_option_the_readme_names_exists():
         assert not bad, f"README: `moetool {words[0]}` has no option {bad} ({span})"
         checked += 1
     assert checked > 30
+
+
+SUITE_ROWS = {"whole": '| `python -m pytest` (', "fast": '| `python -m pytest -m "not slow"` ('}
+
+
+def suite_figures() -> dict[str, int]:
+    """The test count each tier's row of the README's timing table states (``1,432 tests``)."""
+    text = README.read_text()
+    out = {}
+    for tier, start in SUITE_ROWS.items():
+        rows = [ln for ln in text.splitlines() if ln.startswith(start)]
+        assert len(rows) == 1, (tier, rows)
+        counts = re.findall(r"([\d,]+) tests", rows[0])
+        assert len(counts) == 1, (tier, rows[0])
+        out[tier] = int(counts[0].replace(",", ""))
+    return out
+
+
+def test_suite_sizes_and_times_are_written_in_one_place():
+    """Issue 35 item 14: the README gives each tier's test count and time once, in the timing table (the prose
+    once said 790 tests / 1 min 44 s and 1,031 tests / 6 min 46 s beside it)."""
+    text = README.read_text()
+    counts = re.findall(r"[\d,]+ tests\b", text)
+    assert len(counts) == len(SUITE_ROWS), counts
+    assert set(suite_figures()) == set(SUITE_ROWS)
+    prose = [ln for ln in text.splitlines() if not ln.startswith("|")]
+    assert not [ln for ln in prose if re.search(r"\d+ min \d+ s", ln)], "a suite time outside the table"
+
+
+@pytest.mark.slow
+def test_suite_counts_in_the_readme_match_the_collected_tests():
+    """The counts the table states are within 15% of what pytest collects now (tests are added all the time:
+    a count far off is stale)."""
+    import subprocess
+    import sys
+
+    stated = suite_figures()
+    for tier, args in (("whole", []), ("fast", ["-m", "not slow"])):
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                           cwd=README.parent, capture_output=True, text=True, timeout=600, check=False)
+        found = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", r.stdout)
+        assert found, r.stdout[-500:]
+        n = int(found.group(1))
+        assert abs(n - stated[tier]) <= 0.15 * n, (tier, n, stated[tier])
