@@ -215,7 +215,9 @@ def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]
             dt, mem = B.peak_extra(calls[name])
             error = None
         except Exception as e:  # noqa: BLE001 - a failing command is reported, not a number
-            dt, mem, error = float("nan"), 0, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            dt, mem, error = float("nan"), 0, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # each command starts from the same allocator state
         bares.append(B.peak_extra(bare))
         ref = (bares[-2][0] + bares[-1][0]) / 2
         rows.append({"section": "gpu_commands", "model": label, "variant": name, "device": str(dev),

@@ -16,9 +16,11 @@ def _h(layer, T: int = 37) -> torch.Tensor:
     return torch.randn(T, d, generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.parametrize("one_gemm", [True, False])  # the CUDA layout (one wide GEMM) and the CPU's (batched)
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "qwen3_moe"])
 @pytest.mark.parametrize("budget", [None, 1, 10_000])
-def test_nodes_match_per_expert_reference(model_type, budget):
+def test_nodes_match_per_expert_reference(model_type, budget, one_gemm, monkeypatch):
+    monkeypatch.setattr(probes, "_one_gemm", lambda device: one_gemm)
     L = find_moe_layers(build_tiny_model(model_type))[0]
     h = _h(L)
     got = probes.expert_nodes(L, h, probes.NODES, budget=budget)
@@ -42,7 +44,8 @@ def test_fused_gate_up_is_one_view_of_the_stored_matrix():
     assert probes._fused_gate_up(probes._matmul_ready(G, {"output"})) is None
 
 
-def test_wide_gemm_equals_batched_matmul_on_a_strided_view():
+def test_wide_gemm_equals_batched_matmul_on_a_strided_view(monkeypatch):
+    monkeypatch.setattr(probes, "_one_gemm", lambda device: True)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 16, generator=gen)
     big = torch.randn(4, 10, 16, generator=gen)
