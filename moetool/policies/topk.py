@@ -105,10 +105,9 @@ class TopPPolicy(Policy):
         L = ev.layer
         width = self.kmax or L.n_experts
         idx, mask = top_p(ev.probs, self.p, width)
-        # only as many columns as the batch's largest set: the experts module computes every column it receives
-        # (the unchosen at weight 0), and transformers' grouped kernels hold [tokens x columns] intermediates
-        used = int(mask.sum(-1).max()) if mask.numel() else 1
-        idx, mask = idx[:, :max(used, 1)], mask[:, :max(used, 1)]
+        # every one of the ``width`` columns goes to the experts module (the unchosen at weight 0): cutting them to the
+        # batch's largest set would need that size on the host -- a sync per layer and batch inside the forward
+        # (issue 37). ``kmax`` bounds the columns, and so the experts' work and memory, without one.
         return idx, L.weights_for(ev.logits, idx, mask)
 
 
