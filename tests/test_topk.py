@@ -210,19 +210,21 @@ def test_padded_batch_counts_real_tokens_only(tiny_model):
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
-def test_top_p_hands_the_experts_only_the_batchs_largest_set(model_type, tiny_model, batch):
-    """topp gives the experts module as many columns as the batch's largest chosen set (not kmax = n): the same
-    block output as the full-width choice (unchosen columns weigh 0), fewer columns computed."""
+def test_top_p_columns_are_known_without_reading_the_batch(model_type, tiny_model, batch):
+    """topp hands the experts ``kmax`` (default n) columns, a width known before the forward (cutting to the batch's
+    largest set would read it on the host: a sync per layer, issue 37); the unchosen columns weigh 0, so the block
+    output is that of the chosen set alone, computed expert by expert here."""
     model = tiny_model(model_type)
     _, events, _ = run(model, find_moe_layers(model), batch)
-    pol = make_policy("topp:0.5")
-    for ev in events.values():
-        L = ev.layer
-        idx, w = pol.select(ev)
-        full_idx, mask = top_p(ev.probs, 0.5, L.n_experts)
-        full_w = L.weights_for(ev.logits, full_idx, mask)
-        assert idx.shape[1] == int(mask.sum(-1).max()) < L.n_experts
-        assert torch.equal(idx, full_idx[:, :idx.shape[1]]) and (full_w[:, idx.shape[1]:] == 0).all()
-        with torch.no_grad():
-            torch.testing.assert_close(L.experts(ev.h, idx, w), L.experts(ev.h, full_idx, full_w),
-                                       rtol=1e-6, atol=1e-6)
+    for spec, width in (("topp:0.5", None), ("topp:0.5:3", 3)):
+        pol = make_policy(spec)
+        for ev in events.values():
+            L = ev.layer
+            idx, w = pol.select(ev)
+            full_idx, mask = top_p(ev.probs, 0.5, width or L.n_experts)
+            assert idx.shape[1] == (width or L.n_experts) and torch.equal(idx, full_idx)
+            assert (w[~mask] == 0).all() and (w[mask] > 0).all()
+            used = int(mask.sum(-1).max())
+            with torch.no_grad():
+                torch.testing.assert_close(L.experts(ev.h, idx, w), L.experts(ev.h, idx[:, :used], w[:, :used]),
+                                           rtol=1e-6, atol=1e-6)
