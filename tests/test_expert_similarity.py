@@ -78,7 +78,7 @@ def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
                 tc[a, b] = float(F.cosine_similarity(E[a], E[b], dim=-1).mean())
                 union = routed[a] | routed[b]
                 co[a, b] = len(routed[a] & routed[b]) / len(union) if union else math.nan
-        od = torch.cdist(mean, mean).numpy()  # Euclidean distance of the mean outputs (HC-SMoE's)
+        od = torch.cdist(mean, mean).cpu().numpy()  # Euclidean distance of the mean outputs (HC-SMoE's)
         out[i] = {"output_dist": od, "output_cos": oc, "token_cos": tc, "co_selection": co, "tokens": len(real)}
     return out
 

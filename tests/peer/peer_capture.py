@@ -55,5 +55,6 @@ def tokens(name: str, max_tokens: int = 8192, seq_len: int = 256):
     and packer: the same rows moetool's experiments read)."""
     import moetool
 
-    lm = moetool.load(name)
+    lm = moetool.load(name, device="cpu")  # the ported references are CPU code (numpy, scipy): the comparison
+    # is of algorithms, bit-for-bit on one device, wherever the suite runs
     return lm, moetool.tokens(lm, None, seq_len=seq_len, max_tokens=max_tokens)
