@@ -35,7 +35,7 @@ def test_two_gloo_ranks_give_one_process_intervals(tmp_path):
     mp.spawn(_forward_worker, args=(2, free_port(), str(out), bootstrap_run), nprocs=2, join=True)
     got, want = torch.load(out, weights_only=False), bootstrap_run()
     assert want["n_rows"] >= 10  # rows split over ranks by global batches of 3
-    for k in ("tokens", "perplexity", "perplexity_lo", "perplexity_hi", "ratio", "ratio_lo", "ratio_hi"):
+    for k in ("scored_tokens", "perplexity", "perplexity_lo", "perplexity_hi", "ratio", "ratio_lo", "ratio_hi"):
         assert got["ppl"][k] == pytest.approx(want["ppl"][k], rel=1e-9), k
     assert sorted(got["rows"]) == sorted(want["rows"])
     for name, table in want["rows"].items():
