@@ -90,30 +90,10 @@ def matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     return out if output_dtype is None else out.to(output_dtype)
 
 
-def batched_matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: Any = None,
-                   expert_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """``FineGrainedFP8.batched_matmul``: row ``s`` of ``input [S, K]`` times expert ``expert_ids[s]``'s weight
-    (``weight [E, N, K]``); an id >= E (expert parallel's sentinel) gives a zero row. One expert dequantized at a
-    time; the rows are grouped by expert (a sort and one host read of the counts)."""
-    n_experts = weight.shape[0]
-    order = expert_ids.argsort(stable=True)
-    counts = torch.bincount(expert_ids.clamp(max=n_experts), minlength=n_experts + 1)[:n_experts].tolist()
-    out = input.new_zeros(input.shape[0], weight.shape[1])
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            rows = order[start:start + c]
-            out[rows] = F.linear(input[rows], _weight(weight[e], weight_scale_inv[e], block_size, input.dtype))
-            start += c
-    return out
-
-
-def grouped_matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                   offsets: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None,
-                   block_size: Any = None) -> torch.Tensor:
-    """``FineGrainedFP8.grouped_matmul``: ``input [S, K]`` sorted by expert, ``tokens_per_expert [E]`` rows each
-    (rows past their sum -- expert parallel's sentinels -- stay zero); one expert dequantized at a time."""
-    counts = [int(c) for c in tokens_per_expert.tolist()]
+def _by_expert(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: Any,
+               counts: list[int]) -> torch.Tensor:
+    """Rows of ``input`` grouped by expert, ``counts[e]`` for expert ``e`` in order, each group times its expert's
+    weight dequantized (one at a time); rows past the groups stay zero."""
     out = input.new_zeros(input.shape[0], weight.shape[1])
     start = 0
     for e, c in enumerate(counts):
@@ -122,3 +102,25 @@ def grouped_matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
                                             _weight(weight[e], weight_scale_inv[e], block_size, input.dtype))
             start += c
     return out
+
+
+def batched_matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: Any = None,
+                   expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``FineGrainedFP8.batched_matmul``: row ``s`` of ``input [S, K]`` times expert ``expert_ids[s]``'s weight
+    (``weight [E, N, K]``); an id >= E (expert parallel's sentinel) gives a zero row. The rows sorted by expert (a
+    sort and one host read of the counts), then as :func:`grouped_matmul`."""
+    n_experts = weight.shape[0]
+    order = expert_ids.argsort(stable=True)  # sentinels (>= E) sort last
+    counts = torch.bincount(expert_ids.clamp(max=n_experts), minlength=n_experts + 1)[:n_experts].tolist()
+    rows = order[:sum(counts)]
+    out = input.new_zeros(input.shape[0], weight.shape[1])
+    out[rows] = _by_expert(input[rows], weight, weight_scale_inv, block_size, counts)
+    return out
+
+
+def grouped_matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                   offsets: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None,
+                   block_size: Any = None) -> torch.Tensor:
+    """``FineGrainedFP8.grouped_matmul``: ``input [S, K]`` sorted by expert, ``tokens_per_expert [E]`` rows each
+    (rows past their sum -- expert parallel's sentinels -- stay zero); one expert dequantized at a time."""
+    return _by_expert(input, weight, weight_scale_inv, block_size, [int(c) for c in tokens_per_expert.tolist()])

@@ -327,13 +327,13 @@ def nearest_logits_mode(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     hd, wd = h.detach().double(), w.detach().double()
     mag = hd.abs() @ wd.abs().T + (0.0 if b is None else b.detach().double().abs())
     d = h.shape[-1]
+    tol = abs(mult) * 2 * d * torch.finfo(torch.float32).eps * mag + \
+        2 * torch.finfo(logits.dtype).eps * logits.detach().double().abs()
     best, best_err = None, None
     for m in LOGITS_MODES:
         got = linear_logits(h, w, b, m, softcap, mult)
         if got.dtype != logits.dtype or got.shape != logits.shape:
             continue
-        u_out = torch.finfo(logits.dtype).eps
-        tol = abs(mult) * 2 * d * torch.finfo(torch.float32).eps * mag + 2 * u_out * logits.detach().double().abs()
         err = (got.double() - logits.double()).abs()
         if bool((err <= tol).all()) and (best_err is None or float(err.max()) < best_err):
             best, best_err = m, float(err.max())

@@ -234,6 +234,7 @@ class Engine:
         self.reported: dict[int, int] = {}
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
+        self._attn_was: str | None = None  # the attention implementation to give back on exit (eager switched on)
 
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
@@ -277,7 +278,7 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if getattr(self, "_attn_was", None) is not None:  # the attention implementation the model came with
+        if self._attn_was is not None:  # the attention implementation the model came with
             self.model.set_attn_implementation(self._attn_was)
             self._attn_was = None
         if exc[0] is None:
