@@ -274,15 +274,29 @@ def _keys_sample(keys: Any) -> str:
     return ", ".join(names[:_SHOWN_KEYS]) + more
 
 
-def check_loading_info(source: str, config: Any, info: dict[str, Any]) -> None:
+def check_loading_info(source: str, config: Any, info: dict[str, Any], model: Any = None) -> None:
     """Refuse (one line, exit 1) a load whose report (``from_pretrained(..., output_loading_info=True)``) lists a
     MISSING parameter (transformers initialised it at random), an UNEXPECTED one (a checkpoint weight the model
     has no place for) or one of the wrong shape: such a model computes numbers that look like results and are
     noise (a config naming another family, a conversion mistake, a transformers version that renamed expert
     parameters). transformers has already taken out of these sets what is legitimately absent: weights tied to
-    another (``lm_head`` tied to the embeddings), non-persistent buffers, its ``_keys_to_ignore_on_load_*``."""
+    another (``lm_head`` tied to the embeddings), non-persistent buffers, its ``_keys_to_ignore_on_load_*``.
+    ``model`` given: the scale (``X_scale_inv``) of a weight ``X`` that ``model`` holds in high precision is not
+    read -- quantizing while loading (``--quantize fp8``), transformers passes a weight whose shape is not a multiple
+    of the block through unquantized and reports its scale missing; a missing scale of an FP8 weight still counts."""
+    from .adapters.fp8_backend import unquantized
+
+    def unread(k: Any) -> bool:
+        if model is None or not isinstance(k, str) or not k.endswith("_scale_inv"):
+            return False
+        try:
+            return unquantized(model.get_parameter(k[:-len("_scale_inv")]))
+        except AttributeError:
+            return False
+
+    missing = [k for k in info.get("missing_keys") or () if not unread(k)]
     parts = [f"{len(keys)} {what}: {_keys_sample(keys)}"
-             for what, keys in (("missing (would be random)", info.get("missing_keys") or ()),
+             for what, keys in (("missing (would be random)", missing),
                                 ("unexpected (not used)", info.get("unexpected_keys") or ()),
                                 ("of the wrong shape", info.get("mismatched_keys") or ()))
              if keys]
@@ -498,7 +512,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     try:
         with quiet_transformers(), _no_load_report(), _whole_replicas(par.active):
             model, info = auto_model_class(config).from_pretrained(source, **kwargs)
-        check_loading_info(source, config, info)
+        check_loading_info(source, config, info, model)
     except MoetoolError:
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each

@@ -159,11 +159,12 @@ def plain_seq2seq_run(path: Path, tokens, dtype: torch.dtype | None = None
     return model, got, math.exp(loss)
 
 
-def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
+def plain_run(path: Path, tokens, dtype: torch.dtype | None = None, attn: str | None = None
               ) -> tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Plain transformers forward of ``tokens`` (one batch) on the suite's device (where the CLI's ``--device auto``
     runs the commands: CUDA's fp32/bf16 sums are not the CPU's); each MoE layer's experts-module inputs (on the CPU).
-    ``dtype``: the model as transformers loads it in that dtype (default: fp32)."""
+    ``dtype``: the model as transformers loads it in that dtype (default: fp32); ``attn``: its attention
+    implementation (default: transformers' choice, SDPA where the family has it)."""
     from transformers import AutoConfig
 
     from moetool.loading import auto_model_class
@@ -172,7 +173,9 @@ def plain_run(path: Path, tokens, dtype: torch.dtype | None = None
     if config.is_encoder_decoder:
         return plain_seq2seq_run(path, tokens, dtype)[:2]
     cls = auto_model_class(config)  # causal LM, or a vision-language family's image-text-to-text class
-    model = (cls.from_pretrained(path).float() if dtype is None else cls.from_pretrained(path, dtype=dtype)).eval()
+    kw = {"attn_implementation": attn} if attn else {}
+    model = (cls.from_pretrained(path, **kw).float() if dtype is None else
+             cls.from_pretrained(path, dtype=dtype, **kw)).eval()
     model.to(DEVICE)
     got, handles = {}, []
     for L in find_moe_layers(model):  # (only to locate the experts modules)
@@ -263,10 +266,11 @@ def finite(df: pd.DataFrame) -> bool:
 
 
 def near_tie(w: torch.Tensor) -> torch.Tensor:
-    """``[T]``: the two largest of each token's K weights within fp32 rounding of each other (CUDA's run-to-run
-    noise can order them either way)."""
+    """``[T]``: the two largest of each token's K weights within CUDA's run-to-run noise of each other (they can
+    be ordered either way): 1e-4 relative, about the fp32 rounding of Doge's product-key sums accumulated in a
+    different order (the H100 showed one such token of 200 at 1e-6)."""
     top2 = w.float().topk(min(2, w.shape[-1]), dim=-1).values
-    return (top2[:, 0] - top2[:, -1]).abs() <= 1e-6 * top2[:, 0].abs() + FP32_ATOL if w.shape[-1] > 1 else \
+    return (top2[:, 0] - top2[:, -1]).abs() <= 1e-4 * top2[:, 0].abs() + FP32_ATOL if w.shape[-1] > 1 else \
         torch.zeros(w.shape[0], dtype=torch.bool)
 
 
@@ -429,23 +433,32 @@ def test_fluctuation(case, tmp_path):
     df = pd.read_csv(tmp_path / "fluctuation.csv")
     df = df[df.routing == "router"]
     assert finite(df) and (df["tokens"] == case.tokens.n_tokens).all()
+    # on CUDA two forwards of Doge's product-key router may differ in the last bits (its logits mix the batch's
+    # tokens, summed in another order): a token near a tie at the K-th expert may take either set, which the top-K
+    # weights cannot show -- the H100 showed 1 token of 200 -- so 1% of the tokens there; on the CPU: exact
+    pk = 0.01 if ON_CUDA and case.structure == "product-key" else 0.0
     unchanged = df[df.checkpoint == same]
     assert list(unchanged["layer"]) == case.layers
-    assert (unchanged[["top1_change", "topk_change"]] == 0).all().all() and (unchanged["topk_overlap"] == 1).all()
+    assert (unchanged[["top1_change", "topk_change"]] <= pk).all().all() and \
+        (unchanged["topk_overlap"] >= 1 - pk).all()
     changed = df[df.checkpoint == other].set_index("layer")
     assert list(changed.index) == case.layers
     K = case.top_k
+    before, after = case.routing, case.routing_perturbed
+    if not routing and (ON_CUDA or case.structure == "product-key"):
+        # attention routing asked: the command's forwards run in eager attention (the only one that gives the
+        # probabilities); on CUDA SDPA's kernels sum otherwise, which moved 5 of 200 of Doge's top-1 on an H100
+        before, after = (plain_run(p, case.tokens, attn="eager")[1] for p in (case.path, case.perturbed))
     for layer in case.layers:  # by hand from the two models' own choices
-        (a, wa), (b, wb) = case.routing[layer], case.routing_perturbed[layer]
+        (a, wa), (b, wb) = before[layer], after[layer]
         inter = np.array([len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist())])
         top1 = a.gather(-1, wa.argmax(-1, keepdim=True)) != b.gather(-1, wb.argmax(-1, keepdim=True))
         row = changed.loc[layer]
-        assert row["topk_change"] == pytest.approx((inter < K).mean(), abs=1e-9)
-        assert row["topk_overlap"] == pytest.approx(inter.mean() / K, abs=1e-9)
-        # on CUDA two forwards of the same model may differ in the last bit (atomics in Doge's product-key router):
-        # a token whose two largest weights are within that noise may take either top-1; on the CPU: exact
+        assert row["topk_change"] == pytest.approx((inter < K).mean(), abs=1e-9 + pk)
+        assert row["topk_overlap"] == pytest.approx(inter.mean() / K, abs=1e-9 + pk)
+        # a token whose two largest weights are within CUDA's noise may take either top-1; on the CPU: exact
         slack = float((near_tie(wa) | near_tie(wb)).double().mean()) if ON_CUDA else 0.0
-        assert row["top1_change"] == pytest.approx(top1.numpy().mean(), abs=1e-9 + slack)
+        assert row["top1_change"] == pytest.approx(top1.numpy().mean(), abs=1e-9 + slack + pk)
     assert changed["topk_change"].max() > 0
     assert not math.isnan(changed["entropy_ratio"].mean())
 

@@ -105,6 +105,80 @@ def test_quantize_fp8_on_the_cpu_is_one_line():
     assert "\n" not in str(e.value)
 
 
+def _quantized_while_loading():
+    """The embedded model as ``--quantize fp8`` loads it (moetool's FineGrainedFP8Config, transformers' quantizer
+    quantizing each weight as it loads), in float32 on the CPU: transformers' "a GPU is needed" check told a GPU is
+    there -- the quantizer's arithmetic is torch code that runs anywhere. Returns (model, load report)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from moetool.loading import EMBEDDED_DIR
+
+    qc = FineGrainedFP8Config(weight_block_size=(128, 128), modules_to_not_convert=["gate", "router", "lm_head"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        model, info = AutoModelForCausalLM.from_pretrained(
+            EMBEDDED_DIR / "tiny", quantization_config=qc, dtype=torch.float32, device_map={"": "cpu"},
+            output_loading_info=True, ignore_mismatched_sizes=True)
+    return model.eval(), info
+
+
+def test_quantizing_while_loading_runs_the_dequantized_model(torch_path, monkeypatch):
+    """--quantize fp8 on the embedded model (tested by substitution on the CPU; the GPU test below loads it for
+    real): weights whose shape is a multiple of 128 become FP8 codes with block scales, the others (k/v_proj 64
+    rows, down_proj 192 columns) stay in the model's dtype, their ``scale_inv`` reported missing and uninitialised.
+    The load check accepts exactly those scales (not an FP8 weight's), and the forward -- under each experts
+    implementation -- equals the float32 model holding the dequantized weights (by hand: codes x 128x128 block scale)
+    and the unquantized weights as they are (an H100 run gave perplexity 4,926 instead of 56: the uninitialised
+    scales were applied)."""
+    from transformers import AutoModelForCausalLM
+
+    from moetool.errors import MoetoolRuntimeError
+    from moetool.loading import EMBEDDED_DIR, check_loading_info
+
+    qm, info = _quantized_while_loading()
+    kinds = {n: p.dtype for n, p in qm.named_parameters() if "layers.0." in n and "norm" not in n}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == torch.float8_e4m3fn
+    assert kinds["model.layers.0.mlp.experts.gate_up_proj"] == torch.float8_e4m3fn
+    assert kinds["model.layers.0.self_attn.k_proj.weight"] == kinds["model.layers.0.mlp.experts.down_proj"] == \
+        torch.float32
+    missing = set(info["missing_keys"])
+    assert missing and all(k.endswith("_scale_inv") for k in missing)
+    assert "model.layers.0.mlp.experts.down_proj_scale_inv" in missing
+    check_loading_info("tiny", qm.config, info, qm)  # the unread scales only
+    with pytest.raises(MoetoolRuntimeError, match="do not fit its config"):
+        check_loading_info("tiny", qm.config, info)  # no model: nothing to tell them by
+    fp8_scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"  # an FP8 weight's scale missing: refused
+    with pytest.raises(MoetoolRuntimeError, match="q_proj.weight_scale_inv"):
+        check_loading_info("tiny", qm.config, {"missing_keys": [*missing, fp8_scale]}, qm)
+
+    ref = AutoModelForCausalLM.from_pretrained(EMBEDDED_DIR / "tiny", dtype=torch.float32).eval()
+    state = dict(qm.named_parameters())
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            q = state[name]
+            if q.dtype == torch.float8_e4m3fn:  # by hand: each 128x128 block times its scale
+                s = state[name + "_scale_inv" if not name.endswith(".weight") else name[:-7] + ".weight_scale_inv"]
+                full = s.repeat_interleave(128, -2).repeat_interleave(128, -1)
+                p.copy_((q.float() * full).to(p.dtype))
+            else:
+                assert torch.equal(q, p), name
+    inputs = padded_batch()
+    with torch.no_grad():
+        want = ref(**inputs).logits.float()
+    # with the kernel at hand, a fully quantized model takes it; this one the torch path (its mixed experts)
+    monkeypatch.setattr(fp8_backend, "kernel_available", lambda: True)
+    assert fp8_backend.ensure(fp8_models(*FP8_CASES[0])[0]) == "kernels"
+    assert fp8_backend.ensure(qm) == "torch"
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        for L in find_moe_layers(qm):
+            L.experts.config._experts_implementation = impl
+        with torch.no_grad():
+            got = qm(**inputs).logits.float()
+        assert got.isfinite().all(), impl
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="--quantize fp8 quantizes on a CUDA GPU")
 def test_quantize_fp8_loads_onto_the_gpu_and_runs(monkeypatch):
     """On a GPU without ``kernels`` (or with it): the embedded model quantized while loading onto the GPU, its

@@ -227,7 +227,7 @@ def test_plan_reads_at_80_columns_and_respects_the_models_positions(tmp_path):
     from typer.testing import CliRunner
 
     import moetool
-    from commands.app import app
+    from moetool.commands.app import app
     from moetool.sizing import check_seq_len, max_positions
 
     lm = moetool.load("tiny")

@@ -37,6 +37,21 @@ def has_fp8_layers(model: nn.Module) -> bool:
     return any(type(m).__name__ in ("FP8Linear", "FP8Experts", "FP8GroupedLinear") for m in model.modules())
 
 
+def unquantized(weight: torch.Tensor) -> bool:
+    """A weight of an FP8 module still in high precision (bf16/fp16/fp32): its scales are not read."""
+    return weight.is_floating_point() and weight.element_size() > 1
+
+
+def _mixed_experts(model: nn.Module) -> bool:
+    """An ``FP8Experts`` module holding a high-precision weight: transformers' batched/grouped paths would hand it
+    to the FP8 kernel with its uninitialised scales."""
+    def mixed(m: nn.Module) -> bool:
+        return any(unquantized(p) for n, p in m.named_parameters(recurse=False)
+                   if not n.endswith(("scale_inv", "activation_scale")))
+
+    return any(type(m).__name__ == "FP8Experts" and mixed(m) for m in model.modules())
+
+
 def backend() -> str | None:
     """``"kernels"``, ``"torch"`` or None (no FP8 model loaded in this process)."""
     return _CHOSEN
@@ -55,13 +70,15 @@ def kernel_available() -> bool:
 
 def ensure(model: nn.Module, *, prefer_kernel: bool = True) -> str | None:
     """Make ``model``'s FP8 layers runnable: transformers' kernel when it loads (and ``prefer_kernel``), else the
-    torch path installed in its place. Returns the backend, or None when the model has no FP8 layer."""
+    torch path installed in its place. An ``FP8Experts`` with a high-precision weight (quantized while loading, a
+    shape the block does not tile) takes the torch path too: transformers' batched/grouped experts would hand that
+    weight to the FP8 kernel with uninitialised scales. Returns the backend, or None when the model has no FP8 layer."""
     global _CHOSEN
     if not has_fp8_layers(model):
         return None
     from transformers.integrations import finegrained_fp8 as tf
 
-    if _CHOSEN == "torch" or not (prefer_kernel and kernel_available()):
+    if _CHOSEN == "torch" or _mixed_experts(model) or not (prefer_kernel and kernel_available()):
         tf._FINEGRAINED_FP8 = tf.FineGrainedFP8(matmul=matmul, batched_matmul=batched_matmul,
                                                 grouped_matmul=grouped_matmul)
         if _CHOSEN != "torch":  # said once per process (and in every manifest: LoadedModel.quantization)
@@ -73,7 +90,12 @@ def ensure(model: nn.Module, *, prefer_kernel: bool = True) -> str | None:
 
 
 def _weight(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: Any, dtype: torch.dtype) -> torch.Tensor:
-    """One ``[N, K]`` FP8 (or FP4-packed) weight dequantized to ``dtype``; ``block_size`` as the module holds it."""
+    """One ``[N, K]`` FP8 (or FP4-packed) weight dequantized to ``dtype``; ``block_size`` as the module holds it.
+    A weight the quantizer left in high precision (quantized while loading, its shape not a multiple of the block:
+    transformers passes it through and leaves its ``scale_inv`` uninitialised) is used as it is, as transformers'
+    own ``FP8Linear`` / eager ``FP8Experts`` do."""
+    if unquantized(weight):
+        return weight.to(dtype)
     if scale_inv.dim() < 2:  # one scale for the tensor
         scale_inv = scale_inv.reshape(1, 1)
     block = None if block_size is None or weight.dtype == torch.int8 else tuple(block_size)

@@ -78,7 +78,7 @@ def subset_matrix(n: int, k: int, device: Any = None) -> tuple[torch.Tensor, tor
     key = (n, k, str(torch.device(device) if device is not None else "cpu"))
     if key not in _SUBSETS:
         idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.long).view(-1, k)
-        _SUBSETS[key] = idx.to(key[2]), ops.multi_hot(idx, n, torch.float64).to(key[2])
+        _SUBSETS[key] = ops.to_device(idx, key[2]), ops.to_device(ops.multi_hot(idx, n, torch.float64), key[2])
     return _SUBSETS[key]
 
 

@@ -221,7 +221,7 @@ class MarginCollector:
         w = valid.double()
         m = token_margins(L, logits).to(h.device)
         self.sketch[L.index].add(m, valid)
-        edges = self.edges.to(m.device)
+        self.edges = edges = ops.to_device(self.edges, m.device)  # once: a pageable copy would sync
         below = (m.unsqueeze(-1) < edges).double() * w.unsqueeze(-1)  # [T, thresholds]
         if ev.rows is None:
             raise MoetoolError("margin: the forward gave no packed-row ids (the noise is seeded per row)")
