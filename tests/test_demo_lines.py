@@ -9,17 +9,26 @@ import numpy as np
 import pandas as pd
 
 from moetool.experiments import fluctuation, norm_select
+from moetool.experiments.registry import EXPERIMENTS
 from moetool.uncertainty import format_ci
 
 
-def test_norm_select_lines_name_the_model():
+def test_norm_select_lines_name_the_model_and_carry_the_intervals():
+    """Each line names the model; every number with an interval in the summary is written with it (issue 35
+    item 16: the report's headline table is these lines), a number without one alone."""
     summary = pd.DataFrame({"node": ["router", "gate"], "norm": ["-", "l2"], "ppl": [40.5, 83.4],
-                            "ppl ratio": [1.0, 83.4 / 40.5], "top-K overlap": [1.0, 0.52], "top-1 agree": [1.0, 0.5],
-                            "code acc": [0.8, 0.7], "code retention": [1.0, 0.875]})
+                            "ppl_lo": [38.1, 79.0], "ppl_hi": [43.0, 88.2],
+                            "ppl ratio": [1.0, 83.4 / 40.5], "ppl ratio_lo": [1.0, 1.9], "ppl ratio_hi": [1.0, 2.2],
+                            "top-K overlap": [1.0, 0.52], "top-K overlap_lo": [1.0, 0.49],
+                            "top-K overlap_hi": [1.0, 0.55], "top-1 agree": [1.0, 0.5],
+                            "code acc": [0.8, 0.7], "code acc_lo": [0.49, 0.4], "code acc_hi": [0.94, 0.89],
+                            "code retention": [1.0, 0.875]})
     lines = norm_select.summary_lines("tiny-fine", SimpleNamespace(meta={}, summary=summary))
-    assert lines == ["tiny-fine, router: ppl 40.5 (x1.00), top-K overlap 1.00, top-1 agree 1.00, code acc 0.80 (x1.00)",
-                     "tiny-fine, norm:gate:l2: ppl 83.4 (x2.06), top-K overlap 0.52, top-1 agree 0.50, code acc 0.70 "
-                     "(x0.88)"]
+    r = summary.iloc[1]
+    assert lines[1] == (f"tiny-fine, norm:gate:l2: ppl {format_ci(83.4, 79.0, 88.2)} "
+                        f"(x{format_ci(r['ppl ratio'], 1.9, 2.2)}), top-K overlap {format_ci(0.52, 0.49, 0.55)}, top-1 agree 0.5, code acc "
+                        f"{format_ci(0.7, 0.4, 0.89)} (x0.875)")
+    assert lines[0].startswith(f"tiny-fine, router: ppl {format_ci(40.5, 38.1, 43.0)} (x1 ± 0)")
     pruned = norm_select.summary_lines("tiny", SimpleNamespace(meta={"pruned": {"name": "prune:random:0.5"}},
                                                                summary=summary))
     assert all(ln.startswith("tiny") for ln in pruned) and pruned[0] == "tiny: on the model pruned by prune:random:0.5"
@@ -41,3 +50,23 @@ def test_fluctuation_summary_is_one_short_line_per_routing():
     assert lines[2] == (f"  similarity {format_ci(0.3, 0.28, 0.32)} [reduction vs router "
                         f"{format_ci(0.05, 0.01, 0.09)} (interval excludes 0)]")
     assert lines[4] == "tiny -> tiny-late: top-1 change (mean over layers)"
+
+
+def test_headline_lines_carry_the_intervals_of_their_tables():
+    """Issue 35 item 16: the lines a run records as its headline (the report page's first table) give each
+    number its experiment's 95% interval, read from the run's own table: topk's perplexity ratios, stats' largest
+    load ratio."""
+    import moetool
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=128, max_tokens=1024)
+    res = moetool.topk(lm, tokens, quiet=True)
+    line = EXPERIMENTS["topk"].load("summary_lines")("tiny", res)[0]
+    rows = [r for r in res["topk"].itertuples() if r.kind != "router"]
+    assert rows and all(f"x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}" in line for r in rows), line
+    assert line.count("±") >= len(rows)
+    res = moetool.stats(lm, tokens, quiet=True)
+    worst = res["layers"].loc[res["layers"].max_load_ratio.idxmax()]
+    line = EXPERIMENTS["stats"].load("summary_lines")("tiny", res)[0]
+    assert f"max load {format_ci(worst.max_load_ratio, worst.max_load_ratio_lo, worst.max_load_ratio_hi)}x" in line
+    assert "±" in line or "[" in line

@@ -42,7 +42,7 @@ from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..loading import load
 from ..sketch import QuantileSketch
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, ratio_intervals
 from .margin import SKETCH_HI, SKETCH_LO, token_margins
 from .ppl import data_name
 from .result import Result, resolve_options
@@ -433,6 +433,7 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
 def summary_lines(name: str, res: Result) -> list[str]:
     """One line: per precision, the top-1 and top-K flip rates (pooled over layers) and ΔNLL against the reference."""
     s = res["agreement_summary"]
-    parts = [f"{r.precision} top-1 {r.top1_flip:.2%}, top-K {r.topk_flip:.2%}, ΔNLL {r.delta_nll:+.2g}"
-             for r in s.itertuples()]
+    parts = [f"{r.precision} top-1 {format_ci(r.top1_flip, r.top1_flip_lo, r.top1_flip_hi)}, top-K "
+             f"{format_ci(r.topk_flip, r.topk_flip_lo, r.topk_flip_hi)}, ΔNLL "
+             f"{format_ci(r.delta_nll, r.delta_nll_lo, r.delta_nll_hi)}" for r in s.itertuples()]
     return [f"agreement {name} (vs {s.reference.iloc[0]}): " + "; ".join(parts)]

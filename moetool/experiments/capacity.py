@@ -45,7 +45,7 @@ from ..errors import MoetoolError, MoetoolRuntimeError
 from ..policies import make_policy
 from ..policies.capacity import ORDERS, cf_text
 from ..registry import unique
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
 from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -207,5 +207,6 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
 def summary_lines(name: str, res: Result) -> list[str]:
     """One line: the router's perplexity, then per cf and order the dropped share and the perplexity ratio."""
     df = res["capacity"]
-    parts = [f"cf {r.cf:g} {r.order} drops {r.dropped_frac:.1%} x{r.ratio:.2f}" for r in df.itertuples()]
+    parts = [f"cf {r.cf:g} {r.order} drops {r.dropped_frac:.1%} x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
+             for r in df.itertuples()]
     return [f"capacity {name}: router ppl {df.router_perplexity.iloc[0]:.1f}; " + ", ".join(parts)]

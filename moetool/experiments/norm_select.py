@@ -25,7 +25,7 @@ from ..errors import MoetoolError
 from ..policies import build_policy
 from ..registry import did_you_mean, unique
 from ..uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
-                           ratio_intervals)
+                           format_ci, ratio_intervals)
 from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from .ppl import data_name, perplexity, ppl_intervals
 from .published import aoe_table1
@@ -382,11 +382,12 @@ def summary_lines(name: str, res: Any) -> list[str]:
     lines = [f"{name}: on the model pruned by {pruned['name']}"] if pruned else []
     for r in res.summary.to_dict("records"):
         policy = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
-        accs = "".join(f", {k[:-4]} acc {v:.2f} (x{r[k[:-4] + ' retention']:.2f})"
-                       for k, v in r.items() if k.endswith(" acc"))
-        lines.append(f"{name}, {policy}: ppl {r['ppl']:.1f} (x{r['ppl ratio']:.2f}), top-K overlap "
-                     f"{r['top-K overlap']:.2f}, "
-                     f"top-1 agree {r['top-1 agree']:.2f}{accs}")
+        def ci(c: str) -> str:  # the value ± its 95% interval's half-width (the value alone where there is none)
+            return format_ci(r[c], r.get(f"{c}_lo"), r.get(f"{c}_hi"))
+
+        accs = "".join(f", {k[:-4]} acc {ci(k)} (x{ci(k[:-4] + ' retention')})" for k in r if k.endswith(" acc"))
+        lines.append(f"{name}, {policy}: ppl {ci('ppl')} (x{ci('ppl ratio')}), top-K overlap "
+                     f"{ci('top-K overlap')}, top-1 agree {ci('top-1 agree')}{accs}")
     return lines
 
 

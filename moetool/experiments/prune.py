@@ -39,7 +39,7 @@ from ..errors import MoetoolError
 from ..policies import build_policy
 from ..policies.prune import CRITERIA, PrunePolicy, lowest, n_removed, random_removed
 from ..registry import unique
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
 from . import lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from .norm_select import eval_rows
 from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
@@ -363,10 +363,10 @@ def summary_lines(name: str, res: Result) -> list[str]:
     """One line per measured fraction: each criterion's perplexity ratio; then the largest single ablation."""
     df = res["prune"]
     router = df[df.criterion == "router"].iloc[0]
-    out = [f"prune {name}: router ppl {router.perplexity:.1f}"]
+    out = [f"prune {name}: router ppl {format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)}"]
     for f, g in df[df.criterion != "router"].groupby("fraction"):
-        out.append(f"  {f:g} of experts removed: " + ", ".join(f"{r.criterion} x{r.ratio:.2f}"
-                                                               for r in g.itertuples()))
+        out.append(f"  {f:g} of experts removed: " + ", ".join(
+            f"{r.criterion} x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}" for r in g.itertuples()))
     if "prune_eval.csv" in res.tables:  # lm-eval: each criterion's accuracy retention per task and fraction
         ev = res["prune_eval"]
         for (task, metric), g in ev[ev.criterion != "router"].groupby(["task", "metric"], sort=False):

@@ -27,8 +27,8 @@ from ..engine.hooks import RoutingEvent
 from ..engine.runner import forward
 from ..errors import MoetoolError
 from ..sketch import MERGE_MIN, SparseCounter
-from ..uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals, sum_intervals,
-                           with_ci)
+from ..uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, ratio_intervals,
+                           sum_intervals, with_ci)
 from .result import Result, resolve_options
 from .specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
@@ -502,7 +502,9 @@ def summary_lines(name: str, res: Any) -> list[str]:
     return [f"stats {name}: load entropy / log n {layers['load_entropy_norm'].min():.3f}-"
             f"{layers['load_entropy_norm'].max():.3f}, confidence entropy / log n "
             f"{layers['confidence_entropy_norm'].min():.3f}-{layers['confidence_entropy_norm'].max():.3f} over "
-            f"{len(layers)} MoE layers; max load {worst['max_load_ratio']:.2f}x uniform (layer {int(worst['layer'])})"] + analysis_lines(name, res)
+            f"{len(layers)} MoE layers; max load "
+            f"{format_ci(worst['max_load_ratio'], worst.get('max_load_ratio_lo'), worst.get('max_load_ratio_hi'))}x "
+            f"uniform (layer {int(worst['layer'])})"] + analysis_lines(name, res)
 
 
 def analysis_lines(name: str, res: Any) -> list[str]:

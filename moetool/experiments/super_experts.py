@@ -63,7 +63,7 @@ from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import DEFAULT_BUDGET, routed_absmax
 from ..errors import MoetoolError
 from ..policies.prune import PrunePolicy, random_removed
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
 from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -351,6 +351,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
         out.append(f"  degenerate: with {len(df)} maxima the percentile lets only the largest through")
     abl = res["super_experts_ablation"].set_index("ablation")
     if "super" in abl.index:
-        out.append(f"  removed: super x{abl.loc['super', 'ratio']:.2f}, random x{abl.loc['random', 'ratio']:.2f} "
+        sup_r, rnd_r = (format_ci(*abl.loc[k, ["ratio", "ratio_lo", "ratio_hi"]]) for k in ("super", "random"))
+        out.append(f"  removed: super x{sup_r}, random x{rnd_r} "
                    f"(perplexity / the model's, {int(abl.loc['super', 'removed'])} expert(s))")
     return out

@@ -38,7 +38,7 @@ from ..engine.hooks import RoutingEvent, select_layers
 from ..errors import MoetoolError
 from ..policies import make_policy
 from ..registry import unique
-from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
+from ..uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
 from .ppl import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from .result import Result, resolve_options
 
@@ -183,6 +183,8 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
 def summary_lines(name: str, res: Result) -> list[str]:
     """One line: the router's perplexity, then each policy's experts per token and perplexity ratio."""
     df = res["topk"]
-    parts = [f"{r.policy} {r.mean_experts:.2f} experts x{r.ratio:.2f}" for r in df.itertuples() if r.kind != "router"]
+    parts = [f"{r.policy} {r.mean_experts:.2f} experts x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
+             for r in df.itertuples() if r.kind != "router"]
     router = df[df.kind == "router"].iloc[0]
-    return [f"topk {name}: router ppl {router.perplexity:.1f} with K={router.mean_experts:g}; " + ", ".join(parts)]
+    ppl = format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)
+    return [f"topk {name}: router ppl {ppl} with K={router.mean_experts:g}; " + ", ".join(parts)]
