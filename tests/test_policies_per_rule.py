@@ -130,7 +130,7 @@ def test_batch_size_auto_sizes_for_what_the_policy_declares(policy, monkeypatch)
     plain = seq * (config.vocab_size + 2 * config.hidden_size) * 4  # no policy: nothing beyond the forward
     want = int(sizing.AUTO_SHARE * int(free) // (sizing.AUTO_SLACK * plain))
     assert sizing.auto_rows(config, device=torch.device("cpu"), dtype=torch.float32, seq_len=seq,
-                            max_tokens=10 ** 6)[0] == want == (5 if row == plain else want)
+                            max_tokens=10 ** 6)[0] == want >= 5
 
 
 def test_one_policy_build_per_run(tmp_path, monkeypatch):
