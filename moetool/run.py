@@ -20,6 +20,7 @@ The commands (``commands/``) parse flags and call into here. Nothing here import
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -302,9 +303,9 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     ``experiment`` is a command name (``"stats"``, ``"expert-similarity"``) or its function's; ``lm`` a loaded model
     (:func:`moetool.load`), ``tokens`` packed rows (:func:`moetool.tokens`; not for experiments of the weights
     alone); ``options`` the experiment's options dataclass, or its fields as keywords. ``batch_size`` rows per
-    forward (default: the options' own) or ``"auto"`` (the largest the free memory holds, backing off on out-of-memory as the CLI does; the
-    manifest records it). Before anything runs: the sizes and memory are checked and ``out`` must be free (or
-    ``force``); ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments
+    forward (default: the options' own) or ``"auto"`` (the largest the free memory holds, backing off on
+    out-of-memory as the CLI does; the manifest records it). Before anything runs: the sizes and memory are
+    checked and ``out`` must be free (or ``force``); ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments
     that keep them: same options, model and tokens, else one error). Writes the command's files (CSVs, figures,
     manifest.json) into ``out`` (default ``runs/<experiment>-<time>``) and returns the
     :class:`~moetool.experiments.result.Result`, its ``path`` the run folder.
@@ -346,7 +347,7 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         key = {"model": lm.name, **unit_key(opts)} if resumable else None
         folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est,
                                  batch_size=rows, units=key, run=this)
-        with folder:  # an error marks the run failed
+        with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
             if units is not None:  # resume: refused when the weights or the tokens differ from the run's
                 from .loading import weights_fingerprint
 

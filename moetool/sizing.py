@@ -241,8 +241,8 @@ def auto_rows(config: Any, *, device: Any, dtype: Any, seq_len: int | None, max_
     weights (``params`` of them; ``None``: already loaded or placed by accelerate, 0) and one row's activations
     from :func:`estimate_memory`, sized for what the ``policies`` declare (:func:`policy_needs`: eager attention
     probabilities; a probe of every expert adds its token-chunk intermediates, ``probes.DEFAULT_BUDGET`` fp32
-    elements, and the ``[seq_len, n]`` fp32 scores per row); at most the rows ``max_tokens`` fills on each of ``world`` ranks and :data:`AUTO_MAX_ROWS`. Free memory
-    unknown: 8. Returns ``(rows, facts for the manifest)``."""
+    elements, and the ``[seq_len, n]`` fp32 scores per row); at most the rows ``max_tokens`` fills on each of
+    ``world`` ranks and :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
     from .adapters import config_experts
 
     if not seq_len:  # eval: lm-eval packs its own requests; the model's context (at most 2048) is the bound
