@@ -258,3 +258,14 @@ def test_forward_takes_the_run_explicitly(tiny, monkeypatch):
     monkeypatch.undo()
     want = forward(lm, tokens, batch_size=4, nll=True, quiet=True)
     assert got.nll.tokens == want.nll.tokens and got.nll.mean == pytest.approx(want.nll.mean, rel=1e-6)
+
+
+def test_moetool_run_is_the_module_and_the_function(tiny):
+    """``moetool.run`` is this package's module ``moetool/run.py`` once imported; calling it calls the function."""
+    import importlib
+
+    mod = importlib.import_module("moetool.run")
+    assert moetool.run in (mod, mod.run) and mod.run.__module__ == "moetool.run"
+    lm, tokens = tiny
+    with pytest.raises(MoetoolError, match="needs tokens"):
+        mod("ppl", lm)  # the module called: the function's own checks
