@@ -69,7 +69,7 @@ def norm_select(model: Model = DEFAULT_MODEL,
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments import norm_select as ns
     from moetool.experiments.lmeval import plan_tasks
-    from moetool.policies import build_policy
+    from moetool.policies import build_once
     from moetool.experiments.published import console_layout
     from moetool.report.console import print_table, with_ci
 
@@ -79,9 +79,10 @@ def norm_select(model: Model = DEFAULT_MODEL,
                                 num_fewshot=num_fewshot, limit=limit,
                                 include_path=str(include_path) if include_path else None, batch_size=batch_size,
                                 seed=seed, bootstrap=bootstrap, prune=prune)
-    build_policy(opts.specs()[-1], weights, seed)  # a bad --weights fails before anything is loaded
+    for spec in opts.specs():  # a bad --weights fails before anything is loaded; the experiment routes with these
+        build_once(spec, weights, seed)
     if opts.prune is not None:
-        build_policy(opts.prune, weights, seed)  # a bad --prune (spec, file) too
+        build_once(opts.prune, weights, seed)  # a bad --prune (spec, file) too
     plan = plan_tasks(opts.tasks, opts.include_path) if opts.tasks is not None else None
     started = start_run("norm-select", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize,

@@ -5,6 +5,7 @@
     tokens = moetool.tokens(lm, "text.jsonl", seq_len=256, max_tokens=8192)   # None: the shipped held-out text
     res = moetool.stats(lm, tokens)                             # a Result: res["load"], res.summary, res.definitions
     moetool.write(res, "runs/stats")                            # the CLI's CSVs, figures and manifest
+    res = moetool.run("stats", lm, tokens, out="runs/stats", batch_size="auto", resume=True)  # the CLI's run
 
 Every experiment takes its options dataclass (``moetool.StatsOptions(...)``) or the same options as keywords, and
 returns a :class:`~moetool.experiments.result.Result` holding DataFrames with exactly the CLI's CSV columns (the
@@ -228,6 +229,8 @@ def _exports() -> dict[str, str]:
         **{name: f"moetool.api:{name}" for name in (
             "load", "tokens", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
             "figures", "import_trace")},
+        "run": "moetool.run:run",
+        "Run": "moetool.run:Run",
         "Result": "moetool.experiments.result:Result",
         "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
         "MoetoolError": "moetool.errors:MoetoolError",

@@ -24,6 +24,7 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
     sizes and options, each result written to ``parent/<step>/<model>/``; returns the summary lines."""
     import importlib
 
+    from .context import RunState
     from .data import load_tokens
     from .loading import embedded_models, load
     from .report.writers import write
@@ -47,25 +48,26 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
         names = list(model) if isinstance(model, tuple) else [model]
         if not all(n in have for n in names):
             continue
-        run = child.sub(names[-1])  # before the work: the sub-run's manifest times the whole of it
-        if spec.inputs == "checkpoints":
-            from .experiments.fluctuation import check_checkpoints
+        with RunState().active():  # each model its own run: policies built afresh, as a command's run
+            run = child.sub(names[-1])  # before the work: the sub-run's manifest times the whole of it
+            if spec.inputs == "checkpoints":
+                from .experiments.fluctuation import check_checkpoints
 
-            tokens = load_tokens(None, check_checkpoints(names), seq_len=demo.seq_len, max_tokens=demo.max_tokens,
-                                 **demo.tokens)
-            res = compute(names, tokens, opts, quiet=quiet)
-            write(res, run, options=dict(checkpoints=names, **sizes, **demo.tokens))
-            label = " -> ".join(names)
-        else:
-            lm = load(names[0], tokenizer=demo.seq_len is not None)
-            if demo.seq_len is None:
-                res = compute(lm, opts, quiet=quiet)
-            else:
-                tokens = load_tokens(None, lm.tokenizer, seq_len=demo.seq_len, max_tokens=demo.max_tokens,
+                tokens = load_tokens(None, check_checkpoints(names), seq_len=demo.seq_len, max_tokens=demo.max_tokens,
                                      **demo.tokens)
-                res = compute(lm, tokens, opts, quiet=quiet)
-            write(res, run, model=lm, options=dict(model=names[0], **sizes, **demo.tokens))
-            label = lm.name
+                res = compute(names, tokens, opts, quiet=quiet)
+                write(res, run, options=dict(checkpoints=names, **sizes, **demo.tokens))
+                label = " -> ".join(names)
+            else:
+                lm = load(names[0], tokenizer=demo.seq_len is not None)
+                if demo.seq_len is None:
+                    res = compute(lm, opts, quiet=quiet)
+                else:
+                    tokens = load_tokens(None, lm.tokenizer, seq_len=demo.seq_len, max_tokens=demo.max_tokens,
+                                         **demo.tokens)
+                    res = compute(lm, tokens, opts, quiet=quiet)
+                write(res, run, model=lm, options=dict(model=names[0], **sizes, **demo.tokens))
+                label = lm.name
         done.append(names if len(names) > 1 else names[0])
         lines += lines_of(label, res)
     key = "pairs" if spec.inputs == "checkpoints" else "models"

@@ -18,7 +18,7 @@ What a forward loop needs (one process or many):
 3. only ``is_main()`` creates the run directory and writes; ``gather_object`` brings per-rank facts (token counts)
    to the manifest.
 
-Tensor and expert parallel (``--tp N`` / ``--ep N``, :func:`set_parallel`): transformers' own engine
+Tensor and expert parallel (``--tp N`` / ``--ep N``: the run's :class:`~moetool.context.Parallel`, :func:`parallel`): transformers' own engine
 (``DistributedConfig``) splits ONE model over a group of ``max(tp, ep)`` consecutive ranks, which all see the same
 tokens; data parallel runs across groups (world = dp × group). Then :func:`rank` / :func:`world_size` are the
 data-parallel rank and size (the group's number and the number of groups), every reduction above runs over the ranks
@@ -34,6 +34,8 @@ from typing import Any, Mapping
 
 import torch
 
+from . import context
+from .context import Parallel  # noqa: F401  (moetool.distributed.Parallel: the layout's type)
 from .errors import MoetoolError, env_seconds
 
 
@@ -48,43 +50,13 @@ class DistEnv:
         return self.world_size > 1
 
 
-@dataclass(frozen=True)
-class Parallel:
-    """How one model is split over a group of ranks: ``tp`` = tensor parallel size (attention heads and expert
-    intermediate features split), ``ep`` = expert parallel size (whole experts split instead). transformers needs
-    ``ep`` to be 1 or ``tp``: its expert groups are its tensor-parallel groups (the ranks sharing one batch), and
-    it refuses a tensor-parallel size without a tensor-parallel plan, so there is no ``--ep`` without ``--tp``."""
-
-    tp: int = 1
-    ep: int = 1
-
-    @property
-    def group(self) -> int:
-        """Ranks holding one copy of the model (they see the same tokens)."""
-        return max(self.tp, self.ep)
-
-    @property
-    def active(self) -> bool:
-        return self.group > 1
-
-
-_PARALLEL = [Parallel()]
 _GROUPS: dict[str, Any] = {}  # "dp": this rank's data-parallel process group (tp/ep runs only)
 
 
-def set_parallel(tp: int = 1, ep: int = 1) -> Parallel:
-    """``--tp`` / ``--ep`` of this command (validated against the model by :func:`check_parallel`)."""
-    if tp < 1 or ep < 1:
-        raise MoetoolError(f"--tp and --ep take a number of ranks >= 1, not --tp {tp} --ep {ep}")
-    if ep > 1 and ep != tp:
-        raise MoetoolError(f"--ep {ep} with --tp {tp}: transformers splits the experts over the ranks of one tensor "
-                           f"parallel group, so --ep must equal --tp (--tp {ep} --ep {ep}), or be left out (--ep 1)")
-    _PARALLEL[0] = Parallel(tp, ep)
-    return _PARALLEL[0]
-
-
 def parallel() -> Parallel:
-    return _PARALLEL[0]
+    """``--tp`` / ``--ep`` of the run in progress (:attr:`moetool.context.RunState.layout`; no run: nothing split)."""
+    run = context.current()
+    return run.layout if run is not None else Parallel()
 
 
 def check_parallel(config: Any, device_map: str | None = None) -> Parallel:

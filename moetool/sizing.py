@@ -150,7 +150,8 @@ def _gib(n: int) -> str:
 def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | None = None,
                  max_tokens: int | None = None, device: Any = "auto", dtype: Any = "auto",
                  device_map: str | None = None, attn_implementation: str | None = None,
-                 check_memory: bool = True, quantize: str | None = None) -> RunEstimate:
+                 check_memory: bool = True, quantize: str | None = None,
+                 weights_loaded: bool = False) -> RunEstimate:
     """Refuse, with one line and before any weight loads or any run folder exists, inputs a run cannot use.
 
     * ``seq_len``, ``max_tokens``, ``batch_size`` must be positive (``seq_len`` at least 2: one next-token
@@ -163,7 +164,9 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
       runtime error (exit 1). The batch is the one the options ask for, ``min(batch_size, ceil(max_tokens /
       seq_len))`` rows: the data are not read yet, so a ``--data`` with fewer than ``max_tokens`` tokens (smaller
       batches) can be refused although it would fit -- the message says which option to lower. Skipped with
-      ``device_map="auto"`` (accelerate spreads and offloads) or when the free memory is unknown.
+      ``device_map="auto"`` (accelerate spreads and offloads) or when the free memory is unknown;
+      ``weights_loaded`` (a model already in memory: ``moetool.run``): the weights count 0, the free memory is
+      what they left.
 
     Returns the :class:`RunEstimate` (its ``as_dict()`` fits a manifest).
     """
@@ -184,7 +187,7 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
     est.available_bytes = available_memory(dev)
     if est.available_bytes is None:
         return est
-    est.params = count_parameters(config)
+    est.params = None if weights_loaded else count_parameters(config)
     est.weights_bytes, est.activation_bytes = estimate_memory(
         config, seq_len=seq_len, rows=rows, dtype=torch_dtype, params=est.params,
         attn_implementation=attn_implementation, quantize=quantize)
@@ -209,22 +212,43 @@ AUTO_SHARE = 0.8  # of the free memory left after the weights
 AUTO_MAX_ROWS = 1024
 
 
+def policy_needs(policies: Any) -> tuple[bool, bool]:
+    """``(attention, probe)``: whether any of ``policies`` (policy objects or classes) declares ``needs_attention``
+    (eager attention probabilities) or ``needs_probe`` (every expert computed on every token)."""
+    ps = [p for p in (policies if isinstance(policies, (list, tuple, set)) else [policies]) if p is not None]
+    return (any(getattr(p, "needs_attention", False) for p in ps), any(getattr(p, "needs_probe", False) for p in ps))
+
+
 def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None = None, device: str = "auto",
-                    dtype: str = "auto", device_map: str | None = None, attention: bool = False,
+                    dtype: str = "auto", device_map: str | None = None, policies: Any = (),
                     processes: int = 1, world: int = 1, quantize: str | None = None) -> tuple[int, dict[str, Any]]:
+    """``--batch-size auto`` for a model by name, before it loads: :func:`auto_rows` on its config (weights counted
+    unless ``--device-map auto`` places them). Returns ``(rows, facts for the manifest)``."""
+    config, _, _ = load_config(model)
+    dev = pick_device(device)
+    return auto_rows(config, device=dev, dtype=pick_dtype(dtype, config, dev), seq_len=seq_len, max_tokens=max_tokens,
+                     params=None if device_map else count_parameters(config), policies=policies,
+                     processes=processes, world=world, quantize=quantize)
+
+
+def auto_rows(config: Any, *, device: Any, dtype: Any, seq_len: int | None, max_tokens: int | None = None,
+              params: int | None = None, policies: Any = (), processes: int = 1, world: int = 1,
+              quantize: str | None = None) -> tuple[int, dict[str, Any]]:
     """``--batch-size auto``: the largest number of rows whose activations fit the device's free memory.
 
-    rows = ``AUTO_SHARE x (free - weights) / (AUTO_SLACK x activations of one row)`` with ``free`` from
+    rows = ``AUTO_SHARE x (free - weights - probes) / (AUTO_SLACK x activations of one row)`` with ``free`` from
     ``torch.cuda.mem_get_info`` on CUDA or the available RAM on CPU (shared by ``processes`` ranks on this node),
-    weights and one row's activations from :func:`estimate_memory` (weights count 0 under
-    ``--device-map auto``: accelerate places them); at most the rows ``--max-tokens`` fills on each of ``world``
-    ranks and :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
-    config, _, _ = load_config(model)
+    weights (``params`` of them; ``None``: already loaded or placed by accelerate, 0) and one row's activations
+    from :func:`estimate_memory`, sized for what the ``policies`` declare (:func:`policy_needs`: eager attention
+    probabilities; a probe of every expert adds its token-chunk intermediates, ``probes.DEFAULT_BUDGET`` fp32
+    elements, and the ``[seq_len, n]`` fp32 scores per row); at most the rows ``max_tokens`` fills on each of
+    ``world`` ranks and :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
+    from .adapters import config_experts
+
     if not seq_len:  # eval: lm-eval packs its own requests; the model's context (at most 2048) is the bound
         positions = getattr(text_config(config), "max_position_embeddings", None) or 2048
         seq_len = min(int(positions), 2048)
-    dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, config, dev)
+    dev = device
     free = available_memory(dev)
     fill = -(-max_tokens // seq_len) if max_tokens else AUTO_MAX_ROWS
     fill = max(1, -(-fill // world))  # rows each rank gets
@@ -232,10 +256,17 @@ def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None =
                              processes, "slack": AUTO_SLACK, "share": AUTO_SHARE}
     if free is None:
         return min(8, fill), {**facts, "rows": min(8, fill), "reason": "free memory unknown: default 8"}
-    weights, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch_dtype,
-                                   params=None if device_map else count_parameters(config),
+    attention, probe = policy_needs(policies)
+    weights, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=dtype, params=params,
                                    attn_implementation="eager" if attention else None, quantize=quantize)
-    budget = AUTO_SHARE * (free / (processes if dev.type == "cpu" else 1) - weights)
+    fixed = weights
+    if probe:
+        from .engine.probes import DEFAULT_BUDGET
+
+        fixed += 4 * DEFAULT_BUDGET
+        act += seq_len * (config_experts(config) or 0) * 4
+        facts["probe_bytes"] = 4 * DEFAULT_BUDGET
+    budget = AUTO_SHARE * (free / (processes if dev.type == "cpu" else 1) - fixed)
     rows = int(budget // (AUTO_SLACK * max(act, 1)))
     if rows < 1:
         raise MoetoolRuntimeError(f"--batch-size auto: not even one row of --seq-len {seq_len} fits: "

@@ -24,10 +24,13 @@ CPU_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllo
 
 
 @pytest.fixture
-def backoff(monkeypatch):
-    state = runner.Backoff(enabled=True)
-    monkeypatch.setattr(runner, "BACKOFF", state)
-    return state
+def backoff():
+    """A run with --batch-size auto active for the test (the forwards read it from the context); its back-off."""
+    from moetool.context import Backoff, RunState
+
+    run = RunState(backoff=Backoff(enabled=True))
+    with run.active():
+        yield run.backoff
 
 
 def limit_rows(lm, max_rows, error=None):
@@ -147,7 +150,9 @@ def test_cli_auto_records_the_rows_that_ran(tmp_path, monkeypatch):
     assert "going on with 2" in r.output
     man = json.loads((tmp_path / "auto" / "manifest.json").read_text())
     assert man["batch_size_auto"]["rows"] == 2 and man["batch_size_auto"]["out_of_memory_at"] == [8, 4]
-    assert not runner.BACKOFF.enabled and runner.BACKOFF.rows is None
+    from moetool import context
+
+    assert context.current() is None  # the command's run (and its back-off) ended with it
     monkeypatch.setattr(PreTrainedModel, "__call__", orig)
     r = cli.invoke(app, base + ["--batch-size", "2", "--out", str(tmp_path / "two")])
     assert r.exit_code == 0, r.output

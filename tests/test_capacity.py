@@ -188,11 +188,12 @@ def test_cli_refuses_bad_values_in_one_line(tmp_path):
 def test_backed_off_batches_are_refused(monkeypatch):
     """Capacity is per batch of --batch-size rows: batches cut smaller by an out-of-memory back-off would give
     another capacity, so the run stops with one line."""
-    from moetool.engine.runner import BACKOFF
+    from moetool.context import Backoff, RunState
     from moetool.errors import MoetoolRuntimeError
     from moetool.experiments.capacity import _check_batches
 
-    monkeypatch.setattr(BACKOFF, "rows", 2)
-    with pytest.raises(MoetoolRuntimeError, match="rerun with --batch-size 2"):
-        _check_batches(4)
-    _check_batches(2)
+    with RunState(backoff=Backoff(enabled=True, rows=2)).active():  # the run backed off to 2 rows
+        with pytest.raises(MoetoolRuntimeError, match="rerun with --batch-size 2"):
+            _check_batches(4)
+        _check_batches(2)
+    _check_batches(4)  # no run: no back-off

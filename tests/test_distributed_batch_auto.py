@@ -19,11 +19,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'no
 runner = CliRunner()
 
 
-def per_row_and_weights(model="tiny", seq_len=64):
-    """Independent of estimate_memory: fp32 on CPU, logits + two hidden states per token, times the slack."""
+def per_row_and_weights(model="tiny", seq_len=64, probe=False):
+    """Independent of estimate_memory: fp32 on CPU, logits + two hidden states per token, times the slack; a policy
+    that probes every expert (norm) adds the [seq_len, n] fp32 scores per row and 2^26 fp32 chunk elements once
+    (counted with the weights)."""
     config, _, _ = load_config(model)
-    row = seq_len * (config.vocab_size + 2 * config.hidden_size) * 4 * sizing.AUTO_SLACK
-    return row, count_parameters(config) * 4
+    row = seq_len * (config.vocab_size + 2 * config.hidden_size + probe * config.num_local_experts) * 4
+    return row * sizing.AUTO_SLACK, count_parameters(config) * 4 + probe * 4 * 2 ** 26
 
 
 @pytest.mark.parametrize("k", [1, 5, 37])
@@ -58,7 +60,7 @@ def test_parse_batch_size():
 def test_cli_auto_equals_explicit_batch(tmp_path, monkeypatch):
     """On the real CPU: auto picks a valid batch, says so on the console and in the manifest, and ppl's table
     equals the one with that batch size given explicitly and with a different one (4)."""
-    row, weights = per_row_and_weights()
+    row, weights = per_row_and_weights(probe=True)  # norm:gate probes every expert (NormPolicy.needs_probe)
     monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(weights + 6.5 * row / sizing.AUTO_SHARE))
     base = ["ppl", "--model", "tiny", "--max-tokens", "1500", "--seq-len", "64", "--routing", "norm:gate",
             "--bootstrap", "0", "--quiet"]

@@ -10,14 +10,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: lowest first; a module may import its own layer and the layers before it (a group is moetool.<name>)
 LAYERS: list[set[str]] = [
-    {"errors", "registry", "configs", "demo_models", "progress", "ops", "formats", "lmeval_compat", "files"},
+    {"errors", "registry", "configs", "demo_models", "progress", "ops", "formats", "lmeval_compat", "files",
+     "context"},
     {"sketch", "uncertainty", "distributed", "data", "hub", "checkpoints"},
     {"adapters"},
     {"loading", "sizing", "engine"},
     {"policies"},
     {"experiments", "traces"},
     {"report", "inspect"},
-    {"demo", "api"},
+    {"demo", "api", "run"},
     {"commands", "moetool", "__main__"},
 ]
 RANK = {group: i for i, groups in enumerate(LAYERS) for group in groups}

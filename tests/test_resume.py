@@ -228,13 +228,14 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
     import torch
 
     from moetool.data import load_tokens
-    from moetool.engine import runner as engine_runner
     from moetool.experiments import stats, trace
     from moetool.loading import load
 
     lm = load("tiny")
     tokens = load_tokens(None, lm.tokenizer, 32, 384)  # 12 rows: 3 batches of 4
-    monkeypatch.setattr(engine_runner, "BACKOFF", engine_runner.Backoff(enabled=True))
+    from moetool.context import Backoff, RunState
+
+    auto = RunState(backoff=Backoff(enabled=True))  # --batch-size auto's run, passed to the forwards by context
     forward = lm.model.forward
 
     def at_most_two_rows(*args, **kwargs):  # out of memory above 2 rows: every batch runs as two parts
@@ -253,12 +254,14 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
         save(self, name, obj, refs)
 
     monkeypatch.setattr(rundir.Units, "save", recording)
-    if command == "stats":
-        stats.collect(lm, tokens, batch_size=4, units=units, quiet=True)
-    else:
-        trace.trace(lm, tokens, trace.TraceOptions(batch_size=4), path=tmp_path / "t.parquet", units=units, quiet=True)
-        assert len(pd.read_parquet(tmp_path / "t.parquet")) == 4 * tokens.n_tokens  # every row once (4 MoE layers)
-    assert engine_runner.BACKOFF.events == [4] and saved == [1, 2, 3]
+    with auto.active():
+        if command == "stats":
+            stats.collect(lm, tokens, batch_size=4, units=units, quiet=True)
+        else:
+            trace.trace(lm, tokens, trace.TraceOptions(batch_size=4), path=tmp_path / "t.parquet", units=units,
+                        quiet=True)
+            assert len(pd.read_parquet(tmp_path / "t.parquet")) == 4 * tokens.n_tokens  # every row once (4 layers)
+    assert auto.backoff.events == [4] and saved == [1, 2, 3]
     run.finish(options={})  # leaves no unfinished run in this process's registry
 
 

@@ -23,6 +23,8 @@ import pytest
 
 from test_distributed_cli import CASES, NOT_DISTRIBUTED, SEQUENCE, accelerate_launch, run_cli
 
+from moetool.context import RunState
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 DATA = ["--max-tokens", "900", "--seq-len", "64"]  # 15 packed rows: the last global batch is partial
@@ -167,21 +169,19 @@ def test_check_parallel_refuses(monkeypatch, world, tp, ep, device_map, tweak, s
     config = load_config("tiny")[0]
     for k, v in tweak.items():
         setattr(config, k, v)
-    try:
-        distributed.set_parallel(tp, ep)
+    with RunState(layout=distributed.Parallel(tp, ep)).active():  # the run's --tp/--ep
         with pytest.raises(MoetoolError, match=re.escape(says)):
             distributed.check_parallel(config, device_map)
-    finally:
-        distributed.set_parallel(1, 1)
+    assert distributed.parallel() == distributed.Parallel(1, 1)  # no run: nothing split
 
 
-def test_set_parallel_refuses_ep_other_than_tp():
+def test_a_layout_refuses_ep_other_than_tp():
     from moetool import distributed
     from moetool.errors import MoetoolError
 
     for tp, ep in ((2, 4), (1, 2)):  # no --ep without the same --tp: transformers' expert groups are its tp groups
         with pytest.raises(MoetoolError, match="--ep must equal --tp"):
-            distributed.set_parallel(tp, ep)
+            distributed.Parallel(tp, ep)
     assert distributed.parallel() == distributed.Parallel(1, 1)
 
 
@@ -192,12 +192,10 @@ def test_check_parallel_accepts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     config = load_config("tiny")[0]
-    try:
-        for tp, ep in ((2, 1), (2, 2), (1, 1)):  # world 4: two model groups of 2
-            want = distributed.set_parallel(tp, ep)
-            assert distributed.check_parallel(config) == want == distributed.Parallel(tp, ep)
-    finally:
-        distributed.set_parallel(1, 1)
+    for tp, ep in ((2, 1), (2, 2), (1, 1)):  # world 4: two model groups of 2
+        want = distributed.Parallel(tp, ep)
+        with RunState(layout=want).active():
+            assert distributed.check_parallel(config) == want
 
 
 @pytest.fixture

@@ -82,6 +82,19 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k", "top_k_experts")
 
 
+def config_experts(config: Any) -> int | None:
+    """The routed experts a config declares (its decoder config's first, as :func:`check_top_k` reads them), or
+    ``None``."""
+    from .discovery import text_config
+
+    for c in (text_config(config), config):
+        for k in _EXPERT_KEYS:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
 def check_top_k(config: Any) -> None:
     """A top-K the router cannot choose (``num_experts_per_tok`` = 0, or more than the experts) is one line, before
     any model is built: torch's topk would fail deep in the forward (even ``inspect``) with "selected index k out of

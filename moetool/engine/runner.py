@@ -11,13 +11,14 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from .. import distributed
+from .. import context, distributed
+from ..context import Backoff, RunState
 from ..data import TokenBatch
 from ..errors import MoetoolError, MoetoolRuntimeError
 from ..progress import progress
@@ -109,25 +110,6 @@ def seq2seq_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[st
     return {"decoder_input_ids": dec, "decoder_attention_mask": mask}
 
 
-@dataclass
-class Backoff:
-    """``--batch-size auto``'s second half: on out-of-memory the runner halves the rows of the batch, retries the
-    same rows and goes on at the smaller size (later :func:`forward` calls of the run start there)."""
-
-    enabled: bool = False  # set by the CLI for --batch-size auto (one process; under torchrun an OOM stays fatal)
-    rows: int | None = None  # rows per forward after the last back-off (None: never backed off)
-    events: list[int] = field(default_factory=list)  # the row counts that ran out of memory
-    choice: dict[str, Any] = field(default_factory=dict)  # the --batch-size auto decision (for the manifest)
-
-    def reset(self, enabled: bool) -> None:
-        """A command's start or end: no decision, no back-off yet."""
-        self.enabled, self.rows, self.choice = enabled, None, {}
-        self.events.clear()
-
-
-BACKOFF = Backoff()
-
-
 def is_oom(e: BaseException) -> bool:
     """An allocator's out-of-memory: ``torch.OutOfMemoryError`` (CUDA, MPS) or the CPU allocator's RuntimeError."""
     if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
@@ -137,8 +119,9 @@ def is_oom(e: BaseException) -> bool:
                                                                     "DefaultCPUAllocator: can't allocate"))
 
 
-def _back_off(rows: int, seq_len: int) -> int:
-    """Half of ``rows`` after an out-of-memory (one console line); 1 row that does not fit: one error line."""
+def _back_off(backoff: Backoff, rows: int, seq_len: int) -> int:
+    """Half of ``rows`` after an out-of-memory, kept in the run's ``backoff`` (one console line); 1 row that does
+    not fit: one error line."""
     import gc
     import sys
 
@@ -148,9 +131,7 @@ def _back_off(rows: int, seq_len: int) -> int:
     if rows <= 1:
         raise MoetoolRuntimeError(f"out of memory even with 1 row of {seq_len} tokens per forward: lower --seq-len, "
                                   "use --device-map auto or a smaller --dtype")
-    new = rows // 2
-    BACKOFF.rows = new
-    BACKOFF.events.append(rows)
+    new = backoff.backed_off(rows)
     if distributed.is_main():
         print(f"--batch-size auto: out of memory at {rows} rows per forward; going on with {new}", file=sys.stderr)
     return new
@@ -272,8 +253,8 @@ class _Step:
 
 
 class _RowsThatFit:
-    """The rows of a batch one forward runs: all of them, or under ``--batch-size auto`` (:data:`BACKOFF` enabled,
-    one process) the rows that fit.
+    """The rows of a batch one forward runs: all of them, or under ``--batch-size auto`` (the run's ``backoff``
+    enabled, one process) the rows that fit.
 
     :meth:`run` runs a batch as consecutive sub-batches of :attr:`rows` rows (the whole batch unless the run backed
     off). An out-of-memory in a sub-batch's :class:`_Step` halves :attr:`rows` (:func:`_back_off` remembers them for
@@ -282,11 +263,11 @@ class _RowsThatFit:
     consumer saw part of a batch is one error line naming the rows to use."""
 
     def __init__(self, step: _Step, batch_size: int, *, engine: Engine | None, policy: Any,
-                 before_batch: Callable[[Any], None] | None, tokens: Any, world: int):
+                 before_batch: Callable[[Any], None] | None, tokens: Any, world: int, run: RunState):
         self.step, self.engine, self.policy, self.before_batch = step, engine, policy, before_batch
-        self.tokens, self.world = tokens, world
-        self.auto = BACKOFF.enabled and world == 1 and not distributed.parallel().active  # a model group shares rows
-        self.rows = min(batch_size, BACKOFF.rows) if self.auto and BACKOFF.rows else batch_size
+        self.tokens, self.world, self.backoff = tokens, world, run.backoff
+        self.auto = self.backoff.enabled and world == 1 and not run.layout.active  # a model group shares rows
+        self.rows = min(batch_size, self.backoff.rows) if self.auto and self.backoff.rows else batch_size
         self.sized = not self.auto or (engine is None and before_batch is None)  # a retry could not double-feed anyone
 
     def run(self, b: Any, n: int, first: int) -> Iterator[tuple[int, Any, Any, Any]]:
@@ -299,13 +280,13 @@ class _RowsThatFit:
             if not self.sized:  # these rows once without consumers: find what fits before anyone sees a token
                 self.sized = _sizing_trial(self.engine, self.policy, lambda: self.step(sub, at))
                 if not self.sized:
-                    self.rows = _back_off(count, seq_len)
+                    self.rows = _back_off(self.backoff, count, seq_len)
                     continue
             if self.before_batch is not None:
                 self.before_batch(sub)
             ran = self._attempt(sub, n, at)
             if ran is None:  # out of memory in the forward or the NLL: nothing of this try was kept
-                self.rows = _back_off(count, seq_len)
+                self.rows = _back_off(self.backoff, count, seq_len)
                 continue
             yield (at, sub, *ran)
             del ran  # this output goes before the next forward
@@ -323,7 +304,7 @@ class _RowsThatFit:
                 raise
             count = sub.input_ids.shape[0]
             if not self.auto:
-                if BACKOFF.enabled:  # torchrun: every rank must cut the same batches
+                if self.backoff.enabled:  # torchrun: every rank must cut the same batches
                     raise MoetoolRuntimeError(
                         f"out of memory at {count} rows per process on {self.world} ranks (no back-off under "
                         f"torchrun): rerun with --batch-size {max(count // 2, 1)}") from None
@@ -350,7 +331,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
             nll: bool = False, per_row_nll: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
             attention: bool = False, quiet: bool = False, description: str = "forward",
-            start_batch: int = 0) -> ForwardResult:
+            start_batch: int = 0, run: RunState | None = None) -> ForwardResult:
     """Run ``lm`` (a loaded model: ``.model``, ``.layers``) over ``tokens`` (a ``TokenSet``) in batches.
 
     ``policy`` replaces routing in the MoE ``layers`` (decoder indices, ``None`` = every MoE layer; validated by
@@ -369,7 +350,9 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     is summed over ranks, and every consumer with a ``reduce_across_ranks()`` method is asked to all-reduce its
     accumulators at the end. Alone, none of this happens.
 
-    ``--batch-size auto`` (:data:`BACKOFF` enabled, one process): an out-of-memory halves the rows and retries the
+    ``run`` (a :class:`moetool.context.RunState`, e.g. :class:`moetool.run.Run`; default: the run of this context,
+    :func:`moetool.context.current`, else none) carries the ``--batch-size auto`` back-off state across the run's
+    forwards. With its ``backoff`` enabled (one process): an out-of-memory halves the rows and retries the
     same rows, each batch of ``batch_size`` rows then runs as consecutive sub-batches of the smaller size
     (numbering unchanged), so the result is the run an explicit smaller ``--batch-size`` gives when it divides
     ``batch_size``. The back-off covers the forward and the NLL of a batch (:func:`batch_nll`, in bounded fp32
@@ -389,7 +372,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     guard = FiniteGuard(lm.layers)  # NaN/inf in any MoE layer: one line naming layer and batch, never a number
     step = _Step(lm.model, engine, guard, tokens, want_nll=nll or per_row_nll is not None)
     fit = _RowsThatFit(step, batch_size, engine=engine, policy=policy, before_batch=before_batch, tokens=tokens,
-                       world=world)
+                       world=world, run=context.state(run))
     nll_sum = torch.zeros((), dtype=torch.float64, device=step.device)
     nll_count = torch.zeros((), dtype=torch.long, device=step.device)
     n = start_batch

@@ -40,7 +40,7 @@ import torch
 
 from .. import distributed, ops
 from ..engine.hooks import RoutingEvent, select_layers
-from ..engine.runner import BACKOFF
+from ..context import state as run_state
 from ..errors import MoetoolError, MoetoolRuntimeError
 from ..policies import make_policy
 from ..policies.capacity import ORDERS, cf_text
@@ -150,9 +150,10 @@ class DropCounter:
 
 def _check_batches(batch_size: int) -> None:
     """Capacity is per batch of --batch-size rows: a run whose batches out-of-memory cut smaller is refused."""
-    if BACKOFF.rows is not None and BACKOFF.rows < batch_size:
+    rows = run_state().backoff.rows  # the run's back-off (moetool.context)
+    if rows is not None and rows < batch_size:
         raise MoetoolRuntimeError(f"capacity is per batch of --batch-size rows, but out of memory cut the batches "
-                                  f"to {BACKOFF.rows} rows: rerun with --batch-size {BACKOFF.rows}")
+                                  f"to {rows} rows: rerun with --batch-size {rows}")
 
 
 def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, quiet: bool = False,

@@ -22,7 +22,7 @@ from ..data import TokenSet
 from ..engine.hooks import RoutingEvent, select_layers
 from ..engine.probes import NODES
 from ..errors import MoetoolError
-from ..policies import build_policy
+from ..policies import build_once
 from ..registry import did_you_mean, unique
 from ..uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
                            format_ci, ratio_intervals)
@@ -345,10 +345,10 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     """
     opts = resolve_options(NormSelectOptions, options, overrides)
     specs = opts.specs()
-    policies = [build_policy(s, opts.weights, opts.seed) for s in specs]
+    policies = [build_once(s, opts.weights, opts.seed) for s in specs]  # the command's check built them (one run)
     pruned = None
     if opts.prune is not None:  # the router baseline is the pruned router; the norm policies choose among the kept
-        pruned = build_policy(opts.prune, opts.weights, opts.seed)
+        pruned = build_once(opts.prune, opts.weights, opts.seed)
         if pruned.name.partition(":")[0] != "prune":
             raise MoetoolError(f"--prune takes a prune policy (prune:<criterion>:<fraction>[:<csv>]), not "
                                f"'{opts.prune}'")

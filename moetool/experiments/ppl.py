@@ -57,9 +57,10 @@ class RoutingOptions:
     seed: int = 0
 
     def policy(self) -> Any:
-        from ..policies import build_policy
+        """The policy, built once per run (the command's check and the experiment share it)."""
+        from ..policies import build_once
 
-        return build_policy(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
+        return build_once(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
 
 
 @dataclass(frozen=True)

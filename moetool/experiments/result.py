@@ -49,6 +49,7 @@ class Result:
     model: Any = None
     started: float | None = None
     wall_seconds: float | None = None
+    path: Any = None  # the run folder moetool.run wrote it to (None: not written)
 
     def _key(self, key: str) -> str:
         if key in self.tables:

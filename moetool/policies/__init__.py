@@ -48,5 +48,19 @@ def build_policy(routing: str, weights: str = "softmax", seed: int = 0, **option
     return make_policy(routing, weights=weights, seed=seed, **options)
 
 
+def build_once(routing: str, weights: str = "softmax", seed: int = 0, **options: Any):
+    """:func:`build_policy`, once per run: the run in progress (:func:`moetool.context.current`) keeps the policy
+    built for these arguments, so the command that checks ``--routing`` before loading and the experiment that
+    routes with it share one build (``Policy.from_spec`` is called once per run). Outside a run: a new policy
+    each call."""
+    from ..context import current
+
+    run = current()
+    build = lambda: build_policy(routing, weights, seed, **options)  # noqa: E731
+    if run is None:
+        return build()
+    return run.policy(("policy", routing, weights, seed, tuple(sorted(options.items()))), build)
+
+
 def policy_names() -> list[str]:
     return POLICIES.names()

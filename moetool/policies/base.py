@@ -17,10 +17,16 @@ from ..engine.hooks import RoutingEvent
 
 
 class Policy:
-    """Base class: ``name``, ``needs_attention``, ``weights`` (``None`` if the policy has no weight option)."""
+    """Base class: ``name``, what it needs (``needs_attention``, ``needs_probe``), ``weights`` (``None`` if the
+    policy has no weight option). The needs are declarations of the class, read before any policy is built:
+    ``--batch-size auto`` sizes the run for them (``moetool.sizing.policy_needs``) and the run loads the model with
+    eager attention for ``needs_attention``."""
 
     name: str = ""
+    #: reads the attention probabilities of the layer's attention (``attn_implementation="eager"``)
     needs_attention: bool = False
+    #: computes every expert on every token (``moetool.engine.probes``: memory beside the batch)
+    needs_probe: bool = False
     weights: str | None = None
     #: re-ranks experts by the router's scores (``route_k`` / ``route_masked``): refused on hash-routed layers
     routes_by_scores: bool = False

@@ -30,6 +30,8 @@ WEIGHTS = ("softmax", "router", "uniform")
 class NormPolicy(Policy):
     """``norm:<node>[:<norm>]`` with ``weights`` softmax | router | uniform."""
 
+    needs_probe = True  # the node's norm of every expert on every token (engine.probes.node_scores)
+
     def __init__(self, node: str = "gate", norm: str = "l2", weights: str = "softmax", among: Any = None):
         if node not in NODES:
             raise ValueError(f"unknown node '{node}' (choose from {', '.join(NODES)})")

@@ -1,0 +1,393 @@
+"""A run: what the CLI and ``moetool.run(...)`` do around an experiment's compute function.
+
+Preflight (the model resolved from its config), the checks before anything loads (sizes, positions, device,
+memory: :func:`check_run`), the run folder (:func:`open_run`: refused when busy, ``--resume`` of an unfinished one
+with unit checkpoints), ``--batch-size auto`` (:func:`resolve_batch_size`; the back-off after an out-of-memory
+lives in the run's state), the distributed layout (``--tp`` / ``--ep``, each rank's rows in the manifest:
+:func:`rank_layout`) and the one writer call (:func:`write_result`).
+
+:class:`Run` is one run's state (a :class:`moetool.context.RunState`: back-off, layout, the policies built once);
+it is active in its context for the run's duration, so :func:`moetool.engine.runner.forward` and
+:mod:`moetool.distributed` read it without module globals, and two runs in two threads never share it.
+
+:func:`run` is the Python equivalent of ``moetool <experiment>`` on a loaded model and tokens::
+
+    res = moetool.run("stats", lm, tokens, out="runs/stats", batch_size="auto", resume=True)
+
+The commands (``commands/``) parse flags and call into here. Nothing here imports torch at import time
+(``moetool --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .context import Backoff, Parallel, RunState, state
+from .errors import MoetoolError
+
+DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
+
+
+@dataclass
+class Run(RunState):
+    """One run of a command or of :func:`run`: its name and the state the engine reads (``backoff`` with
+    ``--batch-size auto``, ``layout`` with ``--tp`` / ``--ep``, ``policies`` built once). ``with run.active():``
+    makes it the run of this context (:func:`moetool.context.current`)."""
+
+    command: str = ""
+
+    @classmethod
+    def new(cls, command: str, *, tp: int = 1, ep: int = 1, auto_batch: bool = False) -> "Run":
+        """A run of ``command``; a layout that cannot exist (``--ep`` other than ``--tp``) is one line here."""
+        return cls(backoff=Backoff(enabled=auto_batch), layout=Parallel(tp, ep), command=command)
+
+
+def say(line: str) -> None:
+    """One console line on stderr (progress facts: the auto batch size, a back-off, a loading note)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+# ----- before anything loads -----------------------------------------------------------------------------------
+def refuse_busy_out(params: dict[str, Any]) -> None:
+    """A command's ``--out`` that holds files and no moetool run, or a complete one, without ``--force`` or
+    ``--resume``: refused now, before any heavy import (torch takes seconds to import). Every other case (a
+    failed or unfinished run, ``--force``, ``--resume``) is decided where the run starts
+    (:meth:`moetool.report.RunDir.create`, which gives the same message for this one)."""
+    out = params.get("out")
+    if not out or params.get("force") or params.get("resume"):
+        return
+    from .report.rundir import PART, read_manifest
+
+    path = Path(out)
+    if not path.is_dir() or not any(not p.name.startswith(PART) for p in path.iterdir()):
+        return
+    prev = read_manifest(path)
+    if prev is None or prev.get("status") == "complete":
+        raise MoetoolError(f"--out {path} is not empty (use --force to write into it)")
+
+
+def preflight(*models: str) -> None:
+    """Resolve every ``--model`` (embedded name, alias, directory, hub id) from its config alone, before a command
+    imports its experiment (and torch): an unknown name, a dense model or an uncached hub id without network fails
+    in about a second of the whole process instead of after the imports."""
+    from .loading import load_config, resolve
+
+    kinds = {m: resolve(m)[1] for m in models}  # names alone: an unknown one fails here
+    for model in sorted(models, key=lambda m: kinds[m] not in ("hub", "alias")):  # the ones that may need the Hub
+        load_config(model)
+
+
+def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
+              max_tokens: int | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+              attn_implementation: str | None = None, quantize: str | None = None) -> Any:
+    """``sizing.validate_run`` on the model's config: bad sizes, too long --seq-len, no such device, not enough
+    memory fail with one line before any weight loads or any run folder exists. Returns the ``RunEstimate``."""
+    from .loading import load_config
+    from .sizing import validate_run
+
+    config, _, _ = load_config(model)
+    return validate_run(config, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
+                        dtype=dtype, device_map=device_map, attn_implementation=attn_implementation,
+                        quantize=quantize)
+
+
+# ----- --batch-size auto -----------------------------------------------------------------------------------------
+def routing_policies(routing: Any) -> list[Any]:
+    """The policy classes of a ``--routing`` value (one spec, or a comma-separated list of them): what they declare
+    they need (``needs_attention``, ``needs_probe``) is what ``--batch-size auto`` sizes for, without building them."""
+    if not routing:
+        return []
+    from .policies import POLICIES
+
+    names = [s.strip().split(":", 1)[0] for s in str(routing).split(",") if s.strip()]
+    return [POLICIES.get(n) for n in names if n in POLICIES.names()]
+
+
+def resolve_batch_size(params: dict[str, Any], run: RunState | None = None) -> int:
+    """``--batch-size auto`` from a command's own options: :func:`moetool.sizing.auto_batch_size` (sized for what the
+    ``--routing`` policies need), the minimum over ranks under torchrun (every rank must cut the same global
+    batches), one console line. The decision is kept for the manifest in the run's ``backoff.choice``."""
+    from . import distributed, sizing
+
+    run = state(run)
+    model = params.get("model") or params.get("model_arg") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
+    e = distributed.env()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", e.world_size))
+    rows, facts = sizing.auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
+                                         device=params.get("device") or "auto", dtype=params.get("dtype") or "auto",
+                                         device_map=params.get("device_map"),
+                                         policies=routing_policies(params.get("routing")), processes=processes,
+                                         world=e.world_size, quantize=params.get("quantize"))
+    if e.distributed:
+        import torch
+
+        distributed.init(params.get("device") or "auto")
+        rows = int(distributed.all_reduce_world(torch.tensor(rows), "min"))  # a model group shares its batch
+        facts["rows"] = rows
+    run.backoff.choice = facts
+    if e.rank == 0:
+        announce_batch_size(rows, facts)
+    return rows
+
+
+def announce_batch_size(rows: int, facts: dict[str, Any]) -> None:
+    free = facts.get("free_bytes")
+    say(f"--batch-size auto: {rows} rows per forward ({facts['reason']}; "
+        f"{'?' if free is None else f'{free / 2**30:.1f} GiB'} free on {facts['device']})")
+
+
+# ----- the run folder, the model, the tokens ---------------------------------------------------------------------
+class StartedRun:
+    """What :func:`start_run` made: the run folder, the model, the tokens (``None`` without ``seq_len``) and the
+    run-level manifest options. Unpacks as ``run, lm, tokens``; ``write(result)`` is the one writer call."""
+
+    def __init__(self, run: Any, lm: Any, tokens: Any, options: dict[str, Any], units: Any = None,
+                 state: RunState | None = None):
+        self.run, self.lm, self.tokens, self.options = run, lm, tokens, options
+        self.units = units  # moetool.checkpoints.Units: finished units kept for --resume (None: not asked)
+        self.state = state  # the Run (back-off, layout); None: the run of the context
+
+    def __iter__(self) -> Any:
+        return iter((self.run, self.lm, self.tokens))
+
+    def write(self, result: Any, **kwargs: Any) -> Any:
+        """:func:`write_result` with this run's model, run-level options and state."""
+        return write_result(result, self.run, model=self.lm, options=self.options, state=self.state, **kwargs)
+
+
+def write_result(result: Any, run: Any, *, state: RunState | None = None, **kwargs: Any) -> Any:
+    """The one writer call of every run: :func:`moetool.report.writers.write`, the ``--batch-size auto``
+    back-off of the run (the rows that ran after an out-of-memory) recorded in the manifest first."""
+    from .context import state as run_state
+    from .report.writers import write
+
+    backed_off = run_state(state).backoff.manifest()
+    if backed_off is not None:  # --batch-size auto backed off on out-of-memory: the rows that ran
+        run.add(batch_size_auto=backed_off)
+    return write(result, run, **kwargs)
+
+
+def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = None, seq_len: int | None = None,
+              max_tokens: int | None = None, batch_size: int | None = None, dtype: str = "auto", device: str = "auto",
+              device_map: str | None = None, attention: bool = False, tokenizer: bool = True,
+              add_special_tokens: bool | None = False, resume: bool = False, units: Any = None,
+              quantize: str | None = None) -> StartedRun:
+    """The start every command shares: ``--data`` must exist and the run must fit (:func:`check_run`) before the
+    run folder exists; then the folder (with the memory estimate), the model (eager attention for ``attention``),
+    and with ``seq_len`` the packed tokens of ``--data``. Unpacks as ``run, lm, tokens`` (tokens ``None`` without
+    ``seq_len``); ``.write(result)`` writes the result with the run-level options (model, data, sizes, device).
+
+    Under ``torchrun`` / ``accelerate launch`` (:mod:`moetool.distributed`) every rank joins the process group
+    (gloo on CPU, nccl on ``cuda:LOCAL_RANK``) before loading; rank 0 alone gets the run folder, the others a
+    :class:`NullRun` (nothing written) and a silent stdout; the manifest records the world size and each rank's
+    rows and tokens (its shard of ``--batch-size`` rows of every global batch).
+
+    ``units`` (the experiment's options dataclass) asks for unit checkpoints (``.units``) keyed by every option;
+    ``resume`` continues the unfinished run in ``out`` (other options: refused in one line before loading)."""
+    from . import distributed
+    from .data import DocumentStream, load_tokens
+    from .loading import check_quantize, load, weights_fingerprint
+
+    check_quantize(quantize, device)  # --quantize on CPU: one line before anything
+    attn = "eager" if attention else None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if device_map and per_node > 1:  # every rank would spread its own copy over the same GPUs
+        raise MoetoolError(f"--device-map spreads one model over this node's GPUs: launch one process per node "
+                           f"(torchrun --nproc-per-node 1), not {per_node}")
+    if distributed.parallel().active:  # --tp / --ep: a layout that cannot work is one line before any folder
+        from .loading import load_config
+
+        distributed.check_parallel(load_config(model)[0], device_map)
+    if seq_len is not None:
+        DocumentStream(data)  # a missing --data fails before anything is loaded
+    est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device, dtype=dtype,
+                    device_map=device_map, attn_implementation=attn, quantize=quantize)
+    sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens) if seq_len is not None else {}
+    options = run_options(model=model, **sizes, dtype=dtype, device=device, device_map=device_map,
+                          **({"quantize": quantize} if quantize else {}))
+    run, checkpoints = open_run(command, out, force, resume=resume, device=device, estimate=est,
+                                batch_size=batch_size, units=None if units is None else {**options, **unit_key(units)})
+    if checkpoints is not None:  # --resume: refused when the weights changed since the run started
+        checkpoints.check_inputs(model=weights_fingerprint(model))
+    lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer,
+              quantize=quantize)
+    note = lm.quantization().get("note")
+    if note and distributed.rank() == 0:
+        say(f"note: {note}")
+    tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
+              if seq_len is not None else None)
+    if checkpoints is not None and tokens is not None:  # --resume: refused when other data was read
+        checkpoints.check_inputs(data=tokens.fingerprint())
+    if distributed.world_size() > 1 or distributed.parallel().active:
+        run.add(distributed=rank_layout(tokens, batch_size))
+    return StartedRun(run, lm, tokens, options, checkpoints, state=state())
+
+
+def open_run(command: str, out: Any, force: bool, *, resume: bool, device: Any, estimate: Any,
+             batch_size: int | None, units: dict[str, Any] | None = None,
+             run: RunState | None = None) -> tuple[Any, Any]:
+    """The run folder on rank 0 (a :class:`NullRun` on the other ranks, whose stdout goes to /dev/null: one
+    console), the process group joined (alone: nothing), the memory estimate and the run's ``--batch-size auto``
+    choice in the manifest; ``units`` (the key of unit checkpoints) -> ``(run folder, Units | None)``."""
+    from . import distributed
+    from .report.rundir import NullRun, RunDir
+
+    alone = check_resume(resume)
+    main = distributed.is_main()
+    folder = (RunDir.create(command, out, force, resume=resume, resumable=units is not None) if main
+              else NullRun(command, out))
+    checkpoints = folder.units(units) if units is not None and alone else None
+    distributed.init(str(device))  # alone: a no-op; cuda:LOCAL_RANK is then the current CUDA device
+    if not main:
+        sys.stdout = open(os.devnull, "w")  # one console: rank 0's
+    folder.add(memory_estimate=estimate.as_dict())
+    choice = state(run).backoff.choice
+    if choice and choice.get("rows") == batch_size:
+        folder.add(batch_size_auto=dict(choice))
+    return folder, checkpoints
+
+
+def check_resume(resume: bool) -> bool:
+    """True when unit checkpoints are kept: one process. Under ``torchrun`` (world size > 1) none are kept (a
+    rank's partial state is not the run's) and ``--resume`` is refused in one line on every rank."""
+    from . import distributed
+
+    world = distributed.env().world_size
+    if resume and world > 1:
+        raise MoetoolError(f"--resume is not supported under torchrun (world size {world}): no unit checkpoints are "
+                           "kept there; start the run over with --force")
+    return world == 1
+
+
+def unit_key(options: Any) -> dict[str, Any]:
+    """The experiment options a resumed run must share (a dataclass or a dict)."""
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)
+
+
+def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:
+    """The manifest's ``distributed`` section: world size, backend and (with tokens) each rank's rows and real
+    tokens, gathered from the ranks themselves (a collective: every rank calls it)."""
+    from . import distributed
+
+    info: dict[str, Any] = {"world_size": distributed.world_size(), "backend": distributed.backend()}
+    par = distributed.parallel()
+    if par.active:  # world_size above counts data-parallel groups; each group is tp/ep ranks holding one model
+        info.update(tp=par.tp, ep=par.ep, dp=distributed.world_size(), processes=distributed.world_size() * par.group)
+    if tokens is not None and batch_size:
+        mine = distributed.shard(tokens, batch_size)
+        got = distributed.gather_object((int(mine.input_ids.shape[0]), int(mine.n_tokens)))
+        info.update(rows_per_rank=[r for r, _ in got], tokens_per_rank=[t for _, t in got],
+                    rows_per_global_batch=batch_size * distributed.world_size())
+    return info
+
+
+def run_options(**options: Any) -> dict[str, Any]:
+    """The run-level manifest options (model, data, loading); paths as strings. The experiment's own options
+    come from its options dataclass (see :func:`moetool.report.writers.write`)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
+
+
+# ----- moetool.run(...) -------------------------------------------------------------------------------------------
+def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, out: str | Path | None = None,
+        force: bool = False, batch_size: int | str | None = None, resume: bool = False, quiet: bool = False,
+        **overrides: Any) -> Any:
+    """``moetool <experiment>`` on a loaded model: the run a command makes, from Python.
+
+    ``experiment`` is a command name (``"stats"``, ``"expert-similarity"``) or its function's; ``lm`` a loaded model
+    (:func:`moetool.load`), ``tokens`` packed rows (:func:`moetool.tokens`; not for experiments of the weights
+    alone); ``options`` the experiment's options dataclass, or its fields as keywords. ``batch_size`` rows per
+    forward (default: the options' own) or ``"auto"`` (the largest the free memory holds, backing off on
+    out-of-memory as the CLI does; the manifest records it). Before anything runs: the sizes and memory are
+    checked and ``out`` must be free (or ``force``); ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments
+    that keep them: same options, model and tokens, else one error). Writes the command's files (CSVs, figures,
+    manifest.json) into ``out`` (default ``runs/<experiment>-<time>``) and returns the
+    :class:`~moetool.experiments.result.Result`, its ``path`` the run folder.
+    """
+    from . import distributed
+    from .api import _timed
+    from .experiments.registry import get
+    from .experiments.result import resolve_options
+    from .sizing import validate_run
+
+    spec = get(experiment)
+    if spec.inputs not in ("tokens", "weights"):
+        raise MoetoolError(f"moetool.run runs experiments of a model and tokens or weights; '{spec.name}' takes "
+                           f"{spec.inputs}: call moetool.{spec.api}(...) and moetool.write(...)")
+    if spec.inputs == "tokens" and tokens is None:
+        raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
+    auto = isinstance(batch_size, str)
+    if auto and batch_size.strip().lower() != "auto":
+        raise MoetoolError(f"batch_size='{batch_size}' is neither a number of rows nor 'auto'")
+    compute = spec.load()
+    resumable = "units" in inspect.signature(compute).parameters
+    if resume and not resumable:
+        raise MoetoolError(f"'{spec.name}' keeps no unit checkpoints: resume=True is not supported there")
+    opts = resolve_options(spec.options_class(), options, overrides)
+    if auto and not hasattr(opts, "batch_size"):
+        raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='auto' does not apply")
+    seq_len = int(tokens.input_ids.shape[1]) if tokens is not None else None
+    this = Run.new(spec.name, auto_batch=auto)
+    with this.active():
+        rows = auto_rows(lm, tokens, opts, this) if auto else batch_size
+        if rows is not None and hasattr(opts, "batch_size"):
+            opts = dataclasses.replace(opts, batch_size=rows)
+        rows = getattr(opts, "batch_size", rows)
+        est = validate_run(lm.config, seq_len=seq_len, batch_size=rows, device=lm.device, dtype=lm.dtype,
+                           weights_loaded=True)
+        options_run = run_options(model=lm.name, **({"data": tokens.source, "seq_len": seq_len,
+                                                     "max_tokens": tokens.n_tokens} if tokens is not None else {}),
+                                  dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device))
+        key = {"model": lm.name, **unit_key(opts)} if resumable else None
+        folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est,
+                                 batch_size=rows, units=key, run=this)
+        with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
+            if units is not None:  # resume: refused when the weights or the tokens differ from the run's
+                from .loading import weights_fingerprint
+
+                units.check_inputs(model=weights_fingerprint(lm.name))
+                if tokens is not None:
+                    units.check_inputs(data=tokens.fingerprint())
+            if distributed.world_size() > 1:
+                folder.add(distributed=rank_layout(tokens, rows))
+            args = (lm, tokens, opts) if spec.inputs == "tokens" else (lm, opts)
+            res = _timed(lm, compute, *args, quiet=quiet, **({"units": units} if resumable else {}))
+            write_result(res, folder, state=this, model=lm, options=options_run)
+    res.path = folder.path
+    return res
+
+
+def auto_rows(lm: Any, tokens: Any, opts: Any, run: Run) -> int:
+    """``batch_size="auto"`` on a loaded model: the rows the free memory left beside its weights holds
+    (:func:`moetool.sizing.auto_rows`, sized for the options' routing policies), the same on every rank."""
+    from . import distributed, sizing
+
+    seq_len = int(tokens.input_ids.shape[1]) if tokens is not None else None
+    rows, facts = sizing.auto_rows(lm.config, device=lm.device, dtype=lm.dtype, seq_len=seq_len,
+                                   max_tokens=None if tokens is None else int(tokens.input_ids.shape[0]) * seq_len,
+                                   params=None, policies=routing_policies(getattr(opts, "routing", None)),
+                                   world=distributed.world_size())
+    if distributed.world_size() > 1:
+        import torch
+
+        rows = int(distributed.all_reduce_world(torch.tensor(rows), "min"))
+        facts["rows"] = rows
+    run.backoff.choice = facts
+    return rows
+
+
+class _CallableModule(type(sys)):  # type: ignore[misc]
+    """``moetool.run`` is both this module and :func:`run`: once the module is imported it is the package's
+    attribute ``run``, so calling it calls :func:`run`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return run(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
