@@ -63,7 +63,7 @@ def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", h
     preflight(model)  # before the experiment's imports: a bad model fails at once
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
-    from moetool.experiments.agreement import LOAD_DTYPE, PRECISIONS, AgreementOptions, agreement as compute
+    from moetool.experiments.agreement.compute import LOAD_DTYPE, PRECISIONS, AgreementOptions, agreement as compute
     from moetool.loading import load_tokenizer
     from moetool.report.console import print_table, with_ci
 

@@ -52,7 +52,7 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
            device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
            quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
+    from moetool.experiments.approx.compute import ApproxOptions, approx as compute, summary_lines
     from moetool.report.console import print_table
 
     opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,

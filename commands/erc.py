@@ -51,7 +51,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         seed: Seed = 0,
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
+    from moetool.experiments.erc.compute import ErcOptions, erc as compute, parse_noise, summary_lines
     from moetool.experiments.published import erc_alpha_min
     from moetool.report.console import print_table
 

@@ -45,7 +45,7 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  seed: Seed = 0,
                  quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
+    from moetool.experiments.eval.compute import EvalOptions, eval_tasks, plan_tasks
     from moetool.report.console import print_table
 
     opts = EvalOptions(tasks=tuple(parse_list(tasks, str, "task")), num_fewshot=num_fewshot, limit=limit,

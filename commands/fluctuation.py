@@ -96,7 +96,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
     preflight(*checkpoints)  # before the experiment's imports: a bad --model fails at once
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
-    from moetool.experiments.fluctuation import (FluctuationOptions, check_checkpoints, fluctuation as compute,
+    from moetool.experiments.fluctuation.compute import (FluctuationOptions, check_checkpoints, fluctuation as compute,
                                                  summary_lines)
     from moetool.report.console import print_table, with_ci
 

@@ -65,7 +65,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                 batch_size: BatchSize = 8, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, dtype: Dtype = "auto",
                 device: Device = "auto", seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
+    from moetool.experiments.mass_recall.compute import MassRecallOptions, mass_recall as compute
     from moetool.report.console import print_table, with_ci
 
     opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),

@@ -65,7 +65,7 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
             trace_config: Optional[str] = TraceConfig) -> None:
     if trace is None:
         preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.offload import OffloadOptions, offload as compute
+    from moetool.experiments.offload.compute import OffloadOptions, offload as compute
     from moetool.report.console import print_table
 
     opts = OffloadOptions(capacities=tuple(parse_list(capacity, int, "capacity")) if capacity else None,

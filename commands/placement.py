@@ -69,7 +69,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                                 "sglang (--init-expert-location file) or eplb "
                                                                 "(phy2log, log2phy, logcnt).")) -> None:
     if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)
-        from moetool.experiments.placement import PlacementOptions
+        from moetool.experiments.placement.compute import PlacementOptions
 
         from .trace_input import placement_on_trace, refuse
 
@@ -81,7 +81,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
-    from moetool.experiments.placement import PlacementOptions, placement as compute
+    from moetool.experiments.placement.compute import PlacementOptions, placement as compute
 
     opts = PlacementOptions(gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
                             extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
@@ -97,7 +97,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     if reference_data is not None:
         DocumentStream(reference_data)  # a missing file fails before the run folder exists
     if reference_model is not None:  # configs and vocabularies must agree, before any weight loads
-        from moetool.experiments.fluctuation import check_checkpoints
+        from moetool.experiments.fluctuation.compute import check_checkpoints
 
         preflight(reference_model)
         check_checkpoints([model, reference_model])

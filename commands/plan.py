@@ -37,11 +37,11 @@ def plan(model: Model = DEFAULT_MODEL,
          batch_size: int = typer.Option(8, "--batch-size", help="Rows per batch the commands would run.", min=1),
          as_json: bool = typer.Option(False, "--json", help="Print the tables as JSON (no run folder)."),
          out: Out = None, force: Force = False, quiet: Quiet = False) -> None:
-    from moetool.experiments.plan import parse_gpus
+    from moetool.experiments.plan.compute import parse_gpus
 
     parse_gpus(gpus)  # a bad --gpus fails before the config is read
     preflight(model)
-    from moetool.experiments.plan import plan as compute
+    from moetool.experiments.plan.compute import plan as compute
     from moetool.loading import resolve
     from moetool.report.console import console, count_text, print_table
 

@@ -76,8 +76,8 @@ def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
           device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.lmeval import plan_tasks
-    from moetool.experiments.prune import PruneOptions, prune as compute
+    from moetool.experiments.eval.compute import plan_tasks
+    from moetool.experiments.prune.compute import PruneOptions, prune as compute
 
     opts = PruneOptions(fractions=tuple(parse_list(fractions, float, "fraction")),
                         criteria=tuple(parse_list(criteria, str, "criterion")), ablate=ablate, reap_weights=reap_weights,

@@ -106,7 +106,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, resume: Resume = False,
           quiet: Quiet = False, trace: Optional[Path] = Trace, trace_config: Optional[str] = TraceConfig) -> None:
     if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)
-        from moetool.experiments.stats import StatsOptions
+        from moetool.experiments.stats.compute import StatsOptions
 
         from .trace_input import refuse, stats_on_trace
 
@@ -115,7 +115,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
             top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
             coactivation=coactivation, all_tokens=all_tokens, bootstrap=0, seed=seed), out, force)
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.stats import StatsOptions, stats as compute
+    from moetool.experiments.stats.compute import StatsOptions, stats as compute
     from moetool.report.console import print_table
 
     opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,

@@ -37,7 +37,7 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           resume: Resume = False, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.errors import MoetoolError
-    from moetool.experiments.trace import TraceOptions, trace as compute
+    from moetool.experiments.trace.compute import TraceOptions, trace as compute
 
     if fmt not in ("csv.gz", "parquet"):
         raise MoetoolError(f"--format must be csv.gz or parquet, not '{fmt}'")

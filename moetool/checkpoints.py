@@ -26,10 +26,10 @@ UNITS = "units"  # the folder of finished units of an unfinished run (--resume),
 #: checkpoint builds nothing else (no pickle: a tampered checkpoint cannot run code)
 CHECKPOINT_TYPES = frozenset({
     "moetool.engine.runner.NLL", "moetool.engine.runner.ForwardResult", "moetool.uncertainty.RowTable",
-    "moetool.sketch.SparseCounter", "moetool.experiments.stats.Collected", "moetool.experiments.stats.RoutingStats",
-    "moetool.experiments.stats.LayerAccumulator", "moetool.experiments.specialization.VocabSpecialization",
+    "moetool.sketch.SparseCounter", "moetool.experiments.stats.compute.Collected", "moetool.experiments.stats.compute.RoutingStats",
+    "moetool.experiments.stats.compute.LayerAccumulator", "moetool.experiments.specialization.VocabSpecialization",
     "moetool.experiments.specialization.CrossLayer", "moetool.experiments.specialization.LoadBalance",
-    "moetool.experiments.lmeval.EvalResult",
+    "moetool.experiments.eval.compute.EvalResult",
 })
 UNIT_FORMAT = 1  # the layout of a unit file (``<name>.unit``: torch.save of plain containers and tensors)
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from moetool.experiments import fluctuation, norm_select
+from moetool.experiments.fluctuation.compute import compute as fluctuation, norm_select
 from moetool.uncertainty import format_ci
 
 

@@ -51,7 +51,7 @@ def test_help_is_the_module_docstring_and_lists_every_flag(spec):
 def test_flags_fill_the_options():
     """Each flag kind parses to the options' type: lists to tuples (``none``: the empty one), an unset flag without
     default to nothing (the dataclass keeps its own default), --layers to a tuple of indices."""
-    spec = Experiment(name="x", module="moetool.experiments.super_experts", function="super_experts",
+    spec = Experiment(name="x", module="moetool.experiments.super_experts.compute", function="super_experts",
                       options="SuperExpertsOptions", command=None, bootstrap=True,
                       flags=(Flag("--fractions", "floats", (0.25, 0.5)), Flag("--ks", "ints"),
                              Flag("--names", "strs"), Flag("--exact", "bool"), Flag("--p", "float", 0.9, field="pp")))

@@ -19,7 +19,7 @@ from moetool.adapters import find_moe_layers
 from moetool.data import TokenBatch, TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
-from moetool.experiments.stats import RoutingStats, SparseCounter, StatsOptions, stats
+from moetool.experiments.stats.compute import RoutingStats, SparseCounter, StatsOptions, stats
 
 COLUMNS = {
     "load.csv": ["layer", "expert", "load_fraction", "load_fraction_lo", "load_fraction_hi", "token_fraction",

@@ -104,7 +104,7 @@ class Experiment:
 
 
 def _x(name: str, function: str, options: str | None, **kw: Any) -> Experiment:
-    module = f"moetool.experiments.{kw.pop('file', function)}"
+    module = f"moetool.experiments.{name.replace('-', '_')}.compute"
     cmd = kw.pop("cmd", function)  # None: a command generated from the spec
     return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function),
                       command=cmd and f"moetool.commands.{cmd}", **kw)
@@ -116,7 +116,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        demo=Demo(seq_len=256, max_tokens=8192, tokens={"add_special_tokens": None})),
     _x("norm-select", "norm_select", "NormSelectOptions", figures="moetool.report.plots:norm_select_figures",
        demo=Demo(models=("tiny",), seq_len=256, max_tokens=2048, options={"limit": 20, "batch_size": 16},
-                 options_from="moetool.experiments.norm_select:demo_options")),
+                 options_from="moetool.experiments.norm_select.compute:demo_options")),
     _x("erc", "erc", "ErcOptions", inputs="weights", figures="moetool.report.plots:erc_figures",
        demo=Demo(seq_len=None, options={"samples": 4})),
     _x("approx", "approx", "ApproxOptions", figures="moetool.report.plots:approx_figures",
@@ -172,7 +172,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
        flags=(Flag("--cluster-to", "int", None, "HC-SMoE's groups: cluster each layer's experts into this many "
                    "(average linkage on the distance of mean outputs); default: the merge order only."),)),
     _x("ppl", "ppl", "PplOptions", lines=None),
-    _x("eval", "eval_tasks", "EvalOptions", file="lmeval", api="evaluate", cmd="eval", inputs="model", lines=None),
+    _x("eval", "eval_tasks", "EvalOptions", api="evaluate", cmd="eval", inputs="model", lines=None),
     _x("trace", "trace", "TraceOptions", lines=None),
     _x("plan", "plan", None, inputs="config", lines=None),
 )}

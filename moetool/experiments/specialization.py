@@ -1,6 +1,6 @@
 """Streaming consumers behind ``stats``' OLMoE-style analyses: vocabulary specialisation, cross-layer
 co-activation and the load-balancing view. Each rides on :func:`moetool.engine.forward` beside
-:class:`~moetool.experiments.stats.RoutingStats`, keeps its aggregates on the layer's device (padding is weighted
+:class:`~moetool.experiments.stats.compute.RoutingStats`, keeps its aggregates on the layer's device (padding is weighted
 out, never indexed away, so nothing waits for the device inside the forward) and turns them into DataFrames at
 the end with the pure functions below.
 

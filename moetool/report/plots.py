@@ -157,7 +157,7 @@ def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
     ``items``: task -> number of lm-eval items scored (shown beside each task; ``n_samples`` of the manifest)."""
     import numpy as np
 
-    from ..experiments.norm_select import asked_rows
+    from ..experiments.norm_select.compute import asked_rows
     from .figures import line_by, new_figure
 
     out = {}
@@ -329,7 +329,7 @@ def plot_erc(erc: Any, per_layer: Any, matrix: Any, node: str, norm: str, noise:
 
     from matplotlib.lines import Line2D
 
-    from ..experiments.erc import loss_curves
+    from ..experiments.erc.compute import loss_curves
 
     # the clean loss swept past every layer's α_min (erc.csv holds --alpha only; the noisy draws are not kept)
     curves = loss_curves(matrix, sorted(set(erc["alpha"])))
@@ -718,7 +718,7 @@ def plot_placement(overall: Any, per_layer: Any) -> dict[str, Any]:
     ax.minorticks_off()
     ax.axhline(1.0, color="black", lw=0.6, ls=":")
     out = {"placement_imbalance": fig}
-    from ..experiments.placement import headline_gpus
+    from ..experiments.placement.compute import headline_gpus
 
     G = headline_gpus(per_layer)
     fig, (ax,) = new_figure(width=5.0)
