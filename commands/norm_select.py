@@ -67,7 +67,7 @@ def norm_select(model: Model = DEFAULT_MODEL,
                                                     "every norm policy chooses among them."),
                 quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.norm_select.compute import compute as ns
+    from moetool.experiments.norm_select import compute as ns
     from moetool.experiments.eval.compute import plan_tasks
     from moetool.policies import build_policy
     from moetool.experiments.published import console_layout

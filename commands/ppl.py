@@ -37,7 +37,8 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
                                       "rows for the perplexity ratio (policies other than router)."),
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.ppl.compute import PplOptions, data_name, ppl as compute
+    from moetool.experiments.ppl.compute import PplOptions, ppl as compute
+    from moetool.experiments.routing import data_name
     from moetool.report.console import print_table
 
     opts = PplOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),

@@ -19,7 +19,7 @@ from moetool.commands.app import app
 from moetool.engine.hooks import Engine
 from moetool import lmeval_compat
 from moetool.experiments.eval import compute as lmeval
-from moetool.experiments.norm_select.compute import compute as ns
+from moetool.experiments.norm_select import compute as ns
 from moetool.loading import embedded_models, load
 from moetool.policies import make_policy
 

@@ -75,7 +75,7 @@ def _lru_by_hand(trace, C):
 def test_vectorised_lru_matches_token_by_token(n, K, T, monkeypatch):
     """LRU (every capacity from one rank computation, blocks of tokens) == the request-by-request simulation;
     capacity >= the distinct experts (nothing evicted) hits every repeat, for every policy."""
-    from moetool.experiments.offload.compute import compute as off
+    from moetool.experiments.offload import compute as off
 
     monkeypatch.setattr(off, "LRU_BLOCK", 64)  # several blocks: the state carried across them
     rng = np.random.default_rng(n * K)

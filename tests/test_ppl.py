@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.data import TokenSet
-from moetool.experiments.ppl.compute import PPL_COLUMNS, perplexity, ppl_frame
+from moetool.experiments.ppl.compute import PPL_COLUMNS, ppl_frame
+from moetool.experiments.routing import perplexity
 from moetool.policies import build_policy
 
 

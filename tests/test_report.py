@@ -393,7 +393,7 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     """Every demo step: <step>/<model>/ with <step>/manifest.json (norm-select was <step>/ alone). The sweep is
     cut to one node without tasks here (the layout, not the numbers, is under test)."""
     from moetool.demo import run_step
-    from moetool.experiments.norm_select.compute import compute as ns
+    from moetool.experiments.norm_select import compute as ns
     from moetool.experiments.registry import EXPERIMENTS
     real = ns.norm_select
     monkeypatch.setattr(ns, "norm_select", lambda lm, tokens, opts, quiet: real(

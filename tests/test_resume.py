@@ -172,7 +172,7 @@ def test_resume_refused_under_torchrun(monkeypatch):
 
 @pytest.mark.slow
 def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    from moetool.experiments.fluctuation.compute import compute as fl
+    from moetool.experiments.fluctuation import compute as fl
 
     # order of work (--reference previous): tiny (checkpoint 1) first, then tiny-early fed to tiny's routers too
     args = ["fluctuation", "tiny-early", "tiny", "--routing", "router,similarity", "--isolate", "--max-tokens", "256",
@@ -229,7 +229,8 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
 
     from moetool.data import load_tokens
     from moetool.engine import runner as engine_runner
-    from moetool.experiments.stats.compute import compute as stats, trace
+    from moetool.experiments.stats import compute as stats
+    from moetool.experiments.trace import compute as trace
     from moetool.loading import load
 
     lm = load("tiny")

@@ -44,7 +44,7 @@ from ...loading import load
 from ...sketch import QuantileSketch
 from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals
 from ..margin.compute import SKETCH_HI, SKETCH_LO, token_margins
-from ..ppl.compute import data_name
+from ..routing import data_name
 from ..result import Result, resolve_options
 
 #: precision -> (dtype the forward computes in, simulated weight format or None)

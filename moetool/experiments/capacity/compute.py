@@ -46,7 +46,7 @@ from ...policies import make_policy
 from ...policies.capacity import ORDERS, cf_text
 from ...registry import unique
 from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
-from ..ppl.compute import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
 
 DEFAULT_CFS = (0.5, 1.0, 1.25, 1.5, 2.0)

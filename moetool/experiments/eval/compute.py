@@ -30,7 +30,7 @@ from ...errors import MoetoolError
 from ...lmeval_compat import hub_offline, no_env_report
 from ...progress import logger_level, status
 from ...registry import did_you_mean
-from ..ppl.compute import RoutingOptions
+from ..routing import RoutingOptions
 from ..result import Result, resolve_options
 
 TASKS_ENV = "MOETOOL_TASKS"

@@ -43,7 +43,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, expert_outputs
 from ...engine.runner import forward
 from ...errors import MoetoolError, MoetoolRuntimeError
-from ..ppl.compute import data_name
+from ..routing import data_name
 from ..result import Result, resolve_options
 
 SOURCE = "Chen et al. 2024, HC-SMoE, arXiv 2410.08589"

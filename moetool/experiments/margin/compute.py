@@ -63,7 +63,7 @@ from ...policies import build_policy
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
 from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals
-from ..ppl.compute import data_name
+from ..routing import data_name
 from ..result import Result, resolve_options
 
 DEFAULT_EPS = (0.001, 0.01, 0.05, 0.1)

@@ -27,7 +27,7 @@ from ...registry import did_you_mean, unique
 from ...uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
                            ratio_intervals)
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
-from ..ppl.compute import data_name, perplexity, ppl_intervals
+from ..routing import data_name, perplexity, ppl_intervals
 from ..published import aoe_table1
 from ..result import Result, resolve_options
 

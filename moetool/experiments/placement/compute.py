@@ -33,7 +33,7 @@ from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, sum_intervals,
                            with_ci)
-from ..ppl.compute import data_name
+from ..routing import data_name
 from ..result import Result, resolve_options
 from ..specialization import LoadBalance
 

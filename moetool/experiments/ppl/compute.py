@@ -1,4 +1,5 @@
-"""Perplexity under a routing policy: ``moetool ppl`` and the ``norm-select`` sweep.
+"""Perplexity under a routing policy: ``moetool ppl`` (the loop it shares with other experiments is
+:mod:`moetool.experiments.routing`).
 
 The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
 (:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
@@ -8,24 +9,17 @@ With no policy the model runs unhooked (the reference a ``router`` run must repr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from ...engine.hooks import Consumer, select_layers
-from ...engine.runner import ForwardResult, forward
-from ...errors import MoetoolError
-from ...uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot, ppl_ratio_interval, ratio_intervals
+from ...engine.hooks import select_layers
+from ...engine.runner import ForwardResult
+from ...uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
 from ..result import Result, resolve_options
+from ..routing import SCORED_TOKENS, RoutingOptions, data_name, perplexity, ppl_intervals
 
 #: ppl.csv columns, one row per run
 PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "scored_tokens", "nll_mean", "perplexity", "perplexity_lo",
                "perplexity_hi", "router_perplexity", "ratio", "ratio_lo", "ratio_hi", "seconds")
-
-#: the one meaning of ``scored_tokens`` in every perplexity table (ppl, topk, capacity, prune, super-experts);
-#: ``tokens`` is always real (unpadded) tokens routed (by the layer, or to the expert on a per-expert row)
-SCORED_TOKENS = ("scored next-token predictions, what the perplexity averages over: pairs of consecutive real "
-                 "(unpadded) tokens within a packed row, so one fewer than the row's real tokens (encoder-decoder "
-                 "models: every real token of the row, each a target of the decoder)")
 
 PPL_DEFINITIONS = {
     "scored_tokens": SCORED_TOKENS,
@@ -46,23 +40,6 @@ PPL_DEFINITIONS = {
 
 
 @dataclass(frozen=True)
-class RoutingOptions:
-    """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
-
-    routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
-    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
-    sim: str = "dot"  # similarity policy: dot | cosine
-    causal: bool = True  # similarity policy: only tokens j <= i
-    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
-    seed: int = 0
-
-    def policy(self) -> Any:
-        from ...policies import build_policy
-
-        return build_policy(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
-
-
-@dataclass(frozen=True)
 class PplOptions(RoutingOptions):
     """Options of :func:`ppl`."""
 
@@ -72,54 +49,6 @@ class PplOptions(RoutingOptions):
 
     def __post_init__(self) -> None:
         check_n_boot(self.bootstrap)
-
-
-def data_name(path: str | Path | None) -> str:
-    """Short name of ``--data`` for tables: the file/folder stem, ``heldout`` for the default."""
-    return Path(path).stem if path else "heldout"
-
-
-def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
-               consumers: Iterable[Consumer] = (), batch_size: int = 8, quiet: bool = False,
-               description: str = "perplexity", rows: Any = None) -> ForwardResult:
-    """Perplexity of ``lm`` on packed ``tokens`` with ``policy`` applied in ``policy_layers`` (one forward loop).
-
-    ``rows`` (a :class:`moetool.uncertainty.RowTable` over ``tokens``, which must then be a shard from
-    :func:`moetool.distributed.shard` under a distributed launch) receives per-row ``nll`` sums and ``scored``
-    counts (and whatever ``consumers`` add to it); it is reduced across ranks at the end and returned as
-    ``result.rows``. The NLL is then their sum (the same float64 per-token values).
-    """
-    if rows is None:
-        return forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
-                       nll=True, quiet=quiet, description=description)
-    from ...engine.runner import NLL
-
-    def per_row(nll: Any, scored: Any) -> None:
-        rows.add("nll", nll)
-        rows.add("scored", scored)
-
-    res = forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
-                  before_batch=rows.next_batch, per_row_nll=per_row, quiet=quiet, description=description)
-    rows.reduce_across_ranks()
-    res.nll = NLL(float(rows.table("nll").sum()), int(rows.table("scored").sum()))
-    res.rows = rows
-    return res
-
-
-def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_boot: int = DEFAULT_BOOTSTRAP,
-                  seed: int = 0) -> dict[str, Any]:
-    """``perplexity`` (and, with the router ``base`` run over the same rows, ``ratio``) with bootstrap intervals
-    from the runs' per-row sums: ``{perplexity, perplexity_lo, perplexity_hi[, ratio, ratio_lo, ratio_hi]}``."""
-    import numpy as np
-
-    nll, scored = run.rows.table("nll"), run.rows.table("scored")
-    kw = dict(n_boot=n_boot if run.rows.n_rows >= 2 else 0, seed=seed)
-    out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
-    if base is not None:
-        if not np.array_equal(base.rows.table("scored"), scored):
-            raise MoetoolError("the baseline scored different tokens: no paired ratio")
-        out.update(ppl_ratio_interval(nll, base.rows.table("nll"), scored, **kw).columns("ratio"))
-    return out
 
 
 def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any,

@@ -42,7 +42,7 @@ from ...registry import unique
 from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import eval_rows
-from ..ppl.compute import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
 
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5)

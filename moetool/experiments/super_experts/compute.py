@@ -64,7 +64,7 @@ from ...engine.probes import DEFAULT_BUDGET, routed_absmax
 from ...errors import MoetoolError
 from ...policies.prune import PrunePolicy, random_removed
 from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
-from ..ppl.compute import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
 
 SOURCE = "Su et al. 2025, arXiv 2507.23279"

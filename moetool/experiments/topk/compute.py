@@ -39,7 +39,7 @@ from ...errors import MoetoolError
 from ...policies import make_policy
 from ...registry import unique
 from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, with_ci
-from ..ppl.compute import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
 
 DEFAULT_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)

@@ -28,7 +28,7 @@ from ... import distributed
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...engine.stream import TableStream
-from ..ppl.compute import RoutingOptions
+from ..routing import RoutingOptions
 from ..result import Result, resolve_options
 
 FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row index), pos (position in row), "
