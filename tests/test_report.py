@@ -114,7 +114,7 @@ def test_every_figure_has_a_caption_from_the_definitions():
 
     from moetool.report import plots
 
-    src = "".join((Path(plots.__file__).parent / f).read_text() for f in ("plots.py", "plots_offload.py"))
+    src = "".join(f.read_text() for f in sorted(Path(plots.__file__).parents[1].glob("experiments/*/figures.py")))
     drawn = set(re.findall(r'out\["(\w+)"\] = ', src)) | set(re.findall(r'"(\w+)": (?:plot_\w+\(|fig\}|ratio_curve\()', src))
     drawn |= set(re.findall(r'for name, \w+ in \(\("(\w+)", "\w+"\),', src))  # for name, y in (("a", "y"),
     drawn |= set(re.findall(r'\),\s+\("(\w+)", "\w+"\)\):', src))  # ("b", "y")):

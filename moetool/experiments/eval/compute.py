@@ -39,7 +39,7 @@ EVAL_COLUMNS = ("task", "metric", "value", "stderr", "value_lo", "value_hi")
 
 def shipped_tasks_dir() -> Path | None:
     """Directory of the shipped offline task YAMLs (see the module docstring), or ``None``."""
-    here = Path(__file__).resolve().parents[1]  # the moetool package
+    here = Path(__file__).resolve().parents[2]  # the moetool package
     candidates = [Path(os.environ[TASKS_ENV])] if os.environ.get(TASKS_ENV) else []
     candidates += [here / "tasks", here.parent / "examples" / "tasks"]
     for c in candidates:

@@ -1,4 +1,4 @@
-"""Figures of ``moetool offload`` (named by its spec in :mod:`moetool.experiments.registry`): hit rate vs cache size per
+"""Figures of ``moetool offload`` (named by its spec, ``spec.py``): hit rate vs cache size per
 policy (one panel per layer, 95% bootstrap error bars), next-layer prediction recall per layer, activation
 coverage vs tokens."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 
 def offload_figures(result: Any) -> dict[str, Any]:
-    from .figures import grid_shape, line_by, new_figure
+    from ...report.figures import grid_shape, line_by, new_figure
 
     out: dict[str, Any] = {}
     cache = result["offload_cache.csv"]
