@@ -280,3 +280,13 @@ def test_nothing_below_the_experiments_names_one():
              if RANK[group(name)] < RANK["experiments"] for m in pattern.finditer(path.read_text())]
     assert not found, found
     assert pattern.search("from moetool.experiments.stats.compute import stats")  # the pattern reads a link
+
+
+def test_every_experiment_folder_is_a_package_of_the_distribution():
+    """pyproject.toml lists its packages by name (``commands/`` is installed as ``moetool.commands``): a wheel
+    without an experiment's folder would quietly lack the experiment, so every folder with a spec is listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {f"moetool.experiments.{p.parent.name}" for p in ROOT.joinpath("moetool", "experiments").glob("*/spec.py")}
+    assert len(folders) >= 20 and folders <= listed, sorted(folders - listed)
