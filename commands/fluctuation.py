@@ -9,8 +9,8 @@ from typing import List, Optional
 import typer
 
 from .trace_input import TraceConfig
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, Dtype, Force, MaxTokens, Out,
-                      Quiet, Resume, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, open_run, parse_list,
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, DeviceMap, Dtype, Force,
+                      MaxTokens, Out, Quantize, Quiet, Resume, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, open_run, parse_list,
                       preflight, rank_layout, run_options, unit_key, write_result)
 
 HELP = """Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
@@ -78,7 +78,8 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
                                              "other checkpoint's routers (rows <routing>-isolated)."),
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
-                dtype: Dtype = "auto", device: Device = "auto", resume: Resume = False, quiet: Quiet = False,
+                dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
+                quantize: Quantize = None, resume: Resume = False, quiet: Quiet = False,
                 trace: List[Path] = typer.Option(None, "--trace", help="Two or more recorded routings of the same "
                                                  "tokens (moetool trace / import-trace runs), in order, instead of "
                                                  "checkpoints."),
@@ -87,7 +88,8 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
         from .trace_input import fluctuation_on_traces, refuse
 
         refuse({"checkpoints": checkpoints, "--data": data, "--isolate": isolate, "--resume": resume,
-                "--routing": routing != "router,similarity,attention" and routing})
+                "--routing": routing != "router,similarity,attention" and routing, "--device-map": device_map,
+                "--quantize": quantize})
         return fluctuation_on_traces(trace, trace_config, reference, bootstrap, seed, max_tokens, out, force)
     if not checkpoints:
         from moetool.errors import MoetoolError
@@ -102,11 +104,13 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
 
     opts = FluctuationOptions(routing=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
                               reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device,
+                              device_map=device_map, quantize=quantize,
                               bootstrap=bootstrap, seed=seed)
     DocumentStream(data)
     tokenizer = check_checkpoints(checkpoints)
     est = check_run(checkpoints[0], seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
-                    dtype=dtype, attn_implementation="eager" if opts.needs_attention else None)
+                    dtype=dtype, device_map=device_map, quantize=quantize,
+                    attn_implementation="eager" if opts.needs_attention else None)
     options = run_options(checkpoints=list(checkpoints), data=data, seq_len=seq_len, max_tokens=max_tokens)
     run, units = open_run("fluctuation", out, force, resume=resume, device=device, estimate=est,
                           batch_size=batch_size, units={**options, **unit_key(opts)})

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import typer
 
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, echo_run, handle_errors,
+                      parse_layers, parse_list, preflight, start_run)
 
 HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
 
@@ -63,7 +64,8 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                                                  help="Extra k-means passes over the data after the first."),
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
                 batch_size: BatchSize = 8, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, dtype: Dtype = "auto",
-                device: Device = "auto", seed: Seed = 0, quiet: Quiet = False) -> None:
+                device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
+                quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.mass_recall.compute import MassRecallOptions, mass_recall as compute
     from moetool.report.console import print_table, with_ci
@@ -74,7 +76,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                              kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers),
                              bootstrap=bootstrap)
     started = start_run("mass-recall", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     started.write(res)

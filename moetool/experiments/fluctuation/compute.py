@@ -67,6 +67,8 @@ class FluctuationOptions:
     batch_size: int = 8
     dtype: str = "auto"  # how checkpoints given by name are loaded
     device: str = "auto"
+    device_map: str | None = None  # --device-map of checkpoints given by name
+    quantize: str | None = None  # --quantize of checkpoints given by name
     bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap over packed rows (0 = none)
     seed: int = 0  # bootstrap seed
 
@@ -472,8 +474,9 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
         names = [str(c) for c in checkpoints]
         attn = "eager" if opts.needs_attention else None
         df, pooled = run_fluctuation(names, tokens, opts,
-                                     lambda n: load(n, dtype=opts.dtype, device=opts.device, attn_implementation=attn,
-                                                    tokenizer=False), quiet=quiet, units=units)
+                                     lambda n: load(n, dtype=opts.dtype, device=opts.device, device_map=opts.device_map,
+                                                    quantize=opts.quantize, attn_implementation=attn, tokenizer=False),
+                                     quiet=quiet, units=units)
     else:
         models = {str(i): lm for i, lm in enumerate(checkpoints)}
         df, pooled = run_fluctuation(list(models), tokens, opts, models.__getitem__, quiet=quiet, units=units)
