@@ -10,8 +10,8 @@ import typer
 
 from .trace_input import Trace, TraceConfig
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      MaxTokens, Model, Out, Quiet, Resume, Seed, SeqLen, echo_run, handle_errors, preflight, start_run)
-from .options import Quantize
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Resume, Seed, SeqLen, echo_run, handle_errors,
+                      parse_layers, preflight, start_run)
 
 HELP = """Routing statistics of every MoE layer on --data, model's own router.
 
@@ -101,7 +101,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           no_special_tokens: bool = typer.Option(False, "--no-special-tokens",
                                                  help="Tokenize without special tokens (default: the tokenizer's "
                                                       "own default, e.g. a BOS)."),
-          seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
+          layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, resume: Resume = False,
           quiet: Quiet = False, trace: Optional[Path] = Trace, trace_config: Optional[str] = TraceConfig) -> None:
@@ -110,7 +110,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
 
         from .trace_input import refuse, stats_on_trace
 
-        refuse({"--data": data, "--resume": resume, "--no-special-tokens": no_special_tokens})
+        refuse({"--data": data, "--resume": resume, "--no-special-tokens": no_special_tokens, "--layers": layers})
         return stats_on_trace(trace, trace_config, StatsOptions(
             top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
             coactivation=coactivation, all_tokens=all_tokens, bootstrap=0, seed=seed), out, force)
@@ -119,7 +119,8 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
     from moetool.report.console import print_table
 
     opts = StatsOptions(top_tokens=top_tokens, min_count=min_count, batch_size=batch_size, top_k=top_k,
-                        coactivation=coactivation, all_tokens=all_tokens, bootstrap=bootstrap, seed=seed)
+                        coactivation=coactivation, all_tokens=all_tokens, bootstrap=bootstrap, seed=seed,
+                        layers=parse_layers(layers))
     started = start_run("stats", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize,
                         add_special_tokens=False if no_special_tokens else None, resume=resume,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ... import distributed, ops
-from ...engine.hooks import RoutingEvent
+from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...sketch import MERGE_MIN, SparseCounter
@@ -349,6 +349,7 @@ class StatsOptions:
     specialization: bool = True  # vocabulary specialisation tables (three views)
     bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
     seed: int = 0  # seeds the bootstrap's row weights
+    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
 
     def __post_init__(self) -> None:
         if self.top_tokens < 0:
@@ -391,18 +392,21 @@ class Collected:
 
 def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
             merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
-            specialization: bool = True, row_sums: bool = False, units: Any = None) -> Collected:
+            specialization: bool = True, row_sums: bool = False, units: Any = None,
+            layers: tuple[int, ...] | None = None) -> Collected:
     """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward). ``row_sums``: keep
     per-packed-row sums for bootstrap intervals (``routing.rows``, a :class:`moetool.uncertainty.RowTable`).
     ``units`` (:class:`moetool.checkpoints.Units`, ``--resume``): the consumers' state after a batch is saved
     now and then (:meth:`~moetool.checkpoints.Units.due`) and after the last one; a saved state is restored
-    and the forward goes on from the next batch (the same sums in the same order: the same tables)."""
-    layers = list(lm.layers)
+    and the forward goes on from the next batch (the same sums in the same order: the same tables). ``layers``:
+    only these MoE layers are hooked and measured (cross-layer pairs: those consecutive in the model)."""
+    chosen = layers
+    layers = list(lm.layers) if chosen is None else select_layers(lm.layers, chosen)
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (the row table's ids)
     rows = RowTable(shard) if row_sums else None
     c = Collected(RoutingStats(layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min, top_k=top_k,
                                coactivation=coactivation, rows=rows),
-                  LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k),
+                  LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k, model_layers=list(lm.layers)),
                   VocabSpecialization(layers, merge_min=merge_min) if specialization else None)
     saved = units.load("batches", refs=layers) if units is not None else None
     start = 0 if saved is None else saved["next_batch"]
@@ -425,7 +429,7 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
 
     forward(lm, shard, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
             batch_size=batch_size, before_batch=before, on_batch=after, description="stats", quiet=quiet,
-            start_batch=start)
+            start_batch=start, moe_layers=None if chosen is None else layers)
     if c.routing.rows is not None:
         c.routing.rows.reduce_across_ranks()
     return c
@@ -446,7 +450,7 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     tokens.require_tokens()
     acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
                   quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization,
-                  row_sums=opts.bootstrap > 0, units=units)
+                  row_sums=opts.bootstrap > 0, units=units, layers=opts.layers)
     frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count, all_tokens=opts.all_tokens)
     frames["load.csv"], frames["layers.csv"] = with_intervals(acc.routing, frames["load.csv"], frames["layers.csv"],
                                                               opts.bootstrap, opts.seed)
