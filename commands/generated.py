@@ -1,7 +1,7 @@
 """Commands generated from the experiment registry: an experiment whose spec has no ``command`` module.
 
-The command's ``--help`` is the experiment module's docstring (read from its source, so ``--help`` imports no
-torch); its flags are the flag groups of what it takes (:mod:`moetool.commands.flags`; ``inputs``: tokens or weights) and the spec's own
+The command's ``--help`` is the docstring of the experiment's ``spec.py`` (torch-free); its flags are the flag
+groups of what it takes (:mod:`moetool.commands.flags`; ``inputs``: tokens or weights) and the spec's own
 :class:`~moetool.experiments.registry.Flag` s; the run is every command's: :func:`preflight`, :func:`start_run`,
 the compute function, :func:`finish_command` (the ``summary`` table printed, the run folder named).
 """
@@ -28,13 +28,14 @@ CASTS = {"int": int, "float": float, "str": str}
 
 
 def help_text(spec: Experiment) -> str:
-    """The experiment module's docstring, read from its source without importing it (no torch)."""
-    found = importlib.util.find_spec(spec.module)
+    """The docstring of the experiment's ``spec.py`` (torch-free; read from its source)."""
+    module = f"moetool.experiments.{spec.name.replace('-', '_')}.spec"
+    found = importlib.util.find_spec(module)
     if found is None or found.origin is None:
-        raise RuntimeError(f"registry: experiment '{spec.name}' names a missing module {spec.module}")
+        raise RuntimeError(f"registry: experiment '{spec.name}' has no {module}")
     doc = ast.get_docstring(ast.parse(Path(found.origin).read_text(encoding="utf-8")))
     if not doc:
-        raise RuntimeError(f"registry: {spec.module} has no docstring (it is `moetool {spec.name} --help`)")
+        raise RuntimeError(f"registry: {module} has no docstring (it is `moetool {spec.name} --help`)")
     return doc
 
 

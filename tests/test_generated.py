@@ -1,5 +1,5 @@
 """Commands generated from the experiment registry (``moetool.commands.generated``): an experiment with no command
-module gets its ``--help`` from its module's docstring and its flags from its spec, and fills its options
+module gets its ``--help`` from its ``spec.py``'s docstring and its flags from its spec, and fills its options
 dataclass from them."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_every_parameter_is_an_option_field(spec):
 
 @pytest.mark.parametrize("spec", generated(), ids=lambda s: s.name)
 def test_help_is_the_module_docstring_and_lists_every_flag(spec):
-    path = Path(importlib.util.find_spec(spec.module).origin)
+    path = Path(importlib.util.find_spec(f"moetool.experiments.{spec.name.replace('-', '_')}.spec").origin)
     doc = ast.get_docstring(ast.parse(path.read_text()))
     r = runner.invoke(app, [spec.name, "--help"], env={"COLUMNS": "3000"}, terminal_width=3000)
     assert r.exit_code == 0, r.output

@@ -1,28 +1,5 @@
-"""Expert capacity and token dropping: which assignments a capacity factor drops, and what it costs.
-
-Per forward batch of --batch-size rows and MoE layer (--layers), each expert takes at most
-C = ceil(cf * tokens * K / n) assignments, tokens = the batch's real (unpadded) tokens (GShard, Switch
-Transformer; Megatron-LM's capacity). Assignments beyond C keep the model's expert but get weight 0: they
-contribute nothing (the token keeps its other experts, shared experts and the residual); padding never takes
-capacity. --order order: an expert keeps its first C assignments in the batch's flattened token order (row 0
-position by position, then row 1, ...); --order score: its C with the highest routing weight (ties: the earlier
-token). Capacity depends on the batch: the same text in batches of other rows drops other assignments (under
-torchrun each process's batches of --batch-size rows are the one-process batches, so the tables are the same).
-cf >= n/K drops nothing (cf may be inf). The policy capacity:<cf>[:order|score] works in ppl, eval and trace
-too (capacity per forward batch there as well).
-Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
-model's own routing on the same rows.
-
-Writes capacity.csv (cf, order, scored_tokens, perplexity, router_perplexity, ratio, assignments, dropped,
-dropped_frac, tokens_dropped_all_frac; *_lo/*_hi), capacity_layers.csv (cf, order, layer, tokens, assignments,
-capacity, dropped, dropped_frac, tokens_dropped_all, tokens_dropped_all_frac), capacity_experts.csv (cf, order,
-layer, expert, load, capacity, dropped), figures/capacity_curve (dropped fraction and perplexity / the router's
-vs cf), figures/capacity_layers (dropped fraction by layer, one line per cf) and manifest.json (definitions).
-
-Examples:
-  moetool capacity
-  moetool capacity --model tiny-fine --cf 0.5,1,2 --order order,score --max-tokens 4096
-"""
+"""The computation of ``moetool capacity``: what it measures, its sources and the files it writes are in
+``spec.py``'s docstring (the command's ``--help``)."""
 
 # How (the command's --help above is this module's docstring):
 # For every capacity factor cf and drop order, the policy ``capacity:<cf>:<order>`` (:mod:`moetool.policies.capacity`)

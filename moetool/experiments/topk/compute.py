@@ -1,24 +1,5 @@
-"""The compute-quality frontier of reduced and dynamic K: perplexity against experts per token.
-
-For the router and each policy, the policy replaces routing in the MoE layers (--layers) and the model runs on
---data. topk:<k> is the model's own routing with k experts instead of K (its ranking, group limits and bias;
-the weights its rule gives the chosen set, renormalised where it renormalises; topk:K reproduces the model).
-topp:<p> keeps, per token, the smallest set of experts in decreasing routing probability π whose mass reaches p
-(at least one, at most --kmax; dynamic routing, Huang et al. 2024, arXiv 2403.07652). The same policies work in
-ppl, eval, trace and norm-select: --routing topk:1, --routing topp:0.9.
-Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
-router on the same rows.
-
-Writes topk.csv (policy, kind, value, tokens, scored_tokens, mean_experts, experts_frac, perplexity, ratio;
-*_lo/*_hi), topk_layers.csv (policy, kind, value, layer, tokens, mean_experts, experts_frac, min_experts,
-max_experts),
-figures/topk_frontier (perplexity / the router's vs experts per token), figures/topk_layers (top-p: experts per token by
-layer) and manifest.json (definitions).
-
-Examples:
-  moetool topk
-  moetool topk --model tiny-fine --ks 1,4 --ps 0.5,0.9 --max-tokens 4096
-"""
+"""The computation of ``moetool topk``: what it measures, its sources and the files it writes are in
+``spec.py``'s docstring (the command's ``--help``)."""
 
 # How (the command's --help above is this module's docstring):
 # For the router and every ``topk:<k>`` (k below the model's K) and ``topp:<p>`` policy
