@@ -69,14 +69,15 @@ def test_no_figure_name_is_captioned_twice():
 
 def test_every_caption_cites_its_own_experiments_definitions():
     """The quantities a caption names (the definitions it cites) are columns the figure's own experiment
-    defines, and the caption's tables are tables that experiment writes (its docstring says which)."""
+    defines, and the caption's tables are tables that experiment writes (its spec's docstring, the --help, says
+    which)."""
     for exp, stems in figures_by_experiment().items():
         spec = EXPERIMENTS[exp]
         mod = importlib.import_module(spec.module)
         defs = {k for n in dir(mod) if n.endswith("DEFINITIONS") and isinstance(getattr(mod, n), dict)
                 for k in getattr(mod, n)}
-        writes = inspect.getsource(mod) + (inspect.getsource(importlib.import_module(f"moetool.commands.{exp.replace('-', '_')}"))
-                                           if importlib.util.find_spec(f"moetool.commands.{exp.replace('-', '_')}") else "")
+        folder = f"moetool.experiments.{exp.replace('-', '_')}"
+        writes = inspect.getsource(mod) + inspect.getsource(importlib.import_module(f"{folder}.spec"))
         for stem in stems:
             shows, tables, keys = plots.FIGURE_CAPTIONS[stem]
             assert set(keys) <= defs, (exp, stem, set(keys) - defs)

@@ -1,5 +1,31 @@
-"""The spec of ``moetool erc`` (torch-free: the command line, ``import moetool``, the demo, the report page
-and ``--resume`` read it; :mod:`moetool.experiments.registry` discovers it)."""
+r"""Expert–router coupling (ERC) from the weights only: no data, no tokenizer.
+
+Source: Lv, Ma, Ma, Qiao (2025), "Coupling Experts and Routers in Mixture-of-Experts via an Auxiliary Loss",
+arXiv 2512.23447.
+
+Per MoE layer, router row R_i is a proxy token for expert i, perturbed
+R~_i = R_i ⊙ δ_i with δ_i ~ U(1−eps_i, 1+eps_i)^d. M\[i,j] = ||W_g^j R~_i||
+(--node gate) is how strongly expert j answers proxy i.
+L_ERC(α) = (1/n²) Σ_i Σ_{j≠i} max(M\[i,j] − αM\[i,i], 0)
+                          + max(M\[j,i] − αM\[i,i], 0).
+alpha_min (clean M) is the smallest α with zero loss; row/col dominance is the
+fraction of proxies/experts whose own counterpart is their row/column maximum.
+Routed experts of the MoE layers only.
+
+Writes erc.csv (layer, alpha, erc_loss = mean over --samples draws of each
+draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,
+alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean;
+alpha_min_paper = the ERC paper's vanilla-MoE value α≈5 in every layer,
+approximate, printed beside the measured one), erc_matrix.csv
+(layer, i, j, m = clean M), figures/erc_matrix (heatmaps), figures/erc_loss
+(clean L_ERC(α) from 0 past every layer's alpha_min, which is marked; the noisy
+loss at the --alpha values as points), manifest.json (every definition).
+
+Examples:
+  moetool erc --out runs/erc-tiny
+  moetool erc --model tiny-fine --alpha 0.5,1,2,5 --samples 8
+  moetool erc --noise none --node glu --norm l1 --layers 0,2
+"""
 
 from __future__ import annotations
 
