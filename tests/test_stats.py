@@ -267,7 +267,7 @@ def test_stats_writer_writes_every_file_with_exact_columns(tmp_path):
     man = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert man["options"] == {"top_tokens": 2, "min_count": 1, "batch_size": 8, "top_k": None,
                               "coactivation": "all", "all_tokens": False, "specialization": True, "bootstrap": 1000,
-                              "seed": 0}
+                              "seed": 0, "layers": None}
     assert man["bootstrap"]["replicates"] == 1000 and man["bootstrap"]["rows"] == 3
     lay = frames["layers"]
     assert ((lay.max_load_ratio_lo <= lay.max_load_ratio) & (lay.max_load_ratio <= lay.max_load_ratio_hi)).all()
