@@ -39,11 +39,12 @@ def main() -> None:
     from moetool import distributed
     from moetool.engine.probes import NODES
     from moetool.data import load_tokens
-    from moetool.experiments import norm_select as ns
-    from moetool.experiments.ppl import perplexity, ppl, ppl_intervals
-    from moetool.experiments.stats import collect, stats
-    from moetool.experiments.fluctuation import fluctuation
-    from moetool.experiments.mass_recall import mass_recall
+    from moetool.experiments.norm_select import compute as ns
+    from moetool.experiments.ppl.compute import ppl
+    from moetool.experiments.routing import perplexity, ppl_intervals
+    from moetool.experiments.stats.compute import collect, stats
+    from moetool.experiments.fluctuation.compute import fluctuation
+    from moetool.experiments.mass_recall.compute import mass_recall
     from moetool.loading import embedded_models, load
     from moetool.policies import build_policy
     from moetool.uncertainty import RowTable

@@ -10,38 +10,9 @@ import typer
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, Force, Layers, MaxTokens,
                       Out, Quiet, Seed, SeqLen, check_run, echo_run, handle_errors, open_run, parse_layers,
                       parse_list, preflight, rank_layout, run_options, write_result)
+from moetool.experiments.agreement import spec as _spec
 
-HELP = """Routing agreement across precisions: the same tokens of --data through the model once per precision
-(one model in memory at a time: loaded, run, freed), each run's routing compared token by token with the most
-precise run of --precisions (the reference: fp32 > bf16/fp16 > fp8 > fp4/mxfp4, the first listed on a tie).
-
-Precisions: fp32, bf16, fp16 load the model in that dtype (transformers' loading: modules a family keeps in fp32
-stay fp32). fp8, fp4, mxfp4 are SIMULATED (on CPU and GPU alike; the manifest says so): the model loads in bf16, the
-weights a real release stores in that format are quantized then dequantized with the format's own rules
-(moetool.formats.fake_quantize: fp8 = e4m3 with one fp32 scale per 128x128 block; fp4 = e2m1 with one scale per 32
-input values; mxfp4 = e2m1 with one E8M0 power-of-two scale per 32 input values) and the forward runs in bf16.
-Which weights: fp8, every linear weight and expert matrix except the embeddings, the LM head and the routers (the
-DeepSeek-V3 / Kimi-K2 / Qwen3 / GLM-4.5 FP8 releases); fp4 and mxfp4, the routed experts only (gpt-oss MXFP4,
-DeepSeek-V4-style FP4 experts). FP8 activations and kernels are not simulated.
-
-Per precision and MoE layer, against the reference: top1_flip (share of real tokens whose top-1 expert -- the chosen
-expert with the largest selection score -- differs), topk_flip (the chosen top-K set differs), the reference's
-routing margin (K-th minus (K+1)-th selection score: mean, median) and the flip rates per margin bin (edges 0,
---thresholds, inf); per precision: the flips pooled over layers and the mean next-token NLL change (ΔNLL, paired
-on the same tokens).
-Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off).
-
-Writes agreement.csv (precision, reference, layer, tokens, top1_flip, topk_flip, margin_mean, margin_p50;
-*_lo/*_hi), agreement_summary.csv (precision, reference, simulated, tokens, layers, top1_flip, topk_flip,
-nll_ref, nll, delta_nll; *_lo/*_hi), agreement_bins.csv (precision, layer, margin_lo, margin_hi, tokens, top1_flip,
-topk_flip), figures/agreement_flips_by_layer (flip rates by layer, one line per precision), figures/agreement_margin
-(flip rates against the reference margin, pooled over layers) and manifest.json (definitions, precisions: which
-were simulated and which weights).
-
-Examples:
-  moetool agreement tiny --precisions fp32,bf16,fp8
-  moetool agreement --model tiny-fine --precisions bf16,fp8,mxfp4 --max-tokens 4096
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/agreement/spec.py
 
 
 @handle_errors
@@ -63,7 +34,7 @@ def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", h
     preflight(model)  # before the experiment's imports: a bad model fails at once
     from moetool import distributed
     from moetool.data import DocumentStream, load_tokens
-    from moetool.experiments.agreement import LOAD_DTYPE, PRECISIONS, AgreementOptions, agreement as compute
+    from moetool.experiments.agreement.compute import LOAD_DTYPE, PRECISIONS, AgreementOptions, agreement as compute
     from moetool.loading import load_tokenizer
     from moetool.report.console import print_table, with_ci
 

@@ -8,34 +8,9 @@ import typer
 from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
                       Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
+from moetool.experiments.approx import spec as _spec
 
-HELP = """How well does a K-expert sum approximate the dense sum of all n experts?
-
-Source: Su (2025), "MoE环游记：1、从几何意义出发" (MoE Travelogue 1: Starting from Geometric Meaning),
-https://kexue.fm/archives/10699: MoE as the best K-term approximation of the dense sum.
-
-Per MoE layer and real token all n experts run: u_e = π_e(h)·E_e(h),
-y = Σ_e u_e. A selector picks K experts S; rel. error = ||y_S − y|| / ||y||.
-Selectors (selection rules scored offline, not routing policies: the model
-keeps its own routing): router (the model's own routing rule on its logits),
-norm_oracle (TopK of ||u_e||, the paper's rule), best_subset (exhaustive over
-all C(n,K) subsets, only where C(n,K) <= --max-subsets), random (seeded). The
-model runs with its own router; all experts are computed on the side (about
-n/K times an MoE layer's FLOPs: keep --max-tokens modest on big models).
-
-Writes approx.csv (layer, selector, tokens, rel_error_mean (exact),
-rel_error_median (streaming log-binned sketch: within 0.17% relative of the
-exact median, memory flat in tokens); same_set_as_router: fraction of tokens whose
-set equals the model's captured top-K), approx_layers.csv (layer,
-spearman_prob_vs_norm: per-token Spearman across experts of π_e vs ||E_e(h)||,
-averaged over tokens; mean_abs_cos: mean |cos(u_i, u_j)|, i≠j),
-figures/approx_error, figures/approx_layers, manifest.json (every definition).
-
-Examples:
-  moetool approx --out runs/approx-tiny
-  moetool approx --model tiny-fine --max-tokens 2048 --selectors router,random
-  moetool approx --model mixtral-8x7b --device-map auto --max-tokens 512
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/approx/spec.py
 
 
 @handle_errors
@@ -52,7 +27,7 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
            device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
            quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.approx import ApproxOptions, approx as compute, summary_lines
+    from moetool.experiments.approx.compute import ApproxOptions, approx as compute, summary_lines
     from moetool.report.console import print_table
 
     opts = ApproxOptions(selectors=tuple(parse_list(selectors, str, "selector")), max_subsets=max_subsets,

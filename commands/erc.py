@@ -7,35 +7,9 @@ import typer
 from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
                       handle_errors, parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
+from moetool.experiments.erc import spec as _spec
 
-HELP = r"""Expert–router coupling (ERC) from the weights only: no data, no tokenizer.
-
-Source: Lv, Ma, Ma, Qiao (2025), "Coupling Experts and Routers in Mixture-of-Experts via an Auxiliary Loss",
-arXiv 2512.23447.
-
-Per MoE layer, router row R_i is a proxy token for expert i, perturbed
-R~_i = R_i ⊙ δ_i with δ_i ~ U(1−eps_i, 1+eps_i)^d. M\[i,j] = ||W_g^j R~_i||
-(--node gate) is how strongly expert j answers proxy i.
-L_ERC(α) = (1/n²) Σ_i Σ_{j≠i} max(M\[i,j] − αM\[i,i], 0)
-                          + max(M\[j,i] − αM\[i,i], 0).
-alpha_min (clean M) is the smallest α with zero loss; row/col dominance is the
-fraction of proxies/experts whose own counterpart is their row/column maximum.
-Routed experts of the MoE layers only.
-
-Writes erc.csv (layer, alpha, erc_loss = mean over --samples draws of each
-draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,
-alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean;
-alpha_min_paper = the ERC paper's vanilla-MoE value α≈5 in every layer,
-approximate, printed beside the measured one), erc_matrix.csv
-(layer, i, j, m = clean M), figures/erc_matrix (heatmaps), figures/erc_loss
-(clean L_ERC(α) from 0 past every layer's alpha_min, which is marked; the noisy
-loss at the --alpha values as points), manifest.json (every definition).
-
-Examples:
-  moetool erc --out runs/erc-tiny
-  moetool erc --model tiny-fine --alpha 0.5,1,2,5 --samples 8
-  moetool erc --noise none --node glu --norm l1 --layers 0,2
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/erc/spec.py
 
 
 @handle_errors
@@ -51,7 +25,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         seed: Seed = 0,
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.erc import ErcOptions, erc as compute, parse_noise, summary_lines
+    from moetool.experiments.erc.compute import ErcOptions, erc as compute, parse_noise, summary_lines
     from moetool.experiments.published import erc_alpha_min
     from moetool.report.console import print_table
 

@@ -11,26 +11,9 @@ from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype
                       Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
+from moetool.experiments.eval import spec as _spec
 
-HELP = """Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
-
-The loaded model object is wrapped in lm-eval's HFLM and every forward lm-eval makes goes through
-the routing hooks. Writes eval.csv (task, metric, value, stderr = lm-eval's standard error,
-value_lo, value_hi: the 95% interval, Wilson's over the items scored for an accuracy, inside [0, 1],
-value ∓ 1.96 stderr for any other metric) and manifest.json; prints value ± half-width.
-
-Tasks: standard lm-eval names (mmlu, arc_challenge, ...: need network for their datasets), tasks
-from --include-path, or the shipped offline tasks moetool_code and moetool_prose (4-choice "which
-continuation is real" items cut from the embedded models' training text; no network needed).
-The shipped tasks are looked up in $MOETOOL_TASKS, then moetool/tasks (installed package),
-then examples/tasks of the source checkout (editable install). lm-eval's own task index is only
-scanned when a name is neither shipped nor in --include-path.
-
-Examples:
-  moetool eval --tasks moetool_code,moetool_prose --limit 40
-  moetool eval --tasks moetool_code --routing norm:gate --num-fewshot 2
-  moetool eval --model mixtral-8x7b --tasks mmlu --num-fewshot 5 --routing norm:gate --device-map auto
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/eval/spec.py
 
 
 @handle_errors
@@ -45,7 +28,7 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  seed: Seed = 0,
                  quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.lmeval import EvalOptions, eval_tasks, plan_tasks
+    from moetool.experiments.eval.compute import EvalOptions, eval_tasks, plan_tasks
     from moetool.report.console import print_table
 
     opts = EvalOptions(tasks=tuple(parse_list(tasks, str, "task")), num_fewshot=num_fewshot, limit=limit,

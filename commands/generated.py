@@ -1,7 +1,7 @@
 """Commands generated from the experiment registry: an experiment whose spec has no ``command`` module.
 
-The command's ``--help`` is the experiment module's docstring (read from its source, so ``--help`` imports no
-torch); its flags are the standard ones of what it takes (``inputs``: tokens or weights) and the spec's own
+The command's ``--help`` is the docstring of the experiment's ``spec.py`` (torch-free); its flags are the flag
+groups of what it takes (:mod:`moetool.commands.flags`; ``inputs``: tokens or weights) and the spec's own
 :class:`~moetool.experiments.registry.Flag` s; the run is every command's: :func:`preflight`, :func:`start_run`,
 the compute function, :func:`finish_command` (the ``summary`` table printed, the run folder named).
 """
@@ -18,31 +18,24 @@ import typer
 
 from moetool.experiments.registry import Experiment, Flag, generated
 
-from .options import (BatchSize, Bootstrap, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Data, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, finish_command, handle_errors,
-                      parse_layers, parse_list, preflight, start_run)
+from .flags import STANDARD
+from .options import (Bootstrap, DEFAULT_BOOTSTRAP, finish_command, handle_errors, parse_layers, parse_list, preflight,
+                      start_run)
 
-#: inputs -> the standard parameters of a generated command, (name, annotation, default), in --help order; the
-#: spec's own flags go after ``force`` (and before ``bootstrap``)
-DATA = [("model", Model, DEFAULT_MODEL), ("data", Data, None), ("out", Out, None), ("force", Force, False)]
-SIZES = [("layers", Layers, None), ("seq_len", SeqLen, 256), ("max_tokens", MaxTokens, 8192),
-         ("batch_size", BatchSize, 8)]
-LOADING = [("dtype", Dtype, "auto"), ("device", Device, "auto"), ("device_map", DeviceMap, None),
-           ("quantize", Quantize, None), ("seed", Seed, 0), ("quiet", Quiet, False)]
-STANDARD = {"tokens": (DATA, SIZES, LOADING), "weights": (DATA[:1] + DATA[2:], SIZES[:1], LOADING)}
 #: standard parameters that are options of the experiment (its dataclass must have these fields)
 TO_OPTIONS = ("layers", "batch_size", "bootstrap", "seed")
 CASTS = {"int": int, "float": float, "str": str}
 
 
 def help_text(spec: Experiment) -> str:
-    """The experiment module's docstring, read from its source without importing it (no torch)."""
-    found = importlib.util.find_spec(spec.module)
+    """The docstring of the experiment's ``spec.py`` (torch-free; read from its source)."""
+    module = f"moetool.experiments.{spec.name.replace('-', '_')}.spec"
+    found = importlib.util.find_spec(module)
     if found is None or found.origin is None:
-        raise RuntimeError(f"registry: experiment '{spec.name}' names a missing module {spec.module}")
+        raise RuntimeError(f"registry: experiment '{spec.name}' has no {module}")
     doc = ast.get_docstring(ast.parse(Path(found.origin).read_text(encoding="utf-8")))
     if not doc:
-        raise RuntimeError(f"registry: {spec.module} has no docstring (it is `moetool {spec.name} --help`)")
+        raise RuntimeError(f"registry: {module} has no docstring (it is `moetool {spec.name} --help`)")
     return doc
 
 
@@ -62,10 +55,10 @@ def parameters(spec: Experiment) -> list[tuple[str, Any, Any]]:
     if spec.inputs not in STANDARD:
         raise RuntimeError(f"registry: a generated command takes tokens or weights, not {spec.inputs!r} "
                            f"('{spec.name}' needs a command module)")
-    first, sizes, loading = STANDARD[spec.inputs]
+    first, rest = STANDARD[spec.inputs]
     own = [flag_parameter(f) for f in spec.flags]
     boot = [("bootstrap", Bootstrap, DEFAULT_BOOTSTRAP)] if spec.bootstrap else []
-    return [*first, *own, *boot, *sizes, *loading]
+    return [*first, *own, *boot, *rest]
 
 
 def options_of(spec: Experiment, params: dict[str, Any]) -> dict[str, Any]:

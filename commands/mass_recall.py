@@ -5,48 +5,12 @@ from __future__ import annotations
 
 import typer
 
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, Dtype, Force, Layers, MaxTokens, Model, Out, Quiet,
-                      Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, echo_run, handle_errors,
+                      parse_layers, parse_list, preflight, start_run)
+from moetool.experiments.mass_recall import spec as _spec
 
-HELP = """Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
-
-Source: Kladny, Mordig, Schölkopf, Muehlebach (2026), "Adaptive Inverted-Index Routing for Granular
-Mixtures-of-Experts" (AIR-MoE), arXiv 2605.04952.
-
-Per MoE layer: a codebook of G unit codewords is fitted on the router inputs h by streaming adaptive spherical
-k-means (EMA γ=0.95, dead codes below τ=1 re-initialised on a random token of the batch; k-means++ init; the
-first pass plus --kmeans-iters extra passes), then a last pass evaluates on the same tokens. Token h goes to
-c(h) = argmax_g cos(h, c_g); shortlist L(c) = the M experts ranked highest at the codeword.
-MassRecall(h) = Σ_{e∈L(c(h))} π_e(h); top-K recall |TopK ∩ L|/K; exact-top-K rate (TopK ⊆ L);
-ε = ||h − c(h)||; bound = exp(−2ε) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) (Proposition 1; a theorem with
---centroids unit, so bound_holds_rate is 1 there). --centroids raw: the model's own router (bias, scoring,
-its top-K); unit: router rows on the unit sphere, logits <w_e, h>, softmax. One codebook per (layer, G) for
-every M. A shortlist size larger than a layer's n experts is refused before any forward (the default
-sizes 2,4,8,16 stop at n).
-
-Scale-aware bound: the proof holds for any point x and a fixed shortlist L: MassRecall(h) >= exp(−2||h − x||)
-ρ_L(x). The paper's x = c(h) (unit) against raw states of norm ≈ sqrt(d) gives ≈ e^{-2 sqrt(d)} (true, empty);
-x = s·c(h) keeps L for every s > 0, so bound_scaled = max_s exp(−2||h − s·c||) ρ_L(s·c). s = <h, c> minimises
-the distance but is not optimal (d/ds log ρ_L = E_{π|L}[z] − E_π[z] > 0 there when M < n), so moetool takes the
-best of s = 1, s = <h, c> and 64 grid points on [0, 2 max||h||] (any s gives a valid bound). Checked on every
-token (bound_scaled_holds_rate; 1 in unit mode, a theorem). Derivation also in manifest.json (bound_derivation).
-
---bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows (per-row
-sums on the device, moetool.uncertainty) of mass_recall_mean, topk_recall and exact_topk_rate (*_lo/*_hi
-columns, error bars in mass_recall_vs_shortlist, value ± half-width on the console). The codebook is held fixed
-(fitted once); the interval covers the evaluation tokens' sampling only.
-
-Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
-mass_recall_p05, topk_recall, exact_topk_rate (each mean with _lo/_hi), quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
-bound_scaled_mean, bound_scaled_holds_rate, best_scale_mean, expert_coverage, router_flops_frac = (G+M)/n),
-figures/mass_recall_vs_shortlist, figures/mass_recall_vs_router_flops (dashed: the full router's cost, 1),
-figures/mass_recall_vs_bounds (measured vs both bounds; the y axis spans the measured values, bounds below it are
-clipped and their maxima named in the title), manifest.json (definitions, bound_derivation).
-
-Examples:
-  moetool mass-recall --out runs/mr-tiny
-  moetool mass-recall --model tiny-fine --codebook-size 16,64 --shortlist 4,8,16,32 --centroids unit
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/mass_recall/spec.py
 
 
 @handle_errors
@@ -63,9 +27,10 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                                                  help="Extra k-means passes over the data after the first."),
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
                 batch_size: BatchSize = 8, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, dtype: Dtype = "auto",
-                device: Device = "auto", seed: Seed = 0, quiet: Quiet = False) -> None:
+                device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
+                quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.mass_recall import MassRecallOptions, mass_recall as compute
+    from moetool.experiments.mass_recall.compute import MassRecallOptions, mass_recall as compute
     from moetool.report.console import print_table, with_ci
 
     opts = MassRecallOptions(codebook_sizes=tuple(parse_list(codebook_size, int, "codebook size")),
@@ -74,7 +39,7 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                              kmeans_iters=kmeans_iters, seed=seed, batch_size=batch_size, layers=parse_layers(layers),
                              bootstrap=bootstrap)
     started = start_run("mass-recall", out, force, model, data=data, seq_len=seq_len, max_tokens=max_tokens,
-                        batch_size=batch_size, dtype=dtype, device=device)
+                        batch_size=batch_size, dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     run, lm, tokens = started
     res = compute(lm, tokens, opts, quiet=quiet)
     started.write(res)

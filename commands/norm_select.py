@@ -11,39 +11,9 @@ from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MOD
                       IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Resume, Seed, SeqLen, Weights,
                       echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
+from moetool.experiments.norm_select import spec as _spec
 
-HELP = """Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
-
-Source: Lv et al. (2025), "Autonomy-of-Experts Models", ICML 2025, arXiv 2501.13074 (Table 1: the
-training-free pilot on Mixtral 8x7B).
-
-Sweeps the router baseline and norm:<node>:<norm> for every --nodes and --norm. Per policy:
-agreement with the router per layer (mean |TopK_policy ∩ TopK_router|/K and top-1 agreement over
-real tokens; TopK_router is the model's own choice for the hidden state reached under the policy),
-perplexity on --data and its ratio to the router's, optional lm-eval accuracy (--tasks) and
-retention = accuracy / router accuracy, and wall time. Writes agreement.csv (layer, policy,
-topk_overlap, top1_agree, tokens), quality.csv (policy, task, metric, value, router_value, ratio,
-seconds; perplexity rows have task = the data name), figures/retention and
-figures/agreement_by_layer, manifest.json, and prints a Table-1-shaped summary. Every value has a
-95% interval (*_lo/*_hi; ± in the tables; error bars): document-level bootstrap over packed rows
-for agreement and perplexity (--bootstrap N, 0 = off), Wilson's interval for an accuracy (inside
-[0, 1]; lm-eval's standard error beside it) and the delta method for retention. With lm-eval tasks
-scored by acc it also prints and writes aoe_table1.csv: AoE Table 1's layout (router and best node
-per task), the paper's published Mixtral 8x7B numbers (MMLU 70.35% -> 66.66% = 94.8%, ARC-C 62.12% ->
-58.79% = 94.6%) as fractions (0.7035, as in quality.csv) beside the measured ones; for other models the
-measured columns only.
---tasks: see `moetool eval --help` (shipped offline tasks: moetool_code, moetool_prose).
-
-Examples:
-  moetool norm-select --max-tokens 4096
-  moetool norm-select --nodes gate,output --norm l1,l2 --tasks moetool_code,moetool_prose --limit 60
-  moetool norm-select --model mixtral-8x7b --tasks mmlu,arc_challenge --num-fewshot 5 --device-map auto
-  moetool norm-select --prune random:0.25     # on a model with a quarter of each layer's experts removed
-
---prune <criterion>:<fraction>[:<csv>]: every row is on the pruned model: "router" is the model's router
-among the kept experts, each norm policy picks the K largest norms among them, agreement is with the
-pruned router (criteria and files as the prune: policy, see `moetool prune --help`).
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/norm_select/spec.py
 
 
 @handle_errors
@@ -67,8 +37,8 @@ def norm_select(model: Model = DEFAULT_MODEL,
                                                     "every norm policy chooses among them."),
                 quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments import norm_select as ns
-    from moetool.experiments.lmeval import plan_tasks
+    from moetool.experiments.norm_select import compute as ns
+    from moetool.experiments.eval.compute import plan_tasks
     from moetool.policies import build_once
     from moetool.experiments.published import console_layout
     from moetool.report.console import print_table, with_ci

@@ -11,39 +11,9 @@ from .trace_input import Trace, TraceConfig
 from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
                       Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, finish_command, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
+from moetool.experiments.placement import spec as _spec
 
-HELP = """Expert-parallel placement what-if: per-GPU load imbalance under the model's measured expert loads.
-
-The model's own top-K routing is counted per (layer, expert) on --data in one forward. For each G in --gpus, the
-n experts (plus R redundant replicas) are spread over G GPUs, (n + R) / G slots each; a GPU's load is the sum of
-its replicas' loads (an expert with c replicas gives each load / c), and the imbalance is max / mean GPU load
-(1 = balanced; every MoE layer waits for its busiest GPU). Placements: contiguous (expert e on GPU e*G//n, the
-static layout), round_robin (e on GPU e % G), and eplb: DeepSeek's expert-parallel load balancer (DeepSeek-AI,
-EPLB, 2025, github.com/deepseek-ai/EPLB, MIT; ported in moetool.experiments.placement) with R = extra_slots x G
-redundant replicas for the heaviest experts, hierarchical over --nodes when the expert groups (--groups, default
-the model's routing groups) divide into them. With --reference-data and/or --reference-model, eplb_stale: EPLB
-fitted on the loads of the reference model (default --model) on the reference data (default --data), evaluated
-on --data's under --model (a placement computed once; the traffic or the weights changed). A reference model must
-have the model's architecture and tokenizer; both models are held in memory.
-
-Writes placement.csv (layer, gpus, nodes, replicas, slots_per_gpu, method, imbalance, max_gpu_load,
-mean_gpu_load, min_gpu_load, max_replicas), placement_overall.csv (gpus, nodes, replicas, slots_per_gpu, method,
-imbalance = sum of the layers' max / sum of their mean, max_layer_imbalance, layers),
-placement_loads.csv (data_set, layer, expert, tokens, load, load_fraction), figures/placement_imbalance (imbalance
-vs G per method), figures/placement_layers (per-layer imbalance at the largest G below n) and manifest.json (definitions).
-
---trace PATH (a moetool trace or import-trace run) takes the loads from recorded routing instead of a forward
-(no bootstrap, no eplb_stale; --groups defaults to 1). --export sglang writes sglang_expert_location.json
-(physical_to_logical_map for SGLang's --init-expert-location; every decoder layer a row, dense ones SGLang's
-trivial map), --export eplb writes eplb_placement.json (EPLB's phy2log, log2phy, logcnt): the EPLB placement at
-the one --gpus G and --extra-slots given.
-
-Examples:
-  moetool placement
-  moetool placement --trace runs/vllm-trace --gpus 8 --extra-slots 1 --export sglang
-  moetool placement --model tiny-fine --gpus 2,4,8 --extra-slots 0,1,2 --reference-data other.jsonl
-  moetool placement --model tiny --reference-model tiny-early
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/placement/spec.py
 
 
 @handle_errors
@@ -69,7 +39,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                                 "sglang (--init-expert-location file) or eplb "
                                                                 "(phy2log, log2phy, logcnt).")) -> None:
     if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)
-        from moetool.experiments.placement import PlacementOptions
+        from moetool.experiments.placement.compute import PlacementOptions
 
         from .trace_input import placement_on_trace, refuse
 
@@ -81,7 +51,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.data import DocumentStream, load_tokens
     from moetool.loading import load
-    from moetool.experiments.placement import PlacementOptions, placement as compute
+    from moetool.experiments.placement.compute import PlacementOptions, placement as compute
 
     opts = PlacementOptions(gpus=tuple(parse_list(gpus, int, "G")) if gpus else None,
                             extra_slots=tuple(parse_list(extra_slots, int, "slots")), nodes=nodes, groups=groups,
@@ -97,7 +67,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
     if reference_data is not None:
         DocumentStream(reference_data)  # a missing file fails before the run folder exists
     if reference_model is not None:  # configs and vocabularies must agree, before any weight loads
-        from moetool.experiments.fluctuation import check_checkpoints
+        from moetool.experiments.fluctuation.compute import check_checkpoints
 
         preflight(reference_model)
         check_checkpoints([model, reference_model])

@@ -8,24 +8,9 @@ from typing import Optional
 import typer
 
 from .options import DEFAULT_MODEL, Force, Model, Out, Quiet, echo_run, handle_errors, preflight
+from moetool.experiments.plan import spec as _spec
 
-HELP = """Memory and speed plan of a checkpoint on given GPUs, from its config alone (no weights are read).
-
-Parameter bytes by group and format (bf16, the checkpoint's own format such as fp8 or mxfp4, fp8 with
-128x128 block scales), activations and KV cache per row, which layouts fit (one GPU per replica with data
-parallel, --quantize fp8, --device-map auto over one node, tensor+expert parallel over every GPU) with
-the command to run, and a ceiling in tokens/s per command from dense peak FLOP/s and HBM bandwidth
-(upper bounds: min of the compute and the weight-reading ceilings).
-
-GPUs: H100, H200, B200, A100-80, A100-40, L40S, RTX4090 (vendor datasheet rates, dense, no sparsity).
-A layout may use 90% of a GPU's memory. Writes params.csv, layouts.csv (with why each layout runs or not),
-throughput.csv (when a layout fits) and manifest.json. No layout fitting is an answer (exit 0), not an error.
-
-Examples:
-  moetool plan --model examples/configs/mixtral-8x7b --gpus 1xH100
-  moetool plan --model examples/configs/deepseek-v3 --gpus 8xH100 --nodes 2
-  moetool plan --model qwen3-30b-a3b --gpus 8xA100-80 --json
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/plan/spec.py
 
 
 @handle_errors
@@ -37,11 +22,11 @@ def plan(model: Model = DEFAULT_MODEL,
          batch_size: int = typer.Option(8, "--batch-size", help="Rows per batch the commands would run.", min=1),
          as_json: bool = typer.Option(False, "--json", help="Print the tables as JSON (no run folder)."),
          out: Out = None, force: Force = False, quiet: Quiet = False) -> None:
-    from moetool.experiments.plan import parse_gpus
+    from moetool.experiments.plan.compute import parse_gpus
 
     parse_gpus(gpus)  # a bad --gpus fails before the config is read
     preflight(model)
-    from moetool.experiments.plan import plan as compute
+    from moetool.experiments.plan.compute import plan as compute
     from moetool.loading import resolve
     from moetool.report.console import console, count_text, print_table
 

@@ -8,23 +8,9 @@ from .options import (BatchSize, Bootstrap, Causal, Data, DEFAULT_BOOTSTRAP, DEF
                       Force, Layers, MaxTokens, Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run,
                       handle_errors, parse_layers, preflight, start_run)
 from .options import Quantize
+from moetool.experiments.ppl import spec as _spec
 
-HELP = """Perplexity, mean next-token NLL and token count of --data with a routing policy applied.
-
---routing takes any policy: router (unchanged; reproduces the unhooked model exactly),
-norm:<node>[:<norm>] (AoE: the K experts with the largest node norm; node gate|up|act|glu|output,
-norm l2|l1|linf), random, and the others listed by the error for an unknown name. Writes ppl.csv
-(model, data, routing, weights, layers, tokens, nll_mean, perplexity, router_perplexity, ratio,
-seconds; *_lo/*_hi = 95% interval) and manifest.json. A policy other than router is compared with
-the model's own routing on the same rows (ratio = perplexity / router_perplexity; --no-baseline
-skips that second pass). Intervals: document-level bootstrap over packed rows (--bootstrap N,
-paired for the ratio; 0 = off).
-
-Examples:
-  moetool ppl                                   # the router on the shipped held-out text
-  moetool ppl --routing norm:gate --weights softmax
-  moetool ppl --routing norm:output:l1 --layers 0-1 --max-tokens 4096
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/ppl/spec.py
 
 @handle_errors
 def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing, weights: str = Weights,
@@ -37,7 +23,8 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
                                       "rows for the perplexity ratio (policies other than router)."),
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
-    from moetool.experiments.ppl import PplOptions, data_name, ppl as compute
+    from moetool.experiments.ppl.compute import PplOptions, ppl as compute
+    from moetool.experiments.routing import data_name
     from moetool.report.console import print_table
 
     opts = PplOptions(routing=routing, weights=weights, sim=sim, causal=causal, layers=parse_layers(layers),

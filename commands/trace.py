@@ -8,21 +8,9 @@ from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap,
                       Model, Out, Quiet, Resume, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors,
                       parse_layers, preflight, start_run)
 from .options import Quantize
+from moetool.experiments.trace import spec as _spec
 
-HELP = """Per-token routing of every MoE layer: token ids, positions, top-K experts and weights.
-
-Writes trace.csv.gz (one row per real token and MoE layer: row, pos, token_id, token, domain, layer,
-expert_1..expert_K, weight_1..weight_K, and with --logits logit_0..logit_{n-1}) and manifest.json.
-Read it with pandas.read_csv(path); --format parquet writes trace.parquet (pandas.read_parquet).
---routing traces what a policy chose in --layers instead of the router.
---resume (with the --out of an interrupted run, same options): the rows of
-the batches checkpointed before the interruption (at most once a minute) are
-kept and the trace goes on from the next batch: the same file, row for row.
-
-Examples:
-  moetool trace --out runs/trace-tiny
-  moetool trace --model tiny-fine --logits --max-tokens 2048
-"""
+HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/trace/spec.py
 
 
 @handle_errors
@@ -37,7 +25,7 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           resume: Resume = False, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.errors import MoetoolError
-    from moetool.experiments.trace import TraceOptions, trace as compute
+    from moetool.experiments.trace.compute import TraceOptions, trace as compute
 
     if fmt not in ("csv.gz", "parquet"):
         raise MoetoolError(f"--format must be csv.gz or parquet, not '{fmt}'")

@@ -87,7 +87,7 @@ def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: 
 
 def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: str, bootstrap: int, seed: int,
                           max_tokens: Optional[int], out: Any, force: bool) -> None:
-    from moetool.experiments.fluctuation import FluctuationOptions
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
     from moetool.experiments.trace_analyses import fluctuation_from_traces
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace

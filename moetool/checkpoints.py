@@ -22,15 +22,27 @@ from .files import PART, atomic_path, jsonable as _jsonable
 
 UNITS = "units"  # the folder of finished units of an unfinished run (--resume), removed when the run completes
 
-#: the project's own types a unit checkpoint may hold, stored as their attributes (:func:`_encode`); a resumed
-#: checkpoint builds nothing else (no pickle: a tampered checkpoint cannot run code)
+#: the project's own types below the experiments a unit checkpoint may hold, stored as their attributes
+#: (:func:`_encode`); a resumed checkpoint builds nothing else (no pickle: a tampered checkpoint cannot run code).
+#: The experiments' own are in their specs (``checkpoint_types``), added by :func:`allow_types` when
+#: :mod:`moetool.experiments.registry` discovers them
 CHECKPOINT_TYPES = frozenset({
     "moetool.engine.runner.NLL", "moetool.engine.runner.ForwardResult", "moetool.uncertainty.RowTable",
-    "moetool.sketch.SparseCounter", "moetool.experiments.stats.Collected", "moetool.experiments.stats.RoutingStats",
-    "moetool.experiments.stats.LayerAccumulator", "moetool.experiments.specialization.VocabSpecialization",
-    "moetool.experiments.specialization.CrossLayer", "moetool.experiments.specialization.LoadBalance",
-    "moetool.experiments.lmeval.EvalResult",
+    "moetool.sketch.SparseCounter",
 })
+_ALLOWED: set[str] = set(CHECKPOINT_TYPES)
+
+
+def allow_types(names: Any) -> None:
+    """Let unit checkpoints hold the types ``names`` (``"module.Class"``; an experiment's spec lists them)."""
+    _ALLOWED.update(names)
+
+
+def checkpoint_types() -> frozenset[str]:
+    """Every type a unit checkpoint may hold: :data:`CHECKPOINT_TYPES` and those :func:`allow_types` added."""
+    return frozenset(_ALLOWED)
+
+
 UNIT_FORMAT = 1  # the layout of a unit file (``<name>.unit``: torch.save of plain containers and tensors)
 
 
@@ -61,7 +73,7 @@ def _encode(x: Any, refs: dict[int, int], memo: dict[int, tuple[int, Any]], unit
     if id(x) in memo:
         return {"__t": "same", "i": memo[id(x)][0]}
     enc = functools.partial(_encode, refs=refs, memo=memo, unit=unit)
-    if t in (list, dict, set) or _type_name(t) in CHECKPOINT_TYPES:
+    if t in (list, dict, set) or _type_name(t) in _ALLOWED:
         memo[id(x)] = (len(memo), x)  # x kept alive: its id is not reused while encoding
     if t is list:
         return [enc(v) for v in x]
@@ -77,7 +89,7 @@ def _encode(x: Any, refs: dict[int, int], memo: dict[int, tuple[int, Any]], unit
         return {"__t": "device", "v": str(x)}
     if t is torch.dtype:
         return {"__t": "dtype", "v": str(x).removeprefix("torch.")}
-    if _type_name(t) in CHECKPOINT_TYPES:
+    if _type_name(t) in _ALLOWED:
         return {"__t": "obj", "c": _type_name(t), "s": enc(dict(vars(x)))}
     np = sys.modules.get("numpy")
     if np is not None and t is np.ndarray and x.dtype != object:
@@ -92,7 +104,7 @@ def _encode(x: Any, refs: dict[int, int], memo: dict[int, tuple[int, Any]], unit
         buf = io.BytesIO()
         x.to_parquet(buf)
         return {"__t": "frame", "v": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
-    raise MoetoolError(f"unit {unit}: cannot checkpoint a {_type_name(t)} (add it to checkpoints.CHECKPOINT_TYPES if "
+    raise MoetoolError(f"unit {unit}: cannot checkpoint a {_type_name(t)} (add it to the experiment spec's checkpoint_types if "
                        "it holds only plain data)")
 
 
@@ -157,7 +169,7 @@ def _decode_obj(x: dict[str, Any], dec: Callable[[Any], Any], memo: list[Any]) -
     import importlib
 
     name = x.get("c")
-    if name not in CHECKPOINT_TYPES:
+    if name not in _ALLOWED:
         raise _Damaged(f"type {name!r} is not one a checkpoint may hold")
     module, _, qual = name.rpartition(".")
     out = object.__new__(getattr(importlib.import_module(module), qual))

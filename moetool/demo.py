@@ -51,7 +51,7 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
         with RunState().active():  # each model its own run: policies built afresh, as a command's run
             run = child.sub(names[-1])  # before the work: the sub-run's manifest times the whole of it
             if spec.inputs == "checkpoints":
-                from .experiments.fluctuation import check_checkpoints
+                from .experiments.fluctuation.compute import check_checkpoints
 
                 tokens = load_tokens(None, check_checkpoints(names), seq_len=demo.seq_len, max_tokens=demo.max_tokens,
                                      **demo.tokens)

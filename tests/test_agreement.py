@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import moetool
 from moetool import formats
 from moetool.errors import MoetoolError
-from moetool.experiments.agreement import (AgreementOptions, CompareRun, ReferenceRun, agreement, load_precision,
+from moetool.experiments.agreement.compute import (AgreementOptions, CompareRun, ReferenceRun, agreement, load_precision,
                                            run_precision, tables)
 from moetool.loading import EMBEDDED_DIR
 
@@ -216,7 +216,7 @@ def test_cli_bad_precision_is_one_line_before_any_work(tmp_path):
 
 
 def test_fp4_groups_that_do_not_divide_the_input_dim_are_one_line_before_any_run(monkeypatch):
-    from moetool.experiments import agreement as mod
+    from moetool.experiments.agreement import compute as mod
 
     lm = moetool.load("tiny", dtype="fp32")
     runs = []

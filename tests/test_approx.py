@@ -16,7 +16,7 @@ from conftest import build_tiny_model, captured, padded_batch, reference_expert,
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.engine import Engine
-from moetool.experiments.approx import MEDIAN_REL_TOL, SELECTORS, ApproxReducer, approx_tokens
+from moetool.experiments.approx.compute import MEDIAN_REL_TOL, SELECTORS, ApproxReducer, approx_tokens
 
 COLUMNS = {"approx.csv": ["layer", "selector", "tokens", "rel_error_mean", "rel_error_median", "same_set_as_router"],
            "approx_layers.csv": ["layer", "spearman_prob_vs_norm", "mean_abs_cos"]}

@@ -71,7 +71,7 @@ def same(a, b):
 @pytest.mark.slow
 def test_ppl_random_policy_backs_off_to_the_explicit_run(tiny, backoff, error, capsys):
     """NLL sums and a random policy's draws (the sizing trial restores its generator) equal --batch-size 2."""
-    from moetool.experiments.ppl import ppl
+    from moetool.experiments.ppl.compute import ppl
 
     lm, tokens = tiny
     want = tables(ppl(lm, tokens, routing="random", batch_size=2, bootstrap=100, quiet=True))
@@ -91,8 +91,8 @@ def test_ppl_random_policy_backs_off_to_the_explicit_run(tiny, backoff, error, c
 def test_stateful_consumers_see_every_row_once(tiny, backoff):
     """mass-recall (per-batch k-means EMA steps, before_batch row registration) and trace (rows written after
     each batch) with an out-of-memory above 3 rows: the same tables as --batch-size 3 of 6."""
-    from moetool.experiments.mass_recall import mass_recall
-    from moetool.experiments.trace import trace
+    from moetool.experiments.mass_recall.compute import mass_recall
+    from moetool.experiments.trace.compute import trace
 
     lm, tokens = tiny
     kw = dict(codebook_sizes=(4,), shortlists=(2,), bootstrap=100, quiet=True)
@@ -110,7 +110,7 @@ def test_stateful_consumers_see_every_row_once(tiny, backoff):
 
 
 def test_off_without_auto_and_one_row_that_does_not_fit(tiny, backoff):
-    from moetool.experiments.ppl import ppl
+    from moetool.experiments.ppl.compute import ppl
 
     lm, tokens = tiny
     limit_rows(lm, 0)
@@ -163,7 +163,7 @@ def test_cli_auto_records_the_rows_that_ran(tmp_path, monkeypatch):
 def test_no_back_off_under_torchrun(tiny, backoff, monkeypatch):
     """Several ranks must cut the same global batches: an out-of-memory there is one line naming the rows to use."""
     from moetool import distributed
-    from moetool.experiments.ppl import ppl
+    from moetool.experiments.ppl.compute import ppl
 
     lm, tokens = tiny
     monkeypatch.setattr(distributed, "world_size", lambda: 2)  # rank 0 of 2 (no process group: reductions no-op)
@@ -215,7 +215,7 @@ def test_out_of_memory_in_the_nll_step_backs_off(tiny, backoff, bootstrap, capsy
     """The fp32 NLL of a batch was computed outside the back-off: an out-of-memory there ended the run. Now it
     halves the rows like one in the forward, and the result equals --batch-size 2 (with and without the
     bootstrap's per-row sums)."""
-    from moetool.experiments.ppl import ppl
+    from moetool.experiments.ppl.compute import ppl
 
     lm, tokens = tiny
     want = tables(ppl(lm, tokens, batch_size=2, bootstrap=bootstrap, quiet=True))

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'no
 def bootstrap_run():
     """ppl (norm:gate, paired with the router) and stats' per-row sums on the embedded model, 13 rows of 32."""
     from moetool.data import load_tokens
-    from moetool.experiments.ppl import ppl
-    from moetool.experiments.stats import collect
+    from moetool.experiments.ppl.compute import ppl
+    from moetool.experiments.stats.compute import collect
     from moetool.loading import load
 
     lm = load("tiny")

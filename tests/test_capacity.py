@@ -93,7 +93,7 @@ def test_policy_and_counter_stay_on_the_device(tiny_model):
     from test_host_sync import detect
 
     from moetool.engine import Engine
-    from moetool.experiments.capacity import DropCounter
+    from moetool.experiments.capacity.compute import DropCounter
 
     model = tiny_model("mixtral")
     for spec in ("capacity:0.5", "capacity:1:score"):
@@ -190,7 +190,7 @@ def test_backed_off_batches_are_refused(monkeypatch):
     another capacity, so the run stops with one line."""
     from moetool.context import Backoff, RunState
     from moetool.errors import MoetoolRuntimeError
-    from moetool.experiments.capacity import _check_batches
+    from moetool.experiments.capacity.compute import _check_batches
 
     with RunState(backoff=Backoff(enabled=True, rows=2)).active():  # the run backed off to 2 rows
         with pytest.raises(MoetoolRuntimeError, match="rerun with --batch-size 2"):

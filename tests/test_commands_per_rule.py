@@ -302,7 +302,7 @@ def test_placement(case, tmp_path):
     round-robin GPU loads summed by hand from them; EPLB's imbalance from the hand loads."""
     import json
 
-    from moetool.experiments.placement import gpu_loads, imbalance, rebalance_experts
+    from moetool.experiments.placement.compute import gpu_loads, imbalance, rebalance_experts
 
     n, K, G = case.n_experts - case.n_zero_compute, case.top_k, 2  # zero-computation experts are not placed
     invoke("placement", "--model", str(case.path), *SMALL, "--gpus", str(G), "--extra-slots", "0,1",
@@ -613,7 +613,7 @@ def test_prune(case, tmp_path):
 def test_super_experts(case, tmp_path):
     """Routed counts against the model's own routing by hand; the super flags by the criterion over the maxima;
     nothing removed is the model's perplexity; the super and random ablations remove as many experts, finite."""
-    from moetool.experiments.super_experts import super_mask
+    from moetool.experiments.super_experts.compute import super_mask
 
     invoke("super-experts", "--model", str(case.path), *SMALL, *case.route_args, "--bootstrap", "0", "--include-layers",
            "1", "--out", str(tmp_path))  # every layer (the default, the paper's code's, profiles the first 75%)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from moetool.experiments import fluctuation, norm_select
+from moetool.experiments.fluctuation import compute as fluctuation
+from moetool.experiments.norm_select import compute as norm_select
 from moetool.experiments.registry import EXPERIMENTS
 from moetool.uncertainty import format_ci
 

@@ -72,7 +72,7 @@ def test_plan_parameter_counts_from_the_cache(model_dir, monkeypatch):
     config is counted anew."""
     from transformers import AutoConfig
 
-    from moetool.experiments import plan as P
+    from moetool.experiments.plan import compute as P
 
     config = AutoConfig.from_pretrained(model_dir)
     first = P.parameter_groups(config)

@@ -158,7 +158,7 @@ def test_forward_on_two_ranks_equals_one_process(tmp_path):
 
 def eval_run():
     """lm-eval on the shipped offline task through moetool's HFLM: values and the rows each rank forwarded."""
-    from moetool.experiments import lmeval
+    from moetool.experiments.eval import compute as lmeval
     from moetool.loading import load
     from moetool.policies import make_policy
 

@@ -16,14 +16,14 @@ def experiments():
     """Every data experiment through the API on 2 packed rows, 2 rows per global batch; rank 0's tables."""
     from moetool import distributed
     from moetool.data import load_tokens
-    from moetool.experiments.approx import approx
-    from moetool.experiments.fluctuation import fluctuation
-    from moetool.experiments.mass_recall import mass_recall
-    from moetool.experiments.norm_select import norm_select
-    from moetool.experiments.offload import offload
-    from moetool.experiments.ppl import ppl
-    from moetool.experiments.stats import stats
-    from moetool.experiments.trace import trace
+    from moetool.experiments.approx.compute import approx
+    from moetool.experiments.fluctuation.compute import fluctuation
+    from moetool.experiments.mass_recall.compute import mass_recall
+    from moetool.experiments.norm_select.compute import norm_select
+    from moetool.experiments.offload.compute import offload
+    from moetool.experiments.ppl.compute import ppl
+    from moetool.experiments.stats.compute import stats
+    from moetool.experiments.trace.compute import trace
     from moetool.loading import load
 
     lm = load("tiny")

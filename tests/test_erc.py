@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from conftest import build_tiny_model, reference_expert
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
-from moetool.experiments.erc import (ErcOptions, derived_eps, erc_layer, erc_loss, noise_eps, proxy_tokens, run_erc)
+from moetool.experiments.erc.compute import (ErcOptions, derived_eps, erc_layer, erc_loss, noise_eps, proxy_tokens, run_erc)
 
 runner = CliRunner()
 COLUMNS = {

@@ -480,12 +480,12 @@ def test_a_failing_figure_keeps_every_table_and_fails_the_run_in_one_line(tmp_pa
     status failed, and the command exits 1 with one line."""
     import pandas as pd
 
-    from moetool.report import plots
+    from moetool.experiments.stats import figures
 
     def broken(layers):
         raise ValueError("'yerr' must not contain negative values")
 
-    monkeypatch.setattr(plots, "plot_balance", broken)
+    monkeypatch.setattr(figures, "plot_balance", broken)
     out = tmp_path / "run"
     r = runner.invoke(app, ["stats", "--max-tokens", "128", "--seq-len", "32", "--out", str(out), "--quiet",
                             "--bootstrap", "100"])

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from moetool.commands.app import app
 from moetool.engine.hooks import Engine
 from moetool import lmeval_compat
-from moetool.experiments import lmeval
-from moetool.experiments import norm_select as ns
+from moetool.experiments.eval import compute as lmeval
+from moetool.experiments.norm_select import compute as ns
 from moetool.loading import embedded_models, load
 from moetool.policies import make_policy
 
@@ -99,7 +99,7 @@ def test_results_frame_reads_lm_eval_results():
     assert df.values.tolist()[0][4:] == pytest.approx(wilson_by_hand(0.5, 26), abs=1e-6)
     assert df.values.tolist()[1][:3] == ["t", "exact_match[strict]", 0.25] and math.isnan(df.values.tolist()[1][3])
     assert math.isnan(df.value_lo[1]) and math.isnan(df.value_hi[1])  # no stderr, no item count: no interval
-    from moetool.experiments.lmeval import eval_summary
+    from moetool.experiments.eval.compute import eval_summary
     assert eval_summary(df).value.tolist() == ["0.50 ± 0.18", "0.25"]
 
 

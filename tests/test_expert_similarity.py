@@ -85,7 +85,7 @@ def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def run(tiny):
-    from moetool.experiments.expert_similarity import expert_similarity
+    from moetool.experiments.expert_similarity.compute import expert_similarity
 
     lm, ts = tiny
     return expert_similarity(lm, ts, batch_size=3, quiet=True)  # two batches: the sums carry over
@@ -127,7 +127,7 @@ def test_every_pair_against_the_hand_computation(tiny, run):
 def test_batch_size_and_token_chunks_do_not_change_the_sums(tiny, run):
     """One row per batch with one token per probe chunk gives the same matrices as the run's batches of three."""
     from moetool.engine.runner import forward
-    from moetool.experiments.expert_similarity import SimilaritySums, tables
+    from moetool.experiments.expert_similarity.compute import SimilaritySums, tables
 
     lm, ts = tiny
     sums = SimilaritySums([L.index for L in lm.layers], budget=1)  # one token per chunk
@@ -141,7 +141,7 @@ def test_batch_size_and_token_chunks_do_not_change_the_sums(tiny, run):
 def test_layers_option_and_nan_on_padding_left_out(tiny, run):
     """``layers`` keeps those layers' rows, with the same numbers; NaN put into the padded positions of the last
     MoE layer's input (after it nothing mixes positions) changes nothing: padding is masked, not multiplied by 0."""
-    from moetool.experiments.expert_similarity import expert_similarity
+    from moetool.experiments.expert_similarity.compute import expert_similarity
 
     lm, ts = tiny
     blk = _blocks(lm.model)[3]
@@ -167,7 +167,7 @@ def test_layers_option_and_nan_on_padding_left_out(tiny, run):
 
 
 def test_bad_options_are_one_line(tiny):
-    from moetool.experiments.expert_similarity import ExpertSimilarityOptions, expert_similarity
+    from moetool.experiments.expert_similarity.compute import ExpertSimilarityOptions, expert_similarity
 
     lm, ts = tiny
     for bad, flag in (({"batch_size": 0}, "--batch-size"), ({"batch_size": 2.5}, "--batch-size"),
@@ -186,7 +186,7 @@ def test_bad_options_are_one_line(tiny):
 
 def test_no_real_token_and_non_finite_sums_are_refused(tiny):
     from moetool.engine.runner import forward
-    from moetool.experiments.expert_similarity import SimilaritySums, expert_similarity
+    from moetool.experiments.expert_similarity.compute import SimilaritySums, expert_similarity
 
     lm, ts = tiny
     with pytest.raises(MoetoolError, match="no real tokens"):
@@ -201,7 +201,7 @@ def test_no_real_token_and_non_finite_sums_are_refused(tiny):
 
 
 def test_inf_in_an_expert_stops_the_run_with_one_line(tiny):
-    from moetool.experiments.expert_similarity import expert_similarity
+    from moetool.experiments.expert_similarity.compute import expert_similarity
 
     lm, ts = tiny
     w = _blocks(lm.model)[1].experts.down_proj
@@ -218,7 +218,7 @@ def test_inf_in_an_expert_stops_the_run_with_one_line(tiny):
 
 
 def test_no_host_sync_inside_the_forward(tiny):
-    from moetool.experiments.expert_similarity import expert_similarity
+    from moetool.experiments.expert_similarity.compute import expert_similarity
 
     lm, ts = tiny
     with detect(lm.model) as det:
@@ -241,7 +241,7 @@ def test_zero_computation_experts_by_hand(model_type):
     from moetool.adapters import find_moe_layers
     from moetool.adapters.tiny import build_tiny
     from moetool.engine import Engine
-    from moetool.experiments.expert_similarity import SimilaritySums, tables
+    from moetool.experiments.expert_similarity.compute import SimilaritySums, tables
     from test_families import one_expert
 
     model = build_tiny(model_type, seed=0)
@@ -282,7 +282,7 @@ def test_zero_computation_experts_by_hand(model_type):
 def test_average_linkage_by_hand():
     """Points on a line, worked by hand: each merge joins the two clusters with the smallest mean distance over
     their pairs of points; ties go to the lowest names; the groups and dominant experts at 3 and 2 clusters."""
-    from moetool.experiments.expert_similarity import average_linkage, dominant, groups
+    from moetool.experiments.expert_similarity.compute import average_linkage, dominant, groups
 
     x = np.array([0.0, 1.0, 5.0, 6.5, 20.0])
     d = np.abs(x[:, None] - x[None, :])
@@ -299,7 +299,7 @@ def test_average_linkage_by_hand():
 
 
 def test_cluster_to_more_groups_than_experts_refused(tiny):
-    from moetool.experiments.expert_similarity import ExpertSimilarityOptions, expert_similarity
+    from moetool.experiments.expert_similarity.compute import ExpertSimilarityOptions, expert_similarity
 
     lm, ts = tiny
     with pytest.raises(MoetoolError, match=r"--cluster-to 9 asks for more groups than MoE layers \[0, 1, 2, 3\]"):

@@ -112,7 +112,7 @@ def test_error_bars_are_never_negative_when_an_interval_excludes_its_value(tmp_p
     """Issue 21.1: stats' balance figure with the issue's interval of max_load_ratio (estimate 1.339, interval
     [1.340, 1.895], entirely above it) failed with "'yerr' must not contain negative values". The bar below is
     drawn with length 0, the bar above to the bound; NaN bounds (no interval) draw no bar."""
-    from moetool.report.plots import plot_balance
+    from moetool.experiments.stats.figures import plot_balance
 
     lengths = F.error_lengths([1.339, 2.0, 1.0], [1.340, 1.5, np.nan], [1.895, 1.9, np.nan])
     np.testing.assert_allclose(lengths[:, :2], [[0.0, 0.5], [0.556, 0.0]], atol=1e-12)
@@ -169,7 +169,7 @@ def test_palette_is_colour_blind_safe_and_is_what_figures_draw():
 
 
 def test_heatmap_panels_of_one_figure_share_one_colour_scale_and_layer_order():
-    from moetool.report.plots import plot_coactivation, plot_cross_layer
+    from moetool.experiments.stats.figures import plot_coactivation, plot_cross_layer
 
     # two layers whose largest P(b|a) differ (0.9 vs 0.3): both panels on the scale 0 .. 0.9
     co = pd.DataFrame([dict(layer=li, a=a, b=b, p_b_given_a=(0.9 if li == 3 else 0.3) * (a + b) / 4, count=1)
@@ -294,7 +294,8 @@ def agreement_table():
 def test_legends_cover_no_data_point(tmp_path, name, entropy):
     """After saving, no legend's box holds a point of a line or an error bar or meets a bar (the legends of these
     figures used to sit on the curves and bars: one checkpoint pair = one panel with its own legend)."""
-    from moetool.report.plots import plot_fluctuation, plot_norm_select
+    from moetool.experiments.fluctuation.figures import plot_fluctuation
+    from moetool.experiments.norm_select.figures import plot_norm_select
 
     if name == "retention":
         fig = plot_norm_select(agreement_table(), quality_table(), "acc", ["moetool_code", "moetool_prose"])[name]
@@ -344,7 +345,7 @@ def erc_tables():
 
 
 def test_erc_loss_sweeps_past_alpha_min_and_marks_it():
-    from moetool.report.plots import plot_erc
+    from moetool.experiments.erc.figures import plot_erc
 
     erc, per_layer, matrix, mats = erc_tables()
     fig = plot_erc(erc, per_layer, matrix, "gate", "l2", "derived", 4)["erc_loss"]
@@ -375,7 +376,7 @@ def mass_recall_table():
 
 
 def test_mass_recall_bounds_axis_spans_the_measured_values_and_says_what_is_clipped():
-    from moetool.report.plots import plot_mass_recall
+    from moetool.experiments.mass_recall.figures import plot_mass_recall
 
     df = mass_recall_table()
     fig = plot_mass_recall(df)["mass_recall_vs_bounds"]
@@ -388,7 +389,7 @@ def test_mass_recall_bounds_axis_spans_the_measured_values_and_says_what_is_clip
 
 
 def test_mass_recall_vs_router_flops_marks_the_full_router():
-    from moetool.report.plots import plot_mass_recall
+    from moetool.experiments.mass_recall.figures import plot_mass_recall
 
     fig = plot_mass_recall(mass_recall_table())["mass_recall_vs_router_flops"]
     panels = [ax for ax in fig.axes if ax.get_visible()]
@@ -402,7 +403,7 @@ def test_mass_recall_vs_router_flops_marks_the_full_router():
 @pytest.mark.parametrize("metric", ["acc", "acc_norm"])
 def test_retention_names_the_metric_and_the_items(metric):
     from moetool.experiments.result import Result
-    from moetool.report.plots import norm_select_figures
+    from moetool.experiments.norm_select.figures import norm_select_figures
 
     res = Result("norm_select", {"agreement.csv": agreement_table(), "quality.csv": quality_table()},
                  meta={"eval": {"tasks": ["moetool_code", "moetool_prose"]},
@@ -411,7 +412,8 @@ def test_retention_names_the_metric_and_the_items(metric):
     if metric == "acc":
         fig = norm_select_figures(res)["retention"]
     else:
-        from moetool.report.plots import eval_items, plot_norm_select
+        from moetool.report.figures import eval_items
+        from moetool.experiments.norm_select.figures import plot_norm_select
 
         fig = plot_norm_select(agreement_table(), quality_table(), metric, ["moetool_code", "moetool_prose"],
                                eval_items(res.meta["n_samples"]))["retention"]
@@ -422,7 +424,7 @@ def test_retention_names_the_metric_and_the_items(metric):
 
 
 def stats_heatmaps():
-    from moetool.report.plots import plot_coactivation, plot_cross_layer, plot_load
+    from moetool.experiments.stats.figures import plot_coactivation, plot_cross_layer, plot_load
 
     n = 6
     load = pd.DataFrame([dict(layer=li, expert=e, load_fraction=(1 + (e + li) % 3) / (2 * n)) for li in range(3)
@@ -440,7 +442,7 @@ def stats_heatmaps():
 
 @pytest.mark.slow
 def test_every_colour_bar_has_a_label_and_square_matrices_get_square_cells(tmp_path):
-    from moetool.report.plots import plot_erc
+    from moetool.experiments.erc.figures import plot_erc
 
     erc, per_layer, matrix, _ = erc_tables()
     figs = {**stats_heatmaps(), "erc_matrix": plot_erc(erc, per_layer, matrix, "gate", "l2", "none", 1)["erc_matrix"]}

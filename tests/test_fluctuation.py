@@ -15,7 +15,7 @@ from moetool.commands.app import app
 from moetool.data import TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
-from moetool.experiments.fluctuation import (COLUMNS, FluctuationOptions, check_checkpoints, pairs, processing_order,
+from moetool.experiments.fluctuation.compute import (COLUMNS, FluctuationOptions, check_checkpoints, pairs, processing_order,
                                              run_fluctuation)
 from moetool.loading import load
 from moetool.uncertainty import ratio_intervals
@@ -196,7 +196,7 @@ def test_cli_on_embedded_checkpoints(tmp_path, early, final):
 def test_pooled_summary_matches_the_layers_and_a_hand_bootstrap(ckpts):
     """fluctuation_summary: mean over layers of top-1 change with its bootstrap interval (hand per-row sums at the
     only changed layer for router-isolated) and the paired reduction of a policy against the router."""
-    from moetool.experiments.fluctuation import SUMMARY_COLUMNS
+    from moetool.experiments.fluctuation.compute import SUMMARY_COLUMNS
 
     opts = FluctuationOptions(routing=("router", "similarity"), isolate=True, batch_size=2, bootstrap=500, seed=5)
     df, pooled = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)

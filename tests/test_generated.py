@@ -1,5 +1,5 @@
 """Commands generated from the experiment registry (``moetool.commands.generated``): an experiment with no command
-module gets its ``--help`` from its module's docstring and its flags from its spec, and fills its options
+module gets its ``--help`` from its ``spec.py``'s docstring and its flags from its spec, and fills its options
 dataclass from them."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_every_parameter_is_an_option_field(spec):
 
 @pytest.mark.parametrize("spec", generated(), ids=lambda s: s.name)
 def test_help_is_the_module_docstring_and_lists_every_flag(spec):
-    path = Path(importlib.util.find_spec(spec.module).origin)
+    path = Path(importlib.util.find_spec(f"moetool.experiments.{spec.name.replace('-', '_')}.spec").origin)
     doc = ast.get_docstring(ast.parse(path.read_text()))
     r = runner.invoke(app, [spec.name, "--help"], env={"COLUMNS": "3000"}, terminal_width=3000)
     assert r.exit_code == 0, r.output
@@ -51,7 +51,7 @@ def test_help_is_the_module_docstring_and_lists_every_flag(spec):
 def test_flags_fill_the_options():
     """Each flag kind parses to the options' type: lists to tuples (``none``: the empty one), an unset flag without
     default to nothing (the dataclass keeps its own default), --layers to a tuple of indices."""
-    spec = Experiment(name="x", module="moetool.experiments.super_experts", function="super_experts",
+    spec = Experiment(name="x", module="moetool.experiments.super_experts.compute", function="super_experts",
                       options="SuperExpertsOptions", command=None, bootstrap=True,
                       flags=(Flag("--fractions", "floats", (0.25, 0.5)), Flag("--ks", "ints"),
                              Flag("--names", "strs"), Flag("--exact", "bool"), Flag("--p", "float", 0.9, field="pp")))

@@ -178,11 +178,11 @@ def test_policies_and_capture_stay_on_the_device(spec, request):
 def _entry(module: str, *names: str):
     import importlib
 
-    mod = importlib.import_module(f"moetool.experiments.{module}")
+    mod = importlib.import_module(f"moetool.experiments.{module}.compute")
     for n in names:
         if hasattr(mod, n):
             return mod, getattr(mod, n)
-    pytest.skip(f"moetool.experiments.{module} has none of {names} (renamed by the refactor? update this test)")
+    pytest.skip(f"moetool.experiments.{module}.compute has none of {names} (renamed by the refactor? update this test)")
 
 
 def run_experiment(name, lm, ts):

@@ -1,5 +1,7 @@
 """The layers hold: every import of every module (function-local ones too) goes to the same layer or one below,
-and no modules import each other in a cycle. ARCHITECTURE.md describes the layers."""
+and no modules import each other in a cycle; so does every ``"module:attr"`` link an experiment's spec names (its
+compute function, options, figures, command, demo options, checkpoint types), followed by the module that reads
+it. ARCHITECTURE.md describes the layers."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"loading", "sizing", "engine"},
     {"policies"},
     {"experiments", "traces"},
-    {"report", "inspect"},
+    {"report", "inspect", "experiment figures"},
     {"demo", "api", "run"},
     {"commands", "moetool", "__main__"},
 ]
@@ -56,6 +58,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 def group(name: str) -> str:
     parts = name.split(".")
+    if parts[1:2] == ["experiments"] and parts[3:] == ["figures"]:
+        return "experiment figures"  # moetool/experiments/<name>/figures.py: drawn with the report's primitives
     return parts[1] if len(parts) > 1 else parts[0]
 
 
@@ -111,7 +115,7 @@ def test_no_import_cycle():
 def test_the_checker_sees_a_cycle_and_a_layer_break(tmp_path, monkeypatch):
     """The checks themselves: a planted upward import and a planted cycle are found."""
     g = graph()
-    assert "moetool.engine.runner" in g["moetool.experiments.stats"]  # imports are read (function-local too)
+    assert "moetool.engine.runner" in g["moetool.experiments.stats.compute"]  # imports are read (function-local too)
     assert "moetool.adapters.tiny" in g["moetool.inspect"]  # a function-local import counts
     g["moetool.ops"].add("moetool.report.console")
     assert any(RANK[group(b)] > RANK[group(a)] for a, deps in g.items() for b in deps)
@@ -192,3 +196,100 @@ def test_architecture_md_names_what_exists():
             checked += 1
     assert not unresolved, f"ARCHITECTURE.md names what does not exist: {unresolved}"
     assert checked >= 10  # the check reads the document
+
+
+# ----- the links by name: an experiment's spec (issue 32 item 5) -----------------------------------------------
+#: who follows each kind of link of a spec (an import the source does not show): the reader's layer bounds the
+#: target's
+READERS = {"module": "moetool.experiments.experiment", "options": "moetool.experiments.experiment",
+           "lines": "moetool.demo", "figures": "moetool.report.plots", "command": "moetool.commands.app",
+           "options_from": "moetool.demo", "checkpoint_types": None}  # None: the spec module itself names them
+
+
+def spec_links() -> list[tuple[str, str, str, str]]:
+    """``(experiment, kind, reader module, "module:attr")`` for every link of every discovered spec."""
+    from moetool.experiments.registry import EXPERIMENTS
+
+    out = []
+    for spec in EXPERIMENTS.values():
+        own = f"moetool.experiments.{spec.name.replace('-', '_')}.spec"
+        links = {"module": [f"{spec.module}:{spec.function}"],
+                 "options": [f"{spec.module}:{spec.options}"] if spec.options else [],
+                 "lines": [f"{spec.module}:{spec.lines}"] if spec.lines else [],
+                 "figures": [spec.figures] if spec.figures else [],
+                 "command": [f"{spec.command}:register"] if spec.command else [],
+                 "options_from": [spec.demo.options_from] if spec.demo and spec.demo.options_from else [],
+                 "checkpoint_types": [":".join(t.rsplit(".", 1)) for t in spec.checkpoint_types]}
+        out += [(spec.name, kind, READERS[kind] or own, target) for kind, targets in links.items() for target in targets]
+    return out
+
+
+def test_every_spec_link_resolves_and_obeys_the_layers():
+    """Every ``"module:attr"`` a spec names is an attribute of a moetool module (a class for checkpoint types), and
+    the import it stands for (reader -> target) goes to the same layer or one below and closes no cycle; the
+    experiments' figures and commands are reached only through these links."""
+    import importlib
+    import inspect
+
+    known = modules()
+    g = graph()
+    links = spec_links()
+    assert len({e for e, *_ in links}) >= 19 and {k for _, k, _, _ in links} == set(READERS)
+    bad = []
+    for exp, kind, reader, target in links:
+        module, _, attr = target.partition(":")
+        if module not in known:
+            bad.append(f"{exp} {kind}: {target}: no such moetool module")
+            continue
+        obj = getattr(importlib.import_module(module), attr, None)
+        if obj is None or (kind == "checkpoint_types" and not inspect.isclass(obj)) or \
+                (kind != "checkpoint_types" and kind != "options" and not callable(obj)):
+            bad.append(f"{exp} {kind}: {target} does not resolve")
+        if RANK[group(module)] > RANK[group(reader)]:
+            bad.append(f"{exp} {kind}: {reader} -> {module} goes to a higher layer")
+        g[reader].add(module)
+    assert not bad, "\n".join(bad)
+    higher = sorted(f"{a} -> {b}" for a, deps in g.items() for b in deps if RANK[group(b)] > RANK[group(a)])
+    assert not higher, higher
+
+
+def test_the_link_check_sees_a_bad_link(monkeypatch):
+    """The check itself: a figures link to a missing function, and one to a command module, fail it."""
+    import dataclasses
+
+    import pytest
+
+    from moetool.experiments import registry
+
+    spec = registry.EXPERIMENTS["stats"]
+    for figures in ("moetool.experiments.stats.figures:no_such_figures", "moetool.commands.stats:register"):
+        monkeypatch.setitem(registry.EXPERIMENTS, "stats", dataclasses.replace(spec, figures=figures))
+        with pytest.raises(AssertionError):
+            test_every_spec_link_resolves_and_obeys_the_layers()
+
+
+def test_nothing_below_the_experiments_names_one():
+    """No module below the experiments' layer names an experiment's module or folder (in code, strings or
+    docstrings): what an experiment needs from below (its checkpoint types, its figures' captions) is in its spec."""
+    import re
+
+    from moetool.experiments.registry import EXPERIMENTS
+
+    names = "|".join(sorted((s.name.replace("-", "_") for s in EXPERIMENTS.values()), key=len, reverse=True))
+    pattern = re.compile(rf"experiments[./]({names})\b")
+    found = [f"{name}: {m.group(0)}" for name, path in modules().items()
+             if RANK[group(name)] < RANK["experiments"] for m in pattern.finditer(path.read_text())]
+    assert not found, found
+    assert pattern.search("from moetool.experiments.stats.compute import stats")  # the pattern reads a link
+
+
+def test_every_experiment_folder_is_a_package_of_the_distribution():
+    """pyproject.toml lists its packages by name (``commands/`` is installed as ``moetool.commands``): a wheel
+    without an experiment's folder would quietly lack the experiment, so every folder with a spec is listed."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {f"moetool.experiments.{p.parent.name}" for p in ROOT.joinpath("moetool", "experiments").glob("*/spec.py")}
+    assert len(folders) >= 20 and folders <= listed, sorted(folders - listed)

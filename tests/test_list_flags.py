@@ -24,7 +24,7 @@ def test_parse_list_keeps_each_value_once():
 
 
 def test_norm_select_lists_too():
-    from moetool.experiments.norm_select import parse_nodes, parse_norms
+    from moetool.experiments.norm_select.compute import parse_nodes, parse_norms
 
     assert parse_nodes("up,gate,up") == ["up", "gate"] and parse_norms("l1,l2,l1") == ["l1", "l2"]
 

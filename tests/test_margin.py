@@ -11,7 +11,7 @@ import torch
 
 import moetool
 from moetool.errors import MoetoolError
-from moetool.experiments.margin import MarginOptions, margin
+from moetool.experiments.margin.compute import MarginOptions, margin
 
 
 @pytest.fixture(scope="module")

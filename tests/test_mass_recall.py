@@ -19,7 +19,7 @@ from moetool.data import TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
 from moetool.experiments.kmeans import SphericalKMeans
-from moetool.experiments.mass_recall import (COLUMNS, MassRecallOptions, evaluate, run_mass_recall,
+from moetool.experiments.mass_recall.compute import (COLUMNS, MassRecallOptions, evaluate, run_mass_recall,
                                              scaled_bound, token_metrics)
 from moetool.uncertainty import ratio_intervals
 

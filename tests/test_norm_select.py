@@ -15,7 +15,7 @@ from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.data import TokenSet
 from moetool.errors import MoetoolError
-from moetool.experiments import norm_select as ns
+from moetool.experiments.norm_select import compute as ns
 from moetool.policies import make_policy
 
 ORD = {"l2": 2.0, "l1": 1.0, "linf": math.inf}
@@ -115,7 +115,7 @@ def _hand_agreement(events, K, B=2, S=12):
 
 @pytest.mark.parametrize("spec", ["router", "norm:glu:l1"])
 def test_agreement_equals_a_hand_computation(spec):
-    from moetool.experiments.ppl import perplexity
+    from moetool.experiments.routing import perplexity
 
     lm, tokens = _LM("mixtral"), _tokens()
     meter, events = ns.AgreementMeter(), []
@@ -221,7 +221,7 @@ def test_bootstrap_columns_equal_independent_intervals_from_per_row_sums():
     res = ns.run_norm_select(lm, tokens, [make_policy(s) for s in specs], data="rand", batch_size=2, quiet=True,
                              bootstrap=300, seed=1)
     events = []
-    from moetool.experiments.ppl import perplexity
+    from moetool.experiments.routing import perplexity
     perplexity(lm, tokens, policy=make_policy("norm:gate:l2"), consumers=[events.append], batch_size=2, quiet=True)
     hand = _hand_row_agreement(events, K=2, B=2, S=tokens.input_ids.shape[1])
     a = res.agreement[res.agreement.policy == "norm:gate:l2"].set_index("layer")
@@ -261,7 +261,7 @@ FAKE_ACC = {"router": {"mmlu": (0.7035, 0.0037), "arc_challenge": (0.6212, 0.014
 @pytest.fixture
 def fake_lm_eval(monkeypatch):
     """lm-eval replaced by fixed accuracies with standard errors per policy (no network, no lm-eval run)."""
-    from moetool.experiments import lmeval
+    from moetool.experiments.eval import compute as lmeval
 
     def evaluate(lm, plan, *, policy=None, limit=None, **kw):  # lm-eval's results dict, read by moetool
         name = policy.name if policy is not None else "router"
@@ -326,7 +326,8 @@ def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypa
     paper's numbers stand beside the measured ones."""
     import pandas as pd
 
-    from moetool.experiments import lmeval, published
+    from moetool.experiments import published
+    from moetool.experiments.eval import compute as lmeval
 
     monkeypatch.setattr(lmeval, "plan_tasks", lambda names, include_path=None: fake_lm_eval)
     args = ["norm-select", "--model", "tiny", "--tasks", "mmlu,arc_challenge", "--num-fewshot", "5", "--nodes",
@@ -359,7 +360,7 @@ def test_norm_select_on_a_pruned_model(tmp_path):
 
     import pandas as pd
 
-    from moetool.experiments.ppl import perplexity
+    from moetool.experiments.routing import perplexity
 
     lm, tokens = _LM("mixtral"), _tokens()
     removed = {L.index: [0, 3, 5] for L in lm.layers}

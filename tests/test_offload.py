@@ -12,7 +12,7 @@ import torch
 from conftest import feed
 
 from moetool.errors import MoetoolError
-from moetool.experiments.offload import default_capacities, expert_bytes, offload, simulate
+from moetool.experiments.offload.compute import default_capacities, expert_bytes, offload, simulate
 
 # K = 1, C = 2, requests 0 1 2 0 1 3 0 1 (worked by hand, see the module docstring's rules)
 TRACE_A = [[0], [1], [2], [0], [1], [3], [0], [1]]
@@ -75,7 +75,7 @@ def _lru_by_hand(trace, C):
 def test_vectorised_lru_matches_token_by_token(n, K, T, monkeypatch):
     """LRU (every capacity from one rank computation, blocks of tokens) == the request-by-request simulation;
     capacity >= the distinct experts (nothing evicted) hits every repeat, for every policy."""
-    from moetool.experiments import offload as off
+    from moetool.experiments.offload import compute as off
 
     monkeypatch.setattr(off, "LRU_BLOCK", 64)  # several blocks: the state carried across them
     rng = np.random.default_rng(n * K)

@@ -14,7 +14,7 @@ import torch
 from conftest import feed
 
 from moetool.errors import MoetoolError
-from moetool.experiments.placement import (PlacementOptions, gpu_loads, imbalance, rebalance_experts,
+from moetool.experiments.placement.compute import (PlacementOptions, gpu_loads, imbalance, rebalance_experts,
                                            static_placement)
 
 #: (layers, n, G, extra slots per GPU, groups, nodes): global (1 group), hierarchical over 1, 2 and 4 nodes, and
@@ -204,7 +204,7 @@ def test_cli_refuses_bad_values_in_one_line(tmp_path):
 def test_default_groups_are_the_routing_groups(tiny_model, model_type, groups):
     """EPLB's expert groups default to the routing's n_group (the tiny configs': 4, 2, none)."""
     from moetool.adapters import find_moe_layers
-    from moetool.experiments.placement import model_groups
+    from moetool.experiments.placement.compute import model_groups
 
     assert model_groups(find_moe_layers(tiny_model(model_type))[0]) == groups
 

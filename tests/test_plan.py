@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moetool.errors import MoetoolError
-from moetool.experiments import plan as P
+from moetool.experiments.plan import compute as P
 from moetool.loading import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"

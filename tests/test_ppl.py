@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.data import TokenSet
-from moetool.experiments.ppl import PPL_COLUMNS, perplexity, ppl_frame
+from moetool.experiments.ppl.compute import PPL_COLUMNS, ppl_frame
+from moetool.experiments.routing import perplexity
 from moetool.policies import build_policy
 
 
@@ -116,7 +117,7 @@ def _rows_tokens(n=7):
 
 
 def test_bootstrap_columns_equal_an_independent_interval_from_per_row_sums():
-    from moetool.experiments.ppl import ppl
+    from moetool.experiments.ppl.compute import ppl
     from moetool.uncertainty import ppl_ratio_interval, ratio_intervals
 
     lm, tokens = _LM(), _rows_tokens()

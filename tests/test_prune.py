@@ -101,7 +101,7 @@ def test_importance_by_hand(model_type, reap_weights):
     from the router logits by hand: the softmax over all experts, divided by its sum over the token's top-K when
     renormalised (olmoe's own weights are not renormalised: the model's weight is not REAP's there)."""
     from moetool.engine import Engine
-    from moetool.experiments.prune import Importance
+    from moetool.experiments.prune.compute import Importance
 
     model, layers, events = captured(model_type)
     from conftest import padded_batch
@@ -209,7 +209,7 @@ def test_too_few_kept_experts_refused(tiny_model):
 
 
 def test_bad_options_refused_in_one_line(tmp_path):
-    from moetool.experiments.prune import PruneOptions
+    from moetool.experiments.prune.compute import PruneOptions
 
     for kw, message in (({"criteria": ("reap", "size")}, "--criteria"), ({"fractions": (1.0,)}, r"\[0, 1\)"),
                         ({"ablate": -1}, "--ablate"), ({"reap_weights": "raw"}, "--reap-weights")):
@@ -306,7 +306,7 @@ PRUNE_ACC = {"router": {"mmlu": (0.70, 0.004), "arc_challenge": (0.62, 0.014)},
 def fake_prune_lm_eval(monkeypatch):
     """lm-eval replaced by fixed accuracies with standard errors per policy name (as test_norm_select's
     fake_lm_eval); every call recorded."""
-    from moetool.experiments import lmeval
+    from moetool.experiments.eval import compute as lmeval
 
     calls = []
 
@@ -383,7 +383,7 @@ def test_accuracy_on_the_shipped_tasks_matches_eval(tiny_prune, tmp_path):
     """The real lm-eval on the shipped offline task, 5 items: prune's router row is `moetool eval`'s accuracy, and
     its reap 0.25 row is `moetool eval --routing prune:reap:0.25:<prune_importance.csv>`'s."""
     import moetool
-    from moetool.experiments import lmeval
+    from moetool.experiments.eval import compute as lmeval
 
     if "moetool_code" not in lmeval.shipped_tasks():
         pytest.skip("the shipped offline tasks are not installed")

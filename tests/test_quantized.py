@@ -268,10 +268,10 @@ def _same_tables(a, b):
 
 @pytest.mark.parametrize("case", [FP8_CASES[1], "mxfp4"], ids=[IDS[1], "gpt_oss-mxfp4"])
 def test_experiments_equal_the_dequantized_model(case, kernels):
-    from moetool.experiments.approx import approx
-    from moetool.experiments.erc import erc
-    from moetool.experiments.norm_select import norm_select
-    from moetool.experiments.super_experts import super_experts
+    from moetool.experiments.approx.compute import approx
+    from moetool.experiments.erc.compute import erc
+    from moetool.experiments.norm_select.compute import norm_select
+    from moetool.experiments.super_experts.compute import super_experts
 
     qm, dq = _models(case)
     q, d, tokens = _LM(qm), _LM(dq), _tokens()
@@ -364,9 +364,9 @@ def _unreadable(model_type="mixtral"):
 
 
 def test_unknown_formats_are_one_line_before_any_work():
-    from moetool.experiments.approx import approx
-    from moetool.experiments.erc import erc
-    from moetool.experiments.super_experts import super_experts
+    from moetool.experiments.approx.compute import approx
+    from moetool.experiments.erc.compute import erc
+    from moetool.experiments.super_experts.compute import super_experts
 
     m = _unreadable()
     lm, layers = _LM(m), find_moe_layers(m)
@@ -517,7 +517,7 @@ def test_bitsandbytes_is_said_in_one_console_line(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize("case", [FP8_CASES[0], FP8_CASES[2], "mxfp4"], ids=[IDS[0], IDS[2], "gpt_oss-mxfp4"])
 def test_offload_counts_the_stored_bytes_of_one_expert(case):
-    from moetool.experiments.offload import expert_bytes
+    from moetool.experiments.offload.compute import expert_bytes
 
     qm, dq = _models(case)
     Lq, Ld = find_moe_layers(qm)[0], find_moe_layers(dq)[0]

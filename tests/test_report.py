@@ -114,7 +114,7 @@ def test_every_figure_has_a_caption_from_the_definitions():
 
     from moetool.report import plots
 
-    src = "".join((Path(plots.__file__).parent / f).read_text() for f in ("plots.py", "plots_offload.py"))
+    src = "".join(f.read_text() for f in sorted(Path(plots.__file__).parents[1].glob("experiments/*/figures.py")))
     drawn = set(re.findall(r'out\["(\w+)"\] = ', src)) | set(re.findall(r'"(\w+)": (?:plot_\w+\(|fig\}|ratio_curve\()', src))
     drawn |= set(re.findall(r'for name, \w+ in \(\("(\w+)", "\w+"\),', src))  # for name, y in (("a", "y"),
     drawn |= set(re.findall(r'\),\s+\("(\w+)", "\w+"\)\):', src))  # ("b", "y")):
@@ -393,7 +393,7 @@ def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     """Every demo step: <step>/<model>/ with <step>/manifest.json (norm-select was <step>/ alone). The sweep is
     cut to one node without tasks here (the layout, not the numbers, is under test)."""
     from moetool.demo import run_step
-    from moetool.experiments import norm_select as ns
+    from moetool.experiments.norm_select import compute as ns
     from moetool.experiments.registry import EXPERIMENTS
     real = ns.norm_select
     monkeypatch.setattr(ns, "norm_select", lambda lm, tokens, opts, quiet: real(

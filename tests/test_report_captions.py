@@ -11,6 +11,11 @@ import re
 from pathlib import Path
 
 from moetool.experiments.registry import EXPERIMENTS
+from moetool.experiments.agreement import figures as agreement_figures
+from moetool.experiments.capacity import figures as capacity_figures
+from moetool.experiments.placement import figures as placement_figures
+from moetool.experiments.prune import figures as prune_figures
+from moetool.experiments.super_experts import figures as super_experts_figures
 from moetool.report import plots
 
 STEM = re.compile(r'out\["(\w+)"\] = |[{,]\s*"(\w+)": (?:plot_\w+\(|fig\b|ratio_curve\()'
@@ -45,14 +50,15 @@ def figures_by_experiment() -> dict[str, set[str]]:
 def test_no_figure_name_is_captioned_twice():
     """A dict literal keeps the last of two equal keys: the agreement figure once carried norm-select's caption
     because both were "agreement_by_layer"."""
-    tree = ast.parse(Path(plots.__file__).read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "FIGURE_CAPTIONS":
-            keys = [k.value for k in node.value.keys]
-            assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
-            break
-    else:
-        raise AssertionError("FIGURE_CAPTIONS not found")
+    specs = sorted(Path(plots.__file__).parents[1].joinpath("experiments").glob("*/spec.py"))
+    found = 0
+    for path in specs:  # a dict literal in one spec: its keys; across specs the registry refuses a repeat
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "CAPTIONS":
+                keys = [k.value for k in node.value.keys]
+                assert len(keys) == len(set(keys)), (path, sorted(k for k in keys if keys.count(k) > 1))
+                found += len(keys)
+    assert found == len(plots.FIGURE_CAPTIONS) >= 30
     owners: dict[str, list[str]] = {}
     for exp, stems in figures_by_experiment().items():
         for s in stems:
@@ -63,14 +69,15 @@ def test_no_figure_name_is_captioned_twice():
 
 def test_every_caption_cites_its_own_experiments_definitions():
     """The quantities a caption names (the definitions it cites) are columns the figure's own experiment
-    defines, and the caption's tables are tables that experiment writes (its docstring says which)."""
+    defines, and the caption's tables are tables that experiment writes (its spec's docstring, the --help, says
+    which)."""
     for exp, stems in figures_by_experiment().items():
         spec = EXPERIMENTS[exp]
         mod = importlib.import_module(spec.module)
         defs = {k for n in dir(mod) if n.endswith("DEFINITIONS") and isinstance(getattr(mod, n), dict)
                 for k in getattr(mod, n)}
-        writes = inspect.getsource(mod) + (inspect.getsource(importlib.import_module(f"moetool.commands.{exp.replace('-', '_')}"))
-                                           if importlib.util.find_spec(f"moetool.commands.{exp.replace('-', '_')}") else "")
+        folder = f"moetool.experiments.{exp.replace('-', '_')}"
+        writes = inspect.getsource(mod) + inspect.getsource(importlib.import_module(f"{folder}.spec"))
         for stem in stems:
             shows, tables, keys = plots.FIGURE_CAPTIONS[stem]
             assert set(keys) <= defs, (exp, stem, set(keys) - defs)
@@ -126,7 +133,7 @@ def test_prune_curve_lines_start_at_the_model_star():
     importance = pd.DataFrame({"layer": np.repeat([0, 1], 4), "expert": np.tile(range(4), 2),
                                "reap": np.linspace(0.1, 0.8, 8)})
     ablation = pd.DataFrame(columns=["layer", "expert", "ratio", "ratio_lo", "ratio_hi"])
-    figs = plots.plot_prune(curve, importance, ablation)
+    figs = prune_figures.plot_prune(curve, importance, ablation)
     ax = figs["prune_curve"].axes[0]
     lines = {c.get_label(): c.lines[0] for c in ax.containers if isinstance(c, ErrorbarContainer)}
     assert set(lines) == {"frequency", "random"}
@@ -142,7 +149,7 @@ def test_placement_draws_the_intervals_its_caption_names():
             for i, (m, r) in enumerate([("contiguous", 0), ("round_robin", 0), ("eplb", 0)]) for g in (2, 4, 8)]
     overall = interval(pd.DataFrame(rows), "imbalance", 0.02)
     per_layer = pd.concat([overall.assign(layer=layer) for layer in range(3)], ignore_index=True)
-    figs = plots.plot_placement(overall, per_layer)
+    figs = placement_figures.plot_placement(overall, per_layer)
     for stem, fig in figs.items():
         ax = fig.axes[0]
         bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
@@ -158,14 +165,14 @@ def test_capacity_log_axis_has_readable_ticks_and_a_small_range_stays_linear():
         return interval(df, "ratio", 0.05)
 
     layers = pd.DataFrame({"cf": [1.0, 1.0], "order": ["order"] * 2, "layer": [0, 1], "dropped_frac": [0.1, 0.2]})
-    wide = plots.plot_capacity(table([15.7, 1.7, 1.0, 3.0, 1.04, 1.0]), layers)["capacity_curve"]
+    wide = capacity_figures.plot_capacity(table([15.7, 1.7, 1.0, 3.0, 1.04, 1.0]), layers)["capacity_curve"]
     ax = wide.axes[1]
     assert ax.get_yscale() == "log"
     texts = tick_texts(ax)
     assert {"1", "2", "5", "10"} <= set(texts), texts  # not only 10^0 and 10^1
     assert not any("10^" in t or "times" in t or "$" in t for t in texts)
     check_caption("capacity_curve", wide)
-    narrow = plots.plot_capacity(table([1.3, 1.1, 1.0, 1.2, 1.05, 1.0]), layers)["capacity_curve"]
+    narrow = capacity_figures.plot_capacity(table([1.3, 1.1, 1.0, 1.2, 1.05, 1.0]), layers)["capacity_curve"]
     assert narrow.axes[1].get_yscale() == "linear"
 
 
@@ -178,10 +185,10 @@ def test_super_experts_ticks_are_plain_numbers():
         t["is_super"] = t["max_abs_output"] > 27.5
         return t
 
-    small = plots.plot_super_experts(table([28.6, 21.7, 19.6, 18.0, 16.5, 15.7, 14.8, 3.7]))["super_experts_ranked"]
+    small = super_experts_figures.plot_super_experts(table([28.6, 21.7, 19.6, 18.0, 16.5, 15.7, 14.8, 3.7]))["super_experts_ranked"]
     assert small.axes[0].get_yscale() == "linear"  # 3.7 .. 28.6: less than a decade
     check_caption("super_experts_ranked", small)
-    wide = plots.plot_super_experts(table([900.0, 21.7, 19.6, 18.0, 16.5, 15.7, 14.8, 3.7]))["super_experts_ranked"]
+    wide = super_experts_figures.plot_super_experts(table([900.0, 21.7, 19.6, 18.0, 16.5, 15.7, 14.8, 3.7]))["super_experts_ranked"]
     ax = wide.axes[0]
     texts = tick_texts(ax)
     assert ax.get_yscale() == "log" and {"10", "100"} <= set(texts) and not any("$" in t for t in texts), texts
@@ -194,7 +201,7 @@ def test_agreement_margin_says_both_panels_are_binned_by_the_top_k_margin():
     bins = pd.DataFrame({"precision": ["fp8"] * 3, "layer": [0] * 3, "margin_lo": [0.0, 0.01, 0.1],
                          "margin_hi": [0.01, 0.1, np.inf], "tokens": [5, 10, 20], "top1_flip": [0.4, 0.2, 0.0],
                          "topk_flip": [0.6, 0.3, 0.05]})
-    figs = plots.plot_agreement(per_layer, bins)
+    figs = agreement_figures.plot_agreement(per_layer, bins)
     assert set(figs) == {"agreement_flips_by_layer", "agreement_margin"}
     for ax in figs["agreement_margin"].axes:
         assert "top-K margin" in ax.get_xlabel()

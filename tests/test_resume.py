@@ -172,7 +172,7 @@ def test_resume_refused_under_torchrun(monkeypatch):
 
 @pytest.mark.slow
 def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    from moetool.experiments import fluctuation as fl
+    from moetool.experiments.fluctuation import compute as fl
 
     # order of work (--reference previous): tiny (checkpoint 1) first, then tiny-early fed to tiny's routers too
     args = ["fluctuation", "tiny-early", "tiny", "--routing", "router,similarity", "--isolate", "--max-tokens", "256",
@@ -228,7 +228,8 @@ def test_checkpoints_fall_on_whole_batches_when_a_batch_is_backed_off(tmp_path, 
     import torch
 
     from moetool.data import load_tokens
-    from moetool.experiments import stats, trace
+    from moetool.experiments.stats import compute as stats
+    from moetool.experiments.trace import compute as trace
     from moetool.loading import load
 
     lm = load("tiny")
@@ -358,7 +359,7 @@ def test_unit_checkpoints_round_trip_without_pickle_and_refuse_foreign_types(tmp
 
     from moetool.engine.runner import NLL, ForwardResult
     from moetool.errors import MoetoolError
-    from moetool.experiments.lmeval import EvalResult
+    from moetool.experiments.eval.compute import EvalResult
 
     layer = torch.nn.Linear(2, 2)  # a live object a unit points to: stored by position, never copied
     shared = [1, 2]

@@ -19,7 +19,7 @@ from moetool.adapters import find_moe_layers
 from moetool.data import TokenBatch, TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
-from moetool.experiments.stats import RoutingStats, SparseCounter, StatsOptions, stats
+from moetool.experiments.stats.compute import RoutingStats, SparseCounter, StatsOptions, stats
 
 COLUMNS = {
     "load.csv": ["layer", "expert", "load_fraction", "load_fraction_lo", "load_fraction_hi", "token_fraction",
@@ -267,7 +267,7 @@ def test_stats_writer_writes_every_file_with_exact_columns(tmp_path):
     man = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert man["options"] == {"top_tokens": 2, "min_count": 1, "batch_size": 8, "top_k": None,
                               "coactivation": "all", "all_tokens": False, "specialization": True, "bootstrap": 1000,
-                              "seed": 0}
+                              "seed": 0, "layers": None}
     assert man["bootstrap"]["replicates"] == 1000 and man["bootstrap"]["rows"] == 3
     lay = frames["layers"]
     assert ((lay.max_load_ratio_lo <= lay.max_load_ratio) & (lay.max_load_ratio <= lay.max_load_ratio_hi)).all()
@@ -453,3 +453,29 @@ def test_bootstrap_columns_equal_independent_intervals_from_hand_row_counts():
     off = stats(lm, tokens, quiet=True, batch_size=2, bootstrap=0, specialization=False, top_tokens=0)
     assert off["load"].load_fraction.tolist() == load.load_fraction.tolist()
     assert off["layers"].max_load_ratio_lo.isna().all() and off["load"].token_fraction_hi.isna().all()
+
+
+def test_layers_keep_exactly_the_asked_layers_rows():
+    """--layers (issue 32 item 2): the tables of a run over some MoE layers are the full run's rows of those layers
+    (the router is not touched, only fewer layers are hooked); cross-layer pairs only where both layers are
+    consecutive MoE layers of the model, and none with two layers that are not."""
+    import moetool
+
+    lm = moetool.load("tiny", device="cpu")
+    ts = moetool.tokens(lm, None, seq_len=32, max_tokens=512)
+    full = stats(lm, ts, bootstrap=0)
+    moe = [L.index for L in lm.layers]
+    assert len(moe) >= 3
+    some = stats(lm, ts, bootstrap=0, layers=(moe[1], moe[2]))
+    for name in ("load.csv", "layers.csv", "coactivation.csv", "specialization.csv", "cross_layer.csv"):
+        want = full[name]
+        want = want[want["layer"].isin([moe[1], moe[2]])]
+        if name == "cross_layer.csv":
+            want = want[want["next_layer"] == moe[2]]
+        if name == "layers.csv":  # the layers' own figures; the pooled aux loss is over the layers measured
+            want, got = want.drop(columns="aux_loss_hf_pooled"), some[name].drop(columns="aux_loss_hf_pooled")
+        else:
+            got = some[name]
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), want.reset_index(drop=True), check_exact=True)
+    apart = stats(lm, ts, bootstrap=0, layers=(moe[0], moe[2]))
+    assert sorted(apart["layers.csv"]["layer"]) == [moe[0], moe[2]] and "cross_layer.csv" not in apart

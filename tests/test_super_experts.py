@@ -18,7 +18,7 @@ from moetool.errors import MoetoolError
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
 def test_max_abs_output_by_hand(model_type, budget):
     from moetool.engine import Engine
-    from moetool.experiments.super_experts import MaxOutput
+    from moetool.experiments.super_experts.compute import MaxOutput
 
     model, layers, events = captured(model_type)
     probe = MaxOutput([L.index for L in layers], budget=budget)
@@ -42,7 +42,7 @@ def test_max_abs_output_by_hand(model_type, budget):
 
 
 def test_criterion_by_hand():
-    from moetool.experiments.super_experts import super_mask
+    from moetool.experiments.super_experts.compute import super_mask
 
     a = np.array([1.0] * 197 + [3.0, 20.0, 100.0])
     # 99th percentile: position 0.99 x 199 = 197.01 -> 3 + 0.01 x (20 - 3) = 3.17
@@ -70,7 +70,7 @@ def test_criterion_by_hand():
 def test_degenerate_and_layer_cut_by_hand():
     """How many values can pass the percentile (N - 1 - floor((N - 1) q / 100)), checked by brute force on
     distinct values; the code's round(0.75 L) with Python's half-to-even rounding."""
-    from moetool.experiments.super_experts import can_pass, included_layers
+    from moetool.experiments.super_experts.compute import can_pass, included_layers
 
     for n in (2, 32, 128, 200, 201, 401, 1000):
         for q in (99.5, 99.0, 90.0):
@@ -83,7 +83,7 @@ def test_degenerate_and_layer_cut_by_hand():
 def test_first_rows_by_hand():
     """The token the paper's code reads per row and expert: slot-major (first choices in position order, then
     second choices), padding skipped."""
-    from moetool.experiments.super_experts import first_rows
+    from moetool.experiments.super_experts.compute import first_rows
 
     idx = torch.tensor([[2, 0], [1, 2], [0, 1],   # row 0: expert 0 first chosen at slot 0 by token 2
                         [3, 1], [1, 0], [1, 3]])  # row 1: expert 3 at slot 0 by token 3
@@ -107,7 +107,7 @@ def test_ablations(tiny_run, tmp_path):
     """Nothing removed is the model's own perplexity; the super ablation removes exactly the rows marked super
     and equals ppl with them as a prune:file policy; the random one as many others per layer."""
     import moetool
-    from moetool.experiments.super_experts import super_mask
+    from moetool.experiments.super_experts.compute import super_mask
 
     lm, tokens, res = tiny_run
     table, abl = res["super_experts"], res["super_experts_ablation"].set_index("ablation")
@@ -142,7 +142,7 @@ def test_ablations(tiny_run, tmp_path):
 
 
 def test_bad_options_are_one_line():
-    from moetool.experiments.super_experts import SuperExpertsOptions
+    from moetool.experiments.super_experts.compute import SuperExpertsOptions
 
     with pytest.raises(MoetoolError, match="--percentile"):
         SuperExpertsOptions(percentile=100.0)

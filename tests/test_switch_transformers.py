@@ -106,7 +106,7 @@ def test_seq2seq_loss_is_the_models_own():
 def test_lm_eval_refused_for_encoder_decoder():
     from types import SimpleNamespace
 
-    from moetool.experiments.lmeval import make_hflm
+    from moetool.experiments.eval.compute import make_hflm
 
     model = build_tiny("switch_transformers")
     with pytest.raises(MoetoolError, match="encoder-decoder"):

@@ -193,7 +193,7 @@ def test_cli_refuses_bad_values_in_one_line(tmp_path):
 
 
 def test_padded_batch_counts_real_tokens_only(tiny_model):
-    from moetool.experiments.topk import ExpertCounter
+    from moetool.experiments.topk.compute import ExpertCounter
 
     model = tiny_model("mixtral")
     batch = padded_batch()

@@ -23,8 +23,8 @@ import engine_writers as ew  # noqa: E402
 
 from moetool.commands.app import app  # noqa: E402
 from moetool.errors import MoetoolError  # noqa: E402
-from moetool.experiments.placement import PlacementOptions, gpu_loads, imbalance  # noqa: E402
-from moetool.experiments.stats import StatsOptions  # noqa: E402
+from moetool.experiments.placement.compute import PlacementOptions, gpu_loads, imbalance  # noqa: E402
+from moetool.experiments.stats.compute import StatsOptions  # noqa: E402
 from moetool.experiments.trace_analyses import placement_from_trace, stats_from_trace  # noqa: E402
 from moetool.traces import readers  # noqa: E402
 from moetool.traces.export import read_eplb, read_sglang_location  # noqa: E402
@@ -51,10 +51,10 @@ def captured(tmp_path_factory):
     """The embedded model's routing captured by moetool (trace), the forward's own stats and placement tables, and
     that routing written in every engine's format."""
     import moetool
-    from moetool.experiments.offload import OffloadOptions, offload
-    from moetool.experiments.placement import placement
-    from moetool.experiments.stats import stats
-    from moetool.experiments.trace import trace
+    from moetool.experiments.offload.compute import OffloadOptions, offload
+    from moetool.experiments.placement.compute import placement
+    from moetool.experiments.stats.compute import stats
+    from moetool.experiments.trace.compute import trace
 
     lm = moetool.load("tiny")
     toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
@@ -214,7 +214,7 @@ def test_placement_tables_equal_forward(captured, imported, fmt):
 def test_offload_tables_equal_forward(captured, imported, fmt):
     """Coverage, per-layer shares and every cache policy's hits on the trace's token stream equal the forward's
     (Megatron's sorted ids: a token's K requests are served together, so their order does not change a hit)."""
-    from moetool.experiments.offload import OffloadOptions
+    from moetool.experiments.offload.compute import OffloadOptions
     from moetool.experiments.trace_analyses import offload_from_trace
 
     res = offload_from_trace(open_trace(imported[fmt]), OffloadOptions(bootstrap=0), None)
@@ -233,8 +233,8 @@ def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path)
     """Two recorded routings of the same tokens (tiny-early and tiny): with gate weights (moetool trace) every rate
     of the forward's fluctuation for the router; from engine dumps (vLLM) the set rates, top1_change left out."""
     import moetool
-    from moetool.experiments.fluctuation import FluctuationOptions, fluctuation
-    from moetool.experiments.trace import trace
+    from moetool.experiments.fluctuation.compute import FluctuationOptions, fluctuation
+    from moetool.experiments.trace.compute import trace
     from moetool.experiments.trace_analyses import fluctuation_from_traces
 
     early = moetool.load("tiny-early")

@@ -88,7 +88,7 @@ def _get(model: str, task: str, metric: str, policy: str) -> float:
 
 
 def aoe_table1(table: Any, model: str, tasks: Any = ("mmlu", "arc_challenge"), metric: str = "acc") -> Any:
-    """AoE Table 1 layout: the measured norm-select table (:func:`moetool.experiments.norm_select.table1`:
+    """AoE Table 1 layout: the measured norm-select table (:func:`moetool.experiments.norm_select.compute.table1`:
     one row per policy, ``<task> <metric>`` and ``<task> retention`` columns, retention as a ratio) beside the
     paper's numbers, all as fractions (0.7035, as quality.csv: the paper's percentages divided by 100).
 

@@ -1,6 +1,6 @@
 """Streaming consumers behind ``stats``' OLMoE-style analyses: vocabulary specialisation, cross-layer
 co-activation and the load-balancing view. Each rides on :func:`moetool.engine.forward` beside
-:class:`~moetool.experiments.stats.RoutingStats`, keeps its aggregates on the layer's device (padding is weighted
+:class:`~moetool.experiments.stats.compute.RoutingStats`, keeps its aggregates on the layer's device (padding is weighted
 out, never indexed away, so nothing waits for the device inside the forward) and turns them into DataFrames at
 the end with the pure functions below.
 
@@ -213,13 +213,17 @@ def token_specialization(keys: torch.Tensor, counts: torch.Tensor, n: int) -> An
 # ----- cross-layer co-activation ---------------------------------------------------------------------
 class CrossLayer:
     """``count[a, b]`` for consecutive hooked MoE layers (l, next): tokens with a in the top-K at l and b at next.
+    With ``model_layers`` (every MoE layer of the model; ``layers`` a subset) only pairs consecutive in the model.
 
     ``top_k=1`` counts only the first-ranked expert at both layers. Events of one forward arrive in model
     order; ``begin_batch`` clears the previous layer's indicator.
     """
 
-    def __init__(self, layers: list[Any], top_k: int | None = None):
+    def __init__(self, layers: list[Any], top_k: int | None = None, model_layers: list[Any] | None = None):
         self.order = [L.index for L in layers]
+        every = [L.index for L in (layers if model_layers is None else model_layers)]  # the model's MoE layers
+        self.previous = dict(zip(every[1:], every[:-1]))  # the MoE layer before each one in the model
+        self.expected = sum(self.previous.get(li) in self.order for li in self.order)  # pairs both hooked
         self.top_k = top_k
         self.counts: dict[tuple[int, int], torch.Tensor] = {}
         self.k: dict[int, int] = {}
@@ -242,6 +246,8 @@ class CrossLayer:
         if pos == 0 or self.order[pos - 1] != pl:
             raise MoetoolError(f"CrossLayer: layer {li} reported after layer {pl}, expected model order "
                                "(call begin_batch before each forward)")
+        if self.previous.get(li) != pl:  # --layers left out the MoE layers between: not a consecutive pair
+            return
         c = ops.to_device(pm, dev).T @ m  # [n_prev, n]
         key = (pl, li)
         self.counts[key] = c if key not in self.counts else self.counts[key] + c
@@ -258,7 +264,7 @@ class CrossLayer:
         """``cross_layer.csv`` (layer, next_layer, a, b, count, p_b_given_a) and ``cross_layer_summary.csv``."""
         import pandas as pd
 
-        if len(self.order) > 1 and len(self.counts) != len(self.order) - 1:
+        if len(self.counts) != self.expected:
             raise MoetoolError("CrossLayer: no events for some consecutive MoE layers (nothing ran?)")
         pairs, summary = [], []
         for (l0, l1), c in sorted(self.counts.items()):

@@ -29,12 +29,12 @@ from ..loading import load_tokenizer
 from ..sketch import SparseCounter
 from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
 from ..uncertainty import RowSums
-from .fluctuation import RATES, Routing, compare_with_intervals, pairs
-from .offload import offload_tables
-from .placement import DEFINITIONS as PLACEMENT_DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
+from .fluctuation.compute import RATES, Routing, compare_with_intervals, pairs
+from .offload.compute import offload_tables
+from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
 from .result import Result
 from .specialization import coactivation_counts, token_decoder, with_tokens
-from .stats import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank
+from .stats.compute import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank
 
 #: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
 NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "

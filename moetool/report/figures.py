@@ -423,3 +423,53 @@ def savefig(fig: Any, path: str | Path, *, finalized: bool = False, **kwargs: An
         fig.savefig(p, format=fmt, dpi=STYLE["savefig.dpi"] if fmt == "png" else None, bbox_inches="tight",
                     **kwargs)
     return p
+
+
+# ----- shared by several experiments' figures (moetool/experiments/<name>/figures.py) -----------------
+def yerr_columns(df: Any, col: str) -> tuple[str, str] | None:
+    """``(col_lo, col_hi)`` when ``df`` has that interval (not all NaN: ``--bootstrap 0``), else None."""
+    lo, hi = f"{col}_lo", f"{col}_hi"
+    return (lo, hi) if lo in df.columns and hi in df.columns and df[lo].notna().any() else None
+
+
+def bar_errors(df: Any, col: str = "ratio") -> Any:
+    """matplotlib's ``yerr`` ``[2, n]`` (distances below / above) of ``col`` from ``col_lo``/``col_hi``; None
+    without an interval (NaN bounds draw no bar)."""
+    if yerr_columns(df, col) is None:
+        return None
+    import numpy as np
+
+    return np.nan_to_num(error_lengths(df[col], df[f"{col}_lo"], df[f"{col}_hi"]))
+
+
+def eval_items(n_samples: Any) -> dict[str, int]:
+    """task -> items lm-eval scored for the router baseline, from a manifest's ``n_samples`` ({policy: {task:
+    {original, effective}}}); {} when the run has none."""
+    per_task = (n_samples or {}).get("router") or {}
+    out = {}
+    for task, n in per_task.items():
+        n = n.get("effective", n.get("original")) if isinstance(n, dict) else n
+        if n is not None:
+            out[task] = int(n)
+    return out
+
+
+def ratio_curve(df: Any, by: str, x: str, *, title: str, xlabel: str, star: str, join: bool = False) -> Any:
+    """One figure: perplexity / the model's own (paired ratio, bootstrap error bars) against ``x``, one line per
+    value of ``by``; the row whose ``by`` is ``router`` (the model itself) a star. ``join``: the model's row is
+    every line's first point too (a sweep that starts from the model: nothing pruned is the model)."""
+    import pandas as pd
+
+    fig, (ax,) = new_figure(width=5.0)
+    sweep = df[df[by] != "router"]
+    start = df[df[by] == "router"]
+    if join and len(start) and len(sweep):
+        sweep = pd.concat([start.assign(**{by: v}) for v in dict.fromkeys(sweep[by])] + [sweep])
+        sweep = sweep.sort_values(x, kind="stable")
+    if len(sweep):
+        line_by(ax, sweep, x, "ratio", by, title=title, yerr=("ratio_lo", "ratio_hi"), xlabel=xlabel,
+                ylabel="perplexity / the model's own (paired)")
+    router = df[df[by] == "router"]
+    ax.scatter(router[x], router["ratio"], marker="*", s=90, color="black", zorder=10, label=star)
+    ax.legend()
+    return fig

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..checkpoints import CHECKPOINT_TYPES, UNIT_FORMAT, UNITS, Units  # noqa: F401 - rundir.Units: the run's checkpoints
+from ..experiments import registry as _registry  # noqa: F401 - discovering the experiments allows their checkpoint types
 from ..errors import MoetoolError, MoetoolRuntimeError, one_line, write_error  # noqa: F401 (one_line: rundir.one_line)
 from ..files import PART, atomic_path, jsonable as _jsonable  # noqa: F401 - rundir.atomic_path / PART: writers
 

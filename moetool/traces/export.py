@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import MoetoolError
-from ..experiments.placement import rebalance_experts
+from ..experiments.placement.compute import rebalance_experts
 from .readers import load_pt
 from .shape import ModelShape
 
@@ -46,7 +46,7 @@ def log2phy_map(phy2log: torch.Tensor, phyrank: torch.Tensor, logcnt: torch.Tens
 
 
 def eplb_placement(load: torch.Tensor, gpus: int, replicas: int, groups: int, nodes: int) -> dict[str, torch.Tensor]:
-    """EPLB (moetool's port, :func:`moetool.experiments.placement.rebalance_experts`) on ``load [L, n]`` with
+    """EPLB (moetool's port, :func:`moetool.experiments.placement.compute.rebalance_experts`) on ``load [L, n]`` with
     ``n + replicas`` slots over ``gpus``: ``phy2log``, ``phyrank``, ``logcnt``, ``log2phy``."""
     n = load.shape[1]
     phy2log, phyrank, logcnt = rebalance_experts(load, n + replicas, groups, nodes, gpus)

@@ -1,6 +1,6 @@
 """An engine's dump as moetool's own files, and those files read back, streamed.
 
-Per-token routing is written as the trace Parquet ``moetool trace`` writes (:mod:`moetool.experiments.trace`):
+Per-token routing is written as the trace Parquet ``moetool trace`` writes (:mod:`moetool.experiments.trace.compute`):
 ``row, pos, token_id, domain, layer, expert_1..expert_K, weight_1..weight_K``, rows layer-major within each chunk.
 The engines record ids only: ``weight_k`` are NaN (no gate weights), ``token_id`` is -1 where the dump has no token
 ids, ``domain`` is empty. Counts-only dumps are written as ``loads.parquet`` (``layer, expert, count``). The

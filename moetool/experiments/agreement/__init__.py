@@ -1,0 +1,1 @@
+"""The ``agreement`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

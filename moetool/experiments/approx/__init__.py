@@ -1,0 +1,1 @@
+"""The ``approx`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,1 @@
+"""The ``capacity`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,1 @@
+"""The ``erc`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

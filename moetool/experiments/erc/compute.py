@@ -1,0 +1,282 @@
+"""Expert–router coupling (ERC; Lv, Ma, Ma, Qiao 2025, arXiv 2512.23447): the n×n matrix M of proxy-token activations, from weights only.
+
+Per MoE layer, router row ``R_i`` is expert i's proxy token. ``M[i, j] = || node_j(R~_i) ||``: how strongly
+expert j answers proxy i (node ``gate`` = ``W_g^j R~_i`` by default). A coupled layer has a dominant
+diagonal; ``alpha_min`` is the smallest α for which the ERC loss ``L_ERC(α)`` vanishes on the clean M.
+
+All ``n`` proxies (times ``--samples`` draws) go through all ``n`` experts as one batch of "tokens" of the
+batched probes (:func:`moetool.engine.probes.node_scores`): one batched product per token chunk, on the
+model's device. Everything here is vectorised over i, j; no Python loop over experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ... import distributed, ops
+from ...adapters import quant
+from ...adapters.base import MoELayer
+from ...engine import probes
+from ...engine.hooks import select_layers
+from ...errors import MoetoolError
+from ...progress import progress
+from ..published import erc_alpha_min
+from ..result import Result, resolve_options
+
+DEFAULT_ALPHAS = (0.4, 0.6, 0.8, 1.0)
+NOISE_MODES = ("derived", "none")
+
+DEFINITIONS = {
+    "eps": "eps_i = ||R_i - R_j*|| / (2 ||R_i||), j* the nearest other router row (Euclidean), computed in fp32",
+    "proxy": "R~_i = R_i * delta_i, delta_i ~ U(1 - eps_i, 1 + eps_i)^d elementwise; --noise derived uses eps_i "
+             "above, none uses delta = 1, a float uses that eps for every i",
+    "M": "M[i, j] = || node_j(R~_i) || (norm --norm, node --node; gate = W_g^j R~_i), fp32; row i = proxy i, "
+         "column j = expert j; erc_matrix.csv holds the clean M (no noise). The node is computed as the batched "
+         "probes compute it, i.e. including expert biases where the family has them (gpt-oss)",
+    "erc_loss": "L_ERC(alpha) = (1/n^2) sum_i sum_{j != i} [max(M[i,j] - alpha M[i,i], 0) + "
+                "max(M[j,i] - alpha M[i,i], 0)]; erc_loss = the mean over --samples draws of the loss of each "
+                "draw's noisy M (not the loss of the mean M); erc_loss_clean = the loss of the clean M",
+    "alpha_min": "max over i != j of max(M[i,j], M[j,i]) / M[i,i] on the clean M: the smallest alpha with "
+                 "erc_loss_clean = 0",
+    "alpha_min_paper": "the ERC paper's alpha_min where it gives one: a vanilla MoE needs alpha ~ 5 in every layer "
+                       "(approximate, read from the paper's text; no per-layer table): moetool.experiments.published",
+    "row_dominance": "fraction of proxies i with argmax_j M[i,j] = i (clean M)",
+    "col_dominance": "fraction of experts j with argmax_i M[i,j] = j (clean M)",
+    "router_abs_cos_mean": "mean |cos(R_i, R_j)| over ordered pairs i != j",
+    "seeding": "each layer draws its noise from its own generator seeded with seed * 1_000_003 + layer index, so a "
+               "layer's numbers do not depend on which other layers are analysed",
+    "experts": "routed experts of the MoE layers only (shared experts and dense layers are not part of M)",
+}
+
+
+@dataclass(frozen=True)
+class ErcOptions:
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS  # the α values of erc.csv
+    noise: str | float = "derived"  # derived | none | a fixed eps for every expert
+    samples: int = 1  # noise draws; the noisy loss is their mean
+    node: str = "gate"  # probe node whose norm fills M
+    norm: str = "l2"  # l2 | l1 | linf
+    seed: int = 0
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        if not self.alphas:
+            raise MoetoolError("--alpha needs at least one value")
+        if any(a < 0 for a in self.alphas):
+            raise MoetoolError(f"--alpha values must be >= 0, got {list(self.alphas)}")
+        if self.samples < 1:
+            raise MoetoolError(f"--samples must be >= 1, got {self.samples}")
+        if self.node not in probes.NODES:
+            raise MoetoolError(f"--node must be one of {', '.join(probes.NODES)}, not '{self.node}'")
+        if self.norm not in ops.NORMS:
+            raise MoetoolError(f"--norm must be one of {', '.join(ops.NORMS)}, not '{self.norm}'")
+        if isinstance(self.noise, str) and self.noise not in NOISE_MODES:
+            raise MoetoolError(f"--noise must be derived, none or a number, not '{self.noise}'")
+        if not isinstance(self.noise, str) and not self.noise >= 0:
+            raise MoetoolError(f"--noise eps must be >= 0, got {self.noise}")
+
+
+def parse_noise(text: str) -> str | float:
+    """``derived`` | ``none`` | a float eps."""
+    if text in NOISE_MODES:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise MoetoolError(f"--noise must be derived, none or a number, not '{text}'") from None
+
+
+def router_rows(layer: MoELayer) -> torch.Tensor:
+    """The router weight ``R [n, d]`` as fp32, materialised if accelerate offloaded it (``device_map``)."""
+    if not hasattr(layer.router, "_hf_hook"):
+        return layer.router_weight().detach().float()
+    from accelerate.utils import align_module_device
+
+    with align_module_device(layer.router):
+        return layer.router_weight().detach().float().clone()
+
+
+# ----- the math --------------------------------------------------------------------------------
+def derived_eps(R: torch.Tensor) -> torch.Tensor:
+    """``eps_i = ||R_i - R_j*|| / (2 ||R_i||)`` with ``j*`` the nearest other row: ``[n, d] -> [n]`` fp32."""
+    R = R.float()
+    dist = torch.cdist(R, R)  # [n, n]
+    dist.fill_diagonal_(float("inf"))
+    return dist.min(dim=1).values / (2 * ops.vector_norm(R).clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def noise_eps(R: torch.Tensor, noise: str | float) -> torch.Tensor:
+    """Per-expert noise level ``[n]`` for ``--noise`` (``derived`` | ``none`` | float)."""
+    if noise == "derived":
+        return derived_eps(R)
+    eps = 0.0 if noise == "none" else float(noise)
+    return torch.full((R.shape[0],), eps, dtype=torch.float32, device=R.device)
+
+
+def proxy_tokens(R: torch.Tensor, eps: torch.Tensor, samples: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``R~ = R ⊙ δ``, ``δ_i ~ U(1 - eps_i, 1 + eps_i)^d``: ``[n, d], [n] -> [samples, n, d]`` fp32."""
+    n, d = R.shape
+    u = torch.rand(samples, n, d, generator=generator, device=R.device)  # [S, n, d] in [0, 1)
+    delta = 1 + eps.view(1, n, 1) * (2 * u - 1)  # [S, n, d]
+    return R.float().unsqueeze(0) * delta
+
+
+def coupling_matrix(layer: MoELayer, X: torch.Tensor, node: str = "gate", norm: str = "l2") -> torch.Tensor:
+    """``M[..., i, j] = || node_j(X[..., i]) ||`` for proxies ``X [..., n, d]`` -> ``[..., n, n]`` fp32.
+
+    All proxies are one batch of tokens for the batched probes (chunked to bound memory).
+    """
+    lead, d = X.shape[:-1], X.shape[-1]
+    scores = probes.node_scores(layer, X.reshape(-1, d), node, norm)  # [prod(lead), n]
+    return scores.reshape(*lead, scores.shape[-1])
+
+
+def erc_loss(M: torch.Tensor, alphas: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """``L_ERC(α)`` for every α: ``M [..., n, n]`` -> ``[..., A]`` (fp64)."""
+    M = M.double()
+    n = M.shape[-1]
+    a = torch.as_tensor(alphas, dtype=torch.float64, device=M.device).view(-1, 1, 1)  # [A, 1, 1]
+    thr = a * M.diagonal(dim1=-2, dim2=-1).unsqueeze(-2).unsqueeze(-1)  # [..., A, n, 1]: α M[i, i] on row i
+    over_row = (M.unsqueeze(-3) - thr).clamp_min(0)  # [..., A, n, n]: M[i, j] - α M[i, i]
+    over_col = (M.transpose(-1, -2).unsqueeze(-3) - thr).clamp_min(0)  # [..., A, n, n]: M[j, i] - α M[i, i]
+    off = ~torch.eye(n, dtype=torch.bool, device=M.device)  # [n, n]
+    return ((over_row + over_col) * off).sum((-2, -1)) / n ** 2
+
+
+def alpha_min(M: torch.Tensor) -> float:
+    """``max_{i≠j} max(M[i,j], M[j,i]) / M[i,i]``: the smallest α with ``L_ERC(α) = 0``."""
+    M = M.double()
+    n = M.shape[-1]
+    ratio = torch.maximum(M, M.T) / M.diagonal().unsqueeze(1)  # [n, n], row i divided by M[i, i]
+    off = ~torch.eye(n, dtype=torch.bool, device=M.device)
+    return float(ratio[off].max())
+
+
+def alpha_sweep(alpha_mins: Sequence[float], alphas: Sequence[float] = (), points: int = 61) -> list[float]:
+    """The α grid of the ERC loss figure: ``points`` steps from 0 to 1.15 × the largest α_min (or --alpha), plus
+    every α_min and --alpha value exactly (the clean loss reaches 0 at α_min, and erc.csv's α lie on it)."""
+    top = 1.15 * max([*alpha_mins, *alphas, 1e-3])
+    grid = {round(top * k / (points - 1), 12) for k in range(points)}
+    return sorted(grid | {float(a) for a in (*alpha_mins, *alphas)})
+
+
+def loss_curves(matrix: Any, alphas: Sequence[float] = (), points: int = 61) -> Any:
+    """Clean ``L_ERC(α)`` of every layer of an ``erc_matrix`` table (layer, i, j, m) on :func:`alpha_sweep`'s grid,
+    past every layer's α_min: DataFrame (layer, alpha, erc_loss_clean, alpha_min). erc.csv keeps the --alpha values."""
+    import pandas as pd
+
+    Ms = {int(layer): torch.tensor(g.pivot(index="i", columns="j", values="m").to_numpy(), dtype=torch.float64)
+          for layer, g in matrix.groupby("layer", sort=True)}  # layer -> [n, n]
+    mins = {layer: alpha_min(M) for layer, M in Ms.items()}
+    grid = alpha_sweep(list(mins.values()), alphas, points)
+    return pd.DataFrame([{"layer": layer, "alpha": a, "erc_loss_clean": float(v), "alpha_min": mins[layer]}
+                         for layer, M in Ms.items() for a, v in zip(grid, erc_loss(M, grid).tolist())])
+
+
+def dominance(M: torch.Tensor) -> tuple[float, float]:
+    """``(row, col)``: fraction of i with ``argmax_j M[i,j] = i``, of j with ``argmax_i M[i,j] = j``."""
+    own = torch.arange(M.shape[-1], device=M.device)
+    return float((M.argmax(dim=1) == own).double().mean()), float((M.argmax(dim=0) == own).double().mean())
+
+
+# ----- per layer, per run ------------------------------------------------------------------------
+@dataclass
+class LayerErc:
+    layer: int
+    M: torch.Tensor  # [n, n] clean M (host)
+    loss: list[float]  # per α, mean over noise draws
+    loss_clean: list[float]  # per α
+    alpha_min: float
+    row_dominance: float
+    col_dominance: float
+    eps_mean: float
+    router_abs_cos_mean: float
+
+
+@torch.no_grad()
+def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
+    """Everything ERC reports for one layer (on the layer's device; results moved to the host)."""
+    R = router_rows(layer)  # [n, d]
+    gen = torch.Generator(device=R.device).manual_seed(opts.seed * 1_000_003 + layer.index)
+    eps = noise_eps(R, opts.noise)  # [n]
+    X = torch.cat([R.unsqueeze(0), proxy_tokens(R, eps, opts.samples, gen)])  # [1 + S, n, d]; draw 0 is clean
+    M_all = coupling_matrix(layer, X, opts.node, opts.norm)  # [1 + S, n, n]
+    losses = erc_loss(M_all, opts.alphas)  # [1 + S, A]
+    clean = M_all[0]
+    row, col = dominance(clean)
+    return LayerErc(layer=layer.index, M=clean.cpu(), loss=losses[1:].mean(0).tolist(),
+                    loss_clean=losses[0].tolist(), alpha_min=alpha_min(clean), row_dominance=row,
+                    col_dominance=col, eps_mean=float(eps.mean()), router_abs_cos_mean=float(ops.abs_cos_mean(R)))
+
+
+@dataclass
+class ErcResult:
+    opts: ErcOptions
+    layers: list[LayerErc] = field(default_factory=list)
+
+    def tables(self) -> tuple[Any, Any, Any]:
+        """``(erc, erc_layers, erc_matrix)`` DataFrames with exactly the columns of DEFINITIONS."""
+        import pandas as pd
+
+        erc = pd.DataFrame([{"layer": r.layer, "alpha": a, "erc_loss": lo, "erc_loss_clean": lc}
+                            for r in self.layers for a, lo, lc in zip(self.opts.alphas, r.loss, r.loss_clean)])
+
+        per_layer = pd.DataFrame([{"layer": r.layer, "n_experts": r.M.shape[0], "alpha_min": r.alpha_min,
+                                   "row_dominance": r.row_dominance, "col_dominance": r.col_dominance,
+                                   "eps_mean": r.eps_mean, "router_abs_cos_mean": r.router_abs_cos_mean}
+                                  for r in self.layers])
+        if len(per_layer):  # the paper's value beside the measured one, where it gives one
+            per_layer.insert(3, "alpha_min_paper", erc_alpha_min(per_layer)["alpha_min paper"].to_numpy())
+        frames = []
+        for r in self.layers:
+            n = r.M.shape[0]
+            ii, jj = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+            frames.append(pd.DataFrame({"layer": r.layer, "i": ii.reshape(-1).numpy(), "j": jj.reshape(-1).numpy(),
+                                        "m": r.M.reshape(-1).numpy()}))
+        return erc, per_layer, pd.concat(frames, ignore_index=True)
+
+
+def run_erc(layers: Sequence[MoELayer], opts: ErcOptions, quiet: bool = False) -> ErcResult:
+    """Every layer's :func:`erc_layer` (seeded per layer). Data parallel: rank r takes layers r, r + world, ... and
+    the ranks exchange their results, so no layer is computed twice and every rank holds all of them."""
+    world, rank = distributed.world_size(), distributed.rank()
+    mine = list(layers)[rank::world]
+    res = ErcResult(opts)
+    for L in progress(mine, total=len(mine), description="erc", quiet=quiet):
+        res.layers.append(erc_layer(L, opts))
+    if world > 1:
+        got = {r.layer: r for part in distributed.gather_object(res.layers) for r in part}
+        res.layers = [got[L.index] for L in layers]
+    return res
+
+
+def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
+    """Expert–router coupling of every (or ``layers``') MoE layer, from the weights only (no data).
+
+    Tables ``erc`` (layer, alpha, erc_loss, erc_loss_clean), ``erc_layers`` (layer, n_experts, alpha_min,
+    alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean) and ``erc_matrix`` (layer, i, j, m = clean M);
+    see :data:`DEFINITIONS`.
+    """
+    opts = resolve_options(ErcOptions, options, overrides)
+    layers = select_layers(lm.layers, opts.layers)
+    quant.require_readable(layers, "erc")
+    res = run_erc(layers, opts, quiet=quiet)
+    erc_df, per_layer, matrix = res.tables()
+    o = res.opts
+    return Result("erc", {"erc.csv": erc_df, "erc_layers.csv": per_layer, "erc_matrix.csv": matrix}, opts,
+                  meta=dict(definitions=DEFINITIONS,
+                            erc={"alphas": list(o.alphas), "noise": o.noise, "samples": o.samples, "node": o.node,
+                                 "norm": o.norm, "layers": [r.layer for r in res.layers]}),
+                  summary=per_layer)
+
+
+def summary_lines(name: str, res: Any) -> list[str]:
+    per_layer, erc = res["erc_layers"], res["erc"]
+    top = erc[erc["alpha"] == erc["alpha"].max()]
+    return [f"erc {name}: alpha_min {per_layer['alpha_min'].min():.2f}-{per_layer['alpha_min'].max():.2f} over "
+            f"{len(per_layer)} layers; row/col dominance {per_layer['row_dominance'].mean():.2f}/"
+            f"{per_layer['col_dominance'].mean():.2f}; L_ERC(α={top['alpha'].iloc[0]:g}) mean "
+            f"{top['erc_loss'].mean():.4g} (clean {top['erc_loss_clean'].mean():.4g})"]

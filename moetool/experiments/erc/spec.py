@@ -1,0 +1,44 @@
+r"""Expert–router coupling (ERC) from the weights only: no data, no tokenizer.
+
+Source: Lv, Ma, Ma, Qiao (2025), "Coupling Experts and Routers in Mixture-of-Experts via an Auxiliary Loss",
+arXiv 2512.23447.
+
+Per MoE layer, router row R_i is a proxy token for expert i, perturbed
+R~_i = R_i ⊙ δ_i with δ_i ~ U(1−eps_i, 1+eps_i)^d. M\[i,j] = ||W_g^j R~_i||
+(--node gate) is how strongly expert j answers proxy i.
+L_ERC(α) = (1/n²) Σ_i Σ_{j≠i} max(M\[i,j] − αM\[i,i], 0)
+                          + max(M\[j,i] − αM\[i,i], 0).
+alpha_min (clean M) is the smallest α with zero loss; row/col dominance is the
+fraction of proxies/experts whose own counterpart is their row/column maximum.
+Routed experts of the MoE layers only.
+
+Writes erc.csv (layer, alpha, erc_loss = mean over --samples draws of each
+draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,
+alpha_min_paper, row_dominance, col_dominance, eps_mean, router_abs_cos_mean;
+alpha_min_paper = the ERC paper's vanilla-MoE value α≈5 in every layer,
+approximate, printed beside the measured one), erc_matrix.csv
+(layer, i, j, m = clean M), figures/erc_matrix (heatmaps), figures/erc_loss
+(clean L_ERC(α) from 0 past every layer's alpha_min, which is marked; the noisy
+loss at the --alpha values as points), manifest.json (every definition).
+
+Examples:
+  moetool erc --out runs/erc-tiny
+  moetool erc --model tiny-fine --alpha 0.5,1,2,5 --samples 8
+  moetool erc --noise none --node glu --norm l1 --layers 0,2
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "erc_matrix": ("The clean ERC matrix M[i, j] per layer: the norm of expert j's output on proxy i; the title "
+                   "gives the layer's α_min", ("erc_matrix.csv", "erc_layers.csv"), ("M", "proxy", "alpha_min")),
+    "erc_loss": ("ERC loss against the margin α, one line per layer", ("erc.csv",), ("erc_loss",)),
+}
+
+SPEC = experiment("erc", "erc", "ErcOptions", inputs="weights", figures="moetool.experiments.erc.figures:erc_figures",
+                  demo=Demo(seq_len=None, options={"samples": 4}),
+                  order=30, captions=CAPTIONS)

@@ -1,0 +1,1 @@
+"""The ``eval`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,351 @@
+"""The lm-evaluation-harness bridge: benchmark accuracy of the (routing-patched) model object.
+
+``HFLM(pretrained=<model object>, tokenizer=..., batch_size=N)`` wraps the already loaded model
+and ``simple_evaluate`` runs the tasks while an :class:`~moetool.engine.hooks.Engine` applies the
+routing policy to every forward lm-eval makes (its model pre-hook records each forward's shape
+and padding mask; lm-eval's loglikelihood forwards pass none, right-padded rows are causal so
+the padding never reaches a scored token).
+
+Shipped offline tasks (multiple choice, built from the embedded models' training text, see
+``examples/tasks/README.md``) are found, in order, in ``$MOETOOL_TASKS``, in the package
+(``moetool/tasks``: pyproject installs ``examples/tasks`` there) and next to the package in a
+source checkout (``examples/tasks``, the editable install). They are handed to lm-eval as config dicts with
+absolute data-file paths, so they work from any working directory; when only shipped tasks are
+asked, the Hub and ``datasets`` are forced offline for the evaluation. Any other name is a
+standard lm-eval task (or one from ``--include-path``) and needs whatever it needs (network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ...errors import MoetoolError
+from ...lmeval_compat import hub_offline, no_env_report
+from ...progress import logger_level, status
+from ...registry import did_you_mean
+from ..routing import RoutingOptions
+from ..result import Result, resolve_options
+
+TASKS_ENV = "MOETOOL_TASKS"
+EVAL_COLUMNS = ("task", "metric", "value", "stderr", "value_lo", "value_hi")
+
+
+def shipped_tasks_dir() -> Path | None:
+    """Directory of the shipped offline task YAMLs (see the module docstring), or ``None``."""
+    here = Path(__file__).resolve().parents[2]  # the moetool package
+    candidates = [Path(os.environ[TASKS_ENV])] if os.environ.get(TASKS_ENV) else []
+    candidates += [here / "tasks", here.parent / "examples" / "tasks"]
+    for c in candidates:
+        if c.is_dir() and any(c.glob("*.yaml")):
+            return c
+    return None
+
+
+def shipped_tasks() -> dict[str, dict[str, Any]]:
+    """Shipped task name -> lm-eval config dict, data files made absolute."""
+    import yaml
+
+    root = shipped_tasks_dir()
+    if root is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(root.glob("*.yaml")):
+        cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
+        if not isinstance(cfg, dict) or "task" not in cfg:
+            continue
+        files = cfg.get("dataset_kwargs", {}).get("data_files", {})
+        cfg["dataset_kwargs"]["data_files"] = {k: str((root / v).resolve()) for k, v in files.items()}
+        out[str(cfg["task"])] = cfg
+    return out
+
+
+@dataclass
+class TaskPlan:
+    """How the asked tasks are resolved: specs for ``simple_evaluate`` and the task manager."""
+
+    names: list[str]
+    specs: list[Any]  # str (registered name) or dict (shipped task config)
+    include_path: str | None
+    include_defaults: bool
+    offline: bool  # only shipped tasks: Hub and datasets forced offline
+    shipped_dir: str | None
+
+    _manager: Any = field(default=None, repr=False)
+
+    def task_manager(self) -> Any:
+        """lm-eval's TaskManager for this plan, built once (scanning the built-in tasks takes seconds)."""
+        if self._manager is None:
+            from lm_eval.tasks import TaskManager
+
+            self._manager = TaskManager(include_path=self.include_path, include_defaults=self.include_defaults)
+        return self._manager
+
+    def describe(self) -> dict[str, Any]:
+        return {"tasks": self.names, "include_path": self.include_path, "include_defaults": self.include_defaults,
+                "offline": self.offline, "shipped_tasks_dir": self.shipped_dir}
+
+
+def plan_tasks(names: Iterable[str], include_path: str | Path | None = None) -> TaskPlan:
+    """Resolve task names: shipped offline tasks first, then ``--include-path``, then lm-eval's own.
+
+    lm-eval's built-in index (~15k tasks, several seconds to scan) is only loaded when a name is
+    neither shipped nor in ``--include-path`` (``include_defaults`` False otherwise).
+    """
+    names = list(dict.fromkeys(names))
+    if not names:
+        raise MoetoolError("no tasks given (--tasks)")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise MoetoolError(f"--include-path {include_path} is not a directory")
+    shipped = shipped_tasks()
+    others = [n for n in names if n not in shipped]
+    inc = str(include_path) if include_path is not None else None
+    defaults, manager = False, None
+    if others:
+        from lm_eval.tasks import TaskManager
+
+        manager = TaskManager(include_path=inc, include_defaults=False) if inc else None
+        known = set(manager.all_tasks) if manager else set()
+        if any(n not in known for n in others):
+            defaults = True
+            manager = TaskManager(include_path=inc, include_defaults=True)
+            known = set(manager.all_tasks)
+        for n in others:
+            if n not in known:
+                raise MoetoolError(f"unknown lm-eval task '{n}'{did_you_mean(n, [*shipped, *known])}; shipped "
+                                   f"offline tasks: {', '.join(shipped) or 'none found'}")
+    root = shipped_tasks_dir()
+    return TaskPlan(names=names, specs=[shipped.get(n, n) for n in names], include_path=inc,
+                    include_defaults=defaults, offline=not others, shipped_dir=str(root) if root else None,
+                    _manager=manager)
+
+
+@dataclass
+class EvalResult:
+    frame: Any  # DataFrame with EVAL_COLUMNS
+    seconds: float
+    n_samples: dict[str, Any]
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # with log_samples
+
+    def value(self, task: str, metric: str = "acc") -> float:
+        row = self.frame[(self.frame.task == task) & (self.frame.metric == metric)]
+        return float(row.value.iloc[0]) if len(row) else float("nan")
+
+
+def _number(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+    return v if math.isfinite(v) else float("nan")
+
+
+#: lm-eval metrics that are a share of items scored 0 or 1: their interval is Wilson's, inside [0, 1]
+PROPORTIONS = ("acc", "acc_norm", "exact_match", "acc_mutual_info")
+
+
+def _items(results: dict[str, Any], task: str) -> float:
+    """The items lm-eval scored for ``task`` (``n-samples`` effective; a group: the sum over its subtasks); NaN
+    when the results do not say."""
+    n = results.get("n-samples", {}).get(task, {})
+    if isinstance(n, dict) and n.get("effective") is not None:
+        return float(n["effective"])
+    subtasks = results.get("group_subtasks", {}).get(task)
+    if subtasks:
+        return float(sum(_items(results, t) for t in subtasks))
+    return float("nan")
+
+
+def _interval(results: dict[str, Any], task: str, metric: str, value: float, stderr: float) -> tuple[float, float]:
+    """``(value_lo, value_hi)``: a proportion's Wilson interval over the items scored (:func:`_items`; without
+    them, the item count lm-eval's stderr implies for a mean of 0/1 scores, se² = p(1-p)/(n-1)), any other
+    metric's value ∓ 1.96 stderr (lm-eval's normal approximation); NaN without a stderr or an item count."""
+    from ...uncertainty import normal_quantile, wilson
+
+    if metric.partition("[")[0] in PROPORTIONS and 0.0 <= value <= 1.0:
+        n = _items(results, task)
+        if not math.isfinite(n) and stderr > 0:
+            n = value * (1 - value) / stderr ** 2 + 1
+        iv = wilson(value, n)
+        return iv.lo, iv.hi
+    z = normal_quantile(0.975)
+    return value - z * stderr, value + z * stderr
+
+
+def results_frame(results: dict[str, Any]) -> Any:
+    """lm-eval's ``results`` dict -> DataFrame (task, metric, value, stderr = lm-eval's, value_lo, value_hi: the
+    95% interval, Wilson's for a proportion, else value ∓ 1.96 stderr; see :func:`_interval`).
+
+    ``metric`` is lm-eval's metric name, suffixed ``[filter]`` when the filter is not ``none``.
+    """
+    import pandas as pd
+
+    rows = []
+    for task, res in results.get("results", {}).items():
+        for key, val in res.items():
+            metric, sep, filt = key.partition(",")
+            if not sep or metric.endswith("_stderr"):
+                continue
+            rows.append({"task": task, "metric": metric if filt == "none" else f"{metric}[{filt}]",
+                         "value": _number(val), "stderr": _number(res.get(f"{metric}_stderr,{filt}"))})
+    for r in rows:
+        r["value_lo"], r["value_hi"] = _interval(results, r["task"], r["metric"], r["value"], r["stderr"])
+    return pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
+
+
+def make_hflm(lm: Any, batch_size: int = 8) -> Any:
+    """lm-eval's HF wrapper around the loaded model object (no reload, hooks stay visible)."""
+    if getattr(lm.model.config, "is_encoder_decoder", False):
+        raise MoetoolError(f"lm-eval tasks score a causal LM's continuations; {lm.model.config.model_type} is an "
+                           f"encoder-decoder model (ppl gives its own seq2seq loss)")
+    if lm.tokenizer is None:
+        raise MoetoolError("lm-eval needs the model's tokenizer")
+    if lm.tokenizer.bos_token_id is None and lm.tokenizer.eos_token_id is None:
+        raise MoetoolError("the tokenizer has neither a BOS nor an EOS token: lm-eval cannot use it")
+    from lm_eval.models.huggingface import HFLM
+
+    with logger_level("lm_eval", logging.ERROR):
+        hflm = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size)
+    return data_parallel(hflm)
+
+
+class _RankCollectives:
+    """The three ``accelerate.Accelerator`` calls HFLM makes under data parallelism (``gather`` of equal-shaped
+    tensors, ``wait_for_everyone``, ``unwrap_model``), on the process group :func:`moetool.distributed.init`
+    started (torchrun / accelerate launch): lm-eval's own request split and result gathering then run as under
+    ``accelerate launch lm_eval``, on the model moetool loaded and hooked."""
+
+    def gather(self, tensor: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)  # accelerate's layout
+
+    def wait_for_everyone(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def unwrap_model(self, model: Any) -> Any:
+        return model
+
+
+def data_parallel(hflm: Any) -> Any:
+    """Under a distributed launch, give ``hflm`` this process's rank and the world size (HFLM forgoes them for
+    a model object passed as ``pretrained``): lm-eval then splits every task's requests over the ranks, pads
+    them to equal forwards and gathers the metrics on rank 0 (:func:`evaluate` shares rank 0's results with
+    every rank). Alone: unchanged."""
+    from ... import distributed
+
+    if distributed.world_size() > 1:
+        hflm._rank, hflm._world_size = distributed.rank(), distributed.world_size()
+        hflm.accelerator = _RankCollectives()
+    return hflm
+
+
+def _shared_results(out: Any) -> Any:
+    """lm-eval returns results on rank 0 only; every rank gets rank 0's (the tables are the same everywhere)."""
+    from ... import distributed
+
+    if distributed.world_size() <= 1:
+        return out
+    import torch.distributed as dist
+
+    keep = None if out is None else {k: out[k] for k in ("results", "n-samples", "samples") if k in out}
+    box = [keep]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
+             num_fewshot: int | None = None, limit: int | None = None, batch_size: int = 8, seed: int = 0,
+             hflm: Any = None, log_samples: bool = False, quiet: bool = False) -> EvalResult:
+    """Run ``plan``'s tasks with ``policy`` applied in ``policy_layers`` (``None``: the router, hooked)."""
+    import time
+
+    import torch
+    from lm_eval import evaluator
+
+    from ...engine.hooks import Engine
+
+    hflm = make_hflm(lm, batch_size) if hflm is None else hflm
+    t0 = time.perf_counter()
+    # lm-eval's and datasets' own progress bars (stderr) are swallowed; moetool's spinner is the one display
+    # (errors still raise). lm-eval's environment report runs ~12 subprocesses per call: off (the manifest
+    # records the versions)
+    routing = f" ({policy.describe().get('name', '')})" if policy is not None else ""
+    what = f"lm-eval {', '.join(plan.names)}{routing}"
+    with status(what, quiet), contextlib.redirect_stderr(io.StringIO()), hub_offline(plan.offline), torch.no_grad(), \
+            logger_level("lm_eval", logging.ERROR if quiet else logging.WARNING), no_env_report(), \
+            Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
+        try:
+            out = evaluator.simple_evaluate(
+                model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,
+                task_manager=plan.task_manager(), log_samples=log_samples, random_seed=seed,
+                numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+        except (KeyError, FileNotFoundError, ConnectionError, OSError) as e:
+            raise MoetoolError(f"lm-eval could not load the tasks {plan.names}: {type(e).__name__}: {e}") from None
+    out = _shared_results(out)
+    seconds = time.perf_counter() - t0
+    if out is None:
+        raise MoetoolError("lm-eval returned no results")
+    return EvalResult(frame=results_frame(out), seconds=seconds, n_samples=dict(out.get("n-samples", {})),
+                      samples=dict(out.get("samples", {})) if log_samples else {})
+
+
+#: what value_lo/value_hi are, in eval.csv and wherever lm-eval values are tabled (norm-select, prune)
+INTERVAL_DEFINITION = ("95% interval of the metric: a proportion (acc, acc_norm, exact_match) gets the Wilson score "
+                       "interval over the items lm-eval scored (n-samples; a group: the sum over its subtasks; else "
+                       "the count its stderr implies), always inside [0, 1]; any other metric value ∓ 1.96 stderr "
+                       "(lm-eval's normal approximation); NaN without a stderr or an item count")
+
+EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
+                    "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
+                    "value_lo": INTERVAL_DEFINITION, "value_hi": INTERVAL_DEFINITION}
+
+
+@dataclass(frozen=True)
+class EvalOptions(RoutingOptions):
+    """Options of :func:`eval_tasks`: the tasks, lm-eval's settings, and the routing (see ``RoutingOptions``)."""
+
+    tasks: tuple[str, ...] = ()  # lm-eval task names (shipped offline: moetool_code, moetool_prose)
+    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
+    limit: int | None = None  # at most this many items per task (None: all)
+    include_path: str | None = None  # folder of extra lm-eval task YAMLs
+    batch_size: int = 8
+
+
+def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | None = None, quiet: bool = False,
+               **overrides: Any) -> Result:
+    """Benchmark accuracy through lm-evaluation-harness with the ``routing`` policy in ``layers``.
+
+    Table ``eval`` (task, metric, value, stderr, value_lo, value_hi), see :data:`EVAL_DEFINITIONS`. ``plan`` (from
+    :func:`plan_tasks`) may be passed when the caller resolved the tasks already.
+    """
+    from ...engine.hooks import select_layers
+
+    opts = resolve_options(EvalOptions, options, overrides)
+    plan = plan if plan is not None else plan_tasks(opts.tasks, opts.include_path)
+    policy = opts.policy()
+    layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
+    res = evaluate(lm, plan, policy=policy, policy_layers=layers, num_fewshot=opts.num_fewshot, limit=opts.limit,
+                   batch_size=opts.batch_size, seed=opts.seed, quiet=quiet)
+    return Result("eval", {"eval.csv": res.frame}, opts,
+                  meta=dict(eval=plan.describe(), n_samples=res.n_samples, routing=policy.describe(),
+                            eval_seconds=round(res.seconds, 3), definitions=EVAL_DEFINITIONS),
+                  summary=eval_summary(res.frame))
+
+
+def eval_summary(frame: Any) -> Any:
+    """The console table: ``value ± half-width`` (lm-eval's stderr interval) beside the stderr."""
+    from ...uncertainty import with_ci
+
+    return with_ci(frame)

@@ -1,0 +1,31 @@
+"""Benchmark accuracy through lm-evaluation-harness with a routing policy applied.
+
+The loaded model object is wrapped in lm-eval's HFLM and every forward lm-eval makes goes through
+the routing hooks. Writes eval.csv (task, metric, value, stderr = lm-eval's standard error,
+value_lo, value_hi: the 95% interval, Wilson's over the items scored for an accuracy, inside [0, 1],
+value ∓ 1.96 stderr for any other metric) and manifest.json; prints value ± half-width.
+
+Tasks: standard lm-eval names (mmlu, arc_challenge, ...: need network for their datasets), tasks
+from --include-path, or the shipped offline tasks moetool_code and moetool_prose (4-choice "which
+continuation is real" items cut from the embedded models' training text; no network needed).
+The shipped tasks are looked up in $MOETOOL_TASKS, then moetool/tasks (installed package),
+then examples/tasks of the source checkout (editable install). lm-eval's own task index is only
+scanned when a name is neither shipped nor in --include-path.
+
+Examples:
+  moetool eval --tasks moetool_code,moetool_prose --limit 40
+  moetool eval --tasks moetool_code --routing norm:gate --num-fewshot 2
+  moetool eval --model mixtral-8x7b --tasks mmlu --num-fewshot 5 --routing norm:gate --device-map auto
+"""
+
+from __future__ import annotations
+
+from ..experiment import experiment
+
+#: the types a ``--resume`` unit checkpoint of this experiment may hold (:mod:`moetool.checkpoints`)
+CHECKPOINT_TYPES = (
+    "moetool.experiments.eval.compute.EvalResult",
+)
+
+SPEC = experiment("eval", "eval_tasks", "EvalOptions", api="evaluate", cmd="eval", inputs="model", lines=None,
+                  order=170, checkpoint_types=CHECKPOINT_TYPES)

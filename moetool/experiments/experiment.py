@@ -1,0 +1,107 @@
+"""What an experiment is: its :class:`Experiment` spec (with its :class:`Demo` and its generated command's
+:class:`Flag` s), written in ``moetool/experiments/<name>/spec.py`` as ``SPEC = experiment(...)`` and found there by
+:mod:`moetool.experiments.registry`. Torch-free: everything an experiment's code is named by is a ``"module:attr"``
+string (``tests/test_layers.py`` resolves every one)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..demo_models import DEMO_MODELS as BASE  # the embedded base models every demo step runs on
+
+PAIRS = (("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine"))
+
+
+@dataclass(frozen=True)
+class Demo:
+    """How ``moetool demo`` runs an experiment: on ``models`` (``PAIRS`` for checkpoint pairs), ``max_tokens`` of
+    the shipped held-out text in rows of ``seq_len`` (``None``: weights only), with ``options`` overriding the
+    options dataclass's defaults (``options_from``: ``"module:attr"`` returning more overrides when the step runs,
+    e.g. the shipped lm-eval tasks), and ``tokens`` passed to :func:`moetool.data.load_tokens`."""
+
+    models: tuple[Any, ...] = BASE
+    seq_len: int | None = 128
+    max_tokens: int = 2048
+    options: dict[str, Any] = field(default_factory=dict)
+    options_from: str | None = None
+    tokens: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option of a command generated from the registry (an :class:`Experiment` with no ``command`` module):
+    ``--<flag>`` sets the options dataclass's field ``field`` (default: the flag's name with ``_`` for ``-``).
+    ``kind`` is ``int``, ``float``, ``str`` or ``bool`` (``--x/--no-x``), or ``ints``, ``floats``, ``strs``: a
+    comma-separated list, a tuple in the options (``none``: the empty tuple). ``default`` is shown by ``--help``
+    (a list as its text, ``"0.5,1"``); ``None`` leaves the options dataclass's own default."""
+
+    flag: str
+    kind: str = "str"
+    default: Any = None
+    help: str = ""
+    field: str | None = None
+
+    KINDS = ("int", "float", "str", "bool", "ints", "floats", "strs")
+
+    def __post_init__(self) -> None:
+        if not self.flag.startswith("--") or self.kind not in self.KINDS:
+            raise ValueError(f"bad Flag({self.flag!r}, {self.kind!r}): '--name' and one of {self.KINDS}")
+
+    @property
+    def name(self) -> str:
+        """The option's field (and the generated command's parameter)."""
+        return self.field or self.flag[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment. ``module`` holds ``function`` (``(lm, tokens, options=None, *, quiet, **overrides) ->
+    Result``; ``inputs`` says what it takes instead of ``(lm, tokens)``: ``"weights"`` = ``(lm, options)``,
+    ``"checkpoints"`` = ``(names or models, tokens, options)``), ``options`` (its dataclass) and ``lines``
+    (``(name, Result) -> list[str]``: what the demo prints). ``api`` is its name in ``import moetool``;
+    ``command`` the module of its CLI command; ``figures`` the ``"module:attr"`` drawing its figures, ``captions``
+    theirs (figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` it plots): the
+    report page's); ``checkpoint_types`` the ``"module.Class"`` names a ``--resume`` unit of it may hold."""
+
+    name: str
+    module: str
+    function: str
+    options: str | None = None
+    api: str = ""
+    inputs: str = "tokens"
+    command: str | None = ""
+    figures: str | None = None
+    lines: str | None = "summary_lines"
+    demo: Demo | None = None
+    flags: tuple[Flag, ...] = ()
+    bootstrap: bool = False
+    title: str = ""
+    summary_csv: str | None = None
+    sample: tuple[str, ...] = ()
+    order: int = 1000  # the demo's order (and the registry's): lowest first
+    captions: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    checkpoint_types: tuple[str, ...] = ()
+
+    @property
+    def result(self) -> str:
+        """The :class:`Result` name its function returns (``norm_select`` for ``norm-select``)."""
+        return self.function
+
+    def load(self, attr: str | None = None) -> Any:
+        """The compute function (or another attribute of the experiment's module)."""
+        return getattr(importlib.import_module(self.module), attr or self.function)
+
+    def options_class(self) -> Any:
+        return self.load(self.options) if self.options else None
+
+
+def experiment(name: str, function: str, options: str | None, **kw: Any) -> Experiment:
+    """The spec of the experiment in ``moetool/experiments/<name>/`` (``-`` as ``_``): its compute function is
+    ``compute.py``'s ``function``; ``cmd``: its command module under ``moetool.commands`` (default: ``function``;
+    ``None``: generated from the spec)."""
+    module = f"moetool.experiments.{name.replace('-', '_')}.compute"
+    cmd = kw.pop("cmd", function)  # None: a command generated from the spec
+    return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function),
+                      command=cmd and f"moetool.commands.{cmd}", **kw)

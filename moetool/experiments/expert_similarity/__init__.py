@@ -1,0 +1,1 @@
+"""The ``expert-similarity`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,1 @@
+"""The ``fluctuation`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,69 @@
+"""Routing fluctuation: the same token ids through two or more checkpoints of one architecture.
+
+Source: Nguyen, Tran, Nguyen, Baraniuk (2025), "Improving Routing in Sparse Mixture of Experts with Graph of
+Tokens", arXiv 2505.00792 (routing fluctuation, Fig. 3; Similarity-/Attention-Aware routing).
+
+Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
+layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
+(reference, checkpoint) and routing: top1_change (fraction of real tokens whose top-1 expert differs: the
+paper's fluctuation rate; top-1 = chosen expert with the largest weight), topk_change (top-K set differs),
+topk_overlap (mean |A∩B|/K), jaccard (mean |A∩B|/|A∪B|), entropy_ref / entropy_ckpt (mean entropy in nats)
+and entropy_ratio (ckpt/ref).
+
+--routing router: the model's own top-K, entropy of π. similarity / attention: that training-free policy
+applied in every MoE layer of each checkpoint (Similarity-Aware S = softmax(h_i·h_j/τ), causal;
+Attention-Aware: the same layer's lowest-entropy attention head), the chosen sets compared, entropy of the
+policy's normalised scores s_i = Σ_j S[i,j] π(h_j). --isolate adds rows <routing>-isolated: the
+reference's own MoE inputs (and attention) fed to the checkpoint's routers — router drift alone.
+
+Memory: routing stays on the device during the forward, one host copy per batch is spilled to a temporary
+file and read back batch by batch for the comparison, so RSS stays flat in the number of tokens.
+
+--bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows of
+every rate (per-row sums, moetool.uncertainty), *_lo/*_hi columns, error bars in fluctuation_by_layer, value ±
+half-width on the console.
+
+--resume (with the --out of an interrupted run, same options): checkpoints
+whose routing was captured before the interruption are read back, not run
+again; the same tables as an uninterrupted run.
+
+Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_change, topk_change, topk_overlap,
+jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), fluctuation_summary.csv (the headline,
+one row per routing, reference and checkpoint: routing, reference, checkpoint, tokens, layers, top1_change =
+the top-1 change averaged over layers, reduction_vs_router = the router's top1_change minus this routing's
+(paired bootstrap), each with _lo/_hi),
+figures/fluctuation_by_layer, figures/entropy_ratio_by_layer, figures/entropy_vs_router_by_layer (each
+routing's entropy / the router's, the paper's ratio), manifest.json.
+
+--trace RUN (twice or more, instead of checkpoints): the recorded routings of the same tokens (moetool trace
+or import-trace runs, e.g. one model at two training steps), their first --max-tokens tokens: fluctuation.csv
+with topk_change, topk_overlap, jaccard (and top1_change when every trace has gate weights, as moetool trace
+writes them); no entropies (they need the router's probabilities), no --isolate, no figures.
+
+Examples:
+  moetool fluctuation tiny-early tiny --out runs/fluct-tiny
+  moetool fluctuation --trace runs/step-1000 --trace runs/step-2000 --bootstrap 0
+  moetool fluctuation tiny-fine-early tiny-fine --routing router,similarity --sim cosine --tau 0.1 --isolate
+  moetool fluctuation ckpt-1000 ckpt-2000 ckpt-3000 --reference last
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, PAIRS, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "fluctuation_by_layer": ("Per layer: the share of tokens whose top-1 expert changes between the two "
+                             "checkpoints, one panel per checkpoint pair, one line per routing",
+                             ("fluctuation.csv",), ("top1_change", "routing")),
+    "entropy_ratio_by_layer": ("Per layer: routing entropy at the checkpoint over the reference's, one panel per "
+                               "checkpoint pair, one line per routing", ("fluctuation.csv",),
+                               ("entropy_ratio", "routing")),
+    "entropy_vs_router_by_layer": ("Per layer: each routing's entropy over the router's at the same checkpoint",
+                                   ("fluctuation.csv",), ("entropy_ref/entropy_ckpt", "routing")),
+}
+
+SPEC = experiment("fluctuation", "fluctuation", "FluctuationOptions", inputs="checkpoints",
+                  figures="moetool.experiments.fluctuation.figures:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True}),
+                  order=70, captions=CAPTIONS)

@@ -1,0 +1,1 @@
+"""The ``locality`` experiment: ``spec.py`` (torch-free), ``compute.py``."""

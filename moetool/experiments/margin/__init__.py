@@ -1,0 +1,1 @@
+"""The ``margin`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,1 @@
+"""The ``mass-recall`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,60 @@
+"""Mass recall of an IVF router: codebook -> expert shortlist -> exact scoring inside it (AIR-MoE).
+
+Source: Kladny, Mordig, Schölkopf, Muehlebach (2026), "Adaptive Inverted-Index Routing for Granular
+Mixtures-of-Experts" (AIR-MoE), arXiv 2605.04952.
+
+Per MoE layer: a codebook of G unit codewords is fitted on the router inputs h by streaming adaptive spherical
+k-means (EMA γ=0.95, dead codes below τ=1 re-initialised on a random token of the batch; k-means++ init; the
+first pass plus --kmeans-iters extra passes), then a last pass evaluates on the same tokens. Token h goes to
+c(h) = argmax_g cos(h, c_g); shortlist L(c) = the M experts ranked highest at the codeword.
+MassRecall(h) = Σ_{e∈L(c(h))} π_e(h); top-K recall |TopK ∩ L|/K; exact-top-K rate (TopK ⊆ L);
+ε = ||h − c(h)||; bound = exp(−2ε) ρ_M(c(h)), ρ_M(c) = Σ_{e∈L(c)} π_e(c) (Proposition 1; a theorem with
+--centroids unit, so bound_holds_rate is 1 there). --centroids raw: the model's own router (bias, scoring,
+its top-K); unit: router rows on the unit sphere, logits <w_e, h>, softmax. One codebook per (layer, G) for
+every M. A shortlist size larger than a layer's n experts is refused before any forward (the default
+sizes 2,4,8,16 stop at n).
+
+Scale-aware bound: the proof holds for any point x and a fixed shortlist L: MassRecall(h) >= exp(−2||h − x||)
+ρ_L(x). The paper's x = c(h) (unit) against raw states of norm ≈ sqrt(d) gives ≈ e^{-2 sqrt(d)} (true, empty);
+x = s·c(h) keeps L for every s > 0, so bound_scaled = max_s exp(−2||h − s·c||) ρ_L(s·c). s = <h, c> minimises
+the distance but is not optimal (d/ds log ρ_L = E_{π|L}[z] − E_π[z] > 0 there when M < n), so moetool takes the
+best of s = 1, s = <h, c> and 64 grid points on [0, 2 max||h||] (any s gives a valid bound). Checked on every
+token (bound_scaled_holds_rate; 1 in unit mode, a theorem). Derivation also in manifest.json (bound_derivation).
+
+--bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows (per-row
+sums on the device, moetool.uncertainty) of mass_recall_mean, topk_recall and exact_topk_rate (*_lo/*_hi
+columns, error bars in mass_recall_vs_shortlist, value ± half-width on the console). The codebook is held fixed
+(fitted once); the interval covers the evaluation tokens' sampling only.
+
+Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
+mass_recall_p05, topk_recall, exact_topk_rate (each mean with _lo/_hi), quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
+bound_scaled_mean, bound_scaled_holds_rate, best_scale_mean, expert_coverage, router_flops_frac = (G+M)/n),
+figures/mass_recall_vs_shortlist, figures/mass_recall_vs_router_flops (dashed: the full router's cost, 1),
+figures/mass_recall_vs_bounds (measured vs both bounds; the y axis spans the measured values, bounds below it are
+clipped and their maxima named in the title), manifest.json (definitions, bound_derivation).
+
+Examples:
+  moetool mass-recall --out runs/mr-tiny
+  moetool mass-recall --model tiny-fine --codebook-size 16,64 --shortlist 4,8,16,32 --centroids unit
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "mass_recall_vs_shortlist": ("Per layer: mean mass recall against the shortlist size M, one line per codebook",
+                                 ("mass_recall.csv",), ("mass_recall_mean", "codebook", "centroids")),
+    "mass_recall_vs_router_flops": ("Per layer: mean mass recall against the router FLOPs spent (fraction of the "
+                                    "full router's), one line per codebook", ("mass_recall.csv",),
+                                    ("mass_recall_mean", "router_flops_frac")),
+    "mass_recall_vs_bounds": ("Per layer, largest codebook: measured mass recall beside the paper's lower bound "
+                              "and the scale-aware bound (log scale)", ("mass_recall.csv",),
+                              ("mass_recall_mean", "bound_mean", "bound_scaled_mean")),
+}
+
+SPEC = experiment("mass-recall", "mass_recall", "MassRecallOptions", figures="moetool.experiments.mass_recall.figures:mass_recall_figures",
+                  demo=Demo(max_tokens=4096, options={"codebook_sizes": (8, 32), "kmeans_iters": 1}),
+                  order=50, captions=CAPTIONS)

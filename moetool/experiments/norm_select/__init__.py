@@ -1,0 +1,1 @@
+"""The ``norm-select`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

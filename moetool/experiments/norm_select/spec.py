@@ -1,0 +1,51 @@
+"""Remove the router: the K experts with the largest norm of a node run (AoE, Table 1).
+
+Source: Lv et al. (2025), "Autonomy-of-Experts Models", ICML 2025, arXiv 2501.13074 (Table 1: the
+training-free pilot on Mixtral 8x7B).
+
+Sweeps the router baseline and norm:<node>:<norm> for every --nodes and --norm. Per policy:
+agreement with the router per layer (mean |TopK_policy ∩ TopK_router|/K and top-1 agreement over
+real tokens; TopK_router is the model's own choice for the hidden state reached under the policy),
+perplexity on --data and its ratio to the router's, optional lm-eval accuracy (--tasks) and
+retention = accuracy / router accuracy, and wall time. Writes agreement.csv (layer, policy,
+topk_overlap, top1_agree, tokens), quality.csv (policy, task, metric, value, router_value, ratio,
+seconds; perplexity rows have task = the data name), figures/retention and
+figures/agreement_by_layer, manifest.json, and prints a Table-1-shaped summary. Every value has a
+95% interval (*_lo/*_hi; ± in the tables; error bars): document-level bootstrap over packed rows
+for agreement and perplexity (--bootstrap N, 0 = off), Wilson's interval for an accuracy (inside
+[0, 1]; lm-eval's standard error beside it) and the delta method for retention. With lm-eval tasks
+scored by acc it also prints and writes aoe_table1.csv: AoE Table 1's layout (router and best node
+per task), the paper's published Mixtral 8x7B numbers (MMLU 70.35% -> 66.66% = 94.8%, ARC-C 62.12% ->
+58.79% = 94.6%) as fractions (0.7035, as in quality.csv) beside the measured ones; for other models the
+measured columns only.
+--tasks: see `moetool eval --help` (shipped offline tasks: moetool_code, moetool_prose).
+
+Examples:
+  moetool norm-select --max-tokens 4096
+  moetool norm-select --nodes gate,output --norm l1,l2 --tasks moetool_code,moetool_prose --limit 60
+  moetool norm-select --model mixtral-8x7b --tasks mmlu,arc_challenge --num-fewshot 5 --device-map auto
+  moetool norm-select --prune random:0.25     # on a model with a quarter of each layer's experts removed
+
+--prune <criterion>:<fraction>[:<csv>]: every row is on the pruned model: "router" is the model's router
+among the kept experts, each norm policy picks the K largest norms among them, agreement is with the
+pruned router (criteria and files as the prune: policy, see `moetool prune --help`).
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "retention": ("Each routing policy against the router: perplexity ratio (left, lower is better) and accuracy "
+                  "retention per task (right, when tasks were evaluated); error bars: the bootstrap interval",
+                  ("quality.csv",), ("ratio", "value", "*_lo/*_hi")),
+    "agreement_by_layer": ("Per layer: top-K overlap (left) and top-1 agreement (right) of each policy's expert "
+                           "choice with the router's", ("agreement.csv",), ("topk_overlap", "top1_agree")),
+}
+
+SPEC = experiment("norm-select", "norm_select", "NormSelectOptions", figures="moetool.experiments.norm_select.figures:norm_select_figures",
+                  demo=Demo(models=("tiny",), seq_len=256, max_tokens=2048, options={"limit": 20, "batch_size": 16},
+                            options_from="moetool.experiments.norm_select.compute:demo_options"),
+                  order=20, captions=CAPTIONS)

@@ -1,0 +1,1 @@
+"""The ``offload`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,439 @@
+"""``offload``: can caching or prefetching experts work? Answers from the model's real routing (issue #11).
+
+Everything comes from one forward pass over the packed rows with the model's own router (no policy):
+
+* **activation coverage**: ``first_seen[layer, e]`` = index of the first real token (rows concatenated in data
+  order, padding skipped) that routed to expert ``e`` in that layer; coverage(N) = fraction of the
+  (layer, expert) slots with ``first_seen < N``. Per layer the **hottest expert's share** of the ``T·K``
+  activations against the uniform share ``1/n`` (``hottest_vs_uniform = share · n``).
+* **cache simulation** (:func:`simulate`): per layer an expert cache of capacity ``C`` (``K <= C <= n``) serves
+  the token stream in order; a token requests its ``K`` experts together (they are all needed for that
+  token, so none of them is evicted to make room for another). A request is a **hit** when the expert is
+  resident before the token; hit rate = hits / requests (``T·K`` requests, within-token requests counted one by
+  one; caches start empty, so cold misses count). Policies, evicting among resident experts the current token
+  does not request: ``lru`` — least recently requested; ``lfu`` — fewest requests so far (every past request
+  counts, resident or not; ties: least recently requested); ``belady`` — next request furthest in the future
+  (never requested again = infinitely far; ties: lowest id), Belady's optimal offline policy: no policy can
+  have fewer misses on the trace. Bytes moved per token = misses / tokens × expert bytes, expert bytes =
+  parameters of one expert (gate, up, down and their biases, from the adapter's canonical expert weights) ×
+  the bytes of their dtype.
+* **next-layer prediction**: a prefetcher running a layer ahead sees ``x_ℓ``, the residual stream leaving
+  decoder layer ``ℓ`` (= the input of decoder layer ``ℓ+1``, captured by a forward pre-hook on it). The
+  prediction for MoE layer ``ℓ+1`` is its own routing (``route``: the model's scoring, bias, groups) applied to
+  ``post_attention_layernorm_{ℓ+1}(x_ℓ)`` — exactly the router input except for layer ``ℓ+1``'s attention
+  update (``predict_norm=False``: to ``x_ℓ`` itself; Switch Transformers: the feed-forward's own layer norm, and
+  the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
+  predicted best expert is the expert the layer actually weighted highest; top-K recall = mean
+  ``|predicted top-K ∩ chosen| / K``. The first decoder layer has no layer ahead of it and is skipped.
+
+Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
+int16/int32 tensor per layer (T = real tokens, bounded by ``--max-tokens``; 4 bytes × K per token and layer at
+most); everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
+(:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
+rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ... import distributed, ops
+from ...adapters import quant
+from ...adapters.base import MoELayer
+from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
+from ...engine.runner import forward
+from ...errors import MoetoolError
+from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
+from ..result import Result, resolve_options
+
+POLICIES = ("lru", "lfu", "belady")
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    capacities: tuple[int, ...] | None = None  # cache sizes C (None: K, 2K, n/4, n/2, 3n/4, n within [K, n])
+    policies: tuple[str, ...] = POLICIES
+    coverage_tokens: tuple[int, ...] | None = None  # N of coverage(N) (None: powers of 4 from 16, and T)
+    predict_norm: bool = True  # apply layer ℓ+1's post_attention_layernorm to x_ℓ before its router
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    seed: int = 0
+    batch_size: int = 8
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad or not self.policies:
+            raise MoetoolError(f"--policies {bad[0] if bad else ''!r}: choose from {', '.join(POLICIES)}")
+        if self.capacities is not None and (not self.capacities or min(self.capacities) < 1):
+            raise MoetoolError("--capacity values must be >= 1")
+        if self.coverage_tokens is not None and (not self.coverage_tokens or min(self.coverage_tokens) < 1):
+            raise MoetoolError("--coverage-tokens values must be >= 1")
+        check_n_boot(self.bootstrap)
+
+
+# ----- cache simulation (pure) ----------------------------------------------------------------
+#: tokens per block of the vectorised LRU ranks ([block, n] and [block, K, n] arrays)
+LRU_BLOCK = 4096
+
+
+def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(seen [T, K] bool, rank [T, K] int)`` of every request of ``trace [T, K]``: whether the expert was
+    requested before the token, and how many experts were used more recently than it before the token (ties
+    within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
+
+    With requests grouped per token (a token's experts never evict each other), the LRU cache of capacity C
+    holds, before token t, exactly the C experts of highest (last request, id): each token's misses evict the
+    least recent residents it does not request, which keeps that set. So a request hits iff ``seen and rank < C``
+    for every C at once: vectorised over tokens (blocks of :data:`LRU_BLOCK`), linear in tokens x n."""
+    trace = np.asarray(trace, dtype=np.int64)
+    T, K = trace.shape
+    n = int(trace.max()) + 1 if trace.size else 1
+    seen = np.zeros((T, K), dtype=bool)
+    rank = np.zeros((T, K), dtype=np.int64)
+    last = np.full(n, -1, dtype=np.int64)  # last requesting token of each expert, before the block
+    ids = np.arange(n, dtype=np.int64)
+    for b0 in range(0, T, LRU_BLOCK):
+        tr = trace[b0:b0 + LRU_BLOCK]
+        B = tr.shape[0]
+        at = np.full((B, n), -1, dtype=np.int64)
+        np.put_along_axis(at, tr, (b0 + np.arange(B, dtype=np.int64))[:, None], axis=1)  # token t requests x
+        upto = np.maximum.accumulate(np.maximum(at, last[None, :]), axis=0)  # last request at or before t
+        before = np.vstack([last[None, :], upto[:-1]])  # strictly before t: the state the token meets
+        key = np.where(before >= 0, before * n + ids, -1)  # recency, ties by id; -1: never requested
+        mine = np.take_along_axis(key, tr, axis=1)  # [B, K]
+        seen[b0:b0 + B] = mine >= 0
+        rank[b0:b0 + B] = (key[:, None, :] > mine[:, :, None]).sum(-1)
+        last = upto[-1]
+    return seen, rank
+
+
+def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Hits of an expert cache over a request trace: ``trace [T, K]`` expert ids (one row per token, distinct
+    within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring.
+    ``lru``: :func:`lru_ranks` of the trace, when the caller already has them (several capacities).
+
+    LRU, and any policy whose capacity holds every expert of the trace (nothing is ever evicted: a request
+    hits iff it was requested before), come from :func:`lru_ranks` (vectorised); capacity K (any policy: the
+    cache holds the previous token's experts) is closed-form; LFU and Belady between are simulated token by
+    token."""
+    trace = np.asarray(trace)
+    if trace.ndim != 2:
+        raise MoetoolError(f"cache trace must be [tokens, K], got shape {trace.shape}")
+    T, K = trace.shape
+    if policy not in POLICIES:
+        raise MoetoolError(f"unknown cache policy {policy!r} (choose from {', '.join(POLICIES)})")
+    if capacity < K:
+        raise MoetoolError(f"cache capacity {capacity} < K = {K}: a token's experts cannot all be resident")
+    if policy == "lru" or capacity >= len(np.unique(trace)):
+        seen, rank = lru if lru is not None else lru_ranks(trace)
+        return seen & (rank < capacity) if policy == "lru" else seen.copy()
+    if capacity == K:  # the cache holds exactly the previous token's experts, whatever the policy
+        hits = np.zeros((T, K), dtype=bool)
+        hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
+        return hits
+    rows = trace.tolist()
+    hits = np.zeros((T, K), dtype=bool)
+    last: dict[int, int] = {}  # resident expert -> last request time
+    freq: dict[int, int] = {}  # expert -> requests so far (lfu)
+    future: dict[int, deque] = {}
+    if policy == "belady":
+        for t, row in enumerate(rows):
+            for e in row:
+                future.setdefault(e, deque()).append(t)
+    for t, row in enumerate(rows):
+        protected = set(row)
+        for j, e in enumerate(row):
+            if policy == "lfu":
+                freq[e] = freq.get(e, 0) + 1
+            if policy == "belady":
+                q = future[e]
+                while q and q[0] <= t:
+                    q.popleft()
+            if e in last:
+                hits[t, j] = True
+            elif len(last) >= capacity:
+                cand = [x for x in last if x not in protected]
+                if policy == "lru":
+                    victim = min(cand, key=lambda x: (last[x], x))
+                elif policy == "lfu":
+                    victim = min(cand, key=lambda x: (freq[x], last[x], x))
+                else:
+                    victim = max(cand, key=lambda x: (future[x][0] if future[x] else T + 1, -x))
+                del last[victim]
+            last[e] = t
+    return hits
+
+
+def default_capacities(n: int, k: int) -> tuple[int, ...]:
+    return tuple(sorted({c for c in (k, 2 * k, n // 4, n // 2, 3 * n // 4, n) if k <= c <= n}))
+
+
+def expert_bytes(layer: MoELayer) -> int:
+    """Bytes of one expert's weights (gate, up, down and biases) as stored (codes and scales when quantized)."""
+    return quant.stored_bytes_per_expert(layer)
+
+
+# ----- streaming consumer ---------------------------------------------------------------------
+class OffloadCollector:
+    """Consumer + decoder-layer pre-hooks: per layer, the real tokens' chosen experts (kept for the cache
+    simulation), first-activation token index, activation counts and next-layer prediction sums per row."""
+
+    def __init__(self, layers: Sequence[MoELayer], opts: OffloadOptions, tokens: Any):
+        self.layers = {L.index: L for L in layers}
+        self.row_ids = tokens.row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
+        self.merged: dict[Any, np.ndarray] | None = None
+        self.opts = opts
+        self.trace: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
+        self.valid: list[torch.Tensor] = []  # host [B*S] bool per batch
+        self.rows: list[torch.Tensor] = []  # host [B*S] row id per batch
+        self.first = {i: None for i in self.layers}
+        self.counts = {i: None for i in self.layers}
+        self.pred = RowTable(tokens)  # next-layer prediction sums per row, on the device (no host sync per event)
+        self._x: dict[int, torch.Tensor] = {}
+        self._base = 0
+        self._row0 = 0
+        self._rows_now: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+
+    # -- hooks
+    def before_batch(self, batch: Any) -> None:
+        mask = batch.attention_mask.reshape(-1).bool()
+        B, S = batch.attention_mask.shape
+        self._rows_now = (torch.arange(self._row0, self._row0 + B) if self.row_ids is None
+                          else torch.as_tensor(self.row_ids[self._row0:self._row0 + B])).repeat_interleave(S)
+        self._row0 += B
+        self.pred.next_batch(batch)
+        self.valid.append(mask.cpu())
+        self.rows.append(self._rows_now)
+        self._pos = (self._base + torch.cumsum(mask.long(), 0) - 1)
+        self._base += int(mask.sum())
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Forward pre-hooks on the analysed MoE layers' decoder layers: their input = the previous layer's output."""
+        handles = []
+        for i, L in self.layers.items():
+            if getattr(L, "stack_layer", i) == 0:  # the first layer of its stack (encoder-decoder: of either)
+                continue
+
+            def hook(module, args, kwargs, i=i):
+                x = args[0] if args else kwargs["hidden_states"]
+                self._x[i] = x.reshape(-1, x.shape[-1])
+            handles.append(L.decoder_layer.register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        L = ev.layer
+        i = L.index
+        idx = ev.chosen_idx if ev.chosen_idx is not None else ev.idx
+        w = ev.chosen_weights if ev.chosen_weights is not None else ev.weights
+        n = L.n_experts
+        self.trace[i].append(idx.to(torch.int16 if n < 2 ** 15 else torch.int32))
+        valid = ev.valid
+        pos = ops.to_device(self._pos, idx.device)
+        big = torch.iinfo(torch.int64).max
+        p = torch.where(valid, pos, torch.full_like(pos, big)).unsqueeze(-1).expand(idx.shape)
+        first = torch.full((n,), big, dtype=torch.int64, device=idx.device).scatter_reduce(
+            0, idx.reshape(-1).long(), p.reshape(-1), reduce="amin")
+        self.first[i] = first if self.first[i] is None else torch.minimum(self.first[i], first)
+        c = ops.one_hot_counts(idx, n, valid)
+        self.counts[i] = c if self.counts[i] is None else self.counts[i] + c
+        x = self._x.pop(i, None)
+        if x is None:
+            return
+        if x.shape[0] != ev.h.shape[0]:  # DeepSeek-V4's hyper-connections: hc_mult residual streams per token
+            raise MoetoolError(f"offload's next-layer prediction: decoder layer {i}'s input carries "
+                               f"{x.shape[0] // max(ev.h.shape[0], 1)} residual streams per token (hyper-"
+                               f"connections), not one hidden state: layer {i}'s routing cannot be predicted from it")
+        if self.opts.predict_norm:
+            norm = getattr(L, "pre_router_norm", None) or getattr(L.decoder_layer, "post_attention_layernorm", None)
+            if norm is None:
+                raise MoetoolError(f"layer {i}: no post_attention_layernorm to apply before the router "
+                                   f"(use predict_norm=False / --no-predict-norm)")
+            x = norm(x)
+        logits = L.logits(x)
+        pred_idx, _ = L.route(logits)
+        pred_top1 = ops.best_of(pred_idx, L.selection_scores(logits))
+        real_top1 = idx.gather(-1, w.float().argmax(-1, keepdim=True)).squeeze(-1)
+        v = valid.double()
+        top1 = (pred_top1 == real_top1).double() * v
+        topk = ops.overlap_count(pred_idx, idx).double() / idx.shape[-1] * v
+        for name, value in ((f"top1_{i}", top1), (f"topk_{i}", topk), (f"n_{i}", v)):  # per token -> per row
+            self.pred.add(name, value)
+
+    # -- results
+    def requests(self, i: int) -> np.ndarray:
+        """Layer ``i``'s request trace of real tokens ``[T, K]`` (rows concatenated in order, padding dropped)."""
+        if self.merged is not None:
+            return self.merged[i]
+        idx = torch.cat([t.cpu() for t in self.trace[i]])
+        return idx[torch.cat(self.valid)].numpy()
+
+    def token_rows(self) -> np.ndarray:
+        if self.merged is not None:
+            return self.merged["rows"]
+        return torch.cat(self.rows)[torch.cat(self.valid)].numpy()
+
+    def merge_across_ranks(self) -> None:
+        """Data parallel: the token stream of every rank in global order (packed rows in order, each row's tokens
+        in order), the activation counts and first requests recomputed from it, the prediction sums merged, on
+        every rank, so the cache simulation and coverage see one process's stream (alone: nothing)."""
+        if distributed.world_size() <= 1:
+            return
+        empty = not self.valid  # a rank with no row at all
+        mine = {"rows": np.zeros(0, np.int64) if empty else self.token_rows(),
+                **{i: None if empty else self.requests(i) for i in self.layers}}
+        parts = distributed.gather_object(mine)
+        rows = np.concatenate([p["rows"] for p in parts])
+        order = np.argsort(rows, kind="stable")  # a row lives on one rank, its tokens in order
+        merged: dict[Any, np.ndarray] = {"rows": rows[order]}
+        for i, L in self.layers.items():
+            req = np.concatenate([p[i] for p in parts if p[i] is not None])[order]
+            merged[i] = req
+            n, T = L.n_experts, req.shape[0]
+            first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(first, req.reshape(-1).astype(np.int64), np.repeat(np.arange(T), req.shape[1]))
+            self.first[i] = torch.from_numpy(first)
+            self.counts[i] = torch.from_numpy(np.bincount(req.reshape(-1).astype(np.int64), minlength=n))
+        self.merged = merged
+        self.pred.reduce_across_ranks()
+
+
+def _hit_rows(hits: np.ndarray, rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    return (np.bincount(rows, weights=hits.sum(1), minlength=n_rows),
+            np.bincount(rows, minlength=n_rows).astype(np.float64) * hits.shape[1])
+
+
+def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quiet: bool = False,
+            **overrides: Any) -> Result:
+    """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
+    ``offload_prefetch`` (see :data:`DEFINITIONS`)."""
+    opts = resolve_options(OffloadOptions, options, overrides)
+    layers = select_layers(lm.layers, opts.layers)
+    refuse_recomputed(layers, "offload's next-layer prediction")
+    for L in layers:  # before any forward
+        for C in opts.capacities or ():
+            if C < L.top_k or C > L.n_experts:
+                raise MoetoolError(f"--capacity {C} outside [K={L.top_k}, n={L.n_experts}] for layer {L.index}")
+
+    described = tokens.describe()
+    if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
+        tokens = distributed.shard(tokens, opts.batch_size)
+    col = OffloadCollector(layers, opts, tokens)
+    with col.capture():
+        forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
+                before_batch=col.before_batch, quiet=quiet, description="offload")
+    col.merge_across_ranks()
+    return offload_tables(col, layers, opts, described, {L.index: expert_bytes(L) for L in layers})
+
+
+def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, described: dict[str, Any],
+                   nbytes_of: dict[int, int] | None) -> Result:
+    """The tables of :func:`offload` from a collector's token stream (``token_rows``, ``requests(i)``, ``first``,
+    ``counts``, ``pred``) over ``layers`` (``index``, ``n_experts``, ``top_k``); ``nbytes_of``: each layer's expert
+    bytes, ``None`` when unknown (a recorded trace: expert_bytes and bytes_per_token are left out)."""
+    import pandas as pd
+
+    rows = col.token_rows()
+    T = int(rows.shape[0])
+    if T < 2:
+        raise MoetoolError(f"offload needs at least 2 real tokens, got {T}")
+    n_rows = int(rows.max()) + 1
+    kw = dict(n_boot=opts.bootstrap, seed=opts.seed)
+    if n_rows < 2:
+        kw["n_boot"] = 0
+
+    def ci(num: np.ndarray, den: np.ndarray) -> list:
+        return ratio_intervals(num, den, **kw)
+
+    # coverage
+    first = torch.stack([col.first[L.index].cpu() for L in layers])  # [L, n] (equal n per model)
+    Ns = sorted({min(N, T) for N in (opts.coverage_tokens or [4 ** k for k in range(2, 20) if 4 ** k < T] + [T])})
+    cov = pd.DataFrame([{"tokens": N, "coverage": float((first < N).double().mean()),
+                         "coverage_min_layer": float((first < N).double().mean(1).min()),
+                         "coverage_max_layer": float((first < N).double().mean(1).max())} for N in Ns])
+    # per layer: hottest expert, expert size
+    lay, cache, pref = [], [], []
+    for L in layers:
+        i, n, K = L.index, L.n_experts, L.top_k
+        c = col.counts[L.index].cpu().double()
+        share = c / c.sum()
+        nbytes = nbytes_of[i] if nbytes_of is not None else None
+        lay.append({"layer": i, "n_experts": n, "top_k": K, "tokens": T, "hottest_expert": int(share.argmax()),
+                    "hottest_share": float(share.max()), "uniform_share": 1.0 / n,
+                    "hottest_vs_uniform": float(share.max() * n), "experts_used": int((c > 0).sum()),
+                    **({"expert_bytes": nbytes} if nbytes is not None else {})})
+        req = col.requests(i)
+        lru = lru_ranks(req) if len(req) else None
+        for C in opts.capacities or default_capacities(n, K):
+            for pol in opts.policies:
+                hits = simulate(req, C, pol, lru=lru)
+                a, b = _hit_rows(hits, rows, n_rows)
+                iv = ci(a, b)[0]
+                misses = T * K - int(hits.sum())
+                cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": int(hits.sum()),
+                              **iv.columns("hit_rate"), "misses_per_token": misses / T,
+                              **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
+        if f"n_{i}" in col.pred._sums:
+            num = np.stack([col.pred.table(f"top1_{i}"), col.pred.table(f"topk_{i}")], 1)
+            den = col.pred.table(f"n_{i}")
+            t1, tk = ci(num, den)
+            pref.append({"layer": i, "source_layer": i - 1, "tokens": int(den.sum()), **t1.columns("top1_recall"),
+                         **tk.columns("topk_recall")})
+    tables = {"offload_coverage.csv": cov, "offload_layers.csv": pd.DataFrame(lay),
+              "offload_cache.csv": pd.DataFrame(cache),
+              "offload_prefetch.csv": pd.DataFrame(pref, columns=["layer", "source_layer", "tokens", "top1_recall",
+                                                                  "top1_recall_lo", "top1_recall_hi", "topk_recall",
+                                                                  "topk_recall_lo", "topk_recall_hi"])}
+    cache_df = tables["offload_cache.csv"]
+    summary = (cache_df.groupby(["policy", "capacity"], sort=False)
+               .agg(hit_rate=("hit_rate", "mean"), **({"bytes_per_token": ("bytes_per_token", "sum")}
+                                                      if nbytes_of is not None else {})).reset_index())
+    return Result("offload", tables, opts,
+                  meta=dict(definitions=DEFINITIONS, data=described, bootstrap={"replicates": kw["n_boot"],
+                            "unit": "packed row", "level": 0.95, "seed": opts.seed}),
+                  summary=summary)
+
+
+DEFINITIONS = {
+    "tokens": "real (unpadded) tokens the layer routed (offload_layers.csv, offload_prefetch.csv)",
+    "offload_coverage.tokens": "N: the first N real tokens of the data, in row order",
+    "coverage": "fraction of (layer, expert) slots activated by at least one of the first N real tokens "
+                "(rows concatenated in data order, padding skipped)",
+    "hottest_share": "largest fraction of the layer's T·K activations taken by one expert",
+    "hottest_vs_uniform": "hottest_share × n (1 = perfectly balanced)",
+    "expert_bytes": "parameters of one expert (gate, up, down, biases) × bytes of their dtype",
+    "hit_rate": "hits / requests of a per-layer expert cache of `capacity` experts; a token's K experts are "
+                "requested together and none of them is evicted for another; caches start empty",
+    "policy": "lru: evict least recently requested; lfu: fewest requests so far (ties: LRU); belady: next request "
+              "furthest ahead (optimal offline)",
+    "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
+    "top1_recall": "fraction of tokens whose predicted best expert (layer ℓ+1's routing applied to "
+                   "post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ = output of decoder layer ℓ) is the expert layer ℓ+1 "
+                   "weighted highest",
+    "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",
+    "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty)",
+}
+
+
+def summary_lines(name: str, res: Result) -> list[str]:
+    cache = res["offload_cache"]
+    lines = []
+    for C, d in cache.groupby("capacity"):
+        parts = [f"{p} {d[d.policy == p].hit_rate.mean():.3f}" for p in res.options.policies]
+        lines.append(f"{name} offload C={C}: hit rate (mean over layers) " + ", ".join(parts))
+    pref = res["offload_prefetch"]
+    if len(pref):
+        lines.append(f"{name} offload: next-layer prediction top-1 recall {pref.top1_recall.mean():.3f}, "
+                     f"top-K recall {pref.topk_recall.mean():.3f} (mean over layers)")
+    return lines

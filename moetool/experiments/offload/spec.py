@@ -1,0 +1,50 @@
+"""Expert offloading analysis from the model's real routing (one forward, the router's own choices).
+
+Activation coverage: fraction of (layer, expert) slots activated by the first N real tokens (rows in data order,
+padding skipped); per layer the hottest expert's share of the T·K activations against uniform 1/n.
+Cache simulation: per MoE layer a cache of C experts serves the token stream; a token requests its K experts
+together (none of them is evicted for another; K <= C <= n); hit = expert resident before the token; hit rate =
+hits / (T·K requests), caches start empty. lru: evict the least recently requested; lfu: fewest requests so far
+(ties: LRU); belady: next request furthest ahead (optimal offline bound). Bytes moved per token = misses per
+token × one expert's bytes (gate, up, down, biases × their dtype's bytes).
+Next-layer prediction: layer ℓ+1's routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ the output of
+decoder layer ℓ (what a prefetcher can compute a layer ahead; --no-predict-norm: to x_ℓ itself); top-1 recall =
+predicted best expert == the expert ℓ+1 weighted highest; top-K recall = |predicted ∩ chosen| / K.
+Intervals: 95% document-level bootstrap over packed rows (--bootstrap N replicates, 0 = off).
+Memory: one [T, K] int16 request trace per layer is kept for the simulation (T bounded by --max-tokens).
+
+Writes offload_coverage.csv, offload_layers.csv, offload_cache.csv (layer, policy, capacity, requests, hits,
+hit_rate, hit_rate_lo, hit_rate_hi, misses_per_token, bytes_per_token), offload_prefetch.csv (layer,
+source_layer, tokens, top1_recall, topk_recall with _lo/_hi), figures/offload_hit_rate_vs_cache_size,
+figures/offload_prefetch_recall, figures/offload_coverage, manifest.json (definitions).
+
+--trace PATH (a moetool trace or import-trace run) simulates the caches on the first --max-tokens tokens of
+recorded routing instead of a forward: offload_coverage.csv, offload_layers.csv and offload_cache.csv without
+expert_bytes / bytes_per_token (an expert's bytes depend on the serving precision); no offload_prefetch.csv (the
+prediction needs a forward's hidden states) and no figures.
+
+Examples:
+  moetool offload --out runs/offload-tiny
+  moetool offload --trace runs/vllm-trace --max-tokens 100000 --policies lru,belady
+  moetool offload --model tiny-fine --capacity 2,3,4,6 --policies lru,belady --bootstrap 0
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "offload_hit_rate_vs_cache_size": ("Per layer: expert-cache hit rate against the cache size C, one line per "
+                                       "eviction policy; error bars: the bootstrap interval",
+                                       ("offload_cache.csv",), ("hit_rate", "policy")),
+    "offload_prefetch_recall": ("Per layer: recall of the next layer's experts predicted from this layer's output "
+                                "(top-1 and top-K)", ("offload_prefetch.csv",), ("top1_recall", "topk_recall")),
+    "offload_coverage": ("Share of (layer, expert) slots activated by the first N tokens",
+                         ("offload_coverage.csv",), ("coverage",)),
+}
+
+SPEC = experiment("offload", "offload", "OffloadOptions", figures="moetool.experiments.offload.figures:offload_figures",
+                  demo=Demo(max_tokens=2048),
+                  order=60, captions=CAPTIONS)

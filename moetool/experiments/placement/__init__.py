@@ -1,0 +1,1 @@
+"""The ``placement`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

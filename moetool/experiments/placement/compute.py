@@ -1,0 +1,456 @@
+"""``placement``: expert-parallel placement what-if (issue: interventions, item 6).
+
+The model's own routing is counted per (layer, expert) on the data during one forward (the top-K assignments of
+real tokens, :class:`moetool.experiments.specialization.LoadBalance`, on the device). For G GPUs, each placement
+puts ``(n + R) / G`` expert replicas on every GPU; a GPU's load is the sum of its replicas' loads, an expert with
+c replicas sending each ``load / c`` (EPLB's own assumption: tokens split evenly over the replicas). The per-GPU
+load imbalance is ``max / mean`` over the GPUs (1 = perfectly balanced; the MoE layer waits for its busiest GPU).
+
+Placements:
+
+* ``contiguous``: expert e on GPU ``e * G // n`` (the static layout: consecutive experts per GPU), R = 0;
+* ``round_robin``: expert e on GPU ``e % G``, R = 0;
+* ``eplb``: DeepSeek's expert-parallel load balancer (:func:`rebalance_experts`, a port of ``eplb.py`` of
+  DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB, MIT licence): R redundant replicas for the
+  heaviest experts, then a balanced packing of the replicas onto GPUs (hierarchical: groups of experts to nodes
+  first when the expert groups divide into the nodes), computed from the loads it is evaluated on;
+* ``eplb_stale``: the EPLB placement computed from another data set's loads (``reference``) and/or another
+  checkpoint's (``reference_model``), evaluated on the data's under the model: what a placement fitted once loses
+  when the traffic or the weights change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ... import distributed
+from ...engine.hooks import RoutingEvent, select_layers
+from ...engine.runner import forward
+from ...errors import MoetoolError
+from ...uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, sum_intervals,
+                           with_ci)
+from ..routing import data_name
+from ..result import Result, resolve_options
+from ..specialization import LoadBalance
+
+METHODS = ("contiguous", "round_robin", "eplb", "eplb_stale")
+
+DEFINITIONS = {
+    "layer": "decoder layer index of the MoE layer",
+    "zero_computation_experts": "experts with no computation (LongCat-Flash's identity experts, Zaya's skip class) "
+                                "are not placed: n counts the computed experts, their loads leave out the "
+                                "assignments to zero-computation experts (load_fraction then sums to 1 minus "
+                                "stats' zero_compute_fraction)",
+    "gpus": "G, the GPUs the layer's experts are spread over (expert parallelism)",
+    "nodes": "server nodes the GPUs sit in (EPLB's hierarchical packing: expert groups to nodes first)",
+    "replicas": "R, the redundant expert replicas beyond the n experts (extra_slots x G); 0 for contiguous and "
+                "round_robin",
+    "slots_per_gpu": "(n + R) / G expert replicas on every GPU",
+    "method": "contiguous (expert e on GPU e*G//n), round_robin (e on GPU e % G), eplb (DeepSeek's EPLB, "
+              "github.com/deepseek-ai/EPLB, from the data's own loads), eplb_stale (EPLB from the loads of the "
+              "reference data and/or reference model, evaluated on the data's under the model)",
+    "imbalance": "max over GPUs of the GPU load / mean GPU load (1 = balanced); placement_overall.csv: sum over "
+                 "layers of the max / sum of the mean (the time of the layers, each waiting for its busiest GPU, "
+                 "over the balanced time; every layer routes the same tokens, so also the mean over layers)",
+    "imbalance_lo/imbalance_hi": "95% interval of the imbalance: document-level bootstrap over the packed rows of "
+                                 "--data (--bootstrap replicates, seeded; BCa, as a max is biased under "
+                                 "resampling), each placement held fixed — computed once from the full loads "
+                                 "(eplb: in-sample; eplb_stale: from the reference) — and evaluated on every "
+                                 "resample's loads; NaN with --bootstrap 0",
+    "max_gpu_load/min_gpu_load": "the busiest / least busy GPU's load: routed token assignments, an expert with c "
+                                 "replicas giving each replica load / c (tokens split evenly over replicas, "
+                                 "EPLB's assumption)",
+    "mean_gpu_load": "tokens * K / G: the layer's assignments over the GPUs",
+    "max_replicas": "the most replicas any expert of the layer has",
+    "max_layer_imbalance": "the largest per-layer imbalance over the MoE layers",
+    "layers": "MoE layers summed over",
+    "data_set": "data (--data under --model: the loads the placements are evaluated on) or reference "
+                "(--reference-data under --reference-model, each defaulting to the data / model: the loads "
+                "eplb_stale is computed from)",
+    "load": "top-K assignments of real tokens routed to the expert by the model's own routing (sums to tokens * K "
+            "per layer)",
+    "load_fraction": "load / (tokens * K)",
+    "tokens": "real tokens of the data set",
+}
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """Options of :func:`placement`."""
+
+    gpus: tuple[int, ...] | None = None  # G values (None: powers of two from 2 dividing n, at most n)
+    extra_slots: tuple[int, ...] = (0, 1)  # redundant replica slots per GPU for EPLB: R = extra_slots * G
+    nodes: int = 1  # nodes for EPLB's hierarchical packing (must divide every G)
+    groups: int | None = None  # expert groups for EPLB (None: the model's routing groups, n_group, else 1)
+    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap of the imbalances (0 = none)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
+        if self.gpus is not None and (not self.gpus or min(self.gpus) < 1):
+            raise MoetoolError(f"--gpus must be positive integers, not {list(self.gpus)}")
+        if not self.extra_slots or min(self.extra_slots) < 0:
+            raise MoetoolError(f"--extra-slots must be integers >= 0, not {list(self.extra_slots)}")
+        if self.nodes < 1:
+            raise MoetoolError(f"--nodes must be at least 1, not {self.nodes}")
+        if self.groups is not None and self.groups < 1:
+            raise MoetoolError(f"--groups must be at least 1, not {self.groups}")
+
+    def gpu_counts(self, n: int) -> list[int]:
+        """The G values for n experts: each must divide n (equal slots per GPU without replicas) and be a multiple
+        of the nodes; the default keeps the powers of two from 2 to n that do."""
+        if self.gpus is None:
+            gs = [g for g in (2 ** i for i in range(1, n.bit_length())) if n % g == 0 and g % self.nodes == 0]
+            if not gs:
+                raise MoetoolError(f"no default --gpus for {n} experts on {self.nodes} node(s): give --gpus")
+            return gs
+        bad = [g for g in self.gpus if n % g or g % self.nodes]
+        if bad:
+            raise MoetoolError(f"--gpus {bad}: each G must divide the {n} experts and be a multiple of --nodes "
+                               f"{self.nodes}")
+        return sorted(set(self.gpus))
+
+
+# ----- DeepSeek's EPLB, ported (DeepSeek-AI, EPLB, 2025, github.com/deepseek-ai/EPLB, eplb.py, MIT) ----------
+# Same steps and tie-breaking as eplb.py (its torch sort and first-of-equal choices: the same placement and replica
+# ranks, tests/test_placement.py; float32 loads as there); differences: MoetoolError instead of assert and no
+# logical_to_physical map (a relabelling of phy2log and the replica ranks). The imbalance is evaluated in float64.
+def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack the m items of each row into ``num_packs`` packs of exactly ``m / num_packs`` items, balancing the packs'
+    weights: heaviest item first, each into the lightest pack that still has room (the first such pack on ties).
+    ``weight [X, m] -> (pack index [X, m], rank in pack [X, m])`` (int64, CPU)."""
+    rows, m = weight.shape
+    per_pack = m // num_packs
+    if per_pack == 1:
+        return (torch.arange(m, dtype=torch.int64).expand(rows, m).clone(),
+                torch.zeros(rows, m, dtype=torch.int64))
+    order = weight.sort(-1, descending=True).indices.tolist()  # [X, m] heaviest first (eplb.py's sort: its ties)
+    w = weight.numpy()  # float32: the packs' sums rounded as eplb.py's float32 tensors are
+    pack = [[-1] * m for _ in range(rows)]
+    rank = [[-1] * m for _ in range(rows)]
+    for i in range(rows):
+        load, count = [np.float32(0)] * num_packs, [0] * num_packs
+        for item in order[i]:
+            p = min((j for j in range(num_packs) if count[j] < per_pack), key=load.__getitem__)
+            pack[i][item], rank[i][item] = p, count[p]
+            load[p] = load[p] + w[i, item]
+            count[p] += 1
+    return torch.tensor(pack, dtype=torch.int64), torch.tensor(rank, dtype=torch.int64)
+
+
+def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replicate the ``num_log`` experts of each row into ``num_phy`` replicas, one extra replica at a time for the
+    expert of largest load per replica (minimising the largest replica load).
+    ``weight [X, num_log] -> (phy2log [X, num_phy], replica rank [X, num_phy], replica count [X, num_log])``."""
+    rows, num_log = weight.shape
+    phy2log = torch.arange(num_phy, dtype=torch.int64).repeat(rows, 1)
+    rank = torch.zeros(rows, num_phy, dtype=torch.int64)
+    logcnt = torch.ones(rows, num_log, dtype=torch.int64)
+    r = torch.arange(rows)
+    for i in range(num_log, num_phy):
+        top = (weight / logcnt).max(dim=-1).indices  # [X] (the first of equal maxima)
+        phy2log[:, i] = top
+        rank[:, i] = logcnt[r, top]
+        logcnt[r, top] += 1
+    return phy2log, rank, logcnt
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """Row-wise inverse of permutations ``[X, m]``."""
+    return torch.empty_like(perm).scatter_(1, perm, torch.arange(perm.shape[1]).expand(perm.shape).contiguous())
+
+
+def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int,
+                           num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EPLB's hierarchical policy: (1) pack expert groups onto nodes, (2) replicate experts within each node,
+    (3) pack the node's replicas onto its GPUs. ``weight [L, n]`` -> ``(phy2log [L, P], replica rank [L, P],
+    replica count [L, n])``; physical slot s sits on GPU ``s // (P / num_gpus)``."""
+    L, n = weight.shape
+    group_size, groups_per_node = n // num_groups, num_groups // num_nodes
+    per_gpu = num_physical // num_gpus
+    # (1) groups -> nodes; log2mlog: expert -> its position in node-major ("middle logical") order
+    group_load = weight.unflatten(-1, (num_groups, group_size)).sum(-1)  # [L, groups]
+    g_pack, g_rank = balanced_packing(group_load, num_nodes)
+    log2mlog = (((g_pack * groups_per_node + g_rank) * group_size).unsqueeze(-1)
+                + torch.arange(group_size)).flatten(-2)  # [L, n]
+    mlog2log = _inverse(log2mlog)
+    # (2) replicas within each node: [L * nodes, n / nodes]
+    mlog_load = weight.gather(-1, mlog2log).view(-1, n // num_nodes)
+    phy2mlog, phy_rank, mlog_cnt = replicate_experts(mlog_load, num_physical // num_nodes)
+    # (3) a node's replicas -> its GPUs: [L * nodes, P / nodes]
+    phy_load = (mlog_load / mlog_cnt).gather(-1, phy2mlog)
+    pack, rank = balanced_packing(phy_load, num_gpus // num_nodes)
+    pphy2phy = _inverse(pack * per_gpu + rank)
+    pphy2mlog = phy2mlog.gather(-1, pphy2phy)  # [L * nodes, P / nodes]
+    pphy2mlog = (pphy2mlog.view(L, num_nodes, -1)
+                 + torch.arange(0, n, n // num_nodes).view(1, -1, 1)).flatten(-2)  # [L, P]
+    phy2log = mlog2log.gather(-1, pphy2mlog)
+    phy_rank = phy_rank.gather(-1, pphy2phy).view(L, -1)
+    logcnt = mlog_cnt.view(L, -1).gather(-1, log2mlog)
+    return phy2log, phy_rank, logcnt
+
+
+def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EPLB's entry point: ``weight [L, n]`` loads, ``num_replicas`` physical expert slots P (n + R, a multiple of
+    ``num_gpus``) -> ``(phy2log [L, P]`` the expert in each slot, ``replica rank [L, P]``, ``replica count [L, n])``.
+    Hierarchical when the groups divide into the nodes, else the global policy (one group, one node)."""
+    L, n = weight.shape
+    weight = weight.detach().float().cpu()  # float32 as eplb.py: the same decisions (counts exact below 2^24)
+    if num_replicas < n or num_replicas % num_gpus:
+        raise MoetoolError(f"EPLB: {num_replicas} expert slots for {n} experts on {num_gpus} GPUs (need >= n and "
+                           f"a multiple of the GPUs)")
+    if n % num_groups or num_gpus % num_nodes:
+        raise MoetoolError(f"EPLB: {num_groups} groups must divide the {n} experts and {num_nodes} nodes the "
+                           f"{num_gpus} GPUs")
+    if num_groups % num_nodes == 0:
+        return rebalance_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    return rebalance_hierarchical(weight, num_replicas, 1, 1, num_gpus)
+
+
+# ----- placements and their per-GPU loads -------------------------------------------------------------------
+def static_placement(L: int, n: int, gpus: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(phy2log [L, n], count [L, n])`` of a placement without replicas: ``contiguous`` (slots of GPU g hold
+    experts g*n/G .. (g+1)*n/G - 1, i.e. e -> e*G//n) or ``round_robin`` (GPU g holds e = g, g+G, ...)."""
+    e = torch.arange(n)
+    phy2log = e if method == "contiguous" else e.view(n // gpus, gpus).T.reshape(-1)
+    return phy2log.expand(L, n).clone(), torch.ones(L, n, dtype=torch.int64)
+
+
+def gpu_loads(load: torch.Tensor, phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> torch.Tensor:
+    """Per-GPU load ``[..., L, G]`` of a placement (slot s on GPU ``s // (P / G)``) under ``load [..., L, n]``: each
+    replica of expert e carries ``load[e] / count[e]``."""
+    L, P = phy2log.shape
+    share = (load.double() / count).gather(-1, phy2log.expand(*load.shape[:-1], P))  # [..., L, P]
+    return share.view(*load.shape[:-1], gpus, P // gpus).sum(-1)
+
+
+def imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
+    """``max / mean`` over the GPUs (last dim) of ``[..., G]`` loads."""
+    return per_gpu.max(-1).values / per_gpu.mean(-1)
+
+
+def imbalance_statistic(phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> Any:
+    """``statistic(loads [..., L * n]) -> [..., L + 1]`` for :func:`moetool.uncertainty.sum_intervals`: the
+    per-layer imbalance of the fixed placement ``(phy2log, count)`` under summed loads, then the overall one (sum
+    over layers of the max / sum of the mean), vectorised over the bootstrap replicates."""
+    L = phy2log.shape[0]
+
+    def statistic(s: np.ndarray) -> np.ndarray:
+        lead = s.shape[:-1]
+        flat = torch.from_numpy(np.ascontiguousarray(s)).reshape(-1, L, s.shape[-1] // L)  # [b, L, n]
+        per_gpu = gpu_loads(flat, phy2log, count, gpus)  # [b, L, G]
+        mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [b, L]
+        out = torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1)  # [b, L + 1]
+        return out.reshape(*lead, L + 1).numpy()
+
+    return statistic
+
+
+# ----- the experiment ---------------------------------------------------------------------------------------
+class RowLoads:
+    """Consumer: per packed row, the top-K assignment counts of every hooked layer (``rows`` names "load<layer>",
+    ``[rows, n]``): the bootstrap's per-document loads."""
+
+    def __init__(self, rows: RowTable) -> None:
+        self.rows = rows
+
+    def begin_batch(self, batch: Any) -> None:
+        self.rows.next_batch(batch)
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        self.rows.add_counts(f"load{ev.layer.index}", ev.idx, ev.layer.n_experts, ev.valid.to(ev.idx.device))
+
+
+def expert_loads(lm: Any, tokens: Any, layers: list[Any], batch_size: int, quiet: bool, description: str,
+                 row_sums: bool = False) -> tuple[torch.Tensor, int, np.ndarray | None]:
+    """``(loads [layers, n] float64, real tokens, per-row loads [rows, layers * n] or None)``: the model's own
+    top-K assignments per (layer, expert), counted on the device in one forward (summed over data-parallel
+    ranks); ``row_sums``: also per packed row, for the bootstrap."""
+    counter = LoadBalance(layers)
+    shard = distributed.shard(tokens, batch_size)
+    per_row = RowLoads(RowTable(shard)) if row_sums else None
+    forward(lm, shard, consumers=[c for c in (counter, per_row) if c is not None], moe_layers=layers,
+            batch_size=batch_size, quiet=quiet, description=description,
+            before_batch=per_row.begin_batch if per_row is not None else None)
+    missing = [L.index for L in layers if L.index not in counter.acc]
+    if missing:
+        raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
+    load = torch.stack([counter.acc[L.index]["assign"].cpu() for L in layers])  # [layers, n]
+    rows = None
+    if per_row is not None:
+        per_row.rows.reduce_across_ranks()
+        rows = np.concatenate([per_row.rows.table(f"load{L.index}").reshape(-1, L.n_experts) for L in layers], 1)
+    return load, int(counter.acc[layers[0].index]["tokens"].item()), rows
+
+
+def model_groups(layer: Any) -> int:
+    """The routing's expert groups (``n_group`` of group-limited routing, as ``inspect`` describes it), 1 without."""
+    return int(layer.describe().get("n_group", 1) or 1)
+
+
+def _placed_experts(layers: list[Any], groups: int | None) -> tuple[int, int, int, int]:
+    """``(n, z, K, groups)`` of the chosen MoE layers: the experts placed (zero-computation experts, ``z``, run
+    nowhere: not placed), top-K, and the expert groups (``groups``, else the model's routing groups); layers of
+    different n, or groups that do not divide n, are refused."""
+    z = layers[0].n_zero_compute
+    n, K = layers[0].n_experts - z, layers[0].top_k
+    if any(L.n_experts - L.n_zero_compute != n for L in layers):
+        raise MoetoolError("the chosen MoE layers have different numbers of experts: choose layers of one n "
+                           "with --layers")
+    groups = groups if groups is not None else model_groups(layers[0])
+    if n % groups:
+        raise MoetoolError(f"--groups {groups} must divide the {n} experts")
+    return n, z, K, groups
+
+
+def _data_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, z: int,
+                quiet: bool) -> tuple[torch.Tensor, int, np.ndarray | None]:
+    """:func:`expert_loads` on the data, the computed experts' only (zero-computation assignments take no GPU)."""
+    load, n_tok, row_loads = expert_loads(lm, tokens, layers, opts.batch_size, quiet, "placement",
+                                          row_sums=opts.bootstrap > 0)
+    if row_loads is not None:
+        row_loads = row_loads.reshape(row_loads.shape[0], len(layers), n + z)[:, :, :n].reshape(row_loads.shape[0], -1)
+    return load[:, :n], n_tok, row_loads
+
+
+def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, reference: Any,
+                     reference_model: Any, quiet: bool) -> tuple[torch.Tensor | None, int | None]:
+    """The loads (and real tokens) of the reference model (default ``lm``) on the reference data (default
+    ``tokens``) that ``eplb_stale`` is fitted on; ``(None, None)`` without a reference."""
+    if reference is None and reference_model is None:
+        return None, None
+    ref_lm = lm if reference_model is None else reference_model
+    ref_layers = select_layers(ref_lm.layers, opts.layers)
+    if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
+        raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
+    ref_load, ref_tok, _ = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
+                                        opts.batch_size, quiet, "placement (reference)")
+    return ref_load[:, :n], ref_tok
+
+
+def _placements(load: torch.Tensor, ref_load: torch.Tensor | None, n: int, groups: int, gpu_counts: list[int],
+                opts: PlacementOptions) -> Any:
+    """``(G, R, method, phy2log, count)`` of every placement evaluated, in the tables' order."""
+    for G in gpu_counts:
+        for method in ("contiguous", "round_robin"):
+            yield (G, 0, method, *static_placement(load.shape[0], n, G, method))
+        for extra in sorted(set(opts.extra_slots)):
+            R = extra * G
+            phy2log, _, count = rebalance_experts(load, n + R, groups, opts.nodes, G)
+            yield G, R, "eplb", phy2log, count
+            if ref_load is not None:
+                phy2log, _, count = rebalance_experts(ref_load, n + R, groups, opts.nodes, G)
+                yield G, R, "eplb_stale", phy2log, count
+
+
+def _evaluate(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: int, idx: list[int], n: int,
+              opts: PlacementOptions, G: int, R: int, method: str, phy2log: torch.Tensor,
+              count: torch.Tensor) -> tuple[list[dict[str, Any]], tuple[float, float]]:
+    """``placement.csv`` rows of one placement under the data's loads (per layer, with bootstrap intervals when
+    ``n_boot``), and the interval of its overall imbalance."""
+    nan = float("nan")
+    per_gpu = gpu_loads(load, phy2log, count, G)  # [layers, G]
+    imb = imbalance(per_gpu)
+    ci = (sum_intervals(row_loads, imbalance_statistic(phy2log, count, G), n_boot=n_boot, seed=opts.seed,
+                        method="bca") if n_boot else None)  # per layer, then overall
+    rows = [{"layer": li, "gpus": G, "nodes": opts.nodes, "replicas": R, "slots_per_gpu": (n + R) // G,
+             "method": method, "imbalance": float(imb[j]),
+             "imbalance_lo": ci[j].lo if ci else nan, "imbalance_hi": ci[j].hi if ci else nan,
+             "max_gpu_load": float(per_gpu[j].max()),
+             "mean_gpu_load": float(per_gpu[j].mean()), "min_gpu_load": float(per_gpu[j].min()),
+             "max_replicas": int(count[j].max())} for j, li in enumerate(idx)]
+    return rows, ((ci[-1].lo, ci[-1].hi) if ci else (nan, nan))
+
+
+def _overall_table(df: Any, overall_ci: dict[tuple[int, int, str], tuple[float, float]]) -> Any:
+    """``placement_overall.csv``: per placement, the sum over layers of the max / sum of the mean GPU load."""
+    overall = (df.groupby(["gpus", "nodes", "replicas", "slots_per_gpu", "method"], sort=False)
+               .agg(max_sum=("max_gpu_load", "sum"), mean_sum=("mean_gpu_load", "sum"),
+                    max_layer_imbalance=("imbalance", "max"),
+                    layers=("layer", "size"))
+               .reset_index())
+    overall.insert(5, "imbalance", overall.pop("max_sum") / overall.pop("mean_sum"))
+    bounds = [overall_ci[(g, r, m)] for g, r, m in zip(overall.gpus, overall.replicas, overall.method)]
+    overall.insert(6, "imbalance_lo", [b[0] for b in bounds])
+    overall.insert(7, "imbalance_hi", [b[1] for b in bounds])
+    return overall
+
+
+def _loads_table(idx: list[int], n: int, K: int, *loads: tuple[str, torch.Tensor | None, int | None]) -> Any:
+    """``placement_loads.csv``: per data set (name, loads, real tokens; ``None`` loads left out), layer and expert."""
+    import pandas as pd
+
+    return pd.concat([pd.DataFrame({"data_set": name, "layer": li, "expert": range(n), "tokens": t,
+                                    "load": lo[j].numpy(), "load_fraction": (lo[j] / (t * K)).numpy()})
+                      for name, lo, t in loads if lo is not None
+                      for j, li in enumerate(idx)], ignore_index=True)
+
+
+def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, reference: Any = None,
+              reference_model: Any = None, quiet: bool = False, **overrides: Any) -> Result:
+    """Per-GPU load imbalance of expert-parallel placements (contiguous, round-robin, DeepSeek's EPLB with R
+    redundant replicas) under the model's measured per-expert loads on ``tokens``; with ``reference`` (another
+    TokenSet) and/or ``reference_model`` (another checkpoint of the same architecture and tokenizer, loaded) also
+    EPLB fitted on the loads of the reference model (default ``lm``) on the reference data (default ``tokens``),
+    evaluated on ``tokens``' loads under ``lm`` (staleness). Tables ``placement`` (per layer, G, R, method),
+    ``placement_overall`` (over the layers) and ``placement_loads`` (layer, expert loads); see
+    :data:`DEFINITIONS`."""
+    import pandas as pd
+
+    opts = resolve_options(PlacementOptions, options, overrides)
+    tokens.require_tokens()
+    if reference is not None:
+        reference.require_tokens()
+    layers = select_layers(lm.layers, opts.layers)
+    n, z, K, groups = _placed_experts(layers, opts.groups)
+    gpu_counts = opts.gpu_counts(n)
+    load, n_tok, row_loads = _data_loads(lm, tokens, layers, opts, n, z, quiet)
+    ref_load, ref_tok = _reference_loads(lm, tokens, layers, opts, n, reference, reference_model, quiet)
+    idx = [L.index for L in layers]
+    n_boot = opts.bootstrap if row_loads is not None and row_loads.shape[0] >= 2 else 0
+    rows, overall_ci = [], {}
+    for G, R, method, phy2log, count in _placements(load, ref_load, n, groups, gpu_counts, opts):
+        layer_rows, overall_ci[(G, R, method)] = _evaluate(load, row_loads, n_boot, idx, n, opts, G, R, method,
+                                                           phy2log, count)
+        rows += layer_rows
+    df = pd.DataFrame(rows)
+    overall = _overall_table(df, overall_ci)
+    meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,
+                n_experts=n, top_k=K, groups=groups, zero_computation_experts_not_placed=z,
+                bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0], "BCa interval"),
+                eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
+                                 "ported in moetool.experiments.placement",
+                          policy="hierarchical" if groups % opts.nodes == 0 else "global"))
+    if ref_load is not None:
+        ref_tokens = tokens if reference is None else reference
+        meta.update(reference=dict(data=ref_tokens.describe(), data_name=data_name(ref_tokens.source),
+                                   model=(lm if reference_model is None else reference_model).name))
+    summary = with_ci(overall[["gpus", "replicas", "method", "imbalance", "imbalance_lo", "imbalance_hi",
+                               "max_layer_imbalance"]], digits=2)
+    loads = _loads_table(idx, n, K, ("data", load, n_tok), ("reference", ref_load, ref_tok))
+    return Result("placement", {"placement.csv": df, "placement_overall.csv": overall, "placement_loads.csv": loads},
+                  opts, meta=meta, summary=summary.round(3))
+
+
+def headline_gpus(df: Any) -> int:
+    """The largest G below n in a placement table (with one expert per GPU every placement without replicas is the
+    same), else the largest."""
+    below = df[df["slots_per_gpu"] > 1 + df["replicas"] // df["gpus"]]["gpus"]
+    return int((below if len(below) else df["gpus"]).max())
+
+
+def summary_lines(name: str, res: Result) -> list[str]:
+    """One line: at :func:`headline_gpus`, the overall imbalance of each method (and R)."""
+    df = res["placement_overall"]
+    G = headline_gpus(df)
+    parts = [f"{r.method}{f' R={r.replicas}' if r.replicas else ''} "
+             f"{format_ci(r.imbalance, r.imbalance_lo, r.imbalance_hi)}x"
+             for r in df[df.gpus == G].itertuples()]
+    return [f"placement {name}: max/mean GPU load on {G} GPUs: " + ", ".join(parts)]

@@ -1,0 +1,54 @@
+"""Expert-parallel placement what-if: per-GPU load imbalance under the model's measured expert loads.
+
+The model's own top-K routing is counted per (layer, expert) on --data in one forward. For each G in --gpus, the
+n experts (plus R redundant replicas) are spread over G GPUs, (n + R) / G slots each; a GPU's load is the sum of
+its replicas' loads (an expert with c replicas gives each load / c), and the imbalance is max / mean GPU load
+(1 = balanced; every MoE layer waits for its busiest GPU). Placements: contiguous (expert e on GPU e*G//n, the
+static layout), round_robin (e on GPU e % G), and eplb: DeepSeek's expert-parallel load balancer (DeepSeek-AI,
+EPLB, 2025, github.com/deepseek-ai/EPLB, MIT; ported in moetool.experiments.placement) with R = extra_slots x G
+redundant replicas for the heaviest experts, hierarchical over --nodes when the expert groups (--groups, default
+the model's routing groups) divide into them. With --reference-data and/or --reference-model, eplb_stale: EPLB
+fitted on the loads of the reference model (default --model) on the reference data (default --data), evaluated
+on --data's under --model (a placement computed once; the traffic or the weights changed). A reference model must
+have the model's architecture and tokenizer; both models are held in memory.
+
+Writes placement.csv (layer, gpus, nodes, replicas, slots_per_gpu, method, imbalance, max_gpu_load,
+mean_gpu_load, min_gpu_load, max_replicas), placement_overall.csv (gpus, nodes, replicas, slots_per_gpu, method,
+imbalance = sum of the layers' max / sum of their mean, max_layer_imbalance, layers),
+placement_loads.csv (data_set, layer, expert, tokens, load, load_fraction), figures/placement_imbalance (imbalance
+vs G per method), figures/placement_layers (per-layer imbalance at the largest G below n) and manifest.json (definitions).
+
+--trace PATH (a moetool trace or import-trace run) takes the loads from recorded routing instead of a forward
+(no bootstrap, no eplb_stale; --groups defaults to 1). --export sglang writes sglang_expert_location.json
+(physical_to_logical_map for SGLang's --init-expert-location; every decoder layer a row, dense ones SGLang's
+trivial map), --export eplb writes eplb_placement.json (EPLB's phy2log, log2phy, logcnt): the EPLB placement at
+the one --gpus G and --extra-slots given.
+
+Examples:
+  moetool placement
+  moetool placement --trace runs/vllm-trace --gpus 8 --extra-slots 1 --export sglang
+  moetool placement --model tiny-fine --gpus 2,4,8 --extra-slots 0,1,2 --reference-data other.jsonl
+  moetool placement --model tiny --reference-model tiny-early
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "placement_imbalance": ("Per-GPU load imbalance (max / mean GPU load; summed over MoE layers, each waiting for "
+                            "its busiest GPU) against the number of GPUs, one line per expert placement the legend "
+                            "names: contiguous, round-robin, DeepSeek's EPLB with R = slots × G redundant replicas "
+                            "(+r/GPU), and eplb_stale (EPLB fitted on a --reference, when one was given); dotted: "
+                            "perfect balance; error bars: the bootstrap interval", ("placement_overall.csv",),
+                            ("imbalance", "method", "replicas", "imbalance_lo/imbalance_hi")),
+    "placement_layers": ("Per MoE layer: per-GPU load imbalance at the largest number of GPUs below the number of "
+                         "experts, one line per placement; dotted: perfect balance; error bars: the bootstrap "
+                         "interval", ("placement.csv",), ("imbalance", "method", "replicas", "imbalance_lo/imbalance_hi")),
+}
+
+SPEC = experiment("placement", "placement", "PlacementOptions", figures="moetool.experiments.placement.figures:placement_figures",
+                  demo=Demo(max_tokens=4096),
+                  order=140, captions=CAPTIONS)

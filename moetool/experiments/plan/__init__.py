@@ -1,0 +1,1 @@
+"""The ``plan`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

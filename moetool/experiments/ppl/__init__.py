@@ -1,0 +1,1 @@
+"""The ``ppl`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

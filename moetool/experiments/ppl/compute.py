@@ -1,0 +1,108 @@
+"""Perplexity under a routing policy: ``moetool ppl`` (the loop it shares with other experiments is
+:mod:`moetool.experiments.routing`).
+
+The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
+(:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
+With no policy the model runs unhooked (the reference a ``router`` run must reproduce exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...engine.hooks import select_layers
+from ...engine.runner import ForwardResult
+from ...uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
+from ..result import Result, resolve_options
+from ..routing import SCORED_TOKENS, RoutingOptions, data_name, perplexity, ppl_intervals
+
+#: ppl.csv columns, one row per run
+PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "scored_tokens", "nll_mean", "perplexity", "perplexity_lo",
+               "perplexity_hi", "router_perplexity", "ratio", "ratio_lo", "ratio_hi", "seconds")
+
+PPL_DEFINITIONS = {
+    "scored_tokens": SCORED_TOKENS,
+    "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
+                "float64 sums); encoder-decoder models (Switch Transformers): the model's own seq2seq loss with the "
+                "row as both source and target -- the encoder reads the row, the decoder is teacher-forced on it "
+                "shifted right (decoder_start_token_id first) and position t predicts token t: mean cross-entropy "
+                "over the real target tokens, transformers' loss with labels = the row (padding -100)",
+    "perplexity": "exp(nll_mean)",
+    "seconds": "wall time of the forward passes with the routing hooks installed (the baseline's not included)",
+    "router_perplexity": "perplexity of the model's own routing (unhooked) on the same rows (baseline; NaN when "
+                         "routing is router or baseline=False)",
+    "ratio": "perplexity / router_perplexity = exp(nll_mean - router nll_mean) (lower is better)",
+    "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty; "
+                 "the ratio's is paired: one row weight applies to both runs); NaN with bootstrap=0",
+    "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer)",
+}
+
+
+@dataclass(frozen=True)
+class PplOptions(RoutingOptions):
+    """Options of :func:`ppl`."""
+
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    baseline: bool = True  # also run the router on the same rows (ratio column) when routing is not router
+
+    def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
+
+
+def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any,
+              base: ForwardResult | None = None, intervals: dict[str, Any] | None = None) -> Any:
+    """One-row DataFrame with :data:`PPL_COLUMNS` (``base``: the router run; ``intervals``: :func:`ppl_intervals`;
+    missing ones are NaN)."""
+    import pandas as pd
+
+    nan = float("nan")
+    row = {"model": model, "data": data, "routing": routing, "weights": weights,
+           "layers": "all" if layers is None else ",".join(str(i) for i in layers),
+           "scored_tokens": result.nll.tokens, "nll_mean": result.nll.mean, "perplexity": result.perplexity,
+           "perplexity_lo": nan, "perplexity_hi": nan,
+           "router_perplexity": base.perplexity if base is not None else nan,
+           "ratio": result.perplexity / base.perplexity if base is not None else nan, "ratio_lo": nan,
+           "ratio_hi": nan, "seconds": round(result.seconds, 3)}
+    row.update({k: v for k, v in (intervals or {}).items() if k.endswith(("_lo", "_hi"))})
+    return pd.DataFrame([row], columns=list(PPL_COLUMNS))
+
+
+def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
+    """Perplexity of ``lm`` on ``tokens`` with the ``routing`` policy in ``layers``.
+
+    Table ``ppl`` (one row): model, data, routing, weights, layers, tokens, nll_mean, perplexity, seconds
+    (see :data:`PPL_DEFINITIONS`).
+    """
+    from ... import distributed
+    from ...uncertainty import RowTable
+
+    opts = resolve_options(PplOptions, options, overrides)
+    policy = opts.policy()
+    layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
+    shard = distributed.shard(tokens, opts.batch_size)  # alone: the same rows, numbered
+    res = perplexity(lm, shard, policy=policy, policy_layers=layers, batch_size=opts.batch_size, quiet=quiet,
+                     rows=RowTable(shard))
+    base = None
+    if opts.baseline and policy.name != "router":
+        base = perplexity(lm, shard, batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard),
+                          description="router baseline")
+    ci = ppl_intervals(res, base, n_boot=opts.bootstrap, seed=opts.seed)
+    df = ppl_frame(res, model=lm.name, data=data_name(tokens.source), routing=policy.name,
+                   weights=policy.weights or "-", layers=layers, base=base, intervals=ci)
+    return Result("ppl", {"ppl.csv": df}, opts,
+                  meta=dict(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=policy.describe(),
+                            bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, res.rows.n_rows)),
+                  summary=ppl_summary(df))
+
+
+def ppl_summary(df: Any) -> Any:
+    """The console row (``value ± half-width`` via :func:`moetool.uncertainty.with_ci`); the baseline's
+    columns only when it ran."""
+    from ...uncertainty import with_ci
+
+    cols = ["weights", "layers", "scored_tokens", "nll_mean", "perplexity", "perplexity_lo", "perplexity_hi"]
+    if df.router_perplexity.notna().any():
+        cols += ["router_perplexity", "ratio", "ratio_lo", "ratio_hi"]
+    return with_ci(df[cols + ["seconds"]]).rename(columns={"router_perplexity": "router"})

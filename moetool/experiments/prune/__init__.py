@@ -1,0 +1,1 @@
+"""The ``prune`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,92 @@
+"""Shared by the experiments that run the model under a routing policy or score its perplexity (ppl, topk,
+capacity, prune, super-experts, norm-select, trace, eval, agreement, margin, placement, expert-similarity):
+:class:`RoutingOptions` (how routing is replaced), :func:`perplexity` (one forward loop, per-row sums for the
+bootstrap), :func:`ppl_intervals`, :func:`data_name` and the one meaning of ``scored_tokens``.
+
+The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
+(:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
+With no policy the model runs unhooked (the reference a ``router`` run must reproduce exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..engine.hooks import Consumer
+from ..engine.runner import ForwardResult, forward
+from ..errors import MoetoolError
+from ..uncertainty import DEFAULT_BOOTSTRAP, ppl_ratio_interval, ratio_intervals
+
+#: the one meaning of ``scored_tokens`` in every perplexity table (ppl, topk, capacity, prune, super-experts);
+#: ``tokens`` is always real (unpadded) tokens routed (by the layer, or to the expert on a per-expert row)
+SCORED_TOKENS = ("scored next-token predictions, what the perplexity averages over: pairs of consecutive real "
+                 "(unpadded) tokens within a packed row, so one fewer than the row's real tokens (encoder-decoder "
+                 "models: every real token of the row, each a target of the decoder)")
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
+
+    routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
+    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
+    sim: str = "dot"  # similarity policy: dot | cosine
+    causal: bool = True  # similarity policy: only tokens j <= i
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    seed: int = 0
+
+    def policy(self) -> Any:
+        """The policy, built once per run (the command's check and the experiment share it)."""
+        from ..policies import build_once
+
+        return build_once(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
+
+
+def data_name(path: str | Path | None) -> str:
+    """Short name of ``--data`` for tables: the file/folder stem, ``heldout`` for the default."""
+    return Path(path).stem if path else "heldout"
+
+
+def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
+               consumers: Iterable[Consumer] = (), batch_size: int = 8, quiet: bool = False,
+               description: str = "perplexity", rows: Any = None) -> ForwardResult:
+    """Perplexity of ``lm`` on packed ``tokens`` with ``policy`` applied in ``policy_layers`` (one forward loop).
+
+    ``rows`` (a :class:`moetool.uncertainty.RowTable` over ``tokens``, which must then be a shard from
+    :func:`moetool.distributed.shard` under a distributed launch) receives per-row ``nll`` sums and ``scored``
+    counts (and whatever ``consumers`` add to it); it is reduced across ranks at the end and returned as
+    ``result.rows``. The NLL is then their sum (the same float64 per-token values).
+    """
+    if rows is None:
+        return forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
+                       nll=True, quiet=quiet, description=description)
+    from ..engine.runner import NLL
+
+    def per_row(nll: Any, scored: Any) -> None:
+        rows.add("nll", nll)
+        rows.add("scored", scored)
+
+    res = forward(lm, tokens, policy=policy, layers=policy_layers, consumers=consumers, batch_size=batch_size,
+                  before_batch=rows.next_batch, per_row_nll=per_row, quiet=quiet, description=description)
+    rows.reduce_across_ranks()
+    res.nll = NLL(float(rows.table("nll").sum()), int(rows.table("scored").sum()))
+    res.rows = rows
+    return res
+
+
+def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_boot: int = DEFAULT_BOOTSTRAP,
+                  seed: int = 0) -> dict[str, Any]:
+    """``perplexity`` (and, with the router ``base`` run over the same rows, ``ratio``) with bootstrap intervals
+    from the runs' per-row sums: ``{perplexity, perplexity_lo, perplexity_hi[, ratio, ratio_lo, ratio_hi]}``."""
+    import numpy as np
+
+    nll, scored = run.rows.table("nll"), run.rows.table("scored")
+    kw = dict(n_boot=n_boot if run.rows.n_rows >= 2 else 0, seed=seed)
+    out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
+    if base is not None:
+        if not np.array_equal(base.rows.table("scored"), scored):
+            raise MoetoolError("the baseline scored different tokens: no paired ratio")
+        out.update(ppl_ratio_interval(nll, base.rows.table("nll"), scored, **kw).columns("ratio"))
+    return out

@@ -1,0 +1,1 @@
+"""The ``stats`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

@@ -1,0 +1,527 @@
+"""``stats``: how the model's own router uses its experts, per MoE layer, on ``--data``.
+
+:func:`stats` is the experiment (options :class:`StatsOptions`, returns a :class:`~.result.Result`).
+A :class:`RoutingStats` consumer rides on :func:`moetool.engine.forward` (no policy) and
+reduces every :class:`~moetool.engine.RoutingEvent` on the layer's device into small per-layer
+aggregates; padding never counts. At the end :meth:`RoutingStats.tables` turns them into the
+tables below (one home for each definition: :data:`DEFINITIONS`, also written to the manifest).
+
+Top tokens per expert need counts of (token id, expert) pairs. A dense ``[n, vocab]`` matrix per
+layer does not scale (Qwen3-30B: 128 experts x 151k ids x 48 layers x 8 bytes = 7.4 GB), so the
+pairs are counted exactly in a :class:`SparseCounter`: keys ``token_id * n + expert`` buffered on
+the device and merged with ``torch.unique`` whenever the buffer outgrows the running table, so
+memory is proportional to the number of *distinct* pairs seen (at most ``min(n * vocab, tokens * K)``)
+and the amortized cost is one sort per element.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import distributed, ops
+from ...engine.hooks import RoutingEvent, select_layers
+from ...engine.runner import forward
+from ...errors import MoetoolError
+from ...sketch import MERGE_MIN, SparseCounter
+from ...uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, ratio_intervals,
+                           sum_intervals, with_ci)
+from ..result import Result, resolve_options
+from ..specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
+                             VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
+                             with_tokens)
+
+NO_DOMAIN = "(none)"
+
+DEFINITIONS = {
+    "routing": "the model's own top-K (the router, no policy); only real (unpadded) tokens count",
+    "load_fraction": "assignments of expert e / (K * tokens): fraction of all top-K assignments, sums to 1 "
+                     "over experts; uniform routing gives 1/n",
+    "token_fraction": "tokens whose top-K contains e / tokens: sums to K over experts; uniform routing gives K/n",
+    "load.tokens": "number of tokens whose top-K contains the expert",
+    "load_entropy": "entropy in nats of the load_fraction distribution (AoE Ent_load, eq. 7-8); "
+                    "_norm divides by log n (1 = perfectly balanced)",
+    "confidence_entropy": "mean over tokens of the entropy in nats of the token's full routing distribution "
+                          "pi (AoE Ent_conf); _norm divides by log n (1 = uniform pi)",
+    "max_load_ratio": "max over experts of load_fraction / (1/n)",
+    "zero_compute_fraction": "layers with zero-computation (identity) experts only (LongCat-Flash): assignments to "
+                             "them / (K * tokens), the fraction of routed assignments that take the zero-computation "
+                             "route (output = input, no expert MLP); the sum of their load_fraction",
+    "top_k": "top_k = None: each token's top-K as the model chose it; top_k = 1: only its first-ranked expert "
+             "(OLMoE's *_top1 analyses); every table then counts K = 1",
+    "coactivation": "coactivation = all (default): count[a,b] = tokens whose top-K contains both a and b (a != b, "
+                    "every ordered pair of the top-K); coactivation = adjacent: only experts at neighbouring ranks "
+                    "(both orders), as OLMoE's heatmaps count (lower for K > 2); p_b_given_a = count[a,b] / tokens "
+                    "whose top-K contains a (empty if none); independent uniform routing gives (K-1)/(n-1) for all",
+    "domain_load": "load_fraction computed over the tokens of one domain (rows carry one domain each); "
+                   "token_fraction = the domain's tokens whose top-K contains the expert / the domain's tokens "
+                   "(K * load_fraction); uniform_token_fraction = K/n; tokens = the domain's tokens whose top-K "
+                   "contains the expert",
+    "expert_tokens": "expert_tokens.parquet (all_tokens): every (layer, expert, token_id) pair seen with its count "
+                     "(occurrences of the token whose top-K contains the expert), not truncated",
+    "top_tokens": "per expert, the token ids most often routed to it (ranked by count, ties by token id); "
+                  "count = occurrences of the token whose top-K contains the expert; share = count / all "
+                  "occurrences of the token (sums to K over experts)",
+    "top_tokens_lift": "as top_tokens but ranked by lift = share / token_fraction(expert) = P(e|token) / P(e) "
+                       "(1 = no preference; ties, e.g. tokens always routed to e, by count) among pairs with "
+                       "count >= min_count",
+    "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges); "
+                         "memory grows with distinct pairs, not with n * vocab",
+    "*_lo/*_hi": "95% document-level bootstrap interval over packed rows (moetool.uncertainty; bootstrap "
+                 "replicates, seeded; all from the same row weights; NaN with bootstrap=0): percentile interval for "
+                 "the ratios load.csv load_fraction and token_fraction and layers.csv confidence_entropy_norm; BCa "
+                 "(bias-corrected and accelerated, jackknife over rows) for layers.csv load_entropy_norm and "
+                 "max_load_ratio, because a max over experts and an entropy are biased under resampling (with "
+                 "near-uniform routing the percentile interval of max_load_ratio can lie entirely above the "
+                 "estimate); where BCa is degenerate the percentile interval is used, and these two intervals "
+                 "are widened to include the estimate",
+}
+
+
+@dataclass
+class LayerAccumulator:
+    """Device aggregates of one MoE layer."""
+
+    n: int
+    k: int
+    tokens: torch.Tensor  # [] int64 real tokens
+    assign: torch.Tensor  # [n] float64 tokens whose top-K contains e
+    conf_sum: torch.Tensor  # [] float64 sum over tokens of entropy(pi)
+    co: torch.Tensor  # [n, n] float64 tokens whose top-K contains a and b (diagonal = assign)
+    dom_assign: torch.Tensor  # [D, n] float64
+    dom_tokens: torch.Tensor  # [D] float64
+    pairs: SparseCounter | None  # keys token_id * n + expert
+
+    @classmethod
+    def empty(cls, n: int, k: int, n_domains: int, device: Any, pairs: bool, merge_min: int) -> "LayerAccumulator":
+        z = dict(dtype=torch.float64, device=device)
+        return cls(n, k, torch.zeros((), dtype=torch.long, device=device), torch.zeros(n, **z),
+                   torch.zeros((), **z), torch.zeros(n, n, **z), torch.zeros(n_domains, n, **z),
+                   torch.zeros(n_domains, **z), SparseCounter(merge_min) if pairs else None)
+
+
+class RoutingStats:
+    """Consumer for :class:`Engine`: ``begin_batch(batch)`` before each forward, then the events reduce."""
+
+    def __init__(self, layers: list[Any], domains: list[str] = (), top_tokens: bool = True,
+                 merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
+                 rows: Any = None):
+        self.layers = {L.index: L for L in layers}
+        self.rows = rows  # uncertainty.RowTable: per packed row "tokens", "assign<layer>" [n], "conf<layer>"
+        names = sorted(set(domains))
+        self.domains = [d or NO_DOMAIN for d in names] if any(names) else []  # no domain split without labels
+        self._dom_id = {d: i for i, d in enumerate(names)} if self.domains else {}
+        self.top_tokens = top_tokens
+        self.top_k = top_k
+        if coactivation not in COACTIVATION:
+            raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{coactivation}'")
+        self.coactivation = coactivation
+        self.merge_min = merge_min
+        self.acc: dict[int, LayerAccumulator] = {}
+        self.token_totals = SparseCounter(merge_min)  # keys: token ids (real tokens)
+        self._batch: dict[str, Any] | None = None
+
+    def begin_batch(self, batch: Any) -> Any:
+        """Register the token ids and row domains of the next forward (``TokenBatch``); returns it."""
+        ids, mask = batch.input_ids, batch.attention_mask  # [B, S]
+        try:
+            dom = torch.tensor([self._dom_id[d] for d in batch.domains]) if self.domains else None  # [B]
+        except KeyError as e:
+            raise MoetoolError(f"domain {e} was not declared to RoutingStats") from None
+        self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1),
+                       "dom": None if dom is None else dom.repeat_interleave(ids.shape[1]), "on": {}}
+        if self.top_tokens:
+            self.token_totals.add(ids[mask.bool()])
+        if self.rows is not None:
+            self.rows.next_batch(batch)
+            self.rows.add("tokens", mask.sum(1))
+        return batch
+
+    def _on(self, key: str, device: Any) -> torch.Tensor:
+        return on_device(self._batch, key, device)
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        L, (B, S) = ev.layer, ev.shape
+        if self._batch is None or self._batch["shape"] != (B, S):
+            raise MoetoolError("RoutingStats: call begin_batch(batch) before each forward")
+        n, dev = L.n_experts, ev.idx.device
+        a = self.acc.get(L.index)
+        idx = (ev.idx[:, : self.top_k] if self.top_k else ev.idx).long()  # [T, K] top-K (or first-ranked)
+        if a is None:
+            a = self.acc[L.index] = LayerAccumulator.empty(n, idx.shape[-1], len(self.domains), dev,
+                                                          self.top_tokens, self.merge_min)
+        # padding is weighted out (never indexed away: no device sync inside the forward)
+        valid = ev.valid.to(dev)  # [T]
+        a.tokens += valid.sum()
+        a.assign += ops.one_hot_counts(idx, n, valid)
+        conf = ops.entropy(ev.probs.to(dev)).double() * valid  # [T]
+        a.conf_sum += conf.sum()
+        if self.rows is not None:
+            self.rows.add_counts(f"assign{L.index}", idx, n, valid)
+            self.rows.add(f"conf{L.index}", conf)
+        a.co += coactivation_counts(idx, n, valid, self.coactivation)  # [n, n]
+        if self.domains:
+            d = self._on("dom", dev)  # [T] domain of each token
+            D = len(self.domains)
+            w = valid.double()
+            a.dom_assign += torch.zeros(D * n, dtype=torch.float64, device=dev).index_add_(
+                0, (d.unsqueeze(1) * n + idx).reshape(-1), w.unsqueeze(1).expand(idx.shape).reshape(-1)).view(D, n)
+            a.dom_tokens += torch.zeros(D, dtype=torch.float64, device=dev).index_add_(0, d, w)
+        if a.pairs is not None:
+            tok = self._on("ids", dev).unsqueeze(1).expand(idx.shape)  # [T, K]
+            a.pairs.add(_masked_keys(tok, idx, n, valid.unsqueeze(1).expand(idx.shape)))
+
+    def reduce_across_ranks(self) -> None:
+        """Data parallel: every rank's layer sums all-reduced, the sparse token counts merged (rows of a rank
+        count once); alone a no-op. The row table is reduced by its owner (``collect``)."""
+        if distributed.world_size() <= 1:
+            return
+        dense = distributed.all_reduce_keyed({li: {"tokens": a.tokens, "assign": a.assign, "conf_sum": a.conf_sum,
+                                                   "co": a.co, "dom_assign": a.dom_assign,
+                                                   "dom_tokens": a.dom_tokens, "n": a.n, "k": a.k}
+                                              for li, a in self.acc.items()})
+        sparse = distributed.gather_object({"tokens": self.token_totals.host_state(),
+                                            **{li: a.pairs.host_state() for li, a in self.acc.items()
+                                               if a.pairs is not None}})
+        self.token_totals = SparseCounter.merged([p["tokens"] for p in sparse], self.merge_min)
+        self.acc = {li: LayerAccumulator(d["n"], d["k"], d["tokens"], d["assign"], d["conf_sum"], d["co"],
+                                         d["dom_assign"], d["dom_tokens"],
+                                         SparseCounter.merged([p[li] for p in sparse if li in p], self.merge_min)
+                                         if self.top_tokens else None)
+                    for li, d in dense.items()}
+
+    def intervals(self, n_boot: int, seed: int = 0) -> tuple[Any, Any]:
+        """Bootstrap intervals from the per-row sums: ``(load, layers)`` frames keyed by layer (and expert) with
+        ``load_fraction``/``token_fraction`` and ``load_entropy_norm``/``confidence_entropy_norm``/``max_load_ratio``
+        ``_lo``/``_hi`` columns (every statistic from the same row weights: same seed, same rows)."""
+        import numpy as np
+        import pandas as pd
+
+        tokens = self.rows.table("tokens")  # [rows]
+        kw = dict(n_boot=n_boot if tokens.shape[0] >= 2 else 0, seed=seed)
+        load, layers = [], []
+        for li in sorted(self.acc):
+            n = self.acc[li].n
+            assign = self.rows.table(f"assign{li}").reshape(tokens.shape[0], n)  # [rows, n]
+            lf = ratio_intervals(assign, assign.sum(1), **kw)
+            tf = ratio_intervals(assign, tokens, **kw)
+            row = {"layer": li}
+            load.append(pd.DataFrame({"layer": li, "expert": range(n),
+                                      "load_fraction_lo": [i.lo for i in lf], "load_fraction_hi": [i.hi for i in lf],
+                                      "token_fraction_lo": [i.lo for i in tf],
+                                      "token_fraction_hi": [i.hi for i in tf]}))
+
+            def shape(s: np.ndarray, n: int = n) -> np.ndarray:  # summed counts [..., n] -> [..., 2]
+                frac = s / s.sum(-1, keepdims=True)
+                ent = ops.entropy(torch.from_numpy(frac)).double().numpy()
+                return np.stack([ent / math.log(n), frac.max(-1) * n], -1)
+
+            ent, mx = sum_intervals(assign, shape, method="bca", **kw)  # biased under resampling: BCa
+            conf = ratio_intervals(self.rows.table(f"conf{li}"), tokens, transform=lambda x, n=n: x / math.log(n),
+                                   **kw)[0]
+            for name, ci in (("load_entropy_norm", ent), ("max_load_ratio", mx), ("confidence_entropy_norm", conf)):
+                row.update({f"{name}_lo": ci.lo, f"{name}_hi": ci.hi})
+            layers.append(row)
+        return pd.concat(load, ignore_index=True), pd.DataFrame(layers)
+
+    def pair_counts(self) -> Any:
+        """Every (layer, expert, token_id) pair seen with its count (all layers, sorted), not truncated."""
+        import pandas as pd
+
+        frames = []
+        for li in sorted(self.acc):
+            a = self.acc[li]
+            pk, pc = (t.cpu().numpy() for t in a.pairs.result())
+            keep = pk >= 0
+            frames.append(pd.DataFrame({"layer": li, "expert": pk[keep] % a.n, "token_id": pk[keep] // a.n,
+                                        "count": pc[keep]}).sort_values(["expert", "token_id"], kind="stable"))
+        return pd.concat(frames, ignore_index=True)
+
+    # ----- tables ------------------------------------------------------------------------
+    def tables(self, tokenizer: Any = None, top_n: int = 10, min_count: int = 5) -> dict[str, Any]:
+        """``{csv name: DataFrame}`` with exactly the documented columns."""
+        import pandas as pd
+
+        missing = sorted(set(self.layers) - set(self.acc))
+        if missing:
+            raise MoetoolError(f"no routing events from MoE layers {missing}: nothing ran through them")
+        load, layers, co, dom, top, lift = [], [], [], [], [], []
+        tok_keys, tok_counts = (t.cpu().numpy() for t in self.token_totals.result())
+        decode = token_decoder(tokenizer)
+        for li in sorted(self.acc):
+            a = self.acc[li]
+            tokens = int(a.tokens)
+            if tokens == 0:
+                raise MoetoolError(f"layer {li}: no real tokens (empty data or all padding)")
+            n, k = a.n, a.k
+            assign = a.assign.cpu()  # [n]
+            frac = assign / assign.sum()  # [n] float64, sums to 1
+            load.append(pd.DataFrame({"layer": li, "expert": range(n), "load_fraction": frac.numpy(),
+                                      "token_fraction": (assign / tokens).numpy(),
+                                      "tokens": assign.long().numpy()}))
+            ent, conf = float(ops.entropy(frac)), float(a.conf_sum) / tokens
+            layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
+                           "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
+                           "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
+            z = getattr(self.layers.get(li), "n_zero_compute", 0)
+            if z:  # zero-computation experts (LongCat-Flash): how often the routing takes the identity route
+                layers[-1]["zero_compute_fraction"] = float(frac[n - z:].sum())
+            co.append(_coactivation_frame(li, a.co.cpu()))
+            if self.domains:
+                dom += _domain_frames(li, a, self.domains)
+            if a.pairs is not None:
+                pairs = _pair_frame(li, a, tok_keys, tok_counts)
+                top.append(_rank(pairs, "count", top_n))
+                lift.append(_rank(pairs[pairs["count"] >= min_count], "lift", top_n))
+        out = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers),
+               "coactivation.csv": pd.concat(co, ignore_index=True)}
+        if dom:
+            out["domain_load.csv"] = pd.concat(dom, ignore_index=True)
+        if top:
+            cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
+            out["top_tokens.csv"] = with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
+            out["top_tokens_lift.csv"] = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+        return out
+
+
+def _domain_frames(layer: int, a: LayerAccumulator, domains: list[str]) -> list[Any]:
+    """One ``domain_load`` frame per domain that has tokens."""
+    import pandas as pd
+
+    da = a.dom_assign.cpu()  # [D, n]
+    dl = da / da.sum(-1, keepdim=True)  # [D, n] float64, rows sum to 1
+    return [pd.DataFrame({"layer": layer, "domain": name, "expert": range(a.n), "load_fraction": dl[di].numpy(),
+                          "token_fraction": (da[di] / a.dom_tokens[di].cpu()).numpy(),
+                          "uniform_token_fraction": a.k / a.n, "tokens": da[di].long().numpy()})
+            for di, name in enumerate(domains) if a.dom_tokens[di] > 0]
+
+
+def _pair_frame(layer: int, a: LayerAccumulator, tok_keys: Any, tok_counts: Any) -> Any:
+    """Every (expert, token id) pair seen: count, share of the token's occurrences, lift."""
+    import pandas as pd
+
+    pk, pc = (t.cpu().numpy() for t in a.pairs.result())
+    pk, pc = pk[pk >= 0], pc[pk >= 0]  # -1 = padding
+    pairs = pd.DataFrame({"layer": layer, "expert": pk % a.n, "token_id": pk // a.n, "count": pc})
+    total = tok_counts[tok_keys.searchsorted(pairs["token_id"].to_numpy())]  # occurrences of each token
+    pairs["share"] = pairs["count"] / total
+    token_fraction = (a.assign.cpu() / int(a.tokens)).numpy()  # [n]
+    pairs["lift"] = pairs["share"] / token_fraction[pairs["expert"].to_numpy()]
+    return pairs
+
+
+def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
+    """Ordered pairs a != b of a ``[n, n]`` co-count matrix whose diagonal holds the tokens choosing a."""
+    import pandas as pd
+
+    n = co.shape[0]
+    chose = co.diagonal()  # [n]
+    p = co / chose.unsqueeze(1)  # [n, n] row a: P(b | a); nan where nobody chose a
+    a, b = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+    off = a != b
+    return pd.DataFrame({"layer": layer, "a": a[off].numpy(), "b": b[off].numpy(),
+                         "p_b_given_a": p[off].numpy(), "count": co[off].long().numpy()})
+
+
+def _rank(pairs: Any, by: str, top_n: int) -> Any:
+    """The ``top_n`` rows per expert by ``by`` (descending; ties by count, then token id), with ``rank`` 1..N."""
+    keys = ["expert", by] + (["count"] if by != "count" else []) + ["token_id"]
+    df = pairs.sort_values(keys, ascending=[True] + [False] * (len(keys) - 2) + [True], kind="stable")
+    df = df.groupby("expert", sort=False).head(top_n).copy()
+    df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
+    return df
+
+
+# ----- the experiment ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StatsOptions:
+    """Options of :func:`stats` (the manifest's options)."""
+
+    top_tokens: int = 10  # token ids listed per expert in top_tokens.csv / specialized_tokens.csv (0: skip)
+    min_count: int = 10  # minimum occurrences: (token, expert) pairs in top_tokens_lift, token ids in specialization
+    batch_size: int = 8  # rows per forward
+    top_k: int | None = None  # None: the model's top-K; 1: each token's first-ranked expert only
+    coactivation: str = "all"  # all: every ordered pair of the top-K; adjacent: neighbouring ranks (OLMoE)
+    all_tokens: bool = False  # expert_tokens.parquet: every (layer, expert, token id) count
+    specialization: bool = True  # vocabulary specialisation tables (three views)
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    seed: int = 0  # seeds the bootstrap's row weights
+    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        if self.top_tokens < 0:
+            raise MoetoolError(f"--top-tokens must be >= 0, got {self.top_tokens}")
+        if self.min_count < 1:
+            raise MoetoolError(f"--min-count must be >= 1, got {self.min_count}")
+        if self.batch_size < 1:
+            raise MoetoolError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.top_k not in (None, 1):
+            raise MoetoolError(f"--top-k must be 1 (first-ranked expert) or unset (the model's top-K), got {self.top_k}")
+        if self.coactivation not in COACTIVATION:
+            raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{self.coactivation}'")
+        check_n_boot(self.bootstrap)
+
+
+@dataclass
+class Collected:
+    """The consumers of one ``stats`` forward: :class:`RoutingStats` and the OLMoE-style analyses."""
+
+    routing: RoutingStats
+    load_balance: LoadBalance
+    cross_layer: CrossLayer
+    vocab: VocabSpecialization | None
+
+    def tables(self, tokenizer: Any = None, top_n: int = 10, min_count: int = 10,
+               all_tokens: bool = False) -> dict[str, Any]:
+        """Every table of :func:`stats` (``{file name: DataFrame}``)."""
+        out = self.routing.tables(tokenizer, top_n=top_n, min_count=min_count)
+        experts, per_layer = self.load_balance.tables()
+        load = out["load.csv"].merge(experts.drop(columns="token_fraction"), on=["layer", "expert"], how="left")
+        out["load.csv"] = load[["layer", "expert", "load_fraction", "token_fraction", "router_prob", "tokens"]]
+        out["layers.csv"] = out["layers.csv"].merge(per_layer, on="layer", how="left")
+        out.update(self.cross_layer.tables())
+        if self.vocab is not None:
+            out.update(self.vocab.tables(tokenizer, min_count=min_count, top_n=max(top_n, 1)))
+        if all_tokens:
+            out["expert_tokens.parquet"] = self.routing.pair_counts()
+        return out
+
+
+def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 8, quiet: bool = False,
+            merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
+            specialization: bool = True, row_sums: bool = False, units: Any = None,
+            layers: tuple[int, ...] | None = None) -> Collected:
+    """Forward ``tokens`` through ``lm`` with every ``stats`` consumer attached (one forward). ``row_sums``: keep
+    per-packed-row sums for bootstrap intervals (``routing.rows``, a :class:`moetool.uncertainty.RowTable`).
+    ``units`` (:class:`moetool.checkpoints.Units`, ``--resume``): the consumers' state after a batch is saved
+    now and then (:meth:`~moetool.checkpoints.Units.due`) and after the last one; a saved state is restored
+    and the forward goes on from the next batch (the same sums in the same order: the same tables). ``layers``:
+    only these MoE layers are hooked and measured (cross-layer pairs: those consecutive in the model)."""
+    chosen = layers
+    layers = list(lm.layers) if chosen is None else select_layers(lm.layers, chosen)
+    shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (the row table's ids)
+    rows = RowTable(shard) if row_sums else None
+    c = Collected(RoutingStats(layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min, top_k=top_k,
+                               coactivation=coactivation, rows=rows),
+                  LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k, model_layers=list(lm.layers)),
+                  VocabSpecialization(layers, merge_min=merge_min) if specialization else None)
+    saved = units.load("batches", refs=layers) if units is not None else None
+    start = 0 if saved is None else saved["next_batch"]
+    if saved is not None:
+        c = saved["state"]
+    starters = [x for x in (c.routing, c.cross_layer, c.vocab) if x is not None]
+    n_rows, done = shard.input_ids.shape[0], [start * batch_size]  # rows: a backed-off batch runs in parts
+
+    def before(batch: Any) -> None:
+        for x in starters:
+            x.begin_batch(batch)
+
+    def after(batch: Any, output: Any) -> None:
+        if c.vocab is not None:
+            c.vocab.on_batch(batch, output)
+        done[0] += batch.input_ids.shape[0]
+        batch_end = done[0] % batch_size == 0 or done[0] == n_rows
+        if units is not None and batch_end and (units.due() or done[0] == n_rows):
+            units.save("batches", {"next_batch": -(-done[0] // batch_size), "state": c}, refs=layers)
+
+    forward(lm, shard, consumers=[x for x in (c.routing, c.load_balance, c.cross_layer, c.vocab) if x is not None],
+            batch_size=batch_size, before_batch=before, on_batch=after, description="stats", quiet=quiet,
+            start_batch=start, moe_layers=None if chosen is None else layers)
+    if c.routing.rows is not None:
+        c.routing.rows.reduce_across_ranks()
+    return c
+
+
+def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: bool = False,
+          units: Any = None, **overrides: Any) -> Result:
+    """How the model's own router uses its experts, per MoE layer, on ``tokens``.
+
+    Tables (see :data:`DEFINITIONS`): ``load`` (layer, expert, load_fraction, token_fraction, router_prob, tokens),
+    ``layers`` (layer, n_experts, top_k, tokens, load_entropy[_norm], confidence_entropy[_norm], max_load_ratio,
+    aux_loss, aux_loss_hf_pooled), ``coactivation`` (layer, a, b, p_b_given_a, count), ``cross_layer`` and
+    ``cross_layer_summary``, ``specialization`` and ``specialized_tokens``, ``domain_load`` (when rows carry
+    domains), ``top_tokens`` and ``top_tokens_lift`` (unless ``top_tokens=0``), ``expert_tokens.parquet``
+    (``all_tokens``). Padding never counts. ``units``: batch checkpoints for ``--resume`` (:func:`collect`).
+    """
+    opts = resolve_options(StatsOptions, options, overrides)
+    tokens.require_tokens()
+    acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
+                  quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization,
+                  row_sums=opts.bootstrap > 0, units=units, layers=opts.layers)
+    frames = acc.tables(lm.tokenizer, top_n=opts.top_tokens, min_count=opts.min_count, all_tokens=opts.all_tokens)
+    frames["load.csv"], frames["layers.csv"] = with_intervals(acc.routing, frames["load.csv"], frames["layers.csv"],
+                                                              opts.bootstrap, opts.seed)
+    if opts.top_tokens == 0:
+        for name in ("top_tokens.csv", "top_tokens_lift.csv", "specialized_tokens.csv"):
+            frames.pop(name, None)
+    tables = {name: df for name, df in frames.items() if len(df)}
+    routing = "router (the model's own top-K)" if opts.top_k is None else "router, first-ranked expert only (top-1)"
+    return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
+                                                   definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
+                                                   routing=routing,
+                                                   bootstrap=bootstrap_meta(
+                                                       opts.bootstrap, opts.seed, tokens.input_ids.shape[0],
+                                                       "percentile interval; BCa for max_load_ratio and "
+                                                       "load_entropy_norm (biased under resampling)")),
+                  summary=summary_table(tables["layers.csv"]))
+
+
+#: columns of load.csv / layers.csv that get ``_lo``/``_hi`` (placed right after them)
+LOAD_CI = ("load_fraction", "token_fraction")
+LAYERS_CI = ("load_entropy_norm", "confidence_entropy_norm", "max_load_ratio")
+
+
+def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, seed: int) -> tuple[Any, Any]:
+    """``load`` and ``layers`` with the ``_lo``/``_hi`` columns of :data:`LOAD_CI` / :data:`LAYERS_CI` beside
+    their values (NaN when ``n_boot`` is 0)."""
+    if n_boot and routing.rows is not None:
+        ci_load, ci_layers = routing.intervals(n_boot, seed)
+        load = load.merge(ci_load, on=["layer", "expert"], how="left")
+        layers = layers.merge(ci_layers, on="layer", how="left")
+    for df, cols in ((load, LOAD_CI), (layers, LAYERS_CI)):
+        for c in cols:
+            for end in ("_lo", "_hi"):
+                if c + end not in df.columns:
+                    df[c + end] = float("nan")
+    order = lambda df, cols: [x for c in df.columns if not c.endswith(("_lo", "_hi"))
+                              for x in ([c, c + "_lo", c + "_hi"] if c in cols else [c])]
+    return load[order(load, LOAD_CI)], layers[order(layers, LAYERS_CI)]
+
+
+def summary_table(layers: Any) -> Any:
+    """``layers.csv`` with short headings, for the console (``value ± half-width`` where intervals exist)."""
+    cols = ["layer", "n_experts", "top_k", "tokens"] + [x for c in LAYERS_CI for x in (c, c + "_lo", c + "_hi")]
+    return with_ci(layers[cols]).rename(columns={
+        "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
+        "confidence_entropy_norm": "Ent_conf/log n", "max_load_ratio": "max load/uniform"})
+
+
+def summary_lines(name: str, res: Any) -> list[str]:
+    """Short human-readable lines about one model's run: ``layers.csv``, then :func:`analysis_lines`."""
+    layers = res["layers"]
+    worst = layers.loc[layers["max_load_ratio"].idxmax()]
+    return [f"stats {name}: load entropy / log n {layers['load_entropy_norm'].min():.3f}-"
+            f"{layers['load_entropy_norm'].max():.3f}, confidence entropy / log n "
+            f"{layers['confidence_entropy_norm'].min():.3f}-{layers['confidence_entropy_norm'].max():.3f} over "
+            f"{len(layers)} MoE layers; max load "
+            f"{format_ci(worst['max_load_ratio'], worst.get('max_load_ratio_lo'), worst.get('max_load_ratio_hi'))}x "
+            f"uniform (layer {int(worst['layer'])})"] + analysis_lines(name, res)
+
+
+def analysis_lines(name: str, res: Any) -> list[str]:
+    """Specialisation per view and cross-layer mutual information, one line each."""
+    out = []
+    if "specialization.csv" in res:
+        sp = res["specialization"]
+        views = ", ".join(f"{v} {g['specialization'].min():.2f}-{g['specialization'].max():.2f}"
+                          for v, g in sp.groupby("view", sort=False))
+        out.append(f"stats {name}: vocabulary specialisation (first-ranked expert) over layers: {views}")
+    if "cross_layer_summary.csv" in res:
+        cl = res["cross_layer_summary"]
+        out.append(f"stats {name}: consecutive layers: mutual information {cl['mutual_information'].min():.3f}-"
+                   f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) {cl['mean_max_p'].mean():.2f} "
+                   f"(uniform {cl['uniform_max_p'].iloc[0]:.3f})")
+    return out

@@ -1,0 +1,1 @@
+"""The ``super-experts`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

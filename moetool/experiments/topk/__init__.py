@@ -1,0 +1,1 @@
+"""The ``topk`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

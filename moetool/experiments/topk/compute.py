@@ -1,0 +1,171 @@
+"""The computation of ``moetool topk``: what it measures, its sources and the files it writes are in
+``spec.py``'s docstring (the command's ``--help``)."""
+
+# How (the command's --help above is this module's docstring):
+# For the router and every ``topk:<k>`` (k below the model's K) and ``topp:<p>`` policy
+# (:mod:`moetool.policies.topk`), the policy replaces routing in every chosen MoE layer and the model runs on the
+# data: perplexity (with the document-level bootstrap, paired ratio against the router on the same rows) and the
+# experts each real token used per layer (those with a nonzero weight), counted on the device during the forward.
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import distributed
+from ...engine.hooks import RoutingEvent, select_layers
+from ...errors import MoetoolError
+from ...policies import make_policy
+from ...registry import unique
+from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..result import Result, resolve_options
+
+DEFAULT_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+
+DEFINITIONS = {
+    "policy": "router (the model's own routing), topk:<k> (its routing with k experts), topp:<p> (the smallest set "
+              "of experts in decreasing π whose mass reaches p; moetool.policies.topk)",
+    "kind": "router | topk | topp",
+    "value": "k of topk, p of topp (the model's K for the router)",
+    "tokens": "real (unpadded) tokens each MoE layer routed (the same in topk.csv and topk_layers.csv)",
+    "scored_tokens": SCORED_TOKENS,
+    "mean_experts": "experts with a nonzero weight per real token and MoE layer, averaged over the layers the "
+                    "policy ran in (topk.csv) or per layer (topk_layers.csv)",
+    "experts_frac": "mean_experts / n: the share of the layer's n experts a token uses, in [0, 1] (topk.csv: "
+                    "averaged over the layers); the compute relative to the model's own is mean_experts / K",
+    "min_experts/max_experts": "fewest / most experts a real token used in the layer",
+    "perplexity": "exp(mean next-token NLL) of the data under the policy (as moetool ppl)",
+    "ratio": "perplexity / the router's perplexity on the same rows (paired)",
+    "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
+}
+
+
+@dataclass(frozen=True)
+class TopkOptions:
+    """Options of :func:`topk`."""
+
+    ks: tuple[int, ...] | None = None  # fixed k per token (None: 1 .. K-1)
+    ps: tuple[float, ...] = DEFAULT_PS  # top-p masses
+    kmax: int | None = None  # at most this many experts per token for topp (None: n)
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_n_boot(self.bootstrap)
+        if self.ks is not None and (not self.ks or min(self.ks) < 1):
+            raise MoetoolError(f"--ks must be positive integers, not {list(self.ks)}")
+        if any(not 0.0 < p <= 1.0 for p in self.ps):
+            raise MoetoolError(f"--ps must lie in (0, 1], not {list(self.ps)}")
+        if self.kmax is not None and self.kmax < 1:
+            raise MoetoolError(f"--kmax must be at least 1, not {self.kmax}")
+
+    def specs(self, K: int) -> list[tuple[str, str, float]]:
+        """``(policy spec, kind, value)`` in the sweep's order, the router first."""
+        ks = self.ks if self.ks is not None else tuple(range(1, K))
+        tail = f":{self.kmax}" if self.kmax is not None else ""
+        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in unique(ks)]
+                + [(f"topp:{p:g}{tail}", "topp", float(p)) for p in unique(self.ps)])
+
+
+class ExpertCounter:
+    """Per MoE layer, a histogram of real tokens by the number of experts with a nonzero weight (a forward
+    consumer; device tensors, no host synchronisation; summed over data-parallel ranks)."""
+
+    def __init__(self) -> None:
+        self.hist: dict[int, torch.Tensor] = {}
+
+    def __call__(self, ev: RoutingEvent) -> None:
+        n = ev.layer.n_experts
+        used = (ev.chosen_weights != 0).sum(-1)  # [T]
+        h = torch.zeros(n + 1, dtype=torch.float64, device=used.device).index_add_(0, used, ev.valid.double())
+        prev = self.hist.get(ev.layer.index)
+        self.hist[ev.layer.index] = h if prev is None else prev + h
+
+    def merge_across_ranks(self) -> None:
+        if distributed.world_size() > 1:
+            self.hist = distributed.all_reduce_keyed(self.hist)
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for layer, h in sorted(self.hist.items()):
+            h = h.cpu().double()
+            tokens = float(h.sum())
+            if tokens == 0:
+                raise MoetoolError(f"layer {layer}: no real tokens (empty data or all padding)")
+            used = torch.nonzero(h).flatten()
+            mean = float((h * torch.arange(len(h), dtype=torch.float64)).sum()) / tokens
+            out.append({"layer": layer, "tokens": int(tokens), "mean_experts": mean,
+                        "experts_frac": mean / (len(h) - 1), "min_experts": int(used.min()),
+                        "max_experts": int(used.max())})
+        return out
+
+
+def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
+    """Perplexity against the experts each token uses, for fixed k < K (``topk:<k>``) and top-p routing
+    (``topp:<p>``), with the router as the reference. Tables ``topk`` (one row per policy: kind, value,
+    mean_experts, experts_frac, perplexity, ratio with intervals) and ``topk_layers`` (policy, layer,
+    mean/min/max experts); see :data:`DEFINITIONS`."""
+    import pandas as pd
+
+    opts = resolve_options(TopkOptions, options, overrides)
+    tokens.require_tokens()
+    layers = select_layers(lm.layers, opts.layers)
+    K = layers[0].top_k
+    if any(L.top_k != K for L in layers):
+        raise MoetoolError("the chosen MoE layers route different numbers of experts: choose layers of one K "
+                           "with --layers")
+    specs = opts.specs(K)
+    policies = {spec: make_policy(spec) for spec, _, _ in specs}  # a bad one fails before any forward
+    for spec, policy in policies.items():
+        for L in layers:
+            getattr(policy, "check", lambda layer: None)(L)
+    shard = distributed.shard(tokens, opts.batch_size)
+    indices = [L.index for L in layers]
+    runs, counts = {}, {}
+    for spec, _, _ in specs:
+        counter = ExpertCounter()
+        policy = None if spec == "router" else policies[spec]
+        runs[spec] = perplexity(lm, shard, policy=policy, policy_layers=indices, consumers=[counter],
+                                batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard), description=spec)
+        counter.merge_across_ranks()
+        counts[spec] = counter.rows()
+    base = runs["router"]
+    table, per_layer = [], []
+    for spec, kind, value in specs:
+        ci = ppl_intervals(runs[spec], None if spec == "router" else base, n_boot=opts.bootstrap, seed=opts.seed)
+        mean = sum(r["mean_experts"] for r in counts[spec]) / len(counts[spec])
+        frac = sum(r["experts_frac"] for r in counts[spec]) / len(counts[spec])
+        nan = float("nan")
+        row = {"policy": spec, "kind": kind, "value": value, "tokens": counts[spec][0]["tokens"],
+               "scored_tokens": runs[spec].nll.tokens, "mean_experts": mean, "experts_frac": frac, "perplexity": runs[spec].perplexity, "perplexity_lo": nan,
+               "perplexity_hi": nan, "ratio": runs[spec].perplexity / base.perplexity, "ratio_lo": nan,
+               "ratio_hi": nan}
+        row.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
+        if spec == "router":
+            row.update(ratio_lo=1.0, ratio_hi=1.0)
+        table.append(row)
+        per_layer += [{"policy": spec, "kind": kind, "value": value, **r} for r in counts[spec]]
+    df = pd.DataFrame(table)
+
+    summary = with_ci(df[["policy", "mean_experts", "experts_frac", "perplexity", "perplexity_lo", "perplexity_hi",
+                          "ratio", "ratio_lo", "ratio_hi"]])
+    return Result("topk", {"topk.csv": df, "topk_layers.csv": pd.DataFrame(per_layer)}, opts,
+                  meta=dict(definitions=DEFINITIONS, data=tokens.describe(), model_top_k=K,
+                            data_name=data_name(tokens.source), layers=indices,
+                            bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, base.rows.n_rows)),
+                  summary=summary)
+
+
+def summary_lines(name: str, res: Result) -> list[str]:
+    """One line: the router's perplexity, then each policy's experts per token and perplexity ratio."""
+    df = res["topk"]
+    parts = [f"{r.policy} {r.mean_experts:.2f} experts x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
+             for r in df.itertuples() if r.kind != "router"]
+    router = df[df.kind == "router"].iloc[0]
+    ppl = format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)
+    return [f"topk {name}: router ppl {ppl} with K={router.mean_experts:g}; " + ", ".join(parts)]

@@ -1,0 +1,44 @@
+"""The compute-quality frontier of reduced and dynamic K: perplexity against experts per token.
+
+For the router and each policy, the policy replaces routing in the MoE layers (--layers) and the model runs on
+--data. topk:<k> is the model's own routing with k experts instead of K (its ranking, group limits and bias;
+the weights its rule gives the chosen set, renormalised where it renormalises; topk:K reproduces the model).
+topp:<p> keeps, per token, the smallest set of experts in decreasing routing probability π whose mass reaches p
+(at least one, at most --kmax; dynamic routing, Huang et al. 2024, arXiv 2403.07652). The same policies work in
+ppl, eval, trace and norm-select: --routing topk:1, --routing topp:0.9.
+Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
+router on the same rows.
+
+Writes topk.csv (policy, kind, value, tokens, scored_tokens, mean_experts, experts_frac, perplexity, ratio;
+*_lo/*_hi), topk_layers.csv (policy, kind, value, layer, tokens, mean_experts, experts_frac, min_experts,
+max_experts),
+figures/topk_frontier (perplexity / the router's vs experts per token), figures/topk_layers (top-p: experts per token by
+layer) and manifest.json (definitions).
+
+Examples:
+  moetool topk
+  moetool topk --model tiny-fine --ks 1,4 --ps 0.5,0.9 --max-tokens 4096
+"""
+
+from __future__ import annotations
+
+from ..experiment import Demo, Flag, experiment
+
+#: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
+#: the report page's captions (:mod:`moetool.report.page`)
+CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "topk_frontier": ("Perplexity relative to the model's own routing on the same rows against the experts each "
+                      "token uses (mean over MoE layers), for fixed k below the model's K and top-p routing; the "
+                      "star is the model's own routing; error bars: the paired bootstrap interval", ("topk.csv",),
+                      ("mean_experts", "ratio", "*_lo/*_hi")),
+    "topk_layers": ("Top-p routing: experts per token (mean over real tokens) in each MoE layer, one line per p",
+                    ("topk_layers.csv",), ("mean_experts",)),
+}
+
+SPEC = experiment("topk", "topk", "TopkOptions", figures="moetool.experiments.topk.figures:topk_figures",
+                  demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)}), cmd=None, bootstrap=True,
+                  title="experts per token and perplexity",
+                  flags=(Flag("--ks", "ints", None, "Fixed experts per token, comma-separated (default 1 .. K-1)."),
+                         Flag("--ps", "floats", "0.5,0.7,0.8,0.9,0.95,0.99", "Top-p masses, comma-separated ('none': no top-p)."),
+                         Flag("--kmax", "int", None, "At most this many experts per token under top-p (default: all n).")),
+                  order=80, captions=CAPTIONS)

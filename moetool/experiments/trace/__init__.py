@@ -1,0 +1,1 @@
+"""The ``trace`` experiment: ``spec.py`` (torch-free), ``compute.py``, ``figures.py``."""

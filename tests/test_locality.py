@@ -1,0 +1,88 @@
+"""``locality`` against a hand count from a plain transformers forward (a hook on each MoE block's router, no
+moetool hook or adapter): first choices and top-K sets of consecutive real tokens counted token by token."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+
+def plain_routing(model, input_ids, attention_mask):
+    """Per MoE layer: the router's ``logits [R*S, n]`` and ``idx [R*S, K]`` of one plain forward."""
+    seen, handles = {}, []
+    for name, m in model.named_modules():
+        if type(m).__name__.endswith("SparseMoeBlock"):
+            i = int(re.search(r"layers\.(\d+)\.", name + ".").group(1))
+            handles.append(m.gate.register_forward_hook(
+                lambda mod, args, out, i=i: seen.__setitem__(i, (out[0].detach().double(), out[2].detach()))))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def hand_locality(logits, idx, mask):
+    """The table's numbers counted pair by pair in Python."""
+    R, S = mask.shape
+    n, K = logits.shape[1], idx.shape[1]
+    first = [int(idx[t][int(np.argmax([float(logits[t, e]) for e in idx[t]]))]) for t in range(R * S)]
+    pairs = same = shared = 0
+    counts = [0] * n
+    for r in range(R):
+        for s in range(S):
+            t = r * S + s
+            if mask[r, s]:
+                counts[first[t]] += 1
+            if s and mask[r, s] and mask[r, s - 1]:
+                pairs += 1
+                same += first[t] == first[t - 1]
+                shared += len(set(idx[t].tolist()) & set(idx[t - 1].tolist()))
+    tokens = sum(counts)
+    return {"tokens": tokens, "pairs": pairs, "top1_repeat": same / pairs,
+            "top1_repeat_independent": sum((c / tokens) ** 2 for c in counts), "top1_repeat_uniform": 1 / n,
+            "topk_overlap": shared / (pairs * K), "topk_overlap_uniform": K / n}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-fine"])
+def test_locality_matches_a_hand_count(name):
+    import moetool
+
+    lm = moetool.load(name, device="cpu")
+    ts = moetool.tokens(lm, None, seq_len=48, max_tokens=700)  # the last row partly padding
+    assert not bool(ts.attention_mask.all())
+    res = moetool.locality(lm, ts, batch_size=4)
+    seen = plain_routing(lm.model, ts.input_ids, ts.attention_mask)
+    df = res["locality"]
+    assert sorted(df.layer) == sorted(seen)
+    for row in df.itertuples():
+        logits, idx = seen[row.layer]
+        ref = hand_locality(logits, idx, ts.attention_mask.bool())
+        for col, want in ref.items():
+            assert getattr(row, col) == pytest.approx(want, abs=1e-12), (row.layer, col)
+    assert (df.top1_repeat > df.top1_repeat_uniform).any()  # the embedded text is not uniform noise
+
+
+def test_layers_and_batch_size_change_nothing_but_the_rows(tmp_path):
+    """--layers keeps exactly the asked layers with the same numbers; the batch size does not change a sum."""
+    import moetool
+
+    lm = moetool.load("tiny", device="cpu")
+    ts = moetool.tokens(lm, None, seq_len=32, max_tokens=512)
+    every = moetool.locality(lm, ts, batch_size=3)["locality"].set_index("layer")
+    one = moetool.locality(lm, ts, layers=(2,), batch_size=16)["locality"].set_index("layer")
+    assert list(one.index) == [2]
+    assert one.loc[2].to_dict() == pytest.approx(every.loc[2].to_dict(), abs=1e-12)
+
+
+def test_bad_batch_size_is_one_line():
+    from moetool.errors import MoetoolError
+    from moetool.experiments.locality.compute import LocalityOptions
+
+    with pytest.raises(MoetoolError, match="--batch-size must be >= 1"):
+        LocalityOptions(batch_size=0)
