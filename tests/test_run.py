@@ -183,7 +183,7 @@ def test_no_module_global_holds_a_runs_state():
     """No ``engine.runner.BACKOFF`` / ``distributed._PARALLEL``: no module of moetool holds a back-off, a layout
     or a run at module level, and no source names the old globals."""
     import moetool.commands.options  # noqa: F401
-    import moetool.experiments.capacity  # noqa: F401
+    import moetool.experiments.capacity.compute  # noqa: F401
     import moetool.run  # noqa: F401
     from moetool import distributed
     from moetool.context import Backoff, Parallel, RunState
