@@ -19,7 +19,8 @@ Sections (random weights built directly on the device, bf16 on CUDA, nothing dow
 3. **Commands against one bare ``moetool.forward``** over the same tokens (Mixtral-8x7B width, 2 layers, one
    loaded model, the API with each command's defaults but ``batch_size``): ppl, stats, placement, margin,
    expert-similarity, approx, offload, topk; time ratio (each command between two bare forwards, ratio to their
-   mean; ``--gpu-command-rounds`` rounds, the median printed) and peak memory (CUDA: max allocated; CPU: peak RSS
+   mean; every command once untimed first -- imports and other first-use costs are no forward's; then
+   ``--gpu-command-rounds`` rounds, the median printed) and peak memory (CUDA: max allocated; CPU: peak RSS
    above the RSS before), next to the model's bytes and the bare forward's peak. ``--gpu-command-tokens`` (default
    65,536; ``--quick`` 32,768). ``--gpu-sections commands --gpu-commands offload topk``: only those.
 
@@ -211,6 +212,13 @@ def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]
     bares: list[tuple[float, int]] = [B.peak_extra(bare)]
     runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in wanted}  # (seconds, ratio, peak)
     errors: dict[str, str | None] = {name: None for name in wanted}
+    for name in wanted:  # once untimed: first-use costs (imports, lazy modules, caches) are no forward's
+        try:
+            calls[name]()
+        except Exception as e:  # noqa: BLE001 - a failing command is reported, not a number
+            errors[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     for r in range(a.gpu_command_rounds):  # every command once per round, each between two bare forwards
         for name in wanted:
             if errors[name] is not None:
@@ -319,8 +327,9 @@ def report(df, a) -> str:
         out.append(f"\nCommands against one bare moetool.forward over the same {int(cmds.tokens.iloc[0])} tokens, "
                    f"{cmds.model.iloc[0]} (model {cmds.model_gib.iloc[0]:.2f} GiB; peak_extra = memory above the "
                    "model's at the command's peak; peak_ratio = that / the bare forward's)")
-        out.append(f"(time ratio: median over {a.gpu_command_rounds} round(s) of the command's time / the mean of the "
-                   "bare forwards run just before and after it; min-max in ratio_min, ratio_max)")
+        out.append(f"(each command run once untimed first; time ratio: median over {a.gpu_command_rounds} round(s) of "
+                   "the command's time / the mean of the bare forwards run just before and after it; min-max in "
+                   "ratio_min, ratio_max)")
         out.append(fmt_table(cmds, ["variant", "ratio", "ratio_min", "ratio_max", "seconds", "peak_extra_gib",
                                     "peak_ratio", "error"]))
     return "\n".join(out)
