@@ -505,6 +505,7 @@ def main() -> None:
     ap.add_argument("--gpu-command-tokens", type=int, default=65536, help="--gpu commands: tokens")
     ap.add_argument("--gpu-command-batch-tokens", type=int, default=16384, help="--gpu commands: tokens per forward")
     ap.add_argument("--gpu-commands", nargs="*", default=None, help="--gpu: restrict to these commands")
+    ap.add_argument("--gpu-command-rounds", type=int, default=1, help="--gpu commands: rounds (median ratio printed)")
     ap.add_argument("--csv", default="bench.csv")
     a = ap.parse_args()
     if a.gpu:

@@ -100,6 +100,59 @@ def test_vectorised_lru_matches_token_by_token(n, K, T, monkeypatch):
             assert np.array_equal(simulate(trace, K, pol), prev)
 
 
+def _evicting_by_hand(trace, C, policy):
+    """LFU / Belady one request at a time (the module docstring's rules), written independently of moetool: a dict
+    of residents; a miss in a full cache evicts, among residents the token does not request, the fewest requests so
+    far (ties: least recent, then lowest id) or the next request furthest ahead (never = T + 1; ties: lowest id)."""
+    T = len(trace)
+    rows = trace.tolist()
+    last, freq, hits = {}, {}, np.zeros(trace.shape, dtype=bool)
+    future = {}
+    for t, row in enumerate(rows):
+        for e in row:
+            future.setdefault(e, []).append(t)
+
+    def next_use(x, t):
+        later = [u for u in future[x] if u > t]
+        return later[0] if later else T + 1
+    for t, row in enumerate(rows):
+        for j, e in enumerate(row):
+            freq[e] = freq.get(e, 0) + 1
+            if e in last:
+                hits[t, j] = True
+            elif len(last) >= C:
+                cand = [x for x in last if x not in row]
+                if policy == "lfu":
+                    victim = min(cand, key=lambda x: (freq[x], last[x], x))
+                else:
+                    victim = max(cand, key=lambda x: (next_use(x, t), -x))
+                del last[victim]
+            last[e] = t
+    return hits
+
+
+@pytest.mark.parametrize("n,K,T,alpha", [(8, 2, 600, 0.3), (8, 2, 400, 5.0), (16, 4, 300, 0.3), (5, 1, 300, 1.0),
+                                         (64, 8, 150, 0.3), (128, 8, 100, 1.0)])
+def test_lfu_and_belady_match_request_by_request(n, K, T, alpha):
+    """The one-pass heap simulation (keys from the trace, vectorised) == the request-by-request rules, at every
+    capacity strictly between K and the distinct experts, with and without keys computed once for all capacities."""
+    from moetool.experiments import offload as off
+
+    rng = np.random.default_rng(n * K + T)
+    p = rng.dirichlet(np.ones(n) * alpha)
+    trace = np.stack([rng.choice(n, K, replace=False, p=p) for _ in range(T)])
+    distinct = len(np.unique(trace))
+    caps = sorted({K + 1, 2 * K, n // 4, n // 2, 3 * n // 4, distinct - 1} & set(range(K + 1, distinct)))
+    assert caps
+    for pol in ("lfu", "belady"):
+        keys = off.request_keys(trace, pol)
+        for C in caps:
+            want = _evicting_by_hand(trace, C, pol)
+            assert 0 < want.sum() < want.size
+            assert np.array_equal(simulate(trace, C, pol), want), (pol, C)
+            assert np.array_equal(simulate(trace, C, pol, keys=keys), want), (pol, C)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from moetool.data import load_tokens

@@ -228,3 +228,74 @@ def test_top_p_columns_are_known_without_reading_the_batch(model_type, tiny_mode
             with torch.no_grad():
                 torch.testing.assert_close(L.experts(ev.h, idx, w), L.experts(ev.h, idx[:, :used], w[:, :used]),
                                            rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("spec", ["topp:1", "topk:n"])
+def test_wide_sets_run_in_chunks_of_the_models_pairs(model_type, spec, tiny_model):
+    """A policy handing the experts n columns per token (topp:1, topk:n) runs them over chunks of tokens holding at
+    most tokens x K (token, expert) pairs -- the activations of the model's own forward, not n / K times them -- and
+    each layer's experts output is still sum_j w_j W_o glu(h) of every chosen expert, by hand from the raw weights."""
+    from moetool.engine import hooks
+
+    model = tiny_model(model_type)
+    layers = find_moe_layers(model)
+    n, K = layers[0].n_experts, layers[0].top_k
+    assert n > K
+    inputs = padded_batch(batch=3, seq=11)
+    T = inputs["input_ids"].numel()
+    calls = {L.index: [] for L in layers}
+    for L in layers:  # a spy under the engine's chunking: the calls the experts module really runs
+        def spy(h, idx, w, L=L):
+            calls[L.index].append((h.shape[0], idx.shape[-1]))
+            return type(L.experts).forward(L.experts, h, idx, w)
+        vars(L.experts)["forward"] = spy
+    out = {}
+    try:
+        _, events, _ = run(model, layers, inputs, policy=make_policy(spec.replace(":n", f":{n}")), experts_out=out)
+        assert all(isinstance(vars(L.experts).get("forward"), type(spy)) for L in layers)  # restored: the spy
+    finally:
+        for L in layers:
+            vars(L.experts).pop("forward", None)
+    assert all(not isinstance(getattr(L.experts, "forward"), type(spy)) for L in layers)
+    rows = max(1, T * K // n)
+    for L in layers:
+        assert calls[L.index] == [(min(rows, T - s), n) for s in range(0, T, rows)]
+        assert all(r * width <= T * K for r, width in calls[L.index])
+        ev = events[L.index]
+        W = L.expert_weights()
+        h = ev.h.double()
+        want = torch.zeros_like(h)
+        for j in range(ev.chosen_idx.shape[1]):
+            e = ev.chosen_idx[:, j]
+            g = torch.einsum("tid,td->ti", W.gate[e].double(), h)
+            u = torch.einsum("tid,td->ti", W.up[e].double(), h)
+            y = torch.einsum("tdi,ti->td", W.down[e].double(), L.act(g) * u)
+            want += ev.chosen_weights[:, j, None].double() * y
+        assert torch.allclose(out[L.index].double(), want, atol=1e-5, rtol=1e-4)
+        assert (ev.chosen_weights != 0).sum(-1).max() > K  # the wide set really is used
+
+
+def test_chunked_experts_change_no_logit(family, tiny_model, monkeypatch):
+    """Invariant on every family: topp:1 (every expert per token) gives the same logits with the experts run in
+    chunks of tokens x K pairs as in one call (up to fp32 rounding of the smaller GEMMs)."""
+    from moetool.engine import hooks
+
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    inputs = padded_batch(batch=3, seq=11)
+    try:
+        got, _, _ = run(model, layers, inputs, policy=make_policy("topp:1"))
+    except MoetoolError as e:  # sparsemixer: no weights for a set of any size
+        pytest.skip(str(e))
+
+    class Whole:
+        def __init__(self, layer):
+            pass
+
+        def remove(self):
+            pass
+    monkeypatch.setattr(hooks, "ChunkedExperts", Whole)
+    want, _, _ = run(model, layers, inputs, policy=make_policy("topp:1"))
+    assert layers[0].n_experts > layers[0].top_k
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

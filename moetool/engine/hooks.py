@@ -8,7 +8,9 @@ Per MoE layer the engine installs
   (if any) replace ``(idx, w)`` — the experts then run exactly as the model runs them —
   and hands the event to every consumer (streaming reductions, recorders);
 * optionally a forward hook on the layer's **self-attention** for its attention
-  probabilities (attention-aware routing; needs ``attn_implementation="eager"``).
+  probabilities (attention-aware routing; needs ``attn_implementation="eager"``);
+* in a policy's layers, :class:`ChunkedExperts`: a policy handing the experts more columns than K runs them
+  over chunks of tokens (the memory of the model's own forward).
 A pre-hook on the whole model records the batch shape and padding mask of every
 forward, whoever calls it (our runner, lm-eval, ``generate``).
 """
@@ -160,9 +162,9 @@ def _bind_expert_args(experts: nn.Module):
         vals = list(args[:3]) + [kwargs[n] for n in names[len(args):3]]
         return vals[0], vals[1], vals[2]
 
-    def put(args, kwargs, idx, w):
+    def put(args, kwargs, idx, w, h=None):
         args, kwargs = list(args), dict(kwargs)
-        for pos, value in ((1, idx), (2, w)):
+        for pos, value in ((1, idx), (2, w)) if h is None else ((0, h), (1, idx), (2, w)):
             if pos < len(args):
                 args[pos] = value
             else:
@@ -170,6 +172,47 @@ def _bind_expert_args(experts: nn.Module):
         return tuple(args), kwargs
 
     return get, put
+
+
+class ChunkedExperts:
+    """While installed, a layer's experts module runs a call with more expert columns per token than the layer's K
+    over consecutive chunks of tokens holding about ``tokens x K`` (token, expert) pairs each: a policy that hands it
+    wider sets (``topp``: every expert, the unchosen at weight 0) then holds the activations of the model's own
+    forward, not width / K times them. A static shape decides (no host sync); the engine's pre-hook has already
+    seen the whole call; each token's output is computed from its own row alone, as in one call (smaller GEMMs may
+    round the last fp32 bit differently: logits within ~3e-7 on the test families). A module whose output is not
+    one ``[tokens, ...]`` tensor runs unchunked. ``remove()`` restores the module's forward."""
+
+    def __init__(self, layer: MoELayer):
+        self.module = layer.experts
+        self.k = layer.top_k
+        self.had = "forward" in vars(self.module)
+        self.orig = orig = self.module.forward
+        get, put = _bind_expert_args(self.module)
+
+        def forward(*args, **kwargs):
+            h, idx, w = get(args, kwargs)
+            width = idx.shape[-1] if idx.dim() == 2 else 0
+            T = h.shape[0]
+            rows = max(1, T * self.k // width) if width > self.k and h.dim() == 2 else T
+            if rows >= T:
+                return orig(*args, **kwargs)
+            outs = []
+            for s in range(0, T, rows):
+                a, kw = put(args, kwargs, idx[s:s + rows], w[s:s + rows], h[s:s + rows])
+                out = orig(*a, **kw)
+                if not (isinstance(out, torch.Tensor) and out.shape[:1] == h[s:s + rows].shape[:1]):
+                    return orig(*args, **kwargs)  # not a per-token tensor (only the first chunk can tell)
+                outs.append(out)
+            return torch.cat(outs)
+
+        self.module.forward = forward
+
+    def remove(self) -> None:
+        if self.had:
+            self.module.forward = self.orig
+        else:
+            vars(self.module).pop("forward", None)
 
 
 def offloaded(module: nn.Module) -> bool:
@@ -248,6 +291,9 @@ class Engine:
             if through is not None:
                 self._handles.append(through)
             self._handles.append(L.router.register_forward_hook(self._router_hook(L)))
+            if (self.policy is not None and L.index in self.policy_layers and through is None
+                    and not hasattr(L.experts, "_hf_hook")):  # accelerate's hooks wrap the forward: left alone
+                self._handles.append(ChunkedExperts(L))
             if offloaded(L.experts):  # run inside accelerate's pre-forward, once the weights are on the device
                 self._handles.append(AfterAccelerateLoads(L.experts, self._experts_hook(L)))
             else:

@@ -77,10 +77,12 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     step = max(1, NLL_CHUNK_ELEMENTS // max(B * V, 1))
     for p0 in range(0, S - d, step):
         p1 = min(p0 + step, S - d)
-        pred = logits[:, p0:p1].float()  # [B, p, V]: a bounded fp32 copy
-        nll = F.cross_entropy(pred.reshape(-1, V), input_ids[:, p0 + d:p1 + d].reshape(-1), reduction="none")
-        sums += (nll.view(B, p1 - p0) * keep[:, p0:p1]).sum(1, dtype=torch.float64)
-        del pred, nll
+        # fp32 log-probabilities, read in the logits' own dtype (CUDA: no fp32 copy of the chunk first); the NLL is
+        # -log p of the target, as cross_entropy's: one [B, p, V] fp32 buffer instead of a copy and its log-softmax
+        logp = F.log_softmax(logits[:, p0:p1], dim=-1, dtype=torch.float32)
+        nll = -logp.gather(-1, input_ids[:, p0 + d:p1 + d].unsqueeze(-1)).squeeze(-1)  # [B, p]
+        sums += (nll * keep[:, p0:p1]).sum(1, dtype=torch.float64)
+        del logp, nll
     if per_row:
         return sums, keep.sum(1)
     return sums.sum(), keep.sum()

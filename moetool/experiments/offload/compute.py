@@ -36,7 +36,6 @@ rows, so the interval is the spread over documents of the same simulation (cache
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -113,15 +112,17 @@ def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
     return seen, rank
 
 
-def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, np.ndarray] | None = None,
+             keys: np.ndarray | None = None) -> np.ndarray:
     """Hits of an expert cache over a request trace: ``trace [T, K]`` expert ids (one row per token, distinct
     within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring.
-    ``lru``: :func:`lru_ranks` of the trace, when the caller already has them (several capacities).
+    ``lru`` / ``keys``: :func:`lru_ranks` / the policy's :func:`request_keys` of the trace, when the caller already
+    has them (several capacities).
 
     LRU, and any policy whose capacity holds every expert of the trace (nothing is ever evicted: a request
     hits iff it was requested before), come from :func:`lru_ranks` (vectorised); capacity K (any policy: the
-    cache holds the previous token's experts) is closed-form; LFU and Belady between are simulated token by
-    token."""
+    cache holds the previous token's experts) is closed-form; LFU and Belady between by :func:`evicting_hits`
+    (one pass over the tokens, O(T·K·log n))."""
     trace = np.asarray(trace)
     if trace.ndim != 2:
         raise MoetoolError(f"cache trace must be [tokens, K], got shape {trace.shape}")
@@ -137,37 +138,64 @@ def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, n
         hits = np.zeros((T, K), dtype=bool)
         hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
         return hits
-    rows = trace.tolist()
-    hits = np.zeros((T, K), dtype=bool)
-    last: dict[int, int] = {}  # resident expert -> last request time
-    freq: dict[int, int] = {}  # expert -> requests so far (lfu)
-    future: dict[int, deque] = {}
-    if policy == "belady":
-        for t, row in enumerate(rows):
-            for e in row:
-                future.setdefault(e, deque()).append(t)
-    for t, row in enumerate(rows):
-        protected = set(row)
-        for j, e in enumerate(row):
-            if policy == "lfu":
-                freq[e] = freq.get(e, 0) + 1
-            if policy == "belady":
-                q = future[e]
-                while q and q[0] <= t:
-                    q.popleft()
-            if e in last:
-                hits[t, j] = True
-            elif len(last) >= capacity:
-                cand = [x for x in last if x not in protected]
-                if policy == "lru":
-                    victim = min(cand, key=lambda x: (last[x], x))
-                elif policy == "lfu":
-                    victim = min(cand, key=lambda x: (freq[x], last[x], x))
-                else:
-                    victim = max(cand, key=lambda x: (future[x][0] if future[x] else T + 1, -x))
-                del last[victim]
-            last[e] = t
-    return hits
+    return evicting_hits(trace, capacity, keys if keys is not None else request_keys(trace, policy))
+
+
+def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
+    """``[T, K]`` int64: the eviction order of the expert each request loads, from then until its next request
+    (lowest evicted first; an expert's order changes only when it is requested, and then it is protected):
+
+    * lfu: ``(requests up to and including this one, this token, id)``, lowest first;
+    * belady: next request furthest ahead first (never again = ``T + 1``), ties lowest id first.
+
+    From the trace alone, vectorised: the requests sorted by (expert, token)."""
+    T, K = trace.shape
+    n = int(trace.max()) + 1 if trace.size else 1
+    tr = trace.astype(np.int64)
+    own = tr * (T + 1) + np.arange(T, dtype=np.int64)[:, None]  # (expert, token), unique
+    flat = np.sort(own.reshape(-1))
+    pos = np.searchsorted(flat, own)
+    if policy == "lfu":
+        count = pos - np.searchsorted(flat, tr * (T + 1)) + 1
+        return (count * (T + 1) + np.arange(T, dtype=np.int64)[:, None]) * n + tr
+    after = flat[np.minimum(pos + 1, flat.size - 1)]
+    nxt = np.where((pos + 1 < flat.size) & (after < (tr + 1) * (T + 1)), after - tr * (T + 1), T + 1)
+    return (T + 1 - nxt) * n + tr
+
+
+def evicting_hits(trace: np.ndarray, capacity: int, keys: np.ndarray) -> np.ndarray:
+    """Hits of the cache that evicts the lowest ``keys`` (:func:`request_keys`), token by token.
+
+    Before token t the cache holds token t-1's experts and at most ``m = C - K`` others; the others after t are the
+    ``m`` highest-keyed of (the others before t and token t-1's experts) that token t does not request (its misses
+    evict the lowest, and only as many as the capacity needs). A heap of the others' keys, stale entries skipped."""
+    import heapq
+
+    T, K = trace.shape
+    n = int(trace.max()) + 1 if trace.size else 1
+    m = capacity - K
+    hits: list[bool] = []
+    hit = hits.append
+    others: dict[int, int] = {}  # expert -> its key (keys end in "* n + id": the heap holds keys alone)
+    heap: list[int] = []
+    push, pop = heapq.heappush, heapq.heappop
+    prow: list[int] = []
+    pkeys: list[int] = []
+    for row, krow in zip(trace.tolist(), keys.tolist()):
+        for e in row:
+            hit(others.pop(e, None) is not None or e in prow)
+        for e, k in zip(prow, pkeys):
+            if e not in row:
+                others[e] = k
+                push(heap, k)
+        excess = len(others) - m
+        while excess > 0:
+            k = pop(heap)
+            if others.get(k % n) == k:  # not a stale entry (the expert requested since)
+                del others[k % n]
+                excess -= 1
+        prow, pkeys = row, krow
+    return np.array(hits, dtype=bool).reshape(T, K)
 
 
 def default_capacities(n: int, k: int) -> tuple[int, ...]:
@@ -375,9 +403,10 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
                     **({"expert_bytes": nbytes} if nbytes is not None else {})})
         req = col.requests(i)
         lru = lru_ranks(req) if len(req) else None
+        keys = {pol: request_keys(req, pol) for pol in opts.policies if pol != "lru" and len(req)}
         for C in opts.capacities or default_capacities(n, K):
             for pol in opts.policies:
-                hits = simulate(req, C, pol, lru=lru)
+                hits = simulate(req, C, pol, lru=lru, keys=keys.get(pol))
                 a, b = _hit_rows(hits, rows, n_rows)
                 iv = ci(a, b)[0]
                 misses = T * K - int(hits.sum())
