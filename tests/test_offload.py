@@ -136,7 +136,7 @@ def _evicting_by_hand(trace, C, policy):
 def test_lfu_and_belady_match_request_by_request(n, K, T, alpha):
     """The one-pass heap simulation (keys from the trace, vectorised) == the request-by-request rules, at every
     capacity strictly between K and the distinct experts, with and without keys computed once for all capacities."""
-    from moetool.experiments import offload as off
+    from moetool.experiments.offload import compute as off
 
     rng = np.random.default_rng(n * K + T)
     p = rng.dirichlet(np.ones(n) * alpha)
