@@ -3,28 +3,10 @@ moetool hook or adapter): first choices and top-K sets of consecutive real token
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pytest
-import torch
-
-
-def plain_routing(model, input_ids, attention_mask):
-    """Per MoE layer: the router's ``logits [R*S, n]`` and ``idx [R*S, K]`` of one plain forward."""
-    seen, handles = {}, []
-    for name, m in model.named_modules():
-        if type(m).__name__.endswith("SparseMoeBlock"):
-            i = int(re.search(r"layers\.(\d+)\.", name + ".").group(1))
-            handles.append(m.gate.register_forward_hook(
-                lambda mod, args, out, i=i: seen.__setitem__(i, (out[0].detach().double(), out[2].detach()))))
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+from peer.peer_capture import capture  # the router's own outputs, hooked on the plain model (no moetool)
 
 
 def hand_locality(logits, idx, mask):
@@ -57,7 +39,7 @@ def test_locality_matches_a_hand_count(name):
     ts = moetool.tokens(lm, None, seq_len=48, max_tokens=700)  # the last row partly padding
     assert not bool(ts.attention_mask.all())
     res = moetool.locality(lm, ts, batch_size=4)
-    seen = plain_routing(lm.model, ts.input_ids, ts.attention_mask)
+    seen = {i: (c["logits"], c["idx"]) for i, c in capture(lm.model, ts.input_ids, ts.attention_mask).items()}
     df = res["locality"]
     assert sorted(df.layer) == sorted(seen)
     for row in df.itertuples():

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 from typer.testing import CliRunner
+from test_resume import _same_csvs as same_csvs  # every CSV of two runs equal, wall time aside
 
 import moetool
 from moetool import context, sizing
@@ -39,16 +40,6 @@ def tiny():
 
 def written(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-
-
-def same_csvs(a: Path, b: Path) -> list[str]:
-    names = sorted(p.name for p in a.glob("*.csv"))
-    assert names and names == sorted(p.name for p in b.glob("*.csv"))
-    for n in names:
-        x, y = pd.read_csv(a / n), pd.read_csv(b / n)
-        keep = [c for c in x.columns if c not in TIMING]
-        pd.testing.assert_frame_equal(x[keep], y[keep], check_exact=True)
-    return names
 
 
 @pytest.fixture
