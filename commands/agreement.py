@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, Force, Layers, MaxTokens,
-                      Out, Quiet, Seed, SeqLen, check_run, echo_run, handle_errors, open_run, parse_layers,
-                      parse_list, preflight, rank_layout, run_options, write_result)
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, Ep, Force, Layers,
+                      MaxTokens, Out, Quiet, Seed, SeqLen, Tp, check_run, echo_run, handle_errors, open_run,
+                      parse_layers, parse_list, preflight, rank_layout, run_options, write_result)
 from moetool.experiments.agreement import spec as _spec
 
 HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/agreement/spec.py
@@ -27,7 +27,7 @@ def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", h
                                              help="Reference-margin bin edges (increasing), comma-separated."),
               data: Data = None, out: Out = None, force: Force = False, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
-              device: Device = "auto", seed: Seed = 0, quiet: Quiet = False) -> None:
+              device: Device = "auto", tp: Tp = 1, ep: Ep = 1, seed: Seed = 0, quiet: Quiet = False) -> None:
     if model_arg and model and model_arg != model:
         raise typer.BadParameter(f"the model is given twice ({model_arg} and --model {model})")
     model = model_arg or model or DEFAULT_MODEL

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens, Model, Out,
-                      Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import (BatchSize, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force, Layers, MaxTokens, Model,
+                      Out, Quiet, Seed, SeqLen, Tp, echo_run, handle_errors, parse_layers, parse_list, preflight,
+                      start_run)
 from .options import Quantize
 from moetool.experiments.approx import spec as _spec
 
@@ -24,7 +25,8 @@ def approx(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, for
                                            help="best_subset only in layers with C(n, K) at most this."),
            layers: Layers = None,
            seq_len: SeqLen = 256, max_tokens: MaxTokens = 4096, batch_size: BatchSize = 4, dtype: Dtype = "auto",
-           device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
+           device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+           tp: Tp = 1, ep: Ep = 1, seed: Seed = 0,
            quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.approx.compute import ApproxOptions, approx as compute, summary_lines

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, Model, Out, Quiet, Seed, echo_run,
+from .options import (DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force, Layers, Model, Out, Quiet, Seed, Tp, echo_run,
                       handle_errors, parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.erc import spec as _spec
@@ -22,6 +22,7 @@ def erc(model: Model = DEFAULT_MODEL, out: Out = None, force: Force = False,
         norm: str = typer.Option("l2", "--norm", help="Norm of the node: l2|l1|linf."),
         layers: Layers = None,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+        tp: Tp = 1, ep: Ep = 1,
         seed: Seed = 0,
         quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once

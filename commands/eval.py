@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, IncludePath, Layers, Limit,
-                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Weights, echo_run, handle_errors,
+from .options import (BatchSize, Causal, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force, IncludePath, Layers, Limit,
+                      Model, NumFewshot, Out, Quiet, Routing, Seed, Sim, Tp, Weights, echo_run, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.eval import spec as _spec
@@ -24,7 +24,8 @@ def eval_command(model: Model = DEFAULT_MODEL,
                  include_path: Optional[Path] = IncludePath,
                  routing: str = Routing, weights: str = Weights, sim: str = Sim, causal: bool = Causal,
                  layers: Layers = None, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-                 device_map: DeviceMap = None, quantize: Quantize = None, out: Out = None, force: Force = False,
+                 device_map: DeviceMap = None, quantize: Quantize = None,
+                 tp: Tp = 1, ep: Ep = 1, out: Out = None, force: Force = False,
                  seed: Seed = 0,
                  quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once

@@ -9,9 +9,9 @@ from typing import List, Optional
 import typer
 
 from .trace_input import TraceConfig
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Causal, Data, Device, DeviceMap, Dtype, Force,
-                      MaxTokens, Out, Quantize, Quiet, Resume, Seed, SeqLen, Sim, check_run, echo_run, handle_errors, open_run, parse_list,
-                      preflight, rank_layout, run_options, unit_key, write_result)
+from .options import (BatchSize, Bootstrap, Causal, Data, DEFAULT_BOOTSTRAP, Device, DeviceMap, Dtype, Ep, Force,
+                      MaxTokens, Out, Quantize, Quiet, Resume, Seed, SeqLen, Sim, Tp, check_run, echo_run,
+                      handle_errors, open_run, parse_list, preflight, rank_layout, run_options, unit_key, write_result)
 from moetool.experiments.fluctuation import spec as _spec
 
 HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/fluctuation/spec.py
@@ -33,7 +33,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
-                quantize: Quantize = None, resume: Resume = False, quiet: Quiet = False,
+                quantize: Quantize = None, tp: Tp = 1, ep: Ep = 1, resume: Resume = False, quiet: Quiet = False,
                 trace: List[Path] = typer.Option(None, "--trace", help="Two or more recorded routings of the same "
                                                  "tokens (moetool trace / import-trace runs), in order, instead of "
                                                  "checkpoints."),

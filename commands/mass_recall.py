@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (DEFAULT_BOOTSTRAP, BatchSize, Bootstrap, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, echo_run, handle_errors,
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force,
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, Tp, echo_run, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
 from moetool.experiments.mass_recall import spec as _spec
 
@@ -27,7 +27,8 @@ def mass_recall(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None
                                                  help="Extra k-means passes over the data after the first."),
                 layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 16384,
                 batch_size: BatchSize = 8, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, dtype: Dtype = "auto",
-                device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0,
+                device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+                tp: Tp = 1, ep: Ep = 1, seed: Seed = 0,
                 quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.mass_recall.compute import MassRecallOptions, mass_recall as compute

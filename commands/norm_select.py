@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Resume, Seed, SeqLen, Weights,
-                      echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force,
+                      IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Resume, Seed, SeqLen, Tp,
+                      Weights, echo_run, handle_errors, parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.norm_select import spec as _spec
 
@@ -27,7 +27,7 @@ def norm_select(model: Model = DEFAULT_MODEL,
                 include_path: Optional[Path] = IncludePath,
                 seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
-                quantize: Quantize = None, out: Out = None,
+                quantize: Quantize = None, tp: Tp = 1, ep: Ep = 1, out: Out = None,
                 force: Force = False, resume: Resume = False, seed: Seed = 0,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
                 prune: Optional[str] = typer.Option(None, "--prune", help="Run on the pruned model: "

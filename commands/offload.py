@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from .trace_input import Trace, TraceConfig
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, echo_run, handle_errors, parse_layers,
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force,
+                      Layers, MaxTokens, Model, Out, Quiet, Seed, SeqLen, Tp, echo_run, handle_errors, parse_layers,
                       parse_list, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.offload import spec as _spec
@@ -32,7 +32,7 @@ def offload(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, fo
             bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
             layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192,
             batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
-            quantize: Quantize = None,
+            quantize: Quantize = None, tp: Tp = 1, ep: Ep = 1,
             seed: Seed = 0, quiet: Quiet = False, trace: Optional[Path] = Trace,
             trace_config: Optional[str] = TraceConfig) -> None:
     if trace is None:

@@ -61,6 +61,8 @@ TP_HELP = ("Tensor parallel: split attention heads and every expert's features o
            "own engine (under torchrun; world = data parallel x N). See README, Several GPUs and nodes.")
 EP_HELP = ("Expert parallel: whole experts split over the N processes of the --tp group instead of each "
            "expert's features (N must equal --tp). Under torchrun.")
+Tp = Annotated[int, typer.Option("--tp", min=1, help=TP_HELP)]
+Ep = Annotated[int, typer.Option("--ep", min=1, help=EP_HELP)]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "
@@ -101,10 +103,9 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     errors become one line on stderr and exit code 2 (a usage error) or 1 (:class:`MoetoolRuntimeError`; a full
     disk anywhere, even in a library's temporary file, is one: :func:`moetool.errors.write_error`);
     MOETOOL_DEBUG=1: full traceback."""
-    # every command that loads a model (it has --dtype) takes --tp / --ep: added to its signature below, so the
-    # flags are declared once; the wrapper takes them out into the command's Run
-    sig = inspect.signature(fn)
-    parallel = ("dtype" in sig.parameters or fn.__name__ in NO_PARALLEL) and "tp" not in sig.parameters
+    # a command that loads a model declares --tp / --ep (flags.LOADING: Tp, Ep); the wrapper takes them out into
+    # the command's Run, so the command itself never sees them
+    parallel = "tp" in inspect.signature(fn).parameters
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -150,15 +151,6 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 rundir.mark_unfinished(since, "failed", rundir.one_line(e))
             raise
 
-    if parallel:
-        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=1,
-                                   annotation=Annotated[int, typer.Option(f"--{name}", min=1, help=text)])
-                 for name, text in (("tp", TP_HELP), ("ep", EP_HELP))]
-        import typing
-
-        hints = typing.get_type_hints(fn, include_extras=True)  # the module's own names (Annotated options)
-        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
-        wrapper.__signature__ = sig.replace(parameters=[*params, *extra])  # type: ignore[attr-defined]
     return wrapper
 
 

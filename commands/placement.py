@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from .trace_input import Trace, TraceConfig
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, finish_command, handle_errors,
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force,
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Seed, SeqLen, Tp, finish_command, handle_errors,
                       parse_layers, parse_list, preflight, start_run)
 from moetool.experiments.placement import spec as _spec
 
@@ -32,6 +32,7 @@ def placement(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, 
                                                   "computed from."),
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
               dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+              tp: Tp = 1, ep: Ep = 1,
               seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, quiet: Quiet = False,
               trace: Optional[Path] = Trace, trace_config: Optional[str] = TraceConfig,
               export: str = typer.Option(None, "--export", help="Also write the EPLB placement at the one --gpus G "

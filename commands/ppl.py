@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from .options import (BatchSize, Bootstrap, Causal, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype,
-                      Force, Layers, MaxTokens, Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Weights, echo_run,
-                      handle_errors, parse_layers, preflight, start_run)
+                      Ep, Force, Layers, MaxTokens, Model, Out, Quiet, Routing, Seed, SeqLen, Sim, Tp, Weights,
+                      echo_run, handle_errors, parse_layers, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.ppl import spec as _spec
 
@@ -17,6 +17,7 @@ def ppl(model: Model = DEFAULT_MODEL, data: Data = None, routing: str = Routing,
         sim: str = Sim, causal: bool = Causal, layers: Layers = None, seq_len: SeqLen = 256,
         max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
         dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+        tp: Tp = 1, ep: Ep = 1,
         out: Out = None,
         force: Force = False, seed: Seed = 0, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
         baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also run the router on the same "

@@ -7,8 +7,8 @@ import typer
 from pathlib import Path
 from typing import Optional
 
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen,
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force,
+                      IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quiet, Seed, SeqLen, Tp,
                       finish_command, handle_errors, parse_layers, parse_list, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.prune import spec as _spec
@@ -34,7 +34,8 @@ def prune(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
           include_path: Optional[Path] = IncludePath,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, layers: Layers = None, seq_len: SeqLen = 256,
           max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8, dtype: Dtype = "auto", device: Device = "auto",
-          device_map: DeviceMap = None, quantize: Quantize = None, seed: Seed = 0, quiet: Quiet = False) -> None:
+          device_map: DeviceMap = None, quantize: Quantize = None,
+          tp: Tp = 1, ep: Ep = 1, seed: Seed = 0, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
     from moetool.experiments.eval.compute import plan_tasks
     from moetool.experiments.prune.compute import PruneOptions, prune as compute

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 
 from .trace_input import Trace, TraceConfig
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force,
-                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Resume, Seed, SeqLen, echo_run, handle_errors,
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force,
+                      Layers, MaxTokens, Model, Out, Quantize, Quiet, Resume, Seed, SeqLen, Tp, echo_run, handle_errors,
                       parse_layers, preflight, start_run)
 from moetool.experiments.stats import spec as _spec
 
@@ -39,6 +39,7 @@ def stats(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                                       "own default, e.g. a BOS)."),
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 32768, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+          tp: Tp = 1, ep: Ep = 1,
           bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0, resume: Resume = False,
           quiet: Quiet = False, trace: Optional[Path] = Trace, trace_config: Optional[str] = TraceConfig) -> None:
     if trace is not None:  # recorded routing instead of a forward (commands/trace_input.py)

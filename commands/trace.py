@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Force, Layers, MaxTokens,
-                      Model, Out, Quiet, Resume, Routing, Seed, SeqLen, Sim, Weights, echo_run, handle_errors,
+from .options import (BatchSize, Causal, Data, DEFAULT_MODEL, Device, DeviceMap, Dtype, Ep, Force, Layers, MaxTokens,
+                      Model, Out, Quiet, Resume, Routing, Seed, SeqLen, Sim, Tp, Weights, echo_run, handle_errors,
                       parse_layers, preflight, start_run)
 from .options import Quantize
 from moetool.experiments.trace import spec as _spec
@@ -21,6 +21,7 @@ def trace(model: Model = DEFAULT_MODEL, data: Data = None, out: Out = None, forc
                                   "(pandas.read_parquet; faster, smaller)."),
           layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
           dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None, quantize: Quantize = None,
+          tp: Tp = 1, ep: Ep = 1,
           seed: Seed = 0,
           resume: Resume = False, quiet: Quiet = False) -> None:
     preflight(model)  # before the experiment's imports: a bad --model fails at once
