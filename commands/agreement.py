@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, Ep, Force, Layers,
+from .options import (BatchSize, Bootstrap, Data, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Device, DeviceMap, Ep, Force, Layers,
                       MaxTokens, Out, Quiet, Seed, SeqLen, Tp, check_run, echo_run, handle_errors, open_run,
                       parse_layers, parse_list, preflight, rank_layout, run_options, write_result)
 from moetool.experiments.agreement import spec as _spec
@@ -27,7 +27,7 @@ def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", h
                                              help="Reference-margin bin edges (increasing), comma-separated."),
               data: Data = None, out: Out = None, force: Force = False, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
               layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
-              device: Device = "auto", tp: Tp = 1, ep: Ep = 1, seed: Seed = 0, quiet: Quiet = False) -> None:
+              device: Device = "auto", device_map: DeviceMap = None, tp: Tp = 1, ep: Ep = 1, seed: Seed = 0, quiet: Quiet = False) -> None:
     if model_arg and model and model_arg != model:
         raise typer.BadParameter(f"the model is given twice ({model_arg} and --model {model})")
     model = model_arg or model or DEFAULT_MODEL
@@ -40,10 +40,11 @@ def agreement(model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", h
 
     opts = AgreementOptions(precisions=tuple(parse_list(precisions, str, "precision")),
                             thresholds=tuple(parse_list(thresholds, float, "threshold")), layers=parse_layers(layers),
-                            batch_size=batch_size, bootstrap=bootstrap, seed=seed, device=device)
+                            batch_size=batch_size, bootstrap=bootstrap, seed=seed, device=device,
+                            device_map=device_map)
     DocumentStream(data)  # a missing --data fails before anything is loaded
     est = check_run(model, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, device=device,
-                    dtype=LOAD_DTYPE[PRECISIONS[opts.reference][0]])
+                    dtype=LOAD_DTYPE[PRECISIONS[opts.reference][0]], device_map=device_map)
     options = run_options(model=model, data=data, seq_len=seq_len, max_tokens=max_tokens, device=device)
     run, _ = open_run("agreement", out, force, resume=False, device=device, estimate=est, batch_size=batch_size)
     tokens = load_tokens(data, load_tokenizer(model), seq_len, max_tokens)

@@ -226,3 +226,31 @@ def test_fp4_groups_that_do_not_divide_the_input_dim_are_one_line_before_any_run
     with pytest.raises(MoetoolError, match="not a multiple of the format's 36-value groups"):
         agreement(lm, tokens, precisions=("fp32", "mxfp4"), bootstrap=0, quiet=True)
     assert not runs
+
+
+def test_cli_device_map_reaches_every_per_precision_load(tmp_path, monkeypatch):
+    """--device-map auto is passed to each precision's load (the loads are watched); on CPU accelerate places every
+    layer on the CPU, so every table equals the run without it."""
+    from test_resume import _same_csvs as same_csvs
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.experiments.agreement import compute as mod
+
+    seen = []
+
+    def watched(name, **kw):
+        seen.append((kw["dtype"], kw["device_map"]))
+        return load(name, **kw)
+
+    load = mod.load
+    monkeypatch.setattr(mod, "load", watched)
+    args = ["agreement", "tiny", "--precisions", "fp32,bf16,fp8", "--seq-len", "64", "--max-tokens", "300",
+            "--batch-size", "4", "--bootstrap", "100", "--device", "cpu", "--quiet"]
+    for name, extra in (("plain", []), ("auto", ["--device-map", "auto"])):
+        r = CliRunner().invoke(app, [*args, *extra, "--out", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+    assert seen == [("fp32", None), ("bf16", None), ("bf16", None), ("fp32", "auto"), ("bf16", "auto"),
+                    ("bf16", "auto")]
+    assert same_csvs(tmp_path / "plain", tmp_path / "auto") == ["agreement.csv", "agreement_bins.csv",
+                                                                 "agreement_summary.csv"]

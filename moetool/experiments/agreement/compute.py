@@ -112,6 +112,7 @@ class AgreementOptions:
     bootstrap: int = DEFAULT_BOOTSTRAP
     seed: int = 0
     device: str = "auto"  # where models given by name are loaded
+    device_map: str | None = None  # --device-map of every per-precision load ("auto": accelerate places the layers)
 
     def __post_init__(self) -> None:
         check_n_boot(self.bootstrap)
@@ -201,17 +202,18 @@ def simulate_format(lm: Any, fmt: str) -> dict[str, Any]:
             "matrices": len(views), "values": values}
 
 
-def load_precision(model: Any, precision: str, device: str) -> tuple[Any, dict[str, Any], bool]:
+def load_precision(model: Any, precision: str, device: str,
+                   device_map: str | None = None) -> tuple[Any, dict[str, Any], bool]:
     """``(loaded model, its manifest record, whether this call loaded it)`` for one precision. ``model``: a name or
-    path (loaded in the precision's dtype), or a loaded model (used as it is when it already computes in that
-    plain dtype, else its ``name`` is loaded again)."""
+    path (loaded in the precision's dtype, with ``device_map``), or a loaded model (used as it is when it already
+    computes in that plain dtype, else its ``name`` is loaded again, with ``device_map``)."""
     dtype, fmt = PRECISIONS[precision]
     if not isinstance(model, (str, Path)):
         if fmt is None and model.dtype == dtype:
             return model, {"dtype": str(dtype).replace("torch.", ""), "simulated": False}, False
         device = model.device.type  # "cuda" / "cpu": the load puts it on the current device of that kind
         model = model.name
-    lm = load(str(model), dtype=LOAD_DTYPE[dtype], device=device, tokenizer=False)
+    lm = load(str(model), dtype=LOAD_DTYPE[dtype], device=device, device_map=device_map, tokenizer=False)
     record: dict[str, Any] = {"dtype": str(dtype).replace("torch.", ""), "simulated": fmt is not None}
     if fmt is not None:
         record.update(simulate_format(lm, fmt))
@@ -399,7 +401,7 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
     ref: ReferenceRun | None = None
     manifest = None
     for p in order:
-        lm, records[p], owned = load_precision(model, p, opts.device)
+        lm, records[p], owned = load_precision(model, p, opts.device, opts.device_map)
         layers = select_layers(lm.layers, opts.layers)
         for L in layers:
             if L.top_k >= L.n_experts:
