@@ -10,8 +10,9 @@ import typer
 
 from .trace_input import TraceConfig
 from .options import (BatchSize, Bootstrap, Causal, Data, DEFAULT_BOOTSTRAP, Device, DeviceMap, Dtype, Ep, Force,
-                      MaxTokens, Out, Quantize, Quiet, Resume, Seed, SeqLen, Sim, Tp, check_run, echo_run,
-                      handle_errors, open_run, parse_list, preflight, rank_layout, run_options, unit_key, write_result)
+                      Layers, MaxTokens, Out, Quantize, Quiet, Resume, Seed, SeqLen, Sim, Tp, check_run, echo_run,
+                      handle_errors, open_run, parse_layers, parse_list, preflight, rank_layout, run_options,
+                      unit_key, write_result)
 from moetool.experiments.fluctuation import spec as _spec
 
 HELP = _spec.__doc__  # the experiment's description lives in moetool/experiments/fluctuation/spec.py
@@ -30,7 +31,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
                                               help="Pairs: previous (i-1 vs i), first (0 vs i) or last (last vs i)."),
                 isolate: bool = typer.Option(False, "--isolate", help="Also feed the reference's MoE inputs to the "
                                              "other checkpoint's routers (rows <routing>-isolated)."),
-                seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
+                layers: Layers = None, seq_len: SeqLen = 256, max_tokens: MaxTokens = 8192, batch_size: BatchSize = 8,
                 bootstrap: Bootstrap = DEFAULT_BOOTSTRAP, seed: Seed = 0,
                 dtype: Dtype = "auto", device: Device = "auto", device_map: DeviceMap = None,
                 quantize: Quantize = None, tp: Tp = 1, ep: Ep = 1, resume: Resume = False, quiet: Quiet = False,
@@ -43,7 +44,7 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
 
         refuse({"checkpoints": checkpoints, "--data": data, "--isolate": isolate, "--resume": resume,
                 "--routing": routing != "router,similarity,attention" and routing, "--device-map": device_map,
-                "--quantize": quantize})
+                "--quantize": quantize, "--layers": layers})
         return fluctuation_on_traces(trace, trace_config, reference, bootstrap, seed, max_tokens, out, force)
     if not checkpoints:
         from moetool.errors import MoetoolError
@@ -57,8 +58,9 @@ def fluctuation(checkpoints: List[str] = typer.Argument(None, help="Two or more 
     from moetool.report.console import print_table, with_ci
 
     opts = FluctuationOptions(routing=tuple(parse_list(routing, str, "routing")), tau=tau, sim=sim, causal=causal,
-                              reference=reference, isolate=isolate, batch_size=batch_size, dtype=dtype, device=device,
-                              device_map=device_map, quantize=quantize,
+                              reference=reference, isolate=isolate, layers=parse_layers(layers),
+                              batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                              quantize=quantize,
                               bootstrap=bootstrap, seed=seed)
     DocumentStream(data)
     tokenizer = check_checkpoints(checkpoints)

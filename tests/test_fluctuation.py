@@ -227,3 +227,78 @@ def test_pooled_summary_matches_the_layers_and_a_hand_bootstrap(ckpts):
     assert iv.value > 0
     assert tuple(by.loc["router-isolated", ["top1_change", "top1_change_lo", "top1_change_hi"]]) == pytest.approx(
         (iv.value, iv.lo, iv.hi), abs=1e-12)
+
+
+def test_layers_rows_are_the_full_runs_rows_of_those_layers_for_the_router(ckpts):
+    """--layers with the model's own routing changes no hidden state: the chosen layers' rows (rates, intervals,
+    entropies) are exactly the full run's rows of those layers, and the summary pools those layers only."""
+    opts = FluctuationOptions(routing=("router",), isolate=True, batch_size=2, bootstrap=200, seed=1)
+    full, _ = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
+    import moetool
+
+    res = moetool.fluctuation([loader(ckpts["a"]), loader(ckpts["b"])], tokens(), routing=("router",), isolate=True,
+                              batch_size=2, bootstrap=200, seed=1, layers=(1, J), quiet=True)  # the Python API
+    df, pooled = res["fluctuation"], res["fluctuation_summary"]
+    assert sorted(set(df["layer"])) == [1, J] and len(df) == 2 * 2
+    want = full[full["layer"].isin([1, J])].reset_index(drop=True)
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(df.reset_index(drop=True), want, check_exact=True)
+    assert (df[(df["layer"] == J) & (df["routing"] == "router")]["topk_change"] > 0).all()  # not a 0 == 0 check
+    assert (pooled["layers"] == 2).all()
+    by = pooled.set_index("routing")["top1_change"]
+    for label, d in df.groupby("routing"):
+        assert by[label] == pytest.approx(d["top1_change"].mean(), abs=1e-12)
+
+
+def test_layers_policy_runs_in_the_chosen_layers_only(ckpts):
+    """similarity with --layers J: layers before J run the model's own (identical) routers, so layer J's MoE input
+    is the plain model's, the same in both checkpoints; the policy applied by hand to that input (a's and b's
+    routers) gives the row's changes and entropies. The full run (policy in every layer) feeds layer J other
+    hidden states, so its row differs."""
+    opts = FluctuationOptions(routing=("similarity",), tau=40.0, batch_size=2, bootstrap=0, layers=(J,))
+    df, pooled = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
+    assert list(df["layer"]) == [J] and (pooled["layers"] == 1).all()
+    pol = opts.policy("similarity")
+    chosen, ents = {}, {}
+    for k in ("a", "b"):
+        m = loader(ckpts[k])
+        sets, top1, ent = [], [], []
+
+        def see(ev):
+            idx, w = pol.select(ev)
+            v = ev.valid
+            sets.extend(set(r) for r in idx[v].tolist())
+            top1.extend(idx[v].gather(1, w[v].float().argmax(-1, keepdim=True))[:, 0].tolist())
+            s = pol.scores(ev)[v].double()
+            ent.append(-(s * s.clamp_min(1e-300).log()).sum(-1))
+
+        with torch.no_grad(), Engine(m.model, [m.layers[J]], consumers=[see]):  # no policy: the model's routing
+            for bt in tokens().batches(2):
+                feed(m.model, bt.input_ids, bt.attention_mask)
+        chosen[k], ents[k] = (sets, top1), float(torch.cat(ent).mean())
+    n = len(chosen["a"][0])
+    assert n == 64 - 5
+    row = df.iloc[0]
+    assert row["tokens"] == n
+    assert row["top1_change"] == pytest.approx(sum(x != y for x, y in zip(chosen["a"][1], chosen["b"][1])) / n,
+                                               abs=1e-12)
+    topk = sum(x != y for x, y in zip(chosen["a"][0], chosen["b"][0])) / n
+    assert row["topk_change"] == pytest.approx(topk, abs=1e-12) and topk > 0
+    assert row["topk_overlap"] == pytest.approx(
+        sum(len(x & y) / 2 for x, y in zip(chosen["a"][0], chosen["b"][0])) / n, abs=1e-12)
+    assert (row["entropy_ref"], row["entropy_ckpt"]) == pytest.approx((ents["a"], ents["b"]), rel=1e-5)
+    full, _ = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), FluctuationOptions(
+        routing=("similarity",), tau=40.0, batch_size=2, bootstrap=0), loader)
+    assert abs(float(full[full["layer"] == J]["entropy_ref"].iloc[0]) - row["entropy_ref"]) > 1e-4
+
+
+@pytest.mark.parametrize("layers, says", [("7", "not MoE layers"), ("1-0", "empty --layers range"),
+                                          ("x", "bad --layers item")])
+def test_cli_bad_layers_is_one_line(tmp_path, layers, says):
+    r = CliRunner().invoke(app, ["fluctuation", "tiny-early", "tiny", "--layers", layers, "--max-tokens", "128",
+                                 "--seq-len", "64", "--bootstrap", "0", "--device", "cpu", "-q",
+                                 "--out", str(tmp_path / "x")])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and says in lines[0], r.output
+    assert not (tmp_path / "x").exists()

@@ -2,7 +2,9 @@
 
 The same token ids go through every checkpoint (one loaded at a time). Per checkpoint, routing (a policy spec as
 everywhere: ``router`` = the model's own top-K; ``similarity`` / ``attention``: that training-free policy applied
-in every MoE layer of the checkpoint, so its choice is what runs) and MoE layer, the chosen sets and
+in every chosen MoE layer of the checkpoint, so its choice is what runs) and chosen MoE layer (``layers``, as
+``--layers`` everywhere: the layers measured and the layers a policy replaces routing in; the others run the
+model's own router and are not measured), the chosen sets and
 the top-1 expert (the chosen expert with the largest routing weight) stay on the device during the forward
 (padding weighted out, no host sync), are copied to the host once per batch (all layers stacked, indices as
 int16/int32) and spilled to a temporary file (:class:`moetool.sketch.TokenSpill`), so host memory holds one
@@ -35,7 +37,7 @@ import torch
 from ... import distributed, ops
 from ...adapters import _MOE_CONFIG_KEYS
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent
+from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...loading import load, load_config
@@ -64,6 +66,7 @@ class FluctuationOptions:
     causal: bool = True  # similarity: j <= i only
     reference: str = "previous"
     isolate: bool = False
+    layers: tuple[int, ...] | None = None  # MoE layers measured and where a policy routes (None: every MoE layer)
     batch_size: int = 8
     dtype: str = "auto"  # how checkpoints given by name are loaded
     device: str = "auto"
@@ -224,11 +227,13 @@ def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEve
 
 
 def capture(lm: Any, tokens: Any, policy: Any, *, others: dict[Any, dict[int, MoELayer]] | None = None,
-            batch_size: int = 8, description: str = "routing",
+            layers: Sequence[int] | None = None, batch_size: int = 8, description: str = "routing",
             quiet: bool = False) -> tuple[Routing, dict[Any, Routing]]:
-    """Run ``tokens`` through ``lm`` with ``policy`` applied in every MoE layer; return its :class:`Routing`, and per
+    """Run ``tokens`` through ``lm`` with ``policy`` applied in the MoE ``layers`` (decoder indices, None: every MoE
+    layer; the others keep the model's own routing) and only those measured; return its :class:`Routing`, and per
     key of ``others`` (router copies by layer index) the isolated routing on this run's ``h``."""
-    layers = [L.index for L in lm.layers]
+    chosen = select_layers(lm.layers, layers)
+    layers = [L.index for L in chosen]
     row_ids = getattr(tokens, "row_ids", None)
     own = Routing(layers, row_ids)
     iso = {name: Routing(layers, row_ids) for name in (others or {})}
@@ -242,8 +247,8 @@ def capture(lm: Any, tokens: Any, policy: Any, *, others: dict[Any, dict[int, Mo
         for r in (own, *iso.values()):
             r.flush(batch.input_ids.shape[0])
 
-    forward(lm, tokens, policy=policy, consumers=[consume], on_batch=flush, batch_size=batch_size,
-            description=description, quiet=quiet)
+    forward(lm, tokens, policy=policy, layers=layers, consumers=[consume], moe_layers=chosen, on_batch=flush,
+            batch_size=batch_size, description=description, quiet=quiet)
     for r in (own, *iso.values()):
         r.reduce_across_ranks()
     return own, iso
@@ -334,7 +339,7 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
     def routers_of(c: int) -> dict[int, MoELayer]:
         if c not in routers:  # captured before an interruption: its routers only
             lm = load_fn(names[c])
-            routers[c] = {L.index: router_copy(L) for L in lm.layers}
+            routers[c] = {L.index: router_copy(L) for L in select_layers(lm.layers, opts.layers)}
         return routers[c]
 
     for i in processing_order(len(names), opts.reference):
@@ -355,13 +360,13 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
         partners = {c: routers_of(c) for r, c in plist if r == i and opts.isolate}
         for routing in opts.routing:
             own, iso = capture(lm, tokens, opts.policy(routing),
-                               others=partners, batch_size=opts.batch_size,
+                               others=partners, layers=opts.layers, batch_size=opts.batch_size,
                                description=f"{names[i]}: {routing}", quiet=quiet)
             runs[(i, routing)] = own
             for c in partners:
                 isolated[(i, c, routing)] = iso[c]
         if opts.isolate and any(c == i for _, c in plist):
-            routers[i] = {L.index: router_copy(L) for L in lm.layers}
+            routers[i] = {L.index: router_copy(L) for L in select_layers(lm.layers, opts.layers)}
         del lm
         if units is not None:
             done = {(routing,): runs[(i, routing)] for routing in opts.routing}
@@ -447,11 +452,13 @@ DEFINITIONS = {
                                 "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention)",
     "entropy_ratio": "entropy_ckpt / entropy_ref",
     "routing": "router: the model's own top-K; similarity/attention: the policy applied in every MoE layer of "
-               "each checkpoint (what runs), so hidden states downstream follow the policy; "
+               "each checkpoint (with --layers: in the chosen layers only; the others keep the model's router), "
+               "what runs, so hidden states downstream follow the policy; "
                "<routing>-isolated: the reference's own MoE inputs h (and attention probabilities) fed to the "
                "checkpoint's routers, compared with the reference's choice on the same h (router drift only)",
     "top1": "the chosen expert with the largest routing weight (the model's or the policy's renormalised weights)",
     "attention head": "chosen per batch and layer (lowest mean row entropy over the batch's real tokens)",
+    "layer": "the MoE layers measured (--layers; default every MoE layer): the rows' layers, the summary's count",
     "tokens": "real (unpadded) tokens the layer routed in both runs (fluctuation_summary.csv: per MoE layer); "
               "token ids from the first checkpoint's tokenizer, the same for every checkpoint",
 }

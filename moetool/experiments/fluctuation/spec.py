@@ -16,6 +16,9 @@ Attention-Aware: the same layer's lowest-entropy attention head), the chosen set
 policy's normalised scores s_i = Σ_j S[i,j] π(h_j). --isolate adds rows <routing>-isolated: the
 reference's own MoE inputs (and attention) fed to the checkpoint's routers — router drift alone.
 
+--layers 0,2,5-7: the MoE layers measured (the rows, and the summary's mean over layers) and the only layers
+where similarity / attention replace the routing; every other MoE layer runs the model's own router, unmeasured.
+
 Memory: routing stays on the device during the forward, one host copy per batch is spilled to a temporary
 file and read back batch by batch for the comparison, so RSS stays flat in the number of tokens.
 
