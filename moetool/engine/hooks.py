@@ -174,6 +174,14 @@ def _bind_expert_args(experts: nn.Module):
     return get, put
 
 
+def _restore(obj: Any, name: str, had: bool, orig: Any) -> None:
+    """Undo an instance-level patch of ``obj.name``: the instance's own attribute back (``had``), else the class's."""
+    if had:
+        setattr(obj, name, orig)
+    else:
+        vars(obj).pop(name, None)
+
+
 class ChunkedExperts:
     """While installed, a layer's experts module runs a call with more expert columns per token than the layer's K
     over consecutive chunks of tokens holding about ``tokens x K`` (token, expert) pairs each: a policy that hands it
@@ -209,10 +217,7 @@ class ChunkedExperts:
         self.module.forward = forward
 
     def remove(self) -> None:
-        if self.had:
-            self.module.forward = self.orig
-        else:
-            vars(self.module).pop("forward", None)
+        _restore(self.module, "forward", self.had, self.orig)
 
 
 def offloaded(module: nn.Module) -> bool:
@@ -249,10 +254,7 @@ class AfterAccelerateLoads:
         self.acc.pre_forward = pre_forward
 
     def remove(self) -> None:
-        if self.had:
-            self.acc.pre_forward = self.orig
-        else:
-            vars(self.acc).pop("pre_forward", None)
+        _restore(self.acc, "pre_forward", self.had, self.orig)
 
 
 class Engine:
