@@ -99,7 +99,7 @@ def main() -> None:
     """The ``moetool`` console script. Every error is one line on stderr: a bad flag value or unknown option
     (click's usage errors) exits 2, an error no command turned into one line exits 1 (``MOETOOL_DEBUG=1`` shows
     the traceback)."""
-    from .options import quiet_repeated_interrupts, said_interrupted
+    from .cli import quiet_repeated_interrupts, said_interrupted
 
     try:
         with quiet_repeated_interrupts():  # more Ctrl-C while the run stops: no traceback from exit handlers

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from .options import Force, Out, Quiet, echo_run, handle_errors, parse_list
+from .cli import echo_run, handle_errors, parse_list
+from .options import Force, Out, Quiet
 
 from moetool.experiments.registry import EXPERIMENTS  # specs as strings: no torch
 

@@ -1,30 +1,49 @@
-"""Commands generated from the experiment registry: an experiment whose spec has no ``command`` module.
+"""Every experiment's command, generated from its spec.
 
 The command's ``--help`` is the docstring of the experiment's ``spec.py`` (torch-free); its flags are the flag
-groups of what it takes (:mod:`moetool.commands.flags`; ``inputs``: tokens or weights) and the spec's own
-:class:`~moetool.experiments.registry.Flag` s; the run is every command's: :func:`preflight`, :func:`start_run`,
-the compute function, :func:`finish_command` (the ``summary`` table printed, the run folder named).
+groups of what it reads (the spec's ``inputs``: :func:`moetool.commands.flags.standard`), the groups its spec names
+(``groups``: routing, lm-eval tasks, resume, trace input) and the spec's own :class:`Flag` s; its run is
+:func:`moetool.run` on the model's name, exactly what ``moetool.run(name, model, data=..., ...)`` does from Python.
+
+A command may add what is its own in ``moetool/commands/<name>.py`` (``-`` as ``_``), any of:
+
+* ``PARAMS``: flags of the command alone (``(parameter, annotation, default)``), ``WITHOUT``: standard flags it does
+  not take (with the reason in the module);
+* ``model(p) -> str``: the model of the command's parameters ``p`` (default ``p.model``);
+* ``check(p, opts) -> dict``: checks before anything loads (one line each), returning more keywords of
+  :func:`moetool.run` (``inputs``: the compute function's own, e.g. a task plan; ``manifest``; ``call``);
+* ``on_trace(p, opts)``: the analysis on recorded routing (``--trace``) instead of a forward;
+* ``show(res, p)``: its console output (default: the summary table under the spec's ``title``), returning the path
+  the command names at its end (``None``: the run folder);
+* ``main(p)``: the whole body, for an experiment that is not a run of a model (``plan`` reads a config).
+
+``p`` is the command's parameters as attributes (:class:`types.SimpleNamespace`).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import inspect
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import Annotated, Any, Optional
 
 import typer
 
-from moetool.experiments.registry import Experiment, Flag, generated
+from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag
 
-from .flags import STANDARD
-from .options import (Bootstrap, DEFAULT_BOOTSTRAP, finish_command, handle_errors, parse_layers, parse_list, preflight,
-                      start_run)
+from .cli import echo_run, handle_errors, parse_layers, parse_list
+from .flags import GROUPS, NAMED, standard
 
-#: standard parameters that are options of the experiment (its dataclass must have these fields)
-TO_OPTIONS = ("layers", "batch_size", "bootstrap", "seed")
-CASTS = {"int": int, "float": float, "str": str}
+#: standard parameters that are fields of the experiment's options (when its dataclass has them)
+TO_OPTIONS = ("layers", "batch_size", "bootstrap", "seed", "routing", "weights", "sim", "causal", "num_fewshot",
+              "limit", "include_path")
+#: standard parameters :func:`moetool.run` takes
+TO_RUN = ("data", "seq_len", "max_tokens", "dtype", "device", "device_map", "quantize", "out", "force", "resume",
+          "quiet")
+CASTS = {"int": int, "float": float, "str": str, "path": Path}
 
 
 def help_text(spec: Experiment) -> str:
@@ -39,64 +58,124 @@ def help_text(spec: Experiment) -> str:
     return doc
 
 
+def own_module(spec: Experiment) -> ModuleType | None:
+    """``moetool.commands.<name>``: what the command adds to its generated self, if it has such a module."""
+    name = f"{__package__}.{spec.name.replace('-', '_')}"
+    return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+
+
 def flag_parameter(flag: Flag) -> tuple[str, Any, Any]:
     """A :class:`Flag` as ``(name, annotation, default)`` of the command's signature."""
-    if flag.kind == "bool":
-        option = typer.Option(f"{flag.flag}/--no-{flag.flag[2:]}", help=flag.help)
-        return flag.name, Annotated[bool, option], bool(flag.default)
-    many = flag.kind.endswith("s") and flag.kind != "str"
-    kind = str if many else CASTS[flag.kind]
-    default = ",".join(map(str, flag.default)) if many and isinstance(flag.default, (tuple, list)) else flag.default
-    return flag.name, Annotated[Optional[kind], typer.Option(flag.flag, help=flag.help)], default
+    names = [flag.flag, *([flag.short] if flag.short else [])]
+    if flag.kind == "bool":  # on by default: --x/--no-x; off by default: the switch --x
+        pair = f"{flag.flag}/--no-{flag.flag[2:]}" if flag.default else flag.flag
+        return flag.name, Annotated[bool, typer.Option(pair, *names[1:], help=flag.help)], bool(flag.default)
+    kind = str if flag.many else CASTS[flag.kind]
+    bounds = {k: v for k, v in (("min", flag.min), ("max", flag.max), ("metavar", flag.metavar)) if v is not None}
+    option = typer.Option(*names, help=flag.help, **bounds)
+    default = ",".join(map(str, flag.default)) if flag.many and isinstance(flag.default, (tuple, list)) \
+        else flag.default
+    if flag.required:
+        return flag.name, Annotated[kind, option], ...
+    return flag.name, Annotated[Optional[kind], option], default
 
 
 def parameters(spec: Experiment) -> list[tuple[str, Any, Any]]:
-    """Every parameter of the generated command, in ``--help`` order."""
-    if spec.inputs not in STANDARD:
-        raise RuntimeError(f"registry: a generated command takes tokens or weights, not {spec.inputs!r} "
-                           f"('{spec.name}' needs a command module)")
-    first, rest = STANDARD[spec.inputs]
-    own = [flag_parameter(f) for f in spec.flags]
-    boot = [("bootstrap", Bootstrap, DEFAULT_BOOTSTRAP)] if spec.bootstrap else []
-    return [*first, *own, *boot, *rest]
+    """Every parameter of the generated command, in ``--help`` order: the standard groups of its inputs around its
+    own flags and the groups it names; a standard default the spec sets (``defaults``) replaces the group's."""
+    first, rest = standard(spec.inputs)
+    own = own_module(spec)
+    named: list[tuple[str, Any, Any]] = []
+    for g in spec.groups:
+        named += GROUPS[g] if g in GROUPS else [NAMED[g]]
+    boot = GROUPS["bootstrap"] if spec.bootstrap and "bootstrap" not in spec.groups else []
+    extra = getattr(own, "PARAMS", [])  # the command's own (one named as a standard flag replaces it)
+    first = [g for g in first if g[0] not in {name for name, _, _ in extra}]
+    params = [*first, *extra, *(flag_parameter(f) for f in spec.flags), *named, *boot, *rest]
+    without = set(getattr(own, "WITHOUT", ()))
+    unknown = set(spec.defaults) - {name for name, _, _ in params}
+    if unknown:
+        raise RuntimeError(f"registry: '{spec.name}' sets defaults of flags it does not take: {sorted(unknown)}")
+    return [(name, ann, spec.defaults.get(name, default)) for name, ann, default in params if name not in without]
+
+
+def parse_flag(flag: Flag, value: Any) -> Any:
+    """A flag's text as its options field's value: a list flag a tuple (``none``: empty), ``parse`` applied."""
+    if flag.parse is not None:
+        module, _, attr = flag.parse.partition(":")
+        parsed = getattr(importlib.import_module(module), attr)(value)
+        return tuple(parsed) if isinstance(parsed, list) else parsed
+    if flag.many:
+        if value.strip().lower() == "none":
+            return ()
+        return tuple(parse_list(value, CASTS[flag.kind[:-1]], flag.flag[2:].replace("-", " ")))
+    return str(value) if flag.kind == "path" else value
 
 
 def options_of(spec: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The options dataclass's keywords from the command's parameters (a list flag parsed, ``none`` the empty
-    tuple; an unset flag with no default leaves the dataclass's own)."""
+    tuple; an unset flag with no default leaves the dataclass's own); standard parameters the dataclass has as
+    fields (:data:`TO_OPTIONS`, the loading flags of an experiment that loads its models itself) go there too."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(spec.options_class())}
     kw: dict[str, Any] = {}
     for flag in spec.flags:
         value = params.get(flag.name)
-        if value is None:
+        if value is None or not flag.to_options:
             continue
-        if flag.kind in ("ints", "floats", "strs"):
-            value = () if value.strip().lower() == "none" else tuple(parse_list(value, CASTS[flag.kind[:-1]],
-                                                                                flag.flag[2:]))
-        kw[flag.name] = value
-    for name in TO_OPTIONS:
-        if name in params:
-            kw[name] = parse_layers(params[name]) if name == "layers" else params[name]
+        kw[flag.name] = parse_flag(flag, value)
+    for name in (*TO_OPTIONS, "dtype", "device", "device_map", "quantize"):
+        if name in params and name in fields and name not in kw:
+            value = params[name]
+            kw[name] = parse_layers(value) if name == "layers" else str(value) if name == "include_path" and \
+                value is not None else value
     return kw
 
 
 def run(spec: Experiment, params: dict[str, Any]) -> None:
-    """The generated command's body."""
-    model = params["model"]
-    preflight(model)  # before the experiment's imports: a bad --model fails at once
-    compute = spec.load()
+    """The generated command's body: :func:`moetool.run` with the command's own checks and console output."""
+    own = own_module(spec)
+    p = SimpleNamespace(**params)
+    if hasattr(own, "main"):
+        return own.main(p)
+    from moetool.errors import MoetoolError
+    from moetool.run import preflight
+
+    if getattr(p, "trace", None):  # recorded routing instead of a forward (commands/trace_input.py)
+        return own.on_trace(p, spec.options_class()(**options_of(spec, params)))
+    if spec.inputs == "checkpoints":
+        if not p.checkpoints:
+            raise MoetoolError("give two or more checkpoints (or --trace runs)")
+        model: Any = list(p.checkpoints)
+    else:
+        model = own.model(p) if hasattr(own, "model") else p.model
+    preflight(*(model if isinstance(model, list) else [model]))  # before the experiment's imports: fails at once
+    import moetool
+
     opts = spec.options_class()(**options_of(spec, params))
-    tokens_in = spec.inputs == "tokens"
-    sizes = {k: params[k] for k in ("data", "seq_len", "max_tokens", "batch_size")} if tokens_in else {}
-    started = start_run(spec.name, params["out"], params["force"], model, dtype=params["dtype"],
-                        device=params["device"], device_map=params["device_map"], quantize=params["quantize"],
-                        tokenizer=tokens_in, **sizes)
-    _, lm, tokens = started
-    quiet = params["quiet"]
-    res = compute(lm, tokens, opts, quiet=quiet) if tokens_in else compute(lm, opts, quiet=quiet)
-    title = f"{spec.title or spec.name}: {model}" + (f" ({tokens.n_tokens:,} tokens)" if tokens_in else "")
+    policy = getattr(opts, "policy", None)
+    if policy is not None and not any(q.default is q.empty for q in inspect.signature(policy).parameters.values()):
+        policy()  # a bad --routing fails before anything loads (built once: the run uses this one)
+    more = (own.check(p, opts) if hasattr(own, "check") else None) or {}
+    if "lmeval" in spec.groups and opts.tasks is not None:  # unknown lm-eval tasks fail before anything loads
+        from moetool.experiments.eval.compute import plan_tasks
+
+        more["inputs"] = {**more.get("inputs", {}), "plan": plan_tasks(opts.tasks, opts.include_path)}
+    res = moetool.run(spec.name, model, options=opts, **{k: params[k] for k in TO_RUN if k in params}, **more)
+    shown = own.show(res, p) if hasattr(own, "show") else show(spec, res, model)
+    echo_run(shown or res.path)  # a command's show may name a file of the run instead of its folder
+
+
+def show(spec: Experiment, res: Any, model: Any) -> None:
+    """The default console output: the summary table under the spec's title (long tables point to its CSV)."""
+    from moetool.report.console import print_table
+
+    tokens = f" ({res.tokens.n_tokens:,} tokens)" if res.tokens is not None else ""
+    title = f"{spec.title or spec.name}: {model}{tokens}"
     csv = spec.summary_csv or next((name for name, df in res.tables.items() if df is res.summary),
                                    next(iter(res.tables)))
-    finish_command(started, res, title, csv)
+    print_table(res.summary, title, csv=csv)
 
 
 def make(spec: Experiment) -> Any:
@@ -107,6 +186,7 @@ def make(spec: Experiment) -> Any:
         run(spec, kwargs)
 
     command.__name__ = command.__qualname__ = spec.function
+    command.command_name = spec.name  # type: ignore[attr-defined]
     command.__doc__ = help_text(spec)
     command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
@@ -116,6 +196,6 @@ def make(spec: Experiment) -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    for spec in generated():
+    for spec in EXPERIMENTS.values():
         command = make(spec)
         app.command(name=spec.name, help=command.__doc__)(command)

@@ -7,7 +7,8 @@ from typing import List
 
 import typer
 
-from .options import Force, Out, echo_run, handle_errors
+from .cli import echo_run, handle_errors
+from .options import Force, Out
 
 HELP = """Read a serving or training engine's routing dump into moetool's own trace.
 

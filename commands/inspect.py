@@ -6,7 +6,8 @@ import json
 
 import typer
 
-from .options import DEFAULT_MODEL, Model, handle_errors
+from .cli import handle_errors
+from .options import DEFAULT_MODEL, Model
 
 HELP = """Family, layers, which are MoE, n, K, scoring, shared experts, total and active parameters.
 

@@ -7,7 +7,8 @@ from typing import List
 
 import typer
 
-from .options import Force, Out, echo_run, handle_errors
+from .cli import echo_run, handle_errors
+from .options import Force, Out
 
 HELP = """Gather run folders of any commands (a demo folder with its sub-runs included) into one report.
 

@@ -1,5 +1,6 @@
 """``--trace PATH``: a command's analysis on recorded routing (``moetool trace`` or ``moetool import-trace``) instead
-of a forward of ``--model`` on ``--data``. Shared by ``stats`` and ``placement``; what needs a forward refuses."""
+of a forward of ``--model`` on ``--data``: the ``on_trace`` of ``stats``, ``placement``, ``offload`` and
+``fluctuation`` (the flags are ``commands/options.py``'s). What needs a forward refuses."""
 
 from __future__ import annotations
 
@@ -8,14 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from .options import echo_run
-
-#: the ``--trace`` option of the commands that take one
-Trace = typer.Option(None, "--trace", help="Analyse the routing in this trace (a moetool trace / import-trace run "
-                                           "folder, or its trace or loads Parquet file) instead of running "
-                                           "--model on --data.")
-TraceConfig = typer.Option(None, "--trace-config", help="With --trace: the model whose routing it is, when the "
-                                                        "trace's manifest does not say (a name or config folder).")
+from .cli import echo_run
 
 
 def refuse(flags: dict[str, Any]) -> None:
@@ -38,7 +32,7 @@ def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, forc
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace
 
-    from .options import write_result
+    from moetool.run import write_result
 
     src = open_trace(trace, config)
     res = stats_from_trace(src, opts)
@@ -56,7 +50,7 @@ def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, 
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace
 
-    from .options import write_result
+    from moetool.run import write_result
 
     src = open_trace(trace, config)
     res, loads = placement_from_trace(src, opts)
@@ -74,7 +68,7 @@ def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: 
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace
 
-    from .options import write_result
+    from moetool.run import write_result
 
     res = offload_from_trace(open_trace(trace, config), opts, max_tokens)
     run = _run("offload", out, force)
@@ -92,7 +86,7 @@ def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: 
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace
 
-    from .options import write_result
+    from moetool.run import write_result
 
     opts = FluctuationOptions(routing=("router",), reference=reference, bootstrap=bootstrap, seed=seed)
     res = fluctuation_from_traces([open_trace(t, config) for t in traces], [str(t) for t in traces], opts, max_tokens)

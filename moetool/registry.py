@@ -20,7 +20,7 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 def unique(items: Iterable[Any]) -> list[Any]:
     """``items`` without repeats, each at its first place: how every list flag treats a value given twice
-    (``--fractions 0.5,0.5`` runs 0.5 once; ``commands.options.parse_list``, ``--nodes``, ``--norm``)."""
+    (``--fractions 0.5,0.5`` runs 0.5 once; ``commands.cli.parse_list``, ``--nodes``, ``--norm``)."""
     return list(dict.fromkeys(items))
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .context import Backoff, Parallel, RunState, state
+from .context import Backoff, Parallel, RunState, current, state
 from .errors import MoetoolError
 
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
@@ -295,33 +295,44 @@ def run_options(**options: Any) -> dict[str, Any]:
 
 
 # ----- moetool.run(...) -------------------------------------------------------------------------------------------
+#: loading keywords of :func:`run` with a model's name (they also fill option fields of the same name: an
+#: experiment that loads its checkpoints itself, e.g. fluctuation, keeps them in its options)
+LOADING = ("dtype", "device", "device_map", "quantize")
+
+
 def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, out: str | Path | None = None,
         force: bool = False, batch_size: int | str | None = None, resume: bool = False, quiet: bool = False,
-        **overrides: Any) -> Any:
-    """``moetool <experiment>`` on a loaded model: the run a command makes, from Python.
+        data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: str = "auto",
+        device: str = "auto", device_map: str | None = None, quantize: str | None = None,
+        add_special_tokens: bool | None = False, manifest: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None, call: Any = None, **overrides: Any) -> Any:
+    """``moetool <experiment>``, from Python: the run every command makes.
 
-    ``experiment`` is a command name (``"stats"``, ``"expert-similarity"``) or its function's; ``lm`` a loaded model
-    (:func:`moetool.load`), ``tokens`` packed rows (:func:`moetool.tokens`; not for experiments of the weights
-    alone); ``options`` the experiment's options dataclass, or its fields as keywords. ``batch_size`` rows per
-    forward (default: the options' own) or ``"auto"`` (the largest the free memory holds, backing off on
-    out-of-memory as the CLI does; the manifest records it). Before anything runs: the sizes and memory are
-    checked and ``out`` must be free (or ``force``); ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments
-    that keep them: same options, model and tokens, else one error). Writes the command's files (CSVs, figures,
-    manifest.json) into ``out`` (default ``runs/<experiment>-<time>``) and returns the
-    :class:`~moetool.experiments.result.Result`, its ``path`` the run folder.
+    ``experiment`` is a command name (``"stats"``, ``"expert-similarity"``) or its function's; ``options`` the
+    experiment's options dataclass, or its fields as keywords. ``lm`` is either
+
+    * a **model's name** (embedded name, alias, directory, hub id; a list of them for ``fluctuation``): the run
+      does what the command does -- the sizes, positions and memory checked from the config before anything loads
+      (:func:`check_run`), the run folder, the model loaded (``dtype``, ``device``, ``device_map``, ``quantize``;
+      eager attention where the options' policies read attention) and ``max_tokens`` of ``data`` (default: the
+      shipped held-out text) packed in rows of ``seq_len`` (default 256); or
+    * a **loaded model** (:func:`moetool.load`) with ``tokens`` packed rows (:func:`moetool.tokens`; not for
+      experiments of the weights alone).
+
+    ``batch_size``: rows per forward (default: the options' own) or ``"auto"`` (the largest the free memory holds,
+    backing off on out-of-memory as the CLI does; the manifest records it). ``out`` must be free (or ``force``);
+    ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments that keep them:
+    same options, model and tokens, else one error). Writes the command's files (CSVs, figures, manifest.json) into
+    ``out`` (default ``runs/<experiment>-<time>``) and returns the :class:`~moetool.experiments.result.Result`, its
+    ``path`` the run folder. The command line adds: ``manifest`` (run-level manifest options of its own flags),
+    ``inputs`` (keywords of the compute function: a task plan, reference tokens), ``call`` (``call(compute, args,
+    kwargs, folder) -> Result``: the compute call made by the command, e.g. streaming into the run folder) and
+    ``add_special_tokens``.
     """
-    from . import distributed
-    from .api import _timed
     from .experiments.registry import get
     from .experiments.result import resolve_options
-    from .sizing import validate_run
 
     spec = get(experiment)
-    if spec.inputs not in ("tokens", "weights"):
-        raise MoetoolError(f"moetool.run runs experiments of a model and tokens or weights; '{spec.name}' takes "
-                           f"{spec.inputs}: call moetool.{spec.api}(...) and moetool.write(...)")
-    if spec.inputs == "tokens" and tokens is None:
-        raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
     auto = isinstance(batch_size, str)
     if auto and batch_size.strip().lower() != "auto":
         raise MoetoolError(f"batch_size='{batch_size}' is neither a number of rows nor 'auto'")
@@ -329,38 +340,165 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     resumable = "units" in inspect.signature(compute).parameters
     if resume and not resumable:
         raise MoetoolError(f"'{spec.name}' keeps no unit checkpoints: resume=True is not supported there")
-    opts = resolve_options(spec.options_class(), options, overrides)
+    named = isinstance(lm, (str, Path)) or (isinstance(lm, (list, tuple)) and all(isinstance(m, (str, Path))
+                                                                                for m in lm))
+    loading = dict(dtype=dtype, device=device, device_map=device_map, quantize=quantize)
+    if named:
+        fields = {f.name for f in dataclasses.fields(spec.options_class())} if spec.options else set()
+        overrides = {**{k: v for k, v in loading.items() if k in fields and k not in overrides}, **overrides}
+    elif data is not None or seq_len is not None or max_tokens is not None or \
+            any(v != run_default for v, run_default in zip(loading.values(), ("auto", "auto", None, None))):
+        raise MoetoolError("data, seq_len, max_tokens and the loading keywords go with a model's name; a loaded "
+                           "model runs on the tokens given")
+    opts = resolve_options(spec.options_class(), options, overrides) if spec.options else None
     if auto and not hasattr(opts, "batch_size"):
         raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='auto' does not apply")
-    seq_len = int(tokens.input_ids.shape[1]) if tokens is not None else None
-    this = Run.new(spec.name, auto_batch=auto)
+    outer = current()  # the run of the command calling this (its --tp/--ep layout, its --batch-size auto), if any
+    this = outer if outer is not None else Run.new(spec.name, auto_batch=auto)
     with this.active():
-        rows = auto_rows(lm, tokens, opts, this) if auto else batch_size
-        if rows is not None and hasattr(opts, "batch_size"):
-            opts = dataclasses.replace(opts, batch_size=rows)
-        rows = getattr(opts, "batch_size", rows)
-        est = validate_run(lm.config, seq_len=seq_len, batch_size=rows, device=lm.device, dtype=lm.dtype,
-                           weights_loaded=True)
-        options_run = run_options(model=lm.name, **({"data": tokens.source, "seq_len": seq_len,
-                                                     "max_tokens": tokens.n_tokens} if tokens is not None else {}),
-                                  dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device))
-        key = {"model": lm.name, **unit_key(opts)} if resumable else None
-        folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est,
-                                 batch_size=rows, units=key, run=this)
-        with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
-            if units is not None:  # resume: refused when the weights or the tokens differ from the run's
-                from .loading import weights_fingerprint
+        if named:
+            return _run_named(spec, compute, lm, opts, this, resumable=resumable, out=out, force=force,
+                              batch_size=batch_size, resume=resume, quiet=quiet, data=data, seq_len=seq_len,
+                              max_tokens=max_tokens, loading=loading, add_special_tokens=add_special_tokens,
+                              manifest=manifest or {}, inputs=inputs or {}, call=call)
+        return _run_loaded(spec, compute, lm, tokens, opts, this, resumable=resumable, out=out, force=force,
+                           batch_size=batch_size, resume=resume, quiet=quiet, manifest=manifest or {},
+                           inputs=inputs or {}, call=call)
 
-                units.check_inputs(model=weights_fingerprint(lm.name))
-                if tokens is not None:
-                    units.check_inputs(data=tokens.fingerprint())
-            if distributed.world_size() > 1:
-                folder.add(distributed=rank_layout(tokens, rows))
-            args = (lm, tokens, opts) if spec.inputs == "tokens" else (lm, opts)
-            res = _timed(lm, compute, *args, quiet=quiet, **({"units": units} if resumable else {}))
-            write_result(res, folder, state=this, model=lm, options=options_run)
+
+def _compute(compute: Any, args: tuple[Any, ...], kwargs: dict[str, Any], folder: Any, call: Any) -> Any:
+    """The compute call (``call`` the command's own way of making it), timed (:func:`moetool.api._timed`)."""
+    from .api import _timed
+
+    if call is None:
+        return _timed(args[0], compute, *args, **kwargs)
+    return _timed(args[0], call, compute, args, kwargs, folder)
+
+
+def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: "Run", *, resumable: bool, out: Any,
+                force: bool, batch_size: Any, resume: bool, quiet: bool, manifest: dict[str, Any],
+                inputs: dict[str, Any], call: Any) -> Any:
+    """:func:`run` on a loaded model and its tokens."""
+    from . import distributed
+    from .sizing import validate_run
+
+    if spec.inputs not in ("tokens", "weights", "model"):
+        raise MoetoolError(f"moetool.run runs '{spec.name}' on the names of its {spec.inputs}: "
+                           f"moetool.run('{spec.name}', [name, ...], data=...)")
+    if spec.inputs == "tokens" and tokens is None:
+        raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
+    rows = auto_rows(lm, tokens, opts, this) if isinstance(batch_size, str) else batch_size
+    if rows is not None and hasattr(opts, "batch_size"):
+        opts = dataclasses.replace(opts, batch_size=rows)
+    rows = getattr(opts, "batch_size", rows)
+    seq_len = int(tokens.input_ids.shape[1]) if tokens is not None else None
+    est = validate_run(lm.config, seq_len=seq_len, batch_size=rows, device=lm.device, dtype=lm.dtype,
+                       weights_loaded=True)
+    options_run = run_options(model=lm.name, **({"data": tokens.source, "seq_len": seq_len,
+                                                 "max_tokens": tokens.n_tokens} if tokens is not None else {}),
+                              dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), **manifest)
+    key = {"model": lm.name, **manifest, **unit_key(opts)} if resumable else None
+    folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est, batch_size=rows,
+                             units=key, run=this)
+    with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
+        if units is not None:  # resume: refused when the weights or the tokens differ from the run's
+            from .loading import weights_fingerprint
+
+            units.check_inputs(model=weights_fingerprint(lm.name))
+            if tokens is not None:
+                units.check_inputs(data=tokens.fingerprint())
+        if distributed.world_size() > 1:
+            folder.add(distributed=rank_layout(tokens, rows))
+        args = (lm, tokens, opts) if spec.inputs == "tokens" else (lm, opts)
+        res = _compute(compute, args, {"quiet": quiet, **inputs, **({"units": units} if resumable else {})},
+                       folder, call)
+        write_result(res, folder, state=this, model=lm, options=options_run)
     res.path = folder.path
     return res
+
+
+def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, resumable: bool, out: Any,
+               force: bool, batch_size: Any, resume: bool, quiet: bool, data: Any, seq_len: int | None,
+               max_tokens: int | None, loading: dict[str, Any], add_special_tokens: bool | None,
+               manifest: dict[str, Any], inputs: dict[str, Any], call: Any) -> Any:
+    """:func:`run` on a model's name (a list of them for checkpoints): checked, folder made, loaded, computed,
+    written -- what a command does."""
+    many = isinstance(names, (list, tuple))
+    if many != (spec.inputs == "checkpoints"):
+        raise MoetoolError(f"'{spec.name}' runs on " + ("two or more checkpoints: a list of names" if not many
+                                                          else "one model: a name, not a list"))
+    models = [str(m) for m in names] if many else [str(names)]
+    preflight(*models)
+    reads = spec.inputs in ("tokens", "checkpoints")
+    seq_len = (seq_len or 256) if reads else None
+    max_tokens = (max_tokens or 8192) if reads else None
+    if isinstance(batch_size, str):  # "auto": from the config, as the command line decides it
+        batch_size = resolve_batch_size({"model": models[0], "seq_len": seq_len, "max_tokens": max_tokens,
+                                         "routing": getattr(opts, "routing", None), **loading}, this)
+    if batch_size is not None and hasattr(opts, "batch_size"):
+        opts = dataclasses.replace(opts, batch_size=batch_size)
+    rows = getattr(opts, "batch_size", batch_size)
+    attention = needs_attention(opts)
+    key = {**manifest, **unit_key(opts)} if resumable else None
+    if spec.inputs == "checkpoints" or not spec.loads_model:
+        folder, lm, tokens, units, options_run = _start_names(spec, models, opts, out, force, resume=resume,
+                                                               data=data, seq_len=seq_len, max_tokens=max_tokens,
+                                                               rows=rows, loading=loading, attention=attention,
+                                                               key=key, add_special_tokens=add_special_tokens)
+        options_run.update(manifest)
+    else:
+        started = start_run(spec.name, out, force, models[0], data=data, seq_len=seq_len, max_tokens=max_tokens,
+                            batch_size=rows, **loading, attention=attention,
+                            tokenizer=spec.inputs != "weights", add_special_tokens=add_special_tokens,
+                            resume=resume, units=key)
+        folder, lm, tokens, units = started.run, started.lm, started.tokens, started.units
+        options_run = {**started.options, **manifest}
+    with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
+        args = (lm, tokens, opts) if reads else (lm, opts)
+        res = _compute(compute, args, {"quiet": quiet, **inputs, **({"units": units} if resumable else {})},
+                       folder, call)
+        write_result(res, folder, state=this, **({} if isinstance(lm, (str, list)) else {"model": lm}),
+                     options=options_run)
+    res.path, res.tokens = folder.path, tokens
+    return res
+
+
+def needs_attention(opts: Any) -> bool:
+    """Whether the options' routing reads attention probabilities (the model then loads with eager attention):
+    the options say so (``needs_attention``), else their ``routing`` policies declare it."""
+    said = getattr(opts, "needs_attention", None)
+    if said is not None:
+        return bool(said)
+    return any(p.needs_attention for p in routing_policies(getattr(opts, "routing", None)))
+
+
+def _start_names(spec: Any, models: list[str], opts: Any, out: Any, force: bool, *, resume: bool, data: Any,
+                 seq_len: int | None, max_tokens: int | None, rows: int | None, loading: dict[str, Any],
+                 attention: bool, key: dict[str, Any] | None, add_special_tokens: bool | None) -> tuple[Any, ...]:
+    """The start of an experiment that loads its models itself (checkpoints one at a time, a model once per
+    precision): checks on the first model's config, the run folder, the tokens with the first model's tokenizer;
+    the names are what the compute function gets."""
+    from . import distributed
+    from .data import DocumentStream, load_tokens
+    from .loading import load_tokenizer
+
+    DocumentStream(data)  # a missing --data fails before anything is loaded
+    est = check_run(models[0], seq_len=seq_len, batch_size=rows, max_tokens=max_tokens, device=loading["device"],
+                    dtype=loading["dtype"], device_map=loading["device_map"], quantize=loading["quantize"],
+                    attn_implementation="eager" if attention else None)
+    sizes = dict(data=data, seq_len=seq_len, max_tokens=max_tokens)
+    options = run_options(**({"checkpoints": models} if spec.inputs == "checkpoints" else {"model": models[0]}),
+                          **sizes)
+    folder, units = open_run(spec.name, out, force, resume=resume, device=loading["device"], estimate=est,
+                             batch_size=rows, units=None if key is None else {**options, **key})
+    tokens = load_tokens(data, load_tokenizer(models[0]), seq_len, max_tokens, add_special_tokens=add_special_tokens)
+    if units is not None:  # --resume: refused when the data or a model's weights differ from what the run read
+        from .loading import weights_fingerprint
+
+        units.check_inputs(data=tokens.fingerprint(), model=[weights_fingerprint(c) for c in models])
+    if distributed.world_size() > 1:
+        folder.add(distributed=rank_layout(tokens, rows))
+    return folder, (models if spec.inputs == "checkpoints" else models[0]), tokens, units, options
 
 
 def auto_rows(lm: Any, tokens: Any, opts: Any, run: Run) -> int:

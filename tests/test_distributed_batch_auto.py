@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from moetool import sizing
 from moetool.commands import options as O
+from moetool.errors import MoetoolError
 from moetool.commands.app import app
 from moetool.loading import load_config
 from moetool.sizing import count_parameters
@@ -44,7 +45,7 @@ def test_auto_rows_from_free_memory(monkeypatch, k):
 def test_auto_refuses_when_no_row_fits(monkeypatch):
     row, weights = per_row_and_weights()
     monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(weights + 0.5 * row / sizing.AUTO_SHARE))
-    with pytest.raises(O.MoetoolError, match="not even one row"):
+    with pytest.raises(MoetoolError, match="not even one row"):
         sizing.auto_batch_size("tiny", seq_len=64, device="cpu")
     monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: None)
     assert sizing.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu")[0] == 8

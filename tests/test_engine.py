@@ -161,7 +161,7 @@ def test_deepseek_v2_greedy(tiny_model, batch):
 
 
 def test_layer_selection_one_meaning():
-    from moetool.commands.options import parse_layers
+    from moetool.commands.cli import parse_layers
     from moetool.engine import select_layers
     from moetool.errors import MoetoolError
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import click
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -30,7 +29,7 @@ GAPS = {
 def flags() -> dict[str, dict[str, list[str]]]:
     cmd = typer.main.get_command(app)
     return {name: {"flags": sorted(o for p in c.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")),
-                   "arguments": [p.name for p in c.params if isinstance(p, click.Argument)]}
+                   "arguments": [p.name for p in c.params if type(p).__name__.endswith("Argument")]}
             for name, c in cmd.commands.items()}
 
 

@@ -1,6 +1,7 @@
-"""Commands generated from the experiment registry (``moetool.commands.generated``): an experiment with no command
-module gets its ``--help`` from its ``spec.py``'s docstring and its flags from its spec, and fills its options
-dataclass from them."""
+"""Commands generated from the experiment registry (``moetool.commands.generated``): every experiment's command gets
+its ``--help`` from its ``spec.py``'s docstring and its flags from its spec and the flag groups, fills its options
+dataclass from them, and runs :func:`moetool.run`; a ``commands/<name>.py`` holds only what is the command's own
+(issue 32 item 2)."""
 
 from __future__ import annotations
 
@@ -13,37 +14,71 @@ import pytest
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
-from moetool.commands.generated import TO_OPTIONS, options_of, parameters
-from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag, generated
+import typer
+
+from moetool.commands.app import app
+from moetool.commands.generated import TO_OPTIONS, TO_RUN, options_of, own_module, parameters
+from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag
 
 runner = CliRunner()
+SPECS = list(EXPERIMENTS.values())
+#: what a command's own module may define (commands/generated.py's docstring), beside private helpers
+HOOKS = {"PARAMS", "WITHOUT", "model", "check", "on_trace", "show", "main"}
 
 
-def test_some_experiment_is_generated():
-    assert generated(), "no experiment of the registry uses a generated command"
-    assert {spec.name for spec in generated()} <= set(EXPERIMENTS)
+def test_every_experiment_command_is_generated():
+    """Each experiment's command is the generated one (its callback made by ``generated.make``), and no command
+    module of an experiment declares a command of its own."""
+    commands = {c.name: c for c in typer.main.get_command(app).commands.values()}
+    for spec in SPECS:
+        callback = commands[spec.name].callback
+        assert getattr(callback, "command_name", None) == spec.name, spec.name
+        assert callback.__wrapped__.__module__ == "moetool.commands.generated", spec.name
 
 
-@pytest.mark.parametrize("spec", generated(), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_a_command_module_holds_only_the_command_own_parts(spec):
+    """``commands/<name>.py`` defines only the hooks the generated command reads (and private helpers, constants in
+    capitals): no ``register``, no flag re-declared by hand."""
+    own = own_module(spec)
+    if own is None:
+        return
+    public = {n for n, v in vars(own).items() if not n.startswith("_") and getattr(v, "__module__", own.__name__)
+              == own.__name__ and (callable(v) or n.isupper()) and not isinstance(v, type(typer))}
+    functions = {n for n in public if callable(vars(own)[n]) and not n.isupper()}
+    assert functions <= HOOKS, functions - HOOKS
+    assert "register" not in vars(own)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.options], ids=lambda s: s.name)
 def test_every_parameter_is_an_option_field(spec):
-    """What the command passes on (its flags, and --layers / --batch-size / --bootstrap / --seed) are fields of the
-    experiment's options dataclass: a flag that set nothing would be a silent no-op."""
+    """What the command passes on (its own flags but those read by its hooks, and the standard ones its options
+    have) are fields of the experiment's options dataclass: a flag that set nothing would be a silent no-op; every
+    other parameter is the run's (:data:`TO_RUN`), the command's own module's, or --tp/--ep."""
     fields = {f.name for f in dataclasses.fields(spec.options_class())}
-    passed = {name for name, _, _ in parameters(spec)} & {*TO_OPTIONS, *(f.name for f in spec.flags)}
-    assert passed <= fields, passed - fields
-    assert {f.name for f in spec.flags} <= passed and "layers" in passed and "seed" in passed
+    own_flags = {f.name for f in spec.flags if f.to_options}
+    assert own_flags <= fields, own_flags - fields
+    names = {name for name, _, _ in parameters(spec)}
+    hooks = {n for n, _, _ in getattr(own_module(spec), "PARAMS", [])} | {f.name for f in spec.flags if not f.to_options}
+    rest = names - own_flags - (set(TO_OPTIONS) & fields) - set(TO_RUN) - hooks - {"tp", "ep", "checkpoints",
+                                                                                      "model", "trace", "trace_config"}
+    assert not rest, f"{spec.name}: parameters nobody reads: {rest}"
+    if spec.inputs in ("tokens", "checkpoints"):
+        assert {"layers", "seed"} <= names & fields
 
 
-@pytest.mark.parametrize("spec", generated(), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_help_is_the_module_docstring_and_lists_every_flag(spec):
     path = Path(importlib.util.find_spec(f"moetool.experiments.{spec.name.replace('-', '_')}.spec").origin)
     doc = ast.get_docstring(ast.parse(path.read_text()))
     r = runner.invoke(app, [spec.name, "--help"], env={"COLUMNS": "3000"}, terminal_width=3000)
     assert r.exit_code == 0, r.output
     assert doc.splitlines()[0] in r.output
-    for flag in ["--model", "--out", "--layers", "--seed", *(f.flag for f in spec.flags)]:
+    for flag in ["--out", *(f.flag for f in spec.flags)]:
         assert flag in r.output, flag
     assert ("--bootstrap" in r.output) == spec.bootstrap
+    if spec.inputs != "config":
+        assert "--layers" in r.output and "--seed" in r.output
     if spec.inputs == "tokens":
         assert "--data" in r.output and "--max-tokens" in r.output
 
@@ -52,7 +87,7 @@ def test_flags_fill_the_options():
     """Each flag kind parses to the options' type: lists to tuples (``none``: the empty one), an unset flag without
     default to nothing (the dataclass keeps its own default), --layers to a tuple of indices."""
     spec = Experiment(name="x", module="moetool.experiments.super_experts.compute", function="super_experts",
-                      options="SuperExpertsOptions", command=None, bootstrap=True,
+                      options="SuperExpertsOptions", bootstrap=True,
                       flags=(Flag("--fractions", "floats", (0.25, 0.5)), Flag("--ks", "ints"),
                              Flag("--names", "strs"), Flag("--exact", "bool"), Flag("--p", "float", 0.9, field="pp")))
     params = {name: default for name, _, default in parameters(spec)}
@@ -71,7 +106,7 @@ def test_flags_fill_the_options():
 
 
 def test_a_bad_value_is_one_line_before_any_work(tmp_path):
-    spec = generated()[0]
+    spec = EXPERIMENTS["topk"]
     r = runner.invoke(app, [spec.name, "--layers", "3-1", "--out", str(tmp_path / "run")])
     assert r.exit_code == 2 and r.output.strip().splitlines() == ["error: empty --layers range '3-1' (use low-high, "
                                                                   "e.g. 1-3)"], r.output

@@ -202,7 +202,7 @@ def test_architecture_md_names_what_exists():
 #: who follows each kind of link of a spec (an import the source does not show): the reader's layer bounds the
 #: target's
 READERS = {"module": "moetool.experiments.experiment", "options": "moetool.experiments.experiment",
-           "lines": "moetool.demo", "figures": "moetool.report.plots", "command": "moetool.commands.app",
+           "lines": "moetool.demo", "figures": "moetool.report.plots", "parse": "moetool.commands.generated",
            "options_from": "moetool.demo", "checkpoint_types": None}  # None: the spec module itself names them
 
 
@@ -217,7 +217,7 @@ def spec_links() -> list[tuple[str, str, str, str]]:
                  "options": [f"{spec.module}:{spec.options}"] if spec.options else [],
                  "lines": [f"{spec.module}:{spec.lines}"] if spec.lines else [],
                  "figures": [spec.figures] if spec.figures else [],
-                 "command": [f"{spec.command}:register"] if spec.command else [],
+                 "parse": [f.parse for f in spec.flags if f.parse],
                  "options_from": [spec.demo.options_from] if spec.demo and spec.demo.options_from else [],
                  "checkpoint_types": [":".join(t.rsplit(".", 1)) for t in spec.checkpoint_types]}
         out += [(spec.name, kind, READERS[kind] or own, target) for kind, targets in links.items() for target in targets]
@@ -262,7 +262,7 @@ def test_the_link_check_sees_a_bad_link(monkeypatch):
     from moetool.experiments import registry
 
     spec = registry.EXPERIMENTS["stats"]
-    for figures in ("moetool.experiments.stats.figures:no_such_figures", "moetool.commands.stats:register"):
+    for figures in ("moetool.experiments.stats.figures:no_such_figures", "moetool.commands.stats:show"):
         monkeypatch.setitem(registry.EXPERIMENTS, "stats", dataclasses.replace(spec, figures=figures))
         with pytest.raises(AssertionError):
             test_every_spec_link_resolves_and_obeys_the_layers()

@@ -1,5 +1,5 @@
 """Every comma-separated list flag treats a value given twice the same way: kept once, at its first place (one
-parser, ``commands.options.parse_list``, over ``moetool.registry.unique``), so no table has a row computed twice."""
+parser, ``commands.cli.parse_list``, over ``moetool.registry.unique``), so no table has a row computed twice."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_parse_list_keeps_each_value_once():
-    from moetool.commands.options import parse_list
+    from moetool.commands.cli import parse_list
 
     assert parse_list("0.5,0.5,.50,0.25,0.5", float, "fraction") == [0.5, 0.25]  # equal once cast
     assert parse_list("3,1,03,1", int, "k") == [3, 1]
@@ -32,7 +32,7 @@ def test_norm_select_lists_too():
 def test_no_command_splits_a_list_itself():
     """Commands parse list flags with parse_list only (a hand-made split would skip the de-duplication)."""
     own = [p.name for p in (ROOT / "commands").glob("*.py")
-           if p.name != "options.py" and re.search(r"\.split\(\s*['\"],['\"]", p.read_text(encoding="utf-8"))]
+           if p.name != "cli.py" and re.search(r"\.split\(\s*['\"],['\"]", p.read_text(encoding="utf-8"))]
     assert own == []
 
 

@@ -503,7 +503,7 @@ def test_quantize_fp8_asks_transformers_for_block_fp8_with_the_routers_kept(monk
 
 def test_bitsandbytes_is_said_in_one_console_line(tmp_path, monkeypatch, capsys):
     from moetool import loading
-    from moetool.commands import options
+    from moetool import run as options  # the run's start (moetool.run.start_run)
 
     m = copy.deepcopy(build_tiny_model("mixtral"))
     m.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}

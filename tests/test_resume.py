@@ -157,7 +157,7 @@ def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
 
 def test_resume_refused_under_torchrun(monkeypatch):
-    from moetool.commands.options import check_resume
+    from moetool.run import check_resume
     from moetool.errors import MoetoolError
 
     monkeypatch.setenv("WORLD_SIZE", "2")

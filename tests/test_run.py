@@ -77,10 +77,41 @@ def test_python_run_writes_what_the_cli_writes(tiny, tmp_path, name, kw, flags, 
     assert py["options"]["batch_size"] == cli["options"]["batch_size"] == 4
 
 
+#: (experiment, the model's name(s), its options from Python, the same as CLI arguments and flags)
+NAMED = [("ppl", "tiny", {"routing": "norm:gate", "bootstrap": 100}, ["--routing", "norm:gate", "--bootstrap", "100"]),
+         ("erc", "tiny", {"samples": 2}, ["--samples", "2"]),
+         ("fluctuation", ["tiny-early", "tiny"], {"bootstrap": 0, "routing": ("router", "similarity")},
+          ["tiny-early", "tiny", "--bootstrap", "0", "--routing", "router,similarity"]),
+         ("agreement", "tiny", {"precisions": ("fp32", "bf16"), "bootstrap": 0},
+          ["tiny", "--precisions", "fp32,bf16", "--bootstrap", "0"])]
+
+
+@pytest.mark.parametrize("name, model, kw, args", NAMED, ids=[c[0] for c in NAMED])
+def test_python_run_of_a_name_is_the_command(tmp_path, name, model, kw, args, no_rendering):
+    """``moetool.run(name, "tiny", ...)`` loads and reads what the command does and writes the same files: the
+    command is this call (issue 32 item 3)."""
+    spec = moetool.experiments.registry.get(name)
+    sizes = {"seq_len": SEQ, "max_tokens": MAX, "batch_size": 4} if spec.inputs != "weights" else {}
+    res = moetool.run(name, model, out=tmp_path / "py", quiet=True, device="cpu", **sizes, **kw)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
+    r = runner.invoke(app, [name, *(args if isinstance(model, list) or name == "agreement" else ["--model", model, *args]),
+                            *flags, "--device", "cpu", "-q", "--out", str(tmp_path / "cli")])
+    assert r.exit_code == 0, r.output
+    assert res.path == tmp_path / "py" and written(tmp_path / "py") == written(tmp_path / "cli")
+    same_csvs(tmp_path / "py", tmp_path / "cli")
+    py, cli = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("py", "cli"))
+    assert py["options"] == cli["options"] and py["status"] == cli["status"] == "complete"
+    if spec.inputs != "weights":
+        assert res.tokens.n_tokens == MAX and py["options"]["seq_len"] == SEQ
+
+
 def test_python_run_refuses_in_one_line(tiny, tmp_path):
     lm, tokens = tiny
     for call, says in ((lambda: moetool.run("stats", lm, None), "needs tokens"),
-                       (lambda: moetool.run("fluctuation", lm, tokens), "takes checkpoints"),
+                       (lambda: moetool.run("fluctuation", lm, tokens), "on the names of its checkpoints"),
+                       (lambda: moetool.run("stats", lm, tokens, data="x.txt"), "go with a model's name"),
+                       (lambda: moetool.run("stats", ["tiny", "tiny-fine"]), "one model: a name, not a list"),
+                       (lambda: moetool.run("fluctuation", "tiny"), "two or more checkpoints"),
                        (lambda: moetool.run("ppl", lm, tokens, batch_size="big"), "neither a number of rows"),
                        (lambda: moetool.run("ppl", lm, tokens, resume=True, out=tmp_path / "r"), "no unit checkpoints"),
                        (lambda: moetool.run("stats", lm, tokens, top_tokenz=3), "unknown option")):
@@ -173,6 +204,7 @@ def test_resume_from_python_equals_an_uninterrupted_run(tiny, tmp_path, monkeypa
 def test_no_module_global_holds_a_runs_state():
     """No ``engine.runner.BACKOFF`` / ``distributed._PARALLEL``: no module of moetool holds a back-off, a layout
     or a run at module level, and no source names the old globals."""
+    import moetool.commands.cli  # noqa: F401
     import moetool.commands.options  # noqa: F401
     import moetool.experiments.capacity.compute  # noqa: F401
     import moetool.run  # noqa: F401

@@ -123,7 +123,7 @@ def test_failed_run_folder_is_reused_without_force_but_an_interrupted_one_is_not
 
 
 def _fake_command(tmp_path, fail_with):
-    from moetool.commands.options import handle_errors
+    from moetool.commands.cli import handle_errors
 
     app = typer.Typer()
 
@@ -161,7 +161,7 @@ SIGTERM_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import pandas as pd, typer
-    from moetool.commands.options import handle_errors
+    from moetool.commands.cli import handle_errors
     from moetool.report import RunDir
 
     @handle_errors

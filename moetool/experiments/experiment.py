@@ -31,19 +31,29 @@ class Demo:
 
 @dataclass(frozen=True)
 class Flag:
-    """One option of a command generated from the registry (an :class:`Experiment` with no ``command`` module):
+    """One option of an experiment's command (generated from the spec: :mod:`moetool.commands.generated`):
     ``--<flag>`` sets the options dataclass's field ``field`` (default: the flag's name with ``_`` for ``-``).
-    ``kind`` is ``int``, ``float``, ``str`` or ``bool`` (``--x/--no-x``), or ``ints``, ``floats``, ``strs``: a
-    comma-separated list, a tuple in the options (``none``: the empty tuple). ``default`` is shown by ``--help``
-    (a list as its text, ``"0.5,1"``); ``None`` leaves the options dataclass's own default."""
+    ``kind`` is ``int``, ``float``, ``str``, ``path`` or ``bool`` (``--x/--no-x``), or ``ints``, ``floats``,
+    ``strs``: a comma-separated list, a tuple in the options (``none``: the empty tuple). ``default`` is shown by
+    ``--help`` (a list as its text, ``"0.5,1"``); ``None`` leaves the options dataclass's own. ``short`` is a
+    one-letter alias (``-G``), ``min`` / ``max`` bound a number, ``required`` makes the flag mandatory; ``parse``
+    (``"module:attr"``) turns the flag's text into the field's value instead of the kind's cast (e.g. a noise
+    spec); ``to_options=False``: the flag is the command's own (read by its hooks), not an options field."""
 
     flag: str
     kind: str = "str"
     default: Any = None
     help: str = ""
     field: str | None = None
+    short: str | None = None
+    min: float | None = None
+    max: float | None = None
+    required: bool = False
+    parse: str | None = None
+    to_options: bool = True
+    metavar: str | None = None
 
-    KINDS = ("int", "float", "str", "bool", "ints", "floats", "strs")
+    KINDS = ("int", "float", "str", "path", "bool", "ints", "floats", "strs")
 
     def __post_init__(self) -> None:
         if not self.flag.startswith("--") or self.kind not in self.KINDS:
@@ -54,6 +64,11 @@ class Flag:
         """The option's field (and the generated command's parameter)."""
         return self.field or self.flag[2:].replace("-", "_")
 
+    @property
+    def many(self) -> bool:
+        """A comma-separated list (a tuple in the options)."""
+        return self.kind in ("ints", "floats", "strs")
+
 
 @dataclass(frozen=True)
 class Experiment:
@@ -61,7 +76,10 @@ class Experiment:
     Result``; ``inputs`` says what it takes instead of ``(lm, tokens)``: ``"weights"`` = ``(lm, options)``,
     ``"checkpoints"`` = ``(names or models, tokens, options)``), ``options`` (its dataclass) and ``lines``
     (``(name, Result) -> list[str]``: what the demo prints). ``api`` is its name in ``import moetool``;
-    ``command`` the module of its CLI command; ``figures`` the ``"module:attr"`` drawing its figures, ``captions``
+    ``groups`` the standard flag groups its command takes beside those of its ``inputs``
+    (:mod:`moetool.commands.flags`: ``routing``, ``lmeval``, ``resume``, ``trace``, or one flag of them by name) and
+    ``defaults`` its own defaults of standard flags (``{"max_tokens": 32768}``); ``loads_model=False``: the compute
+    function takes the model's name and loads it itself (once per precision); ``figures`` the ``"module:attr"`` drawing its figures, ``captions``
     theirs (figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` it plots): the
     report page's); ``checkpoint_types`` the ``"module.Class"`` names a ``--resume`` unit of it may hold."""
 
@@ -71,7 +89,9 @@ class Experiment:
     options: str | None = None
     api: str = ""
     inputs: str = "tokens"
-    command: str | None = ""
+    groups: tuple[str, ...] = ()
+    defaults: dict[str, Any] = field(default_factory=dict)
+    loads_model: bool = True
     figures: str | None = None
     lines: str | None = "summary_lines"
     demo: Demo | None = None
@@ -99,9 +119,8 @@ class Experiment:
 
 def experiment(name: str, function: str, options: str | None, **kw: Any) -> Experiment:
     """The spec of the experiment in ``moetool/experiments/<name>/`` (``-`` as ``_``): its compute function is
-    ``compute.py``'s ``function``; ``cmd``: its command module under ``moetool.commands`` (default: ``function``;
-    ``None``: generated from the spec)."""
+    ``compute.py``'s ``function``. Its command is generated from the spec (``moetool <name>``); a module
+    ``moetool.commands.<name>`` (``-`` as ``_``), where there is one, adds only what is the command's own (checks
+    before loading, console output: :mod:`moetool.commands.generated`)."""
     module = f"moetool.experiments.{name.replace('-', '_')}.compute"
-    cmd = kw.pop("cmd", function)  # None: a command generated from the spec
-    return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function),
-                      command=cmd and f"moetool.commands.{cmd}", **kw)
+    return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function), **kw)

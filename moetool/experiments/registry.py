@@ -1,6 +1,6 @@
 """The experiment registry: one :class:`Experiment` spec per experiment, from which everything else is derived.
 
-* the command line: ``moetool <name>`` is ``<command>.register(app)`` for every spec (``moetool.commands.app``);
+* the command line: ``moetool <name>`` is generated from every spec (``moetool.commands.generated``);
 * ``import moetool``: ``moetool.<api>`` is the compute function and ``moetool.<Options>`` its options dataclass
   (``moetool.api.EXPORTS``);
 * ``moetool demo``: a spec with a :class:`Demo` is a demo step, run by :func:`moetool.demo.run_step`;
@@ -78,12 +78,6 @@ def get(name: str) -> Experiment:
 
 
 def command_modules() -> list[str]:
-    """Every CLI command's module, experiments first (the order of ``moetool --help`` is alphabetical anyway);
-    ``moetool.commands.generated`` registers the experiments with ``command=None`` (:func:`generated`)."""
-    hand = [spec.command for spec in EXPERIMENTS.values() if spec.command]
-    return hand + ["moetool.commands.generated"] + [f"moetool.commands.{c}" for c in OTHER_COMMANDS]
-
-
-def generated() -> list[Experiment]:
-    """The experiments whose command is generated from their spec (``moetool.commands.generated``)."""
-    return [spec for spec in EXPERIMENTS.values() if not spec.command]
+    """Every CLI command's module: ``moetool.commands.generated`` makes every experiment's command from its spec
+    (with what ``moetool.commands.<name>`` adds, where there is one), then the commands that are not experiments."""
+    return ["moetool.commands.generated"] + [f"moetool.commands.{c}" for c in OTHER_COMMANDS]

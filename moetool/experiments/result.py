@@ -50,6 +50,7 @@ class Result:
     started: float | None = None
     wall_seconds: float | None = None
     path: Any = None  # the run folder moetool.run wrote it to (None: not written)
+    tokens: Any = None  # the packed tokens moetool.run read from a model's --data (None: given, or none read)
 
     def _key(self, key: str) -> str:
         if key in self.tables:

@@ -32,7 +32,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -50,4 +50,9 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("agreement", "agreement", "AgreementOptions", figures="moetool.experiments.agreement.figures:agreement_figures",
                   demo=Demo(max_tokens=2048, options={"precisions": ("fp32", "bf16", "fp8"), "bootstrap": 200}),
-                  order=100, captions=CAPTIONS)
+                  order=100,
+                  bootstrap=True, loads_model=False,
+                  flags=(Flag("--precisions", "strs", "fp32,bf16,fp8", "Precisions compared, comma-separated: fp32, bf16, "
+                              "fp16, fp8, fp4, mxfp4 (the last three simulated).", short="-p"),
+                         Flag("--thresholds", "floats", "0.0001,0.001,0.01,0.1", "Reference-margin bin edges "
+                              "(increasing), comma-separated.")), captions=CAPTIONS)

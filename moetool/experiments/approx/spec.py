@@ -28,7 +28,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -42,4 +42,11 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("approx", "approx", "ApproxOptions", figures="moetool.experiments.approx.figures:approx_figures",
                   demo=Demo(max_tokens=1024, options={"batch_size": 8}),
-                  order=40, captions=CAPTIONS)
+                  order=40,
+                  defaults={"max_tokens": 4096, "batch_size": 4},
+                  flags=(Flag("--selectors", "strs", "router,norm_oracle,best_subset,random", "Comma-separated selection "
+                              "rules scored against the dense sum: router, norm_oracle, best_subset, random. They do not "
+                              "change the routing (the model runs with its own router), so they are not --routing "
+                              "policies."),
+                         Flag("--max-subsets", "int", 10_000, "best_subset only in layers with C(n, K) at most this.",
+                              min=1)), captions=CAPTIONS)

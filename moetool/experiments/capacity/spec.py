@@ -41,7 +41,7 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 SPEC = experiment("capacity", "capacity", "CapacityOptions", figures="moetool.experiments.capacity.figures:capacity_figures",
-                  demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")}), cmd=None,
+                  demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")}),
                   bootstrap=True, title="capacity factor, dropped assignments and perplexity",
                   flags=(Flag("--cf", "floats", "0.5,1,1.25,1.5,2", "Capacity factors, comma-separated (inf allowed).",
                               field="cfs"),

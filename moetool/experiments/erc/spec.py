@@ -29,7 +29,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -41,4 +41,11 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("erc", "erc", "ErcOptions", inputs="weights", figures="moetool.experiments.erc.figures:erc_figures",
                   demo=Demo(seq_len=None, options={"samples": 4}),
-                  order=30, captions=CAPTIONS)
+                  order=30,
+                  flags=(Flag("--alpha", "floats", "0.4,0.6,0.8,1.0", "Comma-separated α values of L_ERC(α).", field="alphas"),
+                         Flag("--noise", "str", "derived", "derived: eps_i from the nearest other router row "
+                              "(||R_i − R_j*|| / 2||R_i||); none: no noise; a number: that eps for every expert.",
+                              parse="moetool.experiments.erc.compute:parse_noise"),
+                         Flag("--samples", "int", 1, "Noise draws (seeded); erc_loss is their mean.", min=1),
+                         Flag("--node", "str", "gate", "Probe node whose norm fills M: gate|up|act|glu|output."),
+                         Flag("--norm", "str", "l2", "Norm of the node: l2|l1|linf.")), captions=CAPTIONS)

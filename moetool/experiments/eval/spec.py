@@ -20,12 +20,15 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import experiment
+from ..experiment import Flag, experiment
 
 #: the types a ``--resume`` unit checkpoint of this experiment may hold (:mod:`moetool.checkpoints`)
 CHECKPOINT_TYPES = (
     "moetool.experiments.eval.compute.EvalResult",
 )
 
-SPEC = experiment("eval", "eval_tasks", "EvalOptions", api="evaluate", cmd="eval", inputs="model", lines=None,
-                  order=170, checkpoint_types=CHECKPOINT_TYPES)
+SPEC = experiment("eval", "eval_tasks", "EvalOptions", api="evaluate", inputs="model", lines=None,
+                  order=170,
+                  groups=("lmeval", "routing"),
+                  flags=(Flag("--tasks", "strs", None, "Comma list of lm-eval task names (shipped offline: moetool_code, "
+                              "moetool_prose).", short="-t", required=True),), checkpoint_types=CHECKPOINT_TYPES)

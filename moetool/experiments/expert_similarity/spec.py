@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from ..experiment import Demo, Flag, experiment
 
-SPEC = experiment("expert-similarity", "expert_similarity", "ExpertSimilarityOptions", cmd=None, title="expert similarity",
+SPEC = experiment("expert-similarity", "expert_similarity", "ExpertSimilarityOptions", title="expert similarity",
                   demo=Demo(max_tokens=2048), sample=("--cluster-to", "2"),
                   flags=(Flag("--cluster-to", "int", None, "HC-SMoE's groups: cluster each layer's experts into this many "
                               "(average linkage on the distance of mean outputs); default: the merge order only."),),

@@ -52,7 +52,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, PAIRS, experiment
+from ..experiment import Demo, Flag, PAIRS, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -69,4 +69,13 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("fluctuation", "fluctuation", "FluctuationOptions", inputs="checkpoints",
                   figures="moetool.experiments.fluctuation.figures:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True}),
-                  order=70, captions=CAPTIONS)
+                  order=70,
+                  groups=("sim", "causal", "resume", "traces"), bootstrap=True,
+                  flags=(Flag("--routing", "strs", "router,similarity,attention", "Routing policies compared, "
+                              "comma-separated (router = the model's own routing; similarity, attention, or any "
+                              "--routing spec)."),
+                         Flag("--tau", "float", None, "Similarity temperature τ (default sqrt(d))."),
+                         Flag("--reference", "str", "previous", "Pairs: previous (i-1 vs i), first (0 vs i) or last (last "
+                              "vs i)."),
+                         Flag("--isolate", "bool", False, "Also feed the reference's MoE inputs to the other checkpoint's "
+                              "routers (rows <routing>-isolated).")), captions=CAPTIONS)

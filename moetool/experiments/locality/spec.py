@@ -22,5 +22,5 @@ from __future__ import annotations
 
 from ..experiment import Demo, experiment
 
-SPEC = experiment("locality", "locality", "LocalityOptions", cmd=None, title="routing locality of consecutive tokens",
+SPEC = experiment("locality", "locality", "LocalityOptions", title="routing locality of consecutive tokens",
                   demo=Demo(max_tokens=2048), order=155)

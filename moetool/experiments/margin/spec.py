@@ -51,7 +51,7 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 SPEC = experiment("margin", "margin", "MarginOptions", figures="moetool.experiments.margin.figures:margin_figures",
-                  demo=Demo(max_tokens=2048, options={"bootstrap": 200}), cmd=None, bootstrap=True,
+                  demo=Demo(max_tokens=2048, options={"bootstrap": 200}), bootstrap=True,
                   title="routing margin and flips under noise", summary_csv="margin_flips.csv",
                   flags=(Flag("--eps", "floats", "0.001,0.01,0.05,0.1", "Relative noise sizes on the router input, "
                               "comma-separated."),

@@ -40,7 +40,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -57,4 +57,12 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("mass-recall", "mass_recall", "MassRecallOptions", figures="moetool.experiments.mass_recall.figures:mass_recall_figures",
                   demo=Demo(max_tokens=4096, options={"codebook_sizes": (8, 32), "kmeans_iters": 1}),
-                  order=50, captions=CAPTIONS)
+                  order=50,
+                  bootstrap=True, defaults={"max_tokens": 16384},
+                  flags=(Flag("--codebook-size", "ints", "8,32,128", "Codebook sizes G, comma-separated.", short="-G",
+                              field="codebook_sizes"),
+                         Flag("--shortlist", "ints", None, "Shortlist sizes M, comma-separated, each at most the layer's n "
+                              "experts (default: 2,4,8,16 up to n).", short="-M", field="shortlists"),
+                         Flag("--centroids", "strs", "raw,unit", "Expert centroid modes, comma-separated: raw (the router "
+                              "as is) and/or unit (rows on the unit sphere)."),
+                         Flag("--kmeans-iters", "int", 1, "Extra k-means passes over the data after the first.", min=0)), captions=CAPTIONS)

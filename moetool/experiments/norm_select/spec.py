@@ -33,7 +33,7 @@ pruned router (criteria and files as the prune: policy, see `moetool prune --hel
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -48,4 +48,13 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("norm-select", "norm_select", "NormSelectOptions", figures="moetool.experiments.norm_select.figures:norm_select_figures",
                   demo=Demo(models=("tiny",), seq_len=256, max_tokens=2048, options={"limit": 20, "batch_size": 16},
                             options_from="moetool.experiments.norm_select.compute:demo_options"),
-                  order=20, captions=CAPTIONS)
+                  order=20,
+                  groups=("weights", "lmeval", "resume"), bootstrap=True,
+                  flags=(Flag("--nodes", "str", "all", "Comma list of gate,up,act,glu,output or 'all'.",
+                              parse="moetool.experiments.norm_select.compute:parse_nodes"),
+                         Flag("--norm", "str", "l2", "l2|l1|linf, or a comma list to sweep several.", field="norms",
+                              parse="moetool.experiments.norm_select.compute:parse_norms"),
+                         Flag("--tasks", "strs", None, "lm-eval tasks (comma list); default: perplexity only.", short="-t"),
+                         Flag("--prune", "str", None, "Run on the pruned model: <criterion>:<fraction>[:<prune_importance"
+                              ".csv>] or file:<removed.json|csv> (as the prune: policy; see moetool prune). The router "
+                              "baseline routes among the kept experts and every norm policy chooses among them.")), captions=CAPTIONS)

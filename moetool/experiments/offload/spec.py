@@ -31,7 +31,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -47,4 +47,12 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("offload", "offload", "OffloadOptions", figures="moetool.experiments.offload.figures:offload_figures",
                   demo=Demo(max_tokens=2048),
-                  order=60, captions=CAPTIONS)
+                  order=60,
+                  groups=("trace",), bootstrap=True,
+                  flags=(Flag("--capacity", "ints", None, "Cache sizes C (experts per layer), comma-separated; default K, "
+                              "2K, n/4, n/2, 3n/4, n within [K, n].", short="-C", field="capacities"),
+                         Flag("--policies", "strs", "lru,lfu,belady", "Cache policies: lru, lfu, belady."),
+                         Flag("--coverage-tokens", "ints", None, "N of coverage(N), comma-separated (default powers of 4 "
+                              "from 16, and all tokens)."),
+                         Flag("--predict-norm", "bool", True, "Apply layer ℓ+1's post_attention_layernorm to x_ℓ before "
+                              "its router.")), captions=CAPTIONS)

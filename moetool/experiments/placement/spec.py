@@ -33,7 +33,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -51,4 +51,20 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("placement", "placement", "PlacementOptions", figures="moetool.experiments.placement.figures:placement_figures",
                   demo=Demo(max_tokens=4096),
-                  order=140, captions=CAPTIONS)
+                  order=140,
+                  groups=("trace",), bootstrap=True, title="per-GPU load imbalance (max/mean)",
+                  summary_csv="placement_overall.csv",
+                  flags=(Flag("--gpus", "ints", None, "GPU counts G, comma-separated; each must divide the number of "
+                              "experts (default: powers of two up to n)."),
+                         Flag("--extra-slots", "ints", "0,1", "Redundant replica slots per GPU for EPLB, comma-separated "
+                              "(R = slots x G)."),
+                         Flag("--nodes", "int", 1, "Nodes for EPLB's hierarchical packing (divides G)."),
+                         Flag("--groups", "int", None, "Expert groups for EPLB (default: the model's routing groups, "
+                              "else 1)."),
+                         Flag("--reference-data", "path", None, "Text/JSONL whose loads the stale EPLB placement is "
+                              "computed from.", to_options=False),
+                         Flag("--reference-model", "str", None, "Checkpoint (same architecture and tokenizer) whose loads "
+                              "the stale EPLB placement is computed from.", to_options=False),
+                         Flag("--export", "str", None, "Also write the EPLB placement at the one --gpus G and "
+                              "--extra-slots given, as the engine loads it: sglang (--init-expert-location file) or "
+                              "eplb (phy2log, log2phy, logcnt).", to_options=False)), captions=CAPTIONS)

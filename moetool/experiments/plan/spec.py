@@ -18,7 +18,13 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import experiment
+from ..experiment import Flag, experiment
 
 SPEC = experiment("plan", "plan", None, inputs="config", lines=None,
-                  order=190)
+                  order=190,
+                  flags=(Flag("--gpus", "str", "8xH100", "GPUs per node, COUNTxNAME (e.g. 8xH100, 1xRTX4090)."),
+                         Flag("--nodes", "int", 1, "Nodes (each with --gpus).", min=1),
+                         Flag("--seq-len", "int", None, "Tokens per row the commands would run (default 2048, or the "
+                              "model's positions when it has fewer).", min=2),
+                         Flag("--batch-size", "int", 8, "Rows per batch the commands would run.", min=1),
+                         Flag("--json", "bool", False, "Print the tables as JSON (no run folder).")))

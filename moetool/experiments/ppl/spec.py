@@ -17,7 +17,10 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import experiment
+from ..experiment import Flag, experiment
 
 SPEC = experiment("ppl", "ppl", "PplOptions", lines=None,
-                  order=160)
+                  order=160,
+                  groups=("routing",), bootstrap=True, defaults={"max_tokens": 32768},
+                  flags=(Flag("--baseline", "bool", True, "Also run the router on the same rows for the perplexity ratio "
+                              "(policies other than router)."),))

@@ -43,7 +43,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -65,4 +65,15 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 
 SPEC = experiment("prune", "prune", "PruneOptions", figures="moetool.experiments.prune.figures:prune_figures",
                   demo=Demo(models=("tiny",), max_tokens=2048, options={"fractions": (0.25, 0.5), "ablate": 4}),
-                  order=120, captions=CAPTIONS)
+                  order=120,
+                  groups=("lmeval",), bootstrap=True, title="perplexity with experts removed", summary_csv="prune.csv",
+                  flags=(Flag("--fractions", "floats", "0.125,0.25,0.5", "Fractions of each MoE layer's experts removed, "
+                              "comma-separated."),
+                         Flag("--criteria", "strs", "frequency,weighted,reap,random", "Importance criteria, "
+                              "comma-separated: frequency, weighted, reap, random."),
+                         Flag("--ablate", "int", 8, "Single-expert ablations of the experts with the largest REAP saliency "
+                              "(0: none)."),
+                         Flag("--reap-weights", "str", "renormalised", "REAP's gate weight: renormalised (p over the sum "
+                              "of the top-K's p, REAP's README) or softmax (p, reap.main on Mixtral)."),
+                         Flag("--tasks", "strs", None, "lm-eval tasks (comma list) run under every pruning; default: "
+                              "perplexity only.", short="-t")), captions=CAPTIONS)

@@ -67,7 +67,7 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, experiment
+from ..experiment import Demo, Flag, experiment
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -102,4 +102,18 @@ CHECKPOINT_TYPES = (
 
 SPEC = experiment("stats", "stats", "StatsOptions", figures="moetool.experiments.stats.figures:stats_figures",
                   demo=Demo(seq_len=256, max_tokens=8192, tokens={"add_special_tokens": None}),
-                  order=10, captions=CAPTIONS, checkpoint_types=CHECKPOINT_TYPES)
+                  order=10,
+                  groups=("resume", "trace"), bootstrap=True, defaults={"max_tokens": 32768}, title="routing statistics",
+                  summary_csv="layers.csv",
+                  flags=(Flag("--top-tokens", "int", 10, "Most frequent token ids listed per expert (0: skip top tokens).",
+                              min=0),
+                         Flag("--min-count", "int", 10, "Minimum occurrences of a token id in specialization.csv and of a "
+                              "(token, expert) pair in top_tokens_lift.csv.", min=1),
+                         Flag("--top-k", "int", None, "1: every table on each token's first-ranked expert only (OLMoE's "
+                              "*_top1). Default: the model's top-K.", min=1, max=1),
+                         Flag("--coactivation", "str", "all", "all (default): count every ordered pair of the top-K (routed "
+                              "to both); adjacent: only neighbouring ranks, as OLMoE's heatmaps (lower for K > 2)."),
+                         Flag("--all-tokens", "bool", False, "Write expert_tokens.parquet: every (layer, expert, token id) "
+                              "count, not truncated."),
+                         Flag("--no-special-tokens", "bool", False, "Tokenize without special tokens (default: the "
+                              "tokenizer's own default, e.g. a BOS).", to_options=False)), captions=CAPTIONS, checkpoint_types=CHECKPOINT_TYPES)

@@ -47,7 +47,7 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 SPEC = experiment("super-experts", "super_experts", "SuperExpertsOptions", figures="moetool.experiments.super_experts.figures:super_experts_figures",
-                  demo=Demo(models=("tiny",), max_tokens=2048), cmd=None, bootstrap=True,
+                  demo=Demo(models=("tiny",), max_tokens=2048), bootstrap=True,
                   title="super experts and perplexity without them", sample=("--bootstrap", "100"),
                   flags=(Flag("--percentile", "float", 99.5, "A super expert's maximum exceeds this percentile of every "
                               "(layer, expert) maximum."),

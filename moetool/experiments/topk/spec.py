@@ -36,7 +36,7 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 SPEC = experiment("topk", "topk", "TopkOptions", figures="moetool.experiments.topk.figures:topk_figures",
-                  demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)}), cmd=None, bootstrap=True,
+                  demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)}), bootstrap=True,
                   title="experts per token and perplexity",
                   flags=(Flag("--ks", "ints", None, "Fixed experts per token, comma-separated (default 1 .. K-1)."),
                          Flag("--ps", "floats", "0.5,0.7,0.8,0.9,0.95,0.99", "Top-p masses, comma-separated ('none': no top-p)."),

@@ -15,7 +15,11 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import experiment
+from ..experiment import Flag, experiment
 
 SPEC = experiment("trace", "trace", "TraceOptions", lines=None,
-                  order=180)
+                  order=180,
+                  groups=("routing", "resume"),
+                  flags=(Flag("--logits", "bool", False, "Also write the full router logits."),
+                         Flag("--format", "str", "csv.gz", "csv.gz (pandas.read_csv) or parquet (pandas.read_parquet; "
+                              "faster, smaller).", to_options=False)))
