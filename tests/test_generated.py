@@ -111,3 +111,18 @@ def test_a_bad_value_is_one_line_before_any_work(tmp_path):
     assert r.exit_code == 2 and r.output.strip().splitlines() == ["error: empty --layers range '3-1' (use low-high, "
                                                                   "e.g. 1-3)"], r.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.options], ids=lambda s: s.name)
+def test_a_flag_default_is_the_options_default(spec):
+    """A spec's Flag and the options dataclass describe one default: the flag's text, parsed as the command parses
+    it, is the field's default (so ``moetool <name>`` and ``moetool.<function>(lm, tokens)`` run the same thing
+    unless told otherwise); a flag without a default leaves the dataclass's."""
+    from moetool.commands.generated import parse_flag
+
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(spec.options_class())}
+    for flag in spec.flags:
+        if not flag.to_options or flag.default is None:
+            continue
+        assert parse_flag(flag, flag.default) == defaults[flag.name], (spec.name, flag.flag)
