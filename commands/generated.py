@@ -91,7 +91,7 @@ def parameters(spec: Experiment) -> list[tuple[str, Any, Any]]:
     boot = GROUPS["bootstrap"] if spec.bootstrap and "bootstrap" not in spec.groups else []
     extra = getattr(own, "PARAMS", [])  # the command's own (one named as a standard flag replaces it)
     first = [g for g in first if g[0] not in {name for name, _, _ in extra}]
-    params = [*first, *extra, *(flag_parameter(f) for f in spec.flags), *named, *boot, *rest]
+    params = [*first, *extra, *(flag_parameter(f) for f in spec.command_flags()), *named, *boot, *rest]
     without = set(getattr(own, "WITHOUT", ()))
     unknown = set(spec.defaults) - {name for name, _, _ in params}
     if unknown:
@@ -120,7 +120,7 @@ def options_of(spec: Experiment, params: dict[str, Any]) -> dict[str, Any]:
 
     fields = {f.name for f in dataclasses.fields(spec.options_class())}
     kw: dict[str, Any] = {}
-    for flag in spec.flags:
+    for flag in spec.command_flags():
         value = params.get(flag.name)
         if value is None or not flag.to_options:
             continue

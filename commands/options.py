@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from moetool.defaults import DEFAULT_BOOTSTRAP  # noqa: F401 - numpy-free (the library's one default)
 from moetool.run import DEFAULT_MODEL  # noqa: F401 - torch-free
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
@@ -63,7 +64,6 @@ Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the 
                                                "indices): where the policy replaces routing, or the layers an "
                                                "analysis covers; e.g. '0,2,5-7' (default: every MoE layer).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-DEFAULT_BOOTSTRAP = 1000  # mirrors moetool.uncertainty.DEFAULT_BOOTSTRAP (a test checks) without importing numpy
 Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, help="Replicates of the document-level bootstrap "
                                         "over packed rows (seeded by --seed) for 95% intervals: *_lo/*_hi CSV "
                                         "columns, error bars, 'value ± half-width' in tables. 0 = off; else >= 100.")]

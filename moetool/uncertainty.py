@@ -42,10 +42,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .defaults import DEFAULT_BOOTSTRAP  # noqa: F401 - the default number of replicates (--bootstrap)
 from .errors import MoetoolError
-
-#: default number of bootstrap replicates (``--bootstrap``)
-DEFAULT_BOOTSTRAP = 1000
 LEVEL = 0.95
 
 

@@ -18,6 +18,7 @@ import typer
 
 from moetool.commands.app import app
 from moetool.commands.generated import TO_OPTIONS, TO_RUN, options_of, own_module, parameters
+from moetool.experiments.experiment import option
 from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag
 
 runner = CliRunner()
@@ -56,10 +57,10 @@ def test_every_parameter_is_an_option_field(spec):
     have) are fields of the experiment's options dataclass: a flag that set nothing would be a silent no-op; every
     other parameter is the run's (:data:`TO_RUN`), the command's own module's, or --tp/--ep."""
     fields = {f.name for f in dataclasses.fields(spec.options_class())}
-    own_flags = {f.name for f in spec.flags if f.to_options}
+    own_flags = {f.name for f in spec.command_flags() if f.to_options}
     assert own_flags <= fields, own_flags - fields
     names = {name for name, _, _ in parameters(spec)}
-    hooks = {n for n, _, _ in getattr(own_module(spec), "PARAMS", [])} | {f.name for f in spec.flags if not f.to_options}
+    hooks = {n for n, _, _ in getattr(own_module(spec), "PARAMS", [])} | {f.name for f in spec.command_flags() if not f.to_options}
     rest = names - own_flags - (set(TO_OPTIONS) & fields) - set(TO_RUN) - hooks - {"tp", "ep", "checkpoints",
                                                                                       "model", "trace", "trace_config"}
     assert not rest, f"{spec.name}: parameters nobody reads: {rest}"
@@ -74,7 +75,7 @@ def test_help_is_the_module_docstring_and_lists_every_flag(spec):
     r = runner.invoke(app, [spec.name, "--help"], env={"COLUMNS": "3000"}, terminal_width=3000)
     assert r.exit_code == 0, r.output
     assert doc.splitlines()[0] in r.output
-    for flag in ["--out", *(f.flag for f in spec.flags)]:
+    for flag in ["--out", *(f.flag for f in spec.command_flags())]:
         assert flag in r.output, flag
     assert ("--bootstrap" in r.output) == spec.bootstrap
     if spec.inputs != "config":
@@ -83,19 +84,38 @@ def test_help_is_the_module_docstring_and_lists_every_flag(spec):
         assert "--data" in r.output and "--max-tokens" in r.output
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """An options dataclass as a spec.py declares one: fields with their flags (``option``) and plain ones."""
+
+    fractions: tuple[float, ...] = option((0.25, 0.5), "--fractions", "Fractions.")
+    ks: tuple[int, ...] | None = option(None, "--ks", "Ks.", kind="ints")
+    exact: bool = option(False, "--exact", "Exact.")
+    pp: float = option(0.9, "--p", "A p.", min=0.0)
+    names: tuple[str, ...] = ()
+    layers: tuple[int, ...] | None = None
+    batch_size: int = 8
+    bootstrap: int = 1000
+    seed: int = 0
+
+
 def test_flags_fill_the_options():
     """Each flag kind parses to the options' type: lists to tuples (``none``: the empty one), an unset flag without
-    default to nothing (the dataclass keeps its own default), --layers to a tuple of indices."""
-    spec = Experiment(name="x", module="moetool.experiments.super_experts.compute", function="super_experts",
-                      options="SuperExpertsOptions", bootstrap=True,
-                      flags=(Flag("--fractions", "floats", (0.25, 0.5)), Flag("--ks", "ints"),
-                             Flag("--names", "strs"), Flag("--exact", "bool"), Flag("--p", "float", 0.9, field="pp")))
+    default to nothing (the dataclass keeps its own default), --layers to a tuple of indices; a field declared with
+    ``option`` is a flag with the field's default (its kind from the default, a tuple shown as its text), beside the
+    spec's own ``Flag`` s."""
+    spec = Experiment(name="x", module="test_generated", function="f", options="_Options", bootstrap=True,
+                      flags=(Flag("--names", "strs"), Flag("--own", "str", "a", to_options=False)))
+    assert [(f.flag, f.kind, f.default, f.name) for f in spec.command_flags()] == [
+        ("--fractions", "floats", "0.25,0.5", "fractions"), ("--ks", "ints", None, "ks"), ("--exact", "bool", False,
+        "exact"), ("--p", "float", 0.9, "pp"), ("--names", "strs", None, "names"), ("--own", "str", "a", "own")]
     params = {name: default for name, _, default in parameters(spec)}
     assert params["fractions"] == "0.25,0.5" and params["ks"] is None and params["exact"] is False
     params.update(ks="1, 3", names="a,b", layers="0,2-3", exact=True)
     kw = options_of(spec, params)
     assert kw == {"fractions": (0.25, 0.5), "ks": (1, 3), "names": ("a", "b"), "exact": True, "pp": 0.9,
                   "layers": (0, 2, 3), "batch_size": 8, "bootstrap": 1000, "seed": 0}
+    assert _Options(**kw).fractions == (0.25, 0.5)
     assert options_of(spec, {**params, "fractions": "None"})["fractions"] == ()  # a list flag's none: empty
     with pytest.raises(Exception, match="ks"):
         options_of(spec, {**params, "ks": "1,x"})
@@ -103,6 +123,8 @@ def test_flags_fill_the_options():
         Flag("ks", "ints")
     with pytest.raises(ValueError, match="bad Flag"):
         Flag("--ks", "list")
+    with pytest.raises(ValueError, match="give kind"):
+        option(None, "--x", "no kind")
 
 
 def test_a_bad_value_is_one_line_before_any_work(tmp_path):
@@ -122,7 +144,7 @@ def test_a_flag_default_is_the_options_default(spec):
 
     defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                 for f in dataclasses.fields(spec.options_class())}
-    for flag in spec.flags:
+    for flag in spec.command_flags():
         if not flag.to_options or flag.default is None:
             continue
         assert parse_flag(flag, flag.default) == defaults[flag.name], (spec.name, flag.flag)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: lowest first; a module may import its own layer and the layers before it (a group is moetool.<name>)
 LAYERS: list[set[str]] = [
     {"errors", "registry", "configs", "demo_models", "progress", "ops", "formats", "lmeval_compat", "files",
-     "context"},
+     "context", "defaults"},
     {"sketch", "uncertainty", "distributed", "data", "hub", "checkpoints"},
     {"adapters"},
     {"loading", "sizing", "engine"},
@@ -217,7 +217,7 @@ def spec_links() -> list[tuple[str, str, str, str]]:
                  "options": [f"{spec.module}:{spec.options}"] if spec.options else [],
                  "lines": [f"{spec.module}:{spec.lines}"] if spec.lines else [],
                  "figures": [spec.figures] if spec.figures else [],
-                 "parse": [f.parse for f in spec.flags if f.parse],
+                 "parse": [f.parse for f in spec.command_flags() if f.parse],
                  "options_from": [spec.demo.options_from] if spec.demo and spec.demo.options_from else [],
                  "checkpoint_types": [":".join(t.rsplit(".", 1)) for t in spec.checkpoint_types]}
         out += [(spec.name, kind, READERS[kind] or own, target) for kind, targets in links.items() for target in targets]

@@ -5,8 +5,9 @@ string (``tests/test_layers.py`` resolves every one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from ..demo_models import DEMO_MODELS as BASE  # the embedded base models every demo step runs on
@@ -113,8 +114,79 @@ class Experiment:
         """The compute function (or another attribute of the experiment's module)."""
         return getattr(importlib.import_module(self.module), attr or self.function)
 
+    @property
+    def spec_module(self) -> str:
+        """``moetool.experiments.<name>.spec``: where the spec, its help text and its options dataclass live."""
+        return f"moetool.experiments.{self.name.replace('-', '_')}.spec"
+
     def options_class(self) -> Any:
-        return self.load(self.options) if self.options else None
+        """The options dataclass: ``spec.py``'s (torch-free), else the compute module's."""
+        if not self.options:
+            return None
+        import importlib.util
+
+        found = importlib.util.find_spec(self.spec_module) if self.module.startswith("moetool.") else None
+        own = importlib.import_module(self.spec_module) if found is not None else None
+        return getattr(own, self.options) if hasattr(own, self.options) else self.load(self.options)
+
+    def command_flags(self) -> tuple[Flag, ...]:
+        """The flags of the experiment's command: those of its options fields (declared with :func:`option`, in
+        field order) and then its command's own (``flags``)."""
+        cls = self.options_class()
+        fields = dataclasses.fields(cls) if cls is not None else ()
+        return (*(dataclasses.replace(f.metadata["flag"], field=f.name) for f in fields if "flag" in f.metadata),
+                *self.flags)
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
+
+    routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
+    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
+    sim: str = "dot"  # similarity policy: dot | cosine
+    causal: bool = True  # similarity policy: only tokens j <= i
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    seed: int = 0
+
+    def policy(self) -> Any:
+        """The policy, built once per run (the command's check and the experiment share it)."""
+        from ..policies import build_once
+
+        return build_once(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
+
+
+def kind_of(default: Any) -> str | None:
+    """A :class:`Flag`'s kind from its field's default (``None``: not inferable, e.g. a default of ``None``)."""
+    if isinstance(default, bool):
+        return "bool"
+    for cast, kind in ((int, "int"), (float, "float"), (str, "str")):
+        if isinstance(default, cast):
+            return kind
+    if isinstance(default, (tuple, list)) and default and kind_of(default[0]) in ("int", "float", "str"):
+        return kind_of(default[0]) + "s"
+    return None
+
+
+def option(default: Any = MISSING, flag: str | None = None, help: str = "", *, kind: str | None = None,
+           shown: Any = None, default_factory: Any = MISSING, **flag_kw: Any) -> Any:
+    """A field of an experiment's options dataclass (in its ``spec.py``) and, with ``flag``, the command's flag
+    that sets it: ``top_tokens: int = option(10, "--top-tokens", "Most frequent token ids ...", min=0)``.
+
+    ``kind`` defaults to the default's (:func:`kind_of`: a tuple of floats is ``floats``, a comma-separated list);
+    the flag's default as ``--help`` shows it is the field's (a tuple joined by commas) or ``shown`` where the
+    command line spells it otherwise (``--nodes all``); ``flag_kw`` are :class:`Flag`'s ``short``, ``min``,
+    ``max``, ``required``, ``parse``, ``metavar``. The field's default and the flag's cannot differ: one value."""
+    kw: dict[str, Any] = {"default": default} if default_factory is MISSING else {"default_factory": default_factory}
+    if flag is None:
+        return field(**kw)
+    value = default if default_factory is MISSING else default_factory()
+    kind = kind or kind_of(value)
+    if kind is None:
+        raise ValueError(f"option {flag}: give kind= (its default {value!r} does not say)")
+    if shown is None and value is not None:
+        shown = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+    return field(**kw, metadata={"flag": Flag(flag, kind, shown, help, **flag_kw)})
 
 
 def experiment(name: str, function: str, options: str | None, **kw: Any) -> Experiment:

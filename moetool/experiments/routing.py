@@ -10,13 +10,13 @@ With no policy the model runs unhooked (the reference a ``router`` run must repr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from ..engine.hooks import Consumer
 from ..engine.runner import ForwardResult, forward
 from ..errors import MoetoolError
+from .experiment import RoutingOptions  # noqa: F401 - the routing options every policy-taking experiment shares
 from ..uncertainty import DEFAULT_BOOTSTRAP, ppl_ratio_interval, ratio_intervals
 
 #: the one meaning of ``scored_tokens`` in every perplexity table (ppl, topk, capacity, prune, super-experts);
@@ -24,24 +24,6 @@ from ..uncertainty import DEFAULT_BOOTSTRAP, ppl_ratio_interval, ratio_intervals
 SCORED_TOKENS = ("scored next-token predictions, what the perplexity averages over: pairs of consecutive real "
                  "(unpadded) tokens within a packed row, so one fewer than the row's real tokens (encoder-decoder "
                  "models: every real token of the row, each a target of the decoder)")
-
-
-@dataclass(frozen=True)
-class RoutingOptions:
-    """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
-
-    routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
-    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
-    sim: str = "dot"  # similarity policy: dot | cosine
-    causal: bool = True  # similarity policy: only tokens j <= i
-    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
-    seed: int = 0
-
-    def policy(self) -> Any:
-        """The policy, built once per run (the command's check and the experiment share it)."""
-        from ..policies import build_once
-
-        return build_once(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
 
 
 def data_name(path: str | Path | None) -> str:

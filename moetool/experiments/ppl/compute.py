@@ -8,14 +8,14 @@ With no policy the model runs unhooked (the reference a ``router`` run must repr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ...engine.hooks import select_layers
 from ...engine.runner import ForwardResult
-from ...uncertainty import DEFAULT_BOOTSTRAP, bootstrap_meta, check_n_boot
+from ...uncertainty import bootstrap_meta
 from ..result import Result, resolve_options
-from ..routing import SCORED_TOKENS, RoutingOptions, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from .spec import PplOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 #: ppl.csv columns, one row per run
 PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "scored_tokens", "nll_mean", "perplexity", "perplexity_lo",
@@ -37,18 +37,6 @@ PPL_DEFINITIONS = {
                  "the ratio's is paired: one row weight applies to both runs); NaN with bootstrap=0",
     "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer)",
 }
-
-
-@dataclass(frozen=True)
-class PplOptions(RoutingOptions):
-    """Options of :func:`ppl`."""
-
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
-    baseline: bool = True  # also run the router on the same rows (ratio column) when routing is not router
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
 
 
 def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any,

@@ -17,10 +17,27 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ..experiment import RoutingOptions, experiment, option
+
+
+@dataclass(frozen=True)
+class PplOptions(RoutingOptions):
+    """Options of :func:`~moetool.experiments.ppl.compute.ppl`: the routing (``--routing`` and its options, the
+    routing flag group) and these."""
+
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    baseline: bool = option(True, "--baseline", "Also run the router on the same rows for the perplexity ratio "
+                            "(policies other than router).")
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
 
 SPEC = experiment("ppl", "ppl", "PplOptions", lines=None,
                   order=160,
-                  groups=("routing",), bootstrap=True, defaults={"max_tokens": 32768},
-                  flags=(Flag("--baseline", "bool", True, "Also run the router on the same rows for the perplexity ratio "
-                              "(policies other than router)."),))
+                  groups=("routing",), bootstrap=True, defaults={"max_tokens": 32768})

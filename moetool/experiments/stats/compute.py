@@ -27,9 +27,10 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...sketch import MERGE_MIN, SparseCounter
-from ...uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, ratio_intervals,
+from ...uncertainty import (RowTable, bootstrap_meta, format_ci, ratio_intervals,
                            sum_intervals, with_ci)
 from ..result import Result, resolve_options
+from .spec import StatsOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 from ..specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
                              with_tokens)
@@ -336,35 +337,6 @@ def _rank(pairs: Any, by: str, top_n: int) -> Any:
 
 
 # ----- the experiment ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StatsOptions:
-    """Options of :func:`stats` (the manifest's options)."""
-
-    top_tokens: int = 10  # token ids listed per expert in top_tokens.csv / specialized_tokens.csv (0: skip)
-    min_count: int = 10  # minimum occurrences: (token, expert) pairs in top_tokens_lift, token ids in specialization
-    batch_size: int = 8  # rows per forward
-    top_k: int | None = None  # None: the model's top-K; 1: each token's first-ranked expert only
-    coactivation: str = "all"  # all: every ordered pair of the top-K; adjacent: neighbouring ranks (OLMoE)
-    all_tokens: bool = False  # expert_tokens.parquet: every (layer, expert, token id) count
-    specialization: bool = True  # vocabulary specialisation tables (three views)
-    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
-    seed: int = 0  # seeds the bootstrap's row weights
-    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
-
-    def __post_init__(self) -> None:
-        if self.top_tokens < 0:
-            raise MoetoolError(f"--top-tokens must be >= 0, got {self.top_tokens}")
-        if self.min_count < 1:
-            raise MoetoolError(f"--min-count must be >= 1, got {self.min_count}")
-        if self.batch_size < 1:
-            raise MoetoolError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.top_k not in (None, 1):
-            raise MoetoolError(f"--top-k must be 1 (first-ranked expert) or unset (the model's top-K), got {self.top_k}")
-        if self.coactivation not in COACTIVATION:
-            raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{self.coactivation}'")
-        check_n_boot(self.bootstrap)
-
-
 @dataclass
 class Collected:
     """The consumers of one ``stats`` forward: :class:`RoutingStats` and the OLMoE-style analyses."""

@@ -67,7 +67,51 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, Flag, experiment, option
+
+
+@dataclass(frozen=True)
+class StatsOptions:
+    """Options of :func:`~moetool.experiments.stats.compute.stats` (the manifest's options), each with the flag of
+    ``moetool stats`` that sets it."""
+
+    top_tokens: int = option(10, "--top-tokens", "Most frequent token ids listed per expert (0: skip top tokens).",
+                             min=0)  # also specialized_tokens.csv
+    min_count: int = option(10, "--min-count", "Minimum occurrences of a token id in specialization.csv and of a "
+                            "(token, expert) pair in top_tokens_lift.csv.", min=1)
+    batch_size: int = 8  # rows per forward
+    top_k: int | None = option(None, "--top-k", "1: every table on each token's first-ranked expert only (OLMoE's "
+                               "*_top1). Default: the model's top-K.", kind="int", min=1, max=1)
+    coactivation: str = option("all", "--coactivation", "all (default): count every ordered pair of the top-K "
+                               "(routed to both); adjacent: only neighbouring ranks, as OLMoE's heatmaps (lower for "
+                               "K > 2).")
+    all_tokens: bool = option(False, "--all-tokens", "Write expert_tokens.parquet: every (layer, expert, token id) "
+                              "count, not truncated.")
+    specialization: bool = True  # vocabulary specialisation tables (three views)
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    seed: int = 0  # seeds the bootstrap's row weights
+    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+        from ..specialization import COACTIVATION
+
+        if self.top_tokens < 0:
+            raise MoetoolError(f"--top-tokens must be >= 0, got {self.top_tokens}")
+        if self.min_count < 1:
+            raise MoetoolError(f"--min-count must be >= 1, got {self.min_count}")
+        if self.batch_size < 1:
+            raise MoetoolError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.top_k not in (None, 1):
+            raise MoetoolError(f"--top-k must be 1 (first-ranked expert) or unset (the model's top-K), got {self.top_k}")
+        if self.coactivation not in COACTIVATION:
+            raise MoetoolError(f"--coactivation must be one of {', '.join(COACTIVATION)}, got '{self.coactivation}'")
+        check_n_boot(self.bootstrap)
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -105,15 +149,6 @@ SPEC = experiment("stats", "stats", "StatsOptions", figures="moetool.experiments
                   order=10,
                   groups=("resume", "trace"), bootstrap=True, defaults={"max_tokens": 32768}, title="routing statistics",
                   summary_csv="layers.csv",
-                  flags=(Flag("--top-tokens", "int", 10, "Most frequent token ids listed per expert (0: skip top tokens).",
-                              min=0),
-                         Flag("--min-count", "int", 10, "Minimum occurrences of a token id in specialization.csv and of a "
-                              "(token, expert) pair in top_tokens_lift.csv.", min=1),
-                         Flag("--top-k", "int", None, "1: every table on each token's first-ranked expert only (OLMoE's "
-                              "*_top1). Default: the model's top-K.", min=1, max=1),
-                         Flag("--coactivation", "str", "all", "all (default): count every ordered pair of the top-K (routed "
-                              "to both); adjacent: only neighbouring ranks, as OLMoE's heatmaps (lower for K > 2)."),
-                         Flag("--all-tokens", "bool", False, "Write expert_tokens.parquet: every (layer, expert, token id) "
-                              "count, not truncated."),
-                         Flag("--no-special-tokens", "bool", False, "Tokenize without special tokens (default: the "
-                              "tokenizer's own default, e.g. a BOS).", to_options=False)), captions=CAPTIONS, checkpoint_types=CHECKPOINT_TYPES)
+                  flags=(Flag("--no-special-tokens", "bool", False, "Tokenize without special tokens (default: the "
+                              "tokenizer's own default, e.g. a BOS).", to_options=False),),
+                  captions=CAPTIONS, checkpoint_types=CHECKPOINT_TYPES)
