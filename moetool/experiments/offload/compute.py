@@ -28,7 +28,9 @@ Everything comes from one forward pass over the packed rows with the model's own
 
 Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
 int16/int32 tensor per layer (T = real tokens, bounded by ``--max-tokens``; 4 bytes × K per token and layer at
-most); everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
+most); while one layer is simulated, its eviction keys (8 bytes per request and policy) and, per LFU/Belady
+capacity, the hits (K bytes per token) and the cache state entering each token (n bits) (:func:`evicting_hits`);
+everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
 (:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
 rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
 """
@@ -276,14 +278,14 @@ def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, w
     ranks = np.empty((P, T * K), dtype=np.int32)
     np.put_along_axis(ranks, order, np.arange(T * K, dtype=np.int32)[None, :], axis=1)
     keys = ranks.reshape(P, T, K)
-    w8 = -(-n // 8) * 8  # lanes hold w8 >= n experts (never requested beyond n): a state is whole bytes
-    if w8 <= 64:  # a state as uint64 words of 8 experts' bytes (a view), else as bits
-        code, dtype = (lambda r: r.view(np.uint64)), np.uint64
-        decode = lambda c: np.ascontiguousarray(c).view(bool)  # noqa: E731
-    else:
-        code, dtype = (lambda r: np.packbits(r, axis=-1)), np.uint8
-        decode = lambda c: np.unpackbits(c, axis=-1, count=w8).astype(bool)  # noqa: E731
-    width = w8 // 8
+    w8 = -(-n // 8) * 8  # lanes hold w8 >= n experts (never requested beyond n): a state is whole bytes of bits
+    width, dtype = w8 // 8, np.uint8
+
+    def code(r: np.ndarray) -> np.ndarray:  # [L, w8] bool -> [L, width] bits (packed flat: rows are whole bytes)
+        return np.packbits(r.reshape(-1)).reshape(len(r), width)
+
+    def decode(c: np.ndarray) -> np.ndarray:
+        return np.unpackbits(c.reshape(-1)).reshape(len(c), w8).astype(bool)
     hits = np.zeros((S, T, K), dtype=bool)
     rec = np.zeros((S, T, width), dtype=dtype)  # the recorded state entering each token
     rec_end = np.zeros((S, nb, width), dtype=dtype)  # ... and leaving each block
