@@ -271,7 +271,7 @@ def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, w
     B = EVICT_BLOCK or max(128, int(np.sqrt(T)))
     W = int(np.ceil(EVICT_WARMUP * B))
     nb = -(-T // B)
-    trace = trace.astype(np.int64)
+    trace = trace.astype(np.int32 if n < 2 ** 31 else np.int64)
     m_of = np.asarray(capacities, dtype=np.int64) - K
     P = len(keys)
     order = np.argsort(keys.reshape(P, -1), axis=1)  # the keys' order is all that counts: int32 ranks sort faster
@@ -298,19 +298,17 @@ def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, w
         L = len(sim)
         stop = ends[blk]
         steps = int((stop - start).max())
-        tok = start[None, :] + np.arange(steps)[:, None]  # [steps, L]
-        tc = np.minimum(tok, T - 1)  # a lane past its stop steps on a repeated token, unrecorded
         pk, m = which[sim], m_of[sim]
         H = np.zeros((steps, L, K), dtype=bool)
         R = np.zeros((steps + 1, L, width), dtype=dtype)  # the state entering each step
         for j in range(steps):
             R[j] = code(res)
-            H[j], res = _cache_step(res, keyv, trace[tc[j]], keys[pk, tc[j]], m)
+            t = np.minimum(start + j, T - 1)  # a lane past its stop steps on a repeated token, unrecorded
+            H[j], res = _cache_step(res, keyv, trace[t], keys[pk, t], m)
         R[steps] = code(res)
-        w = (tok < stop[None, :]) & (tok >= b0[blk][None, :])
-        jj, ll = np.nonzero(w)
-        hits[sim[ll], tok[jj, ll]] = H[jj, ll]
-        rec[sim[ll], tok[jj, ll]] = R[jj, ll]
+        for lane, (s_, b_, t0, t1) in enumerate(zip(sim.tolist(), b0[blk].tolist(), start.tolist(), stop.tolist())):
+            hits[s_, b_:t1] = H[b_ - t0:t1 - t0, lane]  # the block's tokens: a contiguous run of steps
+            rec[s_, b_:t1] = R[b_ - t0:t1 - t0, lane]
         rec_end[sim, blk] = R[stop - start, np.arange(L)]
 
     def restep(s: int, b: int, res: np.ndarray) -> None:
