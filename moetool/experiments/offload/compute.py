@@ -175,6 +175,12 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
     return {(C, p): out[(C, p)] for C in capacities for p in policies}
 
 
+def by_expert(trace: np.ndarray) -> np.ndarray:
+    """The requests of ``trace [T, K]`` (flattened row by row) ordered by (expert, token): a stable sort of the expert
+    ids (a token requests an expert once, and its rows come in token order)."""
+    return np.argsort(trace.reshape(-1), kind="stable")
+
+
 def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
     """``[T, K]`` int64: the eviction order of the expert each request loads, from then until its next request
     (lowest evicted first; an expert's order changes only when it is requested, and then it is protected):
@@ -187,10 +193,14 @@ def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
     n = int(trace.max()) + 1 if trace.size else 1
     tr = trace.astype(np.int64)
     own = tr * (T + 1) + np.arange(T, dtype=np.int64)[:, None]  # (expert, token), unique
-    flat = np.sort(own.reshape(-1))
-    pos = np.searchsorted(flat, own)
+    order = by_expert(trace)
+    flat = own.reshape(-1)[order]  # sorted
+    pos = np.empty_like(order)
+    pos[order] = np.arange(order.size)
+    pos = pos.reshape(T, K)  # each request's place in flat
     if policy == "lfu":
-        count = pos - np.searchsorted(flat, tr * (T + 1)) + 1
+        starts = np.concatenate([[0], np.cumsum(np.bincount(tr.reshape(-1), minlength=n))[:-1]])
+        count = pos - starts[tr] + 1
         return (count * (T + 1) + np.arange(T, dtype=np.int64)[:, None]) * n + tr
     after = flat[np.minimum(pos + 1, flat.size - 1)]
     nxt = np.where((pos + 1 < flat.size) & (after < (tr + 1) * (T + 1)), after - tr * (T + 1), T + 1)
@@ -236,7 +246,7 @@ class KeyIndex:
     def __init__(self, trace: np.ndarray, keys: np.ndarray, width: int):
         T, K = trace.shape
         own = trace.astype(np.int64) * (T + 1) + np.arange(T, dtype=np.int64)[:, None]
-        order = np.argsort(own.reshape(-1), kind="stable")
+        order = by_expert(trace)
         self.flat, self.kflat = own.reshape(-1)[order], keys.reshape(-1)[order]
         self.T, self.e = T, np.arange(width, dtype=np.int64)
 
@@ -246,6 +256,15 @@ class KeyIndex:
         pos = np.searchsorted(self.flat, self.e[None, :] * T1 + np.asarray(times, dtype=np.int64)[:, None]) - 1
         ok = (pos >= 0) & (self.flat[np.maximum(pos, 0)] // T1 == self.e[None, :])
         return np.where(ok, self.kflat[np.maximum(pos, 0)], -1)
+
+
+def _int32_order(keys: np.ndarray) -> np.ndarray:
+    """``keys`` (>= 0) as int32 in the same order: themselves where they fit, else their ranks."""
+    if not keys.size or int(keys.max()) < 2 ** 31:
+        return keys.astype(np.int32)
+    ranks = np.empty(keys.size, dtype=np.int32)
+    ranks[np.argsort(keys.reshape(-1))] = np.arange(keys.size, dtype=np.int32)
+    return ranks.reshape(keys.shape)
 
 
 def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray) -> list[np.ndarray]:
@@ -273,11 +292,7 @@ def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, w
     nb = -(-T // B)
     trace = trace.astype(np.int32 if n < 2 ** 31 else np.int64)
     m_of = np.asarray(capacities, dtype=np.int64) - K
-    P = len(keys)
-    order = np.argsort(keys.reshape(P, -1), axis=1)  # the keys' order is all that counts: int32 ranks sort faster
-    ranks = np.empty((P, T * K), dtype=np.int32)
-    np.put_along_axis(ranks, order, np.arange(T * K, dtype=np.int32)[None, :], axis=1)
-    keys = ranks.reshape(P, T, K)
+    keys = np.stack([_int32_order(k) for k in keys])  # the keys' order is all that counts: int32 sorts faster
     w8 = -(-n // 8) * 8  # lanes hold w8 >= n experts (never requested beyond n): a state is whole bytes of bits
     width, dtype = w8 // 8, np.uint8
 
