@@ -5,6 +5,8 @@
     python bench/bench.py --rss           # + peak RSS of every command at 20k and 200k tokens
     python bench/bench.py --lazy-data     # + load_tokens --max-tokens 20k/200k on a 200 MB corpus
     python bench/bench.py --shapes --quant  # only: quantized-expert probes against the plain probe
+    python bench/bench.py --shapes --cache-sim  # only: offload's cache simulation, one layer (host CPU)
+    python bench/bench.py --shapes --load   # only: moetool.load vs from_pretrained of a local checkpoint, GB/s
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
     python bench/bench.py --gpu           # issue #36's figures on any CUDA machine (~3-4 min on an H100; --quick:
                                           # half); on CPU scaled-down shapes, said so (bench/bench_gpu.py)
@@ -50,6 +52,17 @@ close to the 20k one.
 holding the same weights quantized (FP8 128x128 with fp32 scales, FP8 with UE8M0 scales, FP4 packed 1x32): the probe
 ``node_scores(gate)`` and ``expert_outputs`` over the same ``--quant-tokens`` tokens, quantized time / plain time
 (median of ``--repeat`` interleaved rounds). The extra is the dequantization of every expert, a slice at a time.
+
+**Cache simulation** (``--cache-sim``): ``offload``'s cache simulation alone (``simulate_all``: every default
+capacity x lru / lfu / belady) on one layer's skewed random routing trace (each token's top-K of uniform noise plus
+a fixed Dirichlet popularity per expert) at 8 experts top-2 (64k tokens), 128 top-8 (8k and 64k) and 64 top-8
+(16k); seconds (best of ``--repeat``) and microseconds per token, on the host CPU whatever the device: the part
+of ``offload`` no GPU runs.
+
+**Load speed** (``--load``): a random Mixtral-shaped checkpoint of about ``--load-mb`` MB (fp32 safetensors,
+written once to a temporary folder, so read from a warm page cache) loaded by ``moetool.load`` (no tokenizer) and by
+transformers' own ``AutoModelForCausalLM.from_pretrained`` (same dtype; on CUDA both straight onto the GPU),
+interleaved, best of ``--repeat``: seconds and GB/s (safetensors bytes / seconds).
 
 Speed targets are ratios printed here, never timed tests. Not a test.
 """
@@ -472,6 +485,83 @@ def bench_lazy_data(a) -> list[dict[str, Any]]:
     return rows
 
 
+#: (experts, top-K, tokens) of --cache-sim: Mixtral's routing width at 64k tokens, Qwen3-30B-A3B's and OLMoE's
+CACHE_SIM_SHAPES = ((8, 2, 65536), (128, 8, 8192), (128, 8, 65536), (64, 8, 16384))
+
+
+def routing_trace(n: int, k: int, tokens: int, seed: int = 0):
+    """A skewed random routing trace ``[tokens, k]``: each token's top-k of uniform noise plus a fixed per-expert
+    popularity (Dirichlet), so some experts are hot, as in real routing."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    s = rng.random((tokens, n)) + 0.3 * np.log(rng.dirichlet(np.ones(n)) + 1e-9)[None]
+    return np.argsort(-s, axis=1)[:, :k]
+
+
+def bench_cache_sim(a) -> list[dict[str, Any]]:
+    """``offload``'s cache simulation alone, one MoE layer: every default capacity x lru, lfu, belady
+    (``simulate_all``) on a skewed random trace; seconds (best of ``--repeat``) and microseconds per token."""
+    from moetool.experiments.offload.compute import POLICIES, default_capacities, simulate_all
+
+    rows = []
+    for n, k, T in CACHE_SIM_SHAPES:
+        trace = routing_trace(n, k, T)
+        caps = default_capacities(n, k)
+        times = []
+        for _ in range(max(1, a.repeat)):
+            t0 = time.perf_counter()
+            simulate_all(trace, caps, POLICIES)
+            times.append(time.perf_counter() - t0)
+        dt = min(times)
+        rows.append({"section": "cache_sim", "model": f"{n} experts top-{k}", "variant": "simulate_all",
+                     "device": "cpu", "tokens": T, "seconds": dt, "us_per_token": dt / T * 1e6,
+                     "capacities": " ".join(map(str, caps))})
+        print(f"  cache sim {n}x top-{k}, {T} tokens: {dt:.3f}s", file=sys.stderr)
+    return rows
+
+
+def bench_load(a) -> list[dict[str, Any]]:
+    """Load speed of a local safetensors checkpoint (a random Mixtral-shaped model of about ``--load-mb`` MB, fp32,
+    saved once to a temporary folder): ``moetool.load`` against transformers' own ``from_pretrained`` of the same
+    folder (same dtype, device), interleaved, best of ``--repeat``; GB/s = the safetensors bytes / seconds."""
+    import gc
+
+    import moetool
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from moetool.loading import auto_model_class  # noqa: F401 - imported before timing
+
+    layers = max(1, int(a.load_mb * 2**20 / 4 / (8 * 3 * 512 * 1536 + 4 * 512 * 512)))
+    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                        num_attention_heads=8, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moetool-bench-load-") as tmp:
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
+        nbytes = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
+        calls = {"transformers from_pretrained": lambda: AutoModelForCausalLM.from_pretrained(
+                     tmp, dtype=torch.float32, **({"device_map": {"": dev}} if dev == "cuda" else {})),
+                 "moetool.load": lambda: moetool.load(tmp, dtype="fp32", device=dev, tokenizer=False)}
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(max(1, a.repeat)):
+            for name, fn in calls.items():
+                gc.collect()
+                sync()
+                t0 = time.perf_counter()
+                m = fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+                del m
+        for name, ts in times.items():
+            dt = min(ts)
+            rows.append({"section": "load", "model": f"mixtral-shaped {layers} layers, {nbytes / 1e9:.2f} GB fp32",
+                         "variant": name, "device": dev, "seconds": dt, "gb_per_s": nbytes / 1e9 / dt,
+                         "bytes": nbytes})
+            print(f"  load {name}: {dt:.2f}s, {nbytes / 1e9 / dt:.2f} GB/s", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -491,6 +581,9 @@ def main() -> None:
     ap.add_argument("--quant-d", type=int, default=1024)
     ap.add_argument("--quant-inter", type=int, default=2048)
     ap.add_argument("--quant-tokens", type=int, default=1024)
+    ap.add_argument("--cache-sim", action="store_true", help="offload's cache simulation alone, one layer")
+    ap.add_argument("--load", action="store_true", help="moetool.load vs from_pretrained of a local checkpoint")
+    ap.add_argument("--load-mb", type=int, default=512, help="--load: checkpoint size (MB, fp32)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--gpu", action="store_true", help="issue #36's figures: real-width shapes, quantized probes, "
                     "command ratios (bench/bench_gpu.py); scaled down without CUDA")
@@ -521,7 +614,8 @@ def main() -> None:
     print(f"device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     sections = [(bool(a.shapes), bench_shapes), (a.real, bench_real), (a.rss, bench_rss),
-                (a.lazy_data, bench_lazy_data), (a.quant, bench_quant)]
+                (a.lazy_data, bench_lazy_data), (a.quant, bench_quant), (a.cache_sim, bench_cache_sim),
+                (a.load, bench_load)]
     for wanted, section in sections:
         if wanted:
             rows += section(a)
@@ -558,6 +652,15 @@ def main() -> None:
               f"rounds; min-max), {quant.model.iloc[0]}, device {dev}")
         t = quant.assign(spread=quant.ratio_min.map("{:.2f}".format) + "-" + quant.ratio_max.map("{:.2f}".format))
         print(t[["probe", "variant", "ratio", "spread", "seconds"]].to_string(**fmt))
+    load = df[df.section == "load"] if len(df) else df
+    if len(load):
+        print(f"\nLoading a local safetensors checkpoint (best of {a.repeat}; page cache warm), device {dev}")
+        print(load[["model", "variant", "seconds", "gb_per_s"]].to_string(**fmt))
+    sim = df[df.section == "cache_sim"] if len(df) else df
+    if len(sim):
+        print(f"\noffload's cache simulation, one layer, every default capacity x lru/lfu/belady (best of "
+              f"{a.repeat}; host CPU)")
+        print(sim[["model", "tokens", "capacities", "seconds", "us_per_token"]].to_string(**fmt))
     df.to_csv(a.csv, index=False)
     print(f"\nwrote {a.csv}")
 

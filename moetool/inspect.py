@@ -33,14 +33,12 @@ def describe_model(name: str, *, cache: bool = True) -> dict[str, Any]:
     A model on disk (a local directory, an embedded model) is answered from :func:`cache_dir` when the same
     config (and code files beside it) was described before by this installation (:func:`families_cache_key`):
     building it imports torch and transformers' modeling code, seconds that the answer does not depend on."""
-    from .loading import resolve
+    from .loading import config_fingerprint, resolve
 
     source, kind = resolve(name)  # a bad name fails here, before torch is imported
-    if cache and kind in ("local", "embedded"):
-        h = hashlib.sha256()
-        for f in sorted([Path(source) / "config.json", *Path(source).glob("*.py")]):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-        info = cached("describe", {**families_cache_key(), "model_files": h.hexdigest()}, lambda: _describe(name))
+    fingerprint = config_fingerprint(name) if cache else None
+    if fingerprint is not None:
+        info = cached("describe", {**families_cache_key(), "model_files": fingerprint}, lambda: _describe(name))
     else:
         info = _describe(name)
     return {"name": name, "source": source, "kind": kind, **info}

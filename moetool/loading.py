@@ -226,6 +226,41 @@ def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
     return config, source, kind, from_hub, offline
 
 
+def config_fingerprint(name: str) -> str | None:
+    """A hash of what a model on disk (a local directory, an embedded model) is built from -- its ``config.json``
+    and the code files beside it -- read without importing torch or transformers: what an answer computed from
+    its config alone depends on (with the code that computed it, :func:`moetool.files.installation_key`). ``None``
+    for a hub id or alias (its files are the Hub's)."""
+    import hashlib
+
+    source, kind = resolve(name)
+    if kind not in ("local", "embedded"):
+        return None
+    h = hashlib.sha256()
+    for f in sorted([Path(source) / "config.json", *Path(source).glob("*.py")]):
+        try:
+            data = f.read_bytes()
+        except OSError:  # no config.json: load_config says so
+            return None
+        h.update(f.name.encode() + b"\0" + data + b"\0")
+    return h.hexdigest()
+
+
+def check_model(name: str) -> None:
+    """:func:`load_config`'s checks (a known name, a readable config, a supported MoE family), answered from the
+    per-installation cache (:func:`moetool.files.cached`) for a model on disk whose config passed them before:
+    no torch or transformers import then (a second of the whole process instead of several)."""
+    fingerprint = config_fingerprint(name)
+    if fingerprint is None:
+        load_config(name)
+        return
+    from .files import cached, installation_key
+
+    here = Path(__file__).resolve().parent
+    key = {**installation_key([here / "loading.py", *(here / "adapters").glob("*.py")]), "model_files": fingerprint}
+    cached("checked", key, lambda: (load_config(name), {"supported": True})[1])
+
+
 def load_config(name: str) -> tuple[Any, str, str]:
     """``(config, source, kind)``; checks that the model is a supported MoE family. A hub id is read from the
     local cache when the Hub is out of reach (:func:`hub_offline`)."""

@@ -83,3 +83,61 @@ def test_plan_parameter_counts_from_the_cache(model_dir, monkeypatch):
     config.num_hidden_layers = 2
     with pytest.raises(AssertionError, match="counted again"):
         P.parameter_groups(config)
+
+
+def test_plan_of_a_model_on_disk_from_the_cache(model_dir, monkeypatch):
+    """plan of a model on disk planned before with the same arguments: the same tables (values and dtypes), meta
+    and options as computed afresh, nothing computed again; other arguments or an edited config: computed anew."""
+    import pandas as pd
+
+    from moetool.experiments.plan import compute as P
+
+    fresh = P._plan(str(model_dir), "1xH100", 1, seq_len=256, rows=2)
+    first = P.plan(str(model_dir), "1xH100", seq_len=256, rows=2)
+    assert len(list(mi.cache_dir().glob("plan-[0-9a-f]*.json"))) == 1
+    monkeypatch.setattr(P, "_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("planned again")))
+    again = P.plan(str(model_dir), "1xH100", seq_len=256, rows=2)
+    for res in (first, again):
+        assert list(res.tables) == list(fresh.tables) and res.meta == fresh.meta and res.options == fresh.options
+        for name in fresh.tables:
+            pd.testing.assert_frame_equal(res.tables[name], fresh.tables[name], check_exact=True)
+        pd.testing.assert_frame_equal(res.summary, fresh.summary, check_exact=True)
+    # the layouts by hand: one H100, bf16 weights of the 3 MoE layers + attention + embeddings fit easily
+    assert bool(again["layouts"].fits.iloc[0]) and again.meta["plan"]["moe_layers"] == 3
+    with pytest.raises(AssertionError, match="planned again"):
+        P.plan(str(model_dir), "2xH100", seq_len=256, rows=2)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_local_experts"] = 8
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AssertionError, match="planned again"):
+        P.plan(str(model_dir), "1xH100", seq_len=256, rows=2)
+
+
+def test_cached_plan_and_check_import_no_torch(model_dir):
+    """A second process plans a model on disk and checks it (what a command's preflight does) from the cache alone:
+    no torch, no transformers; the same plan as the first process's."""
+    code = ("import json, sys; from moetool.experiments.plan.compute import plan; from moetool.loading import "
+            f"check_model; check_model({str(model_dir)!r}); res = plan({str(model_dir)!r}, '1xH100'); "
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules, "
+            "'layouts': res['layouts'].to_dict(orient='records')}))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      timeout=300).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["torch"] is True  # the first computed it
+    assert runs[1]["torch"] is False and runs[1]["transformers"] is False
+    assert runs[1]["layouts"] == runs[0]["layouts"]
+
+
+def test_check_model_refuses_a_dense_model_every_time(tmp_path):
+    """check_model caches only a config that passed: a dense model is refused on every call, in one line."""
+    from transformers import LlamaConfig
+
+    from moetool.errors import MoetoolError
+    from moetool.loading import check_model
+
+    d = tmp_path / "dense"
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2).save_pretrained(d)
+    for _ in range(2):
+        with pytest.raises(MoetoolError):
+            check_model(str(d))
+    assert not list(mi.cache_dir().glob("checked-*.json"))

@@ -100,10 +100,11 @@ def test_vectorised_lru_matches_token_by_token(n, K, T, monkeypatch):
             assert np.array_equal(simulate(trace, K, pol), prev)
 
 
-def _evicting_by_hand(trace, C, policy):
+def _evicting_by_hand(trace, C, policy, ties=None):
     """LFU / Belady one request at a time (the module docstring's rules), written independently of moetool: a dict
     of residents; a miss in a full cache evicts, among residents the token does not request, the fewest requests so
-    far (ties: least recent, then lowest id) or the next request furthest ahead (never = T + 1; ties: lowest id)."""
+    far (ties: least recent, then lowest id) or the next request furthest ahead (never = T + 1; ties: lowest id).
+    ``ties``: a list that gets one entry per eviction decided by a tie-break."""
     T = len(trace)
     rows = trace.tolist()
     last, freq, hits = {}, {}, np.zeros(trace.shape, dtype=bool)
@@ -124,33 +125,85 @@ def _evicting_by_hand(trace, C, policy):
                 cand = [x for x in last if x not in row]
                 if policy == "lfu":
                     victim = min(cand, key=lambda x: (freq[x], last[x], x))
+                    tied = [x for x in cand if freq[x] == freq[victim]]
                 else:
                     victim = max(cand, key=lambda x: (next_use(x, t), -x))
+                    tied = [x for x in cand if next_use(x, t) == next_use(victim, t)]
+                if ties is not None and len(tied) > 1:
+                    ties.append((t, policy, C))
                 del last[victim]
             last[e] = t
     return hits
 
 
+def _random_trace(n, K, T, alpha, seed):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(n) * alpha)
+    return np.stack([rng.choice(n, K, replace=False, p=p) for _ in range(T)])
+
+
+#: (block, warm-up share, guess): the default blocks; blocks of one token; small blocks without warm-up; and a
+#: random guess of every block's start (wrong almost always: blocks re-stepped, some over several rounds)
+BLOCKINGS = {"default": (None, 0.25, None), "one-token blocks": (1, 0.0, None), "7-token blocks": (7, 0.0, None),
+             "random guesses": (5, 1.0, "random")}
+
+
+@pytest.mark.parametrize("blocking", sorted(BLOCKINGS))
 @pytest.mark.parametrize("n,K,T,alpha", [(8, 2, 600, 0.3), (8, 2, 400, 5.0), (16, 4, 300, 0.3), (5, 1, 300, 1.0),
-                                         (64, 8, 150, 0.3), (128, 8, 100, 1.0)])
-def test_lfu_and_belady_match_request_by_request(n, K, T, alpha):
-    """The one-pass heap simulation (keys from the trace, vectorised) == the request-by-request rules, at every
-    capacity strictly between K and the distinct experts, with and without keys computed once for all capacities."""
+                                         (64, 8, 150, 0.3), (128, 8, 100, 1.0), (72, 3, 200, 0.5)])
+def test_lfu_and_belady_match_request_by_request(n, K, T, alpha, blocking, monkeypatch):
+    """The block-parallel simulation (keys from the trace, vectorised; blocks stepped at once from guesses, then
+    re-stepped until consistent) == the request-by-request rules, at every capacity strictly between K and the
+    distinct experts, with and without keys computed once, each capacity alone and all of them in one call;
+    including evictions decided by tie-breaks, and whatever the blocks' guesses."""
     from moetool.experiments.offload import compute as off
 
-    rng = np.random.default_rng(n * K + T)
-    p = rng.dirichlet(np.ones(n) * alpha)
-    trace = np.stack([rng.choice(n, K, replace=False, p=p) for _ in range(T)])
+    block, warm, guess = BLOCKINGS[blocking]
+    monkeypatch.setattr(off, "EVICT_BLOCK", block)
+    monkeypatch.setattr(off, "EVICT_WARMUP", warm)
+    if guess == "random":
+        rng = np.random.default_rng(7)
+        monkeypatch.setattr(off, "block_guess", lambda keyv: rng.random(keyv.shape) < 0.5)
+    trace = _random_trace(n, K, T, alpha, n * K + T)
     distinct = len(np.unique(trace))
     caps = sorted({K + 1, 2 * K, n // 4, n // 2, 3 * n // 4, distinct - 1} & set(range(K + 1, distinct)))
     assert caps
+    ties = []
+    want = {(C, pol): _evicting_by_hand(trace, C, pol, ties) for pol in ("lfu", "belady") for C in caps}
+    if K > 1:
+        assert {pol for _, pol, _ in ties} == {"lfu", "belady"}  # tie-breaks were exercised
+    together = off.simulate_all(trace, caps, ("lfu", "belady"))
     for pol in ("lfu", "belady"):
         keys = off.request_keys(trace, pol)
         for C in caps:
-            want = _evicting_by_hand(trace, C, pol)
-            assert 0 < want.sum() < want.size
-            assert np.array_equal(simulate(trace, C, pol), want), (pol, C)
-            assert np.array_equal(simulate(trace, C, pol, keys=keys), want), (pol, C)
+            w = want[(C, pol)]
+            assert 0 < w.sum() < w.size
+            assert np.array_equal(simulate(trace, C, pol), w), (pol, C)
+            assert np.array_equal(simulate(trace, C, pol, keys=keys), w), (pol, C)
+            assert np.array_equal(together[(C, pol)], w), (pol, C)
+
+
+def test_blocks_are_restepped_when_guessed_wrong(monkeypatch):
+    """With a wrong guess (an empty cache) blocks after the first are stepped again from their predecessor's end,
+    one miss at a time, and the hits still equal the request-by-request rules."""
+    from moetool.experiments.offload import compute as off
+
+    trace = _random_trace(16, 2, 240, 0.5, 3)
+    monkeypatch.setattr(off, "EVICT_BLOCK", 10)
+    monkeypatch.setattr(off, "block_guess", lambda keyv: np.zeros(keyv.shape, dtype=bool))  # an empty cache
+    lanes = []
+    step = off._cache_step
+
+    def counting(res, *a):
+        lanes.append(len(res))
+        return step(res, *a)
+    monkeypatch.setattr(off, "_cache_step", counting)
+    got = off.simulate_all(trace, (8,), ("lfu", "belady"))
+    first = 10 + 3 + 1  # the first pass: a block and its warm-up (ceil(0.25 * 10) + 1 tokens), every block of both
+    assert lanes[:first] == [2 * 24] * first  # caches at once (24 blocks)
+    assert len(lanes) > first and set(lanes[first:]) == {1}  # then blocks stepped again, one miss at a time
+    for pol in ("lfu", "belady"):
+        assert np.array_equal(got[(8, pol)], _evicting_by_hand(trace, 8, pol))
 
 
 @pytest.fixture(scope="module")

@@ -154,3 +154,23 @@ def test_bootstrap_columns_equal_an_independent_interval_from_per_row_sums():
     assert (plain.perplexity_lo, plain.perplexity_hi) == pytest.approx((ratio_intervals(
         nll, cnt, n_boot=200, seed=0, transform=np.exp)[0].lo, ratio_intervals(
         nll, cnt, n_boot=200, seed=0, transform=np.exp)[0].hi), rel=1e-6)
+
+
+def test_router_ppl_runs_unhooked(monkeypatch):
+    """ppl with the model's own routing installs no hook (the router policy would reproduce it bit for bit, at the
+    hooks' cost): the hand perplexity of plain forwards, with no Engine built."""
+    import moetool
+    import moetool.engine.runner as runner
+
+    lm, tokens = _LM(), _tokens()
+    lm.name, lm.device = "tiny-mixtral", torch.device("cpu")
+    ref, n = hand_ppl(lm.model, tokens, 2)
+
+    def no_engine(*a, **k):
+        raise AssertionError("hooked")
+    monkeypatch.setattr(runner, "Engine", no_engine)
+    row = moetool.ppl(lm, tokens, batch_size=2, quiet=True, bootstrap=0)["ppl"].iloc[0]
+    assert row.routing == "router" and row.scored_tokens == n
+    assert row.perplexity == pytest.approx(ref, rel=1e-6)
+    with pytest.raises(AssertionError, match="hooked"):
+        moetool.ppl(lm, tokens, batch_size=2, quiet=True, bootstrap=0, routing="random")

@@ -161,7 +161,8 @@ class VocabSpecialization:
         return token_specialization(keys, counts, self.n[li])
 
     def tables(self, tokenizer: Any = None, min_count: int = 10, top_n: int = 10) -> dict[str, Any]:
-        """``specialization.csv`` and ``specialized_tokens.csv``."""
+        """``specialization.csv`` and ``specialized_tokens.csv`` (numpy per layer and view, one DataFrame each)."""
+        import numpy as np
         import pandas as pd
 
         missing = sorted(set(self.layers) - set(self.counters))
@@ -170,44 +171,66 @@ class VocabSpecialization:
         rows, best = [], []
         for li in sorted(self.counters):
             for view in VIEWS:
-                tok = self.token_table(li, view)
-                if not len(tok):
+                keys, counts = self.counters[li][view].result()
+                tok = _token_arrays(keys, counts, self.n[li])
+                if not len(tok["token_id"]):
                     raise MoetoolError(f"layer {li}: no tokens for the {view} view (sequences of length 1?)")
-                kept = tok[tok["occurrences"] >= min_count]
-                rows.append({"layer": li, "view": view, "token_ids": len(kept),
-                             "specialization": float(kept["specialization"].mean()) if len(kept) else math.nan,
-                             "token_ids_all": len(tok), "specialization_all_ids": float(tok["specialization"].mean())})
-                df = kept.sort_values(["expert", "specialization", "occurrences", "token_id"],
-                                      ascending=[True, False, False, True], kind="stable")
-                df = df.groupby("expert", sort=False).head(top_n).copy()
-                df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
-                df.insert(0, "view", view)
-                df.insert(0, "layer", li)
-                best.append(df)
+                kept = {c: v[tok["occurrences"] >= min_count] for c, v in tok.items()}
+                rows.append({"layer": li, "view": view, "token_ids": len(kept["token_id"]),
+                             "specialization": float(kept["specialization"].mean()) if len(kept["token_id"])
+                             else math.nan, "token_ids_all": len(tok["token_id"]),
+                             "specialization_all_ids": float(tok["specialization"].mean())})
+                # per expert its top_n token ids: specialization, then occurrences, highest first; ties lowest id
+                pos, rank = top_per_group(kept["expert"], [(kept["specialization"], True),
+                                                           (kept["occurrences"], True), (kept["token_id"], False)],
+                                          top_n)
+                best.append({"layer": np.full(len(pos), li, dtype=np.int64), "view": [view] * len(pos),
+                             "rank": rank, **{c: v[pos] for c, v in kept.items()}})
         spec = pd.DataFrame(rows)
         cols = ["layer", "view", "expert", "rank", "token_id", "token", "occurrences", "count", "specialization"]
-        tokens = with_tokens(pd.concat(best, ignore_index=True), token_decoder(tokenizer))[cols]
+        merged = pd.DataFrame({c: np.concatenate([b[c] for b in best]) for c in cols if c != "token"})
+        tokens = with_tokens(merged, token_decoder(tokenizer))[cols]
         return {"specialization.csv": spec, "specialized_tokens.csv": tokens}
+
+
+def top_per_group(group: Any, keys: list[tuple[Any, bool]], top_n: int) -> tuple[Any, Any]:
+    """``(positions, rank)``: the first ``top_n`` rows of each group (numpy ``group`` ids, in ascending order of
+    group) when each group's rows are ordered by ``keys`` -- ``(values, descending)`` pairs, the first deciding
+    first (NaN last) -- and their rank 1..N within the group."""
+    import numpy as np
+
+    order = np.lexsort([-v if desc else v for v, desc in reversed(keys)] + [group])
+    g = np.asarray(group)[order]
+    at = np.arange(len(order))
+    start = np.maximum.accumulate(np.where(np.r_[True, g[1:] != g[:-1]], at, 0)) if len(order) else at
+    rank = at - start + 1
+    keep = rank <= top_n
+    return order[keep], rank[keep]
+
+
+def _token_arrays(keys: torch.Tensor, counts: torch.Tensor, n: int) -> dict[str, Any]:
+    """:func:`token_specialization`'s columns as numpy arrays."""
+    import numpy as np
+
+    k, c = keys.cpu().numpy(), counts.cpu().numpy()
+    k, c = k[k >= 0], c[k >= 0]
+    tid, ex = k // n, k % n
+    order = np.lexsort((ex, -c, tid))  # per token id its most frequent expert first (ties: lowest id)
+    t = tid[order]
+    start = np.flatnonzero(np.r_[True, t[1:] != t[:-1]]) if len(t) else np.zeros(0, dtype=np.int64)
+    occ = np.add.reduceat(c[order], start) if len(t) else c[:0]
+    top = order[start]
+    return {"token_id": t[start], "occurrences": occ, "expert": ex[top], "count": c[top],
+            "specialization": c[top] / occ.astype(np.float64)}
 
 
 def token_specialization(keys: torch.Tensor, counts: torch.Tensor, n: int) -> Any:
     """From counts of keys ``token_id * n + expert`` (negative keys = padding, dropped): per token id its
     ``occurrences``, most frequent ``expert`` (ties: lowest id), its ``count`` and ``specialization`` =
     count / occurrences. Sorted by token id."""
-    import numpy as np
     import pandas as pd
 
-    k, c = keys.cpu().numpy(), counts.cpu().numpy()
-    k, c = k[k >= 0], c[k >= 0]
-    df = pd.DataFrame({"token_id": k // n, "expert": k % n, "count": c})  # sorted by (token, expert)
-    occ = df.groupby("token_id", sort=True)["count"].sum()
-    best = df.sort_values(["token_id", "count", "expert"], ascending=[True, False, True], kind="stable")
-    best = best.drop_duplicates("token_id").set_index("token_id")
-    out = pd.DataFrame({"token_id": occ.index.to_numpy(), "occurrences": occ.to_numpy(),
-                        "expert": best.loc[occ.index, "expert"].to_numpy(),
-                        "count": best.loc[occ.index, "count"].to_numpy()})
-    out["specialization"] = out["count"] / out["occurrences"].astype(np.float64)
-    return out
+    return pd.DataFrame(_token_arrays(keys, counts, n))
 
 
 # ----- cross-layer co-activation ---------------------------------------------------------------------

@@ -28,7 +28,9 @@ Everything comes from one forward pass over the packed rows with the model's own
 
 Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
 int16/int32 tensor per layer (T = real tokens, bounded by ``--max-tokens``; 4 bytes × K per token and layer at
-most); everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
+most); while one layer is simulated, its eviction keys (8 bytes per request and policy) and, per LFU/Belady
+capacity, the hits (K bytes per token) and the cache state entering each token (n bits) (:func:`evicting_hits`);
+everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
 (:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
 rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
 """
@@ -117,28 +119,66 @@ def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, n
     """Hits of an expert cache over a request trace: ``trace [T, K]`` expert ids (one row per token, distinct
     within a row) -> ``hits [T, K]`` bool (request ``trace[t, j]`` found resident). See the module docstring.
     ``lru`` / ``keys``: :func:`lru_ranks` / the policy's :func:`request_keys` of the trace, when the caller already
-    has them (several capacities).
+    has them (several capacities). :func:`simulate_all` gives every (capacity, policy) of one trace at once."""
+    return simulate_all(trace, (capacity,), (policy,), lru=lru,
+                        keys=None if keys is None else {policy: keys})[(capacity, policy)]
+
+
+def check_trace(trace: np.ndarray, capacities: Sequence[int], policies: Sequence[str]) -> None:
+    if trace.ndim != 2:
+        raise MoetoolError(f"cache trace must be [tokens, K], got shape {trace.shape}")
+    for policy in policies:
+        if policy not in POLICIES:
+            raise MoetoolError(f"unknown cache policy {policy!r} (choose from {', '.join(POLICIES)})")
+    for capacity in capacities:
+        if capacity < trace.shape[1]:
+            raise MoetoolError(f"cache capacity {capacity} < K = {trace.shape[1]}: a token's experts cannot all "
+                               f"be resident")
+
+
+def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str], *,
+                 lru: tuple[np.ndarray, np.ndarray] | None = None,
+                 keys: dict[str, np.ndarray] | None = None) -> dict[tuple[int, str], np.ndarray]:
+    """``{(capacity, policy): hits [T, K]}`` of :func:`simulate` for every capacity and policy over one trace.
 
     LRU, and any policy whose capacity holds every expert of the trace (nothing is ever evicted: a request
     hits iff it was requested before), come from :func:`lru_ranks` (vectorised); capacity K (any policy: the
-    cache holds the previous token's experts) is closed-form; LFU and Belady between by :func:`evicting_hits`
-    (one pass over the tokens, O(T·K·log n))."""
+    cache holds the previous token's experts) is closed-form; LFU and Belady between, all at once, by
+    :func:`evicting_hits` (vectorised over blocks of tokens, linear in tokens)."""
     trace = np.asarray(trace)
-    if trace.ndim != 2:
-        raise MoetoolError(f"cache trace must be [tokens, K], got shape {trace.shape}")
+    check_trace(trace, capacities, policies)
     T, K = trace.shape
-    if policy not in POLICIES:
-        raise MoetoolError(f"unknown cache policy {policy!r} (choose from {', '.join(POLICIES)})")
-    if capacity < K:
-        raise MoetoolError(f"cache capacity {capacity} < K = {K}: a token's experts cannot all be resident")
-    if policy == "lru" or capacity >= len(np.unique(trace)):
-        seen, rank = lru if lru is not None else lru_ranks(trace)
-        return seen & (rank < capacity) if policy == "lru" else seen.copy()
-    if capacity == K:  # the cache holds exactly the previous token's experts, whatever the policy
-        hits = np.zeros((T, K), dtype=bool)
-        hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
-        return hits
-    return evicting_hits(trace, capacity, keys if keys is not None else request_keys(trace, policy))
+    distinct = len(np.unique(trace))
+    out: dict[tuple[int, str], np.ndarray] = {}
+    evicting: list[tuple[int, str]] = []
+    for C in capacities:
+        for pol in policies:
+            if pol == "lru" or C >= distinct:
+                if lru is None:
+                    lru = lru_ranks(trace)
+                seen, rank = lru
+                out[(C, pol)] = seen & (rank < C) if pol == "lru" else seen.copy()
+            elif C == K:  # the cache holds exactly the previous token's experts, whatever the policy
+                hits = np.zeros((T, K), dtype=bool)
+                hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
+                out[(C, pol)] = hits
+            else:
+                evicting.append((C, pol))
+    if evicting:
+        keys = dict(keys or {})
+        for pol in {p for _, p in evicting} - set(keys):
+            keys[pol] = request_keys(trace, pol)
+        pols = sorted({p for _, p in evicting})
+        hits = evicting_hits(trace, np.array([C for C, _ in evicting]),
+                             np.stack([keys[p] for p in pols]), np.array([pols.index(p) for _, p in evicting]))
+        out.update(zip(evicting, hits))
+    return {(C, p): out[(C, p)] for C in capacities for p in policies}
+
+
+def by_expert(trace: np.ndarray) -> np.ndarray:
+    """The requests of ``trace [T, K]`` (flattened row by row) ordered by (expert, token): a stable sort of the expert
+    ids (a token requests an expert once, and its rows come in token order)."""
+    return np.argsort(trace.reshape(-1), kind="stable")
 
 
 def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
@@ -148,54 +188,190 @@ def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
     * lfu: ``(requests up to and including this one, this token, id)``, lowest first;
     * belady: next request furthest ahead first (never again = ``T + 1``), ties lowest id first.
 
-    From the trace alone, vectorised: the requests sorted by (expert, token)."""
+    From the trace alone, vectorised: the requests sorted by (expert, token). Every key is >= 0."""
     T, K = trace.shape
     n = int(trace.max()) + 1 if trace.size else 1
     tr = trace.astype(np.int64)
     own = tr * (T + 1) + np.arange(T, dtype=np.int64)[:, None]  # (expert, token), unique
-    flat = np.sort(own.reshape(-1))
-    pos = np.searchsorted(flat, own)
+    order = by_expert(trace)
+    flat = own.reshape(-1)[order]  # sorted
+    pos = np.empty_like(order)
+    pos[order] = np.arange(order.size)
+    pos = pos.reshape(T, K)  # each request's place in flat
     if policy == "lfu":
-        count = pos - np.searchsorted(flat, tr * (T + 1)) + 1
+        starts = np.concatenate([[0], np.cumsum(np.bincount(tr.reshape(-1), minlength=n))[:-1]])
+        count = pos - starts[tr] + 1
         return (count * (T + 1) + np.arange(T, dtype=np.int64)[:, None]) * n + tr
     after = flat[np.minimum(pos + 1, flat.size - 1)]
     nxt = np.where((pos + 1 < flat.size) & (after < (tr + 1) * (T + 1)), after - tr * (T + 1), T + 1)
     return (T + 1 - nxt) * n + tr
 
 
-def evicting_hits(trace: np.ndarray, capacity: int, keys: np.ndarray) -> np.ndarray:
-    """Hits of the cache that evicts the lowest ``keys`` (:func:`request_keys`), token by token.
+#: tokens per block of :func:`evicting_hits` (None: from the trace's length, about its square root) and each
+#: block's warm-up as a share of the block
+EVICT_BLOCK: int | None = None
+EVICT_WARMUP: float = 0.25
 
-    Before token t the cache holds token t-1's experts and at most ``m = C - K`` others; the others after t are the
+
+def block_guess(keyv: np.ndarray) -> np.ndarray:
+    """:func:`evicting_hits`' guess of a cache's residents at a block's warm-up token s, from ``keyv [L, n]`` (each
+    expert's key at s, -1 if not requested before s): every expert requested before s. The step of token s then
+    keeps s's experts and the ``m`` highest-keyed others -- a full cache, as the true one is once C distinct
+    experts were requested. Any guess gives exact hits (a wrong one costs re-stepped tokens)."""
+    return keyv >= 0
+
+
+def _cache_step(res: np.ndarray, keyv: np.ndarray, rows: np.ndarray, rkeys: np.ndarray, m: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """One token of many independent caches (lanes): ``res [L, n]`` residents before the token, ``keyv [L, n]`` each
+    expert's key (:func:`request_keys` of its last request; read for residents only), ``rows [L, K]`` the token's
+    experts and ``rkeys [L, K]`` their keys, ``m [L]`` the residents kept beside the token's experts (capacity - K).
+    Returns ``(hits [L, K], residents after)``: the token's experts, and of the residents it does not request the
+    ``m`` highest-keyed (its misses evict the lowest). ``keyv`` is updated in place."""
+    L, n = res.shape
+    flat = (np.arange(L) * n)[:, None] + rows
+    hits = res.reshape(-1)[flat]
+    req = np.zeros_like(res)
+    req.reshape(-1)[flat] = True
+    cand = res & ~req
+    ck = np.where(cand, keyv, -1)  # keys are >= 0
+    thr = np.sort(ck, axis=1).reshape(-1)[np.arange(L) * n + n - m]  # the m-th highest key
+    keyv.reshape(-1)[flat] = rkeys
+    return hits, (cand & (ck >= thr[:, None])) | req
+
+
+class KeyIndex:
+    """Each expert's key (``keys [T, K]`` of ``trace``, all >= 0) at its last request strictly before a time."""
+
+    def __init__(self, trace: np.ndarray, keys: np.ndarray, width: int):
+        T, K = trace.shape
+        own = trace.astype(np.int64) * (T + 1) + np.arange(T, dtype=np.int64)[:, None]
+        order = by_expert(trace)
+        self.flat, self.kflat = own.reshape(-1)[order], keys.reshape(-1)[order]
+        self.T, self.e = T, np.arange(width, dtype=np.int64)
+
+    def at(self, times: np.ndarray) -> np.ndarray:
+        """``[len(times), width]``: the keys before each time, -1 where the expert has no request before it."""
+        T1 = self.T + 1
+        pos = np.searchsorted(self.flat, self.e[None, :] * T1 + np.asarray(times, dtype=np.int64)[:, None]) - 1
+        ok = (pos >= 0) & (self.flat[np.maximum(pos, 0)] // T1 == self.e[None, :])
+        return np.where(ok, self.kflat[np.maximum(pos, 0)], -1)
+
+
+def _int32_order(keys: np.ndarray) -> np.ndarray:
+    """``keys`` (>= 0) as int32 in the same order: themselves where they fit, else their ranks."""
+    if not keys.size or int(keys.max()) < 2 ** 31:
+        return keys.astype(np.int32)
+    ranks = np.empty(keys.size, dtype=np.int32)
+    ranks[np.argsort(keys.reshape(-1))] = np.arange(keys.size, dtype=np.int32)
+    return ranks.reshape(keys.shape)
+
+
+def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray) -> list[np.ndarray]:
+    """Hits of caches that evict the lowest keys (:func:`request_keys`), one per capacity ``capacities[s]`` with the
+    keys ``keys[which[s]]`` (``keys [P, T, K]``): ``[hits [T, K] per s]``.
+
+    Before token t a cache holds token t-1's experts and at most ``m = C - K`` others; the others after t are the
     ``m`` highest-keyed of (the others before t and token t-1's experts) that token t does not request (its misses
-    evict the lowest, and only as many as the capacity needs). A heap of the others' keys, stale entries skipped."""
-    import heapq
-
+    evict the lowest, and only as many as the capacity needs): the cache's next state is a function of its state
+    (the resident set) and the trace alone, as every key is. So the tokens are cut into blocks, and every block of
+    every cache steps at once (a vector operation per token of a block, not per token of the trace), each block from
+    a guess (:func:`block_guess`) a warm-up before the block (the first block: the true empty cache at token 0).
+    Then, block by block in order, one entered in a state its predecessor (exact by then) did not leave in is
+    stepped again from that state (:func:`evicting_hits`' ``restep``: from miss to miss, as only a miss changes the
+    state) until its state equals the recorded one at some token (equal states give equal futures: from there on
+    the recorded hits hold) or the block ends (its new end state is what its successor is checked against): by
+    induction from block 0, every hit is then exact, whatever the guesses. Linear in tokens: ``block + warm-up``
+    vectorised steps, plus a step per miss of the re-stepped stretches (short where misses are frequent: caches
+    started apart soon hold the same experts; where misses are rare, apart for long, but then steps are few)."""
     T, K = trace.shape
-    n = int(trace.max()) + 1 if trace.size else 1
-    m = capacity - K
-    hits: list[bool] = []
-    hit = hits.append
-    others: dict[int, int] = {}  # expert -> its key (keys end in "* n + id": the heap holds keys alone)
-    heap: list[int] = []
-    push, pop = heapq.heappush, heapq.heappop
-    prow: list[int] = []
-    pkeys: list[int] = []
-    for row, krow in zip(trace.tolist(), keys.tolist()):
-        for e in row:
-            hit(others.pop(e, None) is not None or e in prow)
-        for e, k in zip(prow, pkeys):
-            if e not in row:
-                others[e] = k
-                push(heap, k)
-        excess = len(others) - m
-        while excess > 0:
-            k = pop(heap)
-            if others.get(k % n) == k:  # not a stale entry (the expert requested since)
-                del others[k % n]
-                excess -= 1
-        prow, pkeys = row, krow
-    return np.array(hits, dtype=bool).reshape(T, K)
+    S = len(capacities)
+    n = int(trace.max()) + 1
+    B = EVICT_BLOCK or max(128, int(np.sqrt(T)))
+    W = int(np.ceil(EVICT_WARMUP * B))
+    nb = -(-T // B)
+    trace = trace.astype(np.int32 if n < 2 ** 31 else np.int64)
+    m_of = np.asarray(capacities, dtype=np.int64) - K
+    keys = np.stack([_int32_order(k) for k in keys])  # the keys' order is all that counts: int32 sorts faster
+    w8 = -(-n // 8) * 8  # lanes hold w8 >= n experts (never requested beyond n): a state is whole bytes of bits
+    width, dtype = w8 // 8, np.uint8
+
+    def code(r: np.ndarray) -> np.ndarray:  # [L, w8] bool -> [L, width] bits (packed flat: rows are whole bytes)
+        return np.packbits(r.reshape(-1)).reshape(len(r), width)
+
+    def decode(c: np.ndarray) -> np.ndarray:
+        return np.unpackbits(c.reshape(-1)).reshape(len(c), w8).astype(bool)
+    hits = np.zeros((S, T, K), dtype=bool)
+    rec = np.zeros((S, T, width), dtype=dtype)  # the recorded state entering each token
+    rec_end = np.zeros((S, nb, width), dtype=dtype)  # ... and leaving each block
+    b0 = np.arange(nb) * B
+    ends = np.minimum(b0 + B, T)
+
+    def run(sim: np.ndarray, blk: np.ndarray, start: np.ndarray, res: np.ndarray, keyv: np.ndarray) -> None:
+        """Step lanes (cache ``sim``, block ``blk``, from token ``start`` in state ``res`` to the block's end) in
+        lockstep, recording hits and entering states within the block and the state leaving it."""
+        L = len(sim)
+        stop = ends[blk]
+        steps = int((stop - start).max())
+        pk, m = which[sim], m_of[sim]
+        H = np.zeros((steps, L, K), dtype=bool)
+        R = np.zeros((steps + 1, L, width), dtype=dtype)  # the state entering each step
+        for j in range(steps):
+            R[j] = code(res)
+            t = np.minimum(start + j, T - 1)  # a lane past its stop steps on a repeated token, unrecorded
+            H[j], res = _cache_step(res, keyv, trace[t], keys[pk, t], m)
+        R[steps] = code(res)
+        for lane, (s_, b_, t0, t1) in enumerate(zip(sim.tolist(), b0[blk].tolist(), start.tolist(), stop.tolist())):
+            hits[s_, b_:t1] = H[b_ - t0:t1 - t0, lane]  # the block's tokens: a contiguous run of steps
+            rec[s_, b_:t1] = R[b_ - t0:t1 - t0, lane]
+        rec_end[sim, blk] = R[stop - start, np.arange(L)]
+
+    def restep(s: int, b: int, res: np.ndarray) -> None:
+        """Step block ``b`` of cache ``s`` again from state ``res`` entering it, until its state equals the recorded
+        one (the recorded rest of the block then holds) or the block ends (the state leaving it recorded). Only a
+        token with a miss changes the state (one whose experts are all resident keeps it: nothing is evicted), so
+        it jumps from miss to miss: a step per miss, the tokens between written at once."""
+        t, end, m = int(b0[b]), int(ends[b]), m_of[s:s + 1]
+        keys_s, index = keys[which[s]], indexes[int(which[s])]
+        while True:
+            c = code(res[None])[0]
+            stay = res[trace[t:end]].all(1)  # tokens whose experts are all resident
+            miss = t + (int(np.argmin(stay)) if not stay.all() else end - t)
+            same = (rec[s, t:miss + (miss < end)] == c).all(-1)  # the state entering t..miss is res
+            if same.any():  # met the recorded trajectory
+                u = t + int(np.argmax(same))
+                hits[s, t:u] = True
+                rec[s, t:u] = c
+                return
+            hits[s, t:miss] = True
+            rec[s, t:miss] = c
+            if miss == end:
+                rec_end[s, b] = c
+                return
+            keyv = index.at([miss])
+            h, new = _cache_step(res[None], keyv, trace[miss][None], keys_s[miss][None], m)
+            hits[s, miss] = h[0]
+            rec[s, miss] = c
+            res, t = new[0], miss + 1
+
+    # every block of every cache at once, each from its guess at token b0 - W - 1 (block 0: the true empty cache
+    # at token 0), with every expert's true key there
+    indexes = {p: KeyIndex(trace, keys[p], w8) for p in set(which.tolist())}
+    sim, blk = np.repeat(np.arange(S), nb), np.tile(np.arange(nb), S)
+    start = np.where(blk == 0, 0, np.maximum(b0[blk] - W - 1, 0))
+    key_at = {p: index.at(np.maximum(b0 - W - 1, 0)) for p, index in indexes.items()}
+    keyv = np.stack([key_at[p][b] for p, b in zip(which[sim].tolist(), blk.tolist())])
+    res = block_guess(keyv) & (blk != 0)[:, None]
+    run(sim, blk, start, res, keyv)
+    entered = rec[:, b0]  # [S, nb, width]: the state each block's recorded run entered it in
+    # in order, every block entered in a state its predecessor (exact by then) did not leave in, stepped again
+    bad = np.zeros((S, nb), dtype=bool)
+    bad[:, 1:] = (entered[:, 1:] != rec_end[:, :-1]).any(-1)
+    for s in np.nonzero(bad.any(1))[0].tolist():
+        for b in range(int(np.argmax(bad[s])), nb):
+            if (rec[s, b0[b]] != rec_end[s, b - 1]).any():
+                restep(s, b, decode(rec_end[s, b - 1:b])[0])
+    return list(hits)
 
 
 def default_capacities(n: int, k: int) -> tuple[int, ...]:
@@ -402,11 +578,11 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
                     "hottest_vs_uniform": float(share.max() * n), "experts_used": int((c > 0).sum()),
                     **({"expert_bytes": nbytes} if nbytes is not None else {})})
         req = col.requests(i)
-        lru = lru_ranks(req) if len(req) else None
-        keys = {pol: request_keys(req, pol) for pol in opts.policies if pol != "lru" and len(req)}
-        for C in opts.capacities or default_capacities(n, K):
+        capacities = opts.capacities or default_capacities(n, K)
+        sims = simulate_all(req, capacities, opts.policies)
+        for C in capacities:
             for pol in opts.policies:
-                hits = simulate(req, C, pol, lru=lru, keys=keys.get(pol))
+                hits = sims[(C, pol)]
                 a, b = _hit_rows(hits, rows, n_rows)
                 iv = ci(a, b)[0]
                 misses = T * K - int(hits.sum())

@@ -349,7 +349,40 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
     """Tables ``params`` (bytes by group and format), ``layouts`` (what fits ``nodes`` x ``gpus``, the command to
     run) and ``throughput`` (a ceiling in tokens/s per command) for ``model`` -- a name (embedded, alias,
     directory, hub id: only its config is read) or a transformers config (module docstring). ``seq_len``:
-    :data:`SEQ_LEN`, or the model's positions when it has fewer (a longer one is refused: the commands refuse it)."""
+    :data:`SEQ_LEN`, or the model's positions when it has fewer (a longer one is refused: the commands refuse it).
+
+    A model on disk planned before with the same arguments, config and code (:func:`moetool.loading.config_fingerprint`,
+    :func:`moetool.files.installation_key`) is answered from the per-installation cache: the tables as they were,
+    without importing torch or transformers."""
+    from ...loading import config_fingerprint
+
+    fingerprint = config_fingerprint(model) if isinstance(model, str) else None
+    if fingerprint is None:
+        return _plan(model, gpus, nodes, seq_len=seq_len, rows=rows)
+    from ...files import cached, installation_key
+
+    here = Path(__file__).resolve().parents[2]  # this code and what it computes with
+    code = [Path(__file__).resolve(), here / "sizing.py", here / "configs.py", here / "loading.py",
+            *(here / "adapters").glob("*.py")]
+    key = {**installation_key(code), "model_files": fingerprint, "model": model, "gpus": gpus, "nodes": nodes,
+           "seq_len": seq_len, "rows": rows}
+    return _from_record(cached("plan", key, lambda: _record(_plan(model, gpus, nodes, seq_len=seq_len, rows=rows))))
+
+
+def _record(res: Result) -> dict[str, Any]:
+    """A plan's :class:`Result` as JSON values (:func:`_from_record` gives it back)."""
+    return {"tables": {name: res.tables[name].to_dict(orient="split", index=False) for name in res.tables},
+            "options": res.options, "meta": res.meta}
+
+
+def _from_record(record: dict[str, Any]) -> Result:
+    import pandas as pd
+
+    tables = {name: pd.DataFrame(t["data"], columns=t["columns"]) for name, t in record["tables"].items()}
+    return Result("plan", tables, options=record["options"], meta=record["meta"], summary=tables["layouts.csv"])
+
+
+def _plan(model: Any, gpus: str, nodes: int, *, seq_len: int | None, rows: int) -> Result:
     import pandas as pd
 
     from ...sizing import check_seq_len, max_positions

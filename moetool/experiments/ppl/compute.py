@@ -70,8 +70,9 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     shard = distributed.shard(tokens, opts.batch_size)  # alone: the same rows, numbered
-    res = perplexity(lm, shard, policy=policy, policy_layers=layers, batch_size=opts.batch_size, quiet=quiet,
-                     rows=RowTable(shard))
+    # the model's own routing runs unhooked: the router policy reproduces it bit for bit, at the hooks' cost
+    res = perplexity(lm, shard, policy=None if policy.name == "router" else policy, policy_layers=layers,
+                     batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard))
     base = None
     if opts.baseline and policy.name != "router":
         base = perplexity(lm, shard, batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard),

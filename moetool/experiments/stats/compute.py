@@ -33,7 +33,7 @@ from ..result import Result, resolve_options
 from .spec import StatsOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 from ..specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
                              VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
-                             with_tokens)
+                             top_per_group, with_tokens)
 
 NO_DOMAIN = "(none)"
 
@@ -329,10 +329,11 @@ def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
 
 def _rank(pairs: Any, by: str, top_n: int) -> Any:
     """The ``top_n`` rows per expert by ``by`` (descending; ties by count, then token id), with ``rank`` 1..N."""
-    keys = ["expert", by] + (["count"] if by != "count" else []) + ["token_id"]
-    df = pairs.sort_values(keys, ascending=[True] + [False] * (len(keys) - 2) + [True], kind="stable")
-    df = df.groupby("expert", sort=False).head(top_n).copy()
-    df["rank"] = df.groupby("expert", sort=False).cumcount() + 1
+    keys = [by] + (["count"] if by != "count" else [])
+    pos, rank = top_per_group(pairs["expert"].to_numpy(), [(pairs[k].to_numpy(), True) for k in keys]
+                              + [(pairs["token_id"].to_numpy(), False)], top_n)
+    df = pairs.iloc[pos].copy()
+    df["rank"] = rank
     return df
 
 
