@@ -76,12 +76,13 @@ def refuse_busy_out(params: dict[str, Any]) -> None:
 def preflight(*models: str) -> None:
     """Resolve every ``--model`` (embedded name, alias, directory, hub id) from its config alone, before a command
     imports its experiment (and torch): an unknown name, a dense model or an uncached hub id without network fails
-    in about a second of the whole process instead of after the imports."""
-    from .loading import load_config, resolve
+    in about a second of the whole process instead of after the imports (a model on disk whose config passed the
+    checks before: from the per-installation cache, :func:`moetool.loading.check_model`)."""
+    from .loading import check_model, resolve
 
     kinds = {m: resolve(m)[1] for m in models}  # names alone: an unknown one fails here
     for model in sorted(models, key=lambda m: kinds[m] not in ("hub", "alias")):  # the ones that may need the Hub
-        load_config(model)
+        check_model(model)
 
 
 def check_run(model: str, *, seq_len: int | None = None, batch_size: int | None = None,
