@@ -90,7 +90,6 @@ class PlacementOptions:
         return sorted(set(self.gpus))
 
 
-
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
 CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
