@@ -49,17 +49,14 @@ from ...adapters.base import MoELayer
 from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...registry import unique
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
+from ...uncertainty import RowTable, ratio_intervals
 from ..kmeans import GlobalBatch, SphericalKMeans
 from ..result import Result, resolve_options
+from .spec import MassRecallOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
-MODES = ("raw", "unit")
 BOUND_TOL = 1e-9
 SCALES = 64  # grid points of the 1-D search over s (plus s = 1 and s = <h, c>)
 HIST_BINS = 4096
-#: shortlist sizes M when none are given (those up to each layer's n)
-DEFAULT_SHORTLISTS = (2, 4, 8, 16)
 
 COLUMNS = ["layer", "codebook_size", "shortlist_size", "centroids", "tokens", "mass_recall_mean",
            "mass_recall_p05", "topk_recall", "exact_topk_rate", "quant_error_mean", "bound_mean",
@@ -70,35 +67,6 @@ COLUMNS = [c for col in COLUMNS for c in ((col, f"{col}_lo", f"{col}_hi") if col
 # per-(layer, G, mode, M) running sums, in this order
 _SUMS = ("tokens", "mass", "topk_recall", "exact", "eps", "bound", "holds", "bound_scaled", "holds_scaled",
          "scale")
-
-
-@dataclass(frozen=True)
-class MassRecallOptions:
-    codebook_sizes: tuple[int, ...] = (8, 32, 128)  # G: codewords per layer
-    shortlists: tuple[int, ...] | None = None  # M: experts per shortlist (None: 2, 4, 8, 16 up to each layer's n)
-    centroids: tuple[str, ...] = ("raw", "unit")  # expert centroid modes
-    kmeans_iters: int = 1  # extra k-means passes over the data after the first
-    seed: int = 0
-    bootstrap: int = DEFAULT_BOOTSTRAP  # document-level bootstrap replicates over packed rows (0 = no intervals)
-    batch_size: int = 8
-    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
-
-    def __post_init__(self) -> None:
-        bad = [c for c in self.centroids if c not in MODES]
-        if bad:
-            raise MoetoolError(f"--centroids {bad[0]!r}: choose from {', '.join(MODES)}")
-        if not self.codebook_sizes or min(self.codebook_sizes) < 1:
-            raise MoetoolError("--codebook-size values must be >= 1")
-        if self.shortlists is not None and (not self.shortlists or min(self.shortlists) < 1):
-            raise MoetoolError("--shortlist values must be >= 1")
-        if self.kmeans_iters < 0:
-            raise MoetoolError("--kmeans-iters must be >= 0")
-        check_n_boot(self.bootstrap)
-
-    def shortlist_sizes(self, n: int) -> list[int]:
-        """The shortlist sizes M run on a layer of ``n`` experts: the given ones (each at most n: checked before
-        any forward by :func:`run_mass_recall`), or the defaults up to n."""
-        return unique(self.shortlists) if self.shortlists is not None else [m for m in DEFAULT_SHORTLISTS if m <= n]
 
 
 # ----- the routing distribution in each centroid mode ----------------------------------------

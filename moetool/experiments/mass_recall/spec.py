@@ -40,7 +40,58 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+MODES = ("raw", "unit")
+#: shortlist sizes M when none are given (those up to each layer's n)
+DEFAULT_SHORTLISTS = (2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class MassRecallOptions:
+    """Options of :func:`~moetool.experiments.mass_recall.compute.mass_recall`, each with the flag of
+    ``moetool mass-recall`` that sets it."""
+
+    codebook_sizes: tuple[int, ...] = option((8, 32, 128), "--codebook-size", "Codebook sizes G, comma-separated.",
+                                             short="-G")  # G: codewords per layer
+    # M: experts per shortlist (None: 2, 4, 8, 16 up to each layer's n)
+    shortlists: tuple[int, ...] | None = option(None, "--shortlist", "Shortlist sizes M, comma-separated, each at most "
+                                                "the layer's n experts (default: 2,4,8,16 up to n).", kind="ints",
+                                                short="-M")
+    centroids: tuple[str, ...] = option(("raw", "unit"), "--centroids", "Expert centroid modes, comma-separated: raw "
+                                        "(the router as is) and/or unit (rows on the unit sphere).")  # expert centroid modes
+    kmeans_iters: int = option(1, "--kmeans-iters", "Extra k-means passes over the data after the first.",
+                               min=0)  # extra k-means passes over the data after the first
+    seed: int = 0
+    bootstrap: int = DEFAULT_BOOTSTRAP  # document-level bootstrap replicates over packed rows (0 = no intervals)
+    batch_size: int = 8
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        bad = [c for c in self.centroids if c not in MODES]
+        if bad:
+            raise MoetoolError(f"--centroids {bad[0]!r}: choose from {', '.join(MODES)}")
+        if not self.codebook_sizes or min(self.codebook_sizes) < 1:
+            raise MoetoolError("--codebook-size values must be >= 1")
+        if self.shortlists is not None and (not self.shortlists or min(self.shortlists) < 1):
+            raise MoetoolError("--shortlist values must be >= 1")
+        if self.kmeans_iters < 0:
+            raise MoetoolError("--kmeans-iters must be >= 0")
+        check_n_boot(self.bootstrap)
+
+    def shortlist_sizes(self, n: int) -> list[int]:
+        """The shortlist sizes M run on a layer of ``n`` experts: the given ones (each at most n: checked before
+        any forward by :func:`~moetool.experiments.mass_recall.compute.run_mass_recall`), or the defaults up to n."""
+        from ...registry import unique
+
+        return unique(self.shortlists) if self.shortlists is not None else [m for m in DEFAULT_SHORTLISTS if m <= n]
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -59,10 +110,4 @@ SPEC = experiment("mass-recall", "mass_recall", "MassRecallOptions", figures="mo
                   demo=Demo(max_tokens=4096, options={"codebook_sizes": (8, 32), "kmeans_iters": 1}),
                   order=50,
                   bootstrap=True, defaults={"max_tokens": 16384},
-                  flags=(Flag("--codebook-size", "ints", "8,32,128", "Codebook sizes G, comma-separated.", short="-G",
-                              field="codebook_sizes"),
-                         Flag("--shortlist", "ints", None, "Shortlist sizes M, comma-separated, each at most the layer's n "
-                              "experts (default: 2,4,8,16 up to n).", short="-M", field="shortlists"),
-                         Flag("--centroids", "strs", "raw,unit", "Expert centroid modes, comma-separated: raw (the router "
-                              "as is) and/or unit (rows on the unit sphere)."),
-                         Flag("--kmeans-iters", "int", 1, "Extra k-means passes over the data after the first.", min=0)), captions=CAPTIONS)
+                  captions=CAPTIONS)

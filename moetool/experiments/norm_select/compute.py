@@ -24,12 +24,13 @@ from ...engine.probes import NODES
 from ...errors import MoetoolError
 from ...policies import build_once
 from ...registry import did_you_mean, unique
-from ...uncertainty import (DEFAULT_BOOTSTRAP, Interval, RowTable, bootstrap_meta, check_n_boot, delta_ratio,
-                           format_ci, ratio_intervals)
+from ...uncertainty import Interval, RowTable, bootstrap_meta, delta_ratio, format_ci, ratio_intervals
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..routing import data_name, perplexity, ppl_intervals
 from ..published import aoe_table1
 from ..result import Result, resolve_options
+from .spec import NormSelectOptions  # noqa: F401 - its options (declared with their flags in spec.py)
+from .spec import sweep_specs  # noqa: F401 - re-exported: its home is spec.py (NormSelectOptions.specs)
 
 AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "topk_overlap_lo", "topk_overlap_hi", "top1_agree",
                      "top1_agree_lo", "top1_agree_hi", "tokens")
@@ -85,11 +86,6 @@ def parse_norms(text: str) -> list[str]:
         if n not in ops.NORMS:
             raise MoetoolError(f"unknown norm '{n}'{did_you_mean(n, ops.NORMS)}; choose from {', '.join(ops.NORMS)}")
     return unique(out)
-
-
-def sweep_specs(nodes: Iterable[str], norms: Iterable[str] = ("l2",)) -> list[str]:
-    """``router`` plus ``norm:<node>:<norm>`` for every node and norm."""
-    return ["router"] + [f"norm:{node}:{norm}" for norm in norms for node in nodes]
 
 
 class AgreementMeter:
@@ -303,32 +299,6 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
                                                   if (q.metric != "perplexity").any() else 0.0)
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-@dataclass(frozen=True)
-class NormSelectOptions:
-    """Options of :func:`norm_select`."""
-
-    nodes: tuple[str, ...] = NODES  # probe nodes swept (norm:<node>:<norm> for each)
-    norms: tuple[str, ...] = ("l2",)  # norms swept
-    weights: str = "softmax"  # weights of the chosen experts: softmax | router | uniform
-    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
-    tasks: tuple[str, ...] | None = None  # lm-eval tasks (None: perplexity only)
-    num_fewshot: int | None = None
-    limit: int | None = None
-    include_path: str | None = None
-    batch_size: int = 8
-    seed: int = 0
-    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
-    prune: str | None = None  # run on the pruned model: a prune:<criterion>:<fraction>[:<csv>] policy spec
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if self.prune is not None and not self.prune.startswith("prune:"):
-            object.__setattr__(self, "prune", "prune:" + self.prune)
-
-    def specs(self) -> list[str]:
-        return sweep_specs(self.nodes, self.norms)
 
 
 def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, *, plan: Any = None,

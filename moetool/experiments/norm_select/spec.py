@@ -33,7 +33,57 @@ pruned router (criteria and files as the prune: policy, see `moetool prune --hel
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+from typing import Iterable
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ..experiment import Demo, experiment, option
+
+
+def sweep_specs(nodes: Iterable[str], norms: Iterable[str] = ("l2",)) -> list[str]:
+    """``router`` plus ``norm:<node>:<norm>`` for every node and norm."""
+    return ["router"] + [f"norm:{node}:{norm}" for norm in norms for node in nodes]
+
+
+@dataclass(frozen=True)
+class NormSelectOptions:
+    """Options of :func:`~moetool.experiments.norm_select.compute.norm_select`, each with the flag of
+    ``moetool norm-select`` that sets it (``--weights``, ``--layers``, ``--bootstrap``, ``--seed``, ``--batch-size``
+    and the lm-eval flags: the standard flag groups)."""
+
+    # probe nodes swept (norm:<node>:<norm> for each): moetool.engine.probes.NODES, spelled out to keep spec.py
+    # torch-free (--nodes all parses to NODES: tests/test_generated.py checks the flag and this default agree)
+    nodes: tuple[str, ...] = option(("gate", "up", "act", "glu", "output"), "--nodes",
+                                    "Comma list of gate,up,act,glu,output or 'all'.", kind="str", shown="all",
+                                    parse="moetool.experiments.norm_select.compute:parse_nodes")
+    norms: tuple[str, ...] = option(("l2",), "--norm", "l2|l1|linf, or a comma list to sweep several.", kind="str",
+                                    shown="l2", parse="moetool.experiments.norm_select.compute:parse_norms")  # norms swept
+    weights: str = "softmax"  # weights of the chosen experts: softmax | router | uniform
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    tasks: tuple[str, ...] | None = option(None, "--tasks", "lm-eval tasks (comma list); default: perplexity only.",
+                                           kind="strs", short="-t")  # lm-eval tasks (None: perplexity only)
+    num_fewshot: int | None = None
+    limit: int | None = None
+    include_path: str | None = None
+    batch_size: int = 8
+    seed: int = 0
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    # run on the pruned model: a prune:<criterion>:<fraction>[:<csv>] policy spec
+    prune: str | None = option(None, "--prune", "Run on the pruned model: <criterion>:<fraction>[:<prune_importance"
+                               ".csv>] or file:<removed.json|csv> (as the prune: policy; see moetool prune). The router "
+                               "baseline routes among the kept experts and every norm policy chooses among them.",
+                               kind="str")
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if self.prune is not None and not self.prune.startswith("prune:"):
+            object.__setattr__(self, "prune", "prune:" + self.prune)
+
+    def specs(self) -> list[str]:
+        return sweep_specs(self.nodes, self.norms)
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -50,11 +100,4 @@ SPEC = experiment("norm-select", "norm_select", "NormSelectOptions", figures="mo
                             options_from="moetool.experiments.norm_select.compute:demo_options"),
                   order=20,
                   groups=("weights", "lmeval", "resume"), bootstrap=True,
-                  flags=(Flag("--nodes", "str", "all", "Comma list of gate,up,act,glu,output or 'all'.",
-                              parse="moetool.experiments.norm_select.compute:parse_nodes"),
-                         Flag("--norm", "str", "l2", "l2|l1|linf, or a comma list to sweep several.", field="norms",
-                              parse="moetool.experiments.norm_select.compute:parse_norms"),
-                         Flag("--tasks", "strs", None, "lm-eval tasks (comma list); default: perplexity only.", short="-t"),
-                         Flag("--prune", "str", None, "Run on the pruned model: <criterion>:<fraction>[:<prune_importance"
-                              ".csv>] or file:<removed.json|csv> (as the prune: policy; see moetool prune). The router "
-                              "baseline routes among the kept experts and every norm policy chooses among them.")), captions=CAPTIONS)
+                  captions=CAPTIONS)

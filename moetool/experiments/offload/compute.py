@@ -38,7 +38,6 @@ rows, so the interval is the spread over documents of the same simulation (cache
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -50,33 +49,9 @@ from ...adapters.base import MoELayer
 from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, check_n_boot, ratio_intervals
+from ...uncertainty import RowTable, ratio_intervals
 from ..result import Result, resolve_options
-
-POLICIES = ("lru", "lfu", "belady")
-
-
-@dataclass(frozen=True)
-class OffloadOptions:
-    capacities: tuple[int, ...] | None = None  # cache sizes C (None: K, 2K, n/4, n/2, 3n/4, n within [K, n])
-    policies: tuple[str, ...] = POLICIES
-    coverage_tokens: tuple[int, ...] | None = None  # N of coverage(N) (None: powers of 4 from 16, and T)
-    predict_norm: bool = True  # apply layer ℓ+1's post_attention_layernorm to x_ℓ before its router
-    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
-    seed: int = 0
-    batch_size: int = 8
-    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
-
-    def __post_init__(self) -> None:
-        bad = [p for p in self.policies if p not in POLICIES]
-        if bad or not self.policies:
-            raise MoetoolError(f"--policies {bad[0] if bad else ''!r}: choose from {', '.join(POLICIES)}")
-        if self.capacities is not None and (not self.capacities or min(self.capacities) < 1):
-            raise MoetoolError("--capacity values must be >= 1")
-        if self.coverage_tokens is not None and (not self.coverage_tokens or min(self.coverage_tokens) < 1):
-            raise MoetoolError("--coverage-tokens values must be >= 1")
-        check_n_boot(self.bootstrap)
-
+from .spec import POLICIES, OffloadOptions  # its options (declared with their flags in spec.py)
 
 # ----- cache simulation (pure) ----------------------------------------------------------------
 #: tokens per block of the vectorised LRU ranks ([block, n] and [block, K, n] arrays)

@@ -31,7 +31,48 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+POLICIES = ("lru", "lfu", "belady")
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Options of :func:`~moetool.experiments.offload.compute.offload`, each with the flag of ``moetool offload``
+    that sets it."""
+
+    # cache sizes C (None: K, 2K, n/4, n/2, 3n/4, n within [K, n])
+    capacities: tuple[int, ...] | None = option(None, "--capacity", "Cache sizes C (experts per layer), "
+                                                "comma-separated; default K, 2K, n/4, n/2, 3n/4, n within [K, n].",
+                                                kind="ints", short="-C")
+    policies: tuple[str, ...] = option(POLICIES, "--policies", "Cache policies: lru, lfu, belady.")
+    # N of coverage(N) (None: powers of 4 from 16, and T)
+    coverage_tokens: tuple[int, ...] | None = option(None, "--coverage-tokens", "N of coverage(N), comma-separated "
+                                                     "(default powers of 4 from 16, and all tokens).", kind="ints")
+    # apply layer ℓ+1's post_attention_layernorm to x_ℓ before its router
+    predict_norm: bool = option(True, "--predict-norm", "Apply layer ℓ+1's post_attention_layernorm to x_ℓ before "
+                                "its router.")
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
+    seed: int = 0
+    batch_size: int = 8
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad or not self.policies:
+            raise MoetoolError(f"--policies {bad[0] if bad else ''!r}: choose from {', '.join(POLICIES)}")
+        if self.capacities is not None and (not self.capacities or min(self.capacities) < 1):
+            raise MoetoolError("--capacity values must be >= 1")
+        if self.coverage_tokens is not None and (not self.coverage_tokens or min(self.coverage_tokens) < 1):
+            raise MoetoolError("--coverage-tokens values must be >= 1")
+        check_n_boot(self.bootstrap)
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -49,10 +90,4 @@ SPEC = experiment("offload", "offload", "OffloadOptions", figures="moetool.exper
                   demo=Demo(max_tokens=2048),
                   order=60,
                   groups=("trace",), bootstrap=True,
-                  flags=(Flag("--capacity", "ints", None, "Cache sizes C (experts per layer), comma-separated; default K, "
-                              "2K, n/4, n/2, 3n/4, n within [K, n].", short="-C", field="capacities"),
-                         Flag("--policies", "strs", "lru,lfu,belady", "Cache policies: lru, lfu, belady."),
-                         Flag("--coverage-tokens", "ints", None, "N of coverage(N), comma-separated (default powers of 4 "
-                              "from 16, and all tokens)."),
-                         Flag("--predict-norm", "bool", True, "Apply layer ℓ+1's post_attention_layernorm to x_ℓ before "
-                              "its router.")), captions=CAPTIONS)
+                  captions=CAPTIONS)

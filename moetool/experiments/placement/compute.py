@@ -21,7 +21,6 @@ Placements:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,11 +30,11 @@ from ... import distributed
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import (DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, sum_intervals,
-                           with_ci)
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, sum_intervals, with_ci
 from ..routing import data_name
 from ..result import Result, resolve_options
 from ..specialization import LoadBalance
+from .spec import PlacementOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 METHODS = ("contiguous", "round_robin", "eplb", "eplb_stale")
 
@@ -76,45 +75,6 @@ DEFINITIONS = {
     "load_fraction": "load / (tokens * K)",
     "tokens": "real tokens of the data set",
 }
-
-
-@dataclass(frozen=True)
-class PlacementOptions:
-    """Options of :func:`placement`."""
-
-    gpus: tuple[int, ...] | None = None  # G values (None: powers of two from 2 dividing n, at most n)
-    extra_slots: tuple[int, ...] = (0, 1)  # redundant replica slots per GPU for EPLB: R = extra_slots * G
-    nodes: int = 1  # nodes for EPLB's hierarchical packing (must divide every G)
-    groups: int | None = None  # expert groups for EPLB (None: the model's routing groups, n_group, else 1)
-    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap of the imbalances (0 = none)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if self.gpus is not None and (not self.gpus or min(self.gpus) < 1):
-            raise MoetoolError(f"--gpus must be positive integers, not {list(self.gpus)}")
-        if not self.extra_slots or min(self.extra_slots) < 0:
-            raise MoetoolError(f"--extra-slots must be integers >= 0, not {list(self.extra_slots)}")
-        if self.nodes < 1:
-            raise MoetoolError(f"--nodes must be at least 1, not {self.nodes}")
-        if self.groups is not None and self.groups < 1:
-            raise MoetoolError(f"--groups must be at least 1, not {self.groups}")
-
-    def gpu_counts(self, n: int) -> list[int]:
-        """The G values for n experts: each must divide n (equal slots per GPU without replicas) and be a multiple
-        of the nodes; the default keeps the powers of two from 2 to n that do."""
-        if self.gpus is None:
-            gs = [g for g in (2 ** i for i in range(1, n.bit_length())) if n % g == 0 and g % self.nodes == 0]
-            if not gs:
-                raise MoetoolError(f"no default --gpus for {n} experts on {self.nodes} node(s): give --gpus")
-            return gs
-        bad = [g for g in self.gpus if n % g or g % self.nodes]
-        if bad:
-            raise MoetoolError(f"--gpus {bad}: each G must divide the {n} experts and be a multiple of --nodes "
-                               f"{self.nodes}")
-        return sorted(set(self.gpus))
 
 
 # ----- DeepSeek's EPLB, ported (DeepSeek-AI, EPLB, 2025, github.com/deepseek-ai/EPLB, eplb.py, MIT) ----------

@@ -33,7 +33,62 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, Flag, experiment, option
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """Options of :func:`~moetool.experiments.placement.compute.placement`, each with the flag of
+    ``moetool placement`` that sets it (``--reference-data``, ``--reference-model`` and ``--export`` are the
+    command's own)."""
+
+    # G values (None: powers of two from 2 dividing n, at most n)
+    gpus: tuple[int, ...] | None = option(None, "--gpus", "GPU counts G, comma-separated; each must divide the "
+                                          "number of experts (default: powers of two up to n).", kind="ints")
+    # redundant replica slots per GPU for EPLB: R = extra_slots * G
+    extra_slots: tuple[int, ...] = option((0, 1), "--extra-slots", "Redundant replica slots per GPU for EPLB, "
+                                          "comma-separated (R = slots x G).")
+    # nodes for EPLB's hierarchical packing (must divide every G)
+    nodes: int = option(1, "--nodes", "Nodes for EPLB's hierarchical packing (divides G).")
+    # expert groups for EPLB (None: the model's routing groups, n_group, else 1)
+    groups: int | None = option(None, "--groups", "Expert groups for EPLB (default: the model's routing groups, "
+                                "else 1).", kind="int")
+    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap of the imbalances (0 = none)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if self.gpus is not None and (not self.gpus or min(self.gpus) < 1):
+            raise MoetoolError(f"--gpus must be positive integers, not {list(self.gpus)}")
+        if not self.extra_slots or min(self.extra_slots) < 0:
+            raise MoetoolError(f"--extra-slots must be integers >= 0, not {list(self.extra_slots)}")
+        if self.nodes < 1:
+            raise MoetoolError(f"--nodes must be at least 1, not {self.nodes}")
+        if self.groups is not None and self.groups < 1:
+            raise MoetoolError(f"--groups must be at least 1, not {self.groups}")
+
+    def gpu_counts(self, n: int) -> list[int]:
+        """The G values for n experts: each must divide n (equal slots per GPU without replicas) and be a multiple
+        of the nodes; the default keeps the powers of two from 2 to n that do."""
+        if self.gpus is None:
+            gs = [g for g in (2 ** i for i in range(1, n.bit_length())) if n % g == 0 and g % self.nodes == 0]
+            if not gs:
+                raise MoetoolError(f"no default --gpus for {n} experts on {self.nodes} node(s): give --gpus")
+            return gs
+        bad = [g for g in self.gpus if n % g or g % self.nodes]
+        if bad:
+            raise MoetoolError(f"--gpus {bad}: each G must divide the {n} experts and be a multiple of --nodes "
+                               f"{self.nodes}")
+        return sorted(set(self.gpus))
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -54,14 +109,7 @@ SPEC = experiment("placement", "placement", "PlacementOptions", figures="moetool
                   order=140,
                   groups=("trace",), bootstrap=True, title="per-GPU load imbalance (max/mean)",
                   summary_csv="placement_overall.csv",
-                  flags=(Flag("--gpus", "ints", None, "GPU counts G, comma-separated; each must divide the number of "
-                              "experts (default: powers of two up to n)."),
-                         Flag("--extra-slots", "ints", "0,1", "Redundant replica slots per GPU for EPLB, comma-separated "
-                              "(R = slots x G)."),
-                         Flag("--nodes", "int", 1, "Nodes for EPLB's hierarchical packing (divides G)."),
-                         Flag("--groups", "int", None, "Expert groups for EPLB (default: the model's routing groups, "
-                              "else 1)."),
-                         Flag("--reference-data", "path", None, "Text/JSONL whose loads the stale EPLB placement is "
+                  flags=(Flag("--reference-data", "path", None, "Text/JSONL whose loads the stale EPLB placement is "
                               "computed from.", to_options=False),
                          Flag("--reference-model", "str", None, "Checkpoint (same architecture and tokenizer) whose loads "
                               "the stale EPLB placement is computed from.", to_options=False),

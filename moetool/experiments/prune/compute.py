@@ -26,7 +26,6 @@ With lm-eval tasks (``tasks``), the router and every (criterion, fraction) polic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,17 +36,16 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, node_scores
 from ...errors import MoetoolError
 from ...policies import build_policy
-from ...policies.prune import CRITERIA, PrunePolicy, lowest, n_removed, random_removed
+from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
 from ...registry import unique
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import eval_rows
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
+from .spec import REAP_WEIGHTS, PruneOptions  # its options (declared with their flags in spec.py)
 
-DEFAULT_FRACTIONS = (0.125, 0.25, 0.5)
 MEASURED = ("frequency", "weighted", "reap")  # the criteria measured on data (random is not)
-REAP_WEIGHTS = ("renormalised", "softmax")
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
@@ -91,38 +89,6 @@ DEFINITIONS = {
 }
 EVAL_COLUMNS = ("criterion", "fraction", "task", "metric", "value", "stderr", "value_lo", "value_hi", "router_value",
                 "retention", "retention_lo", "retention_hi")
-
-
-@dataclass(frozen=True)
-class PruneOptions:
-    """Options of :func:`prune`."""
-
-    fractions: tuple[float, ...] = DEFAULT_FRACTIONS  # fractions of each layer's experts removed
-    criteria: tuple[str, ...] = CRITERIA  # frequency | weighted | reap | random
-    ablate: int = 8  # single-expert ablations of the experts with the largest REAP saliency (0: none)
-    reap_weights: str = "renormalised"  # REAP's gate weight: renormalised (pi over the top-K's sum) | softmax (pi)
-    layers: tuple[int, ...] | None = None  # MoE layers measured and pruned (None: every MoE layer)
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP
-    seed: int = 0  # the random criterion's permutations and the bootstrap
-    tasks: tuple[str, ...] | None = None  # lm-eval tasks run under every policy (None: perplexity only)
-    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
-    limit: int | None = None  # at most this many items per task (None: all)
-    include_path: str | None = None  # folder of extra lm-eval task YAMLs
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if self.limit is not None and self.limit < 1:
-            raise MoetoolError(f"--limit must be at least 1, not {self.limit}")
-        if not self.fractions or any(not 0.0 <= f < 1.0 for f in self.fractions):
-            raise MoetoolError(f"--fractions must lie in [0, 1), not {list(self.fractions)}")
-        bad = [c for c in self.criteria if c not in CRITERIA]
-        if bad or not self.criteria:
-            raise MoetoolError(f"--criteria must be some of {', '.join(CRITERIA)}, not {list(self.criteria)}")
-        if self.ablate < 0:
-            raise MoetoolError(f"--ablate must be at least 0, not {self.ablate}")
-        if self.reap_weights not in REAP_WEIGHTS:
-            raise MoetoolError(f"--reap-weights must be one of {', '.join(REAP_WEIGHTS)}, not {self.reap_weights!r}")
 
 
 def reap_gate(ev: RoutingEvent, reap_weights: str = "renormalised") -> torch.Tensor:

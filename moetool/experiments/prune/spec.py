@@ -43,7 +43,62 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+DEFAULT_FRACTIONS = (0.125, 0.25, 0.5)
+REAP_WEIGHTS = ("renormalised", "softmax")
+
+
+@dataclass(frozen=True)
+class PruneOptions:
+    """Options of :func:`~moetool.experiments.prune.compute.prune`, each with the flag of ``moetool prune`` that
+    sets it (``--layers``, ``--batch-size``, ``--bootstrap``, ``--seed`` and the lm-eval flags: the standard flag
+    groups)."""
+
+    fractions: tuple[float, ...] = option(DEFAULT_FRACTIONS, "--fractions", "Fractions of each MoE layer's experts "
+                                          "removed, comma-separated.")  # fractions of each layer's experts removed
+    # frequency | weighted | reap | random: moetool.policies.prune.CRITERIA, spelled out to keep spec.py torch-free
+    # (__post_init__ refuses any other)
+    criteria: tuple[str, ...] = option(("frequency", "weighted", "reap", "random"), "--criteria", "Importance "
+                                       "criteria, comma-separated: frequency, weighted, reap, random.")
+    # single-expert ablations of the experts with the largest REAP saliency (0: none)
+    ablate: int = option(8, "--ablate", "Single-expert ablations of the experts with the largest REAP saliency "
+                         "(0: none).")
+    # REAP's gate weight: renormalised (pi over the top-K's sum) | softmax (pi)
+    reap_weights: str = option("renormalised", "--reap-weights", "REAP's gate weight: renormalised (p over the sum "
+                               "of the top-K's p, REAP's README) or softmax (p, reap.main on Mixtral).")
+    layers: tuple[int, ...] | None = None  # MoE layers measured and pruned (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0  # the random criterion's permutations and the bootstrap
+    # lm-eval tasks run under every policy (None: perplexity only)
+    tasks: tuple[str, ...] | None = option(None, "--tasks", "lm-eval tasks (comma list) run under every pruning; "
+                                           "default: perplexity only.", kind="strs", short="-t")
+    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
+    limit: int | None = None  # at most this many items per task (None: all)
+    include_path: str | None = None  # folder of extra lm-eval task YAMLs
+
+    def __post_init__(self) -> None:
+        from ...policies.prune import CRITERIA
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if self.limit is not None and self.limit < 1:
+            raise MoetoolError(f"--limit must be at least 1, not {self.limit}")
+        if not self.fractions or any(not 0.0 <= f < 1.0 for f in self.fractions):
+            raise MoetoolError(f"--fractions must lie in [0, 1), not {list(self.fractions)}")
+        bad = [c for c in self.criteria if c not in CRITERIA]
+        if bad or not self.criteria:
+            raise MoetoolError(f"--criteria must be some of {', '.join(CRITERIA)}, not {list(self.criteria)}")
+        if self.ablate < 0:
+            raise MoetoolError(f"--ablate must be at least 0, not {self.ablate}")
+        if self.reap_weights not in REAP_WEIGHTS:
+            raise MoetoolError(f"--reap-weights must be one of {', '.join(REAP_WEIGHTS)}, not {self.reap_weights!r}")
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -67,13 +122,4 @@ SPEC = experiment("prune", "prune", "PruneOptions", figures="moetool.experiments
                   demo=Demo(models=("tiny",), max_tokens=2048, options={"fractions": (0.25, 0.5), "ablate": 4}),
                   order=120,
                   groups=("lmeval",), bootstrap=True, title="perplexity with experts removed", summary_csv="prune.csv",
-                  flags=(Flag("--fractions", "floats", "0.125,0.25,0.5", "Fractions of each MoE layer's experts removed, "
-                              "comma-separated."),
-                         Flag("--criteria", "strs", "frequency,weighted,reap,random", "Importance criteria, "
-                              "comma-separated: frequency, weighted, reap, random."),
-                         Flag("--ablate", "int", 8, "Single-expert ablations of the experts with the largest REAP saliency "
-                              "(0: none)."),
-                         Flag("--reap-weights", "str", "renormalised", "REAP's gate weight: renormalised (p over the sum "
-                              "of the top-K's p, REAP's README) or softmax (p, reap.main on Mixtral)."),
-                         Flag("--tasks", "strs", None, "lm-eval tasks (comma list) run under every pruning; default: "
-                              "perplexity only.", short="-t")), captions=CAPTIONS)
+                  captions=CAPTIONS)

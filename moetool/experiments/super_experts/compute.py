@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,16 +33,15 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, routed_absmax
 from ...errors import MoetoolError
 from ...policies.prune import PrunePolicy, random_removed
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
+from .spec import MAX_RULES, READINGS, SuperExpertsOptions  # its options (declared with their flags there)
 
 SOURCE = "Su et al. 2025, arXiv 2507.23279"
 #: the code whose rule is the default (tests/peer/test_peer_super_experts.py ports it and compares)
 CODE = ("ZunhaiSu/Super-Experts-Profilling @ 573aead3127ae593ba267758b832944f8fed1485, eval_utils.py "
         "(_super_experts_analysis, _identify_super_experts, experts_down_proj_hook)")
-MAX_RULES = ("floordiv", "fraction")
-READINGS = ("routed", "first-row")
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
@@ -79,34 +77,6 @@ DEFINITIONS = {
     "delta_ppl": "perplexity - the model's own perplexity",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
-
-
-@dataclass(frozen=True)
-class SuperExpertsOptions:
-    """Options of :func:`super_experts`."""
-
-    percentile: float = 99.5  # a super expert's maximum exceeds this percentile of all (layer, expert) maxima
-    fraction_of_max: float = 0.1  # ... and the largest // (1 / this) (max_rule floordiv) or this x the largest
-    max_rule: str = "floordiv"  # floordiv: > largest // (1 / fraction_of_max), the code's; fraction: >= f x largest
-    include_layers: float = 0.75  # the MoE layers of the first round(include_layers x L) decoder layers (1: all)
-    reading: str = "routed"  # routed: every routed token; first-row: the first routed token per row (the code's)
-    layers: tuple[int, ...] | None = None  # MoE layers measured and ablated (None: every MoE layer)
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP
-    seed: int = 0  # the random ablation's permutations and the bootstrap
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if not 0.0 <= self.percentile < 100.0:
-            raise MoetoolError(f"--percentile must lie in [0, 100), not {self.percentile:g}")
-        if not 0.0 <= self.fraction_of_max <= 1.0:
-            raise MoetoolError(f"--fraction-of-max must lie in [0, 1], not {self.fraction_of_max:g}")
-        if self.max_rule not in MAX_RULES:
-            raise MoetoolError(f"--max-rule must be one of {', '.join(MAX_RULES)}, not {self.max_rule!r}")
-        if self.reading not in READINGS:
-            raise MoetoolError(f"--reading must be one of {', '.join(READINGS)}, not {self.reading!r}")
-        if not 0.0 < self.include_layers <= 1.0:
-            raise MoetoolError(f"--include-layers must lie in (0, 1], not {self.include_layers:g}")
 
 
 def super_mask(maxima: Any, percentile: float = 99.5, fraction_of_max: float = 0.1,

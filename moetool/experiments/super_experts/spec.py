@@ -32,7 +32,56 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+MAX_RULES = ("floordiv", "fraction")
+READINGS = ("routed", "first-row")
+
+
+@dataclass(frozen=True)
+class SuperExpertsOptions:
+    """Options of :func:`~moetool.experiments.super_experts.compute.super_experts`, each with the flag of
+    ``moetool super-experts`` that sets it."""
+
+    # a super expert's maximum exceeds this percentile of all (layer, expert) maxima
+    percentile: float = option(99.5, "--percentile", "A super expert's maximum exceeds this percentile of every "
+                               "(layer, expert) maximum.")
+    # ... and the largest // (1 / this) (max_rule floordiv) or this x the largest
+    fraction_of_max: float = option(0.1, "--fraction-of-max", "... and above the largest // (1 / this) (--max-rule "
+                                    "floordiv) or at least this x the largest (--max-rule fraction).")
+    # floordiv: > largest // (1 / fraction_of_max), the code's; fraction: >= f x largest
+    max_rule: str = option("floordiv", "--max-rule", "floordiv: > largest // (1 / --fraction-of-max), the paper's "
+                           "code (largest // 10); fraction: >= --fraction-of-max x the largest.")
+    # the MoE layers of the first round(include_layers x L) decoder layers (1: all)
+    include_layers: float = option(0.75, "--include-layers", "Only the MoE layers of the first round(this x L) "
+                                   "decoder layers, as the paper's code; 1: every layer.")
+    # routed: every routed token; first-row: the first routed token per row (the code's)
+    reading: str = option("routed", "--reading", "routed: every routed token; first-row: per row, the first token "
+                          "routed to the expert (what the paper's code's hook reads).")
+    layers: tuple[int, ...] | None = None  # MoE layers measured and ablated (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0  # the random ablation's permutations and the bootstrap
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if not 0.0 <= self.percentile < 100.0:
+            raise MoetoolError(f"--percentile must lie in [0, 100), not {self.percentile:g}")
+        if not 0.0 <= self.fraction_of_max <= 1.0:
+            raise MoetoolError(f"--fraction-of-max must lie in [0, 1], not {self.fraction_of_max:g}")
+        if self.max_rule not in MAX_RULES:
+            raise MoetoolError(f"--max-rule must be one of {', '.join(MAX_RULES)}, not {self.max_rule!r}")
+        if self.reading not in READINGS:
+            raise MoetoolError(f"--reading must be one of {', '.join(READINGS)}, not {self.reading!r}")
+        if not 0.0 < self.include_layers <= 1.0:
+            raise MoetoolError(f"--include-layers must lie in (0, 1], not {self.include_layers:g}")
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -49,14 +98,4 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("super-experts", "super_experts", "SuperExpertsOptions", figures="moetool.experiments.super_experts.figures:super_experts_figures",
                   demo=Demo(models=("tiny",), max_tokens=2048), bootstrap=True,
                   title="super experts and perplexity without them", sample=("--bootstrap", "100"),
-                  flags=(Flag("--percentile", "float", 99.5, "A super expert's maximum exceeds this percentile of every "
-                              "(layer, expert) maximum."),
-                         Flag("--fraction-of-max", "float", 0.1, "... and above the largest // (1 / this) (--max-rule "
-                              "floordiv) or at least this x the largest (--max-rule fraction)."),
-                         Flag("--max-rule", "str", "floordiv", "floordiv: > largest // (1 / --fraction-of-max), the paper's "
-                              "code (largest // 10); fraction: >= --fraction-of-max x the largest."),
-                         Flag("--include-layers", "float", 0.75, "Only the MoE layers of the first round(this x L) decoder "
-                              "layers, as the paper's code; 1: every layer."),
-                         Flag("--reading", "str", "routed", "routed: every routed token; first-row: per row, the first token "
-                              "routed to the expert (what the paper's code's hook reads).")),
                   order=130, captions=CAPTIONS)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,12 +17,10 @@ from ... import distributed
 from ...engine.hooks import RoutingEvent, select_layers
 from ...errors import MoetoolError
 from ...policies import make_policy
-from ...registry import unique
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
-
-DEFAULT_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+from .spec import TopkOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 DEFINITIONS = {
     "policy": "router (the model's own routing), topk:<k> (its routing with k experts), topp:<p> (the smallest set "
@@ -41,35 +38,6 @@ DEFINITIONS = {
     "ratio": "perplexity / the router's perplexity on the same rows (paired)",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
-
-
-@dataclass(frozen=True)
-class TopkOptions:
-    """Options of :func:`topk`."""
-
-    ks: tuple[int, ...] | None = None  # fixed k per token (None: 1 .. K-1)
-    ps: tuple[float, ...] = DEFAULT_PS  # top-p masses
-    kmax: int | None = None  # at most this many experts per token for topp (None: n)
-    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if self.ks is not None and (not self.ks or min(self.ks) < 1):
-            raise MoetoolError(f"--ks must be positive integers, not {list(self.ks)}")
-        if any(not 0.0 < p <= 1.0 for p in self.ps):
-            raise MoetoolError(f"--ps must lie in (0, 1], not {list(self.ps)}")
-        if self.kmax is not None and self.kmax < 1:
-            raise MoetoolError(f"--kmax must be at least 1, not {self.kmax}")
-
-    def specs(self, K: int) -> list[tuple[str, str, float]]:
-        """``(policy spec, kind, value)`` in the sweep's order, the router first."""
-        ks = self.ks if self.ks is not None else tuple(range(1, K))
-        tail = f":{self.kmax}" if self.kmax is not None else ""
-        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in unique(ks)]
-                + [(f"topp:{p:g}{tail}", "topp", float(p)) for p in unique(self.ps)])
 
 
 class ExpertCounter:

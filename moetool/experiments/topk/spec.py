@@ -22,7 +22,52 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+DEFAULT_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+
+
+@dataclass(frozen=True)
+class TopkOptions:
+    """Options of :func:`~moetool.experiments.topk.compute.topk`, each with the flag of ``moetool topk`` that
+    sets it."""
+
+    ks: tuple[int, ...] | None = option(None, "--ks", "Fixed experts per token, comma-separated (default 1 .. K-1).",
+                                        kind="ints")  # fixed k per token (None: 1 .. K-1)
+    ps: tuple[float, ...] = option(DEFAULT_PS, "--ps", "Top-p masses, comma-separated ('none': no "
+                                   "top-p).")  # top-p masses
+    # at most this many experts per token for topp (None: n)
+    kmax: int | None = option(None, "--kmax", "At most this many experts per token under top-p (default: all n).",
+                              kind="int")
+    layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if self.ks is not None and (not self.ks or min(self.ks) < 1):
+            raise MoetoolError(f"--ks must be positive integers, not {list(self.ks)}")
+        if any(not 0.0 < p <= 1.0 for p in self.ps):
+            raise MoetoolError(f"--ps must lie in (0, 1], not {list(self.ps)}")
+        if self.kmax is not None and self.kmax < 1:
+            raise MoetoolError(f"--kmax must be at least 1, not {self.kmax}")
+
+    def specs(self, K: int) -> list[tuple[str, str, float]]:
+        """``(policy spec, kind, value)`` in the sweep's order, the router first."""
+        from ...registry import unique
+
+        ks = self.ks if self.ks is not None else tuple(range(1, K))
+        tail = f":{self.kmax}" if self.kmax is not None else ""
+        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in unique(ks)]
+                + [(f"topp:{p:g}{tail}", "topp", float(p)) for p in unique(self.ps)])
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -38,7 +83,4 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("topk", "topk", "TopkOptions", figures="moetool.experiments.topk.figures:topk_figures",
                   demo=Demo(max_tokens=2048, options={"ps": (0.5, 0.8, 0.95)}), bootstrap=True,
                   title="experts per token and perplexity",
-                  flags=(Flag("--ks", "ints", None, "Fixed experts per token, comma-separated (default 1 .. K-1)."),
-                         Flag("--ps", "floats", "0.5,0.7,0.8,0.9,0.95,0.99", "Top-p masses, comma-separated ('none': no top-p)."),
-                         Flag("--kmax", "int", None, "At most this many experts per token under top-p (default: all n).")),
                   order=80, captions=CAPTIONS)

@@ -17,7 +17,6 @@ row in the last global batches still joins those gathers with nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +27,14 @@ from ... import distributed
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...engine.stream import TableStream
-from ..routing import RoutingOptions
 from ..result import Result, resolve_options
+from .spec import TraceOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row index), pos (position in row), "
           "token_id, token, domain, layer (decoder layer index), expert_k / weight_k (k-th chosen expert, largest "
           "first as the router returned them, and its weight), logit_e (router logit of expert e, --logits). "
           "Encoder-decoder models (the row as source and target): token is the row's token at pos; the encoder "
           "reads it there, the decoder reads the token at pos-1 and predicts it")
-
-
-@dataclass(frozen=True)
-class TraceOptions(RoutingOptions):
-    """Options of :func:`trace`: the routing traced (``router`` = the model's own) and the columns."""
-
-    logits: bool = False  # also the full router logits (logit_0 .. logit_{n-1})
-    batch_size: int = 8
 
 
 class TraceCollector:

@@ -15,11 +15,23 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Flag, experiment
+from dataclasses import dataclass
+
+from ..experiment import Flag, RoutingOptions, experiment, option
+
+
+@dataclass(frozen=True)
+class TraceOptions(RoutingOptions):
+    """Options of :func:`~moetool.experiments.trace.compute.trace`: the routing traced (``router`` = the model's
+    own: ``--routing`` and its options, the routing flag group) and the columns."""
+
+    # also the full router logits (logit_0 .. logit_{n-1})
+    logits: bool = option(False, "--logits", "Also write the full router logits.")
+    batch_size: int = 8
+
 
 SPEC = experiment("trace", "trace", "TraceOptions", lines=None,
                   order=180,
                   groups=("routing", "resume"),
-                  flags=(Flag("--logits", "bool", False, "Also write the full router logits."),
-                         Flag("--format", "str", "csv.gz", "csv.gz (pandas.read_csv) or parquet (pandas.read_parquet; "
-                              "faster, smaller).", to_options=False)))
+                  flags=(Flag("--format", "str", "csv.gz", "csv.gz (pandas.read_csv) or parquet (pandas.read_parquet; "
+                              "faster, smaller).", to_options=False),))
