@@ -27,8 +27,6 @@ weights per run: the ΔNLL interval is paired).
 from __future__ import annotations
 
 import gc
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,17 +40,16 @@ from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...loading import load
 from ...sketch import QuantileSketch
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, ratio_intervals
 from ..margin.compute import SKETCH_HI, SKETCH_LO, token_margins
 from ..routing import data_name
 from ..result import Result, resolve_options
+from .spec import DEFAULT_THRESHOLDS, RANK, AgreementOptions, reference_of  # noqa: F401 - its options (declared with their flags in spec.py)
 
 #: precision -> (dtype the forward computes in, simulated weight format or None)
 PRECISIONS: dict[str, tuple[torch.dtype, str | None]] = {
     "fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp16": (torch.float16, None),
     "fp8": (torch.bfloat16, "fp8"), "fp4": (torch.bfloat16, "fp4"), "mxfp4": (torch.bfloat16, "mxfp4")}
-#: how precise each is (lower = more precise): the reference is the lowest of the list
-RANK = {"fp32": 0, "bf16": 1, "fp16": 1, "fp8": 2, "fp4": 3, "mxfp4": 3}
 #: load dtype names of moetool.loading.load
 LOAD_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: which weights a simulated format replaces
@@ -65,7 +62,6 @@ QUANTIZED_WEIGHTS = {
     "mxfp4": "the routed experts' matrices only (as gpt-oss ships MXFP4: 32 input values per E8M0 scale); "
              "everything else bf16",
 }
-DEFAULT_THRESHOLDS = (1e-4, 1e-3, 1e-2, 1e-1)
 
 DEFINITIONS = {
     "precision": "how the model computes: fp32/bf16/fp16 = loaded in that dtype (transformers' loading; modules a "
@@ -99,43 +95,6 @@ DEFINITIONS = {
     "delta_nll": "nll - nll_ref (paired: the same tokens, per-row differences bootstrapped)",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
-
-
-@dataclass(frozen=True)
-class AgreementOptions:
-    """Options of :func:`agreement`."""
-
-    precisions: tuple[str, ...] = ("fp32", "bf16", "fp8")
-    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # reference-margin bin edges
-    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP
-    seed: int = 0
-    device: str = "auto"  # where models given by name are loaded
-    device_map: str | None = None  # --device-map of every per-precision load ("auto": accelerate places the layers)
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        bad = [p for p in self.precisions if p not in PRECISIONS]
-        if bad:
-            raise MoetoolError(f"--precisions: unknown {bad} (choose from {', '.join(PRECISIONS)})")
-        if len(self.precisions) < 2:
-            raise MoetoolError(f"--precisions needs at least two precisions to compare, got {list(self.precisions)}")
-        if len(set(self.precisions)) != len(self.precisions):
-            raise MoetoolError(f"--precisions: a precision is named twice in {list(self.precisions)}")
-        if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
-            raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
-        if list(self.thresholds) != sorted(set(self.thresholds)):
-            raise MoetoolError(f"--thresholds must increase strictly, not {list(self.thresholds)}")
-
-    @property
-    def reference(self) -> str:
-        return reference_of(self.precisions)
-
-
-def reference_of(precisions: Sequence[str]) -> str:
-    """The most precise of ``precisions`` (the first listed on a tie)."""
-    return min(precisions, key=lambda p: RANK[p])
 
 
 # ----- precisions --------------------------------------------------------------------------------

@@ -32,7 +32,62 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+#: how precise each is (lower = more precise): the reference is the lowest of the list (its keys are
+#: compute.py's PRECISIONS, in their order)
+RANK = {"fp32": 0, "bf16": 1, "fp16": 1, "fp8": 2, "fp4": 3, "mxfp4": 3}
+DEFAULT_THRESHOLDS = (1e-4, 1e-3, 1e-2, 1e-1)
+
+
+@dataclass(frozen=True)
+class AgreementOptions:
+    """Options of :func:`~moetool.experiments.agreement.compute.agreement`, each with the flag of
+    ``moetool agreement`` that sets it."""
+
+    precisions: tuple[str, ...] = option(("fp32", "bf16", "fp8"), "--precisions", "Precisions compared, "
+                                         "comma-separated: fp32, bf16, fp16, fp8, fp4, mxfp4 (the last three "
+                                         "simulated).", short="-p")
+    thresholds: tuple[float, ...] = option(DEFAULT_THRESHOLDS, "--thresholds", "Reference-margin bin edges "
+                                           "(increasing), comma-separated.")  # reference-margin bin edges
+    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0
+    device: str = "auto"  # where models given by name are loaded
+    device_map: str | None = None  # --device-map of every per-precision load ("auto": accelerate places the layers)
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        bad = [p for p in self.precisions if p not in RANK]
+        if bad:
+            raise MoetoolError(f"--precisions: unknown {bad} (choose from {', '.join(RANK)})")
+        if len(self.precisions) < 2:
+            raise MoetoolError(f"--precisions needs at least two precisions to compare, got {list(self.precisions)}")
+        if len(set(self.precisions)) != len(self.precisions):
+            raise MoetoolError(f"--precisions: a precision is named twice in {list(self.precisions)}")
+        if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
+            raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
+        if list(self.thresholds) != sorted(set(self.thresholds)):
+            raise MoetoolError(f"--thresholds must increase strictly, not {list(self.thresholds)}")
+
+    @property
+    def reference(self) -> str:
+        return reference_of(self.precisions)
+
+
+def reference_of(precisions: Sequence[str]) -> str:
+    """The most precise of ``precisions`` (the first listed on a tie)."""
+    return min(precisions, key=lambda p: RANK[p])
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -52,7 +107,4 @@ SPEC = experiment("agreement", "agreement", "AgreementOptions", figures="moetool
                   demo=Demo(max_tokens=2048, options={"precisions": ("fp32", "bf16", "fp8"), "bootstrap": 200}),
                   order=100,
                   bootstrap=True, loads_model=False,
-                  flags=(Flag("--precisions", "strs", "fp32,bf16,fp8", "Precisions compared, comma-separated: fp32, bf16, "
-                              "fp16, fp8, fp4, mxfp4 (the last three simulated).", short="-p"),
-                         Flag("--thresholds", "floats", "0.0001,0.001,0.01,0.1", "Reference-margin bin edges "
-                              "(increasing), comma-separated.")), captions=CAPTIONS)
+                  captions=CAPTIONS)

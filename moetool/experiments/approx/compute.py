@@ -34,9 +34,8 @@ from ...errors import MoetoolError
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
 from ..result import Result, resolve_options
+from .spec import MAX_SUBSETS, SELECTORS, ApproxOptions, check_selectors  # noqa: F401 - its options (declared with their flags in spec.py)
 
-SELECTORS = ("router", "norm_oracle", "best_subset", "random")
-MAX_SUBSETS = 10_000
 #: elements of one per-chunk intermediate (U [T_c, n, d], or subset scores [T_c, C, n]) -> 128 MB fp32
 BUDGET = 1 << 25
 #: relative error bound of rel_error_median (QuantileSketch defaults: 8192 log bins over [1e-8, 1e4])
@@ -109,12 +108,6 @@ class TokenApprox:
     error: dict[str, torch.Tensor]  # selector -> [T] relative error
     spearman: torch.Tensor  # [T] Spearman(π_e, ||E_e(h)||) across experts
     abs_cos: torch.Tensor  # [T] mean |cos(u_i, u_j)|, i != j
-
-
-def check_selectors(selectors: Sequence[str]) -> None:
-    unknown = [s for s in selectors if s not in SELECTORS]
-    if unknown:
-        raise MoetoolError(f"unknown selector(s) {unknown}; choose from {', '.join(SELECTORS)}")
 
 
 def best_subset_applies(n: int, k: int, max_subsets: int = MAX_SUBSETS) -> bool:
@@ -272,24 +265,6 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
     red = ApproxReducer(selectors, seed, max_subsets, layers)
     forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
     return red
-
-
-@dataclass(frozen=True)
-class ApproxOptions:
-    """Options of :func:`approx`. ``selectors`` are selection rules scored offline against the dense sum of all
-    experts; they do not change the routing (the model runs with its own router), so they are not routing
-    policies (``--routing`` elsewhere)."""
-
-    selectors: tuple[str, ...] = SELECTORS  # router | norm_oracle | best_subset | random
-    max_subsets: int = MAX_SUBSETS  # best_subset only in layers with C(n, K) at most this
-    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
-    batch_size: int = 4
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_selectors(self.selectors)
-        if self.max_subsets < 1:
-            raise MoetoolError(f"--max-subsets must be >= 1, got {self.max_subsets}")
 
 
 def approx(lm: Any, tokens: Any, options: ApproxOptions | None = None, *, quiet: bool = False,

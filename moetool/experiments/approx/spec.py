@@ -28,7 +28,43 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+SELECTORS = ("router", "norm_oracle", "best_subset", "random")
+MAX_SUBSETS = 10_000
+
+
+def check_selectors(selectors: Sequence[str]) -> None:
+    unknown = [s for s in selectors if s not in SELECTORS]
+    if unknown:
+        raise MoetoolError(f"unknown selector(s) {unknown}; choose from {', '.join(SELECTORS)}")
+
+
+@dataclass(frozen=True)
+class ApproxOptions:
+    """Options of :func:`~moetool.experiments.approx.compute.approx`. ``selectors`` are selection rules scored
+    offline against the dense sum of all experts; they do not change the routing (the model runs with its own
+    router), so they are not routing policies (``--routing`` elsewhere)."""
+
+    selectors: tuple[str, ...] = option(SELECTORS, "--selectors", "Comma-separated selection rules scored against "
+                                        "the dense sum: router, norm_oracle, best_subset, random. They do not change "
+                                        "the routing (the model runs with its own router), so they are not --routing "
+                                        "policies.")  # router | norm_oracle | best_subset | random
+    max_subsets: int = option(MAX_SUBSETS, "--max-subsets", "best_subset only in layers with C(n, K) at most this.",
+                              min=1)  # best_subset only in layers with C(n, K) at most this
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+    batch_size: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_selectors(self.selectors)
+        if self.max_subsets < 1:
+            raise MoetoolError(f"--max-subsets must be >= 1, got {self.max_subsets}")
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -44,9 +80,4 @@ SPEC = experiment("approx", "approx", "ApproxOptions", figures="moetool.experime
                   demo=Demo(max_tokens=1024, options={"batch_size": 8}),
                   order=40,
                   defaults={"max_tokens": 4096, "batch_size": 4},
-                  flags=(Flag("--selectors", "strs", "router,norm_oracle,best_subset,random", "Comma-separated selection "
-                              "rules scored against the dense sum: router, norm_oracle, best_subset, random. They do not "
-                              "change the routing (the model runs with its own router), so they are not --routing "
-                              "policies."),
-                         Flag("--max-subsets", "int", 10_000, "best_subset only in layers with C(n, K) at most this.",
-                              min=1)), captions=CAPTIONS)
+                  captions=CAPTIONS)

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,13 +18,10 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...context import state as run_state
 from ...errors import MoetoolError, MoetoolRuntimeError
 from ...policies import make_policy
-from ...policies.capacity import ORDERS, cf_text
-from ...registry import unique
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, format_ci, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
 from ..result import Result, resolve_options
-
-DEFAULT_CFS = (0.5, 1.0, 1.25, 1.5, 2.0)
+from .spec import DEFAULT_CFS, CapacityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 DEFINITIONS = {
     "cf": "capacity factor: per forward batch of --batch-size rows (per process under torchrun, whose batches are "
@@ -53,31 +48,6 @@ DEFINITIONS = {
     "ratio": "perplexity / router_perplexity on the same rows (paired)",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
-
-
-@dataclass(frozen=True)
-class CapacityOptions:
-    """Options of :func:`capacity`."""
-
-    cfs: tuple[float, ...] = DEFAULT_CFS  # capacity factors (inf allowed)
-    orders: tuple[str, ...] = ("order",)  # drop orders: order | score
-    layers: tuple[int, ...] | None = None  # MoE layers where capacity applies (None: every MoE layer)
-    batch_size: int = 8  # rows per forward batch: capacity is per batch
-    bootstrap: int = DEFAULT_BOOTSTRAP
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if not self.cfs or any(not cf > 0 or math.isnan(cf) for cf in self.cfs):
-            raise MoetoolError(f"--cf must be positive numbers (inf allowed), not {list(self.cfs)}")
-        bad = [o for o in self.orders if o not in ORDERS]
-        if not self.orders or bad:
-            raise MoetoolError(f"--order must be among {', '.join(ORDERS)}, not {list(self.orders)}")
-
-    def specs(self) -> list[tuple[float, str, str]]:
-        """``(cf, order, policy spec)`` in the sweep's order."""
-        return [(cf, order, f"capacity:{cf_text(cf)}:{order}") for order in unique(self.orders)
-                for cf in unique(self.cfs)]
 
 
 class DropCounter:

@@ -26,7 +26,50 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+import math
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+DEFAULT_CFS = (0.5, 1.0, 1.25, 1.5, 2.0)
+
+
+@dataclass(frozen=True)
+class CapacityOptions:
+    """Options of :func:`~moetool.experiments.capacity.compute.capacity`, each with the flag of ``moetool capacity``
+    that sets it."""
+
+    cfs: tuple[float, ...] = option(DEFAULT_CFS, "--cf", "Capacity factors, comma-separated (inf allowed).",
+                                    shown="0.5,1,1.25,1.5,2")  # capacity factors (inf allowed)
+    orders: tuple[str, ...] = option(("order",), "--order", "Which assignments an expert keeps: order (the first in "
+                                     "token order), score (the highest routing weight), or both: "
+                                     "order,score.")  # drop orders: order | score
+    layers: tuple[int, ...] | None = None  # MoE layers where capacity applies (None: every MoE layer)
+    batch_size: int = 8  # rows per forward batch: capacity is per batch
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from ...policies.capacity import ORDERS
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if not self.cfs or any(not cf > 0 or math.isnan(cf) for cf in self.cfs):
+            raise MoetoolError(f"--cf must be positive numbers (inf allowed), not {list(self.cfs)}")
+        bad = [o for o in self.orders if o not in ORDERS]
+        if not self.orders or bad:
+            raise MoetoolError(f"--order must be among {', '.join(ORDERS)}, not {list(self.orders)}")
+
+    def specs(self) -> list[tuple[float, str, str]]:
+        """``(cf, order, policy spec)`` in the sweep's order."""
+        from ...policies.capacity import cf_text
+        from ...registry import unique
+
+        return [(cf, order, f"capacity:{cf_text(cf)}:{order}") for order in unique(self.orders)
+                for cf in unique(self.cfs)]
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -43,8 +86,4 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("capacity", "capacity", "CapacityOptions", figures="moetool.experiments.capacity.figures:capacity_figures",
                   demo=Demo(max_tokens=2048, options={"cfs": (0.5, 1.0, 2.0), "orders": ("order", "score")}),
                   bootstrap=True, title="capacity factor, dropped assignments and perplexity",
-                  flags=(Flag("--cf", "floats", "0.5,1,1.25,1.5,2", "Capacity factors, comma-separated (inf allowed).",
-                              field="cfs"),
-                         Flag("--order", "strs", "order", "Which assignments an expert keeps: order (the first in token "
-                              "order), score (the highest routing weight), or both: order,score.", field="orders")),
                   order=110, captions=CAPTIONS)

@@ -25,9 +25,8 @@ from ...errors import MoetoolError
 from ...progress import progress
 from ..published import erc_alpha_min
 from ..result import Result, resolve_options
+from .spec import DEFAULT_ALPHAS, NOISE_MODES, ErcOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
-DEFAULT_ALPHAS = (0.4, 0.6, 0.8, 1.0)
-NOISE_MODES = ("derived", "none")
 
 DEFINITIONS = {
     "eps": "eps_i = ||R_i - R_j*|| / (2 ||R_i||), j* the nearest other router row (Euclidean), computed in fp32",
@@ -50,33 +49,6 @@ DEFINITIONS = {
                "layer's numbers do not depend on which other layers are analysed",
     "experts": "routed experts of the MoE layers only (shared experts and dense layers are not part of M)",
 }
-
-
-@dataclass(frozen=True)
-class ErcOptions:
-    alphas: tuple[float, ...] = DEFAULT_ALPHAS  # the α values of erc.csv
-    noise: str | float = "derived"  # derived | none | a fixed eps for every expert
-    samples: int = 1  # noise draws; the noisy loss is their mean
-    node: str = "gate"  # probe node whose norm fills M
-    norm: str = "l2"  # l2 | l1 | linf
-    seed: int = 0
-    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
-
-    def __post_init__(self) -> None:
-        if not self.alphas:
-            raise MoetoolError("--alpha needs at least one value")
-        if any(a < 0 for a in self.alphas):
-            raise MoetoolError(f"--alpha values must be >= 0, got {list(self.alphas)}")
-        if self.samples < 1:
-            raise MoetoolError(f"--samples must be >= 1, got {self.samples}")
-        if self.node not in probes.NODES:
-            raise MoetoolError(f"--node must be one of {', '.join(probes.NODES)}, not '{self.node}'")
-        if self.norm not in ops.NORMS:
-            raise MoetoolError(f"--norm must be one of {', '.join(ops.NORMS)}, not '{self.norm}'")
-        if isinstance(self.noise, str) and self.noise not in NOISE_MODES:
-            raise MoetoolError(f"--noise must be derived, none or a number, not '{self.noise}'")
-        if not isinstance(self.noise, str) and not self.noise >= 0:
-            raise MoetoolError(f"--noise eps must be >= 0, got {self.noise}")
 
 
 def parse_noise(text: str) -> str | float:

@@ -29,7 +29,53 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+from dataclasses import dataclass
+
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+DEFAULT_ALPHAS = (0.4, 0.6, 0.8, 1.0)
+NOISE_MODES = ("derived", "none")
+
+
+@dataclass(frozen=True)
+class ErcOptions:
+    """Options of :func:`~moetool.experiments.erc.compute.erc`, each with the flag of ``moetool erc`` that sets
+    it."""
+
+    alphas: tuple[float, ...] = option(DEFAULT_ALPHAS, "--alpha",
+                                       "Comma-separated α values of L_ERC(α).")  # the α values of erc.csv
+    noise: str | float = option("derived", "--noise",  # derived | none | a fixed eps for every expert
+                                "derived: eps_i from the nearest other router row (||R_i − R_j*|| / 2||R_i||); none: "
+                                "no noise; a number: that eps for every expert.", shown="derived",
+                                parse="moetool.experiments.erc.compute:parse_noise")
+    samples: int = option(1, "--samples", "Noise draws (seeded); erc_loss is their mean.",
+                          min=1)  # noise draws; the noisy loss is their mean
+    node: str = option("gate", "--node",
+                       "Probe node whose norm fills M: gate|up|act|glu|output.")  # probe node whose norm fills M
+    norm: str = option("l2", "--norm", "Norm of the node: l2|l1|linf.")  # l2 | l1 | linf
+    seed: int = 0
+    layers: tuple[int, ...] | None = None  # MoE layers analysed (None: every MoE layer)
+
+    def __post_init__(self) -> None:
+        from ... import ops
+        from ...engine import probes
+
+        if not self.alphas:
+            raise MoetoolError("--alpha needs at least one value")
+        if any(a < 0 for a in self.alphas):
+            raise MoetoolError(f"--alpha values must be >= 0, got {list(self.alphas)}")
+        if self.samples < 1:
+            raise MoetoolError(f"--samples must be >= 1, got {self.samples}")
+        if self.node not in probes.NODES:
+            raise MoetoolError(f"--node must be one of {', '.join(probes.NODES)}, not '{self.node}'")
+        if self.norm not in ops.NORMS:
+            raise MoetoolError(f"--norm must be one of {', '.join(ops.NORMS)}, not '{self.norm}'")
+        if isinstance(self.noise, str) and self.noise not in NOISE_MODES:
+            raise MoetoolError(f"--noise must be derived, none or a number, not '{self.noise}'")
+        if not isinstance(self.noise, str) and not self.noise >= 0:
+            raise MoetoolError(f"--noise eps must be >= 0, got {self.noise}")
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -42,10 +88,4 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("erc", "erc", "ErcOptions", inputs="weights", figures="moetool.experiments.erc.figures:erc_figures",
                   demo=Demo(seq_len=None, options={"samples": 4}),
                   order=30,
-                  flags=(Flag("--alpha", "floats", "0.4,0.6,0.8,1.0", "Comma-separated α values of L_ERC(α).", field="alphas"),
-                         Flag("--noise", "str", "derived", "derived: eps_i from the nearest other router row "
-                              "(||R_i − R_j*|| / 2||R_i||); none: no noise; a number: that eps for every expert.",
-                              parse="moetool.experiments.erc.compute:parse_noise"),
-                         Flag("--samples", "int", 1, "Noise draws (seeded); erc_loss is their mean.", min=1),
-                         Flag("--node", "str", "gate", "Probe node whose norm fills M: gate|up|act|glu|output."),
-                         Flag("--norm", "str", "l2", "Norm of the node: l2|l1|linf.")), captions=CAPTIONS)
+                  captions=CAPTIONS)

@@ -30,8 +30,8 @@ from ...errors import MoetoolError
 from ...lmeval_compat import hub_offline, no_env_report
 from ...progress import logger_level, status
 from ...registry import did_you_mean
-from ..routing import RoutingOptions
 from ..result import Result, resolve_options
+from .spec import EvalOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 TASKS_ENV = "MOETOOL_TASKS"
 EVAL_COLUMNS = ("task", "metric", "value", "stderr", "value_lo", "value_hi")
@@ -310,17 +310,6 @@ INTERVAL_DEFINITION = ("95% interval of the metric: a proportion (acc, acc_norm,
 EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
                     "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
                     "value_lo": INTERVAL_DEFINITION, "value_hi": INTERVAL_DEFINITION}
-
-
-@dataclass(frozen=True)
-class EvalOptions(RoutingOptions):
-    """Options of :func:`eval_tasks`: the tasks, lm-eval's settings, and the routing (see ``RoutingOptions``)."""
-
-    tasks: tuple[str, ...] = ()  # lm-eval task names (shipped offline: moetool_code, moetool_prose)
-    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
-    limit: int | None = None  # at most this many items per task (None: all)
-    include_path: str | None = None  # folder of extra lm-eval task YAMLs
-    batch_size: int = 8
 
 
 def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | None = None, quiet: bool = False,

@@ -20,7 +20,25 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Flag, experiment
+from dataclasses import dataclass
+
+from ..experiment import RoutingOptions, experiment, option
+
+
+@dataclass(frozen=True)
+class EvalOptions(RoutingOptions):
+    """Options of :func:`~moetool.experiments.eval.compute.eval_tasks`: the tasks (``--tasks``), lm-eval's
+    settings (the lm-eval flag group), and the routing (see ``RoutingOptions``: the routing flag group)."""
+
+    # --tasks is required: shown="none" only spells the field's default (the empty tuple) as the command line does
+    tasks: tuple[str, ...] = option(  # lm-eval task names (shipped offline: moetool_code, moetool_prose)
+        (), "--tasks", "Comma list of lm-eval task names (shipped offline: moetool_code, moetool_prose).", kind="strs",
+        shown="none", short="-t", required=True)
+    num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
+    limit: int | None = None  # at most this many items per task (None: all)
+    include_path: str | None = None  # folder of extra lm-eval task YAMLs
+    batch_size: int = 8
+
 
 #: the types a ``--resume`` unit checkpoint of this experiment may hold (:mod:`moetool.checkpoints`)
 CHECKPOINT_TYPES = (
@@ -30,5 +48,4 @@ CHECKPOINT_TYPES = (
 SPEC = experiment("eval", "eval_tasks", "EvalOptions", api="evaluate", inputs="model", lines=None,
                   order=170,
                   groups=("lmeval", "routing"),
-                  flags=(Flag("--tasks", "strs", None, "Comma list of lm-eval task names (shipped offline: moetool_code, "
-                              "moetool_prose).", short="-t", required=True),), checkpoint_types=CHECKPOINT_TYPES)
+                  checkpoint_types=CHECKPOINT_TYPES)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import numbers
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,6 +16,7 @@ from ...engine.runner import forward
 from ...errors import MoetoolError, MoetoolRuntimeError
 from ..routing import data_name
 from ..result import Result, resolve_options
+from .spec import ExpertSimilarityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 SOURCE = "Chen et al. 2024, HC-SMoE, arXiv 2410.08589"
 #: the code the distance and the clustering follow (tests/peer/test_hcsmoe.py ports it and compares)
@@ -69,32 +68,6 @@ DEFINITIONS = {
     "dominant": "the group's member closest (Euclidean) to the mean of its members' mean outputs (HC-SMoE's "
                 "dominant expert, center_indices; ties: the lowest expert)",
 }
-
-
-@dataclass(frozen=True)
-class ExpertSimilarityOptions:
-    """Options of :func:`expert_similarity`."""
-
-    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
-    cluster_to: int | None = None  # HC-SMoE's groups: this many per layer (None: the merge order only)
-    batch_size: int = 8
-    seed: int = 0  # nothing here is random; recorded for the manifest like every experiment's seed
-
-    def __post_init__(self) -> None:
-        if self.cluster_to is not None and (not _integer(self.cluster_to) or self.cluster_to < 1):
-            raise MoetoolError(f"--cluster-to must be an integer >= 1, not {self.cluster_to!r}")
-        if not _integer(self.batch_size) or self.batch_size < 1:
-            raise MoetoolError(f"--batch-size must be an integer >= 1, not {self.batch_size!r}")
-        if self.layers is not None and (isinstance(self.layers, (str, bytes)) or
-                                        not all(_integer(i) and i >= 0 for i in self.layers)):
-            raise MoetoolError(f"--layers must be decoder layer indices >= 0, not {self.layers!r}")
-        if not _integer(self.seed):
-            raise MoetoolError(f"--seed must be an integer, not {self.seed!r}")
-
-
-def _integer(x: Any) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 class SimilaritySums:

@@ -30,10 +30,45 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+
+@dataclass(frozen=True)
+class ExpertSimilarityOptions:
+    """Options of :func:`~moetool.experiments.expert_similarity.compute.expert_similarity`, each with the flag of
+    ``moetool expert-similarity`` that sets it."""
+
+    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
+    cluster_to: int | None = option(  # HC-SMoE's groups: this many per layer (None: the merge order only)
+        None, "--cluster-to", "HC-SMoE's groups: cluster each layer's experts into this many (average linkage on the "
+        "distance of mean outputs); default: the merge order only.", kind="int")
+    batch_size: int = 8
+    seed: int = 0  # nothing here is random; recorded for the manifest like every experiment's seed
+
+    def __post_init__(self) -> None:
+        if self.cluster_to is not None and (not _integer(self.cluster_to) or self.cluster_to < 1):
+            raise MoetoolError(f"--cluster-to must be an integer >= 1, not {self.cluster_to!r}")
+        if not _integer(self.batch_size) or self.batch_size < 1:
+            raise MoetoolError(f"--batch-size must be an integer >= 1, not {self.batch_size!r}")
+        if self.layers is not None and (isinstance(self.layers, (str, bytes)) or
+                                        not all(_integer(i) and i >= 0 for i in self.layers)):
+            raise MoetoolError(f"--layers must be decoder layer indices >= 0, not {self.layers!r}")
+        if not _integer(self.seed):
+            raise MoetoolError(f"--seed must be an integer, not {self.seed!r}")
+
+
+def _integer(x: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    import numpy as np
+
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
 
 SPEC = experiment("expert-similarity", "expert_similarity", "ExpertSimilarityOptions", title="expert similarity",
                   demo=Demo(max_tokens=2048), sample=("--cluster-to", "2"),
-                  flags=(Flag("--cluster-to", "int", None, "HC-SMoE's groups: cluster each layer's experts into this many "
-                              "(average linkage on the distance of mean outputs); default: the merge order only."),),
                   order=150)

@@ -27,7 +27,6 @@ weights differ, so they measure router drift; the plain rows add the drift of th
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,56 +40,17 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...loading import load, load_config
-from ...policies import build_policy
 from ...sketch import Moments, TokenSpill
-from ...uncertainty import DEFAULT_BOOTSTRAP, Interval, RowSums, check_n_boot, format_ci, ratio_intervals
+from ...uncertainty import Interval, RowSums, format_ci, ratio_intervals
 from ..result import Result, resolve_options
+from .spec import REFERENCES, ROUTINGS, FluctuationOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
-ROUTINGS = ("router", "similarity", "attention")  # the default comparison; any policy spec is accepted
-REFERENCES = ("previous", "first", "last")
 RATES = ("top1_change", "topk_change", "topk_overlap", "jaccard")  # per-token means, with bootstrap intervals
 COLUMNS = ["layer", "routing", "reference", "checkpoint", "tokens",
            *(c for r in RATES for c in (r, f"{r}_lo", f"{r}_hi")), "entropy_ref", "entropy_ckpt", "entropy_ratio"]
 #: the headline table: mean over layers per pair and routing, and its paired difference from the router's
 SUMMARY_COLUMNS = ["routing", "reference", "checkpoint", "tokens", "layers", "top1_change", "top1_change_lo",
                    "top1_change_hi", "reduction_vs_router", "reduction_vs_router_lo", "reduction_vs_router_hi"]
-
-
-@dataclass(frozen=True)
-class FluctuationOptions:
-    """Options of :func:`fluctuation`."""
-
-    routing: tuple[str, ...] = ROUTINGS  # policy specs compared (router = the model's own routing)
-    tau: float | None = None  # similarity temperature (None: sqrt(d))
-    sim: str = "dot"  # similarity: dot | cosine
-    causal: bool = True  # similarity: j <= i only
-    reference: str = "previous"
-    isolate: bool = False
-    layers: tuple[int, ...] | None = None  # MoE layers measured and where a policy routes (None: every MoE layer)
-    batch_size: int = 8
-    dtype: str = "auto"  # how checkpoints given by name are loaded
-    device: str = "auto"
-    device_map: str | None = None  # --device-map of checkpoints given by name
-    quantize: str | None = None  # --quantize of checkpoints given by name
-    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap over packed rows (0 = none)
-    seed: int = 0  # bootstrap seed
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if not self.routing:
-            raise MoetoolError(f"--routing is empty: give policy specs, e.g. {','.join(ROUTINGS)}")
-        for r in self.routing:
-            self.policy(r)  # an unknown spec or a bad --sim / --tau fails here, before any model loads
-        if self.reference not in REFERENCES:
-            raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
-
-    @property
-    def needs_attention(self) -> bool:
-        return any(self.policy(r).needs_attention for r in self.routing)
-
-    def policy(self, routing: str) -> Any:
-        """The policy applied for ``routing`` (``router``: the model's own routing, through the override path)."""
-        return build_policy(routing, tau=self.tau, sim=self.sim, causal=self.causal)
 
 
 def pairs(names: Sequence[str], reference: str) -> list[tuple[int, int]]:

@@ -52,7 +52,64 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, PAIRS, experiment
+from dataclasses import dataclass
+from typing import Any
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, PAIRS, experiment, option
+
+ROUTINGS = ("router", "similarity", "attention")  # the default comparison; any policy spec is accepted
+REFERENCES = ("previous", "first", "last")
+
+
+@dataclass(frozen=True)
+class FluctuationOptions:
+    """Options of :func:`~moetool.experiments.fluctuation.compute.fluctuation`, each with the flag of
+    ``moetool fluctuation`` that sets it (``--sim``, ``--causal``, ``--layers``, the loading flags and
+    ``--bootstrap``: the standard flag groups)."""
+
+    routing: tuple[str, ...] = option(  # policy specs compared (router = the model's own routing)
+        ROUTINGS, "--routing", "Routing policies compared, comma-separated (router = the model's own routing; "
+        "similarity, attention, or any --routing spec).")
+    tau: float | None = option(None, "--tau", "Similarity temperature τ (default sqrt(d)).",
+                               kind="float")  # similarity temperature (None: sqrt(d))
+    sim: str = "dot"  # similarity: dot | cosine
+    causal: bool = True  # similarity: j <= i only
+    reference: str = option("previous", "--reference", "Pairs: previous (i-1 vs i), first (0 vs i) or last (last "
+                            "vs i).")
+    isolate: bool = option(False, "--isolate", "Also feed the reference's MoE inputs to the other checkpoint's "
+                           "routers (rows <routing>-isolated).")
+    layers: tuple[int, ...] | None = None  # MoE layers measured and where a policy routes (None: every MoE layer)
+    batch_size: int = 8
+    dtype: str = "auto"  # how checkpoints given by name are loaded
+    device: str = "auto"
+    device_map: str | None = None  # --device-map of checkpoints given by name
+    quantize: str | None = None  # --quantize of checkpoints given by name
+    bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap over packed rows (0 = none)
+    seed: int = 0  # bootstrap seed
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if not self.routing:
+            raise MoetoolError(f"--routing is empty: give policy specs, e.g. {','.join(ROUTINGS)}")
+        for r in self.routing:
+            self.policy(r)  # an unknown spec or a bad --sim / --tau fails here, before any model loads
+        if self.reference not in REFERENCES:
+            raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
+
+    @property
+    def needs_attention(self) -> bool:
+        return any(self.policy(r).needs_attention for r in self.routing)
+
+    def policy(self, routing: str) -> Any:
+        """The policy applied for ``routing`` (``router``: the model's own routing, through the override path)."""
+        from ...policies import build_policy
+
+        return build_policy(routing, tau=self.tau, sim=self.sim, causal=self.causal)
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -71,11 +128,4 @@ SPEC = experiment("fluctuation", "fluctuation", "FluctuationOptions", inputs="ch
                   figures="moetool.experiments.fluctuation.figures:fluctuation_figures", demo=Demo(models=PAIRS, options={"isolate": True}),
                   order=70,
                   groups=("sim", "causal", "resume", "traces"), bootstrap=True,
-                  flags=(Flag("--routing", "strs", "router,similarity,attention", "Routing policies compared, "
-                              "comma-separated (router = the model's own routing; similarity, attention, or any "
-                              "--routing spec)."),
-                         Flag("--tau", "float", None, "Similarity temperature τ (default sqrt(d))."),
-                         Flag("--reference", "str", "previous", "Pairs: previous (i-1 vs i), first (0 vs i) or last (last "
-                              "vs i)."),
-                         Flag("--isolate", "bool", False, "Also feed the reference's MoE inputs to the other checkpoint's "
-                              "routers (rows <routing>-isolated).")), captions=CAPTIONS)
+                  captions=CAPTIONS)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ from ...engine.runner import forward
 from ...errors import MoetoolError
 from ..result import Result, resolve_options
 from ..routing import data_name
+from .spec import LocalityOptions  # noqa: F401 - its options (declared in spec.py)
 
 SOURCE = "Jiang et al. 2024, Mixtral of Experts, arXiv 2401.04088, sec. 5 (routing analysis)"
 COLUMNS = ("layer", "n_experts", "top_k", "tokens", "pairs", "top1_repeat", "top1_repeat_independent",
@@ -32,19 +32,6 @@ DEFINITIONS = {
     "topk_overlap": "mean over the pairs of |top-K(t) ∩ top-K(t-1)| / K",
     "topk_overlap_uniform": "K / n: topk_overlap of a uniform random router",
 }
-
-
-@dataclass(frozen=True)
-class LocalityOptions:
-    """Options of :func:`locality`."""
-
-    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
-    batch_size: int = 8
-    seed: int = 0  # nothing here is random; recorded for the manifest like every experiment's seed
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise MoetoolError(f"--batch-size must be >= 1, not {self.batch_size}")
 
 
 class LocalitySums:

@@ -20,7 +20,25 @@ Examples:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ...errors import MoetoolError
 from ..experiment import Demo, experiment
+
+
+@dataclass(frozen=True)
+class LocalityOptions:
+    """Options of :func:`~moetool.experiments.locality.compute.locality` (no flags of its own: ``--layers``,
+    ``--batch-size`` and ``--seed`` are the standard flags)."""
+
+    layers: tuple[int, ...] | None = None  # MoE layers measured (None: every MoE layer)
+    batch_size: int = 8
+    seed: int = 0  # nothing here is random; recorded for the manifest like every experiment's seed
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise MoetoolError(f"--batch-size must be >= 1, not {self.batch_size}")
+
 
 SPEC = experiment("locality", "locality", "LocalityOptions", title="routing locality of consecutive tokens",
                   demo=Demo(max_tokens=2048), order=155)

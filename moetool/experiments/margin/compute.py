@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -34,14 +34,11 @@ from ...errors import MoetoolError
 from ...policies import build_policy
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
-from ...uncertainty import DEFAULT_BOOTSTRAP, RowTable, bootstrap_meta, check_n_boot, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
 from ..routing import data_name
 from ..result import Result, resolve_options
+from .spec import DEFAULT_EPS, DEFAULT_POLICIES, DEFAULT_THRESHOLDS, MarginOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
-DEFAULT_EPS = (0.001, 0.01, 0.05, 0.1)
-DEFAULT_THRESHOLDS = (0.001, 0.01, 0.1)
-#: policies compared with the router by default (topk:<k> is refused by sparsemixer routers: not a default)
-DEFAULT_POLICIES = ("norm:gate", "random")
 QUANTILES = (0.05, 0.5, 0.95)
 #: margin sketch range: selection scores are probabilities, sigmoids or biased scores (fp32 gaps well inside)
 SKETCH_LO, SKETCH_HI = 1e-12, 1e4
@@ -85,30 +82,6 @@ DEFINITIONS = {
 
 def _thr(t: float) -> str:
     return f"frac_below_{t:g}"
-
-
-@dataclass(frozen=True)
-class MarginOptions:
-    """Options of :func:`margin`."""
-
-    eps: tuple[float, ...] = DEFAULT_EPS  # relative noise sizes
-    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # margin thresholds (and bin edges)
-    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
-    batch_size: int = 8
-    bootstrap: int = DEFAULT_BOOTSTRAP
-    seed: int = 0
-    policies: tuple[str, ...] = DEFAULT_POLICIES  # routing policy specs compared with the router (() = none)
-
-    def __post_init__(self) -> None:
-        check_n_boot(self.bootstrap)
-        if len(set(self.policies)) != len(self.policies):
-            raise MoetoolError(f"--policies: a policy is named twice in {list(self.policies)}")
-        if not self.eps or any(not (math.isfinite(e) and e >= 0) for e in self.eps):
-            raise MoetoolError(f"--eps must be finite non-negative numbers, not {list(self.eps)}")
-        if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
-            raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
-        if list(self.thresholds) != sorted(set(self.thresholds)):
-            raise MoetoolError(f"--thresholds must increase strictly, not {list(self.thresholds)}")
 
 
 def token_margins(layer: Any, logits: torch.Tensor) -> torch.Tensor:

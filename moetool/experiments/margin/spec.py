@@ -31,7 +31,49 @@ Examples:
 
 from __future__ import annotations
 
-from ..experiment import Demo, Flag, experiment
+import math
+from dataclasses import dataclass
+
+from ...defaults import DEFAULT_BOOTSTRAP
+from ...errors import MoetoolError
+from ..experiment import Demo, experiment, option
+
+DEFAULT_EPS = (0.001, 0.01, 0.05, 0.1)
+DEFAULT_THRESHOLDS = (0.001, 0.01, 0.1)
+#: policies compared with the router by default (topk:<k> is refused by sparsemixer routers: not a default)
+DEFAULT_POLICIES = ("norm:gate", "random")
+
+
+@dataclass(frozen=True)
+class MarginOptions:
+    """Options of :func:`~moetool.experiments.margin.compute.margin`, each with the flag of ``moetool margin`` that
+    sets it."""
+
+    eps: tuple[float, ...] = option(DEFAULT_EPS, "--eps", "Relative noise sizes on the router input, "
+                                    "comma-separated.")  # relative noise sizes
+    thresholds: tuple[float, ...] = option(DEFAULT_THRESHOLDS, "--thresholds", "Margin thresholds (increasing), "
+                                           "comma-separated.")  # margin thresholds (and bin edges)
+    layers: tuple[int, ...] | None = None  # MoE layers (None: every MoE layer)
+    batch_size: int = 8
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0
+    policies: tuple[str, ...] = option(  # routing policy specs compared with the router (() = none)
+        DEFAULT_POLICIES, "--policies", "Routing policies compared with the router (soft and plain top-N Jaccard), "
+        "comma-separated; none = off.")
+
+    def __post_init__(self) -> None:
+        from ...uncertainty import check_n_boot
+
+        check_n_boot(self.bootstrap)
+        if len(set(self.policies)) != len(self.policies):
+            raise MoetoolError(f"--policies: a policy is named twice in {list(self.policies)}")
+        if not self.eps or any(not (math.isfinite(e) and e >= 0) for e in self.eps):
+            raise MoetoolError(f"--eps must be finite non-negative numbers, not {list(self.eps)}")
+        if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
+            raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
+        if list(self.thresholds) != sorted(set(self.thresholds)):
+            raise MoetoolError(f"--thresholds must increase strictly, not {list(self.thresholds)}")
+
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
 #: the report page's captions (:mod:`moetool.report.page`)
@@ -53,9 +95,4 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("margin", "margin", "MarginOptions", figures="moetool.experiments.margin.figures:margin_figures",
                   demo=Demo(max_tokens=2048, options={"bootstrap": 200}), bootstrap=True,
                   title="routing margin and flips under noise", summary_csv="margin_flips.csv",
-                  flags=(Flag("--eps", "floats", "0.001,0.01,0.05,0.1", "Relative noise sizes on the router input, "
-                              "comma-separated."),
-                         Flag("--thresholds", "floats", "0.001,0.01,0.1", "Margin thresholds (increasing), comma-separated."),
-                         Flag("--policies", "strs", "norm:gate,random", "Routing policies compared with the router (soft and "
-                              "plain top-N Jaccard), comma-separated; none = off.")),
                   order=90, captions=CAPTIONS)
