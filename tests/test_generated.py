@@ -148,3 +148,26 @@ def test_a_flag_default_is_the_options_default(spec):
         if not flag.to_options or flag.default is None:
             continue
         assert parse_flag(flag, flag.default) == defaults[flag.name], (spec.name, flag.flag)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.options], ids=lambda s: s.name)
+def test_the_options_dataclass_is_the_spec_one(spec):
+    """An experiment's options dataclass is declared in its ``spec.py`` (issue 32 item 1: each field with its flag
+    and help), and the compute module's name for it (what ``moetool.<Options>`` exports) is that same class."""
+    import importlib
+
+    cls = spec.options_class()
+    assert cls.__module__ == spec.spec_module and dataclasses.is_dataclass(cls)
+    assert getattr(importlib.import_module(spec.module), spec.options) is cls
+
+
+def test_defaults_spelled_out_in_a_spec_match_their_home():
+    """Two option defaults are spelled out in a torch-free spec.py because their home imports torch: they must stay
+    equal to it (prune's --criteria = every prune criterion, norm-select's nodes = every probe node)."""
+    from moetool.engine.probes import NODES
+    from moetool.experiments.norm_select.spec import NormSelectOptions
+    from moetool.experiments.prune.spec import PruneOptions
+    from moetool.policies.prune import CRITERIA
+
+    assert tuple(PruneOptions().criteria) == tuple(CRITERIA)
+    assert tuple(NormSelectOptions().nodes) == tuple(NODES)

@@ -120,14 +120,19 @@ class Experiment:
         return f"moetool.experiments.{self.name.replace('-', '_')}.spec"
 
     def options_class(self) -> Any:
-        """The options dataclass: ``spec.py``'s (torch-free), else the compute module's."""
+        """The options dataclass, ``spec.py``'s (torch-free: ``moetool --help`` reads its fields' flags)."""
         if not self.options:
             return None
         import importlib.util
 
         found = importlib.util.find_spec(self.spec_module) if self.module.startswith("moetool.") else None
-        own = importlib.import_module(self.spec_module) if found is not None else None
-        return getattr(own, self.options) if hasattr(own, self.options) else self.load(self.options)
+        if found is None:  # a spec made by hand outside moetool (tests): its module's
+            return self.load(self.options)
+        own = importlib.import_module(self.spec_module)
+        if not hasattr(own, self.options):  # the compute module is never imported for it (torch)
+            raise RuntimeError(f"registry: {self.spec_module} has no {self.options} (an experiment's options "
+                               "dataclass is declared in its spec.py, each field with its flag)")
+        return getattr(own, self.options)
 
     def command_flags(self) -> tuple[Flag, ...]:
         """The flags of the experiment's command: those of its options fields (declared with :func:`option`, in
