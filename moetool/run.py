@@ -429,8 +429,12 @@ def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, r
         raise MoetoolError(f"'{spec.name}' runs on " + ("two or more checkpoints: a list of names" if not many
                                                           else "one model: a name, not a list"))
     models = [str(m) for m in names] if many else [str(names)]
-    preflight(*models)
     reads = spec.inputs in ("tokens", "checkpoints")
+    given = [k for k, v in (("data", data), ("seq_len", seq_len), ("max_tokens", max_tokens)) if v is not None]
+    if given and not reads:  # never read: a silently ignored --data would describe text the run never saw
+        raise MoetoolError(f"'{spec.name}' reads no text ({'the weights alone' if spec.inputs == 'weights' else 'its own'}"
+                           f"): {', '.join(given)} do not apply")
+    preflight(*models)
     seq_len = (seq_len or 256) if reads else None
     max_tokens = (max_tokens or 8192) if reads else None
     if isinstance(batch_size, str):  # "auto": from the config, as the command line decides it

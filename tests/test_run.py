@@ -112,6 +112,7 @@ def test_python_run_refuses_in_one_line(tiny, tmp_path):
                        (lambda: moetool.run("stats", lm, tokens, data="x.txt"), "go with a model's name"),
                        (lambda: moetool.run("stats", ["tiny", "tiny-fine"]), "one model: a name, not a list"),
                        (lambda: moetool.run("fluctuation", "tiny"), "two or more checkpoints"),
+                       (lambda: moetool.run("erc", "tiny", data="x.txt"), "reads no text .the weights alone.: data"),
                        (lambda: moetool.run("ppl", lm, tokens, batch_size="big"), "neither a number of rows"),
                        (lambda: moetool.run("ppl", lm, tokens, resume=True, out=tmp_path / "r"), "no unit checkpoints"),
                        (lambda: moetool.run("stats", lm, tokens, top_tokenz=3), "unknown option")):
