@@ -367,13 +367,22 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
                            inputs=inputs or {}, call=call)
 
 
-def _compute(compute: Any, args: tuple[Any, ...], kwargs: dict[str, Any], folder: Any, call: Any) -> Any:
-    """The compute call (``call`` the command's own way of making it), timed (:func:`moetool.api._timed`)."""
+def _compute_and_write(compute: Any, args: tuple[Any, ...], kwargs: dict[str, Any], folder: Any, call: Any,
+                       this: "Run", options: dict[str, Any], model: Any, before: Any = None) -> Any:
+    """The end every run shares, inside the run folder (an error marks it failed): ``before()`` (checks), the
+    compute call (``call`` the command's own way of making it), timed (:func:`moetool.api._timed`), written with the
+    run-level ``options`` (``model``: the loaded model for the manifest, ``None`` where the experiment loads its
+    own)."""
     from .api import _timed
 
-    if call is None:
-        return _timed(args[0], compute, *args, **kwargs)
-    return _timed(args[0], call, compute, args, kwargs, folder)
+    with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():
+        if before is not None:
+            before()
+        res = (_timed(args[0], compute, *args, **kwargs) if call is None
+               else _timed(args[0], call, compute, args, kwargs, folder))
+        write_result(res, folder, state=this, **({} if model is None else {"model": model}), options=options)
+    res.path = folder.path
+    return res
 
 
 def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: "Run", *, resumable: bool, out: Any,
@@ -401,7 +410,8 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
     key = {"model": lm.name, **manifest, **unit_key(opts)} if resumable else None
     folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est, batch_size=rows,
                              units=key, run=this)
-    with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
+
+    def before() -> None:
         if units is not None:  # resume: refused when the weights or the tokens differ from the run's
             from .loading import weights_fingerprint
 
@@ -410,12 +420,10 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
                 units.check_inputs(data=tokens.fingerprint())
         if distributed.world_size() > 1:
             folder.add(distributed=rank_layout(tokens, rows))
-        args = (lm, tokens, opts) if spec.inputs == "tokens" else (lm, opts)
-        res = _compute(compute, args, {"quiet": quiet, **inputs, **({"units": units} if resumable else {})},
-                       folder, call)
-        write_result(res, folder, state=this, model=lm, options=options_run)
-    res.path = folder.path
-    return res
+
+    args = (lm, tokens, opts) if spec.inputs == "tokens" else (lm, opts)
+    return _compute_and_write(compute, args, {"quiet": quiet, **inputs, **({"units": units} if resumable else {})},
+                              folder, call, this, options_run, lm, before)
 
 
 def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, resumable: bool, out: Any,
@@ -458,13 +466,10 @@ def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, r
                             resume=resume, units=key)
         folder, lm, tokens, units = started.run, started.lm, started.tokens, started.units
         options_run = {**started.options, **manifest}
-    with folder if hasattr(type(folder), "__exit__") else contextlib.nullcontext():  # an error marks it failed
-        args = (lm, tokens, opts) if reads else (lm, opts)
-        res = _compute(compute, args, {"quiet": quiet, **inputs, **({"units": units} if resumable else {})},
-                       folder, call)
-        write_result(res, folder, state=this, **({} if isinstance(lm, (str, list)) else {"model": lm}),
-                     options=options_run)
-    res.path, res.tokens = folder.path, tokens
+    args = (lm, tokens, opts) if reads else (lm, opts)
+    res = _compute_and_write(compute, args, {"quiet": quiet, **inputs, **({"units": units} if resumable else {})},
+                             folder, call, this, options_run, None if isinstance(lm, (str, list)) else lm)
+    res.tokens = tokens
     return res
 
 
