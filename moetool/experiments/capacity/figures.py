@@ -35,5 +35,6 @@ def plot_capacity(df: Any, layers: Any) -> dict[str, Any]:
         out["capacity_layers"] = fig
     return out
 
+
 def capacity_figures(result: Any) -> dict[str, Any]:
     return plot_capacity(result["capacity.csv"], result["capacity_layers.csv"])

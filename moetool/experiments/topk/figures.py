@@ -25,5 +25,6 @@ def plot_topk(df: Any, layers: Any) -> dict[str, Any]:
         out["topk_layers"] = fig
     return out
 
+
 def topk_figures(result: Any) -> dict[str, Any]:
     return plot_topk(result["topk.csv"], result["topk_layers.csv"])
