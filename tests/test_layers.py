@@ -283,13 +283,25 @@ def test_nothing_below_the_experiments_names_one():
     assert pattern.search("from moetool.experiments.stats.compute import stats")  # the pattern reads a link
 
 
-def test_every_experiment_folder_is_a_package_of_the_distribution():
+def test_every_package_folder_is_a_package_of_the_distribution():
     """pyproject.toml lists its packages by name (``commands/`` is installed as ``moetool.commands``): a wheel
-    without an experiment's folder would quietly lack the experiment, so every folder with a spec is listed."""
+    without a folder would quietly lack what is in it (``pip install .`` once shipped no ``moetool.traces``, and every
+    trace command failed after the README's install while the editable install of the tests hid it), so every
+    folder of ``moetool/`` and ``commands/`` with an ``__init__.py`` is listed, and nothing listed is missing."""
     import pytest
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {f"moetool.experiments.{p.parent.name}" for p in ROOT.joinpath("moetool", "experiments").glob("*/spec.py")}
-    assert len(folders) >= 20 and folders <= listed, sorted(folders - listed)
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    dirs = {name: ROOT / d for name, d in setup["package-dir"].items()}
+    found = {"moetool.commands"} | {
+        ".".join(("moetool", *p.parent.relative_to(ROOT / "moetool").parts)).rstrip(".")
+        for p in (ROOT / "moetool").rglob("__init__.py") if "__pycache__" not in p.parts}
+    experiments = {f"moetool.experiments.{p.parent.name}" for p in ROOT.joinpath("moetool", "experiments").glob("*/spec.py")}
+    assert len(experiments) >= 20 and experiments <= found
+    assert "moetool.traces" in found and not found - listed, sorted(found - listed)
+    for name in listed:  # every listed package exists where package-dir puts it
+        base = next((k for k in sorted(dirs, key=len, reverse=True) if name == k or name.startswith(k + ".")), None)
+        folder = dirs[base].joinpath(*name[len(base) + 1:].split(".")) if base and name != base else dirs.get(name)
+        assert folder is not None and folder.is_dir(), name
