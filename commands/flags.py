@@ -14,6 +14,8 @@ from typing import Annotated, Any, List, Optional
 
 import typer
 
+from moetool.defaults import MAX_TOKENS, SEQ_LEN
+
 from .options import (BatchSize, Bootstrap, Causal, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Data, Device, DeviceMap, Dtype,
                       Ep, Force, IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quantize, Quiet, Resume,
                       Routing, Seed, SeqLen, Sim, Tp, Trace, TraceConfig, Weights)
@@ -29,7 +31,7 @@ Traces = Annotated[Optional[List[Path]], typer.Option("--trace", help="Two or mo
 #: the model and where the run goes
 DATA: Group = [("model", Model, DEFAULT_MODEL), ("data", Data, None), ("out", Out, None), ("force", Force, False)]
 #: which layers and how much text, in what batches
-SIZES: Group = [("layers", Layers, None), ("seq_len", SeqLen, 256), ("max_tokens", MaxTokens, 8192),
+SIZES: Group = [("layers", Layers, None), ("seq_len", SeqLen, SEQ_LEN), ("max_tokens", MaxTokens, MAX_TOKENS),
                 ("batch_size", BatchSize, 8)]
 #: how the model is loaded, and split over processes (--tp / --ep)
 LOADING: Group = [("dtype", Dtype, "auto"), ("device", Device, "auto"), ("device_map", DeviceMap, None),

@@ -3,5 +3,20 @@ reads them from the experiments' specs)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 #: replicates of the document-level bootstrap behind every 95% interval (``--bootstrap``)
 DEFAULT_BOOTSTRAP = 1000
+#: tokens per packed row (``--seq-len``)
+SEQ_LEN = 256
+#: cap on the real tokens read from ``--data`` (``--max-tokens``), where an experiment's spec sets no other
+#: (``defaults={"max_tokens": 32768}``)
+MAX_TOKENS = 8192
+
+
+def text_sizes(spec_defaults: dict[str, Any]) -> dict[str, Any]:
+    """What a run of an experiment that reads text reads by default: ``data`` (``None``: the held-out text shipped
+    with moetool), ``seq_len``, ``max_tokens`` -- the standard flags' defaults with the spec's own ``defaults``
+    over them. The command's flags (:mod:`moetool.commands.flags`) and ``moetool.run`` by name both take them from
+    here."""
+    return {k: spec_defaults.get(k, v) for k, v in (("data", None), ("seq_len", SEQ_LEN), ("max_tokens", MAX_TOKENS))}

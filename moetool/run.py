@@ -315,8 +315,10 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     * a **model's name** (embedded name, alias, directory, hub id; a list of them for ``fluctuation``): the run
       does what the command does -- the sizes, positions and memory checked from the config before anything loads
       (:func:`check_run`), the run folder, the model loaded (``dtype``, ``device``, ``device_map``, ``quantize``;
-      eager attention where the options' policies read attention) and ``max_tokens`` of ``data`` (default: the
-      shipped held-out text) packed in rows of ``seq_len`` (default 256); or
+      eager attention where the options' policies read attention) and ``max_tokens`` of ``data`` packed in rows of
+      ``seq_len`` -- not given, the command's defaults (:func:`text_defaults`: the shipped held-out text, 256, and
+      8192 tokens or the experiment's own, 32768 for ppl and stats); a size given is checked as the command checks
+      it (0 included); or
     * a **loaded model** (:func:`moetool.load`) with ``tokens`` packed rows (:func:`moetool.tokens`; not for
       experiments of the weights alone).
 
@@ -442,9 +444,16 @@ def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, r
     if given and not reads:  # never read: a silently ignored --data would describe text the run never saw
         raise MoetoolError(f"'{spec.name}' reads no text ({'the weights alone' if spec.inputs == 'weights' else 'its own'}"
                            f"): {', '.join(given)} do not apply")
+    if reads:  # the command's defaults; a value given (0 too) is checked as the command checks it (check_run)
+        sizes = text_defaults(spec)
+        seq_len = sizes["seq_len"] if seq_len is None else seq_len
+        max_tokens = sizes["max_tokens"] if max_tokens is None else max_tokens
+        from .sizing import check_sizes
+
+        check_sizes(seq_len=seq_len, max_tokens=max_tokens)
+    else:
+        seq_len = max_tokens = None
     preflight(*models)
-    seq_len = (seq_len or 256) if reads else None
-    max_tokens = (max_tokens or 8192) if reads else None
     if isinstance(batch_size, str):  # "auto": from the config, as the command line decides it
         batch_size = resolve_batch_size({"model": models[0], "seq_len": seq_len, "max_tokens": max_tokens,
                                          "routing": getattr(opts, "routing", None), **loading}, this)
@@ -471,6 +480,14 @@ def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, r
                              folder, call, this, options_run, None if isinstance(lm, (str, list)) else lm)
     res.tokens = tokens
     return res
+
+
+def text_defaults(spec: Any) -> dict[str, Any]:
+    """``data``, ``seq_len``, ``max_tokens`` a run of ``spec`` by name reads when not given: its command's defaults
+    (:func:`moetool.defaults.text_sizes`, the spec's ``defaults`` over the standard flags')."""
+    from .defaults import text_sizes
+
+    return text_sizes(spec.defaults)
 
 
 def needs_attention(opts: Any) -> bool:

@@ -147,6 +147,15 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 1024 ** 2:.0f} MiB"
 
 
+def check_sizes(*, seq_len: Any = None, max_tokens: Any = None, batch_size: Any = None) -> None:
+    """``seq_len`` and ``max_tokens`` integers of at least 2 (one next-token prediction), ``batch_size`` of at least 1
+    (``None``: not given): one line (exit 2) naming the flag otherwise."""
+    for flag, value, least in (("--seq-len", seq_len, 2), ("--max-tokens", max_tokens, 2),
+                               ("--batch-size", batch_size, 1)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise MoetoolError(f"{flag} must be an integer of at least {least}, not {value!r}")
+
+
 def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | None = None,
                  max_tokens: int | None = None, device: Any = "auto", dtype: Any = "auto",
                  device_map: str | None = None, attn_implementation: str | None = None,
@@ -170,10 +179,7 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
 
     Returns the :class:`RunEstimate` (its ``as_dict()`` fits a manifest).
     """
-    for flag, value, least in (("--seq-len", seq_len, 2), ("--max-tokens", max_tokens, 2),
-                               ("--batch-size", batch_size, 1)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-            raise MoetoolError(f"{flag} must be an integer of at least {least}, not {value!r}")
+    check_sizes(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
     positions = check_seq_len(config, seq_len)
     dev = pick_device(device) if not hasattr(device, "type") else device
     torch_dtype = pick_dtype(dtype, config, dev) if isinstance(dtype, str) else dtype

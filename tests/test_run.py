@@ -293,3 +293,59 @@ def test_moetool_run_is_the_module_and_the_function(tiny):
     lm, tokens = tiny
     with pytest.raises(MoetoolError, match="needs tokens"):
         mod("ppl", lm)  # the module called: the function's own checks
+
+
+class _Started(Exception):
+    """Raised by the patched start of a run: what ``moetool.run`` by name would read, before anything loads."""
+
+
+def _capture_start(monkeypatch) -> None:
+    import importlib
+
+    mod = importlib.import_module("moetool.run")
+
+    def start(*args, **kw):
+        raise _Started({k: kw[k] for k in ("data", "seq_len", "max_tokens")})
+
+    monkeypatch.setattr(mod, "start_run", start)
+    monkeypatch.setattr(mod, "_start_names", start)
+
+
+READS_TEXT = [s for s in moetool.experiments.registry.EXPERIMENTS.values() if s.inputs in ("tokens", "checkpoints")]
+
+
+@pytest.mark.parametrize("spec", READS_TEXT, ids=[s.name for s in READS_TEXT])
+def test_a_run_by_name_reads_the_commands_defaults(spec, monkeypatch):
+    """``moetool.run(name, model)`` with no sizes reads what ``moetool <name>`` with no flags reads: the generated
+    command's parameter defaults (the spec's ``defaults=`` over the flag groups'), e.g. ppl's 32768 tokens, never a
+    library default of its own (ppl read 8,192 tokens from Python and 32,768 from the CLI: another perplexity)."""
+    from moetool.commands.generated import parameters
+
+    cli = {name: default for name, _, default in parameters(spec) if name in ("data", "seq_len", "max_tokens")}
+    cli.setdefault("data", None)  # checkpoints: --data has the same default (the shipped text)
+    _capture_start(monkeypatch)
+    model = ["tiny-early", "tiny"] if spec.inputs == "checkpoints" else "tiny"
+    with pytest.raises(_Started) as got:
+        moetool.run(spec.name, model, quiet=True)
+    assert got.value.args[0] == cli
+
+
+def test_ppl_by_name_reads_32768_tokens_as_its_command(monkeypatch):
+    _capture_start(monkeypatch)
+    with pytest.raises(_Started) as got:
+        moetool.run("ppl", "tiny")
+    assert got.value.args[0]["max_tokens"] == 32768 and got.value.args[0]["seq_len"] == 256
+
+
+@pytest.mark.parametrize("size", ["seq_len", "max_tokens"])
+@pytest.mark.parametrize("value", [0, 1, -5])
+def test_a_run_by_name_refuses_the_sizes_the_command_refuses(size, value, monkeypatch, tmp_path):
+    """0 is a value given, not "the default" (``max_tokens=0`` ran on 8,192 tokens): refused as 1 and -5 are, in
+    the same line, before anything starts; the command refuses each of them too."""
+    _capture_start(monkeypatch)
+    flag = "--" + size.replace("_", "-")
+    with pytest.raises(MoetoolError) as e:
+        moetool.run("ppl", "tiny", **{size: value})
+    assert str(e.value) == f"{flag} must be an integer of at least 2, not {value}"
+    r = runner.invoke(app, ["ppl", flag, str(value), "--out", str(tmp_path / "never")])
+    assert r.exit_code == 2 and flag in r.output and not (tmp_path / "never").exists()
