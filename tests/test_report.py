@@ -485,3 +485,43 @@ def test_metadata_shows_human_values_and_relative_paths(tmp_path):
     assert rows["options"] == "models=tiny, tiny-fine; top_k=none; all_tokens=no; pairs=(tiny-early, tiny)"
     assert rows["command line"] == "moetool stats --out ."
     assert "torch." not in str(rows) and "[" not in str(rows) and str(tmp_path) not in str(rows)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A real finished run folder (ppl on the embedded model, 512 tokens)."""
+    out = tmp_path_factory.mktemp("real") / "ppl"
+    r = CliRunner().invoke(app, ["ppl", "--seq-len", "64", "--max-tokens", "512", "--bootstrap", "0", "-q",
+                                 "--device", "cpu", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_report_refuses_an_out_over_the_runs_it_gathers(small_run, tmp_path):
+    """``report selfrep --out selfrep --force`` removed the run's ppl.csv and manifest (exit 0, a warning): an --out
+    that is a RUN_DIR, contains one or lies inside a run among them is one line, exit 2, nothing touched."""
+    runs = tmp_path / "runs"
+    shutil.copytree(small_run, runs / "selfrep")
+    (tmp_path / "link").symlink_to(runs / "selfrep")
+    before = _tree(tmp_path)
+    assert {"ppl.csv", "manifest.json"} <= set(_tree(runs / "selfrep"))
+    for given, out, says in ((runs / "selfrep", runs / "selfrep", "is the folder"),
+                             (runs / "selfrep", tmp_path / "link", "is the folder"),  # the same folder by a link
+                             (runs / "selfrep", runs, "contains the folder"),
+                             (runs / "selfrep", runs / "selfrep" / "rep", "lies inside the run folder"),
+                             (runs, runs / "selfrep" / "rep", "lies inside the run folder"),
+                             (runs, runs, "is the folder")):
+        r = CliRunner().invoke(app, ["report", str(given), "--out", str(out), "--force"])
+        assert r.exit_code == 2, (given, out, r.output)
+        assert r.output.startswith("error: ") and says in r.output and len(r.output.strip().splitlines()) == 1
+        assert _tree(tmp_path) == before and not (runs / "selfrep" / "rep").exists()
+    # a plain folder of runs may hold the report: gathered without the report itself
+    r = CliRunner().invoke(app, ["report", str(runs), "--out", str(runs / "paper")])
+    assert r.exit_code == 0, r.output
+    m = json.loads((runs / "paper" / "manifest.json").read_text())
+    assert m["gathered"] == [str(runs / "selfrep")] and _tree(runs / "selfrep") == _tree(small_run)

@@ -663,12 +663,34 @@ def _run_section(run: RunDir, r: Run, body: list[str], md: list[str]) -> None:
         md += [f"*{md_escape(note)}*", ""]
 
 
+def refuse_out_over_runs(out: str | Path | None, run_dirs: Sequence[str | Path]) -> None:
+    """An ``out`` that is one of ``run_dirs``, contains one, or lies inside a run folder among them (one with a
+    manifest: a RUN_DIR or a run under it; a plain folder of runs may hold the report): one line, before anything is
+    touched -- ``--force`` would remove a run's own results, and a report inside a run becomes a sub-run of it.
+    Paths resolved (links followed); ``None`` (a new folder under ``runs/``) passes."""
+    if out is None:
+        return
+    target = Path(out).resolve()
+    for d in run_dirs:
+        root = Path(d).resolve()
+        if target == root or target in root.parents:
+            how = "is" if target == root else "contains"
+            raise MoetoolError(f"--out {out} {how} the folder {d} it gathers: write the report elsewhere")
+        inside = [a for a in target.parents if a == root or root in a.parents]  # empty: not inside this RUN_DIR
+        run = next((a for a in inside if (a / MANIFEST).is_file()), None)
+        if run is not None:
+            raise MoetoolError(f"--out {out} lies inside the run folder {Path(d) / run.relative_to(root)} it "
+                               "gathers: write the report elsewhere")
+
+
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, force: bool = False,
                  title: str = "moetool report", warn: Callable[[str], None] = _warn) -> Path:
     """Gather ``run_dirs`` into ``out`` (a folder, or a :class:`RunDir` such as ``demo``'s ``sub("report")``);
     returns the path of ``report.html``. Every text from a run (manifest fields, file names, table cells) is
     escaped for the format it is written in; only files inside each run folder are read (others: one ``warn``
     line each, and a note in the page)."""
+    if not isinstance(out, RunDir):
+        refuse_out_over_runs(out, run_dirs)
     run = out if isinstance(out, RunDir) else RunDir.create("report", out, force)
     warnings: list[str] = []
 
