@@ -312,9 +312,21 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     ids_out, mask_out, doms = _pack_rows(streams, seq_len, max_tokens, pad)
     if not ids_out:
-        raise MoetoolError(f"no tokens in {source or 'the data'} (empty text?)")
+        raise MoetoolError(too_few_tokens(streams, source or "the data"))
     return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
                     special_tokens=_special_meta(tokenizer, add_special_tokens))
+
+
+def too_few_tokens(streams: dict[str, list[int]], source: str) -> str:
+    """Why no row could be packed from ``streams`` (every domain's text tokenized to fewer than 2 tokens): the
+    line that says how many there were."""
+    total = sum(len(s) for s in streams.values())
+    if total == 0:
+        return f"no tokens in {source} (empty text?)"
+    if len(streams) == 1 or total < 2:
+        return f"{source} has {total} token{'s' if total != 1 else ''}: at least 2 are needed to score a next token"
+    return (f"{source} has {total} tokens, at most 1 in each of its {len(streams)} domains: at least 2 in one domain "
+            "are needed to score a next token")
 
 
 def _domain_streams(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int, max_tokens: int | None,

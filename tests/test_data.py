@@ -268,3 +268,37 @@ def test_a_long_document_packs_without_transformers_length_warning(tmp_path, cap
     assert "Token indices sequence length" not in err, err
     assert ts.n_tokens == len(ids)
     assert ts.input_ids[ts.attention_mask.bool()].tolist() == ids
+
+
+@pytest.mark.parametrize("docs, says", [
+    ([Document("x", "")], "{src} has 1 token: at least 2 are needed to score a next token"),
+    ([Document("x", "a"), Document("y", "b")],
+     "{src} has 2 tokens, at most 1 in each of its 2 domains: at least 2 in one domain are needed to score a next "
+     "token"),
+    ([Document("", "")], "no tokens in {src} (empty text?)"),
+])
+def test_too_few_tokens_says_how_many(docs, says):
+    """'x' is one token, not "no tokens (empty text?)": the line counts what the text gave (CharTokenizer: one token
+    per character, so the counts are the texts' lengths)."""
+    with pytest.raises(MoetoolError) as e:
+        pack(docs, CharTokenizer(), seq_len=4, max_tokens=None, source="one.txt")
+    assert str(e.value) == says.format(src="one.txt")
+    ts = pack([Document("xy", "")], CharTokenizer(), seq_len=4, max_tokens=None)  # 2 tokens: one scored
+    assert ts.n_tokens == 2
+
+
+@pytest.mark.slow
+def test_a_one_token_file_is_refused_by_the_command_in_one_line(tmp_path):
+    """The tester's case on the embedded tokenizer: 'x' tokenizes to one token (counted with the tokenizer itself);
+    'x\\n' to two, which run."""
+    from typer.testing import CliRunner
+
+    import moetool
+    from moetool.commands.app import app
+
+    tok = moetool.loading.load_tokenizer("tiny")
+    assert len(tok("x", add_special_tokens=False)["input_ids"]) == 1
+    (tmp_path / "one.txt").write_text("x")
+    r = CliRunner().invoke(app, ["ppl", "--data", str(tmp_path / "one.txt"), "--out", str(tmp_path / "run"), "-q"])
+    assert r.exit_code == 2 and r.output.strip() == (f"error: {tmp_path / 'one.txt'} has 1 token: at least 2 are "
+                                                     "needed to score a next token"), r.output
