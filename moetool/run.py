@@ -56,16 +56,20 @@ def say(line: str) -> None:
 
 # ----- before anything loads -----------------------------------------------------------------------------------
 def refuse_busy_out(params: dict[str, Any]) -> None:
-    """A command's ``--out`` that holds files and no moetool run, or a complete one, without ``--force`` or
-    ``--resume``: refused now, before any heavy import (torch takes seconds to import). Every other case (a
-    failed or unfinished run, ``--force``, ``--resume``) is decided where the run starts
-    (:meth:`moetool.report.RunDir.create`, which gives the same message for this one)."""
+    """A command's ``--out`` that is a file or lies under one (even with ``--force``), or that holds files and no
+    moetool run, or a complete one, without ``--force`` or ``--resume``: refused now, before any heavy import (torch
+    takes seconds to import) or any model loads. Every other case (a failed or unfinished run, ``--force``,
+    ``--resume``) is decided where the run starts (:meth:`moetool.report.RunDir.create`, which gives the same
+    messages for these)."""
     out = params.get("out")
-    if not out or params.get("force") or params.get("resume"):
+    if not out:
         return
-    from .report.rundir import PART, read_manifest
+    from .report.rundir import PART, read_manifest, refuse_not_a_folder
 
     path = Path(out)
+    refuse_not_a_folder(path)
+    if params.get("force") or params.get("resume"):
+        return
     if not path.is_dir() or not any(not p.name.startswith(PART) for p in path.iterdir()):
         return
     prev = read_manifest(path)
@@ -335,6 +339,7 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     from .experiments.registry import get
     from .experiments.result import resolve_options
 
+    refuse_busy_out({"out": out, "force": force, "resume": resume})  # before the experiment's imports and model
     spec = get(experiment)
     auto = isinstance(batch_size, str)
     if auto and batch_size.strip().lower() != "auto":

@@ -372,3 +372,32 @@ def test_an_installed_package_records_its_version_and_known_revision(tmp_path, m
     assert m["git"] == git
     assert m["package"]["version"] == "9.8.7" and m["package"]["installed_from"] == direct_url["url"]
     assert m["package"]["editable"] is False
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_out_that_is_a_file_is_refused_before_anything_loads(tmp_path, monkeypatch, force):
+    """``ppl --out afile`` was refused only after ~8 s of imports and loading; a non-empty folder in under a second.
+    Now both before the model is even resolved: resolving, reading the config or loading raises here."""
+    import importlib
+
+    import moetool
+    from moetool import loading
+    from moetool.commands.app import app
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was touched before --out was checked")
+
+    for mod, names in ((loading, ("resolve", "load_config", "load", "check_model")),
+                       (importlib.import_module("moetool.run"), ("preflight", "check_run", "start_run"))):
+        for name in names:
+            monkeypatch.setattr(mod, name, never)
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out, says in ((afile, f"--out {afile} exists and is not a folder"),
+                      (afile / "sub", f"--out {afile / 'sub'}: {afile} is a file, not a folder")):
+        r = CliRunner().invoke(app, ["ppl", "--out", str(out), *(["--force"] if force else [])])
+        assert r.exit_code == 2 and r.output.strip() == f"error: {says}", r.output
+        with pytest.raises(MoetoolError) as e:
+            moetool.run("ppl", "tiny", out=out, force=force)
+        assert str(e.value) == says
+    assert afile.read_text() == "mine"

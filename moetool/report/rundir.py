@@ -152,15 +152,30 @@ def manifest_problem(path: Path) -> str | None:
 
 
 
-def _check_writable(path: Path) -> None:
-    """``--out`` can be made: no ancestor is a file, and the nearest existing ancestor accepts a new folder."""
+def _nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists."""
     probe = path
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
+    return probe
+
+
+def refuse_not_a_folder(path: Path) -> None:
+    """``--out`` that is a file, or lies under one: one line. Cheap (no heavy import, nothing written): the
+    commands call it before anything loads (:func:`moetool.run.refuse_busy_out`), :meth:`RunDir.create` again."""
+    if path.exists() and not path.is_dir():
+        raise MoetoolError(f"--out {path} exists and is not a folder")
+    probe = _nearest_existing(path)
     if probe.exists() and not probe.is_dir():
         raise MoetoolError(f"--out {path}: {probe} is a file, not a folder")
+
+
+def _check_writable(path: Path) -> None:
+    """``--out`` can be made: no ancestor is a file, and the nearest existing ancestor accepts a new folder."""
+    refuse_not_a_folder(path)
+    probe = _nearest_existing(path)
     if path.is_dir():
         probe = path
     try:  # the one reliable test (root ignores permission bits; read-only file systems): make and remove a folder
@@ -321,8 +336,7 @@ class RunDir:
         if resume and not out:
             raise MoetoolError("--resume needs --out: the folder of the run to continue")
         path = Path(out) if out else _default_path(command)
-        if path.exists() and not path.is_dir():
-            raise MoetoolError(f"--out {path} exists and is not a folder")
+        refuse_not_a_folder(path)
         lock = _lock(path) if path.is_dir() else None  # a run writing there now: refused before anything else
         try:
             run = cls._validated(path, command, force, resume, resumable)
