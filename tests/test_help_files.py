@@ -96,3 +96,26 @@ def test_help_names_exactly_the_files_a_run_writes(command, tmp_path_factory):
     undescribed = [f for f in files if not described(f)]
     assert not undescribed, f"{command} writes files its --help does not name: {undescribed}"
     assert (out / "manifest.json").exists()
+
+
+COLUMNS = re.compile(r"([\w-]+\.(?:csv\.gz|csv)) \(([^;)]*)")
+
+
+@pytest.mark.parametrize("command", [c for c in RUNS if c != "plan"])
+def test_help_names_only_columns_a_run_writes(command, tmp_path_factory):
+    """Each plain column name a --help lists for a table (``ppl.csv (model, ..., scored_tokens, ...``, up to its
+    first ``;`` or ``)``) is a column of that table in a run (``ppl --help`` listed ``tokens``, a column ppl.csv
+    does not have)."""
+    import pandas as pd
+
+    out = run_dir(command, tmp_path_factory)
+    wrong = {}
+    for name, listed in COLUMNS.findall(" ".join(help_text(command).split())):
+        if not (out / name).exists():
+            continue
+        have = set(pd.read_csv(out / name, nrows=0).columns)
+        names = [c.strip() for c in listed.split(",")]
+        bad = [c for c in names if re.fullmatch(r"[a-z][a-z0-9_]*", c) and c not in have]
+        if bad:
+            wrong[name] = bad
+    assert not wrong, f"{command} --help names columns its tables do not have: {wrong}"

@@ -3,8 +3,8 @@
 --routing takes any policy: router (unchanged; reproduces the unhooked model exactly),
 norm:<node>[:<norm>] (AoE: the K experts with the largest node norm; node gate|up|act|glu|output,
 norm l2|l1|linf), random, and the others listed by the error for an unknown name. Writes ppl.csv
-(model, data, routing, weights, layers, tokens, nll_mean, perplexity, router_perplexity, ratio,
-seconds; *_lo/*_hi = 95% interval) and manifest.json. A policy other than router is compared with
+(model, data, routing, weights, layers, scored_tokens, nll_mean, perplexity, router_perplexity,
+ratio, seconds; *_lo/*_hi = 95% interval) and manifest.json. A policy other than router is compared with
 the model's own routing on the same rows (ratio = perplexity / router_perplexity; --no-baseline
 skips that second pass). Intervals: document-level bootstrap over packed rows (--bootstrap N,
 paired for the ratio; 0 = off).

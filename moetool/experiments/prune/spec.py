@@ -20,11 +20,11 @@ prune:random:0.25, prune:file:<removed.json|csv> (prune_removed.csv of this comm
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 model's own routing on the same rows.
 
-Writes prune_importance.csv (layer, expert, tokens, frequency, weighted, reap),
-prune.csv (criterion, fraction, removed, removed_frac, tokens, perplexity, ratio; *_lo/*_hi; the router first),
+Writes prune_importance.csv (layer, expert, layer_tokens, frequency, weighted, reap),
+prune.csv (criterion, fraction, removed, removed_frac, scored_tokens, perplexity, ratio; *_lo/*_hi; the router first),
 prune_removed.csv (criterion, fraction, layer, expert: every removed set; not with --fractions 0 alone),
-prune_ablation.csv (rank, layer, expert, reap, frequency, tokens, perplexity, delta_ppl, ratio; *_lo/*_hi; not with
---ablate 0),
+prune_ablation.csv (rank, layer, expert, reap, frequency, scored_tokens, perplexity, delta_ppl, ratio; *_lo/*_hi;
+not with --ablate 0),
 figures/prune_curve (perplexity / the model's vs fraction removed, one line per criterion),
 figures/prune_importance (REAP saliency per layer and expert), figures/prune_ablation (perplexity / the model's
 for each single-expert ablation; not with --ablate 0) and manifest.json (definitions; not_written: the tables left
