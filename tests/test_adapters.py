@@ -281,3 +281,47 @@ def test_non_finite_router_weights_are_named_first(tiny_model, kind, value):
     assert e.value.exit_code == 1 and "\n" not in msg
     assert f"MoE layer {second.index}:" in msg and name.rsplit(".", 1)[-1] in msg and "non-finite" in msg
     assert ("2 NaN and 0 inf" if value != value else "0 NaN and 2 inf") in msg
+
+
+def test_scoring_names_only_the_steps_the_router_has(family):
+    """``inspect`` showed ``softmax -> top-K (+ bias) -> weights = p / sum x scale`` for Mixtral, whose router has
+    no correction bias, no groups and a scale of 1: the words name a step only where the model has it (read here
+    off the router's own buffers and the config, not off moetool's parameters)."""
+    model, layers, _ = captured(family)
+    c = getattr(model.config, "text_config", None) or model.config
+    for L in layers:
+        text = L.describe()["scoring"]
+        assert "(+" not in text and "[within" not in text and "x scale" not in text, text
+        has_bias = getattr(L.router, "e_score_correction_bias", None) is not None
+        assert ("correction bias" in text) == has_bias, (text, has_bias)
+        scale = float(getattr(c, "routed_scaling_factor", None) or 1.0)
+        if L.describe()["rule"] != "sparsemixer":
+            assert (f"x {scale:g}" in text) == (scale != 1.0), (text, scale)
+        groups = int(getattr(c, "n_group", None) or 1)
+        assert ("groups" in text) == (groups > 1), text
+
+
+def test_scoring_of_mixtral_and_deepseek_v3_in_words():
+    from conftest import build_tiny_model
+
+    (mixtral,) = {L.describe()["scoring"] for L in find_moe_layers(build_tiny_model("mixtral"))}
+    assert mixtral == "softmax -> top-K -> weights = p / sum"
+    v3 = build_tiny_model("deepseek_v3")
+    c = v3.config
+    assert c.routed_scaling_factor == 2.5 and (c.n_group, c.topk_group) == (2, 1)
+    assert {L.describe()["scoring"] for L in find_moe_layers(v3)} == {
+        "sigmoid -> top-K of score + correction bias within the best 1 of 2 groups -> score / sum x 2.5"}
+
+
+def test_inspect_of_the_embedded_model_shows_no_step_it_lacks():
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    r = CliRunner().invoke(app, ["inspect", "--model", "tiny", "--json"])
+    assert r.exit_code == 0, r.output
+    layers = json.loads(r.output)["moe_layers"]
+    assert all(not L["correction_bias"] and L["routed_scaling_factor"] == 1.0 for L in layers)
+    assert {L["scoring"] for L in layers} == {"softmax -> top-K -> weights = p / sum"}

@@ -141,7 +141,7 @@ class GenericLayer(MoELayer):
         self._hash_routed = hash_table(router) is not None  # read once: route() runs per batch
         self.logit_mult = logit_multiplier(router)
         self.rule, self.params, self.logits_mode, self.softcap = self._identify()
-        self.scoring = self.rule.text
+        self.scoring = self.rule.scoring(self.params)
 
     # ----- shape and parts ---------------------------------------------------------------------------------
     @property

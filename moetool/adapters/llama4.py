@@ -99,7 +99,7 @@ class Llama4Layer(GenericLayer):
         super().__init__(index, decoder_layer, block, router_view, experts_view, config)
         if self.rule.name == "sigmoid-topk":  # at K = 1 the two orders agree; Llama4Router's code ranks logits
             self.rule = rules.TOPK_SIGMOID
-            self.scoring = self.rule.text
+            self.scoring = self.rule.scoring(self.params)
 
     @property
     def shared_experts(self) -> nn.Module | None:

@@ -132,7 +132,24 @@ class Rule:
     score: str
     weight: str
     renorm: bool
-    text: str
+    template: str  # the scoring in words; {bias}, {groups}, {scale}: the steps a router may or may not have
+
+    @property
+    def text(self) -> str:
+        """The rule in words, its optional steps marked: ``softmax -> top-K (+ correction bias) [within groups] ->
+        weights = p x scale`` (the catalogue's; a router's own is :meth:`scoring`)."""
+        return self.template.format(bias=" (+ correction bias)", groups=" [within groups]", scale=" x scale")
+
+    def scoring(self, p: Params) -> str:
+        """The routing of a router with parameters ``p`` in words: a correction bias, group-limited top-K and a
+        routed scaling factor only where ``p`` has them (``softmax -> top-K -> weights = p / sum`` for Mixtral,
+        ``... + correction bias within the best 4 of 8 groups -> score / sum x 2.5`` for DeepSeek-V3)."""
+        if self.weight == "sparsemixer":  # its two rounds rank the logits alone
+            bias = groups = ""
+        else:
+            bias = " + correction bias" if p.bias is not None else ""
+            groups = f" within the best {p.topk_group} of {p.n_group} groups" if p.n_group > 1 else ""
+        return self.template.format(bias=bias, groups=groups, scale=f" x {p.scale:g}" if p.scale != 1.0 else "")
 
     # ----- the full distribution ---------------------------------------------------------------------------
     def probs(self, logits: torch.Tensor, p: Params | None = None) -> torch.Tensor:
@@ -223,21 +240,24 @@ class Rule:
         return self.probs(logits, p), idx, self.weights(logits, idx, p)
 
 
-SOFTMAX_TOPK = Rule("softmax-topk", "softmax", "score", False, "softmax -> top-K (+ bias) -> weights = p x scale")
+SOFTMAX_TOPK = Rule("softmax-topk", "softmax", "score", False,
+                    "softmax -> top-K{bias}{groups} -> weights = p{scale}")
 SOFTMAX_TOPK_RENORM = Rule("softmax-topk-renorm", "softmax", "score", True,
-                           "softmax -> top-K (+ bias) -> weights = p / sum x scale")
-TOPK_SOFTMAX = Rule("topk-softmax", "logits", "softmax", False, "top-K of logits -> softmax over the K")
+                           "softmax -> top-K{bias}{groups} -> weights = p / sum{scale}")
+TOPK_SOFTMAX = Rule("topk-softmax", "logits", "softmax", False,
+                    "top-K of logits{bias}{groups} -> softmax over the K{scale}")
 SIGMOID_TOPK = Rule("sigmoid-topk", "sigmoid", "score", False,
-                    "sigmoid -> top-K of score + correction bias [within groups] -> weights = score x scale")
+                    "sigmoid -> top-K of score{bias}{groups} -> weights = score{scale}")
 SIGMOID_TOPK_RENORM = Rule("sigmoid-topk-renorm", "sigmoid", "score", True,
-                           "sigmoid -> top-K of score + correction bias [within groups] -> score / sum x scale")
-TOPK_SIGMOID = Rule("topk-sigmoid", "logits", "sigmoid", False, "top-K of logits (+ bias) -> sigmoid of the K")
+                           "sigmoid -> top-K of score{bias}{groups} -> score / sum{scale}")
+TOPK_SIGMOID = Rule("topk-sigmoid", "logits", "sigmoid", False,
+                    "top-K of logits{bias}{groups} -> sigmoid of the K{scale}")
 TOPK_SIGMOID_RENORM = Rule("topk-sigmoid-renorm", "logits", "sigmoid", True,
-                           "top-K of logits (+ bias) -> sigmoid of the K / sum")
+                           "top-K of logits{bias}{groups} -> sigmoid of the K / sum{scale}")
 SPARSEMIXER = Rule("sparsemixer", "logits", "sparsemixer", False,
-                   "sparsemixer (eval): top-2 by logits; weight = softmax over the logits within 2 eps of it")
+                   "sparsemixer (eval): top-2 by logits; weight = softmax over the logits within 2 eps of it{scale}")
 SQRTSOFTPLUS_TOPK_RENORM = Rule("sqrtsoftplus-topk-renorm", "sqrtsoftplus", "score", True,
-                                "sqrt(softplus) -> top-K of score + correction bias -> score / sum x scale")
+                                "sqrt(softplus) -> top-K of score{bias}{groups} -> score / sum{scale}")
 
 #: the catalogue, in order of preference when two rules reproduce a router equally well
 RULES: tuple[Rule, ...] = (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORM, TOPK_SOFTMAX, SIGMOID_TOPK, SIGMOID_TOPK_RENORM,
