@@ -25,5 +25,5 @@ def show(res: Any, p: Any) -> None:
         shown = pref[["layer", "source_layer"]].assign(
             **{c: [format_ci(r[c], r[f"{c}_lo"], r[f"{c}_hi"]) for _, r in pref.iterrows()]
                for c in ("top1_recall", "topk_recall")})
-        print_table(shown, "next-layer prediction recall (± half-width of the 95% interval)",
+        print_table(shown, "next-layer prediction recall (with the 95% interval)",
                     csv="offload_prefetch.csv")

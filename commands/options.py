@@ -66,7 +66,8 @@ Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, help="Replicates of the document-level bootstrap "
                                         "over packed rows (seeded by --seed) for 95% intervals: *_lo/*_hi CSV "
-                                        "columns, error bars, 'value ± half-width' in tables. 0 = off; else >= 100.")]
+                                        "columns, error bars, 'value ± half-width' in tables ('value [lo, hi]' where the "
+                                        "interval is not symmetric). 0 = off; else >= 100.")]
 
 # routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
 Routing = Annotated[str, typer.Option("--routing", "-r", help="Routing policy: router, norm:<node>[:<norm>], random, "

@@ -449,8 +449,11 @@ def add_interval_columns(df: Any, name: str, intervals: Sequence[Interval]) -> A
 # ----- writing an interval --------------------------------------------------------------------------------
 def format_ci(value: float, lo: float, hi: float, digits: int = 2) -> str:
     """``"0.512 ± 0.013"``: the value and the half-width ``(hi - lo) / 2`` of its interval, both rounded to the
-    decimal place of the half-width's ``digits`` significant digits. An interval far from symmetric is written
-    ``"0.512 [0.49, 0.53]"``; a missing value (NaN) is ``""``; a missing interval gives the value alone."""
+    decimal place of the half-width's ``digits`` significant digits -- only where the interval is symmetric about the
+    value within that rounding (``value ± half`` then gives each bound to half a unit of the last digit shown:
+    ``|(hi - value) - (value - lo)|`` at most one unit). Any other interval is written as itself,
+    ``"0.60 [0.39, 0.78]"`` (the Wilson interval of 12/20 is not ``0.60 ± 0.20``), as is a value outside its interval;
+    a missing value (NaN) is ``""``; a missing interval gives the value alone."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
@@ -461,15 +464,15 @@ def format_ci(value: float, lo: float, hi: float, digits: int = 2) -> str:
     place = digits - 1 - math.floor(math.log10(half))  # decimals that keep `digits` significant digits of half
     dec = max(place, 0)
     below, above = value - lo, hi - value
-    if min(below, above) < 0 or abs(above - below) > 0.25 * half:  # asymmetric (or value outside): the interval
+    if min(below, above) < 0 or abs(above - below) > 10.0 ** -dec * (1 + 1e-9):  # not symmetric: the interval
         return f"{value:.{dec}f} [{lo:.{dec}f}, {hi:.{dec}f}]"
     return f"{value:.{dec}f} ± {half:.{dec}f}"
 
 
 def with_ci(df: Any, digits: int = 2) -> Any:
     """A copy of ``df`` where every column ``c`` that has ``c_lo`` and ``c_hi`` beside it becomes the text
-    ``value ± half-width`` (:func:`format_ci`; the value alone where the interval is NaN), ``_lo``/``_hi``
-    dropped. Columns without an interval are kept as they are."""
+    ``value ± half-width``, or ``value [lo, hi]`` for an interval not symmetric about it (:func:`format_ci`; the
+    value alone where the interval is NaN), ``_lo``/``_hi`` dropped. Columns without an interval are kept as they are."""
     out = df.copy()
     for c in list(df.columns):
         lo, hi = f"{c}_lo", f"{c}_hi"

@@ -100,7 +100,11 @@ def test_results_frame_reads_lm_eval_results():
     assert df.values.tolist()[1][:3] == ["t", "exact_match[strict]", 0.25] and math.isnan(df.values.tolist()[1][3])
     assert math.isnan(df.value_lo[1]) and math.isnan(df.value_hi[1])  # no stderr, no item count: no interval
     from moetool.experiments.eval.compute import eval_summary
-    assert eval_summary(df).value.tolist() == ["0.50 ± 0.18", "0.25"]
+    assert eval_summary(df).value.tolist() == ["0.50 ± 0.18", "0.25"]  # Wilson at p = 0.5: symmetric
+    twelve = lmeval.results_frame({"results": {"t": {"acc,none": 0.6, "acc_stderr,none": math.sqrt(0.24 / 19)}},
+                                   "n-samples": {"t": {"effective": 20}}})
+    lo, hi = wilson_by_hand(0.6, 20)  # [0.387, 0.781]: not 0.60 ± 0.20
+    assert eval_summary(twelve).value.tolist() == [f"0.60 [{lo:.2f}, {hi:.2f}]"] == ["0.60 [0.39, 0.78]"]
 
 
 def test_accuracy_intervals_stay_inside_0_1():

@@ -363,7 +363,8 @@ def test_long_tables_are_summarised_with_a_pointer():
 
 def test_format_ci():
     assert C.format_ci(0.51234, 0.4993, 0.5253) == "0.512 ± 0.013"
-    assert C.format_ci(12.3456, 11.0, 14.0) == "12.3 ± 1.5"  # near symmetric
+    assert C.format_ci(12.34, 11.24, 13.46) == "12.3 ± 1.1"  # symmetric to the digit shown (1.10 below, 1.12 above)
+    assert C.format_ci(12.3456, 11.0, 14.0) == "12.3 [11.0, 14.0]"  # '± 1.5' would say [10.8, 13.8]
     assert C.format_ci(12.3456, 12.0, 14.0) == "12.3 [12.0, 14.0]"  # asymmetric: the interval itself
     assert C.format_ci(1234.5, 1200.5, 1268.5) == "1234 ± 34"
     assert C.format_ci(float("nan"), 0, 1) == ""
@@ -525,3 +526,33 @@ def test_report_refuses_an_out_over_the_runs_it_gathers(small_run, tmp_path):
     assert r.exit_code == 0, r.output
     m = json.loads((runs / "paper" / "manifest.json").read_text())
     assert m["gathered"] == [str(runs / "selfrep")] and _tree(runs / "selfrep") == _tree(small_run)
+
+
+def test_an_asymmetric_interval_is_never_shown_as_plus_minus():
+    """eval printed ``0.60 ± 0.20`` for the Wilson interval [0.387, 0.781] of 12/20 (read back: [0.40, 0.80]).
+    ``±`` only where it gives both bounds to the digits shown; at p = 0.5 the Wilson interval is symmetric."""
+    import random
+
+    from conftest import wilson_by_hand
+
+    lo, hi = wilson_by_hand(0.6, 20)
+    assert (round(lo, 3), round(hi, 3)) == (0.387, 0.781)
+    assert C.format_ci(0.6, lo, hi) == "0.60 [0.39, 0.78]"
+    assert C.format_ci(0.5, *wilson_by_hand(0.5, 26)) == "0.50 ± 0.18"
+    rng = random.Random(0)
+    for _ in range(2000):
+        value, below, above = rng.uniform(-5, 5), rng.uniform(1e-3, 2), rng.uniform(1e-3, 2)
+        if rng.random() < 0.3:
+            above = below  # exactly symmetric: always ±
+        text = C.format_ci(value, value - below, value + above)
+        if above == below:
+            assert "±" in text, text
+        if "±" in text:  # read back, '± h' gives each bound to within the rounding of the two numbers shown
+            v, h = map(float, text.split(" ± "))
+            unit = 10.0 ** -len(text.split(" ± ")[1].partition(".")[2])
+            assert abs((v - h) - (value - below)) <= 1.5 * unit and abs((v + h) - (value + above)) <= 1.5 * unit
+        else:  # the interval itself, to the digits shown
+            shown_lo, shown_hi = text.split(" [")[1].rstrip("]").split(", ")
+            unit = 10.0 ** -len(shown_lo.partition(".")[2])
+            assert abs(float(shown_lo) - (value - below)) <= 0.5 * unit + 1e-12
+            assert abs(float(shown_hi) - (value + above)) <= 0.5 * unit + 1e-12

@@ -5,7 +5,8 @@
   columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
   column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``), text cells wrap.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
-- Intervals are written ``value ± half-width`` by :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
+- Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
+  :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
 """
 
 from __future__ import annotations

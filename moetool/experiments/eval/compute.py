@@ -334,7 +334,9 @@ def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | 
 
 
 def eval_summary(frame: Any) -> Any:
-    """The console table: ``value ± half-width`` (lm-eval's stderr interval) beside the stderr."""
+    """The console table: each value with its interval (Wilson for a proportion: ``value [lo, hi]`` unless it is
+    symmetric about the value, ``value ± half-width`` then; :func:`moetool.uncertainty.format_ci`) beside the
+    stderr."""
     from ...uncertainty import with_ci
 
     return with_ci(frame)

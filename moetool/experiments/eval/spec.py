@@ -3,7 +3,8 @@
 The loaded model object is wrapped in lm-eval's HFLM and every forward lm-eval makes goes through
 the routing hooks. Writes eval.csv (task, metric, value, stderr = lm-eval's standard error,
 value_lo, value_hi: the 95% interval, Wilson's over the items scored for an accuracy, inside [0, 1],
-value ∓ 1.96 stderr for any other metric) and manifest.json; prints value ± half-width.
+value ∓ 1.96 stderr for any other metric) and manifest.json; prints value [lo, hi] (value ± half-width
+where the interval is symmetric).
 
 Tasks: standard lm-eval names (mmlu, arc_challenge, ...: need network for their datasets), tasks
 from --include-path, or the shipped offline tasks moetool_code and moetool_prose (4-choice "which

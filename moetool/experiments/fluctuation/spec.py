@@ -24,7 +24,7 @@ file and read back batch by batch for the comparison, so RSS stays flat in the n
 
 --bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows of
 every rate (per-row sums, moetool.uncertainty), *_lo/*_hi columns, error bars in fluctuation_by_layer, value ±
-half-width on the console.
+half-width on the console (value [lo, hi] where the interval is not symmetric).
 
 --resume (with the --out of an interrupted run, same options): checkpoints
 whose routing was captured before the interruption are read back, not run

@@ -352,7 +352,7 @@ def summary_lines(name: str, res: Any) -> list[str]:
     lines = [f"{name}: on the model pruned by {pruned['name']}"] if pruned else []
     for r in res.summary.to_dict("records"):
         policy = r["node"] if r["norm"] == "-" else f"norm:{r['node']}:{r['norm']}"
-        def ci(c: str) -> str:  # the value ± its 95% interval's half-width (the value alone where there is none)
+        def ci(c: str) -> str:  # the value with its 95% interval (format_ci; the value alone where there is none)
             return format_ci(r[c], r.get(f"{c}_lo"), r.get(f"{c}_hi"))
 
         accs = "".join(f", {k[:-4]} acc {ci(k)} (x{ci(k[:-4] + ' retention')})" for k in r if k.endswith(" acc"))

@@ -11,7 +11,7 @@ retention = accuracy / router accuracy, and wall time. Writes agreement.csv (lay
 topk_overlap, top1_agree, tokens), quality.csv (policy, task, metric, value, router_value, ratio,
 seconds; perplexity rows have task = the data name), figures/retention and
 figures/agreement_by_layer, manifest.json, and prints a Table-1-shaped summary. Every value has a
-95% interval (*_lo/*_hi; ± in the tables; error bars): document-level bootstrap over packed rows
+95% interval (*_lo/*_hi; ± or [lo, hi] in the tables; error bars): document-level bootstrap over packed rows
 for agreement and perplexity (--bootstrap N, 0 = off), Wilson's interval for an accuracy (inside
 [0, 1]; lm-eval's standard error beside it) and the delta method for retention. With lm-eval tasks
 scored by acc it also prints and writes aoe_table1.csv: AoE Table 1's layout (router and best node

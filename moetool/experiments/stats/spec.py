@@ -41,7 +41,8 @@ confidence_entropy_norm and max_load_ratio get *_lo/*_hi (95% document-level
 bootstrap over packed rows, --bootstrap N replicates seeded by --seed, 0 =
 off): percentile intervals, but BCa (bias-corrected) for max_load_ratio and
 load_entropy_norm, which are biased under resampling, widened to include the
-estimate; the console prints value ± half-width.
+estimate; the console prints value ± half-width (value [lo, hi] where the interval is not
+symmetric).
 
 Special tokens follow the tokenizer's default (a BOS where it adds one);
 --no-special-tokens adds none. The choice is in manifest.json (data).
