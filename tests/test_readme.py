@@ -147,3 +147,24 @@ def test_suite_counts_in_the_readme_match_the_collected_tests():
         assert found, r.stdout[-500:]
         n = int(found.group(1))
         assert abs(n - stated[tier]) <= 0.15 * n, (tier, n, stated[tier])
+
+
+def test_the_readmes_read_of_a_trace_keeps_every_token(tmp_path):
+    """The shipped text has the token "None": pandas' default read of trace.csv.gz made it NaN; the README's
+    ``pandas.read_csv(path, keep_default_na=False)`` (and ``moetool trace --help``'s) gives it back as written."""
+    import pandas as pd
+
+    import moetool
+
+    text = README.read_text(encoding="utf-8")
+    assert "`pandas.read_csv(path, keep_default_na=False)`" in text
+    res = moetool.run("trace", "tiny", max_tokens=2048, seq_len=256, out=tmp_path / "trace", quiet=True)
+    path = tmp_path / "trace" / "trace.csv.gz"
+    got = pd.read_csv(path, keep_default_na=False)
+    tok = res.tokens  # the tokens from the tokenizer, independent of the CSV
+    lm_tok = moetool.loading.load_tokenizer("tiny")
+    ids = tok.input_ids[tok.attention_mask.bool()].tolist()
+    want = lm_tok.convert_ids_to_tokens(ids)  # the trace's token column: the vocabulary's own strings
+    first_layer = got[got.layer == got.layer.min()]
+    assert first_layer.token.tolist() == want and "None" in want
+    assert pd.read_csv(path).token.isna().any()  # the default read loses it

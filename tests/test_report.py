@@ -556,3 +556,23 @@ def test_an_asymmetric_interval_is_never_shown_as_plus_minus():
             unit = 10.0 ** -len(shown_lo.partition(".")[2])
             assert abs(float(shown_lo) - (value - below)) <= 0.5 * unit + 1e-12
             assert abs(float(shown_hi) - (value + above)) <= 0.5 * unit + 1e-12
+
+
+def test_report_reads_tokens_that_pandas_takes_for_missing_as_text(tmp_path):
+    """pandas' default read turns the tokens "None", "NaN", "null", "N/A", "<NA>" into NaN; the report reads a
+    run's tables as written (only an empty cell is missing), in the page, the Markdown and the copied CSV."""
+    words = ["None", "NaN", "nan", "null", "N/A", "<NA>", "#N/A", "NULL"]
+    run = RunDir.create("stats", tmp_path / "run")
+    run.write_csv("top_tokens.csv", pd.DataFrame({"layer": 0, "expert": range(len(words)), "token": words,
+                                                  "count": range(len(words), 0, -1)}))
+    run.finish(options={"model": "tiny"})
+    assert pd.read_csv(tmp_path / "run" / "top_tokens.csv").token.isna().all()  # the trap this avoids
+    page = write_report([tmp_path / "run"], tmp_path / "rep")
+    text = page.read_text()
+    import html as html_module
+
+    assert [html_module.unescape(t) for t in re.findall(r'<td class="t">([^<]*)</td>', text)] == words
+    md = (page.parent / "report.md").read_text()
+    assert all(f"| {w} |" in md for w in ("None", "NaN", "nan", "null", "NULL")), md
+    copied = next((page.parent / "tables").rglob("top_tokens.csv"))
+    assert pd.read_csv(copied, keep_default_na=False).token.tolist() == words

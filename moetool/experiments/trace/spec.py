@@ -2,7 +2,8 @@
 
 Writes trace.csv.gz (one row per real token and MoE layer: row, pos, token_id, token, domain, layer,
 expert_1..expert_K, weight_1..weight_K, and with --logits logit_0..logit_{n-1}) and manifest.json.
-Read it with pandas.read_csv(path); --format parquet writes trace.parquet (pandas.read_parquet).
+Read it with pandas.read_csv(path, keep_default_na=False) (else the tokens None, NaN, NA, null read as
+missing); --format parquet writes trace.parquet (pandas.read_parquet).
 --routing traces what a policy chose in --layers instead of the router.
 --resume (with the --out of an interrupted run, same options): the rows of
 the batches checkpointed before the interruption (at most once a minute) are
