@@ -54,7 +54,7 @@ from ..result import Result, resolve_options
 from .spec import POLICIES, OffloadOptions  # its options (declared with their flags in spec.py)
 
 # ----- cache simulation (pure) ----------------------------------------------------------------
-def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
+def lru_ranks(trace: Any, order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(seen [T, K] bool, rank [T, K] int)`` of every request of ``trace [T, K]``: whether the expert was
     requested before the token, and (for one that was) how many experts were used more recently than it before the
     token (ties within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
@@ -62,10 +62,11 @@ def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
     With requests grouped per token (a token's experts never evict each other), the LRU cache of capacity C
     holds, before token t, exactly the C experts of highest (last request, id): each token's misses evict the
     least recent residents it does not request, which keeps that set. So a request hits iff ``seen and rank < C``
-    for every C at once: the ranks of the ``lru`` keys (:func:`key_ranks`), linear in tokens x n."""
+    for every C at once: the ranks of the ``lru`` keys (:func:`key_ranks`), linear in tokens x n. ``order``: the
+    trace's :func:`by_expert`, when the caller has it."""
     trace = np.ascontiguousarray(trace)
     n = int(trace.max()) + 1 if trace.size else 1
-    order = by_expert(trace)
+    order = by_expert(trace) if order is None else order
     seen, pos, _, _, _ = key_ranks(trace, expert_keys(trace, "lru", order), order, after=False)
     return seen, n - 1 - pos.astype(np.int64)
 
@@ -105,6 +106,7 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
     check_trace(trace, capacities, policies)
     T, K = trace.shape
     distinct = int(np.count_nonzero(np.bincount(trace.reshape(-1)))) if trace.size else 0
+    order = by_expert(trace) if trace.size else None
     out: dict[tuple[int, str], np.ndarray] = {}
     evicting: list[tuple[int, str]] = []
     previous = None
@@ -112,7 +114,7 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
         for pol in policies:
             if pol == "lru" or C >= distinct:
                 if lru is None:
-                    lru = lru_ranks(trace)
+                    lru = lru_ranks(trace, order=order)
                 seen, rank = lru
                 out[(C, pol)] = seen & (rank < C) if pol == "lru" else seen.copy()
             elif C == K:  # the cache holds exactly the previous token's experts, whatever the policy
@@ -125,10 +127,11 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
     if evicting:
         keys = dict(keys or {})
         for pol in {p for _, p in evicting} - set(keys):
-            keys[pol] = request_keys(trace, pol)
+            keys[pol] = request_keys(trace, pol, order=order)
         pols = sorted({p for _, p in evicting})
         hits = evicting_hits(trace, np.array([C for C, _ in evicting]),
-                             np.stack([keys[p] for p in pols]), np.array([pols.index(p) for _, p in evicting]))
+                             np.stack([keys[p] for p in pols]), np.array([pols.index(p) for _, p in evicting]),
+                             order=order)
         out.update(zip(evicting, hits))
     return {(C, p): out[(C, p)] for C in capacities for p in policies}
 
@@ -142,11 +145,11 @@ def by_expert(trace: np.ndarray) -> np.ndarray:
     return np.argsort(flat, kind="stable")
 
 
-def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
+def request_keys(trace: np.ndarray, policy: str, order: np.ndarray | None = None) -> np.ndarray:
     """``[T, K]`` int64: the eviction order of the expert each request loads, from then until its next request
     (lowest evicted first; an expert's order changes only when it is requested, and then it is protected):
-    :func:`expert_keys` in the trace's layout."""
-    order = by_expert(trace)
+    :func:`expert_keys` in the trace's layout (``order``: its :func:`by_expert`, when the caller has it)."""
+    order = by_expert(trace) if order is None else order
     keys = np.empty(trace.size, dtype=np.int64)
     keys[order] = expert_keys(trace, policy, order)
     return keys.reshape(trace.shape)
@@ -293,10 +296,13 @@ def key_ranks(trace: np.ndarray, keys: np.ndarray, order: np.ndarray, at: Any = 
     kdt = np.int32 if keys.size and int(keys.max()) < 2 ** 31 and n < 2 ** 31 else np.int64
     first = np.arange(e.size) == start[e]  # an expert's first request
     prev = np.empty(T * K, dtype=kdt)  # the key of each request's expert before its token, the trace's layout
-    prev[order] = np.where(first, e - n, np.concatenate([[0], keys[:-1]]))
-    own = np.empty(T * K, dtype=kdt)
-    own[order] = keys
-    prev, own = prev.reshape(T, K), own.reshape(T, K)
+    prev[order[1:]] = keys[:-1]
+    prev[order[first]] = e[first] - n
+    prev = prev.reshape(T, K)
+    if after:
+        own = np.empty(T * K, dtype=kdt)
+        own[order] = keys
+        own = own.reshape(T, K)
     rdt = np.uint8 if n <= 256 else np.uint16
     pos = np.zeros((T, K), dtype=rdt)
     new = np.zeros((T, K), dtype=rdt) if after else None
@@ -305,6 +311,8 @@ def key_ranks(trace: np.ndarray, keys: np.ndarray, order: np.ndarray, at: Any = 
     chunk = max(1, RANK_KEYS // n)
     for a in range(0, T, chunk):
         b = min(a + chunk, T)
+        here = (at >= a) & (at <= b)
+        cols = at[here] - a
         for x in range(n):  # expert x's keys before tokens a..b
             t, k = tok[start[x]:start[x + 1]], keys[start[x]:start[x + 1]]
             i, j = np.searchsorted(t, [a, b])
@@ -313,8 +321,7 @@ def key_ranks(trace: np.ndarray, keys: np.ndarray, order: np.ndarray, at: Any = 
             pos[a:b] += row[:-1, None] < prev[a:b]
             if after:
                 new[a:b] += row[1:, None] < own[a:b]
-            here = (at >= a) & (at <= b)
-            keyv[here, x] = row[at[here] - a]
+            keyv[here, x] = row[cols]
     rank = np.argsort(np.argsort(keyv, axis=1), axis=1).astype(rdt)
     seen = (prev >= 0)
     return seen, pos, new, np.where(keyv >= 0, keyv, -1), rank
@@ -342,7 +349,8 @@ def _bit_step(x: np.ndarray, C: list, M: np.ndarray, notM: np.ndarray, segM: np.
     return np.bitwise_or.reduce((kept << shift) & segN, axis=0) | N  # spread around the N bits
 
 
-def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray) -> list[np.ndarray]:
+def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
+             order: np.ndarray | None = None) -> list[np.ndarray]:
     """:func:`evicting_hits` for at most :data:`BIT_EXPERTS` experts: a cache state is one unsigned word in the
     key-rank order before the token it enters (:func:`key_ranks`), so a token of every cache is a few word
     operations (:func:`_bit_step`), and a request hits iff its rank's bit is set in the state entering its token.
@@ -360,7 +368,7 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     W = min(int(np.ceil(EVICT_WARMUP * B)), B)
     nb = -(-T // B)
     guess_at = np.maximum(np.arange(nb) * B - W, 0)
-    order = by_expert(trace)
+    order = by_expert(trace) if order is None else order
     word = word_type(int(trace.max()) + 1)
     one = word(1)
     # per policy and token, padded: row u is token u - W (the rows before and after the trace's: nothing requested,
@@ -376,11 +384,10 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     M, N = np.zeros((P, rows), dtype=word), np.zeros((P, rows), dtype=word)
     M[:, W:W + T] = np.bitwise_or.reduce(one << pos[:, W:W + T].astype(word), axis=-1)
     N[:, W:W + T] = np.bitwise_or.reduce(one << new[:, W:W + T].astype(word), axis=-1)
-    segM, segN = bit_segments(M, K), bit_segments(N, K)  # [K+1, P, rows]
     # block-major: [step j, ..., block b] = row b * B + j, the token of block b's lane at step j
     at = np.arange(W + B)[:, None] + np.arange(nb) * B
     Mb, Nb = M[:, at].swapaxes(0, 1)[:, :, None], N[:, at].swapaxes(0, 1)[:, :, None]  # [step, P, 1, block]
-    segMb, segNb = segM[:, :, at].transpose(2, 0, 1, 3)[:, :, :, None], segN[:, :, at].transpose(2, 0, 1, 3)[:, :, :, None]
+    segMb, segNb = bit_segments(Mb, K).swapaxes(0, 1), bit_segments(Nb, K).swapaxes(0, 1)  # [step, K+1, P, 1, block]
     notMb = ~Mb
     # the caches as a grid [policy, G]: lane (p, g) is cache grid[p, g] (-1: none, never evicting)
     G = max(int((which == p).sum()) for p in range(P))
@@ -410,9 +417,7 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
         piece = t
         while t < T:
             if t == piece:  # the next tables
-                m_, n_ = M[p, W + t:W + t + B].tolist(), N[p, W + t:W + t + B].tolist()
-                sm, sn = segM[:, p, W + t:W + t + B].T.tolist(), segN[:, p, W + t:W + t + B].T.tolist()
-                rec = X[p, g, t:t + B].tolist()
+                m_, n_, rec = M[p, W + t:W + t + B].tolist(), N[p, W + t:W + t + B].tolist(), X[p, g, t:t + B].tolist()
                 piece = t + B
             if t % B == 0 and t > b * B:
                 left[p, g, t // B - 1] = x
@@ -420,15 +425,24 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
                 return
             X[p, g, t] = x
             i = t - piece + B
-            cand = x & (mask ^ m_[i])
-            for _ in range((x | m_[i]).bit_count() - cap):
+            m, x_ = m_[i], n_[i]
+            cand = x & (mask ^ m)
+            for _ in range((x | m).bit_count() - cap):
                 cand &= cand - 1
-            kept = 0
-            for s, seg in enumerate(sm[i]):
+            kept, below = 0, 0  # the bit segments of m, then of n (bit_segments)
+            for s in range(K + 1):
+                low = m & -m
+                seg = (low - 1 if low else mask) & ~below
                 kept |= (cand & seg) >> s
-            x = n_[i]
-            for s, seg in enumerate(sn[i]):
+                below |= seg | low
+                m ^= low
+            n, x, below = x_, x_, 0
+            for s in range(K + 1):
+                low = n & -n
+                seg = (low - 1 if low else mask) & ~below
                 x |= (kept << s) & seg
+                below |= seg | low
+                n ^= low
             t += 1
 
     guess = block_guess(np.stack([np.tile(kv, (G, 1)) for kv in keyv])).reshape(P, G, nb, -1)
@@ -448,12 +462,13 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     return [((X[lane[s]][:T, None] >> pos[which[s], W:W + T]) & one).astype(bool) for s in range(S)]
 
 
-def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray) -> list[np.ndarray]:
+def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
+                  order: np.ndarray | None = None) -> list[np.ndarray]:
     """Hits of caches that evict the lowest keys (:func:`request_keys`), one per capacity ``capacities[s]`` with the
     keys ``keys[which[s]]`` (``keys [P, T, K]``): ``[hits [T, K] per s]``. Bit-packed (:func:`bit_hits`) up to
     :data:`BIT_EXPERTS` experts, else boolean rows (:func:`_row_hits`); the same hits."""
     if int(trace.max()) < BIT_EXPERTS:
-        return bit_hits(trace, capacities, keys, which)
+        return bit_hits(trace, capacities, keys, which, order)
     return _row_hits(trace, capacities, keys, which)
 
 
