@@ -171,6 +171,8 @@ def test_lfu_and_belady_match_request_by_request(n, K, T, alpha, blocking, reste
     block, warm, guess = BLOCKINGS[blocking]
     monkeypatch.setattr(off, "EVICT_BLOCK", block)
     monkeypatch.setattr(off, "EVICT_WARMUP", warm)
+    monkeypatch.setattr(off, "BIT_BLOCK", block or off.BIT_BLOCK)
+    monkeypatch.setattr(off, "BIT_WARMUP", warm if block else off.BIT_WARMUP)
     monkeypatch.setattr(off, "BIT_EXPERTS", RESTEPS[restep][0])
     monkeypatch.setattr(off, "BIT_RERUN_LANES", RESTEPS[restep][1])
     if guess == "random":
@@ -228,7 +230,8 @@ def test_bit_packed_blocks_are_restepped_when_guessed_wrong(at_once, monkeypatch
     from moetool.experiments.offload import compute as off
 
     trace = _random_trace(16, 2, 240, 0.5, 3)
-    monkeypatch.setattr(off, "EVICT_BLOCK", 10)
+    monkeypatch.setattr(off, "BIT_BLOCK", 10)
+    monkeypatch.setattr(off, "BIT_WARMUP", 0.25)
     monkeypatch.setattr(off, "BIT_RERUN_LANES", 0 if at_once else 10 ** 9)
     monkeypatch.setattr(off, "block_guess", lambda keyv: np.zeros(keyv.shape, dtype=bool))  # an empty cache
     lanes, step = [], off._bit_step

@@ -38,7 +38,7 @@ rows, so the interval is the spread over documents of the same simulation (cache
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ from ..result import Result, resolve_options
 from .spec import POLICIES, OffloadOptions  # its options (declared with their flags in spec.py)
 
 # ----- cache simulation (pure) ----------------------------------------------------------------
-def lru_ranks(trace: Any, order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def lru_ranks(trace: Any, req: ByExpert | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(seen [T, K] bool, rank [T, K] int)`` of every request of ``trace [T, K]``: whether the expert was
     requested before the token, and (for one that was) how many experts were used more recently than it before the
     token (ties within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
@@ -62,12 +62,12 @@ def lru_ranks(trace: Any, order: np.ndarray | None = None) -> tuple[np.ndarray, 
     With requests grouped per token (a token's experts never evict each other), the LRU cache of capacity C
     holds, before token t, exactly the C experts of highest (last request, id): each token's misses evict the
     least recent residents it does not request, which keeps that set. So a request hits iff ``seen and rank < C``
-    for every C at once: the ranks of the ``lru`` keys (:func:`key_ranks`), linear in tokens x n. ``order``: the
-    trace's :func:`by_expert`, when the caller has it."""
+    for every C at once: the ranks of the ``lru`` keys (:func:`key_ranks`), linear in tokens x n. ``req``: the
+    trace's :func:`requests_by_expert`, when the caller has it."""
     trace = np.ascontiguousarray(trace)
     n = int(trace.max()) + 1 if trace.size else 1
-    order = by_expert(trace) if order is None else order
-    seen, pos, _, _, _ = key_ranks(trace, expert_keys(trace, "lru", order), order, after=False)
+    req = requests_by_expert(trace) if req is None else req
+    seen, pos, _, _, _ = key_ranks(trace, expert_keys(trace, "lru", req), req, after=False)
     return seen, n - 1 - pos.astype(np.int64)
 
 
@@ -106,7 +106,7 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
     check_trace(trace, capacities, policies)
     T, K = trace.shape
     distinct = int(np.count_nonzero(np.bincount(trace.reshape(-1)))) if trace.size else 0
-    order = by_expert(trace) if trace.size else None
+    req = requests_by_expert(trace) if trace.size else None
     out: dict[tuple[int, str], np.ndarray] = {}
     evicting: list[tuple[int, str]] = []
     previous = None
@@ -114,7 +114,7 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
         for pol in policies:
             if pol == "lru" or C >= distinct:
                 if lru is None:
-                    lru = lru_ranks(trace, order=order)
+                    lru = lru_ranks(trace, req)
                 seen, rank = lru
                 out[(C, pol)] = seen & (rank < C) if pol == "lru" else seen.copy()
             elif C == K:  # the cache holds exactly the previous token's experts, whatever the policy
@@ -127,11 +127,11 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
     if evicting:
         keys = dict(keys or {})
         for pol in {p for _, p in evicting} - set(keys):
-            keys[pol] = request_keys(trace, pol, order=order)
+            keys[pol] = request_keys(trace, pol, req)
         pols = sorted({p for _, p in evicting})
         hits = evicting_hits(trace, np.array([C for C, _ in evicting]),
                              np.stack([keys[p] for p in pols]), np.array([pols.index(p) for _, p in evicting]),
-                             order=order)
+                             req)
         out.update(zip(evicting, hits))
     return {(C, p): out[(C, p)] for C in capacities for p in policies}
 
@@ -145,18 +145,37 @@ def by_expert(trace: np.ndarray) -> np.ndarray:
     return np.argsort(flat, kind="stable")
 
 
-def request_keys(trace: np.ndarray, policy: str, order: np.ndarray | None = None) -> np.ndarray:
+class ByExpert(NamedTuple):
+    """The requests of a trace ``[T, K]`` (flattened row by row) sorted by (expert, token): their places ``order``
+    (:func:`by_expert`), experts ``e`` and tokens ``tok``; expert x's requests are ``start[x]:start[x + 1]``, and
+    ``first`` marks each expert's first request."""
+    order: np.ndarray
+    e: np.ndarray
+    tok: np.ndarray
+    start: np.ndarray
+    first: np.ndarray
+
+
+def requests_by_expert(trace: np.ndarray) -> ByExpert:
+    """:class:`ByExpert` of ``trace [T, K]``."""
+    order = by_expert(trace)
+    e = trace.reshape(-1)[order].astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=int(trace.max()) + 1))])
+    return ByExpert(order, e, order // trace.shape[1], start, np.arange(e.size) == start[e])
+
+
+def request_keys(trace: np.ndarray, policy: str, req: ByExpert | None = None) -> np.ndarray:
     """``[T, K]`` int64: the eviction order of the expert each request loads, from then until its next request
     (lowest evicted first; an expert's order changes only when it is requested, and then it is protected):
-    :func:`expert_keys` in the trace's layout (``order``: its :func:`by_expert`, when the caller has it)."""
-    order = by_expert(trace) if order is None else order
+    :func:`expert_keys` in the trace's layout (``req``: its :func:`requests_by_expert`, when the caller has it)."""
+    req = requests_by_expert(trace) if req is None else req
     keys = np.empty(trace.size, dtype=np.int64)
-    keys[order] = expert_keys(trace, policy, order)
+    keys[req.order] = expert_keys(trace, policy, req)
     return keys.reshape(trace.shape)
 
 
-def expert_keys(trace: np.ndarray, policy: str, order: np.ndarray) -> np.ndarray:
-    """The eviction key of every request of ``trace [T, K]``, in :func:`by_expert` order ``order`` (int64, >= 0,
+def expert_keys(trace: np.ndarray, policy: str, req: ByExpert) -> np.ndarray:
+    """The eviction key of every request of ``trace [T, K]``, in :func:`requests_by_expert` order (int64, >= 0,
     distinct among the experts at any time; lowest evicted first):
 
     * lru: ``(this token, id)``;
@@ -166,15 +185,13 @@ def expert_keys(trace: np.ndarray, policy: str, order: np.ndarray) -> np.ndarray
     From the trace alone, vectorised over the requests sorted by (expert, token)."""
     T, K = trace.shape
     n = int(trace.max()) + 1 if trace.size else 1
-    e = trace.reshape(-1)[order].astype(np.int64)
-    tok = order // K
+    e, tok = req.e, req.tok
     if policy == "lru":
         return tok * n + e
     if policy == "lfu":
-        start = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=n))])
-        return ((np.arange(e.size) - start[e] + 1) * (T + 1) + tok) * n + e
+        return ((np.arange(e.size) - req.start[e] + 1) * (T + 1) + tok) * n + e
     nxt = np.full(e.size, T + 1, dtype=np.int64)
-    same = e[1:] == e[:-1]
+    same = ~req.first[1:]
     nxt[:-1][same] = tok[1:][same]
     return (T + 1 - nxt) * n + e
 
@@ -279,10 +296,10 @@ def bit_segments(mask: np.ndarray, K: int) -> np.ndarray:
 RANK_KEYS = 1 << 21
 
 
-def key_ranks(trace: np.ndarray, keys: np.ndarray, order: np.ndarray, at: Any = (), after: bool = True
+def key_ranks(trace: np.ndarray, keys: np.ndarray, req: ByExpert, at: Any = (), after: bool = True
               ) -> tuple[np.ndarray, ...]:
-    """Each expert's key rank before a token: with every expert's key before token t (``keys``: :func:`expert_keys`
-    in ``order``; an expert never requested before t: below every key, by id), its place among them, lowest 0.
+    """Each expert's key rank before a token: with every expert's key before token t (``keys``: :func:`expert_keys`,
+    ``req`` the trace's :func:`requests_by_expert`; an expert never requested before t: below every key, by id), its place among them, lowest 0.
     Returns ``(seen [T, K], pos [T, K], new [T, K] or None, keyv [len(at), n], rank [len(at), n])``: whether each
     request's expert was requested before its token; the ranks of token t's experts before t and (``after``) before
     t+1 (their new keys among the others'); the keys (-1: never requested) and ranks before each token of ``at``.
@@ -290,11 +307,8 @@ def key_ranks(trace: np.ndarray, keys: np.ndarray, order: np.ndarray, at: Any = 
     tokens x n."""
     T, K = trace.shape
     n = int(trace.max()) + 1
-    e = trace.reshape(-1)[order].astype(np.int64)
-    tok = order // K
-    start = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=n))])
+    order, e, tok, start, first = req
     kdt = np.int32 if keys.size and int(keys.max()) < 2 ** 31 and n < 2 ** 31 else np.int64
-    first = np.arange(e.size) == start[e]  # an expert's first request
     prev = np.empty(T * K, dtype=kdt)  # the key of each request's expert before its token, the trace's layout
     prev[order[1:]] = keys[:-1]
     prev[order[first]] = e[first] - n
@@ -327,6 +341,10 @@ def key_ranks(trace: np.ndarray, keys: np.ndarray, order: np.ndarray, at: Any = 
     return seen, pos, new, np.where(keyv >= 0, keyv, -1), rank
 
 
+#: tokens per block of :func:`bit_hits` and each block's warm-up as a share of the block (steps cost little per
+#: lane, so blocks are short, whatever the trace's length)
+BIT_BLOCK = 64
+BIT_WARMUP = 0.5
 #: :func:`bit_hits` steps the blocks entered in a wrong state again all at once while more than this many are; then
 #: one at a time, each on from its predecessor's end until it meets the recorded states (Python integers)
 BIT_RERUN_LANES = 16
@@ -350,7 +368,7 @@ def _bit_step(x: np.ndarray, C: list, M: np.ndarray, notM: np.ndarray, segM: np.
 
 
 def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
-             order: np.ndarray | None = None) -> list[np.ndarray]:
+             req: ByExpert | None = None) -> list[np.ndarray]:
     """:func:`evicting_hits` for at most :data:`BIT_EXPERTS` experts: a cache state is one unsigned word in the
     key-rank order before the token it enters (:func:`key_ranks`), so a token of every cache is a few word
     operations (:func:`_bit_step`), and a request hits iff its rank's bit is set in the state entering its token.
@@ -364,11 +382,11 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     ``block + warm-up`` vectorised steps, and a step per token until the restepped states meet the recorded ones."""
     T, K = trace.shape
     S, P = len(capacities), len(keys)
-    B = EVICT_BLOCK or max(32, int(np.sqrt(T) / 4))
-    W = min(int(np.ceil(EVICT_WARMUP * B)), B)
+    B = BIT_BLOCK
+    W = min(int(np.ceil(BIT_WARMUP * B)), B)
     nb = -(-T // B)
     guess_at = np.maximum(np.arange(nb) * B - W, 0)
-    order = by_expert(trace) if order is None else order
+    req = requests_by_expert(trace) if req is None else req
     word = word_type(int(trace.max()) + 1)
     one = word(1)
     # per policy and token, padded: row u is token u - W (the rows before and after the trace's: nothing requested,
@@ -378,7 +396,7 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     new = np.zeros((P, rows, K), dtype=np.uint8)
     keyv, rank = [], []
     for p, k in enumerate(keys):
-        _, pos[p, W:W + T], new[p, W:W + T], kv, rk = key_ranks(trace, k.reshape(-1)[order], order, guess_at)
+        _, pos[p, W:W + T], new[p, W:W + T], kv, rk = key_ranks(trace, k.reshape(-1)[req.order], req, guess_at)
         keyv.append(kv)
         rank.append(rk)
     M, N = np.zeros((P, rows), dtype=word), np.zeros((P, rows), dtype=word)
@@ -463,12 +481,12 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
 
 
 def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
-                  order: np.ndarray | None = None) -> list[np.ndarray]:
+                  req: ByExpert | None = None) -> list[np.ndarray]:
     """Hits of caches that evict the lowest keys (:func:`request_keys`), one per capacity ``capacities[s]`` with the
     keys ``keys[which[s]]`` (``keys [P, T, K]``): ``[hits [T, K] per s]``. Bit-packed (:func:`bit_hits`) up to
     :data:`BIT_EXPERTS` experts, else boolean rows (:func:`_row_hits`); the same hits."""
     if int(trace.max()) < BIT_EXPERTS:
-        return bit_hits(trace, capacities, keys, which, order)
+        return bit_hits(trace, capacities, keys, which, req)
     return _row_hits(trace, capacities, keys, which)
 
 
