@@ -736,11 +736,6 @@ class OffloadCollector:
         self.pred.reduce_across_ranks()
 
 
-def _hit_rows(hits: np.ndarray, rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    return (np.bincount(rows, weights=hits.sum(1), minlength=n_rows),
-            np.bincount(rows, minlength=n_rows).astype(np.float64) * hits.shape[1])
-
-
 def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quiet: bool = False,
             **overrides: Any) -> Result:
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
@@ -803,15 +798,17 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
         req = col.requests(i)
         capacities = opts.capacities or default_capacities(n, K)
         sims = simulate_all(req, capacities, opts.policies)
-        for C in capacities:
-            for pol in opts.policies:
-                hits = sims[(C, pol)]
-                a, b = _hit_rows(hits, rows, n_rows)
-                iv = ci(a, b)[0]
-                misses = T * K - int(hits.sum())
-                cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": int(hits.sum()),
-                              **iv.columns("hit_rate"), "misses_per_token": misses / T,
-                              **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
+        combos = [(C, pol) for C in capacities for pol in opts.policies]
+        per_token = np.stack([sims[c].sum(1) for c in combos], 1)  # [T, combos] hits per token
+        per_row = np.bincount((rows[:, None] * len(combos) + np.arange(len(combos))).reshape(-1),
+                              weights=per_token.reshape(-1), minlength=n_rows * len(combos))
+        requests = np.bincount(rows, minlength=n_rows).astype(np.float64) * K  # shared by every combination
+        for (C, pol), iv, hits in zip(combos, ci(per_row.reshape(n_rows, len(combos)), requests),
+                                      per_token.sum(0).tolist()):
+            misses = T * K - hits
+            cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": hits,
+                          **iv.columns("hit_rate"), "misses_per_token": misses / T,
+                          **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
         if f"n_{i}" in col.pred._sums:
             num = np.stack([col.pred.table(f"top1_{i}"), col.pred.table(f"topk_{i}")], 1)
             den = col.pred.table(f"n_{i}")
