@@ -496,7 +496,7 @@ def routing_trace(n: int, k: int, tokens: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     s = rng.random((tokens, n)) + 0.3 * np.log(rng.dirichlet(np.ones(n)) + 1e-9)[None]
-    return np.argsort(-s, axis=1)[:, :k]
+    return np.ascontiguousarray(np.argsort(-s, axis=1)[:, :k])  # contiguous, as a recorded trace is
 
 
 def bench_cache_sim(a) -> list[dict[str, Any]]:

@@ -28,8 +28,10 @@ Everything comes from one forward pass over the packed rows with the model's own
 
 Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
 int16/int32 tensor per layer (T = real tokens, bounded by ``--max-tokens``; 4 bytes × K per token and layer at
-most); while one layer is simulated, its eviction keys (8 bytes per request and policy) and, per LFU/Belady
-capacity, the hits (K bytes per token) and the cache state entering each token (n bits) (:func:`evicting_hits`);
+most); while one layer is simulated, its eviction keys (8 bytes per request and policy), every expert's key over a
+chunk of tokens (:data:`RANK_KEYS` keys), the key ranks of the requests (2 bytes per request and policy) and,
+per LFU/Belady capacity, the hits (K bytes per token) and the cache state entering each token (n bits); up to 64
+experts also each token's rank masks (about 2K + 4 words of n bits per token and policy, :func:`bit_hits`);
 everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
 (:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
 rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
@@ -65,7 +67,9 @@ def lru_ranks(trace: Any, req: ByExpert | None = None) -> tuple[np.ndarray, np.n
     for every C at once: the ranks of the ``lru`` keys (:func:`key_ranks`), linear in tokens x n. ``req``: the
     trace's :func:`requests_by_expert`, when the caller has it."""
     trace = np.ascontiguousarray(trace)
-    n = int(trace.max()) + 1 if trace.size else 1
+    if not trace.size:
+        return np.zeros(trace.shape, dtype=bool), np.zeros(trace.shape, dtype=np.int64)
+    n = int(trace.max()) + 1
     req = requests_by_expert(trace) if req is None else req
     seen, pos, _, _, _ = key_ranks(trace, expert_keys(trace, "lru", req), req, after=False)
     return seen, n - 1 - pos.astype(np.int64)
