@@ -200,8 +200,8 @@ def expert_keys(trace: np.ndarray, policy: str, req: ByExpert) -> np.ndarray:
     return (T + 1 - nxt) * n + e
 
 
-#: tokens per block of :func:`evicting_hits` (None: from the trace's length, about its square root) and each
-#: block's warm-up as a share of the block
+#: tokens per block of :func:`_row_hits` (None: from the trace's length, about its square root) and each block's
+#: warm-up as a share of the block (bit-packed: :data:`BIT_BLOCK`)
 EVICT_BLOCK: int | None = None
 EVICT_WARMUP: float = 0.25
 
@@ -303,7 +303,8 @@ RANK_KEYS = 1 << 21
 def key_ranks(trace: np.ndarray, keys: np.ndarray, req: ByExpert, at: Any = (), after: bool = True
               ) -> tuple[np.ndarray, ...]:
     """Each expert's key rank before a token: with every expert's key before token t (``keys``: :func:`expert_keys`,
-    ``req`` the trace's :func:`requests_by_expert`; an expert never requested before t: below every key, by id), its place among them, lowest 0.
+    ``req`` the trace's :func:`requests_by_expert`; an expert never requested before t: below every key, by id),
+    its place among them, lowest 0.
     Returns ``(seen [T, K], pos [T, K], new [T, K] or None, keyv [len(at), n], rank [len(at), n])``: whether each
     request's expert was requested before its token; the ranks of token t's experts before t and (``after``) before
     t+1 (their new keys among the others'); the keys (-1: never requested) and ranks before each token of ``at``.
