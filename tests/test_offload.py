@@ -148,9 +148,10 @@ BLOCKINGS = {"default": (None, 0.25, None), "one-token blocks": (1, 0.0, None), 
              "random guesses": (5, 1.0, "random")}
 
 
-#: how the blocks entered in a wrong state are stepped again: bit-packed (<= 64 experts), all at once in rounds or
-#: one at a time on across blocks until they meet the recorded states; boolean rows (every width)
-RESTEPS = {"bits, at once": (64, 0), "bits, one at a time": (64, 10 ** 9), "rows": (0, 16)}
+#: (the widest trace simulated bit-packed, blocks a restepped stretch may cross before its cache goes to boolean
+#: rows): bit-packed up to 64 experts, boolean rows beyond; every cache that needs a restep given to boolean rows;
+#: boolean rows only
+RESTEPS = {"bits": (64, 10 ** 6), "bits, resteps as rows": (64, 0), "rows": (0, 0)}
 
 
 @pytest.mark.parametrize("restep", sorted(RESTEPS))
@@ -174,7 +175,7 @@ def test_lfu_and_belady_match_request_by_request(n, K, T, alpha, blocking, reste
     monkeypatch.setattr(off, "BIT_BLOCK", block or off.BIT_BLOCK)
     monkeypatch.setattr(off, "BIT_WARMUP", warm if block else off.BIT_WARMUP)
     monkeypatch.setattr(off, "BIT_EXPERTS", RESTEPS[restep][0])
-    monkeypatch.setattr(off, "BIT_RERUN_LANES", RESTEPS[restep][1])
+    monkeypatch.setattr(off, "BIT_RESTEP_BLOCKS", RESTEPS[restep][1])
     if guess == "random":
         rng = np.random.default_rng(7)
         monkeypatch.setattr(off, "block_guess", lambda keyv: rng.random(keyv.shape) < 0.5)
@@ -221,19 +222,18 @@ def test_blocks_are_restepped_when_guessed_wrong(monkeypatch):
         assert np.array_equal(got[(8, pol)], _evicting_by_hand(trace, 8, pol))
 
 
-@pytest.mark.parametrize("at_once", [True, False])
-def test_bit_packed_blocks_are_restepped_when_guessed_wrong(at_once, monkeypatch):
+def test_bit_packed_blocks_are_restepped_when_guessed_wrong(monkeypatch):
     """Bit-packed, with a wrong guess (an empty cache): every block of both caches steps at once through its warm-up
-    and its tokens, then the blocks after the first are stepped again, all at once in rounds of a block's tokens or
-    (``BIT_RERUN_LANES``) one at a time without any further vectorised step; the hits equal the request-by-request
-    rules either way."""
+    and its tokens, then the blocks after the first are stepped again, all at once, fewer and fewer as they meet the
+    recorded states; the hits equal the request-by-request rules."""
     from moetool.experiments.offload import compute as off
 
     trace = _random_trace(16, 2, 240, 0.5, 3)
     monkeypatch.setattr(off, "BIT_BLOCK", 10)
     monkeypatch.setattr(off, "BIT_WARMUP", 0.25)
-    monkeypatch.setattr(off, "BIT_RERUN_LANES", 0 if at_once else 10 ** 9)
     monkeypatch.setattr(off, "block_guess", lambda keyv: np.zeros(keyv.shape, dtype=bool))  # an empty cache
+    monkeypatch.setattr(off, "BIT_RESTEP_BLOCKS", 10 ** 6)
+    monkeypatch.setattr(off, "_row_hits", None)  # never given to boolean rows
     lanes, step = [], off._bit_step
 
     def counting(x, *a):
@@ -243,11 +243,8 @@ def test_bit_packed_blocks_are_restepped_when_guessed_wrong(at_once, monkeypatch
     got = off.simulate_all(trace, (8,), ("lfu", "belady"))
     first = 10 + 3  # the first pass: a block and its warm-up (ceil(0.25 * 10) tokens), every block of both caches
     assert lanes[:first] == [(2, 1, 24)] * first  # at once ([policy, capacity, block])
-    if at_once:
-        assert len(lanes) > first and len(lanes) % 10 == first % 10  # rounds of 10 tokens (a block)
-        assert all(shape[:2] == (2, 1) and shape[2] < 24 for shape in lanes[first:])  # the blocks entered wrongly
-    else:
-        assert len(lanes) == first
+    again = [shape[0] for shape in lanes[first:]]  # then the blocks entered wrongly: one lane each, narrowing
+    assert again and 1 < again[0] <= 2 * 23 and again == sorted(again, reverse=True)
     for pol in ("lfu", "belady"):
         assert np.array_equal(got[(8, pol)], _evicting_by_hand(trace, 8, pol))
 

@@ -350,23 +350,23 @@ def key_ranks(trace: np.ndarray, keys: np.ndarray, req: ByExpert, at: Any = (), 
 #: lane, so blocks are short, whatever the trace's length)
 BIT_BLOCK = 64
 BIT_WARMUP = 0.5
-#: :func:`bit_hits` steps the blocks entered in a wrong state again all at once while more than this many are; then
-#: one at a time, each on from its predecessor's end until it meets the recorded states (Python integers)
-BIT_RERUN_LANES = 16
+#: blocks :func:`bit_hits` steps a restepped stretch across before it gives its cache to :func:`_row_hits` (which
+#: steps from miss to miss: a cache whose states meet only after long stretches, e.g. few misses)
+BIT_RESTEP_BLOCKS = 8
 
 
-def _bit_step(x: np.ndarray, C: list, M: np.ndarray, notM: np.ndarray, segM: np.ndarray, segN: np.ndarray,
+def _bit_step(x: np.ndarray, C: np.ndarray, M: np.ndarray, notM: np.ndarray, segM: np.ndarray, segN: np.ndarray,
               N: np.ndarray) -> np.ndarray:
     """One token of many caches (lanes), bit-packed: ``x`` unsigned words, bit r set iff the expert of key rank r
-    before the token is resident; ``C[i]`` the capacities + i (uint8); the token's ``M`` bits (its experts' ranks
-    before it; ``notM = ~M``), ``N`` bits (their ranks after it) and ``segM``/``segN [K+1, ...]`` their
+    before the token is resident; ``C`` the capacities (int16); the token's ``M`` bits (its experts' ranks before
+    it; ``notM = ~M``), ``N`` bits (their ranks after it) and ``segM``/``segN [K+1, ...]`` their
     :func:`bit_segments`, broadcast with ``x``. Returns the residents after the token, in the ranks after it: the
     token's experts, and of the residents it does not request the ``C - K`` of highest rank (its misses evict the
     lowest). The others keep their keys, so their order: they move to the rank bits the token's experts leave free."""
     cand = x & notM
-    size = popcount(x | M)
-    for i in range(int(size.max(initial=0)) - int(C[0].min())):  # drop the lowest set bits beyond the capacity
-        cand &= cand - (size > C[i])
+    evict = popcount(x | M).astype(np.int16) - C
+    for i in range(int(evict.max(initial=0))):  # drop the lowest set bits beyond the capacity
+        cand &= cand - (evict > i)
     shift = np.arange(len(segM), dtype=x.dtype).reshape((-1,) + (1,) * x.ndim)
     kept = np.bitwise_or.reduce((cand & segM) >> shift, axis=0)  # without the M bits
     return np.bitwise_or.reduce((kept << shift) & segN, axis=0) | N  # spread around the N bits
@@ -380,11 +380,14 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
 
     The tokens are cut into blocks; every block of every cache steps at once, each from its guess
     (:func:`block_guess`) a warm-up before it (block 0: the true empty cache at token 0), recording the state
-    entering each token and leaving each block. Then the blocks entered in a state their predecessor did not leave
-    them in are stepped again from that state: all at once while many are (:data:`BIT_RERUN_LANES`), then in order,
-    one at a time, on across blocks until the state equals the recorded one (equal states give equal futures). By
-    induction from block 0 every state, so every hit, is then exact, whatever the guesses. Linear in tokens:
-    ``block + warm-up`` vectorised steps, and a step per token until the restepped states meet the recorded ones."""
+    entering each token and leaving each block. Then every block entered in a state its predecessor did not leave
+    it in is stepped again from that state, all such blocks at once, each on across the blocks after it until its
+    state equals the recorded one (equal states give equal futures; passing a block's end it records the state
+    leaving it, and goes on into the next block only if that was entered otherwise). Each boundary is then checked
+    by whichever stepping last crossed it, so by induction from block 0 every state, and so every hit, is exact,
+    whatever the guesses. Linear in tokens: ``block + warm-up`` vectorised steps, then as many as the longest
+    stretch of restepped tokens (the stepping lanes narrowing as they meet the recorded states), at most
+    :data:`BIT_RESTEP_BLOCKS` blocks: a cache with a longer one is simulated again by :func:`_row_hits`."""
     T, K = trace.shape
     S, P = len(capacities), len(keys)
     B = BIT_BLOCK
@@ -411,78 +414,49 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     at = np.arange(W + B)[:, None] + np.arange(nb) * B
     Mb, Nb = M[:, at].swapaxes(0, 1)[:, :, None], N[:, at].swapaxes(0, 1)[:, :, None]  # [step, P, 1, block]
     segMb, segNb = bit_segments(Mb, K).swapaxes(0, 1), bit_segments(Nb, K).swapaxes(0, 1)  # [step, K+1, P, 1, block]
-    notMb = ~Mb
     # the caches as a grid [policy, G]: lane (p, g) is cache grid[p, g] (-1: none, never evicting)
     G = max(int((which == p).sum()) for p in range(P))
     grid = np.full((P, G), -1)
     for p in range(P):
         grid[p, :int((which == p).sum())] = np.nonzero(which == p)[0]
     real = grid >= 0
-    C = np.where(real, np.asarray(capacities)[grid], 64)[:, :, None]
-    Ci = [(C + i).astype(np.uint8) for i in range(65)]
-    X = np.zeros((P, G, nb * B), dtype=word)  # the state entering each token
+    C = np.where(real, np.asarray(capacities)[grid], 64).astype(np.int16)
+    X = np.zeros((P, G, nb * B + 1), dtype=word)  # the state entering each token
     left = np.zeros((P, G, nb), dtype=word)  # ... and leaving each block
 
-    def run(blk: np.ndarray, offset: int, x: np.ndarray) -> None:
-        """Step every cache over the blocks ``blk`` from states ``x [P, G, blk]`` at step ``offset`` (0: the
-        warm-ups' start; W: the blocks'), in lockstep to the blocks' ends, recording the states."""
-        b = slice(None) if len(blk) == nb else blk
-        for j in range(offset, W + B):
-            if j >= W:
-                X[:, :, blk * B + j - W] = x
-            x = _bit_step(x, Ci, Mb[j][..., b], notMb[j][..., b], segMb[j][..., b], segNb[j][..., b], Nb[j][..., b])
-        left[:, :, blk] = x
-
-    def rerun(p: int, g: int, b: int) -> None:
-        """Block ``b`` of lane (p, g) stepped again from its predecessor's end, on until it meets the recorded states
-        (one token at a time, Python integers, the tables read in pieces)."""
-        t, x, cap, mask = b * B, int(left[p, g, b - 1]), int(C[p, g, 0]), (1 << 64) - 1
-        piece = t
-        while t < T:
-            if t == piece:  # the next tables
-                m_, n_, rec = M[p, W + t:W + t + B].tolist(), N[p, W + t:W + t + B].tolist(), X[p, g, t:t + B].tolist()
-                piece = t + B
-            if t % B == 0 and t > b * B:
-                left[p, g, t // B - 1] = x
-            if t > b * B and rec[t - piece + B] == x:  # met the recorded states
-                return
-            X[p, g, t] = x
-            i = t - piece + B
-            m, x_ = m_[i], n_[i]
-            cand = x & (mask ^ m)
-            for _ in range((x | m).bit_count() - cap):
-                cand &= cand - 1
-            kept, below = 0, 0  # the bit segments of m, then of n (bit_segments)
-            for s in range(K + 1):
-                low = m & -m
-                seg = (low - 1 if low else mask) & ~below
-                kept |= (cand & seg) >> s
-                below |= seg | low
-                m ^= low
-            n, x, below = x_, x_, 0
-            for s in range(K + 1):
-                low = n & -n
-                seg = (low - 1 if low else mask) & ~below
-                x |= (kept << s) & seg
-                below |= seg | low
-                n ^= low
-            t += 1
-
+    # every block of every cache at once from its guess, through its warm-up and its tokens
     guess = block_guess(np.stack([np.tile(kv, (G, 1)) for kv in keyv])).reshape(P, G, nb, -1)
     guess &= (guess_at > 0)[:, None]  # a warm-up from token 0 starts from the true empty cache
-    run(np.arange(nb), 0, np.bitwise_or.reduce(np.where(guess, one << np.stack(rank)[:, None].astype(word), word(0)),
-                                               axis=-1))
-    while True:
-        bad = (X[:, :, B::B] != left[:, :, :-1]) & real[:, :, None]  # block b + 1 entered as block b did not leave
-        if bad.sum() <= BIT_RERUN_LANES:
+    x = np.bitwise_or.reduce(np.where(guess, one << np.stack(rank)[:, None].astype(word), word(0)), axis=-1)
+    for j in range(W + B):
+        if j >= W:
+            X[:, :, j - W:nb * B:B] = x
+        x = _bit_step(x, C[:, :, None], Mb[j], ~Mb[j], segMb[j], segNb[j], Nb[j])
+    left[:] = x
+    # the blocks entered wrongly, stepped again (lanes: policy p, cache g, token t, state x), all at once: they
+    # start at block boundaries and step in lockstep, so they cross the next ones together (every B steps)
+    p, g, b = np.nonzero((X[:, :, B:nb * B:B] != left[:, :, :-1]) & real[:, :, None])
+    t, x = (b + 1) * B, left[p, g, b]
+    segM, segN = bit_segments(M, K).reshape(K + 1, -1), bit_segments(N, K).reshape(K + 1, -1)  # [K+1, P * rows]
+    Xf, Mf, Nf = X.reshape(-1), M.reshape(-1), N.reshape(-1)
+    at_x, at_m, cap = (p * G + g) * X.shape[2] + t, p * rows + W + t, C[p, g]  # flat places of X[p, g, t], M[p, t]
+    for j in range(BIT_RESTEP_BLOCKS * B):
+        if j and j % B == 0:  # the lanes cross a block boundary: the state leaving the block before it
+            left[p, g, t // B - 1] = x
+        go = ((Xf[at_x] != x) | (j == 0)) & (t < T)  # not (yet) met the recorded states
+        if not go.all():
+            p, g, t, x, at_x, at_m, cap = (a[go] for a in (p, g, t, x, at_x, at_m, cap))
+        if not len(t):
             break
-        blk = np.nonzero(bad.any((0, 1)))[0] + 1
-        run(blk, W, left[:, :, blk - 1])
-    for p, g, b in sorted(zip(*np.nonzero(bad))):
-        if X[p, g, (b + 1) * B] != left[p, g, b]:  # still (the reruns before it may have reached it)
-            rerun(p, g, b + 1)
+        Xf[at_x] = x
+        x = _bit_step(x, cap, Mf[at_m], ~Mf[at_m], segM[:, at_m], segN[:, at_m], Nf[at_m])
+        t, at_x, at_m = t + 1, at_x + 1, at_m + 1
+    slow = {int(grid[a, c]) for a, c in zip(p.tolist(), g.tolist())}  # caches still being restepped
+    rows_of = dict(zip(sorted(slow), _row_hits(trace, np.asarray(capacities)[sorted(slow)], keys,
+                                               which[sorted(slow)]))) if slow else {}
     lane = {s: (p, g) for (p, g), s in np.ndenumerate(grid)}
-    return [((X[lane[s]][:T, None] >> pos[which[s], W:W + T]) & one).astype(bool) for s in range(S)]
+    return [rows_of[s] if s in slow else ((X[lane[s]][:T, None] >> pos[which[s], W:W + T]) & one).astype(bool)
+            for s in range(S)]
 
 
 def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
