@@ -31,8 +31,8 @@ int16/int32 tensor per layer (T = real tokens, bounded by ``--max-tokens``; 4 by
 most); while one layer is simulated, its eviction keys (8 bytes per request and policy), every expert's key over a
 chunk of tokens (:data:`RANK_KEYS` keys), the key ranks of the requests (2 bytes per request and policy) and,
 per LFU/Belady capacity, the hits (K bytes per token) and the cache state entering each token (n bits); up to 64
-experts also each token's rank masks (about 2K + 4 words of n bits per token and policy, :func:`bit_hits`);
-everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
+experts also each token's rank masks and their bit segments (about 3K + 8 words of n bits per token and policy,
+5K + 10 while blocks are stepped again; :func:`bit_hits`); everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
 (:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
 rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
 """
@@ -437,7 +437,8 @@ def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which:
     # start at block boundaries and step in lockstep, so they cross the next ones together (every B steps)
     p, g, b = np.nonzero((X[:, :, B:nb * B:B] != left[:, :, :-1]) & real[:, :, None])
     t, x = (b + 1) * B, left[p, g, b]
-    segM, segN = bit_segments(M, K).reshape(K + 1, -1), bit_segments(N, K).reshape(K + 1, -1)  # [K+1, P * rows]
+    if len(t):
+        segM, segN = bit_segments(M, K).reshape(K + 1, -1), bit_segments(N, K).reshape(K + 1, -1)  # [K+1, P * rows]
     Xf, Mf, Nf = X.reshape(-1), M.reshape(-1), N.reshape(-1)
     at_x, at_m, cap = (p * G + g) * X.shape[2] + t, p * rows + W + t, C[p, g]  # flat places of X[p, g, t], M[p, t]
     for j in range(BIT_RESTEP_BLOCKS * B):
