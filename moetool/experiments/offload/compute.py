@@ -779,12 +779,15 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
         capacities = opts.capacities or default_capacities(n, K)
         sims = simulate_all(req, capacities, opts.policies)
         combos = [(C, pol) for C in capacities for pol in opts.policies]
-        per_token = np.stack([sims[c].sum(1) for c in combos], 1)  # [T, combos] hits per token
-        per_row = np.bincount((rows[:, None] * len(combos) + np.arange(len(combos))).reshape(-1),
+        per_token = np.zeros((len(combos), T), dtype=np.int64)  # hits per token ([T, K] sums, a column at a time)
+        for c, combo in enumerate(combos):
+            for j in range(K):
+                per_token[c] += sims[combo][:, j]
+        per_row = np.bincount((rows[None, :] * len(combos) + np.arange(len(combos))[:, None]).reshape(-1),
                               weights=per_token.reshape(-1), minlength=n_rows * len(combos))
         requests = np.bincount(rows, minlength=n_rows).astype(np.float64) * K  # shared by every combination
         for (C, pol), iv, hits in zip(combos, ci(per_row.reshape(n_rows, len(combos)), requests),
-                                      per_token.sum(0).tolist()):
+                                      per_token.sum(1).tolist()):
             misses = T * K - hits
             cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": hits,
                           **iv.columns("hit_rate"), "misses_per_token": misses / T,
