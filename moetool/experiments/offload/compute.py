@@ -32,9 +32,10 @@ most); while one layer is simulated, its eviction keys (8 bytes per request and 
 chunk of tokens (:data:`RANK_KEYS` keys), the key ranks of the requests (2 bytes per request and policy) and,
 per LFU/Belady capacity, the hits (K bytes per token) and the cache state entering each token (n bits); up to 64
 experts also each token's rank masks and their bit segments (about 3K + 8 words of n bits per token and policy,
-5K + 10 while blocks are stepped again; :func:`bit_hits`); everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
-(:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
-rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
+5K + 10 while blocks are stepped again; :func:`bit_hits`); everything else is a streamed sum. Intervals
+(``--bootstrap``): document-level bootstrap over packed rows (:mod:`moetool.uncertainty`) of per-row hit and recall
+sums; for hit rates the cache state is carried across rows, so the interval is the spread over documents of the
+same simulation (cache warm-up not re-run).
 """
 
 from __future__ import annotations
