@@ -82,6 +82,17 @@ def test_the_library_refuses_the_same_numbers_before_loading(tmp_path):
     assert resolve_options(CapacityOptions, None, {"cfs": (1.0, math.inf)}).cfs == (1.0, math.inf)
 
 
+@pytest.mark.parametrize("spec", ["similarity:nan", "similarity:inf", "topp:nan", "topp:inf", "capacity:nan",
+                                  "prune:random:nan", "prune:random:inf", "topk:inf"])
+def test_numbers_in_a_routing_spec_are_refused_the_same_way(spec):
+    """--routing name:number: NaN and infinity refused (capacity:inf alone is a setting: no capacity limit)."""
+    from moetool.policies import build_policy
+
+    with pytest.raises(MoetoolError, match=f"^bad routing policy '{spec}': "):
+        build_policy(spec)
+    assert build_policy("capacity:inf").cf == math.inf
+
+
 def test_flag_check_bounds_and_kinds():
     f = Flag("--x", "float", min=0.0, max=1.0)
     f.check(0.5), f.check(None), f.check("derived")  # not a number: the flag's own parser judged it
