@@ -175,17 +175,23 @@ class RoutingOptions:
     """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
 
     routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
-    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
+    # weights of the experts a norm policy chose: softmax | router | uniform (None: not given, softmax there)
+    weights: str | None = None
     sim: str = "dot"  # similarity policy: dot | cosine
     causal: bool = True  # similarity policy: only tokens j <= i
     layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
     seed: int = 0
 
     def policy(self) -> Any:
-        """The policy, built once per run (the command's check and the experiment share it)."""
+        """The policy, built once per run (the command's check and the experiment share it). ``weights`` given
+        to a policy that takes none (every policy but ``norm``) is refused in one line, never ignored."""
         from ..policies import build_once
 
-        return build_once(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
+        policy = build_once(self.routing, self.weights or "softmax", self.seed, sim=self.sim, causal=self.causal)
+        if self.weights is not None and policy.weights is None:
+            raise MoetoolError(f"--weights applies to norm:<node> policies only (the weights of the experts they "
+                               f"choose); --routing {self.routing} takes none")
+        return policy
 
 
 def check_seed(seed: Any) -> None:
