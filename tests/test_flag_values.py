@@ -104,6 +104,8 @@ def test_flag_check_bounds_and_kinds():
     with pytest.raises(MoetoolError, match=r"^--n values must be >= 1, not 0$"):
         Flag("--n", "ints", min=1).check((3, 0))
     Flag("--cf", "floats", inf=True).check((1.0, math.inf))
+    with pytest.raises(MoetoolError, match=r"^--x must be a finite number, not nan$"):
+        f.check(np.float32("nan"))  # numpy's floats too (the library takes them)
 
 
 # ----- --seed -----------------------------------------------------------------------------------------------------
@@ -120,7 +122,7 @@ def test_the_seed_range_is_what_every_generator_takes():
 
     a = uniform_rows(SEED_MAX, 3, [0, 7], 2, 4, "cpu")
     assert a.shape == (4, 4) and torch.equal(a, uniform_rows(SEED_MAX, 3, [0, 7], 2, 4, "cpu"))
-    check_seed(0), check_seed(SEED_MAX)
+    check_seed(0), check_seed(SEED_MAX), check_seed(np.int64(7))  # a numpy integer is an integer
     for bad in (-1, SEED_MAX + 1, 10**20, 1.5, True):
         with pytest.raises(MoetoolError, match=r"^--seed must be an integer from 0 to 4294967295"):
             check_seed(bad)

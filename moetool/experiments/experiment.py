@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import numbers
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -85,10 +86,10 @@ class Flag:
         them) is NaN, infinite without :attr:`inf`, or outside :attr:`min` / :attr:`max`; the command line checks
         it as the flag is read, :func:`check_options` where the library's options are resolved."""
         for x in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
                 continue
             what = f"{self.flag} values" if self.many else self.flag
-            if isinstance(x, float) and (math.isnan(x) or (math.isinf(x) and not self.inf)):
+            if not isinstance(x, numbers.Integral) and (math.isnan(x) or (math.isinf(x) and not self.inf)):
                 allowed = ("numbers or inf" if self.inf else "finite numbers") if self.many else \
                     ("a number or inf" if self.inf else "a finite number")
                 raise MoetoolError(f"{what} must be {allowed}, not {x}")
@@ -196,7 +197,7 @@ class RoutingOptions:
 
 def check_seed(seed: Any) -> None:
     """``--seed`` (``seed=``) is an integer from 0 to :data:`SEED_MAX`: one line otherwise."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
         raise MoetoolError(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), not {seed!r}")
 
 
