@@ -231,7 +231,8 @@ def option(default: Any = MISSING, flag: str | None = None, help: str = "", *, k
     ``kind`` defaults to the default's (:func:`kind_of`: a tuple of floats is ``floats``, a comma-separated list);
     the flag's default as ``--help`` shows it is the field's (a tuple joined by commas) or ``shown`` where the
     command line spells it otherwise (``--nodes all``); ``flag_kw`` are :class:`Flag`'s ``short``, ``min``,
-    ``max``, ``required``, ``parse``, ``metavar``. The field's default and the flag's cannot differ: one value."""
+    ``max``, ``required``, ``parse``, ``metavar``, ``inf`` (the flag takes ``inf``; NaN and infinity are refused
+    otherwise). The field's default and the flag's cannot differ: one value."""
     kw: dict[str, Any] = {"default": default} if default_factory is MISSING else {"default_factory": default_factory}
     if flag is None:
         return field(**kw)
