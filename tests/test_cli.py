@@ -149,3 +149,21 @@ def test_inspect_prints_layers_described_alike_as_one_row():
         assert f"scoring (every MoE layer): {first['scoring']}" in r.output
         if info["dense_layers"]:
             assert f"dense (non-MoE) decoder layers: {_spans(info['dense_layers'])}" in r.output
+
+
+@pytest.mark.parametrize("steps", ["", " ", ",", " , "])
+def test_demo_with_no_step_is_one_line_not_every_step(steps, tmp_path):
+    """`demo --steps ""` ran all 17 steps (an empty value read as 'not given'), while `--layers ""` was refused."""
+    r = runner.invoke(app, ["demo", "--steps", steps, "--out", str(tmp_path / "d")])
+    assert r.exit_code == 2
+    assert [ln for ln in r.output.splitlines() if ln.strip()] == [f"error: empty list of steps: '{steps}'"]
+    assert not (tmp_path / "d").exists()
+
+
+def test_demo_from_python_with_an_empty_list_is_refused(tmp_path):
+    from moetool.demo import demo
+    from moetool.errors import MoetoolError
+
+    with pytest.raises(MoetoolError, match=r"^give at least one demo step \(None: every step\); steps: inspect, "):
+        demo(tmp_path / "d", [])
+    assert not (tmp_path / "d").exists()
