@@ -6,6 +6,7 @@
     python bench/bench.py --lazy-data     # + load_tokens --max-tokens 20k/200k on a 200 MB corpus
     python bench/bench.py --shapes --quant  # only: quantized-expert probes against the plain probe
     python bench/bench.py --shapes --cache-sim  # only: offload's cache simulation, one layer (host CPU)
+    python bench/bench.py --shapes --cache-sim --cache-sim-base REV  # ... against git revision REV's, interleaved
     python bench/bench.py --shapes --load   # only: moetool.load vs from_pretrained of a local checkpoint, GB/s
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
     python bench/bench.py --gpu           # issue #36's figures on any CUDA machine (~3-4 min on an H100; --quick:
@@ -57,7 +58,8 @@ holding the same weights quantized (FP8 128x128 with fp32 scales, FP8 with UE8M0
 capacity x lru / lfu / belady) on one layer's skewed random routing trace (each token's top-K of uniform noise plus
 a fixed Dirichlet popularity per expert) at 8 experts top-2 (64k tokens), 128 top-8 (8k and 64k) and 64 top-8
 (16k); seconds (best of ``--repeat``) and microseconds per token, on the host CPU whatever the device: the part
-of ``offload`` no GPU runs.
+of ``offload`` no GPU runs. ``--cache-sim-base REV``: also git revision REV's simulation on the same traces,
+interleaved, its hits asserted identical (``base_seconds``, ``speedup``).
 
 **Load speed** (``--load``): a random Mixtral-shaped checkpoint of about ``--load-mb`` MB (fp32 safetensors,
 written once to a temporary folder, so read from a warm page cache) loaded by ``moetool.load`` (no tokenizer) and by
@@ -496,28 +498,55 @@ def routing_trace(n: int, k: int, tokens: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     s = rng.random((tokens, n)) + 0.3 * np.log(rng.dirichlet(np.ones(n)) + 1e-9)[None]
-    return np.argsort(-s, axis=1)[:, :k]
+    return np.ascontiguousarray(np.argsort(-s, axis=1)[:, :k])  # contiguous, as a recorded trace is
+
+
+def offload_compute_at(rev: str) -> Any:
+    """``moetool.experiments.offload.compute`` as of git revision ``rev``: a module beside the installed one."""
+    import importlib.util
+
+    src = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "show",
+                          f"{rev}:moetool/experiments/offload/compute.py"], check=True, capture_output=True,
+                         text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "compute_base.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("moetool.experiments.offload._compute_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def bench_cache_sim(a) -> list[dict[str, Any]]:
     """``offload``'s cache simulation alone, one MoE layer: every default capacity x lru, lfu, belady
-    (``simulate_all``) on a skewed random trace; seconds (best of ``--repeat``) and microseconds per token."""
+    (``simulate_all``) on a skewed random trace; seconds (best of ``--repeat``) and microseconds per token. With
+    ``--cache-sim-base REV`` also revision REV's simulation, interleaved (its hits asserted identical)."""
+    import numpy as np
+
     from moetool.experiments.offload.compute import POLICIES, default_capacities, simulate_all
 
+    base = offload_compute_at(a.cache_sim_base) if a.cache_sim_base else None
     rows = []
     for n, k, T in CACHE_SIM_SHAPES:
         trace = routing_trace(n, k, T)
         caps = default_capacities(n, k)
-        times = []
+        times, base_times = [], []
         for _ in range(max(1, a.repeat)):
+            if base is not None:
+                t0 = time.perf_counter()
+                want = base.simulate_all(trace, caps, POLICIES)
+                base_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            simulate_all(trace, caps, POLICIES)
+            got = simulate_all(trace, caps, POLICIES)
             times.append(time.perf_counter() - t0)
+            if base is not None and not all(np.array_equal(got[c], want[c]) for c in want):
+                raise SystemExit(f"cache sim {n}x top-{k}: hits differ from {a.cache_sim_base}'s")
         dt = min(times)
         rows.append({"section": "cache_sim", "model": f"{n} experts top-{k}", "variant": "simulate_all",
                      "device": "cpu", "tokens": T, "seconds": dt, "us_per_token": dt / T * 1e6,
-                     "capacities": " ".join(map(str, caps))})
-        print(f"  cache sim {n}x top-{k}, {T} tokens: {dt:.3f}s", file=sys.stderr)
+                     "capacities": " ".join(map(str, caps)),
+                     **({"base_seconds": min(base_times), "speedup": min(base_times) / dt} if base else {})})
+        print(f"  cache sim {n}x top-{k}, {T} tokens: {dt:.3f}s"
+              + (f" ({a.cache_sim_base}: {min(base_times):.3f}s)" if base else ""), file=sys.stderr)
     return rows
 
 
@@ -582,6 +611,8 @@ def main() -> None:
     ap.add_argument("--quant-inter", type=int, default=2048)
     ap.add_argument("--quant-tokens", type=int, default=1024)
     ap.add_argument("--cache-sim", action="store_true", help="offload's cache simulation alone, one layer")
+    ap.add_argument("--cache-sim-base", default=None, metavar="REV",
+                    help="--cache-sim: also git revision REV's simulation, interleaved (same hits asserted)")
     ap.add_argument("--load", action="store_true", help="moetool.load vs from_pretrained of a local checkpoint")
     ap.add_argument("--load-mb", type=int, default=512, help="--load: checkpoint size (MB, fp32)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -660,7 +691,8 @@ def main() -> None:
     if len(sim):
         print(f"\noffload's cache simulation, one layer, every default capacity x lru/lfu/belady (best of "
               f"{a.repeat}; host CPU)")
-        print(sim[["model", "tokens", "capacities", "seconds", "us_per_token"]].to_string(**fmt))
+        print(sim[["model", "tokens", "capacities", "seconds", "us_per_token"]
+                  + (["base_seconds", "speedup"] if "speedup" in sim else [])].to_string(**fmt))
     df.to_csv(a.csv, index=False)
     print(f"\nwrote {a.csv}")
 

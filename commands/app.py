@@ -7,8 +7,12 @@ import inspect
 import os
 import re
 import sys
+import typing
+from pathlib import PurePath
+from typing import Any
 
 import typer
+from typer.core import TyperOption
 
 from moetool.experiments.registry import command_modules
 
@@ -21,6 +25,34 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
+
+def type_column(param: Any, ctx: Any) -> str | None:
+    """The type column of a flag in ``--help`` (typer's, but for three cases): a switch (``--force``, ``--help``,
+    ``--version``) takes no value and shows none (typer showed ``<bool>``); a number with bounds shows its kind,
+    ``<int>``, the bounds following in brackets (typer's ``<int range>``); a flag given once per value
+    (``--trace A --trace B``) shows one value, ``<path>`` (typer's ``<list[Path]>``)."""
+    if param.metavar is not None:
+        return param.metavar
+    if param.is_flag:
+        return None
+    desc = param.type_descriptor
+    if desc.is_list and not desc.is_choice:
+        (item,) = typing.get_args(desc.annotation)
+        return "<path>" if isinstance(item, type) and issubclass(item, PurePath) else f"<{param._bare_type(item)}>"
+    if desc.is_ranged:
+        return f"<{desc.ranged_type_name}>"
+    return _TYPER_TYPE_COLUMN(param, ctx)
+
+
+def range_text(param: Any) -> str | None:
+    """The bounds after the type: ``x>=1``, ``0<=x<=1``, or the one value a flag takes, ``x=1`` (not ``1<=x<=1``)."""
+    if param.min is not None and param.min == param.max:
+        return f"x={param.min}"
+    return _TYPER_RANGE_TEXT(param)
+
+
+_TYPER_TYPE_COLUMN, _TYPER_RANGE_TEXT = TyperOption.display_type_rich, TyperOption._get_number_range_help_str
+TyperOption.display_type_rich, TyperOption._get_number_range_help_str = type_column, range_text
 
 for name in command_modules():  # every experiment of the registry (generated ones too), then demo, inspect, report
     importlib.import_module(name).register(app)

@@ -30,7 +30,7 @@ def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
          steps: Optional[str] = typer.Option(None, "--steps", help="Comma-separated subset of the steps.")) -> None:
     from moetool.demo import demo as run_demo
 
-    chosen = parse_list(steps, str, "step") if steps else None
+    chosen = parse_list(steps, str, "step") if steps is not None else None  # '' names no step: one line
     path, records, page = run_demo(out, chosen, force=force, quiet=quiet, echo=typer.echo)
     typer.echo("")
     width = max((len(r["step"]) for r in records), default=0)

@@ -41,7 +41,7 @@ RUN: Group = [("seed", Seed, 0), ("quiet", Quiet, False)]
 
 #: the groups a spec may name (``groups=``), beside those of its inputs
 GROUPS: dict[str, Group] = {
-    "routing": [("routing", Routing, "router"), ("weights", Weights, "softmax"), ("sim", Sim, "dot"),
+    "routing": [("routing", Routing, "router"), ("weights", Weights, None), ("sim", Sim, "dot"),
                 ("causal", Causal, True)],
     "lmeval": [("num_fewshot", NumFewshot, None), ("limit", Limit, None), ("include_path", IncludePath, None)],
     "bootstrap": [("bootstrap", Bootstrap, DEFAULT_BOOTSTRAP)],

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from moetool.experiments.experiment import check_seed
 from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag
 
 from .cli import echo_run, handle_errors, parse_layers, parse_list
@@ -125,8 +126,9 @@ def options_of(spec: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         if value is None or not flag.to_options:
             continue
         kw[flag.name] = parse_flag(flag, value)
+        flag.check(kw[flag.name])  # NaN, inf (unless the flag allows it), out of range: one line naming the flag
     for name in (*TO_OPTIONS, "dtype", "device", "device_map", "quantize"):
-        if name in params and name in fields and name not in kw:
+        if name in params and name in fields and name not in kw and params[name] is not None:  # None: not given
             value = params[name]
             kw[name] = parse_layers(value) if name == "layers" else str(value) if name == "include_path" and \
                 value is not None else value
@@ -137,6 +139,8 @@ def run(spec: Experiment, params: dict[str, Any]) -> None:
     """The generated command's body: :func:`moetool.run` with the command's own checks and console output."""
     own = own_module(spec)
     p = SimpleNamespace(**params)
+    if "seed" in params:  # before anything else: the library refuses the same seeds (check_options)
+        check_seed(params["seed"])
     if hasattr(own, "main"):
         return own.main(p)
     from moetool.errors import MoetoolError

@@ -81,23 +81,43 @@ def inspect(model: Model = DEFAULT_MODEL,
             f"({info['model_type']}), {info['num_layers']} decoder layers, {len(info['moe_layers'])} MoE")
     c.print(f"parameters: total {info['total_params']:,}, active per token {info['active_params']:,} "
             f"({info['active_params'] / info['total_params']:.1%})")
-    t = Table(title="MoE layers")
-    cols = ("layer", "n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias", "expert_params")
+    cols = ("n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias", "expert_params")
     if any("stack" in L for L in info["moe_layers"]):  # an encoder-decoder: which stack, and the block in it
-        cols = ("layer", "stack", "stack_layer", *cols[1:])
-    for col in cols:
-        t.add_column(col)
+        cols = ("stack", "stack_layer", *cols)
+    cell = lambda v: f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)  # noqa: E731
+    groups: dict[tuple[str, ...], list[int]] = {}  # layers described alike: one row (DeepSeek-V3: 58 layers, 1 row)
     for L in info["moe_layers"]:
-        t.add_row(*[f"{L[k]:,}" if isinstance(L[k], int) and not isinstance(L[k], bool) else str(L[k])
-                    for k in cols])
+        groups.setdefault(tuple(cell(L[k]) for k in cols if k != "stack_layer"), []).append(L["layer"])
+    shown = [k for k in cols if k != "stack_layer"]
+    scoring = {g[shown.index("scoring")] for g in groups}
+    if len(scoring) == 1:  # one rule for every layer: a line of its own, not a column wrapped over many lines
+        c.print(f"scoring (every MoE layer): {scoring.pop()}")
+        shown = [k for k in shown if k != "scoring"]
+    t = Table(title="MoE layers")
+    for col in ("layers", *shown):
+        t.add_column(col)
+    for values, layers in groups.items():
+        row = dict(zip([k for k in cols if k != "stack_layer"], values))
+        t.add_row(_spans(layers), *[row[k] for k in shown])
     c.print(t)
     if info["dense_layers"]:
-        c.print(f"dense (non-MoE) decoder layers: {info['dense_layers']}")
+        c.print(f"dense (non-MoE) decoder layers: {_spans(info['dense_layers'])}")
     fmt = info["experts_format"]
     c.print(f"experts: {fmt['format']}; on a GPU {fmt['gpu']}; on CPU {fmt['cpu']}")
     c.print(f"  routing: {fmt['routing']}")
     c.print(f"  weight-reading commands (approx, erc, norm-select, prune, super-experts, norm:<node>): "
             f"{fmt['weights']}")
+
+
+def _spans(layers: list[int]) -> str:
+    """``[0, 1, 2, 3, 5, 7, 8]`` -> ``"0-3, 5, 7-8"`` (runs of consecutive layer indices)."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def register(app: typer.Typer) -> None:

@@ -21,7 +21,7 @@ def show(res: Any, p: Any) -> None:
     from moetool.report.console import print_table, with_ci
 
     on = f"{p.model} pruned by {res.options.prune}" if res.options.prune else p.model
-    print_table(with_ci(res.summary), title=f"norm-select on {on} (weights {p.weights}; 95% intervals)")
+    print_table(with_ci(res.summary), title=f"norm-select on {on} (weights {res.options.weights}; 95% intervals)")
     if "aoe_table1.csv" in res.tables:
         title, table = console_layout(res["aoe_table1"])
         print_table(table, title=title, csv="aoe_table1.csv")

@@ -72,9 +72,10 @@ Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, help="Replicates o
 # routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
 Routing = Annotated[str, typer.Option("--routing", "-r", help="Routing policy: router, norm:<node>[:<norm>], random, "
                                       "...")]
-Weights = Annotated[str, typer.Option("--weights", help="Weights of the experts a norm policy chose: softmax (over "
-                                      "their norms, AoE Algorithm 1), router (the model's probabilities, "
-                                      "renormalised as the model does) or uniform (1/K). Ignored by router.")]
+Weights = Annotated[Optional[str], typer.Option("--weights", help="Weights of the experts a norm policy chose: "
+                                                "softmax (over their norms, AoE Algorithm 1; the default), router (the "
+                                                "model's probabilities, renormalised as the model does) or uniform "
+                                                "(1/K). Only with norm policies: refused with any other --routing.")]
 Sim = Annotated[str, typer.Option("--sim", help="similarity policy: dot (raw h_i·h_j, the paper) or cosine.")]
 Causal = Annotated[bool, typer.Option("--causal/--no-causal", help="similarity policy: only tokens j <= i "
                                       "(default).")]

@@ -119,6 +119,8 @@ def demo(out: Any = None, chosen: list[str] | None = None, *, force: bool = Fals
     from .report.page import write_report
 
     known = steps()
+    if chosen is not None and not chosen:  # an empty choice is no step, not every step
+        raise MoetoolError(f"give at least one demo step (None: every step); steps: {', '.join(known)}")
     for s in chosen or []:
         if s not in known:
             raise MoetoolError(f"unknown demo step '{s}'{did_you_mean(s, known)}; steps: {', '.join(known)}")

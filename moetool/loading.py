@@ -113,6 +113,13 @@ def embedded_models() -> dict[str, Path]:
     return {p.name: p for p in sorted(EMBEDDED_DIR.iterdir()) if (p / "config.json").is_file()}
 
 
+def looks_like_path(name: str) -> bool:
+    """``name`` can only be a folder, never a hub id (``org/name``): it starts with ``./``, ``../``, ``/`` or ``~``,
+    is ``.`` or ``..``, ends with ``/`` or has two or more ``/``."""
+    return (name.startswith(("./", "../", "/", "~")) or name in (".", "..") or name.endswith("/")
+            or name.count("/") >= 2)
+
+
 def resolve(name: str) -> tuple[str, str]:
     """``(source, kind)`` with kind ``embedded`` | ``alias`` | ``local`` | ``hub``."""
     emb = embedded_models()
@@ -125,7 +132,9 @@ def resolve(name: str) -> tuple[str, str]:
         if not (p / "config.json").is_file():
             raise MoetoolError(f"{name} is not a model directory (no config.json in it)")
         return str(p), "local"
-    if _HUB_ID.match(name) and not name.startswith((".", "/")):
+    if looks_like_path(name):  # no hub id is spelled so: a folder that is not there
+        raise MoetoolError(f"no such directory: {name}{did_you_mean(Path(name.rstrip('/')).name, [*emb, *ALIASES])}")
+    if _HUB_ID.match(name):
         return name, "hub"
     raise MoetoolError(f"unknown model '{name}'{did_you_mean(name, [*emb, *ALIASES])}: give an embedded name "
                        f"({', '.join(emb) or 'none'}), an alias (moetool inspect --aliases), "

@@ -12,9 +12,14 @@ from typing import Any, Iterable
 from .errors import MoetoolError
 
 
+#: how alike a name and a suggestion must be (difflib's ratio): 0.5 suggested 'olmoe' for 'nosuchmodel' and 'foo';
+#: a typo ('mixtrl' -> 'mixtral-8x7b' 0.67, 'nrom' -> 'norm' 0.75, 'olmo' -> 'olmoe' 0.89) is above it
+CLOSE = 0.65
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` or an empty string."""
-    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=CLOSE)
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 

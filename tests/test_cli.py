@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import feed
@@ -128,3 +129,41 @@ def test_bad_policy_is_one_line_error(tmp_path):
     r = runner.invoke(app, ["trace", "--routing", "nrom:gate", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2
     assert "unknown routing policy 'nrom'" in r.output and "did you mean 'norm'" in r.output
+
+
+def test_inspect_prints_layers_described_alike_as_one_row():
+    """The console table groups the MoE layers whose every column is equal (a 58-layer DeepSeek-V3 is one row, not 58)
+    into runs of layer indices, and a scoring rule shared by every layer is one line above it, not a column."""
+    from moetool.commands.inspect import _spans
+
+    assert _spans([7, 0, 1, 2, 3, 5, 8]) == "0-3, 5, 7-8" and _spans([4]) == "4" and _spans([]) == ""
+    for name in ("tiny", str(Path(__file__).parents[1] / "examples" / "configs" / "deepseek-v3")):
+        info = json.loads(runner.invoke(app, ["inspect", "--model", name, "--json"]).output)
+        r = runner.invoke(app, ["inspect", "--model", name], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        rows = [[c.strip() for c in ln.split("│")[1:-1]] for ln in r.output.splitlines() if ln.count("│") >= 3]
+        layers = [L["layer"] for L in info["moe_layers"]]
+        assert len(rows) == 1 and rows[0][0] == f"{min(layers)}-{max(layers)}" == _spans(layers), r.output
+        first = info["moe_layers"][0]
+        assert rows[0][1:3] == [str(first["n_experts"]), str(first["top_k"])]
+        assert f"scoring (every MoE layer): {first['scoring']}" in r.output
+        if info["dense_layers"]:
+            assert f"dense (non-MoE) decoder layers: {_spans(info['dense_layers'])}" in r.output
+
+
+@pytest.mark.parametrize("steps", ["", " ", ",", " , "])
+def test_demo_with_no_step_is_one_line_not_every_step(steps, tmp_path):
+    """`demo --steps ""` ran all 17 steps (an empty value read as 'not given'), while `--layers ""` was refused."""
+    r = runner.invoke(app, ["demo", "--steps", steps, "--out", str(tmp_path / "d")])
+    assert r.exit_code == 2
+    assert [ln for ln in r.output.splitlines() if ln.strip()] == [f"error: empty list of steps: '{steps}'"]
+    assert not (tmp_path / "d").exists()
+
+
+def test_demo_from_python_with_an_empty_list_is_refused(tmp_path):
+    from moetool.demo import demo
+    from moetool.errors import MoetoolError
+
+    with pytest.raises(MoetoolError, match=r"^give at least one demo step \(None: every step\); steps: inspect, "):
+        demo(tmp_path / "d", [])
+    assert not (tmp_path / "d").exists()

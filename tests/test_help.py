@@ -20,3 +20,37 @@ def test_every_command_help_is_reflowed():
 
     for info in app.registered_commands:
         assert info.help and reflow(info.help) == info.help, info.name
+
+
+def _options(args):
+    """{flag: its type column} of ``moetool <args> --help`` (rich's table, wide enough for one line per flag)."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    rows = {}
+    for line in r.output.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("  ") if c.strip()]
+        if cells and cells[0].startswith("--"):
+            rows[cells[0]] = line
+    return rows
+
+
+def test_switches_show_no_type_ranges_their_kind_repeated_flags_one_value():
+    """--version <bool>, --help <bool>, stats --top-k <int range> [1<=x<=1], fluctuation --trace <list[Path]>: a
+    switch shows no value, a bounded number its kind, a flag given once per value the one value it takes."""
+    import typer
+
+    from moetool.commands.app import app
+
+    top = _options([])
+    assert "<" not in top["--version"] and "<" not in top["--help"]
+    stats = _options(["stats"])
+    assert " <int> [x=1] " in stats["--top-k"] and " <int> [x>=0] " in stats["--top-tokens"]
+    assert "<" not in stats["--force"] and "<" not in stats["--quiet"] and "<" not in stats["--all-tokens"]
+    assert " <path> " in _options(["fluctuation"])["--trace"]
+    for name in typer.main.get_command(app).commands:  # nowhere a typer type name the user cannot type
+        for flag, line in _options([name]).items():
+            assert not any(bad in line for bad in ("<bool>", " range>", "<list[")), (name, flag, line)

@@ -70,6 +70,42 @@ def test_unknown_model_suggests_alias():
         resolve("mixtral-8x7")
 
 
+@pytest.mark.parametrize("name", ["nosuchmodel", "foo", "model", "qwerty-9000"])
+def test_an_unrelated_name_gets_no_suggestion(name):
+    """difflib's 0.5 suggested 'olmoe' for 'nosuchmodel' (and 'foo', 'model'): a guess that misleads."""
+    with pytest.raises(MoetoolError) as e:
+        resolve(name)
+    assert str(e.value).startswith(f"unknown model '{name}': give an embedded name"), str(e.value)
+
+
+@pytest.mark.parametrize("typo, meant", [("mixtrl", "mixtral-8x7b"), ("olmo", "olmoe"), ("tinyy", "tiny"),
+                                         ("qwen3-30b", "qwen3-30b-a3b")])
+def test_a_typo_still_gets_its_suggestion(typo, meant):
+    with pytest.raises(MoetoolError, match=f"^unknown model '{typo}' \\(did you mean '{meant}'"):
+        resolve(typo)
+
+
+@pytest.mark.parametrize("name", ["examples/configs/deepseek-v3", "./deepseek-v3", "../x", "/no/such/dir", "~/nope-x",
+                                  "nope/", "a/b/c", "org/name/"])
+def test_a_path_that_is_not_there_is_no_such_directory(name, tmp_path, monkeypatch):
+    """A name only a folder can have (./ ../ / ~ at the start, a / at the end, two or more /) that does not exist:
+    'no such directory', not 'unknown model' (run outside the repository, examples/configs/deepseek-v3 was
+    'unknown model ... did you mean deepseek-v3')."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MoetoolError) as e:
+        resolve(name)
+    line = str(e.value)
+    assert line.startswith(f"no such directory: {name}") and "\n" not in line, line
+    if name.endswith("deepseek-v3"):  # its last part is an alias: named beside the path
+        assert "(did you mean 'deepseek-v3'" in line
+    else:
+        assert "did you mean" not in line
+
+
+def test_a_hub_id_is_still_a_hub_id():
+    assert resolve("org/name") == ("org/name", "hub") and resolve("Org-1/na.me_2") == ("Org-1/na.me_2", "hub")
+
+
 def test_local_dir_without_config(tmp_path):
     with pytest.raises(MoetoolError, match="no config.json"):
         resolve(str(tmp_path))

@@ -306,3 +306,38 @@ def test_shortlist_above_n_is_refused_before_any_forward():
     assert "\n" not in str(e.value)
     assert MassRecallOptions().shortlist_sizes(8) == [2, 4, 8] and MassRecallOptions().shortlist_sizes(32) == [2, 4, 8, 16]
     assert MassRecallOptions(shortlists=(4, 2, 4)).shortlist_sizes(8) == [4, 2]
+
+
+def test_a_codebook_above_the_tokens_is_refused_before_any_forward():
+    """G codewords fitted on fewer than G tokens leave G - tokens of them empty by construction: `-G 4096` on 512
+    tokens wrote dead_codes 3584 of 4096, `-G 100000` ran 181 s. Refused in one line naming both numbers; G equal
+    to the tokens is fitted."""
+    from moetool.experiments.mass_recall.compute import refuse_codebooks_above_tokens
+
+    model = build_tiny_model("mixtral")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), device=model.device)
+
+    class FewTokens:  # 40 real tokens; any forward would read the rows: the refusal comes first
+        n_tokens, row_ids = 40, None
+
+        def require_tokens(self):
+            pass
+
+        def __getattr__(self, name):
+            raise AssertionError(f"a forward started ({name})")
+
+    with pytest.raises(MoetoolError) as e:
+        run_mass_recall(lm, FewTokens(), MassRecallOptions(codebook_sizes=(8, 41, 64)), quiet=True)
+    assert str(e.value) == ("--codebook-size 64: more codewords than the 40 tokens the codebook is fitted on (k-means "
+                            "with more clusters than points); choose sizes up to 40 or read more tokens (--max-tokens, "
+                            "--data)")
+    refuse_codebooks_above_tokens(FewTokens(), (8, 40))  # as many codewords as tokens: a codebook (not refused)
+
+
+def test_the_command_refuses_a_codebook_above_the_tokens_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["mass-recall", "-G", "100000", "-M", "2", "--max-tokens", "512", "--out", str(out),
+                                 "-q"])
+    assert r.exit_code == 2 and not out.exists()
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --codebook-size 100000: more codewords than the 512 tokens")

@@ -77,7 +77,7 @@ def test_vectorised_lru_matches_token_by_token(n, K, T, monkeypatch):
     capacity >= the distinct experts (nothing evicted) hits every repeat, for every policy."""
     from moetool.experiments.offload import compute as off
 
-    monkeypatch.setattr(off, "LRU_BLOCK", 64)  # several blocks: the state carried across them
+    monkeypatch.setattr(off, "RANK_KEYS", 500)  # several chunks of tokens: the keys carried across them
     rng = np.random.default_rng(n * K)
     p = rng.dirichlet(np.ones(n) * 0.3)
     trace = np.stack([rng.choice(n, K, replace=False, p=p) for _ in range(T)])
@@ -148,19 +148,34 @@ BLOCKINGS = {"default": (None, 0.25, None), "one-token blocks": (1, 0.0, None), 
              "random guesses": (5, 1.0, "random")}
 
 
+#: (the widest trace simulated bit-packed, blocks a restepped stretch may cross before its cache goes to boolean
+#: rows): bit-packed up to 64 experts, boolean rows beyond; every cache that needs a restep given to boolean rows;
+#: boolean rows only
+RESTEPS = {"bits": (64, 10 ** 6), "bits, resteps as rows": (64, 0), "rows": (0, 0)}
+
+
+@pytest.mark.parametrize("restep", sorted(RESTEPS))
 @pytest.mark.parametrize("blocking", sorted(BLOCKINGS))
 @pytest.mark.parametrize("n,K,T,alpha", [(8, 2, 600, 0.3), (8, 2, 400, 5.0), (16, 4, 300, 0.3), (5, 1, 300, 1.0),
-                                         (64, 8, 150, 0.3), (128, 8, 100, 1.0), (72, 3, 200, 0.5)])
-def test_lfu_and_belady_match_request_by_request(n, K, T, alpha, blocking, monkeypatch):
+                                         (32, 4, 200, 0.5), (64, 8, 150, 0.3), (128, 8, 100, 1.0),
+                                         (72, 3, 200, 0.5)])
+def test_lfu_and_belady_match_request_by_request(n, K, T, alpha, blocking, restep, monkeypatch):
     """The block-parallel simulation (keys from the trace, vectorised; blocks stepped at once from guesses, then
     re-stepped until consistent) == the request-by-request rules, at every capacity strictly between K and the
     distinct experts, with and without keys computed once, each capacity alone and all of them in one call;
-    including evictions decided by tie-breaks, and whatever the blocks' guesses."""
+    including evictions decided by tie-breaks, and whatever the blocks' guesses; bit-packed (states of 8 to 64
+    bits) and as boolean rows."""
     from moetool.experiments.offload import compute as off
 
+    if n > 64 and restep != "rows":
+        pytest.skip("more than 64 experts: boolean rows only")
     block, warm, guess = BLOCKINGS[blocking]
     monkeypatch.setattr(off, "EVICT_BLOCK", block)
     monkeypatch.setattr(off, "EVICT_WARMUP", warm)
+    monkeypatch.setattr(off, "BIT_BLOCK", block or off.BIT_BLOCK)
+    monkeypatch.setattr(off, "BIT_WARMUP", warm if block else off.BIT_WARMUP)
+    monkeypatch.setattr(off, "BIT_EXPERTS", RESTEPS[restep][0])
+    monkeypatch.setattr(off, "BIT_RESTEP_BLOCKS", RESTEPS[restep][1])
     if guess == "random":
         rng = np.random.default_rng(7)
         monkeypatch.setattr(off, "block_guess", lambda keyv: rng.random(keyv.shape) < 0.5)
@@ -185,10 +200,11 @@ def test_lfu_and_belady_match_request_by_request(n, K, T, alpha, blocking, monke
 
 def test_blocks_are_restepped_when_guessed_wrong(monkeypatch):
     """With a wrong guess (an empty cache) blocks after the first are stepped again from their predecessor's end,
-    one miss at a time, and the hits still equal the request-by-request rules."""
+    one miss at a time, and the hits still equal the request-by-request rules (boolean rows)."""
     from moetool.experiments.offload import compute as off
 
     trace = _random_trace(16, 2, 240, 0.5, 3)
+    monkeypatch.setattr(off, "BIT_EXPERTS", 0)
     monkeypatch.setattr(off, "EVICT_BLOCK", 10)
     monkeypatch.setattr(off, "block_guess", lambda keyv: np.zeros(keyv.shape, dtype=bool))  # an empty cache
     lanes = []
@@ -204,6 +220,57 @@ def test_blocks_are_restepped_when_guessed_wrong(monkeypatch):
     assert len(lanes) > first and set(lanes[first:]) == {1}  # then blocks stepped again, one miss at a time
     for pol in ("lfu", "belady"):
         assert np.array_equal(got[(8, pol)], _evicting_by_hand(trace, 8, pol))
+
+
+def test_bit_packed_blocks_are_restepped_when_guessed_wrong(monkeypatch):
+    """Bit-packed, with a wrong guess (an empty cache): every block of both caches steps at once through its warm-up
+    and its tokens, then the blocks after the first are stepped again, all at once, fewer and fewer as they meet the
+    recorded states; the hits equal the request-by-request rules."""
+    from moetool.experiments.offload import compute as off
+
+    trace = _random_trace(16, 2, 240, 0.5, 3)
+    monkeypatch.setattr(off, "BIT_BLOCK", 10)
+    monkeypatch.setattr(off, "BIT_WARMUP", 0.25)
+    monkeypatch.setattr(off, "block_guess", lambda keyv: np.zeros(keyv.shape, dtype=bool))  # an empty cache
+    monkeypatch.setattr(off, "BIT_RESTEP_BLOCKS", 10 ** 6)
+    monkeypatch.setattr(off, "_row_hits", None)  # never given to boolean rows
+    lanes, step = [], off._bit_step
+
+    def counting(x, *a):
+        lanes.append(x.shape)
+        return step(x, *a)
+    monkeypatch.setattr(off, "_bit_step", counting)
+    got = off.simulate_all(trace, (8,), ("lfu", "belady"))
+    first = 10 + 3  # the first pass: a block and its warm-up (ceil(0.25 * 10) tokens), every block of both caches
+    assert lanes[:first] == [(2, 1, 24)] * first  # at once ([policy, capacity, block])
+    again = [shape[0] for shape in lanes[first:]]  # then the blocks entered wrongly: one lane each, narrowing
+    assert again and 1 < again[0] <= 2 * 23 and again == sorted(again, reverse=True)
+    for pol in ("lfu", "belady"):
+        assert np.array_equal(got[(8, pol)], _evicting_by_hand(trace, 8, pol))
+
+
+def test_bit_helpers():
+    """popcount (numpy's and the fallback for numpy < 2) and the bit segments against hand counts."""
+    from moetool.experiments.offload import compute as off
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2 ** 63, 200, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, 200, dtype=np.uint64)
+    want = [bin(int(v)).count("1") for v in x]
+    assert off.popcount(x).tolist() == want
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(off, "_BITWISE_COUNT", False)
+        assert off.popcount(x).tolist() == want
+    for word in (np.uint8, np.uint16, np.uint32, np.uint64):
+        bits = np.iinfo(word).bits
+        assert off.word_type(bits) is word and (bits == 8 or off.word_type(bits // 2 + 1) is word)
+        for _ in range(20):
+            K = int(rng.integers(1, 5))
+            where = sorted(rng.choice(bits, K, replace=False).tolist())
+            mask = word(sum(1 << int(p) for p in where))
+            segs = off.bit_segments(np.array([mask]), K)[:, 0]
+            for b in range(bits):  # bit b: in segment #(positions below b), unless a position itself
+                got = [s for s in range(K + 1) if int(segs[s]) >> b & 1]
+                assert got == ([] if b in where else [sum(p < b for p in where)])
 
 
 @pytest.fixture(scope="module")

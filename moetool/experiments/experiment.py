@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import numbers
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from ..demo_models import DEMO_MODELS as BASE  # the embedded base models every demo step runs on
+from ..errors import MoetoolError
+
+#: the seeds every command takes (``--seed``): numpy's legacy seeding (lm-eval's ``numpy_random_seed``) takes 0 to
+#: 2**32 - 1, ``np.random.default_rng`` any integer >= 0, ``torch.Generator.manual_seed`` up to 2**64 - 1 (seeds
+#: derived from it, ``seed * 1_000_003 + layer``, stay below that): their common range
+SEED_MAX = 2**32 - 1
 
 PAIRS = (("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine"))
 
@@ -39,7 +47,9 @@ class Flag:
     ``--help`` (a list as its text, ``"0.5,1"``); ``None`` leaves the options dataclass's own. ``short`` is a
     one-letter alias (``-G``), ``min`` / ``max`` bound a number, ``required`` makes the flag mandatory; ``parse``
     (``"module:attr"``) turns the flag's text into the field's value instead of the kind's cast (e.g. a noise
-    spec); ``to_options=False``: the flag is the command's own (read by its hooks), not an options field."""
+    spec); ``to_options=False``: the flag is the command's own (read by its hooks), not an options field.
+    Every number a flag gives (its value, a list's items, a float ``parse`` returns) must be finite: ``inf=True``
+    lets it be ``inf`` (``--cf``: no capacity limit); NaN never (:meth:`check`)."""
 
     flag: str
     kind: str = "str"
@@ -53,6 +63,7 @@ class Flag:
     parse: str | None = None
     to_options: bool = True
     metavar: str | None = None
+    inf: bool = False
 
     KINDS = ("int", "float", "str", "path", "bool", "ints", "floats", "strs")
 
@@ -69,6 +80,23 @@ class Flag:
     def many(self) -> bool:
         """A comma-separated list (a tuple in the options)."""
         return self.kind in ("ints", "floats", "strs")
+
+    def check(self, value: Any) -> None:
+        """One line (:class:`MoetoolError`) where a number of ``value`` (the field's value: a number, or a tuple of
+        them) is NaN, infinite without :attr:`inf`, or outside :attr:`min` / :attr:`max`; the command line checks
+        it as the flag is read, :func:`check_options` where the library's options are resolved."""
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                continue
+            what = f"{self.flag} values" if self.many else self.flag
+            if not isinstance(x, numbers.Integral) and (math.isnan(x) or (math.isinf(x) and not self.inf)):
+                allowed = ("numbers or inf" if self.inf else "finite numbers") if self.many else \
+                    ("a number or inf" if self.inf else "a finite number")
+                raise MoetoolError(f"{what} must be {allowed}, not {x}")
+            if (self.min is not None and x < self.min) or (self.max is not None and x > self.max):
+                bounds = (f">= {self.min:g}" if self.max is None else f"<= {self.max:g}" if self.min is None
+                          else f"from {self.min:g} to {self.max:g}")
+                raise MoetoolError(f"{what} must be {bounds}, not {x}")
 
 
 @dataclass(frozen=True)
@@ -148,17 +176,39 @@ class RoutingOptions:
     """How routing is replaced: a policy spec (``router`` = the model's own routing) and its options."""
 
     routing: str = "router"  # router | norm:<node>[:<norm>] | random | similarity[:tau] | attention
-    weights: str = "softmax"  # weights of the experts a norm policy chose: softmax | router | uniform
+    # weights of the experts a norm policy chose: softmax | router | uniform (None: not given, softmax there)
+    weights: str | None = None
     sim: str = "dot"  # similarity policy: dot | cosine
     causal: bool = True  # similarity policy: only tokens j <= i
     layers: tuple[int, ...] | None = None  # MoE layers whose routing is replaced (None: every MoE layer)
     seed: int = 0
 
     def policy(self) -> Any:
-        """The policy, built once per run (the command's check and the experiment share it)."""
+        """The policy, built once per run (the command's check and the experiment share it). ``weights`` given
+        to a policy that takes none (every policy but ``norm``) is refused in one line, never ignored."""
         from ..policies import build_once
 
-        return build_once(self.routing, self.weights, self.seed, sim=self.sim, causal=self.causal)
+        policy = build_once(self.routing, self.weights or "softmax", self.seed, sim=self.sim, causal=self.causal)
+        if self.weights is not None and policy.weights is None:
+            raise MoetoolError(f"--weights applies to norm:<node> policies only (the weights of the experts they "
+                               f"choose); --routing {self.routing} takes none")
+        return policy
+
+
+def check_seed(seed: Any) -> None:
+    """``--seed`` (``seed=``) is an integer from 0 to :data:`SEED_MAX`: one line otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
+        raise MoetoolError(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), not {seed!r}")
+
+
+def check_options(options: Any) -> None:
+    """The checks every options dataclass shares, where the library resolves its options (and where a command
+    builds them): each flagged field's numbers (:meth:`Flag.check`) and the seed (:func:`check_seed`)."""
+    for f in dataclasses.fields(options):
+        if "flag" in f.metadata:
+            f.metadata["flag"].check(getattr(options, f.name))
+        elif f.name == "seed":
+            check_seed(getattr(options, f.name))
 
 
 def kind_of(default: Any) -> str | None:
@@ -181,7 +231,8 @@ def option(default: Any = MISSING, flag: str | None = None, help: str = "", *, k
     ``kind`` defaults to the default's (:func:`kind_of`: a tuple of floats is ``floats``, a comma-separated list);
     the flag's default as ``--help`` shows it is the field's (a tuple joined by commas) or ``shown`` where the
     command line spells it otherwise (``--nodes all``); ``flag_kw`` are :class:`Flag`'s ``short``, ``min``,
-    ``max``, ``required``, ``parse``, ``metavar``. The field's default and the flag's cannot differ: one value."""
+    ``max``, ``required``, ``parse``, ``metavar``, ``inf`` (the flag takes ``inf``; NaN and infinity are refused
+    otherwise). The field's default and the flag's cannot differ: one value."""
     kw: dict[str, Any] = {"default": default} if default_factory is MISSING else {"default_factory": default_factory}
     if flag is None:
         return field(**kw)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import MoetoolError
+from .experiment import check_options
 
 O = TypeVar("O")
 
@@ -25,7 +26,9 @@ def resolve_options(cls: type[O], options: O | None, overrides: dict[str, Any]) 
     bad = sorted(set(overrides) - known)
     if bad:
         raise MoetoolError(f"unknown option(s) {bad} for {cls.__name__} (known: {', '.join(sorted(known))})")
-    return dataclasses.replace(base, **overrides) if overrides else base
+    opts = dataclasses.replace(base, **overrides) if overrides else base
+    check_options(opts)  # NaN / inf / out-of-range numbers and the seed, as the command line refuses them
+    return opts
 
 
 @dataclass

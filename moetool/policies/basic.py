@@ -26,8 +26,8 @@ def uniform_rows(seed: int, layer: int, rows: Any, per_row: int, width: int, dev
     what a random choice draws for a token depends on its row, not on how rows are batched or split over ranks.
     ``draw=torch.randn``: standard normal draws, seeded the same way."""
     base = (seed * 1_000_003 + layer) * 1_000_000_007
-    return torch.cat([draw((per_row, width), device=device,
-                           generator=torch.Generator(device=device).manual_seed(base + int(r)))
+    return torch.cat([draw((per_row, width), device=device,  # a generator's seed is 64 bits: taken modulo 2**64
+                           generator=torch.Generator(device=device).manual_seed((base + int(r)) % 2**64))
                       for r in rows])
 
 

@@ -72,8 +72,8 @@ class SimilarityPolicy(Policy):
     def __init__(self, tau: float | None = None, sim: str = "dot", causal: bool = True):
         if sim not in SIMS:
             raise ValueError(f"unknown --sim '{sim}' (choose from {', '.join(SIMS)})")
-        if tau is not None and not tau > 0:
-            raise ValueError(f"tau must be > 0, not {tau}")
+        if tau is not None and not 0 < tau < math.inf:
+            raise ValueError(f"tau must be a finite number > 0, not {tau}")
         self.tau, self.sim, self.causal = tau, sim, bool(causal)
 
     @classmethod

@@ -42,7 +42,7 @@ class CapacityOptions:
     that sets it."""
 
     cfs: tuple[float, ...] = option(DEFAULT_CFS, "--cf", "Capacity factors, comma-separated (inf allowed).",
-                                    shown="0.5,1,1.25,1.5,2")  # capacity factors (inf allowed)
+                                    shown="0.5,1,1.25,1.5,2", inf=True)  # capacity factors (inf allowed)
     orders: tuple[str, ...] = option(("order",), "--order", "Which assignments an expert keeps: order (the first in "
                                      "token order), score (the highest routing weight), or both: "
                                      "order,score.")  # drop orders: order | score

@@ -376,6 +376,18 @@ def evaluate(lm: Any, tokens: Any, layers: Sequence[MoELayer], fits: dict[tuple[
     return MassRecallResult(col.table())
 
 
+def refuse_codebooks_above_tokens(tokens: Any, sizes: Sequence[int]) -> None:
+    """A codebook of more codewords than the tokens it is fitted on (every layer fits on every real token) leaves
+    G - tokens of them with no token by construction: refused in one line before any forward, never a table of
+    dead codes. Data parallel: the tokens of every rank (this rank's shard when ``tokens`` is one)."""
+    total = tokens.n_tokens if tokens.row_ids is None else int(distributed.rank_counts(tokens.n_tokens).sum())
+    over = [g for g in sizes if g > total]
+    if over:
+        raise MoetoolError(f"--codebook-size {max(over)}: more codewords than the {total:,} tokens the codebook is "
+                           f"fitted on (k-means with more clusters than points); choose sizes up to {total:,} or "
+                           "read more tokens (--max-tokens, --data)")
+
+
 def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Sequence[MoELayer] | None = None,
                     quiet: bool = False) -> MassRecallResult:
     """Fit the codebooks, then evaluate: the whole experiment on one model."""
@@ -386,6 +398,7 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
         if over:
             raise MoetoolError(f"--shortlist {over[0]}: more than the {L.n_experts} experts of MoE layer {L.index}; "
                                f"choose sizes up to {L.n_experts}")
+    refuse_codebooks_above_tokens(tokens, opts.codebook_sizes)
 
     steps = None
     if distributed.world_size() > 1 and tokens.row_ids is None:  # shard once: global row ids for the bootstrap

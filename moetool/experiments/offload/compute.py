@@ -28,17 +28,20 @@ Everything comes from one forward pass over the packed rows with the model's own
 
 Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
 int16/int32 tensor per layer (T = real tokens, bounded by ``--max-tokens``; 4 bytes × K per token and layer at
-most); while one layer is simulated, its eviction keys (8 bytes per request and policy) and, per LFU/Belady
-capacity, the hits (K bytes per token) and the cache state entering each token (n bits) (:func:`evicting_hits`);
-everything else is a streamed sum. Intervals (``--bootstrap``): document-level bootstrap over packed rows
-(:mod:`moetool.uncertainty`) of per-row hit and recall sums; for hit rates the cache state is carried across
-rows, so the interval is the spread over documents of the same simulation (cache warm-up not re-run).
+most); while one layer is simulated, its eviction keys (8 bytes per request and policy), every expert's key over a
+chunk of tokens (:data:`RANK_KEYS` keys), the key ranks of the requests (2 bytes per request and policy) and,
+per LFU/Belady capacity, the hits (K bytes per token) and the cache state entering each token (n bits); up to 64
+experts also each token's rank masks and their bit segments (about 3K + 8 words of n bits per token and policy,
+5K + 10 while blocks are stepped again; :func:`bit_hits`); everything else is a streamed sum. Intervals
+(``--bootstrap``): document-level bootstrap over packed rows (:mod:`moetool.uncertainty`) of per-row hit and recall
+sums; for hit rates the cache state is carried across rows, so the interval is the spread over documents of the
+same simulation (cache warm-up not re-run).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -54,39 +57,23 @@ from ..result import Result, resolve_options
 from .spec import POLICIES, OffloadOptions  # its options (declared with their flags in spec.py)
 
 # ----- cache simulation (pure) ----------------------------------------------------------------
-#: tokens per block of the vectorised LRU ranks ([block, n] and [block, K, n] arrays)
-LRU_BLOCK = 4096
-
-
-def lru_ranks(trace: Any) -> tuple[np.ndarray, np.ndarray]:
+def lru_ranks(trace: Any, req: ByExpert | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(seen [T, K] bool, rank [T, K] int)`` of every request of ``trace [T, K]``: whether the expert was
-    requested before the token, and how many experts were used more recently than it before the token (ties
-    within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
+    requested before the token, and (for one that was) how many experts were used more recently than it before the
+    token (ties within one earlier token: the higher id counts as more recent, the order LRU evicts them in).
 
     With requests grouped per token (a token's experts never evict each other), the LRU cache of capacity C
     holds, before token t, exactly the C experts of highest (last request, id): each token's misses evict the
     least recent residents it does not request, which keeps that set. So a request hits iff ``seen and rank < C``
-    for every C at once: vectorised over tokens (blocks of :data:`LRU_BLOCK`), linear in tokens x n."""
-    trace = np.asarray(trace, dtype=np.int64)
-    T, K = trace.shape
-    n = int(trace.max()) + 1 if trace.size else 1
-    seen = np.zeros((T, K), dtype=bool)
-    rank = np.zeros((T, K), dtype=np.int64)
-    last = np.full(n, -1, dtype=np.int64)  # last requesting token of each expert, before the block
-    ids = np.arange(n, dtype=np.int64)
-    for b0 in range(0, T, LRU_BLOCK):
-        tr = trace[b0:b0 + LRU_BLOCK]
-        B = tr.shape[0]
-        at = np.full((B, n), -1, dtype=np.int64)
-        np.put_along_axis(at, tr, (b0 + np.arange(B, dtype=np.int64))[:, None], axis=1)  # token t requests x
-        upto = np.maximum.accumulate(np.maximum(at, last[None, :]), axis=0)  # last request at or before t
-        before = np.vstack([last[None, :], upto[:-1]])  # strictly before t: the state the token meets
-        key = np.where(before >= 0, before * n + ids, -1)  # recency, ties by id; -1: never requested
-        mine = np.take_along_axis(key, tr, axis=1)  # [B, K]
-        seen[b0:b0 + B] = mine >= 0
-        rank[b0:b0 + B] = (key[:, None, :] > mine[:, :, None]).sum(-1)
-        last = upto[-1]
-    return seen, rank
+    for every C at once: the ranks of the ``lru`` keys (:func:`key_ranks`), linear in tokens x n. ``req``: the
+    trace's :func:`requests_by_expert`, when the caller has it."""
+    trace = np.ascontiguousarray(trace)
+    if not trace.size:
+        return np.zeros(trace.shape, dtype=bool), np.zeros(trace.shape, dtype=np.int64)
+    n = int(trace.max()) + 1
+    req = requests_by_expert(trace) if req is None else req
+    seen, pos, _, _, _ = key_ranks(trace, expert_keys(trace, "lru", req), req, after=False)
+    return seen, n - 1 - pos.astype(np.int64)
 
 
 def simulate(trace: Any, capacity: int, policy: str, *, lru: tuple[np.ndarray, np.ndarray] | None = None,
@@ -120,32 +107,36 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
     hits iff it was requested before), come from :func:`lru_ranks` (vectorised); capacity K (any policy: the
     cache holds the previous token's experts) is closed-form; LFU and Belady between, all at once, by
     :func:`evicting_hits` (vectorised over blocks of tokens, linear in tokens)."""
-    trace = np.asarray(trace)
+    trace = np.ascontiguousarray(trace)
     check_trace(trace, capacities, policies)
     T, K = trace.shape
-    distinct = len(np.unique(trace))
+    distinct = int(np.count_nonzero(np.bincount(trace.reshape(-1)))) if trace.size else 0
+    req = requests_by_expert(trace) if trace.size else None
     out: dict[tuple[int, str], np.ndarray] = {}
     evicting: list[tuple[int, str]] = []
+    previous = None
     for C in capacities:
         for pol in policies:
             if pol == "lru" or C >= distinct:
                 if lru is None:
-                    lru = lru_ranks(trace)
+                    lru = lru_ranks(trace, req)
                 seen, rank = lru
                 out[(C, pol)] = seen & (rank < C) if pol == "lru" else seen.copy()
             elif C == K:  # the cache holds exactly the previous token's experts, whatever the policy
-                hits = np.zeros((T, K), dtype=bool)
-                hits[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
-                out[(C, pol)] = hits
+                if previous is None:
+                    previous = np.zeros((T, K), dtype=bool)
+                    previous[1:] = (trace[1:, :, None] == trace[:-1, None, :]).any(-1)
+                out[(C, pol)] = previous.copy()
             else:
                 evicting.append((C, pol))
     if evicting:
         keys = dict(keys or {})
         for pol in {p for _, p in evicting} - set(keys):
-            keys[pol] = request_keys(trace, pol)
+            keys[pol] = request_keys(trace, pol, req)
         pols = sorted({p for _, p in evicting})
         hits = evicting_hits(trace, np.array([C for C, _ in evicting]),
-                             np.stack([keys[p] for p in pols]), np.array([pols.index(p) for _, p in evicting]))
+                             np.stack([keys[p] for p in pols]), np.array([pols.index(p) for _, p in evicting]),
+                             req)
         out.update(zip(evicting, hits))
     return {(C, p): out[(C, p)] for C in capacities for p in policies}
 
@@ -153,37 +144,65 @@ def simulate_all(trace: Any, capacities: Sequence[int], policies: Sequence[str],
 def by_expert(trace: np.ndarray) -> np.ndarray:
     """The requests of ``trace [T, K]`` (flattened row by row) ordered by (expert, token): a stable sort of the expert
     ids (a token requests an expert once, and its rows come in token order)."""
-    return np.argsort(trace.reshape(-1), kind="stable")
+    flat = trace.reshape(-1)
+    if flat.size and int(flat.max()) < 2 ** 15:
+        flat = flat.astype(np.int16)  # a radix sort
+    return np.argsort(flat, kind="stable")
 
 
-def request_keys(trace: np.ndarray, policy: str) -> np.ndarray:
+class ByExpert(NamedTuple):
+    """The requests of a trace ``[T, K]`` (flattened row by row) sorted by (expert, token): their places ``order``
+    (:func:`by_expert`), experts ``e`` and tokens ``tok``; expert x's requests are ``start[x]:start[x + 1]``, and
+    ``first`` marks each expert's first request."""
+    order: np.ndarray
+    e: np.ndarray
+    tok: np.ndarray
+    start: np.ndarray
+    first: np.ndarray
+
+
+def requests_by_expert(trace: np.ndarray) -> ByExpert:
+    """:class:`ByExpert` of ``trace [T, K]``."""
+    order = by_expert(trace)
+    e = trace.reshape(-1)[order].astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=int(trace.max()) + 1))])
+    return ByExpert(order, e, order // trace.shape[1], start, np.arange(e.size) == start[e])
+
+
+def request_keys(trace: np.ndarray, policy: str, req: ByExpert | None = None) -> np.ndarray:
     """``[T, K]`` int64: the eviction order of the expert each request loads, from then until its next request
     (lowest evicted first; an expert's order changes only when it is requested, and then it is protected):
+    :func:`expert_keys` in the trace's layout (``req``: its :func:`requests_by_expert`, when the caller has it)."""
+    req = requests_by_expert(trace) if req is None else req
+    keys = np.empty(trace.size, dtype=np.int64)
+    keys[req.order] = expert_keys(trace, policy, req)
+    return keys.reshape(trace.shape)
 
-    * lfu: ``(requests up to and including this one, this token, id)``, lowest first;
+
+def expert_keys(trace: np.ndarray, policy: str, req: ByExpert) -> np.ndarray:
+    """The eviction key of every request of ``trace [T, K]``, in :func:`requests_by_expert` order (int64, >= 0,
+    distinct among the experts at any time; lowest evicted first):
+
+    * lru: ``(this token, id)``;
+    * lfu: ``(requests up to and including this one, this token, id)``;
     * belady: next request furthest ahead first (never again = ``T + 1``), ties lowest id first.
 
-    From the trace alone, vectorised: the requests sorted by (expert, token). Every key is >= 0."""
+    From the trace alone, vectorised over the requests sorted by (expert, token)."""
     T, K = trace.shape
     n = int(trace.max()) + 1 if trace.size else 1
-    tr = trace.astype(np.int64)
-    own = tr * (T + 1) + np.arange(T, dtype=np.int64)[:, None]  # (expert, token), unique
-    order = by_expert(trace)
-    flat = own.reshape(-1)[order]  # sorted
-    pos = np.empty_like(order)
-    pos[order] = np.arange(order.size)
-    pos = pos.reshape(T, K)  # each request's place in flat
+    e, tok = req.e, req.tok
+    if policy == "lru":
+        return tok * n + e
     if policy == "lfu":
-        starts = np.concatenate([[0], np.cumsum(np.bincount(tr.reshape(-1), minlength=n))[:-1]])
-        count = pos - starts[tr] + 1
-        return (count * (T + 1) + np.arange(T, dtype=np.int64)[:, None]) * n + tr
-    after = flat[np.minimum(pos + 1, flat.size - 1)]
-    nxt = np.where((pos + 1 < flat.size) & (after < (tr + 1) * (T + 1)), after - tr * (T + 1), T + 1)
-    return (T + 1 - nxt) * n + tr
+        return ((np.arange(e.size) - req.start[e] + 1) * (T + 1) + tok) * n + e
+    nxt = np.full(e.size, T + 1, dtype=np.int64)
+    same = ~req.first[1:]
+    nxt[:-1][same] = tok[1:][same]
+    return (T + 1 - nxt) * n + e
 
 
-#: tokens per block of :func:`evicting_hits` (None: from the trace's length, about its square root) and each
-#: block's warm-up as a share of the block
+#: tokens per block of :func:`_row_hits` (None: from the trace's length, about its square root) and each block's
+#: warm-up as a share of the block (bit-packed: :data:`BIT_BLOCK`)
 EVICT_BLOCK: int | None = None
 EVICT_WARMUP: float = 0.25
 
@@ -242,9 +261,219 @@ def _int32_order(keys: np.ndarray) -> np.ndarray:
     return ranks.reshape(keys.shape)
 
 
-def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray) -> list[np.ndarray]:
+# ----- bit-packed simulation (at most 64 experts) ------------------------------------------------
+#: widest trace (experts) that :func:`evicting_hits` simulates bit-packed (:func:`bit_hits`: a cache state is one
+#: unsigned word of 8 to 64 bits); wider ones are stepped as boolean rows (:func:`_row_hits`)
+BIT_EXPERTS = 64
+
+
+def word_type(n: int) -> type:
+    """The narrowest unsigned integer with at least ``n`` bits (``n <= 64``)."""
+    return np.uint8 if n <= 8 else np.uint16 if n <= 16 else np.uint32 if n <= 32 else np.uint64
+
+
+_BITWISE_COUNT = hasattr(np, "bitwise_count")  # numpy >= 2.0
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    """Set bits of each unsigned word of ``x`` (uint8)."""
+    if _BITWISE_COUNT:
+        return np.bitwise_count(x)
+    return np.unpackbits(np.ascontiguousarray(x)[..., None].view(np.uint8), axis=-1).sum(-1, dtype=np.uint8)
+
+
+def bit_segments(mask: np.ndarray, K: int) -> np.ndarray:
+    """``[K+1, ...]`` from unsigned words ``mask`` of at most ``K`` set bits: segment ``i`` holds the unset bits with
+    exactly ``i`` set bits below them (mask 0: everything in segment 0). Removing the set bits from a word ``x`` is
+    then ``OR_i (x & seg_i) >> i``, spreading a word's low bits over the unset ones ``OR_i (y << i) & seg_i``."""
+    segs = np.empty((K + 1,) + mask.shape, dtype=mask.dtype)
+    below, rest, one = np.zeros_like(mask), mask.copy(), mask.dtype.type(1)
+    for i in range(K):
+        low = rest & (~rest + one)  # the lowest set bit left (0 when none)
+        segs[i] = (low - one) & ~below
+        below |= low | (low - one)
+        rest ^= low
+    segs[K] = ~below
+    return segs
+
+
+#: keys held at once by :func:`key_ranks` (n experts x tokens per chunk)
+RANK_KEYS = 1 << 21
+
+
+def key_ranks(trace: np.ndarray, keys: np.ndarray, req: ByExpert, at: Any = (), after: bool = True
+              ) -> tuple[np.ndarray, ...]:
+    """Each expert's key rank before a token: with every expert's key before token t (``keys``: :func:`expert_keys`,
+    ``req`` the trace's :func:`requests_by_expert`; an expert never requested before t: below every key, by id),
+    its place among them, lowest 0.
+    Returns ``(seen [T, K], pos [T, K], new [T, K] or None, keyv [len(at), n], rank [len(at), n])``: whether each
+    request's expert was requested before its token; the ranks of token t's experts before t and (``after``) before
+    t+1 (their new keys among the others'); the keys (-1: never requested) and ranks before each token of ``at``.
+    Counting, one expert at a time, the keys below (chunks of tokens: :data:`RANK_KEYS` keys at once): linear in
+    tokens x n."""
+    T, K = trace.shape
+    n = int(trace.max()) + 1
+    order, e, tok, start, first = req
+    kdt = np.int32 if keys.size and int(keys.max()) < 2 ** 31 and n < 2 ** 31 else np.int64
+    prev = np.empty(T * K, dtype=kdt)  # the key of each request's expert before its token, the trace's layout
+    prev[order[1:]] = keys[:-1]
+    prev[order[first]] = e[first] - n
+    prev = prev.reshape(T, K)
+    if after:
+        own = np.empty(T * K, dtype=kdt)
+        own[order] = keys
+        own = own.reshape(T, K)
+    rdt = np.uint8 if n <= 256 else np.uint16
+    pos = np.zeros((T, K), dtype=rdt)
+    new = np.zeros((T, K), dtype=rdt) if after else None
+    at = np.asarray(at, dtype=np.int64)
+    keyv = np.empty((len(at), n), dtype=np.int64)
+    chunk = max(1, RANK_KEYS // n)
+    for a in range(0, T, chunk):
+        b = min(a + chunk, T)
+        here = (at >= a) & (at <= b)
+        cols = at[here] - a
+        for x in range(n):  # expert x's keys before tokens a..b
+            t, k = tok[start[x]:start[x + 1]], keys[start[x]:start[x + 1]]
+            i, j = np.searchsorted(t, [a, b])
+            row = np.repeat(np.concatenate([[k[i - 1] if i else x - n], k[i:j]]).astype(kdt),
+                            np.diff(np.concatenate([[a], t[i:j] + 1, [b + 1]])))
+            pos[a:b] += row[:-1, None] < prev[a:b]
+            if after:
+                new[a:b] += row[1:, None] < own[a:b]
+            keyv[here, x] = row[cols]
+    rank = np.argsort(np.argsort(keyv, axis=1), axis=1).astype(rdt)
+    seen = (prev >= 0)
+    return seen, pos, new, np.where(keyv >= 0, keyv, -1), rank
+
+
+#: tokens per block of :func:`bit_hits` and each block's warm-up as a share of the block (steps cost little per
+#: lane, so blocks are short, whatever the trace's length)
+BIT_BLOCK = 64
+BIT_WARMUP = 0.5
+#: blocks :func:`bit_hits` steps a restepped stretch across before it gives its cache to :func:`_row_hits` (which
+#: steps from miss to miss: a cache whose states meet only after long stretches, e.g. few misses)
+BIT_RESTEP_BLOCKS = 8
+
+
+def _bit_step(x: np.ndarray, C: np.ndarray, M: np.ndarray, notM: np.ndarray, segM: np.ndarray, segN: np.ndarray,
+              N: np.ndarray) -> np.ndarray:
+    """One token of many caches (lanes), bit-packed: ``x`` unsigned words, bit r set iff the expert of key rank r
+    before the token is resident; ``C`` the capacities (int16); the token's ``M`` bits (its experts' ranks before
+    it; ``notM = ~M``), ``N`` bits (their ranks after it) and ``segM``/``segN [K+1, ...]`` their
+    :func:`bit_segments`, broadcast with ``x``. Returns the residents after the token, in the ranks after it: the
+    token's experts, and of the residents it does not request the ``C - K`` of highest rank (its misses evict the
+    lowest). The others keep their keys, so their order: they move to the rank bits the token's experts leave free."""
+    cand = x & notM
+    evict = popcount(x | M).astype(np.int16) - C
+    for i in range(int(evict.max(initial=0))):  # drop the lowest set bits beyond the capacity
+        cand &= cand - (evict > i)
+    shift = np.arange(len(segM), dtype=x.dtype).reshape((-1,) + (1,) * x.ndim)
+    kept = np.bitwise_or.reduce((cand & segM) >> shift, axis=0)  # without the M bits
+    return np.bitwise_or.reduce((kept << shift) & segN, axis=0) | N  # spread around the N bits
+
+
+def bit_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
+             req: ByExpert | None = None) -> list[np.ndarray]:
+    """:func:`evicting_hits` for at most :data:`BIT_EXPERTS` experts: a cache state is one unsigned word in the
+    key-rank order before the token it enters (:func:`key_ranks`), so a token of every cache is a few word
+    operations (:func:`_bit_step`), and a request hits iff its rank's bit is set in the state entering its token.
+
+    The tokens are cut into blocks; every block of every cache steps at once, each from its guess
+    (:func:`block_guess`) a warm-up before it (block 0: the true empty cache at token 0), recording the state
+    entering each token and leaving each block. Then every block entered in a state its predecessor did not leave
+    it in is stepped again from that state, all such blocks at once, each on across the blocks after it until its
+    state equals the recorded one (equal states give equal futures; passing a block's end it records the state
+    leaving it, and goes on into the next block only if that was entered otherwise). Each boundary is then checked
+    by whichever stepping last crossed it, so by induction from block 0 every state, and so every hit, is exact,
+    whatever the guesses. Linear in tokens: ``block + warm-up`` vectorised steps, then as many as the longest
+    stretch of restepped tokens (the stepping lanes narrowing as they meet the recorded states), at most
+    :data:`BIT_RESTEP_BLOCKS` blocks: a cache with a longer one is simulated again by :func:`_row_hits`."""
+    T, K = trace.shape
+    S, P = len(capacities), len(keys)
+    B = BIT_BLOCK
+    W = min(int(np.ceil(BIT_WARMUP * B)), B)
+    nb = -(-T // B)
+    guess_at = np.maximum(np.arange(nb) * B - W, 0)
+    req = requests_by_expert(trace) if req is None else req
+    word = word_type(int(trace.max()) + 1)
+    one = word(1)
+    # per policy and token, padded: row u is token u - W (the rows before and after the trace's: nothing requested,
+    # no change)
+    rows = W + nb * B
+    pos = np.zeros((P, rows, K), dtype=np.uint8)
+    new = np.zeros((P, rows, K), dtype=np.uint8)
+    keyv, rank = [], []
+    for p, k in enumerate(keys):
+        _, pos[p, W:W + T], new[p, W:W + T], kv, rk = key_ranks(trace, k.reshape(-1)[req.order], req, guess_at)
+        keyv.append(kv)
+        rank.append(rk)
+    M, N = np.zeros((P, rows), dtype=word), np.zeros((P, rows), dtype=word)
+    M[:, W:W + T] = np.bitwise_or.reduce(one << pos[:, W:W + T].astype(word), axis=-1)
+    N[:, W:W + T] = np.bitwise_or.reduce(one << new[:, W:W + T].astype(word), axis=-1)
+    # block-major: [step j, ..., block b] = row b * B + j, the token of block b's lane at step j
+    at = np.arange(W + B)[:, None] + np.arange(nb) * B
+    Mb, Nb = M[:, at].swapaxes(0, 1)[:, :, None], N[:, at].swapaxes(0, 1)[:, :, None]  # [step, P, 1, block]
+    segMb, segNb = bit_segments(Mb, K).swapaxes(0, 1), bit_segments(Nb, K).swapaxes(0, 1)  # [step, K+1, P, 1, block]
+    # the caches as a grid [policy, G]: lane (p, g) is cache grid[p, g] (-1: none, never evicting)
+    G = max(int((which == p).sum()) for p in range(P))
+    grid = np.full((P, G), -1)
+    for p in range(P):
+        grid[p, :int((which == p).sum())] = np.nonzero(which == p)[0]
+    real = grid >= 0
+    C = np.where(real, np.asarray(capacities)[grid], 64).astype(np.int16)
+    X = np.zeros((P, G, nb * B + 1), dtype=word)  # the state entering each token
+    left = np.zeros((P, G, nb), dtype=word)  # ... and leaving each block
+
+    # every block of every cache at once from its guess, through its warm-up and its tokens
+    guess = block_guess(np.stack([np.tile(kv, (G, 1)) for kv in keyv])).reshape(P, G, nb, -1)
+    guess &= (guess_at > 0)[:, None]  # a warm-up from token 0 starts from the true empty cache
+    x = np.bitwise_or.reduce(np.where(guess, one << np.stack(rank)[:, None].astype(word), word(0)), axis=-1)
+    for j in range(W + B):
+        if j >= W:
+            X[:, :, j - W:nb * B:B] = x
+        x = _bit_step(x, C[:, :, None], Mb[j], ~Mb[j], segMb[j], segNb[j], Nb[j])
+    left[:] = x
+    # the blocks entered wrongly, stepped again (lanes: policy p, cache g, token t, state x), all at once: they
+    # start at block boundaries and step in lockstep, so they cross the next ones together (every B steps)
+    p, g, b = np.nonzero((X[:, :, B:nb * B:B] != left[:, :, :-1]) & real[:, :, None])
+    t, x = (b + 1) * B, left[p, g, b]
+    if len(t):
+        segM, segN = bit_segments(M, K).reshape(K + 1, -1), bit_segments(N, K).reshape(K + 1, -1)  # [K+1, P * rows]
+    Xf, Mf, Nf = X.reshape(-1), M.reshape(-1), N.reshape(-1)
+    at_x, at_m, cap = (p * G + g) * X.shape[2] + t, p * rows + W + t, C[p, g]  # flat places of X[p, g, t], M[p, t]
+    for j in range(BIT_RESTEP_BLOCKS * B):
+        if j and j % B == 0:  # the lanes cross a block boundary: the state leaving the block before it
+            left[p, g, t // B - 1] = x
+        go = ((Xf[at_x] != x) | (j == 0)) & (t < T)  # not (yet) met the recorded states
+        if not go.all():
+            p, g, t, x, at_x, at_m, cap = (a[go] for a in (p, g, t, x, at_x, at_m, cap))
+        if not len(t):
+            break
+        Xf[at_x] = x
+        x = _bit_step(x, cap, Mf[at_m], ~Mf[at_m], segM[:, at_m], segN[:, at_m], Nf[at_m])
+        t, at_x, at_m = t + 1, at_x + 1, at_m + 1
+    slow = {int(grid[a, c]) for a, c in zip(p.tolist(), g.tolist())}  # caches still being restepped
+    rows_of = dict(zip(sorted(slow), _row_hits(trace, np.asarray(capacities)[sorted(slow)], keys,
+                                               which[sorted(slow)]))) if slow else {}
+    lane = {s: (p, g) for (p, g), s in np.ndenumerate(grid)}
+    return [rows_of[s] if s in slow else ((X[lane[s]][:T, None] >> pos[which[s], W:W + T]) & one).astype(bool)
+            for s in range(S)]
+
+
+def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray,
+                  req: ByExpert | None = None) -> list[np.ndarray]:
     """Hits of caches that evict the lowest keys (:func:`request_keys`), one per capacity ``capacities[s]`` with the
-    keys ``keys[which[s]]`` (``keys [P, T, K]``): ``[hits [T, K] per s]``.
+    keys ``keys[which[s]]`` (``keys [P, T, K]``): ``[hits [T, K] per s]``. Bit-packed (:func:`bit_hits`) up to
+    :data:`BIT_EXPERTS` experts, else boolean rows (:func:`_row_hits`); the same hits."""
+    if int(trace.max()) < BIT_EXPERTS:
+        return bit_hits(trace, capacities, keys, which, req)
+    return _row_hits(trace, capacities, keys, which)
+
+
+def _row_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, which: np.ndarray) -> list[np.ndarray]:
+    """:func:`evicting_hits` as boolean rows (any number of experts): a cache's residents [n] bool, each expert's key
+    kept per cache.
 
     Before token t a cache holds token t-1's experts and at most ``m = C - K`` others; the others after t are the
     ``m`` highest-keyed of (the others before t and token t-1's experts) that token t does not request (its misses
@@ -253,7 +482,7 @@ def evicting_hits(trace: np.ndarray, capacities: np.ndarray, keys: np.ndarray, w
     every cache steps at once (a vector operation per token of a block, not per token of the trace), each block from
     a guess (:func:`block_guess`) a warm-up before the block (the first block: the true empty cache at token 0).
     Then, block by block in order, one entered in a state its predecessor (exact by then) did not leave in is
-    stepped again from that state (:func:`evicting_hits`' ``restep``: from miss to miss, as only a miss changes the
+    stepped again from that state (``restep``: from miss to miss, as only a miss changes the
     state) until its state equals the recorded one at some token (equal states give equal futures: from there on
     the recorded hits hold) or the block ends (its new end state is what its successor is checked against): by
     induction from block 0, every hit is then exact, whatever the guesses. Linear in tokens: ``block + warm-up``
@@ -488,11 +717,6 @@ class OffloadCollector:
         self.pred.reduce_across_ranks()
 
 
-def _hit_rows(hits: np.ndarray, rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    return (np.bincount(rows, weights=hits.sum(1), minlength=n_rows),
-            np.bincount(rows, minlength=n_rows).astype(np.float64) * hits.shape[1])
-
-
 def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quiet: bool = False,
             **overrides: Any) -> Result:
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
@@ -555,15 +779,20 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
         req = col.requests(i)
         capacities = opts.capacities or default_capacities(n, K)
         sims = simulate_all(req, capacities, opts.policies)
-        for C in capacities:
-            for pol in opts.policies:
-                hits = sims[(C, pol)]
-                a, b = _hit_rows(hits, rows, n_rows)
-                iv = ci(a, b)[0]
-                misses = T * K - int(hits.sum())
-                cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": int(hits.sum()),
-                              **iv.columns("hit_rate"), "misses_per_token": misses / T,
-                              **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
+        combos = [(C, pol) for C in capacities for pol in opts.policies]
+        per_token = np.zeros((len(combos), T), dtype=np.int64)  # hits per token ([T, K] sums, a column at a time)
+        for c, combo in enumerate(combos):
+            for j in range(K):
+                per_token[c] += sims[combo][:, j]
+        per_row = np.bincount((rows[None, :] * len(combos) + np.arange(len(combos))[:, None]).reshape(-1),
+                              weights=per_token.reshape(-1), minlength=n_rows * len(combos))
+        requests = np.bincount(rows, minlength=n_rows).astype(np.float64) * K  # shared by every combination
+        for (C, pol), iv, hits in zip(combos, ci(per_row.reshape(n_rows, len(combos)), requests),
+                                      per_token.sum(1).tolist()):
+            misses = T * K - hits
+            cache.append({"layer": i, "policy": pol, "capacity": C, "requests": T * K, "hits": hits,
+                          **iv.columns("hit_rate"), "misses_per_token": misses / T,
+                          **({"bytes_per_token": misses / T * nbytes} if nbytes is not None else {})})
         if f"n_{i}" in col.pred._sums:
             num = np.stack([col.pred.table(f"top1_{i}"), col.pred.table(f"topk_{i}")], 1)
             den = col.pred.table(f"n_{i}")

@@ -405,13 +405,13 @@ def _plan(model: Any, gpus: str, nodes: int, *, seq_len: int | None, rows: int) 
                                                              f"--batch-size {rows}"):
         per_gpu = _bytes_per_gpu(lay, sizes, act)
         fits = per_gpu <= USABLE * gpu.memory_gb * 1e9
-        usable = USABLE * gpu.memory_gb * 1e9 / 2 ** 30
-        why = (f"needs {per_gpu / 2 ** 30:.1f} GiB per GPU, more than the {usable:.1f} usable "
-               f"({USABLE:.0%} of {gpu.name}'s {gpu.memory_gb:g} GB)" if not fits
-               else f"fits: {per_gpu / 2 ** 30:.1f} of {usable:.1f} usable GiB per GPU" if lay.available == "yes"
+        usable, gib = USABLE * gpu.memory_gb * 1e9 / 2 ** 30, round(per_gpu / 2 ** 30, 2)  # the gib_per_gpu column
+        why = (f"needs {gib:g} GiB per GPU, more than the {usable:.1f} GiB usable ({USABLE:.0%} of the {gpu.name}'s "
+               f"{gpu.memory_gb:g} GB = {gpu.memory_gb * 1e9 / 2 ** 30:.1f} GiB)" if not fits
+               else f"fits: {gib:g} of {usable:.1f} usable GiB per GPU" if lay.available == "yes"
                else f"fits, but not available: {lay.available.removeprefix('no: ')}")
         lay_rows.append({"layout": lay.name, "format": lay.format, "gpus": lay.shards * lay.replicas,
-                         "replicas": lay.replicas, "gib_per_gpu": round(per_gpu / 2 ** 30, 2), "fits": fits,
+                         "replicas": lay.replicas, "gib_per_gpu": gib, "fits": fits,
                          "available": lay.available, "command": lay.command if fits and lay.available == "yes" else "",
                          "why": why})
         if fits:
