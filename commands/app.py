@@ -26,6 +26,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+
 def type_column(param: Any, ctx: Any) -> str | None:
     """The type column of a flag in ``--help`` (typer's, but for three cases): a switch (``--force``, ``--help``,
     ``--version``) takes no value and shows none (typer showed ``<bool>``); a number with bounds shows its kind,

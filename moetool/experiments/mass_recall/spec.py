@@ -23,8 +23,9 @@ token (bound_scaled_holds_rate; 1 in unit mode, a theorem). Derivation also in m
 
 --bootstrap N (default 1000, 0 = off, seeded by --seed): 95% document-level bootstrap over packed rows (per-row
 sums on the device, moetool.uncertainty) of mass_recall_mean, topk_recall and exact_topk_rate (*_lo/*_hi
-columns, error bars in mass_recall_vs_shortlist, value ± half-width on the console). The codebook is held fixed
-(fitted once); the interval covers the evaluation tokens' sampling only.
+columns, error bars in mass_recall_vs_shortlist; on the console value ± half-width where the interval is
+symmetric to the digits shown, else value [lo, hi]). The codebook is held fixed (fitted once); the interval covers
+the evaluation tokens' sampling only.
 
 Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
 mass_recall_p05, topk_recall, exact_topk_rate (each mean with _lo/_hi), quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
