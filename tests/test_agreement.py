@@ -7,6 +7,7 @@ the reference margin, flips and the NLL change with plain torch."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,7 +231,8 @@ def test_fp4_groups_that_do_not_divide_the_input_dim_are_one_line_before_any_run
 
 def test_cli_device_map_reaches_every_per_precision_load(tmp_path, monkeypatch):
     """--device-map auto is passed to each precision's load (the loads are watched); on CPU accelerate places every
-    layer on the CPU, so every table equals the run without it."""
+    layer on the CPU, so every table equals the run without it (with a GPU it places them there: the same tables'
+    shapes, GPU kernels' numbers)."""
     from test_resume import _same_csvs as same_csvs
     from typer.testing import CliRunner
 
@@ -252,5 +254,10 @@ def test_cli_device_map_reaches_every_per_precision_load(tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
     assert seen == [("fp32", None), ("bf16", None), ("bf16", None), ("fp32", "auto"), ("bf16", "auto"),
                     ("bf16", "auto")]
+    if torch.cuda.is_available():  # accelerate places the layers on the GPU: other kernels, the same tables' shapes
+        for name in ("agreement.csv", "agreement_bins.csv", "agreement_summary.csv"):
+            a, b = (pd.read_csv(tmp_path / run / name) for run in ("plain", "auto"))
+            assert list(a.columns) == list(b.columns) and a.shape == b.shape
+        return
     assert same_csvs(tmp_path / "plain", tmp_path / "auto") == ["agreement.csv", "agreement_bins.csv",
                                                                  "agreement_summary.csv"]

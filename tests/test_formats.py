@@ -148,3 +148,99 @@ def test_bad_formats_are_one_line():
         formats.fake_quantize(weight(4, 40), "mxfp4")
     with pytest.raises(MoetoolError, match="matrices"):
         formats.fake_quantize(torch.ones(32), "fp8")
+
+
+# ----- the fused (compiled) dequantization: CUDA's path, traced here with torch.compile's "eager" backend -------
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Route the CPU through the fused path (dynamo traces the kernels; "eager" runs the traced graph)."""
+    monkeypatch.setattr(formats, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(formats, "FUSED_BACKEND", "eager")
+    monkeypatch.delenv("MOETOOL_NO_COMPILE", raising=False)
+    monkeypatch.setattr(formats, "_FUSED", {})
+    return formats._FUSED
+
+
+def _eager(codes, scale, dtype, block=None):
+    saved = formats.FUSED_DEVICES
+    formats.FUSED_DEVICES = ()
+    try:
+        return formats.dequantize_fp8(codes, scale, dtype, block=block)
+    finally:
+        formats.FUSED_DEVICES = saved
+
+
+@pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "float"), ("fp4", "ue8m0")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_dequantization_equals_the_eager_passes_bit_for_bit(fused_on_cpu, fmt, scale_fmt, dtype):
+    w = torch.randn(3, 256, 384, generator=torch.Generator().manual_seed(5)) * 0.03
+    codes, scale = formats.quantize_fp8(w, scale_fmt=scale_fmt) if fmt == "fp8" else \
+        formats.quantize_fp4(w, scale_fmt=scale_fmt)
+    block = (128, 128) if fmt == "fp8" else None
+    want = _eager(codes, scale, dtype, block)
+    got = formats.dequantize_fp8(codes, scale, dtype, block=block)
+    assert fused_on_cpu[fmt] is not None  # the compiled kernel ran
+    assert got.dtype == dtype and got.shape == want.shape == w.shape
+    assert torch.equal(got, want)
+    # a slice of experts and of the rows (how probes read gate and up of a fused gate_up)
+    if fmt == "fp8":
+        part = formats.dequantize_fp8(codes[1:3, 128:256], scale[1:3, 1:2], dtype, block=block)
+        assert torch.equal(part, want[1:3, 128:256])
+    # against an independent reading: every code's value times its block's scale
+    vals = codes.float() if fmt == "fp8" else formats.unpack_fp4(codes)
+    bn, bk = block or (1, formats.FP4_GROUP)
+    grid = formats.scales_fp32(scale).repeat_interleave(bn, -2).repeat_interleave(bk, -1)
+    assert torch.equal(got, (vals * grid).to(dtype))
+
+
+def test_ragged_blocks_and_broadcast_scales_stay_on_the_eager_path(fused_on_cpu):
+    w = torch.randn(2, 200, 300, generator=torch.Generator().manual_seed(6))
+    codes, scale = formats.quantize_fp8(w)
+    got = formats.dequantize_fp8(codes, scale, torch.float32, block=(128, 128))
+    assert "fp8" not in fused_on_cpu  # ragged: never compiled
+    assert torch.equal(got, _eager(codes, scale, torch.float32, (128, 128)))
+    one = torch.full((1, 1), 0.5)
+    c2 = codes[:, :128, :128].contiguous()
+    assert torch.equal(formats.dequantize_fp8(c2, one), c2.float() * 0.5)  # per-tensor scale over experts
+    assert "fp8" not in fused_on_cpu
+
+
+def test_a_compiler_that_fails_falls_back_to_the_same_numbers_with_one_warning(fused_on_cpu, monkeypatch):
+    monkeypatch.setattr(formats, "FUSED_BACKEND", "no-such-backend")
+    w = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(7))
+    codes, scale = formats.quantize_fp8(w)
+    with pytest.warns(RuntimeWarning, match="fused dequantization unavailable"):
+        got = formats.dequantize_fp8(codes, scale, torch.bfloat16, block=(128, 128))
+    assert torch.equal(got, _eager(codes, scale, torch.bfloat16, (128, 128)))
+    assert fused_on_cpu["fp8"] is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: later calls go straight to the eager passes
+        assert torch.equal(formats.dequantize_fp8(codes, scale, torch.bfloat16, block=(128, 128)), got)
+
+
+def test_moetool_no_compile_keeps_the_eager_passes(fused_on_cpu, monkeypatch):
+    monkeypatch.setenv("MOETOOL_NO_COMPILE", "1")
+    codes, scale = formats.quantize_fp4(torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(8)))
+    got = formats.dequantize_fp8(codes, scale, torch.float32)
+    assert fused_on_cpu["fp4"] is None
+    assert torch.equal(got, _eager(codes, scale, torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA")
+@pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "float"), ("fp4", "ue8m0")])
+def test_fused_dequantization_on_cuda_equals_the_cpu_bit_for_bit(monkeypatch, fmt, scale_fmt):
+    monkeypatch.setattr(formats, "_FUSED", {})
+    monkeypatch.delenv("MOETOOL_NO_COMPILE", raising=False)
+    w = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(9)) * 0.02
+    codes, scale = formats.quantize_fp8(w, scale_fmt=scale_fmt) if fmt == "fp8" else \
+        formats.quantize_fp4(w, scale_fmt=scale_fmt)
+    block = (128, 128) if fmt == "fp8" else None
+    for dtype in (torch.bfloat16, torch.float32):
+        want = formats.dequantize_fp8(codes, scale, dtype, block=block)  # the CPU: eager passes
+        got = formats.dequantize_fp8(codes.cuda(), scale.cuda(), dtype, block=block)
+        assert formats._FUSED[fmt] is not None  # Triton kernels here
+        assert torch.equal(got.cpu(), want)
