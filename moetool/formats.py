@@ -19,7 +19,7 @@ Formats (``FORMATS``):
 fp8" on CPU simulates); the ``dequantize_*`` functions read stored codes back, for any leading (expert) dims, so
 callers dequantize a slice of experts at a time. Everything computes in fp32 and is exact against transformers'
 dequantization of the same codes (tests/test_formats.py). On CUDA a whole-block dequantization is one compiled kernel
-(:data:`FUSED_DEVICES`, torch.compile), bit-identical to the eager passes the CPU runs.
+(:mod:`moetool.compiled`), bit-identical to the eager passes the CPU runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from . import compiled
 from .errors import MoetoolError
 
 #: the formats :func:`fake_quantize` takes
@@ -144,14 +145,6 @@ def dequantize_fp8(
     return (values * s).to(dtype)
 
 
-#: where the whole-block dequantization runs as one compiled kernel (codes read once, the result written once)
-#: rather than two to four passes of eager ops: CUDA, where torch.compile's Triton kernels are 4x (FP8) to 8x (FP4)
-#: faster than the eager passes (one H100: an [8, 4096, 1024] FP8 slice 0.28 -> 0.07 ms, FP4 0.89 -> 0.11 ms, the
-#: same bits). ``MOETOOL_NO_COMPILE=1`` keeps the eager passes; a compile that fails falls back to them (warned once).
-FUSED_DEVICES = ("cuda",)
-#: torch.compile's backend for the fused kernels (tests use ``"eager"`` to trace them on the CPU)
-FUSED_BACKEND = "inductor"
-_FUSED: dict[str, object] = {}
 _LUTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -162,44 +155,22 @@ def _blocks_fp8(codes: torch.Tensor, s: torch.Tensor, lead: tuple[int, ...], sn:
     return v.to(dtype).reshape(*lead, sn * bn, sk * bk)
 
 
-def _blocks_fp4(packed: torch.Tensor, s: torch.Tensor, lut: torch.Tensor, lead: tuple[int, ...], n: int, k: int,
+def _blocks_fp4(u8: torch.Tensor, s: torch.Tensor, lut: torch.Tensor, lead: tuple[int, ...], n: int, k: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """Packed e2m1 pairs (``uint8``) looked up in ``lut`` (the 16 values, fp32), times their fp32 ``1 x 32`` group
     scales."""
-    u8 = packed
     v = torch.stack([lut[(u8 & 0xF).to(torch.int32)], lut[(u8 >> 4).to(torch.int32)]], dim=-1)
     v = v.reshape(*lead, n, k // FP4_GROUP, FP4_GROUP) * s.reshape(*lead, n, k // FP4_GROUP, 1)
     return v.to(dtype).reshape(*lead, n, k)
 
 
-def _compiled(name: str):
-    """The compiled kernel ``name`` (``fp8`` / ``fp4``), compiled on first use; None when compiling is off or failed."""
-    if name not in _FUSED:
-        import os
-
-        fn = None
-        if os.environ.get("MOETOOL_NO_COMPILE", "") in ("", "0"):
-            try:
-                fn = torch.compile({"fp8": _blocks_fp8, "fp4": _blocks_fp4}[name], dynamic=False,
-                                   backend=FUSED_BACKEND)
-            except Exception as e:  # noqa: BLE001 - no compiler here: the eager passes give the same numbers
-                _warn_eager(e)
-        _FUSED[name] = fn
-    return _FUSED[name]
-
-
-def _warn_eager(e: BaseException) -> None:
-    import warnings
-
-    warnings.warn(f"moetool: fused dequantization unavailable ({type(e).__name__}: {str(e)[:200]}); "
-                  "dequantizing with eager torch ops (same numbers, slower)", RuntimeWarning, stacklevel=3)
-
-
 def _fused_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, n: int, k: int, block: tuple[int, int] | list[int] | None,
                   dtype: torch.dtype, fp4: bool) -> torch.Tensor | None:
-    """:func:`dequantize_fp8`'s whole-block case as one compiled kernel on :data:`FUSED_DEVICES`; None elsewhere
-    (ragged blocks, a scale grid that does not fit, per-tensor scales broadcast over experts, the CPU)."""
-    if codes.device.type not in FUSED_DEVICES or torch.compiler.is_compiling():
+    """:func:`dequantize_fp8`'s whole-block case as one compiled kernel (:mod:`moetool.compiled`: CUDA; the codes read
+    once, the result written once, where the eager ops make two to four passes: on one H100 an ``[8, 4096, 1024]``
+    FP8 slice 0.28 -> 0.07 ms, FP4 0.89 -> 0.11 ms, the same bits); None elsewhere (ragged blocks, a scale grid
+    that does not fit, per-tensor scales broadcast over experts, the CPU)."""
+    if not compiled.wanted(codes):
         return None
     lead, (sn, sk) = tuple(codes.shape[:-2]), scale_inv.shape[-2:]
     if tuple(scale_inv.shape[:-2]) != lead:
@@ -207,20 +178,13 @@ def _fused_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, n: int, k: int, 
     bn, bk = block if block is not None else (n // sn if n % sn == 0 else 0, k // sk if k % sk == 0 else 0)
     if not bn or not bk or n != sn * bn or k != sk * bk or (fp4 and (bn, bk) != (1, FP4_GROUP)):
         return None
-    fn = _compiled("fp4" if fp4 else "fp8")
-    if fn is None:
-        return None
     s = scales_fp32(scale_inv)
-    try:
-        if fp4:
-            if codes.device not in _LUTS:
-                _LUTS[codes.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-            return fn(codes.contiguous().view(torch.uint8), s.contiguous(), _LUTS[codes.device], lead, n, k, dtype)
-        return fn(codes, s, lead, sn, bn, sk, bk, dtype)
-    except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: the eager passes, from now on
-        _FUSED["fp4" if fp4 else "fp8"] = None
-        _warn_eager(e)
-        return None
+    if fp4:
+        if codes.device not in _LUTS:
+            _LUTS[codes.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+        return compiled.run("fp4 dequantization", _blocks_fp4, codes.contiguous().view(torch.uint8), s.contiguous(),
+                            _LUTS[codes.device], lead, n, k, dtype, dynamic=False)
+    return compiled.run("fp8 dequantization", _blocks_fp8, codes, s, lead, sn, bn, sk, bk, dtype, dynamic=False)
 
 
 # ---------------------------------------------------------------------------------------------------------- FP4

@@ -11,7 +11,7 @@ import torch
 from transformers.integrations import finegrained_fp8 as tf_fp8
 from transformers.integrations import mxfp4 as tf_mx
 
-from moetool import formats
+from moetool import compiled, formats
 from moetool.errors import MoetoolError
 
 GEN = torch.Generator().manual_seed(0)
@@ -156,20 +156,20 @@ def test_bad_formats_are_one_line():
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """Route the CPU through the fused path (dynamo traces the kernels; "eager" runs the traced graph)."""
-    monkeypatch.setattr(formats, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(formats, "FUSED_BACKEND", "eager")
+    monkeypatch.setattr(compiled, "DEVICES", ("cpu",))
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
     monkeypatch.delenv("MOETOOL_NO_COMPILE", raising=False)
-    monkeypatch.setattr(formats, "_FUSED", {})
-    return formats._FUSED
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    return compiled._KERNELS
 
 
 def _eager(codes, scale, dtype, block=None):
-    saved = formats.FUSED_DEVICES
-    formats.FUSED_DEVICES = ()
+    saved = compiled.DEVICES
+    compiled.DEVICES = ()
     try:
         return formats.dequantize_fp8(codes, scale, dtype, block=block)
     finally:
-        formats.FUSED_DEVICES = saved
+        compiled.DEVICES = saved
 
 
 @pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "float"), ("fp4", "ue8m0")])
@@ -181,7 +181,7 @@ def test_fused_dequantization_equals_the_eager_passes_bit_for_bit(fused_on_cpu, 
     block = (128, 128) if fmt == "fp8" else None
     want = _eager(codes, scale, dtype, block)
     got = formats.dequantize_fp8(codes, scale, dtype, block=block)
-    assert fused_on_cpu[fmt] is not None  # the compiled kernel ran
+    assert fused_on_cpu[f"{fmt} dequantization"] is not None  # the compiled kernel ran
     assert got.dtype == dtype and got.shape == want.shape == w.shape
     assert torch.equal(got, want)
     # a slice of experts and of the rows (how probes read gate and up of a fused gate_up)
@@ -199,22 +199,22 @@ def test_ragged_blocks_and_broadcast_scales_stay_on_the_eager_path(fused_on_cpu)
     w = torch.randn(2, 200, 300, generator=torch.Generator().manual_seed(6))
     codes, scale = formats.quantize_fp8(w)
     got = formats.dequantize_fp8(codes, scale, torch.float32, block=(128, 128))
-    assert "fp8" not in fused_on_cpu  # ragged: never compiled
+    assert not fused_on_cpu  # ragged: never compiled
     assert torch.equal(got, _eager(codes, scale, torch.float32, (128, 128)))
     one = torch.full((1, 1), 0.5)
     c2 = codes[:, :128, :128].contiguous()
     assert torch.equal(formats.dequantize_fp8(c2, one), c2.float() * 0.5)  # per-tensor scale over experts
-    assert "fp8" not in fused_on_cpu
+    assert not fused_on_cpu
 
 
 def test_a_compiler_that_fails_falls_back_to_the_same_numbers_with_one_warning(fused_on_cpu, monkeypatch):
-    monkeypatch.setattr(formats, "FUSED_BACKEND", "no-such-backend")
+    monkeypatch.setattr(compiled, "BACKEND", "no-such-backend")
     w = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(7))
     codes, scale = formats.quantize_fp8(w)
-    with pytest.warns(RuntimeWarning, match="fused dequantization unavailable"):
+    with pytest.warns(RuntimeWarning, match="compiled fp8 dequantization kernel unavailable"):
         got = formats.dequantize_fp8(codes, scale, torch.bfloat16, block=(128, 128))
     assert torch.equal(got, _eager(codes, scale, torch.bfloat16, (128, 128)))
-    assert fused_on_cpu["fp8"] is None
+    assert fused_on_cpu["fp8 dequantization"] is None
     import warnings
 
     with warnings.catch_warnings():
@@ -226,14 +226,14 @@ def test_moetool_no_compile_keeps_the_eager_passes(fused_on_cpu, monkeypatch):
     monkeypatch.setenv("MOETOOL_NO_COMPILE", "1")
     codes, scale = formats.quantize_fp4(torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(8)))
     got = formats.dequantize_fp8(codes, scale, torch.float32)
-    assert fused_on_cpu["fp4"] is None
+    assert not fused_on_cpu  # not even compiled
     assert torch.equal(got, _eager(codes, scale, torch.float32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA")
 @pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "float"), ("fp4", "ue8m0")])
 def test_fused_dequantization_on_cuda_equals_the_cpu_bit_for_bit(monkeypatch, fmt, scale_fmt):
-    monkeypatch.setattr(formats, "_FUSED", {})
+    monkeypatch.setattr(compiled, "_KERNELS", {})
     monkeypatch.delenv("MOETOOL_NO_COMPILE", raising=False)
     w = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(9)) * 0.02
     codes, scale = formats.quantize_fp8(w, scale_fmt=scale_fmt) if fmt == "fp8" else \
@@ -242,5 +242,5 @@ def test_fused_dequantization_on_cuda_equals_the_cpu_bit_for_bit(monkeypatch, fm
     for dtype in (torch.bfloat16, torch.float32):
         want = formats.dequantize_fp8(codes, scale, dtype, block=block)  # the CPU: eager passes
         got = formats.dequantize_fp8(codes.cuda(), scale.cuda(), dtype, block=block)
-        assert formats._FUSED[fmt] is not None  # Triton kernels here
+        assert compiled._KERNELS[f"{fmt} dequantization"] is not None  # Triton kernels here
         assert torch.equal(got.cpu(), want)

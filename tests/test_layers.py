@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: lowest first; a module may import its own layer and the layers before it (a group is moetool.<name>)
 LAYERS: list[set[str]] = [
-    {"errors", "registry", "configs", "demo_models", "progress", "ops", "formats", "lmeval_compat", "files",
+    {"errors", "registry", "configs", "demo_models", "progress", "ops", "compiled", "formats", "lmeval_compat", "files",
      "context", "defaults"},
     {"sketch", "uncertainty", "distributed", "data", "hub", "checkpoints"},
     {"adapters"},
