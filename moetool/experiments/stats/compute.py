@@ -210,10 +210,9 @@ class RoutingStats:
             lf = ratio_intervals(assign, assign.sum(1), **kw)
             tf = ratio_intervals(assign, tokens, **kw)
             row = {"layer": li}
-            load.append(pd.DataFrame({"layer": li, "expert": range(n),
-                                      "load_fraction_lo": [i.lo for i in lf], "load_fraction_hi": [i.hi for i in lf],
-                                      "token_fraction_lo": [i.lo for i in tf],
-                                      "token_fraction_hi": [i.hi for i in tf]}))
+            load.append({"layer": np.full(n, li, dtype=np.int64), "expert": np.arange(n, dtype=np.int64),
+                         **{f"{name}_{end}": np.array([getattr(i, end) for i in ci], dtype=np.float64)
+                            for name, ci in (("load_fraction", lf), ("token_fraction", tf)) for end in ("lo", "hi")}})
 
             def shape(s: np.ndarray, n: int = n) -> np.ndarray:  # summed counts [..., n] -> [..., 2]
                 frac = s / s.sum(-1, keepdims=True)
@@ -226,7 +225,7 @@ class RoutingStats:
             for name, ci in (("load_entropy_norm", ent), ("max_load_ratio", mx), ("confidence_entropy_norm", conf)):
                 row.update({f"{name}_lo": ci.lo, f"{name}_hi": ci.hi})
             layers.append(row)
-        return pd.concat(load, ignore_index=True), pd.DataFrame(layers)
+        return _frame(load), pd.DataFrame(layers)
 
     def pair_counts(self) -> Any:
         """Every (layer, expert, token_id) pair seen with its count (all layers, sorted), not truncated."""
@@ -386,9 +385,9 @@ class Collected:
         """Every table of :func:`stats` (``{file name: DataFrame}``)."""
         out = self.routing.tables(tokenizer, top_n=top_n, min_count=min_count)
         experts, per_layer = self.load_balance.tables()
-        load = out["load.csv"].merge(experts.drop(columns="token_fraction"), on=["layer", "expert"], how="left")
+        load = joined(out["load.csv"], experts.drop(columns="token_fraction"), ["layer", "expert"])
         out["load.csv"] = load[["layer", "expert", "load_fraction", "token_fraction", "router_prob", "tokens"]]
-        out["layers.csv"] = out["layers.csv"].merge(per_layer, on="layer", how="left")
+        out["layers.csv"] = joined(out["layers.csv"], per_layer, ["layer"])
         out.update(self.cross_layer.tables())
         if self.vocab is not None:
             out.update(self.vocab.tables(tokenizer, min_count=min_count, top_n=max(top_n, 1)))
@@ -486,8 +485,8 @@ def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, s
     their values (NaN when ``n_boot`` is 0)."""
     if n_boot and routing.rows is not None:
         ci_load, ci_layers = routing.intervals(n_boot, seed)
-        load = load.merge(ci_load, on=["layer", "expert"], how="left")
-        layers = layers.merge(ci_layers, on="layer", how="left")
+        load = joined(load, ci_load, ["layer", "expert"])
+        layers = joined(layers, ci_layers, ["layer"])
     for df, cols in ((load, LOAD_CI), (layers, LAYERS_CI)):
         for c in cols:
             for end in ("_lo", "_hi"):
@@ -496,6 +495,22 @@ def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, s
     order = lambda df, cols: [x for c in df.columns if not c.endswith(("_lo", "_hi"))
                               for x in ([c, c + "_lo", c + "_hi"] if c in cols else [c])]
     return load[order(load, LOAD_CI)], layers[order(layers, LAYERS_CI)]
+
+
+def joined(left: Any, right: Any, on: list[str]) -> Any:
+    """``left.merge(right, on=on, how="left")``: where both hold the same keys in the same order (one row each, as
+    the per-layer and per-expert tables of one run do), ``right``'s other columns are set on ``left`` instead (the
+    same frame, no join)."""
+    import numpy as np
+
+    if len(left) != len(right) or not all(np.array_equal(left[c].to_numpy(), right[c].to_numpy()) for c in on) \
+            or left.duplicated(on).any() or set(left.columns) & (set(right.columns) - set(on)):
+        return left.merge(right, on=on, how="left")
+    out = left.copy(deep=False)
+    for c in right.columns:
+        if c not in on:
+            out[c] = right[c].to_numpy()
+    return out
 
 
 def summary_table(layers: Any) -> Any:
