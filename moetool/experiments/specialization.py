@@ -128,7 +128,7 @@ class VocabSpecialization:
         self._top1[ev.layer.index] = (top1, valid)
 
     def on_batch(self, batch: Any, output: Any) -> None:
-        pred = output.logits.argmax(-1)  # [B, S] predicted next token at every position
+        pred = ops.argmax(output.logits)  # [B, S] predicted next token at every position (torch.argmax's)
         seq2seq = any(getattr(L, "stack", None) is not None for L in self.layers.values())
         if seq2seq:  # an encoder-decoder: the logits at t predict token t itself; encoder layers get t+1's
             nxt = torch.zeros_like(pred)
