@@ -256,7 +256,8 @@ def test_top_per_group_and_token_arrays_match_one_lexsort():
         group = rng.integers(-1 if it % 7 == 0 else 0, int(rng.integers(1, 10)), N)
         keys = []
         for kind in rng.integers(0, 4, int(rng.integers(1, 4))):
-            v = [rng.integers(0, 5, N), np.round(rng.random(N), 1), np.sort(rng.integers(0, 40, N)), rng.random(N)][kind]
+            v = [rng.integers(0, 5, N), np.round(rng.random(N), 1), np.sort(rng.integers(0, 40, N)),
+                 rng.random(N)][kind]
             if kind == 3 and it % 5 == 0 and N:
                 v[rng.integers(0, N)] = np.nan
             keys.append((v, bool(rng.integers(0, 2))))
