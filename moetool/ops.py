@@ -43,6 +43,20 @@ def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return -torch.special.xlogy(p, p).sum(dim=dim)
 
 
+def argmax(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first largest value; NaN counts as largest) over blocks of ``block`` values: each block's
+    ``amax``, the first block holding the largest, then the first largest inside it. The same indices as
+    ``torch.argmax`` in one vectorised pass over ``x`` (a CPU's ``argmax`` of a ``[rows, vocab]`` logit matrix
+    is about five times slower than its ``amax``); a last dim not a multiple of ``block``: ``torch.argmax``."""
+    V = x.shape[-1]
+    if V < 2 * block or V % block or not x.is_floating_point():
+        return x.argmax(-1)
+    blocks = x.reshape(*x.shape[:-1], V // block, block)  # [..., V / block, block] (a view of contiguous rows)
+    first = blocks.amax(-1).argmax(-1, keepdim=True)  # [..., 1] the first block that holds the largest value
+    inside = blocks.gather(-2, first.unsqueeze(-1).expand(*first.shape, block)).squeeze(-2)  # [..., block]
+    return first.squeeze(-1) * block + inside.argmax(-1)
+
+
 def overlap_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``|A ∩ B|`` per row for index sets ``a [T, Ka]`` and ``b [T, Kb]`` (no repeats in a row)."""
     return (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1)

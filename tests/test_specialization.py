@@ -236,3 +236,66 @@ def test_coactivation_conventions_on_k4_hand_counts():
     assert (adj <= all_).all() and (adj < all_).any()
     with pytest.raises(MoetoolError, match="coactivation"):
         coactivation_counts(idx, n, valid, "neighbours")
+
+
+def test_top_per_group_and_token_arrays_match_one_lexsort():
+    """The shortcuts of top_per_group (only rows that can rank top_n sorted, an in-order last key left to the sort's
+    stability) and _token_arrays (runs of sorted keys, no sort) give exactly what one full lexsort gives."""
+    from moetool.experiments.specialization import _token_arrays, top_per_group
+
+    def lexsorted(group, keys, top_n):
+        order = np.lexsort([-v if d else v for v, d in reversed(keys)] + [group])
+        g, at = group[order], np.arange(len(order))
+        start = np.maximum.accumulate(np.where(np.r_[True, g[1:] != g[:-1]], at, 0)) if len(order) else at
+        rank = at - start + 1
+        return order[rank <= top_n], rank[rank <= top_n]
+
+    rng = np.random.default_rng(0)
+    for it in range(300):
+        N, top_n = int(rng.integers(0, 300)), int(rng.integers(0, 12))
+        group = rng.integers(-1 if it % 7 == 0 else 0, int(rng.integers(1, 10)), N)
+        keys = []
+        for kind in rng.integers(0, 4, int(rng.integers(1, 4))):
+            v = [rng.integers(0, 5, N), np.round(rng.random(N), 1), np.sort(rng.integers(0, 40, N)),
+                 rng.random(N)][kind]
+            if kind == 3 and it % 5 == 0 and N:
+                v[rng.integers(0, N)] = np.nan
+            keys.append((v, bool(rng.integers(0, 2))))
+        for got, want in zip(top_per_group(group, keys, top_n), lexsorted(group, keys, top_n)):
+            np.testing.assert_array_equal(got, want)
+        n = int(rng.integers(1, 9))
+        k = np.unique(rng.integers(-1, 50 * n, int(rng.integers(0, 200))))
+        c = rng.integers(1, 6, len(k))
+        if it % 3 == 0:
+            k, c = k[::-1].copy(), c[::-1].copy()
+        got = _token_arrays(torch.from_numpy(k), torch.from_numpy(c), n)
+        k, c = k[k >= 0], c[k >= 0]
+        tid, ex = k // n, k % n
+        order = np.lexsort((ex, -c, tid))
+        t = tid[order]
+        start = np.flatnonzero(np.r_[True, t[1:] != t[:-1]]) if len(t) else np.zeros(0, dtype=np.int64)
+        occ = np.add.reduceat(c[order], start) if len(t) else c[:0]
+        top = order[start]
+        want = {"token_id": t[start], "occurrences": occ, "expert": ex[top], "count": c[top],
+                "specialization": c[top] / occ.astype(np.float64)}
+        for col in want:
+            assert got[col].dtype == want[col].dtype
+            np.testing.assert_array_equal(got[col], want[col])
+
+
+def test_blockwise_argmax_is_torch_argmax():
+    """ops.argmax (the predicted view's argmax over blocks of the vocabulary): torch.argmax's indices, ties (the first),
+    NaN (counts as largest) and infinities included, in every float dtype."""
+    from moetool import ops
+
+    g = torch.Generator().manual_seed(0)
+    for it, V in enumerate((64, 128, 2048, 1000, 100, 130) * 8):
+        x = torch.randn(3, 5, V, generator=g).to((torch.float32, torch.bfloat16, torch.float16, torch.float64)[it % 4])
+        if it % 3 == 0:
+            x = x.round()
+        if it % 5 == 0:
+            x[0, 1, torch.randint(0, V, (3,), generator=g)] = float("nan")
+        if it % 7 == 0:
+            x[1, 2, torch.randint(0, V, (2,), generator=g)] = float("inf")
+            x[2] = float("-inf")
+        assert torch.equal(ops.argmax(x), x.argmax(-1)), (it, V)

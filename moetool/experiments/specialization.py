@@ -128,7 +128,7 @@ class VocabSpecialization:
         self._top1[ev.layer.index] = (top1, valid)
 
     def on_batch(self, batch: Any, output: Any) -> None:
-        pred = output.logits.argmax(-1)  # [B, S] predicted next token at every position
+        pred = ops.argmax(output.logits)  # [B, S] predicted next token at every position (torch.argmax's)
         seq2seq = any(getattr(L, "stack", None) is not None for L in self.layers.values())
         if seq2seq:  # an encoder-decoder: the logits at t predict token t itself; encoder layers get t+1's
             nxt = torch.zeros_like(pred)
@@ -196,31 +196,91 @@ class VocabSpecialization:
 def top_per_group(group: Any, keys: list[tuple[Any, bool]], top_n: int) -> tuple[Any, Any]:
     """``(positions, rank)``: the first ``top_n`` rows of each group (numpy ``group`` ids, in ascending order of
     group) when each group's rows are ordered by ``keys`` -- ``(values, descending)`` pairs, the first deciding
-    first (NaN last) -- and their rank 1..N within the group."""
+    first (NaN last; rows equal in every key in their order) -- and their rank 1..N within the group.
+
+    Only the rows that can be among the first ``top_n`` of their group are sorted in full (:func:`_contenders`),
+    and a last key already in order along the rows is left to the sort's stability: the same rows and ranks as
+    one ``lexsort`` of every row by every key."""
     import numpy as np
 
-    order = np.lexsort([-v if desc else v for v, desc in reversed(keys)] + [group])
-    g = np.asarray(group)[order]
+    group = np.asarray(group)
+    sort_keys = [-np.asarray(v) if desc else np.asarray(v) for v, desc in keys]  # ascending = first
+    while len(sort_keys) > 1 and _in_order(sort_keys[-1]):  # ties already in this key's order: stability keeps it
+        sort_keys.pop()
+    rows = _contenders(group, sort_keys[0], top_n) if sort_keys else None
+    if rows is not None:
+        group, sort_keys = group[rows], [v[rows] for v in sort_keys]
+    order = np.lexsort(sort_keys[::-1] + [group])
+    g = group[order]
     at = np.arange(len(order))
     start = np.maximum.accumulate(np.where(np.r_[True, g[1:] != g[:-1]], at, 0)) if len(order) else at
     rank = at - start + 1
     keep = rank <= top_n
+    if rows is not None:
+        order = rows[order]
     return order[keep], rank[keep]
 
 
+def _in_order(v: Any) -> bool:
+    """``v`` ascending along the rows (ties allowed; NaN never)."""
+    import numpy as np
+
+    return bool(len(v) < 2 or np.all(v[1:] >= v[:-1]))
+
+
+def _contenders(group: Any, first: Any, top_n: int) -> Any:
+    """Sorted positions of the rows whose ``first`` sort key (ascending = first) is at most the ``top_n``-th
+    smallest of their group: every row that can rank ``top_n`` or better (its ties included); ``None`` where that
+    would not cut much or cannot be computed exactly (NaN keys, non-integer groups)."""
+    import numpy as np
+
+    N = len(first)
+    if top_n < 1 or N < 4 * top_n or group.dtype.kind not in "iu" or first.dtype.kind not in "iuf":
+        return None
+    if first.dtype.kind == "f":
+        if np.isnan(first).any():
+            return None
+        by = np.argsort(first)  # rank of each row's key (ties: any order; the cut below is by value)
+        r = np.empty(N, dtype=np.int64)
+        r[by] = np.arange(N)
+        span = N
+    else:
+        lo = int(first.min())
+        r, span = first.astype(np.int64) - lo, int(first.max()) - lo + 1
+    glo, ghi = int(group.min()), int(group.max())
+    if (ghi - glo + 1) * span >= 1 << 62:
+        return None
+    composite = np.sort((group.astype(np.int64) - glo) * span + r)  # by group, then key
+    gs = composite // span
+    seg = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])  # each group's first position
+    size = np.diff(np.r_[seg, N])
+    cut = composite[seg + np.minimum(size, top_n) - 1] - gs[seg] * span  # the top_n-th smallest rank per group
+    limit = (first[by[cut]] if first.dtype.kind == "f" else cut + lo)[np.searchsorted(gs[seg], group - glo)]
+    return np.flatnonzero(first <= limit)
+
+
 def _token_arrays(keys: torch.Tensor, counts: torch.Tensor, n: int) -> dict[str, Any]:
-    """:func:`token_specialization`'s columns as numpy arrays."""
+    """:func:`token_specialization`'s columns as numpy arrays. Keys sorted (a :class:`SparseCounter`'s): each token
+    id's keys are consecutive, its experts ascending, so its most frequent expert (ties: lowest id) is the first
+    key at its largest count -- reductions over the runs of equal token ids, no sort."""
     import numpy as np
 
     k, c = keys.cpu().numpy(), counts.cpu().numpy()
     k, c = k[k >= 0], c[k >= 0]
+    if not _in_order(k):  # not a counter's sorted keys
+        by = np.argsort(k, kind="stable")
+        k, c = k[by], c[by]
     tid, ex = k // n, k % n
-    order = np.lexsort((ex, -c, tid))  # per token id its most frequent expert first (ties: lowest id)
-    t = tid[order]
-    start = np.flatnonzero(np.r_[True, t[1:] != t[:-1]]) if len(t) else np.zeros(0, dtype=np.int64)
-    occ = np.add.reduceat(c[order], start) if len(t) else c[:0]
-    top = order[start]
-    return {"token_id": t[start], "occurrences": occ, "expert": ex[top], "count": c[top],
+    if not len(k):
+        empty = np.zeros(0, dtype=np.int64)
+        return {"token_id": tid, "occurrences": c, "expert": ex, "count": c,
+                "specialization": c / empty.astype(np.float64)}
+    new = np.r_[True, tid[1:] != tid[:-1]]
+    start = np.flatnonzero(new)
+    occ = np.add.reduceat(c, start)
+    best = np.maximum.reduceat(c, start)[np.cumsum(new) - 1]  # each key's token id's largest count
+    top = np.minimum.reduceat(np.where(c == best, np.arange(len(c)), len(c)), start)
+    return {"token_id": tid[start], "occurrences": occ, "expert": ex[top], "count": c[top],
             "specialization": c[top] / occ.astype(np.float64)}
 
 

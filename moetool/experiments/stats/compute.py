@@ -210,10 +210,9 @@ class RoutingStats:
             lf = ratio_intervals(assign, assign.sum(1), **kw)
             tf = ratio_intervals(assign, tokens, **kw)
             row = {"layer": li}
-            load.append(pd.DataFrame({"layer": li, "expert": range(n),
-                                      "load_fraction_lo": [i.lo for i in lf], "load_fraction_hi": [i.hi for i in lf],
-                                      "token_fraction_lo": [i.lo for i in tf],
-                                      "token_fraction_hi": [i.hi for i in tf]}))
+            load.append({"layer": np.full(n, li, dtype=np.int64), "expert": np.arange(n, dtype=np.int64),
+                         **{f"{name}_{end}": np.array([getattr(i, end) for i in ci], dtype=np.float64)
+                            for name, ci in (("load_fraction", lf), ("token_fraction", tf)) for end in ("lo", "hi")}})
 
             def shape(s: np.ndarray, n: int = n) -> np.ndarray:  # summed counts [..., n] -> [..., 2]
                 frac = s / s.sum(-1, keepdims=True)
@@ -226,7 +225,7 @@ class RoutingStats:
             for name, ci in (("load_entropy_norm", ent), ("max_load_ratio", mx), ("confidence_entropy_norm", conf)):
                 row.update({f"{name}_lo": ci.lo, f"{name}_hi": ci.hi})
             layers.append(row)
-        return pd.concat(load, ignore_index=True), pd.DataFrame(layers)
+        return _frame(load), pd.DataFrame(layers)
 
     def pair_counts(self) -> Any:
         """Every (layer, expert, token_id) pair seen with its count (all layers, sorted), not truncated."""
@@ -243,7 +242,9 @@ class RoutingStats:
 
     # ----- tables ------------------------------------------------------------------------
     def tables(self, tokenizer: Any = None, top_n: int = 10, min_count: int = 5) -> dict[str, Any]:
-        """``{csv name: DataFrame}`` with exactly the documented columns."""
+        """``{csv name: DataFrame}`` with exactly the documented columns (numpy columns per layer, one DataFrame
+        per table)."""
+        import numpy as np
         import pandas as pd
 
         missing = sorted(set(self.layers) - set(self.acc))
@@ -260,9 +261,9 @@ class RoutingStats:
             n, k = a.n, a.k
             assign = a.assign.cpu()  # [n]
             frac = assign / assign.sum()  # [n] float64, sums to 1
-            load.append(pd.DataFrame({"layer": li, "expert": range(n), "load_fraction": frac.numpy(),
-                                      "token_fraction": (assign / tokens).numpy(),
-                                      "tokens": assign.long().numpy()}))
+            load.append({"layer": np.full(n, li, dtype=np.int64), "expert": np.arange(n, dtype=np.int64),
+                         "load_fraction": frac.numpy(), "token_fraction": (assign / tokens).numpy(),
+                         "tokens": assign.long().numpy()})
             ent, conf = float(ops.entropy(frac)), float(a.conf_sum) / tokens
             layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
                            "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
@@ -270,71 +271,103 @@ class RoutingStats:
             z = getattr(self.layers.get(li), "n_zero_compute", 0)
             if z:  # zero-computation experts (LongCat-Flash): how often the routing takes the identity route
                 layers[-1]["zero_compute_fraction"] = float(frac[n - z:].sum())
-            co.append(_coactivation_frame(li, a.co.cpu()))
+            co.append(_coactivation_arrays(li, a.co.cpu()))
             if self.domains:
-                dom += _domain_frames(li, a, self.domains)
+                dom += _domain_arrays(li, a, self.domains)
             if a.pairs is not None:
-                pairs = _pair_frame(li, a, tok_keys, tok_counts)
-                top.append(_rank(pairs, "count", top_n))
-                lift.append(_rank(pairs[pairs["count"] >= min_count], "lift", top_n))
-        out = {"load.csv": pd.concat(load, ignore_index=True), "layers.csv": pd.DataFrame(layers),
-               "coactivation.csv": pd.concat(co, ignore_index=True)}
+                pairs = _pair_arrays(li, a, tok_keys, tok_counts)
+                top.append(_rank_arrays(pairs, "count", top_n))
+                lift.append(_rank_arrays(_rows(pairs, pairs["count"] >= min_count), "lift", top_n))
+        out = {"load.csv": _frame(load), "layers.csv": pd.DataFrame(layers), "coactivation.csv": _frame(co)}
         if dom:
-            out["domain_load.csv"] = pd.concat(dom, ignore_index=True)
+            out["domain_load.csv"] = _frame(dom)
         if top:
             cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
-            out["top_tokens.csv"] = with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
-            out["top_tokens_lift.csv"] = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+            out["top_tokens.csv"] = with_tokens(_frame(top), decode)[cols]
+            out["top_tokens_lift.csv"] = with_tokens(_frame(lift), decode)[cols + ["lift"]]
         return out
 
 
-def _domain_frames(layer: int, a: LayerAccumulator, domains: list[str]) -> list[Any]:
-    """One ``domain_load`` frame per domain that has tokens."""
+def _frame(parts: list[dict[str, Any]]) -> Any:
+    """One DataFrame of the column arrays of ``parts`` (the same columns each), in order: what ``pd.concat`` of
+    their frames with ``ignore_index`` gives, without a frame per part."""
+    import numpy as np
     import pandas as pd
+
+    return pd.DataFrame({c: np.concatenate([p[c] for p in parts]) if not isinstance(parts[0][c], list)
+                         else [x for p in parts for x in p[c]] for c in parts[0]})
+
+
+def _rows(cols: dict[str, Any], keep: Any) -> dict[str, Any]:
+    """The rows ``keep`` (a boolean mask or positions) of every column array."""
+    return {c: v[keep] for c, v in cols.items()}
+
+
+def _domain_arrays(layer: int, a: LayerAccumulator, domains: list[str]) -> list[dict[str, Any]]:
+    """The ``domain_load`` columns of each domain that has tokens."""
+    import numpy as np
 
     da = a.dom_assign.cpu()  # [D, n]
     dl = da / da.sum(-1, keepdim=True)  # [D, n] float64, rows sum to 1
-    return [pd.DataFrame({"layer": layer, "domain": name, "expert": range(a.n), "load_fraction": dl[di].numpy(),
-                          "token_fraction": (da[di] / a.dom_tokens[di].cpu()).numpy(),
-                          "uniform_token_fraction": a.k / a.n, "tokens": da[di].long().numpy()})
-            for di, name in enumerate(domains) if a.dom_tokens[di] > 0]
+    dt = a.dom_tokens.cpu()
+    return [{"layer": np.full(a.n, layer, dtype=np.int64), "domain": [name] * a.n,
+             "expert": np.arange(a.n, dtype=np.int64), "load_fraction": dl[di].numpy(),
+             "token_fraction": (da[di] / dt[di]).numpy(), "uniform_token_fraction": np.full(a.n, a.k / a.n),
+             "tokens": da[di].long().numpy()}
+            for di, name in enumerate(domains) if dt[di] > 0]
 
 
-def _pair_frame(layer: int, a: LayerAccumulator, tok_keys: Any, tok_counts: Any) -> Any:
-    """Every (expert, token id) pair seen: count, share of the token's occurrences, lift."""
-    import pandas as pd
+def _pair_arrays(layer: int, a: Any, tok_keys: Any, tok_counts: Any) -> dict[str, Any]:
+    """Every (expert, token id) pair seen (sorted by token id, then expert): count, share of the token's
+    occurrences, lift -- numpy columns."""
+    import numpy as np
 
     pk, pc = (t.cpu().numpy() for t in a.pairs.result())
-    pk, pc = pk[pk >= 0], pc[pk >= 0]  # -1 = padding
-    pairs = pd.DataFrame({"layer": layer, "expert": pk % a.n, "token_id": pk // a.n, "count": pc})
-    total = tok_counts[tok_keys.searchsorted(pairs["token_id"].to_numpy())]  # occurrences of each token
-    pairs["share"] = pairs["count"] / total
+    keep = pk >= 0  # -1 = padding
+    pk, pc = pk[keep], pc[keep]
+    expert, token_id = pk % a.n, pk // a.n
+    share = pc / tok_counts[tok_keys.searchsorted(token_id)]  # count / occurrences of the token
     token_fraction = (a.assign.cpu() / int(a.tokens)).numpy()  # [n]
-    pairs["lift"] = pairs["share"] / token_fraction[pairs["expert"].to_numpy()]
-    return pairs
+    return {"layer": np.full(len(pk), layer, dtype=np.int64), "expert": expert, "token_id": token_id, "count": pc,
+            "share": share, "lift": share / token_fraction[expert]}
 
 
-def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
-    """Ordered pairs a != b of a ``[n, n]`` co-count matrix whose diagonal holds the tokens choosing a."""
+def _pair_frame(layer: int, a: Any, tok_keys: Any, tok_counts: Any) -> Any:
+    """:func:`_pair_arrays` as a DataFrame."""
     import pandas as pd
+
+    return pd.DataFrame(_pair_arrays(layer, a, tok_keys, tok_counts))
+
+
+def _coactivation_arrays(layer: int, co: torch.Tensor) -> dict[str, Any]:
+    """Ordered pairs a != b of a ``[n, n]`` co-count matrix whose diagonal holds the tokens choosing a."""
+    import numpy as np
 
     n = co.shape[0]
     chose = co.diagonal()  # [n]
     p = co / chose.unsqueeze(1)  # [n, n] row a: P(b | a); nan where nobody chose a
     a, b = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
     off = a != b
-    return pd.DataFrame({"layer": layer, "a": a[off].numpy(), "b": b[off].numpy(),
-                         "p_b_given_a": p[off].numpy(), "count": co[off].long().numpy()})
+    return {"layer": np.full(n * (n - 1), layer, dtype=np.int64), "a": a[off].numpy(), "b": b[off].numpy(),
+            "p_b_given_a": p[off].numpy(), "count": co[off].long().numpy()}
+
+
+def _coactivation_frame(layer: int, co: torch.Tensor) -> Any:
+    """:func:`_coactivation_arrays` as a DataFrame."""
+    return _frame([_coactivation_arrays(layer, co)])
+
+
+def _rank_arrays(pairs: dict[str, Any], by: str, top_n: int) -> dict[str, Any]:
+    """The ``top_n`` rows per expert by ``by`` (descending; ties by count, then token id), with ``rank`` 1..N."""
+    keys = [by] + (["count"] if by != "count" else [])
+    pos, rank = top_per_group(pairs["expert"], [(pairs[k], True) for k in keys] + [(pairs["token_id"], False)],
+                              top_n)
+    return {**_rows(pairs, pos), "rank": rank}
 
 
 def _rank(pairs: Any, by: str, top_n: int) -> Any:
-    """The ``top_n`` rows per expert by ``by`` (descending; ties by count, then token id), with ``rank`` 1..N."""
-    keys = [by] + (["count"] if by != "count" else [])
-    pos, rank = top_per_group(pairs["expert"].to_numpy(), [(pairs[k].to_numpy(), True) for k in keys]
-                              + [(pairs["token_id"].to_numpy(), False)], top_n)
-    df = pairs.iloc[pos].copy()
-    df["rank"] = rank
-    return df
+    """:func:`_rank_arrays` of a DataFrame of pairs."""
+    return _frame([_rank_arrays({c: pairs[c].to_numpy() for c in pairs.columns}, by, top_n)])
 
 
 # ----- the experiment ----------------------------------------------------------------------------
@@ -352,9 +385,9 @@ class Collected:
         """Every table of :func:`stats` (``{file name: DataFrame}``)."""
         out = self.routing.tables(tokenizer, top_n=top_n, min_count=min_count)
         experts, per_layer = self.load_balance.tables()
-        load = out["load.csv"].merge(experts.drop(columns="token_fraction"), on=["layer", "expert"], how="left")
+        load = joined(out["load.csv"], experts.drop(columns="token_fraction"), ["layer", "expert"])
         out["load.csv"] = load[["layer", "expert", "load_fraction", "token_fraction", "router_prob", "tokens"]]
-        out["layers.csv"] = out["layers.csv"].merge(per_layer, on="layer", how="left")
+        out["layers.csv"] = joined(out["layers.csv"], per_layer, ["layer"])
         out.update(self.cross_layer.tables())
         if self.vocab is not None:
             out.update(self.vocab.tables(tokenizer, min_count=min_count, top_n=max(top_n, 1)))
@@ -452,8 +485,8 @@ def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, s
     their values (NaN when ``n_boot`` is 0)."""
     if n_boot and routing.rows is not None:
         ci_load, ci_layers = routing.intervals(n_boot, seed)
-        load = load.merge(ci_load, on=["layer", "expert"], how="left")
-        layers = layers.merge(ci_layers, on="layer", how="left")
+        load = joined(load, ci_load, ["layer", "expert"])
+        layers = joined(layers, ci_layers, ["layer"])
     for df, cols in ((load, LOAD_CI), (layers, LAYERS_CI)):
         for c in cols:
             for end in ("_lo", "_hi"):
@@ -462,6 +495,22 @@ def with_intervals(routing: RoutingStats, load: Any, layers: Any, n_boot: int, s
     order = lambda df, cols: [x for c in df.columns if not c.endswith(("_lo", "_hi"))
                               for x in ([c, c + "_lo", c + "_hi"] if c in cols else [c])]
     return load[order(load, LOAD_CI)], layers[order(layers, LAYERS_CI)]
+
+
+def joined(left: Any, right: Any, on: list[str]) -> Any:
+    """``left.merge(right, on=on, how="left")``: where both hold the same keys in the same order (one row each, as
+    the per-layer and per-expert tables of one run do), ``right``'s other columns are set on ``left`` instead (the
+    same frame, no join)."""
+    import numpy as np
+
+    if len(left) != len(right) or not all(np.array_equal(left[c].to_numpy(), right[c].to_numpy()) for c in on) \
+            or left.duplicated(on).any() or set(left.columns) & (set(right.columns) - set(on)):
+        return left.merge(right, on=on, how="left")
+    out = left.copy(deep=False)
+    for c in right.columns:
+        if c not in on:
+            out[c] = right[c].to_numpy()
+    return out
 
 
 def summary_table(layers: Any) -> Any:
