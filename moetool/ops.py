@@ -47,9 +47,10 @@ def argmax(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """``x.argmax(-1)`` (the first largest value; NaN counts as largest) over blocks of ``block`` values: each block's
     ``amax``, the first block holding the largest, then the first largest inside it. The same indices as
     ``torch.argmax`` in one vectorised pass over ``x`` (a CPU's ``argmax`` of a ``[rows, vocab]`` logit matrix
-    is about five times slower than its ``amax``); a last dim not a multiple of ``block``: ``torch.argmax``."""
+    is about five times slower than its ``amax``); a last dim not a multiple of ``block``, or another device (a GPU's
+    ``argmax`` is one pass already): ``torch.argmax``."""
     V = x.shape[-1]
-    if V < 2 * block or V % block or not x.is_floating_point():
+    if V < 2 * block or V % block or not x.is_floating_point() or x.device.type != "cpu":
         return x.argmax(-1)
     blocks = x.reshape(*x.shape[:-1], V // block, block)  # [..., V / block, block] (a view of contiguous rows)
     first = blocks.amax(-1).argmax(-1, keepdim=True)  # [..., 1] the first block that holds the largest value
