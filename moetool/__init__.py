@@ -24,7 +24,8 @@ def __getattr__(name: str) -> _Any:
     if target is None:
         raise AttributeError(f"module 'moetool' has no attribute '{name}'")
     module, _, attr = target.partition(":")
-    value = getattr(importlib.import_module(module), attr)
+    value = importlib.import_module(module)  # "module" alone: the module itself (moetool.run, callable)
+    value = getattr(value, attr) if attr else value
     globals()[name] = value
     return value
 

@@ -229,7 +229,7 @@ def _exports() -> dict[str, str]:
         **{name: f"moetool.api:{name}" for name in (
             "load", "tokens", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
             "figures", "import_trace")},
-        "run": "moetool.run:run",
+        "run": "moetool.run",  # the module itself: callable (moetool.run._CallableModule), whichever import came first
         "Run": "moetool.run:Run",
         "Result": "moetool.experiments.result:Result",
         "RoutingEvent": "moetool.engine.hooks:RoutingEvent",
@@ -237,5 +237,5 @@ def _exports() -> dict[str, str]:
     }
 
 
-#: name in ``import moetool`` -> "module:attr" (resolved on first use by ``moetool.__getattr__``)
+#: name in ``import moetool`` -> "module:attr" or "module" (resolved on first use by ``moetool.__getattr__``)
 EXPORTS = _exports()

@@ -169,3 +169,14 @@ def test_demo_sub_runs_record_the_wall_time_of_their_work(tmp_path, monkeypatch)
     sub = json.loads((tmp_path / "demo" / "custom" / "tiny" / "manifest.json").read_text())
     step = json.loads((tmp_path / "demo" / "custom" / "manifest.json").read_text())
     assert sub["wall_seconds"] >= 1.5 and step["wall_seconds"] >= sub["wall_seconds"]
+
+
+def test_moetool_run_is_the_callable_module_whichever_import_comes_first():
+    """``moetool.run`` is the run module, callable as :func:`moetool.run.run`, whether ``moetool.run`` was reached as
+    the package's attribute first (it once became the bare function then, and ``from moetool import run`` lost the
+    module's ``start_run``) or imported as a module first."""
+    for first in ("import moetool; moetool.run", "import moetool.run"):
+        code = f"{first}; from moetool import run; print(callable(run), hasattr(run, 'start_run'))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["True", "True"], first
