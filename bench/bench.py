@@ -52,7 +52,9 @@ close to the 20k one.
 ``--quant-inter``, top-2; bf16 on CUDA, fp32 on CPU) and copies of it whose experts are transformers' ``FP8Experts``
 holding the same weights quantized (FP8 128x128 with fp32 scales, FP8 with UE8M0 scales, FP4 packed 1x32): the probe
 ``node_scores(gate)`` and ``expert_outputs`` over the same ``--quant-tokens`` tokens, quantized time / plain time
-(median of ``--repeat`` interleaved rounds). The extra is the dequantization of every expert, a slice at a time.
+(median of ``--repeat`` interleaved rounds; each timed unit calls the probe as often as the plain probe needs to
+last 20 ms, ``calls_per_round``). The extra is the dequantization of every expert, a slice at a time (on CUDA one
+compiled kernel per slice, :mod:`moetool.compiled`).
 
 **Cache simulation** (``--cache-sim``): ``offload``'s cache simulation alone (``simulate_all``: every default
 capacity x lru / lfu / belady) on one layer's skewed random routing trace (each token's top-K of uniform noise plus
@@ -72,6 +74,7 @@ Speed targets are ratios printed here, never timed tests. Not a test.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -390,13 +393,29 @@ def bench_quant(a, device: Any = None) -> list[dict[str, Any]]:
     rows = []
     for probe, fn in (("node_scores(gate)", lambda L: probes.node_scores(L, h, "gate")),
                       ("expert_outputs", lambda L: probes.expert_outputs(L, h))):
-        res = interleaved({k: (lambda L=L: fn(L)) for k, L in layer.items()}, a.repeat)
+        calls = repeats_for(lambda: fn(layer["plain"]), QUANT_UNIT_S)  # one call can be well under a millisecond
+        res = interleaved({k: (lambda L=L: [fn(L) for _ in range(calls)]) for k, L in layer.items()}, a.repeat)
         for k in layer:
             rows.append({"section": "quant", "model": f"mixtral-d{a.quant_d}-8x{a.quant_inter}", "variant": k,
                          "probe": probe, "device": str(dev), "tokens": a.quant_tokens, "ratio": res[k]["ratio"],
                          "ratio_min": res[k]["ratio_min"], "ratio_max": res[k]["ratio_max"],
-                         "seconds": res[k]["seconds"]})
+                         "seconds": res[k]["seconds"] / calls, "calls_per_round": calls})
     return rows
+
+
+#: the least time one timed unit of ``--quant`` lasts (calls repeated): single sub-millisecond calls on a GPU
+#: spread 0.7-2.5x round to round
+QUANT_UNIT_S = 0.02
+
+
+def repeats_for(fn: Callable, unit_s: float) -> int:
+    """How many calls of ``fn`` (warmed up first) make one timed unit of at least ``unit_s`` seconds."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return max(1, math.ceil(unit_s / max(time.perf_counter() - t0, 1e-6)))
 
 
 # ----- RSS per command ------------------------------------------------------------------------------------
