@@ -272,9 +272,7 @@ def _token_arrays(keys: torch.Tensor, counts: torch.Tensor, n: int) -> dict[str,
         k, c = k[by], c[by]
     tid, ex = k // n, k % n
     if not len(k):
-        empty = np.zeros(0, dtype=np.int64)
-        return {"token_id": tid, "occurrences": c, "expert": ex, "count": c,
-                "specialization": c / empty.astype(np.float64)}
+        return {"token_id": tid, "occurrences": c, "expert": ex, "count": c, "specialization": c.astype(np.float64)}
     new = np.r_[True, tid[1:] != tid[:-1]]
     start = np.flatnonzero(new)
     occ = np.add.reduceat(c, start)
