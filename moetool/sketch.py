@@ -16,7 +16,8 @@ the all-reduce operation of every state tensor; :func:`moetool.distributed.all_r
   values raise too. The mean is exact (a :class:`Moments` rides along).
 * :class:`SparseCounter` — exact counts of int64 keys (``stats``' (token id, expert) pairs): buffered on the
   device and merged with a sort whenever the buffer outgrows the running table; memory proportional to the
-  distinct keys seen, amortised one sort per key.
+  distinct keys seen, amortised one sort per key. A merge synchronises (``torch.unique``), so a counter fed inside
+  the forward defers its merges to :meth:`SparseCounter.settle`, called by its owner between forwards.
 * :class:`TokenSpill` — per-token values that must be paired across passes (the same token's routing under
   two checkpoints): appended to a temporary file batch by batch and read back in the same batches, so host
   memory holds one batch, not the run.
@@ -202,10 +203,18 @@ MERGE_MIN = 1 << 16
 
 
 class SparseCounter:
-    """Exact counts of int64 keys streamed in batches; memory proportional to the distinct keys seen."""
+    """Exact counts of int64 keys streamed in batches; memory proportional to the distinct keys seen.
 
-    def __init__(self, merge_min: int = MERGE_MIN):
+    A merge is a ``torch.unique`` (its output size is the data's: a host synchronisation on a GPU). ``defer=True``:
+    :meth:`add` never merges, the owner calls :meth:`settle` between forwards (a counter fed by routing events inside
+    the forward: its merges wait until the forward is over instead of stalling it); memory then holds at most the
+    keys of one forward beyond the merge threshold."""
+
+    defer = False  # a counter saved (``--resume``) before the attribute existed merges as it did
+
+    def __init__(self, merge_min: int = MERGE_MIN, defer: bool = False):
         self.merge_min = merge_min
+        self.defer = defer
         self.keys: torch.Tensor | None = None  # [U] sorted unique keys
         self.counts: torch.Tensor | None = None  # [U] int64
         self._pending: list[torch.Tensor] = []
@@ -214,6 +223,12 @@ class SparseCounter:
     def add(self, keys: torch.Tensor) -> None:
         self._pending.append(keys.reshape(-1).long())
         self._pending_n += keys.numel()
+        if not self.defer:
+            self.settle()
+
+    def settle(self) -> None:
+        """Merge the buffered keys once they outnumber ``merge_min`` and the running table (amortised one sort per
+        key); a deferred counter's owner calls it outside the forward."""
         if self._pending_n >= max(self.merge_min, 0 if self.keys is None else self.keys.numel()):
             self._merge()
 

@@ -308,3 +308,23 @@ def test_every_experiment_consumer_under_cuda_sync_debug_mode(experiment, embedd
     monkeypatch.setattr(Engine, "__enter__", wrapped)
     for name, (lm, ts) in embedded.items():
         run_experiment(experiment, lm, ts)
+
+
+def test_sparse_counts_merge_outside_the_forward(embedded):
+    """``stats``' (token, expert) counters merge with ``torch.unique`` (a sync): at the default threshold the small
+    data above never merges, so here every add is past it (``merge_min=1``) -- the merges must still wait for the
+    forward to end (``SparseCounter(defer=True)`` settled by ``begin_batch``), and the counts stay exact."""
+    from moetool.experiments.stats.compute import collect
+
+    lm, ts = embedded["tiny"]
+    with detect(lm.model) as det:
+        every = collect(lm, ts, quiet=True, merge_min=1, batch_size=4)
+    assert not det.hits, sorted(det.hits)
+    once = collect(lm, ts, quiet=True, merge_min=1 << 40, batch_size=4)  # never merged before the end
+    assert every.routing.acc.keys() == once.routing.acc.keys() and every.vocab.counters.keys() == once.vocab.counters.keys()
+    pairs = [(a.pairs, once.routing.acc[li].pairs) for li, a in every.routing.acc.items()]
+    pairs += [(c, once.vocab.counters[li][v]) for li, views in every.vocab.counters.items() for v, c in views.items()]
+    for a, b in pairs:
+        (ka, ca), (kb, cb) = a.result(), b.result()
+        assert torch.equal(ka, kb) and torch.equal(ca, cb)
+    assert sum(int(c.sum()) for c in (a.result()[1] for a, _ in pairs)) > 0

@@ -233,6 +233,13 @@ def test_sparse_counter_and_ops_primitives():
     assert dict(zip(keys.tolist(), counts.tolist())) == want
     assert keys.tolist() == sorted(want)
     assert SparseCounter().result()[0].numel() == 0
+    d = SparseCounter(merge_min=7, defer=True)  # merges only when settled (between forwards), same counts
+    for ch in chunks:
+        before = d.keys
+        d.add(ch)
+        assert d.keys is before and d._pending_n >= ch.numel()  # add alone never merges
+        d.settle()
+    assert d.keys is not None and d.result()[0].tolist() == keys.tolist() and d.result()[1].tolist() == counts.tolist()
     idx = torch.tensor([[2, 0], [1, 3]])
     assert ops.multi_hot(idx, 4).tolist() == [[1, 0, 1, 0], [0, 1, 0, 1]]
 

@@ -101,6 +101,9 @@ class VocabSpecialization:
             pmask[:, 1:] = mask[:, 1:] & mask[:, :-1]
             self._batch.update(prev=prev.reshape(-1), prev_ok=pmask.reshape(-1))
         self._top1 = {}
+        for views in self.counters.values():  # the last batch's keys: merged now, outside the forward
+            for c in views.values():
+                c.settle()
         return batch
 
     def _on(self, key: str, device: Any) -> torch.Tensor:
@@ -108,7 +111,7 @@ class VocabSpecialization:
 
     def _counter(self, li: int, n: int) -> dict[str, Any]:
         if li not in self.counters:
-            self.counters[li] = {v: SparseCounter(self.merge_min) for v in VIEWS}
+            self.counters[li] = {v: SparseCounter(self.merge_min, defer=True) for v in VIEWS}  # fed in the forward
             self.n[li] = n
         return self.counters[li]
 

@@ -9,7 +9,8 @@ tables below (one home for each definition: :data:`DEFINITIONS`, also written to
 Top tokens per expert need counts of (token id, expert) pairs. A dense ``[n, vocab]`` matrix per
 layer does not scale (Qwen3-30B: 128 experts x 151k ids x 48 layers x 8 bytes = 7.4 GB), so the
 pairs are counted exactly in a :class:`SparseCounter`: keys ``token_id * n + expert`` buffered on
-the device and merged with ``torch.unique`` whenever the buffer outgrows the running table, so
+the device and merged with ``torch.unique`` whenever the buffer outgrows the running table (between forwards:
+a merge synchronises with the host), so
 memory is proportional to the number of *distinct* pairs seen (at most ``min(n * vocab, tokens * K)``)
 and the amortized cost is one sort per element.
 """
@@ -101,7 +102,7 @@ class LayerAccumulator:
         z = dict(dtype=torch.float64, device=device)
         return cls(n, k, torch.zeros((), dtype=torch.long, device=device), torch.zeros(n, **z),
                    torch.zeros((), **z), torch.zeros(n, n, **z), torch.zeros(n_domains, n, **z),
-                   torch.zeros(n_domains, **z), SparseCounter(merge_min) if pairs else None)
+                   torch.zeros(n_domains, **z), SparseCounter(merge_min, defer=True) if pairs else None)
 
 
 class RoutingStats:
@@ -136,6 +137,9 @@ class RoutingStats:
                        "dom": None if dom is None else dom.repeat_interleave(ids.shape[1]), "on": {}}
         if self.top_tokens:
             self.token_totals.add(ids[mask.bool()])
+        for a in self.acc.values():  # the last forward's (token, expert) keys: merged now, outside the forward
+            if a.pairs is not None:
+                a.pairs.settle()
         if self.rows is not None:
             self.rows.next_batch(batch)
             self.rows.add("tokens", mask.sum(1))
