@@ -352,26 +352,26 @@ def placement_tables(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: i
           if n_boot else None)  # per placement: its layers, then overall
     bound = [(c.lo, c.hi) for c in ci] if ci else [(nan, nan)] * (M * (L + 1))
     key = [(G, R, method) for G, R, method, _, _ in placements]
+    flat = {name: np.array([v for i in range(M) for v in col[i]])
+            for name, col in (("imbalance", imb), ("max", mx), ("mean", mean), ("min", mn))}
     df = pd.DataFrame({"layer": idx * M, "gpus": [G for G, _, _ in key for _ in idx], "nodes": opts.nodes,
                        "replicas": [R for _, R, _ in key for _ in idx],
                        "slots_per_gpu": [(n + R) // G for G, R, _ in key for _ in idx],
-                       "method": [m for _, _, m in key for _ in idx],
-                       "imbalance": [v for i in range(M) for v in imb[i]],
+                       "method": [m for _, _, m in key for _ in idx], "imbalance": flat["imbalance"],
                        "imbalance_lo": [bound[i * (L + 1) + j][0] for i in range(M) for j in range(L)],
                        "imbalance_hi": [bound[i * (L + 1) + j][1] for i in range(M) for j in range(L)],
-                       "max_gpu_load": [v for i in range(M) for v in mx[i]],
-                       "mean_gpu_load": [v for i in range(M) for v in mean[i]],
-                       "min_gpu_load": [v for i in range(M) for v in mn[i]],
+                       "max_gpu_load": flat["max"], "mean_gpu_load": flat["mean"], "min_gpu_load": flat["min"],
                        "max_replicas": [v for i in range(M) for v in reps[i]]})
-    # over the layers: pandas' (compensated) group sums, one integer key per placement
-    per = df[["max_gpu_load", "mean_gpu_load", "imbalance"]].groupby(np.repeat(np.arange(M), L), sort=False)
-    sums = per[["max_gpu_load", "mean_gpu_load"]].sum()
+
+    def per_placement(name: str) -> Any:  # over the layers: pandas' group reductions (its compensated sum)
+        return pd.Series(flat[name]).groupby(np.repeat(np.arange(M), L), sort=False)
+
     overall = pd.DataFrame({"gpus": [G for G, _, _ in key], "nodes": opts.nodes, "replicas": [R for _, R, _ in key],
                             "slots_per_gpu": [(n + R) // G for G, R, _ in key], "method": [m for _, _, m in key],
-                            "imbalance": (sums["max_gpu_load"] / sums["mean_gpu_load"]).to_numpy(),
+                            "imbalance": per_placement("max").sum().to_numpy() / per_placement("mean").sum().to_numpy(),
                             "imbalance_lo": [bound[i * (L + 1) + L][0] for i in range(M)],
                             "imbalance_hi": [bound[i * (L + 1) + L][1] for i in range(M)],
-                            "max_layer_imbalance": per["imbalance"].max().to_numpy(), "layers": L})
+                            "max_layer_imbalance": per_placement("imbalance").max().to_numpy(), "layers": L})
     return df, overall
 
 
@@ -379,10 +379,14 @@ def _loads_table(idx: list[int], n: int, K: int, *loads: tuple[str, torch.Tensor
     """``placement_loads.csv``: per data set (name, loads, real tokens; ``None`` loads left out), layer and expert."""
     import pandas as pd
 
-    return pd.concat([pd.DataFrame({"data_set": name, "layer": li, "expert": range(n), "tokens": t,
-                                    "load": lo[j].numpy(), "load_fraction": (lo[j] / (t * K)).numpy()})
-                      for name, lo, t in loads if lo is not None
-                      for j, li in enumerate(idx)], ignore_index=True)
+    loads = [(name, lo, t) for name, lo, t in loads if lo is not None]
+    L = len(idx)
+    return pd.DataFrame({"data_set": np.repeat([name for name, _, _ in loads], L * n),
+                         "layer": np.tile(np.repeat(np.asarray(idx, dtype=np.int64), n), len(loads)),
+                         "expert": np.tile(np.arange(n, dtype=np.int64), L * len(loads)),
+                         "tokens": np.repeat(np.asarray([t for _, _, t in loads], dtype=np.int64), L * n),
+                         "load": torch.cat([lo.reshape(-1) for _, lo, _ in loads]).numpy(),
+                         "load_fraction": torch.cat([(lo / (t * K)).reshape(-1) for _, lo, t in loads]).numpy()})
 
 
 def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, reference: Any = None,
