@@ -132,9 +132,10 @@ def bca(replicates: np.ndarray, value: np.ndarray, jackknife: np.ndarray, level:
         raise MoetoolError("bootstrap replicate is NaN (a resample with zero tokens): too few rows for an interval")
     tail = (1 - level) / 2
     lo, hi = np.quantile(reps, [tail, 1 - tail], axis=0)  # the percentile interval: the fallback
+    below = (np.sum(reps < value, 0) + 0.5 * np.sum(reps == value, 0)) / reps.shape[0]  # [m]
+    levels: dict[int, list[float]] = {}  # statistic -> its two adjusted levels
     for j in range(value.shape[0]):
-        r, v = reps[:, j], value[j]
-        p = (np.sum(r < v) + 0.5 * np.sum(r == v)) / r.shape[0]
+        p = below[j]
         d = jack[:, j].mean() - jack[:, j]
         ss = float(np.sum(d ** 2))
         if not 0 < p < 1 or not ss > 0:  # NaN too: a jackknife row that leaves no tokens
@@ -147,10 +148,28 @@ def bca(replicates: np.ndarray, value: np.ndarray, jackknife: np.ndarray, level:
                 break
             q.append(nd.cdf(z0 + (z0 + z) / den))
         if len(q) == 2:
-            b_lo, b_hi = np.quantile(r, q)
-            if b_hi > b_lo or hi[j] == lo[j]:  # both levels on one atom of a few-row resample: degenerate
-                lo[j], hi[j] = b_lo, b_hi
+            levels[j] = q
+    for j, (b_lo, b_hi) in _column_quantiles(reps, levels).items():
+        if b_hi > b_lo or hi[j] == lo[j]:  # both levels on one atom of a few-row resample: degenerate
+            lo[j], hi[j] = b_lo, b_hi
     return np.minimum(lo, value), np.maximum(hi, value)
+
+
+def _column_quantiles(reps: np.ndarray, levels: dict[int, list[float]], chunk: int = 16
+                      ) -> dict[int, tuple[float, float]]:
+    """``{j: np.quantile(reps[:, j], levels[j])}``, each column at its own two levels, in a few calls: the columns
+    sorted once, then ``chunk`` columns at a time at all of their levels (``np.quantile`` of a sorted column picks
+    the same order statistics, each level interpolated alone: the values of one column's call), the diagonal
+    kept."""
+    cols = list(levels)
+    srt = np.sort(reps[:, cols], 0)
+    out = {}
+    for s in range(0, len(cols), chunk):
+        part = cols[s:s + chunk]
+        k = np.arange(len(part))
+        qs = np.quantile(srt[:, s:s + chunk], [q for j in part for q in levels[j]], axis=0)  # [2 k, k]
+        out.update(zip(part, zip(qs[2 * k, k].tolist(), qs[2 * k + 1, k].tolist())))
+    return out
 
 
 def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,

@@ -8,14 +8,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import feed
 
 from moetool.errors import MoetoolError
-from moetool.experiments.placement.compute import (PlacementOptions, gpu_loads, imbalance, rebalance_experts,
-                                           static_placement)
+from moetool.experiments.placement.compute import (PlacementOptions, gpu_loads, imbalance, imbalance_statistic,
+                                           rebalance_experts, static_placement)
 
 #: (layers, n, G, extra slots per GPU, groups, nodes): global (1 group), hierarchical over 1, 2 and 4 nodes, and
 #: groups that do not divide into the nodes (EPLB's global fallback)
@@ -79,6 +80,21 @@ def test_eplb_invariants(config):
         static = imbalance(gpu_loads(w, *static_placement(L, n, G, "round_robin"), G))
         phy2log, _, count = rebalance_experts(w, n, groups, nodes, G)
         assert (imb < static).all() and (imb < imbalance(gpu_loads(w, phy2log, count, G))).all()
+
+
+def test_stacked_placements_give_each_placement_its_own_numbers():
+    """imbalance_statistic evaluates the placements of one G and slot count stacked: every placement's per-layer
+    and overall imbalances, on single loads and on a batch of replicates, are exactly those it gives alone."""
+    L, n = 3, 16
+    w = zipf_loads(L, n, seed=4)
+    places = [(G, 0, m, *static_placement(L, n, G, m)) for G in (2, 4, 8) for m in ("contiguous", "round_robin")]
+    places += [(G, e * G, "eplb", *rebalance_experts(w, n + e * G, 4, 2, G)[::2]) for G in (2, 4, 8) for e in (0, 1)]
+    rng = np.random.default_rng(0)
+    loads = rng.multinomial(2000, np.full(L * n, 1 / (L * n)), size=(5, 7)).astype(float)  # [5, 7, L * n]
+    for s in (w.reshape(-1).numpy(), loads):
+        got = imbalance_statistic(places)(s).reshape(*s.shape[:-1], len(places), L + 1)
+        for i, p in enumerate(places):
+            assert np.array_equal(got[..., i, :], imbalance_statistic([p])(s)), p[:3]
 
 
 def test_static_layouts_by_hand():

@@ -238,3 +238,22 @@ def test_bca_degenerate_falls_back_to_the_percentile_interval_widened_to_the_est
         from moetool.uncertainty import sum_intervals
 
         sum_intervals(np.ones((3, 2)), _max_load_ratio, method="basic")
+
+
+def test_bca_of_many_statistics_at_once_equals_each_alone():
+    """bca takes the adjusted quantiles of up to 16 columns per call (the columns sorted once, the diagonal kept):
+    40 statistics at once — across the chunks, with ties, atoms, a degenerate column and a NaN jackknife row — give
+    exactly the bounds of each statistic's own call."""
+    from moetool.uncertainty import bca
+
+    rng = np.random.default_rng(5)
+    reps = np.round(rng.normal(size=(999, 40)) * rng.uniform(0.1, 2, size=40), 2)
+    reps[:, 7] = 1.0  # one atom: degenerate
+    value = reps.mean(0) + rng.normal(size=40) * 0.05
+    value[3] = reps[0, 3]
+    jack = rng.normal(size=(13, 40)) ** 3
+    jack[0, 11] = np.nan
+    lo, hi = bca(reps, value, jack)
+    for j in range(40):
+        one = bca(reps[:, j:j + 1], value[j:j + 1], jack[:, j:j + 1])
+        assert (lo[j], hi[j]) == (one[0][0], one[1][0]), j

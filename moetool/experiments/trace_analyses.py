@@ -31,7 +31,7 @@ from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
 from ..uncertainty import RowSums
 from .fluctuation.compute import RATES, Routing, compare_with_intervals, pairs
 from .offload.compute import offload_tables
-from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _evaluate, _loads_table, _overall_table, _placements
+from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
 from .specialization import coactivation_counts, token_decoder, with_tokens
 from .stats.compute import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank
@@ -199,9 +199,6 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     """``placement`` tables from the trace's loads (every MoE layer of one n, or ``options.layers``): the same
     placements and tables as :func:`.placement.placement` (no bootstrap: a trace has no packed rows), and
     ``{"load", "layers", "n", "groups"}`` for an export."""
-    import pandas as pd
-
-
     sums = trace_sums(src, coactivation=None, layers=options.layers)
     idx = list(sums)
     ns = {sums[li].n for li in idx}
@@ -219,13 +216,8 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     if len(tokens) != 1:
         raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
     n_tok = tokens.pop()
-    rows, overall_ci = [], {}
-    for G, R, method, phy2log, count in _placements(load, None, n, groups, gpu_counts, options):
-        layer_rows, overall_ci[(G, R, method)] = _evaluate(load, None, 0, idx, n, options, G, R, method, phy2log,
-                                                           count)
-        rows += layer_rows
-    df = pd.DataFrame(rows)
-    overall = _overall_table(df, overall_ci)
+    df, overall = placement_tables(load, None, 0, idx, n, options,
+                                   _placements(load, None, n, groups, gpu_counts, options))
     meta = dict(definitions=PLACEMENT_DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K,
                 groups=groups,
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "

@@ -185,10 +185,12 @@ def static_placement(L: int, n: int, gpus: int, method: str) -> tuple[torch.Tens
 
 def gpu_loads(load: torch.Tensor, phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> torch.Tensor:
     """Per-GPU load ``[..., L, G]`` of a placement (slot s on GPU ``s // (P / G)``) under ``load [..., L, n]``: each
-    replica of expert e carries ``load[e] / count[e]``."""
-    L, P = phy2log.shape
-    share = (load.double() / count).gather(-1, phy2log.expand(*load.shape[:-1], P))  # [..., L, P]
-    return share.view(*load.shape[:-1], gpus, P // gpus).sum(-1)
+    replica of expert e carries ``load[e] / count[e]``. ``phy2log [..., L, P]`` / ``count [..., L, n]`` may stack
+    placements of one G and P on leading dims, broadcast against the load's."""
+    P = phy2log.shape[-1]
+    share = load.double() / count  # [..., L, n]
+    share = share.gather(-1, phy2log.expand(*share.shape[:-1], P))  # [..., L, P]
+    return share.view(*share.shape[:-1], gpus, P // gpus).sum(-1)
 
 
 def imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
@@ -196,19 +198,37 @@ def imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
     return per_gpu.max(-1).values / per_gpu.mean(-1)
 
 
-def imbalance_statistic(phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> Any:
-    """``statistic(loads [..., L * n]) -> [..., L + 1]`` for :func:`moetool.uncertainty.sum_intervals`: the
-    per-layer imbalance of the fixed placement ``(phy2log, count)`` under summed loads, then the overall one (sum
-    over layers of the max / sum of the mean), vectorised over the bootstrap replicates."""
-    L = phy2log.shape[0]
+Placement = tuple  # (G, R, method, phy2log [L, P], count [L, n]), as :func:`_placements` yields them
+
+
+def _stacks(placements: list[Placement]) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor]]:
+    """The placements of one G and one number of slots P stacked (their per-GPU loads in one :func:`gpu_loads`):
+    ``(G, their positions in placements, phy2log [m, L, P], count [m, L, n])``."""
+    by: dict[tuple[int, int], list[int]] = {}
+    for i, p in enumerate(placements):
+        by.setdefault((p[0], p[3].shape[-1]), []).append(i)
+    return [(G, ix, torch.stack([placements[i][3] for i in ix]), torch.stack([placements[i][4] for i in ix]))
+            for (G, _), ix in by.items()]
+
+
+def imbalance_statistic(placements: list[Placement]) -> Any:
+    """``statistic(loads [..., L * n]) -> [..., M * (L + 1)]`` for :func:`moetool.uncertainty.sum_intervals`: per
+    placement (in order), the per-layer imbalance of the fixed placement under summed loads, then the overall one
+    (sum over layers of the max / sum of the mean); vectorised over the bootstrap replicates and over the stacked
+    placements of one G and P (:func:`_stacks`: every placement's numbers as from it alone)."""
+    stacks = _stacks(placements)
+    L = placements[0][3].shape[0]
+    back = torch.tensor([i for _, ix, _, _ in stacks for i in ix]).argsort()  # stacked order -> placements' order
 
     def statistic(s: np.ndarray) -> np.ndarray:
         lead = s.shape[:-1]
-        flat = torch.from_numpy(np.ascontiguousarray(s)).reshape(-1, L, s.shape[-1] // L)  # [b, L, n]
-        per_gpu = gpu_loads(flat, phy2log, count, gpus)  # [b, L, G]
-        mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [b, L]
-        out = torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1)  # [b, L + 1]
-        return out.reshape(*lead, L + 1).numpy()
+        flat = torch.from_numpy(np.ascontiguousarray(s)).reshape(-1, 1, L, s.shape[-1] // L)  # [b, 1, L, n]
+        outs = []
+        for G, _, phy2log, count in stacks:
+            per_gpu = gpu_loads(flat, phy2log, count, G)  # [b, m, L, G]
+            mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [b, m, L]
+            outs.append(torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1))  # [b, m, L + 1]
+        return torch.cat(outs, 1)[:, back].reshape(*lead, -1).numpy()
 
     return statistic
 
@@ -310,47 +330,63 @@ def _placements(load: torch.Tensor, ref_load: torch.Tensor | None, n: int, group
                 yield G, R, "eplb_stale", phy2log, count
 
 
-def _evaluate(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: int, idx: list[int], n: int,
-              opts: PlacementOptions, G: int, R: int, method: str, phy2log: torch.Tensor,
-              count: torch.Tensor) -> tuple[list[dict[str, Any]], tuple[float, float]]:
-    """``placement.csv`` rows of one placement under the data's loads (per layer, with bootstrap intervals when
-    ``n_boot``), and the interval of its overall imbalance."""
-    nan = float("nan")
-    per_gpu = gpu_loads(load, phy2log, count, G)  # [layers, G]
-    imb = imbalance(per_gpu)
-    ci = (sum_intervals(row_loads, imbalance_statistic(phy2log, count, G), n_boot=n_boot, seed=opts.seed,
-                        method="bca") if n_boot else None)  # per layer, then overall
-    rows = [{"layer": li, "gpus": G, "nodes": opts.nodes, "replicas": R, "slots_per_gpu": (n + R) // G,
-             "method": method, "imbalance": float(imb[j]),
-             "imbalance_lo": ci[j].lo if ci else nan, "imbalance_hi": ci[j].hi if ci else nan,
-             "max_gpu_load": float(per_gpu[j].max()),
-             "mean_gpu_load": float(per_gpu[j].mean()), "min_gpu_load": float(per_gpu[j].min()),
-             "max_replicas": int(count[j].max())} for j, li in enumerate(idx)]
-    return rows, ((ci[-1].lo, ci[-1].hi) if ci else (nan, nan))
+def placement_tables(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: int, idx: list[int], n: int,
+                     opts: PlacementOptions, placements: Any) -> tuple[Any, Any]:
+    """``(placement.csv, placement_overall.csv)`` of the placements ``(G, R, method, phy2log, count)`` under the
+    data's loads ``[layers, n]``: per layer and placement, and per placement the sum over layers of the max / sum of
+    the mean GPU load; with ``n_boot`` the BCa intervals of one bootstrap of every placement's imbalances (per
+    layer and overall) from the per-row loads ``[rows, layers * n]``."""
+    import pandas as pd
 
+    placements = list(placements)
+    M, L, nan = len(placements), len(idx), float("nan")
+    imb, mx, mean, mn, reps = ([None] * M for _ in range(5))  # per placement: [L] each
+    for G, ix, phy2log, count in _stacks(placements):
+        per_gpu = gpu_loads(load, phy2log, count, G)  # [m, L, G]
+        cols = (imbalance(per_gpu), per_gpu.max(-1).values, per_gpu.mean(-1), per_gpu.min(-1).values,
+                count.max(-1).values)
+        for out, col in zip((imb, mx, mean, mn, reps), cols):
+            for i, v in zip(ix, col.tolist()):
+                out[i] = v
+    ci = (sum_intervals(row_loads, imbalance_statistic(placements), n_boot=n_boot, seed=opts.seed, method="bca")
+          if n_boot else None)  # per placement: its layers, then overall
+    bound = [(c.lo, c.hi) for c in ci] if ci else [(nan, nan)] * (M * (L + 1))
+    key = [(G, R, method) for G, R, method, _, _ in placements]
+    flat = {name: np.array([v for i in range(M) for v in col[i]])
+            for name, col in (("imbalance", imb), ("max", mx), ("mean", mean), ("min", mn))}
+    df = pd.DataFrame({"layer": idx * M, "gpus": [G for G, _, _ in key for _ in idx], "nodes": opts.nodes,
+                       "replicas": [R for _, R, _ in key for _ in idx],
+                       "slots_per_gpu": [(n + R) // G for G, R, _ in key for _ in idx],
+                       "method": [m for _, _, m in key for _ in idx], "imbalance": flat["imbalance"],
+                       "imbalance_lo": [bound[i * (L + 1) + j][0] for i in range(M) for j in range(L)],
+                       "imbalance_hi": [bound[i * (L + 1) + j][1] for i in range(M) for j in range(L)],
+                       "max_gpu_load": flat["max"], "mean_gpu_load": flat["mean"], "min_gpu_load": flat["min"],
+                       "max_replicas": [v for i in range(M) for v in reps[i]]})
 
-def _overall_table(df: Any, overall_ci: dict[tuple[int, int, str], tuple[float, float]]) -> Any:
-    """``placement_overall.csv``: per placement, the sum over layers of the max / sum of the mean GPU load."""
-    overall = (df.groupby(["gpus", "nodes", "replicas", "slots_per_gpu", "method"], sort=False)
-               .agg(max_sum=("max_gpu_load", "sum"), mean_sum=("mean_gpu_load", "sum"),
-                    max_layer_imbalance=("imbalance", "max"),
-                    layers=("layer", "size"))
-               .reset_index())
-    overall.insert(5, "imbalance", overall.pop("max_sum") / overall.pop("mean_sum"))
-    bounds = [overall_ci[(g, r, m)] for g, r, m in zip(overall.gpus, overall.replicas, overall.method)]
-    overall.insert(6, "imbalance_lo", [b[0] for b in bounds])
-    overall.insert(7, "imbalance_hi", [b[1] for b in bounds])
-    return overall
+    def per_placement(name: str) -> Any:  # over the layers: pandas' group reductions (its compensated sum)
+        return pd.Series(flat[name]).groupby(np.repeat(np.arange(M), L), sort=False)
+
+    overall = pd.DataFrame({"gpus": [G for G, _, _ in key], "nodes": opts.nodes, "replicas": [R for _, R, _ in key],
+                            "slots_per_gpu": [(n + R) // G for G, R, _ in key], "method": [m for _, _, m in key],
+                            "imbalance": per_placement("max").sum().to_numpy() / per_placement("mean").sum().to_numpy(),
+                            "imbalance_lo": [bound[i * (L + 1) + L][0] for i in range(M)],
+                            "imbalance_hi": [bound[i * (L + 1) + L][1] for i in range(M)],
+                            "max_layer_imbalance": per_placement("imbalance").max().to_numpy(), "layers": L})
+    return df, overall
 
 
 def _loads_table(idx: list[int], n: int, K: int, *loads: tuple[str, torch.Tensor | None, int | None]) -> Any:
     """``placement_loads.csv``: per data set (name, loads, real tokens; ``None`` loads left out), layer and expert."""
     import pandas as pd
 
-    return pd.concat([pd.DataFrame({"data_set": name, "layer": li, "expert": range(n), "tokens": t,
-                                    "load": lo[j].numpy(), "load_fraction": (lo[j] / (t * K)).numpy()})
-                      for name, lo, t in loads if lo is not None
-                      for j, li in enumerate(idx)], ignore_index=True)
+    loads = [(name, lo, t) for name, lo, t in loads if lo is not None]
+    L = len(idx)
+    return pd.DataFrame({"data_set": np.repeat([name for name, _, _ in loads], L * n),
+                         "layer": np.tile(np.repeat(np.asarray(idx, dtype=np.int64), n), len(loads)),
+                         "expert": np.tile(np.arange(n, dtype=np.int64), L * len(loads)),
+                         "tokens": np.repeat(np.asarray([t for _, _, t in loads], dtype=np.int64), L * n),
+                         "load": torch.cat([lo.reshape(-1) for _, lo, _ in loads]).numpy(),
+                         "load_fraction": torch.cat([(lo / (t * K)).reshape(-1) for _, lo, t in loads]).numpy()})
 
 
 def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, reference: Any = None,
@@ -362,8 +398,6 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     evaluated on ``tokens``' loads under ``lm`` (staleness). Tables ``placement`` (per layer, G, R, method),
     ``placement_overall`` (over the layers) and ``placement_loads`` (layer, expert loads); see
     :data:`DEFINITIONS`."""
-    import pandas as pd
-
     opts = resolve_options(PlacementOptions, options, overrides)
     tokens.require_tokens()
     if reference is not None:
@@ -375,13 +409,8 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     ref_load, ref_tok = _reference_loads(lm, tokens, layers, opts, n, reference, reference_model, quiet)
     idx = [L.index for L in layers]
     n_boot = opts.bootstrap if row_loads is not None and row_loads.shape[0] >= 2 else 0
-    rows, overall_ci = [], {}
-    for G, R, method, phy2log, count in _placements(load, ref_load, n, groups, gpu_counts, opts):
-        layer_rows, overall_ci[(G, R, method)] = _evaluate(load, row_loads, n_boot, idx, n, opts, G, R, method,
-                                                           phy2log, count)
-        rows += layer_rows
-    df = pd.DataFrame(rows)
-    overall = _overall_table(df, overall_ci)
+    df, overall = placement_tables(load, row_loads, n_boot, idx, n, opts,
+                                   _placements(load, ref_load, n, groups, gpu_counts, opts))
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,
                 n_experts=n, top_k=K, groups=groups, zero_computation_experts_not_placed=z,
                 bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0], "BCa interval"),
