@@ -28,6 +28,8 @@ EVERYWHERE = ("router", "random")  # need nothing of a layer but its events
 MODELS = {**CASES, **STRUCTURES}
 ROWS, SEQ = 2, 16
 OUTCOMES: dict[tuple[str, str], str] = {}  # (model case, policy) -> "ran" | the refusal (read by the last test)
+#: one pytest-xdist worker runs the whole module (``--dist loadgroup``): the last test reads what the others recorded
+pytestmark = pytest.mark.xdist_group("policies_per_rule")
 
 
 def test_every_registered_policy_has_a_spec():

@@ -105,7 +105,7 @@ def test_every_command_and_option_the_readme_names_exists():
     assert checked > 30
 
 
-SUITE_ROWS = {"whole": '| `python -m pytest` (', "fast": '| `python -m pytest -m "not slow"` ('}
+SUITE_ROWS = {"whole": '| `python -m pytest -n auto --dist loadgroup` (', "fast": '| `python -m pytest -m "not slow" -n auto` ('}
 
 
 def suite_figures() -> dict[str, int]:
