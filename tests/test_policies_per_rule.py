@@ -27,9 +27,7 @@ SPECS = {"router": "router", "norm": "norm:gate", "random": "random", "similarit
 EVERYWHERE = ("router", "random")  # need nothing of a layer but its events
 MODELS = {**CASES, **STRUCTURES}
 ROWS, SEQ = 2, 16
-OUTCOMES: dict[tuple[str, str], str] = {}  # (model case, policy) -> "ran" | the refusal (read by the last test)
-#: one pytest-xdist worker runs the whole module (``--dist loadgroup``): the last test reads what the others recorded
-pytestmark = pytest.mark.xdist_group("policies_per_rule")
+OUTCOMES: dict[tuple[str, str], str] = {}  # (model case, policy) -> "ran" | the refusal (:func:`outcome`)
 
 
 def test_every_registered_policy_has_a_spec():
@@ -61,9 +59,10 @@ def model_and_tokens(case: str):
     return lm, tokens
 
 
-@pytest.mark.parametrize("policy", list(SPECS))
-@pytest.mark.parametrize("case", list(MODELS))
-def test_policy_on_rule(case, policy):
+def outcome(case: str, policy: str) -> str:
+    """Run ``policy`` on ``case`` once per process and check it: ``"ran"`` or its one-line refusal (recorded)."""
+    if (case, policy) in OUTCOMES:
+        return OUTCOMES[case, policy]
     lm, tokens = model_and_tokens(case)
     try:
         p = build_policy(SPECS[policy], seed=0)
@@ -73,22 +72,28 @@ def test_policy_on_rule(case, policy):
         assert msg and "\n" not in msg, msg
         assert policy not in EVERYWHERE, f"{policy} refused on {case}: {msg}"
         OUTCOMES[case, policy] = msg
-        return
-    OUTCOMES[case, policy] = "ran"
+        return msg
     assert got.nll.tokens > 0 and math.isfinite(got.nll.mean), (case, policy, got.nll)
     if policy == "router":  # the model's own routing through the override path: the unhooked model's NLL
         plain = forward(lm, tokens, nll=True, batch_size=ROWS, quiet=True)
         assert got.nll.tokens == plain.nll.tokens
         assert got.nll.mean == pytest.approx(plain.nll.mean, rel=1e-6, abs=1e-6)
+    OUTCOMES[case, policy] = "ran"
+    return "ran"
+
+
+@pytest.mark.parametrize("policy", list(SPECS))
+@pytest.mark.parametrize("case", list(MODELS))
+def test_policy_on_rule(case, policy):
+    outcome(case, policy)
 
 
 def test_every_policy_ran_somewhere():
-    if len(OUTCOMES) < len(SPECS) * len(MODELS):
-        pytest.skip("runs after the whole parametrised test (not selected alone)")
+    """Every policy runs on at least one model: the outcomes the test above recorded in this process, the missing
+    ones (this test selected alone, or the module split between pytest-xdist workers) run here."""
     for policy in SPECS:
-        ran = [case for case in MODELS if OUTCOMES[case, policy] == "ran"]
+        ran = [case for case in MODELS if outcome(case, policy) == "ran"]
         assert ran, f"{policy} was refused on every model: {[OUTCOMES[c, policy] for c in MODELS]}"
-
 
 # ----- what a policy declares it needs, and what --batch-size auto does with it ---------------------------------
 @pytest.mark.parametrize("policy", list(SPECS))
