@@ -636,11 +636,11 @@ def main() -> None:
     ap.add_argument("--load-mb", type=int, default=512, help="--load: checkpoint size (MB, fp32)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--gpu", action="store_true", help="issue #36's figures: real-width shapes, quantized probes, "
-                    "command ratios (bench/bench_gpu.py); scaled down without CUDA")
+                    "command ratios, the CLI on a local checkpoint (bench/bench_gpu.py); scaled down without CUDA")
     ap.add_argument("--quick", action="store_true", help="--gpu with fewer tokens and rounds")
     ap.add_argument("--gpu-cpu", action="store_true", help="--gpu's scaled-down run even where CUDA is available")
-    ap.add_argument("--gpu-sections", nargs="*", default=["shapes", "quant", "commands"],
-                    choices=["shapes", "quant", "commands"])
+    ap.add_argument("--gpu-sections", nargs="*", default=["shapes", "quant", "commands", "cli"],
+                    choices=["shapes", "quant", "commands", "cli"])
     ap.add_argument("--gpu-tokens", type=int, default=16384, help="--gpu shapes: tokens per timed pass")
     ap.add_argument("--gpu-seq", type=int, default=2048, help="--gpu: tokens per row")
     ap.add_argument("--gpu-batch", type=int, default=4, help="--gpu shapes: rows per forward")

@@ -23,6 +23,14 @@ Sections (random weights built directly on the device, bf16 on CUDA, nothing dow
    ``--gpu-command-rounds`` rounds, the median printed) and peak memory (CUDA: max allocated; CPU: peak RSS
    above the RSS before), next to the model's bytes and the bare forward's peak. ``--gpu-command-tokens`` (default
    65,536; ``--quick`` 32,768). ``--gpu-sections commands --gpu-commands offload topk``: only those.
+4. **The CLI on a local checkpoint**: the commands' model saved as safetensors to a temporary folder (about 6 GB at
+   Mixtral width in bf16; the shipped tokenizer beside it), each command in a fresh process as a user runs it:
+   ``inspect --model DIR`` and ``plan --model DIR`` the first time (an empty moetool cache: the model built on the
+   meta device) and again (answered from the cache), ``ppl --model DIR`` (``--max-tokens 32768``, rows of
+   ``--gpu-seq``): its wall time against its forwards' (ppl.csv's ``seconds``); and the load speed in one
+   process, best of 2: ``moetool.load`` and transformers' ``from_pretrained`` onto the device, GB/s of
+   safetensors read (the files were just written: the page cache is warm, the figure is the load path's, not the
+   disk's).
 
 On a machine without CUDA the same command runs **scaled-down** shapes (widths / 16, 2 layers, small vocabulary,
 fp32, about a thousand tokens) and says so in every table: those figures describe the code paths, not the hardware.
@@ -31,10 +39,13 @@ fp32, about a thousand tokens) and says so in every table: those figures describ
 from __future__ import annotations
 
 import datetime
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -262,6 +273,82 @@ def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]
     return rows
 
 
+def _cli(args: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """Wall seconds of ``python -m moetool ARGS`` in a fresh process (as the ``moetool`` script runs it) and its
+    stdout; a failing command stops the benchmark with its last lines."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "moetool", *args], env=env, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"moetool {' '.join(args)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    return dt, p.stdout
+
+
+def bench_gpu_cli(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:
+    """Section 4 (see the module's docstring): the CLI on a local checkpoint, and its load speed."""
+    import pandas as pd
+    from transformers import AutoModelForCausalLM
+
+    import moetool
+    from moetool.loading import EMBEDDED_DIR
+
+    c = COMMANDS_SHAPE if full else scaled(COMMANDS_SHAPE)
+    dtype = torch.bfloat16 if full else torch.float32
+    label = f"mixtral-width d{c['d']} I{c['inter']} {c['layers']} layers" + ("" if full else " (scaled down)")
+    rows: list[dict[str, Any]] = []
+
+    def row(variant: str, seconds: float, **extra: Any) -> None:
+        rows.append({"section": "cli", "model": label, "variant": variant, "device": str(dev), "seconds": seconds,
+                     **extra})
+        print(f"  cli {variant}: {seconds:.2f}s", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory(prefix="moetool-bench-cli-") as tmp:
+        ckpt = Path(tmp) / "checkpoint"
+        model = build(c, dev, dtype)
+        model.save_pretrained(ckpt)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # the shipped tokenizer (its ids < the vocabulary)
+            shutil.copy(EMBEDDED_DIR / "tiny" / f, ckpt / f)
+        nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        label += f", {nbytes / 1e9:.2f} GB of safetensors"
+        base = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        for cmd in ("inspect", "plan"):
+            env = {**base, "MOETOOL_CACHE_DIR": str(Path(tmp) / f"cache-{cmd}")}  # empty: the model is built
+            first, _ = _cli([cmd, "--model", str(ckpt), "--json"], env)
+            again, _ = _cli([cmd, "--model", str(ckpt), "--json"], env)
+            row(f"{cmd} --model DIR (first)", first)
+            row(f"{cmd} --model DIR (cached)", again)
+        out = Path(tmp) / "ppl-run"
+        seq = a.gpu_seq if full else min(a.gpu_seq, 256)
+        wall, _ = _cli(["ppl", "--model", str(ckpt), "--device", dev.type, "--max-tokens", "32768" if full else "2048",
+                        "--seq-len", str(seq), "--out", str(out), "--quiet"],
+                       {**base, "MOETOOL_CACHE_DIR": str(Path(tmp) / "cache-ppl")})
+        table = pd.read_csv(out / "ppl.csv")
+        row("ppl --model DIR", wall, forward_seconds=float(table.seconds.iloc[0]),
+            tokens=int(table.scored_tokens.iloc[0]))
+        loads = {"moetool.load": lambda: moetool.load(str(ckpt), dtype="auto", device=dev.type, tokenizer=False),
+                 "transformers from_pretrained": lambda: AutoModelForCausalLM.from_pretrained(
+                     ckpt, dtype=dtype, device_map={"": str(dev)})}
+        best = {name: float("inf") for name in loads}
+        for _ in range(2):
+            for name, fn in loads.items():
+                B.sync()
+                t0 = time.perf_counter()
+                m = fn()
+                B.sync()
+                best[name] = min(best[name], time.perf_counter() - t0)
+                del m
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+        for name, dt in best.items():
+            row(f"load: {name}", dt, gb_per_s=nbytes / 1e9 / dt, bytes=nbytes)
+    for r in rows:
+        r["model"] = label
+    return rows
+
+
 def run(a) -> list[dict[str, Any]]:
     """Every section of ``--gpu``; the rows of each (saved by the caller)."""
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.gpu_cpu else "cpu")
@@ -295,6 +382,8 @@ def run(a) -> list[dict[str, Any]]:
         yield B.bench_quant(a, device=dev)
     if "commands" in a.gpu_sections:
         yield bench_gpu_commands(a, dev, full)
+    if "cli" in a.gpu_sections:
+        yield bench_gpu_cli(a, dev, full)
 
 
 def fmt_table(df, cols: list[str]) -> str:
@@ -332,4 +421,10 @@ def report(df, a) -> str:
                    "ratio_min, ratio_max)")
         out.append(fmt_table(cmds, ["variant", "ratio", "ratio_min", "ratio_max", "seconds", "peak_extra_gib",
                                     "peak_ratio", "error"]))
+    cli = df[df.section == "cli"]
+    if len(cli):
+        out.append(f"\nThe CLI on a local checkpoint ({cli.model.iloc[0]}), each command in a fresh process: wall "
+                   "seconds; ppl's forward_seconds = its forwards (ppl.csv); load = one process, best of 2, GB/s of "
+                   "safetensors (page cache warm)")
+        out.append(fmt_table(cli, ["variant", "seconds", "forward_seconds", "tokens", "gb_per_s"]))
     return "\n".join(out)

@@ -200,6 +200,20 @@ class QuantileSketch:
 #: from 200k to 1M tokens on the embedded model); with 2^16, ``python bench/bench.py --shapes --rss --commands
 #: stats --rss-tokens 20000 200000 1000000`` prints 651 / 673 / 692 MiB, at the same speed.
 MERGE_MIN = 1 << 16
+#: a counter whose keys are known to lie in ``-1 .. space-1`` with ``space`` at most this counts them in a dense
+#: int64 table (8 MiB at most; Mixtral's 8 experts x 32,000 token ids: 2 MiB): no sort, no host synchronisation
+DENSE_KEYS = 1 << 20
+#: the dense tables one owner's counters may hold together (:func:`dense_space`): 2^25 keys, 256 MiB (Mixtral-8x7B's
+#: 32 layers x 3 views of ``stats``' specialisation: 24.6M keys)
+DENSE_TOTAL = 1 << 25
+
+
+def dense_space(space: int | None, counters: int) -> int | None:
+    """The ``space`` to give each of ``counters`` counters of that key space: itself where their dense tables fit
+    :data:`DENSE_KEYS` each and :data:`DENSE_TOTAL` together, else ``None`` (sparse)."""
+    if space is None or space > DENSE_KEYS or space * max(counters, 1) > DENSE_TOTAL:
+        return None
+    return space
 
 
 class SparseCounter:
@@ -208,19 +222,34 @@ class SparseCounter:
     A merge is a ``torch.unique`` (its output size is the data's: a host synchronisation on a GPU). ``defer=True``:
     :meth:`add` never merges, the owner calls :meth:`settle` between forwards (a counter fed by routing events inside
     the forward: its merges wait until the forward is over instead of stalling it); memory then holds at most the
-    keys of one forward beyond the merge threshold."""
+    keys of one forward beyond the merge threshold.
+
+    ``space``: the keys lie in ``-1 .. space-1`` (-1: a key its owner drops). Up to :data:`DENSE_KEYS` the counts
+    are one dense table on the keys' device (``index_add_``: no merge, no sort, no host synchronisation until
+    :meth:`result`), the same :meth:`result` as the sparse table's; a key outside the space is an index error, never
+    a miscount."""
 
     defer = False  # a counter saved (``--resume``) before the attribute existed merges as it did
+    dense: torch.Tensor | None = None  # [space + 1] counts of keys -1 .. space-1 (None: the sparse table)
+    space: int | None = None
 
-    def __init__(self, merge_min: int = MERGE_MIN, defer: bool = False):
+    def __init__(self, merge_min: int = MERGE_MIN, defer: bool = False, space: int | None = None):
         self.merge_min = merge_min
         self.defer = defer
+        self.space = space if space is not None and 0 < space <= DENSE_KEYS else None
         self.keys: torch.Tensor | None = None  # [U] sorted unique keys
         self.counts: torch.Tensor | None = None  # [U] int64
         self._pending: list[torch.Tensor] = []
         self._pending_n = 0
 
     def add(self, keys: torch.Tensor) -> None:
+        if self.space is not None:
+            k = keys.reshape(-1).long()
+            if self.dense is None:
+                self.dense = torch.zeros(self.space + 1, dtype=torch.long, device=k.device)
+            k = k.to(self.dense.device)
+            self.dense.index_add_(0, k + 1, torch.ones_like(k))
+            return
         self._pending.append(keys.reshape(-1).long())
         self._pending_n += keys.numel()
         if not self.defer:
@@ -245,6 +274,9 @@ class SparseCounter:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sorted unique keys [U], counts [U])``, both int64 on the device the keys came from."""
+        if self.dense is not None:
+            seen = self.dense.nonzero().squeeze(1)  # ascending
+            return seen - 1, self.dense[seen]
         self._merge()
         if self.keys is None:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)

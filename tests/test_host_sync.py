@@ -310,21 +310,34 @@ def test_every_experiment_consumer_under_cuda_sync_debug_mode(experiment, embedd
         run_experiment(experiment, lm, ts)
 
 
-def test_sparse_counts_merge_outside_the_forward(embedded):
-    """``stats``' (token, expert) counters merge with ``torch.unique`` (a sync): at the default threshold the small
-    data above never merges, so here every add is past it (``merge_min=1``) -- the merges must still wait for the
-    forward to end (``SparseCounter(defer=True)`` settled by ``begin_batch``), and the counts stay exact."""
+def test_sparse_counts_merge_outside_the_forward(embedded, monkeypatch):
+    """``stats``' (token, expert) counters: the embedded model's ids x experts are few enough for dense tables
+    (``sketch.DENSE_KEYS``: ``index_add_``, nothing to merge); a larger space is sparse and merges with
+    ``torch.unique`` (a sync). At the default threshold the small data above never merges, so here the sparse
+    counters get every add past it (``merge_min=1``) -- the merges must still wait for the forward to end
+    (``SparseCounter(defer=True)`` settled by ``begin_batch``); the counts of all three runs are the same."""
+    from moetool import sketch
     from moetool.experiments.stats.compute import collect
 
     lm, ts = embedded["tiny"]
     with detect(lm.model) as det:
+        dense = collect(lm, ts, quiet=True, merge_min=1, batch_size=4)
+    assert not det.hits, sorted(det.hits)
+    monkeypatch.setattr(sketch, "DENSE_KEYS", 0)  # every counter sparse from here on
+    with detect(lm.model) as det:
         every = collect(lm, ts, quiet=True, merge_min=1, batch_size=4)
     assert not det.hits, sorted(det.hits)
     once = collect(lm, ts, quiet=True, merge_min=1 << 40, batch_size=4)  # never merged before the end
-    assert every.routing.acc.keys() == once.routing.acc.keys() and every.vocab.counters.keys() == once.vocab.counters.keys()
-    pairs = [(a.pairs, once.routing.acc[li].pairs) for li, a in every.routing.acc.items()]
-    pairs += [(c, once.vocab.counters[li][v]) for li, views in every.vocab.counters.items() for v, c in views.items()]
-    for a, b in pairs:
-        (ka, ca), (kb, cb) = a.result(), b.result()
-        assert torch.equal(ka, kb) and torch.equal(ca, cb)
-    assert sum(int(c.sum()) for c in (a.result()[1] for a, _ in pairs)) > 0
+    runs = (dense, every, once)
+    assert all(r.routing.acc.keys() == once.routing.acc.keys() and r.vocab.counters.keys() == once.vocab.counters.keys()
+               for r in runs)
+
+    def counters(r):
+        return [r.routing.token_totals] + [a.pairs for _, a in sorted(r.routing.acc.items())] + \
+            [c for _, views in sorted(r.vocab.counters.items()) for _, c in sorted(views.items())]
+
+    assert all(c.dense is not None for c in counters(dense)) and all(c.dense is None for c in counters(every))
+    for a, b, c in zip(*map(counters, runs)):
+        (ka, ca), (kb, cb), (kc, cc) = a.result(), b.result(), c.result()
+        assert torch.equal(ka, kb) and torch.equal(ca, cb) and torch.equal(ka, kc) and torch.equal(ca, cc)
+    assert sum(int(c.result()[1].sum()) for c in counters(every)) > 0

@@ -18,8 +18,10 @@ from moetool import ops
 from moetool.adapters import find_moe_layers
 from moetool.data import TokenBatch, TokenSet
 from moetool.engine import Engine
+from moetool.engine.runner import id_space
 from moetool.errors import MoetoolError
 from moetool.experiments.stats.compute import RoutingStats, SparseCounter, StatsOptions, stats
+from moetool.sketch import DENSE_KEYS, DENSE_TOTAL, dense_space
 
 COLUMNS = {
     "load.csv": ["layer", "expert", "load_fraction", "load_fraction_lo", "load_fraction_hi", "token_fraction",
@@ -59,12 +61,14 @@ def make_batches() -> list[TokenBatch]:
     return out
 
 
-def collect(model_type: str, merge_min: int = 5):
-    """The stats consumer and, beside it, a plain recorder of every event (layer, top-K, pi, valid)."""
+def collect(model_type: str, merge_min: int = 5, dense: bool = False):
+    """The stats consumer and, beside it, a plain recorder of every event (layer, top-K, pi, valid). ``dense``: its
+    token counters over the model's id space (:func:`moetool.engine.runner.id_space`; default: sparse)."""
     model = build_tiny_model(model_type)
     layers = find_moe_layers(model)
     batches = make_batches()
-    stats = RoutingStats(layers, [d for b in batches for d in b.domains], merge_min=merge_min)
+    stats = RoutingStats(layers, [d for b in batches for d in b.domains], merge_min=merge_min,
+                         vocab=id_space(model) if dense else None)
     rec = []
     with torch.no_grad(), Engine(model, layers, consumers=[
             stats, lambda ev: rec.append((ev.layer.index, ev.idx.clone(), ev.probs.clone(), ev.valid.clone()))]):
@@ -218,8 +222,12 @@ def test_counts_do_not_depend_on_merge_schedule():
     """A huge merge threshold (one merge at the end) and a tiny one (a merge every batch) agree."""
     a = collect("mixtral", merge_min=1)[0].tables(None, top_n=50, min_count=1)
     b = collect("mixtral", merge_min=1 << 30)[0].tables(None, top_n=50, min_count=1)
+    dense, layers, _, _ = collect("mixtral", dense=True)  # counted in dense tables: no merge at all
+    assert dense.token_totals.dense is not None and all(dense.acc[L.index].pairs.dense is not None for L in layers)
+    c = dense.tables(None, top_n=50, min_count=1)
     for name in ("top_tokens.csv", "top_tokens_lift.csv"):
         pd.testing.assert_frame_equal(a[name], b[name])
+        pd.testing.assert_frame_equal(a[name], c[name])
 
 
 def test_sparse_counter_and_ops_primitives():
@@ -240,6 +248,22 @@ def test_sparse_counter_and_ops_primitives():
         assert d.keys is before and d._pending_n >= ch.numel()  # add alone never merges
         d.settle()
     assert d.keys is not None and d.result()[0].tolist() == keys.tolist() and d.result()[1].tolist() == counts.tolist()
+    # a known key space (-1 = a dropped key, as _masked_keys writes): one dense table, the same result
+    dropped = [torch.where(ch % 5 == 0, -1, ch) for ch in chunks]
+    sparse, dense = SparseCounter(merge_min=7), SparseCounter(space=40)
+    for ch in dropped:
+        sparse.add(ch)
+        dense.add(ch)
+        dense.settle()
+    assert dense.dense is not None and dense.keys is None and sparse.dense is None
+    assert dense.result()[0].tolist() == sparse.result()[0].tolist() and -1 in dense.result()[0].tolist()
+    assert dense.result()[1].tolist() == sparse.result()[1].tolist()
+    assert SparseCounter(space=40).result()[0].numel() == 0
+    assert SparseCounter(space=DENSE_KEYS + 1).space is None  # too large a space: sparse
+    assert dense_space(DENSE_KEYS, 1) == DENSE_KEYS and dense_space(DENSE_KEYS + 1, 1) is None
+    assert dense_space(1000, DENSE_TOTAL // 1000) == 1000 and dense_space(1000, DENSE_TOTAL // 1000 + 1) is None
+    with pytest.raises(IndexError):  # a key outside the space is an error, never a miscount
+        SparseCounter(space=40).add(torch.tensor([40]))
     idx = torch.tensor([[2, 0], [1, 3]])
     assert ops.multi_hot(idx, 4).tolist() == [[1, 0, 1, 0], [0, 1, 0, 1]]
 

@@ -182,6 +182,18 @@ def _rows(tokens: Any, start: int, count: int) -> str:
 def vocabulary(model: Any) -> int | None:
     """How many token ids ``model`` reads and predicts: the fewest of its input embedding rows, its LM head's
     outputs and a ``unpadded_vocab_size`` its forward slices the logits to (``None`` when it has none of them)."""
+    sizes = _vocab_sizes(model)
+    return min(sizes) if sizes else None
+
+
+def id_space(model: Any) -> int | None:
+    """A bound on every token id ``model`` reads or predicts (an input id, the argmax of its logits): the most of
+    the sizes :func:`vocabulary` takes the fewest of (``None`` when it has none of them)."""
+    sizes = _vocab_sizes(model)
+    return max(sizes) if sizes else None
+
+
+def _vocab_sizes(model: Any) -> list[int]:
     sizes = []
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if emb is not None and hasattr(emb, "num_embeddings"):
@@ -192,7 +204,7 @@ def vocabulary(model: Any) -> int | None:
     for c in (model.config, getattr(model.config, "text_config", None)):
         if isinstance(getattr(c, "unpadded_vocab_size", None), int):
             sizes.append(c.unpadded_vocab_size)
-    return min(sizes) if sizes else None
+    return sizes
 
 
 def check_token_ids(model: Any, tokens: Any) -> None:

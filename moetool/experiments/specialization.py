@@ -23,7 +23,7 @@ import torch
 from .. import distributed, ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
-from ..sketch import MERGE_MIN, SparseCounter
+from ..sketch import MERGE_MIN, SparseCounter, dense_space
 
 VIEWS = ("input", "next_token", "predicted")
 
@@ -78,9 +78,10 @@ class VocabSpecialization:
     predicted view needs the logits).
     """
 
-    def __init__(self, layers: list[Any], merge_min: int = MERGE_MIN):
+    def __init__(self, layers: list[Any], merge_min: int = MERGE_MIN, vocab: int | None = None):
         self.layers = {L.index: L for L in layers}
         self.merge_min = merge_min
+        self.vocab = vocab  # a bound on the token ids (runner.id_space): small key spaces are counted densely
         self.counters: dict[int, dict[str, Any]] = {}
         self.n: dict[int, int] = {}
         self._batch: dict[str, Any] | None = None
@@ -111,7 +112,10 @@ class VocabSpecialization:
 
     def _counter(self, li: int, n: int) -> dict[str, Any]:
         if li not in self.counters:
-            self.counters[li] = {v: SparseCounter(self.merge_min, defer=True) for v in VIEWS}  # fed in the forward
+            vocab = getattr(self, "vocab", None)  # (a state saved before it existed: sparse)
+            space = dense_space(None if vocab is None else vocab * n, len(VIEWS) * len(self.layers))
+            self.counters[li] = {v: SparseCounter(self.merge_min, defer=True, space=space)  # fed in the forward
+                                 for v in VIEWS}
             self.n[li] = n
         return self.counters[li]
 

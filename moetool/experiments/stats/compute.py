@@ -12,7 +12,8 @@ pairs are counted exactly in a :class:`SparseCounter`: keys ``token_id * n + exp
 the device and merged with ``torch.unique`` whenever the buffer outgrows the running table (between forwards:
 a merge synchronises with the host), so
 memory is proportional to the number of *distinct* pairs seen (at most ``min(n * vocab, tokens * K)``)
-and the amortized cost is one sort per element.
+and the amortized cost is one sort per element. Where ``n * vocab`` is small (``sketch.dense_space``: Mixtral's
+8 x 32,000) the same counter is one dense table per layer instead: ``index_add_``, no merge and no host sync.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 
 from ... import distributed, ops
 from ...engine.hooks import RoutingEvent, select_layers
-from ...engine.runner import forward
+from ...engine.runner import forward, id_space
 from ...errors import MoetoolError
-from ...sketch import MERGE_MIN, SparseCounter
+from ...sketch import MERGE_MIN, SparseCounter, dense_space
 from ...uncertainty import (RowTable, bootstrap_meta, format_ci, ratio_intervals,
                            sum_intervals, with_ci)
 from ..result import Result, resolve_options
@@ -70,8 +71,9 @@ DEFINITIONS = {
     "top_tokens_lift": "as top_tokens but ranked by lift = share / token_fraction(expert) = P(e|token) / P(e) "
                        "(1 = no preference; ties, e.g. tokens always routed to e, by count) among pairs with "
                        "count >= min_count",
-    "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges); "
-                         "memory grows with distinct pairs, not with n * vocab",
+    "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges; "
+                         "memory grows with distinct pairs, not with n * vocab), or a dense one where n * vocab is "
+                         "small (moetool.sketch.dense_space): the same counts",
     "*_lo/*_hi": "95% document-level bootstrap interval over packed rows (moetool.uncertainty; bootstrap "
                  "replicates, seeded; all from the same row weights; NaN with bootstrap=0): percentile interval for "
                  "the ratios load.csv load_fraction and token_fraction and layers.csv confidence_entropy_norm; BCa "
@@ -98,11 +100,13 @@ class LayerAccumulator:
     pairs: SparseCounter | None  # keys token_id * n + expert
 
     @classmethod
-    def empty(cls, n: int, k: int, n_domains: int, device: Any, pairs: bool, merge_min: int) -> "LayerAccumulator":
+    def empty(cls, n: int, k: int, n_domains: int, device: Any, pairs: bool, merge_min: int,
+              space: int | None = None) -> "LayerAccumulator":
         z = dict(dtype=torch.float64, device=device)
         return cls(n, k, torch.zeros((), dtype=torch.long, device=device), torch.zeros(n, **z),
                    torch.zeros((), **z), torch.zeros(n, n, **z), torch.zeros(n_domains, n, **z),
-                   torch.zeros(n_domains, **z), SparseCounter(merge_min, defer=True) if pairs else None)
+                   torch.zeros(n_domains, **z),
+                   SparseCounter(merge_min, defer=True, space=space) if pairs else None)
 
 
 class RoutingStats:
@@ -110,8 +114,9 @@ class RoutingStats:
 
     def __init__(self, layers: list[Any], domains: list[str] = (), top_tokens: bool = True,
                  merge_min: int = MERGE_MIN, top_k: int | None = None, coactivation: str = "all",
-                 rows: Any = None):
+                 rows: Any = None, vocab: int | None = None):
         self.layers = {L.index: L for L in layers}
+        self.vocab = vocab  # a bound on the token ids (runner.id_space): small key spaces are counted densely
         self.rows = rows  # uncertainty.RowTable: per packed row "tokens", "assign<layer>" [n], "conf<layer>"
         names = sorted(set(domains))
         self.domains = [d or NO_DOMAIN for d in names] if any(names) else []  # no domain split without labels
@@ -123,7 +128,7 @@ class RoutingStats:
         self.coactivation = coactivation
         self.merge_min = merge_min
         self.acc: dict[int, LayerAccumulator] = {}
-        self.token_totals = SparseCounter(merge_min)  # keys: token ids (real tokens)
+        self.token_totals = SparseCounter(merge_min, space=dense_space(vocab, 1))  # keys: token ids (real tokens)
         self._batch: dict[str, Any] | None = None
 
     def begin_batch(self, batch: Any) -> Any:
@@ -156,8 +161,10 @@ class RoutingStats:
         a = self.acc.get(L.index)
         idx = (ev.idx[:, : self.top_k] if self.top_k else ev.idx).long()  # [T, K] top-K (or first-ranked)
         if a is None:
+            vocab = getattr(self, "vocab", None)  # (a state saved before it existed: sparse)
+            space = dense_space(None if vocab is None else vocab * n, len(self.layers))
             a = self.acc[L.index] = LayerAccumulator.empty(n, idx.shape[-1], len(self.domains), dev,
-                                                          self.top_tokens, self.merge_min)
+                                                          self.top_tokens, self.merge_min, space)
         # padding is weighted out (never indexed away: no device sync inside the forward)
         valid = ev.valid.to(dev)  # [T]
         a.tokens += valid.sum()
@@ -414,10 +421,11 @@ def collect(lm: Any, tokens: Any, *, top_tokens: bool = True, batch_size: int = 
     layers = list(lm.layers) if chosen is None else select_layers(lm.layers, chosen)
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (the row table's ids)
     rows = RowTable(shard) if row_sums else None
+    vocab = id_space(lm.model)  # (token id, expert) keys below vocab x n: a small space is counted densely
     c = Collected(RoutingStats(layers, tokens.domains, top_tokens=top_tokens, merge_min=merge_min, top_k=top_k,
-                               coactivation=coactivation, rows=rows),
+                               coactivation=coactivation, rows=rows, vocab=vocab),
                   LoadBalance(layers, top_k=top_k), CrossLayer(layers, top_k=top_k, model_layers=list(lm.layers)),
-                  VocabSpecialization(layers, merge_min=merge_min) if specialization else None)
+                  VocabSpecialization(layers, merge_min=merge_min, vocab=vocab) if specialization else None)
     saved = units.load("batches", refs=layers) if units is not None else None
     start = 0 if saved is None else saved["next_batch"]
     if saved is not None:
