@@ -93,6 +93,13 @@ def test_tables_equal_one_process(runs, layout):
             # only atol, while its rounding is that of the layer's scale -- measured 2.1e-6 on a 0.028 logit; 1e-5 = 2e-6
             # of the largest logit, the scale of one float32 reordering)
             rtol, atol = (5e-5, 1e-5) if name.startswith("trace.") else (1e-5, 2e-6)
+            # mass-recall's best_scale_mean is the mean of an argmax over a grid of scales: a token whose best two
+            # bounds tie within float32 rounding may take the neighbouring scale under tp's re-ordered sums (one of
+            # 900 tokens on an AVX-512 CPU: 6e-5 of the mean); the bound itself (bound_scaled_mean, a max of
+            # continuous bounds) is compared at full tolerance with the rest
+            if "best_scale_mean" in a:
+                pd.testing.assert_series_equal(a.pop("best_scale_mean"), b.pop("best_scale_mean"), check_exact=False,
+                                               rtol=1e-3, obj=f"{command}{i}/{name} best_scale_mean")
             pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=rtol, atol=atol, obj=f"{command}{i}/{name}")
             num = a.select_dtypes("number").columns
             if len(num):
