@@ -188,8 +188,10 @@ def vocabulary(model: Any) -> int | None:
 
 def id_space(model: Any) -> int | None:
     """A bound on every token id ``model`` reads or predicts (an input id, the argmax of its logits): the most of
-    the sizes :func:`vocabulary` takes the fewest of (``None`` when it has none of them)."""
-    sizes = _vocab_sizes(model)
+    the sizes :func:`vocabulary` takes the fewest of and the config's ``vocab_size`` (``None`` when it has none of
+    them)."""
+    sizes = _vocab_sizes(model) + [c.vocab_size for c in (model.config, getattr(model.config, "text_config", None))
+                                   if isinstance(getattr(c, "vocab_size", None), int)]
     return max(sizes) if sizes else None
 
 
