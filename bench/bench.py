@@ -8,6 +8,7 @@
     python bench/bench.py --shapes --cache-sim  # only: offload's cache simulation, one layer (host CPU)
     python bench/bench.py --shapes --cache-sim --cache-sim-base REV  # ... against git revision REV's, interleaved
     python bench/bench.py --shapes --load   # only: moetool.load vs from_pretrained of a local checkpoint, GB/s
+    python bench/bench.py --shapes --host-work  # only: each command's host work over the bare forward (CPU, ~2 min)
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
     python bench/bench.py --gpu           # issue #36's figures on any CUDA machine (~3-4 min on an H100; --quick:
                                           # half); on CPU scaled-down shapes, said so (bench/bench_gpu.py)
@@ -55,6 +56,17 @@ holding the same weights quantized (FP8 128x128 with fp32 scales, FP8 with UE8M0
 (median of ``--repeat`` interleaved rounds; each timed unit calls the probe as often as the plain probe needs to
 last 20 ms, ``calls_per_round``). The extra is the dequantization of every expert, a slice at a time (on CUDA one
 compiled kernel per slice, :mod:`moetool.compiled`).
+
+**Host work** (``--host-work``): what a command computes on the host around its forwards, the share of a GPU run
+that the device's speed does not shrink, measured on the CPU at the GPU command benchmark's layout (``--gpu``
+section 3: Mixtral's 8 experts top-2, 2 layers, vocabulary 32,000, rows of 2,048) at a width where the forward
+costs little (d=64, I=128, 2 heads), with two stand-ins for what a GPU does in one kernel and a CPU in seconds:
+the LM head returns logits of the same shape without its GEMM (a broadcast view), and the vocabulary
+specialisation's argmax over them is a cheap function of the logits with as many distinct ids (``ppl``'s
+log-softmax over the vocabulary is device arithmetic of the same kind: not a host-work figure). ``--host-tokens`` tokens (65,536) in forwards
+of ``--host-rows`` rows (2), one thread; each command (``--host-commands``, default stats and placement; the API
+with its defaults but ``batch_size``) between two bare ``moetool.forward`` calls, its extra = its time - their mean:
+the median over ``--repeat`` rounds (min-max), in ms and µs per token.
 
 **Cache simulation** (``--cache-sim``): ``offload``'s cache simulation alone (``simulate_all``: every default
 capacity x lru / lfu / belady) on one layer's skewed random routing trace (each token's top-K of uniform noise plus
@@ -569,6 +581,74 @@ def bench_cache_sim(a) -> list[dict[str, Any]]:
     return rows
 
 
+class _LogitsStandIn(torch.nn.Module):
+    """An LM head's stand-in for ``--host-work``: logits of the right shape, a different value per token in column 0
+    (what the argmax stand-in reads), without the ``[tokens, d] x [d, vocab]`` GEMM or its memory (a broadcast
+    view)."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.vocab = vocab
+        self.weight = torch.nn.Parameter(torch.zeros(vocab, d))  # what get_output_embeddings() reports
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :1].expand(*x.shape[:-1], self.vocab)
+
+
+def bench_host_work(a) -> list[dict[str, Any]]:
+    """``--host-work``: each command's extra over the bare forward, host work only (see the module's docstring)."""
+    import moetool
+    from moetool import ops
+    from moetool.adapters import find_moe_layers
+    from moetool.loading import LoadedModel
+
+    from bench_gpu import COMMANDS_SHAPE, build, random_tokenset
+
+    torch.set_num_threads(1)
+    c = {**COMMANDS_SHAPE, "d": 64, "inter": 128, "heads": 2, "kv_heads": 1, "head_dim": 32}
+    model = build(c, torch.device("cpu"), torch.float32)
+    model.lm_head = _LogitsStandIn(c["vocab"], c["d"])
+    lm = LoadedModel("host-work", "random weights", "random", model, None, find_moe_layers(model),
+                     torch.device("cpu"), torch.float32)
+    tokens = random_tokenset(c["vocab"], a.host_tokens, 2048)
+    rows = a.host_rows
+    bare = lambda: moetool.forward(lm, tokens, batch_size=rows, quiet=True)  # noqa: E731
+    calls = {name: (lambda f=getattr(moetool, name): f(lm, tokens, batch_size=rows, quiet=True))
+             for name in a.host_commands}
+    label = (f"mixtral layout d{c['d']} I{c['inter']} {c['layers']} layers, vocabulary {c['vocab']}, LM head and "
+             "argmax stood in, 1 thread")
+    argmax = ops.argmax
+    ops.argmax = lambda x: (x[..., 0].abs() * 1e6).long() % x.shape[-1]  # the specialisation's predicted view
+    try:
+        bare()
+        for fn in calls.values():  # first-use costs (imports, caches) are no forward's
+            fn()
+        extra: dict[str, list[float]] = {name: [] for name in calls}
+        bares: list[float] = []
+        for _ in range(max(1, a.repeat)):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                bare()
+                t1 = time.perf_counter()
+                fn()
+                t2 = time.perf_counter()
+                bare()
+                t3 = time.perf_counter()
+                extra[name].append((t2 - t1) - ((t1 - t0) + (t3 - t2)) / 2)
+                bares += [t1 - t0, t3 - t2]
+    finally:
+        ops.argmax = argmax
+    out = []
+    for name, xs in extra.items():
+        m = statistics.median(xs)
+        out.append({"section": "host_work", "model": label, "variant": name, "device": "cpu",
+                    "tokens": tokens.n_tokens, "bare_seconds": statistics.median(bares), "extra_ms": m * 1e3,
+                    "extra_min_ms": min(xs) * 1e3, "extra_max_ms": max(xs) * 1e3,
+                    "us_per_token": m / tokens.n_tokens * 1e6})
+        print(f"  host work {name}: {m * 1e3:.0f} ms over the bare forward", file=sys.stderr)
+    return out
+
+
 def bench_load(a) -> list[dict[str, Any]]:
     """Load speed of a local safetensors checkpoint (a random Mixtral-shaped model of about ``--load-mb`` MB, fp32,
     saved once to a temporary folder): ``moetool.load`` against transformers' own ``from_pretrained`` of the same
@@ -629,6 +709,10 @@ def main() -> None:
     ap.add_argument("--quant-d", type=int, default=1024)
     ap.add_argument("--quant-inter", type=int, default=2048)
     ap.add_argument("--quant-tokens", type=int, default=1024)
+    ap.add_argument("--host-work", action="store_true", help="each command's host work over the bare forward (CPU)")
+    ap.add_argument("--host-tokens", type=int, default=65536)
+    ap.add_argument("--host-rows", type=int, default=2, help="--host-work: rows of 2,048 tokens per forward")
+    ap.add_argument("--host-commands", nargs="*", default=["stats", "placement"])
     ap.add_argument("--cache-sim", action="store_true", help="offload's cache simulation alone, one layer")
     ap.add_argument("--cache-sim-base", default=None, metavar="REV",
                     help="--cache-sim: also git revision REV's simulation, interleaved (same hits asserted)")
@@ -665,7 +749,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     sections = [(bool(a.shapes), bench_shapes), (a.real, bench_real), (a.rss, bench_rss),
                 (a.lazy_data, bench_lazy_data), (a.quant, bench_quant), (a.cache_sim, bench_cache_sim),
-                (a.load, bench_load)]
+                (a.load, bench_load), (a.host_work, bench_host_work)]
     for wanted, section in sections:
         if wanted:
             rows += section(a)
@@ -706,6 +790,11 @@ def main() -> None:
     if len(load):
         print(f"\nLoading a local safetensors checkpoint (best of {a.repeat}; page cache warm), device {dev}")
         print(load[["model", "variant", "seconds", "gb_per_s"]].to_string(**fmt))
+    host = df[df.section == "host_work"] if len(df) else df
+    if len(host):
+        print(f"\nHost work over the bare forward ({host.model.iloc[0]}; {int(host.tokens.iloc[0])} tokens, bare "
+              f"forward {host.bare_seconds.iloc[0]:.2f}s; median of {a.repeat} rounds, min-max)")
+        print(host[["variant", "extra_ms", "extra_min_ms", "extra_max_ms", "us_per_token"]].to_string(**fmt))
     sim = df[df.section == "cache_sim"] if len(df) else df
     if len(sim):
         print(f"\noffload's cache simulation, one layer, every default capacity x lru/lfu/belady (best of "
