@@ -1,6 +1,6 @@
 """``python bench/bench.py --gpu``: every figure of the performance issue (#36) in one run, on any CUDA machine.
 
-    python bench/bench.py --gpu                    # ~3-4 min on one H100: shapes, quantized probes, commands
+    python bench/bench.py --gpu                    # ~3-5 min on one H100: shapes, quantized probes, commands, CLI
     python bench/bench.py --gpu --quick            # fewer tokens and rounds (~1.5 min on an H100)
     python bench/bench.py --gpu --csv gpu.csv      # the figures as CSV (default bench.csv) + gpu.txt (the printout)
 
