@@ -273,15 +273,15 @@ def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]
     return rows
 
 
-def _cli(args: list[str], env: dict[str, str]) -> tuple[float, str]:
-    """Wall seconds of ``python -m moetool ARGS`` in a fresh process (as the ``moetool`` script runs it) and its
-    stdout; a failing command stops the benchmark with its last lines."""
+def _cli(args: list[str], env: dict[str, str]) -> float:
+    """Wall seconds of ``python -m moetool ARGS`` in a fresh process (as the ``moetool`` script runs it); a failing
+    command stops the benchmark with its last lines."""
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "moetool", *args], env=env, capture_output=True, text=True)
     dt = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"moetool {' '.join(args)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
-    return dt, p.stdout
+    return dt
 
 
 def bench_gpu_cli(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:
@@ -312,19 +312,19 @@ def bench_gpu_cli(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:
         for f in ("tokenizer.json", "tokenizer_config.json"):  # the shipped tokenizer (its ids < the vocabulary)
             shutil.copy(EMBEDDED_DIR / "tiny" / f, ckpt / f)
         nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-        label += f", {nbytes / 1e9:.2f} GB of safetensors"
+        label += f", {nbytes / 1e9:.2f} GB of safetensors"  # before the first row()
         base = {**os.environ, "HF_HUB_OFFLINE": "1"}
         for cmd in ("inspect", "plan"):
             env = {**base, "MOETOOL_CACHE_DIR": str(Path(tmp) / f"cache-{cmd}")}  # empty: the model is built
-            first, _ = _cli([cmd, "--model", str(ckpt), "--json"], env)
-            again, _ = _cli([cmd, "--model", str(ckpt), "--json"], env)
+            first = _cli([cmd, "--model", str(ckpt), "--json"], env)
+            again = _cli([cmd, "--model", str(ckpt), "--json"], env)
             row(f"{cmd} --model DIR (first)", first)
             row(f"{cmd} --model DIR (cached)", again)
         out = Path(tmp) / "ppl-run"
         seq = a.gpu_seq if full else min(a.gpu_seq, 256)
-        wall, _ = _cli(["ppl", "--model", str(ckpt), "--device", dev.type, "--max-tokens", "32768" if full else "2048",
-                        "--seq-len", str(seq), "--out", str(out), "--quiet"],
-                       {**base, "MOETOOL_CACHE_DIR": str(Path(tmp) / "cache-ppl")})
+        wall = _cli(["ppl", "--model", str(ckpt), "--device", dev.type, "--max-tokens", "32768" if full else "2048",
+                     "--seq-len", str(seq), "--out", str(out), "--quiet"],
+                    {**base, "MOETOOL_CACHE_DIR": str(Path(tmp) / "cache-ppl")})
         table = pd.read_csv(out / "ppl.csv")
         row("ppl --model DIR", wall, forward_seconds=float(table.seconds.iloc[0]),
             tokens=int(table.scored_tokens.iloc[0]))
@@ -344,8 +344,6 @@ def bench_gpu_cli(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:
                     torch.cuda.empty_cache()
         for name, dt in best.items():
             row(f"load: {name}", dt, gb_per_s=nbytes / 1e9 / dt, bytes=nbytes)
-    for r in rows:
-        r["model"] = label
     return rows
 
 

@@ -211,7 +211,7 @@ DENSE_TOTAL = 1 << 25
 def dense_space(space: int | None, counters: int) -> int | None:
     """The ``space`` to give each of ``counters`` counters of that key space: itself where their dense tables fit
     :data:`DENSE_KEYS` each and :data:`DENSE_TOTAL` together, else ``None`` (sparse)."""
-    if space is None or space > DENSE_KEYS or space * max(counters, 1) > DENSE_TOTAL:
+    if space is None or not 0 < space <= DENSE_KEYS or space * max(counters, 1) > DENSE_TOTAL:
         return None
     return space
 
@@ -236,7 +236,7 @@ class SparseCounter:
     def __init__(self, merge_min: int = MERGE_MIN, defer: bool = False, space: int | None = None):
         self.merge_min = merge_min
         self.defer = defer
-        self.space = space if space is not None and 0 < space <= DENSE_KEYS else None
+        self.space = dense_space(space, 1)
         self.keys: torch.Tensor | None = None  # [U] sorted unique keys
         self.counts: torch.Tensor | None = None  # [U] int64
         self._pending: list[torch.Tensor] = []
