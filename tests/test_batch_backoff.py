@@ -179,7 +179,8 @@ def test_no_back_off_under_torchrun(tiny, backoff, monkeypatch):
 # ----- the NLL step (#21.8): chunked, and inside the back-off ---------------------------------------------------
 def test_chunked_nll_equals_one_cross_entropy_and_never_copies_the_whole_logits(tiny, monkeypatch):
     """batch_nll over chunks of positions gives the per-token NLL sums of one cross_entropy over the whole batch;
-    no step holds more than NLL_CHUNK_ELEMENTS fp32 logits (it held rows x positions x vocab)."""
+    no step holds more than NLL_CHUNK_ELEMENTS fp32 logits (it held rows x positions x vocab), and each step reads
+    a contiguous slice of the logits themselves (a strided slice made log_softmax copy it first)."""
     import torch.nn.functional as F
 
     lm, tokens = tiny
@@ -195,19 +196,30 @@ def test_chunked_nll_equals_one_cross_entropy_and_never_copies_the_whole_logits(
 
     seen = []
     orig = F.log_softmax
+    lo, hi = logits.data_ptr(), logits.data_ptr() + logits.numel() * logits.element_size()
 
     def spy(pred, *args, **kwargs):  # the one full-vocabulary step: fp32 log-probabilities of a chunk
-        seen.append(pred.numel())
+        seen.append((pred.numel(), pred.is_contiguous() and lo <= pred.data_ptr() < hi))
         return orig(pred, *args, **kwargs)
 
     monkeypatch.setattr(runner.F, "log_softmax", spy)
-    monkeypatch.setattr(runner, "NLL_CHUNK_ELEMENTS", 5 * B * V, raising=False)  # 5 positions a step: 13 steps
+    monkeypatch.setattr(runner, "NLL_CHUNK_ELEMENTS", 5 * B * V, raising=False)  # 5·B positions a step
     sums, counts = runner.batch_nll(logits, ids, mask, per_row=True)
     total, n = runner.batch_nll(logits, ids, mask)
     torch.testing.assert_close(sums, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(counts, keep.sum(1)) and int(n) == int(keep.sum())
     assert float(total) == pytest.approx(float(ref.sum()), rel=1e-6)
-    assert max(seen) <= 5 * B * V and len(seen) == 2 * -(-(S - 1) // 5)
+    assert max(k for k, _ in seen) <= 5 * B * V and len(seen) == 2 * -(-(B * S) // (5 * B))
+    assert all(view for _, view in seen)  # slices of the logits, not copies
+
+    # positions never scored (each row's last, the padded ones) do not reach the sums, even as NaN
+    bad = logits.clone()
+    bad[:, -1] = float("nan")
+    bad[1, 2] = float("inf")  # predicts padded position 3
+    monkeypatch.setattr(runner, "NLL_CHUNK_ELEMENTS", 1 << 25, raising=False)
+    torch.testing.assert_close(runner.batch_nll(bad, ids, mask, per_row=True)[0], ref, rtol=1e-6, atol=1e-6)
+    bad[2, 3] = float("nan")  # a scored position: the NaN shows
+    assert torch.isnan(runner.batch_nll(bad, ids, mask, per_row=True)[0][2])
 
 
 @pytest.mark.parametrize("bootstrap", [0, 100], ids=["total", "per-row"])

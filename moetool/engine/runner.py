@@ -57,8 +57,8 @@ class ForwardResult:
         return self.nll.ppl
 
 
-#: fp32 logit elements one step of :func:`batch_nll` holds (x 4 bytes, twice: the fp32 copy and its log-softmax):
-#: 128 MiB each; a batch's logits are never copied to fp32 whole (rows x positions x a 150k-250k vocabulary)
+#: fp32 logit elements one step of :func:`batch_nll` holds (x 4 bytes: its log-softmax): 128 MiB; a batch's logits
+#: are never copied to fp32 whole (rows x positions x a 150k-250k vocabulary)
 NLL_CHUNK_ELEMENTS = 1 << 25
 
 
@@ -68,21 +68,29 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     count per row (``[B]`` each; the bootstrap's per-document sums). ``shift=False`` (an encoder-decoder's
     :func:`seq2seq_inputs`): position ``t`` predicts ``input_ids[:, t]`` itself, every real position scored.
 
-    Computed in fp32 over chunks of positions of at most :data:`NLL_CHUNK_ELEMENTS` logits (at least one
-    position), summed in fp64: the same per-token values as one ``cross_entropy`` over the whole batch."""
+    Computed in fp32 over chunks of the ``B x S`` positions taken in memory order (contiguous slices of the logits:
+    no copy of them first), at most :data:`NLL_CHUNK_ELEMENTS` logits a chunk (at least one position), summed in
+    fp64: the same per-token values as one ``cross_entropy`` over the whole batch. With ``shift`` each row's last
+    position has no target: it is computed against a stand-in target and never scored (its value, even a NaN,
+    never reaches the sums)."""
     B, S, V = logits.shape
     d = int(shift)
     keep = attention_mask[:, d:].bool() & attention_mask[:, :S - d].bool()  # [B, S-d]
-    sums = torch.zeros(B, dtype=torch.float64, device=logits.device)
-    step = max(1, NLL_CHUNK_ELEMENTS // max(B * V, 1))
-    for p0 in range(0, S - d, step):
-        p1 = min(p0 + step, S - d)
-        # fp32 log-probabilities, read in the logits' own dtype (CUDA: no fp32 copy of the chunk first); the NLL is
-        # -log p of the target, as cross_entropy's: one [B, p, V] fp32 buffer instead of a copy and its log-softmax
-        logp = F.log_softmax(logits[:, p0:p1], dim=-1, dtype=torch.float32)
-        nll = -logp.gather(-1, input_ids[:, p0 + d:p1 + d].unsqueeze(-1)).squeeze(-1)  # [B, p]
-        sums += (nll * keep[:, p0:p1]).sum(1, dtype=torch.float64)
-        del logp, nll
+    target = input_ids[:, d:]
+    if d:  # position S-1 of each row: not scored (a stand-in target in range)
+        keep = torch.cat([keep, keep.new_zeros(B, d)], dim=1)
+        target = torch.cat([target, input_ids[:, :d]], dim=1)
+    flat, target = logits.reshape(B * S, V), target.reshape(B * S, 1)  # a view of contiguous logits
+    nll = torch.empty(B * S, dtype=torch.float32, device=logits.device)
+    step = max(1, NLL_CHUNK_ELEMENTS // max(V, 1))
+    for r0 in range(0, B * S, step):
+        r1 = min(r0 + step, B * S)
+        # fp32 log-probabilities read in the logits' own dtype, -log p of the target as cross_entropy's: one
+        # [rows, V] fp32 buffer a chunk (no copy of the chunk: its rows are contiguous)
+        logp = F.log_softmax(flat[r0:r1], dim=-1, dtype=torch.float32)
+        torch.neg(logp.gather(-1, target[r0:r1]).squeeze(-1), out=nll[r0:r1])
+        del logp
+    sums = torch.where(keep, nll.view(B, S), 0.0).sum(1, dtype=torch.float64)
     if per_row:
         return sums, keep.sum(1)
     return sums.sum(), keep.sum()
