@@ -25,6 +25,7 @@ the all-reduce operation of every state tensor; :func:`moetool.distributed.all_r
 
 from __future__ import annotations
 
+import bisect
 import math
 import tempfile
 from pathlib import Path
@@ -162,7 +163,7 @@ class QuantileSketch:
 
     def _order_stat(self, cum: list[int], rank: int) -> float:
         """Estimate of the ``rank``-th smallest value (0-based) from the cumulative slot counts."""
-        slot = next(i for i, c in enumerate(cum) if c > rank)
+        slot = bisect.bisect_right(cum, rank)  # the first slot whose cumulative count exceeds rank (cum ascends)
         if slot == 0:
             return 0.0
         if slot in (1, self.bins + 2):  # a tail bin: known exactly only at its ends

@@ -30,7 +30,7 @@ RUNS = {  # command -> its arguments (small, no bootstrap: the files are the poi
     "fluctuation": ["fluctuation", "tiny-early", "tiny", *SMALL, "--bootstrap", "0"],
     "norm-select": ["norm-select", "--nodes", "gate", *SMALL, "--bootstrap", "0"],
     "topk": ["topk", *SMALL, "--bootstrap", "0", "--ks", "1", "--ps", "0.9"],
-    "margin": ["margin", *SMALL, "--bootstrap", "0", "--eps", "0.05"],
+    "margin": ["margin", *SMALL, "--bootstrap", "0", "--eps", "0.05", "--policies", "norm:gate,random"],
     "agreement": ["agreement", *SMALL, "--bootstrap", "0", "--precisions", "fp32,bf16,fp8"],
     "plan": ["plan", "--gpus", "1xH100"],
     "capacity": ["capacity", *SMALL, "--bootstrap", "0", "--cf", "1"],

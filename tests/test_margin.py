@@ -147,6 +147,25 @@ def test_the_router_against_itself_agrees_exactly(tiny):
     assert "margin_jaccard" not in margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=(), quiet=True)
 
 
+def test_no_policy_runs_unless_asked_and_the_demo_asks_for_two(tiny, monkeypatch):
+    """By default margin costs its forward: no policy's probe (norm:gate computes every expert's gate: several
+    forwards' worth on many-expert models) and no Jaccard table; the demo compares norm:gate and random."""
+    from moetool.experiments.registry import EXPERIMENTS
+    from moetool.policies import norm
+
+    lm, tokens, _, _ = tiny
+    calls = []
+    orig = norm.node_scores
+    monkeypatch.setattr(norm, "node_scores", lambda *a, **k: calls.append(a[0].index) or orig(*a, **k))
+    res = margin(lm, tokens, eps=(0.01,), bootstrap=0, batch_size=3, quiet=True)
+    assert "margin_jaccard" not in res and calls == [] and res.meta["policies"] == []
+    demo = EXPERIMENTS["margin"].demo.options["policies"]
+    assert tuple(demo) == ("norm:gate", "random")
+    res = margin(lm, tokens, eps=(0.01,), bootstrap=0, batch_size=3, quiet=True, policies=demo)
+    assert sorted(set(calls)) == [L.index for L in lm.layers]  # norm:gate's probe, once per layer and batch
+    assert sorted(set(res["margin_jaccard"].policy)) == ["norm:gate", "random"]
+
+
 def test_policy_jaccards_of_the_first_layer_by_hand(tiny):
     """topp:0.5 (masked columns of weight 0: not chosen) and random (seeded per row), each by its own select on the
     captured events of the first MoE layer; the router's weights renormalised over its chosen set."""
