@@ -17,8 +17,9 @@ Sections (random weights built directly on the device, bf16 on CUDA, nothing dow
 2. **Quantized probes**: ``bench.py --quant`` (one d=1024 layer, 8 experts of width 2048, 1,024 tokens): FP8
    (fp32 / UE8M0 scales) and FP4 probes as a ratio of the bf16 probe.
 3. **Commands against one bare ``moetool.forward``** over the same tokens (Mixtral-8x7B width, 2 layers, one
-   loaded model, the API with each command's defaults but ``batch_size``): ppl, stats, placement, margin,
-   expert-similarity, approx, offload, topk; time ratio (each command between two bare forwards, ratio to their
+   loaded model, the API with each command's defaults but ``batch_size``): ppl, stats, placement, margin (and
+   ``margin_policies``: with ``--policies norm:gate,random``, its default before 2026-11-28), expert-similarity,
+   approx, offload, topk; time ratio (each command between two bare forwards, ratio to their
    mean; every command once untimed first -- imports and other first-use costs are no forward's; then
    ``--gpu-command-rounds`` rounds, the median printed) and peak memory (CUDA: max allocated; CPU: peak RSS
    above the RSS before), next to the model's bytes and the bare forward's peak. ``--gpu-command-tokens`` (default
@@ -65,7 +66,10 @@ GPU_SHAPES = {
 }
 COMMANDS_SHAPE = dict(family="mixtral", d=4096, inter=14336, n=8, k=2, heads=32, kv_heads=8, head_dim=128, layers=2,
                       vocab=32000)
-COMMANDS = ("ppl", "stats", "placement", "margin", "expert_similarity", "approx", "offload", "topk")
+COMMANDS = ("ppl", "stats", "placement", "margin", "margin_policies", "expert_similarity", "approx", "offload", "topk")
+#: a row that is not a command's defaults: (the API function, its keywords); margin_policies is margin with the
+#: policy comparison its default had until 2026-11-28 (norm:gate computes every expert's gate)
+VARIANTS = {"margin_policies": ("margin", {"policies": ("norm:gate", "random")})}
 
 #: nominal dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device-name fragment, first match wins
 NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0),
@@ -200,7 +204,8 @@ def command_calls(lm: Any, tokens: Any, batch: int) -> dict[str, Callable[[], An
 
     kw = dict(batch_size=batch, quiet=True)
     return {"bare forward": lambda: moetool.forward(lm, tokens, batch_size=batch, quiet=True),
-            **{name: (lambda f=getattr(moetool, name): f(lm, tokens, **kw)) for name in COMMANDS}}
+            **{name: (lambda f=getattr(moetool, VARIANTS.get(name, (name,))[0]), extra=VARIANTS.get(name, (0, {}))[1]:
+                      f(lm, tokens, **kw, **extra)) for name in COMMANDS}}
 
 
 def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:
