@@ -154,9 +154,11 @@ def quiet_libraries() -> None:
 def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "value") -> list[Any]:
     """``"a,b,c"`` -> list; a clear error for a bad item. The one parser of every comma-separated flag: a value
     given twice (``0.5,0.5``, ``0.5,.50``: equal once cast) is kept once, at its first place, so no table has a
-    row computed twice."""
+    row computed twice. ``what``: a singular noun (``"layer"``) or the flag itself (``"--eps"``), as the errors
+    name it."""
     if text is None:
         return []
+    flag = what.startswith("--")
     out = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -164,9 +166,10 @@ def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "
         try:
             out.append(cast(item))
         except ValueError:
-            raise MoetoolError(f"bad {what} '{item}' in '{text}'") from None
+            raise MoetoolError(f"{what}: bad value '{item}' in '{text}'" if flag
+                               else f"bad {what} '{item}' in '{text}'") from None
     if not out:
-        raise MoetoolError(f"empty list of {what}s: '{text}'")
+        raise MoetoolError(f"{what}: no value in '{text}'" if flag else f"empty list of {what}s: '{text}'")
     return unique(out)
 
 

@@ -109,7 +109,7 @@ def parse_flag(flag: Flag, value: Any) -> Any:
     if flag.many:
         if value.strip().lower() == "none":
             return ()
-        return tuple(parse_list(value, CASTS[flag.kind[:-1]], flag.flag[2:].replace("-", " ")))
+        return tuple(parse_list(value, CASTS[flag.kind[:-1]], flag.flag))
     return str(value) if flag.kind == "path" else value
 
 

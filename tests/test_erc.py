@@ -191,7 +191,7 @@ def test_cli_on_a_saved_tiny_model(tmp_path):
     np.testing.assert_allclose(m, hand_gate_M(L3, L3.router.weight.detach()).numpy(), rtol=1e-5)
     assert (out / "figures" / "erc_matrix.png").is_file() and (out / "manifest.json").is_file()
     for bad, msg in ((["--noise", "lots"], "--noise"), (["--layers", "9"], "not MoE layers"),
-                     (["--alpha", "0.5,x"], "bad alpha")):
+                     (["--alpha", "0.5,x"], "--alpha: bad value 'x'")):
         r = runner.invoke(app, ["erc", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "bad"),
                                 "--force", "-q", *bad])
         errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]  # (the loader may print progress)

@@ -23,6 +23,23 @@ def test_parse_list_keeps_each_value_once():
         parse_list("0.5,x,0.5", float, "fraction")
 
 
+def test_every_list_flag_names_itself_in_its_errors():
+    """An empty or bad list names the flag as typed ("--eps: no value in ''"; it read "empty list of epss")."""
+    from moetool.commands.generated import parse_flag
+    from moetool.experiments.registry import EXPERIMENTS
+
+    lists = {f.flag: f for spec in EXPERIMENTS.values() for f in spec.command_flags() if f.many and f.parse is None}
+    assert {"--eps", "--ks", "--gpus", "--policies", "--thresholds"} <= set(lists)
+    for name, f in lists.items():
+        with pytest.raises(MoetoolError) as e:
+            parse_flag(f, " , ")
+        assert str(e.value) == f"{name}: no value in ' , '"
+        if f.kind in ("ints", "floats"):
+            with pytest.raises(MoetoolError) as e:
+                parse_flag(f, "1,x")
+            assert str(e.value) == f"{name}: bad value 'x' in '1,x'"
+
+
 def test_norm_select_lists_too():
     from moetool.experiments.norm_select.compute import parse_nodes, parse_norms
 
