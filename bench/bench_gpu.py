@@ -202,10 +202,12 @@ def random_tokenset(vocab: int, tokens: int, seq: int):
 def command_calls(lm: Any, tokens: Any, batch: int) -> dict[str, Callable[[], Any]]:
     import moetool
 
-    kw = dict(batch_size=batch, quiet=True)
+    def call(name: str) -> Callable[[], Any]:
+        fn, extra = VARIANTS.get(name, (name, {}))
+        return lambda: getattr(moetool, fn)(lm, tokens, batch_size=batch, quiet=True, **extra)
+
     return {"bare forward": lambda: moetool.forward(lm, tokens, batch_size=batch, quiet=True),
-            **{name: (lambda f=getattr(moetool, VARIANTS.get(name, (name,))[0]), extra=VARIANTS.get(name, (0, {}))[1]:
-                      f(lm, tokens, **kw, **extra)) for name in COMMANDS}}
+            **{name: call(name) for name in COMMANDS}}
 
 
 def bench_gpu_commands(a, dev: torch.device, full: bool) -> list[dict[str, Any]]:

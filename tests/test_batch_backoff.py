@@ -221,6 +221,15 @@ def test_chunked_nll_equals_one_cross_entropy_and_never_copies_the_whole_logits(
     bad[2, 3] = float("nan")  # a scored position: the NaN shows
     assert torch.isnan(runner.batch_nll(bad, ids, mask, per_row=True)[0][2])
 
+    # rows apart in memory (a slice of longer rows): each row in turn, still slices of the logits, the same sums
+    wide = torch.cat([logits, logits[:, :3]], dim=1)[:, :S]
+    assert wide.stride(0) != S * wide.stride(1)
+    lo, hi = wide.data_ptr(), wide.data_ptr() + wide.untyped_storage().nbytes()
+    seen.clear()
+    monkeypatch.setattr(runner, "NLL_CHUNK_ELEMENTS", 5 * V, raising=False)
+    torch.testing.assert_close(runner.batch_nll(wide, ids, mask, per_row=True)[0], ref, rtol=1e-6, atol=1e-6)
+    assert all(view for _, view in seen) and len(seen) == B * -(-S // 5)
+
 
 @pytest.mark.parametrize("bootstrap", [0, 100], ids=["total", "per-row"])
 def test_out_of_memory_in_the_nll_step_backs_off(tiny, backoff, bootstrap, capsys, monkeypatch):

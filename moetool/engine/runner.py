@@ -69,10 +69,10 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     :func:`seq2seq_inputs`): position ``t`` predicts ``input_ids[:, t]`` itself, every real position scored.
 
     Computed in fp32 over chunks of the ``B x S`` positions taken in memory order (contiguous slices of the logits:
-    no copy of them first), at most :data:`NLL_CHUNK_ELEMENTS` logits a chunk (at least one position), summed in
-    fp64: the same per-token values as one ``cross_entropy`` over the whole batch. With ``shift`` each row's last
-    position has no target: it is computed against a stand-in target and never scored (its value, even a NaN,
-    never reaches the sums)."""
+    no copy of them first; rows apart in memory: a row at a time), at most :data:`NLL_CHUNK_ELEMENTS` logits a
+    chunk (at least one position), summed in fp64: the same per-token values as one ``cross_entropy`` over the
+    whole batch. With ``shift`` each row's last position has no target: it is computed against a stand-in target
+    and never scored (its value, even a NaN, never reaches the sums)."""
     B, S, V = logits.shape
     d = int(shift)
     keep = attention_mask[:, d:].bool() & attention_mask[:, :S - d].bool()  # [B, S-d]
@@ -80,17 +80,21 @@ def batch_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     if d:  # position S-1 of each row: not scored (a stand-in target in range)
         keep = torch.cat([keep, keep.new_zeros(B, d)], dim=1)
         target = torch.cat([target, input_ids[:, :d]], dim=1)
-    flat, target = logits.reshape(B * S, V), target.reshape(B * S, 1)  # a view of contiguous logits
-    nll = torch.empty(B * S, dtype=torch.float32, device=logits.device)
+    nll = torch.empty(B, S, dtype=torch.float32, device=logits.device)
+    if B == 1 or logits.stride(0) == S * logits.stride(1):  # the B x S positions as one axis: a view
+        parts = [(logits.flatten(0, 1), target.reshape(B * S, 1), nll.view(B * S))]
+    else:  # rows apart in memory: each row's positions in turn (never a copy of the whole logits)
+        parts = [(logits[b], target[b].unsqueeze(-1), nll[b]) for b in range(B)]
     step = max(1, NLL_CHUNK_ELEMENTS // max(V, 1))
-    for r0 in range(0, B * S, step):
-        r1 = min(r0 + step, B * S)
-        # fp32 log-probabilities read in the logits' own dtype, -log p of the target as cross_entropy's: one
-        # [rows, V] fp32 buffer a chunk (no copy of the chunk: its rows are contiguous)
-        logp = F.log_softmax(flat[r0:r1], dim=-1, dtype=torch.float32)
-        torch.neg(logp.gather(-1, target[r0:r1]).squeeze(-1), out=nll[r0:r1])
-        del logp
-    sums = torch.where(keep, nll.view(B, S), 0.0).sum(1, dtype=torch.float64)
+    for x, t, out in parts:
+        for r0 in range(0, x.shape[0], step):
+            r1 = min(r0 + step, x.shape[0])
+            # fp32 log-probabilities read in the logits' own dtype, -log p of the target as cross_entropy's: one
+            # [rows, V] fp32 buffer a chunk (no copy of the chunk where its rows are contiguous)
+            logp = F.log_softmax(x[r0:r1], dim=-1, dtype=torch.float32)
+            torch.neg(logp.gather(-1, t[r0:r1]).squeeze(-1), out=out[r0:r1])
+            del logp
+    sums = torch.where(keep, nll, 0.0).sum(1, dtype=torch.float64)
     if per_row:
         return sums, keep.sum(1)
     return sums.sum(), keep.sum()
