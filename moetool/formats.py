@@ -25,6 +25,7 @@ dequantization of the same codes (tests/test_formats.py). On CUDA a whole-block 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -51,6 +52,43 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 #: midpoints between consecutive non-negative e2m1 values; at the odd-numbered ones a tie rounds up (to even)
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 SCALE_FORMS = ("float", "ue8m0")
+
+
+_BYTE_TABLES: dict[Any, Any] = {}
+
+
+def _byte_table(key: Any) -> Any:
+    """The fp32 values of every byte (a numpy table): ``[256]`` for a one-byte float dtype, ``[256, 2]`` for two
+    packed e2m1 codes (``"e2m1x2"``, low nibble first)."""
+    if key not in _BYTE_TABLES:
+        import numpy as np
+
+        if key == "e2m1x2":
+            v = np.asarray(E2M1_VALUES, dtype=np.float32)
+            b = np.arange(256)
+            _BYTE_TABLES[key] = np.stack([v[b & 0xF], v[b >> 4]], axis=-1)
+        else:
+            _BYTE_TABLES[key] = torch.arange(256, dtype=torch.uint8).view(key).to(torch.float32).numpy()
+    return _BYTE_TABLES[key]
+
+
+def _bytes_on_host(t: torch.Tensor) -> bool:
+    """A plain CPU tensor of one-byte codes that numpy can index with (not a DTensor shard or another subclass)."""
+    return t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter) and t.element_size() == 1
+
+
+def decode_bytes(codes: torch.Tensor, key: Any) -> torch.Tensor:
+    """fp32 values of one-byte codes looked up in :func:`_byte_table` (``key``: the codes' float dtype, or
+    ``"e2m1x2"`` for packed FP4 pairs: the last dim doubles): on the CPU numpy's indexing by the bytes themselves,
+    3-4x faster than torch's element-wise FP8 conversion or its int64-indexed lookups; the same values."""
+    u8 = codes.detach().view(torch.uint8)
+    if _bytes_on_host(codes):
+        out = torch.from_numpy(_byte_table(key)[u8.numpy()])
+    else:  # the table copied to the device once (a copy per call would wait for the device's queue)
+        if (key, codes.device) not in _BYTE_TABLES:
+            _BYTE_TABLES[key, codes.device] = torch.from_numpy(_byte_table(key)).to(codes.device)
+        out = _BYTE_TABLES[key, codes.device][u8.long()]
+    return out.reshape(*codes.shape[:-1], -1) if key == "e2m1x2" else out
 
 
 def _e8m0_dtype() -> torch.dtype:
@@ -125,8 +163,12 @@ def dequantize_fp8(
     fused = _fused_blocks(codes, scale_inv, n, k, block, dtype, fp4)
     if fused is not None:
         return fused
-    # bf16 holds every e4m3 value exactly: half the bytes of an fp32 copy, the same products below
-    values = unpack_fp4(codes) if fp4 else codes.to(torch.bfloat16)
+    # the codes' exact values: on the CPU fp32 from a byte table (its products below take torch's fast fp32 path);
+    # elsewhere bf16 (it holds every e4m3 value exactly: half the bytes of fp32), the same products
+    if fp4:
+        values = unpack_fp4(codes)
+    else:
+        values = decode_bytes(codes, codes.dtype) if _bytes_on_host(codes) else codes.to(torch.bfloat16)
     if block is None:
         if n % sn or k % sk:
             raise MoetoolError(f"weight [{n}, {k}] is not a whole number of blocks of its scale grid [{sn}, {sk}]")
@@ -211,10 +253,7 @@ def pack_fp4(codes: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Ten
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Two e2m1 values per byte (low nibble first; ``uint8``, ``int8`` or ``float4_e2m1fn_x2``) -> fp32, the last dim
     twice as long."""
-    u8 = packed.contiguous().view(torch.uint8)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    out = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
-    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return decode_bytes(packed.contiguous(), "e2m1x2")
 
 
 def _group_scales(weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,28 @@ def test_fp8_ragged_blocks_one_block_at_a_time(scale_fmt):
         formats.dequantize_fp8(q3, s3, block=(64, 64))
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch-indexed"])
+def test_every_byte_decodes_to_torchs_own_value(host, monkeypatch):
+    """The byte tables the CPU dequantizes with (numpy indexing by the codes) give torch's own conversion of every
+    FP8 byte (NaN where it gives NaN) and the e2m1 values of both nibbles; the indexed path other devices take,
+    run here on the CPU, the same."""
+    if not host:
+        monkeypatch.setattr(formats, "_bytes_on_host", lambda t: False)
+    b = torch.arange(256, dtype=torch.uint8)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = b.view(dt).reshape(16, 16)[:, ::2]  # a strided slice too
+        want, got = codes.to(torch.float32), formats.decode_bytes(codes, dt)
+        assert got.dtype == torch.float32 and got.shape == codes.shape
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
+        assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 stays -0.0
+    pairs = formats.decode_bytes(b.view(torch.int8).reshape(4, 64), "e2m1x2")
+    lo = [formats.E2M1_VALUES[i & 15] for i in range(256)]
+    hi = [formats.E2M1_VALUES[i >> 4] for i in range(256)]
+    assert pairs.shape == (4, 128)
+    assert pairs.flatten().tolist() == [v for pair in zip(lo, hi) for v in pair]
+    assert torch.equal(torch.signbit(pairs.flatten()[0::2]), torch.tensor([i & 8 > 0 for i in range(256)]))
+
+
 def nearest_e2m1(x):
     """Brute force: the e2m1 value nearest each x (clamped to +-6), ties to the one with an even mantissa."""
     vals = torch.tensor(formats.E2M1_VALUES[:8])
