@@ -74,16 +74,23 @@ def test_every_byte_decodes_to_torchs_own_value(host, monkeypatch):
     if not host:
         monkeypatch.setattr(formats, "_bytes_on_host", lambda t: False)
     b = torch.arange(256, dtype=torch.uint8)
+    odd_rows = torch.cat([b, b[:16]]).view(16, 17)[:, :16]  # rows 17 bytes apart: byte pairs across alignments
     for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
-        codes = b.view(dt).reshape(16, 16)[:, ::2]  # a strided slice too
-        want, got = codes.to(torch.float32), formats.decode_bytes(codes, dt)
-        assert got.dtype == torch.float32 and got.shape == codes.shape
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
-        assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 stays -0.0
-    pairs = formats.decode_bytes(b.view(torch.int8).reshape(4, 64), "e2m1x2")
+        # whole rows (read two bytes at a time), a strided slice (a byte at a time), rows at odd offsets, an odd row
+        for codes in (b.view(dt).reshape(16, 16), b.view(dt).reshape(16, 16)[:, ::2], odd_rows.view(dt),
+                      b[:255].view(dt)):
+            want, got = codes.to(torch.float32), formats.decode_bytes(codes, dt)
+            assert got.dtype == torch.float32 and got.shape == codes.shape
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
+            assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 stays -0.0
     lo = [formats.E2M1_VALUES[i & 15] for i in range(256)]
     hi = [formats.E2M1_VALUES[i >> 4] for i in range(256)]
-    assert pairs.shape == (4, 128)
+    for packed in (b.view(torch.int8).reshape(4, 64), b.view(torch.int8).reshape(64, 4)[:, ::2].T):
+        want = [v for i in packed.flatten().view(torch.uint8).tolist() for v in (formats.E2M1_VALUES[i & 15],
+                                                                                 formats.E2M1_VALUES[i >> 4])]
+        got = formats.decode_bytes(packed, "e2m1x2")
+        assert got.shape == (*packed.shape[:-1], 2 * packed.shape[-1]) and got.flatten().tolist() == want
+    pairs = formats.decode_bytes(b.view(torch.int8).reshape(4, 64), "e2m1x2")
     assert pairs.flatten().tolist() == [v for pair in zip(lo, hi) for v in pair]
     assert torch.equal(torch.signbit(pairs.flatten()[0::2]), torch.tensor([i & 8 > 0 for i in range(256)]))
 
