@@ -403,7 +403,10 @@ def test_trace_refusals(captured, imported, tmp_path):
              (["stats", "--trace", str(imported["sglang-stat"]), "--coactivation", "adjacent"], "counts only"),
              (["stats", "--trace", str(imported["vllm"]), "--all-tokens"], "--all-tokens"),
              (["placement", "--trace", str(imported["vllm"]), "--reference-model", "tiny-early"], "--reference-model"),
-             (["placement", "--trace", str(imported["vllm"]), "--export", "eplb"], "one --gpus G")]
+             (["placement", "--trace", str(imported["vllm"]), "--export", "eplb"], "one --gpus G"),
+             (["offload", "--trace", str(imported["sglang-stat"])], "counts only: the cache simulation needs"),
+             (["fluctuation", "--trace", str(imported["vllm"]), "--trace", str(imported["sglang-stat"])],
+              "counts only: the token-by-token comparison needs")]  # (it named offload's cache simulation)
     for args, words in cases:
         _refused(runner.invoke(app, [*args, "--out", str(out)]), out, words)
 
