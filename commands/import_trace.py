@@ -59,7 +59,7 @@ def import_trace(sources: List[Path] = typer.Argument(..., help="Dump files or f
     for note in rs["notes"]:
         typer.echo(f"note: {note}")
     counted = {k: rs[k] for k in ("tokens", "rows", "requests", "assignments") if k in rs}
-    typer.echo(f"{rs['format']}: " + ", ".join(f"{v:,} {k}" for k, v in counted.items()))
+    typer.echo(f"{rs['format']}: " + ", ".join(f"{v:,} {k if v != 1 else k[:-1]}" for k, v in counted.items()))
     echo_run(path)
 
 

@@ -93,6 +93,15 @@ def test_numbers_in_a_routing_spec_are_refused_the_same_way(spec):
     assert build_policy("capacity:inf").cf == math.inf
 
 
+def test_a_word_for_a_number_in_a_routing_spec_is_named():
+    """similarity:x says which number it wanted, as topk: does (it read "could not convert string to float: 'x'")."""
+    from moetool.policies import build_policy
+
+    with pytest.raises(MoetoolError) as e:
+        build_policy("similarity:x")
+    assert str(e.value) == "bad routing policy 'similarity:x': tau must be a number, not 'x'"
+
+
 def test_flag_check_bounds_and_kinds():
     f = Flag("--x", "float", min=0.0, max=1.0)
     f.check(0.5), f.check(None), f.check("derived")  # not a number: the flag's own parser judged it

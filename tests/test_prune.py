@@ -199,6 +199,23 @@ def test_bad_specs_are_one_line(spec, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_unreadable_removed_csv_is_one_line(tmp_path):
+    """prune:file:<csv> that is empty, binary or holds a non-number: one line naming the file (it read pandas' 'No
+    columns to parse from file', "invalid literal for int() with base 10: 'x'" or a codec error)."""
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "word.csv").write_text("layer,expert\nx,1\n")
+    (tmp_path / "half.csv").write_text("layer,expert\n0,1.5\n")
+    (tmp_path / "binary.csv").write_bytes(b"\xd0\xff\x00layer")
+    for name, message in (("empty", " is not a readable CSV (No columns to parse from file)"),
+                          ("word", ": layer and expert must be whole numbers in every line"),
+                          ("half", ": layer and expert must be whole numbers in every line"),
+                          ("binary", " is not a readable CSV ('utf-8' codec can't decode")):
+        path = tmp_path / f"{name}.csv"
+        with pytest.raises(MoetoolError) as e:
+            make_policy(f"prune:file:{path}")
+        assert str(e.value).startswith(f"prune: {path}{message}") and "\n" not in str(e.value)
+
+
 def test_too_few_kept_experts_refused(tiny_model):
     model = tiny_model("mixtral")
     L = find_moe_layers(model)[0]

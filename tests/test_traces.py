@@ -403,7 +403,10 @@ def test_trace_refusals(captured, imported, tmp_path):
              (["stats", "--trace", str(imported["sglang-stat"]), "--coactivation", "adjacent"], "counts only"),
              (["stats", "--trace", str(imported["vllm"]), "--all-tokens"], "--all-tokens"),
              (["placement", "--trace", str(imported["vllm"]), "--reference-model", "tiny-early"], "--reference-model"),
-             (["placement", "--trace", str(imported["vllm"]), "--export", "eplb"], "one --gpus G")]
+             (["placement", "--trace", str(imported["vllm"]), "--export", "eplb"], "one --gpus G"),
+             (["offload", "--trace", str(imported["sglang-stat"])], "counts only: the cache simulation needs"),
+             (["fluctuation", "--trace", str(imported["vllm"]), "--trace", str(imported["sglang-stat"])],
+              "counts only: the token-by-token comparison needs")]  # (it named offload's cache simulation)
     for args, words in cases:
         _refused(runner.invoke(app, [*args, "--out", str(out)]), out, words)
 
@@ -421,3 +424,26 @@ def test_counts_duplicated_across_ranks(captured, tmp_path):
     for li in shape.moe_layers:
         assert (two.counts.counts[li] == 2 * one.counts.counts[li]).all()
     assert any("relative loads are unaffected" in n for n in two.notes)
+
+
+def test_legacy_csv_counts_must_be_whole_and_not_negative(tmp_path):
+    """SGLang's legacy CSV: a NaN, fractional or non-numeric count, or a negative one, is one line (it read
+    'ValueError: cannot convert float NaN to integer', exit 1, or imported '-5 assignments')."""
+    for i, (count, words) in enumerate((("nan", "count must be whole numbers"), ("1.5", "count must be whole numbers"),
+                                        ("abc", "count must be whole numbers"),
+                                        ("-5", "counts -5 assignments for layer 0, expert 1: a count cannot be "
+                                               "negative"))):
+        (tmp_path / f"d{i}.csv").write_text(f"layer_id,expert_id,count\n0,1,{count}\n")
+        _refused(import_cli([tmp_path / f"d{i}.csv"], tmp_path / "out"), tmp_path / "out", words)
+
+
+def test_counted_singular(tmp_path):
+    """One request, one assignment: the summary line says so ('1 requests', '1 assignments' before)."""
+    np.save(tmp_path / "r.npy", np.zeros((3, 4, 2), dtype=np.int64))
+    r = import_cli([tmp_path / "r.npy"], tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    assert "vllm: 3 tokens, 12 rows, 1 request\n" in r.output
+    (tmp_path / "d.csv").write_text("layer_id,expert_id,count\n0,1,1\n")
+    r = import_cli([tmp_path / "d.csv"], tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    assert "sglang-dump: 1 assignment\n" in r.output

@@ -261,11 +261,12 @@ class TraceStream:
 
 
 def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: int | None,
-                 weights: bool = False) -> TraceStream:
+                 weights: bool = False, *, use: str) -> TraceStream:
     """The trace's first ``max_tokens`` tokens of every MoE layer in (row, position) order, read streamed (the
-    file holds each layer's tokens in that order: ``moetool trace`` and ``import-trace`` write them so)."""
+    file holds each layer's tokens in that order: ``moetool trace`` and ``import-trace`` write them so). ``use``:
+    what needs them, as a counts-only trace's refusal names it."""
     if src.kind == "loads":
-        raise MoetoolError(f"{src.path} holds counts only: the cache simulation needs each token's experts in order")
+        raise MoetoolError(f"{src.path} holds counts only: {use} needs each token's experts in order")
     cols = expert_columns(src)
     wcols = [c.replace("expert_", "weight_") for c in cols] if weights and src.weights else []
     parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
@@ -308,7 +309,7 @@ def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -
     from types import SimpleNamespace
 
 
-    stream = token_stream(src, options.layers, max_tokens)
+    stream = token_stream(src, options.layers, max_tokens, use="the cache simulation")
     layers = [SimpleNamespace(index=li, n_experts=src.shape.n_experts(li), top_k=stream.requests(li).shape[1])
               for li in sorted(k for k in stream.merged if k != "rows")]
     res = offload_tables(stream, layers, options, {"trace": str(src.path), "tokens": int(len(stream.token_rows()))},
@@ -332,7 +333,8 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     import pandas as pd
 
 
-    streams = [token_stream(src, None, max_tokens, weights=True) for src in srcs]
+    streams = [token_stream(src, None, max_tokens, weights=True, use="the token-by-token comparison")
+               for src in srcs]
     layers = sorted(k for k in streams[0].merged if k != "rows")
     for name, st in zip(names[1:], streams[1:]):
         if sorted(k for k in st.merged if k != "rows") != layers or not np.array_equal(st.keys, streams[0].keys):

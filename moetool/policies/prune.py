@@ -82,9 +82,14 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
             return {int(k): sorted({int(e) for e in v}) for k, v in raw.items()}
         except (ValueError, TypeError, AttributeError) as e:
             raise MoetoolError(f"prune: {path} is not a JSON object of layer -> list of experts ({e})") from None
-    df = pd.read_csv(p)
+    try:
+        df = pd.read_csv(p)
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
+        raise MoetoolError(f"prune: {path} is not a readable CSV ({str(e).splitlines()[0]})") from None
     if not {"layer", "expert"} <= set(df.columns):
         raise MoetoolError(f"prune: {path} has no 'layer' and 'expert' columns")
+    if len(df) and not all(pd.api.types.is_integer_dtype(df[c]) for c in ("layer", "expert")):
+        raise MoetoolError(f"prune: {path}: layer and expert must be whole numbers in every line")
     if "criterion" in df.columns:
         pairs = sorted({(c, float(f)) for c, f in zip(df["criterion"], df["fraction"])})
         if criterion is None:

@@ -479,6 +479,9 @@ def _legacy_csv(path: Path, shape: ModelShape) -> dict[int, np.ndarray]:
         df = pd.read_csv(path)
     except Exception as e:  # noqa: BLE001
         raise MoetoolError(f"{path}: not a readable CSV: {str(e).splitlines()[0]}") from None
+    bad = [c for c in ("layer_id", "expert_id", "count") if len(df) and not pd.api.types.is_integer_dtype(df[c])]
+    if bad:
+        raise MoetoolError(f"{path}: {', '.join(bad)} must be whole numbers in every line")
     out = {li: np.zeros(shape.n_experts(li), dtype=np.int64) for li in shape.moe_layers}
     for li, e, c in df[["layer_id", "expert_id", "count"]].itertuples(index=False):
         if li not in shape.moe:

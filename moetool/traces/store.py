@@ -69,6 +69,11 @@ def write_loads(counts: Counts, path: Path) -> dict[str, int]:
     """Counts-only routing as ``layer, expert, count`` Parquet."""
     import pandas as pd
 
+    for li, c in sorted(counts.counts.items()):
+        if (c < 0).any():
+            e = int(np.argmin(c))
+            raise MoetoolError(f"the dump counts {int(c[e])} assignments for layer {li}, expert {e}: a count cannot be "
+                               f"negative")
     if not counts.counts or not any(c.sum() for c in counts.counts.values()):
         raise MoetoolError("the dump counts no routed token: nothing to import")
     df = pd.concat([pd.DataFrame({"layer": li, "expert": np.arange(len(c)), "count": c})
