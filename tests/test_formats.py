@@ -95,6 +95,26 @@ def test_every_byte_decodes_to_torchs_own_value(host, monkeypatch):
     assert torch.equal(torch.signbit(pairs.flatten()[0::2]), torch.tensor([i & 8 > 0 for i in range(256)]))
 
 
+def test_threaded_decoding_gives_the_same_values(monkeypatch):
+    """Large code arrays are decoded by several threads, each a slice along the first axis long enough (here an
+    inner one too): the same values as one thread's."""
+    monkeypatch.setattr(formats, "TAKE_GRAIN", 16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        codes = torch.randint(0, 256, (2, 9, 40), dtype=torch.uint8, generator=GEN)
+        for c in (codes, codes[:1], codes[:, :, 1:], codes[:, ::2]):
+            f8 = c.view(torch.float8_e4m3fn)
+            got, want = formats.decode_bytes(f8, f8.dtype), f8.to(torch.float32)
+            assert torch.equal(got.nan_to_num(0), want.nan_to_num(0)) and torch.equal(got.isnan(), want.isnan())
+            fp4 = formats.decode_bytes(c.view(torch.int8), "e2m1x2")
+            monkeypatch.setattr(formats, "TAKE_GRAIN", 1 << 30)  # one thread
+            assert torch.equal(fp4, formats.decode_bytes(c.view(torch.int8), "e2m1x2"))
+            monkeypatch.setattr(formats, "TAKE_GRAIN", 16)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def nearest_e2m1(x):
     """Brute force: the e2m1 value nearest each x (clamped to +-6), ties to the one with an even mantissa."""
     vals = torch.tensor(formats.E2M1_VALUES[:8])
