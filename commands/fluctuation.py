@@ -18,7 +18,14 @@ def check(p: Any, opts: Any) -> None:
 def on_trace(p: Any, opts: Any) -> None:
     from .trace_input import fluctuation_on_traces, refuse
 
-    refuse({"checkpoints": p.checkpoints, "--data": p.data, "--isolate": p.isolate, "--resume": p.resume,
+    from moetool.errors import MoetoolError
+
+    if p.checkpoints:
+        raise MoetoolError(f"fluctuation compares checkpoints (a forward of each) or --trace runs, not both: drop "
+                           f"{' '.join(p.checkpoints)} or the --trace runs")
+    if len(p.trace) < 2:
+        raise MoetoolError("fluctuation --trace compares two or more recorded routings: --trace A --trace B")
+    refuse({"--data": p.data, "--isolate": p.isolate, "--resume": p.resume,
             "--routing": p.routing != DEFAULT_ROUTING and p.routing, "--device-map": p.device_map,
             "--quantize": p.quantize, "--layers": p.layers})
     fluctuation_on_traces(p.trace, p.trace_config, p.reference, p.bootstrap, p.seed, p.max_tokens, p.out, p.force)

@@ -39,8 +39,14 @@ def inspect(model: Model = DEFAULT_MODEL,
                                           "cached per installation)."),
             refresh: bool = typer.Option(False, "--refresh", help="--families: rebuild the cached table.")
             ) -> None:
+    from moetool.errors import MoetoolError
     from moetool.report.console import console
 
+    listing = "--families lists every MoE family" if families else "--aliases lists every alias" if aliases else None
+    if listing and model != DEFAULT_MODEL:
+        raise MoetoolError(f"{listing}, not one model: drop --model {model}")
+    if refresh and not families:
+        raise MoetoolError("--refresh rebuilds the --families table: give --families")
     if families:
         import pandas as pd
 

@@ -50,6 +50,18 @@ def test_aliases_listed():
     assert {"name": "olmoe", "resolves to": "allenai/OLMoE-1B-7B-0924"} in rows
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--families", "--model", "tiny-fine"], "error: --families lists every MoE family, not one model: drop --model "
+                                             "tiny-fine"),
+    (["--aliases", "--model", "olmoe"], "error: --aliases lists every alias, not one model: drop --model olmoe"),
+    (["--refresh"], "error: --refresh rebuilds the --families table: give --families")])
+def test_inspect_listing_flags_refuse_what_they_would_ignore(args, line):
+    """--families and --aliases list everything: a --model beside them, or --refresh without --families, was
+    silently ignored."""
+    r = runner.invoke(app, ["inspect", *args])
+    assert r.exit_code == 2 and [ln for ln in r.output.splitlines() if ln.strip()] == [line]
+
+
 def test_aliases_table_lists_every_alias_and_points_to_no_csv():
     """The table printed every alias after the 20th as '… 37 more rows (every row is in the run's CSV)', but
     inspect writes no CSV: every row is printed."""

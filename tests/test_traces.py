@@ -406,7 +406,11 @@ def test_trace_refusals(captured, imported, tmp_path):
              (["placement", "--trace", str(imported["vllm"]), "--export", "eplb"], "one --gpus G"),
              (["offload", "--trace", str(imported["sglang-stat"])], "counts only: the cache simulation needs"),
              (["fluctuation", "--trace", str(imported["vllm"]), "--trace", str(imported["sglang-stat"])],
-              "counts only: the token-by-token comparison needs")]  # (it named offload's cache simulation)
+              "counts only: the token-by-token comparison needs"),  # (it named offload's cache simulation)
+             (["fluctuation", "--trace", str(imported["vllm"])],  # (it said "needs at least two checkpoints")
+              "fluctuation --trace compares two or more recorded routings"),
+             (["fluctuation", "tiny", "tiny-early", "--trace", str(imported["vllm"]), "--trace", str(imported["vllm"])],
+              "checkpoints (a forward of each) or --trace runs, not both")]  # (it said "checkpoints needs a forward")
     for args, words in cases:
         _refused(runner.invoke(app, [*args, "--out", str(out)]), out, words)
 
