@@ -19,7 +19,8 @@ Formats (``FORMATS``):
 fp8" on CPU simulates); the ``dequantize_*`` functions read stored codes back, for any leading (expert) dims, so
 callers dequantize a slice of experts at a time. Everything computes in fp32 and is exact against transformers'
 dequantization of the same codes (tests/test_formats.py). On CUDA a whole-block dequantization is one compiled kernel
-(:mod:`moetool.compiled`), bit-identical to the eager passes the CPU runs.
+(:mod:`moetool.compiled`), bit-identical to the eager passes the CPU runs; the CPU reads the codes' values from a
+byte table (:func:`decode_bytes`).
 """
 
 from __future__ import annotations
