@@ -250,12 +250,28 @@ def test_ablate_0_leaves_the_ablation_table_out(tiny_prune):
 
     lm, tokens, full = tiny_prune
     res = moetool.prune(lm, tokens, fractions=(0.25,), criteria=("reap",), ablate=0, bootstrap=0, quiet=True)
-    assert "prune_ablation" not in res and "prune_removed" in res
+    assert "prune_ablation" not in res and "prune_removed" in res and res.meta["ablations"] == 0
+    assert full.meta["ablations"] == 2 == len(full["prune_ablation"])
     assert res.meta["not_written"] == {"prune_ablation.csv": "no single-expert ablation: --ablate 0"}
     got = res["prune"].set_index(["criterion", "fraction"])
     want = full["prune"].set_index(["criterion", "fraction"])
     for key in (("router", 0.0), ("reap", 0.25)):
         assert got.loc[key, "perplexity"] == want.loc[key, "perplexity"]
+
+
+def test_more_ablations_than_experts_run_every_expert_and_say_so():
+    """--ablate beyond the experts of the layers measured ablates each of them once; the manifest's 'ablations'
+    gives the number run (the options keep the number asked)."""
+    import moetool
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    layer = lm.layers[0]
+    res = moetool.prune(lm, tokens, fractions=(0.0,), criteria=("reap",), ablate=99, bootstrap=0, quiet=True,
+                        layers=(layer.index,))
+    ab = res["prune_ablation"]
+    assert res.meta["ablations"] == layer.n_experts == len(ab) < 99
+    assert sorted(ab.expert) == list(range(layer.n_experts)) and set(ab.layer) == {layer.index}
 
 
 @pytest.mark.slow

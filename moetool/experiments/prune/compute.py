@@ -312,7 +312,7 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     else:
         not_written["prune_ablation.csv"] = "no single-expert ablation: --ablate 0"
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
-                reap_weights=opts.reap_weights,
+                reap_weights=opts.reap_weights, ablations=len(ablation),  # at most --ablate: the experts there are
                 bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, runs.base.rows.n_rows))
     if not_written:
         meta["not_written"] = not_written

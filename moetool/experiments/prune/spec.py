@@ -67,7 +67,7 @@ class PruneOptions:
                                        "criteria, comma-separated: frequency, weighted, reap, random.")
     # single-expert ablations of the experts with the largest REAP saliency (0: none)
     ablate: int = option(8, "--ablate", "Single-expert ablations of the experts with the largest REAP saliency "
-                         "(0: none).")
+                         "(0: none; at most every expert of the layers measured, the manifest's 'ablations').")
     # REAP's gate weight: renormalised (pi over the top-K's sum) | softmax (pi)
     reap_weights: str = option("renormalised", "--reap-weights", "REAP's gate weight: renormalised (p over the sum "
                                "of the top-K's p, REAP's README) or softmax (p, reap.main on Mixtral).")
