@@ -89,7 +89,7 @@ def _bytes_on_host(t: torch.Tensor) -> bool:
 
 #: codes per thread below which one thread decodes (a thread's start costs more than it saves)
 TAKE_GRAIN = 1 << 20
-_POOLS: dict[int, Any] = {}
+_POOLS: dict[tuple[int, int], Any] = {}
 
 
 def _take(table: Any, idx: Any) -> Any:
@@ -101,14 +101,17 @@ def _take(table: Any, idx: Any) -> Any:
     axis = next((i for i, n in enumerate(idx.shape) if n >= threads), None) if threads > 1 else None
     if axis is None:
         return np.take(table, idx, axis=0, mode="clip")
-    if threads not in _POOLS:
+    import os
+
+    key = (os.getpid(), threads)  # a forked child never submits to its parent's threads (they are not in it)
+    if key not in _POOLS:
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="moetool-decode")
+        _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="moetool-decode")
     out = np.empty(idx.shape + table.shape[1:], dtype=table.dtype)
     edges = np.linspace(0, idx.shape[axis], threads + 1).astype(int)
     parts = [(slice(None),) * axis + (slice(lo, hi),) for lo, hi in zip(edges[:-1], edges[1:])]
-    for f in [_POOLS[threads].submit(np.take, table, idx[p], 0, out[p], "clip") for p in parts]:
+    for f in [_POOLS[key].submit(np.take, table, idx[p], 0, out[p], "clip") for p in parts]:
         f.result()
     return out
 

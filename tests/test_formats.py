@@ -115,6 +115,30 @@ def test_threaded_decoding_gives_the_same_values(monkeypatch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork")
+def test_a_forked_child_decodes_with_its_own_threads(monkeypatch):
+    """A thread pool made before a fork has no threads in the child: a submission there waited forever."""
+    import os
+
+    monkeypatch.setattr(formats, "TAKE_GRAIN", 16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        codes = torch.randint(0, 256, (4, 64, 64), dtype=torch.uint8, generator=GEN).view(torch.float8_e4m3fn)
+        want = formats.decode_bytes(codes, codes.dtype).nan_to_num(0)  # the parent's pool exists now
+        pid = os.fork()
+        if pid == 0:  # the child: a hang ends in SIGALRM after 20 s
+            import signal
+
+            signal.alarm(20)
+            ok = torch.equal(formats.decode_bytes(codes, codes.dtype).nan_to_num(0), want)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def nearest_e2m1(x):
     """Brute force: the e2m1 value nearest each x (clamped to +-6), ties to the one with an even mantissa."""
     vals = torch.tensor(formats.E2M1_VALUES[:8])
