@@ -52,11 +52,15 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
     """Pack ``data`` (text file, JSONL with ``text`` and optional ``domain``, or a folder; ``None`` = the shipped
     held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``)."""
     from .data import load_tokens
+    from .errors import MoetoolError
+    from .sizing import check_seq_len, check_sizes
 
+    if not hasattr(lm, "tokenizer"):
+        raise MoetoolError(f"tokens(lm, ...) takes a loaded model (moetool.load(...)), not {lm!r}")
     if lm.tokenizer is None:
-        from .errors import MoetoolError
-
         raise MoetoolError("this model was loaded without a tokenizer (load(..., tokenizer=True))")
+    check_sizes(seq_len=seq_len, max_tokens=max_tokens)
+    check_seq_len(lm.model.config, seq_len)  # rows longer than the model's positions: refused before reading
     return load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
 
 

@@ -64,6 +64,20 @@ def test_options_of_the_wrong_type_or_size_are_one_line_before_any_work(call, kw
     assert message in str(e.value)
 
 
+def test_tokens_refuses_sizes_and_models_it_cannot_pack_for():
+    """``moetool.tokens`` checks its sizes as ``--seq-len`` / ``--max-tokens`` are (a string or a float is not a
+    size, rows longer than the model's positions are refused before reading), and its model."""
+    lm = moetool.load("tiny")
+    for kw, message in (({"seq_len": 100000}, "--seq-len 100000 is longer than the model's 1024 positions"),
+                        ({"seq_len": "64"}, "--seq-len must be an integer of at least 2, not '64'"),
+                        ({"max_tokens": 0}, "--max-tokens must be an integer of at least 2, not 0")):
+        with pytest.raises(MoetoolError) as e:
+            moetool.tokens(lm, None, **{"seq_len": 64, "max_tokens": 256, **kw})
+        assert message in str(e.value)
+    with pytest.raises(MoetoolError, match=r"takes a loaded model \(moetool.load\(...\)\), not 'tiny'"):
+        moetool.tokens("tiny", None)
+
+
 def test_options_of_the_right_type_in_other_containers_still_run():
     """Lists, ranges and numpy values fit the tuple fields as before."""
     import numpy as np
