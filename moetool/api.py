@@ -75,10 +75,18 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     """
     from .engine.hooks import Engine, select_layers
 
-    if isinstance(policy, str):
-        from .policies import build_policy
+    from .errors import MoetoolError
 
+    if isinstance(policy, str):
+        from .policies import build_policy, option_names
+
+        bad = sorted(set(policy_options) - option_names())
+        if bad:
+            raise MoetoolError(f"unknown policy option(s) {bad} (known: {', '.join(sorted(option_names()))})")
         policy = build_policy(policy, **policy_options)
+    elif policy_options:
+        raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
+                           f"not with {policy!r}")
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
