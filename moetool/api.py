@@ -192,6 +192,23 @@ def figures(result: Any) -> dict[str, Any]:
     return _figures(result)
 
 
+def check_inputs(spec: Any, lm: Any, tokens: Any) -> None:
+    """An experiment of a loaded model (``spec.inputs`` ``"tokens"`` or ``"weights"``) is given one, and a
+    ``"tokens"`` one packed tokens: one line naming what to pass otherwise (a model's name, a path, a tensor), not
+    an AttributeError from inside the experiment. ``None`` is left to the experiment, which checks its options
+    first."""
+    from .errors import MoetoolError
+
+    if spec.inputs not in ("tokens", "weights"):
+        return
+    if lm is not None and not (hasattr(lm, "model") and hasattr(lm, "layers")):
+        raise MoetoolError(f"moetool.{spec.api} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
+                                                               and hasattr(tokens, "attention_mask")):
+        raise MoetoolError(f"moetool.{spec.api} takes packed tokens (moetool.tokens(lm, data, ...)), not "
+                           f"{type(tokens).__name__} {tokens!r}"[:300])
+
+
 class ExperimentFunction:
     """``moetool.<experiment>``: the experiment's compute function (:mod:`moetool.experiments.registry`), imported
     on the first call, so ``import moetool`` and resolving the name stay free of torch. ``__doc__`` and
@@ -209,6 +226,8 @@ class ExperimentFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The experiment, its Result recording the model and the computation's start and wall time."""
         first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
+        if args or "lm" in kwargs:
+            check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))
         if self._spec.inputs == "checkpoints" and first is not None:
             first = [getattr(c, "name", c) for c in first]
         return _timed(first, self.function, *args, **kwargs)

@@ -78,6 +78,18 @@ def test_tokens_refuses_sizes_and_models_it_cannot_pack_for():
         moetool.tokens("tiny", None)
 
 
+def test_an_experiment_given_a_name_or_a_path_for_its_model_or_tokens_says_what_to_pass():
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    with pytest.raises(MoetoolError, match=r"moetool.ppl takes a loaded model \(lm = moetool.load\(...\)\), not 'tiny'"):
+        moetool.ppl("tiny", tokens, bootstrap=0)
+    with pytest.raises(MoetoolError, match=r"moetool.erc takes a loaded model"):
+        moetool.erc("tiny")
+    for wrong in ("my.jsonl", tokens.input_ids):
+        with pytest.raises(MoetoolError, match=r"moetool.stats takes packed tokens \(moetool.tokens\(lm, data, ...\)\)"):
+            moetool.stats(lm, wrong, bootstrap=0)
+
+
 def test_options_of_the_right_type_in_other_containers_still_run():
     """Lists, ranges and numpy values fit the tuple fields as before."""
     import numpy as np
