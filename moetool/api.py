@@ -52,11 +52,15 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
     """Pack ``data`` (text file, JSONL with ``text`` and optional ``domain``, or a folder; ``None`` = the shipped
     held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``)."""
     from .data import load_tokens
+    from .errors import MoetoolError
+    from .sizing import check_seq_len, check_sizes
 
+    if not hasattr(lm, "tokenizer"):
+        raise MoetoolError(f"tokens(lm, ...) takes a loaded model (moetool.load(...)), not {lm!r}")
     if lm.tokenizer is None:
-        from .errors import MoetoolError
-
         raise MoetoolError("this model was loaded without a tokenizer (load(..., tokenizer=True))")
+    check_sizes(seq_len=seq_len, max_tokens=max_tokens)
+    check_seq_len(lm.model.config, seq_len)  # rows longer than the model's positions: refused before reading
     return load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
 
 
@@ -71,10 +75,18 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     """
     from .engine.hooks import Engine, select_layers
 
-    if isinstance(policy, str):
-        from .policies import build_policy
+    from .errors import MoetoolError
 
+    if isinstance(policy, str):
+        from .policies import build_policy, option_names
+
+        bad = sorted(set(policy_options) - option_names())
+        if bad:
+            raise MoetoolError(f"unknown policy option(s) {bad} (known: {', '.join(sorted(option_names()))})")
         policy = build_policy(policy, **policy_options)
+    elif policy_options:
+        raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
+                           f"not with {policy!r}")
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
@@ -180,6 +192,23 @@ def figures(result: Any) -> dict[str, Any]:
     return _figures(result)
 
 
+def check_inputs(spec: Any, lm: Any, tokens: Any) -> None:
+    """An experiment of a loaded model (``spec.inputs`` ``"tokens"`` or ``"weights"``) is given one, and a
+    ``"tokens"`` one packed tokens: one line naming what to pass otherwise (a model's name, a path, a tensor), not
+    an AttributeError from inside the experiment. ``None`` is left to the experiment, which checks its options
+    first."""
+    from .errors import MoetoolError
+
+    if spec.inputs not in ("tokens", "weights"):
+        return
+    if lm is not None and not (hasattr(lm, "model") and hasattr(lm, "layers")):
+        raise MoetoolError(f"moetool.{spec.api} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
+                                                               and hasattr(tokens, "attention_mask")):
+        raise MoetoolError(f"moetool.{spec.api} takes packed tokens (moetool.tokens(lm, data, ...)), not "
+                           f"{type(tokens).__name__} {tokens!r}"[:300])
+
+
 class ExperimentFunction:
     """``moetool.<experiment>``: the experiment's compute function (:mod:`moetool.experiments.registry`), imported
     on the first call, so ``import moetool`` and resolving the name stay free of torch. ``__doc__`` and
@@ -197,6 +226,8 @@ class ExperimentFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The experiment, its Result recording the model and the computation's start and wall time."""
         first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
+        if args or "lm" in kwargs:
+            check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))
         if self._spec.inputs == "checkpoints" and first is not None:
             first = [getattr(c, "name", c) for c in first]
         return _timed(first, self.function, *args, **kwargs)

@@ -42,6 +42,66 @@ def test_options_are_checked_before_any_work():
         moetool.stats(None, None, moetool.ErcOptions())
 
 
+@pytest.mark.parametrize("call, kw, message", [
+    ("margin", {"eps": "0.1"}, "MarginOptions eps (--eps) must be a tuple of numbers, not '0.1' (str)"),
+    ("margin", {"eps": 0.1}, "MarginOptions eps (--eps) must be a tuple of numbers, not 0.1 (float)"),
+    ("margin", {"policies": "norm:gate"}, "MarginOptions policies (--policies) must be a tuple of strings, not"),
+    ("stats", {"layers": 3}, "StatsOptions layers must be a tuple of integers or None, not 3 (int)"),
+    ("topk", {"ks": 2}, "TopkOptions ks (--ks) must be a tuple of integers or None, not 2 (int)"),
+    ("stats", {"top_tokens": "5"}, "StatsOptions top_tokens (--top-tokens) must be an integer, not '5' (str)"),
+    ("ppl", {"bootstrap": "0"}, "PplOptions bootstrap must be an integer, not '0' (str)"),
+    ("ppl", {"baseline": "no"}, "PplOptions baseline (--baseline) must be True or False, not 'no'"),
+    ("ppl", {"routing": 3}, "PplOptions routing must be a string, not 3 (int)"),
+    ("ppl", {"batch_size": 0}, "--batch-size must be an integer of at least 1, not 0"),
+    ("margin", {"batch_size": -1}, "--batch-size must be an integer of at least 1, not -1"),
+])
+def test_options_of_the_wrong_type_or_size_are_one_line_before_any_work(call, kw, message):
+    """A keyword of the wrong type (which the command line's parsing never lets through) or no rows per forward
+    names the option before the model is touched (``None`` here): never a TypeError from the options' own checks
+    or a ZeroDivisionError in the batching."""
+    with pytest.raises(MoetoolError) as e:
+        getattr(moetool, call)(None, None, **kw)
+    assert message in str(e.value)
+
+
+def test_tokens_refuses_sizes_and_models_it_cannot_pack_for():
+    """``moetool.tokens`` checks its sizes as ``--seq-len`` / ``--max-tokens`` are (a string or a float is not a
+    size, rows longer than the model's positions are refused before reading), and its model."""
+    lm = moetool.load("tiny")
+    for kw, message in (({"seq_len": 100000}, "--seq-len 100000 is longer than the model's 1024 positions"),
+                        ({"seq_len": "64"}, "--seq-len must be an integer of at least 2, not '64'"),
+                        ({"max_tokens": 0}, "--max-tokens must be an integer of at least 2, not 0")):
+        with pytest.raises(MoetoolError) as e:
+            moetool.tokens(lm, None, **{"seq_len": 64, "max_tokens": 256, **kw})
+        assert message in str(e.value)
+    with pytest.raises(MoetoolError, match=r"takes a loaded model \(moetool.load\(...\)\), not 'tiny'"):
+        moetool.tokens("tiny", None)
+
+
+def test_an_experiment_given_a_name_or_a_path_for_its_model_or_tokens_says_what_to_pass():
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    with pytest.raises(MoetoolError, match=r"moetool.ppl takes a loaded model \(lm = moetool.load\(...\)\), not 'tiny'"):
+        moetool.ppl("tiny", tokens, bootstrap=0)
+    with pytest.raises(MoetoolError, match=r"moetool.erc takes a loaded model"):
+        moetool.erc("tiny")
+    for wrong in ("my.jsonl", tokens.input_ids):
+        with pytest.raises(MoetoolError, match=r"moetool.stats takes packed tokens \(moetool.tokens\(lm, data, ...\)\)"):
+            moetool.stats(lm, wrong, bootstrap=0)
+
+
+def test_options_of_the_right_type_in_other_containers_still_run():
+    """Lists, ranges and numpy values fit the tuple fields as before."""
+    import numpy as np
+
+    from moetool.experiments.result import resolve_options
+
+    opts = resolve_options(moetool.MarginOptions, None, {"eps": [0.1], "layers": range(1, 3),
+                                                         "thresholds": np.array([0.01])})
+    assert list(opts.layers) == [1, 2]
+    assert resolve_options(moetool.CapacityOptions, moetool.CapacityOptions(cfs=(1, float("inf"))), {}).cfs[0] == 1
+
+
 def _tables_equal(frame: pd.DataFrame, path: Path, drop: tuple[str, ...] = ()) -> None:
     """The API frame, through the same CSV round trip, equals the command's file."""
     buf = io.StringIO()

@@ -176,6 +176,23 @@ def test_layer_selection_one_meaning():
         select_layers(layers, [])
     with pytest.raises(MoetoolError, match="not MoE layers"):
         select_layers(layers, [max(idx) + 5])
+    for wanted in (idx[0], "0,1"):  # the API's layers=3 or a CLI string: never a TypeError or a set of characters
+        with pytest.raises(MoetoolError, match=r"--layers must be decoder layer indices \(a tuple such as"):
+            select_layers(layers, wanted)
+
+
+def test_hook_refuses_a_policy_option_no_policy_reads():
+    """``moetool.hook(lm, policy=..., **options)``: a misspelt option (``wieghts=``) is one line, not ignored as
+    build_policy ignores the options a policy does not read; options without a spec to build are refused too."""
+    import moetool
+    from moetool.errors import MoetoolError
+
+    lm = moetool.load("tiny")
+    assert moetool.hook(lm, policy="norm:gate", weights="uniform").policy.weights == "uniform"
+    with pytest.raises(MoetoolError, match=r"unknown policy option\(s\) \['wieghts'\] \(known: causal, norm, seed, "):
+        moetool.hook(lm, policy="norm:gate", wieghts="uniform")
+    with pytest.raises(MoetoolError, match=r"policy options \['weights'\] go with a policy spec"):
+        moetool.hook(lm, weights="uniform")
 
 
 def test_attention_routing_switches_an_sdpa_model_to_eager_for_the_run(tiny_model, batch):

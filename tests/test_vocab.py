@@ -40,3 +40,19 @@ def test_logits_sliced_below_the_embedding_count(monkeypatch):
     assert vocabulary(lm.model) == n - 10
     with pytest.raises(MoetoolError, match=rf"token id {n - 5} "):
         forward(lm, _tokens([[5, n - 5, 7, 8]]), quiet=True)
+
+
+def test_rows_past_the_positions_or_no_rows_per_forward_are_one_line():
+    """A TokenSet with rows longer than the model's positions (packed for another model, or by hand) is refused as
+    ``--seq-len`` is, never run silently past the trained positions; ``batch_size=0`` is ``--batch-size``'s
+    error, never a ZeroDivisionError."""
+    lm = moetool.load("tiny")
+    positions = lm.model.config.max_position_embeddings
+    long = _tokens([[5] * (positions + 1)])
+    with pytest.raises(MoetoolError, match=rf"--seq-len {positions + 1} is longer than the model's {positions} "):
+        forward(lm, long, nll=True, quiet=True)
+    with pytest.raises(MoetoolError, match=rf"--seq-len {positions + 1} is longer"):
+        moetool.ppl(lm, long, bootstrap=0, quiet=True)
+    with pytest.raises(MoetoolError, match="--batch-size must be an integer of at least 1, not 0"):
+        forward(lm, _tokens([[5, 6, 7]]), batch_size=0, quiet=True)
+    assert forward(lm, _tokens([[5] * positions]), nll=True, quiet=True).nll.tokens == positions - 1

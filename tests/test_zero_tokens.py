@@ -1,7 +1,7 @@
 """A statistic over zero tokens is missing, never 0 (#14): every experiment refuses data with no real token in one
 line instead of writing a table, and a mean over an empty set of pairs is NaN."""
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -23,12 +23,21 @@ def all_padding():
 
 
 @pytest.mark.parametrize("name", [n for n, spec in EXPERIMENTS.items() if spec.inputs == "tokens"])
-def test_no_real_token_is_refused_not_tabulated(all_padding, name):
+@pytest.mark.parametrize("rows", ["padding", "none"])
+def test_no_real_token_is_refused_not_tabulated(all_padding, name, rows):
+    """All padding or no row at all (an empty TokenSet from the API), with the bootstrap off too (it refused a zero
+    denominator where the tables themselves did not: norm-select tabulated NaN, ppl and offload failed inside)."""
     lm, ts = all_padding
+    if rows == "none":
+        ts = replace(ts, input_ids=ts.input_ids[:0], attention_mask=ts.attention_mask[:0], domains=[])
     assert ts.n_tokens == 0
-    with pytest.raises(MoetoolError) as e:
-        EXPERIMENTS[name].load()(lm, ts, quiet=True)
-    assert "\n" not in str(e.value) and ("token" in str(e.value) or "denominator" in str(e.value)), e.value
+    spec = EXPERIMENTS[name]
+    off = {"bootstrap": 0} if any(f.name == "bootstrap" for f in fields(spec.options_class())) else {}
+    for kw in ({}, off) if off else ({},):
+        with pytest.raises(MoetoolError) as e:
+            spec.load()(lm, ts, quiet=True, **kw)
+        assert "\n" not in str(e.value) and ("token" in str(e.value) or "denominator" in str(e.value)), e.value
+        assert "per-row sums" not in str(e.value), e.value
 
 
 def test_mean_abs_cos_over_no_pair_is_nan():

@@ -144,6 +144,8 @@ def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, 
     moe_layers = list(moe_layers)
     if wanted is None:
         return moe_layers
+    if isinstance(wanted, (str, bytes)) or not hasattr(wanted, "__iter__"):
+        raise MoetoolError(f"--layers must be decoder layer indices (a tuple such as (1, 2)), not {wanted!r}")
     wanted = set(wanted)
     known = {L.index for L in moe_layers}
     bad = sorted(wanted - known)

@@ -203,12 +203,78 @@ def check_seed(seed: Any) -> None:
 
 def check_options(options: Any) -> None:
     """The checks every options dataclass shares, where the library resolves its options (and where a command
-    builds them): each flagged field's numbers (:meth:`Flag.check`) and the seed (:func:`check_seed`)."""
+    builds them): each flagged field's numbers (:meth:`Flag.check`), the seed (:func:`check_seed`) and the rows per
+    forward (:func:`moetool.sizing.check_sizes`, as ``--batch-size``)."""
+    from ..sizing import check_sizes
+
     for f in dataclasses.fields(options):
         if "flag" in f.metadata:
             f.metadata["flag"].check(getattr(options, f.name))
         elif f.name == "seed":
             check_seed(getattr(options, f.name))
+        elif f.name == "batch_size":
+            check_sizes(batch_size=getattr(options, f.name))
+
+
+def _fits(value: Any, hint: Any, path: bool) -> bool:
+    """``value`` is of the type ``hint`` (an options field's annotation: ``int``, ``float``, ``str``, ``bool``,
+    ``None``, unions of them and ``tuple[X, ...]``, which a list, range or array of X also fits; ``path``: a str
+    field also takes an ``os.PathLike``). An integer fits ``float``; a bool fits only ``bool``."""
+    import os
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h, path) for h in typing.get_args(hint))
+    if origin is tuple:
+        if isinstance(value, (str, bytes, dict)) or not (hasattr(value, "__len__") and hasattr(value, "__iter__")):
+            return False
+        return all(_fits(x, typing.get_args(hint)[0], path) for x in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if hint is int:
+        return isinstance(value, numbers.Integral)
+    if hint is float:
+        return isinstance(value, numbers.Real)
+    if hint is str:
+        return isinstance(value, str) or (path and isinstance(value, os.PathLike))
+    return True  # any other annotation is the experiment's own to check
+
+
+def _describe(hint: Any) -> str:
+    """``hint`` in words: ``a tuple of numbers or None``."""
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if origin is tuple:
+        item = {int: "integers", float: "numbers", str: "strings"}.get(typing.get_args(hint)[0], "values")
+        return f"a tuple of {item}"
+    return {type(None): "None", bool: "True or False", int: "an integer", float: "a number",
+            str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_types(cls: type, values: dict[str, Any]) -> None:
+    """Each of ``values`` (field name -> value of the options dataclass ``cls``) of its field's annotated type, or
+    one line naming the field (and its flag) before the dataclass's own checks compare or iterate it: the library's
+    keywords (``eps="0.1"``, ``layers=3``), which the command line's parsing types."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    flags = {f.name: f.metadata["flag"].flag for f in dataclasses.fields(cls) if "flag" in f.metadata}
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is not None and not _fits(value, hint, path=name.endswith("_path")):
+            flag = f" ({flags[name]})" if name in flags else ""
+            raise MoetoolError(f"{cls.__name__} {name}{flag} must be {_describe(hint)}, not {value!r} "
+                               f"({type(value).__name__})")
 
 
 def kind_of(default: Any) -> str | None:

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import MoetoolError
-from .experiment import check_options
+from .experiment import check_options, check_types
 
 O = TypeVar("O")
 
 
 def resolve_options(cls: type[O], options: O | None, overrides: dict[str, Any]) -> O:
-    """``options`` (default ``cls()``) with keyword ``overrides`` applied; an unknown keyword is one clear error."""
+    """``options`` (default ``cls()``) with keyword ``overrides`` applied; an unknown keyword, or a value not of its
+    field's type (:func:`~moetool.experiments.experiment.check_types`), is one clear error."""
     base = cls() if options is None else options
     if not isinstance(base, cls):
         raise MoetoolError(f"options must be a {cls.__name__}, not {type(base).__name__}")
@@ -26,6 +27,7 @@ def resolve_options(cls: type[O], options: O | None, overrides: dict[str, Any]) 
     bad = sorted(set(overrides) - known)
     if bad:
         raise MoetoolError(f"unknown option(s) {bad} for {cls.__name__} (known: {', '.join(sorted(known))})")
+    check_types(cls, {**{f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}, **overrides})
     opts = dataclasses.replace(base, **overrides) if overrides else base
     check_options(opts)  # NaN / inf / out-of-range numbers and the seed, as the command line refuses them
     return opts

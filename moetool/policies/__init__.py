@@ -62,5 +62,18 @@ def build_once(routing: str, weights: str = "softmax", seed: int = 0, **options:
     return run.policy(("policy", routing, weights, seed, tuple(sorted(options.items()))), build)
 
 
+def option_names() -> set[str]:
+    """The keyword options some registered policy reads (``weights``, ``seed`` and the named parameters of every
+    policy's ``from_spec``): a keyword outside them is a typo, which :func:`build_policy` would ignore."""
+    import inspect
+
+    names = {"weights", "seed"}
+    for name in POLICIES.names():
+        params = inspect.signature(POLICIES.get(name).from_spec).parameters.values()
+        names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD
+                                                                        and p.name != "args")}
+    return names
+
+
 def policy_names() -> list[str]:
     return POLICIES.names()

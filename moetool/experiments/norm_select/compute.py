@@ -314,6 +314,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     ``units``: per-policy checkpoints for ``--resume`` (:class:`moetool.checkpoints.Units`).
     """
     opts = resolve_options(NormSelectOptions, options, overrides)
+    tokens.require_tokens()
     specs = opts.specs()
     policies = [build_once(s, opts.weights, opts.seed) for s in specs]  # the command's check built them (one run)
     pruned = None

@@ -722,6 +722,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
     ``offload_prefetch`` (see :data:`DEFINITIONS`)."""
     opts = resolve_options(OffloadOptions, options, overrides)
+    tokens.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
     for L in layers:  # before any forward

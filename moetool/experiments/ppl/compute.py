@@ -67,6 +67,7 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
     from ...uncertainty import RowTable
 
     opts = resolve_options(PplOptions, options, overrides)
+    tokens.require_tokens()
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     shard = distributed.shard(tokens, opts.batch_size)  # alone: the same rows, numbered
