@@ -3,6 +3,7 @@ against the device's free memory (:func:`validate_run`), and the rows ``--batch-
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def check_sizes(*, seq_len: Any = None, max_tokens: Any = None, batch_size: Any 
     (``None``: not given): one line (exit 2) naming the flag otherwise."""
     for flag, value, least in (("--seq-len", seq_len, 2), ("--max-tokens", max_tokens, 2),
                                ("--batch-size", batch_size, 1)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least):
             raise MoetoolError(f"{flag} must be an integer of at least {least}, not {value!r}")
 
 

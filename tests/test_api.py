@@ -100,6 +100,9 @@ def test_options_of_the_right_type_in_other_containers_still_run():
                                                          "thresholds": np.array([0.01])})
     assert list(opts.layers) == [1, 2]
     assert resolve_options(moetool.CapacityOptions, moetool.CapacityOptions(cfs=(1, float("inf"))), {}).cfs[0] == 1
+    assert resolve_options(moetool.MarginOptions, None, {"batch_size": np.int64(4)}).batch_size == 4  # a size too
+    with pytest.raises(MoetoolError, match=r"--batch-size must be an integer of at least 1, not np.int64\(0\)"):
+        resolve_options(moetool.MarginOptions, None, {"batch_size": np.int64(0)})
 
 
 def _tables_equal(frame: pd.DataFrame, path: Path, drop: tuple[str, ...] = ()) -> None:
