@@ -22,6 +22,7 @@ from ..context import Backoff, RunState
 from ..data import TokenBatch
 from ..errors import MoetoolError, MoetoolRuntimeError
 from ..progress import progress
+from ..sizing import check_seq_len, check_sizes
 from .guard import FiniteGuard
 from .hooks import Engine
 
@@ -388,8 +389,6 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``before_batch``) the first batch runs once without them (forward and NLL) to find the rows that fit; an
     out-of-memory after a consumer saw part of a batch is one error line naming the rows to use.
     """
-    from ..sizing import check_seq_len, check_sizes
-
     check_sizes(batch_size=batch_size)  # as --batch-size: no ZeroDivisionError in the batching
     check_seq_len(lm.model.config, int(tokens.input_ids.shape[1]))  # rows the positions never covered: refused
     world = distributed.world_size()
