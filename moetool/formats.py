@@ -55,6 +55,7 @@ _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 SCALE_FORMS = ("float", "ue8m0")
 
 
+#: numpy tables by (key, pairs), device tensors by (key, device): built once each
 _BYTE_TABLES: dict[Any, Any] = {}
 
 
@@ -236,9 +237,6 @@ def dequantize_fp8(
     return (values * s).to(dtype)
 
 
-_LUTS: dict[torch.device, torch.Tensor] = {}
-
-
 def _blocks_fp8(codes: torch.Tensor, s: torch.Tensor, lead: tuple[int, ...], sn: int, bn: int, sk: int, bk: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """Whole-block FP8 codes times their fp32 scales, in fp32, written in ``dtype`` (the eager path's products)."""
@@ -271,10 +269,10 @@ def _fused_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, n: int, k: int, 
         return None
     s = scales_fp32(scale_inv)
     if fp4:
-        if codes.device not in _LUTS:
-            _LUTS[codes.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+        if ("e2m1", codes.device) not in _BYTE_TABLES:  # the 16 values on the device, once
+            _BYTE_TABLES["e2m1", codes.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
         return compiled.run("fp4 dequantization", _blocks_fp4, codes.contiguous().view(torch.uint8), s.contiguous(),
-                            _LUTS[codes.device], lead, n, k, dtype, dynamic=False)
+                            _BYTE_TABLES["e2m1", codes.device], lead, n, k, dtype, dynamic=False)
     return compiled.run("fp8 dequantization", _blocks_fp8, codes, s, lead, sn, bn, sk, bk, dtype, dynamic=False)
 
 

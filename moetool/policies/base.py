@@ -16,6 +16,15 @@ import torch
 from ..engine.hooks import RoutingEvent
 
 
+def spec_number(text: str, cast: Any, what: str) -> Any:
+    """A number of a policy spec (``topk:<k>``, ``similarity:<tau>``) cast by ``cast``; a word is a ValueError naming
+    the parameter (``make_policy`` turns it into one line)."""
+    try:
+        return cast(text)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, not '{text}'") from None
+
+
 class Policy:
     """Base class: ``name``, what it needs (``needs_attention``, ``needs_probe``), ``weights`` (``None`` if the
     policy has no weight option). The needs are declarations of the class, read before any policy is built:

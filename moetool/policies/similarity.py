@@ -22,8 +22,7 @@ import torch
 
 from .. import ops
 from ..engine.hooks import RoutingEvent
-from .base import Policy
-from .topk import _number
+from .base import Policy, spec_number
 
 SIMS = ("dot", "cosine")
 
@@ -83,7 +82,7 @@ class SimilarityPolicy(Policy):
         if len(args) > 1:
             raise ValueError("use similarity[:tau], e.g. similarity or similarity:0.5")
         if args and args[0]:
-            tau = _number(args[0], float, "tau")
+            tau = spec_number(args[0], float, "tau")
         return cls(tau, sim or "dot", True if causal is None else causal)
 
     def describe(self) -> dict[str, Any]:

@@ -22,18 +22,11 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent, refuse_above_max_k
 from ..errors import MoetoolError
-from .base import Policy
+from .base import Policy, spec_number
 
 
 def _sparsemixer(layer: Any) -> bool:
     return getattr(getattr(layer, "rule", None), "weight", "") == "sparsemixer"
-
-
-def _number(text: str, cast: Any, what: str) -> Any:
-    try:
-        return cast(text)
-    except ValueError:
-        raise ValueError(f"{what} must be a number, not '{text}'") from None
 
 
 class TopKPolicy(Policy):
@@ -52,7 +45,7 @@ class TopKPolicy(Policy):
     def from_spec(cls, args: list[str], **_: Any) -> "TopKPolicy":
         if len(args) != 1:
             raise ValueError("use topk:<k>, e.g. topk:1")
-        return cls(_number(args[0], int, "k"))
+        return cls(spec_number(args[0], int, "k"))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "k": self.k}
@@ -87,7 +80,7 @@ class TopPPolicy(Policy):
     def from_spec(cls, args: list[str], **_: Any) -> "TopPPolicy":
         if len(args) not in (1, 2):
             raise ValueError("use topp:<p>[:<kmax>], e.g. topp:0.9")
-        return cls(_number(args[0], float, "p"), _number(args[1], int, "kmax") if len(args) == 2 else None)
+        return cls(spec_number(args[0], float, "p"), spec_number(args[1], int, "kmax") if len(args) == 2 else None)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "p": self.p, "kmax": self.kmax}
