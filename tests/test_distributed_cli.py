@@ -43,8 +43,11 @@ def accelerate_launch(world, target=("-m", "moetool")):
 
 
 def run_cli(args, cwd, world=1, launcher=torchrun, target=("-m", "moetool"), timeout=240):
-    launch = launcher(world, target) if world > 1 else [sys.executable, *target]
-    p = subprocess.run(launch + args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    for _ in range(3):  # free_port() frees the port it found: another test may take it before the launcher binds
+        launch = launcher(world, target) if world > 1 else [sys.executable, *target]
+        p = subprocess.run(launch + args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+        if not (world > 1 and p.returncode != 0 and "EADDRINUSE" in p.stderr):
+            break  # (the launcher failed at its rendezvous, before any rank started: nothing was written)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
 
