@@ -192,20 +192,21 @@ def figures(result: Any) -> dict[str, Any]:
     return _figures(result)
 
 
-def check_inputs(spec: Any, lm: Any, tokens: Any) -> None:
+def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> None:
     """An experiment of a loaded model (``spec.inputs`` ``"tokens"`` or ``"weights"``) is given one, and a
     ``"tokens"`` one packed tokens: one line naming what to pass otherwise (a model's name, a path, a tensor), not
     an AttributeError from inside the experiment. ``None`` is left to the experiment, which checks its options
-    first."""
+    first. ``call``: how the user called it (default ``moetool.<api>``)."""
     from .errors import MoetoolError
 
     if spec.inputs not in ("tokens", "weights"):
         return
+    call = call or f"moetool.{spec.api}"
     if lm is not None and not (hasattr(lm, "model") and hasattr(lm, "layers")):
-        raise MoetoolError(f"moetool.{spec.api} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+        raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
     if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
                                                                and hasattr(tokens, "attention_mask")):
-        raise MoetoolError(f"moetool.{spec.api} takes packed tokens (moetool.tokens(lm, data, ...)), not "
+        raise MoetoolError(f"{call} takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{type(tokens).__name__} {tokens!r}"[:300])
 
 

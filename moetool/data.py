@@ -207,6 +207,14 @@ class TokenSet:
                 "special_tokens": self.special_tokens}
 
 
+def require_tokens(tokens: Any) -> TokenSet:
+    """``tokens`` (:meth:`TokenSet.require_tokens`: at least one real token), or one line when none were given
+    (``moetool.ppl(lm, None)``): the experiments call this after checking their options."""
+    if tokens is None:
+        raise MoetoolError("no tokens given: pass packed tokens (moetool.tokens(lm, data, ...))")
+    return tokens.require_tokens()
+
+
 def _call_options(tokenizer: Any, add_special_tokens: bool | None) -> dict[str, Any]:
     """Keyword arguments of every tokenizer call: the special-token choice (``None``: the tokenizer's default) and,
     for a transformers tokenizer, ``verbose=False`` -- moetool packs the ids into rows itself, so transformers'

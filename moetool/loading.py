@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,12 @@ def looks_like_path(name: str) -> bool:
 
 
 def resolve(name: str) -> tuple[str, str]:
-    """``(source, kind)`` with kind ``embedded`` | ``alias`` | ``local`` | ``hub``."""
+    """``(source, kind)`` with kind ``embedded`` | ``alias`` | ``local`` | ``hub``; ``name`` a string or a path."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str):
+        raise MoetoolError(f"a model is named by a string (an embedded name, an alias, a directory or a hub id) "
+                           f"or a path, not {name!r} ({type(name).__name__})"[:300])
     emb = embedded_models()
     if name in emb:
         return str(emb[name]), "embedded"

@@ -397,11 +397,13 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
                 inputs: dict[str, Any], call: Any) -> Any:
     """:func:`run` on a loaded model and its tokens."""
     from . import distributed
+    from .api import check_inputs
     from .sizing import validate_run
 
     if spec.inputs not in ("tokens", "weights", "model"):
         raise MoetoolError(f"moetool.run runs '{spec.name}' on the names of its {spec.inputs}: "
                            f"moetool.run('{spec.name}', [name, ...], data=...)")
+    check_inputs(spec, lm, tokens, call=f"moetool.run('{spec.name}', ...)")  # a path or text: one line
     if spec.inputs == "tokens" and tokens is None:
         raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
     rows = auto_rows(lm, tokens, opts, this) if isinstance(batch_size, str) else batch_size

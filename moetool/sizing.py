@@ -18,11 +18,18 @@ GiB = 1024 ** 3
 
 
 def _positions(config: Any) -> tuple[int | None, str]:
+    """The first of :data:`_POSITION_KEYS` the config sets to a whole number, and its key; a number below 1 there
+    (a corrupt or hand-edited config) is one line: no sequence fits it, and skipping it would let any length
+    through unchecked."""
     for cfg in (text_config(config), config):
         for key in _POSITION_KEYS:
             value = getattr(cfg, key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value, key
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                if value < 1:
+                    mt = getattr(cfg, "model_type", None) or "the model"
+                    raise MoetoolError(f"the config's {key} is {value} ({mt}): not a number of positions; fix "
+                                       f"config.json")
+                return int(value), key
     return None, ""
 
 

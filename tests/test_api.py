@@ -90,6 +90,33 @@ def test_an_experiment_given_a_name_or_a_path_for_its_model_or_tokens_says_what_
             moetool.stats(lm, wrong, bootstrap=0)
 
 
+def test_inputs_of_the_wrong_kind_are_one_line_not_a_raw_error(tmp_path):
+    """Each of these raised an AttributeError or a TypeError from inside: no tokens at all (after the options are
+    checked), a file name as ``moetool.run``'s tokens, a number as a model's name, a lone function as consumers."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    for call in ("ppl", "stats", "margin", "placement"):
+        with pytest.raises(MoetoolError, match=r"^no tokens given: pass packed tokens \(moetool.tokens\(lm, data"):
+            getattr(moetool, call)(lm, None, quiet=True)
+    with pytest.raises(MoetoolError, match="unknown option"):  # the options still come first
+        moetool.ppl(lm, None, nope=1)
+    with pytest.raises(MoetoolError, match=r"^moetool.run\('ppl', ...\) takes packed tokens .*not str 'text.txt'"):
+        moetool.run("ppl", lm, "text.txt", out=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    for name in (5, None, ["tiny"]):
+        with pytest.raises(MoetoolError, match=r"^a model is named by a string .* or a path, not "):
+            moetool.load(name)
+    assert moetool.load(Path(lm.source)).name  # a path object is a name
+    for consumers, message in [(print, r"^consumers is a list of callables \(consumers=\[c\]\), not <built-in"),
+                               (3, r"^consumers is a list of callables"),
+                               ([lambda ev: None, 1], r"^each of consumers .* 1 is not callable")]:
+        with pytest.raises(MoetoolError, match=message):
+            moetool.forward(lm, tokens, consumers=consumers)
+    seen = []
+    moetool.forward(lm, tokens, consumers=(seen.append,), quiet=True)  # any iterable of callables
+    assert len(seen) == len(lm.layers) * tokens.n_batches(8)
+
+
 def test_options_of_the_right_type_in_other_containers_still_run():
     """Lists, ranges and numpy values fit the tuple fields as before."""
     import numpy as np

@@ -184,6 +184,21 @@ def test_validate_run_reads_positions_from_the_text_config_of_a_multimodal_model
         validate_run(cfg, seq_len=78, device="cpu", check_memory=False)
 
 
+def test_a_config_with_no_positions_is_refused_not_skipped():
+    """``max_position_embeddings: 0`` (a corrupt or hand-edited config) let every ``--seq-len`` through unchecked:
+    the key was skipped as if absent. It is now one line naming the key, and so is a negative count."""
+    from moetool.sizing import check_seq_len, validate_run
+
+    for bad in (0, -3):
+        cfg = _mixtral(max_position_embeddings=bad)
+        with pytest.raises(MoetoolError, match=f"the config's max_position_embeddings is {bad} \\(mixtral\\): "
+                                               "not a number of positions; fix config.json"):
+            validate_run(cfg, seq_len=64, device="cpu", check_memory=False)
+        with pytest.raises(MoetoolError, match="max_position_embeddings"):
+            check_seq_len(cfg, None)
+    assert check_seq_len(_mixtral(max_position_embeddings=128), 128) == 128
+
+
 def test_validate_run_device_without_cuda_is_a_runtime_error():
     import torch
 

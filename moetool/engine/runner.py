@@ -355,6 +355,18 @@ def _batches(tokens: Any, batch_size: int, start_batch: int, description: str, q
                     total=tokens.n_batches(batch_size) - start_batch, description=description, quiet=quiet)
 
 
+def _consumer_list(consumers: Any) -> list[Callable]:
+    """``consumers`` as a list, each one callable: one line for a lone function or a non-list (``consumers=print``:
+    a TypeError from ``list()`` before), naming what to pass."""
+    if callable(consumers) or isinstance(consumers, (str, bytes)) or not isinstance(consumers, Iterable):
+        raise MoetoolError(f"consumers is a list of callables (consumers=[c]), not {consumers!r}"[:300])
+    out = list(consumers)
+    for c in out:
+        if not callable(c):
+            raise MoetoolError(f"each of consumers is called with every routing event; {c!r} is not callable"[:300])
+    return out
+
+
 def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] | None = None,
             consumers: Iterable[Callable] = (), moe_layers: Iterable[Any] | None = None, batch_size: int = 8,
             before_batch: Callable[[Any], None] | None = None, on_batch: Callable[[Any, Any], None] | None = None,
@@ -395,7 +407,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     if world > 1 and getattr(tokens, "row_ids", None) is None:  # this rank's slice of every global batch
         tokens = distributed.shard(tokens, batch_size)
     check_token_ids(lm.model, tokens)
-    consumers = list(consumers)
+    consumers = _consumer_list(consumers)
     engine = None  # nothing to hook: no hook at all (the unhooked reference)
     if policy is not None or consumers or attention:
         engine = Engine(lm.model, list(lm.layers if moe_layers is None else moe_layers), policy=policy,

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ... import distributed, formats, ops
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -351,7 +352,7 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
     NLL and ΔNLL with intervals) and ``agreement_bins`` (flip rates per reference-margin bin); see
     :data:`DEFINITIONS`."""
     opts = resolve_options(AgreementOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     ref_name = opts.reference
     order = [ref_name] + [p for p in opts.precisions if p != ref_name]
     shard = distributed.shard(tokens, opts.batch_size)

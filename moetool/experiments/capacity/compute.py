@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...context import state as run_state
 from ...errors import MoetoolError, MoetoolRuntimeError
@@ -112,7 +113,7 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
     import pandas as pd
 
     opts = resolve_options(CapacityOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     indices = [L.index for L in layers]
     specs = opts.specs()

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...adapters import quant
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, expert_outputs
@@ -253,7 +254,7 @@ def expert_similarity(lm: Any, tokens: Any, options: ExpertSimilarityOptions | N
     co-selection (Jaccard of their routed tokens) under the model's own routing. Tables ``expert_similarity``
     (per layer, the summary) and ``expert_similarity_pairs``; see :data:`DEFINITIONS`."""
     opts = resolve_options(ExpertSimilarityOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     quant.require_readable(layers, "expert-similarity")
     indices = [L.index for L in layers]

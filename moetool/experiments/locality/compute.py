@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -92,7 +93,7 @@ def locality(lm: Any, tokens: Any, options: LocalityOptions | None = None, *, qu
     """Per MoE layer, how often consecutive tokens share their first-choice expert and their top-K, beside the
     independent and uniform figures (table ``locality``; see :data:`DEFINITIONS`)."""
     opts = resolve_options(LocalityOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     sums = LocalitySums([L.index for L in layers])
     forward(lm, distributed.shard(tokens, opts.batch_size), consumers=[sums], moe_layers=layers,

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, check_policy, refuse_recomputed, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -259,7 +260,7 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     rates per margin bin) and, with ``policies``, ``margin_jaccard`` (soft and plain Jaccard between the router and
     each policy per layer, with intervals); see :data:`DEFINITIONS`."""
     opts = resolve_options(MarginOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "margin")
     for L in layers:

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...adapters.base import MoELayer
 from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ...engine.runner import forward
@@ -392,7 +393,7 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
                     quiet: bool = False) -> MassRecallResult:
     """Fit the codebooks, then evaluate: the whole experiment on one model."""
     layers = list(lm.layers if layers is None else layers)
-    tokens.require_tokens()  # no codebook can be fitted on nothing: one line, not a crash in the scoring
+    require_tokens(tokens)  # no codebook can be fitted on nothing: one line, not a crash in the scoring
     for L in layers:  # a shortlist of more experts than the layer has: refused before any forward, never skipped
         over = [m for m in opts.shortlist_sizes(L.n_experts) if m > L.n_experts]
         if over:

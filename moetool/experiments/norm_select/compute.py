@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from ... import distributed, ops
-from ...data import TokenSet
+from ...data import TokenSet, require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import NODES
 from ...errors import MoetoolError
@@ -314,7 +314,7 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     ``units``: per-policy checkpoints for ``--resume`` (:class:`moetool.checkpoints.Units`).
     """
     opts = resolve_options(NormSelectOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     specs = opts.specs()
     policies = [build_once(s, opts.weights, opts.seed) for s in specs]  # the command's check built them (one run)
     pruned = None

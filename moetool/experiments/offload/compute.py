@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...adapters import quant
 from ...adapters.base import MoELayer
 from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
@@ -722,7 +723,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
     ``offload_prefetch`` (see :data:`DEFINITIONS`)."""
     opts = resolve_options(OffloadOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
     for L in layers:  # before any forward

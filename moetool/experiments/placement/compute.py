@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ... import distributed
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -399,7 +400,7 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     ``placement_overall`` (over the layers) and ``placement_loads`` (layer, expert loads); see
     :data:`DEFINITIONS`."""
     opts = resolve_options(PlacementOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     if reference is not None:
         reference.require_tokens()
     layers = select_layers(lm.layers, opts.layers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...data import require_tokens
 from ...engine.hooks import select_layers
 from ...engine.runner import ForwardResult
 from ...uncertainty import bootstrap_meta
@@ -67,7 +68,7 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
     from ...uncertainty import RowTable
 
     opts = resolve_options(PplOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     shard = distributed.shard(tokens, opts.batch_size)  # alone: the same rows, numbered

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...adapters import quant
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, node_scores
@@ -289,7 +290,7 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     import pandas as pd
 
     opts = resolve_options(PruneOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     if plan is None and opts.tasks is not None:  # before any forward: an unknown task fails at once
         plan = lmeval.plan_tasks(opts.tasks, opts.include_path)
     layers = select_layers(lm.layers, opts.layers)

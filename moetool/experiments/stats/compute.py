@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ... import distributed, ops
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward, id_space
 from ...errors import MoetoolError
@@ -465,7 +466,7 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
     (``all_tokens``). Padding never counts. ``units``: batch checkpoints for ``--resume`` (:func:`collect`).
     """
     opts = resolve_options(StatsOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     acc = collect(lm, tokens, top_tokens=opts.top_tokens > 0 or opts.all_tokens, batch_size=opts.batch_size,
                   quiet=quiet, top_k=opts.top_k, coactivation=opts.coactivation, specialization=opts.specialization,
                   row_sums=opts.bootstrap > 0, units=units, layers=opts.layers)

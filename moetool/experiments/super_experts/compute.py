@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ... import distributed
+from ...data import require_tokens
 from ...adapters import quant
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, routed_absmax
@@ -214,7 +215,7 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     import pandas as pd
 
     opts = resolve_options(SuperExpertsOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     chosen = select_layers(lm.layers, opts.layers)
     n_decoder = decoder_layers(lm)
     cut = included_layers(n_decoder, opts.include_layers)

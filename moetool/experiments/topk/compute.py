@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ... import distributed
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...errors import MoetoolError
 from ...policies import make_policy
@@ -81,7 +82,7 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     import pandas as pd
 
     opts = resolve_options(TopkOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     K = layers[0].top_k
     if any(L.top_k != K for L in layers):

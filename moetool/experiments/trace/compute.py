@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ... import distributed
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...engine.stream import TableStream
@@ -158,7 +159,7 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     checkpointed now and then (:class:`PartStream`), a resumed run goes on from the next batch.
     """
     opts = resolve_options(TraceOptions, options, overrides)
-    tokens.require_tokens()
+    require_tokens(tokens)
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     col = TraceCollector(opts.logits)
