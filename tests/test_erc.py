@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pandas as pd
@@ -170,6 +171,34 @@ def test_noise_none_derived_eps_and_sample_average():
         assert got == pytest.approx(want, rel=1e-4)
     assert r.loss != r.loss_clean
     assert r.eps_mean == pytest.approx(np.mean(hand_eps(R)), rel=1e-5)
+
+
+def test_nonfinite_expert_weights_and_zero_router_rows_are_refused_not_tabulated():
+    """ERC reads weights only (no forward, so no FiniteGuard): a NaN in an expert's gate weights made M's column
+    NaN, alpha_min NaN (blank in the CSV, left out of the summary's range) and dominance an argmax over NaN
+    (0.125); an all-zero router row (a zero proxy token) gave eps_mean ~1e36 and alpha_min inf, an all-zero router
+    alpha_min NaN, erc_loss 0 and dominance 0.125 from argmax ties. Each is one line naming the layer; the other
+    layers still run."""
+    from moetool.errors import MoetoolError, MoetoolRuntimeError
+
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        layers[1].experts.gate_up_proj[3, 0, 0] = float("nan")
+    with pytest.raises(MoetoolRuntimeError, match=r"^non-finite M in MoE layer 1 \(node gate"):
+        erc_layer(layers[1], ErcOptions())
+    with pytest.raises(MoetoolRuntimeError, match="non-finite M in MoE layer 1"):
+        run_erc(layers, ErcOptions(noise="none"), quiet=True)
+    assert np.isfinite(erc_layer(layers[0], ErcOptions()).alpha_min)
+    for rows in ([2], list(range(8))):
+        model = copy.deepcopy(build_tiny_model("mixtral"))
+        L = find_moe_layers(model)[2]
+        with torch.no_grad():
+            L.router.weight[rows] = 0
+        for noise in ("derived", "none", 0.1):
+            with pytest.raises(MoetoolError, match=rf"^MoE layer 2: the router row of expert\(s\) "
+                                                   rf"{re.escape(str(rows))} is all zero"):
+                erc_layer(L, ErcOptions(noise=noise))
 
 
 @pytest.mark.slow

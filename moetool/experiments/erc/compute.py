@@ -21,7 +21,7 @@ from ...adapters import quant
 from ...adapters.base import MoELayer
 from ...engine import probes
 from ...engine.hooks import select_layers
-from ...errors import MoetoolError
+from ...errors import MoetoolError, MoetoolRuntimeError
 from ...progress import progress
 from ..published import erc_alpha_min
 from ..result import Result, resolve_options
@@ -172,10 +172,18 @@ class LayerErc:
 def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
     """Everything ERC reports for one layer (on the layer's device; results moved to the host)."""
     R = router_rows(layer)  # [n, d]
+    zero = (R == 0).all(dim=1).nonzero().flatten().tolist()
+    if zero:  # its proxy token is the zero vector: M's row, eps_i (a division by ||R_i|| = 0) and alpha_min undefined
+        raise MoetoolError(f"MoE layer {layer.index}: the router row of expert(s) {zero} is all zero, so its "
+                           "proxy token is the zero vector and M, eps and alpha_min are undefined; leave the layer "
+                           "out (--layers)")
     gen = torch.Generator(device=R.device).manual_seed(opts.seed * 1_000_003 + layer.index)
     eps = noise_eps(R, opts.noise)  # [n]
     X = torch.cat([R.unsqueeze(0), proxy_tokens(R, eps, opts.samples, gen)])  # [1 + S, n, d]; draw 0 is clean
     M_all = coupling_matrix(layer, X, opts.node, opts.norm)  # [1 + S, n, n]
+    if not bool(torch.isfinite(M_all).all()):  # weights only, no forward: the engine's FiniteGuard never ran
+        raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
+                                  "weights on the router rows; NaN/inf weights?): results would be meaningless")
     losses = erc_loss(M_all, opts.alphas)  # [1 + S, A]
     clean = M_all[0]
     row, col = dominance(clean)
