@@ -100,6 +100,24 @@ def test_best_subset_is_left_out_beyond_max_subsets():
     assert "best_subset" not in r.error and set(r.error) == {"router", "norm_oracle", "random"}
 
 
+def test_best_subset_alone_where_no_layer_admits_it_says_so():
+    """--selectors best_subset with C(n, K) > --max-subsets in every analysed layer (any n = 64, K = 6 model at the
+    default) left no row at all and read 'no tokens reached the analysed MoE layers (empty data?)': a data problem
+    that is not there. It names the limit before the forward; at C(n, K) = --max-subsets the rows are there."""
+    import moetool
+    from moetool.errors import MoetoolError
+
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=16, max_tokens=32)
+    with pytest.raises(MoetoolError, match=r"^--selectors best_subset: C\(n, K\) > --max-subsets 27 in every "
+                                           r"analysed MoE layer \(layer 1: C\(8,2\) = 28\)"):
+        moetool.approx(lm, toks, selectors=("best_subset",), max_subsets=27, layers=(1, 2), quiet=True)
+    with pytest.raises(MoetoolError, match="^--selectors needs at least one selector$"):
+        moetool.approx(lm, toks, selectors=(), quiet=True)
+    res = moetool.approx(lm, toks, selectors=("best_subset",), max_subsets=28, layers=(1,), quiet=True)
+    assert res["approx"][["layer", "selector", "tokens"]].values.tolist() == [[1, "best_subset", 32]]
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_reducer_tables_over_real_tokens(model_type):
     """Router = the model's captured top-K (1.0), padding never counts, means/medians of the per-token errors."""

@@ -262,6 +262,12 @@ def run_approx(lm: Any, tokens: Any, *, selectors: Sequence[str] = SELECTORS, se
     quant.require_readable(chosen, "approx")
     if "router" in selectors:
         refuse_hash_routed(chosen, "approx's router selector")
+    if set(selectors) == {"best_subset"} and not any(best_subset_applies(L.n_experts, L.top_k, max_subsets)
+                                                     for L in chosen):  # no row at all: say why before the forward
+        L = chosen[0]
+        raise MoetoolError(f"--selectors best_subset: C(n, K) > --max-subsets {max_subsets} in every analysed MoE "
+                           f"layer (layer {L.index}: C({L.n_experts},{L.top_k}) = {math.comb(L.n_experts, L.top_k)}), "
+                           "so no layer has a best subset; raise --max-subsets or add another selector")
     red = ApproxReducer(selectors, seed, max_subsets, layers)
     forward(lm, tokens, consumers=[red], batch_size=batch_size, description="approx", quiet=quiet)
     return red

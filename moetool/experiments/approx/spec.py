@@ -39,6 +39,8 @@ MAX_SUBSETS = 10_000
 
 
 def check_selectors(selectors: Sequence[str]) -> None:
+    if not selectors:
+        raise MoetoolError("--selectors needs at least one selector")
     unknown = [s for s in selectors if s not in SELECTORS]
     if unknown:
         raise MoetoolError(f"unknown selector(s) {unknown}; choose from {', '.join(SELECTORS)}")
