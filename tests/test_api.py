@@ -132,6 +132,29 @@ def test_options_of_the_right_type_in_other_containers_still_run():
         resolve_options(moetool.MarginOptions, None, {"batch_size": np.int64(0)})
 
 
+def test_a_list_value_given_twice_is_one_line_not_a_row_computed_twice():
+    """The command line's list parser keeps a repeated value once (``--codebook-size 8,8`` runs 8 once); the library
+    ran it twice: mass_recall(codebook_sizes=(8, 8)) wrote one row per (G, M) with every token counted twice
+    (tokens 2x the real tokens), margin and offload wrote each row twice, norm_select(nodes=('gate', 'gate'))
+    stopped in a pandas ValueError. A repeat in any list option is one line naming its flag, before any work."""
+    from moetool.experiments.result import resolve_options
+
+    with pytest.raises(MoetoolError, match=r"^--codebook-size: 8 is given twice in \[8, 4, 8\]"):
+        resolve_options(moetool.MassRecallOptions, None, {"codebook_sizes": [8, 4, 8]})
+    with pytest.raises(MoetoolError, match=r"^--centroids: 'unit' is given twice in \['unit', 'raw', 'unit'\]"):
+        resolve_options(moetool.MassRecallOptions, moetool.MassRecallOptions(centroids=("unit", "raw", "unit")), {})
+    with pytest.raises(MoetoolError, match=r"^--nodes: 'gate' is given twice"):
+        resolve_options(moetool.NormSelectOptions, None, {"nodes": ("gate", "up", "gate")})
+    assert resolve_options(moetool.MarginOptions, None, {"eps": (0.1, 0.2)}).eps == (0.1, 0.2)  # no repeat: as given
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=16, max_tokens=64)
+    for call, kw in (("mass_recall", {"codebook_sizes": (4, 4), "shortlists": (2,), "layers": (1,)}),
+                     ("offload", {"capacities": (4, 4), "layers": (1,)}), ("margin", {"eps": (0.1, 0.1)}),
+                     ("norm_select", {"norms": ("l2", "l2")})):
+        with pytest.raises(MoetoolError, match="is given twice"):
+            getattr(moetool, call)(lm, toks, bootstrap=0, quiet=True, **kw)
+
+
 def _tables_equal(frame: pd.DataFrame, path: Path, drop: tuple[str, ...] = ()) -> None:
     """The API frame, through the same CSV round trip, equals the command's file."""
     buf = io.StringIO()
