@@ -214,7 +214,7 @@ class RoutingStats:
         import pandas as pd
 
         tokens = self.rows.table("tokens")  # [rows]
-        kw = dict(n_boot=n_boot if tokens.shape[0] >= 2 else 0, seed=seed)
+        kw = dict(n_boot=n_boot, seed=seed)  # one row: no interval (uncertainty.replicates)
         load, layers = [], []
         for li in sorted(self.acc):
             n = self.acc[li].n
