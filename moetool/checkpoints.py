@@ -254,7 +254,7 @@ class Units:
         self.inputs: dict[str, Any] = {}
         self._side: set[str] = set()  # side files handed out (file()) or read back with a unit
         self._last = time.monotonic()
-        old = self._read_key()
+        old = self._recorded("key.json")
         if run.resuming is not None and old is not None and old != self.key:
             diff = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
             what = ", ".join(f"{k}: {old.get(k)!r} -> {self.key.get(k)!r}" for k in diff[:4])
@@ -269,9 +269,22 @@ class Units:
 
     def _read_key(self, name: str = "key.json") -> dict[str, Any] | None:
         try:
-            return json.loads((self.dir / name).read_text())
+            value = json.loads((self.dir / name).read_text())
         except (OSError, ValueError):
             return None
+        return value if isinstance(value, dict) else None
+
+    def _recorded(self, name: str) -> dict[str, Any] | None:
+        """``units/<name>`` (``key.json``: the options, ``inputs.json``: the fingerprints) of the run being resumed;
+        with finished units beside it, one missing or unreadable is a damaged checkpoint (refused in one line:
+        without it, units of other options or data would be restored unchecked). ``None`` when not resuming."""
+        if self.run.resuming is None:
+            return None
+        old = self._read_key(name)
+        if old is None and self.dir.is_dir() and any(self.dir.glob("*.unit")):
+            p = self.dir / name
+            raise self._damaged(p, "missing" if not p.exists() else "not readable as a JSON object")
+        return old
 
     def check_inputs(self, **inputs: Any) -> None:
         """Record the fingerprints of what the run reads (``data=``: its token ids, ``model=``: its weight files,
@@ -280,7 +293,7 @@ class Units:
         tables)."""
         inputs = json.loads(json.dumps(_jsonable(inputs), sort_keys=True))
         self.inputs.update(inputs)
-        old = self._read_key("inputs.json") if self.run.resuming is not None else None
+        old = self._recorded("inputs.json")
         for what, new in inputs.items():
             before = (old or {}).get(what)
             if before is None or before == new:

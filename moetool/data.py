@@ -73,7 +73,7 @@ class LargeText:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Windows editors) is no text
     except (OSError, UnicodeDecodeError) as e:
         raise MoetoolError(f"cannot read data file {path}: {e}") from None
 
@@ -115,7 +115,7 @@ class DocumentStream:
                 for n, line in enumerate(fh, 1):
                     self.bytes_read += len(line)
                     try:
-                        text = line.decode("utf-8")
+                        text = line.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM: not JSON, no text
                     except UnicodeDecodeError as e:
                         raise MoetoolError(f"cannot read data file {path}: line {n}: {e}") from None
                     if not text.strip():
@@ -263,7 +263,7 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
     kw = _call_options(tokenizer, add_special_tokens)
     chars, text = max(16 * want, 1 << 16), ""
     try:
-        with (open(doc.path, encoding="utf-8") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
+        with (open(doc.path, encoding="utf-8-sig") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
             while True:
                 more = fh.read(chars - len(text))
                 text += more

@@ -76,9 +76,17 @@ def check_n_boot(n_boot: int) -> int:
     return n_boot
 
 
+def replicates(n_boot: int, n_rows: int) -> int:
+    """The replicates a bootstrap over ``n_rows`` packed rows makes: ``n_boot`` (checked), none from one row (its
+    one resample is itself: no interval, as ``n_boot = 0``, never an error). The one home of that rule: the
+    interval functions below and :func:`bootstrap_meta` apply it."""
+    n_boot = check_n_boot(n_boot)
+    return n_boot if n_rows >= 2 else 0
+
+
 def bootstrap_meta(n_boot: int, seed: int, n_rows: int, interval: str = "percentile interval") -> dict[str, Any]:
     """The manifest's ``bootstrap`` section of a run over ``n_rows`` packed rows (no interval from one row)."""
-    return {"replicates": n_boot if n_rows >= 2 else 0, "seed": seed, "rows": n_rows, "level": LEVEL,
+    return {"replicates": replicates(n_boot, n_rows), "seed": seed, "rows": n_rows, "level": LEVEL,
             "method": f"document-level bootstrap over packed rows, {interval} (moetool.uncertainty)"}
 
 
@@ -193,7 +201,7 @@ def ratio_intervals(num: np.ndarray, den: np.ndarray, *, n_boot: int = DEFAULT_B
         raise MoetoolError("a statistic has zero denominator: no tokens counted")
     f = transform or (lambda x: x)
     value = np.broadcast_to(f(num.sum(0) / den.sum(0)), (num.shape[1],))
-    n_boot = check_n_boot(n_boot)
+    n_boot = replicates(n_boot, num.shape[0])
     if n_boot == 0:
         out = [Interval(float(v)) for v in value]
     else:
@@ -227,7 +235,8 @@ def sum_intervals(sums: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray
     value = np.asarray(statistic(sums.sum(0)), dtype=np.float64).reshape(-1)
     if not np.isfinite(value).all():
         raise MoetoolError("a statistic of the summed rows is NaN/inf (no tokens counted?): no interval")
-    if check_n_boot(n_boot) == 0:
+    n_boot = replicates(n_boot, sums.shape[0])
+    if n_boot == 0:
         return [Interval(float(v)) for v in value]
     w = bootstrap_weights(sums.shape[0], n_boot, seed)
     with np.errstate(invalid="ignore", divide="ignore"):

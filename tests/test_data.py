@@ -55,6 +55,17 @@ def test_read_text_jsonl_and_folder(tmp_path):
     assert docs == [Document("plain text", ""), Document("one", "d1"), Document("two", "")]
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A file saved with a UTF-8 byte-order mark (Windows editors, Excel's "UTF-8 CSV"): its JSONL was refused
+    as "line 1: not valid JSON", its text began with U+FEFF (a token of its own). Read as without it; a U+FEFF
+    later in a file is text."""
+    bom = "\ufeff"
+    (tmp_path / "a.jsonl").write_text(bom + json.dumps({"text": "one", "domain": "d1"}) + "\n" +
+                                      json.dumps({"text": bom + "two"}) + "\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text(bom + "plain text", encoding="utf-8")
+    assert read_documents(tmp_path) == [Document("one", "d1"), Document(bom + "two", ""), Document("plain text", "")]
+
+
 @pytest.mark.parametrize("content,msg", [
     ("", "no text"),
     ("{not json}\n", "line 1: not valid JSON"),

@@ -71,3 +71,16 @@ def test_headline_lines_carry_the_intervals_of_their_tables():
     line = EXPERIMENTS["stats"].load("summary_lines")("tiny", res)[0]
     assert f"max load {format_ci(worst.max_load_ratio, worst.max_load_ratio_lo, worst.max_load_ratio_hi)}x" in line
     assert "±" in line or "[" in line
+
+
+def test_stats_specialisation_line_says_none_instead_of_nan():
+    """A short --data where no token id reaches --min-count: specialization.csv is empty (NaN) for that view, and
+    the headline (the report's first table) said "input nan-nan"; now "none (no token id seen 10 times)"."""
+    from moetool.experiments.result import Result
+
+    sp = pd.DataFrame({"layer": [0, 0, 1, 1], "view": ["input", "predicted"] * 2,
+                       "specialization": [np.nan, 0.5, np.nan, 0.75]})
+    res = Result("stats", {"specialization.csv": sp}, SimpleNamespace(min_count=10))
+    lines = EXPERIMENTS["stats"].load("analysis_lines")("tiny", res)
+    assert lines == ["stats tiny: vocabulary specialisation (first-ranked expert) over layers: input none (no token "
+                     "id seen 10 times), predicted 0.50-0.75"], lines

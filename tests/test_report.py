@@ -576,3 +576,20 @@ def test_report_reads_tokens_that_pandas_takes_for_missing_as_text(tmp_path):
     assert all(f"| {w} |" in md for w in ("None", "NaN", "nan", "null", "NULL")), md
     copied = next((page.parent / "tables").rglob("top_tokens.csv"))
     assert pd.read_csv(copied, keep_default_na=False).token.tolist() == words
+
+
+def test_report_refuses_a_table_cut_short_instead_of_showing_its_last_row(tmp_path):
+    """A run's CSV cut inside its last row (a copy interrupted) was read as a row: tokens 256 cut to 25 shown as
+    a number, the cut-off columns as blanks. Every table a run writes ends with a line break: one that does not is
+    a note in the page, not a table."""
+    run = RunDir.create("stats", tmp_path / "run")
+    run.write_csv("layers.csv", pd.DataFrame({"layer": [0, 1], "tokens": [256, 256], "load_entropy": [2.0, 1.5]}))
+    run.write_csv("load.csv", pd.DataFrame({"layer": [0], "expert": [0]}))
+    run.finish(options={"model": "tiny"})
+    csv = tmp_path / "run" / "layers.csv"
+    csv.write_bytes(csv.read_bytes()[:csv.read_bytes().index(b"\n1,256") + 5])  # "...\n1,25"
+    page = write_report([tmp_path / "run"], tmp_path / "rep")
+    md = (page.parent / "report.md").read_text()
+    assert "*layers.csv: unreadable (cut short: its last line ends without a line break" in md, md
+    assert "| 25 |" not in md and "### load.csv" in md  # the whole table below it still shown
+    assert not list((page.parent / "tables").rglob("layers.csv"))

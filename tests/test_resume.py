@@ -396,6 +396,32 @@ def test_unit_checkpoints_round_trip_without_pickle_and_refuse_foreign_types(tmp
     again.mark("interrupted")
 
 
+@pytest.mark.parametrize("name", ["key.json", "inputs.json"])
+@pytest.mark.parametrize("damage", ["missing", "not JSON", "a list"])
+def test_resume_refuses_units_whose_options_or_inputs_record_is_damaged(tmp_path, name, damage):
+    """Without units/key.json (the options) or units/inputs.json (the data's fingerprint) beside finished units,
+    a resume with other options or data restored them unchecked (stats on another file printed the old data's
+    token counts); unreadable as a JSON object, an AttributeError. Now: a damaged checkpoint, one line."""
+    from moetool.errors import MoetoolRuntimeError
+
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"top_k": 2})
+    units.check_inputs(data={"rows": 8, "sha256": "a"})
+    units.save("batches", {"n": 1})
+    run.mark("interrupted")
+    f = tmp_path / "r" / "units" / name
+    if damage == "missing":
+        f.unlink()
+    else:
+        f.write_text("{" if damage == "not JSON" else "[1]")
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    why = "missing" if damage == "missing" else "not readable as a JSON object"
+    with pytest.raises(MoetoolRuntimeError, match=rf"units/{name} is damaged or unsafe \({why}\): start over"):
+        # other options with key.json damaged, other data with inputs.json damaged: each caught by the one damaged
+        again.units({"top_k": 1 if name == "key.json" else 2}).check_inputs(data={"rows": 1, "sha256": "b"})
+    again.mark("interrupted")
+
+
 def test_an_unfinished_run_is_offered_resume_only_by_a_command_that_has_it(tmp_path):
     """Issue 35 item 12: `demo` (no --resume) into the folder of an interrupted demo says to use --force, not
     "use --resume"; stats (which takes --resume) still offers it."""

@@ -257,3 +257,20 @@ def test_bca_of_many_statistics_at_once_equals_each_alone():
     for j in range(40):
         one = bca(reps[:, j:j + 1], value[j:j + 1], jack[:, j:j + 1])
         assert (lo[j], hi[j]) == (one[0][0], one[1][0]), j
+
+
+def test_one_row_has_no_interval_in_every_interval_function():
+    """The one rule (uncertainty.replicates): a bootstrap over one packed row makes no replicate, so the value has no
+    interval (NaN bounds, as n_boot = 0) instead of an error each experiment had to avoid by hand."""
+    from moetool.uncertainty import bootstrap_meta, replicates, sum_intervals
+
+    (iv,) = ratio_intervals(np.array([[3.0]]), np.array([4.0]), n_boot=1000)
+    assert iv.value == 0.75 and math.isnan(iv.lo) and math.isnan(iv.hi)
+    (s,) = sum_intervals(np.array([[1.0, 3.0]]), lambda x: x[..., :1] / x.sum(-1, keepdims=True), n_boot=1000,
+                         method="bca")
+    assert s.value == 0.25 and math.isnan(s.lo)
+    assert replicates(1000, 1) == 0 and replicates(1000, 2) == 1000 and bootstrap_meta(1000, 0, 1)["replicates"] == 0
+    with pytest.raises(MoetoolError, match="too few replicates"):
+        replicates(10, 1)  # a bad --bootstrap is still refused on one row
+    with pytest.raises(MoetoolError, match="at least 2 documents/rows"):
+        bootstrap_weights(1, 1000)  # drawing weights over one row is still a caller's error

@@ -40,6 +40,22 @@ def test_no_real_token_is_refused_not_tabulated(all_padding, name, rows):
         assert "per-row sums" not in str(e.value), e.value
 
 
+@pytest.mark.parametrize("name", [n for n, spec in EXPERIMENTS.items() if spec.inputs == "tokens"])
+def test_one_row_gives_no_interval_never_a_bootstrap_error(all_padding, name):
+    """One packed row (a short --data): the bootstrap has nothing to resample, so no interval (as --bootstrap 0,
+    the manifest's replicates 0); margin, agreement, mass-recall and fluctuation refused it with "a bootstrap
+    needs at least 2 documents/rows" where stats, ppl and the others left the intervals out."""
+    lm, ts = all_padding
+    one = replace(ts, input_ids=ts.input_ids[:1], attention_mask=torch.ones_like(ts.attention_mask[:1]),
+                  domains=ts.domains[:1])
+    spec = EXPERIMENTS[name]
+    kw = {"codebook_sizes": (2,)} if name == "mass-recall" else {}  # its default 128 codewords > 16 tokens
+    try:
+        spec.load()(lm, one, quiet=True, **kw)
+    except MoetoolError as e:
+        assert "bootstrap" not in str(e) and "rows" not in str(e), e
+
+
 def test_mean_abs_cos_over_no_pair_is_nan():
     x = torch.randn(3, 1, 4)  # three groups of a single row: no pair i != j
     assert torch.isnan(ops.abs_cos_mean(x)).all()

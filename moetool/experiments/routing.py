@@ -65,7 +65,7 @@ def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_bo
     import numpy as np
 
     nll, scored = run.rows.table("nll"), run.rows.table("scored")
-    kw = dict(n_boot=n_boot if run.rows.n_rows >= 2 else 0, seed=seed)
+    kw = dict(n_boot=n_boot, seed=seed)  # one row: no interval (uncertainty.replicates)
     out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
     if base is not None:
         if not np.array_equal(base.rows.table("scored"), scored):

@@ -564,6 +564,16 @@ def _copy_figures(run: RunDir, r: Run) -> list[tuple[Path, str, str, bool]]:
     return figs
 
 
+def _cut_short(csv: Path) -> bool:
+    """True when ``csv`` is not empty and its last byte is not a line break: a run's tables are written whole
+    (pandas ends every row with one), so the file was cut (a copy or a sync interrupted)."""
+    with open(csv, "rb") as fh:
+        if fh.seek(0, 2) == 0:
+            return False
+        fh.seek(-1, 2)
+        return fh.read(1) not in (b"\n", b"\r")
+
+
 def _read_tables(r: Run) -> list[tuple[Path, str, Any, str]]:
     """``(csv, stem, table or None, error)`` of each table of ``r`` (stems safe and unique for
     ``tables/<run>/<stem>.csv``; key columns first)."""
@@ -573,6 +583,9 @@ def _read_tables(r: Run) -> list[tuple[Path, str, Any, str]]:
     for csv in r.tables:
         stem = _unique(_slug(csv.stem), taken)
         try:  # text as written ("NA", "null" and "nan" are tokens): only an empty cell is missing
+            if _cut_short(csv):  # its last row would be read as a row: 25 for 256, blanks for numbers
+                raise ValueError("cut short: its last line ends without a line break (every table a run writes "
+                                 "ends with one); a truncated copy?")
             df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
         except (OSError, ValueError, pd.errors.ParserError) as e:
             tables.append((csv, stem, None, str(e)))

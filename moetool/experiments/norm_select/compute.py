@@ -135,7 +135,7 @@ class AgreementMeter:
                    "top1_agree": t1 / n if n else float("nan"), "tokens": int(n)}
             if self.rows is not None and n:
                 t = self.rows.table(f"agree{layer}")  # [rows, 3]
-                a, b = ratio_intervals(t[:, :2], t[:, 2], n_boot=n_boot if t.shape[0] >= 2 else 0, seed=seed)
+                a, b = ratio_intervals(t[:, :2], t[:, 2], n_boot=n_boot, seed=seed)
                 row.update({**a.columns("topk_overlap"), **b.columns("top1_agree")})
             rows.append(row)
         return pd.DataFrame(rows, columns=list(AGREEMENT_COLUMNS))
@@ -148,7 +148,7 @@ class AgreementMeter:
         nan = float("nan")
         if self.rows is not None and tot[2]:
             t = sum(self.rows.table(f"agree{layer}") for layer in self.sums)  # [rows, 3]
-            a, b = ratio_intervals(t[:, :2], t[:, 2], n_boot=n_boot if t.shape[0] >= 2 else 0, seed=seed)
+            a, b = ratio_intervals(t[:, :2], t[:, 2], n_boot=n_boot, seed=seed)
         else:
             a, b = (Interval(x / tot[2] if tot[2] else nan) for x in tot[:2])
         return {"policy": policy, **a.columns("topk_overlap"), **b.columns("top1_agree")}

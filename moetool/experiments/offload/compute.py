@@ -754,9 +754,7 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
     if T < 2:
         raise MoetoolError(f"offload needs at least 2 real tokens, got {T}")
     n_rows = int(rows.max()) + 1
-    kw = dict(n_boot=opts.bootstrap, seed=opts.seed)
-    if n_rows < 2:
-        kw["n_boot"] = 0
+    kw = dict(n_boot=opts.bootstrap, seed=opts.seed)  # one row: no interval (uncertainty.replicates)
 
     def ci(num: np.ndarray, den: np.ndarray) -> list:
         return ratio_intervals(num, den, **kw)

@@ -31,7 +31,7 @@ from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import RowTable, bootstrap_meta, format_ci, sum_intervals, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, replicates, sum_intervals, with_ci
 from ..routing import data_name
 from ..result import Result, resolve_options
 from ..specialization import LoadBalance
@@ -409,7 +409,7 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     load, n_tok, row_loads = _data_loads(lm, tokens, layers, opts, n, z, quiet)
     ref_load, ref_tok = _reference_loads(lm, tokens, layers, opts, n, reference, reference_model, quiet)
     idx = [L.index for L in layers]
-    n_boot = opts.bootstrap if row_loads is not None and row_loads.shape[0] >= 2 else 0
+    n_boot = replicates(opts.bootstrap, row_loads.shape[0]) if row_loads is not None else 0
     df, overall = placement_tables(load, row_loads, n_boot, idx, n, opts,
                                    _placements(load, ref_load, n, groups, gpu_counts, opts))
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,

@@ -214,7 +214,7 @@ class RoutingStats:
         import pandas as pd
 
         tokens = self.rows.table("tokens")  # [rows]
-        kw = dict(n_boot=n_boot if tokens.shape[0] >= 2 else 0, seed=seed)
+        kw = dict(n_boot=n_boot, seed=seed)  # one row: no interval (uncertainty.replicates)
         load, layers = [], []
         for li in sorted(self.acc):
             n = self.acc[li].n
@@ -551,8 +551,14 @@ def analysis_lines(name: str, res: Any) -> list[str]:
     out = []
     if "specialization.csv" in res:
         sp = res["specialization"]
-        views = ", ".join(f"{v} {g['specialization'].min():.2f}-{g['specialization'].max():.2f}"
-                          for v, g in sp.groupby("view", sort=False))
+        least = getattr(res.options, "min_count", None)
+
+        def span(s: Any) -> str:  # no layer with a token id seen min_count times: said, not "nan-nan"
+            s = s.dropna()
+            return (f"{s.min():.2f}-{s.max():.2f}" if len(s) else
+                    f"none (no token id seen {least} times)" if least else "none")
+
+        views = ", ".join(f"{v} {span(g['specialization'])}" for v, g in sp.groupby("view", sort=False))
         out.append(f"stats {name}: vocabulary specialisation (first-ranked expert) over layers: {views}")
     if "cross_layer_summary.csv" in res:
         cl = res["cross_layer_summary"]
