@@ -50,10 +50,7 @@ def test_one_row_gives_no_interval_never_a_bootstrap_error(all_padding, name):
                   domains=ts.domains[:1])
     spec = EXPERIMENTS[name]
     kw = {"codebook_sizes": (2,)} if name == "mass-recall" else {}  # its default 128 codewords > 16 tokens
-    try:
-        spec.load()(lm, one, quiet=True, **kw)
-    except MoetoolError as e:
-        assert "bootstrap" not in str(e) and "rows" not in str(e), e
+    spec.load()(lm, one, quiet=True, **kw)  # every one runs: no error at all
 
 
 def test_mean_abs_cos_over_no_pair_is_nan():

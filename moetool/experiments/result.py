@@ -27,29 +27,10 @@ def resolve_options(cls: type[O], options: O | None, overrides: dict[str, Any]) 
     bad = sorted(set(overrides) - known)
     if bad:
         raise MoetoolError(f"unknown option(s) {bad} for {cls.__name__} (known: {', '.join(sorted(known))})")
-    values = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}, **overrides}
-    check_types(cls, values)
-    check_unique_lists(cls, values)
+    check_types(cls, {**{f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}, **overrides})
     opts = dataclasses.replace(base, **overrides) if overrides else base
     check_options(opts)  # NaN / inf / out-of-range numbers and the seed, as the command line refuses them
     return opts
-
-
-def check_unique_lists(cls: type, values: dict[str, Any]) -> None:
-    """A list option that repeats a value is one line naming its flag. The command line's one list parser
-    (``commands.cli.parse_list``) keeps such a value once; the library ran it twice: mass_recall's
-    ``codebook_sizes=(8, 8)`` counted every token twice in one row, margin and offload wrote rows twice,
-    norm_select's ``nodes=('gate', 'gate')`` stopped in a pandas error (margin's ``--policies`` and agreement's
-    ``--precisions`` refused it already, in their own words)."""
-    for f in dataclasses.fields(cls):
-        v = values.get(f.name)  # a flagged field holding a sequence is a list flag (--nodes and --norm: kind str)
-        if "flag" in f.metadata and hasattr(v, "__len__") and hasattr(v, "__iter__") and not isinstance(v, str):
-            seen: list[Any] = []
-            for x in v:
-                if x in seen:
-                    raise MoetoolError(f"{f.metadata['flag'].flag}: {x!r} is given twice in {list(v)} (each value "
-                                       "once: no row is computed twice)")
-                seen.append(x)
 
 
 @dataclass

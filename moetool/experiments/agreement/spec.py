@@ -72,8 +72,6 @@ class AgreementOptions:
             raise MoetoolError(f"--precisions: unknown {bad} (choose from {', '.join(RANK)})")
         if len(self.precisions) < 2:
             raise MoetoolError(f"--precisions needs at least two precisions to compare, got {list(self.precisions)}")
-        if len(set(self.precisions)) != len(self.precisions):
-            raise MoetoolError(f"--precisions: a precision is named twice in {list(self.precisions)}")
         if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
             raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
         if list(self.thresholds) != sorted(set(self.thresholds)):

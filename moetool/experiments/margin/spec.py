@@ -69,8 +69,6 @@ class MarginOptions:
         from ...uncertainty import check_n_boot
 
         check_n_boot(self.bootstrap)
-        if len(set(self.policies)) != len(self.policies):
-            raise MoetoolError(f"--policies: a policy is named twice in {list(self.policies)}")
         if not self.eps or any(not (math.isfinite(e) and e >= 0) for e in self.eps):
             raise MoetoolError(f"--eps must be finite non-negative numbers, not {list(self.eps)}")
         if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
