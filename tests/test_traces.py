@@ -443,7 +443,7 @@ def test_legacy_csv_counts_must_be_whole_and_not_negative(tmp_path):
 
 def test_counted_singular(tmp_path):
     """One request, one assignment: the summary line says so ('1 requests', '1 assignments' before)."""
-    np.save(tmp_path / "r.npy", np.zeros((3, 4, 2), dtype=np.int64))
+    np.save(tmp_path / "r.npy", np.tile(np.array([0, 1]), (3, 4, 1)))
     r = import_cli([tmp_path / "r.npy"], tmp_path / "a")
     assert r.exit_code == 0, r.output
     assert "vllm: 3 tokens, 12 rows, 1 request\n" in r.output
@@ -451,3 +451,94 @@ def test_counted_singular(tmp_path):
     r = import_cli([tmp_path / "d.csv"], tmp_path / "b")
     assert r.exit_code == 0, r.output
     assert "sglang-dump: 1 assignment\n" in r.output
+
+
+def test_repeated_expert_in_a_top_k(captured, tmp_path):
+    """A token naming one expert twice in its top-K is no routing (vLLM's zero-filled buffer where nothing was
+    written: every token [0, 0]); it was imported as two assignments of expert 0."""
+    ex, ids = captured["requests"][0]
+    ex = {li: v.copy() for li, v in ex.items()}
+    ex[2][3:] = 0  # tokens 3.. of layer 2 never written
+    T = len(ids)
+    (tmp_path / "v.jsonl").write_text(json.dumps(ew.vllm_response(ew.vllm_routed_experts(ex, 4, 8), ids,
+                                                                   [ids[0]])) + "\n")
+    _refused(import_cli([tmp_path / "v.jsonl"], tmp_path / "out"), tmp_path / "out",
+             f"v.jsonl:1 choice 0: layer 2, token 3 has expert 0 twice in its top-2 ({T - 3} of {T} tokens): a top-K "
+             f"names K distinct experts")
+    rec = {"step": 0, "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
+           "top_indices": [[0, 1], [5, 5]]}
+    (tmp_path / "router_trace_rank0.jsonl").write_text(json.dumps(rec) + "\n")
+    _refused(import_cli([tmp_path / "router_trace_rank0.jsonl"], tmp_path / "out"), tmp_path / "out",
+             "layer 0, token 1 has expert 5 twice in its top-2 (1 of 2 tokens)")
+
+
+def test_json_lines_that_are_not_objects(captured, tmp_path):
+    """A line (or a choice) that is no JSON object after a good first line: one line, not an AttributeError
+    traceback."""
+    ex, ids = captured["requests"][0]
+    vllm = json.dumps(ew.vllm_response(ew.vllm_routed_experts(ex, 4, 8), ids, [ids[0]]))
+    sgl = json.dumps(ew.sglang_routed_response(ex, 4, len(ids) + 1))
+    rec = json.dumps({"step": 0, "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
+                      "top_indices": [[0, 1], [2, 3]]})
+    for name, text, words in (("v.jsonl", vllm + "\n42\n", "v.jsonl:2: a number, not a vLLM response"),
+                              ("c.jsonl", vllm + '\n{"choices": ["x"]}\n',
+                               "c.jsonl:2 choice 0: a string, not a completion choice"),
+                              ("d.jsonl", vllm + '\n{"choices": {"a": 1}}\n', "d.jsonl:2: choices / outputs is not"),
+                              ("s.jsonl", sgl + "\n[1]\n", "s.jsonl:2[0]: a number, not an SGLang response"),
+                              ("router_trace_rank0.jsonl", rec + "\n[1]\n",
+                               "router_trace_rank0.jsonl:2: an array, not a Megatron router trace record")):
+        (tmp_path / name).write_text(text)
+        _refused(import_cli([tmp_path / name], tmp_path / "out"), tmp_path / "out", words)
+
+
+def test_ids_and_counts_must_be_integers(tmp_path):
+    """Float (or string) expert ids and counts were truncated to integers (SGLang routed_experts_dtype float32:
+    2.7 read as expert 2; Megatron [[0.5, 1.9]] as [0, 1]; a stat dump's 1.5 counts as 1): one line each."""
+    import base64
+
+    raw = base64.b64encode(np.tile(np.array([0.7, 1.7], dtype=np.float32), (3, 4, 1)).tobytes()).decode()
+    (tmp_path / "s.jsonl").write_text(json.dumps({"meta_info": {"routed_experts": raw,
+                                                                "routed_experts_dtype": "float32"}}) + "\n")
+    _refused(import_cli([tmp_path / "s.jsonl"], tmp_path / "out"), tmp_path / "out",
+             "routed_experts_dtype 'float32' is not an integer type")
+    recs = [{"step": 0, "block": "decoder", "layer": li, "rank": 0, "num_tokens": 2, "topk": 2,
+             "top_indices": [[0.5, 1.9], [2, 3]]} for li in range(4)]
+    (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _refused(import_cli([tmp_path / "router_trace_rank0.jsonl"], tmp_path / "out"), tmp_path / "out",
+             "top_indices is not a [num_tokens][2] list of expert ids (integers)")
+    torch.save({"rank": 0, "logical_count": torch.full((1, 4, 8), 1.5)}, tmp_path / "stat.pt")
+    _refused(import_cli([tmp_path / "stat.pt"], tmp_path / "out"), tmp_path / "out",
+             "logical_count: integer counts / expert ids expected, got dtype float32")
+    p2l = ew.physical_map(4, 8, REDUNDANT)
+    ew.sglang_detail_dump(tmp_path / "pass.pt", [{"global_physical_count": torch.full((4, 12), 0.5)}], p2l)
+    _refused(import_cli([tmp_path / "pass.pt"], tmp_path / "out"), tmp_path / "out",
+             "global_physical_count: integer counts / expert ids expected, got dtype float32")
+
+
+def test_sglang_dump_malformed(captured, tmp_path):
+    """Records without counts or not a list, sequence lengths that disagree with the tokens (they were read as a
+    decode pass: one row per token), a negative map entry (the message named the map's largest entry), a CSV
+    line with a fourth field (pandas made the first field the index: '0,1,3,4' counted 4 for layer 1, expert 3):
+    one line each."""
+    p2l = ew.physical_map(4, 8, REDUNDANT)
+    ew.sglang_detail_dump(tmp_path / "a.pt", [{"forward_pass_id": 0}], p2l)
+    _refused(import_cli([tmp_path / "a.pt"], tmp_path / "out"), tmp_path / "out",
+             "a per_pass record without global_physical_count")
+    torch.save({"records": "x", "last_physical_to_logical_map": p2l}, tmp_path / "b.pt")
+    _refused(import_cli([tmp_path / "b.pt"], tmp_path / "out"), tmp_path / "out",
+             "records is not a list of per-pass records")
+    ex, ids = captured["requests"][0]
+    rec = ew.sglang_per_token_record(0, ex, ids, list(range(len(ids))), 4, p2l)
+    rec["extend_seq_lens"] = [2, 2]
+    ew.sglang_detail_dump(tmp_path / "c.pt", [rec], p2l)
+    _refused(import_cli([tmp_path / "c.pt"], tmp_path / "out"), tmp_path / "out",
+             f"c.pt forward pass 0: extend_seq_lens [2, 2] sum to 4, not the {len(ids)} tokens")
+    bad = p2l.clone()
+    bad[0, 0] = -3
+    ew.sglang_detail_dump(tmp_path / "d.pt", [{"global_physical_count": torch.ones(4, 12, dtype=torch.int64)}], bad)
+    _refused(import_cli([tmp_path / "d.pt"], tmp_path / "out"), tmp_path / "out",
+             "the physical-to-logical map names expert -3, outside the 8 experts")
+    (tmp_path / "e.csv").write_text("layer_id,expert_id,count\n0,1,3,4\n")
+    _refused(import_cli([tmp_path / "e.csv"], tmp_path / "out"), tmp_path / "out",
+             "a line with more fields than layer_id,expert_id,count")
+

@@ -3,7 +3,7 @@
 Per-token formats yield :class:`Chunk` (the routed experts of some tokens at every MoE layer, logical ids);
 counts-only formats give one :class:`Counts` (per (layer, expert) assignments). Each reader checks the dump against
 the model's :class:`~.shape.ModelShape` (``--config``): the layer count, dense layers (zero or -1 rows there), the
-top-K and every id below n; a disagreement is one line (:class:`~moetool.errors.MoetoolError`, exit 2).
+top-K, every id an integer below n and a token's K ids distinct; a disagreement is one line (:class:`~moetool.errors.MoetoolError`, exit 2).
 
 Formats, as the engines write them (the lines ported from their source are quoted where used):
 
@@ -237,9 +237,20 @@ def split_layers(arr: np.ndarray, shape: ModelShape, what: str, dense_fill: tupl
 
 
 def check_ids(ids: np.ndarray, n: int, what: str, layer: int) -> np.ndarray:
+    """Every id in ``[0, n)``; ``[T, K]`` ids: each token's K distinct (a router picks K different experts: a
+    repeat is a row the engine never wrote, e.g. vLLM's zero-filled buffer)."""
     if ids.size and (ids.min() < 0 or ids.max() >= n):
         raise MoetoolError(f"{what}: layer {layer} has expert id {int(ids.min() if ids.min() < 0 else ids.max())}, "
                            f"outside the {n} experts of --config")
+    if ids.ndim == 2 and ids.shape[1] > 1:
+        s = np.sort(ids, 1)
+        repeat = (s[:, 1:] == s[:, :-1]).any(1)
+        if repeat.any():
+            t = int(np.argmax(repeat))
+            e = int(s[t, 1:][s[t, 1:] == s[t, :-1]][0])
+            raise MoetoolError(f"{what}: layer {layer}, token {t} has expert {e} twice in its top-{ids.shape[1]} "
+                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts (rows the "
+                               f"engine never wrote?)")
     return ids
 
 
@@ -252,6 +263,14 @@ def _token_ids(ids: Any, T: int, what: str) -> np.ndarray:
     if len(ids) not in (T, T + 1):
         raise MoetoolError(f"{what}: {len(ids)} token ids but {T} routed rows (expected num_tokens - 1 rows)")
     return ids[:T]
+
+
+def _object(obj: Any, where: str, what: str) -> dict[str, Any]:
+    """``obj`` if it is a JSON object, else one line naming what was expected."""
+    if not isinstance(obj, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
+        raise MoetoolError(f"{where}: {kind}, not {what} (a JSON object)")
+    return obj
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -271,11 +290,15 @@ def _vllm_requests(obj: Any, where: str) -> Iterator[tuple[Any, Any, str]]:
         for j, o in enumerate(obj):
             yield from _vllm_requests(o, f"{where}[{j}]")
         return
+    obj = _object(obj, where, "a vLLM response")
     prompt = obj.get("prompt_token_ids")
     choices = obj.get("choices") if obj.get("choices") is not None else obj.get("outputs")
     if choices is None:
         choices = [obj]
+    if not isinstance(choices, list):
+        raise MoetoolError(f"{where}: choices / outputs is not a list")
     for j, ch in enumerate(choices):
+        ch = _object(ch, f"{where} choice {j}", "a completion choice")
         if "routed_experts" not in ch or ch["routed_experts"] is None:
             raise MoetoolError(f"{where}: choice {j} has no routed_experts (was the server started with "
                                f"--enable-return-routed-experts?)")
@@ -312,6 +335,7 @@ def _sglang_requests(obj: Any, where: str) -> Iterator[tuple[Any, str | None, An
         for j, o in enumerate(obj):
             yield from _sglang_requests(o, f"{where}[{j}]")
         return
+    obj = _object(obj, where, "an SGLang response")
     if isinstance(obj.get("meta_info"), dict):
         meta = obj["meta_info"]
         if meta.get("routed_experts") is None:
@@ -322,8 +346,11 @@ def _sglang_requests(obj: Any, where: str) -> Iterator[tuple[Any, str | None, An
             ids = list(obj["input_ids"]) + list(obj["output_ids"])
         yield meta["routed_experts"], meta.get("routed_experts_dtype"), ids, where
         return
-    for j, ch in enumerate(obj.get("choices") or []):
-        ext = ch.get("sglext") or {}
+    choices = obj.get("choices") or []
+    if not isinstance(choices, list):
+        raise MoetoolError(f"{where}: choices is not a list")
+    for j, ch in enumerate(choices):
+        ext = _object(ch, f"{where} choice {j}", "a completion choice").get("sglext") or {}
         if ext.get("routed_experts") is None:
             raise MoetoolError(f"{where}: choice {j} has no sglext.routed_experts")
         yield ext["routed_experts"], ext.get("routed_experts_dtype"), None, f"{where} choice {j}"
@@ -340,6 +367,9 @@ def read_sglang_routed(files: list[Path], shape: ModelShape, seen: set[str] | No
                     dt = np.dtype(dtype or "int32")  # sglang: np.frombuffer(..., dtype=np.int32) unless told
                 except TypeError:
                     raise MoetoolError(f"{where}: unknown routed_experts_dtype '{dtype}'") from None
+                if not np.issubdtype(dt, np.integer):
+                    raise MoetoolError(f"{where}: routed_experts_dtype '{dtype}' is not an integer type: expert ids "
+                                       f"are integers")
                 if len(raw) % (dt.itemsize * L * K):
                     raise MoetoolError(f"{where}: {len(raw)} bytes are no whole number of {dt.name} rows of "
                                        f"{L} layers x top-{K} (--config {shape.source}): another model, or truncated")
@@ -375,6 +405,15 @@ def _np(x: Any, what: str) -> np.ndarray:
         return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
     except Exception:  # noqa: BLE001
         raise MoetoolError(f"{what}: not an array") from None
+
+
+def _integers(x: Any, what: str) -> np.ndarray:
+    """An array of counts or ids that must be integers (SGLang's recorder keeps int tensors): a float, string or
+    object array is one line, never truncated to integers."""
+    a = _np(x, what)
+    if a.dtype.kind not in "iu":
+        raise MoetoolError(f"{what}: integer counts / expert ids expected, got dtype {a.dtype}")
+    return a.astype(np.int64)
 
 
 def _logical(physical: np.ndarray, p2l: np.ndarray, what: str) -> np.ndarray:
@@ -417,6 +456,8 @@ def read_sglang_dump(files: list[Path], shape: ModelShape) -> Dump:
         if "logical_count" in d:
             loaded.append((path, "stat", d))
         elif "records" in d:
+            if not isinstance(d["records"], (list, tuple)) or not all(isinstance(r, dict) for r in d["records"]):
+                raise MoetoolError(f"{path}: records is not a list of per-pass records (dicts)")
             if d.get("last_physical_to_logical_map") is None:
                 raise MoetoolError(f"{path}: physical expert ids without last_physical_to_logical_map: cannot map "
                                    f"them to logical experts")
@@ -447,16 +488,19 @@ def read_sglang_dump(files: list[Path], shape: ModelShape) -> Dump:
         if k == "csv":
             c = _legacy_csv(path, shape)
         elif k == "stat":
-            lc = _np(d["logical_count"], str(path))
+            lc = _integers(d["logical_count"], f"{path}: logical_count")
             c = lc.sum(0) if lc.ndim == 3 else lc  # [buffer rows, L, n]: the rows of the window summed
-            c = _layer_counts(c.astype(np.int64), shape, str(path))
+            c = _layer_counts(c, shape, str(path))
         else:
-            p2l = _np(d["last_physical_to_logical_map"], str(path)).astype(np.int64)
+            p2l = _integers(d["last_physical_to_logical_map"], f"{path}: last_physical_to_logical_map")
             n_max = max(shape.n_experts(li) for li in shape.moe)
-            if p2l.min() < 0 or p2l.max() >= n_max:
-                raise MoetoolError(f"{path}: the physical-to-logical map names expert {int(p2l.max())}, beyond the "
-                                   f"{n_max} experts of --config {shape.source}")
-            phys = sum(_np(r["global_physical_count"], str(path)).astype(np.int64) for r in d["records"])
+            if p2l.size and (p2l.min() < 0 or p2l.max() >= n_max):
+                raise MoetoolError(f"{path}: the physical-to-logical map names expert "
+                                   f"{int(p2l.min() if p2l.min() < 0 else p2l.max())}, outside the {n_max} experts "
+                                   f"of --config {shape.source}")
+            if any("global_physical_count" not in r for r in d["records"]):
+                raise MoetoolError(f"{path}: a per_pass record without global_physical_count")
+            phys = sum(_integers(r["global_physical_count"], f"{path}: global_physical_count") for r in d["records"])
             if isinstance(phys, int):
                 raise MoetoolError(f"{path}: no records")
             if phys.shape != p2l.shape:
@@ -479,6 +523,8 @@ def _legacy_csv(path: Path, shape: ModelShape) -> dict[int, np.ndarray]:
         df = pd.read_csv(path)
     except Exception as e:  # noqa: BLE001
         raise MoetoolError(f"{path}: not a readable CSV: {str(e).splitlines()[0]}") from None
+    if not isinstance(df.index, pd.RangeIndex):  # pandas reads the extra leading fields as the index
+        raise MoetoolError(f"{path}: a line with more fields than layer_id,expert_id,count")
     bad = [c for c in ("layer_id", "expert_id", "count") if len(df) and not pd.api.types.is_integer_dtype(df[c])]
     if bad:
         raise MoetoolError(f"{path}: {', '.join(bad)} must be whole numbers in every line")
@@ -517,7 +563,10 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
             arr = logical.transpose(1, 0, 2)  # [T, L, K]
             experts = split_layers(arr, shape, where, dense_fill=(-1,))
             lens = list(r.get("extend_seq_lens") or [])
-            if not lens or sum(lens) != T:  # a decode pass (or no lengths): one token per request
+            if lens and sum(lens) != T:
+                raise MoetoolError(f"{where}: extend_seq_lens {lens} sum to {sum(lens)}, not the {T} tokens of "
+                                   f"topk_ids_of_layer")
+            if not lens:  # a decode pass (no lengths): one token per request
                 lens = [1] * T
             rows = np.repeat(np.arange(row, row + len(lens)), lens)
             row += len(lens)
@@ -556,6 +605,7 @@ def read_megatron(files: list[Path], shape: ModelShape, notes: list[str]) -> Ite
 
         for i, rec in _jsonl(path):
             where = f"{path}:{i}"
+            rec = _object(rec, where, "a Megatron router trace record")
             if rec.get("block", "decoder") != "decoder" or rec.get("mtp_idx") is not None:
                 skipped += 1
                 continue
@@ -570,9 +620,15 @@ def read_megatron(files: list[Path], shape: ModelShape, notes: list[str]) -> Ite
             if k != K:
                 raise MoetoolError(f"{where}: top-{k} in the trace, top-{K} in --config {shape.source}")
             try:
-                ids = np.asarray(top, dtype=np.int64).reshape(-1, K)
+                ids = np.asarray(top)
             except (ValueError, TypeError):
-                raise MoetoolError(f"{where}: top_indices is not a [num_tokens][{K}] list of expert ids") from None
+                ids = None
+            if ids is not None and ids.size == 0:
+                ids = ids.astype(np.int64).reshape(0, K)
+            if ids is None or ids.ndim != 2 or ids.shape[1] != K or ids.dtype.kind not in "iu":
+                raise MoetoolError(f"{where}: top_indices is not a [num_tokens][{K}] list of expert ids "
+                                   f"(integers)")
+            ids = ids.astype(np.int64)
             if ids.shape[0] != num_tokens:
                 raise MoetoolError(f"{where}: {ids.shape[0]} rows of top_indices, num_tokens {num_tokens}")
             check_ids(ids, shape.n_experts(li), where, li)
