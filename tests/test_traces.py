@@ -542,3 +542,15 @@ def test_sglang_dump_malformed(captured, tmp_path):
     _refused(import_cli([tmp_path / "e.csv"], tmp_path / "out"), tmp_path / "out",
              "a line with more fields than layer_id,expert_id,count")
 
+
+def test_trace_config_must_agree_with_the_manifest(imported, tmp_path):
+    """--trace-config of another model than the one the trace's manifest records was taken as is: offload simulated
+    caches of up to 32 experts on an 8-expert trace, stats reported n = 32."""
+    out = tmp_path / "out"
+    for cmd in ("stats", "offload", "placement"):
+        _refused(runner.invoke(app, [cmd, "--trace", str(imported["vllm"]), "--trace-config", "tiny-fine", "--out",
+                                     str(out)]), out,
+                 "--trace-config tiny-fine: 4 layers, MoE layers 0-3 of 32 experts, top-4, but the trace's manifest "
+                 "records 4 layers, MoE layers 0-3 of 8 experts, top-2 (tiny)")
+    assert open_trace(imported["vllm"], "tiny-early").shape.moe == open_trace(imported["vllm"]).shape.moe
+

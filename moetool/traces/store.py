@@ -130,15 +130,39 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
     man = _manifest(p.parent)
     rs = man.get("routing_source") or {}
     kind = "loads" if p.name == LOADS or rs.get("kind") == "loads" else "trace"
-    if config is not None:
-        shape = ModelShape.from_config(config)
-    elif rs.get("shape"):
-        shape = ModelShape.from_manifest(rs["shape"])
+    recorded = None  # the shape the manifest records (import-trace) or names (moetool trace's model)
+    if rs.get("shape"):
+        recorded = ModelShape.from_manifest(rs["shape"])
     elif (man.get("model") or {}).get("name"):
-        shape = ModelShape.from_config(man["model"]["name"])
-    else:
-        raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --config")
+        try:
+            recorded = ModelShape.from_config(man["model"]["name"])
+        except MoetoolError:
+            if config is None:
+                raise
+    if config is None:
+        if recorded is None:
+            raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --config")
+        return TraceSource(p, kind, recorded, rs)
+    shape = ModelShape.from_config(config)
+    if recorded is not None and (shape.num_layers, shape.moe) != (recorded.num_layers, recorded.moe):
+        raise MoetoolError(f"--trace-config {config}: {_describe(shape)}, but the trace's manifest records "
+                           f"{_describe(recorded)} ({recorded.source}): drop --trace-config, or give the model whose "
+                           f"routing it is")
     return TraceSource(p, kind, shape, rs)
+
+
+def _describe(shape: ModelShape) -> str:
+    """``4 layers, MoE layers 0-3 of 8 experts, top-2`` (each distinct (n, K) with its layers)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for li, nk in sorted(shape.moe.items()):
+        groups.setdefault(nk, []).append(li)
+    return f"{shape.num_layers} layers, " + "; ".join(f"MoE layers {_span(ls)} of {n} experts, top-{k}"
+                                                     for (n, k), ls in groups.items())
+
+
+def _span(layers: list[int]) -> str:
+    return (f"{layers[0]}-{layers[-1]}" if len(layers) > 1 and layers == list(range(layers[0], layers[-1] + 1))
+            else ",".join(map(str, layers)))
 
 
 def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator[Any]:
