@@ -554,3 +554,42 @@ def test_trace_config_must_agree_with_the_manifest(imported, tmp_path):
                  "records 4 layers, MoE layers 0-3 of 8 experts, top-2 (tiny)")
     assert open_trace(imported["vllm"], "tiny-early").shape.moe == open_trace(imported["vllm"]).shape.moe
 
+
+def test_stats_trace_without_lift_pairs(captured, imported):
+    """No (token, expert) pair reaches --min-count: no top_tokens_lift table, as the forward's stats (the run
+    failed with 'nothing to write to top_tokens_lift.csv')."""
+    from moetool.experiments.stats.compute import stats
+
+    opts = StatsOptions(top_tokens=5, min_count=10 ** 6, bootstrap=0)
+    res = stats_from_trace(open_trace(imported["vllm"]), opts)
+    ref = stats(captured["lm"], captured["tokens"], opts, quiet=True)
+    assert "top_tokens_lift.csv" not in ref.tables and "top_tokens_lift.csv" not in res.tables
+    assert all(len(df) for df in res.tables.values())
+    pd.testing.assert_frame_equal(res["top_tokens"].reset_index(drop=True), ref["top_tokens"].reset_index(drop=True),
+                                  check_dtype=False)
+
+
+def test_fluctuation_traces_of_other_text_or_model(captured, tmp_path):
+    """Traces with the same (row, position) keys but other token ids (another text) or another model's shape were
+    compared: a table of 'routing change' between unrelated tokens."""
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+    from moetool.traces.store import TraceSource
+
+    tr = captured["trace"]
+    other = tr.copy()
+    sel = (other.row == 1) & (other.pos == 4)
+    old = int(other.loc[sel, "token_id"].iloc[0])
+    other.loc[sel, "token_id"] = old + 1
+    for name, df in (("a", tr), ("b", other)):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    opts = FluctuationOptions(routing=("router",), bootstrap=0)
+    with pytest.raises(MoetoolError, match=rf"^--trace b: not the same text as a: row 1, position 4 is token "
+                                           rf"{old + 1} there, {old} in a \(1 of 256 tokens differ\)$"):
+        fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")], ["a", "b"],
+                                opts, None)
+    wide = TraceSource(tmp_path / "a" / "trace.parquet", "trace", ModelShape(4, {i: (16, 2) for i in range(4)}, "x"))
+    with pytest.raises(MoetoolError, match=r"^--trace c: another model's routing: layer 0 has 16 experts, top-2, a 8 "
+                                           r"experts, top-2$"):
+        fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), wide], ["a", "c"], opts, None)

@@ -162,7 +162,9 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
         decode = token_decoder(_tokenizer(src))
         cols = ["layer", "expert", "rank", "token_id", "token", "count", "share"]
         tables["top_tokens.csv"] = with_tokens(pd.concat(top, ignore_index=True), decode)[cols]
-        tables["top_tokens_lift.csv"] = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+        lift = with_tokens(pd.concat(lift, ignore_index=True), decode)[cols + ["lift"]]
+        if len(lift):  # no (token, expert) pair seen --min-count times: no table, as the forward's stats
+            tables["top_tokens_lift.csv"] = lift
     left_out = {"router_prob, confidence_entropy, aux_loss": NO_PROBS,
                 "specialization, domain_load": "the next / predicted tokens and the domains of a forward's data",
                 "cross_layer": "not computed from a trace",
@@ -239,9 +241,11 @@ class TraceStream:
     expert; no next-layer prediction (that needs the hidden states of a forward)."""
 
     def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int],
-                 keys: np.ndarray | None = None, weights: dict[int, np.ndarray] | None = None):
+                 keys: np.ndarray | None = None, weights: dict[int, np.ndarray] | None = None,
+                 token_ids: np.ndarray | None = None):
 
         self.keys = keys  # [T] (row, position) of each token, for aligning two traces
+        self.token_ids = token_ids  # [T] token id of each token (-1: the dump carried none), or None
         self.weights = weights  # per layer [T, K] gate weights (a trace of moetool trace), else None
         self.merged: dict[Any, np.ndarray] = {"rows": rows, **requests}
         self.first, self.counts = {}, {}
@@ -272,7 +276,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
     taken: dict[int, int] = {}
     last: dict[int, tuple[int, int]] = {}
-    for df in read_batches(src, ["row", "pos", "layer", *cols, *wcols]):
+    for df in read_batches(src, ["row", "pos", "token_id", "layer", *cols, *wcols]):
         for li, g in df.groupby("layer", sort=False):
             li = int(li)
             if (layers is not None and li not in layers) or (max_tokens and taken.get(li, 0) >= max_tokens):
@@ -286,7 +290,8 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
                 raise MoetoolError(f"--trace {src.path}: layer {li}'s tokens are not in (row, position) order")
             last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
             parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64),
-                                             g[wcols].to_numpy(dtype=np.float64) if wcols else None))
+                                             g[wcols].to_numpy(dtype=np.float64) if wcols else None,
+                                             g["token_id"].to_numpy(dtype=np.int64)))
             taken[li] = taken.get(li, 0) + len(g)
         if max_tokens and parts and all(taken.get(li, 0) >= max_tokens for li in (layers or src.shape.moe_layers)):
             break
@@ -300,7 +305,8 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     _, rows = np.unique(rows, return_inverse=True)  # packed-row numbers 0.. in order (the bootstrap's units)
     reqs = {li: np.concatenate([p[2] for p in ps]) for li, ps in sorted(parts.items())}
     w = {li: np.concatenate([p[3] for p in ps]) for li, ps in sorted(parts.items())} if wcols else None
-    return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs}, first, w)
+    ids = np.concatenate([p[4] for p in next(iter(parts.values()))])
+    return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs}, first, w, ids)
 
 
 def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -> Result:
@@ -336,9 +342,22 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     streams = [token_stream(src, None, max_tokens, weights=True, use="the token-by-token comparison")
                for src in srcs]
     layers = sorted(k for k in streams[0].merged if k != "rows")
-    for name, st in zip(names[1:], streams[1:]):
+    shape = {li: srcs[0].shape.moe[li] for li in layers}
+    for name, src, st in zip(names[1:], srcs[1:], streams[1:]):
         if sorted(k for k in st.merged if k != "rows") != layers or not np.array_equal(st.keys, streams[0].keys):
             raise MoetoolError(f"--trace {name}: not the same tokens (rows, positions, MoE layers) as {names[0]}")
+        other = {li: src.shape.moe[li] for li in layers}
+        if other != shape:
+            li = next(li for li in layers if other[li] != shape[li])
+            raise MoetoolError(f"--trace {name}: another model's routing: layer {li} has {other[li][0]} experts, "
+                               f"top-{other[li][1]}, {names[0]} {shape[li][0]} experts, top-{shape[li][1]}")
+        a, b = streams[0].token_ids, st.token_ids
+        differ = np.flatnonzero((a >= 0) & (b >= 0) & (a != b))
+        if len(differ):
+            t = differ[0]
+            raise MoetoolError(f"--trace {name}: not the same text as {names[0]}: row {int(st.keys[t] >> 32)}, "
+                               f"position {int(st.keys[t] & 0xFFFFFFFF)} is token {int(b[t])} there, {int(a[t])} in "
+                               f"{names[0]} ({len(differ):,} of {len(a):,} tokens differ)")
     top1 = all(st.weights is not None for st in streams)
     routings = []
     for st in streams:
