@@ -3,7 +3,8 @@
 Per-token formats yield :class:`Chunk` (the routed experts of some tokens at every MoE layer, logical ids);
 counts-only formats give one :class:`Counts` (per (layer, expert) assignments). Each reader checks the dump against
 the model's :class:`~.shape.ModelShape` (``--config``): the layer count, dense layers (zero or -1 rows there), the
-top-K, every id an integer below n and a token's K ids distinct; a disagreement is one line (:class:`~moetool.errors.MoetoolError`, exit 2).
+top-K, every id an integer below n and a token's K ids distinct; a disagreement is one line
+(:class:`~moetool.errors.MoetoolError`, exit 2).
 
 Formats, as the engines write them (the lines ported from their source are quoted where used):
 
@@ -249,8 +250,8 @@ def check_ids(ids: np.ndarray, n: int, what: str, layer: int) -> np.ndarray:
             t = int(np.argmax(repeat))
             e = int(s[t, 1:][s[t, 1:] == s[t, :-1]][0])
             raise MoetoolError(f"{what}: layer {layer}, token {t} has expert {e} twice in its top-{ids.shape[1]} "
-                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts (rows the "
-                               f"engine never wrote?)")
+                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts (rows "
+                               f"the engine never wrote?)")
     return ids
 
 
