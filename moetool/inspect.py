@@ -20,8 +20,9 @@ def describe_layers(model: Any, layers: list) -> dict[str, Any]:
         inactive += ep * (L.n_experts - L.top_k) // L.n_experts
         rows.append({**L.describe(), "expert_params": ep})
     moe = {L.index for L in layers}
-    n_layers = len(_decoder_layer_count(model, layers)) if getattr(model.config, "is_encoder_decoder", False) else \
-        int(getattr(model.config, "num_hidden_layers", len(rows)))
+    # the model's own decoder layers: a vision-language config keeps num_hidden_layers in its text config, and
+    # LongCat's counts two sublayers per layer
+    n_layers = len(_decoder_layer_count(model, layers))
     return {"model_type": model.config.model_type, "num_layers": n_layers, "moe_layers": rows,
             "dense_layers": [i for i in range(n_layers) if i not in moe],
             "total_params": int(total), "active_params": int(total - inactive)}

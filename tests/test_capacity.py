@@ -56,6 +56,25 @@ def test_capacity_is_the_exact_ceiling():
     assert math.isinf(float(capacity(math.inf, torch.tensor(5), 2, 8)))
 
 
+@pytest.mark.parametrize("cf", [2e15, 1e16, 1e20, 1e-12, 1e-300, 1.2345678901234])
+def test_extreme_capacity_factors_do_not_overflow(cf):
+    """A cf whose fraction cf·K/n does not fit int64 arithmetic (2e15 · 4096 tokens · 2 / 8 > 2**63) is not wrapped to
+    a negative capacity that drops every assignment: C is the ceiling of the exact product (Python integers), to
+    float64's precision, and at least 1 for a batch with real tokens."""
+    from fractions import Fraction
+
+    from moetool.policies.capacity import cf_text
+
+    for tokens, k, n in ((4096, 2, 8), (10_000, 8, 64), (1, 1, 128)):
+        want = math.ceil(Fraction(cf_text(cf)) * tokens * k / n)
+        got = float(capacity(cf, torch.tensor(tokens), k, n))
+        assert got == pytest.approx(want, rel=1e-12) and got >= 1, (tokens, k, n, got, want)
+        idx = torch.arange(k).repeat(tokens, 1) % n  # every token to the same experts
+        assert drop_mask(idx, torch.ones(tokens, dtype=torch.bool), n, torch.tensor(got)).sum() == \
+            tokens * k - min(want, tokens) * k
+    assert float(capacity(cf, torch.tensor(0), 2, 8)) == 0  # no real token: no capacity
+
+
 def test_a_capacity_no_expert_can_exceed_reproduces_the_model(family, tiny_model, batch):
     """cf = n/K gives every expert a capacity of all the batch's real tokens (at most one assignment each): nothing
     dropped, logits bit for bit (every family); likewise cf = inf."""

@@ -240,6 +240,31 @@ def test_lm_eval_compat_is_pinned_to_the_installed_version():
     assert evaluator.add_env_info is original
 
 
+@pytest.mark.slow
+def test_few_shot_beyond_the_split_and_an_empty_task_file_are_one_line(model_dir, no_network, tmp_path):
+    """--num-fewshot larger than a task's few-shot split was 'ValueError: Sample larger than population or is
+    negative' (random.sample inside lm-eval); a task whose data file has no rows was 'StopIteration'."""
+    from moetool.errors import MoetoolError
+
+    root = lmeval.shipped_tasks_dir()
+    pool = len((root / f"{TASK}.train.jsonl").read_text().splitlines())  # the few-shot split (fewshot_split: train)
+    lm = load(str(model_dir))
+    plan = lmeval.plan_tasks([TASK])
+    assert lmeval.evaluate(lm, plan, num_fewshot=pool, limit=1, quiet=True).value(TASK) in (0.0, 1.0)
+    with pytest.raises(MoetoolError, match=rf"^--num-fewshot {pool + 1}: more few-shot examples than the few-shot "
+                                           rf"split of {TASK} holds$"):
+        lmeval.evaluate(lm, plan, num_fewshot=pool + 1, limit=1, quiet=True)
+    cfg = yaml.safe_load((root / f"{TASK}.yaml").read_text())
+    (tmp_path / "empty.jsonl").write_text("")
+    cfg["task"] = "empty_task"
+    cfg["dataset_kwargs"]["data_files"] = {"test": str(tmp_path / "empty.jsonl"),
+                                           "train": str(root / f"{TASK}.train.jsonl")}
+    (tmp_path / "empty_task.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(MoetoolError, match=r"^lm-eval could not load the tasks \['empty_task'\]: a data file has no "
+                                           r"rows$"):
+        lmeval.evaluate(lm, lmeval.plan_tasks(["empty_task"], tmp_path), limit=1, quiet=True)
+
+
 def test_lm_evals_own_bars_are_silenced_under_moetools_display(model_dir, no_network, capfd):
     """#14 'one progress display': lm-eval alone prints its tqdm bars on stderr; through moetool (not quiet) none."""
     from lm_eval import evaluator

@@ -183,6 +183,29 @@ def test_readme_families_agree_with_the_source():
     assert sum(r["supported"] == "yes" for r in rows) == len(SUPPORTED)
 
 
+@pytest.mark.parametrize("model_type, n_layers, dense", [
+    ("mixtral", 4, []),
+    ("kimi_k25", 4, [0]),  # a vision-language config: num_hidden_layers in its text config; first_k_dense_replace 1
+    ("nemotron_h_omni", 4, [0, 2, 3]),  # text config's hybrid pattern "ME*-": only layer 1 is MoE
+    ("longcat_flash", 4, []),  # num_layers 4, each with two attention sublayers: num_hidden_layers is 8
+])
+def test_inspect_counts_the_decoder_layers_of_the_config(model_type, n_layers, dense):
+    """``inspect``'s decoder layers and dense layers are the config's: a vision-language config (no
+    num_hidden_layers at its top) was described as len(MoE layers) layers with its dense layers missing, and
+    LongCat-Flash as 8 layers with 4 that do not exist listed as dense."""
+    from moetool.configs import text_config
+    from moetool.inspect import describe_layers
+
+    config = discovery.tiny_config(model_type)
+    text = text_config(config)
+    assert (text.num_layers if model_type == "longcat_flash" else text.num_hidden_layers) == n_layers
+    with torch.device("meta"):
+        model = discovery.model_class(model_type).from_config(config)
+    info = describe_layers(model, find_moe_layers(model))
+    assert (info["num_layers"], info["dense_layers"]) == (n_layers, dense)
+    assert sorted([L["layer"] for L in info["moe_layers"]] + dense) == list(range(n_layers))
+
+
 def test_inspect_families_cli(monkeypatch):
     """``moetool inspect --families --json``: one row per type, supported or the reason (two types, for speed)."""
     import json

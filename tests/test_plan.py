@@ -152,6 +152,21 @@ def test_kv_cache_per_row():
     assert dsv3["kv_cache_bytes"] == 61 * 10 * 128 * (192 + 128) * 2
 
 
+def test_hybrid_layers_without_attention_hold_no_kv_cache():
+    """Jamba (32 layers: attention every 8th, the rest Mamba) and Qwen3-Next (48: full attention every 4th, the rest
+    linear attention) keep keys and values in 4 and 12 layers, and only those attend over the sequence: the plan
+    counted every layer (8x and 4x the KV cache)."""
+    from transformers import JambaConfig, Qwen3NextConfig
+
+    jamba, qnext = JambaConfig(), Qwen3NextConfig()
+    assert jamba.layers_block_type.count("attention") == 4 and qnext.layer_types.count("full_attention") == 12
+    assert P.per_row(jamba, 1000)["kv_cache_bytes"] == 4 * 1000 * 2 * 8 * 128 * 2  # 8 kv heads of 4096 / 32
+    assert P.per_row(qnext, 1000)["kv_cache_bytes"] == 12 * 1000 * 2 * 2 * 256 * 2  # 2 kv heads of 256
+    no_params = {"active": 0, "inactive_experts": 0, "groups": {"embeddings": 0, "vectors": 0}}
+    assert P.flops_per_token(jamba, no_params, 1000, all_experts=False) == 4 * 4 * 500 * 32 * 128
+    assert P.flops_per_token(qnext, no_params, 1000, all_experts=False) == 4 * 12 * 500 * 16 * 256
+
+
 @pytest.mark.parametrize("spec, want", [("8xH100", (8, "H100")), ("h200", (1, "H200")), ("2 x a100", (2, "A100-80")),
                                         ("4*rtx4090", (4, "RTX4090"))])
 def test_parse_gpus(spec, want):

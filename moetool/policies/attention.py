@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..configs import LINEAR_MIXER_TYPES, layer_types
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
 from .base import Policy
@@ -33,8 +34,6 @@ _MIXER_ATTRS = ("self_attn", "self_attention", "attention", "attn", "linear_attn
                 "token_mixer", "time_mix")
 #: class-name fragments of token mixers without softmax attention probabilities
 _NOT_SOFTMAX = ("mamba", "linear", "delta", "lightning", "conv", "retention", "rwkv", "ssm", "lru")
-#: per-layer config types of such mixers (``config.layer_types`` and the like)
-_LINEAR_TYPES = ("linear_attention", "mamba", "linear", "conv", "short_conv", "lightning", "deltanet", "mamba2")
 
 
 def _mixer(decoder_layer: nn.Module) -> tuple[str, nn.Module | None]:
@@ -46,12 +45,8 @@ def _mixer(decoder_layer: nn.Module) -> tuple[str, nn.Module | None]:
 
 
 def _layer_type(layer: Any) -> str | None:
-    config = layer.config
-    for key in ("layer_types", "layers_block_type", "attn_type_list"):
-        types = getattr(config, key, None)
-        if isinstance(types, (list, tuple)) and layer.index < len(types) and isinstance(types[layer.index], str):
-            return types[layer.index]
-    return None
+    types = layer_types(layer.config)
+    return types[layer.index] if types is not None and layer.index < len(types) else None
 
 
 def softmax_attention(layer: Any) -> nn.Module:
@@ -79,7 +74,7 @@ def softmax_attention(layer: Any) -> nn.Module:
     cls = type(mod).__name__ if mod is not None else ""
     linear = (mod is None or name != "self_attn" and name not in ("self_attention", "attention", "attn")
               or any(f in cls.lower() for f in _NOT_SOFTMAX)
-              or (kind is not None and kind.lower() in _LINEAR_TYPES))
+              or (kind is not None and kind.lower() in LINEAR_MIXER_TYPES))
     if linear:
         what = f"{name} ({cls})" if mod is not None else "no self-attention module"
         kind_txt = f", layer type '{kind}'" if kind else ""

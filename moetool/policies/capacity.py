@@ -56,15 +56,25 @@ def parse_cf(text: str | float) -> float:
     return cf
 
 
+#: the largest numerator and denominator of cf * k / n whose ceiling is computed in int64 (with up to 2**32 tokens
+#: in a batch, tokens * numerator + denominator stays below 2**63)
+EXACT_BOUND = 2 ** 31
+
+
 def capacity(cf: float, tokens: torch.Tensor, k: int, n: int) -> torch.Tensor:
     """``ceil(cf * tokens * k / n)`` as a float64 0-d tensor on ``tokens``' device (``inf`` for cf = inf), exact:
-    cf is taken as the fraction its decimal text denotes (1.1 is 11/10) and the ceiling computed in integers."""
+    cf is taken as the fraction its decimal text denotes (1.1 is 11/10) and the ceiling computed in integers.
+    A cf whose fraction ``cf * k / n`` has a numerator or denominator of :data:`EXACT_BOUND` or more (1e15, 1e-12,
+    many digits) would overflow int64 -- a capacity wrapped to a negative number, every assignment dropped: its
+    ceiling is taken in float64 instead (at least 1 for a batch with real tokens)."""
     if math.isinf(cf):
         return torch.full((), math.inf, dtype=torch.float64, device=tokens.device)
-    frac = Fraction(cf_text(cf))
-    num = tokens.to(torch.int64) * (frac.numerator * k)
-    den = frac.denominator * n
-    return torch.div(num + (den - 1), den, rounding_mode="floor").to(torch.float64)
+    ratio = Fraction(cf_text(cf)) * k / n
+    if ratio.numerator < EXACT_BOUND and ratio.denominator < EXACT_BOUND:
+        num, den = tokens.to(torch.int64) * ratio.numerator, ratio.denominator
+        return torch.div(num + (den - 1), den, rounding_mode="floor").to(torch.float64)
+    real = tokens.to(torch.float64)
+    return torch.ceil(real * float(ratio)).clamp_min(1.0).where(real > 0, real)
 
 
 def drop_mask(idx: torch.Tensor, valid: torch.Tensor, n: int, cap: torch.Tensor | float,

@@ -293,6 +293,13 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
                 numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
         except (KeyError, FileNotFoundError, ConnectionError, OSError) as e:
             raise MoetoolError(f"lm-eval could not load the tasks {plan.names}: {type(e).__name__}: {e}") from None
+        except StopIteration:  # datasets' json/csv builder reading a data file with no rows
+            raise MoetoolError(f"lm-eval could not load the tasks {plan.names}: a data file has no rows") from None
+        except ValueError as e:  # lm-eval's few-shot sampler: random.sample(docs, n) with n beyond the split
+            if num_fewshot is None or "Sample larger than population" not in str(e):
+                raise
+            raise MoetoolError(f"--num-fewshot {num_fewshot}: more few-shot examples than the few-shot split of "
+                               f"{', '.join(plan.names)} holds") from None
     out = _shared_results(out)
     seconds = time.perf_counter() - t0
     if out is None:

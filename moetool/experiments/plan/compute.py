@@ -13,7 +13,8 @@ matrices, vectors). Bytes per format:
   the rest bf16. ``fp4`` (FP4-packed experts, two values per int8 byte, one UE8M0 scale per 32) is the same size.
 
 Throughput ceilings are upper bounds, not predictions: per token a routed forward costs
-``2 x (active matrix parameters) + 4 x layers x (seq_len / 2) x (attention width)`` FLOPs (causal attention sees
+``2 x (active matrix parameters) + 4 x (attention layers) x (seq_len / 2) x (attention width)`` FLOPs (a hybrid's
+Mamba / linear-attention layers count in the matrices only; causal attention sees
 half the sequence on average); a command that runs all ``n`` experts of every MoE layer (approx, the norm
 policies of norm-select) adds ``2 x`` the routed-expert parameters a token does not use. A batch of
 ``rows x seq_len`` tokens reads every weight byte of its GPU once (large batches touch every expert). The
@@ -227,30 +228,29 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
     ``sizing.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
     import torch
 
-    from ...configs import text_config
+    from ...configs import kv_layer_types, text_config
     from ...sizing import estimate_memory
 
     tc = text_config(config)
     _, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch.bfloat16, params=None)
     _, kv_values = _attention_width(tc)
-    n_layers = int(tc.num_hidden_layers)
-    types = list(getattr(tc, "layer_types", None) or [])[:n_layers]
+    types = kv_layer_types(tc)  # a hybrid's Mamba / linear-attention layers keep no keys and values per token
     window = getattr(tc, "sliding_window", None)
     sliding = sum(t == "sliding_attention" for t in types) if window else 0
-    positions = (n_layers - sliding) * seq_len + sliding * min(seq_len, int(window or seq_len))
+    positions = (len(types) - sliding) * seq_len + sliding * min(seq_len, int(window or seq_len))
     return {"activation_bytes": int(act), "kv_cache_bytes": int(positions * kv_values * 2)}
 
 
 def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_experts: bool) -> float:
     """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs."""
-    from ...configs import text_config
+    from ...configs import kv_layer_types, text_config
 
     tc = text_config(config)
     q_width, _ = _attention_width(tc)
     matrices = counts["active"] - counts["groups"]["embeddings"] - counts["groups"]["vectors"]
     if all_experts:
         matrices += counts["inactive_experts"]
-    return 2.0 * matrices + 4.0 * int(tc.num_hidden_layers) * (seq_len / 2) * q_width
+    return 2.0 * matrices + 4.0 * len(kv_layer_types(tc)) * (seq_len / 2) * q_width
 
 
 class _Layout(NamedTuple):
