@@ -206,6 +206,40 @@ def test_inspect_counts_the_decoder_layers_of_the_config(model_type, n_layers, d
     assert sorted([L["layer"] for L in info["moe_layers"]] + dense) == list(range(n_layers))
 
 
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_inspect_on_the_meta_device_describes_the_model_as_its_weights_do(model_type):
+    """``inspect --model`` and ``plan`` build the model on the meta device: every supported family's description
+    there (layers, each MoE layer's rule and sizes, parameters) is the one its tiny model with real weights gives.
+    gemma4 and zaya identified their routing on the router's own (meta) weights and stopped in
+    ``aten::equal`` / ``Tensor.item()`` errors; they identify on a CPU copy with seeded random weights, as the
+    generic layers do, in eval mode (phimoe's SparseMixer sampled in the training mode a built model starts in, and
+    matched no rule). A learned multiplier the config cannot give (Inkling's ``global_scale``) is said to be
+    unread, at its init 1, never a random draw (it read ``x -1.31``): compared with the model at that value."""
+    import copy
+
+    from moetool.inspect import describe_layers
+
+    model, layers = tiny(model_type)
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    got = describe_layers(meta, find_moe_layers(meta))
+    learned = [L for L in layers if hasattr(L.router, "global_scale")]
+    if learned:
+        model = copy.deepcopy(model)
+        layers = find_moe_layers(model)
+        with torch.no_grad():
+            for L in layers:
+                L.router.global_scale.fill_(1.0)
+        layers = find_moe_layers(model)
+        for row in got["moe_layers"]:
+            assert row.pop("global_scale").startswith("learned: not read from the config")
+    want = describe_layers(model, layers)
+    for row in want["moe_layers"]:
+        assert learned or "global_scale" not in row
+        row.pop("global_scale", None)
+    assert got == want
+
+
 def test_inspect_families_cli(monkeypatch):
     """``moetool inspect --families --json``: one row per type, supported or the reason (two types, for speed)."""
     import json

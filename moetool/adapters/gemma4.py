@@ -39,11 +39,16 @@ from ..configs import text_config
 from ..errors import MoetoolError
 from . import rules
 from .base import ExpertWeights
-from .generic import GenericAdapter, GenericLayer, _candidates, decoder_layers
+from .generic import GenericAdapter, GenericLayer, _candidates, _is_meta, _materialized, decoder_layers
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 _N_TOKENS = 256
 _IDENTITY = nn.Identity()
+
+
+def _logits(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A ``Gemma4TextRouter``'s projection of its normed, scaled input ``h`` (its own modules and order)."""
+    return router.proj(router.norm(h.to(router.proj.weight.dtype)) * router.scale * router.scalar_root_size)
 
 
 class Gemma4RouterView(nn.Module):
@@ -117,8 +122,7 @@ class Gemma4Layer(GenericLayer):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The router's projection of its normed, scaled input (its own modules, its order of operations); ``h`` in
         the router's dtype, as the model passes it."""
-        r = self._router
-        return r.proj(r.norm(h.to(r.proj.weight.dtype)) * r.scale * r.scalar_root_size)
+        return _logits(self._router, h)
 
     def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return super().weights_for(logits, idx, mask) * self._scale(idx)
@@ -138,16 +142,21 @@ class Gemma4Layer(GenericLayer):
         return {**super().describe(), "per_expert_scale": True, "dense_mlp_beside": True}
 
     def _identify(self):
-        """The rule of the router's ``(logits, w / per_expert_scale[idx], idx)`` on seeded random inputs."""
-        w0 = self.router.weight
+        """The rule of the router's ``(logits, w / per_expert_scale[idx], idx)`` on seeded random inputs (a model
+        built on the meta device, as inspect and plan build it: on a CPU copy of the router with seeded random
+        weights)."""
+        view = self.router
+        if _is_meta(*view.parameters(), *view.buffers()):
+            view = _materialized(view)
+        w0 = view.weight
         h = torch.randn(_N_TOKENS, w0.shape[1], generator=torch.Generator().manual_seed(0)).to(w0)
         with torch.no_grad():
-            logits, w, idx = self.router(h)
-            if not torch.equal(self.logits(h), logits):
+            logits, w, idx = view(h)
+            if not torch.equal(_logits(view.router, h), logits):
                 raise self._fail("logits(h) differs from the router's projection")
             try:
-                rule, params = rules.identify(logits, idx, w / self._scale(idx),
-                                              _candidates(self._router, idx.shape[-1], None))
+                rule, params = rules.identify(logits, idx, w / view.router.per_expert_scale[idx],
+                                              _candidates(view.router, idx.shape[-1], None))
             except rules.NoRuleMatches as e:
                 raise self._fail(f"router output matches no known routing rule ({e})") from None
         return rule, params, "native", 0.0

@@ -38,6 +38,9 @@ from .base import Adapter, MoELayer
 _ROUTER_ATTRS = ("gate", "router")
 _SKIP = ("vision", "visual", "audio", "talker", "mtp", "image", "speech")
 _BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
+#: router parameters that multiply the weights (1 at init: Inkling's ``global_scale``): a meta-device router's copy
+#: keeps them at 1, the only value a config gives (tiny models re-draw them around 1, so the weights keep their sign)
+ONE_CENTRED = ("global_scale",)
 _SCALE_ATTRS = ("routed_scaling_factor", "router_scaling_factor", "moe_routed_scaling_factor", "route_scale")
 _GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
 _LOGIT_MULT_ATTRS = ("output_multiplier",)  # a factor on the projection's output (muse_spark)
@@ -518,12 +521,15 @@ def _call_router(router: nn.Module, h: torch.Tensor, bias: torch.Tensor | None):
 
 
 def _materialized(router: nn.Module) -> nn.Module:
-    """A CPU copy of a meta-device router with seeded random weights (the rule is in its code, not its values)."""
-    r = copy.deepcopy(router).to_empty(device="cpu")
+    """A CPU copy of a meta-device router with seeded random weights (the rule is in its code, not its values), in
+    eval mode (a model built from its config trains: phimoe's SparseMixer then samples, and matched no rule)."""
+    r = copy.deepcopy(router).to_empty(device="cpu").eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, t in [*r.named_parameters(), *r.named_buffers()]:
-            if t.is_floating_point():
+            if name.split(".")[-1] in ONE_CENTRED:
+                t.fill_(1.0)
+            elif t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=gen) * (0.05 if name.split(".")[-1] in _BIAS_ATTRS else 0.15))
         table = hash_table(r)
         if table is not None:  # a random token -> K distinct experts table

@@ -82,7 +82,9 @@ class SharedNormalisedLayer(GenericLayer):
         return mass / (chosen + mass.sum(-1, keepdim=True)) * p.scale
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "n_shared_logits": self.n_shared,
+        g = float(self.router.global_scale.float().reshape(-1)[0]) if self.global_scale_read else \
+            "learned: not read from the config (routed_scaling_factor is route_scale x it; 1 here)"
+        return {**super().describe(), "n_shared_logits": self.n_shared, "global_scale": g,
                 "note": "weights normalised with the shared experts' logits"}
 
     def _identify(self):
@@ -92,7 +94,10 @@ class SharedNormalisedLayer(GenericLayer):
             return MoetoolError(f"{mt}: {what} (layer {self.index}, {type(self.router).__name__})")
 
         router = self.router
-        if router.weight.device.type == "meta":  # a model built on the meta device: the rule is in the router's code
+        # a model built on the meta device (inspect, plan): the rule is in the router's code, its learned
+        # global_scale is not known (1, its init, in the copy)
+        self.global_scale_read = router.weight.device.type != "meta"
+        if not self.global_scale_read:
             router = _materialized(router)
         w = router.weight
         n = int(w.shape[0]) - int(router.n_shared_experts)

@@ -6,12 +6,10 @@ from typing import Any
 
 from . import find_moe_layers
 from .discovery import MAX_TINY_PARAMS, model_class, tiny_config
-from .generic import hash_table, random_table
+from .generic import ONE_CENTRED, hash_table, random_table
 
 #: routers are re-drawn at this scale so top-K has no ties (logits ~ N(0, ~1) on unit-RMS inputs of width 64)
 ROUTER_STD, BIAS_STD, EXPERT_BIAS_STD = 0.15, 0.05, 0.1
-#: router parameters that multiply the weights (default 1): re-drawn around 1, so the weights keep their sign
-ONE_CENTRED = ("global_scale",)
 
 
 def build_tiny(model_type: str, seed: int = 0, redraw: bool = True) -> Any:

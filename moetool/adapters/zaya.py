@@ -38,7 +38,8 @@ from torch import nn
 from ..configs import text_config
 from ..errors import MoetoolError
 from . import rules
-from .generic import GenericAdapter, GenericLayer, _candidates, correction_bias, decoder_layers
+from .generic import (GenericAdapter, GenericLayer, _candidates, _is_meta, _materialized, correction_bias,
+                      decoder_layers)
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 
@@ -151,13 +152,18 @@ class ZayaLayer(GenericLayer):
         """The rule on the router view's own output (seeded random inputs, no carried state: the state shifts the
         logits, not the rule from logits to choice)."""
         mt = getattr(self.config, "model_type", "?")
-        d = self.router.router.hidden_size
-        h = torch.randn(256, d, generator=torch.Generator().manual_seed(0)).to(self.router.weight)
-        bias = correction_bias(self.router, self.block)
+        router = self.router  # built on the meta device (inspect, plan): a CPU copy with seeded random weights
+        if _is_meta(*router.parameters(), *router.buffers()):
+            router = _materialized(router)
+        d = router.router.hidden_size
+        h = torch.randn(256, d, generator=torch.Generator().manual_seed(0)).to(router.weight)
+        bias = correction_bias(router, self.block)
+        if _is_meta(bias):
+            bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
         with torch.no_grad():
-            logits, w, idx, _ = self.router(h)
+            logits, w, idx, _ = router(h)
             try:
-                rule, params = rules.identify(logits, idx, w, _candidates(self.router, int(idx.shape[-1]),
+                rule, params = rules.identify(logits, idx, w, _candidates(router, int(idx.shape[-1]),
                                                                           bias.detach()))
             except rules.NoRuleMatches as e:
                 raise MoetoolError(f"{mt}: router output matches no known routing rule ({e}) (layer {self.index}, "
