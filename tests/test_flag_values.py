@@ -100,6 +100,11 @@ def test_a_word_for_a_number_in_a_routing_spec_is_named():
     with pytest.raises(MoetoolError) as e:
         build_policy("similarity:x")
     assert str(e.value) == "bad routing policy 'similarity:x': tau must be a number, not 'x'"
+    for spec, message in [("topk:1.5", "k must be a whole number, not '1.5'"),
+                          ("topp:0.5:2.5", "kmax must be a whole number, not '2.5'")]:
+        with pytest.raises(MoetoolError) as e:  # an integer's parameter said so (it read "k must be a number")
+            build_policy(spec)
+        assert str(e.value) == f"bad routing policy '{spec}': {message}"
 
 
 def test_flag_check_bounds_and_kinds():

@@ -22,7 +22,7 @@ def spec_number(text: str, cast: Any, what: str) -> Any:
     try:
         return cast(text)
     except ValueError:
-        raise ValueError(f"{what} must be a number, not '{text}'") from None
+        raise ValueError(f"{what} must be {'a whole number' if cast is int else 'a number'}, not '{text}'") from None
 
 
 class Policy:
