@@ -302,3 +302,19 @@ def test_cli_bad_layers_is_one_line(tmp_path, layers, says):
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and says in lines[0], r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_isolate_with_a_policy_reading_the_experts_is_one_line(tmp_path, ckpts):
+    """--isolate keeps only the other checkpoint's routers (router_copy, no experts): norm:<node> there read
+    'AttributeError: 'NoneType' object has no attribute 'named_parameters'' after the first checkpoint ran. It is
+    refused with the options, before any model loads; without --isolate the policy runs (identical: no change)."""
+    with pytest.raises(MoetoolError, match=r"^--isolate with --routing norm:gate: .*drop --isolate or that policy$"):
+        FluctuationOptions(routing=("router", "norm:gate"), isolate=True)
+    r = CliRunner().invoke(app, ["fluctuation", "tiny-early", "tiny", "--routing", "norm:gate", "--isolate",
+                                 "--max-tokens", "64", "--seq-len", "32", "--bootstrap", "0", "--device", "cpu",
+                                 "-q", "--out", str(tmp_path / "x")])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "--isolate with --routing norm:gate" in lines[0], r.output
+    df, _ = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), FluctuationOptions(
+        routing=("norm:gate",), batch_size=2, bootstrap=0), loader)
+    assert set(df["routing"]) == {"norm:gate"} and (df[CHANGE] == 0).all().all()

@@ -96,7 +96,13 @@ class FluctuationOptions:
         if not self.routing:
             raise MoetoolError(f"--routing is empty: give policy specs, e.g. {','.join(ROUTINGS)}")
         for r in self.routing:
-            self.policy(r)  # an unknown spec or a bad --sim / --tau fails here, before any model loads
+            # an unknown spec or a bad --sim / --tau fails here, before any model loads; --isolate keeps only the
+            # other checkpoint's routers (router_copy: no experts), so a policy choosing by expert activations
+            # (norm:<node>) has nothing to run there: one line, not an AttributeError mid-run
+            if self.policy(r).needs_probe and self.isolate:
+                raise MoetoolError(f"--isolate with --routing {r}: that policy chooses by every expert's activations "
+                                   "and --isolate keeps only the other checkpoint's routers, not its experts; "
+                                   "drop --isolate or that policy")
         if self.reference not in REFERENCES:
             raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
 
