@@ -55,6 +55,39 @@ def test_kmeans_recovers_well_separated_clusters():
     assert all(len(set(g[lab == c].tolist())) == 1 for c in range(6))
 
 
+def test_kmeans_ema_step_equals_algorithm_2_by_hand():
+    """AIR-MoE Algorithm 2, lines 2-8 and 13, a token and a codeword at a time in fp64 from a given state (counts
+    high enough that no codeword dies, so no random draw): n_g <- γ n_g + (1-γ) n_g^batch,
+    m_g <- γ m_g + (1-γ) Σ_{s: g_s = g} h'_s, c_g = m_g / ||m_g||, with h' the token on the unit sphere and
+    g_s = argmax_g cos(h'_s, c_g)."""
+    g = torch.Generator().manual_seed(4)
+    G, d = 5, 12
+    sums = torch.randn(G, d, generator=g)
+    counts = torch.full((G,), 4.0)
+    km = SphericalKMeans(G)
+    km.sums, km.counts, km.codebook = sums.clone(), counts.clone(), ops.unit(sums)
+    n, m = counts.double().tolist(), sums.double().tolist()
+    for _ in range(3):
+        x = torch.randn(40, d, generator=g) * (0.5 + 3 * torch.rand(40, 1, generator=g))
+        c = [[v / math.sqrt(sum(u * u for u in row)) for v in row] for row in m]
+        nb, mb = [0.0] * G, [[0.0] * d for _ in range(G)]
+        for h in x.double().tolist():
+            hn = math.sqrt(sum(v * v for v in h))
+            hu = [v / hn for v in h]
+            k = max(range(G), key=lambda j: sum(a * b for a, b in zip(hu, c[j])))
+            nb[k] += 1
+            mb[k] = [a + b for a, b in zip(mb[k], hu)]
+        n = [0.95 * a + 0.05 * b for a, b in zip(n, nb)]
+        m = [[0.95 * a + 0.05 * b for a, b in zip(ra, rb)] for ra, rb in zip(m, mb)]
+        got = km.update(x)
+        assert torch.bincount(got, minlength=G).tolist() == nb
+    assert km.reinits == 0
+    np.testing.assert_allclose(km.counts.numpy(), n, rtol=1e-6)
+    np.testing.assert_allclose(km.sums.numpy(), m, rtol=1e-5, atol=1e-6)
+    want = np.array(m) / np.linalg.norm(np.array(m), axis=1, keepdims=True)
+    np.testing.assert_allclose(km.codebook.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_kmeans_reinitialises_dead_codewords_on_batch_tokens():
     _, data, sample = clustered(3, 16, 200, 6, 0.05, seed=3)
     km = SphericalKMeans(6, seed=0)
