@@ -10,13 +10,6 @@ from typing import Any
 from .files import cache_dir, cached, installation_key, read_cached, write_cached  # noqa: F401 (cache_dir: re-export)
 
 
-def inactive_expert_params(layer: Any, expert_params: int) -> int:
-    """Of a MoE layer's ``expert_params`` (its routed experts' parameters), those a token does not use on average:
-    the ``n - K`` experts of ``n`` it is not routed to (total minus this is the active count ``inspect`` and
-    ``plan`` report)."""
-    return expert_params * (layer.n_experts - layer.top_k) // layer.n_experts
-
-
 def describe_layers(model: Any, layers: list) -> dict[str, Any]:
     """Structure and parameter counts of an instantiated model (real or meta)."""
     total = sum(p.numel() for p in model.parameters())
@@ -24,7 +17,7 @@ def describe_layers(model: Any, layers: list) -> dict[str, Any]:
     rows = []
     for L in layers:
         ep = sum(p.numel() for p in L.experts.parameters())
-        inactive += inactive_expert_params(L, ep)
+        inactive += L.inactive_expert_params(ep)
         rows.append({**L.describe(), "expert_params": ep})
     moe = {L.index for L in layers}
     # the model's own decoder layers: a vision-language config keeps num_hidden_layers in its text config, and

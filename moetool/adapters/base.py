@@ -254,6 +254,12 @@ class MoELayer:
         """The catalogue rule (moetool/adapters/rules.py) the router reproduces."""
         raise NotImplementedError
 
+    def inactive_expert_params(self, expert_params: int) -> int:
+        """Of this layer's ``expert_params`` (its routed experts' parameters), those a token does not use on
+        average: the ``n - K`` experts of ``n`` it is not routed to (total minus this is the active count
+        ``inspect`` and ``plan`` report)."""
+        return expert_params * (self.n_experts - self.top_k) // self.n_experts
+
     def describe(self) -> dict[str, Any]:
         return {
             "layer": self.index,

@@ -82,7 +82,7 @@ class SharedNormalisedLayer(GenericLayer):
         return mass / (chosen + mass.sum(-1, keepdim=True)) * p.scale
 
     def describe(self) -> dict[str, Any]:
-        g = float(self.router.global_scale.float().reshape(-1)[0]) if self.global_scale_read else \
+        g = float(self.router.global_scale.detach().float().reshape(-1)[0]) if self.global_scale_read else \
             "learned: not read from the config (routed_scaling_factor is route_scale x it; 1 here)"
         return {**super().describe(), "n_shared_logits": self.n_shared, "global_scale": g,
                 "note": "weights normalised with the shared experts' logits"}

@@ -154,7 +154,7 @@ def parameter_groups(config: Any) -> dict[str, Any]:
     from ...files import cached, installation_key
 
     here = Path(__file__).resolve().parents[2]  # this counting code and the adapters it finds layers with
-    key = {**installation_key([Path(__file__).resolve(), here / "inspect.py", *(here / "adapters").glob("*.py")]),
+    key = {**installation_key([Path(__file__).resolve(), *(here / "adapters").glob("*.py")]),
            "config": hashlib.sha256(config.to_json_string().encode()).hexdigest(), "class": type(config).__name__}
     return cached("plan-params", key, lambda: _parameter_groups(config))
 
@@ -163,7 +163,6 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     import torch
 
     from ...adapters import find_moe_layers
-    from ...inspect import inactive_expert_params
     from ...loading import auto_model_class, quiet_transformers
 
     with torch.device("meta"), quiet_transformers():
@@ -186,7 +185,7 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     add("lm_head", model.get_output_embeddings())  # 0 when tied (the same tensor, seen already)
     for L in layers:
         add("routers", L.router)
-        inactive += inactive_expert_params(L, add("routed_experts", L.experts))
+        inactive += L.inactive_expert_params(add("routed_experts", L.experts))
         add("shared_experts", L.shared_experts)
     for p in model.parameters():
         if id(p) not in seen:
@@ -364,7 +363,7 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
 
     here = Path(__file__).resolve().parents[2]  # this code and what it computes with
     code = [Path(__file__).resolve(), here / "sizing.py", here / "configs.py", here / "loading.py",
-            here / "inspect.py", *(here / "adapters").glob("*.py")]
+            *(here / "adapters").glob("*.py")]
     key = {**installation_key(code), "model_files": fingerprint, "model": model, "gpus": gpus, "nodes": nodes,
            "seq_len": seq_len, "rows": rows}
     return _from_record(cached("plan", key, lambda: _record(_plan(model, gpus, nodes, seq_len=seq_len, rows=rows))))
