@@ -401,10 +401,15 @@ def _identify_loaded(L: MoELayer, fail: Callable[[str], MoetoolError]) -> tuple[
 
 def _identify_meta(L: MoELayer, fail: Callable[[str], MoetoolError]) -> tuple[rules.Rule, rules.Params, str, float]:
     router = _materialized(L.router)
-    bias = correction_bias(router, L.block)
-    if _is_meta(bias):  # the block's, not the router's
-        bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
-    return _identify_real(L, router, bias, fail)
+    return _identify_real(L, router, _stand_in_bias(correction_bias(router, L.block)), fail)
+
+
+def _stand_in_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A correction bias on the meta device (the block's, not the router's: :func:`_materialized` does not copy it)
+    as seeded random values on the CPU; any other as it is."""
+    if _is_meta(bias):
+        return torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
+    return bias
 
 
 def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,

@@ -38,8 +38,8 @@ from torch import nn
 from ..configs import text_config
 from ..errors import MoetoolError
 from . import rules
-from .generic import (GenericAdapter, GenericLayer, _candidates, _is_meta, _materialized, correction_bias,
-                      decoder_layers)
+from .generic import (GenericAdapter, GenericLayer, _candidates, _is_meta, _materialized, _stand_in_bias,
+                      correction_bias, decoder_layers)
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 
@@ -157,9 +157,7 @@ class ZayaLayer(GenericLayer):
             router = _materialized(router)
         d = router.router.hidden_size
         h = torch.randn(256, d, generator=torch.Generator().manual_seed(0)).to(router.weight)
-        bias = correction_bias(router, self.block)
-        if _is_meta(bias):
-            bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.05
+        bias = _stand_in_bias(correction_bias(router, self.block))
         with torch.no_grad():
             logits, w, idx, _ = router(h)
             try:

@@ -265,10 +265,11 @@ class TraceStream:
 
 
 def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: int | None,
-                 weights: bool = False, *, use: str) -> TraceStream:
+                 weights: bool = False, *, use: str, token_ids: bool = False) -> TraceStream:
     """The trace's first ``max_tokens`` tokens of every MoE layer in (row, position) order, read streamed (the
     file holds each layer's tokens in that order: ``moetool trace`` and ``import-trace`` write them so). ``use``:
-    what needs them, as a counts-only trace's refusal names it."""
+    what needs them, as a counts-only trace's refusal names it; ``token_ids``: the tokens' ids read too (every
+    layer routes the same tokens: kept from the first)."""
     if src.kind == "loads":
         raise MoetoolError(f"{src.path} holds counts only: {use} needs each token's experts in order")
     cols = expert_columns(src)
@@ -276,7 +277,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
     taken: dict[int, int] = {}
     last: dict[int, tuple[int, int]] = {}
-    for df in read_batches(src, ["row", "pos", "token_id", "layer", *cols, *wcols]):
+    for df in read_batches(src, ["row", "pos", *(["token_id"] if token_ids else []), "layer", *cols, *wcols]):
         for li, g in df.groupby("layer", sort=False):
             li = int(li)
             if (layers is not None and li not in layers) or (max_tokens and taken.get(li, 0) >= max_tokens):
@@ -291,7 +292,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
             last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
             parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64),
                                              g[wcols].to_numpy(dtype=np.float64) if wcols else None,
-                                             g["token_id"].to_numpy(dtype=np.int64)))
+                                             g["token_id"].to_numpy(dtype=np.int64) if token_ids else None))
             taken[li] = taken.get(li, 0) + len(g)
         if max_tokens and parts and all(taken.get(li, 0) >= max_tokens for li in (layers or src.shape.moe_layers)):
             break
@@ -305,7 +306,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     _, rows = np.unique(rows, return_inverse=True)  # packed-row numbers 0.. in order (the bootstrap's units)
     reqs = {li: np.concatenate([p[2] for p in ps]) for li, ps in sorted(parts.items())}
     w = {li: np.concatenate([p[3] for p in ps]) for li, ps in sorted(parts.items())} if wcols else None
-    ids = np.concatenate([p[4] for p in next(iter(parts.values()))])
+    ids = np.concatenate([p[4] for p in next(iter(parts.values()))]) if token_ids else None
     return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs}, first, w, ids)
 
 
@@ -339,7 +340,7 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     import pandas as pd
 
 
-    streams = [token_stream(src, None, max_tokens, weights=True, use="the token-by-token comparison")
+    streams = [token_stream(src, None, max_tokens, weights=True, use="the token-by-token comparison", token_ids=True)
                for src in srcs]
     layers = sorted(k for k in streams[0].merged if k != "rows")
     shape = {li: srcs[0].shape.moe[li] for li in layers}
