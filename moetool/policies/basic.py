@@ -26,9 +26,11 @@ def uniform_rows(seed: int, layer: int, rows: Any, per_row: int, width: int, dev
     what a random choice draws for a token depends on its row, not on how rows are batched or split over ranks.
     ``draw=torch.randn``: standard normal draws, seeded the same way."""
     base = (seed * 1_000_003 + layer) * 1_000_000_007
-    return torch.cat([draw((per_row, width), device=device,  # a generator's seed is 64 bits: taken modulo 2**64
-                           generator=torch.Generator(device=device).manual_seed((base + int(r)) % 2**64))
-                      for r in rows])
+    out = torch.empty(len(rows) * per_row, width, device=device)
+    for i, r in enumerate(rows):  # each row's block drawn in place (no concatenated copy of [T, width])
+        draw((per_row, width), out=out[i * per_row:(i + 1) * per_row],  # a generator's seed is 64 bits: modulo 2**64
+             generator=torch.Generator(device=device).manual_seed((base + int(r)) % 2**64))
+    return out
 
 
 class RandomPolicy(Policy):

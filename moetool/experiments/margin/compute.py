@@ -91,10 +91,16 @@ def token_margins(layer: Any, logits: torch.Tensor) -> torch.Tensor:
     return top[:, layer.top_k - 1] - top[:, layer.top_k]
 
 
-def noisy_inputs(h: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
-    """``h + eps * ||h|| * z / sqrt(d)`` (fp32 arithmetic, back in ``h``'s dtype; ``eps = 0`` returns ``h``)."""
-    hf = h.float()
-    return (hf + eps * ops.vector_norm(hf).unsqueeze(-1) * z / math.sqrt(h.shape[-1])).to(h.dtype)
+def noise_directions(norm: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``||h|| * z / sqrt(d)`` (``[T, d]`` fp32; ``norm`` = ``||h||`` ``[T]``): the noise at eps = 1, formed once for
+    every eps (:func:`noisy_inputs` then adds ``eps`` times it: one pass over ``[T, d]`` per eps)."""
+    return z * (norm / math.sqrt(z.shape[-1])).unsqueeze(-1)
+
+
+def noisy_inputs(hf: torch.Tensor, eps: float, unit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``h + eps * ||h|| * z / sqrt(d)`` in fp32 (``hf``; ``unit`` from :func:`noise_directions`), back in the
+    router's input ``dtype``."""
+    return torch.add(hf, unit, alpha=eps).to(dtype)
 
 
 def routing_of(layer: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,13 +180,17 @@ class MarginCollector:
         z = uniform_rows(self.opts.seed, L.index, ev.rows, h.shape[0] // len(ev.rows), h.shape[-1], h.device,
                          draw=torch.randn)
         cols, rel = [], []
-        hnorm = ops.vector_norm(h.float()).clamp_min(torch.finfo(torch.float32).tiny)
+        hf = h.float()  # the noise's arithmetic is fp32 whatever the router's dtype; hf, unit read once per eps
+        hnorm = ops.vector_norm(hf)
+        unit = noise_directions(hnorm, z)
+        del z
+        hnorm = hnorm.clamp_min(torch.finfo(torch.float32).tiny)
         clean = routing_of(L, h)
         for eps in self.opts.eps:
-            hn = noisy_inputs(h, eps, z)
+            hn = noisy_inputs(hf, eps, unit, h.dtype)
             k, one = flips(clean, routing_of(L, hn))
             cols += [k.double() * w, one.double() * w]
-            rel.append((ops.vector_norm(hn.float() - h.float()) / hnorm).double() @ w)
+            rel.append((ops.vector_norm(hn.float() - hf) / hnorm).double() @ w)  # as applied (after rounding)
         noise = self.noise[L.index] = ops.to_device(self.noise[L.index], h.device)
         noise += torch.stack(rel)
         fl = torch.stack(cols, -1)  # [T, 2E]
