@@ -98,9 +98,9 @@ def noise_directions(norm: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def noisy_inputs(hf: torch.Tensor, eps: float, unit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``h + eps * ||h|| * z / sqrt(d)`` in fp32 (``hf``; ``unit`` from :func:`noise_directions`), back in the
-    router's input ``dtype``."""
-    return torch.add(hf, unit, alpha=eps).to(dtype)
+    """``h + eps * ||h|| * z / sqrt(d)`` in fp32 (``hf``; ``unit`` from :func:`noise_directions`), rounded to the
+    router's input ``dtype`` as it is stored (no fp32 copy of it first)."""
+    return torch.add(hf, unit, alpha=eps, out=torch.empty_like(hf, dtype=dtype))
 
 
 def routing_of(layer: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +190,7 @@ class MarginCollector:
             hn = noisy_inputs(hf, eps, unit, h.dtype)
             k, one = flips(clean, routing_of(L, hn))
             cols += [k.double() * w, one.double() * w]
-            rel.append((ops.vector_norm(hn.float() - hf) / hnorm).double() @ w)  # as applied (after rounding)
+            rel.append((ops.vector_norm(hn - hf) / hnorm).double() @ w)  # as applied (after rounding); fp32
         noise = self.noise[L.index] = ops.to_device(self.noise[L.index], h.device)
         noise += torch.stack(rel)
         fl = torch.stack(cols, -1)  # [T, 2E]
