@@ -38,8 +38,9 @@ def normalize(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Shannon entropy in nats of a distribution along ``dim`` (``0 log 0 = 0``)."""
-    p = p.float()
+    """Shannon entropy in nats of a distribution along ``dim`` (``0 log 0 = 0``), in float32 or, for a float64
+    distribution (exact counts' fractions), in float64: never rounded below the input's precision."""
+    p = p if p.dtype == torch.float64 else p.float()
     return -torch.special.xlogy(p, p).sum(dim=dim)
 
 

@@ -510,3 +510,62 @@ def test_layers_keep_exactly_the_asked_layers_rows():
         pd.testing.assert_frame_equal(got.reset_index(drop=True), want.reset_index(drop=True), check_exact=True)
     apart = stats(lm, ts, bootstrap=0, layers=(moe[0], moe[2]))
     assert sorted(apart["layers.csv"]["layer"]) == [moe[0], moe[2]] and "cross_layer.csv" not in apart
+
+
+def test_load_and_layers_against_plain_hooks_in_float64():
+    """load.csv and layers.csv of the embedded tiny model against a reference that shares nothing with moetool's
+    engine: each layer's router logits and top-K from a plain forward hook on transformers' own router
+    (``mlp.gate``), every statistic in float64 numpy from its definition (load_entropy is the entropy of exact
+    counts: no float32 rounding, which cost it ~1e-7), the pooled aux loss also as transformers'
+    load_balancing_loss_func on the same logits and mask (one forward of every row, as the function sees it)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    import moetool
+
+    lm = moetool.load("tiny", device="cpu")
+    ts = moetool.tokens(lm, None, seq_len=32, max_tokens=512)
+    ids, mask = ts.input_ids.clone(), ts.attention_mask.clone()
+    for r, p in ((1, 7), (4, 12), (9, 3)):  # right padding with a real token id: counting padding would show
+        ids[r, -p:], mask[r, -p:] = ids[0, 3], 0
+    ts = TokenSet(ids, mask, list(ts.domains), "test")
+    res = stats(lm, ts, quiet=True, bootstrap=0, batch_size=ids.shape[0], specialization=False, top_tokens=0)
+    seen = {}
+    hooks = [dl.mlp.gate.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, (out[0].detach(), out[2])))
+             for i, dl in enumerate(lm.model.model.layers)]
+    try:
+        with torch.no_grad():
+            lm.model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    keep = mask.reshape(-1).bool().numpy()
+    load, lay = res["load"], res["layers"].set_index("layer")
+    assert sorted(seen) == sorted(lay.index)
+    f_all, p_all = 0.0, 0.0
+    for i, (logits, top) in sorted(seen.items()):
+        lg, top = logits.double().numpy()[keep], top.numpy()[keep]
+        T, n, K = lg.shape[0], lg.shape[1], top.shape[1]
+        pi = np.exp(lg - lg.max(-1, keepdims=True))
+        pi /= pi.sum(-1, keepdims=True)
+        count = np.bincount(top.reshape(-1), minlength=n).astype(np.float64)
+        frac = count / (K * T)
+        g = load[load.layer == i]
+        np.testing.assert_array_equal(g["tokens"], count)
+        np.testing.assert_allclose(g["load_fraction"], frac, rtol=1e-15)
+        np.testing.assert_allclose(g["token_fraction"], count / T, rtol=1e-15)
+        np.testing.assert_allclose(g["router_prob"], pi.mean(0), rtol=1e-6)  # the model's float32 softmax
+        row = lay.loc[i]
+        ent = -(frac[frac > 0] * np.log(frac[frac > 0])).sum()
+        assert (row.tokens, row.n_experts, row.top_k) == (T, n, K)
+        assert row.load_entropy == pytest.approx(ent, rel=1e-12)
+        assert row.load_entropy_norm == pytest.approx(ent / np.log(n), rel=1e-12)
+        conf = -(pi * np.log(pi)).sum(-1).mean()
+        assert row.confidence_entropy == pytest.approx(conf, rel=1e-7)
+        assert row.confidence_entropy_norm == pytest.approx(conf / np.log(n), rel=1e-7)
+        assert row.max_load_ratio == pytest.approx(frac.max() * n, rel=1e-15)
+        assert row.aux_loss == pytest.approx(n * (count / T * pi.mean(0)).sum(), rel=1e-6)
+        f_all, p_all = f_all + count, p_all + pi.sum(0)
+    pooled = n * ((f_all / (T * len(seen))) * (p_all / (T * len(seen)))).sum()
+    np.testing.assert_allclose(lay["aux_loss_hf_pooled"], pooled, rtol=1e-6)
+    hf = float(load_balancing_loss_func(tuple(seen[i][0] for i in sorted(seen)), n, K, mask))
+    assert pooled == pytest.approx(hf, rel=1e-6)

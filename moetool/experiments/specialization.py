@@ -40,7 +40,9 @@ DEFINITIONS = {
                       "specialization_all_ids = the same mean over every token id (OLMoE's printed average); "
                       "specialization is empty when no token id reaches min_count",
     "specialized_tokens": "per layer, view and expert: token ids (>= min_count occurrences) whose most frequent "
-                          "first-ranked expert it is, ranked by specialization (ties: occurrences, token id)",
+                          "first-ranked expert it is (an id with two equally frequent experts goes to the lower "
+                          "expert id; OLMoE's script takes the one it met first; specialization is the same either "
+                          "way), ranked by specialization (ties: occurrences, token id)",
     "cross_layer": "for consecutive MoE layers l -> next: count[a,b] = tokens with a in the top-K at l and b in "
                    "the top-K at next (every pair of the two top-K sets); p_b_given_a = count / tokens with a at l "
                    "(sums to K over b; independent uniform routing gives K/n)",

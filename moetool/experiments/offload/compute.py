@@ -11,12 +11,12 @@ Everything comes from one forward pass over the packed rows with the model's own
   token, so none of them is evicted to make room for another). A request is a **hit** when the expert is
   resident before the token; hit rate = hits / requests (``T·K`` requests, within-token requests counted one by
   one; caches start empty, so cold misses count). Policies, evicting among resident experts the current token
-  does not request: ``lru`` — least recently requested; ``lfu`` — fewest requests so far (every past request
-  counts, resident or not; ties: least recently requested); ``belady`` — next request furthest in the future
-  (never requested again = infinitely far; ties: lowest id), Belady's optimal offline policy: no policy can
-  have fewer misses on the trace. Bytes moved per token = misses / tokens × expert bytes, expert bytes =
-  parameters of one expert (gate, up, down and their biases, from the adapter's canonical expert weights) ×
-  the bytes of their dtype.
+  does not request: ``lru`` — least recently requested (ties: the lowest id first); ``lfu`` — fewest requests
+  so far (every past request counts, resident or not; ties: least recently requested); ``belady`` — next
+  request furthest in the future (never requested again = infinitely far; ties: lowest id), Belady's optimal
+  offline policy: no policy can have fewer misses on the trace. Bytes moved per token = misses / tokens ×
+  expert bytes, expert bytes = parameters of one expert (gate, up, down and their biases, from the adapter's
+  canonical expert weights) × the bytes of their dtype.
 * **next-layer prediction**: a prefetcher running a layer ahead sees ``x_ℓ``, the residual stream leaving
   decoder layer ``ℓ`` (= the input of decoder layer ``ℓ+1``, captured by a forward pre-hook on it). The
   prediction for MoE layer ``ℓ+1`` is its own routing (``route``: the model's scoring, bias, groups) applied to
@@ -824,8 +824,10 @@ DEFINITIONS = {
     "expert_bytes": "parameters of one expert (gate, up, down, biases) × bytes of their dtype",
     "hit_rate": "hits / requests of a per-layer expert cache of `capacity` experts; a token's K experts are "
                 "requested together and none of them is evicted for another; caches start empty",
-    "policy": "lru: evict least recently requested; lfu: fewest requests so far (ties: LRU); belady: next request "
-              "furthest ahead (optimal offline)",
+    "policy": "lru: evict least recently requested (ties, experts last requested by the same token: the lowest id "
+              "first); lfu: fewest requests so far, every past request counting, resident or not (ties: LRU); "
+              "belady: next request furthest ahead (optimal offline; ties, e.g. never requested again: the lowest "
+              "id first)",
     "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
     "top1_recall": "fraction of tokens whose predicted best expert (layer ℓ+1's routing applied to "
                    "post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ = output of decoder layer ℓ) is the expert layer ℓ+1 "
