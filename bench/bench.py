@@ -9,6 +9,7 @@
     python bench/bench.py --shapes --cache-sim --cache-sim-base REV  # ... against git revision REV's, interleaved
     python bench/bench.py --shapes --load   # only: moetool.load vs from_pretrained of a local checkpoint, GB/s
     python bench/bench.py --shapes --host-work  # only: each command's host work over the bare forward (CPU, ~2 min)
+    python bench/bench.py --shapes --wide-work  # only: each command's own work at d=4096, one layer (CPU, ~1 min)
     python bench/bench.py --csv out.csv   # where the figures go (default bench.csv)
     python bench/bench.py --gpu           # issue #36's figures on any CUDA machine (~3-4 min on an H100; --quick:
                                           # half); on CPU scaled-down shapes, said so (bench/bench_gpu.py)
@@ -67,6 +68,12 @@ log-softmax over the vocabulary is device arithmetic of the same kind: not a hos
 of ``--host-rows`` rows (2), one thread; each command (``--host-commands``, default stats and placement; the API
 with its defaults but ``batch_size``) between two bare ``moetool.forward`` calls, its extra = its time - their mean:
 the median over ``--repeat`` rounds (min-max), in ms and µs per token.
+
+**Work at d=4096** (``--wide-work``): the same measurement as ``--host-work`` (each of ``--wide-commands``, default
+margin, stats and ppl, between two bare forwards) on one MoE layer at Mixtral-8x7B's width d=4096 with narrow
+experts (I=32), 2 heads and a vocabulary of 512, ``--wide-tokens`` tokens (4,096) in forwards of 4 rows,
+``--wide-dtype`` (bf16), one thread: the forward costs little, so what a command does per token over
+``[tokens, d]`` (margin's noisy router inputs) shows as the memory traffic it is on a GPU.
 
 **Cache simulation** (``--cache-sim``): ``offload``'s cache simulation alone (``simulate_all``: every default
 capacity x lru / lfu / belady) on one layer's skewed random routing trace (each token's top-K of uniform noise plus
@@ -595,9 +602,43 @@ class _LogitsStandIn(torch.nn.Module):
         return x[..., :1].expand(*x.shape[:-1], self.vocab)
 
 
+def _extra_over_bare(lm: Any, tokens: Any, rows: int, commands: list[str], repeat: int,
+                     section: str, label: str) -> list[dict[str, Any]]:
+    """Each of ``commands`` (the API with its defaults but ``batch_size``) between two bare ``moetool.forward``
+    calls, interleaved over ``repeat`` rounds after one untimed call each: its extra = its time - their mean."""
+    import moetool
+
+    bare = lambda: moetool.forward(lm, tokens, batch_size=rows, quiet=True)  # noqa: E731
+    calls = {name: (lambda f=getattr(moetool, name): f(lm, tokens, batch_size=rows, quiet=True)) for name in commands}
+    bare()
+    for fn in calls.values():  # first-use costs (imports, caches) are no forward's
+        fn()
+    extra: dict[str, list[float]] = {name: [] for name in calls}
+    bares: list[float] = []
+    for _ in range(max(1, repeat)):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            bare()
+            t1 = time.perf_counter()
+            fn()
+            t2 = time.perf_counter()
+            bare()
+            t3 = time.perf_counter()
+            extra[name].append((t2 - t1) - ((t1 - t0) + (t3 - t2)) / 2)
+            bares += [t1 - t0, t3 - t2]
+    out = []
+    for name, xs in extra.items():
+        m = statistics.median(xs)
+        out.append({"section": section, "model": label, "variant": name, "device": str(lm.device),
+                    "tokens": tokens.n_tokens, "bare_seconds": statistics.median(bares), "extra_ms": m * 1e3,
+                    "extra_min_ms": min(xs) * 1e3, "extra_max_ms": max(xs) * 1e3,
+                    "us_per_token": m / tokens.n_tokens * 1e6})
+        print(f"  {section} {name}: {m * 1e3:.0f} ms over the bare forward", file=sys.stderr)
+    return out
+
+
 def bench_host_work(a) -> list[dict[str, Any]]:
     """``--host-work``: each command's extra over the bare forward, host work only (see the module's docstring)."""
-    import moetool
     from moetool import ops
     from moetool.adapters import find_moe_layers
     from moetool.loading import LoadedModel
@@ -611,42 +652,35 @@ def bench_host_work(a) -> list[dict[str, Any]]:
     lm = LoadedModel("host-work", "random weights", "random", model, None, find_moe_layers(model),
                      torch.device("cpu"), torch.float32)
     tokens = random_tokenset(c["vocab"], a.host_tokens, 2048)
-    rows = a.host_rows
-    bare = lambda: moetool.forward(lm, tokens, batch_size=rows, quiet=True)  # noqa: E731
-    calls = {name: (lambda f=getattr(moetool, name): f(lm, tokens, batch_size=rows, quiet=True))
-             for name in a.host_commands}
     label = (f"mixtral layout d{c['d']} I{c['inter']} {c['layers']} layers, vocabulary {c['vocab']}, LM head and "
              "argmax stood in, 1 thread")
     argmax = ops.argmax
     ops.argmax = lambda x: (x[..., 0].abs() * 1e6).long() % x.shape[-1]  # the specialisation's predicted view
     try:
-        bare()
-        for fn in calls.values():  # first-use costs (imports, caches) are no forward's
-            fn()
-        extra: dict[str, list[float]] = {name: [] for name in calls}
-        bares: list[float] = []
-        for _ in range(max(1, a.repeat)):
-            for name, fn in calls.items():
-                t0 = time.perf_counter()
-                bare()
-                t1 = time.perf_counter()
-                fn()
-                t2 = time.perf_counter()
-                bare()
-                t3 = time.perf_counter()
-                extra[name].append((t2 - t1) - ((t1 - t0) + (t3 - t2)) / 2)
-                bares += [t1 - t0, t3 - t2]
+        return _extra_over_bare(lm, tokens, a.host_rows, a.host_commands, a.repeat, "host_work", label)
     finally:
         ops.argmax = argmax
-    out = []
-    for name, xs in extra.items():
-        m = statistics.median(xs)
-        out.append({"section": "host_work", "model": label, "variant": name, "device": "cpu",
-                    "tokens": tokens.n_tokens, "bare_seconds": statistics.median(bares), "extra_ms": m * 1e3,
-                    "extra_min_ms": min(xs) * 1e3, "extra_max_ms": max(xs) * 1e3,
-                    "us_per_token": m / tokens.n_tokens * 1e6})
-        print(f"  host work {name}: {m * 1e3:.0f} ms over the bare forward", file=sys.stderr)
-    return out
+
+
+def bench_wide_work(a) -> list[dict[str, Any]]:
+    """``--wide-work``: each command's extra over the bare forward on one MoE layer of Mixtral-8x7B's width d=4096
+    with narrow experts (I=32), 2 heads, vocabulary 512: the forward costs little, and a command's own work over
+    ``[tokens, d]`` (margin's noisy router inputs) weighs as the memory traffic it is on a GPU (see the docstring)."""
+    from moetool.adapters import find_moe_layers
+    from moetool.loading import LoadedModel
+
+    from bench_gpu import COMMANDS_SHAPE, build, random_tokenset
+
+    torch.set_num_threads(1)
+    dtype = torch.bfloat16 if a.wide_dtype == "bf16" else torch.float32
+    c = {**COMMANDS_SHAPE, "d": 4096, "inter": 32, "heads": 2, "kv_heads": 1, "head_dim": 32, "layers": 1,
+         "vocab": 512}
+    model = build(c, torch.device("cpu"), dtype)
+    lm = LoadedModel("wide-work", "random weights", "random", model, None, find_moe_layers(model),
+                     torch.device("cpu"), dtype)
+    tokens = random_tokenset(c["vocab"], a.wide_tokens, 1024)
+    label = f"one MoE layer d{c['d']} I{c['inter']}, vocabulary {c['vocab']}, {a.wide_dtype}, 1 thread"
+    return _extra_over_bare(lm, tokens, 4, a.wide_commands, a.repeat, "wide_work", label)
 
 
 def bench_load(a) -> list[dict[str, Any]]:
@@ -713,6 +747,11 @@ def main() -> None:
     ap.add_argument("--host-tokens", type=int, default=65536)
     ap.add_argument("--host-rows", type=int, default=2, help="--host-work: rows of 2,048 tokens per forward")
     ap.add_argument("--host-commands", nargs="*", default=["stats", "placement"])
+    ap.add_argument("--wide-work", action="store_true",
+                    help="each command's own work over [tokens, d] at d=4096 (one layer, narrow experts; CPU)")
+    ap.add_argument("--wide-tokens", type=int, default=4096)
+    ap.add_argument("--wide-dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--wide-commands", nargs="*", default=["margin", "stats", "ppl"])
     ap.add_argument("--cache-sim", action="store_true", help="offload's cache simulation alone, one layer")
     ap.add_argument("--cache-sim-base", default=None, metavar="REV",
                     help="--cache-sim: also git revision REV's simulation, interleaved (same hits asserted)")
@@ -749,7 +788,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     sections = [(bool(a.shapes), bench_shapes), (a.real, bench_real), (a.rss, bench_rss),
                 (a.lazy_data, bench_lazy_data), (a.quant, bench_quant), (a.cache_sim, bench_cache_sim),
-                (a.load, bench_load), (a.host_work, bench_host_work)]
+                (a.load, bench_load), (a.host_work, bench_host_work), (a.wide_work, bench_wide_work)]
     for wanted, section in sections:
         if wanted:
             rows += section(a)
@@ -790,11 +829,12 @@ def main() -> None:
     if len(load):
         print(f"\nLoading a local safetensors checkpoint (best of {a.repeat}; page cache warm), device {dev}")
         print(load[["model", "variant", "seconds", "gb_per_s"]].to_string(**fmt))
-    host = df[df.section == "host_work"] if len(df) else df
-    if len(host):
-        print(f"\nHost work over the bare forward ({host.model.iloc[0]}; {int(host.tokens.iloc[0])} tokens, bare "
-              f"forward {host.bare_seconds.iloc[0]:.2f}s; median of {a.repeat} rounds, min-max)")
-        print(host[["variant", "extra_ms", "extra_min_ms", "extra_max_ms", "us_per_token"]].to_string(**fmt))
+    for section, what in (("host_work", "Host work"), ("wide_work", "Work at d=4096")):
+        host = df[df.section == section] if len(df) else df
+        if len(host):
+            print(f"\n{what} over the bare forward ({host.model.iloc[0]}; {int(host.tokens.iloc[0])} tokens, bare "
+                  f"forward {host.bare_seconds.iloc[0]:.2f}s; median of {a.repeat} rounds, min-max)")
+            print(host[["variant", "extra_ms", "extra_min_ms", "extra_max_ms", "us_per_token"]].to_string(**fmt))
     sim = df[df.section == "cache_sim"] if len(df) else df
     if len(sim):
         print(f"\noffload's cache simulation, one layer, every default capacity x lru/lfu/belady (best of "
