@@ -155,7 +155,7 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
         else:
             name, kind = store.TRACE, "trace"
             written = store.write_trace(dump.chunks, shape, Path(tmp) / name)
-        with run.atomic(name) as dst:
+        with run.atomic(name, rows=store.parquet_rows(Path(tmp) / name)) as dst:  # its rows in the manifest
             shutil.move(str(Path(tmp) / name), dst)
     run.add(routing_source={"format": dump.format, "kind": kind, "files": dump.sources, "ids": dump.ids,
                             "order": dump.order, "weights": "none (the engine records expert ids only)",

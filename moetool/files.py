@@ -1,6 +1,7 @@
 """Files written whole or not at all (:func:`atomic_path`: a temporary name beside the target, renamed at the end),
-values made JSON-safe for them (:func:`jsonable`), and what moetool computes once per installation and keeps in
-:func:`cache_dir` (:func:`cached`)."""
+values made JSON-safe for them (:func:`jsonable`), the record a run folder's manifest keeps of each table and the
+one check of a table read back against it (:func:`table_record`, :func:`table_problem`), and what moetool computes
+once per installation and keeps in :func:`cache_dir` (:func:`cached`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 PART = ".part-"  # prefix of a file being written
+MANIFEST = "manifest.json"  # a run folder's record (moetool.report.rundir)
+TABLES = "tables"  # the manifest's record of each table written: {"load.csv": {"rows": 16, "bytes": 412, ...}}
+
 
 @contextlib.contextmanager
 def atomic_path(p: Path) -> Iterator[Path]:
@@ -35,6 +39,62 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x
     return str(x)
+
+
+# ----- a run's tables as written ---------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def table_record(path: Path, rows: int) -> dict[str, Any]:
+    """What the manifest records of the table just written at ``path`` with ``rows`` rows (:data:`TABLES`): its
+    rows, bytes and sha256. The hash reads the file once more (a table is at most a few MB; the largest, a Parquet
+    table of ``stats --all-tokens``, costs about a second per GB), and it tells edited values from the run's even
+    where the rows and the size are the same."""
+    return {"rows": int(rows), "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def table_problem(path: Path, rows: int | None = None, *, folder: Path | None = None,
+                  manifest: dict[str, Any] | None = None) -> str | None:
+    """Why the table at ``path`` (``rows``: the rows the caller read from it, ``None`` when it did not count them)
+    is not the one its run wrote, in a few words: ``"has 3 rows, the run wrote 16; a truncated or edited copy?"``,
+    or its size or sha256 differ (values edited, line endings converted); ``None`` when it is, or when the run
+    recorded nothing of it (a run folder written before manifests recorded tables, a file the run did not write as
+    a table). ``folder`` / ``manifest``: the run folder and its manifest (default: ``path``'s folder, its
+    ``manifest.json``). Every reader of a run's tables as the run's numbers asks this one function."""
+    folder = Path(path).parent if folder is None else Path(folder)
+    if manifest is None:
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None  # no run beside it
+    try:
+        rel = Path(path).resolve().relative_to(folder.resolve()).as_posix()
+    except ValueError:
+        return None
+    recorded = manifest.get(TABLES) if isinstance(manifest, dict) else None
+    entry = recorded.get(rel) if isinstance(recorded, dict) else None
+    if not (isinstance(entry, dict) and isinstance(entry.get("rows"), int) and isinstance(entry.get("bytes"), int)):
+        return None  # (a manifest's values are not trusted: one that is not a record checks nothing)
+    n = entry["rows"]
+    if rows is not None and rows != n:
+        return f"has {_rows(rows)}, the run wrote {n:,}; a truncated or edited copy?"
+    size, wrote = Path(path).stat().st_size, entry["bytes"]
+    if size != wrote:
+        return (f"has {size:,} bytes, the run wrote {wrote:,}; a truncated or edited copy?" if rows is None else
+                f"has the {_rows(n)} the run wrote but {size:,} bytes, not its {wrote:,}: values edited since the run?")
+    if isinstance(entry.get("sha256"), str) and _sha256(Path(path)) != entry["sha256"]:
+        return (f"has the {'' if rows is None else _rows(n) + ' and the '}{size:,} bytes the run wrote but not its "
+                "content (the sha256 differs): values edited since the run?")
+    return None
+
+
+def _rows(n: int) -> str:
+    return f"{n:,} row{'s' if n != 1 else ''}"
 
 
 # ----- the per-installation cache ---------------------------------------------------------------------------------

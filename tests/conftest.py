@@ -180,3 +180,25 @@ def wilson_by_hand(p, n, z=1.959964):
 
     a = 1 + z * z / n
     return sorted(np.roots([a, -(2 * p + z * z / n), p * p]).real.tolist())
+
+
+def recorded_tables(folder, unrecorded=()) -> dict[str, int]:
+    """``{table: rows}`` of the run in ``folder``, after checking its manifest's ``tables`` against the files read
+    back by hand: every table it lists (CSV, gzipped CSV, Parquet; but ``unrecorded``) has its record, rows as pandas
+    reads them, bytes and sha256 as on disk."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    folder = Path(folder)
+    m = json.loads((folder / "manifest.json").read_text())
+    tables = [f for f in m["files"] if f.endswith((".csv", ".csv.gz", ".parquet")) and f not in unrecorded]
+    assert sorted(m["tables"]) == sorted(tables), (folder, m["tables"].keys(), tables)
+    for f in tables:
+        p = folder / f
+        rows = len(pd.read_parquet(p) if f.endswith(".parquet") else pd.read_csv(p, keep_default_na=False))
+        assert m["tables"][f] == {"rows": rows, "bytes": p.stat().st_size,
+                                  "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}, (folder, f)
+    return {f: m["tables"][f]["rows"] for f in tables}

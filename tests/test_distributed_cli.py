@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from conftest import recorded_tables
 from test_distributed import free_port
 
 from moetool.experiments.registry import EXPERIMENTS
@@ -148,6 +149,10 @@ def test_torchrun_two_ranks_equal_one_process(runs, i):
     root, _ = runs
     same_tables(root / f"one{i}", root / f"two{i}")
     check_manifest(root / f"one{i}", root / f"two{i}", data="--max-tokens" in CASES[i][1])
+    # rank 0's manifest records every table it wrote, rows as one process's (moetool trace's file is streamed as
+    # the forward runs: no record)
+    streamed = ("trace.csv.gz", "trace.parquet")
+    assert recorded_tables(root / f"two{i}", streamed) == recorded_tables(root / f"one{i}", streamed)
 
 
 def test_accelerate_launch_two_ranks_equal_one_process(runs, tmp_path):

@@ -199,6 +199,31 @@ def test_bad_specs_are_one_line(spec, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
+def test_a_prune_runs_table_that_lost_rows_is_refused(tiny_prune, tmp_path):
+    """prune:reap:0.25:<prune_importance.csv> whose last two rows (layer 3's experts 6 and 7) were lost at a line
+    break pruned layer 3 as a layer of 6 experts, 1 removed instead of 2, in silence. A table of a moetool prune run
+    is read against its manifest's record (moetool.files.table_problem): one line; an intact one reads as before."""
+    import moetool
+
+    _, _, res = tiny_prune
+    out = moetool.write(res, tmp_path / "prune")
+    imp, removed = out / "prune_importance.csv", out / "prune_removed.csv"
+    assert len(make_policy(f"prune:reap:0.25:{imp}").removed[3]) == 2
+    assert make_policy(f"prune:file:{removed}:reap:0.25").removed == make_policy(f"prune:reap:0.25:{imp}").removed
+    lines = imp.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 1 + 4 * 8 and lines[-2].startswith(b"3,6,") and lines[-1].startswith(b"3,7,")
+    imp.write_bytes(b"".join(lines[:-2]))
+    lines = removed.read_bytes().splitlines(keepends=True)
+    removed.write_bytes(b"".join(lines[:-1]))
+    for spec, path, rows in ((f"prune:reap:0.25:{imp}", imp, "30 rows, the run wrote 32"),
+                             (f"prune:file:{removed}:reap:0.25", removed, f"{len(lines) - 2} rows, the run wrote "
+                                                                           f"{len(lines) - 1}")):
+        with pytest.raises(MoetoolError) as e:
+            make_policy(spec)
+        assert str(e.value) == f"prune: {path} has {rows}; a truncated or edited copy?"
+
+
 def test_unreadable_removed_csv_is_one_line(tmp_path):
     """prune:file:<csv> that is empty, binary or holds a non-number: one line naming the file (it read pandas' 'No
     columns to parse from file', "invalid literal for int() with base 10: 'x'" or a codec error)."""

@@ -488,14 +488,18 @@ def test_metadata_shows_human_values_and_relative_paths(tmp_path):
     assert "torch." not in str(rows) and "[" not in str(rows) and str(tmp_path) not in str(rows)
 
 
+def _real_run(tmp_path_factory, command: str, *args: str) -> Path:
+    """A real finished run folder of ``command`` on the embedded model (on the CPU, no bootstrap)."""
+    out = tmp_path_factory.mktemp("real") / command
+    r = CliRunner().invoke(app, [command, *args, "--bootstrap", "0", "-q", "--device", "cpu", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory) -> Path:
     """A real finished run folder (ppl on the embedded model, 512 tokens)."""
-    out = tmp_path_factory.mktemp("real") / "ppl"
-    r = CliRunner().invoke(app, ["ppl", "--seq-len", "64", "--max-tokens", "512", "--bootstrap", "0", "-q",
-                                 "--device", "cpu", "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    return out
+    return _real_run(tmp_path_factory, "ppl", "--seq-len", "64", "--max-tokens", "512")
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -593,3 +597,76 @@ def test_report_refuses_a_table_cut_short_instead_of_showing_its_last_row(tmp_pa
     assert "*layers.csv: unreadable (cut short: its last line ends without a line break" in md, md
     assert "| 25 |" not in md and "### load.csv" in md  # the whole table below it still shown
     assert not list((page.parent / "tables").rglob("layers.csv"))
+
+
+@pytest.fixture(scope="module")
+def stats_run(tmp_path_factory) -> Path:
+    """A real finished stats run on the embedded model (256 tokens): load.csv has 4 MoE layers x 8 experts rows."""
+    return _real_run(tmp_path_factory, "stats", "--max-tokens", "256", "--seq-len", "32")
+
+
+def _sections(md: str) -> dict[str, str]:
+    """The Markdown page's table sections by file name (``### load.csv`` up to the next heading)."""
+    return {s.split("\n", 1)[0]: s.split("\n##", 1)[0] for s in md.split("\n### ")[1:]}
+
+
+@pytest.mark.slow
+def test_report_refuses_a_table_that_lost_whole_rows(stats_run, tmp_path):
+    """A copy of load.csv that lost whole rows at a line break (a sync cut short between two rows, rows deleted by
+    hand) read cleanly and was shown as the run's table: 3 plausible rows of 32. Its rows against the manifest's
+    record: a note in place of the table; every other table of the page as it is with the run's own CSV."""
+    intact, cut = tmp_path / "a" / "stats", tmp_path / "b" / "stats"
+    shutil.copytree(stats_run, intact)
+    shutil.copytree(stats_run, cut)
+    lines = (cut / "load.csv").read_bytes().splitlines(keepends=True)
+    assert len(lines) == 1 + 32
+    (cut / "load.csv").write_bytes(b"".join(lines[:4]))  # the header and 3 rows, ending with a line break
+    want = write_report([intact], tmp_path / "rep-a")
+    page = write_report([cut], tmp_path / "rep-b")
+    md, html_text = (page.parent / "report.md").read_text(), page.read_text()
+    note = "load.csv: not shown (it has 3 rows, the run wrote 32; a truncated or edited copy?)"
+    assert f"*{note}*" in md and f'<p class="note" id="stats--tab-load">{note}</p>' in html_text  # (contents link)
+    assert "### load.csv" not in md and '<h3 id="stats--tab-load">' not in html_text and "/load.csv" not in md
+    assert not list((page.parent / "tables").rglob("load.csv"))
+    got, shown = _sections(md), _sections((want.parent / "report.md").read_text())
+    assert "load.csv" in shown and {k: v for k, v in shown.items() if k != "load.csv"} == got
+    assert len(got) == 9
+
+
+@pytest.mark.slow
+def test_report_refuses_a_table_whose_values_were_edited(stats_run, tmp_path):
+    """The same rows with other values are not the run's numbers either: layer 0's tokens 256 edited to 2560 (other
+    bytes) or to 255 (the same size, another sha256), each a note in place of the table."""
+    run = tmp_path / "stats"
+    shutil.copytree(stats_run, run)
+    recorded = json.loads((run / "manifest.json").read_text())["tables"]["layers.csv"]
+    text = (run / "layers.csv").read_text()
+    assert recorded["rows"] == 4 and recorded["bytes"] == len(text.encode()) and "\n0,8,2,256," in text
+    for tokens, says in (("2560", f"has the 4 rows the run wrote but {recorded['bytes'] + 1:,} bytes, not its "
+                                  f"{recorded['bytes']:,}: values edited since the run?"),
+                         ("255", f"has the 4 rows and the {recorded['bytes']:,} bytes the run wrote but not its "
+                                 "content (the sha256 differs): values edited since the run?")):
+        (run / "layers.csv").write_text(text.replace("\n0,8,2,256,", f"\n0,8,2,{tokens},", 1))
+        page = write_report([run], tmp_path / f"rep-{tokens}")
+        md = (page.parent / "report.md").read_text()
+        assert f"*layers.csv: not shown (it {says})*" in md and "### layers.csv" not in md, md
+        assert "### load.csv" in md and f"| {tokens} |" not in md
+
+
+@pytest.mark.slow
+def test_a_run_written_before_manifests_recorded_tables_reads_as_before(stats_run, tmp_path):
+    """A manifest without ``tables`` (every run folder written before them) checks nothing: the same page as the
+    run with its record; a table of it that lost rows is shown as it is, as it always was (nothing to tell it by)."""
+    new, old = tmp_path / "a" / "stats", tmp_path / "b" / "stats"
+    shutil.copytree(stats_run, new)
+    shutil.copytree(stats_run, old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["tables"]
+    (old / "manifest.json").write_text(json.dumps(m, indent=2))
+    pages = [write_report([run], tmp_path / f"rep-{run.parent.name}") for run in (new, old)]
+    md_new, md_old = ((p.parent / "report.md").read_text() for p in pages)
+    assert md_old == md_new and pages[1].read_text() == pages[0].read_text() and len(_sections(md_old)) == 10
+    lines = (old / "load.csv").read_bytes().splitlines(keepends=True)
+    (old / "load.csv").write_bytes(b"".join(lines[:4]))
+    md = (write_report([old], tmp_path / "rep-cut").parent / "report.md").read_text()
+    assert "### load.csv" in md and "*3 rows; [tables/stats/load.csv]" in md and "not shown" not in md

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import recorded_tables
 from typer.testing import CliRunner
 
 from moetool.commands.app import app
@@ -73,12 +74,14 @@ def _whole_then_interrupted(tmp_path, monkeypatch, args, n):
 
 
 def _resumed(args, part):
-    """``--resume`` of ``part``: complete, and its checkpoints gone."""
+    """``--resume`` of ``part``: complete, its checkpoints gone, and every table it wrote recorded in its manifest
+    as on disk (moetool trace's streamed file has no record)."""
     r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
     assert r.exit_code == 0, r.output
     man = json.loads((part / "manifest.json").read_text())
     assert man["status"] == "complete" and man["resumed"]["previous_status"] == "interrupted"
     assert not (part / "units").exists()
+    recorded_tables(part, ("trace.csv.gz", "trace.parquet"))
     return man
 
 
@@ -154,6 +157,8 @@ def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert ran == [3, 4, 5]  # batches 0-2 were restored, not run again
     names = _same_csvs(whole, part)
     assert {"load.csv", "layers.csv", "coactivation.csv", "top_tokens.csv", "specialization.csv"} <= set(names)
+    rows = recorded_tables(part)
+    assert rows == recorded_tables(whole) and rows["load.csv"] == 4 * 8 and rows["layers.csv"] == 4
 
 
 def test_resume_refused_under_torchrun(monkeypatch):

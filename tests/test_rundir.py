@@ -401,3 +401,60 @@ def test_an_out_that_is_a_file_is_refused_before_anything_loads(tmp_path, monkey
             moetool.run("ppl", "tiny", out=out, force=force)
         assert str(e.value) == says
     assert afile.read_text() == "mine"
+
+
+# ----- each table's rows, bytes and sha256 in the manifest: a copy that lost rows is told from the run's -----------
+@pytest.mark.slow
+def test_the_manifest_records_every_tables_rows_bytes_and_sha256(tmp_path):
+    """The manifest's ``tables`` equal the files read back (rows as pandas reads them, size, sha256) for every
+    table of stats (CSVs and its --all-tokens Parquet), of demo's erc step (a sub-run per model) and of the demo's
+    report (its copies of the tables). tiny: 4 MoE layers of 8 experts; tiny-fine: 4 of 32."""
+    from conftest import recorded_tables
+    from moetool.commands.app import app
+
+    r = CliRunner().invoke(app, ["stats", "--max-tokens", "256", "--seq-len", "32", "--bootstrap", "0",
+                                 "--all-tokens", "-q", "--device", "cpu", "--out", str(tmp_path / "stats")])
+    assert r.exit_code == 0, r.output
+    rows = recorded_tables(tmp_path / "stats")
+    assert rows["load.csv"] == 4 * 8 and rows["layers.csv"] == 4 and "expert_tokens.parquet" in rows
+    assert len(rows) == 11 and all(n > 0 for n in rows.values())
+
+    r = CliRunner().invoke(app, ["demo", "--steps", "erc", "--out", str(tmp_path / "demo"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    for model, n in (("tiny", 8), ("tiny-fine", 32)):
+        rows = recorded_tables(tmp_path / "demo" / "erc" / model)
+        assert rows["erc_matrix.csv"] == 4 * n * n and rows["erc_layers.csv"] == 4, rows
+    assert recorded_tables(tmp_path / "demo" / "erc") == {} and recorded_tables(tmp_path / "demo") == {}
+    copies = recorded_tables(tmp_path / "demo" / "report")
+    assert len(copies) == 6 and [copies[f"tables/demo-erc-{m}/erc_matrix.csv"] for m in ("tiny", "tiny-fine")] == \
+        [256, 4096]
+
+
+def test_a_resumed_run_records_the_tables_it_writes_not_the_previous_ones(tmp_path):
+    """``--resume`` rewrites the run's tables: the manifest holds the new rows, bytes and sha256, never the
+    interrupted run's record (here a stale one for load.csv and one for a table the resumed run does not write)."""
+    from conftest import recorded_tables
+
+    out = tmp_path / "r"
+    first = RunDir.create("stats", out)
+    first.write_csv("load.csv", pd.DataFrame({"x": range(3)}))
+    first.write_csv("gone.csv", DF)
+    first.mark("interrupted")
+    assert {f: t["rows"] for f, t in manifest(out)["tables"].items()} == {"load.csv": 3, "gone.csv": 2}
+    resumed = RunDir.create("stats", out, resume=True)
+    assert resumed.resuming is not None
+    resumed.write_csv("load.csv", pd.DataFrame({"x": range(5)}))
+    resumed.finish(options={})
+    assert recorded_tables(out) == {"load.csv": 5} and not (out / "gone.csv").exists()
+
+
+def test_a_table_written_again_as_a_plain_file_loses_its_record(tmp_path):
+    """The manifest never keeps the counts of a file that is no longer the table they describe."""
+    run = RunDir.create("stats", tmp_path / "r")
+    run.write_csv("t.csv", DF)
+    assert manifest(tmp_path / "r")["tables"]["t.csv"]["rows"] == 2
+    with run.atomic("t.csv") as tmp:
+        tmp.write_text("a\n1\n2\n3\n")
+    run.finish(options={})
+    m = manifest(tmp_path / "r")
+    assert m["files"] == ["t.csv"] and m["tables"] == {}

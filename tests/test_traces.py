@@ -167,6 +167,39 @@ def test_trace_rows_read_back(captured, imported, fmt):
     assert ("uint8" in man["engine_version"]) == fmt.startswith("vllm")  # 8 experts: vLLM's narrow ids
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "sglang-stat"])
+def test_an_imported_trace_that_lost_rows_is_refused(captured, imported, fmt, tmp_path):
+    """import-trace records its Parquet's rows, bytes and sha256 in the manifest; a copy rewritten without its last
+    layer's rows (a shorter trace read as the whole: every rate from other tokens) or cut in the middle is refused
+    in one line (moetool.files.table_problem), by the API and the CLI alike."""
+    import shutil
+
+    from conftest import recorded_tables
+
+    name = "trace.parquet" if fmt == "vllm" else "loads.parquet"
+    run = tmp_path / fmt
+    shutil.copytree(imported[fmt], run)
+    n = len(pd.read_parquet(run / name))
+    assert recorded_tables(run) == {name: n}
+    assert n == (len(captured["trace"]) if fmt == "vllm" else 4 * 8)  # every (token, MoE layer); every expert
+    assert open_trace(run).path == run / name
+    df = pd.read_parquet(run / name)
+    df[df.layer < 3].to_parquet(run / name, index=False)
+    with pytest.raises(MoetoolError) as e:
+        open_trace(run)
+    assert str(e.value) == (f"--trace {run / name} has {n * 3 // 4:,} rows, the run wrote {n:,}; a truncated or "
+                            "edited copy?")
+    r = runner.invoke(app, ["stats", "--trace", str(run), "-q", "--out", str(tmp_path / "stats")])
+    assert r.exit_code == 2 and r.output.strip() == f"error: {e.value}" and not (tmp_path / "stats").exists()
+    shutil.copyfile(imported[fmt] / name, run / name)
+    data = (run / name).read_bytes()
+    (run / name).write_bytes(data[:len(data) // 2])
+    with pytest.raises(MoetoolError) as e:
+        open_trace(run)
+    assert str(e.value) == (f"--trace {run / name} has {len(data) // 2:,} bytes, the run wrote {len(data):,}; a "
+                            "truncated or edited copy?")
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)

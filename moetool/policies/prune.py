@@ -26,6 +26,7 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError
+from ..files import table_problem
 from .base import Policy
 
 CRITERIA = ("frequency", "weighted", "reap", "random")
@@ -68,6 +69,19 @@ def removed_from_importance(importance: Any, criterion: str, fraction: float) ->
     return out
 
 
+def read_run_csv(path: str | Path) -> Any:
+    """The CSV at ``path`` (pandas' read); one that ``moetool prune`` wrote and that is no longer what it wrote
+    (rows, bytes or sha256 other than its run's manifest records, :func:`moetool.files.table_problem`: a truncated
+    copy would prune by a partial importance table) is refused in one line."""
+    import pandas as pd
+
+    df = pd.read_csv(path)
+    problem = table_problem(Path(path), len(df))
+    if problem:
+        raise MoetoolError(f"prune: {path} {problem}")
+    return df
+
+
 def read_removed(path: str, criterion: str | None = None, fraction: float | None = None) -> dict[int, list[int]]:
     """Removed experts per layer from a JSON object ``{"<layer>": [experts]}`` or a CSV with ``layer``, ``expert``
     (and, for ``prune_removed.csv``, ``criterion`` and ``fraction``: the set of one pair)."""
@@ -83,7 +97,7 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
         except (ValueError, TypeError, AttributeError) as e:
             raise MoetoolError(f"prune: {path} is not a JSON object of layer -> list of experts ({e})") from None
     try:
-        df = pd.read_csv(p)
+        df = read_run_csv(p)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
         raise MoetoolError(f"prune: {path} is not a readable CSV ({str(e).splitlines()[0]})") from None
     if not {"layer", "expert"} <= set(df.columns):
@@ -147,12 +161,10 @@ class PrunePolicy(Policy):
         if len(args) < 3:
             raise ValueError(f"prune:{criterion}:<fraction> needs the importance measured on data: add "
                              f":<prune_importance.csv> from moetool prune")
-        import pandas as pd
-
         path = ":".join(args[2:])
         if not Path(path).is_file():
             raise ValueError(f"no file '{path}'")
-        return cls(removed_from_importance(pd.read_csv(path), criterion, fraction), criterion=criterion,
+        return cls(removed_from_importance(read_run_csv(path), criterion, fraction), criterion=criterion,
                    fraction=fraction)
 
     def check_layers(self, policy_layers: list[int], moe_layers: list[int]) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import MoetoolError
+from ..files import table_problem
 from .rundir import MANIFEST, RunDir, manifest_problem, read_manifest
 
 HTML_ROWS = 20  # a table of up to this many rows is shown whole in the page / Markdown
@@ -575,8 +576,10 @@ def _cut_short(csv: Path) -> bool:
 
 
 def _read_tables(r: Run) -> list[tuple[Path, str, Any, str]]:
-    """``(csv, stem, table or None, error)`` of each table of ``r`` (stems safe and unique for
-    ``tables/<run>/<stem>.csv``; key columns first)."""
+    """``(csv, stem, table or None, why not)`` of each table of ``r`` (stems safe and unique for
+    ``tables/<run>/<stem>.csv``; key columns first). A table that is not the one the run wrote (cut short, or
+    rows, bytes or sha256 other than its manifest records: :func:`~moetool.files.table_problem`) is
+    ``None`` with the reason: the page says it in place of numbers that are not the run's."""
     import pandas as pd
 
     tables, taken = [], set()
@@ -588,7 +591,11 @@ def _read_tables(r: Run) -> list[tuple[Path, str, Any, str]]:
                                  "ends with one); a truncated copy?")
             df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
         except (OSError, ValueError, pd.errors.ParserError) as e:
-            tables.append((csv, stem, None, str(e)))
+            tables.append((csv, stem, None, f"unreadable ({e})"))
+            continue
+        problem = table_problem(csv, len(df), folder=r.path, manifest=r.manifest)
+        if problem:  # whole rows lost at a line break, or values edited: read cleanly, but not the run's numbers
+            tables.append((csv, stem, None, f"not shown (it {problem})"))
             continue
         tables.append((csv, stem, key_first(df), ""))
     return tables
@@ -633,14 +640,14 @@ def _figure(r: Run, fig: tuple[Path, str, str, bool], table_stem: dict[str, str]
 def _table(run: RunDir, r: Run, table: tuple[Path, str, Any, str], defs: dict[str, Any], body: list[str],
            md: list[str]) -> None:
     """A table copied as CSV and LaTeX under ``tables/<run>/`` and shown (a long one by its first rows), with
-    its definition; an unreadable one as a note."""
+    its definition; an unreadable one, or one that is not the run's (:func:`_read_tables`), as a note."""
     csv, stem, df, err = table
     if df is None:
-        body.append(f'<p class="note">{html.escape(csv.name)}: unreadable ({html.escape(err)})</p>')
-        md += [f"*{md_escape(csv.name)}: unreadable ({md_escape(err)})*", ""]
+        body.append(f'<p class="note" id="{r.name}--tab-{stem}">{html.escape(csv.name)}: {html.escape(err)}</p>')
+        md += [f"*{md_escape(csv.name)}: {md_escape(err)}*", ""]
         return
     rel = f"tables/{r.name}/{stem}"
-    with run.atomic(f"{rel}.csv") as tmp:
+    with run.atomic(f"{rel}.csv", rows=len(df)) as tmp:  # the copy is the run's table: its record as any table's
         shutil.copyfile(csv, tmp)
     with run.atomic(f"{rel}.tex") as tmp:
         tmp.write_text(to_latex(df, caption=f"{r.name}: {csv.name}", label=f"tab:{r.name}-{stem}"))

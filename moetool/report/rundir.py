@@ -2,7 +2,8 @@
 
 ``--out DIR`` (default ``runs/<command>-<timestamp>-<4 hex>``) holds the CSVs, ``figures/`` (PNG and PDF) and
 ``manifest.json``: command line, resolved options, versions, git revision, seed, model id and config, device,
-wall time, the files written, and ``status``.
+wall time, the files written, ``tables`` (each table's ``rows``, ``bytes`` and ``sha256`` as written: a copy that
+lost rows or had values edited is told from the run's own, :func:`moetool.files.table_problem`) and ``status``.
 
 Failing safely:
 
@@ -45,8 +46,8 @@ from ..checkpoints import CHECKPOINT_TYPES, UNIT_FORMAT, UNITS, Units  # noqa: F
 from ..experiments import registry as _registry  # noqa: F401 - discovering the experiments allows their checkpoint types
 from ..errors import MoetoolError, MoetoolRuntimeError, one_line, write_error  # noqa: F401 (one_line: rundir.one_line)
 from ..files import PART, atomic_path, jsonable as _jsonable  # noqa: F401 - rundir.atomic_path / PART: writers
+from ..files import MANIFEST, TABLES, table_record
 
-MANIFEST = "manifest.json"
 LOCK = ".moetool-lock"  # the advisory lock of the process writing the run (removed when the run ends)
 
 # the current-run registry: runs created in this process and not finished yet, by creation number (weak: a run
@@ -310,6 +311,7 @@ class RunDir:
         self.command = command
         self.started = time.time()
         self.files: list[str] = []
+        self.tables: dict[str, dict[str, Any]] = {}  # the manifest's TABLES: each table's rows, bytes, sha256
         self.runs: list[str] = []
         self.sections: dict[str, Any] = {}
         self.status = "new"
@@ -451,10 +453,16 @@ class RunDir:
         return RunDir(child_path, command, parent=self, replace=self._replace or read_manifest(child_path) is not None)
 
     # ----- writing ---------------------------------------------------------------------------------------------
-    def _record(self, p: Path) -> Path:
+    def _record(self, p: Path, rows: int | None = None) -> Path:
+        """List ``p`` in the manifest; with ``rows`` (a table), its :func:`table_record` too. A file written again
+        without ``rows`` drops its record: the manifest never keeps counts of a file that is no longer the table."""
         rel = p.relative_to(self._path).as_posix()
         if rel not in self.files:
             self.files.append(rel)
+        if rows is not None:
+            self.tables[rel] = table_record(p, rows)
+        else:
+            self.tables.pop(rel, None)
         self._write_manifest()
         return p
 
@@ -464,8 +472,9 @@ class RunDir:
         return self._record(self.path / name)
 
     @contextlib.contextmanager
-    def atomic(self, name: str) -> Iterator[Path]:
-        """``with run.atomic("trace.parquet") as tmp:`` write ``tmp``; renamed to ``name`` and listed on success."""
+    def atomic(self, name: str, rows: int | None = None) -> Iterator[Path]:
+        """``with run.atomic("trace.parquet") as tmp:`` write ``tmp``; renamed to ``name`` and listed on success.
+        ``rows``: the file is a table of that many rows (recorded in the manifest's ``tables``, :meth:`_record`)."""
         p = self.path / name
         p.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -473,13 +482,14 @@ class RunDir:
                 yield tmp
         except OSError as e:
             raise write_error(e, p) from None
-        self._record(p)
+        self._record(p, rows)
 
     def write_csv(self, name: str, df: Any) -> Path:
-        """Write a pandas DataFrame as ``name`` (``.csv`` or ``.csv.gz``)."""
+        """Write a pandas DataFrame as ``name`` (``.csv`` or ``.csv.gz``); its rows, bytes and sha256 go to the
+        manifest's ``tables``."""
         if len(df) == 0:
             raise MoetoolError(f"nothing to write to {name}: no rows (empty data?)")
-        with self.atomic(name) as tmp:
+        with self.atomic(name, rows=len(df)) as tmp:
             df.to_csv(tmp, index=False)
         return self._path / name
 
@@ -537,6 +547,7 @@ class RunDir:
             **extra,
             "runs": self.runs,
             "files": self.files,
+            TABLES: self.tables,
         }
 
     def _write_manifest(self, **extra: Any) -> Path:

@@ -1,6 +1,7 @@
 """The one writer: a :class:`~moetool.experiments.result.Result` into a run folder.
 
-Every table -> CSV (``run.write_csv``), then the experiment's figures (:mod:`moetool.report.plots`): a figure that
+Every table -> CSV (``run.write_csv``; a large one Parquet), its rows, bytes and sha256 in the manifest's ``tables``
+(:meth:`~moetool.report.RunDir.atomic`), then the experiment's figures (:mod:`moetool.report.plots`): a figure that
 fails is listed under ``figures_failed`` in the manifest (the tables stay written) and the run fails with one line
 (:class:`~moetool.errors.MoetoolRuntimeError`, exit 1). Then the manifest:
 options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
@@ -85,6 +86,6 @@ def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | Non
 def _write_parquet(run: Any, name: str, df: Any) -> None:
     from ..engine.stream import TableStream
 
-    with run.atomic(name) as tmp, TableStream(tmp) as out:
+    with run.atomic(name, rows=len(df)) as tmp, TableStream(tmp) as out:
         for _, part in (df.groupby("layer", sort=False) if "layer" in df else [(None, df)]):
             out.write({c: part[c].to_numpy() for c in part.columns})

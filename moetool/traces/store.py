@@ -8,7 +8,8 @@ manifest's ``routing_source`` section says where the routing came from (format, 
 version, notes) and the model's shape (``--config``).
 
 Reading back (:func:`open_trace`) takes a run folder, a ``trace.parquet`` / ``trace.csv.gz`` or a
-``loads.parquet``; a trace written by ``moetool trace`` itself gets its model's shape from its manifest.
+``loads.parquet``; a trace written by ``moetool trace`` itself gets its model's shape from its manifest. A file whose
+rows, bytes or sha256 differ from what its manifest records (:func:`moetool.files.table_problem`) is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import MoetoolError
+from ..files import table_problem
 from .readers import Chunk, Counts
 from .shape import ModelShape
 
@@ -113,6 +115,18 @@ def _manifest(folder: Path) -> dict[str, Any]:
         raise MoetoolError(f"{p}: not valid JSON") from None
 
 
+def parquet_rows(p: Path) -> int | None:
+    """The rows a Parquet file's footer records (``None``: not Parquet, or no readable footer)."""
+    if not p.name.endswith(".parquet"):
+        return None
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(p).num_rows
+    except Exception:  # noqa: BLE001 - pyarrow's errors for a truncated or foreign file: read_batches says it
+        return None
+
+
 def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
     """The trace or loads file at ``path`` (or in the run folder ``path``), with the model's shape from the
     manifest (imported: ``routing_source.shape``; ``moetool trace``: its model) or from ``config``."""
@@ -128,6 +142,9 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
     if not (p.name.endswith(".parquet") or p.name.endswith(".csv.gz")):
         raise MoetoolError(f"--trace {p}: a trace is a .parquet or .csv.gz file (moetool trace / import-trace)")
     man = _manifest(p.parent)
+    problem = table_problem(p, parquet_rows(p), manifest=man)
+    if problem:  # rows lost or edited: every number drawn from it would be another routing's
+        raise MoetoolError(f"--trace {p} {problem}")
     rs = man.get("routing_source") or {}
     kind = "loads" if p.name == LOADS or rs.get("kind") == "loads" else "trace"
     recorded = None  # the shape the manifest records (import-trace) or names (moetool trace's model)
