@@ -18,7 +18,8 @@ def check(p: Any, opts: Any) -> dict[str, Any]:
     def call(compute: Any, args: tuple[Any, ...], kwargs: dict[str, Any], folder: Any) -> Any:
         if getattr(folder, "discard", False):  # a rank other than 0 under torchrun: its rows go to rank 0
             return compute(*args, quiet=kwargs["quiet"])
-        with folder.atomic(name) as tmp:
+        res = None
+        with folder.atomic(name, rows=lambda: res.meta.get("trace_rows")) as tmp:  # its record in the manifest
             res = compute(*args, path=tmp, **kwargs)
         res.meta["files"] = {"trace": name}
         return res

@@ -182,10 +182,10 @@ def wilson_by_hand(p, n, z=1.959964):
     return sorted(np.roots([a, -(2 * p + z * z / n), p * p]).real.tolist())
 
 
-def recorded_tables(folder, unrecorded=()) -> dict[str, int]:
+def recorded_tables(folder) -> dict[str, int]:
     """``{table: rows}`` of the run in ``folder``, after checking its manifest's ``tables`` against the files read
-    back by hand: every table it lists (CSV, gzipped CSV, Parquet; but ``unrecorded``) has its record, rows as pandas
-    reads them, bytes and sha256 as on disk."""
+    back by hand: every table it lists (CSV, gzipped CSV, Parquet) has its record, rows as pandas reads them, bytes
+    and sha256 as on disk."""
     import hashlib
     import json
     from pathlib import Path
@@ -194,7 +194,7 @@ def recorded_tables(folder, unrecorded=()) -> dict[str, int]:
 
     folder = Path(folder)
     m = json.loads((folder / "manifest.json").read_text())
-    tables = [f for f in m["files"] if f.endswith((".csv", ".csv.gz", ".parquet")) and f not in unrecorded]
+    tables = [f for f in m["files"] if f.endswith((".csv", ".csv.gz", ".parquet"))]
     assert sorted(m["tables"]) == sorted(tables), (folder, m["tables"].keys(), tables)
     for f in tables:
         p = folder / f

@@ -200,6 +200,29 @@ def test_an_imported_trace_that_lost_rows_is_refused(captured, imported, fmt, tm
                             "truncated or edited copy?")
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "csv.gz"])
+def test_moetool_traces_streamed_file_is_recorded_and_a_copy_that_lost_rows_refused(fmt, tmp_path):
+    """``moetool trace`` streams its file while the model runs: its rows (counted by the stream), bytes and sha256
+    still reach the manifest, so a copy rewritten without a layer's rows is refused by ``--trace`` as an imported
+    trace's is (before, the streamed file had no record and the shorter trace was read as the whole)."""
+    from conftest import recorded_tables
+
+    run = tmp_path / "trace"
+    r = runner.invoke(app, ["trace", "--max-tokens", "128", "--seq-len", "32", "--batch-size", "2", "--format", fmt,
+                            "-q", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    name = f"trace.{fmt}"
+    read = pd.read_parquet if fmt == "parquet" else pd.read_csv
+    df = read(run / name)
+    assert recorded_tables(run) == {name: len(df)} and len(df) == 128 * df["layer"].nunique()
+    assert open_trace(run).path == run / name
+    short = df[df.layer != df.layer.max()]
+    short.to_parquet(run / name, index=False) if fmt == "parquet" else short.to_csv(run / name, index=False)
+    r = runner.invoke(app, ["stats", "--trace", str(run), "-q", "--out", str(tmp_path / "stats")])
+    assert r.exit_code == 2 and f"--trace {run / name} has " in r.output and "a truncated or edited copy?" in \
+        r.output and not (tmp_path / "stats").exists()
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)

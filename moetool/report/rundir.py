@@ -40,7 +40,7 @@ import time
 import weakref
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..checkpoints import CHECKPOINT_TYPES, UNIT_FORMAT, UNITS, Units  # noqa: F401 - rundir.Units: the run's checkpoints
 from ..experiments import registry as _registry  # noqa: F401 - discovering the experiments allows their checkpoint types
@@ -472,9 +472,10 @@ class RunDir:
         return self._record(self.path / name)
 
     @contextlib.contextmanager
-    def atomic(self, name: str, rows: int | None = None) -> Iterator[Path]:
+    def atomic(self, name: str, rows: int | Callable[[], int | None] | None = None) -> Iterator[Path]:
         """``with run.atomic("trace.parquet") as tmp:`` write ``tmp``; renamed to ``name`` and listed on success.
-        ``rows``: the file is a table of that many rows (recorded in the manifest's ``tables``, :meth:`_record`)."""
+        ``rows``: the file is a table of that many rows (recorded in the manifest's ``tables``, :meth:`_record`);
+        a callable: asked once the body is done (a table streamed to ``tmp`` knows its rows only then)."""
         p = self.path / name
         p.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -482,7 +483,7 @@ class RunDir:
                 yield tmp
         except OSError as e:
             raise write_error(e, p) from None
-        self._record(p, rows)
+        self._record(p, rows() if callable(rows) else rows)
 
     def write_csv(self, name: str, df: Any) -> Path:
         """Write a pandas DataFrame as ``name`` (``.csv`` or ``.csv.gz``); its rows, bytes and sha256 go to the

@@ -138,7 +138,8 @@ class PartStream:
             self.units.file(".part-" + self._name()).unlink(missing_ok=True)
             self._out = None
 
-    def assemble(self, path: str | Path) -> None:
+    def assemble(self, path: str | Path) -> int:
+        """The parts into ``path``; returns its rows."""
         import pyarrow.parquet as pq
 
         with TableStream(path) as out:
@@ -147,6 +148,7 @@ class PartStream:
                 for g in range(f.num_row_groups):
                     t = f.read_row_group(g)
                     out.write({c: t.column(c) for c in t.column_names})
+        return out.rows
 
 
 def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: str | Path | None = None,
@@ -154,9 +156,10 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     """Per-token routing of every MoE layer (what ran: the ``routing`` policy's choice in ``layers``).
 
     Without ``path``: table ``trace`` (columns in the module docstring) in memory. With ``path``
-    (``.csv.gz`` or ``.parquet``): streamed there batch by batch; the result then holds no table and
-    ``meta["files"]`` names the file. ``units`` (with ``path``, one process; ``--resume``): streamed in parts
-    checkpointed now and then (:class:`PartStream`), a resumed run goes on from the next batch.
+    (``.csv.gz`` or ``.parquet``): streamed there batch by batch; the result then holds no table,
+    ``meta["files"]`` names the file and ``meta["trace_rows"]`` counts its rows (the manifest's record of it).
+    ``units`` (with ``path``, one process; ``--resume``): streamed in parts checkpointed now and then
+    (:class:`PartStream`), a resumed run goes on from the next batch.
     """
     opts = resolve_options(TraceOptions, options, overrides)
     require_tokens(tokens)
@@ -202,13 +205,14 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
             forward(lm, tokens, on_batch=emit(ps.write, ps.batch_done), start_batch=ps.next_batch, **run)
         finally:
             ps.abort()
-        ps.assemble(path)
-        return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}})
+        rows = ps.assemble(path)
+        return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}, "trace_rows": rows})
     if path is not None:
         with TableStream(path) as out:
             forward(lm, tokens, on_batch=emit(out.write), **run)
             finish(out.write)
-        return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}})
+        rows = out.rows if distributed.is_main() else None  # (another rank's rows went to rank 0's file)
+        return Result("trace", {}, opts, meta={**meta, "files": {"trace": Path(path).name}, "trace_rows": rows})
     forward(lm, tokens, on_batch=emit(parts.append), **run)
     finish(parts.append)
     import pandas as pd
