@@ -285,9 +285,7 @@ class RoutingStats:
             layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
                            "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
                            "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
-            z = getattr(self.layers.get(li), "n_zero_compute", 0)
-            if z:  # zero-computation experts (LongCat-Flash): how often the routing takes the identity route
-                layers[-1]["zero_compute_fraction"] = float(frac[n - z:].sum())
+            layers[-1].update(zero_compute_column(frac, getattr(self.layers.get(li), "n_zero_compute", 0)))
             co.append(_coactivation_arrays(li, a.co.cpu()))
             if self.domains:
                 dom += _domain_arrays(li, a, self.domains)
@@ -303,6 +301,13 @@ class RoutingStats:
             out["top_tokens.csv"] = with_tokens(_frame(top), decode)[cols]
             out["top_tokens_lift.csv"] = with_tokens(_frame(lift), decode)[cols + ["lift"]]
         return out
+
+
+def zero_compute_column(frac: torch.Tensor, z: int) -> dict[str, float]:
+    """``{"zero_compute_fraction": ...}`` of a layer whose last ``z`` experts compute nothing (LongCat-Flash's identity
+    experts): how often its routing takes that route, the sum of their load fractions ``frac [n]``; ``{}`` when
+    ``z`` is 0 (the column exists only for such layers)."""
+    return {"zero_compute_fraction": float(frac[frac.shape[0] - z:].sum())} if z else {}
 
 
 def _frame(parts: list[dict[str, Any]]) -> Any:
