@@ -2,7 +2,8 @@
 
 Columns: row (packed row index; global under data parallel), pos (position in the row), token_id, token, domain,
 layer (decoder layer index), expert_k / weight_k (the k-th chosen expert, the model's ranked by selection score
-largest first whatever order its router returned them in, a policy's as it returned them, and its weight), logit_e (router logit of expert e, with ``logits=True``). Rows are layer-major within each batch.
+largest first whatever order its router returned them in, a policy's as it returned them, and its weight), logit_e
+(router logit of expert e, with ``logits=True``). Rows are layer-major within each batch.
 
 :class:`TraceCollector` keeps the batch's chosen experts, weights (and logits) on the device and makes one host copy
 per batch (the padding mask is read on the host: no device sync inside the forward). With a ``path`` the rows are
