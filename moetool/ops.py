@@ -160,6 +160,14 @@ def best_of(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return idx.gather(-1, scores.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)
 
 
+def rank_order(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Positions ``[T, K]`` that put each row of a chosen set ``idx [T, K]`` in descending ``scores [T, n]`` order
+    (``idx.gather(-1, rank_order(idx, scores))``): the order ``torch.topk(sorted=True)`` returns, whatever order the
+    set came in (DeepSeek-V3's, GLM-4.5's, LongCat's routers return theirs unsorted). Stable: equal scores keep
+    their order, so the first is :func:`best_of`'s."""
+    return torch.sort(scores.gather(-1, idx.long()), dim=-1, descending=True, stable=True).indices
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device`` without a host synchronisation: a CPU tensor bound for a GPU is pinned and copied
     asynchronously (a copy from pageable host memory makes the host wait for the GPU: a sync inside the forward).

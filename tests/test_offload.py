@@ -356,6 +356,77 @@ def test_prediction_is_exact_when_attention_adds_nothing(tiny):
     assert (pr0.topk_recall < 1.0).any()  # the real model: attention moves the routing
 
 
+def _deepseek_v3_routing(gate, h, cfg):
+    """DeepSeek-V3's router written from transformers' modeling code (not moetool's rule): sigmoid scores, the
+    correction bias for the choice only, groups scored by their top-2 sum, the top-K among ``topk_group`` groups;
+    weights = the unbiased scores of the chosen, renormalised, x routed_scaling_factor. ``(idx, weights)``."""
+    s = (h.float() @ gate.weight.float().T).sigmoid()
+    sel = s + gate.e_score_correction_bias.float()
+    n, G = sel.shape[-1], cfg.n_group
+    top_groups = sel.view(-1, G, n // G).topk(2, dim=-1)[0].sum(-1).topk(cfg.topk_group, dim=-1)[1]
+    keep = torch.zeros(sel.shape[0], G).scatter_(1, top_groups, 1).repeat_interleave(n // G, dim=1).bool()
+    idx = sel.masked_fill(~keep, 0.0).topk(cfg.num_experts_per_tok, dim=-1)[1]
+    w = s.gather(1, idx)
+    return idx, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+
+
+def test_prediction_of_a_biased_grouped_router_against_plain_hooks():
+    """DeepSeek-V3 (sigmoid, correction bias, groups): the next-layer prediction is the layer's own routing rule,
+    and its best expert is the one that routing would weight highest, as the real top-1 is the chosen expert of
+    largest weight: here both from plain hooks (decoder-layer pre-hooks for x_ℓ, the gate's output for the chosen
+    set and weights) and the rule above. The correction bias reorders the chosen experts' selection scores against
+    their weights, so ranking the prediction by selection score instead read a perfect predictor as missing: with
+    every attention output zeroed (router input = post_attention_layernorm(x_ℓ) exactly) both recalls are 1."""
+    from types import SimpleNamespace
+
+    from conftest import build_tiny_model
+
+    from moetool.adapters import find_moe_layers
+    from moetool.data import TokenSet
+
+    model = build_tiny_model("deepseek_v3")
+    cfg = model.config
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, cfg.vocab_size, (6, 24), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -5:], mask[4, :3] = 0, 0
+    tokens = TokenSet(ids, mask, [""] * 6, "test")
+    layers = model.model.layers
+    for zero_attention in (False, True):
+        if zero_attention:
+            with torch.no_grad():
+                for dl in layers:
+                    dl.self_attn.o_proj.weight.zero_()
+        xin, out, hooks = {}, {}, []
+        for i, dl in enumerate(layers):
+            hooks.append(dl.register_forward_pre_hook(lambda m, a, kw, i=i: xin.__setitem__(
+                i, (a[0] if a else kw["hidden_states"]).detach().clone()), with_kwargs=True))
+            if i >= cfg.first_k_dense_replace:
+                hooks.append(dl.mlp.gate.register_forward_hook(lambda m, a, o, i=i: out.__setitem__(i, o)))
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        for h in hooks:
+            h.remove()
+        lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name="ds")
+        pr = offload(lm, tokens, bootstrap=0, policies=("lru",), batch_size=6, quiet=True)["offload_prefetch"]
+        pr = pr.set_index("layer")
+        keep = mask.reshape(-1).bool()
+        assert sorted(pr.index) == list(range(cfg.first_k_dense_replace, len(layers)))
+        for i in pr.index:
+            _, w, idx = out[i]
+            idx, w = idx[keep], w[keep]
+            real = idx.gather(1, w.argmax(-1, keepdim=True))[:, 0]
+            with torch.no_grad():
+                x = layers[i].post_attention_layernorm(xin[i].reshape(-1, cfg.hidden_size)[keep])
+                pidx, pw = _deepseek_v3_routing(layers[i].mlp.gate, x, cfg)
+            best = pidx.gather(1, pw.argmax(-1, keepdim=True))[:, 0]
+            overlap = (pidx.unsqueeze(-1) == idx.unsqueeze(-2)).any(-1).double().mean()
+            assert pr.loc[i, "top1_recall"] == pytest.approx(float((best == real).double().mean()), abs=1e-12)
+            assert pr.loc[i, "topk_recall"] == pytest.approx(float(overlap), abs=1e-12)
+            if zero_attention:
+                assert pr.loc[i, "top1_recall"] == 1.0 and pr.loc[i, "topk_recall"] == 1.0
+
+
 def test_options_are_checked(tiny):
     lm, tokens = tiny
     with pytest.raises(MoetoolError):

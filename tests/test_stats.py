@@ -569,3 +569,72 @@ def test_load_and_layers_against_plain_hooks_in_float64():
     np.testing.assert_allclose(lay["aux_loss_hf_pooled"], pooled, rtol=1e-6)
     hf = float(load_balancing_loss_func(tuple(seen[i][0] for i in sorted(seen)), n, K, mask))
     assert pooled == pytest.approx(hf, rel=1e-6)
+
+
+def test_first_ranked_expert_of_an_unsorted_router_against_plain_hooks():
+    """LongCat-Flash (identity experts, a correction bias, ``topk(sorted=False)`` as DeepSeek-V3, GLM-4.5 and others):
+    its router returns the top-K unsorted (on CPU the largest is never first at K = 4), so the first-ranked expert
+    is the chosen one with the largest selection score (softmax + correction bias), the order ``topk(sorted=True)``
+    gives. Against plain forward hooks on transformers' own router, ranked here: the specialisation views,
+    --top-k 1 (load, cross-layer), --coactivation adjacent (neighbouring ranks), zero_compute_fraction (identity
+    experts = the last ids), and the trace's expert_1..K (largest first, what stats --trace --top-k 1 reads)."""
+    from itertools import pairwise
+
+    from moetool.adapters.discovery import model_class, tiny_config
+    from moetool.experiments.trace.compute import trace
+
+    cfg = tiny_config("longcat_flash")
+    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 12, 4, 4
+    torch.manual_seed(0)
+    model = model_class("longcat_flash").from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    routers = [layer.mlp.router for layer in model.model.layers]
+    with torch.no_grad():
+        for r in routers:
+            r.classifier.weight.copy_(torch.randn(r.classifier.weight.shape, generator=gen) * 0.15)
+            r.e_score_correction_bias.copy_(torch.randn(r.e_score_correction_bias.shape, generator=gen) * 0.05)
+    ids = torch.randint(3, 30, (6, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[2, -6:], mask[5, -3:] = 0, 0
+    seen = {}
+    hooks = [r.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o)) for i, r in enumerate(routers)]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    keep = mask.reshape(-1).bool()
+    tokens = TokenSet(ids, mask, [""] * 6, "test")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    kw = dict(quiet=True, bootstrap=0, batch_size=6, top_tokens=0, min_count=2)
+    adj, top1 = stats(lm, tokens, coactivation="adjacent", **kw), stats(lm, tokens, top_k=1, **kw)
+    tr = trace(lm, tokens, quiet=True)["trace"]
+    n, K, ranked = 16, 4, {}
+    for i, r in enumerate(routers):
+        logits, _, idx = seen[i]
+        sel = torch.softmax(logits.float(), -1) + r.e_score_correction_bias
+        order = torch.sort(sel.gather(1, idx), dim=-1, descending=True, stable=True).indices
+        ranked[i] = idx.gather(1, order)[keep].numpy()
+        assert (ranked[i][:, 0] != idx[keep][:, 0].numpy()).any()  # the router's order is not the rank order
+    for i, rk in ranked.items():
+        first = rk[:, 0]
+        row = adj["layers"].set_index("layer").loc[i]
+        assert row.zero_compute_fraction == pytest.approx(float((rk >= n - 4).mean()), abs=1e-15)
+        co = adj["coactivation"]
+        co = co[co.layer == i].set_index(["a", "b"])["count"]
+        hand = Counter((a, b) for t in rk.tolist() for x, y in pairwise(t) for a, b in ((x, y), (y, x)))
+        assert {k: v for k, v in co.items() if v} == hand, i
+        assert top1["load"][top1["load"].layer == i]["tokens"].tolist() == np.bincount(first, minlength=n).tolist()
+        sp = adj["specialization"].set_index(["layer", "view"]).loc[(i, "input")]
+        by_token = defaultdict(Counter)
+        for tid, e in zip(ids.reshape(-1)[keep].tolist(), first.tolist()):
+            by_token[tid][e] += 1
+        share = [max(c.values()) / sum(c.values()) for c in by_token.values()]
+        assert sp.specialization_all_ids == pytest.approx(np.mean(share), abs=1e-12)
+        got = tr[tr.layer == i].sort_values(["row", "pos"])[[f"expert_{k + 1}" for k in range(K)]].to_numpy()
+        np.testing.assert_array_equal(got, rk)
+    cl = top1["cross_layer"]
+    for a, b in pairwise(sorted(ranked)):
+        hand = np.zeros((n, n), dtype=np.int64)
+        np.add.at(hand, (ranked[a][:, 0], ranked[b][:, 0]), 1)
+        got = cl[(cl.layer == a) & (cl.next_layer == b)].sort_values(["a", "b"])["count"].to_numpy()
+        np.testing.assert_array_equal(got, hand.reshape(-1))

@@ -266,6 +266,44 @@ def test_placement_tables_equal_forward(captured, imported, fmt):
         _same(res[name], ref[name], cols)
 
 
+def test_zero_computation_experts_on_a_trace(tmp_path):
+    """LongCat-Flash (8 routed + 2 identity experts, the last ids): the trace's shape, read from the config alone,
+    knows the identity experts, so stats --trace gives zero_compute_fraction and placement --trace places the computed
+    experts only, as the forward's stats and placement do (the same tables; before, placement --trace placed the
+    identity experts as GPUs' experts and stats --trace dropped the column)."""
+    from types import SimpleNamespace
+
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.data import TokenSet
+    from moetool.experiments.placement.compute import placement
+    from moetool.experiments.stats.compute import stats
+    from moetool.experiments.trace.compute import trace
+
+    model = build_tiny("longcat_flash")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name="longcat")
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 40, (6, 24), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[2, -7:] = 0
+    toks = TokenSet(ids, mask, [""] * 6, "test")
+    model.config.save_pretrained(tmp_path / "config")  # the shape from the config alone (no weights)
+    (tmp_path / "t").mkdir()
+    trace(lm, toks, quiet=True)["trace"].to_parquet(tmp_path / "t" / "trace.parquet", index=False)
+    src = open_trace(tmp_path / "t", str(tmp_path / "config"))
+    live = stats(lm, toks, quiet=True, bootstrap=0, top_tokens=0, specialization=False)
+    res = stats_from_trace(src, StatsOptions(top_tokens=0, bootstrap=0))
+    _same(res["layers"], live["layers"], ["layer", "n_experts", "tokens", "max_load_ratio", "zero_compute_fraction"])
+    opts = PlacementOptions(gpus=(2, 4), extra_slots=(0, 1), bootstrap=0, groups=1)
+    got, loads = placement_from_trace(src, opts)
+    ref = placement(lm, toks, opts, quiet=True)
+    assert loads["n"] == 8 and got.meta["zero_computation_experts_not_placed"] == 2
+    for name in ("placement", "placement_overall", "placement_loads"):
+        _same(got[name], ref[name], [c for c in ref[name].columns if not c.endswith(("_lo", "_hi"))])
+    assert src.shape.zero == {L.index: 2 for L in lm.layers}
+    assert ModelShape.from_manifest(src.shape.to_manifest()) == src.shape
+
+
 @pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-per-token"))
 def test_offload_tables_equal_forward(captured, imported, fmt):
     """Coverage, per-layer shares and every cache policy's hits on the trace's token stream equal the forward's

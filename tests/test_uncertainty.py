@@ -274,3 +274,47 @@ def test_one_row_has_no_interval_in_every_interval_function():
         replicates(10, 1)  # a bad --bootstrap is still refused on one row
     with pytest.raises(MoetoolError, match="at least 2 documents/rows"):
         bootstrap_weights(1, 1000)  # drawing weights over one row is still a caller's error
+
+
+def test_intervals_equal_a_bootstrap_written_from_its_definition():
+    """The document-level bootstrap rebuilt from the documented draw alone (numpy's default_rng(seed).multinomial of
+    n_rows draws over the rows, n_boot times) and the textbook intervals (Efron & Tibshirani 1993, ch. 13-14): the
+    percentile interval of a ratio and of exp(ratio) (ppl), and BCa of an entropy and a max (z0 = Phi^-1 of the share
+    of replicates below the estimate, ties counting half as scipy's BCa; a = sum d^3 / (6 (sum d^2)^1.5) over the
+    leave-one-row-out jackknife; quantiles interpolated linearly), widened to the estimate. Exactly moetool's. Rows
+    all alike: every replicate is the estimate, a zero-width interval at it (the degenerate BCa cases on synthetic
+    replicates: test_bca_degenerate_falls_back_to_the_percentile_interval_widened_to_the_estimate)."""
+    from statistics import NormalDist
+
+    from moetool.uncertainty import sum_intervals
+
+    nd, B, seed = NormalDist(), 999, 5
+    rng = np.random.default_rng(2)
+    counts = rng.multinomial(60, rng.dirichlet(np.full(6, 0.7)), size=25).astype(float)  # [rows, experts]
+    tokens = counts.sum(1) / 2  # K = 2
+    W = np.random.default_rng(seed).multinomial(25, np.full(25, 1 / 25), size=B).astype(float)
+    for e, iv in enumerate(ratio_intervals(counts, tokens, n_boot=B, seed=seed)):
+        assert (iv.lo, iv.hi) == tuple(np.quantile((W @ counts[:, e]) / (W @ tokens), [0.025, 0.975]))
+    (pp,) = ratio_intervals(counts[:, 0], tokens, n_boot=B, seed=seed, transform=np.exp)
+    assert (pp.lo, pp.hi) == pytest.approx(tuple(np.quantile(np.exp((W @ counts[:, 0]) / (W @ tokens)),
+                                                             [0.025, 0.975])), rel=1e-15)
+
+    def entropy_and_max(s):
+        f = s / s.sum(-1, keepdims=True)
+        return np.stack([-(f * np.log(f)).sum(-1) / math.log(6), f.max(-1) * 6], -1)
+
+    got = sum_intervals(counts, entropy_and_max, n_boot=B, seed=seed, method="bca")
+    reps, theta = entropy_and_max(W @ counts), entropy_and_max(counts.sum(0))
+    jack = entropy_and_max(counts.sum(0) - counts)
+    for j, iv in enumerate(got):
+        z0 = nd.inv_cdf((np.sum(reps[:, j] < theta[j]) + 0.5 * np.sum(reps[:, j] == theta[j])) / B)
+        d = jack[:, j].mean() - jack[:, j]
+        a = np.sum(d ** 3) / (6 * np.sum(d ** 2) ** 1.5)
+        q = [nd.cdf(z0 + (z0 + z) / (1 - a * (z0 + z))) for z in (nd.inv_cdf(0.025), nd.inv_cdf(0.975))]
+        lo, hi = np.quantile(reps[:, j], q)
+        assert iv.value == theta[j] and (iv.lo, iv.hi) == pytest.approx((min(lo, theta[j]), max(hi, theta[j])),
+                                                                        rel=1e-15)
+    same = np.tile(counts[:1], (8, 1))
+    for iv in [*ratio_intervals(same, same.sum(1), n_boot=B), *sum_intervals(same, entropy_and_max, n_boot=B,
+                                                                              method="bca")]:
+        assert iv.lo == pytest.approx(iv.value, rel=1e-14) and iv.hi == pytest.approx(iv.value, rel=1e-14)

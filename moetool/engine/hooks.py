@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from .. import ops
 from ..adapters import quant
 from ..adapters.base import MoELayer
 from ..errors import MoetoolError
@@ -57,6 +58,18 @@ class RoutingEvent:
     def probs(self) -> torch.Tensor:
         """π: the model's full routing distribution ``[T, n]`` (fp32)."""
         return self.layer.probs(self.logits)
+
+    @cached_property
+    def ranked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own ``(idx, weights)`` ``[T, K]`` in rank order: the largest selection score first
+        (``layer.selection_scores``: the scores it ranks experts by, a correction bias included), as
+        ``torch.topk(sorted=True)`` returns them. ``idx`` is the order the router returned, which for several
+        families (``topk(sorted=False)``: DeepSeek-V3, GLM-4.5, LongCat, ...) is not the rank order, so ``idx[:, 0]``
+        need not be the first-ranked expert. Computed once per event for every consumer that reads it."""
+        if self.idx.shape[-1] == 1:
+            return self.idx, self.weights
+        order = ops.rank_order(self.idx, self.layer.selection_scores(self.logits))
+        return self.idx.gather(-1, order), self.weights.gather(-1, order)
 
 
 class Policy(Protocol):

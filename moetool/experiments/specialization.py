@@ -7,7 +7,8 @@ the end with the pure functions below.
 Conventions (also in :data:`DEFINITIONS`, written to the manifest):
 
 * vocabulary specialisation counts each token's **first-ranked** expert, as allenai/OLMoE
-  ``scripts/run_moe_analysis.py`` (``do_token_analysis``: ``exp_ids[:, 0, layer]``) does;
+  ``scripts/run_moe_analysis.py`` (``do_token_analysis``: ``exp_ids[:, 0, layer]``) does: the chosen expert with
+  the largest selection score (:func:`chosen`), whatever order the router returned the top-K in;
 * cross-layer co-activation counts every pair (top-K at layer l) x (top-K at the next MoE layer) of a token;
 * the load-balancing view follows transformers' ``load_balancing_loss_func`` (f_e counts top-K assignments per
   token, so it sums to K; P_e is the mean routing probability).
@@ -30,7 +31,9 @@ VIEWS = ("input", "next_token", "predicted")
 DEFINITIONS = {
     "specialization": "per layer and view, mean over token ids with >= min_count occurrences of the share of the "
                       "token's occurrences whose first-ranked expert is the token's most frequent first-ranked "
-                      "expert (OLMoE sec. 5; top-1 as allenai/OLMoE run_moe_analysis.py). Views: input = the "
+                      "expert (OLMoE sec. 5; top-1 as allenai/OLMoE run_moe_analysis.py: the chosen expert with the "
+                      "largest selection score, a correction bias included, whatever order the router returned its "
+                      "top-K in). Views: input = the "
                       "token at the position, next_token = the ground-truth next token (positions whose next "
                       "position is real), predicted = argmax of the model's logits at the position. Encoder-decoder "
                       "models (the row as source and target): an encoder position t reads token t, its next_token "
@@ -65,6 +68,17 @@ def on_device(batch: dict[str, Any], key: str, device: Any) -> torch.Tensor:
     if (key, device) not in cache:
         cache[key, device] = ops.to_device(batch[key], device)
     return cache[key, device]
+
+
+def chosen(ev: RoutingEvent, top_k: int | None = None, ranked: bool = False) -> torch.Tensor:
+    """The event's top-K ``[T, K]`` as a table counts it: with ``top_k`` (1: OLMoE's ``*_top1``) its first ``top_k``
+    in rank order (:attr:`~moetool.engine.hooks.RoutingEvent.ranked`: the largest selection score first, whatever
+    order the router returned them in); without, every chosen expert, in rank order where ``ranked`` (neighbouring
+    ranks count), else as the router returned them (a set: the order does not count)."""
+    if top_k is None and not ranked:
+        return ev.idx
+    idx = ev.ranked[0]
+    return idx[:, :top_k] if top_k else idx
 
 
 def _masked_keys(ids: torch.Tensor, expert: torch.Tensor, n: int, keep: torch.Tensor) -> torch.Tensor:
@@ -125,7 +139,7 @@ class VocabSpecialization:
         if self._batch is None or self._batch["shape"] != tuple(ev.shape):
             raise MoetoolError("VocabSpecialization: call begin_batch(batch) before each forward")
         n, dev = ev.layer.n_experts, ev.idx.device
-        top1 = ev.idx[:, 0].long()  # [T] first-ranked expert (torch.topk order)
+        top1 = chosen(ev, 1)[:, 0].long()  # [T] first-ranked expert (largest selection score)
         valid = ev.valid.to(dev)
         c = self._counter(ev.layer.index, n)
         if getattr(ev.layer, "stack", None) == "decoder":  # reads the previous token, predicts this one
@@ -325,7 +339,7 @@ class CrossLayer:
 
     def __call__(self, ev: RoutingEvent) -> None:
         li, n, dev = ev.layer.index, ev.layer.n_experts, ev.idx.device
-        idx = ev.idx[:, : self.top_k] if self.top_k else ev.idx  # [T, K]
+        idx = chosen(ev, self.top_k)  # [T, K]
         self.k[li] = idx.shape[-1]
         m = ops.multi_hot(idx, n, dtype=torch.float64) * ev.valid.to(dev).unsqueeze(-1)  # [T, n], padding rows 0
         prev, self._prev = self._prev, (li, m)
@@ -402,7 +416,7 @@ class LoadBalance:
     def __call__(self, ev: RoutingEvent) -> None:
         n, dev = ev.layer.n_experts, ev.idx.device
         valid = ev.valid.to(dev)
-        idx = ev.idx[:, : self.top_k] if self.top_k else ev.idx  # [T, K]
+        idx = chosen(ev, self.top_k)  # [T, K]
         a = self.acc.setdefault(ev.layer.index, {
             "prob": torch.zeros(n, dtype=torch.float64, device=dev),
             "assign": torch.zeros(n, dtype=torch.float64, device=dev),

@@ -34,7 +34,8 @@ from .offload.compute import offload_tables
 from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
 from .specialization import coactivation_counts, token_decoder, with_tokens
-from .stats.compute import DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank
+from .stats.compute import (DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank,
+                            zero_compute_column)
 
 #: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
 NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "
@@ -148,7 +149,8 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                                   "token_fraction": (a.assign / a.tokens).numpy(), "tokens": a.assign.long().numpy()}))
         ent = float(ops.entropy(frac))
         layers.append({"layer": li, "n_experts": a.n, "top_k": a.k, "tokens": a.tokens, "load_entropy": ent,
-                       "load_entropy_norm": ent / math.log(a.n), "max_load_ratio": float(frac.max()) * a.n})
+                       "load_entropy_norm": ent / math.log(a.n), "max_load_ratio": float(frac.max()) * a.n,
+                       **zero_compute_column(frac, src.shape.n_zero_compute(li))})
         if a.co is not None:
             co.append(_coactivation_frame(li, a.co))
         if a.pairs is not None:  # the forward's own ranking (stats._pair_frame, _rank) on the trace's counts
@@ -176,7 +178,8 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                                                    "the trace has no token ids (the responses carried none)")
     defs = {k: v for k, v in STATS_DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
                                                                 "load_entropy", "max_load_ratio", "top_k",
-                                                                "coactivation", "top_tokens", "top_tokens_lift")}
+                                                                "first-ranked", "coactivation", "top_tokens",
+                                                                "top_tokens_lift", "zero_compute_fraction")}
     if src.kind == "loads":
         defs["tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
     summary = pd.DataFrame(layers)[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm",
@@ -207,13 +210,18 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     if len(ns) != 1:
         raise MoetoolError("the trace's MoE layers have different numbers of experts: choose layers of one n with "
                            "--layers")
-    n = ns.pop()
+    zs = {src.shape.n_zero_compute(li) for li in idx}
+    if len(zs) != 1:
+        raise MoetoolError("the trace's MoE layers have different numbers of zero-computation experts: choose layers "
+                           "of one n with --layers")
+    z = zs.pop()
+    n = ns.pop() - z  # zero-computation experts run nowhere: not placed (their assignments take no GPU)
     K = sums[idx[0]].k
     groups = options.groups or 1
     if n % groups:
         raise MoetoolError(f"--groups {groups} must divide the {n} experts")
     gpu_counts = options.gpu_counts(n)
-    load = torch.stack([sums[li].assign for li in idx])  # [layers, n] float64
+    load = torch.stack([sums[li].assign[:n] for li in idx])  # [layers, n] float64
     tokens = {sums[li].tokens for li in idx}
     if len(tokens) != 1:
         raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
@@ -221,7 +229,7 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     df, overall = placement_tables(load, None, 0, idx, n, options,
                                    _placements(load, None, n, groups, gpu_counts, options))
     meta = dict(definitions=PLACEMENT_DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K,
-                groups=groups,
+                groups=groups, zero_computation_experts_not_placed=z,
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
                                  "ported in moetool.experiments.placement",
                           policy="hierarchical" if groups % options.nodes == 0 else "global"),

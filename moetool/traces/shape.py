@@ -12,11 +12,14 @@ from ..errors import MoetoolError
 
 @dataclass(frozen=True)
 class ModelShape:
-    """``num_layers`` decoder layers; ``moe`` maps each MoE layer's index to ``(n_experts, top_k)``."""
+    """``num_layers`` decoder layers; ``moe`` maps each MoE layer's index to ``(n_experts, top_k)``; ``zero`` the
+    MoE layers with zero-computation experts (LongCat-Flash's identity experts, Zaya's skip class: the last ids of
+    the n) to their number (``MoELayer.n_zero_compute``; layers without any are left out)."""
 
     num_layers: int
     moe: dict[int, tuple[int, int]] = field(default_factory=dict)
     source: str = ""
+    zero: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, name: str) -> "ModelShape":
@@ -35,16 +38,18 @@ class ModelShape:
         if n_layers is None or getattr(config, "is_encoder_decoder", False):
             raise MoetoolError(f"--config {name}: a decoder-only model with num_hidden_layers is needed (an engine's "
                                f"dump numbers its decoder layers)")
-        return cls(int(n_layers), {L.index: (int(L.n_experts), int(L.top_k)) for L in layers}, name)
+        return cls(int(n_layers), {L.index: (int(L.n_experts), int(L.top_k)) for L in layers}, name,
+                   {L.index: int(L.n_zero_compute) for L in layers if L.n_zero_compute})
 
     @classmethod
     def from_manifest(cls, d: dict[str, Any]) -> "ModelShape":
         return cls(int(d["num_layers"]), {int(k): (int(v[0]), int(v[1])) for k, v in d["moe"].items()},
-                   d.get("source", ""))
+                   d.get("source", ""), {int(k): int(v) for k, v in (d.get("zero_compute") or {}).items()})
 
     def to_manifest(self) -> dict[str, Any]:
         return {"source": self.source, "num_layers": self.num_layers,
-                "moe": {str(k): list(v) for k, v in sorted(self.moe.items())}}
+                "moe": {str(k): list(v) for k, v in sorted(self.moe.items())},
+                **({"zero_compute": {str(k): v for k, v in sorted(self.zero.items())}} if self.zero else {})}
 
     @property
     def moe_layers(self) -> list[int]:
@@ -59,3 +64,7 @@ class ModelShape:
 
     def n_experts(self, layer: int) -> int:
         return self.moe[layer][0]
+
+    def n_zero_compute(self, layer: int) -> int:
+        """Zero-computation experts of MoE layer ``layer`` (the last ids), 0 without."""
+        return self.zero.get(layer, 0)

@@ -23,7 +23,9 @@ Everything comes from one forward pass over the packed rows with the model's own
   ``post_attention_layernorm_{ℓ+1}(x_ℓ)`` — exactly the router input except for layer ``ℓ+1``'s attention
   update (``predict_norm=False``: to ``x_ℓ`` itself; Switch Transformers: the feed-forward's own layer norm, and
   the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
-  predicted best expert is the expert the layer actually weighted highest; top-K recall = mean
+  predicted best expert (the one the predicted routing weights highest, as the real one is read: with a correction
+  bias, DeepSeek-V3's, the selection order and the weight order of the chosen experts differ) is the expert the
+  layer actually weighted highest; top-K recall = mean
   ``|predicted top-K ∩ chosen| / K``. The first decoder layer has no layer ahead of it and is skipped.
 
 Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
@@ -671,9 +673,9 @@ class OffloadCollector:
                                    f"(use predict_norm=False / --no-predict-norm)")
             x = norm(x)
         logits = L.logits(x)
-        pred_idx, _ = L.route(logits)
-        pred_top1 = ops.best_of(pred_idx, L.selection_scores(logits))
-        real_top1 = idx.gather(-1, w.float().argmax(-1, keepdim=True)).squeeze(-1)
+        pred_idx, pred_w = L.route(logits)
+        pred_top1, real_top1 = (i.gather(-1, v.float().argmax(-1, keepdim=True)).squeeze(-1)  # each by its weights
+                                for i, v in ((pred_idx, pred_w), (idx, w)))
         v = valid.double()
         top1 = (pred_top1 == real_top1).double() * v
         topk = ops.overlap_count(pred_idx, idx).double() / idx.shape[-1] * v
@@ -829,9 +831,10 @@ DEFINITIONS = {
               "belady: next request furthest ahead (optimal offline; ties, e.g. never requested again: the lowest "
               "id first)",
     "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
-    "top1_recall": "fraction of tokens whose predicted best expert (layer ℓ+1's routing applied to "
-                   "post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ = output of decoder layer ℓ) is the expert layer ℓ+1 "
-                   "weighted highest",
+    "top1_recall": "fraction of tokens whose predicted best expert (the expert weighted highest by layer ℓ+1's "
+                   "routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ = output of decoder layer ℓ) is the "
+                   "expert layer ℓ+1 weighted highest (both by routing weight, not by selection score: a correction "
+                   "bias orders them differently)",
     "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty)",
 }

@@ -9,7 +9,8 @@ hits / (T·K requests), caches start empty. lru: evict the least recently reques
 token × one expert's bytes (gate, up, down, biases × their dtype's bytes).
 Next-layer prediction: layer ℓ+1's routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ the output of
 decoder layer ℓ (what a prefetcher can compute a layer ahead; --no-predict-norm: to x_ℓ itself); top-1 recall =
-predicted best expert == the expert ℓ+1 weighted highest; top-K recall = |predicted ∩ chosen| / K.
+predicted best expert (the predicted routing's highest weight) == the expert ℓ+1 weighted highest; top-K recall =
+|predicted ∩ chosen| / K.
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N replicates, 0 = off).
 Memory: one [T, K] int16 request trace per layer is kept for the simulation (T bounded by --max-tokens).
 

@@ -35,7 +35,7 @@ from ...uncertainty import (RowTable, bootstrap_meta, format_ci, ratio_intervals
 from ..result import Result, resolve_options
 from .spec import StatsOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 from ..specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZATION_DEFINITIONS, LoadBalance,
-                             VocabSpecialization, _masked_keys, coactivation_counts, on_device, token_decoder,
+                             VocabSpecialization, _masked_keys, chosen, coactivation_counts, on_device, token_decoder,
                              top_per_group, with_tokens)
 
 NO_DOMAIN = "(none)"
@@ -56,6 +56,11 @@ DEFINITIONS = {
                              "route (output = input, no expert MLP); the sum of their load_fraction",
     "top_k": "top_k = None: each token's top-K as the model chose it; top_k = 1: only its first-ranked expert "
              "(OLMoE's *_top1 analyses); every table then counts K = 1",
+    "first-ranked": "ranks within the top-K (top_k = 1, coactivation = adjacent, specialization) are the model's "
+                    "selection order: the chosen expert with the largest selection score (the score it ranks "
+                    "experts by, a correction bias included) first, as torch.topk(sorted=True) returns them, "
+                    "whatever order the router returns its top-K in (DeepSeek-V3, GLM-4.5, LongCat and others use "
+                    "topk(sorted=False))",
     "coactivation": "coactivation = all (default): count[a,b] = tokens whose top-K contains both a and b (a != b, "
                     "every ordered pair of the top-K); coactivation = adjacent: only experts at neighbouring ranks "
                     "(both orders), as OLMoE's heatmaps count (lower for K > 2); p_b_given_a = count[a,b] / tokens "
@@ -160,7 +165,7 @@ class RoutingStats:
             raise MoetoolError("RoutingStats: call begin_batch(batch) before each forward")
         n, dev = L.n_experts, ev.idx.device
         a = self.acc.get(L.index)
-        idx = (ev.idx[:, : self.top_k] if self.top_k else ev.idx).long()  # [T, K] top-K (or first-ranked)
+        idx = chosen(ev, self.top_k, ranked=self.coactivation == "adjacent").long()  # [T, K] (or first-ranked)
         if a is None:
             vocab = getattr(self, "vocab", None)  # (a state saved before it existed: sparse)
             space = dense_space(None if vocab is None else vocab * n, len(self.layers))
@@ -280,9 +285,7 @@ class RoutingStats:
             layers.append({"layer": li, "n_experts": n, "top_k": k, "tokens": tokens, "load_entropy": ent,
                            "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
                            "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
-            z = getattr(self.layers.get(li), "n_zero_compute", 0)
-            if z:  # zero-computation experts (LongCat-Flash): how often the routing takes the identity route
-                layers[-1]["zero_compute_fraction"] = float(frac[n - z:].sum())
+            layers[-1].update(zero_compute_column(frac, getattr(self.layers.get(li), "n_zero_compute", 0)))
             co.append(_coactivation_arrays(li, a.co.cpu()))
             if self.domains:
                 dom += _domain_arrays(li, a, self.domains)
@@ -298,6 +301,13 @@ class RoutingStats:
             out["top_tokens.csv"] = with_tokens(_frame(top), decode)[cols]
             out["top_tokens_lift.csv"] = with_tokens(_frame(lift), decode)[cols + ["lift"]]
         return out
+
+
+def zero_compute_column(frac: torch.Tensor, z: int) -> dict[str, float]:
+    """``{"zero_compute_fraction": ...}`` of a layer whose last ``z`` experts compute nothing (LongCat-Flash's identity
+    experts): how often its routing takes that route, the sum of their load fractions ``frac [n]``; ``{}`` when
+    ``z`` is 0 (the column exists only for such layers)."""
+    return {"zero_compute_fraction": float(frac[frac.shape[0] - z:].sum())} if z else {}
 
 
 def _frame(parts: list[dict[str, Any]]) -> Any:

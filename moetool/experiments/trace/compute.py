@@ -1,8 +1,9 @@
 """Per-token routing dump: one row per (real token, MoE layer).
 
 Columns: row (packed row index; global under data parallel), pos (position in the row), token_id, token, domain,
-layer (decoder layer index), expert_k / weight_k (the k-th chosen expert as the router or policy returned it, and
-its weight), logit_e (router logit of expert e, with ``logits=True``). Rows are layer-major within each batch.
+layer (decoder layer index), expert_k / weight_k (the k-th chosen expert, the model's ranked by selection score
+largest first whatever order its router returned them in, a policy's as it returned them, and its weight), logit_e
+(router logit of expert e, with ``logits=True``). Rows are layer-major within each batch.
 
 :class:`TraceCollector` keeps the batch's chosen experts, weights (and logits) on the device and makes one host copy
 per batch (the padding mask is read on the host: no device sync inside the forward). With a ``path`` the rows are
@@ -32,8 +33,9 @@ from ..result import Result, resolve_options
 from .spec import TraceOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row index), pos (position in row), "
-          "token_id, token, domain, layer (decoder layer index), expert_k / weight_k (k-th chosen expert, largest "
-          "first as the router returned them, and its weight), logit_e (router logit of expert e, --logits). "
+          "token_id, token, domain, layer (decoder layer index), expert_k / weight_k (k-th chosen expert and its "
+          "weight: the model's routing ranked by its selection score, largest first, whatever order its router "
+          "returned them in; a policy's as the policy returned them), logit_e (router logit of expert e, --logits). "
           "Encoder-decoder models (the row as source and target): token is the row's token at pos; the encoder "
           "reads it there, the decoder reads the token at pos-1 and predicts it")
 
@@ -46,7 +48,8 @@ class TraceCollector:
         self.events: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def __call__(self, ev: RoutingEvent) -> None:
-        self.events.append((ev.layer.index, ev.chosen_idx, ev.chosen_weights, ev.logits[..., :ev.layer.n_experts] if self.logits else None))
+        idx, w = ev.ranked if ev.chosen_idx is ev.idx else (ev.chosen_idx, ev.chosen_weights)  # the model's: ranked
+        self.events.append((ev.layer.index, idx, w, ev.logits[..., :ev.layer.n_experts] if self.logits else None))
 
     def columns(self, batch: Any, row_ids: np.ndarray, tokenizer: Any) -> dict[str, Any]:
         """One batch's rows, layer-major; one host copy per tensor kind."""
