@@ -471,6 +471,11 @@ def test_offload(case, tmp_path):
         r = runner.invoke(app, ["offload", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path)])
         assert r.exit_code != 0 and "residual streams per token" in r.output, r.output
         return
+    if case.structure == "zero-computation":  # identity experts: no weights to load or cache (LongCat-Flash)
+        r = runner.invoke(app, ["offload", "--model", str(case.path), *SMALL, *case.layer_args, "--out", str(tmp_path)])
+        assert r.exit_code == 2 and "zero-computation (identity) experts" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+        return
     invoke("offload", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "--capacity",
            f"{K},{n}", "--out", str(tmp_path))
     lay = pd.read_csv(tmp_path / "offload_layers.csv").set_index("layer")

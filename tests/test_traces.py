@@ -302,6 +302,20 @@ def test_zero_computation_experts_on_a_trace(tmp_path):
         _same(got[name], ref[name], [c for c in ref[name].columns if not c.endswith(("_lo", "_hi"))])
     assert src.shape.zero == {L.index: 2 for L in lm.layers}
     assert ModelShape.from_manifest(src.shape.to_manifest()) == src.shape
+    # offload: the identity experts hold no weights (nothing to load or cache), while the cache simulation serves
+    # K loaded experts per token: refused in one line, live and on the trace (before: their requests were cached
+    # and their misses billed a real expert's bytes)
+    from moetool.experiments.offload.compute import OffloadOptions, offload
+    from moetool.experiments.trace_analyses import offload_from_trace
+
+    first = min(L.index for L in lm.layers)
+    why = (f"offload: layer {first} routes to 2 zero-computation (identity) experts, which hold no weights to load or "
+           "cache; the cache simulation loads K experts per token and would count them: not supported")
+    for run in (lambda: offload(lm, toks, quiet=True, bootstrap=0), lambda: offload_from_trace(src, OffloadOptions(
+            bootstrap=0), None)):
+        with pytest.raises(MoetoolError) as e:
+            run()
+        assert str(e.value) == why
 
 
 @pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-per-token"))

@@ -30,7 +30,7 @@ from ..sketch import SparseCounter
 from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
 from ..uncertainty import RowSums
 from .fluctuation.compute import RATES, Routing, compare_with_intervals, pairs
-from .offload.compute import offload_tables
+from .offload.compute import offload_tables, refuse_zero_compute
 from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
 from .specialization import coactivation_counts, token_decoder, with_tokens
@@ -325,6 +325,7 @@ def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -
 
 
     stream = token_stream(src, options.layers, max_tokens, use="the cache simulation")
+    refuse_zero_compute({li: src.shape.n_zero_compute(li) for li in stream.merged if li != "rows"})
     layers = [SimpleNamespace(index=li, n_experts=src.shape.n_experts(li), top_k=stream.requests(li).shape[1])
               for li in sorted(k for k in stream.merged if k != "rows")]
     res = offload_tables(stream, layers, options, {"trace": str(src.path), "tokens": int(len(stream.token_rows()))},

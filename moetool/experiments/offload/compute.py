@@ -720,6 +720,18 @@ class OffloadCollector:
         self.pred.reduce_across_ranks()
 
 
+def refuse_zero_compute(zero: dict[int, int]) -> None:
+    """One line for MoE layers with zero-computation experts (``zero``: layer -> their number; LongCat-Flash's
+    identity experts): they hold no weights, so nothing is loaded or cached for them, while the simulation serves K
+    loaded experts per token: its hit rates and bytes would count them as experts."""
+    bad = {i: z for i, z in sorted(zero.items()) if z}
+    if bad:
+        i, z = next(iter(bad.items()))
+        raise MoetoolError(f"offload: layer {i} routes to {z} zero-computation (identity) experts, which hold no "
+                           f"weights to load or cache; the cache simulation loads K experts per token and would "
+                           f"count them: not supported")
+
+
 def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quiet: bool = False,
             **overrides: Any) -> Result:
     """Expert offloading analysis: tables ``offload_coverage``, ``offload_layers``, ``offload_cache``,
@@ -728,6 +740,7 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "offload's next-layer prediction")
+    refuse_zero_compute({L.index: getattr(L, "n_zero_compute", 0) for L in layers})
     for L in layers:  # before any forward
         for C in opts.capacities or ():
             if C < L.top_k or C > L.n_experts:
