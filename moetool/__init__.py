@@ -13,6 +13,41 @@ from typing import Any as _Any
 __version__ = "0.1.0"
 
 
+def _in_place_subpackages() -> None:
+    """A checkout run in place (``python -m moetool`` or ``torchrun -m moetool`` from the repository's root, where
+    ``./moetool`` shadows an installed copy): ``moetool.commands`` and ``moetool.tasks`` live at the repository's
+    top (``commands/``, ``examples/tasks/``; pyproject's ``package-dir``), so they are found there, as an
+    installation finds them. An installed copy (they sit inside it) or an editable install (its finder answers
+    first) is left alone."""
+    import sys
+    from importlib.abc import MetaPathFinder
+    from importlib.machinery import ModuleSpec
+    from importlib.util import spec_from_file_location
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if (here / "commands").is_dir() or not (here.parent / "commands" / "app.py").is_file():
+        return
+    places = {"moetool.commands": here.parent / "commands", "moetool.tasks": here.parent / "examples" / "tasks"}
+
+    class _InPlace(MetaPathFinder):
+        def find_spec(self, name: str, path: _Any = None, target: _Any = None) -> _Any:
+            d = places.get(name)
+            if d is None or not d.is_dir():
+                return None
+            if (d / "__init__.py").is_file():
+                return spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
+            spec = ModuleSpec(name, None, is_package=True)  # data only (the lm-eval tasks): a namespace
+            spec.submodule_search_locations = [str(d)]
+            return spec
+
+    if not any(type(f).__name__ == "_InPlace" for f in sys.meta_path):
+        sys.meta_path.append(_InPlace())
+
+
+_in_place_subpackages()
+
+
 def _exports() -> dict[str, str]:
     from .api import EXPORTS
 
@@ -31,4 +66,5 @@ def __getattr__(name: str) -> _Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_exports()])
+    return sorted([n for n in globals() if not n.startswith("_") and n not in ("annotations", "importlib")]
+                  + [*_exports(), "__version__"])

@@ -179,3 +179,20 @@ def test_demo_from_python_with_an_empty_list_is_refused(tmp_path):
     with pytest.raises(MoetoolError, match=r"^give at least one demo step \(None: every step\); steps: inspect, "):
         demo(tmp_path / "d", [])
     assert not (tmp_path / "d").exists()
+
+
+def test_python_dash_m_from_the_checkouts_root_finds_the_commands(tmp_path):
+    """``python -m moetool`` / ``torchrun -m moetool`` from the repository's root after ``pip install .``: the
+    checkout's ``moetool/`` shadows the installed copy, and ``commands/`` sits at the repository's top (installed as
+    ``moetool.commands``). Simulated by dropping an editable install's finder: the package still finds its commands
+    (before: ``ModuleNotFoundError: No module named 'moetool.commands'``, a raw traceback)."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import runpy, sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '').startswith('__editable__')]\n"
+            f"sys.path.insert(0, {str(root)!r})\n"
+            "sys.argv = ['moetool', '--version']\n"
+            "import moetool\n"
+            f"assert moetool.__file__ == {str(root / 'moetool' / '__init__.py')!r}, moetool.__file__\n"
+            "runpy.run_module('moetool', run_name='__main__', alter_sys=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "moetool 0.1.0", r.stdout + r.stderr
