@@ -180,6 +180,8 @@ def show(spec: Experiment, res: Any, model: Any) -> None:
     csv = spec.summary_csv or next((name for name, df in res.tables.items() if df is res.summary),
                                    next(iter(res.tables)))
     print_table(res.summary, title, csv=csv)
+    for what, why in (res.meta.get("left_out") or {}).items():  # a table or rows the run does not write, and why
+        typer.echo(f"left out: {what} ({why})")
 
 
 def make(spec: Experiment) -> Any:

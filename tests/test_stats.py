@@ -20,7 +20,8 @@ from moetool.data import TokenBatch, TokenSet
 from moetool.engine import Engine
 from moetool.engine.runner import id_space
 from moetool.errors import MoetoolError
-from moetool.experiments.stats.compute import RoutingStats, SparseCounter, StatsOptions, stats
+from moetool.experiments.stats.compute import ONE_EXPERT, RoutingStats, SparseCounter, StatsOptions, stats, summary_lines
+from moetool.experiments.stats.figures import stats_figures
 from moetool.sketch import DENSE_KEYS, DENSE_TOTAL, dense_space
 
 COLUMNS = {
@@ -323,15 +324,18 @@ def _stats_on_batches(**options):
 
 def test_top1_variant_counts_the_first_ranked_expert_only():
     res, layers, batches, rec = _stats_on_batches(top_k=1, min_count=1, top_tokens=50)
-    load, lay, co = res["load"], res["layers"], res["coactivation"]
+    load, lay = res["load"], res["layers"]
     assert (lay["top_k"] == 1).all()
+    # one expert per token: no pair can co-activate, so no coactivation table (a table of zeros before), said why
+    assert "coactivation.csv" not in res.tables and "coactivation" not in stats_figures(res)
+    assert res.meta["left_out"] == {f"coactivation.csv rows of layers {[L.index for L in layers]}": ONE_EXPERT}
+    assert any("left out: coactivation.csv" in line for line in summary_lines("tiny", res))
     for L in layers:
         toks = reference_tokens(batches, rec, L.index)
         hand = Counter(top[0] for _, _, top, _ in toks)
         g = load[load["layer"] == L.index]
         assert g["tokens"].tolist() == [hand[e] for e in range(L.n_experts)]
         np.testing.assert_allclose(g["load_fraction"], g["token_fraction"], rtol=1e-12)
-        assert (co[co["layer"] == L.index]["count"] == 0).all()  # one expert per token: no pairs
         top = res["top_tokens"]
         pairs = Counter((top_[0], tok) for tok, _, top_, _ in toks)
         for r in top[top["layer"] == L.index].itertuples():
@@ -425,6 +429,8 @@ def test_cli_variants_on_embedded_tiny(tmp_path):
     assert man["options"]["special_tokens"] == "none"
     assert man["data"]["special_tokens"]["add_special_tokens"] is False
     assert (out / "figures" / "specialization.png").is_file() and (out / "figures" / "cross_layer.png").is_file()
+    assert not (out / "coactivation.csv").exists() and not (out / "figures" / "coactivation.png").exists()
+    assert "coactivation.csv rows of layers" in " ".join(man["left_out"])
     bad = _cli("--model", "tiny", "--coactivation", "neighbours", "--out", str(tmp_path / "bad"), "-q")
     assert bad.exit_code == 2 and "coactivation" in bad.output
 

@@ -34,8 +34,8 @@ from .offload.compute import offload_tables, refuse_zero_compute
 from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
 from .specialization import coactivation_counts, token_decoder, with_tokens
-from .stats.compute import (DEFINITIONS as STATS_DEFINITIONS, _coactivation_frame, _pair_frame, _rank,
-                            zero_compute_column)
+from .stats.compute import (DEFINITIONS as STATS_DEFINITIONS, ONE_EXPERT, _coactivation_frame, _pair_frame,
+                            _rank, zero_compute_column)
 
 #: what a trace cannot give, and why (the lines of ``meta["left_out"]``)
 NO_PROBS = ("the router's full probabilities: a trace holds the chosen experts (an engine's dump their ids "
@@ -151,7 +151,7 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
         layers.append({"layer": li, "n_experts": a.n, "top_k": a.k, "tokens": a.tokens, "load_entropy": ent,
                        "load_entropy_norm": ent / math.log(a.n), "max_load_ratio": float(frac.max()) * a.n,
                        **zero_compute_column(frac, src.shape.n_zero_compute(li))})
-        if a.co is not None:
+        if a.co is not None and a.k >= 2:  # (ONE_EXPERT: a table of zeros otherwise)
             co.append(_coactivation_frame(li, a.co))
         if a.pairs is not None:  # the forward's own ranking (stats._pair_frame, _rank) on the trace's counts
             pf = _pair_frame(li, a, tok_keys, tok_counts)
@@ -171,8 +171,11 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                 "specialization, domain_load": "the next / predicted tokens and the domains of a forward's data",
                 "cross_layer": "not computed from a trace",
                 "*_lo/*_hi": "the bootstrap resamples a forward's packed rows"}
-    if not co:
+    if any(a.co is None for a in sums.values()):
         left_out["coactivation"] = "a counts-only dump has no per-token top-K"
+    single = [li for li, a in sums.items() if a.co is not None and a.k < 2]
+    if single:
+        left_out[f"coactivation.csv rows of layers {single}"] = ONE_EXPERT
     if options.top_tokens and not top:
         left_out["top_tokens, top_tokens_lift"] = ("a counts-only dump" if src.kind == "loads" else
                                                    "the trace has no token ids (the responses carried none)")

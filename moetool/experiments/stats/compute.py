@@ -39,6 +39,9 @@ from ..specialization import (COACTIVATION, CrossLayer, DEFINITIONS as SPECIALIZ
                              top_per_group, with_tokens)
 
 NO_DOMAIN = "(none)"
+#: why coactivation.csv has no rows for a layer (the manifest's left_out, the summary's line): one expert per token
+ONE_EXPERT = ("one expert per token (--top-k 1, or a top-1 router such as Switch Transformers' or Llama 4's): no pair "
+              "of experts can co-activate")
 
 DEFINITIONS = {
     "routing": "the model's own top-K (the router, no policy); only real (unpadded) tokens count",
@@ -286,14 +289,16 @@ class RoutingStats:
                            "load_entropy_norm": ent / math.log(n), "confidence_entropy": conf,
                            "confidence_entropy_norm": conf / math.log(n), "max_load_ratio": float(frac.max()) * n})
             layers[-1].update(zero_compute_column(frac, getattr(self.layers.get(li), "n_zero_compute", 0)))
-            co.append(_coactivation_arrays(li, a.co.cpu()))
+            if k >= 2:  # (ONE_EXPERT: a table of zeros otherwise)
+                co.append(_coactivation_arrays(li, a.co.cpu()))
             if self.domains:
                 dom += _domain_arrays(li, a, self.domains)
             if a.pairs is not None:
                 pairs = _pair_arrays(li, a, tok_keys, tok_counts)
                 top.append(_rank_arrays(pairs, "count", top_n))
                 lift.append(_rank_arrays(_rows(pairs, pairs["count"] >= min_count), "lift", top_n))
-        out = {"load.csv": _frame(load), "layers.csv": pd.DataFrame(layers), "coactivation.csv": _frame(co)}
+        out = {"load.csv": _frame(load), "layers.csv": pd.DataFrame(layers),
+               "coactivation.csv": _frame(co) if co else pd.DataFrame()}
         if dom:
             out["domain_load.csv"] = _frame(dom)
         if top:
@@ -487,6 +492,8 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
         for name in ("top_tokens.csv", "top_tokens_lift.csv", "specialized_tokens.csv"):
             frames.pop(name, None)
     tables = {name: df for name, df in frames.items() if len(df)}
+    single = frames["layers.csv"].loc[frames["layers.csv"]["top_k"] < 2, "layer"].tolist()
+    left_out = {f"coactivation.csv rows of layers {single}": ONE_EXPERT} if single else {}
     routing = "router (the model's own top-K)" if opts.top_k is None else "router, first-ranked expert only (top-1)"
     return Result("stats", tables, opts, meta=dict(data=tokens.describe(),
                                                    definitions={**DEFINITIONS, **SPECIALIZATION_DEFINITIONS},
@@ -494,7 +501,8 @@ def stats(lm: Any, tokens: Any, options: StatsOptions | None = None, *, quiet: b
                                                    bootstrap=bootstrap_meta(
                                                        opts.bootstrap, opts.seed, tokens.input_ids.shape[0],
                                                        "percentile interval; BCa for max_load_ratio and "
-                                                       "load_entropy_norm (biased under resampling)")),
+                                                       "load_entropy_norm (biased under resampling)"),
+                                                   **({"left_out": left_out} if left_out else {})),
                   summary=summary_table(tables["layers.csv"]))
 
 
@@ -575,4 +583,6 @@ def analysis_lines(name: str, res: Any) -> list[str]:
         out.append(f"stats {name}: consecutive layers: mutual information {cl['mutual_information'].min():.3f}-"
                    f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) {cl['mean_max_p'].mean():.2f} "
                    f"(uniform {cl['uniform_max_p'].iloc[0]:.3f})")
+    for what, why in (getattr(res, "meta", None) or {}).get("left_out", {}).items():
+        out.append(f"stats {name}: left out: {what} ({why})")
     return out

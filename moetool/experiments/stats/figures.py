@@ -128,9 +128,10 @@ def plot_balance(layers: Any) -> Any:
     return fig
 
 def stats_figures(result: Any) -> dict[str, Any]:
-    out = {"load_heatmap": plot_load(result["load.csv"]),
-           "coactivation": plot_coactivation(result["coactivation.csv"], result["layers.csv"]),
-           "balance_by_layer": plot_balance(result["layers.csv"])}
+    out = {"load_heatmap": plot_load(result["load.csv"])}
+    if "coactivation.csv" in result.tables:  # (none where every layer routes one expert per token)
+        out["coactivation"] = plot_coactivation(result["coactivation.csv"], result["layers.csv"])
+    out["balance_by_layer"] = plot_balance(result["layers.csv"])
     if "domain_load.csv" in result.tables:
         out["domain_load"] = plot_domain_load(result["domain_load.csv"])
     if "specialization.csv" in result.tables:

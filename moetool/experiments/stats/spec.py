@@ -13,7 +13,8 @@ Padding never counts; every definition is also in manifest.json.
     transformers' load_balancing_loss_func)
   coactivation.csv: layer, a, b, p_b_given_a, count (tokens picking a and b;
     --coactivation all = every ordered pair of the top-K, adjacent = only
-    neighbouring ranks as OLMoE's heatmaps, lower for K > 2)
+    neighbouring ranks as OLMoE's heatmaps, lower for K > 2; layers with
+    one expert per token, --top-k 1 or a top-1 router, have no rows)
   cross_layer.csv: layer, next_layer, a, b, count, p_b_given_a (P(b at the
     next MoE layer | a at this one), same token, every top-K x top-K pair);
     cross_layer_summary.csv: mean_max_p, uniform_max_p (K/n),
@@ -62,7 +63,8 @@ traces; none from counts-only dumps), top_tokens.csv and top_tokens_lift.csv
 Examples:
   moetool stats --out runs/stats-tiny
   moetool stats --model tiny-fine --top-tokens 20 --max-tokens 16384
-  moetool stats --top-k 1 --coactivation adjacent  # as OLMoE (top-1)
+  moetool stats --coactivation adjacent  # OLMoE's co-activation heatmaps
+  moetool stats --top-k 1  # OLMoE's *_top1 tables (no co-activation)
   moetool stats --model mixtral-8x7b --data my.jsonl --device-map auto
 """
 
