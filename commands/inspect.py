@@ -80,7 +80,9 @@ def inspect(model: Model = DEFAULT_MODEL,
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
         return
-    from rich.table import Table
+    import pandas as pd
+
+    from moetool.report.console import print_table
 
     c = console()
     c.print(f"{info['name']} -> {info['source']}  family {info['family']} "
@@ -92,20 +94,19 @@ def inspect(model: Model = DEFAULT_MODEL,
         cols = ("stack", "stack_layer", *cols)
     cell = lambda v: f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)  # noqa: E731
     groups: dict[tuple[str, ...], list[int]] = {}  # layers described alike: one row (DeepSeek-V3: 58 layers, 1 row)
+    first: dict[tuple[str, ...], dict] = {}  # each group's values as described (numbers stay numbers)
     for L in info["moe_layers"]:
-        groups.setdefault(tuple(cell(L[k]) for k in cols if k != "stack_layer"), []).append(L["layer"])
+        key = tuple(cell(L[k]) for k in cols if k != "stack_layer")
+        groups.setdefault(key, []).append(L["layer"])
+        first.setdefault(key, L)
     shown = [k for k in cols if k != "stack_layer"]
     scoring = {g[shown.index("scoring")] for g in groups}
     if len(scoring) == 1:  # one rule for every layer: a line of its own, not a column wrapped over many lines
         c.print(f"scoring (every MoE layer): {scoring.pop()}")
         shown = [k for k in shown if k != "scoring"]
-    t = Table(title="MoE layers")
-    for col in ("layers", *shown):
-        t.add_column(col)
-    for values, layers in groups.items():
-        row = dict(zip([k for k in cols if k != "stack_layer"], values))
-        t.add_row(_spans(layers), *[row[k] for k in shown])
-    c.print(t)
+    # the console's table: numbers never cut (a wide table is paged with its key column), text wrapped
+    print_table(pd.DataFrame([{"layers": _spans(layers), **{k: first[key][k] for k in shown}}
+                              for key, layers in groups.items()]), title="MoE layers", max_rows=len(groups), keys=1)
     if info["dense_layers"]:
         c.print(f"dense (non-MoE) decoder layers: {_spans(info['dense_layers'])}")
     fmt = info["experts_format"]

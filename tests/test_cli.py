@@ -196,3 +196,19 @@ def test_python_dash_m_from_the_checkouts_root_finds_the_commands(tmp_path):
             "runpy.run_module('moetool', run_name='__main__', alter_sys=True)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "moetool 0.1.0", r.stdout + r.stderr
+
+
+def test_inspect_never_cuts_a_number_at_80_columns(tmp_path, monkeypatch):
+    """``inspect``'s layer table is the console's table (paged, numbers whole): at 80 columns Qwen3-30B-A3B's
+    expert parameters per layer read 603979776, not ``603,979,7…`` (rich's own table cut the cell)."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                   num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                   num_experts_per_tok=8, head_dim=128).save_pretrained(tmp_path / "q3")
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path / "cache"))
+    r = runner.invoke(app, ["inspect", "--model", str(tmp_path / "q3")])
+    assert r.exit_code == 0, r.output
+    assert "603979776" in r.output and "…" not in r.output, r.output
+    assert 128 * 3 * 2048 * 768 == 603979776  # the number by hand: 128 experts x (gate, up, down) x d x width
