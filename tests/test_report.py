@@ -684,3 +684,18 @@ def test_a_report_inside_a_gathered_folder_is_not_gathered_again(tmp_path):
     assert not [p for p in (tmp_path / "paper" / "tables").iterdir() if "report" in p.name]
     assert json.loads((page.parent / "manifest.json").read_text())["gathered"].__len__() == 4
     assert [r.name for r in find_runs([demo / "report"])] == ["report"]  # given explicitly: gathered
+
+
+@pytest.mark.parametrize("exc, error", [(KeyboardInterrupt(), "SIGINT"), (None, "SIGTERM")])
+def test_an_interrupted_run_records_the_signal_as_the_readme_says(tmp_path, exc, error):
+    """The README: an interrupted run's manifest "error" is SIGINT / SIGTERM; a run stopped inside its block (the
+    CLI's run.active(), the API's `with RunDir`) recorded "KeyboardInterrupt" and "Terminated: SIGTERM"."""
+    from moetool.report import rundir
+
+    exc = exc if exc is not None else rundir.Terminated("SIGTERM")
+    with pytest.raises(KeyboardInterrupt):
+        with RunDir.create("stats", tmp_path / "run") as run:
+            run.write_csv("load.csv", pd.DataFrame({"layer": [0]}))
+            raise exc
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (m["status"], m["error"]) == ("interrupted", error)
