@@ -12,6 +12,7 @@ from pathlib import PurePath
 from typing import Any
 
 import typer
+import typer.rich_utils
 from typer.core import TyperOption
 
 from moetool.experiments.registry import command_modules
@@ -52,8 +53,19 @@ def range_text(param: Any) -> str | None:
     return _TYPER_RANGE_TEXT(param)
 
 
+def help_text(*, text: str, style: str = "", markup_mode: Any) -> Any:
+    """Every help text (a command's, a flag's, an epilog) as its source says it: typer reads help as rich markup,
+    which ate bracketed text (``value [lo, hi]`` printed ``value``); moetool writes no markup in help, so the
+    text is escaped (:func:`rich.markup.escape`) where typer turns it into rich text, the one place all pass."""
+    from rich.markup import escape
+
+    return _TYPER_RICH_TEXT(text=escape(text) if markup_mode == "rich" else text, style=style,
+                            markup_mode=markup_mode)
+
+
 _TYPER_TYPE_COLUMN, _TYPER_RANGE_TEXT = TyperOption.display_type_rich, TyperOption._get_number_range_help_str
 TyperOption.display_type_rich, TyperOption._get_number_range_help_str = type_column, range_text
+_TYPER_RICH_TEXT, typer.rich_utils._make_rich_text = typer.rich_utils._make_rich_text, help_text
 
 for name in command_modules():  # every experiment of the registry (generated ones too), then demo, inspect, report
     importlib.import_module(name).register(app)

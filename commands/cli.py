@@ -63,8 +63,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                     kwargs["batch_size"] = resolve_batch_size(kwargs, run)
                 return fn(*args, **kwargs)
         except KeyboardInterrupt as e:
-            runs = rundir.mark_unfinished(since, "interrupted", "SIGTERM" if isinstance(e, rundir.Terminated)
-                                          else "SIGINT")
+            runs = rundir.mark_unfinished(since, *rundir.unfinished(e))
             where = f"; partial results in {runs[-1]._path} (status: interrupted)" if runs else ""
             said_interrupted()
             typer.secho(f"interrupted ({'SIGTERM' if isinstance(e, rundir.Terminated) else 'Ctrl-C'}){where}",

@@ -151,7 +151,7 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     with tempfile.TemporaryDirectory(prefix="moetool-import-") as tmp:  # nothing written if the dump is bad
         if dump.counts is not None:
             name, kind = store.LOADS, "loads"
-            written = store.write_loads(dump.counts, Path(tmp) / name)
+            written = store.write_loads(dump.counts, Path(tmp) / name, shape)
         else:
             name, kind = store.TRACE, "trace"
             written = store.write_trace(dump.chunks, shape, Path(tmp) / name)

@@ -424,3 +424,40 @@ def test_norm_select_prune_flag_is_one_line(tmp_path):
                                    "--out", str(tmp_path / "r")])
     assert out.exit_code == 2, out.output
     assert "importance" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_a_split_aoe_table_repeats_the_row_label_not_the_first_tasks_best_node():
+    """`norm-select --tasks moetool_code,moetool_prose`: the AoE layout split for 80 columns repeated 'moetool_code
+    node' in every part as if it labelled the rows, so prose's retention (0.89, of gate:l2) stood beside code's best
+    node (output:l2). Only 'row' is repeated; each task's node stays in the part with its own numbers."""
+    import pandas as pd
+    from rich.console import Console
+
+    from moetool.experiments.published import aoe_table1, console_layout
+    from moetool.report.console import render_table
+
+    tasks = ("moetool_code", "moetool_prose")
+    rows = {"router": (0.50, 0.60, 1.0, 1.0), "output:l2": (0.43, 0.516, 0.86, 0.86), "gate:l2": (0.40, 0.534, 0.80,
+                                                                                                   0.89)}
+    table = pd.DataFrame([{"node": k.split(":")[0], "norm": k.split(":")[-1],
+                           **{f"{t} acc": v[i] for i, t in enumerate(tasks)},
+                           **{f"{t} acc_lo": v[i] - 0.1 for i, t in enumerate(tasks)},
+                           **{f"{t} acc_hi": v[i] + 0.1 for i, t in enumerate(tasks)},
+                           **{f"{t} retention": v[2 + i] for i, t in enumerate(tasks)},
+                           **{f"{t} retention_lo": v[2 + i] - 0.21 for i, t in enumerate(tasks)},
+                           **{f"{t} retention_hi": v[2 + i] + 0.21 for i, t in enumerate(tasks)}}
+                          for k, v in rows.items()])
+    title, shown = console_layout(aoe_table1(table, "tiny", tasks=tasks))
+    parts = render_table(shown, title=title, width=80)
+    assert len(parts) >= 2
+    for part in parts:
+        heads = [c.header.plain for c in part.columns]
+        assert heads[0] == "row" and heads.count("moetool_code node") <= 1
+        for t in tasks:  # a task's retention is in the part that holds the task's node, beside it
+            if f"{t} retention measured" in heads:
+                assert f"{t} node" in heads
+        con = Console(width=80, file=open("/dev/null", "w"), record=True)
+        con.print(part)
+        text = con.export_text()
+        if "moetool_prose retention measured" in heads:
+            assert "gate:l2" in text and "output:l2" not in text

@@ -168,3 +168,22 @@ def test_the_readmes_read_of_a_trace_keeps_every_token(tmp_path):
     first_layer = got[got.layer == got.layer.min()]
     assert first_layer.token.tolist() == want and "None" in want
     assert pd.read_csv(path).token.isna().any()  # the default read loses it
+
+
+def test_the_readme_says_which_commands_write_no_figures_and_quotes_intervals_as_printed():
+    """The README said every run folder has figures/ (locality and expert-similarity write none), quoted a
+    fluctuation row as 'router 0.250 ± 0.010, ..., reduction 0.0034 ± 0.0029' where the tool prints asymmetric
+    intervals ('0.0034 [0.0002, 0.0061]', never with ±), described topk:<k> as 'k < K' (k up to n runs) and promised a git revision that
+    `pip install .` does not keep."""
+    from moetool.experiments.registry import EXPERIMENTS
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    for sentence in ("(PNG and PDF; the commands that draw figures: not ", "(PNG and PDF, from the commands that "
+                                                                           "draw figures: "):
+        start = text.index(sentence) + len(sentence)
+        named = set(re.findall(r"`([a-z-]+)`", text[start:text.index(")", start)]))
+        assert named == {n for n, s in EXPERIMENTS.items() if s.figures is None} | {"import-trace"}, named
+    assert ("router 0.2496 [0.2401, 0.2592], similarity 0.246 [0.236, 0.256], reduction 0.0034 [0.0002, 0.0061]"
+            in text)  # `moetool fluctuation tiny-early tiny --routing router,similarity,attention --isolate`
+    assert "with k < K experts" not in text
+    assert "`null` after `pip install .`" in text and "after `pip install .` it is `null`" in text

@@ -670,3 +670,32 @@ def test_a_run_written_before_manifests_recorded_tables_reads_as_before(stats_ru
     (old / "load.csv").write_bytes(b"".join(lines[:4]))
     md = (write_report([old], tmp_path / "rep-cut").parent / "report.md").read_text()
     assert "### load.csv" in md and "*3 rows; [tables/stats/load.csv]" in md and "not shown" not in md
+
+
+def test_a_report_inside_a_gathered_folder_is_not_gathered_again(tmp_path):
+    """`moetool report runs/x runs/demo-* --out paper/` gathered each demo's own report/ as one more run (every
+    figure and table twice, under mangled names); given itself, a report folder is gathered like any run."""
+    demo = make_runs(tmp_path)
+    write_report([demo / "stats-tiny", demo / "erc"], RunDir.create("report", demo / "report"))
+    assert json.loads((demo / "report" / "manifest.json").read_text())["command"] == "report"
+    names = [r.name for r in find_runs([demo])]
+    assert names == ["demo", "demo-stats-tiny", "demo-erc", "demo-approx"]
+    page = write_report([demo], tmp_path / "paper")
+    assert not [p for p in (tmp_path / "paper" / "tables").iterdir() if "report" in p.name]
+    assert json.loads((page.parent / "manifest.json").read_text())["gathered"].__len__() == 4
+    assert [r.name for r in find_runs([demo / "report"])] == ["report"]  # given explicitly: gathered
+
+
+@pytest.mark.parametrize("exc, error", [(KeyboardInterrupt(), "SIGINT"), (None, "SIGTERM")])
+def test_an_interrupted_run_records_the_signal_as_the_readme_says(tmp_path, exc, error):
+    """The README: an interrupted run's manifest "error" is SIGINT / SIGTERM; a run stopped inside its block (the
+    CLI's run.active(), the API's `with RunDir`) recorded "KeyboardInterrupt" and "Terminated: SIGTERM"."""
+    from moetool.report import rundir
+
+    exc = exc if exc is not None else rundir.Terminated("SIGTERM")
+    with pytest.raises(KeyboardInterrupt):
+        with RunDir.create("stats", tmp_path / "run") as run:
+            run.write_csv("load.csv", pd.DataFrame({"layer": [0]}))
+            raise exc
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (m["status"], m["error"]) == ("interrupted", error)

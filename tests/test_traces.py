@@ -555,10 +555,11 @@ def test_counted_singular(tmp_path):
     r = import_cli([tmp_path / "r.npy"], tmp_path / "a")
     assert r.exit_code == 0, r.output
     assert "vllm: 3 tokens, 12 rows, 1 request\n" in r.output
-    (tmp_path / "d.csv").write_text("layer_id,expert_id,count\n0,1,1\n")
+    # one assignment is no counts dump of a top-2 model (refused at import since issue 5 item 4): 2 per layer
+    (tmp_path / "d.csv").write_text("layer_id,expert_id,count\n" + "".join(f"{li},1,2\n" for li in range(4)))
     r = import_cli([tmp_path / "d.csv"], tmp_path / "b")
     assert r.exit_code == 0, r.output
-    assert "sglang-dump: 1 assignment\n" in r.output
+    assert "sglang-dump: 8 assignments\n" in r.output
 
 
 def test_repeated_expert_in_a_top_k(captured, tmp_path):
@@ -701,3 +702,31 @@ def test_fluctuation_traces_of_other_text_or_model(captured, tmp_path):
     with pytest.raises(MoetoolError, match=r"^--trace c: another model's routing: layer 0 has 16 experts, top-2, a 8 "
                                            r"experts, top-2$"):
         fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), wide], ["a", "c"], opts, None)
+
+
+def test_a_counts_dump_stats_would_refuse_is_refused_at_import(tmp_path):
+    """A legacy SGLang CSV whose layer counts are not a multiple of K, or that covers layers 0-1 of the 4 of
+    --config, imported (exit 0, 'sglang-dump: 1,804 assignments'); stats/placement --trace then refused it
+    ('not a multiple of top-2', 'layer 2 routed no token'). Now import-trace refuses it in one line, nothing
+    written, with the check stats uses (store.check_counts): reading a loads file back says the same."""
+    lines = "".join(f"{li},{e},{3 if (li, e) == (0, 0) else 2}\n" for li in range(4) for e in range(8))
+    (tmp_path / "odd.csv").write_text("layer_id,expert_id,count\n" + lines)
+    _refused(import_cli([tmp_path / "odd.csv"], tmp_path / "out"), tmp_path / "out",
+             "layer 0 counts 17 assignments, not a multiple of top-2")
+    two = "".join(f"{li},{e},2\n" for li in range(2) for e in range(8))
+    (tmp_path / "two.csv").write_text("layer_id,expert_id,count\n" + two)
+    _refused(import_cli([tmp_path / "two.csv"], tmp_path / "out"), tmp_path / "out",
+             "layer 2 is not in the dump (MoE layers of tiny: 0-3); a counts dump covers every MoE layer")
+    zero = two + "".join(f"{li},{e},0\n" for li in (2, 3) for e in range(8))
+    (tmp_path / "zero.csv").write_text("layer_id,expert_id,count\n" + zero)
+    _refused(import_cli([tmp_path / "zero.csv"], tmp_path / "out"), tmp_path / "out", "layer 2 routed no token")
+    from moetool.traces.store import check_counts
+
+    shape = ModelShape.from_config("tiny")
+    counts = {li: np.full(8, 2, dtype=np.int64) for li in (0, 1)}
+    with pytest.raises(MoetoolError, match=r"^--trace t: layer 2 is not in the trace \(MoE layers of tiny: 0-3\)"):
+        check_counts(counts, shape, "--trace t", noun="trace")
+    check_counts(counts, shape, "--trace t", noun="trace", layers=(0, 1))  # the layers asked are there
+    (tmp_path / "all.csv").write_text("layer_id,expert_id,count\n" + "".join(f"{li},{e},2\n" for li in range(4)
+                                                                             for e in range(8)))
+    assert import_cli([tmp_path / "all.csv"], tmp_path / "ok").exit_code == 0

@@ -149,14 +149,18 @@ def _bounds(src: Any, col: str, name: str) -> dict[str, float]:
 def console_layout(table: Any) -> tuple[str, Any]:
     """``(title, frame)`` to print a published layout (:func:`aoe_table1`, :func:`erc_alpha_min`): measured
     values as ``value ± half-width``; without published numbers for the model, the paper and Δ columns are
-    dropped and the title says so."""
+    dropped and the title says so. Only the first column (``row``, ``layer``) labels the rows: a split table
+    repeats it alone (``attrs["keys"]``), not the text column after it (AoE's ``<task> node`` is a value of the
+    first task: each task's best node differs)."""
     from ..uncertainty import with_ci
 
     source = table.attrs.get("source", "")
     df = table
     if not table.attrs.get("published", True):
         df = df[[c for c in df.columns if " paper" not in c and "Δ" not in c and c != "source"]]
-    return source, with_ci(df)
+    shown = with_ci(df)
+    shown.attrs["keys"] = 1
+    return source, shown
 
 
 def erc_alpha_min(layers: Any, model: str | None = None) -> Any:

@@ -27,7 +27,7 @@ from .. import ops
 from ..errors import MoetoolError
 from ..loading import load_tokenizer
 from ..sketch import SparseCounter
-from ..traces.store import TraceSource, expert_columns, read_batches, read_loads
+from ..traces.store import TraceSource, check_counts, expert_columns, read_batches, read_loads
 from ..uncertainty import RowSums
 from .fluctuation.compute import RATES, Routing, compare_with_intervals, pairs
 from .offload.compute import offload_tables, refuse_zero_compute
@@ -76,15 +76,10 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
             raise MoetoolError(f"{src.path} holds counts only: no per-token top-K for --top-k 1 or --coactivation "
                                f"adjacent")
         K = src.shape.top_k()
-        out = {}
-        for li, c in read_loads(src).items():
-            if layers is not None and li not in layers:
-                continue
-            total = int(c.sum())
-            if total % K:
-                raise MoetoolError(f"{src.path}: layer {li} counts {total} assignments, not a multiple of top-{K}")
-            out[li] = LayerSums(len(c), K, total // K, torch.from_numpy(c.astype(np.float64)), None)
-        return out
+        counts = read_loads(src)
+        check_counts(counts, src.shape, f"--trace {src.path}", noun="trace", layers=layers)  # as at import
+        return {li: LayerSums(len(c), K, int(c.sum()) // K, torch.from_numpy(c.astype(np.float64)), None)
+                for li, c in counts.items() if layers is None or li in layers}
     cols = expert_columns(src)
     sums: dict[int, dict[str, Any]] = {}
     first_layer = min(layers) if layers else None

@@ -3,7 +3,8 @@
 - No emoji codes (``norm:up:l2`` stays text) and no markup in data cells (``[bold]`` in a cell stays text).
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
   columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
-  column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``), text cells wrap.
+  column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``; a frame whose
+  leading text columns are not all row labels says how many are in ``df.attrs["keys"]``), text cells wrap.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
 - Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
   :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
@@ -82,7 +83,8 @@ def _blocks(widths: Sequence[int], key: int, avail: int, keys: int = 1) -> list[
 def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
                  max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None) -> list[Any]:
     """The rich renderables of :func:`print_table` (tables and the "more rows" note). ``keys``: the number of
-    leading key columns every block of a split table repeats (default :func:`key_columns`)."""
+    leading key columns every block of a split table repeats (default: the frame's ``attrs["keys"]`` where it says,
+    else :func:`key_columns`)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -96,6 +98,7 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     # a column's width is its longest cell (numbers never fold); a header longer than 14 may fold
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
     out: list[Any] = []
+    keys = df.attrs.get("keys") if keys is None else keys
     nkeys = min(key_columns(df) if keys is None else max(keys, 1), len(cols))
     room = lambda n: avail - 1 - sum(w + 3 for w in widths[:n]) - 4  # noqa: E731 - beside n key columns
     while nkeys > 1 and room(nkeys) < max([w for i, w in enumerate(widths) if numeric[i] and i >= nkeys] + [20]):

@@ -1,5 +1,6 @@
 """``moetool report``: gather run folders (of any command; a ``demo`` folder with its sub-runs included) into one
-report for a paper.
+report for a paper. A report output folder inside a gathered folder (a demo's ``report/``) is not gathered again
+(its figures and tables are the runs' beside it); given itself, it is gathered as a run.
 
 ``write_report(run_dirs, out)`` writes into ``out``:
 
@@ -88,13 +89,16 @@ def _warn(message: str) -> None:
 
 def _walk(folder: Path, warn: Callable[[str], None], visited: set[Path], top: bool = True) -> Any:
     """Run folders under ``folder``, depth first: a run, then its sub-runs in the order its manifest lists them
-    (a demo's step order), then any other sub-folders by name. Symbolic links to folders are not followed (a
+    (a demo's step order), then any other sub-folders by name; a sub-folder written by ``report`` (its
+    manifest's command; a demo's ``report/``) is not a run of its own: it is gathered only when given. Symbolic links to folders are not followed (a
     ``latest -> .`` link would gather a run again and again; a link out of the run would gather another's)."""
     real = folder.resolve()
     if real in visited:
         return
     visited.add(real)
     m = read_manifest(folder)
+    if m is not None and not top and m.get("command") == "report":
+        return  # a report's output (a demo's report/) holds the runs beside it again: gathered only when given
     if m is not None:
         yield folder
     elif (folder / MANIFEST).is_file() and not top:  # an unreadable sub-run is said, not skipped in silence

@@ -594,7 +594,7 @@ class RunDir:
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if exc is not None:
-            self.mark("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", one_line(exc))
+            self.mark(*unfinished(exc))
 
 
 
@@ -626,6 +626,14 @@ def mark_unfinished(since: int, status: str, error: str | None = None) -> list[R
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a cluster job's time limit) raised where the program is, handled like Ctrl-C."""
+
+
+def unfinished(exc: BaseException) -> tuple[str, str]:
+    """``(status, error)`` a run stopped by ``exc`` records: ``("interrupted", "SIGTERM")`` (:class:`Terminated`),
+    ``("interrupted", "SIGINT")`` (Ctrl-C, any other ``KeyboardInterrupt``), else ``("failed", its one line)``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+    return "failed", one_line(exc)
 
 
 @contextlib.contextmanager

@@ -512,7 +512,7 @@ def read_sglang_dump(files: list[Path], shape: ModelShape) -> Dump:
             for li in range(p2l.shape[0]):  # sglang's _convert_global_physical_count_to_logical_count
                 np.add.at(logical[li], p2l[li], phys[li])
             c = _layer_counts(logical, shape, str(path))
-        total = c if total is None else {li: total[li] + c[li] for li in total}
+        total = c if total is None else {li: total.get(li, 0) + c.get(li, 0) for li in sorted({*total, *c})}
     dump.counts = Counts(total or {})
     return dump
 
@@ -529,14 +529,14 @@ def _legacy_csv(path: Path, shape: ModelShape) -> dict[int, np.ndarray]:
     bad = [c for c in ("layer_id", "expert_id", "count") if len(df) and not pd.api.types.is_integer_dtype(df[c])]
     if bad:
         raise MoetoolError(f"{path}: {', '.join(bad)} must be whole numbers in every line")
-    out = {li: np.zeros(shape.n_experts(li), dtype=np.int64) for li in shape.moe_layers}
+    out: dict[int, np.ndarray] = {}  # the layers with a line (one missing is refused by store.check_counts)
     for li, e, c in df[["layer_id", "expert_id", "count"]].itertuples(index=False):
         if li not in shape.moe:
             if c:
                 raise MoetoolError(f"{path}: layer {li} is not an MoE layer of --config {shape.source}")
             continue
         check_ids(np.array([e]), shape.n_experts(li), str(path), li)
-        out[li][e] += int(c)
+        out.setdefault(li, np.zeros(shape.n_experts(li), dtype=np.int64))[e] += int(c)
     return out
 
 

@@ -67,17 +67,52 @@ def write_trace(chunks: Iterator[Chunk], shape: ModelShape, path: Path) -> dict[
     return {"tokens": tokens, "rows": rows, "requests": len(seen_rows)}
 
 
-def write_loads(counts: Counts, path: Path) -> dict[str, int]:
-    """Counts-only routing as ``layer, expert, count`` Parquet."""
-    import pandas as pd
-
-    for li, c in sorted(counts.counts.items()):
+def check_counts(counts: dict[int, np.ndarray], shape: ModelShape, what: str, noun: str = "dump",
+                 layers: Any = None) -> None:
+    """The one check of counts-only routing (``{MoE layer: [n] assignments}``) against the model's ``shape``, at
+    import (``noun`` "dump": refused before anything is written) and where ``stats``/``placement``/``offload``
+    read a loads file back (``noun`` "trace", ``layers`` those asked): no negative count, every MoE layer present
+    and routing at least one token, each layer's assignments a whole number of top-K choices."""
+    at = f"{what}: " if what else ""
+    for li, c in sorted(counts.items()):
         if (c < 0).any():
             e = int(np.argmin(c))
-            raise MoetoolError(f"the dump counts {int(c[e])} assignments for layer {li}, expert {e}: a count cannot be "
-                               f"negative")
-    if not counts.counts or not any(c.sum() for c in counts.counts.values()):
-        raise MoetoolError("the dump counts no routed token: nothing to import")
+            raise MoetoolError(f"{at}the {noun} counts {int(c[e])} assignments for layer {li}, expert {e}: a "
+                               f"count cannot be negative")
+    if not counts or not any(c.sum() for c in counts.values()):
+        raise MoetoolError(f"{at}the {noun} counts no routed token" + (": nothing to import" if noun == "dump"
+                                                                           else ""))
+    K = shape.top_k()
+    for li in shape.moe_layers:
+        if layers is not None and li not in layers:
+            continue
+        if li not in counts:
+            raise MoetoolError(f"{at}layer {li} is not in the {noun} (MoE layers of {shape.source}: "
+                               f"{_spans(shape.moe_layers)}); a counts {noun} covers every MoE layer")
+        total = int(counts[li].sum())
+        if total == 0:
+            raise MoetoolError(f"{at}layer {li} routed no token in the {noun} (MoE layers of {shape.source}: "
+                               f"{_spans(shape.moe_layers)}); a counts {noun} covers every MoE layer")
+        if total % K:
+            raise MoetoolError(f"{at}layer {li} counts {total} assignments, not a multiple of top-{K}")
+
+
+def _spans(layers: list[int]) -> str:
+    """``0-3, 5`` for layers 0, 1, 2, 3, 5."""
+    out: list[str] = []
+    for li in layers:
+        if out and out[-1].split("-")[-1] == str(li - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{li}"
+        else:
+            out.append(str(li))
+    return ", ".join(out)
+
+
+def write_loads(counts: Counts, path: Path, shape: ModelShape) -> dict[str, int]:
+    """Counts-only routing as ``layer, expert, count`` Parquet, checked first (:func:`check_counts`)."""
+    import pandas as pd
+
+    check_counts(counts.counts, shape, "")
     df = pd.concat([pd.DataFrame({"layer": li, "expert": np.arange(len(c)), "count": c})
                     for li, c in sorted(counts.counts.items())], ignore_index=True)
     df.to_parquet(path, index=False)
