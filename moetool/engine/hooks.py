@@ -66,10 +66,20 @@ class RoutingEvent:
         ``torch.topk(sorted=True)`` returns them. ``idx`` is the order the router returned, which for several
         families (``topk(sorted=False)``: DeepSeek-V3, GLM-4.5, LongCat, ...) is not the rank order, so ``idx[:, 0]``
         need not be the first-ranked expert. Computed once per event for every consumer that reads it."""
+        return self.in_rank_order(self.idx), self.in_rank_order(self.weights)
+
+    @cached_property
+    def rank_positions(self) -> torch.Tensor | None:
+        """Positions ``[T, K]`` that put the model's ``idx`` in rank order (:attr:`ranked`); None for K = 1."""
         if self.idx.shape[-1] == 1:
-            return self.idx, self.weights
-        order = ops.rank_order(self.idx, self.layer.selection_scores(self.logits))
-        return self.idx.gather(-1, order), self.weights.gather(-1, order)
+            return None
+        return ops.rank_order(self.idx, self.layer.selection_scores(self.logits))
+
+    def in_rank_order(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]``, column for column beside the model's ``idx`` (its weights, or a policy's weights for the
+        model's own set, as ``capacity`` returns them), in :attr:`ranked`'s order."""
+        order = self.rank_positions
+        return x if order is None else x.gather(-1, order)
 
 
 class Policy(Protocol):
