@@ -304,6 +304,9 @@ class Engine:
         self.reported: dict[int, int] = {}
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
+        #: the next forward's real tokens ``[B, S]`` bool where it passes no attention mask (lm-eval's loglikelihood
+        #: forwards: moetool.experiments.eval sets it from lm-eval's padding); used once, by a forward of that shape
+        self.padding: torch.Tensor | None = None
         self._attn_was: str | None = None  # the attention implementation to give back on exit (eager switched on)
 
     # ----- installation ------------------------------------------------------------------
@@ -374,6 +377,9 @@ class Engine:
         valid = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == (B, S):
             valid = mask.reshape(-1).bool()
+        padding, self.padding = self.padding, None
+        if valid is None and padding is not None and tuple(padding.shape) == (B, S):
+            valid = padding.reshape(-1).to(ids.device)
         token_ids = ids.reshape(-1) if not ids.is_floating_point() else None
         self._batch = ((B, S), valid, token_ids)
         self.forwards += 1
