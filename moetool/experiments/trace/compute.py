@@ -51,7 +51,8 @@ class TraceCollector:
 
     def __call__(self, ev: RoutingEvent) -> None:
         if ev.chosen_idx is ev.idx:  # the model's own set (router, capacity): ranked, with the weights that ran
-            idx, w = ev.ranked if ev.chosen_weights is ev.weights else (ev.ranked[0], ev.in_rank_order(ev.chosen_weights))
+            idx = ev.ranked[0]
+            w = ev.ranked[1] if ev.chosen_weights is ev.weights else ev.in_rank_order(ev.chosen_weights)
         else:
             idx, w = ev.chosen_idx, ev.chosen_weights
         self.events.append((ev.layer.index, idx, w, ev.logits[..., :ev.layer.n_experts] if self.logits else None))
