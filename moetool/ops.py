@@ -59,20 +59,27 @@ def argmax(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     return first.squeeze(-1) * block + inside.argmax(-1)
 
 
+def set_size(a: torch.Tensor) -> torch.Tensor:
+    """Members of each row's index set ``a [T, K]``: its ids >= 0 (a negative id pads a set smaller than K)."""
+    return (a >= 0).sum(-1)
+
+
 def overlap_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``|A ∩ B|`` per row for index sets ``a [T, Ka]`` and ``b [T, Kb]`` (no repeats in a row)."""
-    return (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1)
+    """``|A ∩ B|`` per row for index sets ``a [T, Ka]`` and ``b [T, Kb]`` (no repeats in a row; negative ids pad a
+    row's set and are no member of it: :func:`set_size`)."""
+    return ((a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1) & (a >= 0)).sum(-1)
 
 
 def same_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise set equality of two ``[T, K]`` index tensors."""
-    return overlap_count(a, b) == a.shape[-1]
+    """Row-wise set equality of two index tensors (negative ids pad, as in :func:`overlap_count`)."""
+    n = overlap_count(a, b)
+    return (n == set_size(a)) & (n == set_size(b))
 
 
 def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``|A ∩ B| / |A ∪ B|`` per row, fp32."""
+    """``|A ∩ B| / |A ∪ B|`` per row, fp32 (negative ids pad; 0 where both sets are empty)."""
     inter = overlap_count(a, b).float()
-    return inter / (a.shape[-1] + b.shape[-1] - inter)
+    return inter / (set_size(a) + set_size(b) - inter).clamp_min(1)
 
 
 def one_hot_counts(idx: torch.Tensor, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:

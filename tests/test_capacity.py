@@ -216,3 +216,49 @@ def test_backed_off_batches_are_refused(monkeypatch):
             _check_batches(4)
         _check_batches(2)
     _check_batches(4)  # no run: no back-off
+
+
+@pytest.mark.parametrize("order", ["order", "score"])
+def test_trace_writes_the_weights_that_ran(tiny_model, order):
+    """``trace --routing capacity:<cf>`` on DeepSeek-V3 (correction bias, groups, unsorted top-K): every row holds
+    the router's own experts in decreasing selection score (sigmoid + bias, read off transformers' gate) with the
+    weights that ran: the gate's own weight, 0 where the test's hand loop drops the assignment (the trace wrote the
+    model's weight for every dropped assignment)."""
+    from types import SimpleNamespace
+
+    from moetool.data import TokenSet
+    from moetool.experiments.trace.compute import trace
+
+    model = tiny_model("deepseek_v3")
+    batch = padded_batch(batch=3, seq=12, pad=5)
+    gates = {i: dl.mlp.gate for i, dl in enumerate(model.model.layers) if hasattr(dl.mlp, "experts")}
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name="deepseek_v3")
+    seen = {}
+
+    def keep(i, out):  # the gate's last call: the one forward (batch_size = the 3 rows)
+        seen[i] = [t.detach().clone() for t in out]
+
+    hooks = [g.register_forward_hook(lambda m, a, out, i=i: keep(i, out)) for i, g in gates.items()]
+    tokens = TokenSet(batch["input_ids"], batch["attention_mask"], ["x"] * 3, "test")
+    try:
+        df = trace(lm, tokens, routing=f"capacity:0.5:{order}", batch_size=3, quiet=True)["trace"]
+    finally:
+        for h in hooks:
+            h.remove()
+    valid = batch["attention_mask"].reshape(-1).bool()
+    zeros = 0
+    for i, (logits, w, idx) in seen.items():  # the gate's own (logits, weights, unsorted top-K)
+        n, K = logits.shape[-1], idx.shape[-1]
+        cap = math.ceil(0.5 * int(valid.sum()) * K / n)
+        dropped = hand_drop(idx, valid, n, cap, w if order == "score" else None)
+        select = logits.double().sigmoid() + gates[i].e_score_correction_bias.double()
+        rows = df[df.layer == i]
+        got_e = rows[[f"expert_{k + 1}" for k in range(K)]].to_numpy()
+        got_w = rows[[f"weight_{k + 1}" for k in range(K)]].to_numpy()
+        for r, t in enumerate(torch.nonzero(valid).flatten().tolist()):
+            want = sorted(range(K), key=lambda k: -float(select[t, idx[t, k]]))
+            assert got_e[r].tolist() == [int(idx[t, k]) for k in want], (i, t)
+            expect = [0.0 if dropped[t, k] else float(w[t, k]) for k in want]
+            assert got_w[r].tolist() == pytest.approx(expect, abs=1e-6), (i, t)
+            zeros += sum(x == 0.0 for x in expect)
+    assert zeros > 0

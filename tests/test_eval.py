@@ -280,3 +280,33 @@ def test_lm_evals_own_bars_are_silenced_under_moetools_display(model_dir, no_net
     lmeval.evaluate(lm, plan, limit=2, hflm=hflm, quiet=False)
     err = capfd.readouterr().err
     assert "it/s]" not in err and "%|" not in err and "lm_eval" not in err, err
+
+
+def test_capacity_in_eval_counts_real_tokens_only(model_dir, no_network, monkeypatch):
+    """lm-eval's loglikelihood forwards carry no attention mask; their right padding (id 0 after each row's last
+    token) must not count as tokens: per forward, the engine's valid tokens are the test's own read of the rows
+    (up to the last non-zero id; the task text holds no id 0) and capacity = ⌈cf · real · K / n⌉ of those. (Every
+    padded position counted as a real token: valid 600 of 569 real in one batch.)"""
+    from moetool.policies.capacity import CapacityPolicy
+
+    seen = []
+    select = CapacityPolicy.select
+
+    def record(self, ev):
+        out = select(self, ev)
+        seen.append((ev.token_ids.reshape(ev.shape).cpu(), ev.valid.cpu(), float(ev.extra["capacity"]),
+                     ev.idx.shape[-1], ev.layer.n_experts))
+        return out
+
+    monkeypatch.setattr(CapacityPolicy, "select", record)
+    lm = load(str(model_dir))
+    lmeval.evaluate(lm, lmeval.plan_tasks([TASK]), policy=make_policy("capacity:1"), limit=4, batch_size=4,
+                    quiet=True)
+    padded = 0
+    for ids, valid, cap, K, n in seen:
+        last = [max((s for s in range(ids.shape[1]) if ids[b, s] != 0), default=-1) for b in range(ids.shape[0])]
+        want = torch.tensor([[s <= last[b] for s in range(ids.shape[1])] for b in range(ids.shape[0])])
+        assert torch.equal(valid, want.reshape(-1))
+        assert cap == math.ceil(1.0 * int(want.sum()) * K / n)
+        padded += int((~want).sum())
+    assert seen and padded > 0  # the batches were padded

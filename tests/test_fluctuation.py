@@ -318,3 +318,47 @@ def test_isolate_with_a_policy_reading_the_experts_is_one_line(tmp_path, ckpts):
     df, _ = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), FluctuationOptions(
         routing=("norm:gate",), batch_size=2, bootstrap=0), loader)
     assert set(df["routing"]) == {"norm:gate"} and (df[CHANGE] == 0).all().all()
+
+
+@pytest.mark.parametrize("routing", ["topp:0.5", "capacity:0.5"])
+def test_a_policys_chosen_set_is_its_nonzero_weights(ckpts, routing):
+    """topp / capacity hand the experts columns at weight 0 (top-p's unchosen: every one of n columns goes; capacity's
+    dropped): the chosen set is the experts that ran with a nonzero weight, read here off the arguments transformers'
+    experts module received. (Every column counted as chosen: topp's sets were all n experts, topk_change 0 and
+    jaccard 1 in every layer.)"""
+    import math
+
+    opts = FluctuationOptions(routing=(routing,), batch_size=2, bootstrap=0)
+    df, _ = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
+    ran = {}
+    for k in ("a", "b"):
+        m = loader(ckpts[k])
+        seen, hooks = {}, []
+        try:
+            with torch.no_grad(), Engine(m.model, m.layers, policy=opts.policy(routing)):
+                for i, dl in enumerate(m.model.model.layers):  # after the engine's own hook: what it handed on
+                    hooks.append(dl.mlp.experts.register_forward_pre_hook(
+                        lambda mod, args, i=i: seen.setdefault(i, []).append((args[1].clone(), args[2].clone()))))
+                for bt in tokens().batches(2):
+                    feed(m.model, bt.input_ids, bt.attention_mask)
+        finally:
+            for h in hooks:
+                h.remove()
+        ran[k] = seen
+    valid = tokens().attention_mask.reshape(-1).bool().tolist()
+    for i in ran["a"]:
+        rows = []
+        for k in ("a", "b"):
+            parts = ran[k][i]
+            idx, w = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            sets = [{e for e, x in zip(r, q) if x != 0} for r, q in zip(idx.tolist(), w.tolist())]
+            rows.append([s for s, v in zip(sets, valid) if v])
+        A, B = rows
+        n = len(A)
+        row = df[df.layer == i].iloc[0]
+        assert row["topk_change"] == pytest.approx(sum(a != b for a, b in zip(A, B)) / n, abs=1e-12)
+        assert row["topk_overlap"] == pytest.approx(sum(len(a & b) / max(len(a), 1) for a, b in zip(A, B)) / n,
+                                                    abs=1e-12)
+        assert row["jaccard"] == pytest.approx(sum(len(a & b) / max(len(a | b), 1) for a, b in zip(A, B)) / n,
+                                               abs=1e-6)  # per token in fp32
+        assert not math.isclose(row["jaccard"], 1.0) or i < J

@@ -66,10 +66,20 @@ class RoutingEvent:
         ``torch.topk(sorted=True)`` returns them. ``idx`` is the order the router returned, which for several
         families (``topk(sorted=False)``: DeepSeek-V3, GLM-4.5, LongCat, ...) is not the rank order, so ``idx[:, 0]``
         need not be the first-ranked expert. Computed once per event for every consumer that reads it."""
+        return self.in_rank_order(self.idx), self.in_rank_order(self.weights)
+
+    @cached_property
+    def rank_positions(self) -> torch.Tensor | None:
+        """Positions ``[T, K]`` that put the model's ``idx`` in rank order (:attr:`ranked`); None for K = 1."""
         if self.idx.shape[-1] == 1:
-            return self.idx, self.weights
-        order = ops.rank_order(self.idx, self.layer.selection_scores(self.logits))
-        return self.idx.gather(-1, order), self.weights.gather(-1, order)
+            return None
+        return ops.rank_order(self.idx, self.layer.selection_scores(self.logits))
+
+    def in_rank_order(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]``, column for column beside the model's ``idx`` (its weights, or a policy's weights for the
+        model's own set, as ``capacity`` returns them), in :attr:`ranked`'s order."""
+        order = self.rank_positions
+        return x if order is None else x.gather(-1, order)
 
 
 class Policy(Protocol):
@@ -294,6 +304,9 @@ class Engine:
         self.reported: dict[int, int] = {}
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
+        #: the next forward's real tokens ``[B, S]`` bool where it passes no attention mask (lm-eval's loglikelihood
+        #: forwards: moetool.experiments.eval sets it from lm-eval's padding); used once, by a forward of that shape
+        self.padding: torch.Tensor | None = None
         self._attn_was: str | None = None  # the attention implementation to give back on exit (eager switched on)
 
     # ----- installation ------------------------------------------------------------------
@@ -364,6 +377,9 @@ class Engine:
         valid = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == (B, S):
             valid = mask.reshape(-1).bool()
+        padding, self.padding = self.padding, None
+        if valid is None and padding is not None and tuple(padding.shape) == (B, S):
+            valid = padding.reshape(-1).to(ids.device)
         token_ids = ids.reshape(-1) if not ids.is_floating_point() else None
         self._batch = ((B, S), valid, token_ids)
         self.forwards += 1

@@ -375,6 +375,8 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
             req = torch.from_numpy(st.requests(li))  # [T, K]
             best = (req.gather(1, torch.from_numpy(st.weights[li]).argmax(1, keepdim=True)) if top1
                     else torch.full((req.shape[0], 1), -1, dtype=torch.int64))  # no top-1: its column is dropped
+            if top1:  # a column at weight 0 (a top-p or capacity trace) is no chosen expert, as in a forward
+                req = req.masked_fill(torch.from_numpy(st.weights[li]) == 0, -1)
             per.append(torch.cat([req, best], 1))
         r.spill.append(torch.stack(per).to(torch.int32))  # [L, T, K + 1], one batch
         r.spill.append(torch.from_numpy(st.token_rows()).to(torch.int32))

@@ -3,8 +3,11 @@
 ``HFLM(pretrained=<model object>, tokenizer=..., batch_size=N)`` wraps the already loaded model
 and ``simple_evaluate`` runs the tasks while an :class:`~moetool.engine.hooks.Engine` applies the
 routing policy to every forward lm-eval makes (its model pre-hook records each forward's shape
-and padding mask; lm-eval's loglikelihood forwards pass none, right-padded rows are causal so
-the padding never reaches a scored token).
+and padding mask). lm-eval's loglikelihood forwards pass no mask: their right padding (lm-eval's
+``pad_and_concat``) is handed to the engine as the forward's padding (:func:`lmeval_padding`), so
+padding is no token for a policy that looks across the batch (``capacity`` counts and drops real
+tokens only, ``attention`` picks its head and ``similarity`` its neighbours among real tokens), as
+in ppl; the causal rows keep it from the scored tokens otherwise.
 
 Shipped offline tasks (multiple choice, built from the embedded models' training text, see
 ``examples/tasks/README.md``) are found, in order, in ``$MOETOOL_TASKS``, in the package
@@ -265,6 +268,33 @@ def _shared_results(out: Any) -> Any:
     return box[0]
 
 
+@contextlib.contextmanager
+def lmeval_padding(engine: Any) -> Any:
+    """While open, every batch lm-eval pads with ``pad_and_concat`` (its loglikelihood inputs, passed to the model
+    without an attention mask) sets ``engine.padding`` to the batch's real tokens ``[B, S]``: the engine's
+    ``valid`` for the forward that follows."""
+    import torch
+    from lm_eval.models import huggingface
+
+    pad = getattr(huggingface, "pad_and_concat", None)
+    if pad is None:
+        raise MoetoolError("this lm-eval version has no models.huggingface.pad_and_concat: moetool cannot tell "
+                           "its padding from real tokens")
+
+    def padded(max_length: int, tensors: list[Any], padding_side: str = "right") -> Any:
+        lengths = torch.tensor([int(t.shape[-1]) for t in tensors]).unsqueeze(-1)  # before pad replaces them
+        out = pad(max_length, tensors, padding_side)
+        pos = torch.arange(out.shape[-1]).unsqueeze(0)
+        engine.padding = pos < lengths if padding_side == "right" else pos >= out.shape[-1] - lengths
+        return out
+
+    huggingface.pad_and_concat = padded
+    try:
+        yield
+    finally:
+        huggingface.pad_and_concat = pad
+
+
 def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
              num_fewshot: int | None = None, limit: int | None = None, batch_size: int = 8, seed: int = 0,
              hflm: Any = None, log_samples: bool = False, quiet: bool = False) -> EvalResult:
@@ -285,7 +315,8 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
     what = f"lm-eval {', '.join(plan.names)}{routing}"
     with status(what, quiet), contextlib.redirect_stderr(io.StringIO()), hub_offline(plan.offline), torch.no_grad(), \
             logger_level("lm_eval", logging.ERROR if quiet else logging.WARNING), no_env_report(), \
-            Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers):
+            Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers) as engine, \
+            lmeval_padding(engine):
         try:
             out = evaluator.simple_evaluate(
                 model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,

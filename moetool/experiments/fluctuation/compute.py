@@ -15,7 +15,9 @@ score distribution ``s_i`` for ``similarity`` / ``attention``.
 
 For each pair (reference, checkpoint) — ``reference`` ``previous`` (i-1, i), ``first`` (0, i) or ``last``
 (last, i) — and layer: ``top1_change`` (fraction of real tokens whose top-1 differs), ``topk_change``
-(top-K sets differ), ``topk_overlap`` (mean ``|A ∩ B| / K``), ``jaccard`` (mean ``|A ∩ B| / |A ∪ B|``),
+(chosen sets differ; a set is the experts with a nonzero weight, so top-p's unchosen and capacity's dropped
+columns are none of it), ``topk_overlap`` (mean ``|A ∩ B| / |A|``: ``/ K`` for a fixed top-K), ``jaccard`` (mean
+``|A ∩ B| / |A ∪ B|``),
 ``entropy_ref`` / ``entropy_ckpt`` (mean entropy in nats) and ``entropy_ratio`` (ckpt / ref).
 
 ``isolate``: while the reference runs, its own MoE inputs ``h`` (and, for ``attention``, its attention
@@ -112,10 +114,12 @@ class Routing:
         self._valid: torch.Tensor | None = None
 
     def add(self, layer: int, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> None:
-        """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` and ``valid [T]``."""
+        """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` and ``valid [T]``. The
+        chosen set is the experts with a nonzero weight: a column a policy leaves at weight 0 (top-p's unchosen,
+        capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`)."""
         small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
-        top1 = idx.gather(1, w.float().argmax(-1, keepdim=True))  # [T, 1]
-        self._batch[layer] = torch.cat([idx, top1], 1).to(small)  # [T, K + 1]
+        top1 = idx.gather(1, w.float().argmax(-1, keepdim=True)).masked_fill((w == 0).all(-1, keepdim=True), -1)
+        self._batch[layer] = torch.cat([idx.masked_fill(w == 0, -1), top1], 1).to(small)  # [T, K + 1]
         self._valid = valid
         ent = ops.entropy(scores).double()
         self.entropy[layer].add(torch.where(valid, ent, 0.0), valid)
@@ -227,10 +231,10 @@ def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[in
     for (a, rows_a), (b, _) in zip(ref.batches(), ckpt.batches()):
         if a.shape != b.shape:
             raise MoetoolError(f"the checkpoints saw different tokens ({a.shape[1]} vs {b.shape[1]}) or K")
-        A, B = a[..., :-1], b[..., :-1]  # [L, N, K]
-        K = A.shape[-1]
+        A, B = a[..., :-1], b[..., :-1]  # [L, N, K] (-1: no expert)
+        overlap = ops.overlap_count(A, B).double() / ops.set_size(A).clamp_min(1)  # / K for a fixed top-K
         per = torch.stack([(a[..., -1] != b[..., -1]).double(), (~ops.same_set(A, B)).double(),
-                           ops.overlap_count(A, B).double() / K, ops.jaccard(A, B).double()], -1)  # [L, N, 4]
+                           overlap, ops.jaccard(A, B).double()], -1)  # [L, N, 4]
         sums += per.sum(1)
         if rows is not None and per.shape[1]:
             rows.add(rows_a.numpy(), rates=per.permute(1, 0, 2).reshape(per.shape[1], -1).numpy(),
@@ -405,8 +409,9 @@ def check_checkpoints(names: Sequence[str]) -> Any:
 
 DEFINITIONS = {
     "top1_change": "fraction of real tokens whose top-1 expert (chosen expert with the largest weight) differs",
-    "topk_change": "fraction of real tokens whose chosen top-K set differs",
-    "topk_overlap": "mean |A ∩ B| / K",
+    "topk_change": "fraction of real tokens whose chosen set differs (the experts with a nonzero weight: the top-K, "
+                   "or a policy's set, top-p's unchosen and capacity's dropped columns left out)",
+    "topk_overlap": "mean |A ∩ B| / |A| (A the reference's chosen set: |A| = K for a fixed top-K)",
     "jaccard": "mean |A ∩ B| / |A ∪ B|",
     "entropy_ref/entropy_ckpt": "mean entropy (nats) over real tokens of π (routing router) or of the policy's "
                                 "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention)",

@@ -6,9 +6,10 @@ Tokens", arXiv 2505.00792 (routing fluctuation, Fig. 3; Similarity-/Attention-Aw
 Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
 layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
 (reference, checkpoint) and routing: top1_change (fraction of real tokens whose top-1 expert differs: the
-paper's fluctuation rate; top-1 = chosen expert with the largest weight), topk_change (top-K set differs),
-topk_overlap (mean |A∩B|/K), jaccard (mean |A∩B|/|A∪B|), entropy_ref / entropy_ckpt (mean entropy in nats)
-and entropy_ratio (ckpt/ref).
+paper's fluctuation rate; top-1 = chosen expert with the largest weight), topk_change (chosen set differs;
+a set is the experts with a nonzero weight: top-p's unchosen and capacity's dropped columns are none of it),
+topk_overlap (mean |A∩B|/|A|, /K for a fixed top-K), jaccard (mean |A∩B|/|A∪B|), entropy_ref / entropy_ckpt
+(mean entropy in nats) and entropy_ratio (ckpt/ref).
 
 --routing router: the model's own top-K, entropy of π. similarity / attention: that training-free policy
 applied in every MoE layer of each checkpoint (Similarity-Aware S = softmax(h_i·h_j/τ), causal;

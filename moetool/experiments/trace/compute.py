@@ -35,7 +35,9 @@ from .spec import TraceOptions  # noqa: F401 - its options (declared with their 
 FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row index), pos (position in row), "
           "token_id, token, domain, layer (decoder layer index), expert_k / weight_k (k-th chosen expert and its "
           "weight: the model's routing ranked by its selection score, largest first, whatever order its router "
-          "returned them in; a policy's as the policy returned them), logit_e (router logit of expert e, --logits). "
+          "returned them in; a policy's as the policy returned them, except that one keeping the model's experts "
+          "(capacity) is ranked as the model's, with the weights that ran: 0 for a dropped assignment), logit_e "
+          "(router logit of expert e, --logits). "
           "Encoder-decoder models (the row as source and target): token is the row's token at pos; the encoder "
           "reads it there, the decoder reads the token at pos-1 and predicts it")
 
@@ -48,7 +50,11 @@ class TraceCollector:
         self.events: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def __call__(self, ev: RoutingEvent) -> None:
-        idx, w = ev.ranked if ev.chosen_idx is ev.idx else (ev.chosen_idx, ev.chosen_weights)  # the model's: ranked
+        if ev.chosen_idx is ev.idx:  # the model's own set (router, capacity): ranked, with the weights that ran
+            idx = ev.ranked[0]
+            w = ev.ranked[1] if ev.chosen_weights is ev.weights else ev.in_rank_order(ev.chosen_weights)
+        else:
+            idx, w = ev.chosen_idx, ev.chosen_weights
         self.events.append((ev.layer.index, idx, w, ev.logits[..., :ev.layer.n_experts] if self.logits else None))
 
     def columns(self, batch: Any, row_ids: np.ndarray, tokenizer: Any) -> dict[str, Any]:
