@@ -223,6 +223,27 @@ def test_moetool_traces_streamed_file_is_recorded_and_a_copy_that_lost_rows_refu
         r.output and not (tmp_path / "stats").exists()
 
 
+def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_counts(tmp_path):
+    """``moetool trace --routing topp:0.5`` writes every expert column, the unchosen at weight 0 (capacity: its
+    dropped assignments): stats, placement and offload on it would count those as routed (before: loads and hit
+    rates of experts that never ran); refused in one line. fluctuation reads the weights and leaves them out."""
+    run = tmp_path / "topp"
+    r = runner.invoke(app, ["trace", "--routing", "topp:0.5", "--max-tokens", "128", "--seq-len", "32", "--format",
+                            "parquet", "-q", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_parquet(run / "trace.parquet")
+    assert (df.filter(like="weight_") == 0).to_numpy().any()  # the policy left columns out
+    for cmd, use in (("stats", "the expert loads"), ("placement", "the expert loads"),
+                     ("offload", "the cache simulation")):
+        r = runner.invoke(app, [cmd, "--trace", str(run), "-q", "--out", str(tmp_path / cmd)])
+        assert r.exit_code == 2 and "has experts at weight 0" in r.output and use in r.output, (cmd, r.output)
+        assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / cmd).exists()
+    r = runner.invoke(app, ["fluctuation", "--trace", str(run), "--trace", str(run), "-q", "--out",
+                            str(tmp_path / "fl")])
+    assert r.exit_code == 0, r.output
+    assert (pd.read_csv(tmp_path / "fl" / "fluctuation.csv")["topk_change"] == 0).all()  # the same routing
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)

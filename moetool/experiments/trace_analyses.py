@@ -58,6 +58,21 @@ def _ordered(src: TraceSource) -> bool:
     return "sorted" not in str(src.routing_source.get("order", ""))
 
 
+def _weight_columns(src: TraceSource, cols: list[str]) -> list[str]:
+    """``weight_1 .. weight_K`` where the trace has gate weights (``moetool trace``), else none."""
+    return [c.replace("expert_", "weight_") for c in cols] if src.weights else []
+
+
+def _refuse_unrouted(src: TraceSource, g: Any, wcols: list[str], li: int, use: str) -> None:
+    """One line where a layer's rows hold a column at weight 0: a policy's column that did not run (``--routing
+    topp`` leaves the unchosen at 0, ``capacity`` its dropped assignments), while ``use`` reads every ``expert_k``
+    as routed (fluctuation reads the weights and leaves such columns out)."""
+    if wcols and (g[wcols].to_numpy(dtype=np.float64) == 0).any():
+        raise MoetoolError(f"--trace {src.path}: layer {li} has experts at weight 0 (a routing policy's columns that "
+                           f"did not run: top-p's unchosen, capacity's dropped), which {use} would count as routed: "
+                           f"not supported; trace the model's own routing")
+
+
 def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str | None = "all",
                layers: tuple[int, ...] | None = None, pairs: Any = None) -> dict[int, LayerSums]:
     """Per MoE layer of the trace: real tokens, assignments and (``coactivation``) co-activation counts;
@@ -81,16 +96,18 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
         return {li: LayerSums(len(c), K, int(c.sum()) // K, torch.from_numpy(c.astype(np.float64)), None)
                 for li, c in counts.items() if layers is None or li in layers}
     cols = expert_columns(src)
+    wcols = _weight_columns(src, cols)
     sums: dict[int, dict[str, Any]] = {}
     first_layer = min(layers) if layers else None
     no_ids: list[int] = []
-    for df in read_batches(src, ["layer", *cols] + (["token_id"] if pairs is not None else [])):
+    for df in read_batches(src, ["layer", *cols, *wcols] + (["token_id"] if pairs is not None else [])):
         for li, g in df.groupby("layer", sort=False):
             li = int(li)
             if layers is not None and li not in layers:
                 continue
             if li not in src.shape.moe:
                 raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            _refuse_unrouted(src, g, wcols, li, "the expert loads")
             n = src.shape.n_experts(li)
             idx = torch.from_numpy(np.array(g[cols].to_numpy(dtype=np.int64)))  # [t, K], a writable copy
             if top_k is not None:
@@ -279,7 +296,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     if src.kind == "loads":
         raise MoetoolError(f"{src.path} holds counts only: {use} needs each token's experts in order")
     cols = expert_columns(src)
-    wcols = [c.replace("expert_", "weight_") for c in cols] if weights and src.weights else []
+    wcols = _weight_columns(src, cols)  # read to mask (weights) or to refuse (not): a column at weight 0 never ran
     parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
     taken: dict[int, int] = {}
     last: dict[int, tuple[int, int]] = {}
@@ -292,12 +309,14 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
                 raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
             if max_tokens:
                 g = g.iloc[: max_tokens - taken.get(li, 0)]
+            if not weights:
+                _refuse_unrouted(src, g, wcols, li, use)
             key = g["row"].to_numpy() * (1 << 32) + g["pos"].to_numpy()
             if (np.diff(key) < 0).any() or (li in last and key[0] < last[li][0] * (1 << 32) + last[li][1]):
                 raise MoetoolError(f"--trace {src.path}: layer {li}'s tokens are not in (row, position) order")
             last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
             parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64),
-                                             g[wcols].to_numpy(dtype=np.float64) if wcols else None,
+                                             g[wcols].to_numpy(dtype=np.float64) if weights and wcols else None,
                                              g["token_id"].to_numpy(dtype=np.int64) if token_ids else None))
             taken[li] = taken.get(li, 0) + len(g)
         if max_tokens and parts and all(taken.get(li, 0) >= max_tokens for li in (layers or src.shape.moe_layers)):
@@ -311,7 +330,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
     rows = np.concatenate([p[0] for p in next(iter(parts.values()))])
     _, rows = np.unique(rows, return_inverse=True)  # packed-row numbers 0.. in order (the bootstrap's units)
     reqs = {li: np.concatenate([p[2] for p in ps]) for li, ps in sorted(parts.items())}
-    w = {li: np.concatenate([p[3] for p in ps]) for li, ps in sorted(parts.items())} if wcols else None
+    w = {li: np.concatenate([p[3] for p in ps]) for li, ps in sorted(parts.items())} if weights and wcols else None
     ids = np.concatenate([p[4] for p in next(iter(parts.values()))]) if token_ids else None
     return TraceStream(rows.astype(np.int64), reqs, {li: src.shape.n_experts(li) for li in reqs}, first, w, ids)
 
