@@ -225,20 +225,13 @@ def test_default_groups_are_the_routing_groups(tiny_model, model_type, groups):
     assert model_groups(find_moe_layers(tiny_model(model_type))[0]) == groups
 
 
-def test_imbalance_intervals_by_hand(tiny_placement):
-    """The imbalance intervals: per-row loads counted by hand from the routing events, resampled with the same
-    row weights, each static layout's imbalance summed by hand per replicate, BCa as moetool.uncertainty; the
-    value lies inside, and the overall interval is the one of Σ max / Σ mean."""
-    import numpy as np
-
+def rows_by_hand(lm, tokens):
+    """Per packed row, the top-K assignments of real tokens per expert, counted from the routing events:
+    ``{layer: [rows, n]}``."""
     import moetool
-    from moetool.uncertainty import bca, bootstrap_weights
 
-    lm, tokens, res = tiny_placement
     n, S = lm.layers[0].n_experts, tokens.input_ids.shape[1]
-    layer_ids = [L.index for L in lm.layers]
-    rows = tokens.input_ids.shape[0]
-    per_row = {li: np.zeros((rows, n)) for li in layer_ids}
+    per_row = {L.index: np.zeros((tokens.input_ids.shape[0], n)) for L in lm.layers}
     start = [0]
 
     def count(ev):
@@ -253,6 +246,21 @@ def test_imbalance_intervals_by_hand(tiny_placement):
             for b in tokens.batches(8):
                 feed(lm.model, b.input_ids, b.attention_mask)
                 start[0] += b.input_ids.shape[0]
+    return per_row
+
+
+def test_imbalance_intervals_by_hand(tiny_placement):
+    """The imbalance intervals: per-row loads counted by hand from the routing events, resampled with the same
+    row weights, each static layout's imbalance summed by hand per replicate, BCa as moetool.uncertainty; the
+    value lies inside, and the overall interval is the one of Σ max / Σ mean."""
+    from moetool.uncertainty import bca, bootstrap_weights
+
+    lm, tokens, res = tiny_placement
+    n = lm.layers[0].n_experts
+    layer_ids = [L.index for L in lm.layers]
+    per_row = rows_by_hand(lm, tokens)
+    rows = tokens.input_ids.shape[0]
+
     w = bootstrap_weights(rows, 1000, 0)
     df, overall = res["placement"], res["placement_overall"].set_index(["gpus", "replicas", "method"])
     for G, method, gpu_of in ((2, "contiguous", lambda e: e * G // n), (4, "round_robin", lambda e: e % G)):
@@ -276,3 +284,45 @@ def test_imbalance_intervals_by_hand(tiny_placement):
         assert o.imbalance_lo == pytest.approx(lo[-1], rel=1e-9) and o.imbalance_hi == pytest.approx(hi[-1], rel=1e-9)
         assert (got.imbalance_lo <= got.imbalance).all() and (got.imbalance <= got.imbalance_hi).all()
         assert (got.imbalance_hi > got.imbalance_lo).all()  # the data do vary
+
+
+def test_fitted_placement_intervals_refit_per_replicate(tiny_placement):
+    """eplb is fitted on the data it is evaluated on (in sample, optimistic). Its interval: replicate b (the run's
+    row weights) refits EPLB on resample b's loads (one replicate at a time here) and serves resample b + 1's (mod
+    1000), its GPU loads summed by hand; the percentile interval, widened to include the estimate. eplb_stale, fitted on
+    the same rows (reference = the data), gets the same. Before: the placement was held fixed and BCa, reading the
+    replicates above the in-sample estimate as bias, shifted the interval down to end near the estimate."""
+    from moetool.uncertainty import bootstrap_weights
+
+    lm, tokens, res = tiny_placement
+    n = lm.layers[0].n_experts
+    layer_ids = [L.index for L in lm.layers]
+    per_row = rows_by_hand(lm, tokens)
+    sums = np.stack([per_row[li] for li in layer_ids], 1)  # [rows, L, n]
+    w = bootstrap_weights(sums.shape[0], 1000, 0)
+    df, overall = res["placement"], res["placement_overall"].set_index(["gpus", "replicas", "method"])
+    for G in (2, 4):
+        for R in (0, G):
+            P = n + R
+            reps = []
+            for b in range(w.shape[0]):
+                phy2log, _, count = rebalance_experts(torch.from_numpy(np.einsum("r,rln->ln", w[b], sums)), P, 1, 1, G)
+                phy2log, count = phy2log.numpy(), count.numpy()
+                served = np.einsum("r,rln->ln", w[(b + 1) % w.shape[0]], sums)  # the next resample's loads
+                gpu = np.array([[sum(served[li, e] / count[li, e] for e in phy2log[li, g * P // G:(g + 1) * P // G])
+                                 for g in range(G)] for li in range(len(layer_ids))])  # [L, G]
+                mx, mean = gpu.max(-1), gpu.mean(-1)
+                reps.append([*(mx / mean), mx.sum() / mean.sum()])
+            lo, hi = np.quantile(np.array(reps), [0.025, 0.975], axis=0)
+            for method in ("eplb", "eplb_stale"):
+                got = df[(df.gpus == G) & (df.replicas == R) & (df.method == method)].set_index("layer").loc[layer_ids]
+                o = overall.loc[(G, R, method)]
+                value = np.array([*got.imbalance, o.imbalance])
+                want_lo, want_hi = np.minimum(lo, value), np.maximum(hi, value)
+                assert np.allclose([*got.imbalance_lo, o.imbalance_lo], want_lo, rtol=1e-12), (G, R, method)
+                assert np.allclose([*got.imbalance_hi, o.imbalance_hi], want_hi, rtol=1e-12), (G, R, method)
+                assert (got.imbalance_lo <= got.imbalance).all() and (got.imbalance <= got.imbalance_hi).all()
+    # the in-sample estimate sits at the low end: on 4 GPUs with 4 replicas the interval lies above it, 1.0378
+    # [1.0378, 1.1761] (before: BCa's 1.0378 [1.0299, 1.0399], ending near the estimate)
+    o = overall.loc[(4, 4, "eplb")]
+    assert o.imbalance_lo == o.imbalance and o.imbalance_hi - o.imbalance > 0.01

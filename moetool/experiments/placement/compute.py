@@ -31,7 +31,8 @@ from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import RowTable, bootstrap_meta, format_ci, replicates, sum_intervals, with_ci
+from ...uncertainty import (LEVEL, RowTable, bootstrap_meta, bootstrap_weights, format_ci, percentile, replicates,
+                           sum_intervals, with_ci)
 from ..routing import data_name
 from ..result import Result, resolve_options
 from ..specialization import LoadBalance
@@ -57,10 +58,16 @@ DEFINITIONS = {
                  "layers of the max / sum of the mean (the time of the layers, each waiting for its busiest GPU, "
                  "over the balanced time; every layer routes the same tokens, so also the mean over layers)",
     "imbalance_lo/imbalance_hi": "95% interval of the imbalance: document-level bootstrap over the packed rows of "
-                                 "--data (--bootstrap replicates, seeded; BCa, as a max is biased under "
-                                 "resampling), each placement held fixed — computed once from the full loads "
-                                 "(eplb: in-sample; eplb_stale: from the reference) — and evaluated on every "
-                                 "resample's loads; NaN with --bootstrap 0",
+                                 "--data (--bootstrap replicates, seeded; NaN with --bootstrap 0). contiguous, "
+                                 "round_robin, eplb_stale: the placement held fixed (eplb_stale: fitted on the "
+                                 "reference) and evaluated on every resample's loads, BCa (a max is biased under "
+                                 "resampling). eplb, fitted on the data it is evaluated on: its imbalance is "
+                                 "in-sample (optimistic), so the interval is of the imbalance the fitting procedure "
+                                 "achieves out of sample: replicate b fits EPLB on resample b's loads and serves "
+                                 "resample b+1's (another independent draw; mod the replicates), percentile interval "
+                                 "widened to include the estimate (the in-sample imbalance sits at or near its low "
+                                 "end); eplb_stale whose reference data is --data (fitted on the same rows' loads "
+                                 "under the reference model) likewise, fitted on resample b's reference loads",
     "max_gpu_load/min_gpu_load": "the busiest / least busy GPU's load: routed token assignments, an expert with c "
                                  "replicas giving each replica load / c (tokens split evenly over replicas, "
                                  "EPLB's assumption)",
@@ -91,18 +98,21 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
     if per_pack == 1:
         return (torch.arange(m, dtype=torch.int64).expand(rows, m).clone(),
                 torch.zeros(rows, m, dtype=torch.int64))
-    order = weight.sort(-1, descending=True).indices.tolist()  # [X, m] heaviest first (eplb.py's sort: its ties)
-    w = weight.numpy()  # float32: the packs' sums rounded as eplb.py's float32 tensors are
-    pack = [[-1] * m for _ in range(rows)]
-    rank = [[-1] * m for _ in range(rows)]
-    for i in range(rows):
-        load, count = [np.float32(0)] * num_packs, [0] * num_packs
-        for item in order[i]:
-            p = min((j for j in range(num_packs) if count[j] < per_pack), key=load.__getitem__)
-            pack[i][item], rank[i][item] = p, count[p]
-            load[p] = load[p] + w[i, item]
-            count[p] += 1
-    return torch.tensor(pack, dtype=torch.int64), torch.tensor(rank, dtype=torch.int64)
+    order = weight.sort(-1, descending=True).indices  # [X, m] heaviest first (eplb.py's sort: its ties)
+    w = weight.float()  # float32: the packs' sums rounded as eplb.py's float32 tensors are
+    load = torch.zeros(rows, num_packs, dtype=torch.float32)
+    count = torch.zeros(rows, num_packs, dtype=torch.int64)
+    pack = torch.empty(rows, m, dtype=torch.int64)
+    rank = torch.empty(rows, m, dtype=torch.int64)
+    one, inf = torch.ones(rows, 1, dtype=torch.int64), torch.tensor(float("inf"))
+    for k in range(m):  # every row's k-th heaviest item at once (rows are independent)
+        item = order[:, k:k + 1]  # [X, 1]
+        p = torch.where(count < per_pack, load, inf).argmin(-1, keepdim=True)  # lightest pack with room, first on ties
+        pack.scatter_(1, item, p)
+        rank.scatter_(1, item, count.gather(1, p))
+        load.scatter_add_(1, p, w.gather(1, item))  # one float32 addition per row, as eplb.py's
+        count.scatter_add_(1, p, one)
+    return pack, rank
 
 
 def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -234,6 +244,33 @@ def imbalance_statistic(placements: list[Placement]) -> Any:
     return statistic
 
 
+def refit_interval(data_rows: np.ndarray, fit_rows: np.ndarray, layers: int, n_boot: int, seed: int, slots: int,
+                   groups: int, nodes: int, gpus: int, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo [L + 1], hi [L + 1])``: the interval of an EPLB placement FITTED on the data's rows (``eplb``; eplb_stale
+    fitted on the reference model's loads of the same rows), per layer then overall, from the per-row loads it is
+    fitted on ``fit_rows [rows, L * n]`` (``eplb``: the data's) and the data's ``data_rows`` (the same rows; L =
+    ``layers``).
+    Its imbalance on the loads it was fitted on is in-sample (optimistic): resampling rows with it held fixed gives
+    replicates mostly above it, which BCa reads as bias and shifts the interval below the estimate. Instead the whole
+    procedure is bootstrapped out of sample: replicate b (the row weights of
+    :func:`moetool.uncertainty.bootstrap_weights`, as every interval of the run) fits EPLB on resample b's loads and
+    serves resample b + 1's (mod n_boot: another independent draw of the same rows): the imbalance a placement
+    fitted on N rows of this traffic achieves on another N rows of it. It carries both the fit's variation and the traffic's (with one expert per GPU, where the placement cannot
+    matter, it is the fixed placements' resampled imbalance). Percentile interval (no BCa: a refit is no smooth
+    function of the loads), widened to include the estimate by :func:`placement_tables` (against the tables' own
+    values). All replicates' placements in one :func:`rebalance_experts` call (``[n_boot * L, n]`` rows;
+    :func:`balanced_packing` vectorised over them)."""
+    n = data_rows.shape[1] // layers
+    w = bootstrap_weights(data_rows.shape[0], n_boot, seed)
+    fit = torch.from_numpy(w @ fit_rows).reshape(n_boot * layers, n)  # every replicate's loads, one EPLB row per layer
+    phy2log, _, count = rebalance_experts(fit, slots, groups, nodes, gpus)
+    served = torch.from_numpy(np.roll(w, -1, 0) @ data_rows).reshape(n_boot, layers, n)  # resample b + 1's loads
+    per_gpu = gpu_loads(served, phy2log.view(n_boot, layers, slots), count.view(n_boot, layers, n), gpus)  # [B, L, G]
+    mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [B, L]
+    reps = torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1).numpy()  # [B, L + 1]
+    return percentile(reps, level)
+
+
 # ----- the experiment ---------------------------------------------------------------------------------------
 class RowLoads:
     """Consumer: per packed row, the top-K assignment counts of every hooked layer (``rows`` names "load<layer>",
@@ -302,18 +339,24 @@ def _data_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions,
 
 
 def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, reference: Any,
-                     reference_model: Any, quiet: bool) -> tuple[torch.Tensor | None, int | None]:
+                     reference_model: Any, quiet: bool) -> tuple[torch.Tensor | None, int | None, np.ndarray | None]:
     """The loads (and real tokens) of the reference model (default ``lm``) on the reference data (default
-    ``tokens``) that ``eplb_stale`` is fitted on; ``(None, None)`` without a reference."""
+    ``tokens``) that ``eplb_stale`` is fitted on, and, where the reference data IS the data (``reference`` None or
+    ``tokens``) and intervals are on, their per-row loads ``[rows, layers * n]`` (the same rows as the data's:
+    eplb_stale is then fitted on the data's rows, and :func:`refit_interval` resamples them); ``(None, None, None)``
+    without a reference."""
     if reference is None and reference_model is None:
-        return None, None
+        return None, None, None
     ref_lm = lm if reference_model is None else reference_model
     ref_layers = select_layers(ref_lm.layers, opts.layers)
     if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
         raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
-    ref_load, ref_tok, _ = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
-                                        opts.batch_size, quiet, "placement (reference)")
-    return ref_load[:, :n], ref_tok
+    same_rows = (reference is None or reference is tokens) and opts.bootstrap > 0
+    ref_load, ref_tok, ref_rows = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
+                                               opts.batch_size, quiet, "placement (reference)", row_sums=same_rows)
+    if ref_rows is not None:
+        ref_rows = ref_rows.reshape(ref_rows.shape[0], len(layers), -1)[:, :, :n].reshape(ref_rows.shape[0], -1)
+    return ref_load[:, :n], ref_tok, ref_rows
 
 
 def _placements(load: torch.Tensor, ref_load: torch.Tensor | None, n: int, groups: int, gpu_counts: list[int],
@@ -332,11 +375,14 @@ def _placements(load: torch.Tensor, ref_load: torch.Tensor | None, n: int, group
 
 
 def placement_tables(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: int, idx: list[int], n: int,
-                     opts: PlacementOptions, placements: Any) -> tuple[Any, Any]:
+                     opts: PlacementOptions, placements: Any, groups: int = 1, ref_rows: np.ndarray | None = None
+                     ) -> tuple[Any, Any]:
     """``(placement.csv, placement_overall.csv)`` of the placements ``(G, R, method, phy2log, count)`` under the
     data's loads ``[layers, n]``: per layer and placement, and per placement the sum over layers of the max / sum of
-    the mean GPU load; with ``n_boot`` the BCa intervals of one bootstrap of every placement's imbalances (per
-    layer and overall) from the per-row loads ``[rows, layers * n]``."""
+    the mean GPU load; with ``n_boot`` the BCa intervals of one bootstrap of every fixed placement's imbalances (per
+    layer and overall) from the per-row loads ``[rows, layers * n]``; for the placements fitted on these rows, ``eplb``
+    (on ``row_loads``) and ``eplb_stale`` when its reference data is the data (on ``ref_rows``, the reference model's
+    per-row loads of the same rows), :func:`refit_interval`'s (EPLB's ``groups``)."""
     import pandas as pd
 
     placements = list(placements)
@@ -352,6 +398,12 @@ def placement_tables(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: i
     ci = (sum_intervals(row_loads, imbalance_statistic(placements), n_boot=n_boot, seed=opts.seed, method="bca")
           if n_boot else None)  # per placement: its layers, then overall
     bound = [(c.lo, c.hi) for c in ci] if ci else [(nan, nan)] * (M * (L + 1))
+    fitted_on = {"eplb": row_loads, "eplb_stale": ref_rows}  # the per-row loads a placement was fitted on, if the data's
+    refitted = [m for m, rows in fitted_on.items() if rows is not None]
+    for i, (G, R, method, _, _) in enumerate(placements):  # fitted on the data's rows: refitted per replicate instead
+        if n_boot and method in refitted:
+            lo, hi = refit_interval(row_loads, fitted_on[method], L, n_boot, opts.seed, n + R, groups, opts.nodes, G)
+            bound[i * (L + 1):(i + 1) * (L + 1)] = list(zip(lo.tolist(), hi.tolist()))
     key = [(G, R, method) for G, R, method, _, _ in placements]
     flat = {name: np.array([v for i in range(M) for v in col[i]])
             for name, col in (("imbalance", imb), ("max", mx), ("mean", mean), ("min", mn))}
@@ -373,6 +425,10 @@ def placement_tables(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: i
                             "imbalance_lo": [bound[i * (L + 1) + L][0] for i in range(M)],
                             "imbalance_hi": [bound[i * (L + 1) + L][1] for i in range(M)],
                             "max_layer_imbalance": per_placement("imbalance").max().to_numpy(), "layers": L})
+    for frame in (df, overall):  # a refit interval widened to include its (in-sample) estimate; NaN stays NaN
+        fitted = frame["method"].isin(refitted)
+        frame.loc[fitted, "imbalance_lo"] = np.minimum(frame.loc[fitted, "imbalance_lo"], frame.loc[fitted, "imbalance"])
+        frame.loc[fitted, "imbalance_hi"] = np.maximum(frame.loc[fitted, "imbalance_hi"], frame.loc[fitted, "imbalance"])
     return df, overall
 
 
@@ -407,14 +463,16 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     n, z, K, groups = _placed_experts(layers, opts.groups)
     gpu_counts = opts.gpu_counts(n)
     load, n_tok, row_loads = _data_loads(lm, tokens, layers, opts, n, z, quiet)
-    ref_load, ref_tok = _reference_loads(lm, tokens, layers, opts, n, reference, reference_model, quiet)
+    ref_load, ref_tok, ref_rows = _reference_loads(lm, tokens, layers, opts, n, reference, reference_model, quiet)
     idx = [L.index for L in layers]
     n_boot = replicates(opts.bootstrap, row_loads.shape[0]) if row_loads is not None else 0
     df, overall = placement_tables(load, row_loads, n_boot, idx, n, opts,
-                                   _placements(load, ref_load, n, groups, gpu_counts, opts))
+                                   _placements(load, ref_load, n, groups, gpu_counts, opts), groups, ref_rows)
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=idx,
                 n_experts=n, top_k=K, groups=groups, zero_computation_experts_not_placed=z,
-                bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0], "BCa interval"),
+                bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0],
+                                          "BCa interval (eplb: refitted on each resample, serving the next one, "
+                                          "percentile interval)"),
                 eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
                                  "ported in moetool.experiments.placement",
                           policy="hierarchical" if groups % opts.nodes == 0 else "global"))

@@ -17,8 +17,11 @@ mean_gpu_load, min_gpu_load, max_replicas), placement_overall.csv (gpus, nodes, 
 imbalance = sum of the layers' max / sum of their mean, max_layer_imbalance, layers),
 placement_loads.csv (data_set, layer, expert, tokens, load, load_fraction), figures/placement_imbalance (imbalance
 vs G per method), figures/placement_layers (per-layer imbalance at the largest G below n) and manifest.json (definitions).
-Intervals (--bootstrap): the documents are resampled with each placement held as fitted on all of them (in
-sample), so eplb's imbalance, the optimum for the full data, often sits at or near the low end of its interval.
+Intervals (--bootstrap): the documents are resampled; contiguous, round_robin and eplb_stale of other
+reference data are held fixed (BCa interval); eplb (and eplb_stale of --data's rows) is fitted on the data, so its
+imbalance is in-sample (optimistic): EPLB is refitted on every resample and serves another, independent resample,
+and the percentile interval (widened to include the estimate) describes the imbalance on traffic it was not fitted
+on, the estimate at or near its low end.
 
 --trace PATH (a moetool trace or import-trace run) takes the loads from recorded routing instead of a forward
 (no bootstrap, no eplb_stale; --groups defaults to 1). --export sglang writes sglang_expert_location.json
