@@ -39,7 +39,7 @@ def inspect(model: Model = DEFAULT_MODEL,
                                           "cached per installation)."),
             refresh: bool = typer.Option(False, "--refresh", help="--families: rebuild the cached table.")
             ) -> None:
-    from moetool.errors import MoetoolError
+    from moetool.errors import MoetoolError, spans
     from moetool.report.console import console
 
     listing = "--families lists every MoE family" if families else "--aliases lists every alias" if aliases else None
@@ -105,26 +105,15 @@ def inspect(model: Model = DEFAULT_MODEL,
         c.print(f"scoring (every MoE layer): {scoring.pop()}")
         shown = [k for k in shown if k != "scoring"]
     # the console's table: numbers never cut (a wide table is paged with its key column), text wrapped
-    print_table(pd.DataFrame([{"layers": _spans(layers), **{k: first[key][k] for k in shown}}
+    print_table(pd.DataFrame([{"layers": spans(layers), **{k: first[key][k] for k in shown}}
                               for key, layers in groups.items()]), title="MoE layers", max_rows=len(groups), keys=1)
     if info["dense_layers"]:
-        c.print(f"dense (non-MoE) decoder layers: {_spans(info['dense_layers'])}")
+        c.print(f"dense (non-MoE) decoder layers: {spans(info['dense_layers'])}")
     fmt = info["experts_format"]
     c.print(f"experts: {fmt['format']}; on a GPU {fmt['gpu']}; on CPU {fmt['cpu']}")
     c.print(f"  routing: {fmt['routing']}")
     c.print(f"  weight-reading commands (approx, erc, norm-select, prune, super-experts, norm:<node>): "
             f"{fmt['weights']}")
-
-
-def _spans(layers: list[int]) -> str:
-    """``[0, 1, 2, 3, 5, 7, 8]`` -> ``"0-3, 5, 7-8"`` (runs of consecutive layer indices)."""
-    runs: list[list[int]] = []
-    for i in sorted(layers):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def register(app: typer.Typer) -> None:

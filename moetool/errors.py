@@ -2,8 +2,12 @@
 
 ``exit_code`` is what the command exits with: 2 for a usage error (the command line asks for something this model or
 these options cannot do), 1 for a runtime error (:class:`MoetoolRuntimeError`: no network, a corrupt file, no CUDA
-device, not enough memory).
+device, not enough memory). :func:`spans` writes index runs for such messages.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 
 class MoetoolError(Exception):
@@ -73,3 +77,15 @@ def one_line(exc: BaseException, limit: int = 240) -> str:
     if isinstance(exc, MoetoolError):
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def spans(indices: Any) -> str:
+    """``[0, 1, 2, 3, 5, 7, 8]`` -> ``"0-3, 5, 7-8"``: runs of consecutive (layer) indices, for a message or a
+    table."""
+    runs: list[list[int]] = []
+    for i in sorted(int(x) for x in indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, spans
 from ..files import table_problem
 from .readers import Chunk, Counts
 from .shape import ModelShape
@@ -88,24 +88,13 @@ def check_counts(counts: dict[int, np.ndarray], shape: ModelShape, what: str, no
             continue
         if li not in counts:
             raise MoetoolError(f"{at}layer {li} is not in the {noun} (MoE layers of {shape.source}: "
-                               f"{_spans(shape.moe_layers)}); a counts {noun} covers every MoE layer")
+                               f"{spans(shape.moe_layers)}); a counts {noun} covers every MoE layer")
         total = int(counts[li].sum())
         if total == 0:
             raise MoetoolError(f"{at}layer {li} routed no token in the {noun} (MoE layers of {shape.source}: "
-                               f"{_spans(shape.moe_layers)}); a counts {noun} covers every MoE layer")
+                               f"{spans(shape.moe_layers)}); a counts {noun} covers every MoE layer")
         if total % K:
             raise MoetoolError(f"{at}layer {li} counts {total} assignments, not a multiple of top-{K}")
-
-
-def _spans(layers: list[int]) -> str:
-    """``0-3, 5`` for layers 0, 1, 2, 3, 5."""
-    out: list[str] = []
-    for li in layers:
-        if out and out[-1].split("-")[-1] == str(li - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{li}"
-        else:
-            out.append(str(li))
-    return ", ".join(out)
 
 
 def write_loads(counts: Counts, path: Path, shape: ModelShape) -> dict[str, int]:
