@@ -146,7 +146,7 @@ def test_bad_policy_is_one_line_error(tmp_path):
 def test_inspect_prints_layers_described_alike_as_one_row():
     """The console table groups the MoE layers whose every column is equal (a 58-layer DeepSeek-V3 is one row, not 58)
     into runs of layer indices, and a scoring rule shared by every layer is one line above it, not a column."""
-    from moetool.commands.inspect import _spans
+    from moetool.errors import spans as _spans
 
     assert _spans([7, 0, 1, 2, 3, 5, 8]) == "0-3, 5, 7-8" and _spans([4]) == "4" and _spans([]) == ""
     for name in ("tiny", str(Path(__file__).parents[1] / "examples" / "configs" / "deepseek-v3")):

@@ -305,7 +305,7 @@ class Engine:
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
         #: the next forward's real tokens ``[B, S]`` bool where it passes no attention mask (lm-eval's loglikelihood
-        #: forwards: moetool.experiments.eval sets it from lm-eval's padding); used once, by a forward of that shape
+        #: forwards: the eval bridge sets it from lm-eval's padding); used once, by a forward of that shape
         self.padding: torch.Tensor | None = None
         self._attn_was: str | None = None  # the attention implementation to give back on exit (eager switched on)
 
