@@ -217,3 +217,24 @@ def test_identified_on_the_meta_device_in_train_mode(dtype):
     want = None if dtype == torch.float32 else "bfloat16"
     assert [(L.describe()["rule"], L.describe().get("rank_dtype")) for L in layers] == [("softmax-topk", want)] * 4
     assert all(L.router.__dict__["router"].training for L in layers)  # the mode is given back
+
+
+def test_cross_layer_pairs_stay_within_a_stack():
+    """stats' cross_layer pairs consecutive MoE layers of one stack: the last encoder MoE layer and the first decoder
+    MoE layer see position t as different tokens (the decoder reads t-1), so they make no pair (before: a
+    cross_layer row and mutual information between them)."""
+    from types import SimpleNamespace
+
+    from moetool.data import TokenSet
+    from moetool.experiments.stats.compute import stats
+
+    model = build_tiny("switch_transformers")
+    layers = find_moe_layers(model)
+    lm = SimpleNamespace(model=model, layers=layers, tokenizer=None, name="switch")
+    ids = torch.randint(3, 40, (4, 12), generator=torch.Generator().manual_seed(2))
+    res = stats(lm, TokenSet(ids, torch.ones_like(ids), [""] * 4, "test"), quiet=True, bootstrap=0, top_tokens=0)
+    want = [(a.index, b.index) for a, b in zip(layers, layers[1:]) if a.stack == b.stack]
+    assert len(want) == len(layers) - 2 and {a.stack for a in layers} == {"encoder", "decoder"}
+    summary = res["cross_layer_summary"]
+    assert sorted(zip(summary["layer"], summary["next_layer"])) == want
+    assert sorted(set(zip(res["cross_layer"]["layer"], res["cross_layer"]["next_layer"]))) == want

@@ -46,7 +46,8 @@ DEFINITIONS = {
                           "first-ranked expert it is (an id with two equally frequent experts goes to the lower "
                           "expert id; OLMoE's script takes the one it met first; specialization is the same either "
                           "way), ranked by specialization (ties: occurrences, token id)",
-    "cross_layer": "for consecutive MoE layers l -> next: count[a,b] = tokens with a in the top-K at l and b in "
+    "cross_layer": "for consecutive MoE layers l -> next (of one stack in an encoder-decoder: its encoder and "
+                   "decoder read different tokens at a position): count[a,b] = tokens with a in the top-K at l and b in "
                    "the top-K at next (every pair of the two top-K sets); p_b_given_a = count / tokens with a at l "
                    "(sums to K over b; independent uniform routing gives K/n)",
     "cross_layer_summary": "mean_max_p = mean over experts a chosen at l of max_b p_b_given_a (uniform: K/n); "
@@ -325,8 +326,11 @@ class CrossLayer:
 
     def __init__(self, layers: list[Any], top_k: int | None = None, model_layers: list[Any] | None = None):
         self.order = [L.index for L in layers]
-        every = [L.index for L in (layers if model_layers is None else model_layers)]  # the model's MoE layers
-        self.previous = dict(zip(every[1:], every[:-1]))  # the MoE layer before each one in the model
+        every = list(layers if model_layers is None else model_layers)  # the model's MoE layers
+        # the MoE layer before each one in the model, within one stack: an encoder-decoder's last encoder layer and
+        # first decoder layer see position t as different tokens (the decoder reads t-1), so they make no pair
+        self.previous = {b.index: a.index for a, b in zip(every, every[1:])
+                         if getattr(a, "stack", None) == getattr(b, "stack", None)}
         self.expected = sum(self.previous.get(li) in self.order for li in self.order)  # pairs both hooked
         self.top_k = top_k
         self.counts: dict[tuple[int, int], torch.Tensor] = {}
