@@ -172,7 +172,7 @@ def rank_order(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     (``idx.gather(-1, rank_order(idx, scores))``): the order ``torch.topk(sorted=True)`` returns, whatever order the
     set came in (DeepSeek-V3's, GLM-4.5's, LongCat's routers return theirs unsorted). Stable: equal scores keep
     their order, so the first is :func:`best_of`'s."""
-    return torch.sort(scores.gather(-1, idx.long()), dim=-1, descending=True, stable=True).indices
+    return topk(scores.gather(-1, idx.long()), idx.shape[-1], stable=True)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -209,6 +209,13 @@ def imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
     return per_gpu.max(-1).values / per_gpu.mean(-1)
 
 
+def layer_and_overall(per_gpu: torch.Tensor) -> torch.Tensor:
+    """``[..., L + 1]`` from ``[..., L, G]`` loads: each layer's imbalance, then the overall one (the sum over the
+    layers of the max / the sum of the mean)."""
+    mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [..., L]
+    return torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1)
+
+
 Placement = tuple  # (G, R, method, phy2log [L, P], count [L, n]), as :func:`_placements` yields them
 
 
@@ -236,9 +243,7 @@ def imbalance_statistic(placements: list[Placement]) -> Any:
         flat = torch.from_numpy(np.ascontiguousarray(s)).reshape(-1, 1, L, s.shape[-1] // L)  # [b, 1, L, n]
         outs = []
         for G, _, phy2log, count in stacks:
-            per_gpu = gpu_loads(flat, phy2log, count, G)  # [b, m, L, G]
-            mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [b, m, L]
-            outs.append(torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1))  # [b, m, L + 1]
+            outs.append(layer_and_overall(gpu_loads(flat, phy2log, count, G)))  # [b, m, L + 1]
         return torch.cat(outs, 1)[:, back].reshape(*lead, -1).numpy()
 
     return statistic
@@ -255,8 +260,9 @@ def refit_interval(data_rows: np.ndarray, fit_rows: np.ndarray, layers: int, n_b
     procedure is bootstrapped out of sample: replicate b (the row weights of
     :func:`moetool.uncertainty.bootstrap_weights`, as every interval of the run) fits EPLB on resample b's loads and
     serves resample b + 1's (mod n_boot: another independent draw of the same rows): the imbalance a placement
-    fitted on N rows of this traffic achieves on another N rows of it. It carries both the fit's variation and the traffic's (with one expert per GPU, where the placement cannot
-    matter, it is the fixed placements' resampled imbalance). Percentile interval (no BCa: a refit is no smooth
+    fitted on N rows of this traffic achieves on another N rows of it. It carries both the fit's variation and the
+    traffic's (with one expert per GPU, where the placement cannot matter, it is the fixed placements' resampled
+    imbalance). Percentile interval (no BCa: a refit is no smooth
     function of the loads), widened to include the estimate by :func:`placement_tables` (against the tables' own
     values). All replicates' placements in one :func:`rebalance_experts` call (``[n_boot * L, n]`` rows;
     :func:`balanced_packing` vectorised over them)."""
@@ -266,9 +272,7 @@ def refit_interval(data_rows: np.ndarray, fit_rows: np.ndarray, layers: int, n_b
     phy2log, _, count = rebalance_experts(fit, slots, groups, nodes, gpus)
     served = torch.from_numpy(np.roll(w, -1, 0) @ data_rows).reshape(n_boot, layers, n)  # resample b + 1's loads
     per_gpu = gpu_loads(served, phy2log.view(n_boot, layers, slots), count.view(n_boot, layers, n), gpus)  # [B, L, G]
-    mx, mean = per_gpu.max(-1).values, per_gpu.mean(-1)  # [B, L]
-    reps = torch.cat([mx / mean, (mx.sum(-1) / mean.sum(-1)).unsqueeze(-1)], -1).numpy()  # [B, L + 1]
-    return percentile(reps, level)
+    return percentile(layer_and_overall(per_gpu).numpy(), level)  # [B, L + 1] replicates
 
 
 # ----- the experiment ---------------------------------------------------------------------------------------
@@ -395,11 +399,15 @@ def placement_tables(load: torch.Tensor, row_loads: np.ndarray | None, n_boot: i
         for out, col in zip((imb, mx, mean, mn, reps), cols):
             for i, v in zip(ix, col.tolist()):
                 out[i] = v
-    ci = (sum_intervals(row_loads, imbalance_statistic(placements), n_boot=n_boot, seed=opts.seed, method="bca")
-          if n_boot else None)  # per placement: its layers, then overall
-    bound = [(c.lo, c.hi) for c in ci] if ci else [(nan, nan)] * (M * (L + 1))
     fitted_on = {"eplb": row_loads, "eplb_stale": ref_rows}  # the per-row loads a placement was fitted on, if the data's
     refitted = [m for m, rows in fitted_on.items() if rows is not None]
+    bound = [(nan, nan)] * (M * (L + 1))  # per placement: its layers, then overall
+    fixed = [i for i, p in enumerate(placements) if p[2] not in refitted]  # BCa around the placement held fixed
+    if n_boot and fixed:
+        ci = sum_intervals(row_loads, imbalance_statistic([placements[i] for i in fixed]), n_boot=n_boot,
+                           seed=opts.seed, method="bca")
+        for j, i in enumerate(fixed):
+            bound[i * (L + 1):(i + 1) * (L + 1)] = [(c.lo, c.hi) for c in ci[j * (L + 1):(j + 1) * (L + 1)]]
     for i, (G, R, method, _, _) in enumerate(placements):  # fitted on the data's rows: refitted per replicate instead
         if n_boot and method in refitted:
             lo, hi = refit_interval(row_loads, fitted_on[method], L, n_boot, opts.seed, n + R, groups, opts.nodes, G)
