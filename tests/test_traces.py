@@ -244,6 +244,31 @@ def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_co
     assert (pd.read_csv(tmp_path / "fl" / "fluctuation.csv")["topk_change"] == 0).all()  # the same routing
 
 
+def test_a_per_token_trace_missing_an_moe_layer_is_refused(captured, tmp_path):
+    """A per-token trace without one MoE layer's rows (a bare file, ``--trace-config``): stats, placement and offload
+    wrote the model's tables without that layer (placement's overall imbalance over 3 of 4 layers) and fluctuation
+    compared the layers present, without a word. Refused in one line naming the layer, as a counts trace's missing
+    layer is; placement's ``--layers`` of the layers present reads the same as the whole trace does."""
+    full, bare = tmp_path / "full.parquet", tmp_path / "bare.parquet"
+    captured["trace"].to_parquet(full, index=False)
+    captured["trace"][captured["trace"]["layer"] != 1].to_parquet(bare, index=False)
+    cfg = ["--trace-config", "tiny", "-q"]
+    for args in (["stats", "--trace", str(bare)], ["placement", "--trace", str(bare)],
+                 ["offload", "--trace", str(bare)], ["fluctuation", "--trace", str(full), "--trace", str(bare)]):
+        out = tmp_path / args[0]
+        _refused(runner.invoke(app, [*args, *cfg, "--out", str(out)]), out,
+                 f"--trace {bare}: MoE layer 1 not in the trace (MoE layers of tiny: 0-3)")
+    tables = []
+    for f in (bare, full):
+        out = tmp_path / f"pl-{f.stem}"
+        r = runner.invoke(app, ["placement", "--trace", str(f), "--layers", "0,2-3", *cfg, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        tables.append([pd.read_csv(out / t) for t in ("placement.csv", "placement_overall.csv")])
+    assert sorted(tables[0][0]["layer"].unique()) == [0, 2, 3]
+    for a, b in zip(*tables):
+        pd.testing.assert_frame_equal(a, b)
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)

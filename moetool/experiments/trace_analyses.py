@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..errors import MoetoolError
+from ..errors import MoetoolError, spans
 from ..loading import load_tokenizer
 from ..sketch import SparseCounter
 from ..traces.store import TraceSource, check_counts, expert_columns, read_batches, read_loads
@@ -71,6 +71,18 @@ def _refuse_unrouted(src: TraceSource, g: Any, wcols: list[str], li: int, use: s
         raise MoetoolError(f"--trace {src.path}: layer {li} has experts at weight 0 (a routing policy's columns that "
                            f"did not run: top-p's unchosen, capacity's dropped), which {use} would count as routed: "
                            f"not supported; trace the model's own routing")
+
+
+def _refuse_missing(src: TraceSource, present: Any, layers: tuple[int, ...] | None) -> None:
+    """One line where the trace lacks an MoE layer asked for (``layers``; default every MoE layer of the model, as
+    a counts trace must cover them: :func:`~moetool.traces.store.check_counts`): its tables would pass for the
+    model's while leaving the layer out (placement's and offload's overall figures most of all)."""
+    wanted = [li for li in (layers if layers is not None else src.shape.moe_layers) if li in src.shape.moe]
+    missing = [li for li in wanted if li not in present]
+    if missing:
+        raise MoetoolError(f"--trace {src.path}: MoE layer{'s' if len(missing) > 1 else ''} {spans(missing)} not "
+                           f"in the trace (MoE layers of {src.shape.source}: {spans(src.shape.moe_layers)}); a trace "
+                           f"covers every MoE layer" + (" asked for" if layers is not None else ""))
 
 
 def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str | None = "all",
@@ -133,6 +145,7 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
                 s["co"] += coactivation_counts(idx, n, valid, coactivation)
     if not sums:
         raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
+    _refuse_missing(src, sums, layers)
     return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"],
                           None if no_ids else s.get("pairs")) for li, s in sorted(sums.items())}
 
@@ -323,6 +336,7 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
             break
     if not parts:
         raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
+    _refuse_missing(src, parts, layers)
     keys = {li: np.concatenate([p[1] for p in ps]) for li, ps in parts.items()}
     first = next(iter(keys.values()))
     if any(len(k) != len(first) or (k != first).any() for k in keys.values()):
