@@ -70,9 +70,10 @@ def _keep(n: int, removed: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
 def test_weights_among_the_kept_by_hand(model_type, tiny_model, batch):
-    """First MoE layer, from the router logits: p = softmax(logits); the K largest p among the kept experts;
-    weights p / their sum (mixtral: softmax-topk-renorm) or p itself (olmoe: softmax-topk, the removed experts'
-    mass not handed on)."""
+    """First MoE layer, from the router logits: p = softmax over the kept experts' logits (the checkpoint with the
+    removed experts' router rows deleted, as REAP's prune.py leaves it); the K largest p among the kept; weights
+    p / their sum (mixtral: softmax-topk-renorm) or p itself (olmoe: softmax-topk; before, the softmax over all n:
+    the removed experts' mass was lost, a kept weight 0.13 where the pruned checkpoint gives 0.40)."""
     model = tiny_model(model_type)
     layers = find_moe_layers(model)
     L = layers[0]
@@ -83,7 +84,7 @@ def test_weights_among_the_kept_by_hand(model_type, tiny_model, batch):
     K = L.top_k
     assert L.renormalize == (model_type == "mixtral")
     for t in range(ev.logits.shape[0]):
-        p = torch.softmax(ev.logits[t].double(), -1)
+        p = torch.softmax(ev.logits[t].double().masked_fill(~_keep(len(ev.logits[t]), removed), float("-inf")), -1)
         ranked = [int(e) for e in p.argsort(descending=True) if int(e) not in removed][:K]
         got = dict(zip(ev.chosen_idx[t].tolist(), ev.chosen_weights[t].double().tolist()))
         assert sorted(got) == sorted(ranked)
@@ -458,3 +459,46 @@ def test_accuracy_on_the_shipped_tasks_matches_eval(tiny_prune, tmp_path):
                               quiet=True)["eval"].set_index("metric")
     assert ev.loc[("reap", "acc"), "value"] == pruned.loc["acc", "value"]
     assert ev.loc[("reap", "acc"), "retention"] == pytest.approx(pruned.loc["acc", "value"] / want.loc["acc", "value"])
+
+
+def _pruned_checkpoint(model, removed: dict[int, list[int]], attr: str):
+    """The model with the removed experts deleted as REAP's ``prune.py`` deletes them: each MoE layer's router rows
+    (and correction bias) and fused expert weights sliced to the kept experts, in a model built from a config of
+    that many experts; nothing of moetool involved."""
+    import copy
+
+    n = getattr(model.config, attr)
+    kept = {li: [e for e in range(n) if e not in r] for li, r in removed.items()}
+    sizes = {len(k) for k in kept.values()}
+    assert len(sizes) == 1
+    cfg = copy.deepcopy(model.config)
+    setattr(cfg, attr, sizes.pop())
+    state = {}
+    for key, value in model.state_dict().items():
+        parts = key.split(".")
+        li = int(parts[2]) if parts[1] == "layers" else None
+        if li in kept and re.search(r"\.mlp\.(gate\.(weight|bias|e_score_correction_bias)|experts\.(gate_up_proj|"
+                                    r"down_proj))$", key):
+            value = value[kept[li]]
+        state[key] = value
+    pruned = type(model)(cfg).eval()
+    pruned.load_state_dict(state, strict=True)
+    return pruned
+
+
+@pytest.mark.parametrize("model_type, attr", [("olmoe", "num_experts"), ("qwen2_moe", "num_experts"),
+                                              ("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts")])
+def test_pruned_routing_is_the_pruned_checkpoints(model_type, attr, tiny_model, batch):
+    """``PrunePolicy`` on the whole model gives the logits of the checkpoint with those experts deleted (router rows
+    and expert weights sliced, REAP's way), on softmax routers without renormalisation (olmoe, qwen2_moe with its
+    gated shared expert) as with it (mixtral, qwen3_moe). Before, the softmax without renormalisation stayed over
+    all n experts, the removed ones' share lost: logits off by up to 0.04 (olmoe) and 0.03 (qwen2_moe)."""
+    model = tiny_model(model_type)
+    layers = find_moe_layers(model)
+    _, own, _ = run(model, layers, batch)
+    removed = {L.index: _most_chosen(own[L.index], 2) for L in layers}
+    got, events, _ = run(model, layers, batch, policy=PrunePolicy(removed))
+    with torch.no_grad():
+        want = _pruned_checkpoint(model, removed, attr)(**batch).logits
+    mask = batch["attention_mask"].bool()
+    assert torch.allclose(got[mask], want[mask], rtol=1e-4, atol=1e-5), (got[mask] - want[mask]).abs().max()

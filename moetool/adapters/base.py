@@ -238,8 +238,9 @@ class MoELayer:
         raise NotImplementedError
 
     def route_masked(self, logits: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's routing among the experts where ``keep [n]`` (bool) is True (removed experts' selection
-        scores -inf before the top-K; the chosen get the weights the rule gives them, renormalised where it
+        """The model's routing among the experts where ``keep [n]`` (bool) is True, as the checkpoint with the
+        removed experts' router rows deleted routes (their logits -inf: selection scores -inf before the top-K, a
+        softmax over the kept experts only; the chosen get the weights the rule gives them, renormalised where it
         renormalises); ``route_masked(logits, all True) == route(logits)``."""
         raise NotImplementedError
 

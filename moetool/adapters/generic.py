@@ -262,8 +262,10 @@ class GenericLayer(MoELayer):
         if self.hash_routed:
             raise self._hash_refused("routing among a subset of the experts")
         keep = keep.to(logits.device)
-        if self.rule.weight == "sparsemixer":  # its weights are softmaxes over the logits of its rounds: the removed
-            logits = logits.masked_fill(~keep, float("-inf"))  # experts leave them as they leave the selection
+        # the removed experts leave the router as a pruned checkpoint's rows leave it (REAP's prune.py deletes
+        # them): a softmax (or sparsemixer's rounds) is over the kept experts' logits, a sigmoid is per expert
+        extra = logits.shape[-1] - keep.shape[0]  # shared experts' logits after the routed ones (Inkling): kept
+        logits = logits.masked_fill(~(F.pad(keep, (0, extra), value=True) if extra else keep), float("-inf"))
         idx = self.rule.select(logits, self._p(), keep)
         return idx, self.weights_for(logits, idx)
 

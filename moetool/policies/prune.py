@@ -1,10 +1,12 @@
 """Expert pruning as a routing policy: ``prune:<criterion>:<fraction>[:<importance.csv>]`` and ``prune:file:<path>``.
 
-A pruned layer routes as the model does among the experts it keeps: the removed experts' selection scores are
--inf before the rule's top-K (and before DeepSeek's group choice), and the chosen get the weights the family's
-rule gives them (renormalised where it renormalises: :meth:`moetool.adapters.base.MoELayer.route_masked`).
-Without renormalisation (``softmax-topk``, ``sigmoid-topk``) the removed experts' routing mass is not handed on.
-Removing nothing reproduces the model exactly.
+A pruned layer routes as the checkpoint with the removed experts deleted does (REAP's ``prune.py`` deletes their
+router rows): their logits are -inf, so their selection scores are -inf before the rule's top-K (and before
+DeepSeek's group choice; the groups stay the model's), a softmax is over the kept experts only, and the chosen get
+the weights the family's rule gives them (renormalised where it renormalises:
+:meth:`moetool.adapters.base.MoELayer.route_masked`). Without renormalisation a softmax router's kept experts
+therefore weigh more than in the full model (``softmax-topk``: p_e / sum of p over the kept); a sigmoid router's
+weights do not change. Removing nothing reproduces the model exactly.
 
 Which experts go, per MoE layer: the ``⌊fraction · n⌋`` with the lowest importance (ties: the lower expert index
 first), importance by routed ``frequency``, router-``weighted`` frequency or ``reap`` saliency as measured on data

@@ -16,7 +16,7 @@ router-weighted frequency (``weighted``) sums what the model multiplies the expe
 its rule renormalises, times DeepSeek's scaling factor, the same for every expert of a layer).
 
 Then per criterion (and a seeded random one) and fraction, the ``⌊fraction · n⌋`` least important experts of every
-chosen MoE layer are removed (:class:`moetool.policies.prune.PrunePolicy`: masked out of the top-K) and the model
+chosen MoE layer are removed (:class:`moetool.policies.prune.PrunePolicy`: their router rows deleted) and the model
 runs on the same rows: perplexity with the paired ratio to the model's own routing (document-level bootstrap).
 Last, single-expert ablations: each of the ``ablate`` experts with the largest REAP saliency removed alone.
 With lm-eval tasks (``tasks``), the router and every (criterion, fraction) policy also run the tasks (as

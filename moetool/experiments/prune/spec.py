@@ -9,8 +9,9 @@ all experts: renormalised (default) p_e / the sum of p over the token's top-K, R
 path (reap.layerwise_prune; reap.main when the config sets norm_topk_prob; REAP's README, 2026-03-11, calls it
 correct); softmax: p_e, what reap.main uses on a config without norm_topk_prob (Mixtral). Then, per criterion (--criteria: frequency, weighted, reap,
 random = a seeded permutation per layer) and fraction (--fractions), floor(fraction x n) experts of each MoE layer
-(--layers) with the lowest value are removed: masked out of the top-K (the model's choice among the rest, weights
-as its rule gives them, renormalised where it renormalises), and the model runs on the same rows. Last, each of
+(--layers) with the lowest value are removed as REAP's prune.py deletes them (their router rows gone: the
+model's choice among the rest, a softmax over the kept experts only, weights as its rule gives them, renormalised
+where it renormalises), and the model runs on the same rows. Last, each of
 the --ablate experts with the largest REAP saliency is removed alone. With --tasks, the router and every
 (criterion, fraction) also run lm-eval under the same pruning (as norm-select does): accuracy, and its retention
 against the router's (delta method on lm-eval's standard errors). A fraction above 0 that removes no expert in any
@@ -104,7 +105,7 @@ class PruneOptions:
 #: the report page's captions (:mod:`moetool.report.page`)
 CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "prune_curve": ("Perplexity relative to the model's own routing on the same rows against the fraction of each "
-                    "MoE layer's experts removed (masked out of the top-K), the least important first by each "
+                    "MoE layer's experts removed (their router rows deleted), the least important first by each "
                     "criterion, or a seeded random set; the star is the model; error bars: the paired bootstrap "
                     "interval", ("prune.csv",), ("fraction", "ratio", "criterion", "*_lo/*_hi")),
     "prune_importance": ("REAP saliency of each expert (one row per MoE layer): the mean over the tokens routed to "

@@ -17,7 +17,7 @@
 # It also considers the shared experts' down projections; moetool the routed experts only.
 #
 # Then the model runs on the same rows with the super experts removed (:class:`moetool.policies.prune.PrunePolicy`:
-# masked out of the top-K) and with as many random other experts removed in each layer (seeded): perplexity with the
+# their router rows deleted) and with as many random other experts removed in each layer (seeded): perplexity with the
 # paired ratio to the model's own routing (document-level bootstrap).
 
 from __future__ import annotations
