@@ -262,3 +262,62 @@ def test_trace_writes_the_weights_that_ran(tiny_model, order):
             assert got_w[r].tolist() == pytest.approx(expect, abs=1e-6), (i, t)
             zeros += sum(x == 0.0 for x in expect)
     assert zeros > 0
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "qwen2_moe"])
+def test_every_layer_and_perplexity_from_plain_router_hooks(tiny_model, model_type):
+    """Independent of moetool's engine: forward hooks on transformers' own gates drop, in every MoE layer and per
+    batch of 2 rows (left- and right-padded rows among them), what the hand loop drops (its input already changed
+    by the drops before it), and the perplexity comes from the logits in float64: the tables' per-layer counts and
+    the perplexity are these."""
+    import moetool
+    from moetool.data import TokenSet
+    from moetool.loading import LoadedModel
+
+    model = tiny_model(model_type)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 1024, (4, 16), generator=gen)
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1, :5], mask[2, 12:] = 0, 0
+    lm = LoadedModel(model_type, "x", "local", model, None, find_moe_layers(model), torch.device("cpu"), torch.float32)
+    res = moetool.capacity(lm, TokenSet(ids, mask, [""] * 4, "test"), cfs=(0.5,), orders=("order", "score"),
+                           batch_size=2, bootstrap=0, quiet=True)
+    gates = {i: dl.mlp.gate for i, dl in enumerate(model.model.layers) if hasattr(dl.mlp, "experts")}
+    layers = res["capacity_layers"].set_index(["order", "layer"])
+    for order in ("order", "score"):
+        counts, nll, scored = {}, 0.0, 0
+        for s in range(0, 4, 2):
+            b_ids, b_mask = ids[s:s + 2], mask[s:s + 2]
+            valid = b_mask.reshape(-1).bool()
+
+            def drop(i, out):
+                logits, w, idx = out
+                n, K = logits.shape[-1], idx.shape[-1]
+                d = hand_drop(idx, valid, n, math.ceil(0.5 * int(valid.sum()) * K / n),
+                              w if order == "score" else None)
+                c = counts.setdefault(i, [0, 0, 0, 0])  # tokens, assignments, dropped, tokens that lost all
+                c[0] += int(valid.sum())
+                c[1] += int(valid.sum()) * K
+                c[2] += int(d.sum())
+                c[3] += int(d.all(-1).sum())
+                return logits, w.masked_fill(d.to(w.device), 0), idx
+
+            hooks = [g.register_forward_hook(lambda m, a, out, i=i: drop(i, out)) for i, g in gates.items()]
+            try:
+                with torch.no_grad():
+                    logp = feed(model, b_ids, b_mask).logits.double().log_softmax(-1).cpu()
+            finally:
+                for h in hooks:
+                    h.remove()
+            pair = (b_mask[:, :-1] * b_mask[:, 1:]).bool()
+            nll -= float(logp[:, :-1].gather(-1, b_ids[:, 1:, None])[..., 0][pair].sum())
+            scored += int(pair.sum())
+        row = res["capacity"].set_index("order").loc[order]
+        assert row["scored_tokens"] == scored
+        assert row["perplexity"] == pytest.approx(math.exp(nll / scored), rel=1e-6)
+        assert sorted(counts) == sorted(layers.loc[order].index)
+        for i, (tok, assigned, dropped, lost) in counts.items():
+            got = layers.loc[(order, i)]
+            assert (got["tokens"], got["assignments"], got["dropped"], got["tokens_dropped_all"]) == \
+                (tok, assigned, dropped, lost), (order, i)
+            assert dropped > 0
