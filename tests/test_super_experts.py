@@ -170,3 +170,25 @@ def test_layer_cut_leaving_nothing_refused(tiny_run):
     lm, tokens, _ = tiny_run
     with pytest.raises(MoetoolError, match=r"--include-layers 0.5 keeps decoder layers < round\(0.5 x 4\) = 2"):
         moetool.super_experts(lm, tokens, layers=(2, 3), include_layers=0.5, bootstrap=0, quiet=True)
+
+
+def test_the_console_names_the_super_experts_and_says_when_the_rule_was_degenerate(tmp_path):
+    """The command printed only the ablation table: which experts are super, and that with 24 maxima the rule
+    could pick only the largest (``degenerate`` in the CSV), were on no console line. Now both are, from the
+    run's own table."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["super-experts", "--max-tokens", "512", "--seq-len", "64", "--bootstrap", "0",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    table = pd.read_csv(out / "super_experts.csv")
+    sup = table[table.is_super].sort_values("rank")
+    assert len(sup) == 1 and table.degenerate.all()
+    row = sup.iloc[0]
+    assert (f"1 super expert(s) of {len(table)}: layer {row.layer} expert {row.expert} "
+            f"(max |out| {row.max_abs_output:.3g})") in r.output
+    assert f"degenerate: with {len(table)} maxima the percentile lets only the largest through" in r.output
