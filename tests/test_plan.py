@@ -148,8 +148,40 @@ def test_kv_cache_per_row():
     assert mix["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 1000 * 2
     oss = P.per_row(config("gpt-oss-120b"), 1000)  # 18 sliding layers keep 128 positions
     assert oss["kv_cache_bytes"] == (18 * 1000 + 18 * 128) * 2 * 8 * 64 * 2
-    dsv3 = P.per_row(config("deepseek-v3"), 10)  # transformers caches MLA's decompressed keys and values
-    assert dsv3["kv_cache_bytes"] == 61 * 10 * 128 * (192 + 128) * 2
+    dsv3 = P.per_row(config("deepseek-v3"), 10)  # transformers caches MLA's latent: 512 values + the 64-wide rope key
+    assert dsv3["kv_cache_bytes"] == 61 * 10 * (512 + 64) * 2
+
+
+def test_mla_kv_cache_is_what_transformers_caches():
+    """MLA (DeepSeek-V2/V3 and alike) caches its compressed latent, kv_lora_rank + qk_rope_head_dim values per token
+    and layer, not the keys and values of every head: the plan counted heads x (qk + v) -- DeepSeek-V3 40,960
+    values per token and layer for 576 (71x, 10.2 GB per row of 2048 for 144 MB), DeepSeek-V2-Lite 5,120 (8.9x).
+    Checked by hand at the published dimensions and against the cache a tiny model's own forward fills."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig
+
+    v2_lite = DeepseekV2Config(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                               num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                               qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840)
+    assert P.per_row(v2_lite, 2048)["kv_cache_bytes"] == 27 * 2048 * (512 + 64) * 2 == 63_700_992
+    assert P.per_row(config("deepseek-v3"), 2048)["kv_cache_bytes"] == 61 * 2048 * (512 + 64) * 2 == 143_917_056
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    tiny = {"deepseek_v3": DeepseekV3Config(**common, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
+                                           n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                           first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=16,
+                                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12),
+            "deepseek_v2": DeepseekV2Config(**common, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
+                                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                           kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=16, v_head_dim=12),
+            "mixtral": MixtralConfig(**{**common, "num_key_value_heads": 2}, intermediate_size=32)}
+    for name, cfg in tiny.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        with torch.no_grad():
+            cache = model(torch.randint(0, 64, (1, 10)), use_cache=True).past_key_values
+        held = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values)) * 2  # bf16 bytes
+        assert P.per_row(cfg, 10)["kv_cache_bytes"] == held, name
 
 
 def test_hybrid_layers_without_attention_hold_no_kv_cache():

@@ -213,11 +213,13 @@ def group_bytes(groups: dict[str, int], fmt: str) -> dict[str, float]:
 
 
 def _attention_width(tc: Any) -> tuple[int, int]:
-    """(query width, per-token KV-cache values per layer) of the attention (MLA caches the decompressed k, v)."""
+    """(query width, per-token KV-cache values per layer) of the attention (MLA caches its compressed latent: the
+    ``kv_lora_rank`` values and the ``qk_rope_head_dim`` rotary key shared by every head, as transformers' cache
+    holds them -- it expands the keys and values per head after reading the cache)."""
     heads = int(getattr(tc, "num_attention_heads", 0) or 0)
     if getattr(tc, "kv_lora_rank", None):  # DeepSeek MLA as transformers runs it
         qk = int(tc.qk_nope_head_dim) + int(tc.qk_rope_head_dim)
-        return heads * qk, heads * (qk + int(tc.v_head_dim))
+        return heads * qk, int(tc.kv_lora_rank) + int(tc.qk_rope_head_dim)
     head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
     kv = int(getattr(tc, "num_key_value_heads", None) or heads)
     return heads * head_dim, 2 * kv * head_dim
