@@ -83,6 +83,26 @@ def test_checkpoint_sizes(counts):
     assert oss / 2 ** 30 == pytest.approx(60.8, abs=0.5)
 
 
+def test_mxfp4_keeps_the_experts_bias_rows_in_bf16(counts):
+    """gpt-oss-120b's MXFP4 release packs the experts' matrices (4 bits + one E8M0 byte per 32); their bias rows
+    ([128, 5760] and [128, 2880] per layer) stay bf16 like every vector. The plan packed them too: 58.5 MB short
+    (gpt-oss-20b 9.7 MB); fp8 likewise stored them in 1 byte."""
+    layers, n, hidden, inter = 36, 128, 2880, 2880
+    matrices = layers * n * (hidden * 2 * inter + inter * hidden)
+    biases = layers * n * (2 * inter + hidden)
+    c = counts["gpt-oss-120b"]
+    assert c["groups"]["routed_experts"] == matrices + biases and c["expert_vectors"] == biases
+    rest = c["total"] - matrices - biases
+    mx = P.group_bytes(c["groups"], "mxfp4", c["expert_vectors"])
+    assert mx["routed_experts"] == matrices * (0.5 + 1 / 32) + 2 * biases
+    assert sum(mx.values()) == matrices * (0.5 + 1 / 32) + 2 * biases + 2 * rest == 65_248_815_744
+    fp8 = P.group_bytes(c["groups"], "fp8", c["expert_vectors"])
+    assert fp8["routed_experts"] == matrices * (1 + 4 / 128 ** 2) + 2 * biases
+    res = P.plan(config("gpt-oss-120b"), "1xH200", 1, seq_len=2048, rows=8)
+    total = res["params"].set_index("group").loc["total"]
+    assert total["bytes_mxfp4"] == 65_248_815_744
+
+
 def layouts(name: str, gpus: str, nodes: int = 1):
     df = P.plan(config(name), gpus, nodes, seq_len=2048, rows=8)["layouts"]
     return {row.layout.split(" over")[0].split(",")[0] if "over" in row.layout else row.layout: row
@@ -218,12 +238,14 @@ def cli(*args: str):
 
 @pytest.mark.slow
 def test_cli(tmp_path):
-    r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
+    # 4 rows: with 8, 60.8 GiB of MXFP4 weights + 6.3 GiB of activations is 67.08 GiB, over the 67.06 usable
+    r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--batch-size", "4", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     import moetool
 
-    assert moetool.plan(str(CONFIGS / "gpt-oss-120b"), "1xH100")["layouts"].to_dict(orient="records") == out["layouts"]
+    assert moetool.plan(str(CONFIGS / "gpt-oss-120b"), "1xH100", rows=4)["layouts"].to_dict(orient="records") == \
+        out["layouts"]
     assert out["plan"]["native_format"] == "mxfp4" and out["layouts"][0]["fits"]
     assert out["layouts"][0]["command"].startswith("moetool ppl --model")
     r = cli("plan", "--gpus", "8xZ100", "--out", str(tmp_path / "x"))
@@ -250,7 +272,7 @@ def test_nothing_fits_is_an_answer():
         assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.1f} GiB usable "
                          f"(90% of the RTX4090's 24 GB = {24e9 / 2 ** 30:.1f} GiB)")  # one unit, the column's value
     assert "why" in res.meta["definitions"]
-    fits = P.plan(config("gpt-oss-120b"), "1xH100")["layouts"]  # the same column where something fits
+    fits = P.plan(config("gpt-oss-120b"), "1xH100", rows=4)["layouts"]  # the same column where something fits
     assert fits.loc[0, "why"].startswith("fits: ") and fits.loc[0, "command"].startswith("moetool ppl")
 
 

@@ -9,8 +9,9 @@ matrices, vectors). Bytes per format:
 * ``fp8`` (transformers' fine-grained FP8, DeepSeek-V3's release format): 1 byte per parameter plus one fp32
   ``scale_inv`` per 128 x 128 block, for every matrix but the embeddings, output head and routers (kept in
   bf16, as the released checkpoints keep them); vectors (norms, biases) stay bf16;
-* ``mxfp4`` (gpt-oss): routed experts only, 4 bits per parameter plus one uint8 (E8M0) scale per block of 32;
-  the rest bf16. ``fp4`` (FP4-packed experts, two values per int8 byte, one UE8M0 scale per 32) is the same size.
+* ``mxfp4`` (gpt-oss): routed experts' matrices only, 4 bits per parameter plus one uint8 (E8M0) scale per block
+  of 32; the rest bf16, the experts' bias rows included. ``fp4`` (FP4-packed experts, two values per int8 byte,
+  one UE8M0 scale per 32) is the same size.
 
 Throughput ceilings are upper bounds, not predictions: per token a routed forward costs
 ``2 x (active matrix parameters) + 4 x (attention layers) x (seq_len / 2) x (attention width)`` FLOPs (a hybrid's
@@ -170,7 +171,7 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     layers = find_moe_layers(model)
     seen: set[int] = set()
     groups = dict.fromkeys(GROUPS, 0)
-    inactive = 0
+    inactive = expert_vectors = 0
 
     def add(group: str, module: Any) -> int:
         n = 0
@@ -186,6 +187,8 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     for L in layers:
         add("routers", L.router)
         inactive += L.inactive_expert_params(add("routed_experts", L.experts))
+        # the experts' bias rows (gpt-oss: [n, 2I] and [n, H]): counted with them, stored in bf16 by every format
+        expert_vectors += sum(p.numel() for name, p in L.experts.named_parameters() if name.endswith("bias"))
         add("shared_experts", L.shared_experts)
     for p in model.parameters():
         if id(p) not in seen:
@@ -193,20 +196,24 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
             groups["vectors" if p.dim() < 2 else "other_matrices"] += p.numel()
     total = sum(groups.values())
     return {"groups": groups, "total": total, "active": total - inactive, "inactive_experts": inactive,
+            "expert_vectors": expert_vectors,
             "n_experts": layers[0].n_experts, "top_k": layers[0].top_k, "moe_layers": len(layers)}
 
 
-def group_bytes(groups: dict[str, int], fmt: str) -> dict[str, float]:
-    """Bytes of each group stored in ``fmt`` (module docstring)."""
+def group_bytes(groups: dict[str, int], fmt: str, expert_vectors: int = 0) -> dict[str, float]:
+    """Bytes of each group stored in ``fmt`` (module docstring); ``expert_vectors`` of the routed experts'
+    parameters are bias rows (gpt-oss), kept in bf16 as vectors are."""
     plain = {"bf16": 2, "fp16": 2, "fp32": 4}
     if fmt in plain:
         return {g: n * plain[fmt] for g, n in groups.items()}
     out = {g: 2.0 * n for g, n in groups.items()}  # bf16 for what the format leaves alone
+    experts = groups["routed_experts"] - expert_vectors  # the experts' matrices; their bias rows stay bf16
     if fmt == "fp8":
-        for g in ("routed_experts", "shared_experts", "other_matrices"):
+        for g in ("shared_experts", "other_matrices"):
             out[g] = groups[g] * (1 + 4 / FP8_BLOCK)
+        out["routed_experts"] = experts * (1 + 4 / FP8_BLOCK) + 2.0 * expert_vectors
     elif fmt in ("mxfp4", "fp4"):
-        out["routed_experts"] = groups["routed_experts"] * (0.5 + 1 / MX_BLOCK)
+        out["routed_experts"] = experts * (0.5 + 1 / MX_BLOCK) + 2.0 * expert_vectors
     else:
         raise MoetoolError(f"unknown weight format '{fmt}' (bf16, fp16, fp32, fp8, mxfp4, fp4)")
     return out
@@ -399,7 +406,8 @@ def _plan(model: Any, gpus: str, nodes: int, *, seq_len: int | None, rows: int) 
     per_node, gpu = parse_gpus(gpus)
     native = native_format(config)
     counts = parameter_groups(config)
-    sizes = {f: group_bytes(counts["groups"], f) for f in dict.fromkeys(["bf16", native, "fp8"])}
+    sizes = {f: group_bytes(counts["groups"], f, counts["expert_vectors"])
+             for f in dict.fromkeys(["bf16", native, "fp8"])}
     row = per_row(config, seq_len)
     act = row["activation_bytes"] * rows
     lay_rows, thr_rows = [], []
