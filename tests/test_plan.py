@@ -269,10 +269,13 @@ def test_nothing_fits_is_an_answer():
     assert not lay["fits"].any() and "command" not in lay.columns
     for r in lay.itertuples():
         assert r.gib_per_gpu > usable
-        assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.1f} GiB usable "
+        assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.2f} GiB usable "
                          f"(90% of the RTX4090's 24 GB = {24e9 / 2 ** 30:.1f} GiB)")  # one unit, the column's value
     assert "why" in res.meta["definitions"]
     fits = P.plan(config("gpt-oss-120b"), "1xH100", rows=4)["layouts"]  # the same column where something fits
+    assert fits.loc[0, "why"] == "fits: 63.92 of 67.06 usable GiB per GPU"
+    close = P.plan(config("gpt-oss-120b"), "1xH100")["layouts"]  # 8 rows: 0.02 GiB over, said in the same precision
+    assert close.loc[0, "why"].startswith("needs 67.08 GiB per GPU, more than the 67.06 GiB usable")
     assert fits.loc[0, "why"].startswith("fits: ") and fits.loc[0, "command"].startswith("moetool ppl")
 
 
