@@ -82,7 +82,9 @@ DEFINITIONS = {
     "group": "what the parameters are: embeddings, lm_head (untied output head), routers, routed_experts, "
              "shared_experts, other_matrices (attention, dense MLPs), vectors (norms, biases)",
     "params": "parameters in the group (the model built from its config on the meta device)",
-    "active_params": "parameters one token uses: routed experts x K/n per MoE layer, everything else whole",
+    "active_params": "parameters one token uses: routed experts x K/n per MoE layer, everything else whole (the "
+                     "embedding table and output head included; DeepSeek and OpenAI publish it without the "
+                     "embedding table)",
     "bytes_<format>": "bytes of the group stored in that format (module docstring: which groups each format "
                       "quantizes, block scales included)",
     "layout": "how the model is placed: 1 GPU per replica (data parallel over all GPUs), --quantize fp8, "
