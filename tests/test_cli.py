@@ -44,6 +44,26 @@ def test_unknown_model_is_one_line_exit_2():
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'mixtral-8x7'")
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"model_type": "mixtral", "hidden_size": 64,', "is not a valid JSON file"),
+    ('{"hidden_size": 64}', "Should have a `model_type` key"),
+    ('{"model_type": "mixtral", "hidden_size": "4096"}',
+     "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
+    ('{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, '
+     '"num_attention_heads": 2}', "no MoE layers found in llama (a dense model?)")])
+@pytest.mark.parametrize("command", ["inspect", "plan"])
+def test_a_broken_or_dense_config_is_one_line_exit_2(tmp_path, monkeypatch, command, text, says):
+    """A config.json on disk that transformers cannot read is a usage error (exit 2), as a config whose top-K is out
+    of range is: it exited 1, a runtime error; a field of the wrong type said only "Validation error for field
+    'hidden_size':", its reason on the line that was cut."""
+    monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(text)
+    r = runner.invoke(app, [command, "--model", str(tmp_path / "m"), "--json"])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.output
+
+
 def test_aliases_listed():
     r = runner.invoke(app, ["inspect", "--aliases", "--json"])
     rows = json.loads(r.output)
