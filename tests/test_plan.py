@@ -172,6 +172,29 @@ def test_kv_cache_per_row():
     assert dsv3["kv_cache_bytes"] == 61 * 10 * (512 + 64) * 2
 
 
+def test_a_window_without_layer_types_slides_in_every_layer():
+    """A config that sets sliding_window but names no per-layer types (Mixtral, PhiMoE): transformers' cache keeps
+    the window in every layer (DynamicSlidingWindowLayer), the plan counted the whole sequence -- Mixtral-8x7B with a
+    4096 window at 32,768 tokens: 4.3 GB per row for the 0.54 GB its cache holds (8x)."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    import copy
+
+    mix = copy.deepcopy(config("mixtral-8x7b"))
+    assert mix.sliding_window is None  # the published config: no window
+    mix.sliding_window = 4096
+    assert P.per_row(mix, 32768)["kv_cache_bytes"] == 32 * 4096 * 2 * 8 * 128 * 2 == 536_870_912
+    assert P.per_row(mix, 2048)["kv_cache_bytes"] == 32 * 2048 * 2 * 8 * 128 * 2
+    tiny = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    model = AutoModelForCausalLM.from_config(tiny).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 64, (1, 10)), use_cache=True).past_key_values
+    assert all(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in cache.layers)
+    assert P.per_row(tiny, 10)["kv_cache_bytes"] == 2 * 4 * 2 * 2 * 8 * 2  # 2 layers x 4 positions x k, v of 2 x 8
+
+
 def test_mla_kv_cache_is_what_transformers_caches():
     """MLA (DeepSeek-V2/V3 and alike) caches its compressed latent, kv_lora_rank + qk_rope_head_dim values per token
     and layer, not the keys and values of every head: the plan counted heads x (qk + v) -- DeepSeek-V3 40,960

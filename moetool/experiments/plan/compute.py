@@ -239,7 +239,7 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
     ``sizing.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
     import torch
 
-    from ...configs import kv_layer_types, text_config
+    from ...configs import kv_layer_types, layer_types, text_config
     from ...sizing import estimate_memory
 
     tc = text_config(config)
@@ -247,7 +247,8 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
     _, kv_values = _attention_width(tc)
     types = kv_layer_types(tc)  # a hybrid's Mamba / linear-attention layers keep no keys and values per token
     window = getattr(tc, "sliding_window", None)
-    sliding = sum(t == "sliding_attention" for t in types) if window else 0
+    # a config with a window and no per-layer types (Mixtral, PhiMoE): transformers' cache slides in every layer
+    sliding = (sum(t == "sliding_attention" for t in types) if layer_types(tc) else len(types)) if window else 0
     positions = (len(types) - sliding) * seq_len + sliding * min(seq_len, int(window or seq_len))
     return {"activation_bytes": int(act), "kv_cache_bytes": int(positions * kv_values * 2)}
 
