@@ -153,6 +153,24 @@ def test_throughput_closed_form():
     assert thr.loc["norm-select", "tokens_per_s"] == pytest.approx(1979e12 / (flops + 5 * all_experts), rel=1e-9)
 
 
+def test_attention_flops_of_sliding_windows_and_mla(counts):
+    """A sliding-window layer attends to at most its window (gpt-oss: 128 positions in every other layer), and MLA's
+    values are narrower than its query-keys (DeepSeek-V3: 128 and 192 per head). The plan charged every layer half
+    the sequence at 2 x 2 x the query width: gpt-oss-120b at 131,072 tokens 48.9 GFLOP per token for 29.6 (65%
+    over, its compute ceiling 0.61x), DeepSeek-V3 at 2,048 1.3% over."""
+    c = counts["gpt-oss-120b"]
+    matrices = c["active"] - c["groups"]["embeddings"] - c["groups"]["vectors"]
+    s, w, width = 131072, 128, 64 * 64
+    attended = 18 * s / 2 + 18 * (w - w * w / (2 * s))  # 18 full layers, 18 sliding (mean of min(t, w) over t < s)
+    want = 2 * matrices + 2 * attended * (width + width)
+    assert P.flops_per_token(config("gpt-oss-120b"), c, s, all_experts=False) == pytest.approx(want, rel=1e-12)
+    assert want == pytest.approx(29.6e9, rel=0.01)
+    d = counts["deepseek-v3"]
+    matrices = d["active"] - d["groups"]["embeddings"] - d["groups"]["vectors"]
+    want = 2 * matrices + 2 * 61 * 1024 * 128 * (192 + 128)
+    assert P.flops_per_token(config("deepseek-v3"), d, 2048, all_experts=False) == pytest.approx(want, rel=1e-12)
+
+
 def test_replicas_and_device_map_scale():
     one = P.plan(config("qwen3-30b-a3b"), "1xH100", 1)["throughput"].set_index(["layout", "command"])
     eight = P.plan(config("qwen3-30b-a3b"), "8xH100", 2)["throughput"].set_index(["layout", "command"])

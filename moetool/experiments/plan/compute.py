@@ -14,14 +14,14 @@ matrices, vectors). Bytes per format:
   one UE8M0 scale per 32) is the same size.
 
 Throughput ceilings are upper bounds, not predictions: per token a routed forward costs
-``2 x (active matrix parameters) + 4 x (attention layers) x (seq_len / 2) x (attention width)`` FLOPs (a hybrid's
-Mamba / linear-attention layers count in the matrices only; causal attention sees
-half the sequence on average); a command that runs all ``n`` experts of every MoE layer (approx, the norm
-policies of norm-select) adds ``2 x`` the routed-expert parameters a token does not use. A batch of
-``rows x seq_len`` tokens reads every weight byte of its GPU once (large batches touch every expert). The
-ceiling is ``min(compute, memory)``: ``gpus x peak FLOP/s / FLOPs per token`` and ``tokens per batch x
-bandwidth / bytes read per batch`` (``--device-map`` runs one GPU at a time: one GPU's FLOP/s, every byte
-read in turn).
+``2 x (active matrix parameters) + 2 x (positions attended, summed over the attention layers) x (query-key width +
+value width)`` FLOPs (a hybrid's Mamba / linear-attention layers count in the matrices only; causal attention sees
+half the sequence on average, a sliding window ``w`` shorter than it ``w - w^2 / (2 seq_len)``); a command that
+runs all ``n`` experts of every MoE layer (approx, the norm policies of norm-select) adds ``2 x`` the
+routed-expert parameters a token does not use. A batch of ``rows x seq_len`` tokens reads every weight byte of
+its GPU once (large batches touch every expert). The ceiling is ``min(compute, memory)``: ``gpus x peak FLOP/s /
+FLOPs per token`` and ``tokens per batch x bandwidth / bytes read per batch`` (``--device-map`` runs one GPU at a
+time: one GPU's FLOP/s, every byte read in turn).
 """
 
 from __future__ import annotations
@@ -221,17 +221,31 @@ def group_bytes(groups: dict[str, int], fmt: str, expert_vectors: int = 0) -> di
     return out
 
 
-def _attention_width(tc: Any) -> tuple[int, int]:
-    """(query width, per-token KV-cache values per layer) of the attention (MLA caches its compressed latent: the
-    ``kv_lora_rank`` values and the ``qk_rope_head_dim`` rotary key shared by every head, as transformers' cache
-    holds them -- it expands the keys and values per head after reading the cache)."""
+def _attention_width(tc: Any) -> tuple[int, int, int]:
+    """(query-key width, value width, per-token KV-cache values per layer) of the attention, summed over the heads
+    (MLA caches its compressed latent: the ``kv_lora_rank`` values and the ``qk_rope_head_dim`` rotary key shared by
+    every head, as transformers' cache holds them -- it expands the keys and values per head after reading the
+    cache)."""
     heads = int(getattr(tc, "num_attention_heads", 0) or 0)
     if getattr(tc, "kv_lora_rank", None):  # DeepSeek MLA as transformers runs it
         qk = int(tc.qk_nope_head_dim) + int(tc.qk_rope_head_dim)
-        return heads * qk, int(tc.kv_lora_rank) + int(tc.qk_rope_head_dim)
+        return heads * qk, heads * int(tc.v_head_dim), int(tc.kv_lora_rank) + int(tc.qk_rope_head_dim)
     head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
     kv = int(getattr(tc, "num_key_value_heads", None) or heads)
-    return heads * head_dim, 2 * kv * head_dim
+    return heads * head_dim, heads * head_dim, 2 * kv * head_dim
+
+
+def _windows(tc: Any) -> list[int | None]:
+    """The sliding window of each layer that keeps keys and values (``kv_layer_types``: a hybrid's Mamba /
+    linear-attention layers are left out), ``None`` where it attends to the whole sequence. A config with a window
+    and no per-layer types (Mixtral, PhiMoE) slides in every layer, as transformers' cache and masks do."""
+    from ...configs import kv_layer_types, layer_types
+
+    types = kv_layer_types(tc)
+    window = getattr(tc, "sliding_window", None)
+    if not window:
+        return [None] * len(types)
+    return [int(window) if t == "sliding_attention" or not layer_types(tc) else None for t in types]
 
 
 def per_row(config: Any, seq_len: int) -> dict[str, int]:
@@ -239,30 +253,30 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
     ``sizing.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
     import torch
 
-    from ...configs import kv_layer_types, layer_types, text_config
+    from ...configs import text_config
     from ...sizing import estimate_memory
 
     tc = text_config(config)
     _, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch.bfloat16, params=None)
-    _, kv_values = _attention_width(tc)
-    types = kv_layer_types(tc)  # a hybrid's Mamba / linear-attention layers keep no keys and values per token
-    window = getattr(tc, "sliding_window", None)
-    # a config with a window and no per-layer types (Mixtral, PhiMoE): transformers' cache slides in every layer
-    sliding = (sum(t == "sliding_attention" for t in types) if layer_types(tc) else len(types)) if window else 0
-    positions = (len(types) - sliding) * seq_len + sliding * min(seq_len, int(window or seq_len))
+    _, _, kv_values = _attention_width(tc)
+    positions = sum(min(seq_len, w or seq_len) for w in _windows(tc))
     return {"activation_bytes": int(act), "kv_cache_bytes": int(positions * kv_values * 2)}
 
 
 def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_experts: bool) -> float:
-    """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs."""
-    from ...configs import kv_layer_types, text_config
+    """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs. A token attends
+    to ``seq_len / 2`` positions on average (causal), within a sliding window ``w < seq_len`` to ``w - w^2 / (2
+    seq_len)``; each position costs 2 x the query-key width (scores) + 2 x the value width (MLA's 192 and 128 per
+    head differ)."""
+    from ...configs import text_config
 
     tc = text_config(config)
-    q_width, _ = _attention_width(tc)
+    qk_width, v_width, _ = _attention_width(tc)
     matrices = counts["active"] - counts["groups"]["embeddings"] - counts["groups"]["vectors"]
     if all_experts:
         matrices += counts["inactive_experts"]
-    return 2.0 * matrices + 4.0 * len(kv_layer_types(tc)) * (seq_len / 2) * q_width
+    positions = sum(seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len) for w in _windows(tc))
+    return 2.0 * matrices + 2.0 * positions * (qk_width + v_width)
 
 
 class _Layout(NamedTuple):
