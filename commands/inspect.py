@@ -11,6 +11,10 @@ from .options import DEFAULT_MODEL, Model
 
 HELP = """Family, layers, which are MoE, n, K, scoring, shared experts, total and active parameters.
 
+Active parameters count everything a token uses, the embedding table and the output head included (as
+Mistral, Qwen, OLMoE and Phi publish them); DeepSeek and OpenAI publish them without the embedding
+table, also printed (embedding_params in --json).
+
 The model is built on the meta device from its config, so even a 671B checkpoint is inspected
 in seconds without downloading weights (the config must be readable).
 
@@ -87,8 +91,11 @@ def inspect(model: Model = DEFAULT_MODEL,
     c = console()
     c.print(f"{info['name']} -> {info['source']}  family {info['family']} "
             f"({info['model_type']}), {info['num_layers']} decoder layers, {len(info['moe_layers'])} MoE")
+    embed = info.get("embedding_params")
     c.print(f"parameters: total {info['total_params']:,}, active per token {info['active_params']:,} "
-            f"({info['active_params'] / info['total_params']:.1%})")
+            f"({info['active_params'] / info['total_params']:.1%}; embedding table and output head included"
+            + (f", {info['active_params'] - embed:,} without the {embed:,} of the embedding table" if embed else "")
+            + ")")
     cols = ("n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias", "expert_params")
     if any("stack" in L for L in info["moe_layers"]):  # an encoder-decoder: which stack, and the block in it
         cols = ("stack", "stack_layer", *cols)

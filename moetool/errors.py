@@ -70,9 +70,12 @@ def env_seconds(name: str, default: float | None = None) -> float | None:
 
 def one_line(exc: BaseException, limit: int = 240) -> str:
     """The first non-empty line of an error, at most ``limit`` characters, after its type name unless it is one of
-    moetool's own (whose text is written to be read alone)."""
+    moetool's own (whose text is written to be read alone); a first line that ends in a colon is a heading: the
+    line after it follows it (transformers' "Validation error for field 'hidden_size':" says why on the next)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
     text = text if len(text) <= limit else text[:limit - 3] + "..."
     if isinstance(exc, MoetoolError):
         return text

@@ -11,8 +11,12 @@ from .files import cache_dir, cached, installation_key, read_cached, write_cache
 
 
 def describe_layers(model: Any, layers: list) -> dict[str, Any]:
-    """Structure and parameter counts of an instantiated model (real or meta)."""
+    """Structure and parameter counts of an instantiated model (real or meta). ``active_params`` counts everything but
+    the routed experts a token is not sent to, the embedding table and the output head included (as Mistral, Qwen,
+    OLMoE and Phi publish active counts); DeepSeek and OpenAI publish it without the embedding table
+    (``embedding_params``): gpt-oss-120b 5.71B here, 5.13B theirs."""
     total = sum(p.numel() for p in model.parameters())
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
     inactive = 0
     rows = []
     for L in layers:
@@ -25,7 +29,8 @@ def describe_layers(model: Any, layers: list) -> dict[str, Any]:
     n_layers = len(_decoder_layer_count(model, layers))
     return {"model_type": model.config.model_type, "num_layers": n_layers, "moe_layers": rows,
             "dense_layers": [i for i in range(n_layers) if i not in moe],
-            "total_params": int(total), "active_params": int(total - inactive)}
+            "total_params": int(total), "active_params": int(total - inactive),
+            "embedding_params": int(sum(p.numel() for p in embed.parameters())) if embed is not None else None}
 
 
 def describe_model(name: str, *, cache: bool = True) -> dict[str, Any]:

@@ -236,7 +236,9 @@ def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
     except Exception as e:  # noqa: BLE001 - hub/network errors come in many types
         if kind in ("hub", "alias"):
             raise hub_error(source, e, offline) from e
-        raise MoetoolRuntimeError(f"cannot read the config of {source}: {one_line(e)}") from e
+        # a config.json on disk that transformers cannot read (not JSON, no or an unknown model_type, a field of the
+        # wrong type): the input is wrong, a usage error as the config checks of check_config are
+        raise MoetoolError(f"cannot read the config of {source}: {one_line(e)}") from e
     check_config(config)
     return config, source, kind, from_hub, offline
 

@@ -44,6 +44,26 @@ def test_unknown_model_is_one_line_exit_2():
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'mixtral-8x7'")
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"model_type": "mixtral", "hidden_size": 64,', "is not a valid JSON file"),
+    ('{"hidden_size": 64}', "Should have a `model_type` key"),
+    ('{"model_type": "mixtral", "hidden_size": "4096"}',
+     "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
+    ('{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, '
+     '"num_attention_heads": 2}', "no MoE layers found in llama (a dense model?)")])
+@pytest.mark.parametrize("command", ["inspect", "plan"])
+def test_a_broken_or_dense_config_is_one_line_exit_2(tmp_path, monkeypatch, command, text, says):
+    """A config.json on disk that transformers cannot read is a usage error (exit 2), as a config whose top-K is out
+    of range is: it exited 1, a runtime error; a field of the wrong type said only "Validation error for field
+    'hidden_size':", its reason on the line that was cut."""
+    monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(text)
+    r = runner.invoke(app, [command, "--model", str(tmp_path / "m"), "--json"])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.output
+
+
 def test_aliases_listed():
     r = runner.invoke(app, ["inspect", "--aliases", "--json"])
     rows = json.loads(r.output)
@@ -89,6 +109,35 @@ def test_inspect_counts_parameters_of_the_real_model():
     assert info["active_params"] == total - inactive
     assert [L["layer"] for L in info["moe_layers"]] == [L.index for L in lm.layers]
     assert info["moe_layers"][0]["n_experts"] == lm.config.num_local_experts
+
+
+def test_inspect_says_how_it_counts_active_parameters(tmp_path, monkeypatch):
+    """gpt-oss-20b at its published dimensions, counted by hand: 20.91B total; active 4.19B with the embedding table
+    and output head, as inspect counts it (and Mistral, Qwen, OLMoE, Phi publish it), 3.61B without the embedding
+    table as OpenAI publishes it. inspect printed 4.19B as 'active per token' without saying which (16% over the
+    published 3.6B); it now says so and gives the embedding table's size (``embedding_params``)."""
+    from transformers import GptOssConfig
+
+    monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path / "cache"))
+    layers, n, k, hidden, inter, vocab, heads, kv, hd = 24, 32, 4, 2880, 2880, 201088, 64, 8, 64
+    GptOssConfig(num_hidden_layers=layers, num_local_experts=n, num_experts_per_tok=k, vocab_size=vocab,
+                 hidden_size=hidden, intermediate_size=inter, head_dim=hd, num_attention_heads=heads,
+                 num_key_value_heads=kv, sliding_window=128, max_position_embeddings=131072,
+                 tie_word_embeddings=False).save_pretrained(tmp_path / "gpt-oss-20b")
+    attention = hidden * heads * hd * 2 + hidden * kv * hd * 2 + heads * hd + 2 * kv * hd + hidden + heads  # + sinks
+    experts = n * (hidden * 2 * inter + 2 * inter + inter * hidden + hidden)  # with their bias rows
+    per_layer = attention + experts + n * hidden + n + 2 * hidden  # router weight and bias, two norms
+    embed = vocab * hidden
+    total = layers * per_layer + hidden + 2 * embed
+    active = total - layers * (experts * (n - k) // n)
+    assert (total, active, active - embed) == (20_914_757_184, 4_187_440_704, 3_608_307_264)
+    r = runner.invoke(app, ["inspect", "--model", str(tmp_path / "gpt-oss-20b"), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)  # stdout alone: a logging handler an earlier test's runner closed writes to stderr
+    assert (info["total_params"], info["active_params"], info["embedding_params"]) == (total, active, embed)
+    r = runner.invoke(app, ["inspect", "--model", str(tmp_path / "gpt-oss-20b")], env={"COLUMNS": "300"})
+    assert (f"active per token {active:,} (20.0%; embedding table and output head included, {active - embed:,} "
+            f"without the {embed:,} of the embedding table)") in r.stdout
 
 
 def test_trace_matches_the_routers_own_choice(tmp_path):

@@ -83,6 +83,26 @@ def test_checkpoint_sizes(counts):
     assert oss / 2 ** 30 == pytest.approx(60.8, abs=0.5)
 
 
+def test_mxfp4_keeps_the_experts_bias_rows_in_bf16(counts):
+    """gpt-oss-120b's MXFP4 release packs the experts' matrices (4 bits + one E8M0 byte per 32); their bias rows
+    ([128, 5760] and [128, 2880] per layer) stay bf16 like every vector. The plan packed them too: 58.5 MB short
+    (gpt-oss-20b 9.7 MB); fp8 likewise stored them in 1 byte."""
+    layers, n, hidden, inter = 36, 128, 2880, 2880
+    matrices = layers * n * (hidden * 2 * inter + inter * hidden)
+    biases = layers * n * (2 * inter + hidden)
+    c = counts["gpt-oss-120b"]
+    assert c["groups"]["routed_experts"] == matrices + biases and c["expert_vectors"] == biases
+    rest = c["total"] - matrices - biases
+    mx = P.group_bytes(c["groups"], "mxfp4", c["expert_vectors"])
+    assert mx["routed_experts"] == matrices * (0.5 + 1 / 32) + 2 * biases
+    assert sum(mx.values()) == matrices * (0.5 + 1 / 32) + 2 * biases + 2 * rest == 65_248_815_744
+    fp8 = P.group_bytes(c["groups"], "fp8", c["expert_vectors"])
+    assert fp8["routed_experts"] == matrices * (1 + 4 / 128 ** 2) + 2 * biases
+    res = P.plan(config("gpt-oss-120b"), "1xH200", 1, seq_len=2048, rows=8)
+    total = res["params"].set_index("group").loc["total"]
+    assert total["bytes_mxfp4"] == 65_248_815_744
+
+
 def layouts(name: str, gpus: str, nodes: int = 1):
     df = P.plan(config(name), gpus, nodes, seq_len=2048, rows=8)["layouts"]
     return {row.layout.split(" over")[0].split(",")[0] if "over" in row.layout else row.layout: row
@@ -133,6 +153,24 @@ def test_throughput_closed_form():
     assert thr.loc["norm-select", "tokens_per_s"] == pytest.approx(1979e12 / (flops + 5 * all_experts), rel=1e-9)
 
 
+def test_attention_flops_of_sliding_windows_and_mla(counts):
+    """A sliding-window layer attends to at most its window (gpt-oss: 128 positions in every other layer), and MLA's
+    values are narrower than its query-keys (DeepSeek-V3: 128 and 192 per head). The plan charged every layer half
+    the sequence at 2 x 2 x the query width: gpt-oss-120b at 131,072 tokens 48.9 GFLOP per token for 29.6 (65%
+    over, its compute ceiling 0.61x), DeepSeek-V3 at 2,048 1.3% over."""
+    c = counts["gpt-oss-120b"]
+    matrices = c["active"] - c["groups"]["embeddings"] - c["groups"]["vectors"]
+    s, w, width = 131072, 128, 64 * 64
+    attended = 18 * s / 2 + 18 * (w - w * w / (2 * s))  # 18 full layers, 18 sliding (mean of min(t, w) over t < s)
+    want = 2 * matrices + 2 * attended * (width + width)
+    assert P.flops_per_token(config("gpt-oss-120b"), c, s, all_experts=False) == pytest.approx(want, rel=1e-12)
+    assert want == pytest.approx(29.6e9, rel=0.01)
+    d = counts["deepseek-v3"]
+    matrices = d["active"] - d["groups"]["embeddings"] - d["groups"]["vectors"]
+    want = 2 * matrices + 2 * 61 * 1024 * 128 * (192 + 128)
+    assert P.flops_per_token(config("deepseek-v3"), d, 2048, all_experts=False) == pytest.approx(want, rel=1e-12)
+
+
 def test_replicas_and_device_map_scale():
     one = P.plan(config("qwen3-30b-a3b"), "1xH100", 1)["throughput"].set_index(["layout", "command"])
     eight = P.plan(config("qwen3-30b-a3b"), "8xH100", 2)["throughput"].set_index(["layout", "command"])
@@ -148,8 +186,63 @@ def test_kv_cache_per_row():
     assert mix["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 1000 * 2
     oss = P.per_row(config("gpt-oss-120b"), 1000)  # 18 sliding layers keep 128 positions
     assert oss["kv_cache_bytes"] == (18 * 1000 + 18 * 128) * 2 * 8 * 64 * 2
-    dsv3 = P.per_row(config("deepseek-v3"), 10)  # transformers caches MLA's decompressed keys and values
-    assert dsv3["kv_cache_bytes"] == 61 * 10 * 128 * (192 + 128) * 2
+    dsv3 = P.per_row(config("deepseek-v3"), 10)  # transformers caches MLA's latent: 512 values + the 64-wide rope key
+    assert dsv3["kv_cache_bytes"] == 61 * 10 * (512 + 64) * 2
+
+
+def test_a_window_without_layer_types_slides_in_every_layer():
+    """A config that sets sliding_window but names no per-layer types (Mixtral, PhiMoE): transformers' cache keeps
+    the window in every layer (DynamicSlidingWindowLayer), the plan counted the whole sequence -- Mixtral-8x7B with a
+    4096 window at 32,768 tokens: 4.3 GB per row for the 0.54 GB its cache holds (8x)."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    import copy
+
+    mix = copy.deepcopy(config("mixtral-8x7b"))
+    assert mix.sliding_window is None  # the published config: no window
+    mix.sliding_window = 4096
+    assert P.per_row(mix, 32768)["kv_cache_bytes"] == 32 * 4096 * 2 * 8 * 128 * 2 == 536_870_912
+    assert P.per_row(mix, 2048)["kv_cache_bytes"] == 32 * 2048 * 2 * 8 * 128 * 2
+    tiny = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    model = AutoModelForCausalLM.from_config(tiny).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 64, (1, 10)), use_cache=True).past_key_values
+    assert all(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in cache.layers)
+    assert P.per_row(tiny, 10)["kv_cache_bytes"] == 2 * 4 * 2 * 2 * 8 * 2  # 2 layers x 4 positions x k, v of 2 x 8
+
+
+def test_mla_kv_cache_is_what_transformers_caches():
+    """MLA (DeepSeek-V2/V3 and alike) caches its compressed latent, kv_lora_rank + qk_rope_head_dim values per token
+    and layer, not the keys and values of every head: the plan counted heads x (qk + v) -- DeepSeek-V3 40,960
+    values per token and layer for 576 (71x, 10.2 GB per row of 2048 for 144 MB), DeepSeek-V2-Lite 5,120 (8.9x).
+    Checked by hand at the published dimensions and against the cache a tiny model's own forward fills."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig
+
+    v2_lite = DeepseekV2Config(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                               num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                               qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840)
+    assert P.per_row(v2_lite, 2048)["kv_cache_bytes"] == 27 * 2048 * (512 + 64) * 2 == 63_700_992
+    assert P.per_row(config("deepseek-v3"), 2048)["kv_cache_bytes"] == 61 * 2048 * (512 + 64) * 2 == 143_917_056
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    tiny = {"deepseek_v3": DeepseekV3Config(**common, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
+                                           n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                           first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=16,
+                                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12),
+            "deepseek_v2": DeepseekV2Config(**common, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
+                                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                           kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=16, v_head_dim=12),
+            "mixtral": MixtralConfig(**{**common, "num_key_value_heads": 2}, intermediate_size=32)}
+    for name, cfg in tiny.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        with torch.no_grad():
+            cache = model(torch.randint(0, 64, (1, 10)), use_cache=True).past_key_values
+        held = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values)) * 2  # bf16 bytes
+        assert P.per_row(cfg, 10)["kv_cache_bytes"] == held, name
 
 
 def test_hybrid_layers_without_attention_hold_no_kv_cache():
@@ -186,12 +279,14 @@ def cli(*args: str):
 
 @pytest.mark.slow
 def test_cli(tmp_path):
-    r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--json")
+    # 4 rows: with 8, 60.8 GiB of MXFP4 weights + 6.3 GiB of activations is 67.08 GiB, over the 67.06 usable
+    r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--batch-size", "4", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     import moetool
 
-    assert moetool.plan(str(CONFIGS / "gpt-oss-120b"), "1xH100")["layouts"].to_dict(orient="records") == out["layouts"]
+    assert moetool.plan(str(CONFIGS / "gpt-oss-120b"), "1xH100", rows=4)["layouts"].to_dict(orient="records") == \
+        out["layouts"]
     assert out["plan"]["native_format"] == "mxfp4" and out["layouts"][0]["fits"]
     assert out["layouts"][0]["command"].startswith("moetool ppl --model")
     r = cli("plan", "--gpus", "8xZ100", "--out", str(tmp_path / "x"))
@@ -215,10 +310,13 @@ def test_nothing_fits_is_an_answer():
     assert not lay["fits"].any() and "command" not in lay.columns
     for r in lay.itertuples():
         assert r.gib_per_gpu > usable
-        assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.1f} GiB usable "
+        assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.2f} GiB usable "
                          f"(90% of the RTX4090's 24 GB = {24e9 / 2 ** 30:.1f} GiB)")  # one unit, the column's value
     assert "why" in res.meta["definitions"]
-    fits = P.plan(config("gpt-oss-120b"), "1xH100")["layouts"]  # the same column where something fits
+    fits = P.plan(config("gpt-oss-120b"), "1xH100", rows=4)["layouts"]  # the same column where something fits
+    assert fits.loc[0, "why"] == "fits: 63.92 of 67.06 usable GiB per GPU"
+    close = P.plan(config("gpt-oss-120b"), "1xH100")["layouts"]  # 8 rows: 0.02 GiB over, said in the same precision
+    assert close.loc[0, "why"].startswith("needs 67.08 GiB per GPU, more than the 67.06 GiB usable")
     assert fits.loc[0, "why"].startswith("fits: ") and fits.loc[0, "command"].startswith("moetool ppl")
 
 

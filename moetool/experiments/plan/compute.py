@@ -9,18 +9,19 @@ matrices, vectors). Bytes per format:
 * ``fp8`` (transformers' fine-grained FP8, DeepSeek-V3's release format): 1 byte per parameter plus one fp32
   ``scale_inv`` per 128 x 128 block, for every matrix but the embeddings, output head and routers (kept in
   bf16, as the released checkpoints keep them); vectors (norms, biases) stay bf16;
-* ``mxfp4`` (gpt-oss): routed experts only, 4 bits per parameter plus one uint8 (E8M0) scale per block of 32;
-  the rest bf16. ``fp4`` (FP4-packed experts, two values per int8 byte, one UE8M0 scale per 32) is the same size.
+* ``mxfp4`` (gpt-oss): routed experts' matrices only, 4 bits per parameter plus one uint8 (E8M0) scale per block
+  of 32; the rest bf16, the experts' bias rows included. ``fp4`` (FP4-packed experts, two values per int8 byte,
+  one UE8M0 scale per 32) is the same size.
 
 Throughput ceilings are upper bounds, not predictions: per token a routed forward costs
-``2 x (active matrix parameters) + 4 x (attention layers) x (seq_len / 2) x (attention width)`` FLOPs (a hybrid's
-Mamba / linear-attention layers count in the matrices only; causal attention sees
-half the sequence on average); a command that runs all ``n`` experts of every MoE layer (approx, the norm
-policies of norm-select) adds ``2 x`` the routed-expert parameters a token does not use. A batch of
-``rows x seq_len`` tokens reads every weight byte of its GPU once (large batches touch every expert). The
-ceiling is ``min(compute, memory)``: ``gpus x peak FLOP/s / FLOPs per token`` and ``tokens per batch x
-bandwidth / bytes read per batch`` (``--device-map`` runs one GPU at a time: one GPU's FLOP/s, every byte
-read in turn).
+``2 x (active matrix parameters) + 2 x (positions attended, summed over the attention layers) x (query-key width +
+value width)`` FLOPs (a hybrid's Mamba / linear-attention layers count in the matrices only; causal attention sees
+half the sequence on average, a sliding window ``w`` shorter than it ``w - w^2 / (2 seq_len)``); a command that
+runs all ``n`` experts of every MoE layer (approx, the norm policies of norm-select) adds ``2 x`` the
+routed-expert parameters a token does not use. A batch of ``rows x seq_len`` tokens reads every weight byte of
+its GPU once (large batches touch every expert). The ceiling is ``min(compute, memory)``: ``gpus x peak FLOP/s /
+FLOPs per token`` and ``tokens per batch x bandwidth / bytes read per batch`` (``--device-map`` runs one GPU at a
+time: one GPU's FLOP/s, every byte read in turn).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ DEFINITIONS = {
     "group": "what the parameters are: embeddings, lm_head (untied output head), routers, routed_experts, "
              "shared_experts, other_matrices (attention, dense MLPs), vectors (norms, biases)",
     "params": "parameters in the group (the model built from its config on the meta device)",
-    "active_params": "parameters one token uses: routed experts x K/n per MoE layer, everything else whole",
+    "active_params": "parameters one token uses: routed experts x K/n per MoE layer, everything else whole (the "
+                     "embedding table and output head included; DeepSeek and OpenAI publish it without the "
+                     "embedding table)",
     "bytes_<format>": "bytes of the group stored in that format (module docstring: which groups each format "
                       "quantizes, block scales included)",
     "layout": "how the model is placed: 1 GPU per replica (data parallel over all GPUs), --quantize fp8, "
@@ -170,7 +173,7 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     layers = find_moe_layers(model)
     seen: set[int] = set()
     groups = dict.fromkeys(GROUPS, 0)
-    inactive = 0
+    inactive = expert_vectors = 0
 
     def add(group: str, module: Any) -> int:
         n = 0
@@ -186,6 +189,8 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     for L in layers:
         add("routers", L.router)
         inactive += L.inactive_expert_params(add("routed_experts", L.experts))
+        # the experts' bias rows (gpt-oss: [n, 2I] and [n, H]): counted with them, stored in bf16 by every format
+        expert_vectors += sum(p.numel() for name, p in L.experts.named_parameters() if name.endswith("bias"))
         add("shared_experts", L.shared_experts)
     for p in model.parameters():
         if id(p) not in seen:
@@ -193,34 +198,54 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
             groups["vectors" if p.dim() < 2 else "other_matrices"] += p.numel()
     total = sum(groups.values())
     return {"groups": groups, "total": total, "active": total - inactive, "inactive_experts": inactive,
+            "expert_vectors": expert_vectors,
             "n_experts": layers[0].n_experts, "top_k": layers[0].top_k, "moe_layers": len(layers)}
 
 
-def group_bytes(groups: dict[str, int], fmt: str) -> dict[str, float]:
-    """Bytes of each group stored in ``fmt`` (module docstring)."""
+def group_bytes(groups: dict[str, int], fmt: str, expert_vectors: int = 0) -> dict[str, float]:
+    """Bytes of each group stored in ``fmt`` (module docstring); ``expert_vectors`` of the routed experts'
+    parameters are bias rows (gpt-oss), kept in bf16 as vectors are."""
     plain = {"bf16": 2, "fp16": 2, "fp32": 4}
     if fmt in plain:
         return {g: n * plain[fmt] for g, n in groups.items()}
     out = {g: 2.0 * n for g, n in groups.items()}  # bf16 for what the format leaves alone
+    experts = groups["routed_experts"] - expert_vectors  # the experts' matrices; their bias rows stay bf16
     if fmt == "fp8":
-        for g in ("routed_experts", "shared_experts", "other_matrices"):
+        for g in ("shared_experts", "other_matrices"):
             out[g] = groups[g] * (1 + 4 / FP8_BLOCK)
+        out["routed_experts"] = experts * (1 + 4 / FP8_BLOCK) + 2.0 * expert_vectors
     elif fmt in ("mxfp4", "fp4"):
-        out["routed_experts"] = groups["routed_experts"] * (0.5 + 1 / MX_BLOCK)
+        out["routed_experts"] = experts * (0.5 + 1 / MX_BLOCK) + 2.0 * expert_vectors
     else:
         raise MoetoolError(f"unknown weight format '{fmt}' (bf16, fp16, fp32, fp8, mxfp4, fp4)")
     return out
 
 
-def _attention_width(tc: Any) -> tuple[int, int]:
-    """(query width, per-token KV-cache values per layer) of the attention (MLA caches the decompressed k, v)."""
+def _attention_width(tc: Any) -> tuple[int, int, int]:
+    """(query-key width, value width, per-token KV-cache values per layer) of the attention, summed over the heads
+    (MLA caches its compressed latent: the ``kv_lora_rank`` values and the ``qk_rope_head_dim`` rotary key shared by
+    every head, as transformers' cache holds them -- it expands the keys and values per head after reading the
+    cache)."""
     heads = int(getattr(tc, "num_attention_heads", 0) or 0)
     if getattr(tc, "kv_lora_rank", None):  # DeepSeek MLA as transformers runs it
         qk = int(tc.qk_nope_head_dim) + int(tc.qk_rope_head_dim)
-        return heads * qk, heads * (qk + int(tc.v_head_dim))
+        return heads * qk, heads * int(tc.v_head_dim), int(tc.kv_lora_rank) + int(tc.qk_rope_head_dim)
     head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
     kv = int(getattr(tc, "num_key_value_heads", None) or heads)
-    return heads * head_dim, 2 * kv * head_dim
+    return heads * head_dim, heads * head_dim, 2 * kv * head_dim
+
+
+def _windows(tc: Any) -> list[int | None]:
+    """The sliding window of each layer that keeps keys and values (``kv_layer_types``: a hybrid's Mamba /
+    linear-attention layers are left out), ``None`` where it attends to the whole sequence. A config with a window
+    and no per-layer types (Mixtral, PhiMoE) slides in every layer, as transformers' cache and masks do."""
+    from ...configs import kv_layer_types, layer_types
+
+    types = kv_layer_types(tc)
+    window = getattr(tc, "sliding_window", None)
+    if not window:
+        return [None] * len(types)
+    return [int(window) if t == "sliding_attention" or not layer_types(tc) else None for t in types]
 
 
 def per_row(config: Any, seq_len: int) -> dict[str, int]:
@@ -228,29 +253,30 @@ def per_row(config: Any, seq_len: int) -> dict[str, int]:
     ``sizing.estimate_memory``) and the KV cache a generating lm-eval task holds (sliding layers capped)."""
     import torch
 
-    from ...configs import kv_layer_types, text_config
+    from ...configs import text_config
     from ...sizing import estimate_memory
 
     tc = text_config(config)
     _, act = estimate_memory(config, seq_len=seq_len, rows=1, dtype=torch.bfloat16, params=None)
-    _, kv_values = _attention_width(tc)
-    types = kv_layer_types(tc)  # a hybrid's Mamba / linear-attention layers keep no keys and values per token
-    window = getattr(tc, "sliding_window", None)
-    sliding = sum(t == "sliding_attention" for t in types) if window else 0
-    positions = (len(types) - sliding) * seq_len + sliding * min(seq_len, int(window or seq_len))
+    _, _, kv_values = _attention_width(tc)
+    positions = sum(min(seq_len, w or seq_len) for w in _windows(tc))
     return {"activation_bytes": int(act), "kv_cache_bytes": int(positions * kv_values * 2)}
 
 
 def flops_per_token(config: Any, counts: dict[str, Any], seq_len: int, *, all_experts: bool) -> float:
-    """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs."""
-    from ...configs import kv_layer_types, text_config
+    """FLOPs of one token's forward (module docstring); ``all_experts``: every routed expert runs. A token attends
+    to ``seq_len / 2`` positions on average (causal), within a sliding window ``w < seq_len`` to ``w - w^2 / (2
+    seq_len)``; each position costs 2 x the query-key width (scores) + 2 x the value width (MLA's 192 and 128 per
+    head differ)."""
+    from ...configs import text_config
 
     tc = text_config(config)
-    q_width, _ = _attention_width(tc)
+    qk_width, v_width, _ = _attention_width(tc)
     matrices = counts["active"] - counts["groups"]["embeddings"] - counts["groups"]["vectors"]
     if all_experts:
         matrices += counts["inactive_experts"]
-    return 2.0 * matrices + 4.0 * len(kv_layer_types(tc)) * (seq_len / 2) * q_width
+    positions = sum(seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len) for w in _windows(tc))
+    return 2.0 * matrices + 2.0 * positions * (qk_width + v_width)
 
 
 class _Layout(NamedTuple):
@@ -397,7 +423,8 @@ def _plan(model: Any, gpus: str, nodes: int, *, seq_len: int | None, rows: int) 
     per_node, gpu = parse_gpus(gpus)
     native = native_format(config)
     counts = parameter_groups(config)
-    sizes = {f: group_bytes(counts["groups"], f) for f in dict.fromkeys(["bf16", native, "fp8"])}
+    sizes = {f: group_bytes(counts["groups"], f, counts["expert_vectors"])
+             for f in dict.fromkeys(["bf16", native, "fp8"])}
     row = per_row(config, seq_len)
     act = row["activation_bytes"] * rows
     lay_rows, thr_rows = [], []
@@ -406,9 +433,9 @@ def _plan(model: Any, gpus: str, nodes: int, *, seq_len: int | None, rows: int) 
         per_gpu = _bytes_per_gpu(lay, sizes, act)
         fits = per_gpu <= USABLE * gpu.memory_gb * 1e9
         usable, gib = USABLE * gpu.memory_gb * 1e9 / 2 ** 30, round(per_gpu / 2 ** 30, 2)  # the gib_per_gpu column
-        why = (f"needs {gib:g} GiB per GPU, more than the {usable:.1f} GiB usable ({USABLE:.0%} of the {gpu.name}'s "
+        why = (f"needs {gib:g} GiB per GPU, more than the {usable:.2f} GiB usable ({USABLE:.0%} of the {gpu.name}'s "
                f"{gpu.memory_gb:g} GB = {gpu.memory_gb * 1e9 / 2 ** 30:.1f} GiB)" if not fits
-               else f"fits: {gib:g} of {usable:.1f} usable GiB per GPU" if lay.available == "yes"
+               else f"fits: {gib:g} of {usable:.2f} usable GiB per GPU" if lay.available == "yes"
                else f"fits, but not available: {lay.available.removeprefix('no: ')}")
         lay_rows.append({"layout": lay.name, "format": lay.format, "gpus": lay.shards * lay.replicas,
                          "replicas": lay.replicas, "gib_per_gpu": gib, "fits": fits,
