@@ -223,6 +223,33 @@ def test_moetool_traces_streamed_file_is_recorded_and_a_copy_that_lost_rows_refu
         r.output and not (tmp_path / "stats").exists()
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "csv.gz"])
+def test_an_unreadable_trace_without_a_record_is_one_line_exit_2(fmt, tmp_path):
+    """A trace cut short or overwritten in a run folder whose manifest records no ``tables`` (written before
+    manifests did): ``stats --trace`` printed ``error: ArrowInvalid: Parquet magic bytes not found ...`` (exit 1,
+    'MOETOOL_DEBUG=1 shows the traceback') for a Parquet and a bare ``aborted`` (click's answer to the gzip's
+    EOFError, exit 1) for a ``.csv.gz``. Now one line naming the file, exit 2, nothing written, as a truncated
+    ``.npy`` given to import-trace."""
+    run = tmp_path / "trace"
+    r = runner.invoke(app, ["trace", "--max-tokens", "128", "--seq-len", "32", "--batch-size", "2", "--format", fmt,
+                            "-q", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    man = json.loads((run / "manifest.json").read_text())
+    man.pop("tables")
+    (run / "manifest.json").write_text(json.dumps(man))
+    name = run / f"trace.{fmt}"
+    data = name.read_bytes()
+    for damaged in (data[: len(data) * 2 // 3], data[:2] + b"x" * len(data)):  # cut short; another file's bytes
+        name.write_bytes(damaged)
+        for command in ("stats", "offload"):
+            r = runner.invoke(app, [command, "--trace", str(run), "-q", "--out", str(tmp_path / "o")])
+            lines = [ln for ln in r.output.splitlines() if ln.strip()]
+            assert r.exit_code == 2 and len(lines) == 1, r.output
+            assert lines[0].startswith(f"error: --trace {name}: not a readable ") and "(truncated or damaged?)" in \
+                lines[0], lines[0]
+            assert not (tmp_path / "o").exists()
+
+
 def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_counts(tmp_path):
     """``moetool trace --routing topp:0.5`` writes every expert column, the unchosen at weight 0 (capacity: its
     dropped assignments): stats, placement and offload on it would count those as routed (before: loads and hit
