@@ -60,8 +60,19 @@ def removed_from_importance(importance: Any, criterion: str, fraction: float) ->
     need = {"layer", "expert", criterion}
     if not need <= set(importance.columns):
         raise MoetoolError(f"the importance table lacks column(s) {sorted(need - set(importance.columns))}")
+    import numpy as np
+    import pandas as pd
+
+    values = pd.to_numeric(importance[criterion], errors="coerce").to_numpy(dtype=np.float64)
+    bad = ~np.isfinite(values)  # moetool prune writes finite values only (0 for an expert never routed)
+    if bad.any():  # a NaN sorted last and was never removed; an edited or foreign table prunes by other numbers
+        i = int(np.flatnonzero(bad)[0])
+        at = {c: importance[c].iloc[i] for c in ("layer", "expert", criterion)}
+        raise MoetoolError(f"the importance table's {criterion} is not a finite number at layer {at['layer']} expert "
+                           f"{at['expert']} ('{at[criterion]}'; {int(bad.sum())} such row(s)): measure it with "
+                           f"moetool prune")
     out = {}
-    for layer, g in importance.groupby("layer", sort=True):
+    for layer, g in importance.assign(**{criterion: values}).groupby("layer", sort=True):
         g = g.sort_values("expert")
         if list(g["expert"]) != list(range(len(g))):
             raise MoetoolError(f"the importance table's layer {layer} does not list experts 0..{len(g) - 1} once")
