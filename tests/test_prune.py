@@ -259,6 +259,20 @@ def test_an_importance_that_is_not_a_finite_number_is_refused(tmp_path, value):
     assert make_policy(f"prune:frequency:0.25:{path}").removed == {0: [0], 1: [0]}  # the other columns are fine
 
 
+@pytest.mark.parametrize("experts", ["[1.5]", '"12"', "[true]", "3"])
+def test_removed_json_takes_whole_expert_numbers_only(tmp_path, experts):
+    """prune:file:<removed.json> read 1.5 as expert 1, true as expert 1 and "12" as experts 1 and 2 (a plausible
+    pruned perplexity of a set nobody wrote, exit 0), where the CSV refuses anything but whole numbers; now one
+    line naming the layer and what it maps to."""
+    path = tmp_path / "removed.json"
+    path.write_text('{"0": [2], "1": ' + experts + "}")
+    with pytest.raises(MoetoolError) as e:
+        make_policy(f"prune:file:{path}")
+    assert str(e.value) == f"prune: {path}: layer 1 must map to a list of whole expert numbers, not {experts}"
+    path.write_text('{"0": [2], "1": [3, 1, 1]}')
+    assert make_policy(f"prune:file:{path}").removed == {0: [2], 1: [1, 3]}
+
+
 def test_too_few_kept_experts_refused(tiny_model):
     model = tiny_model("mixtral")
     L = find_moe_layers(model)[0]

@@ -104,9 +104,14 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
     if p.suffix == ".json":
         try:
             raw = json.loads(p.read_text())
-            return {int(k): sorted({int(e) for e in v}) for k, v in raw.items()}
+            out = {int(k): v for k, v in raw.items()}
         except (ValueError, TypeError, AttributeError) as e:
             raise MoetoolError(f"prune: {path} is not a JSON object of layer -> list of experts ({e})") from None
+        for k, v in out.items():  # as the CSV's whole numbers: 1.5, true or "12" (experts 1 and 2) were read as ids
+            if not (isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v)):
+                raise MoetoolError(f"prune: {path}: layer {k} must map to a list of whole expert numbers, not "
+                                   f"{json.dumps(v)}")
+        return {k: sorted(set(v)) for k, v in out.items()}
     try:
         df = read_run_csv(p)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
