@@ -250,6 +250,31 @@ def test_an_unreadable_trace_without_a_record_is_one_line_exit_2(fmt, tmp_path):
             assert not (tmp_path / "o").exists()
 
 
+def test_model_and_max_tokens_that_a_trace_would_ignore_are_refused(tmp_path):
+    """``stats --trace RUN --model tiny-fine`` and ``--max-tokens 100`` ran on the trace's own model and every token
+    it holds, exit 0, as if asked for (a table of 2,048 tokens of tiny under a command line naming 100 tokens of
+    tiny-fine); now one line, as --data. offload --trace still caps at --max-tokens (README: --max-tokens 100000);
+    a flag at its default changes nothing and passes."""
+    run = tmp_path / "trace"
+    r = runner.invoke(app, ["trace", "--max-tokens", "128", "--seq-len", "32", "--format", "parquet", "-q", "--out",
+                            str(run)])
+    assert r.exit_code == 0, r.output
+    for argv, flag in ((["stats", "--model", "tiny-fine"], "--model"),
+                       (["stats", "--max-tokens", "100"], "--max-tokens"),
+                       (["placement", "--gpus", "4", "--max-tokens", "100"], "--max-tokens"),
+                       (["placement", "--gpus", "4", "--model", "tiny-early"], "--model"),
+                       (["offload", "--model", "tiny-fine"], "--model")):
+        r = runner.invoke(app, [*argv, "--trace", str(run), "-q", "--out", str(tmp_path / "o")])
+        line = f"error: {flag} needs a forward of the model: not with --trace"
+        assert r.exit_code == 2 and r.output.strip() == line, (argv, r.output)
+        assert not (tmp_path / "o").exists()
+    r = runner.invoke(app, ["stats", "--model", "tiny", "--max-tokens", "32768", "--trace", str(run), "-q", "--out",
+                            str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["offload", "--max-tokens", "64", "--trace", str(run), "-q", "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 0, r.output
+
+
 def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_counts(tmp_path):
     """``moetool trace --routing topp:0.5`` writes every expert column, the unchosen at weight 0 (capacity: its
     dropped assignments): stats, placement and offload on it would count those as routed (before: loads and hit
