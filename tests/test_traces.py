@@ -512,6 +512,15 @@ def test_truncated_pt(captured, tmp_path):
     _refused(import_cli([tmp_path / "t.pt"], tmp_path / "out"), tmp_path / "out", "truncated")
 
 
+def test_empty_pt_is_one_line(tmp_path):
+    """A 0-byte .pt (a dump whose writer died): torch.load's EOFError has no text, and taking its first line raised
+    IndexError inside the error message: 'error: IndexError: list index out of range', exit 1. Now one line, exit 2,
+    as a truncated .pt."""
+    (tmp_path / "expert_distribution_recorder_0.pt").write_bytes(b"")
+    r = import_cli([tmp_path / "expert_distribution_recorder_0.pt"], tmp_path / "out")
+    _refused(r, tmp_path / "out", "not a readable .pt file (truncated?): EOFError")
+
+
 def test_pt_with_code_refused(tmp_path):
     """A .pt holding a pickled object (not tensors and plain data) is never unpickled."""
     torch.save({"logical_count": torch.zeros(1, 4, 8), "hook": PlacementOptions()}, tmp_path / "x.pt")

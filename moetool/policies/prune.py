@@ -25,7 +25,7 @@ import torch
 
 from .. import ops
 from ..engine.hooks import RoutingEvent
-from ..errors import MoetoolError
+from ..errors import MoetoolError, first_line
 from ..files import table_problem
 from .base import Policy
 
@@ -115,7 +115,7 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
     try:
         df = read_run_csv(p)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
-        raise MoetoolError(f"prune: {path} is not a readable CSV ({str(e).splitlines()[0]})") from None
+        raise MoetoolError(f"prune: {path} is not a readable CSV ({first_line(e)})") from None
     if not {"layer", "expert"} <= set(df.columns):
         raise MoetoolError(f"prune: {path} has no 'layer' and 'expert' columns")
     if len(df) and not all(pd.api.types.is_integer_dtype(df[c]) for c in ("layer", "expert")):

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import MoetoolError, spans
+from ..errors import MoetoolError, first_line, spans
 from ..files import table_problem
 from .readers import Chunk, Counts
 from .shape import ModelShape
@@ -238,8 +238,7 @@ def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator
 
 def _unreadable(p: Path, kind: str, e: BaseException) -> MoetoolError:
     """One line for a trace file that cannot be read (a truncated copy, another file under the name)."""
-    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-    return MoetoolError(f"--trace {p}: not a readable {kind} file (truncated or damaged?): {text}")
+    return MoetoolError(f"--trace {p}: not a readable {kind} file (truncated or damaged?): {first_line(e)}")
 
 
 def _open_parquet(p: Path) -> Any:
