@@ -512,6 +512,17 @@ def test_truncated_pt(captured, tmp_path):
     _refused(import_cli([tmp_path / "t.pt"], tmp_path / "out"), tmp_path / "out", "truncated")
 
 
+def test_a_dump_file_given_twice_is_refused(captured, tmp_path):
+    """import-trace req.npy req.npy (or a folder and a file in it) read the file twice: '2 requests', every count
+    doubled, exit 0. Now one line, exit 2, nothing written."""
+    import shutil
+
+    (tmp_path / "d").mkdir()
+    f = shutil.copy(captured["files"]["vllm-npy"][0], tmp_path / "d" / "req.npy")
+    for sources in ([f, f], [tmp_path / "d", f]):
+        _refused(import_cli(sources, tmp_path / "out"), tmp_path / "out", "the same dump file given twice")
+
+
 def test_empty_pt_is_one_line(tmp_path):
     """A 0-byte .pt (a dump whose writer died): torch.load's EOFError has no text, and taking its first line raised
     IndexError inside the error message: 'error: IndexError: list index out of range', exit 1. Now one line, exit 2,

@@ -114,6 +114,13 @@ def expand(paths: list[str | Path]) -> list[Path]:
             out.append(p)
         else:
             raise MoetoolError(f"{p}: no such file or folder")
+    seen: dict[Path, Path] = {}
+    for f in out:  # several files are summed (ranks, requests): one read twice would count its tokens twice
+        first = seen.setdefault(f.resolve(), f)
+        if first is not f:
+            same = f"{first}" if str(first) == str(f) else f"{first} and {f}"
+            raise MoetoolError(f"{same}: the same dump file given twice (a folder and a file in it, or a path "
+                               f"repeated); give each file once")
     return out
 
 
