@@ -162,10 +162,13 @@ def main() -> None:
                 rich_utils.rich_format_error(e)
             sys.exit(e.exit_code)
         if "Abort" in kinds:  # click's own: Ctrl-C outside a command's handler (startup), or EOF at a prompt
-            if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, KeyboardInterrupt):
                 said_interrupted()
                 typer.secho("interrupted (Ctrl-C)", err=True)
                 sys.exit(130)
+            if isinstance(cause, EOFError):  # click turns any EOFError into Abort; moetool prompts for nothing, so
+                _last_resort(cause)          # it is a command's (a truncated file's): its line, not a bare 'aborted'
             typer.secho("aborted", err=True)
             sys.exit(1)
         _last_resort(e)

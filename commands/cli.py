@@ -172,6 +172,10 @@ def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "
     return unique(out)
 
 
+#: the largest decoder layer index --layers takes (models have hundreds of layers at most)
+MAX_LAYER = 100_000
+
+
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
     """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; ``None`` -> every MoE layer. A reversed range (``3-1``) is an error."""
     if text is None:
@@ -185,6 +189,9 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
             raise MoetoolError(f"bad --layers item '{item}' (use e.g. 0,2,5-7)") from None
         if b < a:
             raise MoetoolError(f"empty --layers range '{item}' (use low-high, e.g. {b}-{a})")
+        if b > MAX_LAYER:  # 0-100000000 built a list of 10^8 layers (a minute, gigabytes) before the check
+            raise MoetoolError(f"--layers item '{item}': layer {b} is beyond any model's layers (decoder indices "
+                               f"up to {MAX_LAYER:,})")
         out.extend(range(a, b + 1))
     return tuple(sorted(set(out)))
 

@@ -7,9 +7,9 @@ from typing import Any
 
 
 def on_trace(p: Any, opts: Any) -> None:
-    from .trace_input import offload_on_trace, refuse
+    from .trace_input import not_default, offload_on_trace, refuse
 
-    refuse({"--data": p.data})
+    refuse({"--data": p.data, **not_default("offload", p, "model")})  # the trace's model (--max-tokens caps it)
     offload_on_trace(p.trace, p.trace_config, opts, p.max_tokens, p.out, p.force)
 
 

@@ -53,7 +53,8 @@ def check(p: Any, opts: Any) -> dict[str, Any]:
 
 
 def on_trace(p: Any, opts: Any) -> None:
-    from .trace_input import placement_on_trace, refuse
+    from .trace_input import not_default, placement_on_trace, refuse
 
-    refuse({"--data": p.data, "--reference-data": p.reference_data, "--reference-model": p.reference_model})
+    refuse({"--data": p.data, "--reference-data": p.reference_data, "--reference-model": p.reference_model,
+            **not_default("placement", p, "model", "max_tokens")})  # the trace's model and every token it holds
     placement_on_trace(p.trace, p.trace_config, dataclasses.replace(opts, bootstrap=0), p.out, p.force, p.export)

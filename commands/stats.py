@@ -16,9 +16,10 @@ def check(p: Any, opts: Any) -> dict[str, Any]:
 
 
 def on_trace(p: Any, opts: Any) -> None:
-    from .trace_input import refuse, stats_on_trace
+    from .trace_input import not_default, refuse, stats_on_trace
 
-    refuse({"--data": p.data, "--resume": p.resume, "--no-special-tokens": p.no_special_tokens, "--layers": p.layers})
+    refuse({"--data": p.data, "--resume": p.resume, "--no-special-tokens": p.no_special_tokens, "--layers": p.layers,
+            **not_default("stats", p, "model", "max_tokens")})  # the trace's model and every token it holds
     stats_on_trace(p.trace, p.trace_config, dataclasses.replace(opts, bootstrap=0), p.out, p.force)
 
 

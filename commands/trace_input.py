@@ -21,6 +21,17 @@ def refuse(flags: dict[str, Any]) -> None:
             raise MoetoolError(f"{name} needs a forward of the model: not with --trace")
 
 
+def not_default(command: str, p: Any, *names: str) -> dict[str, Any]:
+    """``{--flag: value}`` for each of ``names`` that ``p`` holds at other than the command's default (for
+    :func:`refuse`; a flag given at its default cannot be told from one left out, and changes nothing)."""
+    from moetool.experiments.registry import EXPERIMENTS
+
+    from .generated import parameters
+
+    defaults = {name: default for name, _, default in parameters(EXPERIMENTS[command])}
+    return {f"--{n.replace('_', '-')}": getattr(p, n) for n in names if getattr(p, n) != defaults[n]}
+
+
 def _run(command: str, out: Any, force: bool) -> Any:
     from moetool.report.rundir import RunDir
 

@@ -68,6 +68,12 @@ def env_seconds(name: str, default: float | None = None) -> float | None:
     return value
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an error's text, or its type name when it has none (an empty ``EOFError`` of a
+    0-byte file: ``str(e).splitlines()[0]`` raised IndexError in the middle of an error message)."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
 def one_line(exc: BaseException, limit: int = 240) -> str:
     """The first non-empty line of an error, at most ``limit`` characters, after its type name unless it is one of
     moetool's own (whose text is written to be read alone); a first line that ends in a colon is a heading: the

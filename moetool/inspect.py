@@ -81,7 +81,7 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
     """One row of the families table; the tiny model (:func:`moetool.adapters.tiny.build_tiny`) is built unless
     given."""
     from .adapters import discovery, find_moe_layers
-    from .errors import MoetoolError
+    from .errors import MoetoolError, first_line
 
     row: dict[str, Any] = {"model_type": model_type, "head": discovery.head_kind(model_type)}
     if model_type in discovery.UNSUPPORTED:
@@ -94,7 +94,7 @@ def family_row(model_type: str, model: Any = None, layers: list | None = None) -
 
             model = build_tiny(model_type)
     except Exception as e:  # noqa: BLE001 - any failure of the family's own code on the shrunk config
-        return {**row, "supported": f"unchecked: no tiny model ({type(e).__name__}: {str(e).splitlines()[0]})",
+        return {**row, "supported": f"unchecked: no tiny model ({type(e).__name__}: {first_line(e)})",
                 **empty}
     try:
         layers = find_moe_layers(model) if layers is None else layers

@@ -223,6 +223,27 @@ def test_top_k_outside_one_to_n_experts_is_one_line_config_error_even_in_inspect
                         f"top-K must be between 1 and 8 (fix config.json)")
 
 
+@pytest.mark.parametrize("experts", [0, -3])
+def test_no_experts_in_the_config_names_the_expert_count(tmp_path, experts):
+    """num_local_experts = -3 (or 0) read 'num_experts_per_tok = 2 ..., but the model has -3 experts: top-K must be
+    between 1 and -3': the line blamed the top-K. Now it names the expert count, one line, exit 2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.loading import embedded_models
+
+    d = tmp_path / "model"
+    d.mkdir()
+    cfg = json.loads((embedded_models()["tiny"] / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_local_experts": experts}))
+    r = CliRunner().invoke(app, ["inspect", "--model", str(d)])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and lines == [f"error: num_local_experts = {experts} in the mixtral config: an MoE layer "
+                                          f"needs at least 1 expert (fix config.json)"], r.output
+
+
 def test_top_k_check_reads_per_layer_lists_and_counts_zero_experts():
     from transformers import MixtralConfig
 

@@ -181,6 +181,29 @@ def test_layer_selection_one_meaning():
             select_layers(layers, wanted)
 
 
+def test_a_huge_layers_range_is_one_line_at_once_and_bad_layers_read_as_spans():
+    """--layers 0-100000000 built a list of 10^8 layer indices (a minute and gigabytes, the run killed before it
+    said anything); --layers 0-1000 on a 4-layer model listed 996 numbers in its error. Now the range is refused at
+    once and bad layers read as spans."""
+    import time
+
+    from moetool.commands.cli import parse_layers
+    from moetool.engine import select_layers
+    from moetool.errors import MoetoolError
+
+    t = time.perf_counter()
+    with pytest.raises(MoetoolError) as e:
+        parse_layers("0,2-100000000")
+    assert str(e.value) == ("--layers item '2-100000000': layer 100000000 is beyond any model's layers (decoder "
+                            "indices up to 100,000)") and time.perf_counter() - t < 1
+    layers = find_moe_layers(build_tiny_model("mixtral"))
+    idx = [L.index for L in layers]
+    with pytest.raises(MoetoolError) as e:
+        select_layers(layers, parse_layers(f"0-{max(idx) + 1000}"))
+    assert str(e.value) == (f"--layers {max(idx) + 1}-{max(idx) + 1000}: not MoE layers (MoE layers: "
+                            f"{idx[0]}-{idx[-1]})")
+
+
 def test_hook_refuses_a_policy_option_no_policy_reads():
     """``moetool.hook(lm, policy=..., **options)``: a misspelt option (``wieghts=``) is one line, not ignored as
     build_policy ignores the options a policy does not read; options without a spec to build are refused too."""

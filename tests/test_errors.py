@@ -473,6 +473,33 @@ def test_ctrl_c_outside_a_command_exits_130_in_one_line(monkeypatch, capsys):
     assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == ["interrupted (Ctrl-C)"]
 
 
+def test_an_eof_error_of_a_command_is_its_own_line_not_aborted(monkeypatch, capsys):
+    """click turns every EOFError into Abort (it means EOF at a prompt; moetool has none): a command's EOFError
+    (gzip's 'Compressed file ended before the end-of-stream marker was reached') printed a bare 'aborted', even
+    with MOETOOL_DEBUG=1. Now the last resort's one line naming it, exit 1; MOETOOL_DEBUG=1 re-raises it."""
+    import click
+
+    import moetool.commands.app as app_module
+
+    def eof(**kwargs):
+        try:
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        except EOFError as e:
+            raise click.exceptions.Abort() from e
+
+    monkeypatch.setattr(app_module, "app", eof)
+    monkeypatch.delenv("MOETOOL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    assert e.value.code == 1
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == [
+        "error: EOFError: Compressed file ended before the end-of-stream marker was reached (MOETOOL_DEBUG=1 shows "
+        "the traceback)"]
+    monkeypatch.setenv("MOETOOL_DEBUG", "1")
+    with pytest.raises(EOFError):
+        app_module.main()
+
+
 # ----- a figure that fails never loses the tables --------------------------------------------------------------
 def test_a_failing_figure_keeps_every_table_and_fails_the_run_in_one_line(tmp_path, monkeypatch):
     """Issue 21.1: stats' balance figure raised "'yerr' must not contain negative values" after every table was

@@ -242,6 +242,38 @@ def test_unreadable_removed_csv_is_one_line(tmp_path):
         assert str(e.value).startswith(f"prune: {path}{message}") and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("value", ["nan", "", "inf", "high"])
+def test_an_importance_that_is_not_a_finite_number_is_refused(tmp_path, value):
+    """A hand-made or edited prune_importance.csv (no run's record beside it) with a NaN, an empty cell, inf or a
+    word in the criterion's column: the NaN and the empty cell sorted last, so that expert was never removed and
+    the pruned perplexity came out as another set's, exit 0 (a word read as a numpy conversion error). moetool
+    prune writes finite values only: now one line naming the layer and expert."""
+    rows = ["layer,expert,frequency,weighted,reap"] + [f"{li},{e},{e + 1},{e + 1},{e + 1}" for li in range(2)
+                                                       for e in range(4)]
+    rows[2] = f"0,1,2,2,{value}"  # layer 0, expert 1: the least important expert but for its cell
+    path = tmp_path / "prune_importance.csv"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(MoetoolError) as e:
+        make_policy(f"prune:reap:0.25:{path}")
+    assert "the importance table's reap is not a finite number at layer 0 expert 1" in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    assert make_policy(f"prune:frequency:0.25:{path}").removed == {0: [0], 1: [0]}  # the other columns are fine
+
+
+@pytest.mark.parametrize("experts", ["[1.5]", '"12"', "[true]", "3"])
+def test_removed_json_takes_whole_expert_numbers_only(tmp_path, experts):
+    """prune:file:<removed.json> read 1.5 as expert 1, true as expert 1 and "12" as experts 1 and 2 (a plausible
+    pruned perplexity of a set nobody wrote, exit 0), where the CSV refuses anything but whole numbers; now one
+    line naming the layer and what it maps to."""
+    path = tmp_path / "removed.json"
+    path.write_text('{"0": [2], "1": ' + experts + "}")
+    with pytest.raises(MoetoolError) as e:
+        make_policy(f"prune:file:{path}")
+    assert str(e.value) == f"prune: {path}: layer 1 must map to a list of whole expert numbers, not {experts}"
+    path.write_text('{"0": [2], "1": [3, 1, 1]}')
+    assert make_policy(f"prune:file:{path}").removed == {0: [2], 1: [1, 3]}
+
+
 def test_too_few_kept_experts_refused(tiny_model):
     model = tiny_model("mixtral")
     L = find_moe_layers(model)[0]

@@ -223,6 +223,58 @@ def test_moetool_traces_streamed_file_is_recorded_and_a_copy_that_lost_rows_refu
         r.output and not (tmp_path / "stats").exists()
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "csv.gz"])
+def test_an_unreadable_trace_without_a_record_is_one_line_exit_2(fmt, tmp_path):
+    """A trace cut short or overwritten in a run folder whose manifest records no ``tables`` (written before
+    manifests did): ``stats --trace`` printed ``error: ArrowInvalid: Parquet magic bytes not found ...`` (exit 1,
+    'MOETOOL_DEBUG=1 shows the traceback') for a Parquet and a bare ``aborted`` (click's answer to the gzip's
+    EOFError, exit 1) for a ``.csv.gz``. Now one line naming the file, exit 2, nothing written, as a truncated
+    ``.npy`` given to import-trace."""
+    run = tmp_path / "trace"
+    r = runner.invoke(app, ["trace", "--max-tokens", "128", "--seq-len", "32", "--batch-size", "2", "--format", fmt,
+                            "-q", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    man = json.loads((run / "manifest.json").read_text())
+    man.pop("tables")
+    (run / "manifest.json").write_text(json.dumps(man))
+    name = run / f"trace.{fmt}"
+    data = name.read_bytes()
+    for damaged in (data[: len(data) * 2 // 3], data[:2] + b"x" * len(data)):  # cut short; another file's bytes
+        name.write_bytes(damaged)
+        for command in ("stats", "offload"):
+            r = runner.invoke(app, [command, "--trace", str(run), "-q", "--out", str(tmp_path / "o")])
+            lines = [ln for ln in r.output.splitlines() if ln.strip()]
+            assert r.exit_code == 2 and len(lines) == 1, r.output
+            assert lines[0].startswith(f"error: --trace {name}: not a readable ") and "(truncated or damaged?)" in \
+                lines[0], lines[0]
+            assert not (tmp_path / "o").exists()
+
+
+def test_model_and_max_tokens_that_a_trace_would_ignore_are_refused(tmp_path):
+    """``stats --trace RUN --model tiny-fine`` and ``--max-tokens 100`` ran on the trace's own model and every token
+    it holds, exit 0, as if asked for (a table of 2,048 tokens of tiny under a command line naming 100 tokens of
+    tiny-fine); now one line, as --data. offload --trace still caps at --max-tokens (README: --max-tokens 100000);
+    a flag at its default changes nothing and passes."""
+    run = tmp_path / "trace"
+    r = runner.invoke(app, ["trace", "--max-tokens", "128", "--seq-len", "32", "--format", "parquet", "-q", "--out",
+                            str(run)])
+    assert r.exit_code == 0, r.output
+    for argv, flag in ((["stats", "--model", "tiny-fine"], "--model"),
+                       (["stats", "--max-tokens", "100"], "--max-tokens"),
+                       (["placement", "--gpus", "4", "--max-tokens", "100"], "--max-tokens"),
+                       (["placement", "--gpus", "4", "--model", "tiny-early"], "--model"),
+                       (["offload", "--model", "tiny-fine"], "--model")):
+        r = runner.invoke(app, [*argv, "--trace", str(run), "-q", "--out", str(tmp_path / "o")])
+        line = f"error: {flag} needs a forward of the model: not with --trace"
+        assert r.exit_code == 2 and r.output.strip() == line, (argv, r.output)
+        assert not (tmp_path / "o").exists()
+    r = runner.invoke(app, ["stats", "--model", "tiny", "--max-tokens", "32768", "--trace", str(run), "-q", "--out",
+                            str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["offload", "--max-tokens", "64", "--trace", str(run), "-q", "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 0, r.output
+
+
 def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_counts(tmp_path):
     """``moetool trace --routing topp:0.5`` writes every expert column, the unchosen at weight 0 (capacity: its
     dropped assignments): stats, placement and offload on it would count those as routed (before: loads and hit
@@ -483,6 +535,26 @@ def test_truncated_pt(captured, tmp_path):
     data = captured["files"]["sglang-stat"][0].read_bytes()
     (tmp_path / "t.pt").write_bytes(data[: len(data) // 2])
     _refused(import_cli([tmp_path / "t.pt"], tmp_path / "out"), tmp_path / "out", "truncated")
+
+
+def test_a_dump_file_given_twice_is_refused(captured, tmp_path):
+    """import-trace req.npy req.npy (or a folder and a file in it) read the file twice: '2 requests', every count
+    doubled, exit 0. Now one line, exit 2, nothing written."""
+    import shutil
+
+    (tmp_path / "d").mkdir()
+    f = shutil.copy(captured["files"]["vllm-npy"][0], tmp_path / "d" / "req.npy")
+    for sources in ([f, f], [tmp_path / "d", f]):
+        _refused(import_cli(sources, tmp_path / "out"), tmp_path / "out", "the same dump file given twice")
+
+
+def test_empty_pt_is_one_line(tmp_path):
+    """A 0-byte .pt (a dump whose writer died): torch.load's EOFError has no text, and taking its first line raised
+    IndexError inside the error message: 'error: IndexError: list index out of range', exit 1. Now one line, exit 2,
+    as a truncated .pt."""
+    (tmp_path / "expert_distribution_recorder_0.pt").write_bytes(b"")
+    r = import_cli([tmp_path / "expert_distribution_recorder_0.pt"], tmp_path / "out")
+    _refused(r, tmp_path / "out", "not a readable .pt file (truncated?): EOFError")
 
 
 def test_pt_with_code_refused(tmp_path):

@@ -108,6 +108,10 @@ def check_top_k(config: Any) -> None:
         if not experts:
             continue
         n = max(experts) + int(getattr(c, "zero_expert_num", 0) or 0)
+        if n < 1:  # "top-K must be between 1 and -3" named the wrong field
+            field = next(k for k in _EXPERT_KEYS if getattr(c, k, None) == max(experts))
+            raise MoetoolError(f"{field} = {max(experts)} in the {getattr(config, 'model_type', '?')} config: an MoE "
+                               f"layer needs at least 1 expert (fix config.json)")
         for key in _TOP_K_KEYS:
             value = getattr(c, key, None)
             for k in (value if isinstance(value, (list, tuple)) else [value]):

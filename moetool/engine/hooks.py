@@ -28,7 +28,7 @@ from torch import nn
 from .. import ops
 from ..adapters import quant
 from ..adapters.base import MoELayer
-from ..errors import MoetoolError
+from ..errors import MoetoolError, spans
 from .probes import ON_DEVICE
 
 
@@ -173,7 +173,7 @@ def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, 
     known = {L.index for L in moe_layers}
     bad = sorted(wanted - known)
     if bad:
-        raise MoetoolError(f"--layers {bad} are not MoE layers (MoE layers: {sorted(known)})")
+        raise MoetoolError(f"--layers {spans(bad)}: not MoE layers (MoE layers: {spans(known)})")
     if not wanted and not allow_empty:
         raise MoetoolError(f"--layers selects no layer (MoE layers: {sorted(known)})")
     return [L for L in moe_layers if L.index in wanted]

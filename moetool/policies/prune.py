@@ -27,7 +27,7 @@ import torch
 
 from .. import ops
 from ..engine.hooks import RoutingEvent
-from ..errors import MoetoolError
+from ..errors import MoetoolError, first_line
 from ..files import table_problem
 from .base import Policy
 
@@ -62,8 +62,19 @@ def removed_from_importance(importance: Any, criterion: str, fraction: float) ->
     need = {"layer", "expert", criterion}
     if not need <= set(importance.columns):
         raise MoetoolError(f"the importance table lacks column(s) {sorted(need - set(importance.columns))}")
+    import numpy as np
+    import pandas as pd
+
+    values = pd.to_numeric(importance[criterion], errors="coerce").to_numpy(dtype=np.float64)
+    bad = ~np.isfinite(values)  # moetool prune writes finite values only (0 for an expert never routed)
+    if bad.any():  # a NaN sorted last and was never removed; an edited or foreign table prunes by other numbers
+        i = int(np.flatnonzero(bad)[0])
+        at = {c: importance[c].iloc[i] for c in ("layer", "expert", criterion)}
+        raise MoetoolError(f"the importance table's {criterion} is not a finite number at layer {at['layer']} expert "
+                           f"{at['expert']} ('{at[criterion]}'; {int(bad.sum())} such row(s)): measure it with "
+                           f"moetool prune")
     out = {}
-    for layer, g in importance.groupby("layer", sort=True):
+    for layer, g in importance.assign(**{criterion: values}).groupby("layer", sort=True):
         g = g.sort_values("expert")
         if list(g["expert"]) != list(range(len(g))):
             raise MoetoolError(f"the importance table's layer {layer} does not list experts 0..{len(g) - 1} once")
@@ -95,13 +106,18 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
     if p.suffix == ".json":
         try:
             raw = json.loads(p.read_text())
-            return {int(k): sorted({int(e) for e in v}) for k, v in raw.items()}
+            out = {int(k): v for k, v in raw.items()}
         except (ValueError, TypeError, AttributeError) as e:
             raise MoetoolError(f"prune: {path} is not a JSON object of layer -> list of experts ({e})") from None
+        for k, v in out.items():  # as the CSV's whole numbers: 1.5, true or "12" (experts 1 and 2) were read as ids
+            if not (isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v)):
+                raise MoetoolError(f"prune: {path}: layer {k} must map to a list of whole expert numbers, not "
+                                   f"{json.dumps(v)}")
+        return {k: sorted(set(v)) for k, v in out.items()}
     try:
         df = read_run_csv(p)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
-        raise MoetoolError(f"prune: {path} is not a readable CSV ({str(e).splitlines()[0]})") from None
+        raise MoetoolError(f"prune: {path} is not a readable CSV ({first_line(e)})") from None
     if not {"layer", "expert"} <= set(df.columns):
         raise MoetoolError(f"prune: {path} has no 'layer' and 'expert' columns")
     if len(df) and not all(pd.api.types.is_integer_dtype(df[c]) for c in ("layer", "expert")):

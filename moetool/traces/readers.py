@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, first_line
 from .shape import ModelShape
 
 FORMATS = ("vllm", "sglang-routed", "sglang-dump", "megatron")
@@ -114,6 +114,13 @@ def expand(paths: list[str | Path]) -> list[Path]:
             out.append(p)
         else:
             raise MoetoolError(f"{p}: no such file or folder")
+    seen: dict[Path, Path] = {}
+    for f in out:  # several files are summed (ranks, requests): one read twice would count its tokens twice
+        first = seen.setdefault(f.resolve(), f)
+        if first is not f:
+            same = f"{first}" if str(first) == str(f) else f"{first} and {f}"
+            raise MoetoolError(f"{same}: the same dump file given twice (a folder and a file in it, or a path "
+                               f"repeated); give each file once")
     return out
 
 
@@ -212,7 +219,7 @@ def load_npy(data: bytes | Path, what: str) -> np.ndarray:
     except MoetoolError:
         raise
     except (ValueError, OSError, EOFError) as e:
-        raise MoetoolError(f"{what}: not a readable .npy array (truncated?): {str(e).splitlines()[0]}") from None
+        raise MoetoolError(f"{what}: not a readable .npy array (truncated?): {first_line(e)}") from None
     if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.integer):
         raise MoetoolError(f"{what}: routed experts must be integer expert ids, got dtype {arr.dtype}")
     return arr
@@ -396,9 +403,9 @@ def load_pt(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise MoetoolError(f"{path}: refused: the .pt file holds more than tensors and plain data "
-                           f"(weights_only=True): {str(e).splitlines()[0]}") from None
+                           f"(weights_only=True): {first_line(e)}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise MoetoolError(f"{path}: not a readable .pt file (truncated?): {str(e).splitlines()[0]}") from None
+        raise MoetoolError(f"{path}: not a readable .pt file (truncated?): {first_line(e)}") from None
 
 
 def _np(x: Any, what: str) -> np.ndarray:
@@ -523,7 +530,7 @@ def _legacy_csv(path: Path, shape: ModelShape) -> dict[int, np.ndarray]:
     try:
         df = pd.read_csv(path)
     except Exception as e:  # noqa: BLE001
-        raise MoetoolError(f"{path}: not a readable CSV: {str(e).splitlines()[0]}") from None
+        raise MoetoolError(f"{path}: not a readable CSV: {first_line(e)}") from None
     if not isinstance(df.index, pd.RangeIndex):  # pandas reads the extra leading fields as the index
         raise MoetoolError(f"{path}: a line with more fields than layer_id,expert_id,count")
     bad = [c for c in ("layer_id", "expert_id", "count") if len(df) and not pd.api.types.is_integer_dtype(df[c])]

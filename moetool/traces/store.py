@@ -15,13 +15,14 @@ rows, bytes or sha256 differ from what its manifest records (:func:`moetool.file
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import MoetoolError, spans
+from ..errors import MoetoolError, first_line, spans
 from ..files import table_problem
 from .readers import Chunk, Counts
 from .shape import ModelShape
@@ -166,9 +167,12 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
     if not (p.name.endswith(".parquet") or p.name.endswith(".csv.gz")):
         raise MoetoolError(f"--trace {p}: a trace is a .parquet or .csv.gz file (moetool trace / import-trace)")
     man = _manifest(p.parent)
-    problem = table_problem(p, parquet_rows(p), manifest=man)
+    rows = parquet_rows(p)
+    problem = table_problem(p, rows, manifest=man)
     if problem:  # rows lost or edited: every number drawn from it would be another routing's
         raise MoetoolError(f"--trace {p} {problem}")
+    if p.name.endswith(".parquet") and rows is None:  # unreadable, and no record said so (an older manifest)
+        _open_parquet(p)  # raises the one line naming why, before any work
     rs = man.get("routing_source") or {}
     kind = "loads" if p.name == LOADS or rs.get("kind") == "loads" else "trace"
     recorded = None  # the shape the manifest records (import-trace) or names (moetool trace's model)
@@ -209,30 +213,64 @@ def _span(layers: list[int]) -> str:
 def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator[Any]:
     """The trace's rows as pandas DataFrames of at most :data:`ROWS_PER_READ` rows, in file order."""
     if src.path.name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            f = pq.ParquetFile(src.path)
-        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a truncated or foreign file
-            raise MoetoolError(f"--trace {src.path}: not a readable Parquet file: {str(e).splitlines()[0]}") from None
-        for b in f.iter_batches(batch_size=ROWS_PER_READ, columns=columns):
+        f = _open_parquet(src.path)
+        batches = f.iter_batches(batch_size=ROWS_PER_READ, columns=columns)
+        while True:
+            try:
+                b = next(batches, None)
+            except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged page
+                raise _unreadable(src.path, "Parquet", e) from None
+            if b is None:
+                return
             yield b.to_pandas()
     else:
         import pandas as pd
 
-        yield from pd.read_csv(src.path, chunksize=ROWS_PER_READ, usecols=columns)
+        with _reading_csv(src.path):
+            reader = pd.read_csv(src.path, chunksize=ROWS_PER_READ, usecols=columns)
+        while True:
+            with _reading_csv(src.path):  # a truncated gzip fails only where it ends
+                df = next(reader, None)
+            if df is None:
+                return
+            yield df
+
+
+def _unreadable(p: Path, kind: str, e: BaseException) -> MoetoolError:
+    """One line for a trace file that cannot be read (a truncated copy, another file under the name)."""
+    return MoetoolError(f"--trace {p}: not a readable {kind} file (truncated or damaged?): {first_line(e)}")
+
+
+def _open_parquet(p: Path) -> Any:
+    """``pyarrow.parquet.ParquetFile(p)``, or the one line of :func:`_unreadable`."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(p)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a truncated or foreign file
+        raise _unreadable(p, "Parquet", e) from None
+
+
+@contextmanager
+def _reading_csv(p: Path) -> Iterator[None]:
+    """pandas and gzip's errors of a truncated or foreign ``.csv.gz`` as the one line of :func:`_unreadable`."""
+    import zlib
+
+    try:
+        yield
+    except (EOFError, OSError, ValueError, zlib.error) as e:  # BadGzipFile is an OSError, ParserError a ValueError
+        raise _unreadable(p, "CSV (gzip)", e) from None
 
 
 def expert_columns(src: TraceSource) -> list[str]:
     """``expert_1 .. expert_K`` of the trace (K from its schema)."""
     if src.path.name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        names = pq.ParquetFile(src.path).schema_arrow.names
+        names = _open_parquet(src.path).schema_arrow.names
     else:
         import pandas as pd
 
-        names = list(pd.read_csv(src.path, nrows=0).columns)
+        with _reading_csv(src.path):
+            names = list(pd.read_csv(src.path, nrows=0).columns)
     cols = [c for c in names if c.startswith("expert_")]
     if "layer" not in names or not cols:
         raise MoetoolError(f"--trace {src.path}: no layer / expert_k columns: not a moetool trace")
@@ -241,9 +279,11 @@ def expert_columns(src: TraceSource) -> list[str]:
 
 def read_loads(src: TraceSource) -> dict[int, np.ndarray]:
     """``{layer: [n] counts}`` of a loads file."""
-    import pandas as pd
-
-    df = pd.read_parquet(src.path)
+    f = _open_parquet(src.path)
+    try:
+        df = f.read().to_pandas()
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged page
+        raise _unreadable(src.path, "Parquet", e) from None
     out = {}
     for li, g in df.groupby("layer", sort=True):
         li = int(li)
