@@ -672,6 +672,29 @@ def test_a_run_written_before_manifests_recorded_tables_reads_as_before(stats_ru
     assert "### load.csv" in md and "*3 rows; [tables/stats/load.csv]" in md and "not shown" not in md
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("status", ["running", "interrupted", None])
+def test_headline_numbers_of_an_unfinished_run_say_so(stats_run, tmp_path, status):
+    """The page's first table showed a run's headline numbers under its bare command name whatever its manifest's
+    status: a run still going (or killed before it could record why) read as a finished one. Its row now names the
+    status; a complete run's row does not."""
+    run = tmp_path / "r" / "stats"
+    shutil.copytree(stats_run, run)
+    m = json.loads((run / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["headline"]
+    if status is None:
+        del m["status"]
+    else:
+        m["status"] = status
+    (run / "manifest.json").write_text(json.dumps(m, indent=2))
+    md = (write_report([run], tmp_path / "rep").parent / "report.md").read_text()
+    glance = md[md.index("## results at a glance"):].split("\n## ", 1)[0]
+    label = status or "status unknown"
+    assert f"| [stats ({label})](#" in glance, glance
+    md = (write_report([stats_run], tmp_path / "rep-complete").parent / "report.md").read_text()
+    assert "| [stats](#" in md[md.index("## results at a glance"):]
+
+
 def test_a_report_inside_a_gathered_folder_is_not_gathered_again(tmp_path):
     """`moetool report runs/x runs/demo-* --out paper/` gathered each demo's own report/ as one more run (every
     figure and table twice, under mangled names); given itself, a report folder is gathered like any run."""

@@ -503,11 +503,19 @@ def _index(title: str, runs: list[Run], warnings: list[str], body: list[str], md
         md += ["**not gathered:**", ""] + [f"- {md_escape(w)}" for w in warnings] + [""]
 
 
+def _unfinished(r: Run) -> str:
+    """`` (running)`` / `` (interrupted)`` / ... after a run's name where its manifest does not say complete: its
+    numbers are not a finished run's (a run still going, or one killed before it could record why)."""
+    status = r.manifest.get("status")
+    return "" if status == "complete" else f" ({status or 'status unknown'})"
+
+
 def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
     """The page's first table: each run's headline numbers (its manifest's ``headline``, the lines its
     experiment prints, intervals where it gives them), linking to the run's section; a demo folder written before
     runs recorded them falls back on the demo's step summaries. Nothing when no run has any."""
-    rows = [(r.name, str(r.manifest.get("command", "")), r.label.partition(" · ")[2], list(r.manifest["headline"]))
+    rows = [(r.name, str(r.manifest.get("command", "")) + _unfinished(r), r.label.partition(" · ")[2],
+             list(r.manifest["headline"]))
             for r in runs if isinstance(r.manifest.get("headline"), list) and r.manifest["headline"]]
     if not rows:
         by_path = {r.path.resolve(): r for r in runs}
