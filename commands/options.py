@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from moetool.defaults import DEFAULT_BOOTSTRAP  # noqa: F401 - numpy-free (the library's one default)
+from moetool.defaults import DEFAULT_BOOTSTRAP, MAX_BOOTSTRAP  # noqa: F401 - numpy-free (the library's one default)
 from moetool.run import DEFAULT_MODEL  # noqa: F401 - torch-free
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
@@ -64,10 +64,10 @@ Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the 
                                                "indices): where the policy replaces routing, or the layers an "
                                                "analysis covers; e.g. '0,2,5-7' (default: every MoE layer).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, help="Replicates of the document-level bootstrap "
+Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, max=MAX_BOOTSTRAP, help="Replicates of the document-level bootstrap "
                                         "over packed rows (seeded by --seed) for 95% intervals: *_lo/*_hi CSV "
                                         "columns, error bars, 'value ± half-width' in tables ('value [lo, hi]' where the "
-                                        "interval is not symmetric). 0 = off; else >= 100.")]
+                                        "interval is not symmetric). 0 = off; else 100 to 100,000.")]
 
 # routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
 Routing = Annotated[str, typer.Option("--routing", "-r", help="Routing policy: router, norm:<node>[:<norm>], random, "

@@ -7,6 +7,9 @@ from typing import Any
 
 #: replicates of the document-level bootstrap behind every 95% interval (``--bootstrap``)
 DEFAULT_BOOTSTRAP = 1000
+#: the most replicates ``--bootstrap`` takes: their ``[replicates x rows]`` resample weights are held in memory
+#: (float64), and beyond it an interval's ends no longer move at a table's precision
+MAX_BOOTSTRAP = 100_000
 #: tokens per packed row (``--seq-len``)
 SEQ_LEN = 256
 #: cap on the real tokens read from ``--data`` (``--max-tokens``), where an experiment's spec sets no other

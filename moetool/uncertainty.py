@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .defaults import DEFAULT_BOOTSTRAP  # noqa: F401 - the default number of replicates (--bootstrap)
+from .defaults import DEFAULT_BOOTSTRAP, MAX_BOOTSTRAP  # noqa: F401 - the default number of replicates (--bootstrap)
 from .errors import MoetoolError
 LEVEL = 0.95
 
@@ -73,6 +73,9 @@ def check_n_boot(n_boot: int) -> int:
         raise MoetoolError(f"--bootstrap must be >= 0 (0 = no intervals), got {n_boot}")
     if 0 < n_boot < 100:
         raise MoetoolError(f"--bootstrap {n_boot} is too few replicates for a 95% percentile interval (use >= 100 or 0)")
+    if n_boot > MAX_BOOTSTRAP:
+        raise MoetoolError(f"--bootstrap {n_boot:,} is more replicates than moetool takes (at most {MAX_BOOTSTRAP:,}: "
+                           f"their resample weights are held in memory, replicates x rows)")
     return n_boot
 
 

@@ -318,3 +318,21 @@ def test_intervals_equal_a_bootstrap_written_from_its_definition():
     for iv in [*ratio_intervals(same, same.sum(1), n_boot=B), *sum_intervals(same, entropy_and_max, n_boot=B,
                                                                               method="bca")]:
         assert iv.lo == pytest.approx(iv.value, rel=1e-14) and iv.hi == pytest.approx(iv.value, rel=1e-14)
+
+
+def test_an_absurd_replicate_count_is_refused_before_any_work():
+    """``ppl --bootstrap 1000000000`` ran the whole forward, then stopped with "Unable to allocate 119 GiB" (the
+    [replicates x rows] weights). The flag now takes 100 to 100,000 (0 = off) and says so before anything loads;
+    the library's check (``replicates``) refuses the same count in one line."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.errors import MoetoolError
+    from moetool.uncertainty import replicates
+
+    assert replicates(100_000, 2) == 100_000
+    with pytest.raises(MoetoolError, match=r"--bootstrap 100,001 is more replicates than moetool takes \(at most "
+                                           r"100,000"):
+        replicates(100_001, 2)
+    r = CliRunner().invoke(app, ["ppl", "--bootstrap", "1000000000", "--out", "/nonexistent/never"])
+    assert r.exit_code == 2 and "less than or equal to" in r.output and "100000" in r.output, r.output
