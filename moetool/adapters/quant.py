@@ -289,6 +289,27 @@ def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, sta
                          down_bias=bias(dn))
 
 
+def _require_finite_scales(layer: MoELayer, fmt: ExpertFormat, sl: slice, state: Any) -> None:
+    """One line (:class:`MoetoolError`) when a scale of experts ``sl`` is NaN or infinite (an E8M0 byte 255;
+    :func:`formats.nonfinite_scales`): their weights would be NaN/inf, and so every number a probe makes of them."""
+    ex = layer.experts
+    if fmt.kind in ("fp8", "fp4"):
+        scales = [(f"{n}_scale_inv", s[sl]) for n in ("gate_up_proj", "up_proj", "down_proj")
+                  if isinstance(s := getattr(ex, f"{n}_scale_inv", None), torch.Tensor)]
+    elif fmt.kind == "mxfp4":
+        scales = [(f"{p}_scales", s[sl]) for p, (_, s) in state.parts.items()]
+    else:  # per-expert linears: FP8Linear's weight_scale_inv
+        scales = [(f"experts.{i}.{a}.weight_scale_inv", lin.weight_scale_inv)
+                  for i, m in zip(range(sl.start, sl.stop), _per_expert(ex)[sl]) for a, lin in m.named_children()
+                  if _linear_kind(lin) == "fp8"]
+    for name, s in scales:
+        bad = formats.nonfinite_scales(s)
+        if bad:
+            raise MoetoolError(f"layer {layer.index}: {bad} of the {s.numel()} scales of {name} of experts "
+                               f"{sl.start}-{sl.stop - 1} are NaN or infinite: their weights cannot be read "
+                               f"(refused rather than computed as NaN/inf)")
+
+
 def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None,
                   plain: ExpertWeights | None = None,
                   parts: frozenset[str] | set[str] = frozenset(PARTS)) -> Iterator[tuple[slice, ExpertWeights]]:
@@ -296,7 +317,7 @@ def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None
     (``plain``: the views to use, e.g. made matmul-ready), else dequantized slices of at most ``budget`` weight
     elements (one expert at least) in ``dtype``. Only ``parts`` (of gate, up, down) are dequantized for FP8/FP4
     and MXFP4 experts; the others are stride-0 placeholders of the right shape that must not be read.
-    Unreadable formats raise (:func:`require_readable`)."""
+    Unreadable formats raise (:func:`require_readable`), and so does a slice with a NaN or infinite scale."""
     fmt = expert_format(layer)
     if fmt.kind == "plain":
         yield slice(0, None), plain if plain is not None else layer.expert_weights()
@@ -311,6 +332,7 @@ def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None
     state = _Mxfp4(layer.experts) if fmt.kind == "mxfp4" else None
     for s in range(0, n, step):
         sl = slice(s, min(n, s + step))
+        _require_finite_scales(layer, fmt, sl, state)
         yield sl, _read(layer, fmt, sl, dtype, state, parts)
 
 
