@@ -484,6 +484,55 @@ def test_per_tensor_fp8_experts_one_scale_per_half():
     torch.testing.assert_close(probes.expert_nodes(L, h, ["gate"])["gate"], want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_matrix_the_fp8_quantizer_left_in_high_precision_is_read_as_it_is():
+    """``--quantize fp8`` (transformers' ``Fp8Quantize``) passes a matrix that is not whole 128x128 blocks through in
+    high precision and leaves its ``scale_inv`` unset (``torch.empty``): with I = 192 the fused gate_up [384, 256]
+    is FP8 and down [256, 192] is not. The probes multiplied that down by its unset scales (here NaN; a scale of 3.7
+    gave expert outputs 3.7x too large, 270% off) while the model's own forward reads it as it is."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=256, intermediate_size=192, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    L = find_moe_layers(model)[0]
+    cls = use_experts_implementation(experts_class=tf_fp8.FP8Experts, experts_interface=tf_fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    new = cls(config=cfg, block_size=(128, 128), scale_fmt="float")
+    by_hand = {}
+    for name in ("gate_up_proj", "down_proj"):
+        out = tf_fp8.Fp8Quantize(_tf_quantizer((128, 128), "float"))._quantize_one(name, getattr(L.experts, name).detach())
+        setattr(new, name, nn.Parameter(out[name], requires_grad=False))
+        if name == "gate_up_proj":  # quantized: e4m3 codes x their block's scale_inv (one block of 128 x 128 each)
+            q, inv = out[name], out[f"{name}_scale_inv"]
+            assert q.dtype == torch.float8_e4m3fn and inv.shape == (4, 3, 2)
+            new.gate_up_proj_scale_inv = nn.Parameter(inv, requires_grad=False)
+            by_hand[name] = q.double() * inv.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+        else:  # passed through; its scales stay unset
+            assert f"{name}_scale_inv" not in out and out[name].dtype == torch.float32
+            new.down_proj_scale_inv.data.fill_(float("nan"))
+            by_hand[name] = out[name].double()
+    L.block.experts = new
+    L = find_moe_layers(model)[0]
+    w = quant.dequantized(L)
+    assert torch.equal(w.down, by_hand["down_proj"].float())
+    assert torch.equal(w.gate, by_hand["gate_up_proj"][:, :192].float())
+    h = torch.randn(6, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gu = by_hand["gate_up_proj"]
+    glu = F.silu(torch.einsum("td,eid->eti", h, gu[:, :192])) * torch.einsum("td,eid->eti", h, gu[:, 192:])
+    want = torch.einsum("eti,edi->etd", glu, by_hand["down_proj"])  # [4, 6, 256]
+    for budget in (None, 1):
+        got = probes.expert_outputs(L, h.float(), budget=budget)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+        norms = probes.node_scores(L, h.float(), "output", budget=budget)
+        assert ((norms.double() - want.norm(dim=-1).T).abs().max() / want.norm(dim=-1).max()).item() < 1e-6
+    # an FP8Linear holding a high-precision weight is a plain linear (its scales unset)
+    lin = tf_fp8.FP8Linear(32, 16, block_size=(128, 128))
+    lin.weight = nn.Parameter(torch.randn(16, 32), requires_grad=False)
+    lin.weight_scale_inv.data.fill_(float("nan"))
+    assert quant._linear_kind(lin) == "plain"
+
+
 def _scale_grid(experts, name):
     """The stored scales of ``name`` (FP8Experts' ``*_scale_inv``; MXFP4's E8M0 bytes through its Triton stand-in)."""
     if hasattr(experts, f"{name}_precision_config"):
