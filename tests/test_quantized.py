@@ -14,6 +14,7 @@ references (transformers' dequantization, then ``F.linear`` / the plain gpt-oss 
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import pandas as pd
@@ -348,6 +349,12 @@ def test_per_expert_fp8_linears_read_exactly(monkeypatch):
         assert torch.equal(q_events[Lq.index].idx, d_events[Lq.index].idx)
         assert torch.equal(q_events[Lq.index].chosen_idx, d_events[Lq.index].chosen_idx)
     torch.testing.assert_close(q_logits, d_logits, rtol=1e-5, atol=1e-5)
+    # a NaN block scale of one expert's FP8Linear: one line naming it (its column was NaN)
+    L = lq[0]
+    L.experts[2].down_proj.weight_scale_inv.data[0, 0] = float("nan")
+    with pytest.raises(MoetoolError, match=rf"^layer {L.index}: 1 of the \d+ scales of experts\.2\.down_proj\."
+                                           r"weight_scale_inv of experts 2-2 are NaN or infinite"):
+        probes.node_scores(L, torch.randn(3, L.experts[0].gate_proj.in_features), "output", budget=1)
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -475,6 +482,127 @@ def test_per_tensor_fp8_experts_one_scale_per_half():
     h = torch.randn(4, gu.shape[-1], generator=torch.Generator().manual_seed(3))
     want = torch.stack([F.linear(h, ref["gate_up_proj"][e, :inter]) for e in range(8)])
     torch.testing.assert_close(probes.expert_nodes(L, h, ["gate"])["gate"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_matrix_the_fp8_quantizer_left_in_high_precision_is_read_as_it_is():
+    """``--quantize fp8`` (transformers' ``Fp8Quantize``) passes a matrix that is not whole 128x128 blocks through in
+    high precision and leaves its ``scale_inv`` unset (``torch.empty``): with I = 192 the fused gate_up [384, 256]
+    is FP8 and down [256, 192] is not. The probes multiplied that down by its unset scales (here NaN; a scale of 3.7
+    gave expert outputs 3.7x too large, 270% off) while the model's own forward reads it as it is."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=256, intermediate_size=192, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    L = find_moe_layers(model)[0]
+    cls = use_experts_implementation(experts_class=tf_fp8.FP8Experts, experts_interface=tf_fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    new = cls(config=cfg, block_size=(128, 128), scale_fmt="float")
+    by_hand = {}
+    for name in ("gate_up_proj", "down_proj"):
+        out = tf_fp8.Fp8Quantize(_tf_quantizer((128, 128), "float"))._quantize_one(name, getattr(L.experts, name).detach())
+        setattr(new, name, nn.Parameter(out[name], requires_grad=False))
+        if name == "gate_up_proj":  # quantized: e4m3 codes x their block's scale_inv (one block of 128 x 128 each)
+            q, inv = out[name], out[f"{name}_scale_inv"]
+            assert q.dtype == torch.float8_e4m3fn and inv.shape == (4, 3, 2)
+            new.gate_up_proj_scale_inv = nn.Parameter(inv, requires_grad=False)
+            by_hand[name] = q.double() * inv.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+        else:  # passed through; its scales stay unset
+            assert f"{name}_scale_inv" not in out and out[name].dtype == torch.float32
+            new.down_proj_scale_inv.data.fill_(float("nan"))
+            by_hand[name] = out[name].double()
+    L.block.experts = new
+    L = find_moe_layers(model)[0]
+    w = quant.dequantized(L)
+    assert torch.equal(w.down, by_hand["down_proj"].float())
+    assert torch.equal(w.gate, by_hand["gate_up_proj"][:, :192].float())
+    h = torch.randn(6, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gu = by_hand["gate_up_proj"]
+    glu = F.silu(torch.einsum("td,eid->eti", h, gu[:, :192])) * torch.einsum("td,eid->eti", h, gu[:, 192:])
+    want = torch.einsum("eti,edi->etd", glu, by_hand["down_proj"])  # [4, 6, 256]
+    for budget in (None, 1):
+        got = probes.expert_outputs(L, h.float(), budget=budget)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+        norms = probes.node_scores(L, h.float(), "output", budget=budget)
+        assert ((norms.double() - want.norm(dim=-1).T).abs().max() / want.norm(dim=-1).max()).item() < 1e-6
+    # an FP8Linear holding a high-precision weight is a plain linear (its scales unset)
+    lin = tf_fp8.FP8Linear(32, 16, block_size=(128, 128))
+    lin.weight = nn.Parameter(torch.randn(16, 32), requires_grad=False)
+    lin.weight_scale_inv.data.fill_(float("nan"))
+    assert quant._linear_kind(lin) == "plain"
+
+
+def _scale_grid(experts, name):
+    """The stored scales of ``name`` (FP8Experts' ``*_scale_inv``; MXFP4's E8M0 bytes through its Triton stand-in)."""
+    if hasattr(experts, f"{name}_precision_config"):
+        return getattr(experts, f"{name}_precision_config").weight_scale.storage.data  # [E, G, R] uint8
+    return getattr(experts, f"{name}_scale_inv").data
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("case", ALL, ids=ALL_IDS)
+def test_a_nan_or_infinite_scale_is_one_line_never_a_table(case, bad):
+    """A NaN / inf scale (an E8M0 byte 255 is E8M0's NaN; UE8M0 and MXFP4 have no inf: the same byte) made every
+    number of its experts NaN or inf (FP8 codes x NaN; MXFP4's ldexp read byte 255 as 2^128: +-inf, its zero codes
+    0) and the probes returned them as a table (REAP saliency, norm scores): refused in one line instead. Valid
+    extremes are read: E8M0 bytes 0 and 254 are 2^-127 and 2^127, an fp32 scale of 2^-149 (subnormal) as it is."""
+    qm, _ = _models(case)
+    L = find_moe_layers(qm)[0]
+    h = torch.randn(5, qm.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    grid = _scale_grid(L.experts, "down_proj")
+    raw = grid.dtype in (torch.uint8, torch.float8_e8m0fnu)
+    # valid extremes first: the dequantized expert equals codes x 2^(byte - 127) (or the fp32 scale) in float64
+    ok_values = [0, 254] if raw else [2.0 ** -149, 2.0 ** 100]
+    for v in ok_values:
+        if raw:
+            grid.view(torch.uint8)[1, 0, 0] = v
+        else:
+            grid[1, 0, 0] = v
+        # (fp32 holds 2^127 x codes >= 2 as inf, as transformers' dequantization does)
+        assert torch.equal(quant.dequantized(L).down[1], _down_by_hand(L.experts, 1).float())
+    if raw:
+        grid.view(torch.uint8)[1, 0, 0] = 255
+    else:
+        grid[1, 0, 0] = float(bad)
+    n = grid.shape[1] * grid.shape[2]
+    for fn in (lambda: probes.node_scores(L, h, "output"), lambda: probes.expert_outputs(L, h),
+               lambda: probes.node_scores(L, h, "gate", budget=1)):
+        with pytest.raises(MoetoolError) as e:
+            fn()
+        msg = str(e.value)
+        m = re.fullmatch(rf"layer {L.index}: 1 of the (\d+) scales of down_proj_\w+ of experts (\d+)-(\d+) are NaN "
+                         r"or infinite: their weights cannot be read \(refused rather than computed as NaN/inf\)", msg)
+        assert m, msg  # one line, naming the slice that holds expert 1 and its number of scales
+        lo, hi = int(m[2]), int(m[3])
+        assert lo <= 1 <= hi and int(m[1]) == n * (hi - lo + 1)
+
+
+def _down_by_hand(experts, e):
+    """Expert ``e``'s down projection from its stored codes and scales, float64, from the format definitions: e4m3
+    bits (bias 7, subnormals m/8 2^-6), e2m1 nibbles (low first), E8M0 bytes 2^(b-127)."""
+    e4m3 = []
+    for b in range(256):
+        sign, ex, m = -1.0 if b & 0x80 else 1.0, (b >> 3) & 0xF, b & 7
+        e4m3.append(float("nan") if (ex, m) == (15, 7) else sign * (m / 8 * 2.0 ** -6 if ex == 0 else
+                                                                        (1 + m / 8) * 2.0 ** (ex - 7)))
+    e2m1 = [(-1.0 if n & 8 else 1.0) * ((n & 1) * 0.5 if not (n >> 1) & 3 else (1 + (n & 1) / 2) * 2.0 ** (((n >> 1) & 3) - 1))
+            for n in range(16)]
+    e4m3, e2m1 = torch.tensor(e4m3, dtype=torch.float64), torch.tensor(e2m1, dtype=torch.float64)
+    grid = _scale_grid(experts, "down_proj")
+    if hasattr(experts, "down_proj_precision_config"):  # MXFP4: blocks [E, G*16, R] and bytes [E, G, R]
+        blocks = experts.down_proj.storage.data[e].T.contiguous().long()  # [R, G*16]
+        v = torch.stack([e2m1[blocks & 0xF], e2m1[blocks >> 4]], -1).reshape(blocks.shape[0], -1, 32)
+        s = 2.0 ** (grid[e].T.double() - 127)  # [R, G]
+        return (v * s[..., None]).reshape(blocks.shape[0], -1)
+    codes = experts.down_proj[e].view(torch.uint8).long()
+    s = 2.0 ** (grid[e].view(torch.uint8).double() - 127) if grid.dtype == torch.float8_e8m0fnu else grid[e].double()
+    if experts.down_proj.dtype == torch.int8:  # FP4: one scale per 1 x 32
+        v = torch.stack([e2m1[codes & 0xF], e2m1[codes >> 4]], -1).reshape(codes.shape[0], -1)
+        return v * s.repeat_interleave(32, dim=-1)
+    bn, bk = experts.block_size
+    v = e4m3[codes]
+    return v * s.repeat_interleave(bn, 0)[: v.shape[0]].repeat_interleave(bk, 1)[:, : v.shape[1]]
 
 
 def test_quantize_fp8_asks_transformers_for_block_fp8_with_the_routers_kept(monkeypatch):

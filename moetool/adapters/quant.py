@@ -6,7 +6,8 @@
   leaves (it only swaps ``nn.Linear``, so fused 3-D experts stay unquantized: :func:`model_quantization` says so);
 * ``fp8`` / ``fp4``: transformers' ``FP8Experts`` (``integrations/finegrained_fp8.py``): ``gate_up_proj [E, 2I, H]``
   (or ``up_proj`` without a gate) and ``down_proj [E, H, I]`` as ``float8_e4m3fn`` with ``*_scale_inv`` per
-  ``block_size`` block (fp32 or UE8M0), or FP4 packed two per ``int8`` with one scale per 1x32 group;
+  ``block_size`` block (fp32 or UE8M0), or FP4 packed two per ``int8`` with one scale per 1x32 group; a matrix
+  ``--quantize fp8`` left in high precision (not whole blocks; its scales unset) is read as it is;
 * ``mxfp4``: transformers' ``Mxfp4GptOssExperts`` (gpt-oss): Triton tensors of packed e2m1 blocks and E8M0
   scales, read back through their own layout's ``unswizzle_data`` (as transformers does to save them); gate and up
   interleaved, fp32 biases;
@@ -36,6 +37,7 @@ from torch import nn
 from .. import formats
 from ..errors import MoetoolError
 from .base import ExpertWeights, MoELayer
+from .fp8_backend import unquantized
 
 KINDS = ("plain", "fp8", "fp4", "mxfp4", "linears", "unreadable")
 
@@ -86,7 +88,8 @@ def _per_expert(experts: nn.Module) -> list[nn.Module] | None:
 
 def _linear_kind(lin: nn.Module) -> str | None:
     """``plain`` (float ``nn.Linear``), ``fp8`` (transformers' ``FP8Linear``) or None (cannot read)."""
-    if "FP8Linear" in _class_names(lin) and isinstance(getattr(lin, "weight_scale_inv", None), torch.Tensor):
+    if "FP8Linear" in _class_names(lin) and isinstance(getattr(lin, "weight_scale_inv", None), torch.Tensor) \
+            and not unquantized(lin.weight):  # a weight left in high precision is read as it is (its scales unset)
         return "fp8"
     if isinstance(lin, nn.Linear) and not _is_codes(lin.weight):
         return "plain"
@@ -171,6 +174,8 @@ def _fp8_pair(ex: nn.Module, name: str, sl: slice, dtype: torch.dtype) -> torch.
     """FP8Experts' ``name`` for experts ``sl``, dequantized. Without ``block_size`` the scales are per tensor (a
     fused gate_up keeps one for each half: ``[E, 2, 1]``); the block is then read from the scale grid."""
     w, s = getattr(ex, name)[sl], getattr(ex, f"{name}_scale_inv")[sl]
+    if unquantized(w):  # left in high precision by the quantizer (not whole blocks): its scales are unset
+        return w.to(dtype)
     return formats.dequantize_fp8(w, s, dtype, block=getattr(ex, "block_size", None))
 
 
@@ -234,6 +239,8 @@ def _rows(ex: nn.Module, name: str, sl: slice, rows: slice, dtype: torch.dtype) 
     """Rows ``rows`` of FP8Experts' ``name`` for experts ``sl``, dequantized: only their scale blocks are read
     (None when the rows do not start and end on a block boundary: the caller reads the whole matrix)."""
     w, s = getattr(ex, name), getattr(ex, f"{name}_scale_inv")
+    if unquantized(w):
+        return w[sl, rows].to(dtype)
     block = None if w.dtype == torch.int8 else getattr(ex, "block_size", None)
     bn = 1 if w.dtype == torch.int8 else block[0] if block else w.shape[1] // s.shape[1]
     start, stop = rows.start, rows.stop
@@ -289,6 +296,28 @@ def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, sta
                          down_bias=bias(dn))
 
 
+def _require_finite_scales(layer: MoELayer, fmt: ExpertFormat, sl: slice, state: Any) -> None:
+    """One line (:class:`MoetoolError`) when a scale of experts ``sl`` is NaN or infinite (an E8M0 byte 255;
+    :func:`formats.nonfinite_scales`): their weights would be NaN/inf, and so every number a probe makes of them."""
+    ex = layer.experts
+    if fmt.kind in ("fp8", "fp4"):
+        scales = [(f"{n}_scale_inv", s[sl]) for n in ("gate_up_proj", "up_proj", "down_proj")
+                  if isinstance(s := getattr(ex, f"{n}_scale_inv", None), torch.Tensor)
+                  and not unquantized(getattr(ex, n))]  # a high-precision weight's scales are unset, never read
+    elif fmt.kind == "mxfp4":
+        scales = [(f"{p}_scales", s[sl]) for p, (_, s) in state.parts.items()]
+    else:  # per-expert linears: FP8Linear's weight_scale_inv
+        scales = [(f"experts.{i}.{a}.weight_scale_inv", lin.weight_scale_inv)
+                  for i, m in zip(range(sl.start, sl.stop), _per_expert(ex)[sl]) for a, lin in m.named_children()
+                  if _linear_kind(lin) == "fp8"]
+    for name, s in scales:
+        bad = formats.nonfinite_scales(s)
+        if bad:
+            raise MoetoolError(f"layer {layer.index}: {bad} of the {s.numel()} scales of {name} of experts "
+                               f"{sl.start}-{sl.stop - 1} are NaN or infinite: their weights cannot be read "
+                               f"(refused rather than computed as NaN/inf)")
+
+
 def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None,
                   plain: ExpertWeights | None = None,
                   parts: frozenset[str] | set[str] = frozenset(PARTS)) -> Iterator[tuple[slice, ExpertWeights]]:
@@ -296,7 +325,7 @@ def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None
     (``plain``: the views to use, e.g. made matmul-ready), else dequantized slices of at most ``budget`` weight
     elements (one expert at least) in ``dtype``. Only ``parts`` (of gate, up, down) are dequantized for FP8/FP4
     and MXFP4 experts; the others are stride-0 placeholders of the right shape that must not be read.
-    Unreadable formats raise (:func:`require_readable`)."""
+    Unreadable formats raise (:func:`require_readable`), and so does a slice with a NaN or infinite scale."""
     fmt = expert_format(layer)
     if fmt.kind == "plain":
         yield slice(0, None), plain if plain is not None else layer.expert_weights()
@@ -311,6 +340,7 @@ def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None
     state = _Mxfp4(layer.experts) if fmt.kind == "mxfp4" else None
     for s in range(0, n, step):
         sl = slice(s, min(n, s + step))
+        _require_finite_scales(layer, fmt, sl, state)
         yield sl, _read(layer, fmt, sl, dtype, state, parts)
 
 
