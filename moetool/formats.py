@@ -191,14 +191,15 @@ def scales_fp32(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
-def nonfinite_scales(scale: torch.Tensor) -> int:
+def nonfinite_scales(scale: torch.Tensor, per_row: bool = False) -> Any:
     """How many of ``scale`` (fp32/bf16 multipliers, ``float8_e8m0fnu``, or raw E8M0 ``uint8`` bytes) are not a finite
     number: NaN or inf, and the E8M0 byte 255, which is NaN (OCP MX; transformers' ``ldexp`` would read it as
     2^128, an inf weight). Codes times such a scale are NaN or inf, never a weight. Bytes are compared as they
-    are stored (no fp32 copy of a large scale grid)."""
-    if scale.dtype == torch.uint8 or scale.dtype == _e8m0_dtype():
-        return int((scale.view(torch.uint8) == 255).sum())
-    return int((~torch.isfinite(scale)).sum())
+    are stored (no fp32 copy of a large scale grid). ``per_row``: a device tensor of the counts per index of dim 0
+    (an expert's), no host sync; else an int."""
+    bad = (scale.view(torch.uint8) == 255) if scale.dtype == torch.uint8 or scale.dtype == _e8m0_dtype() \
+        else ~torch.isfinite(scale)
+    return bad.reshape(bad.shape[0], -1).sum(1) if per_row else int(bad.sum())
 
 
 def dequantize_fp8(

@@ -29,13 +29,14 @@ slightly different expert outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import weakref
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from .. import formats
-from ..errors import MoetoolError
+from ..errors import MoetoolError, spans
 from .base import ExpertWeights, MoELayer
 from .fp8_backend import unquantized
 
@@ -296,26 +297,36 @@ def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, sta
                          down_bias=bias(dn))
 
 
-def _require_finite_scales(layer: MoELayer, fmt: ExpertFormat, sl: slice, state: Any) -> None:
-    """One line (:class:`MoetoolError`) when a scale of experts ``sl`` is NaN or infinite (an E8M0 byte 255;
-    :func:`formats.nonfinite_scales`): their weights would be NaN/inf, and so every number a probe makes of them."""
+#: experts modules whose scales were found finite (a check per layer and process, not per slice and batch: on a
+#: GPU each check is a host sync, and scales do not change during a run)
+_FINITE_SCALES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _require_finite_scales(layer: MoELayer, fmt: ExpertFormat, state: Any) -> None:
+    """One line (:class:`MoetoolError`) when a scale of the layer's experts is NaN or infinite (an E8M0 byte 255;
+    :func:`formats.nonfinite_scales`): their weights would be NaN/inf, and so every number a probe makes of them.
+    Checked once per experts module (:data:`_FINITE_SCALES`)."""
     ex = layer.experts
+    if ex in _FINITE_SCALES:
+        return
     if fmt.kind in ("fp8", "fp4"):
-        scales = [(f"{n}_scale_inv", s[sl]) for n in ("gate_up_proj", "up_proj", "down_proj")
+        scales = [(f"{n}_scale_inv", s) for n in ("gate_up_proj", "up_proj", "down_proj")
                   if isinstance(s := getattr(ex, f"{n}_scale_inv", None), torch.Tensor)
                   and not unquantized(getattr(ex, n))]  # a high-precision weight's scales are unset, never read
     elif fmt.kind == "mxfp4":
-        scales = [(f"{p}_scales", s[sl]) for p, (_, s) in state.parts.items()]
-    else:  # per-expert linears: FP8Linear's weight_scale_inv
-        scales = [(f"experts.{i}.{a}.weight_scale_inv", lin.weight_scale_inv)
-                  for i, m in zip(range(sl.start, sl.stop), _per_expert(ex)[sl]) for a, lin in m.named_children()
-                  if _linear_kind(lin) == "fp8"]
-    for name, s in scales:
-        bad = formats.nonfinite_scales(s)
-        if bad:
-            raise MoetoolError(f"layer {layer.index}: {bad} of the {s.numel()} scales of {name} of experts "
-                               f"{sl.start}-{sl.stop - 1} are NaN or infinite: their weights cannot be read "
-                               f"(refused rather than computed as NaN/inf)")
+        scales = [(f"{p}_scales", s) for p, (_, s) in state.parts.items()]
+    else:  # per-expert linears: FP8Linear's weight_scale_inv, stacked per name (one count for all experts)
+        scales = [(f"experts.{i}.{a}.weight_scale_inv", lin.weight_scale_inv.unsqueeze(0))
+                  for i, m in enumerate(_per_expert(ex)) for a, lin in m.named_children() if _linear_kind(lin) == "fp8"]
+    for name, s in scales:  # [E, ...] (per-expert linears: [1, ...] each)
+        bad = formats.nonfinite_scales(s, per_row=True)  # [E]: one host sync per tensor, then only on a refusal
+        total = int(bad.sum())
+        if total:
+            hit = [int(e) for e in torch.nonzero(bad).flatten().tolist()]
+            where = name if s.shape[0] == 1 else f"{name} of expert{'s' if len(hit) > 1 else ''} {spans(hit)}"
+            raise MoetoolError(f"layer {layer.index}: {total} of the {s.numel()} scales of {where} are NaN or "
+                               f"infinite: their weights cannot be read (refused rather than computed as NaN/inf)")
+    _FINITE_SCALES.add(ex)
 
 
 def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None,
@@ -325,7 +336,7 @@ def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None
     (``plain``: the views to use, e.g. made matmul-ready), else dequantized slices of at most ``budget`` weight
     elements (one expert at least) in ``dtype``. Only ``parts`` (of gate, up, down) are dequantized for FP8/FP4
     and MXFP4 experts; the others are stride-0 placeholders of the right shape that must not be read.
-    Unreadable formats raise (:func:`require_readable`), and so does a slice with a NaN or infinite scale."""
+    Unreadable formats raise (:func:`require_readable`), and so does a layer with a NaN or infinite scale."""
     fmt = expert_format(layer)
     if fmt.kind == "plain":
         yield slice(0, None), plain if plain is not None else layer.expert_weights()
@@ -338,9 +349,9 @@ def expert_chunks(layer: MoELayer, budget: int, dtype: torch.dtype | None = None
     dtype = dtype or torch.float32
     step = max(1, budget // max(per, 1))
     state = _Mxfp4(layer.experts) if fmt.kind == "mxfp4" else None
+    _require_finite_scales(layer, fmt, state)
     for s in range(0, n, step):
         sl = slice(s, min(n, s + step))
-        _require_finite_scales(layer, fmt, sl, state)
         yield sl, _read(layer, fmt, sl, dtype, state, parts)
 
 
