@@ -503,11 +503,20 @@ def _index(title: str, runs: list[Run], warnings: list[str], body: list[str], md
         md += ["**not gathered:**", ""] + [f"- {md_escape(w)}" for w in warnings] + [""]
 
 
+def _with_status(command: str, m: dict[str, Any]) -> str:
+    """``"stats (failed)"``: the command, and the run's status when it is not ``complete`` (a run whose figures
+    failed, or one interrupted after it recorded its headline: its numbers are not those of a finished run)."""
+    status = m.get("status")
+    return command if status == "complete" else f"{command} ({status or 'no status'})"
+
+
 def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
     """The page's first table: each run's headline numbers (its manifest's ``headline``, the lines its
-    experiment prints, intervals where it gives them), linking to the run's section; a demo folder written before
+    experiment prints, intervals where it gives them), linking to the run's section, the experiment marked with
+    the run's status when it did not complete (:func:`_with_status`); a demo folder written before
     runs recorded them falls back on the demo's step summaries. Nothing when no run has any."""
-    rows = [(r.name, str(r.manifest.get("command", "")), r.label.partition(" · ")[2], list(r.manifest["headline"]))
+    rows = [(r.name, _with_status(str(r.manifest.get("command", "")), r.manifest), r.label.partition(" · ")[2],
+             list(r.manifest["headline"]))
             for r in runs if isinstance(r.manifest.get("headline"), list) and r.manifest["headline"]]
     if not rows:
         by_path = {r.path.resolve(): r for r in runs}
@@ -517,7 +526,8 @@ def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
                     continue
                 target = next((by_path[Path(f).resolve()] for f in step.get("folders") or []
                                if Path(f).resolve() in by_path), r)
-                rows.append((target.name, str(step.get("step", "")), target.label.partition(" · ")[2],
+                rows.append((target.name, _with_status(str(step.get("step", "")), target.manifest),
+                             target.label.partition(" · ")[2],
                              [str(x) for x in step["summary"]]))
     if not rows:
         return
