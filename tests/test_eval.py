@@ -114,7 +114,7 @@ def test_accuracy_intervals_stay_inside_0_1():
     se9 = math.sqrt(0.9 * 0.1 / 9)  # lm-eval's sample standard error of a mean of ten 0/1 scores
     res = {"results": {"a": {"acc,none": 0.9, "acc_stderr,none": se9, "acc_norm,none": 1.0,
                              "acc_norm_stderr,none": 0.0},
-                       "g": {"acc,none": 0.25, "acc_stderr,none": 0.05},
+                       "g": {"acc,none": 0.26, "acc_stderr,none": 0.05},  # (8 + 18) / 100: lm-eval's pooled mean
                        "b": {"acc,none": 0.2, "acc_stderr,none": 0.1},
                        "c": {"acc,none": 0.3, "acc_stderr,none": 0.1},
                        "p": {"word_perplexity,none": 12.5, "word_perplexity_stderr,none": 0.5}},
@@ -126,10 +126,42 @@ def test_accuracy_intervals_stay_inside_0_1():
     assert df.loc[("a", "acc"), "stderr"] == se9 and 0.9 + 1.96 * se9 > 1  # what the Wald bound gave
     lo, hi = df.loc[("a", "acc_norm"), ["value_lo", "value_hi"]]  # 10 of 10: upper bound 1, lower z²-closed form
     assert hi == 1 and lo == pytest.approx(10 / (10 + 1.959964 ** 2), abs=1e-6)
-    assert [df.loc[("g", "acc"), c] for c in ("value_lo", "value_hi")] == pytest.approx(wilson_by_hand(0.25, 100))
+    assert [df.loc[("g", "acc"), c] for c in ("value_lo", "value_hi")] == pytest.approx(wilson_by_hand(0.26, 100))
     assert [df.loc[("p", "word_perplexity"), c] for c in ("value_lo", "value_hi")] == pytest.approx(
         [12.5 - 1.959964 * 0.5, 12.5 + 1.959964 * 0.5])
     assert "Wilson" in lmeval.EVAL_DEFINITIONS["value_lo"]
+
+
+def test_a_groups_unweighted_mean_is_no_share_of_its_pooled_items():
+    """lm-eval's results (0.4.13, run by hand with simple_evaluate on the embedded tiny model) of two groups of the
+    same subtasks, 81 of 100 and 36 of 50 right: weight_by_size true reports 117/150 = 0.78, the pooled share, whose
+    Wilson interval is over the 150 items (statsmodels' proportion_confint(117, 150, method="wilson"));
+    weight_by_size false reports (0.81 + 0.72) / 2 = 0.765, no share of 150 items (114.75 of them): its interval
+    is Wilson's over the items lm-eval's stderr implies, p(1-p)/se² + 1 = 127.85 (statsmodels: [0.6844, 0.8301]),
+    not over 150 ([0.6911, 0.8257], 8% narrower than lm-eval's own stderr says). Skewed, 0.9 of 1000 items and 0.5 of
+    10, the unweighted 0.7 over 1010 items was [0.671, 0.727]: 5x narrower than [0.525, 0.831]."""
+    se_u = 0.03764582038165448  # lm-eval's unweighted_mean_stderr of the two subtasks' stderrs
+    res = {"results": {"c": {"acc,none": 0.81, "acc_stderr,none": 0.039427724440366234},
+                       "p": {"acc,none": 0.72, "acc_stderr,none": 0.06414269805898186},
+                       "c2": {"acc,none": 0.81, "acc_stderr,none": 0.039427724440366234},
+                       "p2": {"acc,none": 0.72, "acc_stderr,none": 0.06414269805898186},
+                       "weighted": {"acc,none": 0.78, "acc_stderr,none": 0.0338717772975865},
+                       "unweighted": {"acc,none": 0.765, "acc_stderr,none": se_u}},
+           "n-samples": {"c": {"original": 100, "effective": 100}, "p": {"original": 50, "effective": 50},
+                         "c2": {"original": 100, "effective": 100}, "p2": {"original": 50, "effective": 50}},
+           "group_subtasks": {"weighted": ["c", "p"], "unweighted": ["c2", "p2"]}}
+    df = lmeval.results_frame(res).set_index(["task", "metric"])
+    assert list(df.loc[("weighted", "acc"), ["value_lo", "value_hi"]]) == pytest.approx(
+        [0.7071769001714163, 0.8388397629824609], abs=1e-12)
+    assert list(df.loc[("unweighted", "acc"), ["value_lo", "value_hi"]]) == pytest.approx(
+        [0.6844431262179154, 0.8300968789882575], abs=1e-12)
+    se1 = math.sqrt(900 * 0.1 ** 2 + 100 * 0.9 ** 2) / math.sqrt(999) / math.sqrt(1000)  # 0.9 of 1000
+    se2 = math.sqrt(10 * 0.25) / 3 / math.sqrt(10)  # 0.5 of 10
+    skew = {"results": {"a": {"acc,none": 0.9, "acc_stderr,none": se1}, "b": {"acc,none": 0.5, "acc_stderr,none": se2},
+                        "g": {"acc,none": 0.7, "acc_stderr,none": math.sqrt(se1 ** 2 + se2 ** 2) / 2}},
+            "n-samples": {"a": {"effective": 1000}, "b": {"effective": 10}}, "group_subtasks": {"g": ["a", "b"]}}
+    g = lmeval.results_frame(skew).set_index(["task", "metric"]).loc[("g", "acc")]
+    assert [g.value_lo, g.value_hi] == pytest.approx([0.5246052192032453, 0.8314719390306498], abs=1e-12)
 
 
 def plan_file(task):

@@ -722,3 +722,28 @@ def test_an_interrupted_run_records_the_signal_as_the_readme_says(tmp_path, exc,
             raise exc
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert (m["status"], m["error"]) == ("interrupted", error)
+
+
+def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path):
+    """A stats run whose figures failed (status failed, exit 1, every table written) records its headline numbers
+    before it fails: the page's first table showed them as any finished run's, the experiment cell a plain
+    "stats"; it now says "stats (failed)" (HTML and Markdown), a finished run's cell stays the command."""
+    from unittest import mock
+
+    import moetool.report.plots as P
+
+    runs = tmp_path / "runs"
+    with mock.patch.object(P, "figures", side_effect=RuntimeError("no figures today")):
+        r = CliRunner().invoke(app, ["stats", "--max-tokens", "2048", "--bootstrap", "0", "-q", "--device", "cpu",
+                                     "--out", str(runs / "failed")])
+    assert r.exit_code == 1
+    m = json.loads((runs / "failed/manifest.json").read_text())
+    assert m["status"] == "failed" and m["headline"]
+    r = CliRunner().invoke(app, ["stats", "--max-tokens", "2048", "--bootstrap", "0", "-q", "--device", "cpu",
+                                 "--out", str(runs / "done")])
+    assert r.exit_code == 0, r.output
+    page = write_report([runs], tmp_path / "rep")
+    table = re.search(r'<table class="headline">.*?</table>', page.read_text(), re.S).group(0)
+    assert '<a href="#runs-failed">stats (failed)</a>' in table and '<a href="#runs-done">stats</a>' in table
+    md = (tmp_path / "rep/report.md").read_text()
+    assert "| [stats (failed)](#runs-failed) |" in md and "| [stats](#runs-done) | tiny |" in md

@@ -503,18 +503,20 @@ def _index(title: str, runs: list[Run], warnings: list[str], body: list[str], md
         md += ["**not gathered:**", ""] + [f"- {md_escape(w)}" for w in warnings] + [""]
 
 
-def _unfinished(r: Run) -> str:
-    """`` (running)`` / `` (interrupted)`` / ... after a run's name where its manifest does not say complete: its
-    numbers are not a finished run's (a run still going, or one killed before it could record why)."""
-    status = r.manifest.get("status")
+def _unfinished(m: dict[str, Any]) -> str:
+    """`` (running)`` / `` (failed)`` / ... after a run's name where its manifest ``m`` does not say complete: its
+    numbers are not a finished run's (a run still going, one whose figures failed after it recorded its headline,
+    or one killed before it could record why)."""
+    status = m.get("status")
     return "" if status == "complete" else f" ({status or 'status unknown'})"
 
 
 def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
     """The page's first table: each run's headline numbers (its manifest's ``headline``, the lines its
-    experiment prints, intervals where it gives them), linking to the run's section; a demo folder written before
+    experiment prints, intervals where it gives them), linking to the run's section, the experiment marked with
+    the run's status when it did not complete (:func:`_unfinished`); a demo folder written before
     runs recorded them falls back on the demo's step summaries. Nothing when no run has any."""
-    rows = [(r.name, str(r.manifest.get("command", "")) + _unfinished(r), r.label.partition(" · ")[2],
+    rows = [(r.name, str(r.manifest.get("command", "")) + _unfinished(r.manifest), r.label.partition(" · ")[2],
              list(r.manifest["headline"]))
             for r in runs if isinstance(r.manifest.get("headline"), list) and r.manifest["headline"]]
     if not rows:
@@ -525,7 +527,8 @@ def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
                     continue
                 target = next((by_path[Path(f).resolve()] for f in step.get("folders") or []
                                if Path(f).resolve() in by_path), r)
-                rows.append((target.name, str(step.get("step", "")), target.label.partition(" · ")[2],
+                rows.append((target.name, str(step.get("step", "")) + _unfinished(target.manifest),
+                             target.label.partition(" · ")[2],
                              [str(x) for x in step["summary"]]))
     if not rows:
         return

@@ -165,14 +165,39 @@ def _items(results: dict[str, Any], task: str) -> float:
     return float("nan")
 
 
+def _pooled(results: dict[str, Any], task: str, key: str) -> float:
+    """The share of all items of ``task``'s leaf tasks scored 1 for the results ``key`` (``"acc,none"``): Σ value ×
+    items / Σ items, what a group reports when it weights its subtasks by size (lm-eval's ``weight_by_size``); NaN
+    when a leaf's value or item count is not given."""
+    hits, n = _hits(results, task, key)
+    return hits / n if n > 0 else float("nan")
+
+
+def _hits(results: dict[str, Any], task: str, key: str) -> tuple[float, float]:
+    n = results.get("n-samples", {}).get(task, {})
+    if isinstance(n, dict) and n.get("effective") is not None:
+        return _number(results.get("results", {}).get(task, {}).get(key)) * float(n["effective"]), float(n["effective"])
+    subtasks = results.get("group_subtasks", {}).get(task)
+    if not subtasks:
+        return float("nan"), float("nan")
+    parts = [_hits(results, t, key) for t in subtasks]
+    return sum(h for h, _ in parts), sum(m for _, m in parts)
+
+
 def _interval(results: dict[str, Any], task: str, metric: str, value: float, stderr: float) -> tuple[float, float]:
     """``(value_lo, value_hi)``: a proportion's Wilson interval over the items scored (:func:`_items`; without
-    them, the item count lm-eval's stderr implies for a mean of 0/1 scores, se² = p(1-p)/(n-1)), any other
-    metric's value ∓ 1.96 stderr (lm-eval's normal approximation); NaN without a stderr or an item count."""
+    them, or for a group whose value is not the share of its items scored 1 -- lm-eval's ``weight_by_size: false``,
+    the unweighted mean of its subtasks' accuracies, :func:`_pooled` --, the item count lm-eval's stderr implies
+    for a mean of 0/1 scores, se² = p(1-p)/(n-1)), any other metric's value ∓ 1.96 stderr (lm-eval's normal
+    approximation); NaN without a stderr or an item count."""
     from ...uncertainty import normal_quantile, wilson
 
     if metric.partition("[")[0] in PROPORTIONS and 0.0 <= value <= 1.0:
         n = _items(results, task)
+        name, _, filt = metric.partition("[")
+        if task in results.get("group_subtasks", {}) and not math.isclose(
+                _pooled(results, task, f"{name},{filt[:-1] or 'none'}"), value, rel_tol=1e-9, abs_tol=1e-12):
+            n = float("nan")  # not a proportion of the pooled items: their count would say too narrow an interval
         if not math.isfinite(n) and stderr > 0:
             n = value * (1 - value) / stderr ** 2 + 1
         iv = wilson(value, n)
@@ -345,8 +370,9 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
 
 #: what value_lo/value_hi are, in eval.csv and wherever lm-eval values are tabled (norm-select, prune)
 INTERVAL_DEFINITION = ("95% interval of the metric: a proportion (acc, acc_norm, exact_match) gets the Wilson score "
-                       "interval over the items lm-eval scored (n-samples; a group: the sum over its subtasks; else "
-                       "the count its stderr implies), always inside [0, 1]; any other metric value ∓ 1.96 stderr "
+                       "interval over the items lm-eval scored (n-samples; a group: the sum over its subtasks when its "
+                       "value is their pooled share, weight_by_size; else the count its stderr implies, as for a "
+                       "group's unweighted mean of its subtasks), always inside [0, 1]; any other metric value ∓ 1.96 stderr "
                        "(lm-eval's normal approximation); NaN without a stderr or an item count")
 
 EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
