@@ -202,8 +202,10 @@ def run_experiment(name, lm, ts):
         mod, f = _entry("fluctuation", "capture")
         others = {"iso": {L.index: mod.router_copy(L) for L in lm.layers}}
         return f(lm, ts, make_policy("similarity"), others=others, quiet=True)
-    if name == "margin":
-        return _entry("margin", "margin")[1](lm, ts, quiet=True, bootstrap=0)  # noise, re-routing, sketch, rows
+    if name == "margin":  # noise, re-routing, sketch, rows; and its policy branch (no policy runs by default)
+        from moetool.experiments.margin.spec import DEMO_POLICIES
+
+        return _entry("margin", "margin")[1](lm, ts, quiet=True, bootstrap=0, policies=DEMO_POLICIES)
     from moetool.experiments.registry import EXPERIMENTS
 
     return EXPERIMENTS[name.replace("_", "-")].load()(lm, ts, quiet=True)  # every other: its defaults
