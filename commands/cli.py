@@ -29,6 +29,25 @@ NO_PARALLEL = {"eval": "eval runs lm-eval's own request loop, which shards reque
                             "--tp/--ep are not supported there (run it data parallel under torchrun)"}
 
 
+#: commands that run in one process, by command name (and every ``--trace`` analysis: recorded routing, no
+#: forward to split): under torchrun each rank would run the whole command and write the same --out (or its own
+#: default folder), so a launcher's world size above 1 is refused in one line before anything is read or written
+ONE_PROCESS = {"plan": "a plan reads a config, no model runs", "report": "a report reads run folders",
+               "demo": "the demo's steps run in one process", "import-trace": "an import reads a dump"}
+
+
+def refuse_launched(name: str, kwargs: dict[str, Any]) -> None:
+    """One line under a launcher (world size > 1) for a command of :data:`ONE_PROCESS` or a ``--trace`` run."""
+    from moetool.context import launcher_world
+
+    world, name = launcher_world(), name.replace("_", "-")  # (import_trace: the function's name)
+    if world > 1 and (name in ONE_PROCESS or kwargs.get("trace")):
+        why = ONE_PROCESS.get(name, "--trace analyses recorded routing, no forward to split")
+        flag = " --trace" if name not in ONE_PROCESS else ""
+        raise MoetoolError(f"moetool {name}{flag} runs in one process ({why}): run it without torchrun / "
+                           f"accelerate launch (world size {world})")
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A command's run: its :class:`moetool.run.Run` (``--tp`` / ``--ep``, ``--batch-size auto``) made and active
     for the command (:func:`moetool.context.current`), a busy ``--out`` refused before any heavy import; known
@@ -49,6 +68,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             if (tp > 1 or ep > 1) and name in NO_PARALLEL:
                 raise MoetoolError(NO_PARALLEL[name])
+            refuse_launched(name, kwargs)
             run = Run.new(name, tp=tp, ep=ep, auto_batch=kwargs.get("batch_size") == AUTO_BATCH)
         except MoetoolError as e:
             typer.secho(f"error: {e}", fg="red", err=True)

@@ -20,6 +20,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import os
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -101,6 +102,27 @@ class RunState:
             yield self
         finally:
             _CURRENT.reset(token)
+
+
+# torchrun and ``accelerate launch --multi_gpu`` set RANK / WORLD_SIZE / LOCAL_RANK; ``accelerate launch --cpu
+# --mpirun_hostfile ...`` starts the ranks with mpirun (Open MPI, MPICH / Intel MPI, MVAPICH names) and sets only
+# MASTER_ADDR / MASTER_PORT itself: the same fallbacks accelerate's own PartialState reads (moetool.distributed.env)
+_RANK = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+_WORLD = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_LOCAL = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def _first(names: tuple[str, ...], default: str) -> str:
+    return next((os.environ[n] for n in names if os.environ.get(n)), default)
+
+
+def launcher_world() -> int:
+    """The processes a launcher started (its world size variable; 1 alone or unreadable), without importing torch:
+    the CLI's refusal of one-process commands under torchrun (:mod:`moetool.distributed` validates it later)."""
+    try:
+        return int(_first(_WORLD, "1"))
+    except ValueError:
+        return 1
 
 
 #: the run of this context (thread, asyncio task); ``None``: no run

@@ -28,7 +28,6 @@ of this rank's position in its group (one per group: each group counted once) an
 from __future__ import annotations
 
 import atexit
-import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -96,16 +95,8 @@ def check_parallel(config: Any, device_map: str | None = None) -> Parallel:
     return par
 
 
-# torchrun and ``accelerate launch --multi_gpu`` set RANK / WORLD_SIZE / LOCAL_RANK; ``accelerate launch --cpu
-# --mpirun_hostfile ...`` starts the ranks with mpirun (Open MPI, MPICH / Intel MPI, MVAPICH names) and sets only
-# MASTER_ADDR / MASTER_PORT itself: the same fallbacks accelerate's own PartialState reads
-_RANK = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-_WORLD = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-_LOCAL = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
-
-
-def _first(names: tuple[str, ...], default: str) -> str:
-    return next((os.environ[n] for n in names if os.environ.get(n)), default)
+# the launchers' variables (torchrun, accelerate, mpirun): moetool.context, which the CLI reads without torch
+from .context import _LOCAL, _RANK, _WORLD, _first  # noqa: E402
 
 
 def env() -> DistEnv:

@@ -202,3 +202,28 @@ def test_device_map_needs_one_process_per_node(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["ppl", "--device-map", "auto", "--max-tokens", "256", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "launch one process per node (torchrun --nproc-per-node 1), not 2" in r.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args", [["plan", "--model", "tiny"], ["report", "RUN"], ["demo"],
+                                  ["import-trace", "dump.jsonl", "--config", "tiny"],
+                                  ["stats", "--trace", "RUN"], ["placement", "--trace", "RUN"],
+                                  ["offload", "--trace", "RUN"], ["fluctuation", "--trace", "RUN", "RUN"]],
+                         ids=lambda a: "-".join(a[:2]))
+def test_one_process_commands_refuse_a_launcher(tmp_path, monkeypatch, args):
+    """plan, report, demo, import-trace and the --trace analyses create their run folder on every rank (no rank
+    split, no rank-0 writer): under torchrun 2 ranks each ran the whole command into the same --out, one of them
+    failing ('filled by another run' / 'not empty', torchrun exit 1, rank 0's folder then marked interrupted), or
+    into two default folders. Refused in one line (exit 2) before anything is read or written."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    for var in sum(LAUNCHER_VARS, ()):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "RUN").mkdir()
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "runs in one process" in r.output and "(world size 2)" in r.output, r.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "runs").exists()
