@@ -362,3 +362,20 @@ def test_a_policys_chosen_set_is_its_nonzero_weights(ckpts, routing):
         assert row["jaccard"] == pytest.approx(sum(len(a & b) / max(len(a | b), 1) for a, b in zip(A, B)) / n,
                                                abs=1e-6)  # per token in fp32
         assert not math.isclose(row["jaccard"], 1.0) or i < J
+
+
+def test_random_isolated_draws_per_row_not_per_batch():
+    """The isolated event carried no global row ids, so ``random`` fell back to one generator run batch by batch:
+    random-isolated rows changed with --batch-size (and differed between 2 torchrun ranks and one process: top-1
+    change 0.871 vs 0.869, 0.0133 in one layer). Seeded per packed row, as every other random draw: any batch size
+    gives the same table."""
+    import pandas as pd
+
+    from moetool.data import load_tokens
+    from moetool.experiments.fluctuation.compute import fluctuation
+
+    tokens = load_tokens(None, load("tiny").tokenizer, 32, 320)
+    got = [fluctuation(["tiny-early", "tiny"], tokens, routing=("random",), isolate=True, batch_size=bs,
+                       quiet=True)["fluctuation"] for bs in (1, 3)]
+    assert set(got[0]["routing"]) == {"random", "random-isolated"}
+    pd.testing.assert_frame_equal(got[0], got[1], check_exact=False, rtol=1e-6)  # (float32 forwards of 1 and 3 rows)

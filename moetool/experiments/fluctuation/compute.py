@@ -185,7 +185,8 @@ def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEve
     logits = other.logits(h, **{k: v.to(dev) for k, v in ev.inputs.items()})  # [T, n] (Zaya: the carried state too)
     idx, w = other.route(logits, ev.token_ids) if getattr(other, "hash_routed", False) else other.route(logits)
     iso = RoutingEvent(layer=other, h=h, logits=logits, idx=idx, weights=w, valid=ev.valid.to(dev), shape=ev.shape,
-                       attn=None if ev.attn is None else ev.attn.to(dev))
+                       attn=None if ev.attn is None else ev.attn.to(dev),
+                       rows=ev.rows)  # the global row ids: a seeded policy (random) draws per row, not per batch
     iso.chosen_idx, iso.chosen_weights = policy.select(iso) if policy is not None else (idx, w)
     return iso
 
