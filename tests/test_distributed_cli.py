@@ -115,7 +115,13 @@ NOT_DISTRIBUTED = {"eval": "lm-eval's own loop: tests/test_eval.py", "plan": "no
 # every other experiment of the registry: a short run with its spec's sample flags
 CASES += [(name, ["--model", "tiny", *DATA, *spec.sample]) for name, spec in EXPERIMENTS.items()
           if name not in {c for c, _ in CASES} | set(NOT_DISTRIBUTED)]
-IDS = [f"{c}{i}" for i, (c, _) in enumerate(CASES)]
+# data parallel only (tests/test_tensor_parallel.py reuses CASES): rank 1 writes --export through its NullRun (a
+# TypeError there); random-isolated draws per global row (they were per rank's batch sequence)
+DP_CASES = CASES + [
+    ("placement", ["--model", "tiny", *DATA, "--gpus", "4", "--extra-slots", "1", "--export", "eplb"]),
+    ("fluctuation", ["tiny-early", "tiny", *DATA, "--routing", "router,random", "--isolate", "--bootstrap", "100"]),
+]
+IDS = [f"{c}{i}" for i, (c, _) in enumerate(DP_CASES)]
 SEQUENCE = (str(Path(__file__).with_name("cli_sequence.py")),)
 
 
@@ -129,7 +135,7 @@ def runs(tmp_path_factory):
     for side, rows in (("one", "4"), ("two", "2")):
         seq = [[command, "--quiet", *extra] + ["--batch-size", rows] * ("--max-tokens" in extra
                                                                         and "--batch-size" not in extra)
-               + ["--out", str(root / f"{side}{i}")] for i, (command, extra) in enumerate(CASES)]
+               + ["--out", str(root / f"{side}{i}")] for i, (command, extra) in enumerate(DP_CASES)]
         (root / f"{side}.json").write_text(json.dumps(seq))
     run_cli([str(root / "one.json")], root, target=SEQUENCE, timeout=600)
     return root, run_cli([str(root / "two.json")], root, world=2, target=SEQUENCE, timeout=600)
@@ -137,18 +143,18 @@ def runs(tmp_path_factory):
 
 def test_torchrun_one_folder_one_console(runs):
     root, p = runs
-    assert p.stdout.count("results in") == len(CASES)  # rank 1 prints nothing
+    assert p.stdout.count("results in") == len(DP_CASES)  # rank 1 prints nothing
     assert not (root / "runs").exists()  # rank 1 made no folder of its own
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+@pytest.mark.parametrize("i", range(len(DP_CASES)), ids=IDS)
 def test_torchrun_two_ranks_equal_one_process(runs, i):
     """Same global batches (2 ranks x 2 rows = 1 process x 4 rows): every table equal (float32 forwards of 2-row
     and 4-row batches differ in the last bits: rtol 1e-6), traces row for row; erc (weights only): each rank
     computes its share of the layers, rank 0 writes."""
     root, _ = runs
     same_tables(root / f"one{i}", root / f"two{i}")
-    check_manifest(root / f"one{i}", root / f"two{i}", data="--max-tokens" in CASES[i][1])
+    check_manifest(root / f"one{i}", root / f"two{i}", data="--max-tokens" in DP_CASES[i][1])
     # rank 0's manifest records every table it wrote, rows as one process's (moetool trace's streamed file too:
     # its rows are every rank's, gathered to rank 0)
     assert recorded_tables(root / f"two{i}") == recorded_tables(root / f"one{i}")

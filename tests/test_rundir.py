@@ -458,3 +458,16 @@ def test_a_table_written_again_as_a_plain_file_loses_its_record(tmp_path):
     run.finish(options={})
     m = manifest(tmp_path / "r")
     assert m["files"] == ["t.csv"] and m["tables"] == {}
+
+
+def test_null_run_drops_an_atomic_write(tmp_path):
+    """A rank other than 0 under torchrun writes through a NullRun: ``with run.atomic(name) as tmp:`` (placement's
+    --export file) got ``None`` from its catch-all and raised TypeError (no context manager), failing the torchrun
+    run on rank 1. The body now writes into a temporary folder that is removed; nothing appears under --out."""
+    from moetool.report.rundir import NullRun
+
+    run = NullRun("placement", tmp_path / "out")
+    with run.atomic("eplb_placement.json") as tmp:
+        tmp.write_text("{}")
+        written = tmp
+    assert not written.exists() and not (tmp_path / "out").exists()

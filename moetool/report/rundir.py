@@ -670,3 +670,10 @@ class NullRun:
         if name.startswith("__"):
             raise AttributeError(name)
         return lambda *args, **kwargs: None
+
+    @contextlib.contextmanager
+    def atomic(self, name: str, rows: Any = None) -> Iterator[Path]:
+        """``with run.atomic(name) as tmp:`` (placement's ``--export`` file): the body writes into a temporary
+        folder removed after it, dropped like every other write (``__getattr__``'s ``None`` is no context manager)."""
+        with tempfile.TemporaryDirectory(prefix="moetool-rank-") as d:
+            yield Path(d) / Path(name).name
