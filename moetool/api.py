@@ -196,13 +196,15 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
     """An experiment of a loaded model (``spec.inputs`` ``"tokens"`` or ``"weights"``) is given one, and a
     ``"tokens"`` one packed tokens: one line naming what to pass otherwise (a model's name, a path, a tensor), not
     an AttributeError from inside the experiment. ``None`` is left to the experiment, which checks its options
-    first. ``call``: how the user called it (default ``moetool.<api>``)."""
+    first. An experiment that loads its model itself (``loads_model=False``: agreement, once per precision) takes
+    its name too. ``call``: how the user called it (default ``moetool.<api>``)."""
     from .errors import MoetoolError
 
     if spec.inputs not in ("tokens", "weights"):
         return
     call = call or f"moetool.{spec.api}"
-    if lm is not None and not (hasattr(lm, "model") and hasattr(lm, "layers")):
+    named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
+    if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
         raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
     if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
                                                                and hasattr(tokens, "attention_mask")):

@@ -293,3 +293,16 @@ def test_moetool_run_is_the_callable_module_whichever_import_comes_first():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["True", "True"], first
+
+
+def test_agreement_takes_a_models_name_as_its_docstring_says():
+    """``moetool.agreement("tiny", tokens)``: the experiment loads the model once per precision from its name (its
+    docstring and the command do this); the API wrapper refused the name as "takes a loaded model"."""
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=128)
+    kw = dict(precisions=("fp32", "bf16"), bootstrap=0, layers=(1,), quiet=True)
+    by_name = moetool.agreement("tiny", toks, **kw)
+    loaded = moetool.agreement(lm, toks, **kw)
+    pd.testing.assert_frame_equal(by_name["agreement"], loaded["agreement"])
+    with pytest.raises(MoetoolError, match="takes packed tokens"):
+        moetool.agreement("tiny", "text.jsonl", **kw)
