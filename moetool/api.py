@@ -110,13 +110,13 @@ def families() -> Any:
     return pd.DataFrame(rows())
 
 
-def write_report(run_dirs: Iterable[str | Path], out: str | Path, *, force: bool = False,
+def write_report(run_dirs: Iterable[str | Path], out: str | Path | None = None, *, force: bool = False,
            title: str = "moetool report") -> Path:
-    """``moetool report``: gather run folders into one HTML/Markdown page (+ LaTeX/CSV tables, PNG/PDF figures);
-    returns the path of ``report.html``."""
+    """``moetool report``: gather run folders (one or more) into one HTML/Markdown page (+ LaTeX/CSV tables, PNG/PDF
+    figures) in ``out`` (default ``runs/report-<time>``, as ``--out``); returns the path of ``report.html``."""
     from .report.page import write_report as run
 
-    return run(list(run_dirs), out, force=force, title=title)
+    return run(run_dirs if isinstance(run_dirs, (str, Path)) else list(run_dirs), out, force=force, title=title)
 
 
 def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, *, force: bool = False,

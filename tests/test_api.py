@@ -306,3 +306,21 @@ def test_agreement_takes_a_models_name_as_its_docstring_says():
     pd.testing.assert_frame_equal(by_name["agreement"], loaded["agreement"])
     with pytest.raises(MoetoolError, match="takes packed tokens"):
         moetool.agreement("tiny", "text.jsonl", **kw)
+
+
+def test_write_report_refuses_no_run_folders_and_defaults_out_as_the_command(tmp_path, monkeypatch):
+    """``moetool report`` with no RUN_DIR is refused; ``moetool.write_report([], out)`` wrote an empty report, and
+    ``out`` had no default (the command's --out is runs/report-<time>)."""
+    import inspect
+
+    with pytest.raises(MoetoolError, match="run folders to gather"):
+        moetool.write_report([], tmp_path / "rep")
+    with pytest.raises(MoetoolError, match="run folders to gather"):
+        moetool.write_report(str(tmp_path), tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
+    assert inspect.signature(moetool.write_report).parameters["out"].default is None
+    res = moetool.erc(moetool.load("tiny", tokenizer=False), quiet=True)
+    run = moetool.write(res, tmp_path / "erc")
+    monkeypatch.chdir(tmp_path)
+    page = moetool.write_report([run])
+    assert page.name == "report.html" and page.resolve().parent.parent == tmp_path / "runs"
