@@ -100,12 +100,23 @@ def inspect_model(name: str) -> dict[str, Any]:
     return describe_model(name)
 
 
-def families() -> Any:
+def families(*, refresh: bool = False) -> Any:
     """``moetool inspect --families`` as a DataFrame: one row per MoE model type of the installed transformers,
-    supported or not (and why), routing rule, shared experts, dense layers, experts implementation."""
+    supported or not (and why), routing rule, shared experts, dense layers, experts implementation (cached per
+    installation; ``refresh=True``: rebuilt, as ``--refresh``)."""
     import pandas as pd
 
     from .inspect import families as rows
+
+    return pd.DataFrame(rows(cache=not refresh))
+
+
+def aliases() -> Any:
+    """``moetool inspect --aliases`` as a DataFrame: every model alias and embedded model (``name``, ``resolves
+    to``); any of them is a name :func:`load` takes."""
+    import pandas as pd
+
+    from .inspect import aliases as rows
 
     return pd.DataFrame(rows())
 
@@ -261,8 +272,8 @@ def _exports() -> dict[str, str]:
     return {
         **out,
         **{name: f"moetool.api:{name}" for name in (
-            "load", "tokens", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
-            "figures", "import_trace")},
+            "load", "tokens", "inspect_model", "families", "aliases", "write_report", "run_demo", "hook", "forward",
+            "write", "figures", "import_trace")},
         "run": "moetool.run",  # the module itself: callable (moetool.run._CallableModule), whichever import came first
         "Run": "moetool.run:Run",
         "Result": "moetool.experiments.result:Result",

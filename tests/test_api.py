@@ -324,3 +324,20 @@ def test_write_report_refuses_no_run_folders_and_defaults_out_as_the_command(tmp
     monkeypatch.chdir(tmp_path)
     page = moetool.write_report([run])
     assert page.name == "report.html" and page.resolve().parent.parent == tmp_path / "runs"
+
+
+def test_inspect_aliases_and_families_refresh_from_python(monkeypatch):
+    """``moetool inspect --aliases`` and ``--families --refresh`` had no Python equivalent (``moetool.aliases`` did
+    not exist, ``moetool.families()`` took no ``refresh``); now the same rows as the command's --json."""
+    import json
+
+    out = CliRunner().invoke(app, ["inspect", "--aliases", "--json"])
+    assert out.exit_code == 0, out.output
+    assert moetool.aliases().to_dict(orient="records") == json.loads(out.output)
+    import moetool.inspect as mi
+
+    seen = []
+    monkeypatch.setattr(mi, "families", lambda model_types=None, *, cache=True: seen.append(cache) or [])
+    moetool.families(refresh=True)
+    moetool.families()
+    assert seen == [False, True]
