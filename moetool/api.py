@@ -177,6 +177,40 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     return run.path / name
 
 
+def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], config: str | None = None,
+               options: Any = None, *, max_tokens: int | None = None, **overrides: Any) -> Any:
+    """``moetool stats|placement|offload|fluctuation --trace PATH``: the experiment's tables from recorded routing
+    (a ``moetool trace`` or :func:`import_trace` run folder or file; two or more for fluctuation) instead of a
+    forward; ``config`` names the model when the trace does not (``--config``). ``options`` / keywords are the
+    experiment's (``moetool.StatsOptions``, ...); those that need a forward (stats: ``layers``; fluctuation:
+    ``routing``, ``isolate``, ``layers``) are refused, and stats and placement compute no intervals (one recorded
+    routing), as on the command line. ``max_tokens`` caps the tokens read (offload, fluctuation). Returns the
+    :class:`Result` (``moetool.write(res, out)`` writes the command's files; ``--export`` is the command's)."""
+    from .errors import MoetoolError
+    from .experiments.registry import get
+    from .experiments.result import resolve_options
+    from .experiments.trace_analyses import TRACE_EXPERIMENTS, analyse
+
+    spec = get(experiment)
+    if spec.name not in TRACE_EXPERIMENTS:
+        raise MoetoolError(f"'{spec.name}' has no analysis of recorded routing: {', '.join(TRACE_EXPERIMENTS)}")
+    paths = [traces] if isinstance(traces, (str, Path)) else list(traces)
+    many = spec.name == "fluctuation"
+    if (len(paths) < 2) if many else (len(paths) != 1):
+        raise MoetoolError(f"{spec.name} from recorded routing takes " + ("two or more traces (a list)" if many
+                                                                          else "one trace") + f", not {paths!r}")
+    if max_tokens is not None and spec.name in ("stats", "placement"):
+        raise MoetoolError(f"{spec.name} from a trace reads every token it holds: max_tokens does not apply")
+    opts = resolve_options(spec.options_class(), options, overrides)
+    default = spec.options_class()()
+    forward = [f for f in TRACE_EXPERIMENTS[spec.name] if getattr(opts, f) != getattr(default, f)]
+    if forward:
+        raise MoetoolError(f"{', '.join(forward)} need{'s' if len(forward) == 1 else ''} a forward of the model: "
+                           "not from a trace")
+    names = [str(p) for p in paths]
+    return _timed(names if many else names[0], lambda: analyse(spec.name, paths, config, opts, max_tokens)[0])
+
+
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
     from .engine.runner import forward as run
@@ -273,7 +307,7 @@ def _exports() -> dict[str, str]:
         **out,
         **{name: f"moetool.api:{name}" for name in (
             "load", "tokens", "inspect_model", "families", "aliases", "write_report", "run_demo", "hook", "forward",
-            "write", "figures", "import_trace")},
+            "write", "figures", "import_trace", "from_trace")},
         "run": "moetool.run",  # the module itself: callable (moetool.run._CallableModule), whichever import came first
         "Run": "moetool.run:Run",
         "Result": "moetool.experiments.result:Result",

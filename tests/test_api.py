@@ -341,3 +341,31 @@ def test_inspect_aliases_and_families_refresh_from_python(monkeypatch):
     moetool.families(refresh=True)
     moetool.families()
     assert seen == [False, True]
+
+
+def test_from_trace_gives_the_commands_trace_tables(tmp_path):
+    """``moetool stats|placement|offload --trace RUN`` had no Python equivalent (only internal modules); now
+    ``moetool.from_trace(name, RUN, ...)`` returns the same tables, and refuses what needs a forward in one line."""
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    moetool.run("trace", lm, toks, out=tmp_path / "tr", quiet=True)
+    runner = CliRunner()
+    for name, flags, kw in (("stats", ["--top-tokens", "3", "--min-count", "2"], dict(top_tokens=3, min_count=2)),
+                            ("placement", ["--gpus", "2,4"], dict(gpus=(2, 4))),
+                            ("offload", ["--max-tokens", "100", "--bootstrap", "0"], dict(max_tokens=100,
+                                                                                          bootstrap=0))):
+        out = runner.invoke(app, [name, "--trace", str(tmp_path / "tr"), "--out", str(tmp_path / name), "--quiet",
+                                  *flags])
+        assert out.exit_code == 0, out.output
+        res = moetool.from_trace(name, tmp_path / "tr", **kw)
+        csvs = sorted(p.name for p in (tmp_path / name).glob("*.csv"))
+        assert csvs == sorted(res.tables) and csvs, name
+        for csv in csvs:
+            pd.testing.assert_frame_equal(pd.read_csv(tmp_path / name / csv), pd.read_csv(io.StringIO(
+                res.tables[csv].to_csv(index=False))), obj=f"{name} {csv}")
+    with pytest.raises(MoetoolError, match="layers needs a forward"):
+        moetool.from_trace("stats", tmp_path / "tr", layers=(1,))
+    with pytest.raises(MoetoolError, match="two or more traces"):
+        moetool.from_trace("fluctuation", tmp_path / "tr")
+    with pytest.raises(MoetoolError, match="no analysis of recorded routing"):
+        moetool.from_trace("ppl", tmp_path / "tr")
