@@ -65,10 +65,9 @@ def inspect(model: Model = DEFAULT_MODEL,
         print_table(pd.DataFrame(rows), title=f"MoE model types: {n_ok} supported of {len(rows)}", max_rows=len(rows))
         return
     if aliases:
-        from moetool.loading import ALIASES, embedded_models
+        from moetool.inspect import aliases as alias_rows
 
-        rows = [{"name": k, "resolves to": v} for k, v in ALIASES.items()]
-        rows += [{"name": k, "resolves to": f"embedded: {p}"} for k, p in embedded_models().items()]
+        rows = alias_rows()
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return

@@ -23,24 +23,19 @@ def main(p: Any) -> None:
     from moetool.report.console import console, count_text, print_table
 
     source = resolve(model)[0]
-    run = None
-    if not p.json:
-        from moetool.report import RunDir
-
-        run = RunDir.create("plan", out, force)  # a non-empty --out fails before the work
-    res = compute(model, gpus, nodes, seq_len=p.seq_len, rows=batch_size)
     if p.json:
+        res = compute(model, gpus, nodes, seq_len=p.seq_len, rows=batch_size)
         typer.echo(json.dumps({"plan": res.meta["plan"], **{n: res[n].to_dict(orient="records") for n in res.names}},
                               indent=2, default=str))
         return
-    from moetool.report.writers import write
+    import moetool
 
-    quiet, p = p.quiet, res.meta["plan"]
-    c = console()
-    if quiet:
-        write(res, run, options={"model": model})
-        echo_run(run.path)
+    res = moetool.run("plan", model, gpus=gpus, nodes=nodes, seq_len=p.seq_len, batch_size=batch_size, out=out,
+                      force=force)  # the run folder, the plan, its files: what moetool.run("plan", ...) does
+    if p.quiet:
+        echo_run(res.path)
         return
+    c, p = console(), res.meta["plan"]
     c.print(f"{model} ({source}): {count_text(p['total_params'])} parameters, "
             f"{count_text(p['active_params'])} active, {p['n_experts']} experts top-{p['top_k']} in "
             f"{p['moe_layers']} MoE layers, stored as {p['native_format']}; "
@@ -52,8 +47,7 @@ def main(p: Any) -> None:
         print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)")
     else:
         c.print("no layout fits: add GPUs or nodes, or a larger GPU")
-    write(res, run, options={"model": model})
-    echo_run(run.path)
+    echo_run(res.path)
 
 
 def _print_layouts(c: object, layouts: object, title: str) -> None:

@@ -39,14 +39,12 @@ def _run(command: str, out: Any, force: bool) -> Any:
 
 
 def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, force: bool) -> None:
-    from moetool.experiments.trace_analyses import stats_from_trace
+    from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
-    from moetool.traces.store import open_trace
 
     from moetool.run import write_result
 
-    src = open_trace(trace, config)
-    res = stats_from_trace(src, opts)
+    res, _ = analyse("stats", [trace], config, opts)
     run = _run("stats", out, force)
     write_result(res, run, options={"trace": str(trace), "trace_config": config})
     for what, why in res.meta["left_out"].items():
@@ -57,14 +55,14 @@ def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, forc
 
 def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, force: bool,
                        export: Optional[str]) -> None:
-    from moetool.experiments.trace_analyses import placement_from_trace
+    from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace
 
     from moetool.run import write_result
 
     src = open_trace(trace, config)
-    res, loads = placement_from_trace(src, opts)
+    res, loads = analyse("placement", [trace], config, opts)
     run = _run("placement", out, force)
     if export:
         write_export_file(run, export, loads, opts, src.shape)
@@ -75,13 +73,12 @@ def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, 
 
 def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: Optional[int], out: Any,
                      force: bool) -> None:
-    from moetool.experiments.trace_analyses import offload_from_trace
+    from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
-    from moetool.traces.store import open_trace
 
     from moetool.run import write_result
 
-    res = offload_from_trace(open_trace(trace, config), opts, max_tokens)
+    res, _ = analyse("offload", [trace], config, opts, max_tokens)
     run = _run("offload", out, force)
     write_result(res, run, options={"trace": str(trace), "trace_config": config, "max_tokens": max_tokens})
     for what, why in res.meta["left_out"].items():
@@ -93,14 +90,13 @@ def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: 
 def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: str, bootstrap: int, seed: int,
                           max_tokens: Optional[int], out: Any, force: bool) -> None:
     from moetool.experiments.fluctuation.compute import FluctuationOptions
-    from moetool.experiments.trace_analyses import fluctuation_from_traces
+    from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
-    from moetool.traces.store import open_trace
 
     from moetool.run import write_result
 
-    opts = FluctuationOptions(routing=("router",), reference=reference, bootstrap=bootstrap, seed=seed)
-    res = fluctuation_from_traces([open_trace(t, config) for t in traces], [str(t) for t in traces], opts, max_tokens)
+    opts = FluctuationOptions(reference=reference, bootstrap=bootstrap, seed=seed)
+    res, _ = analyse("fluctuation", list(traces), config, opts, max_tokens)
     run = _run("fluctuation", out, force)
     write_result(res, run, options={"traces": [str(t) for t in traces], "trace_config": config,
                                     "max_tokens": max_tokens})

@@ -100,23 +100,34 @@ def inspect_model(name: str) -> dict[str, Any]:
     return describe_model(name)
 
 
-def families() -> Any:
+def families(*, refresh: bool = False) -> Any:
     """``moetool inspect --families`` as a DataFrame: one row per MoE model type of the installed transformers,
-    supported or not (and why), routing rule, shared experts, dense layers, experts implementation."""
+    supported or not (and why), routing rule, shared experts, dense layers, experts implementation (cached per
+    installation; ``refresh=True``: rebuilt, as ``--refresh``)."""
     import pandas as pd
 
     from .inspect import families as rows
 
+    return pd.DataFrame(rows(cache=not refresh))
+
+
+def aliases() -> Any:
+    """``moetool inspect --aliases`` as a DataFrame: every model alias and embedded model (``name``, ``resolves
+    to``); any of them is a name :func:`load` takes."""
+    import pandas as pd
+
+    from .inspect import aliases as rows
+
     return pd.DataFrame(rows())
 
 
-def write_report(run_dirs: Iterable[str | Path], out: str | Path, *, force: bool = False,
+def write_report(run_dirs: Iterable[str | Path], out: str | Path | None = None, *, force: bool = False,
            title: str = "moetool report") -> Path:
-    """``moetool report``: gather run folders into one HTML/Markdown page (+ LaTeX/CSV tables, PNG/PDF figures);
-    returns the path of ``report.html``."""
+    """``moetool report``: gather run folders (one or more) into one HTML/Markdown page (+ LaTeX/CSV tables, PNG/PDF
+    figures) in ``out`` (default ``runs/report-<time>``, as ``--out``); returns the path of ``report.html``."""
     from .report.page import write_report as run
 
-    return run(list(run_dirs), out, force=force, title=title)
+    return run(run_dirs if isinstance(run_dirs, (str, Path)) else list(run_dirs), out, force=force, title=title)
 
 
 def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, *, force: bool = False,
@@ -166,6 +177,40 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     return run.path / name
 
 
+def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], config: str | None = None,
+               options: Any = None, *, max_tokens: int | None = None, **overrides: Any) -> Any:
+    """``moetool stats|placement|offload|fluctuation --trace PATH``: the experiment's tables from recorded routing
+    (a ``moetool trace`` or :func:`import_trace` run folder or file; two or more for fluctuation) instead of a
+    forward; ``config`` names the model when the trace does not (``--config``). ``options`` / keywords are the
+    experiment's (``moetool.StatsOptions``, ...); those that need a forward (stats: ``layers``; fluctuation:
+    ``routing``, ``isolate``, ``layers``) are refused, and stats and placement compute no intervals (one recorded
+    routing), as on the command line. ``max_tokens`` caps the tokens read (offload, fluctuation). Returns the
+    :class:`Result` (``moetool.write(res, out)`` writes the command's files; ``--export`` is the command's)."""
+    from .errors import MoetoolError
+    from .experiments.registry import get
+    from .experiments.result import resolve_options
+    from .experiments.trace_analyses import TRACE_EXPERIMENTS, analyse
+
+    spec = get(experiment)
+    if spec.name not in TRACE_EXPERIMENTS:
+        raise MoetoolError(f"'{spec.name}' has no analysis of recorded routing: {', '.join(TRACE_EXPERIMENTS)}")
+    paths = [traces] if isinstance(traces, (str, Path)) else list(traces)
+    many = spec.name == "fluctuation"
+    if (len(paths) < 2) if many else (len(paths) != 1):
+        raise MoetoolError(f"{spec.name} from recorded routing takes " + ("two or more traces (a list)" if many
+                                                                          else "one trace") + f", not {paths!r}")
+    if max_tokens is not None and spec.name in ("stats", "placement"):
+        raise MoetoolError(f"{spec.name} from a trace reads every token it holds: max_tokens does not apply")
+    opts = resolve_options(spec.options_class(), options, overrides)
+    default = spec.options_class()()
+    forward = [f for f in TRACE_EXPERIMENTS[spec.name] if getattr(opts, f) != getattr(default, f)]
+    if forward:
+        raise MoetoolError(f"{', '.join(forward)} need{'s' if len(forward) == 1 else ''} a forward of the model: "
+                           "not from a trace")
+    names = [str(p) for p in paths]
+    return _timed(names if many else names[0], lambda: analyse(spec.name, paths, config, opts, max_tokens)[0])
+
+
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
     from .engine.runner import forward as run
@@ -196,13 +241,15 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
     """An experiment of a loaded model (``spec.inputs`` ``"tokens"`` or ``"weights"``) is given one, and a
     ``"tokens"`` one packed tokens: one line naming what to pass otherwise (a model's name, a path, a tensor), not
     an AttributeError from inside the experiment. ``None`` is left to the experiment, which checks its options
-    first. ``call``: how the user called it (default ``moetool.<api>``)."""
+    first. An experiment that loads its model itself (``loads_model=False``: agreement, once per precision) takes
+    its name too. ``call``: how the user called it (default ``moetool.<api>``)."""
     from .errors import MoetoolError
 
     if spec.inputs not in ("tokens", "weights"):
         return
     call = call or f"moetool.{spec.api}"
-    if lm is not None and not (hasattr(lm, "model") and hasattr(lm, "layers")):
+    named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
+    if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
         raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
     if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
                                                                and hasattr(tokens, "attention_mask")):
@@ -259,8 +306,8 @@ def _exports() -> dict[str, str]:
     return {
         **out,
         **{name: f"moetool.api:{name}" for name in (
-            "load", "tokens", "inspect_model", "families", "write_report", "run_demo", "hook", "forward", "write",
-            "figures", "import_trace")},
+            "load", "tokens", "inspect_model", "families", "aliases", "write_report", "run_demo", "hook", "forward",
+            "write", "figures", "import_trace", "from_trace")},
         "run": "moetool.run",  # the module itself: callable (moetool.run._CallableModule), whichever import came first
         "Run": "moetool.run:Run",
         "Result": "moetool.experiments.result:Result",

@@ -126,6 +126,14 @@ def _decoder_layer_count(model: Any, layers: list) -> range:
     return range(int(n) if n else max(x.index for x in layers) + 1)
 
 
+def aliases() -> list[dict[str, str]]:
+    """``moetool inspect --aliases``: every model alias and embedded model, and what it resolves to."""
+    from .loading import ALIASES, embedded_models
+
+    rows = [{"name": k, "resolves to": v} for k, v in ALIASES.items()]
+    return rows + [{"name": k, "resolves to": f"embedded: {p}"} for k, p in embedded_models().items()]
+
+
 def families(model_types: list[str] | None = None, *, cache: bool = True) -> list[dict[str, Any]]:
     """The families table: one row per MoE model type of the installed transformers (or of ``model_types``).
 

@@ -341,6 +341,9 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
 
     refuse_busy_out({"out": out, "force": force, "resume": resume})  # before the experiment's imports and model
     spec = get(experiment)
+    if spec.inputs == "config":  # plan: a config alone, no weights, no text
+        return _run_config(spec, lm, tokens, options, out=out, force=force, batch_size=batch_size, resume=resume,
+                           data=data, seq_len=seq_len, max_tokens=max_tokens, overrides=overrides)
     auto = isinstance(batch_size, str)
     if auto and batch_size.strip().lower() != "auto":
         raise MoetoolError(f"batch_size='{batch_size}' is neither a number of rows nor 'auto'")
@@ -372,6 +375,42 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         return _run_loaded(spec, compute, lm, tokens, opts, this, resumable=resumable, out=out, force=force,
                            batch_size=batch_size, resume=resume, quiet=quiet, manifest=manifest or {},
                            inputs=inputs or {}, call=call)
+
+
+def _run_config(spec: Any, model: Any, tokens: Any, options: Any, *, out: Any, force: bool, batch_size: Any,
+                resume: bool, data: Any, seq_len: int | None, max_tokens: int | None,
+                overrides: dict[str, Any]) -> Any:
+    """:func:`run` of an experiment of a model's config alone (``plan``: no weight or text is read): the command's
+    flags as keywords (``gpus``, ``nodes``, ``seq_len``, ``batch_size``; its defaults where not given), each checked
+    as the command checks it, the run folder, the result written with the model -- what ``moetool plan`` does."""
+    from .report import RunDir
+
+    flags = {f.name: f for f in spec.command_flags() if f.name != "json"}  # --json prints instead of writing
+    given = {"seq_len": seq_len, "batch_size": batch_size, **overrides}
+    bad = sorted(k for k, v in given.items() if k not in flags and v is not None)
+    wrong = [k for k, v in (("tokens", tokens), ("options", options), ("data", data), ("max_tokens", max_tokens))
+             if v is not None] + (["resume"] if resume else [])
+    if bad or wrong:
+        raise MoetoolError(f"'{spec.name}' reads a config alone: {', '.join(wrong + bad)} do not apply (it takes "
+                           f"{', '.join(flags)})")
+    if not isinstance(model, (str, Path)):
+        raise MoetoolError(f"moetool.run('{spec.name}', ...) takes a model's name (embedded, alias, directory, hub "
+                           f"id), not {model!r}"[:300])
+    values = {name: flag.default if given.get(name) is None else given[name] for name, flag in flags.items()}
+    if isinstance(values["batch_size"], str):
+        raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='{values['batch_size']}' does not apply "
+                           "(a number of rows the commands would run)")
+    for name, flag in flags.items():
+        flag.check(values[name])
+    compute = spec.load()
+    spec.load("parse_gpus")(values["gpus"])  # a bad --gpus fails before the config is read
+    preflight(str(model))
+    folder = RunDir.create(spec.name, out, force)  # a busy --out fails before the work
+    this = current() or Run.new(spec.name)
+    with this.active():
+        return _compute_and_write(compute, (str(model), values["gpus"], values["nodes"]),
+                                  {"seq_len": values["seq_len"], "rows": values["batch_size"]}, folder, None, this,
+                                  {"model": str(model)}, None)
 
 
 def _compute_and_write(compute: Any, args: tuple[Any, ...], kwargs: dict[str, Any], folder: Any, call: Any,

@@ -293,3 +293,79 @@ def test_moetool_run_is_the_callable_module_whichever_import_comes_first():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["True", "True"], first
+
+
+def test_agreement_takes_a_models_name_as_its_docstring_says():
+    """``moetool.agreement("tiny", tokens)``: the experiment loads the model once per precision from its name (its
+    docstring and the command do this); the API wrapper refused the name as "takes a loaded model"."""
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=128)
+    kw = dict(precisions=("fp32", "bf16"), bootstrap=0, layers=(1,), quiet=True)
+    by_name = moetool.agreement("tiny", toks, **kw)
+    loaded = moetool.agreement(lm, toks, **kw)
+    pd.testing.assert_frame_equal(by_name["agreement"], loaded["agreement"])
+    with pytest.raises(MoetoolError, match="takes packed tokens"):
+        moetool.agreement("tiny", "text.jsonl", **kw)
+
+
+def test_write_report_refuses_no_run_folders_and_defaults_out_as_the_command(tmp_path, monkeypatch):
+    """``moetool report`` with no RUN_DIR is refused; ``moetool.write_report([], out)`` wrote an empty report, and
+    ``out`` had no default (the command's --out is runs/report-<time>)."""
+    import inspect
+
+    with pytest.raises(MoetoolError, match="run folders to gather"):
+        moetool.write_report([], tmp_path / "rep")
+    with pytest.raises(MoetoolError, match="run folders to gather"):
+        moetool.write_report(str(tmp_path), tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
+    assert inspect.signature(moetool.write_report).parameters["out"].default is None
+    res = moetool.erc(moetool.load("tiny", tokenizer=False), quiet=True)
+    run = moetool.write(res, tmp_path / "erc")
+    monkeypatch.chdir(tmp_path)
+    page = moetool.write_report([run])
+    assert page.name == "report.html" and page.resolve().parent.parent == tmp_path / "runs"
+
+
+def test_inspect_aliases_and_families_refresh_from_python(monkeypatch):
+    """``moetool inspect --aliases`` and ``--families --refresh`` had no Python equivalent (``moetool.aliases`` did
+    not exist, ``moetool.families()`` took no ``refresh``); now the same rows as the command's --json."""
+    import json
+
+    out = CliRunner().invoke(app, ["inspect", "--aliases", "--json"])
+    assert out.exit_code == 0, out.output
+    assert moetool.aliases().to_dict(orient="records") == json.loads(out.output)
+    import moetool.inspect as mi
+
+    seen = []
+    monkeypatch.setattr(mi, "families", lambda model_types=None, *, cache=True: seen.append(cache) or [])
+    moetool.families(refresh=True)
+    moetool.families()
+    assert seen == [False, True]
+
+
+def test_from_trace_gives_the_commands_trace_tables(tmp_path):
+    """``moetool stats|placement|offload --trace RUN`` had no Python equivalent (only internal modules); now
+    ``moetool.from_trace(name, RUN, ...)`` returns the same tables, and refuses what needs a forward in one line."""
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    moetool.run("trace", lm, toks, out=tmp_path / "tr", quiet=True)
+    runner = CliRunner()
+    for name, flags, kw in (("stats", ["--top-tokens", "3", "--min-count", "2"], dict(top_tokens=3, min_count=2)),
+                            ("placement", ["--gpus", "2,4"], dict(gpus=(2, 4))),
+                            ("offload", ["--max-tokens", "100", "--bootstrap", "0"], dict(max_tokens=100,
+                                                                                          bootstrap=0))):
+        out = runner.invoke(app, [name, "--trace", str(tmp_path / "tr"), "--out", str(tmp_path / name), "--quiet",
+                                  *flags])
+        assert out.exit_code == 0, out.output
+        res = moetool.from_trace(name, tmp_path / "tr", **kw)
+        csvs = sorted(p.name for p in (tmp_path / name).glob("*.csv"))
+        assert csvs == sorted(res.tables) and csvs, name
+        for csv in csvs:
+            pd.testing.assert_frame_equal(pd.read_csv(tmp_path / name / csv), pd.read_csv(io.StringIO(
+                res.tables[csv].to_csv(index=False))), obj=f"{name} {csv}")
+    with pytest.raises(MoetoolError, match="layers needs a forward"):
+        moetool.from_trace("stats", tmp_path / "tr", layers=(1,))
+    with pytest.raises(MoetoolError, match="two or more traces"):
+        moetool.from_trace("fluctuation", tmp_path / "tr")
+    with pytest.raises(MoetoolError, match="no analysis of recorded routing"):
+        moetool.from_trace("ppl", tmp_path / "tr")

@@ -364,3 +364,30 @@ def test_plan_reads_at_80_columns_and_respects_the_models_positions(tmp_path):
         P.plan("tiny", "8xH100", seq_len=2048)
     r = runner.invoke(app, ["plan", "--model", "tiny", "--seq-len", "2048", "--out", str(tmp_path / "q")])
     assert r.exit_code == 2 and "use --seq-len 1024 or less" in r.output
+
+
+def test_moetool_run_plan_is_the_command(tmp_path):
+    """``moetool.run("plan", name, gpus=..., nodes=..., seq_len=..., batch_size=..., out=...)`` writes the command's
+    tables (it raised a raw TypeError after loading the model's weights: plan() got an unexpected keyword 'quiet');
+    a bad value of a flag is one MoetoolError, as on the command line, and nothing is written."""
+    import pandas as pd
+
+    import moetool
+
+    r = cli("plan", "--model", "tiny", "--gpus", "2xH100", "--nodes", "2", "--seq-len", "128", "--batch-size", "4",
+            "--out", str(tmp_path / "cli"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    res = moetool.run("plan", "tiny", gpus="2xH100", nodes=2, seq_len=128, batch_size=4, out=tmp_path / "api")
+    assert res.path == tmp_path / "api"
+    names = sorted(p.name for p in (tmp_path / "cli").glob("*.csv"))
+    assert names == sorted(p.name for p in (tmp_path / "api").glob("*.csv")) and "layouts.csv" in names
+    for name in names:
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "cli" / name), pd.read_csv(tmp_path / "api" / name))
+    default = moetool.run("plan", "tiny", out=tmp_path / "default")  # the command's defaults: 8xH100, 1 node, 8 rows
+    assert default.meta["plan"]["rows"] == 8 and default["layouts"].equals(moetool.plan("tiny")["layouts"])
+    for kw, msg in ((dict(nodes=0), "--nodes must be >= 1"), (dict(gpus="8xZ100"), "unknown GPU"),
+                    (dict(batch_size="auto"), "runs no batches"), (dict(max_tokens=64), "do not apply"),
+                    (dict(top_k=1), "do not apply")):
+        with pytest.raises(MoetoolError, match=msg):
+            moetool.run("plan", "tiny", out=tmp_path / "bad", **kw)
+        assert not (tmp_path / "bad").exists()

@@ -436,3 +436,34 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     return Result("fluctuation_trace", {"fluctuation.csv": df}, options,
                   meta=dict(traces=[s.describe() for s in srcs], left_out=left_out), summary=summary)
 
+
+
+# ----- one entry: moetool <experiment> --trace and moetool.from_trace ----------------------------------------------
+#: the experiments with a --trace analysis, and the option fields that need a forward of the model (refused)
+TRACE_EXPERIMENTS = {"stats": ("layers",), "placement": (), "offload": (), "fluctuation": ("routing", "isolate", "layers")}
+
+
+def analyse(experiment: str, traces: list[Any], config: str | None, options: Any,
+            max_tokens: int | None = None) -> tuple[Result, dict[str, Any] | None]:
+    """``moetool <experiment> --trace ...`` (and :func:`moetool.from_trace`): the analysis of recorded routing with
+    the options as the command applies them -- no intervals for stats and placement (one recorded routing, no
+    resampling of rows), the recorded routing alone for fluctuation -> ``(Result, loads)``, ``loads`` the
+    placement's (for ``--export``), else ``None``."""
+    import dataclasses
+
+    from ..traces.store import open_trace
+    from .fluctuation.compute import FluctuationOptions
+
+    if experiment == "fluctuation":
+        opts = FluctuationOptions(routing=("router",), reference=options.reference, bootstrap=options.bootstrap,
+                                  seed=options.seed)
+        return fluctuation_from_traces([open_trace(t, config) for t in traces], [str(t) for t in traces], opts,
+                                       max_tokens), None
+    src = open_trace(traces[0], config)
+    if experiment == "stats":
+        return stats_from_trace(src, dataclasses.replace(options, bootstrap=0)), None
+    if experiment == "placement":
+        return placement_from_trace(src, dataclasses.replace(options, bootstrap=0))
+    if experiment == "offload":
+        return offload_from_trace(src, options, max_tokens), None
+    raise MoetoolError(f"'{experiment}' has no analysis of recorded routing (--trace): {', '.join(TRACE_EXPERIMENTS)}")

@@ -718,12 +718,14 @@ def refuse_out_over_runs(out: str | Path | None, run_dirs: Sequence[str | Path])
                                "gathers: write the report elsewhere")
 
 
-def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir, *, force: bool = False,
+def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir | None, *, force: bool = False,
                  title: str = "moetool report", warn: Callable[[str], None] = _warn) -> Path:
     """Gather ``run_dirs`` into ``out`` (a folder, or a :class:`RunDir` such as ``demo``'s ``sub("report")``);
     returns the path of ``report.html``. Every text from a run (manifest fields, file names, table cells) is
     escaped for the format it is written in; only files inside each run folder are read (others: one ``warn``
-    line each, and a note in the page)."""
+    line each, and a note in the page). No ``run_dirs``: one line (the command requires RUN_DIR), nothing written."""
+    if isinstance(run_dirs, (str, Path)) or not list(run_dirs):  # a str would be gathered letter by letter
+        raise MoetoolError(f"give the run folders to gather as a list (RUN_DIR...), not {run_dirs!r}"[:200])
     if not isinstance(out, RunDir):
         refuse_out_over_runs(out, run_dirs)
     run = out if isinstance(out, RunDir) else RunDir.create("report", out, force)
