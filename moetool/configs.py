@@ -26,6 +26,13 @@ LINEAR_MIXER_TYPES = ("linear_attention", "mamba", "linear", "conv", "short_conv
 NO_ATTENTION_TYPES = ("moe", "mlp")
 
 
+def stored_dtype(config: Any) -> Any:
+    """The dtype a checkpoint's config records (``dtype``; a ``torch_dtype`` kept in the config's own attributes),
+    ``None`` when it records none. Never through transformers 5's ``torch_dtype`` property: it only repeats
+    ``dtype`` and prints "`torch_dtype` is deprecated! Use `dtype` instead!" on the user's console."""
+    return getattr(config, "dtype", None) or vars(config).get("torch_dtype")
+
+
 def layer_types(config: Any) -> list[str] | None:
     """The per-layer types of ``config`` (``layer_types``, ``layers_block_type``, ``attn_type_list``: the first that is a
     list of strings), or None."""

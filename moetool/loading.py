@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from .configs import stored_dtype
 from .errors import MoetoolError, MoetoolRuntimeError, one_line
 from .hub import hub_error, hub_kwargs
 from .registry import did_you_mean
@@ -308,7 +309,7 @@ def pick_dtype(dtype: str, config: Any, device) -> Any:
         return table[dtype]
     if dtype != "auto":
         raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'")
-    ck = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    ck = stored_dtype(config)
     if isinstance(ck, str):
         ck = getattr(torch, ck, None)
     if not isinstance(ck, torch.dtype) or device.type == "cpu":

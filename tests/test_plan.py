@@ -391,3 +391,27 @@ def test_moetool_run_plan_is_the_command(tmp_path):
         with pytest.raises(MoetoolError, match=msg):
             moetool.run("plan", "tiny", out=tmp_path / "bad", **kw)
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_config_without_a_dtype_prints_no_transformers_deprecation(tmp_path):
+    """A config.json that records no dtype (``save_pretrained`` of a config built by hand) made ``plan`` and
+    ``inspect`` print "[transformers] `torch_dtype` is deprecated! Use `dtype` instead!": moetool read the
+    deprecated property as a fallback. ``configs.stored_dtype`` reads ``dtype`` and a ``torch_dtype`` the config
+    itself holds; the formats are as before (bf16 when none is recorded, fp32 from a recorded float32)."""
+    from transformers import Qwen3MoeConfig
+
+    from moetool.configs import stored_dtype
+
+    tiny = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)
+    none = tmp_path / "none"
+    Qwen3MoeConfig(**tiny).save_pretrained(none)
+    assert "dtype" not in json.loads((none / "config.json").read_text())
+    r = subprocess.run([sys.executable, "-m", "moetool", "plan", "--model", str(none), "--gpus", "1xH100", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "deprecated" not in r.stderr and json.loads(r.stdout)["plan"]["native_format"] == "bf16"
+    c = Qwen3MoeConfig(**tiny)
+    c.__dict__["torch_dtype"] = "float32"  # a config object holding the old key itself
+    c.dtype = None
+    assert stored_dtype(c) == "float32" and P.native_format(c) == "fp32"

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..configs import stored_dtype
 from ..errors import MoetoolError, spans
 from .base import ExpertWeights, MoELayer
 from .fp8_backend import unquantized
@@ -424,7 +425,7 @@ def checkpoint_format(config: Any, quantize: str | None = None) -> dict[str, str
         qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "float", "quantize": True}
     routing = "routing commands (ppl, trace, stats, ...) capture the router's own output"
     if qc is None:
-        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "?").replace("torch.", "")
+        dtype = str(stored_dtype(config) or "?").replace("torch.", "")
         return {"format": f"plain ({dtype})", "gpu": "experts as stored", "cpu": "experts as stored",
                 "routing": routing, "weights": "probes read the expert weights as stored"}
     method = str(getattr(_qc_get(qc, "quant_method"), "value", _qc_get(qc, "quant_method")))

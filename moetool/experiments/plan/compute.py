@@ -132,7 +132,7 @@ def parse_gpus(spec: str) -> tuple[int, Gpu]:
 
 def native_format(config: Any) -> str:
     """The checkpoint's storage format: its ``quantization_config`` (fp8, mxfp4, fp4) or its ``torch_dtype``."""
-    from ...configs import text_config
+    from ...configs import stored_dtype, text_config
 
     q = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
     if q:
@@ -144,7 +144,7 @@ def native_format(config: Any) -> str:
             return method
         raise MoetoolError(f"quantization '{method or q}' of this checkpoint is not one moetool can size "
                            f"(fp8, mxfp4, fp4)")
-    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16")
+    dtype = str(stored_dtype(config) or "bfloat16")
     return {"torch.float32": "fp32", "float32": "fp32", "torch.float16": "fp16", "float16": "fp16"}.get(dtype, "bf16")
 
 
