@@ -471,3 +471,23 @@ def test_null_run_drops_an_atomic_write(tmp_path):
         tmp.write_text("{}")
         written = tmp
     assert not written.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_csv_gz_table_is_the_same_file_from_any_run(tmp_path, monkeypatch):
+    """moetool.run("trace", lm, tokens) writes trace.csv.gz with write_csv: two runs of the same rows (a resumed one,
+    a rerun) had other bytes and manifest sha256s, gzip's header holding the clock and the temporary
+    .part-<pid>- name. Now the same rows give the same file (and the text pandas writes)."""
+    import gzip
+
+    df = pd.DataFrame({"token": ["a", "b,c", "null"], "x": [1.5, float("nan"), 3.0]})
+    files = []
+    for i, out in enumerate(("a", "b")):
+        monkeypatch.setattr(time, "time", lambda i=i: 1_700_000_000.0 + 1000 * i)
+        run = RunDir.create("trace", tmp_path / out)
+        files.append(run.write_csv("trace.csv.gz", df))
+        run.finish(options={})
+    a, b = (f.read_bytes() for f in files)
+    assert a == b and a[3] & 0x08 == 0 and a[4:8] == bytes(4)  # no FNAME flag, MTIME 0
+    assert gzip.decompress(a).decode() == df.to_csv(index=False)
+    m = [json.loads((tmp_path / out / "manifest.json").read_text())["tables"]["trace.csv.gz"] for out in "ab"]
+    assert m[0] == m[1] and m[0]["rows"] == 3

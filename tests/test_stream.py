@@ -65,3 +65,20 @@ def test_type_error_in_a_batch_is_reported_with_the_path(tmp_path):
 def test_bad_suffix():
     with pytest.raises(MoetoolError, match="parquet or .csv.gz"):
         TableStream("trace.csv")
+
+
+def test_csv_gz_bytes_depend_on_the_rows_only(tmp_path, monkeypatch):
+    """A trace.csv.gz of an uninterrupted run and of a resumed one (same rows) had other bytes, so the manifest's
+    sha256 differed: gzip's header held the time and the temporary name (.part-<pid>-trace.csv). Now neither."""
+    import gzip
+    import time
+
+    rows = {"a": np.arange(10), "b": np.linspace(0, 1, 10)}
+    paths = [tmp_path / ".part-11-trace.csv.gz", tmp_path / ".part-22-trace.csv.gz"]
+    for i, p in enumerate(paths):
+        monkeypatch.setattr(time, "time", lambda i=i: 1_700_000_000.0 + 1000 * i)
+        with TableStream(p) as out:
+            out.write(rows)
+    a, b = (p.read_bytes() for p in paths)
+    assert a == b and a[3] & 0x08 == 0 and a[4:8] == bytes(4)  # no FNAME flag, MTIME 0
+    assert gzip.decompress(a).decode().splitlines()[0] == '"a","b"'

@@ -491,7 +491,15 @@ class RunDir:
         if len(df) == 0:
             raise MoetoolError(f"nothing to write to {name}: no rows (empty data?)")
         with self.atomic(name, rows=len(df)) as tmp:
-            df.to_csv(tmp, index=False)
+            if name.endswith(".gz"):  # no temporary name and no time in the gzip header: same rows, same bytes
+                import gzip
+                import io
+
+                with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
+                        io.TextIOWrapper(gz, encoding="utf-8", newline="") as text:
+                    df.to_csv(text, index=False)
+            else:
+                df.to_csv(tmp, index=False)
         return self._path / name
 
     def write_json(self, name: str, obj: Any) -> Path:
