@@ -446,3 +446,21 @@ def test_an_unfinished_run_is_offered_resume_only_by_a_command_that_has_it(tmp_p
     r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", str(tmp_path / "stats")])
     assert r.exit_code == 2 and "use --resume to continue it or --force to start over" in r.output, r.output
 
+
+
+def test_an_in_memory_trace_refuses_resume_rather_than_start_again(tmp_path):
+    """``moetool.run("trace", ..., resume=True)`` holds the trace in memory and keeps no checkpoints: a resume of an
+    interrupted one was accepted and quietly started again, where the README said it continued. Refused in one line
+    naming ``moetool trace --resume`` (which streams and continues); the run is not marked complete."""
+    import moetool
+    from moetool.errors import MoetoolError
+
+    out = tmp_path / "tr"
+    moetool.run("trace", "tiny", out=out, max_tokens=128, seq_len=32, quiet=True)
+    m = json.loads((out / "manifest.json").read_text())
+    m["status"] = "interrupted"  # as a Ctrl-C leaves it
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(MoetoolError, match=r"a trace held in memory \(no path\) keeps no checkpoints.*moetool trace "
+                                           r"--out RUN --resume"):
+        moetool.run("trace", "tiny", out=out, max_tokens=128, seq_len=32, quiet=True, resume=True)
+    assert json.loads((out / "manifest.json").read_text())["status"] != "complete"

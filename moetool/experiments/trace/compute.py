@@ -29,6 +29,7 @@ from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...engine.stream import TableStream
+from ...errors import MoetoolError
 from ..result import Result, resolve_options
 from .spec import TraceOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -172,6 +173,9 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     """
     opts = resolve_options(TraceOptions, options, overrides)
     require_tokens(tokens)
+    if path is None and getattr(getattr(units, "run", None), "resuming", None) is not None:
+        raise MoetoolError("resume=True: a trace held in memory (no path) keeps no checkpoints to continue from; "
+                           "`moetool trace --out RUN --resume` streams the trace to RUN and continues it")
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     col = TraceCollector(opts.logits)
