@@ -156,13 +156,7 @@ PROPORTIONS = ("acc", "acc_norm", "exact_match", "acc_mutual_info")
 def _items(results: dict[str, Any], task: str) -> float:
     """The items lm-eval scored for ``task`` (``n-samples`` effective; a group: the sum over its subtasks); NaN
     when the results do not say."""
-    n = results.get("n-samples", {}).get(task, {})
-    if isinstance(n, dict) and n.get("effective") is not None:
-        return float(n["effective"])
-    subtasks = results.get("group_subtasks", {}).get(task)
-    if subtasks:
-        return float(sum(_items(results, t) for t in subtasks))
-    return float("nan")
+    return _hits(results, task)[1]
 
 
 def _pooled(results: dict[str, Any], task: str, key: str) -> float:
@@ -173,15 +167,18 @@ def _pooled(results: dict[str, Any], task: str, key: str) -> float:
     return hits / n if n > 0 else float("nan")
 
 
-def _hits(results: dict[str, Any], task: str, key: str) -> tuple[float, float]:
+def _hits(results: dict[str, Any], task: str, key: str | None = None) -> tuple[float, float]:
+    """``(items scored 1 for the results key, items scored)`` of ``task``: its ``n-samples`` (effective), a group's
+    summed over its subtasks; NaN where the results do not say (the hits without ``key``)."""
     n = results.get("n-samples", {}).get(task, {})
     if isinstance(n, dict) and n.get("effective") is not None:
-        return _number(results.get("results", {}).get(task, {}).get(key)) * float(n["effective"]), float(n["effective"])
+        m = float(n["effective"])
+        return (_number(results.get("results", {}).get(task, {}).get(key)) * m if key else float("nan")), m
     subtasks = results.get("group_subtasks", {}).get(task)
     if not subtasks:
         return float("nan"), float("nan")
     parts = [_hits(results, t, key) for t in subtasks]
-    return sum(h for h, _ in parts), sum(m for _, m in parts)
+    return float(sum(h for h, _ in parts)), float(sum(m for _, m in parts))
 
 
 def _interval(results: dict[str, Any], task: str, metric: str, value: float, stderr: float) -> tuple[float, float]:
