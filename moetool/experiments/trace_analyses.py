@@ -27,9 +27,9 @@ from .. import ops
 from ..errors import MoetoolError, spans
 from ..loading import load_tokenizer
 from ..sketch import SparseCounter
-from ..traces.store import TraceSource, check_counts, expert_columns, read_batches, read_loads
+from ..traces.store import TraceSource, check_counts, expert_columns, open_trace, read_batches, read_loads
 from ..uncertainty import RowSums
-from .fluctuation.compute import RATES, Routing, compare_with_intervals, pairs
+from .fluctuation.compute import RATES, FluctuationOptions, Routing, compare_with_intervals, pairs
 from .offload.compute import offload_tables, refuse_zero_compute
 from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
@@ -450,9 +450,6 @@ def analyse(experiment: str, traces: list[Any], config: str | None, options: Any
     resampling of rows), the recorded routing alone for fluctuation -> ``(Result, loads)``, ``loads`` the
     placement's (for ``--export``), else ``None``."""
     import dataclasses
-
-    from ..traces.store import open_trace
-    from .fluctuation.compute import FluctuationOptions
 
     if experiment == "fluctuation":
         opts = FluctuationOptions(routing=("router",), reference=options.reference, bootstrap=options.bootstrap,
