@@ -6,6 +6,7 @@ once per installation and keeps in :func:`cache_dir` (:func:`cached`)."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import os
@@ -159,3 +160,23 @@ def write_cached(path: Path, key: dict[str, Any], value: Any, field: str = "info
             tmp.write_text(text, encoding="utf-8")
     except (OSError, TypeError, ValueError):  # an unwritable cache only costs the next call the time again
         pass
+
+
+class ReproducibleGzip(gzip.GzipFile):
+    """A gzip file written at ``path`` whose header holds no file name and time 0 (``gzip.open`` and pandas write
+    the temporary ``.part-<pid>-`` name and the clock): the same rows give the same bytes, so an identical table
+    has the same sha256 in its manifest (a resumed run's, a rerun's)."""
+
+    def __init__(self, path: str | Path, level: int = 9):
+        self._raw = open(path, "wb")
+        try:
+            super().__init__(filename="", mode="wb", compresslevel=level, fileobj=self._raw, mtime=0)
+        except BaseException:
+            self._raw.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()

@@ -13,33 +13,15 @@ Format by suffix: ``.parquet`` (pyarrow ``ParquetWriter``, zstd, the first batch
 
 from __future__ import annotations
 
-import gzip
 import queue
 import threading
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import MoetoolError
+from ..files import ReproducibleGzip
 
 _STOP = object()
-
-
-class _Gzip(gzip.GzipFile):
-    """A gzip file at ``path`` whose header holds no file name and time 0: the same rows, the same bytes."""
-
-    def __init__(self, path: Path, level: int):
-        self._raw = open(path, "wb")
-        try:
-            super().__init__(filename="", mode="wb", compresslevel=level, fileobj=self._raw, mtime=0)
-        except BaseException:
-            self._raw.close()
-            raise
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._raw.close()
 
 
 class TableStream:
@@ -165,5 +147,5 @@ class TableStream:
 
         # no name and time in the gzip header (gzip.open wrote the temporary .part-<pid>- name and the clock):
         # the same rows give the same bytes, so the manifest's sha256 of an identical table is the same
-        sink = _Gzip(self.path, self.level)
+        sink = ReproducibleGzip(self.path, self.level)
         return pcsv.CSVWriter(sink, schema), sink

@@ -46,7 +46,7 @@ from ..checkpoints import CHECKPOINT_TYPES, UNIT_FORMAT, UNITS, Units  # noqa: F
 from ..experiments import registry as _registry  # noqa: F401 - discovering the experiments allows their checkpoint types
 from ..errors import MoetoolError, MoetoolRuntimeError, one_line, write_error  # noqa: F401 (one_line: rundir.one_line)
 from ..files import PART, atomic_path, jsonable as _jsonable  # noqa: F401 - rundir.atomic_path / PART: writers
-from ..files import MANIFEST, TABLES, table_record
+from ..files import MANIFEST, TABLES, ReproducibleGzip, table_record
 
 LOCK = ".moetool-lock"  # the advisory lock of the process writing the run (removed when the run ends)
 
@@ -492,11 +492,9 @@ class RunDir:
             raise MoetoolError(f"nothing to write to {name}: no rows (empty data?)")
         with self.atomic(name, rows=len(df)) as tmp:
             if name.endswith(".gz"):  # no temporary name and no time in the gzip header: same rows, same bytes
-                import gzip
                 import io
 
-                with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
-                        io.TextIOWrapper(gz, encoding="utf-8", newline="") as text:
+                with ReproducibleGzip(tmp) as gz, io.TextIOWrapper(gz, encoding="utf-8", newline="") as text:
                     df.to_csv(text, index=False)
             else:
                 df.to_csv(tmp, index=False)
