@@ -44,9 +44,11 @@ def check(p: Any, opts: Any) -> dict[str, Any]:
         if p.export is not None:
             from moetool.traces.shape import ModelShape
 
-            from .trace_input import loads_of_result, write_export_file
+            from moetool.traces.export import placement_loads
 
-            write_export_file(folder, p.export, loads_of_result(res), opts, ModelShape.from_config(p.model))
+            from .trace_input import write_export_file
+
+            write_export_file(folder, p.export, placement_loads(res), opts, ModelShape.from_config(p.model))
         return res
 
     return {"call": call}

@@ -107,35 +107,9 @@ def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: 
 
 
 def write_export_file(run: Any, export: str, loads: dict[str, Any], opts: Any, shape: Any) -> None:
-    """``--export sglang|eplb``: EPLB's placement of the loads at the one ``--gpus`` G and ``--extra-slots`` given
-    (R = slots x G), in the file the engine loads (:mod:`moetool.traces.export`)."""
-    from moetool.errors import MoetoolError
-    from moetool.traces.export import EXPORTS, FILES, eplb_placement, write_export
+    """``--export sglang|eplb`` into the run folder (:func:`moetool.traces.export.export_placement`)."""
+    from moetool.traces.export import FILES, export_placement
 
-    if export not in EXPORTS:
-        raise MoetoolError(f"--export must be one of {', '.join(EXPORTS)}, not '{export}'")
-    gpus = opts.gpu_counts(loads["n"])
-    if len(gpus) != 1 or len(set(opts.extra_slots)) != 1:
-        raise MoetoolError("--export writes one placement: give one --gpus G and one --extra-slots value")
-    G, R = gpus[0], opts.extra_slots[0] * gpus[0]
-    placed = eplb_placement(loads["load"], G, R, loads["groups"], opts.nodes)
-    with run.atomic(FILES[export]) as tmp:
-        write_export(export, tmp, placed, loads["layers"], shape,
-                     {"num_replicas": loads["n"] + R, "num_groups": loads["groups"], "num_nodes": opts.nodes,
-                      "num_gpus": G})
-    run.add(export={"format": export, "file": FILES[export], "gpus": G, "replicas": R,
-                    "engine": ("sglang: --init-expert-location " + FILES[export] + f" --ep-size {G} "
-                               f"--ep-num-redundant-experts {R}") if export == "sglang" else
-                    "DeepSeek EPLB rebalance_experts outputs (phy2log, log2phy, logcnt)"})
-
-
-def loads_of_result(res: Any) -> dict[str, Any]:
-    """The data's loads of a ``placement`` result (``placement_loads.csv``) as :func:`write_export_file` takes them."""
-    import torch
-
-    df = res["placement_loads"]
-    df = df[df["data_set"] == "data"]
-    layers = sorted(int(x) for x in df["layer"].unique())
-    load = torch.stack([torch.tensor(df[df["layer"] == li].sort_values("expert")["load"].to_numpy(),
-                                     dtype=torch.float64) for li in layers])
-    return {"load": load, "layers": layers, "n": int(res.meta["n_experts"]), "groups": int(res.meta["groups"])}
+    with run.atomic(FILES[export]) as tmp:  # --export was checked before anything loaded
+        entry = export_placement(export, tmp, loads, opts, shape)
+    run.add(export=entry)

@@ -185,7 +185,8 @@ def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], confi
     experiment's (``moetool.StatsOptions``, ...); those that need a forward (stats: ``layers``; fluctuation:
     ``routing``, ``isolate``, ``layers``) are refused, and stats and placement compute no intervals (one recorded
     routing), as on the command line. ``max_tokens`` caps the tokens read (offload, fluctuation). Returns the
-    :class:`Result` (``moetool.write(res, out)`` writes the command's files; ``--export`` is the command's)."""
+    :class:`Result` (``moetool.write(res, out)`` writes the command's files; :func:`export_placement` its
+    ``--export``)."""
     from .errors import MoetoolError
     from .experiments.registry import get
     from .experiments.result import resolve_options
@@ -209,6 +210,37 @@ def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], confi
                            "not from a trace")
     names = [str(p) for p in paths]
     return _timed(names if many else names[0], lambda: analyse(spec.name, paths, config, opts, max_tokens)[0])
+
+
+def export_placement(result: Any, format: str, path: str | Path, *, config: str | None = None,
+                     force: bool = False) -> Path:
+    """``moetool placement --export sglang|eplb``: EPLB's placement of a ``placement`` result's loads (of the data,
+    at its one ``gpus`` G and ``extra_slots``: R = slots x G) written at ``path`` in the file the engine loads
+    (:mod:`moetool.traces.export`); returns ``path``. ``sglang`` needs every decoder layer of the model: ``config``
+    (a model's name or folder), else the result's model or trace. An existing ``path`` needs ``force``."""
+    from .errors import MoetoolError
+    from .traces.export import EXPORTS, export_placement as export, placement_loads
+    from .traces.shape import ModelShape
+
+    if format not in EXPORTS:
+        raise MoetoolError(f"format must be one of {', '.join(EXPORTS)}, not '{format}'")
+    loads = placement_loads(result)
+    path = Path(path)
+    if path.is_dir() or (path.exists() and not force):
+        raise MoetoolError(f"{path}: " + ("a folder: give the file's path" if path.is_dir() else
+                                          "exists (force=True to replace it)"))
+    if not path.parent.is_dir():
+        raise MoetoolError(f"{path.parent}: no such folder")
+    shape = None
+    if format == "sglang":
+        trace = result.meta.get("trace")
+        model = result.model.get("name") if isinstance(result.model, dict) else None
+        if config is not None or model is not None:
+            shape = ModelShape.from_config(str(config if config is not None else model))
+        elif isinstance(trace, dict) and "shape" in trace:
+            shape = ModelShape.from_manifest(trace["shape"])
+    export(format, path, loads, result.options, shape)
+    return path
 
 
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
@@ -307,7 +339,7 @@ def _exports() -> dict[str, str]:
         **out,
         **{name: f"moetool.api:{name}" for name in (
             "load", "tokens", "inspect_model", "families", "aliases", "write_report", "run_demo", "hook", "forward",
-            "write", "figures", "import_trace", "from_trace")},
+            "write", "figures", "import_trace", "from_trace", "export_placement")},
         "run": "moetool.run",  # the module itself: callable (moetool.run._CallableModule), whichever import came first
         "Run": "moetool.run:Run",
         "Result": "moetool.experiments.result:Result",

@@ -494,11 +494,50 @@ def test_export_read_back(captured, imported, kind, tmp_path):
     assert np.allclose(per_gpu.max(-1).values.numpy(), eplb.max_gpu_load.to_numpy(), rtol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ("sglang", "eplb"))
+def test_export_placement_api(captured, imported, kind, tmp_path):
+    """``moetool.export_placement`` writes the file ``placement --export`` writes (same bytes, from a trace), and
+    from a forward's result a placement whose per-GPU loads are the result's EPLB row; bad inputs raise one
+    MoetoolError."""
+    import moetool
+    from moetool.traces.export import FILES
+
+    out = tmp_path / "pl"
+    r = runner.invoke(app, ["placement", "--trace", str(imported["vllm"]), "--gpus", "4", "--extra-slots", "1",
+                            "--export", kind, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = moetool.from_trace("placement", imported["vllm"], gpus=[4], extra_slots=[1])
+    got = moetool.export_placement(res, kind, tmp_path / FILES[kind])
+    assert got.read_bytes() == (out / FILES[kind]).read_bytes()
+    res = moetool.placement(captured["lm"], captured["tokens"], gpus=[4], extra_slots=[1], bootstrap=0)
+    path = moetool.export_placement(res, kind, tmp_path / ("fwd-" + FILES[kind]))
+    if kind == "sglang":
+        phy2log = read_sglang_location(path, 8)["physical_to_logical_map"]
+        count = torch.stack([torch.bincount(p, minlength=8) for p in phy2log])
+    else:
+        back = read_eplb(path)
+        phy2log, count = back["phy2log"], back["logcnt"]
+    df = res["placement_loads"]
+    load = torch.tensor(np.stack([g.sort_values("expert")["load"].to_numpy() for _, g in df.groupby("layer")]))
+    eplb = res["placement"]
+    eplb = eplb[(eplb.method == "eplb") & (eplb.gpus == 4)].sort_values("layer")
+    assert np.allclose(gpu_loads(load, phy2log, count, 4).max(-1).values.numpy(), eplb.max_gpu_load.to_numpy(),
+                       rtol=1e-12)
+    with pytest.raises(moetool.MoetoolError, match="exists"):
+        moetool.export_placement(res, kind, path)
+    with pytest.raises(moetool.MoetoolError, match="one --gpus"):
+        moetool.export_placement(captured["placement"], kind, tmp_path / "two.json")
+    with pytest.raises(moetool.MoetoolError, match="placement result"):
+        moetool.export_placement(captured["stats"], kind, tmp_path / "stats.json")
+    with pytest.raises(moetool.MoetoolError, match="one of"):
+        moetool.export_placement(res, "vllm", tmp_path / "v.json")
+
+
 def test_export_of_a_forward_uses_its_loads(captured, imported):
     """``placement --export`` after a forward exports from the result's own loads: the trace's, per layer."""
-    from moetool.commands.trace_input import loads_of_result
+    from moetool.traces.export import placement_loads
 
-    got = loads_of_result(captured["placement"])
+    got = placement_loads(captured["placement"])
     _, ref = placement_from_trace(open_trace(imported["vllm"]), PlacementOptions(gpus=(2,), bootstrap=0))
     assert got["layers"] == ref["layers"] and got["n"] == ref["n"] and got["groups"] == ref["groups"] == 1
     assert torch.equal(got["load"], ref["load"])

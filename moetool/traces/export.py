@@ -35,6 +35,41 @@ EXPORTS = ("sglang", "eplb")
 FILES = {"sglang": "sglang_expert_location.json", "eplb": "eplb_placement.json"}
 
 
+def placement_loads(res: Any) -> dict[str, Any]:
+    """The data's loads of a ``placement`` result as :func:`export_placement` takes them: ``{"load" [layers, n]
+    float64, "layers", "n", "groups"}`` (``placement_loads.csv``'s ``data`` rows)."""
+    if getattr(res, "name", None) != "placement" or "placement_loads" not in res:
+        raise MoetoolError(f"an export takes a placement result (moetool.placement / moetool.run('placement', ...) / "
+                           f"moetool.from_trace('placement', ...)), not {getattr(res, 'name', type(res).__name__)!r}")
+    df = res["placement_loads"]
+    df = df[df["data_set"] == "data"]
+    layers = sorted(int(x) for x in df["layer"].unique())
+    load = torch.stack([torch.tensor(df[df["layer"] == li].sort_values("expert")["load"].to_numpy(),
+                                     dtype=torch.float64) for li in layers])
+    return {"load": load, "layers": layers, "n": int(res.meta["n_experts"]), "groups": int(res.meta["groups"])}
+
+
+def export_placement(kind: str, path: Path, loads: dict[str, Any], opts: Any, shape: ModelShape | None
+                     ) -> dict[str, Any]:
+    """``--export sglang|eplb``: EPLB's placement of ``loads`` (:func:`placement_loads`) at the one ``--gpus`` G and
+    ``--extra-slots`` of ``opts`` (R = slots x G), written at ``path`` in the file the engine loads; returns its
+    manifest entry (``export``)."""
+    if kind not in EXPORTS:
+        raise MoetoolError(f"--export must be one of {', '.join(EXPORTS)}, not '{kind}'")
+    gpus = opts.gpu_counts(loads["n"])
+    if len(gpus) != 1 or len(set(opts.extra_slots)) != 1:
+        raise MoetoolError("--export writes one placement: give one --gpus G and one --extra-slots value")
+    G, R = gpus[0], opts.extra_slots[0] * gpus[0]
+    placed = eplb_placement(loads["load"], G, R, loads["groups"], opts.nodes)
+    write_export(kind, path, placed, loads["layers"], shape,
+                 {"num_replicas": loads["n"] + R, "num_groups": loads["groups"], "num_nodes": opts.nodes,
+                  "num_gpus": G})
+    return {"format": kind, "file": FILES[kind], "gpus": G, "replicas": R,
+            "engine": ("sglang: --init-expert-location " + FILES[kind] + f" --ep-size {G} "
+                       f"--ep-num-redundant-experts {R}") if kind == "sglang" else
+            "DeepSeek EPLB rebalance_experts outputs (phy2log, log2phy, logcnt)"}
+
+
 def log2phy_map(phy2log: torch.Tensor, phyrank: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
     """EPLB's ``log2phy [L, n, max replicas]`` (-1 padded) from ``phy2log``, the replica ranks and counts."""
     L, n = logcnt.shape
