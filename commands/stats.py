@@ -8,11 +8,10 @@ from typing import Any
 
 
 def check(p: Any, opts: Any) -> dict[str, Any]:
-    """Special tokens: the tokenizer's default (a BOS where it adds one) unless ``--no-special-tokens``; the choice is
-    in the manifest (and the key a ``--resume`` must match)."""
-    none = p.no_special_tokens
-    return {"add_special_tokens": False if none else None,
-            "manifest": {"special_tokens": "none" if none else "tokenizer default"}}
+    """Special tokens: the tokenizer's default (a BOS where it adds one, the spec's ``special_tokens``) unless
+    ``--no-special-tokens``; ``moetool.run`` records the choice in the manifest (and the key a ``--resume`` must
+    match)."""
+    return {"add_special_tokens": False} if p.no_special_tokens else {}
 
 
 def on_trace(p: Any, opts: Any) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ def resolve_batch_size(params: dict[str, Any], run: RunState | None = None) -> i
     from . import distributed, sizing
 
     run = state(run)
+    resumed = resumed_rows(params.get("out"), params.get("resume"))
+    if resumed is not None:
+        return resumed_choice(resumed, run)
     model = params.get("model") or params.get("model_arg") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
     e = distributed.env()
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", e.world_size))
@@ -139,6 +143,32 @@ def resolve_batch_size(params: dict[str, Any], run: RunState | None = None) -> i
     run.backoff.choice = facts
     if e.rank == 0:
         announce_batch_size(rows, facts)
+    return rows
+
+
+def resumed_rows(out: Any, resume: Any) -> int | None:
+    """``--batch-size auto`` with ``--resume``: the rows per forward the interrupted run in ``out`` started with (its
+    unit checkpoints' ``key.json``), not a new choice from the free memory now, which may differ and would refuse the
+    resume (its options must be the run's); ``None`` when not resuming or the run recorded none."""
+    from .checkpoints import UNITS
+
+    if not resume or out is None:
+        return None
+    try:
+        key = json.loads((Path(out) / UNITS / "key.json").read_text())
+    except (OSError, ValueError):
+        return None  # no checkpoint to continue: the resume itself says so
+    rows = key.get("batch_size") if isinstance(key, dict) else None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 else None
+
+
+def resumed_choice(rows: int, run: RunState) -> int:
+    """The auto batch decision of a resumed run (:func:`resumed_rows`), announced and kept for the manifest."""
+    from . import distributed
+
+    run.backoff.choice = {"rows": rows, "reason": "the interrupted run's choice, kept by --resume"}
+    if distributed.env().rank == 0:
+        say(f"--batch-size auto: {rows} rows per forward (the interrupted run's choice, kept by --resume)")
     return rows
 
 
@@ -309,7 +339,7 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         force: bool = False, batch_size: int | str | None = None, resume: bool = False, quiet: bool = False,
         data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: str = "auto",
         device: str = "auto", device_map: str | None = None, quantize: str | None = None,
-        add_special_tokens: bool | None = False, manifest: dict[str, Any] | None = None,
+        add_special_tokens: bool | None | str = "command", manifest: dict[str, Any] | None = None,
         inputs: dict[str, Any] | None = None, call: Any = None, **overrides: Any) -> Any:
     """``moetool <experiment>``, from Python: the run every command makes.
 
@@ -332,9 +362,11 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     same options, model and tokens, else one error). Writes the command's files (CSVs, figures, manifest.json) into
     ``out`` (default ``runs/<experiment>-<time>``) and returns the :class:`~moetool.experiments.result.Result`, its
     ``path`` the run folder. The command line adds: ``manifest`` (run-level manifest options of its own flags),
-    ``inputs`` (keywords of the compute function: a task plan, reference tokens), ``call`` (``call(compute, args,
-    kwargs, folder) -> Result``: the compute call made by the command, e.g. streaming into the run folder) and
-    ``add_special_tokens``.
+    ``inputs`` (keywords of the compute function: a task plan, reference tokens) and ``call`` (``call(compute, args,
+    kwargs, folder) -> Result``: the compute call made by the command, e.g. streaming into the run folder).
+    ``add_special_tokens`` (a model's name): the text tokenized as the command does (``"command"``: the spec's
+    ``special_tokens``; stats: the tokenizer's own default, a BOS where it adds one, recorded in the manifest), or
+    ``True`` / ``False`` / ``None`` (the tokenizer's default).
     """
     from .experiments.registry import get
     from .experiments.result import resolve_options
@@ -353,6 +385,13 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         raise MoetoolError(f"'{spec.name}' keeps no unit checkpoints: resume=True is not supported there")
     named = isinstance(lm, (str, Path)) or (isinstance(lm, (list, tuple)) and all(isinstance(m, (str, Path))
                                                                                 for m in lm))
+    if add_special_tokens == "command":
+        add_special_tokens = spec.special_tokens
+    elif not (add_special_tokens is None or isinstance(add_special_tokens, bool)):
+        raise MoetoolError(f"add_special_tokens must be True, False, None or 'command', not {add_special_tokens!r}")
+    if named and spec.special_tokens is None:  # the command exposes the choice: the manifest (and --resume) keep it
+        manifest = {"special_tokens": {None: "tokenizer default", False: "none", True: "added"}[add_special_tokens],
+                    **(manifest or {})}
     loading = dict(dtype=dtype, device=device, device_map=device_map, quantize=quantize)
     if named:
         fields = {f.name for f in dataclasses.fields(spec.options_class())} if spec.options else set()
@@ -445,7 +484,9 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
     check_inputs(spec, lm, tokens, call=f"moetool.run('{spec.name}', ...)")  # a path or text: one line
     if spec.inputs == "tokens" and tokens is None:
         raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
-    rows = auto_rows(lm, tokens, opts, this) if isinstance(batch_size, str) else batch_size
+    resumed = resumed_rows(out, resume) if isinstance(batch_size, str) else None
+    rows = (batch_size if not isinstance(batch_size, str) else resumed_choice(resumed, this) if resumed is not None
+            else auto_rows(lm, tokens, opts, this))
     if rows is not None and hasattr(opts, "batch_size"):
         opts = dataclasses.replace(opts, batch_size=rows)
     rows = getattr(opts, "batch_size", rows)
@@ -502,7 +543,8 @@ def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, r
     preflight(*models)
     if isinstance(batch_size, str):  # "auto": from the config, as the command line decides it
         batch_size = resolve_batch_size({"model": models[0], "seq_len": seq_len, "max_tokens": max_tokens,
-                                         "routing": getattr(opts, "routing", None), **loading}, this)
+                                         "routing": getattr(opts, "routing", None), "out": out, "resume": resume,
+                                         **loading}, this)
     if batch_size is not None and hasattr(opts, "batch_size"):
         opts = dataclasses.replace(opts, batch_size=batch_size)
     rows = getattr(opts, "batch_size", batch_size)

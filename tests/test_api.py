@@ -369,3 +369,36 @@ def test_from_trace_gives_the_commands_trace_tables(tmp_path):
         moetool.from_trace("fluctuation", tmp_path / "tr")
     with pytest.raises(MoetoolError, match="no analysis of recorded routing"):
         moetool.from_trace("ppl", tmp_path / "tr")
+
+
+def test_run_by_name_tokenizes_as_the_command_with_a_bos_adding_tokenizer(tmp_path):
+    """``moetool stats`` tokenizes with the tokenizer's own default (a BOS per document here); ``moetool.run("stats",
+    NAME)`` must read the same tokens (before: no special tokens, so other tables), record the same choice, and
+    ``add_special_tokens=False`` is ``--no-special-tokens``."""
+    import json
+
+    from tokenizers.processors import TemplateProcessing
+
+    lm = moetool.load("tiny")
+    tok = lm.tokenizer
+    bos = tok.convert_ids_to_tokens(0)
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
+    assert tok("a b")["input_ids"][0] == 0 and tok("a b", add_special_tokens=False)["input_ids"][0] != 0
+    ck = tmp_path / "bos"
+    lm.model.save_pretrained(ck)
+    tok.save_pretrained(ck)
+    args = ["--max-tokens", "512", "--seq-len", "32", "--bootstrap", "0", "--quiet"]
+    for cli_flags, api_kw in (([], {}), (["--no-special-tokens"], {"add_special_tokens": False})):
+        cli, api = tmp_path / f"cli{len(cli_flags)}", tmp_path / f"api{len(cli_flags)}"
+        r = CliRunner().invoke(app, ["stats", "--model", str(ck), *args, *cli_flags, "--out", str(cli)])
+        assert r.exit_code == 0, r.output
+        moetool.run("stats", str(ck), out=api, max_tokens=512, seq_len=32, bootstrap=0, quiet=True, **api_kw)
+        mans = [json.loads((d / "manifest.json").read_text()) for d in (cli, api)]
+        added = [m["data"]["special_tokens"]["added_per_document"] for m in mans]
+        assert added[0] == added[1] and bool(added[0]) == (not cli_flags)  # a BOS per document, or none
+        assert mans[0]["options"]["special_tokens"] == mans[1]["options"]["special_tokens"] == \
+            ("none" if cli_flags else "tokenizer default")
+        for name in ("load.csv", "layers.csv", "coactivation.csv"):
+            pd.testing.assert_frame_equal(pd.read_csv(cli / name), pd.read_csv(api / name))
+    with pytest.raises(MoetoolError, match="add_special_tokens"):
+        moetool.run("stats", str(ck), out=tmp_path / "bad", add_special_tokens="yes")

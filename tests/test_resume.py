@@ -464,3 +464,51 @@ def test_an_in_memory_trace_refuses_resume_rather_than_start_again(tmp_path):
                                            r"--out RUN --resume"):
         moetool.run("trace", "tiny", out=out, max_tokens=128, seq_len=32, quiet=True, resume=True)
     assert json.loads((out / "manifest.json").read_text())["status"] != "complete"
+
+
+def _free_memory_says(monkeypatch, rows):
+    """``--batch-size auto`` chooses ``rows`` (as if the free memory held that many), by name and on a loaded model."""
+    from moetool import sizing
+
+    facts = {"rows": rows, "reason": "test", "device": "cpu", "free_bytes": None}
+    monkeypatch.setattr(sizing, "auto_batch_size", lambda *a, **k: (rows, dict(facts)))
+    monkeypatch.setattr(sizing, "auto_rows", lambda *a, **k: (rows, dict(facts)))
+
+
+@pytest.mark.slow
+def test_auto_batch_size_resume_keeps_the_interrupted_runs_rows(tmp_path, monkeypatch):
+    """``--batch-size auto --resume`` when the free memory now holds another number of rows: the resume continues
+    with the interrupted run's rows (before: refused, 'other options (batch_size: 2 -> 5)') and gives the tables of
+    an uninterrupted run of 2 rows per batch; the same through ``moetool.run(..., batch_size="auto", resume=True)``."""
+    import moetool
+
+    args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--bootstrap", "100", "--min-count", "2", "--quiet"]
+    whole = tmp_path / "whole"
+    assert runner.invoke(app, [*args, "--batch-size", "2", "--out", str(whole)]).exit_code == 0
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, seq_len=32, max_tokens=384)
+    for way in ("cli", "api by name", "api loaded"):
+        part = tmp_path / way.replace(" ", "-")
+        with monkeypatch.context() as m:
+            _free_memory_says(m, 2)
+            if way == "api loaded":
+                _interrupt_after_saves(m, 3)
+                with pytest.raises(KeyboardInterrupt):
+                    moetool.run("stats", lm, toks, out=part, batch_size="auto", quiet=True, bootstrap=100,
+                                min_count=2)
+            else:
+                _interrupted(m, [*args, "--batch-size", "auto"], part, n=3)
+        with monkeypatch.context() as m:
+            _free_memory_says(m, 5)
+            ran = _batches_run(m)
+            if way == "cli":
+                man = _resumed([*args, "--batch-size", "auto"], part)
+            else:
+                moetool.run("stats", *(("tiny",) if way == "api by name" else (lm, toks)), out=part,
+                            batch_size="auto", resume=True, quiet=True, bootstrap=100, min_count=2,
+                            **({"seq_len": 32, "max_tokens": 384} if way == "api by name" else {}))
+                man = json.loads((part / "manifest.json").read_text())
+                assert man["status"] == "complete" and not (part / "units").exists()
+        assert ran == [3, 4, 5]  # 6 batches of 2 rows; the first 3 restored
+        assert man["batch_size_auto"]["rows"] == 2 and "interrupted run" in man["batch_size_auto"]["reason"]
+        _same_csvs(whole, part)

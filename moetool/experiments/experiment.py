@@ -119,7 +119,9 @@ class Experiment:
     ``defaults`` its own defaults of standard flags (``{"max_tokens": 32768}``); ``loads_model=False``: the compute
     function takes the model's name and loads it itself (once per precision); ``figures`` the ``"module:attr"`` drawing its figures, ``captions``
     theirs (figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` it plots): the
-    report page's); ``checkpoint_types`` the ``"module.Class"`` names a ``--resume`` unit of it may hold."""
+    report page's); ``checkpoint_types`` the ``"module.Class"`` names a ``--resume`` unit of it may hold;
+    ``special_tokens`` the ``add_special_tokens`` its command and ``moetool.run`` by name tokenize with (``None``: the
+    tokenizer's own default, recorded in the manifest as ``special_tokens``)."""
 
     name: str
     module: str
@@ -141,6 +143,7 @@ class Experiment:
     order: int = 1000  # the demo's order (and the registry's): lowest first
     captions: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     checkpoint_types: tuple[str, ...] = ()
+    special_tokens: bool | None = False  # how its command tokenizes: None = the tokenizer's own default (a BOS)
 
     @property
     def result(self) -> str:

@@ -154,4 +154,4 @@ SPEC = experiment("stats", "stats", "StatsOptions", figures="moetool.experiments
                   summary_csv="layers.csv",
                   flags=(Flag("--no-special-tokens", "bool", False, "Tokenize without special tokens (default: the "
                               "tokenizer's own default, e.g. a BOS).", to_options=False),),
-                  captions=CAPTIONS, checkpoint_types=CHECKPOINT_TYPES)
+                  captions=CAPTIONS, checkpoint_types=CHECKPOINT_TYPES, special_tokens=None)
