@@ -14,11 +14,11 @@ from typing import Annotated, Any, List, Optional
 
 import typer
 
-from moetool.defaults import MAX_TOKENS, SEQ_LEN
+from moetool.defaults import FEWSHOT_SEED, MAX_TOKENS, SEQ_LEN
 
 from .options import (BatchSize, Bootstrap, Causal, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Data, Device, DeviceMap, Dtype,
-                      Ep, Force, IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quantize, Quiet, Resume,
-                      Routing, Seed, SeqLen, Sim, Tp, Trace, TraceConfig, Weights)
+                      Ep, FewshotSeed, Force, IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quantize,
+                      Quiet, Resume, Routing, Seed, SeqLen, Sim, Tp, Trace, TraceConfig, Weights)
 
 Group = list[tuple[str, Any, Any]]
 
@@ -43,7 +43,8 @@ RUN: Group = [("seed", Seed, 0), ("quiet", Quiet, False)]
 GROUPS: dict[str, Group] = {
     "routing": [("routing", Routing, "router"), ("weights", Weights, None), ("sim", Sim, "dot"),
                 ("causal", Causal, True)],
-    "lmeval": [("num_fewshot", NumFewshot, None), ("limit", Limit, None), ("include_path", IncludePath, None)],
+    "lmeval": [("num_fewshot", NumFewshot, None), ("limit", Limit, None), ("include_path", IncludePath, None),
+               ("fewshot_seed", FewshotSeed, FEWSHOT_SEED)],
     "bootstrap": [("bootstrap", Bootstrap, DEFAULT_BOOTSTRAP)],
     "resume": [("resume", Resume, False)],
     "trace": [("trace", Trace, None), ("trace_config", TraceConfig, None)],

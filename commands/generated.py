@@ -40,7 +40,7 @@ from .flags import GROUPS, NAMED, standard
 
 #: standard parameters that are fields of the experiment's options (when its dataclass has them)
 TO_OPTIONS = ("layers", "batch_size", "bootstrap", "seed", "routing", "weights", "sim", "causal", "num_fewshot",
-              "limit", "include_path")
+              "limit", "include_path", "fewshot_seed")
 #: standard parameters :func:`moetool.run` takes
 TO_RUN = ("data", "seq_len", "max_tokens", "dtype", "device", "device_map", "quantize", "out", "force", "resume",
           "quiet")
@@ -139,8 +139,9 @@ def run(spec: Experiment, params: dict[str, Any]) -> None:
     """The generated command's body: :func:`moetool.run` with the command's own checks and console output."""
     own = own_module(spec)
     p = SimpleNamespace(**params)
-    if "seed" in params:  # before anything else: the library refuses the same seeds (check_options)
-        check_seed(params["seed"])
+    for name in ("seed", "fewshot_seed"):  # before anything else: the library refuses the same seeds (check_options)
+        if name in params:
+            check_seed(params[name], "--" + name.replace("_", "-"))
     if hasattr(own, "main"):
         return own.main(p)
     from moetool.errors import MoetoolError

@@ -85,6 +85,8 @@ NumFewshot = Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help=
                                                    "(default: the task's own).")]
 Limit = Annotated[Optional[int], typer.Option("--limit", min=1, help="At most this many items per task (default: "
                                               "all).")]
+FewshotSeed = Annotated[int, typer.Option("--fewshot-seed", help="Seed of lm-eval's few-shot sampler "
+                                          "(default: lm-eval's own, 1234: the examples lm_eval picks).")]
 IncludePath = Annotated[Optional[Path], typer.Option("--include-path", help="Folder of extra lm-eval task YAMLs.")]
 
 # recorded routing instead of a forward (commands/trace_input.py)

@@ -10,6 +10,9 @@ DEFAULT_BOOTSTRAP = 1000
 #: the most replicates ``--bootstrap`` takes: their ``[replicates x rows]`` resample weights are held in memory
 #: (float64), and beyond it an interval's ends no longer move at a table's precision
 MAX_BOOTSTRAP = 100_000
+#: the seed of lm-eval's few-shot sampler (``--fewshot-seed``): lm-eval's own default ``fewshot_random_seed``, so a
+#: task's few-shot examples are those ``lm_eval`` picks for the same model and task
+FEWSHOT_SEED = 1234
 #: tokens per packed row (``--seq-len``)
 SEQ_LEN = 256
 #: cap on the real tokens read from ``--data`` (``--max-tokens``), where an experiment's spec sets no other

@@ -213,6 +213,36 @@ def test_routing_reaches_lm_eval_loglikelihoods(model_dir, no_network):
 
 
 @pytest.mark.slow
+def test_few_shot_examples_are_lm_evals_own_by_default(model_dir, no_network):
+    """With few-shot examples, moetool's prompts and log-likelihoods are those of lm-eval run with its own default
+    seeds (before: the few-shot sampler was seeded with --seed 0, other examples than lm_eval's); ``fewshot_seed``
+    reaches lm-eval's sampler."""
+    from lm_eval import evaluator
+
+    lm = load(str(model_dir))
+    plan = lmeval.plan_tasks([TASK])
+    hflm = lmeval.make_hflm(lm, batch_size=4)
+
+    def prompts(samples):
+        return {(d["doc_id"], i): a["arguments"] if isinstance(a, dict) else a
+                for d in samples for i, a in enumerate(d["arguments"])}
+
+    got = {}
+    for seed in (None, 7):
+        with lmeval_compat.hub_offline(plan.offline):  # lm-eval alone, its defaults unless a seed is given
+            ref = evaluator.simple_evaluate(model=hflm, tasks=list(plan.specs), limit=3, num_fewshot=2,
+                                            log_samples=True, task_manager=plan.task_manager(),
+                                            **({} if seed is None else {"fewshot_random_seed": seed}))
+        ours = lmeval.evaluate(lm, plan, policy=make_policy("router"), limit=3, num_fewshot=2, hflm=hflm,
+                               log_samples=True, quiet=True, **({} if seed is None else {"fewshot_seed": seed}))
+        ref, ours = ref["samples"][TASK], ours.samples[TASK]
+        assert prompts(ours) == prompts(ref)
+        assert _loglikelihoods(ours) == _loglikelihoods(ref)
+        got[seed] = prompts(ours)
+    assert got[None] != got[7]  # the seed chooses other examples: it reached the sampler
+
+
+@pytest.mark.slow
 def test_eval_and_norm_select_cli_offline(model_dir, tmp_path, no_network):
     runner = CliRunner()
     r = runner.invoke(app, ["eval", "--model", str(model_dir), "--tasks", TASK, "--limit", "2", "--routing",

@@ -207,23 +207,24 @@ class RoutingOptions:
         return policy
 
 
-def check_seed(seed: Any) -> None:
-    """``--seed`` (``seed=``) is an integer from 0 to :data:`SEED_MAX`: one line otherwise."""
+def check_seed(seed: Any, flag: str = "--seed") -> None:
+    """``--seed`` (``seed=``; ``flag``: another seed's) is an integer from 0 to :data:`SEED_MAX`: one line
+    otherwise."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
-        raise MoetoolError(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), not {seed!r}")
+        raise MoetoolError(f"{flag} must be an integer from 0 to {SEED_MAX} (2**32 - 1), not {seed!r}")
 
 
 def check_options(options: Any) -> None:
     """The checks every options dataclass shares, where the library resolves its options (and where a command
-    builds them): each flagged field's numbers (:meth:`Flag.check`), the seed (:func:`check_seed`) and the rows per
+    builds them): each flagged field's numbers (:meth:`Flag.check`), the seeds (:func:`check_seed`) and the rows per
     forward (:func:`moetool.sizing.check_sizes`, as ``--batch-size``)."""
     from ..sizing import check_sizes
 
     for f in dataclasses.fields(options):
         if "flag" in f.metadata:
             f.metadata["flag"].check(getattr(options, f.name))
-        elif f.name == "seed":
-            check_seed(getattr(options, f.name))
+        elif f.name in ("seed", "fewshot_seed"):
+            check_seed(getattr(options, f.name), "--" + f.name.replace("_", "-"))
         elif f.name == "batch_size":
             check_sizes(batch_size=getattr(options, f.name))
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ...defaults import FEWSHOT_SEED
 from ...errors import MoetoolError
 from ...lmeval_compat import hub_offline, no_env_report
 from ...progress import logger_level, status
@@ -323,8 +324,11 @@ def lmeval_padding(engine: Any) -> Any:
 
 def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
              num_fewshot: int | None = None, limit: int | None = None, batch_size: int = 8, seed: int = 0,
-             hflm: Any = None, log_samples: bool = False, quiet: bool = False) -> EvalResult:
-    """Run ``plan``'s tasks with ``policy`` applied in ``policy_layers`` (``None``: the router, hooked)."""
+             fewshot_seed: int = FEWSHOT_SEED, hflm: Any = None, log_samples: bool = False,
+             quiet: bool = False) -> EvalResult:
+    """Run ``plan``'s tasks with ``policy`` applied in ``policy_layers`` (``None``: the router, hooked). ``seed``
+    seeds lm-eval's Python, numpy and torch generators, ``fewshot_seed`` its few-shot sampler (lm-eval's own
+    default: the examples ``lm_eval`` picks for a task)."""
     import time
 
     import torch
@@ -347,7 +351,8 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
             out = evaluator.simple_evaluate(
                 model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,
                 task_manager=plan.task_manager(), log_samples=log_samples, random_seed=seed,
-                numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+                numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=fewshot_seed,
+                bootstrap_iters=1000)
         except (KeyError, FileNotFoundError, ConnectionError, OSError) as e:
             raise MoetoolError(f"lm-eval could not load the tasks {plan.names}: {type(e).__name__}: {e}") from None
         except StopIteration:  # datasets' json/csv builder reading a data file with no rows
@@ -391,7 +396,8 @@ def eval_tasks(lm: Any, options: EvalOptions | None = None, *, plan: TaskPlan | 
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     res = evaluate(lm, plan, policy=policy, policy_layers=layers, num_fewshot=opts.num_fewshot, limit=opts.limit,
-                   batch_size=opts.batch_size, seed=opts.seed, quiet=quiet)
+                   batch_size=opts.batch_size, seed=opts.seed, fewshot_seed=opts.fewshot_seed,
+                   quiet=quiet)
     return Result("eval", {"eval.csv": res.frame}, opts,
                   meta=dict(eval=plan.describe(), n_samples=res.n_samples, routing=policy.describe(),
                             eval_seconds=round(res.seconds, 3), definitions=EVAL_DEFINITIONS),

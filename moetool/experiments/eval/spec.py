@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...defaults import FEWSHOT_SEED
 from ..experiment import RoutingOptions, experiment, option
 
 
@@ -38,6 +39,7 @@ class EvalOptions(RoutingOptions):
     num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
     limit: int | None = None  # at most this many items per task (None: all)
     include_path: str | None = None  # folder of extra lm-eval task YAMLs
+    fewshot_seed: int = FEWSHOT_SEED  # lm-eval's few-shot sampler seed (lm-eval's own default)
     batch_size: int = 8
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ... import distributed, ops
 from ...data import TokenSet, require_tokens
+from ...defaults import FEWSHOT_SEED
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import NODES
 from ...errors import MoetoolError
@@ -212,7 +213,7 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
 def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "heldout",
                     policy_layers: Iterable[int] | None = None, batch_size: int = 8, plan: Any = None,
                     num_fewshot: int | None = None, limit: int | None = None, seed: int = 0,
-                    quiet: bool = False, bootstrap: int = 0, units: Any = None,
+                    fewshot_seed: int = FEWSHOT_SEED, quiet: bool = False, bootstrap: int = 0, units: Any = None,
                     pruned: Any = None) -> NormSelectResult:
     """Run every policy (the first must be ``router``, the baseline of the ratios). ``bootstrap``: replicates for
     the intervals of agreement and perplexity (per-row sums are kept whenever > 0). ``units``
@@ -233,7 +234,8 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     for p in (policies[0], policies[-1]):
         perplexity(lm, head, policy=p, policy_layers=layers, batch_size=batch_size, quiet=True)
     if plan is not None:
-        lmeval.evaluate(lm, plan, limit=1, batch_size=batch_size, seed=seed, hflm=hflm, quiet=True)
+        lmeval.evaluate(lm, plan, limit=1, batch_size=batch_size, seed=seed, fewshot_seed=fewshot_seed, hflm=hflm,
+                        quiet=True)
     ppl, evals, agree, overall = {}, {}, [], []
     shard = distributed.shard(tokens, batch_size)  # alone: the same rows, numbered (RowTable's global row ids)
     for p in policies:
@@ -248,7 +250,8 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
                     "overall": meter.overall(name, n_boot=bootstrap, seed=seed)}
             if plan is not None:
                 done["eval"] = lmeval.evaluate(lm, plan, policy=p, policy_layers=layers, num_fewshot=num_fewshot,
-                                        limit=limit, batch_size=batch_size, seed=seed, hflm=hflm, quiet=quiet)
+                                               limit=limit, batch_size=batch_size, seed=seed,
+                                               fewshot_seed=fewshot_seed, hflm=hflm, quiet=quiet)
             if units is not None:
                 units.save(name, done)
         ppl[name] = done["ppl"]
@@ -331,7 +334,8 @@ def norm_select(lm: Any, tokens: Any, options: NormSelectOptions | None = None, 
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     res = run_norm_select(lm, tokens, policies, data=data_name(tokens.source), policy_layers=layers,
                           batch_size=opts.batch_size, plan=plan, num_fewshot=opts.num_fewshot, limit=opts.limit,
-                          seed=opts.seed, quiet=quiet, bootstrap=opts.bootstrap, units=units, pruned=pruned)
+                          seed=opts.seed, fewshot_seed=opts.fewshot_seed, quiet=quiet, bootstrap=opts.bootstrap,
+                          units=units, pruned=pruned)
     asked = plan.names if plan else None
     summary = table1(res.agreement, res.quality, tasks=asked, overall=res.overall)
     tables = {"agreement.csv": res.agreement, "quality.csv": res.quality}

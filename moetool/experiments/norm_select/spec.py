@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from ...defaults import DEFAULT_BOOTSTRAP
+from ...defaults import DEFAULT_BOOTSTRAP, FEWSHOT_SEED
 from ..experiment import Demo, experiment, option
 
 
@@ -65,6 +65,7 @@ class NormSelectOptions:
     num_fewshot: int | None = None
     limit: int | None = None
     include_path: str | None = None
+    fewshot_seed: int = FEWSHOT_SEED  # lm-eval's few-shot sampler seed (lm-eval's own default)
     batch_size: int = 8
     seed: int = 0
     bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)

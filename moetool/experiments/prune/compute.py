@@ -208,7 +208,7 @@ class _Runs:
         o = self.opts
         return lmeval.evaluate(self.lm, self.plan, policy=policy, policy_layers=self.indices,
                                num_fewshot=o.num_fewshot, limit=o.limit, batch_size=o.batch_size, seed=o.seed,
-                               hflm=self.hflm, quiet=self.quiet)
+                               fewshot_seed=o.fewshot_seed, hflm=self.hflm, quiet=self.quiet)
 
     def measure(self) -> Any:
         """The model's own routing (perplexity, and lm-eval with tasks) and ``prune_importance.csv``."""

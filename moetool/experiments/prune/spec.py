@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...defaults import DEFAULT_BOOTSTRAP
+from ...defaults import DEFAULT_BOOTSTRAP, FEWSHOT_SEED
 from ...errors import MoetoolError
 from ..experiment import Demo, experiment, option
 
@@ -82,6 +82,7 @@ class PruneOptions:
     num_fewshot: int | None = None  # few-shot examples per item (None: the task's own)
     limit: int | None = None  # at most this many items per task (None: all)
     include_path: str | None = None  # folder of extra lm-eval task YAMLs
+    fewshot_seed: int = FEWSHOT_SEED  # lm-eval's few-shot sampler seed (lm-eval's own default)
 
     def __post_init__(self) -> None:
         from ...policies.prune import CRITERIA
