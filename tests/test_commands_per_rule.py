@@ -505,9 +505,11 @@ def test_topk(case, tmp_path):
     assert df.loc[f"topk:{K}", "perplexity"] == df.loc["router", "perplexity"]  # the model's own routing
     assert df.loc[f"topk:{K}", "mean_experts"] == K
     if not sparse:
-        def mean(k):  # over every MoE layer: the policy's k in its layers, K in the others (hash-routed ones)
-            return (k * len(case.policy_layers) + K * (len(case.layers) - len(case.policy_layers))) / len(case.layers)
-        assert df.loc["topk:1", "mean_experts"] == mean(1) and df.loc["topp:1", "mean_experts"] == mean(n)
+        # over the layers the policy ran in (--layers: DeepSeek-V4's hash-routed layers run the model's own K)
+        assert df.loc["topk:1", "mean_experts"] == 1 and df.loc["topp:1", "mean_experts"] == n
+        per_layer = pd.read_csv(tmp_path / "topk_layers.csv").set_index(["policy", "layer"])["mean_experts"]
+        assert [per_layer.loc[("topk:1", i)] for i in case.layers] == [1 if i in case.policy_layers else K
+                                                                       for i in case.layers]
         assert finite(df.drop(columns=["kind"]))
 
 

@@ -242,3 +242,52 @@ def test_cli_policies_none_writes_no_jaccard_table(tmp_path):
     jac = pd.read_csv(tmp_path / "b" / "margin_jaccard.csv")
     assert set(jac.policy) == {"router", "topk:1"} and (jac[jac.policy == "router"].soft_jaccard == 1).all()
     assert (tmp_path / "b" / "figures" / "margin_jaccard.png").exists()
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "olmoe"])
+def test_margin_space_is_the_hf_routers_ranking(model_type, tiny_model):
+    """The margin is in the space each router ranks experts by, read off transformers' own router module (its logits
+    through a plain forward hook; not the adapter's rule), in float64: gpt-oss takes the top-K of its logits (a
+    softmax over the chosen only): logit gaps; DeepSeek-V3 ranks sigmoid + e_score_correction_bias over all n
+    experts (before its group limit); OLMoE softmax probabilities. gpt-oss's logit gaps are far from its
+    probability gaps, so the space is pinned, not only the ranking."""
+    from conftest import padded_batch
+
+    from moetool.adapters import find_moe_layers
+    from moetool.data import TokenSet
+    from moetool.loading import LoadedModel
+
+    model = tiny_model(model_type)
+    inputs = padded_batch(batch=3, seq=12, pad=0)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    mask[2, 9:] = 0  # right padding, as moetool packs rows
+    layers = find_moe_layers(model)
+    lm = LoadedModel(model_type, "x", "local", model, None, layers, torch.device("cpu"), torch.float32)
+    res = margin(lm, TokenSet(ids, mask, [""] * 3, "test"), eps=(0.0,), thresholds=(0.01, 0.1), bootstrap=0,
+                 quiet=True)
+    block = model.model.layers[layers[0].index].mlp
+    router = block.router if model_type == "gpt_oss" else block.gate
+    got = []
+    handle = router.register_forward_hook(lambda m, a, out: got.append(out[0].detach().double()))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        handle.remove()
+    logits = got[0].reshape(-1, got[0].shape[-1])[mask.reshape(-1).bool()]
+    if model_type == "gpt_oss":
+        scores = logits
+    elif model_type == "deepseek_v3":
+        scores = logits.sigmoid() + router.e_score_correction_bias.double()
+    else:
+        scores = torch.softmax(logits, -1)
+    K = model.config.num_experts_per_tok
+    s = scores.sort(-1, descending=True).values
+    m = (s[:, K - 1] - s[:, K]).numpy()
+    row = res["margin"].set_index("layer").loc[layers[0].index]
+    assert row["tokens"] == len(m) == 33
+    assert row["margin_mean"] == pytest.approx(m.mean(), rel=1e-6)
+    assert row["frac_below_0.1"] == (m < 0.1).mean() and row["frac_below_0.01"] == (m < 0.01).mean()
+    if model_type == "gpt_oss":
+        p = torch.softmax(logits, -1).sort(-1, descending=True).values
+        assert abs(m.mean() - (p[:, K - 1] - p[:, K]).mean().item()) > 0.1  # logit gaps, not probability gaps

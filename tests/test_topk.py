@@ -138,6 +138,26 @@ def test_same_rows_as_ppl(tiny_topk):
     assert t.loc["topk:1", "perplexity"] == pytest.approx(float(want["perplexity"].iloc[0]), rel=1e-12)
 
 
+def test_layers_subset_averages_the_layers_the_policy_ran_in():
+    """With --layers, topk.csv's mean_experts / experts_frac average the chosen layers only (each policy's own
+    count there), not every MoE layer: topk:1 and topp:1 in layer 1 of tiny (K = 2 of n = 8) use exactly 1 and 8
+    experts per token (topp:1 takes every expert: all weights are positive), whatever the other layers do; those
+    still run the router (K experts) in topk_layers.csv. Before the fix: (2 + 1 + 2 + 2) / 4 = 1.75 and
+    (2 + 8 + 2 + 2) / 4 = 3.5."""
+    import moetool
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=16, max_tokens=48)
+    res = moetool.topk(lm, tokens, ks=(1,), ps=(1.0,), layers=(1,), bootstrap=0, quiet=True)
+    t = res["topk"].set_index("policy")
+    assert t.loc["topk:1", "mean_experts"] == 1 and t.loc["topk:1", "experts_frac"] == 1 / 8
+    assert t.loc["topp:1", "mean_experts"] == 8 and t.loc["topp:1", "experts_frac"] == 1
+    assert t.loc["router", "mean_experts"] == 2
+    layers = res["topk_layers"].set_index(["policy", "layer"])["mean_experts"]
+    assert layers.loc[("topk:1", 1)] == 1 and layers.loc[("topp:1", 1)] == 8
+    assert [layers.loc[(p, i)] for p in ("topk:1", "topp:1") for i in (0, 2, 3)] == [2] * 6
+
+
 @pytest.mark.parametrize("spec, message", [("topk:0", "at least 1"), ("topp:1.5", "(0, 1]"), ("topk:x", "number"),
                                            ("topp", "topp:<p>")])
 def test_bad_specs_are_one_line(spec, message):

@@ -5,7 +5,8 @@
 # Per MoE layer, over the real tokens of the data with the model's own routing:
 #
 # * the margin: the gap between the K-th and the (K+1)-th largest selection score (``layer.selection_scores``: the
-#   scores the model ranks experts by, correction bias included, softmax or sigmoid alike) of the captured logits;
+#   scores the model ranks experts by, correction bias included: softmax, sigmoid, or the logits themselves for a
+#   top-K-then-softmax router such as gpt-oss's) of the captured logits;
 #   its exact mean, its quantiles from a :class:`~moetool.sketch.QuantileSketch`, the share of tokens below each
 #   threshold;
 # * the flip rate under noise: the router input ``h`` perturbed as ``h + eps ||h|| z / sqrt(d)``, ``z ~ N(0, I)``
@@ -41,7 +42,7 @@ from ..result import Result, resolve_options
 from .spec import DEFAULT_EPS, DEFAULT_POLICIES, DEFAULT_THRESHOLDS, MarginOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 QUANTILES = (0.05, 0.5, 0.95)
-#: margin sketch range: selection scores are probabilities, sigmoids or biased scores (fp32 gaps well inside)
+#: margin sketch range: selection scores are probabilities, sigmoids, biased scores or logits (fp32 gaps well inside)
 SKETCH_LO, SKETCH_HI = 1e-12, 1e4
 
 DEFINITIONS = {
@@ -49,7 +50,9 @@ DEFINITIONS = {
     "tokens": "real (non-padding) tokens of the data routed by the layer",
     "margin": "s_(K) - s_(K+1): the K-th minus the (K+1)-th largest selection score of a token (the scores the "
               "model ranks experts by: layer.selection_scores of the captured router logits, correction bias "
-              "included; before any group limit); >= 0",
+              "included -- probabilities for softmax-then-top-K routers, sigmoids for DeepSeek-style ones, the "
+              "logits themselves for top-K-then-softmax routers such as gpt-oss's; over all n experts, before any "
+              "group limit); >= 0",
     "margin_mean": "mean margin over the real tokens (exact)",
     **{f"margin_p{q}": f"{name} percentile of the margin over the real tokens (QuantileSketch: within its relative "
                          f"error, sketch_rel_error in the manifest, of np.quantile)"

@@ -1,8 +1,11 @@
 """Routing margin and brittleness per MoE layer, over the real tokens of --data with the model's own routing.
 
 Margin: the K-th minus the (K+1)-th largest selection score of a token (the scores the model ranks experts by:
-softmax probabilities or sigmoids, correction bias included) -- its mean, 5th/50th/95th percentiles (a streaming
-log-binned sketch, relative error in the manifest) and the share of tokens below each --thresholds value.
+softmax probabilities, sigmoids with any correction bias, or the raw router logits where the model takes the top-K
+of its logits before a softmax over the chosen, as gpt-oss and Granite do; over all n experts, before any group
+limit: under DeepSeek-style grouped routing the K-th may lie outside the chosen set) -- its mean, 5th/50th/95th
+percentiles (a streaming log-binned sketch, relative error in the manifest) and the share of tokens below each
+--thresholds value.
 Brittleness: the router input h is perturbed, h' = h + eps ||h|| z / sqrt(d) with z ~ N(0, I) seeded per packed row
 (--seed; the same z for every eps; noise_rel: the relative size that survives rounding to the model's dtype), the
 layer's routing is recomputed from h' and compared with the one from h: the share of tokens whose top-K set

@@ -31,9 +31,11 @@ DEFINITIONS = {
     "tokens": "real (unpadded) tokens each MoE layer routed (the same in topk.csv and topk_layers.csv)",
     "scored_tokens": SCORED_TOKENS,
     "mean_experts": "experts with a nonzero weight per real token and MoE layer, averaged over the layers the "
-                    "policy ran in (topk.csv) or per layer (topk_layers.csv)",
+                    "policy ran in (topk.csv: those of --layers) or per layer (topk_layers.csv: every MoE layer, "
+                    "those outside --layers with the model's own routing)",
     "experts_frac": "mean_experts / n: the share of the layer's n experts a token uses, in [0, 1] (topk.csv: "
-                    "averaged over the layers); the compute relative to the model's own is mean_experts / K",
+                    "averaged over the layers the policy ran in); the compute relative to the model's own is "
+                    "mean_experts / K",
     "min_experts/max_experts": "fewest / most experts a real token used in the layer",
     "perplexity": "exp(mean next-token NLL) of the data under the policy (as moetool ppl)",
     "ratio": "perplexity / the router's perplexity on the same rows (paired)",
@@ -107,8 +109,9 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     table, per_layer = [], []
     for spec, kind, value in specs:
         ci = ppl_intervals(runs[spec], None if spec == "router" else base, n_boot=opts.bootstrap, seed=opts.seed)
-        mean = sum(r["mean_experts"] for r in counts[spec]) / len(counts[spec])
-        frac = sum(r["experts_frac"] for r in counts[spec]) / len(counts[spec])
+        ran = [r for r in counts[spec] if r["layer"] in indices]  # the layers the policy ran in (--layers)
+        mean = sum(r["mean_experts"] for r in ran) / len(ran)
+        frac = sum(r["experts_frac"] for r in ran) / len(ran)
         nan = float("nan")
         row = {"policy": spec, "kind": kind, "value": value, "tokens": counts[spec][0]["tokens"],
                "scored_tokens": runs[spec].nll.tokens, "mean_experts": mean, "experts_frac": frac, "perplexity": runs[spec].perplexity, "perplexity_lo": nan,

@@ -15,7 +15,7 @@ def plot_topk(df: Any, layers: Any) -> dict[str, Any]:
     from ...report.figures import line_by, new_figure
 
     out = {"topk_frontier": ratio_curve(df, "kind", "mean_experts", title="compute-quality frontier",
-                                        xlabel="experts per token (mean over MoE layers)",
+                                        xlabel="experts per token (mean over the MoE layers routed)",
                                         star="router (the model's K)")}
     topp = layers[layers["kind"] == "topp"]
     if len(topp):

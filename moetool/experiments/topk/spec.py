@@ -73,8 +73,9 @@ class TopkOptions:
 #: the report page's captions (:mod:`moetool.report.page`)
 CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "topk_frontier": ("Perplexity relative to the model's own routing on the same rows against the experts each "
-                      "token uses (mean over MoE layers), for fixed k below the model's K and top-p routing; the "
-                      "star is the model's own routing; error bars: the paired bootstrap interval", ("topk.csv",),
+                      "token uses (mean over the MoE layers the policy ran in, --layers), for fixed k below the "
+                      "model's K and top-p routing; the star is the model's own routing; error bars: the paired "
+                      "bootstrap interval", ("topk.csv",),
                       ("mean_experts", "ratio", "*_lo/*_hi")),
     "topk_layers": ("Top-p routing: experts per token (mean over real tokens) in each MoE layer, one line per p",
                     ("topk_layers.csv",), ("mean_experts",)),
