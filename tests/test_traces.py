@@ -848,3 +848,61 @@ def test_a_counts_dump_stats_would_refuse_is_refused_at_import(tmp_path):
     (tmp_path / "all.csv").write_text("layer_id,expert_id,count\n" + "".join(f"{li},{e},2\n" for li in range(4)
                                                                              for e in range(8)))
     assert import_cli([tmp_path / "all.csv"], tmp_path / "ok").exit_code == 0
+
+
+def test_a_trace_read_with_trace_config_has_its_ids_checked(captured, tmp_path):
+    """A trace file given with --trace-config (no manifest recording its rows): an id beyond n, a negative one, a
+    token naming one expert twice or a fractional id. offload --trace crashed (IndexError traceback, exit 1), stats
+    and placement counted a repeated expert twice (layer 0 expert 2: load 74 of 512 assignments instead of the 73 a
+    forward counts, in the run of this fixture) and truncated 1.5 to 1. Now one line each, exit 2, nothing written, as import-trace refuses such
+    ids (readers.check_ids)."""
+    tr = captured["trace"].reset_index(drop=True)
+    first = tr.index[tr.layer == 0][5]  # layer 0, the 6th token
+    e1, e2 = int(tr.loc[first, "expert_1"]), int(tr.loc[first, "expert_2"])
+    cases = {"dup": ("expert_2", e1, f"layer 0, token 5 has expert {e1} twice in its top-2 (1 of 256 tokens): a "
+                                     f"top-K names K distinct experts (a damaged or edited trace?)"),
+             "frac": ("expert_2", e2 + 0.5, "layer 0 has expert ids that are not whole numbers"),
+             "big": ("expert_1", 8, "layer 0 has expert id 8, outside the 8 experts of the model"),
+             "neg": ("expert_2", -1, "layer 0 has expert id -1, outside the 8 experts of the model")}
+    out = tmp_path / "out"
+    for name, (col, value, words) in cases.items():
+        bad = tr.copy()
+        if isinstance(value, float):
+            bad[col] = bad[col].astype(np.float64)
+        bad.loc[first, col] = value
+        (tmp_path / name).mkdir()
+        bad.to_parquet(tmp_path / name / "trace.parquet", index=False)
+        for cmd in ("stats", "placement", "offload"):
+            _refused(runner.invoke(app, [cmd, "--trace", str(tmp_path / name), "--trace-config", "tiny", "--out",
+                                         str(out)]), out, words)
+    # the untouched file gives the forward's loads (the reference: moetool.stats on the model)
+    (tmp_path / "ok").mkdir()
+    tr.to_parquet(tmp_path / "ok" / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path / "ok", "tiny"), StatsOptions(top_tokens=0, bootstrap=0))
+    _same(res["load"], captured["stats"]["load"], ["layer", "expert", "tokens", "load_fraction"])
+
+
+def test_an_imported_trace_away_from_its_manifest_is_refused(captured, imported, tmp_path):
+    """An import-trace trace.parquet copied without its manifest.json and given with --trace-config was read as a
+    trace of moetool trace (gate weights, ids ranked): fluctuation took the top-1 of its NaN weights, i.e. its first
+    column -- for Megatron's ids, sorted by expert id, the smallest -- and reported top1_change of about 0.4 per layer
+    between two copies of the same routing (0 by definition; the manifest-backed import leaves it out), and stats
+    --top-k 1 ran on sorted ids. Now a NaN gate weight is one line naming the lost manifest."""
+    import shutil
+
+    (tmp_path / "bare").mkdir()
+    shutil.copy(imported["megatron"] / "trace.parquet", tmp_path / "bare" / "trace.parquet")
+    (tmp_path / "own").mkdir()
+    captured["trace"].to_parquet(tmp_path / "own" / "trace.parquet", index=False)
+    out = tmp_path / "out"
+    words = "layer 0 has NaN gate weights: an import-trace trace without the manifest.json written beside it"
+    for args in (["fluctuation", "--trace", str(tmp_path / "bare"), "--trace", str(tmp_path / "own"), "--bootstrap",
+                  "0"], ["stats", "--top-k", "1", "--trace", str(tmp_path / "bare")], ["offload", "--trace",
+                                                                                       str(tmp_path / "bare")]):
+        _refused(runner.invoke(app, [*args, "--trace-config", "tiny", "--out", str(out)]), out, words)
+    # with its manifest: the same routing, so no set changes, and top1_change left out (the engines record no weights)
+    r = runner.invoke(app, ["fluctuation", "--trace", str(imported["megatron"]), "--trace", str(tmp_path / "own"),
+                            "--trace-config", "tiny", "--bootstrap", "0", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "fluctuation.csv")
+    assert "top1_change" not in df.columns and (df["topk_change"] == 0).all() and (df["jaccard"] == 1).all()

@@ -244,12 +244,14 @@ def split_layers(arr: np.ndarray, shape: ModelShape, what: str, dense_fill: tupl
     return {li: check_ids(arr[:, li].astype(np.int64), shape.n_experts(li), what, li) for li in shape.moe_layers}
 
 
-def check_ids(ids: np.ndarray, n: int, what: str, layer: int) -> np.ndarray:
+def check_ids(ids: np.ndarray, n: int, what: str, layer: int, of: str = "--config",
+              unwritten: str = "rows the engine never wrote?") -> np.ndarray:
     """Every id in ``[0, n)``; ``[T, K]`` ids: each token's K distinct (a router picks K different experts: a
-    repeat is a row the engine never wrote, e.g. vLLM's zero-filled buffer)."""
+    repeat is a row the engine never wrote, e.g. vLLM's zero-filled buffer). ``of`` names where n comes from,
+    ``unwritten`` the likely cause of a repeat (the messages)."""
     if ids.size and (ids.min() < 0 or ids.max() >= n):
         raise MoetoolError(f"{what}: layer {layer} has expert id {int(ids.min() if ids.min() < 0 else ids.max())}, "
-                           f"outside the {n} experts of --config")
+                           f"outside the {n} experts of {of}")
     if ids.ndim == 2 and ids.shape[1] > 1:
         s = np.sort(ids, 1)
         repeat = (s[:, 1:] == s[:, :-1]).any(1)
@@ -257,8 +259,8 @@ def check_ids(ids: np.ndarray, n: int, what: str, layer: int) -> np.ndarray:
             t = int(np.argmax(repeat))
             e = int(s[t, 1:][s[t, 1:] == s[t, :-1]][0])
             raise MoetoolError(f"{what}: layer {layer}, token {t} has expert {e} twice in its top-{ids.shape[1]} "
-                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts (rows "
-                               f"the engine never wrote?)")
+                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts "
+                               f"({unwritten})")
     return ids
 
 
