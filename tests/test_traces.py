@@ -906,3 +906,40 @@ def test_an_imported_trace_away_from_its_manifest_is_refused(captured, imported,
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "fluctuation.csv")
     assert "top1_change" not in df.columns and (df["topk_change"] == 0).all() and (df["jaccard"] == 1).all()
+
+
+def test_malformed_token_ids_and_record_fields_are_one_line(captured, tmp_path):
+    """Token ids that are no vocabulary entries, an sglext that is no object, Megatron record fields that are no
+    whole numbers. A string or null token id was a raw ValueError/TypeError traceback (exit 1); 1.5 was imported as
+    token 1 and -7 as a token id (where -1 means 'no ids'); an sglext string an AttributeError traceback; Megatron's
+    layer 0.5 was read as layer 0, topk 2.9 as top-2, num_tokens true as 1 token. Now one line each, exit 2, nothing
+    written."""
+    ex, ids = captured["requests"][0]
+    routed = ew.vllm_routed_experts(ex, 4, 8)
+    T = routed.shape[0]
+    words = "the token ids must be a list of whole numbers 0 or more"
+    for i, bad in enumerate(("a", None, 1.5, -7)):
+        prompt = list(ids)
+        prompt[1] = bad
+        (tmp_path / f"v{i}.jsonl").write_text(json.dumps(ew.vllm_response(routed, prompt, [ids[0]])) + "\n")
+        _refused(import_cli([tmp_path / f"v{i}.jsonl"], tmp_path / "out"), tmp_path / "out", words)
+    sgl = ew.sglang_routed_response(ex, 4, T + 1)["meta_info"]["routed_experts"]
+    (tmp_path / "s.jsonl").write_text(json.dumps({"choices": [{"sglext": {"routed_experts": sgl}},
+                                                              {"sglext": "x"}]}) + "\n")
+    _refused(import_cli([tmp_path / "s.jsonl"], tmp_path / "out"), tmp_path / "out",
+             "s.jsonl:1 choice 1 sglext: a string, not SGLang's extension fields (a JSON object)")
+    good = {"step": 0, "stage": "pre_dispatch", "block": "decoder", "rank": 0, "num_tokens": 1, "topk": 2,
+            "top_indices": [[0, 1]]}
+    for i, bad in enumerate(({"layer": 0.5}, {"topk": 2.9}, {"num_tokens": True}, {"layer": "0"})):
+        recs = [{**good, "layer": li, **(bad if li == 0 else {})} for li in range(4)]
+        (tmp_path / f"m{i}").mkdir()
+        (tmp_path / f"m{i}" / "router_trace_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        _refused(import_cli([tmp_path / f"m{i}"], tmp_path / "out"), tmp_path / "out",
+                 "router_trace_rank0.jsonl:1: not a Megatron router trace record (layer, topk, num_tokens: whole "
+                 "numbers; top_indices)")
+    # the same lines with whole numbers import, token ids and experts as written (the reference: the dump itself)
+    r = import_cli([captured["files"]["vllm"][0]], tmp_path / "ok")
+    assert r.exit_code == 0, r.output
+    tr = pd.read_parquet(tmp_path / "ok" / "trace.parquet")
+    first = tr[(tr.row == 0) & (tr.layer == 0)].sort_values("pos")
+    assert first.token_id.tolist() == list(ids) and (first[captured["cols"]].to_numpy() == ex[0]).all()

@@ -269,7 +269,14 @@ def _token_ids(ids: Any, T: int, what: str) -> np.ndarray:
     forwarded: num_tokens - 1 rows); -1 where the response carries none."""
     if ids is None:
         return np.full(T, -1, dtype=np.int64)
-    ids = np.asarray(ids, dtype=np.int64)
+    try:
+        ids = np.asarray(ids)
+    except ValueError:  # ragged nesting
+        ids = np.asarray([None])
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):
+        raise MoetoolError(f"{what}: the token ids must be a list of whole numbers 0 or more (a token id null, "
+                           f"fractional, negative or a string is no vocabulary entry)")
+    ids = ids.astype(np.int64)
     if len(ids) not in (T, T + 1):
         raise MoetoolError(f"{what}: {len(ids)} token ids but {T} routed rows (expected num_tokens - 1 rows)")
     return ids[:T]
@@ -361,6 +368,7 @@ def _sglang_requests(obj: Any, where: str) -> Iterator[tuple[Any, str | None, An
         raise MoetoolError(f"{where}: choices is not a list")
     for j, ch in enumerate(choices):
         ext = _object(ch, f"{where} choice {j}", "a completion choice").get("sglext") or {}
+        ext = _object(ext, f"{where} choice {j} sglext", "SGLang's extension fields")
         if ext.get("routed_experts") is None:
             raise MoetoolError(f"{where}: choice {j} has no sglext.routed_experts")
         yield ext["routed_experts"], ext.get("routed_experts_dtype"), None, f"{where} choice {j}"
@@ -620,10 +628,12 @@ def read_megatron(files: list[Path], shape: ModelShape, notes: list[str]) -> Ite
                 skipped += 1
                 continue
             try:
-                li, k, num_tokens, top = int(rec["layer"]), int(rec["topk"]), int(rec["num_tokens"]), rec["top_indices"]
-            except (KeyError, TypeError, ValueError):
-                raise MoetoolError(f"{where}: not a Megatron router trace record (layer, topk, num_tokens, "
-                                   f"top_indices)") from None
+                li, k, num_tokens, top = rec["layer"], rec["topk"], rec["num_tokens"], rec["top_indices"]
+            except KeyError:
+                li = None
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (li, k, num_tokens)):
+                raise MoetoolError(f"{where}: not a Megatron router trace record (layer, topk, num_tokens: whole "
+                                   f"numbers; top_indices)")
             if li not in shape.moe:
                 raise MoetoolError(f"{where}: layer {li} is not an MoE layer of --config {shape.source} "
                                    f"(MoE layers {shape.moe_layers})")
