@@ -943,3 +943,18 @@ def test_malformed_token_ids_and_record_fields_are_one_line(captured, tmp_path):
     tr = pd.read_parquet(tmp_path / "ok" / "trace.parquet")
     first = tr[(tr.row == 0) & (tr.layer == 0)].sort_values("pos")
     assert first.token_id.tolist() == list(ids) and (first[captured["cols"]].to_numpy() == ex[0]).all()
+
+
+def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported, tmp_path):
+    """placement --trace recorded the headline 'placement placement: max/mean GPU load ...' (no model loaded: the
+    experiment's name stood in for the model's), the first line of moetool report's summary table. Now the model
+    whose routing the trace is, marked as a trace; the numbers are those of placement_overall.csv."""
+    out = tmp_path / "pl"
+    r = runner.invoke(app, ["placement", "--trace", str(imported["vllm"]), "--gpus", "2,4", "--extra-slots", "0,1",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    headline = json.loads((out / "manifest.json").read_text())["headline"]
+    df = pd.read_csv(out / "placement_overall.csv")
+    four = df[df.gpus == 4]
+    parts = [f"{m}{f' R={R}' if R else ''} {x:.4g}x" for m, R, x in zip(four.method, four.replicas, four.imbalance)]
+    assert headline == ["placement tiny (trace): max/mean GPU load on 4 GPUs: " + ", ".join(parts)]
