@@ -958,3 +958,41 @@ def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported
     four = df[df.gpus == 4]
     parts = [f"{m}{f' R={R}' if R else ''} {x:.4g}x" for m, R, x in zip(four.method, four.replicas, four.imbalance)]
     assert headline == ["placement tiny (trace): max/mean GPU load on 4 GPUs: " + ", ".join(parts)]
+
+
+def test_sglang_per_token_record_fields_are_checked(captured, tmp_path):
+    """A per_token dump whose records are not what SGLang's recorder writes: a record without topk_ids_of_layer
+    among per_token ones (KeyError traceback, exit 1), negative extend_seq_lens (numpy's ValueError traceback),
+    fractional or negative positions / input_ids and float expert ids or map (truncated to integers: position 0.5
+    imported as 0). Now one line each, exit 2, nothing written; the untouched dump imports its tokens' positions and
+    ids as written."""
+    d = torch.load(captured["files"]["sglang-per-token"][0], weights_only=True)
+    T = len(d["records"][0]["input_ids"])
+
+    def edited(name, change):
+        e = {**d, "records": [dict(r) for r in d["records"]]}
+        change(e, e["records"][1])
+        torch.save(e, tmp_path / f"{name}.pt")
+        return tmp_path / f"{name}.pt"
+
+    where = "forward pass 1: "
+    cases = [("notopk", lambda e, r: r.pop("topk_ids_of_layer"),
+              where + "a record without topk_ids_of_layer among per_token records"),
+             ("lens", lambda e, r: r.update(extend_seq_lens=[T + 1, -1]),
+              where + "extend_seq_lens must be whole numbers 0 or more"),
+             ("pos", lambda e, r: r.update(positions=[p + 0.5 for p in r["positions"]]),
+              where + f"positions must be {T} whole numbers 0 or more (one per token of topk_ids_of_layer)"),
+             ("ids", lambda e, r: r.update(input_ids=[-3] + r["input_ids"][1:]),
+              where + f"input_ids must be {T} whole numbers 0 or more"),
+             ("topk", lambda e, r: r.update(topk_ids_of_layer=r["topk_ids_of_layer"].float()),
+              where + "topk_ids_of_layer: integer counts / expert ids expected, got dtype float32"),
+             ("map", lambda e, r: e.update(last_physical_to_logical_map=e["last_physical_to_logical_map"].float()),
+              "last_physical_to_logical_map: integer counts / expert ids expected, got dtype float32")]
+    for name, change, words in cases:
+        _refused(import_cli([edited(name, change)], tmp_path / "out"), tmp_path / "out", words)
+    r = import_cli(captured["files"]["sglang-per-token"], tmp_path / "ok")
+    assert r.exit_code == 0, r.output
+    tr = pd.read_parquet(tmp_path / "ok" / "trace.parquet")
+    rec = d["records"][1]
+    got = tr[(tr.row == 1) & (tr.layer == 0)]
+    assert got.pos.tolist() == list(rec["positions"]) and got.token_id.tolist() == list(rec["input_ids"])

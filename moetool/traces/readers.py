@@ -434,6 +434,16 @@ def _integers(x: Any, what: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def _counts_per_token(x: Any, T: int | None, where: str, name: str) -> np.ndarray:
+    """A per_token record's ``name`` (input ids, positions, sequence lengths): whole numbers 0 or more, ``T`` of
+    them (``None``: any number); else one line (a fractional one is never truncated)."""
+    a = _np(x, f"{where}: {name}")
+    if a.ndim != 1 or a.dtype.kind not in "iu" or (a.size and a.min() < 0) or (T is not None and len(a) != T):
+        raise MoetoolError(f"{where}: {name} must be " + (f"{T} " if T is not None else "") + "whole numbers 0 or "
+                           "more" + (" (one per token of topk_ids_of_layer)" if T is not None else ""))
+    return a.astype(np.int64)
+
+
 def _logical(physical: np.ndarray, p2l: np.ndarray, what: str) -> np.ndarray:
     """Physical ids ``[L, T, K]`` (-1 kept) -> logical through ``p2l [L, P]``."""
     if physical.size and physical.max() >= p2l.shape[1]:
@@ -564,13 +574,15 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
     K = shape.top_k()
     row = 0
     for path, _, d in loaded:
-        p2l = _np(d["last_physical_to_logical_map"], str(path)).astype(np.int64)
+        p2l = _integers(d["last_physical_to_logical_map"], f"{path}: last_physical_to_logical_map")
         if p2l.shape[0] != shape.num_layers:
             raise MoetoolError(f"{path}: the map has {p2l.shape[0]} layers, --config {shape.source} "
                                f"{shape.num_layers}")
         for r in d["records"]:
             where = f"{path} forward pass {r.get('forward_pass_id')}"
-            topk = _np(r["topk_ids_of_layer"], where).astype(np.int64)  # [L, T, 8]
+            if "topk_ids_of_layer" not in r:
+                raise MoetoolError(f"{where}: a record without topk_ids_of_layer among per_token records")
+            topk = _integers(r["topk_ids_of_layer"], f"{where}: topk_ids_of_layer")  # [L, T, 8]
             if topk.ndim != 3 or topk.shape[0] != shape.num_layers:
                 raise MoetoolError(f"{where}: topk_ids_of_layer of shape {list(topk.shape)}, --config has "
                                    f"{shape.num_layers} layers")
@@ -580,7 +592,9 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
             logical = _logical(topk[:, :, :K], p2l, where)  # [L, T, K]
             arr = logical.transpose(1, 0, 2)  # [T, L, K]
             experts = split_layers(arr, shape, where, dense_fill=(-1,))
-            lens = list(r.get("extend_seq_lens") or [])
+            given = r.get("extend_seq_lens")
+            lens = ([] if given is None or (isinstance(given, (list, tuple)) and not given)
+                    else _counts_per_token(given, None, where, "extend_seq_lens").tolist())
             if lens and sum(lens) != T:
                 raise MoetoolError(f"{where}: extend_seq_lens {lens} sum to {sum(lens)}, not the {T} tokens of "
                                    f"topk_ids_of_layer")
@@ -588,10 +602,10 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
                 lens = [1] * T
             rows = np.repeat(np.arange(row, row + len(lens)), lens)
             row += len(lens)
-            pos = np.asarray(r.get("positions", np.zeros(T)), dtype=np.int64)
-            ids = np.asarray(r.get("input_ids", np.full(T, -1)), dtype=np.int64)
-            if len(pos) != T or len(ids) != T:
-                raise MoetoolError(f"{where}: {len(ids)} input_ids / {len(pos)} positions for {T} tokens")
+            pos = (np.zeros(T, dtype=np.int64) if r.get("positions") is None
+                   else _counts_per_token(r["positions"], T, where, "positions"))
+            ids = (np.full(T, -1, dtype=np.int64) if r.get("input_ids") is None
+                   else _counts_per_token(r["input_ids"], T, where, "input_ids"))
             yield Chunk(rows, pos, ids, experts)
 
 
