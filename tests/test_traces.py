@@ -996,3 +996,30 @@ def test_sglang_per_token_record_fields_are_checked(captured, tmp_path):
     rec = d["records"][1]
     got = tr[(tr.row == 1) & (tr.layer == 0)]
     assert got.pos.tolist() == list(rec["positions"]) and got.token_id.tolist() == list(rec["input_ids"])
+
+
+def test_trace_config_must_agree_on_zero_computation_experts(tmp_path, monkeypatch):
+    """--trace-config of a model with the trace's layers, n and K but no zero-computation experts was taken as is:
+    placement --trace then placed LongCat's 2 identity experts as GPU experts (n_experts 10, not the 8 the trace's
+    manifest implies). Now refused in one line naming the difference; without --trace-config the 8 computed experts
+    are placed."""
+    from moetool.traces.readers import Chunk
+    from moetool.traces.store import write_trace
+
+    recorded = ModelShape(8, {i: (10, 2) for i in range(4)}, "longcat", {i: 2 for i in range(4)})
+    gen = np.random.default_rng(0)
+    experts = {li: np.stack([gen.permutation(10)[:2] for _ in range(12)]) for li in range(4)}
+    (tmp_path / "t").mkdir()
+    write_trace(iter([Chunk(np.zeros(12, dtype=np.int64), np.arange(12), np.full(12, -1), experts)]), recorded,
+                tmp_path / "t" / "trace.parquet")
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps({"routing_source": {"kind": "trace", "order": "as the "
+                                                                                 "router returned them",
+                                                                                 "shape": recorded.to_manifest()}}))
+    plain = ModelShape(8, {i: (10, 2) for i in range(4)}, "plain")
+    monkeypatch.setattr(ModelShape, "from_config", classmethod(lambda cls, name: plain))
+    with pytest.raises(MoetoolError, match=r"^--trace-config plain: 8 layers, MoE layers 0-3 of 10 experts, top-2, but "
+                                           r"the trace's manifest records 8 layers, MoE layers 0-3 of 10 experts \(2 of "
+                                           r"them zero-computation\), top-2 \(longcat\)"):
+        open_trace(tmp_path / "t", "plain")
+    res, loads = placement_from_trace(open_trace(tmp_path / "t"), PlacementOptions(gpus=(2,), bootstrap=0))
+    assert loads["n"] == 8 and res.meta["zero_computation_experts_not_placed"] == 2
