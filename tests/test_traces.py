@@ -1023,3 +1023,24 @@ def test_trace_config_must_agree_on_zero_computation_experts(tmp_path, monkeypat
         open_trace(tmp_path / "t", "plain")
     res, loads = placement_from_trace(open_trace(tmp_path / "t"), PlacementOptions(gpus=(2,), bootstrap=0))
     assert loads["n"] == 8 and res.meta["zero_computation_experts_not_placed"] == 2
+
+
+def test_fluctuation_top1_of_a_token_that_lost_all_its_experts(captured, tmp_path):
+    """A capacity trace's token can lose all K experts (every weight 0): a forward's fluctuation gives it no top-1
+    (-1, fluctuation.compute.chosen_and_top1), --trace took the argmax of its zeros, i.e. its first column. Two traces
+    of the same routing that list such a token's dropped experts in another order then differed in top1_change
+    (3 / 256 tokens at layer 0); by the definition they do not: every rate is 0 but on the tokens where they differ."""
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    a = captured["trace"].reset_index(drop=True)
+    lost = a.index[a.layer == 0][[3, 50, 200]]
+    a.loc[lost, ["weight_1", "weight_2"]] = 0.0  # these tokens lost both experts at layer 0
+    b = a.copy()
+    b.loc[lost, ["expert_1", "expert_2"]] = a.loc[lost, ["expert_2", "expert_1"]].to_numpy()
+    for name, df in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
+    assert (res["top1_change"] == 0).all() and (res["topk_change"] == 0).all() and (res["tokens"] == 256).all()

@@ -30,7 +30,8 @@ from ..sketch import SparseCounter
 from ..traces.readers import check_ids
 from ..traces.store import TraceSource, check_counts, expert_columns, open_trace, read_batches, read_loads
 from ..uncertainty import RowSums
-from .fluctuation.compute import RATES, FluctuationOptions, Routing, compare_with_intervals, pairs
+from .fluctuation.compute import (RATES, FluctuationOptions, Routing, chosen_and_top1, compare_with_intervals,
+                                  pairs)
 from .offload.compute import offload_tables, refuse_zero_compute
 from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
@@ -437,11 +438,10 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
         per = []
         for li in layers:
             req = torch.from_numpy(st.requests(li))  # [T, K]
-            best = (req.gather(1, torch.from_numpy(st.weights[li]).argmax(1, keepdim=True)) if top1
-                    else torch.full((req.shape[0], 1), -1, dtype=torch.int64))  # no top-1: its column is dropped
             if top1:  # a column at weight 0 (a top-p or capacity trace) is no chosen expert, as in a forward
-                req = req.masked_fill(torch.from_numpy(st.weights[li]) == 0, -1)
-            per.append(torch.cat([req, best], 1))
+                per.append(chosen_and_top1(req, torch.from_numpy(st.weights[li])))
+            else:  # no top-1: its column is dropped
+                per.append(torch.cat([req, torch.full((req.shape[0], 1), -1, dtype=torch.int64)], 1))
         r.spill.append(torch.stack(per).to(torch.int32))  # [L, T, K + 1], one batch
         r.spill.append(torch.from_numpy(st.token_rows()).to(torch.int32))
         r.tokens = int(len(st.token_rows()))
