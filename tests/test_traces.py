@@ -887,3 +887,199 @@ def test_a_counts_dump_stats_would_refuse_is_refused_at_import(tmp_path):
     (tmp_path / "all.csv").write_text("layer_id,expert_id,count\n" + "".join(f"{li},{e},2\n" for li in range(4)
                                                                              for e in range(8)))
     assert import_cli([tmp_path / "all.csv"], tmp_path / "ok").exit_code == 0
+
+
+def test_a_trace_read_with_trace_config_has_its_ids_checked(captured, tmp_path):
+    """A trace file given with --trace-config (no manifest recording its rows): an id beyond n, a negative one, a
+    token naming one expert twice or a fractional id. offload --trace crashed (IndexError traceback, exit 1), stats
+    and placement counted a repeated expert twice (layer 0 expert 2: load 74 of 512 assignments instead of the 73 a
+    forward counts, in the run of this fixture) and truncated 1.5 to 1. Now one line each, exit 2, nothing written, as import-trace refuses such
+    ids (readers.check_ids)."""
+    tr = captured["trace"].reset_index(drop=True)
+    first = tr.index[tr.layer == 0][5]  # layer 0, the 6th token
+    e1, e2 = int(tr.loc[first, "expert_1"]), int(tr.loc[first, "expert_2"])
+    cases = {"dup": ("expert_2", e1, f"layer 0, token 5 has expert {e1} twice in its top-2 (1 of 256 tokens): a "
+                                     f"top-K names K distinct experts (a damaged or edited trace?)"),
+             "frac": ("expert_2", e2 + 0.5, "layer 0 has expert ids that are not whole numbers"),
+             "big": ("expert_1", 8, "layer 0 has expert id 8, outside the 8 experts of the model"),
+             "neg": ("expert_2", -1, "layer 0 has expert id -1, outside the 8 experts of the model")}
+    out = tmp_path / "out"
+    for name, (col, value, words) in cases.items():
+        bad = tr.copy()
+        if isinstance(value, float):
+            bad[col] = bad[col].astype(np.float64)
+        bad.loc[first, col] = value
+        (tmp_path / name).mkdir()
+        bad.to_parquet(tmp_path / name / "trace.parquet", index=False)
+        for cmd in ("stats", "placement", "offload"):
+            _refused(runner.invoke(app, [cmd, "--trace", str(tmp_path / name), "--trace-config", "tiny", "--out",
+                                         str(out)]), out, words)
+    # the untouched file gives the forward's loads (the reference: moetool.stats on the model)
+    (tmp_path / "ok").mkdir()
+    tr.to_parquet(tmp_path / "ok" / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path / "ok", "tiny"), StatsOptions(top_tokens=0, bootstrap=0))
+    _same(res["load"], captured["stats"]["load"], ["layer", "expert", "tokens", "load_fraction"])
+
+
+def test_an_imported_trace_away_from_its_manifest_is_refused(captured, imported, tmp_path):
+    """An import-trace trace.parquet copied without its manifest.json and given with --trace-config was read as a
+    trace of moetool trace (gate weights, ids ranked): fluctuation took the top-1 of its NaN weights, i.e. its first
+    column -- for Megatron's ids, sorted by expert id, the smallest -- and reported top1_change of about 0.4 per layer
+    between two copies of the same routing (0 by definition; the manifest-backed import leaves it out), and stats
+    --top-k 1 ran on sorted ids. Now a NaN gate weight is one line naming the lost manifest."""
+    import shutil
+
+    (tmp_path / "bare").mkdir()
+    shutil.copy(imported["megatron"] / "trace.parquet", tmp_path / "bare" / "trace.parquet")
+    (tmp_path / "own").mkdir()
+    captured["trace"].to_parquet(tmp_path / "own" / "trace.parquet", index=False)
+    out = tmp_path / "out"
+    words = "layer 0 has NaN gate weights: an import-trace trace without the manifest.json written beside it"
+    for args in (["fluctuation", "--trace", str(tmp_path / "bare"), "--trace", str(tmp_path / "own"), "--bootstrap",
+                  "0"], ["stats", "--top-k", "1", "--trace", str(tmp_path / "bare")], ["offload", "--trace",
+                                                                                       str(tmp_path / "bare")]):
+        _refused(runner.invoke(app, [*args, "--trace-config", "tiny", "--out", str(out)]), out, words)
+    # with its manifest: the same routing, so no set changes, and top1_change left out (the engines record no weights)
+    r = runner.invoke(app, ["fluctuation", "--trace", str(imported["megatron"]), "--trace", str(tmp_path / "own"),
+                            "--trace-config", "tiny", "--bootstrap", "0", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "fluctuation.csv")
+    assert "top1_change" not in df.columns and (df["topk_change"] == 0).all() and (df["jaccard"] == 1).all()
+
+
+def test_malformed_token_ids_and_record_fields_are_one_line(captured, tmp_path):
+    """Token ids that are no vocabulary entries, an sglext that is no object, Megatron record fields that are no
+    whole numbers. A string or null token id was a raw ValueError/TypeError traceback (exit 1); 1.5 was imported as
+    token 1 and -7 as a token id (where -1 means 'no ids'); an sglext string an AttributeError traceback; Megatron's
+    layer 0.5 was read as layer 0, topk 2.9 as top-2, num_tokens true as 1 token. Now one line each, exit 2, nothing
+    written."""
+    ex, ids = captured["requests"][0]
+    routed = ew.vllm_routed_experts(ex, 4, 8)
+    T = routed.shape[0]
+    words = "the token ids must be a list of whole numbers 0 or more"
+    for i, bad in enumerate(("a", None, 1.5, -7)):
+        prompt = list(ids)
+        prompt[1] = bad
+        (tmp_path / f"v{i}.jsonl").write_text(json.dumps(ew.vllm_response(routed, prompt, [ids[0]])) + "\n")
+        _refused(import_cli([tmp_path / f"v{i}.jsonl"], tmp_path / "out"), tmp_path / "out", words)
+    sgl = ew.sglang_routed_response(ex, 4, T + 1)["meta_info"]["routed_experts"]
+    (tmp_path / "s.jsonl").write_text(json.dumps({"choices": [{"sglext": {"routed_experts": sgl}},
+                                                              {"sglext": "x"}]}) + "\n")
+    _refused(import_cli([tmp_path / "s.jsonl"], tmp_path / "out"), tmp_path / "out",
+             "s.jsonl:1 choice 1 sglext: a string, not SGLang's extension fields (a JSON object)")
+    good = {"step": 0, "stage": "pre_dispatch", "block": "decoder", "rank": 0, "num_tokens": 1, "topk": 2,
+            "top_indices": [[0, 1]]}
+    for i, bad in enumerate(({"layer": 0.5}, {"topk": 2.9}, {"num_tokens": True}, {"layer": "0"})):
+        recs = [{**good, "layer": li, **(bad if li == 0 else {})} for li in range(4)]
+        (tmp_path / f"m{i}").mkdir()
+        (tmp_path / f"m{i}" / "router_trace_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        _refused(import_cli([tmp_path / f"m{i}"], tmp_path / "out"), tmp_path / "out",
+                 "router_trace_rank0.jsonl:1: not a Megatron router trace record (layer, topk, num_tokens: whole "
+                 "numbers; top_indices)")
+    # the same lines with whole numbers import, token ids and experts as written (the reference: the dump itself)
+    r = import_cli([captured["files"]["vllm"][0]], tmp_path / "ok")
+    assert r.exit_code == 0, r.output
+    tr = pd.read_parquet(tmp_path / "ok" / "trace.parquet")
+    first = tr[(tr.row == 0) & (tr.layer == 0)].sort_values("pos")
+    assert first.token_id.tolist() == list(ids) and (first[captured["cols"]].to_numpy() == ex[0]).all()
+
+
+def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported, tmp_path):
+    """placement --trace recorded the headline 'placement placement: max/mean GPU load ...' (no model loaded: the
+    experiment's name stood in for the model's), the first line of moetool report's summary table. Now the model
+    whose routing the trace is, marked as a trace; the numbers are those of placement_overall.csv."""
+    out = tmp_path / "pl"
+    r = runner.invoke(app, ["placement", "--trace", str(imported["vllm"]), "--gpus", "2,4", "--extra-slots", "0,1",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    headline = json.loads((out / "manifest.json").read_text())["headline"]
+    df = pd.read_csv(out / "placement_overall.csv")
+    four = df[df.gpus == 4]
+    parts = [f"{m}{f' R={R}' if R else ''} {x:.4g}x" for m, R, x in zip(four.method, four.replicas, four.imbalance)]
+    assert headline == ["placement tiny (trace): max/mean GPU load on 4 GPUs: " + ", ".join(parts)]
+
+
+def test_sglang_per_token_record_fields_are_checked(captured, tmp_path):
+    """A per_token dump whose records are not what SGLang's recorder writes: a record without topk_ids_of_layer
+    among per_token ones (KeyError traceback, exit 1), negative extend_seq_lens (numpy's ValueError traceback),
+    fractional or negative positions / input_ids and float expert ids or map (truncated to integers: position 0.5
+    imported as 0). Now one line each, exit 2, nothing written; the untouched dump imports its tokens' positions and
+    ids as written."""
+    d = torch.load(captured["files"]["sglang-per-token"][0], weights_only=True)
+    T = len(d["records"][0]["input_ids"])
+
+    def edited(name, change):
+        e = {**d, "records": [dict(r) for r in d["records"]]}
+        change(e, e["records"][1])
+        torch.save(e, tmp_path / f"{name}.pt")
+        return tmp_path / f"{name}.pt"
+
+    where = "forward pass 1: "
+    cases = [("notopk", lambda e, r: r.pop("topk_ids_of_layer"),
+              where + "a record without topk_ids_of_layer among per_token records"),
+             ("lens", lambda e, r: r.update(extend_seq_lens=[T + 1, -1]),
+              where + "extend_seq_lens must be whole numbers 0 or more"),
+             ("pos", lambda e, r: r.update(positions=[p + 0.5 for p in r["positions"]]),
+              where + f"positions must be {T} whole numbers 0 or more (one per token of topk_ids_of_layer)"),
+             ("ids", lambda e, r: r.update(input_ids=[-3] + r["input_ids"][1:]),
+              where + f"input_ids must be {T} whole numbers 0 or more"),
+             ("topk", lambda e, r: r.update(topk_ids_of_layer=r["topk_ids_of_layer"].float()),
+              where + "topk_ids_of_layer: integer counts / expert ids expected, got dtype float32"),
+             ("map", lambda e, r: e.update(last_physical_to_logical_map=e["last_physical_to_logical_map"].float()),
+              "last_physical_to_logical_map: integer counts / expert ids expected, got dtype float32")]
+    for name, change, words in cases:
+        _refused(import_cli([edited(name, change)], tmp_path / "out"), tmp_path / "out", words)
+    r = import_cli(captured["files"]["sglang-per-token"], tmp_path / "ok")
+    assert r.exit_code == 0, r.output
+    tr = pd.read_parquet(tmp_path / "ok" / "trace.parquet")
+    rec = d["records"][1]
+    got = tr[(tr.row == 1) & (tr.layer == 0)]
+    assert got.pos.tolist() == list(rec["positions"]) and got.token_id.tolist() == list(rec["input_ids"])
+
+
+def test_trace_config_must_agree_on_zero_computation_experts(tmp_path, monkeypatch):
+    """--trace-config of a model with the trace's layers, n and K but no zero-computation experts was taken as is:
+    placement --trace then placed LongCat's 2 identity experts as GPU experts (n_experts 10, not the 8 the trace's
+    manifest implies). Now refused in one line naming the difference; without --trace-config the 8 computed experts
+    are placed."""
+    from moetool.traces.readers import Chunk
+    from moetool.traces.store import write_trace
+
+    recorded = ModelShape(8, {i: (10, 2) for i in range(4)}, "longcat", {i: 2 for i in range(4)})
+    gen = np.random.default_rng(0)
+    experts = {li: np.stack([gen.permutation(10)[:2] for _ in range(12)]) for li in range(4)}
+    (tmp_path / "t").mkdir()
+    write_trace(iter([Chunk(np.zeros(12, dtype=np.int64), np.arange(12), np.full(12, -1), experts)]), recorded,
+                tmp_path / "t" / "trace.parquet")
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps({"routing_source": {"kind": "trace", "order": "as the "
+                                                                                 "router returned them",
+                                                                                 "shape": recorded.to_manifest()}}))
+    plain = ModelShape(8, {i: (10, 2) for i in range(4)}, "plain")
+    monkeypatch.setattr(ModelShape, "from_config", classmethod(lambda cls, name: plain))
+    with pytest.raises(MoetoolError, match=r"^--trace-config plain: 8 layers, MoE layers 0-3 of 10 experts, top-2, but "
+                                           r"the trace's manifest records 8 layers, MoE layers 0-3 of 10 experts \(2 of "
+                                           r"them zero-computation\), top-2 \(longcat\)"):
+        open_trace(tmp_path / "t", "plain")
+    res, loads = placement_from_trace(open_trace(tmp_path / "t"), PlacementOptions(gpus=(2,), bootstrap=0))
+    assert loads["n"] == 8 and res.meta["zero_computation_experts_not_placed"] == 2
+
+
+def test_fluctuation_top1_of_a_token_that_lost_all_its_experts(captured, tmp_path):
+    """A capacity trace's token can lose all K experts (every weight 0): a forward's fluctuation gives it no top-1
+    (-1, fluctuation.compute.chosen_and_top1), --trace took the argmax of its zeros, i.e. its first column. Two traces
+    of the same routing that list such a token's dropped experts in another order then differed in top1_change
+    (3 / 256 tokens at layer 0); by the definition they do not: every rate is 0 but on the tokens where they differ."""
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    a = captured["trace"].reset_index(drop=True)
+    lost = a.index[a.layer == 0][[3, 50, 200]]
+    a.loc[lost, ["weight_1", "weight_2"]] = 0.0  # these tokens lost both experts at layer 0
+    b = a.copy()
+    b.loc[lost, ["expert_1", "expert_2"]] = a.loc[lost, ["expert_2", "expert_1"]].to_numpy()
+    for name, df in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
+    assert (res["top1_change"] == 0).all() and (res["topk_change"] == 0).all() and (res["tokens"] == 256).all()

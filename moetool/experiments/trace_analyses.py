@@ -27,9 +27,11 @@ from .. import ops
 from ..errors import MoetoolError, spans
 from ..loading import load_tokenizer
 from ..sketch import SparseCounter
+from ..traces.readers import check_ids
 from ..traces.store import TraceSource, check_counts, expert_columns, open_trace, read_batches, read_loads
 from ..uncertainty import RowSums
-from .fluctuation.compute import RATES, FluctuationOptions, Routing, compare_with_intervals, pairs
+from .fluctuation.compute import (RATES, FluctuationOptions, Routing, chosen_and_top1, compare_with_intervals,
+                                  pairs)
 from .offload.compute import offload_tables, refuse_zero_compute
 from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
 from .result import Result
@@ -63,10 +65,40 @@ def _weight_columns(src: TraceSource, cols: list[str]) -> list[str]:
     return [c.replace("expert_", "weight_") for c in cols] if src.weights else []
 
 
+def _expert_ids(src: TraceSource, g: Any, cols: list[str], li: int) -> np.ndarray:
+    """A layer's rows' ``expert_1..K`` as ``[t, K]`` int64, checked as an imported dump's ids are
+    (:func:`~moetool.traces.readers.check_ids`: every id in ``[0, n)``, a token's K distinct); an id that is no whole
+    number (an edited or foreign file) is one line, never truncated to one."""
+    raw = g[cols].to_numpy()
+    if raw.dtype.kind not in "iu":
+        try:
+            f = raw.astype(np.float64)
+        except (TypeError, ValueError):
+            f = np.array([np.nan])
+        if not np.isfinite(f).all() or (f != np.round(f)).any():
+            raise MoetoolError(f"--trace {src.path}: layer {li} has expert ids that are not whole numbers: not a "
+                               f"moetool trace (damaged or edited?)")
+    return check_ids(raw.astype(np.int64), src.shape.n_experts(li), f"--trace {src.path}", li, of="the model",
+                     unwritten="a damaged or edited trace?")
+
+
+def _refuse_nan_weights(src: TraceSource, g: Any, wcols: list[str], li: int) -> None:
+    """One line where a trace read as having gate weights (no ``routing_source`` in a manifest beside it) has NaN
+    ones: ``import-trace`` writes NaN weights (the engines record ids only), so this is an imported trace away from
+    its manifest -- whose ids may come sorted by expert id (Megatron) -- or a damaged one; its largest weight, the
+    top-1, would be an arbitrary column."""
+    if wcols and np.isnan(g[wcols].to_numpy(dtype=np.float64)).any():
+        raise MoetoolError(f"--trace {src.path}: layer {li} has NaN gate weights: an import-trace trace without the "
+                           f"manifest.json written beside it (which says where its ids come from and in what order), "
+                           f"or a damaged trace; keep the trace in its run folder")
+
+
 def _refuse_unrouted(src: TraceSource, g: Any, wcols: list[str], li: int, use: str) -> None:
     """One line where a layer's rows hold a column at weight 0: a policy's column that did not run (``--routing
     topp`` leaves the unchosen at 0, ``capacity`` its dropped assignments), while ``use`` reads every ``expert_k``
-    as routed (fluctuation reads the weights and leaves such columns out)."""
+    as routed (fluctuation reads the weights and leaves such columns out); NaN weights first
+    (:func:`_refuse_nan_weights`)."""
+    _refuse_nan_weights(src, g, wcols, li)
     if wcols and (g[wcols].to_numpy(dtype=np.float64) == 0).any():
         raise MoetoolError(f"--trace {src.path}: layer {li} has experts at weight 0 (a routing policy's columns that "
                            f"did not run: top-p's unchosen, capacity's dropped), which {use} would count as routed: "
@@ -121,11 +153,9 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
                 raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
             _refuse_unrouted(src, g, wcols, li, "the expert loads")
             n = src.shape.n_experts(li)
-            idx = torch.from_numpy(np.array(g[cols].to_numpy(dtype=np.int64)))  # [t, K], a writable copy
+            idx = torch.from_numpy(np.array(_expert_ids(src, g, cols, li)))  # [t, K], a writable copy
             if top_k is not None:
                 idx = idx[:, :top_k]
-            if idx.numel() and (idx.min() < 0 or idx.max() >= n):
-                raise MoetoolError(f"--trace {src.path}: layer {li} has expert ids outside 0..{n - 1}")
             valid = torch.ones(idx.shape[0], dtype=torch.bool)
             s = sums.setdefault(li, {"tokens": 0, "assign": torch.zeros(n, dtype=torch.float64),
                                      "co": torch.zeros(n, n, dtype=torch.float64) if coactivation else None,
@@ -324,11 +354,13 @@ def token_stream(src: TraceSource, layers: tuple[int, ...] | None, max_tokens: i
                 g = g.iloc[: max_tokens - taken.get(li, 0)]
             if not weights:
                 _refuse_unrouted(src, g, wcols, li, use)
+            else:
+                _refuse_nan_weights(src, g, wcols, li)
             key = g["row"].to_numpy() * (1 << 32) + g["pos"].to_numpy()
             if (np.diff(key) < 0).any() or (li in last and key[0] < last[li][0] * (1 << 32) + last[li][1]):
                 raise MoetoolError(f"--trace {src.path}: layer {li}'s tokens are not in (row, position) order")
             last[li] = (int(g["row"].iloc[-1]), int(g["pos"].iloc[-1]))
-            parts.setdefault(li, []).append((g["row"].to_numpy(), key, g[cols].to_numpy(dtype=np.int64),
+            parts.setdefault(li, []).append((g["row"].to_numpy(), key, _expert_ids(src, g, cols, li),
                                              g[wcols].to_numpy(dtype=np.float64) if weights and wcols else None,
                                              g["token_id"].to_numpy(dtype=np.int64) if token_ids else None))
             taken[li] = taken.get(li, 0) + len(g)
@@ -406,11 +438,10 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
         per = []
         for li in layers:
             req = torch.from_numpy(st.requests(li))  # [T, K]
-            best = (req.gather(1, torch.from_numpy(st.weights[li]).argmax(1, keepdim=True)) if top1
-                    else torch.full((req.shape[0], 1), -1, dtype=torch.int64))  # no top-1: its column is dropped
             if top1:  # a column at weight 0 (a top-p or capacity trace) is no chosen expert, as in a forward
-                req = req.masked_fill(torch.from_numpy(st.weights[li]) == 0, -1)
-            per.append(torch.cat([req, best], 1))
+                per.append(chosen_and_top1(req, torch.from_numpy(st.weights[li])))
+            else:  # no top-1: its column is dropped
+                per.append(torch.cat([req, torch.full((req.shape[0], 1), -1, dtype=torch.int64)], 1))
         r.spill.append(torch.stack(per).to(torch.int32))  # [L, T, K + 1], one batch
         r.spill.append(torch.from_numpy(st.token_rows()).to(torch.int32))
         r.tokens = int(len(st.token_rows()))

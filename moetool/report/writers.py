@@ -75,8 +75,12 @@ def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | Non
     spec = next((e for e in EXPERIMENTS.values() if e.result == result.name), None)
     if spec is None or not spec.lines:
         return []
+    trace = result.meta.get("trace")  # a --trace analysis: no model loaded, the routing of the trace's model
+    traced = (f"{trace['shape'].get('source') or 'a model'} (trace)"
+              if isinstance(trace, dict) and isinstance(trace.get("shape"), dict) else None)
     who = ((model.get("name") if isinstance(model, dict) else getattr(model, "name", None))
-           or (options or {}).get("model") or " -> ".join(map(str, result.meta.get("checkpoints", []))) or spec.name)
+           or (options or {}).get("model") or " -> ".join(map(str, result.meta.get("checkpoints", []))) or traced
+           or spec.name)
     try:
         return [str(line) for line in spec.load(spec.lines)(str(who), result)]
     except Exception:  # noqa: BLE001 - a headline that cannot be said is left out: the tables are the record

@@ -244,12 +244,14 @@ def split_layers(arr: np.ndarray, shape: ModelShape, what: str, dense_fill: tupl
     return {li: check_ids(arr[:, li].astype(np.int64), shape.n_experts(li), what, li) for li in shape.moe_layers}
 
 
-def check_ids(ids: np.ndarray, n: int, what: str, layer: int) -> np.ndarray:
+def check_ids(ids: np.ndarray, n: int, what: str, layer: int, of: str = "--config",
+              unwritten: str = "rows the engine never wrote?") -> np.ndarray:
     """Every id in ``[0, n)``; ``[T, K]`` ids: each token's K distinct (a router picks K different experts: a
-    repeat is a row the engine never wrote, e.g. vLLM's zero-filled buffer)."""
+    repeat is a row the engine never wrote, e.g. vLLM's zero-filled buffer). ``of`` names where n comes from,
+    ``unwritten`` the likely cause of a repeat (the messages)."""
     if ids.size and (ids.min() < 0 or ids.max() >= n):
         raise MoetoolError(f"{what}: layer {layer} has expert id {int(ids.min() if ids.min() < 0 else ids.max())}, "
-                           f"outside the {n} experts of --config")
+                           f"outside the {n} experts of {of}")
     if ids.ndim == 2 and ids.shape[1] > 1:
         s = np.sort(ids, 1)
         repeat = (s[:, 1:] == s[:, :-1]).any(1)
@@ -257,8 +259,8 @@ def check_ids(ids: np.ndarray, n: int, what: str, layer: int) -> np.ndarray:
             t = int(np.argmax(repeat))
             e = int(s[t, 1:][s[t, 1:] == s[t, :-1]][0])
             raise MoetoolError(f"{what}: layer {layer}, token {t} has expert {e} twice in its top-{ids.shape[1]} "
-                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts (rows "
-                               f"the engine never wrote?)")
+                               f"({int(repeat.sum())} of {len(ids)} tokens): a top-K names K distinct experts "
+                               f"({unwritten})")
     return ids
 
 
@@ -267,7 +269,14 @@ def _token_ids(ids: Any, T: int, what: str) -> np.ndarray:
     forwarded: num_tokens - 1 rows); -1 where the response carries none."""
     if ids is None:
         return np.full(T, -1, dtype=np.int64)
-    ids = np.asarray(ids, dtype=np.int64)
+    try:
+        ids = np.asarray(ids)
+    except ValueError:  # ragged nesting
+        ids = np.asarray([None])
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):
+        raise MoetoolError(f"{what}: the token ids must be a list of whole numbers 0 or more (a token id null, "
+                           f"fractional, negative or a string is no vocabulary entry)")
+    ids = ids.astype(np.int64)
     if len(ids) not in (T, T + 1):
         raise MoetoolError(f"{what}: {len(ids)} token ids but {T} routed rows (expected num_tokens - 1 rows)")
     return ids[:T]
@@ -359,6 +368,7 @@ def _sglang_requests(obj: Any, where: str) -> Iterator[tuple[Any, str | None, An
         raise MoetoolError(f"{where}: choices is not a list")
     for j, ch in enumerate(choices):
         ext = _object(ch, f"{where} choice {j}", "a completion choice").get("sglext") or {}
+        ext = _object(ext, f"{where} choice {j} sglext", "SGLang's extension fields")
         if ext.get("routed_experts") is None:
             raise MoetoolError(f"{where}: choice {j} has no sglext.routed_experts")
         yield ext["routed_experts"], ext.get("routed_experts_dtype"), None, f"{where} choice {j}"
@@ -421,6 +431,16 @@ def _integers(x: Any, what: str) -> np.ndarray:
     a = _np(x, what)
     if a.dtype.kind not in "iu":
         raise MoetoolError(f"{what}: integer counts / expert ids expected, got dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
+def _counts_per_token(x: Any, T: int | None, where: str, name: str) -> np.ndarray:
+    """A per_token record's ``name`` (input ids, positions, sequence lengths): whole numbers 0 or more, ``T`` of
+    them (``None``: any number); else one line (a fractional one is never truncated)."""
+    a = _np(x, f"{where}: {name}")
+    if a.ndim != 1 or a.dtype.kind not in "iu" or (a.size and a.min() < 0) or (T is not None and len(a) != T):
+        raise MoetoolError(f"{where}: {name} must be " + (f"{T} " if T is not None else "") + "whole numbers 0 or "
+                           "more" + (" (one per token of topk_ids_of_layer)" if T is not None else ""))
     return a.astype(np.int64)
 
 
@@ -554,13 +574,15 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
     K = shape.top_k()
     row = 0
     for path, _, d in loaded:
-        p2l = _np(d["last_physical_to_logical_map"], str(path)).astype(np.int64)
+        p2l = _integers(d["last_physical_to_logical_map"], f"{path}: last_physical_to_logical_map")
         if p2l.shape[0] != shape.num_layers:
             raise MoetoolError(f"{path}: the map has {p2l.shape[0]} layers, --config {shape.source} "
                                f"{shape.num_layers}")
         for r in d["records"]:
             where = f"{path} forward pass {r.get('forward_pass_id')}"
-            topk = _np(r["topk_ids_of_layer"], where).astype(np.int64)  # [L, T, 8]
+            if "topk_ids_of_layer" not in r:
+                raise MoetoolError(f"{where}: a record without topk_ids_of_layer among per_token records")
+            topk = _integers(r["topk_ids_of_layer"], f"{where}: topk_ids_of_layer")  # [L, T, 8]
             if topk.ndim != 3 or topk.shape[0] != shape.num_layers:
                 raise MoetoolError(f"{where}: topk_ids_of_layer of shape {list(topk.shape)}, --config has "
                                    f"{shape.num_layers} layers")
@@ -570,7 +592,9 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
             logical = _logical(topk[:, :, :K], p2l, where)  # [L, T, K]
             arr = logical.transpose(1, 0, 2)  # [T, L, K]
             experts = split_layers(arr, shape, where, dense_fill=(-1,))
-            lens = list(r.get("extend_seq_lens") or [])
+            given = r.get("extend_seq_lens")
+            lens = ([] if given is None or (isinstance(given, (list, tuple)) and not given)
+                    else _counts_per_token(given, None, where, "extend_seq_lens").tolist())
             if lens and sum(lens) != T:
                 raise MoetoolError(f"{where}: extend_seq_lens {lens} sum to {sum(lens)}, not the {T} tokens of "
                                    f"topk_ids_of_layer")
@@ -578,10 +602,10 @@ def _sglang_per_token(loaded: list[tuple[Path, str, Any]], shape: ModelShape) ->
                 lens = [1] * T
             rows = np.repeat(np.arange(row, row + len(lens)), lens)
             row += len(lens)
-            pos = np.asarray(r.get("positions", np.zeros(T)), dtype=np.int64)
-            ids = np.asarray(r.get("input_ids", np.full(T, -1)), dtype=np.int64)
-            if len(pos) != T or len(ids) != T:
-                raise MoetoolError(f"{where}: {len(ids)} input_ids / {len(pos)} positions for {T} tokens")
+            pos = (np.zeros(T, dtype=np.int64) if r.get("positions") is None
+                   else _counts_per_token(r["positions"], T, where, "positions"))
+            ids = (np.full(T, -1, dtype=np.int64) if r.get("input_ids") is None
+                   else _counts_per_token(r["input_ids"], T, where, "input_ids"))
             yield Chunk(rows, pos, ids, experts)
 
 
@@ -618,10 +642,12 @@ def read_megatron(files: list[Path], shape: ModelShape, notes: list[str]) -> Ite
                 skipped += 1
                 continue
             try:
-                li, k, num_tokens, top = int(rec["layer"]), int(rec["topk"]), int(rec["num_tokens"]), rec["top_indices"]
-            except (KeyError, TypeError, ValueError):
-                raise MoetoolError(f"{where}: not a Megatron router trace record (layer, topk, num_tokens, "
-                                   f"top_indices)") from None
+                li, k, num_tokens, top = rec["layer"], rec["topk"], rec["num_tokens"], rec["top_indices"]
+            except KeyError:
+                li = None
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (li, k, num_tokens)):
+                raise MoetoolError(f"{where}: not a Megatron router trace record (layer, topk, num_tokens: whole "
+                                   f"numbers; top_indices)")
             if li not in shape.moe:
                 raise MoetoolError(f"{where}: layer {li} is not an MoE layer of --config {shape.source} "
                                    f"(MoE layers {shape.moe_layers})")

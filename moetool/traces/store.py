@@ -189,7 +189,8 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
             raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --config")
         return TraceSource(p, kind, recorded, rs)
     shape = ModelShape.from_config(config)
-    if recorded is not None and (shape.num_layers, shape.moe) != (recorded.num_layers, recorded.moe):
+    if recorded is not None and ((shape.num_layers, shape.moe, shape.zero)
+                                 != (recorded.num_layers, recorded.moe, recorded.zero)):
         raise MoetoolError(f"--trace-config {config}: {_describe(shape)}, but the trace's manifest records "
                            f"{_describe(recorded)} ({recorded.source}): drop --trace-config, or give the model whose "
                            f"routing it is")
@@ -197,12 +198,14 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
 
 
 def _describe(shape: ModelShape) -> str:
-    """``4 layers, MoE layers 0-3 of 8 experts, top-2`` (each distinct (n, K) with its layers)."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for li, nk in sorted(shape.moe.items()):
-        groups.setdefault(nk, []).append(li)
-    return f"{shape.num_layers} layers, " + "; ".join(f"MoE layers {_span(ls)} of {n} experts, top-{k}"
-                                                     for (n, k), ls in groups.items())
+    """``4 layers, MoE layers 0-3 of 8 experts, top-2`` (each distinct (n, K, zero-computation experts) with its
+    layers)."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for li, (n, k) in sorted(shape.moe.items()):
+        groups.setdefault((n, k, shape.n_zero_compute(li)), []).append(li)
+    return f"{shape.num_layers} layers, " + "; ".join(
+        f"MoE layers {_span(ls)} of {n} experts" + (f" ({z} of them zero-computation)" if z else "") + f", top-{k}"
+        for (n, k, z), ls in groups.items())
 
 
 def _span(layers: list[int]) -> str:

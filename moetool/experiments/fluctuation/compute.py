@@ -96,6 +96,13 @@ def router_copy(layer: MoELayer) -> MoELayer:
 
 
 # ----- capture -------------------------------------------------------------------------------
+def chosen_and_top1(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[T, K + 1]``: the chosen set (``idx [T, K]``, a column at weight 0 as -1: no expert) and the top-1 (the
+    chosen expert of largest weight ``w [T, K]``; -1 where every weight is 0, a token that lost all its experts)."""
+    top1 = idx.gather(1, w.float().argmax(-1, keepdim=True)).masked_fill((w == 0).all(-1, keepdim=True), -1)
+    return torch.cat([idx.masked_fill(w == 0, -1), top1], 1)
+
+
 class Routing:
     """One checkpoint's routing under one policy, every MoE layer, over all real tokens.
 
@@ -118,8 +125,7 @@ class Routing:
         chosen set is the experts with a nonzero weight: a column a policy leaves at weight 0 (top-p's unchosen,
         capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`)."""
         small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
-        top1 = idx.gather(1, w.float().argmax(-1, keepdim=True)).masked_fill((w == 0).all(-1, keepdim=True), -1)
-        self._batch[layer] = torch.cat([idx.masked_fill(w == 0, -1), top1], 1).to(small)  # [T, K + 1]
+        self._batch[layer] = chosen_and_top1(idx, w).to(small)  # [T, K + 1]
         self._valid = valid
         ent = ops.entropy(scores).double()
         self.entropy[layer].add(torch.where(valid, ent, 0.0), valid)
