@@ -108,8 +108,9 @@ def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: 
 
 def write_export_file(run: Any, export: str, loads: dict[str, Any], opts: Any, shape: Any) -> None:
     """``--export sglang|eplb`` into the run folder (:func:`moetool.traces.export.export_placement`)."""
-    from moetool.traces.export import FILES, export_placement
+    from moetool.traces.export import FILES, export_layout, export_placement
 
-    with run.atomic(FILES[export]) as tmp:  # --export was checked before anything loaded
+    export_layout(export, loads["n"], opts)  # one placement, before a file is made
+    with run.atomic(FILES[export]) as tmp:
         entry = export_placement(export, tmp, loads, opts, shape)
     run.add(export=entry)

@@ -219,12 +219,13 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
     (:mod:`moetool.traces.export`); returns ``path``. ``sglang`` needs every decoder layer of the model: ``config``
     (a model's name or folder), else the result's model or trace. An existing ``path`` needs ``force``."""
     from .errors import MoetoolError
-    from .traces.export import EXPORTS, export_placement as export, placement_loads
+    from .traces.export import EXPORTS, export_layout, export_placement as export, placement_loads
     from .traces.shape import ModelShape
 
     if format not in EXPORTS:
         raise MoetoolError(f"format must be one of {', '.join(EXPORTS)}, not '{format}'")
     loads = placement_loads(result)
+    export_layout(format, loads["n"], result.options)
     path = Path(path)
     if path.is_dir() or (path.exists() and not force):
         raise MoetoolError(f"{path}: " + ("a folder: give the file's path" if path.is_dir() else

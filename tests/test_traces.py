@@ -999,6 +999,38 @@ def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported
     assert headline == ["placement tiny (trace): max/mean GPU load on 4 GPUs: " + ", ".join(parts)]
 
 
+def test_stats_offload_and_fluctuation_of_traces_record_their_headlines(captured, tmp_path):
+    """stats, offload and fluctuation --trace recorded no headline (their results' names, ``stats_trace``, ..., found
+    no experiment, and stats' and offload's lines read tables a trace does not have), so moetool report's summary
+    table left them out. Each now records its experiment's lines of the tables it wrote, with their numbers."""
+    runs = {}
+    for name, lm in (("a", "tiny-early"), ("b", "tiny")):
+        runs[name] = tmp_path / name
+        r = runner.invoke(app, ["trace", "--model", lm, "--max-tokens", "256", "--seq-len", "32", "--out",
+                                str(runs[name]), "-q"])
+        assert r.exit_code == 0, r.output
+    heads = {}
+    for cmd, args in (("stats", [str(runs["b"])]), ("offload", [str(runs["b"])]),
+                      ("fluctuation", [str(runs["a"]), str(runs["b"])])):
+        out = tmp_path / cmd
+        r = runner.invoke(app, [cmd, *sum((["--trace", a] for a in args), []), "--out", str(out), "-q"])
+        assert r.exit_code == 0, r.output
+        heads[cmd] = (json.loads((out / "manifest.json").read_text()).get("headline"), out)
+    (st, out) = heads["stats"]
+    layers = pd.read_csv(out / "layers.csv")
+    assert st[0].startswith(f"stats tiny (trace): load entropy / log n {layers.load_entropy_norm.min():.3f}-"
+                            f"{layers.load_entropy_norm.max():.3f} over 4 MoE layers")
+    (off, out) = heads["offload"]
+    cache = pd.read_csv(out / "offload_cache.csv")
+    c4 = cache[cache.capacity == 4]
+    assert f"tiny (trace) offload C=4: hit rate (mean over layers) lru {c4[c4.policy == 'lru'].hit_rate.mean():.3f}" \
+        in off[1]
+    (fl, out) = heads["fluctuation"]
+    df = pd.read_csv(out / "fluctuation.csv")
+    assert fl == [f"{runs['a']} -> {runs['b']} (recorded routing): top-1 change {df.top1_change.mean():.4f}, "
+                  f"top-K change {df.topk_change.mean():.4f} (mean over layers)"]
+
+
 def test_sglang_per_token_record_fields_are_checked(captured, tmp_path):
     """A per_token dump whose records are not what SGLang's recorder writes: a record without topk_ids_of_layer
     among per_token ones (KeyError traceback, exit 1), negative extend_seq_lens (numpy's ValueError traceback),

@@ -69,10 +69,12 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
 def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | None = None) -> list[str]:
     """The experiment's headline numbers of ``result`` (its spec's ``summary_lines``, the lines ``moetool demo``
     prints, intervals where the experiment gives them), for the manifest's ``headline`` and the report page's
-    summary table; ``[]`` for an experiment without them or a result of no experiment."""
+    summary table; ``[]`` for an experiment without them or a result of no experiment. A ``--trace`` analysis
+    (``stats_trace``, ...) gets its experiment's lines of the tables it has."""
     from ..experiments.registry import EXPERIMENTS
 
-    spec = next((e for e in EXPERIMENTS.values() if e.result == result.name), None)
+    name = result.name.removesuffix("_trace")
+    spec = next((e for e in EXPERIMENTS.values() if e.result == name), None)
     if spec is None or not spec.lines:
         return []
     trace = result.meta.get("trace")  # a --trace analysis: no model loaded, the routing of the trace's model

@@ -49,17 +49,23 @@ def placement_loads(res: Any) -> dict[str, Any]:
     return {"load": load, "layers": layers, "n": int(res.meta["n_experts"]), "groups": int(res.meta["groups"])}
 
 
+def export_layout(kind: str, n: int, opts: Any) -> tuple[int, int]:
+    """``(G, R)`` of the one placement an export of ``kind`` writes for ``n`` experts (one ``--gpus`` G and one
+    ``--extra-slots`` value of ``opts``); anything else is one line, before any file is made."""
+    if kind not in EXPORTS:
+        raise MoetoolError(f"--export must be one of {', '.join(EXPORTS)}, not '{kind}'")
+    gpus = opts.gpu_counts(n)
+    if len(gpus) != 1 or len(set(opts.extra_slots)) != 1:
+        raise MoetoolError("--export writes one placement: give one --gpus G and one --extra-slots value")
+    return gpus[0], opts.extra_slots[0] * gpus[0]
+
+
 def export_placement(kind: str, path: Path, loads: dict[str, Any], opts: Any, shape: ModelShape | None
                      ) -> dict[str, Any]:
     """``--export sglang|eplb``: EPLB's placement of ``loads`` (:func:`placement_loads`) at the one ``--gpus`` G and
     ``--extra-slots`` of ``opts`` (R = slots x G), written at ``path`` in the file the engine loads; returns its
     manifest entry (``export``)."""
-    if kind not in EXPORTS:
-        raise MoetoolError(f"--export must be one of {', '.join(EXPORTS)}, not '{kind}'")
-    gpus = opts.gpu_counts(loads["n"])
-    if len(gpus) != 1 or len(set(opts.extra_slots)) != 1:
-        raise MoetoolError("--export writes one placement: give one --gpus G and one --extra-slots value")
-    G, R = gpus[0], opts.extra_slots[0] * gpus[0]
+    G, R = export_layout(kind, loads["n"], opts)
     placed = eplb_placement(loads["load"], G, R, loads["groups"], opts.nodes)
     write_export(kind, path, placed, loads["layers"], shape,
                  {"num_replicas": loads["n"] + R, "num_groups": loads["groups"], "num_nodes": opts.nodes,

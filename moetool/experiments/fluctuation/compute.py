@@ -473,7 +473,14 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
 def summary_lines(name: str, res: Any) -> list[str]:
     """Per pair, a heading line, then one line per routing: its top-1 change (mean over layers, ± the 95%
     half-width) and, for a policy, its paired reduction against the router with whether the interval excludes 0
-    (``name`` is not needed: the pairs name themselves)."""
+    (``name`` is not needed: the pairs name themselves). Recorded routings (``--trace``): per pair, their change
+    (mean over layers) in one line."""
+    if "fluctuation_summary" not in res:
+        rates = [c for c in ("top1_change", "topk_change") if c in res.summary]
+        return [f"{row.reference} -> {row.checkpoint} (recorded routing): "
+                + ", ".join(f"{c.replace('_', ' ').replace('topk', 'top-K').replace('top1', 'top-1')} "
+                            f"{getattr(row, c):.4f}" for c in rates) + " (mean over layers)"
+                for row in res.summary.itertuples()]
     pooled = res["fluctuation_summary"]
 
     lines = []

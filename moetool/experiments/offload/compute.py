@@ -859,7 +859,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
     for C, d in cache.groupby("capacity"):
         parts = [f"{p} {d[d.policy == p].hit_rate.mean():.3f}" for p in res.options.policies]
         lines.append(f"{name} offload C={C}: hit rate (mean over layers) " + ", ".join(parts))
-    pref = res["offload_prefetch"]
+    pref = res["offload_prefetch"] if "offload_prefetch" in res else ()  # a trace's: no router to predict with
     if len(pref):
         lines.append(f"{name} offload: next-layer prediction top-1 recall {pref.top1_recall.mean():.3f}, "
                      f"top-K recall {pref.topk_recall.mean():.3f} (mean over layers)")

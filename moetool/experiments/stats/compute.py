@@ -553,12 +553,14 @@ def summary_table(layers: Any) -> Any:
 
 
 def summary_lines(name: str, res: Any) -> list[str]:
-    """Short human-readable lines about one model's run: ``layers.csv``, then :func:`analysis_lines`."""
+    """Short human-readable lines about one model's run: ``layers.csv``, then :func:`analysis_lines` (a trace's
+    statistics hold no confidence entropy: a trace keeps the chosen experts' weights, not every score)."""
     layers = res["layers"]
     worst = layers.loc[layers["max_load_ratio"].idxmax()]
+    confidence = (f", confidence entropy / log n {layers['confidence_entropy_norm'].min():.3f}-"
+                  f"{layers['confidence_entropy_norm'].max():.3f}" if "confidence_entropy_norm" in layers else "")
     return [f"stats {name}: load entropy / log n {layers['load_entropy_norm'].min():.3f}-"
-            f"{layers['load_entropy_norm'].max():.3f}, confidence entropy / log n "
-            f"{layers['confidence_entropy_norm'].min():.3f}-{layers['confidence_entropy_norm'].max():.3f} over "
+            f"{layers['load_entropy_norm'].max():.3f}{confidence} over "
             f"{len(layers)} MoE layers; max load "
             f"{format_ci(worst['max_load_ratio'], worst.get('max_load_ratio_lo'), worst.get('max_load_ratio_hi'))}x "
             f"uniform (layer {int(worst['layer'])})"] + analysis_lines(name, res)
