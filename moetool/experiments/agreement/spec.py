@@ -6,7 +6,8 @@ Precisions: fp32, bf16, fp16 load the model in that dtype (transformers' loading
 stay fp32). fp8, fp4, mxfp4 are SIMULATED (on CPU and GPU alike; the manifest says so): the model loads in bf16, the
 weights a real release stores in that format are quantized then dequantized with the format's own rules
 (moetool.formats.fake_quantize: fp8 = e4m3 with one fp32 scale per 128x128 block; fp4 = e2m1 with one scale per 32
-input values; mxfp4 = e2m1 with one E8M0 power-of-two scale per 32 input values) and the forward runs in bf16.
+input values; mxfp4 = e2m1 with one E8M0 power-of-two scale per 32 input values, amax / 6 rounded up as
+transformers' gpt-oss kernels round it, so nothing clips; OCP's floor rule would clip) and the forward runs in bf16.
 Which weights: fp8, every linear weight and expert matrix except the embeddings, the LM head and the routers (the
 DeepSeek-V3 / Kimi-K2 / Qwen3 / GLM-4.5 FP8 releases); fp4 and mxfp4, the routed experts only (gpt-oss MXFP4,
 DeepSeek-V4-style FP4 experts). FP8 activations and kernels are not simulated.
