@@ -757,6 +757,27 @@ def test_json_lines_that_are_not_objects(captured, tmp_path):
         _refused(import_cli([tmp_path / name], tmp_path / "out"), tmp_path / "out", words)
 
 
+def test_a_pretty_printed_response_reads_as_its_one_line(captured, tmp_path):
+    """A vLLM or SGLang response saved as one indented JSON document (``json.dump(r, f, indent=2)``, ``.json``) was
+    refused ('the first line is not JSON'); it imports as the same response on one line does, row for row. A file
+    that is neither stays one line."""
+    ex, ids = captured["requests"][0]
+    for kind, obj in (("vllm", ew.vllm_response(ew.vllm_routed_experts(ex, 4, 8), ids, [ids[0]])),
+                      ("sglang", ew.sglang_routed_response(ex, 4, len(ids) + 1))):
+        (tmp_path / f"{kind}.jsonl").write_text(json.dumps(obj) + "\n")
+        (tmp_path / f"{kind}.json").write_text(json.dumps(obj, indent=2) + "\n")
+        tables = []
+        for suffix in ("jsonl", "json"):
+            out = tmp_path / f"{kind}-{suffix}"
+            r = import_cli([tmp_path / f"{kind}.{suffix}"], out)
+            assert r.exit_code == 0, r.output
+            tables.append(pd.read_parquet(out / "trace.parquet"))
+        assert len(tables[0]) == 4 * len(ids)  # every token of every layer
+        pd.testing.assert_frame_equal(tables[0], tables[1])
+    (tmp_path / "bad.json").write_text("{\n  \"choices\": [\n")  # cut short
+    _refused(import_cli([tmp_path / "bad.json"], tmp_path / "out"), tmp_path / "out", "the first line is not JSON")
+
+
 def test_ids_and_counts_must_be_integers(tmp_path):
     """Float (or string) expert ids and counts were truncated to integers (SGLang routed_experts_dtype float32:
     2.7 read as expert 2; Megatron [[0.5, 1.9]] as [0, 1]; a stat dump's 1.5 counts as 1): one line each."""

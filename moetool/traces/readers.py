@@ -124,6 +124,14 @@ def expand(paths: list[str | Path]) -> list[Path]:
     return out
 
 
+def _whole_document(path: Path) -> Any:
+    """A file that is one JSON document over several lines (a response saved pretty-printed), else ``None``."""
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
 def _first_json(path: Path) -> Any:
     with open(path, "rb") as f:
         for line in f:
@@ -131,6 +139,9 @@ def _first_json(path: Path) -> Any:
                 try:
                     return json.loads(line)
                 except json.JSONDecodeError:
+                    doc = _whole_document(path)
+                    if doc is not None:
+                        return doc
                     raise MoetoolError(f"{path}: the first line is not JSON: not a vLLM/SGLang response or "
                                        f"Megatron trace line") from None
     raise MoetoolError(f"{path}: empty file")
@@ -291,13 +302,21 @@ def _object(obj: Any, where: str, what: str) -> dict[str, Any]:
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, object)`` of each JSON line; a file that is one pretty-printed document is its one object."""
+    first = True
     with open(path, "rb") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield i, json.loads(line)
+                    obj = json.loads(line)
                 except json.JSONDecodeError:
-                    raise MoetoolError(f"{path}:{i}: not a JSON line (truncated?)") from None
+                    doc = _whole_document(path) if first else None
+                    if doc is None:
+                        raise MoetoolError(f"{path}:{i}: not a JSON line (truncated?)") from None
+                    yield 1, doc
+                    return
+                first = False
+                yield i, obj
 
 
 # ----- vLLM -------------------------------------------------------------------------------------------------
