@@ -184,6 +184,30 @@ def test_staleness(tiny_placement, tmp_path, what):
     assert res.meta["reference"]["model"] == ("tiny-early" if ref_lm else "tiny")
 
 
+def test_reference_data_read_again_is_the_data(tiny_placement):
+    """--reference-data naming the --data file reads it again into another TokenSet holding the same rows: EPLB
+    fitted on them under the same model is the eplb placement, in-sample, so eplb_stale must be eplb row for row,
+    its interval the refit one (checked by hand in test_fitted_placement_intervals_refit_per_replicate) too. Before:
+    only the very same object counted as the data, and a copy's eplb_stale got the fixed placement's BCa interval
+    around its in-sample estimate (4 GPUs, R = 4, overall: [1.0299, 1.0399] beside eplb's [1.0378, 1.1761])."""
+    import moetool
+
+    lm, tokens, res = tiny_placement
+    again = moetool.tokens(lm, None, seq_len=64, max_tokens=740)  # the same text, read and packed again
+    assert again is not tokens and again.fingerprint() == tokens.fingerprint()
+    copy = moetool.placement(lm, tokens, gpus=(2, 4), extra_slots=(0, 1), reference=again, quiet=True)
+    cols = ["imbalance", "imbalance_lo", "imbalance_hi", "max_gpu_load", "min_gpu_load", "max_replicas"]
+    for name, keys in (("placement", ["gpus", "replicas", "layer"]), ("placement_overall", ["gpus", "replicas"])):
+        df = copy[name]
+        stale = df[df.method == "eplb_stale"].set_index(keys).sort_index()
+        eplb = res[name][res[name].method == "eplb"].set_index(keys).sort_index()
+        assert len(stale) == len(eplb) > 0
+        for c in (x for x in cols if x in stale.columns):
+            assert np.array_equal(stale[c].to_numpy(), eplb[c].to_numpy()), (name, c)
+    o = copy["placement_overall"].set_index(["gpus", "replicas", "method"]).loc[(4, 4, "eplb_stale")]
+    assert o.imbalance_lo == o.imbalance  # the in-sample estimate at the refit interval's low end
+
+
 def test_reference_model_of_other_layers_is_refused(tiny_placement):
     import moetool
 

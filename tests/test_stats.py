@@ -516,6 +516,15 @@ def test_layers_keep_exactly_the_asked_layers_rows():
         pd.testing.assert_frame_equal(got.reset_index(drop=True), want.reset_index(drop=True), check_exact=True)
     apart = stats(lm, ts, bootstrap=0, layers=(moe[0], moe[2]))
     assert sorted(apart["layers.csv"]["layer"]) == [moe[0], moe[2]] and "cross_layer.csv" not in apart
+    # the pooled aux loss of the two layers, by hand from the full run's per-expert f and P (equal token counts per
+    # layer: the pool's means are the means of the layers'), and a definition that says whose pool it is
+    load = full["load.csv"].set_index(["layer", "expert"])
+    f = np.mean([load.loc[li, "token_fraction"].to_numpy() for li in (moe[1], moe[2])], 0)
+    P = np.mean([load.loc[li, "router_prob"].to_numpy() for li in (moe[1], moe[2])], 0)
+    assert np.allclose(some["layers.csv"]["aux_loss_hf_pooled"], len(f) * (f * P).sum(), rtol=1e-12)
+    pooled_all = full["layers.csv"]["aux_loss_hf_pooled"].iloc[0]  # the model's (every MoE layer): another number
+    assert not np.isclose(some["layers.csv"]["aux_loss_hf_pooled"].iloc[0], pooled_all)
+    assert "measured MoE layers" in some.definitions["aux_loss_hf_pooled"]
 
 
 def test_load_and_layers_against_plain_hooks_in_float64():

@@ -57,9 +57,10 @@ DEFINITIONS = {
                    "distribution pi; softmax of the logits for softmax routers, as load_balancing_loss_func)",
     "aux_loss": "n * sum_e f_e * P_e for the layer, f_e = token_fraction (tokens whose top-K contains e / tokens, "
                 "sums to K: transformers' convention); uniform routing gives K",
-    "aux_loss_hf_pooled": "the same loss pooled over all MoE layers as transformers' load_balancing_loss_func "
-                          "pools it: f and P averaged over every (layer, token) first, then n * sum f * P (not "
-                          "the mean of the per-layer losses); same value on every row",
+    "aux_loss_hf_pooled": "the same loss pooled over the measured MoE layers (every MoE layer unless layers / "
+                          "--layers chose some: then over those only, not the model's loss) as transformers' "
+                          "load_balancing_loss_func pools it: f and P averaged over every (layer, token) first, then "
+                          "n * sum f * P (not the mean of the per-layer losses); same value on every row",
 }
 
 

@@ -345,17 +345,20 @@ def _data_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions,
 def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, reference: Any,
                      reference_model: Any, quiet: bool) -> tuple[torch.Tensor | None, int | None, np.ndarray | None]:
     """The loads (and real tokens) of the reference model (default ``lm``) on the reference data (default
-    ``tokens``) that ``eplb_stale`` is fitted on, and, where the reference data IS the data (``reference`` None or
-    ``tokens``) and intervals are on, their per-row loads ``[rows, layers * n]`` (the same rows as the data's:
-    eplb_stale is then fitted on the data's rows, and :func:`refit_interval` resamples them); ``(None, None, None)``
-    without a reference."""
+    ``tokens``) that ``eplb_stale`` is fitted on, and, where the reference data IS the data (``reference`` None,
+    ``tokens``, or a TokenSet of the same rows: the same :meth:`~moetool.data.TokenSet.fingerprint`) and intervals
+    are on, their per-row loads ``[rows, layers * n]`` (the same rows as the data's: eplb_stale is then fitted on
+    the data's rows, and :func:`refit_interval` resamples them); ``(None, None, None)`` without a reference."""
     if reference is None and reference_model is None:
         return None, None, None
     ref_lm = lm if reference_model is None else reference_model
     ref_layers = select_layers(ref_lm.layers, opts.layers)
     if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
         raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
-    same_rows = (reference is None or reference is tokens) and opts.bootstrap > 0
+    # the data's own rows: no reference data, or reference data holding the same rows (the same token ids, padding
+    # and domains: --reference-data naming the --data file reads it again into another TokenSet)
+    same_rows = (reference is None or reference is tokens
+                 or reference.fingerprint() == tokens.fingerprint()) and opts.bootstrap > 0
     ref_load, ref_tok, ref_rows = expert_loads(ref_lm, tokens if reference is None else reference, ref_layers,
                                                opts.batch_size, quiet, "placement (reference)", row_sums=same_rows)
     if ref_rows is not None:
