@@ -68,6 +68,8 @@ def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, 
         write_export_file(run, export, loads, opts, src.shape)
     write_result(res, run, options={"trace": str(trace), "trace_config": config, "export": export})
     print_table(res.summary, f"per-GPU load imbalance (max/mean): {trace}", csv="placement_overall.csv")
+    for what, why in res.meta["left_out"].items():
+        typer.echo(f"left out: {what} ({why})")
     echo_run(run.path)
 
 

@@ -350,3 +350,21 @@ def test_fitted_placement_intervals_refit_per_replicate(tiny_placement):
     # [1.0378, 1.1761] (before: BCa's 1.0378 [1.0299, 1.0399], ending near the estimate)
     o = overall.loc[(4, 4, "eplb")]
     assert o.imbalance_lo == o.imbalance and o.imbalance_hi - o.imbalance > 0.01
+
+
+def test_nodes_that_the_groups_cannot_shape_are_said(tiny_placement):
+    """``--nodes 2`` on a model of one expert group: EPLB's hierarchical policy needs the groups to divide into the
+    nodes, so (as eplb.py) the global policy places across nodes -- the same placements as one node. The run said
+    nothing while its ``nodes`` column read 2; now the manifest's ``left_out`` says so (and ``eplb.policy``). With
+    groups that divide into the nodes the hierarchical policy runs and nothing is said."""
+    import moetool
+
+    lm, tokens, _ = tiny_placement
+    one = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), bootstrap=0, quiet=True)
+    two = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), bootstrap=0, nodes=2, quiet=True)
+    cols = ["layer", "gpus", "replicas", "method", "imbalance"]
+    assert (two["placement"][cols].to_numpy() == one["placement"][cols].to_numpy()).all()
+    assert two.meta["eplb"]["policy"] == "global" and "hierarchical placement (--nodes 2)" in two.meta["left_out"]
+    assert one.meta["eplb"]["policy"] == "hierarchical" and "left_out" not in one.meta
+    grouped = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), bootstrap=0, nodes=2, groups=2, quiet=True)
+    assert grouped.meta["eplb"]["policy"] == "hierarchical" and "left_out" not in grouped.meta

@@ -33,7 +33,8 @@ from ..uncertainty import RowSums
 from .fluctuation.compute import (RATES, FluctuationOptions, Routing, chosen_and_top1, compare_with_intervals,
                                   pairs)
 from .offload.compute import offload_tables, refuse_zero_compute
-from .placement.compute import DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, placement_tables
+from .placement.compute import (DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, eplb_meta,
+                                placement_tables)
 from .result import Result
 from .specialization import coactivation_counts, token_decoder, with_tokens
 from .stats.compute import (DEFINITIONS as STATS_DEFINITIONS, ONE_EXPERT, _coactivation_frame, _pair_frame,
@@ -287,12 +288,9 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     df, overall = placement_tables(load, None, 0, idx, n, options,
                                    _placements(load, None, n, groups, gpu_counts, options))
     meta = dict(definitions=PLACEMENT_DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K,
-                groups=groups, zero_computation_experts_not_placed=z,
-                eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
-                                 "ported in moetool.experiments.placement",
-                          policy="hierarchical" if groups % options.nodes == 0 else "global"),
-                left_out={"imbalance_lo/imbalance_hi": "the bootstrap resamples a forward's packed rows",
-                          "eplb_stale": "--reference-data / --reference-model need a forward"})
+                groups=groups, zero_computation_experts_not_placed=z, **eplb_meta(groups, options.nodes))
+    meta["left_out"] = {"imbalance_lo/imbalance_hi": "the bootstrap resamples a forward's packed rows",
+                        "eplb_stale": "--reference-data / --reference-model need a forward", **meta.get("left_out", {})}
     summary = overall[["gpus", "replicas", "method", "imbalance", "max_layer_imbalance"]].round(3)
     res = Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
                                "placement_loads.csv": _loads_table(idx, n, K, ("data", load, n_tok))},

@@ -366,6 +366,21 @@ def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOpt
     return ref_load[:, :n], ref_tok, ref_rows
 
 
+def eplb_meta(groups: int, nodes: int) -> dict[str, Any]:
+    """The manifest's ``eplb`` section (the source and the policy EPLB takes) and, where ``--nodes`` cannot shape the
+    placement (the expert groups are no multiple of the nodes: EPLB's global policy, as eplb.py), a ``left_out``
+    line saying so (the ``nodes`` column then names nodes the placement did not see)."""
+    hierarchical = groups % nodes == 0
+    meta: dict[str, Any] = dict(eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB "
+                                                 "(eplb.py, MIT); ported in moetool.experiments.placement",
+                                          policy="hierarchical" if hierarchical else "global"))
+    if not hierarchical:
+        meta["left_out"] = {f"hierarchical placement (--nodes {nodes})": (
+            f"EPLB packs expert groups onto nodes only when the {groups} group(s) divide into the {nodes} nodes "
+            f"(--groups): as eplb.py does, the global policy placed the replicas over all GPUs, across nodes")}
+    return meta
+
+
 def _placements(load: torch.Tensor, ref_load: torch.Tensor | None, n: int, groups: int, gpu_counts: list[int],
                 opts: PlacementOptions) -> Any:
     """``(G, R, method, phy2log, count)`` of every placement evaluated, in the tables' order."""
@@ -484,9 +499,7 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
                 bootstrap=bootstrap_meta(n_boot, opts.seed, tokens.input_ids.shape[0],
                                           "BCa interval (eplb: refitted on each resample, serving the next one, "
                                           "percentile interval)"),
-                eplb=dict(source="DeepSeek-AI, EPLB, 2025, https://github.com/deepseek-ai/EPLB (eplb.py, MIT); "
-                                 "ported in moetool.experiments.placement",
-                          policy="hierarchical" if groups % opts.nodes == 0 else "global"))
+                **eplb_meta(groups, opts.nodes))
     if ref_load is not None:
         ref_tokens = tokens if reference is None else reference
         meta.update(reference=dict(data=ref_tokens.describe(), data_name=data_name(ref_tokens.source),
