@@ -17,6 +17,10 @@ Ported from allenai/OLMoE @ 357454f4f647385839c0ff6b99a688dc7cd9c13f:
   moetool's ``specialized_tokens.csv``;
 * ``do_coactivation_analysis`` (line 246): ``pairwise(indices)`` of each token's ranked top-K, both orders counted,
   ``pairwise_counter[(a, b)] / single_counter[a]``: moetool's ``--coactivation adjacent``;
+* ``do_ckpt_analysis`` (line 128, router saturation) ``compare_with_early_results``: per layer the share of tokens
+  whose first-ranked expert is the same in an early checkpoint and the final one (``--topk 1``), and the mean
+  ``len(set(_indices) & set(_e_indices)) / 8`` (``--topk 8``): 1 - moetool ``fluctuation``'s ``top1_change`` and
+  its ``topk_overlap`` (the script's 16 layers and 8 experts are the model's L and K here);
 * ``scripts/run_routing_analysis.py`` ``run_analysis`` (line 103): ``layer_counters[layer].update(Counter(
   exp_ids[:, :, layer].flatten()))`` per domain, drawn by ``scripts/plot_routing_analysis_v2.ipynb``
   (``load_data_for_model``) as ``v / total_count * 100`` times ``k`` (domain specialisation): moetool's
@@ -59,7 +63,7 @@ def run(model, rows, top_k):
         router_logits = [l.detach().cpu().numpy() for l in out["router_logits"]]
         exp_ids = np.stack([np.argsort(-logits, -1)[:, :top_k].tolist() for logits in router_logits], -1).tolist()
         results.append({"input_ids": input_ids, "predicted_token_ids": predicted_token_ids, "exp_ids": exp_ids,
-                        "router_logits": out["router_logits"]})
+                        "router_logits": out["router_logits"]})  # (router_logits added: the aux-loss port reads them)
     return results
 
 
@@ -138,6 +142,44 @@ def coactivation(results, layer_num):
                 pairwise_counter[(a, b)] += 1
                 pairwise_counter[(b, a)] += 1
     return {(a, b): pairwise_counter[(a, b)] / single_counter[a] for (a, b) in pairwise_counter}
+
+
+def compare_with_early_results(results, early_results, topk, n_layers, k):
+    """``do_ckpt_analysis``' ``compare_with_early_results`` up to its per-layer ``result`` (16 -> n_layers,
+    8 -> k, (2048, 8) -> each sequence's (length, k))."""
+    equals = Counter()
+    total = 0
+    ratio_per_layer = defaultdict(list)
+
+    for r, er in zip(results, early_results):
+        assert r["input_ids"] == er["input_ids"]
+
+        if topk == 1:
+            exp_ids = np.array(r["exp_ids"])[:, 0, :]
+            e_exp_ids = np.array(er["exp_ids"])[:, 0, :]
+            assert exp_ids.shape==e_exp_ids.shape, (exp_ids.shape, e_exp_ids.shape)
+            curr_equals = exp_ids==e_exp_ids # [token_cnt, n_layers]
+            for i, _curr_equals in enumerate(curr_equals.transpose(1, 0).tolist()):
+                equals[i] += np.sum(_curr_equals)
+            total += len(curr_equals)
+        else:
+            exp_ids = np.array(r["exp_ids"])
+            e_exp_ids = np.array(er["exp_ids"])
+            for layer_idx in range(n_layers):
+                indices = exp_ids[:, :, layer_idx]
+                e_indices = e_exp_ids[:, :, layer_idx]
+                assert indices.shape==e_indices.shape==(len(r["input_ids"]), k)
+                for _indices, _e_indices in zip(indices.tolist(), e_indices.tolist()):
+                    ratio = len(set(_indices) & set(_e_indices)) / k
+                    ratio_per_layer[layer_idx].append(ratio)
+
+    result = []
+    for i in range(n_layers):
+        if topk == 1:
+            result.append(equals[i] / total)
+        else:
+            result.append(np.mean(ratio_per_layer[i]))
+    return result
 
 
 def routing_analysis(results):
@@ -293,3 +335,26 @@ def test_aux_loss_per_sequence_is_olmoes(case):
         res = moetool.stats(lm, one, bootstrap=0, quiet=True, top_tokens=0, specialization=False)
         want = load_balancing_loss_func(results[r]["router_logits"], n, K).item()
         assert res["layers.csv"]["aux_loss"].mean() == pytest.approx(want, rel=1e-5), (name, r)
+
+
+@pytest.mark.parametrize("early,final", [("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")])
+def test_router_saturation_is_olmoes(early, final):
+    """``fluctuation`` of an early checkpoint against the final one (the same token ids through each, as the
+    script's ``c4_results_<step>.jsonl``): per layer ``1 - top1_change`` is the script's top-1 router saturation
+    and ``topk_overlap`` its top-K one."""
+    import moetool
+
+    lm, ts = tokens(final)
+    lm_early = moetool.load(early, device="cpu")
+    L, K, n = config_of(lm)
+    rows = ts.input_ids.tolist()
+    results, early_results = run(lm.model, rows, K), run(lm_early.model, rows, K)
+    sat1 = compare_with_early_results(results, early_results, 1, L, K)
+    satk = compare_with_early_results(results, early_results, K, L, K)
+    res = moetool.fluctuation([lm_early, lm], ts, bootstrap=0, quiet=True)
+    fl = res["fluctuation.csv"]
+    fl = fl[fl.routing == "router"].sort_values("layer")
+    assert list(fl.layer) == list(range(L)) and set(fl.tokens) == {ts.n_tokens}
+    np.testing.assert_allclose(1 - fl.top1_change.to_numpy(), sat1, rtol=1e-12, err_msg=final)
+    np.testing.assert_allclose(fl.topk_overlap.to_numpy(), satk, rtol=1e-12, err_msg=final)
+    assert min(sat1) < 1  # the checkpoints route differently somewhere
