@@ -38,6 +38,7 @@ import torch
 from ... import distributed, ops
 from ...adapters import _MOE_CONFIG_KEYS
 from ...adapters.base import MoELayer
+from ...configs import text_config
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -69,9 +70,11 @@ def pairs(names: Sequence[str], reference: str) -> list[tuple[int, int]]:
 
 # ----- compatibility -------------------------------------------------------------------------
 def architecture(config: Any) -> dict[str, Any]:
-    """What must agree between checkpoints, read from a config."""
-    keys = ("model_type", "num_hidden_layers", "vocab_size", *_MOE_CONFIG_KEYS)
-    return {k: getattr(config, k, None) for k in keys}
+    """What must agree between checkpoints, read from a config (the language model's, for a multimodal one): the
+    width too, since ``isolate`` feeds one checkpoint's MoE inputs to another's routers."""
+    text = text_config(config)
+    keys = ("num_hidden_layers", "hidden_size", "vocab_size", *_MOE_CONFIG_KEYS)
+    return {"model_type": config.model_type, **{k: getattr(text, k, getattr(config, k, None)) for k in keys}}
 
 
 def check_same(what: str, names: Sequence[str], values: Sequence[dict[str, Any]]) -> None:
@@ -83,8 +86,10 @@ def check_same(what: str, names: Sequence[str], values: Sequence[dict[str, Any]]
                                    f"{name} has {k}={v.get(k)}")
 
 
-def layer_signature(layers: Sequence[MoELayer]) -> dict[str, Any]:
-    return {"moe layers (index, n experts, K)": [(L.index, L.n_experts, L.top_k) for L in layers]}
+def layer_signature(lm: Any) -> dict[str, Any]:
+    """What a loaded checkpoint must share with the others: its MoE layers and its width."""
+    return {"moe layers (index, n experts, K)": [(L.index, L.n_experts, L.top_k) for L in lm.layers],
+            "hidden_size": getattr(text_config(lm.config), "hidden_size", None)}
 
 
 def router_copy(layer: MoELayer) -> MoELayer:
@@ -318,7 +323,7 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
                     isolated[(i, key[0], key[1])] = rt
             continue
         lm = load_fn(names[i])
-        sig = layer_signature(lm.layers)
+        sig = layer_signature(lm)
         if signature is None:
             signature, first = sig, names[i]
         check_same("architecture", [first, names[i]], [signature, sig])
