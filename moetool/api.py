@@ -245,14 +245,25 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
     its name too. ``call``: how the user called it (default ``moetool.<api>``)."""
     from .errors import MoetoolError
 
-    if spec.inputs not in ("tokens", "weights"):
+    if spec.inputs not in ("tokens", "weights", "checkpoints"):
         return
     call = call or f"moetool.{spec.api}"
-    named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
-    if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
-        raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
-    if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
-                                                               and hasattr(tokens, "attention_mask")):
+    if spec.inputs == "checkpoints":  # a list of names or of loaded models (a lone name would be read by letter)
+        if lm is not None and (isinstance(lm, (str, Path, bytes)) or not isinstance(lm, (list, tuple))):
+            shown = repr(str(lm)) if isinstance(lm, Path) else repr(lm)
+            raise MoetoolError(f"{call} takes a list of two or more checkpoints (names or paths, or models from "
+                               f"moetool.load), not {shown}"[:300])
+        kinds = [isinstance(c, (str, Path)) or (hasattr(c, "model") and hasattr(c, "layers")) for c in lm or ()]
+        named = {isinstance(c, (str, Path)) for c in lm or ()}
+        if not all(kinds) or len(named) > 1:
+            raise MoetoolError(f"{call} takes checkpoints all named or all loaded (moetool.load(...)), not "
+                               f"{', '.join(type(c).__name__ for c in lm)}"[:300])
+    else:
+        named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
+        if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
+            raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if spec.inputs != "weights" and tokens is not None and not (hasattr(tokens, "input_ids")
+                                                                and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"{call} takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{type(tokens).__name__} {tokens!r}"[:300])
 
@@ -274,7 +285,7 @@ class ExperimentFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The experiment, its Result recording the model and the computation's start and wall time."""
         first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
-        if args or "lm" in kwargs:
+        if args or "lm" in kwargs or "checkpoints" in kwargs:
             check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))
         if self._spec.inputs == "checkpoints" and first is not None:
             first = [getattr(c, "name", c) for c in first]

@@ -117,6 +117,32 @@ def test_inputs_of_the_wrong_kind_are_one_line_not_a_raw_error(tmp_path):
     assert len(seen) == len(lm.layers) * tokens.n_batches(8)
 
 
+def test_fluctuation_given_one_name_mixed_checkpoints_or_no_tokens_says_what_to_pass():
+    """``moetool.fluctuation("tiny", tokens)`` read the name letter by letter ('unknown model 'y''); a str, None or a
+    tensor for its tokens raised an AttributeError (no ``describe``); names mixed with a loaded model an
+    AttributeError after the first checkpoint's forward. Each is one line before any model loads."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    for checkpoints in ("tiny", Path("tiny")):
+        for call in (lambda: moetool.fluctuation(checkpoints, tokens, bootstrap=0),
+                     lambda: moetool.fluctuation(checkpoints=checkpoints, tokens=tokens, bootstrap=0)):
+            with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes a list of two or more checkpoints "
+                                                   r"\(names or paths, or models from moetool.load\), not 'tiny'"):
+                call()
+    with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes checkpoints all named or all loaded "
+                                           r"\(moetool.load\(...\)\), not str, LoadedModel"):
+        moetool.fluctuation(["tiny-early", lm], tokens, bootstrap=0)
+    with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes checkpoints all named or all loaded"):
+        moetool.fluctuation([1, 2], tokens, bootstrap=0)
+    for wrong in ("my.jsonl", tokens.input_ids):
+        with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes packed tokens \(moetool.tokens"):
+            moetool.fluctuation(["tiny-early", "tiny"], wrong, bootstrap=0)
+    with pytest.raises(MoetoolError, match=r"^no tokens given: pass packed tokens"):
+        moetool.fluctuation(["tiny-early", "tiny"], None, bootstrap=0)
+    with pytest.raises(MoetoolError, match="unknown option"):  # the options still come first
+        moetool.fluctuation(["tiny-early", "tiny"], None, nope=1)
+
+
 def test_options_of_the_right_type_in_other_containers_still_run():
     """Lists, ranges and numpy values fit the tuple fields as before."""
     import numpy as np

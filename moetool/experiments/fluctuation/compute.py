@@ -39,6 +39,7 @@ from ... import distributed, ops
 from ...adapters import _MOE_CONFIG_KEYS
 from ...adapters.base import MoELayer
 from ...configs import text_config
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -445,7 +446,7 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
     captures kept for ``--resume`` (:func:`run_fluctuation`).
     """
     opts = resolve_options(FluctuationOptions, options, overrides)
-    described = tokens.describe()
+    described = require_tokens(tokens).describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
         tokens = distributed.shard(tokens, opts.batch_size)
     if all(isinstance(c, (str, Path)) for c in checkpoints):
