@@ -451,6 +451,7 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
         tokens = distributed.shard(tokens, opts.batch_size)
     if all(isinstance(c, (str, Path)) for c in checkpoints):
         names = [str(c) for c in checkpoints]
+        check_checkpoints(names)  # configs and vocabularies, before any weight loads
         attn = "eager" if opts.needs_attention else None
         df, pooled = run_fluctuation(names, tokens, opts,
                                      lambda n: load(n, dtype=opts.dtype, device=opts.device, device_map=opts.device_map,
