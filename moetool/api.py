@@ -139,6 +139,18 @@ def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, 
     return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
 
 
+def _paths(given: Any, what: str) -> list[Any]:
+    """One path or an iterable of them as a list (a lone name is one path, never its letters); an empty name or
+    anything else is one line: ``Path("")`` is the current folder."""
+    from .errors import MoetoolError
+
+    iterable = hasattr(given, "__iter__") and not isinstance(given, (bytes, dict))
+    paths = [given] if isinstance(given, (str, Path)) else list(given) if iterable else None
+    if paths is None or not all(isinstance(p, (str, Path)) and str(p).strip() for p in paths):
+        raise MoetoolError(f"{what} are file or folder names (one, or a list), not {given!r}"[:300])
+    return paths
+
+
 def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | None = None, *,
                  format: str | None = None, force: bool = False) -> Path:
     """``moetool import-trace``: an engine's routing dump (``format`` vllm, sglang-routed, sglang-dump or megatron;
@@ -153,7 +165,9 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     from .traces import readers, store
     from .traces.shape import ModelShape
 
-    sources = [str(s) for s in sources]
+    sources = [str(s) for s in _paths(sources, "sources")]
+    if not sources:
+        raise MoetoolError("import_trace takes the dump files or folders to read (a list), not []")
     shape = ModelShape.from_config(config)
     if not shape.moe:
         raise MoetoolError(f"--config {config}: no MoE layer")
@@ -190,17 +204,19 @@ def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], confi
     from .experiments.registry import get
     from .experiments.result import resolve_options
     from .experiments.trace_analyses import TRACE_EXPERIMENTS, analyse
+    from .sizing import check_sizes
 
     spec = get(experiment)
     if spec.name not in TRACE_EXPERIMENTS:
         raise MoetoolError(f"'{spec.name}' has no analysis of recorded routing: {', '.join(TRACE_EXPERIMENTS)}")
-    paths = [traces] if isinstance(traces, (str, Path)) else list(traces)
+    paths = _paths(traces, "traces")
     many = spec.name == "fluctuation"
     if (len(paths) < 2) if many else (len(paths) != 1):
         raise MoetoolError(f"{spec.name} from recorded routing takes " + ("two or more traces (a list)" if many
                                                                           else "one trace") + f", not {paths!r}")
     if max_tokens is not None and spec.name in ("stats", "placement"):
         raise MoetoolError(f"{spec.name} from a trace reads every token it holds: max_tokens does not apply")
+    check_sizes(max_tokens=max_tokens)  # as --max-tokens: 0 read every token (no cap), a negative one no row
     opts = resolve_options(spec.options_class(), options, overrides)
     default = spec.options_class()()
     forward = [f for f in TRACE_EXPERIMENTS[spec.name] if getattr(opts, f) != getattr(default, f)]

@@ -395,3 +395,28 @@ def test_from_trace_gives_the_commands_trace_tables(tmp_path):
         moetool.from_trace("fluctuation", tmp_path / "tr")
     with pytest.raises(MoetoolError, match="no analysis of recorded routing"):
         moetool.from_trace("ppl", tmp_path / "tr")
+
+
+def test_from_trace_and_import_trace_refuse_sizes_and_names_the_command_line_refuses(tmp_path):
+    """``from_trace(..., max_tokens=0)`` returned the tables of every token of the trace (0 read as no cap) where
+    ``--max-tokens 0`` is refused, a negative cap 'no rows'; ``from_trace("stats", "")`` read the current folder,
+    ``None`` a TypeError; ``import_trace("dump.jsonl", ...)`` read the name letter by letter ('d: no such file'),
+    ``import_trace([])`` an IndexError. Each is one line."""
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    moetool.run("trace", lm, toks, out=tmp_path / "tr", quiet=True)
+    whole = moetool.from_trace("offload", tmp_path / "tr", bootstrap=0)
+    assert int(whole["offload_layers"]["tokens"].iloc[0]) == toks.n_tokens  # the cap below is not read as none
+    for cap in (0, -5, 1, 2.5, True):
+        with pytest.raises(MoetoolError, match=rf"^--max-tokens must be an integer of at least 2, not {cap!r}$"):
+            moetool.from_trace("offload", tmp_path / "tr", max_tokens=cap, bootstrap=0)
+    capped = moetool.from_trace("offload", tmp_path / "tr", max_tokens=100, bootstrap=0)
+    assert int(capped["offload_layers"]["tokens"].iloc[0]) == 100
+    for traces in ("", " ", None, 3, ["", tmp_path / "tr"]):
+        with pytest.raises(MoetoolError, match=r"^traces are file or folder names \(one, or a list\), not "):
+            moetool.from_trace("stats" if not isinstance(traces, list) else "fluctuation", traces)
+    with pytest.raises(MoetoolError, match=r"^dump.jsonl: no such file or folder$"):
+        moetool.import_trace("dump.jsonl", "tiny", tmp_path / "imp")
+    with pytest.raises(MoetoolError, match=r"^import_trace takes the dump files or folders to read \(a list\)"):
+        moetool.import_trace([], "tiny", tmp_path / "imp")
+    assert not (tmp_path / "imp").exists()
