@@ -127,7 +127,8 @@ def write_report(run_dirs: Iterable[str | Path], out: str | Path | None = None, 
     figures) in ``out`` (default ``runs/report-<time>``, as ``--out``); returns the path of ``report.html``."""
     from .report.page import write_report as run
 
-    return run(run_dirs if isinstance(run_dirs, (str, Path)) else list(run_dirs), out, force=force, title=title)
+    return run(run_dirs if isinstance(run_dirs, (str, Path)) else _paths(list(run_dirs), "run_dirs", "a list"), out,
+               force=force, title=title)
 
 
 def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, *, force: bool = False,
@@ -139,7 +140,7 @@ def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, 
     return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
 
 
-def _paths(given: Any, what: str) -> list[Any]:
+def _paths(given: Any, what: str, forms: str = "one, or a list") -> list[Any]:
     """One path or an iterable of them as a list (a lone name is one path, never its letters); an empty name or
     anything else is one line: ``Path("")`` is the current folder."""
     from .errors import MoetoolError
@@ -147,7 +148,7 @@ def _paths(given: Any, what: str) -> list[Any]:
     iterable = hasattr(given, "__iter__") and not isinstance(given, (bytes, dict))
     paths = [given] if isinstance(given, (str, Path)) else list(given) if iterable else None
     if paths is None or not all(isinstance(p, (str, Path)) and str(p).strip() for p in paths):
-        raise MoetoolError(f"{what} are file or folder names (one, or a list), not {given!r}"[:300])
+        raise MoetoolError(f"{what} are file or folder names ({forms}), not {given!r}"[:300])
     return paths
 
 

@@ -397,11 +397,11 @@ def test_from_trace_gives_the_commands_trace_tables(tmp_path):
         moetool.from_trace("ppl", tmp_path / "tr")
 
 
-def test_from_trace_and_import_trace_refuse_sizes_and_names_the_command_line_refuses(tmp_path):
+def test_from_trace_import_trace_and_write_report_refuse_sizes_and_names_the_command_line_refuses(tmp_path):
     """``from_trace(..., max_tokens=0)`` returned the tables of every token of the trace (0 read as no cap) where
     ``--max-tokens 0`` is refused, a negative cap 'no rows'; ``from_trace("stats", "")`` read the current folder,
     ``None`` a TypeError; ``import_trace("dump.jsonl", ...)`` read the name letter by letter ('d: no such file'),
-    ``import_trace([])`` an IndexError. Each is one line."""
+    ``import_trace([])`` an IndexError; ``write_report([""])`` gathered the current folder. Each is one line."""
     lm = moetool.load("tiny")
     toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
     moetool.run("trace", lm, toks, out=tmp_path / "tr", quiet=True)
@@ -420,3 +420,8 @@ def test_from_trace_and_import_trace_refuse_sizes_and_names_the_command_line_ref
     with pytest.raises(MoetoolError, match=r"^import_trace takes the dump files or folders to read \(a list\)"):
         moetool.import_trace([], "tiny", tmp_path / "imp")
     assert not (tmp_path / "imp").exists()
+    moetool.run("ppl", lm, toks, out=tmp_path / "runs" / "ppl", bootstrap=0, quiet=True)
+    for run_dirs in ([""], [" "], [None], [tmp_path / "runs" / "ppl", ""]):  # '' gathered the current folder
+        with pytest.raises(MoetoolError, match=r"^run_dirs are file or folder names \(a list\), not "):
+            moetool.write_report(run_dirs, tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
