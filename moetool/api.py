@@ -239,9 +239,13 @@ def write(result: Any, out: str | Path, *, force: bool = False, model: Any = Non
     """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``. The manifest's
     model (unless ``model`` is given), ``started`` and ``wall_seconds`` are the result's: from the start of the
     computation to the end of the write."""
+    from .errors import MoetoolError
     from .report import RunDir
     from .report.writers import write as _write
 
+    if not (hasattr(result, "name") and hasattr(result, "tables")):
+        raise MoetoolError(f"moetool.write takes a Result (what moetool.stats(...) and the others return), not "
+                           f"{result!r}"[:300])
     with RunDir.create(result.name.replace("_", "-"), out, force) as run:  # an error marks the run failed
         _write(result, run, model=model)
     return run.path

@@ -425,3 +425,7 @@ def test_from_trace_import_trace_and_write_report_refuse_sizes_and_names_the_com
         with pytest.raises(MoetoolError, match=r"^run_dirs are file or folder names \(a list\), not "):
             moetool.write_report(run_dirs, tmp_path / "rep")
     assert not (tmp_path / "rep").exists()
+    for wrong in (None, whole["offload_layers"]):  # an AttributeError ('NoneType' has no attribute 'name')
+        with pytest.raises(MoetoolError, match=r"^moetool.write takes a Result \(what moetool.stats\(...\) and the"):
+            moetool.write(wrong, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
