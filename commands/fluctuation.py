@@ -1,18 +1,11 @@
-"""``moetool fluctuation`` (generated from ``moetool/experiments/fluctuation/spec.py``): the checkpoints' match
-checked before any loads, the comparison of recorded routings (``--trace``), its console lines."""
+"""``moetool fluctuation`` (generated from ``moetool/experiments/fluctuation/spec.py``): the comparison of recorded
+routings (``--trace``), its console lines (``moetool.run`` checks that the checkpoints match before any loads)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 DEFAULT_ROUTING = "router,similarity,attention"
-
-
-def check(p: Any, opts: Any) -> None:
-    """Configs and vocabularies of the checkpoints must agree, before any weight loads."""
-    from moetool.experiments.fluctuation.compute import check_checkpoints
-
-    check_checkpoints(p.checkpoints)
 
 
 def on_trace(p: Any, opts: Any) -> None:

@@ -73,6 +73,10 @@ def flag_parameter(flag: Flag) -> tuple[str, Any, Any]:
         return flag.name, Annotated[bool, typer.Option(pair, *names[1:], help=flag.help)], bool(flag.default)
     kind = str if flag.many else CASTS[flag.kind]
     bounds = {k: v for k, v in (("min", flag.min), ("max", flag.max), ("metavar", flag.metavar)) if v is not None}
+    if flag.kind == "path":  # an empty path is refused, not read as the current folder
+        from .options import parse_path
+
+        bounds = {"parser": parse_path, "metavar": "<path>", **bounds}
     option = typer.Option(*names, help=flag.help, **bounds)
     default = ",".join(map(str, flag.default)) if flag.many and isinstance(flag.default, (tuple, list)) \
         else flag.default

@@ -8,7 +8,7 @@ from typing import List
 import typer
 
 from .cli import echo_run, handle_errors
-from .options import Force, Out
+from .options import Force, Out, parse_path
 
 HELP = """Read a serving or training engine's routing dump into moetool's own trace.
 
@@ -44,7 +44,7 @@ Examples:
 
 
 @handle_errors
-def import_trace(sources: List[Path] = typer.Argument(..., help="Dump files or folders (one format)."),
+def import_trace(sources: List[Path] = typer.Argument(..., parser=parse_path, help="Dump files or folders (one format)."),
                  fmt: str = typer.Option(None, "--format", help="vllm, sglang-routed, sglang-dump or megatron "
                                                                 "(default: sniffed from the files)."),
                  config: str = typer.Option(..., "--config", help="The model whose routing was recorded: a name or "

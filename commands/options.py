@@ -14,9 +14,19 @@ import typer
 from moetool.defaults import DEFAULT_BOOTSTRAP, MAX_BOOTSTRAP  # noqa: F401 - numpy-free (the library's one default)
 from moetool.run import DEFAULT_MODEL  # noqa: F401 - torch-free
 
+def parse_path(value: Any) -> Path:
+    """A path flag's text as a ``Path``; an empty one (``--data ""``, an unset shell variable) is refused: ``Path("")``
+    is the current folder, so ``--data ""`` read every text file under it and ``--out ""`` wrote there."""
+    if isinstance(value, Path):
+        return value
+    if not str(value).strip():
+        raise typer.BadParameter("an empty path (the current folder is '.')")
+    return Path(value)
+
+
 Model = Annotated[str, typer.Option("--model", "-m", help="Embedded name (tiny, tiny-fine, ...), alias "
                                     "(moetool inspect --aliases), local directory or hub id.")]
-Data = Annotated[Optional[Path], typer.Option("--data", "-d", help="Text file, JSONL (text, optional domain: a "
+Data = Annotated[Optional[Path], typer.Option("--data", "-d", parser=parse_path, metavar="<path>", help="Text file, JSONL (text, optional domain: a "
                                               "string or null; a number, boolean, list or object is refused) or a "
                                               "folder of them. Default: the held-out text shipped with moetool.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per packed row.")]
@@ -55,7 +65,7 @@ EP_HELP = ("Expert parallel: whole experts split over the N processes of the --t
            "expert's features (N must equal --tp). Under torchrun.")
 Tp = Annotated[int, typer.Option("--tp", min=1, help=TP_HELP)]
 Ep = Annotated[int, typer.Option("--ep", min=1, help=EP_HELP)]
-Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default runs/<command>-<time>).")]
+Out = Annotated[Optional[Path], typer.Option("--out", "-o", parser=parse_path, metavar="<path>", help="Run directory (default runs/<command>-<time>).")]
 Force = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the interrupted run in --out from its last "
                                       "finished unit (same options; same result as an uninterrupted run).")]
@@ -87,10 +97,11 @@ Limit = Annotated[Optional[int], typer.Option("--limit", min=1, help="At most th
                                               "all).")]
 FewshotSeed = Annotated[int, typer.Option("--fewshot-seed", help="Seed of lm-eval's few-shot sampler "
                                           "(default: lm-eval's own, 1234: the examples lm_eval picks).")]
-IncludePath = Annotated[Optional[Path], typer.Option("--include-path", help="Folder of extra lm-eval task YAMLs.")]
+IncludePath = Annotated[Optional[Path], typer.Option("--include-path", parser=parse_path, metavar="<path>",
+                                                     help="Folder of extra lm-eval task YAMLs.")]
 
 # recorded routing instead of a forward (commands/trace_input.py)
-Trace = Annotated[Optional[Path], typer.Option("--trace", help="Analyse the routing in this trace (a moetool trace / "
+Trace = Annotated[Optional[Path], typer.Option("--trace", parser=parse_path, metavar="<path>", help="Analyse the routing in this trace (a moetool trace / "
                                                "import-trace run folder, or its trace or loads Parquet file) "
                                                "instead of running --model on --data.")]
 TraceConfig = Annotated[Optional[str], typer.Option("--trace-config", help="With --trace: the model whose routing "

@@ -8,7 +8,7 @@ from typing import List
 import typer
 
 from .cli import echo_run, handle_errors
-from .options import Force, Out
+from .options import Force, Out, parse_path
 
 HELP = """Gather run folders of any commands (a demo folder with its sub-runs included) into one report.
 
@@ -31,7 +31,7 @@ Examples:
 
 
 @handle_errors
-def report(run_dirs: List[Path] = typer.Argument(..., metavar="RUN_DIR...", help="Run folders to gather."),
+def report(run_dirs: List[Path] = typer.Argument(..., metavar="RUN_DIR...", parser=parse_path, help="Run folders to gather."),
            out: Out = None, force: Force = False,
            title: str = typer.Option("moetool report", "--title", help="Title of the page.")) -> None:
     from moetool.report.page import write_report

@@ -127,7 +127,8 @@ def write_report(run_dirs: Iterable[str | Path], out: str | Path | None = None, 
     figures) in ``out`` (default ``runs/report-<time>``, as ``--out``); returns the path of ``report.html``."""
     from .report.page import write_report as run
 
-    return run(run_dirs if isinstance(run_dirs, (str, Path)) else list(run_dirs), out, force=force, title=title)
+    return run(run_dirs if isinstance(run_dirs, (str, Path)) else _paths(list(run_dirs), "run_dirs", "a list"), out,
+               force=force, title=title)
 
 
 def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, *, force: bool = False,
@@ -137,6 +138,18 @@ def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, 
     from .demo import demo as run
 
     return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
+
+
+def _paths(given: Any, what: str, forms: str = "one, or a list") -> list[Any]:
+    """One path or an iterable of them as a list (a lone name is one path, never its letters); an empty name or
+    anything else is one line: ``Path("")`` is the current folder."""
+    from .errors import MoetoolError
+
+    iterable = hasattr(given, "__iter__") and not isinstance(given, (bytes, dict))
+    paths = [given] if isinstance(given, (str, Path)) else list(given) if iterable else None
+    if paths is None or not all(isinstance(p, (str, Path)) and str(p).strip() for p in paths):
+        raise MoetoolError(f"{what} are file or folder names ({forms}), not {given!r}"[:300])
+    return paths
 
 
 def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | None = None, *,
@@ -153,7 +166,9 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
     from .traces import readers, store
     from .traces.shape import ModelShape
 
-    sources = [str(s) for s in sources]
+    sources = [str(s) for s in _paths(sources, "sources")]
+    if not sources:
+        raise MoetoolError("import_trace takes the dump files or folders to read (a list), not []")
     shape = ModelShape.from_config(config)
     if not shape.moe:
         raise MoetoolError(f"--config {config}: no MoE layer")
@@ -191,17 +206,19 @@ def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], confi
     from .experiments.registry import get
     from .experiments.result import resolve_options
     from .experiments.trace_analyses import TRACE_EXPERIMENTS, analyse
+    from .sizing import check_sizes
 
     spec = get(experiment)
     if spec.name not in TRACE_EXPERIMENTS:
         raise MoetoolError(f"'{spec.name}' has no analysis of recorded routing: {', '.join(TRACE_EXPERIMENTS)}")
-    paths = [traces] if isinstance(traces, (str, Path)) else list(traces)
+    paths = _paths(traces, "traces")
     many = spec.name == "fluctuation"
     if (len(paths) < 2) if many else (len(paths) != 1):
         raise MoetoolError(f"{spec.name} from recorded routing takes " + ("two or more traces (a list)" if many
                                                                           else "one trace") + f", not {paths!r}")
     if max_tokens is not None and spec.name in ("stats", "placement"):
         raise MoetoolError(f"{spec.name} from a trace reads every token it holds: max_tokens does not apply")
+    check_sizes(max_tokens=max_tokens)  # as --max-tokens: 0 read every token (no cap), a negative one no row
     opts = resolve_options(spec.options_class(), options, overrides)
     default = spec.options_class()()
     forward = [f for f in TRACE_EXPERIMENTS[spec.name] if getattr(opts, f) != getattr(default, f)]
@@ -255,9 +272,13 @@ def write(result: Any, out: str | Path, *, force: bool = False, model: Any = Non
     """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``. The manifest's
     model (unless ``model`` is given), ``started`` and ``wall_seconds`` are the result's: from the start of the
     computation to the end of the write."""
+    from .errors import MoetoolError
     from .report import RunDir
     from .report.writers import write as _write
 
+    if not (hasattr(result, "name") and hasattr(result, "tables")):
+        raise MoetoolError(f"moetool.write takes a Result (what moetool.stats(...) and the others return), not "
+                           f"{result!r}"[:300])
     with RunDir.create(result.name.replace("_", "-"), out, force) as run:  # an error marks the run failed
         _write(result, run, model=model)
     return run.path
@@ -278,14 +299,25 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
     its name too. ``call``: how the user called it (default ``moetool.<api>``)."""
     from .errors import MoetoolError
 
-    if spec.inputs not in ("tokens", "weights"):
+    if spec.inputs not in ("tokens", "weights", "checkpoints"):
         return
     call = call or f"moetool.{spec.api}"
-    named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
-    if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
-        raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
-    if spec.inputs == "tokens" and tokens is not None and not (hasattr(tokens, "input_ids")
-                                                               and hasattr(tokens, "attention_mask")):
+    if spec.inputs == "checkpoints":  # a list of names or of loaded models (a lone name would be read by letter)
+        if lm is not None and (isinstance(lm, (str, Path, bytes)) or not isinstance(lm, (list, tuple))):
+            shown = repr(str(lm)) if isinstance(lm, Path) else repr(lm)
+            raise MoetoolError(f"{call} takes a list of two or more checkpoints (names or paths, or models from "
+                               f"moetool.load), not {shown}"[:300])
+        kinds = [isinstance(c, (str, Path)) or (hasattr(c, "model") and hasattr(c, "layers")) for c in lm or ()]
+        named = {isinstance(c, (str, Path)) for c in lm or ()}
+        if not all(kinds) or len(named) > 1:
+            raise MoetoolError(f"{call} takes checkpoints all named or all loaded (moetool.load(...)), not "
+                               f"{', '.join(type(c).__name__ for c in lm)}"[:300])
+    else:
+        named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
+        if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
+            raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if spec.inputs != "weights" and tokens is not None and not (hasattr(tokens, "input_ids")
+                                                                and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"{call} takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{type(tokens).__name__} {tokens!r}"[:300])
 
@@ -307,7 +339,7 @@ class ExperimentFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The experiment, its Result recording the model and the computation's start and wall time."""
         first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
-        if args or "lm" in kwargs:
+        if args or "lm" in kwargs or "checkpoints" in kwargs:
             check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))
         if self._spec.inputs == "checkpoints" and first is not None:
             first = [getattr(c, "name", c) for c in first]

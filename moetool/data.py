@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -82,7 +83,12 @@ class DocumentStream:
     """Documents of ``--data`` in order, read lazily; ``bytes_read`` counts the bytes consumed so far."""
 
     def __init__(self, path: str | Path | None):
-        self.path = Path(path) if path else default_data_path()
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise MoetoolError(f"--data is a file or folder name (or None: the shipped held-out text), not "
+                               f"{type(path).__name__} {path!r}"[:300])
+        if isinstance(path, str) and not path.strip():  # not the held-out text, nor Path("") = the current folder
+            raise MoetoolError("--data is an empty name: give a file or folder (or None: the shipped held-out text)")
+        self.path = Path(path) if path is not None else default_data_path()
         if not self.path.exists():
             raise MoetoolError(f"data not found: {self.path}")
         p = self.path

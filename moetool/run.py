@@ -541,6 +541,8 @@ def _run_named(spec: Any, compute: Any, names: Any, opts: Any, this: "Run", *, r
     else:
         seq_len = max_tokens = None
     preflight(*models)
+    if spec.inputs == "checkpoints":  # they agree (configs, vocabularies) before any weight loads or run folder
+        spec.load("check_checkpoints")(models)
     if isinstance(batch_size, str):  # "auto": from the config, as the command line decides it
         batch_size = resolve_batch_size({"model": models[0], "seq_len": seq_len, "max_tokens": max_tokens,
                                          "routing": getattr(opts, "routing", None), "out": out, "resume": resume,

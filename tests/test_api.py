@@ -117,6 +117,32 @@ def test_inputs_of_the_wrong_kind_are_one_line_not_a_raw_error(tmp_path):
     assert len(seen) == len(lm.layers) * tokens.n_batches(8)
 
 
+def test_fluctuation_given_one_name_mixed_checkpoints_or_no_tokens_says_what_to_pass():
+    """``moetool.fluctuation("tiny", tokens)`` read the name letter by letter ('unknown model 'y''); a str, None or a
+    tensor for its tokens raised an AttributeError (no ``describe``); names mixed with a loaded model an
+    AttributeError after the first checkpoint's forward. Each is one line before any model loads."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    for checkpoints in ("tiny", Path("tiny")):
+        for call in (lambda: moetool.fluctuation(checkpoints, tokens, bootstrap=0),
+                     lambda: moetool.fluctuation(checkpoints=checkpoints, tokens=tokens, bootstrap=0)):
+            with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes a list of two or more checkpoints "
+                                                   r"\(names or paths, or models from moetool.load\), not 'tiny'"):
+                call()
+    with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes checkpoints all named or all loaded "
+                                           r"\(moetool.load\(...\)\), not str, LoadedModel"):
+        moetool.fluctuation(["tiny-early", lm], tokens, bootstrap=0)
+    with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes checkpoints all named or all loaded"):
+        moetool.fluctuation([1, 2], tokens, bootstrap=0)
+    for wrong in ("my.jsonl", tokens.input_ids):
+        with pytest.raises(MoetoolError, match=r"^moetool.fluctuation takes packed tokens \(moetool.tokens"):
+            moetool.fluctuation(["tiny-early", "tiny"], wrong, bootstrap=0)
+    with pytest.raises(MoetoolError, match=r"^no tokens given: pass packed tokens"):
+        moetool.fluctuation(["tiny-early", "tiny"], None, bootstrap=0)
+    with pytest.raises(MoetoolError, match="unknown option"):  # the options still come first
+        moetool.fluctuation(["tiny-early", "tiny"], None, nope=1)
+
+
 def test_options_of_the_right_type_in_other_containers_still_run():
     """Lists, ranges and numpy values fit the tuple fields as before."""
     import numpy as np
@@ -402,3 +428,37 @@ def test_run_by_name_tokenizes_as_the_command_with_a_bos_adding_tokenizer(tmp_pa
             pd.testing.assert_frame_equal(pd.read_csv(cli / name), pd.read_csv(api / name))
     with pytest.raises(MoetoolError, match="add_special_tokens"):
         moetool.run("stats", str(ck), out=tmp_path / "bad", add_special_tokens="yes")
+
+
+def test_from_trace_import_trace_and_write_report_refuse_sizes_and_names_the_command_line_refuses(tmp_path):
+    """``from_trace(..., max_tokens=0)`` returned the tables of every token of the trace (0 read as no cap) where
+    ``--max-tokens 0`` is refused, a negative cap 'no rows'; ``from_trace("stats", "")`` read the current folder,
+    ``None`` a TypeError; ``import_trace("dump.jsonl", ...)`` read the name letter by letter ('d: no such file'),
+    ``import_trace([])`` an IndexError; ``write_report([""])`` gathered the current folder. Each is one line."""
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    moetool.run("trace", lm, toks, out=tmp_path / "tr", quiet=True)
+    whole = moetool.from_trace("offload", tmp_path / "tr", bootstrap=0)
+    assert int(whole["offload_layers"]["tokens"].iloc[0]) == toks.n_tokens  # the cap below is not read as none
+    for cap in (0, -5, 1, 2.5, True):
+        with pytest.raises(MoetoolError, match=rf"^--max-tokens must be an integer of at least 2, not {cap!r}$"):
+            moetool.from_trace("offload", tmp_path / "tr", max_tokens=cap, bootstrap=0)
+    capped = moetool.from_trace("offload", tmp_path / "tr", max_tokens=100, bootstrap=0)
+    assert int(capped["offload_layers"]["tokens"].iloc[0]) == 100
+    for traces in ("", " ", None, 3, ["", tmp_path / "tr"]):
+        with pytest.raises(MoetoolError, match=r"^traces are file or folder names \(one, or a list\), not "):
+            moetool.from_trace("stats" if not isinstance(traces, list) else "fluctuation", traces)
+    with pytest.raises(MoetoolError, match=r"^dump.jsonl: no such file or folder$"):
+        moetool.import_trace("dump.jsonl", "tiny", tmp_path / "imp")
+    with pytest.raises(MoetoolError, match=r"^import_trace takes the dump files or folders to read \(a list\)"):
+        moetool.import_trace([], "tiny", tmp_path / "imp")
+    assert not (tmp_path / "imp").exists()
+    moetool.run("ppl", lm, toks, out=tmp_path / "runs" / "ppl", bootstrap=0, quiet=True)
+    for run_dirs in ([""], [" "], [None], [tmp_path / "runs" / "ppl", ""]):  # '' gathered the current folder
+        with pytest.raises(MoetoolError, match=r"^run_dirs are file or folder names \(a list\), not "):
+            moetool.write_report(run_dirs, tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
+    for wrong in (None, whole["offload_layers"]):  # an AttributeError ('NoneType' has no attribute 'name')
+        with pytest.raises(MoetoolError, match=r"^moetool.write takes a Result \(what moetool.stats\(...\) and the"):
+            moetool.write(wrong, tmp_path / "w")
+    assert not (tmp_path / "w").exists()

@@ -313,3 +313,39 @@ def test_a_one_token_file_is_refused_by_the_command_in_one_line(tmp_path):
     r = CliRunner().invoke(app, ["ppl", "--data", str(tmp_path / "one.txt"), "--out", str(tmp_path / "run"), "-q"])
     assert r.exit_code == 2 and r.output.strip() == (f"error: {tmp_path / 'one.txt'} has 1 token: at least 2 are "
                                                      "needed to score a next token"), r.output
+
+
+def test_an_empty_data_name_is_refused_not_read_as_the_held_out_text_or_the_current_folder(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """``moetool.tokens(lm, "")`` packed the shipped held-out text (the ids of ``data=None``) and the command's
+    ``--data ""`` (Path("") = ".") every text file under the current folder, each a table of text nobody named;
+    ``--out ""`` wrote the run into the current folder, ``report ""`` gathered it. A list as the data raised a
+    TypeError. Each is one line now, nothing written."""
+    import sys
+
+    import moetool
+    import moetool.commands.app as app_module
+
+    for name in ("", "  "):
+        with pytest.raises(MoetoolError, match=r"^--data is an empty name: give a file or folder"):
+            DocumentStream(name)
+    lm = moetool.load("tiny")
+    with pytest.raises(MoetoolError, match=r"^--data is a file or folder name .*not list \['a.txt'\]"):
+        moetool.tokens(lm, ["a.txt"], seq_len=64, max_tokens=128)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MOETOOL_DEBUG", raising=False)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for args, flag in ((["ppl", "--data", "", "--max-tokens", "64", "--out", "run", "-q"], "'--data' / '-d'"),
+                       (["ppl", "--max-tokens", "64", "--out", " ", "-q"], "'--out' / '-o'"),
+                       (["stats", "--trace", "", "--out", "run"], "'--trace'"),
+                       (["report", "", "--out", "run"], "'RUN_DIR...'")):
+        monkeypatch.setattr(sys, "argv", ["moetool", *args])
+        with pytest.raises(SystemExit) as e:
+            app_module.main()
+        assert e.value.code == 2, args
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert err == [f"error: Invalid value for {flag}: an empty path (the current folder is '.') "
+                       f"(see 'moetool {args[0]} --help')"], err
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before

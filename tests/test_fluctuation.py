@@ -154,6 +154,83 @@ def test_mismatched_checkpoints_refused_in_one_line(ckpts, other, field):
     assert len(lines) == 1 and lines[0].startswith("error: checkpoints differ in architecture"), r.output
 
 
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """A checkpoint shaped as the embedded ``tiny`` (Mixtral, 4 layers, 8 experts, top-2, its tokenizer) but 64 wide
+    (tiny: 128): the same layers, experts and K, routers that take 64 features."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moetool.loading import EMBEDDED_DIR
+
+    root = tmp_path_factory.mktemp("narrow")
+    cfg = AutoConfig.from_pretrained(EMBEDDED_DIR / "tiny")
+    cfg.hidden_size, cfg.head_dim = 64, 16
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, root / f)
+    return str(root)
+
+
+def test_checkpoints_of_another_width_refused_in_one_line(narrow):
+    """Layers, experts, K and vocabulary agree, the width does not: ``--isolate`` fed tiny's 128-wide MoE inputs to
+    the 64-wide routers (exit 1, a raw RuntimeError 'mat1 and mat2 shapes cannot be multiplied', after the first
+    checkpoint's forward). Refused from the configs, and for loaded models (no config check) before any forward."""
+    with pytest.raises(MoetoolError, match="has hidden_size=128, .* has hidden_size=64"):
+        check_checkpoints(["tiny", narrow])
+    opts = FluctuationOptions(routing=("router",), isolate=True, batch_size=2)
+    with pytest.raises(MoetoolError, match="hidden_size"):
+        run_fluctuation(["tiny", narrow], tokens(), opts, loader)
+    r = CliRunner().invoke(app, ["fluctuation", "tiny", narrow, "--isolate", "--max-tokens", "64", "-q"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert lines == [f"error: checkpoints differ in architecture: tiny has hidden_size=128, {narrow} has hidden_size=64"]
+
+
+@pytest.fixture(scope="module")
+def retokenized(tmp_path_factory):
+    """The embedded ``tiny`` with two ids of its tokenizer swapped: the same architecture and weights, another
+    vocabulary (text -> ids), so the same ids are other text to it."""
+    import json
+    import shutil
+
+    from moetool.loading import EMBEDDED_DIR
+
+    root = tmp_path_factory.mktemp("retok") / "tiny-retok"
+    shutil.copytree(EMBEDDED_DIR / "tiny", root)
+    tok = json.loads((root / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (root / "tokenizer.json").write_text(json.dumps(tok))
+    return str(root)
+
+
+def test_the_api_refuses_what_the_command_refuses_before_any_forward(retokenized, tmp_path):
+    """``moetool.run("fluctuation", names)`` and ``moetool.fluctuation(names, tokens)`` skipped the command's check
+    of the checkpoints: another tokenizer gave a table (top-1 change 0 on these ids, which are other text to it),
+    and another architecture was refused only after the first checkpoint's forward, leaving a failed run folder.
+    Both are the command's line now, before any weight loads or any folder exists."""
+    import moetool
+
+    retok = f"error: checkpoints differ in tokenizer: tiny and {retokenized} have different vocabularies"
+    arch = "error: checkpoints differ in architecture: tiny has model_type=mixtral, tiny-fine has model_type=qwen3_moe"
+    for other, line in ((retokenized, retok), ("tiny-fine", arch)):
+        r = CliRunner().invoke(app, ["fluctuation", "tiny", other, "--max-tokens", "64", "-q",
+                                     "--out", str(tmp_path / "cli")])
+        assert r.exit_code == 2 and r.output.splitlines()[0].startswith(line), r.output
+        with pytest.raises(MoetoolError) as e:
+            moetool.run("fluctuation", ["tiny", other], max_tokens=64, out=tmp_path / "run", quiet=True)
+        assert ("error: " + str(e.value)).startswith(line)
+        assert not (tmp_path / "run").exists() and not (tmp_path / "cli").exists()
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    with pytest.raises(MoetoolError, match="checkpoints differ in tokenizer"):
+        moetool.fluctuation(["tiny", retokenized], tokens, routing=("router",), bootstrap=0, quiet=True)
+
+
 def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
     """entropy_ref for similarity routing = mean -Σ s log s of the policy's normalised scores (layer 0, whose
     input does not depend on any routing), not the entropy of π."""

@@ -216,6 +216,37 @@ def test_reference_model_of_other_layers_is_refused(tiny_placement):
         moetool.placement(lm, tokens, gpus=(2,), reference_model=moetool.load("tiny-fine"), quiet=True)
 
 
+def test_reference_model_by_name_or_of_another_tokenizer_is_refused_before_any_forward(tiny_placement, tmp_path,
+                                                                                         monkeypatch):
+    """``reference_model="tiny-early"`` (a name: the command loads it, the function takes it loaded) raised an
+    AttributeError after the model's forward; a checkpoint with the same weights and two token ids swapped gave a
+    table (its loads on ids that are other text to it), where ``moetool placement --reference-model`` refuses it.
+    Both are one line now, and so is a text file given as ``reference``, before any forward."""
+    import json
+    import shutil
+
+    import moetool
+    from moetool.experiments.placement import compute
+    from moetool.loading import EMBEDDED_DIR
+
+    lm, tokens, _ = tiny_placement
+    retok = tmp_path / "tiny-retok"
+    shutil.copytree(EMBEDDED_DIR / "tiny", retok)
+    tok = json.loads((retok / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (retok / "tokenizer.json").write_text(json.dumps(tok))
+    other = moetool.load(str(retok))
+    monkeypatch.setattr(compute, "expert_loads", lambda *a, **k: pytest.fail("a forward ran before the refusal"))
+    for kw, message in ((dict(reference_model="tiny-early"),
+                         r"^reference_model takes a loaded model \(moetool.load\(...\)\), not 'tiny-early'$"),
+                        (dict(reference_model=other), r"^the reference model's tokenizer differs from the model's"),
+                        (dict(reference="other.txt"), r"^reference takes packed tokens .*not str 'other.txt'$")):
+        with pytest.raises(MoetoolError, match=message):
+            moetool.placement(lm, tokens, gpus=(2,), quiet=True, **kw)
+
+
 def test_bad_options_are_one_line():
     for kw, message in ((dict(gpus=(0,)), "--gpus"), (dict(extra_slots=(-1,)), "--extra-slots"),
                         (dict(nodes=0), "--nodes"), (dict(groups=0), "--groups")):

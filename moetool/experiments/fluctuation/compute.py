@@ -38,6 +38,8 @@ import torch
 from ... import distributed, ops
 from ...adapters import _MOE_CONFIG_KEYS
 from ...adapters.base import MoELayer
+from ...configs import text_config
+from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -69,9 +71,11 @@ def pairs(names: Sequence[str], reference: str) -> list[tuple[int, int]]:
 
 # ----- compatibility -------------------------------------------------------------------------
 def architecture(config: Any) -> dict[str, Any]:
-    """What must agree between checkpoints, read from a config."""
-    keys = ("model_type", "num_hidden_layers", "vocab_size", *_MOE_CONFIG_KEYS)
-    return {k: getattr(config, k, None) for k in keys}
+    """What must agree between checkpoints, read from a config (the language model's, for a multimodal one): the
+    width too, since ``isolate`` feeds one checkpoint's MoE inputs to another's routers."""
+    text = text_config(config)
+    keys = ("num_hidden_layers", "hidden_size", "vocab_size", *_MOE_CONFIG_KEYS)
+    return {"model_type": config.model_type, **{k: getattr(text, k, getattr(config, k, None)) for k in keys}}
 
 
 def check_same(what: str, names: Sequence[str], values: Sequence[dict[str, Any]]) -> None:
@@ -83,8 +87,10 @@ def check_same(what: str, names: Sequence[str], values: Sequence[dict[str, Any]]
                                    f"{name} has {k}={v.get(k)}")
 
 
-def layer_signature(layers: Sequence[MoELayer]) -> dict[str, Any]:
-    return {"moe layers (index, n experts, K)": [(L.index, L.n_experts, L.top_k) for L in layers]}
+def layer_signature(lm: Any) -> dict[str, Any]:
+    """What a loaded checkpoint must share with the others: its MoE layers and its width."""
+    return {"moe layers (index, n experts, K)": [(L.index, L.n_experts, L.top_k) for L in lm.layers],
+            "hidden_size": getattr(text_config(lm.config), "hidden_size", None)}
 
 
 def router_copy(layer: MoELayer) -> MoELayer:
@@ -324,7 +330,7 @@ def run_fluctuation(names: Sequence[str], tokens: Any, opts: FluctuationOptions,
                     isolated[(i, key[0], key[1])] = rt
             continue
         lm = load_fn(names[i])
-        sig = layer_signature(lm.layers)
+        sig = layer_signature(lm)
         if signature is None:
             signature, first = sig, names[i]
         check_same("architecture", [first, names[i]], [signature, sig])
@@ -446,11 +452,12 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
     captures kept for ``--resume`` (:func:`run_fluctuation`).
     """
     opts = resolve_options(FluctuationOptions, options, overrides)
-    described = tokens.describe()
+    described = require_tokens(tokens).describe()
     if distributed.world_size() > 1 and tokens.row_ids is None:  # data parallel: this rank's rows, global ids
         tokens = distributed.shard(tokens, opts.batch_size)
     if all(isinstance(c, (str, Path)) for c in checkpoints):
         names = [str(c) for c in checkpoints]
+        check_checkpoints(names)  # configs and vocabularies, before any weight loads
         attn = "eager" if opts.needs_attention else None
         df, pooled = run_fluctuation(names, tokens, opts,
                                      lambda n: load(n, dtype=opts.dtype, device=opts.device, device_map=opts.device_map,

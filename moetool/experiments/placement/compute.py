@@ -342,6 +342,20 @@ def _data_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions,
     return load[:, :n], n_tok, row_loads
 
 
+def _check_reference_model(lm: Any, reference_model: Any, layers: list[Any], opts: PlacementOptions) -> None:
+    """``reference_model`` is a loaded checkpoint with the model's MoE layers (index, n experts) and, where both
+    were loaded with their tokenizers, its vocabulary: the same ids are the same text to both."""
+    if not (hasattr(reference_model, "model") and hasattr(reference_model, "layers")):
+        raise MoetoolError(f"reference_model takes a loaded model (moetool.load(...)), not {reference_model!r}"[:300])
+    ref_layers = select_layers(reference_model.layers, opts.layers)
+    if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
+        raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
+    tok, ref_tok = getattr(lm, "tokenizer", None), getattr(reference_model, "tokenizer", None)
+    if tok is not None and ref_tok is not None and tok.get_vocab() != ref_tok.get_vocab():
+        raise MoetoolError(f"the reference model's tokenizer differs from the model's ({reference_model.name} and "
+                           f"{lm.name} have different vocabularies): the same token ids are other text to it")
+
+
 def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOptions, n: int, reference: Any,
                      reference_model: Any, quiet: bool) -> tuple[torch.Tensor | None, int | None, np.ndarray | None]:
     """The loads (and real tokens) of the reference model (default ``lm``) on the reference data (default
@@ -353,8 +367,6 @@ def _reference_loads(lm: Any, tokens: Any, layers: list[Any], opts: PlacementOpt
         return None, None, None
     ref_lm = lm if reference_model is None else reference_model
     ref_layers = select_layers(ref_lm.layers, opts.layers)
-    if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
-        raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
     # the data's own rows: no reference data, or reference data holding the same rows (the same token ids, padding
     # and domains: --reference-data naming the --data file reads it again into another TokenSet)
     same_rows = (reference is None or reference is tokens
@@ -484,8 +496,13 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     opts = resolve_options(PlacementOptions, options, overrides)
     require_tokens(tokens)
     if reference is not None:
+        if not hasattr(reference, "require_tokens"):
+            raise MoetoolError(f"reference takes packed tokens (moetool.tokens(lm, data, ...)), not "
+                               f"{type(reference).__name__} {reference!r}"[:300])
         reference.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
+    if reference_model is not None:  # before any forward
+        _check_reference_model(lm, reference_model, layers, opts)
     n, z, K, groups = _placed_experts(layers, opts.groups)
     gpu_counts = opts.gpu_counts(n)
     load, n_tok, row_loads = _data_loads(lm, tokens, layers, opts, n, z, quiet)
