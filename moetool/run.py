@@ -56,16 +56,18 @@ def say(line: str) -> None:
 
 
 # ----- before anything loads -----------------------------------------------------------------------------------
-def refuse_busy_out(params: dict[str, Any]) -> None:
+def refuse_busy_out(params: dict[str, Any], command: str = "<command>") -> None:
     """A command's ``--out`` that is a file or lies under one (even with ``--force``), or that holds files and no
     moetool run, or a complete one, without ``--force`` or ``--resume``: refused now, before any heavy import (torch
     takes seconds to import) or any model loads. Every other case (a failed or unfinished run, ``--force``,
     ``--resume``) is decided where the run starts (:meth:`moetool.report.RunDir.create`, which gives the same
     messages for these)."""
+    from .report.rundir import PART, read_manifest, refuse_empty_out, refuse_not_a_folder
+
     out = params.get("out")
+    refuse_empty_out(out, command)
     if not out:
         return
-    from .report.rundir import PART, read_manifest, refuse_not_a_folder
 
     path = Path(out)
     refuse_not_a_folder(path)
@@ -371,7 +373,7 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     from .experiments.registry import get
     from .experiments.result import resolve_options
 
-    refuse_busy_out({"out": out, "force": force, "resume": resume})  # before the experiment's imports and model
+    refuse_busy_out({"out": out, "force": force, "resume": resume}, str(experiment).replace("_", "-"))  # before its imports
     spec = get(experiment)
     if spec.inputs == "config":  # plan: a config alone, no weights, no text
         return _run_config(spec, lm, tokens, options, out=out, force=force, batch_size=batch_size, resume=resume,

@@ -462,3 +462,15 @@ def test_from_trace_import_trace_and_write_report_refuse_sizes_and_names_the_com
         with pytest.raises(MoetoolError, match=r"^moetool.write takes a Result \(what moetool.stats\(...\) and the"):
             moetool.write(wrong, tmp_path / "w")
     assert not (tmp_path / "w").exists()
+
+
+def test_an_empty_out_is_refused_not_the_default_folder(tmp_path, monkeypatch):
+    """``out=''`` (an unset shell variable) ran into the default ``runs/<command>-<time>`` where the command line
+    refuses ``--out ''``: one line now, before anything loads, for ``moetool.run``, ``write`` and ``write_report``."""
+    monkeypatch.chdir(tmp_path)
+    for out in ("", "  "):
+        with pytest.raises(MoetoolError, match=r"^--out '\s*': an empty path .* runs/ppl-<time>\)$"):
+            moetool.run("ppl", "no-such-model", out=out)  # refused before the model's name is even read
+        with pytest.raises(MoetoolError, match=r"^--out '\s*': an empty path"):
+            moetool.write_report([tmp_path], out)
+    assert not (tmp_path / "runs").exists()

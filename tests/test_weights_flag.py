@@ -59,3 +59,33 @@ def test_the_library_refuses_the_same_way():
     with pytest.raises(MoetoolError) as e:
         PplOptions(routing="random", weights="router").policy()
     assert str(e.value) == LINE.format("random")
+
+
+@pytest.mark.parametrize("flags,words", [(["--sim", "cosine"], "--sim cosine applies"),
+                                         (["--no-causal"], "--no-causal applies"),
+                                         (["--sim", "cosine", "--no-causal"], "--sim cosine, --no-causal apply")])
+@pytest.mark.parametrize("routing", ["router", "norm:gate", "attention"])
+def test_similarity_options_with_a_policy_that_reads_none_are_one_line(routing, flags, words, monkeypatch, capsys,
+                                                                       tmp_path):
+    """``--sim`` / ``--no-causal`` were accepted and ignored by every policy but similarity (``ppl --routing router
+    --sim cosine`` exited 0 with the router's perplexity); now one line, as ``--weights``; with similarity they reach
+    the policy."""
+    import moetool.commands.app as app_module
+    from moetool.experiments.ppl.spec import PplOptions
+
+    monkeypatch.setattr(sys, "argv", ["moetool", "ppl", "--routing", routing, *flags, "--out", str(tmp_path / "r")])
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and err == [f"error: {words} to the similarity policy only; --routing {routing} has none"]
+    assert not (tmp_path / "r").exists()
+    sim = PplOptions(routing="similarity", sim="cosine", causal=False).policy()
+    assert sim.sim == "cosine" and sim.causal is False
+
+
+def test_fluctuations_similarity_options_need_a_similarity_routing():
+    from moetool.experiments.fluctuation.spec import FluctuationOptions
+
+    with pytest.raises(MoetoolError, match=r"^--tau applies to the similarity policy only; --routing router,attention"):
+        FluctuationOptions(routing=("router", "attention"), tau=0.5)
+    assert FluctuationOptions(routing=("router", "similarity"), tau=0.5, sim="cosine").tau == 0.5

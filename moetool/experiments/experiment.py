@@ -198,12 +198,13 @@ class RoutingOptions:
     def policy(self) -> Any:
         """The policy, built once per run (the command's check and the experiment share it). ``weights`` given
         to a policy that takes none (every policy but ``norm``) is refused in one line, never ignored."""
-        from ..policies import build_once
+        from ..policies import build_once, refuse_unread_similarity_options
 
         policy = build_once(self.routing, self.weights or "softmax", self.seed, sim=self.sim, causal=self.causal)
         if self.weights is not None and policy.weights is None:
             raise MoetoolError(f"--weights applies to norm:<node> policies only (the weights of the experts they "
                                f"choose); --routing {self.routing} takes none")
+        refuse_unread_similarity_options([policy], self.routing, self.sim, self.causal)
         return policy
 
 

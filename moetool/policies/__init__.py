@@ -62,6 +62,21 @@ def build_once(routing: str, weights: str = "softmax", seed: int = 0, **options:
     return run.policy(("policy", routing, weights, seed, tuple(sorted(options.items()))), build)
 
 
+def refuse_unread_similarity_options(policies: list[Any], routing: str, sim: str, causal: bool,
+                                      tau: float | None = None) -> None:
+    """``--sim``, ``--no-causal`` (and fluctuation's ``--tau``) given where no ``--routing`` policy reads them (the
+    similarity policy alone does): one line, never silently ignored (as ``--weights`` off norm policies)."""
+    from .similarity import SimilarityPolicy
+
+    if any(isinstance(p, SimilarityPolicy) for p in policies):
+        return
+    given = [flag for flag, on in ((f"--sim {sim}", sim != "dot"), ("--no-causal", not causal),
+                                   ("--tau", tau is not None)) if on]
+    if given:
+        raise MoetoolError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the similarity policy "
+                           f"only; --routing {routing} has none")
+
+
 def option_names() -> set[str]:
     """The keyword options some registered policy reads (``weights``, ``seed`` and the named parameters of every
     policy's ``from_spec``): a keyword outside them is a typo, which :func:`build_policy` would ignore."""

@@ -702,7 +702,10 @@ def refuse_out_over_runs(out: str | Path | None, run_dirs: Sequence[str | Path])
     """An ``out`` that is one of ``run_dirs``, contains one, or lies inside a run folder among them (one with a
     manifest: a RUN_DIR or a run under it; a plain folder of runs may hold the report): one line, before anything is
     touched -- ``--force`` would remove a run's own results, and a report inside a run becomes a sub-run of it.
-    Paths resolved (links followed); ``None`` (a new folder under ``runs/``) passes."""
+    Paths resolved (links followed); ``None`` (a new folder under ``runs/``) passes, ``''`` is refused."""
+    from .rundir import refuse_empty_out
+
+    refuse_empty_out(out, "report")
     if out is None:
         return
     target = Path(out).resolve()

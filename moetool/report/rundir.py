@@ -303,6 +303,14 @@ def _default_path(command: str) -> Path:
             return p
 
 
+def refuse_empty_out(out: Any, command: str = "<command>") -> None:
+    """``out=''`` (an unset shell variable): no folder name, refused in one line -- not the current folder, nor the
+    default ``runs/<command>-<time>``."""
+    if isinstance(out, str) and not out.strip():
+        raise MoetoolError(f"--out {out!r}: an empty path (the current folder is '.'; leave out unset for "
+                           f"runs/{command}-<time>)")
+
+
 class RunDir:
     """A run folder. ``path`` is made on first use (a write, :meth:`file`, or reading ``.path``)."""
 
@@ -335,6 +343,7 @@ class RunDir:
         kept; its other files are rewritten); an empty or missing ``out`` starts a new run, so a job script can
         pass ``--resume`` every time. ``resumable``: the command takes ``--resume`` (a refusal of an unfinished
         run in ``out`` offers it only then)."""
+        refuse_empty_out(out, command)
         if resume and not out:
             raise MoetoolError("--resume needs --out: the folder of the run to continue")
         path = Path(out) if out else _default_path(command)

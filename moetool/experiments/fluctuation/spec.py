@@ -104,6 +104,10 @@ class FluctuationOptions:
                 raise MoetoolError(f"--isolate with --routing {r}: that policy chooses by every expert's activations "
                                    "and --isolate keeps only the other checkpoint's routers, not its experts; "
                                    "drop --isolate or that policy")
+        from ...policies import refuse_unread_similarity_options
+
+        refuse_unread_similarity_options([self.policy(r) for r in self.routing], ",".join(self.routing), self.sim,
+                                         self.causal, self.tau)
         if self.reference not in REFERENCES:
             raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
 
