@@ -373,7 +373,8 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     from .experiments.registry import get
     from .experiments.result import resolve_options
 
-    refuse_busy_out({"out": out, "force": force, "resume": resume}, str(experiment).replace("_", "-"))  # before its imports
+    # before the experiment's imports and model
+    refuse_busy_out({"out": out, "force": force, "resume": resume}, str(experiment).replace("_", "-"))
     spec = get(experiment)
     if spec.inputs == "config":  # plan: a config alone, no weights, no text
         return _run_config(spec, lm, tokens, options, out=out, force=force, batch_size=batch_size, resume=resume,
