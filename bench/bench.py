@@ -724,6 +724,16 @@ def bench_load(a) -> list[dict[str, Any]]:
     return rows
 
 
+#: counts: a section's rows beside another's that lack the column hold NaN there, which makes the column float
+#: (512 tokens read "512.0", 20000 "20000.00")
+COUNT_COLUMNS = ("tokens", "rounds", "calls_per_round")
+
+
+def int_counts(df):
+    """``df`` with its count columns as nullable integers (printed and written as integers)."""
+    return df.astype({c: "Int64" for c in COUNT_COLUMNS if c in df.columns})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -793,7 +803,7 @@ def main() -> None:
         if wanted:
             rows += section(a)
             pd.DataFrame(rows).to_csv(a.csv, index=False)  # saved after every section: a late failure loses nothing
-    df = pd.DataFrame(rows)
+    df = int_counts(pd.DataFrame(rows))
     fmt = {"float_format": lambda x: f"{x:.2f}", "index": False}
     eng = df[df.section == "engine"] if len(df) else df
     if len(eng):

@@ -391,15 +391,11 @@ def run(a) -> list[dict[str, Any]]:
         yield bench_gpu_cli(a, dev, full)
 
 
-#: counts, printed as integers (a row without one, NaN, makes the column float: 2040 read "2040.00")
-COUNT_COLUMNS = ("tokens", "rounds", "calls_per_round")
-
-
 def fmt_table(df, cols: list[str]) -> str:
     cols = [c for c in cols if c in df.columns]
     t = df[cols].copy()
-    for c in set(cols) & set(COUNT_COLUMNS):
-        t[c] = [f"{int(x)}" if x == x else "-" for x in t[c]]  # x != x: NaN
+    for c in set(cols) & set(B.COUNT_COLUMNS):  # as integers, '-' where a row has none (the CLI's ppl tokens)
+        t[c] = [f"{int(x)}" if ok else "-" for x, ok in zip(t[c], t[c].notna())]
     return t.to_string(index=False, float_format=lambda x: f"{x:.2f}", na_rep="-")
 
 

@@ -35,3 +35,33 @@ def test_gpu_report_prints_counts_as_integers():
     assert lines["inspect --model DIR (first)"][-4:] == ["6.50", "-", "-", "-"]
     assert lines["load: moetool.load"][-4:] == ["0.50", "-", "-", "0.25"]
     assert "2040.00" not in text
+
+
+def test_cpu_report_prints_counts_as_integers(tmp_path, monkeypatch, capsys):
+    """``bench.py``'s printout, sections whose rows lack ``tokens`` (--load) beside those that have it: the engine
+    header read '512.0 tokens per pass', the --lazy-data and --cache-sim tables '20000.00' tokens, --rss's columns
+    '2000.0'. Counts print as integers (the sections stood in by rows of known values)."""
+    bench_gpu()
+    import bench as B
+
+    engine = [{"section": "engine", "model": "m", "variant": v, "device": "cpu", "tokens": 512, "ratio": r,
+               "ratio_min": r, "ratio_max": r, "flop_ideal": f, "flop_ideal_recompute": f, "seconds": 1.5 * r}
+              for v, r, f in (("plain", 1.0, 1.0), ("norm:gate", 1.25, 1.5))]
+    monkeypatch.setattr(B, "bench_shapes", lambda a: engine)
+    monkeypatch.setattr(B, "bench_load", lambda a: [{"section": "load", "model": "m", "variant": "moetool.load",
+                                                     "device": "cpu", "seconds": 0.5, "gb_per_s": 0.25}])
+    monkeypatch.setattr(B, "bench_lazy_data", lambda a: [
+        {"section": "lazy_data", "model": "tiny", "variant": "load_tokens 20 MB", "device": "cpu", "tokens": 20000,
+         "seconds": 0.5, "mib_read": 20.0, "read_whole_file_seconds": 0.25, "eager_seconds_estimate": 10.0}])
+    monkeypatch.setattr(B, "bench_rss", lambda a: [
+        {"section": "rss", "model": "tiny", "variant": "stats", "device": "cpu", "tokens": 2000, "peak_rss_mib": 512.0,
+         "seconds": 3.0, "exit": 0}])
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--load", "--lazy-data", "--rss", "--csv", str(tmp_path / "b.csv")])
+    B.main()
+    out = capsys.readouterr().out
+    assert "m (512 tokens per pass, plain 1.50s)" in out
+    lazy = [ln.split() for ln in out.splitlines() if ln.startswith("load_tokens 20 MB")]
+    assert lazy == [["load_tokens", "20", "MB", "20000", "0.50", "20.00", "0.25", "10.00"]]
+    assert [ln.split() for ln in out.splitlines() if ln.startswith("tokens")] == [["tokens", "2000"]]
+    assert pd.read_csv(tmp_path / "b.csv").tokens.tolist()[:2] == [512, 512]
+    assert ".0 tokens" not in out and "20000.00" not in out
