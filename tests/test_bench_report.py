@@ -65,3 +65,29 @@ def test_cpu_report_prints_counts_as_integers(tmp_path, monkeypatch, capsys):
     assert [ln.split() for ln in out.splitlines() if ln.startswith("tokens")] == [["tokens", "2000"]]
     assert pd.read_csv(tmp_path / "b.csv").tokens.tolist()[:2] == [512, 512]
     assert ".0 tokens" not in out and "20000.00" not in out
+
+
+def test_gpu_check_keeps_the_bench_console_and_its_report_apart(tmp_path):
+    """gpu_check.sh sent bench.py's console into $OUT/bench.txt, the file bench.py writes its report to
+    (``--csv $OUT/bench.csv``): the report truncated the console mid-run and the buffered stdout copy landed at the
+    console's offset (the stderr progress lost, the report spliced into itself). Run the script with a stand-in
+    python that runs only bench.py (pip, the probes and the suite are no-ops): bench.txt is the report once,
+    bench.log the console (its stderr lines, the same report, the exit code)."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "py"
+    stub.write_text(f'#!/bin/bash\n[ "$1" = bench/bench.py ] && exec env -u PYTHONUNBUFFERED {sys.executable} "$@"\n'
+                    "exit 0\n")
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(stub), "BENCH_ARGS": "--gpu --quick --gpu-sections"}
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = (out / "bench.txt").read_text()
+    assert report.count("moetool bench --gpu") == 1 and "\0" not in report
+    assert report.splitlines()[0] == "moetool bench --gpu (issue #36)" and "wrote " + str(out / "bench.csv") in report
+    log = (out / "bench.log").read_text()
+    stderr_env = [ln for ln in log.splitlines() if ln.startswith("date: ") or ln.startswith("device: ")]
+    assert len(stderr_env) == 2  # the environment bench.py prints on stderr before the report
+    assert log.endswith(report + "bench exit 0\n") and log.count("moetool bench --gpu") == 1
