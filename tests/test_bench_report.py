@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,9 +75,6 @@ def test_gpu_check_keeps_the_bench_console_and_its_report_apart(tmp_path):
     console's offset (the stderr progress lost, the report spliced into itself). Run the script with a stand-in
     python that runs only bench.py (pip, the probes and the suite are no-ops): bench.txt is the report once,
     bench.log the console (its stderr lines, the same report, the exit code)."""
-    import os
-    import subprocess
-
     stub = tmp_path / "py"
     stub.write_text(f'#!/bin/bash\n[ "$1" = bench/bench.py ] && exec env -u PYTHONUNBUFFERED {sys.executable} "$@"\n'
                     "exit 0\n")
@@ -91,3 +90,23 @@ def test_gpu_check_keeps_the_bench_console_and_its_report_apart(tmp_path):
     stderr_env = [ln for ln in log.splitlines() if ln.startswith("date: ") or ln.startswith("device: ")]
     assert len(stderr_env) == 2  # the environment bench.py prints on stderr before the report
     assert log.endswith(report + "bench exit 0\n") and log.count("moetool bench --gpu") == 1
+
+
+def test_rss_figure_is_the_commands_own_peak(tmp_path):
+    """``bench.py --rss``'s peak of a command: the command was started straight from the benchmark's process, whose
+    own peak RSS Linux carries over exec into the child's ``ru_maxrss``: after ``--real`` (3 GB) every command read
+    4178 MiB. Here this process peaks at 600 MiB first; a command that touches 100 MiB reports its own high-water
+    mark (VmHWM, read by the command itself just before it exits)."""
+    bench_gpu()
+    import bench as B
+
+    big = bytearray(600 * 2**20)
+    big[::4096] = b"\1" * len(big[::4096])  # resident, page by page
+    del big
+    hwm = tmp_path / "hwm"
+    code = (f"x = bytearray(100 * 2**20); x[::4096] = b'1' * len(x[::4096]); import re; "
+            f"open({str(hwm)!r}, 'w').write(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])")
+    peak, _, exit_code = B.child_peak_rss([sys.executable, "-c", code], dict(os.environ))
+    own = int(hwm.read_text()) * 1024
+    assert exit_code == 0 and own > 100 * 2**20
+    assert abs(peak - own) < 4 * 2**20, (peak / 2**20, own / 2**20)
