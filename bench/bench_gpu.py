@@ -393,7 +393,10 @@ def run(a) -> list[dict[str, Any]]:
 
 def fmt_table(df, cols: list[str]) -> str:
     cols = [c for c in cols if c in df.columns]
-    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.2f}", na_rep="-")
+    t = df[cols].copy()
+    for c in set(cols) & set(B.COUNT_COLUMNS):  # as integers, '-' where a row has none (the CLI's ppl tokens)
+        t[c] = [f"{int(x)}" if ok else "-" for x, ok in zip(t[c], t[c].notna())]
+    return t.to_string(index=False, float_format=lambda x: f"{x:.2f}", na_rep="-")
 
 
 def report(df, a) -> str:

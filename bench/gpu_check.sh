@@ -7,7 +7,8 @@
 # Needs: a CUDA GPU, python3 with a CUDA build of torch, pytest, pytest-xdist and pytest-timeout. Packages the
 # machine lacks can be brought as wheels in .whl/ (see README "On a GPU"); they are installed without an index.
 # Writes: $OUT/env.txt, $OUT/suite.txt (pytest's summary, every failure with its line), $OUT/junit.xml,
-# $OUT/bench.txt (+ bench.csv). About 6-8 minutes on one H100 (suite ~3 min with 15 workers, bench --gpu 3-5 min with its CLI section;
+# $OUT/bench.txt (the benchmark's report), bench.csv, bench.log (its console: progress, errors, exit code). About 6-8
+# minutes on one H100 (suite ~3 min with 15 workers, bench --gpu 3-5 min with its CLI section;
 # BENCH_ARGS="--gpu --quick" for a shorter one, BENCH=0 for none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,9 @@ rc=$?
 echo "suite exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/suite.txt"
 tail -3 "$OUT/suite.txt"
 if [ "${BENCH:-1}" = 1 ]; then
-    timeout "${BENCH_TIMEOUT:-420}" $PY bench/bench.py ${BENCH_ARGS:---gpu} --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1
-    echo "bench exit $?" >> "$OUT/bench.txt"; tail -25 "$OUT/bench.txt"
+    # the console goes to bench.log: bench.py writes its report to bench.txt itself (<csv stem>.txt), and a redirect
+    # into that same file was overwritten by it mid-run (progress lines lost, the report spliced into itself)
+    timeout "${BENCH_TIMEOUT:-420}" $PY bench/bench.py ${BENCH_ARGS:---gpu} --csv "$OUT/bench.csv" > "$OUT/bench.log" 2>&1
+    echo "bench exit $?" >> "$OUT/bench.log"; tail -25 "$OUT/bench.log"
 fi
 exit $rc

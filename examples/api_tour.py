@@ -9,7 +9,7 @@ engine computing something moetool does not (how often a token's top-1 expert re
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -70,4 +70,10 @@ def main(out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="moetool-tour-")))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", nargs="?", metavar="OUT_DIR",
+                    help="where the stats run and the figure go (default: a new temporary folder)")
+    a = ap.parse_args()
+    if a.out_dir is not None and not a.out_dir.strip():  # Path('') is the current folder
+        ap.error("OUT_DIR is empty")
+    main(Path(a.out_dir) if a.out_dir is not None else Path(tempfile.mkdtemp(prefix="moetool-tour-")))

@@ -214,6 +214,19 @@ def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
 
 
 @pytest.mark.slow
+def test_api_tour_help_and_an_empty_out_dir_write_nothing(tmp_path):
+    """``api_tour.py --help`` prints its usage (it wrote the tour into a folder named '--help'); an empty OUT_DIR
+    (Path('') = the current folder) is refused in one line, exit 2: nothing is written in either case."""
+    tour = str(ROOT / "examples" / "api_tour.py")
+    r = subprocess.run([sys.executable, tour, "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: api_tour.py [-h] [OUT_DIR]")
+    r = subprocess.run([sys.executable, tour, " "], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "api_tour.py: error: OUT_DIR is empty"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_commands_write_exactly_the_api_tables(tmp_path):
     runner = CliRunner()
     data = ["--max-tokens", "512", "--seq-len", "64"]
