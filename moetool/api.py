@@ -98,7 +98,7 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
             lm.model(input_ids=ids)
     """
     from .engine.hooks import Engine, select_layers
-
+    from .engine.runner import _consumer_list
     from .errors import MoetoolError
 
     if isinstance(policy, str):
@@ -111,9 +111,12 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     elif policy_options:
         raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
                            f"not with {policy!r}")
+    if not (hasattr(lm, "model") and hasattr(lm, "layers")):
+        raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
-    return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
+    return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=_consumer_list(consumers),
+                  attention=attention)
 
 
 def inspect_model(name: str) -> dict[str, Any]:
@@ -288,7 +291,13 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
     from .engine.runner import forward as run
+    from .errors import MoetoolError
 
+    if not (hasattr(lm, "model") and hasattr(lm, "layers")):
+        raise MoetoolError(f"moetool.forward takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if not (hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask")):
+        raise MoetoolError(f"moetool.forward takes packed tokens (moetool.tokens(lm, data, ...)), not "
+                           f"{type(tokens).__name__} {tokens!r}"[:300])
     return run(lm, tokens, **kwargs)
 
 

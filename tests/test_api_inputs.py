@@ -255,3 +255,18 @@ def test_runs_in_threads_on_two_models_equal_the_runs_in_turn(lm, tokens):
                 assert pd_equal, (name, table)
     assert alone["ppl router"]["ppl.csv"]["perplexity"].iloc[0] == pytest.approx(ref, rel=1e-5)
     assert alone["ppl norm"]["ppl.csv"]["perplexity"].iloc[0] > ref  # another routing: another number
+
+
+def test_hook_and_forward_name_what_they_take(lm, tokens):
+    """``moetool.hook(lm, consumers=print)`` was a TypeError from inside the engine, ``moetool.forward("tiny", t)``
+    and ``moetool.forward(lm, "text.txt")`` AttributeErrors: one line each. The forward given a loaded model and
+    packed tokens is the hand-computed NLL."""
+    for call, match in ((lambda: moetool.hook(lm, consumers=print), "list of callables"),
+                        (lambda: moetool.hook("tiny"), "loaded model"),
+                        (lambda: moetool.forward("tiny", tokens, quiet=True), "loaded model"),
+                        (lambda: moetool.forward(lm, "text.txt", quiet=True), "packed tokens")):
+        with pytest.raises(MoetoolError, match=match):
+            call()
+    ref, n = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    res = moetool.forward(lm, tokens, nll=True, quiet=True)
+    assert res.nll.tokens == n and math.exp(res.nll.nll_sum / n) == pytest.approx(ref, rel=1e-5)
