@@ -8,7 +8,9 @@ lives in the run's state), the distributed layout (``--tp`` / ``--ep``, each ran
 
 :class:`Run` is one run's state (a :class:`moetool.context.RunState`: back-off, layout, the policies built once);
 it is active in its context for the run's duration, so :func:`moetool.engine.runner.forward` and
-:mod:`moetool.distributed` read it without module globals, and two runs in two threads never share it.
+:mod:`moetool.distributed` read it without module globals, and two runs in two threads never share it. A loaded
+model is held by one run at a time (:func:`moetool.engine.hooks.hold`, in :func:`moetool.api._timed`): its hooks
+are installed on the model, so a second run of it from another thread is refused in one line.
 
 :func:`run` is the Python equivalent of ``moetool <experiment>`` on a loaded model and tokens::
 
