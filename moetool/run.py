@@ -389,6 +389,9 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         raise MoetoolError(f"'{spec.name}' keeps no unit checkpoints: resume=True is not supported there")
     named = isinstance(lm, (str, Path)) or (isinstance(lm, (list, tuple)) and all(isinstance(m, (str, Path))
                                                                                 for m in lm))
+    if named and tokens is not None:  # never read: the run would score its own --data, not these tokens
+        raise MoetoolError(f"moetool.run('{spec.name}', ...) reads the text itself for a model's name (data=..., "
+                           f"seq_len=..., max_tokens=...): tokens go with a loaded model (moetool.load(...))")
     if add_special_tokens == "command":
         add_special_tokens = spec.special_tokens
     elif not (add_special_tokens is None or isinstance(add_special_tokens, bool)):

@@ -270,3 +270,23 @@ def test_hook_and_forward_name_what_they_take(lm, tokens):
     ref, n = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
     res = moetool.forward(lm, tokens, nll=True, quiet=True)
     assert res.nll.tokens == n and math.exp(res.nll.nll_sum / n) == pytest.approx(ref, rel=1e-5)
+
+
+def test_tokens_of_another_tokenizer_with_named_checkpoints(lm, tokens, tmp_path):
+    """fluctuation and agreement load named models without their tokenizers: tokens of another vocabulary were
+    routed as other tokens. ``moetool.run(name, model_name, tokens)`` ignored the tokens (ppl scored 32,640 tokens
+    of the held-out text for 64 given): one line, before a run folder. The same tokens given with the loaded model
+    are scored: the hand-computed perplexity."""
+    other = moetool.tokens(dataclasses.replace(lm, tokenizer=_other_tokenizer()), None, seq_len=32, max_tokens=256)
+    with pytest.raises(MoetoolError, match="another tokenizer"):
+        moetool.fluctuation(["tiny-early", "tiny"], other, quiet=True)
+    with pytest.raises(MoetoolError, match="another tokenizer"):
+        moetool.agreement("tiny", other, quiet=True, precisions=("fp32", "bf16"))
+    few = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    with pytest.raises(MoetoolError, match="tokens go with a loaded model"):
+        moetool.run("ppl", "tiny", few, out=str(tmp_path / "named"), quiet=True, bootstrap=0)
+    assert not (tmp_path / "named").exists()
+    ref, n = perplexity_by_hand(lm.model, few.input_ids, few.attention_mask)
+    res = moetool.run("ppl", lm, few, out=str(tmp_path / "loaded"), quiet=True, bootstrap=0)
+    assert res["ppl"]["scored_tokens"].iloc[0] == n == 62
+    assert res["ppl"]["perplexity"].iloc[0] == pytest.approx(ref, rel=1e-5)
