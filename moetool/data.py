@@ -249,12 +249,11 @@ def check_packed(tokens: Any) -> None:
 
 
 def require_tokens(tokens: Any) -> TokenSet:
-    """``tokens`` (:meth:`TokenSet.require_tokens`: at least one real token, :func:`check_packed`: parts that
-    agree), or one line when none were given (``moetool.ppl(lm, None)``): the experiments call this after checking
-    their options."""
+    """``tokens`` (:meth:`TokenSet.require_tokens`: at least one real token), or one line when none were given
+    (``moetool.ppl(lm, None)``): the experiments call this after checking their options (:func:`check_packed` is
+    the API's and the forward's)."""
     if tokens is None:
         raise MoetoolError("no tokens given: pass packed tokens (moetool.tokens(lm, data, ...))")
-    check_packed(tokens)
     return tokens.require_tokens()
 
 
