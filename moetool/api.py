@@ -21,11 +21,14 @@ from typing import Any, Iterable
 
 def _timed(model: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
     """``run(*args, **kwargs)`` -> its Result, which records the model (a loaded model's manifest entry, or the
-    checkpoint names) and when the computation started and how long it took (for :func:`write`)."""
+    checkpoint names) and when the computation started and how long it took (for :func:`write`). Each loaded model
+    (``model``, or a list of them) is held for the run (:func:`moetool.engine.hooks.hold`): a run on a model another
+    thread's run holds, or an open ``moetool.hook`` block, is one line, not mixed numbers."""
     import time
 
     started, t0 = time.time(), time.perf_counter()
-    res = run(*args, **kwargs)
+    with _held(model, run):
+        res = run(*args, **kwargs)
     res.started, res.wall_seconds = started, round(time.perf_counter() - t0, 3)
     if res.model is None:
         if hasattr(model, "manifest"):
@@ -35,6 +38,27 @@ def _timed(model: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
         else:  # a transformers config (plan)
             res.model = getattr(model, "_name_or_path", None) or type(model).__name__
     return res
+
+
+def _held(models: Any, run: Any) -> Any:
+    """A context holding each loaded model of ``models`` (one, or a list) for the run ``run`` (a callable, named in
+    the refusal) until it ends (:func:`moetool.engine.hooks.hold`); names and configs hold nothing."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    loaded = [m for m in (models if isinstance(models, (list, tuple)) else [models])
+              if hasattr(m, "model") and hasattr(m, "layers")]
+    if loaded:
+        from .engine.hooks import hold
+
+        what = f"a moetool run ({getattr(run, '__name__', type(run).__name__)})"
+        try:
+            for m in loaded:
+                stack.enter_context(hold(m.model, what))
+        except BaseException:
+            stack.close()  # the models held before the refusal are free again
+            raise
+    return stack
 
 
 def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
@@ -74,7 +98,7 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
             lm.model(input_ids=ids)
     """
     from .engine.hooks import Engine, select_layers
-
+    from .engine.runner import _consumer_list
     from .errors import MoetoolError
 
     if isinstance(policy, str):
@@ -87,9 +111,12 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     elif policy_options:
         raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
                            f"not with {policy!r}")
+    if not (hasattr(lm, "model") and hasattr(lm, "layers")):
+        raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
-    return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=consumers, attention=attention)
+    return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=_consumer_list(consumers),
+                  attention=attention)
 
 
 def inspect_model(name: str) -> dict[str, Any]:
@@ -264,7 +291,13 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
     from .engine.runner import forward as run
+    from .errors import MoetoolError
 
+    if not (hasattr(lm, "model") and hasattr(lm, "layers")):
+        raise MoetoolError(f"moetool.forward takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if not (hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask")):
+        raise MoetoolError(f"moetool.forward takes packed tokens (moetool.tokens(lm, data, ...)), not "
+                           f"{type(tokens).__name__} {tokens!r}"[:300])
     return run(lm, tokens, **kwargs)
 
 
@@ -316,10 +349,24 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
         named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
         if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
             raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    for model in (lm if isinstance(lm, (list, tuple)) else [lm]):
+        if hasattr(model, "model") and hasattr(model, "layers"):
+            from .engine.hooks import check_free
+            from .engine.runner import check_weights
+
+            check_weights(model.model)  # weights on the meta device: one line before the experiment
+            check_free(model.model)  # another thread's run or an open moetool.hook block: before any run folder
     if spec.inputs != "weights" and tokens is not None and not (hasattr(tokens, "input_ids")
                                                                 and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"{call} takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{type(tokens).__name__} {tokens!r}"[:300])
+    if spec.inputs != "weights" and tokens is not None:
+        from .data import check_packed, check_tokenizer
+
+        check_packed(tokens)  # ids, mask and domains of the same rows, before the experiment reads any
+        for model in (lm if isinstance(lm, (list, tuple)) else [lm]):
+            if hasattr(model, "model") and hasattr(model, "layers"):
+                check_tokenizer(tokens, getattr(model, "tokenizer", None))  # another model's vocabulary: one line
 
 
 class ExperimentFunction:
@@ -342,7 +389,8 @@ class ExperimentFunction:
         if args or "lm" in kwargs or "checkpoints" in kwargs:
             check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))
         if self._spec.inputs == "checkpoints" and first is not None:
-            first = [getattr(c, "name", c) for c in first]
+            with _held(first, self.function):  # loaded checkpoints: each held for the run, recorded by name
+                return _timed([getattr(c, "name", c) for c in first], self.function, *args, **kwargs)
         return _timed(first, self.function, *args, **kwargs)
 
     @property  # type: ignore[override]

@@ -172,6 +172,7 @@ class TokenSet:
     source: str
     special_tokens: dict[str, Any] = field(default_factory=lambda: {"add_special_tokens": False})
     row_ids: Any = None  # [N] long: global packed-row numbers of a rank's shard (moetool.distributed.shard)
+    tokenizer: str | None = None  # the vocabulary that packed them (tokenizer_id; None: not known, e.g. by hand)
 
     @property
     def n_tokens(self) -> int:
@@ -213,9 +214,44 @@ class TokenSet:
                 "special_tokens": self.special_tokens}
 
 
+def check_packed(tokens: Any) -> None:
+    """Packed rows whose parts agree, or one line: ``input_ids`` and ``attention_mask`` torch tensors of one shape
+    ``[N, S]`` (integer ids, a 0/1 mask), one domain per row (and one ``row_ids`` entry, where there are any). A
+    TokenSet sliced by hand (``input_ids[:2]`` with the mask or domains of every row) or of numpy arrays would
+    otherwise give a traceback from deep inside an experiment, or a table over rows paired with another row's
+    mask or domain."""
+    import torch
+
+    ids, mask = tokens.input_ids, tokens.attention_mask
+    for name, t in (("input_ids", ids), ("attention_mask", mask)):
+        if not isinstance(t, torch.Tensor):
+            raise MoetoolError(f"packed tokens' {name} must be a torch tensor (moetool.tokens(lm, data, ...) packs "
+                               f"them; torch.as_tensor converts an array), not {type(t).__name__}")
+        if t.dim() != 2:
+            raise MoetoolError(f"packed tokens' {name} must be rows of tokens [rows, seq_len], not of shape "
+                               f"{tuple(t.shape)}")
+    if ids.shape != mask.shape:
+        raise MoetoolError(f"packed tokens' input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} "
+                           f"differ in shape: slice every part of a TokenSet alike (or pack them with moetool.tokens)")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise MoetoolError(f"packed tokens' input_ids must be integer token ids, not {str(ids.dtype).replace('torch.', '')}")
+    if mask.is_floating_point() or mask.is_complex() or (mask.numel() and not bool(((mask == 0) | (mask == 1)).all())):
+        raise MoetoolError("packed tokens' attention_mask must hold 0 (padding) and 1 (a real token) only")
+    rows = int(ids.shape[0])
+    for name in ("domains", "row_ids"):
+        part = getattr(tokens, name, None)
+        if part is None and name == "row_ids":
+            continue
+        n = len(part) if hasattr(part, "__len__") and not isinstance(part, (str, bytes)) else None
+        if n != rows:
+            raise MoetoolError(f"packed tokens have {rows} rows but {n if n is not None else repr(part)} {name}: "
+                               f"slice every part of a TokenSet alike (or pack them with moetool.tokens)"[:300])
+
+
 def require_tokens(tokens: Any) -> TokenSet:
     """``tokens`` (:meth:`TokenSet.require_tokens`: at least one real token), or one line when none were given
-    (``moetool.ppl(lm, None)``): the experiments call this after checking their options."""
+    (``moetool.ppl(lm, None)``): the experiments call this after checking their options (:func:`check_packed` is
+    the API's and the forward's)."""
     if tokens is None:
         raise MoetoolError("no tokens given: pass packed tokens (moetool.tokens(lm, data, ...))")
     return tokens.require_tokens()
@@ -328,7 +364,55 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
     if not ids_out:
         raise MoetoolError(too_few_tokens(streams, source or "the data"))
     return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
-                    special_tokens=_special_meta(tokenizer, add_special_tokens))
+                    special_tokens=_special_meta(tokenizer, add_special_tokens), tokenizer=tokenizer_id(tokenizer))
+
+
+#: tokenizer -> (its length, :func:`tokenizer_id`): a 150k vocabulary hashes in ~0.25 s, and every forward checks
+_TOKENIZER_IDS: Any = None
+
+
+def tokenizer_id(tokenizer: Any) -> str | None:
+    """A SHA-256 of the tokenizer's vocabulary (token -> id), what packed ids mean: two models' tokenizers agree on
+    every id exactly when these are equal (``None`` for a tokenizer without ``get_vocab``). Kept per tokenizer
+    while its length is unchanged (``add_tokens`` changes it)."""
+    import hashlib
+    import weakref
+
+    global _TOKENIZER_IDS
+    if _TOKENIZER_IDS is None:
+        _TOKENIZER_IDS = weakref.WeakKeyDictionary()
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    try:
+        kept = _TOKENIZER_IDS.get(tokenizer)
+    except TypeError:  # not weakly referable (or unhashable): computed each time
+        kept = None
+    if kept is not None and size is not None and kept[0] == size:
+        return kept[1]
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    if not isinstance(vocab, dict):
+        return None
+    found = hashlib.sha256(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode()).hexdigest()
+    try:
+        _TOKENIZER_IDS[tokenizer] = (size, found)
+    except TypeError:
+        pass
+    return found
+
+
+def check_tokenizer(tokens: Any, tokenizer: Any) -> None:
+    """Tokens packed with the model's own vocabulary (:func:`tokenizer_id`), or one line: ids of another model's
+    tokenizer (``moetool.tokens(other_lm, ...)``) that its vocabulary happens to cover would be read as other
+    tokens, a perplexity or a routing statistic of text the model never saw. Tokens of unknown origin (packed by
+    hand) and a model without a tokenizer are not checked (a token id outside the vocabulary still is, by the
+    forward)."""
+    packed = getattr(tokens, "tokenizer", None)
+    if packed is None or tokenizer is None:
+        return
+    own = tokenizer_id(tokenizer)
+    if own is not None and own != packed:
+        raise MoetoolError("these tokens were packed with another tokenizer than this model's (another vocabulary: "
+                           "their ids name other tokens here); pack them with this model: moetool.tokens(lm, data, "
+                           "...)")
 
 
 def too_few_tokens(streams: dict[str, list[int]], source: str) -> str:

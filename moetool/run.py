@@ -8,7 +8,9 @@ lives in the run's state), the distributed layout (``--tp`` / ``--ep``, each ran
 
 :class:`Run` is one run's state (a :class:`moetool.context.RunState`: back-off, layout, the policies built once);
 it is active in its context for the run's duration, so :func:`moetool.engine.runner.forward` and
-:mod:`moetool.distributed` read it without module globals, and two runs in two threads never share it.
+:mod:`moetool.distributed` read it without module globals, and two runs in two threads never share it. A loaded
+model is held by one run at a time (:func:`moetool.engine.hooks.hold`, in :func:`moetool.api._timed`): its hooks
+are installed on the model, so a second run of it from another thread is refused in one line.
 
 :func:`run` is the Python equivalent of ``moetool <experiment>`` on a loaded model and tokens::
 
@@ -388,6 +390,9 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         raise MoetoolError(f"'{spec.name}' keeps no unit checkpoints: resume=True is not supported there")
     named = isinstance(lm, (str, Path)) or (isinstance(lm, (list, tuple)) and all(isinstance(m, (str, Path))
                                                                                 for m in lm))
+    if named and tokens is not None:  # never read: the run would score its own --data, not these tokens
+        raise MoetoolError(f"moetool.run('{spec.name}', ...) reads the text itself for a model's name (data=..., "
+                           f"seq_len=..., max_tokens=...): tokens go with a loaded model (moetool.load(...))")
     if add_special_tokens == "command":
         add_special_tokens = spec.special_tokens
     elif not (add_special_tokens is None or isinstance(add_special_tokens, bool)):

@@ -17,7 +17,11 @@ forward, whoever calls it (our runner, lm-eval, ``generate``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import numbers
+import threading
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Iterable, Protocol
@@ -169,7 +173,11 @@ def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, 
         return moe_layers
     if isinstance(wanted, (str, bytes)) or not hasattr(wanted, "__iter__"):
         raise MoetoolError(f"--layers must be decoder layer indices (a tuple such as (1, 2)), not {wanted!r}")
-    wanted = set(wanted)
+    wanted = list(wanted)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in wanted):  # True is not layer 1
+        raise MoetoolError(f"--layers must be decoder layer indices (integers, a tuple such as (1, 2)), not "
+                           f"{wanted!r}"[:300])
+    wanted = {int(i) for i in wanted}
     known = {L.index for L in moe_layers}
     bad = sorted(wanted - known)
     if bad:
@@ -282,6 +290,70 @@ class AfterAccelerateLoads:
         _restore(self.acc, "pre_forward", self.had, self.orig)
 
 
+#: model -> its holder ``[thread id, thread name, what, is a run, depth]``: one run (or open ``moetool.hook`` block)
+#: at a time per loaded model (:func:`hold`)
+_HOLDERS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+_HOLDERS_LOCK = threading.Lock()
+
+
+def take(model: nn.Module, what: str, *, run: bool) -> None:
+    """Hold ``model`` for ``what`` (a run, its forward loop, or an engine's hooks) until :func:`give_back`.
+
+    Hooks and policies are installed on the model itself, so every forward of it, in any thread, runs them: two
+    runs on one loaded model at once would feed each other's consumers and route each other's tokens (numbers of
+    neither). A model held by another thread, or by an engine left entered (a ``moetool.hook`` block, hooks
+    still installed), is one line, never mixed numbers; a run (``run=True``) holding it lets its own thread nest
+    (its forwards and their engines)."""
+    me = threading.get_ident()
+    with _HOLDERS_LOCK:
+        held = _HOLDERS.get(model)
+        if held is None:
+            _HOLDERS[model] = [me, threading.current_thread().name, what, run, 1]
+            return
+        if held[0] == me and held[3]:
+            held[4] += 1
+            return
+    _refuse(held)
+
+
+def check_free(model: nn.Module) -> None:
+    """:func:`take` would take ``model`` now (a run refused before its run folder is made); the take itself
+    decides."""
+    with _HOLDERS_LOCK:
+        held = _HOLDERS.get(model)
+        held = None if held is None else list(held)
+    if held is not None and not (held[0] == threading.get_ident() and held[3]):
+        _refuse(held)
+
+
+def _refuse(held: list[Any]) -> None:
+    mine = held[0] == threading.get_ident()
+    hint = ("leave the moetool.hook block (its hooks are still installed) first" if not held[3] and mine
+            else "one run at a time per loaded model: load the model again (moetool.load) for a concurrent run")
+    raise MoetoolError(f"this model is in use by {held[2]} in " + ("this thread" if mine else f"thread '{held[1]}'")
+                       + f": {hint}")
+
+
+def give_back(model: nn.Module) -> None:
+    """The end of one :func:`take` of ``model`` (the last one frees it)."""
+    with _HOLDERS_LOCK:
+        held = _HOLDERS.get(model)
+        if held is not None:
+            held[4] -= 1
+            if held[4] <= 0:
+                del _HOLDERS[model]
+
+
+@contextlib.contextmanager
+def hold(model: nn.Module, what: str) -> Any:
+    """:func:`take` ``model`` for a run (``what``) for the duration of a ``with`` block."""
+    take(model, what, run=True)
+    try:
+        yield model
+    finally:
+        give_back(model)
+
+
 class Engine:
     """Hook every MoE layer of ``model`` for the duration of a ``with`` block.
 
@@ -308,11 +380,22 @@ class Engine:
         #: forwards: the eval bridge sets it from lm-eval's padding); used once, by a forward of that shape
         self.padding: torch.Tensor | None = None
         self._attn_was: str | None = None  # the attention implementation to give back on exit (eager switched on)
+        self._held = False  # the model taken (:func:`take`) on entry, given back on exit
 
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
         attention = self._attention_modules()  # may refuse a layer: before any hook is installed
         self._check_policy()
+        take(self.model, "a moetool.hook block", run=False)  # one engine at a time per model (or its run's own)
+        self._held = True
+        try:
+            self._install(attention)
+        except BaseException:
+            self.__exit__(None, None, None)  # nothing left installed, the model free again
+            raise
+        return self
+
+    def _install(self, attention: dict[int, nn.Module]) -> None:
         self._attn_was = _eager_attention(self.model) if attention else None
         self._handles.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         for L in self.layers:
@@ -330,7 +413,6 @@ class Engine:
                 self._handles.append(L.experts.register_forward_pre_hook(self._experts_hook(L), with_kwargs=True))
             if L.index in attention:
                 self._handles.append(attention[L.index].register_forward_hook(self._attention_hook(L)))
-        return self
 
     def _check_policy(self) -> None:
         """A policy refuses what it cannot do before any forward: ``check(layer)`` per layer it runs in (e.g. a
@@ -357,6 +439,9 @@ class Engine:
         if self._attn_was is not None:  # the attention implementation the model came with
             self.model.set_attn_implementation(self._attn_was)
             self._attn_was = None
+        if self._held:
+            self._held = False
+            give_back(self.model)
         if exc[0] is None:
             self.check_all_reported()
 

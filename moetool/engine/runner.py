@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from .. import context, distributed
 from ..context import Backoff, RunState
-from ..data import TokenBatch
+from ..data import TokenBatch, check_packed, check_tokenizer
 from ..errors import MoetoolError, MoetoolRuntimeError
 from ..progress import progress
 from ..sizing import check_seq_len, check_sizes
 from .guard import FiniteGuard
-from .hooks import Engine
+from .hooks import Engine, hold
 
 
 @dataclass
@@ -235,6 +235,19 @@ def check_token_ids(model: Any, tokens: Any) -> None:
                            f"vocabulary of {n:,} ids: the tokenizer does not match the model")
 
 
+def check_weights(model: Any) -> None:
+    """Weights that hold numbers, or one line: a model whose parameters are on the meta device (built empty,
+    ``model.to("meta")``) has shapes only, and every forward or weight statistic of it would be a traceback from
+    inside torch. Weights accelerate keeps offloaded (``device_map`` with CPU/disk offload: on the meta device until
+    its hooks load them) are loaded weights."""
+    if getattr(model, "hf_device_map", None) is not None:
+        return
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise MoetoolError(f"the model's weights are on the meta device ({meta}, ...): shapes without numbers; "
+                           "load it with moetool.load(...) (device cpu or cuda)")
+
+
 def _sizing_trial(engine: Any, policy: Any, attempt: Callable[[], Any]) -> bool:
     """Run ``attempt`` (a batch's forward and NLL) once with the engine's consumers detached and the policy's random
     state restored after it: ``True`` when it fits, ``False`` on an out-of-memory (the caller backs off once the
@@ -402,11 +415,14 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     out-of-memory after a consumer saw part of a batch is one error line naming the rows to use.
     """
     check_sizes(batch_size=batch_size)  # as --batch-size: no ZeroDivisionError in the batching
+    check_packed(tokens)  # ids, mask, domains of one set of rows (a TokenSet sliced by hand: one line)
+    check_weights(lm.model)  # a model on the meta device: one line, not a traceback from inside torch
     check_seq_len(lm.model.config, int(tokens.input_ids.shape[1]))  # rows the positions never covered: refused
     world = distributed.world_size()
     if world > 1 and getattr(tokens, "row_ids", None) is None:  # this rank's slice of every global batch
         tokens = distributed.shard(tokens, batch_size)
     check_token_ids(lm.model, tokens)
+    check_tokenizer(tokens, getattr(lm, "tokenizer", None))  # ids of another model's vocabulary: one line
     consumers = _consumer_list(consumers)
     engine = None  # nothing to hook: no hook at all (the unhooked reference)
     if policy is not None or consumers or attention:
@@ -420,7 +436,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     nll_count = torch.zeros((), dtype=torch.long, device=step.device)
     n = start_batch
     t0 = time.perf_counter()
-    with torch.no_grad(), contextlib.nullcontext() if engine is None else engine, guard:
+    with hold(lm.model, "a moetool.forward loop"), torch.no_grad(), \
+            contextlib.nullcontext() if engine is None else engine, guard:
         for b in _batches(tokens, batch_size, start_batch, description, quiet):
             for at, sub, out, nll_rows in fit.run(b, n, n * batch_size):
                 guard.check(n, _rows(tokens, at, sub.input_ids.shape[0]))

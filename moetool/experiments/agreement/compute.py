@@ -35,11 +35,11 @@ import torch
 from torch import nn
 
 from ... import distributed, formats, ops
-from ...data import require_tokens
+from ...data import check_tokenizer, require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...loading import load
+from ...loading import load, load_tokenizer
 from ...sketch import QuantileSketch
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, ratio_intervals
 from ..margin.compute import SKETCH_HI, SKETCH_LO, token_margins
@@ -353,6 +353,8 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
     :data:`DEFINITIONS`."""
     opts = resolve_options(AgreementOptions, options, overrides)
     require_tokens(tokens)
+    if isinstance(model, (str, Path)) and getattr(tokens, "tokenizer", None) is not None:  # loaded without one
+        check_tokenizer(tokens, load_tokenizer(str(model)))  # tokens of another vocabulary: before any weight loads
     ref_name = opts.reference
     order = [ref_name] + [p for p in opts.precisions if p != ref_name]
     shard = distributed.shard(tokens, opts.batch_size)

@@ -39,7 +39,7 @@ from ... import distributed, ops
 from ...adapters import _MOE_CONFIG_KEYS
 from ...adapters.base import MoELayer
 from ...configs import text_config
-from ...data import require_tokens
+from ...data import check_tokenizer, require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -457,7 +457,7 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
         tokens = distributed.shard(tokens, opts.batch_size)
     if all(isinstance(c, (str, Path)) for c in checkpoints):
         names = [str(c) for c in checkpoints]
-        check_checkpoints(names)  # configs and vocabularies, before any weight loads
+        check_tokenizer(tokens, check_checkpoints(names))  # configs and vocabularies (the tokens' too), no weights
         attn = "eager" if opts.needs_attention else None
         df, pooled = run_fluctuation(names, tokens, opts,
                                      lambda n: load(n, dtype=opts.dtype, device=opts.device, device_map=opts.device_map,

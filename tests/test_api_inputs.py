@@ -1,0 +1,292 @@
+"""The Python API's inputs a researcher may pass by mistake, and runs in threads.
+
+Each wrong input is one :class:`MoetoolError` line before any table: tokens packed with another model's tokenizer,
+a TokenSet sliced by hand (parts of different rows) or of numpy arrays, a model on the meta device, a model a
+``moetool.hook`` block left hooked, ``True`` as a layer. A loaded model runs one run at a time: a second run on it
+from another thread (whose forwards would fire the first's hooks) is refused in one line, and runs on two models
+in two threads give exactly the tables of the same runs one after the other."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moetool
+from moetool.errors import MoetoolError
+
+from conftest import feed
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return moetool.load("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokens(lm):
+    return moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+
+
+def perplexity_by_hand(model, ids, mask):
+    """One plain forward (no hook) and my own next-token cross-entropy over the real token pairs."""
+    with torch.no_grad():
+        logp = F.log_softmax(feed(model, ids, mask).logits.float(), dim=-1)
+    total, count = 0.0, 0
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1] - 1):
+            if mask[b, t] and mask[b, t + 1]:
+                total -= float(logp[b, t, ids[b, t + 1]])
+                count += 1
+    return math.exp(total / count), count
+
+
+def _ppl(lm, tokens, **kw):
+    return moetool.ppl(lm, tokens, bootstrap=0, quiet=True, **kw)["ppl"].iloc[0]
+
+
+def _other_tokenizer():
+    """A word-level tokenizer of 1,502 ids: every id it packs is inside tiny's 2,048-id vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted(set(open(moetool.data.__file__).read().split()))[:1500]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<pad>", *words])}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>")
+
+
+def test_tokens_of_another_tokenizer_are_refused_not_scored(lm, tokens, tmp_path):
+    """Ids packed by another vocabulary that the model's happens to cover were scored as other tokens (a
+    perplexity of text the model never saw); the same vocabulary (tiny's tokens on tiny-fine) is the same tokens."""
+    other = moetool.tokens(dataclasses.replace(lm, tokenizer=_other_tokenizer()), None, seq_len=32, max_tokens=256)
+    assert int(other.input_ids.max()) < 2048  # inside tiny's vocabulary: the id range check cannot see it
+    for call in (lambda: _ppl(lm, other), lambda: moetool.stats(lm, other, bootstrap=0, quiet=True),
+                 lambda: moetool.forward(lm, other, nll=True, quiet=True),
+                 lambda: moetool.run("topk", lm, other, out=str(tmp_path / "topk"), quiet=True)):
+        with pytest.raises(MoetoolError, match="another tokenizer"):
+            call()
+    assert not (tmp_path / "topk").exists()
+    fine = moetool.load("tiny-fine", device="cpu")  # one tokenizer for both embedded models: accepted
+    ref, n = perplexity_by_hand(fine.model, tokens.input_ids, tokens.attention_mask)
+    row = _ppl(fine, tokens)
+    assert row["scored_tokens"] == n and row["perplexity"] == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["ppl", "stats", "approx", "margin", "placement", "locality", "topk"])
+def test_a_token_set_sliced_by_hand_is_one_line(lm, tokens, experiment):
+    """Rows of ``input_ids[:2]`` with the mask or the domains of all 8 rows gave tracebacks from inside the
+    experiments, or tables (approx, margin, placement, locality: the mask's rows; every experiment but stats
+    and mass-recall: the domains of other rows); numpy arrays an AttributeError."""
+    t = tokens
+    bad = {
+        "mask of other rows": dataclasses.replace(t, input_ids=t.input_ids[:2]),
+        "domains of other rows": dataclasses.replace(t, input_ids=t.input_ids[:2], attention_mask=t.attention_mask[:2]),
+        "numpy": dataclasses.replace(t, input_ids=t.input_ids.numpy(), attention_mask=t.attention_mask.numpy()),
+        "float ids": dataclasses.replace(t, input_ids=t.input_ids.float()),
+        "mask of 2s": dataclasses.replace(t, attention_mask=t.attention_mask * 2),
+    }
+    for what, given in bad.items():
+        with pytest.raises(MoetoolError, match="packed tokens") as e:
+            getattr(moetool, experiment)(lm, given, quiet=True)
+        assert "\n" not in str(e.value), what
+
+
+def test_a_token_set_sliced_alike_is_those_rows(lm, tokens):
+    """Every part sliced alike is accepted, and is the perplexity of those rows."""
+    t = tokens
+    two = dataclasses.replace(t, input_ids=t.input_ids[2:4], attention_mask=t.attention_mask[2:4],
+                              domains=t.domains[2:4])
+    ref, n = perplexity_by_hand(lm.model, two.input_ids, two.attention_mask)
+    row = _ppl(lm, two)
+    assert row["scored_tokens"] == n == 62 and row["perplexity"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_model_on_the_meta_device_is_one_line(tokens):
+    meta = moetool.load("tiny", device="cpu")
+    meta.model.to("meta")
+    for call in (lambda: _ppl(meta, tokens), lambda: moetool.stats(meta, tokens, bootstrap=0, quiet=True),
+                 lambda: moetool.erc(meta, samples=2, quiet=True),
+                 lambda: moetool.expert_similarity(meta, tokens, quiet=True),
+                 lambda: moetool.forward(meta, tokens, nll=True, quiet=True)):
+        with pytest.raises(MoetoolError, match="meta device"):
+            call()
+
+
+def test_a_model_left_hooked_is_refused_then_free(lm, tokens):
+    """A ``moetool.hook(policy=...)`` entered and not left rerouted every later run of the model: ``ppl`` with
+    the router's routing gave the norm policy's perplexity (95.5 instead of 52.8). Now refused until it is left."""
+    ref, n = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    hook = moetool.hook(lm, policy="norm:gate")
+    hook.__enter__()
+    try:
+        for call in (lambda: _ppl(lm, tokens), lambda: moetool.forward(lm, tokens, nll=True, quiet=True),
+                     lambda: moetool.hook(lm).__enter__()):
+            with pytest.raises(MoetoolError, match="moetool.hook block in this thread"):
+                call()
+    finally:
+        hook.__exit__(None, None, None)
+    row = _ppl(lm, tokens)
+    assert row["scored_tokens"] == n and row["perplexity"] == pytest.approx(ref, rel=1e-5)
+    with pytest.raises(RuntimeError, match="inside"):  # an error inside a block frees the model too
+        with moetool.hook(lm, policy="norm:gate"):
+            raise RuntimeError("inside")
+    assert _ppl(lm, tokens)["perplexity"] == row["perplexity"]
+
+
+def test_layers_are_integers_not_true(lm, tokens):
+    """``layers=[True]`` hooked layer 1; numpy integers are layer numbers."""
+    with pytest.raises(MoetoolError, match="integers"):
+        moetool.hook(lm, policy="norm:gate", layers=[True])
+    seen = set()
+    with torch.no_grad(), moetool.hook(lm, layers=np.array([1, 3]), consumers=[lambda ev: seen.add(ev.layer.index)]):
+        feed(lm.model, tokens.input_ids[:1], tokens.attention_mask[:1])
+    assert seen == {0, 1, 2, 3}  # consumers see every layer; the policy layers are 1 and 3
+    assert moetool.hook(lm, policy="norm:gate", layers=np.array([1, 3])).policy_layers == {1, 3}
+
+
+def test_a_second_run_on_a_busy_model_is_refused_in_one_line(lm, tokens, tmp_path):
+    """Thread A holds the model in a ``moetool.hook(policy="norm:gate")`` block; a ``ppl`` of the main thread ran its
+    forwards through A's hooks (the norm policy's perplexity under ``routing router``). Now it is one line, and
+    once A is done the model gives the plain perplexity again."""
+    ref, _ = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    entered, release, errors = threading.Event(), threading.Event(), []
+
+    def hold():
+        try:
+            with moetool.hook(lm, policy="norm:gate"):
+                entered.set()
+                release.wait(60)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            entered.set()
+
+    a = threading.Thread(target=hold, name="holder")
+    a.start()
+    try:
+        assert entered.wait(60) and not errors
+        with pytest.raises(MoetoolError, match="in use by a moetool.hook block in thread 'holder'"):
+            _ppl(lm, tokens)
+        with pytest.raises(MoetoolError, match="in thread 'holder'"):
+            moetool.run("stats", lm, tokens, out=str(tmp_path / "stats"), quiet=True, bootstrap=0)
+        assert not (tmp_path / "stats").exists()  # refused before its run folder
+    finally:
+        release.set()
+        a.join(60)
+    assert _ppl(lm, tokens)["perplexity"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_run_in_another_thread_never_feeds_the_first_runs_consumers(lm, tokens):
+    """Thread A's ``moetool.forward`` with a consumer (paused inside its first event); a ``ppl`` of the main thread
+    meanwhile ran through A's hooks, handing A's consumer the main thread's tokens (A's counts then covered both
+    runs). Now the ppl is one line and A's consumer sees exactly its own forward: 4 MoE layers x 8 rows."""
+    first, release, seen, errors = threading.Event(), threading.Event(), [], []
+
+    def consume(ev):
+        seen.append((threading.current_thread().name, ev.layer.index, int(ev.valid.sum())))
+        if not first.is_set():
+            first.set()
+            release.wait(60)
+
+    def run_a():
+        try:
+            moetool.forward(lm, tokens, consumers=[consume], batch_size=1, quiet=True)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            first.set()
+
+    a = threading.Thread(target=run_a, name="A")
+    a.start()
+    try:
+        assert first.wait(60)
+        with pytest.raises(MoetoolError, match="in use by a moetool.forward loop in thread 'A'"):
+            _ppl(lm, tokens)
+    finally:
+        release.set()
+        a.join(60)
+    assert not errors
+    assert {name for name, _, _ in seen} == {"A"}
+    assert len(seen) == 4 * tokens.input_ids.shape[0]
+    assert sum(n for _, layer, n in seen if layer == 0) == tokens.n_tokens
+
+
+def test_runs_in_threads_on_two_models_equal_the_runs_in_turn(lm, tokens):
+    """Two experiments, and one experiment with two routings, at once in threads on two loaded models: each
+    table equals the same run's alone, and the router perplexity the hand-computed one."""
+    other = moetool.load("tiny", device="cpu")
+    ref, _ = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    jobs = {
+        "ppl router": (lm, lambda m: moetool.ppl(m, tokens, bootstrap=0, quiet=True, batch_size=1)),
+        "ppl norm": (other, lambda m: moetool.ppl(m, tokens, routing="norm:gate", bootstrap=0, quiet=True,
+                                                   batch_size=1)),
+        "stats": (lm, lambda m: moetool.stats(m, tokens, bootstrap=0, quiet=True, batch_size=1)),
+        "topk": (other, lambda m: moetool.topk(m, tokens, quiet=True, batch_size=1)),
+    }
+
+    def tables(res):
+        return {k: v.drop(columns=[c for c in v.columns if c == "seconds"]) for k, v in res.tables.items()}
+
+    alone = {name: tables(f(m)) for name, (m, f) in jobs.items()}
+    for pair in (("ppl router", "ppl norm"), ("stats", "topk")):
+        got = {}
+
+        def go(name):
+            m, f = jobs[name]
+            try:
+                got[name] = tables(f(m))
+            except BaseException as e:  # pragma: no cover - reported below
+                got[name] = e
+
+        threads = [threading.Thread(target=go, args=(name,)) for name in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for name in pair:
+            assert not isinstance(got[name], BaseException), got[name]
+            assert got[name].keys() == alone[name].keys()
+            for table in got[name]:
+                pd_equal = got[name][table].equals(alone[name][table])
+                assert pd_equal, (name, table)
+    assert alone["ppl router"]["ppl.csv"]["perplexity"].iloc[0] == pytest.approx(ref, rel=1e-5)
+    assert alone["ppl norm"]["ppl.csv"]["perplexity"].iloc[0] > ref  # another routing: another number
+
+
+def test_hook_and_forward_name_what_they_take(lm, tokens):
+    """``moetool.hook(lm, consumers=print)`` was a TypeError from inside the engine, ``moetool.forward("tiny", t)``
+    and ``moetool.forward(lm, "text.txt")`` AttributeErrors: one line each. The forward given a loaded model and
+    packed tokens is the hand-computed NLL."""
+    for call, match in ((lambda: moetool.hook(lm, consumers=print), "list of callables"),
+                        (lambda: moetool.hook("tiny"), "loaded model"),
+                        (lambda: moetool.forward("tiny", tokens, quiet=True), "loaded model"),
+                        (lambda: moetool.forward(lm, "text.txt", quiet=True), "packed tokens")):
+        with pytest.raises(MoetoolError, match=match):
+            call()
+    ref, n = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    res = moetool.forward(lm, tokens, nll=True, quiet=True)
+    assert res.nll.tokens == n and math.exp(res.nll.nll_sum / n) == pytest.approx(ref, rel=1e-5)
+
+
+def test_tokens_of_another_tokenizer_with_named_checkpoints(lm, tokens, tmp_path):
+    """fluctuation and agreement load named models without their tokenizers: tokens of another vocabulary were
+    routed as other tokens. ``moetool.run(name, model_name, tokens)`` ignored the tokens (ppl scored 32,640 tokens
+    of the held-out text for 64 given): one line, before a run folder. The same tokens given with the loaded model
+    are scored: the hand-computed perplexity."""
+    other = moetool.tokens(dataclasses.replace(lm, tokenizer=_other_tokenizer()), None, seq_len=32, max_tokens=256)
+    with pytest.raises(MoetoolError, match="another tokenizer"):
+        moetool.fluctuation(["tiny-early", "tiny"], other, quiet=True)
+    with pytest.raises(MoetoolError, match="another tokenizer"):
+        moetool.agreement("tiny", other, quiet=True, precisions=("fp32", "bf16"))
+    few = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    with pytest.raises(MoetoolError, match="tokens go with a loaded model"):
+        moetool.run("ppl", "tiny", few, out=str(tmp_path / "named"), quiet=True, bootstrap=0)
+    assert not (tmp_path / "named").exists()
+    ref, n = perplexity_by_hand(lm.model, few.input_ids, few.attention_mask)
+    res = moetool.run("ppl", lm, few, out=str(tmp_path / "loaded"), quiet=True, bootstrap=0)
+    assert res["ppl"]["scored_tokens"].iloc[0] == n == 62
+    assert res["ppl"]["perplexity"].iloc[0] == pytest.approx(ref, rel=1e-5)
