@@ -4,6 +4,7 @@ independent per-expert reference computed straight from each family's raw parame
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 if os.environ.get("MOETOOL_TEST_DEVICE", "").lower() == "cpu":  # a CUDA machine told to test the CPU path: hide
@@ -136,6 +137,21 @@ def captured(model_type: str):
     layers = find_moe_layers(model)
     _, events, _ = run(model, layers, padded_batch())
     return model, layers, events
+
+
+def hand_ppl(model, tokens, batch_size: int = 8):
+    """Plain forwards (no hooks) and my own next-token cross-entropy over real token pairs."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, tokens.input_ids.shape[0], batch_size):
+            ids, mask = tokens.input_ids[s:s + batch_size], tokens.attention_mask[s:s + batch_size]
+            logp = F.log_softmax(feed(model, ids, mask).logits.float(), dim=-1).cpu()
+            for b in range(ids.shape[0]):
+                for t in range(ids.shape[1] - 1):
+                    if mask[b, t] and mask[b, t + 1]:
+                        total -= float(logp[b, t, ids[b, t + 1]])
+                        count += 1
+    return math.exp(total / count), count
 
 
 def reference_expert(model_type: str, layer, e: int, h: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -15,12 +15,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moetool
 from moetool.errors import MoetoolError
 
-from conftest import feed
+from conftest import feed, hand_ppl
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +30,6 @@ def lm():
 @pytest.fixture(scope="module")
 def tokens(lm):
     return moetool.tokens(lm, None, seq_len=32, max_tokens=256)
-
-
-def perplexity_by_hand(model, ids, mask):
-    """One plain forward (no hook) and my own next-token cross-entropy over the real token pairs."""
-    with torch.no_grad():
-        logp = F.log_softmax(feed(model, ids, mask).logits.float(), dim=-1)
-    total, count = 0.0, 0
-    for b in range(ids.shape[0]):
-        for t in range(ids.shape[1] - 1):
-            if mask[b, t] and mask[b, t + 1]:
-                total -= float(logp[b, t, ids[b, t + 1]])
-                count += 1
-    return math.exp(total / count), count
 
 
 def _ppl(lm, tokens, **kw):
@@ -73,7 +59,7 @@ def test_tokens_of_another_tokenizer_are_refused_not_scored(lm, tokens, tmp_path
             call()
     assert not (tmp_path / "topk").exists()
     fine = moetool.load("tiny-fine", device="cpu")  # one tokenizer for both embedded models: accepted
-    ref, n = perplexity_by_hand(fine.model, tokens.input_ids, tokens.attention_mask)
+    ref, n = hand_ppl(fine.model, tokens, 64)
     row = _ppl(fine, tokens)
     assert row["scored_tokens"] == n and row["perplexity"] == pytest.approx(ref, rel=1e-5)
 
@@ -102,7 +88,7 @@ def test_a_token_set_sliced_alike_is_those_rows(lm, tokens):
     t = tokens
     two = dataclasses.replace(t, input_ids=t.input_ids[2:4], attention_mask=t.attention_mask[2:4],
                               domains=t.domains[2:4])
-    ref, n = perplexity_by_hand(lm.model, two.input_ids, two.attention_mask)
+    ref, n = hand_ppl(lm.model, two, 64)
     row = _ppl(lm, two)
     assert row["scored_tokens"] == n == 62 and row["perplexity"] == pytest.approx(ref, rel=1e-5)
 
@@ -121,7 +107,7 @@ def test_a_model_on_the_meta_device_is_one_line(tokens):
 def test_a_model_left_hooked_is_refused_then_free(lm, tokens):
     """A ``moetool.hook(policy=...)`` entered and not left rerouted every later run of the model: ``ppl`` with
     the router's routing gave the norm policy's perplexity (95.5 instead of 52.8). Now refused until it is left."""
-    ref, n = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    ref, n = hand_ppl(lm.model, tokens, 64)
     hook = moetool.hook(lm, policy="norm:gate")
     hook.__enter__()
     try:
@@ -154,7 +140,7 @@ def test_a_second_run_on_a_busy_model_is_refused_in_one_line(lm, tokens, tmp_pat
     """Thread A holds the model in a ``moetool.hook(policy="norm:gate")`` block; a ``ppl`` of the main thread ran its
     forwards through A's hooks (the norm policy's perplexity under ``routing router``). Now it is one line, and
     once A is done the model gives the plain perplexity again."""
-    ref, _ = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    ref, _ = hand_ppl(lm.model, tokens, 64)
     entered, release, errors = threading.Event(), threading.Event(), []
 
     def hold():
@@ -219,7 +205,7 @@ def test_runs_in_threads_on_two_models_equal_the_runs_in_turn(lm, tokens):
     """Two experiments, and one experiment with two routings, at once in threads on two loaded models: each
     table equals the same run's alone, and the router perplexity the hand-computed one."""
     other = moetool.load("tiny", device="cpu")
-    ref, _ = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    ref, _ = hand_ppl(lm.model, tokens, 64)
     jobs = {
         "ppl router": (lm, lambda m: moetool.ppl(m, tokens, bootstrap=0, quiet=True, batch_size=1)),
         "ppl norm": (other, lambda m: moetool.ppl(m, tokens, routing="norm:gate", bootstrap=0, quiet=True,
@@ -267,7 +253,7 @@ def test_hook_and_forward_name_what_they_take(lm, tokens):
                         (lambda: moetool.forward(lm, "text.txt", quiet=True), "packed tokens")):
         with pytest.raises(MoetoolError, match=match):
             call()
-    ref, n = perplexity_by_hand(lm.model, tokens.input_ids, tokens.attention_mask)
+    ref, n = hand_ppl(lm.model, tokens, 64)
     res = moetool.forward(lm, tokens, nll=True, quiet=True)
     assert res.nll.tokens == n and math.exp(res.nll.nll_sum / n) == pytest.approx(ref, rel=1e-5)
 
@@ -286,7 +272,7 @@ def test_tokens_of_another_tokenizer_with_named_checkpoints(lm, tokens, tmp_path
     with pytest.raises(MoetoolError, match="tokens go with a loaded model"):
         moetool.run("ppl", "tiny", few, out=str(tmp_path / "named"), quiet=True, bootstrap=0)
     assert not (tmp_path / "named").exists()
-    ref, n = perplexity_by_hand(lm.model, few.input_ids, few.attention_mask)
+    ref, n = hand_ppl(lm.model, few, 64)
     res = moetool.run("ppl", lm, few, out=str(tmp_path / "loaded"), quiet=True, bootstrap=0)
     assert res["ppl"]["scored_tokens"].iloc[0] == n == 62
     assert res["ppl"]["perplexity"].iloc[0] == pytest.approx(ref, rel=1e-5)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, feed
+from conftest import build_tiny_model, feed, hand_ppl
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers
@@ -33,21 +33,6 @@ def _tokens():
     mask = torch.ones(3, 16, dtype=torch.long)
     mask[2, 9:] = 0
     return TokenSet(ids, mask, [""] * 3, "test")
-
-
-def hand_ppl(model, tokens, batch_size):
-    """Plain forwards (no hooks) and my own next-token cross-entropy over real token pairs."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for s in range(0, tokens.input_ids.shape[0], batch_size):
-            ids, mask = tokens.input_ids[s:s + batch_size], tokens.attention_mask[s:s + batch_size]
-            logp = F.log_softmax(feed(model, ids, mask).logits.float(), dim=-1).cpu()
-            for b in range(ids.shape[0]):
-                for t in range(ids.shape[1] - 1):
-                    if mask[b, t] and mask[b, t + 1]:
-                        total -= float(logp[b, t, ids[b, t + 1]])
-                        count += 1
-    return math.exp(total / count), count
 
 
 def test_router_reproduces_the_unhooked_perplexity():
