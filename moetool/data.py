@@ -381,7 +381,10 @@ def tokenizer_id(tokenizer: Any) -> str | None:
     global _TOKENIZER_IDS
     if _TOKENIZER_IDS is None:
         _TOKENIZER_IDS = weakref.WeakKeyDictionary()
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    try:
+        size = len(tokenizer)
+    except TypeError:  # no length (a stand-in, or a __getattr__ that answers hasattr but not len)
+        size = None
     try:
         kept = _TOKENIZER_IDS.get(tokenizer)
     except TypeError:  # not weakly referable (or unhashable): computed each time

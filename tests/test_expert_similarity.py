@@ -192,8 +192,8 @@ def test_no_real_token_and_non_finite_sums_are_refused(tiny):
     with pytest.raises(MoetoolError, match="no real tokens"):
         expert_similarity(lm, replace(ts, attention_mask=torch.zeros_like(ts.attention_mask)), quiet=True)
     sums = SimilaritySums([2])
-    forward(lm, replace(ts, input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1]), consumers=[sums],
-            moe_layers=[L for L in lm.layers if L.index == 2], quiet=True)
+    forward(lm, replace(ts, input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1], domains=ts.domains[:1]),
+            consumers=[sums], moe_layers=[L for L in lm.layers if L.index == 2], quiet=True)
     sums.acc[2]["out"][5, 0] = float("inf")  # an expert that overflowed on some token (not one routed to it)
     with pytest.raises(MoetoolRuntimeError, match="layer 2: an expert output is NaN or inf") as e:
         sums.matrices()

@@ -3,6 +3,8 @@ loop over the raw parameters, whatever the chunking, on a fused (gate_up_proj) a
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -79,7 +81,7 @@ def test_half_precision_probes_on_cpu_read_the_fused_halves_in_place(model_type,
     product per expert instead: the same bf16 numbers as the batched product on a contiguous copy, for every node;
     fp32 (no copy there) and contiguous stacks keep the batched product."""
     monkeypatch.setattr(probes, "_one_gemm", lambda device: False)
-    L = find_moe_layers(build_tiny_model(model_type).to(torch.bfloat16))[0]
+    L = find_moe_layers(copy.deepcopy(build_tiny_model(model_type)).to(torch.bfloat16))[0]  # the cached one stays fp32
     W = L.expert_weights()
     assert probes._copies_whole(_h(L).bfloat16(), W.gate) and not probes._copies_whole(_h(L), W.gate.float())
     assert not probes._copies_whole(_h(L).bfloat16(), W.down)  # its own contiguous parameter
