@@ -14,6 +14,7 @@ import typer
 from moetool.defaults import DEFAULT_BOOTSTRAP, MAX_BOOTSTRAP  # noqa: F401 - numpy-free (the library's one default)
 from moetool.run import DEFAULT_MODEL  # noqa: F401 - torch-free
 
+
 def parse_path(value: Any) -> Path:
     """A path flag's text as a ``Path``; an empty one (``--data ""``, an unset shell variable) is refused: ``Path("")``
     is the current folder, so ``--data ""`` read every text file under it and ``--out ""`` wrote there."""
