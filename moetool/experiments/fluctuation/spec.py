@@ -96,18 +96,18 @@ class FluctuationOptions:
         check_n_boot(self.bootstrap)
         if not self.routing:
             raise MoetoolError(f"--routing is empty: give policy specs, e.g. {','.join(ROUTINGS)}")
-        for r in self.routing:
-            # an unknown spec or a bad --sim / --tau fails here, before any model loads; --isolate keeps only the
-            # other checkpoint's routers (router_copy: no experts), so a policy choosing by expert activations
-            # (norm:<node>) has nothing to run there: one line, not an AttributeError mid-run
-            if self.policy(r).needs_probe and self.isolate:
+        from ...policies import refuse_unread_similarity_options
+
+        # an unknown spec or a bad --sim / --tau fails here, before any model loads (each policy built once)
+        policies = [self.policy(r) for r in self.routing]
+        for r, policy in zip(self.routing, policies):
+            # --isolate keeps only the other checkpoint's routers (router_copy: no experts), so a policy choosing by
+            # expert activations (norm:<node>) has nothing to run there: one line, not an AttributeError mid-run
+            if policy.needs_probe and self.isolate:
                 raise MoetoolError(f"--isolate with --routing {r}: that policy chooses by every expert's activations "
                                    "and --isolate keeps only the other checkpoint's routers, not its experts; "
                                    "drop --isolate or that policy")
-        from ...policies import refuse_unread_similarity_options
-
-        refuse_unread_similarity_options([self.policy(r) for r in self.routing], ",".join(self.routing), self.sim,
-                                         self.causal, self.tau)
+        refuse_unread_similarity_options(policies, ",".join(self.routing), self.sim, self.causal, self.tau)
         if self.reference not in REFERENCES:
             raise MoetoolError(f"--reference {self.reference!r}: choose from {', '.join(REFERENCES)}")
 
