@@ -3,10 +3,13 @@ loop over the raw parameters, whatever the chunking, on a fused (gate_up_proj) a
 
 from __future__ import annotations
 
+import collections
 import copy
+import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import build_tiny_model, reference_expert
 from moetool.adapters import find_moe_layers
@@ -95,3 +98,51 @@ def test_half_precision_probes_on_cpu_read_the_fused_halves_in_place(model_type,
         ref = reference_expert(model_type, L, e, x)
         for node in probes.NODES:
             torch.testing.assert_close(got[node][e].float(), ref[node].float(), rtol=2e-2, atol=2e-2)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops a call dispatches (what runs, not what the Python code says)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemm_layout_per_device_by_substitution(dtype, monkeypatch):
+    """Which product each device runs, on the CPU: the meta device stands in for CUDA (both are not the CPU, so
+    :func:`probes._copies_whole` answers for them alike, and ``_one_gemm`` is told meta prefers the one wide GEMM as
+    CUDA does). CUDA keeps one ``[T, d] x [d, n·2I]`` GEMM for gate and up of the fused gate_up_proj (an ``mm``, no
+    per-expert loop), in every dtype; the gate alone (a half that cannot flatten) one batched product. Only the CPU
+    with a half-precision strided half takes one product per expert (``n`` ``mm``, no copy of the weights: no
+    ``clone``); fp32 there keeps the batched product. Every node lands on the tokens' device."""
+    monkeypatch.setattr(probes, "_one_gemm", lambda device: device.type != "cpu")
+    model = copy.deepcopy(build_tiny_model("mixtral")).to(dtype)
+    for device in ("cpu", "meta"):  # the CPU first: a model on meta has no numbers to move back
+        L = find_moe_layers(model.to(device))[0]
+        n, inter, d = L.expert_weights().gate.shape
+        h = _h(L).to(device=device, dtype=dtype)
+        gpu_like = device == "meta"
+        half = dtype in (torch.bfloat16, torch.float16)
+        assert probes._copies_whole(h, L.expert_weights().gate) == (not gpu_like and half)
+        cuda_x = types.SimpleNamespace(device=torch.device("cuda"))  # a CUDA tensor's device, without a GPU
+        assert not probes._copies_whole(cuda_x, L.expert_weights().gate)
+        for nodes, wide in ((("gate",), False), (("up",), True), (("glu", "output"), True)):
+            with _Ops() as ops:
+                got = probes.expert_nodes(L, h, nodes)
+            for node in nodes:
+                assert got[node].device == h.device and got[node].dtype == dtype
+                assert got[node].shape == (n, h.shape[0], d if node == "output" else inter)
+            products = ops.count["mm"] + ops.count["bmm"]
+            down = int("output" in nodes)  # the down projection: one batched product
+            if gpu_like and wide:
+                assert (ops.count["mm"], ops.count["bmm"]) == (1, down), ops.count  # the one wide GEMM
+            elif not gpu_like and half and not wide:
+                assert (ops.count["mm"], ops.count["bmm"], ops.count["stack"]) == (n, 0, 1), ops.count
+                assert ops.count["clone"] == 0, ops.count  # the strided half read in place, never copied
+            else:
+                assert (ops.count["mm"], products) == (0, 1 + down), ops.count  # one batched product
