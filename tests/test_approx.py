@@ -152,6 +152,39 @@ def test_reducer_tables_over_real_tokens(model_type):
         assert lrow["mean_abs_cos"] == pytest.approx(r.abs_cos.double().mean().item(), rel=1e-5)
 
 
+def test_a_confident_routers_tiny_errors_have_a_median_not_a_refusal():
+    """The router's logits x 30 (a confident router: π of the left-out experts ~1e-20, so the router's error is
+    ~1e-20 too): rel_error_median is the median of the per-token errors from the raw weights and an fp64 softmax,
+    within the sketch's bound. The error sketch's range began at 1e-8: the run stopped with "a quantile falls outside
+    the sketch's range [1e-08, 10000]" for a legal model."""
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        for L in layers:
+            L.router.weight.mul_(30)
+    batch = padded_batch()
+    red = ApproxReducer(seed=3, selectors=("router", "norm_oracle"))
+    _, events, _ = run(model, layers, batch)
+    with torch.no_grad(), Engine(model, layers, consumers=[red]):
+        model(**batch)
+    approx, _ = red.tables()
+    smallest = []
+    for L in layers:
+        ev = events[L.index]
+        h, logits = ev.h[ev.valid], ev.logits[ev.valid]
+        pi = torch.softmax(logits.double(), dim=-1)
+        U, _ = hand_contributions("mixtral", L, h, pi)
+        for sel, chosen in (("router", pi.topk(L.top_k).indices), ("norm_oracle", U.norm(dim=-1).topk(L.top_k).indices)):
+            # ||y_S - y|| as the sum of the left-out u_e: y_S - y in fp64 cancels to 0 below ~1e-16 of ||y||
+            out = [[e for e in range(L.n_experts) if e not in chosen[t].tolist()] for t in range(U.shape[0])]
+            err = np.array([float(U[t, out[t]].sum(0).norm() / U[t].sum(0).norm()) for t in range(U.shape[0])])
+            row = approx[(approx["layer"] == L.index) & (approx["selector"] == sel)].iloc[0]
+            exact = float(np.median(err))
+            assert abs(row["rel_error_median"] - exact) <= (MEDIAN_REL_TOL + 1e-5) * exact  # + fp32's rounding
+            smallest.append(exact)
+    assert min(smallest) < 1e-8  # the case: a median below the old range
+
+
 def test_cli_on_embedded_tiny(tmp_path):
     r = CliRunner().invoke(app, ["approx", "--model", "tiny", "--out", str(tmp_path), "--max-tokens", "256",
                                  "--seq-len", "64", "-q"])

@@ -38,7 +38,7 @@ from .spec import MAX_SUBSETS, SELECTORS, ApproxOptions, check_selectors  # noqa
 
 #: elements of one per-chunk intermediate (U [T_c, n, d], or subset scores [T_c, C, n]) -> 128 MB fp32
 BUDGET = 1 << 25
-#: relative error bound of rel_error_median (QuantileSketch defaults: 8192 log bins over [1e-8, 1e4])
+#: relative error bound of rel_error_median (QuantileSketch defaults: 32768 log bins over [2^-149, 1e4])
 MEDIAN_REL_TOL = QuantileSketch().rel_error
 
 DEFINITIONS = {

@@ -42,12 +42,6 @@ from ..result import Result, resolve_options
 from .spec import DEFAULT_EPS, DEFAULT_POLICIES, DEFAULT_THRESHOLDS, MarginOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 QUANTILES = (0.05, 0.5, 0.95)
-#: margin sketch range: selection scores are probabilities, sigmoids, biased scores or logits, the margin an fp32 gap;
-#: from the smallest positive fp32 gap (a confident softmax router's K-th and (K+1)-th probabilities are ~1e-20 and
-#: their gap smaller: with 1e-12 a router's logits x 10 on the embedded model refused margin_p05) to 1e4 logits
-SKETCH_LO, SKETCH_HI = 2.0 ** -149, 1e4  # 2^-149: the smallest positive fp32 (subnormal)
-#: log bins over that range: a quantile within about 0.17% relative (:attr:`moetool.sketch.QuantileSketch.rel_error`)
-SKETCH_BINS = 1 << 15
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
@@ -163,7 +157,7 @@ class MarginCollector:
         self.rows = RowTable(tokens)
         self.edges = torch.tensor(opts.thresholds, dtype=torch.float32)
         nb, E = len(opts.thresholds) + 1, len(opts.eps)
-        self.sketch = {i: QuantileSketch(SKETCH_LO, SKETCH_HI, SKETCH_BINS) for i in self.layers}
+        self.sketch = {i: QuantileSketch() for i in self.layers}  # every positive fp32 gap up to 1e4
         self.bins = {i: torch.zeros(nb, 1 + 2 * E, dtype=torch.float64) for i in self.layers}  # tokens, flips
         self.noise = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}  # sum of ||h' - h|| / ||h||
 
