@@ -82,8 +82,10 @@ class SimilaritySums:
     * ``tokens``: real tokens.
 
     Every expert's output comes from :func:`moetool.engine.probes.expert_outputs` over token chunks of at most
-    ``budget / 4`` output elements ``[n, T_c, d]`` (the outputs, their unit vectors and the probe's own buffers live
-    at once; the probe bounds its intermediates by ``budget`` itself)."""
+    ``budget / 8`` output elements ``[n, T_c, d]`` (the outputs and their unit vectors in fp64 and the probe's own
+    buffers live at once; the probe bounds its intermediates by ``budget`` itself). fp64: an fp32 norm of an output
+    of ~1e-20 and below (a bf16 expert with tiny weights) underflows to 0, which read the output as zero (its
+    token_cos NaN) or divided it by ``tiny``."""
 
     def __init__(self, layers: list[int], budget: int | None = None) -> None:
         self.layers = set(layers)
@@ -98,11 +100,11 @@ class SimilaritySums:
         valid = ev.valid.to(dev)
         a = self.acc.get(L.index)
         h = ev.h
-        step = max(1, self.budget // (4 * n * h.shape[-1]))
+        step = max(1, self.budget // (8 * n * h.shape[-1]))
         out = cos = both = None
         for s in range(0, h.shape[0], step):  # token chunks: [n, T_c, d] at a time
             v = valid[s:s + step]  # [T_c]
-            y = expert_outputs(L, h[s:s + step], self.budget).float()  # [n, T_c, d]
+            y = expert_outputs(L, h[s:s + step], self.budget).double()  # [n, T_c, d] (squares of tiny outputs)
             y = torch.where(v[None, :, None], y, torch.zeros((), dtype=y.dtype, device=y.device))  # padding: 0
             u = ops.unit(y)  # [n, T_c, d]; a zero output stays 0
             nz = (ops.vector_norm(y) > 0).float()  # [n, T_c]
