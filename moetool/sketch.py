@@ -14,7 +14,7 @@ the all-reduce operation of every state tensor; :func:`moetool.distributed.all_r
   the defaults (every positive fp32 value up to 1e4: 2^-149 .. 1e4, 32768 bins, 256 KiB; a confident router's
   margins and errors reach 1e-20 and below, which a range starting at 1e-8 or 1e-12 refused). Exact zeros stay
   exact. A quantile that falls in the
-  underflow or overflow bin raises an error instead of a number off by an unknown factor; NaN or negative
+  underflow or overflow bin raises an error instead of a number off by an unknown factor; NaN, infinite or negative
   values raise too. The mean is exact (a :class:`Moments` rides along).
 * :class:`SparseCounter` — exact counts of int64 keys (``stats``' (token id, expert) pairs): buffered on the
   device and merged with a sort whenever the buffer outgrows the running table; memory proportional to the
@@ -129,12 +129,12 @@ class QuantileSketch:
         b = torch.where(x > self.hi, self.bins + 2, b)
         b = torch.where(x < self.lo, 1, b)
         b = torch.where(x == 0, 0, b)
-        b = torch.where(torch.isnan(x) | (x < 0), self.bins + 3, b)
+        b = torch.where(~torch.isfinite(x) | (x < 0), self.bins + 3, b)  # NaN, inf, negative: invalid
         self.counts.index_add_(0, b, w)
-        pos = (x > 0) & (w > 0) & ~torch.isnan(x)
+        pos = (x > 0) & (w > 0) & torch.isfinite(x)
         self.min = torch.minimum(self.min, torch.where(pos, x, math.inf).amin())
         self.max = torch.maximum(self.max, torch.where(pos, x, -math.inf).amax())
-        self.moments.add(torch.where(w > 0, x.nan_to_num(0.0), 0.0), w)
+        self.moments.add(torch.where((w > 0) & torch.isfinite(x), x, 0.0), w)  # (nan_to_num read inf as 1.8e308)
 
     def merge(self, other: "QuantileSketch") -> "QuantileSketch":
         if (other.lo, other.hi, other.bins) != (self.lo, self.hi, self.bins):
@@ -166,7 +166,7 @@ class QuantileSketch:
     def _check(self) -> None:
         bad = int(self.counts[self.bins + 3])
         if bad:
-            raise MoetoolError(f"{bad} NaN or negative value(s) reached a quantile sketch")
+            raise MoetoolError(f"{bad} NaN, infinite or negative value(s) reached a quantile sketch")
 
     def _order_stat(self, cum: list[int], rank: int) -> float:
         """Estimate of the ``rank``-th smallest value (0-based) from the cumulative slot counts."""
