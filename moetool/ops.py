@@ -143,10 +143,16 @@ def median(x: torch.Tensor) -> float:
     return float((v[(n - 1) // 2] + v[n // 2]) / 2)
 
 
-def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Project onto the unit sphere along ``dim`` (``x / ||x||_2``, keeps a float dtype, fp32 otherwise); a zero row stays 0."""
+def unit(x: torch.Tensor, dim: int = -1, *, scaled: bool = False) -> torch.Tensor:
+    """Project onto the unit sphere along ``dim`` (``x / ||x||_2``, keeps a float dtype, fp32 otherwise); a zero row stays 0.
+
+    ``scaled``: divide each row by its largest magnitude first (one more pass), so a row of tiny entries (below
+    about 1e-19 in fp32, whose squares underflow: a norm of 0) still comes out a unit vector, not 0 or ``x / tiny``."""
     x = x if x.is_floating_point() else x.float()
-    return x / torch.linalg.vector_norm(x, dim=dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    tiny = torch.finfo(x.dtype).tiny
+    if scaled:
+        x = x / x.abs().amax(dim=dim, keepdim=True).clamp_min(tiny)
+    return x / torch.linalg.vector_norm(x, dim=dim, keepdim=True).clamp_min(tiny)
 
 
 def hist_quantile(counts: torch.Tensor, q: float, lo: float = 0.0, hi: float = 1.0) -> float:

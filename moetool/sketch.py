@@ -11,8 +11,10 @@ the all-reduce operation of every state tensor; :func:`moetool.distributed.all_r
   estimate (each order statistic's bin replaced by its geometric centre, then numpy's linear interpolation
   between the two) is within a relative ``sqrt(g) - 1`` of the exact quantile (numpy ``np.quantile``
   default; the median is the mean of the two middle values), ``g = (hi/lo) ** (1/bins)``: about 0.17 % with
-  the defaults (1e-8 .. 1e4, 8192 bins, 64 KiB). Exact zeros stay exact. A quantile that falls in the
-  underflow or overflow bin raises an error instead of a number off by an unknown factor; NaN or negative
+  the defaults (every positive fp32 value up to 1e4: 2^-149 .. 1e4, 32768 bins, 256 KiB; a confident router's
+  margins and errors reach 1e-20 and below, which a range starting at 1e-8 or 1e-12 refused). Exact zeros stay
+  exact. A quantile that falls in the
+  underflow or overflow bin raises an error instead of a number off by an unknown factor; NaN, infinite or negative
   values raise too. The mean is exact (a :class:`Moments` rides along).
 * :class:`SparseCounter` — exact counts of int64 keys (``stats``' (token id, expert) pairs): buffered on the
   device and merged with a sort whenever the buffer outgrows the running table; memory proportional to the
@@ -88,12 +90,17 @@ class Moments:
         return max(float(self.sumsq) / n - (float(self.sum) / n) ** 2, 0.0) if n else float("nan")
 
 
+#: the smallest positive fp32 value (a subnormal, 2^-149): the default lower end of a :class:`QuantileSketch`, so no
+#: positive fp32 per-token value falls in its underflow bin
+FP32_TINY = 2.0 ** -149
+
+
 class QuantileSketch:
     """Log-binned histogram of non-negative values: quantiles within ``rel_error`` (module docstring)."""
 
     REDUCE = {"counts": "sum", "min": "min", "max": "max", "count": "sum", "sum": "sum", "sumsq": "sum"}
 
-    def __init__(self, lo: float = 1e-8, hi: float = 1e4, bins: int = 1 << 13, device: Any = None):
+    def __init__(self, lo: float = FP32_TINY, hi: float = 1e4, bins: int = 1 << 15, device: Any = None):
         if not (0 < lo < hi) or bins < 1:
             raise ValueError("QuantileSketch needs 0 < lo < hi and bins >= 1")
         self.lo, self.hi, self.bins = float(lo), float(hi), int(bins)
@@ -122,12 +129,12 @@ class QuantileSketch:
         b = torch.where(x > self.hi, self.bins + 2, b)
         b = torch.where(x < self.lo, 1, b)
         b = torch.where(x == 0, 0, b)
-        b = torch.where(torch.isnan(x) | (x < 0), self.bins + 3, b)
+        b = torch.where(~torch.isfinite(x) | (x < 0), self.bins + 3, b)  # NaN, inf, negative: invalid
         self.counts.index_add_(0, b, w)
-        pos = (x > 0) & (w > 0) & ~torch.isnan(x)
+        pos = (x > 0) & (w > 0) & torch.isfinite(x)
         self.min = torch.minimum(self.min, torch.where(pos, x, math.inf).amin())
         self.max = torch.maximum(self.max, torch.where(pos, x, -math.inf).amax())
-        self.moments.add(torch.where(w > 0, x.nan_to_num(0.0), 0.0), w)
+        self.moments.add(torch.where((w > 0) & torch.isfinite(x), x, 0.0), w)  # (nan_to_num read inf as 1.8e308)
 
     def merge(self, other: "QuantileSketch") -> "QuantileSketch":
         if (other.lo, other.hi, other.bins) != (self.lo, self.hi, self.bins):
@@ -159,7 +166,7 @@ class QuantileSketch:
     def _check(self) -> None:
         bad = int(self.counts[self.bins + 3])
         if bad:
-            raise MoetoolError(f"{bad} NaN or negative value(s) reached a quantile sketch")
+            raise MoetoolError(f"{bad} NaN, infinite or negative value(s) reached a quantile sketch")
 
     def _order_stat(self, cum: list[int], rank: int) -> float:
         """Estimate of the ``rank``-th smallest value (0-based) from the cumulative slot counts."""

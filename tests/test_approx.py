@@ -152,6 +152,75 @@ def test_reducer_tables_over_real_tokens(model_type):
         assert lrow["mean_abs_cos"] == pytest.approx(r.abs_cos.double().mean().item(), rel=1e-5)
 
 
+def test_a_confident_routers_tiny_errors_have_a_median_not_a_refusal():
+    """The router's logits x 30 (a confident router: π of the left-out experts ~1e-20, so the router's error is
+    ~1e-20 too): rel_error_median is the median of the per-token errors from the raw weights and an fp64 softmax,
+    within the sketch's bound. The error sketch's range began at 1e-8: the run stopped with "a quantile falls outside
+    the sketch's range [1e-08, 10000]" for a legal model."""
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        for L in layers:
+            L.router.weight.mul_(30)
+    batch = padded_batch()
+    red = ApproxReducer(seed=3, selectors=("router", "norm_oracle"))
+    _, events, _ = run(model, layers, batch)
+    with torch.no_grad(), Engine(model, layers, consumers=[red]):
+        model(**batch)
+    approx, _ = red.tables()
+    smallest = []
+    for L in layers:
+        ev = events[L.index]
+        h, logits = ev.h[ev.valid], ev.logits[ev.valid]
+        pi = torch.softmax(logits.double(), dim=-1)
+        U, _ = hand_contributions("mixtral", L, h, pi)
+        for sel, chosen in (("router", pi.topk(L.top_k).indices), ("norm_oracle", U.norm(dim=-1).topk(L.top_k).indices)):
+            # ||y_S - y|| as the sum of the left-out u_e: y_S - y in fp64 cancels to 0 below ~1e-16 of ||y||
+            out = [[e for e in range(L.n_experts) if e not in chosen[t].tolist()] for t in range(U.shape[0])]
+            err = np.array([float(U[t, out[t]].sum(0).norm() / U[t].sum(0).norm()) for t in range(U.shape[0])])
+            row = approx[(approx["layer"] == L.index) & (approx["selector"] == sel)].iloc[0]
+            exact = float(np.median(err))
+            assert abs(row["rel_error_median"] - exact) <= (MEDIAN_REL_TOL + 1e-5) * exact  # + fp32's rounding
+            smallest.append(exact)
+    assert min(smallest) < 1e-8  # the case: a median below the old range
+
+
+def test_a_confident_routers_tiny_contributions_keep_their_norms_errors_and_cosines():
+    """The router's logits x 30: π_e of the left-out experts ~1e-20 and below, so u_e = π_e E_e has fp32 squares of 0.
+    Against the raw weights in fp64: the norm oracle is TopK of π_e ||E_e|| (3 of 17 tokens of the first layer took
+    another set: a tie of zero norms), the router's error is ||sum of the left-out u_e|| / ||y|| (7 of 17 tokens read
+    0.0), and |cos(u_i, u_j)| = |cos(E_i, E_j)|, whatever π (the per-token mean read ~7e8: g / tiny). Without
+    best_subset, the path whose Gram matrix was fp32."""
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        for L in layers:
+            L.router.weight.mul_(30)
+    _, events, _ = run(model, layers, padded_batch())
+    tiny_errors = 0
+    for L in layers:
+        ev = events[L.index]
+        h, logits = ev.h[ev.valid], ev.logits[ev.valid]
+        r = approx_tokens(L, h, logits, ("router", "norm_oracle"))
+        pi = torch.softmax(logits.double(), dim=-1)
+        with torch.no_grad():
+            E = torch.stack([reference_expert("mixtral", L, e, h)["output"] for e in range(L.n_experts)], 1).double()
+        U = pi.unsqueeze(-1) * E  # [T, n, d] fp64
+        want = (pi * E.norm(dim=-1)).topk(L.top_k).indices.sort(-1).values
+        assert torch.equal(r.idx["norm_oracle"].sort(-1).values, want)
+        unit = E / E.norm(dim=-1, keepdim=True)
+        cos = (unit @ unit.transpose(1, 2)).abs()
+        n = L.n_experts
+        mean_cos = (cos.sum((1, 2)) - cos.diagonal(dim1=1, dim2=2).sum(1)) / (n * (n - 1))
+        np.testing.assert_allclose(r.abs_cos.double().numpy(), mean_cos.numpy(), rtol=1e-5)
+        for t in range(U.shape[0]):
+            out = [e for e in range(n) if e not in r.idx["router"][t].tolist()]
+            err = float(U[t, out].sum(0).norm() / U[t].sum(0).norm())  # the left-out sum: no cancellation
+            assert r.error["router"][t].item() == pytest.approx(err, rel=1e-4)
+            tiny_errors += 0 < err < 1e-19
+    assert tiny_errors > 0  # the case: errors whose fp32 squares underflow
+
+
 def test_cli_on_embedded_tiny(tmp_path):
     r = CliRunner().invoke(app, ["approx", "--model", "tiny", "--out", str(tmp_path), "--max-tokens", "256",
                                  "--seq-len", "64", "-q"])

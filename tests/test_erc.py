@@ -67,9 +67,10 @@ def hand_eps(R: torch.Tensor) -> list[float]:
 
 
 def hand_dominance(M: torch.Tensor) -> tuple[float, float]:
+    """Strict: i counts only where M[i, i] is larger than every other entry of its row (column)."""
     n = M.shape[0]
-    row = sum(int(max(range(n), key=lambda j: M[i, j].item()) == i) for i in range(n)) / n
-    col = sum(int(max(range(n), key=lambda i: M[i, j].item()) == j) for j in range(n)) / n
+    row = sum(all(M[i, i].item() > M[i, j].item() for j in range(n) if j != i) for i in range(n)) / n
+    col = sum(all(M[j, j].item() > M[i, j].item() for i in range(n) if i != j) for j in range(n)) / n
     return row, col
 
 
@@ -199,6 +200,46 @@ def test_nonfinite_expert_weights_and_zero_router_rows_are_refused_not_tabulated
             with pytest.raises(MoetoolError, match=rf"^MoE layer 2: the router row of expert\(s\) "
                                                    rf"{re.escape(str(rows))} is all zero"):
                 erc_layer(L, ErcOptions(noise=noise))
+
+
+def test_dominance_ties_count_for_no_expert_whatever_the_labels():
+    """A tie for a row's (column's) maximum went to the lower index (``argmax``): M = [[1, 2], [2, 2]] gave row
+    dominance 0.0 and the same experts relabelled (swap 0 and 1: [[2, 2], [2, 1]]) 0.5. Strict now: 0.0 for both,
+    as the hand count, and any relabelling of a matrix with ties leaves both fractions unchanged."""
+    from moetool.experiments.erc.compute import dominance
+
+    M = torch.tensor([[1.0, 2.0], [2.0, 2.0]])
+    swap = torch.tensor([1, 0])
+    assert dominance(M) == hand_dominance(M) == (0.0, 0.0)
+    assert dominance(M[swap][:, swap]) == hand_dominance(M[swap][:, swap]) == (0.0, 0.0)
+    gen = torch.Generator().manual_seed(0)
+    M = torch.randint(0, 3, (8, 8), generator=gen).float()  # many ties
+    M.diagonal().copy_(torch.tensor([2.0, 2, 2, 2, 1, 0, 2, 2]))
+    for _ in range(5):
+        perm = torch.randperm(8, generator=gen)
+        assert dominance(M[perm][:, perm]) == hand_dominance(M) == dominance(M)
+
+
+def test_an_expert_zero_on_its_own_proxy_is_refused_not_tabulated():
+    """An expert with zero gate weights (a dead or zeroed expert) makes M's column 0 and M[i, i] = 0: alpha_min
+    (a division by M[i, i]) was inf in erc_layers.csv (NaN with two such experts) and col_dominance counted the zero
+    column for expert 0 (argmax of a column of zeros is 0): 1.000 on the embedded tiny model's layer 0 with expert 0
+    zeroed, 0.875 with expert 3 zeroed instead. One line naming the layer and the experts now; the other layers run."""
+    from moetool.errors import MoetoolError
+
+    for zero in ([0], [3], [0, 1]):
+        model = copy.deepcopy(build_tiny_model("mixtral"))
+        layers = find_moe_layers(model)
+        with torch.no_grad():
+            layers[1].experts.gate_up_proj[zero] = 0
+        for noise in ("derived", "none"):
+            with pytest.raises(MoetoolError, match=rf"^MoE layer 1: node gate of expert\(s\) {re.escape(str(zero))} "
+                                                   rf"is zero on its own proxy"):
+                erc_layer(layers[1], ErcOptions(noise=noise))
+        with pytest.raises(MoetoolError, match="MoE layer 1: node gate"):
+            run_erc(layers, ErcOptions(noise="none"), quiet=True)
+        ok = erc_layer(layers[0], ErcOptions(noise="none"))
+        assert np.isfinite(ok.alpha_min) and ok.alpha_min == pytest.approx(hand_alpha_min(ok.M.double()), rel=1e-6)
 
 
 @pytest.mark.slow

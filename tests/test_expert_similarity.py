@@ -124,6 +124,45 @@ def test_every_pair_against_the_hand_computation(tiny, run):
         assert row.min_output_dist == pytest.approx(m["output_dist"][i, j].min(), rel=1e-5)
 
 
+def test_an_expert_with_tiny_outputs_keeps_its_cosines(tiny):
+    """Expert 2's weights x 1e-8 in every layer: its outputs are ~1e-23 (non-zero, normal fp32), cosines with the
+    others are those of a hand computation in fp64 (a / ||a|| . b / ||b||, no eps). The fp32 norms of the outputs
+    underflowed to 0: the expert counted as zero on every token, its token_cos NaN for all 7 pairs of each layer."""
+    from moetool.experiments.expert_similarity.compute import expert_similarity
+    from moetool.loading import load
+
+    _, ts = tiny
+    lm = load("tiny")
+    with torch.no_grad():
+        for blk in _blocks(lm.model).values():
+            blk.experts.gate_up_proj[2].mul_(1e-8)
+            blk.experts.down_proj[2].mul_(1e-8)
+    seen = {}
+    handles = [blk.gate.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, args[0].detach().clone()))
+               for i, blk in _blocks(lm.model).items()]
+    try:
+        with torch.no_grad():
+            feed(lm.model, ts.input_ids, ts.attention_mask, use_cache=False)
+    finally:
+        for hd in handles:
+            hd.remove()
+    pairs = expert_similarity(lm, ts, batch_size=3, quiet=True)["expert_similarity_pairs"]
+    real = ts.attention_mask.reshape(-1).bool()
+    for i, blk in _blocks(lm.model).items():
+        h = seen[i].reshape(-1, seen[i].shape[-1])[real].double()
+        ex = blk.experts
+        E = []
+        for e in range(8):
+            gate, up = F.linear(h, ex.gate_up_proj[e].detach().double()).chunk(2, dim=-1)
+            E.append(F.linear(F.silu(gate) * up, ex.down_proj[e].detach().double()))
+        U = torch.stack(E) / torch.stack(E).norm(dim=-1, keepdim=True)  # [n, T, d] unit outputs
+        assert 0 < torch.stack(E)[2].abs().max() < 1e-19  # tiny, not zero
+        p = pairs[(pairs.layer == i) & ((pairs.i == 2) | (pairs.j == 2))]
+        assert len(p) == 7
+        want = [float((U[a] * U[b]).sum(-1).mean()) for a, b in zip(p.i, p.j)]
+        np.testing.assert_allclose(p.token_cos.to_numpy(), want, atol=1e-5, rtol=0)
+
+
 def test_batch_size_and_token_chunks_do_not_change_the_sums(tiny, run):
     """One row per batch with one token per probe chunk gives the same matrices as the run's batches of three."""
     from moetool.engine.runner import forward

@@ -46,11 +46,39 @@ def test_margins_of_the_first_layer_by_hand(tiny):
     m = (s[:, L.top_k - 1] - s[:, L.top_k]).double().cpu().numpy()
     assert row["tokens"] == int(valid.sum()) == m.shape[0]
     assert row["margin_mean"] == pytest.approx(m.mean(), rel=1e-9)
-    rel = 2e-3 + 1e-6  # the sketch's bound (about 0.17% with 8192 bins over 1e-12 .. 1e4: under 0.2%)
+    rel = 2e-3 + 1e-6  # the sketch's bound (about 0.17% with 32768 bins over 2^-149 .. 1e4: under 0.2%)
     for q, col in ((0.05, "margin_p05"), (0.5, "margin_p50"), (0.95, "margin_p95")):
         assert row[col] == pytest.approx(np.quantile(m, q), rel=rel)
     assert row["frac_below_0.01"] == (m < 0.01).mean() and row["frac_below_0.05"] == (m < 0.05).mean()
     assert 0 < row["frac_below_0.01"] < row["frac_below_0.05"] < 1  # the thresholds split the tokens
+
+
+def test_a_confident_routers_tiny_margins_are_quantiles_not_a_refusal():
+    """The router's logits x 10 (a confident router: a token's K-th and (K+1)-th probabilities can be ~1e-10 and
+    their gap far smaller): every layer's margin quantiles are np.quantile of the margins of an fp64 softmax of the
+    captured logits. The sketch's range began at 1e-12, so the run stopped with "a quantile falls outside the
+    sketch's range [1e-12, 10000] (values from 5.85261e-20 to 0.485533)" for a legal model."""
+    lm = moetool.load("tiny")
+    with torch.no_grad():
+        for L in lm.layers:
+            L.router_weight().mul_(10)
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=500)
+    got = {L.index: [] for L in lm.layers}
+    moetool.forward(lm, tokens, consumers=[lambda ev: got[ev.layer.index].append(
+        ev.logits.reshape(-1, ev.logits.shape[-1])[ev.valid.reshape(-1)].clone())], batch_size=3, quiet=True)
+    res = margin(lm, tokens, eps=(0.0,), thresholds=(1e-12, 0.01), bootstrap=0, batch_size=3, quiet=True)
+    table = res["margin"].set_index("layer")
+    rel = 1.8e-3 + 1e-5  # the sketch's bound (0.17%) and fp32 softmax's rounding of the probabilities
+    below = []
+    for L in lm.layers:
+        p = torch.softmax(torch.cat(got[L.index]).double(), dim=-1).sort(dim=-1, descending=True).values
+        m = (p[:, L.top_k - 1] - p[:, L.top_k]).numpy()
+        row = table.loc[L.index]
+        for q, col in ((0.05, "margin_p05"), (0.5, "margin_p50"), (0.95, "margin_p95")):
+            assert row[col] == pytest.approx(np.quantile(m, q), rel=rel)
+        assert row["frac_below_1e-12"] == (m < 1e-12).mean()
+        below.append(np.quantile(m, 0.05))
+    assert min(below) < 1e-12  # the case: a layer's lower 5% of the margins below the old range
 
 
 def test_no_noise_no_flips_and_flips_by_hand(tiny):

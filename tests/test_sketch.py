@@ -62,9 +62,15 @@ def test_out_of_range_and_nan_raise_instead_of_a_wrong_number():
     assert one.median() == 50.0
     bad = QuantileSketch()
     bad.add(torch.tensor([1.0, float("nan")]))
-    with pytest.raises(MoetoolError, match="NaN or negative"):
+    with pytest.raises(MoetoolError, match="NaN, infinite or negative"):
         bad.median()
     assert np.isnan(QuantileSketch().median())
+    for inf in (float("inf"), float("-inf")):  # before: +inf sat in the overflow bin and the mean read 9e307
+        worse = QuantileSketch()
+        worse.add(torch.tensor([1.0, inf], dtype=torch.float64))
+        for read in (worse.median, lambda: worse.mean):
+            with pytest.raises(MoetoolError, match=r"^1 NaN, infinite or negative value\(s\) reached"):
+                read()
 
 
 def test_moments_exact():

@@ -42,7 +42,7 @@ from ...errors import MoetoolError
 from ...loading import load, load_tokenizer
 from ...sketch import QuantileSketch
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, ratio_intervals
-from ..margin.compute import SKETCH_HI, SKETCH_LO, token_margins
+from ..margin.compute import token_margins
 from ..routing import data_name
 from ..result import Result, resolve_options
 from .spec import DEFAULT_THRESHOLDS, RANK, AgreementOptions, reference_of  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -217,7 +217,7 @@ class ReferenceRun(_Run):
         self.idx: dict[int, torch.Tensor] = {}
         self.top1: dict[int, torch.Tensor] = {}
         self.margin: dict[int, torch.Tensor] = {}
-        self.sketch = {i: QuantileSketch(SKETCH_LO, SKETCH_HI) for i in self.layers}
+        self.sketch = {i: QuantileSketch() for i in self.layers}
 
     def __call__(self, ev: RoutingEvent) -> None:
         L = ev.layer

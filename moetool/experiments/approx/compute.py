@@ -3,7 +3,9 @@ Meaning", https://kexue.fm/archives/10699).
 
 Per MoE layer and real token, all ``n`` experts run (batched probes): ``u_e = π_e(h) E_e(h)``, the dense target
 ``y = Σ_e u_e``. A selector picks ``K`` experts ``S``; its relative error is ``||y_S − y|| / ||y||`` with
-``y_S = Σ_{e∈S} u_e``, computed directly from the ``u_e`` (fp32) as ``||Σ_{e∉S} u_e|| / ||Σ_e u_e||``.
+``y_S = Σ_{e∈S} u_e``, computed directly from the ``u_e`` (fp32) as ``||Σ_{e∉S} u_e|| / ||Σ_e u_e||``, its two
+norms in fp64; the other squares come from the outputs (``||u_e|| = π_e ||E_e||``, ``cos(u_i, u_j) = cos(E_i, E_j)``,
+``G = π_i π_j E Eᵀ``): a confident router's ``u_e`` are ~1e-20 and smaller, and their squares underflow fp32.
 
 Selectors: ``router`` (the model's routing math on the captured logits: TopK of π for softmax routers, the
 biased/grouped choice of DeepSeek-V3), ``norm_oracle`` (TopK of ``||u_e||``, the paper's rule),
@@ -38,18 +40,19 @@ from .spec import MAX_SUBSETS, SELECTORS, ApproxOptions, check_selectors  # noqa
 
 #: elements of one per-chunk intermediate (U [T_c, n, d], or subset scores [T_c, C, n]) -> 128 MB fp32
 BUDGET = 1 << 25
-#: relative error bound of rel_error_median (QuantileSketch defaults: 8192 log bins over [1e-8, 1e4])
+#: relative error bound of rel_error_median (QuantileSketch defaults: 32768 log bins over [2^-149, 1e4])
 MEDIAN_REL_TOL = QuantileSketch().rel_error
 
 DEFINITIONS = {
     "tokens": "real (unpadded) tokens the layer routed",
     "u_e": "u_e = pi_e(h) * E_e(h): pi the model's full routing distribution (softmax; DeepSeek-style sigmoid "
            "scores normalised to sum to one), E_e the expert's output before any routing weight",
-    "rel_error": "||y_S - y|| / ||y||, y = sum of all n u_e, y_S = sum over the K chosen; computed in fp32 as "
-                 "||sum_{e not in S} u_e|| / ||y||",
+    "rel_error": "||y_S - y|| / ||y||, y = sum of all n u_e, y_S = sum over the K chosen; computed as "
+                 "||sum_{e not in S} u_e|| / ||y||, the sums in fp32 and the norms in fp64 (a confident router's "
+                 "left-out u_e are ~1e-20: their squares underflow fp32)",
     "router": "the model's own routing rule applied to the captured logits (TopK of pi for softmax routers; "
               "bias-corrected, group-restricted top-K for DeepSeek-V3)",
-    "norm_oracle": "TopK of ||u_e|| (the paper's rule, needs all experts)",
+    "norm_oracle": "TopK of ||u_e|| (the paper's rule, needs all experts), the norms in fp64",
     "best_subset": "argmin over all C(n, K) subsets of ||y_S - y||, via the per-token Gram matrix G = U U^T in fp64 "
                    "(error^2 * ||y||^2 = c^T G c, c the complement indicator); only where C(n, K) <= max_subsets, "
                    "other layers have no best_subset row",
@@ -63,7 +66,9 @@ DEFINITIONS = {
     "spearman_prob_vs_norm": "per token, the Spearman rank correlation across the n experts between pi_e and "
                              "||E_e(h)|| (average ranks for ties), then the mean over tokens (tokens with a "
                              "constant pi or norm, where it is undefined, are left out)",
-    "mean_abs_cos": "per token, the mean |cos(u_i, u_j)| over ordered pairs i != j, then the mean over tokens",
+    "mean_abs_cos": "per token, the mean |cos(u_i, u_j)| over ordered pairs i != j, then the mean over tokens; "
+                    "computed as |cos(E_i, E_j)| (equal: pi > 0) from the outputs' Gram matrix, so a pi_e below "
+                    "fp32's range does not make u_e a zero vector (cosine 0)",
 }
 
 
@@ -94,10 +99,14 @@ def best_subsets(G: torch.Tensor, subsets: tuple[torch.Tensor, torch.Tensor], bu
 
 
 def rel_error(U: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``||y_S − y|| / ||y||`` for chosen sets ``idx [T, K]`` of contributions ``U [T, n, d]`` -> ``[T]``."""
+    """``||y_S − y|| / ||y||`` for chosen sets ``idx [T, K]`` of contributions ``U [T, n, d]`` -> ``[T]`` fp32.
+
+    The two norms in fp64: a confident router's left-out ``u_e = π_e E_e`` are ~1e-20 and smaller, whose squares
+    underflow fp32 (an fp32 norm of them is 0: an error of 1e-22 read as exactly 0)."""
     left_out = 1 - ops.multi_hot(idx, U.shape[1], U.dtype)  # [T, n]
     resid = (U * left_out.unsqueeze(-1)).sum(1)  # [T, d] = y − y_S
-    return ops.vector_norm(resid) / ops.vector_norm(U.sum(1)).clamp_min(torch.finfo(torch.float32).tiny)
+    y = ops.vector_norm(U.sum(1).double())
+    return (ops.vector_norm(resid.double()) / y.clamp_min(torch.finfo(torch.float64).tiny)).float()
 
 
 @dataclass
@@ -120,23 +129,30 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
     K = layer.top_k
     pi = layer.probs(logits)  # [T, n] fp32
     E = probes.expert_outputs(layer, h).float()  # [n, T, d]
-    U = E.transpose(0, 1) * pi.to(E.device).unsqueeze(-1)  # [T, n, d]
-    G = U.double() @ U.double().transpose(1, 2) if subsets is not None else U @ U.transpose(1, 2)  # [T, n, n]
+    p = pi.to(E.device)
+    Et = E.transpose(0, 1)  # [T, n, d]
+    U = Et * p.unsqueeze(-1)  # [T, n, d]
+    # squares from the outputs, never from the u_e: ||u_e|| = π_e ||E_e||, cos(u_i, u_j) = cos(E_i, E_j) (π > 0) and
+    # G = U Uᵀ = π_i π_j E Eᵀ (fp64). A confident router's u_e (π_e ~1e-20, or 0 where π_e underflows fp32) have fp32
+    # squares of 0: the norm oracle ranked them as a tie, and G's zero diagonal made |cos| = g / tiny (billions)
+    enorm = ops.vector_norm(E).T  # [T, n]
+    GE = Et.double() @ Et.double().transpose(1, 2) if subsets is not None else Et @ Et.transpose(1, 2)  # [T, n, n]
     idx: dict[str, torch.Tensor] = {}
     for sel in selectors:
         if sel == "router":
             idx[sel] = layer.route(logits)[0].to(U.device)
         elif sel == "norm_oracle":
-            idx[sel] = ops.topk(ops.vector_norm(U), K)
+            idx[sel] = ops.topk(p.double() * enorm.double(), K)
         elif sel == "random":
             u = noise.to(U.device) if noise is not None else torch.rand(U.shape[:2], generator=generator,
                                                                          device=U.device)
             idx[sel] = ops.topk(u, K)
         elif sel == "best_subset" and subsets is not None:
-            idx[sel] = best_subsets(G, subsets)
+            pd = p.double()
+            idx[sel] = best_subsets(GE * (pd.unsqueeze(-1) * pd.unsqueeze(-2)), subsets)  # G = U Uᵀ
     return TokenApprox(idx=idx, error={s: rel_error(U, i) for s, i in idx.items()},
-                       spearman=ops.spearman(pi.to(E.device), ops.vector_norm(E).T).float(),
-                       abs_cos=ops.abs_cos_mean(U, gram=G).float())
+                       spearman=ops.spearman(p, enorm).float(),
+                       abs_cos=ops.abs_cos_mean(Et, gram=GE).float())
 
 
 @torch.no_grad()

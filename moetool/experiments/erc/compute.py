@@ -42,8 +42,12 @@ DEFINITIONS = {
                  "erc_loss_clean = 0",
     "alpha_min_paper": "the ERC paper's alpha_min where it gives one: a vanilla MoE needs alpha ~ 5 in every layer "
                        "(approximate, read from the paper's text; no per-layer table): moetool.experiments.published",
-    "row_dominance": "fraction of proxies i with argmax_j M[i,j] = i (clean M)",
-    "col_dominance": "fraction of experts j with argmax_i M[i,j] = j (clean M)",
+    "row_dominance": "fraction of proxies i with argmax_j M[i,j] = i (clean M), strictly: M[i,i] > M[i,j] for "
+                     "every j != i (a tie for the row's maximum is no dominance)",
+    "col_dominance": "fraction of experts j with argmax_i M[i,j] = j (clean M), strictly: M[j,j] > M[i,j] for "
+                     "every i != j (a tie for the column's maximum is no dominance)",
+    "zero_diagonal": "a layer where some M[i,i] = 0 on the clean M (an expert whose node is zero on its own proxy "
+                     "token, e.g. zero weights) is refused in one line: alpha_min divides by M[i,i]",
     "router_abs_cos_mean": "mean |cos(R_i, R_j)| over ordered pairs i != j",
     "seeding": "each layer draws its noise from its own generator seeded with seed * 1_000_003 + layer index, so a "
                "layer's numbers do not depend on which other layers are analysed",
@@ -149,9 +153,12 @@ def loss_curves(matrix: Any, alphas: Sequence[float] = (), points: int = 61) -> 
 
 
 def dominance(M: torch.Tensor) -> tuple[float, float]:
-    """``(row, col)``: fraction of i with ``argmax_j M[i,j] = i``, of j with ``argmax_i M[i,j] = j``."""
-    own = torch.arange(M.shape[-1], device=M.device)
-    return float((M.argmax(dim=1) == own).double().mean()), float((M.argmax(dim=0) == own).double().mean())
+    """``(row, col)``: fraction of i with ``M[i,i] > M[i,j]`` for every ``j != i`` (``argmax_j M[i,j] = i``), of j
+    with ``M[j,j] > M[i,j]`` for every ``i != j``. Strict: a tie for the maximum is no dominance (``argmax`` would
+    credit the tie to the lower index, so relabelling the experts changed the fraction)."""
+    others = M.masked_fill(torch.eye(M.shape[-1], dtype=torch.bool, device=M.device), float("-inf"))
+    own = M.diagonal()
+    return float((own > others.amax(dim=1)).double().mean()), float((own > others.amax(dim=0)).double().mean())
 
 
 # ----- per layer, per run ------------------------------------------------------------------------
@@ -184,8 +191,13 @@ def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
     if not bool(torch.isfinite(M_all).all()):  # weights only, no forward: the engine's FiniteGuard never ran
         raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
                                   "weights on the router rows; NaN/inf weights?): results would be meaningless")
-    losses = erc_loss(M_all, opts.alphas)  # [1 + S, A]
     clean = M_all[0]
+    dead = (clean.diagonal() == 0).nonzero().flatten().tolist()
+    if dead:  # alpha_min divides by M[i, i]: inf (NaN for two such experts), and a zero column ties every argmax
+        raise MoetoolError(f"MoE layer {layer.index}: node {opts.node} of expert(s) {dead} is zero on its own proxy "
+                           f"token (M[i,i] = 0: zero expert weights?), so alpha_min (max M[i,j] / M[i,i]) and "
+                           f"dominance are undefined; leave the layer out (--layers)")
+    losses = erc_loss(M_all, opts.alphas)  # [1 + S, A]
     row, col = dominance(clean)
     return LayerErc(layer=layer.index, M=clean.cpu(), loss=losses[1:].mean(0).tolist(),
                     loss_clean=losses[0].tolist(), alpha_min=alpha_min(clean), row_dominance=row,

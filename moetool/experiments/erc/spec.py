@@ -9,8 +9,10 @@ R~_i = R_i ⊙ δ_i with δ_i ~ U(1−eps_i, 1+eps_i)^d. M\[i,j] = ||W_g^j R~_i|
 L_ERC(α) = (1/n²) Σ_i Σ_{j≠i} max(M\[i,j] − αM\[i,i], 0)
                           + max(M\[j,i] − αM\[i,i], 0).
 alpha_min (clean M) is the smallest α with zero loss; row/col dominance is the
-fraction of proxies/experts whose own counterpart is their row/column maximum.
-Routed experts of the MoE layers only.
+fraction of proxies/experts whose own counterpart is their row/column maximum,
+strictly (a tie is no dominance). A layer with some M\[i,i] = 0 (an expert whose
+node is zero on its own proxy, e.g. zero weights) is refused: alpha_min is
+undefined. Routed experts of the MoE layers only.
 
 Writes erc.csv (layer, alpha, erc_loss = mean over --samples draws of each
 draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,

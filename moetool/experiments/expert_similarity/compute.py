@@ -83,7 +83,9 @@ class SimilaritySums:
 
     Every expert's output comes from :func:`moetool.engine.probes.expert_outputs` over token chunks of at most
     ``budget / 4`` output elements ``[n, T_c, d]`` (the outputs, their unit vectors and the probe's own buffers live
-    at once; the probe bounds its intermediates by ``budget`` itself)."""
+    at once; the probe bounds its intermediates by ``budget`` itself). The unit vectors are scaled first
+    (``ops.unit(scaled=True)``): an fp32 norm of an output of ~1e-20 and below (an expert with tiny weights)
+    underflows to 0, which read the output as zero (its token_cos NaN)."""
 
     def __init__(self, layers: list[int], budget: int | None = None) -> None:
         self.layers = set(layers)
@@ -104,8 +106,8 @@ class SimilaritySums:
             v = valid[s:s + step]  # [T_c]
             y = expert_outputs(L, h[s:s + step], self.budget).float()  # [n, T_c, d]
             y = torch.where(v[None, :, None], y, torch.zeros((), dtype=y.dtype, device=y.device))  # padding: 0
-            u = ops.unit(y)  # [n, T_c, d]; a zero output stays 0
-            nz = (ops.vector_norm(y) > 0).float()  # [n, T_c]
+            u = ops.unit(y, scaled=True)  # [n, T_c, d]; a zero output stays 0, a tiny one is a unit vector
+            nz = (ops.vector_norm(u) > 0).float()  # [n, T_c]
             parts = (y.sum(1).double(), (u.flatten(1) @ u.flatten(1).T).double(), (nz @ nz.T).double())
             out, cos, both = parts if out is None else (out + parts[0], cos + parts[1], both + parts[2])
         m = ops.multi_hot(ev.idx, n) * valid.to(ev.idx.device).unsqueeze(-1).float()  # [T, n] own top-K, real tokens

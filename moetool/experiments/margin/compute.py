@@ -42,8 +42,6 @@ from ..result import Result, resolve_options
 from .spec import DEFAULT_EPS, DEFAULT_POLICIES, DEFAULT_THRESHOLDS, MarginOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 QUANTILES = (0.05, 0.5, 0.95)
-#: margin sketch range: selection scores are probabilities, sigmoids, biased scores or logits (fp32 gaps well inside)
-SKETCH_LO, SKETCH_HI = 1e-12, 1e4
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
@@ -159,7 +157,7 @@ class MarginCollector:
         self.rows = RowTable(tokens)
         self.edges = torch.tensor(opts.thresholds, dtype=torch.float32)
         nb, E = len(opts.thresholds) + 1, len(opts.eps)
-        self.sketch = {i: QuantileSketch(SKETCH_LO, SKETCH_HI) for i in self.layers}
+        self.sketch = {i: QuantileSketch() for i in self.layers}  # every positive fp32 gap up to 1e4
         self.bins = {i: torch.zeros(nb, 1 + 2 * E, dtype=torch.float64) for i in self.layers}  # tokens, flips
         self.noise = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}  # sum of ||h' - h|| / ||h||
 
