@@ -195,11 +195,17 @@ def test_k_above_the_experts_available_is_refused(tiny_model, kind):
 
 @pytest.mark.slow
 def test_cli_refuses_k_above_n_before_any_forward(tmp_path):
+    """In one process (a subprocess per case cost its imports four times); the one line on stderr alone is
+    checked by the subprocess tests of tests/test_cli.py."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
     for args in (["ppl", "--routing", "topk:999"], ["topk", "--ks", "1,99"], ["topk", "--kmax", "9"],
                  ["ppl", "--routing", "topp:0.5:9"]):
-        r = subprocess.run([sys.executable, "-m", "moetool", *args, "--max-tokens", "256", "--out",
-                            str(tmp_path / "x")], capture_output=True, text=True, check=False)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "at most 8; choose at most 8" in r.stderr, r.stderr
+        r = CliRunner().invoke(app, [*args, "--max-tokens", "256", "--out", str(tmp_path / "x")])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and "at most 8; choose at most 8" in lines[0], r.output
         assert not (tmp_path / "x").exists()
 
 
