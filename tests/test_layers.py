@@ -305,3 +305,24 @@ def test_every_package_folder_is_a_package_of_the_distribution():
         base = next((k for k in sorted(dirs, key=len, reverse=True) if name == k or name.startswith(k + ".")), None)
         folder = dirs[base].joinpath(*name[len(base) + 1:].split(".")) if base and name != base else dirs.get(name)
         assert folder is not None and folder.is_dir(), name
+
+
+def test_what_architecture_md_says_every_layer_uses_is_below_the_adapters():
+    """ARCHITECTURE.md listed `moetool/loading.py` and `moetool/sizing.py` among the modules "used by every layer",
+    but both import the adapters (sizing the engine too), so no adapter can use them. Every module of that paragraph
+    that imports a layer (adapters and above) is named in its clause saying it sits at the engine's layer."""
+    import re
+
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    start = text.index("Beside them, used by every layer:")
+    para = text[start:text.index("`moetool/errors.py`", start)]
+    named = re.findall(r"`moetool/(\w+)\.py`", para)
+    assert {"ops", "loading", "sizing", "data"} <= set(named)
+    g = graph()
+    above = {m for m in named if any(RANK[group(d)] >= RANK["adapters"] for d in g[f"moetool.{m}"])}
+    clause = ""
+    if "sit at the engine's layer" in para:
+        end = para.index("sit at the engine's layer")
+        clause = para[para.rindex("`moetool/", 0, end):end]
+    assert above and all(f"{m}.py`" in clause for m in above), (sorted(above), clause)
+    assert RANK["loading"] == RANK["sizing"] == RANK["engine"]
