@@ -487,3 +487,21 @@ def test_an_empty_out_is_refused_not_the_default_folder(tmp_path, monkeypatch):
         with pytest.raises(MoetoolError, match=r"^--out '\s*': an empty path"):
             moetool.write_report([tmp_path], out)
     assert not (tmp_path / "runs").exists()
+
+
+def test_what_the_readme_says_inspect_model_and_aliases_return():
+    """The README listed ``inspect_model(name)``, ``families()`` and ``aliases()`` as "(DataFrames)";
+    ``inspect_model`` returns a dict (its docstring: "as a dict")."""
+    import re
+    from pathlib import Path
+
+    import pandas as pd
+
+    import moetool
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").split())
+    said = dict(re.findall(r"`(inspect_model|aliases)\(\w*\)`[^(]*?\((a dict|DataFrames)\)", text))
+    kinds = {"a dict": dict, "DataFrames": pd.DataFrame}
+    assert set(said) == {"inspect_model", "aliases"}, said
+    assert isinstance(moetool.inspect_model("tiny"), kinds[said["inspect_model"]])
+    assert isinstance(moetool.aliases(), kinds[said["aliases"]])
