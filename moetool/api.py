@@ -63,8 +63,11 @@ def _held(models: Any, run: Any) -> Any:
 
 def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True) -> Any:
-    """Load a MoE causal LM (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
-    ``lm.tokenizer``). ``attn_implementation="eager"`` is needed for ``routing="attention"``."""
+    """Load a MoE model (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
+    ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags.
+    ``attn_implementation``: transformers' (``None``: the model's default); ``routing="attention"`` needs no
+    ``"eager"`` here, the engine switches the model to eager attention for its forwards and back.
+    ``tokenizer=False``: no tokenizer (``lm.tokenizer`` is ``None``)."""
     from .loading import load as _load
 
     return _load(name, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn_implementation,
