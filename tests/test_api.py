@@ -548,3 +548,33 @@ def test_the_docstrings_name_every_table_their_function_returns():
         named = set(re.findall(r"``(\w+)``", inspect.getdoc(fn)))
         tables = {name.split(".")[0] for name in res.tables}
         assert len(tables) >= 1 and tables <= named, (fn.__name__, sorted(tables - named))
+
+
+#: parameters every function of the API shares (README, Python API) or that its docstring describes in other words
+#: (export_placement's ``sglang|eplb``, from_trace's ``--trace PATH``)
+OBVIOUS = {"lm", "tokens", "options", "quiet", "force", "name", "result", "format", "traces", "sources", "run_dirs",
+           "title"}
+
+
+def test_every_public_functions_docstring_names_its_parameters():
+    """``moetool.tokens``' docstring did not say what ``add_special_tokens`` does (its default, no special tokens,
+    is not what ``moetool stats`` does: the tokenizer's own default, a BOS), ``moetool.hook``'s not ``attention``,
+    ``moetool.plan``'s not ``rows``, ``moetool.run_demo``'s not ``steps``."""
+    import inspect
+    import re
+
+    from moetool.api import EXPORTS
+
+    missing = {}
+    for name in EXPORTS:
+        fn = getattr(moetool, name)
+        if inspect.isclass(fn):
+            continue
+        fn = fn.run if inspect.ismodule(fn) else fn
+        doc = inspect.getdoc(fn) or ""
+        params = [p for p, v in inspect.signature(fn).parameters.items()
+                  if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL) and p not in OBVIOUS]
+        gone = [p for p in params if not re.search(rf"``{p}\b|\b{p}=", doc)]
+        if gone:
+            missing[name] = gone
+    assert not missing, missing
