@@ -211,3 +211,20 @@ def test_the_readme_names_every_command_with_intervals_and_every_bca_user():
     users = {n for n in EXPERIMENTS if 'method="bca"' in (root / n.replace("-", "_") / "compute.py").read_text()}
     assert users >= {"stats", "placement"}
     assert {n for n in users if f"`{n}`'" in bca} == users, bca
+
+
+def test_what_the_readme_says_stats_top_k_1_writes(tmp_path):
+    """The README's OLMoE row said `--top-k 1` gives "the `*_top1` tables": moetool writes no file of that name
+    (OLMoE's scripts do); the tables keep their names and there is no coactivation.csv."""
+    import json
+
+    import moetool
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    row = text.split("| OLMoE §5:")[1]
+    said = row[row.index("(`--top-k 1`:"):row.index(")", row.index("(`--top-k 1`:"))]
+    res = moetool.run("stats", "tiny", max_tokens=512, seq_len=64, top_k=1, bootstrap=0, out=tmp_path / "s",
+                      quiet=True)
+    files = json.loads((res.path / "manifest.json").read_text())["files"]
+    assert "load.csv" in files and "coactivation.csv" not in files and not [f for f in files if "_top1" in f]
+    assert "OLMoE's `*_top1`" in said and "no `coactivation.csv`" in said, said
