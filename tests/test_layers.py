@@ -326,3 +326,21 @@ def test_what_architecture_md_says_every_layer_uses_is_below_the_adapters():
         clause = para[para.rindex("`moetool/", 0, end):end]
     assert above and all(f"{m}.py`" in clause for m in above), (sorted(above), clause)
     assert RANK["loading"] == RANK["sizing"] == RANK["engine"]
+
+
+def test_architecture_md_says_which_commands_take_seed():
+    """ARCHITECTURE.md said every command takes --seed; `plan` (a config, no model) does not. The commands of
+    experiments without --seed are the ones it names as exceptions."""
+    import re
+
+    import typer
+
+    from moetool.commands.app import app
+    from moetool.experiments.registry import EXPERIMENTS
+
+    group = typer.main.get_command(app)
+    without = {n for n in EXPERIMENTS if "--seed" not in {o for p in group.commands[n].params for o in p.opts}}
+    assert all(EXPERIMENTS[n].inputs == "config" for n in without)
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    claim = re.search(r"`seed` \(always: ([^)]*)\)", text).group(1)
+    assert "every command takes" not in claim and set(re.findall(r"`([a-z][a-z-]*)`", claim)) == without, claim
