@@ -344,3 +344,23 @@ def test_architecture_md_says_which_commands_take_seed():
     text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
     claim = re.search(r"`seed` \(always: ([^)]*)\)", text).group(1)
     assert "every command takes" not in claim and set(re.findall(r"`([a-z][a-z-]*)`", claim)) == without, claim
+
+
+def test_architecture_md_recipe_calls_what_its_example_calls():
+    """ARCHITECTURE.md's step 1 of adding an experiment said `tokens.require_tokens()`; every experiment, locality (its
+    "small complete example") too, calls `require_tokens(tokens)` from moetool.data, which also refuses no tokens.
+    Each call the step names is a call in locality's compute function."""
+    import re
+
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    step = text[text.index("1. `moetool/experiments/<name>/compute.py`."):text.index("2. `moetool/experiments/<name>/spec.py`.")]
+    modules = {"moetool", "data", "distributed", "engine", "hooks", "runner", "probes", "ops", "uncertainty"}
+    calls = re.findall(r"`((?:[a-z_]+\.)*)([a-z_]+)\(([^`]*)\)`", step)
+    source = " ".join((ROOT / "moetool/experiments/locality/compute.py").read_text().split())
+    named = [c for c in calls if c[1] not in ("reduce_across_ranks", "summary_lines")]
+    assert {fn for _, fn, _ in named} >= {"require_tokens", "shard"}, calls
+    for dotted, fn, args in named:
+        receiver = ".".join(p for p in dotted.split(".") if p and p not in modules)  # a variable's method
+        first = args.split(",")[0].strip()
+        called = rf"\b{re.escape(receiver + '.' if receiver else '')}{fn}\({re.escape(first)}"
+        assert re.search(called, source), (dotted + fn, args)
