@@ -63,8 +63,11 @@ def _held(models: Any, run: Any) -> Any:
 
 def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True) -> Any:
-    """Load a MoE causal LM (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
-    ``lm.tokenizer``). ``attn_implementation="eager"`` is needed for ``routing="attention"``."""
+    """Load a MoE model (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
+    ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags.
+    ``attn_implementation``: transformers' (``None``: the model's default); ``routing="attention"`` needs no
+    ``"eager"`` here, the engine switches the model to eager attention for its forwards and back.
+    ``tokenizer=False``: no tokenizer (``lm.tokenizer`` is ``None``)."""
     from .loading import load as _load
 
     return _load(name, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn_implementation,
@@ -74,7 +77,9 @@ def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", devic
 def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_tokens: int = 32768,
            add_special_tokens: bool | None = False) -> Any:
     """Pack ``data`` (text file, JSONL with ``text`` and optional ``domain``, or a folder; ``None`` = the shipped
-    held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``)."""
+    held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``).
+    ``add_special_tokens``: ``False`` (the default, every command but ``stats``) adds none, ``None`` the tokenizer's
+    own default (a BOS where it adds one: ``moetool stats``), ``True`` its special tokens."""
     from .data import load_tokens
     from .errors import MoetoolError
     from .sizing import check_seq_len, check_sizes
@@ -92,7 +97,10 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
          attention: bool = False, **policy_options: Any) -> Any:
     """The hook engine as a context manager: every forward of ``lm.model`` inside the block hands a
     :class:`~moetool.engine.RoutingEvent` (``h``, ``logits``, ``idx``, ``weights``, ``valid``, ``probs``,
-    ``chosen_idx``, ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object) replaces routing in ``layers``.
+    ``chosen_idx``, ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object; keywords:
+    its options, as ``weights="uniform"``) replaces routing in ``layers``. ``attention=True`` hands each event the
+    layer's attention probabilities (``attn``; the model runs eager attention inside the block, as it does for a
+    policy that reads them).
 
         with moetool.hook(lm, consumers=[events.append]):
             lm.model(input_ids=ids)
@@ -161,7 +169,7 @@ def write_report(run_dirs: Iterable[str | Path], out: str | Path | None = None, 
 def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, *, force: bool = False,
          quiet: bool = False) -> Path:
     """``moetool demo``: every experiment on the embedded models into ``out`` and a report page; returns the
-    folder."""
+    folder. ``steps``: a subset of the steps (``--steps``)."""
     from .demo import demo as run
 
     return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
@@ -221,7 +229,7 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
 
 def from_trace(experiment: str, traces: str | Path | Iterable[str | Path], config: str | None = None,
                options: Any = None, *, max_tokens: int | None = None, **overrides: Any) -> Any:
-    """``moetool stats|placement|offload|fluctuation --trace PATH``: the experiment's tables from recorded routing
+    """``moetool stats|placement|offload|fluctuation --trace PATH``: the ``experiment``'s tables from recorded routing
     (a ``moetool trace`` or :func:`import_trace` run folder or file; two or more for fluctuation) instead of a
     forward; ``config`` names the model when the trace does not (``--config``). ``options`` / keywords are the
     experiment's (``moetool.StatsOptions``, ...); those that need a forward (stats: ``layers``; fluctuation:

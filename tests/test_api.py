@@ -487,3 +487,94 @@ def test_an_empty_out_is_refused_not_the_default_folder(tmp_path, monkeypatch):
         with pytest.raises(MoetoolError, match=r"^--out '\s*': an empty path"):
             moetool.write_report([tmp_path], out)
     assert not (tmp_path / "runs").exists()
+
+
+def test_what_the_readme_says_inspect_model_and_aliases_return():
+    """The README listed ``inspect_model(name)``, ``families()`` and ``aliases()`` as "(DataFrames)";
+    ``inspect_model`` returns a dict (its docstring: "as a dict")."""
+    import re
+    from pathlib import Path
+
+    import pandas as pd
+
+    import moetool
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").split())
+    said = dict(re.findall(r"`(inspect_model|aliases)\(\w*\)`[^(]*?\((a dict|DataFrames)\)", text))
+    kinds = {"a dict": dict, "DataFrames": pd.DataFrame}
+    assert set(said) == {"inspect_model", "aliases"}, said
+    assert isinstance(moetool.inspect_model("tiny"), kinds[said["inspect_model"]])
+    assert isinstance(moetool.aliases(), kinds[said["aliases"]])
+
+
+def test_attention_routing_needs_no_eager_load_as_the_docstrings_say():
+    """``moetool.load``'s docstring said ``attn_implementation="eager"`` is needed for attention routing, and
+    ``moetool.fluctuation``'s told to load checkpoints so: the engine switches a loaded model to eager attention for
+    the policy's forwards (and back). The perplexity under ``attention`` of a default (SDPA) load equals an eager
+    load's, and the model's own attention is given back."""
+    import inspect
+    import math
+
+    lm = moetool.load("tiny")
+    ts = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
+    was = lm.model.config._attn_implementation
+    assert was != "eager"
+    got = moetool.ppl(lm, ts, routing="attention", bootstrap=0, quiet=True)["ppl"].perplexity.iloc[0]
+    assert lm.model.config._attn_implementation == was
+    eager = moetool.load("tiny", attn_implementation="eager")
+    want = moetool.ppl(eager, ts, routing="attention", bootstrap=0, quiet=True)["ppl"].perplexity.iloc[0]
+    router = moetool.ppl(lm, ts, bootstrap=0, quiet=True)["ppl"].perplexity.iloc[0]
+    assert math.isfinite(got) and got == pytest.approx(want, rel=1e-6) and abs(got / router - 1) > 0.01
+    for fn in (moetool.load, moetool.fluctuation):
+        doc = " ".join(inspect.getdoc(fn).split())
+        assert "is needed for" not in doc and "with ``attn_implementation=\"eager\"`` for" not in doc, fn.__name__
+        assert "switches" in doc and "eager attention" in doc, fn.__name__
+
+
+def test_the_docstrings_name_every_table_their_function_returns():
+    """``moetool.expert_similarity``'s docstring named two of its three tables (not ``expert_similarity_merges``,
+    nor ``expert_similarity_groups`` of ``cluster_to``), ``moetool.fluctuation``'s one of two (not
+    ``fluctuation_summary``)."""
+    import inspect
+    import re
+
+    lm = moetool.load("tiny")
+    ts = moetool.tokens(lm, None, seq_len=64, max_tokens=256)
+    runs = {moetool.expert_similarity: moetool.expert_similarity(lm, ts, cluster_to=2, quiet=True),
+            moetool.fluctuation: moetool.fluctuation([moetool.load("tiny-early"), lm], ts, routing=("router",),
+                                                     bootstrap=0, quiet=True),
+            moetool.locality: moetool.locality(lm, ts, quiet=True)}
+    for fn, res in runs.items():
+        named = set(re.findall(r"``(\w+)``", inspect.getdoc(fn)))
+        tables = {name.split(".")[0] for name in res.tables}
+        assert len(tables) >= 1 and tables <= named, (fn.__name__, sorted(tables - named))
+
+
+#: parameters every function of the API shares (README, Python API) or that its docstring describes in other words
+#: (export_placement's ``sglang|eplb``, from_trace's ``--trace PATH``)
+OBVIOUS = {"lm", "tokens", "options", "quiet", "force", "name", "result", "format", "traces", "sources", "run_dirs",
+           "title"}
+
+
+def test_every_public_functions_docstring_names_its_parameters():
+    """``moetool.tokens``' docstring did not say what ``add_special_tokens`` does (its default, no special tokens,
+    is not what ``moetool stats`` does: the tokenizer's own default, a BOS), ``moetool.hook``'s not ``attention``,
+    ``moetool.plan``'s not ``rows``, ``moetool.run_demo``'s not ``steps``."""
+    import inspect
+    import re
+
+    from moetool.api import EXPORTS
+
+    missing = {}
+    for name in EXPORTS:
+        fn = getattr(moetool, name)
+        if inspect.isclass(fn):
+            continue
+        fn = fn.run if inspect.ismodule(fn) else fn
+        doc = inspect.getdoc(fn) or ""
+        params = [p for p, v in inspect.signature(fn).parameters.items()
+                  if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL) and p not in OBVIOUS]
+        gone = [p for p in params if not re.search(rf"``{p}\b|\b{p}=", doc)]
+        if gone:
+            missing[name] = gone
+    assert not missing, missing

@@ -84,3 +84,27 @@ def test_bracketed_help_text_survives_rich():
     assert seen >= 20
     shown = " ".join(CliRunner().invoke(app, ["stats", "--help"], env={"COLUMNS": "2000"}).output.split())
     assert "(value [lo, hi] where the interval is not symmetric)" in shown
+
+
+def test_the_commands_a_help_says_a_policy_works_in_take_routing():
+    """`topk --help` said its policies work in "ppl, eval, trace and norm-select: --routing topk:1", and `prune --help`
+    the same of prune:; norm-select has no --routing (its --prune takes prune: specs only, `--prune topk:1` is
+    refused). Every command a help says a policy "works in" takes --routing."""
+    import re
+
+    import typer
+
+    from moetool.commands.app import app
+
+    group = typer.main.get_command(app)
+    named = re.compile(r"works? in ((?:[a-z][a-z-]*(?:, and |, | and ))+[a-z][a-z-]*)")
+    checked = 0
+    for name, cmd in group.commands.items():
+        for m in named.finditer(" ".join((cmd.help or "").split())):
+            for other in re.split(r", and |, | and ", m.group(1)):
+                target = group.commands.get(other)
+                assert target is not None, (name, m.group(0))
+                opts = {o for p in target.params for o in p.opts}
+                assert "--routing" in opts, f"{name} --help: '{m.group(0)}', but {other} has no --routing"
+                checked += 1
+    assert checked >= 9  # topk, capacity and prune name ppl, eval and trace

@@ -305,3 +305,62 @@ def test_every_package_folder_is_a_package_of_the_distribution():
         base = next((k for k in sorted(dirs, key=len, reverse=True) if name == k or name.startswith(k + ".")), None)
         folder = dirs[base].joinpath(*name[len(base) + 1:].split(".")) if base and name != base else dirs.get(name)
         assert folder is not None and folder.is_dir(), name
+
+
+def test_what_architecture_md_says_every_layer_uses_is_below_the_adapters():
+    """ARCHITECTURE.md listed `moetool/loading.py` and `moetool/sizing.py` among the modules "used by every layer",
+    but both import the adapters (sizing the engine too), so no adapter can use them. Every module of that paragraph
+    that imports a layer (adapters and above) is named in its clause saying it sits at the engine's layer."""
+    import re
+
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    start = text.index("Beside them, used by every layer:")
+    para = text[start:text.index("`moetool/errors.py`", start)]
+    named = re.findall(r"`moetool/(\w+)\.py`", para)
+    assert {"ops", "loading", "sizing", "data"} <= set(named)
+    g = graph()
+    above = {m for m in named if any(RANK[group(d)] >= RANK["adapters"] for d in g[f"moetool.{m}"])}
+    clause = ""
+    if "sit at the engine's layer" in para:
+        end = para.index("sit at the engine's layer")
+        clause = para[para.rindex("`moetool/", 0, end):end]
+    assert above and all(f"{m}.py`" in clause for m in above), (sorted(above), clause)
+    assert RANK["loading"] == RANK["sizing"] == RANK["engine"]
+
+
+def test_architecture_md_says_which_commands_take_seed():
+    """ARCHITECTURE.md said every command takes --seed; `plan` (a config, no model) does not. The commands of
+    experiments without --seed are the ones it names as exceptions."""
+    import re
+
+    import typer
+
+    from moetool.commands.app import app
+    from moetool.experiments.registry import EXPERIMENTS
+
+    group = typer.main.get_command(app)
+    without = {n for n in EXPERIMENTS if "--seed" not in {o for p in group.commands[n].params for o in p.opts}}
+    assert all(EXPERIMENTS[n].inputs == "config" for n in without)
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    claim = re.search(r"`seed` \(always: ([^)]*)\)", text).group(1)
+    assert "every command takes" not in claim and set(re.findall(r"`([a-z][a-z-]*)`", claim)) == without, claim
+
+
+def test_architecture_md_recipe_calls_what_its_example_calls():
+    """ARCHITECTURE.md's step 1 of adding an experiment said `tokens.require_tokens()`; every experiment, locality (its
+    "small complete example") too, calls `require_tokens(tokens)` from moetool.data, which also refuses no tokens.
+    Each call the step names is a call in locality's compute function."""
+    import re
+
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    step = text[text.index("1. `moetool/experiments/<name>/compute.py`."):text.index("2. `moetool/experiments/<name>/spec.py`.")]
+    modules = {"moetool", "data", "distributed", "engine", "hooks", "runner", "probes", "ops", "uncertainty"}
+    calls = re.findall(r"`((?:[a-z_]+\.)*)([a-z_]+)\(([^`]*)\)`", step)
+    source = " ".join((ROOT / "moetool/experiments/locality/compute.py").read_text().split())
+    named = [c for c in calls if c[1] not in ("reduce_across_ranks", "summary_lines")]
+    assert {fn for _, fn, _ in named} >= {"require_tokens", "shard"}, calls
+    for dotted, fn, args in named:
+        receiver = ".".join(p for p in dotted.split(".") if p and p not in modules)  # a variable's method
+        first = args.split(",")[0].strip()
+        called = rf"\b{re.escape(receiver + '.' if receiver else '')}{fn}\({re.escape(first)}"
+        assert re.search(called, source), (dotted + fn, args)

@@ -187,3 +187,44 @@ def test_the_readme_says_which_commands_write_no_figures_and_quotes_intervals_as
             in text)  # `moetool fluctuation tiny-early tiny --routing router,similarity,attention --isolate`
     assert "with k < K experts" not in text
     assert "`null` after `pip install .`" in text and "after `pip install .` it is `null`" in text
+
+
+def test_the_readme_names_every_command_with_intervals_and_every_bca_user():
+    """The README's "Confidence intervals" paragraph named six commands (stats, ppl, norm-select, fluctuation,
+    mass-recall, offload) where thirteen take --bootstrap, and gave stats as the only user of BCa where placement's
+    fixed placements are BCa too (``method="bca"`` in its compute.py)."""
+    import typer.main
+
+    from moetool.commands.app import app
+    from moetool.experiments.registry import EXPERIMENTS
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    start = text.index("**Confidence intervals (`--bootstrap N`).**")
+    para = text[start:text.index("report a 95% interval", start)]
+    group = typer.main.get_command(app)
+    with_bootstrap = {n for n, c in group.commands.items() if any("--bootstrap" in p.opts for p in c.params)}
+    assert len(with_bootstrap) >= 13
+    assert set(re.findall(r"`([a-z-]+)`", para)) == with_bootstrap
+    bca = text[text.index("The interval is the percentile interval, except", start):]
+    bca = bca[:bca.index("so they get the BCa")]
+    root = README.parent / "moetool" / "experiments"
+    users = {n for n in EXPERIMENTS if 'method="bca"' in (root / n.replace("-", "_") / "compute.py").read_text()}
+    assert users >= {"stats", "placement"}
+    assert {n for n in users if f"`{n}`'" in bca} == users, bca
+
+
+def test_what_the_readme_says_stats_top_k_1_writes(tmp_path):
+    """The README's OLMoE row said `--top-k 1` gives "the `*_top1` tables": moetool writes no file of that name
+    (OLMoE's scripts do); the tables keep their names and there is no coactivation.csv."""
+    import json
+
+    import moetool
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    row = text.split("| OLMoE §5:")[1]
+    said = row[row.index("(`--top-k 1`:"):row.index(")", row.index("(`--top-k 1`:"))]
+    res = moetool.run("stats", "tiny", max_tokens=512, seq_len=64, top_k=1, bootstrap=0, out=tmp_path / "s",
+                      quiet=True)
+    files = json.loads((res.path / "manifest.json").read_text())["files"]
+    assert "load.csv" in files and "coactivation.csv" not in files and not [f for f in files if "_top1" in f]
+    assert "OLMoE's `*_top1`" in said and "no `coactivation.csv`" in said, said

@@ -252,9 +252,11 @@ def tables(mats: dict[int, dict[str, Any]], n_experts: dict[int, int],
 
 def expert_similarity(lm: Any, tokens: Any, options: ExpertSimilarityOptions | None = None, *, quiet: bool = False,
                       **overrides: Any) -> Result:
-    """Per MoE layer, every pair of experts' output cosine (of their mean outputs), per-token output cosine and
-    co-selection (Jaccard of their routed tokens) under the model's own routing. Tables ``expert_similarity``
-    (per layer, the summary) and ``expert_similarity_pairs``; see :data:`DEFINITIONS`."""
+    """Per MoE layer, every pair of experts' output distance and cosine (of their mean outputs), per-token output
+    cosine and co-selection (Jaccard of their routed tokens) under the model's own routing. Tables
+    ``expert_similarity`` (per layer, the summary), ``expert_similarity_pairs``, ``expert_similarity_merges``
+    (HC-SMoE's average-linkage merge order) and, with ``cluster_to``, ``expert_similarity_groups``; see
+    :data:`DEFINITIONS`."""
     opts = resolve_options(ExpertSimilarityOptions, options, overrides)
     require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)

@@ -446,10 +446,11 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
                 quiet: bool = False, units: Any = None, **overrides: Any) -> Result:
     """Routing change between checkpoints of one architecture on the same ``tokens``.
 
-    ``checkpoints``: loaded models (``moetool.load(...)``; load them with ``attn_implementation="eager"`` for
-    ``attention`` routing) or names/paths, loaded one at a time. Table ``fluctuation`` with :data:`COLUMNS`
-    (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing. ``units``: per-checkpoint
-    captures kept for ``--resume`` (:func:`run_fluctuation`).
+    ``checkpoints``: loaded models (``moetool.load(...)``; ``attention`` routing switches them to eager attention
+    for its forwards) or names/paths, loaded one at a time. Table ``fluctuation`` with :data:`COLUMNS`
+    (see :data:`DEFINITIONS`): per MoE layer, pair (reference, checkpoint) and routing; ``fluctuation_summary``:
+    per routing and pair, the top-1 change averaged over layers and its reduction against the router. ``units``:
+    per-checkpoint captures kept for ``--resume`` (:func:`run_fluctuation`).
     """
     opts = resolve_options(FluctuationOptions, options, overrides)
     described = require_tokens(tokens).describe()

@@ -375,7 +375,8 @@ def plan(model: Any = "tiny", gpus: str = "8xH100", nodes: int = 1, *, seq_len: 
     """Tables ``params`` (bytes by group and format), ``layouts`` (what fits ``nodes`` x ``gpus``, the command to
     run) and ``throughput`` (a ceiling in tokens/s per command) for ``model`` -- a name (embedded, alias,
     directory, hub id: only its config is read) or a transformers config (module docstring). ``seq_len``:
-    :data:`SEQ_LEN`, or the model's positions when it has fewer (a longer one is refused: the commands refuse it).
+    :data:`SEQ_LEN`, or the model's positions when it has fewer (a longer one is refused: the commands refuse it);
+    ``rows``: rows per forward (``--batch-size``), which the activations and KV cache are sized for.
 
     A model on disk planned before with the same arguments, config and code (:func:`moetool.loading.config_fingerprint`,
     :func:`moetool.files.installation_key`) is answered from the per-installation cache: the tables as they were,

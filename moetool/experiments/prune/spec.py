@@ -16,8 +16,9 @@ the --ablate experts with the largest REAP saliency is removed alone. With --tas
 (criterion, fraction) also run lm-eval under the same pruning (as norm-select does): accuracy, and its retention
 against the router's (delta method on lm-eval's standard errors). A fraction above 0 that removes no expert in any
 layer (floor(fraction x n) = 0) is refused before any forward; 0 is the model with nothing removed.
-The same pruning works in ppl, eval, trace and norm-select: --routing prune:reap:0.25:<prune_importance.csv>,
-prune:random:0.25, prune:file:<removed.json|csv> (prune_removed.csv of this command with :<criterion>:<fraction>).
+The same pruning works in ppl, eval and trace: --routing prune:reap:0.25:<prune_importance.csv>,
+prune:random:0.25, prune:file:<removed.json|csv> (prune_removed.csv of this command with :<criterion>:<fraction>);
+and in norm-select as --prune reap:0.25:<prune_importance.csv>.
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 model's own routing on the same rows.
 

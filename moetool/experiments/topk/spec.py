@@ -5,7 +5,7 @@ For the router and each policy, the policy replaces routing in the MoE layers (-
 the weights its rule gives the chosen set, renormalised where it renormalises; topk:K reproduces the model).
 topp:<p> keeps, per token, the smallest set of experts in decreasing routing probability π whose mass reaches p
 (at least one, at most --kmax; dynamic routing, Huang et al. 2024, arXiv 2403.07652). The same policies work in
-ppl, eval, trace and norm-select: --routing topk:1, --routing topp:0.9.
+ppl, eval and trace: --routing topk:1, --routing topp:0.9.
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 router on the same rows.
 
