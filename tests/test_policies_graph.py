@@ -179,3 +179,27 @@ def test_attention_needs_eager():
     model.set_attn_implementation = lambda impl: None  # a model that cannot switch (no AttentionInterface)
     with pytest.raises(MoetoolError, match="eager"):
         run(model, find_moe_layers(model), padded_batch(), policy=make_policy("attention"))
+
+
+def test_propagate_drops_padding_keys_whatever_the_mixing_matrix_gives_them():
+    """:func:`propagate` is shared by similarity and attention routing; an attention matrix may put mass on padding
+    keys (a fully masked query row, an implementation's own masking): ``s_i = Σ_{j real} A[i, j] π_j``, renormalised,
+    a row that only saw padding keeping its own π -- against explicit fp64 loops."""
+    from moetool.policies.similarity import propagate
+
+    g = torch.Generator().manual_seed(0)
+    B, S, n = 2, 5, 6
+    A = torch.rand(B, S, S, generator=g)  # mass everywhere, padding columns included
+    A[1, 4, :2] = 0.0  # row (1, 4) sees padding only
+    probs = torch.softmax(torch.randn(B * S, n, generator=g), -1)
+    valid = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool).reshape(-1)
+    A[1, 4, 2:] = 0.0
+    got = propagate(A, probs, valid)
+    P, V = probs.double().tolist(), valid.tolist()
+    for b in range(B):
+        for i in range(S):
+            s = [sum(float(A[b, i, j]) * P[b * S + j][e] for j in range(S) if V[b * S + j]) for e in range(n)]
+            if sum(s) == 0:
+                s = P[b * S + i]
+            want = [v / sum(s) for v in s]
+            assert got[b * S + i].tolist() == pytest.approx(want, rel=1e-5, abs=1e-7), (b, i)
