@@ -203,3 +203,32 @@ def test_propagate_drops_padding_keys_whatever_the_mixing_matrix_gives_them():
                 s = P[b * S + i]
             want = [v / sum(s) for v in s]
             assert got[b * S + i].tolist() == pytest.approx(want, rel=1e-5, abs=1e-7), (b, i)
+
+
+def test_lowest_entropy_head_averages_real_queries_of_renormalised_rows():
+    """The head is chosen by the mean entropy over REAL query rows (a padding query's row says nothing about the
+    text) of rows renormalised to sum to one (gpt-oss's sink takes mass off the keys): scipy's entropy by hand."""
+    import numpy as np
+    from scipy.stats import entropy
+
+    from moetool.policies.attention import lowest_entropy_head
+
+    def reference(A, valid):
+        rows = A.double().numpy().transpose(1, 0, 2, 3).reshape(A.shape[1], -1, A.shape[-1])  # [H, B*S, S]
+        keep = valid.numpy()
+        return int(np.argmin([entropy(r[keep], axis=-1).mean() for r in rows]))
+
+    B, S = 2, 4
+    valid = torch.tensor([1, 1, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
+    A = torch.zeros(B, 2, S, S)
+    pad = ~valid.reshape(B, S)
+    A[:, 0] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # real queries: entropy log 2
+    A[:, 1] = torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0])  # log 3
+    A[:, 0][pad] = 0.25  # padding queries: head 0 flat (log 4), head 1 certain (0)
+    A[:, 1][pad] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert reference(A, valid) == 0 and int(lowest_entropy_head(A, valid)) == 0
+    sink = torch.zeros(B, 2, S, S)
+    sink[:, 0] = 0.1 * 0.25  # rows summing to 0.1 (the rest on a sink): flat over 4 keys once renormalised, log 4
+    sink[:, 1] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # log 2
+    every = torch.ones(B * S, dtype=torch.bool)
+    assert reference(sink, every) == 1 and int(lowest_entropy_head(sink, every)) == 1
