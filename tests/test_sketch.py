@@ -120,7 +120,7 @@ def test_moments_exact():
     assert m.var == pytest.approx(x.var(), rel=1e-9)
     w = Moments()
     w.add(torch.tensor([1.0, 2.0, 100.0]), torch.tensor([1, 1, 0]))
-    assert (w.n, w.mean) == (2.0, 1.5)
+    assert (w.n, w.mean, w.var) == (2.0, 1.5, 0.25)  # np.var([1, 2]): the weight-0 value 100 nowhere
 
 
 def test_spill_reads_back_every_batch_in_order(tmp_path):
