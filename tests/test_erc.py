@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.stats import kstest, uniform
 from typer.testing import CliRunner
 
 from conftest import build_tiny_model, reference_expert
@@ -161,6 +162,9 @@ def test_noise_none_derived_eps_and_sample_average():
     X = proxy_tokens(R, noise_eps(R, 0.3), 2, torch.Generator().manual_seed(0))  # [2, n, d]
     ratio = X / R
     assert ratio.min() >= 0.7 - 1e-6 and ratio.max() <= 1.3 + 1e-6 and not torch.equal(X[0], X[1])
+    # ... and uniform over the whole of it, both sides of 1 (Kolmogorov-Smirnov against U(0.7, 1.3))
+    assert kstest(ratio.double().flatten().numpy(), uniform(loc=0.7, scale=0.6).cdf).pvalue > 1e-3
+    assert ratio.min() < 0.75 and ratio.max() > 1.25 and abs(float(ratio.double().mean()) - 1) < 0.02
     assert torch.equal(X, proxy_tokens(R, noise_eps(R, 0.3), 2, torch.Generator().manual_seed(0)))
     # derived noise, 3 draws: erc_loss is the mean of each draw's loss, recomputed by hand from the same draws
     opts = ErcOptions(noise="derived", samples=3, alphas=(0.6, 1.0), seed=5)

@@ -50,6 +50,27 @@ def test_locality_matches_a_hand_count(name):
     assert (df.top1_repeat > df.top1_repeat_uniform).any()  # the embedded text is not uniform noise
 
 
+def test_a_pair_needs_both_tokens_real_with_left_padding():
+    """Left padding (a real token right after a padding one) forms no pair: the pairs, repeats and overlaps are the
+    hand count's on a batch whose rows start with padding."""
+    import dataclasses
+
+    import moetool
+
+    lm = moetool.load("tiny", device="cpu")
+    ts = moetool.tokens(lm, None, seq_len=24, max_tokens=200)
+    mask = ts.attention_mask.clone()
+    mask[0, :5] = 0  # left padding in two rows
+    mask[2, :1] = 0
+    ts = dataclasses.replace(ts, attention_mask=mask)
+    df = moetool.locality(lm, ts, batch_size=4)["locality"]
+    seen = {i: (c["logits"], c["idx"]) for i, c in capture(lm.model, ts.input_ids, ts.attention_mask).items()}
+    for row in df.itertuples():
+        ref = hand_locality(*seen[row.layer], mask.bool())
+        for col, want in ref.items():
+            assert getattr(row, col) == pytest.approx(want, abs=1e-12), (row.layer, col)
+
+
 def test_layers_and_batch_size_change_nothing_but_the_rows(tmp_path):
     """--layers keeps exactly the asked layers with the same numbers; the batch size does not change a sum."""
     import moetool

@@ -283,7 +283,8 @@ def test_mass_recall_matches_hand_computation():
         covered = {e for a in used for e in shortlists[a]}
         assert row["expert_coverage"] == pytest.approx(len(covered) / 8)
         srt = sorted(mass)
-        assert abs(row["mass_recall_p05"] - srt[math.ceil(0.05 * n_tok) - 1]) <= 1 / 4096 + 1e-12
+        # the upper edge of the 4096-bin histogram's bin: never below the order statistic, at most one bin above
+        assert 0 <= row["mass_recall_p05"] - srt[math.ceil(0.05 * n_tok) - 1] <= 1 / 4096 + 1e-12
         # bootstrap: the hand per-token values summed per packed row (7 real tokens, then 5), resampled by
         # uncertainty.ratio_intervals with the run's replicates and seed
         row_of = [0] * 7 + [1] * 5

@@ -63,6 +63,28 @@ def test_norm_policy_runs_the_hand_computed_topk(model_type, node, norm, weights
     assert changed > 0  # the router's choice really was replaced somewhere
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("weights", ["softmax", "uniform"])
+def test_softmax_and_uniform_weights_carry_the_routed_scaling_factor(model_type, weights):
+    """DeepSeek multiplies its routing weights by ``routed_scaling_factor`` (1.5 / 2.5 in the tiny configs): a norm
+    policy's softmax or uniform weights (summing to one) are scaled by it too, so the routed output keeps the
+    model's scale: every real token's chosen weights sum to the config's factor, uniform ones are factor / K each."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    scale = float(model.config.routed_scaling_factor)
+    assert scale != 1.0
+    _, events, _ = run(model, layers, padded_batch(), policy=make_policy("norm:gate", weights=weights))
+    for L in layers:
+        ev = events[L.index]
+        w = ev.chosen_weights[ev.valid].double()
+        K = model.config.num_experts_per_tok
+        assert w.shape[-1] == K
+        torch.testing.assert_close(w.sum(-1), torch.full((w.shape[0],), scale, dtype=torch.float64),
+                                   rtol=1e-6, atol=1e-6)
+        if weights == "uniform":
+            assert torch.allclose(w, torch.full_like(w, scale / K), rtol=1e-6, atol=0)
+
+
 def test_layers_leave_the_other_layers_untouched():
     model = build_tiny_model("mixtral")
     layers = find_moe_layers(model)

@@ -16,7 +16,7 @@ from conftest import feed
 
 from moetool.errors import MoetoolError
 from moetool.experiments.placement.compute import (PlacementOptions, gpu_loads, imbalance, imbalance_statistic,
-                                           rebalance_experts, static_placement)
+                                           rebalance_experts, replicate_experts, static_placement)
 
 #: (layers, n, G, extra slots per GPU, groups, nodes): global (1 group), hierarchical over 1, 2 and 4 nodes, and
 #: groups that do not divide into the nodes (EPLB's global fallback)
@@ -399,3 +399,12 @@ def test_nodes_that_the_groups_cannot_shape_are_said(tiny_placement):
     assert one.meta["eplb"]["policy"] == "hierarchical" and "left_out" not in one.meta
     grouped = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), bootstrap=0, nodes=2, groups=2, quiet=True)
     assert grouped.meta["eplb"]["policy"] == "hierarchical" and "left_out" not in grouped.meta
+
+
+def test_replicas_go_to_the_largest_load_per_replica_one_at_a_time():
+    """EPLB's replication: each extra replica goes to the expert whose load PER REPLICA is the largest then (not the
+    largest load): loads 10, 6, 1 with two extra slots -> 10 (10 > 6), then 6 (6 > 10 / 2), by hand."""
+    phy2log, rank, count = replicate_experts(torch.tensor([[10.0, 6.0, 1.0]]), 5)
+    assert phy2log.tolist() == [[0, 1, 2, 0, 1]] and rank.tolist() == [[0, 0, 0, 1, 1]]
+    assert count.tolist() == [[2, 2, 1]]
+    assert max(w / c for w, c in zip((10.0, 6.0, 1.0), count[0].tolist())) == 5.0  # the smallest largest share

@@ -179,3 +179,56 @@ def test_attention_needs_eager():
     model.set_attn_implementation = lambda impl: None  # a model that cannot switch (no AttentionInterface)
     with pytest.raises(MoetoolError, match="eager"):
         run(model, find_moe_layers(model), padded_batch(), policy=make_policy("attention"))
+
+
+def test_propagate_drops_padding_keys_whatever_the_mixing_matrix_gives_them():
+    """:func:`propagate` is shared by similarity and attention routing; an attention matrix may put mass on padding
+    keys (a fully masked query row, an implementation's own masking): ``s_i = Σ_{j real} A[i, j] π_j``, renormalised,
+    a row that only saw padding keeping its own π -- against explicit fp64 loops."""
+    from moetool.policies.similarity import propagate
+
+    g = torch.Generator().manual_seed(0)
+    B, S, n = 2, 5, 6
+    A = torch.rand(B, S, S, generator=g)  # mass everywhere, padding columns included
+    A[1, 4, :2] = 0.0  # row (1, 4) sees padding only
+    probs = torch.softmax(torch.randn(B * S, n, generator=g), -1)
+    valid = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool).reshape(-1)
+    A[1, 4, 2:] = 0.0
+    got = propagate(A, probs, valid)
+    P, V = probs.double().tolist(), valid.tolist()
+    for b in range(B):
+        for i in range(S):
+            s = [sum(float(A[b, i, j]) * P[b * S + j][e] for j in range(S) if V[b * S + j]) for e in range(n)]
+            if sum(s) == 0:
+                s = P[b * S + i]
+            want = [v / sum(s) for v in s]
+            assert got[b * S + i].tolist() == pytest.approx(want, rel=1e-5, abs=1e-7), (b, i)
+
+
+def test_lowest_entropy_head_averages_real_queries_of_renormalised_rows():
+    """The head is chosen by the mean entropy over REAL query rows (a padding query's row says nothing about the
+    text) of rows renormalised to sum to one (gpt-oss's sink takes mass off the keys): scipy's entropy by hand."""
+    import numpy as np
+    from scipy.stats import entropy
+
+    from moetool.policies.attention import lowest_entropy_head
+
+    def reference(A, valid):
+        rows = A.double().numpy().transpose(1, 0, 2, 3).reshape(A.shape[1], -1, A.shape[-1])  # [H, B*S, S]
+        keep = valid.numpy()
+        return int(np.argmin([entropy(r[keep], axis=-1).mean() for r in rows]))
+
+    B, S = 2, 4
+    valid = torch.tensor([1, 1, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
+    A = torch.zeros(B, 2, S, S)
+    pad = ~valid.reshape(B, S)
+    A[:, 0] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # real queries: entropy log 2
+    A[:, 1] = torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0])  # log 3
+    A[:, 0][pad] = 0.25  # padding queries: head 0 flat (log 4), head 1 certain (0)
+    A[:, 1][pad] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert reference(A, valid) == 0 and int(lowest_entropy_head(A, valid)) == 0
+    sink = torch.zeros(B, 2, S, S)
+    sink[:, 0] = 0.1 * 0.25  # rows summing to 0.1 (the rest on a sink): flat over 4 keys once renormalised, log 4
+    sink[:, 1] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # log 2
+    every = torch.ones(B * S, dtype=torch.bool)
+    assert reference(sink, every) == 1 and int(lowest_entropy_head(sink, every)) == 1

@@ -146,6 +146,22 @@ def tiny_prune():
     return lm, tokens, res
 
 
+def test_lowest_importance_goes_first_ties_to_the_lower_index():
+    """``frequency`` is a whole count (0 for every expert never routed): ties are common, and the documented rule
+    (lowest importance first, ties: the lower expert index) decides which experts go."""
+    import pandas as pd
+
+    from moetool.policies.prune import lowest, n_removed, removed_from_importance
+
+    scores = [3, 0, 5, 0, 3, 0, 1, 3]
+    for m in range(9):
+        assert lowest(scores, m) == sorted(sorted(range(8), key=lambda e: (scores[e], e))[:m])
+    assert lowest(scores, 2) == [1, 3] and lowest(scores, 5) == [0, 1, 3, 5, 6]
+    assert [n_removed(f, 8) for f in (0.0, 0.1, 0.125, 0.25, 0.3, 0.375, 0.99)] == [0, 0, 1, 2, 2, 3, 7]
+    imp = pd.DataFrame({"layer": [5] * 8, "expert": list(range(8))[::-1], "frequency": scores[::-1]})  # any row order
+    assert removed_from_importance(imp, "frequency", 0.25) == {5: [1, 3]}
+
+
 def test_experiment_tables(tiny_prune):
     """Removing nothing is the router's perplexity exactly; the removed sets are the lowest REAP per layer (ties:
     lower index) or the seeded random ones; the ablated experts are the largest REAP saliencies."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.sketch import Moments, QuantileSketch, TokenSpill
+from moetool.sketch import DENSE_KEYS, DENSE_TOTAL, Moments, QuantileSketch, SparseCounter, TokenSpill, dense_space
 
 
 def data(kind, n, seed):
@@ -51,6 +53,48 @@ def test_weights_drop_padding_and_merge_equals_one_sketch():
     assert a.mean == pytest.approx(kept.mean(), rel=1e-12)
 
 
+def test_padding_never_reaches_the_tail_ends_or_the_variance():
+    """Weight 0 (padding) leaves alone what is kept exactly beside the bins: the smallest and largest positive value
+    (a quantile in a tail bin is known only at those ends) and the sum of squares (the variance)."""
+    real = np.array([5e-4, 0.5, 2.0, 20.0])  # lo = 1e-3, hi = 10: 5e-4 in the underflow bin, 20 in the overflow
+    pad = np.array([1e-5, 1e3])  # padding beyond both ends
+    sk = QuantileSketch(lo=1e-3, hi=10.0)
+    sk.add(torch.from_numpy(np.concatenate([real, pad])), torch.tensor([1, 1, 1, 1, 0, 0]))
+    assert sk.n == 4
+    assert (sk.quantile(0.0), sk.quantile(1.0)) == (5e-4, 20.0)  # np.quantile(real, 0 / 1), exactly
+    assert sk.moments.var == pytest.approx(real.var(), rel=1e-12)
+    assert sk.mean == pytest.approx(real.mean(), rel=1e-12)
+
+
+@pytest.mark.parametrize("space", [None, 50])
+@pytest.mark.parametrize("defer", [False, True])
+def test_sparse_counter_counts_are_a_counters_and_merge_across_ranks(space, defer):
+    """Sparse (sort-merged) and dense (``space``) tables, merging as it goes or deferred to ``settle``: the exact
+    counts of every key (-1 included) in ascending key order; ``merged`` of two ranks' states sums them."""
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(-1, 50, (m,), generator=g) for m in (7, 300, 1, 90, 64)]
+    ranks = [SparseCounter(merge_min=64, defer=defer, space=space) for _ in range(2)]
+    for i, b in enumerate(batches):
+        ranks[i % 2].add(b)
+        if defer:
+            ranks[i % 2].settle()
+    for c, part in zip(ranks, (batches[0::2], batches[1::2])):
+        keys, counts = c.result()
+        want = Counter(torch.cat(part).tolist())
+        assert keys.tolist() == sorted(want) and counts.tolist() == [want[k] for k in sorted(want)]
+    keys, counts = SparseCounter.merged([c.host_state() for c in ranks]).result()
+    want = Counter(torch.cat(batches).tolist())
+    assert keys.tolist() == sorted(want) and counts.tolist() == [want[k] for k in sorted(want)]
+
+
+def test_dense_space_fits_each_table_and_all_of_them():
+    assert dense_space(None, 1) is None and dense_space(0, 1) is None
+    assert dense_space(DENSE_KEYS, 1) == DENSE_KEYS and dense_space(DENSE_KEYS + 1, 1) is None
+    per = DENSE_TOTAL // DENSE_KEYS  # this many full-size tables fit together, one more does not
+    assert dense_space(DENSE_KEYS, per) == DENSE_KEYS and dense_space(DENSE_KEYS, per + 1) is None
+    assert SparseCounter(space=DENSE_KEYS + 1).space is None
+
+
 def test_out_of_range_and_nan_raise_instead_of_a_wrong_number():
     sk = QuantileSketch(lo=1e-3, hi=10.0)
     sk.add(torch.tensor([1e-6, 2e-6, 3e-6, 1.0]))
@@ -82,7 +126,7 @@ def test_moments_exact():
     assert m.var == pytest.approx(x.var(), rel=1e-9)
     w = Moments()
     w.add(torch.tensor([1.0, 2.0, 100.0]), torch.tensor([1, 1, 0]))
-    assert (w.n, w.mean) == (2.0, 1.5)
+    assert (w.n, w.mean, w.var) == (2.0, 1.5, 0.25)  # np.var([1, 2]): the weight-0 value 100 nowhere
 
 
 def test_spill_reads_back_every_batch_in_order(tmp_path):
