@@ -178,6 +178,37 @@ def test_the_reference_against_itself_is_exactly_zero(tokens):
     assert bins.groupby("layer")["tokens"].sum().eq(int(tokens.attention_mask.sum())).all()
 
 
+@pytest.mark.slow
+def test_padding_that_routes_otherwise_is_never_a_flip(tokens):
+    """The compared run sees other ids at the padded positions (right padding: the real tokens' routing cannot
+    change, only the padding's): every flip rate and bin is exactly 0, and the padding did route otherwise (checked
+    by hand on the routing events), so a flip count that dropped the padding mask would read above 0."""
+    import dataclasses
+
+    lm, _, _ = load_precision("tiny", "fp32", "cpu")
+    opts = AgreementOptions(precisions=("fp32", "bf16"), thresholds=THRESHOLDS, bootstrap=0, batch_size=BATCH)
+    pad = ~tokens.attention_mask.bool()
+    other = dataclasses.replace(tokens, input_ids=torch.where(pad, (tokens.input_ids + 7) % 50, tokens.input_ids))
+    ref = ReferenceRun(tokens, lm.layers)
+    run_precision(lm, tokens, ref, lm.layers, opts, "ref", True)
+    moved = []
+
+    class Watch(CompareRun):  # the padded positions' own top-K sets against the reference's, by hand
+        def __call__(self, ev):
+            idx = ev.idx.reshape(-1, ev.idx.shape[-1]).sort(-1).values
+            r = self.ref.idx[ev.layer.index][self._slice].reshape(idx.shape)
+            moved.append(int(((idx != r).any(-1) & ~ev.valid.reshape(-1)).sum()))
+            super().__call__(ev)
+
+    again = Watch(other, lm.layers, ref, opts.thresholds)
+    run_precision(lm, other, again, lm.layers, opts, "again", True)
+    per_layer, summary, bins = tables("fp32", ref, {"fp32": again}, {"fp32": {"simulated": False}}, opts)
+    assert sum(moved) > 0  # the padding routed otherwise
+    assert (per_layer[["top1_flip", "topk_flip"]] == 0).all().all()
+    assert (summary[["top1_flip", "topk_flip", "delta_nll"]] == 0).all().all()
+    assert (bins[["top1_flip", "topk_flip"]].fillna(0) == 0).all().all()
+
+
 def test_a_loaded_model_is_used_for_its_own_precision():
     lm = moetool.load("tiny", dtype="fp32")
     same, rec, owned = load_precision(lm, "fp32", "cpu")
