@@ -43,11 +43,11 @@ def _blocks(model) -> dict[int, torch.nn.Module]:
     return out
 
 
-def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
-    """Per MoE layer, the three [n, n] matrices from one plain forward of all rows (float64, loops over pairs)."""
-    blocks = _blocks(lm.model)
+def router_io(lm, ts) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE block, ``(router input, the model's top-K)`` of one plain forward of all rows (the router's input is
+    the experts' input; its output holds the model's top-K)."""
     seen, handles = {}, []
-    for i, blk in blocks.items():  # the router's input is the experts' input; its output holds the model's top-K
+    for i, blk in _blocks(lm.model).items():
         handles.append(blk.gate.register_forward_hook(
             lambda m, args, out, i=i: seen.__setitem__(i, (args[0].detach().clone(), out[2].detach().clone()))))
     try:
@@ -56,6 +56,13 @@ def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
     finally:
         for h in handles:
             h.remove()
+    return seen
+
+
+def hand_matrices(lm, ts) -> dict[int, dict[str, np.ndarray]]:
+    """Per MoE layer, the three [n, n] matrices from one plain forward of all rows (float64, loops over pairs)."""
+    blocks = _blocks(lm.model)
+    seen = router_io(lm, ts)
     valid = ts.attention_mask.reshape(-1).bool()
     real = torch.nonzero(valid).flatten().tolist()
     out = {}
@@ -137,15 +144,7 @@ def test_an_expert_with_tiny_outputs_keeps_its_cosines(tiny):
         for blk in _blocks(lm.model).values():
             blk.experts.gate_up_proj[2].mul_(1e-8)
             blk.experts.down_proj[2].mul_(1e-8)
-    seen = {}
-    handles = [blk.gate.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, args[0].detach().clone()))
-               for i, blk in _blocks(lm.model).items()]
-    try:
-        with torch.no_grad():
-            feed(lm.model, ts.input_ids, ts.attention_mask, use_cache=False)
-    finally:
-        for hd in handles:
-            hd.remove()
+    seen = {i: h for i, (h, _) in router_io(lm, ts).items()}
     pairs = expert_similarity(lm, ts, batch_size=3, quiet=True)["expert_similarity_pairs"]
     real = ts.attention_mask.reshape(-1).bool()
     for i, blk in _blocks(lm.model).items():
