@@ -8,6 +8,7 @@ in two threads give exactly the tables of the same runs one after the other."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -136,34 +137,47 @@ def test_layers_are_integers_not_true(lm, tokens):
     assert moetool.hook(lm, policy="norm:gate", layers=np.array([1, 3])).policy_layers == {1, 3}
 
 
+@contextlib.contextmanager
+def paused_thread(body, name, ready, release):
+    """Runs ``body`` in thread ``name`` until it sets ``ready`` (or fails); yields the list of its errors (checked by
+    the caller after the block: the thread has then been released and joined)."""
+    errors = []
+
+    def target():
+        try:
+            body()
+        except BaseException as e:  # pragma: no cover - reported by the caller
+            errors.append(e)
+            ready.set()
+
+    t = threading.Thread(target=target, name=name)
+    t.start()
+    try:
+        assert ready.wait(60)
+        yield errors
+    finally:
+        release.set()
+        t.join(60)
+
 def test_a_second_run_on_a_busy_model_is_refused_in_one_line(lm, tokens, tmp_path):
     """Thread A holds the model in a ``moetool.hook(policy="norm:gate")`` block; a ``ppl`` of the main thread ran its
     forwards through A's hooks (the norm policy's perplexity under ``routing router``). Now it is one line, and
     once A is done the model gives the plain perplexity again."""
     ref, _ = hand_ppl(lm.model, tokens, 64)
-    entered, release, errors = threading.Event(), threading.Event(), []
+    entered, release = threading.Event(), threading.Event()
 
     def hold():
-        try:
-            with moetool.hook(lm, policy="norm:gate"):
-                entered.set()
-                release.wait(60)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        with moetool.hook(lm, policy="norm:gate"):
             entered.set()
+            release.wait(60)
 
-    a = threading.Thread(target=hold, name="holder")
-    a.start()
-    try:
-        assert entered.wait(60) and not errors
+    with paused_thread(hold, "holder", entered, release) as errors:
+        assert not errors
         with pytest.raises(MoetoolError, match="in use by a moetool.hook block in thread 'holder'"):
             _ppl(lm, tokens)
         with pytest.raises(MoetoolError, match="in thread 'holder'"):
             moetool.run("stats", lm, tokens, out=str(tmp_path / "stats"), quiet=True, bootstrap=0)
         assert not (tmp_path / "stats").exists()  # refused before its run folder
-    finally:
-        release.set()
-        a.join(60)
     assert _ppl(lm, tokens)["perplexity"] == pytest.approx(ref, rel=1e-5)
 
 
@@ -171,7 +185,7 @@ def test_a_run_in_another_thread_never_feeds_the_first_runs_consumers(lm, tokens
     """Thread A's ``moetool.forward`` with a consumer (paused inside its first event); a ``ppl`` of the main thread
     meanwhile ran through A's hooks, handing A's consumer the main thread's tokens (A's counts then covered both
     runs). Now the ppl is one line and A's consumer sees exactly its own forward: 4 MoE layers x 8 rows."""
-    first, release, seen, errors = threading.Event(), threading.Event(), [], []
+    first, release, seen = threading.Event(), threading.Event(), []
 
     def consume(ev):
         seen.append((threading.current_thread().name, ev.layer.index, int(ev.valid.sum())))
@@ -179,22 +193,10 @@ def test_a_run_in_another_thread_never_feeds_the_first_runs_consumers(lm, tokens
             first.set()
             release.wait(60)
 
-    def run_a():
-        try:
-            moetool.forward(lm, tokens, consumers=[consume], batch_size=1, quiet=True)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-            first.set()
-
-    a = threading.Thread(target=run_a, name="A")
-    a.start()
-    try:
-        assert first.wait(60)
+    with paused_thread(lambda: moetool.forward(lm, tokens, consumers=[consume], batch_size=1, quiet=True), "A",
+                       first, release) as errors:
         with pytest.raises(MoetoolError, match="in use by a moetool.forward loop in thread 'A'"):
             _ppl(lm, tokens)
-    finally:
-        release.set()
-        a.join(60)
     assert not errors
     assert {name for name, _, _ in seen} == {"A"}
     assert len(seen) == 4 * tokens.input_ids.shape[0]
