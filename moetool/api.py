@@ -297,7 +297,8 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
 
 
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
-    """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL."""
+    """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL.
+    ``layers`` (where ``policy`` routes) without a policy is refused: the hooked layers are ``moe_layers``."""
     from .engine.runner import forward as run
     from .errors import MoetoolError
 
@@ -306,6 +307,10 @@ def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     if not (hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"moetool.forward takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{type(tokens).__name__} {tokens!r}"[:300])
+    if kwargs.get("layers") is not None and kwargs.get("policy") is None:
+        # layers= says where a policy routes; alone it would be ignored and every MoE layer hooked
+        raise MoetoolError("moetool.forward: layers= picks the layers a policy= routes in, and no policy was given; "
+                           "to hook only some MoE layers pass moe_layers=[lm.layers[i] ...]")
     return run(lm, tokens, **kwargs)
 
 

@@ -117,6 +117,19 @@ def test_inputs_of_the_wrong_kind_are_one_line_not_a_raw_error(tmp_path):
     assert len(seen) == len(lm.layers) * tokens.n_batches(8)
 
 
+def test_forward_refuses_layers_without_a_policy_and_hooks_only_moe_layers():
+    """``moetool.forward(lm, t, layers=[1], consumers=[c])`` ignored ``layers`` (it says where a policy routes) and
+    hooked every MoE layer: a consumer counting events saw all of them. It is refused; ``moe_layers`` hooks some."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    seen = []
+    with pytest.raises(MoetoolError, match=r"^moetool.forward: layers= picks the layers a policy= routes in"):
+        moetool.forward(lm, tokens, layers=[1], consumers=[seen.append], quiet=True)
+    assert seen == []
+    moetool.forward(lm, tokens, moe_layers=[lm.layers[1]], consumers=[seen.append], quiet=True)
+    assert {ev.layer.index for ev in seen} == {lm.layers[1].index} and len(seen) == tokens.n_batches(8)
+
+
 def test_fluctuation_given_one_name_mixed_checkpoints_or_no_tokens_says_what_to_pass():
     """``moetool.fluctuation("tiny", tokens)`` read the name letter by letter ('unknown model 'y''); a str, None or a
     tensor for its tokens raised an AttributeError (no ``describe``); names mixed with a loaded model an
