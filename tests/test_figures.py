@@ -482,3 +482,25 @@ def test_house_style_leaves_the_users_backend_alone(tmp_path):
         assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "f.pdf").read_bytes()[:4] == b"%PDF"
     finally:
         matplotlib.use(before)
+
+
+def test_one_crop_for_png_and_pdf_is_matplotlibs_tight_crop_of_each(tmp_path):
+    """``save_figure`` measures the tight box once for both files: each file's size is the one matplotlib's own
+    per-file ``bbox_inches="tight"`` gives, within a pixel (PNG at 200 dpi) / a point (PDF)."""
+    from PIL import Image
+
+    fig, _ = draw()
+    RunDir.create("x", tmp_path / "run").save_figure(fig, "f")
+    with F.house_style():
+        for ext in ("png", "pdf"):
+            fig.savefig(tmp_path / f"ref.{ext}", dpi=F.STYLE["savefig.dpi"] if ext == "png" else None,
+                        bbox_inches="tight")
+    got, ref = (Image.open(p).size for p in (tmp_path / "run" / "figures" / "f.png", tmp_path / "ref.png"))
+    assert abs(got[0] - ref[0]) <= 1 and abs(got[1] - ref[1]) <= 1, (got, ref)
+    assert got[0] > 600 and got[1] > 300  # a real two-panel figure, not an empty crop
+
+    def media_box(p):
+        return [float(v) for v in re.search(rb"/MediaBox \[([^\]]*)\]", p.read_bytes()).group(1).split()]
+
+    got, ref = media_box(tmp_path / "run" / "figures" / "f.pdf"), media_box(tmp_path / "ref.pdf")
+    np.testing.assert_allclose(got, ref, atol=1.0)

@@ -413,15 +413,26 @@ def place_legends(fig: Any) -> None:
                            ncol=min(len(handles), 4), fontsize=STYLE["legend.fontsize"], frameon=False)
 
 
-def savefig(fig: Any, path: str | Path, *, finalized: bool = False, **kwargs: Any) -> Path:
-    """Save ``fig`` in the house style (format from the suffix; PDFs with TrueType fonts). Does not close it."""
+def tight_bbox(fig: Any) -> Any:
+    """The box (inches) ``bbox_inches="tight"`` crops to: the figure's tight box plus ``savefig.pad_inches``, from
+    the figure's own Agg renderer. Computed once, it serves the PNG and the PDF (matplotlib measured every artist
+    again per file: about a fifth of a save); the two crops differ by at most a pixel from per-file ones."""
+    import matplotlib
+
+    with house_style():
+        return fig.get_tightbbox(fig.canvas.get_renderer()).padded(matplotlib.rcParams["savefig.pad_inches"])
+
+
+def savefig(fig: Any, path: str | Path, *, finalized: bool = False, bbox: Any = "tight", **kwargs: Any) -> Path:
+    """Save ``fig`` in the house style (format from the suffix; PDFs with TrueType fonts), cropped to ``bbox``
+    (matplotlib's ``bbox_inches``: ``"tight"``, or :func:`tight_bbox` computed once for several files). Does not
+    close it."""
     if not finalized:
         finalize(fig)
     p = Path(path)
     fmt = p.suffix.lstrip(".").lower() or "png"
     with house_style():
-        fig.savefig(p, format=fmt, dpi=STYLE["savefig.dpi"] if fmt == "png" else None, bbox_inches="tight",
-                    **kwargs)
+        fig.savefig(p, format=fmt, dpi=STYLE["savefig.dpi"] if fmt == "png" else None, bbox_inches=bbox, **kwargs)
     return p
 
 

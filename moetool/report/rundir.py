@@ -528,16 +528,17 @@ class RunDir:
         :attr:`caption` (e.g. ``describe_run(model, data, tokens)``) under a figure that has none; closes it."""
         import matplotlib.pyplot as plt
 
-        from .figures import finalize, has_caption, savefig, set_caption
+        from .figures import finalize, has_caption, savefig, set_caption, tight_bbox
 
         if self.caption and not has_caption(fig):
             set_caption(fig, self.caption)
         finalize(fig)
         paths = []
         try:
+            bbox = tight_bbox(fig)  # one crop for both files
             for ext in ("png", "pdf"):
                 with self.atomic(f"figures/{name}.{ext}") as tmp:
-                    savefig(fig, tmp, finalized=True)
+                    savefig(fig, tmp, finalized=True, bbox=bbox)
                 paths.append(self._path / "figures" / f"{name}.{ext}")
         finally:
             plt.close(fig)
