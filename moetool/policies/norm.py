@@ -5,7 +5,9 @@ and the K with the largest norm run. Weights (``--weights``): ``softmax`` over t
 norms (AoE Algorithm 1, default), ``router`` (the model's probabilities of the chosen set,
 renormalised as the model does), ``uniform`` (1/K). ``softmax`` and ``uniform`` weights are
 multiplied by the layer's ``weight_scale`` (DeepSeek's ``routed_scaling_factor``; 1 elsewhere) so the
-routed output keeps the model's scale.
+routed output keeps the model's scale. Equal norms (e.g. two experts whose node is exactly zero for a token) are
+ordered as ``torch.topk`` orders them, as the models' own routers do: which of the tied experts runs is not
+specified and may differ between CPU and CUDA.
 
 ``among`` (a :class:`moetool.policies.prune.PrunePolicy`): the policy on a pruned model — it chooses the K largest
 norms among the experts the pruning keeps (``norm-select --prune``). ``router`` weights of a kept set are the
