@@ -97,7 +97,9 @@ def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
     h = torch.cat(hs).double()
     wa, wb = (m.layers[J].router.weight.detach().double().cpu() for m in (a, b))
     want = hand_change(h, wa, wb, 2)
+    want["entropy_ratio"] = want["entropy_ckpt"] / want["entropy_ref"]  # ckpt / ref, not its inverse
     assert want["topk_change"] > 0  # the perturbation really moved some choices
+    assert abs(want["entropy_ratio"] - 1) > 1e-4  # ... and the entropy: the ratio's direction shows
     for routing in ("router", "router-isolated"):
         row = df[(df["layer"] == J) & (df["routing"] == routing)].iloc[0]
         for k, v in want.items():
