@@ -456,3 +456,30 @@ def test_cli_writes_tables_and_figures(tmp_path):
     assert (out / "figures" / "offload_prefetch_recall.png").exists()
     r = CliRunner().invoke(app, ["offload", "--out", str(tmp_path / "bad"), "--policies", "fifo"])
     assert r.exit_code == 2 and "fifo" in r.output
+
+
+def test_coverage_and_hottest_expert_of_a_hand_trace():
+    """offload's tables from a hand trace (K = 2, n = 6; expert 5 never requested; two packed rows):
+    first requests 0, 1 at token 0, 2 at 1, 3 at 2, 4 at 3, so coverage(N) = |{e: first < N}| / 6 =
+    2/6, 3/6, 4/6, 5/6 for N = 1..4 (the first N tokens: indices 0..N-1); loads 2 2 2 1 1 0 of 8 requests: hottest
+    share 2/8 (expert 0: the lowest of the tied), x n = 1.5 against the uniform 1/6, 5 experts used; a cache of
+    all n experts never evicts, so it misses each expert's first request only: 5 misses, 5/4 per token."""
+    from moetool.experiments.offload.spec import OffloadOptions
+    from moetool.experiments.offload.compute import offload_tables
+    from moetool.experiments.trace_analyses import TraceStream
+    from types import SimpleNamespace
+
+    req = np.array([[0, 1], [1, 2], [3, 0], [2, 4]])
+    stream = TraceStream(np.array([0, 0, 1, 1]), {0: req}, {0: 6})
+    opts = OffloadOptions(capacities=(6,), policies=("lru",), coverage_tokens=(1, 2, 3, 4), bootstrap=0)
+    res = offload_tables(stream, [SimpleNamespace(index=0, n_experts=6, top_k=2)], opts, {}, None)
+    cov = res["offload_coverage"].set_index("tokens")["coverage"]
+    assert cov.to_dict() == pytest.approx({1: 2 / 6, 2: 3 / 6, 3: 4 / 6, 4: 5 / 6}, abs=1e-12)
+    lay = res["offload_layers"].iloc[0]
+    assert (lay.hottest_expert, lay.experts_used, lay.tokens) == (0, 5, 4)
+    assert lay.hottest_share == pytest.approx(2 / 8, abs=1e-12)
+    assert lay.hottest_vs_uniform == pytest.approx(2 / 8 * 6, abs=1e-12)
+    cache = res["offload_cache"].iloc[0]
+    assert (cache.requests, cache.hits) == (8, 3)
+    assert cache.hit_rate == pytest.approx(3 / 8, abs=1e-12)
+    assert cache.misses_per_token == pytest.approx(5 / 4, abs=1e-12)
