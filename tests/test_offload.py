@@ -483,3 +483,26 @@ def test_coverage_and_hottest_expert_of_a_hand_trace():
     assert (cache.requests, cache.hits) == (8, 3)
     assert cache.hit_rate == pytest.approx(3 / 8, abs=1e-12)
     assert cache.misses_per_token == pytest.approx(5 / 4, abs=1e-12)
+
+
+def test_coverage_of_the_first_tokens_skips_leading_padding(tiny):
+    """A left-padded first row (5 padded positions before the data's first real token): coverage(N) for N = 1, 2, 3
+    counts the experts of the first N real tokens only, by hand from the real tokens' routing. The padded
+    positions sit before token 0 in the stream; counted, the experts they route to read as activated by the first
+    token (coverage(1) above its 2 of 8 per layer)."""
+    from moetool.data import TokenSet
+
+    lm, base = tiny
+    mask = base.attention_mask[:2].clone()
+    mask[0, :5] = 0
+    tokens = TokenSet(base.input_ids[:2].clone(), mask, base.domains[:2], base.source)
+    res = offload(lm, tokens, coverage_tokens=(1, 2, 3), capacities=(8,), policies=("lru",), bootstrap=0,
+                  quiet=True)
+    idx, _ = _manual(lm, tokens)
+    T = tokens.n_tokens
+    first = torch.stack([torch.full((L.n_experts,), T).scatter_reduce(
+        0, idx[L.index].reshape(-1), torch.arange(T).repeat_interleave(L.top_k), reduce="amin") for L in lm.layers])
+    got = res["offload_coverage"].set_index("tokens")["coverage"]
+    for N in (1, 2, 3):
+        assert got[N] == pytest.approx(float((first < N).double().mean()), abs=1e-12)
+    assert got[1] == 2 / 8  # the first token's K of n experts in every layer
