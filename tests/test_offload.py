@@ -321,6 +321,7 @@ def test_tables_match_manual_computation(tiny):
         for _, r in cache[cache.layer == L.index].iterrows():
             assert r.hits == int(simulate(trace.numpy(), r.capacity, r.policy).sum())
             assert r.hit_rate_lo <= r.hit_rate <= r.hit_rate_hi
+            assert r.bytes_per_token == pytest.approx((T * L.top_k - r.hits) / T * expert_bytes(L), rel=1e-12)
         # next-layer prediction by hand: route(logits(post_attention_layernorm_ℓ(x_ℓ))) vs the chosen set
         if L.index > 0:
             with torch.no_grad():
@@ -330,6 +331,12 @@ def test_tables_match_manual_computation(tiny):
             pr = res["offload_prefetch"].set_index("layer").loc[L.index]
             assert pr.topk_recall == pytest.approx(float(topk))
             assert pr.tokens == T
+    # the summary: per (policy, capacity) the hit rate averaged and the bytes per token summed over the layers
+    for _, r in res.summary.iterrows():
+        rows = cache[(cache.policy == r.policy) & (cache.capacity == r.capacity)]
+        assert len(rows) == len(lm.layers) > 1
+        assert r.hit_rate == pytest.approx(rows.hit_rate.mean(), rel=1e-12)
+        assert r.bytes_per_token == pytest.approx(rows.bytes_per_token.sum(), rel=1e-12)
     # coverage: first occurrence over all layers by hand
     first = torch.stack([torch.full((L.n_experts,), T).scatter_reduce(
         0, idx[L.index].reshape(-1), torch.arange(T).repeat_interleave(L.top_k), reduce="amin") for L in lm.layers])
