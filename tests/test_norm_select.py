@@ -357,6 +357,12 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
         want = (1.0, 1.0) if pol == "router" else (delta_ratio(v, se, b, se_b).lo, delta_ratio(v, se, b, se_b).hi)
         assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-12)
         assert r.ratio_lo <= r.ratio <= r.ratio_hi
+    # seconds: the perplexity pass plus the one lm-eval run of all tasks (0.5 s each here), not once per task
+    summary = res.summary.set_index("node")
+    for node, pol in (("router", "router"), ("gate", "norm:gate:l2"), ("up", "norm:up:l2")):
+        ppl_s = q[(q.policy == pol) & (q.metric == "perplexity")].seconds.iloc[0]
+        assert (q[(q.policy == pol) & (q.metric == "acc")].seconds == 0.5).all()
+        assert summary.loc[node, "seconds"] == pytest.approx(ppl_s + 0.5, abs=1e-9)
     t = res["aoe_table1"].set_index("row")
     best = t.loc["best node"]
     assert best["mmlu node"] == "gate:l2" and best["arc_challenge node"] == "up:l2"  # highest retention per task
