@@ -509,7 +509,12 @@ def test_coverage_of_the_first_tokens_skips_leading_padding(tiny):
     T = tokens.n_tokens
     first = torch.stack([torch.full((L.n_experts,), T).scatter_reduce(
         0, idx[L.index].reshape(-1), torch.arange(T).repeat_interleave(L.top_k), reduce="amin") for L in lm.layers])
-    got = res["offload_coverage"].set_index("tokens")["coverage"]
+    cov = res["offload_coverage"].set_index("tokens")
+    got = cov["coverage"]
     for N in (1, 2, 3):
-        assert got[N] == pytest.approx(float((first < N).double().mean()), abs=1e-12)
+        seen = (first < N).double()  # [layers, n]
+        assert got[N] == pytest.approx(float(seen.mean()), abs=1e-12)
+        per_layer = seen.mean(1)  # each layer's share of its experts
+        assert (cov.loc[N, "coverage_min_layer"], cov.loc[N, "coverage_max_layer"]) == \
+            pytest.approx((float(per_layer.min()), float(per_layer.max())), abs=1e-12)
     assert got[1] == 2 / 8  # the first token's K of n experts in every layer
