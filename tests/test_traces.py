@@ -354,6 +354,23 @@ def test_stats_tables_equal_forward(captured, imported, fmt, tmp_path):
         _same(res["coactivation"], ref["coactivation"], ["layer", "a", "b", "p_b_given_a", "count"])
 
 
+def test_stats_top_k_1_of_a_trace_counts_its_first_ranked_expert(captured, tmp_path):
+    """stats --trace --top-k 1 on moetool's own trace (expert_1..K largest first): the loads of expert_1 only, by
+    hand from the trace's rows (K = 2 in the tiny model, so the last column differs). The last K column read as the
+    first-ranked survived the suite."""
+    tr = captured["trace"]
+    tr.to_parquet(tmp_path / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path, "tiny"), StatsOptions(top_k=1, top_tokens=0, bootstrap=0))
+    load, layers = res["load"].set_index(["layer", "expert"]), res["layers"].set_index("layer")
+    assert sorted(set(tr["layer"])) == sorted(layers.index)
+    for li, g in tr.groupby("layer"):
+        counts = np.bincount(g["expert_1"].to_numpy(), minlength=8)
+        assert layers.loc[li, "top_k"] == 1 and layers.loc[li, "tokens"] == len(g)
+        assert load.loc[li]["tokens"].tolist() == counts.tolist()
+        assert load.loc[li]["load_fraction"].tolist() == pytest.approx((counts / len(g)).tolist(), abs=1e-15)
+        assert (counts != np.bincount(g["expert_2"].to_numpy(), minlength=8)).any()  # the columns tell apart
+
+
 @pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-stat"))
 def test_placement_tables_equal_forward(captured, imported, fmt):
     res, _ = placement_from_trace(open_trace(imported[fmt]), PlacementOptions(gpus=(2, 4), extra_slots=(0, 1),
