@@ -345,3 +345,24 @@ def test_cluster_to_more_groups_than_experts_refused(tiny):
     for bad in (0, True, 2.5):
         with pytest.raises(MoetoolError, match="--cluster-to"):
             ExpertSimilarityOptions(cluster_to=bad)
+
+
+def test_token_cos_averages_over_the_tokens_where_both_outputs_are_non_zero():
+    """matrices() from hand sums of 4 real tokens: expert 1's output is 0 on 2 of them, so token_cos(0, 1) is the
+    cosine sum over the 2 tokens where both are non-zero / 2 (0.75), not / the 4 tokens (0.375); co_selection is
+    |A ∩ B| / (|A| + |B| - |A ∩ B|)."""
+    import numpy as np
+
+    from moetool.experiments.expert_similarity.compute import SimilaritySums
+
+    sums = SimilaritySums([0])
+    f64 = dict(dtype=torch.float64)
+    sums.acc[0] = {"out": torch.tensor([[4.0, 0.0], [0.0, 2.0]], **f64),
+                   "cos": torch.tensor([[4.0, 1.5], [1.5, 2.0]], **f64),
+                   "both": torch.tensor([[4.0, 2.0], [2.0, 2.0]], **f64),
+                   "co": torch.tensor([[3.0, 1.0], [1.0, 2.0]], **f64), "tokens": torch.tensor(4.0, **f64)}
+    m = sums.matrices()[0]
+    assert m["token_cos"][0, 1] == m["token_cos"][1, 0] == 0.75
+    assert m["co_selection"][0, 1] == 1 / (3 + 2 - 1)
+    assert m["output_cos"][0, 1] == 0.0 and m["output_dist"][0, 1] == pytest.approx(np.hypot(1.0, 0.5), abs=1e-15)
+    assert m["tokens"] == 4
