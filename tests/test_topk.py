@@ -267,7 +267,6 @@ def test_wide_sets_run_in_chunks_of_the_models_pairs(model_type, spec, tiny_mode
     """A policy handing the experts n columns per token (topp:1, topk:n) runs them over chunks of tokens holding at
     most tokens x K (token, expert) pairs -- the activations of the model's own forward, not n / K times them -- and
     each layer's experts output is still sum_j w_j W_o glu(h) of every chosen expert, by hand from the raw weights."""
-    from moetool.engine import hooks
 
     model = tiny_model(model_type)
     layers = find_moe_layers(model)
