@@ -334,6 +334,12 @@ def test_average_linkage_by_hand():
     # dominant: the member closest to its group's mean (ties: the lowest): {0,1} -> 0, {2,3} -> 2, {4} -> 4
     assert dominant(x[:, None], groups(merges, 5, 3)).tolist() == [True, False, True, False, True]
     assert [m[:2] for m in average_linkage(np.abs(np.subtract.outer([0.0, 1, 2], [0.0, 1, 2])))] == [(0, 1), (0, 2)]
+    # clusters of unequal sizes: 0, 1, 5, 11 -> (0,1) at 1; {0,1}-2: mean(5, 4) = 4.5; {0,1,2}-3: mean(11, 10, 6) = 9
+    # over the 3 pairs (an unweighted mean of the two merged clusters' distances, (10.5 + 6) / 2, gives 8.25)
+    y = np.array([0.0, 1.0, 5.0, 11.0])
+    merges = average_linkage(np.abs(y[:, None] - y[None, :]))
+    assert [(a, b, size, left) for a, b, _, size, left in merges] == [(0, 1, 2, 3), (0, 2, 3, 2), (0, 3, 4, 1)]
+    np.testing.assert_allclose([m[2] for m in merges], [1.0, 4.5, 9.0], rtol=1e-15)
 
 
 def test_cluster_to_more_groups_than_experts_refused(tiny):
