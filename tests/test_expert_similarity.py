@@ -372,3 +372,25 @@ def test_token_cos_averages_over_the_tokens_where_both_outputs_are_non_zero():
     assert m["co_selection"][0, 1] == 1 / (3 + 2 - 1)
     assert m["output_cos"][0, 1] == 0.0 and m["output_dist"][0, 1] == pytest.approx(np.hypot(1.0, 0.5), abs=1e-15)
     assert m["tokens"] == 4
+
+
+def test_layer_summary_ties_go_to_the_first_pair():
+    """The layer row's max/min pairs from hand matrices with tied values: output_cos 0.5 at (0, 1) and (1, 2),
+    output_dist 2 at (0, 2) and (1, 2): the first pair in (i, j) order is named (0-1 and 0-2), the means are over the
+    defined pairs (token_cos NaN at (0, 2) left out)."""
+    import numpy as np
+
+    from moetool.experiments.expert_similarity.compute import tables
+
+    cos = np.array([[1.0, 0.5, 0.2], [0.5, 1.0, 0.5], [0.2, 0.5, 1.0]])
+    dist = np.array([[0.0, 3.0, 2.0], [3.0, 0.0, 2.0], [2.0, 2.0, 0.0]])
+    tok = np.array([[1.0, 0.4, np.nan], [0.4, 1.0, 0.4], [np.nan, 0.4, 1.0]])
+    co = np.array([[1.0, 0.1, 0.3], [0.1, 1.0, 0.3], [0.3, 0.3, 1.0]])
+    mats = {0: {"output_dist": dist, "output_cos": cos, "token_cos": tok, "co_selection": co,
+                "mean": np.eye(3), "tokens": 5}}
+    row = tables(mats, {0: 3})["expert_similarity.csv"].iloc[0]
+    assert (row.max_output_pair, row.min_dist_pair, row.max_token_pair) == ("0-1", "0-2", "0-1")
+    assert (row.max_output_cos, row.min_output_dist, row.max_token_cos) == (0.5, 2.0, 0.4)
+    assert row.mean_output_cos == pytest.approx(1.2 / 3, abs=1e-15)
+    assert row.mean_token_cos == pytest.approx(0.4, abs=1e-15) and row.max_co_selection == 0.3
+    assert row.mean_co_selection == pytest.approx(0.7 / 3, abs=1e-15)
