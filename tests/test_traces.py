@@ -484,6 +484,32 @@ def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path)
     _same(got["fluctuation"], ref, ["layer", "tokens", *rates])
 
 
+def test_fluctuation_between_traces_follows_the_reference(captured, tmp_path):
+    """Three recorded routings a (tiny-early), b (tiny), c (a copy of a) with reference first: the pairs (a, b)
+    and (a, c), so c's rows compare identical routings (no change, overlap 1) and b's are the two-trace comparison
+    of a and b. The pairs of 'previous' ((a, b), (b, c)) ran whatever the reference survived the suite."""
+    import moetool
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace.compute import trace
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    tr_early = trace(moetool.load("tiny-early"), captured["tokens"], quiet=True)["trace"]
+    for name, tr in (("a", tr_early), ("b", captured["trace"]), ("c", tr_early)):
+        (tmp_path / name).mkdir()
+        tr.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    srcs = [open_trace(tmp_path / name, "tiny") for name in "abc"]
+    rates = ["top1_change", "topk_change", "topk_overlap", "jaccard"]
+    got = fluctuation_from_traces(srcs, ["a", "b", "c"], FluctuationOptions(reference="first", bootstrap=0),
+                                  None)["fluctuation"]
+    assert sorted(set(zip(got.reference, got.checkpoint))) == [("a", "b"), ("a", "c")]
+    same = got[got.checkpoint == "c"]
+    assert (same[["top1_change", "topk_change"]] == 0).all().all()
+    assert (same[["topk_overlap", "jaccard"]] == 1).all().all()
+    two = fluctuation_from_traces(srcs[:2], ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
+    _same(got[got.checkpoint == "b"], two, ["layer", "tokens", *rates])
+    assert (two["topk_change"] > 0).any()  # a and b differ: a wrong pair would show
+
+
 @pytest.mark.parametrize("kind", ("sglang", "eplb"))
 def test_export_read_back(captured, imported, kind, tmp_path):
     """The exported placement, read back as SGLang / EPLB's outputs are read, puts on each GPU the loads
