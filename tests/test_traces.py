@@ -452,6 +452,22 @@ def test_offload_tables_equal_forward(captured, imported, fmt):
     assert (few["offload_layers"]["tokens"] == 40).all()
 
 
+def test_max_tokens_of_a_trace_read_in_small_batches(imported, monkeypatch):
+    """offload --trace --max-tokens 40 read 7 rows at a time (every layer's 40 tokens spread over several reads):
+    each layer keeps its first 40 tokens, the tables those of one read. Cutting each read at 40 rather than at
+    what the layer still needs survived the suite (its traces fit one read)."""
+    from moetool.experiments.offload.compute import OffloadOptions
+    from moetool.experiments.trace_analyses import offload_from_trace
+    from moetool.traces import store
+
+    whole = offload_from_trace(open_trace(imported["vllm"]), OffloadOptions(bootstrap=0), 40)
+    monkeypatch.setattr(store, "ROWS_PER_READ", 7)
+    small = offload_from_trace(open_trace(imported["vllm"]), OffloadOptions(bootstrap=0), 40)
+    assert (small["offload_layers"]["tokens"] == 40).all()
+    for name in ("offload_coverage", "offload_layers", "offload_cache"):
+        _same(small[name], whole[name], list(whole[name].columns))
+
+
 def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path):
     """Two recorded routings of the same tokens (tiny-early and tiny): with gate weights (moetool trace) every rate
     of the forward's fluctuation for the router; from engine dumps (vLLM) the set rates, top1_change left out."""
