@@ -321,3 +321,8 @@ def test_every_layer_and_perplexity_from_plain_router_hooks(tiny_model, model_ty
             assert (got["tokens"], got["assignments"], got["dropped"], got["tokens_dropped_all"]) == \
                 (tok, assigned, dropped, lost), (order, i)
             assert dropped > 0
+        # capacity.csv: over every MoE layer, drops per assignment (K per token: not per token) and lost tokens
+        tok, assigned, dropped, lost = (sum(c[j] for c in counts.values()) for j in range(4))
+        assert (row["assignments"], row["dropped"]) == (assigned, dropped)
+        assert row["dropped_frac"] == pytest.approx(dropped / assigned, rel=1e-12)
+        assert row["tokens_dropped_all_frac"] == pytest.approx(lost / tok, rel=1e-12)

@@ -334,6 +334,12 @@ def test_average_linkage_by_hand():
     # dominant: the member closest to its group's mean (ties: the lowest): {0,1} -> 0, {2,3} -> 2, {4} -> 4
     assert dominant(x[:, None], groups(merges, 5, 3)).tolist() == [True, False, True, False, True]
     assert [m[:2] for m in average_linkage(np.abs(np.subtract.outer([0.0, 1, 2], [0.0, 1, 2])))] == [(0, 1), (0, 2)]
+    # clusters of unequal sizes: 0, 1, 5, 11 -> (0,1) at 1; {0,1}-2: mean(5, 4) = 4.5; {0,1,2}-3: mean(11, 10, 6) = 9
+    # over the 3 pairs (an unweighted mean of the two merged clusters' distances, (10.5 + 6) / 2, gives 8.25)
+    y = np.array([0.0, 1.0, 5.0, 11.0])
+    merges = average_linkage(np.abs(y[:, None] - y[None, :]))
+    assert [(a, b, size, left) for a, b, _, size, left in merges] == [(0, 1, 2, 3), (0, 2, 3, 2), (0, 3, 4, 1)]
+    np.testing.assert_allclose([m[2] for m in merges], [1.0, 4.5, 9.0], rtol=1e-15)
 
 
 def test_cluster_to_more_groups_than_experts_refused(tiny):
@@ -345,3 +351,46 @@ def test_cluster_to_more_groups_than_experts_refused(tiny):
     for bad in (0, True, 2.5):
         with pytest.raises(MoetoolError, match="--cluster-to"):
             ExpertSimilarityOptions(cluster_to=bad)
+
+
+def test_token_cos_averages_over_the_tokens_where_both_outputs_are_non_zero():
+    """matrices() from hand sums of 4 real tokens: expert 1's output is 0 on 2 of them, so token_cos(0, 1) is the
+    cosine sum over the 2 tokens where both are non-zero / 2 (0.75), not / the 4 tokens (0.375); co_selection is
+    |A ∩ B| / (|A| + |B| - |A ∩ B|)."""
+    import numpy as np
+
+    from moetool.experiments.expert_similarity.compute import SimilaritySums
+
+    sums = SimilaritySums([0])
+    f64 = dict(dtype=torch.float64)
+    sums.acc[0] = {"out": torch.tensor([[4.0, 0.0], [0.0, 2.0]], **f64),
+                   "cos": torch.tensor([[4.0, 1.5], [1.5, 2.0]], **f64),
+                   "both": torch.tensor([[4.0, 2.0], [2.0, 2.0]], **f64),
+                   "co": torch.tensor([[3.0, 1.0], [1.0, 2.0]], **f64), "tokens": torch.tensor(4.0, **f64)}
+    m = sums.matrices()[0]
+    assert m["token_cos"][0, 1] == m["token_cos"][1, 0] == 0.75
+    assert m["co_selection"][0, 1] == 1 / (3 + 2 - 1)
+    assert m["output_cos"][0, 1] == 0.0 and m["output_dist"][0, 1] == pytest.approx(np.hypot(1.0, 0.5), abs=1e-15)
+    assert m["tokens"] == 4
+
+
+def test_layer_summary_ties_go_to_the_first_pair():
+    """The layer row's max/min pairs from hand matrices with tied values: output_cos 0.5 at (0, 1) and (1, 2),
+    output_dist 2 at (0, 2) and (1, 2): the first pair in (i, j) order is named (0-1 and 0-2), the means are over the
+    defined pairs (token_cos NaN at (0, 2) left out)."""
+    import numpy as np
+
+    from moetool.experiments.expert_similarity.compute import tables
+
+    cos = np.array([[1.0, 0.5, 0.2], [0.5, 1.0, 0.5], [0.2, 0.5, 1.0]])
+    dist = np.array([[0.0, 3.0, 2.0], [3.0, 0.0, 2.0], [2.0, 2.0, 0.0]])
+    tok = np.array([[1.0, 0.4, np.nan], [0.4, 1.0, 0.4], [np.nan, 0.4, 1.0]])
+    co = np.array([[1.0, 0.1, 0.3], [0.1, 1.0, 0.3], [0.3, 0.3, 1.0]])
+    mats = {0: {"output_dist": dist, "output_cos": cos, "token_cos": tok, "co_selection": co,
+                "mean": np.eye(3), "tokens": 5}}
+    row = tables(mats, {0: 3})["expert_similarity.csv"].iloc[0]
+    assert (row.max_output_pair, row.min_dist_pair, row.max_token_pair) == ("0-1", "0-2", "0-1")
+    assert (row.max_output_cos, row.min_output_dist, row.max_token_cos) == (0.5, 2.0, 0.4)
+    assert row.mean_output_cos == pytest.approx(1.2 / 3, abs=1e-15)
+    assert row.mean_token_cos == pytest.approx(0.4, abs=1e-15) and row.max_co_selection == 0.3
+    assert row.mean_co_selection == pytest.approx(0.7 / 3, abs=1e-15)

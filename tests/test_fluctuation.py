@@ -15,7 +15,8 @@ from moetool.commands.app import app
 from moetool.data import TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
-from moetool.experiments.fluctuation.compute import (COLUMNS, FluctuationOptions, check_checkpoints, pairs, processing_order,
+from moetool.experiments.fluctuation.compute import (COLUMNS, FluctuationOptions, Routing, check_checkpoints, chosen_and_top1,
+                                             compare, pairs, processing_order,
                                              run_fluctuation)
 from moetool.loading import load
 from moetool.uncertainty import ratio_intervals
@@ -96,7 +97,9 @@ def test_perturbed_router_changes_only_its_layer_and_matches_hand(ckpts):
     h = torch.cat(hs).double()
     wa, wb = (m.layers[J].router.weight.detach().double().cpu() for m in (a, b))
     want = hand_change(h, wa, wb, 2)
+    want["entropy_ratio"] = want["entropy_ckpt"] / want["entropy_ref"]  # ckpt / ref, not its inverse
     assert want["topk_change"] > 0  # the perturbation really moved some choices
+    assert abs(want["entropy_ratio"] - 1) > 1e-4  # ... and the entropy: the ratio's direction shows
     for routing in ("router", "router-isolated"):
         row = df[(df["layer"] == J) & (df["routing"] == routing)].iloc[0]
         for k, v in want.items():
@@ -456,3 +459,27 @@ def test_random_isolated_draws_per_row_not_per_batch():
                        quiet=True)["fluctuation"] for bs in (1, 3)]
     assert set(got[0]["routing"]) == {"random", "random-isolated"}
     pd.testing.assert_frame_equal(got[0], got[1], check_exact=False, rtol=1e-6)  # (float32 forwards of 1 and 3 rows)
+
+
+def test_top1_is_the_largest_weight_not_the_first_column():
+    """compare reads the top-1 of chosen_and_top1 (the chosen expert of largest weight), not the set's first column:
+    two routings with the same experts, in columns out of weight order (as routers with topk(sorted=False) return
+    them): tokens 0 and 3 keep their columns while their largest weight moves (1 -> 0, 7 -> 6), token 1's columns
+    swap while its top-1 stays 3, token 2 is unchanged. By hand: top1_change 2/4, topk_change 0, topk_overlap and
+    jaccard 1. Reading column 0 gave 1/4 (token 1 only)."""
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    w_ref = torch.tensor([[0.3, 0.7], [0.4, 0.6], [0.9, 0.1], [0.2, 0.8]])
+    idx_ck = torch.tensor([[0, 1], [3, 2], [4, 5], [6, 7]])
+    w_ck = torch.tensor([[0.8, 0.2], [0.6, 0.4], [0.9, 0.1], [0.7, 0.3]])
+
+    def routing(i, w):
+        r = Routing([0])
+        r.spill.append(chosen_and_top1(i, w).unsqueeze(0).to(torch.int32))  # [L = 1, T, K + 1], one batch
+        r.spill.append(torch.tensor([0, 0, 1, 1], dtype=torch.int32))  # packed row of each token
+        r.tokens = 4
+        return r
+
+    got = compare(routing(idx, w_ref), routing(idx_ck, w_ck))[0]
+    assert got["tokens"] == 4
+    assert got["top1_change"] == pytest.approx(2 / 4, abs=1e-12)
+    assert (got["topk_change"], got["topk_overlap"], got["jaccard"]) == (0.0, 1.0, 1.0)

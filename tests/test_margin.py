@@ -121,6 +121,30 @@ def test_no_noise_no_flips_and_flips_by_hand(tiny):
     assert mine.loc[0.02, "topk_flip"] == pytest.approx(float(set_flip[~low].mean()), abs=1e-12)
 
 
+def test_a_margin_equal_to_a_threshold_is_in_the_bin_above(tiny):
+    """margin_bins' bins are [margin_lo, margin_hi) and frac_below_<thr> counts margin < thr (the definitions): with
+    the thresholds set to margins some tokens have exactly (fp32), those tokens count in the bin that starts there
+    and not below it. Bucketing with right=False put them in the bin below (the bin counts then disagreed with
+    frac_below)."""
+    lm, tokens, L, cap = tiny
+    valid = cap["valid"]
+    s = L.selection_scores(cap["logits"][valid]).float().sort(dim=-1, descending=True).values
+    m = (s[:, L.top_k - 1] - s[:, L.top_k]).cpu()  # fp32, as the experiment forms it
+    srt = m.sort().values
+    thr = (float(srt[len(srt) // 3]), float(srt[2 * len(srt) // 3]))  # exact in fp32: two tokens' own margins
+    res = margin(lm, tokens, eps=(0.0,), thresholds=thr, bootstrap=0, batch_size=3, quiet=True)
+    bins = res["margin_bins"]
+    mine = bins[bins.layer == L.index].set_index("margin_lo")["tokens"]
+    t1, t2 = thr
+    assert list(mine.index) == [0.0, t1, t2]
+    assert int((m == t1).sum()) >= 1 and int((m == t2).sum()) >= 1  # the case: margins on the edges
+    assert mine.loc[0.0] == int((m < t1).sum())
+    assert mine.loc[t1] == int(((m >= t1) & (m < t2)).sum())
+    assert mine.loc[t2] == int((m >= t2).sum())
+    row = res["margin"].set_index("layer").loc[L.index]
+    assert row[f"frac_below_{t1:g}"] * row["tokens"] == pytest.approx(mine.loc[0.0], abs=1e-9)
+
+
 @pytest.mark.parametrize("bad, msg", [({"eps": (-0.1,)}, "--eps"), ({"thresholds": (0.1, 0.01)}, "increase"),
                                       ({"thresholds": (0.0,)}, "positive")])
 def test_bad_options_are_one_line(bad, msg):

@@ -297,6 +297,39 @@ def test_mass_recall_matches_hand_computation():
             assert row[f"{col}_lo"] <= row[col] <= row[f"{col}_hi"]
 
 
+def test_mass_recall_p05_is_the_5th_percentile_of_many_tokens():
+    """30 real tokens (4 rows of 8, 2 padded): mass_recall_p05 is the 5th percentile of the hand per-token mass
+    recalls (np.quantile, inverted CDF: the 2nd smallest of 30), within the histogram's one bin above it. With the
+    12 tokens of the hand test above the 5th and the 2.5th percentiles are the same order statistic, so a p05 read
+    at q = 0.025 passed; here they sit more than a bin apart."""
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    L = layers[1]
+    tokens = tokens_for_test(rows=4, seq=8, seed=3)
+    caught = []
+    with torch.no_grad(), Engine(model, [L], consumers=[lambda ev: caught.append(ev.h[ev.valid].double())]):
+        model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+    H = torch.cat(caught).numpy()
+    km = SphericalKMeans(4)
+    km.codebook = ops.unit(torch.randn(4, H.shape[1], generator=torch.Generator().manual_seed(2)))
+    opts = MassRecallOptions(codebook_sizes=(4,), shortlists=(3,), centroids=("raw",), batch_size=2)
+    lm = SimpleNamespace(model=model, layers=layers, device=model.device)
+    row = evaluate(lm, tokens, [L], {(L.index, 4): km}, opts, quiet=True).table.iloc[0]
+    C, W = km.codebook.double().numpy(), L.router_weight().detach().double().numpy()
+    shortlist = np.argsort(-(C @ W.T), axis=1)[:, :3]  # each codeword's 3 experts of largest c . w_e
+    logits = H @ W.T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    code = (H @ C.T).argmax(1)  # unit codewords: the largest cosine is the largest dot product
+    mass = np.array([p[t, shortlist[code[t]]].sum() for t in range(len(H))])
+    assert row["tokens"] == len(H) == 30
+    assert row["mass_recall_mean"] == pytest.approx(mass.mean(), abs=1e-6)
+    q05, q025 = (float(np.quantile(mass, q, method="inverted_cdf")) for q in (0.05, 0.025))
+    assert q05 - q025 > 2 / 4096  # the two percentiles fall in different bins: the test tells them apart
+    # the upper edge of the 4096-bin histogram's bin: never below the order statistic, at most one bin above
+    assert 0 <= row["mass_recall_p05"] - q05 <= 1 / 4096 + 1e-6
+
+
 # ----- the command on the embedded models --------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny", "tiny-fine"])
 @pytest.mark.slow

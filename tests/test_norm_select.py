@@ -156,6 +156,47 @@ def test_agreement_equals_a_hand_computation(spec):
         assert df.topk_overlap.min() < 1.0
 
 
+def test_top1_agree_ranks_an_unsorted_routers_choice_by_its_scores():
+    """LongCat-Flash's router returns its top-K unsorted (topk(sorted=False), as DeepSeek-V3 and GLM-4.5; on CPU at
+    K = 4 the largest is often not first): top1_agree compares the policy's first expert with the router's chosen
+    expert of largest selection score (softmax + correction bias, by hand from the captured logits), not with the
+    router's first column. Reading the first column survived the suite: its tiny routers return the top-K sorted."""
+    from types import SimpleNamespace
+
+    from moetool.adapters.discovery import model_class, tiny_config
+    from moetool.experiments.routing import perplexity
+
+    cfg = tiny_config("longcat_flash")
+    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 12, 4, 4
+    torch.manual_seed(0)
+    model = model_class("longcat_flash").from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    routers = [layer.mlp.router for layer in model.model.layers]
+    with torch.no_grad():
+        for r in routers:
+            r.classifier.weight.copy_(torch.randn(r.classifier.weight.shape, generator=gen) * 0.15)
+            r.e_score_correction_bias.copy_(torch.randn(r.e_score_correction_bias.shape, generator=gen) * 0.05)
+    ids = torch.randint(3, 30, (4, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[2, -6:] = 0
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    meter, events = ns.AgreementMeter(), []
+    perplexity(lm, TokenSet(ids, mask, [""] * 4, "test"), policy=make_policy("norm:glu:l1"),
+               consumers=[meter, events.append], batch_size=4, quiet=True)
+    df = meter.frame("norm:glu:l1").set_index("layer")
+    unsorted = parted = 0
+    for ev in events:  # one batch: one event per layer
+        v = ev.valid
+        sel = torch.softmax(ev.logits.double(), -1) + ev.layer.router.e_score_correction_bias.double()
+        best = ev.idx.gather(1, sel.gather(1, ev.idx).argmax(-1, keepdim=True))[:, 0]
+        want = float((ev.chosen_idx[:, 0] == best)[v].double().mean())
+        assert df.loc[ev.layer.index, "top1_agree"] == pytest.approx(want, abs=1e-12)
+        assert df.loc[ev.layer.index, "tokens"] == int(v.sum()) == 74
+        unsorted += int((best != ev.idx[:, 0])[v].sum())
+        parted += float((ev.chosen_idx[:, 0] == ev.idx[:, 0])[v].double().mean()) != want
+    assert unsorted > 0 and parted > 0  # the router's first column is not its best, and the readings part
+
+
 def test_sweep_frames_and_table():
     lm, tokens = _LM("mixtral"), _tokens()
     specs = ns.sweep_specs(["gate", "output"], ["l2"])
@@ -316,6 +357,12 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
         want = (1.0, 1.0) if pol == "router" else (delta_ratio(v, se, b, se_b).lo, delta_ratio(v, se, b, se_b).hi)
         assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-12)
         assert r.ratio_lo <= r.ratio <= r.ratio_hi
+    # seconds: the perplexity pass plus the one lm-eval run of all tasks (0.5 s each here), not once per task
+    summary = res.summary.set_index("node")
+    for node, pol in (("router", "router"), ("gate", "norm:gate:l2"), ("up", "norm:up:l2")):
+        ppl_s = q[(q.policy == pol) & (q.metric == "perplexity")].seconds.iloc[0]
+        assert (q[(q.policy == pol) & (q.metric == "acc")].seconds == 0.5).all()
+        assert summary.loc[node, "seconds"] == pytest.approx(ppl_s + 0.5, abs=1e-9)
     t = res["aoe_table1"].set_index("row")
     best = t.loc["best node"]
     assert best["mmlu node"] == "gate:l2" and best["arc_challenge node"] == "up:l2"  # highest retention per task

@@ -321,6 +321,7 @@ def test_tables_match_manual_computation(tiny):
         for _, r in cache[cache.layer == L.index].iterrows():
             assert r.hits == int(simulate(trace.numpy(), r.capacity, r.policy).sum())
             assert r.hit_rate_lo <= r.hit_rate <= r.hit_rate_hi
+            assert r.bytes_per_token == pytest.approx((T * L.top_k - r.hits) / T * expert_bytes(L), rel=1e-12)
         # next-layer prediction by hand: route(logits(post_attention_layernorm_ℓ(x_ℓ))) vs the chosen set
         if L.index > 0:
             with torch.no_grad():
@@ -330,6 +331,12 @@ def test_tables_match_manual_computation(tiny):
             pr = res["offload_prefetch"].set_index("layer").loc[L.index]
             assert pr.topk_recall == pytest.approx(float(topk))
             assert pr.tokens == T
+    # the summary: per (policy, capacity) the hit rate averaged and the bytes per token summed over the layers
+    for _, r in res.summary.iterrows():
+        rows = cache[(cache.policy == r.policy) & (cache.capacity == r.capacity)]
+        assert len(rows) == len(lm.layers) > 1
+        assert r.hit_rate == pytest.approx(rows.hit_rate.mean(), rel=1e-12)
+        assert r.bytes_per_token == pytest.approx(rows.bytes_per_token.sum(), rel=1e-12)
     # coverage: first occurrence over all layers by hand
     first = torch.stack([torch.full((L.n_experts,), T).scatter_reduce(
         0, idx[L.index].reshape(-1), torch.arange(T).repeat_interleave(L.top_k), reduce="amin") for L in lm.layers])
@@ -456,3 +463,58 @@ def test_cli_writes_tables_and_figures(tmp_path):
     assert (out / "figures" / "offload_prefetch_recall.png").exists()
     r = CliRunner().invoke(app, ["offload", "--out", str(tmp_path / "bad"), "--policies", "fifo"])
     assert r.exit_code == 2 and "fifo" in r.output
+
+
+def test_coverage_and_hottest_expert_of_a_hand_trace():
+    """offload's tables from a hand trace (K = 2, n = 6; expert 5 never requested; two packed rows):
+    first requests 0, 1 at token 0, 2 at 1, 3 at 2, 4 at 3, so coverage(N) = |{e: first < N}| / 6 =
+    2/6, 3/6, 4/6, 5/6 for N = 1..4 (the first N tokens: indices 0..N-1); loads 2 2 2 1 1 0 of 8 requests: hottest
+    share 2/8 (expert 0: the lowest of the tied), x n = 1.5 against the uniform 1/6, 5 experts used; a cache of
+    all n experts never evicts, so it misses each expert's first request only: 5 misses, 5/4 per token."""
+    from moetool.experiments.offload.spec import OffloadOptions
+    from moetool.experiments.offload.compute import offload_tables
+    from moetool.experiments.trace_analyses import TraceStream
+    from types import SimpleNamespace
+
+    req = np.array([[0, 1], [1, 2], [3, 0], [2, 4]])
+    stream = TraceStream(np.array([0, 0, 1, 1]), {0: req}, {0: 6})
+    opts = OffloadOptions(capacities=(6,), policies=("lru",), coverage_tokens=(1, 2, 3, 4), bootstrap=0)
+    res = offload_tables(stream, [SimpleNamespace(index=0, n_experts=6, top_k=2)], opts, {}, None)
+    cov = res["offload_coverage"].set_index("tokens")["coverage"]
+    assert cov.to_dict() == pytest.approx({1: 2 / 6, 2: 3 / 6, 3: 4 / 6, 4: 5 / 6}, abs=1e-12)
+    lay = res["offload_layers"].iloc[0]
+    assert (lay.hottest_expert, lay.experts_used, lay.tokens) == (0, 5, 4)
+    assert lay.hottest_share == pytest.approx(2 / 8, abs=1e-12)
+    assert lay.hottest_vs_uniform == pytest.approx(2 / 8 * 6, abs=1e-12)
+    cache = res["offload_cache"].iloc[0]
+    assert (cache.requests, cache.hits) == (8, 3)
+    assert cache.hit_rate == pytest.approx(3 / 8, abs=1e-12)
+    assert cache.misses_per_token == pytest.approx(5 / 4, abs=1e-12)
+
+
+def test_coverage_of_the_first_tokens_skips_leading_padding(tiny):
+    """A left-padded first row (5 padded positions before the data's first real token): coverage(N) for N = 1, 2, 3
+    counts the experts of the first N real tokens only, by hand from the real tokens' routing. The padded
+    positions sit before token 0 in the stream; counted, the experts they route to read as activated by the first
+    token (coverage(1) above its 2 of 8 per layer)."""
+    from moetool.data import TokenSet
+
+    lm, base = tiny
+    mask = base.attention_mask[:2].clone()
+    mask[0, :5] = 0
+    tokens = TokenSet(base.input_ids[:2].clone(), mask, base.domains[:2], base.source)
+    res = offload(lm, tokens, coverage_tokens=(1, 2, 3), capacities=(8,), policies=("lru",), bootstrap=0,
+                  quiet=True)
+    idx, _ = _manual(lm, tokens)
+    T = tokens.n_tokens
+    first = torch.stack([torch.full((L.n_experts,), T).scatter_reduce(
+        0, idx[L.index].reshape(-1), torch.arange(T).repeat_interleave(L.top_k), reduce="amin") for L in lm.layers])
+    cov = res["offload_coverage"].set_index("tokens")
+    got = cov["coverage"]
+    for N in (1, 2, 3):
+        seen = (first < N).double()  # [layers, n]
+        assert got[N] == pytest.approx(float(seen.mean()), abs=1e-12)
+        per_layer = seen.mean(1)  # each layer's share of its experts
+        assert (cov.loc[N, "coverage_min_layer"], cov.loc[N, "coverage_max_layer"]) == \
+            pytest.approx((float(per_layer.min()), float(per_layer.max())), abs=1e-12)
+    assert got[1] == 2 / 8  # the first token's K of n experts in every layer

@@ -173,6 +173,7 @@ def test_experiment_tables(tiny_prune):
     for c in ("reap", "random"):
         assert curve.loc[(c, 0.0), "perplexity"] == router["perplexity"] and curve.loc[(c, 0.0), "ratio"] == 1
         assert curve.loc[(c, 0.25), "removed"] == 2 * len(lm.layers)  # floor(0.25 x 8) per layer
+        assert curve.loc[(c, 0.25), "removed_frac"] == 2 / 8  # of the experts of every layer: 2 of 8 per layer
         assert curve.loc[(c, 0.25), "ratio_lo"] <= curve.loc[(c, 0.25), "ratio"] <= curve.loc[(c, 0.25), "ratio_hi"]
     imp, removed = res["prune_importance"], res["prune_removed"]
     for layer, g in imp.groupby("layer"):

@@ -22,8 +22,10 @@ def test_max_abs_output_by_hand(model_type, budget):
 
     model, layers, events = captured(model_type)
     probe = MaxOutput([L.index for L in layers], budget=budget)
+    batch = padded_batch()
     with torch.no_grad(), Engine(model, layers, consumers=[probe]):
-        model(**padded_batch())
+        for rows in (slice(0, 1), slice(1, None)):  # two forwards: counts summed, maxima the running max
+            model(**{k: v[rows] for k, v in batch.items()})
     table = probe.table()[0].set_index(["layer", "expert"])
     for L in layers:
         ev = events[L.index]
@@ -65,6 +67,25 @@ def test_criterion_by_hand():
     c = np.array([1.0] * 300 + [9.5, 99.0])  # 99 // 10 = 9 (floor) while 0.1 x 99 = 9.9: 9.5 passes floordiv only
     assert list(np.flatnonzero(super_mask(c, 90.0, 0.1)[0])) == [300, 301]
     assert list(np.flatnonzero(super_mask(c, 90.0, 0.1, "fraction")[0])) == [301]
+
+
+def test_rank_ties_and_share_of_max_by_hand():
+    """super_experts.csv from hand maxima of two layers with ties (5 in both layers, 0 for never routed experts):
+    rank 1 = the largest, ties to the lower layer, then the lower expert; share_of_max = max / the largest (7)."""
+    import torch
+
+    from moetool.experiments.super_experts.compute import MaxOutput
+
+    probe = MaxOutput([0, 1])
+    probe.max = {0: torch.tensor([5.0, 0.0, 2.0]), 1: torch.tensor([5.0, 0.0, 7.0])}
+    probe.count = {0: torch.tensor([3.0, 0.0, 1.0]), 1: torch.tensor([2.0, 0.0, 4.0])}
+    df, _, _ = probe.table()
+    got = df.set_index(["layer", "expert"])
+    want_rank = {(1, 2): 1, (0, 0): 2, (1, 0): 3, (0, 2): 4, (0, 1): 5, (1, 1): 6}
+    assert got["rank"].to_dict() == want_rank
+    assert got["share_of_max"].to_dict() == pytest.approx({(0, 0): 5 / 7, (0, 1): 0.0, (0, 2): 2 / 7, (1, 0): 5 / 7,
+                                                           (1, 1): 0.0, (1, 2): 1.0}, abs=1e-15)
+    assert got["routed"].to_dict() == {(0, 0): 3, (0, 1): 0, (0, 2): 1, (1, 0): 2, (1, 1): 0, (1, 2): 4}
 
 
 def test_degenerate_and_layer_cut_by_hand():
@@ -120,6 +141,11 @@ def test_ablations(tiny_run, tmp_path):
     own = moetool.ppl(lm, tokens, bootstrap=0, baseline=False, quiet=True)["ppl"]
     assert abl.loc["none", "perplexity"] == pytest.approx(float(own["perplexity"].iloc[0]), rel=1e-9)
     assert abl.loc["none", "ratio"] == 1.0
+    for k in ("super", "random"):  # the change from the model's own perplexity, removed minus kept
+        assert abl.loc[k, "delta_ppl"] == pytest.approx(abl.loc[k, "perplexity"] - abl.loc["none", "perplexity"],
+                                                         rel=1e-12)
+        assert abl.loc[k, "ratio"] == pytest.approx(abl.loc[k, "perplexity"] / abl.loc["none", "perplexity"],
+                                                     rel=1e-12)
 
     def sets(label: str) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}

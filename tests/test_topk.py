@@ -104,9 +104,14 @@ def test_experts_per_token_by_hand(tiny_topk):
     pi = np.concatenate([p for p, ok in probs if ok])
     ranked = -np.sort(-pi, axis=1)
     before = np.cumsum(ranked, axis=1) - ranked
-    want = np.maximum((before < 0.6).sum(1), 1).mean()
+    used = np.maximum((before < 0.6).sum(1), 1)
+    want = used.mean()
     layers = res["topk_layers"].set_index(["policy", "layer"])
     assert layers.loc[("topp:0.6", first.index), "mean_experts"] == pytest.approx(want, abs=1e-12)
+    got = layers.loc[("topp:0.6", first.index), ["min_experts", "max_experts"]].tolist()
+    assert got == [used.min(), used.max()] and used.min() < used.max()  # the fewest / most experts of a token
+    for policy, k in (("topk:1", 1), ("router", first.top_k)):
+        assert (layers.loc[policy, "min_experts"] == k).all() and (layers.loc[policy, "max_experts"] == k).all()
     assert (layers.loc["topk:1", "mean_experts"] == 1).all()
     assert (layers.loc["router", "mean_experts"] == first.top_k).all()
     assert (layers.loc["topp:1", "mean_experts"] == first.n_experts).all()
@@ -262,7 +267,6 @@ def test_wide_sets_run_in_chunks_of_the_models_pairs(model_type, spec, tiny_mode
     """A policy handing the experts n columns per token (topp:1, topk:n) runs them over chunks of tokens holding at
     most tokens x K (token, expert) pairs -- the activations of the model's own forward, not n / K times them -- and
     each layer's experts output is still sum_j w_j W_o glu(h) of every chosen expert, by hand from the raw weights."""
-    from moetool.engine import hooks
 
     model = tiny_model(model_type)
     layers = find_moe_layers(model)

@@ -354,6 +354,23 @@ def test_stats_tables_equal_forward(captured, imported, fmt, tmp_path):
         _same(res["coactivation"], ref["coactivation"], ["layer", "a", "b", "p_b_given_a", "count"])
 
 
+def test_stats_top_k_1_of_a_trace_counts_its_first_ranked_expert(captured, tmp_path):
+    """stats --trace --top-k 1 on moetool's own trace (expert_1..K largest first): the loads of expert_1 only, by
+    hand from the trace's rows (K = 2 in the tiny model, so the last column differs). The last K column read as the
+    first-ranked survived the suite."""
+    tr = captured["trace"]
+    tr.to_parquet(tmp_path / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path, "tiny"), StatsOptions(top_k=1, top_tokens=0, bootstrap=0))
+    load, layers = res["load"].set_index(["layer", "expert"]), res["layers"].set_index("layer")
+    assert sorted(set(tr["layer"])) == sorted(layers.index)
+    for li, g in tr.groupby("layer"):
+        counts = np.bincount(g["expert_1"].to_numpy(), minlength=8)
+        assert layers.loc[li, "top_k"] == 1 and layers.loc[li, "tokens"] == len(g)
+        assert load.loc[li]["tokens"].tolist() == counts.tolist()
+        assert load.loc[li]["load_fraction"].tolist() == pytest.approx((counts / len(g)).tolist(), abs=1e-15)
+        assert (counts != np.bincount(g["expert_2"].to_numpy(), minlength=8)).any()  # the columns tell apart
+
+
 @pytest.mark.parametrize("fmt", ("vllm", "megatron", "sglang-stat"))
 def test_placement_tables_equal_forward(captured, imported, fmt):
     res, _ = placement_from_trace(open_trace(imported[fmt]), PlacementOptions(gpus=(2, 4), extra_slots=(0, 1),
@@ -435,6 +452,22 @@ def test_offload_tables_equal_forward(captured, imported, fmt):
     assert (few["offload_layers"]["tokens"] == 40).all()
 
 
+def test_max_tokens_of_a_trace_read_in_small_batches(imported, monkeypatch):
+    """offload --trace --max-tokens 40 read 7 rows at a time (every layer's 40 tokens spread over several reads):
+    each layer keeps its first 40 tokens, the tables those of one read. Cutting each read at 40 rather than at
+    what the layer still needs survived the suite (its traces fit one read)."""
+    from moetool.experiments.offload.compute import OffloadOptions
+    from moetool.experiments.trace_analyses import offload_from_trace
+    from moetool.traces import store
+
+    whole = offload_from_trace(open_trace(imported["vllm"]), OffloadOptions(bootstrap=0), 40)
+    monkeypatch.setattr(store, "ROWS_PER_READ", 7)
+    small = offload_from_trace(open_trace(imported["vllm"]), OffloadOptions(bootstrap=0), 40)
+    assert (small["offload_layers"]["tokens"] == 40).all()
+    for name in ("offload_coverage", "offload_layers", "offload_cache"):
+        _same(small[name], whole[name], list(whole[name].columns))
+
+
 def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path):
     """Two recorded routings of the same tokens (tiny-early and tiny): with gate weights (moetool trace) every rate
     of the forward's fluctuation for the router; from engine dumps (vLLM) the set rates, top1_change left out."""
@@ -465,6 +498,32 @@ def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path)
                                   None)
     assert "top1_change" not in got["fluctuation"].columns and "top1_change" in got.meta["left_out"]
     _same(got["fluctuation"], ref, ["layer", "tokens", *rates])
+
+
+def test_fluctuation_between_traces_follows_the_reference(captured, tmp_path):
+    """Three recorded routings a (tiny-early), b (tiny), c (a copy of a) with reference first: the pairs (a, b)
+    and (a, c), so c's rows compare identical routings (no change, overlap 1) and b's are the two-trace comparison
+    of a and b. The pairs of 'previous' ((a, b), (b, c)) ran whatever the reference survived the suite."""
+    import moetool
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace.compute import trace
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    tr_early = trace(moetool.load("tiny-early"), captured["tokens"], quiet=True)["trace"]
+    for name, tr in (("a", tr_early), ("b", captured["trace"]), ("c", tr_early)):
+        (tmp_path / name).mkdir()
+        tr.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    srcs = [open_trace(tmp_path / name, "tiny") for name in "abc"]
+    rates = ["top1_change", "topk_change", "topk_overlap", "jaccard"]
+    got = fluctuation_from_traces(srcs, ["a", "b", "c"], FluctuationOptions(reference="first", bootstrap=0),
+                                  None)["fluctuation"]
+    assert sorted(set(zip(got.reference, got.checkpoint))) == [("a", "b"), ("a", "c")]
+    same = got[got.checkpoint == "c"]
+    assert (same[["top1_change", "topk_change"]] == 0).all().all()
+    assert (same[["topk_overlap", "jaccard"]] == 1).all().all()
+    two = fluctuation_from_traces(srcs[:2], ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
+    _same(got[got.checkpoint == "b"], two, ["layer", "tokens", *rates])
+    assert (two["topk_change"] > 0).any()  # a and b differ: a wrong pair would show
 
 
 @pytest.mark.parametrize("kind", ("sglang", "eplb"))
