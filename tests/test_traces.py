@@ -321,6 +321,43 @@ def test_a_per_token_trace_missing_an_moe_layer_is_refused(captured, tmp_path):
         pd.testing.assert_frame_equal(a, b)
 
 
+def test_a_per_token_trace_with_a_row_repeated_in_one_layer_is_refused(captured, tmp_path):
+    """A bare trace file (``--trace-config``) whose first row is repeated in layer 0 only: stats counted 257 tokens
+    in layer 0 beside 256 in the other layers (layer 0's expert of that row one assignment heavier) while placement
+    refused the file in one line. Now stats refuses it as placement does (trace_sums: a token is routed once in every
+    MoE layer); the untouched file counts 256 in every layer."""
+    tr = captured["trace"].reset_index(drop=True)
+    n_tok = int((tr["layer"] == 0).sum())
+    bad = pd.concat([tr.iloc[:1], tr], ignore_index=True)  # tr's first line is layer 0's
+    assert int(bad.loc[0, "layer"]) == 0 and int((bad["layer"] == 0).sum()) == n_tok + 1
+    (tmp_path / "bad").mkdir()
+    bad.to_parquet(tmp_path / "bad" / "trace.parquet", index=False)
+    for cmd in ("stats", "placement"):
+        out = tmp_path / cmd
+        _refused(runner.invoke(app, [cmd, "--trace", str(tmp_path / "bad"), "--trace-config", "tiny", "-q", "--out",
+                                     str(out)]), out,
+                 f"the MoE layers routed different numbers of tokens [{n_tok}, {n_tok + 1}]")
+    (tmp_path / "ok").mkdir()
+    tr.to_parquet(tmp_path / "ok" / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path / "ok", "tiny"), StatsOptions(top_tokens=0, bootstrap=0))
+    assert res["layers"]["tokens"].tolist() == [n_tok] * 4
+
+
+def test_a_trace_without_manifest_names_the_flag_that_gives_the_model(captured, tmp_path):
+    """A bare trace file and no --trace-config: the line said 'give --config', a flag stats, placement, offload and
+    fluctuation do not have (their --trace-config; import-trace's --config is another command's). Now it names
+    --trace-config, and that flag reads the file."""
+    (tmp_path / "bare").mkdir()
+    captured["trace"].to_parquet(tmp_path / "bare" / "trace.parquet", index=False)
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["stats", "--trace", str(tmp_path / "bare"), "-q", "--out", str(out)])
+    _refused(r, out, "no manifest.json beside it naming the model: give --trace-config")
+    assert "--config" not in r.output.replace("--trace-config", "")
+    r = runner.invoke(app, ["stats", "--trace", str(tmp_path / "bare"), "--trace-config", "tiny", "-q", "--out",
+                            str(out)])
+    assert r.exit_code == 0, r.output
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)
