@@ -186,7 +186,7 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
                 raise
     if config is None:
         if recorded is None:
-            raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --config")
+            raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --trace-config")
         return TraceSource(p, kind, recorded, rs)
     shape = ModelShape.from_config(config)
     if recorded is not None and ((shape.num_layers, shape.moe, shape.zero)
