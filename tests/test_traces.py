@@ -358,6 +358,36 @@ def test_a_trace_without_manifest_names_the_flag_that_gives_the_model(captured, 
     assert r.exit_code == 0, r.output
 
 
+def test_token_ids_beyond_the_vocabulary_of_the_config_are_refused(captured, tmp_path):
+    """A vLLM response whose prompt holds token id 50000 with --config tiny (a vocabulary of 2,048 ids, the config's
+    vocab_size): import-trace wrote it and stats --trace listed token 50000 (no text) among an expert's top tokens;
+    a bare trace file with such an id and --trace-config the same. The forward refuses such an id (the data's
+    tokenizer is another model's); now import-trace and stats --trace do too, in one line. The largest id of the
+    vocabulary, 2047, is read."""
+    assert ModelShape.from_config("tiny").vocab_size == 2048 == captured["lm"].model.config.vocab_size
+    ex, ids = captured["requests"][0]
+    cases = {}
+    for name, big in (("far", 50000), ("edge", 2048), ("last", 2047)):
+        routed = ew.vllm_routed_experts(ex, 4, 8)
+        prompt = [int(i) for i in ids[:len(routed)]]
+        prompt[3] = big
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(ew.vllm_response(routed, prompt, [7])) + "\n")
+        cases[name] = big
+    for name in ("far", "edge"):
+        _refused(import_cli([tmp_path / f"{name}.jsonl"], tmp_path / "out"), tmp_path / "out",
+                 f"token id {cases[name]} is outside the 2,048 ids of the vocabulary of tiny")
+    assert import_cli([tmp_path / "last.jsonl"], tmp_path / "last").exit_code == 0
+    res = stats_from_trace(open_trace(tmp_path / "last"), StatsOptions(top_tokens=50, min_count=1, bootstrap=0))
+    assert 2047 in set(res["top_tokens"]["token_id"])
+    tr = captured["trace"].copy()
+    tr.loc[tr.index[0], "token_id"] = 50000
+    (tmp_path / "bare").mkdir()
+    tr.to_parquet(tmp_path / "bare" / "trace.parquet", index=False)
+    out = tmp_path / "st"
+    _refused(runner.invoke(app, ["stats", "--trace", str(tmp_path / "bare"), "--trace-config", "tiny", "-q", "--out",
+                                 str(out)]), out, "token id 50000 is outside the 2,048 ids of the vocabulary of tiny")
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)

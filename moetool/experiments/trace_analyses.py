@@ -168,6 +168,7 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
             if ids is not None and ids.numel() and ids.min() < 0:  # the responses carried no token ids: no pairs
                 no_ids.append(li)
             elif ids is not None:
+                src.shape.check_token_ids(ids, f"--trace {src.path}")
                 first_layer = li if first_layer is None else first_layer
                 if li == first_layer:
                     pairs.add(ids)

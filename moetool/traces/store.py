@@ -59,6 +59,7 @@ def write_trace(chunks: Iterator[Chunk], shape: ModelShape, path: Path) -> dict[
         for c in chunks:
             if len(c.row) == 0:
                 continue
+            shape.check_token_ids(c.token_id, "the dump")
             out.write(chunk_columns(c, shape.moe_layers))
             tokens += len(c.row)
             rows += len(c.row) * len(shape.moe)
