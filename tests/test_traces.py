@@ -1203,3 +1203,29 @@ def test_fluctuation_top1_of_a_token_that_lost_all_its_experts(captured, tmp_pat
     res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
                                   ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
     assert (res["top1_change"] == 0).all() and (res["topk_change"] == 0).all() and (res["tokens"] == 256).all()
+
+
+def test_fluctuation_jaccard_is_exact_where_every_token_shares_one_of_two_experts(captured, tmp_path):
+    """Two traces whose layer-0 top-2 sets share exactly one expert for every token (b's second expert replaced by
+    one in neither set): the Jaccard of every token is 1/3, so the layer's mean is 1/3. It read 0.3333333432674408
+    (1/3 in fp32, ops.jaccard's dtype, carried into the float64 mean: 1e-8 off, the fluctuation tables printed
+    0.72135417070 where the rational mean is 0.72135416667); now the per-token ratio is float64, as topk_overlap
+    already was. The other layers, unchanged, read 1 and topk_overlap 1/2 at layer 0 (hand values)."""
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    a = captured["trace"].reset_index(drop=True)
+    b = a.copy()
+    l0 = a.index[a.layer == 0]
+    e1, e2 = a.loc[l0, "expert_1"].to_numpy(), a.loc[l0, "expert_2"].to_numpy()
+    third = np.array([min({0, 1, 2} - {x, y}) for x, y in zip(e1, e2)])  # an expert in neither set
+    b.loc[l0, "expert_2"] = third
+    for name, df in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
+    res = res.set_index("layer")
+    assert abs(res.loc[0, "jaccard"] - 1 / 3) < 1e-15, res.loc[0, "jaccard"]
+    assert abs(res.loc[0, "topk_overlap"] - 1 / 2) < 1e-15
+    assert (res.loc[[1, 2, 3], "jaccard"] == 1).all() and (res["tokens"] == len(l0)).all()
