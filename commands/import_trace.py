@@ -27,8 +27,9 @@ Formats (--format, sniffed from the files when left out; mixed formats in one ca
     sorted by expert id (the top-K order is lost), MTP records are skipped
 A folder stands for its .jsonl/.npy/.pt/.csv files. --config (a model name or folder with a
 config.json; read on the meta device, no weights) says which layers are MoE, n and K: the
-dump must agree (layer count, top-K, ids below n, dense layers empty), else one line, exit 2,
-nothing written. .pt files are read with torch.load(weights_only=True).
+dump must agree (layer count, top-K, ids below n, dense layers empty, token ids below its
+vocabulary), else one line, exit 2, nothing written. .pt files are read with
+torch.load(weights_only=True).
 
 Writes trace.parquet (per-token formats; the schema of moetool trace: row, pos, token_id,
 domain, layer, expert_1..expert_K, weight_1..weight_K -- weights NaN, the engines record ids

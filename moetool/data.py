@@ -95,6 +95,13 @@ class DocumentStream:
         self.files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES) if p.is_dir() else [p]
         if p.is_dir() and not self.files:
             raise MoetoolError(f"no {'/'.join(DATA_SUFFIXES)} files in {p}")
+        seen: dict[tuple[int, int], Path] = {}
+        for f in self.files:  # a file reached under two names (a link) would be read, and counted, twice
+            st = f.stat()
+            first = seen.setdefault((st.st_dev, st.st_ino), f)
+            if first is not f:
+                raise MoetoolError(f"--data {p}: {first} and {f} are the same file (a link): its text would be read "
+                                   f"twice; leave one name in the folder")
         self.bytes_read = 0
         self.documents = 0
 

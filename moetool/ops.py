@@ -76,9 +76,9 @@ def same_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (n == set_size(a)) & (n == set_size(b))
 
 
-def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``|A ∩ B| / |A ∪ B|`` per row, fp32 (negative ids pad; 0 where both sets are empty)."""
-    inter = overlap_count(a, b).float()
+def jaccard(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``|A ∩ B| / |A ∪ B|`` per row in ``dtype`` (negative ids pad; 0 where both sets are empty)."""
+    inter = overlap_count(a, b).to(dtype)
     return inter / (set_size(a) + set_size(b) - inter).clamp_min(1)
 
 

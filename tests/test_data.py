@@ -110,6 +110,29 @@ def test_missing_and_empty_folder(tmp_path):
         read_documents(tmp_path)
 
 
+def test_a_file_reached_twice_in_a_data_folder_is_refused(tmp_path):
+    """A --data folder holding a file and a link to it (symbolic or hard: ``latest.jsonl -> v3.jsonl``) read the
+    text twice: 2 documents, 2 x 17 packed characters, each counted as its own (a perplexity over twice the tokens,
+    a bootstrap over copies). Refused in one line naming both, as import-trace refuses a dump file given twice; the
+    file alone, and two different files, still read."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("one unique text!!")
+    assert len(read_documents(tmp_path / "d")) == 1
+    (tmp_path / "d" / "b.txt").symlink_to("a.txt")
+    with pytest.raises(MoetoolError, match=r"a\.txt and .*b\.txt are the same file \(a link\): its text would be "
+                                           r"read twice"):
+        read_documents(tmp_path / "d")
+    (tmp_path / "d" / "b.txt").unlink()
+    (tmp_path / "d" / "c.txt").hardlink_to(tmp_path / "d" / "a.txt")
+    with pytest.raises(MoetoolError, match="are the same file"):
+        read_documents(tmp_path / "d")
+    (tmp_path / "d" / "c.txt").unlink()
+    (tmp_path / "d" / "c.txt").write_text("one unique text!!")  # the same text in another file: two documents
+    docs = read_documents(tmp_path / "d")
+    assert docs == [Document("one unique text!!", ""), Document("one unique text!!", "")]
+    assert pack(docs, CharTokenizer(), seq_len=40, max_tokens=None).n_tokens == 2 * 17 + 1  # and an EOS between
+
+
 # ----- lazy --data (issue #15) and special tokens (issue #12) ---------------------------------------------------
 import moetool.data as data_mod  # noqa: E402
 from moetool.data import DocumentStream, default_data_path  # noqa: E402

@@ -258,7 +258,7 @@ def test_policy_jaccards_of_the_first_layer_by_hand(tiny):
         want = np.array(per[s]).mean(0)
         assert got["tokens"] == len(per[s])
         assert got["soft_jaccard"] == pytest.approx(want[0], abs=1e-6)
-        assert got["jaccard"] == pytest.approx(want[1], abs=1e-6)  # fp32 per token
+        assert got["jaccard"] == pytest.approx(want[1], abs=1e-12)  # a ratio of counts, float64 per token
         assert 0 < got["soft_jaccard"] < 1 and 0 < got["jaccard"] < 1  # the comparison bites
     # topp:0.5 chooses fewer than its kmax columns: a masked expert counted as chosen would lower its jaccard
     assert jac.loc[(L.index, "topp:0.5"), "jaccard"] > 0.5
@@ -268,6 +268,15 @@ def test_top1_against_the_router_is_its_top1_weight(tiny):
     lm, tokens, _, _ = tiny
     jac = margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=("topk:1",), quiet=True)["margin_jaccard"]
     assert (jac["jaccard"] == 1 / lm.layers[0].top_k).all()  # the top-1 is always in the top-K set
+
+
+def test_top3_against_the_routers_top2_is_two_thirds_exactly(tiny):
+    """topk:3 keeps the router's top-2 and adds one: |S_r ∩ S_p| / |S_r ∪ S_p| = 2/3 for every token. It read
+    0.6666666865348816 (2/3 in fp32, jaccards' dtype, carried into the float64 mean: 2e-8 off); now float64."""
+    lm, tokens, _, _ = tiny
+    jac = margin(lm, tokens, eps=(0.0,), bootstrap=0, policies=("topk:3",), quiet=True)["margin_jaccard"]
+    assert lm.layers[0].top_k == 2 and len(jac) == len(lm.layers)
+    assert (abs(jac["jaccard"] - 2 / 3) < 1e-15).all(), jac["jaccard"].tolist()
 
 
 @pytest.mark.parametrize("bad, msg", [(("attention",), "needs attention"), (("random", "random"), "twice"),

@@ -321,6 +321,73 @@ def test_a_per_token_trace_missing_an_moe_layer_is_refused(captured, tmp_path):
         pd.testing.assert_frame_equal(a, b)
 
 
+def test_a_per_token_trace_with_a_row_repeated_in_one_layer_is_refused(captured, tmp_path):
+    """A bare trace file (``--trace-config``) whose first row is repeated in layer 0 only: stats counted 257 tokens
+    in layer 0 beside 256 in the other layers (layer 0's expert of that row one assignment heavier) while placement
+    refused the file in one line. Now stats refuses it as placement does (trace_sums: a token is routed once in every
+    MoE layer); the untouched file counts 256 in every layer."""
+    tr = captured["trace"].reset_index(drop=True)
+    n_tok = int((tr["layer"] == 0).sum())
+    bad = pd.concat([tr.iloc[:1], tr], ignore_index=True)  # tr's first line is layer 0's
+    assert int(bad.loc[0, "layer"]) == 0 and int((bad["layer"] == 0).sum()) == n_tok + 1
+    (tmp_path / "bad").mkdir()
+    bad.to_parquet(tmp_path / "bad" / "trace.parquet", index=False)
+    for cmd in ("stats", "placement"):
+        out = tmp_path / cmd
+        _refused(runner.invoke(app, [cmd, "--trace", str(tmp_path / "bad"), "--trace-config", "tiny", "-q", "--out",
+                                     str(out)]), out,
+                 f"the MoE layers routed different numbers of tokens [{n_tok}, {n_tok + 1}]")
+    (tmp_path / "ok").mkdir()
+    tr.to_parquet(tmp_path / "ok" / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path / "ok", "tiny"), StatsOptions(top_tokens=0, bootstrap=0))
+    assert res["layers"]["tokens"].tolist() == [n_tok] * 4
+
+
+def test_a_trace_without_manifest_names_the_flag_that_gives_the_model(captured, tmp_path):
+    """A bare trace file and no --trace-config: the line said 'give --config', a flag stats, placement, offload and
+    fluctuation do not have (their --trace-config; import-trace's --config is another command's). Now it names
+    --trace-config, and that flag reads the file."""
+    (tmp_path / "bare").mkdir()
+    captured["trace"].to_parquet(tmp_path / "bare" / "trace.parquet", index=False)
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["stats", "--trace", str(tmp_path / "bare"), "-q", "--out", str(out)])
+    _refused(r, out, "no manifest.json beside it naming the model: give --trace-config")
+    assert "--config" not in r.output.replace("--trace-config", "")
+    r = runner.invoke(app, ["stats", "--trace", str(tmp_path / "bare"), "--trace-config", "tiny", "-q", "--out",
+                            str(out)])
+    assert r.exit_code == 0, r.output
+
+
+def test_token_ids_beyond_the_vocabulary_of_the_config_are_refused(captured, tmp_path):
+    """A vLLM response whose prompt holds token id 50000 with --config tiny (a vocabulary of 2,048 ids, the config's
+    vocab_size): import-trace wrote it and stats --trace listed token 50000 (no text) among an expert's top tokens;
+    a bare trace file with such an id and --trace-config the same. The forward refuses such an id (the data's
+    tokenizer is another model's); now import-trace and stats --trace do too, in one line. The largest id of the
+    vocabulary, 2047, is read."""
+    assert ModelShape.from_config("tiny").vocab_size == 2048 == captured["lm"].model.config.vocab_size
+    ex, ids = captured["requests"][0]
+    cases = {}
+    for name, big in (("far", 50000), ("edge", 2048), ("last", 2047)):
+        routed = ew.vllm_routed_experts(ex, 4, 8)
+        prompt = [int(i) for i in ids[:len(routed)]]
+        prompt[3] = big
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(ew.vllm_response(routed, prompt, [7])) + "\n")
+        cases[name] = big
+    for name in ("far", "edge"):
+        _refused(import_cli([tmp_path / f"{name}.jsonl"], tmp_path / "out"), tmp_path / "out",
+                 f"token id {cases[name]} is outside the 2,048 ids of the vocabulary of tiny")
+    assert import_cli([tmp_path / "last.jsonl"], tmp_path / "last").exit_code == 0
+    res = stats_from_trace(open_trace(tmp_path / "last"), StatsOptions(top_tokens=50, min_count=1, bootstrap=0))
+    assert 2047 in set(res["top_tokens"]["token_id"])
+    tr = captured["trace"].copy()
+    tr.loc[tr.index[0], "token_id"] = 50000
+    (tmp_path / "bare").mkdir()
+    tr.to_parquet(tmp_path / "bare" / "trace.parquet", index=False)
+    out = tmp_path / "st"
+    _refused(runner.invoke(app, ["stats", "--trace", str(tmp_path / "bare"), "--trace-config", "tiny", "-q", "--out",
+                                 str(out)]), out, "token id 50000 is outside the 2,048 ids of the vocabulary of tiny")
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame, cols: list[str]) -> None:
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True), check_dtype=False,
                                   rtol=1e-12, atol=1e-12)
@@ -1195,3 +1262,29 @@ def test_fluctuation_top1_of_a_token_that_lost_all_its_experts(captured, tmp_pat
     res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
                                   ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
     assert (res["top1_change"] == 0).all() and (res["topk_change"] == 0).all() and (res["tokens"] == 256).all()
+
+
+def test_fluctuation_jaccard_is_exact_where_every_token_shares_one_of_two_experts(captured, tmp_path):
+    """Two traces whose layer-0 top-2 sets share exactly one expert for every token (b's second expert replaced by
+    one in neither set): the Jaccard of every token is 1/3, so the layer's mean is 1/3. It read 0.3333333432674408
+    (1/3 in fp32, ops.jaccard's dtype, carried into the float64 mean: 1e-8 off, the fluctuation tables printed
+    0.72135417070 where the rational mean is 0.72135416667); now the per-token ratio is float64, as topk_overlap
+    already was. The other layers, unchanged, read 1 and topk_overlap 1/2 at layer 0 (hand values)."""
+    from moetool.experiments.fluctuation.compute import FluctuationOptions
+    from moetool.experiments.trace_analyses import fluctuation_from_traces
+
+    a = captured["trace"].reset_index(drop=True)
+    b = a.copy()
+    l0 = a.index[a.layer == 0]
+    e1, e2 = a.loc[l0, "expert_1"].to_numpy(), a.loc[l0, "expert_2"].to_numpy()
+    third = np.array([min({0, 1, 2} - {x, y}) for x, y in zip(e1, e2)])  # an expert in neither set
+    b.loc[l0, "expert_2"] = third
+    for name, df in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], FluctuationOptions(bootstrap=0), None)["fluctuation"]
+    res = res.set_index("layer")
+    assert abs(res.loc[0, "jaccard"] - 1 / 3) < 1e-15, res.loc[0, "jaccard"]
+    assert abs(res.loc[0, "topk_overlap"] - 1 / 2) < 1e-15
+    assert (res.loc[[1, 2, 3], "jaccard"] == 1).all() and (res["tokens"] == len(l0)).all()

@@ -168,6 +168,7 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
             if ids is not None and ids.numel() and ids.min() < 0:  # the responses carried no token ids: no pairs
                 no_ids.append(li)
             elif ids is not None:
+                src.shape.check_token_ids(ids, f"--trace {src.path}")
                 first_layer = li if first_layer is None else first_layer
                 if li == first_layer:
                     pairs.add(ids)
@@ -177,6 +178,9 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
     if not sums:
         raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
     _refuse_missing(src, sums, layers)
+    tokens = {s["tokens"] for s in sums.values()}
+    if len(tokens) != 1:  # every token is routed once in every MoE layer: a row lost or repeated in some of them
+        raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
     return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"],
                           None if no_ids else s.get("pairs")) for li, s in sorted(sums.items())}
 
@@ -282,7 +286,7 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     gpu_counts = options.gpu_counts(n)
     load = torch.stack([sums[li].assign[:n] for li in idx])  # [layers, n] float64
     tokens = {sums[li].tokens for li in idx}
-    if len(tokens) != 1:
+    if len(tokens) != 1:  # a counts dump's layers may count different totals (per-token traces: trace_sums)
         raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
     n_tok = tokens.pop()
     df, overall = placement_tables(load, None, 0, idx, n, options,

@@ -59,6 +59,7 @@ def write_trace(chunks: Iterator[Chunk], shape: ModelShape, path: Path) -> dict[
         for c in chunks:
             if len(c.row) == 0:
                 continue
+            shape.check_token_ids(c.token_id, "the dump")
             out.write(chunk_columns(c, shape.moe_layers))
             tokens += len(c.row)
             rows += len(c.row) * len(shape.moe)
@@ -186,7 +187,7 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
                 raise
     if config is None:
         if recorded is None:
-            raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --config")
+            raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --trace-config")
         return TraceSource(p, kind, recorded, rs)
     shape = ModelShape.from_config(config)
     if recorded is not None and ((shape.num_layers, shape.moe, shape.zero)

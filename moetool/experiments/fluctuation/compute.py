@@ -247,7 +247,7 @@ def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[in
         A, B = a[..., :-1], b[..., :-1]  # [L, N, K] (-1: no expert)
         overlap = ops.overlap_count(A, B).double() / ops.set_size(A).clamp_min(1)  # / K for a fixed top-K
         per = torch.stack([(a[..., -1] != b[..., -1]).double(), (~ops.same_set(A, B)).double(),
-                           overlap, ops.jaccard(A, B).double()], -1)  # [L, N, 4]
+                           overlap, ops.jaccard(A, B, torch.float64)], -1)  # [L, N, 4]
         sums += per.sum(1)
         if rows is not None and per.shape[1]:
             rows.add(rows_a.numpy(), rates=per.permute(1, 0, 2).reshape(per.shape[1], -1).numpy(),
