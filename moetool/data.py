@@ -1,5 +1,5 @@
-"""``--data``: a text file, a JSONL file (``text``, optional ``domain``) or a folder of them,
-tokenized with the model's tokenizer and packed into ``--seq-len`` rows.
+"""``--data``: a text file, a JSONL file (``text``, optional ``domain``) or a folder of them (its hidden files and
+folders, such as ``.ipynb_checkpoints``, left out), tokenized with the model's tokenizer and packed into ``--seq-len`` rows.
 
 A JSONL ``domain`` is a string (``""`` or null/missing: no domain); a number, boolean, list or object is refused
 in one line naming the file and line (coercing them would merge ``0``/``false`` with undomained text and split
@@ -92,7 +92,11 @@ class DocumentStream:
         if not self.path.exists():
             raise MoetoolError(f"data not found: {self.path}")
         p = self.path
-        self.files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES) if p.is_dir() else [p]
+        # a folder's hidden files and folders (.ipynb_checkpoints, .git, editor backups) are not data: they hold
+        # copies of its files, read and counted twice
+        self.files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES
+                            and not any(part.startswith(".") for part in f.relative_to(p).parts)) \
+            if p.is_dir() else [p]
         if p.is_dir() and not self.files:
             raise MoetoolError(f"no {'/'.join(DATA_SUFFIXES)} files in {p}")
         seen: dict[tuple[int, int], Path] = {}

@@ -133,6 +133,21 @@ def test_a_file_reached_twice_in_a_data_folder_is_refused(tmp_path):
     assert pack(docs, CharTokenizer(), seq_len=40, max_tokens=None).n_tokens == 2 * 17 + 1  # and an EOS between
 
 
+def test_a_data_folders_hidden_files_and_folders_are_not_data(tmp_path):
+    """Jupyter keeps a copy of every file it saves in ``.ipynb_checkpoints/``: a --data folder with one was read
+    twice over (both copies, 2 documents). Hidden entries (a name starting with '.') below the folder are left out
+    (as ``.git``, ``.DS_Store``); a hidden folder named as --data itself is still read."""
+    d = tmp_path / ".corpus"
+    (d / ".ipynb_checkpoints").mkdir(parents=True)
+    (d / "sub").mkdir()
+    (d / "a.txt").write_text("alpha text")
+    (d / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("alpha text")
+    (d / "sub" / ".draft.txt").write_text("a hidden draft")
+    (d / "sub" / "b.jsonl").write_text('{"text": "beta text"}\n')
+    assert read_documents(d) == [Document("alpha text", ""), Document("beta text", "")]
+    assert read_documents(d / "sub" / ".draft.txt") == [Document("a hidden draft", "")]  # named: read
+
+
 # ----- lazy --data (issue #15) and special tokens (issue #12) ---------------------------------------------------
 import moetool.data as data_mod  # noqa: E402
 from moetool.data import DocumentStream, default_data_path  # noqa: E402
