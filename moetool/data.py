@@ -246,7 +246,10 @@ def check_packed(tokens: Any) -> None:
                            f"differ in shape: slice every part of a TokenSet alike (or pack them with moetool.tokens)")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise MoetoolError(f"packed tokens' input_ids must be integer token ids, not {str(ids.dtype).replace('torch.', '')}")
-    if mask.is_floating_point() or mask.is_complex() or (mask.numel() and not bool(((mask == 0) | (mask == 1)).all())):
+    if mask.is_floating_point() or mask.is_complex():  # 0.0/1.0 floats: said as a dtype, not as their values
+        raise MoetoolError(f"packed tokens' attention_mask must be an integer (or bool) tensor of 0 and 1, not "
+                           f"{str(mask.dtype).replace('torch.', '')} (mask.long() converts it)")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
         raise MoetoolError("packed tokens' attention_mask must hold 0 (padding) and 1 (a real token) only")
     rows = int(ids.shape[0])
     for name in ("domains", "row_ids"):

@@ -387,3 +387,20 @@ def test_an_empty_data_name_is_refused_not_read_as_the_held_out_text_or_the_curr
         assert err == [f"error: Invalid value for {flag}: an empty path (the current folder is '.') "
                        f"(see 'moetool {args[0]} --help')"], err
         assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_float_attention_mask_is_named_by_its_dtype():
+    """A 0.0/1.0 float mask was refused with "must hold 0 (padding) and 1 (a real token) only", which it does: the
+    line names the dtype and the conversion. A mask of 2s is still refused by its values."""
+    import dataclasses
+
+    from moetool.data import TokenSet, check_packed
+
+    t = TokenSet(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 0]]), [""], "test")
+    check_packed(t)
+    with pytest.raises(MoetoolError, match=r"^packed tokens' attention_mask must be an integer \(or bool\) tensor "
+                                           r"of 0 and 1, not float32 \(mask.long\(\) converts it\)$"):
+        check_packed(dataclasses.replace(t, attention_mask=t.attention_mask.float()))
+    check_packed(dataclasses.replace(t, attention_mask=t.attention_mask.float().long()))
+    with pytest.raises(MoetoolError, match=r"must hold 0 \(padding\) and 1 \(a real token\) only"):
+        check_packed(dataclasses.replace(t, attention_mask=t.attention_mask * 2))
