@@ -178,6 +178,31 @@ def test_noise_none_derived_eps_and_sample_average():
     assert r.eps_mean == pytest.approx(np.mean(hand_eps(R)), rel=1e-5)
 
 
+def test_draws_go_in_chunks_of_bounded_size_and_give_the_loss_of_one_batch(monkeypatch):
+    """--samples draws went through the experts as one [1 + S, n, d] batch (--samples 10^8 on tiny asked for
+    400 GB at once). They go in chunks of at most DRAW_CHUNK_ELEMENTS proxy elements: 5 draws in chunks of 2
+    give the same draws (the CPU generator's stream) and the same mean loss as one chunk, by hand per draw."""
+    import moetool.experiments.erc.compute as C
+
+    model = build_tiny_model("mixtral")
+    L = find_moe_layers(model)[1]
+    R = L.router.weight.detach()
+    opts = ErcOptions(noise="derived", samples=5, alphas=(0.6, 1.0), seed=2)
+    whole = erc_layer(L, opts)
+    shapes = []
+    real = C.coupling_matrix
+    monkeypatch.setattr(C, "coupling_matrix", lambda layer, X, *a: shapes.append(tuple(X.shape)) or real(layer, X, *a))
+    monkeypatch.setattr(C, "DRAW_CHUNK_ELEMENTS", 2 * R.numel() + 1)
+    chunked = erc_layer(L, opts)
+    n, d = R.shape
+    assert shapes == [(1, n, d), (2, n, d), (2, n, d), (1, n, d)]  # the clean proxies, then 2 + 2 + 1 draws
+    assert chunked.loss == pytest.approx(whole.loss, rel=1e-12) and chunked.loss_clean == whole.loss_clean
+    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + L.index)
+    draws = proxy_tokens(R, torch.tensor(hand_eps(R), dtype=torch.float32), 5, gen)
+    for a, got in zip(opts.alphas, chunked.loss):
+        assert got == pytest.approx(np.mean([hand_loss(hand_gate_M(L, draws[s]), a) for s in range(5)]), rel=1e-4)
+
+
 def test_nonfinite_expert_weights_and_zero_router_rows_are_refused_not_tabulated():
     """ERC reads weights only (no forward, so no FiniteGuard): a NaN in an expert's gate weights made M's column
     NaN, alpha_min NaN (blank in the CSV, left out of the summary's range) and dominance an argmax over NaN

@@ -4,9 +4,9 @@ Per MoE layer, router row ``R_i`` is expert i's proxy token. ``M[i, j] = || node
 expert j answers proxy i (node ``gate`` = ``W_g^j R~_i`` by default). A coupled layer has a dominant
 diagonal; ``alpha_min`` is the smallest α for which the ERC loss ``L_ERC(α)`` vanishes on the clean M.
 
-All ``n`` proxies (times ``--samples`` draws) go through all ``n`` experts as one batch of "tokens" of the
-batched probes (:func:`moetool.engine.probes.node_scores`): one batched product per token chunk, on the
-model's device. Everything here is vectorised over i, j; no Python loop over experts.
+All ``n`` proxies (times the ``--samples`` draws of a chunk, :data:`DRAW_CHUNK_ELEMENTS`) go through all ``n``
+experts as one batch of "tokens" of the batched probes (:func:`moetool.engine.probes.node_scores`): one batched
+product per token chunk, on the model's device. Everything here is vectorised over i, j; no Python loop over experts.
 """
 
 from __future__ import annotations
@@ -175,6 +175,19 @@ class LayerErc:
     router_abs_cos_mean: float
 
 
+#: proxy elements (draws x n x d) per chunk of --samples draws: 2^24 fp32 values, 64 MiB
+DRAW_CHUNK_ELEMENTS = 1 << 24
+
+
+def _finite_M(layer: MoELayer, X: torch.Tensor, opts: ErcOptions) -> torch.Tensor:
+    """:func:`coupling_matrix` of proxies ``X [s, n, d]``, or one line where it is not finite."""
+    M = coupling_matrix(layer, X, opts.node, opts.norm)  # [s, n, n]
+    if not bool(torch.isfinite(M).all()):  # weights only, no forward: the engine's FiniteGuard never ran
+        raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
+                                  "weights on the router rows; NaN/inf weights?): results would be meaningless")
+    return M
+
+
 @torch.no_grad()
 def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
     """Everything ERC reports for one layer (on the layer's device; results moved to the host)."""
@@ -186,21 +199,22 @@ def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
                            "out (--layers)")
     gen = torch.Generator(device=R.device).manual_seed(opts.seed * 1_000_003 + layer.index)
     eps = noise_eps(R, opts.noise)  # [n]
-    X = torch.cat([R.unsqueeze(0), proxy_tokens(R, eps, opts.samples, gen)])  # [1 + S, n, d]; draw 0 is clean
-    M_all = coupling_matrix(layer, X, opts.node, opts.norm)  # [1 + S, n, n]
-    if not bool(torch.isfinite(M_all).all()):  # weights only, no forward: the engine's FiniteGuard never ran
-        raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
-                                  "weights on the router rows; NaN/inf weights?): results would be meaningless")
-    clean = M_all[0]
+    clean = _finite_M(layer, R.float().unsqueeze(0), opts)[0]  # [n, n]: the clean proxies (no noise)
     dead = (clean.diagonal() == 0).nonzero().flatten().tolist()
     if dead:  # alpha_min divides by M[i, i]: inf (NaN for two such experts), and a zero column ties every argmax
         raise MoetoolError(f"MoE layer {layer.index}: node {opts.node} of expert(s) {dead} is zero on its own proxy "
                            f"token (M[i,i] = 0: zero expert weights?), so alpha_min (max M[i,j] / M[i,i]) and "
                            f"dominance are undefined; leave the layer out (--layers)")
-    losses = erc_loss(M_all, opts.alphas)  # [1 + S, A]
+    # the draws in chunks of at most DRAW_CHUNK_ELEMENTS proxy elements, their losses summed in fp64: memory is
+    # one chunk's (--samples 10^8 on tiny asked for 400 GB at once); on the CPU the draws are those of one call
+    loss_sum = torch.zeros(len(opts.alphas), dtype=torch.float64, device=R.device)
+    per_chunk = max(1, DRAW_CHUNK_ELEMENTS // R.numel())
+    for start in range(0, opts.samples, per_chunk):
+        X = proxy_tokens(R, eps, min(per_chunk, opts.samples - start), gen)  # [s, n, d]
+        loss_sum += erc_loss(_finite_M(layer, X, opts), opts.alphas).sum(0)  # [A]
     row, col = dominance(clean)
-    return LayerErc(layer=layer.index, M=clean.cpu(), loss=losses[1:].mean(0).tolist(),
-                    loss_clean=losses[0].tolist(), alpha_min=alpha_min(clean), row_dominance=row,
+    return LayerErc(layer=layer.index, M=clean.cpu(), loss=(loss_sum / opts.samples).tolist(),
+                    loss_clean=erc_loss(clean, opts.alphas).tolist(), alpha_min=alpha_min(clean), row_dominance=row,
                     col_dominance=col, eps_mean=float(eps.mean()), router_abs_cos_mean=float(ops.abs_cos_mean(R)))
 
 
