@@ -325,3 +325,34 @@ def test_sizing_trial_leaves_a_policys_generator_as_it_found_it(tiny, backoff):
     assert calls == [8, 4, 2] + [2] * 12 and backoff.events == [8, 4]  # the trials, then 12 forwards of 2 rows
     assert got.nll.tokens == want.nll.tokens
     assert got.nll.nll_sum == pytest.approx(want.nll.nll_sum, rel=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [1 << 25, 2, 4], ids=["one-step", "2-positions", "4-positions"])
+def test_unshifted_nll_scores_every_real_position_up_to_the_last_one(chunk, monkeypatch):
+    """``shift=False`` (an encoder-decoder: position t predicts token t) scores every real position, each row's last
+    and the batch's very last included, whatever the chunking: the sums equal -log softmax(logits)[target] by hand
+    in fp64 (a last chunk cut one position short left that position's NLL unwritten and no test saw it)."""
+    import math
+
+    gen = torch.Generator().manual_seed(11)
+    B, S, V = 3, 7, 13
+    logits = torch.randn(B, S, V, generator=gen)
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, 5:] = 0  # one right-padded row; the last row real to its end
+    ref = torch.zeros(B, dtype=torch.float64)
+    for b in range(B):
+        for t in range(S):
+            if mask[b, t]:
+                row = [float(x) for x in logits[b, t]]
+                top = max(row)
+                lse = top + math.log(sum(math.exp(x - top) for x in row))
+                ref[b] += lse - row[int(ids[b, t])]
+    monkeypatch.setattr(runner, "NLL_CHUNK_ELEMENTS", chunk * V, raising=False)
+    wide = torch.cat([logits, logits[:, :2]], dim=1)[:, :S]  # rows apart in memory: each row's chunks in turn
+    for x in (logits, wide):
+        sums, counts = runner.batch_nll(x, ids, mask, per_row=True, shift=False)
+        torch.testing.assert_close(sums, ref, rtol=1e-6, atol=1e-6)
+        assert counts.tolist() == [S, 5, S]
+        total, n = runner.batch_nll(x, ids, mask, shift=False)
+        assert int(n) == 2 * S + 5 and float(total) == pytest.approx(float(ref.sum()), rel=1e-6)
