@@ -238,3 +238,23 @@ def test_cross_layer_pairs_stay_within_a_stack():
     summary = res["cross_layer_summary"]
     assert sorted(zip(summary["layer"], summary["next_layer"])) == want
     assert sorted(set(zip(res["cross_layer"]["layer"], res["cross_layer"]["next_layer"]))) == want
+
+
+def test_forward_nll_of_an_encoder_decoder_is_the_models_own_loss():
+    """``moetool.engine.forward(nll=True)`` (what ``ppl`` reports) on an encoder-decoder scores every real token
+    unshifted: its mean equals transformers' own seq2seq loss with ``labels = the rows`` and its count is the real
+    tokens (a forward that scored it as a causal LM dropped each row's last real token and shifted the targets)."""
+    from types import SimpleNamespace
+
+    from moetool.data import TokenSet
+    from moetool.engine.runner import forward
+
+    model = build_tiny("switch_transformers")
+    batch = _rows(B=3)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model))
+    res = forward(lm, TokenSet(ids, mask, [""] * 3, "test"), nll=True, batch_size=2, quiet=True)
+    with torch.no_grad():
+        ref = model(**batch, labels=ids.masked_fill(mask == 0, -100))
+    assert res.nll.tokens == int(mask.sum()) == 3 * 24 - 5
+    assert res.nll.mean == pytest.approx(float(ref.loss), rel=1e-6)
