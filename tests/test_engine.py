@@ -237,3 +237,57 @@ def test_attention_routing_switches_an_sdpa_model_to_eager_for_the_run(tiny_mode
         assert ev.attn is not None and torch.equal(ev.chosen_idx, want_events[i].chosen_idx)
     plain, _, _ = run(model, layers, batch)  # capture only: no probabilities asked, SDPA again
     assert model.config._attn_implementation == "sdpa" and plain.isfinite().all()
+
+
+def test_ranked_reorders_a_router_order_by_the_selection_scores(tiny_model):
+    """``RoutingEvent.ranked`` (the trace's expert_k / weight_k, specialization's first-ranked expert): a router
+    that returns its top-K unsorted (``topk(sorted=False)``: DeepSeek-V3 on CUDA) is put in the order of the scores
+    the model selects by -- sigmoid + correction bias, not π -- each weight moving with its expert. The CPU's topk
+    returns them sorted, so the router's order is reversed by hand here (K = 2: the ranking must not be skipped)."""
+    from moetool.engine.hooks import RoutingEvent
+
+    model = tiny_model("deepseek_v3")
+    layers = find_moe_layers(model)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 1000, (2, 40), generator=gen)
+    _, events, _ = run(model, layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    L = layers[0]
+    ev = events[L.index]
+    assert ev.idx.shape[-1] == 2
+    rev = RoutingEvent(layer=L, h=ev.h, logits=ev.logits, idx=ev.idx.flip(-1), weights=ev.weights.flip(-1),
+                       valid=ev.valid, shape=ev.shape)
+    score = torch.sigmoid(ev.logits.float()) + L.router.e_score_correction_bias.float()  # what DeepSeek-V3 ranks by
+    order = score.gather(-1, rev.idx).argsort(dim=-1, descending=True)
+    want_idx, want_w = rev.idx.gather(-1, order), rev.weights.gather(-1, order)
+    idx, w = rev.ranked
+    assert torch.equal(idx, want_idx) and torch.equal(w, want_w)
+    assert not torch.equal(idx, rev.idx)  # the router's order really was not the rank order
+    by_pi = torch.softmax(ev.logits.float(), -1).gather(-1, rev.idx).argsort(dim=-1, descending=True)
+    assert not torch.equal(by_pi, order)  # ranking by π would put some tokens' experts the other way round
+    chosen = torch.rand(rev.idx.shape, generator=gen)  # a policy's weights for the model's set: ranked alike
+    assert torch.equal(rev.in_rank_order(chosen), chosen.gather(-1, order))
+
+
+def test_events_carry_the_forwards_token_ids_for_hash_routed_layers(tiny_model):
+    """Each event carries the forward's input ids ``[B*S]`` (a hash-routed layer's routing is a function of them:
+    fluctuation re-routes it with ``route(logits, ev.token_ids)``), None for a forward given embeddings."""
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny("deepseek_v4")
+    layers = find_moe_layers(model)
+    ids = torch.randint(3, 1000, (2, 9), generator=torch.Generator().manual_seed(6))
+    _, events, _ = run(model, layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    hashed = [L for L in layers if getattr(L, "hash_routed", False)]
+    assert hashed
+    for L in layers:
+        assert torch.equal(events[L.index].token_ids.cpu(), ids.reshape(-1))
+    for L in hashed:  # the table's rows for those ids: the experts the model ran
+        ev = events[L.index]
+        idx, _ = L.route(ev.logits, ev.token_ids)
+        assert torch.equal(idx.sort(-1).values, ev.idx.long().sort(-1).values)
+    model = tiny_model("mixtral")  # deepseek_v4's hash routers need the ids themselves
+    layers = find_moe_layers(model)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+    _, events, _ = run(model, layers, {"inputs_embeds": embeds, "attention_mask": torch.ones_like(ids)})
+    assert len(events) == len(layers) and all(ev.token_ids is None for ev in events.values())
