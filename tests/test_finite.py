@@ -126,3 +126,40 @@ def test_guard_flags_stay_on_the_device_until_check():
                     g.check(2)
             else:
                 g.check(2)
+
+
+def test_forward_leaves_padding_unchecked_and_its_nll_unchanged():
+    """``forward`` hands each batch's attention mask to the guard: a NaN in padded positions only (a fully masked
+    attention row gives one in some kernels) stops nothing, and the perplexity is the clean run's, bit for bit
+    (padding is never scored); the same NaN in one real position stops the run."""
+    from conftest import build_tiny_model
+
+    from moetool.adapters import find_moe_layers
+    from moetool.data import TokenSet
+    from moetool.engine.runner import forward
+
+    class LM:
+        model = build_tiny_model("mixtral")
+        layers = find_moe_layers(model)
+
+    ids = torch.randint(3, 1000, (3, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    tokens = TokenSet(ids, mask, [""] * 3, "test")
+    clean = forward(LM, tokens, nll=True, batch_size=2, quiet=True).nll
+    L = LM.layers[-1]
+    for rows, raises in (((~mask.bool()).reshape(-1), False), (torch.arange(24) == 3, True)):
+        def poison(m, a, out, rows=rows):  # rows of the flattened [B*S] batch (the first batch: rows 0-1)
+            bad = rows[:out.shape[0]].to(out.device).unsqueeze(-1)
+            return out.masked_fill(bad, float("nan"))
+        h = L.experts.register_forward_hook(poison, prepend=True)
+        try:
+            if raises:
+                with pytest.raises(MoetoolRuntimeError, match=f"non-finite experts output in MoE layer {L.index} "
+                                                              "at batch 0"):
+                    forward(LM, tokens, nll=True, batch_size=2, quiet=True)
+            else:
+                got = forward(LM, tokens, nll=True, batch_size=2, quiet=True).nll
+                assert (got.nll_sum, got.tokens) == (clean.nll_sum, clean.tokens) and got.tokens == 24 - 3 - 3
+        finally:
+            h.remove()
