@@ -291,3 +291,30 @@ def test_events_carry_the_forwards_token_ids_for_hash_routed_layers(tiny_model):
         embeds = model.get_input_embeddings()(ids)
     _, events, _ = run(model, layers, {"inputs_embeds": embeds, "attention_mask": torch.ones_like(ids)})
     assert len(events) == len(layers) and all(ev.token_ids is None for ev in events.values())
+
+
+def test_one_expert_per_token_on_longcat_runs_w_times_that_expert():
+    """A policy giving each token one expert (``topk:1``) on LongCat-Flash, whose experts module cannot take K = 1
+    (``experts_args`` hands it the expert twice, the second time at weight 0): the experts' output is ``w E_e(h)``
+    by hand from the raw parameters (an identity expert: ``w h``), not twice that."""
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny("longcat_flash")
+    layers = find_moe_layers(model)
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(8))
+    outs: dict[int, torch.Tensor] = {}
+    _, events, _ = run(model, layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                       policy=make_policy("topk:1"), experts_out=outs)
+    computed, identity = 0, 0
+    for L in layers:
+        ev = events[L.index]
+        assert ev.chosen_idx.shape == (24, 1)
+        m = L.n_experts - L.n_zero_compute
+        with torch.no_grad():
+            want = torch.stack([ev.chosen_weights[t, 0] * (
+                reference_expert("longcat_flash", L, int(e), ev.h[t:t + 1])["output"][0] if e < m else ev.h[t])
+                for t, e in enumerate(ev.chosen_idx[:, 0].tolist())])
+        torch.testing.assert_close(outs[L.index], want, rtol=1e-5, atol=1e-6)
+        computed += int((ev.chosen_idx < m).sum())
+        identity += int((ev.chosen_idx >= m).sum())
+    assert computed and identity  # both kinds of expert were chosen
