@@ -551,3 +551,46 @@ def test_pruned_routing_is_the_pruned_checkpoints(model_type, attr, tiny_model, 
         want = _pruned_checkpoint(model, removed, attr)(**batch).logits
     mask = batch["attention_mask"].bool()
     assert torch.allclose(got[mask], want[mask], rtol=1e-4, atol=1e-5), (got[mask] - want[mask]).abs().max()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_keep_problem_is_exactly_the_sets_some_token_cannot_route_within(model_type):
+    """Every one of the 2^8 kept sets of a tiny 8-expert layer: refused iff some token's routing could not find K
+    kept experts -- fewer than K kept at all, or (DeepSeek-V3: 2 groups of 4, the best 1 chosen) fewer than K kept
+    within some topk_group of the groups, by hand over every choice of groups. Exactly K kept is routable."""
+    import itertools
+
+    from moetool.adapters.tiny import build_tiny
+
+    L = find_moe_layers(build_tiny(model_type))[0]
+    n, K = L.n_experts, L.top_k
+    groups = int(getattr(L.config, "n_group", 1) or 1)
+    chosen = int(getattr(L.config, "topk_group", 1) or 1) if groups > 1 else 1
+    assert n == 8 and K == 2 and (groups, chosen) == ((2, 1) if model_type == "deepseek_v3" else (1, 1))
+    size = n // groups
+    for bits in range(1 << n):
+        keep = torch.tensor([(bits >> e) & 1 == 1 for e in range(n)])
+        per_group = [int(keep[g * size:(g + 1) * size].sum()) for g in range(groups)]
+        worst = min(sum(per_group[g] for g in c) for c in itertools.combinations(range(groups), chosen))
+        assert (L.keep_problem(keep) is not None) == (worst < K), (bits, per_group)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "inkling_text"])
+def test_routing_among_every_expert_is_the_models_routing(model_type):
+    """``route_masked(logits, all kept) == route(logits)`` (its definition), also where the rule reads the shared
+    experts' logits appended after the routed ones (Inkling: ``[T, n + s]``, never masked)."""
+    from conftest import padded_batch
+
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny(model_type)
+    layers = find_moe_layers(model)
+    _, events, _ = run(model, layers, padded_batch())
+    for L in layers:
+        ev = events[L.index]
+        idx, w = L.route(ev.logits)
+        midx, mw = L.route_masked(ev.logits, torch.ones(L.n_experts, dtype=torch.bool))
+        assert torch.equal(midx, idx) and torch.equal(mw, w)
+        assert torch.equal(idx.sort(-1).values, ev.idx.long().sort(-1).values)  # the model's own choice
+    if model_type == "inkling_text":
+        assert ev.logits.shape[-1] > L.n_experts  # the shared experts' logits really are there
