@@ -346,3 +346,25 @@ def test_inspect_of_the_embedded_model_shows_no_step_it_lacks():
     layers = json.loads(r.output)["moe_layers"]
     assert all(not L["correction_bias"] and L["routed_scaling_factor"] == 1.0 for L in layers)
     assert {L["scoring"] for L in layers} == {"softmax -> top-K -> weights = p / sum"}
+
+
+def test_longcat_pre_router_norm_is_the_norm_whose_output_the_router_reads():
+    """LongCat-Flash's decoder layer has two sublayers, each with its own ``post_attention_layernorm``: the MoE
+    (shortcut) reads the first's output. ``pre_router_norm`` (what offload predicts the next layer's routing
+    through) is the norm whose output is the router input ``h`` of the layer's events, bit for bit."""
+    from conftest import padded_batch, run
+
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny("longcat_flash")
+    layers = find_moe_layers(model)
+    seen = {}
+    hooks = [L.pre_router_norm.register_forward_hook(lambda m, a, out, i=L.index: seen.setdefault(i, out))
+             for L in layers]
+    try:
+        _, events, _ = run(model, layers, padded_batch())
+    finally:
+        for h in hooks:
+            h.remove()
+    for L in layers:
+        assert torch.equal(seen[L.index].reshape(events[L.index].h.shape), events[L.index].h)
