@@ -474,7 +474,6 @@ class Engine:
 
         def hook(module, args, out):
             slot["logits"] = L.captured_logits(args[0] if args else None, out[0])
-            slot["weights"], slot["idx"] = out[1], out[2]
             slot["inputs"] = L.router_inputs(args)
         return hook
 
