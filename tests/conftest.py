@@ -67,6 +67,24 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("family", FAMILIES)
 
 
+def longcat_unsorted_router_model(rows: int, gen: torch.Generator) -> tuple[torch.nn.Module, list, torch.Tensor]:
+    """A tiny LongCat-Flash (12 routed + 4 identity experts, top-4) whose routers return their top-K unsorted
+    (``topk(sorted=False)``; on CPU at K = 4 the largest is often not first), with random router weights and
+    correction biases from ``gen``: ``(model, routers, ids [rows, 20])``. A fresh model per call (not cached)."""
+    from moetool.adapters.discovery import model_class, tiny_config
+
+    cfg = tiny_config("longcat_flash")
+    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 12, 4, 4
+    torch.manual_seed(0)
+    model = model_class("longcat_flash").from_config(cfg).float().eval()
+    routers = [layer.mlp.router for layer in model.model.layers]
+    with torch.no_grad():
+        for r in routers:
+            r.classifier.weight.copy_(torch.randn(r.classifier.weight.shape, generator=gen) * 0.15)
+            r.e_score_correction_bias.copy_(torch.randn(r.e_score_correction_bias.shape, generator=gen) * 0.05)
+    return model, routers, torch.randint(3, 30, (rows, 20), generator=gen)
+
+
 @functools.lru_cache(maxsize=None)
 def build_tiny_model(model_type: str) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_config(tiny_config())``, seeded, fp32, eval, routing made non-degenerate.

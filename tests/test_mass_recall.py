@@ -228,16 +228,23 @@ def test_invariants_on_tiny_model(model_type):
     assert (df.loc[df["shortlist_size"] == 1, "exact_topk_rate"] == 0).all()  # M < K never holds the top-K
 
 
-def test_mass_recall_matches_hand_computation():
-    """A fixed codebook; every column recomputed token by token from the captured router inputs."""
+def real_router_inputs(layer: int, **shape):
+    """Tiny Mixtral's MoE layer ``layer`` and its router inputs of the real tokens of ``tokens_for_test(**shape)``
+    (one forward): ``(model, layers, L, tokens, H [real tokens, d] fp64)``."""
     model = build_tiny_model("mixtral")
     layers = find_moe_layers(model)
-    L = layers[2]
-    tokens = tokens_for_test(rows=2, seq=7, seed=9)
+    L = layers[layer]
+    tokens = tokens_for_test(**shape)
     caught = []
     with torch.no_grad(), Engine(model, [L], consumers=[lambda ev: caught.append(ev.h[ev.valid].double())]):
         model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
-    H = caught[0].tolist()
+    return model, layers, L, tokens, torch.cat(caught)
+
+
+def test_mass_recall_matches_hand_computation():
+    """A fixed codebook; every column recomputed token by token from the captured router inputs."""
+    model, layers, L, tokens, H = real_router_inputs(2, rows=2, seq=7, seed=9)
+    H = H.tolist()
     g = torch.Generator().manual_seed(11)
     km = SphericalKMeans(5)
     km.codebook = ops.unit(torch.randn(5, H[0].__len__(), generator=g))
@@ -302,14 +309,8 @@ def test_mass_recall_p05_is_the_5th_percentile_of_many_tokens():
     recalls (np.quantile, inverted CDF: the 2nd smallest of 30), within the histogram's one bin above it. With the
     12 tokens of the hand test above the 5th and the 2.5th percentiles are the same order statistic, so a p05 read
     at q = 0.025 passed; here they sit more than a bin apart."""
-    model = build_tiny_model("mixtral")
-    layers = find_moe_layers(model)
-    L = layers[1]
-    tokens = tokens_for_test(rows=4, seq=8, seed=3)
-    caught = []
-    with torch.no_grad(), Engine(model, [L], consumers=[lambda ev: caught.append(ev.h[ev.valid].double())]):
-        model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
-    H = torch.cat(caught).numpy()
+    model, layers, L, tokens, H = real_router_inputs(1, rows=4, seq=8, seed=3)
+    H = H.numpy()
     km = SphericalKMeans(4)
     km.codebook = ops.unit(torch.randn(4, H.shape[1], generator=torch.Generator().manual_seed(2)))
     opts = MassRecallOptions(codebook_sizes=(4,), shortlists=(3,), centroids=("raw",), batch_size=2)

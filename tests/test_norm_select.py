@@ -163,20 +163,10 @@ def test_top1_agree_ranks_an_unsorted_routers_choice_by_its_scores():
     router's first column. Reading the first column survived the suite: its tiny routers return the top-K sorted."""
     from types import SimpleNamespace
 
-    from moetool.adapters.discovery import model_class, tiny_config
+    from conftest import longcat_unsorted_router_model
     from moetool.experiments.routing import perplexity
 
-    cfg = tiny_config("longcat_flash")
-    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 12, 4, 4
-    torch.manual_seed(0)
-    model = model_class("longcat_flash").from_config(cfg).float().eval()
-    gen = torch.Generator().manual_seed(1)
-    routers = [layer.mlp.router for layer in model.model.layers]
-    with torch.no_grad():
-        for r in routers:
-            r.classifier.weight.copy_(torch.randn(r.classifier.weight.shape, generator=gen) * 0.15)
-            r.e_score_correction_bias.copy_(torch.randn(r.e_score_correction_bias.shape, generator=gen) * 0.05)
-    ids = torch.randint(3, 30, (4, 20), generator=gen)
+    model, _, ids = longcat_unsorted_router_model(4, torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[2, -6:] = 0
     lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)

@@ -595,20 +595,10 @@ def test_first_ranked_expert_of_an_unsorted_router_against_plain_hooks():
     experts = the last ids), and the trace's expert_1..K (largest first, what stats --trace --top-k 1 reads)."""
     from itertools import pairwise
 
-    from moetool.adapters.discovery import model_class, tiny_config
+    from conftest import longcat_unsorted_router_model
     from moetool.experiments.trace.compute import trace
 
-    cfg = tiny_config("longcat_flash")
-    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 12, 4, 4
-    torch.manual_seed(0)
-    model = model_class("longcat_flash").from_config(cfg).float().eval()
-    gen = torch.Generator().manual_seed(1)
-    routers = [layer.mlp.router for layer in model.model.layers]
-    with torch.no_grad():
-        for r in routers:
-            r.classifier.weight.copy_(torch.randn(r.classifier.weight.shape, generator=gen) * 0.15)
-            r.e_score_correction_bias.copy_(torch.randn(r.e_score_correction_bias.shape, generator=gen) * 0.05)
-    ids = torch.randint(3, 30, (6, 20), generator=gen)
+    model, routers, ids = longcat_unsorted_router_model(6, torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[2, -6:], mask[5, -3:] = 0, 0
     seen = {}
