@@ -138,8 +138,8 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
         K = src.shape.top_k()
         counts = read_loads(src)
         check_counts(counts, src.shape, f"--trace {src.path}", noun="trace", layers=layers)  # as at import
-        return {li: LayerSums(len(c), K, int(c.sum()) // K, torch.from_numpy(c.astype(np.float64)), None)
-                for li, c in counts.items() if layers is None or li in layers}
+        return _one_token_count(src, {li: LayerSums(len(c), K, int(c.sum()) // K, torch.from_numpy(
+            c.astype(np.float64)), None) for li, c in counts.items() if layers is None or li in layers})
     cols = expert_columns(src)
     wcols = _weight_columns(src, cols)
     sums: dict[int, dict[str, Any]] = {}
@@ -178,11 +178,18 @@ def trace_sums(src: TraceSource, *, top_k: int | None = None, coactivation: str 
     if not sums:
         raise MoetoolError(f"--trace {src.path}: no rows" + (f" in --layers {list(layers)}" if layers else ""))
     _refuse_missing(src, sums, layers)
-    tokens = {s["tokens"] for s in sums.values()}
-    if len(tokens) != 1:  # every token is routed once in every MoE layer: a row lost or repeated in some of them
+    return _one_token_count(src, {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"],
+                                                None if no_ids else s.get("pairs")) for li, s in sorted(sums.items())})
+
+
+def _one_token_count(src: TraceSource, sums: dict[int, LayerSums]) -> dict[int, LayerSums]:
+    """``sums``, or one line where its MoE layers routed different numbers of tokens: every token is routed once in
+    every MoE layer, so a row was lost or repeated in some of them (a per-token trace) or a layer's counts are off
+    (a counts dump)."""
+    tokens = {s.tokens for s in sums.values()}
+    if len(tokens) > 1:
         raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
-    return {li: LayerSums(src.shape.n_experts(li), s["k"], s["tokens"], s["assign"], s["co"],
-                          None if no_ids else s.get("pairs")) for li, s in sorted(sums.items())}
+    return sums
 
 
 # ----- stats ------------------------------------------------------------------------------------------------------
@@ -285,10 +292,7 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
         raise MoetoolError(f"--groups {groups} must divide the {n} experts")
     gpu_counts = options.gpu_counts(n)
     load = torch.stack([sums[li].assign[:n] for li in idx])  # [layers, n] float64
-    tokens = {sums[li].tokens for li in idx}
-    if len(tokens) != 1:  # a counts dump's layers may count different totals (per-token traces: trace_sums)
-        raise MoetoolError(f"--trace {src.path}: the MoE layers routed different numbers of tokens {sorted(tokens)}")
-    n_tok = tokens.pop()
+    n_tok = sums[idx[0]].tokens  # one count in every layer (trace_sums)
     df, overall = placement_tables(load, None, 0, idx, n, options,
                                    _placements(load, None, n, groups, gpu_counts, options))
     meta = dict(definitions=PLACEMENT_DEFINITIONS, trace=src.describe(), layers=idx, n_experts=n, top_k=K,
