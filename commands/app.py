@@ -110,13 +110,15 @@ ENV_SECONDS = ("MOETOOL_HUB_TIMEOUT", "MOETOOL_DIST_TIMEOUT")
 def configure_environment() -> None:
     """Process-wide defaults for a ``moetool`` command: :data:`CLI_ENVIRONMENT` (only where unset). Progress bars of
     transformers are switched off where the weights load (:func:`moetool.loading.quiet_transformers`). A bad
-    :data:`ENV_SECONDS` value (``-1``, ``inf``, ``nan``) is one usage line before anything runs."""
-    from moetool.errors import env_seconds
+    :data:`ENV_SECONDS` value (``-1``, ``inf``, ``nan``) or ``MOETOOL_FIGURES`` value is one usage line before
+    anything runs."""
+    from moetool.errors import env_figures, env_seconds
 
     for key, value in CLI_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     for name in ENV_SECONDS:
         env_seconds(name)
+    env_figures()
 
 
 def _version(value: bool) -> None:
@@ -135,7 +137,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
     try:
         configure_environment()
-    except MoetoolError as e:  # a bad MOETOOL_*_TIMEOUT: one line before the command runs
+    except MoetoolError as e:  # a bad MOETOOL_*_TIMEOUT or MOETOOL_FIGURES: one line before the command runs
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(e.exit_code) from None
 

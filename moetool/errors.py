@@ -68,6 +68,29 @@ def env_seconds(name: str, default: float | None = None) -> float | None:
     return value
 
 
+#: the files each figure of a run is saved as, by default (``MOETOOL_FIGURES`` chooses others)
+FIGURE_FORMATS = ("png", "pdf")
+
+
+def env_figures() -> tuple[str, ...]:
+    """The formats ``MOETOOL_FIGURES`` asks each figure of a run to be saved in: unset or empty, both of
+    :data:`FIGURE_FORMATS` (PNG for the report page, PDF for papers); ``png``, ``pdf`` or ``png,pdf``; ``none`` draws
+    no figure at all (the tables only: a sweep of many runs, or tests that compare tables). Anything else is a
+    one-line usage error."""
+    import os
+
+    raw = os.environ.get("MOETOOL_FIGURES", "").strip().lower()
+    if not raw:
+        return FIGURE_FORMATS
+    if raw == "none":
+        return ()
+    asked = [f.strip() for f in raw.split(",")]
+    if any(f not in FIGURE_FORMATS for f in asked) or len(set(asked)) != len(asked):
+        raise MoetoolError(f"MOETOOL_FIGURES must be png, pdf, png,pdf or none, not "
+                           f"'{os.environ['MOETOOL_FIGURES'].strip()}'")
+    return tuple(f for f in FIGURE_FORMATS if f in asked)
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an error's text, or its type name when it has none (an empty ``EOFError`` of a
     0-byte file: ``str(e).splitlines()[0]`` raised IndexError in the middle of an error message)."""

@@ -61,6 +61,13 @@ def _own_cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path_factory.mktemp("moetool-cache")))
 
 
+@pytest.fixture
+def no_figures(monkeypatch):
+    """The runs of a test that compares tables draw no figure (``MOETOOL_FIGURES=none``): drawing and saving them
+    is most of a small run's time, and the figures are the commands' own tests' to check."""
+    monkeypatch.setenv("MOETOOL_FIGURES", "none")
+
+
 def pytest_generate_tests(metafunc):
     """Any test taking a ``family`` argument runs once per family."""
     if "family" in metafunc.fixturenames:

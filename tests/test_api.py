@@ -423,7 +423,7 @@ def test_from_trace_gives_the_commands_trace_tables(tmp_path):
         moetool.from_trace("ppl", tmp_path / "tr")
 
 
-def test_run_by_name_tokenizes_as_the_command_with_a_bos_adding_tokenizer(tmp_path):
+def test_run_by_name_tokenizes_as_the_command_with_a_bos_adding_tokenizer(tmp_path, no_figures):
     """``moetool stats`` tokenizes with the tokenizer's own default (a BOS per document here); ``moetool.run("stats",
     NAME)`` must read the same tokens (before: no special tokens, so other tables), record the same choice, and
     ``add_special_tokens=False`` is ``--no-special-tokens``."""

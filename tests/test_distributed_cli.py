@@ -19,11 +19,16 @@ from test_distributed import free_port
 
 from moetool.experiments.registry import EXPERIMENTS
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+# tiers: pytest -m 'not slow'; one xdist worker runs this module (--dist loadgroup): its launches are one module
+# fixture, which each worker given some of the tests would otherwise run again (about 2.5 min of 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("distributed_cli")]
 
 
-def _env():
-    env = dict(os.environ, MOETOOL_DIST_TIMEOUT="60", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+def _env(figures=False):
+    """The launches' environment; without ``figures`` the runs draw no figure (``MOETOOL_FIGURES=none``): these
+    tests compare tables, and drawing is rank 0's alone (no collective), checked once with figures below."""
+    env = dict(os.environ, MOETOOL_DIST_TIMEOUT="60", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               MOETOOL_FIGURES="png,pdf" if figures else "none")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
@@ -43,10 +48,11 @@ def accelerate_launch(world, target=("-m", "moetool")):
             str(free_port()), *target]
 
 
-def run_cli(args, cwd, world=1, launcher=torchrun, target=("-m", "moetool"), timeout=240):
+def run_cli(args, cwd, world=1, launcher=torchrun, target=("-m", "moetool"), timeout=240, figures=False):
     for _ in range(3):  # free_port() frees the port it found: another test may take it before the launcher binds
         launch = launcher(world, target) if world > 1 else [sys.executable, *target]
-        p = subprocess.run(launch + args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(launch + args, cwd=cwd, env=_env(figures), capture_output=True, text=True,
+                           timeout=timeout)
         if not (world > 1 and p.returncode != 0 and "EADDRINUSE" in p.stderr):
             break  # (the launcher failed at its rendezvous, before any rank started: nothing was written)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -168,10 +174,17 @@ def test_accelerate_launch_two_ranks_equal_one_process(runs, tmp_path):
     command, extra = CASES[1]
     assert command == "stats"
     p = run_cli([command, "--quiet", *extra, "--batch-size", "2", "--out", str(tmp_path / "two")], tmp_path,
-                world=2, launcher=accelerate_launch)
+                world=2, launcher=accelerate_launch, figures=True)
     same_tables(root / "one1", tmp_path / "two")
     check_manifest(root / "one1", tmp_path / "two")
     assert p.stdout.count("results in") == 1
+    # the one launch here that draws figures: rank 0 saves each as PNG and PDF, listed in its manifest
+    drawn = {f.name for f in (tmp_path / "two" / "figures").iterdir()}
+    files = json.loads((tmp_path / "two" / "manifest.json").read_text())["files"]
+    assert drawn and {f.rsplit(".", 1)[0] for f in drawn if f.endswith(".png")} == \
+        {f.rsplit(".", 1)[0] for f in drawn if f.endswith(".pdf")}
+    assert {f"figures/{f}" for f in drawn} <= set(files)
+    assert not (root / "one1" / "figures").exists()  # the fixture's runs drew none (MOETOOL_FIGURES=none)
 
 
 LAUNCHER_VARS = [("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, accelerate launch --multi_gpu

@@ -504,3 +504,54 @@ def test_one_crop_for_png_and_pdf_is_matplotlibs_tight_crop_of_each(tmp_path):
 
     got, ref = media_box(tmp_path / "run" / "figures" / "f.pdf"), media_box(tmp_path / "ref.pdf")
     np.testing.assert_allclose(got, ref, atol=1.0)
+
+
+# ----- which files a figure is saved as (MOETOOL_FIGURES) --------------------------------------------------------
+def test_moetool_figures_chooses_the_files_and_never_changes_a_table(tmp_path, monkeypatch):
+    """Unset: every figure as PNG and PDF. ``png``: the PNGs alone, ``none``: no figure drawn and no ``figures/``
+    folder; the manifest records the choice (``figure_formats``) and lists exactly the files written; the tables
+    are byte for byte those of the default run."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    args = ["stats", "--model", "tiny", "--max-tokens", "128", "--seq-len", "32", "--bootstrap", "0", "--quiet"]
+    runs = {}
+    for value in ("", "png", "PDF", "pdf, png", "none"):
+        monkeypatch.setenv("MOETOOL_FIGURES", value)
+        out = tmp_path / (value.replace(",", "_").replace(" ", "") or "default")
+        r = CliRunner().invoke(app, [*args, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        runs[value] = out
+    man = {v: json.loads((d / "manifest.json").read_text()) for v, d in runs.items()}
+    figs = {v: sorted(p.name for p in (d / "figures").glob("*")) if (d / "figures").exists() else None
+            for v, d in runs.items()}
+    stems = sorted({n.rsplit(".", 1)[0] for n in figs[""]})
+    assert stems and figs[""] == sorted([f"{s}.png" for s in stems] + [f"{s}.pdf" for s in stems])
+    assert figs["png"] == [f"{s}.png" for s in stems] and figs["PDF"] == [f"{s}.pdf" for s in stems]
+    assert figs["pdf, png"] == figs[""] and figs["none"] is None
+    assert "figure_formats" not in man[""] and "figure_formats" not in man["pdf, png"]
+    assert man["png"]["figure_formats"] == ["png"] and man["PDF"]["figure_formats"] == ["pdf"]
+    assert man["none"]["figure_formats"] == []
+    for v, d in runs.items():
+        assert {f for f in man[v]["files"] if f.startswith("figures/")} == {f"figures/{n}" for n in figs[v] or []}
+        assert man[v]["tables"] == man[""]["tables"]  # rows, bytes and sha256 of every table
+        for name in man[""]["tables"]:
+            assert (d / name).read_bytes() == (runs[""] / name).read_bytes()
+
+
+@pytest.mark.parametrize("value", ["jpg", "png,png", "png;pdf", "png,", "no"])
+def test_a_bad_moetool_figures_is_one_usage_line_before_the_command_runs(value, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    monkeypatch.setenv("MOETOOL_FIGURES", value)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["stats", "--model", "tiny", "--max-tokens", "64", "--seq-len", "32", "--quiet",
+                                 "--out", str(out)])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and lines == [f"error: MOETOOL_FIGURES must be png, pdf, png,pdf or none, not '{value}'"]
+    assert not out.exists()

@@ -86,7 +86,7 @@ def _resumed(args, part):
 
 
 @pytest.mark.slow
-def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_norm_select_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, no_figures):
     args = ["norm-select", "--nodes", "gate,output", "--max-tokens", "400", "--seq-len", "32", "--batch-size", "4",
             "--bootstrap", "100", "--quiet"]
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
@@ -176,7 +176,7 @@ def test_resume_refused_under_torchrun(monkeypatch):
 
 
 @pytest.mark.slow
-def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, no_figures):
     from moetool.experiments.fluctuation import compute as fl
 
     # order of work (--reference previous): tiny (checkpoint 1) first, then tiny-early fed to tiny's routers too
@@ -290,7 +290,7 @@ def _one_line_error(r, code):
 
 
 @pytest.mark.slow
-def test_resume_refuses_other_data_read_from_the_same_path(tmp_path, monkeypatch):
+def test_resume_refuses_other_data_read_from_the_same_path(tmp_path, monkeypatch, no_figures):
     data = tmp_path / "data.txt"
     data.write_text("The old text about rivers and the sea, told again and again. " * 40)
     part = tmp_path / "part"
@@ -476,7 +476,7 @@ def _free_memory_says(monkeypatch, rows):
 
 
 @pytest.mark.slow
-def test_auto_batch_size_resume_keeps_the_interrupted_runs_rows(tmp_path, monkeypatch):
+def test_auto_batch_size_resume_keeps_the_interrupted_runs_rows(tmp_path, monkeypatch, no_figures):
     """``--batch-size auto --resume`` when the free memory now holds another number of rows: the resume continues
     with the interrupted run's rows (before: refused, 'other options (batch_size: 2 -> 5)') and gives the tables of
     an uninterrupted run of 2 rows per batch; the same through ``moetool.run(..., batch_size="auto", resume=True)``."""

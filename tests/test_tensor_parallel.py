@@ -25,7 +25,9 @@ from test_distributed_cli import CASES, NOT_DISTRIBUTED, SEQUENCE, accelerate_la
 
 from moetool.context import RunState
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# one xdist worker runs this module (--dist loadgroup): its launches are one module fixture, which each worker given
+# some of the tests would otherwise run again (about 4.5 min of 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("tensor_parallel")]
 
 DATA = ["--max-tokens", "900", "--seq-len", "64"]  # 15 packed rows: the last global batch is partial
 LAYOUTS = {  # name: (processes, flags, rows per forward of one model group)

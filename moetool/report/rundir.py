@@ -524,19 +524,24 @@ class RunDir:
         return self._path / name
 
     def save_figure(self, fig: Any, name: str) -> list[Path]:
-        """``figures/<name>.png`` and ``.pdf`` in the house style (:func:`moetool.report.figures.savefig`), with
+        """``figures/<name>.png`` and ``.pdf`` (the formats ``MOETOOL_FIGURES`` asks for:
+        :func:`moetool.errors.env_figures`) in the house style (:func:`moetool.report.figures.savefig`), with
         :attr:`caption` (e.g. ``describe_run(model, data, tokens)``) under a figure that has none; closes it."""
         import matplotlib.pyplot as plt
 
+        from ..errors import env_figures
         from .figures import finalize, has_caption, savefig, set_caption, tight_bbox
 
-        if self.caption and not has_caption(fig):
-            set_caption(fig, self.caption)
-        finalize(fig)
+        formats = env_figures()
         paths = []
         try:
+            if not formats:
+                return paths
+            if self.caption and not has_caption(fig):
+                set_caption(fig, self.caption)
+            finalize(fig)
             bbox = tight_bbox(fig)  # one crop for both files
-            for ext in ("png", "pdf"):
+            for ext in formats:
                 with self.atomic(f"figures/{name}.{ext}") as tmp:
                     savefig(fig, tmp, finalized=True, bbox=bbox)
                 paths.append(self._path / "figures" / f"{name}.{ext}")

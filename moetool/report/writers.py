@@ -1,7 +1,8 @@
 """The one writer: a :class:`~moetool.experiments.result.Result` into a run folder.
 
 Every table -> CSV (``run.write_csv``; a large one Parquet), its rows, bytes and sha256 in the manifest's ``tables``
-(:meth:`~moetool.report.RunDir.atomic`), then the experiment's figures (:mod:`moetool.report.plots`): a figure that
+(:meth:`~moetool.report.RunDir.atomic`), then the experiment's figures (:mod:`moetool.report.plots`; PNG and PDF, or
+what ``MOETOOL_FIGURES`` asks for, recorded as the manifest's ``figure_formats``; ``none`` draws none): a figure that
 fails is listed under ``figures_failed`` in the manifest (the tables stay written) and the run fails with one line
 (:class:`~moetool.errors.MoetoolRuntimeError`, exit 1). Then the manifest:
 options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
@@ -17,7 +18,7 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
           seed: int | None = None, finish: bool = True) -> Any:
     """Write ``result`` into ``run`` (a :class:`~moetool.report.RunDir`); returns the manifest path (or ``None``
     with ``finish=False``, when the caller adds more before finishing). ``seed`` defaults to the options' seed."""
-    from ..errors import MoetoolRuntimeError
+    from ..errors import FIGURE_FORMATS, MoetoolRuntimeError, env_figures
     from .figures import describe_run
     from .plots import figures
     from .rundir import one_line
@@ -40,8 +41,11 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         else:
             run.write_csv(name, df)
     failed: dict[str, str] = {}  # a figure that cannot be drawn or saved never loses the tables written above
+    formats = env_figures()
+    if formats != FIGURE_FORMATS:  # MOETOOL_FIGURES chose other files (or none): the manifest says so
+        run.add(figure_formats=list(formats))
     try:
-        built = figures(result)
+        built = figures(result) if formats else {}  # none: no figure is drawn
     except Exception as e:  # noqa: BLE001 - any drawing error: recorded, then one line and exit 1 below
         built, failed[f"{result.name} figures"] = {}, one_line(e)
     for name, fig in built.items():
