@@ -485,3 +485,27 @@ def test_a_blank_text_file_in_a_data_folder_adds_no_tokens(tmp_path):
     (tmp_path / "b.txt").write_text("hello")
     ts = load_tokens(tmp_path, CharTokenizer(), seq_len=8, max_tokens=None)
     assert ts.input_ids.tolist() == [[ord(c) % 200 + 3 for c in "hello"] + [2, 2, 2]] and ts.n_tokens == 5
+
+
+def test_describe_and_fingerprint_record_what_was_packed():
+    """The manifest's data block counts real tokens (11 of 12 positions here, not the padded 12), and the resume
+    fingerprint changes with the ids, the padding mask and the domains each (same ids under other domain labels
+    would resume per-domain tables of other rows); --max-tokens 1 is refused as such, not as 'too few tokens'."""
+    from dataclasses import replace
+
+    docs = [Document("abcde", "code"), Document("xyz", "prose"), Document("fg", "code")]
+    ts = pack(docs, CharTokenizer(), seq_len=4, max_tokens=None, source="s")
+    d = ts.describe()
+    assert (d["tokens"], d["rows"], d["seq_len"], d["domains"]) == (11, 3, 4, ["code", "prose"])
+    fp = ts.fingerprint()
+    assert (fp["rows"], fp["tokens"]) == (3, 11)
+    mask = ts.attention_mask.clone()
+    mask[1, 2] = 0
+    ids = ts.input_ids.clone()
+    ids[0, 0] += 1
+    others = [replace(ts, domains=["prose", "code", "code"]), replace(ts, attention_mask=mask),
+              replace(ts, input_ids=ids)]
+    hashes = {fp["sha256"], *(o.fingerprint()["sha256"] for o in others)}
+    assert len(hashes) == 4 and replace(ts).fingerprint() == fp
+    with pytest.raises(MoetoolError, match="--max-tokens must be at least 2"):
+        pack(docs, CharTokenizer(), seq_len=4, max_tokens=1)
