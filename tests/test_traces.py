@@ -1411,3 +1411,22 @@ def test_vllm_token_ids_are_the_forwarded_rows_or_one_more(tmp_path):
         else:
             with pytest.raises(MoetoolError, match="5 token ids but 3 routed rows"):
                 list(readers.read([tmp_path / "v.jsonl"], HAND).chunks)
+
+
+def test_write_trace_counts_moe_rows_and_expert_columns_sort_by_rank(tmp_path):
+    """write_trace's rows (the manifest's routing_source.rows) are tokens x MoE layers -- a dense layer has no rows
+    (3 tokens x 4 MoE layers of 5 = 12, equal to the Parquet's rows); expert_1..expert_10 of a top-10 trace read in
+    rank order (expert_10 last, not after expert_1 as text sorts it)."""
+    from moetool.traces import store
+
+    five = ModelShape(5, {i: (8, 2) for i in range(4)}, "hand")
+    ex = _hand_experts(3, range(4), 8)
+    chunk = readers.Chunk(np.zeros(3, dtype=np.int64), np.arange(3), np.full(3, -1), ex)
+    got = store.write_trace(iter([chunk]), five, tmp_path / "trace.parquet")
+    assert got == {"tokens": 3, "rows": 12, "requests": 1} and store.parquet_rows(tmp_path / "trace.parquet") == 12
+    cols = [f"expert_{k}" for k in (3, 10, 1, 2, 4, 5, 6, 7, 8, 9)]
+    df = pd.DataFrame({"layer": [0], **{c: [0] for c in cols}})
+    for name in ("t.parquet", "t.csv.gz"):
+        df.to_parquet(tmp_path / name) if name.endswith("parquet") else df.to_csv(tmp_path / name, index=False)
+        src = store.TraceSource(tmp_path / name, "trace", five)
+        assert store.expert_columns(src) == [f"expert_{k}" for k in range(1, 11)]
