@@ -404,3 +404,108 @@ def test_a_float_attention_mask_is_named_by_its_dtype():
     check_packed(dataclasses.replace(t, attention_mask=t.attention_mask.float().long()))
     with pytest.raises(MoetoolError, match=r"must hold 0 \(padding\) and 1 \(a real token\) only"):
         check_packed(dataclasses.replace(t, attention_mask=t.attention_mask * 2))
+
+
+# ----- packing against a hand-written reference (mutation pass 4) -----------------------------------------------
+def reference_rows(texts_domains, seq_len, max_tokens):
+    """Packing as the module docstring says it, written out: blank documents dropped, a domain's documents joined by
+    EOS (1) in order of appearance, cut into rows of ``seq_len``, domains interleaved in order of first appearance,
+    at most ``max_tokens`` real tokens, a row of fewer than 2 real tokens dropped, right-padded with 2."""
+    t = CharTokenizer()
+    streams = {}
+    for text, dom in texts_domains:
+        if not text.strip():
+            continue
+        s = streams.setdefault(dom or "", [])
+        s += ([1] if s else []) + t(text)["input_ids"]
+    cut = [[(s[i:i + seq_len], d) for i in range(0, len(s), seq_len)] for d, s in streams.items()]
+    ids, mask, doms, total = [], [], [], 0
+    for r in range(max(map(len, cut))):
+        for rows in cut:
+            if r >= len(rows):
+                continue
+            toks, d = rows[r]
+            if max_tokens is not None:
+                toks = toks[:max(max_tokens - total, 0)]
+            if len(toks) >= 2:
+                total += len(toks)
+                ids.append(toks + [2] * (seq_len - len(toks)))
+                mask.append([1] * len(toks) + [0] * (seq_len - len(toks)))
+                doms.append(d)
+    return ids, mask, doms
+
+
+def test_packing_equals_a_hand_reference_read_whole_and_read_lazily(tmp_path, monkeypatch):
+    """Random corpora (3 domains met in an unsorted order, blank documents among them), seq_len and max_tokens: the
+    rows packed from a list and from a lazily read JSONL (reading may stop once every domain was met) equal the
+    hand reference -- the token count, which domain gets the capped last rows, the EOS joins. Killed mutations: a
+    domain stream that stops growing at floor(max_tokens / seq_len) rows (20 tokens asked, 16 packed), domains
+    interleaved in sorted order, a stop decided on a partial row counted as full, JSONL bytes never counted (the
+    read never stops: the corrupt tail is parsed), blank JSONL documents packed as whitespace tokens."""
+    import random
+
+    rng = random.Random(4)
+    monkeypatch.setattr(data_mod, "TOKENIZE_BATCH", 3)
+    # the closed case first: three 8-token documents, max_tokens 20 in rows of 8 -> rows of 8, 8 and 4 tokens
+    docs = [Document("abcdefgh", "")] * 3
+    ts = pack(docs, CharTokenizer(), seq_len=8, max_tokens=20)
+    assert ts.n_tokens == 20 and ts.attention_mask.sum(1).tolist() == [8, 8, 4]
+    stopped_early = 0
+    for trial in range(150):
+        names = rng.sample(["zeta", "alpha", "mid"], 3)  # first-appearance order, not sorted
+        recs = [(rng.choice("abcdefgh") * rng.randint(1, 9), d) for d in names]
+        for _ in range(rng.randint(0, 40)):
+            text = " \n " if rng.random() < 0.1 else "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 12)))
+            recs.append((text, rng.choice(names)))
+        seq_len = rng.randint(2, 9)
+        max_tokens = rng.choice([None, rng.randint(2, 90)])
+        want = reference_rows(recs, seq_len, max_tokens)
+        got = pack([Document(t, d) for t, d in recs if t.strip()], CharTokenizer(), seq_len=seq_len,
+                   max_tokens=max_tokens)
+        assert (got.input_ids.tolist(), got.attention_mask.tolist(), got.domains) == want, (trial, seq_len, max_tokens)
+        lines = [json.dumps({"text": t, "domain": d}) + "\n" for t, d in recs]
+        monkeypatch.setattr(data_mod, "DOMAIN_SCAN_BYTES", len("".join(lines[:3]).encode()))  # every domain met
+        for tail in ("", "{corrupt\n"):
+            p = tmp_path / f"c{trial}-{bool(tail)}.jsonl"
+            p.write_text("".join(lines) + tail)
+            try:
+                lazy = load_tokens(p, CharTokenizer(), seq_len=seq_len, max_tokens=max_tokens)
+            except MoetoolError as e:  # the rows needed the whole corpus: its corrupt tail is reached, as it must be
+                assert tail and "line %d: not valid JSON" % (len(lines) + 1) in str(e)
+                continue
+            stopped_early += bool(tail)
+            assert (lazy.input_ids.tolist(), lazy.attention_mask.tolist(), lazy.domains) == want, (trial, tail)
+    assert stopped_early >= 40  # reading stopped before the corrupt tail in many corpora
+
+
+def test_a_blank_text_file_in_a_data_folder_adds_no_tokens(tmp_path):
+    """A whitespace-only .txt beside a real one is no document: the packed tokens are the real file's alone (no
+    whitespace ids, no EOS joining it)."""
+    (tmp_path / "a.txt").write_text("  \n\t\n")
+    (tmp_path / "b.txt").write_text("hello")
+    ts = load_tokens(tmp_path, CharTokenizer(), seq_len=8, max_tokens=None)
+    assert ts.input_ids.tolist() == [[ord(c) % 200 + 3 for c in "hello"] + [2, 2, 2]] and ts.n_tokens == 5
+
+
+def test_describe_and_fingerprint_record_what_was_packed():
+    """The manifest's data block counts real tokens (11 of 12 positions here, not the padded 12), and the resume
+    fingerprint changes with the ids, the padding mask and the domains each (same ids under other domain labels
+    would resume per-domain tables of other rows); --max-tokens 1 is refused as such, not as 'too few tokens'."""
+    from dataclasses import replace
+
+    docs = [Document("abcde", "code"), Document("xyz", "prose"), Document("fg", "code")]
+    ts = pack(docs, CharTokenizer(), seq_len=4, max_tokens=None, source="s")
+    d = ts.describe()
+    assert (d["tokens"], d["rows"], d["seq_len"], d["domains"]) == (11, 3, 4, ["code", "prose"])
+    fp = ts.fingerprint()
+    assert (fp["rows"], fp["tokens"]) == (3, 11)
+    mask = ts.attention_mask.clone()
+    mask[1, 2] = 0
+    ids = ts.input_ids.clone()
+    ids[0, 0] += 1
+    others = [replace(ts, domains=["prose", "code", "code"]), replace(ts, attention_mask=mask),
+              replace(ts, input_ids=ids)]
+    hashes = {fp["sha256"], *(o.fingerprint()["sha256"] for o in others)}
+    assert len(hashes) == 4 and replace(ts).fingerprint() == fp
+    with pytest.raises(MoetoolError, match="--max-tokens must be at least 2"):
+        pack(docs, CharTokenizer(), seq_len=4, max_tokens=1)

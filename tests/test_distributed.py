@@ -207,3 +207,65 @@ def test_bad_launcher_environment(monkeypatch):
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(MoetoolError, match="bad launcher environment"):
         D.env()
+
+
+def _uneven_worker(rank, world, port, out):
+    """Rank r holds 3 + 2r rows and keyed accumulators of its own keys and shapes; every rank saves what it got."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MOETOOL_DIST_TIMEOUT="60")
+    torch.set_num_threads(1)
+    D.init("cpu")
+    try:
+        n = 3 + 2 * rank
+        t = torch.arange(2 * n, dtype=torch.float64).reshape(n, 2) + 100 * rank
+        counts = D.rank_counts(n)
+        keyed = ({(0, 4): torch.tensor([1.0, 2.0]), (1, 4): {"s": torch.ones(1, 3), "n": 5}} if rank == 0 else
+                 {(1, 4): {"s": 2 * torch.ones(1, 3), "n": 5}, (2, 8): torch.arange(1, 5)})
+        res = {"counts": counts, "rows": D.all_gather_rows(t, counts), "rows_found": D.all_gather_rows(t),
+               "keyed": D.all_reduce_keyed(keyed), "keyed_max": D.all_reduce_keyed(keyed, op="max"),
+               "main": D.gather_to_main([rank] * n)}
+        torch.save(res, f"{out}.{rank}")
+        torch.distributed.barrier()
+    finally:
+        D.shutdown()
+
+
+def test_gathers_and_keyed_reductions_over_ranks_of_uneven_rows_and_keys(tmp_path):
+    """rank_counts / all_gather_rows with 3 and 5 rows (a rank's rows written at its own index, the buffer as long
+    as the longest rank, each rank's padding cut off), all_reduce_keyed where each rank lacks a key the other has
+    (zeros of that key's own shape joined: [2], {[1, 3]}, [4]), gather_to_main on rank 0 only. Killed mutations:
+    every rank counted at index 0 (rank 1's rows lost), a buffer sized by rank 0's rows, the zeros of the first
+    key's shape."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "res"
+    mp.spawn(_uneven_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    want_rows = torch.cat([torch.arange(6, dtype=torch.float64).reshape(3, 2),
+                           torch.arange(10, dtype=torch.float64).reshape(5, 2) + 100])
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}")
+        assert got["counts"].tolist() == [3, 5]
+        assert torch.equal(got["rows"], want_rows) and torch.equal(got["rows_found"], want_rows)
+        k = got["keyed"]
+        assert list(k) == [(0, 4), (1, 4), (2, 8)]
+        assert k[(0, 4)].tolist() == [1.0, 2.0] and k[(1, 4)]["s"].tolist() == [[3.0, 3.0, 3.0]]
+        assert k[(1, 4)]["n"] == 5 and k[(2, 8)].tolist() == [1, 2, 3, 4] and k[(2, 8)].dtype == torch.long
+        assert got["keyed_max"][(1, 4)]["s"].tolist() == [[2.0, 2.0, 2.0]]
+        assert got["main"] == ([[0] * 3, [1] * 5] if rank == 0 else None)
+
+
+def test_a_shard_keeps_the_global_numbers_of_rows_already_numbered():
+    """shard() of a TokenSet that already carries row_ids (rows 100.. of a larger set) keeps those numbers for the
+    rows it takes, not their positions in this set."""
+    from dataclasses import replace
+
+    ts = tokens()
+    n = ts.input_ids.shape[0]
+    numbered = replace(ts, row_ids=torch.arange(n) + 100)
+    for r in range(3):
+        p = D.shard(numbered, 4, r, 3)
+        keep = D.shard_indices(n, 4, r, 3)
+        assert p.row_ids.tolist() == (keep + 100).tolist() and torch.equal(p.input_ids, ts.input_ids[keep])
+    assert D.shard(numbered, 4).row_ids.tolist() == list(range(100, 100 + n))  # alone: unchanged

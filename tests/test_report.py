@@ -747,3 +747,18 @@ def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path):
     assert '<a href="#runs-failed">stats (failed)</a>' in table and '<a href="#runs-done">stats</a>' in table
     md = (tmp_path / "rep/report.md").read_text()
     assert "| [stats (failed)](#runs-failed) |" in md and "| [stats](#runs-done) | tiny |" in md
+
+
+def test_page_shows_a_table_of_html_rows_whole_and_aligns_integer_columns(tmp_path):
+    """A table of exactly HTML_ROWS (20) rows is shown whole ("20 rows"), one of 21 by its first 10; LaTeX
+    right-aligns integer columns as numbers; a manifest count of 10,000 gets its separator."""
+    from moetool.report.page import HTML_ROWS, PREVIEW_ROWS, human
+
+    run = RunDir.create("stats", tmp_path / "run")
+    for n in (HTML_ROWS, HTML_ROWS + 1):
+        run.write_csv(f"t{n}.csv", pd.DataFrame({"layer": range(n), "load": np.linspace(0, 1, n)}))
+    run.finish(options={"model": "tiny"})
+    md = (write_report([tmp_path / "run"], tmp_path / "rep").parent / "report.md").read_text()
+    assert f"*{HTML_ROWS} rows; " in md and f"*first {PREVIEW_ROWS} of {HTML_ROWS + 1} rows; every row in " in md
+    assert "\\begin{tabular}{rrl}" in to_latex(pd.DataFrame({"a": [1], "b": [True], "c": ["x"]}))
+    assert (human(10_000), human(9_999)) == ("10,000", "9999")

@@ -1288,3 +1288,145 @@ def test_fluctuation_jaccard_is_exact_where_every_token_shares_one_of_two_expert
     assert abs(res.loc[0, "jaccard"] - 1 / 3) < 1e-15, res.loc[0, "jaccard"]
     assert abs(res.loc[0, "topk_overlap"] - 1 / 2) < 1e-15
     assert (res.loc[[1, 2, 3], "jaccard"] == 1).all() and (res["tokens"] == len(l0)).all()
+
+
+# ----- hand-built dumps (mutation pass 4): layer mapping, rows of a pass, micro-batches, what is refused ------------
+HAND = ModelShape(4, {i: (8, 2) for i in range(4)}, "hand")
+
+
+def _hand_experts(T: int, layers, seed: int = 0) -> dict[int, np.ndarray]:
+    """Distinct top-2 logical ids per token and layer."""
+    g = np.random.default_rng(seed)
+    return {li: np.stack([g.permutation(8)[:2] for _ in range(T)]) for li in layers}
+
+
+def _per_token_pt(path: Path, records: list[dict], p2l: torch.Tensor) -> None:
+    torch.save(dict(records=records, last_physical_to_logical_map=p2l), str(path))
+
+
+def _per_token_record(experts: dict[int, np.ndarray], T: int, L: int = 4, **fields) -> dict:
+    """A per_token record over an identity physical map: ``topk_ids_of_layer [L, T, 8]`` -1 padded."""
+    topk = torch.full((L, T, 8), -1, dtype=torch.int32)
+    for li, ids in experts.items():
+        topk[li, :, :2] = torch.from_numpy(ids)
+    return dict(forward_pass_id=0, topk_ids_of_layer=topk, **fields)
+
+
+def test_a_dense_first_layer_maps_every_moe_layer_to_its_own_column():
+    """DeepSeek's layout (layer 0 dense, 1-4 MoE): layer li's experts are the dump's column li, not the li-th MoE
+    layer's position (column li - 1: every layer's routing one layer off)."""
+    shape = ModelShape(5, {i: (8, 2) for i in range(1, 5)}, "hand")
+    ex = _hand_experts(6, range(1, 5), seed=1)
+    arr = np.zeros((6, 5, 2), dtype=np.uint8)
+    for li, ids in ex.items():
+        arr[:, li] = ids
+    got = readers.split_layers(arr, shape, "t")
+    assert sorted(got) == [1, 2, 3, 4] and all((got[li] == ex[li]).all() for li in got)
+
+
+def test_sglang_per_token_rows_follow_extend_seq_lens_and_decode_passes(tmp_path):
+    """A prefill pass of two sequences (extend_seq_lens [2, 3]) is rows 0 and 1 (tokens 2 + 3), the decode pass
+    after it (no lengths: one token per request) rows 2, 3, 4; positions and input ids as recorded."""
+    ex1, ex2 = _hand_experts(5, range(4), 2), _hand_experts(3, range(4), 3)
+    recs = [_per_token_record(ex1, 5, extend_seq_lens=[2, 3], positions=[0, 1, 0, 1, 2], input_ids=[5, 6, 7, 8, 9]),
+            _per_token_record(ex2, 3, positions=[2, 3, 3], input_ids=[10, 11, 12])]
+    _per_token_pt(tmp_path / "d.pt", recs, torch.arange(8).repeat(4, 1))
+    chunks = list(readers.read([tmp_path / "d.pt"], HAND).chunks)
+    assert [c.row.tolist() for c in chunks] == [[0, 0, 1, 1, 1], [2, 3, 4]]
+    assert [c.pos.tolist() for c in chunks] == [[0, 1, 0, 1, 2], [2, 3, 3]]
+    assert [c.token_id.tolist() for c in chunks] == [[5, 6, 7, 8, 9], [10, 11, 12]]
+    assert all((chunks[0].experts[li] == ex1[li]).all() and (chunks[1].experts[li] == ex2[li]).all() for li in range(4))
+
+
+def test_sglang_per_token_ids_beyond_top_k_or_the_map_are_one_line(tmp_path):
+    """A third id in a token's row (more than the config's top-2) and a physical id equal to the map's width (8
+    slots: ids 0-7) are refused in one line (not dropped, not an IndexError)."""
+    ex = _hand_experts(2, range(4), 4)
+    rec = _per_token_record(ex, 2)
+    rec["topk_ids_of_layer"][1, 0, 2] = 5
+    _per_token_pt(tmp_path / "a.pt", [rec], torch.arange(8).repeat(4, 1))
+    with pytest.raises(MoetoolError, match=r"more than top-2 \(--config hand\) ids per token"):
+        list(readers.read([tmp_path / "a.pt"], HAND).chunks)
+    rec = _per_token_record(ex, 2)
+    rec["topk_ids_of_layer"][2, 1, 0] = 8
+    _per_token_pt(tmp_path / "b.pt", [rec], torch.arange(8).repeat(4, 1))
+    with pytest.raises(MoetoolError, match="physical expert id 8 beyond the map's 8 slots"):
+        list(readers.read([tmp_path / "b.pt"], HAND).chunks)
+
+
+def test_megatron_micro_batches_and_mtp_records(tmp_path):
+    """Two micro-batches in one step (every layer fires twice: 3 tokens, then 2) are two forwards, rows 0 and 1;
+    an MTP record (mtp_idx set) between them is skipped and counted in the notes, not read as layer 0 again."""
+    def recs(ex, mtp=None):
+        return [{"step": 0, "block": "decoder", "layer": li, "rank": 0, "num_tokens": len(ids), "topk": 2,
+                 "top_indices": np.sort(ids, 1).tolist(), **({"mtp_idx": mtp} if mtp is not None else {})}
+                for li, ids in ex.items()]
+
+    ex1, ex2 = _hand_experts(3, range(4), 5), _hand_experts(2, range(4), 6)
+    lines = recs(ex1) + recs({0: ex1[0]}, mtp=0) + recs(ex2)
+    (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    dump = readers.read([tmp_path / "router_trace_rank0.jsonl"], HAND)
+    chunks = list(dump.chunks)
+    assert [c.row.tolist() for c in chunks] == [[0, 0, 0], [1, 1]]
+    assert [c.pos.tolist() for c in chunks] == [[0, 1, 2], [0, 1]]
+    assert all((c.experts[li] == np.sort(e[li], 1)).all() for c, e in zip(chunks, (ex1, ex2)) for li in range(4))
+    assert "1 MTP records skipped (not decoder layers)" in dump.notes
+
+
+def test_counts_dumps_sum_repeated_csv_lines_and_refuse_counts_on_dense_layers(tmp_path):
+    """A legacy CSV naming (layer 0, expert 1) twice (3 and 4) counts 7 there; a stat dump with counts on layer 4,
+    dense in the config, is refused; SGLang routed bytes that are no whole [layers x top-K] rows (one row of 4 x 2
+    int32 plus 2 ids) are refused in one line."""
+    lines = ["layer_id,expert_id,count"] + [f"{li},0,1" for li in range(4)] + [f"{li},1,3" for li in range(4)] + \
+        [f"{li},1,4" for li in range(4)]
+    (tmp_path / "c.csv").write_text("\n".join(lines) + "\n")
+    counts = readers.read([tmp_path / "c.csv"], HAND).counts.counts
+    assert {li: c.tolist() for li, c in counts.items()} == {li: [1, 7, 0, 0, 0, 0, 0, 0] for li in range(4)}
+    five = ModelShape(5, {i: (8, 2) for i in range(4)}, "hand")
+    lc = torch.zeros(5, 8, dtype=torch.int64)
+    lc[:4, :2] = 1
+    lc[4, 3] = 2
+    torch.save(dict(rank=0, logical_count=lc), str(tmp_path / "s.pt"))
+    with pytest.raises(MoetoolError, match="layer 4 is dense in --config hand but has counts"):
+        readers.read([tmp_path / "s.pt"], five)
+    import base64
+
+    raw = np.concatenate([np.tile([0, 1], 4), [2, 3]]).astype(np.int32).tobytes()
+    (tmp_path / "r.jsonl").write_text(json.dumps({"meta_info": {"routed_experts": base64.b64encode(raw).decode()}})
+                                      + "\n")
+    with pytest.raises(MoetoolError, match="40 bytes are no whole number of int32 rows of 4 layers x top-2"):
+        list(readers.read([tmp_path / "r.jsonl"], HAND).chunks)
+
+
+def test_vllm_token_ids_are_the_forwarded_rows_or_one_more(tmp_path):
+    """T routed rows take T or T + 1 token ids (the last token is never forwarded); T + 2 are another request's."""
+    ex = _hand_experts(3, range(4), 7)
+    arr = ew.vllm_routed_experts(ex, 4, 8)
+    for n_ids, ok in ((3, True), (4, True), (5, False)):
+        (tmp_path / "v.jsonl").write_text(json.dumps(ew.vllm_response(arr, list(range(10, 10 + n_ids - 1)), [99]))
+                                          + "\n")
+        if ok:
+            (c,) = readers.read([tmp_path / "v.jsonl"], HAND).chunks
+            assert c.token_id.tolist() == (list(range(10, 10 + n_ids - 1)) + [99])[:3] and c.pos.tolist() == [0, 1, 2]
+        else:
+            with pytest.raises(MoetoolError, match="5 token ids but 3 routed rows"):
+                list(readers.read([tmp_path / "v.jsonl"], HAND).chunks)
+
+
+def test_write_trace_counts_moe_rows_and_expert_columns_sort_by_rank(tmp_path):
+    """write_trace's rows (the manifest's routing_source.rows) are tokens x MoE layers -- a dense layer has no rows
+    (3 tokens x 4 MoE layers of 5 = 12, equal to the Parquet's rows); expert_1..expert_10 of a top-10 trace read in
+    rank order (expert_10 last, not after expert_1 as text sorts it)."""
+    from moetool.traces import store
+
+    five = ModelShape(5, {i: (8, 2) for i in range(4)}, "hand")
+    ex = _hand_experts(3, range(4), 8)
+    chunk = readers.Chunk(np.zeros(3, dtype=np.int64), np.arange(3), np.full(3, -1), ex)
+    got = store.write_trace(iter([chunk]), five, tmp_path / "trace.parquet")
+    assert got == {"tokens": 3, "rows": 12, "requests": 1} and store.parquet_rows(tmp_path / "trace.parquet") == 12
+    cols = [f"expert_{k}" for k in (3, 10, 1, 2, 4, 5, 6, 7, 8, 9)]
+    df = pd.DataFrame({"layer": [0], **{c: [0] for c in cols}})
+    for name in ("t.parquet", "t.csv.gz"):
+        df.to_parquet(tmp_path / name) if name.endswith("parquet") else df.to_csv(tmp_path / name, index=False)
+        src = store.TraceSource(tmp_path / name, "trace", five)
+        assert store.expert_columns(src) == [f"expert_{k}" for k in range(1, 11)]
