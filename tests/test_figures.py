@@ -510,31 +510,32 @@ def test_one_crop_for_png_and_pdf_is_matplotlibs_tight_crop_of_each(tmp_path):
 def test_moetool_figures_chooses_the_files_and_never_changes_a_table(tmp_path, monkeypatch):
     """Unset: every figure as PNG and PDF. ``png``: the PNGs alone, ``none``: no figure drawn and no ``figures/``
     folder; the manifest records the choice (``figure_formats``) and lists exactly the files written; the tables
-    are byte for byte those of the default run."""
+    are byte for byte those of the default run. Values are read without case or spaces, in PNG-then-PDF order."""
     import json
 
     from typer.testing import CliRunner
 
     from moetool.commands.app import app
+    from moetool.errors import env_figures
 
+    for value, want in (("", ("png", "pdf")), ("PDF", ("pdf",)), ("pdf, png", ("png", "pdf")), (" None ", ())):
+        monkeypatch.setenv("MOETOOL_FIGURES", value)
+        assert env_figures() == want
     args = ["stats", "--model", "tiny", "--max-tokens", "128", "--seq-len", "32", "--bootstrap", "0", "--quiet"]
     runs = {}
-    for value in ("", "png", "PDF", "pdf, png", "none"):
+    for value in ("", "png", "none"):
         monkeypatch.setenv("MOETOOL_FIGURES", value)
-        out = tmp_path / (value.replace(",", "_").replace(" ", "") or "default")
-        r = CliRunner().invoke(app, [*args, "--out", str(out)])
+        runs[value] = tmp_path / (value or "default")
+        r = CliRunner().invoke(app, [*args, "--out", str(runs[value])])
         assert r.exit_code == 0, r.output
-        runs[value] = out
     man = {v: json.loads((d / "manifest.json").read_text()) for v, d in runs.items()}
     figs = {v: sorted(p.name for p in (d / "figures").glob("*")) if (d / "figures").exists() else None
             for v, d in runs.items()}
     stems = sorted({n.rsplit(".", 1)[0] for n in figs[""]})
     assert stems and figs[""] == sorted([f"{s}.png" for s in stems] + [f"{s}.pdf" for s in stems])
-    assert figs["png"] == [f"{s}.png" for s in stems] and figs["PDF"] == [f"{s}.pdf" for s in stems]
-    assert figs["pdf, png"] == figs[""] and figs["none"] is None
-    assert "figure_formats" not in man[""] and "figure_formats" not in man["pdf, png"]
-    assert man["png"]["figure_formats"] == ["png"] and man["PDF"]["figure_formats"] == ["pdf"]
-    assert man["none"]["figure_formats"] == []
+    assert figs["png"] == [f"{s}.png" for s in stems] and figs["none"] is None
+    assert "figure_formats" not in man[""]
+    assert man["png"]["figure_formats"] == ["png"] and man["none"]["figure_formats"] == []
     for v, d in runs.items():
         assert {f for f in man[v]["files"] if f.startswith("figures/")} == {f"figures/{n}" for n in figs[v] or []}
         assert man[v]["tables"] == man[""]["tables"]  # rows, bytes and sha256 of every table
