@@ -68,6 +68,16 @@ def no_figures(monkeypatch):
     monkeypatch.setenv("MOETOOL_FIGURES", "none")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """The tests of one routing rule in ``test_commands_per_rule`` run in one xdist worker: their model (a module
+    fixture per rule: built, saved and run by plain transformers) is then made once, not once per worker."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if item.path.name == "test_commands_per_rule.py" and spec is not None and "case" in spec.params:
+            item.add_marker(pytest.mark.xdist_group(f"rule-{spec.params['case']}"))
+
+
 def pytest_generate_tests(metafunc):
     """Any test taking a ``family`` argument runs once per family."""
     if "family" in metafunc.fixturenames:
