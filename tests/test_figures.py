@@ -556,3 +556,14 @@ def test_a_bad_moetool_figures_is_one_usage_line_before_the_command_runs(value, 
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and lines == [f"error: MOETOOL_FIGURES must be png, pdf, png,pdf or none, not '{value}'"]
     assert not out.exists()
+
+
+def test_a_bad_moetool_figures_stops_the_api_writer_before_any_file(tmp_path, monkeypatch):
+    import moetool
+    from moetool.errors import MoetoolError
+
+    res = moetool.erc(moetool.load("tiny"), samples=1, quiet=True)
+    monkeypatch.setenv("MOETOOL_FIGURES", "svg")
+    with pytest.raises(MoetoolError, match="MOETOOL_FIGURES must be png, pdf, png,pdf or none, not 'svg'"):
+        moetool.write(res, tmp_path / "run")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

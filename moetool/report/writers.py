@@ -25,6 +25,7 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
 
     if getattr(run, "discard", False):  # a data-parallel rank other than 0: rank 0 writes the one run folder
         return None
+    formats = env_figures()  # a bad MOETOOL_FIGURES: one line before any file is written
     if model is None:
         model = result.model
     if result.started is not None and result.started < run.started:  # the run began with the computation, not
@@ -41,7 +42,6 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         else:
             run.write_csv(name, df)
     failed: dict[str, str] = {}  # a figure that cannot be drawn or saved never loses the tables written above
-    formats = env_figures()
     if formats != FIGURE_FORMATS:  # MOETOOL_FIGURES chose other files (or none): the manifest says so
         run.add(figure_formats=list(formats))
     try:
