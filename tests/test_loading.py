@@ -383,3 +383,27 @@ def test_a_header_length_past_the_file_end_is_a_bad_header(tmp_path):
         f.write_bytes(n.to_bytes(8, "little") + b"{" + b" " * 11)
         with pytest.raises(MoetoolRuntimeError, match="not a safetensors file \\(corrupt or truncated header, 20 bytes"):
             check_safetensors(tmp_path)
+
+
+def test_weights_fingerprint_lists_every_weight_file_with_its_size_and_time_to_the_microsecond(tmp_path):
+    """The files --resume compares: weights and config.json, each with its size in bytes and its modification time
+    to the microsecond (a rewrite a quarter second later changes it); a hub id not cached is its id alone."""
+    import os
+    import shutil
+    from datetime import datetime
+
+    from moetool.loading import embedded_models, weights_fingerprint
+
+    shutil.copytree(embedded_models()["tiny"], tmp_path / "m")
+    folder = tmp_path / "m"
+    fp = weights_fingerprint(str(folder))
+    want = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    assert "config.json" in want and sorted(fp["files"]) == want
+    for name, facts in fp["files"].items():
+        st = os.stat(folder / name)
+        assert facts["bytes"] == st.st_size > 0
+        assert datetime.fromisoformat(facts["modified"]).timestamp() == pytest.approx(st.st_mtime_ns / 1e9, abs=1e-6)
+    w = folder / "config.json"
+    os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 250_000_000))
+    assert weights_fingerprint(str(folder))["files"]["config.json"] != fp["files"]["config.json"]
+    assert weights_fingerprint("org/never-cached-model-x") == {"source": "org/never-cached-model-x"}

@@ -149,3 +149,35 @@ def test_auto_batch_size_with_a_device_map_counts_no_weights(monkeypatch):
     want = int(SHARE * free // (SLACK * row))
     assert want > 3
     assert sizing.auto_batch_size("tiny", seq_len=64, max_tokens=10 ** 6, device="cpu", device_map="auto")[0] == want
+
+
+def test_memory_in_the_messages_is_mib_below_a_tenth_of_a_gib():
+    assert [sizing._gib(n) for n in (50 * 2 ** 20, 2 ** 30 // 10 - 1, -(-2 ** 30 // 10), 3 * 2 ** 29)] == [
+        "50 MiB", "102 MiB", "0.1 GiB", "1.5 GiB"]
+
+
+def test_available_ram_is_capped_by_the_cgroup_limit_less_its_usage(monkeypatch):
+    """RAM available 8 GiB; a cgroup v2 limit of 4 GiB with 3 GiB used leaves 1 GiB; used past the limit, 0; no
+    limit ("max"), the 8 GiB."""
+    import sys
+    import types
+
+    GiB = 2 ** 30
+    files: dict[str, str] = {}
+
+    class FakePath:
+        def __init__(self, name):
+            self.name = str(name)
+
+        def read_text(self):
+            if self.name not in files:
+                raise OSError(self.name)
+            return files[self.name]
+
+    monkeypatch.setitem(sys.modules, "psutil", types.SimpleNamespace(
+        virtual_memory=lambda: types.SimpleNamespace(available=8 * GiB)))
+    monkeypatch.setattr(sizing, "Path", FakePath)
+    for limit, used, want in ((4 * GiB, 3 * GiB, GiB), (4 * GiB, 5 * GiB, 0), ("max", GiB, 8 * GiB),
+                              (16 * GiB, GiB, 8 * GiB)):
+        files.update({"/sys/fs/cgroup/memory.max": f"{limit}\n", "/sys/fs/cgroup/memory.current": f"{used}\n"})
+        assert sizing._meminfo_available() == want, (limit, used)
