@@ -1,6 +1,7 @@
 """The run driver's decisions (``moetool.run``) in process: the rows ``--batch-size auto`` keeps on ``--resume`` and
 only then, the RAM a node's processes share, the auto choice in the manifest, eager attention, the unit key's
 run-level options, --device-map per node -- against hand counts."""
+
 from __future__ import annotations
 
 import json
