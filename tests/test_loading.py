@@ -332,3 +332,78 @@ def test_a_missing_tokenizer_file_is_named(tmp_path):
     assert "\n" not in msg and f"no tokenizer.json in {folder}" in msg, msg
     shutil.copyfile(src / "tokenizer.json", folder / "tokenizer.json")
     assert load_tokenizer(str(folder))("hello world")["input_ids"]
+
+
+def test_config_fingerprint_is_the_hash_of_the_config_and_code_files_by_name(tmp_path):
+    """sha256 over (name, NUL, bytes, NUL) of config.json and every *.py beside it, in path order -- written out here
+    with hashlib; a code file added, edited or renamed changes it; embedded models have one, hub ids none."""
+    import hashlib
+    import shutil
+
+    from moetool.loading import config_fingerprint, embedded_models
+
+    def by_hand(folder):
+        h = hashlib.sha256()
+        for name in sorted(p.name for p in folder.iterdir() if p.name == "config.json" or p.suffix == ".py"):
+            h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+        return h.hexdigest()
+
+    shutil.copyfile(embedded_models()["tiny"] / "config.json", tmp_path / "config.json")
+    seen = [config_fingerprint(str(tmp_path))]
+    assert seen[0] == by_hand(tmp_path)
+    (tmp_path / "modeling_a.py").write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    seen.append(config_fingerprint(str(tmp_path)))
+    (tmp_path / "modeling_a.py").write_text("x = 2\n")
+    seen.append(config_fingerprint(str(tmp_path)))
+    (tmp_path / "modeling_a.py").rename(tmp_path / "modeling_b.py")
+    seen.append(config_fingerprint(str(tmp_path)))
+    assert seen[-1] == by_hand(tmp_path) and len(set(seen)) == 4
+    tiny = embedded_models()["tiny"]
+    assert config_fingerprint("tiny") == by_hand(tiny)
+    assert config_fingerprint("mixtral-8x7b") is None and config_fingerprint("org/some-model") is None
+
+
+def test_a_refused_load_report_names_three_keys_and_counts_the_rest():
+    from moetool.loading import _keys_sample
+
+    assert _keys_sample(["e", "b", "d", "a", "c"]) == "a, b, c, ... (2 more)"
+    assert _keys_sample(["c", "a", "b"]) == "a, b, c"
+    assert _keys_sample([("w", (2, 3), (3, 2))]) == "w (checkpoint [2, 3], model [3, 2])"
+
+
+def test_a_header_length_past_the_file_end_is_a_bad_header(tmp_path):
+    """A safetensors header length between the file's size less 8 and its size cannot be read whole: the header
+    is named corrupt or truncated (not read short and called unreadable JSON)."""
+    from moetool.errors import MoetoolRuntimeError
+    from moetool.loading import check_safetensors
+
+    f = tmp_path / "model.safetensors"
+    for n in (13, 20):  # 20 bytes in all: at most 12 of header
+        f.write_bytes(n.to_bytes(8, "little") + b"{" + b" " * 11)
+        with pytest.raises(MoetoolRuntimeError, match="not a safetensors file \\(corrupt or truncated header, 20 bytes"):
+            check_safetensors(tmp_path)
+
+
+def test_weights_fingerprint_lists_every_weight_file_with_its_size_and_time_to_the_microsecond(tmp_path):
+    """The files --resume compares: weights and config.json, each with its size in bytes and its modification time
+    to the microsecond (a rewrite a quarter second later changes it); a hub id not cached is its id alone."""
+    import os
+    import shutil
+    from datetime import datetime
+
+    from moetool.loading import embedded_models, weights_fingerprint
+
+    shutil.copytree(embedded_models()["tiny"], tmp_path / "m")
+    folder = tmp_path / "m"
+    fp = weights_fingerprint(str(folder))
+    want = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    assert "config.json" in want and sorted(fp["files"]) == want
+    for name, facts in fp["files"].items():
+        st = os.stat(folder / name)
+        assert facts["bytes"] == st.st_size > 0
+        assert datetime.fromisoformat(facts["modified"]).timestamp() == pytest.approx(st.st_mtime_ns / 1e9, abs=1e-6)
+    w = folder / "config.json"
+    os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 250_000_000))
+    assert weights_fingerprint(str(folder))["files"]["config.json"] != fp["files"]["config.json"]
+    assert weights_fingerprint("org/never-cached-model-x") == {"source": "org/never-cached-model-x"}

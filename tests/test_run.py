@@ -349,3 +349,30 @@ def test_a_run_by_name_refuses_the_sizes_the_command_refuses(size, value, monkey
     assert str(e.value) == f"{flag} must be an integer of at least 2, not {value}"
     r = runner.invoke(app, ["ppl", flag, str(value), "--out", str(tmp_path / "never")])
     assert r.exit_code == 2 and flag in r.output and not (tmp_path / "never").exists()
+
+
+def test_auto_resume_from_python_keeps_the_interrupted_runs_rows(tiny, tmp_path, monkeypatch, no_rendering):
+    """``batch_size="auto"`` with ``resume=True`` on a loaded model: the 2 rows the interrupted run started with, not
+    the 10 the free memory now holds (a new choice would refuse the resume: other options); the tables are the
+    uninterrupted 2-row run's."""
+    lm, tokens = tiny
+    kw = dict(bootstrap=0, min_count=2, quiet=True)
+    moetool.run("stats", lm, tokens, out=tmp_path / "whole", batch_size=2, **kw)
+    save, saved = rundir.Units.save, []
+
+    def save_then_interrupt(self, name, obj, refs=()):
+        save(self, name, obj, refs)
+        saved.append(name)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(rundir.Units, "every_seconds", 0.0)
+        m.setattr(rundir.Units, "save", save_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            moetool.run("stats", lm, tokens, out=tmp_path / "part", batch_size=2, **kw)
+    monkeypatch.setattr("moetool.sizing.available_memory", lambda dev: int(100 * one_row_bytes(lm)))
+    res = moetool.run("stats", lm, tokens, out=tmp_path / "part", resume=True, batch_size="auto", **kw)
+    man = json.loads((tmp_path / "part" / "manifest.json").read_text())
+    assert res.options.batch_size == 2 == man["batch_size_auto"]["rows"] and man["status"] == "complete"
+    assert man["batch_size_auto"]["reason"] == "the interrupted run's choice, kept by --resume"
+    assert "load.csv" in same_csvs(tmp_path / "whole", tmp_path / "part")

@@ -1,0 +1,112 @@
+"""``moetool.checkpoints.Units`` in process: which options and inputs a resume compares (values, not just names),
+what the refusal names, damaged units and side files, numpy scalars kept as their own type, the pacing of batch
+checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moetool import checkpoints
+from moetool.errors import MoetoolError, MoetoolRuntimeError
+from moetool.report import rundir
+
+
+def _interrupted(tmp_path, key, **inputs):
+    """A run with ``key`` options that saved one unit after recording ``inputs``, then was interrupted; returns its
+    resumed RunDir."""
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units(key)
+    if inputs:
+        units.check_inputs(**inputs)
+    units.save("batches", {"n": 1})
+    run.mark("interrupted")
+    return rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+
+
+def test_resume_compares_the_option_values_and_names_each_that_changed(tmp_path):
+    """Same option names, other values: refused, every changed one named (old -> new), the unchanged ones not."""
+    again = _interrupted(tmp_path, {"top_k": 2, "seed": 0, "routing": "router"})
+    with pytest.raises(MoetoolError, match=r"started with other options \(seed: 0 -> 1, top_k: 2 -> 3\); rerun"):
+        again.units({"top_k": 3, "seed": 1, "routing": "router"})
+    with pytest.raises(MoetoolError, match=r"other options \(eps: None -> 0.5\); rerun"):  # an option added
+        again.units({"top_k": 2, "seed": 0, "routing": "router", "eps": 0.5})
+    assert again.units({"top_k": 2, "seed": 0, "routing": "router"}).load("batches") == {"n": 1}
+    again.mark("interrupted")
+
+
+def test_resume_refuses_other_data_and_names_where_it_differs(tmp_path):
+    """Another data fingerprint is refused (the place named); the same one, or one the run never recorded, passes."""
+    again = _interrupted(tmp_path, {"a": 1}, data={"rows": 8, "sha256": "aa"})
+    units = again.units({"a": 1})
+    with pytest.raises(MoetoolError, match=r"the data changed since .*\(data.sha256: 'aa' -> 'bb'\)"):
+        units.check_inputs(data={"rows": 8, "sha256": "bb"})
+    units.check_inputs(data={"rows": 8, "sha256": "aa"}, model={"source": "tiny"})  # model: not recorded before
+    again.mark("interrupted")
+
+
+def test_a_changed_checkpoint_among_several_is_named_by_its_place(tmp_path):
+    """Checkpoints runs record a list of weight fingerprints: the one that changed is named by its index."""
+    again = _interrupted(tmp_path, {"a": 1}, model=[{"bytes": 10}, {"bytes": 20}])
+    with pytest.raises(MoetoolError, match=r"the model's weights changed since .*\(model\[1\]\.bytes: 20 -> 21\)"):
+        again.units({"a": 1}).check_inputs(model=[{"bytes": 10}, {"bytes": 21}])
+    again.mark("interrupted")
+
+
+def test_a_side_file_grown_since_its_unit_is_damage(tmp_path):
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    side = units.file("rows-0.bin")
+    side.write_bytes(b"x" * 10)
+    units.save("batches", {"n": 1})
+    run.mark("interrupted")
+    side.write_bytes(b"x" * 12)  # appended to: not what the unit recorded
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    with pytest.raises(MoetoolRuntimeError, match="damaged or unsafe .its file rows-0.bin has 12 bytes, not 10"):
+        again.units({"a": 1}).load("batches")
+    again.mark("interrupted")
+
+
+def test_a_back_reference_past_the_end_is_damage_not_an_index_error(tmp_path):
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    units.save("batches", {"n": 1})
+    torch.save({"format": checkpoints.UNIT_FORMAT, "files": {}, "unit": {"__t": "same", "i": 0}},
+               tmp_path / "r" / "units" / "batches.unit")  # nothing decoded before it: index 0 is past the end
+    run.mark("interrupted")
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    with pytest.raises(MoetoolRuntimeError, match="damaged or unsafe .back-reference 0 out of range"):
+        again.units({"a": 1}).load("batches")
+    again.mark("interrupted")
+
+
+def test_numpy_scalars_and_slices_come_back_as_they_were(tmp_path):
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    big = np.int64(2 ** 53 + 1)  # not exact as a float64
+    units.save("u", [big, np.float32(0.1), np.int32(-7), np.bool_(True), slice(0, 10, 2)])
+    run.mark("interrupted")
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    back = again.units({"a": 1}).load("u")
+    assert [type(v) for v in back] == [np.int64, np.float32, np.int32, np.bool_, slice]
+    assert back[0] == 2 ** 53 + 1 and back[1] == np.float32(0.1) and back[2] == -7 and back[3]
+    assert back[4] == slice(0, 10, 2) and list(range(10))[back[4]] == [0, 2, 4, 6, 8]
+    again.mark("interrupted")
+
+
+def test_a_batch_checkpoint_is_due_once_every_seconds_have_passed(tmp_path, monkeypatch):
+    """``every_seconds = 0``: after every batch, even when the clock has not moved; 60: from 60 s on."""
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    now = units._last
+    monkeypatch.setattr(checkpoints.time, "monotonic", lambda: now)
+    monkeypatch.setattr(units, "every_seconds", 0.0)
+    assert units.due()
+    monkeypatch.setattr(units, "every_seconds", 60.0)
+    assert not units.due()
+    monkeypatch.setattr(checkpoints.time, "monotonic", lambda: now + 60.0)
+    assert units.due()
+    monkeypatch.setattr(checkpoints.time, "monotonic", lambda: now + 59.5)
+    assert not units.due()
+    run.mark("interrupted")
