@@ -54,6 +54,14 @@ def test_a_changed_checkpoint_among_several_is_named_by_its_place(tmp_path):
     again.mark("interrupted")
 
 
+def _resumed_load_refused(tmp_path, match):
+    """The run in ``tmp_path / "r"`` resumed: loading its ``batches`` unit is refused with ``match``."""
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    with pytest.raises(MoetoolRuntimeError, match=match):
+        again.units({"a": 1}).load("batches")
+    again.mark("interrupted")
+
+
 def test_a_side_file_grown_since_its_unit_is_damage(tmp_path):
     run = rundir.RunDir.create("stats", tmp_path / "r")
     units = run.units({"a": 1})
@@ -62,10 +70,7 @@ def test_a_side_file_grown_since_its_unit_is_damage(tmp_path):
     units.save("batches", {"n": 1})
     run.mark("interrupted")
     side.write_bytes(b"x" * 12)  # appended to: not what the unit recorded
-    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
-    with pytest.raises(MoetoolRuntimeError, match="damaged or unsafe .its file rows-0.bin has 12 bytes, not 10"):
-        again.units({"a": 1}).load("batches")
-    again.mark("interrupted")
+    _resumed_load_refused(tmp_path, "damaged or unsafe .its file rows-0.bin has 12 bytes, not 10")
 
 
 def test_a_back_reference_past_the_end_is_damage_not_an_index_error(tmp_path):
@@ -75,10 +80,7 @@ def test_a_back_reference_past_the_end_is_damage_not_an_index_error(tmp_path):
     torch.save({"format": checkpoints.UNIT_FORMAT, "files": {}, "unit": {"__t": "same", "i": 0}},
                tmp_path / "r" / "units" / "batches.unit")  # nothing decoded before it: index 0 is past the end
     run.mark("interrupted")
-    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
-    with pytest.raises(MoetoolRuntimeError, match="damaged or unsafe .back-reference 0 out of range"):
-        again.units({"a": 1}).load("batches")
-    again.mark("interrupted")
+    _resumed_load_refused(tmp_path, "damaged or unsafe .back-reference 0 out of range")
 
 
 def test_numpy_scalars_and_slices_come_back_as_they_were(tmp_path):
