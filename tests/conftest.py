@@ -70,12 +70,13 @@ def no_figures(monkeypatch):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """The tests of one routing rule in ``test_commands_per_rule`` run in one xdist worker: their model (a module
-    fixture per rule: built, saved and run by plain transformers) is then made once, not once per worker."""
+    """A module naming ``XDIST_GROUP_BY = "<param>"`` (a module-scoped fixture parametrized by it) has the tests of
+    each value run in one xdist worker: the fixture's value (e.g. a rule's model, built, saved and run by plain
+    transformers) is then made once, not once per worker that runs some of its tests."""
     for item in items:
-        spec = getattr(item, "callspec", None)
-        if item.path.name == "test_commands_per_rule.py" and spec is not None and "case" in spec.params:
-            item.add_marker(pytest.mark.xdist_group(f"rule-{spec.params['case']}"))
+        by, spec = getattr(item.module, "XDIST_GROUP_BY", None), getattr(item, "callspec", None)
+        if by and spec is not None and by in spec.params:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{spec.params[by]}"))
 
 
 def pytest_generate_tests(metafunc):

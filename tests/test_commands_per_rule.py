@@ -41,6 +41,7 @@ from moetool.policies.attention import softmax_attention
 from moetool.loading import EMBEDDED_DIR
 
 pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow'
+XDIST_GROUP_BY = "case"  # one xdist worker per rule: its model fixture made once (conftest)
 
 #: rule -> (model type, config overrides); the type's routers implement that rule (tests/test_rules.py)
 CASES: dict[str, tuple[str, dict]] = {
