@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(config, items):
     each value run in one xdist worker: the fixture's value (e.g. a rule's model, built, saved and run by plain
     transformers) is then made once, not once per worker that runs some of its tests."""
     for item in items:
-        by, spec = getattr(item.module, "XDIST_GROUP_BY", None), getattr(item, "callspec", None)
+        by, spec = getattr(getattr(item, "module", None), "XDIST_GROUP_BY", None), getattr(item, "callspec", None)
         if by and spec is not None and by in spec.params:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{spec.params[by]}"))
 
