@@ -57,7 +57,7 @@ def inspect(model: Model = DEFAULT_MODEL,
         from moetool.inspect import families as family_rows
         from moetool.report.console import print_table
 
-        rows = family_rows(cache=not refresh)
+        rows = family_rows(cache=not refresh, notice=None if as_json else lambda line: typer.echo(line, err=True))
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return

@@ -82,7 +82,9 @@ Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, max=MAX_BOOTSTRAP,
 
 # routing: a policy spec everywhere ("router" = the model's own routing) and the options policies read
 Routing = Annotated[str, typer.Option("--routing", "-r", help="Routing policy: router, norm:<node>[:<norm>], random, "
-                                      "...")]
+                                      "topk:<k>, topp:<p>[:<kmax>], capacity:<cf>[:order|score], "
+                                      "prune:<criterion>:<fraction>[:<csv>], prune:file:<path>, similarity[:tau], "
+                                      "attention (README, Commands).")]
 Weights = Annotated[Optional[str], typer.Option("--weights", help="Weights of the experts a norm policy chose: "
                                                 "softmax (over their norms, AoE Algorithm 1; the default), router (the "
                                                 "model's probabilities, renormalised as the model does) or uniform "

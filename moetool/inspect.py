@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .files import cache_dir, cached, installation_key, read_cached, write_cached  # noqa: F401 (cache_dir: re-export)
 
@@ -134,13 +134,15 @@ def aliases() -> list[dict[str, str]]:
     return rows + [{"name": k, "resolves to": f"embedded: {p}"} for k, p in embedded_models().items()]
 
 
-def families(model_types: list[str] | None = None, *, cache: bool = True) -> list[dict[str, Any]]:
+def families(model_types: list[str] | None = None, *, cache: bool = True,
+             notice: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The families table: one row per MoE model type of the installed transformers (or of ``model_types``).
 
     Building a tiny model of each family takes 15 s to minutes on a CPU, so the whole table (``model_types``
     None) is kept in :func:`cache_dir` under :func:`families_cache_key` (the installed transformers, torch and
     moetool versions and a hash of moetool's adapter code): it is built once per installation and rebuilt as
-    soon as any of them changes. ``cache=False`` builds it anew (and refreshes the cached copy)."""
+    soon as any of them changes. ``cache=False`` builds it anew (and refreshes the cached copy). ``notice`` is told
+    one line before a build of the whole table (the command prints it: minutes of silence look like a hang)."""
     whole = model_types is None
     path = None
     if whole:
@@ -153,7 +155,11 @@ def families(model_types: list[str] | None = None, *, cache: bool = True) -> lis
                 return stored
     from .adapters import discovery
 
-    rows = [family_row(mt) for mt in (model_types or discovery.moe_model_types())]
+    types = model_types or discovery.moe_model_types()
+    if whole and notice is not None:
+        notice(f"building the families table once for this installation: a tiny model of each of {len(types)} MoE "
+               f"model types (15 s to minutes on a CPU); later calls answer from {path}")
+    rows = [family_row(mt) for mt in types]
     if path is not None:
         write_cached(path, key, rows, "rows")
     return rows

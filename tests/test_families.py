@@ -351,3 +351,27 @@ def test_family_on_the_gpu_identifies_the_cpu_rule_and_routes_as_the_model(model
     for i, idx in chosen.items():
         if idx.dtype in (torch.int64, torch.int32) and idx.shape == events[i].idx.shape:
             assert torch.equal(idx.sort(-1).values, events[i].idx.sort(-1).values), i
+
+
+def test_inspect_families_says_when_it_builds_the_table(monkeypatch):
+    """A first ``moetool inspect --families`` built the table for 15 s to minutes (77 s at load 4) with nothing on
+    the screen: it now says so in one line, once; a call answered from the cache, and ``--json``, print no such line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import moetool.inspect as mi
+    from moetool.commands.app import app
+
+    built = []
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "nllb-moe", "olmoe"])
+    monkeypatch.setattr(mi, "family_row", lambda mt: built.append(mt) or {"model_type": mt, "supported": "yes"})
+    first = CliRunner().invoke(app, ["inspect", "--families"])
+    assert first.exit_code == 0, first.output
+    lines = [ln for ln in first.output.splitlines() if "building the families table" in ln]
+    assert len(lines) == 1 and "each of 3 MoE model types" in lines[0] and len(built) == 3
+    again = CliRunner().invoke(app, ["inspect", "--families"])
+    assert again.exit_code == 0 and "building" not in again.output and len(built) == 3  # from the cache
+    fresh = CliRunner().invoke(app, ["inspect", "--families", "--json", "--refresh"])
+    assert fresh.exit_code == 0 and len(built) == 6  # rebuilt, and the output stays JSON alone
+    assert [r["model_type"] for r in json.loads(fresh.output)] == ["mixtral", "nllb-moe", "olmoe"]

@@ -762,3 +762,20 @@ def test_page_shows_a_table_of_html_rows_whole_and_aligns_integer_columns(tmp_pa
     assert f"*{HTML_ROWS} rows; " in md and f"*first {PREVIEW_ROWS} of {HTML_ROWS + 1} rows; every row in " in md
     assert "\\begin{tabular}{rrl}" in to_latex(pd.DataFrame({"a": [1], "b": [True], "c": ["x"]}))
     assert (human(10_000), human(9_999)) == ("10,000", "9999")
+
+
+def test_run_label_of_a_fluctuation_run_names_its_checkpoints_as_a_chain():
+    """``moetool fluctuation tiny-early tiny`` records ``"model": ["tiny-early", "tiny"]``: the report listed it as
+    ``fluctuation · ['tiny-early', 'tiny']`` (a Python list) where the demo's step (``model`` null, ``checkpoints``
+    in the options) reads ``fluctuation · tiny-early -> tiny``; both now read the same."""
+    from moetool.report.page import run_label
+
+    cli = {"command": "fluctuation", "model": ["tiny-early", "tiny"],
+           "options": {"checkpoints": ["tiny-early", "tiny"], "seq_len": 256}}
+    demo = {"command": "fluctuation", "model": None, "options": {"checkpoints": ["tiny-early", "tiny"]}}
+    assert run_label(cli) == run_label(demo) == "fluctuation · tiny-early -> tiny"
+    three = {"command": "fluctuation", "model": ["a", "b", "c"], "options": {"checkpoints": ["a", "b", "c"]}}
+    assert run_label(three) == "fluctuation · a -> b -> c"
+    bare = {"command": "fluctuation", "model": ["a", "b"], "options": {}}  # no options to read: the list, plainly
+    assert run_label(bare) == "fluctuation · a, b"
+    assert run_label({"command": "stats", "model": {"name": "tiny"}, "options": {}}) == "stats · tiny"

@@ -370,12 +370,15 @@ def run_label(m: dict[str, Any]) -> str:
     cmd = str(m.get("command", "?"))
     model, opts = m.get("model"), m.get("options") if isinstance(m.get("options"), dict) else {}
     who = model.get("name") if isinstance(model, dict) else model
-    who = who or opts.get("model")
+    listed = who if isinstance(who, (list, tuple)) else None  # `moetool fluctuation A B` records its checkpoints
+    who = None if listed is not None else who or opts.get("model")  # (never shown as a Python list)
     if not who and isinstance(opts.get("pairs") or opts.get("checkpoints"), (list, tuple)):
         items = opts.get("pairs") or [opts["checkpoints"]]
         who = ", ".join(" -> ".join(map(str, p)) if isinstance(p, (list, tuple)) else str(p) for p in items)
     if not who and isinstance(opts.get("models"), (list, tuple)):
         who = ", ".join(map(str, opts["models"]))
+    if not who and listed:
+        who = ", ".join(map(str, listed))
     return f"{cmd} · {who}" if who else cmd
 
 

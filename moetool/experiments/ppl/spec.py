@@ -2,7 +2,9 @@
 
 --routing takes any policy: router (unchanged; reproduces the unhooked model exactly),
 norm:<node>[:<norm>] (AoE: the K experts with the largest node norm; node gate|up|act|glu|output,
-norm l2|l1|linf), random, and the others listed by the error for an unknown name. Writes ppl.csv
+norm l2|l1|linf), random, topk:<k>, topp:<p>[:<kmax>], capacity:<cf>[:order|score],
+prune:<criterion>:<fraction>[:<csv>], prune:file:<path>, similarity[:tau] and attention (each defined in the
+README, Commands). Writes ppl.csv
 (model, data, routing, weights, layers, scored_tokens, nll_mean, perplexity, router_perplexity,
 ratio, seconds; *_lo/*_hi = 95% interval) and manifest.json. A policy other than router is compared with
 the model's own routing on the same rows (ratio = perplexity / router_perplexity; --no-baseline
