@@ -403,6 +403,35 @@ def test_per_expert_fp8_linears_of_ragged_blocks_read_with_the_modules_block_siz
         torch.testing.assert_close(getattr(got, part), torch.stack(want[part]), rtol=1e-7, atol=0)  # one fp32 product
 
 
+def test_fp8_experts_of_ragged_blocks_read_with_the_modules_block_size():
+    """FP8Experts in 40x40 blocks on shapes that are not whole blocks (gate_up [2I = 128, 128], down [128, I = 64]: 4x4
+    and 4x2 scale grids, the last blocks 8 or 24 wide): gate, up and down equal codes x their own block's scale by
+    hand in float64, read whole and one part at a time. With the block taken off the scale grid (128 / 4 = 32), rows
+    32-39 of every matrix took the next block's scale: wrong weights, and no error."""
+    qm = copy.deepcopy(build_tiny_model("mixtral"))
+    L = find_moe_layers(qm)[0]
+    block = (40, 40)
+    cls = use_experts_implementation(experts_class=tf_fp8.FP8Experts, experts_interface=tf_fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    new = cls(config=qm.config, block_size=block)
+    ref = {}
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(L.experts, name).detach()
+        q, s = formats.quantize_fp8(w, block=block)
+        assert w.shape[1] % 40 and w.shape[2] % 40 and s.shape[1:] == (-(-w.shape[1] // 40), -(-w.shape[2] // 40))
+        setattr(new, name, nn.Parameter(q, requires_grad=False))
+        setattr(new, f"{name}_scale_inv", nn.Parameter(s, requires_grad=False))
+        ref[name] = torch.stack([_by_blocks_fp64(q[e], s[e], block) for e in range(q.shape[0])])
+    L.block.experts = new
+    L = find_moe_layers(qm)[0]
+    inter = ref["down_proj"].shape[-1]
+    want = {"gate": ref["gate_up_proj"][:, :inter], "up": ref["gate_up_proj"][:, inter:], "down": ref["down_proj"]}
+    got = quant.dequantized(L, torch.float64)
+    for part in ("gate", "up", "down"):
+        torch.testing.assert_close(getattr(got, part), want[part], rtol=1e-7, atol=0)  # one fp32 product
+        (_, alone), = quant.expert_chunks(L, 1 << 62, torch.float64, parts={part})
+        torch.testing.assert_close(getattr(alone, part), want[part], rtol=1e-7, atol=0)
+
+
 @pytest.mark.parametrize("case", ALL, ids=ALL_IDS)
 def test_a_slice_budget_counts_the_weight_elements_an_expert_dequantizes_to(case):
     """``expert_chunks`` cuts a layer into slices of at most ``budget`` dequantized weight elements: an expert counts
