@@ -500,6 +500,23 @@ def test_unknown_formats_are_one_line_before_any_work():
     assert not calls  # refused before any forward
 
 
+def test_fp8_codes_in_an_experts_module_moetool_does_not_know_are_refused_not_read_as_weights():
+    """float8_e4m3fn is a floating dtype, but one byte per value: codes whose scales live elsewhere (an FP8 format
+    other than transformers' FP8Experts). Read as plain weights they would be the codes themselves (off by each
+    block's scale, here ~1/60); the format is unreadable and the probes refuse it in one line."""
+    m = copy.deepcopy(build_tiny_model("mixtral"))
+    L = find_moe_layers(m)[0]
+    w = L.experts.gate_up_proj.detach()
+    del L.experts._parameters["gate_up_proj"]
+    L.experts.register_parameter("gate_up_proj", nn.Parameter((w * 60).to(torch.float8_e4m3fn), requires_grad=False))
+    fmt = quant.expert_format(L)
+    assert (fmt.kind, fmt.readable) == ("unreadable", False)
+    assert fmt.problem == ("MixtralExperts stores gate_up_proj as float8_e4m3fn codes (Parameter): a format moetool "
+                           "cannot read")
+    with pytest.raises(MoetoolError, match=r"^layer \d+: MixtralExperts stores gate_up_proj as float8_e4m3fn codes"):
+        probes.node_scores(L, torch.zeros(2, w.shape[-1]), "gate")
+
+
 def test_bitsandbytes_note_and_manifest_record_the_formats():
     from moetool.loading import LoadedModel
 
