@@ -117,6 +117,25 @@ def test_kmeans_first_step_starts_from_count_one_at_each_kmeans_pp_pick():
     assert km.reinits == 0
 
 
+def test_kmeans_pp_draws_the_next_pick_by_distance_not_the_farthest():
+    """k-means++ draws each further pick with probability proportional to its 1 - cos distance to the nearest pick
+    (D^2 sampling), not the farthest token: 10 tokens on a, 10 on b (cos 0: distance 1 from a), 1 on -a (distance
+    2). After a first pick on a the second is -a with probability 2 / 12 and a b token with 10 / 12; over 200 seeds the
+    share drawn on -a is near 1/6 (always -a would be farthest-first)."""
+    a, b = torch.eye(3)[0], torch.eye(3)[1]
+    x = torch.cat([a.expand(10, 3), b.expand(10, 3), -a[None]])
+    on_neg, after_a = 0, 0
+    for seed in range(200):
+        km = SphericalKMeans(2, seed=seed)
+        km._init(x)
+        first, second = km.codebook
+        if torch.equal(first, a):
+            after_a += 1
+            assert torch.equal(second, b) or torch.equal(second, -a)
+            on_neg += int(torch.equal(second, -a))
+    assert after_a > 60 and 0.05 < on_neg / after_a < 0.3
+
+
 def test_kmeans_a_count_at_the_threshold_is_alive():
     """A codeword dies when its EMA count falls *below* τ. γ = 0.5 (exact in binary): two codewords at count 1 that
     draw one token each keep count 0.5 * 1 + 0.5 * 1 = 1 = τ exactly: neither is re-initialised, and their sums are
