@@ -206,6 +206,22 @@ def test_inspect_counts_the_decoder_layers_of_the_config(model_type, n_layers, d
     assert sorted([L["layer"] for L in info["moe_layers"]] + dense) == list(range(n_layers))
 
 
+def test_inspect_counts_the_configs_layers_where_no_decoder_list_is_found(monkeypatch):
+    """A model whose adapter finds no list of decoder layers: their number is the config's (num_hidden_layers,
+    num_layers or n_layers of the MoE layers' config), 5 here, else one past the last MoE layer's index (7 + 1)."""
+    from types import SimpleNamespace
+
+    import moetool.adapters
+    from moetool.inspect import _decoder_layer_count
+
+    monkeypatch.setattr(moetool.adapters, "get_adapter", lambda config: SimpleNamespace(decoder_layers=lambda m: []))
+    model = SimpleNamespace(config=SimpleNamespace())
+    for key in ("num_hidden_layers", "num_layers", "n_layers"):
+        layers = [SimpleNamespace(index=i, config=SimpleNamespace(**{key: 5})) for i in (1, 3)]
+        assert _decoder_layer_count(model, layers) == range(5)
+    assert _decoder_layer_count(model, [SimpleNamespace(index=i, config=SimpleNamespace()) for i in (2, 7)]) == range(8)
+
+
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_inspect_on_the_meta_device_describes_the_model_as_its_weights_do(model_type):
     """``inspect --model`` and ``plan`` build the model on the meta device: every supported family's description

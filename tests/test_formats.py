@@ -66,6 +66,36 @@ def test_fp8_ragged_blocks_one_block_at_a_time(scale_fmt):
         formats.dequantize_fp8(q3, s3, block=(64, 64))
 
 
+def test_raw_e8m0_bytes_scale_by_two_to_the_byte_minus_127():
+    """Scales as raw E8M0 bytes (``uint8``, OCP MX: bias 127) are ``2 ** (byte - 127)``: every byte 0..254 by hand
+    (Python floats), the same as torch's ``float8_e8m0fnu`` of those bytes; FP8 codes times them dequantize as with
+    the ``float8_e8m0fnu`` scales they are the bytes of, and as codes x 2 ** (byte - 127) block by block."""
+    b = torch.arange(255, dtype=torch.uint8)
+    want = torch.tensor([2.0 ** (int(x) - 127) for x in b], dtype=torch.float64)
+    assert torch.equal(formats.scales_fp32(b).double(), want)
+    assert torch.equal(formats.scales_fp32(b.view(torch.float8_e8m0fnu)).double(), want)
+    q, _ = formats.quantize_fp8(torch.randn(2, 256, 128, generator=torch.Generator().manual_seed(5)))
+    s = torch.tensor([[[120], [134]], [[127], [0]]], dtype=torch.uint8)  # [2 experts, 2 x 1 blocks]
+    got = formats.dequantize_fp8(q, s)
+    assert torch.equal(got, formats.dequantize_fp8(q, s.view(torch.float8_e8m0fnu)))
+    for e, i in itertools.product(range(2), range(2)):
+        blk = q[e, 128 * i:128 * (i + 1)].double() * 2.0 ** (int(s[e, i, 0]) - 127)
+        assert torch.equal(got[e, 128 * i:128 * (i + 1)].double(), blk)
+
+
+def test_only_e8m0_byte_255_and_non_finite_floats_are_refused_scales():
+    """E8M0's only non-number is the byte 255 (NaN): of the 256 bytes (``uint8`` or ``float8_e8m0fnu``) exactly that
+    one is counted, 254 (2^127) is a scale; fp32 counts NaN and +-inf, not its largest or smallest numbers."""
+    b = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    for t in (b, b.view(torch.float8_e8m0fnu)):
+        assert formats.nonfinite_scales(t) == 1
+        assert formats.nonfinite_scales(t, per_row=True).tolist() == [0, 0, 0, 1]
+        assert formats.nonfinite_scales(t[:, :-1]) == 0  # bytes 0..254 less three: none
+    f = torch.tensor([[float("nan"), 1.0], [torch.finfo(torch.float32).max, float("inf")],
+                      [torch.finfo(torch.float32).tiny, -float("inf")]])
+    assert formats.nonfinite_scales(f) == 3 and formats.nonfinite_scales(f, per_row=True).tolist() == [1, 1, 1]
+
+
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch-indexed"])
 def test_every_byte_decodes_to_torchs_own_value(host, monkeypatch):
     """The byte tables the CPU dequantizes with (numpy indexing by the codes) give torch's own conversion of every

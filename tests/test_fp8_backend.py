@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE, ON_CUDA, padded_batch
-from test_quantized import FP8_CASES, IDS, _tf_dequantize, _tf_quantizer, fp8_models
+from test_quantized import FP8_CASES, IDS, _by_blocks_fp64, _tf_dequantize, _tf_quantizer, fp8_models
 from transformers.integrations import finegrained_fp8 as tf_fp8
 
+from moetool import formats
 from moetool.adapters import find_moe_layers, fp8_backend
 
 
@@ -49,6 +50,26 @@ def test_quantized_experts_run_and_equal_the_dequantized_model(case, impl, torch
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert fp8_backend.ensure(qm) == "torch" and "torch path" not in capsys.readouterr().err  # not said twice
     assert fp8_backend.ensure(dq) is None  # no FP8 layer: nothing to choose
+
+
+def test_fp8_linear_of_ragged_blocks_runs_with_its_block_size(torch_path):
+    """An ``FP8Linear`` of a checkpoint quantized in 40x40 blocks on a [64, 128] weight (a 2x4 scale grid, the last
+    blocks 24 and 8 wide) through the torch path: x @ W.T with W = codes x their own block's scale, by hand in
+    float64. Reading the block off the scale grid (32 x 32) instead scaled rows 32-39 and columns 32-39, 72-79, ...
+    by the wrong block: wrong outputs, no error."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 128, generator=gen) * torch.linspace(0.01, 1.0, 128)  # block scales differ
+    q, s = formats.quantize_fp8(w, block=(40, 40))
+    assert s.shape == (2, 4)
+    lin = tf_fp8.FP8Linear(128, 64, block_size=(40, 40))
+    lin.weight = torch.nn.Parameter(q, requires_grad=False)
+    lin.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+    fp8_backend.ensure(lin, prefer_kernel=False)
+    x = torch.randn(5, 128, generator=gen)
+    with torch.no_grad():
+        got = lin.to(DEVICE)(x.to(DEVICE)).cpu()
+    want = x.double() @ _by_blocks_fp64(q, s, (40, 40)).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block, scale_fmt", [((128, 128), "float"), ((64, 64), "ue8m0"), (None, "float")])

@@ -88,6 +88,69 @@ def test_kmeans_ema_step_equals_algorithm_2_by_hand():
     np.testing.assert_allclose(km.codebook.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_kmeans_first_step_starts_from_count_one_at_each_kmeans_pp_pick():
+    """The codebook starts on the first batch's k-means++ picks with n_g = 1 and m_g = c_g (the state a re-initialised
+    codeword gets), then takes the EMA step on that batch: by hand, n_g = 0.95 + 0.05 n_g^batch and
+    m_g = 0.95 c_g + 0.05 Σ h' (each pick is one of the batch's tokens on the sphere, so it draws at least that one and
+    none dies). Started at count 2, say, every count would read 0.95 higher."""
+    _, data, _ = clustered(4, 16, 200, 1, 0.05, seed=5)
+    x = data[0][0]
+    km = SphericalKMeans(6, seed=0)
+    picks = []
+    real = km._init
+
+    def spy(xu, gb=None):
+        real(xu, gb)
+        picks.append(km.codebook.clone())
+
+    km._init = spy
+    g = km.update(x)
+    (c,) = picks
+    u = ops.unit(x.double())
+    assert ((u @ c.double().T).max(0).values > 1 - 1e-6).all()  # every codeword is a token
+    assert torch.equal(g, (ops.unit(x) @ c.T).argmax(-1))
+    nb = torch.bincount(g, minlength=6).double()
+    assert (nb >= 1).all()  # each pick draws at least its own token: none dies on its first batch
+    np.testing.assert_allclose(km.counts.numpy(), (0.95 + 0.05 * nb).numpy(), rtol=1e-6)
+    mb = torch.zeros(6, 16, dtype=torch.float64).index_add_(0, g, u)
+    np.testing.assert_allclose(km.sums.numpy(), (0.95 * c.double() + 0.05 * mb).numpy(), rtol=1e-5, atol=1e-6)
+    assert km.reinits == 0
+
+
+def test_kmeans_pp_draws_the_next_pick_by_distance_not_the_farthest():
+    """k-means++ draws each further pick with probability proportional to its 1 - cos distance to the nearest pick
+    (D^2 sampling), not the farthest token: 10 tokens on a, 10 on b (cos 0: distance 1 from a), 1 on -a (distance
+    2). After a first pick on a the second is -a with probability 2 / 12 and a b token with 10 / 12; over 200 seeds the
+    share drawn on -a is near 1/6 (always -a would be farthest-first)."""
+    a, b = torch.eye(3)[0], torch.eye(3)[1]
+    x = torch.cat([a.expand(10, 3), b.expand(10, 3), -a[None]])
+    on_neg, after_a = 0, 0
+    for seed in range(200):
+        km = SphericalKMeans(2, seed=seed)
+        km._init(x)
+        first, second = km.codebook
+        if torch.equal(first, a):
+            after_a += 1
+            assert torch.equal(second, b) or torch.equal(second, -a)
+            on_neg += int(torch.equal(second, -a))
+    assert after_a > 60 and 0.05 < on_neg / after_a < 0.3
+
+
+def test_kmeans_a_count_at_the_threshold_is_alive():
+    """A codeword dies when its EMA count falls *below* τ. γ = 0.5 (exact in binary): two codewords at count 1 that
+    draw one token each keep count 0.5 * 1 + 0.5 * 1 = 1 = τ exactly: neither is re-initialised, and their sums are
+    the EMA 0.5 m + 0.5 h' by hand (a count <= τ re-seeded both on the batch's tokens)."""
+    km = SphericalKMeans(2, gamma=0.5, tau=1.0)
+    sums = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    km.sums, km.counts, km.codebook = sums.clone(), torch.ones(2), sums.clone()
+    x = torch.tensor([[3.0, 0.0, 4.0], [0.0, 2.0, 0.0]])  # one token nearest each codeword; unit: [0.6, 0, 0.8], [0, 1, 0]
+    assert km.update(x).tolist() == [0, 1]
+    assert km.reinits == 0 and km.counts.tolist() == [1.0, 1.0]
+    want = torch.tensor([[0.8, 0.0, 0.4], [0.0, 1.0, 0.0]])
+    torch.testing.assert_close(km.sums, want)
+    torch.testing.assert_close(km.codebook, want / want.norm(dim=1, keepdim=True))
+
+
 def test_kmeans_reinitialises_dead_codewords_on_batch_tokens():
     _, data, sample = clustered(3, 16, 200, 6, 0.05, seed=3)
     km = SphericalKMeans(6, seed=0)

@@ -159,3 +159,12 @@ def test_router_ppl_runs_unhooked(monkeypatch):
     assert row.perplexity == pytest.approx(ref, rel=1e-6)
     with pytest.raises(AssertionError, match="hooked"):
         moetool.ppl(lm, tokens, batch_size=2, quiet=True, bootstrap=0, routing="random")
+
+
+def test_data_name_is_the_files_stem_or_heldout():
+    """The ``data`` column names ``--data`` by its file or folder stem (no directory, no extension), ``heldout`` for
+    the default."""
+    from moetool.experiments.routing import data_name
+
+    assert [data_name(p) for p in ("/some/dir/wiki.jsonl", "corpus.txt.gz", "shards/", None, "")] == \
+        ["wiki", "corpus.txt", "shards", "heldout", "heldout"]

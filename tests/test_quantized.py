@@ -358,6 +358,112 @@ def test_per_expert_fp8_linears_read_exactly(monkeypatch):
         probes.node_scores(L, torch.randn(3, L.experts[0].gate_proj.in_features), "output", budget=1)
 
 
+def _by_blocks_fp64(codes, scale_inv, block):
+    """Tests only: FP8 codes times the scale of the ``block`` (bn x bk; the last row/column block may be partial) that
+    holds each element, one block at a time in float64 (the reference)."""
+    (n, k), (bn, bk) = codes.shape, block
+    out = torch.empty(n, k, dtype=torch.float64)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            out[rows, cols] = codes[rows, cols].double() * float(scale_inv[i, j])
+    return out
+
+
+def test_per_expert_fp8_linears_of_ragged_blocks_read_with_the_modules_block_size():
+    """Per-expert ``FP8Linear`` whose shapes are not whole blocks (gate/up [64, 128], down [128, 64] in 40x40 blocks:
+    2x4 and 4x2 scale grids, the last blocks 24 or 8 wide): each element times its own block's scale, by hand in
+    float64. Read with the block taken off the scale grid (64 / 2 = 32, 128 / 4 = 32) instead of the module's
+    ``block_size``, rows 32-39 took the second block's scale: a wrong weight, and no error."""
+    plain = build_tiny_model("qwen3_moe")
+    qm = copy.deepcopy(plain)
+    block = (40, 40)
+    L = find_moe_layers(qm)[0]
+    ex = L.experts
+    inter = ex.gate_up_proj.shape[1] // 2
+    want = {"gate": [], "up": [], "down": []}
+    mods = []
+    for e in range(ex.gate_up_proj.shape[0]):
+        m = nn.Module()
+        for part, attr, w in (("gate", "gate_proj", ex.gate_up_proj[e, :inter]), ("up", "up_proj", ex.gate_up_proj[e, inter:]),
+                              ("down", "down_proj", ex.down_proj[e])):
+            q, s = formats.quantize_fp8(w.detach(), block=block)
+            assert s.shape == (-(-w.shape[0] // 40), -(-w.shape[1] // 40)) and w.shape[0] % 40 and w.shape[1] % 40
+            lin = tf_fp8.FP8Linear(w.shape[1], w.shape[0], block_size=block)
+            lin.weight = nn.Parameter(q, requires_grad=False)
+            lin.weight_scale_inv = nn.Parameter(s, requires_grad=False)
+            setattr(m, attr, lin)
+            want[part].append(_by_blocks_fp64(q, s, block))
+        mods.append(m)
+    L.block.experts = UnfusedExperts(mods, ex.act_fn)
+    L = find_moe_layers(qm)[0]
+    assert quant.expert_format(L).kind == "linears"
+    got = quant.dequantized(L, torch.float64)
+    for part in ("gate", "up", "down"):
+        torch.testing.assert_close(getattr(got, part), torch.stack(want[part]), rtol=1e-7, atol=0)  # one fp32 product
+
+
+def test_fp8_experts_of_ragged_blocks_read_with_the_modules_block_size():
+    """FP8Experts in 40x40 blocks on shapes that are not whole blocks (gate_up [2I = 128, 128], down [128, I = 64]: 4x4
+    and 4x2 scale grids, the last blocks 8 or 24 wide): gate, up and down equal codes x their own block's scale by
+    hand in float64, read whole and one part at a time. With the block taken off the scale grid (128 / 4 = 32), rows
+    32-39 of every matrix took the next block's scale: wrong weights, and no error."""
+    qm = copy.deepcopy(build_tiny_model("mixtral"))
+    L = find_moe_layers(qm)[0]
+    block = (40, 40)
+    cls = use_experts_implementation(experts_class=tf_fp8.FP8Experts, experts_interface=tf_fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    new = cls(config=qm.config, block_size=block)
+    ref = {}
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(L.experts, name).detach()
+        q, s = formats.quantize_fp8(w, block=block)
+        assert w.shape[1] % 40 and w.shape[2] % 40 and s.shape[1:] == (-(-w.shape[1] // 40), -(-w.shape[2] // 40))
+        setattr(new, name, nn.Parameter(q, requires_grad=False))
+        setattr(new, f"{name}_scale_inv", nn.Parameter(s, requires_grad=False))
+        ref[name] = torch.stack([_by_blocks_fp64(q[e], s[e], block) for e in range(q.shape[0])])
+    L.block.experts = new
+    L = find_moe_layers(qm)[0]
+    inter = ref["down_proj"].shape[-1]
+    want = {"gate": ref["gate_up_proj"][:, :inter], "up": ref["gate_up_proj"][:, inter:], "down": ref["down_proj"]}
+    got = quant.dequantized(L, torch.float64)
+    for part in ("gate", "up", "down"):
+        torch.testing.assert_close(getattr(got, part), want[part], rtol=1e-7, atol=0)  # one fp32 product
+        (_, alone), = quant.expert_chunks(L, 1 << 62, torch.float64, parts={part})
+        torch.testing.assert_close(getattr(alone, part), want[part], rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("case", ALL, ids=ALL_IDS)
+def test_a_slice_budget_counts_the_weight_elements_an_expert_dequantizes_to(case):
+    """``expert_chunks`` cuts a layer into slices of at most ``budget`` dequantized weight elements: an expert counts
+    its gate, up and down (3 I d; FP4 packs two values per int8 of ``down_proj [E, d, I/2]``, MXFP4 holds no float
+    matrix to read the sizes off), a third of that per part asked for. A budget of two experts' elements gives slices
+    of two experts, of one part two experts at a third of the budget."""
+    qm, _ = _models(case)
+    L = find_moe_layers(qm)[0]
+    W = quant.dequantized(L)
+    n, inter, d = W.gate.shape
+    assert W.up.shape == (n, inter, d) and W.down.shape == (n, d, inter)
+    assert quant._sizes(L, quant.expert_format(L)) == (n, 3 * inter * d)
+    assert [sl.indices(n) for sl, _ in quant.expert_chunks(L, 2 * 3 * inter * d)] == [(e, e + 2, 1) for e in range(0, n, 2)]
+    gate = [(sl.indices(n), w.gate.shape[0]) for sl, w in quant.expert_chunks(L, 2 * inter * d, parts={"gate"})]
+    assert gate == [((e, e + 2, 1), 2) for e in range(0, n, 2)]
+
+
+def test_rectangular_fp8_blocks_read_each_half_of_gate_up_by_its_own_block_rows():
+    """FP8Experts in 32x64 blocks (32 rows of gate_up per scale row, 64 columns per scale column): gate and up read
+    apart (only their own scale rows) equal transformers' dequantization of the whole fused matrix. Cutting the
+    rows by the block's column size read up's rows with gate's scales, or did not fit the scale grid."""
+    qm, dq = fp8_models("mixtral", "fp8", "float", (32, 64))
+    for Lq, Ld in zip(find_moe_layers(qm), find_moe_layers(dq)):
+        ex = Lq.experts
+        inter = ex.gate_up_proj.shape[1] // 2
+        assert ex.gate_up_proj_scale_inv.shape[1:] == (2 * inter // 32, ex.gate_up_proj.shape[2] // 64)
+        ref = Ld.expert_weights()
+        for part in ("gate", "up"):  # one part alone: its rows of gate_up, read by quant._rows
+            (_, got), = quant.expert_chunks(Lq, 1 << 62, parts={part})
+            assert torch.equal(getattr(got, part), getattr(ref, part)), part
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 
 
@@ -392,6 +498,23 @@ def test_unknown_formats_are_one_line_before_any_work():
             pass
     handle.remove()
     assert not calls  # refused before any forward
+
+
+def test_fp8_codes_in_an_experts_module_moetool_does_not_know_are_refused_not_read_as_weights():
+    """float8_e4m3fn is a floating dtype, but one byte per value: codes whose scales live elsewhere (an FP8 format
+    other than transformers' FP8Experts). Read as plain weights they would be the codes themselves (off by each
+    block's scale, here ~1/60); the format is unreadable and the probes refuse it in one line."""
+    m = copy.deepcopy(build_tiny_model("mixtral"))
+    L = find_moe_layers(m)[0]
+    w = L.experts.gate_up_proj.detach()
+    del L.experts._parameters["gate_up_proj"]
+    L.experts.register_parameter("gate_up_proj", nn.Parameter((w * 60).to(torch.float8_e4m3fn), requires_grad=False))
+    fmt = quant.expert_format(L)
+    assert (fmt.kind, fmt.readable) == ("unreadable", False)
+    assert fmt.problem == ("MixtralExperts stores gate_up_proj as float8_e4m3fn codes (Parameter): a format moetool "
+                           "cannot read")
+    with pytest.raises(MoetoolError, match=r"^layer \d+: MixtralExperts stores gate_up_proj as float8_e4m3fn codes"):
+        probes.node_scores(L, torch.zeros(2, w.shape[-1]), "gate")
 
 
 def test_bitsandbytes_note_and_manifest_record_the_formats():

@@ -160,6 +160,7 @@ def test_cross_layer_summary_closed_forms():
     p, s = cross_layer_matrix(perm, 1, 1)
     w = np.array([1, 2, 3, 4]) / 10
     assert s["mutual_information"] == pytest.approx(-(w * np.log(w)).sum(), rel=1e-12)
+    assert s["mutual_information_norm"] == pytest.approx(-(w * np.log(w)).sum() / np.log(4), rel=1e-12)  # / log n
     assert s["mean_max_p"] == 1.0 and s["tokens"] == 10
     # K differs between the layers: 3 tokens, top-1 at l = [0, 0, 1], top-2 at next = [0 1], [0 2], [1 2]
     c = torch.tensor([[2.0, 1, 1], [0, 1, 1], [0, 0, 0]])
