@@ -35,7 +35,7 @@ Writes trace.parquet (per-token formats; the schema of moetool trace: row, pos, 
 domain, layer, expert_1..expert_K, weight_1..weight_K -- weights NaN, the engines record ids
 only; token_id -1 where the dump has none) or loads.parquet (counts-only dumps: layer,
 expert, count) and manifest.json (routing_source: format, files, ids' kind, order, notes,
-the model's shape). Analyse it with moetool stats --trace / placement --trace.
+the model's shape). Analyse it with moetool stats / placement / offload / fluctuation --trace.
 
 Examples:
   moetool import-trace responses.jsonl --config Qwen/Qwen3-30B-A3B --out runs/vllm-trace

@@ -1,4 +1,5 @@
-"""Analyses of routing read from a trace instead of a forward: ``stats --trace`` and ``placement --trace``.
+"""Analyses of routing read from a trace instead of a forward: ``stats``, ``placement``, ``offload`` and
+``fluctuation`` with ``--trace``.
 
 The trace is moetool's own (``moetool trace``) or an engine's dump imported by ``moetool import-trace``
 (:mod:`moetool.traces`); it is read streamed (:func:`moetool.traces.store.read_batches`) into per-layer sums on the
