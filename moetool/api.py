@@ -121,6 +121,10 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
                            f"not with {policy!r}")
     if not (hasattr(lm, "model") and hasattr(lm, "layers")):
         raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+    if layers is not None and policy is None:
+        # layers= says where a policy routes; alone it would be ignored and every MoE layer's events handed over
+        raise MoetoolError("moetool.hook: layers= picks the layers a policy= routes in, and no policy was given; "
+                           "every MoE layer is hooked: keep the events of some by ev.layer.index")
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=_consumer_list(consumers),

@@ -130,6 +130,25 @@ def test_forward_refuses_layers_without_a_policy_and_hooks_only_moe_layers():
     assert {ev.layer.index for ev in seen} == {lm.layers[1].index} and len(seen) == tokens.n_batches(8)
 
 
+def test_hook_refuses_layers_without_a_policy():
+    """``moetool.hook(lm, layers=[1], consumers=[c])`` ignored ``layers`` (it says where a policy routes), as
+    ``moetool.forward`` did: one forward of the 4-MoE-layer tiny model handed 4 events, not layer 1's one."""
+    import torch
+
+    lm = moetool.load("tiny")
+    ids = moetool.tokens(lm, None, seq_len=32, max_tokens=64).input_ids[:1]
+    seen = []
+    with pytest.raises(MoetoolError, match=r"^moetool.hook: layers= picks the layers a policy= routes in"):
+        with moetool.hook(lm, layers=[1], consumers=[seen.append]):
+            lm.model(input_ids=ids)
+    assert seen == []
+    with moetool.hook(lm, policy="random", layers=[1], consumers=[seen.append]):  # with a policy: where it routes
+        lm.model(input_ids=ids)
+    assert [ev.layer.index for ev in seen] == [L.index for L in lm.layers]
+    rerouted = [ev.chosen_idx is not None and not torch.equal(ev.chosen_idx, ev.idx) for ev in seen]
+    assert rerouted == [L.index == 1 for L in lm.layers]
+
+
 def test_fluctuation_given_one_name_mixed_checkpoints_or_no_tokens_says_what_to_pass():
     """``moetool.fluctuation("tiny", tokens)`` read the name letter by letter ('unknown model 'y''); a str, None or a
     tensor for its tokens raised an AttributeError (no ``describe``); names mixed with a loaded model an

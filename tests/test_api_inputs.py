@@ -131,7 +131,8 @@ def test_layers_are_integers_not_true(lm, tokens):
     with pytest.raises(MoetoolError, match="integers"):
         moetool.hook(lm, policy="norm:gate", layers=[True])
     seen = set()
-    with torch.no_grad(), moetool.hook(lm, layers=np.array([1, 3]), consumers=[lambda ev: seen.add(ev.layer.index)]):
+    with torch.no_grad(), moetool.hook(lm, policy="norm:gate", layers=np.array([1, 3]),
+                                       consumers=[lambda ev: seen.add(ev.layer.index)]):
         feed(lm.model, tokens.input_ids[:1], tokens.attention_mask[:1])
     assert seen == {0, 1, 2, 3}  # consumers see every layer; the policy layers are 1 and 3
     assert moetool.hook(lm, policy="norm:gate", layers=np.array([1, 3])).policy_layers == {1, 3}

@@ -143,7 +143,7 @@ def test_tables_are_the_hand_count_of_the_first_layer(tiny_capacity):
     first = lm.layers[0]
     n = first.n_experts
     seen = []
-    with moetool.hook(lm, layers=[first.index], consumers=[
+    with moetool.hook(lm, consumers=[
             lambda ev: seen.append((ev.idx.cpu(), ev.weights.cpu(), ev.valid.cpu()))
             if ev.layer.index == first.index else None]):
         with torch.no_grad():

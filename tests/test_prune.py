@@ -291,6 +291,22 @@ def test_removed_json_takes_whole_expert_numbers_only(tmp_path, experts):
     assert make_policy(f"prune:file:{path}").removed == {0: [2], 1: [1, 3]}
 
 
+@pytest.mark.parametrize("text", ['{"1": [1], "1": [2]}', '{"1": [1], "01": [2]}'])
+def test_removed_json_naming_a_layer_twice_is_refused(tmp_path, text):
+    """json.loads keeps the last of two keys of one layer ("1" twice, or "1" and "01"): {"1": [1], "01": [2]}
+    removed expert 2 alone (tiny's ppl 46.87, as {"1": [2]}; both experts: 48.68), the other list dropped unsaid."""
+    path = tmp_path / "removed.json"
+    path.write_text(text)
+    with pytest.raises(MoetoolError) as e:
+        make_policy(f"prune:file:{path}")
+    assert str(e.value) == f"prune: {path} names layer 1 more than once: give each layer's experts in one list"
+    path.write_text('[["1", [2]]]')  # an array of pairs is no object
+    with pytest.raises(MoetoolError, match="is not a JSON object of layer -> list of experts"):
+        make_policy(f"prune:file:{path}")
+    path.write_text('{"1": [1, 2]}')
+    assert make_policy(f"prune:file:{path}").removed == {1: [1, 2]}
+
+
 def test_too_few_kept_experts_refused(tiny_model):
     model = tiny_model("mixtral")
     L = find_moe_layers(model)[0]

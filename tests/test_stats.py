@@ -191,6 +191,15 @@ def test_domain_load_is_a_hand_count_per_domain(collected):
         assert per_expert.tolist() == load[load["layer"] == L.index]["tokens"].tolist()
 
 
+def test_a_domain_named_like_the_no_domain_label_beside_undomained_text_is_refused():
+    # domain_load.csv labels text without a domain "(none)": a real domain "(none)" beside such text gave two groups
+    # of rows under one label (16 rows per layer for 8 experts), neither told from the other
+    with pytest.raises(MoetoolError, match="rename that domain"):
+        RoutingStats([], ["(none)", "", "web", ""])
+    assert RoutingStats([], ["(none)", "web"]).domains == ["(none)", "web"]  # no clash: a name like any other
+    assert RoutingStats([], ["", "web"]).domains == ["(none)", "web"]
+
+
 def test_top_tokens_match_a_counter(collected):
     stats, layers, batches, rec, t = collected
     top, lift = t["top_tokens.csv"], t["top_tokens_lift.csv"]

@@ -96,7 +96,7 @@ def test_experts_per_token_by_hand(tiny_topk):
     lm, tokens, res = tiny_topk
     first = lm.layers[0]
     probs = []
-    with moetool.hook(lm, layers=[first.index], consumers=[lambda ev: probs.append(
+    with moetool.hook(lm, consumers=[lambda ev: probs.append(
             (ev.probs[ev.valid].cpu().numpy(), first.index == ev.layer.index))]):
         with torch.no_grad():
             for b in tokens.batches(8):

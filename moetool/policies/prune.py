@@ -95,6 +95,11 @@ def read_run_csv(path: str | Path) -> Any:
     return df
 
 
+class _KeyValues(list):
+    """A JSON object's ``(key, value)`` pairs in file order (``json.loads``' ``object_pairs_hook``): a key written
+    twice is still there to be refused."""
+
+
 def read_removed(path: str, criterion: str | None = None, fraction: float | None = None) -> dict[int, list[int]]:
     """Removed experts per layer from a JSON object ``{"<layer>": [experts]}`` or a CSV with ``layer``, ``expert``
     (and, for ``prune_removed.csv``, ``criterion`` and ``fraction``: the set of one pair)."""
@@ -105,10 +110,17 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
         raise MoetoolError(f"prune: no file '{path}'")
     if p.suffix == ".json":
         try:
-            raw = json.loads(p.read_text())
-            out = {int(k): v for k, v in raw.items()}
+            raw = json.loads(p.read_text(), object_pairs_hook=_KeyValues)  # every key as written, repeats kept
+            if not isinstance(raw, _KeyValues):
+                raise TypeError(f"not an object but {json.dumps(raw)[:60]}")
+            keys = [int(k) for k, _ in raw]
         except (ValueError, TypeError, AttributeError) as e:
             raise MoetoolError(f"prune: {path} is not a JSON object of layer -> list of experts ({e})") from None
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:  # json.loads keeps the last of "1" and "1" (or "01"): the other's experts would stay, unsaid
+            raise MoetoolError(f"prune: {path} names layer {twice[0]} more than once: give each layer's experts "
+                               f"in one list")
+        out = dict(zip(keys, (dict(v) if isinstance(v, _KeyValues) else v for _, v in raw)))
         for k, v in out.items():  # as the CSV's whole numbers: 1.5, true or "12" (experts 1 and 2) were read as ids
             if not (isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v)):
                 raise MoetoolError(f"prune: {path}: layer {k} must map to a list of whole expert numbers, not "

@@ -128,6 +128,9 @@ class RoutingStats:
         self.vocab = vocab  # a bound on the token ids (runner.id_space): small key spaces are counted densely
         self.rows = rows  # uncertainty.RowTable: per packed row "tokens", "assign<layer>" [n], "conf<layer>"
         names = sorted(set(domains))
+        if "" in names and NO_DOMAIN in names:  # both would be rows labelled NO_DOMAIN, told apart by nothing
+            raise MoetoolError(f"the data has text without a domain and text whose domain is '{NO_DOMAIN}', the "
+                               f"label domain_load.csv gives text without one: rename that domain")
         self.domains = [d or NO_DOMAIN for d in names] if any(names) else []  # no domain split without labels
         self._dom_id = {d: i for i, d in enumerate(names)} if self.domains else {}
         self.top_tokens = top_tokens
