@@ -3,6 +3,7 @@ summary is a heading per checkpoint pair and one short line per routing, not one
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -84,3 +85,30 @@ def test_stats_specialisation_line_says_none_instead_of_nan():
     lines = EXPERIMENTS["stats"].load("analysis_lines")("tiny", res)
     assert lines == ["stats tiny: vocabulary specialisation (first-ranked expert) over layers: input none (no token "
                      "id seen 10 times), predicted 0.50-0.75"], lines
+
+
+def test_a_ppl_run_records_its_perplexity_and_ratio_as_its_headline(tmp_path):
+    """A ppl run had no headline (no line in the report page's "results at a glance"): now its policy's
+    perplexity on the scored tokens and, with the router's baseline, the paired ratio, each with the interval of
+    ppl.csv; a router run (no baseline) gives the perplexity alone."""
+    import json
+    import re
+
+    import moetool
+    from moetool.report.page import write_report
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=128, max_tokens=1024)
+    moetool.run("ppl", lm, tokens, out=str(tmp_path / "ppl-norm"), routing="norm:gate")
+    row = pd.read_csv(tmp_path / "ppl-norm" / "ppl.csv").iloc[0]
+    headline = json.loads((tmp_path / "ppl-norm" / "manifest.json").read_text())["headline"]
+    assert headline == [f"ppl tiny: norm:gate:l2 (softmax weights) perplexity "
+                        f"{format_ci(row.perplexity, row.perplexity_lo, row.perplexity_hi)} on "
+                        f"{int(row.scored_tokens):,} tokens, x{format_ci(row.ratio, row.ratio_lo, row.ratio_hi)} "
+                        f"of the router's {row.router_perplexity:.4g}"], headline
+    assert row.ratio_lo < row.ratio < row.ratio_hi and abs(row.ratio - row.perplexity / row.router_perplexity) < 1e-9
+    line = EXPERIMENTS["ppl"].load("summary_lines")("tiny", moetool.ppl(lm, tokens, quiet=True))
+    assert len(line) == 1 and "x" not in line[0].split("tokens")[1] and "router perplexity" in line[0]
+    page = write_report([tmp_path / "ppl-norm"], tmp_path / "report")
+    table = re.search(r'<table class="headline">.*?</table>', Path(page).read_text(), re.S).group(0)
+    assert "ppl" in table and format_ci(row.ratio, row.ratio_lo, row.ratio_hi) in table

@@ -88,6 +88,22 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
                   summary=ppl_summary(df))
 
 
+def summary_lines(name: str, res: Result) -> list[str]:
+    """One line: the policy's perplexity with its interval on the scored tokens and, beside the router's
+    baseline, their ratio with its (paired) interval -- the run's headline (the report page's first table)."""
+    import math
+
+    from ...uncertainty import format_ci
+
+    r = res["ppl"].iloc[0]
+    weights = f" ({r.weights} weights)" if r.weights != "-" else ""
+    line = (f"ppl {name}: {r.routing}{weights} perplexity {format_ci(r.perplexity, r.perplexity_lo, r.perplexity_hi)} "
+            f"on {int(r.scored_tokens):,} tokens")
+    if not math.isnan(r.ratio):
+        line += f", x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)} of the router's {r.router_perplexity:.4g}"
+    return [line]
+
+
 def ppl_summary(df: Any) -> Any:
     """The console row (``value ± half-width`` via :func:`moetool.uncertainty.with_ci`); the baseline's
     columns only when it ran."""

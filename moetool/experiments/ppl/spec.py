@@ -40,6 +40,6 @@ class PplOptions(RoutingOptions):
 
         check_n_boot(self.bootstrap)
 
-SPEC = experiment("ppl", "ppl", "PplOptions", lines=None,
+SPEC = experiment("ppl", "ppl", "PplOptions",
                   order=160,
                   groups=("routing",), bootstrap=True, defaults={"max_tokens": 32768})
