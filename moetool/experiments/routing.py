@@ -7,7 +7,8 @@ the bootstrap), :func:`ppl_intervals`, :func:`data_name` and the one meaning of 
 
 The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
 (:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
-With no policy the model runs unhooked (the reference a ``router`` run must reproduce exactly).
+With no policy the model runs unhooked (only the NaN/inf guard's read-only hooks: the reference a ``router`` run
+must reproduce exactly).
 """
 
 from __future__ import annotations
