@@ -1,1 +1,2 @@
-"""The CLI: thin Typer modules, one per subcommand (installed as ``moetool.commands``)."""
+"""The CLI: thin Typer modules (installed as ``moetool.commands``): the experiments' commands generated from their
+specs (``generated.py``, plus a module per command for what is its own), and the commands that are not experiments."""

@@ -1,4 +1,6 @@
-"""``moetool``: the Typer app. Each subcommand lives in its own small module."""
+"""``moetool``: the Typer app. Every experiment's command is generated from its spec (:mod:`moetool.commands.generated`,
+with what its own ``commands/<name>.py`` adds); ``demo``, ``inspect``, ``report`` and ``import-trace`` are modules of
+their own (:func:`moetool.experiments.registry.command_modules`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Flag groups: the standard options of a command, declared once, as ``(parameter, annotation, default)`` in
 ``--help`` order. Every experiment's command is generated from its spec (:mod:`moetool.commands.generated`): it
 takes the groups of what it reads (the spec's ``inputs``: :func:`standard`), the groups and single flags its spec
-names (``groups``: ``routing``, ``lmeval``, ``resume``, ``trace``, ... or a flag of them by name) and its own
-:class:`~moetool.experiments.experiment.Flag` s. ``tests/test_flag_groups.py`` checks that every command that loads
-a model has every flag of :data:`LOADING` (``--tp`` / ``--ep`` are taken into the command's run by
-:func:`moetool.commands.cli.handle_errors`).
+names (``groups``: ``routing``, ``lmeval``, ``bootstrap``, ``resume``, ``trace``, ``traces``, or a flag of them by
+name) and its own :class:`~moetool.experiments.experiment.Flag` s. ``tests/test_flag_groups.py`` checks that every
+command that loads a model has every flag of :data:`LOADING` (``--tp`` / ``--ep`` are taken into the command's run
+by :func:`moetool.commands.cli.handle_errors`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The flags of the command line, declared once as annotated types (grouped in :mod:`moetool.commands.flags`);
-the error path and the parsers are :mod:`moetool.commands.cli`'s, the run :mod:`moetool.run`'s.
+the error path and the list flags' parsers are :mod:`moetool.commands.cli`'s (a path's and ``--batch-size``'s are
+here), the run :mod:`moetool.run`'s.
 
 Nothing here imports torch: ``moetool --help`` stays fast.
 """
@@ -36,7 +37,7 @@ AUTO_BATCH = 0  # what --batch-size auto parses to; handle_errors replaces it by
 
 
 def parse_batch_size(value: Any) -> int:
-    """``--batch-size N`` (N >= 1) or ``auto`` (:data:`AUTO_BATCH`, resolved by :func:`resolve_batch_size`)."""
+    """``--batch-size N`` (N >= 1) or ``auto`` (:data:`AUTO_BATCH`, resolved by :func:`moetool.run.resolve_batch_size`)."""
     if isinstance(value, int):
         return value
     if str(value).strip().lower() == "auto":

@@ -1,8 +1,9 @@
 """moetool: Mixture-of-Experts routing research, from the command line or Python.
 
 ``import moetool`` is cheap: the public names (``moetool.load``, ``moetool.tokens``, ``moetool.stats``, ...,
-``moetool.hook``; see :mod:`moetool.api`) are resolved on first use, and torch and transformers load only inside
-the functions that need them (``moetool --help`` never imports torch).
+``moetool.hook``; see :mod:`moetool.api`; ``__all__`` lists them for ``from moetool import *``) are resolved on first
+use, and torch and transformers load only inside the functions that need them (``moetool --help`` never imports
+torch).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def _exports() -> dict[str, str]:
 
 
 def __getattr__(name: str) -> _Any:
+    if name == "__all__":  # ``from moetool import *``: the public names, as lazy as they are
+        globals()["__all__"] = sorted(_exports())
+        return globals()["__all__"]
     target = _exports().get(name)
     if target is None:
         raise AttributeError(f"module 'moetool' has no attribute '{name}'")

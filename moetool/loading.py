@@ -281,7 +281,7 @@ def check_model(name: str) -> None:
 
 def load_config(name: str) -> tuple[Any, str, str]:
     """``(config, source, kind)``; checks that the model is a supported MoE family. A hub id is read from the
-    local cache when the Hub is out of reach (:func:`hub_offline`)."""
+    local cache when the Hub is out of reach (:func:`moetool.hub.hub_offline`)."""
     config, source, kind, _, _ = _read_config(name)
     return config, source, kind
 

@@ -175,7 +175,8 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
       prediction) -- usage errors (exit 2);
     * ``seq_len`` must not exceed the model's positions (:func:`max_positions`; ``text_config`` of a multimodal
       config) -- a usage error: the position encoding was never trained there and the statistics change;
-    * ``device`` / ``dtype`` are resolved as :func:`load` resolves them (``--device cuda`` without CUDA: exit 1);
+    * ``device`` / ``dtype`` are resolved as :func:`moetool.loading.load` resolves them (``--device cuda`` without
+      CUDA: exit 1);
     * memory: the weights plus one batch's activations (:func:`estimate_memory`, a lower bound) must fit in the
       device's free memory (CUDA: free memory of the device; CPU: available RAM, within a cgroup limit) -- a
       runtime error (exit 1). The batch is the one the options ask for, ``min(batch_size, ceil(max_tokens /

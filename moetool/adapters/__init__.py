@@ -1,4 +1,5 @@
-"""Adapters by ``config.model_type``: a lazy registry, one file per family."""
+"""Adapters by ``config.model_type``: a lazy registry of the hand-adapted families (a module per adapter); every
+other MoE model type gets the generic adapter (``generic.py``, found by ``discovery.py``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The one forward loop: run a model over batches of packed token rows, with or without routing hooks.
 
 :func:`forward` is what every experiment calls: it installs an :class:`~moetool.engine.hooks.Engine` (a policy in
-the chosen MoE layers, consumers seeing every routing event) only when there is something to hook, runs every
-batch, and optionally reduces the next-token NLL on the device (sums and token counts, read once at the end).
+the chosen MoE layers, consumers seeing every routing event) only when there is something to hook (the
+:class:`~moetool.engine.guard.FiniteGuard`'s read-only hooks are always on), runs every batch, and optionally
+reduces the next-token NLL on the device (sums and token counts, read once at the end).
 """
 
 from __future__ import annotations

@@ -111,11 +111,12 @@ class Flag:
 @dataclass(frozen=True)
 class Experiment:
     """One experiment. ``module`` holds ``function`` (``(lm, tokens, options=None, *, quiet, **overrides) ->
-    Result``; ``inputs`` says what it takes instead of ``(lm, tokens)``: ``"weights"`` = ``(lm, options)``,
-    ``"checkpoints"`` = ``(names or models, tokens, options)``), ``options`` (its dataclass) and ``lines``
-    (``(name, Result) -> list[str]``: what the demo prints). ``api`` is its name in ``import moetool``;
-    ``groups`` the standard flag groups its command takes beside those of its ``inputs``
-    (:mod:`moetool.commands.flags`: ``routing``, ``lmeval``, ``resume``, ``trace``, or one flag of them by name) and
+    Result``; ``inputs`` says what it takes instead of ``(lm, tokens)``: ``"weights"`` and ``"model"`` =
+    ``(lm, options)``, ``"checkpoints"`` = ``(names or models, tokens, options)``, ``"config"`` = a model's name and
+    the command's flags, nothing loaded), ``options`` (its dataclass) and ``lines`` (``(name, Result) -> list[str]``:
+    what the demo prints, and the manifest's ``headline``). ``api`` is its name in ``import moetool``; ``groups`` the
+    standard flag groups its command takes beside those of its ``inputs`` (:mod:`moetool.commands.flags`:
+    ``routing``, ``lmeval``, ``bootstrap``, ``resume``, ``trace``, ``traces``, or one flag of them by name) and
     ``defaults`` its own defaults of standard flags (``{"max_tokens": 32768}``); ``loads_model=False``: the compute
     function takes the model's name and loads it itself (once per precision); ``figures`` the ``"module:attr"`` drawing its figures, ``captions``
     theirs (figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` it plots): the

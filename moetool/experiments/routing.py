@@ -1,11 +1,14 @@
 """Shared by the experiments that run the model under a routing policy or score its perplexity (ppl, topk,
-capacity, prune, super-experts, norm-select, trace, eval, agreement, margin, placement, expert-similarity):
-:class:`RoutingOptions` (how routing is replaced), :func:`perplexity` (one forward loop, per-row sums for the
-bootstrap), :func:`ppl_intervals`, :func:`data_name` and the one meaning of ``scored_tokens``.
+capacity, prune, super-experts, norm-select; agreement, margin, placement, expert-similarity and locality use
+:func:`data_name`): :class:`RoutingOptions` (how routing is replaced, defined in :mod:`.experiment` with the spec
+types and re-exported here; trace and eval route with it), :func:`perplexity` (one forward loop, per-row sums for
+the bootstrap), :func:`ppl_intervals`, :func:`data_name` and the one meaning of ``scored_tokens``
+(:data:`SCORED_TOKENS`).
 
 The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
 (:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
-With no policy the model runs unhooked (the reference a ``router`` run must reproduce exactly).
+With no policy the model runs unhooked (only the NaN/inf guard's read-only hooks: the reference a ``router`` run
+must reproduce exactly).
 """
 
 from __future__ import annotations

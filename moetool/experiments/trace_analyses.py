@@ -198,7 +198,7 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
     """``stats`` tables that need only the chosen experts: ``load.csv`` (layer, expert, load_fraction,
     token_fraction, tokens), ``layers.csv`` (layer, n_experts, top_k, tokens, load_entropy[_norm], max_load_ratio)
     and ``coactivation.csv`` (per-token traces), with the definitions of :mod:`.stats`; what they leave out is
-    listed in ``meta["left_out"]``. ``options``: :class:`.stats.StatsOptions` (``top_k``, ``coactivation``)."""
+    listed in ``meta["left_out"]``. ``options``: :class:`.stats.spec.StatsOptions` (``top_k``, ``coactivation``)."""
     import pandas as pd
 
 
@@ -273,7 +273,7 @@ def _tokenizer(src: TraceSource) -> Any:
 # ----- placement --------------------------------------------------------------------------------------------------
 def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[str, Any]]:
     """``placement`` tables from the trace's loads (every MoE layer of one n, or ``options.layers``): the same
-    placements and tables as :func:`.placement.placement` (no bootstrap: a trace has no packed rows), and
+    placements and tables as :func:`.placement.compute.placement` (no bootstrap: a trace has no packed rows), and
     ``{"load", "layers", "n", "groups"}`` for an export."""
     sums = trace_sums(src, coactivation=None, layers=options.layers)
     idx = list(sums)
@@ -309,8 +309,8 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
 
 # ----- offload ----------------------------------------------------------------------------------------------------
 class TraceStream:
-    """A trace's token stream in the shape :func:`.offload.offload_tables` reads from its collector: per layer the
-    requests ``[T, K]`` in (row, position) order, the row of each token, the first request and the count of each
+    """A trace's token stream in the shape :func:`.offload.compute.offload_tables` reads from its collector: per layer
+    the requests ``[T, K]`` in (row, position) order, the row of each token, the first request and the count of each
     expert; no next-layer prediction (that needs the hidden states of a forward)."""
 
     def __init__(self, rows: np.ndarray, requests: dict[int, np.ndarray], n: dict[int, int],
@@ -413,9 +413,9 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
                             max_tokens: int | None) -> Result:
     """``fluctuation`` between recorded routings of the same tokens (the traces' (row, position) must agree, and
     their token ids where both have them), e.g. a model's routing at two training steps: per pair and layer the
-    top-K change, overlap and Jaccard of :func:`.fluctuation.compare` with its bootstrap intervals; top1_change only
-    when every trace has gate weights (``moetool trace``: the top-1 is the largest weight; an engine's dump has no
-    weights), entropies never (they need the router's probabilities)."""
+    top-K change, overlap and Jaccard of :func:`.fluctuation.compute.compare` with its bootstrap intervals;
+    top1_change only when every trace has gate weights (``moetool trace``: the top-1 is the largest weight; an
+    engine's dump has no weights), entropies never (they need the router's probabilities)."""
     import pandas as pd
 
 

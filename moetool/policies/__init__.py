@@ -2,8 +2,9 @@
 
 "Routing" means one thing everywhere: a policy spec string. ``router`` is the model's own routing (through the
 override path). ``build_policy("norm:gate:l2", weights="softmax")`` parses a spec; options a policy does not
-use are ignored, so one set of CLI flags serves every policy. Every policy derives from
-:class:`moetool.policies.base.Policy`.
+use are ignored here, so one set of CLI flags serves every policy (a command refuses ``--weights``, ``--sim`` or
+``--no-causal`` given to a policy that reads none, in one line: ``RoutingOptions.policy``,
+:func:`refuse_unread_similarity_options`). Every policy derives from :class:`moetool.policies.base.Policy`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 A policy replaces the top-K choice of a MoE layer: ``select(event) -> (idx [T, K], w [T, K])``, best expert
 first. ``from_spec(args, **options)`` builds it from the ``:``-separated arguments of its spec string
 (``norm:gate:l2`` -> ``["gate", "l2"]``) and the shared keyword options (weights, seed, tau, sim, causal...):
-options a policy does not use are ignored, so one set of CLI flags serves every policy. ``describe()`` is what
-the manifest records. A policy that computes scores of every expert leaves them in ``ev.scores``.
+options a policy does not use are ignored, so one set of CLI flags serves every policy (the commands refuse
+``--weights``, ``--sim`` or ``--no-causal`` given to a policy that reads none: ``RoutingOptions.policy``).
+``describe()`` is what the manifest records. A policy that computes scores of every expert leaves them in
+``ev.scores``.
 """
 
 from __future__ import annotations

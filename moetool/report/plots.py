@@ -2,7 +2,7 @@
 
 Each experiment draws its own (``moetool/experiments/<name>/figures.py``, named by its spec's ``figures``) with the
 house-style primitives of :mod:`moetool.report.figures`; the functions take the experiment's tables, so a notebook
-can draw them from a :class:`~moetool.experiments.result.Result` (``moetool.plots.figures(result)``) without writing
+can draw them from a :class:`~moetool.experiments.result.Result` (``moetool.figures(result)``) without writing
 anything. Their captions are in the specs too (:data:`FIGURE_CAPTIONS`, discovered).
 """
 

@@ -6,7 +6,8 @@ what ``MOETOOL_FIGURES`` asks for, recorded as the manifest's ``figure_formats``
 fails is listed under ``figures_failed`` in the manifest (the tables stay written) and the run fails with one line
 (:class:`~moetool.errors.MoetoolRuntimeError`, exit 1). Then the manifest:
 options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
-sections = ``result.meta``. Commands and ``moetool demo`` both call :func:`write`.
+sections = ``result.meta``, and ``headline``: the experiment's summary lines (:func:`headline_lines`, the report
+page's summary table). Commands and ``moetool demo`` both call :func:`write`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ placements written back in the files the engines load.
   Parquet, and read back, streamed, into the per-layer sums the ``--trace`` analyses need;
 * :mod:`.export` -- a placement as SGLang's ``--init-expert-location`` file and EPLB's ``phy2log/log2phy/logcnt``.
 
-This package sits beside ``data.py`` and ``loading.py``: it reads files and uses ``ops.py``; the experiments on a
-trace (``moetool.experiments.trace_analyses``) import it, never the other way round.
+This package sits at the experiments' layer: it reads files, the model's shape through ``loading.py`` and the
+adapters (:mod:`.shape`), writes through ``engine/stream.py`` (:mod:`.store`) and builds EPLB's tables with
+placement's own ``rebalance_experts`` (:mod:`.export`); the experiments on a trace
+(``moetool.experiments.trace_analyses``) import it.
 """

@@ -20,7 +20,7 @@ from ..result import Result, resolve_options
 from .spec import ExpertSimilarityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 SOURCE = "Chen et al. 2024, HC-SMoE, arXiv 2410.08589"
-#: the code the distance and the clustering follow (tests/peer/test_hcsmoe.py ports it and compares)
+#: the code the distance and the clustering follow (tests/peer/test_peer_hcsmoe.py ports it and compares)
 CODE = ("wazenmai/HC-SMoE @ bd77eba1b55ca58606a47e2d0807a24218da73c3, hcsmoe/merging/clustering.py "
         "(pairwise_distances, hierarchical_clustering, linkage 'average') on the mean expert outputs of "
         "hcsmoe/merging/grouping_mixtral.py group_experts_by_clustering_output")

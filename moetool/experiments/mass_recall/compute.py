@@ -1,7 +1,7 @@
 """``mass-recall``: how much routing mass an inverted-index (IVF) router keeps (AIR-MoE).
 
 Per MoE layer and codebook size ``G``, a codebook of unit codewords is fitted on the router inputs
-``h`` by streaming adaptive spherical k-means (:mod:`.kmeans`; pass 1, plus ``kmeans_iters`` extra
+``h`` by streaming adaptive spherical k-means (:mod:`..kmeans`; pass 1, plus ``kmeans_iters`` extra
 passes over the data); pass 2 evaluates, for every shortlist size ``M`` and expert-centroid mode:
 
 * ``c(h) = argmax_g cos(h, c_g)``; shortlist ``L(c_g)`` = the M experts ranked highest at the codeword;
@@ -195,7 +195,7 @@ def fit_codebooks(lm: Any, tokens: Any, layers: Sequence[MoELayer], opts: MassRe
     """Pass 1 (+ ``kmeans_iters``): one streaming k-means per (layer, G).
 
     Data parallel (``tokens`` this rank's shard, ``steps`` = batches of the global run): every EMA step runs on
-    the global batch (:class:`~.kmeans.GlobalBatch`: per-batch sums all-reduced, drawn tokens fetched from their
+    the global batch (:class:`~..kmeans.GlobalBatch`: per-batch sums all-reduced, drawn tokens fetched from their
     rank), so the codebooks equal one process's over the same global batches; a rank out of rows joins the
     remaining steps with no token. ``norms`` (filled when given): the largest ||h|| per layer over all ranks,
     the scale grid of :func:`scaled_bound` (so the bound does not depend on how rows are batched)."""

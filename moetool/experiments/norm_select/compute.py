@@ -228,7 +228,7 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
     layers = None if policy_layers is None else sorted(policy_layers)
     hflm = lmeval.make_hflm(lm, batch_size) if plan is not None else None
     # untimed warm-up (kernels, allocator, lm-eval's dataset build and cache), so that the first policy's
-    # seconds are comparable; on a shared CPU they stay noisy (bench/bench_norm_select.py interleaves runs)
+    # seconds are comparable; on a shared CPU they stay noisy (bench/bench.py interleaves runs: its norm:gate variant)
     rows = 3 * batch_size
     head = TokenSet(tokens.input_ids[:rows], tokens.attention_mask[:rows], tokens.domains[:rows], tokens.source)
     for p in (policies[0], policies[-1]):

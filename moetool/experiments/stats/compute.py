@@ -1,6 +1,6 @@
 """``stats``: how the model's own router uses its experts, per MoE layer, on ``--data``.
 
-:func:`stats` is the experiment (options :class:`StatsOptions`, returns a :class:`~.result.Result`).
+:func:`stats` is the experiment (options :class:`StatsOptions`, returns a :class:`~..result.Result`).
 A :class:`RoutingStats` consumer rides on :func:`moetool.engine.forward` (no policy) and
 reduces every :class:`~moetool.engine.RoutingEvent` on the layer's device into small per-layer
 aggregates; padding never counts. At the end :meth:`RoutingStats.tables` turns them into the
