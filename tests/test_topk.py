@@ -329,3 +329,32 @@ def test_chunked_experts_change_no_logit(family, tiny_model, monkeypatch):
     want, _, _ = run(model, layers, inputs, policy=make_policy("topp:1"))
     assert layers[0].n_experts > layers[0].top_k
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_routers_own_ratio_interval_is_one_with_a_bootstrap_and_nan_without():
+    """The router row's ratio interval was set to [1, 1] by each of topk, norm-select, prune and super-experts, also
+    with --bootstrap 0, where the definitions say every *_lo/*_hi is NaN (the other rows' were). Now
+    ``ppl_intervals(run, base=run)`` says it once: [1, 1] where the perplexity has an interval, NaN where not."""
+    import math
+
+    import moetool
+    from moetool.experiments.routing import perplexity, ppl_intervals
+    from moetool.uncertainty import RowTable
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=512)
+    for n_boot in (0, 100):
+        df = moetool.topk(lm, tokens, bootstrap=n_boot, quiet=True)["topk"]
+        router, others = df[df.kind == "router"].iloc[0], df[df.kind != "router"]
+        assert router.ratio == 1.0
+        if n_boot:
+            assert (router.ratio_lo, router.ratio_hi) == (1.0, 1.0)
+            assert (others.ratio_lo < others.ratio_hi).all()
+        else:
+            assert math.isnan(router.ratio_lo) and math.isnan(router.ratio_hi)
+            assert others.ratio_lo.isna().all() and others.ratio_hi.isna().all()
+    one_row = moetool.tokens(lm, None, seq_len=64, max_tokens=64)  # one row: no perplexity interval, no ratio one
+    assert one_row.input_ids.shape[0] == 1
+    res = perplexity(lm, one_row, batch_size=1, quiet=True, rows=RowTable(one_row))
+    ci = ppl_intervals(res, res, n_boot=100)
+    assert ci["ratio"] == 1.0 and math.isnan(ci["perplexity_lo"]) and math.isnan(ci["ratio_lo"])

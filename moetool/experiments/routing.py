@@ -64,13 +64,20 @@ def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Itera
 def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_boot: int = DEFAULT_BOOTSTRAP,
                   seed: int = 0) -> dict[str, Any]:
     """``perplexity`` (and, with the router ``base`` run over the same rows, ``ratio``) with bootstrap intervals
-    from the runs' per-row sums: ``{perplexity, perplexity_lo, perplexity_hi[, ratio, ratio_lo, ratio_hi]}``."""
+    from the runs' per-row sums: ``{perplexity, perplexity_lo, perplexity_hi[, ratio, ratio_lo, ratio_hi]}``. The
+    base itself (``run is base``) has ratio 1 and, where the perplexity has an interval, the interval [1, 1] (every
+    resample's ratio is 1); NaN like the others with ``n_boot=0``."""
+    import math
+
     import numpy as np
 
     nll, scored = run.rows.table("nll"), run.rows.table("scored")
     kw = dict(n_boot=n_boot, seed=seed)  # one row: no interval (uncertainty.replicates)
     out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
-    if base is not None:
+    if base is run:
+        one = float("nan") if math.isnan(out["perplexity_lo"]) else 1.0
+        out.update(ratio=1.0, ratio_lo=one, ratio_hi=one)
+    elif base is not None:
         if not np.array_equal(base.rows.table("scored"), scored):
             raise MoetoolError("the baseline scored different tokens: no paired ratio")
         out.update(ppl_ratio_interval(nll, base.rows.table("nll"), scored, **kw).columns("ratio"))

@@ -177,11 +177,9 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
                "value_hi": nan, "router_value": base_ppl, "ratio": pr.perplexity / base_ppl, "ratio_lo": nan,
                "ratio_hi": nan, "seconds": round(pr.seconds, 3)}
         if pr.rows is not None:
-            ci = ppl_intervals(pr, None if name == "router" else base_run, n_boot=n_boot, seed=seed)
+            ci = ppl_intervals(pr, base_run, n_boot=n_boot, seed=seed)
             row.update(value_lo=ci["perplexity_lo"], value_hi=ci["perplexity_hi"])
             row.update({k: ci[k] for k in ("ratio_lo", "ratio_hi") if k in ci})
-        if name == "router":
-            row.update(ratio_lo=1.0, ratio_hi=1.0)
         rows.append(row)
         if name in evals:
             rows += eval_rows(name, evals[name], evals["router"])

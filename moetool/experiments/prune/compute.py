@@ -221,12 +221,10 @@ class _Runs:
     def row(self, res: Any) -> dict[str, Any]:
         """tokens, perplexity and the paired ratio to the model's own routing, with bootstrap intervals."""
         base, nan = self.base, float("nan")
-        ci = ppl_intervals(res, None if res is base else base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
+        ci = ppl_intervals(res, base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
         out = {"scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
                "ratio": res.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan}
         out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        if res is base:
-            out.update(ratio_lo=1.0, ratio_hi=1.0)
         return out
 
     def accuracy(self, criterion: str, fraction: float, name: str, res: Any) -> list[dict[str, Any]]:

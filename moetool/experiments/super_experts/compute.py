@@ -248,14 +248,12 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     nan = float("nan")
 
     def row(ablation: str, res: Any, sets: dict[int, list[int]]) -> dict[str, Any]:
-        ci = ppl_intervals(res, None if res is base else base, n_boot=opts.bootstrap, seed=opts.seed)
+        ci = ppl_intervals(res, base, n_boot=opts.bootstrap, seed=opts.seed)
         out = {"ablation": ablation, "removed": sum(len(v) for v in sets.values()), "experts": _label(sets),
                "scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
                "delta_ppl": res.perplexity - base.perplexity, "ratio": res.perplexity / base.perplexity,
                "ratio_lo": nan, "ratio_hi": nan}
         out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        if res is base:
-            out.update(ratio_lo=1.0, ratio_hi=1.0)
         return out
 
     rows = [row("none", base, {})]

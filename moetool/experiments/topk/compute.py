@@ -108,7 +108,7 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     base = runs["router"]
     table, per_layer = [], []
     for spec, kind, value in specs:
-        ci = ppl_intervals(runs[spec], None if spec == "router" else base, n_boot=opts.bootstrap, seed=opts.seed)
+        ci = ppl_intervals(runs[spec], base, n_boot=opts.bootstrap, seed=opts.seed)
         ran = [r for r in counts[spec] if r["layer"] in indices]  # the layers the policy ran in (--layers)
         mean = sum(r["mean_experts"] for r in ran) / len(ran)
         frac = sum(r["experts_frac"] for r in ran) / len(ran)
@@ -118,8 +118,6 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
                "perplexity_hi": nan, "ratio": runs[spec].perplexity / base.perplexity, "ratio_lo": nan,
                "ratio_hi": nan}
         row.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        if spec == "router":
-            row.update(ratio_lo=1.0, ratio_hi=1.0)
         table.append(row)
         per_layer += [{"policy": spec, "kind": kind, "value": value, **r} for r in counts[spec]]
     df = pd.DataFrame(table)
