@@ -133,3 +133,24 @@ def test_the_index_lists_runs_with_content_and_says_an_unfinished_status(tmp_pat
     nav = html_page[html_page.index('<nav class="runs">'):html_page.index("</nav>")]
     assert nav.count("<li>") == 3 and ", interrupted</span>" in nav and ", failed</span>" in nav
     assert "a, complete" not in nav and 'class="note">a</span>' in nav
+
+
+def test_an_out_that_contains_a_gathered_folder_is_refused(tmp_path):
+    import pytest
+
+    from moetool.errors import MoetoolError
+
+    r = _run(tmp_path / "runs" / "r")
+    for out, how in ((tmp_path / "runs", "contains"), (tmp_path, "contains"), (r, "is")):
+        with pytest.raises(MoetoolError, match=f"--out {out} {how} the folder"):
+            page.refuse_out_over_runs(out, [r])
+    page.refuse_out_over_runs(tmp_path / "elsewhere", [r])
+
+
+def test_a_table_with_fewer_rows_than_its_run_wrote_is_not_shown(tmp_path):
+    r = _run(tmp_path / "r", files=["t.csv"])
+    (r / "t.csv").write_text("x\n1\n2\n")
+    m = json.loads((r / "manifest.json").read_text())
+    (r / "manifest.json").write_text(json.dumps({**m, "tables": {"t.csv": {"rows": 3, "bytes": 8}}}))
+    html_page = page.write_report([r], tmp_path / "rep", warn=lambda m: None).read_text()
+    assert "t.csv: not shown (it has 2 rows, the run wrote 3" in html_page and '<td class="n">' not in html_page
