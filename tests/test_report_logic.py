@@ -1,0 +1,156 @@
+"""The report page's logic on hand-made run folders: which runs are gathered and in what order, their names and
+labels, the headline rows, status marks (mutation testing, part 7)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moetool.report import page
+
+
+def _run(folder: Path, command: str = "stats", model: str = "tiny", **more) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({"command": command, "status": "complete",
+                                                      "model": {"name": model}, "files": [], **more}))
+    return folder
+
+
+def test_sub_runs_in_their_manifests_order_and_an_unreadable_one_said(tmp_path):
+    root = _run(tmp_path / "demo", "demo", runs=["zeta", "alpha"])
+    for name in ("alpha", "zeta", "beta"):
+        _run(root / name, name)
+    (root / "broken").mkdir()
+    (root / "broken" / "manifest.json").write_text("{not json")
+    warned = []
+    runs = page.find_runs([root], warn=warned.append)
+    assert [r.rel for r in runs] == ["demo", "zeta", "alpha", "beta"]
+    assert [r.manifest["command"] for r in runs] == ["demo", "zeta", "alpha", "beta"]
+    assert len(warned) == 1 and "broken" in warned[0] and "not valid JSON" in warned[0]
+
+
+def test_runs_whose_slugs_collide_get_unique_names_and_a_lone_run_shows_its_folder(tmp_path):
+    root = tmp_path / "runs"
+    _run(root / "a b")
+    _run(root / "a-b")
+    runs = page.find_runs([root])
+    assert [r.name for r in runs] == ["runs-a-b", "runs-a-b_"]
+    lone = page.find_runs([_run(tmp_path / "only")])
+    assert [(r.name, r.rel) for r in lone] == [("only", "only")]
+
+
+def test_files_are_sorted_into_figures_tables_and_others_by_place_and_suffix(tmp_path):
+    r = _run(tmp_path / "r", files=["figures/a.png", "b.png", "load.csv", "trace.csv.gz", "notes.txt"])
+    for f in ("figures/a.png", "b.png", "load.csv", "trace.csv.gz", "notes.txt"):
+        (r / f).parent.mkdir(parents=True, exist_ok=True)
+        (r / f).write_bytes(b"x\n")
+    (run,) = page.find_runs([r])
+    assert [p.name for p in run.figures] == ["a.png"] and [p.name for p in run.tables] == ["load.csv"]
+    assert run.other == ["b.png", "trace.csv.gz", "notes.txt"]
+
+
+def test_a_linked_manifest_is_not_gathered(tmp_path):
+    real = _run(tmp_path / "real", files=["load.csv"])
+    (real / "load.csv").write_text("a\n1\n")
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "manifest.json").symlink_to(real / "manifest.json")
+    warned = []
+    assert page.find_runs([fake], warn=warned.append) == [] and "a symbolic link" in warned[0]
+
+
+def test_headline_rows_name_the_model_and_mark_every_unfinished_status(tmp_path):
+    body, md = [], []
+    runs = [page.Run(tmp_path, f"r{i}", {"command": "ppl", "status": s, "model": {"name": "tiny-fine"},
+                                         "headline": ["ppl 12.3"]})
+            for i, s in enumerate(("complete", "interrupted", "running", None))]
+    page._headlines(runs, body, md)
+    rows = [ln for ln in md if ln.startswith("| [")]
+    assert rows == ["| [ppl](#r0) | tiny-fine | ppl 12.3 |", "| [ppl (interrupted)](#r1) | tiny-fine | ppl 12.3 |",
+                    "| [ppl (running)](#r2) | tiny-fine | ppl 12.3 |",
+                    "| [ppl (status unknown)](#r3) | tiny-fine | ppl 12.3 |"]
+
+
+def test_a_demo_without_headlines_falls_back_on_its_steps_linked_to_their_runs(tmp_path):
+    demo = _run(tmp_path / "demo", "demo")
+    sub = _run(demo / "stats", "stats", "tiny-early")
+    m = json.loads((demo / "manifest.json").read_text())
+    m["steps"] = [{"step": "stats", "summary": ["entropy 1.5"], "folders": [str(sub)]},
+                  {"step": "inspect", "summary": ["4 experts"], "folders": []}]
+    (demo / "manifest.json").write_text(json.dumps(m))
+    runs = page.find_runs([demo])
+    body, md = [], []
+    page._headlines(runs, body, md)
+    assert [ln for ln in md if ln.startswith("| [")] == [
+        f"| [stats](#{runs[1].name}) | tiny-early | entropy 1.5 |", f"| [inspect](#{runs[0].name}) | tiny | 4 experts |"]
+
+
+def test_an_unknown_status_is_styled_as_other(tmp_path):
+    body, md = [], []
+    page._run_header(page.Run(tmp_path, "r", {"command": "stats", "status": "paused"}), body, md)
+    assert '<td class="status-other">paused</td>' in body[1]
+    body = []
+    page._run_header(page.Run(tmp_path, "r", {"command": "stats", "status": "failed"}), body, md)
+    assert '<td class="status-failed">failed</td>' in body[1]
+
+
+def test_counts_from_ten_thousand_get_separators():
+    assert [page.human(v) for v in (9_999, 10_000, -10_000, 123_456)] == ["9999", "10,000", "-10,000", "123,456"]
+
+
+def test_a_table_of_exactly_html_rows_is_shown_whole_and_crlf_is_not_cut_short(tmp_path):
+    r = tmp_path / "r"
+    _run(r, files=["t.csv"])
+    rows = page.HTML_ROWS
+    (r / "t.csv").write_bytes(("x\r\n" + "".join(f"{i}\r\n" for i in range(rows))).encode())
+    out = tmp_path / "rep"
+    html_page = page.write_report([r], out, warn=lambda m: None).read_text()
+    assert html_page.count("<td class=\"n\">") == rows and f"{rows} rows; " in html_page
+    assert "cut short" not in html_page
+
+
+def test_a_folder_given_after_one_of_its_sub_runs_still_gathers_the_others(tmp_path):
+    root = _run(tmp_path / "demo", "demo")
+    _run(root / "a", "a")
+    _run(root / "b", "b")
+    warned = []
+    runs = page.find_runs([root / "a", root], warn=warned.append)
+    assert [r.manifest["command"] for r in runs] == ["a", "demo", "b"] and warned == []
+    assert page.find_runs([root, root / "b"], warn=warned.append) and "already gathered" in warned[-1]
+
+
+def test_the_index_lists_runs_with_content_and_says_an_unfinished_status(tmp_path):
+    root = _run(tmp_path / "demo", "demo")  # complete, holding only sub-runs: not an entry of its own
+    for name, status in (("a", "complete"), ("b", "interrupted"), ("c", "failed")):
+        _run(root / name, name, files=["notes.txt"])
+        (root / name / "notes.txt").write_text("x")
+        m = json.loads((root / name / "manifest.json").read_text())
+        (root / name / "manifest.json").write_text(json.dumps({**m, "status": status}))
+    html_page = page.write_report([root], tmp_path / "rep", warn=lambda m: None).read_text()
+    md = (tmp_path / "rep" / "report.md").read_text()
+    index = md[md.index("## runs"):].split("\n\n")[1]
+    assert index.splitlines() == ["- a · tiny (a)", "- b · tiny (b)", "- c · tiny (c)"]
+    nav = html_page[html_page.index('<nav class="runs">'):html_page.index("</nav>")]
+    assert nav.count("<li>") == 3 and ", interrupted</span>" in nav and ", failed</span>" in nav
+    assert "a, complete" not in nav and 'class="note">a</span>' in nav
+
+
+def test_an_out_that_contains_a_gathered_folder_is_refused(tmp_path):
+    import pytest
+
+    from moetool.errors import MoetoolError
+
+    r = _run(tmp_path / "runs" / "r")
+    for out, how in ((tmp_path / "runs", "contains"), (tmp_path, "contains"), (r, "is")):
+        with pytest.raises(MoetoolError, match=f"--out {out} {how} the folder"):
+            page.refuse_out_over_runs(out, [r])
+    page.refuse_out_over_runs(tmp_path / "elsewhere", [r])
+
+
+def test_a_table_with_fewer_rows_than_its_run_wrote_is_not_shown(tmp_path):
+    r = _run(tmp_path / "r", files=["t.csv"])
+    (r / "t.csv").write_text("x\n1\n2\n")
+    m = json.loads((r / "manifest.json").read_text())
+    (r / "manifest.json").write_text(json.dumps({**m, "tables": {"t.csv": {"rows": 3, "bytes": 8}}}))
+    html_page = page.write_report([r], tmp_path / "rep", warn=lambda m: None).read_text()
+    assert "t.csv: not shown (it has 2 rows, the run wrote 3" in html_page and '<td class="n">' not in html_page
