@@ -167,10 +167,11 @@ def families(model_types: list[str] | None = None, *, cache: bool = True,
 
 def families_cache_key() -> dict[str, Any]:
     """What the families table (and a model's description) depends on, read without importing torch or
-    transformers: :func:`moetool.files.installation_key` over moetool's adapter and inspection code (an edited
-    adapter in a source checkout changes it too)."""
+    transformers: :func:`moetool.files.installation_key` over moetool's adapter and inspection code and
+    ``loading.py``, which reads the config and builds the model they describe (an edited adapter or loader in a source
+    checkout, or a reinstall of another commit under the same version, changes it too)."""
     here = Path(__file__).resolve().parent
-    return installation_key([here / "inspect.py", *(here / "adapters").glob("*.py")])
+    return installation_key([here / "inspect.py", here / "loading.py", *(here / "adapters").glob("*.py")])
 
 
 def families_markdown(rows: list[dict[str, Any]]) -> str:

@@ -42,10 +42,29 @@ def test_installation_key_holds_every_version_and_the_codes_content(tmp_path, mo
     assert files.installation_key([a, b])["python"] == "2.7.18"
 
 
-def test_families_key_covers_inspect_and_every_adapter_file():
+def test_families_key_covers_inspect_the_loader_and_every_adapter_file():
+    """``loading.py`` builds the model a description counts (its config read, its class chosen): it was not in the
+    key, so an edit of it (or a reinstall of another commit, same version) kept the old cached answers."""
     here = Path(mi.__file__).resolve().parent
-    code = [here / "inspect.py", *(here / "adapters").glob("*.py")]
+    code = [here / "inspect.py", here / "loading.py", *(here / "adapters").glob("*.py")]
     assert len(code) > 10 and mi.families_cache_key()["code"] == _code_hash(code)
+
+
+def test_the_parameter_counts_key_covers_the_loader(monkeypatch):
+    """plan's parameter counts (``parameter_groups``, cached per config) build the model with ``loading.py`` too."""
+    from moetool.experiments.plan import compute as P
+    from moetool.loading import load_config
+
+    seen = []
+    monkeypatch.setattr(files, "cached", lambda kind, key, compute: seen.append((kind, key)) or {})
+    real = files.installation_key
+    codes = []
+    monkeypatch.setattr(files, "installation_key", lambda code: codes.append(list(code)) or real(code))
+    P.parameter_groups(load_config("tiny")[0])
+    pkg = Path(files.__file__).resolve().parent
+    assert seen and seen[0][0] == "plan-params"
+    assert {"experiments/plan/compute.py", "loading.py", "adapters/base.py"} <= \
+        {p.resolve().relative_to(pkg).as_posix() for p in codes[0]}
 
 
 def test_read_cached_answers_only_the_exact_key_and_kind(tmp_path):

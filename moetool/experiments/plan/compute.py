@@ -156,8 +156,8 @@ def parameter_groups(config: Any) -> dict[str, Any]:
 
     from ...files import cached, installation_key
 
-    here = Path(__file__).resolve().parents[2]  # this counting code and the adapters it finds layers with
-    key = {**installation_key([Path(__file__).resolve(), *(here / "adapters").glob("*.py")]),
+    here = Path(__file__).resolve().parents[2]  # this counting code, the loader that builds the model, the adapters
+    key = {**installation_key([Path(__file__).resolve(), here / "loading.py", *(here / "adapters").glob("*.py")]),
            "config": hashlib.sha256(config.to_json_string().encode()).hexdigest(), "class": type(config).__name__}
     return cached("plan-params", key, lambda: _parameter_groups(config))
 
