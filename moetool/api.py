@@ -121,10 +121,8 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
                            f"not with {policy!r}")
     if not (hasattr(lm, "model") and hasattr(lm, "layers")):
         raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
-    if layers is not None and policy is None:
-        # layers= says where a policy routes; alone it would be ignored and every MoE layer's events handed over
-        raise MoetoolError("moetool.hook: layers= picks the layers a policy= routes in, and no policy was given; "
-                           "every MoE layer is hooked: keep the events of some by ev.layer.index")
+    _refuse_layers_without_policy("moetool.hook", layers, policy, "every MoE layer is hooked: keep the events of "
+                                                                  "some by ev.layer.index")
     if layers is not None:
         layers = [L.index for L in select_layers(lm.layers, layers)]
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=_consumer_list(consumers),
@@ -177,6 +175,15 @@ def run_demo(out: str | Path | None = None, steps: Iterable[str] | None = None, 
     from .demo import demo as run
 
     return run(out, list(steps) if steps else None, force=force, quiet=quiet)[0]
+
+
+def _refuse_layers_without_policy(call: str, layers: Any, policy: Any, instead: str) -> None:
+    """``layers=`` says where a policy routes: without a policy it would be ignored (every MoE layer hooked, every
+    event handed over), so it is one line saying what to do ``instead``."""
+    from .errors import MoetoolError
+
+    if layers is not None and policy is None:
+        raise MoetoolError(f"{call}: layers= picks the layers a policy= routes in, and no policy was given; {instead}")
 
 
 def _paths(given: Any, what: str, forms: str = "one, or a list") -> list[Any]:
@@ -311,10 +318,8 @@ def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     if not (hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"moetool.forward takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{type(tokens).__name__} {tokens!r}"[:300])
-    if kwargs.get("layers") is not None and kwargs.get("policy") is None:
-        # layers= says where a policy routes; alone it would be ignored and every MoE layer hooked
-        raise MoetoolError("moetool.forward: layers= picks the layers a policy= routes in, and no policy was given; "
-                           "to hook only some MoE layers pass moe_layers=[lm.layers[i] ...]")
+    _refuse_layers_without_policy("moetool.forward", kwargs.get("layers"), kwargs.get("policy"),
+                                  "to hook only some MoE layers pass moe_layers=[lm.layers[i] ...]")
     return run(lm, tokens, **kwargs)
 
 
