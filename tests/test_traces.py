@@ -9,6 +9,7 @@ Bad dumps: one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -1430,3 +1431,38 @@ def test_write_trace_counts_moe_rows_and_expert_columns_sort_by_rank(tmp_path):
         df.to_parquet(tmp_path / name) if name.endswith("parquet") else df.to_csv(tmp_path / name, index=False)
         src = store.TraceSource(tmp_path / name, "trace", five)
         assert store.expert_columns(src) == [f"expert_{k}" for k in range(1, 11)]
+
+
+def _loads_file(folder: Path, rows: list[tuple]) -> Path:
+    folder.mkdir()
+    pd.DataFrame(rows, columns=["layer", "expert", "count"]).to_parquet(folder / "loads.parquet", index=False)
+    return folder
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("negative", "layer 0 has expert id -1, outside the 8 experts of the model"),
+    ("beyond", "layer 0 has expert id 8, outside the 8 experts of the model"),
+    ("twice", "layer 0, expert 3 has 2 rows: a loads file counts each expert once"),
+    ("half", "count must be whole numbers in every row"),
+    ("float_id", "expert must be whole numbers in every row"),
+])
+def test_a_hand_written_loads_file_with_bad_rows_is_refused(tmp_path, edit, message):
+    """A bare ``loads.parquet`` (``--trace-config``, no manifest to check it against) edited the same way in every
+    layer: an expert id -1 was read as expert 7 (numpy's negative index: the loads of a file without expert 7 as if
+    it had it), a second row for expert 3 replaced the first (loads 30 for 10 + 30), a count 10.5 was cut to 10, an
+    id 8 or 2.5 was an IndexError traceback. Now each is one line; the untouched file gives its own fractions."""
+    counts = np.arange(1, 9) * 2  # 2, 4, ..., 16 per expert: 72 assignments, 36 tokens at top-2
+    ok = [(li, e, int(counts[e])) for li in range(4) for e in range(8)]
+    res = stats_from_trace(open_trace(_loads_file(tmp_path / "ok", ok), "tiny"),
+                           StatsOptions(top_tokens=0, bootstrap=0))
+    load0 = res["load"].query("layer == 0").sort_values("expert")
+    np.testing.assert_allclose(load0["load_fraction"].to_numpy(), counts / counts.sum())
+    assert res["layers"]["tokens"].tolist() == [36] * 4
+    rows = {"negative": [(li, -1 if e == 7 else e, c) for li, e, c in ok],
+            "beyond": [(li, 8 if e == 7 else e, c) for li, e, c in ok],
+            "twice": ok + [(li, 3, 10) for li in range(4)],
+            "half": [(li, e, c + 0.5 if e == 0 else c) for li, e, c in ok],
+            "float_id": [(li, e + 0.5 if e == 7 else e, c) for li, e, c in ok]}[edit]
+    src = open_trace(_loads_file(tmp_path / edit, rows), "tiny")
+    with pytest.raises(MoetoolError, match=re.escape(message)):
+        stats_from_trace(src, StatsOptions(top_tokens=0, bootstrap=0))

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import MoetoolError, first_line, spans
 from ..files import table_problem
-from .readers import Chunk, Counts
+from .readers import Chunk, Counts, check_ids
 from .shape import ModelShape
 
 TRACE = "trace.parquet"
@@ -288,12 +288,26 @@ def read_loads(src: TraceSource) -> dict[int, np.ndarray]:
         df = f.read().to_pandas()
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged page
         raise _unreadable(src.path, "Parquet", e) from None
+    import pandas as pd
+
+    what = f"--trace {src.path}"
+    missing = [c for c in ("layer", "expert", "count") if c not in df.columns]
+    if missing:
+        raise MoetoolError(f"{what}: no {', '.join(missing)} column: not a loads file (layer, expert, count)")
+    bad = [c for c in ("layer", "expert", "count") if len(df) and not pd.api.types.is_integer_dtype(df[c])]
+    if bad:  # 10.5 would be truncated to 10, an expert 2.5 or NaN has no row to count in
+        raise MoetoolError(f"{what}: {', '.join(bad)} must be whole numbers in every row (damaged or edited?)")
     out = {}
     for li, g in df.groupby("layer", sort=True):
         li = int(li)
         if li not in src.shape.moe:
-            raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            raise MoetoolError(f"{what}: layer {li} is not an MoE layer of the model")
+        e = check_ids(g["expert"].to_numpy(dtype=np.int64), src.shape.n_experts(li), what, li, of="the model")
+        u, k = np.unique(e, return_counts=True)
+        if (k > 1).any():  # moetool writes one row per (layer, expert): which count is the run's is unknown
+            raise MoetoolError(f"{what}: layer {li}, expert {int(u[k > 1][0])} has {int(k.max())} rows: a loads "
+                               f"file counts each expert once (damaged or edited?)")
         c = np.zeros(src.shape.n_experts(li), dtype=np.int64)
-        c[g["expert"].to_numpy()] = g["count"].to_numpy()
+        c[e] = g["count"].to_numpy(dtype=np.int64)
         out[li] = c
     return out
