@@ -1466,3 +1466,36 @@ def test_a_hand_written_loads_file_with_bad_rows_is_refused(tmp_path, edit, mess
     src = open_trace(_loads_file(tmp_path / edit, rows), "tiny")
     with pytest.raises(MoetoolError, match=re.escape(message)):
         stats_from_trace(src, StatsOptions(top_tokens=0, bootstrap=0))
+
+
+def _hand_trace(T: int = 12) -> pd.DataFrame:
+    """A moetool-trace-shaped table for ``tiny`` (4 MoE layers, top-2 of 8): token t routes to experts t % 8 and
+    (t + 1) % 8 in every layer, weights 0.75 / 0.25."""
+    t = np.arange(T)
+    return pd.concat([pd.DataFrame({"row": t // 4, "pos": t % 4, "token_id": t, "token": "x", "domain": "",
+                                    "layer": li, "expert_1": t % 8, "expert_2": (t + 1) % 8, "weight_1": 0.75,
+                                    "weight_2": 0.25}) for li in range(4)], ignore_index=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("half_layer", "the layer column holds values that are not whole numbers"),
+    ("no_weights", "no weight_1, weight_2 columns"),
+])
+def test_a_hand_written_trace_with_a_bad_layer_or_without_weights_is_one_line(tmp_path, edit, message):
+    """A bare trace file (``--trace-config``) whose layers read 0.5, 1.5, ... was counted as layers 0, 1, ... (int()
+    truncation: the tables of a file that names no real layer), and one without weight columns was a KeyError
+    traceback. Now one line each; the untouched file's loads are its own counts."""
+    tr = _hand_trace()
+    (tmp_path / "ok").mkdir()
+    tr.to_parquet(tmp_path / "ok" / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path / "ok", "tiny"), StatsOptions(top_tokens=0, bootstrap=0))
+    expect = np.bincount(np.r_[np.arange(12) % 8, (np.arange(12) + 1) % 8], minlength=8) / 24
+    np.testing.assert_allclose(res["load"].query("layer == 1").sort_values("expert")["load_fraction"], expect)
+    bad = tr.assign(layer=tr["layer"] + 0.5) if edit == "half_layer" else tr.drop(columns=["weight_1", "weight_2"])
+    (tmp_path / edit).mkdir()
+    bad.to_parquet(tmp_path / edit / "trace.parquet", index=False)
+    src = open_trace(tmp_path / edit, "tiny")
+    for run in (lambda: stats_from_trace(src, StatsOptions(top_tokens=0, bootstrap=0)),
+                lambda: placement_from_trace(src, PlacementOptions(gpus=(2,), bootstrap=0))):
+        with pytest.raises(MoetoolError, match=re.escape(message)):
+            run()

@@ -215,7 +215,24 @@ def _span(layers: list[int]) -> str:
 
 
 def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator[Any]:
-    """The trace's rows as pandas DataFrames of at most :data:`ROWS_PER_READ` rows, in file order."""
+    """The trace's rows as pandas DataFrames of at most :data:`ROWS_PER_READ` rows, in file order; a column asked
+    for that the file lacks, or a ``layer`` that is no whole number, is one line (never a KeyError, never layer 0.5
+    read as 0)."""
+    if columns is not None:
+        missing = [c for c in columns if c not in column_names(src)]
+        if missing:
+            raise MoetoolError(f"--trace {src.path}: no {', '.join(missing)} column{'s' if len(missing) > 1 else ''}"
+                               f" (a trace of moetool trace or import-trace has them; damaged or edited?)")
+    import pandas as pd
+
+    for df in _batches(src, columns):
+        if "layer" in df.columns and len(df) and not pd.api.types.is_integer_dtype(df["layer"]):
+            raise MoetoolError(f"--trace {src.path}: the layer column holds values that are not whole numbers "
+                               f"(damaged or edited?)")
+        yield df
+
+
+def _batches(src: TraceSource, columns: list[str] | None) -> Iterator[Any]:
     if src.path.name.endswith(".parquet"):
         f = _open_parquet(src.path)
         batches = f.iter_batches(batch_size=ROWS_PER_READ, columns=columns)
@@ -266,15 +283,19 @@ def _reading_csv(p: Path) -> Iterator[None]:
         raise _unreadable(p, "CSV (gzip)", e) from None
 
 
+def column_names(src: TraceSource) -> list[str]:
+    """The trace file's column names (its Parquet schema or its CSV header)."""
+    if src.path.name.endswith(".parquet"):
+        return list(_open_parquet(src.path).schema_arrow.names)
+    import pandas as pd
+
+    with _reading_csv(src.path):
+        return list(pd.read_csv(src.path, nrows=0).columns)
+
+
 def expert_columns(src: TraceSource) -> list[str]:
     """``expert_1 .. expert_K`` of the trace (K from its schema)."""
-    if src.path.name.endswith(".parquet"):
-        names = _open_parquet(src.path).schema_arrow.names
-    else:
-        import pandas as pd
-
-        with _reading_csv(src.path):
-            names = list(pd.read_csv(src.path, nrows=0).columns)
+    names = column_names(src)
     cols = [c for c in names if c.startswith("expert_")]
     if "layer" not in names or not cols:
         raise MoetoolError(f"--trace {src.path}: no layer / expert_k columns: not a moetool trace")
