@@ -1499,3 +1499,26 @@ def test_a_hand_written_trace_with_a_bad_layer_or_without_weights_is_one_line(tm
                 lambda: placement_from_trace(src, PlacementOptions(gpus=(2,), bootstrap=0))):
         with pytest.raises(MoetoolError, match=re.escape(message)):
             run()
+
+
+def test_fluctuation_of_a_trace_with_itself_or_of_another_top_k_is_one_line(tmp_path):
+    """``fluctuation --trace A --trace A/trace.parquet`` compared a routing with itself and wrote a table of zeros
+    (topk_change 0 in every layer, as if the checkpoints agreed); traces of another top-K (a ``--routing topk:1``
+    trace beside the model's top-2) stopped on 'the checkpoints saw different tokens (12 vs 12) or K'. Now one
+    line naming each; two different traces give the hand-counted change (3 of 12 tokens' top-2 changed)."""
+    import moetool
+
+    a = _hand_trace()
+    b = a.copy()
+    moved = b["pos"].eq(0) & b["row"].lt(3)  # token 0, 4, 8 (position 0 of rows 0-2): expert_2 moved to another
+    b.loc[moved, "expert_2"] = (b.loc[moved, "expert_1"] + 2) % 8
+    for name, df in (("a", a), ("b", b), ("k1", a.drop(columns=["expert_2", "weight_2"]))):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    res = moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "b"], config="tiny", bootstrap=0)
+    df = res["fluctuation"]
+    assert df["topk_change"].tolist() == [3 / 12] * 4 and df["top1_change"].tolist() == [0.0] * 4
+    with pytest.raises(MoetoolError, match="the same trace file as --trace .*: a routing compared with itself changes nothing"):
+        moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "a" / "trace.parquet"], config="tiny")
+    with pytest.raises(MoetoolError, match=r"1 expert column\(s\) per token .* 2: compare traces of the same top-K"):
+        moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "k1"], config="tiny")
