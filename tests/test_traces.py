@@ -9,6 +9,7 @@ Bad dumps: one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -1430,3 +1431,94 @@ def test_write_trace_counts_moe_rows_and_expert_columns_sort_by_rank(tmp_path):
         df.to_parquet(tmp_path / name) if name.endswith("parquet") else df.to_csv(tmp_path / name, index=False)
         src = store.TraceSource(tmp_path / name, "trace", five)
         assert store.expert_columns(src) == [f"expert_{k}" for k in range(1, 11)]
+
+
+def _loads_file(folder: Path, rows: list[tuple]) -> Path:
+    folder.mkdir()
+    pd.DataFrame(rows, columns=["layer", "expert", "count"]).to_parquet(folder / "loads.parquet", index=False)
+    return folder
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("negative", "layer 0 has expert id -1, outside the 8 experts of the model"),
+    ("beyond", "layer 0 has expert id 8, outside the 8 experts of the model"),
+    ("twice", "layer 0, expert 3 has 2 rows: a loads file counts each expert once"),
+    ("half", "count must be whole numbers in every row"),
+    ("float_id", "expert must be whole numbers in every row"),
+])
+def test_a_hand_written_loads_file_with_bad_rows_is_refused(tmp_path, edit, message):
+    """A bare ``loads.parquet`` (``--trace-config``, no manifest to check it against) edited the same way in every
+    layer: an expert id -1 was read as expert 7 (numpy's negative index: the loads of a file without expert 7 as if
+    it had it), a second row for expert 3 replaced the first (loads 30 for 10 + 30), a count 10.5 was cut to 10, an
+    id 8 or 2.5 was an IndexError traceback. Now each is one line; the untouched file gives its own fractions."""
+    counts = np.arange(1, 9) * 2  # 2, 4, ..., 16 per expert: 72 assignments, 36 tokens at top-2
+    ok = [(li, e, int(counts[e])) for li in range(4) for e in range(8)]
+    res = stats_from_trace(open_trace(_loads_file(tmp_path / "ok", ok), "tiny"),
+                           StatsOptions(top_tokens=0, bootstrap=0))
+    load0 = res["load"].query("layer == 0").sort_values("expert")
+    np.testing.assert_allclose(load0["load_fraction"].to_numpy(), counts / counts.sum())
+    assert res["layers"]["tokens"].tolist() == [36] * 4
+    rows = {"negative": [(li, -1 if e == 7 else e, c) for li, e, c in ok],
+            "beyond": [(li, 8 if e == 7 else e, c) for li, e, c in ok],
+            "twice": ok + [(li, 3, 10) for li in range(4)],
+            "half": [(li, e, c + 0.5 if e == 0 else c) for li, e, c in ok],
+            "float_id": [(li, e + 0.5 if e == 7 else e, c) for li, e, c in ok]}[edit]
+    src = open_trace(_loads_file(tmp_path / edit, rows), "tiny")
+    with pytest.raises(MoetoolError, match=re.escape(message)):
+        stats_from_trace(src, StatsOptions(top_tokens=0, bootstrap=0))
+
+
+def _hand_trace(T: int = 12) -> pd.DataFrame:
+    """A moetool-trace-shaped table for ``tiny`` (4 MoE layers, top-2 of 8): token t routes to experts t % 8 and
+    (t + 1) % 8 in every layer, weights 0.75 / 0.25."""
+    t = np.arange(T)
+    return pd.concat([pd.DataFrame({"row": t // 4, "pos": t % 4, "token_id": t, "token": "x", "domain": "",
+                                    "layer": li, "expert_1": t % 8, "expert_2": (t + 1) % 8, "weight_1": 0.75,
+                                    "weight_2": 0.25}) for li in range(4)], ignore_index=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("half_layer", "the layer column holds values that are not whole numbers"),
+    ("no_weights", "no weight_1, weight_2 columns"),
+])
+def test_a_hand_written_trace_with_a_bad_layer_or_without_weights_is_one_line(tmp_path, edit, message):
+    """A bare trace file (``--trace-config``) whose layers read 0.5, 1.5, ... was counted as layers 0, 1, ... (int()
+    truncation: the tables of a file that names no real layer), and one without weight columns was a KeyError
+    traceback. Now one line each; the untouched file's loads are its own counts."""
+    tr = _hand_trace()
+    (tmp_path / "ok").mkdir()
+    tr.to_parquet(tmp_path / "ok" / "trace.parquet", index=False)
+    res = stats_from_trace(open_trace(tmp_path / "ok", "tiny"), StatsOptions(top_tokens=0, bootstrap=0))
+    expect = np.bincount(np.r_[np.arange(12) % 8, (np.arange(12) + 1) % 8], minlength=8) / 24
+    np.testing.assert_allclose(res["load"].query("layer == 1").sort_values("expert")["load_fraction"], expect)
+    bad = tr.assign(layer=tr["layer"] + 0.5) if edit == "half_layer" else tr.drop(columns=["weight_1", "weight_2"])
+    (tmp_path / edit).mkdir()
+    bad.to_parquet(tmp_path / edit / "trace.parquet", index=False)
+    src = open_trace(tmp_path / edit, "tiny")
+    for run in (lambda: stats_from_trace(src, StatsOptions(top_tokens=0, bootstrap=0)),
+                lambda: placement_from_trace(src, PlacementOptions(gpus=(2,), bootstrap=0))):
+        with pytest.raises(MoetoolError, match=re.escape(message)):
+            run()
+
+
+def test_fluctuation_of_a_trace_with_itself_or_of_another_top_k_is_one_line(tmp_path):
+    """``fluctuation --trace A --trace A/trace.parquet`` compared a routing with itself and wrote a table of zeros
+    (topk_change 0 in every layer, as if the checkpoints agreed); traces of another top-K (a ``--routing topk:1``
+    trace beside the model's top-2) stopped on 'the checkpoints saw different tokens (12 vs 12) or K'. Now one
+    line naming each; two different traces give the hand-counted change (3 of 12 tokens' top-2 changed)."""
+    import moetool
+
+    a = _hand_trace()
+    b = a.copy()
+    moved = b["pos"].eq(0) & b["row"].lt(3)  # token 0, 4, 8 (position 0 of rows 0-2): expert_2 moved to another
+    b.loc[moved, "expert_2"] = (b.loc[moved, "expert_1"] + 2) % 8
+    for name, df in (("a", a), ("b", b), ("k1", a.drop(columns=["expert_2", "weight_2"]))):
+        (tmp_path / name).mkdir()
+        df.to_parquet(tmp_path / name / "trace.parquet", index=False)
+    res = moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "b"], config="tiny", bootstrap=0)
+    df = res["fluctuation"]
+    assert df["topk_change"].tolist() == [3 / 12] * 4 and df["top1_change"].tolist() == [0.0] * 4
+    with pytest.raises(MoetoolError, match="the same trace file as --trace .*: a routing compared with itself changes nothing"):
+        moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "a" / "trace.parquet"], config="tiny")
+    with pytest.raises(MoetoolError, match=r"1 expert column\(s\) per token .* 2: compare traces of the same top-K"):
+        moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "k1"], config="tiny")

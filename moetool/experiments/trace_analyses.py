@@ -431,6 +431,15 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
             li = next(li for li in layers if other[li] != shape[li])
             raise MoetoolError(f"--trace {name}: another model's routing: layer {li} has {other[li][0]} experts, "
                                f"top-{other[li][1]}, {names[0]} {shape[li][0]} experts, top-{shape[li][1]}")
+        same = [n for n, other in zip(names, srcs) if other is not src and other.path.resolve() == src.path.resolve()]
+        if same:  # one file twice: its routing compared with itself, a table of zeros
+            raise MoetoolError(f"--trace {name}: the same trace file as --trace {same[0]} ({src.path}): a routing "
+                               f"compared with itself changes nothing; give the traces of different checkpoints or "
+                               f"steps")
+        k0, k = streams[0].requests(layers[0]).shape[1], st.requests(layers[0]).shape[1]
+        if k != k0:  # e.g. a trace of --routing topk:1 beside the model's own top-2
+            raise MoetoolError(f"--trace {name}: {k} expert column(s) per token (expert_1..expert_{k}), {names[0]} "
+                               f"{k0}: compare traces of the same top-K")
         a, b = streams[0].token_ids, st.token_ids
         differ = np.flatnonzero((a >= 0) & (b >= 0) & (a != b))
         if len(differ):

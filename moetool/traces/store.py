@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import MoetoolError, first_line, spans
 from ..files import table_problem
-from .readers import Chunk, Counts
+from .readers import Chunk, Counts, check_ids
 from .shape import ModelShape
 
 TRACE = "trace.parquet"
@@ -215,7 +215,24 @@ def _span(layers: list[int]) -> str:
 
 
 def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator[Any]:
-    """The trace's rows as pandas DataFrames of at most :data:`ROWS_PER_READ` rows, in file order."""
+    """The trace's rows as pandas DataFrames of at most :data:`ROWS_PER_READ` rows, in file order; a column asked
+    for that the file lacks, or a ``layer`` that is no whole number, is one line (never a KeyError, never layer 0.5
+    read as 0)."""
+    if columns is not None:
+        missing = [c for c in columns if c not in column_names(src)]
+        if missing:
+            raise MoetoolError(f"--trace {src.path}: no {', '.join(missing)} column{'s' if len(missing) > 1 else ''}"
+                               f" (a trace of moetool trace or import-trace has them; damaged or edited?)")
+    import pandas as pd
+
+    for df in _batches(src, columns):
+        if "layer" in df.columns and len(df) and not pd.api.types.is_integer_dtype(df["layer"]):
+            raise MoetoolError(f"--trace {src.path}: the layer column holds values that are not whole numbers "
+                               f"(damaged or edited?)")
+        yield df
+
+
+def _batches(src: TraceSource, columns: list[str] | None) -> Iterator[Any]:
     if src.path.name.endswith(".parquet"):
         f = _open_parquet(src.path)
         batches = f.iter_batches(batch_size=ROWS_PER_READ, columns=columns)
@@ -266,15 +283,19 @@ def _reading_csv(p: Path) -> Iterator[None]:
         raise _unreadable(p, "CSV (gzip)", e) from None
 
 
+def column_names(src: TraceSource) -> list[str]:
+    """The trace file's column names (its Parquet schema or its CSV header)."""
+    if src.path.name.endswith(".parquet"):
+        return list(_open_parquet(src.path).schema_arrow.names)
+    import pandas as pd
+
+    with _reading_csv(src.path):
+        return list(pd.read_csv(src.path, nrows=0).columns)
+
+
 def expert_columns(src: TraceSource) -> list[str]:
     """``expert_1 .. expert_K`` of the trace (K from its schema)."""
-    if src.path.name.endswith(".parquet"):
-        names = _open_parquet(src.path).schema_arrow.names
-    else:
-        import pandas as pd
-
-        with _reading_csv(src.path):
-            names = list(pd.read_csv(src.path, nrows=0).columns)
+    names = column_names(src)
     cols = [c for c in names if c.startswith("expert_")]
     if "layer" not in names or not cols:
         raise MoetoolError(f"--trace {src.path}: no layer / expert_k columns: not a moetool trace")
@@ -288,12 +309,26 @@ def read_loads(src: TraceSource) -> dict[int, np.ndarray]:
         df = f.read().to_pandas()
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged page
         raise _unreadable(src.path, "Parquet", e) from None
+    import pandas as pd
+
+    what = f"--trace {src.path}"
+    missing = [c for c in ("layer", "expert", "count") if c not in df.columns]
+    if missing:
+        raise MoetoolError(f"{what}: no {', '.join(missing)} column: not a loads file (layer, expert, count)")
+    bad = [c for c in ("layer", "expert", "count") if len(df) and not pd.api.types.is_integer_dtype(df[c])]
+    if bad:  # 10.5 would be truncated to 10, an expert 2.5 or NaN has no row to count in
+        raise MoetoolError(f"{what}: {', '.join(bad)} must be whole numbers in every row (damaged or edited?)")
     out = {}
     for li, g in df.groupby("layer", sort=True):
         li = int(li)
         if li not in src.shape.moe:
-            raise MoetoolError(f"--trace {src.path}: layer {li} is not an MoE layer of the model")
+            raise MoetoolError(f"{what}: layer {li} is not an MoE layer of the model")
+        e = check_ids(g["expert"].to_numpy(dtype=np.int64), src.shape.n_experts(li), what, li, of="the model")
+        u, k = np.unique(e, return_counts=True)
+        if (k > 1).any():  # moetool writes one row per (layer, expert): which count is the run's is unknown
+            raise MoetoolError(f"{what}: layer {li}, expert {int(u[k > 1][0])} has {int(k.max())} rows: a loads "
+                               f"file counts each expert once (damaged or edited?)")
         c = np.zeros(src.shape.n_experts(li), dtype=np.int64)
-        c[g["expert"].to_numpy()] = g["count"].to_numpy()
+        c[e] = g["count"].to_numpy(dtype=np.int64)
         out[li] = c
     return out
