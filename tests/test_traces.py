@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -291,7 +292,9 @@ def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_co
         r = runner.invoke(app, [cmd, "--trace", str(run), "-q", "--out", str(tmp_path / cmd)])
         assert r.exit_code == 2 and "has experts at weight 0" in r.output and use in r.output, (cmd, r.output)
         assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / cmd).exists()
-    r = runner.invoke(app, ["fluctuation", "--trace", str(run), "--trace", str(run), "-q", "--out",
+    copy = tmp_path / "topp-copy"  # the same file twice is refused: a copy of it is another checkpoint's trace
+    shutil.copytree(run, copy)
+    r = runner.invoke(app, ["fluctuation", "--trace", str(run), "--trace", str(copy), "-q", "--out",
                             str(tmp_path / "fl")])
     assert r.exit_code == 0, r.output
     assert (pd.read_csv(tmp_path / "fl" / "fluctuation.csv")["topk_change"] == 0).all()  # the same routing
