@@ -344,6 +344,30 @@ def test_lm_evals_own_bars_are_silenced_under_moetools_display(model_dir, no_net
     assert "it/s]" not in err and "%|" not in err and "lm_eval" not in err, err
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_lmeval_padding_is_made_on_the_batch_device(side):
+    """The padding mask the eval bridge hands the engine (``engine.padding``: its ``valid`` for a forward lm-eval
+    passes no mask) is made on the device of lm-eval's batch, so the engine's model pre-hook never copies it from the
+    host (on CUDA a pageable host-to-device copy, a synchronisation per lm-eval forward). By substitution: rows on the
+    meta device (a mask built on the CPU is on another device than the rows, as it would be beside CUDA rows); its
+    values against a hand-written mask of the same rows on the CPU."""
+    from types import SimpleNamespace
+
+    from lm_eval.models import huggingface
+
+    lens, width = [3, 5, 2, 6], 6
+    want = torch.tensor([[(s < n) if side == "right" else (s >= width - n) for s in range(width)] for n in lens])
+    for device in ("meta", "cpu"):
+        engine = SimpleNamespace(padding=None, policy=None)
+        rows = [torch.arange(1, n + 1, device=device).unsqueeze(0) for n in lens]  # ids 1..n: padding is id 0
+        with lmeval.lmeval_padding(engine):
+            out = huggingface.pad_and_concat(width, rows, padding_side=side)
+        assert out.device.type == device and engine.padding.device == out.device
+        assert engine.padding.shape == (len(lens), width) and engine.padding.dtype == torch.bool
+        if device == "cpu":
+            assert torch.equal(engine.padding, want) and torch.equal(out != 0, want)
+
+
 def test_capacity_in_eval_counts_real_tokens_only(model_dir, no_network, monkeypatch):
     """lm-eval's loglikelihood forwards carry no attention mask; their right padding (id 0 after each row's last
     token) must not count as tokens: per forward, the engine's valid tokens are the test's own read of the rows

@@ -308,10 +308,15 @@ def lmeval_padding(engine: Any) -> Any:
         yield
         return
 
+    from ... import ops
+
     def padded(max_length: int, tensors: list[Any], padding_side: str = "right") -> Any:
         lengths = torch.tensor([int(t.shape[-1]) for t in tensors]).unsqueeze(-1)  # before pad replaces them
         out = pad(max_length, tensors, padding_side)
-        pos = torch.arange(out.shape[-1]).unsqueeze(0)
+        # the mask on the batch's device (lm-eval's): the engine's model pre-hook then copies nothing from the host
+        # (on CUDA a pageable copy there waited for the device once per forward); the lengths copied without a wait
+        lengths = ops.to_device(lengths, out.device)
+        pos = torch.arange(out.shape[-1], device=out.device).unsqueeze(0)
         engine.padding = pos < lengths if padding_side == "right" else pos >= out.shape[-1] - lengths
         return out
 
