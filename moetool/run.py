@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import Backoff, Parallel, RunState, current, state
-from .errors import MoetoolError
+from .errors import MoetoolError, shown
 
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
 
@@ -442,7 +442,7 @@ def _run_config(spec: Any, model: Any, tokens: Any, options: Any, *, out: Any, f
                            f"{', '.join(flags)})")
     if not isinstance(model, (str, Path)):
         raise MoetoolError(f"moetool.run('{spec.name}', ...) takes a model's name (embedded, alias, directory, hub "
-                           f"id), not {model!r}"[:300])
+                           f"id), not {shown(model)}")
     values = {name: flag.default if given.get(name) is None else given[name] for name, flag in flags.items()}
     if isinstance(values["batch_size"], str):
         raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='{values['batch_size']}' does not apply "

@@ -142,6 +142,38 @@ def test_inputs_of_the_wrong_kind_are_one_line_not_a_raw_error(tmp_path):
     assert len(seen) == len(lm.layers) * tokens.n_batches(8)
 
 
+def test_a_model_tensor_or_table_passed_by_mistake_is_named_in_one_line(tmp_path):
+    """A newcomer's likeliest slips: the transformers model (``lm.model``) for the loaded one, the ids tensor for the
+    packed tokens, one loaded model for fluctuation's list, a DataFrame or a name for a Result. Each message
+    embedded the object's repr cut at 300 characters: 3 to 7 lines of a module or tensor dump
+    (``...not MixtralForCausalLM(\\n  (model): MixtralModel(...``); ``moetool.figures('stats')`` was an
+    AttributeError from the plots."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    hf, ids = lm.model, tokens.input_ids
+    table = moetool.aliases()
+    model_kind, ids_kind = f"a {type(hf).__name__}", f"a Tensor of shape ({ids.shape[0]}, {ids.shape[1]})"
+    cases = [(lambda: moetool.stats(hf, tokens, quiet=True), model_kind),
+             (lambda: moetool.stats(lm, ids, quiet=True), ids_kind),
+             (lambda: moetool.hook(lm.model), model_kind),
+             (lambda: moetool.forward(hf, tokens), model_kind),
+             (lambda: moetool.forward(lm, ids), ids_kind),
+             (lambda: moetool.forward(lm, tokens, consumers=hf), model_kind),
+             (lambda: moetool.fluctuation(lm, tokens, quiet=True), f"a {type(lm).__name__}"),
+             (lambda: moetool.run("stats", hf, tokens, out=tmp_path / "r"), model_kind),
+             (lambda: moetool.placement(lm, tokens, reference=ids, quiet=True), ids_kind),
+             (lambda: moetool.placement(lm, tokens, reference_model=hf, quiet=True), model_kind),
+             (lambda: moetool.tokens(lm, ids), ids_kind),
+             (lambda: moetool.write(table, tmp_path / "w"), f"a DataFrame of shape ({len(table)}, 2)"),
+             (lambda: moetool.figures(table), f"a DataFrame of shape ({len(table)}, 2)"),
+             (lambda: moetool.figures("stats"), "'stats'")]
+    for call, kind in cases:
+        with pytest.raises(MoetoolError) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).endswith(f", not {kind}"), str(e.value)[:400]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "w").exists()
+
+
 def test_forward_refuses_layers_without_a_policy_and_hooks_only_moe_layers():
     """``moetool.forward(lm, t, layers=[1], consumers=[c])`` ignored ``layers`` (it says where a policy routes) and
     hooked every MoE layer: a consumer counting events saw all of them. It is refused; ``moe_layers`` hooks some."""
