@@ -423,6 +423,19 @@ def test_moetool_run_is_the_callable_module_whichever_import_comes_first():
         assert out.stdout.split() == ["True", "True"], first
 
 
+def test_moetool_run_shows_the_signature_and_parameters_of_the_run():
+    """``inspect.signature(moetool.run)`` (what a notebook's ``moetool.run?`` and an editor show) was
+    ``(*args, **kwargs)``, and ``help(moetool.run)`` opened on the module's internals without the call's
+    parameters; now the signature is :func:`moetool.run.run`'s and the module's doc names how to call it."""
+    import inspect
+
+    sig = inspect.signature(moetool.run)
+    assert list(sig.parameters)[:4] == ["experiment", "lm", "tokens", "options"]
+    assert sig.parameters["batch_size"].default is None and sig.parameters["resume"].default is False
+    assert "help(moetool.run.run)" in inspect.getdoc(moetool.run)
+    assert moetool.run.__call__.__doc__ == moetool.run.run.__doc__
+
+
 def test_agreement_takes_a_models_name_as_its_docstring_says():
     """``moetool.agreement("tiny", tokens)``: the experiment loads the model once per precision from its name (its
     docstring and the command do this); the API wrapper refused the name as "takes a loaded model"."""
