@@ -680,3 +680,20 @@ def test_every_public_functions_docstring_names_its_parameters():
         if gone:
             missing[name] = gone
     assert not missing, missing
+
+
+def test_the_ppl_docstring_names_the_columns_of_its_table():
+    """``help(moetool.ppl)`` listed a ``tokens`` column (``res["ppl"]["tokens"]``: a KeyError; the column is
+    ``scored_tokens``) and none of router_perplexity, ratio or the intervals."""
+    import inspect
+    import re
+
+    lm = moetool.load("tiny")
+    res = moetool.ppl(lm, moetool.tokens(lm, None, seq_len=64, max_tokens=128), routing="topk:1", bootstrap=0,
+                      quiet=True)
+    listed = re.search(r"Table ``ppl`` \(one row[^)]*\): ([\w,\s]+?)\s*[;(]", inspect.getdoc(moetool.ppl))
+    named = [w.strip() for w in listed.group(1).split(",")]
+    columns = list(res["ppl"].columns)
+    assert [c for c in named if c not in columns] == []
+    assert [c for c in columns if c not in named and not c.endswith(("_lo", "_hi"))] == []
+    assert res["ppl"]["scored_tokens"].iloc[0] == 2 * 63  # two rows of 64 tokens: 63 next-token predictions each
