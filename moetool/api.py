@@ -100,9 +100,11 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     ``chosen_idx``, ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object; keywords:
     its options, as ``weights="uniform"``) replaces routing in ``layers``. ``attention=True`` hands each event the
     layer's attention probabilities (``attn``; the model runs eager attention inside the block, as it does for a
-    policy that reads them).
+    policy that reads them). The block leaves autograd as it is: the model's weights require gradients, so a
+    forward outside ``torch.no_grad()`` builds the autograd graph, which events kept (``events.append``) hold on to;
+    moetool's own forwards run without it.
 
-        with moetool.hook(lm, consumers=[events.append]):
+        with torch.no_grad(), moetool.hook(lm, consumers=[events.append]):
             lm.model(input_ids=ids)
     """
     from .engine.hooks import Engine, select_layers
