@@ -79,13 +79,18 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
     """Pack ``data`` (text file, JSONL with ``text`` and optional ``domain``, or a folder; ``None`` = the shipped
     held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``).
     ``add_special_tokens``: ``False`` (the default, every command but ``stats``) adds none, ``None`` the tokenizer's
-    own default (a BOS where it adds one: ``moetool stats``), ``True`` its special tokens."""
+    own default (a BOS where it adds one: ``moetool stats``), ``True`` its special tokens.
+
+    The defaults are ``moetool stats``' and ``moetool ppl``'s; the other commands read fewer tokens unless told
+    (the commands' ``--max-tokens`` defaults: stats and ppl 32768; approx 4096; mass-recall 16384; the others 8192),
+    so pass ``max_tokens`` to get a command's numbers, or call ``moetool.run(command, "model name")``, which packs
+    the text with the command's own defaults."""
     from .data import load_tokens
-    from .errors import MoetoolError
+    from .errors import MoetoolError, shown
     from .sizing import check_seq_len, check_sizes
 
     if not hasattr(lm, "tokenizer"):
-        raise MoetoolError(f"tokens(lm, ...) takes a loaded model (moetool.load(...)), not {lm!r}")
+        raise MoetoolError(f"tokens(lm, ...) takes a loaded model (moetool.load(...)), not {shown(lm)}")
     if lm.tokenizer is None:
         raise MoetoolError("this model was loaded without a tokenizer (load(..., tokenizer=True))")
     check_sizes(seq_len=seq_len, max_tokens=max_tokens)

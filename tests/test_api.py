@@ -164,6 +164,7 @@ def test_a_model_tensor_or_table_passed_by_mistake_is_named_in_one_line(tmp_path
              (lambda: moetool.placement(lm, tokens, reference=ids, quiet=True), ids_kind),
              (lambda: moetool.placement(lm, tokens, reference_model=hf, quiet=True), model_kind),
              (lambda: moetool.tokens(lm, ids), ids_kind),
+             (lambda: moetool.tokens(hf), model_kind),
              (lambda: moetool.write(table, tmp_path / "w"), f"a DataFrame of shape ({len(table)}, 2)"),
              (lambda: moetool.figures(table), f"a DataFrame of shape ({len(table)}, 2)"),
              (lambda: moetool.figures("stats"), "'stats'")]
@@ -697,3 +698,28 @@ def test_the_ppl_docstring_names_the_columns_of_its_table():
     assert [c for c in named if c not in columns] == []
     assert [c for c in columns if c not in named and not c.endswith(("_lo", "_hi"))] == []
     assert res["ppl"]["scored_tokens"].iloc[0] == 2 * 63  # two rows of 64 tokens: 63 next-token predictions each
+
+
+def test_the_tokens_docstring_gives_each_commands_max_tokens_default():
+    """``moetool.tokens``' default of 32,768 tokens is ``moetool stats``' and ``ppl``'s ``--max-tokens``;
+    ``moetool topk`` and most others read 8,192 (approx 4,096, mass-recall 16,384), which its docstring did not
+    say: ``moetool.topk(lm, moetool.tokens(lm))`` scored 4x the text of ``moetool topk``. The defaults it states are
+    the commands' flags."""
+    import inspect
+    import re
+
+    from typer.main import get_command
+
+    cli = get_command(app)
+    flags = {name: p.default for name, c in cli.commands.items() for p in c.params if p.name == "max_tokens"}
+    said = re.search(r"``--max-tokens`` defaults: ([^)]*)\)", " ".join(inspect.getdoc(moetool.tokens).split()))
+    assert said, "moetool.tokens' docstring does not give the commands' --max-tokens defaults"
+    stated = {}
+    for part in said.group(1).split("; "):
+        names, n = part.rsplit(" ", 1)
+        for name in names.split(" and "):
+            stated[name] = int(n)
+    others = stated.pop("the others")
+    assert {c: stated.get(c, others) for c in flags} == flags
+    default = inspect.signature(moetool.tokens).parameters["max_tokens"].default
+    assert default == flags["stats"] == flags["ppl"]
