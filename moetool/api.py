@@ -393,6 +393,9 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
 
             check_weights(model.model)  # weights on the meta device: one line before the experiment
             check_free(model.model)  # another thread's run or an open moetool.hook block: before any run folder
+    if spec.inputs == "weights" and hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask"):
+        raise MoetoolError(f"{call} reads the weights alone: it takes no tokens (the model, then its options, or "
+                           f"these as keywords)")
     if spec.inputs != "weights" and tokens is not None and not (hasattr(tokens, "input_ids")
                                                                 and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"{call} takes packed tokens (moetool.tokens(lm, data, ...)), not "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -723,3 +724,19 @@ def test_the_tokens_docstring_gives_each_commands_max_tokens_default():
     assert {c: stated.get(c, others) for c in flags} == flags
     default = inspect.signature(moetool.tokens).parameters["max_tokens"].default
     assert default == flags["stats"] == flags["ppl"]
+
+
+def test_tokens_given_to_an_experiment_of_the_weights_say_it_takes_none(tmp_path):
+    """``moetool.erc(lm, tokens)`` (the call every other experiment takes) said "options must be a ErcOptions, not
+    TokenSet"; it now says erc reads the weights alone, from the function and from ``moetool.run``, before any
+    folder is made. Without tokens the same call gives the numbers of the keywords' run."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    for call, name in ((lambda: moetool.erc(lm, tokens, quiet=True), "moetool.erc"),
+                       (lambda: moetool.run("erc", lm, tokens, out=tmp_path / "e", quiet=True), "moetool.run('erc', ...)")):
+        with pytest.raises(MoetoolError, match=rf"^{re.escape(name)} reads the weights alone: it takes no tokens"):
+            call()
+    assert not (tmp_path / "e").exists()
+    a = moetool.erc(lm, moetool.ErcOptions(samples=1, layers=(0,)), quiet=True)["erc"]
+    b = moetool.erc(lm, samples=1, layers=(0,), quiet=True)["erc"]
+    pd.testing.assert_frame_equal(a, b)
