@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -730,6 +729,8 @@ def test_tokens_given_to_an_experiment_of_the_weights_say_it_takes_none(tmp_path
     """``moetool.erc(lm, tokens)`` (the call every other experiment takes) said "options must be a ErcOptions, not
     TokenSet"; it now says erc reads the weights alone, from the function and from ``moetool.run``, before any
     folder is made. Without tokens the same call gives the numbers of the keywords' run."""
+    import re
+
     lm = moetool.load("tiny")
     tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
     for call, name in ((lambda: moetool.erc(lm, tokens, quiet=True), "moetool.erc"),
