@@ -741,3 +741,24 @@ def test_tokens_given_to_an_experiment_of_the_weights_say_it_takes_none(tmp_path
     a = moetool.erc(lm, moetool.ErcOptions(samples=1, layers=(0,)), quiet=True)["erc"]
     b = moetool.erc(lm, samples=1, layers=(0,), quiet=True)["erc"]
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_forward_says_what_it_returns_and_its_nll_is_the_hand_computed_one():
+    """``help(moetool.forward)`` said "batches, optional policy and consumers, NLL" with a ``**kwargs`` signature:
+    not that the NLL needs ``nll=True`` (the default's ``perplexity`` is NaN), its unit, or what comes back."""
+    import inspect
+    import math
+
+    from conftest import hand_ppl
+
+    doc = " ".join(inspect.getdoc(moetool.forward).split())
+    for said in ("Returns a ``ForwardResult``", "``nll=True``", "in nats per token", "``perplexity``",
+                 "NaN without ``nll=True``", "``batch_size`` rows (default 8)"):
+        assert said in doc, said
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=256)
+    assert math.isnan(moetool.forward(lm, tokens, quiet=True).perplexity)
+    res = moetool.forward(lm, tokens, nll=True, quiet=True)
+    ppl, count = hand_ppl(lm.model, tokens)
+    assert res.nll.tokens == count and math.isclose(res.perplexity, ppl, rel_tol=1e-4)
+    assert math.isclose(res.nll.mean, math.log(ppl), rel_tol=1e-4)
