@@ -762,3 +762,36 @@ def test_forward_says_what_it_returns_and_its_nll_is_the_hand_computed_one():
     ppl, count = hand_ppl(lm.model, tokens)
     assert res.nll.tokens == count and math.isclose(res.perplexity, ppl, rel_tol=1e-4)
     assert math.isclose(res.nll.mean, math.log(ppl), rel_tol=1e-4)
+
+
+def test_help_of_each_options_class_gives_every_fields_default_and_its_flags_help():
+    """``help(moetool.TopkOptions)`` said only "Options of topk, each with the flag of ``moetool topk`` that sets
+    it": what ``ks``, ``ps`` or ``kmax`` mean was in the command's ``--help`` alone. Each field is now listed with
+    its default, and a field of the command's own flag with that flag and its ``--help`` text, checked here
+    against the command line's options."""
+    import dataclasses
+    import inspect
+    import re
+
+    from typer.main import get_command
+
+    from moetool.experiments.registry import EXPERIMENTS
+
+    cli = get_command(app)
+    checked = 0
+    for spec in EXPERIMENTS.values():
+        if not spec.options or spec.name not in cli.commands:
+            continue
+        cls = getattr(moetool, spec.options)
+        doc = inspect.getdoc(cls)
+        params = {o: p for p in cli.commands[spec.name].params for o in p.opts}
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            line = re.search(rf"^\* ``{f.name}`` = ``(.*?)``(?: \(``(--[\w-]+)``\): (.*))?$", doc, re.M)
+            assert line, (spec.options, f.name)
+            assert line.group(1) == repr(default), (spec.options, f.name, line.group(1))
+            if line.group(2):
+                p = params[line.group(2)]  # a flag the command takes
+                assert p.name == f.name and " ".join(p.help.split()) == line.group(3), (spec.options, f.name)
+                checked += 1
+    assert checked >= 40
