@@ -79,13 +79,18 @@ def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_t
     """Pack ``data`` (text file, JSONL with ``text`` and optional ``domain``, or a folder; ``None`` = the shipped
     held-out text) into rows of ``seq_len`` tokens, at most ``max_tokens`` real tokens (a ``TokenSet``).
     ``add_special_tokens``: ``False`` (the default, every command but ``stats``) adds none, ``None`` the tokenizer's
-    own default (a BOS where it adds one: ``moetool stats``), ``True`` its special tokens."""
+    own default (a BOS where it adds one: ``moetool stats``), ``True`` its special tokens.
+
+    The defaults are ``moetool stats``' and ``moetool ppl``'s; the other commands read fewer tokens unless told
+    (the commands' ``--max-tokens`` defaults: stats and ppl 32768; approx 4096; mass-recall 16384; the others 8192),
+    so pass ``max_tokens`` to get a command's numbers, or call ``moetool.run(command, "model name")``, which packs
+    the text with the command's own defaults."""
     from .data import load_tokens
-    from .errors import MoetoolError
+    from .errors import MoetoolError, shown
     from .sizing import check_seq_len, check_sizes
 
     if not hasattr(lm, "tokenizer"):
-        raise MoetoolError(f"tokens(lm, ...) takes a loaded model (moetool.load(...)), not {lm!r}")
+        raise MoetoolError(f"tokens(lm, ...) takes a loaded model (moetool.load(...)), not {shown(lm)}")
     if lm.tokenizer is None:
         raise MoetoolError("this model was loaded without a tokenizer (load(..., tokenizer=True))")
     check_sizes(seq_len=seq_len, max_tokens=max_tokens)
@@ -100,14 +105,16 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     ``chosen_idx``, ...) to each consumer; ``policy`` (a spec like ``"norm:gate"`` or a policy object; keywords:
     its options, as ``weights="uniform"``) replaces routing in ``layers``. ``attention=True`` hands each event the
     layer's attention probabilities (``attn``; the model runs eager attention inside the block, as it does for a
-    policy that reads them).
+    policy that reads them). The block leaves autograd as it is: the model's weights require gradients, so a
+    forward outside ``torch.no_grad()`` builds the autograd graph, which events kept (``events.append``) hold on to;
+    moetool's own forwards run without it.
 
-        with moetool.hook(lm, consumers=[events.append]):
+        with torch.no_grad(), moetool.hook(lm, consumers=[events.append]):
             lm.model(input_ids=ids)
     """
     from .engine.hooks import Engine, select_layers
     from .engine.runner import _consumer_list
-    from .errors import MoetoolError
+    from .errors import MoetoolError, shown
 
     if isinstance(policy, str):
         from .policies import build_policy, option_names
@@ -120,7 +127,7 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
         raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
                            f"not with {policy!r}")
     if not (hasattr(lm, "model") and hasattr(lm, "layers")):
-        raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+        raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {shown(lm)}")
     _refuse_layers_without_policy("moetool.hook", layers, policy, "every MoE layer is hooked: keep the events of "
                                                                   "some by ev.layer.index")
     if layers is not None:
@@ -189,12 +196,12 @@ def _refuse_layers_without_policy(call: str, layers: Any, policy: Any, instead: 
 def _paths(given: Any, what: str, forms: str = "one, or a list") -> list[Any]:
     """One path or an iterable of them as a list (a lone name is one path, never its letters); an empty name or
     anything else is one line: ``Path("")`` is the current folder."""
-    from .errors import MoetoolError
+    from .errors import MoetoolError, shown
 
     iterable = hasattr(given, "__iter__") and not isinstance(given, (bytes, dict))
     paths = [given] if isinstance(given, (str, Path)) else list(given) if iterable else None
     if paths is None or not all(isinstance(p, (str, Path)) and str(p).strip() for p in paths):
-        raise MoetoolError(f"{what} are file or folder names ({forms}), not {given!r}"[:300])
+        raise MoetoolError(f"{what} are file or folder names ({forms}), not {shown(given)}")
     return paths
 
 
@@ -308,16 +315,21 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
 
 
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
-    """The one forward loop (:func:`moetool.engine.forward`): batches, optional policy and consumers, NLL.
+    """The one forward loop (:func:`moetool.engine.forward`, whose docstring lists every keyword): ``tokens`` in
+    batches of ``batch_size`` rows (default 8) under ``torch.no_grad``, ``policy`` (a spec such as ``"norm:gate"``)
+    routing in ``layers`` (default: every MoE layer), each routing event handed to ``consumers``; ``quiet=True``
+    hides the progress bar. Returns a ``ForwardResult``: ``seconds``, ``batches``, and with ``nll=True`` the
+    next-token NLL of the real tokens (``nll.mean`` in nats per token, ``nll.tokens`` scored, ``perplexity``;
+    NaN without ``nll=True``, the default).
     ``layers`` (where ``policy`` routes) without a policy is refused: the hooked layers are ``moe_layers``."""
     from .engine.runner import forward as run
-    from .errors import MoetoolError
+    from .errors import MoetoolError, shown
 
     if not (hasattr(lm, "model") and hasattr(lm, "layers")):
-        raise MoetoolError(f"moetool.forward takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+        raise MoetoolError(f"moetool.forward takes a loaded model (lm = moetool.load(...)), not {shown(lm)}")
     if not (hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"moetool.forward takes packed tokens (moetool.tokens(lm, data, ...)), not "
-                           f"{type(tokens).__name__} {tokens!r}"[:300])
+                           f"{shown(tokens, typed=True)}")
     _refuse_layers_without_policy("moetool.forward", kwargs.get("layers"), kwargs.get("policy"),
                                   "to hook only some MoE layers pass moe_layers=[lm.layers[i] ...]")
     return run(lm, tokens, **kwargs)
@@ -327,23 +339,32 @@ def write(result: Any, out: str | Path, *, force: bool = False, model: Any = Non
     """Write a :class:`Result` as the CLI does (CSVs, figures, manifest.json) into the folder ``out``. The manifest's
     model (unless ``model`` is given), ``started`` and ``wall_seconds`` are the result's: from the start of the
     computation to the end of the write."""
-    from .errors import MoetoolError
     from .report import RunDir
     from .report.writers import write as _write
 
-    if not (hasattr(result, "name") and hasattr(result, "tables")):
-        raise MoetoolError(f"moetool.write takes a Result (what moetool.stats(...) and the others return), not "
-                           f"{result!r}"[:300])
+    _require_result("moetool.write", result)
     with RunDir.create(result.name.replace("_", "-"), out, force) as run:  # an error marks the run failed
         _write(result, run, model=model)
     return run.path
 
 
 def figures(result: Any) -> dict[str, Any]:
-    """The experiment's figures as ``{name: matplotlib Figure}`` (the ones ``write`` saves)."""
+    """The experiment's figures as ``{name: matplotlib Figure}`` (the ones ``write`` saves; ``{}`` for a result
+    drawn as tables only)."""
     from .report.plots import figures as _figures
 
+    _require_result("moetool.figures", result)
     return _figures(result)
+
+
+def _require_result(call: str, result: Any) -> None:
+    """``result`` is a :class:`Result` (a name and tables): one line naming what was passed otherwise (a command's
+    name, a DataFrame), not an AttributeError from the writer or the plots."""
+    from .errors import MoetoolError, shown
+
+    if not (hasattr(result, "name") and hasattr(result, "tables")):
+        raise MoetoolError(f"{call} takes a Result (what moetool.stats(...) and the others return), not "
+                           f"{shown(result)}")
 
 
 def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> None:
@@ -352,16 +373,15 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
     an AttributeError from inside the experiment. ``None`` is left to the experiment, which checks its options
     first. An experiment that loads its model itself (``loads_model=False``: agreement, once per precision) takes
     its name too. ``call``: how the user called it (default ``moetool.<api>``)."""
-    from .errors import MoetoolError
+    from .errors import MoetoolError, shown
 
     if spec.inputs not in ("tokens", "weights", "checkpoints"):
         return
     call = call or f"moetool.{spec.api}"
     if spec.inputs == "checkpoints":  # a list of names or of loaded models (a lone name would be read by letter)
         if lm is not None and (isinstance(lm, (str, Path, bytes)) or not isinstance(lm, (list, tuple))):
-            shown = repr(str(lm)) if isinstance(lm, Path) else repr(lm)
             raise MoetoolError(f"{call} takes a list of two or more checkpoints (names or paths, or models from "
-                               f"moetool.load), not {shown}"[:300])
+                               f"moetool.load), not {shown(str(lm) if isinstance(lm, Path) else lm)}")
         kinds = [isinstance(c, (str, Path)) or (hasattr(c, "model") and hasattr(c, "layers")) for c in lm or ()]
         named = {isinstance(c, (str, Path)) for c in lm or ()}
         if not all(kinds) or len(named) > 1:
@@ -370,7 +390,7 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
     else:
         named = isinstance(lm, (str, Path)) and not spec.loads_model  # it loads the model itself (agreement)
         if lm is not None and not named and not (hasattr(lm, "model") and hasattr(lm, "layers")):
-            raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {lm!r}"[:300])
+            raise MoetoolError(f"{call} takes a loaded model (lm = moetool.load(...)), not {shown(lm)}")
     for model in (lm if isinstance(lm, (list, tuple)) else [lm]):
         if hasattr(model, "model") and hasattr(model, "layers"):
             from .engine.hooks import check_free
@@ -378,10 +398,13 @@ def check_inputs(spec: Any, lm: Any, tokens: Any, call: str | None = None) -> No
 
             check_weights(model.model)  # weights on the meta device: one line before the experiment
             check_free(model.model)  # another thread's run or an open moetool.hook block: before any run folder
+    if spec.inputs == "weights" and hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask"):
+        raise MoetoolError(f"{call} reads the weights alone: it takes no tokens (the model, then its options, or "
+                           f"these as keywords)")
     if spec.inputs != "weights" and tokens is not None and not (hasattr(tokens, "input_ids")
                                                                 and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"{call} takes packed tokens (moetool.tokens(lm, data, ...)), not "
-                           f"{type(tokens).__name__} {tokens!r}"[:300])
+                           f"{shown(tokens, typed=True)}")
     if spec.inputs != "weights" and tokens is not None:
         from .data import check_packed, check_tokenizer
 

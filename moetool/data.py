@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .errors import MoetoolError
+from .errors import MoetoolError, shown
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".md")
 DEFAULT_SEQ_LEN = 256
@@ -85,7 +85,7 @@ class DocumentStream:
     def __init__(self, path: str | Path | None):
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise MoetoolError(f"--data is a file or folder name (or None: the shipped held-out text), not "
-                               f"{type(path).__name__} {path!r}"[:300])
+                               f"{shown(path, typed=True)}")
         if isinstance(path, str) and not path.strip():  # not the held-out text, nor Path("") = the current folder
             raise MoetoolError("--data is an empty name: give a file or folder (or None: the shipped held-out text)")
         self.path = Path(path) if path is not None else default_data_path()

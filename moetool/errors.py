@@ -111,6 +111,23 @@ def one_line(exc: BaseException, limit: int = 240) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def shown(value: Any, *, typed: bool = False, limit: int = 120) -> str:
+    """How a one-line message names a value it refuses: its ``repr`` when that is one short line (``'tiny'``, ``3``,
+    ``None``; after its type name with ``typed``: ``str 'text.txt'``), else its type, and shape where it has one
+    (``a MixtralForCausalLM``, ``a Tensor of shape (4, 64)``, ``a DataFrame of shape (6, 2)``): a model, a tensor
+    or a table passed by mistake is named, never dumped over several lines."""
+    text = repr(value)
+    if "\n" not in text and len(text) <= limit:
+        return f"{type(value).__name__} {text}" if typed else text
+    kind = type(value).__name__
+    shape = getattr(value, "shape", None)
+    try:
+        of = f" of shape {tuple(int(s) for s in shape)}" if shape is not None else ""
+    except (TypeError, ValueError):
+        of = ""
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}{of}"
+
+
 def spans(indices: Any) -> str:
     """``[0, 1, 2, 3, 5, 7, 8]`` -> ``"0-3, 5, 7-8"``: runs of consecutive (layer) indices, for a message or a
     table."""

@@ -1,5 +1,9 @@
 """A run: what the CLI and ``moetool.run(...)`` do around an experiment's compute function.
 
+``moetool.run(experiment, lm, tokens=None, options=None, *, out=None, force=False, batch_size=None, resume=False,
+...)`` is ``moetool <experiment>`` from Python: :func:`run` below says what each parameter does
+(``help(moetool.run.run)``); ``inspect.signature(moetool.run)`` is its signature.
+
 Preflight (the model resolved from its config), the checks before anything loads (sizes, positions, device,
 memory: :func:`check_run`), the run folder (:func:`open_run`: refused when busy, ``--resume`` of an unfinished one
 with unit checkpoints), ``--batch-size auto`` (:func:`resolve_batch_size`; the back-off after an out-of-memory
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import Backoff, Parallel, RunState, current, state
-from .errors import MoetoolError
+from .errors import MoetoolError, shown
 
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
 
@@ -442,7 +446,7 @@ def _run_config(spec: Any, model: Any, tokens: Any, options: Any, *, out: Any, f
                            f"{', '.join(flags)})")
     if not isinstance(model, (str, Path)):
         raise MoetoolError(f"moetool.run('{spec.name}', ...) takes a model's name (embedded, alias, directory, hub "
-                           f"id), not {model!r}"[:300])
+                           f"id), not {shown(model)}")
     values = {name: flag.default if given.get(name) is None else given[name] for name, flag in flags.items()}
     if isinstance(values["batch_size"], str):
         raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='{values['batch_size']}' does not apply "
@@ -647,10 +651,18 @@ def auto_rows(lm: Any, tokens: Any, opts: Any, run: Run) -> int:
 
 class _CallableModule(type(sys)):  # type: ignore[misc]
     """``moetool.run`` is both this module and :func:`run`: once the module is imported it is the package's
-    attribute ``run``, so calling it calls :func:`run`."""
+    attribute ``run``, so calling it calls :func:`run`, and its signature is :func:`run`'s (``inspect.signature``,
+    a notebook's ``moetool.run?`` and an editor's hints showed ``(*args, **kwargs)``)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return run(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(run)
+
+
+_CallableModule.__call__.__doc__ = run.__doc__  # what a notebook shows as the call's docstring
 
 
 sys.modules[__name__].__class__ = _CallableModule

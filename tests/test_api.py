@@ -142,6 +142,39 @@ def test_inputs_of_the_wrong_kind_are_one_line_not_a_raw_error(tmp_path):
     assert len(seen) == len(lm.layers) * tokens.n_batches(8)
 
 
+def test_a_model_tensor_or_table_passed_by_mistake_is_named_in_one_line(tmp_path):
+    """A newcomer's likeliest slips: the transformers model (``lm.model``) for the loaded one, the ids tensor for the
+    packed tokens, one loaded model for fluctuation's list, a DataFrame or a name for a Result. Each message
+    embedded the object's repr cut at 300 characters: 3 to 7 lines of a module or tensor dump
+    (``...not MixtralForCausalLM(\\n  (model): MixtralModel(...``); ``moetool.figures('stats')`` was an
+    AttributeError from the plots."""
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    hf, ids = lm.model, tokens.input_ids
+    table = moetool.aliases()
+    model_kind, ids_kind = f"a {type(hf).__name__}", f"a Tensor of shape ({ids.shape[0]}, {ids.shape[1]})"
+    cases = [(lambda: moetool.stats(hf, tokens, quiet=True), model_kind),
+             (lambda: moetool.stats(lm, ids, quiet=True), ids_kind),
+             (lambda: moetool.hook(lm.model), model_kind),
+             (lambda: moetool.forward(hf, tokens), model_kind),
+             (lambda: moetool.forward(lm, ids), ids_kind),
+             (lambda: moetool.forward(lm, tokens, consumers=hf), model_kind),
+             (lambda: moetool.fluctuation(lm, tokens, quiet=True), f"a {type(lm).__name__}"),
+             (lambda: moetool.run("stats", hf, tokens, out=tmp_path / "r"), model_kind),
+             (lambda: moetool.placement(lm, tokens, reference=ids, quiet=True), ids_kind),
+             (lambda: moetool.placement(lm, tokens, reference_model=hf, quiet=True), model_kind),
+             (lambda: moetool.tokens(lm, ids), ids_kind),
+             (lambda: moetool.tokens(hf), model_kind),
+             (lambda: moetool.write(table, tmp_path / "w"), f"a DataFrame of shape ({len(table)}, 2)"),
+             (lambda: moetool.figures(table), f"a DataFrame of shape ({len(table)}, 2)"),
+             (lambda: moetool.figures("stats"), "'stats'")]
+    for call, kind in cases:
+        with pytest.raises(MoetoolError) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).endswith(f", not {kind}"), str(e.value)[:400]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "w").exists()
+
+
 def test_forward_refuses_layers_without_a_policy_and_hooks_only_moe_layers():
     """``moetool.forward(lm, t, layers=[1], consumers=[c])`` ignored ``layers`` (it says where a policy routes) and
     hooked every MoE layer: a consumer counting events saw all of them. It is refused; ``moe_layers`` hooks some."""
@@ -391,6 +424,19 @@ def test_moetool_run_is_the_callable_module_whichever_import_comes_first():
         assert out.stdout.split() == ["True", "True"], first
 
 
+def test_moetool_run_shows_the_signature_and_parameters_of_the_run():
+    """``inspect.signature(moetool.run)`` (what a notebook's ``moetool.run?`` and an editor show) was
+    ``(*args, **kwargs)``, and ``help(moetool.run)`` opened on the module's internals without the call's
+    parameters; now the signature is :func:`moetool.run.run`'s and the module's doc names how to call it."""
+    import inspect
+
+    sig = inspect.signature(moetool.run)
+    assert list(sig.parameters)[:4] == ["experiment", "lm", "tokens", "options"]
+    assert sig.parameters["batch_size"].default is None and sig.parameters["resume"].default is False
+    assert "help(moetool.run.run)" in inspect.getdoc(moetool.run)
+    assert moetool.run.__call__.__doc__ == moetool.run.run.__doc__
+
+
 def test_agreement_takes_a_models_name_as_its_docstring_says():
     """``moetool.agreement("tiny", tokens)``: the experiment loads the model once per precision from its name (its
     docstring and the command do this); the API wrapper refused the name as "takes a loaded model"."""
@@ -635,3 +681,117 @@ def test_every_public_functions_docstring_names_its_parameters():
         if gone:
             missing[name] = gone
     assert not missing, missing
+
+
+def test_the_ppl_docstring_names_the_columns_of_its_table():
+    """``help(moetool.ppl)`` listed a ``tokens`` column (``res["ppl"]["tokens"]``: a KeyError; the column is
+    ``scored_tokens``) and none of router_perplexity, ratio or the intervals."""
+    import inspect
+    import re
+
+    lm = moetool.load("tiny")
+    res = moetool.ppl(lm, moetool.tokens(lm, None, seq_len=64, max_tokens=128), routing="topk:1", bootstrap=0,
+                      quiet=True)
+    listed = re.search(r"Table ``ppl`` \(one row[^)]*\): ([\w,\s]+?)\s*[;(]", inspect.getdoc(moetool.ppl))
+    named = [w.strip() for w in listed.group(1).split(",")]
+    columns = list(res["ppl"].columns)
+    assert [c for c in named if c not in columns] == []
+    assert [c for c in columns if c not in named and not c.endswith(("_lo", "_hi"))] == []
+    assert res["ppl"]["scored_tokens"].iloc[0] == 2 * 63  # two rows of 64 tokens: 63 next-token predictions each
+
+
+def test_the_tokens_docstring_gives_each_commands_max_tokens_default():
+    """``moetool.tokens``' default of 32,768 tokens is ``moetool stats``' and ``ppl``'s ``--max-tokens``;
+    ``moetool topk`` and most others read 8,192 (approx 4,096, mass-recall 16,384), which its docstring did not
+    say: ``moetool.topk(lm, moetool.tokens(lm))`` scored 4x the text of ``moetool topk``. The defaults it states are
+    the commands' flags."""
+    import inspect
+    import re
+
+    from typer.main import get_command
+
+    cli = get_command(app)
+    flags = {name: p.default for name, c in cli.commands.items() for p in c.params if p.name == "max_tokens"}
+    said = re.search(r"``--max-tokens`` defaults: ([^)]*)\)", " ".join(inspect.getdoc(moetool.tokens).split()))
+    assert said, "moetool.tokens' docstring does not give the commands' --max-tokens defaults"
+    stated = {}
+    for part in said.group(1).split("; "):
+        names, n = part.rsplit(" ", 1)
+        for name in names.split(" and "):
+            stated[name] = int(n)
+    others = stated.pop("the others")
+    assert {c: stated.get(c, others) for c in flags} == flags
+    default = inspect.signature(moetool.tokens).parameters["max_tokens"].default
+    assert default == flags["stats"] == flags["ppl"]
+
+
+def test_tokens_given_to_an_experiment_of_the_weights_say_it_takes_none(tmp_path):
+    """``moetool.erc(lm, tokens)`` (the call every other experiment takes) said "options must be a ErcOptions, not
+    TokenSet"; it now says erc reads the weights alone, from the function and from ``moetool.run``, before any
+    folder is made. Without tokens the same call gives the numbers of the keywords' run."""
+    import re
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=128)
+    for call, name in ((lambda: moetool.erc(lm, tokens, quiet=True), "moetool.erc"),
+                       (lambda: moetool.run("erc", lm, tokens, out=tmp_path / "e", quiet=True), "moetool.run('erc', ...)")):
+        with pytest.raises(MoetoolError, match=rf"^{re.escape(name)} reads the weights alone: it takes no tokens"):
+            call()
+    assert not (tmp_path / "e").exists()
+    a = moetool.erc(lm, moetool.ErcOptions(samples=1, layers=(0,)), quiet=True)["erc"]
+    b = moetool.erc(lm, samples=1, layers=(0,), quiet=True)["erc"]
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_forward_says_what_it_returns_and_its_nll_is_the_hand_computed_one():
+    """``help(moetool.forward)`` said "batches, optional policy and consumers, NLL" with a ``**kwargs`` signature:
+    not that the NLL needs ``nll=True`` (the default's ``perplexity`` is NaN), its unit, or what comes back."""
+    import inspect
+    import math
+
+    from conftest import hand_ppl
+
+    doc = " ".join(inspect.getdoc(moetool.forward).split())
+    for said in ("Returns a ``ForwardResult``", "``nll=True``", "in nats per token", "``perplexity``",
+                 "NaN without ``nll=True``", "``batch_size`` rows (default 8)"):
+        assert said in doc, said
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=256)
+    assert math.isnan(moetool.forward(lm, tokens, quiet=True).perplexity)
+    res = moetool.forward(lm, tokens, nll=True, quiet=True)
+    ppl, count = hand_ppl(lm.model, tokens)
+    assert res.nll.tokens == count and math.isclose(res.perplexity, ppl, rel_tol=1e-4)
+    assert math.isclose(res.nll.mean, math.log(ppl), rel_tol=1e-4)
+
+
+def test_help_of_each_options_class_gives_every_fields_default_and_its_flags_help():
+    """``help(moetool.TopkOptions)`` said only "Options of topk, each with the flag of ``moetool topk`` that sets
+    it": what ``ks``, ``ps`` or ``kmax`` mean was in the command's ``--help`` alone. Each field is now listed with
+    its default, and a field of the command's own flag with that flag and its ``--help`` text, checked here
+    against the command line's options."""
+    import dataclasses
+    import inspect
+    import re
+
+    from typer.main import get_command
+
+    from moetool.experiments.registry import EXPERIMENTS
+
+    cli = get_command(app)
+    checked = 0
+    for spec in EXPERIMENTS.values():
+        if not spec.options or spec.name not in cli.commands:
+            continue
+        cls = getattr(moetool, spec.options)
+        doc = inspect.getdoc(cls)
+        params = {o: p for p in cli.commands[spec.name].params for o in p.opts}
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            line = re.search(rf"^\* ``{f.name}`` = ``(.*?)``(?: \(``(--[\w-]+)``\): (.*))?$", doc, re.M)
+            assert line, (spec.options, f.name)
+            assert line.group(1) == repr(default), (spec.options, f.name, line.group(1))
+            if line.group(2):
+                p = params[line.group(2)]  # a flag the command takes
+                assert p.name == f.name and " ".join(p.help.split()) == line.group(3), (spec.options, f.name)
+                checked += 1
+    assert checked >= 40

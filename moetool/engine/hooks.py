@@ -32,7 +32,7 @@ from torch import nn
 from .. import ops
 from ..adapters import quant
 from ..adapters.base import MoELayer
-from ..errors import MoetoolError, spans
+from ..errors import MoetoolError, shown, spans
 from .probes import ON_DEVICE
 
 
@@ -172,11 +172,11 @@ def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, 
     if wanted is None:
         return moe_layers
     if isinstance(wanted, (str, bytes)) or not hasattr(wanted, "__iter__"):
-        raise MoetoolError(f"--layers must be decoder layer indices (a tuple such as (1, 2)), not {wanted!r}")
+        raise MoetoolError(f"--layers must be decoder layer indices (a tuple such as (1, 2)), not {shown(wanted)}")
     wanted = list(wanted)
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in wanted):  # True is not layer 1
         raise MoetoolError(f"--layers must be decoder layer indices (integers, a tuple such as (1, 2)), not "
-                           f"{wanted!r}"[:300])
+                           f"{shown(wanted)}")
     wanted = {int(i) for i in wanted}
     known = {L.index for L in moe_layers}
     bad = sorted(wanted - known)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .. import context, distributed
 from ..context import Backoff, RunState
 from ..data import TokenBatch, check_packed, check_tokenizer
-from ..errors import MoetoolError, MoetoolRuntimeError
+from ..errors import MoetoolError, MoetoolRuntimeError, shown
 from ..progress import progress
 from ..sizing import check_seq_len, check_sizes
 from .guard import FiniteGuard
@@ -373,11 +373,11 @@ def _consumer_list(consumers: Any) -> list[Callable]:
     """``consumers`` as a list, each one callable: one line for a lone function or a non-list (``consumers=print``:
     a TypeError from ``list()`` before), naming what to pass."""
     if callable(consumers) or isinstance(consumers, (str, bytes)) or not isinstance(consumers, Iterable):
-        raise MoetoolError(f"consumers is a list of callables (consumers=[c]), not {consumers!r}"[:300])
+        raise MoetoolError(f"consumers is a list of callables (consumers=[c]), not {shown(consumers)}")
     out = list(consumers)
     for c in out:
         if not callable(c):
-            raise MoetoolError(f"each of consumers is called with every routing event; {c!r} is not callable"[:300])
+            raise MoetoolError(f"each of consumers is called with every routing event; {shown(c)} is not callable")
     return out
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 import numbers
+import sys
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -332,4 +334,26 @@ def experiment(name: str, function: str, options: str | None, **kw: Any) -> Expe
     ``moetool.commands.<name>`` (``-`` as ``_``), where there is one, adds only what is the command's own (checks
     before loading, console output: :mod:`moetool.commands.generated`)."""
     module = f"moetool.experiments.{name.replace('-', '_')}.compute"
+    spec_module = sys.modules.get(f"moetool.experiments.{name.replace('-', '_')}.spec")
+    cls = vars(spec_module).get(options) if spec_module is not None and options else None
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):  # defined above the spec in its spec.py
+        document_options(cls, name)
     return Experiment(name=name, module=module, function=function, options=options, api=kw.pop("api", function), **kw)
+
+
+def document_options(cls: type, command: str) -> None:
+    """Append to the options dataclass's docstring each field with its default and, where a flag of ``moetool
+    <command>`` sets it (:func:`option`), the flag and its help: ``help(moetool.StatsOptions)`` says what each
+    field does, in the words of ``--help``. Once per class (a spec module imported again leaves it)."""
+    if "Fields (" in (cls.__doc__ or ""):
+        return
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
+                                                              else None)
+        flag = f.metadata.get("flag")
+        how = f" (``{flag.flag}``): {flag.help}" if flag is not None else ""
+        lines.append(f"* ``{f.name}`` = ``{default!r}``{how}")
+    cls.__doc__ = (f"{inspect.cleandoc(cls.__doc__ or '')}\n\nFields (default; the flag of ``moetool {command}`` that "
+                   f"sets it, where it has its own; the others are the standard flags ``--layers``, ``--batch-size``, "
+                   f"...):\n\n" + "\n".join(lines))

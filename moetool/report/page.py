@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, shown
 from ..files import table_problem
 from .rundir import MANIFEST, RunDir, manifest_problem, read_manifest
 
@@ -731,7 +731,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | RunDir | None
     escaped for the format it is written in; only files inside each run folder are read (others: one ``warn``
     line each, and a note in the page). No ``run_dirs``: one line (the command requires RUN_DIR), nothing written."""
     if isinstance(run_dirs, (str, Path)) or not list(run_dirs):  # a str would be gathered letter by letter
-        raise MoetoolError(f"give the run folders to gather as a list (RUN_DIR...), not {run_dirs!r}"[:200])
+        raise MoetoolError(f"give the run folders to gather as a list (RUN_DIR...), not {shown(run_dirs)}")
     if not isinstance(out, RunDir):
         refuse_out_over_runs(out, run_dirs)
     run = out if isinstance(out, RunDir) else RunDir.create("report", out, force)

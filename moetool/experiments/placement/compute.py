@@ -30,7 +30,7 @@ from ... import distributed
 from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
-from ...errors import MoetoolError
+from ...errors import MoetoolError, shown
 from ...uncertainty import (LEVEL, RowTable, bootstrap_meta, bootstrap_weights, format_ci, percentile, replicates,
                            sum_intervals, with_ci)
 from ..routing import data_name
@@ -346,7 +346,7 @@ def _check_reference_model(lm: Any, reference_model: Any, layers: list[Any], opt
     """``reference_model`` is a loaded checkpoint with the model's MoE layers (index, n experts) and, where both
     were loaded with their tokenizers, its vocabulary: the same ids are the same text to both."""
     if not (hasattr(reference_model, "model") and hasattr(reference_model, "layers")):
-        raise MoetoolError(f"reference_model takes a loaded model (moetool.load(...)), not {reference_model!r}"[:300])
+        raise MoetoolError(f"reference_model takes a loaded model (moetool.load(...)), not {shown(reference_model)}")
     ref_layers = select_layers(reference_model.layers, opts.layers)
     if [(L.index, L.n_experts) for L in ref_layers] != [(L.index, L.n_experts) for L in layers]:
         raise MoetoolError("the reference model's MoE layers (index, n experts) differ from the model's")
@@ -498,7 +498,7 @@ def placement(lm: Any, tokens: Any, options: PlacementOptions | None = None, *, 
     if reference is not None:
         if not hasattr(reference, "require_tokens"):
             raise MoetoolError(f"reference takes packed tokens (moetool.tokens(lm, data, ...)), not "
-                               f"{type(reference).__name__} {reference!r}"[:300])
+                               f"{shown(reference, typed=True)}")
         reference.require_tokens()
     layers = select_layers(lm.layers, opts.layers)
     if reference_model is not None:  # before any forward

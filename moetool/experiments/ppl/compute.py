@@ -61,8 +61,11 @@ def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, wei
 def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
     """Perplexity of ``lm`` on ``tokens`` with the ``routing`` policy in ``layers``.
 
-    Table ``ppl`` (one row): model, data, routing, weights, layers, tokens, nll_mean, perplexity, seconds
-    (see :data:`PPL_DEFINITIONS`).
+    Table ``ppl`` (one row, :data:`PPL_COLUMNS`): model, data, routing, weights, layers, scored_tokens, nll_mean,
+    perplexity, router_perplexity, ratio, seconds; ``perplexity`` and ``ratio`` (paired) with ``_lo``/``_hi`` (95%
+    document-level bootstrap, NaN with ``bootstrap=0``); ``router_perplexity`` (the model's own routing on the same
+    rows) and ``ratio`` are NaN when ``routing`` is ``router`` or ``baseline=False``. ``nll_mean`` is in nats per
+    scored token, ``seconds`` the forwards' wall time (see :data:`PPL_DEFINITIONS`).
     """
     from ... import distributed
     from ...uncertainty import RowTable
