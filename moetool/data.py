@@ -184,6 +184,9 @@ class TokenSet:
     special_tokens: dict[str, Any] = field(default_factory=lambda: {"add_special_tokens": False})
     row_ids: Any = None  # [N] long: global packed-row numbers of a rank's shard (moetool.distributed.shard)
     tokenizer: str | None = None  # the vocabulary that packed them (tokenizer_id; None: not known, e.g. by hand)
+    #: domains of the data that got no row, and why (a text of fewer than 2 tokens, or --max-tokens reached first):
+    #: their per-domain tables have no row, which a run says on the console (:func:`unpacked_lines`)
+    unpacked: dict[str, str] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -377,8 +380,20 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
     ids_out, mask_out, doms = _pack_rows(streams, seq_len, max_tokens, pad)
     if not ids_out:
         raise MoetoolError(too_few_tokens(streams, source or "the data"))
+    packed = set(doms)
+    unpacked = {d: (f"its text has {len(s)} token{'s' if len(s) != 1 else ''} (a row needs 2)" if len(s) < 2 else
+                    f"--max-tokens {max_tokens} was reached before its first row") for d, s in streams.items()
+                if d not in packed}
     return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
-                    special_tokens=_special_meta(tokenizer, add_special_tokens), tokenizer=tokenizer_id(tokenizer))
+                    special_tokens=_special_meta(tokenizer, add_special_tokens), tokenizer=tokenizer_id(tokenizer),
+                    unpacked=unpacked)
+
+
+def unpacked_lines(tokens: Any) -> list[str]:
+    """One console line per domain of the data that got no row (:attr:`TokenSet.unpacked`): it is in no
+    per-domain table, and the run says why rather than leave it out without a word."""
+    return [f"note: --data domain '{d}' has no row, so no per-domain result: {why}"
+            for d, why in getattr(tokens, "unpacked", {}).items()]
 
 
 #: tokenizer -> (its length, :func:`tokenizer_id`): a 150k vocabulary hashes in ~0.25 s, and every forward checks

@@ -266,11 +266,24 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
         say(f"note: {note}")
     tokens = (load_tokens(data, lm.tokenizer, seq_len, max_tokens, add_special_tokens=add_special_tokens)
               if seq_len is not None else None)
+    _say_unpacked(tokens, data)
     if checkpoints is not None and tokens is not None:  # --resume: refused when other data was read
         checkpoints.check_inputs(data=tokens.fingerprint())
     if distributed.world_size() > 1 or distributed.parallel().active:
         run.add(distributed=rank_layout(tokens, batch_size))
     return StartedRun(run, lm, tokens, options, checkpoints, state=state())
+
+
+def _say_unpacked(tokens: Any, data: Any) -> None:
+    """A line on the console (rank 0) for each domain of the user's ``--data`` that got no row
+    (:func:`data.unpacked_lines`). The shipped held-out text (``data`` None) says nothing: its two domains are no
+    choice of the user's, and a small ``--max-tokens`` fills its first row with code."""
+    from . import distributed
+    from .data import unpacked_lines
+
+    if data is not None and distributed.rank() == 0:
+        for line in unpacked_lines(tokens):
+            say(line)
 
 
 def open_run(command: str, out: Any, force: bool, *, resume: bool, device: Any, estimate: Any,
@@ -621,6 +634,7 @@ def _start_names(spec: Any, models: list[str], opts: Any, out: Any, force: bool,
     folder, units = open_run(spec.name, out, force, resume=resume, device=loading["device"], estimate=est,
                              batch_size=rows, units=None if key is None else {**options, **key})
     tokens = load_tokens(data, load_tokenizer(models[0]), seq_len, max_tokens, add_special_tokens=add_special_tokens)
+    _say_unpacked(tokens, data)
     if units is not None:  # --resume: refused when the data or a model's weights differ from what the run read
         from .loading import weights_fingerprint
 

@@ -509,3 +509,42 @@ def test_describe_and_fingerprint_record_what_was_packed():
     assert len(hashes) == 4 and replace(ts).fingerprint() == fp
     with pytest.raises(MoetoolError, match="--max-tokens must be at least 2"):
         pack(docs, CharTokenizer(), seq_len=4, max_tokens=1)
+
+
+def test_a_domain_that_gets_no_row_is_named_with_why():
+    """A domain whose text is one token, or that --max-tokens leaves without a row, is in no per-domain table: the
+    TokenSet records it with the reason (before: it vanished without a word; break-it run 4)."""
+    from moetool.data import unpacked_lines
+
+    docs = [Document("abcdefgh", "a"), Document("x", "b"), Document("mnop", "c")]
+    ts = pack(docs, CharTokenizer(), seq_len=4, max_tokens=None)
+    assert sorted(set(ts.domains)) == ["a", "c"] and ts.n_tokens == 12  # 8 + 4; b's one token makes no row
+    assert ts.unpacked == {"b": "its text has 1 token (a row needs 2)"}
+    assert unpacked_lines(ts) == ["note: --data domain 'b' has no row, so no per-domain result: its text has 1 "
+                                  "token (a row needs 2)"]
+    ts = pack(docs, CharTokenizer(), seq_len=4, max_tokens=4)  # a's first row takes the 4 tokens
+    assert ts.domains == ["a"] and ts.n_tokens == 4
+    assert ts.unpacked == {"b": "its text has 1 token (a row needs 2)",
+                           "c": "--max-tokens 4 was reached before its first row"}
+    ts = pack(docs[:1] + docs[2:], CharTokenizer(), seq_len=4, max_tokens=None)
+    assert ts.unpacked == {} and unpacked_lines(ts) == []
+
+
+@pytest.mark.slow
+def test_a_command_says_which_domain_got_no_row(tmp_path):
+    """``stats`` on a JSONL whose domain 'short' is one token: its domain table has no 'short' row, and the console
+    says so in one line."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 20, "domain": "long"}) + "\n"
+                    + json.dumps({"text": "x", "domain": "short"}) + "\n")
+    r = CliRunner().invoke(app, ["stats", "--data", str(data), "--max-tokens", "256", "--bootstrap", "0", "-q",
+                                 "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    assert ("note: --data domain 'short' has no row, so no per-domain result: its text has 1 token (a row needs 2)"
+            in r.output.splitlines()), r.output
+    assert set(pd.read_csv(tmp_path / "run" / "domain_load.csv")["domain"]) == {"long"}
