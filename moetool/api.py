@@ -171,7 +171,7 @@ def write_report(run_dirs: Iterable[str | Path], out: str | Path | None = None, 
     figures) in ``out`` (default ``runs/report-<time>``, as ``--out``); returns the path of ``report.html``."""
     from .report.page import write_report as run
 
-    return run(run_dirs if isinstance(run_dirs, (str, Path)) else _paths(list(run_dirs), "run_dirs", "a list"), out,
+    return run(run_dirs if isinstance(run_dirs, (str, Path)) else _paths(run_dirs, "run_dirs", "a list"), out,
                force=force, title=title)
 
 
@@ -198,7 +198,8 @@ def _paths(given: Any, what: str, forms: str = "one, or a list") -> list[Any]:
     anything else is one line: ``Path("")`` is the current folder."""
     from .errors import MoetoolError, shown
 
-    iterable = hasattr(given, "__iter__") and not isinstance(given, (bytes, dict))
+    # a table or an array iterates over its column names or rows: never paths
+    iterable = hasattr(given, "__iter__") and not isinstance(given, (bytes, dict)) and not hasattr(given, "shape")
     paths = [given] if isinstance(given, (str, Path)) else list(given) if iterable else None
     if paths is None or not all(isinstance(p, (str, Path)) and str(p).strip() for p in paths):
         raise MoetoolError(f"{what} are file or folder names ({forms}), not {shown(given)}")

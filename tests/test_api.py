@@ -570,7 +570,8 @@ def test_from_trace_import_trace_and_write_report_refuse_sizes_and_names_the_com
         moetool.import_trace([], "tiny", tmp_path / "imp")
     assert not (tmp_path / "imp").exists()
     moetool.run("ppl", lm, toks, out=tmp_path / "runs" / "ppl", bootstrap=0, quiet=True)
-    for run_dirs in ([""], [" "], [None], [tmp_path / "runs" / "ppl", ""]):  # '' gathered the current folder
+    # '' gathered the current folder; a table its column names ('name: not a folder'), 3 a TypeError from list()
+    for run_dirs in ([""], [" "], [None], [tmp_path / "runs" / "ppl", ""], pd.DataFrame({"name": [1]}), 3):
         with pytest.raises(MoetoolError, match=r"^run_dirs are file or folder names \(a list\), not "):
             moetool.write_report(run_dirs, tmp_path / "rep")
     assert not (tmp_path / "rep").exists()
