@@ -153,6 +153,10 @@ def resolve(name: str) -> tuple[str, str]:
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
+#: the files a local checkpoint's weights come in (transformers' safetensors and PyTorch formats)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
 def check_safetensors(directory: str | Path) -> None:
     """Refuse (one line) a ``*.safetensors`` file in ``directory`` that is truncated or not a safetensors file.
 
@@ -571,6 +575,10 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each
         if kind in ("hub", "alias") and isinstance(e, OSError):
             raise hub_error(source, e, offline) from e
+        if kind == "local" and not any(f.suffix in WEIGHT_SUFFIXES for f in Path(source).iterdir()):
+            raise MoetoolRuntimeError(f"cannot load the weights of {source}: it holds a config and no weight files "
+                                      f"({', '.join('*' + x for x in WEIGHT_SUFFIXES)}); plan and inspect read a "
+                                      f"config alone (moetool plan --model {source})") from e
         raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
     if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)

@@ -111,6 +111,29 @@ def test_local_dir_without_config(tmp_path):
         resolve(str(tmp_path))
 
 
+def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alone(tmp_path):
+    """A folder of config and tokenizer (what ``plan`` needs) given to a command that loads weights said "OSError:
+    no file named model.safetensors ..." (newcomer run 4): it now says the folder holds no weight files and which
+    commands read a config alone. With a weight file beside it, the load runs."""
+    import shutil
+
+    import moetool
+    from moetool.loading import EMBEDDED_DIR
+
+    src = EMBEDDED_DIR / "tiny"
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(MoetoolError) as e:
+        moetool.load(str(tmp_path))
+    assert str(e.value) == (f"cannot load the weights of {tmp_path}: it holds a config and no weight files "
+                            f"(*.safetensors, *.bin, *.pt, *.pth); plan and inspect read a config alone (moetool plan "
+                            f"--model {tmp_path})")
+    for f in src.glob("*.safetensors"):
+        shutil.copy(f, tmp_path / f.name)
+    assert moetool.load(str(tmp_path)).layers
+
+
 def test_dense_model_is_refused_before_weights(tmp_path):
     from transformers import LlamaConfig
 
