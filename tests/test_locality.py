@@ -98,7 +98,7 @@ def test_first_choice_is_the_largest_probability_not_the_routers_first_column():
     import torch
     from types import SimpleNamespace
 
-    from conftest import longcat_unsorted_router_model
+    from conftest import longcat_unsorted_router_model, router_outputs
     from moetool.adapters import find_moe_layers
     from moetool.data import TokenSet
     from moetool.experiments.locality.compute import locality
@@ -106,12 +106,7 @@ def test_first_choice_is_the_largest_probability_not_the_routers_first_column():
     model, routers, ids = longcat_unsorted_router_model(6, torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[2, -6:], mask[5, -3:] = 0, 0
-    seen = {}
-    hooks = [r.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o)) for i, r in enumerate(routers)]
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
-    for h in hooks:
-        h.remove()
+    seen = router_outputs(model, routers, ids, mask)
     lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
     df = locality(lm, TokenSet(ids, mask, [""] * 6, "test"), batch_size=6, quiet=True)["locality"].set_index("layer")
     keep = mask.reshape(-1).bool()
