@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 if os.environ.get("MOETOOL_TEST_DEVICE", "").lower() == "cpu":  # a CUDA machine told to test the CPU path: hide
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the GPU before torch starts, so --device auto in the CLI agrees
@@ -101,6 +102,20 @@ def longcat_unsorted_router_model(rows: int, gen: torch.Generator) -> tuple[torc
             r.classifier.weight.copy_(torch.randn(r.classifier.weight.shape, generator=gen) * 0.15)
             r.e_score_correction_bias.copy_(torch.randn(r.e_score_correction_bias.shape, generator=gen) * 0.05)
     return model, routers, torch.randint(3, 30, (rows, 20), generator=gen)
+
+
+def router_outputs(model: torch.nn.Module, routers: list, ids: torch.Tensor, mask: torch.Tensor) -> dict[int, Any]:
+    """One plain forward of ``ids`` (``mask``) with a forward hook on each of ``routers``: ``{position: its output}``
+    (transformers' own router outputs, no moetool hook)."""
+    seen: dict[int, Any] = {}
+    hooks = [r.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o)) for i, r in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 @functools.lru_cache(maxsize=None)

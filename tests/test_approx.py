@@ -232,3 +232,60 @@ def test_cli_on_embedded_tiny(tmp_path):
     if "best_subset" in wide:
         assert (wide["best_subset"] <= wide[["router", "norm_oracle", "random"]].min(axis=1) + 1e-6).all()
     assert (tmp_path / "figures" / "approx_error.png").is_file()
+
+
+def test_a_sigmoid_routers_pi_is_its_scores_normalised_to_sum_one():
+    """DeepSeek-V3 scores its experts with a sigmoid: π (SPEC: the model's scoring function normalised to sum to one
+    over all n experts) is sigmoid(logits) / Σ sigmoid, not softmax(logits). Every selector's error is the error of
+    its set under u_e = π_e E_e(h) with that π and the experts from the raw parameters; the norm oracle's set is the
+    top-K of ||u_e||."""
+    L, h, logits, _ = real_tokens("deepseek_v3")
+    s = torch.sigmoid(logits.double())
+    pi = s / s.sum(-1, keepdim=True)
+    U, _ = hand_contributions("deepseek_v3", L, h, pi)
+    r = approx_tokens(L, h, logits, ("router", "norm_oracle", "best_subset"))
+    for t in range(h.shape[0]):
+        for sel in r.error:
+            assert r.error[sel][t].item() == pytest.approx(hand_error(U[t], r.idx[sel][t].tolist()), rel=1e-4), sel
+        assert sorted(r.idx["norm_oracle"][t].tolist()) == sorted(U[t].norm(dim=-1).topk(L.top_k).indices.tolist())
+
+
+def test_chunks_rank_each_tokens_own_noise_row():
+    """approx_tokens in chunks (a small budget: one token per chunk) gives every token the numbers of one chunk, and
+    ``random`` takes the K experts of largest noise in the token's OWN row of ``noise`` (not the first chunk's)."""
+    L, h, logits, _ = real_tokens("mixtral")
+    T, n, K = h.shape[0], L.n_experts, L.top_k
+    noise = torch.rand(T, n, generator=torch.Generator().manual_seed(5))
+    sels = ("router", "norm_oracle", "random")
+    whole = approx_tokens(L, h, logits, sels, noise=noise)
+    parts = approx_tokens(L, h, logits, sels, noise=noise, budget=1)
+    for t in range(T):
+        want = sorted(sorted(range(n), key=lambda e: -float(noise[t, e]))[:K])
+        assert sorted(parts.idx["random"][t].tolist()) == want == sorted(whole.idx["random"][t].tolist())
+    for sel in sels:
+        torch.testing.assert_close(parts.error[sel], whole.error[sel])
+
+
+def test_mean_abs_cos_is_over_every_real_token_where_spearman_is_undefined():
+    """A token with equal router logits (constant π: its Spearman is undefined and left out of
+    spearman_prob_vs_norm) still has its |cos|: mean_abs_cos is the mean over all real tokens, spearman_prob_vs_norm
+    the mean over the tokens where it is defined; padding counts in neither."""
+    import dataclasses
+
+    model, layers, events = captured("mixtral")
+    L = layers[0]
+    ev = events[L.index]
+    logits = ev.logits.clone()
+    flat = torch.nonzero(ev.valid.reshape(-1)).flatten()
+    logits.reshape(-1, logits.shape[-1])[flat[:2]] = 0.0  # two real tokens with a constant π
+    ev = dataclasses.replace(ev, logits=logits)
+    red = ApproxReducer(("router",), layers=[L.index])
+    red(ev)
+    _, per_layer = red.tables()
+    keep = ev.valid.reshape(-1)
+    r = approx_tokens(L, ev.h.reshape(-1, ev.h.shape[-1])[keep], logits.reshape(-1, logits.shape[-1])[keep], ("router",))
+    sp = r.spearman.double()
+    assert int(torch.isnan(sp).sum()) == 2  # the two constant rows, and only they
+    row = per_layer.iloc[0]
+    assert row["mean_abs_cos"] == pytest.approx(r.abs_cos.double().mean().item(), rel=1e-9)
+    assert row["spearman_prob_vs_norm"] == pytest.approx(sp[~torch.isnan(sp)].mean().item(), rel=1e-9)

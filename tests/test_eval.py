@@ -396,3 +396,22 @@ def test_capacity_in_eval_counts_real_tokens_only(model_dir, no_network, monkeyp
         assert cap == math.ceil(1.0 * int(want.sum()) * K / n)
         padded += int((~want).sum())
     assert seen and padded > 0  # the batches were padded
+
+
+def test_a_zero_stderr_without_an_item_count_gives_no_interval():
+    """A proportion with stderr 0 and no n-samples (10 of 10 right, or a task reporting 0): the stderr implies no
+    item count (p(1-p)/se² is 0/0), so the interval is NaN, as without a stderr -- no division by zero, no bound."""
+    df = lmeval.results_frame({"results": {"t": {"acc,none": 1.0, "acc_stderr,none": 0.0,
+                                                 "acc_norm,none": 0.0, "acc_norm_stderr,none": 0.0}}})
+    assert df.value.tolist() == [1.0, 0.0] and df.stderr.tolist() == [0.0, 0.0]
+    assert df.value_lo.isna().all() and df.value_hi.isna().all()
+
+
+def test_a_filtered_metric_takes_the_stderr_of_its_own_filter():
+    """exact_match under the 'strict' filter has its own stderr (exact_match_stderr,strict), not the 'none' filter's:
+    0.05 implies 0.3 x 0.7 / 0.05² + 1 = 85 items, and the Wilson interval is over those."""
+    df = lmeval.results_frame({"results": {"t": {"exact_match,strict": 0.3, "exact_match_stderr,strict": 0.05,
+                                                 "exact_match,none": 0.9, "exact_match_stderr,none": 0.01}}})
+    row = df.set_index("metric").loc["exact_match[strict]"]
+    assert row.stderr == 0.05
+    assert [row.value_lo, row.value_hi] == pytest.approx(wilson_by_hand(0.3, 0.3 * 0.7 / 0.05 ** 2 + 1), abs=1e-6)

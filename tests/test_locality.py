@@ -89,3 +89,29 @@ def test_bad_batch_size_is_one_line():
 
     with pytest.raises(MoetoolError, match="--batch-size must be >= 1"):
         LocalityOptions(batch_size=0)
+
+
+def test_first_choice_is_the_largest_probability_not_the_routers_first_column():
+    """LongCat-Flash's router returns its top-K unsorted (``topk(sorted=False)``): the first column of idx is often
+    not the chosen expert of largest probability. top1_repeat and top1_repeat_independent count the largest one
+    (the definition), as the hand count does from the router's own logits, on rows with padding."""
+    import torch
+    from types import SimpleNamespace
+
+    from conftest import longcat_unsorted_router_model, router_outputs
+    from moetool.adapters import find_moe_layers
+    from moetool.data import TokenSet
+    from moetool.experiments.locality.compute import locality
+
+    model, routers, ids = longcat_unsorted_router_model(6, torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[2, -6:], mask[5, -3:] = 0, 0
+    seen = router_outputs(model, routers, ids, mask)
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    df = locality(lm, TokenSet(ids, mask, [""] * 6, "test"), batch_size=6, quiet=True)["locality"].set_index("layer")
+    keep = mask.reshape(-1).bool()
+    for i, (logits, _, idx) in seen.items():
+        assert (logits.gather(1, idx).argmax(-1) != 0)[keep].any()  # the case: the first column is not the largest
+        ref = hand_locality(logits, idx, mask.bool())
+        for col in ("tokens", "pairs", "top1_repeat", "top1_repeat_independent", "topk_overlap"):
+            assert df.loc[i, col] == pytest.approx(ref[col], abs=1e-12), (i, col)

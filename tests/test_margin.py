@@ -352,3 +352,37 @@ def test_margin_space_is_the_hf_routers_ranking(model_type, tiny_model):
     if model_type == "gpt_oss":
         p = torch.softmax(logits, -1).sort(-1, descending=True).values
         assert abs(m.mean() - (p[:, K - 1] - p[:, K]).mean().item()) > 0.1  # logit gaps, not probability gaps
+
+
+def test_the_same_set_in_another_column_order_is_no_flip(tiny):
+    """The top-1 is the chosen expert with the largest selection score, not the router's first column: routers
+    returning their top-K unsorted (DeepSeek-V3, LongCat: ``topk(sorted=False)``) give the same set in another
+    order under a small noise, which is neither a top-K nor a top-1 flip. By hand: the top-1 of routing_of is the
+    argmax of the layer's selection scores (a plain top-K router: the largest chosen is the largest of all)."""
+    from moetool.experiments.margin.compute import flips, routing_of
+
+    lm, tokens, L, cap = tiny
+    h = cap["h"]
+    idx, top1 = routing_of(L, h)
+    logits = h.float() @ L.router_weight().detach().float().T  # tiny's (Mixtral) router: a linear map, no bias
+    assert torch.equal(top1.cpu(), logits.argmax(-1).cpu())
+    k, one = flips((idx, top1), (idx.flip(-1), top1))
+    assert not k.any() and not one.any()
+    moved = torch.where(idx[:, :1] == top1.unsqueeze(-1), idx.roll(1, -1), idx)  # top-1 out of column 0
+    assert not flips((idx, top1), (moved, top1))[1].any()
+
+
+def test_soft_jaccard_compares_weights_normalised_to_sum_one():
+    """soft_jaccard's w_r and w_p are each token's weights normalised to sum 1 (the definition): a router whose
+    weights carry a scale (DeepSeek-V3's routed_scaling_factor 2.5, Qwen2-MoE without norm_topk_prob) and a policy
+    with the same experts in the same proportions agree exactly. By hand: weights (2.5, 7.5) on experts (3, 1) and
+    (0.25, 0.75) on (3, 1) are both (0, 0.75, 0, 0.25); against (0.5, 0.5) on (1, 2): sum min = 0.5 + 0 + 0, sum
+    max = 0.75 + 0.5 + 0.25, soft 1/3, plain 1/3."""
+    from moetool.experiments.margin.compute import jaccards, weight_vectors
+
+    idx = torch.tensor([[3, 1], [3, 1]])
+    a = weight_vectors(idx, torch.tensor([[2.5, 7.5], [2.5, 7.5]]), 4)
+    assert a.tolist() == [[0.0, 0.75, 0.0, 0.25]] * 2
+    b = weight_vectors(torch.tensor([[3, 1], [1, 2]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]]), 4)
+    soft, plain = jaccards(a, b)
+    assert soft.tolist() == pytest.approx([1.0, 0.5 / 1.5], abs=1e-7) and plain.tolist() == [1.0, 1 / 3]

@@ -408,3 +408,32 @@ def test_replicas_go_to_the_largest_load_per_replica_one_at_a_time():
     assert phy2log.tolist() == [[0, 1, 2, 0, 1]] and rank.tolist() == [[0, 0, 0, 1, 1]]
     assert count.tolist() == [[2, 2, 1]]
     assert max(w / c for w, c in zip((10.0, 6.0, 1.0), count[0].tolist())) == 5.0  # the smallest largest share
+
+
+def test_zero_computation_experts_are_not_placed():
+    """LongCat-Flash (12 routed + 4 identity experts, the last ids): the placed experts are the 12 computed ones, and
+    their loads are the router's own top-K assignments of real tokens to experts 0..11, counted here from plain
+    forward hooks on transformers' router (the identity experts' assignments take no GPU)."""
+    from types import SimpleNamespace
+
+    from conftest import longcat_unsorted_router_model, router_outputs
+    from moetool.adapters import find_moe_layers
+    from moetool.data import TokenSet
+    from moetool.experiments.placement.compute import placement
+
+    model, routers, ids = longcat_unsorted_router_model(6, torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    seen = router_outputs(model, routers, ids, mask)
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name="longcat")
+    res = placement(lm, TokenSet(ids, mask, [""] * 6, "test"), gpus=(4,), bootstrap=0, quiet=True)
+    loads = res["placement_loads"]
+    keep = mask.reshape(-1).bool()
+    for i, (_, _, idx) in seen.items():
+        hand = torch.bincount(idx[keep].reshape(-1), minlength=16).double()
+        assert hand[12:].sum() > 0  # the case: identity experts are chosen
+        mine = loads[loads.layer == i].sort_values("expert")
+        assert mine.expert.tolist() == list(range(12)) and mine.load.tolist() == hand[:12].tolist()
+        # load_fraction = load / (tokens * K): short of 1 by the identity experts' share
+        assert mine.load_fraction.tolist() == pytest.approx((hand[:12] / (int(keep.sum()) * 4)).tolist(), rel=1e-15)
+        assert mine.tokens.iloc[0] == int(keep.sum())

@@ -112,3 +112,47 @@ def test_a_batch_checkpoint_is_due_once_every_seconds_have_passed(tmp_path, monk
     monkeypatch.setattr(checkpoints.time, "monotonic", lambda: now + 59.5)
     assert not units.due()
     run.mark("interrupted")
+
+
+def test_a_unit_of_another_layout_version_is_damage(tmp_path):
+    """A unit file whose ``format`` is not this moetool's UNIT_FORMAT (another layout of ``unit``, whatever its
+    entries look like) is refused in one line, never decoded as if it were this layout."""
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    units.save("batches", {"n": 1})
+    for fmt in (checkpoints.UNIT_FORMAT + 1, None):
+        torch.save({"format": fmt, "files": {}, "unit": {"__t": "dict", "k": ["n"], "v": [1]}},
+                   tmp_path / "r" / "units" / "batches.unit")
+        run.mark("interrupted")
+        _resumed_load_refused(tmp_path, "damaged or unsafe .not a moetool unit")
+
+
+def test_empty_numpy_arrays_come_back_empty(tmp_path):
+    """An empty array (a table's rows of a run that saw none yet) is stored with one placeholder byte: it comes back
+    with its shape and dtype, not refused as damage (the placeholder is no element)."""
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    units.save("u", [np.zeros((0, 3)), np.zeros(0, dtype=np.int8), np.arange(3, dtype=np.int16)])
+    run.mark("interrupted")
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    back = again.units({"a": 1}).load("u")
+    assert [(b.shape, b.dtype) for b in back] == [((0, 3), np.float64), ((0,), np.int8), ((3,), np.int16)]
+    assert back[2].tolist() == [0, 1, 2]
+    again.mark("interrupted")
+
+
+def test_a_file_still_being_written_is_no_side_file_of_a_unit(tmp_path):
+    """A ``.part-`` file handed out by ``file`` (one being written atomically: renamed away when done) is not
+    recorded with the unit: its absence on resume is no damage, while a real side file's is."""
+    from moetool.files import PART
+
+    run = rundir.RunDir.create("stats", tmp_path / "r")
+    units = run.units({"a": 1})
+    part = units.file(PART + "rows.bin")
+    part.write_bytes(b"x" * 5)
+    units.save("batches", {"n": 1})
+    part.unlink()  # the write finished: the temporary name is gone
+    run.mark("interrupted")
+    again = rundir.RunDir.create("stats", tmp_path / "r", resume=True)
+    assert again.units({"a": 1}).load("batches") == {"n": 1}
+    again.mark("interrupted")

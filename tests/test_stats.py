@@ -604,18 +604,13 @@ def test_first_ranked_expert_of_an_unsorted_router_against_plain_hooks():
     experts = the last ids), and the trace's expert_1..K (largest first, what stats --trace --top-k 1 reads)."""
     from itertools import pairwise
 
-    from conftest import longcat_unsorted_router_model
+    from conftest import longcat_unsorted_router_model, router_outputs
     from moetool.experiments.trace.compute import trace
 
     model, routers, ids = longcat_unsorted_router_model(6, torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[2, -6:], mask[5, -3:] = 0, 0
-    seen = {}
-    hooks = [r.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o)) for i, r in enumerate(routers)]
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
-    for h in hooks:
-        h.remove()
+    seen = router_outputs(model, routers, ids, mask)
     keep = mask.reshape(-1).bool()
     tokens = TokenSet(ids, mask, [""] * 6, "test")
     lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
