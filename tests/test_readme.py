@@ -189,6 +189,23 @@ def test_the_readme_says_which_commands_write_no_figures_and_quotes_intervals_as
     assert "`null` after `pip install .`" in text and "after `pip install .` it is `null`" in text
 
 
+def test_the_readme_says_which_trace_analyses_draw_figures(tmp_path):
+    """The README said which commands write no figures/ but not that stats, offload and fluctuation --trace draw
+    none (their results, ``stats_trace``, ..., name no experiment's figures), while placement --trace draws its own:
+    a reader of a --trace run looked for figures that were never drawn."""
+    import moetool
+    from moetool.report.plots import figures
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    assert ("Of the `--trace` analyses only `placement` draws its figures: `stats`, `offload` and `fluctuation` on a "
+            "trace write their tables and no `figures/`.") in text
+    runs = [moetool.run("trace", name, max_tokens=256, seq_len=32, out=tmp_path / name, quiet=True).path
+            for name in ("tiny-early", "tiny")]
+    drawn = {name: sorted(figures(moetool.from_trace(name, runs if name == "fluctuation" else runs[1])))
+             for name in ("stats", "offload", "fluctuation", "placement")}
+    assert drawn["stats"] == drawn["offload"] == drawn["fluctuation"] == [] and drawn["placement"], drawn
+
+
 def test_the_readme_names_every_command_with_intervals_and_every_bca_user():
     """The README's "Confidence intervals" paragraph named six commands (stats, ppl, norm-select, fluctuation,
     mass-recall, offload) where thirteen take --bootstrap, and gave stats as the only user of BCa where placement's
