@@ -206,6 +206,15 @@ def test_the_readme_says_which_trace_analyses_draw_figures(tmp_path):
     assert drawn["stats"] == drawn["offload"] == drawn["fluctuation"] == [] and drawn["placement"], drawn
 
 
+def test_the_version_the_readme_prints_is_the_packages():
+    """The runnable block's ``moetool --version  # moetool 0.1.0`` ran (exit 0) but its printed version was checked
+    nowhere: a version bump would leave the README quoting the old one."""
+    import moetool
+
+    said = re.findall(r"^moetool --version\s+#\s*(.+?)\s*$", README.read_text(encoding="utf-8"), re.M)
+    assert said == [f"moetool {moetool.__version__}"], said
+
+
 def test_the_readme_names_every_command_with_intervals_and_every_bca_user():
     """The README's "Confidence intervals" paragraph named six commands (stats, ppl, norm-select, fluctuation,
     mass-recall, offload) where thirteen take --bootstrap, and gave stats as the only user of BCa where placement's
