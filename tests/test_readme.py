@@ -223,8 +223,8 @@ def test_what_the_readme_says_plan_answers_for_the_shipped_configs():
     from moetool.loading import load_config
 
     text = " ".join(README.read_text(encoding="utf-8").split())
-    said = re.search(r"Mixtral-8x7B needs (\d+) GiB per GPU in bf16, so one 80 GB H100 holds it only in FP8 \((\d+) GiB\)"
-                     r".*? one node of 8 H100 \((\d+) GiB per GPU\)", text)
+    said = re.search(r"Mixtral-8x7B needs (\d+) GiB per GPU in bf16, so one 80 GB H100 holds it only in FP8 "
+                     r"\((\d+) GiB\).*? one node of 8 H100 \((\d+) GiB per GPU\)", text)
     assert said, "the README's plan paragraph changed: update this test"
 
     def gib(name, gpus, layout):

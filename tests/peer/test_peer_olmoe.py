@@ -44,7 +44,7 @@ from itertools import pairwise  # the script's more_itertools.pairwise: the same
 import numpy as np
 import pytest
 import torch
-from peer_capture import tokens
+from peer_capture import readme, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -274,6 +274,8 @@ def test_vocabulary_specialisation_is_olmoes(case):
                 top15 = [p for _, p in sorted(vocabs, key=lambda x: -x[1])[:15]]
                 np.testing.assert_allclose(mine["specialization"].to_numpy()[:15], top15, rtol=1e-12)
     print(f"{name}: {ties} (layer, view, id) with tied most frequent experts")
+    said = {"tiny": f"({ties} (layer, view, id) on `tiny`,", "tiny-fine": f", {ties} on `tiny-fine`)"}[name]
+    assert said in readme(), said  # the README's stats row quotes the ties of both models
 
 
 def test_domain_specialisation_and_cross_layer_are_olmoes(case):
@@ -335,6 +337,14 @@ def test_aux_loss_per_sequence_is_olmoes(case):
         res = moetool.stats(lm, one, bootstrap=0, quiet=True, top_tokens=0, specialization=False)
         want = load_balancing_loss_func(results[r]["router_logits"], n, K).item()
         assert res["layers.csv"]["aux_loss"].mean() == pytest.approx(want, rel=1e-5), (name, r)
+    if name == "tiny":  # the README quotes, on all of tiny's 256-token rows, the script's printed aux loss (the mean
+        # of its per-sequence losses), the mean over layers of moetool's aux_loss and aux_loss_hf_pooled
+        script = np.mean([load_balancing_loss_func(r["router_logits"], n, K).item() for r in results])
+        layers = moetool.stats(lm, ts, bootstrap=0, quiet=True, top_tokens=0, specialization=False)["layers.csv"]
+        said = (f"on `tiny`'s 256-token rows {script:.2f}, moetool's `aux_loss` (all tokens pooled per layer) "
+                f"{layers.aux_loss.mean():.2f} on average over layers, `aux_loss_hf_pooled` "
+                f"{layers.aux_loss_hf_pooled.mean():.2f}")
+        assert said in readme(), said
 
 
 @pytest.mark.parametrize("early,final", [("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")])
