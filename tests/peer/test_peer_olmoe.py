@@ -38,6 +38,7 @@ path, on moetool's packed rows of the shipped held-out text (``moetool.tokens``;
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter, defaultdict
 from itertools import pairwise  # the script's more_itertools.pairwise: the same pairs (it is itertools' on 3.10+)
 
@@ -361,10 +362,21 @@ def test_router_saturation_is_olmoes(early, final):
     results, early_results = run(lm.model, rows, K), run(lm_early.model, rows, K)
     sat1 = compare_with_early_results(results, early_results, 1, L, K)
     satk = compare_with_early_results(results, early_results, K, L, K)
-    res = moetool.fluctuation([lm_early, lm], ts, bootstrap=0, quiet=True)
+    res = moetool.fluctuation([lm_early, lm], ts, bootstrap=1000, seed=0, quiet=True)  # the command's defaults
     fl = res["fluctuation.csv"]
     fl = fl[fl.routing == "router"].sort_values("layer")
     assert list(fl.layer) == list(range(L)) and set(fl.tokens) == {ts.n_tokens}
     np.testing.assert_allclose(1 - fl.top1_change.to_numpy(), sat1, rtol=1e-12, err_msg=final)
     np.testing.assert_allclose(fl.topk_overlap.to_numpy(), satk, rtol=1e-12, err_msg=final)
     assert min(sat1) < 1  # the checkpoints route differently somewhere
+    if final == "tiny":  # the README quotes the summary of `moetool fluctuation tiny-early tiny` (8,192 tokens in
+        # rows of 256, these rows): each number as printed, to the digits it shows
+        said = re.search(r"on `tiny-early → tiny`: router (\S+) \[(\S+), (\S+)\], similarity (\S+) \[(\S+), (\S+)\], "
+                         r"reduction (\S+) \[(\S+), (\S+)\]", readme())
+        assert said, "the README's fluctuation figures moved: update this test"
+        s = res["fluctuation_summary.csv"].set_index("routing")
+        got = [*s.loc["router", ["top1_change", "top1_change_lo", "top1_change_hi"]],
+               *s.loc["similarity", ["top1_change", "top1_change_lo", "top1_change_hi", "reduction_vs_router",
+                                     "reduction_vs_router_lo", "reduction_vs_router_hi"]]]
+        for quoted, value in zip(said.groups(), got, strict=True):
+            assert float(quoted) == round(value, len(quoted.split(".")[1])), (quoted, value)
