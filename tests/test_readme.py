@@ -189,6 +189,55 @@ def test_the_readme_says_which_commands_write_no_figures_and_quotes_intervals_as
     assert "`null` after `pip install .`" in text and "after `pip install .` it is `null`" in text
 
 
+def test_the_readme_says_which_trace_analyses_draw_figures(tmp_path):
+    """The README said which commands write no figures/ but not that stats, offload and fluctuation --trace draw
+    none (their results, ``stats_trace``, ..., name no experiment's figures), while placement --trace draws its own:
+    a reader of a --trace run looked for figures that were never drawn."""
+    import moetool
+    from moetool.report.plots import figures
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    assert ("Of the `--trace` analyses only `placement` draws its figures: `stats`, `offload` and `fluctuation` on a "
+            "trace write their tables and no `figures/`.") in text
+    runs = [moetool.run("trace", name, max_tokens=256, seq_len=32, out=tmp_path / name, quiet=True).path
+            for name in ("tiny-early", "tiny")]
+    drawn = {name: sorted(figures(moetool.from_trace(name, runs if name == "fluctuation" else runs[1])))
+             for name in ("stats", "offload", "fluctuation", "placement")}
+    assert drawn["stats"] == drawn["offload"] == drawn["fluctuation"] == [] and drawn["placement"], drawn
+
+
+def test_the_version_the_readme_prints_is_the_packages():
+    """The runnable block's ``moetool --version  # moetool 0.1.0`` ran (exit 0) but its printed version was checked
+    nowhere: a version bump would leave the README quoting the old one."""
+    import moetool
+
+    said = re.findall(r"^moetool --version\s+#\s*(.+?)\s*$", README.read_text(encoding="utf-8"), re.M)
+    assert said == [f"moetool {moetool.__version__}"], said
+
+
+def test_what_the_readme_says_plan_answers_for_the_shipped_configs():
+    """The README quotes `moetool plan`'s memory per GPU for the shipped configs (rows of 2048 tokens x 8): Mixtral-8x7B
+    88 GiB in bf16 and 45 GiB with --quantize fp8 on one H100, DeepSeek-V3 83 GiB per GPU with --device-map auto on
+    8 H100, none of which was checked against the plan (tests/test_plan.py checks only what fits)."""
+    from moetool.experiments.plan import compute as plan
+    from moetool.loading import load_config
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    said = re.search(r"Mixtral-8x7B needs (\d+) GiB per GPU in bf16, so one 80 GB H100 holds it only in FP8 "
+                     r"\((\d+) GiB\).*? one node of 8 H100 \((\d+) GiB per GPU\)", text)
+    assert said, "the README's plan paragraph changed: update this test"
+
+    def gib(name, gpus, layout):
+        df = plan.plan(load_config(str(README.parent / "examples" / "configs" / name))[0], gpus, 1, seq_len=2048,
+                       rows=8)["layouts"]
+        return df[df.layout.str.startswith(layout)].gib_per_gpu.item()
+
+    got = (gib("mixtral-8x7b", "1xH100", "1 GPU per replica, data parallel"),
+           gib("mixtral-8x7b", "1xH100", "1 GPU per replica, --quantize fp8"),
+           gib("deepseek-v3", "8xH100", "--device-map auto"))
+    assert [int(x) for x in said.groups()] == [round(x) for x in got], got
+
+
 def test_the_readme_names_every_command_with_intervals_and_every_bca_user():
     """The README's "Confidence intervals" paragraph named six commands (stats, ppl, norm-select, fluctuation,
     mass-recall, offload) where thirteen take --bootstrap, and gave stats as the only user of BCa where placement's

@@ -58,3 +58,11 @@ def tokens(name: str, max_tokens: int = 8192, seq_len: int = 256):
     lm = moetool.load(name, device="cpu")  # the ported references are CPU code (numpy, scipy): the comparison
     # is of algorithms, bit-for-bit on one device, wherever the suite runs
     return lm, moetool.tokens(lm, None, seq_len=seq_len, max_tokens=max_tokens)
+
+
+def readme() -> str:
+    """The README's text with its line breaks and runs of spaces as single spaces: the "Checked against the authors'
+    code" table quotes what these cross-checks compute, and each test checks its own figures there."""
+    from pathlib import Path
+
+    return " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8").split())

@@ -31,7 +31,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from peer_capture import blocks, tokens
+from peer_capture import blocks, readme, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +112,5 @@ def test_norm_gate_is_aoes_selection(name):
     print(f"{name}: router {router:.3f}, norm:gate softmax over the chosen K {got.value:.3f} (port {ppl:.3f}), "
           f"the code's unrenormalised weights {code_ppl:.3f}")
     assert abs(code_ppl / got.value - 1) > 0.01  # not the same rule: the code's weights change the perplexity
+    # the README's table quotes these three perplexities per model
+    assert f"{code_ppl:.2f} against {got.value:.2f} on `{name}` (router {router:.2f})" in readme(), name

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from peer_capture import blocks, capture, expert_output, tokens
+from peer_capture import blocks, capture, expert_output, readme, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +163,9 @@ def test_merge_order_groups_and_dominant_experts_are_hcsmoes(both):
         g = groups[groups.layer == layer].sort_values("expert")
         assert list(g.group) == labels.tolist(), f"{name} layer {layer}"
         assert sorted(g.expert[g.dominant]) == sorted(centers)
+    if name == "tiny":  # the README: HC-SMoE's first merges on tiny, the most alike pair by cosine in no layer
+        first = {layer: "{}-{}".format(*merges[(merges.layer == layer) & (merges.step == 1)][["i", "j"]].iloc[0])
+                 for layer in sorted(X)}
+        said = f"on `tiny` its first merges ({', '.join(first.values())}) are the most alike pair by cosine in no layer"
+        assert said in readme(), said
+        assert all(pair != summary.loc[layer, "max_output_pair"] for layer, pair in first.items())

@@ -38,13 +38,14 @@ path, on moetool's packed rows of the shipped held-out text (``moetool.tokens``;
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter, defaultdict
 from itertools import pairwise  # the script's more_itertools.pairwise: the same pairs (it is itertools' on 3.10+)
 
 import numpy as np
 import pytest
 import torch
-from peer_capture import tokens
+from peer_capture import readme, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -274,6 +275,8 @@ def test_vocabulary_specialisation_is_olmoes(case):
                 top15 = [p for _, p in sorted(vocabs, key=lambda x: -x[1])[:15]]
                 np.testing.assert_allclose(mine["specialization"].to_numpy()[:15], top15, rtol=1e-12)
     print(f"{name}: {ties} (layer, view, id) with tied most frequent experts")
+    said = {"tiny": f"({ties} (layer, view, id) on `tiny`,", "tiny-fine": f", {ties} on `tiny-fine`)"}[name]
+    assert said in readme(), said  # the README's stats row quotes the ties of both models
 
 
 def test_domain_specialisation_and_cross_layer_are_olmoes(case):
@@ -335,6 +338,14 @@ def test_aux_loss_per_sequence_is_olmoes(case):
         res = moetool.stats(lm, one, bootstrap=0, quiet=True, top_tokens=0, specialization=False)
         want = load_balancing_loss_func(results[r]["router_logits"], n, K).item()
         assert res["layers.csv"]["aux_loss"].mean() == pytest.approx(want, rel=1e-5), (name, r)
+    if name == "tiny":  # the README quotes, on all of tiny's 256-token rows, the script's printed aux loss (the mean
+        # of its per-sequence losses), the mean over layers of moetool's aux_loss and aux_loss_hf_pooled
+        script = np.mean([load_balancing_loss_func(r["router_logits"], n, K).item() for r in results])
+        layers = moetool.stats(lm, ts, bootstrap=0, quiet=True, top_tokens=0, specialization=False)["layers.csv"]
+        said = (f"on `tiny`'s 256-token rows {script:.2f}, moetool's `aux_loss` (all tokens pooled per layer) "
+                f"{layers.aux_loss.mean():.2f} on average over layers, `aux_loss_hf_pooled` "
+                f"{layers.aux_loss_hf_pooled.mean():.2f}")
+        assert said in readme(), said
 
 
 @pytest.mark.parametrize("early,final", [("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")])
@@ -351,10 +362,21 @@ def test_router_saturation_is_olmoes(early, final):
     results, early_results = run(lm.model, rows, K), run(lm_early.model, rows, K)
     sat1 = compare_with_early_results(results, early_results, 1, L, K)
     satk = compare_with_early_results(results, early_results, K, L, K)
-    res = moetool.fluctuation([lm_early, lm], ts, bootstrap=0, quiet=True)
+    res = moetool.fluctuation([lm_early, lm], ts, bootstrap=1000, seed=0, quiet=True)  # the command's defaults
     fl = res["fluctuation.csv"]
     fl = fl[fl.routing == "router"].sort_values("layer")
     assert list(fl.layer) == list(range(L)) and set(fl.tokens) == {ts.n_tokens}
     np.testing.assert_allclose(1 - fl.top1_change.to_numpy(), sat1, rtol=1e-12, err_msg=final)
     np.testing.assert_allclose(fl.topk_overlap.to_numpy(), satk, rtol=1e-12, err_msg=final)
     assert min(sat1) < 1  # the checkpoints route differently somewhere
+    if final == "tiny":  # the README quotes the summary of `moetool fluctuation tiny-early tiny` (8,192 tokens in
+        # rows of 256, these rows): each number as printed, to the digits it shows
+        said = re.search(r"on `tiny-early → tiny`: router (\S+) \[(\S+), (\S+)\], similarity (\S+) \[(\S+), (\S+)\], "
+                         r"reduction (\S+) \[(\S+), (\S+)\]", readme())
+        assert said, "the README's fluctuation figures moved: update this test"
+        s = res["fluctuation_summary.csv"].set_index("routing")
+        got = [*s.loc["router", ["top1_change", "top1_change_lo", "top1_change_hi"]],
+               *s.loc["similarity", ["top1_change", "top1_change_lo", "top1_change_hi", "reduction_vs_router",
+                                     "reduction_vs_router_lo", "reduction_vs_router_hi"]]]
+        for quoted, value in zip(said.groups(), got, strict=True):
+            assert float(quoted) == round(value, len(quoted.split(".")[1])), (quoted, value)

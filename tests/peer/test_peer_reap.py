@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from peer_capture import blocks, capture, expert_output, tokens
+from peer_capture import blocks, capture, expert_output, readme, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +93,7 @@ def test_saliency_and_pruned_sets_are_reaps(name):
 
     lm, ts = tokens(name)
     assert bool(ts.attention_mask.bool().all())  # whole rows: no padding for REAP's observer to see
-    removed_by = {}
+    removed_by, ratio_of = {}, {}
     for weights, renormalize in (("renormalised", True), ("softmax", False)):
         res = moetool.prune(lm, ts, fractions=(0.25, 0.5), criteria=("reap",), ablate=0, reap_weights=weights,
                             bootstrap=0, quiet=True)
@@ -108,5 +108,11 @@ def test_saliency_and_pruned_sets_are_reaps(name):
                 sel = removed[(removed.fraction == ratio) & (removed.layer == layer)]
                 assert sorted(sel.expert) == sorted(experts_to_prune.tolist()), (name, weights, layer, ratio)
                 removed_by[(weights, layer, ratio)] = sorted(sel.expert)
+        ratio_of[weights] = res["prune"].set_index(["criterion", "fraction"]).loc[("reap", 0.25), "ratio"]
     # the two gate weights are not interchangeable: on these models they remove different experts somewhere
     assert any(removed_by[("renormalised", *k[1:])] != v for k, v in removed_by.items() if k[0] == "softmax")
+    if name == "tiny":  # the README's prune row quotes layer 0's removed experts and the ratios at 25%
+        (a, b), (c, d) = removed_by[("renormalised", 0, 0.25)], removed_by[("softmax", 0, 0.25)]
+        said = (f"on `tiny`, 25% removed: layer 0 loses experts {a} and {b} renormalised, {c} and {d} softmax; "
+                f"perplexity ratio {ratio_of['renormalised']:.2f} against {ratio_of['softmax']:.2f}")
+        assert said in readme(), said

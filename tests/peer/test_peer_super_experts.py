@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from peer_capture import blocks, capture, expert_output, tokens
+from peer_capture import blocks, capture, expert_output, readme, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +114,17 @@ def test_maxima_layers_and_picks_are_the_codes(both, reading):
             for r in table.itertuples()]
     assert {(d["layer_index"], d["expert_index"]) for d in identify_super_experts(mine)} == set(picks)
     assert table.degenerate.all() and (table.can_pass == 1).all()  # <= 201 maxima: only the largest can pass
+
+
+def test_the_readme_quotes_the_picks_of_both_readings(both):
+    """The README's super-experts row: on tiny-fine the code's reading picks one expert, every routed token
+    another; the experts it names are the picks of the two readings."""
+    name, _, runs, _ = both
+    if name != "tiny-fine":
+        pytest.skip("the README quotes tiny-fine")
+    pick = {r: [(int(x.layer), int(x.expert)) for x in runs[r]["super_experts"].query("is_super").itertuples()]
+            for r in ("first-row", "routed")}
+    assert len(pick["first-row"]) == len(pick["routed"]) == 1 and pick["first-row"] != pick["routed"], pick
+    (l1, e1), (l2, e2) = pick["first-row"][0], pick["routed"][0]
+    said = f"(on `tiny-fine`: the code's reading picks layer {l1} expert {e1}, every routed token expert {e2})"
+    assert l1 == l2 and said in readme(), said
