@@ -190,20 +190,31 @@ def test_the_readme_says_which_commands_write_no_figures_and_quotes_intervals_as
 
 
 def test_the_readme_says_which_trace_analyses_draw_figures(tmp_path):
-    """The README said which commands write no figures/ but not that stats, offload and fluctuation --trace draw
-    none (their results, ``stats_trace``, ..., name no experiment's figures), while placement --trace draws its own:
-    a reader of a --trace run looked for figures that were never drawn."""
+    """stats, offload and fluctuation --trace drew no figures (their results, ``stats_trace``, ..., named no
+    experiment's figures), while placement --trace drew its own: now each draws its experiment's figures of the
+    tables a trace gives, as the README says -- the same figures as the forward's, less those of tables a trace
+    cannot give (offload's prefetch recall, stats' cross-layer/domain/specialisation, fluctuation's entropies)."""
     import moetool
     from moetool.report.plots import figures
 
     text = " ".join(README.read_text(encoding="utf-8").split())
-    assert ("Of the `--trace` analyses only `placement` draws its figures: `stats`, `offload` and `fluctuation` on a "
-            "trace write their tables and no `figures/`.") in text
+    assert ("On a trace, each analysis draws the figures of the tables it has: `placement` all of its own, `stats` its "
+            "load, co-activation and balance figures, `offload` all but the prefetch recall, `fluctuation` the top-1 "
+            "change by layer (no entropy figures).") in text
+    lm = moetool.load("tiny")
     runs = [moetool.run("trace", name, max_tokens=256, seq_len=32, out=tmp_path / name, quiet=True).path
             for name in ("tiny-early", "tiny")]
-    drawn = {name: sorted(figures(moetool.from_trace(name, runs if name == "fluctuation" else runs[1])))
-             for name in ("stats", "offload", "fluctuation", "placement")}
-    assert drawn["stats"] == drawn["offload"] == drawn["fluctuation"] == [] and drawn["placement"], drawn
+    toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    for name in ("stats", "offload", "fluctuation", "placement"):
+        traced = sorted(figures(moetool.from_trace(name, runs if name == "fluctuation" else runs[1], bootstrap=0)))
+        if name == "fluctuation":
+            forward = sorted(figures(moetool.fluctuation([moetool.load("tiny-early"), lm], toks, bootstrap=0)))
+            assert traced == ["fluctuation_by_layer"] and set(traced) < set(forward), (traced, forward)
+            continue
+        forward = sorted(figures(getattr(moetool, name)(lm, toks, **({} if name == "placement" else {"bootstrap": 0}))))
+        missing = {"offload": ["offload_prefetch_recall"],  # the tables a trace cannot give
+                   "stats": ["cross_layer", "domain_load", "specialization"]}.get(name, [])
+        assert traced == sorted(set(forward) - set(missing)) and traced, (name, traced, forward)
 
 
 def test_the_version_the_readme_prints_is_the_packages():

@@ -20,8 +20,11 @@ FIGURE_CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = capti
 
 def figures(result: Any) -> dict[str, Any]:
     """Every figure of ``result``: the ``figures`` function its experiment's spec names
-    (:mod:`moetool.experiments.registry`; none for an experiment without figures or a result of no experiment)."""
-    target = next((e.figures for e in EXPERIMENTS.values() if e.result == result.name), None)
+    (:mod:`moetool.experiments.registry`; none for an experiment without figures or a result of no experiment).
+    A ``--trace`` analysis (``stats_trace``, ``offload_trace``, ``fluctuation_trace``) draws its experiment's
+    figures of the tables a trace gives."""
+    name = result.name.removesuffix("_trace")
+    target = next((e.figures for e in EXPERIMENTS.values() if e.result == name), None)
     if target is None:
         return {}
     module, _, attr = target.partition(":")

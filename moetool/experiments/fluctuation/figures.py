@@ -15,6 +15,8 @@ def plot_fluctuation(df: Any) -> dict[str, Any]:
     pairs_ = list(dict.fromkeys(df["pair"]))
     out = {}
     for name, y in (("fluctuation_by_layer", "top1_change"), ("entropy_ratio_by_layer", "entropy_ratio")):
+        if y not in df:  # a --trace run: no entropies (and no top-1 where a trace has no gate weights)
+            continue
         fig, axes = new_figure(*grid_shape(len(pairs_), 3))
         lo, hi = f"{y}_lo", f"{y}_hi"  # bootstrap interval (error bars) when the run computed one
         yerr = (lo, hi) if lo in df and hi in df and df[lo].notna().all() else None
@@ -24,7 +26,7 @@ def plot_fluctuation(df: Any) -> dict[str, Any]:
             ax.set_visible(False)
         out[name] = fig
     plain = df[~df["routing"].str.endswith("-isolated")]
-    if "router" in set(plain["routing"]) and plain["routing"].nunique() > 1:
+    if "entropy_ckpt" in plain and "router" in set(plain["routing"]) and plain["routing"].nunique() > 1:
         base = plain[plain["routing"] == "router"].set_index(["pair", "layer"])["entropy_ckpt"]
         rel = plain.assign(entropy_vs_router=[e / base.get((p, l), float("nan")) for e, p, l in
                                               zip(plain["entropy_ckpt"], plain["pair"], plain["layer"])])

@@ -22,7 +22,7 @@ def offload_figures(result: Any) -> dict[str, Any]:
     for ax in axes[len(layers):]:
         ax.set_visible(False)
     out["offload_hit_rate_vs_cache_size"] = fig
-    pref = result["offload_prefetch.csv"]
+    pref = result["offload_prefetch.csv"] if "offload_prefetch.csv" in result else []  # a trace has no prefetch
     if len(pref):
         import pandas as pd
 
