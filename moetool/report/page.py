@@ -526,7 +526,13 @@ def differing_settings(manifests: list[dict[str, Any]]) -> list[str]:
     options (one that failed before it could: nothing to compare)."""
     def opts(m: dict[str, Any]) -> dict[str, Any] | None:
         o = m.get("options")
-        return {k: v for k, v in o.items() if k not in NOT_SETTINGS} if isinstance(o, dict) and o else None
+        if not isinstance(o, dict) or not o:
+            return None
+        o = {k: v for k, v in o.items() if k not in NOT_SETTINGS}
+        data = m.get("data")  # --data left out: the text the run read (the shipped one), as a path given names it
+        if "data" in o and o["data"] is None and isinstance(data, dict) and isinstance(data.get("source"), str):
+            o["data"] = data["source"]
+        return o
 
     by_command: dict[str, list[dict[str, Any]]] = {}
     for m in manifests:
