@@ -21,6 +21,11 @@ def check(p: Any, opts: Any) -> dict[str, Any]:
                                        or len(set(opts.extra_slots)) != 1):
             raise MoetoolError(f"--export {p.export}: one of {', '.join(EXPORTS)}, with one --gpus G and one "
                                f"--extra-slots value (it writes one placement)")
+        if p.export == "sglang" and opts.layers is not None:  # before anything loads (the config alone)
+            from moetool.traces.export import check_sglang_layers
+            from moetool.traces.shape import ModelShape
+
+            check_sglang_layers(opts.layers, ModelShape.from_config(p.model))
     if p.reference_data is not None:
         from moetool.data import DocumentStream
 

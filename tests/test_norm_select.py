@@ -520,3 +520,32 @@ def test_a_split_aoe_table_repeats_the_row_label_not_the_first_tasks_best_node()
         text = con.export_text()
         if "moetool_prose retention measured" in heads:
             assert "gate:l2" in text and "output:l2" not in text
+
+
+def test_an_lm_eval_task_reporting_perplexity_is_not_taken_for_the_datas():
+    """Break-it run 5: a loglikelihood task (lambada's kind) reports a metric named ``perplexity``; norm-select's
+    retention figure took every ``perplexity`` row of quality.csv as the data's, drawing the task's ratio (600/300)
+    beside the data's (80/50) under the same policy labels, and the Table-1 seconds left out the lm-eval time of a
+    task whose only metric is that one. The data's rows are the data's task only; the seconds add the lm-eval run."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from moetool.experiments.eval import compute as lmeval
+    from moetool.experiments.norm_select.figures import plot_norm_select
+
+    ppl = {"router": SimpleNamespace(perplexity=50.0, seconds=1.0, rows=None),
+           "norm:gate:l2": SimpleNamespace(perplexity=80.0, seconds=2.0, rows=None)}
+    evals = {name: lmeval.EvalResult(lmeval.results_frame({"results": {"lambada_like": {
+        "alias": "lambada_like", "perplexity,none": v, "perplexity_stderr,none": 10.0}}}), 0.5, {})
+        for name, v in (("router", 300.0), ("norm:gate:l2", 600.0))}
+    quality = ns.quality_frame(ppl, evals, "heldout")
+    assert sorted(quality.metric) == ["perplexity"] * 4  # the data's and the task's, two per policy
+    agreement = pd.DataFrame({"layer": [0, 0], "policy": ["router", "norm:gate:l2"], "topk_overlap": [1.0, 0.5],
+                              "top1_agree": [1.0, 0.5], "tokens": [10, 10]})
+    fig = plot_norm_select(agreement, quality, tasks=["lambada_like"])["retention"]
+    bars = [round(b.get_height(), 12) for b in fig.axes[0].patches]
+    assert bars == [1.0, 80.0 / 50.0]  # one bar per policy: the data's perplexity ratio
+    table = ns.table1(agreement, quality).set_index("node")
+    assert table.loc["router", "ppl"] == 50.0 and table.loc["gate", "ppl"] == 80.0
+    assert table.loc["router", "seconds"] == 1.5 and table.loc["gate", "seconds"] == 2.5  # + the lm-eval run

@@ -437,3 +437,35 @@ def test_zero_computation_experts_are_not_placed():
         # load_fraction = load / (tokens * K): short of 1 by the identity experts' share
         assert mine.load_fraction.tolist() == pytest.approx((hand[:12] / (int(keep.sum()) * 4)).tolist(), rel=1e-15)
         assert mine.tokens.iloc[0] == int(keep.sum())
+
+
+def test_sglang_export_of_a_placement_of_some_moe_layers_is_refused(tiny_placement, tmp_path):
+    """Break-it run 5: `moetool placement --layers 1 --gpus 4 --extra-slots 1 --export sglang` wrote a file whose
+    MoE layers 0, 2 and 3 held SGLang's trivial map [0..7, 0..3] -- read by the server as their placement, nothing
+    in it or the manifest saying they were never measured. Refused in one line (the command: before any weight
+    loads); every MoE layer placed is exported, each MoE row EPLB's placement of that layer's loads; eplb's file,
+    which lists its layers, still takes some."""
+    import json
+
+    import moetool
+    from moetool.experiments.placement.compute import rebalance_experts
+
+    lm, tokens, _ = tiny_placement
+    one = moetool.placement(lm, tokens, layers=(1,), gpus=(4,), extra_slots=(1,), bootstrap=0, quiet=True)
+    with pytest.raises(MoetoolError, match=r"placement covers only layers 1; MoE layers 0, 2-3 would get SGLang's"):
+        moetool.export_placement(one, "sglang", tmp_path / "one.json")
+    assert not (tmp_path / "one.json").exists()
+    eplb = json.loads(moetool.export_placement(one, "eplb", tmp_path / "one-eplb.json").read_text())
+    assert eplb["layers"] == [1]
+    every = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), bootstrap=0, quiet=True)
+    rows = json.loads(moetool.export_placement(every, "sglang", tmp_path / "all.json").read_text())
+    loads = every["placement_loads"]
+    loads = loads[loads["data_set"] == "data"]
+    for layer in range(4):  # by hand: the layer's routed counts over the real tokens, EPLB on 12 slots over 4 GPUs
+        load = torch.tensor(loads[loads.layer == layer].sort_values("expert")["load"].to_numpy()).view(1, -1)
+        assert rows["physical_to_logical_map"][layer] == rebalance_experts(load.double(), 12, 1, 1, 4)[0][0].tolist()
+    r = subprocess.run([sys.executable, "-m", "moetool", "placement", "--layers", "1", "--gpus", "4", "--extra-slots",
+                        "1", "--export", "sglang", "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MoE layers 0, 2-3" in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()

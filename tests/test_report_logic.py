@@ -154,3 +154,40 @@ def test_a_table_with_fewer_rows_than_its_run_wrote_is_not_shown(tmp_path):
     (r / "manifest.json").write_text(json.dumps({**m, "tables": {"t.csv": {"rows": 3, "bytes": 8}}}))
     html_page = page.write_report([r], tmp_path / "rep", warn=lambda m: None).read_text()
     assert "t.csv: not shown (it has 2 rows, the run wrote 3" in html_page and '<td class="n">' not in html_page
+
+
+def test_headline_rows_of_one_experiment_say_the_options_their_runs_differ_in(tmp_path):
+    """Break-it run 5: `moetool ppl --max-tokens 512` and the same with `--seq-len 16` gathered side by side showed
+    `| ppl | tiny | ... perplexity 52.1 ... |` and `| ppl | tiny | ... perplexity 70 ... |`: two perplexities of one
+    model at other context lengths, compared in one table as if alike. Each row now names the options in which its
+    run differs from the other runs of the same experiment (seq_len here, data and dtype below); a run alone, or
+    runs agreeing, show the model only; another experiment's options are not compared."""
+    def ppl(name, **opts):
+        return page.Run(tmp_path, name, {"command": "ppl", "status": "complete", "model": {"name": "tiny"},
+                                         "headline": [f"ppl {name}"], "data": {"source": "heldout.jsonl"},
+                                         "options": {"model": "tiny", "data": None, "seq_len": 256, "dtype": "auto",
+                                                     "batch_size": 8, **opts}})
+    runs = [ppl("a"), ppl("b", seq_len=16), ppl("c", data="other.jsonl", dtype="bfloat16"),
+            ppl("d", data="heldout.jsonl", seq_len=16),  # the text read by default, named: the same data
+            page.Run(tmp_path, "s", {"command": "stats", "status": "complete", "model": {"name": "tiny"},
+                                     "headline": ["entropy 1.5"], "options": {"model": "tiny", "seq_len": 16}}),
+            page.Run(tmp_path, "t", {"command": "stats", "status": "complete", "model": {"name": "tiny-fine"},
+                                     "headline": ["entropy 1.2"], "options": {"model": "tiny-fine", "seq_len": 16}}),
+            page.Run(tmp_path, "u", {"command": "stats", "status": "failed", "model": {"name": "tiny"},
+                                     "headline": ["entropy 1.4"]})]  # failed before recording its options
+    body, md = [], []
+    page._headlines(runs, body, md)
+    rows = [ln for ln in md if ln.startswith("| [")]
+    assert rows == ["| [ppl](#a) | tiny · data=heldout.jsonl, seq\\_len=256, dtype=auto | ppl a |",
+                    "| [ppl](#b) | tiny · data=heldout.jsonl, seq\\_len=16, dtype=auto | ppl b |",
+                    "| [ppl](#c) | tiny · data=other.jsonl, seq\\_len=256, dtype=bfloat16 | ppl c |",
+                    "| [ppl](#d) | tiny · data=heldout.jsonl, seq\\_len=16, dtype=auto | ppl d |",
+                    "| [stats](#s) | tiny | entropy 1.5 |", "| [stats](#t) | tiny-fine | entropy 1.2 |",
+                    "| [stats (failed)](#u) | tiny | entropy 1.4 |"]
+    assert "<td>tiny · data=heldout.jsonl, seq_len=16, dtype=auto</td>" in "".join(body)
+    body, md = [], []
+    page._headlines([runs[1], runs[3]], body, md)  # the shipped text by default and by name: nothing differs
+    assert [ln for ln in md if ln.startswith("| [")] == ["| [ppl](#b) | tiny | ppl b |", "| [ppl](#d) | tiny | ppl d |"]
+    body, md = [], []
+    page._headlines(runs[:1], body, md)
+    assert [ln for ln in md if ln.startswith("| [")] == ["| [ppl](#a) | tiny | ppl a |"]

@@ -514,13 +514,51 @@ def _unfinished(m: dict[str, Any]) -> str:
     return "" if status == "complete" else f" ({status or 'status unknown'})"
 
 
+#: options of a manifest that say how a run was made, not what it measured (the model is the row's own column)
+NOT_SETTINGS = frozenset({"model", "out", "force", "resume", "quiet"})
+
+
+def differing_settings(manifests: list[dict[str, Any]]) -> list[str]:
+    """Per manifest, ``"seq_len=16, dtype=bfloat16"``: its options (``options`` of the manifest, but
+    :data:`NOT_SETTINGS`) whose values differ among the manifests of the same command -- two runs of one
+    experiment side by side whose numbers were measured on other data, sequence lengths, precisions or
+    options say so; ``""`` where they agree, where the command has one run, and for a run that recorded no
+    options (one that failed before it could: nothing to compare)."""
+    def opts(m: dict[str, Any]) -> dict[str, Any] | None:
+        o = m.get("options")
+        if not isinstance(o, dict) or not o:
+            return None
+        o = {k: v for k, v in o.items() if k not in NOT_SETTINGS}
+        data = m.get("data")  # --data left out: the text the run read (the shipped one), as a path given names it
+        if "data" in o and o["data"] is None and isinstance(data, dict) and isinstance(data.get("source"), str):
+            o["data"] = data["source"]
+        return o
+
+    by_command: dict[str, list[dict[str, Any]]] = {}
+    for m in manifests:
+        if opts(m) is not None:
+            by_command.setdefault(str(m.get("command", "")), []).append(opts(m))
+    out = []
+    for m in manifests:
+        if opts(m) is None:
+            out.append("")
+            continue
+        group = by_command[str(m.get("command", ""))]
+        keys = list(dict.fromkeys(k for o in group for k in o))  # in the order the runs record them
+        keys = [k for k in keys if any(json.dumps(o.get(k), sort_keys=True, default=str)
+                                       != json.dumps(group[0].get(k), sort_keys=True, default=str) for o in group)]
+        own = opts(m)
+        out.append(", ".join(f"{k}={human(own.get(k))}" for k in keys))
+    return out
+
+
 def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
     """The page's first table: each run's headline numbers (its manifest's ``headline``, the lines its
     experiment prints, intervals where it gives them), linking to the run's section, the experiment marked with
     the run's status when it did not complete (:func:`_unfinished`); a demo folder written before
     runs recorded them falls back on the demo's step summaries. Nothing when no run has any."""
     rows = [(r.name, str(r.manifest.get("command", "")) + _unfinished(r.manifest), r.label.partition(" · ")[2],
-             list(r.manifest["headline"]))
+             list(r.manifest["headline"]), r.manifest)
             for r in runs if isinstance(r.manifest.get("headline"), list) and r.manifest["headline"]]
     if not rows:
         by_path = {r.path.resolve(): r for r in runs}
@@ -532,16 +570,20 @@ def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
                                if Path(f).resolve() in by_path), r)
                 rows.append((target.name, str(step.get("step", "")) + _unfinished(target.manifest),
                              target.label.partition(" · ")[2],
-                             [str(x) for x in step["summary"]]))
+                             [str(x) for x in step["summary"]], target.manifest))
     if not rows:
         return
+    settings = differing_settings([m for *_, m in rows])
+    rows = [(name, cmd, " · ".join(x for x in (who, said) if x), lines)
+            for (name, cmd, who, lines, _), said in zip(rows, settings)]
+    who_head = "model · options that differ from its other runs"
     body += ['<h2 id="results">results at a glance</h2>', '<div class="scroll"><table class="headline">',
-             "<thead><tr><th>experiment</th><th>model</th><th>headline numbers (± the 95% interval where the "
+             f"<thead><tr><th>experiment</th><th>{who_head}</th><th>headline numbers (± the 95% interval where the "
              "experiment gives one)</th></tr></thead><tbody>"]
     body += [f'<tr><td><a href="#{name}">{html.escape(cmd)}</a></td><td>{html.escape(who)}</td><td>'
              + "<br>".join(html.escape(line) for line in lines) + "</td></tr>" for name, cmd, who, lines in rows]
     body.append("</tbody></table></div>")
-    md += ["## results at a glance", "", "| experiment | model | headline numbers |", "|:---|:---|:---|"]
+    md += ["## results at a glance", "", f"| experiment | {who_head} | headline numbers |", "|:---|:---|:---|"]
     md += [f"| [{md_escape(cmd)}](#{name}) | {md_escape(who)} | " + "<br>".join(md_escape(x) for x in lines) + " |"
            for name, cmd, who, lines in rows]
     md.append("")

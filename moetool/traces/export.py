@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import MoetoolError
+from ..errors import MoetoolError, spans
 from ..experiments.placement.compute import rebalance_experts
 from .readers import load_pt
 from .shape import ModelShape
@@ -94,6 +94,18 @@ def eplb_placement(load: torch.Tensor, gpus: int, replicas: int, groups: int, no
     return {"phy2log": phy2log, "phyrank": phyrank, "logcnt": logcnt, "log2phy": log2phy_map(phy2log, phyrank, logcnt)}
 
 
+def check_sglang_layers(layers: Any, shape: ModelShape) -> None:
+    """``--export sglang`` writes a row for every decoder layer: a MoE layer of ``shape`` left out of ``layers``
+    (``--layers``, a trace without it) would get SGLang's trivial map in the file, read by the server as the
+    placement of that layer -- one line instead. ``layers`` ``None``: every MoE layer."""
+    missing = [] if layers is None else sorted(set(shape.moe) - {int(i) for i in layers})
+    if missing:
+        raise MoetoolError(f"--export sglang: the file places every MoE layer, but the placement covers only layers "
+                           f"{spans(sorted(set(shape.moe) - set(missing)))}; MoE layers {spans(missing)} would get "
+                           f"SGLang's trivial map as if placed: measure every MoE layer (drop --layers), or "
+                           f"--export eplb, which lists the layers it places")
+
+
 def write_export(kind: str, path: Path, placed: dict[str, torch.Tensor], layers: list[int], shape: ModelShape | None,
                  args: dict[str, int]) -> None:
     """Write ``placed`` (:func:`eplb_placement` of ``layers``) as ``kind`` at ``path``."""
@@ -103,6 +115,7 @@ def write_export(kind: str, path: Path, placed: dict[str, torch.Tensor], layers:
     elif kind == "sglang":
         if shape is None:
             raise MoetoolError("--export sglang needs the model's decoder layers (every layer has a row)")
+        check_sglang_layers(layers, shape)
         P = placed["phy2log"].shape[1]
         n = placed["logcnt"].shape[1]
         full = (torch.arange(0, P).repeat(shape.num_layers, 1) % n)  # SGLang's init_trivial for the others

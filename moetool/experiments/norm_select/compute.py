@@ -262,6 +262,15 @@ def run_norm_select(lm: Any, tokens: Any, policies: list[Any], *, data: str = "h
                             pd.DataFrame(overall))
 
 
+def data_rows(quality: Any) -> Any:
+    """The rows of ``quality`` (:func:`quality_frame`) that hold the perplexity on ``--data``: metric ``perplexity``
+    of the data's task (the table's first row's), never an lm-eval task's own ``perplexity`` metric (lambada's, any
+    ``loglikelihood`` task's), which is that task's number, not the data's."""
+    if not len(quality):
+        return quality
+    return quality[(quality.metric == "perplexity") & (quality.task == quality.task.iloc[0])]
+
+
 def asked_rows(quality: Any, metric: str, tasks: Iterable[str] | None) -> Any:
     """Rows of ``metric``, only for the asked task names (a group's subtasks stay in quality.csv)."""
     rows = quality[quality.metric == metric]
@@ -282,7 +291,7 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
     for name, q in quality.groupby("policy", sort=False):
         a = agreement[agreement.policy == name]
         n = a.tokens.sum()
-        p = q[q.metric == "perplexity"].iloc[0]
+        p = data_rows(q).iloc[0]
         kind, _, rest = name.partition(":")
         node, _, norm = rest.partition(":")
         o = over.get(name, {})
@@ -296,8 +305,8 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
             row.update({f"{r.task} {metric}": r.value, f"{r.task} {metric}_lo": r.value_lo,
                         f"{r.task} {metric}_hi": r.value_hi, f"{r.task} retention": r.ratio,
                         f"{r.task} retention_lo": r.ratio_lo, f"{r.task} retention_hi": r.ratio_hi})
-        row["seconds"] = float(p.seconds) + float(q[q.metric != "perplexity"].seconds.max()
-                                                  if (q.metric != "perplexity").any() else 0.0)
+        lmeval_rows = q.drop(index=data_rows(q).index)
+        row["seconds"] = float(p.seconds) + float(lmeval_rows.seconds.max() if len(lmeval_rows) else 0.0)
         rows.append(row)
     return pd.DataFrame(rows)
 

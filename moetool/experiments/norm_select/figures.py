@@ -15,13 +15,13 @@ def plot_norm_select(agreement: Any, quality: Any, metric: str = "acc",
     ``items``: task -> number of lm-eval items scored (shown beside each task; ``n_samples`` of the manifest)."""
     import numpy as np
 
-    from .compute import asked_rows
+    from .compute import asked_rows, data_rows
     from ...report.figures import line_by, new_figure
 
     out = {}
     acc = asked_rows(quality, metric, tasks)
     fig, axes = new_figure(1, 2 if len(acc) else 1, width=max(4.2, 0.8 * quality.policy.nunique()))
-    ppl = quality[quality.metric == "perplexity"]
+    ppl = data_rows(quality)
     axes[0].bar(range(len(ppl)), ppl.ratio, color="tab:gray", yerr=bar_errors(ppl), capsize=2)
     axes[0].axhline(1.0, color="k", linewidth=0.8)
     axes[0].set_xticks(range(len(ppl)), ppl.policy, rotation=35, ha="right")
