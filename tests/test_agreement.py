@@ -96,7 +96,7 @@ def result(tokens):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_flips_margin_bins_and_nll_by_hand(result, hand, precision):
+def test_flips_margin_bins_and_nll_by_hand(result, hand, precision, tokens):
     ref, ref_nll = hand["fp32"]
     mine, nll = hand[precision]
     df = result["agreement"].set_index(["precision", "layer"])
@@ -122,6 +122,9 @@ def test_flips_margin_bins_and_nll_by_hand(result, hand, precision):
                 assert round(g.loc[k, "topk_flip"] * int(sel.sum())) == int(topk[sel].sum())
                 assert round(g.loc[k, "top1_flip"] * int(sel.sum())) == int(one[sel].sum())
         total = [total[0] + n, total[1] + int(topk.sum()), total[2] + int(one.sum())]
+    # the summary counts each real token once (the mask by hand), its flips over tokens x layers
+    assert s.loc[precision, "tokens"] == int(tokens.attention_mask.sum()) == total[0] / 4
+    assert s.loc[precision, "layers"] == 4
     assert s.loc[precision, "topk_flip"] == pytest.approx(total[1] / total[0], abs=1e-12)
     assert s.loc[precision, "top1_flip"] == pytest.approx(total[2] / total[0], abs=1e-12)
     assert s.loc[precision, "nll_ref"] == pytest.approx(ref_nll, rel=1e-6)
@@ -294,3 +297,97 @@ def test_cli_device_map_reaches_every_per_precision_load(tmp_path, monkeypatch):
         return
     assert same_csvs(tmp_path / "plain", tmp_path / "auto") == ["agreement.csv", "agreement_bins.csv",
                                                                  "agreement_summary.csv"]
+
+
+@pytest.mark.slow
+def test_a_run_that_scored_other_tokens_is_refused_not_compared(tokens):
+    """ΔNLL pairs the runs row by row: a compared run whose rows scored other tokens (row 0's last position masked
+    out) is one line naming both counts of scored positions (by hand: a real token after a real token), never a
+    ΔNLL over different tokens."""
+    import dataclasses
+
+    lm, _, _ = load_precision("tiny", "fp32", "cpu")
+    opts = AgreementOptions(precisions=("fp32", "bf16"), thresholds=THRESHOLDS, bootstrap=0, batch_size=BATCH)
+    mask = tokens.attention_mask.clone()
+    assert mask[0].all()
+    mask[0, -1] = 0
+    other = dataclasses.replace(tokens, attention_mask=mask)
+    ref = ReferenceRun(tokens, lm.layers)
+    run_precision(lm, tokens, ref, lm.layers, opts, "ref", True)
+    again = CompareRun(other, lm.layers, ref, opts.thresholds)
+    run_precision(lm, other, again, lm.layers, opts, "again", True)
+    m = tokens.attention_mask.bool()
+    n = int((m[:, 1:] & m[:, :-1]).sum())
+    with pytest.raises(MoetoolError, match=rf"fp32: the runs scored different tokens \({n - 1} vs {n}\)"):
+        tables("fp32", ref, {"fp32": again}, {"fp32": {"simulated": False}}, opts)
+
+
+def test_fp8_leaves_a_router_that_is_an_nn_linear_alone():
+    """DBRX's router is an ``nn.Linear`` (``router.layer``): fp8 takes every other ``nn.Linear`` (attention) and the
+    experts, never a router's weight nor the LM head. The expected set is written by name from the module tree."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.experiments.agreement.compute import quantized_views
+
+    model = build_tiny("dbrx")
+    layers = find_moe_layers(model)
+    views = quantized_views(SimpleNamespace(model=model, layers=layers), "fp8")
+    router_linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".router." in n}
+    assert len(router_linears) == len(layers)  # the test is not vacuous: one nn.Linear router per MoE layer
+    want = {n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n not in router_linears and n != "lm_head" and ".experts." not in n}
+    linear = {n for n, _ in views if not n.startswith("layer ")}
+    assert linear == want
+    router_storage = {p.untyped_storage().data_ptr() for L in layers for p in L.router.parameters()}
+    assert not router_storage & {w.untyped_storage().data_ptr() for _, w in views}
+
+
+def test_a_loaded_model_is_not_taken_for_a_simulated_format_of_its_dtype():
+    """fp8 computes in bf16 but is not bf16: a loaded bf16 model asked for fp8 is loaded again and fake-quantized
+    (an expert matrix by hand), the caller's model untouched."""
+    lm = moetool.load("tiny", dtype="bf16")
+    name = "model.layers.0.mlp.experts.down_proj"
+    before = dict(lm.model.named_parameters())[name].detach().clone()
+    got, rec, owned = load_precision(lm, "fp8", "cpu")
+    assert got is not lm and owned and rec["simulated"] and rec["format"] == "fp8"
+    mine = dict(got.model.named_parameters())[name]
+    assert torch.equal(mine[1], formats.fake_quantize(before[1].clone(), "fp8")) and not torch.equal(mine, before)
+    assert torch.equal(dict(lm.model.named_parameters())[name], before)
+
+
+def test_fp4_checks_each_matrix_along_its_input_dim(monkeypatch):
+    """FP4/MXFP4 groups run along the input dim (the last of ``[out, in]``): with 96-value groups the experts' gate
+    (input: hidden 128) is refused by name while down (input: intermediate 192, a multiple of 96) would pass."""
+    from moetool.experiments.agreement import compute as mod
+
+    lm = moetool.load("tiny", dtype="fp32")
+    d, inter = lm.config.hidden_size, lm.config.intermediate_size
+    assert (d, inter) == (128, 192)
+    monkeypatch.setattr(mod.formats, "FP4_GROUP", 96)
+    with pytest.raises(MoetoolError, match=rf"--precisions mxfp4: layer 0 experts.gate has an input dim of {d}, "):
+        mod.check_formats(lm, ["fp32", "mxfp4"])
+    monkeypatch.setattr(mod.formats, "FP4_GROUP", 64)  # divides both: accepted
+    mod.check_formats(lm, ["fp32", "mxfp4"])
+
+
+def test_a_layer_routing_every_expert_is_one_line_before_any_run(monkeypatch):
+    """K = n: every precision chooses the same set and there is no (K+1)-th score; one line naming the layer before
+    any forward."""
+    from types import SimpleNamespace
+
+    from moetool.experiments.agreement import compute as mod
+
+    lm = moetool.load("tiny", dtype="fp32")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    layers = [SimpleNamespace(index=0, top_k=2, n_experts=8), SimpleNamespace(index=1, top_k=4, n_experts=4)]
+    runs = []
+    monkeypatch.setattr(mod, "load_precision",
+                        lambda *a, **k: (SimpleNamespace(layers=layers), {"simulated": False}, False))
+    monkeypatch.setattr(mod, "run_precision", lambda *a, **k: runs.append(a))
+    with pytest.raises(MoetoolError, match=r"layer 1: routes all 4 experts \(K = n\)"):
+        agreement(lm, tokens, precisions=("fp32", "bf16"), bootstrap=0, quiet=True)
+    assert not runs

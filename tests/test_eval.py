@@ -81,11 +81,16 @@ def test_hub_offline_is_restored(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    before = (datasets.config.HF_DATASETS_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    for m, a in ((datasets.config, "HF_DATASETS_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                 (huggingface_hub.constants, "HF_HUB_OFFLINE")):
+        monkeypatch.setattr(m, a, False)  # online before the block, whatever this machine's environment says
+    flags = lambda: (datasets.config.HF_DATASETS_OFFLINE, datasets.config.HF_HUB_OFFLINE,  # noqa: E731
+                     huggingface_hub.constants.HF_HUB_OFFLINE)
+    before = flags()
     with lmeval_compat.hub_offline():
-        assert datasets.config.HF_DATASETS_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
+        assert flags() == (True, True, True)  # datasets reads its own copy of HF_HUB_OFFLINE too
         assert os.environ["HF_DATASETS_OFFLINE"] == "1"
-    assert (datasets.config.HF_DATASETS_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before
+    assert flags() == before
     assert "HF_DATASETS_OFFLINE" not in os.environ
 
 
@@ -415,3 +420,16 @@ def test_a_filtered_metric_takes_the_stderr_of_its_own_filter():
     row = df.set_index("metric").loc["exact_match[strict]"]
     assert row.stderr == 0.05
     assert [row.value_lo, row.value_hi] == pytest.approx(wilson_by_hand(0.3, 0.3 * 0.7 / 0.05 ** 2 + 1), abs=1e-6)
+
+
+def test_a_patched_attribute_gone_from_lm_eval_is_one_line(monkeypatch):
+    """lm-eval without an attribute moetool patches: one MoetoolError naming it and the tested version, not an
+    AttributeError from inside mock."""
+    from lm_eval import evaluator
+
+    from moetool.errors import MoetoolError
+
+    monkeypatch.delattr(evaluator, "get_git_commit_hash")
+    with pytest.raises(MoetoolError, match=r"has no evaluator\.get_git_commit_hash: .* written for lm-eval "):
+        with lmeval_compat.no_env_report():
+            pass

@@ -549,3 +549,25 @@ def test_an_lm_eval_task_reporting_perplexity_is_not_taken_for_the_datas():
     table = ns.table1(agreement, quality).set_index("node")
     assert table.loc["router", "ppl"] == 50.0 and table.loc["gate", "ppl"] == 80.0
     assert table.loc["router", "seconds"] == 1.5 and table.loc["gate", "seconds"] == 2.5  # + the lm-eval run
+
+
+def test_retention_over_a_zero_base_accuracy_is_nan_not_an_error():
+    """A task the router scores 0 on: retention a / 0 is undefined, so that row's ratio and interval are NaN (not a
+    crash of the whole run); the other task keeps its delta-method interval, by hand:
+    se(a/b)² = (se_a / b)² + (a se_b / b²)²."""
+    from moetool.experiments.eval import compute as lmeval
+
+    def result(acc):
+        res = {t: {"acc,none": v, "acc_stderr,none": se} for t, (v, se) in acc.items()}
+        return lmeval.EvalResult(lmeval.results_frame({"results": res}), 0.5, {})
+
+    base = result({"zero": (0.0, 0.0), "half": (0.5, 0.02)})
+    mine = result({"zero": (0.1, 0.03), "half": (0.4, 0.025)})
+    rows = {r["task"]: r for r in ns.eval_rows("norm:gate:l2", mine, base)}
+    z = rows["zero"]
+    assert z["value"] == 0.1 and z["router_value"] == 0.0
+    assert all(math.isnan(z[c]) for c in ("ratio", "ratio_lo", "ratio_hi"))
+    se = math.sqrt((0.025 / 0.5) ** 2 + (0.4 * 0.02 / 0.5 ** 2) ** 2)
+    h = rows["half"]
+    assert (h["ratio"], h["ratio_lo"], h["ratio_hi"]) == pytest.approx((0.8, 0.8 - 1.959964 * se, 0.8 + 1.959964 * se),
+                                                                       abs=1e-6)
