@@ -571,3 +571,11 @@ def test_retention_over_a_zero_base_accuracy_is_nan_not_an_error():
     h = rows["half"]
     assert (h["ratio"], h["ratio_lo"], h["ratio_hi"]) == pytest.approx((0.8, 0.8 - 1.959964 * se, 0.8 + 1.959964 * se),
                                                                        abs=1e-6)
+    # the router's own rows: retention 1 with the interval [1, 1] where it is defined, NaN on the task it scores 0 on
+    # (it wrote NaN with [1, 1]) and where its value has no stderr
+    router = {r["task"]: r for r in ns.eval_rows("router", base, base)}
+    assert (router["half"]["ratio"], router["half"]["ratio_lo"], router["half"]["ratio_hi"]) == (1.0, 1.0, 1.0)
+    assert all(math.isnan(router["zero"][c]) for c in ("ratio", "ratio_lo", "ratio_hi"))
+    bare = result({"half": (0.5, float("nan"))})
+    r = ns.eval_rows("router", bare, bare)[0]
+    assert r["ratio"] == 1.0 and math.isnan(r["ratio_lo"]) and math.isnan(r["ratio_hi"])

@@ -198,8 +198,9 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
         se, se_b = float(r.stderr), float(ref.stderr.get(key, nan))
         ok = se == se and se_b == se_b and b == b and b != 0 and r.value == r.value
         ratio = Interval(r.value / b if b else nan)
-        if name == "router":
-            ratio = Interval(ratio.value, 1.0, 1.0)
+        if name == "router":  # [1, 1] where its retention is defined and the value has an interval, as ppl_intervals
+            one = 1.0 if b == b and b != 0 and se == se else nan
+            ratio = Interval(ratio.value, one, one)
         elif ok:
             ratio = delta_ratio(float(r.value), se, b, se_b)
         out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value, "stderr": se,
