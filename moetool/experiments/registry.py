@@ -77,6 +77,13 @@ def get(name: str) -> Experiment:
                        f"{', '.join(EXPERIMENTS)}")
 
 
+def of_result(name: str) -> Experiment | None:
+    """The experiment that writes results named ``name`` -- a ``--trace`` analysis's (``stats_trace``, ...) is its
+    experiment's -- or None (a result of no experiment): whose headline lines and figures the result gets."""
+    base = name.removesuffix("_trace")
+    return next((e for e in EXPERIMENTS.values() if e.result == base), None)
+
+
 def command_modules() -> list[str]:
     """Every CLI command's module: ``moetool.commands.generated`` makes every experiment's command from its spec
     (with what ``moetool.commands.<name>`` adds, where there is one), then the commands that are not experiments."""

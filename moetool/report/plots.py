@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..experiments.registry import EXPERIMENTS, captions
+from ..experiments.registry import captions, of_result
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots): the
 #: report page's captions (:mod:`moetool.report.page`), each from its experiment's ``spec.py``
@@ -23,8 +23,8 @@ def figures(result: Any) -> dict[str, Any]:
     (:mod:`moetool.experiments.registry`; none for an experiment without figures or a result of no experiment).
     A ``--trace`` analysis (``stats_trace``, ``offload_trace``, ``fluctuation_trace``) draws its experiment's
     figures of the tables a trace gives."""
-    name = result.name.removesuffix("_trace")
-    target = next((e.figures for e in EXPERIMENTS.values() if e.result == name), None)
+    spec = of_result(result.name)
+    target = spec.figures if spec is not None else None
     if target is None:
         return {}
     module, _, attr = target.partition(":")

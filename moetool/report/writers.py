@@ -76,10 +76,9 @@ def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | Non
     prints, intervals where the experiment gives them), for the manifest's ``headline`` and the report page's
     summary table; ``[]`` for an experiment without them or a result of no experiment. A ``--trace`` analysis
     (``stats_trace``, ...) gets its experiment's lines of the tables it has."""
-    from ..experiments.registry import EXPERIMENTS
+    from ..experiments.registry import of_result
 
-    name = result.name.removesuffix("_trace")
-    spec = next((e for e in EXPERIMENTS.values() if e.result == name), None)
+    spec = of_result(result.name)
     if spec is None or not spec.lines:
         return []
     trace = result.meta.get("trace")  # a --trace analysis: no model loaded, the routing of the trace's model
