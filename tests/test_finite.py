@@ -163,3 +163,54 @@ def test_forward_leaves_padding_unchecked_and_its_nll_unchanged():
                 assert (got.nll_sum, got.tokens) == (clean.nll_sum, clean.tokens) and got.tokens == 24 - 3 - 3
         finally:
             h.remove()
+
+
+def test_a_non_finite_call_is_kept_when_a_later_call_of_the_same_module_is_clean():
+    """The flags OR every call of a module between two checks (a router or experts module run twice before the
+    batch's check): a NaN in the first call stops the run although the second call is finite. Keeping only the last
+    call's flag let the NaN pass."""
+    from conftest import build_tiny_model
+
+    from moetool.adapters import find_moe_layers
+    from moetool.engine.guard import FiniteGuard
+
+    model = build_tiny_model("mixtral")
+    L = find_moe_layers(model)[0]
+    h = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    bad = h.clone()
+    bad[2, 0] = float("nan")
+    with torch.no_grad(), FiniteGuard([L]) as g:
+        for first, second, raises in ((h, h, False), (bad, h, True), (h, bad, True)):
+            L.router(first)
+            L.router(second)
+            if raises:
+                with pytest.raises(MoetoolRuntimeError, match=f"^non-finite router logits in MoE layer {L.index} at "
+                                                              f"batch 4: results would be meaningless$"):
+                    g.check(4)
+            else:
+                g.check(4)
+
+
+def test_padding_is_unchecked_in_batch_shaped_and_flattened_outputs():
+    """The mask ``[B, S]`` covers an output of either layout: ``[B, S, ...]`` (a router or experts module called on
+    the batch's shape) and ``[B * S, ...]`` (flattened tokens). NaN at the padded position (row 0, position 2) of
+    either stops nothing; at a real one (row 1, position 2) it does. Masking only the flattened layout stopped a run
+    on a NaN in padding of a ``[B, S, ...]`` output."""
+    from types import SimpleNamespace
+
+    from moetool.engine.guard import FiniteGuard
+
+    L = SimpleNamespace(index=3, router=torch.nn.Identity(), experts=torch.nn.Identity())
+    with FiniteGuard([L]) as g:
+        g.mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+        for flat in (False, True):
+            for row, raises in ((0, False), (1, True)):
+                x = torch.zeros(2, 3, 4)
+                x[row, 2, 1] = float("nan")
+                L.experts(x.reshape(6, 4) if flat else x)
+                if raises:
+                    with pytest.raises(MoetoolRuntimeError, match="^non-finite experts output in MoE layer 3 at "
+                                                                  "batch 0"):
+                        g.check(0)
+                else:
+                    g.check(0)

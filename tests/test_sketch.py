@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.sketch import DENSE_KEYS, DENSE_TOTAL, Moments, QuantileSketch, SparseCounter, TokenSpill, dense_space
+from moetool.sketch import (DENSE_KEYS, DENSE_TOTAL, FP32_TINY, Moments, QuantileSketch, SparseCounter, TokenSpill,
+                            dense_space)
 
 
 def data(kind, n, seed):
@@ -141,3 +142,56 @@ def test_spill_reads_back_every_batch_in_order(tmp_path):
         path = sp.path
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(back, parts))
     assert not path.exists()  # cleaned up
+
+
+def test_both_ends_of_the_range_are_inside_it():
+    """``[lo, hi]`` is closed: a value exactly at ``lo`` or at ``hi`` falls in a log bin, so a quantile there is a
+    number within ``rel_error`` (the default range's ends, 2^-149 and 1e4, are values a run can meet: the smallest
+    fp32 and the round top). Before this test a value at ``hi`` put in the overflow bin, or one at ``lo`` in the
+    underflow bin, read nothing but the sketch's range error."""
+    for values, q, want in (([1e4, 1e4, 1e4, 1.0], 0.5, 1e4), ([FP32_TINY] * 3 + [1.0], 0.5, FP32_TINY)):
+        sk = QuantileSketch()  # 2^-149 .. 1e4
+        sk.add(torch.tensor(values, dtype=torch.float64))
+        assert np.quantile(values, q) == want
+        # lo is a bin's lower edge, where the bound is reached (the centre lo * sqrt(g)): equal up to rounding
+        assert sk.quantile(q) == pytest.approx(want, rel=sk.rel_error * (1 + 1e-9), abs=0)
+
+
+def test_a_quantile_inside_the_overflow_bin_is_refused_not_read_as_the_max():
+    """Overflow values are known only at the top (the max): 30 of [1, 20, 30, 40] (hi = 10) is the quantile 2/3,
+    the overflow bin's second value, which no number of the sketch gives -- one line; 40 (q = 1) is the max, exactly.
+    Reading every overflow rank as the max gave 40 for 30."""
+    sk = QuantileSketch(lo=1e-3, hi=10.0)
+    sk.add(torch.tensor([1.0, 20.0, 30.0, 40.0]))
+    assert np.quantile([1.0, 20.0, 30.0, 40.0], 2 / 3) == pytest.approx(30.0)
+    with pytest.raises(MoetoolError, match="outside the sketch's range"):
+        sk.quantile(2 / 3)
+    assert sk.quantile(1.0) == 40.0 and sk.quantile(0.0) == pytest.approx(1.0, rel=sk.rel_error)
+
+
+def test_merge_keeps_the_smallest_and_largest_of_both():
+    """The tail ends after a merge are the smaller min and the larger max of the two parts: q = 0 / 1 read exactly
+    from the under- and overflow bins (2e-4 and 30, np.quantile of the union), whichever part held them."""
+    a, b = QuantileSketch(lo=1e-3, hi=10.0), QuantileSketch(lo=1e-3, hi=10.0)
+    a.add(torch.tensor([5e-4, 1.0, 30.0], dtype=torch.float64))
+    b.add(torch.tensor([2e-4, 2.0, 20.0], dtype=torch.float64))
+    for x, y in ((a, b), (b, a)):
+        m = QuantileSketch(lo=1e-3, hi=10.0).merge(x).merge(y)
+        assert (m.quantile(0.0), m.quantile(1.0)) == (2e-4, 30.0) and m.n == 6
+
+
+def test_a_restored_spill_keeps_its_batches_and_appends_after_them(tmp_path):
+    """``save`` then ``restore`` (fluctuation's ``--resume``) gives back the saved batches, and a batch appended after
+    the restore is read after them: the restored file is opened for appending. Opened for writing, the append
+    overwrote the first saved batch's bytes (read back as the new batch's values under the old layout)."""
+    a, b, c = torch.arange(6, dtype=torch.int32).reshape(2, 3), torch.tensor([0.5, -1.25]), torch.tensor([7, 8, 9])
+    with TokenSpill(tmp_path) as sp:
+        sp.append(a)
+        sp.append(b)
+        layout = sp.save(tmp_path / "saved.bin")
+    with TokenSpill.restore(tmp_path / "saved.bin", layout, tmp_path) as back:
+        back.append(c)
+        got = list(back)
+        assert len(back) == 3 and back.nbytes == a.numel() * 4 + b.numel() * 4 + c.numel() * 8
+    assert [t.dtype for t in got] == [torch.int32, torch.float32, torch.int64]
+    assert all(torch.equal(x, y) for x, y in zip(got, (a, b, c)))

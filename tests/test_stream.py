@@ -82,3 +82,47 @@ def test_csv_gz_bytes_depend_on_the_rows_only(tmp_path, monkeypatch):
     a, b = (p.read_bytes() for p in paths)
     assert a == b and a[3] & 0x08 == 0 and a[4:8] == bytes(4)  # no FNAME flag, MTIME 0
     assert gzip.decompress(a).decode().splitlines()[0] == '"a","b"'
+
+
+def test_a_writer_that_falls_behind_holds_the_producer_at_max_pending_batches(tmp_path, monkeypatch):
+    """Memory stays flat: with ``max_pending=2`` and the writer stuck in its first batch, the producer's fourth
+    ``write`` waits (the writer holds batch 0, the queue batches 1 and 2) until the writer moves on; then every row
+    arrives in order. An unbounded queue let all six writes return at once."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    opened = TableStream._open
+
+    def stuck_open(self, schema):
+        writer, sink = opened(self, schema)
+
+        class Stuck:
+            def write_table(self, table):
+                gate.wait(10)
+                writer.write_table(table)
+
+            def close(self):
+                writer.close()
+        return Stuck(), sink
+
+    monkeypatch.setattr(TableStream, "_open", stuck_open)
+    out = TableStream(tmp_path / "t.parquet", max_pending=2)
+    done = []
+
+    def produce():
+        for i in range(6):
+            out.write({"a": np.arange(3 * i, 3 * i + 3)})
+            done.append(i)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(done) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # time for a fourth write to return, were it free to
+    assert done == [0, 1, 2] and out._queue.qsize() == 2 and t.is_alive()
+    gate.set()
+    t.join(10)
+    out.close()
+    assert done == list(range(6)) and pd.read_parquet(tmp_path / "t.parquet")["a"].tolist() == list(range(18))

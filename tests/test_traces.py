@@ -1525,3 +1525,46 @@ def test_fluctuation_of_a_trace_with_itself_or_of_another_top_k_is_one_line(tmp_
         moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "a" / "trace.parquet"], config="tiny")
     with pytest.raises(MoetoolError, match=r"1 expert column\(s\) per token .* 2: compare traces of the same top-K"):
         moetool.from_trace("fluctuation", [tmp_path / "a", tmp_path / "k1"], config="tiny")
+
+
+def test_dump_checks_at_their_boundaries():
+    """Refusals at the edge of what they check: a dense layer's row routed for one token only (the others zeros)
+    is refused, not passed because some of the layer's ids are its fill; id n (8 of 8 experts) is outside; a repeat
+    in the last two of three sorted ids ([1, 4, 4]) is a repeat, not only one in the first two."""
+    shape = ModelShape(3, {1: (8, 2), 2: (8, 2)}, "hand")
+    arr = np.zeros((3, 3, 2), dtype=np.uint8)
+    arr[:, 1:] = [0, 1]
+    arr[2, 0] = [3, 5]  # layer 0 is dense: zero rows only
+    with pytest.raises(MoetoolError, match="layer 0 is dense in --config hand but routed in the dump"):
+        readers.split_layers(arr, shape, "t")
+    arr[2, 0] = 0
+    assert readers.split_layers(arr, shape, "t")[2].tolist() == [[0, 1]] * 3
+    with pytest.raises(MoetoolError, match="layer 2 has expert id 8, outside the 8 experts of --config"):
+        readers.check_ids(np.array([[0, 8], [1, 2]]), 8, "t", 2)
+    assert readers.check_ids(np.array([[0, 7]]), 8, "t", 2).tolist() == [[0, 7]]
+    with pytest.raises(MoetoolError, match=r"layer 1, token 1 has expert 4 twice in its top-3 \(1 of 2 tokens\)"):
+        readers.check_ids(np.array([[0, 1, 2], [4, 1, 4]]), 8, "t", 1)
+
+
+def test_stat_dumps_sum_their_window_rows_and_their_ranks(tmp_path):
+    """``logical_count [buffer rows, layers, n]`` (the recorder's window) is the sum of its rows, and two ranks'
+    files are summed: the hand sums of random counts, not the last row or the last file."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 50, (3, 4, 8), generator=g)
+    b = torch.randint(0, 50, (4, 8), generator=g)
+    torch.save(dict(rank=0, logical_count=a), str(tmp_path / "expert_distribution_recorder_0.pt"))
+    torch.save(dict(rank=1, logical_count=b), str(tmp_path / "expert_distribution_recorder_1.pt"))
+    counts = readers.read([tmp_path], HAND).counts.counts
+    want = a.sum(0) + b
+    assert sorted(counts) == [0, 1, 2, 3] and all(counts[li].tolist() == want[li].tolist() for li in range(4))
+
+
+def test_megatron_records_of_another_step_start_another_forward(tmp_path):
+    """A step whose records stop after layers 0-1 (the rest lost) and the next step's layers 2-3 are no one forward
+    (equal token counts could join them): the step change closes the first, whose missing layers are one line."""
+    ex = _hand_experts(3, range(4), 8)
+    lines = [{"step": s, "block": "decoder", "layer": li, "rank": 0, "num_tokens": 3, "topk": 2,
+              "top_indices": np.sort(ex[li], 1).tolist()} for s, lis in ((0, (0, 1)), (1, (2, 3))) for li in lis]
+    (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(MoetoolError, match=r"MoE layers \[2, 3\] of --config hand have no record in this step"):
+        list(readers.read([tmp_path / "router_trace_rank0.jsonl"], HAND).chunks)
