@@ -427,9 +427,11 @@ def test_fluctuation(case, tmp_path):
     try:  # attention routing where every MoE layer has token-to-token attention probabilities (else refused)
         [softmax_attention(L) for L in find_moe_layers(case_model(case))]
         routing = []
-    except MoetoolError:
+    except MoetoolError:  # similarity ranks by π: not on hash-routed layers (DeepSeek-V4's first), refused there
         routing = ["--routing", "router,similarity"]
-    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, *routing, "--bootstrap", "0",
+    layers = case.routed_layers if routing else case.layers
+    only = ["--layers", ",".join(map(str, layers))] if layers != case.layers else []
+    invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, *routing, *only, "--bootstrap", "0",
            "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "fluctuation.csv")
     df = df[df.routing == "router"]
@@ -439,18 +441,18 @@ def test_fluctuation(case, tmp_path):
     # weights cannot show -- the H100 showed 1 token of 200 -- so 1% of the tokens there; on the CPU: exact
     pk = 0.01 if ON_CUDA and case.structure == "product-key" else 0.0
     unchanged = df[df.checkpoint == same]
-    assert list(unchanged["layer"]) == case.layers
+    assert list(unchanged["layer"]) == layers
     assert (unchanged[["top1_change", "topk_change"]] <= pk).all().all() and \
         (unchanged["topk_overlap"] >= 1 - pk).all()
     changed = df[df.checkpoint == other].set_index("layer")
-    assert list(changed.index) == case.layers
+    assert list(changed.index) == layers
     K = case.top_k
     before, after = case.routing, case.routing_perturbed
     if not routing and (ON_CUDA or case.structure == "product-key"):
         # attention routing asked: the command's forwards run in eager attention (the only one that gives the
         # probabilities); on CUDA SDPA's kernels sum otherwise, which moved 5 of 200 of Doge's top-1 on an H100
         before, after = (plain_run(p, case.tokens, attn="eager")[1] for p in (case.path, case.perturbed))
-    for layer in case.layers:  # by hand from the two models' own choices
+    for layer in layers:  # by hand from the two models' own choices
         (a, wa), (b, wb) = before[layer], after[layer]
         inter = np.array([len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist())])
         top1 = a.gather(-1, wa.argmax(-1, keepdim=True)) != b.gather(-1, wb.argmax(-1, keepdim=True))

@@ -232,3 +232,38 @@ def test_lowest_entropy_head_averages_real_queries_of_renormalised_rows():
     sink[:, 1] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # log 2
     every = torch.ones(B * S, dtype=torch.bool)
     assert reference(sink, every) == 1 and int(lowest_entropy_head(sink, every)) == 1
+
+
+@pytest.mark.parametrize("spec", ["similarity", "attention"])
+def test_graph_policies_refuse_hash_routed_layers(spec):
+    """DeepSeek-V4's first MoE layers choose their experts by token id (a hash table), not by the router's scores;
+    Similarity-/Attention-Aware routing re-ranks experts by the router's distribution π (TopK of Σ_j S[i,j] π(h_j)), as
+    topk/topp/prune do (``routes_by_scores``), which such a layer never does. With cosine and tau -> 0 (S = I, 'each
+    token keeps its own routing') the policy still chose other experts than the hash layer's own (break-it run 6:
+    fluctuation of the tiny DeepSeek-V4 against a copy with perturbed routers gave the router topk_change 0.000 on
+    hash layers 0-2 and similarity 0.70-0.81 there, a 'reduction_vs_router' of -0.20 from comparing a score routing
+    with a hash routing). Now one line before any forward naming the other layers; on the top-K layer it runs."""
+    from moetool.adapters import tiny
+    from moetool.engine.hooks import check_policy
+
+    model = tiny.build_tiny("deepseek_v4", seed=0).float().eval()
+    layers = find_moe_layers(model)
+    hashed = [L.index for L in layers if getattr(L, "hash_routed", False)]
+    routed = [L.index for L in layers if not getattr(L, "hash_routed", False)]
+    assert hashed and routed
+    _, events, _ = run(model, layers, padded_batch())  # the model's own (hash) choice, no policy
+    ev = events[hashed[0]]
+    idx, _ = make_policy("similarity", sim="cosine", tau=1e-4).select(ev)  # S = I: TopK(π), not the hash set
+    v = ev.valid
+    assert not torch.equal(idx[v].sort(-1).values, ev.idx[v].sort(-1).values)
+    # the engine's check before any forward (DeepSeek-V4's compressed attention also refuses ``attention`` there)
+    with pytest.raises(MoetoolError) as e:
+        check_policy(make_policy(spec), layers, [L.index for L in layers])
+    msg = str(e.value)
+    assert "\n" not in msg and "hash-routed" in msg and f"{routed[0]}" in msg, msg
+    check_policy(make_policy(spec), layers, routed)  # the top-K layer alone: nothing to refuse
+    if spec == "similarity":
+        with pytest.raises(MoetoolError, match="hash-routed"):
+            run(model, layers, padded_batch(), policy=make_policy(spec))
+        logits, events, _ = run(model, layers, padded_batch(), policy=make_policy(spec), policy_layers=routed)
+        assert torch.isfinite(logits).all() and set(events) == {L.index for L in layers}

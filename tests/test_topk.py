@@ -171,6 +171,33 @@ def test_bad_specs_are_one_line(spec, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_top_p_mass_runs_and_is_named_as_given_not_rounded_to_six_digits():
+    """``moetool topk --ps`` built each policy from ``f"topp:{p:g}"`` (six significant digits) and ``topp:<p>`` was
+    named so: ``--ps 0.5,0.5000001`` gave two rows 'topp:0.5' of p = 0.5, ``--ps 0.9999999`` ran and printed topp:1
+    (all experts), ``ppl --routing topp:0.9999999`` wrote routing 'topp:1' (break-it run 6). Here a token whose top-1
+    mass c lies just below a p whose six-digit text is at most c: by the definition (the smallest prefix whose mass
+    reaches p) that token needs a second expert at p, and only one at the rounded p."""
+    import math
+
+    from conftest import captured
+
+    from moetool.experiments.topk.spec import TopkOptions
+
+    _, _, events = captured("mixtral")
+    ev = events[0]
+    top1 = ev.probs.max(-1).values.double().tolist()
+    pick = [(t, c + 2e-7) for t, c in enumerate(top1) if ev.valid[t] and float(format(c + 2e-7, "g")) <= c - 1e-7]
+    assert pick
+    t, p = pick[0]
+    spec = [s for s, kind, _ in TopkOptions(ps=(p,), ks=(1,)).specs(ev.layer.top_k) if kind == "topp"][0]
+    policy = make_policy(spec)
+    assert policy.p == p and float(policy.name.split(":")[1]) == p
+    _, w = policy.select(ev)
+    assert int((w[t] > 0).sum()) >= 2  # the mass before the second expert, c, is below p
+    assert make_policy("topp:0.9999999").name == "topp:0.9999999" and math.isclose(make_policy("topp:0.5").p, 0.5)
+    assert [s for s, _, _ in TopkOptions(ps=(0.5, 0.5000001), ks=(1,)).specs(2)][2:] == ["topp:0.5", "topp:0.5000001"]
+
+
 def test_sparsemixer_refuses_before_any_forward(tiny_model):
     model = tiny_model("phimoe")
     L = find_moe_layers(model)[0]

@@ -103,6 +103,7 @@ class AttentionPolicy(Policy):
 
     name = "attention"
     needs_attention = True
+    routes_by_scores = True  # TopK of the attended tokens' π: refused on hash-routed layers, as similarity
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}

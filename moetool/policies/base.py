@@ -39,7 +39,8 @@ class Policy:
     #: computes every expert on every token (``moetool.engine.probes``: memory beside the batch)
     needs_probe: bool = False
     weights: str | None = None
-    #: re-ranks experts by the router's scores (``route_k`` / ``route_masked``): refused on hash-routed layers
+    #: re-ranks experts by the router's scores (``route_k`` / ``route_masked``, or the distribution π: similarity,
+    #: attention): refused on hash-routed layers
     routes_by_scores: bool = False
 
     @classmethod

@@ -6,6 +6,9 @@ largest ``s_i`` run, with weights ``s_i`` renormalised over the chosen K. ``sim=
 ``cos(h_i, h_j)`` instead of the raw dot product (W_s = I in the paper); only then does
 ``tau -> 0`` give ``S = I`` (every token keeps its own routing). Default ``tau = sqrt(d)``.
 
+The choice ranks experts by the router's distribution π, so a hash-routed layer (DeepSeek-V4's first layers:
+experts by token id) is refused in one line, as for ``topk`` (``Policy.routes_by_scores``).
+
 Padding tokens get zero weight as ``j``; a row with no admissible ``j`` (a left-padding query)
 keeps its own π, so nothing is NaN. The normalised score ``s`` of every token is left in
 ``ev.scores`` (``fluctuation`` reads its entropy).
@@ -68,6 +71,7 @@ class SimilarityPolicy(Policy):
     """``similarity[:tau]``, options ``sim`` (dot|cosine), ``causal`` (default True), ``tau``."""
 
     name = "similarity"
+    routes_by_scores = True  # TopK of the neighbours' π: no routing of a hash-routed layer (experts by token id)
 
     def __init__(self, tau: float | None = None, sim: str = "dot", causal: bool = True):
         if sim not in SIMS:

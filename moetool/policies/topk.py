@@ -23,6 +23,7 @@ from .. import ops
 from ..engine.hooks import RoutingEvent, refuse_above_max_k
 from ..errors import MoetoolError
 from .base import Policy, spec_number
+from .capacity import cf_text
 
 
 def _sparsemixer(layer: Any) -> bool:
@@ -74,7 +75,7 @@ class TopPPolicy(Policy):
         if kmax is not None and kmax < 1:
             raise ValueError(f"kmax must be at least 1, not {kmax}")
         self.p, self.kmax = p, kmax
-        self.name = f"topp:{p:g}" + (f":{kmax}" if kmax is not None else "")
+        self.name = f"topp:{cf_text(p)}" + (f":{kmax}" if kmax is not None else "")  # p exactly (0.9999999, not 1)
 
     @classmethod
     def from_spec(cls, args: list[str], **_: Any) -> "TopPPolicy":
