@@ -63,10 +63,10 @@ def test_extreme_capacity_factors_do_not_overflow(cf):
     float64's precision, and at least 1 for a batch with real tokens."""
     from fractions import Fraction
 
-    from moetool.policies.capacity import cf_text
+    from moetool.policies.base import number_text
 
     for tokens, k, n in ((4096, 2, 8), (10_000, 8, 64), (1, 1, 128)):
-        want = math.ceil(Fraction(cf_text(cf)) * tokens * k / n)
+        want = math.ceil(Fraction(number_text(cf)) * tokens * k / n)
         got = float(capacity(cf, torch.tensor(tokens), k, n))
         assert got == pytest.approx(want, rel=1e-12) and got >= 1, (tokens, k, n, got, want)
         idx = torch.arange(k).repeat(tokens, 1) % n  # every token to the same experts

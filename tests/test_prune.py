@@ -217,6 +217,14 @@ def test_bad_specs_are_one_line(spec, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_random_prune_fraction_is_named_as_given_not_rounded_to_six_digits():
+    """prune:random:0.1234567 removes round(0.1234567 x n) experts of each layer, its exact fraction; its name said
+    0.123457 (':g'), a label no other run of that fraction could be told from (break-it run 6's note)."""
+    for f in (0.1234567, 0.25, 0.5000001):
+        p = make_policy(f"prune:random:{f!r}")
+        assert p.fraction == f and p.name == f"prune:random:{f!r}" and float(p.name.split(":")[-1]) == f
+
+
 @pytest.mark.slow
 def test_a_prune_runs_table_that_lost_rows_is_refused(tiny_prune, tmp_path):
     """prune:reap:0.25:<prune_importance.csv> whose last two rows (layer 3's experts 6 and 7) were lost at a line

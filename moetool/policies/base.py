@@ -27,6 +27,13 @@ def spec_number(text: str, cast: Any, what: str) -> Any:
         raise ValueError(f"{what} must be {'a whole number' if cast is int else 'a number'}, not '{text}'") from None
 
 
+def number_text(x: float) -> str:
+    """The shortest text of ``x`` that reads back as the same float (``1``, ``1.25``, ``0.9999999``, ``inf``): a
+    policy's name carries its number exactly (``:g`` wrote 0.9999999 as 1 and 0.5000001 as 0.5)."""
+    short = format(x, "g")
+    return short if float(short) == x else repr(float(x))
+
+
 class Policy:
     """Base class: ``name``, what it needs (``needs_attention``, ``needs_probe``), ``weights`` (``None`` if the
     policy has no weight option). The needs are declarations of the class, read before any policy is built:

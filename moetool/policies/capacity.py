@@ -34,15 +34,9 @@ from typing import Any
 import torch
 
 from ..engine.hooks import RoutingEvent
-from .base import Policy
+from .base import Policy, number_text
 
 ORDERS = ("order", "score")
-
-
-def cf_text(cf: float) -> str:
-    """The shortest text of ``cf`` that reads back as the same float (``1``, ``1.25``, ``inf``)."""
-    short = format(cf, "g")
-    return short if float(short) == cf else repr(float(cf))
 
 
 def parse_cf(text: str | float) -> float:
@@ -69,7 +63,7 @@ def capacity(cf: float, tokens: torch.Tensor, k: int, n: int) -> torch.Tensor:
     ceiling is taken in float64 instead (at least 1 for a batch with real tokens)."""
     if math.isinf(cf):
         return torch.full((), math.inf, dtype=torch.float64, device=tokens.device)
-    ratio = Fraction(cf_text(cf)) * k / n
+    ratio = Fraction(number_text(cf)) * k / n
     if ratio.numerator < EXACT_BOUND and ratio.denominator < EXACT_BOUND:
         num, den = tokens.to(torch.int64) * ratio.numerator, ratio.denominator
         return torch.div(num + (den - 1), den, rounding_mode="floor").to(torch.float64)
@@ -110,7 +104,7 @@ class CapacityPolicy(Policy):
         if order not in ORDERS:
             raise ValueError(f"the drop order must be one of {', '.join(ORDERS)}, not '{order}'")
         self.order = order
-        self.name = f"capacity:{cf_text(self.cf)}:{order}"
+        self.name = f"capacity:{number_text(self.cf)}:{order}"
 
     @classmethod
     def from_spec(cls, args: list[str], **_: Any) -> "CapacityPolicy":

@@ -29,7 +29,7 @@ from .. import ops
 from ..engine.hooks import RoutingEvent
 from ..errors import MoetoolError, first_line
 from ..files import table_problem
-from .base import Policy
+from .base import Policy, number_text
 
 CRITERIA = ("frequency", "weighted", "reap", "random")
 
@@ -138,10 +138,10 @@ def read_removed(path: str, criterion: str | None = None, fraction: float | None
         pairs = sorted({(c, float(f)) for c, f in zip(df["criterion"], df["fraction"])})
         if criterion is None:
             raise MoetoolError(f"prune: {path} holds several sets: add :<criterion>:<fraction> (one of "
-                               f"{', '.join(f'{c}:{f:g}' for c, f in pairs)})")
+                               f"{', '.join(f'{c}:{number_text(f)}' for c, f in pairs)})")
         df = df[(df["criterion"] == criterion) & ((df["fraction"] - fraction).abs() < 1e-12)]
         if df.empty:
-            raise MoetoolError(f"prune: {path} has no set {criterion}:{fraction:g}")
+            raise MoetoolError(f"prune: {path} has no set {criterion}:{number_text(fraction)}")
     return {int(layer): sorted(int(e) for e in g["expert"]) for layer, g in df.groupby("layer")}
 
 
@@ -160,7 +160,7 @@ class PrunePolicy(Policy):
             raise ValueError("give the removed experts, or a fraction of random ones")
         self.removed = None if removed is None else {int(k): sorted({int(e) for e in v}) for k, v in removed.items()}
         self.criterion, self.fraction, self.seed = criterion, fraction, seed
-        self.name = name or ("prune:" + criterion + (f":{fraction:g}" if fraction is not None else ""))
+        self.name = name or ("prune:" + criterion + (f":{number_text(fraction)}" if fraction is not None else ""))
         self._keep: dict[tuple[int, Any], torch.Tensor] = {}
 
     @classmethod
@@ -178,7 +178,7 @@ class PrunePolicy(Policy):
                 path, pick = ":".join(args[1:-2]), (args[-2], _fraction(args[-1]))
             removed = read_removed(path, *(pick or (None, None)))
             return cls(removed, criterion="file", name=f"prune:file:{Path(path).name}"
-                       + (f":{pick[0]}:{pick[1]:g}" if pick else ""))
+                       + (f":{pick[0]}:{number_text(pick[1])}" if pick else ""))
         if criterion not in CRITERIA:
             raise ValueError(f"unknown criterion '{criterion}' (choose from {', '.join(CRITERIA)}, file)")
         if len(args) < 2:

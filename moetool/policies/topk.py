@@ -22,8 +22,7 @@ import torch
 from .. import ops
 from ..engine.hooks import RoutingEvent, refuse_above_max_k
 from ..errors import MoetoolError
-from .base import Policy, spec_number
-from .capacity import cf_text
+from .base import Policy, number_text, spec_number
 
 
 def _sparsemixer(layer: Any) -> bool:
@@ -75,7 +74,7 @@ class TopPPolicy(Policy):
         if kmax is not None and kmax < 1:
             raise ValueError(f"kmax must be at least 1, not {kmax}")
         self.p, self.kmax = p, kmax
-        self.name = f"topp:{cf_text(p)}" + (f":{kmax}" if kmax is not None else "")  # p exactly (0.9999999, not 1)
+        self.name = f"topp:{number_text(p)}" + (f":{kmax}" if kmax is not None else "")  # p exactly (0.9999999, not 1)
 
     @classmethod
     def from_spec(cls, args: list[str], **_: Any) -> "TopPPolicy":

@@ -64,10 +64,10 @@ class CapacityOptions:
 
     def specs(self) -> list[tuple[float, str, str]]:
         """``(cf, order, policy spec)`` in the sweep's order."""
-        from ...policies.capacity import cf_text
+        from ...policies.base import number_text
         from ...registry import unique
 
-        return [(cf, order, f"capacity:{cf_text(cf)}:{order}") for order in unique(self.orders)
+        return [(cf, order, f"capacity:{number_text(cf)}:{order}") for order in unique(self.orders)
                 for cf in unique(self.cfs)]
 
 
