@@ -58,3 +58,21 @@ def test_mean_abs_cos_over_no_pair_is_nan():
     assert torch.isnan(ops.abs_cos_mean(x)).all()
     y = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # one pair both ways: |cos| = 1/sqrt(2)
     assert abs(float(ops.abs_cos_mean(y)) - 2 ** -0.5) < 1e-6
+
+
+def test_real_tokens_without_a_next_token_pair_are_one_line_naming_why(all_padding):
+    """A mask with a gap after every real token (real tokens, but no two in a row) left ppl with zero scored pairs:
+    'a statistic has zero denominator: no tokens counted', which named neither the pairs nor the mask (break-it
+    run 6). It now says why; a mask with some pairs scores exactly its pairs of consecutive real tokens."""
+    import moetool
+
+    lm, ts = all_padding
+    alternate = torch.ones_like(ts.input_ids)
+    alternate[:, 1::2] = 0
+    with pytest.raises(MoetoolError, match="no next-token prediction to score: no row has two consecutive real") as e:
+        moetool.ppl(lm, replace(ts, attention_mask=alternate), bootstrap=0, quiet=True)
+    assert "\n" not in str(e.value)
+    some = torch.ones_like(ts.input_ids)
+    some[:, 3::4] = 0
+    got = moetool.ppl(lm, replace(ts, attention_mask=some), bootstrap=0, quiet=True)["ppl"]
+    assert int(got["scored_tokens"].iloc[0]) == int((some[:, :-1] & some[:, 1:]).sum())

@@ -72,6 +72,9 @@ def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_bo
     import numpy as np
 
     nll, scored = run.rows.table("nll"), run.rows.table("scored")
+    if not scored.sum():  # real tokens, but none followed by a real token in its row: no perplexity to speak of
+        raise MoetoolError("no next-token prediction to score: no row has two consecutive real tokens (an "
+                           "attention_mask with a gap after every real token, or rows of one real token)")
     kw = dict(n_boot=n_boot, seed=seed)  # one row: no interval (uncertainty.replicates)
     out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
     if base is run:
