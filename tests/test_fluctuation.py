@@ -461,6 +461,25 @@ def test_random_isolated_draws_per_row_not_per_batch():
     pd.testing.assert_frame_equal(got[0], got[1], check_exact=False, rtol=1e-6)  # (float32 forwards of 1 and 3 rows)
 
 
+def test_random_routing_is_said_to_be_unchanged_by_construction():
+    """``--routing random`` draws per (seed, layer, packed row), not from the model: both checkpoints route every
+    token alike, so its change is 0 and its 'reduction vs router' is the router's whole change -- true, but it read as
+    a policy that removes fluctuation (break-it run 6). The console line says why it is 0."""
+    from moetool.data import load_tokens
+    from moetool.experiments.fluctuation.compute import fluctuation, summary_lines
+
+    tokens = load_tokens(None, load("tiny").tokenizer, 32, 128)
+    res = fluctuation(["tiny-early", "tiny"], tokens, routing=("router", "random"), isolate=True, batch_size=4,
+                      bootstrap=0, quiet=True)
+    per_layer = res["fluctuation"].set_index("routing")
+    assert (per_layer.loc[["random", "random-isolated"], ["top1_change", "topk_change"]] == 0).all().all()
+    assert (per_layer.loc["router", "topk_change"] > 0).any()
+    lines = summary_lines("fluctuation", res)
+    said = [ln for ln in lines if "no change by construction" in ln]
+    assert [ln.split()[0] for ln in said] == ["random", "random-isolated"]
+    assert not any("no change by construction" in ln for ln in lines if ln.split()[0].startswith("router"))
+
+
 def test_top1_is_the_largest_weight_not_the_first_column():
     """compare reads the top-1 of chosen_and_top1 (the chosen expert of largest weight), not the set's first column:
     two routings with the same experts, in columns out of weight order (as routers with topk(sorted=False) return

@@ -502,5 +502,7 @@ def summary_lines(name: str, res: Any) -> list[str]:
                                                           else " (interval excludes 0)")
                 text += (f" [reduction vs router "
                          f"{format_ci(row.reduction_vs_router, lo, hi)}{verdict}]")
+            if row.routing in ("random", "random-isolated"):  # its draws depend on the seed and the token's place, not on the model
+                text += " (random: the same seeded draws in both checkpoints, so no change by construction)"
             lines.append(f"  {text}")
     return lines
