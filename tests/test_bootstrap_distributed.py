@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from test_distributed import _forward_worker, free_port
+from test_distributed import two_ranks
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
-
-
+# tiers: pytest -m 'not slow'; bootstrap_run() is a job of tests/test_distributed.py's one launch of 2 gloo ranks,
+# made once in the worker that runs this xdist group
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("gloo_ranks")]
 
 
 def bootstrap_run():
@@ -28,12 +27,8 @@ def bootstrap_run():
     return {"ppl": row, "rows": rows, "n_rows": int(ts.input_ids.shape[0])}
 
 
-def test_two_gloo_ranks_give_one_process_intervals(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_forward_worker, args=(2, free_port(), str(out), bootstrap_run), nprocs=2, join=True)
-    got, want = torch.load(out, weights_only=False), bootstrap_run()
+def test_two_gloo_ranks_give_one_process_intervals(tmp_path_factory):
+    got, want = two_ranks(tmp_path_factory, "bootstrap"), bootstrap_run()
     assert want["n_rows"] >= 10  # rows split over ranks by global batches of 3
     for k in ("scored_tokens", "perplexity", "perplexity_lo", "perplexity_hi", "ratio", "ratio_lo", "ratio_hi"):
         assert got["ppl"][k] == pytest.approx(want["ppl"][k], rel=1e-9), k

@@ -12,7 +12,9 @@ from moetool.data import Document, pack
 from moetool.errors import MoetoolError
 from moetool.sketch import QuantileSketch
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+# tiers: pytest -m 'not slow'; one xdist worker runs this module and the two others whose work is a job of the one
+# launch below (tests/test_distributed_empty_rank.py, tests/test_bootstrap_distributed.py): --dist loadgroup
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("gloo_ranks")]
 
 
 class CharTokenizer:
@@ -45,31 +47,90 @@ def statistics(ts, batch_size):
     return acc, sk, rows
 
 
-def _worker(rank, world, port, out):
+def statistics_job():
+    """One rank's accumulators of :func:`statistics` over its shard (global batches of 2 x 3 rows), all-reduced."""
+    dev, world = D.init("cpu"), D.world_size()  # (init again: the group the launch joined, its device returned)
+    ts = D.shard(tokens(), batch_size=3)
+    acc, sk, _ = statistics(ts, 3)
+    steps = D.n_steps(tokens().input_ids.shape[0], 3, world)
+    # a sequential per-batch reduction (the k-means EMA shape): every rank runs `steps` batches
+    ema = torch.zeros(())
+    for s in range(steps):
+        part = ts.input_ids[s * 3:(s + 1) * 3].double().sum().reshape(())
+        ema = 0.5 * ema + D.all_reduce(part)
+    red = D.all_reduce_dict({"count": acc["count"], "sum_sq": acc["sum_sq"]})
+    D.all_reduce_state(sk)
+    lo = D.all_reduce(torch.tensor(float(D.global_rank())), "min")
+    ids = D.gather_object(ts.row_ids.tolist())
+    return {"count": red["count"], "sum_sq": red["sum_sq"], "median": sk.median(), "n": sk.n, "ema": ema, "min": lo,
+            "row_ids": ids, "device": str(dev), "world": D.world_size()}
+
+
+#: every test's work on 2 gloo ranks (``name: "module:function"``), run in this order by ONE launch of 2 processes
+#: (:func:`two_ranks`): one process start, import of torch / transformers / lm-eval and process group for all of
+#: them, not one launch per test. The models' jobs last but lm-eval's, which patches lm-eval (moetool/lmeval_compat.py).
+JOBS = {"statistics": "test_distributed:statistics_job", "uneven": "test_distributed:uneven_job",
+        "forward": "test_distributed:model_run", "empty_rank": "test_distributed_empty_rank:experiments",
+        "bootstrap": "test_bootstrap_distributed:bootstrap_run", "eval": "test_distributed:eval_run"}
+
+
+class JobFailed(str):
+    """The traceback of a job that raised on a rank (its test fails with it; the later jobs did not run)."""
+
+
+def _jobs_worker(rank, world, port, out, jobs):
+    """One rank: init gloo, run every job of ``jobs`` in order, save ``{job: its result}`` to ``out.<rank>``. A job
+    that raises ends the sequence (the other rank may be inside its collectives: no later job runs out of step)."""
+    import importlib
     import os
+    import traceback
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), MOETOOL_DIST_TIMEOUT="60")  # a mismatch fails in a minute
     torch.set_num_threads(1)
-    dev = D.init("cpu")
+    D.init("cpu")
+    results = {}
     try:
-        ts = D.shard(tokens(), batch_size=3)
-        acc, sk, _ = statistics(ts, 3)
-        steps = D.n_steps(tokens().input_ids.shape[0], 3, world)
-        # a sequential per-batch reduction (the k-means EMA shape): every rank runs `steps` batches
-        ema = torch.zeros(())
-        for s in range(steps):
-            part = ts.input_ids[s * 3:(s + 1) * 3].double().sum().reshape(())
-            ema = 0.5 * ema + D.all_reduce(part)
-        red = D.all_reduce_dict({"count": acc["count"], "sum_sq": acc["sum_sq"]})
-        D.all_reduce_state(sk)
-        lo = D.all_reduce(torch.tensor(float(rank)), "min")
-        ids = D.gather_object(ts.row_ids.tolist())
-        if D.is_main():
-            torch.save({"count": red["count"], "sum_sq": red["sum_sq"], "median": sk.median(), "n": sk.n,
-                        "ema": ema, "min": lo, "row_ids": ids, "device": str(dev), "world": D.world_size()}, out)
+        for name, target in jobs.items():
+            module, fn = target.split(":")
+            try:
+                results[name] = getattr(importlib.import_module(module), fn)()
+            except Exception:  # noqa: BLE001 - the job's own test reports it
+                results[name] = JobFailed(traceback.format_exc())
+                break
+            # both ranks done with a job before the next one's collectives, and before the group goes: a rank
+            # destroying it while the other still had gloo work in flight aborted ("terminate called without an
+            # active exception", seen once in CI)
+            torch.distributed.barrier()
     finally:
+        torch.save(results, f"{out}.{rank}")
         D.shutdown()
+
+
+_LAUNCH: dict = {}
+
+
+def two_ranks(tmp_path_factory, job: str, rank: int = 0):
+    """What ``job`` of :data:`JOBS` returned on ``rank`` of the one launch of 2 gloo ranks (made on first use in
+    this process; the modules using it are one xdist group, so one worker makes it once)."""
+    import torch.multiprocessing as mp
+
+    if "results" not in _LAUNCH:
+        out = tmp_path_factory.mktemp("gloo") / "res"
+        try:
+            mp.spawn(_jobs_worker, args=(2, free_port(), str(out), JOBS), nprocs=2, join=True)
+            _LAUNCH["results"] = [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)]
+        except Exception as e:  # noqa: BLE001 - every test of the launch reports it, none launches again
+            _LAUNCH["results"] = e
+    got = _LAUNCH["results"]
+    if isinstance(got, Exception):
+        pytest.fail(f"the launch of 2 gloo ranks failed: {got!r}")
+    if isinstance(got[rank].get(job), JobFailed):
+        pytest.fail(f"{job} raised on rank {rank}:\n{got[rank][job]}")
+    if job not in got[rank]:
+        pytest.fail(f"{job} did not run on rank {rank}: an earlier job of the launch failed "
+                    f"({[k for k, v in got[rank].items() if isinstance(v, JobFailed)]})")
+    return got[rank][job]
 
 
 def free_port():
@@ -78,12 +139,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_gloo_ranks_equal_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    got = torch.load(out)
+def test_two_gloo_ranks_equal_one_process(tmp_path_factory):
+    got = two_ranks(tmp_path_factory, "statistics")
     ts = tokens()
     acc, sk, _ = statistics(ts, 6)  # one process, global batches of 2 × 3 rows
     ema = torch.zeros((), dtype=torch.float64)
@@ -96,24 +153,6 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     r0, r1 = got["row_ids"]
     assert sorted(r0 + r1) == list(range(ts.input_ids.shape[0])) and not set(r0) & set(r1)
     assert r0[:3] == [0, 1, 2] and r1[:3] == [3, 4, 5]  # each rank's slice of global batch 0
-
-
-def _forward_worker(rank, world, port, out, run=None):
-    """One rank: init gloo, ``run()`` (default :func:`model_run`), rank 0 saves the result to ``out``."""
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), MOETOOL_DIST_TIMEOUT="60")  # a mismatch fails in a minute
-    torch.set_num_threads(1)
-    D.init("cpu")
-    try:
-        res = (run or model_run)()
-        if D.is_main():
-            torch.save(res, out)
-        torch.distributed.barrier()  # both ranks done before the group goes: a rank destroying it while the other
-        # still had gloo work in flight aborted ("terminate called without an active exception", seen once in CI)
-    finally:
-        D.shutdown()
 
 
 def model_run():
@@ -143,13 +182,9 @@ def model_run():
             "events": float(cnt.n), "world": plain.world_size, "tokens": ts.n_tokens, "layers": len(lm.layers)}
 
 
-def test_forward_on_two_ranks_equals_one_process(tmp_path):
+def test_forward_on_two_ranks_equals_one_process(tmp_path_factory):
     """engine.forward shards the rows itself and sums the NLL and the consumers' accumulators over ranks."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_forward_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    got, want = torch.load(out), model_run()
+    got, want = two_ranks(tmp_path_factory, "forward"), model_run()
     assert got["world"] == 2 and want["world"] == 1
     for k in ("plain", "norm"):
         assert got[k][1] == want[k][1] and got[k][0] == pytest.approx(want[k][0], rel=1e-9)
@@ -171,14 +206,10 @@ def eval_run():
             "rows": D.gather_object(rows[0])}
 
 
-def test_eval_uses_lm_evals_own_split(tmp_path):
+def test_eval_uses_lm_evals_own_split(tmp_path_factory):
     """Under 2 ranks lm-eval itself splits the requests (HFLM rank/world): each rank forwards about half the
     rows one process forwards, and the gathered metrics equal one process's."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_forward_worker, args=(2, free_port(), str(out), eval_run), nprocs=2, join=True)
-    got, want = torch.load(out), eval_run()
+    got, want = two_ranks(tmp_path_factory, "eval"), eval_run()
     assert got["values"] == want["values"] and got["stderr"] == want["stderr"]
     (alone,), (r0, r1) = want["rows"], got["rows"]
     assert 0 < r0 < alone and 0 < r1 < alone and r0 + r1 >= alone  # lm-eval pads the shorter rank
@@ -209,43 +240,29 @@ def test_bad_launcher_environment(monkeypatch):
         D.env()
 
 
-def _uneven_worker(rank, world, port, out):
-    """Rank r holds 3 + 2r rows and keyed accumulators of its own keys and shapes; every rank saves what it got."""
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), MOETOOL_DIST_TIMEOUT="60")
-    torch.set_num_threads(1)
-    D.init("cpu")
-    try:
-        n = 3 + 2 * rank
-        t = torch.arange(2 * n, dtype=torch.float64).reshape(n, 2) + 100 * rank
-        counts = D.rank_counts(n)
-        keyed = ({(0, 4): torch.tensor([1.0, 2.0]), (1, 4): {"s": torch.ones(1, 3), "n": 5}} if rank == 0 else
-                 {(1, 4): {"s": 2 * torch.ones(1, 3), "n": 5}, (2, 8): torch.arange(1, 5)})
-        res = {"counts": counts, "rows": D.all_gather_rows(t, counts), "rows_found": D.all_gather_rows(t),
-               "keyed": D.all_reduce_keyed(keyed), "keyed_max": D.all_reduce_keyed(keyed, op="max"),
-               "main": D.gather_to_main([rank] * n)}
-        torch.save(res, f"{out}.{rank}")
-        torch.distributed.barrier()
-    finally:
-        D.shutdown()
+def uneven_job():
+    """Rank r holds 3 + 2r rows and keyed accumulators of its own keys and shapes: what each rank gets back."""
+    rank = D.global_rank()
+    n = 3 + 2 * rank
+    t = torch.arange(2 * n, dtype=torch.float64).reshape(n, 2) + 100 * rank
+    counts = D.rank_counts(n)
+    keyed = ({(0, 4): torch.tensor([1.0, 2.0]), (1, 4): {"s": torch.ones(1, 3), "n": 5}} if rank == 0 else
+             {(1, 4): {"s": 2 * torch.ones(1, 3), "n": 5}, (2, 8): torch.arange(1, 5)})
+    return {"counts": counts, "rows": D.all_gather_rows(t, counts), "rows_found": D.all_gather_rows(t),
+            "keyed": D.all_reduce_keyed(keyed), "keyed_max": D.all_reduce_keyed(keyed, op="max"),
+            "main": D.gather_to_main([rank] * n)}
 
 
-def test_gathers_and_keyed_reductions_over_ranks_of_uneven_rows_and_keys(tmp_path):
+def test_gathers_and_keyed_reductions_over_ranks_of_uneven_rows_and_keys(tmp_path_factory):
     """rank_counts / all_gather_rows with 3 and 5 rows (a rank's rows written at its own index, the buffer as long
     as the longest rank, each rank's padding cut off), all_reduce_keyed where each rank lacks a key the other has
     (zeros of that key's own shape joined: [2], {[1, 3]}, [4]), gather_to_main on rank 0 only. Killed mutations:
     every rank counted at index 0 (rank 1's rows lost), a buffer sized by rank 0's rows, the zeros of the first
     key's shape."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "res"
-    mp.spawn(_uneven_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     want_rows = torch.cat([torch.arange(6, dtype=torch.float64).reshape(3, 2),
                            torch.arange(10, dtype=torch.float64).reshape(5, 2) + 100])
     for rank in (0, 1):
-        got = torch.load(f"{out}.{rank}")
+        got = two_ranks(tmp_path_factory, "uneven", rank)
         assert got["counts"].tolist() == [3, 5]
         assert torch.equal(got["rows"], want_rows) and torch.equal(got["rows_found"], want_rows)
         k = got["keyed"]

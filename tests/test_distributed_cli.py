@@ -91,8 +91,9 @@ def check_manifest(one, two, data=True):
         assert min(d["tokens_per_rank"]) > 0
 
 
-DATA = ["--max-tokens", "1300", "--seq-len", "64"]  # 21 packed rows: the last global batch of 4 has 1 row, so
-# rank 1 has no row in it and must still join every per-batch collective (k-means EMA sums, trace rows)
+DATA = ["--max-tokens", "560", "--seq-len", "64"]  # 9 packed rows: global batches of 4, 4 and 1 row; rank 1 has no
+# row in the last and must still join every per-batch collective (k-means EMA sums, trace rows). (It was 1300
+# tokens, 21 rows = 5 full batches + 1 row: the same shapes; the forwards are about half these launches' CPU.)
 CASES = [
     ("ppl", ["--model", "tiny", *DATA, "--routing", "norm:gate", "--bootstrap", "200"]),
     ("stats", ["--model", "tiny", *DATA, "--bootstrap", "200", "--top-tokens", "5"]),

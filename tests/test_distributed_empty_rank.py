@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-import torch
 
-from test_distributed import _forward_worker, free_port
+from test_distributed import two_ranks
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # tiers: pytest -m 'not slow'
+# tiers: pytest -m 'not slow'; experiments() is a job of tests/test_distributed.py's one launch of 2 gloo ranks, made
+# once in the worker that runs this xdist group
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("gloo_ranks")]
 
 
 def experiments():
@@ -43,12 +44,8 @@ def experiments():
     return {k: v.drop(columns=[c for c in ("seconds",) if c in v]) for r in results for k, v in r.tables.items()}
 
 
-def test_rank_without_rows_equals_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_forward_worker, args=(2, free_port(), str(out), experiments), nprocs=2, join=True)
-    got, want = torch.load(out, weights_only=False), experiments()
+def test_rank_without_rows_equals_one_process(tmp_path_factory):
+    got, want = two_ranks(tmp_path_factory, "empty_rank"), experiments()
     assert sorted(got) == sorted(want) and len(want) >= 10
     for name in want:
         pd.testing.assert_frame_equal(got[name], want[name], check_exact=False, rtol=1e-6, atol=1e-9, obj=name)
