@@ -11,9 +11,9 @@ row never mixes domains. Rows of different domains are interleaved, and ``max_to
 caps the number of real (unpadded) tokens.
 
 Reading is lazy (:func:`load_tokens`): documents are streamed from the files (JSONL line by line), tokenized
-in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer; smaller ones first), a domain stops being tokenized once it
-holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can no longer
-change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
+in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer; smaller ones first), a domain stops being
+tokenized once it holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can
+no longer change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
 interleave exactly as if the corpus had been read whole. A text file larger than :data:`TEXT_PREFIX_BYTES`
 (and a JSONL document longer than that many characters) is tokenized by a growing prefix cut at a line break or
 a space, so one long line is tokenized in bounded pieces too. Time and memory follow the tokens asked for, not
