@@ -11,9 +11,9 @@ row never mixes domains. Rows of different domains are interleaved, and ``max_to
 caps the number of real (unpadded) tokens.
 
 Reading is lazy (:func:`load_tokens`): documents are streamed from the files (JSONL line by line), tokenized
-in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer), a domain stops being tokenized once it
-holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can no longer
-change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
+in batches of :data:`TOKENIZE_BATCH` (one call of a fast tokenizer; smaller ones first), a domain stops being
+tokenized once it holds every token ``max_tokens`` could take from it, and reading stops once the packed rows can
+no longer change — after at least :data:`DOMAIN_SCAN_BYTES` of the corpus, so every domain met there takes part in the
 interleave exactly as if the corpus had been read whole. A text file larger than :data:`TEXT_PREFIX_BYTES`
 (and a JSONL document longer than that many characters) is tokenized by a growing prefix cut at a line break or
 a space, so one long line is tokenized in bounded pieces too. Time and memory follow the tokens asked for, not
@@ -38,8 +38,11 @@ DEFAULT_MAX_TOKENS = 32768
 #: them takes part in the interleave. A domain whose first document lies beyond them and beyond the point
 #: where ``max_tokens`` is reached is not read (a corpus shorter than this packs exactly as if read whole).
 DOMAIN_SCAN_BYTES = 64 << 20
-#: documents per tokenizer call (fast tokenizers encode a batch in parallel, same ids as one by one)
+#: documents per tokenizer call (fast tokenizers encode a batch in parallel, same ids as one by one); the first
+#: calls take fewer (:data:`FIRST_BATCH`, doubled per call up to this), so that a domain that already holds every
+#: token ``max_tokens`` can take from it is not tokenized 256 documents further
 TOKENIZE_BATCH = 256
+FIRST_BATCH = 8
 #: a text file larger than this (a document longer, in characters) is tokenized by a growing prefix (cut at a
 #: line break or a space), not whole
 TEXT_PREFIX_BYTES = 8 << 20
@@ -469,6 +472,7 @@ def _domain_streams(docs: Iterable[Document | LargeText], tokenizer: Any, seq_le
     streams: dict[str, list[int]] = {}
     done: set[str] = set()
     batch: list[Document] = []
+    limit = [FIRST_BATCH]  # documents of the next tokenizer call: doubled per call, up to TOKENIZE_BATCH
 
     def add(dom: str, ids: list[int]) -> None:
         s = streams[dom]
@@ -481,6 +485,8 @@ def _domain_streams(docs: Iterable[Document | LargeText], tokenizer: Any, seq_le
             done.add(dom)
 
     def flush() -> None:
+        if batch:
+            limit[0] *= 2
         for d, ids in zip(batch, _encode(tokenizer, [d.text for d in batch], add_special_tokens)):
             add(d.domain, ids)
         batch.clear()
@@ -504,7 +510,7 @@ def _domain_streams(docs: Iterable[Document | LargeText], tokenizer: Any, seq_le
                 _encode(tokenizer, [d.text], add_special_tokens)[0])
         else:
             batch.append(d)
-            if len(batch) < TOKENIZE_BATCH:
+            if len(batch) < min(limit[0], TOKENIZE_BATCH):
                 continue
             flush()
         if final():

@@ -108,6 +108,7 @@ class Case:
     n_zero_compute: int  # zero-computation experts (the last indices), 0 for most families
     structure: str  # the CASES / STRUCTURES key
     routed_layers: list[int]  # the MoE layers routed from their logits (all but hash-routed ones): policies run there
+    attention: bool  # every MoE layer has token-to-token attention probabilities (policies.attention.softmax_attention)
 
     @property
     def layer_args(self) -> list[str]:
@@ -251,7 +252,17 @@ def case(request, tmp_path_factory) -> Case:
                 routing, routing_perturbed, ppl, scored,
                 [L.index for L in layers if not getattr(L, "hash_routed", False) and not L.carried_state],
                 layers[0].n_zero_compute, request.param,
-                [L.index for L in layers if not getattr(L, "hash_routed", False)])
+                [L.index for L in layers if not getattr(L, "hash_routed", False)], attention_probabilities(layers))
+
+
+def attention_probabilities(layers) -> bool:
+    """Whether every MoE layer of the saved model (read off the fixture's own plain-transformers load: the same
+    class and config as a second load) has token-to-token attention probabilities, else attention routing is refused."""
+    try:
+        [softmax_attention(L) for L in layers]
+    except MoetoolError:
+        return False
+    return True
 
 
 def invoke(*args: str) -> None:
@@ -414,21 +425,11 @@ def test_mass_recall(case, tmp_path):
         assert rows.sort_values("shortlist_size")["mass_recall_mean"].is_monotonic_increasing
 
 
-def case_model(case: Case):
-    from transformers import AutoConfig
-
-    from moetool.loading import auto_model_class
-
-    return auto_model_class(AutoConfig.from_pretrained(case.path)).from_pretrained(case.path)
-
-
 def test_fluctuation(case, tmp_path):
     same, other = str(case.path), str(case.perturbed)
-    try:  # attention routing where every MoE layer has token-to-token attention probabilities (else refused)
-        [softmax_attention(L) for L in find_moe_layers(case_model(case))]
-        routing = []
-    except MoetoolError:  # similarity ranks by π: not on hash-routed layers (DeepSeek-V4's first), refused there
-        routing = ["--routing", "router,similarity"]
+    # attention routing where every MoE layer has token-to-token attention probabilities (else refused); otherwise
+    # similarity, which ranks by π: not on hash-routed layers (DeepSeek-V4's first), refused there
+    routing = [] if case.attention else ["--routing", "router,similarity"]
     layers = case.routed_layers if routing else case.layers
     only = ["--layers", ",".join(map(str, layers))] if layers != case.layers else []
     invoke("fluctuation", same, same, other, "--reference", "previous", *SMALL, *routing, *only, "--bootstrap", "0",

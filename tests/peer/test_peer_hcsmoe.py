@@ -26,6 +26,7 @@ import torch
 from peer_capture import blocks, capture, expert_output, readme, tokens
 
 pytestmark = pytest.mark.slow
+XDIST_GROUP_BY = "both"  # one xdist worker per model: its module fixture (run + reference) made once (conftest)
 
 
 # ---- port of hcsmoe/merging/clustering.py (wazenmai/HC-SMoE @ bd77eba) ---------------------------------------

@@ -48,6 +48,7 @@ import torch
 from peer_capture import readme, tokens
 
 pytestmark = pytest.mark.slow
+XDIST_GROUP_BY = "case"  # one xdist worker per model: its module fixture (run + reference) made once (conftest)
 
 
 # ---- port of scripts/run_moe_analysis.py and scripts/run_routing_analysis.py (allenai/OLMoE @ 357454f) -----------

@@ -65,23 +65,28 @@ def update_pruning_state(layer_state, *, activations, selected_experts, router_l
 # ---- end of the port ------------------------------------------------------------------------------------------
 
 
-def reap_saliency(lm, ts, renormalize: bool) -> dict[int, torch.Tensor]:
-    """Per MoE layer, REAP's saliency from the port, one sequence per batch (the observer's hook per forward)."""
+def reap_saliency(lm, ts) -> dict[bool, dict[int, torch.Tensor]]:
+    """Per ``renormalize_router_weights`` (True, False) and MoE layer, REAP's saliency from the port, one sequence
+    per batch (the observer's hook per forward). The observer's inputs (router logits, every expert's output) do not
+    depend on the gate weight: captured and computed once, then fed to one state per setting."""
     seen = capture(lm.model, ts.input_ids, ts.attention_mask)
-    out = {}
+    out = {True: {}, False: {}}
     for layer, blk in blocks(lm.model).items():
         c = seen[layer]
         R, S = c["shape"]
         n, K = c["logits"].shape[1], c["idx"].shape[1]
-        state = {"count": torch.zeros(n, dtype=torch.long), "mean": torch.zeros(n, dtype=torch.float64)}
+        states = {r: {"count": torch.zeros(n, dtype=torch.long), "mean": torch.zeros(n, dtype=torch.float64)}
+                  for r in out}
         for r in range(R):
             flat_input, router_logits = c["h"][r * S:(r + 1) * S], c["logits"][r * S:(r + 1) * S]
             _, selected_experts = torch.topk(router_logits, K, dim=-1)
             activations = torch.stack([expert_output(blk, e, flat_input) for e in range(n)])  # [n, S, d]
-            update_pruning_state(state, activations=activations, selected_experts=selected_experts,
-                                 router_logits=router_logits, num_experts=n,
-                                 renormalize_router_weights=renormalize)
-        out[layer] = state["mean"]
+            for renormalize, state in states.items():
+                update_pruning_state(state, activations=activations, selected_experts=selected_experts,
+                                     router_logits=router_logits, num_experts=n,
+                                     renormalize_router_weights=renormalize)
+        for renormalize, state in states.items():
+            out[renormalize][layer] = state["mean"]
     return out
 
 
@@ -94,11 +99,12 @@ def test_saliency_and_pruned_sets_are_reaps(name):
     lm, ts = tokens(name)
     assert bool(ts.attention_mask.bool().all())  # whole rows: no padding for REAP's observer to see
     removed_by, ratio_of = {}, {}
+    saliency = reap_saliency(lm, ts)
     for weights, renormalize in (("renormalised", True), ("softmax", False)):
         res = moetool.prune(lm, ts, fractions=(0.25, 0.5), criteria=("reap",), ablate=0, reap_weights=weights,
                             bootstrap=0, quiet=True)
         imp, removed = res["prune_importance"], res["prune_removed"]
-        ref = reap_saliency(lm, ts, renormalize)
+        ref = saliency[renormalize]
         for layer, want in ref.items():
             got = imp[imp.layer == layer].sort_values("expert")["reap"].to_numpy()
             np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, err_msg=f"{name} {weights} layer {layer}")

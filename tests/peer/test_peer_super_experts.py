@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from peer_capture import blocks, capture, expert_output, readme, tokens
 
 pytestmark = pytest.mark.slow
+XDIST_GROUP_BY = "both"  # one xdist worker per model: its module fixture (run + reference) made once (conftest)
 
 
 # ---- port of eval_utils.py (ZunhaiSu/Super-Experts-Profilling @ 573aead) ----------------------------------------
