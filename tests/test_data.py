@@ -196,6 +196,40 @@ def test_domains_met_within_the_scan_bytes_interleave_as_before(tmp_path, monkey
     assert load_tokens(p, CharTokenizer(), seq_len=16, max_tokens=64).domains == ["code"] * 4
 
 
+def test_growing_tokenizer_batches_pack_as_the_eager_read_and_stop_early(tmp_path, monkeypatch):
+    """The first tokenizer calls take FIRST_BATCH documents, doubled per call up to TOKENIZE_BATCH: a domain done
+    after a few documents is not tokenized a whole large batch further (the shipped text's 378 documents were all
+    tokenized for --max-tokens 200). The rows equal the eager packing for every max_tokens, and a small max_tokens
+    tokenizes few of the documents."""
+    monkeypatch.setattr(data_mod, "DOMAIN_SCAN_BYTES", 0)
+    monkeypatch.setattr(data_mod, "FIRST_BATCH", 1)
+    monkeypatch.setattr(data_mod, "TOKENIZE_BATCH", 16)
+    calls = []
+
+    class Counting(CharTokenizer):
+        is_fast = True  # one call per batch (data._encode)
+
+        def __call__(self, text, add_special_tokens=False, **_):
+            calls.append(len(text) if isinstance(text, list) else 1)
+            if isinstance(text, list):
+                return {"input_ids": [super(Counting, self).__call__(t)["input_ids"] for t in text]}
+            return super().__call__(text)
+
+    docs = [Document(f"doc {i} " + "y" * (i % 5), "code" if i % 2 else "prose") for i in range(200)]
+    p = tmp_path / "docs.jsonl"
+    p.write_text("".join(json.dumps({"text": d.text, "domain": d.domain}) + "\n" for d in docs))
+    for max_tokens in (20, 100, 700, None):
+        calls.clear()
+        got = load_tokens(p, Counting(), seq_len=8, max_tokens=max_tokens)
+        assert same_rows(got, pack(docs, CharTokenizer(), seq_len=8, max_tokens=max_tokens)), max_tokens
+        sizes = [min(2 ** i, 16) for i in range(len(calls))]  # at most 1, 2, 4, 8, 16, 16, ... documents per call
+        assert all(0 < c <= m for c, m in zip(calls, sizes)) and calls[:3] == [1, 2, 4][:len(calls[:3])], calls
+        if max_tokens == 20:  # 20 tokens: the first few documents of each domain, not a whole 16-document batch
+            assert sum(calls) < 16, calls
+        if max_tokens is None:
+            assert sum(calls) >= len(docs) and max(calls) == 16, calls  # every document read
+
+
 def test_batched_fast_tokenizer_gives_the_ids_of_one_call_per_document(bpe):
     class OneByOne:  # the same tokenizer without batching
         is_fast = False
