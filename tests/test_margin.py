@@ -142,7 +142,7 @@ def test_a_margin_equal_to_a_threshold_is_in_the_bin_above(tiny):
     assert mine.loc[t1] == int(((m >= t1) & (m < t2)).sum())
     assert mine.loc[t2] == int((m >= t2).sum())
     row = res["margin"].set_index("layer").loc[L.index]
-    assert row[f"frac_below_{t1:g}"] * row["tokens"] == pytest.approx(mine.loc[0.0], abs=1e-9)
+    assert row[f"frac_below_{t1!r}"] * row["tokens"] == pytest.approx(mine.loc[0.0], abs=1e-9)
 
 
 @pytest.mark.parametrize("bad, msg", [({"eps": (-0.1,)}, "--eps"), ({"thresholds": (0.1, 0.01)}, "increase"),
@@ -425,3 +425,23 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
     # below the overflow the noise is as asked: no refusal, noise_rel about eps
     fl = margin(lm, tokens, eps=(10.0,), policies=(), layers=(L.index,), bootstrap=0, quiet=True)["margin_flips"]
     assert fl["noise_rel"].iloc[0] == pytest.approx(10.0, rel=0.05)
+
+
+def test_thresholds_closer_than_six_digits_get_a_column_each(tiny):
+    """frac_below_<thr> was named with :g: --thresholds 0.05,0.0500001 wrote one column frac_below_0.05 holding the
+    share below 0.0500001 (the second overwrote the first; break-it run 7). Each threshold now has its column,
+    named by its number exactly; by hand from the captured logits of the first MoE layer."""
+    lm, tokens, L, cap = tiny
+    valid = cap["valid"]
+    s = L.selection_scores(cap["logits"][valid]).float().sort(dim=-1, descending=True).values
+    m = (s[:, L.top_k - 1] - s[:, L.top_k]).double().cpu()
+    a = float(m.sort().values[len(m) // 2])  # a token's own margin (fp32-exact): < a and < a + tiny differ
+    b = float(np.nextafter(np.float32(a), np.float32(1)))  # the next fp32 margin (margins are compared in fp32)
+    assert f"{a:g}" == f"{b:g}" and (m < a).sum() != (m < b).sum()  # the case: :g cannot tell them apart
+    res = margin(lm, tokens, eps=(0.0,), thresholds=(a, b), policies=(), bootstrap=0, batch_size=3, quiet=True)
+    row = res["margin"].set_index("layer").loc[L.index]
+    assert row[f"frac_below_{a!r}"] == float((m < a).double().mean())
+    assert row[f"frac_below_{b!r}"] == float((m < b).double().mean())
+    # thresholds that are one number in fp32 cannot be told apart there: one line
+    with pytest.raises(MoetoolError, match="one number in fp32"):
+        MarginOptions(thresholds=(a, a + 1e-12))

@@ -34,6 +34,7 @@ from ...engine.hooks import RoutingEvent, check_policy, refuse_recomputed, selec
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...policies import build_policy
+from ...policies.base import number_text
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -84,7 +85,8 @@ DEFINITIONS = {
 
 
 def _thr(t: float) -> str:
-    return f"frac_below_{t:g}"
+    """The column of threshold ``t``, named by the number exactly (``:g`` named 0.05 and 0.0500001 both 0.05)."""
+    return f"frac_below_{number_text(t)}"
 
 
 def token_margins(layer: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -312,7 +314,7 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     if policies:
         tables["margin_jaccard.csv"] = jac
     return Result("margin", tables, opts,
-                  meta=dict(definitions={**DEFINITIONS, **{_thr(t): f"share of real tokens with margin < {t:g}"
+                  meta=dict(definitions={**DEFINITIONS, **{_thr(t): f"share of real tokens with margin < {number_text(t)}"
                                                          for t in opts.thresholds}}, data=tokens.describe(), data_name=data_name(tokens.source),
                             layers=[L.index for L in layers], policies=[p.describe() for p in policies],
                             sketch_rel_error=col.sketch[layers[0].index].rel_error,
