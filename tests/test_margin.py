@@ -142,7 +142,7 @@ def test_a_margin_equal_to_a_threshold_is_in_the_bin_above(tiny):
     assert mine.loc[t1] == int(((m >= t1) & (m < t2)).sum())
     assert mine.loc[t2] == int((m >= t2).sum())
     row = res["margin"].set_index("layer").loc[L.index]
-    assert row[f"frac_below_{t1:g}"] * row["tokens"] == pytest.approx(mine.loc[0.0], abs=1e-9)
+    assert row[f"frac_below_{t1!r}"] * row["tokens"] == pytest.approx(mine.loc[0.0], abs=1e-9)
 
 
 @pytest.mark.parametrize("bad, msg", [({"eps": (-0.1,)}, "--eps"), ({"thresholds": (0.1, 0.01)}, "increase"),
@@ -386,3 +386,62 @@ def test_soft_jaccard_compares_weights_normalised_to_sum_one():
     b = weight_vectors(torch.tensor([[3, 1], [1, 2]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]]), 4)
     soft, plain = jaccards(a, b)
     assert soft.tolist() == pytest.approx([1.0, 0.5 / 1.5], abs=1e-7) and plain.tolist() == [1.0, 1 / 3]
+
+
+def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
+    """fp16 holds at most 65504: --eps 1e5 made h' inf, its routing one of NaN logits, and margin_flips read
+    topk_flip 0.996 with noise_rel inf; --eps 1e39 (past fp32's largest) was a RuntimeError of torch.add (break-it
+    run 7). Now the tokens whose h', ||h' - h|| or router logits are not finite are counted and named. By hand: the
+    test's own seeded noise on the first MoE layer's captured fp16 inputs."""
+    lm = moetool.load("tiny", dtype="fp16")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=96)
+    L = lm.layers[0]
+    got = {"h": [], "valid": [], "rows": []}
+
+    def grab(ev):
+        if ev.layer.index == L.index:
+            got["h"].append(ev.h.reshape(-1, ev.h.shape[-1]).clone())
+            got["valid"].append(ev.valid.reshape(-1).clone())
+            got["rows"] += [int(r) for r in ev.rows]
+
+    moetool.forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
+    h, valid = torch.cat(got["h"]), torch.cat(got["valid"])
+    S, d = h.shape[0] // len(got["rows"]), h.shape[1]
+    base = L.index * 1_000_000_007  # seed 0
+    dev = h.device
+    z = torch.cat([torch.randn(S, d, device=dev, generator=torch.Generator(device=dev).manual_seed(base + r))
+                   for r in got["rows"]])
+    hf = h.float()
+    for eps in (2e4, 1e39):  # 2e4: some of the tokens overflow, not all
+        hn = (hf + min(eps, 3.4e38) * hf.norm(dim=-1, keepdim=True) * z / math.sqrt(d)).to(h.dtype)
+        with torch.no_grad():
+            bad = ~torch.isfinite((hn.float() - hf).norm(dim=-1)) | ~torch.isfinite(L.logits(hn)).all(-1)
+        n_bad, n = int(bad[valid].sum()), int(valid.sum())
+        assert 0 < n_bad and (n_bad < n) == (eps == 2e4)
+        with pytest.raises(MoetoolError) as e:
+            margin(lm, tokens, eps=(0.1, eps), policies=(), layers=(L.index,), bootstrap=0, quiet=True)
+        assert f"--eps {eps:g}: the noisy router input" in str(e.value)
+        assert f"overflows float16 for {n_bad} of layer {L.index}'s {n} real tokens" in str(e.value)
+    # below the overflow the noise is as asked: no refusal, noise_rel about eps
+    fl = margin(lm, tokens, eps=(10.0,), policies=(), layers=(L.index,), bootstrap=0, quiet=True)["margin_flips"]
+    assert fl["noise_rel"].iloc[0] == pytest.approx(10.0, rel=0.05)
+
+
+def test_thresholds_closer_than_six_digits_get_a_column_each(tiny):
+    """frac_below_<thr> was named with :g: --thresholds 0.05,0.0500001 wrote one column frac_below_0.05 holding the
+    share below 0.0500001 (the second overwrote the first; break-it run 7). Each threshold now has its column,
+    named by its number exactly; by hand from the captured logits of the first MoE layer."""
+    lm, tokens, L, cap = tiny
+    valid = cap["valid"]
+    s = L.selection_scores(cap["logits"][valid]).float().sort(dim=-1, descending=True).values
+    m = (s[:, L.top_k - 1] - s[:, L.top_k]).double().cpu()
+    a = float(m.sort().values[len(m) // 2])  # a token's own margin (fp32-exact): < a and < a + tiny differ
+    b = float(np.nextafter(np.float32(a), np.float32(1)))  # the next fp32 margin (margins are compared in fp32)
+    assert f"{a:g}" == f"{b:g}" and (m < a).sum() != (m < b).sum()  # the case: :g cannot tell them apart
+    res = margin(lm, tokens, eps=(0.0,), thresholds=(a, b), policies=(), bootstrap=0, batch_size=3, quiet=True)
+    row = res["margin"].set_index("layer").loc[L.index]
+    assert row[f"frac_below_{a!r}"] == float((m < a).double().mean())
+    assert row[f"frac_below_{b!r}"] == float((m < b).double().mean())
+    # thresholds that are one number in fp32 cannot be told apart there: one line
+    with pytest.raises(MoetoolError, match="one number in fp32"):
+        MarginOptions(thresholds=(a, a + 1e-12))

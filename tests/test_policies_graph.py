@@ -267,3 +267,27 @@ def test_graph_policies_refuse_hash_routed_layers(spec):
             run(model, layers, padded_batch(), policy=make_policy(spec))
         logits, events, _ = run(model, layers, padded_batch(), policy=make_policy(spec), policy_layers=routed)
         assert torch.isfinite(logits).all() and set(events) == {L.index for L in layers}
+
+
+def test_a_small_similarity_tau_gives_the_limit_of_its_softmax_not_the_tokens_own_routing():
+    """sim / tau overflowed fp32 for a small tau (900 / 1e-37), inf - inf made S's rows NaN, and propagate read a
+    NaN row as "keep your own π": fluctuation --tau 1e-300 and ppl --routing similarity:1e-300 ran the router's
+    routing, not Def. 2's tau -> 0 limit (break-it run 7). By hand: with raw dot products and causal rows, tau -> 0
+    puts all of token i's weight on argmax_{j <= i} h_i · h_j; token 1 (h = (10, 0)) meets token 0 (30, 0) at 300 and
+    itself at 100, so s_1 = π(h_0); token 2 (0, 10) is orthogonal to both, so s_2 = π(h_2)."""
+    from types import SimpleNamespace
+
+    from moetool.policies.similarity import TAU_MIN
+
+    h = torch.tensor([[30.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3]])
+    ev = SimpleNamespace(h=h, valid=torch.ones(3, dtype=torch.bool), shape=(1, 3), probs=probs)
+    for tau in (1e-37, TAU_MIN):
+        s = make_policy(f"similarity:{tau!r}").scores(ev)
+        torch.testing.assert_close(s, probs[[0, 0, 2]], atol=0, rtol=0)
+    # a huge tau (inf in fp32) is the other limit: S uniform over the admissible j <= i
+    s = make_policy("similarity:1e39").scores(ev)
+    torch.testing.assert_close(s, torch.stack([probs[0], probs[:2].mean(0), probs.mean(0)]), atol=1e-7, rtol=0)
+    # a tau that is subnormal or 0 in fp32 cannot be divided by there: one line
+    with pytest.raises(MoetoolError, match="fp32's smallest normal"):
+        make_policy("similarity:1e-300")

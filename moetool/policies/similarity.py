@@ -28,6 +28,8 @@ from ..engine.hooks import RoutingEvent
 from .base import Policy, spec_number
 
 SIMS = ("dot", "cosine")
+#: the smallest tau: fp32's smallest normal number (a smaller one is subnormal or 0 in the fp32 division)
+TAU_MIN = float(torch.finfo(torch.float32).tiny)
 
 
 def propagate(A: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -58,13 +60,17 @@ def similarity_matrix(h: torch.Tensor, valid: torch.Tensor, shape: tuple[int, in
     x = h.float().reshape(B, S, -1)  # [B, S, d]
     if sim == "cosine":
         x = ops.unit(x)
-    logits = torch.bmm(x, x.transpose(1, 2)) / tau  # [B, S, S]
     allowed = valid.reshape(B, 1, S).expand(B, S, S)  # [B, S, S] key j is a real token
     if causal:
         allowed = allowed & torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
     eye = torch.eye(S, dtype=torch.bool, device=h.device)
     allowed = allowed | (eye & ~allowed.any(-1, keepdim=True))  # nothing admissible: itself only
-    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    sims = torch.bmm(x, x.transpose(1, 2))  # [B, S, S]
+    # each row's largest admissible similarity subtracted before dividing by tau (softmax is unchanged by it): a
+    # small tau overflowed sims / tau to inf, and inf - inf made the row NaN (which propagate read as "keep your own
+    # π"); now the largest is 0 / tau = 0 and the others fall towards -inf, the tau -> 0 limit
+    top = sims.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True)
+    return torch.softmax(sims.sub_(top).div_(tau).masked_fill_(~allowed, float("-inf")), dim=-1)
 
 
 class SimilarityPolicy(Policy):
@@ -76,8 +82,9 @@ class SimilarityPolicy(Policy):
     def __init__(self, tau: float | None = None, sim: str = "dot", causal: bool = True):
         if sim not in SIMS:
             raise ValueError(f"unknown --sim '{sim}' (choose from {', '.join(SIMS)})")
-        if tau is not None and not 0 < tau < math.inf:
-            raise ValueError(f"tau must be a finite number > 0, not {tau}")
+        if tau is not None and not TAU_MIN <= tau < math.inf:
+            raise ValueError(f"tau must be a finite number >= {TAU_MIN:g} (fp32's smallest normal number: the "
+                             f"similarities are divided by it in fp32), not {tau}")
         self.tau, self.sim, self.causal = tau, sim, bool(causal)
 
     @classmethod

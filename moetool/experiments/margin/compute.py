@@ -34,6 +34,7 @@ from ...engine.hooks import RoutingEvent, check_policy, refuse_recomputed, selec
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...policies import build_policy
+from ...policies.base import number_text
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -57,7 +58,8 @@ DEFINITIONS = {
        for q, name in (("05", "5th"), ("50", "50th"), ("95", "95th"))},
     "frac_below_<thr>": "share of real tokens with margin < thr",
     "eps": "relative size of the noise on the router input: h' = h + eps * ||h|| * z / sqrt(d), z ~ N(0, I) "
-           "seeded per (seed, layer, packed row), the same z for every eps",
+           "seeded per (seed, layer, packed row), the same z for every eps; an eps whose h' (or ||h' - h||, or its "
+           "router logits) overflows the router input's dtype (fp16's 65504: eps about 1e4) is refused",
     "noise_rel": "mean over real tokens of ||h' - h|| / ||h|| as applied: h' is formed in fp32 and rounded to h's "
                  "dtype (the router's input as the model computes it), so in bf16/fp16 a small eps partly rounds "
                  "away and noise_rel falls below eps (fp32: about eps)",
@@ -83,7 +85,8 @@ DEFINITIONS = {
 
 
 def _thr(t: float) -> str:
-    return f"frac_below_{t:g}"
+    """The column of threshold ``t``, named by the number exactly (``:g`` named 0.05 and 0.0500001 both 0.05)."""
+    return f"frac_below_{number_text(t)}"
 
 
 def token_margins(layer: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -100,14 +103,19 @@ def noise_directions(norm: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 def noisy_inputs(hf: torch.Tensor, eps: float, unit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``h + eps * ||h|| * z / sqrt(d)`` in fp32 (``hf``; ``unit`` from :func:`noise_directions`), rounded to the
-    router's input ``dtype`` as it is stored (no fp32 copy of it first)."""
-    return torch.add(hf, unit, alpha=eps, out=torch.empty_like(hf, dtype=dtype))
+    router's input ``dtype`` as it is stored (no fp32 copy of it first). An eps beyond fp32's largest number is
+    inf there (torch refuses such an alpha): the noise overflows, as :class:`MarginCollector` reports."""
+    alpha = eps if eps <= torch.finfo(torch.float32).max else math.inf
+    return torch.add(hf, unit, alpha=alpha, out=torch.empty_like(hf, dtype=dtype))
 
 
-def routing_of(layer: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_of(layer: Any, h: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top-K set [T, K], top-1 [T])`` of the layer's routing recomputed from router inputs ``h``
-    (``layer.route(layer.logits(h))``; the top-1 is the chosen expert with the largest selection score)."""
+    (``layer.route(layer.logits(h))``; the top-1 is the chosen expert with the largest selection score).
+    ``finite`` (bool ``[T]``, optional) is and-ed in place with whether each token's logits are finite."""
     logits = layer.logits(h)
+    if finite is not None:
+        finite &= torch.isfinite(logits.reshape(finite.shape[0], -1)).all(-1).to(finite.device)
     idx, _ = layer.route(logits)
     return idx, ops.best_of(idx, layer.selection_scores(logits))
 
@@ -161,6 +169,9 @@ class MarginCollector:
         self.sketch = {i: QuantileSketch() for i in self.layers}  # every positive fp32 gap up to 1e4
         self.bins = {i: torch.zeros(nb, 1 + 2 * E, dtype=torch.float64) for i in self.layers}  # tokens, flips
         self.noise = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}  # sum of ||h' - h|| / ||h||
+        # real tokens whose noisy input overflowed (h' or ||h' - h|| or its logits not finite), per eps
+        self.overflow = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}
+        self.dtype: Any = None  # the router input's dtype (named when the noise overflows it)
 
     def before_batch(self, batch: Any) -> None:
         self.rows.next_batch(batch)
@@ -188,13 +199,19 @@ class MarginCollector:
         del z
         hnorm = hnorm.clamp_min(torch.finfo(torch.float32).tiny)
         clean = routing_of(L, h)
+        self.dtype, over = h.dtype, []
         for eps in self.opts.eps:
             hn = noisy_inputs(hf, eps, unit, h.dtype)
-            k, one = flips(clean, routing_of(L, hn))
+            rel_t = ops.vector_norm(hn - hf) / hnorm  # as applied (after rounding); fp32
+            finite = torch.isfinite(rel_t)  # h' overflowed, or its distance from h did
+            k, one = flips(clean, routing_of(L, hn, finite))
             cols += [k.double() * w, one.double() * w]
-            rel.append((ops.vector_norm(hn - hf) / hnorm).double() @ w)  # as applied (after rounding); fp32
+            rel.append(rel_t.double() @ w)
+            over.append((~finite).double() @ w)
         noise = self.noise[L.index] = ops.to_device(self.noise[L.index], h.device)
         noise += torch.stack(rel)
+        overflow = self.overflow[L.index] = ops.to_device(self.overflow[L.index], h.device)
+        overflow += torch.stack(over)
         fl = torch.stack(cols, -1)  # [T, 2E]
         self.rows.add(f"{L.index}/tokens", w)
         self.rows.add(f"{L.index}/below", below)
@@ -219,6 +236,7 @@ class MarginCollector:
             distributed.all_reduce_state(self.sketch[i])
             self.bins[i] = distributed.all_reduce(self.bins[i])
             self.noise[i] = distributed.all_reduce(self.noise[i])
+            self.overflow[i] = distributed.all_reduce(self.overflow[i])
         self.rows.reduce_across_ranks()
 
     def tables(self) -> tuple[Any, Any, Any]:
@@ -240,6 +258,12 @@ class MarginCollector:
             fl = self.rows.table(f"{i}/flips").reshape(tok.shape[0], -1)
             ci = ratio_intervals(fl, tok, n_boot=opts.bootstrap, seed=opts.seed)
             noise = self.noise[i].cpu().tolist()
+            for eps, bad in zip(opts.eps, self.overflow[i].cpu().tolist()):
+                if bad:  # a routing of inf / NaN inputs is no routing: its flips would read as a measurement
+                    raise MoetoolError(f"--eps {eps:g}: the noisy router input h + eps ||h|| z / sqrt(d) overflows "
+                                       f"{str(self.dtype).replace('torch.', '')} for {int(bad)} of layer {i}'s "
+                                       f"{int(n)} real tokens (it, its distance from h or its router logits are "
+                                       "not finite): no routing to compare; use a smaller --eps")
             for j, eps in enumerate(opts.eps):
                 k, one = ci[2 * j], ci[2 * j + 1]
                 flip_rows.append({"layer": i, "eps": eps, "tokens": int(n), "noise_rel": noise[j] / n,
@@ -290,7 +314,7 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     if policies:
         tables["margin_jaccard.csv"] = jac
     return Result("margin", tables, opts,
-                  meta=dict(definitions={**DEFINITIONS, **{_thr(t): f"share of real tokens with margin < {t:g}"
+                  meta=dict(definitions={**DEFINITIONS, **{_thr(t): f"share of real tokens with margin < {number_text(t)}"
                                                          for t in opts.thresholds}}, data=tokens.describe(), data_name=data_name(tokens.source),
                             layers=[L.index for L in layers], policies=[p.describe() for p in policies],
                             sketch_rel_error=col.sketch[layers[0].index].rel_error,

@@ -37,6 +37,7 @@ Examples:
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 from ...defaults import DEFAULT_BOOTSTRAP
@@ -78,6 +79,11 @@ class MarginOptions:
             raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
         if list(self.thresholds) != sorted(set(self.thresholds)):
             raise MoetoolError(f"--thresholds must increase strictly, not {list(self.thresholds)}")
+        fp32 = array("f", self.thresholds)  # margins are compared with the thresholds in fp32
+        same = [(a, b) for a, b, x, y in zip(self.thresholds, self.thresholds[1:], fp32, fp32[1:]) if x == y]
+        if same:
+            raise MoetoolError(f"--thresholds {same[0][0]!r} and {same[0][1]!r} are one number in fp32, where margins "
+                               "are compared with them: give thresholds that differ there")
 
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
