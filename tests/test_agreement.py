@@ -391,3 +391,33 @@ def test_a_layer_routing_every_expert_is_one_line_before_any_run(monkeypatch):
     with pytest.raises(MoetoolError, match=r"layer 1: routes all 4 experts \(K = n\)"):
         agreement(lm, tokens, precisions=("fp32", "bf16"), bootstrap=0, quiet=True)
     assert not runs
+
+
+def test_each_precisions_model_is_freed_before_the_next_one_loads(monkeypatch):
+    """Agreement loads one precision at a time so that a large model fits once, not three times; but the runs kept
+    every precision's MoE layers (``_Run.layers``: the layers, holding the experts' weights) and the loop held the
+    model while it collected, so all three stayed in memory to the end. Each loaded model is now garbage when the next
+    precision loads, and the tables are those of before (test_flips_margin_bins_and_nll_by_hand checks them)."""
+    import gc
+    import weakref
+
+    from moetool.experiments.agreement import compute as mod
+
+    alive, real = [], mod.load_precision
+
+    def load_and_watch(*a, **k):
+        gc.collect()
+        still = [p for p, refs in alive if any(r() is not None for r in refs)]
+        assert not still, f"{still} still in memory when {a[1]} loads"
+        lm, rec, owned = real(*a, **k)
+        alive.append((a[1], [weakref.ref(t) for t in (lm.model, *lm.model.parameters())]))  # the experts' too
+        return lm, rec, owned
+
+    monkeypatch.setattr(mod, "load_precision", load_and_watch)
+    lm = moetool.load("tiny", dtype="fp32")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=96)
+    res = agreement("tiny", tokens, precisions=("fp32", "bf16", "fp8"), bootstrap=0, quiet=True)
+    assert [p for p, _ in alive] == ["fp32", "bf16", "fp8"]
+    assert set(res["agreement_summary"]["precision"]) >= {"bf16", "fp8"}
+    gc.collect()
+    assert not any(r() is not None for _, refs in alive for r in refs)  # and none is kept by the result

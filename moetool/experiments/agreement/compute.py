@@ -186,7 +186,9 @@ class _Run:
     each batch (the reference routing is stored by row, so any sub-batching lines up)."""
 
     def __init__(self, tokens: Any, layers: Sequence[Any]):
-        self.layers = {L.index: L for L in layers}
+        # the MoE layer indices only: a layer object holds its experts' weights, which must go with their precision's
+        # model before the next precision loads (a run outlives its model)
+        self.layers = dict.fromkeys(L.index for L in layers)
         self.rows = RowTable(tokens)
         self._start, self._slice = 0, slice(0, 0)
 
@@ -286,8 +288,8 @@ class CompareRun(_Run):
 
 
 # ----- the experiment ----------------------------------------------------------------------------
-def _free(lm: Any) -> None:
-    del lm
+def _free() -> None:
+    """Collect what a dropped model left (call with no reference to it left) and return its CUDA memory."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -365,10 +367,10 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
     for p in order:
         lm, records[p], owned = load_precision(model, p, opts.device, opts.device_map)
         layers = select_layers(lm.layers, opts.layers)
-        for L in layers:
-            if L.top_k >= L.n_experts:
-                raise MoetoolError(f"layer {L.index}: routes all {L.n_experts} experts (K = n): every precision "
-                                   "chooses the same set, no (K+1)-th score, no margin")
+        full = [(L.index, L.n_experts) for L in layers if L.top_k >= L.n_experts]  # (no loop variable to keep a
+        if full:  # layer, and its weights, alive past this precision)
+            raise MoetoolError(f"layer {full[0][0]}: routes all {full[0][1]} experts (K = n): every precision "
+                               "chooses the same set, no (K+1)-th score, no margin")
         if ref is None:
             check_formats(lm, order)  # on the first model loaded: before any forward
             manifest = lm.manifest()
@@ -378,9 +380,9 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
                 raise MoetoolError(f"{p}: other MoE layers than the reference run's")
             col = runs[p] = CompareRun(shard, layers, ref, opts.thresholds)
         run_precision(lm, shard, col, layers, opts, f"agreement {p}", quiet)
+        del lm, layers  # every reference to this precision's model (the runs keep layer indices only) ...
         if owned:
-            _free(lm)
-        del lm
+            _free()  # ... so its memory is free before the next precision loads
     per_layer, summary, bins = tables(ref_name, ref, runs, records, opts)
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source),
                 layers=sorted(ref.layers), reference=ref_name, precisions=records,
