@@ -732,7 +732,7 @@ def test_an_interrupted_run_records_the_signal_as_the_readme_says(tmp_path, exc,
     assert (m["status"], m["error"]) == ("interrupted", error)
 
 
-def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path):
+def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path, monkeypatch):
     """A stats run whose figures failed (status failed, exit 1, every table written) records its headline numbers
     before it fails: the page's first table showed them as any finished run's, the experiment cell a plain
     "stats"; it now says "stats (failed)" (HTML and Markdown), a finished run's cell stays the command."""
@@ -747,6 +747,7 @@ def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path):
     assert r.exit_code == 1
     m = json.loads((runs / "failed/manifest.json").read_text())
     assert m["status"] == "failed" and m["headline"]
+    monkeypatch.setenv("MOETOOL_FIGURES", "none")  # the finished run: its headline is the point, not its figures
     r = CliRunner().invoke(app, ["stats", "--max-tokens", "2048", "--bootstrap", "0", "-q", "--device", "cpu",
                                  "--out", str(runs / "done")])
     assert r.exit_code == 0, r.output
