@@ -317,7 +317,8 @@ def test_api_tour_help_and_an_empty_out_dir_write_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_commands_write_exactly_the_api_tables(tmp_path):
+def test_commands_write_exactly_the_api_tables(tmp_path, no_figures):
+    # tables only (no_figures): the figures these commands draw are checked by tests/test_help_files.py
     runner = CliRunner()
     data = ["--max-tokens", "512", "--seq-len", "64"]
     lm = moetool.load("tiny")
@@ -485,9 +486,10 @@ def test_inspect_aliases_and_families_refresh_from_python(monkeypatch):
     assert seen == [False, True]
 
 
-def test_from_trace_gives_the_commands_trace_tables(tmp_path):
+def test_from_trace_gives_the_commands_trace_tables(tmp_path, no_figures):
     """``moetool stats|placement|offload --trace RUN`` had no Python equivalent (only internal modules); now
     ``moetool.from_trace(name, RUN, ...)`` returns the same tables, and refuses what needs a forward in one line."""
+    # tables only (no_figures): the figures of runs from a trace are tests/test_readme.py's (which_trace_analyses)
     lm = moetool.load("tiny")
     toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
     moetool.run("trace", lm, toks, out=tmp_path / "tr", quiet=True)

@@ -565,9 +565,10 @@ def test_a_domain_that_gets_no_row_is_named_with_why():
 
 
 @pytest.mark.slow
-def test_a_command_says_which_domain_got_no_row(tmp_path):
+def test_a_command_says_which_domain_got_no_row(tmp_path, no_figures):
     """``stats`` on a JSONL whose domain 'short' is one token: its domain table has no 'short' row, and the console
     says so in one line."""
+    # console and domain_load.csv only (no_figures): stats' figures are checked in tests/test_help_files.py
     import pandas as pd
     from typer.testing import CliRunner
 

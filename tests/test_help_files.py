@@ -52,6 +52,14 @@ TEMPLATE = re.compile(r"[\w/.-]*<\w+>[\w/<>.-]*\.(?:csv|tex|png|pdf)")
 _done: dict[str, Path] = {}
 
 
+def one_worker(commands) -> list:
+    """The commands as parameters, each in the xdist group of its run (``--dist loadgroup``): both tests of a
+    command read one run in one worker, not a run per worker that draws one of them (``_done`` is per process);
+    report's run reads stats' run, so it joins stats' group."""
+    return [pytest.param(c, marks=pytest.mark.xdist_group(f"help_files-{'stats' if c == 'report' else c}"))
+            for c in commands]
+
+
 def run_dir(command: str, tmp_path_factory) -> Path:
     if command not in _done:
         out = tmp_path_factory.mktemp(command) / "run"
@@ -72,7 +80,7 @@ def written(out: Path) -> list[str]:
     return json.loads((out / "manifest.json").read_text())["files"]
 
 
-@pytest.mark.parametrize("command", [*RUNS, "report"])
+@pytest.mark.parametrize("command", one_worker([*RUNS, "report"]))
 def test_help_names_exactly_the_files_a_run_writes(command, tmp_path_factory):
     text = help_text(command)
     out = run_dir(command, tmp_path_factory)
@@ -101,7 +109,7 @@ def test_help_names_exactly_the_files_a_run_writes(command, tmp_path_factory):
 COLUMNS = re.compile(r"([\w-]+\.(?:csv\.gz|csv)) \(([^;)]*)")
 
 
-@pytest.mark.parametrize("command", [c for c in RUNS if c != "plan"])
+@pytest.mark.parametrize("command", one_worker([c for c in RUNS if c != "plan"]))
 def test_help_names_only_columns_a_run_writes(command, tmp_path_factory):
     """Each plain column name a --help lists for a table (``ppl.csv (model, ..., scored_tokens, ...``, up to its
     first ``;`` or ``)``) is a column of that table in a run (``ppl --help`` listed ``tokens``, a column ppl.csv

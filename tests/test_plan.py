@@ -273,12 +273,28 @@ def test_parse_gpus_refuses(spec):
         P.parse_gpus(spec)
 
 
-def cli(*args: str):
-    return subprocess.run([sys.executable, "-m", "moetool", *args], capture_output=True, text=True, timeout=300, check=False)
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``cli(*args)`` -> ``moetool ARGS`` as ``python -m moetool`` runs it (the console script's ``main``: its exit
+    code, one-line errors, stdout and stderr), in this process: these tests check what plan answers, not a start of
+    python (a fresh process importing moetool cost ~1 s of CPU per call here, 7 calls)."""
+    import types
+
+    import moetool.commands.app as app_module
+
+    def run(*args: str):
+        monkeypatch.setattr(sys, "argv", ["moetool", *args])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            app_module.main()
+        out = capsys.readouterr()
+        return types.SimpleNamespace(returncode=e.value.code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
 @pytest.mark.slow
-def test_cli(tmp_path):
+def test_cli(tmp_path, cli):
     # 4 rows: with 8, 60.8 GiB of MXFP4 weights + 6.3 GiB of activations is 67.08 GiB, over the 67.06 usable
     r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", "1xH100", "--batch-size", "4", "--json")
     assert r.returncode == 0, r.stderr
@@ -321,7 +337,7 @@ def test_nothing_fits_is_an_answer():
 
 
 @pytest.mark.slow
-def test_cli_nothing_fits_exits_0(tmp_path):
+def test_cli_nothing_fits_exits_0(tmp_path, cli):
     for gpus in ("1xRTX4090", "1xA100-40"):
         out = tmp_path / gpus
         r = cli("plan", "--model", str(CONFIGS / "gpt-oss-120b"), "--gpus", gpus, "--out", str(out))
@@ -366,7 +382,7 @@ def test_plan_reads_at_80_columns_and_respects_the_models_positions(tmp_path):
     assert r.exit_code == 2 and "use --seq-len 1024 or less" in r.output
 
 
-def test_moetool_run_plan_is_the_command(tmp_path):
+def test_moetool_run_plan_is_the_command(tmp_path, cli):
     """``moetool.run("plan", name, gpus=..., nodes=..., seq_len=..., batch_size=..., out=...)`` writes the command's
     tables (it raised a raw TypeError after loading the model's weights: plan() got an unexpected keyword 'quiet');
     a bad value of a flag is one MoetoolError, as on the command line, and nothing is written."""

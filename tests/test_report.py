@@ -605,11 +605,16 @@ def stats_run(tmp_path_factory) -> Path:
     return _real_run(tmp_path_factory, "stats", "--max-tokens", "256", "--seq-len", "32")
 
 
+#: the tests reading ``stats_run`` run in one xdist worker (``--dist loadgroup``): one run, not one per worker
+STATS_RUN_GROUP = pytest.mark.xdist_group("test_report-stats_run")
+
+
 def _sections(md: str) -> dict[str, str]:
     """The Markdown page's table sections by file name (``### load.csv`` up to the next heading)."""
     return {s.split("\n", 1)[0]: s.split("\n##", 1)[0] for s in md.split("\n### ")[1:]}
 
 
+@STATS_RUN_GROUP
 @pytest.mark.slow
 def test_report_refuses_a_table_that_lost_whole_rows(stats_run, tmp_path):
     """A copy of load.csv that lost whole rows at a line break (a sync cut short between two rows, rows deleted by
@@ -633,6 +638,7 @@ def test_report_refuses_a_table_that_lost_whole_rows(stats_run, tmp_path):
     assert len(got) == 9
 
 
+@STATS_RUN_GROUP
 @pytest.mark.slow
 def test_report_refuses_a_table_whose_values_were_edited(stats_run, tmp_path):
     """The same rows with other values are not the run's numbers either: layer 0's tokens 256 edited to 2560 (other
@@ -653,6 +659,7 @@ def test_report_refuses_a_table_whose_values_were_edited(stats_run, tmp_path):
         assert "### load.csv" in md and f"| {tokens} |" not in md
 
 
+@STATS_RUN_GROUP
 @pytest.mark.slow
 def test_a_run_written_before_manifests_recorded_tables_reads_as_before(stats_run, tmp_path):
     """A manifest without ``tables`` (every run folder written before them) checks nothing: the same page as the
@@ -672,6 +679,7 @@ def test_a_run_written_before_manifests_recorded_tables_reads_as_before(stats_ru
     assert "### load.csv" in md and "*3 rows; [tables/stats/load.csv]" in md and "not shown" not in md
 
 
+@STATS_RUN_GROUP
 @pytest.mark.slow
 @pytest.mark.parametrize("status", ["running", "interrupted", None])
 def test_headline_numbers_of_an_unfinished_run_say_so(stats_run, tmp_path, status):
@@ -724,7 +732,7 @@ def test_an_interrupted_run_records_the_signal_as_the_readme_says(tmp_path, exc,
     assert (m["status"], m["error"]) == ("interrupted", error)
 
 
-def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path):
+def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path, monkeypatch):
     """A stats run whose figures failed (status failed, exit 1, every table written) records its headline numbers
     before it fails: the page's first table showed them as any finished run's, the experiment cell a plain
     "stats"; it now says "stats (failed)" (HTML and Markdown), a finished run's cell stays the command."""
@@ -739,6 +747,7 @@ def test_results_at_a_glance_marks_a_run_that_did_not_complete(tmp_path):
     assert r.exit_code == 1
     m = json.loads((runs / "failed/manifest.json").read_text())
     assert m["status"] == "failed" and m["headline"]
+    monkeypatch.setenv("MOETOOL_FIGURES", "none")  # the finished run: its headline is the point, not its figures
     r = CliRunner().invoke(app, ["stats", "--max-tokens", "2048", "--bootstrap", "0", "-q", "--device", "cpu",
                                  "--out", str(runs / "done")])
     assert r.exit_code == 0, r.output
