@@ -331,10 +331,11 @@ def test_bad_options_refused_in_one_line(tmp_path):
                         ({"ablate": -1}, "--ablate"), ({"reap_weights": "raw"}, "--reap-weights")):
         with pytest.raises(MoetoolError, match=message):
             PruneOptions(**kw)
-    # 0.9 of 8 leaves 1 < K = 2; 0.01 of 8 removes floor(0.08) = 0 experts everywhere (it could only give the
+    # 0.9 of 8 leaves 1 < K = 2; 0.01234567 of 8 removes floor(0.099) = 0 experts everywhere (it could only give the
     # router's row again): refused before any forward, no folder
     for args, message in ((["--fractions", "0.9"], "fewer than its top-2"),
-                          (["--fractions", "0.25,0.01"], r"--fractions 0.01 removes no expert .*floor\(0.01 x 8\) = 0")):
+                          (["--fractions", "0.25,0.01234567"],  # named exactly, not :g's 0.0123457
+                           r"--fractions 0\.01234567 removes no expert .*floor\(0\.01234567 x 8\) = 0")):
         r = subprocess.run([sys.executable, "-m", "moetool", "prune", *args, "--max-tokens", "256",
                             "--out", str(tmp_path / "x")], capture_output=True, text=True, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -37,6 +37,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, node_scores
 from ...errors import MoetoolError
 from ...policies import build_policy
+from ...policies.base import number_text
 from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
 from ...registry import unique
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
@@ -180,13 +181,14 @@ def _check_fractions(layers: list[Any], fractions: tuple[float, ...]) -> None:
     for f in fractions:
         if f > 0 and all(n_removed(f, L.n_experts) == 0 for L in layers):
             n = max(L.n_experts for L in layers)
-            raise MoetoolError(f"--fractions {f:g} removes no expert in any chosen MoE layer (floor({f:g} x {n}) = 0); "
+            f_ = number_text(f)
+            raise MoetoolError(f"--fractions {f_} removes no expert in any chosen MoE layer (floor({f_} x {n}) = 0); "
                                f"use at least {1 / n:g}, or 0 for the model with nothing removed")
         for L in layers:
             m = n_removed(f, L.n_experts)
             if L.n_experts - m < L.top_k:
-                raise MoetoolError(f"--fractions {f:g} removes {m} of layer {L.index}'s {L.n_experts} experts, "
-                                   f"leaving fewer than its top-{L.top_k}")
+                raise MoetoolError(f"--fractions {number_text(f)} removes {m} of layer {L.index}'s {L.n_experts} "
+                                   f"experts, leaving fewer than its top-{L.top_k}")
 
 
 class _Runs:
@@ -330,7 +332,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
     router = df[df.criterion == "router"].iloc[0]
     out = [f"prune {name}: router ppl {format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)}"]
     for f, g in df[df.criterion != "router"].groupby("fraction"):
-        out.append(f"  {f:g} of experts removed: " + ", ".join(
+        out.append(f"  {number_text(f)} of experts removed: " + ", ".join(
             f"{r.criterion} x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}" for r in g.itertuples()))
     if "prune_eval.csv" in res.tables:  # lm-eval: each criterion's accuracy retention per task and fraction
         ev = res["prune_eval"]
@@ -339,7 +341,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
                 continue
             b = float(g.router_value.iloc[0])
             out.append(f"  {task} acc (router {b:.3f}) retention: " + ", ".join(
-                f"{r.criterion}@{r.fraction:g} x{r.retention:.2f}" for r in g.itertuples()))
+                f"{r.criterion}@{number_text(r.fraction)} x{r.retention:.2f}" for r in g.itertuples()))
     abl = res.tables.get("prune_ablation.csv")
     if abl is not None and len(abl):
         worst = abl.loc[abl.delta_ppl.idxmax()]
