@@ -534,20 +534,20 @@ def differing_settings(manifests: list[dict[str, Any]]) -> list[str]:
             o["data"] = data["source"]
         return o
 
+    given = [opts(m) for m in manifests]
     by_command: dict[str, list[dict[str, Any]]] = {}
-    for m in manifests:
-        if opts(m) is not None:
-            by_command.setdefault(str(m.get("command", "")), []).append(opts(m))
+    for m, o in zip(manifests, given):
+        if o is not None:
+            by_command.setdefault(str(m.get("command", "")), []).append(o)
     out = []
-    for m in manifests:
-        if opts(m) is None:
+    for m, own in zip(manifests, given):
+        if own is None:
             out.append("")
             continue
         group = by_command[str(m.get("command", ""))]
         keys = list(dict.fromkeys(k for o in group for k in o))  # in the order the runs record them
         keys = [k for k in keys if any(json.dumps(o.get(k), sort_keys=True, default=str)
                                        != json.dumps(group[0].get(k), sort_keys=True, default=str) for o in group)]
-        own = opts(m)
         out.append(", ".join(f"{k}={human(own.get(k))}" for k in keys))
     return out
 

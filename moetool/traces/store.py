@@ -219,7 +219,8 @@ def read_batches(src: TraceSource, columns: list[str] | None = None) -> Iterator
     for that the file lacks, or a ``layer`` that is no whole number, is one line (never a KeyError, never layer 0.5
     read as 0)."""
     if columns is not None:
-        missing = [c for c in columns if c not in column_names(src)]
+        names = set(column_names(src))  # the schema or header read once, not once per column
+        missing = [c for c in columns if c not in names]
         if missing:
             raise MoetoolError(f"--trace {src.path}: no {', '.join(missing)} column{'s' if len(missing) > 1 else ''}"
                                f" (a trace of moetool trace or import-trace has them; damaged or edited?)")

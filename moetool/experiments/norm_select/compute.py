@@ -292,7 +292,8 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
     for name, q in quality.groupby("policy", sort=False):
         a = agreement[agreement.policy == name]
         n = a.tokens.sum()
-        p = data_rows(q).iloc[0]
+        on_data = data_rows(q)
+        p = on_data.iloc[0]
         kind, _, rest = name.partition(":")
         node, _, norm = rest.partition(":")
         o = over.get(name, {})
@@ -306,7 +307,7 @@ def table1(agreement: Any, quality: Any, metric: str = "acc", tasks: Iterable[st
             row.update({f"{r.task} {metric}": r.value, f"{r.task} {metric}_lo": r.value_lo,
                         f"{r.task} {metric}_hi": r.value_hi, f"{r.task} retention": r.ratio,
                         f"{r.task} retention_lo": r.ratio_lo, f"{r.task} retention_hi": r.ratio_hi})
-        lmeval_rows = q.drop(index=data_rows(q).index)
+        lmeval_rows = q.drop(index=on_data.index)
         row["seconds"] = float(p.seconds) + float(lmeval_rows.seconds.max() if len(lmeval_rows) else 0.0)
         rows.append(row)
     return pd.DataFrame(rows)
