@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, padded_batch, reference_expert, run, wilson_by_hand
+from conftest import build_tiny_model, longcat_unsorted_router_model, padded_batch, reference_expert, run, wilson_by_hand
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers
@@ -579,3 +579,42 @@ def test_retention_over_a_zero_base_accuracy_is_nan_not_an_error():
     bare = result({"half": (0.5, float("nan"))})
     r = ns.eval_rows("router", bare, bare)[0]
     assert r["ratio"] == 1.0 and math.isnan(r["ratio_lo"]) and math.isnan(r["ratio_hi"])
+
+
+@pytest.mark.parametrize("node", ["gate", "glu", "output"])
+def test_zero_computation_experts_are_ranked_only_where_they_have_an_activation(node):
+    """LongCat-Flash's identity experts (the last 4 of 16, output = input) compute no gate/up/act/glu: at those nodes
+    ``norm:<node>`` ranks the 12 computed experts only (by hand, expert by expert from the raw weights); at ``output``
+    an identity expert is ranked by ``||x||``, what it outputs. (They were ranked by ``||x||`` at every node and won
+    every choice on this model: norm:gate ran no computed expert.)"""
+    model, _, ids = longcat_unsorted_router_model(4, torch.Generator().manual_seed(0))
+    layers = find_moe_layers(model)
+    _, events, _ = run(model, layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                       policy=make_policy(f"norm:{node}"))
+    for L in layers:
+        ev, m = events[L.index], L.n_experts - L.n_zero_compute
+        assert (L.n_experts, m, L.top_k) == (16, 12, 4)
+        norms = torch.stack([torch.linalg.vector_norm(reference_expert("longcat_flash", L, e, ev.h)[node], dim=-1)
+                             for e in range(m)], dim=-1)  # [T, 12]
+        if node == "output":
+            norms = torch.cat([norms, torch.linalg.vector_norm(ev.h, dim=-1, keepdim=True).expand(-1, 4)], dim=-1)
+        idx = torch.argsort(norms, dim=-1, descending=True)[:, :L.top_k]
+        top = norms.sort(-1, descending=True).values
+        clear = (top[:, L.top_k - 1] - top[:, L.top_k]) > 1e-4  # no near-tie at the K-th place
+        assert clear.float().mean() > 0.8
+        assert torch.equal(ev.chosen_idx[clear].sort(-1).values, idx[clear].sort(-1).values)
+        w = torch.softmax(norms.gather(-1, ev.chosen_idx), -1) * L.weight_scale  # LongCat's routed scaling factor
+        torch.testing.assert_close(ev.chosen_weights.float(), w, rtol=1e-4, atol=1e-5)
+        assert node == "output" or (ev.chosen_idx < m).all()
+
+
+def test_an_internal_node_with_fewer_computed_experts_than_k_is_one_line():
+    from moetool.adapters.discovery import model_class, tiny_config
+
+    cfg = tiny_config("longcat_flash")
+    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 3, 4, 4  # 3 computed experts for a top-4
+    torch.manual_seed(0)
+    layers = find_moe_layers(model_class("longcat_flash").from_config(cfg).float().eval())
+    with pytest.raises(MoetoolError, match=r"norm:gate:l2: MoE layer 0 has 3 computed experts for its top-4"):
+        make_policy("norm:gate").check(layers[0])
+    make_policy("norm:output").check(layers[0])  # identity experts have an output: rankable

@@ -9,6 +9,14 @@ routed output keeps the model's scale. Equal norms (e.g. two experts whose node 
 ordered as ``torch.topk`` orders them, as the models' own routers do: which of the tied experts runs is not
 specified and may differ between CPU and CUDA.
 
+Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip expert: ``layer.n_zero_compute``, the last
+indices) have no activation at an internal node (gate, up, act, glu: they compute nothing), so at those nodes the
+policy ranks the computed experts only and never chooses them; at ``output`` they are ranked by the norm of what they
+output (``||x||`` for an identity expert, 0 for a skip expert), as the router's choice of them would run. (The probes
+give them ``||x||`` at every node, :mod:`moetool.engine.probes`; ranked that way on the tiny LongCat-Flash they won
+every choice at every node, so ``norm:gate`` ran no computed expert and equalled ``norm:output``.) A layer with
+fewer than K computed experts cannot be routed so at an internal node: one line before any forward.
+
 ``among`` (a :class:`moetool.policies.prune.PrunePolicy`): the policy on a pruned model — it chooses the K largest
 norms among the experts the pruning keeps (``norm-select --prune``). ``router`` weights of a kept set are the
 model's own for that set: the pruned router gives its chosen experts the same weights.
@@ -23,6 +31,7 @@ import torch
 from .. import ops
 from ..adapters import quant
 from ..engine.hooks import RoutingEvent
+from ..errors import MoetoolError
 from ..engine.probes import NODES, node_scores
 from .base import Policy
 
@@ -54,6 +63,11 @@ class NormPolicy(Policy):
         """Experts in a format moetool cannot read, and (on a pruned model) the pruning's own check: one line before
         any forward."""
         quant.require_readable(layer, f"--routing {self.name}")
+        computed = layer.n_experts - layer.n_zero_compute
+        if self.node != "output" and layer.n_zero_compute and computed < layer.top_k:
+            raise MoetoolError(f"--routing {self.name}: MoE layer {layer.index} has {computed} computed experts for "
+                               f"its top-{layer.top_k} (the other {layer.n_zero_compute} compute nothing, so have no "
+                               f"'{self.node}' activation to rank): use norm:output, or leave the layer out with --layers")
         if self.among is not None:
             self.among.check(layer)
 
@@ -63,6 +77,9 @@ class NormPolicy(Policy):
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(ev)  # [T, n]
+        z = ev.layer.n_zero_compute
+        if z and self.node != "output":  # zero-computation experts have no activation at an internal node
+            s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) >= s.shape[-1] - z, float("-inf"))
         if self.among is not None:  # removed experts are never chosen
             s = s.masked_fill(~self.among.keep(ev.layer, s.device), float("-inf"))
         idx = ops.topk(s, ev.layer.top_k)  # [T, K]
