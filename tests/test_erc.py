@@ -342,3 +342,14 @@ def test_identity_experts_are_left_out_of_M():
         Rn = F.normalize(R.double(), dim=1)
         cos = (Rn @ Rn.T).abs()
         assert info["router_abs_cos_mean"] == pytest.approx(float((cos.sum() - m) / (m * (m - 1))), rel=1e-5)
+
+
+def test_a_noise_that_overflows_the_proxies_names_the_noise_not_the_weights():
+    """``--noise 1e30``: δ up to 1e30 puts the proxies' gate products past fp32 (inf), while the clean M of the same
+    finite weights is fine; the line names --noise and its value (it blamed 'NaN/inf weights?')."""
+    from moetool.errors import MoetoolError
+
+    L = find_moe_layers(build_tiny_model("mixtral"))[0]
+    assert np.isfinite(erc_layer(L, ErcOptions(noise="none")).alpha_min)  # the weights are finite
+    with pytest.raises(MoetoolError, match=r"^--noise 1e\+30: the noisy proxies of MoE layer 0 give a non-finite M"):
+        erc_layer(L, ErcOptions(noise=1e30))

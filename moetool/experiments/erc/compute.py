@@ -192,10 +192,14 @@ class LayerErc:
 DRAW_CHUNK_ELEMENTS = 1 << 24
 
 
-def _finite_M(layer: MoELayer, X: torch.Tensor, opts: ErcOptions) -> torch.Tensor:
-    """:func:`coupling_matrix` of proxies ``X [s, n, d]``, or one line where it is not finite."""
+def _finite_M(layer: MoELayer, X: torch.Tensor, opts: ErcOptions, noisy: bool = False) -> torch.Tensor:
+    """:func:`coupling_matrix` of proxies ``X [s, n, d]``, or one line where it is not finite (``noisy``: the
+    proxies are noise draws of rows whose clean M was finite, so the noise level is what overflowed)."""
     M = coupling_matrix(layer, X, opts.node, opts.norm)  # [s, n, n]
     if not bool(torch.isfinite(M).all()):  # weights only, no forward: the engine's FiniteGuard never ran
+        if noisy:
+            raise MoetoolError(f"--noise {opts.noise}: the noisy proxies of MoE layer {layer.index} give a non-finite "
+                               f"M (node {opts.node}; the clean M is finite): choose a smaller noise")
         raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
                                   "weights on the router rows; NaN/inf weights?): results would be meaningless")
     return M
@@ -224,7 +228,7 @@ def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
     per_chunk = max(1, DRAW_CHUNK_ELEMENTS // R.numel())
     for start in range(0, opts.samples, per_chunk):
         X = proxy_tokens(R, eps, min(per_chunk, opts.samples - start), gen)  # [s, n, d]
-        loss_sum += erc_loss(_finite_M(layer, X, opts), opts.alphas).sum(0)  # [A]
+        loss_sum += erc_loss(_finite_M(layer, X, opts, noisy=True), opts.alphas).sum(0)  # [A]
     row, col = dominance(clean)
     return LayerErc(layer=layer.index, M=clean.cpu(), loss=(loss_sum / opts.samples).tolist(),
                     loss_clean=erc_loss(clean, opts.alphas).tolist(), alpha_min=alpha_min(clean), row_dominance=row,
