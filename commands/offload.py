@@ -20,7 +20,7 @@ def show(res: Any, p: Any) -> None:
 
     print_table(res.summary, f"expert cache: {p.model} ({res.tokens.n_tokens:,} tokens; hit rate = mean over layers, "
                              f"bytes/token = sum over layers)", csv="offload_cache.csv")
-    pref = res["offload_prefetch"]
+    pref = res["offload_prefetch"] if "offload_prefetch" in res else ()  # none when no layer has one ahead
     if len(pref):
         shown = pref[["layer", "source_layer"]].assign(
             **{c: [format_ci(r[c], r[f"{c}_lo"], r[f"{c}_hi"]) for _, r in pref.iterrows()]

@@ -313,3 +313,43 @@ def test_cli_on_embedded_tiny(tmp_path):
     erc = pd.read_csv(tmp_path / "erc.csv")
     # the loss is non-increasing in alpha in every layer
     assert (erc.sort_values(["layer", "alpha"]).groupby("layer")["erc_loss_clean"].diff().dropna() <= 1e-12).all()
+
+
+def test_identity_experts_are_left_out_of_M():
+    """LongCat-Flash (tiny: 8 computed + 2 identity experts): an identity expert has no weights, its "gate" on any
+    proxy is the proxy itself, so it is no expert of M. M is the computed experts' by hand from ``gate_up_proj``
+    (proxies: their own router rows), alpha_min, dominance, eps and |cos| over those 8. Before, M was 10 x 10 with
+    the identity columns ``||R_i||`` (~1.2 against ~0.12 for the real experts): alpha_min 12.4 instead of 1.66 in
+    layer 0 and row dominance 0 in every layer."""
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny("longcat_flash")
+    layers = find_moe_layers(model)
+    res = run_erc(layers, ErcOptions(noise="derived", samples=2, alphas=(0.5, 1.0)), quiet=True)
+    _, per_layer, matrix = res.tables()
+    for L in layers:
+        m = L.n_experts - L.n_zero_compute
+        assert L.n_zero_compute == 2 and m == 8
+        R = L.router_weight().detach()[:m]  # the computed experts' router rows
+        M = hand_gate_M(L, R)[:, :m]  # gate_up_proj holds 10 slices; the identity experts' are never used
+        got = matrix[matrix["layer"] == L.index].pivot(index="i", columns="j", values="m").to_numpy()
+        np.testing.assert_allclose(got, M.numpy(), rtol=1e-5)
+        info = per_layer[per_layer["layer"] == L.index].iloc[0]
+        assert info["n_experts"] == m
+        assert info["alpha_min"] == pytest.approx(hand_alpha_min(M), rel=1e-5)
+        assert (info["row_dominance"], info["col_dominance"]) == hand_dominance(M)
+        assert info["eps_mean"] == pytest.approx(np.mean(hand_eps(R)), rel=1e-5)
+        Rn = F.normalize(R.double(), dim=1)
+        cos = (Rn @ Rn.T).abs()
+        assert info["router_abs_cos_mean"] == pytest.approx(float((cos.sum() - m) / (m * (m - 1))), rel=1e-5)
+
+
+def test_a_noise_that_overflows_the_proxies_names_the_noise_not_the_weights():
+    """``--noise 1e30``: δ up to 1e30 puts the proxies' gate products past fp32 (inf), while the clean M of the same
+    finite weights is fine; the line names --noise and its value (it blamed 'NaN/inf weights?')."""
+    from moetool.errors import MoetoolError
+
+    L = find_moe_layers(build_tiny_model("mixtral"))[0]
+    assert np.isfinite(erc_layer(L, ErcOptions(noise="none")).alpha_min)  # the weights are finite
+    with pytest.raises(MoetoolError, match=r"^--noise 1e\+30: the noisy proxies of MoE layer 0 give a non-finite M"):
+        erc_layer(L, ErcOptions(noise=1e30))

@@ -434,6 +434,36 @@ def test_prediction_of_a_biased_grouped_router_against_plain_hooks():
                 assert pr.loc[i, "top1_recall"] == 1.0 and pr.loc[i, "topk_recall"] == 1.0
 
 
+def test_first_layer_alone_gives_the_cache_tables_without_prefetch(tiny):
+    """``--layers 0``: the first MoE layer has no decoder layer ahead to predict it from, so there is no prefetch
+    table; the cache and coverage tables stand (before, the run refused after its forward with 'nothing to write to
+    offload_prefetch.csv: no rows (empty data?)'). Capacity K holds exactly the previous token's K experts
+    (any policy); capacity n misses only each expert's first request: hits by hand from the hooked choices."""
+    lm, tokens = tiny
+    res = offload(lm, tokens, layers=(0,), bootstrap=0, quiet=True)
+    assert "offload_prefetch" not in res and "offload_prefetch" in res.meta["left_out"]
+    trace = _manual(lm, tokens)[0][0]
+    T, K, n = tokens.n_tokens, lm.layers[0].top_k, lm.layers[0].n_experts
+    sets = [set(r) for r in trace.tolist()]
+    cache = res["offload_cache"]
+    assert list(cache.layer.unique()) == [0] and (cache.requests == T * K).all()
+    assert (cache[cache.capacity == K].hits == sum(len(a & b) for a, b in zip(sets[1:], sets))).all()
+    assert (cache[cache.capacity == n].hits == T * K - len(set().union(*sets))).all()
+
+
+def test_cli_first_layer_alone_writes_no_prefetch_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    out = tmp_path / "off"
+    r = CliRunner().invoke(app, ["offload", "--layers", "0", "--out", str(out), "--max-tokens", "64", "--seq-len",
+                                 "32", "--bootstrap", "0"])
+    assert r.exit_code == 0, r.output
+    assert (out / "offload_cache.csv").exists() and not (out / "offload_prefetch.csv").exists()
+    assert "next-layer prediction" not in r.output
+
+
 def test_options_are_checked(tiny):
     lm, tokens = tiny
     with pytest.raises(MoetoolError):

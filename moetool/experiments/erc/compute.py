@@ -51,7 +51,10 @@ DEFINITIONS = {
     "router_abs_cos_mean": "mean |cos(R_i, R_j)| over ordered pairs i != j",
     "seeding": "each layer draws its noise from its own generator seeded with seed * 1_000_003 + layer index, so a "
                "layer's numbers do not depend on which other layers are analysed",
-    "experts": "routed experts of the MoE layers only (shared experts and dense layers are not part of M)",
+    "experts": "routed experts of the MoE layers only (shared experts and dense layers are not part of M); of them "
+               "the computed ones: zero-computation experts (LongCat-Flash's identity experts) have no weights, "
+               "their node on any proxy is the proxy itself, so they are left out of M, eps and the router rows "
+               "(n_experts counts the computed experts)",
 }
 
 
@@ -65,14 +68,23 @@ def parse_noise(text: str) -> str | float:
         raise MoetoolError(f"--noise must be derived, none or a number, not '{text}'") from None
 
 
+def computed_experts(layer: MoELayer) -> int:
+    """The experts M covers: the ``n_experts - n_zero_compute`` computed ones (a zero-computation expert, LongCat-
+    Flash's identity, has no weights: its "node" is the proxy itself, ``||R~_i||`` in every row, which is no
+    coupling of an expert to its router row and outweighed the real experts' entries)."""
+    return layer.n_experts - layer.n_zero_compute
+
+
 def router_rows(layer: MoELayer) -> torch.Tensor:
-    """The router weight ``R [n, d]`` as fp32, materialised if accelerate offloaded it (``device_map``)."""
+    """The router rows ``R [m, d]`` of the :func:`computed_experts` as fp32, materialised if accelerate offloaded
+    the router (``device_map``)."""
+    m = computed_experts(layer)
     if not hasattr(layer.router, "_hf_hook"):
-        return layer.router_weight().detach().float()
+        return layer.router_weight().detach().float()[:m]
     from accelerate.utils import align_module_device
 
     with align_module_device(layer.router):
-        return layer.router_weight().detach().float().clone()
+        return layer.router_weight().detach().float()[:m].clone()
 
 
 # ----- the math --------------------------------------------------------------------------------
@@ -101,12 +113,13 @@ def proxy_tokens(R: torch.Tensor, eps: torch.Tensor, samples: int, generator: to
 
 
 def coupling_matrix(layer: MoELayer, X: torch.Tensor, node: str = "gate", norm: str = "l2") -> torch.Tensor:
-    """``M[..., i, j] = || node_j(X[..., i]) ||`` for proxies ``X [..., n, d]`` -> ``[..., n, n]`` fp32.
+    """``M[..., i, j] = || node_j(X[..., i]) ||`` for proxies ``X [..., m, d]`` -> ``[..., m, m]`` fp32, j over the
+    :func:`computed_experts` (zero-computation experts' columns left out).
 
     All proxies are one batch of tokens for the batched probes (chunked to bound memory).
     """
     lead, d = X.shape[:-1], X.shape[-1]
-    scores = probes.node_scores(layer, X.reshape(-1, d), node, norm)  # [prod(lead), n]
+    scores = probes.node_scores(layer, X.reshape(-1, d), node, norm)[:, :computed_experts(layer)]  # [prod(lead), m]
     return scores.reshape(*lead, scores.shape[-1])
 
 
@@ -179,10 +192,14 @@ class LayerErc:
 DRAW_CHUNK_ELEMENTS = 1 << 24
 
 
-def _finite_M(layer: MoELayer, X: torch.Tensor, opts: ErcOptions) -> torch.Tensor:
-    """:func:`coupling_matrix` of proxies ``X [s, n, d]``, or one line where it is not finite."""
+def _finite_M(layer: MoELayer, X: torch.Tensor, opts: ErcOptions, noisy: bool = False) -> torch.Tensor:
+    """:func:`coupling_matrix` of proxies ``X [s, n, d]``, or one line where it is not finite (``noisy``: the
+    proxies are noise draws of rows whose clean M was finite, so the noise level is what overflowed)."""
     M = coupling_matrix(layer, X, opts.node, opts.norm)  # [s, n, n]
     if not bool(torch.isfinite(M).all()):  # weights only, no forward: the engine's FiniteGuard never ran
+        if noisy:
+            raise MoetoolError(f"--noise {opts.noise}: the noisy proxies of MoE layer {layer.index} give a non-finite "
+                               f"M (node {opts.node}; the clean M is finite): choose a smaller noise")
         raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
                                   "weights on the router rows; NaN/inf weights?): results would be meaningless")
     return M
@@ -211,7 +228,7 @@ def erc_layer(layer: MoELayer, opts: ErcOptions) -> LayerErc:
     per_chunk = max(1, DRAW_CHUNK_ELEMENTS // R.numel())
     for start in range(0, opts.samples, per_chunk):
         X = proxy_tokens(R, eps, min(per_chunk, opts.samples - start), gen)  # [s, n, d]
-        loss_sum += erc_loss(_finite_M(layer, X, opts), opts.alphas).sum(0)  # [A]
+        loss_sum += erc_loss(_finite_M(layer, X, opts, noisy=True), opts.alphas).sum(0)  # [A]
     row, col = dominance(clean)
     return LayerErc(layer=layer.index, M=clean.cpu(), loss=(loss_sum / opts.samples).tolist(),
                     loss_clean=erc_loss(clean, opts.alphas).tolist(), alpha_min=alpha_min(clean), row_dominance=row,

@@ -12,7 +12,8 @@ alpha_min (clean M) is the smallest α with zero loss; row/col dominance is the
 fraction of proxies/experts whose own counterpart is their row/column maximum,
 strictly (a tie is no dominance). A layer with some M\[i,i] = 0 (an expert whose
 node is zero on its own proxy, e.g. zero weights) is refused: alpha_min is
-undefined. Routed experts of the MoE layers only.
+undefined. Routed experts of the MoE layers only, the computed ones: zero-computation
+(identity) experts have no weights and are left out of M.
 
 Writes erc.csv (layer, alpha, erc_loss = mean over --samples draws of each
 draw's loss, erc_loss_clean), erc_layers.csv (layer, n_experts, alpha_min,

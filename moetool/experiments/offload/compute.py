@@ -754,7 +754,12 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
         forward(lm, tokens, consumers=[col], moe_layers=layers, batch_size=opts.batch_size,
                 before_batch=col.before_batch, quiet=quiet, description="offload")
     col.merge_across_ranks()
-    return offload_tables(col, layers, opts, described, {L.index: expert_bytes(L) for L in layers})
+    res = offload_tables(col, layers, opts, described, {L.index: expert_bytes(L) for L in layers})
+    if not len(res.tables["offload_prefetch.csv"]):  # every analysed layer first of its stack: no layer ahead of it
+        res.tables.pop("offload_prefetch.csv")  # (--layers 0): the cache and coverage tables stand without it
+        res.meta["left_out"] = {"offload_prefetch": f"no analysed MoE layer has a decoder layer ahead of it to "
+                                                    f"predict from (--layers {','.join(str(L.index) for L in layers)})"}
+    return res
 
 
 def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, described: dict[str, Any],

@@ -16,7 +16,8 @@ Memory: one [T, K] int16 request trace per layer is kept for the simulation (T b
 
 Writes offload_coverage.csv, offload_layers.csv, offload_cache.csv (layer, policy, capacity, requests, hits,
 hit_rate, hit_rate_lo, hit_rate_hi, misses_per_token, bytes_per_token), offload_prefetch.csv (layer,
-source_layer, tokens, top1_recall, topk_recall with _lo/_hi), figures/offload_hit_rate_vs_cache_size,
+source_layer, tokens, top1_recall, topk_recall with _lo/_hi; none when --layers names only a first MoE layer,
+which has no layer ahead), figures/offload_hit_rate_vs_cache_size,
 figures/offload_prefetch_recall, figures/offload_coverage, manifest.json (definitions).
 
 --trace PATH (a moetool trace or import-trace run) simulates the caches on the first --max-tokens tokens of
