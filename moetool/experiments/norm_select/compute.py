@@ -25,7 +25,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import NODES
 from ...errors import MoetoolError
 from ...policies import build_once
-from ...registry import did_you_mean, unique
+from ...registry import did_you_mean
 from ...uncertainty import Interval, RowTable, bootstrap_meta, delta_ratio, format_ci, ratio_intervals
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..routing import data_name, perplexity, ppl_intervals
@@ -76,7 +76,7 @@ def parse_nodes(text: str | None) -> list[str]:
             raise MoetoolError(f"unknown node '{item}'{did_you_mean(item, NODES)}; choose from "
                                f"{', '.join(NODES)} or 'all'")
         out.append(item)
-    return unique(out)
+    return out  # a repeat is the flag's check's to refuse (Flag.check)
 
 
 def parse_norms(text: str) -> list[str]:
@@ -87,7 +87,7 @@ def parse_norms(text: str) -> list[str]:
     for n in out:
         if n not in ops.NORMS:
             raise MoetoolError(f"unknown norm '{n}'{did_you_mean(n, ops.NORMS)}; choose from {', '.join(ops.NORMS)}")
-    return unique(out)
+    return out  # a repeat is the flag's check's to refuse (Flag.check)
 
 
 class AgreementMeter:

@@ -39,7 +39,6 @@ from ...errors import MoetoolError
 from ...policies import build_policy
 from ...policies.base import number_text
 from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
-from ...registry import unique
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import eval_rows
@@ -240,8 +239,8 @@ def _pruned(runs: _Runs, importance: Any, layers: list[Any]) -> tuple[list, list
     table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **runs.row(runs.base)}]
     removed_rows, done, evals = [], {}, {}
     eval_table = runs.accuracy("router", 0.0, "router", runs.base_eval) if with_tasks else []
-    for criterion in unique(opts.criteria):
-        for f in unique(opts.fractions):
+    for criterion in opts.criteria:  # each once (Flag.check)
+        for f in opts.fractions:
             removed = removed_sets(importance, layers, criterion, f, opts.seed)
             key = tuple(sorted((k, tuple(v)) for k, v in removed.items()))
             if key not in done:  # two criteria removing the same experts: one forward
