@@ -16,7 +16,6 @@ from typing import Any, Callable
 import typer
 
 from moetool.errors import MoetoolError, is_disk_full, write_error
-from moetool.registry import unique
 from moetool.run import refuse_busy_out, resolve_batch_size
 
 from .options import AUTO_BATCH
@@ -171,10 +170,11 @@ def quiet_libraries() -> None:
 
 
 def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "value") -> list[Any]:
-    """``"a,b,c"`` -> list; a clear error for a bad item. The one parser of every comma-separated flag: a value
-    given twice (``0.5,0.5``, ``0.5,.50``: equal once cast) is kept once, at its first place, so no table has a
-    row computed twice. ``what``: a singular noun (``"layer"``) or the flag itself (``"--eps"``), as the errors
-    name it."""
+    """``"a,b,c"`` -> list, in the order given; a clear error for a bad item. The one parser of every
+    comma-separated flag. A value given twice (``0.5,0.5``, ``0.5,.50``: equal once cast) is kept as given: the
+    flag's check refuses it in one line, as the library refuses it (:func:`moetool.registry.refuse_repeats`);
+    ``--layers`` names a set of layers (:func:`parse_layers`; ``select_layers`` in the library), where ranges may
+    overlap. ``what``: a singular noun (``"layer"``) or the flag itself (``"--eps"``), as the errors name it."""
     if text is None:
         return []
     flag = what.startswith("--")
@@ -189,7 +189,7 @@ def parse_list(text: str | None, cast: Callable[[str], Any] = str, what: str = "
                                else f"bad {what} '{item}' in '{text}'") from None
     if not out:
         raise MoetoolError(f"{what}: no value in '{text}'" if flag else f"empty list of {what}s: '{text}'")
-    return unique(out)
+    return out
 
 
 #: the largest decoder layer index --layers takes (models have hundreds of layers at most)

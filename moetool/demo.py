@@ -114,7 +114,7 @@ def demo(out: Any = None, chosen: list[str] | None = None, *, force: bool = Fals
     """``moetool demo``: every step (or ``steps``) into one run folder, then the report page gathering them.
     Returns (run folder, one record per step, path of report.html)."""
     from .errors import MoetoolError
-    from .registry import did_you_mean
+    from .registry import did_you_mean, refuse_repeats
     from .report import RunDir
     from .report.page import write_report
 
@@ -124,6 +124,7 @@ def demo(out: Any = None, chosen: list[str] | None = None, *, force: bool = Fals
     for s in chosen or []:
         if s not in known:
             raise MoetoolError(f"unknown demo step '{s}'{did_you_mean(s, known)}; steps: {', '.join(known)}")
+    refuse_repeats(chosen or [], "--steps")
     run = RunDir.create("demo", out, force)
     records = run_demo(run, chosen, quiet=quiet, echo=echo)
     run.add(steps=records)

@@ -23,10 +23,17 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 
-def unique(items: Iterable[Any]) -> list[Any]:
-    """``items`` without repeats, each at its first place: how every list flag treats a value given twice
-    (``--fractions 0.5,0.5`` runs 0.5 once; ``commands.cli.parse_list``, ``--nodes``, ``--norm``)."""
-    return list(dict.fromkeys(items))
+def refuse_repeats(items: Iterable[Any], flag: str) -> None:
+    """One line naming ``flag`` and the first value of ``items`` given twice (equal once cast: ``0.5,.50``;
+    values that differ stay distinct, ``0.5,0.5000001``): how every list flag and list option treats a repeat, on
+    the command line and in the library alike (``Flag.check``, the ``moetool demo`` steps), so no table has a row
+    computed twice and no run quietly does less than it was asked."""
+    items = list(items)
+    seen: list[Any] = []
+    for x in items:
+        if x in seen:
+            raise MoetoolError(f"{flag}: {x!r} is given twice in {items} (each value once: no row is computed twice)")
+        seen.append(x)
 
 
 class LazyRegistry:

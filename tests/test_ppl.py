@@ -168,3 +168,21 @@ def test_data_name_is_the_files_stem_or_heldout():
 
     assert [data_name(p) for p in ("/some/dir/wiki.jsonl", "corpus.txt.gz", "shards/", None, "")] == \
         ["wiki", "corpus.txt", "shards", "heldout", "heldout"]
+
+
+def test_ppl_columns_places_each_bound_beside_its_value_and_nan_where_none():
+    """The one builder of a perplexity table's columns (ppl, topk, capacity, prune, super-experts): the forwards'
+    perplexity and ratio, the bounds of ppl_intervals, NaN where it gives none, ``between`` before the ratio."""
+    from types import SimpleNamespace
+
+    from moetool.experiments.routing import ppl_columns
+
+    run, base = SimpleNamespace(perplexity=30.0), SimpleNamespace(perplexity=20.0)
+    ci = {"perplexity": 29.0, "perplexity_lo": 25.0, "perplexity_hi": 35.0, "ratio": 1.4, "ratio_lo": 1.2,
+          "ratio_hi": 1.7}
+    cols = ppl_columns(run, base, ci, between={"delta_ppl": 10.0})
+    assert list(cols) == ["perplexity", "perplexity_lo", "perplexity_hi", "delta_ppl", "ratio", "ratio_lo",
+                          "ratio_hi"]
+    assert [cols[c] for c in cols] == [30.0, 25.0, 35.0, 10.0, 1.5, 1.2, 1.7]  # values the runs', bounds ci's
+    bare = ppl_columns(run)  # no router run, no intervals (bootstrap 0)
+    assert bare["perplexity"] == 30.0 and all(math.isnan(bare[c]) for c in bare if c != "perplexity")

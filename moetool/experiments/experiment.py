@@ -87,15 +87,12 @@ class Flag:
         """One line (:class:`MoetoolError`) where a number of ``value`` (the field's value: a number, or a tuple of
         them) is NaN, infinite without :attr:`inf`, or outside :attr:`min` / :attr:`max`; the command line checks
         it as the flag is read, :func:`check_options` where the library's options are resolved. A list flag's
-        value given twice is one line too: the command line's list parser keeps a repeat once, the library ran it
-        twice (mass_recall's ``codebook_sizes=(8, 8)`` counted every token twice in one row)."""
+        value given twice is one line too, on both (:func:`moetool.registry.refuse_repeats`: the library ran it
+        twice, mass_recall's ``codebook_sizes=(8, 8)`` counting every token twice in one row)."""
         if isinstance(value, (tuple, list)):  # a list flag (also --nodes, --norm: a str parsed to a list)
-            seen: list[Any] = []
-            for x in value:
-                if x in seen:
-                    raise MoetoolError(f"{self.flag}: {x!r} is given twice in {list(value)} (each value once: no "
-                                       "row is computed twice)")
-                seen.append(x)
+            from ..registry import refuse_repeats
+
+            refuse_repeats(value, self.flag)
         for x in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(x, bool) or not isinstance(x, numbers.Real):
                 continue

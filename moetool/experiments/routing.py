@@ -2,8 +2,8 @@
 capacity, prune, super-experts, norm-select; agreement, margin, placement, expert-similarity and locality use
 :func:`data_name`): :class:`RoutingOptions` (how routing is replaced, defined in :mod:`.experiment` with the spec
 types and re-exported here; trace and eval route with it), :func:`perplexity` (one forward loop, per-row sums for
-the bootstrap), :func:`ppl_intervals`, :func:`data_name` and the one meaning of ``scored_tokens``
-(:data:`SCORED_TOKENS`).
+the bootstrap), :func:`ppl_intervals`, :func:`ppl_columns` (a perplexity table's columns of one run),
+:func:`data_name` and the one meaning of ``scored_tokens`` (:data:`SCORED_TOKENS`).
 
 The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
 (:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
@@ -85,3 +85,19 @@ def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_bo
             raise MoetoolError("the baseline scored different tokens: no paired ratio")
         out.update(ppl_ratio_interval(nll, base.rows.table("nll"), scored, **kw).columns("ratio"))
     return out
+
+
+def ppl_columns(run: ForwardResult, base: ForwardResult | None = None, intervals: dict[str, Any] | None = None, *,
+                between: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A perplexity table's columns of one run (ppl, topk, capacity, prune, super-experts), in their order:
+    ``perplexity, perplexity_lo, perplexity_hi, *between, ratio, ratio_lo, ratio_hi``. The values are the
+    forwards' own (``run.perplexity``, ``run.perplexity / base.perplexity``; NaN without a ``base``), the bounds
+    ``intervals``' (:func:`ppl_intervals` of the same runs; NaN where it gives none: ``n_boot=0``, one row, no
+    ``base``, or no ``intervals``). ``between``: the columns a table places between the two (capacity's
+    ``router_perplexity``, super-experts' ``delta_ppl``)."""
+    nan = float("nan")
+    ci = intervals or {}
+    return {"perplexity": run.perplexity, "perplexity_lo": ci.get("perplexity_lo", nan),
+            "perplexity_hi": ci.get("perplexity_hi", nan), **(between or {}),
+            "ratio": run.perplexity / base.perplexity if base is not None else nan,
+            "ratio_lo": ci.get("ratio_lo", nan), "ratio_hi": ci.get("ratio_hi", nan)}

@@ -20,7 +20,7 @@ from ...context import state as run_state
 from ...errors import MoetoolError, MoetoolRuntimeError
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
 from ..result import Result, resolve_options
 from .spec import DEFAULT_CFS, CapacityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -123,7 +123,6 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
     base = perplexity(lm, shard, batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard),
                       description="router")
     table, per_layer, per_expert = [], [], []
-    nan = float("nan")
     for cf, order, spec in specs:
         counter = DropCounter()
         run = perplexity(lm, shard, policy=policies[spec], policy_layers=indices, consumers=[counter],
@@ -133,13 +132,11 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
         lay, exp = counter.rows()
         ci = ppl_intervals(run, base, n_boot=opts.bootstrap, seed=opts.seed)
         assigned, dropped = sum(r["assignments"] for r in lay), sum(r["dropped"] for r in lay)
-        row = {"cf": cf, "order": order, "scored_tokens": run.nll.tokens, "perplexity": run.perplexity,
-               "perplexity_lo": nan, "perplexity_hi": nan, "router_perplexity": base.perplexity,
-               "ratio": run.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan,
-               "assignments": assigned, "dropped": dropped, "dropped_frac": dropped / assigned,
-               "tokens_dropped_all_frac": sum(r["tokens_dropped_all"] for r in lay) / sum(r["tokens"] for r in lay)}
-        row.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        table.append(row)
+        table.append({"cf": cf, "order": order, "scored_tokens": run.nll.tokens,
+                      **ppl_columns(run, base, ci, between={"router_perplexity": base.perplexity}),
+                      "assignments": assigned, "dropped": dropped, "dropped_frac": dropped / assigned,
+                      "tokens_dropped_all_frac": sum(r["tokens_dropped_all"] for r in lay)
+                      / sum(r["tokens"] for r in lay)})
         per_layer += [{"cf": cf, "order": order, **r} for r in lay]
         per_expert += [{"cf": cf, "order": order, **r} for r in exp]
     df = pd.DataFrame(table)

@@ -65,10 +65,8 @@ class CapacityOptions:
     def specs(self) -> list[tuple[float, str, str]]:
         """``(cf, order, policy spec)`` in the sweep's order."""
         from ...policies.base import number_text
-        from ...registry import unique
 
-        return [(cf, order, f"capacity:{number_text(cf)}:{order}") for order in unique(self.orders)
-                for cf in unique(self.cfs)]
+        return [(cf, order, f"capacity:{number_text(cf)}:{order}") for order in self.orders for cf in self.cfs]
 
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):

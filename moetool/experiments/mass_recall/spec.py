@@ -89,9 +89,7 @@ class MassRecallOptions:
     def shortlist_sizes(self, n: int) -> list[int]:
         """The shortlist sizes M run on a layer of ``n`` experts: the given ones (each at most n: checked before
         any forward by :func:`~moetool.experiments.mass_recall.compute.run_mass_recall`), or the defaults up to n."""
-        from ...registry import unique
-
-        return unique(self.shortlists) if self.shortlists is not None else [m for m in DEFAULT_SHORTLISTS if m <= n]
+        return list(self.shortlists) if self.shortlists is not None else [m for m in DEFAULT_SHORTLISTS if m <= n]
 
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):

@@ -12,6 +12,7 @@ best first); the router's top-1 is the member of its top-K with the largest mode
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -24,7 +25,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import NODES
 from ...errors import MoetoolError
 from ...policies import build_once
-from ...registry import did_you_mean, unique
+from ...registry import did_you_mean
 from ...uncertainty import Interval, RowTable, bootstrap_meta, delta_ratio, format_ci, ratio_intervals
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..routing import data_name, perplexity, ppl_intervals
@@ -75,7 +76,7 @@ def parse_nodes(text: str | None) -> list[str]:
             raise MoetoolError(f"unknown node '{item}'{did_you_mean(item, NODES)}; choose from "
                                f"{', '.join(NODES)} or 'all'")
         out.append(item)
-    return unique(out)
+    return out  # a repeat is the flag's check's to refuse (Flag.check)
 
 
 def parse_norms(text: str) -> list[str]:
@@ -86,7 +87,7 @@ def parse_norms(text: str) -> list[str]:
     for n in out:
         if n not in ops.NORMS:
             raise MoetoolError(f"unknown norm '{n}'{did_you_mean(n, ops.NORMS)}; choose from {', '.join(ops.NORMS)}")
-    return unique(out)
+    return out  # a repeat is the flag's check's to refuse (Flag.check)
 
 
 class AgreementMeter:
@@ -196,13 +197,11 @@ def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
         key = (r.task, r.metric)
         b = float(ref.value.get(key, nan))
         se, se_b = float(r.stderr), float(ref.stderr.get(key, nan))
-        ok = se == se and se_b == se_b and b == b and b != 0 and r.value == r.value
         ratio = Interval(r.value / b if b else nan)
-        if name == "router":  # [1, 1] where its retention is defined and the value has an interval, as ppl_intervals
-            one = 1.0 if b == b and b != 0 and se == se else nan
-            ratio = Interval(ratio.value, one, one)
-        elif ok:
-            ratio = delta_ratio(float(r.value), se, b, se_b)
+        # the one condition of a retention interval: both values and both stderrs known, a base that is not 0
+        if b != 0 and not any(math.isnan(x) for x in (r.value, se, b, se_b)):
+            # the router's own: [1, 1], as ppl_intervals gives the base (its run is the base: r.value = b)
+            ratio = Interval(ratio.value, 1.0, 1.0) if name == "router" else delta_ratio(float(r.value), se, b, se_b)
         out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value, "stderr": se,
                     "value_lo": r.value_lo, "value_hi": r.value_hi,  # lmeval.results_frame's interval
                     "router_value": b, **ratio.columns("ratio"), "seconds": round(res.seconds, 3)})

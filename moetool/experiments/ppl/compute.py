@@ -15,7 +15,7 @@ from ...engine.hooks import select_layers
 from ...engine.runner import ForwardResult
 from ...uncertainty import bootstrap_meta
 from ..result import Result, resolve_options
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
 from .spec import PplOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 #: ppl.csv columns, one row per run
@@ -46,15 +46,12 @@ def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, wei
     missing ones are NaN)."""
     import pandas as pd
 
-    nan = float("nan")
+    router = base.perplexity if base is not None else float("nan")
     row = {"model": model, "data": data, "routing": routing, "weights": weights,
            "layers": "all" if layers is None else ",".join(str(i) for i in layers),
-           "scored_tokens": result.nll.tokens, "nll_mean": result.nll.mean, "perplexity": result.perplexity,
-           "perplexity_lo": nan, "perplexity_hi": nan,
-           "router_perplexity": base.perplexity if base is not None else nan,
-           "ratio": result.perplexity / base.perplexity if base is not None else nan, "ratio_lo": nan,
-           "ratio_hi": nan, "seconds": round(result.seconds, 3)}
-    row.update({k: v for k, v in (intervals or {}).items() if k.endswith(("_lo", "_hi"))})
+           "scored_tokens": result.nll.tokens, "nll_mean": result.nll.mean,
+           **ppl_columns(result, base, intervals, between={"router_perplexity": router}),
+           "seconds": round(result.seconds, 3)}
     return pd.DataFrame([row], columns=list(PPL_COLUMNS))
 
 

@@ -39,11 +39,10 @@ from ...errors import MoetoolError
 from ...policies import build_policy
 from ...policies.base import number_text
 from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
-from ...registry import unique
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import eval_rows
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
 from ..result import Result, resolve_options
 from .spec import REAP_WEIGHTS, PruneOptions  # its options (declared with their flags in spec.py)
 
@@ -222,12 +221,8 @@ class _Runs:
 
     def row(self, res: Any) -> dict[str, Any]:
         """tokens, perplexity and the paired ratio to the model's own routing, with bootstrap intervals."""
-        base, nan = self.base, float("nan")
-        ci = ppl_intervals(res, base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
-        out = {"scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
-               "ratio": res.perplexity / base.perplexity, "ratio_lo": nan, "ratio_hi": nan}
-        out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        return out
+        ci = ppl_intervals(res, self.base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
+        return {"scored_tokens": res.nll.tokens, **ppl_columns(res, self.base, ci)}
 
     def accuracy(self, criterion: str, fraction: float, name: str, res: Any) -> list[dict[str, Any]]:
         """``prune_eval.csv`` rows of one lm-eval run: value and retention against the model's own."""
@@ -244,8 +239,8 @@ def _pruned(runs: _Runs, importance: Any, layers: list[Any]) -> tuple[list, list
     table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **runs.row(runs.base)}]
     removed_rows, done, evals = [], {}, {}
     eval_table = runs.accuracy("router", 0.0, "router", runs.base_eval) if with_tasks else []
-    for criterion in unique(opts.criteria):
-        for f in unique(opts.fractions):
+    for criterion in opts.criteria:  # each once (Flag.check)
+        for f in opts.fractions:
             removed = removed_sets(importance, layers, criterion, f, opts.seed)
             key = tuple(sorted((k, tuple(v)) for k, v in removed.items()))
             if key not in done:  # two criteria removing the same experts: one forward

@@ -35,7 +35,7 @@ from ...engine.probes import DEFAULT_BUDGET, routed_absmax
 from ...errors import MoetoolError
 from ...policies.prune import PrunePolicy, random_removed
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
 from ..result import Result, resolve_options
 from .spec import MAX_RULES, READINGS, SuperExpertsOptions  # its options (declared with their flags there)
 
@@ -245,16 +245,12 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     if short:  # a random set smaller than the super set would compare unlike with like
         raise MoetoolError(f"super-experts: layers {short} have more super experts than other experts, so no random "
                            f"set of the same size exists (raise --percentile or --fraction-of-max)")
-    nan = float("nan")
 
     def row(ablation: str, res: Any, sets: dict[int, list[int]]) -> dict[str, Any]:
         ci = ppl_intervals(res, base, n_boot=opts.bootstrap, seed=opts.seed)
-        out = {"ablation": ablation, "removed": sum(len(v) for v in sets.values()), "experts": _label(sets),
-               "scored_tokens": res.nll.tokens, "perplexity": res.perplexity, "perplexity_lo": nan, "perplexity_hi": nan,
-               "delta_ppl": res.perplexity - base.perplexity, "ratio": res.perplexity / base.perplexity,
-               "ratio_lo": nan, "ratio_hi": nan}
-        out.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        return out
+        return {"ablation": ablation, "removed": sum(len(v) for v in sets.values()), "experts": _label(sets),
+                "scored_tokens": res.nll.tokens,
+                **ppl_columns(res, base, ci, between={"delta_ppl": res.perplexity - base.perplexity})}
 
     rows = [row("none", base, {})]
     if removed:

@@ -19,7 +19,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...errors import MoetoolError
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
 from ..result import Result, resolve_options
 from .spec import TopkOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -112,13 +112,9 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
         ran = [r for r in counts[spec] if r["layer"] in indices]  # the layers the policy ran in (--layers)
         mean = sum(r["mean_experts"] for r in ran) / len(ran)
         frac = sum(r["experts_frac"] for r in ran) / len(ran)
-        nan = float("nan")
-        row = {"policy": spec, "kind": kind, "value": value, "tokens": counts[spec][0]["tokens"],
-               "scored_tokens": runs[spec].nll.tokens, "mean_experts": mean, "experts_frac": frac, "perplexity": runs[spec].perplexity, "perplexity_lo": nan,
-               "perplexity_hi": nan, "ratio": runs[spec].perplexity / base.perplexity, "ratio_lo": nan,
-               "ratio_hi": nan}
-        row.update({k: v for k, v in ci.items() if k.endswith(("_lo", "_hi"))})
-        table.append(row)
+        table.append({"policy": spec, "kind": kind, "value": value, "tokens": counts[spec][0]["tokens"],
+                      "scored_tokens": runs[spec].nll.tokens, "mean_experts": mean, "experts_frac": frac,
+                      **ppl_columns(runs[spec], base, ci)})
         per_layer += [{"policy": spec, "kind": kind, "value": value, **r} for r in counts[spec]]
     df = pd.DataFrame(table)
 

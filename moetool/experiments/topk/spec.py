@@ -62,12 +62,11 @@ class TopkOptions:
     def specs(self, K: int) -> list[tuple[str, str, float]]:
         """``(policy spec, kind, value)`` in the sweep's order, the router first."""
         from ...policies.base import number_text
-        from ...registry import unique
 
         ks = self.ks if self.ks is not None else tuple(range(1, K))
         tail = f":{self.kmax}" if self.kmax is not None else ""
-        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in unique(ks)]
-                + [(f"topp:{number_text(p)}{tail}", "topp", float(p)) for p in unique(self.ps)])  # p exactly, not :g
+        return ([("router", "router", float(K))] + [(f"topk:{k}", "topk", float(k)) for k in ks]
+                + [(f"topp:{number_text(p)}{tail}", "topp", float(p)) for p in self.ps])  # p exactly, not :g
 
 
 #: figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` of what it plots):
