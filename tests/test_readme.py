@@ -135,8 +135,8 @@ def test_suite_sizes_and_times_are_written_in_one_place():
 def whole_suite_counts(config: pytest.Config) -> tuple[int, int] | None:
     """``(fast, whole)``: the tests ``pytest -m "not slow"`` and ``pytest`` run, counted from this session's own
     collection (before any deselection, ``conftest.COLLECTED``) when the session collected the whole suite as the
-    README's command does (run from the repository, on its ``testpaths``, no file ignored or skipped by ``--lf``); None otherwise. The
-    README's command collects the suite anyway: collecting it again in a subprocess cost ~25 s of CPU."""
+    README's command does (run from the repository, on its ``testpaths``, no file ignored or skipped by ``--lf``);
+    None otherwise. That command collects the suite anyway: collecting it again in a subprocess cost ~25 s of CPU."""
     from conftest import COLLECTED
 
     items = config.stash.get(COLLECTED, None)
