@@ -69,11 +69,18 @@ def no_figures(monkeypatch):
     monkeypatch.setenv("MOETOOL_FIGURES", "none")
 
 
+#: every test this session collected, before ``-m``/``-k``/``--deselect`` leave some out (tests/test_readme.py counts
+#: the suite's tiers from it instead of collecting the whole suite again)
+COLLECTED = pytest.StashKey[list]()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """A module naming ``XDIST_GROUP_BY = "<param>"`` (a module-scoped fixture parametrized by it) has the tests of
     each value run in one xdist worker: the fixture's value (e.g. a rule's model, built, saved and run by plain
-    transformers) is then made once, not once per worker that runs some of its tests."""
+    transformers) is then made once, not once per worker that runs some of its tests. Also keeps the collected
+    items (:data:`COLLECTED`; tryfirst: before any deselection)."""
+    config.stash[COLLECTED] = list(items)
     for item in items:
         by, spec = getattr(getattr(item, "module", None), "XDIST_GROUP_BY", None), getattr(item, "callspec", None)
         if by and spec is not None and by in spec.params:

@@ -506,6 +506,37 @@ def test_one_crop_for_png_and_pdf_is_matplotlibs_tight_crop_of_each(tmp_path):
     np.testing.assert_allclose(got, ref, atol=1.0)
 
 
+def test_a_tight_layout_figure_is_drawn_once_per_file_and_saved_as_matplotlib_saves_it(tmp_path, monkeypatch):
+    """``fig.tight_layout()`` leaves a placeholder layout engine, for which matplotlib drew the whole figure twice
+    per file (a layout pass that lays out nothing, then the print): ``savefig`` draws it once per file, and the PNG
+    (pixels, size, dpi) and the PDF (bytes) are the ones matplotlib's own ``savefig`` writes."""
+    from matplotlib.figure import Figure
+    from matplotlib.layout_engine import PlaceHolderLayoutEngine
+    from PIL import Image
+
+    fig, _ = draw()
+    fig.tight_layout()
+    F.finalize(fig)
+    bbox = F.tight_bbox(fig)
+    pdf_meta = {"metadata": {"CreationDate": None}}
+    with F.house_style():  # the reference: matplotlib's own save, before any of ours
+        fig.savefig(tmp_path / "ref.png", dpi=F.STYLE["savefig.dpi"], bbox_inches=bbox)
+        fig.savefig(tmp_path / "ref.pdf", bbox_inches=bbox, **pdf_meta)
+    engine = fig.get_layout_engine()
+    assert isinstance(engine, PlaceHolderLayoutEngine)
+    draws = []
+    plain = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda self, renderer: (draws.append(1), plain(self, renderer))[1])
+    with matplotlib.rc_context({"figure.autolayout": True}):  # a user's rc: the engine still comes back as it was
+        F.savefig(fig, tmp_path / "f.png", finalized=True, bbox=bbox)
+        F.savefig(fig, tmp_path / "f.pdf", finalized=True, bbox=bbox, **pdf_meta)
+    assert len(draws) == 2 and fig.get_layout_engine() is engine, draws
+    got, ref = Image.open(tmp_path / "f.png"), Image.open(tmp_path / "ref.png")
+    assert got.size == ref.size and got.size[0] > 600 and got.info["dpi"] == ref.info["dpi"]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert (tmp_path / "f.pdf").read_bytes() == (tmp_path / "ref.pdf").read_bytes()
+
+
 # ----- which files a figure is saved as (MOETOOL_FIGURES) --------------------------------------------------------
 def test_moetool_figures_chooses_the_files_and_never_changes_a_table(tmp_path, monkeypatch):
     """Unset: every figure as PNG and PDF. ``png``: the PNGs alone, ``none``: no figure drawn and no ``figures/``

@@ -427,12 +427,28 @@ def savefig(fig: Any, path: str | Path, *, finalized: bool = False, bbox: Any = 
     """Save ``fig`` in the house style (format from the suffix; PDFs with TrueType fonts), cropped to ``bbox``
     (matplotlib's ``bbox_inches``: ``"tight"``, or :func:`tight_bbox` computed once for several files). Does not
     close it."""
+    import matplotlib
+    from matplotlib.layout_engine import PlaceHolderLayoutEngine
+
     if not finalized:
         finalize(fig)
     p = Path(path)
     fmt = p.suffix.lstrip(".").lower() or "png"
-    with house_style():
-        fig.savefig(p, format=fmt, dpi=STYLE["savefig.dpi"] if fmt == "png" else None, bbox_inches=bbox, **kwargs)
+    # fig.tight_layout() leaves a PlaceHolderLayoutEngine, whose layout does nothing; matplotlib still draws the
+    # whole figure once more per file for any engine (to lay it out before printing): that draw is dropped, the
+    # file is the same (the same pixels, the same PDF bytes)
+    engine = fig.get_layout_engine()
+    idle = isinstance(engine, PlaceHolderLayoutEngine)
+    try:
+        if idle:  # None, never an rc's autolayout engine
+            with matplotlib.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
+                fig.set_layout_engine(None)
+        with house_style():
+            fig.savefig(p, format=fmt, dpi=STYLE["savefig.dpi"] if fmt == "png" else None, bbox_inches=bbox,
+                        **kwargs)
+    finally:
+        if idle:
+            fig.set_layout_engine(engine)
     return p
 
 
