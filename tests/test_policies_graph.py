@@ -269,22 +269,33 @@ def test_graph_policies_refuse_hash_routed_layers(spec):
         assert torch.isfinite(logits).all() and set(events) == {L.index for L in layers}
 
 
+def _three_tokens(third: tuple[float, float]):
+    """One sequence of three real tokens, h = (30, 0), (10, 0), ``third``, and their routers' π."""
+    from types import SimpleNamespace
+
+    h = torch.tensor([[30.0, 0.0], [10.0, 0.0], list(third)])
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3]])
+    return SimpleNamespace(h=h, valid=torch.ones(3, dtype=torch.bool), shape=(1, 3), probs=probs)
+
+
+def _assert_tau_to_zero_limit(ev, rows: list[int]):
+    """Raw dot products, tau -> 0 (1e-37 and fp32's smallest normal): token i's score is exactly π(h_rows[i])."""
+    from moetool.policies.similarity import TAU_MIN
+
+    for tau in (1e-37, TAU_MIN):
+        s = make_policy(f"similarity:{tau!r}").scores(ev)
+        torch.testing.assert_close(s, ev.probs[rows], atol=0, rtol=0)
+
+
 def test_a_small_similarity_tau_gives_the_limit_of_its_softmax_not_the_tokens_own_routing():
     """sim / tau overflowed fp32 for a small tau (900 / 1e-37), inf - inf made S's rows NaN, and propagate read a
     NaN row as "keep your own π": fluctuation --tau 1e-300 and ppl --routing similarity:1e-300 ran the router's
     routing, not Def. 2's tau -> 0 limit (break-it run 7). By hand: with raw dot products and causal rows, tau -> 0
     puts all of token i's weight on argmax_{j <= i} h_i · h_j; token 1 (h = (10, 0)) meets token 0 (30, 0) at 300 and
     itself at 100, so s_1 = π(h_0); token 2 (0, 10) is orthogonal to both, so s_2 = π(h_2)."""
-    from types import SimpleNamespace
-
-    from moetool.policies.similarity import TAU_MIN
-
-    h = torch.tensor([[30.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3]])
-    ev = SimpleNamespace(h=h, valid=torch.ones(3, dtype=torch.bool), shape=(1, 3), probs=probs)
-    for tau in (1e-37, TAU_MIN):
-        s = make_policy(f"similarity:{tau!r}").scores(ev)
-        torch.testing.assert_close(s, probs[[0, 0, 2]], atol=0, rtol=0)
+    ev = _three_tokens((0.0, 10.0))
+    probs = ev.probs
+    _assert_tau_to_zero_limit(ev, [0, 0, 2])
     # a huge tau (inf in fp32) is the other limit: S uniform over the admissible j <= i
     s = make_policy("similarity:1e39").scores(ev)
     torch.testing.assert_close(s, torch.stack([probs[0], probs[:2].mean(0), probs.mean(0)]), atol=1e-7, rtol=0)
@@ -298,16 +309,7 @@ def test_the_shift_before_tau_is_the_largest_admissible_similarity_not_a_future_
     than any earlier one must not set it. h = (30, 0), (10, 0), (100, 0), raw dot products, tau -> 0: token 1 meets
     token 0 at 300 and itself at 100 (s_1 = π(h_0)), but the future token 2 at 1000; shifted by 1000, both of its
     admissible similarities overflowed to -inf / tau and the NaN row fell back to its own π(h_1)."""
-    from types import SimpleNamespace
-
-    from moetool.policies.similarity import TAU_MIN
-
-    h = torch.tensor([[30.0, 0.0], [10.0, 0.0], [100.0, 0.0]])
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3]])
-    ev = SimpleNamespace(h=h, valid=torch.ones(3, dtype=torch.bool), shape=(1, 3), probs=probs)
-    for tau in (1e-37, TAU_MIN):
-        s = make_policy(f"similarity:{tau!r}").scores(ev)
-        torch.testing.assert_close(s, probs[[0, 0, 2]], atol=0, rtol=0)
+    _assert_tau_to_zero_limit(_three_tokens((100.0, 0.0)), [0, 0, 2])
 
 
 @pytest.mark.parametrize("attn_shape", [(2, 2, 3, 3), (1, 2, 4, 4), (1, 2, 3, 4)])
