@@ -56,11 +56,12 @@ def test_capacity_is_the_exact_ceiling():
     assert math.isinf(float(capacity(math.inf, torch.tensor(5), 2, 8)))
 
 
-@pytest.mark.parametrize("cf", [2e15, 1e16, 1e20, 1e-12, 1e-300, 1.2345678901234])
+@pytest.mark.parametrize("cf", [2e15, 1e16, 1e20, 1e-12, 1e-300, 5e-324, 1.2345678901234])
 def test_extreme_capacity_factors_do_not_overflow(cf):
     """A cf whose fraction cf·K/n does not fit int64 arithmetic (2e15 · 4096 tokens · 2 / 8 > 2**63) is not wrapped to
     a negative capacity that drops every assignment: C is the ceiling of the exact product (Python integers), to
-    float64's precision, and at least 1 for a batch with real tokens."""
+    float64's precision, and at least 1 for a batch with real tokens -- also where cf·K/n underflows float64 to 0
+    (5e-324, fp64's smallest subnormal, times 2 / 8: a ceiling of 0 dropped every assignment)."""
     from fractions import Fraction
 
     from moetool.policies.base import number_text

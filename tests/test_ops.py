@@ -151,3 +151,75 @@ def test_blocked_argmax_is_the_first_largest_value_as_torch():
     want = [next(i for i, v in enumerate(r) if math.isnan(v) or v == max(r)) if not any(map(math.isnan, r))
             else next(i for i, v in enumerate(r) if math.isnan(v)) for r in x.tolist()]
     assert ops.argmax(x).tolist() == want
+
+
+def test_stable_topk_and_rank_order_keep_index_order_on_wide_tied_rows():
+    """Rows wider than 16: the CPU's unstable sort reorders equal scores there (at 12 it happens to keep them), so a
+    tie rule lost from ops.topk(stable=True) or rank_order shows only on rows as wide as a real router's (64)."""
+    s = _tied_scores(T=20, n=64, seed=9)
+    for k in (1, 20, 64):
+        want = [sorted(range(64), key=lambda e: (-float(row[e]), e))[:k] for row in s]
+        assert ops.topk(s, k, stable=True).tolist() == want
+    g = torch.Generator().manual_seed(10)
+    idx = torch.stack([torch.randperm(64, generator=g)[:24] for _ in range(20)])  # unsorted 24-expert sets
+    order = ops.rank_order(idx, s)
+    for t in range(20):
+        ids = idx[t].tolist()
+        assert order[t].tolist() == sorted(range(24), key=lambda j: -float(s[t, ids[j]]))  # Python's sort: stable
+
+
+def test_float64_norms_are_computed_in_float64():
+    """A float64 input keeps its precision: 1 + 2^-40 is 1 in fp32 (the sums below differ from fp32's by 2^-40)."""
+    x = torch.tensor([[1 + 2.0 ** -40, -(2.0 ** -30), 3.0]], dtype=torch.float64)
+    exact = {"l1": 4 + 2.0 ** -40 + 2.0 ** -30, "linf": 3.0,
+             "l2": math.sqrt((1 + 2.0 ** -40) ** 2 + 2.0 ** -60 + 9.0)}
+    for norm, want in exact.items():
+        got = ops.vector_norm(x, norm)
+        assert got.dtype == torch.float64 and float(got[0]) == pytest.approx(want, rel=1e-15, abs=0), norm
+    assert float(ops.vector_norm(x, "l1")[0]) != float(ops.vector_norm(x.float(), "l1")[0])
+
+
+def test_normalize_scales_a_row_of_tiny_mass_to_sum_one():
+    """The clamp only guards an all-zero row: a row whose mass is far below fp32's epsilon (1e-20 + 3e-20) still
+    becomes (0.25, 0.75), not itself divided by a floor."""
+    p = torch.tensor([[1e-20, 3e-20, 0.0], [2e-38, 2e-38, 4e-38]])
+    assert np.allclose(ops.normalize(p).numpy(), [[0.25, 0.75, 0.0], [0.25, 0.25, 0.5]], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("V", [200, 130, 64])
+def test_blocked_argmax_of_a_width_not_a_multiple_of_the_block(V):
+    """200 and 130 are not multiples of 64 (torch.argmax's path), 64 is one block: the first largest value by hand."""
+    x = torch.randint(0, 20, (6, V), generator=torch.Generator().manual_seed(V)).float()
+    want = [r.index(max(r)) for r in x.tolist()]
+    assert ops.argmax(x).tolist() == want
+
+
+def test_spearman_along_the_first_dim_is_scipys_per_column():
+    """``dim=0``: each column's ranks centred on their own mean (a centring along the last dim survived the row-wise
+    check, where the two dims coincide)."""
+    a = _tied_scores(T=9, n=30, seed=11).double()
+    b = torch.rand(9, 30, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    want = np.array([stats.spearmanr(a[:, j].numpy(), b[:, j].numpy())[0] for j in range(30)])
+    assert np.max(np.abs(ops.spearman(a, b, dim=0).numpy() - want)) < 1e-12
+
+
+def test_unit_scaled_makes_rows_of_underflowing_squares_unit_vectors():
+    """(3e-25, 4e-25): its squares underflow fp32 (a norm of 0), so only the scaled projection gives (0.6, 0.8); along
+    dim 0 each column is scaled by its own largest magnitude."""
+    x = torch.tensor([[3e-25, 4e-25], [0.0, 0.0], [-6.0, 8.0]])
+    want = [[0.6, 0.8], [0.0, 0.0], [-0.6, 0.8]]
+    assert np.allclose(ops.unit(x, scaled=True).numpy(), want, rtol=0, atol=1e-6)
+    col = ops.unit(torch.tensor([[3e-25, 5.0], [4e-25, 12.0]]), dim=0, scaled=True)
+    assert np.allclose(col.numpy(), [[0.6, 5 / 13], [0.8, 12 / 13]], rtol=0, atol=1e-6)
+
+
+def test_abs_cos_mean_of_a_given_gram_ignores_x():
+    """``gram=`` (approx passes its fp64 Gram matrix of the expert outputs): the mean |cos| of the rows whose Gram it is,
+    whatever ``x`` is (here none)."""
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    for b in range(3):
+        v = x[b].numpy()
+        nrm = np.linalg.norm(v, axis=-1)
+        want = np.mean([abs(v[i] @ v[j]) / (nrm[i] * nrm[j]) for i in range(4) for j in range(4) if i != j])
+        got = ops.abs_cos_mean(None, gram=x @ x.transpose(-1, -2))[b]
+        assert got.dtype == torch.float64 and float(got) == pytest.approx(want, rel=1e-12, abs=0)

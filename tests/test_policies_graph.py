@@ -269,25 +269,59 @@ def test_graph_policies_refuse_hash_routed_layers(spec):
         assert torch.isfinite(logits).all() and set(events) == {L.index for L in layers}
 
 
+def _three_tokens(third: tuple[float, float]):
+    """One sequence of three real tokens, h = (30, 0), (10, 0), ``third``, and their routers' π."""
+    from types import SimpleNamespace
+
+    h = torch.tensor([[30.0, 0.0], [10.0, 0.0], list(third)])
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3]])
+    return SimpleNamespace(h=h, valid=torch.ones(3, dtype=torch.bool), shape=(1, 3), probs=probs)
+
+
+def _assert_tau_to_zero_limit(ev, rows: list[int]):
+    """Raw dot products, tau -> 0 (1e-37 and fp32's smallest normal): token i's score is exactly π(h_rows[i])."""
+    from moetool.policies.similarity import TAU_MIN
+
+    for tau in (1e-37, TAU_MIN):
+        s = make_policy(f"similarity:{tau!r}").scores(ev)
+        torch.testing.assert_close(s, ev.probs[rows], atol=0, rtol=0)
+
+
 def test_a_small_similarity_tau_gives_the_limit_of_its_softmax_not_the_tokens_own_routing():
     """sim / tau overflowed fp32 for a small tau (900 / 1e-37), inf - inf made S's rows NaN, and propagate read a
     NaN row as "keep your own π": fluctuation --tau 1e-300 and ppl --routing similarity:1e-300 ran the router's
     routing, not Def. 2's tau -> 0 limit (break-it run 7). By hand: with raw dot products and causal rows, tau -> 0
     puts all of token i's weight on argmax_{j <= i} h_i · h_j; token 1 (h = (10, 0)) meets token 0 (30, 0) at 300 and
     itself at 100, so s_1 = π(h_0); token 2 (0, 10) is orthogonal to both, so s_2 = π(h_2)."""
-    from types import SimpleNamespace
-
-    from moetool.policies.similarity import TAU_MIN
-
-    h = torch.tensor([[30.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3]])
-    ev = SimpleNamespace(h=h, valid=torch.ones(3, dtype=torch.bool), shape=(1, 3), probs=probs)
-    for tau in (1e-37, TAU_MIN):
-        s = make_policy(f"similarity:{tau!r}").scores(ev)
-        torch.testing.assert_close(s, probs[[0, 0, 2]], atol=0, rtol=0)
+    ev = _three_tokens((0.0, 10.0))
+    probs = ev.probs
+    _assert_tau_to_zero_limit(ev, [0, 0, 2])
     # a huge tau (inf in fp32) is the other limit: S uniform over the admissible j <= i
     s = make_policy("similarity:1e39").scores(ev)
     torch.testing.assert_close(s, torch.stack([probs[0], probs[:2].mean(0), probs.mean(0)]), atol=1e-7, rtol=0)
     # a tau that is subnormal or 0 in fp32 cannot be divided by there: one line
     with pytest.raises(MoetoolError, match="fp32's smallest normal"):
         make_policy("similarity:1e-300")
+
+
+def test_the_shift_before_tau_is_the_largest_admissible_similarity_not_a_future_tokens():
+    """Each row's shift is its largest similarity over the j it may attend to: a later (causal) token more similar
+    than any earlier one must not set it. h = (30, 0), (10, 0), (100, 0), raw dot products, tau -> 0: token 1 meets
+    token 0 at 300 and itself at 100 (s_1 = π(h_0)), but the future token 2 at 1000; shifted by 1000, both of its
+    admissible similarities overflowed to -inf / tau and the NaN row fell back to its own π(h_1)."""
+    _assert_tau_to_zero_limit(_three_tokens((100.0, 0.0)), [0, 0, 2])
+
+
+@pytest.mark.parametrize("attn_shape", [(2, 2, 3, 3), (1, 2, 4, 4), (1, 2, 3, 4)])
+def test_attention_probabilities_of_another_batch_shape_are_one_line(attn_shape):
+    """Probabilities whose batch or (query, key) sizes are not the routed batch's (1, 3) -- a KV cache, another
+    layer's -- are refused in one line naming both shapes, never read against the wrong tokens (the batch check
+    dropped, a [2, heads, 3, 3] reached the head choice and stopped with a reshape traceback)."""
+    from types import SimpleNamespace
+
+    A = torch.full(attn_shape, 1.0 / attn_shape[-1])
+    ev = SimpleNamespace(attn=A, shape=(1, 3), valid=torch.ones(3, dtype=torch.bool), probs=torch.full((3, 4), 0.25),
+                         layer=SimpleNamespace(index=0, top_k=2, weight_scale=1.0), extra={})
+    with pytest.raises(MoetoolError, match=r"^layer 0: attention probabilities of shape .* do not match the batch "
+                                           r"\(1, 3\) \(a KV cache in use\? pass use_cache=False\)$"):
+        make_policy("attention").select(ev)
