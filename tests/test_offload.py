@@ -434,6 +434,39 @@ def test_prediction_of_a_biased_grouped_router_against_plain_hooks():
                 assert pr.loc[i, "top1_recall"] == 1.0 and pr.loc[i, "topk_recall"] == 1.0
 
 
+
+@pytest.mark.parametrize("sandwich", ["muse_spark", "beam", "gemma4"])
+def test_prediction_is_exact_without_attention_in_sandwich_norm_families(sandwich):
+    """Invariant, for decoder layers whose MoE block does not read ``post_attention_layernorm(stream)``: Muse Spark
+    and Beam norm the attention OUTPUT with it and feed the block ``pre_feedforward_layernorm(stream)``; Gemma 4's
+    router reads the stream itself (its norm inside). With every attention output projection zeroed (Muse Spark's
+    residual gates at 0: the stream only rescaled, uniformly, which the norms undo), layer ℓ+1's router input is
+    exactly that norm of x_ℓ, so both recalls must be 1 -- with the norms' weights away from their init, as in a
+    trained checkpoint. Before, offload applied post_attention_layernorm: top-1 recall 0.44-0.84 (Muse Spark
+    0.445 / 0.74 / 0.835) for a perfect predictor."""
+    from types import SimpleNamespace
+
+    from moetool.adapters import find_moe_layers, tiny as tiny_models
+    from moetool.data import TokenSet
+
+    model = tiny_models.build_tiny(sandwich, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name and name.endswith("weight"):  # not the identity: the norms must be told apart
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+            if name.endswith(("self_attn.o_proj.weight", "self_attn.o_proj.bias", "residual_gate.gate")):
+                p.zero_()
+    cfg = model.config.get_text_config(decoder=True)
+    ids = torch.randint(3, cfg.vocab_size, (4, 24), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name=sandwich)
+    pr = offload(lm, TokenSet(ids, mask, [""] * 4, "test"), bootstrap=0, policies=("lru",), batch_size=4,
+                 quiet=True)["offload_prefetch"]
+    assert len(pr) >= 2
+    assert (pr.top1_recall == 1.0).all() and (pr.topk_recall == 1.0).all(), pr[["layer", "top1_recall", "topk_recall"]]
+
 def test_first_layer_alone_gives_the_cache_tables_without_prefetch(tiny):
     """``--layers 0``: the first MoE layer has no decoder layer ahead to predict it from, so there is no prefetch
     table; the cache and coverage tables stand (before, the run refused after its forward with 'nothing to write to

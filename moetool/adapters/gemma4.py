@@ -127,6 +127,12 @@ class Gemma4Layer(GenericLayer):
     def weights_for(self, logits: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return super().weights_for(logits, idx, mask) * self._scale(idx)
 
+    @property
+    def pre_router_norm(self) -> nn.Module:
+        """None between the residual stream and the router: it reads the stream after attention itself (its own
+        RMS norm and scale are inside it, :meth:`logits`); ``pre_feedforward_layernorm`` feeds the dense MLP."""
+        return _IDENTITY
+
     def expert_input(self, h: torch.Tensor) -> torch.Tensor:
         return self.experts.norm(h)
 

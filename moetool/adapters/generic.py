@@ -175,8 +175,13 @@ class GenericLayer(MoELayer):
     @property
     def pre_router_norm(self) -> nn.Module | None:
         """The norm between the residual stream and the MoE block: the decoder layer's ``post_attention_layernorm``
-        (LongCat's two sublayers have one each: its shortcut MoE reads the first's output)."""
-        norm = getattr(self.decoder_layer, "post_attention_layernorm", None)
+        (LongCat's two sublayers have one each: its shortcut MoE reads the first's output), or its
+        ``pre_feedforward_layernorm`` where it has one (sandwich norms, Muse Spark and Beam: there
+        ``post_attention_layernorm`` norms the attention's output before the residual add, and the block reads
+        ``pre_feedforward_layernorm`` of the stream)."""
+        norm = getattr(self.decoder_layer, "pre_feedforward_layernorm", None)
+        if norm is None:
+            norm = getattr(self.decoder_layer, "post_attention_layernorm", None)
         return norm[0] if isinstance(norm, nn.ModuleList) else norm
 
     def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,9 @@ Everything comes from one forward pass over the packed rows with the model's own
   decoder layer ``ℓ`` (= the input of decoder layer ``ℓ+1``, captured by a forward pre-hook on it). The
   prediction for MoE layer ``ℓ+1`` is its own routing (``route``: the model's scoring, bias, groups) applied to
   ``post_attention_layernorm_{ℓ+1}(x_ℓ)`` — exactly the router input except for layer ``ℓ+1``'s attention
-  update (``predict_norm=False``: to ``x_ℓ`` itself; Switch Transformers: the feed-forward's own layer norm, and
-  the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
+  update (``predict_norm=False``: to ``x_ℓ`` itself; the norm is the layer's ``pre_router_norm``: with sandwich
+  norms, Muse Spark's and Beam's, ``pre_feedforward_layernorm``; Gemma 4's router reads the stream itself;
+  Switch Transformers: the feed-forward's own layer norm, and the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
   predicted best expert (the one the predicted routing weights highest, as the real one is read: with a correction
   bias, DeepSeek-V3's, the selection order and the weight order of the chosen experts differ) is the expert the
   layer actually weighted highest; top-K recall = mean
@@ -850,7 +851,8 @@ DEFINITIONS = {
               "id first)",
     "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
     "top1_recall": "fraction of tokens whose predicted best expert (the expert weighted highest by layer ℓ+1's "
-                   "routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ), x_ℓ = output of decoder layer ℓ) is the "
+                   "routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ) -- the norm the MoE block reads, "
+                   "pre_feedforward_layernorm with sandwich norms --, x_ℓ = output of decoder layer ℓ) is the "
                    "expert layer ℓ+1 weighted highest (both by routing weight, not by selection score: a correction "
                    "bias orders them differently)",
     "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",
