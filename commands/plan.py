@@ -42,12 +42,26 @@ def main(p: Any) -> None:
             f"{nodes} node{'s' if nodes > 1 else ''} of {gpus}", markup=False, highlight=False)
     print_table(res["params"], title="parameter bytes by group and format")
     _print_layouts(c, res["layouts"], f"layouts (rows of {p['seq_len']} tokens x {batch_size})")
+    if _config_alone(source) and res["layouts"]["command"].astype(bool).any():  # examples/configs/: no weights
+        c.print(f"  (the commands name {model}, a config without weights: put the checkpoint's folder or hub id "
+                "in --model)", soft_wrap=True, markup=False, highlight=False)
     if "throughput" in res:
         wide = res["throughput"].pivot(index="command", columns="layout", values="tokens_per_s").round(0)
         print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)")
     else:
         c.print("no layout fits: add GPUs or nodes, or a larger GPU")
     echo_run(res.path)
+
+
+def _config_alone(source: str) -> bool:
+    """``source`` is a local folder holding no weight file (a config alone, as ``examples/configs/``): a suggested
+    command naming it would fail to load weights, after the load's minute."""
+    from pathlib import Path
+
+    from moetool.loading import WEIGHT_SUFFIXES
+
+    folder = Path(source)
+    return folder.is_dir() and not any(f.suffix in WEIGHT_SUFFIXES for f in folder.rglob("*") if f.is_file())
 
 
 def _print_layouts(c: object, layouts: object, title: str) -> None:

@@ -94,10 +94,9 @@ def run_demo(parent: Any, chosen: list[str] | None = None, quiet: bool = False,
              echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run the demo steps (all by default); returns one record per step."""
     records = []
-    for name in steps():
-        if chosen and name not in chosen:
-            continue
-        echo(f"== {name}")
+    todo = [name for name in steps() if not chosen or name in chosen]
+    for i, name in enumerate(todo, 1):
+        echo(f"== {name} ({i}/{len(todo)})")  # a demo runs for minutes: how far it is
         t0 = time.time()
         before = {p.name for p in parent.path.iterdir()}
         lines = inspect_demo(parent, quiet) if name == "inspect" else run_step(parent, EXPERIMENTS[name], quiet)

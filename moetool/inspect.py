@@ -142,7 +142,8 @@ def families(model_types: list[str] | None = None, *, cache: bool = True,
     None) is kept in :func:`cache_dir` under :func:`families_cache_key` (the installed transformers, torch and
     moetool versions and a hash of moetool's adapter code): it is built once per installation and rebuilt as
     soon as any of them changes. ``cache=False`` builds it anew (and refreshes the cached copy). ``notice`` is told
-    one line before a build of the whole table (the command prints it: minutes of silence look like a hang)."""
+    one line before a build of the whole table, and a progress bar counts the model types on stderr while it builds
+    (the command prints both: minutes of silence look like a hang; 334 s at load average 10)."""
     whole = model_types is None
     path = None
     if whole:
@@ -159,7 +160,9 @@ def families(model_types: list[str] | None = None, *, cache: bool = True,
     if whole and notice is not None:
         notice(f"building the families table once for this installation: a tiny model of each of {len(types)} MoE "
                f"model types (15 s to minutes on a CPU); later calls answer from {path}")
-    rows = [family_row(mt) for mt in types]
+    from .progress import progress
+
+    rows = [family_row(mt) for mt in progress(types, len(types), "families", quiet=not (whole and notice is not None))]
     if path is not None:
         write_cached(path, key, rows, "rows")
     return rows

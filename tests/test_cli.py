@@ -223,6 +223,15 @@ def test_demo_with_no_step_is_one_line_not_every_step(steps, tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_demo_numbers_its_steps(tmp_path):
+    """A fresh clone's ``moetool demo`` ran for minutes under headings ``== stats``, ``== norm-select``, ... with no
+    sign of how many of its 17 steps were left: each heading now says which step of how many it is, counted over
+    the steps asked (``--steps erc,inspect``: 2, in the demo's own order, inspect first)."""
+    r = runner.invoke(app, ["demo", "--steps", "erc,inspect", "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0, r.output
+    assert [ln for ln in r.output.splitlines() if ln.startswith("== ")] == ["== inspect (1/2)", "== erc (2/2)"]
+
+
 def test_demo_from_python_with_an_empty_list_is_refused(tmp_path):
     from moetool.demo import demo
     from moetool.errors import MoetoolError

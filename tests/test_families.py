@@ -391,3 +391,25 @@ def test_inspect_families_says_when_it_builds_the_table(monkeypatch):
     fresh = CliRunner().invoke(app, ["inspect", "--families", "--json", "--refresh"])
     assert fresh.exit_code == 0 and len(built) == 6  # rebuilt, and the output stays JSON alone
     assert [r["model_type"] for r in json.loads(fresh.output)] == ["mixtral", "nllb-moe", "olmoe"]
+
+
+def test_inspect_families_counts_the_model_types_while_it_builds(monkeypatch):
+    """A fresh clone's first ``moetool inspect --families`` ran 334 s at load average 10 with one line and then
+    nothing until the table: a bar now counts the model types built (the last state reads 3/3 for three types);
+    the cached answer and ``--json`` show none."""
+    from typer.testing import CliRunner
+
+    import moetool.inspect as mi
+    from moetool.commands.app import app
+
+    types = ["mixtral", "nllb-moe", "olmoe"]
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: list(types))
+    monkeypatch.setattr(mi, "family_row", lambda mt: {"model_type": mt, "supported": "yes"})
+    first = CliRunner().invoke(app, ["inspect", "--families", "--refresh"])
+    assert first.exit_code == 0, first.output
+    bars = [ln for ln in first.output.splitlines() if ln.startswith("families ")]
+    assert bars and f"{len(types)}/{len(types)}" in bars[-1], first.output
+    again = CliRunner().invoke(app, ["inspect", "--families"])
+    assert again.exit_code == 0 and not [ln for ln in again.output.splitlines() if ln.startswith("families ")]
+    fresh = CliRunner().invoke(app, ["inspect", "--families", "--json", "--refresh"])
+    assert fresh.exit_code == 0 and fresh.output.lstrip().startswith("[")

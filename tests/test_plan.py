@@ -431,3 +431,26 @@ def test_a_config_without_a_dtype_prints_no_transformers_deprecation(tmp_path):
     c.__dict__["torch_dtype"] = "float32"  # a config object holding the old key itself
     c.dtype = None
     assert stored_dtype(c) == "float32" and P.native_format(c) == "fp32"
+
+
+def test_plan_says_when_its_commands_name_a_config_without_weights(tmp_path):
+    """A newcomer's ``moetool plan --model examples/configs/deepseek-v3 --gpus 8xH100 --nodes 2`` (the README's
+    example) printed ``torchrun ... -m moetool ppl --model examples/configs/deepseek-v3 ... --tp 16 --ep 16`` to copy;
+    run, it loads for a minute and fails ('holds a config and no weight files'). The plan now says under its
+    commands that the folder has no weights; a model with weights (tiny) gets no such line."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    cfg = Path(__file__).resolve().parents[1] / "examples" / "configs" / "deepseek-v3"
+    assert not [f for f in cfg.rglob("*") if f.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    runner = CliRunner(env={"COLUMNS": "200"})
+    r = runner.invoke(app, ["plan", "--model", str(cfg), "--gpus", "8xH100", "--nodes", "2", "--out",
+                            str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    said = [ln for ln in r.output.splitlines() if "a config without weights" in ln]
+    assert said == [f"  (the commands name {cfg}, a config without weights: put the checkpoint's folder or hub id "
+                    "in --model)"], r.output
+    assert f"--model {cfg} --seq-len 2048 --batch-size 8 --tp 16 --ep 16" in r.output  # the command it is about
+    r = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "8xH100", "--out", str(tmp_path / "q")])
+    assert r.exit_code == 0 and "without weights" not in r.output, r.output

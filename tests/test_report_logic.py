@@ -191,3 +191,31 @@ def test_headline_rows_of_one_experiment_say_the_options_their_runs_differ_in(tm
     body, md = [], []
     page._headlines(runs[:1], body, md)
     assert [ln for ln in md if ln.startswith("| [")] == ["| [ppl](#a) | tiny | ppl a |"]
+
+
+def test_a_demo_step_beside_the_same_command_differs_only_in_what_both_record(tmp_path):
+    """A newcomer's ``moetool report runs/stats-tiny runs/demo-*`` said the demo's stats ran with
+    ``data=none, max_tokens=8192, dtype=none, device=none, special_tokens=none`` beside the command's
+    ``data=.../heldout.jsonl, max_tokens=4096, dtype=auto, device=auto, special_tokens=tokenizer default``: both read
+    the shipped text in fp32 on the CPU; the demo step records no dtype, device or special_tokens option and its
+    data only in the manifest's ``data``. Now only max_tokens, the one option both record with other values."""
+    src = "/site-packages/moetool/embedded/data/heldout.jsonl"
+    cli = {"model": "tiny", "data": None, "seq_len": 256, "max_tokens": 4096, "dtype": "auto", "device": "auto",
+           "device_map": None, "special_tokens": "tokenizer default", "top_tokens": 10, "batch_size": 8,
+           "bootstrap": 1000, "seed": 0, "layers": None}
+    demo = {"model": "tiny", "seq_len": 256, "max_tokens": 8192, "add_special_tokens": None, "top_tokens": 10,
+            "batch_size": 8, "bootstrap": 1000, "seed": 0, "layers": None}
+
+    def stats(name, opts, tokens):
+        return page.Run(tmp_path, name, {"command": "stats", "status": "complete", "model": {"name": "tiny"},
+                                         "headline": [f"stats {name}"], "options": opts,
+                                         "data": {"source": src, "tokens": tokens}})
+    body, md = [], []
+    page._headlines([stats("cli", cli, 4096), stats("demo", demo, 8192)], body, md)
+    assert [ln for ln in md if ln.startswith("| [")] == ["| [stats](#cli) | tiny · max\\_tokens=4096 | stats cli |",
+                                                         "| [stats](#demo) | tiny · max\\_tokens=8192 | stats demo |"]
+    body, md = [], []  # other text read: the demo's data (from its manifest) is named beside the command's
+    page._headlines([stats("cli", {**cli, "data": "mine.jsonl", "max_tokens": 8192}, 8192),
+                     stats("demo", demo, 8192)], body, md)
+    assert [ln for ln in md if ln.startswith("| [")] == [
+        "| [stats](#cli) | tiny · data=mine.jsonl | stats cli |", f"| [stats](#demo) | tiny · data={src} | stats demo |"]

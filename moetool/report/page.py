@@ -523,14 +523,16 @@ def differing_settings(manifests: list[dict[str, Any]]) -> list[str]:
     :data:`NOT_SETTINGS`) whose values differ among the manifests of the same command -- two runs of one
     experiment side by side whose numbers were measured on other data, sequence lengths, precisions or
     options say so; ``""`` where they agree, where the command has one run, and for a run that recorded no
-    options (one that failed before it could: nothing to compare)."""
+    options (one that failed before it could: nothing to compare). An option is compared among the runs that
+    record it, and named only for them: a run that does not record it (a demo step records no ``dtype``) says
+    nothing of it, not ``dtype=none``; a run's data is the text it read (its manifest's ``data.source``)."""
     def opts(m: dict[str, Any]) -> dict[str, Any] | None:
         o = m.get("options")
         if not isinstance(o, dict) or not o:
             return None
         o = {k: v for k, v in o.items() if k not in NOT_SETTINGS}
         data = m.get("data")  # --data left out: the text the run read (the shipped one), as a path given names it
-        if "data" in o and o["data"] is None and isinstance(data, dict) and isinstance(data.get("source"), str):
+        if o.get("data") is None and isinstance(data, dict) and isinstance(data.get("source"), str):
             o["data"] = data["source"]
         return o
 
@@ -546,9 +548,9 @@ def differing_settings(manifests: list[dict[str, Any]]) -> list[str]:
             continue
         group = by_command[str(m.get("command", ""))]
         keys = list(dict.fromkeys(k for o in group for k in o))  # in the order the runs record them
-        keys = [k for k in keys if any(json.dumps(o.get(k), sort_keys=True, default=str)
-                                       != json.dumps(group[0].get(k), sort_keys=True, default=str) for o in group)]
-        out.append(", ".join(f"{k}={human(own.get(k))}" for k in keys))
+        keys = [k for k in keys if k in own and len({json.dumps(o[k], sort_keys=True, default=str)
+                                                      for o in group if k in o}) > 1]
+        out.append(", ".join(f"{k}={human(own[k])}" for k in keys))
     return out
 
 
