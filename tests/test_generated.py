@@ -11,10 +11,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from moetool.commands.app import app
-import typer
 
 from moetool.commands.app import app
 from moetool.commands.generated import TO_OPTIONS, TO_RUN, options_of, own_module, parameters
