@@ -14,7 +14,6 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-
 from moetool.commands.app import app
 from moetool.commands.generated import TO_OPTIONS, TO_RUN, options_of, own_module, parameters
 from moetool.experiments.experiment import option
