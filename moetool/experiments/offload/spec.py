@@ -58,8 +58,8 @@ class OffloadOptions:
                                                      "(default powers of 4 from 16, and all tokens).", kind="ints")
     # apply layer ℓ+1's norm before its MoE block (MoELayer.pre_router_norm) to x_ℓ before its router
     predict_norm: bool = option(True, "--predict-norm", "Apply layer ℓ+1's norm before its MoE block "
-                                "(post_attention_layernorm; pre_feedforward_layernorm with sandwich norms) to x_ℓ "
-                                "before its router.")
+                                "(what its router reads of the stream: MoELayer.pre_router_norm) to x_ℓ before its "
+                                "router; layers whose router reads no norm of one stream are refused.")
     bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
     seed: int = 0
     batch_size: int = 8
