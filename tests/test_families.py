@@ -174,28 +174,22 @@ def test_family(model_type):
 #: Qwen4-Exp's per-layer embeddings; Switch's and DBRX's attentions inside their sublayers)
 MIXERS = ("self_attn", "self_attention", "linear_attn", "mamba", "conv", "ple", "SelfAttention", "EncDecAttention",
           "attn")
-#: the MoE block reads the decoder layer's input through a residual transform of the attention sublayer, which the
-#: prediction does not model yet: Muse Spark's per-channel residual gate (alpha * x), MiniMax's normed residual
-#: (post_attention_layernorm(alpha * input_layernorm(x)))
-RESIDUAL_TRANSFORM = ("muse_spark", "minimax")
-
-
-@pytest.mark.parametrize("model_type", [pytest.param(mt, marks=pytest.mark.xfail(
-    strict=True, reason="residual transform not modelled")) if mt in RESIDUAL_TRANSFORM else mt for mt in SUPPORTED])
+@pytest.mark.parametrize("model_type", SUPPORTED)
 def test_pre_router_norm_of_the_stream_is_the_router_input(model_type):
     """Invariant, the one offload's next-layer prediction rests on: with every token mixer's output zeroed, the
     stream entering a decoder layer's MoE sublayer is the stream entering the decoder layer (pre-hook), and
     ``pre_router_norm`` of it is the router input ``h`` of the layer's events -- every norm weight moved off its init
-    so that two norms are told apart (Muse Spark's residual gates rescale the stream uniformly: the norms undo it, to
-    fp32 rounding). Or the layer is refused in one line (its MoE block reads no norm of one stream: hyper-connections,
+    so that two norms are told apart, and Muse Spark's residual gates off theirs (per channel, a norm does not undo
+    them). Or the layer is refused in one line (its MoE block reads no norm of one stream: hyper-connections,
     Inkling-2's block attention residuals). Before: AFMoE, Jamba, LFM2-MoE, Nemotron-H, Cohere2-MoE had no or the
-    wrong norm, FlexOlmo's post-norm was applied, Qwen4-Exp had none."""
+    wrong norm, FlexOlmo's post-norm was applied, Qwen4-Exp had none, Muse Spark's gate and MiniMax's normed
+    residual were left out."""
     model = build_tiny(model_type, seed=SEED)
     layers = find_moe_layers(model)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
+            if ("norm" in name and name.endswith("weight")) or name.endswith("residual_gate.gate"):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.5)
     checked, refused, streams, handles = [], [], {}, []
 

@@ -86,6 +86,32 @@ class FirstOutput(nn.Module):
         return self.module(x)[0]
 
 
+class GatedResidualNorm(nn.Module):
+    """``norm(gate(x, 0))``: the stream a residual gate leaves when the sublayer before it adds nothing, through the
+    norm the MoE block reads (Muse Spark: ``pre_feedforward_layernorm(post_attention_residual_gate(x, 0))``, the gate
+    ``alpha * x + beta * attention`` per channel); shares the model's modules."""
+
+    def __init__(self, gate: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.gate, self.norm = gate, norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.gate(x, torch.zeros_like(x)))
+
+
+class ScaledNormedResidual(nn.Module):
+    """``post(alpha * pre(x))``: MiniMax's residual after an attention that adds nothing (its decoder layer norms the
+    input, keeps ``attn_alpha_factor`` of it as the residual and norms the sum with ``post_attention_layernorm``
+    before the MoE block); shares the model's modules."""
+
+    def __init__(self, pre: nn.Module, alpha: float, post: nn.Module):
+        super().__init__()
+        self.pre, self.alpha, self.post = pre, alpha, post
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.pre(x) * self.alpha)
+
+
 class GatedSharedExpert(nn.Module):
     """``sigmoid(gate(h)) * expert(h)``: Qwen's gated shared expert as one callable (shares the model's modules)."""
 
@@ -198,6 +224,9 @@ class GenericLayer(MoELayer):
           block reads a learned mix of them, not one stream -- a one-line :class:`MoetoolError`;
         * a hyper-connection mixer before the block (``mlp_hyper_connection``, Qwen4-Exp: the stream is its
           ``hc_count`` streams side by side): its mixed output;
+        * a residual transformed on its way to the block (Muse Spark's per-channel residual gate,
+          :class:`GatedResidualNorm`; MiniMax's normed and scaled residual, :class:`ScaledNormedResidual`): the
+          stream that transform leaves when attention adds nothing, through the block's norm;
         * a norm named as the feed-forward's input (:data:`_PRE_FFN_NORMS`: sandwich norms, Muse Spark, Beam,
           Gemma 4's dense MLP; AFMoE, Jamba, LFM2-MoE): it -- ``post_attention_layernorm`` there norms the
           attention's output;
@@ -216,6 +245,10 @@ class GenericLayer(MoELayer):
                                f"norm of one residual stream")
         if isinstance(getattr(d, "mlp_hyper_connection", None), nn.Module):
             return FirstOutput(d.mlp_hyper_connection)
+        if isinstance(getattr(d, "post_attention_residual_gate", None), nn.Module):  # Muse Spark
+            return GatedResidualNorm(d.post_attention_residual_gate, d.pre_feedforward_layernorm)
+        if getattr(d, "attn_alpha_factor", None) is not None:  # MiniMax: a normed, scaled residual
+            return ScaledNormedResidual(d.input_layernorm, float(d.attn_alpha_factor), d.post_attention_layernorm)
         norm = next((getattr(d, a) for a in _PRE_FFN_NORMS if isinstance(getattr(d, a, None), nn.Module)), None)
         if norm is None and isinstance(getattr(d, "post_feedforward_layernorm", None), nn.Module):
             return IDENTITY
