@@ -880,8 +880,8 @@ DEFINITIONS = {
               "id first)",
     "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
     "top1_recall": "fraction of tokens whose predicted best expert (the expert weighted highest by layer ℓ+1's "
-                   "routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ) -- the norm the MoE block reads, "
-                   "pre_feedforward_layernorm with sandwich norms --, x_ℓ = output of decoder layer ℓ) is the "
+                   "routing applied to pre_router_norm_{ℓ+1}(x_ℓ) -- what the MoE block reads of the stream when "
+                   "attention adds nothing --, x_ℓ = output of decoder layer ℓ) is the "
                    "expert layer ℓ+1 weighted highest (both by routing weight, not by selection score: a correction "
                    "bias orders them differently)",
     "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",
