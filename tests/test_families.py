@@ -170,6 +170,61 @@ def test_family(model_type):
     assert differs > 0
 
 
+#: the token mixers of a decoder layer, by attribute name (attention, linear attention, Mamba, short convolution,
+#: Qwen4-Exp's per-layer embeddings; Switch's and DBRX's attentions inside their sublayers)
+MIXERS = ("self_attn", "self_attention", "linear_attn", "mamba", "conv", "ple", "SelfAttention", "EncDecAttention",
+          "attn")
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_pre_router_norm_of_the_stream_is_the_router_input(model_type):
+    """Invariant, the one offload's next-layer prediction rests on: with every token mixer's output zeroed, the
+    stream entering a decoder layer's MoE sublayer is the stream entering the decoder layer (pre-hook), and
+    ``pre_router_norm`` of it is the router input ``h`` of the layer's events -- every norm weight moved off its init
+    so that two norms are told apart, and Muse Spark's residual gates off theirs (per channel, a norm does not undo
+    them). Or the layer is refused in one line (its MoE block reads no norm of one stream: hyper-connections,
+    Inkling-2's block attention residuals). Before: AFMoE, Jamba, LFM2-MoE, Nemotron-H, Cohere2-MoE had no or the
+    wrong norm, FlexOlmo's post-norm was applied, Qwen4-Exp had none, Muse Spark's gate and MiniMax's normed
+    residual were left out."""
+    model = build_tiny(model_type, seed=SEED)
+    layers = find_moe_layers(model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("norm" in name and name.endswith("weight")) or name.endswith("residual_gate.gate"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    checked, refused, streams, handles = [], [], {}, []
+
+    def zero(module, args, out):
+        return torch.zeros_like(out) if torch.is_tensor(out) else (torch.zeros_like(out[0]), *out[1:])
+
+    for L in layers:
+        try:
+            norm = L.pre_router_norm
+        except MoetoolError as e:
+            assert "\n" not in str(e) and f"layer {L.index}" in str(e)
+            refused.append(L.index)
+            continue
+        checked.append((L, norm))
+        inside = {id(m) for part in (L.router, L.experts) for m in part.modules()}  # Gemma 4: the block is the layer
+        handles += [m.register_forward_hook(zero) for name, m in L.decoder_layer.named_modules()
+                    if id(m) not in inside and not isinstance(m, torch.nn.ModuleList) and  # LongCat: two attentions
+                    any(n in MIXERS for n in name.split(".")[-2:])]
+
+        def stream(module, args, kwargs, i=L.index):
+            streams[i] = args[0] if args else kwargs["hidden_states"]
+        handles.append(L.decoder_layer.register_forward_pre_hook(stream, with_kwargs=True))
+    try:
+        _, events, _ = run(model, layers, model_inputs(model, padded_batch(seq=8)))
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        for L, norm in checked:
+            h = events[L.index].h
+            got = norm(streams[L.index]).reshape(h.shape)
+            torch.testing.assert_close(got, h, rtol=1e-4, atol=1e-5, msg=lambda m, i=L.index: f"layer {i}: {m}")
+    assert checked or refused
+
+
 def test_readme_families_agree_with_the_source():
     """The README's family table is what ``moetool inspect --families`` computes (same tiny models)."""
     from pathlib import Path

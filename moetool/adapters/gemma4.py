@@ -39,11 +39,11 @@ from ..configs import text_config
 from ..errors import MoetoolError
 from . import rules
 from .base import ExpertWeights
+from .generic import IDENTITY as _IDENTITY
 from .generic import GenericAdapter, GenericLayer, _candidates, _is_meta, _materialized, decoder_layers
 from .generic import restore_views as restore  # noqa: F401 - undo the class swap
 
 _N_TOKENS = 256
-_IDENTITY = nn.Identity()
 
 
 def _logits(router: nn.Module, h: torch.Tensor) -> torch.Tensor:

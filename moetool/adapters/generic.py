@@ -47,6 +47,10 @@ _LOGIT_MULT_ATTRS = ("output_multiplier",)  # a factor on the projection's outpu
 _N_TOKENS = 256
 #: a norm the block applies to routed + shared output before returning it (A.X-K1)
 _POST_STEP_ATTRS = ("post_mlp_layernorm",)
+#: the decoder layer's norm of the stream before its feed-forward sublayer, under the names families give it
+_PRE_FFN_NORMS = ("pre_feedforward_layernorm", "pre_mlp_layernorm", "pre_ff_layernorm", "ffn_norm")
+#: a router reading the residual stream itself (:attr:`GenericLayer.pre_router_norm`)
+IDENTITY = nn.Identity()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -68,6 +72,44 @@ def moe_parts(decoder_layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module
             if router is not None:
                 return block, router, experts
     return None
+
+
+class FirstOutput(nn.Module):
+    """The first output of a module returning a tuple (Qwen4-Exp's hyper-connection mixer: the mixed stream its MoE
+    block reads, then what the block's output is injected with); shares the model's module."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)[0]
+
+
+class GatedResidualNorm(nn.Module):
+    """``norm(gate(x, 0))``: the stream a residual gate leaves when the sublayer before it adds nothing, through the
+    norm the MoE block reads (Muse Spark: ``pre_feedforward_layernorm(post_attention_residual_gate(x, 0))``, the gate
+    ``alpha * x + beta * attention`` per channel); shares the model's modules."""
+
+    def __init__(self, gate: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.gate, self.norm = gate, norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.gate(x, torch.zeros_like(x)))
+
+
+class ScaledNormedResidual(nn.Module):
+    """``post(alpha * pre(x))``: MiniMax's residual after an attention that adds nothing (its decoder layer norms the
+    input, keeps ``attn_alpha_factor`` of it as the residual and norms the sum with ``post_attention_layernorm``
+    before the MoE block); shares the model's modules."""
+
+    def __init__(self, pre: nn.Module, alpha: float, post: nn.Module):
+        super().__init__()
+        self.pre, self.alpha, self.post = pre, alpha, post
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.pre(x) * self.alpha)
 
 
 class GatedSharedExpert(nn.Module):
@@ -173,15 +215,51 @@ class GenericLayer(MoELayer):
         return int(getattr(self.experts, "zero_expert_num", 0) or 0)
 
     @property
-    def pre_router_norm(self) -> nn.Module | None:
-        """The norm between the residual stream and the MoE block: the decoder layer's ``post_attention_layernorm``
-        (LongCat's two sublayers have one each: its shortcut MoE reads the first's output), or its
-        ``pre_feedforward_layernorm`` where it has one (sandwich norms, Muse Spark and Beam: there
-        ``post_attention_layernorm`` norms the attention's output before the residual add, and the block reads
-        ``pre_feedforward_layernorm`` of the stream)."""
-        norm = getattr(self.decoder_layer, "pre_feedforward_layernorm", None)
+    def pre_router_norm(self) -> nn.Module:
+        """What the MoE block's router reads of the residual stream entering the layer's MoE sublayer (the stream
+        after the attention sublayer; offload predicts the next layer's routing through it), read off the decoder
+        layer in this order:
+
+        * several residual streams per token (``hc_mult`` hyper-connections: DeepSeek-V4, GLM-5-Next, HY-V4): the
+          block reads a learned mix of them, not one stream -- a one-line :class:`MoetoolError`;
+        * a hyper-connection mixer before the block (``mlp_hyper_connection``, Qwen4-Exp: the stream is its
+          ``hc_count`` streams side by side): its mixed output;
+        * a residual transformed on its way to the block (Muse Spark's per-channel residual gate,
+          :class:`GatedResidualNorm`; MiniMax's normed and scaled residual, :class:`ScaledNormedResidual`): the
+          stream that transform leaves when attention adds nothing, through the block's norm;
+        * a norm named as the feed-forward's input (:data:`_PRE_FFN_NORMS`: sandwich norms, Muse Spark, Beam,
+          Gemma 4's dense MLP; AFMoE, Jamba, LFM2-MoE): it -- ``post_attention_layernorm`` there norms the
+          attention's output;
+        * ``post_feedforward_layernorm`` without one (Olmo2-style post-norms, FlexOlmo): every norm is on a
+          sublayer's output, the router reads the stream itself (the identity);
+        * ``post_attention_layernorm`` (LongCat's two sublayers have one each: its shortcut MoE reads the first's);
+        * the decoder layer's only norm (a parallel attention + MoE block reading the norm attention reads,
+          Cohere2-MoE; one mixer per decoder layer, Nemotron-H).
+
+        Otherwise a one-line :class:`MoetoolError`: never a guess."""
+        d = self.decoder_layer
+        hc = getattr(self.config, "hc_mult", None)
+        if isinstance(hc, int) and hc > 1:
+            raise MoetoolError(f"layer {self.index} carries hc_mult={hc} residual streams per token (hyper-"
+                               f"connections) and its MoE block reads a learned mix of them: its router input is no "
+                               f"norm of one residual stream")
+        if isinstance(getattr(d, "mlp_hyper_connection", None), nn.Module):
+            return FirstOutput(d.mlp_hyper_connection)
+        if isinstance(getattr(d, "post_attention_residual_gate", None), nn.Module):  # Muse Spark
+            return GatedResidualNorm(d.post_attention_residual_gate, d.pre_feedforward_layernorm)
+        if getattr(d, "attn_alpha_factor", None) is not None:  # MiniMax: a normed, scaled residual
+            return ScaledNormedResidual(d.input_layernorm, float(d.attn_alpha_factor), d.post_attention_layernorm)
+        norm = next((getattr(d, a) for a in _PRE_FFN_NORMS if isinstance(getattr(d, a, None), nn.Module)), None)
+        if norm is None and isinstance(getattr(d, "post_feedforward_layernorm", None), nn.Module):
+            return IDENTITY
         if norm is None:
-            norm = getattr(self.decoder_layer, "post_attention_layernorm", None)
+            norm = getattr(d, "post_attention_layernorm", None)
+        if norm is None:
+            norms = [m for name, m in d.named_children() if "norm" in name.lower()]
+            norm = norms[0] if len(norms) == 1 else None
+        if norm is None:
+            raise MoetoolError(f"layer {self.index}: cannot tell which norm of {type(d).__name__} its MoE block "
+                               f"reads")
         return norm[0] if isinstance(norm, nn.ModuleList) else norm
 
     def experts_args(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ Everything comes from one forward pass over the packed rows with the model's own
 * **next-layer prediction**: a prefetcher running a layer ahead sees ``x_ℓ``, the residual stream leaving
   decoder layer ``ℓ`` (= the input of decoder layer ``ℓ+1``, captured by a forward pre-hook on it). The
   prediction for MoE layer ``ℓ+1`` is its own routing (``route``: the model's scoring, bias, groups) applied to
-  ``post_attention_layernorm_{ℓ+1}(x_ℓ)`` — exactly the router input except for layer ``ℓ+1``'s attention
+  ``pre_router_norm_{ℓ+1}(x_ℓ)`` — exactly the router input except for layer ``ℓ+1``'s attention
   update (``predict_norm=False``: to ``x_ℓ`` itself; the norm is the layer's ``pre_router_norm``: with sandwich
   norms, Muse Spark's and Beam's, ``pre_feedforward_layernorm``; Gemma 4's router reads the stream itself;
   Switch Transformers: the feed-forward's own layer norm, and the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
@@ -601,6 +601,7 @@ class OffloadCollector:
         self.row_ids = tokens.row_ids  # global packed-row numbers of this rank's rows (data parallel) or None: 0, 1, ...
         self.merged: dict[Any, np.ndarray] | None = None
         self.opts = opts
+        self.norms = prediction_norms(layers, opts.predict_norm)  # before the forward: a refusal costs none
         self.trace: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
         self.valid: list[torch.Tensor] = []  # host [B*S] bool per batch
         self.rows: list[torch.Tensor] = []  # host [B*S] row id per batch
@@ -631,7 +632,7 @@ class OffloadCollector:
         """Forward pre-hooks on the analysed MoE layers' decoder layers: their input = the previous layer's output."""
         handles = []
         for i, L in self.layers.items():
-            if getattr(L, "stack_layer", i) == 0:  # the first layer of its stack (encoder-decoder: of either)
+            if not has_layer_ahead(L):
                 continue
 
             def hook(module, args, kwargs, i=i):
@@ -667,12 +668,11 @@ class OffloadCollector:
             raise MoetoolError(f"offload's next-layer prediction: decoder layer {i}'s input carries "
                                f"{x.shape[0] // max(ev.h.shape[0], 1)} residual streams per token (hyper-"
                                f"connections), not one hidden state: layer {i}'s routing cannot be predicted from it")
-        if self.opts.predict_norm:
-            norm = getattr(L, "pre_router_norm", None) or getattr(L.decoder_layer, "post_attention_layernorm", None)
-            if norm is None:
-                raise MoetoolError(f"layer {i}: no post_attention_layernorm to apply before the router "
-                                   f"(use predict_norm=False / --no-predict-norm)")
-            x = norm(x)
+        if self.norms:
+            x = self.norms[i](x)
+        if x.shape[-1] != ev.h.shape[-1]:  # Qwen4-Exp's hyper-connections side by side, without their mixer
+            raise MoetoolError(f"offload's next-layer prediction: decoder layer {i}'s input is {x.shape[-1]} wide, "
+                               f"its router reads {ev.h.shape[-1]}: predict through its norm (--predict-norm)")
         logits = L.logits(x)
         pred_idx, pred_w = L.route(logits)
         pred_top1, real_top1 = (i.gather(-1, v.float().argmax(-1, keepdim=True)).squeeze(-1)  # each by its weights
@@ -719,6 +719,35 @@ class OffloadCollector:
             self.counts[i] = torch.from_numpy(np.bincount(req.reshape(-1).astype(np.int64), minlength=n))
         self.merged = merged
         self.pred.reduce_across_ranks()
+
+
+def has_layer_ahead(L: MoELayer) -> bool:
+    """Whether a decoder layer precedes ``L``'s in its stack (the first of a stack, of either in an encoder-decoder
+    model, has none: its routing is not predicted)."""
+    return getattr(L, "stack_layer", L.index) != 0
+
+
+def prediction_norms(layers: Sequence[MoELayer], predict_norm: bool) -> dict[int, Any]:
+    """Each predicted layer's ``pre_router_norm`` (what its router reads of the stream), before any forward; ``{}``
+    without ``predict_norm`` (the router applied to ``x_ℓ`` itself). Layers whose router input is no norm of one
+    residual stream (hyper-connections, Inkling-2's block attention residuals) are refused in one line naming the
+    others for ``--layers``."""
+    if not predict_norm:
+        return {}
+    norms, bad = {}, {}
+    for L in layers:
+        if has_layer_ahead(L):
+            try:
+                norms[L.index] = L.pre_router_norm
+            except MoetoolError as e:
+                bad[L.index] = str(e)
+    if bad:
+        others = [L.index for L in layers if L.index not in bad]
+        raise MoetoolError(f"offload's next-layer prediction: {next(iter(bad.values()))}; MoE layers {list(bad)} "
+                           f"cannot be predicted through their norm: " +
+                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
+                            "no other layer is left") + ", or predict from the stream itself (--no-predict-norm)")
+    return norms
 
 
 def refuse_zero_compute(zero: dict[int, int]) -> None:
@@ -851,8 +880,8 @@ DEFINITIONS = {
               "id first)",
     "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
     "top1_recall": "fraction of tokens whose predicted best expert (the expert weighted highest by layer ℓ+1's "
-                   "routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ) -- the norm the MoE block reads, "
-                   "pre_feedforward_layernorm with sandwich norms --, x_ℓ = output of decoder layer ℓ) is the "
+                   "routing applied to pre_router_norm_{ℓ+1}(x_ℓ) -- what the MoE block reads of the stream when "
+                   "attention adds nothing --, x_ℓ = output of decoder layer ℓ) is the "
                    "expert layer ℓ+1 weighted highest (both by routing weight, not by selection score: a correction "
                    "bias orders them differently)",
     "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",

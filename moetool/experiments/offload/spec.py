@@ -7,8 +7,9 @@ together (none of them is evicted for another; K <= C <= n); hit = expert reside
 hits / (T·K requests), caches start empty. lru: evict the least recently requested; lfu: fewest requests so far
 (ties: LRU); belady: next request furthest ahead (optimal offline bound). Bytes moved per token = misses per
 token × one expert's bytes (gate, up, down, biases × their dtype's bytes).
-Next-layer prediction: layer ℓ+1's routing applied to post_attention_layernorm_{ℓ+1}(x_ℓ) (the norm the MoE
-block reads: pre_feedforward_layernorm with sandwich norms, none for Gemma 4's router), x_ℓ the output of
+Next-layer prediction: layer ℓ+1's routing applied to pre_router_norm_{ℓ+1}(x_ℓ) (what its MoE block reads of
+the stream when attention adds nothing: post_attention_layernorm, pre_feedforward_layernorm with sandwich norms,
+the stream itself with post-norms; layers whose block reads a mix of streams are refused), x_ℓ the output of
 decoder layer ℓ (what a prefetcher can compute a layer ahead; --no-predict-norm: to x_ℓ itself); top-1 recall =
 predicted best expert (the predicted routing's highest weight) == the expert ℓ+1 weighted highest; top-K recall =
 |predicted ∩ chosen| / K.
@@ -58,8 +59,8 @@ class OffloadOptions:
                                                      "(default powers of 4 from 16, and all tokens).", kind="ints")
     # apply layer ℓ+1's norm before its MoE block (MoELayer.pre_router_norm) to x_ℓ before its router
     predict_norm: bool = option(True, "--predict-norm", "Apply layer ℓ+1's norm before its MoE block "
-                                "(post_attention_layernorm; pre_feedforward_layernorm with sandwich norms) to x_ℓ "
-                                "before its router.")
+                                "(what its router reads of the stream: MoELayer.pre_router_norm) to x_ℓ before its "
+                                "router; layers whose router reads no norm of one stream are refused.")
     bootstrap: int = DEFAULT_BOOTSTRAP  # replicates of the document-level bootstrap (0 = no intervals)
     seed: int = 0
     batch_size: int = 8
