@@ -87,6 +87,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{spec.params[by]}"))
 
 
+#: ``len(sys.modules)`` when the session's objects were last frozen (:func:`freeze_what_lives_on`)
+_FROZEN_AT = [0]
+
+
+def freeze_what_lives_on() -> None:
+    """Take what the session holds now out of the cyclic collector's view (``gc.collect()`` first, then
+    ``gc.freeze()``: only objects alive now, the garbage freed). Torch, transformers, the families' modeling modules
+    and pytest's own objects (~300k after collection, as many again from the modules the first tests import) live
+    to the session's end; scanned at every full collection -- Python's own, and each ``gc.collect()`` a run makes
+    between loads (agreement's three per run) -- they cost 0.25 s a scan on this machine."""
+    import gc
+    import sys
+
+    gc.collect()
+    gc.freeze()
+    _FROZEN_AT[0] = len(sys.modules)
+
+
+def pytest_collection_finish(session):
+    freeze_what_lives_on()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Again after a test that imported 100 modules or more (the first runs of each kind of model or command):
+    modules stay, so what they hold is frozen as well (once per such test, not per test)."""
+    import sys
+
+    if len(sys.modules) - _FROZEN_AT[0] >= 100:
+        freeze_what_lives_on()
+
+
 def pytest_generate_tests(metafunc):
     """Any test taking a ``family`` argument runs once per family."""
     if "family" in metafunc.fixturenames:
