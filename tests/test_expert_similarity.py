@@ -229,9 +229,14 @@ def test_no_real_token_and_non_finite_sums_are_refused(tiny):
     lm, ts = tiny
     with pytest.raises(MoetoolError, match="no real tokens"):
         expert_similarity(lm, replace(ts, attention_mask=torch.zeros_like(ts.attention_mask)), quiet=True)
+    one = replace(ts, input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1], domains=ts.domains[:1])
+    sums = SimilaritySums([2])  # the consumer itself fed only padding (the command refuses it before): one line
+    forward(lm, replace(one, attention_mask=torch.zeros_like(one.attention_mask)), consumers=[sums],
+            moe_layers=[L for L in lm.layers if L.index == 2], quiet=True)
+    with pytest.raises(MoetoolError, match="layer 2: no real tokens"):  # not NaN means (0 / 0 tokens)
+        sums.matrices()
     sums = SimilaritySums([2])
-    forward(lm, replace(ts, input_ids=ts.input_ids[:1], attention_mask=ts.attention_mask[:1], domains=ts.domains[:1]),
-            consumers=[sums], moe_layers=[L for L in lm.layers if L.index == 2], quiet=True)
+    forward(lm, one, consumers=[sums], moe_layers=[L for L in lm.layers if L.index == 2], quiet=True)
     sums.acc[2]["out"][5, 0] = float("inf")  # an expert that overflowed on some token (not one routed to it)
     with pytest.raises(MoetoolRuntimeError, match="layer 2: an expert output is NaN or inf") as e:
         sums.matrices()
@@ -394,3 +399,13 @@ def test_layer_summary_ties_go_to_the_first_pair():
     assert row.mean_output_cos == pytest.approx(1.2 / 3, abs=1e-15)
     assert row.mean_token_cos == pytest.approx(0.4, abs=1e-15) and row.max_co_selection == 0.3
     assert row.mean_co_selection == pytest.approx(0.7 / 3, abs=1e-15)
+
+
+def test_dominant_expert_of_two_dimensional_mean_outputs():
+    """HC-SMoE's dominant expert in more than one dimension: group {0, 1, 2} with mean outputs (0, 0), (3, 0),
+    (1, 1) has its centre at (4/3, 1/3), at distances 1.374, 1.667 and 0.745 by hand, so expert 2 is dominant;
+    {3} is its own. (A norm over the experts instead of the features picked expert 1 of the group.)"""
+    from moetool.experiments.expert_similarity.compute import dominant
+
+    mean = np.array([[0.0, 0.0], [3.0, 0.0], [1.0, 1.0], [5.0, 5.0]])
+    assert dominant(mean, np.array([0, 0, 0, 1])).tolist() == [False, False, True, True]

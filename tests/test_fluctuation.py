@@ -15,7 +15,7 @@ from moetool.commands.app import app
 from moetool.data import TokenSet
 from moetool.engine import Engine
 from moetool.errors import MoetoolError
-from moetool.experiments.fluctuation.compute import (COLUMNS, FluctuationOptions, Routing, check_checkpoints, chosen_and_top1,
+from moetool.experiments.fluctuation.compute import (COLUMNS, FluctuationOptions, Routing, check_checkpoints,
                                              compare, pairs, processing_order,
                                              run_fluctuation)
 from moetool.loading import load
@@ -281,6 +281,7 @@ def test_pooled_summary_matches_the_layers_and_a_hand_bootstrap(ckpts):
     opts = FluctuationOptions(routing=("router", "similarity"), isolate=True, batch_size=2, bootstrap=500, seed=5)
     df, pooled = run_fluctuation([ckpts["a"], ckpts["b"]], tokens(), opts, loader)
     assert list(pooled.columns) == SUMMARY_COLUMNS and len(pooled) == 4 and (pooled["layers"] == 4).all()
+    assert (pooled["tokens"] == 64 - 5).all()  # real tokens of the pair (per layer), not tokens x layers
     means = df.groupby("routing")["top1_change"].mean()
     by = pooled.set_index("routing")
     for label in means.index:
@@ -491,14 +492,68 @@ def test_top1_is_the_largest_weight_not_the_first_column():
     idx_ck = torch.tensor([[0, 1], [3, 2], [4, 5], [6, 7]])
     w_ck = torch.tensor([[0.8, 0.2], [0.6, 0.4], [0.9, 0.1], [0.7, 0.3]])
 
-    def routing(i, w):
-        r = Routing([0])
-        r.spill.append(chosen_and_top1(i, w).unsqueeze(0).to(torch.int32))  # [L = 1, T, K + 1], one batch
-        r.spill.append(torch.tensor([0, 0, 1, 1], dtype=torch.int32))  # packed row of each token
-        r.tokens = 4
-        return r
-
-    got = compare(routing(idx, w_ref), routing(idx_ck, w_ck))[0]
+    got = compare(_routing((idx, w_ref)), _routing((idx_ck, w_ck)))[0]
     assert got["tokens"] == 4
     assert got["top1_change"] == pytest.approx(2 / 4, abs=1e-12)
     assert (got["topk_change"], got["topk_overlap"], got["jaccard"]) == (0.0, 1.0, 1.0)
+
+
+def _routing(*batches, scores=None) -> Routing:
+    """A one-layer :class:`Routing` fed, through :meth:`Routing.add` and :meth:`Routing.flush` (no forward), one
+    packed row per batch of ``(idx [T, K], w [T, K])``, every token real; ``scores`` (default uniform over 8)."""
+    r = Routing([0])
+    for idx, w in batches:
+        s = torch.full((len(idx), 8), 1 / 8) if scores is None else scores
+        r.add(0, idx, w, s, torch.ones(len(idx), dtype=torch.bool))
+        r.flush(1)
+    return r
+
+
+def test_a_token_that_lost_every_expert_has_no_top1():
+    """A token whose every weight is 0 (capacity dropped all its columns) has no top-1, so a checkpoint that keeps
+    it routed changes its top-1. Tokens: 0 dropped in the reference only (the checkpoint keeps experts 2, 5), 1
+    dropped in both, 2 dropped in the checkpoint only, 3 routed alike. By hand: the top-1 changes for tokens 0 and 2
+    (2/4), the chosen sets differ for 0 and 2 (2/4), |A ∩ B| / max(|A|, 1) = (0 + 0 + 0 + 1) / 4. Reading a dropped
+    token's first column as its top-1 (2 = 2, 1 = 1, 3 = 3) gave top1_change 0."""
+    idx = torch.tensor([[2, 5], [1, 4], [3, 6], [0, 7]])
+    w_ref = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.6, 0.4], [0.9, 0.1]])
+    w_ck = torch.tensor([[0.7, 0.3], [0.0, 0.0], [0.0, 0.0], [0.9, 0.1]])
+    got = compare(_routing((idx, w_ref)), _routing((idx, w_ck)))[0]
+    assert got["top1_change"] == pytest.approx(2 / 4, abs=1e-12)
+    assert got["topk_change"] == pytest.approx(2 / 4, abs=1e-12)
+    assert got["topk_overlap"] == pytest.approx(1 / 4, abs=1e-12)
+
+
+def test_routings_of_different_token_counts_are_refused_not_compared_on_the_shorter():
+    """A checkpoint whose routing holds fewer batches (here only the reference's first one, identical) saw other
+    tokens: one line, not rates summed over the 2 tokens both hold and divided by the reference's 5."""
+    idx, w = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0.6, 0.4], [0.7, 0.3]])
+    more = (torch.tensor([[4, 5], [6, 7], [0, 2]]), torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]]))
+    for ref, ckpt in ((_routing((idx, w), more), _routing((idx, w))), (_routing((idx, w)), _routing((idx, w), more))):
+        with pytest.raises(MoetoolError, match="different tokens"):
+            compare(ref, ckpt)
+
+
+def test_entropy_leaves_out_padding_rows_even_where_their_scores_are_nan():
+    """A padding row's scores may be NaN (a fully masked row's hidden state; the NaN guard leaves padding alone):
+    the entropy is the mean over the real rows only, here a uniform 4-way (log 4) and a one-hot (0) distribution:
+    log(4) / 2 (NaN when the padding row's NaN entropy was weighted by 0 instead of replaced)."""
+    import math
+
+    r = Routing([0])
+    scores = torch.tensor([[0.25] * 4, [1.0, 0.0, 0.0, 0.0], [float("nan")] * 4])
+    idx, w = torch.tensor([[0, 1], [0, 2], [0, 1]]), torch.full((3, 2), 0.5)
+    r.add(0, idx, w, scores, torch.tensor([True, True, False]))
+    assert r.entropy_mean(0) == pytest.approx(math.log(4) / 2, abs=1e-6)
+
+
+def test_entropy_ratio_of_two_one_hot_routings_is_nan_not_a_division_by_zero():
+    """Routers whose every distribution is one-hot (entropy exactly 0 in both checkpoints): entropy_ratio = 0 / 0
+    is undefined (NaN), not a ZeroDivisionError that stops the run."""
+    import math
+
+    idx, w = torch.tensor([[1, 0], [3, 0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    one_hot = torch.nn.functional.one_hot(torch.tensor([1, 3]), 8).float()
+    got = compare(_routing((idx, w), scores=one_hot), _routing((idx, w), scores=one_hot))[0]
+    assert (got["entropy_ref"], got["entropy_ckpt"]) == (0.0, 0.0) and math.isnan(got["entropy_ratio"])
+    assert (got["top1_change"], got["topk_change"]) == (0.0, 0.0)

@@ -115,3 +115,18 @@ def test_first_choice_is_the_largest_probability_not_the_routers_first_column():
         ref = hand_locality(logits, idx, mask.bool())
         for col in ("tokens", "pairs", "top1_repeat", "top1_repeat_independent", "topk_overlap"):
             assert df.loc[i, col] == pytest.approx(ref[col], abs=1e-12), (i, col)
+
+
+def test_rows_of_one_real_token_each_are_one_line():
+    """Every row holds a single real token (one right-, one left-padded): no pair of consecutive real tokens, so
+    top1_repeat = same / pairs is 0 / 0: one line naming the fix, not a ZeroDivisionError."""
+    import torch
+
+    import moetool
+    from moetool.data import TokenSet
+    from moetool.errors import MoetoolError
+
+    lm = moetool.load("tiny", device="cpu")
+    ids, mask = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[1, 0, 0], [0, 0, 1]])
+    with pytest.raises(MoetoolError, match="no two consecutive real tokens"):
+        moetool.locality(lm, TokenSet(ids, mask, [""] * 2, "test"), batch_size=2, quiet=True)

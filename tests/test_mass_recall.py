@@ -472,3 +472,34 @@ def test_the_command_refuses_a_codebook_above_the_tokens_in_one_line(tmp_path):
     assert r.exit_code == 2 and not out.exists()
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --codebook-size 100000: more codewords than the 512 tokens")
+
+
+def test_kmeans_dead_codewords_restart_at_count_one_on_distinct_batch_tokens():
+    """τ = 100 is above any count, so every codeword dies at every step. A batch of exactly as many tokens as
+    codewords (G = 8) re-seeds the 8 on 8 distinct tokens -- a permutation of the batch: drawn with replacement
+    instead, 8 draws of 8 repeat a token with probability 1 - 8!/8^8 > 0.997 -- and each restarts at count
+    n_g = 1 (AIR-MoE's re-initialisation, whatever τ is; not τ)."""
+    G, d = 8, 5
+    g = torch.Generator().manual_seed(0)
+    km = SphericalKMeans(G, tau=100.0, seed=0)
+    km.update(torch.randn(G, d, generator=g))
+    x = torch.randn(G, d, generator=g)
+    before = km.reinits
+    km.update(x)
+    assert km.reinits - before == G
+    assert km.counts.tolist() == [1.0] * G
+    cos = km.sums @ (x / x.norm(dim=1, keepdim=True)).T  # [G codewords, G tokens]
+    assert (cos.max(1).values > 1 - 1e-6).all()  # each sum is a batch token on the sphere ...
+    assert sorted(cos.argmax(1).tolist()) == list(range(G))  # ... and every token seeds exactly one
+
+
+def test_kmeans_a_first_batch_of_one_direction_reuses_it_for_every_codeword():
+    """A first batch fewer distinct directions than codewords (2 tokens, both along e_1, for G = 3): after the
+    first pick every 1 - cos is 0, so k-means++ has no distance to draw by and reuses a token (drawing by the
+    all-zero distances was a RuntimeError). By hand: every codeword is e_1, both tokens go to codeword 0, whose
+    count is 0.95 + 0.05 * 2 = 1.05; the two others fall to 0.95 < τ and are re-seeded on e_1 at count 1."""
+    km = SphericalKMeans(3, seed=0)
+    assert km.update(torch.tensor([[1.0, 0.0], [2.0, 0.0]])).tolist() == [0, 0]
+    torch.testing.assert_close(km.codebook, torch.tensor([[1.0, 0.0]] * 3))
+    torch.testing.assert_close(km.counts, torch.tensor([1.05, 1.0, 1.0]))
+    assert km.reinits == 2

@@ -300,3 +300,36 @@ def test_blockwise_argmax_is_torch_argmax():
             x[1, 2, torch.randint(0, V, (2,), generator=g)] = float("inf")
             x[2] = float("-inf")
         assert torch.equal(ops.argmax(x), x.argmax(-1)), (it, V)
+
+
+def test_a_decoder_position_after_padding_reads_no_input_token():
+    """An encoder-decoder's decoder position t reads token t-1 (the input view): with left padding the first real
+    position's t-1 is padding, so it counts no input token; its next_token view counts token t itself. One
+    left-padded row, ids 7 | 8 9 10 (7 padding), first-ranked experts 2, 1, 0 at positions 1, 2, 3. By hand: input
+    view 8 -> expert 1 (position 2), 9 -> expert 0 (position 3); next_token view 8 -> 2, 9 -> 1, 10 -> 0. (Without
+    the mask of t-1 the padding id 7 was counted as position 1's input, with expert 2.)"""
+    layer = SimpleNamespace(index=0, n_experts=4, stack="decoder")
+    vs = VocabSpecialization([layer])
+    vs.begin_batch(SimpleNamespace(input_ids=torch.tensor([[7, 8, 9, 10]]),
+                                   attention_mask=torch.tensor([[0, 1, 1, 1]])))
+    top1 = torch.tensor([[3], [2], [1], [0]])
+    vs(SimpleNamespace(layer=layer, shape=(1, 4), idx=top1, ranked=(top1, None),
+                       valid=torch.tensor([False, True, True, True])))
+    got = {v: vs.token_table(0, v)[["token_id", "expert", "occurrences"]].values.tolist() for v in ("input", "next_token")}
+    assert got["input"] == [[8, 1, 1], [9, 0, 1]]
+    assert got["next_token"] == [[8, 2, 1], [9, 1, 1], [10, 0, 1]]
+
+
+def test_cross_layer_pairs_only_layers_consecutive_in_the_model():
+    """Hooked MoE layers 0, 2, 3 of a model with MoE layers 0-3 (``--layers`` left out 1): 0 -> 2 skips a layer and
+    is no pair; 2 -> 3 is. Two tokens, K = 1: experts 1, 2 at layer 2 and 3, 3 at layer 3, so by hand count[1, 3] =
+    count[2, 3] = 1 and every other count 0 (counting 0 -> 2 as a pair gave one pair more than the model has)."""
+    model = [SimpleNamespace(index=i, n_experts=4, stack=None) for i in range(4)]
+    cl = CrossLayer([model[0], model[2], model[3]], model_layers=model)
+    cl.begin_batch(None)
+    valid = torch.tensor([True, True])
+    for L, idx in ((model[0], [[0], [1]]), (model[2], [[1], [2]]), (model[3], [[3], [3]])):
+        cl(SimpleNamespace(layer=L, idx=torch.tensor(idx), valid=valid))
+    df = cl.tables()["cross_layer.csv"]
+    assert set(zip(df.layer, df.next_layer)) == {(2, 3)}
+    assert {(a, b): c for a, b, c in zip(df.a, df.b, df["count"]) if c} == {(1, 3): 1, (2, 3): 1}
