@@ -333,3 +333,29 @@ def test_cross_layer_pairs_only_layers_consecutive_in_the_model():
     df = cl.tables()["cross_layer.csv"]
     assert set(zip(df.layer, df.next_layer)) == {(2, 3)}
     assert {(a, b): c for a, b, c in zip(df.a, df.b, df["count"]) if c} == {(1, 3): 1, (2, 3): 1}
+
+
+def test_vocab_specialization_counts_the_first_ranked_expert_of_an_unsorted_router():
+    """LongCat-Flash's routers return their top-4 unsorted (``topk(sorted=False)``): the (token, expert) counts of
+    the input view take the expert with the largest selection score (softmax + correction bias, as its router
+    chooses), by hand from the routers' own outputs, not the first column (mutation pass 12's S12)."""
+    from conftest import longcat_unsorted_router_model, router_outputs
+
+    model, routers, ids = longcat_unsorted_router_model(6, torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[2, -6:], mask[5, -3:] = 0, 0
+    seen = router_outputs(model, routers, ids, mask)
+    layers = find_moe_layers(model)
+    vs = VocabSpecialization(layers, merge_min=3)
+    lm = SimpleNamespace(model=model, layers=layers, tokenizer=None)
+    forward(lm, TokenSet(ids, mask, [""] * 6, "test"), consumers=[vs], batch_size=6, before_batch=vs.begin_batch,
+            on_batch=vs.on_batch, quiet=True)
+    keep, flat = mask.reshape(-1).bool(), ids.reshape(-1)
+    for i, (logits, _, idx) in seen.items():
+        score = logits.float().softmax(-1) + routers[i].e_score_correction_bias
+        first = idx.gather(1, score.gather(1, idx).argmax(-1, keepdim=True))[:, 0]  # [T] the largest chosen score
+        assert (first != idx[:, 0])[keep].any()  # the case: the first column is not the first-ranked expert
+        keys, counts = vs.counters[i]["input"].result()
+        got = Counter({int(k): int(c) for k, c in zip(np.asarray(keys), np.asarray(counts)) if k >= 0})  # -1: unkept
+        want = Counter(int(t) * vs.n[i] + int(e) for t, e, k in zip(flat, first, keep) if k)
+        assert got == want
