@@ -42,7 +42,8 @@ def main(p: Any) -> None:
             f"{nodes} node{'s' if nodes > 1 else ''} of {gpus}", markup=False, highlight=False)
     print_table(res["params"], title="parameter bytes by group and format")
     _print_layouts(c, res["layouts"], f"layouts (rows of {p['seq_len']} tokens x {batch_size})")
-    if _config_alone(source) and res["layouts"]["command"].astype(bool).any():  # examples/configs/: no weights
+    layouts = res["layouts"]  # no command column where no layout fits
+    if _config_alone(source) and "command" in layouts and layouts["command"].astype(bool).any():  # a config alone
         c.print(f"  (the commands name {model}, a config without weights: put the checkpoint's folder or hub id "
                 "in --model)", soft_wrap=True, markup=False, highlight=False)
     if "throughput" in res:
