@@ -218,3 +218,61 @@ def test_the_console_names_the_super_experts_and_says_when_the_rule_was_degenera
     assert (f"1 super expert(s) of {len(table)}: layer {row.layer} expert {row.expert} "
             f"(max |out| {row.max_abs_output:.3g})") in r.output
     assert f"degenerate: with {len(table)} maxima the percentile lets only the largest through" in r.output
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_are_not_measured_nor_removed(model_type, tmp_path):
+    """LongCat-Flash's identity experts output their input (|h| ~ 1, hundreds of times a tiny expert's output) and
+    Zaya's skip expert 0: neither has a down projection, so neither is a (super) expert. The table holds the computed
+    experts only, their maxima by hand from the raw parameters; the criterion by hand (numpy) over those maxima;
+    the random ablation draws computed experts only (brk10: before, LongCat-Flash's identity expert 9 of layer 0
+    was the one super expert, 40 maxima instead of 32)."""
+    import shutil
+
+    import moetool
+    from moetool.adapters import tiny
+    from moetool.experiments.super_experts.compute import super_mask
+    from moetool.loading import EMBEDDED_DIR
+
+    model = tiny.build_tiny(model_type, seed=0)
+    model.resize_token_embeddings(2048, mean_resizing=False)  # the embedded tokenizer's ids
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, tmp_path / "m" / f)
+    lm = moetool.load(str(tmp_path / "m"))
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    res = moetool.super_experts(lm, tokens, bootstrap=0, include_layers=1.0, quiet=True)
+    table = res["super_experts"].set_index(["layer", "expert"])
+    ev_h, ev_idx = {}, {}
+
+    def grab(ev):
+        ev_h.setdefault(ev.layer.index, []).append(ev.layer.expert_input(ev.h)[ev.valid])
+        ev_idx.setdefault(ev.layer.index, []).append(ev.idx[ev.valid])
+
+    from moetool.engine.runner import forward
+    forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
+    maxima = []
+    for L in lm.layers:
+        m = L.n_experts - L.n_zero_compute
+        assert L.n_zero_compute >= 1 and m < L.n_experts  # the case
+        h, idx = torch.cat(ev_h[L.index]), torch.cat(ev_idx[L.index])
+        assert model_type != "longcat_flash" or (idx >= m).any()  # the identity experts are chosen
+        assert sorted(e for (layer, e) in table.index if layer == L.index) == list(range(m))
+        for e in range(m):
+            rows = (idx == e).any(-1)
+            with torch.no_grad():
+                out = reference_expert(model_type, L, e, h[rows])["output"] if rows.any() else torch.zeros(1)
+            best = float(out.abs().max())
+            assert table.loc[(L.index, e), "routed"] == int(rows.sum())
+            assert table.loc[(L.index, e), "max_abs_output"] == pytest.approx(best, rel=1e-4, abs=1e-9)
+            maxima.append(best)
+    a = np.asarray(maxima)
+    want = (a > np.percentile(a, 99.5)) & (a > a.max() // 10)
+    assert list(table["is_super"]) == list(want) == list(super_mask(a)[0])
+    assert table["can_pass"].iloc[0] == len(a) - 1 - int(np.floor((len(a) - 1) * 0.995))
+    abl = res["super_experts_ablation"].set_index("ablation")
+    for k in ("super", "random"):
+        if k in abl.index:
+            for item in abl.loc[k, "experts"].split():
+                layer, e = map(int, item.split(":"))
+                assert e < lm.layers[0].n_experts - lm.layers[0].n_zero_compute
