@@ -276,3 +276,50 @@ def test_zero_computation_experts_are_not_measured_nor_removed(model_type, tmp_p
             for item in abl.loc[k, "experts"].split():
                 layer, e = map(int, item.split(":"))
                 assert e < lm.layers[0].n_experts - lm.layers[0].n_zero_compute
+
+
+@pytest.mark.parametrize("where", [3, 0])
+def test_hash_routed_layers_are_measured_and_ablated_only_where_experts_are_removed(where, tmp_path):
+    """DeepSeek-V4's first layers are hash-routed (experts by token id): a super expert made in router-routed layer 3
+    (its down projection x1000) is removed there only, the perplexity that of ppl with the same prune:file in layer
+    3 (before, brk10: the ablation ran its policy in every measured layer, so it was refused for hash layers 0-2 it
+    removed nothing from); one in hash layer 0 cannot be removed: one line naming it and the router's layers."""
+    import shutil
+
+    import moetool
+    from moetool.adapters import find_moe_layers, tiny
+    from moetool.adapters.generic import hash_table, random_table
+    from moetool.loading import EMBEDDED_DIR
+
+    model = tiny.build_tiny("deepseek_v4", seed=0)
+    model.resize_token_embeddings(2048, mean_resizing=False)
+    gen = torch.Generator().manual_seed(3)
+    layers = find_moe_layers(model)
+    for L in layers:
+        table = hash_table(L.router)
+        if table is not None:
+            L.router.tid2eid = random_table((2048, table.shape[1]), L.n_experts, gen)
+    assert [bool(getattr(L, "hash_routed", False)) for L in layers] == [True, True, True, False]  # the case
+    with torch.no_grad():
+        layers[where].experts.down_proj[5] *= 1000.0
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, tmp_path / "m" / f)
+    lm = moetool.load(str(tmp_path / "m"))
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    if where == 0:
+        with pytest.raises(MoetoolError, match=r"super expert\(s\) 0:5 sit in hash-routed layers .* "
+                                               r"the layers the router routes are --layers 3$"):
+            moetool.super_experts(lm, tokens, bootstrap=0, include_layers=1.0, quiet=True)
+        return
+    res = moetool.super_experts(lm, tokens, bootstrap=0, include_layers=1.0, quiet=True)
+    table, abl = res["super_experts"], res["super_experts_ablation"].set_index("ablation")
+    assert sorted(set(table.layer)) == [0, 1, 2, 3]
+    assert [(int(r.layer), int(r.expert)) for r in table[table.is_super].itertuples()] == [(3, 5)]
+    assert abl.loc["super", "experts"] == "3:5"
+    path = tmp_path / "removed.json"
+    path.write_text(json.dumps({"3": [5]}))
+    got = moetool.ppl(lm, tokens, routing=f"prune:file:{path}", layers=(3,), bootstrap=0, baseline=False,
+                      quiet=True)["ppl"]
+    assert abl.loc["super", "perplexity"] == pytest.approx(float(got["perplexity"].iloc[0]), rel=1e-9)
+    assert abl.loc["super", "perplexity"] != abl.loc["none", "perplexity"]

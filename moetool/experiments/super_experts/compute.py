@@ -232,8 +232,9 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     indices = [L.index for L in layers]
     shard = distributed.shard(tokens, opts.batch_size)
 
-    def run(policy: Any, description: str, consumers: tuple = ()) -> Any:
-        return perplexity(lm, shard, policy=policy, policy_layers=indices, consumers=consumers,
+    def run(policy: Any, description: str, consumers: tuple = (), where: list[int] | None = None) -> Any:
+        return perplexity(lm, shard, policy=policy, policy_layers=indices if where is None else where,
+                          consumers=consumers,
                           batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard), description=description)
 
     probe = MaxOutput(indices, reading=opts.reading)
@@ -257,13 +258,23 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
                 "scored_tokens": res.nll.tokens,
                 **ppl_columns(res, base, ci, between={"delta_ppl": res.perplexity - base.perplexity})}
 
+    hashed = [f"{layer}:{e}" for layer, es in removed.items() if getattr(by_index[layer], "hash_routed", False)
+              for e in es]
+    others = [L.index for L in chosen if not getattr(L, "hash_routed", False)]
+    hint = (f"the layers the router routes are --layers {','.join(map(str, others))}"
+            + (" --include-layers 1" if max(others) >= cut else "") if others else
+            "no chosen MoE layer is routed by the router")
+    if hashed:  # a hash-routed layer's experts are chosen by token id: deleting router rows removes nothing there
+        raise MoetoolError(f"super-experts: super expert(s) {' '.join(hashed)} sit in hash-routed layers (experts "
+                           f"chosen by token id, not by the router), so the ablation cannot remove them; their "
+                           f"maxima are measured, but {hint}")
     rows = [row("none", base, {})]
     if removed:
         for name, sets in (("super", removed), ("random", rand)):
             policy = PrunePolicy(sets, name=f"{name} experts removed")
             for L in layers:
                 policy.check(L)
-            rows.append(row(name, run(policy, policy.name), sets))
+            rows.append(row(name, run(policy, policy.name, where=sorted(removed)), sets))  # only where it removes
     ablation = pd.DataFrame(rows)
     summary = with_ci(ablation[["ablation", "removed", "perplexity", "perplexity_lo", "perplexity_hi", "ratio",
                                 "ratio_lo", "ratio_hi"]])
