@@ -633,8 +633,9 @@ def test_super_experts(case, tmp_path):
     assert finite(table) and (table["max_abs_output"] >= 0).all() and sorted(set(table.layer)) == case.policy_layers
     for layer in case.policy_layers:
         got = table[table.layer == layer].sort_values("expert")
-        want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts)
-        assert list(got["routed"]) == want.tolist()
+        m = case.n_experts - case.n_zero_compute  # zero-computation experts have no down projection: not listed
+        want = torch.bincount(case.routing[layer][0].reshape(-1), minlength=case.n_experts)[:m]
+        assert list(got["expert"]) == list(range(m)) and list(got["routed"]) == want.tolist()
         assert ((got["max_abs_output"] > 0) == (want > 0).numpy()).all()
     assert list(table["is_super"]) == list(super_mask(table["max_abs_output"])[0])
     abl = pd.read_csv(tmp_path / "super_experts_ablation.csv").set_index("ablation")

@@ -218,3 +218,108 @@ def test_the_console_names_the_super_experts_and_says_when_the_rule_was_degenera
     assert (f"1 super expert(s) of {len(table)}: layer {row.layer} expert {row.expert} "
             f"(max |out| {row.max_abs_output:.3g})") in r.output
     assert f"degenerate: with {len(table)} maxima the percentile lets only the largest through" in r.output
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_are_not_measured_nor_removed(model_type, tmp_path):
+    """LongCat-Flash's identity experts output their input (|h| ~ 1, hundreds of times a tiny expert's output) and
+    Zaya's skip expert 0: neither has a down projection, so neither is a (super) expert. The table holds the computed
+    experts only, their maxima by hand from the raw parameters; the criterion by hand (numpy) over those maxima;
+    the random ablation draws computed experts only (brk10: before, LongCat-Flash's identity expert 9 of layer 0
+    was the one super expert, 40 maxima instead of 32)."""
+    import shutil
+
+    import moetool
+    from moetool.adapters import tiny
+    from moetool.experiments.super_experts.compute import super_mask
+    from moetool.loading import EMBEDDED_DIR
+
+    model = tiny.build_tiny(model_type, seed=0)
+    model.resize_token_embeddings(2048, mean_resizing=False)  # the embedded tokenizer's ids
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, tmp_path / "m" / f)
+    lm = moetool.load(str(tmp_path / "m"))
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    res = moetool.super_experts(lm, tokens, bootstrap=0, include_layers=1.0, quiet=True)
+    table = res["super_experts"].set_index(["layer", "expert"])
+    ev_h, ev_idx = {}, {}
+
+    def grab(ev):
+        ev_h.setdefault(ev.layer.index, []).append(ev.layer.expert_input(ev.h)[ev.valid])
+        ev_idx.setdefault(ev.layer.index, []).append(ev.idx[ev.valid])
+
+    from moetool.engine.runner import forward
+    forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
+    maxima = []
+    for L in lm.layers:
+        m = L.n_experts - L.n_zero_compute
+        assert L.n_zero_compute >= 1 and m < L.n_experts  # the case
+        h, idx = torch.cat(ev_h[L.index]), torch.cat(ev_idx[L.index])
+        assert model_type != "longcat_flash" or (idx >= m).any()  # the identity experts are chosen
+        assert sorted(e for (layer, e) in table.index if layer == L.index) == list(range(m))
+        for e in range(m):
+            rows = (idx == e).any(-1)
+            with torch.no_grad():
+                out = reference_expert(model_type, L, e, h[rows])["output"] if rows.any() else torch.zeros(1)
+            best = float(out.abs().max())
+            assert table.loc[(L.index, e), "routed"] == int(rows.sum())
+            assert table.loc[(L.index, e), "max_abs_output"] == pytest.approx(best, rel=1e-4, abs=1e-9)
+            maxima.append(best)
+    a = np.asarray(maxima)
+    want = (a > np.percentile(a, 99.5)) & (a > a.max() // 10)
+    assert list(table["is_super"]) == list(want) == list(super_mask(a)[0])
+    assert table["can_pass"].iloc[0] == len(a) - 1 - int(np.floor((len(a) - 1) * 0.995))
+    abl = res["super_experts_ablation"].set_index("ablation")
+    for k in ("super", "random"):
+        if k in abl.index:
+            for item in abl.loc[k, "experts"].split():
+                layer, e = map(int, item.split(":"))
+                assert e < lm.layers[0].n_experts - lm.layers[0].n_zero_compute
+
+
+@pytest.mark.parametrize("where", [3, 0])
+def test_hash_routed_layers_are_measured_and_ablated_only_where_experts_are_removed(where, tmp_path):
+    """DeepSeek-V4's first layers are hash-routed (experts by token id): a super expert made in router-routed layer 3
+    (its down projection x1000) is removed there only, the perplexity that of ppl with the same prune:file in layer
+    3 (before, brk10: the ablation ran its policy in every measured layer, so it was refused for hash layers 0-2 it
+    removed nothing from); one in hash layer 0 cannot be removed: one line naming it and the router's layers."""
+    import shutil
+
+    import moetool
+    from moetool.adapters import find_moe_layers, tiny
+    from moetool.adapters.generic import hash_table, random_table
+    from moetool.loading import EMBEDDED_DIR
+
+    model = tiny.build_tiny("deepseek_v4", seed=0)
+    model.resize_token_embeddings(2048, mean_resizing=False)
+    gen = torch.Generator().manual_seed(3)
+    layers = find_moe_layers(model)
+    for L in layers:
+        table = hash_table(L.router)
+        if table is not None:
+            L.router.tid2eid = random_table((2048, table.shape[1]), L.n_experts, gen)
+    assert [bool(getattr(L, "hash_routed", False)) for L in layers] == [True, True, True, False]  # the case
+    with torch.no_grad():
+        layers[where].experts.down_proj[5] *= 1000.0
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, tmp_path / "m" / f)
+    lm = moetool.load(str(tmp_path / "m"))
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    if where == 0:
+        with pytest.raises(MoetoolError, match=r"super expert\(s\) 0:5 sit in hash-routed layers .* "
+                                               r"the layers the router routes are --layers 3$"):
+            moetool.super_experts(lm, tokens, bootstrap=0, include_layers=1.0, quiet=True)
+        return
+    res = moetool.super_experts(lm, tokens, bootstrap=0, include_layers=1.0, quiet=True)
+    table, abl = res["super_experts"], res["super_experts_ablation"].set_index("ablation")
+    assert sorted(set(table.layer)) == [0, 1, 2, 3]
+    assert [(int(r.layer), int(r.expert)) for r in table[table.is_super].itertuples()] == [(3, 5)]
+    assert abl.loc["super", "experts"] == "3:5"
+    path = tmp_path / "removed.json"
+    path.write_text(json.dumps({"3": [5]}))
+    got = moetool.ppl(lm, tokens, routing=f"prune:file:{path}", layers=(3,), bootstrap=0, baseline=False,
+                      quiet=True)["ppl"]
+    assert abl.loc["super", "perplexity"] == pytest.approx(float(got["perplexity"].iloc[0]), rel=1e-9)
+    assert abl.loc["super", "perplexity"] != abl.loc["none", "perplexity"]

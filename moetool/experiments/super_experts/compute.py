@@ -46,7 +46,9 @@ CODE = ("ZunhaiSu/Super-Experts-Profilling @ 573aead3127ae593ba267758b832944f8fe
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
-    "expert": "expert index within the layer",
+    "expert": "expert index within the layer (computed experts only: zero-computation experts -- LongCat-Flash's "
+              "identity experts, Zaya's skip experts -- have no down projection, so they are neither measured, "
+              "listed, counted among the maxima nor removed at random)",
     "routed": "real (unpadded) tokens whose top-K (the model's own routing) holds the expert",
     "max_abs_output": "largest |E_e(h)| over the output dimensions of the expert's down projection (the expert's "
                       "output before any routing weight) and over the tokens read: every real token routed to it "
@@ -156,6 +158,7 @@ class MaxOutput:
         self.reading = reading
         self.count: dict[int, torch.Tensor] = {}
         self.max: dict[int, torch.Tensor] = {}
+        self.computed: dict[int, int] = {}  # per layer: its computed experts (zero-computation ones have no down proj)
 
     def __call__(self, ev: RoutingEvent) -> None:
         L = ev.layer
@@ -168,6 +171,7 @@ class MaxOutput:
         m = routed_absmax(L, ev.h, read, "output", budget=self.budget)
         c = routed.double().sum(0)
         i = L.index
+        self.computed[i] = L.n_experts - L.n_zero_compute
         self.count[i] = c if i not in self.count else self.count[i] + c
         self.max[i] = m if i not in self.max else torch.maximum(self.max[i], m)
 
@@ -188,7 +192,7 @@ class MaxOutput:
         for layer in sorted(self.max):
             c, m = self.count[layer].cpu(), self.max[layer].cpu()
             rows += [{"layer": layer, "expert": e, "routed": int(c[e]), "max_abs_output": float(m[e])}
-                     for e in range(len(m))]
+                     for e in range(self.computed.get(layer, len(m)))]  # zero-computation experts: not measured
         df = pd.DataFrame(rows)
         is_super, p, f = super_mask(df["max_abs_output"], percentile, fraction_of_max, max_rule)
         top = df["max_abs_output"].max()
@@ -228,8 +232,9 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     indices = [L.index for L in layers]
     shard = distributed.shard(tokens, opts.batch_size)
 
-    def run(policy: Any, description: str, consumers: tuple = ()) -> Any:
-        return perplexity(lm, shard, policy=policy, policy_layers=indices, consumers=consumers,
+    def run(policy: Any, description: str, consumers: tuple = (), where: list[int] | None = None) -> Any:
+        return perplexity(lm, shard, policy=policy, policy_layers=indices if where is None else where,
+                          consumers=consumers,
                           batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard), description=description)
 
     probe = MaxOutput(indices, reading=opts.reading)
@@ -239,7 +244,8 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     sup = table[table.is_super]
     removed = {int(layer): sorted(int(e) for e in g.expert) for layer, g in sup.groupby("layer")}
     by_index = {L.index: L for L in layers}
-    rand = {layer: random_removed(opts.seed, layer, by_index[layer].n_experts, len(es), exclude=es)
+    rand = {layer: random_removed(opts.seed, layer, by_index[layer].n_experts - by_index[layer].n_zero_compute,
+                                  len(es), exclude=es)  # computed experts only, as the super experts
             for layer, es in removed.items()}
     short = [layer for layer, es in removed.items() if len(rand[layer]) < len(es)]
     if short:  # a random set smaller than the super set would compare unlike with like
@@ -252,13 +258,23 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
                 "scored_tokens": res.nll.tokens,
                 **ppl_columns(res, base, ci, between={"delta_ppl": res.perplexity - base.perplexity})}
 
+    hashed = [f"{layer}:{e}" for layer, es in removed.items() if getattr(by_index[layer], "hash_routed", False)
+              for e in es]
+    others = [L.index for L in chosen if not getattr(L, "hash_routed", False)]
+    hint = (f"the layers the router routes are --layers {','.join(map(str, others))}"
+            + (" --include-layers 1" if max(others) >= cut else "") if others else
+            "no chosen MoE layer is routed by the router")
+    if hashed:  # a hash-routed layer's experts are chosen by token id: deleting router rows removes nothing there
+        raise MoetoolError(f"super-experts: super expert(s) {' '.join(hashed)} sit in hash-routed layers (experts "
+                           f"chosen by token id, not by the router), so the ablation cannot remove them; their "
+                           f"maxima are measured, but {hint}")
     rows = [row("none", base, {})]
     if removed:
         for name, sets in (("super", removed), ("random", rand)):
             policy = PrunePolicy(sets, name=f"{name} experts removed")
             for L in layers:
                 policy.check(L)
-            rows.append(row(name, run(policy, policy.name), sets))
+            rows.append(row(name, run(policy, policy.name, where=sorted(removed)), sets))  # only where it removes
     ablation = pd.DataFrame(rows)
     summary = with_ci(ablation[["ablation", "removed", "perplexity", "perplexity_lo", "perplexity_hi", "ratio",
                                 "ratio_lo", "ratio_hi"]])

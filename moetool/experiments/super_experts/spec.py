@@ -13,8 +13,10 @@ least --fraction-of-max x the largest). --reading routed (default) reads every r
 token routed to the expert in each row (in the order transformers' expert loop gathers them: the tokens that hold it
 as their first choice, in position order, then those that hold it second, ...), a max over the rows. With at most
 201 maxima the 99.5th percentile lies above the second largest: the rule can pick the single largest only, and the
-table says so (degenerate). Then the model runs on the same rows with the super experts removed (their router rows
-deleted, as prune's policy) and with as many random other experts removed in each layer (seeded by --seed).
+table says so (degenerate). Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip experts) have
+no down projection: they are not measured, not among the maxima and never removed. Then the model runs on the same
+rows with the super experts removed (their router rows deleted, as prune's policy) and with as many random other
+computed experts removed in each layer (seeded by --seed).
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 model's own routing on the same rows.
 
