@@ -101,6 +101,12 @@ class MoELayer:
         :attr:`zero_compute_output`."""
         return 0
 
+    @property
+    def n_computed(self) -> int:
+        """The experts that compute something (the first ``n_experts - n_zero_compute``): what has weights, what a
+        probe can measure, what is placed, measured or removed where zero-computation experts are left out."""
+        return self.n_experts - self.n_zero_compute
+
     #: what a zero-computation expert outputs: ``"input"`` (identity, LongCat: ``E_e(h) = h``, its "activations"
     #: are ``h`` itself, every node's norm ``||h||``) or ``"zero"`` (a skip, Zaya: ``E_e(h) = 0``, every norm 0)
     zero_compute_output: str = "input"
@@ -175,7 +181,7 @@ class MoELayer:
 
     def expert_weights(self) -> ExpertWeights:
         """The computed experts' weights (identity experts have none: see :attr:`n_zero_compute`)."""
-        m = self.n_experts - self.n_zero_compute
+        m = self.n_computed
         gate_up = self.experts.gate_up_proj[:m]  # [m, 2I, d] (LongCat stores rows for its identity experts too)
         inter = gate_up.shape[1] // 2
         return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=self.experts.down_proj[:m])

@@ -63,9 +63,8 @@ class NormPolicy(Policy):
         """Experts in a format moetool cannot read, and (on a pruned model) the pruning's own check: one line before
         any forward."""
         quant.require_readable(layer, f"--routing {self.name}")
-        computed = layer.n_experts - layer.n_zero_compute
-        if self.node != "output" and layer.n_zero_compute and computed < layer.top_k:
-            raise MoetoolError(f"--routing {self.name}: MoE layer {layer.index} has {computed} computed experts for "
+        if self.node != "output" and layer.n_zero_compute and layer.n_computed < layer.top_k:
+            raise MoetoolError(f"--routing {self.name}: MoE layer {layer.index} has {layer.n_computed} computed experts for "
                                f"its top-{layer.top_k} (the other {layer.n_zero_compute} compute nothing, so have no "
                                f"'{self.node}' activation to rank): use norm:output, or leave the layer out with --layers")
         if self.among is not None:

@@ -68,17 +68,11 @@ def parse_noise(text: str) -> str | float:
         raise MoetoolError(f"--noise must be derived, none or a number, not '{text}'") from None
 
 
-def computed_experts(layer: MoELayer) -> int:
-    """The experts M covers: the ``n_experts - n_zero_compute`` computed ones (a zero-computation expert, LongCat-
-    Flash's identity, has no weights: its "node" is the proxy itself, ``||R~_i||`` in every row, which is no
-    coupling of an expert to its router row and outweighed the real experts' entries)."""
-    return layer.n_experts - layer.n_zero_compute
-
-
 def router_rows(layer: MoELayer) -> torch.Tensor:
-    """The router rows ``R [m, d]`` of the :func:`computed_experts` as fp32, materialised if accelerate offloaded
-    the router (``device_map``)."""
-    m = computed_experts(layer)
+    """The router rows ``R [m, d]`` of the ``n_computed`` computed experts as fp32, materialised if accelerate
+    offloaded the router (``device_map``). A zero-computation expert (LongCat-Flash's identity) has no weights: its
+    node on any proxy is the proxy itself, no coupling of an expert to its router row, so it is left out of M."""
+    m = layer.n_computed
     if not hasattr(layer.router, "_hf_hook"):
         return layer.router_weight().detach().float()[:m]
     from accelerate.utils import align_module_device
@@ -114,12 +108,12 @@ def proxy_tokens(R: torch.Tensor, eps: torch.Tensor, samples: int, generator: to
 
 def coupling_matrix(layer: MoELayer, X: torch.Tensor, node: str = "gate", norm: str = "l2") -> torch.Tensor:
     """``M[..., i, j] = || node_j(X[..., i]) ||`` for proxies ``X [..., m, d]`` -> ``[..., m, m]`` fp32, j over the
-    :func:`computed_experts` (zero-computation experts' columns left out).
+    ``n_computed`` computed experts (zero-computation experts' columns left out).
 
     All proxies are one batch of tokens for the batched probes (chunked to bound memory).
     """
     lead, d = X.shape[:-1], X.shape[-1]
-    scores = probes.node_scores(layer, X.reshape(-1, d), node, norm)[:, :computed_experts(layer)]  # [prod(lead), m]
+    scores = probes.node_scores(layer, X.reshape(-1, d), node, norm)[:, :layer.n_computed]  # [prod(lead), m]
     return scores.reshape(*lead, scores.shape[-1])
 
 

@@ -322,8 +322,8 @@ def _placed_experts(layers: list[Any], groups: int | None) -> tuple[int, int, in
     nowhere: not placed), top-K, and the expert groups (``groups``, else the model's routing groups); layers of
     different n, or groups that do not divide n, are refused."""
     z = layers[0].n_zero_compute
-    n, K = layers[0].n_experts - z, layers[0].top_k
-    if any(L.n_experts - L.n_zero_compute != n for L in layers):
+    n, K = layers[0].n_computed, layers[0].top_k
+    if any(L.n_computed != n for L in layers):
         raise MoetoolError("the chosen MoE layers have different numbers of experts: choose layers of one n "
                            "with --layers")
     groups = groups if groups is not None else model_groups(layers[0])

@@ -171,7 +171,7 @@ class MaxOutput:
         m = routed_absmax(L, ev.h, read, "output", budget=self.budget)
         c = routed.double().sum(0)
         i = L.index
-        self.computed[i] = L.n_experts - L.n_zero_compute
+        self.computed[i] = L.n_computed
         self.count[i] = c if i not in self.count else self.count[i] + c
         self.max[i] = m if i not in self.max else torch.maximum(self.max[i], m)
 
@@ -244,7 +244,7 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
     sup = table[table.is_super]
     removed = {int(layer): sorted(int(e) for e in g.expert) for layer, g in sup.groupby("layer")}
     by_index = {L.index: L for L in layers}
-    rand = {layer: random_removed(opts.seed, layer, by_index[layer].n_experts - by_index[layer].n_zero_compute,
+    rand = {layer: random_removed(opts.seed, layer, by_index[layer].n_computed,
                                   len(es), exclude=es)  # computed experts only, as the super experts
             for layer, es in removed.items()}
     short = [layer for layer, es in removed.items() if len(rand[layer]) < len(es)]
