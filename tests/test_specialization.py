@@ -359,3 +359,25 @@ def test_vocab_specialization_counts_the_first_ranked_expert_of_an_unsorted_rout
         got = Counter({int(k): int(c) for k, c in zip(np.asarray(keys), np.asarray(counts)) if k >= 0})  # -1: unkept
         want = Counter(int(t) * vs.n[i] + int(e) for t, e, k in zip(flat, first, keep) if k)
         assert got == want
+
+
+def test_an_encoder_position_before_padding_predicts_nothing_in_the_predicted_view():
+    """An encoder-decoder's logits at position t predict token t itself, so an encoder layer's predicted view at t
+    reads the prediction at t+1 -- where t+1 is a real position. One right-padded row, ids 5 6 7 | 8 (8 padding),
+    argmax of the logits 10 11 12 13, both layers' first-ranked experts 0 1 2 3. By hand: encoder 11 -> expert 0
+    (position 0), 12 -> 1 (position 1), position 2's t+1 is padding: nothing; decoder 10 -> 0, 11 -> 1, 12 -> 2.
+    (Without the mask of t+1 the padded position's prediction 13 was counted for the encoder's position 2.)"""
+    enc, dec = (SimpleNamespace(index=i, n_experts=4, stack=s) for i, s in ((0, "encoder"), (1, "decoder")))
+    vs = VocabSpecialization([enc, dec])
+    batch = SimpleNamespace(input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    vs.begin_batch(batch)
+    top1 = torch.tensor([[0], [1], [2], [3]])
+    for L in (enc, dec):
+        vs(SimpleNamespace(layer=L, shape=(1, 4), idx=top1, ranked=(top1, None),
+                           valid=torch.tensor([True, True, True, False])))
+    logits = torch.zeros(1, 4, 16)
+    logits[0, torch.arange(4), torch.tensor([10, 11, 12, 13])] = 1.0
+    vs.on_batch(batch, SimpleNamespace(logits=logits))
+    got = {li: vs.token_table(li, "predicted")[["token_id", "expert", "occurrences"]].values.tolist() for li in (0, 1)}
+    assert got[0] == [[11, 0, 1], [12, 1, 1]]
+    assert got[1] == [[10, 0, 1], [11, 1, 1], [12, 2, 1]]
