@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import captured, reference_expert, run, wilson_by_hand
+from conftest import captured, reference_expert, run, wilson_by_hand, zero_compute_lm
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -631,25 +631,13 @@ def test_zero_computation_experts_are_not_measured_nor_pruned(model_type):
     the largest computed REAPs (brk11: before, LongCat-Flash's identity experts had REAP ||h|| 2.2-4.3 against
     0.006 and were the top ablations; Zaya's never-routed skip expert was removed first by every criterion)."""
     import moetool
-    from moetool.adapters import tiny
-    from moetool.data import TokenSet
-    from moetool.loading import LoadedModel
     from moetool.policies.prune import random_removed
 
-    model = tiny.build_tiny(model_type, seed=0)
-    layers = find_moe_layers(model)
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 1024, (4, 24), generator=gen)
-    mask = torch.ones(4, 24, dtype=torch.long)
-    mask[2, :6] = 0
-    lm = LoadedModel(model_type, "x", "local", model, None, layers, torch.device("cpu"), torch.float32)
     seen = {}
-    with moetool.hook(lm, consumers=[lambda ev: seen.setdefault(ev.layer.index, []).append(
-            (ev.layer.expert_input(ev.h)[ev.valid], ev.idx[ev.valid], ev.probs[ev.valid].double()))]):
-        with torch.no_grad():
-            for s in range(0, 4, 2):
-                model(input_ids=ids[s:s + 2], attention_mask=mask[s:s + 2])
-    res = moetool.prune(lm, TokenSet(ids, mask, [""] * 4, "test"), fractions=(0.25,),
+    lm, tokens = zero_compute_lm(model_type, 4, 24, 5, {2: 6}, lambda ev: seen.setdefault(ev.layer.index, []).append(
+        (ev.layer.expert_input(ev.h)[ev.valid], ev.idx[ev.valid], ev.probs[ev.valid].double())))
+    layers = lm.layers
+    res = moetool.prune(lm, tokens, fractions=(0.25,),
                         criteria=("reap", "frequency", "random"), ablate=3, batch_size=2, bootstrap=0, quiet=True)
     imp = res["prune_importance"].set_index(["layer", "expert"])
     removed = res["prune_removed"]

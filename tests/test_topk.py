@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILIES, feed, padded_batch, run
+from conftest import FAMILIES, feed, padded_batch, run, zero_compute_lm
 
 from moetool.adapters import find_moe_layers, rules
 from moetool.errors import MoetoolError
@@ -397,26 +397,14 @@ def test_zero_computation_experts_are_not_counted_as_experts_used(model_type):
     import numpy as np
 
     import moetool
-    from moetool.adapters import tiny
-    from moetool.data import TokenSet
-    from moetool.loading import LoadedModel
 
-    model = tiny.build_tiny(model_type, seed=0)
-    layers = find_moe_layers(model)
+    seen = {}
+    lm, tokens = zero_compute_lm(model_type, 4, 24, 3, {1: 5}, lambda ev: seen.setdefault(ev.layer.index, []).append(
+        (ev.idx[ev.valid], ev.weights[ev.valid], ev.probs[ev.valid].double())))
+    layers = lm.layers
     first, m = layers[0], layers[0].n_computed
     assert first.n_zero_compute >= 1
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 1024, (4, 24), generator=gen)
-    mask = torch.ones(4, 24, dtype=torch.long)
-    mask[1, :5] = 0
-    lm = LoadedModel(model_type, "x", "local", model, None, layers, torch.device("cpu"), torch.float32)
-    seen = {}
-    with moetool.hook(lm, consumers=[lambda ev: seen.setdefault(ev.layer.index, []).append(
-            (ev.idx[ev.valid], ev.weights[ev.valid], ev.probs[ev.valid].double()))]):
-        with torch.no_grad():
-            for s in range(0, 4, 2):
-                model(input_ids=ids[s:s + 2], attention_mask=mask[s:s + 2])
-    res = moetool.topk(lm, TokenSet(ids, mask, [""] * 4, "test"), ks=(1,), ps=(0.9,), batch_size=2, bootstrap=0,
+    res = moetool.topk(lm, tokens, ks=(1,), ps=(0.9,), batch_size=2, bootstrap=0,
                        quiet=True)
     per_layer = res["topk_layers"].set_index(["policy", "layer"])
     router_means = []
