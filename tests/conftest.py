@@ -308,3 +308,28 @@ def recorded_tables(folder) -> dict[str, int]:
         assert m["tables"][f] == {"rows": rows, "bytes": p.stat().st_size,
                                   "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}, (folder, f)
     return {f: m["tables"][f]["rows"] for f in tables}
+
+
+def zero_compute_lm(model_type: str, rows: int, seq: int, seed: int, padded: dict[int, int], grab,
+                    batch_size: int = 2):
+    """A tiny model with zero-computation experts (``build_tiny(model_type, seed=0)``, not redrawn here) as a
+    ``LoadedModel``, ``rows`` random rows of ``seq`` ids (``padded``: row -> left-padded positions) as a
+    ``TokenSet``, and ``grab(ev)`` called on every routing event of the unhooked model over batches of
+    ``batch_size`` rows (what the experiments' runs see): ``(lm, tokens)``."""
+    import moetool
+    from moetool.adapters import tiny
+    from moetool.data import TokenSet
+    from moetool.loading import LoadedModel
+
+    model = tiny.build_tiny(model_type, seed=0)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 1024, (rows, seq), generator=gen)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    for r, n in padded.items():
+        mask[r, :n] = 0
+    lm = LoadedModel(model_type, "x", "local", model, None, find_moe_layers(model), torch.device("cpu"),
+                     torch.float32)
+    with moetool.hook(lm, consumers=[grab]), torch.no_grad():
+        for s in range(0, rows, batch_size):
+            model(input_ids=ids[s:s + batch_size], attention_mask=mask[s:s + batch_size])
+    return lm, TokenSet(ids, mask, [""] * rows, "test")

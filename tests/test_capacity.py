@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import feed, padded_batch, run
+from conftest import feed, padded_batch, run, zero_compute_lm
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -327,3 +327,52 @@ def test_every_layer_and_perplexity_from_plain_router_hooks(tiny_model, model_ty
         assert (row["assignments"], row["dropped"]) == (assigned, dropped)
         assert row["dropped_frac"] == pytest.approx(dropped / assigned, rel=1e-12)
         assert row["tokens_dropped_all_frac"] == pytest.approx(lost / tok, rel=1e-12)
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_take_no_capacity(model_type):
+    """LongCat-Flash's identity experts and Zaya's skip expert (the last n_zero_compute indices) compute nothing: C is
+    ceil(cf · tokens · K / m) over the m computed experts, their assignments are never dropped and are not counted,
+    and the per-expert table lists the computed experts only. Hand count of the first MoE layer (same input under any
+    capacity) per batch of 2 rows (brk11: before, n = 10 on LongCat-Flash gave identity experts capacity: at cf 0.5
+    on 2048 tokens 1071 of layer 0's 2120 drops were identity assignments, which need no compute)."""
+    import moetool
+
+    events = {}
+    lm, tokens = zero_compute_lm(model_type, 6, 32, 11, {1: 7, 4: 3}, lambda ev: events.setdefault(
+        ev.layer.index, []).append((ev.idx.cpu(), ev.weights.cpu(), ev.valid.cpu())))
+    model, layers = lm.model, lm.layers
+    first = layers[0]
+    n, z = first.n_experts, first.n_zero_compute
+    m = n - z
+    assert z >= 1
+    seen = events[first.index]
+    assert len(seen) == 3 and any(bool((idx[valid] >= m).any()) for idx, _, valid in seen)  # they are chosen
+    res = moetool.capacity(lm, tokens, cfs=(0.5,), orders=("order", "score"), batch_size=2, bootstrap=0, quiet=True)
+    experts = res["capacity_experts"].set_index(["order", "layer"]).sort_index()
+    lay = res["capacity_layers"].set_index(["order", "layer"]).sort_index()
+    for order in ("order", "score"):
+        load, dropped, cap, lost, assigned = torch.zeros(m), torch.zeros(m), 0, 0, 0
+        for idx, w, valid in seen:
+            K, real = idx.shape[1], int(valid.sum())
+            c = math.ceil(0.5 * real * K / m)
+            d = hand_drop(idx, valid, m, c, w if order == "score" else None)  # experts 0..m-1 only
+            computed = (idx < m) & valid[:, None]
+            load += torch.bincount(idx[computed], minlength=n)[:m]
+            dropped += torch.bincount(idx[d], minlength=n)[:m]
+            cap, lost, assigned = cap + c, lost + int(d.all(-1).sum()), assigned + int(computed.sum())
+        got = experts.loc[(order, first.index)]
+        assert got["expert"].tolist() == list(range(m))
+        assert got["load"].tolist() == load.long().tolist() and got["dropped"].tolist() == dropped.long().tolist()
+        assert dropped.sum() > 0 and (got["capacity"] == cap).all()
+        row = lay.loc[(order, first.index)]
+        assert (row["assignments"], row["dropped"], row["tokens_dropped_all"]) == (assigned, int(dropped.sum()), lost)
+        assert row["dropped_frac"] == pytest.approx(float(dropped.sum()) / assigned, rel=1e-12)
+    assert res.meta["zero_computation_experts_without_capacity"] == {L.index: z for L in layers}
+    # the policy itself: an identity / skip assignment keeps the model's weight
+    _, events, _ = run(model, layers, padded_batch(batch=3, seq=12, pad=5), policy=make_policy("capacity:0.25"))
+    for ev in events.values():
+        zero = ev.idx >= m
+        assert not ev.extra["dropped"][zero].any() and ev.extra["dropped"].any()
+        assert torch.equal(ev.chosen_weights[zero], ev.weights[zero])
+        assert float(ev.extra["capacity"]) == math.ceil(0.25 * int(ev.valid.sum()) * ev.idx.shape[1] / m)

@@ -508,8 +508,12 @@ def test_topk(case, tmp_path):
     df = pd.read_csv(tmp_path / "topk.csv").set_index("policy")
     assert df.loc["router", "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[f"topk:{K}", "perplexity"] == df.loc["router", "perplexity"]  # the model's own routing
-    assert df.loc[f"topk:{K}", "mean_experts"] == K
-    if not sparse:
+    m = n - case.n_zero_compute  # zero-computation experts cost nothing: not counted as experts used
+    computed = [float((case.routing[i][0] < m).sum(-1).double().mean()) for i in case.policy_layers]
+    assert df.loc[f"topk:{K}", "mean_experts"] == pytest.approx(np.mean(computed), abs=1e-12)
+    if case.n_zero_compute and not sparse:  # the top-1 may be a zero-computation expert; top-p 1 holds all n
+        assert 0 < df.loc["topk:1", "mean_experts"] <= 1 and df.loc["topp:1", "mean_experts"] == m
+    elif not sparse:
         # over the layers the policy ran in (--layers: DeepSeek-V4's hash-routed layers run the model's own K)
         assert df.loc["topk:1", "mean_experts"] == 1 and df.loc["topp:1", "mean_experts"] == n
         per_layer = pd.read_csv(tmp_path / "topk_layers.csv").set_index(["policy", "layer"])["mean_experts"]
@@ -569,6 +573,7 @@ def test_agreement(case, tmp_path):
 
 def test_capacity(case, tmp_path):
     K, n = case.top_k, case.n_experts
+    m = n - case.n_zero_compute  # zero-computation experts take no capacity: C over the m computed, never dropped
     big = n / K  # every expert can take every real token: nothing dropped
     invoke("capacity", "--model", str(case.path), *SMALL, "--bootstrap", "0", "--cf", f"0.5,{big!r}",
            "--order", "order,score", "--out", str(tmp_path))
@@ -576,14 +581,14 @@ def test_capacity(case, tmp_path):
     lay = pd.read_csv(tmp_path / "capacity_layers.csv")
     exp = pd.read_csv(tmp_path / "capacity_experts.csv")
     assert finite(df.reset_index().drop(columns=["order"])) and finite(lay.drop(columns=["order"]))
-    T = case.tokens.n_tokens  # one batch: C = ceil(cf * T * K / n)
+    T = case.tokens.n_tokens  # one batch: C = ceil(cf * T * K / m)
     for order in ("order", "score"):
         assert df.loc[(big, order), "dropped"] == 0
         assert df.loc[(big, order), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)  # the model's own routing
         assert df.loc[(0.5, order), "router_perplexity"] == pytest.approx(case.ppl, rel=1e-6)
         first = exp[(exp.cf == 0.5) & (exp.order == order) & (exp.layer == case.layers[0])].sort_values("expert")
-        load = torch.bincount(case.routing[case.layers[0]][0].reshape(-1), minlength=n).numpy()
-        cap = math.ceil(0.5 * T * K / n)
+        load = torch.bincount(case.routing[case.layers[0]][0].reshape(-1), minlength=n).numpy()[:m]
+        cap = math.ceil(0.5 * T * K / m)
         assert list(first["load"]) == list(load) and (first["capacity"] == cap).all()
         assert list(first["dropped"]) == list(np.maximum(load - cap, 0))  # the first layer: by hand
         rows = lay[(lay.cf == 0.5) & (lay.order == order)]
@@ -594,7 +599,7 @@ def test_capacity(case, tmp_path):
         kept = []
         for e in row:
             seen[e] = seen.get(e, 0) + 1
-            kept.append(seen[e] <= math.ceil(0.5 * T * K / n))
+            kept.append(e >= m or seen[e] <= math.ceil(0.5 * T * K / m))
         lost += not any(kept)
     got = lay[(lay.cf == 0.5) & (lay.order == "order") & (lay.layer == case.layers[0])]
     assert int(got["tokens_dropped_all"].iloc[0]) == lost
@@ -608,15 +613,17 @@ def test_prune(case, tmp_path):
     df = pd.read_csv(tmp_path / "prune.csv").set_index(["criterion", "fraction"])
     assert df.loc[("router", 0.0), "perplexity"] == pytest.approx(case.ppl, rel=1e-6)
     assert df.loc[("reap", 0.0), "perplexity"] == df.loc[("router", 0.0), "perplexity"]
-    assert df.loc[("reap", 0.25), "removed"] == len(case.policy_layers) * (case.n_experts // 4)
+    m = case.n_experts - case.n_zero_compute  # zero-computation experts: not measured, counted or removed
+    assert df.loc[("reap", 0.25), "removed"] == len(case.policy_layers) * (m // 4)
     assert finite(df)
     imp = pd.read_csv(tmp_path / "prune_importance.csv")
     assert finite(imp) and (imp["reap"] >= 0).all()
     for layer in case.policy_layers:
         idx, w = case.routing[layer]
         got = imp[imp.layer == layer].sort_values("expert")
-        assert list(got["frequency"]) == torch.bincount(idx.reshape(-1), minlength=case.n_experts).tolist()
-        want = torch.zeros(case.n_experts, dtype=torch.float64).index_add_(0, idx.reshape(-1), w.double().reshape(-1))
+        assert list(got["frequency"]) == torch.bincount(idx.reshape(-1), minlength=case.n_experts).tolist()[:m]
+        want = torch.zeros(case.n_experts, dtype=torch.float64).index_add_(0, idx.reshape(-1),
+                                                                           w.double().reshape(-1))[:m]
         np.testing.assert_allclose(got["weighted"], want.numpy(), rtol=1e-5)
     abl = pd.read_csv(tmp_path / "prune_ablation.csv")
     assert len(abl) == 1 and abl["reap"].iloc[0] == imp["reap"].max()

@@ -277,9 +277,12 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])  # identity experts (output = input); a skip class
-def test_zero_computation_experts_by_hand(model_type):
-    """Every expert's output through the model's own experts module (all tokens sent to it with weight 1); identity
-    experts compare as their input, a skip expert's 0 output has no cosine (NaN, left out of the layer means)."""
+def test_zero_computation_experts_are_not_compared(model_type):
+    """Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip, the last indices) have no weights to
+    compare or merge: the matrices are over the m computed experts, each one's output through the model's own experts
+    module (all tokens sent to it with weight 1), by hand. brk11: before, they were compared as their output --
+    LongCat-Flash's two identity experts (output = input) were every layer's most alike pair (output_cos 1) and
+    HC-SMoE's first merge (output_dist 0), Zaya's skip (mean output 0) the first merge of every layer."""
     from conftest import padded_batch
     from moetool.adapters import find_moe_layers
     from moetool.adapters.tiny import build_tiny
@@ -289,37 +292,42 @@ def test_zero_computation_experts_by_hand(model_type):
 
     model = build_tiny(model_type, seed=0)
     layers = find_moe_layers(model)
-    assert any(L.n_zero_compute for L in layers)
+    assert all(L.n_zero_compute for L in layers)
     sums = SimilaritySums([L.index for L in layers])
     events = {}
     with torch.no_grad(), Engine(model, layers, consumers=[sums, lambda ev: events.__setitem__(ev.layer.index, ev)]):
         model(**padded_batch(seq=8))
     mats = sums.matrices()
-    out = tables(mats, {L.index: L.n_experts for L in layers})
-    per_layer, pairs = out["expert_similarity.csv"], out["expert_similarity_pairs.csv"]
+    out = tables(mats, {L.index: L.n_computed for L in layers})
+    per_layer, pairs, merges = out["expert_similarity.csv"], out["expert_similarity_pairs.csv"], \
+        out["expert_similarity_merges.csv"]
     for L in layers:
         ev = events[L.index]
         h, valid = ev.h, ev.valid
-        outs = torch.stack([one_expert(L, e, h) for e in range(L.n_experts)])[:, valid]  # [n, T_real, d]
+        n = L.n_experts - L.n_zero_compute
+        outs = torch.stack([one_expert(L, e, h) for e in range(n)])[:, valid]  # [n, T_real, d]
         mean = outs.double().mean(1)
-        n = L.n_experts
         oc = _cos(mean[:, None], mean[None, :]).numpy()
         per_token = _cos(outs[:, None], outs[None, :])  # [n, n, T_real]
         tc = torch.where(per_token.isnan().all(-1), float("nan"), per_token.nan_to_num().sum(-1) /
                          (~per_token.isnan()).sum(-1).clamp_min(1)).numpy()
-        z = L.n_zero_compute
-        if z and L.zero_compute_output == "zero":
-            assert np.isnan(oc[-1, :]).all() and np.isnan(tc[-1, :]).all()
-        elif z >= 2:  # two identity experts: the same output
-            assert oc[-1, -2] == pytest.approx(1.0) and tc[-1, -2] == pytest.approx(1.0)
+        routed = [set(torch.nonzero((ev.idx == e).any(-1) & valid).flatten().tolist()) for e in range(n)]
+        co = np.array([[len(routed[a] & routed[b]) / len(routed[a] | routed[b]) if routed[a] | routed[b] else np.nan
+                        for b in range(n)] for a in range(n)])
         np.testing.assert_allclose(mats[L.index]["output_cos"], oc, atol=1e-5, rtol=0)
         np.testing.assert_allclose(mats[L.index]["token_cos"], tc, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(mats[L.index]["output_dist"], torch.cdist(mean, mean).numpy(), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(mats[L.index]["co_selection"], co, atol=1e-12, rtol=0)
+        dist = torch.cdist(mean, mean).numpy()
+        np.testing.assert_allclose(mats[L.index]["output_dist"], dist, atol=1e-5, rtol=1e-5)
         i, j = np.triu_indices(n, k=1)
         row = per_layer.set_index("layer").loc[L.index]
+        assert row.n_experts == n
         assert row.mean_output_cos == pytest.approx(np.nanmean(oc[i, j]), abs=1e-5)
         assert row.max_token_cos == pytest.approx(np.nanmax(tc[i, j]), abs=1e-5)
+        k = int(np.argmin(dist[i, j]))
+        assert row.min_dist_pair == f"{i[k]}-{j[k]}" and row.min_output_dist > 1e-4
         assert len(pairs[pairs.layer == L.index]) == n * (n - 1) // 2
+        assert len(merges[merges.layer == L.index]) == n - 1
 
 
 def test_average_linkage_by_hand():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import captured, reference_expert, run, wilson_by_hand
+from conftest import captured, reference_expert, run, wilson_by_hand, zero_compute_lm
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -619,3 +619,61 @@ def test_routing_among_every_expert_is_the_models_routing(model_type):
         assert torch.equal(idx.sort(-1).values, ev.idx.long().sort(-1).values)  # the model's own choice
     if model_type == "inkling_text":
         assert ev.logits.shape[-1] > L.n_experts  # the shared experts' logits really are there
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_are_not_measured_nor_pruned(model_type):
+    """LongCat-Flash's identity experts output their input and Zaya's skip expert 0 (the last n_zero_compute
+    indices): no output of their own, nothing saved by removing them. The importance table lists the computed experts
+    only, by hand (each expert's output from its raw parameters, REAP's renormalised gate from the router's
+    probabilities); the removed sets are floor(0.25 · m) of the m computed experts (lowest REAP / frequency, ties to
+    the lower index; random: the seeded permutation of m); removed_frac counts computed experts; the ablations are
+    the largest computed REAPs (brk11: before, LongCat-Flash's identity experts had REAP ||h|| 2.2-4.3 against
+    0.006 and were the top ablations; Zaya's never-routed skip expert was removed first by every criterion)."""
+    import moetool
+    from moetool.policies.prune import random_removed
+
+    seen = {}
+    lm, tokens = zero_compute_lm(model_type, 4, 24, 5, {2: 6}, lambda ev: seen.setdefault(ev.layer.index, []).append(
+        (ev.layer.expert_input(ev.h)[ev.valid], ev.idx[ev.valid], ev.probs[ev.valid].double())))
+    layers = lm.layers
+    res = moetool.prune(lm, tokens, fractions=(0.25,),
+                        criteria=("reap", "frequency", "random"), ablate=3, batch_size=2, bootstrap=0, quiet=True)
+    imp = res["prune_importance"].set_index(["layer", "expert"])
+    removed = res["prune_removed"]
+    want_reap = {}
+    for L in layers:
+        m = L.n_computed
+        assert L.n_zero_compute >= 1
+        assert sorted(e for (layer, e) in imp.index if layer == L.index) == list(range(m))
+        freq, rsum = [0] * m, [0.0] * m
+        for h, idx, p in seen[L.index]:
+            for t in range(h.shape[0]):
+                top = idx[t].tolist()
+                for e in top:
+                    if e < m:
+                        with torch.no_grad():
+                            out = reference_expert(model_type, L, e, h[t:t + 1])["output"][0]
+                        freq[e] += 1
+                        rsum[e] += float(p[t, e] / p[t, top].sum()) * float(out.double().norm())
+        reap = [rsum[e] / freq[e] if freq[e] else 0.0 for e in range(m)]
+        for e in range(m):
+            assert imp.loc[(L.index, e), "frequency"] == freq[e]
+            assert imp.loc[(L.index, e), "reap"] == pytest.approx(reap[e], rel=1e-5, abs=1e-12)
+            want_reap[(L.index, e)] = reap[e]
+        k = int(0.25 * m)
+        for crit, vals in (("reap", reap), ("frequency", freq)):
+            got = removed[(removed.criterion == crit) & (removed.layer == L.index)]["expert"].tolist()
+            assert sorted(got) == sorted(sorted(range(m), key=lambda e: (vals[e], e))[:k]), crit
+        got = removed[(removed.criterion == "random") & (removed.layer == L.index)]["expert"].tolist()
+        assert sorted(got) == random_removed(0, L.index, m, k) and max(got) < m
+    curve = res["prune"].set_index("criterion")
+    assert curve.loc["reap", "removed_frac"] == pytest.approx(
+        sum(int(0.25 * L.n_computed) for L in layers) / sum(L.n_computed for L in layers), rel=1e-12)
+    top = sorted(want_reap, key=lambda k: (-want_reap[k], k))[:3]
+    assert list(zip(res["prune_ablation"].layer, res["prune_ablation"].expert)) == top
+    assert res.meta["zero_computation_experts_not_pruned"] == {L.index: L.n_zero_compute for L in layers}
+    policy = make_policy("prune:random:0.25")  # the policy of ppl/eval/trace draws the experiment's sets
+    for L in layers:
+        assert policy.removed_in(L) == sorted(removed[(removed.criterion == "random")
+                                                      & (removed.layer == L.index)]["expert"])

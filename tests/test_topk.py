@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILIES, feed, padded_batch, run
+from conftest import FAMILIES, feed, padded_batch, run, zero_compute_lm
 
 from moetool.adapters import find_moe_layers, rules
 from moetool.errors import MoetoolError
@@ -385,3 +385,45 @@ def test_the_routers_own_ratio_interval_is_one_with_a_bootstrap_and_nan_without(
     res = perplexity(lm, one_row, batch_size=1, quiet=True, rows=RowTable(one_row))
     ci = ppl_intervals(res, res, n_boot=100)
     assert ci["ratio"] == 1.0 and math.isnan(ci["perplexity_lo"]) and math.isnan(ci["ratio_lo"])
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_are_not_counted_as_experts_used(model_type):
+    """LongCat-Flash's identity experts and Zaya's skip expert (the last n_zero_compute indices) can be chosen but
+    compute nothing: experts per token count the computed experts only, experts_frac is over the m computed. By hand
+    from the unhooked routing: the router's computed choices per token in every layer, and topp:0.9's set in the
+    first layer (the same input under any policy) from π ranked by hand (brk11: before, the router's row read
+    mean_experts 2 = K on LongCat-Flash, though 36% of its assignments are identity ones)."""
+    import numpy as np
+
+    import moetool
+
+    seen = {}
+    lm, tokens = zero_compute_lm(model_type, 4, 24, 3, {1: 5}, lambda ev: seen.setdefault(ev.layer.index, []).append(
+        (ev.idx[ev.valid], ev.weights[ev.valid], ev.probs[ev.valid].double())))
+    layers = lm.layers
+    first, m = layers[0], layers[0].n_computed
+    assert first.n_zero_compute >= 1
+    res = moetool.topk(lm, tokens, ks=(1,), ps=(0.9,), batch_size=2, bootstrap=0,
+                       quiet=True)
+    per_layer = res["topk_layers"].set_index(["policy", "layer"])
+    router_means = []
+    for L in layers:
+        idx = torch.cat([i for i, _, _ in seen[L.index]])
+        w = torch.cat([x for _, x, _ in seen[L.index]])
+        used = ((idx < m) & (w != 0)).sum(-1).numpy()
+        row = per_layer.loc[("router", L.index)]
+        assert row["mean_experts"] == pytest.approx(used.mean(), abs=1e-12)
+        assert row["experts_frac"] == pytest.approx(used.mean() / m, abs=1e-12)
+        assert (row["min_experts"], row["max_experts"]) == (used.min(), used.max())
+        router_means.append(used.mean())
+    assert model_type != "longcat_flash" or max(router_means) < first.top_k  # identity experts are chosen
+    pi = torch.cat([p for _, _, p in seen[first.index]]).numpy()
+    order = np.argsort(-pi, axis=1, kind="stable")
+    ranked = np.take_along_axis(pi, order, 1)
+    size = np.maximum(((np.cumsum(ranked, axis=1) - ranked) < 0.9).sum(1), 1)
+    used = np.array([(order[t, :size[t]] < m).sum() for t in range(len(size))])
+    assert per_layer.loc[("topp:0.9", first.index), "mean_experts"] == pytest.approx(used.mean(), abs=1e-12)
+    assert used.mean() < size.mean()  # the set holds zero-computation experts
+    t = res["topk"].set_index("policy")
+    assert t.loc["router", "mean_experts"] == pytest.approx(np.mean(router_means), abs=1e-12)

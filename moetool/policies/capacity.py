@@ -1,8 +1,11 @@
 """Expert capacity and token dropping: ``capacity:<cf>[:order|score]``.
 
 Per forward batch and MoE layer, every expert takes at most ``C = ceil(cf * tokens * K / n)`` assignments, where
-``tokens`` is the batch's real (unpadded) tokens, K the layer's experts per token and n its experts (GShard,
-Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Megatron-LM's ``get_capacity``). The model's own
+``tokens`` is the batch's real (unpadded) tokens, K the layer's experts per token and n its computed experts
+(GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Megatron-LM's ``get_capacity``).
+Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip expert: ``layer.n_zero_compute``, the
+last indices) compute nothing, so need no capacity: they are not counted in n and their assignments are never
+dropped. The model's own
 ``(idx, w)`` are kept, except the assignments beyond an expert's capacity, which get weight 0: they contribute
 nothing (the token keeps its other experts, shared experts and the residual). Padding never takes capacity
 (its routing is left as the model's). Which assignments an expert keeps:
@@ -116,8 +119,10 @@ class CapacityPolicy(Policy):
         return {"name": self.name, "cf": self.cf, "order": self.order}
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
-        K, n = ev.idx.shape[1], ev.layer.n_experts
-        cap = capacity(self.cf, ev.valid.sum(), K, n)
+        K, n, m = ev.idx.shape[1], ev.layer.n_experts, ev.layer.n_computed
+        cap = capacity(self.cf, ev.valid.sum(), K, m)
         dropped = drop_mask(ev.idx, ev.valid, n, cap, ev.weights if self.order == "score" else None)
+        if m < n:  # zero-computation experts take no capacity: never dropped, no share of C
+            dropped &= ev.idx < m
         ev.extra["capacity"], ev.extra["dropped"] = cap, dropped
         return ev.idx, ev.weights.masked_fill(dropped, 0)

@@ -8,7 +8,8 @@ the weights the family's rule gives them (renormalised where it renormalises:
 therefore weigh more than in the full model (``softmax-topk``: p_e / sum of p over the kept); a sigmoid router's
 weights do not change. Removing nothing reproduces the model exactly.
 
-Which experts go, per MoE layer: the ``⌊fraction · n⌋`` with the lowest importance (ties: the lower expert index
+Which experts go, per MoE layer of n computed experts (zero-computation experts, LongCat-Flash's identity and
+Zaya's skip, cost nothing and are never drawn nor measured): the ``⌊fraction · n⌋`` with the lowest importance (ties: the lower expert index
 first), importance by routed ``frequency``, router-``weighted`` frequency or ``reap`` saliency as measured on data
 by ``moetool prune`` (its ``prune_importance.csv``, passed as the spec's last argument), or ``random`` (seeded per
 layer: the first of a permutation, so a smaller fraction's set is inside a larger one's). ``prune:file:<path>``
@@ -217,7 +218,7 @@ class PrunePolicy(Policy):
     def removed_in(self, layer: Any) -> list[int]:
         """The experts removed from ``layer`` (an :class:`MoELayer`)."""
         if self.removed is None:
-            return random_removed(self.seed, layer.index, layer.n_experts, n_removed(self.fraction, layer.n_experts))
+            return random_removed(self.seed, layer.index, layer.n_computed, n_removed(self.fraction, layer.n_computed))
         return self.removed.get(layer.index, [])
 
     def check(self, layer: Any) -> None:

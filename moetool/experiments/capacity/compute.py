@@ -27,22 +27,29 @@ from .spec import DEFAULT_CFS, CapacityOptions  # noqa: F401 - its options (decl
 DEFINITIONS = {
     "cf": "capacity factor: per forward batch of --batch-size rows (per process under torchrun, whose batches are "
           "the one-process batches) and MoE layer, each expert takes at most C = ceil(cf · tokens · K / n) "
-          "assignments, tokens = the batch's real (unpadded) tokens; the same text in batches of other rows drops "
-          "other assignments. cf >= n/K drops nothing",
+          "assignments, tokens = the batch's real (unpadded) tokens, n = the layer's computed experts (see "
+          "zero_computation_experts); the same text in batches of other rows drops other assignments. cf >= n/K "
+          "drops nothing",
     "order": "which assignments an expert keeps: order = its first C in the batch's flattened token order (row 0 "
              "of the batch position by position, then row 1, ...: GShard/Switch), score = its C with the highest "
              "routing weight (the model's gate value; ties to the earlier token)",
     "layer/expert": "decoder layer index of the MoE layer / expert index within it",
     "tokens": "real (unpadded) tokens the layer routed (capacity_layers.csv)",
     "scored_tokens": SCORED_TOKENS + " (capacity.csv)",
-    "assignments": "(token, expert) assignments of real tokens by the model's own routing in the layer, K per token "
-                   "(its input already changed by the drops of the layers before it)",
+    "assignments": "(token, expert) assignments of real tokens to computed experts by the model's own routing in "
+                   "the layer, K per token without zero-computation experts (its input already changed by the drops "
+                   "of the layers before it)",
+    "zero_computation_experts": "experts with no computation (LongCat-Flash's identity experts, Zaya's skip class, "
+                                "the last indices) need no capacity: n counts the computed experts, their "
+                                "assignments are never dropped and are left out of assignments, load and "
+                                "capacity_experts.csv (manifest: zero_computation_experts_without_capacity)",
     "load": "assignments of real tokens to the expert (summed over batches)",
     "capacity": "C summed over the batches: the assignments the expert could take (inf for cf = inf)",
     "dropped": "assignments beyond capacity, run with weight 0: they contribute nothing (the token keeps its other "
                "experts, any shared expert and the residual)",
     "dropped_frac": "dropped / assignments (capacity.csv: over every chosen MoE layer)",
-    "tokens_dropped_all": "real tokens that lost all K of their experts in the layer",
+    "tokens_dropped_all": "real tokens that lost all K of their experts in the layer (never one that chose a "
+                          "zero-computation expert: those are never dropped)",
     "tokens_dropped_all_frac": "tokens_dropped_all / real tokens (capacity.csv: over every chosen MoE layer)",
     "perplexity": "exp(mean next-token NLL) of the data with the dropped assignments at weight 0 (as moetool ppl)",
     "router_perplexity": "perplexity of the model's own routing (unhooked) on the same rows",
@@ -63,11 +70,11 @@ class DropCounter:
         dropped = ev.extra.get("dropped")
         if dropped is None:  # a layer the policy does not act on
             return
-        n, f64 = ev.layer.n_experts, torch.float64
+        n, m, f64 = ev.layer.n_experts, ev.layer.n_computed, torch.float64
         flat = ev.idx.reshape(-1).to(torch.int64)
-        new = {"load": ops.one_hot_counts(ev.idx, n, ev.valid),
+        new = {"load": ops.one_hot_counts(ev.idx, n, ev.valid)[:m],  # zero-computation experts take no capacity
                "dropped": torch.zeros(n, dtype=f64, device=flat.device).index_add_(0, flat,
-                                                                                     dropped.reshape(-1).to(f64)),
+                                                                                     dropped.reshape(-1).to(f64))[:m],
                "capacity": ev.extra["capacity"].to(f64),
                "tokens": ev.valid.sum(dtype=f64),
                "lost_all": (dropped.all(-1) & ev.valid).sum(dtype=f64)}
@@ -145,9 +152,16 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
     return Result("capacity", {"capacity.csv": df, "capacity_layers.csv": pd.DataFrame(per_layer),
                                "capacity_experts.csv": pd.DataFrame(per_expert)}, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source),
-                            layers=indices, policies={spec: p.describe() for spec, p in policies.items()},
+                            layers=indices, **zero_computation_meta(layers), policies={spec: p.describe() for spec, p in policies.items()},
                             bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, base.rows.n_rows)),
                   summary=summary)
+
+
+def zero_computation_meta(layers: list) -> dict[str, Any]:
+    """``{"zero_computation_experts_without_capacity": {layer: count}}`` for layers with zero-computation experts
+    (none: empty)."""
+    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
+    return {"zero_computation_experts_without_capacity": zero} if zero else {}
 
 
 def summary_lines(name: str, res: Result) -> list[str]:

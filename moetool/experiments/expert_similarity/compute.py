@@ -34,12 +34,17 @@ GROUP_COLUMNS = ("layer", "expert", "group", "dominant")
 
 DEFINITIONS = {
     "layer": "decoder layer index of the MoE layer",
-    "n_experts": "experts of the layer (zero-computation experts included)",
+    "n_experts": "computed experts of the layer, the ones compared (zero-computation experts left out: see "
+                 "zero_computation_experts)",
+    "zero_computation_experts": "experts with no computation (LongCat-Flash's identity experts, Zaya's skip class, "
+                                "the last indices) have no weights to compare or merge: an identity expert outputs "
+                                "its input (two of them are the same vector: output_cos 1, output_dist 0, the "
+                                "'most alike pair' and HC-SMoE's first merge of every layer), a skip 0. They are "
+                                "left out of every table (manifest: zero_computation_experts_not_compared)",
     "tokens": "real (unpadded) tokens of the data, every expert applied to each",
-    "i/j": "the pair's experts, i < j (every pair of the layer)",
+    "i/j": "the pair's experts, i < j (every pair of the layer's computed experts)",
     "expert output": "E_e(x): expert e's output on the layer's expert input x, before any routing weight; every "
-                     "expert on every real token (not only the tokens routed to it). Zero-computation experts: "
-                     "x itself (identity experts) or 0 (skip experts)",
+                     "computed expert on every real token (not only the tokens routed to it)",
     "output_dist": f"Euclidean distance ||mean_t E_i(x_t) - mean_t E_j(x_t)||_2 between the mean outputs of experts "
                    f"i and j over the real tokens: what {SOURCE} clusters experts by (its code: {CODE})",
     "output_cos": "cosine of the same mean outputs, mean_t E_i(x_t) against mean_t E_j(x_t) (scale-free; HC-SMoE's "
@@ -75,6 +80,9 @@ class SimilaritySums:
     """Forward consumer: per chosen MoE layer, streaming sums over the real tokens (device tensors, no host sync;
     summed over data-parallel ranks):
 
+    over the layer's ``n`` computed experts (``layer.n_computed``: zero-computation experts, the last indices, are
+    not compared):
+
     * ``out``  ``[n, d]``: ``Σ_t E_e(x_t)`` (the mean output up to the token count);
     * ``cos``  ``[n, n]``: ``Σ_t cos(E_i(x_t), E_j(x_t))`` (0 where either output is 0);
     * ``both`` ``[n, n]``: tokens where both outputs are non-zero (the count ``cos`` is a sum over);
@@ -96,21 +104,21 @@ class SimilaritySums:
         L = ev.layer
         if L.index not in self.layers:
             return
-        n, dev = L.n_experts, ev.h.device
+        n, dev = L.n_computed, ev.h.device
         valid = ev.valid.to(dev)
         a = self.acc.get(L.index)
         h = ev.h
-        step = max(1, self.budget // (4 * n * h.shape[-1]))
+        step = max(1, self.budget // (4 * L.n_experts * h.shape[-1]))
         out = cos = both = None
         for s in range(0, h.shape[0], step):  # token chunks: [n, T_c, d] at a time
             v = valid[s:s + step]  # [T_c]
-            y = expert_outputs(L, h[s:s + step], self.budget).float()  # [n, T_c, d]
+            y = expert_outputs(L, h[s:s + step], self.budget)[:n].float()  # [n, T_c, d], the computed experts
             y = torch.where(v[None, :, None], y, torch.zeros((), dtype=y.dtype, device=y.device))  # padding: 0
             u = ops.unit(y, scaled=True)  # [n, T_c, d]; a zero output stays 0, a tiny one is a unit vector
             nz = (ops.vector_norm(u) > 0).float()  # [n, T_c]
             parts = (y.sum(1).double(), (u.flatten(1) @ u.flatten(1).T).double(), (nz @ nz.T).double())
             out, cos, both = parts if out is None else (out + parts[0], cos + parts[1], both + parts[2])
-        m = ops.multi_hot(ev.idx, n) * valid.to(ev.idx.device).unsqueeze(-1).float()  # [T, n] own top-K, real tokens
+        m = ops.multi_hot(ev.idx, L.n_experts)[:, :n] * valid.to(ev.idx.device).unsqueeze(-1).float()  # [T, n] own top-K, real tokens
         co = (m.T @ m).double().to(dev)
         new = {"out": out, "cos": cos, "both": both, "co": co, "tokens": valid.double().sum()}
         self.acc[L.index] = new if a is None else {k: a[k] + new[k] for k in new}
@@ -262,18 +270,20 @@ def expert_similarity(lm: Any, tokens: Any, options: ExpertSimilarityOptions | N
     layers = select_layers(lm.layers, opts.layers)
     quant.require_readable(layers, "expert-similarity")
     indices = [L.index for L in layers]
-    few = [L.index for L in layers if opts.cluster_to is not None and L.n_experts < opts.cluster_to]
+    few = [L.index for L in layers if opts.cluster_to is not None and L.n_computed < opts.cluster_to]
     if few:  # before any forward: more groups than experts can only give nothing
         raise MoetoolError(f"--cluster-to {opts.cluster_to} asks for more groups than MoE layers {few} have "
-                           f"experts ({min(L.n_experts for L in layers)}); use at most that many")
+                           f"computed experts ({min(L.n_computed for L in layers)}); use at most that many")
     sums = SimilaritySums(indices)
     forward(lm, distributed.shard(tokens, opts.batch_size), consumers=[sums], moe_layers=layers,
             batch_size=opts.batch_size, quiet=quiet, description="expert outputs")  # all-reduces the sums
-    out = tables(sums.matrices(), {L.index: L.n_experts for L in layers}, opts.cluster_to)
+    out = tables(sums.matrices(), {L.index: L.n_computed for L in layers}, opts.cluster_to)
+    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
     per_layer = out["expert_similarity.csv"]
     return Result("expert_similarity", out, opts,
                   meta=dict(definitions=DEFINITIONS, source=SOURCE, reference_code=CODE, data=tokens.describe(),
-                            data_name=data_name(tokens.source), layers=indices),
+                            data_name=data_name(tokens.source), layers=indices,
+                            **({"zero_computation_experts_not_compared": zero} if zero else {})),
                   summary=per_layer)
 
 

@@ -13,7 +13,7 @@ each (tokens where both are in the top-K / tokens where either is). Then HC-SMoE
 hierarchical clustering of the mean outputs by output_dist, merge by merge down to one cluster (ties: the pair of
 clusters with the lowest labels, a cluster labelled by its lowest expert, as HC-SMoE's code), and with
 --cluster-to N the N groups it stops at. Experts are compared before any routing weight; zero-computation experts
-are compared with their output (the input itself, or 0: a cosine with 0 is undefined, left empty).
+(LongCat-Flash's identity experts, Zaya's skip expert) have no weights to compare or merge and are left out.
 
 Writes expert_similarity.csv (layer, n_experts, tokens, mean_output_cos, max_output_cos, max_output_pair,
 min_output_dist, min_dist_pair, mean_token_cos, max_token_cos, max_token_pair, mean_co_selection,

@@ -15,8 +15,12 @@ Mixtral); ``softmax``: ``π_e`` -- what ``reap.main`` uses on a config without `
 router-weighted frequency (``weighted``) sums what the model multiplies the expert's output by (renormalised where
 its rule renormalises, times DeepSeek's scaling factor, the same for every expert of a layer).
 
-Then per criterion (and a seeded random one) and fraction, the ``⌊fraction · n⌋`` least important experts of every
-chosen MoE layer are removed (:class:`moetool.policies.prune.PrunePolicy`: their router rows deleted) and the model
+Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip: ``layer.n_zero_compute``, the last
+indices) have no output of their own and cost nothing to keep (an identity expert's REAP would be ``||h||``, hundreds
+of times a tiny model's expert outputs; a skip's 0): they are not measured, counted in n, removed or ablated.
+
+Then per criterion (and a seeded random one) and fraction, the ``⌊fraction · n⌋`` least important computed experts
+of every chosen MoE layer are removed (:class:`moetool.policies.prune.PrunePolicy`: their router rows deleted) and the model
 runs on the same rows: perplexity with the paired ratio to the model's own routing (document-level bootstrap).
 Last, single-expert ablations: each of the ``ablate`` experts with the largest REAP saliency removed alone.
 With lm-eval tasks (``tasks``), the router and every (criterion, fraction) policy also run the tasks (as
@@ -67,10 +71,16 @@ DEFINITIONS = {
             "of the logits for softmax routers)",
     "criterion": "frequency | weighted | reap (the experts with the lowest value go first; ties: the lower index), "
                  "random (a seeded permutation per layer), router (the model, nothing removed)",
-    "fraction": "requested fraction of each chosen MoE layer's experts removed: floor(fraction x n) per layer",
+    "fraction": "requested fraction of each chosen MoE layer's experts removed: floor(fraction x n) per layer, n "
+                "= its computed experts (see zero_computation_experts)",
+    "zero_computation_experts": "experts with no computation (LongCat-Flash's identity experts, Zaya's skip class, "
+                                "the last indices) cost nothing to keep and have no output of their own: they are "
+                                "not measured (prune_importance.csv lists the computed experts), counted in n, "
+                                "removed or ablated; the router still routes to them (manifest: "
+                                "zero_computation_experts_not_pruned)",
     "removed": "experts removed per chosen MoE layer (prune.csv: summed over them; prune_removed.csv: one row per "
                "removed expert)",
-    "removed_frac": "experts removed / experts in the chosen MoE layers",
+    "removed_frac": "experts removed / computed experts in the chosen MoE layers",
     "perplexity": "exp(mean next-token NLL) of the data with the experts removed (as moetool ppl)",
     "ratio": "perplexity / the model's own perplexity on the same rows (paired)",
     "delta_ppl": "perplexity - the model's own perplexity (single-expert ablation)",
@@ -120,7 +130,7 @@ class Importance:
         L = ev.layer
         if L.index not in self.layers:
             return
-        n = L.n_experts
+        n, m = L.n_experts, L.n_computed
         norms = node_scores(L, ev.h, "output", "l2", budget=self.budget or DEFAULT_BUDGET)  # [T, n] fp32
         idx = ev.idx  # the model's own routing (no policy runs in this pass)
         valid = ev.valid.double().unsqueeze(-1).expand(idx.shape)  # [T, K]
@@ -128,10 +138,10 @@ class Importance:
         g = reap_gate(ev, self.reap_weights) * valid
         flat = idx.reshape(-1)
         zero = torch.zeros(n, dtype=torch.float64, device=idx.device)
-        step = {"tokens": ev.valid.double().sum().reshape(1),
-                "frequency": ops.one_hot_counts(idx, n, ev.valid),
-                "weighted": zero.index_add(0, flat, w.reshape(-1)),
-                "reap_sum": zero.index_add(0, flat, (g * norms.gather(-1, idx).double()).reshape(-1))}
+        step = {"tokens": ev.valid.double().sum().reshape(1),  # the computed experts only (zero-computation: last)
+                "frequency": ops.one_hot_counts(idx, n, ev.valid)[:m],
+                "weighted": zero.index_add(0, flat, w.reshape(-1))[:m],
+                "reap_sum": zero.index_add(0, flat, (g * norms.gather(-1, idx).double()).reshape(-1))[:m]}
         prev = self.acc.get(L.index)
         self.acc[L.index] = step if prev is None else {k: prev[k] + v for k, v in step.items()}
 
@@ -161,9 +171,9 @@ def removed_sets(importance: Any, layers: list[Any], criterion: str, fraction: f
     """Per chosen MoE layer, the experts ``criterion`` removes at ``fraction`` (:mod:`moetool.policies.prune`)."""
     out = {}
     for L in layers:
-        m = n_removed(fraction, L.n_experts)
+        m = n_removed(fraction, L.n_computed)
         if criterion == "random":
-            out[L.index] = random_removed(seed, L.index, L.n_experts, m)
+            out[L.index] = random_removed(seed, L.index, L.n_computed, m)
         else:
             scores = importance[importance.layer == L.index].sort_values("expert")[criterion].to_numpy()
             out[L.index] = lowest(scores, m)
@@ -178,13 +188,13 @@ def _check_fractions(layers: list[Any], fractions: tuple[float, ...]) -> None:
     """Before any forward: every layer keeps at least its K experts at every fraction, and a fraction above 0
     removes an expert somewhere (one that floors to none everywhere could only give the router's row again)."""
     for f in fractions:
-        if f > 0 and all(n_removed(f, L.n_experts) == 0 for L in layers):
-            n = max(L.n_experts for L in layers)
+        if f > 0 and all(n_removed(f, L.n_computed) == 0 for L in layers):
+            n = max(L.n_computed for L in layers)
             f_ = number_text(f)
             raise MoetoolError(f"--fractions {f_} removes no expert in any chosen MoE layer (floor({f_} x {n}) = 0); "
                                f"use at least {1 / n:g}, or 0 for the model with nothing removed")
         for L in layers:
-            m = n_removed(f, L.n_experts)
+            m = n_removed(f, L.n_computed)
             if L.n_experts - m < L.top_k:
                 raise MoetoolError(f"--fractions {number_text(f)} removes {m} of layer {L.index}'s {L.n_experts} "
                                    f"experts, leaving fewer than its top-{L.top_k}")
@@ -235,7 +245,7 @@ def _pruned(runs: _Runs, importance: Any, layers: list[Any]) -> tuple[list, list
     """Per criterion and fraction, the experts removed and the model run without them: rows of ``prune.csv``
     (the router first), ``prune_removed.csv`` and ``prune_eval.csv``, and the lm-eval runs by removed set."""
     opts, with_tasks = runs.opts, runs.plan is not None
-    n_total = sum(L.n_experts for L in layers)
+    n_total = sum(L.n_computed for L in layers)
     table = [{"criterion": "router", "fraction": 0.0, "removed": 0, "removed_frac": 0.0, **runs.row(runs.base)}]
     removed_rows, done, evals = [], {}, {}
     eval_table = runs.accuracy("router", 0.0, "router", runs.base_eval) if with_tasks else []
@@ -308,7 +318,7 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     else:
         not_written["prune_ablation.csv"] = "no single-expert ablation: --ablate 0"
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
-                reap_weights=opts.reap_weights, ablations=len(ablation),  # at most --ablate: the experts there are
+                **zero_computation_meta(layers), reap_weights=opts.reap_weights, ablations=len(ablation),  # at most --ablate: the experts there are
                 bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, runs.base.rows.n_rows))
     if not_written:
         meta["not_written"] = not_written
@@ -319,6 +329,12 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     summary = with_ci(df[["criterion", "fraction", "removed", "perplexity", "perplexity_lo", "perplexity_hi",
                           "ratio", "ratio_lo", "ratio_hi"]])
     return Result("prune", tables, opts, meta=meta, summary=summary)
+
+
+def zero_computation_meta(layers: list[Any]) -> dict[str, Any]:
+    """``{"zero_computation_experts_not_pruned": {layer: count}}`` for the layers with zero-computation experts."""
+    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
+    return {"zero_computation_experts_not_pruned": zero} if zero else {}
 
 
 def summary_lines(name: str, res: Result) -> list[str]:

@@ -8,14 +8,16 @@ output from batched probes in memory-bounded chunks). The gate weight, --reap-we
 all experts: renormalised (default) p_e / the sum of p over the token's top-K, REAP's renormalize_router_weights
 path (reap.layerwise_prune; reap.main when the config sets norm_topk_prob; REAP's README, 2026-03-11, calls it
 correct); softmax: p_e, what reap.main uses on a config without norm_topk_prob (Mixtral). Then, per criterion (--criteria: frequency, weighted, reap,
-random = a seeded permutation per layer) and fraction (--fractions), floor(fraction x n) experts of each MoE layer
-(--layers) with the lowest value are removed as REAP's prune.py deletes them (their router rows gone: the
+random = a seeded permutation per layer) and fraction (--fractions), floor(fraction x n) of the n computed experts
+of each MoE layer (--layers) with the lowest value are removed as REAP's prune.py deletes them (their router rows gone: the
 model's choice among the rest, a softmax over the kept experts only, weights as its rule gives them, renormalised
 where it renormalises), and the model runs on the same rows. Last, each of
 the --ablate experts with the largest REAP saliency is removed alone. With --tasks, the router and every
 (criterion, fraction) also run lm-eval under the same pruning (as norm-select does): accuracy, and its retention
 against the router's (delta method on lm-eval's standard errors). A fraction above 0 that removes no expert in any
 layer (floor(fraction x n) = 0) is refused before any forward; 0 is the model with nothing removed.
+Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip expert) cost nothing to keep and have no
+output of their own: they are not measured, counted in n, removed or ablated (the router still routes to them).
 The same pruning works in ppl, eval and trace: --routing prune:reap:0.25:<prune_importance.csv>,
 prune:random:0.25, prune:file:<removed.json|csv> (prune_removed.csv of this command with :<criterion>:<fraction>);
 and in norm-select as --prune reap:0.25:<prune_importance.csv>.

@@ -30,12 +30,14 @@ DEFINITIONS = {
     "value": "k of topk, p of topp (the model's K for the router)",
     "tokens": "real (unpadded) tokens each MoE layer routed (the same in topk.csv and topk_layers.csv)",
     "scored_tokens": SCORED_TOKENS,
-    "mean_experts": "experts with a nonzero weight per real token and MoE layer, averaged over the layers the "
-                    "policy ran in (topk.csv: those of --layers) or per layer (topk_layers.csv: every MoE layer, "
-                    "those outside --layers with the model's own routing)",
-    "experts_frac": "mean_experts / n: the share of the layer's n experts a token uses, in [0, 1] (topk.csv: "
+    "mean_experts": "computed experts with a nonzero weight per real token and MoE layer, averaged over the layers "
+                    "the policy ran in (topk.csv: those of --layers) or per layer (topk_layers.csv: every MoE layer, "
+                    "those outside --layers with the model's own routing). Zero-computation experts (LongCat-Flash's "
+                    "identity experts, Zaya's skip class) cost nothing and are not counted: there the router's row "
+                    "is below K",
+    "experts_frac": "mean_experts / n: the share of the layer's n computed experts a token uses, in [0, 1] (topk.csv: "
                     "averaged over the layers the policy ran in); the compute relative to the model's own is "
-                    "mean_experts / K",
+                    "mean_experts / the router row's mean_experts (K without zero-computation experts)",
     "min_experts/max_experts": "fewest / most experts a real token used in the layer",
     "perplexity": "exp(mean next-token NLL) of the data under the policy (as moetool ppl)",
     "ratio": "perplexity / the router's perplexity on the same rows (paired)",
@@ -44,15 +46,16 @@ DEFINITIONS = {
 
 
 class ExpertCounter:
-    """Per MoE layer, a histogram of real tokens by the number of experts with a nonzero weight (a forward
+    """Per MoE layer, a histogram of real tokens by the number of computed experts with a nonzero weight
+    (zero-computation experts, the last ``n_zero_compute`` indices, cost nothing and are not counted; a forward
     consumer; device tensors, no host synchronisation; summed over data-parallel ranks)."""
 
     def __init__(self) -> None:
         self.hist: dict[int, torch.Tensor] = {}
 
     def __call__(self, ev: RoutingEvent) -> None:
-        n = ev.layer.n_experts
-        used = (ev.chosen_weights != 0).sum(-1)  # [T]
+        n = ev.layer.n_computed
+        used = ((ev.chosen_weights != 0) & (ev.chosen_idx < n)).sum(-1)  # [T]
         h = torch.zeros(n + 1, dtype=torch.float64, device=used.device).index_add_(0, used, ev.valid.double())
         prev = self.hist.get(ev.layer.index)
         self.hist[ev.layer.index] = h if prev is None else prev + h
@@ -134,4 +137,5 @@ def summary_lines(name: str, res: Result) -> list[str]:
              for r in df.itertuples() if r.kind != "router"]
     router = df[df.kind == "router"].iloc[0]
     ppl = format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)
-    return [f"topk {name}: router ppl {ppl} with K={router.mean_experts:g}; " + ", ".join(parts)]
+    computed = "" if router.mean_experts == router.value else f" ({router.mean_experts:.2f} computed)"
+    return [f"topk {name}: router ppl {ppl} with K={router.value:g}{computed}; " + ", ".join(parts)]

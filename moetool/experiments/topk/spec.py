@@ -6,6 +6,8 @@ the weights its rule gives the chosen set, renormalised where it renormalises; t
 topp:<p> keeps, per token, the smallest set of experts in decreasing routing probability π whose mass reaches p
 (at least one, at most --kmax; dynamic routing, Huang et al. 2024, arXiv 2403.07652). The same policies work in
 ppl, eval and trace: --routing topk:1, --routing topp:0.9.
+Experts per token count computed experts: zero-computation experts (LongCat-Flash's identity experts, Zaya's skip
+expert) may be chosen but cost nothing, so the router's row can be below K.
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N, 0 = off); the ratio is paired with the
 router on the same rows.
 
