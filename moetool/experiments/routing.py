@@ -3,7 +3,8 @@ capacity, prune, super-experts, norm-select; agreement, margin, placement, exper
 :func:`data_name`): :class:`RoutingOptions` (how routing is replaced, defined in :mod:`.experiment` with the spec
 types and re-exported here; trace and eval route with it), :func:`perplexity` (one forward loop, per-row sums for
 the bootstrap), :func:`ppl_intervals`, :func:`ppl_columns` (a perplexity table's columns of one run),
-:func:`data_name` and the one meaning of ``scored_tokens`` (:data:`SCORED_TOKENS`).
+:func:`data_name`, :func:`zero_computation_meta` (capacity, prune, expert-similarity) and the one meaning of
+``scored_tokens`` (:data:`SCORED_TOKENS`).
 
 The policy replaces routing in the chosen MoE layers during plain forwards of the packed rows
 (:func:`moetool.engine.forward`); NLL sums and token counts are reduced on the device. Padding never counts.
@@ -32,6 +33,13 @@ SCORED_TOKENS = ("scored next-token predictions, what the perplexity averages ov
 def data_name(path: str | Path | None) -> str:
     """Short name of ``--data`` for tables: the file/folder stem, ``heldout`` for the default."""
     return Path(path).stem if path else "heldout"
+
+
+def zero_computation_meta(layers: Iterable[Any], key: str) -> dict[str, Any]:
+    """``{key: {layer: count}}`` of the chosen MoE layers with zero-computation experts (``n_zero_compute``:
+    LongCat-Flash's identity experts, Zaya's skip), for a manifest that says they were left out; ``{}`` if none."""
+    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
+    return {key: zero} if zero else {}
 
 
 def perplexity(lm: Any, tokens: Any, *, policy: Any = None, policy_layers: Iterable[int] | None = None,

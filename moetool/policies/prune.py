@@ -9,8 +9,8 @@ therefore weigh more than in the full model (``softmax-topk``: p_e / sum of p ov
 weights do not change. Removing nothing reproduces the model exactly.
 
 Which experts go, per MoE layer of n computed experts (zero-computation experts, LongCat-Flash's identity and
-Zaya's skip, cost nothing and are never drawn nor measured): the ``⌊fraction · n⌋`` with the lowest importance (ties: the lower expert index
-first), importance by routed ``frequency``, router-``weighted`` frequency or ``reap`` saliency as measured on data
+Zaya's skip, cost nothing and are never drawn nor measured): the ``⌊fraction · n⌋`` with the lowest importance
+(ties: the lower expert index first), importance by routed ``frequency``, router-``weighted`` frequency or ``reap`` saliency as measured on data
 by ``moetool prune`` (its ``prune_importance.csv``, passed as the spec's last argument), or ``random`` (seeded per
 layer: the first of a permutation, so a smaller fraction's set is inside a larger one's). ``prune:file:<path>``
 takes explicit sets: a JSON object ``{"<layer>": [experts...]}`` or a CSV with ``layer`` and ``expert`` columns

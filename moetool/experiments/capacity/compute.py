@@ -20,7 +20,7 @@ from ...context import state as run_state
 from ...errors import MoetoolError, MoetoolRuntimeError
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import DEFAULT_CFS, CapacityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -152,16 +152,11 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
     return Result("capacity", {"capacity.csv": df, "capacity_layers.csv": pd.DataFrame(per_layer),
                                "capacity_experts.csv": pd.DataFrame(per_expert)}, opts,
                   meta=dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source),
-                            layers=indices, **zero_computation_meta(layers), policies={spec: p.describe() for spec, p in policies.items()},
+                            layers=indices, **zero_computation_meta(layers, "zero_computation_experts_without_capacity"),
+                            policies={spec: p.describe() for spec, p in policies.items()},
                             bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, base.rows.n_rows)),
                   summary=summary)
 
-
-def zero_computation_meta(layers: list) -> dict[str, Any]:
-    """``{"zero_computation_experts_without_capacity": {layer: count}}`` for layers with zero-computation experts
-    (none: empty)."""
-    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
-    return {"zero_computation_experts_without_capacity": zero} if zero else {}
 
 
 def summary_lines(name: str, res: Result) -> list[str]:

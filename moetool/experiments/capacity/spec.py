@@ -3,8 +3,8 @@
 Per forward batch of --batch-size rows and MoE layer (--layers), each expert takes at most
 C = ceil(cf * tokens * K / n) assignments, tokens = the batch's real (unpadded) tokens, n = the computed experts
 (GShard, Switch Transformer; Megatron-LM's capacity). Zero-computation experts (LongCat-Flash's identity experts,
-Zaya's skip expert) need no capacity: never dropped, left out of n, the assignments and capacity_experts.csv. Assignments beyond C keep the model's expert but get weight 0: they
-contribute nothing (the token keeps its other experts, shared experts and the residual); padding never takes
+Zaya's skip expert) need no capacity: never dropped, left out of n, the assignments and capacity_experts.csv.
+Assignments beyond C keep the model's expert but get weight 0: they contribute nothing (the token keeps its other experts, shared experts and the residual); padding never takes
 capacity. --order order: an expert keeps its first C assignments in the batch's flattened token order (row 0
 position by position, then row 1, ...); --order score: its C with the highest routing weight (ties: the earlier
 token). Capacity depends on the batch: the same text in batches of other rows drops other assignments (under

@@ -15,7 +15,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, expert_outputs
 from ...engine.runner import forward
 from ...errors import MoetoolError, MoetoolRuntimeError
-from ..routing import data_name
+from ..routing import data_name, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import ExpertSimilarityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -118,7 +118,8 @@ class SimilaritySums:
             nz = (ops.vector_norm(u) > 0).float()  # [n, T_c]
             parts = (y.sum(1).double(), (u.flatten(1) @ u.flatten(1).T).double(), (nz @ nz.T).double())
             out, cos, both = parts if out is None else (out + parts[0], cos + parts[1], both + parts[2])
-        m = ops.multi_hot(ev.idx, L.n_experts)[:, :n] * valid.to(ev.idx.device).unsqueeze(-1).float()  # [T, n] own top-K, real tokens
+        # [T, n]: the model's own top-K among the computed experts, real tokens only
+        m = ops.multi_hot(ev.idx, L.n_experts)[:, :n] * valid.to(ev.idx.device).unsqueeze(-1).float()
         co = (m.T @ m).double().to(dev)
         new = {"out": out, "cos": cos, "both": both, "co": co, "tokens": valid.double().sum()}
         self.acc[L.index] = new if a is None else {k: a[k] + new[k] for k in new}
@@ -278,12 +279,11 @@ def expert_similarity(lm: Any, tokens: Any, options: ExpertSimilarityOptions | N
     forward(lm, distributed.shard(tokens, opts.batch_size), consumers=[sums], moe_layers=layers,
             batch_size=opts.batch_size, quiet=quiet, description="expert outputs")  # all-reduces the sums
     out = tables(sums.matrices(), {L.index: L.n_computed for L in layers}, opts.cluster_to)
-    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
     per_layer = out["expert_similarity.csv"]
     return Result("expert_similarity", out, opts,
                   meta=dict(definitions=DEFINITIONS, source=SOURCE, reference_code=CODE, data=tokens.describe(),
                             data_name=data_name(tokens.source), layers=indices,
-                            **({"zero_computation_experts_not_compared": zero} if zero else {})),
+                            **zero_computation_meta(layers, "zero_computation_experts_not_compared")),
                   summary=per_layer)
 
 

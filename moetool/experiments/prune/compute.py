@@ -46,7 +46,7 @@ from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import eval_rows
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import REAP_WEIGHTS, PruneOptions  # its options (declared with their flags in spec.py)
 
@@ -318,7 +318,8 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
     else:
         not_written["prune_ablation.csv"] = "no single-expert ablation: --ablate 0"
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source), layers=indices,
-                **zero_computation_meta(layers), reap_weights=opts.reap_weights, ablations=len(ablation),  # at most --ablate: the experts there are
+                **zero_computation_meta(layers, "zero_computation_experts_not_pruned"), reap_weights=opts.reap_weights,
+                ablations=len(ablation),  # at most --ablate: the experts there are
                 bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, runs.base.rows.n_rows))
     if not_written:
         meta["not_written"] = not_written
@@ -330,11 +331,6 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
                           "ratio", "ratio_lo", "ratio_hi"]])
     return Result("prune", tables, opts, meta=meta, summary=summary)
 
-
-def zero_computation_meta(layers: list[Any]) -> dict[str, Any]:
-    """``{"zero_computation_experts_not_pruned": {layer: count}}`` for the layers with zero-computation experts."""
-    zero = {L.index: L.n_zero_compute for L in layers if L.n_zero_compute}
-    return {"zero_computation_experts_not_pruned": zero} if zero else {}
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
