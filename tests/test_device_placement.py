@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from moetool.adapters import find_moe_layers
 from moetool.engine import Engine
 
+pytestmark = pytest.mark.slow  # tiers: pytest -m 'not slow' (each test runs forwards under a Python-level mode)
 T = torch.Tensor
 #: (file, function) -> why its host tensors never meet a device tensor on a GPU (the branch a CPU takes instead)
 CPU_BRANCHES = {
@@ -183,7 +184,6 @@ def test_the_stand_in_catches_host_tensors_meeting_device_ones():
 SPECS = POLICY_SPECS + ["capture", "topk:1", "topp:0.5", "capacity:1.0", "prune:random:0.25"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_policies_keep_host_tensors_off_the_device_in_bf16(spec):
     """Every policy (and the capture) on every family's tiny model in bf16: finite logits, no host tensor meeting
@@ -229,7 +229,6 @@ def _forward_experiments():
     return FORWARD_EXPERIMENTS
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("experiment", _forward_experiments())
 def test_experiments_keep_host_tensors_off_the_device_in_bf16(experiment, embedded_bf16):
     """Every experiment of the registry that runs forwards (test_host_sync's runs of them), on both embedded models
