@@ -181,3 +181,24 @@ def test_available_ram_is_capped_by_the_cgroup_limit_less_its_usage(monkeypatch)
                               (16 * GiB, GiB, 8 * GiB)):
         files.update({"/sys/fs/cgroup/memory.max": f"{limit}\n", "/sys/fs/cgroup/memory.current": f"{used}\n"})
         assert sizing._meminfo_available() == want, (limit, used)
+
+
+def test_eager_attention_adds_the_attention_probabilities_of_every_head(monkeypatch):
+    """``attn_implementation="eager"`` materialises ``rows x heads x S x S`` probabilities: validate_run counts them
+    (3 rows x 2 heads x 100^2 x 4 bytes = 240,000 on top of the logits and hidden states), and ``--batch-size auto``
+    for a policy that reads attention sizes each row with its 2 x 64^2 fp32 probabilities (mutation pass 13: the
+    term as ``heads x S`` passed every test)."""
+    from types import SimpleNamespace
+
+    S, rows = 100, 3
+    plain = rows * S * (V + 2 * H) * 4
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: 10 ** 12)
+    for attn, act in ((None, plain), ("sdpa", plain), ("eager", plain + rows * HEADS * S * S * 4)):
+        est = sizing.validate_run(_mixtral(), seq_len=S, batch_size=rows, device="cpu", dtype="fp32",
+                                  attn_implementation=attn, weights_loaded=True)
+        assert est.activation_bytes == act
+    reader = SimpleNamespace(needs_attention=True, needs_probe=False)
+    row = _row(64) + HEADS * 64 * 64 * 4
+    free = int(5.5 * SLACK * row / SHARE)
+    rows_got, facts = _auto(monkeypatch, free, policies=[reader])
+    assert (rows_got, facts["row_bytes"]) == (5, SLACK * row)
