@@ -202,3 +202,10 @@ def test_eager_attention_adds_the_attention_probabilities_of_every_head(monkeypa
     free = int(5.5 * SLACK * row / SHARE)
     rows_got, facts = _auto(monkeypatch, free, policies=[reader])
     assert (rows_got, facts["row_bytes"]) == (5, SLACK * row)
+
+
+def test_auto_rows_are_capped_at_1024_when_memory_and_data_allow_more(monkeypatch):
+    """Memory for 5,000 rows and data for 15,625 (10^6 tokens of 64) take the cap, 1,024 rows (mutation pass 13:
+    without the cap, 5,000), with memory_rows and data_rows beside it."""
+    rows, facts = _auto(monkeypatch, int(5000.5 * SLACK * _row(64) / SHARE))
+    assert (rows, facts["memory_rows"], facts["data_rows"], facts["reason"]) == (1024, 5000, 15625, "cap")
