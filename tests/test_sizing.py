@@ -209,3 +209,17 @@ def test_auto_rows_are_capped_at_1024_when_memory_and_data_allow_more(monkeypatc
     without the cap, 5,000), with memory_rows and data_rows beside it."""
     rows, facts = _auto(monkeypatch, int(5000.5 * SLACK * _row(64) / SHARE))
     assert (rows, facts["memory_rows"], facts["data_rows"], facts["reason"]) == (1024, 5000, 15625, "cap")
+
+
+def test_a_quantized_model_counts_no_weight_bytes():
+    """A quantized checkpoint (a config's quantization_config) or --quantize: the weights' size depends on the kernel,
+    so they count 0 bytes, the activations as unquantized (mutation pass 13: without the check, 1,000 parameters
+    counted 4,000 fp32 bytes)."""
+    S, rows = 16, 2
+    act = rows * S * (V + 2 * H) * 4
+    kw = dict(seq_len=S, rows=rows, dtype=torch.float32, params=1000)
+    assert sizing.estimate_memory(_mixtral(), **kw) == (4000, act)
+    assert sizing.estimate_memory(_mixtral(), quantize="int8", **kw) == (0, act)
+    quantized = _mixtral()
+    quantized.quantization_config = {"quant_method": "fp8"}
+    assert sizing.estimate_memory(quantized, **kw) == (0, act)
