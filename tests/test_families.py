@@ -468,3 +468,45 @@ def test_inspect_families_counts_the_model_types_while_it_builds(monkeypatch):
     assert again.exit_code == 0 and not [ln for ln in again.output.splitlines() if ln.startswith("families ")]
     fresh = CliRunner().invoke(app, ["inspect", "--families", "--json", "--refresh"])
     assert fresh.exit_code == 0 and fresh.output.lstrip().startswith("[")
+
+
+def test_pre_router_norm_is_refused_only_where_no_norm_of_one_stream_feeds_the_router():
+    """The invariant test above accepts a one-line refusal as an outcome, so a family whose rule was lost (Qwen4-Exp
+    without its hyper-connection mixer: no norm left to name, refused; mutation pass 13) still passed. A layer is
+    refused exactly where its block reads no norm of one residual stream, told from the config and the family
+    alone: ``hc_mult`` > 1 residual streams per token (DeepSeek-V4, GLM-5-Next, HY-V4) or Inkling-2's block
+    attention residuals; every other supported family's every MoE layer has a pre_router_norm."""
+    refused, expected = {}, {}
+    for model_type in SUPPORTED:
+        model = build_tiny(model_type, seed=SEED)
+        layers = find_moe_layers(model)
+        hc = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) or 1
+        if hc > 1 or model_type.startswith("inkling2"):
+            expected[model_type] = [L.index for L in layers]
+        bad = []
+        for L in layers:
+            try:
+                L.pre_router_norm
+            except MoetoolError:
+                bad.append(L.index)
+        if bad:
+            refused[model_type] = bad
+    assert len(expected) == 8 and refused == expected
+
+
+@pytest.mark.parametrize("model_type, name", [("nemotron_h", "norm"), ("cohere2_moe", "input_layernorm")])
+def test_pre_router_norm_takes_a_decoder_layers_only_norm_and_refuses_to_choose_between_two(model_type, name):
+    """The last rule: a decoder layer with one norm and none of the named ones (Nemotron-H's one mixer per layer,
+    Cohere2-MoE's parallel block) feeds it to the router; with a second norm beside it (named like neither rule's)
+    which one the block reads cannot be told: one line, never the first of them (mutation pass 13: 'len(norms) >= 1'
+    took the first and passed every family test)."""
+    import copy
+
+    model = build_tiny(model_type, seed=SEED)
+    L = find_moe_layers(model)[0]
+    d = L.decoder_layer
+    assert L.pre_router_norm is getattr(d, name)
+    d.add_module("extra_norm", copy.deepcopy(getattr(d, name)))  # registered after it: named_children's last
+    with pytest.raises(MoetoolError, match=rf"^layer {L.index}: cannot tell which norm of {type(d).__name__} its MoE "
+                                           r"block reads$"):
+        L.pre_router_norm

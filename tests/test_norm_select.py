@@ -618,3 +618,29 @@ def test_an_internal_node_with_fewer_computed_experts_than_k_is_one_line():
     with pytest.raises(MoetoolError, match=r"norm:gate:l2: MoE layer 0 has 3 computed experts for its top-4"):
         make_policy("norm:gate").check(layers[0])
     make_policy("norm:output").check(layers[0])  # identity experts have an output: rankable
+
+
+def test_an_internal_node_with_exactly_k_computed_experts_runs_every_one_of_them():
+    """4 computed experts (+ 4 identity) for a top-4: ``norm:gate`` is allowed (the check is ``n_computed < K``, not
+    ``<=``: mutation pass 13) and every token runs the 4 computed experts, never an identity expert, with softmax
+    weights of their gate norms computed by hand from the raw weights."""
+    from moetool.adapters.discovery import model_class, tiny_config
+
+    cfg = tiny_config("longcat_flash")
+    cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 4, 4, 4
+    torch.manual_seed(0)
+    model = model_class("longcat_flash").from_config(cfg).float().eval()
+    layers = find_moe_layers(model)
+    policy = make_policy("norm:gate")
+    for L in layers:
+        policy.check(L)  # 4 computed experts for a top-4: rankable
+    ids = torch.randint(3, 30, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, events, _ = run(model, layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, policy=policy)
+    for L in layers:
+        ev = events[L.index]
+        assert (L.n_experts, L.n_zero_compute, L.top_k) == (8, 4, 4)
+        assert torch.equal(ev.chosen_idx.sort(-1).values, torch.arange(4).expand(ev.h.shape[0], 4))
+        norms = torch.stack([torch.linalg.vector_norm(reference_expert("longcat_flash", L, e, ev.h)["gate"], dim=-1)
+                             for e in range(4)], dim=-1)  # [T, 4]
+        w = torch.softmax(norms.gather(-1, ev.chosen_idx), -1) * L.weight_scale
+        torch.testing.assert_close(ev.chosen_weights.float(), w, rtol=1e-4, atol=1e-5)

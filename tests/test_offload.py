@@ -359,6 +359,9 @@ def test_prediction_is_exact_when_attention_adds_nothing(tiny):
     pr = offload(lm2, tokens, bootstrap=0, policies=("lru",), quiet=True)["offload_prefetch"]
     assert len(pr) == len(lm2.layers) - 1
     assert (pr.top1_recall == 1.0).all() and (pr.topk_recall == 1.0).all()
+    # x_l is what the pre-hook on decoder layer l+1 reads: the output of decoder layer l, one before the predicted one
+    # (mutation pass 13: source_layer written as the predicted layer itself passed)
+    assert list(pr.layer) == [L.index for L in lm2.layers[1:]] and list(pr.source_layer) == list(pr.layer - 1)
     pr0 = offload(lm, tokens, bootstrap=0, policies=("lru",), quiet=True)["offload_prefetch"]
     assert (pr0.topk_recall < 1.0).any()  # the real model: attention moves the routing
 

@@ -469,3 +469,19 @@ def test_sglang_export_of_a_placement_of_some_moe_layers_is_refused(tiny_placeme
                        check=False)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MoE layers 0, 2-3" in r.stderr, r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_of_several_extra_slot_values_is_one_line():
+    """``--export`` writes one placement: two ``--extra-slots`` values are one line (mutation pass 13: only several
+    ``--gpus`` were refused, and the first slots value was written silently); one value per GPU is R = slots x G."""
+    from types import SimpleNamespace
+
+    from moetool.traces.export import export_layout
+
+    def opts(slots):
+        return SimpleNamespace(gpu_counts=lambda n: [4], extra_slots=slots)
+
+    assert export_layout("sglang", 8, opts((2,))) == (4, 8)
+    with pytest.raises(MoetoolError, match=r"^--export writes one placement: give one --gpus G and one --extra-slots "
+                                           r"value$"):
+        export_layout("eplb", 8, opts((0, 1)))

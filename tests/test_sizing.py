@@ -181,3 +181,45 @@ def test_available_ram_is_capped_by_the_cgroup_limit_less_its_usage(monkeypatch)
                               (16 * GiB, GiB, 8 * GiB)):
         files.update({"/sys/fs/cgroup/memory.max": f"{limit}\n", "/sys/fs/cgroup/memory.current": f"{used}\n"})
         assert sizing._meminfo_available() == want, (limit, used)
+
+
+def test_eager_attention_adds_the_attention_probabilities_of_every_head(monkeypatch):
+    """``attn_implementation="eager"`` materialises ``rows x heads x S x S`` probabilities: validate_run counts them
+    (3 rows x 2 heads x 100^2 x 4 bytes = 240,000 on top of the logits and hidden states), and ``--batch-size auto``
+    for a policy that reads attention sizes each row with its 2 x 64^2 fp32 probabilities (mutation pass 13: the
+    term as ``heads x S`` passed every test)."""
+    from types import SimpleNamespace
+
+    S, rows = 100, 3
+    plain = rows * S * (V + 2 * H) * 4
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: 10 ** 12)
+    for attn, act in ((None, plain), ("sdpa", plain), ("eager", plain + rows * HEADS * S * S * 4)):
+        est = sizing.validate_run(_mixtral(), seq_len=S, batch_size=rows, device="cpu", dtype="fp32",
+                                  attn_implementation=attn, weights_loaded=True)
+        assert est.activation_bytes == act
+    reader = SimpleNamespace(needs_attention=True, needs_probe=False)
+    row = _row(64) + HEADS * 64 * 64 * 4
+    free = int(5.5 * SLACK * row / SHARE)
+    rows_got, facts = _auto(monkeypatch, free, policies=[reader])
+    assert (rows_got, facts["row_bytes"]) == (5, SLACK * row)
+
+
+def test_auto_rows_are_capped_at_1024_when_memory_and_data_allow_more(monkeypatch):
+    """Memory for 5,000 rows and data for 15,625 (10^6 tokens of 64) take the cap, 1,024 rows (mutation pass 13:
+    without the cap, 5,000), with memory_rows and data_rows beside it."""
+    rows, facts = _auto(monkeypatch, int(5000.5 * SLACK * _row(64) / SHARE))
+    assert (rows, facts["memory_rows"], facts["data_rows"], facts["reason"]) == (1024, 5000, 15625, "cap")
+
+
+def test_a_quantized_model_counts_no_weight_bytes():
+    """A quantized checkpoint (a config's quantization_config) or --quantize: the weights' size depends on the kernel,
+    so they count 0 bytes, the activations as unquantized (mutation pass 13: without the check, 1,000 parameters
+    counted 4,000 fp32 bytes)."""
+    S, rows = 16, 2
+    act = rows * S * (V + 2 * H) * 4
+    kw = dict(seq_len=S, rows=rows, dtype=torch.float32, params=1000)
+    assert sizing.estimate_memory(_mixtral(), **kw) == (4000, act)
+    assert sizing.estimate_memory(_mixtral(), quantize="int8", **kw) == (0, act)
+    quantized = _mixtral()
+    quantized.quantization_config = {"quant_method": "fp8"}
+    assert sizing.estimate_memory(quantized, **kw) == (0, act)

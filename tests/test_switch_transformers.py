@@ -258,3 +258,28 @@ def test_forward_nll_of_an_encoder_decoder_is_the_models_own_loss():
         ref = model(**batch, labels=ids.masked_fill(mask == 0, -100))
     assert res.nll.tokens == int(mask.sum()) == 3 * 24 - 5
     assert res.nll.mean == pytest.approx(float(ref.loss), rel=1e-6)
+
+
+def test_offload_predicts_no_first_block_of_either_stack():
+    """Offload's next-layer prediction reads the input of the layer's block: the first block of the decoder, like the
+    encoder's, has no block of its stack ahead of it (its input is the decoder's embeddings, not a layer's output),
+    so no prefetch row predicts it (mutation pass 13: ahead-ness by the global layer index predicted the decoder's
+    first block from its embeddings)."""
+    from types import SimpleNamespace
+
+    import moetool
+    from moetool.data import TokenSet
+
+    cfg = discovery.tiny_config("switch_transformers")
+    cfg.encoder_sparse_step = cfg.decoder_sparse_step = 1  # every block sparse: block 0 of each stack too
+    torch.manual_seed(0)
+    model = discovery.model_class("switch_transformers").from_config(cfg).float().eval()
+    layers = find_moe_layers(model)
+    firsts = {id(model.encoder.block[0]), id(model.decoder.block[0])}
+    want = [L.index for L in layers if id(L.decoder_layer) not in firsts]
+    assert len(want) < len(layers)  # the case: a stack's first block is a MoE layer
+    ids = torch.randint(3, 30, (2, 16), generator=torch.Generator().manual_seed(0))
+    lm = SimpleNamespace(model=model, layers=layers, tokenizer=None, name="switch")
+    pr = moetool.offload(lm, TokenSet(ids, torch.ones_like(ids), [""] * 2, "test"), bootstrap=0, policies=("lru",),
+                         quiet=True)["offload_prefetch"]
+    assert list(pr.layer) == want
