@@ -6,7 +6,8 @@ what ``MOETOOL_FIGURES`` asks for, recorded as the manifest's ``figure_formats``
 fails is listed under ``figures_failed`` in the manifest (the tables stay written) and the run fails with one line
 (:class:`~moetool.errors.MoetoolRuntimeError`, exit 1). Then the manifest:
 options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
-sections = ``result.meta``, and ``headline``: the experiment's summary lines (:func:`headline_lines`, the report
+sections = ``result.meta`` (a ``bootstrap`` section's ``note``, intervals from too few rows, also on stderr as one
+``note:`` line), and ``headline``: the experiment's summary lines (:func:`headline_lines`, the report
 page's summary table). Commands and ``moetool demo`` both call :func:`write`.
 """
 
@@ -55,6 +56,11 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         except Exception as e:  # noqa: BLE001
             failed[name] = one_line(e)
     run.add(**result.meta)
+    note = (result.meta.get("bootstrap") or {}).get("note")  # too few rows for a 95% interval (uncertainty.FEW_ROWS)
+    if note:
+        from ..run import say
+
+        say(f"note: {note}")
     headline = headline_lines(result, model, options)
     if headline:
         run.add(headline=headline)
