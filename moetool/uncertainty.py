@@ -87,10 +87,42 @@ def replicates(n_boot: int, n_rows: int) -> int:
     return n_boot if n_rows >= 2 else 0
 
 
+#: Fewer packed rows than this: a "95%" bootstrap interval is no 95% interval. Measured with
+#: ``python bench/bench_fewrows.py`` (the coverage of :func:`ratio_intervals` and BCa :func:`sum_intervals` for a
+#: token-weighted mean over rows of equal length, 1000 replicates; README's table): 0.52 at 2 rows, 0.75 at 3, 0.79
+#: at 4, 0.85 at 5, 0.87 at 6 and 8, 0.90 at 10, 0.92-0.93 from 15 to 30 rows (row means normal or lognormal, CV
+#: 5-20%; Student t3 rows 0.89 at 10, 0.90-0.92 from 15). From 2 or 3 rows a percentile interval is (nearly always)
+#: the range of the rows' own values (one row repeated is a resample of probability n^-n, above the 2.5% tail),
+#: which holds the true value with probability 1 - 2^(1-n) (0.5, 0.75) when the rows scatter symmetrically about it.
+FEW_ROWS = 10
+
+
+def few_rows_note(n_boot: int, n_rows: int) -> str | None:
+    """The one line that says a run's bootstrap intervals over ``n_rows`` packed rows are not 95% intervals
+    (``n_rows`` below :data:`FEW_ROWS`, intervals on), else ``None``. The interval is still computed (a rough range,
+    and what explicit small data asks for); the line goes into the manifest (:func:`bootstrap_meta`), onto the
+    console (:func:`moetool.report.writers.write`) and into the report page."""
+    if replicates(n_boot, n_rows) == 0 or n_rows >= FEW_ROWS:
+        return None
+    if n_rows <= 3:
+        cover = (f"each interval is about the range of the {n_rows} rows' own values and holds the true value about "
+                 f"{1 - 2.0 ** (1 - n_rows):.0%} of the time, not 95%")
+    else:
+        cover = (f"from fewer than {FEW_ROWS} rows a 95% bootstrap interval holds the true value only about "
+                 f"77-89% of the time (bench/bench_fewrows.py)")
+    return (f"{n_rows} packed rows: {cover}; read the intervals as rough ranges, or give at least {FEW_ROWS} rows "
+            f"(a larger --max-tokens or a smaller --seq-len)")
+
+
 def bootstrap_meta(n_boot: int, seed: int, n_rows: int, interval: str = "percentile interval") -> dict[str, Any]:
-    """The manifest's ``bootstrap`` section of a run over ``n_rows`` packed rows (no interval from one row)."""
-    return {"replicates": replicates(n_boot, n_rows), "seed": seed, "rows": n_rows, "level": LEVEL,
+    """The manifest's ``bootstrap`` section of a run over ``n_rows`` packed rows (no interval from one row; the
+    :func:`few_rows_note` under ``note`` from fewer than :data:`FEW_ROWS` rows)."""
+    meta = {"replicates": replicates(n_boot, n_rows), "seed": seed, "rows": n_rows, "level": LEVEL,
             "method": f"document-level bootstrap over packed rows, {interval} (moetool.uncertainty)"}
+    note = few_rows_note(n_boot, n_rows)
+    if note:
+        meta["note"] = note
+    return meta
 
 
 def bootstrap_weights(n_rows: int, n_boot: int, seed: int = 0) -> np.ndarray:

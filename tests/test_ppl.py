@@ -186,3 +186,27 @@ def test_ppl_columns_places_each_bound_beside_its_value_and_nan_where_none():
     assert [cols[c] for c in cols] == [30.0, 25.0, 35.0, 10.0, 1.5, 1.2, 1.7]  # values the runs', bounds ci's
     bare = ppl_columns(run)  # no router run, no intervals (bootstrap 0)
     assert bare["perplexity"] == 30.0 and all(math.isnan(bare[c]) for c in bare if c != "perplexity")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [9, 10])
+def test_cli_says_once_when_too_few_rows_for_a_95_interval(tmp_path, rows):
+    """ppl over 9 packed rows of 32 tokens (FEW_ROWS - 1): one ``note:`` line on stderr, the manifest's
+    ``bootstrap`` section has the same note, the interval is still in ppl.csv; over 10 rows: neither."""
+    import json
+
+    from moetool.uncertainty import FEW_ROWS, few_rows_note
+
+    r = CliRunner().invoke(app, ["ppl", "--model", "tiny", "--seq-len", "32", "--max-tokens", str(32 * rows),
+                                 "-q", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    boot = json.loads((tmp_path / "a" / "manifest.json").read_text())["bootstrap"]
+    assert boot["rows"] == rows and boot["replicates"] == 1000
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    if rows < FEW_ROWS:
+        assert notes == [f"note: {few_rows_note(1000, rows)}"] and boot["note"] == few_rows_note(1000, rows)
+        assert "9 packed rows" in notes[0]
+    else:
+        assert notes == [] and "note" not in boot
+    df = pd.read_csv(tmp_path / "a" / "ppl.csv")
+    assert df.loc[0, "perplexity_lo"] < df.loc[0, "perplexity"] < df.loc[0, "perplexity_hi"]

@@ -219,3 +219,22 @@ def test_a_demo_step_beside_the_same_command_differs_only_in_what_both_record(tm
                      stats("demo", demo, 8192)], body, md)
     assert [ln for ln in md if ln.startswith("| [")] == [
         "| [stats](#cli) | tiny · data=mine.jsonl | stats cli |", f"| [stats](#demo) | tiny · data={src} | stats demo |"]
+
+
+def test_a_run_over_too_few_rows_for_a_95_interval_says_so_in_the_page(tmp_path):
+    """The manifest's bootstrap note (uncertainty.few_rows_note, fewer than FEW_ROWS rows) beside the headline
+    numbers and in the run's summary; a run of enough rows shows neither."""
+    from moetool.uncertainty import bootstrap_meta
+
+    few, enough = bootstrap_meta(1000, 0, 4), bootstrap_meta(1000, 0, 64)
+    runs = [page.Run(tmp_path, f"r{i}", {"command": "ppl", "status": "complete", "model": {"name": "tiny"},
+                                         "headline": ["ppl 12.3 ± 0.4"], "bootstrap": b})
+            for i, b in enumerate((few, enough))]
+    body, md = [], []
+    page._headlines(runs, body, md)
+    rows = [ln for ln in md if ln.startswith("| [")]
+    assert rows == [f"| [ppl](#r0) | tiny | ppl 12.3 ± 0.4<br>note: {page.md_escape(few['note'])} |",
+                    "| [ppl](#r1) | tiny | ppl 12.3 ± 0.4 |"]
+    assert few["note"].startswith("4 packed rows: ")
+    assert ("intervals", few["note"]) in page.summary(runs[0].manifest)
+    assert not [k for k, _ in page.summary(runs[1].manifest) if k == "intervals"]

@@ -546,20 +546,28 @@ def test_fluctuation_between_traces_equals_forward(captured, imported, tmp_path)
     from moetool.experiments.fluctuation.compute import FluctuationOptions, fluctuation
     from moetool.experiments.trace.compute import trace
     from moetool.experiments.trace_analyses import fluctuation_from_traces
+    from moetool.uncertainty import bootstrap_meta
 
     early = moetool.load("tiny-early")
     toks = captured["tokens"]
     tr_early = trace(early, toks, quiet=True)["trace"]
     opts = FluctuationOptions(routing=("router",), bootstrap=0)
-    ref = fluctuation([early, captured["lm"]], toks, opts, quiet=True)["fluctuation"].sort_values("layer")
+    fwd = fluctuation([early, captured["lm"]], toks, opts, quiet=True)
+    ref = fwd["fluctuation"].sort_values("layer")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     tr_early.to_parquet(tmp_path / "a" / "trace.parquet", index=False)
     captured["trace"].to_parquet(tmp_path / "b" / "trace.parquet", index=False)
     rates = ["topk_change", "topk_overlap", "jaccard"]
-    got = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
-                                  ["a", "b"], opts, None)["fluctuation"]
+    res = fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")],
+                                  ["a", "b"], opts, None)
+    got = res["fluctuation"]
     _same(got, ref, ["layer", "tokens", "top1_change", *rates])
+    # the bootstrap section (its few-rows note) of both: the rows of the tokens
+    assert res.meta["bootstrap"]["rows"] == fwd.meta["bootstrap"]["rows"] == toks.input_ids.shape[0]
+    few = bootstrap_meta(1000, 0, toks.input_ids.shape[0])
+    assert fluctuation_from_traces([open_trace(tmp_path / "a", "tiny"), open_trace(tmp_path / "b", "tiny")], ["a", "b"],
+                                   FluctuationOptions(routing=("router",)), None).meta["bootstrap"] == few
     # the same routing through vLLM's format: ids only
     lines = [json.dumps(ew.vllm_response(ew.vllm_routed_experts(ex, 4, 8), ids, [ids[0]]))
              for ex, ids in _requests(tr_early, captured["cols"])]

@@ -336,3 +336,61 @@ def test_an_absurd_replicate_count_is_refused_before_any_work():
         replicates(100_001, 2)
     r = CliRunner().invoke(app, ["ppl", "--bootstrap", "1000000000", "--out", "/nonexistent/never"])
     assert r.exit_code == 2 and "less than or equal to" in r.output and "100000" in r.output, r.output
+
+
+def _bench_fewrows():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module("bench_fewrows")
+    finally:
+        sys.path.remove(bench)
+
+
+@pytest.mark.slow
+def test_few_rows_coverage_matches_the_closed_form_and_the_threshold():
+    """The numbers behind uncertainty.FEW_ROWS (bench/bench_fewrows.py, moetool's own interval functions): from 3
+    rows of equal length the percentile interval of a token-weighted mean is the range of the 3 row means (each row
+    alone is a resample of probability 3^-3 > 2.5%), so with row means scattered symmetrically about the truth it
+    holds it with probability 1 - 2·(1/2)^3 = 0.75, not 0.95; from FEW_ROWS rows it is near its 95% (>= 0.88),
+    from 4 clearly not (< 0.85). 1000 seeded datasets per check: binomial se <= 0.016."""
+    from moetool.uncertainty import FEW_ROWS
+
+    B = _bench_fewrows()
+    rng = np.random.default_rng(7)
+    ranges = 0
+    for seed in range(40):  # inside the rows' range always (a replicate is a weighted mean of the row means), and
+        m = B.row_means("normal cv20%", 3, rng)  # the range itself unless fewer than 26 of 1000 resamples repeat one
+        (iv,) = ratio_intervals(B.L * m, np.full(3, float(B.L)), n_boot=1000, seed=seed)  # row (mean 37, sd 6)
+        assert m.min() - 1e-12 <= iv.lo <= iv.hi <= m.max() + 1e-12
+        ranges += (iv.lo, iv.hi) == pytest.approx((m.min(), m.max()), rel=1e-12)
+    assert ranges >= 34, ranges
+    n = 1000
+    at3 = B.coverage("normal cv5%", 3, n, 1000, seed=11)
+    assert abs(at3["percentile"] - 0.75) < 3 * math.sqrt(0.75 * 0.25 / n), at3
+    assert B.coverage("normal cv5%", 4, n, 1000, seed=11)["percentile"] < 0.85
+    at_threshold = B.coverage("lognormal cv20%", FEW_ROWS, n, 1000, seed=11)
+    assert at_threshold["percentile"] >= 0.88 and at_threshold["bca"] >= 0.88, at_threshold
+
+
+def test_few_rows_note_exactly_below_the_threshold():
+    """uncertainty.few_rows_note, the one rule: a note from 2 to FEW_ROWS - 1 rows with intervals on (the
+    coverage 1 - 2^(1-n) from 2 and 3 rows: 50%, 75%), none from one row (no interval), with --bootstrap 0, or
+    from FEW_ROWS rows; bootstrap_meta carries it under ``note`` and the intervals are still computed."""
+    from moetool.uncertainty import FEW_ROWS, bootstrap_meta, few_rows_note
+
+    assert FEW_ROWS == 10  # bench/bench_fewrows.py: 0.90 at 10 rows, 0.87 at 8 (README's table)
+    for n in range(1, FEW_ROWS + 3):
+        note, meta = few_rows_note(1000, n), bootstrap_meta(1000, 0, n)
+        assert (note is not None) == (2 <= n < FEW_ROWS), (n, note)
+        assert meta.get("note") == note and meta["rows"] == n
+        assert few_rows_note(0, n) is None and "note" not in bootstrap_meta(0, 0, n)
+        if note:
+            assert note.startswith(f"{n} packed rows: ") and f"at least {FEW_ROWS} rows" in note
+            (iv,) = ratio_intervals(np.arange(1.0, n + 1), np.ones(n), n_boot=1000)
+            assert iv.lo < iv.value < iv.hi  # still computed
+    assert "about 50% of the time" in few_rows_note(1000, 2) and "about 75% of the time" in few_rows_note(1000, 3)

@@ -30,7 +30,7 @@ from ..loading import load_tokenizer
 from ..sketch import SparseCounter
 from ..traces.readers import check_ids
 from ..traces.store import TraceSource, check_counts, expert_columns, open_trace, read_batches, read_loads
-from ..uncertainty import RowSums
+from ..uncertainty import RowSums, bootstrap_meta
 from .fluctuation.compute import (RATES, FluctuationOptions, Routing, chosen_and_top1, compare_with_intervals,
                                   pairs)
 from .offload.compute import offload_tables, refuse_zero_compute
@@ -481,7 +481,10 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     summary = df.groupby(["reference", "checkpoint"], sort=False)[
         [c for c in ("top1_change", "topk_change", "jaccard") if c in df]].mean().reset_index().round(4)
     return Result("fluctuation_trace", {"fluctuation.csv": df}, options,
-                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out), summary=summary)
+                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out,
+                            bootstrap=bootstrap_meta(options.bootstrap, options.seed,
+                                                     int(np.unique(streams[0].token_rows()).size))),
+                  summary=summary)
 
 
 

@@ -402,6 +402,9 @@ def summary(m: dict[str, Any], run: Path | None = None) -> list[tuple[str, str]]
                      or json.dumps(data)[:200]))
     elif data:
         rows.append(("data", human(data, run)))
+    note = interval_note(m)
+    if note:
+        rows.append(("intervals", note))
     opts = m.get("options")
     if isinstance(opts, dict) and opts:
         rows.append(("options", "; ".join(f"{k}={human(v, run)}" for k, v in opts.items())))
@@ -418,6 +421,14 @@ def summary(m: dict[str, Any], run: Path | None = None) -> list[tuple[str, str]]
         rows.append(("command line", " ".join(Path(str(m["argv"][0])).name if i == 0 else shown_path(str(a), run)
                                               for i, a in enumerate(m["argv"]))))
     return rows
+
+
+def interval_note(m: dict[str, Any]) -> str | None:
+    """The manifest's ``bootstrap`` ``note`` (its intervals come from too few rows to be 95% intervals:
+    :func:`moetool.uncertainty.few_rows_note`), or ``None``."""
+    boot = m.get("bootstrap")
+    note = boot.get("note") if isinstance(boot, dict) else None
+    return str(note) if note else None
 
 
 def png_size(png: bytes) -> tuple[int, int] | None:
@@ -560,7 +571,7 @@ def _headlines(runs: list[Run], body: list[str], md: list[str]) -> None:
     the run's status when it did not complete (:func:`_unfinished`); a demo folder written before
     runs recorded them falls back on the demo's step summaries. Nothing when no run has any."""
     rows = [(r.name, str(r.manifest.get("command", "")) + _unfinished(r.manifest), r.label.partition(" · ")[2],
-             list(r.manifest["headline"]), r.manifest)
+             list(r.manifest["headline"]) + [f"note: {n}" for n in [interval_note(r.manifest)] if n], r.manifest)
             for r in runs if isinstance(r.manifest.get("headline"), list) and r.manifest["headline"]]
     if not rows:
         by_path = {r.path.resolve(): r for r in runs}

@@ -6,8 +6,9 @@ what ``MOETOOL_FIGURES`` asks for, recorded as the manifest's ``figure_formats``
 fails is listed under ``figures_failed`` in the manifest (the tables stay written) and the run fails with one line
 (:class:`~moetool.errors.MoetoolRuntimeError`, exit 1). Then the manifest:
 options = the run-level options the caller passes (model, data, dtype, ...) + the experiment's options dataclass,
-sections = ``result.meta``, and ``headline``: the experiment's summary lines (:func:`headline_lines`, the report
-page's summary table). Commands and ``moetool demo`` both call :func:`write`.
+sections = ``result.meta`` (a ``bootstrap`` section's ``note``, intervals from too few rows, also on stderr as one
+``note:`` line when the run did not fail), and ``headline``: the experiment's summary lines (:func:`headline_lines`,
+the report page's summary table). Commands and ``moetool demo`` both call :func:`write`.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         first = next(iter(failed.items()))
         raise MoetoolRuntimeError(f"{len(failed)} figure(s) failed ({first[0]}: {first[1]}); every table is written "
                                   f"in {run.path}, manifest.json lists figures_failed")
+    note = (result.meta.get("bootstrap") or {}).get("note")  # too few rows for a 95% interval (FEW_ROWS):
+    if note:  # one line on a run that worked (a failed one says its error alone; the manifest keeps the note)
+        from ..run import say
+
+        say(f"note: {note}")
     if not finish:
         return None
     opts = {**(options or {}), **result.manifest_options()}

@@ -45,7 +45,7 @@ from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...loading import load, load_config
 from ...sketch import Moments, TokenSpill
-from ...uncertainty import Interval, RowSums, format_ci, ratio_intervals
+from ...uncertainty import Interval, RowSums, bootstrap_meta, format_ci, ratio_intervals
 from ..result import Result, resolve_options
 from .spec import REFERENCES, ROUTINGS, FluctuationOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -473,6 +473,7 @@ def fluctuation(checkpoints: Sequence[Any], tokens: Any, options: FluctuationOpt
                 t[col] = [names[int(i)] for i in t[col]]
     return Result("fluctuation", {"fluctuation.csv": df, "fluctuation_summary.csv": pooled}, opts,
                   meta=dict(definitions=DEFINITIONS, data=described, checkpoints=names,
+                            bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, described["rows"]),
                             similarity={"tau": opts.tau if opts.tau is not None else "sqrt(d)", "sim": opts.sim,
                                         "causal": opts.causal}),
                   summary=df.drop(columns=["tokens"]))

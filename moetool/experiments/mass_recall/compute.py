@@ -50,7 +50,7 @@ from ...adapters.base import MoELayer
 from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import RowTable, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
 from ..kmeans import GlobalBatch, SphericalKMeans
 from ..result import Result, resolve_options
 from .spec import MassRecallOptions  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -466,9 +466,11 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
     layers = select_layers(lm.layers, opts.layers)
     refuse_recomputed(layers, "mass-recall")
     res = run_mass_recall(lm, tokens, opts, layers=layers, quiet=quiet)
+    described = tokens.describe()
     return Result("mass_recall", {"mass_recall.csv": res.table}, opts,
                   meta=dict(definitions=DEFINITIONS, bound_derivation=BOUND_DERIVATION, kmeans_reinits=res.reinits,
-                            data=tokens.describe(), kmeans={"gamma": 0.95, "dead_code_tau": 1.0,
+                            data=described, bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, described["rows"]),
+                            kmeans={"gamma": 0.95, "dead_code_tau": 1.0,
                                                             "extra_passes": opts.kmeans_iters, "seed": opts.seed}),
                   summary=res.table.drop(columns=["tokens"]))
 

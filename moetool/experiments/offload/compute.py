@@ -56,7 +56,7 @@ from ...adapters.base import MoELayer
 from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import RowTable, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
 from ..result import Result, resolve_options
 from .spec import POLICIES, OffloadOptions  # its options (declared with their flags in spec.py)
 
@@ -859,8 +859,8 @@ def offload_tables(col: Any, layers: Sequence[Any], opts: OffloadOptions, descri
                .agg(hit_rate=("hit_rate", "mean"), **({"bytes_per_token": ("bytes_per_token", "sum")}
                                                       if nbytes_of is not None else {})).reset_index())
     return Result("offload", tables, opts,
-                  meta=dict(definitions=DEFINITIONS, data=described, bootstrap={"replicates": kw["n_boot"],
-                            "unit": "packed row", "level": 0.95, "seed": opts.seed}),
+                  meta=dict(definitions=DEFINITIONS, data=described,
+                            bootstrap={**bootstrap_meta(opts.bootstrap, opts.seed, n_rows), "unit": "packed row"}),
                   summary=summary)
 
 
