@@ -97,7 +97,7 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 SPEC = experiment("norm-select", "norm_select", "NormSelectOptions", figures="moetool.experiments.norm_select.figures:norm_select_figures",
-                  demo=Demo(models=("tiny",), seq_len=256, max_tokens=2048, options={"limit": 20, "batch_size": 16},
+                  demo=Demo(models=("tiny",), max_tokens=2048, options={"limit": 20, "batch_size": 16},
                             options_from="moetool.experiments.norm_select.compute:demo_options"),
                   order=20,
                   groups=("weights", "lmeval", "resume"), bootstrap=True,
