@@ -56,6 +56,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     # a command that loads a model declares --tp / --ep (flags.LOADING: Tp, Ep); the wrapper takes them out into
     # the command's Run, so the command itself never sees them
     parallel = "tp" in inspect.signature(fn).parameters
+    trusting = "trust_remote_code" in inspect.signature(fn).parameters  # --trust-remote-code: the run's too
     name = getattr(fn, "command_name", fn.__name__)  # a generated command's name (norm-select), else the function's
 
     @functools.wraps(fn)
@@ -64,11 +65,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         from moetool.run import Run
 
         tp, ep = (kwargs.pop("tp", 1), kwargs.pop("ep", 1)) if parallel else (1, 1)
+        trust = bool(kwargs.pop("trust_remote_code", False)) if trusting else False
         try:
             if (tp > 1 or ep > 1) and name in NO_PARALLEL:
                 raise MoetoolError(NO_PARALLEL[name])
             refuse_launched(name, kwargs)
-            run = Run.new(name, tp=tp, ep=ep, auto_batch=kwargs.get("batch_size") == AUTO_BATCH)
+            run = Run.new(name, tp=tp, ep=ep, auto_batch=kwargs.get("batch_size") == AUTO_BATCH,
+                          trust_remote_code=trust)
         except MoetoolError as e:
             typer.secho(f"error: {e}", fg="red", err=True)
             raise typer.Exit(2) from None

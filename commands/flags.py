@@ -3,8 +3,8 @@
 takes the groups of what it reads (the spec's ``inputs``: :func:`standard`), the groups and single flags its spec
 names (``groups``: ``routing``, ``lmeval``, ``bootstrap``, ``resume``, ``trace``, ``traces``, or a flag of them by
 name) and its own :class:`~moetool.experiments.experiment.Flag` s. ``tests/test_flag_groups.py`` checks that every
-command that loads a model has every flag of :data:`LOADING` (``--tp`` / ``--ep`` are taken into the command's run
-by :func:`moetool.commands.cli.handle_errors`).
+command that loads a model has every flag of :data:`LOADING` (``--tp`` / ``--ep`` and ``--trust-remote-code`` are
+taken into the command's run by :func:`moetool.commands.cli.handle_errors`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moetool.defaults import FEWSHOT_SEED, MAX_TOKENS, SEQ_LEN
 
 from .options import (BatchSize, Bootstrap, Causal, DEFAULT_BOOTSTRAP, DEFAULT_MODEL, Data, Device, DeviceMap, Dtype,
                       Ep, FewshotSeed, Force, IncludePath, Layers, Limit, MaxTokens, Model, NumFewshot, Out, Quantize,
-                      Quiet, Resume, Routing, Seed, SeqLen, Sim, Tp, Trace, TraceConfig, Weights)
+                      Quiet, Resume, Routing, Seed, SeqLen, Sim, Tp, Trace, TraceConfig, TrustRemoteCode, Weights)
 
 Group = list[tuple[str, Any, Any]]
 
@@ -35,7 +35,8 @@ SIZES: Group = [("layers", Layers, None), ("seq_len", SeqLen, SEQ_LEN), ("max_to
                 ("batch_size", BatchSize, 8)]
 #: how the model is loaded, and split over processes (--tp / --ep)
 LOADING: Group = [("dtype", Dtype, "auto"), ("device", Device, "auto"), ("device_map", DeviceMap, None),
-                  ("quantize", Quantize, None), ("tp", Tp, 1), ("ep", Ep, 1)]
+                  ("quantize", Quantize, None), ("trust_remote_code", TrustRemoteCode, False), ("tp", Tp, 1),
+                  ("ep", Ep, 1)]
 #: every run
 RUN: Group = [("seed", Seed, 0), ("quiet", Quiet, False)]
 
@@ -55,7 +56,7 @@ NAMED: dict[str, tuple[str, Any, Any]] = {p[0]: p for g in (*GROUPS.values(), DA
                                           if p[0] != "trace"}
 
 #: the flags of :data:`LOADING` on the command line
-LOADING_FLAGS = ("--dtype", "--device", "--device-map", "--quantize", "--tp", "--ep")
+LOADING_FLAGS = ("--dtype", "--device", "--device-map", "--quantize", "--trust-remote-code", "--tp", "--ep")
 
 
 def standard(inputs: str) -> tuple[Group, Group]:
@@ -72,6 +73,6 @@ def standard(inputs: str) -> tuple[Group, Group]:
         return no_data, [SIZES[0], SIZES[3]] + LOADING + RUN
     if inputs == "checkpoints":
         return [("checkpoints", Checkpoints, None), *DATA[1:]], SIZES + LOADING + RUN
-    if inputs == "config":
-        return no_data, RUN[1:]
+    if inputs == "config":  # a config of remote code is read only with --trust-remote-code
+        return no_data, [NAMED["trust_remote_code"]] + RUN[1:]
     raise RuntimeError(f"registry: no flag groups for inputs {inputs!r}")

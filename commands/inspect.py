@@ -7,7 +7,7 @@ import json
 import typer
 
 from .cli import handle_errors
-from .options import DEFAULT_MODEL, Model
+from .options import DEFAULT_MODEL, Model, TrustRemoteCode
 
 HELP = """Family, layers, which are MoE, n, K, scoring, shared experts, total and active parameters.
 
@@ -41,8 +41,8 @@ def inspect(model: Model = DEFAULT_MODEL,
                                           "transformers: supported or why not, routing rule, shared experts, "
                                           "dense layers, experts implementation (checked on a tiny model of each, "
                                           "cached per installation)."),
-            refresh: bool = typer.Option(False, "--refresh", help="--families: rebuild the cached table.")
-            ) -> None:
+            refresh: bool = typer.Option(False, "--refresh", help="--families: rebuild the cached table."),
+            trust_remote_code: TrustRemoteCode = False) -> None:
     from moetool.errors import MoetoolError, spans
     from moetool.report.console import console
 

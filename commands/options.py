@@ -61,6 +61,11 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="'auto': 
 Quantize = Annotated[Optional[str], typer.Option("--quantize", metavar="fp8", help="fp8: load a bf16 checkpoint with "
                                                  "transformers' block-scaled FP8 quantization (CUDA only; "
                                                  "Mixtral-8x7B then fits one 80 GB GPU).")]
+TrustRemoteCode = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Let the checkpoint run its own code (transformers' trust_remote_code): a tokenizer "
+    "that is remote code (Kimi-K2's); a config and model only where transformers has no native class for it (a "
+    "config naming a native architecture, Kimi-K2's DeepseekV3ForCausalLM, is read natively without this flag). "
+    "moetool's adapters then decide: a model they do not recognise is one line, not a supported MoE family.")]
 TP_HELP = ("Tensor parallel: split attention heads and every expert's features over N processes with transformers' "
            "own engine (under torchrun; world = data parallel x N). See README, Several GPUs and nodes.")
 EP_HELP = ("Expert parallel: whole experts split over the N processes of the --tp group instead of each "

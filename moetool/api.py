@@ -62,16 +62,19 @@ def _held(models: Any, run: Any) -> Any:
 
 
 def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
-         attn_implementation: str | None = None, tokenizer: bool = True) -> Any:
+         attn_implementation: str | None = None, tokenizer: bool = True, trust_remote_code: bool = False) -> Any:
     """Load a MoE model (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
     ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags.
     ``attn_implementation``: transformers' (``None``: the model's default); ``routing="attention"`` needs no
     ``"eager"`` here, the engine switches the model to eager attention for its forwards and back.
-    ``tokenizer=False``: no tokenizer (``lm.tokenizer`` is ``None``)."""
+    ``tokenizer=False``: no tokenizer (``lm.tokenizer`` is ``None``). ``trust_remote_code`` as
+    ``--trust-remote-code``: the checkpoint's own code may run -- its tokenizer's, and its config's and model's only
+    where transformers has no native class (a config naming a native architecture, as Kimi-K2's
+    ``DeepseekV3ForCausalLM``, is read natively without it: :func:`moetool.loading.read_config`)."""
     from .loading import load as _load
 
     return _load(name, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn_implementation,
-                 tokenizer=tokenizer)
+                 tokenizer=tokenizer, trust_remote_code=trust_remote_code)
 
 
 def tokens(lm: Any, data: str | Path | None = None, *, seq_len: int = 256, max_tokens: int = 32768,

@@ -7,7 +7,9 @@ A run (:class:`moetool.run.Run`, made by the CLI for each command and by ``moeto
 * ``layout`` (:class:`Parallel`): ``--tp`` / ``--ep``, how one model is split over a group of ranks
   (:mod:`moetool.distributed` reads it);
 * ``policies``: the routing policies built for the run, one build per spec and options
-  (:func:`moetool.policies.build_once`).
+  (:func:`moetool.policies.build_once`);
+* ``trust_remote_code``: ``--trust-remote-code``, whether a checkpoint's own code may run where transformers has
+  no native class for it (:func:`moetool.loading.trusted`: every config, tokenizer and model the run reads).
 
 :func:`moetool.engine.runner.forward` takes the run as ``run=``; code that does not pass one (an experiment's own
 forward calls) reads the run of its context, :func:`current`: a :class:`contextvars.ContextVar`, so two runs in two
@@ -87,6 +89,7 @@ class RunState:
     backoff: Backoff = field(default_factory=Backoff)
     layout: Parallel = field(default_factory=Parallel)
     policies: dict[Any, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
 
     def policy(self, key: Any, build: Callable[[], Any]) -> Any:
         """The run's policy for ``key`` (a spec and its options), built by ``build()`` the first time only."""

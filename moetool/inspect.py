@@ -51,7 +51,7 @@ def describe_model(name: str, *, cache: bool = True) -> dict[str, Any]:
 
 
 def _describe(name: str) -> dict[str, Any]:
-    from .loading import auto_model_class, load_config
+    from .loading import load_config, model_from_config
 
     config, _, _ = load_config(name)
     import torch
@@ -59,7 +59,7 @@ def _describe(name: str) -> dict[str, Any]:
     from .adapters import find_moe_layers, get_adapter, quant
 
     with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
+        model = model_from_config(config)
     return {"family": get_adapter(config).family, **describe_layers(model, find_moe_layers(model)),
             "experts_format": quant.checkpoint_format(config)}
 

@@ -10,9 +10,11 @@ The config is read first, so a dense or unsupported model fails before any weigh
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -224,7 +226,128 @@ def auto_model_class(config: Any) -> Any:
     return AutoModelForCausalLM
 
 
-def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
+def model_from_config(config: Any) -> Any:
+    """``auto_model_class(config).from_config(config)`` (on the device of the context, e.g. ``torch.device("meta")``):
+    a config of the checkpoint's own code (read only when trusted, :func:`read_config`) builds its own model class;
+    transformers is told so, and never asks on stdin."""
+    remote = not type(config).__module__.startswith("transformers.")
+    return auto_model_class(config).from_config(config, trust_remote_code=remote)
+
+
+def trusted(trust_remote_code: bool | None = None) -> bool:
+    """``trust_remote_code`` given, else the run's (``--trust-remote-code``, :class:`moetool.context.RunState`), else
+    False: transformers is always told, so it never asks on stdin (a prompt would hang a job or torchrun)."""
+    if trust_remote_code is not None:
+        return bool(trust_remote_code)
+    from .context import current
+
+    run = current()
+    return bool(run is not None and run.trust_remote_code)
+
+
+REMOTE_CODE_FLAG = "--trust-remote-code (trust_remote_code=True in Python)"
+
+
+@functools.lru_cache(maxsize=1)
+def _native_types_by_class() -> dict[str, tuple[str, ...]]:
+    """transformers' model class name -> the model types whose Auto mappings name it (every ``*_MAPPING_NAMES``
+    of ``transformers.models.auto.modeling_auto``)."""
+    from transformers.models.auto import modeling_auto
+
+    found: dict[str, set[str]] = {}
+    for attr in dir(modeling_auto):
+        table = getattr(modeling_auto, attr)
+        if not attr.endswith("_MAPPING_NAMES") or not isinstance(table, dict):
+            continue
+        for model_type, names in table.items():
+            for cls in names if isinstance(names, (list, tuple)) else (names,):
+                if isinstance(cls, str):
+                    found.setdefault(cls, set()).add(model_type)
+    return {cls: tuple(sorted(types)) for cls, types in found.items()}
+
+
+def native_model_type(architectures: Any) -> str | None:
+    """The model type of transformers' own class named first in a config's ``architectures`` (e.g.
+    ``DeepseekV3ForCausalLM`` -> ``deepseek_v3``), ``None`` when transformers has no such class. A class that
+    several model types' mappings name (``DeepseekV3ForCausalLM``: deepseek_v3 and sarvam_mla, which reuses it) is
+    the type whose own module defines it (``transformers.models.deepseek_v3``)."""
+    if not isinstance(architectures, (list, tuple)) or not architectures or not isinstance(architectures[0], str):
+        return None
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    cls = architectures[0]
+    types = [t for t in _native_types_by_class().get(cls, ()) if t in CONFIG_MAPPING]
+    if len(types) > 1:  # the type whose package defines the class
+        module = (getattr(transformers, "_class_to_module", None) or {}).get(cls, "")
+        parts = module.split(".")
+        package = parts[1] if len(parts) > 2 and parts[0] == "models" else None
+        types = [t for t in types if model_type_to_module_name(t) == package]
+    return types[0] if len(types) == 1 else None
+
+
+_NOTICED: set[str] = set()  # sources whose native reading was said (once per process)
+
+
+def _notice_native(source: str, model_type: str, native: str, architectures: list[str]) -> None:
+    if source in _NOTICED:
+        return
+    _NOTICED.add(source)
+    from .distributed import global_rank
+
+    if global_rank() == 0:  # one line per launch, not one per rank of a --tp group
+        print(f"{source}'s config names model type {model_type} with remote code; reading it as transformers' native "
+              f"{native} (architectures: {', '.join(architectures)}); its code is not run", file=sys.stderr, flush=True)
+
+
+def _remote_config_refused(source: str, config_dict: dict[str, Any]) -> MoetoolError:
+    auto = (config_dict.get("auto_map") or {}).get("AutoConfig")
+    arch = config_dict.get("architectures")
+    import transformers
+
+    return MoetoolError(
+        f"{source}'s config is remote code ({auto}, the checkpoint's own): transformers "
+        f"{transformers.__version__} has no model type {config_dict.get('model_type')!r} nor a class of its "
+        f"architectures {arch or '(none named)'}; moetool runs a checkpoint's own code only when asked: pass "
+        f"{REMOTE_CODE_FLAG} if you trust {source}")
+
+
+def read_config(source: str, from_hub: dict[str, Any] | None = None, *,
+                trust_remote_code: bool = False) -> tuple[Any, str]:
+    """``(config, how)``: ``source``'s config, never asking on stdin; ``how`` is ``native``, ``architecture`` or
+    ``remote``:
+
+    * ``native``: a model type transformers has: :class:`~transformers.AutoConfig` as always (a checkpoint's
+      ``auto_map`` is not run, even when trusted: transformers' own code first);
+    * ``architecture``: remote code (``auto_map``) of a model type transformers lacks whose ``architectures[0]`` is
+      a class it has (Kimi-K2: ``kimi_k2``, ``DeepseekV3ForCausalLM``): that class's config
+      (:func:`native_model_type`), from the same fields as AutoConfig reads them (``from_dict``:
+      ``quantization_config`` and every other field kept), ``auto_map`` dropped; one notice line on stderr;
+    * ``remote``: other remote code, run only with ``trust_remote_code``, else one line.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+    from_hub = from_hub or {}
+    config_dict, unused = PretrainedConfig.get_config_dict(source, **from_hub)
+    model_type = config_dict.get("model_type")
+    remote = bool((config_dict.get("auto_map") or {}).get("AutoConfig"))
+    if model_type in CONFIG_MAPPING or not remote:
+        return AutoConfig.from_pretrained(source, trust_remote_code=False, **from_hub), "native"
+    native = native_model_type(config_dict.get("architectures"))
+    if native is not None:
+        _notice_native(source, model_type, native, config_dict["architectures"])
+        fields = {k: v for k, v in config_dict.items() if k != "auto_map"}
+        config = CONFIG_MAPPING[native].from_dict({**fields, "model_type": native}, **unused)
+        config._name_or_path = str(source)  # as AutoConfig names it (transformers' tokenizer rules read it)
+        return config, "architecture"
+    if not trust_remote_code:
+        raise _remote_config_refused(source, config_dict)
+    return AutoConfig.from_pretrained(source, trust_remote_code=True, **from_hub), "remote"
+
+
+def _read_config(name: str, trust_remote_code: bool | None = None
+                 ) -> tuple[Any, str, str, dict[str, Any], str | None, str]:
     source, kind = resolve(name)
     from_hub, offline = hub_kwargs(kind)
     if offline:  # decided before transformers (and torch) are even imported: a second, not half a minute
@@ -232,12 +355,12 @@ def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
 
         if not isinstance(try_to_load_from_cache(source, "config.json"), str):
             raise hub_error(source, FileNotFoundError("config.json not cached"), offline)
-    from transformers import AutoConfig
-
     from .adapters import check_config
 
     try:
-        config = AutoConfig.from_pretrained(source, **from_hub)
+        config, how = read_config(source, from_hub, trust_remote_code=trusted(trust_remote_code))
+    except MoetoolError:
+        raise
     except Exception as e:  # noqa: BLE001 - hub/network errors come in many types
         if kind in ("hub", "alias"):
             raise hub_error(source, e, offline) from e
@@ -245,14 +368,15 @@ def _read_config(name: str) -> tuple[Any, str, str, dict[str, Any], str | None]:
         # wrong type): the input is wrong, a usage error as the config checks of check_config are
         raise MoetoolError(f"cannot read the config of {source}: {one_line(e)}") from e
     check_config(config)
-    return config, source, kind, from_hub, offline
+    return config, source, kind, from_hub, offline, how
 
 
-def config_fingerprint(name: str) -> str | None:
+def config_fingerprint(name: str, trust_remote_code: bool | None = None) -> str | None:
     """A hash of what a model on disk (a local directory, an embedded model) is built from -- its ``config.json``
     and the code files beside it -- read without importing torch or transformers: what an answer computed from
     its config alone depends on (with the code that computed it, :func:`moetool.files.installation_key`). ``None``
-    for a hub id or alias (its files are the Hub's)."""
+    for a hub id or alias (its files are the Hub's). Trusted (:func:`trusted`: a checkpoint's own code may run),
+    another hash: an answer computed with the checkpoint's code is not one computed without it."""
     import hashlib
 
     source, kind = resolve(name)
@@ -265,28 +389,35 @@ def config_fingerprint(name: str) -> str | None:
         except OSError:  # no config.json: load_config says so
             return None
         h.update(f.name.encode() + b"\0" + data + b"\0")
+    if trusted(trust_remote_code):
+        h.update(b"trust_remote_code")
     return h.hexdigest()
 
 
-def check_model(name: str) -> None:
+def check_model(name: str, trust_remote_code: bool | None = None) -> None:
     """:func:`load_config`'s checks (a known name, a readable config, a supported MoE family), answered from the
     per-installation cache (:func:`moetool.files.cached`) for a model on disk whose config passed them before:
-    no torch or transformers import then (a second of the whole process instead of several)."""
-    fingerprint = config_fingerprint(name)
+    no torch or transformers import then (a second of the whole process instead of several). A config passed
+    with ``trust_remote_code`` (its own code run) is answered so only when trusted again
+    (:func:`config_fingerprint`)."""
+    trust = trusted(trust_remote_code)
+    fingerprint = config_fingerprint(name, trust)
     if fingerprint is None:
-        load_config(name)
+        load_config(name, trust)
         return
     from .files import cached, installation_key
 
     here = Path(__file__).resolve().parent
     key = {**installation_key([here / "loading.py", *(here / "adapters").glob("*.py")]), "model_files": fingerprint}
-    cached("checked", key, lambda: (load_config(name), {"supported": True})[1])
+    cached("checked", key, lambda: (load_config(name, trust), {"supported": True})[1])
 
 
-def load_config(name: str) -> tuple[Any, str, str]:
+def load_config(name: str, trust_remote_code: bool | None = None) -> tuple[Any, str, str]:
     """``(config, source, kind)``; checks that the model is a supported MoE family. A hub id is read from the
-    local cache when the Hub is out of reach (:func:`moetool.hub.hub_offline`)."""
-    config, source, kind, _, _ = _read_config(name)
+    local cache when the Hub is out of reach (:func:`moetool.hub.hub_offline`). A config of remote code is read as
+    :func:`read_config` says (transformers' native class first; its own code only with ``trust_remote_code``,
+    default the run's, :func:`trusted`)."""
+    config, source, kind, _, _, _ = _read_config(name, trust_remote_code)
     return config, source, kind
 
 
@@ -496,12 +627,43 @@ def _tokenizer_problem(source: str, exc: BaseException) -> str:
     return one_line(exc)
 
 
-def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
+def remote_tokenizer(source: str, from_hub: dict[str, Any], config: Any) -> str | None:
+    """The class (``module.Class``) of ``source``'s tokenizer when it is the checkpoint's own code
+    (``tokenizer_config.json``'s ``auto_map``, Kimi-K2's ``tokenization_kimi.TikTokenTokenizer``) naming no class
+    transformers has; ``None`` otherwise. Untrusted, transformers would refuse it -- or, for a model type with a
+    tokenizer of its own (Mixtral), silently tokenize with its generic class instead: other tokens, plausible
+    numbers. A model type whose hub tokenizer code transformers knows to be wrong and replaces on purpose
+    (``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``) is left to it."""
+    from transformers.models.auto import tokenization_auto as ta
+
+    found = ta.get_tokenizer_config(source, **from_hub)
+    auto = found.get("auto_map")
+    ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto
+    if not isinstance(ref, (list, tuple)) or not any(ref):
+        return None
+    named = found.get("tokenizer_class")
+    if isinstance(named, str) and any(ta.tokenizer_class_from_name(n) is not None
+                                      for n in (named, named.removesuffix("Fast"), named + "Fast")):
+        return None  # the class it names is transformers' own: transformers reads it so, the code aside
+    if getattr(config, "model_type", None) in getattr(ta, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", ()):
+        return None
+    return next(r for r in (ref[1] if len(ref) > 1 else None, ref[0]) if r)
+
+
+def _tokenizer(source: str, from_hub: dict[str, Any], config: Any, trust_remote_code: bool) -> Any:
+    """``config`` as :func:`read_config` read it (transformers' tokenizer rules read the model type; never read
+    again, so the config's own code never runs); ``trust_remote_code`` for a tokenizer that is remote code
+    (:func:`remote_tokenizer`: untrusted, one line)."""
     from transformers import AutoTokenizer
 
+    remote = None if trust_remote_code else remote_tokenizer(source, from_hub, config)
+    if remote is not None:
+        raise MoetoolError(f"the tokenizer of {source} is remote code ({remote}, the checkpoint's own) "
+                           f"and moetool runs a checkpoint's own code only when asked: pass {REMOTE_CODE_FLAG} if "
+                           f"you trust {source}")
     try:
         with quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(source, **from_hub)
+            tok = AutoTokenizer.from_pretrained(source, config=config, trust_remote_code=trust_remote_code, **from_hub)
     except Exception as e:  # noqa: BLE001
         raise MoetoolRuntimeError(f"cannot load the tokenizer of {source}: {_tokenizer_problem(source, e)}") from e
     if tok.pad_token_id is None and tok.eos_token_id is not None:
@@ -509,21 +671,26 @@ def _tokenizer(source: str, from_hub: dict[str, Any]) -> Any:
     return tok
 
 
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str, trust_remote_code: bool | None = None) -> Any:
     """The tokenizer :func:`load` gives ``name`` (pad = eos when it has none), without loading the weights."""
-    _, source, _, from_hub, _ = _read_config(name)
-    return _tokenizer(source, from_hub)
+    trust = trusted(trust_remote_code)
+    config, source, _, from_hub, _, _ = _read_config(name, trust)
+    return _tokenizer(source, from_hub, config, trust)
 
 
 def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
-         attn_implementation: str | None = None, tokenizer: bool = True, quantize: str | None = None) -> LoadedModel:
+         attn_implementation: str | None = None, tokenizer: bool = True, quantize: str | None = None,
+         trust_remote_code: bool | None = None) -> LoadedModel:
     """Load a supported MoE causal LM (or encoder-decoder LM) in eval mode with its tokenizer and wrapped MoE layers.
 
     Every failure is one :class:`MoetoolError` line: the config is read first (dense or unsupported models stop
     there), local ``*.safetensors`` files are checked before loading (:func:`check_safetensors`), a hub id is
     read from the cache when the Hub is out of reach, and transformers' own progress bars stay off.
+    ``trust_remote_code`` (default: the run's ``--trust-remote-code``, else False): a checkpoint's own code may run
+    -- its tokenizer's, and its config's and model's where transformers has no native class (:func:`read_config`).
     """
-    config, source, kind, from_hub, offline = _read_config(name)
+    trust = trusted(trust_remote_code)
+    config, source, kind, from_hub, offline, how = _read_config(name, trust)
     import torch  # noqa: F401 - heavy imports only here
 
     from .adapters import find_moe_layers
@@ -531,7 +698,12 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     check_quantize(quantize, device)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, config, dev)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, **from_hub}
+    # the tokenizer before any weight (a tokenizer of remote code, untrusted, is one line before a 1T model loads)
+    tok = _tokenizer(source, from_hub, config, trust) if tokenizer else None
+    # transformers never asks: the checkpoint's own modeling code only where its config is remote code, trusted; a
+    # config read other than by AutoConfig (a native class for remote code) is the one the model is built from
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": how == "remote", **from_hub,
+                              **({"config": config} if how != "native" else {})}
     if quantize == "fp8":  # GPU only (check_quantize); not testable on CPU
         if getattr(config, "quantization_config", None) is not None:
             raise MoetoolError(f"--quantize fp8: {name} is already quantized ({_quant_method(config)}); load it as is")
@@ -586,7 +758,6 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     from .adapters import fp8_backend
 
     fp8_backend.ensure(model)  # FP8 layers: transformers' kernel, or moetool's torch path where it cannot be had
-    tok = _tokenizer(source, from_hub) if tokenizer else None
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,
                        layers=find_moe_layers(model), device=model.device, dtype=torch_dtype, quantize=quantize)
 

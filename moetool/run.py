@@ -51,9 +51,11 @@ class Run(RunState):
     command: str = ""
 
     @classmethod
-    def new(cls, command: str, *, tp: int = 1, ep: int = 1, auto_batch: bool = False) -> "Run":
+    def new(cls, command: str, *, tp: int = 1, ep: int = 1, auto_batch: bool = False,
+            trust_remote_code: bool = False) -> "Run":
         """A run of ``command``; a layout that cannot exist (``--ep`` other than ``--tp``) is one line here."""
-        return cls(backoff=Backoff(enabled=auto_batch), layout=Parallel(tp, ep), command=command)
+        return cls(backoff=Backoff(enabled=auto_batch), layout=Parallel(tp, ep), command=command,
+                   trust_remote_code=bool(trust_remote_code))
 
 
 def say(line: str) -> None:
@@ -345,9 +347,13 @@ def rank_layout(tokens: Any, batch_size: int | None) -> dict[str, Any]:
 
 
 def run_options(**options: Any) -> dict[str, Any]:
-    """The run-level manifest options (model, data, loading); paths as strings. The experiment's own options
-    come from its options dataclass (see :func:`moetool.report.writers.write`)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
+    """The run-level manifest options (model, data, loading; ``trust_remote_code`` when the run trusts a
+    checkpoint's code, :func:`moetool.loading.trusted`); paths as strings. The experiment's own options come from its
+    options dataclass (see :func:`moetool.report.writers.write`)."""
+    from .loading import trusted
+
+    return {**{k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
+            **({"trust_remote_code": True} if trusted() else {})}
 
 
 # ----- moetool.run(...) -------------------------------------------------------------------------------------------
@@ -360,8 +366,9 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         force: bool = False, batch_size: int | str | None = None, resume: bool = False, quiet: bool = False,
         data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: str = "auto",
         device: str = "auto", device_map: str | None = None, quantize: str | None = None,
-        add_special_tokens: bool | None | str = "command", manifest: dict[str, Any] | None = None,
-        inputs: dict[str, Any] | None = None, call: Any = None, **overrides: Any) -> Any:
+        trust_remote_code: bool = False, add_special_tokens: bool | None | str = "command",
+        manifest: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None, call: Any = None,
+        **overrides: Any) -> Any:
     """``moetool <experiment>``, from Python: the run every command makes.
 
     ``experiment`` is a command name (``"stats"``, ``"expert-similarity"``) or its function's; ``options`` the
@@ -369,9 +376,10 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
 
     * a **model's name** (embedded name, alias, directory, hub id; a list of them for ``fluctuation``): the run
       does what the command does -- the sizes, positions and memory checked from the config before anything loads
-      (:func:`check_run`), the run folder, the model loaded (``dtype``, ``device``, ``device_map``, ``quantize``;
-      eager attention where the options' policies read attention) and ``max_tokens`` of ``data`` packed in rows of
-      ``seq_len`` -- not given, the command's defaults (:func:`text_defaults`: the shipped held-out text, 256, and
+      (:func:`check_run`), the run folder, the model loaded (``dtype``, ``device``, ``device_map``, ``quantize``,
+      ``trust_remote_code`` as ``--trust-remote-code``: :func:`moetool.loading.read_config`; eager attention where
+      the options' policies read attention) and ``max_tokens`` of ``data`` packed in rows of ``seq_len`` -- not
+      given, the command's defaults (:func:`text_defaults`: the shipped held-out text, 256, and
       8192 tokens or the experiment's own, 32768 for ppl and stats); a size given is checked as the command checks
       it (0 included); or
     * a **loaded model** (:func:`moetool.load`) with ``tokens`` packed rows (:func:`moetool.tokens`; not for
@@ -396,8 +404,9 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     refuse_busy_out({"out": out, "force": force, "resume": resume}, str(experiment).replace("_", "-"))
     spec = get(experiment)
     if spec.inputs == "config":  # plan: a config alone, no weights, no text
-        return _run_config(spec, lm, tokens, options, out=out, force=force, batch_size=batch_size, resume=resume,
-                           data=data, seq_len=seq_len, max_tokens=max_tokens, overrides=overrides)
+        with _this_run(spec.name, False, trust_remote_code).active():
+            return _run_config(spec, lm, tokens, options, out=out, force=force, batch_size=batch_size, resume=resume,
+                               data=data, seq_len=seq_len, max_tokens=max_tokens, overrides=overrides)
     auto = isinstance(batch_size, str)
     if auto and batch_size.strip().lower() != "auto":
         raise MoetoolError(f"batch_size='{batch_size}' is neither a number of rows nor 'auto'")
@@ -421,15 +430,14 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     if named:
         fields = {f.name for f in dataclasses.fields(spec.options_class())} if spec.options else set()
         overrides = {**{k: v for k, v in loading.items() if k in fields and k not in overrides}, **overrides}
-    elif data is not None or seq_len is not None or max_tokens is not None or \
+    elif data is not None or seq_len is not None or max_tokens is not None or trust_remote_code or \
             any(v != run_default for v, run_default in zip(loading.values(), ("auto", "auto", None, None))):
         raise MoetoolError("data, seq_len, max_tokens and the loading keywords go with a model's name; a loaded "
                            "model runs on the tokens given")
     opts = resolve_options(spec.options_class(), options, overrides) if spec.options else None
     if auto and not hasattr(opts, "batch_size"):
         raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='auto' does not apply")
-    outer = current()  # the run of the command calling this (its --tp/--ep layout, its --batch-size auto), if any
-    this = outer if outer is not None else Run.new(spec.name, auto_batch=auto)
+    this = _this_run(spec.name, auto, trust_remote_code)
     with this.active():
         if named:
             return _run_named(spec, compute, lm, opts, this, resumable=resumable, out=out, force=force,
@@ -439,6 +447,14 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
         return _run_loaded(spec, compute, lm, tokens, opts, this, resumable=resumable, out=out, force=force,
                            batch_size=batch_size, resume=resume, quiet=quiet, manifest=manifest or {},
                            inputs=inputs or {}, call=call)
+
+
+def _this_run(name: str, auto: bool, trust_remote_code: bool) -> Run:
+    """The run of the command calling :func:`run` (its --tp/--ep layout, its --batch-size auto, its
+    --trust-remote-code), if any, trusting the checkpoint's code when ``trust_remote_code`` asks; else a new one."""
+    this = current() or Run.new(name, auto_batch=auto, trust_remote_code=trust_remote_code)
+    this.trust_remote_code = this.trust_remote_code or bool(trust_remote_code)
+    return this
 
 
 def _run_config(spec: Any, model: Any, tokens: Any, options: Any, *, out: Any, force: bool, batch_size: Any,

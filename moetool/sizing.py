@@ -10,7 +10,7 @@ from typing import Any
 
 from .configs import text_config
 from .errors import MoetoolError, MoetoolRuntimeError
-from .loading import auto_model_class, load_config, pick_device, pick_dtype, quiet_transformers
+from .loading import load_config, model_from_config, pick_device, pick_dtype, quiet_transformers
 
 # ----- validate a run from the config, before any weight loads ----------------------------------------------------
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -57,7 +57,7 @@ def count_parameters(config: Any) -> int | None:
 
     try:
         with torch.device("meta"), quiet_transformers():
-            model = auto_model_class(config).from_config(config)
+            model = model_from_config(config)
     except Exception:  # noqa: BLE001 - an estimate only: the load itself reports real problems
         return None
     return sum(p.numel() for p in model.parameters())

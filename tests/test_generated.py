@@ -53,14 +53,15 @@ def test_a_command_module_holds_only_the_command_own_parts(spec):
 def test_every_parameter_is_an_option_field(spec):
     """What the command passes on (its own flags but those read by its hooks, and the standard ones its options
     have) are fields of the experiment's options dataclass: a flag that set nothing would be a silent no-op; every
-    other parameter is the run's (:data:`TO_RUN`), the command's own module's, or --tp/--ep."""
+    other parameter is the run's (:data:`TO_RUN`), the command's own module's, or --tp/--ep/--trust-remote-code (taken
+    into the command's run by ``handle_errors``)."""
     fields = {f.name for f in dataclasses.fields(spec.options_class())}
     own_flags = {f.name for f in spec.command_flags() if f.to_options}
     assert own_flags <= fields, own_flags - fields
     names = {name for name, _, _ in parameters(spec)}
     hooks = {n for n, _, _ in getattr(own_module(spec), "PARAMS", [])} | {f.name for f in spec.command_flags() if not f.to_options}
-    rest = names - own_flags - (set(TO_OPTIONS) & fields) - set(TO_RUN) - hooks - {"tp", "ep", "checkpoints",
-                                                                                      "model", "trace", "trace_config"}
+    rest = names - own_flags - (set(TO_OPTIONS) & fields) - set(TO_RUN) - hooks - {
+        "tp", "ep", "trust_remote_code", "checkpoints", "model", "trace", "trace_config"}
     assert not rest, f"{spec.name}: parameters nobody reads: {rest}"
     if spec.inputs in ("tokens", "checkpoints"):
         assert {"layers", "seed"} <= names & fields

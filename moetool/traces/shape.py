@@ -30,11 +30,11 @@ class ModelShape:
 
         from ..adapters import find_moe_layers
         from ..configs import text_config
-        from ..loading import auto_model_class, load_config
+        from ..loading import load_config, model_from_config
 
         config, _, _ = load_config(name)  # a bad name fails before torch builds anything
         with torch.device("meta"):
-            model = auto_model_class(config).from_config(config)
+            model = model_from_config(config)
         layers = find_moe_layers(model)
         n_layers = getattr(text_config(config), "num_hidden_layers", None)
         if n_layers is None or getattr(config, "is_encoder_decoder", False):

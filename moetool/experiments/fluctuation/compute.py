@@ -43,7 +43,7 @@ from ...data import check_tokenizer, require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...loading import load, load_config
+from ...loading import load, load_config, load_tokenizer
 from ...sketch import Moments, TokenSpill
 from ...uncertainty import Interval, RowSums, bootstrap_meta, format_ci, ratio_intervals
 from ..result import Result, resolve_options
@@ -400,17 +400,10 @@ def pooled_rows(per_row: dict[str, dict[int, np.ndarray]], ref: Routing, referen
 # ----- the whole command ---------------------------------------------------------------------
 def check_checkpoints(names: Sequence[str]) -> Any:
     """Configs (before any weight loads) and tokenizer vocabularies must agree; returns the first tokenizer."""
-    from transformers import AutoTokenizer
-
     pairs(names, "previous")  # at least two
     loaded = [load_config(n) for n in names]
     check_same("architecture", names, [architecture(cfg) for cfg, _, _ in loaded])
-    toks = []
-    for name, (_, src, _) in zip(names, loaded):
-        try:
-            toks.append(AutoTokenizer.from_pretrained(src))
-        except Exception as e:  # noqa: BLE001 - tokenizers fail in many ways
-            raise MoetoolError(f"cannot load the tokenizer of {name}: {e}") from None
+    toks = [load_tokenizer(n) for n in names]  # as the run reads them (remote code only when trusted): one line each
     vocab = toks[0].get_vocab()
     for name, tok in zip(names[1:], toks[1:]):
         v = tok.get_vocab()

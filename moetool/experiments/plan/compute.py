@@ -166,10 +166,10 @@ def _parameter_groups(config: Any) -> dict[str, Any]:
     import torch
 
     from ...adapters import find_moe_layers
-    from ...loading import auto_model_class, quiet_transformers
+    from ...loading import model_from_config, quiet_transformers
 
     with torch.device("meta"), quiet_transformers():
-        model = auto_model_class(config).from_config(config)
+        model = model_from_config(config)
     layers = find_moe_layers(model)
     seen: set[int] = set()
     groups = dict.fromkeys(GROUPS, 0)

@@ -1,0 +1,259 @@
+"""Checkpoints that ship remote code (``auto_map``), all offline with local folders.
+
+* Kimi-K2's release names model type ``kimi_k2`` (not in transformers) with remote code and architecture
+  ``DeepseekV3ForCausalLM`` (transformers' own): read as the native ``deepseek_v3``, no prompt, weights in the
+  per-expert layout converted as DeepSeek-V3's are (logits equal to the original model's exactly).
+* A tokenizer that is remote code: one line without ``--trust-remote-code`` (transformers would refuse it, or for a
+  model type with a tokenizer of its own silently tokenize with its generic class), and with the flag the same
+  numbers as the plain tokenizer.
+* A config and model of remote code with no native class: one line without the flag; with it, transformers runs the
+  checkpoint's code and moetool's adapters decide.
+
+transformers never reads stdin here: ``input`` raises in every test (its "Do you wish to run the custom code?"
+prompt)."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetool.adapters import find_moe_layers
+from moetool.adapters.tiny import build_tiny
+from moetool.commands.app import app
+from moetool.errors import MoetoolError
+from moetool.loading import EMBEDDED_DIR
+
+KIMI_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+#: Kimi-K2's FP8 block quantization, as its config.json gives it (read, not applied: configs only)
+FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+PPL = ["--max-tokens", "512", "--seq-len", "64", "-q"]
+
+
+@pytest.fixture(autouse=True)
+def _no_stdin(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"something read stdin: {args}")
+
+    monkeypatch.setattr(builtins, "input", refuse)
+
+
+def _rewrite_config(folder: Path, **fields) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return config
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """(original tiny deepseek_v3 model, its folder, the same folder as Kimi-K2 ships it: model type kimi_k2, the
+    auto_map of its remote code, no code files)."""
+    model = build_tiny("deepseek_v3")
+    root = tmp_path_factory.mktemp("kimi")
+    original, kimi = root / "original", root / "kimi-k2"
+    model.save_pretrained(original)  # experts per expert on disk (transformers' reverse conversion), as Kimi's
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, original / f)
+    shutil.copytree(original, kimi)
+    _rewrite_config(kimi, model_type="kimi_k2", auto_map=KIMI_AUTO_MAP)
+    return model, original, kimi
+
+
+def test_the_per_expert_layout_is_what_the_folder_holds(kimi):
+    """The folder holds the per-expert layout Kimi-K2's shards have (the load below converts it)."""
+    from safetensors import safe_open
+
+    _, _, folder = kimi
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in keys
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)
+
+
+def test_kimi_config_is_read_as_native_deepseek_v3_with_every_field(kimi, tmp_path, capsys, monkeypatch):
+    """Before: transformers' prompt on stdin, then 'cannot read the config ... contains custom code'. Now the native
+    DeepseekV3Config, every field as AutoConfig reads the original's (quantization_config included), and one notice
+    line on stderr for the process."""
+    from transformers import AutoConfig
+
+    from moetool import loading
+    from moetool.loading import check_model, load_config
+
+    monkeypatch.setattr(loading, "_NOTICED", set())  # said once per process: this test counts from none
+    _, original, folder = kimi
+    for f in (original, folder):  # a copy of each with Kimi's quantization_config (configs only)
+        (tmp_path / f.name).mkdir()
+        shutil.copy(f / "config.json", tmp_path / f.name / "config.json")
+        _rewrite_config(tmp_path / f.name, quantization_config=FP8)
+    want = AutoConfig.from_pretrained(tmp_path / original.name).to_dict()
+    config, _, kind = load_config(str(tmp_path / folder.name))
+    assert type(config).__name__ == "DeepseekV3Config" and config.model_type == "deepseek_v3" and kind == "local"
+    got = config.to_dict()
+    assert got["quantization_config"] == FP8 and "auto_map" not in got
+    drop = ("_name_or_path",)
+    assert {k: v for k, v in got.items() if k not in drop} == {k: v for k, v in want.items() if k not in drop}
+    load_config(str(tmp_path / folder.name))
+    check_model(str(folder))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "kimi_k2" in ln]
+    assert lines == [f"{tmp_path / folder.name}'s config names model type kimi_k2 with remote code; reading it as "
+                     f"transformers' native deepseek_v3 (architectures: DeepseekV3ForCausalLM); its code is not run",
+                     f"{folder}'s config names model type kimi_k2 with remote code; reading it as transformers' native "
+                     f"deepseek_v3 (architectures: DeepseekV3ForCausalLM); its code is not run"], err
+
+
+def test_native_model_type_is_the_class_own_type():
+    """DeepseekV3ForCausalLM is named by two model types' mappings (deepseek_v3, and sarvam_mla which reuses it): the
+    type whose package defines it; a class transformers lacks: none."""
+    from transformers import CONFIG_MAPPING
+
+    from moetool.loading import native_model_type
+
+    assert native_model_type(["DeepseekV3ForCausalLM"]) == "deepseek_v3"
+    assert native_model_type(["MixtralForCausalLM"]) == "mixtral"
+    for t in ("deepseek_v3", "mixtral"):
+        assert CONFIG_MAPPING[t].model_type == t
+    assert native_model_type(["KimiK2ForCausalLM"]) is None and native_model_type(None) is None
+
+
+def test_kimi_loads_natively_with_the_original_logits_and_moe_layers(kimi):
+    """Weights in the per-expert layout converted as DeepSeek-V3's (conversion keyed on the model type): logits equal
+    the original model's exactly, and moetool finds the same MoE layers."""
+    import moetool
+
+    model, _, folder = kimi
+    lm = moetool.load(str(folder), device="cpu")
+    assert type(lm.model).__name__ == "DeepseekV3ForCausalLM" and lm.config.model_type == "deepseek_v3"
+    assert [L.index for L in lm.layers] == [L.index for L in find_moe_layers(model)] and len(lm.layers) == 3
+    ids = torch.arange(3, 67).view(2, 32)
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, model(ids).logits)
+
+
+def test_plan_and_inspect_read_kimi_without_a_prompt(kimi):
+    """``moetool plan`` / ``inspect`` on the Kimi-shaped folder (before: the prompt, then exit 2): inspect's
+    parameter count is the original model's."""
+    model, _, folder = kimi
+    r = CliRunner().invoke(app, ["inspect", "--model", str(folder), "--json"], input="")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout[r.stdout.index("{"):])
+    assert info["family"] == "deepseek_v3" and info["total_params"] == sum(p.numel() for p in model.parameters())
+    assert [row["layer"] for row in info["moe_layers"]] == [L.index for L in find_moe_layers(model)]
+    r = CliRunner().invoke(app, ["plan", "--model", str(folder), "--out", str(folder.parent / "plan")], input="")
+    assert r.exit_code == 0, r.output
+
+
+def _remote_tokenizer_folder(root: Path) -> Path:
+    """The embedded tiny model with its tokenizer declared as the checkpoint's own code: tokenizer_config.json names
+    TinyRemoteTokenizer through auto_map (Kimi-K2's form: [slow, fast]), tokenization_tiny.py wraps tokenizer.json."""
+    folder = root / "remote-tokenizer"
+    shutil.copytree(EMBEDDED_DIR / "tiny", folder)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc.update(tokenizer_class="TinyRemoteTokenizer",
+              auto_map={"AutoTokenizer": ["tokenization_tiny.TinyRemoteTokenizer", None]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    (folder / "tokenization_tiny.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class TinyRemoteTokenizer(PreTrainedTokenizerFast):\n"
+        "    \"\"\"The embedded tiny tokenizer, as a checkpoint's own code.\"\"\"\n")
+    return folder
+
+
+def _ppl(args: list[str], out: Path) -> pd.DataFrame:
+    r = CliRunner().invoke(app, ["ppl", *args, *PPL, "--out", str(out)], input="")
+    assert r.exit_code == 0, r.output
+    return pd.read_csv(out / "ppl.csv")
+
+
+def test_a_remote_tokenizer_needs_the_flag_and_then_tokenizes_as_the_plain_one(tmp_path):
+    """Before: transformers' generic class replaced the checkpoint's tokenizer without a word (Mixtral has a tokenizer
+    class of its own), and there was no --trust-remote-code. Now one line without the flag, before any run folder;
+    with it the checkpoint's class runs, with the numbers of the same model and its plain tokenizer."""
+    folder = _remote_tokenizer_folder(tmp_path)
+    r = CliRunner().invoke(app, ["ppl", "--model", str(folder), *PPL, "--out", str(tmp_path / "refused")], input="")
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert "tokenization_tiny.TinyRemoteTokenizer" in lines[0] and "--trust-remote-code" in lines[0]
+    assert not (tmp_path / "refused" / "ppl.csv").exists()
+
+    import moetool
+
+    with pytest.raises(MoetoolError, match="trust-remote-code"):
+        moetool.load(str(folder), device="cpu")
+    tok = moetool.load(str(folder), device="cpu", trust_remote_code=True).tokenizer
+    assert type(tok).__name__ == "TinyRemoteTokenizer"
+
+    trusted = _ppl(["--model", str(folder), "--trust-remote-code"], tmp_path / "trusted")
+    plain = _ppl(["--model", "tiny"], tmp_path / "plain")
+    cols = ["scored_tokens", "nll_mean", "perplexity", "perplexity_lo", "perplexity_hi"]
+    assert trusted[cols].equals(plain[cols]) and int(plain["scored_tokens"].iloc[0]) > 400
+    manifest = json.loads((tmp_path / "trusted" / "manifest.json").read_text())
+    assert manifest["options"]["trust_remote_code"] is True
+
+
+def _remote_model_folder(root: Path) -> Path:
+    """The embedded tiny Mixtral as a model of remote code with no native class: model type foo_moe, architecture
+    FooMoeForCausalLM, config and model classes in the folder (subclasses of Mixtral's), the weights as the model
+    holds them."""
+    import moetool
+    from safetensors.torch import save_file
+
+    folder = root / "remote-model"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, folder / f)
+    shutil.copy(EMBEDDED_DIR / "tiny" / "config.json", folder / "config.json")
+    _rewrite_config(folder, model_type="foo_moe", architectures=["FooMoeForCausalLM"],
+                    auto_map={"AutoConfig": "configuration_foo.FooMoeConfig",
+                              "AutoModelForCausalLM": "modeling_foo.FooMoeForCausalLM"})
+    (folder / "configuration_foo.py").write_text("from transformers import MixtralConfig\n\n\n"
+                                                 "class FooMoeConfig(MixtralConfig):\n    model_type = \"foo_moe\"\n")
+    (folder / "modeling_foo.py").write_text("from transformers import MixtralForCausalLM\n\n"
+                                            "from .configuration_foo import FooMoeConfig\n\n\n"
+                                            "class FooMoeForCausalLM(MixtralForCausalLM):\n"
+                                            "    config_class = FooMoeConfig\n")
+    model = moetool.load("tiny", device="cpu", tokenizer=False).model
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k not in tied},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_remote_model_code_without_a_native_class_runs_only_when_trusted(tmp_path):
+    """Before: the prompt on stdin, then 'cannot read the config'. Now one line naming --trust-remote-code (plan
+    included); trusted, transformers runs the folder's own classes and moetool's adapters take the model: the same
+    perplexity as the embedded tiny model it wraps."""
+    folder = _remote_model_folder(tmp_path)
+    for args in (["ppl", "--model", str(folder), *PPL, "--out", str(tmp_path / "refused")],
+                 ["plan", "--model", str(folder)], ["inspect", "--model", str(folder)]):
+        r = CliRunner().invoke(app, args, input="")
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1, (args, r.output)
+        assert "configuration_foo.FooMoeConfig" in lines[0] and "--trust-remote-code" in lines[0], r.output
+
+    import moetool
+
+    lm = moetool.load(str(folder), device="cpu", trust_remote_code=True)
+    assert type(lm.model).__name__ == "FooMoeForCausalLM" and len(lm.layers) == 4
+    trusted = _ppl(["--model", str(folder), "--trust-remote-code"], tmp_path / "trusted")
+    plain = _ppl(["--model", "tiny"], tmp_path / "plain")
+    cols = ["scored_tokens", "nll_mean", "perplexity"]
+    assert trusted[cols].equals(plain[cols])
+    r = CliRunner().invoke(app, ["plan", "--model", str(folder), "--trust-remote-code", "--out",
+                                 str(tmp_path / "plan")], input="")
+    assert r.exit_code == 0, r.output
+    with pytest.raises(MoetoolError, match="trust-remote-code"):
+        moetool.run("plan", str(folder), out=tmp_path / "plan-refused")
+    res = moetool.run("plan", str(folder), out=tmp_path / "plan-api", trust_remote_code=True)
+    plain = moetool.run("plan", "tiny", out=tmp_path / "plan-tiny")
+    assert res.tables["params.csv"].equals(plain.tables["params.csv"])  # the same parameters, by group and format
+    assert int(plain.tables["params.csv"]["params"].sum()) > 0
