@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,46 @@ def looks_like_path(name: str) -> bool:
             or name.count("/") >= 2)
 
 
+#: file formats of other runtimes, by suffix: what a folder or file of them is, in a refusal
+_FOREIGN_FORMATS = {".gguf": "a GGUF file (llama.cpp's format)", ".onnx": "an ONNX export",
+                    ".mlmodel": "a Core ML model", ".mlpackage": "a Core ML model", ".engine": "a TensorRT engine"}
+_TRANSFORMERS_CHECKPOINT = "a transformers checkpoint (a folder with config.json and *.safetensors or *.bin)"
+
+
+def not_a_model_directory(name: str, path: Path) -> str:
+    """Why ``path`` (which exists and holds no ``config.json``) is no model ``--model`` loads, and what to pass
+    instead, in one line: a file beside its checkpoint's config (``config.json``, a ``*.safetensors`` shard) names
+    that folder; a PEFT adapter (``adapter_config.json``) names its base model; a GGUF or ONNX file or folder says
+    it is another runtime's format."""
+    if path.is_file():
+        kind = _FOREIGN_FORMATS.get(path.suffix.lower())
+        if kind is not None:
+            return (f"{name} is {kind}; moetool loads {_TRANSFORMERS_CHECKPOINT}: pass the original model's folder "
+                    f"or hub id")
+        if (path.parent / "config.json").is_file():
+            return f"{name} is a file; --model takes the folder that holds it: --model {shlex.quote(str(path.parent))}"
+        return f"{name} is a file, not a model directory: moetool loads {_TRANSFORMERS_CHECKPOINT}"
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        of = f" of {base}" if isinstance(base, str) and base else ""
+        point = f", or pass the base model itself (--model {shlex.quote(base)})" if of else ""
+        return (f"{name} is a PEFT adapter{of} (adapter_config.json, no config.json) and moetool loads whole models: "
+                f"merge it into its base first (peft: PeftModel.from_pretrained(base, '{name}').merge_and_unload()"
+                f".save_pretrained(DIR), then --model DIR){point}")
+    try:
+        found = sorted({f.suffix.lower() for f in path.iterdir()} & set(_FOREIGN_FORMATS))
+    except OSError:
+        found = []
+    if found:
+        return (f"{name} holds {_FOREIGN_FORMATS[found[0]]} and no config.json; moetool loads "
+                f"{_TRANSFORMERS_CHECKPOINT}: pass the original model's folder or hub id")
+    return f"{name} is not a model directory (no config.json in it)"
+
+
 def resolve(name: str) -> tuple[str, str]:
     """``(source, kind)`` with kind ``embedded`` | ``alias`` | ``local`` | ``hub``; ``name`` a string or a path."""
     if isinstance(name, os.PathLike):
@@ -139,12 +180,17 @@ def resolve(name: str) -> tuple[str, str]:
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
-            raise MoetoolError(f"{name} is not a model directory (no config.json in it)")
+            raise MoetoolError(not_a_model_directory(name, p))
         return str(p), "local"
     if looks_like_path(name):  # no hub id is spelled so: a folder that is not there
         raise MoetoolError(f"no such directory: {name}{did_you_mean(Path(name.rstrip('/')).name, [*emb, *ALIASES])}")
     if _HUB_ID.match(name):
         return name, "hub"
+    repo, at, rev = name.partition("@")
+    if at and (_HUB_ID.match(repo) or repo in ALIASES):  # org/name@rev: transformers' revision, not a hub id
+        full = ALIASES.get(repo, repo)
+        raise MoetoolError(f"'{name}': --model takes no revision (@{rev}); download that revision (hf download {full} "
+                           f"--revision {rev} --local-dir DIR) and pass the folder, or pass {repo} for the latest")
     raise MoetoolError(f"unknown model '{name}'{did_you_mean(name, [*emb, *ALIASES])}: give an embedded name "
                        f"({', '.join(emb) or 'none'}), an alias (moetool inspect --aliases), "
                        f"a local directory or a hub id org/name")

@@ -111,6 +111,76 @@ def test_local_dir_without_config(tmp_path):
         resolve(str(tmp_path))
 
 
+def test_a_peft_adapter_folder_names_its_base_and_how_to_use_it(tmp_path):
+    """A LoRA adapter folder (adapter_config.json + adapter_model.safetensors, no config.json) was "not a model
+    directory (no config.json in it)": it now says it is a PEFT adapter of its base, to merge it or pass the base --
+    from the CLI in one line, exit 2, before any weight."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    folder = tmp_path / "my lora"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/Base-MoE",
+                                                            "peft_type": "LORA", "r": 8}))
+    (folder / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(MoetoolError) as e:
+        resolve(str(folder))
+    assert str(e.value) == (f"{folder} is a PEFT adapter of org/Base-MoE (adapter_config.json, no config.json) and "
+                            f"moetool loads whole models: merge it into its base first (peft: PeftModel.from_pretrained"
+                            f"(base, '{folder}').merge_and_unload().save_pretrained(DIR), then --model DIR), or pass "
+                            f"the base model itself (--model org/Base-MoE)")
+    for cmd in ("plan", "ppl"):
+        out = CliRunner().invoke(app, [cmd, "--model", str(folder), "--out", str(tmp_path / cmd)])
+        assert out.exit_code == 2 and out.output.strip() == f"error: {e.value}", out.output
+    (folder / "adapter_config.json").write_text("{not json")  # unreadable: an adapter still, base unnamed
+    with pytest.raises(MoetoolError, match=r"is a PEFT adapter \(adapter_config.json, no config.json\)"):
+        resolve(str(folder))
+
+
+def test_a_file_is_refused_naming_its_folder_or_its_format(tmp_path):
+    """--model given a file (config.json, one .safetensors shard, a GGUF or ONNX file, or a folder of GGUF files)
+    was "<file> is not a model directory (no config.json in it)" -- even for config.json itself. A file of a
+    checkpoint now names the folder to pass (quoted for the shell: a path with spaces); another runtime's format is
+    named as such."""
+    import shutil
+
+    from moetool.loading import EMBEDDED_DIR
+
+    folder = tmp_path / "my model"
+    shutil.copytree(EMBEDDED_DIR / "tiny", folder)
+    for f in ("config.json", "model.safetensors"):
+        with pytest.raises(MoetoolError) as e:
+            resolve(str(folder / f))
+        assert str(e.value) == f"{folder / f} is a file; --model takes the folder that holds it: --model '{folder}'"
+    assert resolve(str(folder)) == (str(folder), "local")
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "m-Q4_K_M.gguf").write_bytes(b"GGUF")
+    (tmp_path / "m.onnx").write_bytes(b"\0")
+    checkpoint = "a transformers checkpoint (a folder with config.json and *.safetensors or *.bin)"
+    for name, what in ((gguf / "m-Q4_K_M.gguf", "is a GGUF file (llama.cpp's format);"),
+                       (gguf, "holds a GGUF file (llama.cpp's format) and no config.json;"),
+                       (tmp_path / "m.onnx", "is an ONNX export;")):
+        with pytest.raises(MoetoolError) as e:
+            resolve(str(name))
+        assert str(e.value) == f"{name} {what} moetool loads {checkpoint}: pass the original model's folder or hub id"
+
+
+@pytest.mark.parametrize("name, repo, rev", [("org/name@abc123", "org/name", "abc123"),
+                                             ("olmoe@main", "allenai/OLMoE-1B-7B-0924", "main")])
+def test_a_hub_id_with_a_revision_says_how_to_get_that_revision(name, repo, rev):
+    """``org/name@rev`` (a revision as other tools spell it) was "unknown model ...: give ... a hub id org/name",
+    which it looks like: it now says --model takes no revision and how to download that one."""
+    with pytest.raises(MoetoolError) as e:
+        resolve(name)
+    line = str(e.value)
+    assert line.startswith(f"'{name}': --model takes no revision (@{rev}); download that revision (hf download {repo} "
+                           f"--revision {rev} --local-dir DIR)"), line
+
+
 def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alone(tmp_path):
     """A folder of config and tokenizer (what ``plan`` needs) given to a command that loads weights said "OSError:
     no file named model.safetensors ..." (newcomer run 4): it now says the folder holds no weight files and which
