@@ -414,7 +414,28 @@ def _read_config(name: str, trust_remote_code: bool | None = None
         # wrong type): the input is wrong, a usage error as the config checks of check_config are
         raise MoetoolError(f"cannot read the config of {source}: {one_line(e)}") from e
     check_config(config)
+    check_stored_dtype(config, source)
     return config, source, kind, from_hub, offline, how
+
+
+#: the dtypes transformers builds a model in (its default dtype while the modules are made)
+BUILD_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_stored_dtype(config: Any, source: str) -> None:
+    """Refuse (one line, exit 2) a config whose recorded dtype (:func:`moetool.configs.stored_dtype`) is one no model
+    is built in (``float8_e4m3fn``, ``int8``): transformers makes its modules in that dtype and fails deep in torch
+    (``couldn't find storage object Float8_e4m3fnStorage``, or "cannot be instantiated under dtype=torch.int8"), and
+    plan would size the weights as bf16. A quantized checkpoint records its quantization in ``quantization_config``
+    and the dtype of its other layers here."""
+    dtype = stored_dtype(config)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if name is None or name in BUILD_DTYPES:
+        return
+    raise MoetoolError(f"the config of {source} records dtype {name}, which no model is built in "
+                       f"({', '.join(BUILD_DTYPES[:3])}): a quantized checkpoint records its quantization in "
+                       f"quantization_config and the dtype of its other layers in dtype -- fix config.json "
+                       f"(e.g. \"dtype\": \"bfloat16\")")
 
 
 def config_fingerprint(name: str, trust_remote_code: bool | None = None) -> str | None:

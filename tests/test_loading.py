@@ -213,6 +213,34 @@ def test_dense_model_is_refused_before_weights(tmp_path):
         load_config(str(tmp_path))
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_a_config_dtype_no_model_is_built_in_is_one_line_for_every_command(dtype, tmp_path):
+    """A config.json recording dtype float8_e4m3fn or int8 (a quantized checkpoint's dtype written where the dtype of
+    its other layers goes) was a traceback from inspect and plan ("TypeError: couldn't find storage object
+    Float8_e4m3fnStorage", "ValueError: ... cannot be instantiated under dtype=torch.int8") while ppl ran: one line,
+    exit 2, from each; with bfloat16 recorded, inspect describes the model."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.loading import EMBEDDED_DIR
+
+    shutil.copytree(EMBEDDED_DIR / "tiny", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "dtype": dtype}))
+    want = (f"error: the config of {tmp_path / 'm'} records dtype {dtype}, which no model is built in (float32, "
+            f"float16, bfloat16): a quantized checkpoint records its quantization in quantization_config and the dtype "
+            f"of its other layers in dtype -- fix config.json (e.g. \"dtype\": \"bfloat16\")")
+    for cmd in (["inspect"], ["plan", "--json"], ["ppl", "--out", str(tmp_path / "run")]):
+        out = CliRunner().invoke(app, [*cmd, "--model", str(tmp_path / "m")])
+        assert out.exit_code == 2 and out.output.strip() == want, (cmd, out.output)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    out = CliRunner().invoke(app, ["inspect", "--json", "--model", str(tmp_path / "m")])
+    assert out.exit_code == 0 and json.loads(out.output)["model_type"] == "mixtral", out.output
+
+
 def test_unsupported_moe_family_names_supported_ones(tmp_path):
     from transformers import DiffusionGemmaConfig
 
