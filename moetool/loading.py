@@ -131,6 +131,20 @@ _FOREIGN_FORMATS = {".gguf": "a GGUF file (llama.cpp's format)", ".onnx": "an ON
 _TRANSFORMERS_CHECKPOINT = "a transformers checkpoint (a folder with config.json and *.safetensors or *.bin)"
 
 
+def peft_adapter(name: str, path: Path, why: str) -> str:
+    """The line that refuses ``path``, a PEFT adapter folder (``adapter_config.json``; ``why``: what shows it), naming
+    its base model (``base_model_name_or_path``) and how to use it: merge it, or pass the base."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    of = f" of {base}" if isinstance(base, str) and base else ""
+    point = f", or pass the base model itself (--model {shlex.quote(base)})" if of else ""
+    return (f"{name} is a PEFT adapter{of} ({why}) and moetool loads whole models: merge it into its base first "
+            f"(peft: PeftModel.from_pretrained(base, '{name}').merge_and_unload().save_pretrained(DIR), then "
+            f"--model DIR){point}")
+
+
 def not_a_model_directory(name: str, path: Path) -> str:
     """Why ``path`` (which exists and holds no ``config.json``) is no model ``--model`` loads, and what to pass
     instead, in one line: a file beside its checkpoint's config (``config.json``, a ``*.safetensors`` shard) names
@@ -144,17 +158,8 @@ def not_a_model_directory(name: str, path: Path) -> str:
         if (path.parent / "config.json").is_file():
             return f"{name} is a file; --model takes the folder that holds it: --model {shlex.quote(str(path.parent))}"
         return f"{name} is a file, not a model directory: moetool loads {_TRANSFORMERS_CHECKPOINT}"
-    adapter = path / "adapter_config.json"
-    if adapter.is_file():
-        try:
-            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-        except (OSError, ValueError, AttributeError):
-            base = None
-        of = f" of {base}" if isinstance(base, str) and base else ""
-        point = f", or pass the base model itself (--model {shlex.quote(base)})" if of else ""
-        return (f"{name} is a PEFT adapter{of} (adapter_config.json, no config.json) and moetool loads whole models: "
-                f"merge it into its base first (peft: PeftModel.from_pretrained(base, '{name}').merge_and_unload()"
-                f".save_pretrained(DIR), then --model DIR){point}")
+    if (path / "adapter_config.json").is_file():
+        return peft_adapter(name, path, "adapter_config.json, no config.json")
     try:
         found = sorted({f.suffix.lower() for f in path.iterdir()} & set(_FOREIGN_FORMATS))
     except OSError:
@@ -814,7 +819,11 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each
         if kind in ("hub", "alias") and isinstance(e, OSError):
             raise hub_error(source, e, offline) from e
-        if kind == "local" and not any(f.suffix in WEIGHT_SUFFIXES for f in Path(source).iterdir()):
+        folder = Path(source)
+        weights = [f.name for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES] if kind == "local" else ["?"]
+        if (folder / "adapter_config.json").is_file() and all(f.startswith("adapter_model.") for f in weights):
+            raise MoetoolError(peft_adapter(source, folder, "adapter_config.json and adapter weights only")) from e
+        if not weights:
             raise MoetoolRuntimeError(f"cannot load the weights of {source}: it holds a config and no weight files "
                                       f"({', '.join('*' + x for x in WEIGHT_SUFFIXES)}); plan and inspect read a "
                                       f"config alone (moetool plan --model {source})") from e

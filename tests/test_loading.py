@@ -140,6 +140,33 @@ def test_a_peft_adapter_folder_names_its_base_and_how_to_use_it(tmp_path):
         resolve(str(folder))
 
 
+def test_an_adapter_folder_with_a_config_but_adapter_weights_only_is_an_adapter(tmp_path):
+    """An adapter saved with its base's config.json beside it: ppl said transformers' "OSError: Error no file named
+    model.safetensors, or pytorch_model.bin, found in directory": it says it is a PEFT adapter of its base (exit 2);
+    plan, which reads the config alone, still answers."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.loading import EMBEDDED_DIR
+
+    folder = tmp_path / "lora"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, folder / f)
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/Base-MoE"}))
+    (folder / "adapter_model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # an empty safetensors
+    out = CliRunner().invoke(app, ["ppl", "--model", str(folder), "--out", str(tmp_path / "run")])
+    assert out.exit_code == 2, out.output
+    assert out.output.strip() == (f"error: {folder} is a PEFT adapter of org/Base-MoE (adapter_config.json and adapter "
+                                  f"weights only) and moetool loads whole models: merge it into its base first (peft: "
+                                  f"PeftModel.from_pretrained(base, '{folder}').merge_and_unload().save_pretrained(DIR)"
+                                  f", then --model DIR), or pass the base model itself (--model org/Base-MoE)")
+    assert CliRunner().invoke(app, ["plan", "--json", "--model", str(folder)]).exit_code == 0
+
+
 def test_a_file_is_refused_naming_its_folder_or_its_format(tmp_path):
     """--model given a file (config.json, one .safetensors shard, a GGUF or ONNX file, or a folder of GGUF files)
     was "<file> is not a model directory (no config.json in it)" -- even for config.json itself. A file of a
