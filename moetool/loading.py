@@ -818,7 +818,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each
         if kind in ("hub", "alias") and isinstance(e, OSError):
-            raise hub_error(source, e, offline) from e
+            raise hub_error(source, e, offline, part="weights") from e
         folder = Path(source)
         weights = [f.name for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES] if kind == "local" else ["?"]
         if (folder / "adapter_config.json").is_file() and all(f.startswith("adapter_model.") for f in weights):
