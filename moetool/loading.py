@@ -826,7 +826,7 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         if not weights:
             raise MoetoolRuntimeError(f"cannot load the weights of {source}: it holds a config and no weight files "
                                       f"({', '.join('*' + x for x in WEIGHT_SUFFIXES)}); plan and inspect read a "
-                                      f"config alone (moetool plan --model {source})") from e
+                                      f"config alone (moetool plan --model {shlex.quote(source)})") from e
         raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
     if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)

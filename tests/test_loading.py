@@ -211,13 +211,16 @@ def test_a_hub_id_with_a_revision_says_how_to_get_that_revision(name, repo, rev)
 def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alone(tmp_path):
     """A folder of config and tokenizer (what ``plan`` needs) given to a command that loads weights said "OSError:
     no file named model.safetensors ..." (newcomer run 4): it now says the folder holds no weight files and which
-    commands read a config alone. With a weight file beside it, the load runs."""
+    commands read a config alone, quoted for the shell (a folder with a space in its name). With a weight file beside
+    it, the load runs."""
     import shutil
 
     import moetool
     from moetool.loading import EMBEDDED_DIR
 
     src = EMBEDDED_DIR / "tiny"
+    tmp_path = tmp_path / "config only"
+    tmp_path.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, tmp_path / f.name)
@@ -225,7 +228,7 @@ def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alo
         moetool.load(str(tmp_path))
     assert str(e.value) == (f"cannot load the weights of {tmp_path}: it holds a config and no weight files "
                             f"(*.safetensors, *.bin, *.pt, *.pth); plan and inspect read a config alone (moetool plan "
-                            f"--model {tmp_path})")
+                            f"--model '{tmp_path}')")
     for f in src.glob("*.safetensors"):
         shutil.copy(f, tmp_path / f.name)
     assert moetool.load(str(tmp_path)).layers
