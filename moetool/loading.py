@@ -827,6 +827,15 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
             raise MoetoolRuntimeError(f"cannot load the weights of {source}: it holds a config and no weight files "
                                       f"({', '.join('*' + x for x in WEIGHT_SUFFIXES)}); plan and inspect read a "
                                       f"config alone (moetool plan --model {shlex.quote(source)})") from e
+        from transformers.utils import (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
+                                        WEIGHTS_NAME)
+
+        names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+        if kind == "local" and not any((folder / n).is_file() for n in names):  # model.pt, weights.safetensors
+            raise MoetoolRuntimeError(
+                f"cannot load the weights of {source}: it holds {', '.join(sorted(weights)[:3])} but transformers "
+                f"reads a checkpoint's weights from {' or '.join(names[::2])} (or their sharded {names[1]} / "
+                f"{names[3]}): save them so (model.save_pretrained) or rename the file") from e
         raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
     if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)

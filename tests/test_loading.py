@@ -234,6 +234,36 @@ def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alo
     assert moetool.load(str(tmp_path)).layers
 
 
+def test_weights_under_a_name_transformers_does_not_read_are_named(tmp_path):
+    """A folder of config, tokenizer and the weights as ``model.pt`` (a state dict saved by hand) said transformers'
+    "OSError: Error no file named model.safetensors, or pytorch_model.bin, found" -- beside a weight file. It now
+    names the file and the names transformers reads; renamed to pytorch_model.bin, it loads the same weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    import moetool
+    from moetool.loading import EMBEDDED_DIR
+
+    src = EMBEDDED_DIR / "tiny"
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    weights = load_file(src / "model.safetensors")
+    torch.save(weights, tmp_path / "model.pt")
+    with pytest.raises(MoetoolError) as e:
+        moetool.load(str(tmp_path), tokenizer=False)
+    assert str(e.value) == (f"cannot load the weights of {tmp_path}: it holds model.pt but transformers reads a "
+                            f"checkpoint's weights from model.safetensors or pytorch_model.bin (or their sharded "
+                            f"model.safetensors.index.json / pytorch_model.bin.index.json): save them so "
+                            f"(model.save_pretrained) or rename the file")
+    (tmp_path / "model.pt").rename(tmp_path / "pytorch_model.bin")
+    got = moetool.load(str(tmp_path), tokenizer=False, device="cpu").model.state_dict()
+    want = moetool.load("tiny", tokenizer=False, device="cpu").model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_dense_model_is_refused_before_weights(tmp_path):
     from transformers import LlamaConfig
 
