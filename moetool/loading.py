@@ -178,6 +178,9 @@ def resolve(name: str) -> tuple[str, str]:
         raise MoetoolError(f"a model is named by a string (an embedded name, an alias, a directory or a hub id) "
                            f"or a path, not {name!r} ({type(name).__name__})"[:300])
     emb = embedded_models()
+    if not name.strip():  # an unset shell variable: not the current folder ('.' names it)
+        raise MoetoolError(f"--model {name!r} is an empty name: give an embedded name ({', '.join(emb) or 'none'}), "
+                           f"an alias, a local directory ('.' for the current folder) or a hub id org/name")
     if name in emb:
         return str(emb[name]), "embedded"
     if name in ALIASES:

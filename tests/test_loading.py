@@ -102,6 +102,23 @@ def test_a_path_that_is_not_there_is_no_such_directory(name, tmp_path, monkeypat
         assert "did you mean" not in line
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused_not_the_current_folder(name, tmp_path, monkeypatch):
+    """``--model ""`` (an unset shell variable) was the current folder: " is not a model directory" (a line starting
+    with a blank), or, run inside a checkpoint's folder, that checkpoint. It is refused as an empty name; '.' still
+    names the current folder."""
+    import shutil
+
+    from moetool.loading import EMBEDDED_DIR
+
+    shutil.copytree(EMBEDDED_DIR / "tiny", tmp_path / "m")
+    monkeypatch.chdir(tmp_path / "m")
+    with pytest.raises(MoetoolError) as e:
+        resolve(name)
+    assert str(e.value).startswith(f"--model {name!r} is an empty name: give an embedded name (tiny, "), e.value
+    assert resolve(".") == (".", "local")
+
+
 def test_a_hub_id_is_still_a_hub_id():
     assert resolve("org/name") == ("org/name", "hub") and resolve("Org-1/na.me_2") == ("Org-1/na.me_2", "hub")
 
