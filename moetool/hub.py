@@ -74,11 +74,16 @@ def hub_offline() -> str | None:
     return f"cannot reach {url}: {why}{slow}"
 
 
-def hub_error(source: str, err: Exception, offline: str | None) -> MoetoolError:
+def hub_error(source: str, err: Exception, offline: str | None, *, part: str | None = None) -> MoetoolError:
+    """The one line of a hub id that cannot be fetched; ``part`` (e.g. ``"weights"``): what was being fetched after
+    the config was read -- offline, the line then says the config is cached and that part is not (plan and inspect
+    answer from the config; "not in the cache" would contradict them)."""
     last = source.split("/")[-1]
     if offline:
+        what = (f"the {part} of '{source}' are not (all) in the local Hugging Face cache (its config is: plan and "
+                f"inspect read it)" if part else f"'{source}' is not in the local Hugging Face cache")
         return MoetoolRuntimeError(
-            f"'{source}' is not in the local Hugging Face cache and the Hub is out of reach ({offline}): download it "
+            f"{what} and the Hub is out of reach ({offline}): download it "
             f"where there is network (hf download {source}) and pass the folder, e.g. --model /path/to/{last}")
     chain = [err, err.__cause__, err.__context__]
     if any(type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError") for e in chain if e is not None) \

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,51 @@ def looks_like_path(name: str) -> bool:
             or name.count("/") >= 2)
 
 
+#: file formats of other runtimes, by suffix: what a folder or file of them is, in a refusal
+_FOREIGN_FORMATS = {".gguf": "a GGUF file (llama.cpp's format)", ".onnx": "an ONNX export",
+                    ".mlmodel": "a Core ML model", ".mlpackage": "a Core ML model", ".engine": "a TensorRT engine"}
+_TRANSFORMERS_CHECKPOINT = "a transformers checkpoint (a folder with config.json and *.safetensors or *.bin)"
+
+
+def peft_adapter(name: str, path: Path, why: str) -> str:
+    """The line that refuses ``path``, a PEFT adapter folder (``adapter_config.json``; ``why``: what shows it), naming
+    its base model (``base_model_name_or_path``) and how to use it: merge it, or pass the base."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    of = f" of {base}" if isinstance(base, str) and base else ""
+    point = f", or pass the base model itself (--model {shlex.quote(base)})" if of else ""
+    return (f"{name} is a PEFT adapter{of} ({why}) and moetool loads whole models: merge it into its base first "
+            f"(peft: PeftModel.from_pretrained(base, '{name}').merge_and_unload().save_pretrained(DIR), then "
+            f"--model DIR){point}")
+
+
+def not_a_model_directory(name: str, path: Path) -> str:
+    """Why ``path`` (which exists and holds no ``config.json``) is no model ``--model`` loads, and what to pass
+    instead, in one line: a file beside its checkpoint's config (``config.json``, a ``*.safetensors`` shard) names
+    that folder; a PEFT adapter (``adapter_config.json``) names its base model; a GGUF or ONNX file or folder says
+    it is another runtime's format."""
+    if path.is_file():
+        kind = _FOREIGN_FORMATS.get(path.suffix.lower())
+        if kind is not None:
+            return (f"{name} is {kind}; moetool loads {_TRANSFORMERS_CHECKPOINT}: pass the original model's folder "
+                    f"or hub id")
+        if (path.parent / "config.json").is_file():
+            return f"{name} is a file; --model takes the folder that holds it: --model {shlex.quote(str(path.parent))}"
+        return f"{name} is a file, not a model directory: moetool loads {_TRANSFORMERS_CHECKPOINT}"
+    if (path / "adapter_config.json").is_file():
+        return peft_adapter(name, path, "adapter_config.json, no config.json")
+    try:
+        found = sorted({f.suffix.lower() for f in path.iterdir()} & set(_FOREIGN_FORMATS))
+    except OSError:
+        found = []
+    if found:
+        return (f"{name} holds {_FOREIGN_FORMATS[found[0]]} and no config.json; moetool loads "
+                f"{_TRANSFORMERS_CHECKPOINT}: pass the original model's folder or hub id")
+    return f"{name} is not a model directory (no config.json in it)"
+
+
 def resolve(name: str) -> tuple[str, str]:
     """``(source, kind)`` with kind ``embedded`` | ``alias`` | ``local`` | ``hub``; ``name`` a string or a path."""
     if isinstance(name, os.PathLike):
@@ -132,6 +178,9 @@ def resolve(name: str) -> tuple[str, str]:
         raise MoetoolError(f"a model is named by a string (an embedded name, an alias, a directory or a hub id) "
                            f"or a path, not {name!r} ({type(name).__name__})"[:300])
     emb = embedded_models()
+    if not name.strip():  # an unset shell variable: not the current folder ('.' names it)
+        raise MoetoolError(f"--model {name!r} is an empty name: give an embedded name ({', '.join(emb) or 'none'}), "
+                           f"an alias, a local directory ('.' for the current folder) or a hub id org/name")
     if name in emb:
         return str(emb[name]), "embedded"
     if name in ALIASES:
@@ -139,12 +188,17 @@ def resolve(name: str) -> tuple[str, str]:
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
-            raise MoetoolError(f"{name} is not a model directory (no config.json in it)")
+            raise MoetoolError(not_a_model_directory(name, p))
         return str(p), "local"
     if looks_like_path(name):  # no hub id is spelled so: a folder that is not there
         raise MoetoolError(f"no such directory: {name}{did_you_mean(Path(name.rstrip('/')).name, [*emb, *ALIASES])}")
     if _HUB_ID.match(name):
         return name, "hub"
+    repo, at, rev = name.partition("@")
+    if at and (_HUB_ID.match(repo) or repo in ALIASES):  # org/name@rev: transformers' revision, not a hub id
+        full = ALIASES.get(repo, repo)
+        raise MoetoolError(f"'{name}': --model takes no revision (@{rev}); download that revision (hf download {full} "
+                           f"--revision {rev} --local-dir DIR) and pass the folder, or pass {repo} for the latest")
     raise MoetoolError(f"unknown model '{name}'{did_you_mean(name, [*emb, *ALIASES])}: give an embedded name "
                        f"({', '.join(emb) or 'none'}), an alias (moetool inspect --aliases), "
                        f"a local directory or a hub id org/name")
@@ -368,7 +422,28 @@ def _read_config(name: str, trust_remote_code: bool | None = None
         # wrong type): the input is wrong, a usage error as the config checks of check_config are
         raise MoetoolError(f"cannot read the config of {source}: {one_line(e)}") from e
     check_config(config)
+    check_stored_dtype(config, source)
     return config, source, kind, from_hub, offline, how
+
+
+#: the dtypes transformers builds a model in (its default dtype while the modules are made)
+BUILD_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_stored_dtype(config: Any, source: str) -> None:
+    """Refuse (one line, exit 2) a config whose recorded dtype (:func:`moetool.configs.stored_dtype`) is one no model
+    is built in (``float8_e4m3fn``, ``int8``): transformers makes its modules in that dtype and fails deep in torch
+    (``couldn't find storage object Float8_e4m3fnStorage``, or "cannot be instantiated under dtype=torch.int8"), and
+    plan would size the weights as bf16. A quantized checkpoint records its quantization in ``quantization_config``
+    and the dtype of its other layers here."""
+    dtype = stored_dtype(config)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if name is None or name in BUILD_DTYPES:
+        return
+    raise MoetoolError(f"the config of {source} records dtype {name}, which no model is built in "
+                       f"({', '.join(BUILD_DTYPES[:3])}): a quantized checkpoint records its quantization in "
+                       f"quantization_config and the dtype of its other layers in dtype -- fix config.json "
+                       f"(e.g. \"dtype\": \"bfloat16\")")
 
 
 def config_fingerprint(name: str, trust_remote_code: bool | None = None) -> str | None:
@@ -746,11 +821,24 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files, missing shards, network: one line each
         if kind in ("hub", "alias") and isinstance(e, OSError):
-            raise hub_error(source, e, offline) from e
-        if kind == "local" and not any(f.suffix in WEIGHT_SUFFIXES for f in Path(source).iterdir()):
+            raise hub_error(source, e, offline, part="weights") from e
+        folder = Path(source)
+        weights = [f.name for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES] if kind == "local" else ["?"]
+        if (folder / "adapter_config.json").is_file() and all(f.startswith("adapter_model.") for f in weights):
+            raise MoetoolError(peft_adapter(source, folder, "adapter_config.json and adapter weights only")) from e
+        if not weights:
             raise MoetoolRuntimeError(f"cannot load the weights of {source}: it holds a config and no weight files "
                                       f"({', '.join('*' + x for x in WEIGHT_SUFFIXES)}); plan and inspect read a "
-                                      f"config alone (moetool plan --model {source})") from e
+                                      f"config alone (moetool plan --model {shlex.quote(source)})") from e
+        from transformers.utils import (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
+                                        WEIGHTS_NAME)
+
+        names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+        if kind == "local" and not any((folder / n).is_file() for n in names):  # model.pt, weights.safetensors
+            raise MoetoolRuntimeError(
+                f"cannot load the weights of {source}: it holds {', '.join(sorted(weights)[:3])} but transformers "
+                f"reads a checkpoint's weights from {' or '.join(names[::2])} (or their sharded {names[1]} / "
+                f"{names[3]}): save them so (model.save_pretrained) or rename the file") from e
         raise MoetoolRuntimeError(f"cannot load the weights of {source}: {one_line(e)}") from e
     if not device_map and not par.active:  # tp/ep: transformers placed every shard on this rank's device
         model.to(dev)

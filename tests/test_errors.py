@@ -315,6 +315,31 @@ def test_cached_hub_model_loads_offline(tmp_path):
     assert "SAME hub True True" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
+def test_a_hub_model_cached_without_its_weights_says_the_weights_are_missing(tmp_path):
+    """Offline, a hub id whose config and tokenizer are cached but not its weights: plan answers from the config,
+    and ppl said "'org/x' is not in the local Hugging Face cache" -- contradicting plan. It now says the weights are
+    not in the cache and the config is (exit 1)."""
+    src = embedded_models()["tiny"]
+    snap = tmp_path / "hub" / "models--made-up-org--config-only" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (snap / f.name).write_bytes(f.read_bytes())
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "MOETOOL_FIGURES": "none"}
+    run = [sys.executable, "-m", "moetool", "ppl", "--model", "made-up-org/config-only", "-q", "--bootstrap", "0"]
+    out = subprocess.run([*run, "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.strip() == (
+        "error: the weights of 'made-up-org/config-only' are not (all) in the local Hugging Face cache (its config "
+        "is: plan and inspect read it) and the Hub is out of reach (HF_HUB_OFFLINE is set): download it where there "
+        "is network (hf download made-up-org/config-only) and pass the folder, e.g. --model /path/to/config-only")
+    plan = [sys.executable, "-m", "moetool", "plan", "--json", "--model", "made-up-org/config-only"]
+    assert subprocess.run(plan, env=env, capture_output=True, text=True, timeout=300).returncode == 0
+
+
 # ----- the entry point ------------------------------------------------------------------------------------------
 def test_unexpected_errors_are_one_line_from_the_console_script(monkeypatch, capsys):
     import moetool.commands.app as app_module

@@ -102,6 +102,23 @@ def test_a_path_that_is_not_there_is_no_such_directory(name, tmp_path, monkeypat
         assert "did you mean" not in line
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused_not_the_current_folder(name, tmp_path, monkeypatch):
+    """``--model ""`` (an unset shell variable) was the current folder: " is not a model directory" (a line starting
+    with a blank), or, run inside a checkpoint's folder, that checkpoint. It is refused as an empty name; '.' still
+    names the current folder."""
+    import shutil
+
+    from moetool.loading import EMBEDDED_DIR
+
+    shutil.copytree(EMBEDDED_DIR / "tiny", tmp_path / "m")
+    monkeypatch.chdir(tmp_path / "m")
+    with pytest.raises(MoetoolError) as e:
+        resolve(name)
+    assert str(e.value).startswith(f"--model {name!r} is an empty name: give an embedded name (tiny, "), e.value
+    assert resolve(".") == (".", "local")
+
+
 def test_a_hub_id_is_still_a_hub_id():
     assert resolve("org/name") == ("org/name", "hub") and resolve("Org-1/na.me_2") == ("Org-1/na.me_2", "hub")
 
@@ -111,11 +128,137 @@ def test_local_dir_without_config(tmp_path):
         resolve(str(tmp_path))
 
 
+def test_a_peft_adapter_folder_names_its_base_and_how_to_use_it(tmp_path):
+    """A LoRA adapter folder (adapter_config.json + adapter_model.safetensors, no config.json) was "not a model
+    directory (no config.json in it)": it now says it is a PEFT adapter of its base, to merge it or pass the base --
+    from the CLI in one line, exit 2, before any weight."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    folder = tmp_path / "my lora"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/Base-MoE",
+                                                            "peft_type": "LORA", "r": 8}))
+    (folder / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(MoetoolError) as e:
+        resolve(str(folder))
+    assert str(e.value) == (f"{folder} is a PEFT adapter of org/Base-MoE (adapter_config.json, no config.json) and "
+                            f"moetool loads whole models: merge it into its base first (peft: PeftModel.from_pretrained"
+                            f"(base, '{folder}').merge_and_unload().save_pretrained(DIR), then --model DIR), or pass "
+                            f"the base model itself (--model org/Base-MoE)")
+    for cmd in ("plan", "ppl"):
+        out = CliRunner().invoke(app, [cmd, "--model", str(folder), "--out", str(tmp_path / cmd)])
+        assert out.exit_code == 2 and out.output.strip() == f"error: {e.value}", out.output
+    (folder / "adapter_config.json").write_text("{not json")  # unreadable: an adapter still, base unnamed
+    with pytest.raises(MoetoolError, match=r"is a PEFT adapter \(adapter_config.json, no config.json\)"):
+        resolve(str(folder))
+
+
+def test_an_adapter_folder_with_a_config_but_adapter_weights_only_is_an_adapter(tmp_path):
+    """An adapter saved with its base's config.json beside it: ppl said transformers' "OSError: Error no file named
+    model.safetensors, or pytorch_model.bin, found in directory": it says it is a PEFT adapter of its base (exit 2);
+    plan, which reads the config alone, still answers."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.loading import EMBEDDED_DIR
+
+    folder = tmp_path / "lora"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_DIR / "tiny" / f, folder / f)
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/Base-MoE"}))
+    (folder / "adapter_model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # an empty safetensors
+    out = CliRunner().invoke(app, ["ppl", "--model", str(folder), "--out", str(tmp_path / "run")])
+    assert out.exit_code == 2, out.output
+    assert out.output.strip() == (f"error: {folder} is a PEFT adapter of org/Base-MoE (adapter_config.json and adapter "
+                                  f"weights only) and moetool loads whole models: merge it into its base first (peft: "
+                                  f"PeftModel.from_pretrained(base, '{folder}').merge_and_unload().save_pretrained(DIR)"
+                                  f", then --model DIR), or pass the base model itself (--model org/Base-MoE)")
+    assert CliRunner().invoke(app, ["plan", "--json", "--model", str(folder)]).exit_code == 0
+
+
+def test_a_file_is_refused_naming_its_folder_or_its_format(tmp_path):
+    """--model given a file (config.json, one .safetensors shard, a GGUF or ONNX file, or a folder of GGUF files)
+    was "<file> is not a model directory (no config.json in it)" -- even for config.json itself. A file of a
+    checkpoint now names the folder to pass (quoted for the shell: a path with spaces); another runtime's format is
+    named as such."""
+    import shutil
+
+    from moetool.loading import EMBEDDED_DIR
+
+    folder = tmp_path / "my model"
+    shutil.copytree(EMBEDDED_DIR / "tiny", folder)
+    for f in ("config.json", "model.safetensors"):
+        with pytest.raises(MoetoolError) as e:
+            resolve(str(folder / f))
+        assert str(e.value) == f"{folder / f} is a file; --model takes the folder that holds it: --model '{folder}'"
+    assert resolve(str(folder)) == (str(folder), "local")
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "m-Q4_K_M.gguf").write_bytes(b"GGUF")
+    (tmp_path / "m.onnx").write_bytes(b"\0")
+    checkpoint = "a transformers checkpoint (a folder with config.json and *.safetensors or *.bin)"
+    for name, what in ((gguf / "m-Q4_K_M.gguf", "is a GGUF file (llama.cpp's format);"),
+                       (gguf, "holds a GGUF file (llama.cpp's format) and no config.json;"),
+                       (tmp_path / "m.onnx", "is an ONNX export;")):
+        with pytest.raises(MoetoolError) as e:
+            resolve(str(name))
+        assert str(e.value) == f"{name} {what} moetool loads {checkpoint}: pass the original model's folder or hub id"
+
+
+@pytest.mark.parametrize("name, repo, rev", [("org/name@abc123", "org/name", "abc123"),
+                                             ("olmoe@main", "allenai/OLMoE-1B-7B-0924", "main")])
+def test_a_hub_id_with_a_revision_says_how_to_get_that_revision(name, repo, rev):
+    """``org/name@rev`` (a revision as other tools spell it) was "unknown model ...: give ... a hub id org/name",
+    which it looks like: it now says --model takes no revision and how to download that one."""
+    with pytest.raises(MoetoolError) as e:
+        resolve(name)
+    line = str(e.value)
+    assert line.startswith(f"'{name}': --model takes no revision (@{rev}); download that revision (hf download {repo} "
+                           f"--revision {rev} --local-dir DIR)"), line
+
+
 def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alone(tmp_path):
     """A folder of config and tokenizer (what ``plan`` needs) given to a command that loads weights said "OSError:
     no file named model.safetensors ..." (newcomer run 4): it now says the folder holds no weight files and which
-    commands read a config alone. With a weight file beside it, the load runs."""
+    commands read a config alone, quoted for the shell (a folder with a space in its name). With a weight file beside
+    it, the load runs."""
     import shutil
+
+    import moetool
+    from moetool.loading import EMBEDDED_DIR
+
+    src = EMBEDDED_DIR / "tiny"
+    tmp_path = tmp_path / "config only"
+    tmp_path.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(MoetoolError) as e:
+        moetool.load(str(tmp_path))
+    assert str(e.value) == (f"cannot load the weights of {tmp_path}: it holds a config and no weight files "
+                            f"(*.safetensors, *.bin, *.pt, *.pth); plan and inspect read a config alone (moetool plan "
+                            f"--model '{tmp_path}')")
+    for f in src.glob("*.safetensors"):
+        shutil.copy(f, tmp_path / f.name)
+    assert moetool.load(str(tmp_path)).layers
+
+
+def test_weights_under_a_name_transformers_does_not_read_are_named(tmp_path):
+    """A folder of config, tokenizer and the weights as ``model.pt`` (a state dict saved by hand) said transformers'
+    "OSError: Error no file named model.safetensors, or pytorch_model.bin, found" -- beside a weight file. It now
+    names the file and the names transformers reads; renamed to pytorch_model.bin, it loads the same weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
 
     import moetool
     from moetool.loading import EMBEDDED_DIR
@@ -124,14 +267,18 @@ def test_a_config_only_folder_says_it_has_no_weights_and_what_reads_a_config_alo
     for f in src.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, tmp_path / f.name)
+    weights = load_file(src / "model.safetensors")
+    torch.save(weights, tmp_path / "model.pt")
     with pytest.raises(MoetoolError) as e:
-        moetool.load(str(tmp_path))
-    assert str(e.value) == (f"cannot load the weights of {tmp_path}: it holds a config and no weight files "
-                            f"(*.safetensors, *.bin, *.pt, *.pth); plan and inspect read a config alone (moetool plan "
-                            f"--model {tmp_path})")
-    for f in src.glob("*.safetensors"):
-        shutil.copy(f, tmp_path / f.name)
-    assert moetool.load(str(tmp_path)).layers
+        moetool.load(str(tmp_path), tokenizer=False)
+    assert str(e.value) == (f"cannot load the weights of {tmp_path}: it holds model.pt but transformers reads a "
+                            f"checkpoint's weights from model.safetensors or pytorch_model.bin (or their sharded "
+                            f"model.safetensors.index.json / pytorch_model.bin.index.json): save them so "
+                            f"(model.save_pretrained) or rename the file")
+    (tmp_path / "model.pt").rename(tmp_path / "pytorch_model.bin")
+    got = moetool.load(str(tmp_path), tokenizer=False, device="cpu").model.state_dict()
+    want = moetool.load("tiny", tokenizer=False, device="cpu").model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_dense_model_is_refused_before_weights(tmp_path):
@@ -141,6 +288,34 @@ def test_dense_model_is_refused_before_weights(tmp_path):
                 intermediate_size=64).save_pretrained(tmp_path)
     with pytest.raises(MoetoolError, match="no MoE layers found in llama"):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_a_config_dtype_no_model_is_built_in_is_one_line_for_every_command(dtype, tmp_path):
+    """A config.json recording dtype float8_e4m3fn or int8 (a quantized checkpoint's dtype written where the dtype of
+    its other layers goes) was a traceback from inspect and plan ("TypeError: couldn't find storage object
+    Float8_e4m3fnStorage", "ValueError: ... cannot be instantiated under dtype=torch.int8") while ppl ran: one line,
+    exit 2, from each; with bfloat16 recorded, inspect describes the model."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.loading import EMBEDDED_DIR
+
+    shutil.copytree(EMBEDDED_DIR / "tiny", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "dtype": dtype}))
+    want = (f"error: the config of {tmp_path / 'm'} records dtype {dtype}, which no model is built in (float32, "
+            f"float16, bfloat16): a quantized checkpoint records its quantization in quantization_config and the dtype "
+            f"of its other layers in dtype -- fix config.json (e.g. \"dtype\": \"bfloat16\")")
+    for cmd in (["inspect"], ["plan", "--json"], ["ppl", "--out", str(tmp_path / "run")]):
+        out = CliRunner().invoke(app, [*cmd, "--model", str(tmp_path / "m")])
+        assert out.exit_code == 2 and out.output.strip() == want, (cmd, out.output)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    out = CliRunner().invoke(app, ["inspect", "--json", "--model", str(tmp_path / "m")])
+    assert out.exit_code == 0 and json.loads(out.output)["model_type"] == "mixtral", out.output
 
 
 def test_unsupported_moe_family_names_supported_ones(tmp_path):
