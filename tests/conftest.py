@@ -69,6 +69,32 @@ def no_figures(monkeypatch):
     monkeypatch.setenv("MOETOOL_FIGURES", "none")
 
 
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    """``cli(*args)`` -> ``moetool ARGS`` as ``python -m moetool`` runs it (the console script's ``main``: its exit
+    code, one-line errors, stdout and stderr), in this process: for tests of what a command answers, not of a start of
+    python (a fresh one importing torch and transformers cost 1-9 s of CPU a call). Output is captured at the file
+    descriptors (a library's log handler bound to the original stderr is caught too), and each Python warning the
+    call raised is on its stderr as python would print it (pytest records warnings instead)."""
+    import sys
+    import types
+    import warnings
+
+    import moetool.commands.app as app_module
+
+    def run(*args: str):
+        monkeypatch.setattr(sys, "argv", ["moetool", *args])
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as e:
+            warnings.filterwarnings("ignore", category=PendingDeprecationWarning)  # as python's default filters
+            app_module.main()
+        out = capfd.readouterr()
+        err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+        return types.SimpleNamespace(returncode=e.value.code, stdout=out.out, stderr=err)
+
+    return run
+
+
 #: every test this session collected, before ``-m``/``-k``/``--deselect`` leave some out (tests/test_readme.py counts
 #: the suite's tiers from it instead of collecting the whole suite again)
 COLLECTED = pytest.StashKey[list]()

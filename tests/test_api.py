@@ -304,15 +304,30 @@ def test_api_tour_runs_and_its_probe_matches_the_trace(tmp_path):
 
 
 @pytest.mark.slow
-def test_api_tour_help_and_an_empty_out_dir_write_nothing(tmp_path):
+def test_api_tour_help_and_an_empty_out_dir_write_nothing(tmp_path, monkeypatch, capsys):
     """``api_tour.py --help`` prints its usage (it wrote the tour into a folder named '--help'); an empty OUT_DIR
-    (Path('') = the current folder) is refused in one line, exit 2: nothing is written in either case."""
+    (Path('') = the current folder) is refused in one line, exit 2: nothing is written in either case. The script
+    runs in this process as ``python api_tour.py ARGS`` runs it (``runpy`` as ``__main__``, its ``sys.argv``, its
+    folder): what is checked is argparse's exit code and output, not a start of python (a fresh one importing torch
+    and matplotlib cost ~5 s of CPU for the two calls)."""
+    import runpy
+
     tour = str(ROOT / "examples" / "api_tour.py")
-    r = subprocess.run([sys.executable, tour, "--help"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("usage: api_tour.py [-h] [OUT_DIR]")
-    r = subprocess.run([sys.executable, tour, " "], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "api_tour.py: error: OUT_DIR is empty"
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str):
+        monkeypatch.setattr(sys, "argv", [tour, *args])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(tour, run_name="__main__")
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
+    code, out, err = run("--help")
+    assert code == 0, err
+    assert out.startswith("usage: api_tour.py [-h] [OUT_DIR]")
+    code, out, err = run(" ")
+    assert code == 2 and err.strip().splitlines()[-1] == "api_tour.py: error: OUT_DIR is empty"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -362,13 +377,29 @@ def test_every_command_has_its_python_function():
 
 
 @pytest.mark.slow
-def test_inspect_and_families_from_python():
+def test_inspect_and_families_from_python(monkeypatch):
+    """``moetool.families()`` is the families table (built, cached, read back) as a DataFrame. Each row is
+    ``inspect.family_row``'s, which tests/test_families.py (test_readme_families_agree_with_the_source) checks for
+    every model type against the README on the same tiny models: here mixtral's and an unsupported type's rows are
+    real and the others stand-ins (building all ~86 tiny models again cost 12-25 s of CPU)."""
     import moetool
-    from moetool.inspect import families
+    import moetool.inspect as mi
+    from test_rules import EXPECTED_RULE
+
+    from moetool.adapters import discovery
 
     assert moetool.inspect_model("tiny")["family"] == "mixtral"
+    real, unsupported = mi.family_row, sorted(discovery.UNSUPPORTED)[0]
+    mixtral = real("mixtral")
+    monkeypatch.setattr(mi, "family_row", lambda mt: real(mt) if mt in ("mixtral", unsupported) else
+                        {**mixtral, "model_type": mt})
     df = moetool.families()
-    assert list(df.model_type) == [r["model_type"] for r in families()] and len(df) > 50
+    rows = mi.families()  # the cached table
+    assert list(df.model_type) == [r["model_type"] for r in rows] == discovery.moe_model_types() and len(df) > 50
+    assert df.to_dict(orient="records") == rows
+    by_type = df.set_index("model_type")
+    assert by_type.loc["mixtral", "routing"] == EXPECTED_RULE["mixtral"] and by_type.loc["mixtral", "supported"] == "yes"
+    assert by_type.loc[unsupported, "supported"] == "no: " + discovery.UNSUPPORTED[unsupported]
 
 
 def test_write_records_the_results_model_and_compute_time(tmp_path):

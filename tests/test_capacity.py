@@ -4,8 +4,6 @@ tokens, the invariant that a capacity no expert can exceed reproduces the model,
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -197,10 +195,9 @@ def test_bad_specs_are_one_line(spec, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_cli_refuses_bad_values_in_one_line(tmp_path):
+def test_cli_refuses_bad_values_in_one_line(tmp_path, cli):
     for args in (["--cf", "0.5,-1"], ["--order", "random"]):
-        r = subprocess.run([sys.executable, "-m", "moetool", "capacity", *args, "--out", str(tmp_path / "x")],
-                           capture_output=True, text=True, check=False)
+        r = cli("capacity", *args, "--out", str(tmp_path / "x"))
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert not (tmp_path / "x").exists()
 

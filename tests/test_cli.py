@@ -223,7 +223,8 @@ def test_demo_with_no_step_is_one_line_not_every_step(steps, tmp_path):
     assert not (tmp_path / "d").exists()
 
 
-def test_demo_numbers_its_steps(tmp_path):
+# headings only (no_figures): the erc step draws erc's figures, tests/test_erc.py's and test_help_files.py's to check
+def test_demo_numbers_its_steps(tmp_path, no_figures):
     """A fresh clone's ``moetool demo`` ran for minutes under headings ``== stats``, ``== norm-select``, ... with no
     sign of how many of its 17 steps were left: each heading now says which step of how many it is, counted over
     the steps asked (``--steps erc,inspect``: 2, in the demo's own order, inspect first)."""

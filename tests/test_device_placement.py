@@ -18,6 +18,8 @@ off them.
 
 from __future__ import annotations
 
+import copy
+import functools
 import traceback
 from pathlib import Path
 
@@ -184,6 +186,13 @@ def test_the_stand_in_catches_host_tensors_meeting_device_ones():
 SPECS = POLICY_SPECS + ["capture"]
 
 
+@functools.lru_cache(maxsize=None)
+def bf16_model(family: str) -> torch.nn.Module:
+    """A bf16 copy of the family's cached tiny model, made once per process for every policy (``Module.to`` converts
+    in place: converting the cached model itself left it bf16 for every later test of the process)."""
+    return copy.deepcopy(build_tiny_model(family)).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_policies_keep_host_tensors_off_the_device_in_bf16(spec):
     """Every policy (and the capture) on every family's tiny model in bf16: finite logits, no host tensor meeting
@@ -193,7 +202,7 @@ def test_policies_keep_host_tensors_off_the_device_in_bf16(spec):
 
     hits, ran = set(), 0
     for family in FAMILIES:
-        model = build_tiny_model(family).to(torch.bfloat16)
+        model = bf16_model(family)
         impl = model.config._attn_implementation
         if spec == "attention":
             model.config._attn_implementation = "eager"

@@ -297,8 +297,9 @@ def test_cli_on_a_saved_tiny_model(tmp_path):
         assert r.exit_code == 2 and len(errors) == 1 and msg in errors[0], r.output
 
 
+# tables and console only (no_figures): erc's figures are test_cli_on_a_saved_tiny_model's and test_help_files.py's
 @pytest.mark.slow
-def test_cli_on_embedded_tiny(tmp_path):
+def test_cli_on_embedded_tiny(tmp_path, no_figures):
     r = runner.invoke(app, ["erc", "--model", "tiny", "--out", str(tmp_path), "--samples", "2", "-q"])
     assert r.exit_code == 0, r.output
     per_layer = pd.read_csv(tmp_path / "erc_layers.csv")

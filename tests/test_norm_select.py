@@ -378,8 +378,9 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     assert shown.set_index("row").loc["best node", "mmlu retention measured"] == "0.948 ± 0.014"
 
 
+# tables and console only (no_figures): norm-select's figures are tests/test_help_files.py's
 @pytest.mark.slow
-def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypatch, tmp_path):
+def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypatch, tmp_path, no_figures):
     """`moetool norm-select --tasks mmlu,arc_challenge --num-fewshot 5` with lm-eval faked (no network) on the
     embedded tiny model: measured-only AoE layout and a line saying why; with the model taken for Mixtral 8x7B the
     paper's numbers stand beside the measured ones."""

@@ -5,8 +5,6 @@ code is not part of this repository.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -262,11 +260,10 @@ def test_bad_options_are_one_line():
         rebalance_experts(torch.ones(1, 8), 9, 1, 1, 2)
 
 
-def test_cli_refuses_bad_values_in_one_line(tmp_path):
+def test_cli_refuses_bad_values_in_one_line(tmp_path, cli):
     for args in (["--extra-slots", "-1"], ["--reference-data", str(tmp_path / "missing.txt")],
                  ["--reference-model", "tiny-fine"]):  # another architecture: refused before any weight loads
-        r = subprocess.run([sys.executable, "-m", "moetool", "placement", *args, "--out", str(tmp_path / "x")],
-                           capture_output=True, text=True, check=False)
+        r = cli("placement", *args, "--out", str(tmp_path / "x"))
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert not (tmp_path / "x").exists()
 
@@ -439,7 +436,7 @@ def test_zero_computation_experts_are_not_placed():
         assert mine.tokens.iloc[0] == int(keep.sum())
 
 
-def test_sglang_export_of_a_placement_of_some_moe_layers_is_refused(tiny_placement, tmp_path):
+def test_sglang_export_of_a_placement_of_some_moe_layers_is_refused(tiny_placement, tmp_path, cli):
     """Break-it run 5: `moetool placement --layers 1 --gpus 4 --extra-slots 1 --export sglang` wrote a file whose
     MoE layers 0, 2 and 3 held SGLang's trivial map [0..7, 0..3] -- read by the server as their placement, nothing
     in it or the manifest saying they were never measured. Refused in one line (the command: before any weight
@@ -464,9 +461,8 @@ def test_sglang_export_of_a_placement_of_some_moe_layers_is_refused(tiny_placeme
     for layer in range(4):  # by hand: the layer's routed counts over the real tokens, EPLB on 12 slots over 4 GPUs
         load = torch.tensor(loads[loads.layer == layer].sort_values("expert")["load"].to_numpy()).view(1, -1)
         assert rows["physical_to_logical_map"][layer] == rebalance_experts(load.double(), 12, 1, 1, 4)[0][0].tolist()
-    r = subprocess.run([sys.executable, "-m", "moetool", "placement", "--layers", "1", "--gpus", "4", "--extra-slots",
-                        "1", "--export", "sglang", "--out", str(tmp_path / "x")], capture_output=True, text=True,
-                       check=False)
+    r = cli("placement", "--layers", "1", "--gpus", "4", "--extra-slots", "1", "--export", "sglang",
+            "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MoE layers 0, 2-3" in r.stderr, r.stderr
     assert not (tmp_path / "x").exists()
 

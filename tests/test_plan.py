@@ -273,26 +273,6 @@ def test_parse_gpus_refuses(spec):
         P.parse_gpus(spec)
 
 
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """``cli(*args)`` -> ``moetool ARGS`` as ``python -m moetool`` runs it (the console script's ``main``: its exit
-    code, one-line errors, stdout and stderr), in this process: these tests check what plan answers, not a start of
-    python (a fresh process importing moetool cost ~1 s of CPU per call here, 7 calls)."""
-    import types
-
-    import moetool.commands.app as app_module
-
-    def run(*args: str):
-        monkeypatch.setattr(sys, "argv", ["moetool", *args])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
-            app_module.main()
-        out = capsys.readouterr()
-        return types.SimpleNamespace(returncode=e.value.code, stdout=out.out, stderr=out.err)
-
-    return run
-
-
 @pytest.mark.slow
 def test_cli(tmp_path, cli):
     # 4 rows: with 8, 60.8 GiB of MXFP4 weights + 6.3 GiB of activations is 67.08 GiB, over the 67.06 usable

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -324,7 +322,7 @@ def test_too_few_kept_experts_refused(tiny_model):
         PrunePolicy({L.index: [L.n_experts]}).check(L)
 
 
-def test_bad_options_refused_in_one_line(tmp_path):
+def test_bad_options_refused_in_one_line(tmp_path, cli):
     from moetool.experiments.prune.compute import PruneOptions
 
     for kw, message in (({"criteria": ("reap", "size")}, "--criteria"), ({"fractions": (1.0,)}, r"\[0, 1\)"),
@@ -336,8 +334,7 @@ def test_bad_options_refused_in_one_line(tmp_path):
     for args, message in ((["--fractions", "0.9"], "fewer than its top-2"),
                           (["--fractions", "0.25,0.01234567"],  # named exactly, not :g's 0.0123457
                            r"--fractions 0\.01234567 removes no expert .*floor\(0\.01234567 x 8\) = 0")):
-        r = subprocess.run([sys.executable, "-m", "moetool", "prune", *args, "--max-tokens", "256",
-                            "--out", str(tmp_path / "x")], capture_output=True, text=True, check=False)
+        r = cli("prune", *args, "--max-tokens", "256", "--out", str(tmp_path / "x"))
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert re.search(message, r.stderr), r.stderr
         assert not (tmp_path / "x").exists()

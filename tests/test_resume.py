@@ -141,8 +141,9 @@ def _batches_run(monkeypatch):
 
 
 @pytest.mark.slow
-def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    # 12 rows of 32 tokens in batches of 2: 6 batches; interrupted after the 3rd batch's checkpoint
+def test_stats_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, no_figures):
+    # 12 rows of 32 tokens in batches of 2: 6 batches; interrupted after the 3rd batch's checkpoint. Tables only
+    # (no_figures): stats' figures are tests/test_stats.py's and tests/test_help_files.py's to check
     args = ["stats", "--max-tokens", "384", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
             "--min-count", "2", "--quiet"]
     whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 3)

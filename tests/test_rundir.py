@@ -417,8 +417,9 @@ def test_an_out_that_is_a_file_is_refused_before_anything_loads(tmp_path, monkey
 
 
 # ----- each table's rows, bytes and sha256 in the manifest: a copy that lost rows is told from the run's -----------
+# tables only (no_figures): stats' and erc's figures are tests/test_stats.py's, test_erc.py's and test_help_files.py's
 @pytest.mark.slow
-def test_the_manifest_records_every_tables_rows_bytes_and_sha256(tmp_path):
+def test_the_manifest_records_every_tables_rows_bytes_and_sha256(tmp_path, no_figures):
     """The manifest's ``tables`` equal the files read back (rows as pandas reads them, size, sha256) for every
     table of stats (CSVs and its --all-tokens Parquet), of demo's erc step (a sub-run per model) and of the demo's
     report (its copies of the tables). tiny: 4 MoE layers of 8 experts; tiny-fine: 4 of 32."""

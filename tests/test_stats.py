@@ -355,7 +355,8 @@ def test_top1_variant_counts_the_first_ranked_expert_only():
 
 
 @pytest.mark.slow
-def test_coactivation_adjacent_equals_all_for_k2_and_all_tokens_are_complete(tmp_path):
+def test_coactivation_adjacent_equals_all_for_k2_and_all_tokens_are_complete(tmp_path, no_figures):
+    # the written expert_tokens.parquet is checked, no figure (stats' figures: test_stats_writer_writes_every_file...)
     from moetool.report import RunDir
     from moetool.report.writers import write
 

@@ -198,7 +198,8 @@ def test_layer_cut_leaving_nothing_refused(tiny_run):
         moetool.super_experts(lm, tokens, layers=(2, 3), include_layers=0.5, bootstrap=0, quiet=True)
 
 
-def test_the_console_names_the_super_experts_and_says_when_the_rule_was_degenerate(tmp_path):
+# table and console only (no_figures): super-experts' figures are tests/test_help_files.py's
+def test_the_console_names_the_super_experts_and_says_when_the_rule_was_degenerate(tmp_path, no_figures):
     """The command printed only the ablation table: which experts are super, and that with 24 maxima the rule
     could pick only the largest (``degenerate`` in the CSV), were on no console line. Now both are, from the
     run's own table."""

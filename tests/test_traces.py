@@ -252,7 +252,9 @@ def test_an_unreadable_trace_without_a_record_is_one_line_exit_2(fmt, tmp_path):
             assert not (tmp_path / "o").exists()
 
 
-def test_model_and_max_tokens_that_a_trace_would_ignore_are_refused(tmp_path):
+# tables, headlines and refusals only (no_figures) here and in the trace tests below that take it: the figures of
+# each analysis on a trace are tests/test_readme.py's (test_the_readme_says_which_trace_analyses_draw_figures)
+def test_model_and_max_tokens_that_a_trace_would_ignore_are_refused(tmp_path, no_figures):
     """``stats --trace RUN --model tiny-fine`` and ``--max-tokens 100`` ran on the trace's own model and every token
     it holds, exit 0, as if asked for (a table of 2,048 tokens of tiny under a command line naming 100 tokens of
     tiny-fine); now one line, as --data. offload --trace still caps at --max-tokens (README: --max-tokens 100000);
@@ -300,7 +302,7 @@ def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_co
     assert (pd.read_csv(tmp_path / "fl" / "fluctuation.csv")["topk_change"] == 0).all()  # the same routing
 
 
-def test_a_per_token_trace_missing_an_moe_layer_is_refused(captured, tmp_path):
+def test_a_per_token_trace_missing_an_moe_layer_is_refused(captured, tmp_path, no_figures):
     """A per-token trace without one MoE layer's rows (a bare file, ``--trace-config``): stats, placement and offload
     wrote the model's tables without that layer (placement's overall imbalance over 3 of 4 layers) and fluctuation
     compared the layers present, without a word. Refused in one line naming the layer, as a counts trace's missing
@@ -347,7 +349,7 @@ def test_a_per_token_trace_with_a_row_repeated_in_one_layer_is_refused(captured,
     assert res["layers"]["tokens"].tolist() == [n_tok] * 4
 
 
-def test_a_trace_without_manifest_names_the_flag_that_gives_the_model(captured, tmp_path):
+def test_a_trace_without_manifest_names_the_flag_that_gives_the_model(captured, tmp_path, no_figures):
     """A bare trace file and no --trace-config: the line said 'give --config', a flag stats, placement, offload and
     fluctuation do not have (their --trace-config; import-trace's --config is another command's). Now it names
     --trace-config, and that flag reads the file."""
@@ -606,7 +608,7 @@ def test_fluctuation_between_traces_follows_the_reference(captured, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ("sglang", "eplb"))
-def test_export_read_back(captured, imported, kind, tmp_path):
+def test_export_read_back(captured, imported, kind, tmp_path, no_figures):
     """The exported placement, read back as SGLang / EPLB's outputs are read, puts on each GPU the loads
     placement.csv reports for EPLB at that G and R."""
     out = tmp_path / "pl"
@@ -633,7 +635,7 @@ def test_export_read_back(captured, imported, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ("sglang", "eplb"))
-def test_export_placement_api(captured, imported, kind, tmp_path):
+def test_export_placement_api(captured, imported, kind, tmp_path, no_figures):
     """``moetool.export_placement`` writes the file ``placement --export`` writes (same bytes, from a trace), and
     from a forward's result a placement whose per-GPU loads are the result's EPLB row; bad inputs raise one
     MoetoolError."""
@@ -1143,7 +1145,7 @@ def test_malformed_token_ids_and_record_fields_are_one_line(captured, tmp_path):
     assert first.token_id.tolist() == list(ids) and (first[captured["cols"]].to_numpy() == ex[0]).all()
 
 
-def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported, tmp_path):
+def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported, tmp_path, no_figures):
     """placement --trace recorded the headline 'placement placement: max/mean GPU load ...' (no model loaded: the
     experiment's name stood in for the model's), the first line of moetool report's summary table. Now the model
     whose routing the trace is, marked as a trace; the numbers are those of placement_overall.csv."""
@@ -1158,7 +1160,7 @@ def test_a_placement_of_a_trace_names_the_trace_s_model_in_its_headline(imported
     assert headline == ["placement tiny (trace): max/mean GPU load on 4 GPUs: " + ", ".join(parts)]
 
 
-def test_stats_offload_and_fluctuation_of_traces_record_their_headlines(captured, tmp_path):
+def test_stats_offload_and_fluctuation_of_traces_record_their_headlines(captured, tmp_path, no_figures):
     """stats, offload and fluctuation --trace recorded no headline (their results' names, ``stats_trace``, ..., found
     no experiment, and stats' and offload's lines read tables a trace does not have), so moetool report's summary
     table left them out. Each now records its experiment's lines of the tables it wrote, with their numbers."""
