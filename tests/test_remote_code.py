@@ -257,3 +257,38 @@ def test_remote_model_code_without_a_native_class_runs_only_when_trusted(tmp_pat
     plain = moetool.run("plan", "tiny", out=tmp_path / "plan-tiny")
     assert res.tables["params.csv"].equals(plain.tables["params.csv"])  # the same parameters, by group and format
     assert int(plain.tables["params.csv"]["params"].sum()) > 0
+
+
+def test_trusting_a_folder_is_another_fingerprint_and_an_explicit_answer_beats_the_run(tmp_path):
+    """``loading.config_fingerprint`` of a folder with code beside its config: untrusted, sha256 over (name, NUL,
+    bytes, NUL) of config.json and the *.py files in name order (hashlib here); trusted -- explicitly or by the run's
+    ``--trust-remote-code`` (``loading.trusted``) -- the same bytes followed by ``trust_remote_code``: an answer cached
+    with the checkpoint's code run is never served to a run that does not run it. An explicit answer beats the run's."""
+    import hashlib
+
+    from moetool.context import RunState
+    from moetool.loading import config_fingerprint, trusted
+
+    shutil.copy(EMBEDDED_DIR / "tiny" / "config.json", tmp_path / "config.json")
+    (tmp_path / "modeling_foo.py").write_text("X = 1\n")
+    (tmp_path / "configuration_foo.py").write_text("Y = 2\n")
+
+    def by_hand(trust: bool) -> str:
+        h = hashlib.sha256()
+        for name in ("config.json", "configuration_foo.py", "modeling_foo.py"):
+            h.update(name.encode() + b"\0" + (tmp_path / name).read_bytes() + b"\0")
+        if trust:
+            h.update(b"trust_remote_code")
+        return h.hexdigest()
+
+    plain, trust = by_hand(False), by_hand(True)
+    assert plain != trust
+    assert not trusted() and trusted(True) and not trusted(False)
+    assert config_fingerprint(str(tmp_path)) == config_fingerprint(str(tmp_path), False) == plain
+    assert config_fingerprint(str(tmp_path), True) == trust
+    with RunState(trust_remote_code=True).active():
+        assert trusted() and not trusted(False)
+        assert config_fingerprint(str(tmp_path)) == trust and config_fingerprint(str(tmp_path), False) == plain
+    with RunState().active():
+        assert not trusted() and trusted(True)
+        assert config_fingerprint(str(tmp_path)) == plain
