@@ -695,6 +695,32 @@ def test_sglang_map_keeps_dense_layers_trivial(tmp_path):
     assert (got[1] == 0).sum() == 3 and (got[2] == 3).sum() == 3  # the heavy expert replicated: 9 / 3 = 3 per slot
 
 
+def test_an_exported_map_is_read_back_as_sglang_does_and_a_bad_one_is_one_line(tmp_path):
+    """read_sglang_location: logical_to_all_physical_map by hand (each expert's slots in slot order, -1 padded to the
+    most replicated); an id outside 0..n-1 (n itself included) or an expert without a slot is one line, never an
+    IndexError nor a map that sends an expert's tokens nowhere. read_eplb: a logcnt or log2phy that disagrees with
+    phy2log is one line."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3, 1, 1], [3, 2, 1, 0, 0, 3]]}))
+    got = read_sglang_location(path, 4)["logical_to_all_physical_map"]
+    assert got.tolist() == [[[0, -1, -1], [1, 4, 5], [2, -1, -1], [3, -1, -1]],
+                            [[3, 4, -1], [2, -1, -1], [1, -1, -1], [0, 5, -1]]]
+    for bad, words in (([[0, 1, 2, 3, 4]], "ids in 0..3"), ([[0, 1, 2, -1]], "ids in 0..3"),
+                       ([[0, 1, 2, 2]], "no physical slot")):
+        path.write_text(json.dumps({"physical_to_logical_map": bad}))
+        with pytest.raises(MoetoolError, match=words):
+            read_sglang_location(path, 4)
+    good = {"layers": [1], "phy2log": [[0, 1, 2, 0]], "log2phy": [[[0, 3], [1, -1], [2, -1]]], "logcnt": [[2, 1, 1]]}
+    path.write_text(json.dumps(good))
+    assert read_eplb(path)["logcnt"].tolist() == [[2, 1, 1]]
+    for key, value, words in (("logcnt", [[1, 2, 1]], "logcnt of layer 1"),
+                              ("log2phy", [[[0, 3], [2, -1], [1, -1]]], "log2phy of layer 1 expert 1"),
+                              ("log2phy", [[[0, -1], [1, -1], [2, -1]]], "log2phy of layer 1 expert 0")):
+        path.write_text(json.dumps({**good, key: value}))
+        with pytest.raises(MoetoolError, match=words):
+            read_eplb(path)
+
+
 # ----- bad input: one line, exit 2, nothing written --------------------------------------------------------------
 def _refused(r, out: Path, words: str) -> None:
     assert r.exit_code == 2, r.output
