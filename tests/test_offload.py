@@ -487,35 +487,47 @@ def test_first_layer_alone_gives_the_cache_tables_without_prefetch(tiny):
     assert (cache[cache.capacity == n].hits == T * K - len(set().union(*sets))).all()
 
 
-@pytest.fixture(scope="module")
-def block_residual():
-    """Tiny Inkling-2: every MoE block reads a learned mix of the stream and the earlier blocks' outputs (block
-    attention residuals), so no layer's router input is a norm of the stream entering it; 2 rows of 16 tokens, the
-    second right-padded by 3."""
+def _unnormed_router_lm(model_type):
+    """A tiny model whose routers read no norm of the stream entering their layer (Inkling-2: a learned mix of the
+    stream and the earlier blocks' outputs, block attention residuals; DeepSeek-V4: of its hc_mult streams,
+    hyper-connections, the first three MoE layers hash-routed); 2 rows of 16 tokens, the second right-padded by 3."""
     from types import SimpleNamespace
 
     from moetool.adapters import find_moe_layers, tiny as tiny_models
     from moetool.data import TokenSet
 
-    model = tiny_models.build_tiny("inkling2", seed=0)
+    model = tiny_models.build_tiny(model_type, seed=0)
     cfg = model.config.get_text_config(decoder=True)
     ids = torch.randint(3, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
-    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name="inkling2")
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name=model_type)
     return lm, TokenSet(ids, mask, [""] * 2, "test")
 
 
-def test_a_first_layer_whose_router_reads_no_norm_of_the_stream_is_not_predicted_so_not_refused(block_residual):
-    """``--layers 0`` on a model whose routers read no norm of one stream (Inkling-2): layer 0 has no decoder layer
-    ahead to predict it from, so its router input is never asked for and the cache tables stand (capacity K: the
-    previous token's K experts, hits by hand from the hooked choices). Without the ahead-ness check in
-    ``prediction_norms`` the run was refused ('MoE layers [0] cannot be predicted ... no other layer is left')."""
-    lm, tokens = block_residual
+@pytest.fixture(scope="module")
+def block_residual():
+    return _unnormed_router_lm("inkling2")
+
+
+@pytest.mark.parametrize("model_type", ["inkling2", "deepseek_v4"])
+def test_a_first_layer_whose_router_reads_no_norm_of_the_stream_is_not_predicted_so_not_refused(model_type):
+    """``--layers 0`` on a model whose routers read no norm of one stream (Inkling-2, DeepSeek-V4): layer 0 has no
+    decoder layer ahead to predict it from, so its router input is never asked for and the cache tables stand
+    (capacity K: the previous token's K experts, hits by hand from the hooked choices). Without the ahead-ness check
+    in ``prediction_norms`` the run was refused ('MoE layers [0] cannot be predicted ... no other layer is left');
+    DeepSeek-V4's hash-routed layer 0 was refused too ('needs the routing recomputed from the router logits'),
+    though nothing recomputes the routing of a layer that is not predicted."""
+    lm, tokens = _unnormed_router_lm(model_type)
     res = offload(lm, tokens, layers=(0,), bootstrap=0, policies=("lru",), batch_size=2, quiet=True)
     assert "offload_prefetch" not in res
     L = lm.layers[0]
-    sets = [set(r) for r in _manual(lm, tokens)[0][0].tolist()]
+    from moetool.engine import forward
+
+    got = []
+    forward(lm, tokens, consumers=[lambda ev: got.append(ev.idx[ev.valid].cpu()) if ev.layer.index == 0 else None],
+            batch_size=2, quiet=True)
+    sets = [set(r) for r in torch.cat(got).tolist()]
     assert len(sets) == tokens.n_tokens == 29
     cache = res["offload_cache"].set_index("capacity")
     assert cache.loc[L.top_k, "requests"] == 29 * L.top_k
