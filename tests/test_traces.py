@@ -671,6 +671,22 @@ def test_export_placement_api(captured, imported, kind, tmp_path):
         moetool.export_placement(res, "vllm", tmp_path / "v.json")
 
 
+def test_an_export_takes_the_data_loads_not_the_reference_ones():
+    """placement_loads of a placement with --reference-data: placement_loads.csv holds the reference's loads too
+    (data_set 'reference', eplb_stale's); the export places the data's (data_set 'data'), layer by layer in expert
+    order, as float64 -- here a hand table whose reference rows differ and whose rows are out of order."""
+    from moetool.experiments.result import Result
+    from moetool.traces.export import placement_loads
+
+    rows = [("reference", 1, e, 100.0 + e) for e in range(3)] + [("data", 3, e, 10.0 * e + 1) for e in (2, 0, 1)] + \
+        [("data", 1, e, 1.0 / (e + 3)) for e in (1, 2, 0)] + [("reference", 3, e, 7.0) for e in range(3)]
+    df = pd.DataFrame(rows, columns=["data_set", "layer", "expert", "load"])
+    got = placement_loads(Result("placement", {"placement_loads.csv": df}, None, meta={"n_experts": 3, "groups": 1}))
+    assert got["layers"] == [1, 3] and got["n"] == 3 and got["groups"] == 1
+    assert got["load"].dtype == torch.float64
+    assert got["load"].tolist() == [[1 / 3, 1 / 4, 1 / 5], [1.0, 11.0, 21.0]]
+
+
 def test_export_of_a_forward_uses_its_loads(captured, imported):
     """``placement --export`` after a forward exports from the result's own loads: the trace's, per layer."""
     from moetool.traces.export import placement_loads
