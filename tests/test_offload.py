@@ -309,6 +309,10 @@ def test_tables_match_manual_computation(tiny):
     res = offload(lm, tokens, bootstrap=200, quiet=True)
     idx, x = _manual(lm, tokens)
     T = tokens.n_tokens
+    # the intervals' bootstrap: over the packed rows, each with real tokens here
+    assert bool(tokens.attention_mask.any(1).all())
+    assert {k: res.meta["bootstrap"][k] for k in ("replicates", "rows", "unit")} == {
+        "replicates": 200, "rows": tokens.input_ids.shape[0], "unit": "packed row"}
     lay = res["offload_layers"].set_index("layer")
     cache = res["offload_cache"]
     for L in lm.layers:
