@@ -292,3 +292,33 @@ def test_trusting_a_folder_is_another_fingerprint_and_an_explicit_answer_beats_t
     with RunState().active():
         assert not trusted() and trusted(True)
         assert config_fingerprint(str(tmp_path)) == plain
+
+
+def test_which_tokenizers_are_the_checkpoints_own_code(tmp_path):
+    """loading.remote_tokenizer on tokenizer_config.json variants: the auto_map's fast class first, else its slow
+    one; none without an auto_map, when the tokenizer_class it names is transformers' own (then transformers reads it
+    so), or for a model type whose hub tokenizer class transformers replaces on purpose (qwen2 is in
+    MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, mixtral is not)."""
+    from types import SimpleNamespace
+
+    from transformers.models.auto import tokenization_auto as ta
+
+    from moetool.loading import remote_tokenizer
+
+    folder = _remote_tokenizer_folder(tmp_path)
+    mixtral, qwen2 = SimpleNamespace(model_type="mixtral"), SimpleNamespace(model_type="qwen2")
+    assert "qwen2" in ta.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert "mixtral" not in ta.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    path = folder / "tokenizer_config.json"
+    base = json.loads(path.read_text())
+
+    def ask(config=mixtral, **fields):
+        path.write_text(json.dumps({**base, **fields}))
+        return remote_tokenizer(str(folder), {}, config)
+
+    assert ask() == "tokenization_tiny.TinyRemoteTokenizer"  # [slow, None]: the slow one
+    assert ask(auto_map={"AutoTokenizer": ["tokenization_tiny.Slow", "tokenization_tiny.Fast"]}) == \
+        "tokenization_tiny.Fast"
+    assert ask(qwen2) is None
+    assert ask(tokenizer_class="PreTrainedTokenizerFast") is None
+    assert ask(auto_map={}) is None and ask(auto_map={"AutoTokenizer": [None, None]}) is None
