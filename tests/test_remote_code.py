@@ -322,3 +322,17 @@ def test_which_tokenizers_are_the_checkpoints_own_code(tmp_path):
     assert ask(qwen2) is None
     assert ask(tokenizer_class="PreTrainedTokenizerFast") is None
     assert ask(auto_map={}) is None and ask(auto_map={"AutoTokenizer": [None, None]}) is None
+
+
+def test_an_unknown_model_type_without_remote_code_is_not_read_as_its_architecture(tmp_path, capsys):
+    """The architecture reading is for remote code only (an auto_map): a config.json of a model type transformers
+    lacks and no code of its own is a config transformers cannot read -- one line, 'cannot read the config' -- even
+    when its architectures name a class transformers has (never a notice saying it has remote code)."""
+    from moetool.loading import load_config
+
+    shutil.copy(EMBEDDED_DIR / "tiny" / "config.json", tmp_path / "config.json")
+    config = _rewrite_config(tmp_path, model_type="foo_moe")
+    assert config["architectures"] == ["MixtralForCausalLM"] and "auto_map" not in config
+    with pytest.raises(MoetoolError, match="cannot read the config of"):
+        load_config(str(tmp_path))
+    assert "remote code" not in capsys.readouterr().err
