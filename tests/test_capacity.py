@@ -373,3 +373,17 @@ def test_zero_computation_experts_take_no_capacity(model_type):
         assert not ev.extra["dropped"][zero].any() and ev.extra["dropped"].any()
         assert torch.equal(ev.chosen_weights[zero], ev.weights[zero])
         assert float(ev.extra["capacity"]) == math.ceil(0.25 * int(ev.valid.sum()) * ev.idx.shape[1] / m)
+
+
+def test_the_zero_computation_manifest_entry_lists_only_layers_with_such_experts():
+    """routing.zero_computation_meta, the one home of capacity's, prune's and expert-similarity's manifest entry:
+    ``{key: {layer: count}}`` over the given layers with zero-computation experts only; no entry at all for a model
+    without them (no empty ``{}`` claiming something was left out)."""
+    from types import SimpleNamespace
+
+    from moetool.experiments.routing import zero_computation_meta
+
+    layers = [SimpleNamespace(index=i, n_zero_compute=z) for i, z in ((0, 2), (1, 0), (3, 1))]
+    assert zero_computation_meta(layers, "k") == {"k": {0: 2, 3: 1}}
+    assert zero_computation_meta(layers[1:2], "k") == {}
+    assert zero_computation_meta([], "k") == {}

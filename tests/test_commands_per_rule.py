@@ -653,26 +653,29 @@ def test_super_experts(case, tmp_path):
 
 def test_hash_and_carried_state_layers_are_refused_in_one_line(case, tmp_path):
     """Where the routing must be recomputed from the logits, hash-routed layers are refused before any work, in one
-    line naming them and the layers to choose instead (the other commands above ran on every layer)."""
+    line naming them and the layers to choose instead (the other commands above ran on every layer). offload
+    recomputes the routing of the layers it predicts only: never the first decoder layer's (none ahead of it)."""
     if case.logit_layers == case.layers:
         pytest.skip("every layer's routing can be recomputed from its input")
     others = [i for i in case.layers if i not in case.logit_layers]
     if case.structure == "carried-state":  # the logits need the carried state: policies (on the events) still run
         commands = (["margin"], ["mass-recall"], ["offload"])
-        says = f"the router logits of MoE layers {others} also depend on the previous layer's router state"
+        says = "the router logits of MoE layers {} also depend on the previous layer's router state"
     elif case.structure == "product-key":  # the logits of a token depend on the batch's other tokens (Doge)
         commands = (["margin"], ["mass-recall"], ["offload"])
-        says = f"the router logits of MoE layers {others} also depend on the other tokens of the batch"
+        says = "the router logits of MoE layers {} also depend on the other tokens of the batch"
     else:
         commands = (["margin"], ["mass-recall"], ["approx"], ["offload"], ["topk", "--ks", "1"],
                     ["prune", "--fractions", "0.25", "--criteria", "random"])
-        says = f"MoE layers {others} are hash-routed"
+        says = "MoE layers {} are hash-routed"
     for args in commands:
+        bad = [i for i in others if i != 0] if args[0] == "offload" else others
+        assert bad, (args, others)
+        ok = [i for i in case.layers if i not in bad]
         r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], *SMALL, "--out", str(tmp_path / args[0])])
         assert r.exit_code != 0, (args, r.output)
-        assert says in r.output, (args, r.output)
-        assert ("--layers " + ",".join(map(str, case.logit_layers)) if case.logit_layers else "no other layer is left"
-                ) in r.output
+        assert says.format(bad) in r.output, (args, r.output)
+        assert ("--layers " + ",".join(map(str, ok)) if ok else "no other layer is left") in r.output
         assert not (tmp_path / args[0] / "manifest.json").exists()
 
 

@@ -417,3 +417,26 @@ def test_dominant_expert_of_two_dimensional_mean_outputs():
 
     mean = np.array([[0.0, 0.0], [3.0, 0.0], [1.0, 1.0], [5.0, 5.0]])
     assert dominant(mean, np.array([0, 0, 0, 1])).tolist() == [False, False, True, True]
+
+
+def test_the_command_compares_and_groups_the_computed_experts_only():
+    """expert_similarity() itself on the tiny LongCat-Flash (m = 8 computed of n = 10 experts per layer): the tables
+    are over the 8 (8·7/2 pairs, 7 merges, --cluster-to 8 groups experts 0-7, each its own group), the manifest names
+    the layers' 2 zero-computation experts, and --cluster-to 9 -- more groups than computed experts, fewer than n --
+    is refused before any forward naming the 8."""
+    import moetool
+    from conftest import zero_compute_lm
+
+    lm, tokens = zero_compute_lm("longcat_flash", 2, 16, 3, {1: 4}, lambda ev: None)
+    assert {(L.n_experts, L.n_computed) for L in lm.layers} == {(10, 8)}
+    with pytest.raises(MoetoolError, match=r"computed experts \(8\); use at most that many"):
+        moetool.expert_similarity(lm, tokens, cluster_to=9, batch_size=2, quiet=True)
+    res = moetool.expert_similarity(lm, tokens, cluster_to=8, batch_size=2, quiet=True)
+    per_layer = res["expert_similarity"].set_index("layer")
+    assert list(per_layer.index) == [L.index for L in lm.layers] and (per_layer.n_experts == 8).all()
+    for L in lm.layers:
+        assert len(res["expert_similarity_pairs"].query("layer == @L.index")) == 28
+        assert len(res["expert_similarity_merges"].query("layer == @L.index")) == 7
+        groups = res["expert_similarity_groups"].query("layer == @L.index")
+        assert sorted(groups.expert) == list(range(8)) and groups.group.nunique() == 8
+    assert res.meta["zero_computation_experts_not_compared"] == {L.index: 2 for L in lm.layers}

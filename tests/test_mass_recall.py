@@ -503,3 +503,19 @@ def test_kmeans_a_first_batch_of_one_direction_reuses_it_for_every_codeword():
     torch.testing.assert_close(km.codebook, torch.tensor([[1.0, 0.0]] * 3))
     torch.testing.assert_close(km.counts, torch.tensor([1.05, 1.0, 1.0]))
     assert km.reinits == 2
+
+
+def test_the_manifest_records_the_bootstrap_of_the_rows():
+    """mass_recall's manifest ``bootstrap`` section: the replicates and seed asked for over the 3 packed rows of the
+    data, with the few-rows note (3 rows: an interval holds the true value about 1 - 2^(1-3) = 75% of the time);
+    what a reader needs to read the intervals of mass_recall.csv."""
+    from moetool.experiments.mass_recall.compute import mass_recall
+    from moetool.uncertainty import few_rows_note
+
+    model, layers, _, tokens, _ = real_router_inputs(1, rows=3, seq=8, seed=4)
+    lm = SimpleNamespace(model=model, layers=layers, device=model.device)
+    res = mass_recall(lm, tokens, codebook_sizes=(2,), shortlists=(3,), layers=(1,), batch_size=3, bootstrap=100,
+                      seed=7, quiet=True)
+    boot = res.meta["bootstrap"]
+    assert (boot["replicates"], boot["seed"], boot["rows"]) == (100, 7, 3) == (100, 7, tokens.input_ids.shape[0])
+    assert boot["note"] == few_rows_note(100, 3) and "about 75% of the time" in boot["note"]

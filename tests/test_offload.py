@@ -309,6 +309,10 @@ def test_tables_match_manual_computation(tiny):
     res = offload(lm, tokens, bootstrap=200, quiet=True)
     idx, x = _manual(lm, tokens)
     T = tokens.n_tokens
+    # the intervals' bootstrap: over the packed rows, each with real tokens here
+    assert bool(tokens.attention_mask.any(1).all())
+    assert {k: res.meta["bootstrap"][k] for k in ("replicates", "rows", "unit")} == {
+        "replicates": 200, "rows": tokens.input_ids.shape[0], "unit": "packed row"}
     lay = res["offload_layers"].set_index("layer")
     cache = res["offload_cache"]
     for L in lm.layers:
@@ -485,6 +489,70 @@ def test_first_layer_alone_gives_the_cache_tables_without_prefetch(tiny):
     assert list(cache.layer.unique()) == [0] and (cache.requests == T * K).all()
     assert (cache[cache.capacity == K].hits == sum(len(a & b) for a, b in zip(sets[1:], sets))).all()
     assert (cache[cache.capacity == n].hits == T * K - len(set().union(*sets))).all()
+
+
+def _unnormed_router_lm(model_type):
+    """A tiny model whose routers read no norm of the stream entering their layer (Inkling-2: a learned mix of the
+    stream and the earlier blocks' outputs, block attention residuals; DeepSeek-V4: of its hc_mult streams,
+    hyper-connections, the first three MoE layers hash-routed); 2 rows of 16 tokens, the second right-padded by 3."""
+    from types import SimpleNamespace
+
+    from moetool.adapters import find_moe_layers, tiny as tiny_models
+    from moetool.data import TokenSet
+
+    model = tiny_models.build_tiny(model_type, seed=0)
+    cfg = model.config.get_text_config(decoder=True)
+    ids = torch.randint(3, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None, name=model_type)
+    return lm, TokenSet(ids, mask, [""] * 2, "test")
+
+
+@pytest.fixture(scope="module")
+def block_residual():
+    return _unnormed_router_lm("inkling2")
+
+
+@pytest.mark.parametrize("model_type", ["inkling2", "deepseek_v4"])
+def test_a_first_layer_whose_router_reads_no_norm_of_the_stream_is_not_predicted_so_not_refused(model_type):
+    """``--layers 0`` on a model whose routers read no norm of one stream (Inkling-2, DeepSeek-V4): layer 0 has no
+    decoder layer ahead to predict it from, so its router input is never asked for and the cache tables stand
+    (capacity K: the previous token's K experts, hits by hand from the hooked choices). Without the ahead-ness check
+    in ``prediction_norms`` the run was refused ('MoE layers [0] cannot be predicted ... no other layer is left');
+    DeepSeek-V4's hash-routed layer 0 was refused too ('needs the routing recomputed from the router logits'),
+    though nothing recomputes the routing of a layer that is not predicted."""
+    lm, tokens = _unnormed_router_lm(model_type)
+    res = offload(lm, tokens, layers=(0,), bootstrap=0, policies=("lru",), batch_size=2, quiet=True)
+    assert "offload_prefetch" not in res
+    L = lm.layers[0]
+    from moetool.engine import forward
+
+    got = []
+    forward(lm, tokens, consumers=[lambda ev: got.append(ev.idx[ev.valid].cpu()) if ev.layer.index == 0 else None],
+            batch_size=2, quiet=True)
+    sets = [set(r) for r in torch.cat(got).tolist()]
+    assert len(sets) == tokens.n_tokens == 29
+    cache = res["offload_cache"].set_index("capacity")
+    assert cache.loc[L.top_k, "requests"] == 29 * L.top_k
+    assert cache.loc[L.top_k, "hits"] == sum(len(a & b) for a, b in zip(sets[1:], sets))
+
+
+def test_the_norm_refusal_names_the_layers_left_to_choose(block_residual):
+    """Every analysed layer of the tiny Inkling-2: layers 1-5 cannot be predicted through a norm and are named; the
+    hint offers exactly the others, layer 0 (first of its stack, not predicted): never a refused layer among them."""
+    import re
+
+    lm, tokens = block_residual
+    assert [L.index for L in lm.layers] == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(MoetoolError) as e:
+        offload(lm, tokens, bootstrap=0, policies=("lru",), batch_size=2, quiet=True)
+    msg = str(e.value)
+    assert re.search(r"MoE layers \[(.*?)\] cannot be predicted", msg).group(1) == "1, 2, 3, 4, 5", msg
+    assert re.search(r"choose the others with --layers (\S+),", msg).group(1) == "0", msg
+    assert "--no-predict-norm" in msg
+    res = offload(lm, tokens, bootstrap=0, policies=("lru",), batch_size=2, quiet=True, predict_norm=False)
+    assert list(res["offload_prefetch"].layer) == [1, 2, 3, 4, 5]
 
 
 def test_cli_first_layer_alone_writes_no_prefetch_table(tmp_path):

@@ -623,10 +623,11 @@ def test_zero_computation_experts_are_not_measured_nor_pruned(model_type):
     """LongCat-Flash's identity experts output their input and Zaya's skip expert 0 (the last n_zero_compute
     indices): no output of their own, nothing saved by removing them. The importance table lists the computed experts
     only, by hand (each expert's output from its raw parameters, REAP's renormalised gate from the router's
-    probabilities); the removed sets are floor(0.25 · m) of the m computed experts (lowest REAP / frequency, ties to
-    the lower index; random: the seeded permutation of m); removed_frac counts computed experts; the ablations are
-    the largest computed REAPs (brk11: before, LongCat-Flash's identity experts had REAP ||h|| 2.2-4.3 against
-    0.006 and were the top ablations; Zaya's never-routed skip expert was removed first by every criterion)."""
+    probabilities); the removed sets are floor(0.23 · m) of the m computed experts (1 of 8, where floor(0.23 · n)
+    would be 2 of 10 or 9; lowest REAP / frequency, ties to the lower index; random: the seeded permutation of m);
+    removed_frac counts computed experts; the ablations are the largest computed REAPs (brk11: before, LongCat-Flash's
+    identity experts had REAP ||h|| 2.2-4.3 against 0.006 and were the top ablations; Zaya's never-routed skip expert
+    was removed first by every criterion)."""
     import moetool
     from moetool.policies.prune import random_removed
 
@@ -634,7 +635,7 @@ def test_zero_computation_experts_are_not_measured_nor_pruned(model_type):
     lm, tokens = zero_compute_lm(model_type, 4, 24, 5, {2: 6}, lambda ev: seen.setdefault(ev.layer.index, []).append(
         (ev.layer.expert_input(ev.h)[ev.valid], ev.idx[ev.valid], ev.probs[ev.valid].double())))
     layers = lm.layers
-    res = moetool.prune(lm, tokens, fractions=(0.25,),
+    res = moetool.prune(lm, tokens, fractions=(0.23,),
                         criteria=("reap", "frequency", "random"), ablate=3, batch_size=2, bootstrap=0, quiet=True)
     imp = res["prune_importance"].set_index(["layer", "expert"])
     removed = res["prune_removed"]
@@ -658,7 +659,8 @@ def test_zero_computation_experts_are_not_measured_nor_pruned(model_type):
             assert imp.loc[(L.index, e), "frequency"] == freq[e]
             assert imp.loc[(L.index, e), "reap"] == pytest.approx(reap[e], rel=1e-5, abs=1e-12)
             want_reap[(L.index, e)] = reap[e]
-        k = int(0.25 * m)
+        k = int(0.23 * m)
+        assert k == 1 < int(0.23 * L.n_experts)
         for crit, vals in (("reap", reap), ("frequency", freq)):
             got = removed[(removed.criterion == crit) & (removed.layer == L.index)]["expert"].tolist()
             assert sorted(got) == sorted(sorted(range(m), key=lambda e: (vals[e], e))[:k]), crit
@@ -666,11 +668,32 @@ def test_zero_computation_experts_are_not_measured_nor_pruned(model_type):
         assert sorted(got) == random_removed(0, L.index, m, k) and max(got) < m
     curve = res["prune"].set_index("criterion")
     assert curve.loc["reap", "removed_frac"] == pytest.approx(
-        sum(int(0.25 * L.n_computed) for L in layers) / sum(L.n_computed for L in layers), rel=1e-12)
+        sum(int(0.23 * L.n_computed) for L in layers) / sum(L.n_computed for L in layers), rel=1e-12)
     top = sorted(want_reap, key=lambda k: (-want_reap[k], k))[:3]
     assert list(zip(res["prune_ablation"].layer, res["prune_ablation"].expert)) == top
     assert res.meta["zero_computation_experts_not_pruned"] == {L.index: L.n_zero_compute for L in layers}
-    policy = make_policy("prune:random:0.25")  # the policy of ppl/eval/trace draws the experiment's sets
+    policy = make_policy("prune:random:0.23")  # the policy of ppl/eval/trace draws the experiment's sets
     for L in layers:
         assert policy.removed_in(L) == sorted(removed[(removed.criterion == "random")
                                                       & (removed.layer == L.index)]["expert"])
+
+
+def test_fractions_are_checked_against_the_computed_experts():
+    """_check_fractions over the m computed experts of the tiny LongCat-Flash (m = 8 of n = 10, top-K 2; the identity
+    experts stay routable): 0.1 removes floor(0.1 · 8) = 0 anywhere, refused naming 8 and 1/8 (floor(0.1 · 10) would
+    be 1); 0.875 removes 7 of the 8, leaving 1 computed and 2 identity experts for a top-2: it runs, 7 removed per
+    layer, and the removed fraction is 7/8 of the computed experts."""
+    import moetool
+    from moetool.policies.prune import random_removed
+
+    lm, tokens = zero_compute_lm("longcat_flash", 2, 16, 5, {}, lambda ev: None)
+    (n, m, K), = {(L.n_experts, L.n_computed, L.top_k) for L in lm.layers}
+    assert (n, m, K) == (10, 8, 2)
+    with pytest.raises(MoetoolError, match=r"floor\(0\.1 x 8\) = 0\); use at least 0\.125,"):
+        moetool.prune(lm, tokens, fractions=(0.1,), criteria=("random",), batch_size=2, bootstrap=0, quiet=True)
+    res = moetool.prune(lm, tokens, fractions=(0.875,), criteria=("random",), ablate=0, batch_size=2, bootstrap=0,
+                        quiet=True)
+    removed = res["prune_removed"]
+    assert removed.groupby("layer")["expert"].apply(sorted).tolist() == [
+        sorted(random_removed(0, L.index, m, 7)) for L in lm.layers]
+    assert res["prune"].set_index("criterion").loc["random", "removed_frac"] == 7 / 8

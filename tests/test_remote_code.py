@@ -257,3 +257,82 @@ def test_remote_model_code_without_a_native_class_runs_only_when_trusted(tmp_pat
     plain = moetool.run("plan", "tiny", out=tmp_path / "plan-tiny")
     assert res.tables["params.csv"].equals(plain.tables["params.csv"])  # the same parameters, by group and format
     assert int(plain.tables["params.csv"]["params"].sum()) > 0
+
+
+def test_trusting_a_folder_is_another_fingerprint_and_an_explicit_answer_beats_the_run(tmp_path):
+    """``loading.config_fingerprint`` of a folder with code beside its config: untrusted, sha256 over (name, NUL,
+    bytes, NUL) of config.json and the *.py files in name order (hashlib here); trusted -- explicitly or by the run's
+    ``--trust-remote-code`` (``loading.trusted``) -- the same bytes followed by ``trust_remote_code``: an answer cached
+    with the checkpoint's code run is never served to a run that does not run it. An explicit answer beats the run's."""
+    import hashlib
+
+    from moetool.context import RunState
+    from moetool.loading import config_fingerprint, trusted
+
+    shutil.copy(EMBEDDED_DIR / "tiny" / "config.json", tmp_path / "config.json")
+    (tmp_path / "modeling_foo.py").write_text("X = 1\n")
+    (tmp_path / "configuration_foo.py").write_text("Y = 2\n")
+
+    def by_hand(trust: bool) -> str:
+        h = hashlib.sha256()
+        for name in ("config.json", "configuration_foo.py", "modeling_foo.py"):
+            h.update(name.encode() + b"\0" + (tmp_path / name).read_bytes() + b"\0")
+        if trust:
+            h.update(b"trust_remote_code")
+        return h.hexdigest()
+
+    plain, trust = by_hand(False), by_hand(True)
+    assert plain != trust
+    assert not trusted() and trusted(True) and not trusted(False)
+    assert config_fingerprint(str(tmp_path)) == config_fingerprint(str(tmp_path), False) == plain
+    assert config_fingerprint(str(tmp_path), True) == trust
+    with RunState(trust_remote_code=True).active():
+        assert trusted() and not trusted(False)
+        assert config_fingerprint(str(tmp_path)) == trust and config_fingerprint(str(tmp_path), False) == plain
+    with RunState().active():
+        assert not trusted() and trusted(True)
+        assert config_fingerprint(str(tmp_path)) == plain
+
+
+def test_which_tokenizers_are_the_checkpoints_own_code(tmp_path):
+    """loading.remote_tokenizer on tokenizer_config.json variants: the auto_map's fast class first, else its slow
+    one; none without an auto_map, when the tokenizer_class it names is transformers' own (then transformers reads it
+    so), or for a model type whose hub tokenizer class transformers replaces on purpose (qwen2 is in
+    MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, mixtral is not)."""
+    from types import SimpleNamespace
+
+    from transformers.models.auto import tokenization_auto as ta
+
+    from moetool.loading import remote_tokenizer
+
+    folder = _remote_tokenizer_folder(tmp_path)
+    mixtral, qwen2 = SimpleNamespace(model_type="mixtral"), SimpleNamespace(model_type="qwen2")
+    assert "qwen2" in ta.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert "mixtral" not in ta.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    path = folder / "tokenizer_config.json"
+    base = json.loads(path.read_text())
+
+    def ask(config=mixtral, **fields):
+        path.write_text(json.dumps({**base, **fields}))
+        return remote_tokenizer(str(folder), {}, config)
+
+    assert ask() == "tokenization_tiny.TinyRemoteTokenizer"  # [slow, None]: the slow one
+    assert ask(auto_map={"AutoTokenizer": ["tokenization_tiny.Slow", "tokenization_tiny.Fast"]}) == \
+        "tokenization_tiny.Fast"
+    assert ask(qwen2) is None
+    assert ask(tokenizer_class="PreTrainedTokenizerFast") is None
+    assert ask(auto_map={}) is None and ask(auto_map={"AutoTokenizer": [None, None]}) is None
+
+
+def test_an_unknown_model_type_without_remote_code_is_not_read_as_its_architecture(tmp_path, capsys):
+    """The architecture reading is for remote code only (an auto_map): a config.json of a model type transformers
+    lacks and no code of its own is a config transformers cannot read -- one line, 'cannot read the config' -- even
+    when its architectures name a class transformers has (never a notice saying it has remote code)."""
+    from moetool.loading import load_config
+
+    shutil.copy(EMBEDDED_DIR / "tiny" / "config.json", tmp_path / "config.json")
+    config = _rewrite_config(tmp_path, model_type="foo_moe")
+    assert config["architectures"] == ["MixtralForCausalLM"] and "auto_map" not in config
+    with pytest.raises(MoetoolError, match="cannot read the config of"):
+        load_config(str(tmp_path))
+    assert "remote code" not in capsys.readouterr().err

@@ -424,3 +424,7 @@ def test_zero_computation_experts_are_not_counted_as_experts_used(model_type):
     assert used.mean() < size.mean()  # the set holds zero-computation experts
     t = res["topk"].set_index("policy")
     assert t.loc["router", "mean_experts"] == pytest.approx(np.mean(router_means), abs=1e-12)
+    # the summary line: K is the model's, the computed experts per token beside it
+    from moetool.experiments.topk.compute import summary_lines
+
+    assert f" with K={first.top_k} ({np.mean(router_means):.2f} computed); " in summary_lines("z", res)[0]

@@ -673,6 +673,22 @@ def test_export_placement_api(captured, imported, kind, tmp_path, no_figures):
         moetool.export_placement(res, "vllm", tmp_path / "v.json")
 
 
+def test_an_export_takes_the_data_loads_not_the_reference_ones():
+    """placement_loads of a placement with --reference-data: placement_loads.csv holds the reference's loads too
+    (data_set 'reference', eplb_stale's); the export places the data's (data_set 'data'), layer by layer in expert
+    order, as float64 -- here a hand table whose reference rows differ and whose rows are out of order."""
+    from moetool.experiments.result import Result
+    from moetool.traces.export import placement_loads
+
+    rows = [("reference", 1, e, 100.0 + e) for e in range(3)] + [("data", 3, e, 10.0 * e + 1) for e in (2, 0, 1)] + \
+        [("data", 1, e, 1.0 / (e + 3)) for e in (1, 2, 0)] + [("reference", 3, e, 7.0) for e in range(3)]
+    df = pd.DataFrame(rows, columns=["data_set", "layer", "expert", "load"])
+    got = placement_loads(Result("placement", {"placement_loads.csv": df}, None, meta={"n_experts": 3, "groups": 1}))
+    assert got["layers"] == [1, 3] and got["n"] == 3 and got["groups"] == 1
+    assert got["load"].dtype == torch.float64
+    assert got["load"].tolist() == [[1 / 3, 1 / 4, 1 / 5], [1.0, 11.0, 21.0]]
+
+
 def test_export_of_a_forward_uses_its_loads(captured, imported):
     """``placement --export`` after a forward exports from the result's own loads: the trace's, per layer."""
     from moetool.traces.export import placement_loads
@@ -695,6 +711,32 @@ def test_sglang_map_keeps_dense_layers_trivial(tmp_path):
     assert got[0].tolist() == [0, 1, 2, 3, 0, 1]
     assert torch.equal(got[1:], placed["phy2log"])
     assert (got[1] == 0).sum() == 3 and (got[2] == 3).sum() == 3  # the heavy expert replicated: 9 / 3 = 3 per slot
+
+
+def test_an_exported_map_is_read_back_as_sglang_does_and_a_bad_one_is_one_line(tmp_path):
+    """read_sglang_location: logical_to_all_physical_map by hand (each expert's slots in slot order, -1 padded to the
+    most replicated); an id outside 0..n-1 (n itself included) or an expert without a slot is one line, never an
+    IndexError nor a map that sends an expert's tokens nowhere. read_eplb: a logcnt or log2phy that disagrees with
+    phy2log is one line."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3, 1, 1], [3, 2, 1, 0, 0, 3]]}))
+    got = read_sglang_location(path, 4)["logical_to_all_physical_map"]
+    assert got.tolist() == [[[0, -1, -1], [1, 4, 5], [2, -1, -1], [3, -1, -1]],
+                            [[3, 4, -1], [2, -1, -1], [1, -1, -1], [0, 5, -1]]]
+    for bad, words in (([[0, 1, 2, 3, 4]], "ids in 0..3"), ([[0, 1, 2, -1]], "ids in 0..3"),
+                       ([[0, 1, 2, 2]], "no physical slot")):
+        path.write_text(json.dumps({"physical_to_logical_map": bad}))
+        with pytest.raises(MoetoolError, match=words):
+            read_sglang_location(path, 4)
+    good = {"layers": [1], "phy2log": [[0, 1, 2, 0]], "log2phy": [[[0, 3], [1, -1], [2, -1]]], "logcnt": [[2, 1, 1]]}
+    path.write_text(json.dumps(good))
+    assert read_eplb(path)["logcnt"].tolist() == [[2, 1, 1]]
+    for key, value, words in (("logcnt", [[1, 2, 1]], "logcnt of layer 1"),
+                              ("log2phy", [[[0, 3], [2, -1], [1, -1]]], "log2phy of layer 1 expert 1"),
+                              ("log2phy", [[[0, -1], [1, -1], [2, -1]]], "log2phy of layer 1 expert 0")):
+        path.write_text(json.dumps({**good, key: value}))
+        with pytest.raises(MoetoolError, match=words):
+            read_eplb(path)
 
 
 # ----- bad input: one line, exit 2, nothing written --------------------------------------------------------------

@@ -99,33 +99,36 @@ Consumer = Callable[[RoutingEvent], None]
 
 
 def _refuse_layers(layers: list[MoELayer], attr: str, what: str, needs: str, because: str,
-                   subject: str = "MoE layers") -> None:
-    """One line naming the ``layers`` whose ``attr`` is set (``what`` cannot run there) and the others."""
+                   subject: str = "MoE layers", among: Iterable[MoELayer] | None = None) -> None:
+    """One line naming the ``layers`` whose ``attr`` is set (``what`` cannot run there) and the others (of
+    ``among``, the layers asked for, when ``layers`` are only those of them that need the recomputation)."""
     bad = [L.index for L in layers if getattr(L, attr, False)]
     if bad:
-        others = [L.index for L in layers if L.index not in bad]
+        others = [L.index for L in (layers if among is None else among) if L.index not in bad]
         raise MoetoolError(f"{what} needs the routing recomputed from {needs}, but {subject} {bad} {because}: " +
                            (f"choose the others with --layers {','.join(map(str, others))}" if others else
                             "no other layer is left"))
 
 
-def refuse_recomputed(layers: Iterable[MoELayer], what: str) -> None:
+def refuse_recomputed(layers: Iterable[MoELayer], what: str, among: Iterable[MoELayer] | None = None) -> None:
     """One line when ``what`` recomputes routing from inputs other than the events' (perturbed, predicted or
     codebook points) and some of ``layers`` cannot: a carried router state (:attr:`MoELayer.carried_state`) or a
-    hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``)."""
+    hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``): of
+    ``among`` when given (the layers asked for, of which ``layers`` are those whose routing is recomputed)."""
     layers = list(layers)
+    among = None if among is None else list(among)
     context = next((L.routing_context for L in layers if getattr(L, "carried_state", False)), "")
     _refuse_layers(layers, "carried_state", what, "the layer input alone", f"also depend on {context}",
-                   subject="the router logits of MoE layers")
-    refuse_hash_routed(layers, what)
+                   subject="the router logits of MoE layers", among=among)
+    refuse_hash_routed(layers, what, among)
 
 
-def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
+def refuse_hash_routed(layers: Iterable[MoELayer], what: str, among: Iterable[MoELayer] | None = None) -> None:
     """One line when any of ``layers`` is hash-routed (experts chosen by token id, :attr:`GenericLayer.hash_routed`):
     ``what`` needs the routing as a function of the router's logits, which such a layer does not have. The line
     names those layers and the others (``--layers``)."""
     _refuse_layers(list(layers), "hash_routed", what, "the router logits",
-                   "are hash-routed (experts chosen by token id)")
+                   "are hash-routed (experts chosen by token id)", among=among)
 
 
 def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups: bool = True) -> None:

@@ -769,7 +769,9 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     opts = resolve_options(OffloadOptions, options, overrides)
     require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
-    refuse_recomputed(layers, "offload's next-layer prediction")
+    # only a layer with a decoder layer ahead is predicted (its routing recomputed); the first of a stack is simulated
+    # from the model's own routing, whatever its router reads (hash-routed: DeepSeek-V4's first layers)
+    refuse_recomputed([L for L in layers if has_layer_ahead(L)], "offload's next-layer prediction", among=layers)
     refuse_zero_compute({L.index: getattr(L, "n_zero_compute", 0) for L in layers})
     for L in layers:  # before any forward
         for C in opts.capacities or ():
