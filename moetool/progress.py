@@ -16,6 +16,12 @@ def _other_rank() -> bool:
                for n in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
 
 
+def say(line: str) -> None:
+    """One console line on stderr (progress facts: the auto batch size, a back-off, a loading note, intervals from
+    too few rows)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def progress(items: Iterable[T], total: int | None = None, description: str = "working",
              quiet: bool = False) -> Iterator[T]:
     if quiet or _other_rank():

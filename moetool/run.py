@@ -38,6 +38,7 @@ from typing import Any
 
 from .context import Backoff, Parallel, RunState, current, state
 from .errors import MoetoolError, shown
+from .progress import say
 
 DEFAULT_MODEL = "tiny"  # mirrors moetool.loading.DEFAULT_MODEL without importing it
 
@@ -56,11 +57,6 @@ class Run(RunState):
         """A run of ``command``; a layout that cannot exist (``--ep`` other than ``--tp``) is one line here."""
         return cls(backoff=Backoff(enabled=auto_batch), layout=Parallel(tp, ep), command=command,
                    trust_remote_code=bool(trust_remote_code))
-
-
-def say(line: str) -> None:
-    """One console line on stderr (progress facts: the auto batch size, a back-off, a loading note)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 # ----- before anything loads -----------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
                                   f"in {run.path}, manifest.json lists figures_failed")
     note = (result.meta.get("bootstrap") or {}).get("note")  # too few rows for a 95% interval (FEW_ROWS):
     if note:  # one line on a run that worked (a failed one says its error alone; the manifest keeps the note)
-        from ..run import say
+        from ..progress import say
 
         say(f"note: {note}")
     if not finish:
