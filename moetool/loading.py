@@ -299,7 +299,10 @@ def trusted(trust_remote_code: bool | None = None) -> bool:
     return bool(run is not None and run.trust_remote_code)
 
 
-REMOTE_CODE_FLAG = "--trust-remote-code (trust_remote_code=True in Python)"
+def ask_trust(source: str) -> str:
+    """The end of every refusal of a checkpoint's own code (its config's, its tokenizer's): how to allow it."""
+    return (f"moetool runs a checkpoint's own code only when asked: pass --trust-remote-code "
+            f"(trust_remote_code=True in Python) if you trust {source}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -363,8 +366,7 @@ def _remote_config_refused(source: str, config_dict: dict[str, Any]) -> MoetoolE
     return MoetoolError(
         f"{source}'s config is remote code ({auto}, the checkpoint's own): transformers "
         f"{transformers.__version__} has no model type {config_dict.get('model_type')!r} nor a class of its "
-        f"architectures {arch or '(none named)'}; moetool runs a checkpoint's own code only when asked: pass "
-        f"{REMOTE_CODE_FLAG} if you trust {source}")
+        f"architectures {arch or '(none named)'}; {ask_trust(source)}")
 
 
 def read_config(source: str, from_hub: dict[str, Any] | None = None, *,
@@ -734,8 +736,7 @@ def _tokenizer(source: str, from_hub: dict[str, Any], config: Any, trust_remote_
     remote = None if trust_remote_code else remote_tokenizer(source, from_hub, config)
     if remote is not None:
         raise MoetoolError(f"the tokenizer of {source} is remote code ({remote}, the checkpoint's own) "
-                           f"and moetool runs a checkpoint's own code only when asked: pass {REMOTE_CODE_FLAG} if "
-                           f"you trust {source}")
+                           f"and {ask_trust(source)}")
     try:
         with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(source, config=config, trust_remote_code=trust_remote_code, **from_hub)
