@@ -31,7 +31,16 @@ from typing import Any, Iterable, Iterator
 
 from .errors import MoetoolError, shown
 
-DATA_SUFFIXES = (".txt", ".jsonl", ".md")
+DATA_SUFFIXES = (".txt", ".jsonl", ".md")  # matched case-insensitively (A.TXT, c.JSONL): data_suffix
+#: files ``--data`` refuses by name: structured text whose brackets, keys and commas would be tokenized as prose
+#: (and a table of them would look like any other); what to give instead
+NOT_TEXT_SUFFIXES = {
+    ".json": "a .jsonl with one {\"text\": ...} object per line (jq -c '.[]' FILE.json > FILE.jsonl converts a "
+             "list of objects)",
+    ".ndjson": "the same lines under a .jsonl name (rename it)",
+    ".csv": "a .jsonl with one {\"text\": ...} object per line, or the text column as a .txt",
+    ".tsv": "a .jsonl with one {\"text\": ...} object per line, or the text column as a .txt",
+}
 DEFAULT_SEQ_LEN = 256
 DEFAULT_MAX_TOKENS = 32768
 #: bytes of the corpus read (parsed, not tokenized) before reading may stop early: every domain met in
@@ -75,11 +84,49 @@ class LargeText:
         return f"LargeText({str(self.path)!r})"
 
 
+def data_suffix(path: Path) -> str:
+    """``path``'s suffix in lower case: ``c.JSONL`` is JSONL (read as plain text it packed its JSON syntax) and a
+    folder's ``A.TXT`` is data (it was left out)."""
+    return path.suffix.lower()
+
+
+def not_utf8(path: Path, e: UnicodeDecodeError, line: int | None = None) -> MoetoolError:
+    """The one line for a ``--data`` file that is not UTF-8 (latin-1 or UTF-16 text, a compressed or binary file)."""
+    at = f"line {line}: " if line is not None else ""
+    utf16 = e.start == 0 and bytes(e.object[:2]) in (b"\xff\xfe", b"\xfe\xff")  # UTF-16's byte-order mark
+    return MoetoolError(f"data file {path}: {at}not UTF-8 text ("
+                        + ("UTF-16, by its byte-order mark" if utf16 else
+                           f"byte 0x{e.object[e.start]:02x} at offset {e.start}")
+                        + f"): save it as UTF-8 (e.g. iconv -f {'utf-16' if utf16 else 'latin1'} -t utf-8); a "
+                          f"compressed or binary file is not read")
+
+
+def refuse_nul(path: Any, text: str) -> str:
+    """``text``, or one line when it holds a NUL character: UTF-16 text without a byte-order mark (every other byte
+    0) or a binary file decodes as UTF-8 and would be packed as a NUL after every character."""
+    if "\x00" in text:
+        raise MoetoolError(f"data file {path}: holds NUL characters, so it is not UTF-8 text (UTF-16? a binary file?): "
+                           f"save it as UTF-8 (e.g. iconv -f utf-16 -t utf-8)")
+    return text
+
+
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Windows editors) is no text
-    except (OSError, UnicodeDecodeError) as e:
+        # a leading byte-order mark (Windows editors) is no text
+        return refuse_nul(path, path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+    except OSError as e:
         raise MoetoolError(f"cannot read data file {path}: {e}") from None
+
+
+def _surrogate(s: str) -> bool:
+    """True when ``s`` holds an unpaired surrogate (a JSON ``\\ud800`` escape): no tokenizer encodes it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class DocumentStream:
@@ -92,12 +139,19 @@ class DocumentStream:
         if isinstance(path, str) and not path.strip():  # not the held-out text, nor Path("") = the current folder
             raise MoetoolError("--data is an empty name: give a file or folder (or None: the shipped held-out text)")
         self.path = Path(path) if path is not None else default_data_path()
-        if not self.path.exists():
+        try:
+            found = self.path.exists()
+        except OSError as e:  # a name too long for the file system
+            raise MoetoolError(f"--data {str(self.path)[:80]}...: {e.strerror or e}") from None
+        if not found:
             raise MoetoolError(f"data not found: {self.path}")
         p = self.path
+        if not p.is_dir() and data_suffix(p) in NOT_TEXT_SUFFIXES:
+            raise MoetoolError(f"data file {p}: a {data_suffix(p)} file is not read as text (its syntax would be packed "
+                               f"as tokens): give {NOT_TEXT_SUFFIXES[data_suffix(p)]}")
         # a folder's hidden files and folders (.ipynb_checkpoints, .git, editor backups) are not data: they hold
         # copies of its files, read and counted twice
-        self.files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES
+        self.files = sorted(f for f in p.rglob("*") if f.is_file() and data_suffix(f) in DATA_SUFFIXES
                             and not any(part.startswith(".") for part in f.relative_to(p).parts)) \
             if p.is_dir() else [p]
         if p.is_dir() and not self.files:
@@ -119,7 +173,7 @@ class DocumentStream:
                 yield d
 
     def _read_file(self, path: Path) -> Iterator[Document]:
-        if path.suffix != ".jsonl":
+        if data_suffix(path) != ".jsonl":
             size = path.stat().st_size
             if size > TEXT_PREFIX_BYTES:
                 self.bytes_read += size  # read on demand by pack; counted whole (reading may stop here)
@@ -137,7 +191,7 @@ class DocumentStream:
                     try:
                         text = line.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM: not JSON, no text
                     except UnicodeDecodeError as e:
-                        raise MoetoolError(f"cannot read data file {path}: line {n}: {e}") from None
+                        raise not_utf8(path, e, n) from None
                     if not text.strip():
                         continue
                     try:
@@ -154,6 +208,10 @@ class DocumentStream:
                         shown = shown if len(shown) <= 40 else shown[:37] + "..."
                         raise MoetoolError(f"{path} line {n}: 'domain' must be a string or null, got the {kind} "
                                            f"{shown} (quote it to use it as a domain name)")
+                    for key in ("text", "domain"):  # only a \\u escape makes one: checked where there is one
+                        if "\\u" in text and isinstance(rec.get(key), str) and _surrogate(rec[key]):
+                            raise MoetoolError(f"{path} line {n}: '{key}' holds an unpaired surrogate escape (such as "
+                                               f"\\ud800): not Unicode text, which no tokenizer encodes")
                     if rec["text"].strip():
                         yield Document(rec["text"], domain or "")
         except OSError as e:
@@ -327,7 +385,7 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
     try:
         with (open(doc.path, encoding="utf-8-sig") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
             while True:
-                more = fh.read(chars - len(text))
+                more = refuse_nul(getattr(doc, "path", "document"), fh.read(chars - len(text)))
                 text += more
                 if len(text) < chars:  # end of file: the whole text
                     return list(tokenizer(text, **kw)["input_ids"])
@@ -344,7 +402,9 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
                     if len(ids) >= want and list(tokenizer(text[:cut], **kw)["input_ids"])[:len(ids)] == ids:
                         return ids
                 chars *= 2
-    except (OSError, UnicodeDecodeError) as e:  # a file only: a document is in memory already
+    except UnicodeDecodeError as e:  # a file only: a document is in memory already
+        raise not_utf8(doc.path, e) from None
+    except OSError as e:
         raise MoetoolError(f"cannot read data file {getattr(doc, 'path', '')}: {e}") from None
 
 
