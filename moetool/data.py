@@ -165,6 +165,9 @@ class DocumentStream:
                                    f"twice; leave one name in the folder")
         self.bytes_read = 0
         self.documents = 0
+        #: JSONL domains met with a blank (whitespace-only) text: one whose every document read is blank gets no row,
+        #: which :func:`pack` says (:attr:`TokenSet.unpacked`) rather than leave the domain out without a word
+        self.blank_domains: dict[str, None] = {}
 
     def __iter__(self) -> Iterator[Document]:
         for f in self.files:
@@ -214,6 +217,8 @@ class DocumentStream:
                                                f"\\ud800): not Unicode text, which no tokenizer encodes")
                     if rec["text"].strip():
                         yield Document(rec["text"], domain or "")
+                    elif domain:
+                        self.blank_domains.setdefault(domain)
         except OSError as e:
             raise MoetoolError(f"cannot read data file {path}: {e}") from None
 
@@ -447,6 +452,8 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
     unpacked = {d: (f"its text has {len(s)} token{'s' if len(s) != 1 else ''} (a row needs 2)" if len(s) < 2 else
                     f"--max-tokens {max_tokens} was reached before its first row") for d, s in streams.items()
                 if d not in packed}
+    unpacked.update({d: "its text is blank (whitespace only)" for d in getattr(docs, "blank_domains", {})
+                     if d not in streams})
     return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
                     special_tokens=_special_meta(tokenizer, add_special_tokens), tokenizer=tokenizer_id(tokenizer),
                     unpacked=unpacked)

@@ -662,3 +662,20 @@ def test_an_unpaired_surrogate_escape_in_jsonl_is_refused_naming_the_line(tmp_pa
     assert read_documents(p) == [Document("caf\u00e9 ok"), Document("\U0001F600 smile")]
     assert load_tokens(p, bpe, 16, None).n_tokens == sum(
         len(bpe(t, add_special_tokens=False)["input_ids"]) for t in ("caf\u00e9 ok", "\U0001F600 smile")) + 1
+
+
+def test_a_domain_whose_text_is_blank_is_named_not_left_out_in_silence(tmp_path):
+    """A JSONL domain whose every document is whitespace ('   ', '\\n') vanished from the per-domain tables without
+    the note a one-token domain gets. It is named now, with why; a blank document beside real text of its domain
+    adds nothing and says nothing."""
+    from moetool.data import unpacked_lines
+
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"text": "abcdefgh", "domain": "a"}, {"text": "   ", "domain": "empty"}, {"text": "\n", "domain": "empty"},
+        {"text": " ", "domain": "a"}, {"text": "xy", "domain": "c"}, {"text": "\t", "domain": ""}]))
+    ts = load_tokens(p, CharTokenizer(), seq_len=4, max_tokens=None)
+    assert ts.domains == ["a", "c", "a"] and ts.n_tokens == 8 + 2
+    assert ts.unpacked == {"empty": "its text is blank (whitespace only)"}
+    assert unpacked_lines(ts) == ["note: --data domain 'empty' has no row, so no per-domain result: its text is blank "
+                                  "(whitespace only)"]
