@@ -129,6 +129,27 @@ def _surrogate(s: str) -> bool:
     return False
 
 
+def folder_files(root: Path) -> list[Path]:
+    """The data files of folder ``root``, sorted by path: every ``.txt``/``.jsonl``/``.md`` below it, through links to
+    folders too (``corpus/code -> /datasets/code``: ``Path.rglob`` does not follow them, and their text was left out
+    without a word), each folder read once (a link back up, ``self -> ..``, or a second link to one folder adds
+    nothing; a link to a folder above ``root`` is a loop, never followed: it would read ``root``'s neighbours).
+    Hidden files and folders (``.ipynb_checkpoints``, ``.git``, editor backups) are not data: they hold copies of its
+    files, read and counted twice."""
+    files, seen = [], {root.resolve(), *root.resolve().parents}
+    for top, folders, names in os.walk(root, followlinks=True):
+        keep = []
+        for d in sorted(folders):
+            real = (Path(top) / d).resolve()
+            if not d.startswith(".") and real not in seen:
+                seen.add(real)
+                keep.append(d)
+        folders[:] = keep
+        files += [Path(top) / f for f in names if not f.startswith(".") and data_suffix(Path(f)) in DATA_SUFFIXES
+                  and (Path(top) / f).is_file()]
+    return sorted(files)
+
+
 class DocumentStream:
     """Documents of ``--data`` in order, read lazily; ``bytes_read`` counts the bytes consumed so far."""
 
@@ -149,11 +170,7 @@ class DocumentStream:
         if not p.is_dir() and data_suffix(p) in NOT_TEXT_SUFFIXES:
             raise MoetoolError(f"data file {p}: a {data_suffix(p)} file is not read as text (its syntax would be packed "
                                f"as tokens): give {NOT_TEXT_SUFFIXES[data_suffix(p)]}")
-        # a folder's hidden files and folders (.ipynb_checkpoints, .git, editor backups) are not data: they hold
-        # copies of its files, read and counted twice
-        self.files = sorted(f for f in p.rglob("*") if f.is_file() and data_suffix(f) in DATA_SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts)) \
-            if p.is_dir() else [p]
+        self.files = folder_files(p) if p.is_dir() else [p]
         if p.is_dir() and not self.files:
             raise MoetoolError(f"no {'/'.join(DATA_SUFFIXES)} files in {p}")
         seen: dict[tuple[int, int], Path] = {}

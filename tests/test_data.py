@@ -679,3 +679,24 @@ def test_a_domain_whose_text_is_blank_is_named_not_left_out_in_silence(tmp_path)
     assert ts.unpacked == {"empty": "its text is blank (whitespace only)"}
     assert unpacked_lines(ts) == ["note: --data domain 'empty' has no row, so no per-domain result: its text is blank "
                                   "(whitespace only)"]
+
+
+def test_a_linked_folder_in_a_data_folder_is_read_once_and_a_loop_is_not_followed(tmp_path):
+    """``corpus/code -> /datasets/code`` was left out without a word (``Path.rglob`` follows no folder link): a table
+    over ``m.txt`` alone, 9 of 26 characters. Links to folders are followed now, each folder read once (a second
+    link to it adds nothing, so nothing is counted twice), and a link back up (``self -> ..``) is never followed
+    (it would read the corpus' neighbours: ``outside.txt``)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "e.txt").write_text("elsewhere text")
+    (tmp_path / "outside.txt").write_text("not in the corpus")
+    c = tmp_path / "corpus"
+    c.mkdir()
+    (c / "m.txt").write_text("main text")
+    (c / "code").symlink_to(tmp_path / "elsewhere")
+    assert read_documents(c) == [Document("elsewhere text"), Document("main text")]
+    (c / "again").symlink_to(tmp_path / "elsewhere")  # a second name for the same folder: read once
+    (c / "self").symlink_to("..")
+    (c / "loop").symlink_to(".")
+    docs = read_documents(c)
+    assert docs == [Document("elsewhere text"), Document("main text")]
+    assert pack(docs, CharTokenizer(), seq_len=64, max_tokens=None).n_tokens == 14 + 1 + 9
