@@ -31,7 +31,16 @@ from typing import Any, Iterable, Iterator
 
 from .errors import MoetoolError, shown
 
-DATA_SUFFIXES = (".txt", ".jsonl", ".md")
+DATA_SUFFIXES = (".txt", ".jsonl", ".md")  # matched case-insensitively (A.TXT, c.JSONL): data_suffix
+#: files ``--data`` refuses by name: structured text whose brackets, keys and commas would be tokenized as prose
+#: (and a table of them would look like any other); what to give instead
+NOT_TEXT_SUFFIXES = {
+    ".json": "a .jsonl with one {\"text\": ...} object per line (jq -c '.[]' FILE.json > FILE.jsonl converts a "
+             "list of objects)",
+    ".ndjson": "the same lines under a .jsonl name (rename it)",
+    ".csv": "a .jsonl with one {\"text\": ...} object per line, or the text column as a .txt",
+    ".tsv": "a .jsonl with one {\"text\": ...} object per line, or the text column as a .txt",
+}
 DEFAULT_SEQ_LEN = 256
 DEFAULT_MAX_TOKENS = 32768
 #: bytes of the corpus read (parsed, not tokenized) before reading may stop early: every domain met in
@@ -75,11 +84,70 @@ class LargeText:
         return f"LargeText({str(self.path)!r})"
 
 
+def data_suffix(path: Path) -> str:
+    """``path``'s suffix in lower case: ``c.JSONL`` is JSONL (read as plain text it packed its JSON syntax) and a
+    folder's ``A.TXT`` is data (it was left out)."""
+    return path.suffix.lower()
+
+
+def not_utf8(path: Path, e: UnicodeDecodeError, line: int | None = None) -> MoetoolError:
+    """The one line for a ``--data`` file that is not UTF-8 (latin-1 or UTF-16 text, a compressed or binary file)."""
+    at = f"line {line}: " if line is not None else ""
+    utf16 = e.start == 0 and bytes(e.object[:2]) in (b"\xff\xfe", b"\xfe\xff")  # UTF-16's byte-order mark
+    return MoetoolError(f"data file {path}: {at}not UTF-8 text ("
+                        + ("UTF-16, by its byte-order mark" if utf16 else
+                           f"byte 0x{e.object[e.start]:02x} at offset {e.start}")
+                        + f"): save it as UTF-8 (e.g. iconv -f {'utf-16' if utf16 else 'latin1'} -t utf-8); a "
+                          f"compressed or binary file is not read")
+
+
+def refuse_nul(path: Any, text: str) -> str:
+    """``text``, or one line when it holds a NUL character: UTF-16 text without a byte-order mark (every other byte
+    0) or a binary file decodes as UTF-8 and would be packed as a NUL after every character."""
+    if "\x00" in text:
+        raise MoetoolError(f"data file {path}: holds NUL characters, so it is not UTF-8 text (UTF-16? a binary file?): "
+                           f"save it as UTF-8 (e.g. iconv -f utf-16 -t utf-8)")
+    return text
+
+
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Windows editors) is no text
-    except (OSError, UnicodeDecodeError) as e:
+        # a leading byte-order mark (Windows editors) is no text
+        return refuse_nul(path, path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+    except OSError as e:
         raise MoetoolError(f"cannot read data file {path}: {e}") from None
+
+
+def _surrogate(s: str) -> bool:
+    """True when ``s`` holds an unpaired surrogate (a JSON ``\\ud800`` escape): no tokenizer encodes it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def folder_files(root: Path) -> list[Path]:
+    """The data files of folder ``root``, sorted by path: every ``.txt``/``.jsonl``/``.md`` below it, through links to
+    folders too (``corpus/code -> /datasets/code``: ``Path.rglob`` does not follow them, and their text was left out
+    without a word), each folder read once (a link back up, ``self -> ..``, or a second link to one folder adds
+    nothing; a link to a folder above ``root`` is a loop, never followed: it would read ``root``'s neighbours).
+    Hidden files and folders (``.ipynb_checkpoints``, ``.git``, editor backups) are not data: they hold copies of its
+    files, read and counted twice."""
+    files, seen = [], {root.resolve(), *root.resolve().parents}
+    for top, folders, names in os.walk(root, followlinks=True):
+        keep = []
+        for d in sorted(folders):
+            real = (Path(top) / d).resolve()
+            if not d.startswith(".") and real not in seen:
+                seen.add(real)
+                keep.append(d)
+        folders[:] = keep
+        files += [Path(top) / f for f in names if not f.startswith(".") and data_suffix(Path(f)) in DATA_SUFFIXES
+                  and (Path(top) / f).is_file()]
+    return sorted(files)
 
 
 class DocumentStream:
@@ -92,14 +160,17 @@ class DocumentStream:
         if isinstance(path, str) and not path.strip():  # not the held-out text, nor Path("") = the current folder
             raise MoetoolError("--data is an empty name: give a file or folder (or None: the shipped held-out text)")
         self.path = Path(path) if path is not None else default_data_path()
-        if not self.path.exists():
+        try:
+            found = self.path.exists()
+        except OSError as e:  # a name too long for the file system
+            raise MoetoolError(f"--data {str(self.path)[:80]}...: {e.strerror or e}") from None
+        if not found:
             raise MoetoolError(f"data not found: {self.path}")
         p = self.path
-        # a folder's hidden files and folders (.ipynb_checkpoints, .git, editor backups) are not data: they hold
-        # copies of its files, read and counted twice
-        self.files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts)) \
-            if p.is_dir() else [p]
+        if not p.is_dir() and data_suffix(p) in NOT_TEXT_SUFFIXES:
+            raise MoetoolError(f"data file {p}: a {data_suffix(p)} file is not read as text (its syntax would be packed "
+                               f"as tokens): give {NOT_TEXT_SUFFIXES[data_suffix(p)]}")
+        self.files = folder_files(p) if p.is_dir() else [p]
         if p.is_dir() and not self.files:
             raise MoetoolError(f"no {'/'.join(DATA_SUFFIXES)} files in {p}")
         seen: dict[tuple[int, int], Path] = {}
@@ -111,6 +182,9 @@ class DocumentStream:
                                    f"twice; leave one name in the folder")
         self.bytes_read = 0
         self.documents = 0
+        #: JSONL domains met with a blank (whitespace-only) text: one whose every document read is blank gets no row,
+        #: which :func:`pack` says (:attr:`TokenSet.unpacked`) rather than leave the domain out without a word
+        self.blank_domains: dict[str, None] = {}
 
     def __iter__(self) -> Iterator[Document]:
         for f in self.files:
@@ -119,7 +193,7 @@ class DocumentStream:
                 yield d
 
     def _read_file(self, path: Path) -> Iterator[Document]:
-        if path.suffix != ".jsonl":
+        if data_suffix(path) != ".jsonl":
             size = path.stat().st_size
             if size > TEXT_PREFIX_BYTES:
                 self.bytes_read += size  # read on demand by pack; counted whole (reading may stop here)
@@ -137,7 +211,7 @@ class DocumentStream:
                     try:
                         text = line.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM: not JSON, no text
                     except UnicodeDecodeError as e:
-                        raise MoetoolError(f"cannot read data file {path}: line {n}: {e}") from None
+                        raise not_utf8(path, e, n) from None
                     if not text.strip():
                         continue
                     try:
@@ -154,8 +228,14 @@ class DocumentStream:
                         shown = shown if len(shown) <= 40 else shown[:37] + "..."
                         raise MoetoolError(f"{path} line {n}: 'domain' must be a string or null, got the {kind} "
                                            f"{shown} (quote it to use it as a domain name)")
+                    for key in ("text", "domain"):  # only a \\u escape makes one: checked where there is one
+                        if "\\u" in text and isinstance(rec.get(key), str) and _surrogate(rec[key]):
+                            raise MoetoolError(f"{path} line {n}: '{key}' holds an unpaired surrogate escape (such as "
+                                               f"\\ud800): not Unicode text, which no tokenizer encodes")
                     if rec["text"].strip():
                         yield Document(rec["text"], domain or "")
+                    elif domain:
+                        self.blank_domains.setdefault(domain)
         except OSError as e:
             raise MoetoolError(f"cannot read data file {path}: {e}") from None
 
@@ -327,7 +407,7 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
     try:
         with (open(doc.path, encoding="utf-8-sig") if isinstance(doc, LargeText) else io.StringIO(doc.text)) as fh:
             while True:
-                more = fh.read(chars - len(text))
+                more = refuse_nul(getattr(doc, "path", "document"), fh.read(chars - len(text)))
                 text += more
                 if len(text) < chars:  # end of file: the whole text
                     return list(tokenizer(text, **kw)["input_ids"])
@@ -344,7 +424,9 @@ def _encode_prefix(tokenizer: Any, doc: LargeText | Document, want: int,
                     if len(ids) >= want and list(tokenizer(text[:cut], **kw)["input_ids"])[:len(ids)] == ids:
                         return ids
                 chars *= 2
-    except (OSError, UnicodeDecodeError) as e:  # a file only: a document is in memory already
+    except UnicodeDecodeError as e:  # a file only: a document is in memory already
+        raise not_utf8(doc.path, e) from None
+    except OSError as e:
         raise MoetoolError(f"cannot read data file {getattr(doc, 'path', '')}: {e}") from None
 
 
@@ -387,6 +469,8 @@ def pack(docs: Iterable[Document | LargeText], tokenizer: Any, seq_len: int = DE
     unpacked = {d: (f"its text has {len(s)} token{'s' if len(s) != 1 else ''} (a row needs 2)" if len(s) < 2 else
                     f"--max-tokens {max_tokens} was reached before its first row") for d, s in streams.items()
                 if d not in packed}
+    unpacked.update({d: "its text is blank (whitespace only)" for d in getattr(docs, "blank_domains", {})
+                     if d not in streams})
     return TokenSet(torch.tensor(ids_out, dtype=torch.long), torch.tensor(mask_out, dtype=torch.long), doms, source,
                     special_tokens=_special_meta(tokenizer, add_special_tokens), tokenizer=tokenizer_id(tokenizer),
                     unpacked=unpacked)

@@ -255,7 +255,7 @@ def test_large_text_file_is_tokenized_by_prefix_with_the_ids_of_the_whole(tmp_pa
         keep = got.attention_mask.bool()
         assert got.n_tokens == cap
         assert torch.equal(got.input_ids[keep], whole.input_ids[: keep.shape[0]][keep])
-    with pytest.raises(MoetoolError, match="cannot read data file"):
+    with pytest.raises(MoetoolError, match=r"big\.txt: not UTF-8 text \(byte 0xff at offset"):
         load_tokens(p, bpe, 64, None)
 
 
@@ -583,3 +583,120 @@ def test_a_command_says_which_domain_got_no_row(tmp_path, no_figures):
     assert ("note: --data domain 'short' has no row, so no per-domain result: its text has 1 token (a row needs 2)"
             in r.output.splitlines()), r.output
     assert set(pd.read_csv(tmp_path / "run" / "domain_load.csv")["domain"]) == {"long"}
+
+
+# ----- break-it run 13: what a researcher feeds --data -------------------------------------------------------------
+def test_an_upper_case_suffix_is_read_by_its_format(tmp_path):
+    """``c.JSONL`` given as --data was read as plain text: its JSON syntax packed as tokens ('{"text": "alpha"...',
+    30 characters where the text is 5), a plausible table of the wrong text; a folder's ``A.TXT`` was left out
+    (1 of 2 documents). Suffixes match whatever their case."""
+    (tmp_path / "c.JSONL").write_text(json.dumps({"text": "alpha", "domain": "d"}) + "\n")
+    assert read_documents(tmp_path / "c.JSONL") == [Document("alpha", "d")]
+    ts = load_tokens(tmp_path / "c.JSONL", CharTokenizer(), seq_len=8, max_tokens=None)
+    assert ts.n_tokens == 5 and ts.input_ids[0, :5].tolist() == [ord(c) % 200 + 3 for c in "alpha"]
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "A.TXT").write_text("upper")
+    (tmp_path / "f" / "b.txt").write_text("lower")
+    (tmp_path / "f" / "c.Md").write_text("mixed")
+    assert read_documents(tmp_path / "f") == [Document("upper"), Document("lower"), Document("mixed")]
+    assert load_tokens(tmp_path / "f", CharTokenizer(), seq_len=32, max_tokens=None).n_tokens == 3 * 5 + 2  # 2 EOS
+
+
+@pytest.mark.parametrize("name, content, hint", [
+    ("list.json", json.dumps([{"text": "hello there"}]), r"jq -c '\.\[\]' FILE\.json > FILE\.jsonl"),
+    ("obj.JSON", json.dumps({"text": "hello there"}), "jq -c"),
+    ("rows.csv", "text,label\nhello there,1\n", "or the text column as a .txt"),
+    ("rows.tsv", "text\tlabel\nhello there\t1\n", "or the text column as a .txt"),
+    ("lines.ndjson", json.dumps({"text": "hello there"}) + "\n", r"under a \.jsonl name \(rename it\)"),
+])
+def test_a_structured_file_is_refused_not_packed_as_text(tmp_path, name, content, hint):
+    """A .json list of records (or a .csv with a text column) given as --data was read as one text document: its
+    brackets, keys and header packed as tokens (``[{"text": "hello there"}]``: 28 tokens of 11 characters of text)
+    into a table like any other. Refused by name in one line saying what to give; in a folder such files are
+    still left out, as before."""
+    (tmp_path / name).write_text(content)
+    with pytest.raises(MoetoolError, match=rf"^data file .*{name}: a \.{name.split('.')[-1].lower()} file is not "
+                                           rf"read as text \(its syntax would be packed as tokens\): give .*{hint}"):
+        load_tokens(tmp_path / name, CharTokenizer(), seq_len=8, max_tokens=None)
+    (tmp_path / "a.txt").write_text("hello there")
+    assert read_documents(tmp_path) == [Document("hello there")]
+
+
+def test_text_that_is_not_utf8_is_refused_naming_what_it_is(tmp_path, monkeypatch, bpe):
+    """UTF-16 text without a byte-order mark (every other byte 0) decoded as UTF-8 and packed a NUL after each
+    character: 'hello' gave 10 tokens, a perplexity of text nobody wrote. Refused in one line, as is UTF-16 with its
+    mark, latin-1 and a NUL past the prefix of a large file (read by prefix)."""
+    (tmp_path / "le.txt").write_bytes("hello".encode("utf-16-le"))
+    assert len("hello".encode("utf-16-le").decode("utf-8")) == 10  # what was packed before
+    with pytest.raises(MoetoolError, match=r"le\.txt: holds NUL characters, so it is not UTF-8 text \(UTF-16\? a "
+                                           r"binary file\?\): save it as UTF-8 \(e\.g\. iconv -f utf-16 -t utf-8\)$"):
+        load_tokens(tmp_path / "le.txt", CharTokenizer(), seq_len=8, max_tokens=None)
+    (tmp_path / "bom.txt").write_bytes("hello".encode("utf-16"))
+    with pytest.raises(MoetoolError, match=r"bom\.txt: not UTF-8 text \(UTF-16, by its byte-order mark\): save it "
+                                           r"as UTF-8 \(e\.g\. iconv -f utf-16 -t utf-8\)"):
+        read_documents(tmp_path / "bom.txt")
+    (tmp_path / "l1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(MoetoolError, match=r"l1\.jsonl: line 2: not UTF-8 text \(byte 0xe9 at offset 13\).*iconv "
+                                           r"-f latin1 -t utf-8"):
+        read_documents(tmp_path / "l1.jsonl")
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    big = tmp_path / "big.txt"
+    big.write_text("plain words here\n" * 12000 + "x\x00y\n")  # 204 kB: read by prefix (64k characters first)
+    with pytest.raises(MoetoolError, match="big\\.txt: holds NUL characters"):
+        load_tokens(big, bpe, 64, None)
+    assert load_tokens(big, bpe, 16, 32).n_tokens == 32  # a prefix before the NUL is text: read as before
+
+
+def test_an_unpaired_surrogate_escape_in_jsonl_is_refused_naming_the_line(tmp_path, bpe):
+    """``{"text": "a \\ud800 b"}`` decodes to a string no tokenizer encodes: the fast tokenizer raised a TypeError
+    traceback ('TextEncodeInput must be Union[...]'); in ``domain`` it reached the CSV writer after the whole run.
+    One line naming the file, line and field; a valid escape (\\u00e9) still reads."""
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"text": "caf\\u00e9 ok"}\n{"text": "a \\ud800 b"}\n')
+    with pytest.raises(MoetoolError, match=r"s\.jsonl line 2: 'text' holds an unpaired surrogate escape"):
+        load_tokens(p, bpe, 16, None)
+    p.write_text('{"text": "caf\\u00e9 ok"}\n{"text": "b", "domain": "x\\udfff"}\n')
+    with pytest.raises(MoetoolError, match=r"s\.jsonl line 2: 'domain' holds an unpaired surrogate escape"):
+        read_documents(p)
+    p.write_text('{"text": "caf\\u00e9 ok"}\n{"text": "\\ud83d\\ude00 smile"}\n')  # a pair: one character
+    assert read_documents(p) == [Document("caf\u00e9 ok"), Document("\U0001F600 smile")]
+    assert load_tokens(p, bpe, 16, None).n_tokens == sum(
+        len(bpe(t, add_special_tokens=False)["input_ids"]) for t in ("caf\u00e9 ok", "\U0001F600 smile")) + 1
+
+
+def test_a_domain_whose_text_is_blank_is_named_not_left_out_in_silence(tmp_path):
+    """A JSONL domain whose every document is whitespace ('   ', '\\n') vanished from the per-domain tables without
+    the note a one-token domain gets. It is named now, with why; a blank document beside real text of its domain
+    adds nothing and says nothing."""
+    from moetool.data import unpacked_lines
+
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"text": "abcdefgh", "domain": "a"}, {"text": "   ", "domain": "empty"}, {"text": "\n", "domain": "empty"},
+        {"text": " ", "domain": "a"}, {"text": "xy", "domain": "c"}, {"text": "\t", "domain": ""}]))
+    ts = load_tokens(p, CharTokenizer(), seq_len=4, max_tokens=None)
+    assert ts.domains == ["a", "c", "a"] and ts.n_tokens == 8 + 2
+    assert ts.unpacked == {"empty": "its text is blank (whitespace only)"}
+    assert unpacked_lines(ts) == ["note: --data domain 'empty' has no row, so no per-domain result: its text is blank "
+                                  "(whitespace only)"]
+
+
+def test_a_linked_folder_in_a_data_folder_is_read_once_and_a_loop_is_not_followed(tmp_path):
+    """``corpus/code -> /datasets/code`` was left out without a word (``Path.rglob`` follows no folder link): a table
+    over ``m.txt`` alone, 9 of 26 characters. Links to folders are followed now, each folder read once (a second
+    link to it adds nothing, so nothing is counted twice), and a link back up (``self -> ..``) is never followed
+    (it would read the corpus' neighbours: ``outside.txt``)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "e.txt").write_text("elsewhere text")
+    (tmp_path / "outside.txt").write_text("not in the corpus")
+    c = tmp_path / "corpus"
+    c.mkdir()
+    (c / "m.txt").write_text("main text")
+    (c / "code").symlink_to(tmp_path / "elsewhere")
+    assert read_documents(c) == [Document("elsewhere text"), Document("main text")]
+    (c / "again").symlink_to(tmp_path / "elsewhere")  # a second name for the same folder: read once
+    (c / "self").symlink_to("..")
+    (c / "loop").symlink_to(".")
+    docs = read_documents(c)
+    assert docs == [Document("elsewhere text"), Document("main text")]
+    assert pack(docs, CharTokenizer(), seq_len=64, max_tokens=None).n_tokens == 14 + 1 + 9

@@ -416,6 +416,26 @@ def test_an_out_that_is_a_file_is_refused_before_anything_loads(tmp_path, monkey
     assert afile.read_text() == "mine"
 
 
+def test_a_name_too_long_for_the_file_system_is_a_usage_line(tmp_path, monkeypatch):
+    """``--out`` (or ``--data``) with a part of 300 bytes: ``Path.exists()`` raised ENAMETOOLONG, shown as
+    "error: OSError: [Errno 36] ..." with exit 1 (a runtime failure). Now one usage line (exit 2) before anything
+    loads, nothing written."""
+    from moetool.commands.app import app
+    from moetool.data import DocumentStream
+    from moetool import loading
+
+    monkeypatch.setattr(loading, "resolve", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    long = tmp_path / ("a" * 300)
+    r = CliRunner().invoke(app, ["ppl", "--out", str(long)])
+    assert r.exit_code == 2 and r.output.startswith("error: --out ") and "File name too long (a shorter folder " \
+        "name)" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    with pytest.raises(MoetoolError, match=r"File name too long \(a shorter folder name\)$"):
+        RunDir.create("ppl", long / "sub")
+    with pytest.raises(MoetoolError, match=r"^--data .*\.\.\.: File name too long$"):
+        DocumentStream(long / "x.txt")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----- each table's rows, bytes and sha256 in the manifest: a copy that lost rows is told from the run's -----------
 # tables only (no_figures): stats' and erc's figures are tests/test_stats.py's, test_erc.py's and test_help_files.py's
 @pytest.mark.slow

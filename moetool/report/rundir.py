@@ -166,7 +166,12 @@ def _nearest_existing(path: Path) -> Path:
 
 def refuse_not_a_folder(path: Path) -> None:
     """``--out`` that is a file, or lies under one: one line. Cheap (no heavy import, nothing written): the
-    commands call it before anything loads (:func:`moetool.run.refuse_busy_out`), :meth:`RunDir.create` again."""
+    commands call it before anything loads (:func:`moetool.run.refuse_busy_out`), :meth:`RunDir.create` again. A
+    name the file system cannot hold (a part longer than 255 bytes) is one line too, not an ``OSError`` at the end."""
+    try:
+        path.exists()
+    except OSError as e:  # ENAMETOOLONG: exists() raises it, and so would the first write
+        raise MoetoolError(f"--out {str(path)[:60]}...: {e.strerror or e} (a shorter folder name)") from None
     if path.exists() and not path.is_dir():
         raise MoetoolError(f"--out {path} exists and is not a folder")
     probe = _nearest_existing(path)
