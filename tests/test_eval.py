@@ -478,3 +478,26 @@ def test_generation_under_a_policy_reading_the_sequence_routes_every_step_by_it(
             differs += by_hand(context, spec) != by_hand(context, "router")
     assert differs >= 2  # the policies wrote other text than the router: the comparison can tell them apart
     assert "generate" not in vars(lm.model)  # the model's own generate back after the run
+
+
+@pytest.mark.parametrize("what, value", [("limit", 0), ("limit", -1), ("num_fewshot", -1), ("num_fewshot", -5)])
+def test_lm_eval_counts_out_of_range_are_one_line_in_the_library(what, value):
+    """The command line's ``--limit`` (min 1) and ``--num-fewshot`` (min 0), in the library too: ``limit=0`` was
+    lm-eval's traceback 'ValueError: task.build_requests() did not find any docs!', ``limit=-1`` islice's 'Indices for
+    islice() must be None or an integer', and ``num_fewshot=-1`` ran silently (as zero-shot). Every options class of
+    the lm-eval group refuses them before any model work (prune refused --limit 0 alone)."""
+    from moetool import evaluate
+    from moetool.errors import MoetoolError
+    from moetool.experiments.norm_select.spec import NormSelectOptions
+    from moetool.experiments.prune.spec import PruneOptions
+    from moetool.experiments.result import resolve_options
+
+    flag = "--" + what.replace("_", "-")
+    least = {"limit": 1, "num_fewshot": 0}[what]
+    line = rf"^{flag} must be at least {least}, not {value}$"
+    with pytest.raises(MoetoolError, match=line):
+        evaluate(load("tiny"), tasks=(TASK,), **{what: value})
+    for cls in (NormSelectOptions, PruneOptions):
+        with pytest.raises(MoetoolError, match=line):
+            resolve_options(cls, None, {what: value})
+    assert resolve_options(lmeval.EvalOptions, None, {"tasks": (TASK,), what: least + 1}).__dict__[what] == least + 1
