@@ -50,8 +50,8 @@ class Policy:
     #: attention): refused on hash-routed layers
     routes_by_scores: bool = False
     #: routes a token by the other tokens of its sequence (similarity, attention): a forward must hold the whole
-    #: sequence, so a KV-cached decoding step (one new token) would route by that token alone; lm-eval's generation
-    #: runs without the cache for such a policy (``experiments.eval.compute.whole_sequence_generation``)
+    #: sequence, so a KV-cached decoding step (one new token) would route by that token alone; the eval command's
+    #: lm-eval generation runs without the cache for such a policy
     reads_sequence: bool = False
 
     @classmethod
