@@ -433,3 +433,71 @@ def test_a_patched_attribute_gone_from_lm_eval_is_one_line(monkeypatch):
     with pytest.raises(MoetoolError, match=r"has no evaluator\.get_git_commit_hash: .* written for lm-eval "):
         with lmeval_compat.no_env_report():
             pass
+
+
+def _generate_task(tmp_path, docs: int = 4, max_gen_toks: int = 8) -> Path:
+    """A generate_until task (greedy, ``max_gen_toks`` tokens, a stop string never generated) on the shipped prose
+    contexts: a folder for ``--include-path``."""
+    rows = [json.loads(l) for l in Path(plan_file(TASK)).read_text().splitlines()[:docs]]
+    (tmp_path / "gen.jsonl").write_text("".join(json.dumps({"context": r["context"], "answer": r["choices"][r["label"]]})
+                                                + "\n" for r in rows))
+    (tmp_path / "gen.yaml").write_text(yaml.safe_dump({
+        "task": "moetool_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "gen.jsonl")}},
+        "test_split": "test", "output_type": "generate_until", "doc_to_text": "context", "doc_to_target": "answer",
+        "generation_kwargs": {"until": ["@@@"], "max_gen_toks": max_gen_toks, "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0}}))
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_generation_under_a_policy_reading_the_sequence_routes_every_step_by_it(no_network, tmp_path):
+    """generate_until under similarity / attention: lm-eval's ``model.generate(use_cache=True)`` fed each decoding
+    step's forward the new token alone, so similarity routed every generated token by itself (its own π: the router's
+    choice, a text the policy did not write -- on doc 2 the router's '\\nthere is not supported by' instead of the
+    policy's '\\nthere is a string. ') and attention stopped the run ('attention probabilities of shape (1, 4, 1, ..)
+    ... pass use_cache=False'). Each generated text must be the greedy decode with the policy applied to whole-sequence
+    forwards, by hand."""
+    lm = load("tiny")
+    plan = lmeval.plan_tasks(["moetool_gen"], _generate_task(tmp_path))
+    hflm = lmeval.make_hflm(lm, batch_size=1)  # one row per forward: no padding in lm-eval's generation
+
+    def by_hand(context: str, spec: str, n: int = 8) -> str:
+        ids = hflm.tok_encode(context)
+        with torch.no_grad(), Engine(lm.model, lm.layers, policy=make_policy(spec)):
+            for _ in range(n):
+                ids.append(int(lm.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        return hflm.tok_decode(ids[-n:])
+
+    differs = 0
+    for spec in ("similarity", "attention"):
+        res = lmeval.evaluate(lm, plan, policy=make_policy(spec), hflm=hflm, log_samples=True, quiet=True)
+        for d in res.samples["moetool_gen"]:
+            context = d["arguments"][0][0]  # (context, generation kwargs)
+            assert d["resps"][0][0] == by_hand(context, spec)
+            differs += by_hand(context, spec) != by_hand(context, "router")
+    assert differs >= 2  # the policies wrote other text than the router: the comparison can tell them apart
+    assert "generate" not in vars(lm.model)  # the model's own generate back after the run
+
+
+@pytest.mark.parametrize("what, value", [("limit", 0), ("limit", -1), ("num_fewshot", -1), ("num_fewshot", -5)])
+def test_lm_eval_counts_out_of_range_are_one_line_in_the_library(what, value):
+    """The command line's ``--limit`` (min 1) and ``--num-fewshot`` (min 0), in the library too: ``limit=0`` was
+    lm-eval's traceback 'ValueError: task.build_requests() did not find any docs!', ``limit=-1`` islice's 'Indices for
+    islice() must be None or an integer', and ``num_fewshot=-1`` ran silently (as zero-shot). Every options class of
+    the lm-eval group refuses them before any model work (prune refused --limit 0 alone)."""
+    from moetool import evaluate
+    from moetool.errors import MoetoolError
+    from moetool.experiments.norm_select.spec import NormSelectOptions
+    from moetool.experiments.prune.spec import PruneOptions
+    from moetool.experiments.result import resolve_options
+
+    flag = "--" + what.replace("_", "-")
+    least = {"limit": 1, "num_fewshot": 0}[what]
+    line = rf"^{flag} must be at least {least}, not {value}$"
+    with pytest.raises(MoetoolError, match=line):
+        evaluate(load("tiny"), tasks=(TASK,), **{what: value})
+    for cls in (NormSelectOptions, PruneOptions):
+        with pytest.raises(MoetoolError, match=line):
+            resolve_options(cls, None, {what: value})
+    assert resolve_options(lmeval.EvalOptions, None, {"tasks": (TASK,), what: least + 1}).__dict__[what] == least + 1

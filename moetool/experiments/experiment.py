@@ -215,6 +215,22 @@ def check_seed(seed: Any, flag: str = "--seed") -> None:
         raise MoetoolError(f"{flag} must be an integer from 0 to {SEED_MAX} (2**32 - 1), not {seed!r}")
 
 
+#: the lm-eval flag group's counts and their least values (the command line's ``min=``): ``limit=0`` went to lm-eval as
+#: "no items" (a ValueError traceback: "task.build_requests() did not find any docs!"), ``limit=-1`` to islice (a
+#: traceback), ``num_fewshot=-1`` ran silently as zero-shot under the name of -1 examples
+LMEVAL_MINIMA = {"limit": 1, "num_fewshot": 0}
+
+
+def check_lmeval_count(name: str, value: Any) -> None:
+    """``limit`` / ``num_fewshot`` (lm-eval's flag group): ``None`` (lm-eval's own) or an integer at least its
+    :data:`LMEVAL_MINIMA`; one line naming the flag otherwise."""
+    least = LMEVAL_MINIMA[name]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise MoetoolError(f"--{name.replace('_', '-')} must be an integer or None, not {value!r}")
+    if value is not None and value < least:
+        raise MoetoolError(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
+
+
 def check_options(options: Any) -> None:
     """The checks every options dataclass shares, where the library resolves its options (and where a command
     builds them): each flagged field's numbers (:meth:`Flag.check`), the seeds (:func:`check_seed`) and the rows per
@@ -228,6 +244,8 @@ def check_options(options: Any) -> None:
             check_seed(getattr(options, f.name), "--" + f.name.replace("_", "-"))
         elif f.name == "batch_size":
             check_sizes(batch_size=getattr(options, f.name))
+        elif f.name in LMEVAL_MINIMA:
+            check_lmeval_count(f.name, getattr(options, f.name))
 
 
 def _fits(value: Any, hint: Any, path: bool) -> bool:

@@ -104,6 +104,7 @@ class AttentionPolicy(Policy):
     name = "attention"
     needs_attention = True
     routes_by_scores = True  # TopK of the attended tokens' π: refused on hash-routed layers, as similarity
+    reads_sequence = True  # the other tokens of the same sequence
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}

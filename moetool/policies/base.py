@@ -49,6 +49,10 @@ class Policy:
     #: re-ranks experts by the router's scores (``route_k`` / ``route_masked``, or the distribution π: similarity,
     #: attention): refused on hash-routed layers
     routes_by_scores: bool = False
+    #: routes a token by the other tokens of its sequence (similarity, attention): a forward must hold the whole
+    #: sequence, so a KV-cached decoding step (one new token) would route by that token alone; the eval command's
+    #: lm-eval generation runs without the cache for such a policy
+    reads_sequence: bool = False
 
     @classmethod
     def from_spec(cls, args: list[str], **options: Any) -> "Policy":

@@ -78,6 +78,7 @@ class SimilarityPolicy(Policy):
 
     name = "similarity"
     routes_by_scores = True  # TopK of the neighbours' π: no routing of a hash-routed layer (experts by token id)
+    reads_sequence = True  # the other tokens of the same sequence
 
     def __init__(self, tau: float | None = None, sim: str = "dot", causal: bool = True):
         if sim not in SIMS:

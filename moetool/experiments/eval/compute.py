@@ -327,6 +327,36 @@ def lmeval_padding(engine: Any) -> Any:
         huggingface.pad_and_concat = pad
 
 
+@contextlib.contextmanager
+def whole_sequence_generation(model: Any, policy: Any) -> Any:
+    """While open, ``model.generate`` (lm-eval's ``generate_until``, which passes ``use_cache=True``) runs without a
+    KV cache when ``policy`` routes a token by the other tokens of its sequence (``Policy.reads_sequence``:
+    similarity, attention): every decoding step is then a forward over the whole sequence so far, which the policy
+    routes as ppl's forwards are routed. With the cache a step's forward holds the new token alone: similarity
+    routed it by itself (its own π: the router's choice, silently) and attention refused in the middle of the run.
+    Other policies route each token by itself: the cache is kept."""
+    if not getattr(policy, "reads_sequence", False):
+        yield
+        return
+    import functools
+
+    had = "generate" in vars(model)
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def uncached(*args: Any, **kwargs: Any) -> Any:
+        return generate(*args, **{**kwargs, "use_cache": False})
+
+    model.generate = uncached
+    try:
+        yield
+    finally:
+        if had:
+            model.generate = generate
+        else:
+            del model.generate
+
+
 def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iterable[int] | None = None,
              num_fewshot: int | None = None, limit: int | None = None, batch_size: int = 8, seed: int = 0,
              fewshot_seed: int = FEWSHOT_SEED, hflm: Any = None, log_samples: bool = False,
@@ -351,7 +381,7 @@ def evaluate(lm: Any, plan: TaskPlan, *, policy: Any = None, policy_layers: Iter
     with status(what, quiet), contextlib.redirect_stderr(io.StringIO()), hub_offline(plan.offline), torch.no_grad(), \
             logger_level("lm_eval", logging.ERROR if quiet else logging.WARNING), no_env_report(), \
             Engine(lm.model, lm.layers, policy=policy, policy_layers=policy_layers) as engine, \
-            lmeval_padding(engine):
+            lmeval_padding(engine), whole_sequence_generation(lm.model, policy):
         try:
             out = evaluator.simple_evaluate(
                 model=hflm, tasks=list(plan.specs), num_fewshot=num_fewshot, limit=limit,

@@ -92,8 +92,6 @@ class PruneOptions:
         from ...uncertainty import check_n_boot
 
         check_n_boot(self.bootstrap)
-        if self.limit is not None and self.limit < 1:
-            raise MoetoolError(f"--limit must be at least 1, not {self.limit}")
         if not self.fractions or any(not 0.0 <= f < 1.0 for f in self.fractions):
             raise MoetoolError(f"--fractions must lie in [0, 1), not {list(self.fractions)}")
         bad = [c for c in self.criteria if c not in CRITERIA]
