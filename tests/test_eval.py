@@ -501,3 +501,29 @@ def test_lm_eval_counts_out_of_range_are_one_line_in_the_library(what, value):
         with pytest.raises(MoetoolError, match=line):
             resolve_options(cls, None, {what: value})
     assert resolve_options(lmeval.EvalOptions, None, {"tasks": (TASK,), what: least + 1}).__dict__[what] == least + 1
+
+
+@pytest.mark.parametrize("spec", ["similarity", "attention"])
+def test_a_cached_decoding_step_under_a_policy_reading_the_sequence_is_one_line(spec):
+    """Through ``moetool.hook`` a researcher's own ``model.generate`` keeps its KV cache: each decoding step's forward
+    holds the new token alone, so similarity routed it by itself (the router's choice, silently) and attention refused
+    in the middle of the generation. The engine refuses the first cached step in one line; without the cache the
+    generation is the greedy decode under the policy over whole-sequence forwards, by hand; a policy that routes each
+    token by itself (norm:gate) keeps the cache and generates what it generates without one."""
+    from moetool.errors import MoetoolError
+
+    lm = load("tiny")
+    prompt = torch.tensor([[5, 17, 29, 41, 3, 8]])
+    with torch.no_grad(), Engine(lm.model, lm.layers, policy=make_policy(spec)):
+        with pytest.raises(MoetoolError, match=rf"^the {spec} policy routes a token by the earlier tokens of its "
+                                               r"sequence, but this forward continues a KV cache of 6 tokens"):
+            lm.model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=True)
+        out = lm.model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)[0, 6:].tolist()
+        ids = prompt[0].tolist()
+        for _ in range(3):
+            ids.append(int(lm.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert out == ids[6:]
+    with torch.no_grad(), Engine(lm.model, lm.layers, policy=make_policy("norm:gate")):
+        cached = lm.model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=True)
+        plain = lm.model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)
+    assert cached.tolist() == plain.tolist()

@@ -457,6 +457,7 @@ class Engine:
 
     # ----- hooks -------------------------------------------------------------------------
     def _on_model(self, module, args, kwargs):
+        self._refuse_cached_step(kwargs.get("cache", kwargs.get("past_key_values")))  # transformers renamed it
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -471,6 +472,23 @@ class Engine:
         token_ids = ids.reshape(-1) if not ids.is_floating_point() else None
         self._batch = ((B, S), valid, token_ids)
         self.forwards += 1
+
+    def _refuse_cached_step(self, cache: Any) -> None:
+        """A policy that routes a token by the other tokens of its sequence (``Policy.reads_sequence``: similarity,
+        attention) sees only the forward's tokens: a KV-cached decoding step (``model.generate`` with its cache, a
+        forward given a filled ``cache`` / ``past_key_values``) holds the new token alone, which similarity routed by itself (the
+        router's choice, silently) and attention refused mid-generation. One line instead, before the forward; the
+        cache's length is a Python int (no device sync). ``eval`` generates without the cache for such a policy."""
+        if cache is None or not getattr(self.policy, "reads_sequence", False):
+            return
+        try:
+            cached = int(cache.get_seq_length())
+        except Exception:  # not a transformers Cache (a legacy tuple, a model's own): nothing to read here
+            return
+        if cached > 0:
+            raise MoetoolError(f"the {self.policy.name} policy routes a token by the earlier tokens of its sequence, "
+                               f"but this forward continues a KV cache of {cached} tokens (it holds its new tokens "
+                               f"alone): generate with use_cache=False")
 
     def _router_hook(self, L: MoELayer):
         slot = self._slots[L.index]
