@@ -54,6 +54,23 @@ def test_fluctuation_summary_is_one_short_line_per_routing():
     assert lines[4] == "tiny -> tiny-late: top-1 change (mean over layers)"
 
 
+
+def test_an_isolated_row_names_the_isolated_router_it_is_compared_with():
+    """reduction_vs_router of a ``<routing>-isolated`` row is router-isolated's top-1 change minus its own (the
+    tables' pairing), but the console said "reduction vs router": on the demo's tiny-early -> tiny, attention-isolated
+    read "reduction vs router -0.093" beside router 0.250 and attention-isolated 0.255, which is not 0.250 - 0.255."""
+    rows = []
+    for routing, t1, red in (("router", 0.250, np.nan), ("router-isolated", 0.162, np.nan),
+                             ("attention-isolated", 0.255, 0.162 - 0.255)):
+        rows.append({"reference": "tiny-early", "checkpoint": "tiny", "routing": routing, "top1_change": t1,
+                     "top1_change_lo": t1 - 0.01, "top1_change_hi": t1 + 0.01, "reduction_vs_router": red,
+                     "reduction_vs_router_lo": red - 0.03, "reduction_vs_router_hi": red + 0.03})
+    lines = fluctuation.summary_lines("x", {"fluctuation_summary": pd.DataFrame(rows)})
+    assert lines[3] == (f"  attention-isolated {format_ci(0.255, 0.245, 0.265)} [reduction vs router-isolated "
+                        f"{format_ci(0.162 - 0.255, 0.162 - 0.255 - 0.03, 0.162 - 0.255 + 0.03)} (interval excludes 0)]")
+    assert "reduction" not in lines[1] + lines[2]
+
+
 def test_headline_lines_carry_the_intervals_of_their_tables():
     """Issue 35 item 16: the lines a run records as its headline (the report page's first table) give each
     number its experiment's 95% interval, read from the run's own table: topk's perplexity ratios, stats' largest
