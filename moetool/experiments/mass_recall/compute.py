@@ -415,6 +415,9 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
 # ----- report --------------------------------------------------------------------------------
 DEFINITIONS = {
     "tokens": "real (unpadded) tokens the layer routed",
+    "layer": "decoder layer index of the MoE layer",
+    "codebook_size": "G: codewords in the layer's codebook (--codebook-size)",
+    "shortlist_size": "M: experts in each codeword's shortlist (--shortlist)",
     "mass_recall_mean": "mean over real tokens of Σ_{e∈L(c(h))} π_e(h), computed as 1 − Σ_{e∉L} π_e(h) in fp64",
     "mass_recall_p05": "5th percentile of mass recall (4096-bin histogram, upper bin edge)",
     "topk_recall": "mean |TopK(h) ∩ L(c(h))| / K",
