@@ -489,7 +489,7 @@ def summary_lines(name: str, res: Any) -> list[str]:
             sel = d[(d["codebook_size"] == G) & (d["shortlist_size"] == m)]
             parts.append(f"M={m}: {sel['mass_recall_mean'].mean():.3f}")
         lines.append(f"{name} {mode}: mass recall (G={G}, mean over layers) " + ", ".join(dict.fromkeys(parts))
-                     + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (worst row), "
+                     + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (lowest over layers, G and M), "
                      f"scale-aware bound on {d['bound_scaled_holds_rate'].min():.1%}; mean bound paper "
                      f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}")
     return lines
