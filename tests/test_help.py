@@ -108,3 +108,29 @@ def test_the_commands_a_help_says_a_policy_works_in_take_routing():
                 assert "--routing" in opts, f"{name} --help: '{m.group(0)}', but {other} has no --routing"
                 checked += 1
     assert checked >= 9  # topk, capacity and prune name ppl, eval and trace
+
+
+def test_quiet_help_names_the_commands_whose_tables_it_leaves_out(tmp_path):
+    """--quiet said "No progress bars." on every command, but erc (and six others) printed no console table at all
+    under it, while norm-select, stats, ppl and the generated commands print theirs: a user who passed -q to keep a
+    log clean lost the ERC table without being told. The help names the commands, exactly those whose show()
+    returns under --quiet, and erc -q indeed prints no table while erc does."""
+    import re
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.commands.options import QUIET_NO_TABLES
+
+    src = Path(__file__).resolve().parents[1] / "commands"
+    returns = sorted(f.stem.replace("_", "-") for f in src.glob("*.py")
+                     if re.search(r"if p\.quiet:\n\s+(echo_run\(res\.path\)\n\s+)?return\b", f.read_text()))
+    assert sorted(QUIET_NO_TABLES) == returns
+    runner = CliRunner()
+    loud = runner.invoke(app, ["erc", "--layers", "0", "--out", str(tmp_path / "a")])
+    quiet = runner.invoke(app, ["erc", "--layers", "0", "--out", str(tmp_path / "b"), "-q"])
+    assert loud.exit_code == quiet.exit_code == 0
+    assert "ERC per layer" in loud.output and "ERC per layer" not in quiet.output
+    help_ = runner.invoke(app, ["ppl", "--help"], env={"COLUMNS": "300"}).output
+    assert "erc, fluctuation, mass-recall" in help_ and "no console tables" in help_
