@@ -54,6 +54,23 @@ def test_fluctuation_summary_is_one_short_line_per_routing():
     assert lines[4] == "tiny -> tiny-late: top-1 change (mean over layers)"
 
 
+
+def test_an_isolated_row_names_the_isolated_router_it_is_compared_with():
+    """reduction_vs_router of a ``<routing>-isolated`` row is router-isolated's top-1 change minus its own (the
+    tables' pairing), but the console said "reduction vs router": on the demo's tiny-early -> tiny, attention-isolated
+    read "reduction vs router -0.093" beside router 0.250 and attention-isolated 0.255, which is not 0.250 - 0.255."""
+    rows = []
+    for routing, t1, red in (("router", 0.250, np.nan), ("router-isolated", 0.162, np.nan),
+                             ("attention-isolated", 0.255, 0.162 - 0.255)):
+        rows.append({"reference": "tiny-early", "checkpoint": "tiny", "routing": routing, "top1_change": t1,
+                     "top1_change_lo": t1 - 0.01, "top1_change_hi": t1 + 0.01, "reduction_vs_router": red,
+                     "reduction_vs_router_lo": red - 0.03, "reduction_vs_router_hi": red + 0.03})
+    lines = fluctuation.summary_lines("x", {"fluctuation_summary": pd.DataFrame(rows)})
+    assert lines[3] == (f"  attention-isolated {format_ci(0.255, 0.245, 0.265)} [reduction vs router-isolated "
+                        f"{format_ci(0.162 - 0.255, 0.162 - 0.255 - 0.03, 0.162 - 0.255 + 0.03)} (interval excludes 0)]")
+    assert "reduction" not in lines[1] + lines[2]
+
+
 def test_headline_lines_carry_the_intervals_of_their_tables():
     """Issue 35 item 16: the lines a run records as its headline (the report page's first table) give each
     number its experiment's 95% interval, read from the run's own table: topk's perplexity ratios, stats' largest
@@ -112,3 +129,16 @@ def test_a_ppl_run_records_its_perplexity_and_ratio_as_its_headline(tmp_path):
     page = write_report([tmp_path / "ppl-norm"], tmp_path / "report")
     table = re.search(r'<table class="headline">.*?</table>', Path(page).read_text(), re.S).group(0)
     assert "ppl" in table and format_ci(row.ratio, row.ratio_lo, row.ratio_hi) in table
+
+
+def test_mass_recall_line_says_over_what_the_bound_rate_is_lowest():
+    """The line said the bound holds on "x% of tokens (worst row)": a reader took "row" for a packed row; it is
+    the lowest bound_holds_rate over the table's rows (layers, G and M) of the centroid mode."""
+    from moetool.experiments.mass_recall import compute as mass_recall
+
+    df = pd.DataFrame({"centroids": ["unit"] * 4, "layer": [0, 0, 1, 1], "codebook_size": [8] * 4,
+                       "shortlist_size": [2, 4, 2, 4], "mass_recall_mean": [0.5, 0.7, 0.6, 0.8],
+                       "bound_holds_rate": [1.0, 0.98, 1.0, 1.0], "bound_scaled_holds_rate": [1.0] * 4,
+                       "bound_mean": [1e-9] * 4, "bound_scaled_mean": [1e-4] * 4})
+    (line,) = mass_recall.summary_lines("tiny", {"mass_recall": df})
+    assert "M=2: 0.550, M=4: 0.750" in line and "bound holds on 98.0% of tokens (lowest over layers, G and M)" in line

@@ -108,3 +108,52 @@ def test_the_commands_a_help_says_a_policy_works_in_take_routing():
                 assert "--routing" in opts, f"{name} --help: '{m.group(0)}', but {other} has no --routing"
                 checked += 1
     assert checked >= 9  # topk, capacity and prune name ppl, eval and trace
+
+
+def test_quiet_help_names_the_commands_whose_tables_it_leaves_out(tmp_path):
+    """--quiet said "No progress bars." on every command, but erc (and six others) printed no console table at all
+    under it, while norm-select, stats, ppl and the generated commands print theirs: a user who passed -q to keep a
+    log clean lost the ERC table without being told. The help names the commands, exactly those whose show()
+    returns under --quiet, and erc -q indeed prints no table while erc does."""
+    import re
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.commands.options import QUIET_NO_TABLES
+
+    src = Path(__file__).resolve().parents[1] / "commands"
+    returns = sorted(f.stem.replace("_", "-") for f in src.glob("*.py")
+                     if re.search(r"if p\.quiet:\n\s+(echo_run\(res\.path\)\n\s+)?return\b", f.read_text()))
+    assert sorted(QUIET_NO_TABLES) == returns
+    runner = CliRunner()
+    loud = runner.invoke(app, ["erc", "--layers", "0", "--out", str(tmp_path / "a")])
+    quiet = runner.invoke(app, ["erc", "--layers", "0", "--out", str(tmp_path / "b"), "-q"])
+    assert loud.exit_code == quiet.exit_code == 0
+    assert "ERC per layer" in loud.output and "ERC per layer" not in quiet.output
+    help_ = runner.invoke(app, ["ppl", "--help"], env={"COLUMNS": "300"}).output
+    assert "erc, fluctuation, mass-recall" in help_ and "no console tables" in help_
+
+
+def test_norm_select_help_names_every_column_of_its_console_table():
+    """The console's Table-1 summary (ppl ratio, top-K overlap, top-1 agree, <task> retention, seconds) is written
+    to no CSV and its columns were named nowhere: --help now says which CSV column each is, and how agreement is
+    pooled over layers (token-weighted: 0.6 and 0.3 on 300 and 100 tokens give 0.525, not the plain mean 0.45)."""
+    import pandas as pd
+
+    from moetool.experiments.norm_select import compute, spec
+
+    agreement = pd.DataFrame({"layer": [0, 1], "policy": ["norm:gate:l2"] * 2, "topk_overlap": [0.6, 0.3],
+                              "top1_agree": [0.5, 0.1], "tokens": [300, 100]})
+    quality = pd.DataFrame({"policy": ["norm:gate:l2"] * 2, "task": ["heldout", "code"],
+                            "metric": ["perplexity", "acc"], "value": [80.0, 0.7], "router_value": [40.0, 0.8],
+                            "ratio": [2.0, 0.875], "seconds": [3.0, 5.0],
+                            **{f"{c}_{e}": [float("nan")] * 2 for c in ("value", "ratio") for e in ("lo", "hi")}})
+    t = compute.table1(agreement, quality, tasks=["code"])
+    assert t["top-K overlap"].iloc[0] == (0.6 * 300 + 0.3 * 100) / 400 == 0.525
+    assert (t["ppl ratio"].iloc[0], t["code retention"].iloc[0], t["seconds"].iloc[0]) == (2.0, 0.875, 8.0)
+    doc = " ".join(spec.__doc__.split())
+    shown = [c for c in t.columns if not c.endswith(("_lo", "_hi")) and c not in ("node", "norm")]
+    assert all(c.replace("code ", "<task> ") in doc for c in shown), (shown, doc)
+    assert "token-weighted over the layers" in doc

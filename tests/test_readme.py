@@ -6,6 +6,7 @@ succeed. Every ``moetool <command> --option`` the README mentions names an optio
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -226,6 +227,7 @@ def test_the_readme_says_which_trace_analyses_draw_figures(tmp_path):
     runs = [moetool.run("trace", name, max_tokens=256, seq_len=32, out=tmp_path / name, quiet=True).path
             for name in ("tiny-early", "tiny")]
     toks = moetool.tokens(lm, None, seq_len=32, max_tokens=256)
+    helps = {}
     for name in ("stats", "offload", "fluctuation", "placement"):
         traced = sorted(figures(moetool.from_trace(name, runs if name == "fluctuation" else runs[1], bootstrap=0)))
         if name == "fluctuation":
@@ -236,6 +238,16 @@ def test_the_readme_says_which_trace_analyses_draw_figures(tmp_path):
         missing = {"offload": ["offload_prefetch_recall"],  # the tables a trace cannot give
                    "stats": ["cross_layer", "domain_load", "specialization"]}.get(name, [])
         assert traced == sorted(set(forward) - set(missing)) and traced, (name, traced, forward)
+        if name != "placement":  # (its --help names no trace figures: it draws all of its own)
+            helps[name] = (traced, missing)
+    helps["fluctuation"] = (["fluctuation_by_layer"], [])
+    # each command's --help said "no figures" (stats: "no intervals, specialisation or figures") on a trace while
+    # it drew these: its --trace paragraph names the figures drawn, and the one a trace cannot give
+    for name, (traced, missing) in helps.items():
+        doc = importlib.import_module(f"moetool.experiments.{name}.spec").__doc__
+        para = " ".join(next(p for p in doc.split("\n\n") if p.lstrip().startswith("--trace")).split())
+        assert "no figures" not in para and all(f in para for f in traced + missing[:1 if name == "offload" else 0]), (
+            name, para)
 
 
 def test_the_version_the_readme_prints_is_the_packages():

@@ -293,7 +293,8 @@ def to_markdown(df: Any, max_rows: int = HTML_ROWS) -> str:
 
 def column_definition(definitions: Any, table: str, column: Any) -> str:
     """The manifest's definition of ``column`` of ``table`` (``"load.tokens"``, ``"tokens"``, ``"*_lo/*_hi"``
-    for interval bounds, the base column for ``_norm`` / ``_mean``), or ``""``."""
+    for interval bounds, the base column for ``_norm`` / ``_mean``, a key naming several columns such as
+    ``"entropy_ref/entropy_ckpt"``; an interval bound without ``"*_lo/*_hi"``: its column's definition), or ``""``."""
     if not isinstance(definitions, dict):
         return ""
     c = str(column)
@@ -301,6 +302,13 @@ def column_definition(definitions: Any, table: str, column: Any) -> str:
                 "*_lo/*_hi" if c.endswith(("_lo", "_hi")) else None):
         if key and isinstance(definitions.get(key), str):
             return definitions[key]
+    for key, text in definitions.items():  # "entropy_ref/entropy_ckpt", "layer/expert", "i/j (merges)"
+        if isinstance(key, str) and "/" in key and isinstance(text, str) and c in key.split(" ")[0].split("/"):
+            return text
+    if c.endswith(("_lo", "_hi")):
+        base = column_definition(definitions, table, c[:-3])
+        if base:
+            return f"{'lower' if c.endswith('_lo') else 'upper'} end of the 95% interval of {c[:-3]}: {base}"
     return ""
 
 

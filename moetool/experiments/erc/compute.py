@@ -38,6 +38,12 @@ DEFINITIONS = {
     "erc_loss": "L_ERC(alpha) = (1/n^2) sum_i sum_{j != i} [max(M[i,j] - alpha M[i,i], 0) + "
                 "max(M[j,i] - alpha M[i,i], 0)]; erc_loss = the mean over --samples draws of the loss of each "
                 "draw's noisy M (not the loss of the mean M); erc_loss_clean = the loss of the clean M",
+    "layer": "decoder layer index of the MoE layer",
+    "erc_loss_clean": "L_ERC(alpha) of the clean M (no noise); see erc_loss",
+    "alpha": "the alpha of L_ERC(alpha) (--alpha)",
+    "m": "the clean M[i, j] (erc_matrix.csv; see M): proxy token i through expert j",
+    "i/j": "i: the proxy token (router row R_i), j: the expert (erc_matrix.csv)",
+    "n_experts": "the computed routed experts of the layer: M is n_experts x n_experts",
     "alpha_min": "max over i != j of max(M[i,j], M[j,i]) / M[i,i] on the clean M: the smallest alpha with "
                  "erc_loss_clean = 0",
     "alpha_min_paper": "the ERC paper's alpha_min where it gives one: a vanilla MoE needs alpha ~ 5 in every layer "

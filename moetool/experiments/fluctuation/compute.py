@@ -422,6 +422,14 @@ DEFINITIONS = {
     "entropy_ref/entropy_ckpt": "mean entropy (nats) over real tokens of π (routing router) or of the policy's "
                                 "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention)",
     "entropy_ratio": "entropy_ckpt / entropy_ref",
+    "reference": "the checkpoint compared with (--reference: previous, first or last of the checkpoints given)",
+    "checkpoint": "the checkpoint whose routing is compared with the reference's, on the same token ids",
+    "layers": "MoE layers averaged over (fluctuation_summary.csv)",
+    "fluctuation_summary.top1_change": "top-1 change (the paper's fluctuation rate) averaged over the MoE layers, "
+                                       "a fraction of real tokens (the paper's 10-33% is 0.10-0.33 here)",
+    "reduction_vs_router": "the router's top1_change minus this routing's (router-isolated's for a "
+                           "<routing>-isolated row), the same tokens: a paired difference, > 0 where the policy "
+                           "fluctuates less than the router",
     "routing": "router: the model's own top-K; similarity/attention: the policy applied in every MoE layer of "
                "each checkpoint (with --layers: in the chosen layers only; the others keep the model's router), "
                "what runs, so hidden states downstream follow the policy; "
@@ -494,7 +502,8 @@ def summary_lines(name: str, res: Any) -> list[str]:
                 lo, hi = row.reduction_vs_router_lo, row.reduction_vs_router_hi
                 verdict = "" if not np.isfinite(lo) else (" (0 inside the interval)" if lo <= 0 <= hi
                                                           else " (interval excludes 0)")
-                text += (f" [reduction vs router "
+                base = "router-isolated" if row.routing.endswith("-isolated") else "router"  # its baseline
+                text += (f" [reduction vs {base} "
                          f"{format_ci(row.reduction_vs_router, lo, hi)}{verdict}]")
             if row.routing in ("random", "random-isolated"):  # its draws depend on the seed and the token's place, not on the model
                 text += " (random: the same seeded draws in both checkpoints, so no change by construction)"

@@ -35,14 +35,15 @@ Writes fluctuation.csv (layer, routing, reference, checkpoint, tokens, top1_chan
 jaccard, each with _lo/_hi, entropy_ref, entropy_ckpt, entropy_ratio), fluctuation_summary.csv (the headline,
 one row per routing, reference and checkpoint: routing, reference, checkpoint, tokens, layers, top1_change =
 the top-1 change averaged over layers, reduction_vs_router = the router's top1_change minus this routing's
-(paired bootstrap), each with _lo/_hi),
+(paired bootstrap; for a <routing>-isolated row router-isolated's minus its), each with _lo/_hi),
 figures/fluctuation_by_layer, figures/entropy_ratio_by_layer, figures/entropy_vs_router_by_layer (each
 routing's entropy / the router's, the paper's ratio), manifest.json.
 
 --trace RUN (twice or more, instead of checkpoints): the recorded routings of the same tokens (moetool trace
 or import-trace runs, e.g. one model at two training steps), their first --max-tokens tokens: fluctuation.csv
 with topk_change, topk_overlap, jaccard (and top1_change when every trace has gate weights, as moetool trace
-writes them); no entropies (they need the router's probabilities), no --isolate, no figures.
+writes them); no entropies (they need the router's probabilities), no --isolate; one figure,
+figures/fluctuation_by_layer (where top1_change is there; no entropy figures).
 
 Examples:
   moetool fluctuation tiny-early tiny --out runs/fluct-tiny

@@ -415,6 +415,9 @@ def run_mass_recall(lm: Any, tokens: Any, opts: MassRecallOptions, layers: Seque
 # ----- report --------------------------------------------------------------------------------
 DEFINITIONS = {
     "tokens": "real (unpadded) tokens the layer routed",
+    "layer": "decoder layer index of the MoE layer",
+    "codebook_size": "G: codewords in the layer's codebook (--codebook-size)",
+    "shortlist_size": "M: experts in each codeword's shortlist (--shortlist)",
     "mass_recall_mean": "mean over real tokens of Σ_{e∈L(c(h))} π_e(h), computed as 1 − Σ_{e∉L} π_e(h) in fp64",
     "mass_recall_p05": "5th percentile of mass recall (4096-bin histogram, upper bin edge)",
     "topk_recall": "mean |TopK(h) ∩ L(c(h))| / K",
@@ -486,7 +489,7 @@ def summary_lines(name: str, res: Any) -> list[str]:
             sel = d[(d["codebook_size"] == G) & (d["shortlist_size"] == m)]
             parts.append(f"M={m}: {sel['mass_recall_mean'].mean():.3f}")
         lines.append(f"{name} {mode}: mass recall (G={G}, mean over layers) " + ", ".join(dict.fromkeys(parts))
-                     + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (worst row), "
+                     + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (lowest over layers, G and M), "
                      f"scale-aware bound on {d['bound_scaled_holds_rate'].min():.1%}; mean bound paper "
                      f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}")
     return lines

@@ -29,7 +29,9 @@ the evaluation tokens' sampling only.
 
 Writes mass_recall.csv (layer, codebook_size, shortlist_size, centroids, tokens, mass_recall_mean,
 mass_recall_p05, topk_recall, exact_topk_rate (each mean with _lo/_hi), quant_error_mean, bound_mean, bound_holds_rate, dead_codes,
-bound_scaled_mean, bound_scaled_holds_rate, best_scale_mean, expert_coverage, router_flops_frac = (G+M)/n),
+bound_scaled_mean, bound_scaled_holds_rate, best_scale_mean, expert_coverage, router_flops_frac = (G+M)/n;
+every rate and recall a fraction in [0, 1], not %; dead_codes = the count of codewords no token went to (not
+AIR-MoE's dead experts); expert_coverage = the fraction of experts in some used codeword's shortlist),
 figures/mass_recall_vs_shortlist, figures/mass_recall_vs_router_flops (dashed: the full router's cost, 1),
 figures/mass_recall_vs_bounds (measured vs both bounds; the y axis spans the measured values, bounds below it are
 clipped and their maxima named in the title), manifest.json (definitions, bound_derivation).

@@ -10,7 +10,10 @@ perplexity on --data and its ratio to the router's, optional lm-eval accuracy (-
 retention = accuracy / router accuracy, and wall time. Writes agreement.csv (layer, policy,
 topk_overlap, top1_agree, tokens), quality.csv (policy, task, metric, value, router_value, ratio,
 seconds; perplexity rows have task = the data name), figures/retention and
-figures/agreement_by_layer, manifest.json, and prints a Table-1-shaped summary. Every value has a
+figures/agreement_by_layer, manifest.json, and prints a Table-1-shaped summary, one row per policy: ppl and
+ppl ratio (quality.csv's perplexity value and ratio), top-K overlap and top-1 agree (agreement.csv's
+topk_overlap and top1_agree, token-weighted over the layers), <task> acc and <task> retention (quality.csv's
+value and ratio: fractions, 0.948 for the paper's 94.8%), seconds (perplexity plus lm-eval). Every value has a
 95% interval (*_lo/*_hi; ± or [lo, hi] in the tables; error bars): document-level bootstrap over packed rows
 for agreement and perplexity (--bootstrap N, 0 = off), Wilson's interval for an accuracy (inside
 [0, 1]; lm-eval's standard error beside it) and the delta method for retention. With lm-eval tasks

@@ -25,7 +25,8 @@ figures/offload_prefetch_recall, figures/offload_coverage, manifest.json (defini
 --trace PATH (a moetool trace or import-trace run) simulates the caches on the first --max-tokens tokens of
 recorded routing instead of a forward: offload_coverage.csv, offload_layers.csv and offload_cache.csv without
 expert_bytes / bytes_per_token (an expert's bytes depend on the serving precision); no offload_prefetch.csv (the
-prediction needs a forward's hidden states) and no figures.
+prediction needs a forward's hidden states); figures/offload_hit_rate_vs_cache_size and
+figures/offload_coverage, not figures/offload_prefetch_recall.
 
 Examples:
   moetool offload --out runs/offload-tiny

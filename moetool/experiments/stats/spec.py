@@ -58,7 +58,9 @@ routing from there instead of a forward: load.csv (without router_prob),
 layers.csv (without the confidence entropy and aux loss: they need the router's
 probabilities, which the engines do not record), coactivation.csv (per-token
 traces; none from counts-only dumps), top_tokens.csv and top_tokens_lift.csv
-(where the trace has token ids); no intervals, specialisation or figures.
+(where the trace has token ids), and the figures of those tables (load_heatmap,
+coactivation, balance_by_layer); no intervals, specialisation, domain or
+cross-layer tables.
 
 Examples:
   moetool stats --out runs/stats-tiny
