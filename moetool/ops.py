@@ -146,13 +146,18 @@ def median(x: torch.Tensor) -> float:
 def unit(x: torch.Tensor, dim: int = -1, *, scaled: bool = False) -> torch.Tensor:
     """Project onto the unit sphere along ``dim`` (``x / ||x||_2``, keeps a float dtype, fp32 otherwise); a zero row stays 0.
 
+    A bf16/fp16 row is divided by its norm in fp32 (:func:`vector_norm`), then rounded back: an fp16 norm past 65504
+    (entries ~1000 over 4096 dims) is inf, which made the row a zero vector.
     ``scaled``: divide each row by its largest magnitude first (one more pass), so a row of tiny entries (below
     about 1e-19 in fp32, whose squares underflow: a norm of 0) still comes out a unit vector, not 0 or ``x / tiny``."""
     x = x if x.is_floating_point() else x.float()
+    dtype = x.dtype
+    if x.element_size() < 4:  # half precision: the division in fp32 (the norm need not fit the input's range)
+        x = x.float()
     tiny = torch.finfo(x.dtype).tiny
     if scaled:
         x = x / x.abs().amax(dim=dim, keepdim=True).clamp_min(tiny)
-    return x / torch.linalg.vector_norm(x, dim=dim, keepdim=True).clamp_min(tiny)
+    return (x / vector_norm(x, dim=dim).unsqueeze(dim).clamp_min(tiny)).to(dtype)
 
 
 def hist_quantile(counts: torch.Tensor, q: float, lo: float = 0.0, hi: float = 1.0) -> float:

@@ -85,9 +85,16 @@ def test_nan_input_embedding_is_caught_at_the_first_router():
         with torch.no_grad():
             emb[tok] = float("nan")
         with pytest.raises(MoetoolRuntimeError) as e:
-            forward(lm, ts, batch_size=4, nll=True, quiet=True)
+            forward(lm, ts, batch_size=4, quiet=True)
         assert str(e.value) == (f"non-finite router logits in MoE layer {first} at batch 1 (rows 4-7): "
                                 "results would be meaningless")
+        # the tiny model ties its output embeddings to the input ones: the NaN row is also every position's logit of
+        # that token, so batch 0's next-token NLL is already NaN (it passed unread before the output was guarded)
+        assert lm.model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+        with pytest.raises(MoetoolRuntimeError) as e:
+            forward(lm, ts, batch_size=4, nll=True, quiet=True)
+        assert str(e.value) == ("non-finite next-token NLL at batch 0 (rows 0-3): the model's output logits are NaN "
+                                "or inf in float32; results would be meaningless")
     finally:
         with torch.no_grad():
             emb.copy_(saved)
@@ -214,3 +221,36 @@ def test_padding_is_unchecked_in_batch_shaped_and_flattened_outputs():
                         g.check(0)
                 else:
                     g.check(0)
+
+
+def test_output_logits_that_overflow_fp16_stop_the_run_in_one_line_naming_the_batch():
+    """The lm_head runs after the last MoE layer, where no guard hook looks: fp16 output logits past 65504 are inf,
+    and log_softmax gives an inf/NaN NLL. forward(nll=True) returned perplexity inf (or NaN) with no word, ppl and
+    agreement --precisions fp16 stopped with "per-row sums contain NaN/inf: no interval". Now the batch's NLL is read
+    with the guard's flags: one line naming the first batch whose scored tokens have a non-finite logit (a plain
+    fp16 forward's, the reference) and the dtype."""
+    from moetool.data import load_tokens
+    from moetool.engine import forward
+    from moetool.loading import load
+
+    lm = load("tiny", dtype="fp16")
+    bs = 2
+    ts = load_tokens(None, lm.tokenizer, 16, 300)
+    head = lm.model.get_output_embeddings().weight
+    with torch.no_grad():
+        head[2] *= 9000  # vocabulary row 2's |logit| (4.1 at most in batch 0, 9.5 in batch 1) passes 65504 in batch 1
+    want = None
+    with torch.no_grad():
+        for i, b in enumerate(ts.batches(bs)):
+            logits = lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits  # [B, S, V] fp16
+            m = b.attention_mask.bool()
+            scored = torch.cat([m[:, 1:] & m[:, :-1], torch.zeros_like(m[:, :1])], 1)  # t predicts t+1
+            if not torch.isfinite(logits[scored]).all():
+                want = i
+                break
+    assert want is not None and want > 0, want  # a batch after the first: the batch number is checked
+    with pytest.raises(MoetoolRuntimeError) as e:
+        forward(lm, ts, batch_size=bs, nll=True, quiet=True)
+    assert str(e.value) == (f"non-finite next-token NLL at batch {want} (rows {want * bs}-{want * bs + bs - 1}): the "
+                            f"model's output logits are NaN or inf in float16 (fp16's largest number is 65504: try "
+                            f"--dtype bf16 or fp32); results would be meaningless")

@@ -223,3 +223,19 @@ def test_abs_cos_mean_of_a_given_gram_ignores_x():
         want = np.mean([abs(v[i] @ v[j]) / (nrm[i] * nrm[j]) for i in range(4) for j in range(4) if i != j])
         got = ops.abs_cos_mean(None, gram=x @ x.transpose(-1, -2))[b]
         assert got.dtype == torch.float64 and float(got) == pytest.approx(want, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_unit_of_half_precision_rows_whose_norm_passes_fp16s_range(dtype):
+    """An fp16 row of 4096 entries of 2000 has norm 128000 > 65504: computed in fp16 it is inf, and x / inf made the
+    row a zero vector (0.0 in every entry, not 1/64 = 0.015625). The unit vector of a row of equal entries is
+    1/sqrt(4096) = 1/64 exactly, in either dtype; a row (3, 4, 3, 4) x 1e4 (norm 70711) gives (0.6, 0.8, 0.6, 0.8) /
+    sqrt(2) to the dtype's rounding."""
+    x = torch.full((2, 4096), 2000.0, dtype=dtype)
+    u = ops.unit(x)
+    assert u.dtype == dtype and torch.equal(u, torch.full_like(x, 1 / 64))
+    y = ops.unit(torch.tensor([[3e4, 4e4, 3e4, 4e4]], dtype=dtype))
+    want = torch.tensor([[0.6, 0.8, 0.6, 0.8]], dtype=torch.float64) / math.sqrt(2)
+    assert y.dtype == dtype and torch.allclose(y.double(), want, rtol=0, atol=torch.finfo(dtype).eps)
+    z = ops.unit(torch.tensor([[3e4, 4e4]], dtype=dtype), dim=0)  # along the other dim: each entry its own sign
+    assert torch.equal(z, torch.ones_like(z))

@@ -5,7 +5,10 @@ than a crash).
 ``~isfinite`` over the real tokens into one device bool per (layer, tensor). :func:`moetool.engine.forward` calls
 :meth:`FiniteGuard.check` once after each batch: one host read for all flags, and a one-line
 :class:`~moetool.errors.MoetoolRuntimeError` naming the first offender in forward order (a NaN spreads downstream,
-so the first one is the cause), the batch and its rows.
+so the first one is the cause), the batch and its rows. :meth:`FiniteGuard.output` adds the model's next-token NLL of
+the batch's scored tokens to the same read: output logits that overflow the model's dtype (fp16's largest number is
+65504; the lm_head runs after the last MoE layer, where no hook looks) stop the run in one line naming the batch and
+the dtype, instead of an infinite perplexity or a bootstrap's "per-row sums contain NaN/inf".
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class FiniteGuard:
         self.layers = list(layers)
         self._mask: torch.Tensor | None = None
         self.flags: dict[tuple[int, int], torch.Tensor] = {}
+        self._output: tuple[torch.Tensor, torch.dtype] | None = None  # (device bool, the logits' dtype) of the batch
         self._handles: list[Any] = []
 
     @property
@@ -49,7 +53,14 @@ class FiniteGuard:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.flags = {}
+        self.flags, self._output = {}, None
+
+    def output(self, nll: torch.Tensor, dtype: torch.dtype) -> None:
+        """Flag the batch's NLL sums ``nll`` (only scored tokens reach them) if one is not finite: a device bool, read
+        by the next :meth:`check`; ``dtype`` the output logits' (named in the error)."""
+        bad = ~torch.isfinite(nll).all()
+        self._output = (bad, dtype) if self._output is None else (self._output[0] | bad.to(self._output[0].device),
+                                                                  dtype)
 
     def _hook(self, key: tuple[int, int]):
         def hook(module, args, out):
@@ -66,15 +77,23 @@ class FiniteGuard:
         return hook
 
     def check(self, batch: int, rows: str = "") -> None:
-        """Raise if a flag was set since the last check (one host read for every layer), then reset."""
-        if not self.flags:
+        """Raise if a flag was set since the last check (one host read for every layer and the output), then reset."""
+        output, self._output = self._output, None
+        if not self.flags and output is None:
             return
         keys = sorted(self.flags)
-        dev = self.flags[keys[0]].device
-        bad = torch.stack([self.flags[k].to(dev) for k in keys]).tolist()
+        flags = [self.flags[k] for k in keys] + ([output[0]] if output is not None else [])
+        dev = flags[0].device
+        bad = torch.stack([f.to(dev) for f in flags]).tolist()
         self.flags = {}
+        where = f" ({rows})" if rows else ""
         for (layer, what), b in zip(keys, bad):
-            if b:
-                where = f" ({rows})" if rows else ""
+            if b:  # a MoE layer first: a NaN there spreads to the output, so it is the cause
                 raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer} at batch {batch}"
                                           f"{where}: results would be meaningless")
+        if output is not None and bad[-1]:
+            dtype = str(output[1]).removeprefix("torch.")
+            hint = (" (fp16's largest number is 65504: try --dtype bf16 or fp32)" if output[1] == torch.float16
+                    else "")
+            raise MoetoolRuntimeError(f"non-finite next-token NLL at batch {batch}{where}: the model's output logits "
+                                      f"are NaN or inf in {dtype}{hint}; results would be meaningless")

@@ -441,6 +441,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
             contextlib.nullcontext() if engine is None else engine, guard:
         for b in _batches(tokens, batch_size, start_batch, description, quiet):
             for at, sub, out, nll_rows in fit.run(b, n, n * batch_size):
+                if nll_rows is not None:  # the output logits (after the last MoE layer): in the same host read
+                    guard.output(nll_rows[0], out.logits.dtype)
                 guard.check(n, _rows(tokens, at, sub.input_ids.shape[0]))
                 if nll:
                     nll_sum += nll_rows[0].sum().to(step.device)
