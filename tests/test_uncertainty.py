@@ -338,6 +338,34 @@ def test_an_absurd_replicate_count_is_refused_before_any_work():
     assert r.exit_code == 2 and "less than or equal to" in r.output and "100000" in r.output, r.output
 
 
+def test_a_resample_of_rows_without_tokens_is_one_line_not_a_nan_interval():
+    """Rows 1 and 2 of 3 count no token (denominator 0): a resample that draws only them (probability (2/3)^3 =
+    8/27 per replicate, so about 30 of 100) has 0/0 for its ratio. That is one line (mutation pass 15: dropping the
+    NaN check in ``percentile`` survived, and the interval came back NaN -- a number with no interval, said as
+    nothing), while the value itself, 4 / 2 = 2 over the rows that count, is well defined."""
+    num, den = np.array([4.0, 0.0, 0.0]), np.array([2.0, 0.0, 0.0])
+    w = bootstrap_weights(3, 100, 0)
+    assert ((w @ den) == 0).sum() > 0  # this seed draws such resamples (so the check below is reached)
+    assert ratio_intervals(num, den, n_boot=0)[0].value == 2.0
+    with pytest.raises(MoetoolError, match="bootstrap replicate is NaN"):
+        ratio_intervals(num, den, n_boot=100, seed=0)
+
+
+def test_replicate_counts_from_1_to_99_are_refused_and_100_is_the_first_taken():
+    """The lower end of ``--bootstrap`` (mutation pass 15: ``0 < n_boot < 99`` survived): 99 replicates put the
+    2.5% and 97.5% quantiles between the 2nd and 3rd, 96th and 97th sorted replicates -- too few for a 95%
+    percentile interval; 1..99 are one line, 0 (off) and 100 are taken, and 100 replicates over 2 rows give an
+    interval inside the two rows' ratios 1 and 3."""
+    from moetool.uncertainty import check_n_boot, replicates
+
+    for bad in (1, 50, 99):
+        with pytest.raises(MoetoolError, match=f"--bootstrap {bad} is too few replicates"):
+            check_n_boot(bad)
+    assert check_n_boot(0) == 0 and check_n_boot(100) == 100 and replicates(100, 2) == 100
+    (iv,) = ratio_intervals(np.array([1.0, 3.0]), np.ones(2), n_boot=100, seed=0)
+    assert iv.value == 2.0 and 1.0 <= iv.lo <= iv.hi <= 3.0
+
+
 def _bench_fewrows():
     import importlib
     import sys
