@@ -113,6 +113,24 @@ def test_sum_intervals_of_a_ratio_equal_ratio_intervals_and_a_max_is_covered():
     assert mx.lo <= mx.value <= mx.hi and mx.value == pytest.approx(a.sum(0).max() / a.sum())
 
 
+def test_row_table_refuses_a_name_added_at_another_width():
+    """Sums of one name are one width: 'assign' of 3 experts per row, then 1 value per row, is one line (mutation
+    pass 15: without the width check the [2, 1] values broadcast into every column, rows [2, 2, 2] and [2, 2, 2]
+    where one shape was meant; a [2, 2] one crashed in torch)."""
+    import torch
+
+    from moetool.data import TokenSet
+    from moetool.uncertainty import RowTable
+
+    ts = TokenSet(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), ["", ""], "s")
+    rt = RowTable(ts)
+    rt.next_batch(ts)
+    rt.add("assign", torch.ones(2, 3))
+    with pytest.raises(MoetoolError, match="row sums 'assign': width 1 after 3"):
+        rt.add("assign", torch.ones(2))
+    assert rt.table("assign").tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
 def test_row_table_matches_row_sums_and_hand_counts():
     import torch
 
