@@ -359,6 +359,9 @@ def test_a_long_document_packs_without_transformers_length_warning(tmp_path, cap
      "{src} has 2 tokens, at most 1 in each of its 2 domains: at least 2 in one domain are needed to score a next "
      "token"),
     ([Document("", "")], "no tokens in {src} (empty text?)"),
+    # 1 token over 2 domains (the other's text tokenizes to nothing): one token in all, not "at most 1 in each of
+    # its 2 domains" (mutation pass 15: the 'total < 2' check dropped survived)
+    ([Document("x", "a"), Document("", "b")], "{src} has 1 token: at least 2 are needed to score a next token"),
 ])
 def test_too_few_tokens_says_how_many(docs, says):
     """'x' is one token, not "no tokens (empty text?)": the line counts what the text gave (CharTokenizer: one token

@@ -113,6 +113,24 @@ def test_sum_intervals_of_a_ratio_equal_ratio_intervals_and_a_max_is_covered():
     assert mx.lo <= mx.value <= mx.hi and mx.value == pytest.approx(a.sum(0).max() / a.sum())
 
 
+def test_row_table_refuses_a_name_added_at_another_width():
+    """Sums of one name are one width: 'assign' of 3 experts per row, then 1 value per row, is one line (mutation
+    pass 15: without the width check the [2, 1] values broadcast into every column, rows [2, 2, 2] and [2, 2, 2]
+    where one shape was meant; a [2, 2] one crashed in torch)."""
+    import torch
+
+    from moetool.data import TokenSet
+    from moetool.uncertainty import RowTable
+
+    ts = TokenSet(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), ["", ""], "s")
+    rt = RowTable(ts)
+    rt.next_batch(ts)
+    rt.add("assign", torch.ones(2, 3))
+    with pytest.raises(MoetoolError, match="row sums 'assign': width 1 after 3"):
+        rt.add("assign", torch.ones(2))
+    assert rt.table("assign").tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
 def test_row_table_matches_row_sums_and_hand_counts():
     import torch
 
@@ -336,6 +354,72 @@ def test_an_absurd_replicate_count_is_refused_before_any_work():
         replicates(100_001, 2)
     r = CliRunner().invoke(app, ["ppl", "--bootstrap", "1000000000", "--out", "/nonexistent/never"])
     assert r.exit_code == 2 and "less than or equal to" in r.output and "100000" in r.output, r.output
+
+
+def test_wilson_interval_is_the_closed_form_and_a_non_proportion_has_none():
+    """uncertainty.wilson against Wilson's closed form written out here (mutation pass 15: the centre's z^2/(2n) as
+    z^2/n and the half-width's z^2/(4n^2) as z^2/(2n^2) survived this file; test_eval.py reads them through lm-eval
+    rows): 12/20 -> centre (0.6 + z^2/40) / (1 + z^2/20), half z / (1 + z^2/20) sqrt(0.6 * 0.4 / 20 + z^2/1600),
+    [0.3866, 0.7812]; a p outside [0, 1] (no proportion) or n = 0 has NaN bounds, never
+    a math domain error (the p check dropped: sqrt of 1.2 x -0.2 / 10 + z^2/400 < 0)."""
+    from moetool.uncertainty import wilson
+
+    z = 1.959963984540054
+    for p, n in ((0.6, 20), (0.5, 26), (0.9, 10), (0.0, 10), (1.0, 7)):
+        d = 1 + z * z / n
+        centre, half = (p + z * z / (2 * n)) / d, z / d * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        iv = wilson(p, n)
+        assert (iv.value, iv.lo, iv.hi) == pytest.approx((p, max(centre - half, 0), min(centre + half, 1)), abs=1e-12)
+    assert (round(wilson(0.6, 20).lo, 4), round(wilson(0.6, 20).hi, 4)) == (0.3866, 0.7812)
+    for p, n in ((1.2, 10), (-0.1, 10), (0.5, 0), (0.5, float("nan"))):
+        iv = wilson(p, n)
+        assert iv.value == p and math.isnan(iv.lo) and math.isnan(iv.hi), (p, n)
+
+
+def test_with_ci_keeps_the_interval_of_the_rows_that_have_one():
+    """A column whose interval is missing on some rows only (a router row beside policies, a task without an
+    interval) is still written with the intervals of the others: 0.5 in [0.4, 0.6] reads '0.50 ± 0.10', the row
+    without one its value alone '0.7'; a column without any interval is left a number, its bounds dropped
+    (mutation pass 15: 'isna().any()' for '.all()' dropped the first row's interval and left 0.5 a bare number)."""
+    import pandas as pd
+
+    from moetool.uncertainty import with_ci
+
+    nan = float("nan")
+    df = pd.DataFrame({"x": [0.5, 0.7], "x_lo": [0.4, nan], "x_hi": [0.6, nan],
+                       "y": [1.0, 2.0], "y_lo": [nan, nan], "y_hi": [nan, nan], "n": [3, 4]})
+    out = with_ci(df)
+    assert list(out.columns) == ["x", "y", "n"]
+    assert out["x"].tolist() == ["0.50 ± 0.10", "0.7"]
+    assert out["y"].tolist() == [1.0, 2.0] and out["n"].tolist() == [3, 4]
+
+
+def test_a_resample_of_rows_without_tokens_is_one_line_not_a_nan_interval():
+    """Rows 1 and 2 of 3 count no token (denominator 0): a resample that draws only them (probability (2/3)^3 =
+    8/27 per replicate, so about 30 of 100) has 0/0 for its ratio. That is one line (mutation pass 15: dropping the
+    NaN check in ``percentile`` survived, and the interval came back NaN -- a number with no interval, said as
+    nothing), while the value itself, 4 / 2 = 2 over the rows that count, is well defined."""
+    num, den = np.array([4.0, 0.0, 0.0]), np.array([2.0, 0.0, 0.0])
+    w = bootstrap_weights(3, 100, 0)
+    assert ((w @ den) == 0).sum() > 0  # this seed draws such resamples (so the check below is reached)
+    assert ratio_intervals(num, den, n_boot=0)[0].value == 2.0
+    with pytest.raises(MoetoolError, match="bootstrap replicate is NaN"):
+        ratio_intervals(num, den, n_boot=100, seed=0)
+
+
+def test_replicate_counts_from_1_to_99_are_refused_and_100_is_the_first_taken():
+    """The lower end of ``--bootstrap`` (mutation pass 15: ``0 < n_boot < 99`` survived): 99 replicates put the
+    2.5% and 97.5% quantiles between the 2nd and 3rd, 96th and 97th sorted replicates -- too few for a 95%
+    percentile interval; 1..99 are one line, 0 (off) and 100 are taken, and 100 replicates over 2 rows give an
+    interval inside the two rows' ratios 1 and 3."""
+    from moetool.uncertainty import check_n_boot, replicates
+
+    for bad in (1, 50, 99):
+        with pytest.raises(MoetoolError, match=f"--bootstrap {bad} is too few replicates"):
+            check_n_boot(bad)
+    assert check_n_boot(0) == 0 and check_n_boot(100) == 100 and replicates(100, 2) == 100
+    (iv,) = ratio_intervals(np.array([1.0, 3.0]), np.ones(2), n_boot=100, seed=0)
+    assert iv.value == 2.0 and 1.0 <= iv.lo <= iv.hi <= 3.0
 
 
 def _bench_fewrows():
