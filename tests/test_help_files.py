@@ -127,3 +127,22 @@ def test_help_names_only_columns_a_run_writes(command, tmp_path_factory):
         if bad:
             wrong[name] = bad
     assert not wrong, f"{command} --help names columns its tables do not have: {wrong}"
+
+
+@pytest.mark.parametrize("command", one_worker([c for c in RUNS if c != "report"]))
+def test_every_column_a_run_writes_has_a_definition(command, tmp_path_factory):
+    """Every column of every table a run writes (``.csv``, ``.csv.gz``) has a definition: the report page's header
+    tooltip, :func:`moetool.report.page.column_definition` of the manifest's ``definitions`` -- no allow-list (the
+    newcomer's stats run found ``uniform_token_fraction``, ``mean_max_p``, ``mutual_information``, ``lift``,
+    ``share`` and ``specialization_all_ids`` with none)."""
+    import pandas as pd
+
+    from moetool.report.page import column_definition
+
+    out = run_dir(command, tmp_path_factory)
+    defs = json.loads((out / "manifest.json").read_text())["definitions"]
+    tables = [f for f in written(out) if f.endswith((".csv", ".csv.gz"))]
+    assert tables, f"{command} wrote no table"
+    undefined = [f"{f}:{c}" for f in tables for c in pd.read_csv(out / f, nrows=0).columns
+                 if not column_definition(defs, f.split("/")[-1].split(".", 1)[0], c)]
+    assert not undefined, f"{command}: columns without a definition: {undefined}"

@@ -8,6 +8,7 @@ table, the experiment's figures, ``manifest.json``); the CLI command and ``moeto
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,6 +32,62 @@ def resolve_options(cls: type[O], options: O | None, overrides: dict[str, Any]) 
     opts = dataclasses.replace(base, **overrides) if overrides else base
     check_options(opts)  # NaN / inf / out-of-range numbers and the seed, as the command line refuses them
     return opts
+
+
+#: the columns several experiments' tables share, defined once (``layer``, ``expert``, ...): a table's column that its
+#: experiment's own ``definitions`` leave undefined gets its entry here (:attr:`Result.definitions`, the manifest's)
+SHARED_DEFINITIONS = {
+    "layer": "index of the MoE layer in the model's layer numbering (the decoder layer index; what --layers takes)",
+    "expert": "routed expert index within the layer, 0 .. n_experts-1 (the router's output order)",
+    "n_experts": "routed experts of the layer (n, the router's outputs)",
+    "top_k": "experts each token is routed to in the layer (K)",
+    "token_id": "the token's id in the tokenizer's vocabulary",
+    "token": "the token's text: tokenizer.decode([token_id])",
+}
+
+
+def column_definition(definitions: Any, table: str, column: Any) -> str:
+    """The manifest's definition of ``column`` of ``table`` (``"load.tokens"``, ``"tokens"``, ``"*_lo/*_hi"``
+    for interval bounds, the base column for ``_norm`` / ``_mean`` / ``_all_ids`` (``specialization_all_ids``:
+    ``specialization``), a key naming several columns such as ``"entropy_ref/entropy_ckpt"``, a template such as
+    ``"bytes_<format>"`` or ``"expert_<k>/weight_<k>"`` (``<...>``: letters and digits); an interval bound without
+    ``"*_lo/*_hi"``: its column's definition), or ``""``."""
+    if not isinstance(definitions, dict):
+        return ""
+    c = str(column)
+    named = [(key.split(" ")[0].split("/"), text) for key, text in definitions.items()
+             if isinstance(key, str) and isinstance(text, str)]
+    if isinstance(definitions.get(f"{table}.{c}"), str):
+        return definitions[f"{table}.{c}"]
+    for parts, text in named:  # "coactivation.a/coactivation.b": this table's first
+        if f"{table}.{c}" in parts:
+            return text
+    suffix = next((s for s in ("_norm", "_mean", "_all_ids") if c.endswith(s) and len(c) > len(s)), None)
+    for key in (c, c[:-len(suffix)] if suffix else None, "*_lo/*_hi" if c.endswith(("_lo", "_hi")) else None):
+        if key and isinstance(definitions.get(key), str):
+            return definitions[key]
+    for parts, text in named:  # "entropy_ref/entropy_ckpt", "layer/expert", "i/j (merges)"
+        if len(parts) > 1 and c in parts:
+            return text
+    for parts, text in named:  # "bytes_<format>", "expert_<k>/weight_<k>"
+        if any(re.fullmatch("[A-Za-z0-9]+".join(map(re.escape, re.split(r"<\w+>", p))), c) for p in parts if "<" in p):
+            return text
+    if c.endswith(("_lo", "_hi")):
+        base = column_definition(definitions, table, c[:-3])
+        if base:
+            return f"{'lower' if c.endswith('_lo') else 'upper'} end of the 95% interval of {c[:-3]}: {base}"
+    return ""
+
+
+def with_shared(definitions: dict[str, Any], tables: dict[str, Any]) -> dict[str, Any]:
+    """``definitions`` plus the :data:`SHARED_DEFINITIONS` entry of every column of ``tables`` (``{file name:
+    DataFrame}``) that ``definitions`` leave undefined (:func:`column_definition`); its own entries first."""
+    out = dict(definitions)
+    for name, df in tables.items():
+        for c in getattr(df, "columns", ()):
+            if c in SHARED_DEFINITIONS and c not in out and not column_definition(definitions, name.split(".")[0], c):
+                out[c] = SHARED_DEFINITIONS[c]
+    return out
 
 
 @dataclass
@@ -82,7 +139,9 @@ class Result:
 
     @property
     def definitions(self) -> dict[str, str]:
-        return self.meta.get("definitions", {})
+        """Every column's definition: the experiment's (``meta["definitions"]``) and, for a column they leave
+        undefined, the shared one (:data:`SHARED_DEFINITIONS`); what the manifest records."""
+        return with_shared(self.meta.get("definitions") or {}, self.tables)
 
     def manifest_options(self) -> dict[str, Any]:
         """The options as the manifest records them (``dataclasses.asdict``; tuples become lists in JSON)."""

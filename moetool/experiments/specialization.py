@@ -53,6 +53,33 @@ DEFINITIONS = {
     "cross_layer_summary": "mean_max_p = mean over experts a chosen at l of max_b p_b_given_a (uniform: K/n); "
                            "mutual_information = MI in nats of the pair distribution count / sum(count) against "
                            "the product of its marginals (0 = independent layers); _norm divides by log n",
+    "view": "which token a position's routing is attributed to: input, next_token or predicted (see "
+            "specialization)",
+    "token_ids": "distinct token ids of the view with >= min_count occurrences: the ids specialization averages",
+    "token_ids_all": "distinct token ids seen in the view: the ids specialization_all_ids averages",
+    "specialization_all_ids": "specialization's mean over every token id of the view (token_ids_all, min_count "
+                              "ignored), each id weighted equally whatever its occurrences (OLMoE's printed average)",
+    "specialized_tokens.expert": "the token id's most frequent first-ranked expert in the view (ties: the lower id)",
+    "specialized_tokens.rank": "1 .. top_tokens within the expert: by specialization, then occurrences, then the "
+                               "lower token id",
+    "occurrences": "positions of the view that read the token id (real tokens)",
+    "specialized_tokens.count": "of those occurrences, the ones whose first-ranked expert is expert",
+    "specialized_tokens.specialization": "count / occurrences: the share (0-1) of the token id's occurrences routed "
+                                         "first to its most frequent first-ranked expert",
+    "next_layer": "the MoE layer after layer (of the same stack), where b is chosen",
+    "cross_layer.a/cross_layer.b": "a: an expert chosen at layer, b: an expert chosen at next_layer (every pair of "
+                                   "the two layers' experts is a row)",
+    "cross_layer.count": "tokens with a in their top-K at layer and b in their top-K at next_layer",
+    "cross_layer.p_b_given_a": "count / tokens with a in their top-K at layer (empty if none): the fraction of a's "
+                               "tokens that choose b at next_layer; sums to K (next_layer's) over b",
+    "cross_layer_summary.tokens": "real tokens routed by both layers: sum(count) / (K * K of next_layer)",
+    "mean_max_p": "max over b of p_b_given_a, averaged over the experts a chosen at layer at least once, each expert "
+                  "weighted equally (not by its tokens): a fraction 0-1, how well one expert at layer predicts one "
+                  "at next_layer",
+    "uniform_max_p": "K / n of next_layer: mean_max_p under independent uniform routing",
+    "mutual_information": "mutual information in nats between the expert pairs' two sides: the pair distribution "
+                          "count / sum(count) against the product of its marginals (0 = independent layers); _norm "
+                          "divides by log n of next_layer",
     "router_prob": "P_e: mean over real tokens of the router probability of e (the model's full routing "
                    "distribution pi; softmax of the logits for softmax routers, as load_balancing_loss_func)",
     "aux_loss": "n * sum_e f_e * P_e for the layer, f_e = token_fraction (tokens whose top-K contains e / tokens, "

@@ -31,8 +31,8 @@ from ..sketch import SparseCounter
 from ..traces.readers import check_ids
 from ..traces.store import TraceSource, check_counts, expert_columns, open_trace, read_batches, read_loads
 from ..uncertainty import RowSums, bootstrap_meta
-from .fluctuation.compute import (RATES, FluctuationOptions, Routing, chosen_and_top1, compare_with_intervals,
-                                  pairs)
+from .fluctuation.compute import (DEFINITIONS as FLUCTUATION_DEFINITIONS, RATES, FluctuationOptions, Routing,
+                                  chosen_and_top1, compare_with_intervals, pairs)
 from .offload.compute import offload_tables, refuse_zero_compute
 from .placement.compute import (DEFINITIONS as PLACEMENT_DEFINITIONS, _loads_table, _placements, eplb_meta,
                                 placement_tables)
@@ -250,9 +250,14 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
     defs = {k: v for k, v in STATS_DEFINITIONS.items() if k in ("load_fraction", "token_fraction", "load.tokens",
                                                                 "load_entropy", "max_load_ratio", "top_k",
                                                                 "first-ranked", "coactivation", "top_tokens",
-                                                                "top_tokens_lift", "zero_compute_fraction")}
+                                                                "top_tokens_lift", "zero_compute_fraction",
+                                                                "layers.tokens", "layers.top_k",
+                                                                "coactivation.a/coactivation.b", "coactivation.count",
+                                                                "coactivation.p_b_given_a", "share", "lift",
+                                                                "top_tokens.rank/top_tokens_lift.rank",
+                                                                "top_tokens.count/top_tokens_lift.count")}
     if src.kind == "loads":
-        defs["tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
+        defs["layers.tokens"] = "real tokens = assignments / K (a counts-only dump does not count tokens)"
     summary = pd.DataFrame(layers)[["layer", "n_experts", "top_k", "tokens", "load_entropy_norm",
                                     "max_load_ratio"]].rename(columns={
                                         "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
@@ -480,8 +485,12 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
         left_out["top1_change"] = "the top-1 is the chosen expert of largest weight: an engine's dump has no weights"
     summary = df.groupby(["reference", "checkpoint"], sort=False)[
         [c for c in ("top1_change", "topk_change", "jaccard") if c in df]].mean().reset_index().round(4)
+    defs = {**{k: v for k, v in FLUCTUATION_DEFINITIONS.items() if k in df.columns or k == "top1"},
+            "routing": "recorded: the routing each trace recorded, as it ran (no policy applied)",
+            "reference": "the trace compared with (--reference: previous, first or last of the traces given)",
+            "checkpoint": "the trace whose recorded routing is compared with the reference's, on the same token ids"}
     return Result("fluctuation_trace", {"fluctuation.csv": df}, options,
-                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out,
+                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out, definitions=defs,
                             bootstrap=bootstrap_meta(options.bootstrap, options.seed,
                                                      int(np.unique(streams[0].token_rows()).size))),
                   summary=summary)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import MoetoolError, shown
+from ..experiments.result import column_definition  # noqa: F401 - the report page's tooltips
 from ..files import table_problem
 from .rundir import MANIFEST, RunDir, manifest_problem, read_manifest
 
@@ -289,27 +290,6 @@ def to_markdown(df: Any, max_rows: int = HTML_ROWS) -> str:
     lines += ["| " + " | ".join(md_escape(_shown(v, c)) for v, c in zip(row, df.columns)) + " |"
               for row in head.itertuples(index=False)]
     return "\n".join(lines)
-
-
-def column_definition(definitions: Any, table: str, column: Any) -> str:
-    """The manifest's definition of ``column`` of ``table`` (``"load.tokens"``, ``"tokens"``, ``"*_lo/*_hi"``
-    for interval bounds, the base column for ``_norm`` / ``_mean``, a key naming several columns such as
-    ``"entropy_ref/entropy_ckpt"``; an interval bound without ``"*_lo/*_hi"``: its column's definition), or ``""``."""
-    if not isinstance(definitions, dict):
-        return ""
-    c = str(column)
-    for key in (f"{table}.{c}", c, c.rsplit("_", 1)[0] if c.endswith(("_norm", "_mean", "_all_ids")) else None,
-                "*_lo/*_hi" if c.endswith(("_lo", "_hi")) else None):
-        if key and isinstance(definitions.get(key), str):
-            return definitions[key]
-    for key, text in definitions.items():  # "entropy_ref/entropy_ckpt", "layer/expert", "i/j (merges)"
-        if isinstance(key, str) and "/" in key and isinstance(text, str) and c in key.split(" ")[0].split("/"):
-            return text
-    if c.endswith(("_lo", "_hi")):
-        base = column_definition(definitions, table, c[:-3])
-        if base:
-            return f"{'lower' if c.endswith('_lo') else 'upper'} end of the 95% interval of {c[:-3]}: {base}"
-    return ""
 
 
 def to_html_table(df: Any, max_rows: int = HTML_ROWS, definitions: Any = None, table: str = "") -> str:

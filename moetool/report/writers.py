@@ -56,6 +56,8 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         except Exception as e:  # noqa: BLE001
             failed[name] = one_line(e)
     run.add(**result.meta)
+    if result.tables:  # the shared columns' definitions (layer, expert, ...) beside the experiment's own
+        run.add(definitions=result.definitions)
     headline = headline_lines(result, model, options)
     if headline:
         run.add(headline=headline)

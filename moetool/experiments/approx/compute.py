@@ -44,6 +44,8 @@ BUDGET = 1 << 25
 MEDIAN_REL_TOL = QuantileSketch().rel_error
 
 DEFINITIONS = {
+    "selector": "how the row's K experts are picked per token: router, norm_oracle, best_subset or random (each "
+                "defined under its name)",
     "tokens": "real (unpadded) tokens the layer routed",
     "u_e": "u_e = pi_e(h) * E_e(h): pi the model's full routing distribution (softmax; DeepSeek-style sigmoid "
            "scores normalised to sum to one), E_e the expert's output before any routing weight",

@@ -40,6 +40,12 @@ QUALITY_COLUMNS = ("policy", "task", "metric", "value", "stderr", "value_lo", "v
                    "ratio_lo", "ratio_hi", "seconds")
 
 DEFINITIONS = {
+    "policy": "the routing of the row: router (the model's own top-K; the baseline) or norm:<node>:<norm> (the K "
+              "experts with the largest output norm at that probe node)",
+    "agreement.tokens": "real (unpadded) tokens the layer routed under the policy: the means' denominator",
+    "task": "perplexity rows: the --data name (heldout: the embedded default); lm-eval rows: the lm-eval task",
+    "metric": "perplexity, or the lm-eval metric (acc, acc_norm, ...)",
+    "router_value": "value of the router row of the same task and metric: the ratio's denominator",
     "topk_overlap": "mean over real tokens of |TopK_policy ∩ TopK_router| / K, TopK_router = the model's own "
                     "router choice for the MoE input reached under the policy",
     "top1_agree": "fraction of real tokens whose policy top-1 (first expert the policy returns) is the router's "

@@ -871,6 +871,17 @@ DEFINITIONS = {
     "offload_coverage.tokens": "N: the first N real tokens of the data, in row order",
     "coverage": "fraction of (layer, expert) slots activated by at least one of the first N real tokens "
                 "(rows concatenated in data order, padding skipped)",
+    "coverage_min_layer/coverage_max_layer": "coverage of the least / the most covered MoE layer: the fraction of "
+                                             "that layer's experts activated by the first N real tokens",
+    "hottest_expert": "the expert with the largest share of the layer's T·K activations (ties: the lower id)",
+    "uniform_share": "1/n: each expert's share of the activations under perfectly balanced routing",
+    "experts_used": "experts activated by at least one real token of the data (out of n_experts)",
+    "capacity": "experts the layer's cache holds (C)",
+    "requests": "T·K: the layer's expert requests, K per real token",
+    "hits": "requests served by the cache (the expert already resident), summed over the layer's tokens",
+    "misses_per_token": "(requests - hits) / T: experts loaded into the cache per real token in the layer",
+    "source_layer": "the decoder layer ℓ = layer - 1 whose output predicts layer's routing (top1_recall, "
+                    "topk_recall)",
     "hottest_share": "largest fraction of the layer's T·K activations taken by one expert",
     "hottest_vs_uniform": "hottest_share × n (1 = perfectly balanced)",
     "expert_bytes": "parameters of one expert (gate, up, down, biases) × bytes of their dtype",

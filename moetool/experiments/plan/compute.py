@@ -98,6 +98,17 @@ DEFINITIONS = {
     "command": "the command line for the layout (ppl as the example command); the column is not written when no layout can run",
     "why": "why the layout runs or not: fits (GiB per GPU of the usable), needs more GiB per GPU than usable, or "
            "what this moetool version lacks for it",
+    "format": "how the layout stores the weights: the checkpoint's own format, or fp8 (--quantize fp8)",
+    "gpus": "GPUs the layout uses in all: GPUs per replica x replicas",
+    "replicas": "copies of the model running side by side (data parallel)",
+    "throughput.command": "the moetool command the ceilings are for (each with its forwards per token: ppl one, "
+                          "approx all n experts, mass-recall three passes, norm-select the router and five probes)",
+    "tflops_per_token": "TFLOPs (10^12 floating-point operations) of one token's forwards for the command: routed "
+                        "forwards at K active experts plus forwards running every routed expert",
+    "compute_tokens_per_s": "compute ceiling: replicas x GPUs computing at once x the GPU's peak dense TFLOPS (fp8 "
+                            "for fp8 weights where the GPU has it, else bf16) / tflops_per_token",
+    "memory_tokens_per_s": "memory ceiling: replicas x tokens per batch x the GPU's HBM bandwidth / weight bytes read "
+                           "per batch on the busiest path, divided by the command's forwards per token",
     "tokens_per_s": "ceiling min(compute, memory) for the command under the layout (an upper bound)",
     "bound": "which ceiling binds: compute (FLOPs) or memory (weight bytes read per batch)",
 }

@@ -23,6 +23,11 @@ PPL_COLUMNS = ("model", "data", "routing", "weights", "layers", "scored_tokens",
                "perplexity_hi", "router_perplexity", "ratio", "ratio_lo", "ratio_hi", "seconds")
 
 PPL_DEFINITIONS = {
+    "model": "the model measured (--model: its name or path)",
+    "data": "the text measured: --data's file or folder stem (heldout: the embedded default)",
+    "routing": "the routing policy that ran in layers (--routing; router: the model's own)",
+    "weights": "the weights given to the experts a norm policy chose (--weights: softmax, router or uniform); - for "
+               "every other policy, which keeps its own",
     "scored_tokens": SCORED_TOKENS,
     "nll_mean": "mean next-token negative log-likelihood in nats over those predictions (fp32 logits, "
                 "float64 sums); encoder-decoder models (Switch Transformers): the model's own seq2seq loss with the "

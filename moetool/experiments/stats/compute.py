@@ -80,6 +80,32 @@ DEFINITIONS = {
     "top_tokens_lift": "as top_tokens but ranked by lift = share / token_fraction(expert) = P(e|token) / P(e) "
                        "(1 = no preference; ties, e.g. tokens always routed to e, by count) among pairs with "
                        "count >= min_count",
+    "layers.tokens": "real (unpadded) tokens the layer routed",
+    "layers.top_k": "K: experts counted per token in the layer (the model's K; 1 with top_k = 1)",
+    "coactivation.a/coactivation.b": "a: the conditioning expert, b: the other expert of the pair (both of the "
+                                     "layer; every ordered pair a != b is a row)",
+    "coactivation.count": "tokens whose top-K contains both a and b (coactivation = adjacent: with a and b at "
+                          "neighbouring ranks); symmetric in a and b",
+    "coactivation.p_b_given_a": "count / tokens whose top-K contains a: the fraction (0-1) of a's tokens that also "
+                                "choose b (empty if no token chose a); independent uniform routing gives (K-1)/(n-1) "
+                                "with coactivation = all",
+    "domain_load.domain": "the domain of the rows counted (the JSONL domain of --data; (none): rows without one)",
+    "domain_load.load_fraction": "the domain's assignments of expert e / (K * the domain's tokens): sums to 1 over "
+                                 "experts per layer and domain",
+    "domain_load.token_fraction": "the domain's tokens whose top-K contains e / the domain's real tokens (K * "
+                                  "load_fraction): sums to K over experts",
+    "uniform_token_fraction": "K/n: token_fraction under uniform routing (the same on every row of a layer), to "
+                              "compare token_fraction with",
+    "domain_load.tokens": "the domain's real tokens whose top-K contains the expert (a count)",
+    "top_tokens.rank/top_tokens_lift.rank": "1 .. top_tokens within the expert: top_tokens by count, top_tokens_lift "
+                                            "by lift (ties: count), then the lower token id",
+    "top_tokens.count/top_tokens_lift.count": "occurrences (real tokens) of the token id whose top-K at this layer "
+                                              "contains the expert",
+    "share": "count / every real occurrence of the token id in the data: P(expert in top-K | token), a fraction "
+             "0-1 that sums to K over the layer's experts",
+    "lift": "share / token_fraction of the expert = P(e in top-K | token) / P(e in top-K): 1 = no preference, "
+            "above 1 the token prefers the expert (at most 1 / token_fraction); ranked only among pairs with count "
+            ">= min_count",
     "top_tokens.method": "exact counts of (token, expert) pairs in a sparse device table (torch.unique merges; "
                          "memory grows with distinct pairs, not with n * vocab), or a dense one where n * vocab is "
                          "small (moetool.sketch.dense_space): the same counts",

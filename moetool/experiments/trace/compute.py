@@ -42,6 +42,23 @@ FORMAT = ("one row per real (unpadded) token and MoE layer: row (packed row inde
           "Encoder-decoder models (the row as source and target): token is the row's token at pos; the encoder "
           "reads it there, the decoder reads the token at pos-1 and predicts it")
 
+#: trace.csv.gz's columns (the manifest's definitions; FORMAT says the same in one line)
+DEFINITIONS = {
+    "row": "packed row index of the token (--data's rows in order; global under data parallel)",
+    "pos": "the token's position in its row, 0-based (padding positions have no row)",
+    "token_id": "the token's id in the tokenizer's vocabulary",
+    "token": "the token as the tokenizer spells it: tokenizer.convert_ids_to_tokens (e.g. 'Ġthe' for ' the'), not "
+             "decoded text; read with keep_default_na=False",
+    "domain": "the row's domain (the JSONL domain of --data; empty without one)",
+    "layer": "index of the MoE layer in the model's layer numbering (the decoder layer index); rows are layer-major "
+             "within each batch",
+    "expert_<k>": "the k-th chosen expert (1 = first): the model's routing ranked by its selection score, largest "
+                  "first, whatever order its router returned them in; a policy's as the policy returned them",
+    "weight_<k>": "the routing weight of expert_k as it ran (0 for an assignment a capacity policy dropped)",
+    "logit_<e>": "the router's logit of expert e (--logits): its raw score, before the routing rule's softmax or "
+                 "sigmoid",
+}
+
 
 class TraceCollector:
     """Engine consumer: this batch's chosen experts/weights (and logits) per layer, kept on the device."""
@@ -179,7 +196,8 @@ def trace(lm: Any, tokens: Any, options: TraceOptions | None = None, *, path: st
     policy = opts.policy()
     layers = None if opts.layers is None else [L.index for L in select_layers(lm.layers, opts.layers)]
     col = TraceCollector(opts.logits)
-    meta = dict(format={"trace": FORMAT}, data=tokens.describe(), routing=policy.describe())
+    meta = dict(format={"trace": FORMAT}, definitions=DEFINITIONS, data=tokens.describe(),
+                routing=policy.describe())
     world = distributed.world_size()
     steps = distributed.n_steps(tokens.input_ids.shape[0], opts.batch_size, world)
     if world > 1 and getattr(tokens, "row_ids", None) is None:
