@@ -16,7 +16,7 @@ HELP = f"""Run every experiment on the embedded tiny models (no network needed) 
 Steps: inspect, {", ".join(n for n, e in EXPERIMENTS.items() if e.demo is not None)} (norm-select with the
 shipped offline lm-eval tasks, fluctuation on the early vs final training checkpoints). Each step writes
 a manifest.json and, per model, its CSVs and figures/ (PNG, PDF) in its own sub-folder, <step>/<model>/
-(no figures from {", ".join(["inspect"] + [n for n, e in EXPERIMENTS.items() if e.demo is not None and
+(a checkpoint pair's is named after its final checkpoint: tiny-early -> tiny in fluctuation/tiny/; no figures from {", ".join(["inspect"] + [n for n, e in EXPERIMENTS.items() if e.demo is not None and
                                             e.figures is None])}); report/report.html (and .md, LaTeX tables)
 gathers them all. Each step's heading says which of how many it is (== stats (2/17)).
 

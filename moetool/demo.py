@@ -2,7 +2,8 @@
 
 The steps are ``inspect`` and every experiment whose spec in :mod:`moetool.experiments.registry` has a
 :class:`~moetool.experiments.registry.Demo`, in the registry's order; :func:`run_step` runs any of them the same
-way (``<step>/<model>/`` per model, ``<step>/manifest.json``). Experiments write nothing: this module writes.
+way (``<step>/<model>/`` per model -- a checkpoint pair's named after its final checkpoint --,
+``<step>/manifest.json``). Experiments write nothing: this module writes.
 """
 
 from __future__ import annotations

@@ -186,6 +186,19 @@ def rank_order(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return topk(scores.gather(-1, idx.long()), idx.shape[-1], stable=True)
 
 
+def top1(idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    """The chosen expert of largest weight ``w [T, K]`` in each row of ``idx [T, K]``: ``[T]``. Weights equal as the
+    model returned them (two probabilities that differ in fp32, rounded to one bf16 value) are told apart by
+    ``scores [T, n]`` (the router's, as :func:`rank_order`), not by their columns' order, which for a router with
+    ``topk(sorted=False)`` is no order at all; equal scores too, or no ``scores`` (a recorded trace): the first
+    column."""
+    if scores is None:
+        return idx.gather(-1, w.float().argmax(-1, keepdim=True)).squeeze(-1)
+    order = rank_order(idx, scores)  # [T, K] positions, the largest score first
+    first = w.gather(-1, order).float().argmax(-1, keepdim=True)  # the first largest weight in that order
+    return idx.gather(-1, order.gather(-1, first)).squeeze(-1)
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device`` without a host synchronisation: a CPU tensor bound for a GPU is pinned and copied
     asynchronously (a copy from pageable host memory makes the host wait for the GPU: a sync inside the forward).

@@ -12,7 +12,7 @@ import torch
 from scipy.stats import spearmanr
 from typer.testing import CliRunner
 
-from conftest import build_tiny_model, captured, padded_batch, reference_expert, run
+from conftest import build_tiny_model, captured, feed, padded_batch, reference_expert, run
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.engine import Engine
@@ -289,3 +289,49 @@ def test_mean_abs_cos_is_over_every_real_token_where_spearman_is_undefined():
     row = per_layer.iloc[0]
     assert row["mean_abs_cos"] == pytest.approx(r.abs_cos.double().mean().item(), rel=1e-9)
     assert row["spearman_prob_vs_norm"] == pytest.approx(sp[~torch.isnan(sp)].mean().item(), rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def hot_unchosen(tmp_path_factory):
+    """The tiny DeepSeek-V3 with expert 3 of its second MoE layer (decoder layer 2) never chosen (correction bias
+    -1e4) and its weights scaled (gate_up x1e3, down x1e2): its output on any token is ~1e6 and more, past fp16's
+    65504, while the model's own forward never computes it."""
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny("deepseek_v3")
+    layer = find_moe_layers(model)[1]
+    with torch.no_grad():
+        layer.router.e_score_correction_bias[3] = -1e4
+        layer.experts.gate_up_proj[3] *= 1e3
+        layer.experts.down_proj[3] *= 1e2
+    path = tmp_path_factory.mktemp("hot") / "m"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_an_unchosen_expert_overflowing_fp16_stops_in_one_line_naming_layer_probe_and_dtype(hot_unchosen):
+    """In fp16 the model's own forward is finite and never routes a token to expert 3 of layer 2, but approx's
+    all-expert probe computes it on every token and it overflows: the run stopped at the end with '128 NaN,
+    infinite or negative value(s) reached a quantile sketch' (no layer, no cause). Now: one line at the batch,
+    naming the layer, the all-expert probe and float16 with --dtype bf16; in bf16 the same checkpoint's tables are
+    finite (its range holds the ~1e6 outputs), the router's error below 1."""
+    import moetool
+    from moetool.data import TokenSet
+    from moetool.errors import MoetoolRuntimeError
+
+    ids = torch.randint(3, 1000, (4, 32), generator=torch.Generator().manual_seed(3))
+    toks = TokenSet(ids, torch.ones_like(ids), [""] * 4, "t")
+    lm = moetool.load(hot_unchosen, dtype="fp16", tokenizer=False)
+    chosen = []
+    with torch.no_grad(), Engine(lm.model, lm.layers, consumers=[lambda ev: chosen.append(ev.idx)]):
+        logits = feed(lm.model, ids).logits
+    assert torch.isfinite(logits).all() and not (chosen[1] == 3).any()  # the model never computes expert 3 there
+    with pytest.raises(MoetoolRuntimeError) as e:
+        moetool.approx(lm, toks, quiet=True, batch_size=4)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("non-finite all-expert probe outputs in MoE layer 2 at batch 0")
+    assert "float16" in msg and "--dtype bf16" in msg
+    res = moetool.approx(moetool.load(hot_unchosen, dtype="bf16", tokenizer=False), toks, quiet=True, batch_size=4)
+    df = res["approx"]
+    assert np.isfinite(df["rel_error_mean"]).all() and len(df) == 3 * 4
+    assert (df.loc[df.selector == "router", "rel_error_mean"] < 1).all()

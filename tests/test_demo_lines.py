@@ -142,3 +142,18 @@ def test_mass_recall_line_says_over_what_the_bound_rate_is_lowest():
                        "bound_mean": [1e-9] * 4, "bound_scaled_mean": [1e-4] * 4})
     (line,) = mass_recall.summary_lines("tiny", {"mass_recall": df})
     assert "M=2: 0.550, M=4: 0.750" in line and "bound holds on 98.0% of tokens (lowest over layers, G and M)" in line
+
+
+def test_demo_help_names_the_folder_a_checkpoint_pair_is_written_to():
+    """run_step writes a checkpoint pair to <step>/<its final checkpoint>/ (tiny-early -> tiny: fluctuation/tiny/),
+    but `moetool demo --help` promised <step>/<model>/ only, so a newcomer looked for fluctuation/tiny-early/ or a
+    pair's folder. The help now names the pair's folder as run_step names it (child.sub(names[-1]))."""
+    import typer
+
+    from moetool.commands.app import app
+    from moetool.experiments.registry import EXPERIMENTS
+
+    pair = EXPERIMENTS["fluctuation"].demo.models[0]
+    assert isinstance(pair, tuple) and pair == ("tiny-early", "tiny")
+    text = " ".join(typer.main.get_command(app).commands["demo"].help.split())
+    assert f"{' -> '.join(pair)} in fluctuation/{pair[-1]}/" in text

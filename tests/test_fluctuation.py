@@ -557,3 +557,46 @@ def test_entropy_ratio_of_two_one_hot_routings_is_nan_not_a_division_by_zero():
     got = compare(_routing((idx, w), scores=one_hot), _routing((idx, w), scores=one_hot))[0]
     assert (got["entropy_ref"], got["entropy_ckpt"]) == (0.0, 0.0) and math.isnan(got["entropy_ratio"])
     assert (got["top1_change"], got["topk_change"]) == (0.0, 0.0)
+
+
+def test_equal_bf16_weights_are_told_apart_by_the_scores_not_the_column_order():
+    """Two routings of the same tokens with the same sets and the same bf16 weights, in other column orders (a router
+    with topk(sorted=False)): token 0's weights 0.2588 / 0.2598 (the tiny DBRX's in bf16) both round to 0.2598 -- a
+    tie the router's probabilities (0.40 vs 0.60 for expert 6) break; token 1's differ in bf16 and keep their order.
+    By hand: the top-1 of token 0 is 6 in both, of token 1 3 in both: top1_change 0. The argmax of the weights took
+    the first column on the tie (1 in one routing, 6 in the other): top1_change 1/2."""
+    w_a = torch.tensor([[0.2588, 0.2598], [0.3, 0.7]]).bfloat16()
+    assert w_a[0, 0] == w_a[0, 1]  # the rounding tie
+    scores = torch.zeros(2, 8)
+    scores[0, 1], scores[0, 6], scores[1, 2], scores[1, 3] = 0.4, 0.6, 0.3, 0.7
+    a = _routing((torch.tensor([[1, 6], [2, 3]]), w_a), scores=scores)
+    b = _routing((torch.tensor([[6, 1], [3, 2]]), w_a.flip(-1)), scores=scores)
+    got = compare(a, b)[0]
+    assert got["top1_change"] == 0.0 and got["topk_change"] == 0.0
+    assert a._rows_done == 1 and next(a.batches())[0][0, :, -1].tolist() == [6, 3]
+
+
+def test_top1_on_a_bf16_model_is_its_fp32_weights_largest():
+    """The tiny ERNIE-4.5-VL-MoE (top-K unsorted, weights returned in the model's dtype) in bf16: the top-1 that
+    fluctuation records is, on every token, the chosen expert of largest fp32 weight -- by hand, the chosen expert of
+    largest softmax(logits) (its weights are those probabilities renormalised over the chosen set, so they order
+    alike) -- although on 6 of 1536 (token, layer) the two largest bf16 weights are equal. The argmax of the bf16
+    weights took the first column there, another expert on 2 of them."""
+    from moetool.adapters.tiny import build_tiny
+
+    model = build_tiny("ernie4_5_vl_moe").to(torch.bfloat16)
+    ids = torch.randint(3, 1024, (8, 64), generator=torch.Generator().manual_seed(3))
+    events = []
+    with torch.no_grad(), Engine(model, find_moe_layers(model), consumers=[events.append]):
+        feed(model, ids)
+    ties = 0
+    for ev in events:
+        assert ev.weights.dtype == torch.bfloat16
+        got = Routing([0])
+        got.add(0, ev.idx, ev.weights, ev.probs, ev.valid)
+        top1 = got._batch[0][:, -1].long()
+        pi = torch.softmax(ev.logits.float(), -1).gather(-1, ev.idx)  # by hand, fp32
+        assert torch.equal(top1, ev.idx.gather(-1, pi.argmax(-1, keepdim=True)).squeeze(-1))
+        two = ev.weights.float().topk(2, -1).values
+        ties += int(((two[:, 0] == two[:, 1]) & (pi.topk(2, -1).values.diff(dim=-1).squeeze(-1) != 0)).sum())
+    assert ties >= 2  # the test bites: rounding ties are there

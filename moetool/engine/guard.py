@@ -8,7 +8,9 @@ than a crash).
 so the first one is the cause), the batch and its rows. :meth:`FiniteGuard.output` adds the model's next-token NLL of
 the batch's scored tokens to the same read: output logits that overflow the model's dtype (fp16's largest number is
 65504; the lm_head runs after the last MoE layer, where no hook looks) stop the run in one line naming the batch and
-the dtype, instead of an infinite perplexity or a bootstrap's "per-row sums contain NaN/inf".
+the dtype, instead of an infinite perplexity or a bootstrap's "per-row sums contain NaN/inf". :func:`flag` adds a
+flag a consumer computes inside the forward (``approx``'s all-expert probe: an expert the router did not choose,
+computed on every token, can overflow fp16 where the model's own forward does not) to the same read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,20 @@ import torch
 
 from ..errors import MoetoolRuntimeError
 
-TENSORS = ("router logits", "experts output")
+TENSORS = ("router logits", "experts output", "all-expert probe outputs")
+#: the guards of the forwards running (the innermost last): :func:`flag` reports to the last
+_ACTIVE: list["FiniteGuard"] = []
+
+
+def flag(layer: int, bad: torch.Tensor, dtype: torch.dtype, what: int = 2) -> None:
+    """OR the device bool ``bad`` (real tokens only) into the running forward's guard as ``TENSORS[what]`` of MoE
+    layer ``layer``, computed in ``dtype``: read at the guard's next check with the others, no host sync here.
+    Outside a forward (no guard): nothing."""
+    if _ACTIVE:
+        g = _ACTIVE[-1]
+        key = (layer, what)
+        g.flags[key] = g.flags[key] | bad.to(g.flags[key].device) if key in g.flags else bad
+        g.dtypes[key] = dtype
 
 
 class FiniteGuard:
@@ -32,6 +47,7 @@ class FiniteGuard:
         self.layers = list(layers)
         self._mask: torch.Tensor | None = None
         self.flags: dict[tuple[int, int], torch.Tensor] = {}
+        self.dtypes: dict[tuple[int, int], torch.dtype] = {}  # of a flag's tensor, where the message names it
         self._output: tuple[torch.Tensor, torch.dtype] | None = None  # (device bool, the logits' dtype) of the batch
         self._handles: list[Any] = []
 
@@ -47,13 +63,16 @@ class FiniteGuard:
         for L in self.layers:
             self._handles.append(L.router.register_forward_hook(self._hook((L.index, 0))))
             self._handles.append(L.experts.register_forward_hook(self._hook((L.index, 1))))
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.flags, self._output = {}, None
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        self.flags, self.dtypes, self._output = {}, {}, None
 
     def output(self, nll: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag the batch's NLL sums ``nll`` (only scored tokens reach them) if one is not finite: a device bool, read
@@ -85,15 +104,23 @@ class FiniteGuard:
         flags = [self.flags[k] for k in keys] + ([output[0]] if output is not None else [])
         dev = flags[0].device
         bad = torch.stack([f.to(dev) for f in flags]).tolist()
-        self.flags = {}
+        dtypes, self.flags, self.dtypes = self.dtypes, {}, {}
         where = f" ({rows})" if rows else ""
         for (layer, what), b in zip(keys, bad):
+            if b and (layer, what) in dtypes:  # a consumer's flag: what it computed beside the model, and its dtype
+                raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer} at batch {batch}{where}: "
+                                          f"an expert computed on tokens the router did not send it is NaN or inf "
+                                          f"in {_dtype_hint(dtypes[(layer, what)])}; results would be meaningless")
             if b:  # a MoE layer first: a NaN there spreads to the output, so it is the cause
                 raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer} at batch {batch}"
                                           f"{where}: results would be meaningless")
         if output is not None and bad[-1]:
-            dtype = str(output[1]).removeprefix("torch.")
-            hint = (" (fp16's largest number is 65504: try --dtype bf16 or fp32)" if output[1] == torch.float16
-                    else "")
+            dtype = _dtype_hint(output[1])
             raise MoetoolRuntimeError(f"non-finite next-token NLL at batch {batch}{where}: the model's output logits "
-                                      f"are NaN or inf in {dtype}{hint}; results would be meaningless")
+                                      f"are NaN or inf in {dtype}; results would be meaningless")
+
+
+def _dtype_hint(dtype: torch.dtype) -> str:
+    """``dtype``'s name, with what to do where it is fp16 (whose largest number is 65504)."""
+    name = str(dtype).removeprefix("torch.")
+    return name + (" (fp16's largest number is 65504: try --dtype bf16 or fp32)" if dtype == torch.float16 else "")

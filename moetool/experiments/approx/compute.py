@@ -29,7 +29,7 @@ import torch
 from ... import distributed, ops
 from ...adapters import quant
 from ...adapters.base import MoELayer
-from ...engine import probes
+from ...engine import guard, probes
 from ...engine.hooks import refuse_hash_routed, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
@@ -119,6 +119,8 @@ class TokenApprox:
     error: dict[str, torch.Tensor]  # selector -> [T] relative error
     spearman: torch.Tensor  # [T] Spearman(π_e, ||E_e(h)||) across experts
     abs_cos: torch.Tensor  # [T] mean |cos(u_i, u_j)|, i != j
+    finite: torch.Tensor  # [T] bool: every expert's output finite (an unchosen expert can overflow fp16)
+    dtype: torch.dtype  # the experts' outputs' as computed
 
 
 def best_subset_applies(n: int, k: int, max_subsets: int = MAX_SUBSETS) -> bool:
@@ -130,7 +132,9 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
            noise: torch.Tensor | None = None) -> TokenApprox:
     K = layer.top_k
     pi = layer.probs(logits)  # [T, n] fp32
-    E = probes.expert_outputs(layer, h).float()  # [n, T, d]
+    E = probes.expert_outputs(layer, h)  # [n, T, d] in the experts' dtype
+    finite, dtype = torch.isfinite(E).all(-1).all(0), E.dtype  # [T]
+    E = E.float()
     p = pi.to(E.device)
     Et = E.transpose(0, 1)  # [T, n, d]
     U = Et * p.unsqueeze(-1)  # [T, n, d]
@@ -154,7 +158,7 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
             idx[sel] = best_subsets(GE * (pd.unsqueeze(-1) * pd.unsqueeze(-2)), subsets)  # G = U Uᵀ
     return TokenApprox(idx=idx, error={s: rel_error(U, i) for s, i in idx.items()},
                        spearman=ops.spearman(p, enorm).float(),
-                       abs_cos=ops.abs_cos_mean(Et, gram=GE).float())
+                       abs_cos=ops.abs_cos_mean(Et, gram=GE).float(), finite=finite, dtype=dtype)
 
 
 @torch.no_grad()
@@ -177,7 +181,8 @@ def approx_tokens(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, select
                     None if noise is None else noise[s:s + step]) for s in range(0, h.shape[0], step)]
     return TokenApprox(idx={k: torch.cat([p.idx[k] for p in parts]) for k in parts[0].idx},
                        error={k: torch.cat([p.error[k] for p in parts]) for k in parts[0].error},
-                       spearman=torch.cat([p.spearman for p in parts]), abs_cos=torch.cat([p.abs_cos for p in parts]))
+                       spearman=torch.cat([p.spearman for p in parts]), abs_cos=torch.cat([p.abs_cos for p in parts]),
+                       finite=torch.cat([p.finite for p in parts]), dtype=parts[0].dtype)
 
 
 class ApproxReducer:
@@ -223,6 +228,7 @@ class ApproxReducer:
                           noise=self._noise(L, ev, h.device))
         keep = ops.to_device(keep, h.device)
         captured = ops.to_device(captured, h.device)
+        guard.flag(L.index, (~r.finite & keep).any(), r.dtype)  # read with the forward's own NaN/inf flags
         for sel, err in r.error.items():
             self.errors[L.index].setdefault(sel, QuantileSketch(device=h.device)).add(err, keep)
             same = (ops.same_set(r.idx[sel], captured) & keep).sum().double()

@@ -5,7 +5,8 @@ everywhere: ``router`` = the model's own top-K; ``similarity`` / ``attention``: 
 in every chosen MoE layer of the checkpoint, so its choice is what runs) and chosen MoE layer (``layers``, as
 ``--layers`` everywhere: the layers measured and the layers a policy replaces routing in; the others run the
 model's own router and are not measured), the chosen sets and
-the top-1 expert (the chosen expert with the largest routing weight) stay on the device during the forward
+the top-1 expert (the chosen expert with the largest routing weight; equal weights, as bf16 rounding makes them,
+told apart by the routing's scores) stay on the device during the forward
 (padding weighted out, no host sync), are copied to the host once per batch (all layers stacked, indices as
 int16/int32) and spilled to a temporary file (:class:`moetool.sketch.TokenSpill`), so host memory holds one
 batch, not the run; the entropy is an exact device-side sum (:class:`moetool.sketch.Moments`). Comparisons read
@@ -102,10 +103,11 @@ def router_copy(layer: MoELayer) -> MoELayer:
 
 
 # ----- capture -------------------------------------------------------------------------------
-def chosen_and_top1(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def chosen_and_top1(idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
     """``[T, K + 1]``: the chosen set (``idx [T, K]``, a column at weight 0 as -1: no expert) and the top-1 (the
-    chosen expert of largest weight ``w [T, K]``; -1 where every weight is 0, a token that lost all its experts)."""
-    top1 = idx.gather(1, w.float().argmax(-1, keepdim=True)).masked_fill((w == 0).all(-1, keepdim=True), -1)
+    chosen expert of largest weight ``w [T, K]``, equal weights -- bf16 rounding ties -- told apart by ``scores
+    [T, n]`` where given, :func:`moetool.ops.top1`; -1 where every weight is 0, a token that lost all its experts)."""
+    top1 = ops.top1(idx, w, scores).unsqueeze(-1).masked_fill((w == 0).all(-1, keepdim=True), -1)
     return torch.cat([idx.masked_fill(w == 0, -1), top1], 1)
 
 
@@ -126,12 +128,15 @@ class Routing:
         self._batch: dict[int, torch.Tensor] = {}
         self._valid: torch.Tensor | None = None
 
-    def add(self, layer: int, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> None:
+    def add(self, layer: int, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
+            ties_by_scores: bool = True) -> None:
         """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` and ``valid [T]``. The
         chosen set is the experts with a nonzero weight: a column a policy leaves at weight 0 (top-p's unchosen,
-        capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`)."""
+        capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`). ``ties_by_scores``: equal
+        weights are told apart by ``scores`` (the set was chosen by them); False: by the columns' order (a
+        policy's own, best first: random, norm)."""
         small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
-        self._batch[layer] = chosen_and_top1(idx, w).to(small)  # [T, K + 1]
+        self._batch[layer] = chosen_and_top1(idx, w, scores if ties_by_scores else None).to(small)  # [T, K + 1]
         self._valid = valid
         ent = ops.entropy(scores).double()
         self.entropy[layer].add(torch.where(valid, ent, 0.0), valid)
@@ -184,10 +189,14 @@ class Routing:
             distributed.all_reduce_state(m)
 
 
-def routing_of(ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(chosen idx, chosen weights, distribution, valid)`` of an event (every position), after any policy."""
+def routing_of(ev: RoutingEvent, policy: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              bool]:
+    """``(chosen idx, chosen weights, distribution, valid, ties by the distribution)`` of an event (every position),
+    after any ``policy``: the chosen set was ranked by the distribution (the model's own set, a policy's scores, a
+    policy re-ranking by the router's), so it tells equal weights apart; else (random, norm) the policy's order."""
     scores = ev.scores if ev.scores is not None else ev.probs  # [T, n]
-    return ev.chosen_idx, ev.chosen_weights, scores, ev.valid
+    ranked = ev.chosen_idx is ev.idx or ev.scores is not None or getattr(policy, "routes_by_scores", False)
+    return ev.chosen_idx, ev.chosen_weights, scores, ev.valid, ranked
 
 
 def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEvent:
@@ -216,9 +225,9 @@ def capture(lm: Any, tokens: Any, policy: Any, *, others: dict[Any, dict[int, Mo
     iso = {name: Routing(layers, row_ids) for name in (others or {})}
 
     def consume(ev: RoutingEvent) -> None:
-        own.add(ev.layer.index, *routing_of(ev))
+        own.add(ev.layer.index, *routing_of(ev, policy))
         for name, routers in (others or {}).items():
-            iso[name].add(ev.layer.index, *routing_of(isolated_event(ev, routers[ev.layer.index], policy)))
+            iso[name].add(ev.layer.index, *routing_of(isolated_event(ev, routers[ev.layer.index], policy), policy))
 
     def flush(batch: Any, _out: Any) -> None:
         for r in (own, *iso.values()):

@@ -675,8 +675,8 @@ class OffloadCollector:
                                f"its router reads {ev.h.shape[-1]}: predict through its norm (--predict-norm)")
         logits = L.logits(x)
         pred_idx, pred_w = L.route(logits)
-        pred_top1, real_top1 = (i.gather(-1, v.float().argmax(-1, keepdim=True)).squeeze(-1)  # each by its weights
-                                for i, v in ((pred_idx, pred_w), (idx, w)))
+        # each by its weights, equal weights (bf16 rounding) told apart by the router's probabilities
+        pred_top1, real_top1 = ops.top1(pred_idx, pred_w, L.probs(logits)), ops.top1(idx, w, ev.probs)
         v = valid.double()
         top1 = (pred_top1 == real_top1).double() * v
         topk = ops.overlap_count(pred_idx, idx).double() / idx.shape[-1] * v
@@ -896,7 +896,8 @@ DEFINITIONS = {
                    "routing applied to pre_router_norm_{ℓ+1}(x_ℓ) -- what the MoE block reads of the stream when "
                    "attention adds nothing --, x_ℓ = output of decoder layer ℓ) is the "
                    "expert layer ℓ+1 weighted highest (both by routing weight, not by selection score: a correction "
-                   "bias orders them differently)",
+                   "bias orders them differently; equal weights, as bf16 rounding makes them, told apart by the router's "
+                   "probabilities)",
     "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty)",
 }
