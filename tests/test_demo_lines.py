@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import numpy as np
 import pandas as pd
 
@@ -142,6 +143,39 @@ def test_mass_recall_line_says_over_what_the_bound_rate_is_lowest():
                        "bound_mean": [1e-9] * 4, "bound_scaled_mean": [1e-4] * 4})
     (line,) = mass_recall.summary_lines("tiny", {"mass_recall": df})
     assert "M=2: 0.550, M=4: 0.750" in line and "bound holds on 98.0% of tokens (lowest over layers, G and M)" in line
+    assert "router_flops_frac" not in line  # no frac column: no note
+
+
+@pytest.mark.parametrize("n, noted", [(8, True), (10, True), (12, False), (64, False)])
+def test_mass_recall_line_says_when_the_ivf_router_costs_more_than_exact_routing(n, noted):
+    """router_flops_frac = (G + M) / n above 1 (the tiny model's 8 experts at G = 8, M = 2..4: 1.25-1.5) means the IVF
+    router computes more inner products than exact routing; the line said nothing, the figure's dashed line at 1
+    alone showed it. The note names the lowest fraction, only where every row is at least 1 (at n = 10 the
+    (8 + 2) / 10 row is exactly 1: no saving; at 12 that row is 0.83)."""
+    from moetool.experiments.mass_recall import compute as mass_recall
+
+    G, M = [8] * 4, [2, 4, 2, 4]
+    df = pd.DataFrame({"centroids": ["unit"] * 4, "layer": [0, 0, 1, 1], "codebook_size": G,
+                       "shortlist_size": M, "mass_recall_mean": [0.5, 0.7, 0.6, 0.8],
+                       "bound_holds_rate": [1.0] * 4, "bound_scaled_holds_rate": [1.0] * 4,
+                       "bound_mean": [1e-9] * 4, "bound_scaled_mean": [1e-4] * 4,
+                       "router_flops_frac": [(g + m) / n for g, m in zip(G, M)]})
+    (line,) = mass_recall.summary_lines("tiny", {"mass_recall": df})
+    lowest = min((g + m) / n for g, m in zip(G, M))
+    assert (f"every row's router_flops_frac (G + M) / n is at least 1 (lowest {lowest:.3g}): the IVF router costs "
+            f"no less than exact routing here" in line) == noted
+
+
+def test_erc_line_says_the_dominance_is_a_mean_over_layers():
+    """erc's line printed 'row/col dominance 0.62/0.41' beside a per-layer alpha_min range: a reader could not tell
+    whether it was one layer's; it is the mean over the layers of erc_layers.csv."""
+    from moetool.experiments.erc import compute as erc
+
+    layers = pd.DataFrame({"layer": [0, 1], "alpha_min": [1.5, 2.5], "row_dominance": [0.5, 0.75],
+                           "col_dominance": [0.25, 0.5]})
+    table = pd.DataFrame({"layer": [0, 1], "alpha": [1.0, 1.0], "erc_loss": [0.1, 0.3], "erc_loss_clean": [0.1, 0.2]})
+    (line,) = erc.summary_lines("tiny", {"erc_layers": layers, "erc": table})
+    assert "alpha_min 1.50-2.50 over 2 layers; row/col dominance 0.62/0.38 (mean over layers)" in line
 
 
 def test_demo_help_names_the_folder_a_checkpoint_pair_is_written_to():

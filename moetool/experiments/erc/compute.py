@@ -301,5 +301,5 @@ def summary_lines(name: str, res: Any) -> list[str]:
     top = erc[erc["alpha"] == erc["alpha"].max()]
     return [f"erc {name}: alpha_min {per_layer['alpha_min'].min():.2f}-{per_layer['alpha_min'].max():.2f} over "
             f"{len(per_layer)} layers; row/col dominance {per_layer['row_dominance'].mean():.2f}/"
-            f"{per_layer['col_dominance'].mean():.2f}; L_ERC(α={top['alpha'].iloc[0]:g}) mean "
+            f"{per_layer['col_dominance'].mean():.2f} (mean over layers); L_ERC(α={top['alpha'].iloc[0]:g}) mean "
             f"{top['erc_loss'].mean():.4g} (clean {top['erc_loss_clean'].mean():.4g})"]

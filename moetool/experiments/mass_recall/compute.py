@@ -434,7 +434,8 @@ DEFINITIONS = {
     "best_scale_mean": "mean s*/||h|| of the scale that gave bound_scaled",
     "dead_codes": "codewords with no token assigned in the evaluation pass",
     "expert_coverage": "fraction of experts in at least one shortlist of a codeword used in evaluation",
-    "router_flops_frac": "(G + M) / n: IVF router inner products relative to exact routing",
+    "router_flops_frac": "(G + M) / n: IVF router inner products relative to exact routing (n); above 1 the IVF "
+                         "router costs more than exact routing (a codebook and shortlist larger than the experts)",
     "centroids": "raw: the model's router (its bias/scoring; TopK = the model's own; shortlist ranked by the "
                  "model's selection scores at the codeword); unit: rows on the unit sphere, logits <w_e, h>, "
                  "π = softmax, shortlist by <c_g, w_e>",
@@ -491,5 +492,8 @@ def summary_lines(name: str, res: Any) -> list[str]:
         lines.append(f"{name} {mode}: mass recall (G={G}, mean over layers) " + ", ".join(dict.fromkeys(parts))
                      + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (lowest over layers, G and M), "
                      f"scale-aware bound on {d['bound_scaled_holds_rate'].min():.1%}; mean bound paper "
-                     f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}")
+                     f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}"
+                     + (f"; every row's router_flops_frac (G + M) / n is at least 1 (lowest "
+                        f"{d['router_flops_frac'].min():.3g}): the IVF router costs no less than exact routing here"
+                        if "router_flops_frac" in d and (d["router_flops_frac"] >= 1).all() else ""))
     return lines
