@@ -703,3 +703,21 @@ def test_a_linked_folder_in_a_data_folder_is_read_once_and_a_loop_is_not_followe
     docs = read_documents(c)
     assert docs == [Document("elsewhere text"), Document("main text")]
     assert pack(docs, CharTokenizer(), seq_len=64, max_tokens=None).n_tokens == 14 + 1 + 9
+
+
+def test_a_large_file_read_by_prefix_that_is_not_utf8_names_the_byte_and_its_offset(tmp_path, monkeypatch, bpe):
+    """A file read by prefix (over TEXT_PREFIX_BYTES, --max-tokens reached within it) whose prefix holds a latin-1
+    byte: the same one line as a small file's, naming the byte and its offset (5: 'plain' then 0xe9), not 'cannot
+    read data file ...: 'utf-8' codec can't decode' (mutation pass 16: _encode_prefix's own decoding error); a bad
+    byte past what is read leaves the prefix read as before, and read whole it is named at its offset (204000)."""
+    monkeypatch.setattr(data_mod, "TEXT_PREFIX_BYTES", 1000)
+    lines = b"plain words here\n" * 12000
+    big = tmp_path / "big.txt"
+    big.write_bytes(lines[:5] + b"\xe9" + lines[5:])
+    with pytest.raises(MoetoolError, match=r"^data file .*big\.txt: not UTF-8 text \(byte 0xe9 at offset 5\): "
+                                           r"save it as UTF-8 \(e\.g\. iconv -f latin1 -t utf-8\)"):
+        load_tokens(big, bpe, 16, 64)
+    big.write_bytes(lines + b"\xe9\n")
+    assert load_tokens(big, bpe, 16, 32).n_tokens == 32
+    with pytest.raises(MoetoolError, match=r"big\.txt: not UTF-8 text \(byte 0xe9 at offset 204000\)"):
+        load_tokens(big, bpe, 64, None)

@@ -347,3 +347,23 @@ def test_fused_dequantization_on_cuda_equals_the_cpu_bit_for_bit(monkeypatch, fm
         got = formats.dequantize_fp8(codes.cuda(), scale.cuda(), dtype, block=block)
         assert compiled._KERNELS[f"{fmt} dequantization"] is not None  # Triton kernels here
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_an_all_zero_block_has_scale_one_and_reads_back_as_zeros(scale_fmt):
+    """A 128 x 128 block of zeros (a pruned or padded expert): transformers' ``Fp8Quantize`` stores scale_inv 1 for
+    it, the codes 0, and every read gives 0. A scale of 0 there made scale_inv inf and every dequantized value
+    0 x inf = NaN (mutation pass 16: the ``torch.ones_like`` of an empty block's scale). The other blocks keep
+    their own scales."""
+    w = weight(2, 256, 256)
+    w[0, :128, 128:] = 0  # one zero block of expert 0
+    w[1] = 0  # every block of expert 1
+    q, s = formats.quantize_fp8(w, scale_fmt=scale_fmt)
+    ref = tf_fp8.Fp8Quantize(tf_quantizer(scale_fmt))._quantize_one("experts.down_proj", w)
+    assert torch.equal(s.float(), ref["experts.down_proj_scale_inv"].float())
+    assert s.float()[0, 0, 1] == 1.0 and torch.equal(s.float()[1], torch.ones(2, 2))
+    assert torch.equal(q.view(torch.uint8), ref["experts.down_proj"].view(torch.uint8))
+    fake = formats.fake_quantize(w, "fp8", scale_fmt=scale_fmt)
+    assert bool(fake.isfinite().all())
+    assert torch.equal(fake[1], torch.zeros(256, 256)) and torch.equal(fake[0, :128, 128:], torch.zeros(128, 128))
+    assert torch.equal(fake[0, :128, :128], formats.fake_quantize(w[0, :128, :128], "fp8", scale_fmt=scale_fmt))

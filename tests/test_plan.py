@@ -434,3 +434,20 @@ def test_plan_says_when_its_commands_name_a_config_without_weights(tmp_path):
     assert f"--model {cfg} --seq-len 2048 --batch-size 8 --tp 16 --ep 16" in r.output  # the command it is about
     r = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "8xH100", "--out", str(tmp_path / "q")])
     assert r.exit_code == 0 and "without weights" not in r.output, r.output
+
+
+def test_a_quantization_config_naming_fp8_by_its_fmt_is_sized_as_fp8():
+    """``native_format`` reads FP8 from ``quant_method`` or from ``fmt`` (a config whose method field is blank or
+    another name but whose ``fmt`` says ``FP8_E4M3``): sized as FP8 (1 + 4/128 bytes per expert weight), not refused
+    as an unknown quantization nor sized as bf16 (mutation pass 16: the ``fmt`` half of the rule dropped); another
+    method is one line."""
+    from types import SimpleNamespace
+
+    def cfg(q):
+        return SimpleNamespace(quantization_config=q)
+
+    assert P.native_format(cfg({"quant_method": "", "fmt": "FP8_E4M3"})) == "fp8"
+    assert P.native_format(cfg({"quant_method": "fp8", "fmt": "e4m3"})) == "fp8"
+    assert P.native_format(cfg({"quant_method": "MXFP4"})) == "mxfp4"
+    with pytest.raises(MoetoolError, match=r"^quantization 'awq' of this checkpoint is not one moetool can size"):
+        P.native_format(cfg({"quant_method": "awq", "fmt": "int4"}))
