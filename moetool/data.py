@@ -135,7 +135,8 @@ def folder_files(root: Path) -> list[Path]:
     without a word), each folder read once (a link back up, ``self -> ..``, or a second link to one folder adds
     nothing; a link to a folder above ``root`` is a loop, never followed: it would read ``root``'s neighbours).
     Hidden files and folders (``.ipynb_checkpoints``, ``.git``, editor backups) are not data: they hold copies of its
-    files, read and counted twice."""
+    files, read and counted twice. A data name that is no regular file (a link whose target is gone, a pipe) is one
+    line: it was skipped, its text left out of the tables in silence."""
     files, seen = [], {root.resolve(), *root.resolve().parents}
     for top, folders, names in os.walk(root, followlinks=True):
         keep = []
@@ -145,8 +146,16 @@ def folder_files(root: Path) -> list[Path]:
                 seen.add(real)
                 keep.append(d)
         folders[:] = keep
-        files += [Path(top) / f for f in names if not f.startswith(".") and data_suffix(Path(f)) in DATA_SUFFIXES
-                  and (Path(top) / f).is_file()]
+        for f in names:
+            path = Path(top) / f
+            if f.startswith(".") or data_suffix(path) not in DATA_SUFFIXES:
+                continue
+            if not path.is_file():  # its text would be left out without a word
+                what = (f"a link to {os.readlink(path)}, which does not exist" if path.is_symlink()
+                        else "not a regular file")
+                raise MoetoolError(f"data file {path} is {what}: mend or remove it (a {'/'.join(DATA_SUFFIXES)} "
+                                   f"name in a --data folder is read as data)")
+            files.append(path)
     return sorted(files)
 
 

@@ -1,5 +1,6 @@
 """--data reading and packing: domains, padding, caps, and one-line errors."""
 
+import re
 import json
 
 import pytest
@@ -721,3 +722,21 @@ def test_a_large_file_read_by_prefix_that_is_not_utf8_names_the_byte_and_its_off
     assert load_tokens(big, bpe, 16, 32).n_tokens == 32
     with pytest.raises(MoetoolError, match=r"big\.txt: not UTF-8 text \(byte 0xe9 at offset 204000\)"):
         load_tokens(big, bpe, 64, None)
+
+
+def test_a_broken_link_in_a_data_folder_is_one_line_not_left_out(tmp_path):
+    """``corpus/b.txt -> /datasets/b.txt`` whose target is gone (a moved dataset, an unmounted disk) was skipped in
+    silence (mutation pass 16, D12): the tables covered ``a.txt`` alone, 6 characters where the corpus named two
+    files. Now one line naming the link and its target; a link to a file that exists is read (its text counted)."""
+    c = tmp_path / "corpus"
+    c.mkdir()
+    (c / "a.txt").write_text("a text")
+    (tmp_path / "b_real.txt").write_text("b words")
+    (c / "b.txt").symlink_to(tmp_path / "b_real.txt")
+    assert read_documents(c) == [Document("a text"), Document("b words")]
+    assert pack(read_documents(c), CharTokenizer(), seq_len=64, max_tokens=None).n_tokens == 6 + 1 + 7
+    (tmp_path / "b_real.txt").unlink()
+    with pytest.raises(MoetoolError, match=rf"^data file {re.escape(str(c / 'b.txt'))} is a link to "
+                                           rf"{re.escape(str(tmp_path / 'b_real.txt'))}, which does not exist: "
+                                           r"mend or remove it"):
+        read_documents(c)
