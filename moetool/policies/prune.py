@@ -252,6 +252,10 @@ class PrunePolicy(Policy):
             out["seed"] = self.seed
         return out
 
+    def logits(self, ev: RoutingEvent) -> torch.Tensor:
+        """The pruned router's logits of ``ev`` (the removed experts' -inf): what it routes and weighs by."""
+        return ev.layer.masked_logits(ev.logits, self.keep(ev.layer, ev.logits.device))
+
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         return ev.layer.route_masked(ev.logits, self.keep(ev.layer, ev.logits.device))
 
