@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -253,6 +254,32 @@ def test_similarity_rows_report_the_entropy_of_the_policy_scores(ckpts):
     got = float(df[df["layer"] == 0]["entropy_ref"].iloc[0])
     assert got == pytest.approx(want, rel=1e-5)
     assert abs(got - float(ops.entropy(torch.cat(ent_pi)).mean())) > 1e-3
+
+
+def test_prune_rows_report_the_entropy_of_the_pruned_router(ckpts):
+    """entropy_ref under prune:random:0.5 = mean entropy of the pruned router's distribution, a softmax over the kept
+    experts' logits (layer 0, whose input no routing changes), at most log(kept). It was the full model's π over all
+    n experts, removed ones included: 1.33-1.82 nats on tiny-early -> tiny, above log 4 = 1.386, the largest entropy
+    any routing among 4 experts can have."""
+    from moetool.policies import make_policy
+
+    opts = FluctuationOptions(routing=("prune:random:0.5",), batch_size=2, bootstrap=0)
+    df, _ = run_fluctuation([ckpts["a"], ckpts["a"]], tokens(), opts, loader)
+    a = loader(ckpts["a"])
+    L = a.layers[0]
+    removed = make_policy("prune:random:0.5").removed_in(L)
+    ent = []
+    with torch.no_grad(), Engine(a.model, [L], consumers=[lambda ev: ent.append(ev.logits[ev.valid].double().cpu())]):
+        for bt in tokens().batches(2):
+            feed(a.model, bt.input_ids, bt.attention_mask)
+    logits = torch.cat(ent)
+    logits[:, removed] = -math.inf
+    s = torch.softmax(logits, -1)
+    want = float((-(s * s.clamp_min(1e-300).log()).sum(-1)).mean())
+    got = df[df["layer"] == 0]
+    assert len(removed) == L.n_experts // 2
+    assert float(got["entropy_ref"].iloc[0]) == pytest.approx(want, rel=1e-5)
+    assert (df["entropy_ref"] <= math.log(L.n_experts - len(removed)) + 1e-6).all()
 
 
 @pytest.mark.parametrize("early,final", [("tiny-early", "tiny"), ("tiny-fine-early", "tiny-fine")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -477,6 +478,33 @@ def test_norm_select_on_a_pruned_model(tmp_path):
     for t in ("agreement", "quality"):
         pd.testing.assert_frame_equal(zero[t].drop(columns="seconds", errors="ignore"),
                                       plain[t].drop(columns="seconds", errors="ignore"))
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe"])
+def test_router_weights_on_a_pruned_model_are_the_pruned_routers(model_type, tmp_path):
+    """norm-select --prune ... --weights router: the chosen experts weigh what the pruned model's router gives them,
+    a softmax over the kept experts' logits (these families do not renormalise over the chosen K). They weighed the
+    full model's p_e, the removed experts' mass included: layer 0's chosen weights summed to 0.154 on average where
+    the pruned router's sum to 0.487 (olmoe, 4 of 8 removed), unlike the pruned router baseline they are compared
+    with."""
+    model = build_tiny_model(model_type)
+    layers = find_moe_layers(model)
+    removed = [0, 3, 4, 7]
+    path = tmp_path / "removed.json"
+    path.write_text(json.dumps({str(L.index): removed for L in layers}))
+    prune = make_policy(f"prune:file:{path}")
+    pol = make_policy("norm:gate:l2", weights="router")
+    pol.among = prune
+    _, events, _ = run(model, layers, padded_batch(), policy=pol)
+    for L in layers:
+        ev = events[L.index]
+        assert not L.renormalize
+        logits = ev.logits[:, :L.n_experts].float().clone()
+        full = torch.softmax(logits, -1).gather(-1, ev.chosen_idx)
+        logits[:, removed] = -math.inf
+        want = torch.softmax(logits, -1).gather(-1, ev.chosen_idx) * L.weight_scale  # softmax over the kept
+        torch.testing.assert_close(ev.chosen_weights.float(), want, rtol=1e-5, atol=1e-7)
+        assert (want > full * L.weight_scale * 1.01).all()  # the full model's p_e weigh less
 
 
 def test_norm_select_prune_flag_is_one_line(tmp_path):

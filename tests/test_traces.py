@@ -302,6 +302,50 @@ def test_a_trace_of_a_policy_with_unrun_columns_is_refused_where_every_column_co
     assert (pd.read_csv(tmp_path / "fl" / "fluctuation.csv")["topk_change"] == 0).all()  # the same routing
 
 
+@pytest.mark.parametrize("policy", ["topk:1", "prune:random:0.25"])
+def test_an_analysis_of_a_policys_trace_counts_its_choices_and_names_it(tmp_path, policy):
+    """stats and placement on a trace of ``moetool trace --routing POLICY`` count the policy's choices -- the loads
+    equal a hand count of the experts it chose in a hooked forward of the same rows (topk:1: one per token; prune:
+    none of the removed experts) -- and say whose routing it is: the manifest's ``trace.routing`` and the headline
+    name the policy. Both said ``routing_source: moetool trace`` and 'stats tiny (trace)' only, as for the
+    model's own top-2."""
+    import moetool
+    from moetool.policies import make_policy
+
+    run = tmp_path / "trace"
+    r = runner.invoke(app, ["trace", "--routing", policy, "--max-tokens", "128", "--seq-len", "32", "--batch-size",
+                            "4", "--format", "parquet", "-q", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=128)
+    counts: dict[int, np.ndarray] = {}
+
+    def count(ev):
+        chosen = ev.chosen_idx[ev.valid].cpu().numpy()
+        c = counts.setdefault(ev.layer.index, np.zeros(ev.layer.n_experts, dtype=np.int64))
+        np.add.at(c, chosen.reshape(-1), 1)
+
+    with torch.no_grad(), moetool.hook(lm, policy=policy, consumers=[count]):
+        for s in range(0, tokens.input_ids.shape[0], 4):
+            lm.model(input_ids=tokens.input_ids[s:s + 4], attention_mask=tokens.attention_mask[s:s + 4])
+    real = int(tokens.attention_mask.sum())
+    for cmd in ("stats", "placement"):
+        out = tmp_path / cmd
+        r = runner.invoke(app, [cmd, "--trace", str(run), "-q", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["trace"]["routing"]["name"] == make_policy(policy).name
+        assert all(f"(trace, routing {make_policy(policy).name})" in line for line in m["headline"]), m["headline"]
+        load = pd.read_csv(out / ("load.csv" if cmd == "stats" else "placement_loads.csv"))
+        for li, c in counts.items():
+            got = load[load.layer == li].sort_values("expert")["tokens" if cmd == "stats" else "load"].to_numpy()
+            assert np.array_equal(got, c), (cmd, li, got, c)
+            assert c.sum() == real * (1 if policy == "topk:1" else 2)
+            if policy.startswith("prune"):
+                removed = make_policy(policy).removed_in(lm.layers[[L.index for L in lm.layers].index(li)])
+                assert len(removed) == 2 and (c[removed] == 0).all()
+
+
 def test_a_per_token_trace_missing_an_moe_layer_is_refused(captured, tmp_path, no_figures):
     """A per-token trace without one MoE layer's rows (a bare file, ``--trace-config``): stats, placement and offload
     wrote the model's tables without that layer (placement's overall imbalance over 3 of 4 layers) and fluctuation

@@ -250,6 +250,15 @@ class MoELayer:
         renormalises); ``route_masked(logits, all True) == route(logits)``."""
         raise NotImplementedError
 
+    def masked_logits(self, logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``logits`` as the checkpoint with the experts where ``keep [n]`` is False deleted computes them: those
+        experts' logits -inf (the shared experts' logits after the routed ones, ``captured_logits``, kept). What
+        :meth:`route_masked` routes by; :meth:`probs` / :meth:`weights_for` of it are the pruned router's."""
+        keep = keep.to(logits.device)
+        extra = logits.shape[-1] - keep.shape[0]
+        full = torch.cat([keep, keep.new_ones(extra)]) if extra else keep
+        return logits.masked_fill(~full, float("-inf"))
+
     def keep_problem(self, keep: torch.Tensor) -> str | None:
         """Why the routing cannot choose K experts among ``keep [n]`` (``None``: it can)."""
         kept = int(keep.sum())

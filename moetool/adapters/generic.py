@@ -347,8 +347,7 @@ class GenericLayer(MoELayer):
         keep = keep.to(logits.device)
         # the removed experts leave the router as a pruned checkpoint's rows leave it (REAP's prune.py deletes
         # them): a softmax (or sparsemixer's rounds) is over the kept experts' logits, a sigmoid is per expert
-        extra = logits.shape[-1] - keep.shape[0]  # shared experts' logits after the routed ones (Inkling): kept
-        logits = logits.masked_fill(~(F.pad(keep, (0, extra), value=True) if extra else keep), float("-inf"))
+        logits = self.masked_logits(logits, keep)
         idx = self.rule.select(logits, self._p(), keep)
         return idx, self.weights_for(logits, idx)
 

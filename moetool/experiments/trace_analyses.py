@@ -486,7 +486,8 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     summary = df.groupby(["reference", "checkpoint"], sort=False)[
         [c for c in ("top1_change", "topk_change", "jaccard") if c in df]].mean().reset_index().round(4)
     defs = {**{k: v for k, v in FLUCTUATION_DEFINITIONS.items() if k in df.columns or k == "top1"},
-            "routing": "recorded: the routing each trace recorded, as it ran (no policy applied)",
+            "routing": "recorded: the routing each trace recorded, as it ran (no policy applied here; a trace of "
+                       "moetool trace --routing POLICY recorded that policy's choice: traces[].routing names it)",
             "reference": "the trace compared with (--reference: previous, first or last of the traces given)",
             "checkpoint": "the trace whose recorded routing is compared with the reference's, on the same token ids"}
     return Result("fluctuation_trace", {"fluctuation.csv": df}, options,

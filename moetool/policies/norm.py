@@ -82,8 +82,8 @@ class NormPolicy(Policy):
         if self.among is not None:  # removed experts are never chosen
             s = s.masked_fill(~self.among.keep(ev.layer, s.device), float("-inf"))
         idx = ops.topk(s, ev.layer.top_k)  # [T, K]
-        if self.weights == "router":
-            return idx, ev.layer.weights_for(ev.logits, idx)
+        if self.weights == "router":  # on a pruned model its router's: the removed experts' logits gone
+            return idx, ev.layer.weights_for(ev.logits if self.among is None else self.among.logits(ev), idx)
         if self.weights == "softmax":
             w = torch.softmax(s.gather(-1, idx), dim=-1)
         else:

@@ -252,8 +252,16 @@ class PrunePolicy(Policy):
             out["seed"] = self.seed
         return out
 
+    def logits(self, ev: RoutingEvent) -> torch.Tensor:
+        """The pruned router's logits of ``ev`` (the removed experts' -inf): what it routes and weighs by."""
+        return ev.layer.masked_logits(ev.logits, self.keep(ev.layer, ev.logits.device))
+
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
-        return ev.layer.route_masked(ev.logits, self.keep(ev.layer, ev.logits.device))
+        """The pruned router's choice; its routing distribution (π over the kept experts, 0 on the removed) is left
+        in ``ev.scores``, the distribution this policy chose from (fluctuation's entropy)."""
+        keep = self.keep(ev.layer, ev.logits.device)
+        ev.scores = ev.layer.probs(ev.layer.masked_logits(ev.logits, keep))
+        return ev.layer.route_masked(ev.logits, keep)
 
 
 def _fraction(text: str) -> float:

@@ -90,7 +90,9 @@ def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | Non
     if spec is None or not spec.lines:
         return []
     trace = result.meta.get("trace")  # a --trace analysis: no model loaded, the routing of the trace's model
-    traced = (f"{trace['shape'].get('source') or 'a model'} (trace)"
+    policy = (trace.get("routing") or {}).get("name") if isinstance(trace, dict) else None
+    traced = (f"{trace['shape'].get('source') or 'a model'} (trace"
+              + (f", routing {policy})" if policy not in (None, "router") else ")")
               if isinstance(trace, dict) and isinstance(trace.get("shape"), dict) else None)
     who = ((model.get("name") if isinstance(model, dict) else getattr(model, "name", None))
            or (options or {}).get("model") or " -> ".join(map(str, result.meta.get("checkpoints", []))) or traced

@@ -120,6 +120,9 @@ class TraceSource:
     kind: str
     shape: ModelShape
     routing_source: dict[str, Any] = field(default_factory=dict)
+    #: the policy a ``moetool trace`` recorded under (its manifest's ``routing``, with the ``--layers`` it ran in);
+    #: ``None``: an engine's dump or a bare file, whose routing is the model's as it served or trained
+    routing: dict[str, Any] | None = None
 
     @property
     def weights(self) -> bool:
@@ -128,7 +131,8 @@ class TraceSource:
 
     def describe(self) -> dict[str, Any]:
         return {"trace": str(self.path), "kind": self.kind, "routing_source": self.routing_source or
-                "moetool trace", "shape": self.shape.to_manifest()}
+                "moetool trace", **({"routing": self.routing} if self.routing else {}),
+                "shape": self.shape.to_manifest()}
 
 
 def _manifest(folder: Path) -> dict[str, Any]:
@@ -185,17 +189,21 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
         except MoetoolError:
             if config is None:
                 raise
+    routing = None
+    if not rs and isinstance(man.get("routing"), dict):  # moetool trace: the policy whose choices it recorded
+        layers = (man.get("options") or {}).get("layers")
+        routing = {**man["routing"], **({"layers": layers} if layers is not None else {})}
     if config is None:
         if recorded is None:
             raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --trace-config")
-        return TraceSource(p, kind, recorded, rs)
+        return TraceSource(p, kind, recorded, rs, routing)
     shape = ModelShape.from_config(config)
     if recorded is not None and ((shape.num_layers, shape.moe, shape.zero)
                                  != (recorded.num_layers, recorded.moe, recorded.zero)):
         raise MoetoolError(f"--trace-config {config}: {_describe(shape)}, but the trace's manifest records "
                            f"{_describe(recorded)} ({recorded.source}): drop --trace-config, or give the model whose "
                            f"routing it is")
-    return TraceSource(p, kind, shape, rs)
+    return TraceSource(p, kind, shape, rs, routing)
 
 
 def _describe(shape: ModelShape) -> str:

@@ -12,7 +12,9 @@ int16/int32) and spilled to a temporary file (:class:`moetool.sketch.TokenSpill`
 batch, not the run; the entropy is an exact device-side sum (:class:`moetool.sketch.Moments`). Comparisons read
 two spills back batch by batch (the same tokens in the same order) and keep per-row sums only (one row of
 numbers per packed row): that is what the document-level bootstrap (``*_lo``/``*_hi``) resamples. Entropy: of ``π`` for ``router``; of the policy's normalised
-score distribution ``s_i`` for ``similarity`` / ``attention``.
+score distribution ``s_i`` for ``similarity`` / ``attention``; of the pruned router's π (a softmax over the kept
+experts) for ``prune:``; of the model's ``π`` for any other policy (the distribution they rank or keep experts by;
+``norm:`` and ``random`` choose by none of it).
 
 For each pair (reference, checkpoint) — ``reference`` ``previous`` (i-1, i), ``first`` (0, i) or ``last``
 (last, i) — and layer: ``top1_change`` (fraction of real tokens whose top-1 differs), ``topk_change``
@@ -428,8 +430,11 @@ DEFINITIONS = {
                    "or a policy's set, top-p's unchosen and capacity's dropped columns left out)",
     "topk_overlap": "mean |A ∩ B| / |A| (A the reference's chosen set: |A| = K for a fixed top-K)",
     "jaccard": "mean |A ∩ B| / |A ∪ B|",
-    "entropy_ref/entropy_ckpt": "mean entropy (nats) over real tokens of π (routing router) or of the policy's "
-                                "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention)",
+    "entropy_ref/entropy_ckpt": "mean entropy (nats) over real tokens of π (routing router), of the policy's "
+                                "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention), of "
+                                "the pruned router's π over the kept experts (prune:), or of the model's π on the "
+                                "hidden states the policy reached (any other policy: topk, topp and capacity rank "
+                                "or keep experts by it; norm and random choose by none of it)",
     "entropy_ratio": "entropy_ckpt / entropy_ref",
     "reference": "the checkpoint compared with (--reference: previous, first or last of the checkpoints given)",
     "checkpoint": "the checkpoint whose routing is compared with the reference's, on the same token ids",

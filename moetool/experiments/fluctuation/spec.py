@@ -14,7 +14,8 @@ topk_overlap (mean |A∩B|/|A|, /K for a fixed top-K), jaccard (mean |A∩B|/|A�
 --routing router: the model's own top-K, entropy of π. similarity / attention: that training-free policy
 applied in every MoE layer of each checkpoint (Similarity-Aware S = softmax(h_i·h_j/τ), causal;
 Attention-Aware: the same layer's lowest-entropy attention head), the chosen sets compared, entropy of the
-policy's normalised scores s_i = Σ_j S[i,j] π(h_j). --isolate adds rows <routing>-isolated: the
+policy's normalised scores s_i = Σ_j S[i,j] π(h_j). Any other --routing spec runs as everywhere; its entropy is
+of π (prune: the pruned router's π over the kept experts). --isolate adds rows <routing>-isolated: the
 reference's own MoE inputs (and attention) fed to the checkpoint's routers — router drift alone.
 
 --layers 0,2,5-7: the MoE layers measured (the rows, and the summary's mean over layers) and the only layers
