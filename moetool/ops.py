@@ -77,9 +77,11 @@ def same_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def jaccard(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``|A ∩ B| / |A ∪ B|`` per row in ``dtype`` (negative ids pad; 0 where both sets are empty)."""
+    """``|A ∩ B| / |A ∪ B|`` per row in ``dtype`` (negative ids pad; 1 where both sets are empty: the same set, as
+    :func:`same_set` says -- a token capacity dropped in both routings)."""
     inter = overlap_count(a, b).to(dtype)
-    return inter / (set_size(a) + set_size(b) - inter).clamp_min(1)
+    union = set_size(a) + set_size(b) - inter
+    return torch.where(union == 0, torch.ones_like(inter), inter / union.clamp_min(1))
 
 
 def one_hot_counts(idx: torch.Tensor, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:

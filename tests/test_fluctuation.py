@@ -465,9 +465,10 @@ def test_a_policys_chosen_set_is_its_nonzero_weights(ckpts, routing):
         n = len(A)
         row = df[df.layer == i].iloc[0]
         assert row["topk_change"] == pytest.approx(sum(a != b for a, b in zip(A, B)) / n, abs=1e-12)
-        assert row["topk_overlap"] == pytest.approx(sum(len(a & b) / max(len(a), 1) for a, b in zip(A, B)) / n,
-                                                    abs=1e-12)
-        assert row["jaccard"] == pytest.approx(sum(len(a & b) / max(len(a | b), 1) for a, b in zip(A, B)) / n,
+        # a token dropped in both routings (capacity): two empty sets, the same set (overlap and Jaccard 1)
+        assert row["topk_overlap"] == pytest.approx(
+            sum(len(a & b) / len(a) if a else float(not b) for a, b in zip(A, B)) / n, abs=1e-12)
+        assert row["jaccard"] == pytest.approx(sum(len(a & b) / len(a | b) if a | b else 1.0 for a, b in zip(A, B)) / n,
                                                abs=1e-6)  # per token in fp32
         assert not math.isclose(row["jaccard"], 1.0) or i < J
 
@@ -540,15 +541,18 @@ def test_a_token_that_lost_every_expert_has_no_top1():
     """A token whose every weight is 0 (capacity dropped all its columns) has no top-1, so a checkpoint that keeps
     it routed changes its top-1. Tokens: 0 dropped in the reference only (the checkpoint keeps experts 2, 5), 1
     dropped in both, 2 dropped in the checkpoint only, 3 routed alike. By hand: the top-1 changes for tokens 0 and 2
-    (2/4), the chosen sets differ for 0 and 2 (2/4), |A ∩ B| / max(|A|, 1) = (0 + 0 + 0 + 1) / 4. Reading a dropped
-    token's first column as its top-1 (2 = 2, 1 = 1, 3 = 3) gave top1_change 0."""
+    (2/4), the chosen sets differ for 0 and 2 (2/4); token 1's two empty sets are the same set, so its overlap and
+    Jaccard are 1 as its topk_change is 0: (0 + 1 + 0 + 1) / 4 both (they read 0 for it, 1/4: a token counted as
+    unchanged by one column and as sharing nothing by the next). Reading a dropped token's first column as its
+    top-1 (2 = 2, 1 = 1, 3 = 3) gave top1_change 0."""
     idx = torch.tensor([[2, 5], [1, 4], [3, 6], [0, 7]])
     w_ref = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.6, 0.4], [0.9, 0.1]])
     w_ck = torch.tensor([[0.7, 0.3], [0.0, 0.0], [0.0, 0.0], [0.9, 0.1]])
     got = compare(_routing((idx, w_ref)), _routing((idx, w_ck)))[0]
     assert got["top1_change"] == pytest.approx(2 / 4, abs=1e-12)
     assert got["topk_change"] == pytest.approx(2 / 4, abs=1e-12)
-    assert got["topk_overlap"] == pytest.approx(1 / 4, abs=1e-12)
+    assert got["topk_overlap"] == pytest.approx(2 / 4, abs=1e-12)
+    assert got["jaccard"] == pytest.approx(2 / 4, abs=1e-12)
 
 
 def test_routings_of_different_token_counts_are_refused_not_compared_on_the_shorter():

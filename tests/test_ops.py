@@ -90,7 +90,7 @@ def test_set_overlaps_match_python_sets_with_padding_ids():
     assert ops.overlap_count(b, a).tolist() == [len(x & y) for x, y in zip(sa, sb)]
     assert ops.same_set(a, b).tolist() == [x == y for x, y in zip(sa, sb)]
     assert ops.same_set(b, a).tolist() == [x == y for x, y in zip(sa, sb)]
-    want = [len(x & y) / len(x | y) if x | y else 0.0 for x, y in zip(sa, sb)]
+    want = [len(x & y) / len(x | y) if x | y else 1.0 for x, y in zip(sa, sb)]  # two empty sets: the same set
     assert ops.jaccard(a, b).tolist() == pytest.approx(want, abs=1e-7)
 
 

@@ -256,7 +256,9 @@ def compare(ref: Routing, ckpt: Routing, rows: RowSums | None = None) -> dict[in
         if a.shape != b.shape:
             raise MoetoolError(f"the checkpoints saw different tokens ({a.shape[1]} vs {b.shape[1]}) or K")
         A, B = a[..., :-1], b[..., :-1]  # [L, N, K] (-1: no expert)
-        overlap = ops.overlap_count(A, B).double() / ops.set_size(A).clamp_min(1)  # / K for a fixed top-K
+        size_a = ops.set_size(A)
+        overlap = torch.where(size_a == 0, (ops.set_size(B) == 0).double(),  # both empty: the same (empty) set
+                              ops.overlap_count(A, B).double() / size_a.clamp_min(1))  # / K for a fixed top-K
         per = torch.stack([(a[..., -1] != b[..., -1]).double(), (~ops.same_set(A, B)).double(),
                            overlap, ops.jaccard(A, B, torch.float64)], -1)  # [L, N, 4]
         sums += per.sum(1)
@@ -428,8 +430,9 @@ DEFINITIONS = {
     "top1_change": "fraction of real tokens whose top-1 expert (chosen expert with the largest weight) differs",
     "topk_change": "fraction of real tokens whose chosen set differs (the experts with a nonzero weight: the top-K, "
                    "or a policy's set, top-p's unchosen and capacity's dropped columns left out)",
-    "topk_overlap": "mean |A ∩ B| / |A| (A the reference's chosen set: |A| = K for a fixed top-K)",
-    "jaccard": "mean |A ∩ B| / |A ∪ B|",
+    "topk_overlap": "mean |A ∩ B| / |A| (A the reference's chosen set: |A| = K for a fixed top-K; 1 where A and B "
+                    "are both empty, a token capacity dropped in both routings: the same set, as topk_change says)",
+    "jaccard": "mean |A ∩ B| / |A ∪ B| (1 where both sets are empty)",
     "entropy_ref/entropy_ckpt": "mean entropy (nats) over real tokens of π (routing router), of the policy's "
                                 "normalised score distribution s_i = Σ_j S[i,j] π(h_j) (similarity, attention), of "
                                 "the pruned router's π over the kept experts (prune:), or of the model's π on the "
