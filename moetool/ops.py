@@ -173,11 +173,9 @@ def hist_quantile(counts: torch.Tensor, q: float, lo: float = 0.0, hi: float = 1
 
 
 def best_of(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """The expert of each row of ``idx [T, K]`` with the largest ``scores [T, n]``: ``[T]``.
-
-    The top-1 of a chosen set whatever order it came in (some routers return top-K unsorted).
-    """
-    return idx.gather(-1, scores.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)
+    """The expert of each row of ``idx [T, K]`` with the largest ``scores [T, n]``: ``[T]``, :func:`top1` of the whole
+    set (the top-1 of a chosen set whatever order it came in: some routers return top-K unsorted)."""
+    return top1(idx, scores)
 
 
 def rank_order(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -188,17 +186,25 @@ def rank_order(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return topk(scores.gather(-1, idx.long()), idx.shape[-1], stable=True)
 
 
-def top1(idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-    """The chosen expert of largest weight ``w [T, K]`` in each row of ``idx [T, K]``: ``[T]``. Weights equal as the
-    model returned them (two probabilities that differ in fp32, rounded to one bf16 value) are told apart by
-    ``scores [T, n]`` (the router's, as :func:`rank_order`), not by their columns' order, which for a router with
-    ``topk(sorted=False)`` is no order at all; equal scores too, or no ``scores`` (a recorded trace): the first
-    column."""
+def top1(idx: torch.Tensor, scores: torch.Tensor | None = None, chosen: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-1 expert of each row of a chosen set ``idx [T, K]``: ``[T]``. moetool's one definition of "the top-1"
+    (fluctuation, offload, agreement, margin, norm-select, locality, stats): the routing decision, the chosen expert
+    ranked first by ``scores [T, n]``, the scores the routing selected on -- a model's router: its selection scores
+    (``layer.selection_scores``: correction bias included, before any per-expert scale or renormalisation of the
+    weights); a policy: the scores it chose from. Not the largest routing weight: Gemma 4's learned per-expert scale,
+    PhiMoE's sparsemixer weights and DeepSeek-V3's unbiased sigmoid weights order the chosen experts otherwise.
+    ``chosen [T, K]`` (bool): the columns that count (a column a policy left at weight 0 -- top-p's unchosen,
+    capacity's dropped -- is no chosen expert); ``scores`` None: the first chosen column (a set already in its
+    ranking's order, best first: random's and norm's, a recorded trace's). Equal scores: the first column. A row
+    with nothing chosen: its first column (the caller marks it)."""
     if scores is None:
-        return idx.gather(-1, w.float().argmax(-1, keepdim=True)).squeeze(-1)
-    order = rank_order(idx, scores)  # [T, K] positions, the largest score first
-    first = w.gather(-1, order).float().argmax(-1, keepdim=True)  # the first largest weight in that order
-    return idx.gather(-1, order.gather(-1, first)).squeeze(-1)
+        pos = (torch.ones_like(idx, dtype=torch.bool) if chosen is None else chosen).int().argmax(-1, keepdim=True)
+    else:
+        s = scores.gather(-1, idx.long())
+        if chosen is not None:
+            s = s.float().masked_fill(~chosen, float("-inf"))
+        pos = s.argmax(-1, keepdim=True)
+    return idx.gather(-1, pos).squeeze(-1)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

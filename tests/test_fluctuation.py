@@ -509,18 +509,25 @@ def test_random_routing_is_said_to_be_unchanged_by_construction():
     assert not any("no change by construction" in ln for ln in lines if ln.split()[0].startswith("router"))
 
 
-def test_top1_is_the_largest_weight_not_the_first_column():
-    """compare reads the top-1 of chosen_and_top1 (the chosen expert of largest weight), not the set's first column:
-    two routings with the same experts, in columns out of weight order (as routers with topk(sorted=False) return
-    them): tokens 0 and 3 keep their columns while their largest weight moves (1 -> 0, 7 -> 6), token 1's columns
-    swap while its top-1 stays 3, token 2 is unchanged. By hand: top1_change 2/4, topk_change 0, topk_overlap and
-    jaccard 1. Reading column 0 gave 1/4 (token 1 only)."""
+def test_top1_is_the_first_ranked_by_the_scores_not_the_first_column_nor_the_largest_weight():
+    """compare reads the top-1 of chosen_and_top1 (ops.top1: the chosen expert ranked first by the scores the routing
+    selected on), not the set's first column nor its largest weight: two routings with the same experts, each with
+    its own scores, columns out of score order (as routers with topk(sorted=False) return them) and weights heaviest
+    in column 0 whatever the scores (as a per-expert scale can make them, Gemma 4's). Tokens 0 and 3 keep their
+    columns while their best score moves (1 -> 0, 7 -> 6), token 1's columns swap while its top-1 stays 3, token 2 is
+    unchanged. By hand: top-1s [1, 3, 4, 7] and [0, 3, 4, 6], top1_change 2/4, topk_change 0, topk_overlap and
+    jaccard 1. The largest weight (= column 0 here) gave 1/4 (token 1 only)."""
     idx = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
-    w_ref = torch.tensor([[0.3, 0.7], [0.4, 0.6], [0.9, 0.1], [0.2, 0.8]])
     idx_ck = torch.tensor([[0, 1], [3, 2], [4, 5], [6, 7]])
-    w_ck = torch.tensor([[0.8, 0.2], [0.6, 0.4], [0.9, 0.1], [0.7, 0.3]])
+    w = torch.tensor([[0.9, 0.1]] * 4)
+    s_ref, s_ck = torch.zeros(4, 8), torch.zeros(4, 8)
+    s_ref[torch.arange(4).repeat_interleave(2), idx.reshape(-1)] = torch.tensor([.3, .7, .4, .6, .9, .1, .2, .8])
+    s_ck[torch.arange(4).repeat_interleave(2), idx.reshape(-1)] = torch.tensor([.8, .2, .4, .6, .9, .1, .7, .3])
 
-    got = compare(_routing((idx, w_ref)), _routing((idx_ck, w_ck)))[0]
+    ref, ck = _routing((idx, w), scores=s_ref), _routing((idx_ck, w), scores=s_ck)
+    got = compare(ref, ck)[0]
+    assert next(ref.batches())[0][0, :, -1].tolist() == [1, 3, 4, 7]
+    assert next(ck.batches())[0][0, :, -1].tolist() == [0, 3, 4, 6]
     assert got["tokens"] == 4
     assert got["top1_change"] == pytest.approx(2 / 4, abs=1e-12)
     assert (got["topk_change"], got["topk_overlap"], got["jaccard"]) == (0.0, 1.0, 1.0)
@@ -631,3 +638,66 @@ def test_top1_on_a_bf16_model_is_its_fp32_weights_largest():
         two = ev.weights.float().topk(2, -1).values
         ties += int(((two[:, 0] == two[:, 1]) & (pi.topk(2, -1).values.diff(dim=-1).squeeze(-1) != 0)).sum())
     assert ties >= 2  # the test bites: rounding ties are there
+
+
+#: per family, the model's own router module (its class) and the selection scores of its first output: the scores the
+#: router ranks experts by, written from transformers' modeling code (not moetool's rules)
+ROUTERS = {
+    "gemma4": ("Gemma4TextRouter", lambda out, mod: out[0]),  # (π, w x per_expert_scale, idx): top-K of π
+    "phimoe": ("PhimoeTopKRouter", lambda out, mod: out[0]),  # (logits, w, idx): sparsemixer's first round, argmax
+    "deepseek_v3": ("DeepseekV3TopkRouter",  # (logits, w, idx): sigmoid + correction bias, the w unbiased
+                    lambda out, mod: out[0].float().sigmoid() + mod.e_score_correction_bias.float()),
+}
+
+
+def router_top1s(model, ids, family):
+    """Per MoE layer, in order, ``(top-1 by selection score, top-1 by largest weight)`` ``[T]`` of a plain forward
+    (no moetool hook): forward hooks on the model's own router modules, their outputs read as above."""
+    cls, scores = ROUTERS[family]
+    got, hooks = [], []
+    for mod in (m for m in model.modules() if type(m).__name__ == cls):
+        def hook(m, a, out, slot=len(got)):
+            idx = out[2].reshape(-1, out[2].shape[-1])
+            s = scores(out, m).reshape(idx.shape[0], -1)
+            got[slot] = (idx.gather(-1, s.gather(-1, idx).argmax(-1, keepdim=True))[:, 0],
+                         idx.gather(-1, out[1].reshape(idx.shape).float().argmax(-1, keepdim=True))[:, 0])
+        got.append(None)
+        hooks.append(mod.register_forward_hook(hook))
+    with torch.no_grad():
+        feed(model, ids)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+@pytest.mark.parametrize("fam", sorted(ROUTERS))
+def test_top1_change_is_the_selection_score_top1s_not_the_largest_weights(fam):
+    """The tiny Gemma 4 (a learned per-expert scale on the weights after routing), PhiMoE (sparsemixer weights) and
+    DeepSeek-V3 (selection by sigmoid + correction bias, weights without it), fp32 against bf16 of the same
+    checkpoint: top1_change per layer is, by hand from the model's own router outputs, the share of tokens whose
+    chosen expert of largest selection score differs -- the routing decision (the paper's "switch their expert
+    choice"). The largest weight gives other numbers (before: Gemma 4 12/512 vs 8/512 in layer 1, PhiMoE 11 vs 5,
+    DeepSeek-V3 3 vs 5 in its last layer)."""
+    from types import SimpleNamespace
+
+    from moetool.adapters.tiny import build_tiny
+    from moetool.experiments.fluctuation.compute import fluctuation
+
+    model = build_tiny(fam, seed=0)
+    vocab = getattr(model.config, "text_config", model.config).vocab_size
+    ids = torch.randint(3, vocab, (8, 64), generator=torch.Generator().manual_seed(3))
+    lms, hand = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        m = copy.deepcopy(model).to(dtype)
+        hand.append(router_top1s(m, ids, fam))
+        lms.append(SimpleNamespace(model=m, layers=find_moe_layers(m), tokenizer=None, name=str(dtype),
+                                   config=m.config))
+    tokens = TokenSet(ids, torch.ones_like(ids), [""] * 8, "test")
+    df = fluctuation(lms, tokens, bootstrap=0, routing=("router",), batch_size=8, quiet=True)["fluctuation"]
+    assert len(df) == len(hand[0]) == len(lms[0].layers)
+    by_weight = []
+    for row, (s32, w32), (s16, w16) in zip(df.itertuples(), hand[0], hand[1]):
+        assert row.tokens == ids.numel()
+        assert row.top1_change == pytest.approx(float((s32 != s16).double().mean()), abs=1e-12)
+        by_weight.append(float((w32 != w16).double().mean()))
+    assert list(df.top1_change) != pytest.approx(by_weight, abs=1e-12)  # the test bites: the weights order otherwise

@@ -87,8 +87,8 @@ def _expert_ids(src: TraceSource, g: Any, cols: list[str], li: int) -> np.ndarra
 def _refuse_nan_weights(src: TraceSource, g: Any, wcols: list[str], li: int) -> None:
     """One line where a trace read as having gate weights (no ``routing_source`` in a manifest beside it) has NaN
     ones: ``import-trace`` writes NaN weights (the engines record ids only), so this is an imported trace away from
-    its manifest -- whose ids may come sorted by expert id (Megatron) -- or a damaged one; its largest weight, the
-    top-1, would be an arbitrary column."""
+    its manifest -- whose ids may come sorted by expert id (Megatron) -- or a damaged one; its top-1 (the first
+    chosen column) would be an arbitrary one."""
     if wcols and np.isnan(g[wcols].to_numpy(dtype=np.float64)).any():
         raise MoetoolError(f"--trace {src.path}: layer {li} has NaN gate weights: an import-trace trace without the "
                            f"manifest.json written beside it (which says where its ids come from and in what order), "
@@ -419,8 +419,9 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     """``fluctuation`` between recorded routings of the same tokens (the traces' (row, position) must agree, and
     their token ids where both have them), e.g. a model's routing at two training steps: per pair and layer the
     top-K change, overlap and Jaccard of :func:`.fluctuation.compute.compare` with its bootstrap intervals;
-    top1_change only when every trace has gate weights (``moetool trace``: the top-1 is the largest weight; an
-    engine's dump has no weights), entropies never (they need the router's probabilities)."""
+    top1_change only when every trace has gate weights (``moetool trace``: its columns ranked by selection score,
+    the top-1 is the first chosen column -- a nonzero weight --, as :func:`moetool.ops.top1` reads a forward's;
+    an engine's dump has no weights and its ids' order is not the router's ranking), entropies never (they need the router's probabilities)."""
     import pandas as pd
 
 
@@ -482,7 +483,9 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
     left_out = {"entropy_ref, entropy_ckpt, entropy_ratio": NO_PROBS,
                 "isolated rows": "--isolate feeds one checkpoint's inputs to another's routers: a forward"}
     if not top1:
-        left_out["top1_change"] = "the top-1 is the chosen expert of largest weight: an engine's dump has no weights"
+        left_out["top1_change"] = ("the top-1 is the first chosen column of a moetool trace (ranked by selection "
+                                   "score, weights marking the chosen): an engine's dump has no weights and its "
+                                   "ids' order is not the router's ranking")
     summary = df.groupby(["reference", "checkpoint"], sort=False)[
         [c for c in ("top1_change", "topk_change", "jaccard") if c in df]].mean().reset_index().round(4)
     defs = {**{k: v for k, v in FLUCTUATION_DEFINITIONS.items() if k in df.columns or k == "top1"},

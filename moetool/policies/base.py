@@ -67,3 +67,14 @@ class Policy:
 
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def ranking(self, ev: RoutingEvent) -> torch.Tensor | None:
+        """The scores ``[T, n]`` this policy's chosen set (after :meth:`select`) was selected on, whose first-ranked
+        chosen expert is its top-1 (:func:`moetool.ops.top1`): the scores it chose from (``ev.scores``: similarity,
+        attention); the router's selection scores for a policy that keeps the model's set (router, capacity) or runs
+        the model's rule on it (topk, prune); None: its own column order, best first (random, norm)."""
+        if ev.scores is not None:
+            return ev.scores
+        if self.routes_by_scores or ev.chosen_idx is ev.idx:
+            return ev.layer.selection_scores(ev.logits)
+        return None

@@ -94,6 +94,10 @@ class TopPPolicy(Policy):
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose weights are defined "
                                f"for its own {layer.top_k} rounds only")
 
+    def ranking(self, ev: RoutingEvent) -> torch.Tensor:
+        """π, the mass it accumulates (not the selection scores: a correction bias is no routing mass)."""
+        return ev.probs
+
     def select(self, ev: RoutingEvent) -> tuple[torch.Tensor, torch.Tensor]:
         L = ev.layer
         width = self.kmax or L.n_experts

@@ -5,8 +5,10 @@ everywhere: ``router`` = the model's own top-K; ``similarity`` / ``attention``: 
 in every chosen MoE layer of the checkpoint, so its choice is what runs) and chosen MoE layer (``layers``, as
 ``--layers`` everywhere: the layers measured and the layers a policy replaces routing in; the others run the
 model's own router and are not measured), the chosen sets and
-the top-1 expert (the chosen expert with the largest routing weight; equal weights, as bf16 rounding makes them,
-told apart by the routing's scores) stay on the device during the forward
+the top-1 expert (the routing decision, :func:`moetool.ops.top1`: the chosen expert ranked first by the scores the
+routing selected on -- the router's selection scores, a correction bias included, before any per-expert scale of
+the weights; a policy's own scores; random's and norm's own order --, not the largest weight) stay on the device
+during the forward
 (padding weighted out, no host sync), are copied to the host once per batch (all layers stacked, indices as
 int16/int32) and spilled to a temporary file (:class:`moetool.sketch.TokenSpill`), so host memory holds one
 batch, not the run; the entropy is an exact device-side sum (:class:`moetool.sketch.Moments`). Comparisons read
@@ -105,12 +107,14 @@ def router_copy(layer: MoELayer) -> MoELayer:
 
 
 # ----- capture -------------------------------------------------------------------------------
-def chosen_and_top1(idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
-    """``[T, K + 1]``: the chosen set (``idx [T, K]``, a column at weight 0 as -1: no expert) and the top-1 (the
-    chosen expert of largest weight ``w [T, K]``, equal weights -- bf16 rounding ties -- told apart by ``scores
-    [T, n]`` where given, :func:`moetool.ops.top1`; -1 where every weight is 0, a token that lost all its experts)."""
-    top1 = ops.top1(idx, w, scores).unsqueeze(-1).masked_fill((w == 0).all(-1, keepdim=True), -1)
-    return torch.cat([idx.masked_fill(w == 0, -1), top1], 1)
+def chosen_and_top1(idx: torch.Tensor, w: torch.Tensor, ranking: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, K + 1]``: the chosen set (``idx [T, K]``, a column at weight 0 as -1: no expert) and the top-1
+    (:func:`moetool.ops.top1`: the chosen expert ranked first by ``ranking [T, n]``, the scores the set was selected
+    on; None: the first chosen column, a set in its own ranking's order; -1 where every weight is 0, a token that
+    lost all its experts). The weights mark what was chosen, never the order."""
+    chosen = w != 0
+    top1 = ops.top1(idx, ranking, chosen).unsqueeze(-1).masked_fill(~chosen.any(-1, keepdim=True), -1)
+    return torch.cat([idx.masked_fill(~chosen, -1), top1], 1)
 
 
 class Routing:
@@ -131,14 +135,15 @@ class Routing:
         self._valid: torch.Tensor | None = None
 
     def add(self, layer: int, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
-            ties_by_scores: bool = True) -> None:
-        """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` and ``valid [T]``. The
-        chosen set is the experts with a nonzero weight: a column a policy leaves at weight 0 (top-p's unchosen,
-        capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`). ``ties_by_scores``: equal
-        weights are told apart by ``scores`` (the set was chosen by them); False: by the columns' order (a
-        policy's own, best first: random, norm)."""
+            ranking: torch.Tensor | None | str = "scores") -> None:
+        """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` (its entropy) and
+        ``valid [T]``. The chosen set is the experts with a nonzero weight: a column a policy leaves at weight 0
+        (top-p's unchosen, capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`). The top-1 is
+        the chosen expert ranked first by ``ranking [T, n]`` (the scores the set was selected on; ``"scores"``:
+        ``scores`` themselves); None: the first chosen column (a policy's own order, best first: random, norm)."""
         small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
-        self._batch[layer] = chosen_and_top1(idx, w, scores if ties_by_scores else None).to(small)  # [T, K + 1]
+        rank = scores if isinstance(ranking, str) else ranking
+        self._batch[layer] = chosen_and_top1(idx, w, rank).to(small)  # [T, K + 1]
         self._valid = valid
         ent = ops.entropy(scores).double()
         self.entropy[layer].add(torch.where(valid, ent, 0.0), valid)
@@ -192,13 +197,14 @@ class Routing:
 
 
 def routing_of(ev: RoutingEvent, policy: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                              bool]:
-    """``(chosen idx, chosen weights, distribution, valid, ties by the distribution)`` of an event (every position),
-    after any ``policy``: the chosen set was ranked by the distribution (the model's own set, a policy's scores, a
-    policy re-ranking by the router's), so it tells equal weights apart; else (random, norm) the policy's order."""
+                                                              torch.Tensor | None]:
+    """``(chosen idx, chosen weights, distribution, valid, ranking)`` of an event (every position), after any
+    ``policy``: the distribution is π or the policy's scores (the entropy's); the ranking is what the top-1 is read
+    by (:func:`moetool.ops.top1`): the router's selection scores for the model's own routing, else the policy's
+    (:meth:`moetool.policies.base.Policy.ranking`; None: random's and norm's own column order)."""
     scores = ev.scores if ev.scores is not None else ev.probs  # [T, n]
-    ranked = ev.chosen_idx is ev.idx or ev.scores is not None or getattr(policy, "routes_by_scores", False)
-    return ev.chosen_idx, ev.chosen_weights, scores, ev.valid, ranked
+    ranking = ev.layer.selection_scores(ev.logits) if policy is None else policy.ranking(ev)
+    return ev.chosen_idx, ev.chosen_weights, scores, ev.valid, ranking
 
 
 def isolated_event(ev: RoutingEvent, other: MoELayer, policy: Any) -> RoutingEvent:
@@ -426,8 +432,16 @@ def check_checkpoints(names: Sequence[str]) -> Any:
     return toks[0]
 
 
+#: the top-1, as every experiment reads it (moetool.ops.top1)
+TOP1 = ("the routing decision: the chosen expert ranked first by the scores the routing selected on -- routing router: "
+        "the model's selection scores (layer.selection_scores: π, sigmoids plus any correction bias, the logits for "
+        "sparsemixer; before any per-expert scale or renormalisation of the weights, so not the largest weight); "
+        "similarity/attention: their distribution s_i; topk/prune/capacity: the router's selection scores; topp: π; "
+        "random and norm: their own order (the first column); a token with no chosen expert has none")
+
 DEFINITIONS = {
-    "top1_change": "fraction of real tokens whose top-1 expert (chosen expert with the largest weight) differs",
+    "top1_change": "fraction of real tokens whose top-1 expert differs (see top1: the routing decision, not the "
+                   "largest weight)",
     "topk_change": "fraction of real tokens whose chosen set differs (the experts with a nonzero weight: the top-K, "
                    "or a policy's set, top-p's unchosen and capacity's dropped columns left out)",
     "topk_overlap": "mean |A ∩ B| / |A| (A the reference's chosen set: |A| = K for a fixed top-K; 1 where A and B "
@@ -452,7 +466,7 @@ DEFINITIONS = {
                "what runs, so hidden states downstream follow the policy; "
                "<routing>-isolated: the reference's own MoE inputs h (and attention probabilities) fed to the "
                "checkpoint's routers, compared with the reference's choice on the same h (router drift only)",
-    "top1": "the chosen expert with the largest routing weight (the model's or the policy's renormalised weights)",
+    "top1": TOP1,
     "attention head": "chosen per batch and layer (lowest mean row entropy over the batch's real tokens)",
     "layer": "the MoE layers measured (--layers; default every MoE layer): the rows' layers, the summary's count",
     "tokens": "real (unpadded) tokens the layer routed in both runs (fluctuation_summary.csv: per MoE layer); "

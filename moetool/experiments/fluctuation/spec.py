@@ -6,7 +6,9 @@ Tokens", arXiv 2505.00792 (routing fluctuation, Fig. 3; Similarity-/Attention-Aw
 Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
 layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
 (reference, checkpoint) and routing: top1_change (fraction of real tokens whose top-1 expert differs: the
-paper's fluctuation rate; top-1 = chosen expert with the largest weight), topk_change (chosen set differs;
+paper's fluctuation rate; top-1 = the routing decision: the chosen expert ranked first by the scores the routing
+selected on -- the router's selection scores, a correction bias included, before any per-expert scale; a policy's
+own scores; random's and norm's own order --, not the largest weight), topk_change (chosen set differs;
 a set is the experts with a nonzero weight: top-p's unchosen and capacity's dropped columns are none of it),
 topk_overlap (mean |A∩B|/|A|, /K for a fixed top-K), jaccard (mean |A∩B|/|A∪B|), entropy_ref / entropy_ckpt
 (mean entropy in nats) and entropy_ratio (ckpt/ref).
@@ -43,7 +45,7 @@ routing's entropy / the router's, the paper's ratio), manifest.json.
 --trace RUN (twice or more, instead of checkpoints): the recorded routings of the same tokens (moetool trace
 or import-trace runs, e.g. one model at two training steps), their first --max-tokens tokens: fluctuation.csv
 with topk_change, topk_overlap, jaccard (and top1_change when every trace has gate weights, as moetool trace
-writes them); no entropies (they need the router's probabilities), no --isolate; one figure,
+writes them: the top-1 is then the first chosen column, moetool trace's columns being ranked by selection score); no entropies (they need the router's probabilities), no --isolate; one figure,
 figures/fluctuation_by_layer (where top1_change is there; no entropy figures).
 
 Examples:

@@ -24,9 +24,10 @@ Everything comes from one forward pass over the packed rows with the model's own
   update (``predict_norm=False``: to ``x_ℓ`` itself; the norm is the layer's ``pre_router_norm``: with sandwich
   norms, Muse Spark's and Beam's, ``pre_feedforward_layernorm``; Gemma 4's router reads the stream itself;
   Switch Transformers: the feed-forward's own layer norm, and the decoder's cross-attention update too). top-1 recall = fraction of real tokens whose
-  predicted best expert (the one the predicted routing weights highest, as the real one is read: with a correction
-  bias, DeepSeek-V3's, the selection order and the weight order of the chosen experts differ) is the expert the
-  layer actually weighted highest; top-K recall = mean
+  predicted top-1 is the layer's real top-1, both the routing decision (:func:`moetool.ops.top1`: the chosen expert
+  ranked first by the router's selection scores, a correction bias included, before any per-expert scale -- not the
+  largest weight, which Gemma 4's per-expert scale, PhiMoE's sparsemixer and DeepSeek-V3's unbiased weights order
+  otherwise); top-K recall = mean
   ``|predicted top-K ∩ chosen| / K``. The first decoder layer has no layer ahead of it and is skipped.
 
 Memory: the cache simulation needs each layer's whole request sequence (Belady looks ahead): one ``[T, K]``
@@ -649,7 +650,6 @@ class OffloadCollector:
         L = ev.layer
         i = L.index
         idx = ev.chosen_idx if ev.chosen_idx is not None else ev.idx
-        w = ev.chosen_weights if ev.chosen_weights is not None else ev.weights
         n = L.n_experts
         self.trace[i].append(idx.to(torch.int16 if n < 2 ** 15 else torch.int32))
         valid = ev.valid
@@ -674,9 +674,10 @@ class OffloadCollector:
             raise MoetoolError(f"offload's next-layer prediction: decoder layer {i}'s input is {x.shape[-1]} wide, "
                                f"its router reads {ev.h.shape[-1]}: predict through its norm (--predict-norm)")
         logits = L.logits(x)
-        pred_idx, pred_w = L.route(logits)
-        # each by its weights, equal weights (bf16 rounding) told apart by the router's probabilities
-        pred_top1, real_top1 = ops.top1(pred_idx, pred_w, L.probs(logits)), ops.top1(idx, w, ev.probs)
+        pred_idx = L.route(logits)[0]
+        # each the routing decision: the chosen expert ranked first by the router's selection scores (ops.top1)
+        pred_top1 = ops.top1(pred_idx, L.selection_scores(logits))
+        real_top1 = ops.top1(idx, L.selection_scores(ev.logits))
         v = valid.double()
         top1 = (pred_top1 == real_top1).double() * v
         topk = ops.overlap_count(pred_idx, idx).double() / idx.shape[-1] * v
@@ -892,12 +893,11 @@ DEFINITIONS = {
               "belady: next request furthest ahead (optimal offline; ties, e.g. never requested again: the lowest "
               "id first)",
     "bytes_per_token": "misses per token × expert_bytes (summed over layers in the summary)",
-    "top1_recall": "fraction of tokens whose predicted best expert (the expert weighted highest by layer ℓ+1's "
-                   "routing applied to pre_router_norm_{ℓ+1}(x_ℓ) -- what the MoE block reads of the stream when "
-                   "attention adds nothing --, x_ℓ = output of decoder layer ℓ) is the "
-                   "expert layer ℓ+1 weighted highest (both by routing weight, not by selection score: a correction "
-                   "bias orders them differently; equal weights, as bf16 rounding makes them, told apart by the router's "
-                   "probabilities)",
+    "top1_recall": "fraction of tokens whose predicted top-1 (of layer ℓ+1's routing applied to "
+                   "pre_router_norm_{ℓ+1}(x_ℓ) -- what the MoE block reads of the stream when attention adds "
+                   "nothing --, x_ℓ = output of decoder layer ℓ) is layer ℓ+1's real top-1; the top-1 is the routing "
+                   "decision, both the same way: the chosen expert ranked first by the router's selection scores "
+                   "(a correction bias included, before any per-expert scale; not the largest weight)",
     "topk_recall": "mean |predicted top-K ∩ chosen top-K| / K",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty)",
 }

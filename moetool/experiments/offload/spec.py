@@ -11,8 +11,9 @@ Next-layer prediction: layer ℓ+1's routing applied to pre_router_norm_{ℓ+1}(
 the stream when attention adds nothing: post_attention_layernorm, pre_feedforward_layernorm with sandwich norms,
 the stream itself with post-norms; layers whose block reads a mix of streams are refused), x_ℓ the output of
 decoder layer ℓ (what a prefetcher can compute a layer ahead; --no-predict-norm: to x_ℓ itself); top-1 recall =
-predicted best expert (the predicted routing's highest weight) == the expert ℓ+1 weighted highest; top-K recall =
-|predicted ∩ chosen| / K.
+predicted top-1 == layer ℓ+1's real top-1 (the top-1: the routing decision, the chosen expert ranked first by the
+router's selection scores -- a correction bias included, before any per-expert scale --, not the largest weight);
+top-K recall = |predicted ∩ chosen| / K.
 Intervals: 95% document-level bootstrap over packed rows (--bootstrap N replicates, 0 = off).
 Memory: one [T, K] int16 request trace per layer is kept for the simulation (T bounded by --max-tokens).
 
