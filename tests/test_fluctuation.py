@@ -701,3 +701,33 @@ def test_top1_change_is_the_selection_score_top1s_not_the_largest_weights(fam):
         assert row.top1_change == pytest.approx(float((s32 != s16).double().mean()), abs=1e-12)
         by_weight.append(float((w32 != w16).double().mean()))
     assert list(df.top1_change) != pytest.approx(by_weight, abs=1e-12)  # the test bites: the weights order otherwise
+
+
+def test_under_prune_the_top1_is_the_biased_routers_first_ranked_kept_expert():
+    """prune: runs the model's rule among the kept experts, so its top-1 is the kept chosen expert of largest
+    selection score: on DeepSeek-V3 sigmoid(logits) + the correction bias, by hand from the router's own buffer. The
+    pruned π the policy leaves for the entropy (the kept experts' scores, no bias) ranks otherwise on some tokens:
+    reading the top-1 by it (Policy.ranking's ev.scores) gave another expert there."""
+    from moetool.adapters.tiny import build_tiny
+    from moetool.experiments.fluctuation.compute import routing_of
+    from moetool.policies import make_policy
+
+    model = build_tiny("deepseek_v3", seed=0)
+    layers = find_moe_layers(model)
+    policy = make_policy("prune:random:0.25", seed=1)
+    ids = torch.randint(3, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(5))
+    got, differs = [], 0
+
+    def grab(ev):
+        idx, w, _, _, ranking = routing_of(ev, policy)
+        got.append((ev.layer, ev.logits.float(), idx, w, ops.top1(idx, ranking, w != 0), ev.scores))
+
+    with torch.no_grad(), Engine(model, layers, policy=policy, consumers=[grab]):
+        feed(model, ids)
+    for L, logits, idx, w, top1, pruned_pi in got:
+        bias = next(b for n, b in L.router.named_buffers() if n.endswith("e_score_correction_bias")).float()
+        sel = (logits.sigmoid() + bias).gather(-1, idx).masked_fill(w == 0, float("-inf"))
+        assert top1.tolist() == idx.gather(-1, sel.argmax(-1, keepdim=True))[:, 0].tolist()
+        by_pi = idx.gather(-1, pruned_pi.gather(-1, idx).masked_fill(w == 0, -1.0).argmax(-1, keepdim=True))[:, 0]
+        differs += int((by_pi != top1).sum())
+    assert len(got) == len(layers) and differs > 0  # the test bites: the unbiased pruned π ranks otherwise

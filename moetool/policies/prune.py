@@ -263,6 +263,12 @@ class PrunePolicy(Policy):
         ev.scores = ev.layer.probs(ev.layer.masked_logits(ev.logits, keep))
         return ev.layer.route_masked(ev.logits, keep)
 
+    def ranking(self, ev: RoutingEvent) -> torch.Tensor:
+        """The router's selection scores (correction bias included): the model's rule chose among the kept experts by
+        them, so its top-1 is the router's first-ranked kept expert (``ev.scores`` holds the pruned π, which a biased
+        router does not rank by)."""
+        return ev.layer.selection_scores(ev.logits)
+
 
 def _fraction(text: str) -> float:
     try:
