@@ -3,7 +3,8 @@
     python examples/api_tour.py [OUT_DIR]
 
 1. load a model and pack tokens; 2. routing statistics as DataFrames; 3. a custom probe: a consumer on the hook
-engine computing something moetool does not (how often a token's top-1 expert repeats the previous token's);
+engine computing a rate by hand (how often a token's top-1 expert repeats the previous token's; ``moetool
+locality`` reports it too, as top1_repeat);
 4. a plot of your own, saved next to the experiment's own figures and CSVs. The test suite runs this script.
 """
 
@@ -34,13 +35,15 @@ def main(out: Path) -> dict:
     print(res.summary.to_string(index=False))
     print("load_fraction:", res.definitions["load_fraction"])
 
-    # 3. a custom probe: each event carries the router input h, logits, the model's top-K (idx, weights), the
-    #    padding mask (valid) and what ran (chosen_idx); here: P(top-1 of token t == top-1 of token t-1)
+    # 3. a custom probe: each event carries the router input h, logits, the model's top-K (idx, weights: in the
+    #    order the router returned them; ev.ranked: best first by selection score), the padding mask (valid) and
+    #    what ran (chosen_idx); here: P(top-1 of token t == top-1 of token t-1), the top-1 being the routing
+    #    decision, the first-ranked chosen expert (moetool.ops.top1), not idx[:, 0]
     same, pairs = {}, {}
 
     def repeat_rate(ev: moetool.RoutingEvent) -> None:
         B, S = ev.shape
-        top1 = ev.idx[:, 0].reshape(B, S)
+        top1 = ev.ranked[0][:, 0].reshape(B, S)
         valid = ev.valid.reshape(B, S)
         both = valid[:, 1:] & valid[:, :-1]
         # tensors on the model's device: no host sync per event (int() once, after the forwards)
