@@ -91,10 +91,11 @@ def test_bad_batch_size_is_one_line():
         LocalityOptions(batch_size=0)
 
 
-def test_first_choice_is_the_largest_probability_not_the_routers_first_column():
+def test_first_choice_is_the_first_ranked_not_the_routers_first_column():
     """LongCat-Flash's router returns its top-K unsorted (``topk(sorted=False)``): the first column of idx is often
-    not the chosen expert of largest probability. top1_repeat and top1_repeat_independent count the largest one
-    (the definition), as the hand count does from the router's own logits, on rows with padding."""
+    not its first-ranked chosen expert. top1_repeat and top1_repeat_independent count the first-ranked one by what the
+    router selects on, softmax(logits) + its correction bias (the definition: the routing decision), as the hand
+    count does from the router's own logits and bias buffer, on rows with padding."""
     import torch
     from types import SimpleNamespace
 
@@ -111,8 +112,9 @@ def test_first_choice_is_the_largest_probability_not_the_routers_first_column():
     df = locality(lm, TokenSet(ids, mask, [""] * 6, "test"), batch_size=6, quiet=True)["locality"].set_index("layer")
     keep = mask.reshape(-1).bool()
     for i, (logits, _, idx) in seen.items():
-        assert (logits.gather(1, idx).argmax(-1) != 0)[keep].any()  # the case: the first column is not the largest
-        ref = hand_locality(logits, idx, mask.bool())
+        scores = logits.float().softmax(-1) + routers[i].e_score_correction_bias.float()  # what it selects on
+        assert (scores.gather(1, idx).argmax(-1) != 0)[keep].any()  # the case: the first column is not the first
+        ref = hand_locality(scores, idx, mask.bool())
         for col in ("tokens", "pairs", "top1_repeat", "top1_repeat_independent", "topk_overlap"):
             assert df.loc[i, col] == pytest.approx(ref[col], abs=1e-12), (i, col)
 
@@ -130,3 +132,41 @@ def test_rows_of_one_real_token_each_are_one_line():
     ids, mask = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[1, 0, 0], [0, 0, 1]])
     with pytest.raises(MoetoolError, match="no two consecutive real tokens"):
         moetool.locality(lm, TokenSet(ids, mask, [""] * 2, "test"), batch_size=2, quiet=True)
+
+
+def test_first_choice_is_the_routing_decision_of_a_biased_router():
+    """DeepSeek-V3 selects by sigmoid(logits) + its correction bias and weighs by the sigmoid alone: the first choice
+    is the chosen expert ranked first by what it selects on, as fluctuation and offload read the top-1 (ops.top1),
+    counted by hand from the router module's own outputs and bias buffer. The largest router probability (the
+    sigmoid alone, what locality read) gives another top1_repeat in some layer."""
+    import torch
+    from types import SimpleNamespace
+
+    from conftest import feed
+    from moetool.adapters import find_moe_layers
+    from moetool.adapters.tiny import build_tiny
+    from moetool.data import TokenSet
+    from moetool.experiments.locality.compute import locality
+
+    model = build_tiny("deepseek_v3", seed=0)
+    ids = torch.randint(3, model.config.vocab_size, (6, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    seen, hooks = [], []
+    for mod in (m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"):
+        hooks.append(mod.register_forward_hook(lambda m, a, out: seen.append(
+            (out[0].float().sigmoid(), m.e_score_correction_bias.float(), out[2]))))
+    with torch.no_grad():
+        feed(model, ids, mask)
+    for h in hooks:
+        h.remove()
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    df = locality(lm, TokenSet(ids, mask, [""] * 6, "test"), batch_size=6, quiet=True)["locality"]
+    assert len(df) == len(seen)
+    differs = False
+    for row, (sig, bias, idx) in zip(df.itertuples(), seen):
+        ref = hand_locality(sig + bias, idx, mask.bool())
+        for col in ("tokens", "pairs", "top1_repeat", "top1_repeat_independent", "topk_overlap"):
+            assert getattr(row, col) == pytest.approx(ref[col], abs=1e-12), (row.layer, col)
+        differs |= hand_locality(sig, idx, mask.bool())["top1_repeat"] != ref["top1_repeat"]
+    assert differs  # the test bites: the largest probability is another first choice somewhere

@@ -25,8 +25,8 @@ DEFINITIONS = {
     "top_k": "experts K the model chooses per token",
     "tokens": "real (unpadded) tokens the layer routed",
     "pairs": "pairs of consecutive real tokens (t-1, t) within a packed row (a row may hold several documents)",
-    "top1_repeat": "share of the pairs whose first-choice expert (the chosen expert with the largest router "
-                   "probability) is the same for t-1 and t",
+    "top1_repeat": "share of the pairs whose first-choice expert (the top-1: the chosen expert ranked first by the "
+                   "router's selection scores, a correction bias included) is the same for t-1 and t",
     "top1_repeat_independent": "sum over experts of f_e^2, f_e = share of real tokens whose first choice is e: "
                                "top1_repeat if consecutive tokens chose independently with the layer's own load",
     "top1_repeat_uniform": "1 / n: top1_repeat of a uniform random router",
@@ -49,7 +49,7 @@ class LocalitySums:
             return
         B, S = ev.shape
         idx = ev.idx.long()
-        first = ops.best_of(idx, ev.probs)  # [T]
+        first = ev.ranked[0][:, 0]  # [T] the routing decision: first-ranked by the selection scores (ops.top1's)
         valid = ev.valid
         pair = (valid.reshape(B, S)[:, 1:] & valid.reshape(B, S)[:, :-1]).reshape(-1).double()  # [B * (S-1)]
         rows_first = first.reshape(B, S)

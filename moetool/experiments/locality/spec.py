@@ -1,7 +1,7 @@
 """Routing locality: how often consecutive tokens go to the same experts, per MoE layer.
 
 For every pair of consecutive real tokens of a packed row (t-1, t) under the model's own routing: top1_repeat, the
-share of pairs whose first-choice expert (the chosen expert with the largest router probability) is the same, and
+share of pairs whose first-choice expert (the top-1: the chosen expert ranked first by the router's selection scores) is the same, and
 topk_overlap, the mean share of token t's top-K experts that token t-1 also chose. Beside them what they would be
 without locality: top1_repeat_independent, the chance two tokens drawn independently from the layer's own
 first-choice load share their first choice (sum_e f_e^2, f_e = the share of real tokens whose first choice is e),
