@@ -181,6 +181,22 @@ def test_replicas_and_device_map_scale():
     assert dm["tokens_per_s"] == pytest.approx(2 * one.loc[(dp, "ppl"), "tokens_per_s"])
 
 
+def test_device_map_reads_the_whole_model_per_batch_closed_form():
+    """--device-map over 2 H100s (Mixtral-8x7B in bf16, rows of 2048 x 8): one GPU computes at a time, and each
+    batch streams every layer's weights through its GPU -- all 2 x total bytes, not the half one GPU holds, and the
+    compute ceiling is one GPU's. Charging weights / shards read doubled the memory ceiling (pass 17, PL14)."""
+    res = P.plan(config("mixtral-8x7b"), "2xH100", 1, seq_len=2048, rows=8)
+    dm = res["throughput"].set_index(["layout", "command"]).loc[("--device-map auto over 2 GPUs, one replica per "
+                                                                 "node", "ppl")]
+    total = res.meta["plan"]["total_params"]
+    assert dm["memory_tokens_per_s"] == pytest.approx(16384 * 3.35e12 / (2 * total), rel=1e-9)
+    flops = dm["tflops_per_token"] * 1e12
+    assert dm["compute_tokens_per_s"] == pytest.approx(989e12 / flops, rel=1e-9)  # one GPU at a time
+    approx = res["throughput"].set_index(["layout", "command"]).loc[("--device-map auto over 2 GPUs, one replica "
+                                                                     "per node", "approx")]
+    assert approx["memory_tokens_per_s"] == pytest.approx(16384 * 3.35e12 / (2 * total), rel=1e-9)  # (0, 1): once
+
+
 def test_kv_cache_per_row():
     mix = P.per_row(config("mixtral-8x7b"), 1000)
     assert mix["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 1000 * 2
