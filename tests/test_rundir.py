@@ -294,6 +294,25 @@ def test_force_refuses_a_manifest_listing_paths_outside_the_run(tmp_path, listed
     assert (tmp_path / "outside.csv").read_text() == "not moetool's"
 
 
+
+def test_force_refuses_a_listed_path_through_a_link_to_another_folder_of_the_run(tmp_path):
+    """A manifest listing ``via/precious.csv`` where ``via`` links to the user's own folder ``mine`` in the run
+    folder: the resolved path lies inside the run, but it is reached through a link, so nothing is removed (pass 17:
+    dropping the lexical-vs-resolved comparison removed ``mine/precious.csv`` and passed test_rundir)."""
+    out = tmp_path / "r"
+    _complete_run_with_a_figure(out)
+    (out / "mine").mkdir()
+    (out / "mine" / "precious.csv").write_text("the user's")
+    (out / "via").symlink_to(out / "mine", target_is_directory=True)
+    m = manifest(out)
+    m["files"].append("via/precious.csv")
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(MoetoolError, match="lists file 'via/precious.csv', outside the run folder or through a "
+                                           "link: nothing removed"):
+        run = RunDir.create("ppl", out, force=True)
+        run.write_csv("ppl.csv", DF)
+    assert (out / "mine" / "precious.csv").read_text() == "the user's" and (out / "load.csv").is_file()
+
 # ----- #21 item 6: one run at a time in a folder (an advisory lock held for the run) ---------------------------
 def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
     out = tmp_path / "r"
