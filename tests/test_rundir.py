@@ -313,6 +313,23 @@ def test_force_refuses_a_listed_path_through_a_link_to_another_folder_of_the_run
         run.write_csv("ppl.csv", DF)
     assert (out / "mine" / "precious.csv").read_text() == "the user's" and (out / "load.csv").is_file()
 
+
+def test_force_removes_the_folders_a_nested_listed_file_leaves_empty_deepest_first(tmp_path):
+    """A run listing ``figures/deep/er/x.png``: --force removes the file, then ``er``, ``deep`` and ``figures`` as each
+    is left empty (deepest first; shallowest first left all three, pass 17), and keeps a folder holding a user's file."""
+    out = tmp_path / "r"
+    old = RunDir.create("stats", out)
+    old.write_csv("load.csv", DF)
+    for name in ("figures/deep/er/x.png", "keep/in/y.png"):
+        with old.atomic(name) as tmp:
+            tmp.write_bytes(b"png")
+    old.finish(options={})
+    (out / "keep" / "mine.txt").write_text("the user's")
+    run = RunDir.create("ppl", out, force=True)
+    run.write_csv("ppl.csv", DF)
+    assert not (out / "figures").exists() and not (out / "keep" / "in").exists()
+    assert sorted(p.name for p in (out / "keep").iterdir()) == ["mine.txt"]
+
 # ----- #21 item 6: one run at a time in a folder (an advisory lock held for the run) ---------------------------
 def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
     out = tmp_path / "r"
