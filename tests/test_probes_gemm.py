@@ -49,6 +49,29 @@ def test_fused_gate_up_is_one_view_of_the_stored_matrix():
     assert probes._fused_gate_up(probes._matmul_ready(G, {"output"})) is None
 
 
+
+def test_gate_and_up_with_the_fused_strides_but_not_adjacent_are_not_read_as_one_matrix():
+    """Gate and up each with the strides of one half of a ``[n, 2I, d]`` matrix, but up not right after gate (an
+    up-first matrix; halves of two different matrices): they are not one fused view, and every expert's gate and up
+    pre-activations are ``x @ W.T`` by hand. Pass 17: without the data-pointer check the up-first pair failed in
+    as_strided and the two-matrix pair silently read the first matrix's other half as up; test_probes_gemm passed."""
+    from moetool.adapters.base import ExpertWeights
+
+    n, inter, d = 3, 4, 5
+    g0 = torch.Generator().manual_seed(7)
+    one, other = torch.randn(n, 2 * inter, d, generator=g0), torch.randn(n, 2 * inter, d, generator=g0)
+    x = torch.randn(6, d, generator=g0)
+    down = torch.randn(n, d, inter, generator=g0)
+    for gate, up in ((one[:, inter:], one[:, :inter]), (one[:, :inter], other[:, :inter])):
+        W = ExpertWeights(gate=gate, up=up, down=down)
+        assert gate.stride() == up.stride() == (2 * inter * d, d, 1) and probes._fused_gate_up(W) is None
+        got_gate, got_up = probes._gate_up(x, W, need_up=True)
+        for e in range(n):
+            torch.testing.assert_close(got_gate[:, e], x @ gate[e].T, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_up[:, e], x @ up[e].T, rtol=1e-6, atol=1e-6)
+    W = ExpertWeights(gate=one[:, :inter], up=one[:, inter:], down=down)  # gate then up: one view, no copy
+    assert probes._fused_gate_up(W).data_ptr() == one.data_ptr()
+
 def test_wide_gemm_equals_batched_matmul_on_a_strided_view(monkeypatch):
     monkeypatch.setattr(probes, "_one_gemm", lambda device: True)
     gen = torch.Generator().manual_seed(0)
