@@ -4,6 +4,7 @@ results, default names never collide."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,23 @@ def test_failed_run_folder_is_reused_without_force_but_an_interrupted_one_is_not
     with pytest.raises(MoetoolError, match="unfinished stats run .status interrupted"):
         RunDir.create("stats", out)
 
+
+
+def test_a_killed_run_left_running_is_refused_as_unfinished_not_as_a_full_folder(tmp_path):
+    """A run killed outright (SIGKILL, out of memory) leaves its manifest at status running and no lock holder: the
+    next run into the folder says it holds an unfinished run (status running) and how to go on, as for an
+    interrupted one, and removes nothing (pass 17: treating only "interrupted" as unfinished said "is not empty")."""
+    out = tmp_path / "r"
+    code = ("import os, signal, sys; import pandas as pd; from moetool.report import RunDir; "
+            "r = RunDir.create('stats', sys.argv[1]); r.write_csv('load.csv', pd.DataFrame({'a': [1]})); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    p = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert manifest(out)["status"] == "running"
+    with pytest.raises(MoetoolError, match=rf"^--out {re.escape(str(out))} holds an unfinished stats run \(status "
+                                           r"running\); use --resume to continue it or --force to start over$"):
+        RunDir.create("stats", out, resumable=True)
+    assert (out / "load.csv").is_file() and manifest(out)["status"] == "running"
 
 def _fake_command(tmp_path, fail_with):
     from moetool.commands.cli import handle_errors
