@@ -72,6 +72,37 @@ def test_gate_and_up_with_the_fused_strides_but_not_adjacent_are_not_read_as_one
     W = ExpertWeights(gate=one[:, :inter], up=one[:, inter:], down=down)  # gate then up: one view, no copy
     assert probes._fused_gate_up(W).data_ptr() == one.data_ptr()
 
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_nodes_are_the_input_or_zero_by_hand(model_type):
+    """LongCat-Flash's identity experts output their input, Zaya's skip expert zeros (the last n_zero_compute
+    indices): their output node is that, their every node's norm (l1 and l2) is its norm, and asking for a node of
+    the experts' width (gate) is one line. Pass 17: a skip expert outputting the input, the l2 norm for an l1 score,
+    and a layer with zero-computation experts giving a gate node all passed the probe tests."""
+    from moetool.adapters import tiny
+    from moetool.errors import MoetoolError
+
+    L = find_moe_layers(tiny.build_tiny(model_type, seed=0))[0]
+    n, z = L.n_experts, L.n_zero_compute
+    assert z >= 1
+    h = _h(L, T=9)
+    x = L.expert_input(h)
+    want = torch.zeros_like(x) if model_type == "zaya" else x
+    if model_type == "zaya":
+        assert L.zero_compute_output == "zero" and x.abs().sum() > 0
+    out = probes.expert_nodes(L, h, ["output"])["output"]
+    assert out.shape[0] == n
+    for e in range(n - z, n):
+        torch.testing.assert_close(out[e], want, rtol=0, atol=0)
+    for norm, order in (("l2", 2), ("l1", 1)):
+        got = probes.node_scores(L, h, "gate", norm)
+        assert got.shape == (9, n)
+        for e in range(n - z, n):
+            torch.testing.assert_close(got[:, e], want.double().norm(p=order, dim=-1).float(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(MoetoolError, match=rf"^layer {L.index}: its {z} zero-computation experts have no \['gate'\] "
+                                           r"activations of the experts' width"):
+        probes.expert_nodes(L, h, ["gate", "output"])
+
 def test_wide_gemm_equals_batched_matmul_on_a_strided_view(monkeypatch):
     monkeypatch.setattr(probes, "_one_gemm", lambda device: True)
     gen = torch.Generator().manual_seed(0)
