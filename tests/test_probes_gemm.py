@@ -103,6 +103,33 @@ def test_zero_computation_experts_nodes_are_the_input_or_zero_by_hand(model_type
                                            r"activations of the experts' width"):
         probes.expert_nodes(L, h, ["gate", "output"])
 
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "longcat_flash"])
+def test_routed_absmax_is_the_largest_output_over_the_tokens_routed_to_each_expert_by_hand(model_type):
+    """``routed_absmax``: per expert, max |output| over its dimensions and the tokens ``routed`` sends to it (0 for an
+    expert with none), against the per-expert reference (identity experts: |input|), chunked to 2 tokens. Pass 17:
+    ignoring ``routed`` for the computed experts (the max over every token) passed every probe test, which compared
+    routed_absmax only with itself."""
+    from moetool.adapters import tiny
+
+    L = find_moe_layers(tiny.build_tiny(model_type, seed=0) if model_type == "longcat_flash"
+                        else build_tiny_model(model_type))[0]
+    n, z = L.n_experts, L.n_zero_compute
+    h = _h(L, T=11)
+    routed = torch.rand(11, n, generator=torch.Generator().manual_seed(4)) < 0.3
+    routed[:, 0] = False  # an expert no token reaches: 0
+    routed[:, 1] = False
+    routed[5, 1] = True  # one token
+    with torch.no_grad():
+        got = probes.routed_absmax(L, h, routed, budget=3 * 2 * n * max(L.expert_weights().gate.shape[1], 1))
+    for e in range(n):
+        with torch.no_grad():
+            y = h if e >= n - z else reference_expert(model_type, L, e, h)["output"]
+        m = y.abs().amax(dim=-1)[routed[:, e]]
+        want = float(m.max()) if m.numel() else 0.0
+        assert float(got[e]) == pytest.approx(want, rel=1e-6, abs=1e-7), e
+    assert float(got[0]) == 0.0
+
 def test_wide_gemm_equals_batched_matmul_on_a_strided_view(monkeypatch):
     monkeypatch.setattr(probes, "_one_gemm", lambda device: True)
     gen = torch.Generator().manual_seed(0)
