@@ -54,7 +54,8 @@ def test_gate_and_up_with_the_fused_strides_but_not_adjacent_are_not_read_as_one
     """Gate and up each with the strides of one half of a ``[n, 2I, d]`` matrix, but up not right after gate (an
     up-first matrix; halves of two different matrices): they are not one fused view, and every expert's gate and up
     pre-activations are ``x @ W.T`` by hand. Pass 17: without the data-pointer check the up-first pair failed in
-    as_strided and the two-matrix pair silently read the first matrix's other half as up; test_probes_gemm passed."""
+    as_strided and the two-matrix pair silently read the first matrix's other half as up; test_probes_gemm passed.
+    A fused pair with biases adds each half's own (dropping the gate's passed too: no tiny family has both)."""
     from moetool.adapters.base import ExpertWeights
 
     n, inter, d = 3, 4, 5
@@ -69,8 +70,13 @@ def test_gate_and_up_with_the_fused_strides_but_not_adjacent_are_not_read_as_one
         for e in range(n):
             torch.testing.assert_close(got_gate[:, e], x @ gate[e].T, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(got_up[:, e], x @ up[e].T, rtol=1e-6, atol=1e-6)
-    W = ExpertWeights(gate=one[:, :inter], up=one[:, inter:], down=down)  # gate then up: one view, no copy
-    assert probes._fused_gate_up(W).data_ptr() == one.data_ptr()
+    gb, ub = torch.randn(n, inter, generator=g0), torch.randn(n, inter, generator=g0)
+    W = ExpertWeights(gate=one[:, :inter], up=one[:, inter:], down=down, gate_bias=gb, up_bias=ub)
+    assert probes._fused_gate_up(W).data_ptr() == one.data_ptr()  # gate then up: one view, no copy
+    got_gate, got_up = probes._gate_up(x, W, need_up=True)  # the fused product, then each half's bias
+    for e in range(n):
+        torch.testing.assert_close(got_gate[:, e], x @ one[e, :inter].T + gb[e], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_up[:, e], x @ one[e, inter:].T + ub[e], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
