@@ -367,6 +367,24 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_p
     assert not (out / rd.LOCK).exists()
 
 
+
+def test_a_folder_filled_between_validation_and_the_first_write_is_not_written_into(tmp_path):
+    """``RunDir.create`` validates an empty ``--out``; when another run (finished before this one's first write, so no
+    lock to meet) filled it in between, the first write refuses in one line, writes nothing and removes nothing
+    (pass 17: skipping that second look wrote ppl.csv and a manifest over the other run's; test_rundir passed)."""
+    from moetool.errors import MoetoolRuntimeError
+
+    out = tmp_path / "r"
+    run = RunDir.create("ppl", out)
+    other = RunDir.create("stats", out)
+    other.write_csv("load.csv", DF)
+    other.finish(options={})
+    before = manifest(out)
+    with pytest.raises(MoetoolRuntimeError, match=rf"^--out {re.escape(str(out))} was filled by another run while this "
+                                                  r"one ran: nothing written \(choose another --out\)$"):
+        run.write_csv("ppl.csv", DF)
+    assert sorted(p.name for p in out.iterdir()) == ["load.csv", "manifest.json"] and manifest(out) == before
+
 LOCK_HOLDER = textwrap.dedent("""
     import sys, time
     import pandas as pd
