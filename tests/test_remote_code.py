@@ -125,6 +125,24 @@ def test_native_model_type_is_the_class_own_type():
     assert native_model_type(["KimiK2ForCausalLM"]) is None and native_model_type(None) is None
 
 
+
+def test_a_class_two_types_of_one_package_name_is_no_native_type():
+    """Qwen3_5MoeForCausalLM is named by qwen3_5_moe (the composite vision-language config, its text fields nested in
+    ``text_config``) and qwen3_5_moe_text, both of package qwen3_5_moe: the package does not tell them apart, so no
+    native reading (a remote-code config naming it stays remote), not the first in sorted order -- that would read
+    a flat text config as the composite one (pass 17: taking the first passed test_remote_code and test_loading)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from moetool.loading import _native_types_by_class, native_model_type
+
+    types = [t for t in _native_types_by_class().get("Qwen3_5MoeForCausalLM", ()) if t in CONFIG_MAPPING]
+    if sorted(types) != ["qwen3_5_moe", "qwen3_5_moe_text"]:
+        pytest.skip(f"this transformers names Qwen3_5MoeForCausalLM by {types}")
+    assert {model_type_to_module_name(t) for t in types} == {"qwen3_5_moe"}
+    assert hasattr(CONFIG_MAPPING["qwen3_5_moe"](), "text_config")  # the composite one
+    assert native_model_type(["Qwen3_5MoeForCausalLM"]) is None
+
 def test_kimi_loads_natively_with_the_original_logits_and_moe_layers(kimi):
     """Weights in the per-expert layout converted as DeepSeek-V3's (conversion keyed on the model type): logits equal
     the original model's exactly, and moetool finds the same MoE layers."""
