@@ -173,7 +173,10 @@ def quantize_fp8(
     w = _pad_to(_pad_to(weight.float(), -2, bn), -1, bk)
     tiles = w.reshape(*lead, w.shape[-2] // bn, bn, w.shape[-1] // bk, bk)
     amax = tiles.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, 1.0), torch.ones_like(amax))
+    # finite: a block whose largest |value| is below FP8_MAX / fp32's largest (1.3e-36) made it inf, and 0 x inf
+    # NaN in the block's zeros (transformers' Fp8Quantize too)
+    big = torch.finfo(torch.float32).max
+    scale = torch.where(amax > 0, (FP8_MAX / torch.where(amax > 0, amax, 1.0)).clamp(max=big), torch.ones_like(amax))
     inv = 1.0 / scale
     if scale_fmt == "ue8m0":
         inv = _pow2_ceil(inv)

@@ -649,6 +649,10 @@ def test_text_that_is_not_utf8_is_refused_naming_what_it_is(tmp_path, monkeypatc
     with pytest.raises(MoetoolError, match="big\\.txt: holds NUL characters"):
         load_tokens(big, bpe, 64, None)
     assert load_tokens(big, bpe, 16, 32).n_tokens == 32  # a prefix before the NUL is text: read as before
+    early = tmp_path / "early.txt"  # the NUL inside the prefix read for 32 tokens (pass 17: packed silently)
+    early.write_text("plain words here\n" * 100 + "x\x00y\n" + "plain words here\n" * 12000)
+    with pytest.raises(MoetoolError, match="early\\.txt: holds NUL characters"):
+        load_tokens(early, bpe, 16, 32)
 
 
 def test_an_unpaired_surrogate_escape_in_jsonl_is_refused_naming_the_line(tmp_path, bpe):

@@ -527,3 +527,27 @@ def test_a_cached_decoding_step_under_a_policy_reading_the_sequence_is_one_line(
         cached = lm.model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=True)
         plain = lm.model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)
     assert cached.tolist() == plain.tolist()
+
+
+def test_a_forward_given_a_filled_cache_by_its_old_name_past_key_values_is_refused_too():
+    """transformers 5.x renamed the forward's ``past_key_values`` to ``cache`` and still accepts the old name (a
+    deprecation warning): a researcher's loop passing ``past_key_values=`` a 4-token cache ran the new token alone
+    under similarity, routed by itself. The engine reads either name (pass 17: reading ``cache`` alone passed
+    test_eval); a forward with an empty cache, or none, runs."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    from moetool.errors import MoetoolError
+
+    lm = load("tiny")
+    with torch.no_grad():
+        filled = lm.model(input_ids=torch.tensor([[5, 17, 29, 41]]), use_cache=True)
+        cache = filled.get("cache", None) or filled.get("past_key_values", None)
+        assert cache.get_seq_length() == 4
+        with Engine(lm.model, lm.layers, policy=make_policy("similarity")), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            with pytest.raises(MoetoolError, match=r"^the similarity policy routes a token by the earlier tokens of "
+                                                   r"its sequence, but this forward continues a KV cache of 4 tokens"):
+                lm.model(input_ids=torch.tensor([[3]]), past_key_values=cache)
+            lm.model(input_ids=torch.tensor([[3, 8]]), past_key_values=DynamicCache(config=lm.model.config))

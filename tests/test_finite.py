@@ -2,6 +2,8 @@
 layer, the tensor and the batch, exit 1, and no result file; no host sync inside the forward (test_host_sync)."""
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -254,3 +256,41 @@ def test_output_logits_that_overflow_fp16_stop_the_run_in_one_line_naming_the_ba
     assert str(e.value) == (f"non-finite next-token NLL at batch {want} (rows {want * bs}-{want * bs + bs - 1}): the "
                             f"model's output logits are NaN or inf in float16 (fp16's largest number is 65504: try "
                             f"--dtype bf16 or fp32); results would be meaningless")
+
+
+def test_guard_output_flags_inf_and_nan_nll_with_or_without_layer_flags_and_resets():
+    """:meth:`FiniteGuard.output` by hand: an NLL sum of +inf (a target logit of -inf in fp16, its row finite: no
+    NaN) stops the run as a NaN does; a bad output is read after clean MoE-layer flags (it is the last value read)
+    and with no MoE layer flag at all; two outputs before one check are OR'ed (a bad one then a clean one is bad); and
+    a check resets it, so the next clean batch passes. Pass 17: isnan for ~isfinite, dropping the OR, returning
+    when no layer flag is set, reading the first value for the last, or not resetting, all passed test_finite."""
+    from conftest import build_tiny_model
+
+    from moetool.adapters import find_moe_layers
+    from moetool.engine.guard import FiniteGuard
+
+    inf, nan = float("inf"), float("nan")
+    msg = "non-finite next-token NLL at batch {b}: the model's output logits are NaN or inf in float32; results"
+    for bad in (torch.tensor([3.5, inf]), torch.tensor([nan, 1.0]), torch.tensor([-inf])):
+        assert not all(map(math.isfinite, bad.tolist()))
+        with FiniteGuard([]) as g:  # no MoE layer hook: the output alone
+            g.output(torch.tensor([1.0, 2.0]), torch.float32)
+            g.check(0)
+            g.output(bad, torch.float32)
+            with pytest.raises(MoetoolRuntimeError, match=re.escape(msg.format(b=4))):
+                g.check(4)
+            g.output(torch.tensor([0.5]), torch.float32)
+            g.check(5)  # reset by the check that raised: a clean batch passes
+            g.output(bad, torch.float32)
+            g.output(torch.tensor([0.5]), torch.float32)  # OR'ed with the bad one before it
+            with pytest.raises(MoetoolRuntimeError, match=re.escape(msg.format(b=6))):
+                g.check(6)
+    model = build_tiny_model("mixtral")
+    layers = find_moe_layers(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.no_grad(), FiniteGuard(layers) as g:
+        model(input_ids=ids)  # clean layer flags, read first
+        g.output(torch.tensor([2.0, inf]), torch.float32)
+        assert len(g.flags) == 2 * len(layers)
+        with pytest.raises(MoetoolRuntimeError, match=re.escape(msg.format(b=1))):
+            g.check(1)

@@ -27,6 +27,23 @@ def tf_quantizer(scale_fmt, block=(128, 128)):
     return SimpleNamespace(quantization_config=cfg)
 
 
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_block_of_tiny_values_and_zeros_stays_finite(scale_fmt):
+    """A block whose largest |value| is 1e-38 (below 448 / fp32's largest, 1.3e-36): its scale 448 / 1e-38 overflowed
+    to inf, so the block's zeros came back NaN (0 x inf) and 1e-38 as 0 -- a NaN weight from --quantize fp8. Now
+    zeros stay 0 and each value is within e4m3's rounding (2^-4 relative), as in a block of ordinary values."""
+    w = torch.zeros(4, 4)
+    w[0, 0], w[1, 1], w[2, 3] = 1e-38, -5e-39, 0.5  # the top-left 2 x 2 block tiny, a normal one beside it
+    q, inv = formats.quantize_fp8(w, block=(2, 2), scale_fmt=scale_fmt)
+    back = formats.dequantize_fp8(q, inv, block=(2, 2))
+    assert torch.isfinite(back).all() and torch.isfinite(formats.scales_fp32(inv)).all()
+    assert (back[w == 0] == 0).all()
+    for v in (1e-38, -5e-39, 0.5):
+        got = float(back[w == v])
+        assert got == pytest.approx(v, rel=2 ** -4), v
+    assert torch.isfinite(formats.fake_quantize(w, "fp8")).all()
+
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
 def test_fp8_matches_transformers_quantize_and_dequantize(scale_fmt):
     w = weight(3, 256, 384)  # 3 experts, 2 x 3 blocks each

@@ -188,6 +188,30 @@ def test_top1_agree_ranks_an_unsorted_routers_choice_by_its_scores():
     assert unsorted > 0 and parted > 0  # the router's first column is not its best, and the readings part
 
 
+
+@pytest.mark.parametrize("spec", [None, "router"])
+def test_the_routers_own_choice_agrees_with_itself_on_an_unsorted_router(spec):
+    """The model's own routing measured against itself: top1_agree and topk_overlap are 1 on every layer, also where
+    the router returns its top-K unsorted (LongCat-Flash, its first column often not its best). Pass 17: comparing
+    the router's first column with its best gave the router itself a top1_agree below 1 there
+    and passed test_norm_select, whose tiny routers are sorted."""
+    from types import SimpleNamespace
+
+    from moetool.experiments.routing import perplexity
+
+    model, _, ids = longcat_unsorted_router_model(4, torch.Generator().manual_seed(1))
+    lm = SimpleNamespace(model=model, layers=find_moe_layers(model), tokenizer=None)
+    meter, events = ns.AgreementMeter(), []
+    perplexity(lm, TokenSet(ids, torch.ones_like(ids), [""] * 4, "test"),
+               policy=None if spec is None else make_policy(spec), consumers=[meter, events.append], batch_size=4,
+               quiet=True)
+    sel = [torch.softmax(ev.logits.double(), -1) + ev.layer.router.e_score_correction_bias.double() for ev in events]
+    assert any(bool((ev.idx[:, 0] != ev.idx.gather(1, s.gather(1, ev.idx).argmax(-1, keepdim=True))[:, 0]).any())
+               for ev, s in zip(events, sel))  # the first column is not always the best
+    df = meter.frame(spec or "router")
+    assert len(df) == len(lm.layers) and (df.top1_agree == 1.0).all() and (df.topk_overlap == 1.0).all()
+    assert (df.tokens == 80).all()
+
 def test_sweep_frames_and_table():
     lm, tokens = _LM("mixtral"), _tokens()
     specs = ns.sweep_specs(["gate", "output"], ["l2"])

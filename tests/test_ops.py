@@ -213,6 +213,20 @@ def test_unit_scaled_makes_rows_of_underflowing_squares_unit_vectors():
     assert np.allclose(col.numpy(), [[0.6, 5 / 13], [0.8, 12 / 13]], rtol=0, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_unit_of_an_fp16_row_of_subnormals_is_its_direction(scaled):
+    """(3, 4) x 2^-24 in fp16 (subnormals: fp16's smallest normal is 2^-14 = 6.1e-5) has norm 5 x 2^-24 = 3e-7: its
+    unit vector is (0.6, 0.8), to fp16's rounding. The division runs in fp32, so the norm is clamped at fp32's tiny,
+    not fp16's (pass 17: clamping at fp16's 6.1e-5, or dividing in fp16, gave (0.0029, 0.0039) and passed
+    test_ops)."""
+    x = torch.tensor([[3 * 2.0 ** -24, 4 * 2.0 ** -24], [0.0, 0.0]], dtype=torch.float16)
+    assert x[0].tolist() == [3 * 2.0 ** -24, 4 * 2.0 ** -24]  # exact in fp16
+    u = ops.unit(x, scaled=scaled)
+    assert u.dtype == torch.float16
+    assert u.tolist() == [[float(torch.tensor(0.6, dtype=torch.float16)), float(torch.tensor(0.8, dtype=torch.float16))],
+                          [0.0, 0.0]]
+
 def test_abs_cos_mean_of_a_given_gram_ignores_x():
     """``gram=`` (approx passes its fp64 Gram matrix of the expert outputs): the mean |cos| of the rows whose Gram it is,
     whatever ``x`` is (here none)."""

@@ -181,6 +181,39 @@ def test_replicas_and_device_map_scale():
     assert dm["tokens_per_s"] == pytest.approx(2 * one.loc[(dp, "ppl"), "tokens_per_s"])
 
 
+def test_device_map_reads_the_whole_model_per_batch_closed_form():
+    """--device-map over 2 H100s (Mixtral-8x7B in bf16, rows of 2048 x 8): one GPU computes at a time, and each
+    batch streams every layer's weights through its GPU -- all 2 x total bytes, not the half one GPU holds, and the
+    compute ceiling is one GPU's. Charging weights / shards read doubled the memory ceiling (pass 17, PL14)."""
+    res = P.plan(config("mixtral-8x7b"), "2xH100", 1, seq_len=2048, rows=8)
+    dm = res["throughput"].set_index(["layout", "command"]).loc[("--device-map auto over 2 GPUs, one replica per "
+                                                                 "node", "ppl")]
+    total = res.meta["plan"]["total_params"]
+    assert dm["memory_tokens_per_s"] == pytest.approx(16384 * 3.35e12 / (2 * total), rel=1e-9)
+    flops = dm["tflops_per_token"] * 1e12
+    assert dm["compute_tokens_per_s"] == pytest.approx(989e12 / flops, rel=1e-9)  # one GPU at a time
+    approx = res["throughput"].set_index(["layout", "command"]).loc[("--device-map auto over 2 GPUs, one replica "
+                                                                     "per node", "approx")]
+    assert approx["memory_tokens_per_s"] == pytest.approx(16384 * 3.35e12 / (2 * total), rel=1e-9)  # (0, 1): once
+
+
+
+def test_tensor_expert_parallel_throughput_closed_form():
+    """DeepSeek-V3 (fp8) over 2 nodes of 8 H100s, tensor+expert parallel over the 16 GPUs (rows of 2048 x 8): all 16
+    compute at once (16 x 1979 TFLOP/s), each reads its 1/16 of the weights per batch; lm-eval refuses --tp, so no
+    eval row; norm-select's six passes (1 routed + 5 all-expert) read the weights six times. Pass 17: one GPU's
+    compute (PL15), an eval row (PL18) and norm-select's memory ceiling of one pass (PL20) passed test_plan."""
+    res = P.plan(config("deepseek-v3"), "8xH100", 2, seq_len=2048, rows=8)
+    name = "tensor+expert parallel over 16 GPUs"
+    thr = res["throughput"][res["throughput"].layout == name].set_index("command")
+    assert len(thr) and "eval" not in thr.index and {"ppl", "norm-select", "approx"} <= set(thr.index)
+    params = res["params"].set_index("group")
+    weights = float(params.loc["total", "bytes_fp8"])
+    for cmd, passes in (("ppl", 1), ("approx", 1), ("norm-select", 6), ("mass-recall", 3)):
+        r = thr.loc[cmd]
+        assert r["compute_tokens_per_s"] == pytest.approx(16 * 1979e12 / (r["tflops_per_token"] * 1e12), rel=1e-9)
+        assert r["memory_tokens_per_s"] == pytest.approx(16384 * 3.35e12 / (weights / 16) / passes, rel=1e-6), cmd
+
 def test_kv_cache_per_row():
     mix = P.per_row(config("mixtral-8x7b"), 1000)
     assert mix["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 1000 * 2

@@ -49,6 +49,93 @@ def test_fused_gate_up_is_one_view_of_the_stored_matrix():
     assert probes._fused_gate_up(probes._matmul_ready(G, {"output"})) is None
 
 
+
+def test_gate_and_up_with_the_fused_strides_but_not_adjacent_are_not_read_as_one_matrix():
+    """Gate and up each with the strides of one half of a ``[n, 2I, d]`` matrix, but up not right after gate (an
+    up-first matrix; halves of two different matrices): they are not one fused view, and every expert's gate and up
+    pre-activations are ``x @ W.T`` by hand. Pass 17: without the data-pointer check the up-first pair failed in
+    as_strided and the two-matrix pair silently read the first matrix's other half as up; test_probes_gemm passed.
+    A fused pair with biases adds each half's own (dropping the gate's passed too: no tiny family has both)."""
+    from moetool.adapters.base import ExpertWeights
+
+    n, inter, d = 3, 4, 5
+    g0 = torch.Generator().manual_seed(7)
+    one, other = torch.randn(n, 2 * inter, d, generator=g0), torch.randn(n, 2 * inter, d, generator=g0)
+    x = torch.randn(6, d, generator=g0)
+    down = torch.randn(n, d, inter, generator=g0)
+    for gate, up in ((one[:, inter:], one[:, :inter]), (one[:, :inter], other[:, :inter])):
+        W = ExpertWeights(gate=gate, up=up, down=down)
+        assert gate.stride() == up.stride() == (2 * inter * d, d, 1) and probes._fused_gate_up(W) is None
+        got_gate, got_up = probes._gate_up(x, W, need_up=True)
+        for e in range(n):
+            torch.testing.assert_close(got_gate[:, e], x @ gate[e].T, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_up[:, e], x @ up[e].T, rtol=1e-6, atol=1e-6)
+    gb, ub = torch.randn(n, inter, generator=g0), torch.randn(n, inter, generator=g0)
+    W = ExpertWeights(gate=one[:, :inter], up=one[:, inter:], down=down, gate_bias=gb, up_bias=ub)
+    assert probes._fused_gate_up(W).data_ptr() == one.data_ptr()  # gate then up: one view, no copy
+    got_gate, got_up = probes._gate_up(x, W, need_up=True)  # the fused product, then each half's bias
+    for e in range(n):
+        torch.testing.assert_close(got_gate[:, e], x @ one[e, :inter].T + gb[e], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_up[:, e], x @ one[e, inter:].T + ub[e], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "zaya"])
+def test_zero_computation_experts_nodes_are_the_input_or_zero_by_hand(model_type):
+    """LongCat-Flash's identity experts output their input, Zaya's skip expert zeros (the last n_zero_compute
+    indices): their output node is that, their every node's norm (l1 and l2) is its norm, and asking for a node of
+    the experts' width (gate) is one line. Pass 17: a skip expert outputting the input, the l2 norm for an l1 score,
+    and a layer with zero-computation experts giving a gate node all passed the probe tests."""
+    from moetool.adapters import tiny
+    from moetool.errors import MoetoolError
+
+    L = find_moe_layers(tiny.build_tiny(model_type, seed=0))[0]
+    n, z = L.n_experts, L.n_zero_compute
+    assert z >= 1
+    h = _h(L, T=9)
+    x = L.expert_input(h)
+    want = torch.zeros_like(x) if model_type == "zaya" else x
+    if model_type == "zaya":
+        assert L.zero_compute_output == "zero" and x.abs().sum() > 0
+    out = probes.expert_nodes(L, h, ["output"])["output"]
+    assert out.shape[0] == n
+    for e in range(n - z, n):
+        torch.testing.assert_close(out[e], want, rtol=0, atol=0)
+    for norm, order in (("l2", 2), ("l1", 1)):
+        got = probes.node_scores(L, h, "gate", norm)
+        assert got.shape == (9, n)
+        for e in range(n - z, n):
+            torch.testing.assert_close(got[:, e], want.double().norm(p=order, dim=-1).float(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(MoetoolError, match=rf"^layer {L.index}: its {z} zero-computation experts have no \['gate'\] "
+                                           r"activations of the experts' width"):
+        probes.expert_nodes(L, h, ["gate", "output"])
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "longcat_flash"])
+def test_routed_absmax_is_the_largest_output_over_the_tokens_routed_to_each_expert_by_hand(model_type):
+    """``routed_absmax``: per expert, max |output| over its dimensions and the tokens ``routed`` sends to it (0 for an
+    expert with none), against the per-expert reference (identity experts: |input|), chunked to 2 tokens. Pass 17:
+    ignoring ``routed`` for the computed experts (the max over every token) passed every probe test, which compared
+    routed_absmax only with itself."""
+    from moetool.adapters import tiny
+
+    L = find_moe_layers(tiny.build_tiny(model_type, seed=0) if model_type == "longcat_flash"
+                        else build_tiny_model(model_type))[0]
+    n, z = L.n_experts, L.n_zero_compute
+    h = _h(L, T=11)
+    routed = torch.rand(11, n, generator=torch.Generator().manual_seed(4)) < 0.3
+    routed[:, 0] = False  # an expert no token reaches: 0
+    routed[:, 1] = False
+    routed[5, 1] = True  # one token
+    with torch.no_grad():
+        got = probes.routed_absmax(L, h, routed, budget=3 * 2 * n * max(L.expert_weights().gate.shape[1], 1))
+    for e in range(n):
+        with torch.no_grad():
+            y = h if e >= n - z else reference_expert(model_type, L, e, h)["output"]
+        m = y.abs().amax(dim=-1)[routed[:, e]]
+        want = float(m.max()) if m.numel() else 0.0
+        assert float(got[e]) == pytest.approx(want, rel=1e-6, abs=1e-7), e
+    assert float(got[0]) == 0.0
+
 def test_wide_gemm_equals_batched_matmul_on_a_strided_view(monkeypatch):
     monkeypatch.setattr(probes, "_one_gemm", lambda device: True)
     gen = torch.Generator().manual_seed(0)

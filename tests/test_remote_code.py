@@ -123,7 +123,26 @@ def test_native_model_type_is_the_class_own_type():
     for t in ("deepseek_v3", "mixtral"):
         assert CONFIG_MAPPING[t].model_type == t
     assert native_model_type(["KimiK2ForCausalLM"]) is None and native_model_type(None) is None
+    assert native_model_type([]) is None and native_model_type([7]) is None  # none named (pass 17: an IndexError)
 
+
+
+def test_a_class_two_types_of_one_package_name_is_no_native_type():
+    """Qwen3_5MoeForCausalLM is named by qwen3_5_moe (the composite vision-language config, its text fields nested in
+    ``text_config``) and qwen3_5_moe_text, both of package qwen3_5_moe: the package does not tell them apart, so no
+    native reading (a remote-code config naming it stays remote), not the first in sorted order -- that would read
+    a flat text config as the composite one (pass 17: taking the first passed test_remote_code and test_loading)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from moetool.loading import _native_types_by_class, native_model_type
+
+    types = [t for t in _native_types_by_class().get("Qwen3_5MoeForCausalLM", ()) if t in CONFIG_MAPPING]
+    if sorted(types) != ["qwen3_5_moe", "qwen3_5_moe_text"]:
+        pytest.skip(f"this transformers names Qwen3_5MoeForCausalLM by {types}")
+    assert {model_type_to_module_name(t) for t in types} == {"qwen3_5_moe"}
+    assert hasattr(CONFIG_MAPPING["qwen3_5_moe"](), "text_config")  # the composite one
+    assert native_model_type(["Qwen3_5MoeForCausalLM"]) is None
 
 def test_kimi_loads_natively_with_the_original_logits_and_moe_layers(kimi):
     """Weights in the per-expert layout converted as DeepSeek-V3's (conversion keyed on the model type): logits equal
@@ -258,6 +277,29 @@ def test_remote_model_code_without_a_native_class_runs_only_when_trusted(tmp_pat
     assert res.tables["params.csv"].equals(plain.tables["params.csv"])  # the same parameters, by group and format
     assert int(plain.tables["params.csv"]["params"].sum()) > 0
 
+
+
+@pytest.mark.slow
+def test_a_trusted_remote_model_is_planned_in_a_fresh_process(tmp_path):
+    """``moetool plan --trust-remote-code`` on a folder whose model class is its own code, in a process that has not
+    loaded the model before (the test above plans after ``moetool.load``, which registers the class with
+    transformers): the meta-device model is built with its code trusted, the parameters those of the tiny model it
+    wraps. Pass 17: telling transformers trust_remote_code=False there passed test_remote_code (the class already
+    registered) and failed a plain ``moetool plan`` with "contains custom code which must be executed"."""
+    import os
+    import subprocess
+    import sys
+
+    import moetool
+
+    folder = _remote_model_folder(tmp_path)
+    env = {**os.environ, "MOETOOL_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "moetool", "plan", "--model", str(folder), "--trust-remote-code", "-q",
+                        "--out", str(tmp_path / "plan")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    got = pd.read_csv(tmp_path / "plan" / "params.csv")
+    want = moetool.run("plan", "tiny", out=tmp_path / "plan-tiny").tables["params.csv"]
+    assert got["params"].tolist() == want["params"].tolist() and int(got["params"].sum()) > 0
 
 def test_trusting_a_folder_is_another_fingerprint_and_an_explicit_answer_beats_the_run(tmp_path):
     """``loading.config_fingerprint`` of a folder with code beside its config: untrusted, sha256 over (name, NUL,

@@ -446,6 +446,13 @@ def test_an_unfinished_run_is_offered_resume_only_by_a_command_that_has_it(tmp_p
     assert "--resume to" not in r.output and "moetool demo has no --resume: use --force to start over" in r.output
     r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", str(tmp_path / "stats")])
     assert r.exit_code == 2 and "use --resume to continue it or --force to start over" in r.output, r.output
+    # stats (which has --resume) into the interrupted demo's folder: its --resume would refuse a demo run, and
+    # "moetool stats has no --resume" (pass 17) was false
+    r = runner.invoke(app, ["stats", "--max-tokens", "64", "--seq-len", "32", "--out", str(tmp_path / "demo")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.strip().endswith(
+        "holds an unfinished demo run (status interrupted); moetool stats --resume continues only a stats run: use "
+        "--force to start over, or another --out"), r.output
 
 
 

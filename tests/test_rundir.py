@@ -4,6 +4,7 @@ results, default names never collide."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,23 @@ def test_failed_run_folder_is_reused_without_force_but_an_interrupted_one_is_not
     with pytest.raises(MoetoolError, match="unfinished stats run .status interrupted"):
         RunDir.create("stats", out)
 
+
+
+def test_a_killed_run_left_running_is_refused_as_unfinished_not_as_a_full_folder(tmp_path):
+    """A run killed outright (SIGKILL, out of memory) leaves its manifest at status running and no lock holder: the
+    next run into the folder says it holds an unfinished run (status running) and how to go on, as for an
+    interrupted one, and removes nothing (pass 17: treating only "interrupted" as unfinished said "is not empty")."""
+    out = tmp_path / "r"
+    code = ("import os, signal, sys; import pandas as pd; from moetool.report import RunDir; "
+            "r = RunDir.create('stats', sys.argv[1]); r.write_csv('load.csv', pd.DataFrame({'a': [1]})); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    p = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert manifest(out)["status"] == "running"
+    with pytest.raises(MoetoolError, match=rf"^--out {re.escape(str(out))} holds an unfinished stats run \(status "
+                                           r"running\); use --resume to continue it or --force to start over$"):
+        RunDir.create("stats", out, resumable=True)
+    assert (out / "load.csv").is_file() and manifest(out)["status"] == "running"
 
 def _fake_command(tmp_path, fail_with):
     from moetool.commands.cli import handle_errors
@@ -294,6 +312,42 @@ def test_force_refuses_a_manifest_listing_paths_outside_the_run(tmp_path, listed
     assert (tmp_path / "outside.csv").read_text() == "not moetool's"
 
 
+
+def test_force_refuses_a_listed_path_through_a_link_to_another_folder_of_the_run(tmp_path):
+    """A manifest listing ``via/precious.csv`` where ``via`` links to the user's own folder ``mine`` in the run
+    folder: the resolved path lies inside the run, but it is reached through a link, so nothing is removed (pass 17:
+    dropping the lexical-vs-resolved comparison removed ``mine/precious.csv`` and passed test_rundir)."""
+    out = tmp_path / "r"
+    _complete_run_with_a_figure(out)
+    (out / "mine").mkdir()
+    (out / "mine" / "precious.csv").write_text("the user's")
+    (out / "via").symlink_to(out / "mine", target_is_directory=True)
+    m = manifest(out)
+    m["files"].append("via/precious.csv")
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(MoetoolError, match="lists file 'via/precious.csv', outside the run folder or through a "
+                                           "link: nothing removed"):
+        run = RunDir.create("ppl", out, force=True)
+        run.write_csv("ppl.csv", DF)
+    assert (out / "mine" / "precious.csv").read_text() == "the user's" and (out / "load.csv").is_file()
+
+
+def test_force_removes_the_folders_a_nested_listed_file_leaves_empty_deepest_first(tmp_path):
+    """A run listing ``figures/deep/er/x.png``: --force removes the file, then ``er``, ``deep`` and ``figures`` as each
+    is left empty (deepest first; shallowest first left all three, pass 17), and keeps a folder holding a user's file."""
+    out = tmp_path / "r"
+    old = RunDir.create("stats", out)
+    old.write_csv("load.csv", DF)
+    for name in ("figures/deep/er/x.png", "keep/in/y.png"):
+        with old.atomic(name) as tmp:
+            tmp.write_bytes(b"png")
+    old.finish(options={})
+    (out / "keep" / "mine.txt").write_text("the user's")
+    run = RunDir.create("ppl", out, force=True)
+    run.write_csv("ppl.csv", DF)
+    assert not (out / "figures").exists() and not (out / "keep" / "in").exists()
+    assert sorted(p.name for p in (out / "keep").iterdir()) == ["mine.txt"]
+
 # ----- #21 item 6: one run at a time in a folder (an advisory lock held for the run) ---------------------------
 def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
     out = tmp_path / "r"
@@ -312,6 +366,24 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_p
     again.mark("failed", "x")
     assert not (out / rd.LOCK).exists()
 
+
+
+def test_a_folder_filled_between_validation_and_the_first_write_is_not_written_into(tmp_path):
+    """``RunDir.create`` validates an empty ``--out``; when another run (finished before this one's first write, so no
+    lock to meet) filled it in between, the first write refuses in one line, writes nothing and removes nothing
+    (pass 17: skipping that second look wrote ppl.csv and a manifest over the other run's; test_rundir passed)."""
+    from moetool.errors import MoetoolRuntimeError
+
+    out = tmp_path / "r"
+    run = RunDir.create("ppl", out)
+    other = RunDir.create("stats", out)
+    other.write_csv("load.csv", DF)
+    other.finish(options={})
+    before = manifest(out)
+    with pytest.raises(MoetoolRuntimeError, match=rf"^--out {re.escape(str(out))} was filled by another run while this "
+                                                  r"one ran: nothing written \(choose another --out\)$"):
+        run.write_csv("ppl.csv", DF)
+    assert sorted(p.name for p in out.iterdir()) == ["load.csv", "manifest.json"] and manifest(out) == before
 
 LOCK_HOLDER = textwrap.dedent("""
     import sys, time

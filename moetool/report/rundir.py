@@ -393,7 +393,10 @@ class RunDir:
                 _removal_plan(path)
             elif prev is not None and prev.get("status") in ("interrupted", "running"):
                 how = ("use --resume to continue it or --force to start over" if resumable and prev["command"] == command
-                       else f"moetool {command} has no --resume: use --force to start over, or another --out")
+                       else f"moetool {command} has no --resume: use --force to start over, or another --out"
+                       if not resumable else  # it has one, but it continues only a run of its own command
+                       f"moetool {command} --resume continues only a {command} run: use --force to start over, or "
+                       f"another --out")
                 raise MoetoolError(f"--out {path} holds an unfinished {prev['command']} run "
                                    f"(status {prev['status']}); {how}")
             else:
