@@ -539,7 +539,7 @@ def _routing(*batches, scores=None) -> Routing:
     r = Routing([0])
     for idx, w in batches:
         s = torch.full((len(idx), 8), 1 / 8) if scores is None else scores
-        r.add(0, idx, w, s, torch.ones(len(idx), dtype=torch.bool))
+        r.add(0, idx, w, s, torch.ones(len(idx), dtype=torch.bool), s)
         r.flush(1)
     return r
 
@@ -581,7 +581,7 @@ def test_entropy_leaves_out_padding_rows_even_where_their_scores_are_nan():
     r = Routing([0])
     scores = torch.tensor([[0.25] * 4, [1.0, 0.0, 0.0, 0.0], [float("nan")] * 4])
     idx, w = torch.tensor([[0, 1], [0, 2], [0, 1]]), torch.full((3, 2), 0.5)
-    r.add(0, idx, w, scores, torch.tensor([True, True, False]))
+    r.add(0, idx, w, scores, torch.tensor([True, True, False]), scores)
     assert r.entropy_mean(0) == pytest.approx(math.log(4) / 2, abs=1e-6)
 
 
@@ -631,7 +631,7 @@ def test_top1_on_a_bf16_model_is_its_fp32_weights_largest():
     for ev in events:
         assert ev.weights.dtype == torch.bfloat16
         got = Routing([0])
-        got.add(0, ev.idx, ev.weights, ev.probs, ev.valid)
+        got.add(0, ev.idx, ev.weights, ev.probs, ev.valid, ev.probs)
         top1 = got._batch[0][:, -1].long()
         pi = torch.softmax(ev.logits.float(), -1).gather(-1, ev.idx)  # by hand, fp32
         assert torch.equal(top1, ev.idx.gather(-1, pi.argmax(-1, keepdim=True)).squeeze(-1))

@@ -33,7 +33,7 @@ def flag(layer: int, bad: torch.Tensor, dtype: torch.dtype, what: int = 2) -> No
     if _ACTIVE:
         g = _ACTIVE[-1]
         key = (layer, what)
-        g.flags[key] = g.flags[key] | bad.to(g.flags[key].device) if key in g.flags else bad
+        g.flags[key] = _or(g.flags.get(key), bad)
         g.dtypes[key] = dtype
 
 
@@ -77,9 +77,7 @@ class FiniteGuard:
     def output(self, nll: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag the batch's NLL sums ``nll`` (only scored tokens reach them) if one is not finite: a device bool, read
         by the next :meth:`check`; ``dtype`` the output logits' (named in the error)."""
-        bad = ~torch.isfinite(nll).all()
-        self._output = (bad, dtype) if self._output is None else (self._output[0] | bad.to(self._output[0].device),
-                                                                  dtype)
+        self._output = (_or(self._output[0] if self._output else None, ~torch.isfinite(nll).all()), dtype)
 
     def _hook(self, key: tuple[int, int]):
         def hook(module, args, out):
@@ -92,7 +90,7 @@ class FiniteGuard:
                 m = m.reshape(-1, 1)
                 bad = bad.reshape(m.shape[0], -1) & (m if m.device == x.device else m.to(x.device))
             bad = bad.any()  # a device bool: no sync
-            self.flags[key] = self.flags[key] | bad if key in self.flags else bad
+            self.flags[key] = _or(self.flags.get(key), bad)
         return hook
 
     def check(self, batch: int, rows: str = "") -> None:
@@ -118,6 +116,11 @@ class FiniteGuard:
             dtype = _dtype_hint(output[1])
             raise MoetoolRuntimeError(f"non-finite next-token NLL at batch {batch}{where}: the model's output logits "
                                       f"are NaN or inf in {dtype}; results would be meaningless")
+
+
+def _or(old: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor:
+    """``bad`` OR'd into the flag ``old`` (None: none yet), on ``old``'s device: no host sync."""
+    return bad if old is None else old | bad.to(old.device)
 
 
 def _dtype_hint(dtype: torch.dtype) -> str:

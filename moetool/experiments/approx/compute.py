@@ -133,7 +133,7 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
     K = layer.top_k
     pi = layer.probs(logits)  # [T, n] fp32
     E = probes.expert_outputs(layer, h)  # [n, T, d] in the experts' dtype
-    finite, dtype = torch.isfinite(E).all(-1).all(0), E.dtype  # [T]
+    dtype = E.dtype
     E = E.float()
     p = pi.to(E.device)
     Et = E.transpose(0, 1)  # [T, n, d]
@@ -142,6 +142,7 @@ def _chunk(layer: MoELayer, h: torch.Tensor, logits: torch.Tensor, selectors: Se
     # G = U Uᵀ = π_i π_j E Eᵀ (fp64). A confident router's u_e (π_e ~1e-20, or 0 where π_e underflows fp32) have fp32
     # squares of 0: the norm oracle ranked them as a tie, and G's zero diagonal made |cos| = g / tiny (billions)
     enorm = ops.vector_norm(E).T  # [T, n]
+    finite = torch.isfinite(enorm).all(-1)  # [T]: a NaN/inf output makes its norm one (no pass over [n, T, d])
     GE = Et.double() @ Et.double().transpose(1, 2) if subsets is not None else Et @ Et.transpose(1, 2)  # [T, n, n]
     idx: dict[str, torch.Tensor] = {}
     for sel in selectors:

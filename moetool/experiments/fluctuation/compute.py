@@ -135,15 +135,14 @@ class Routing:
         self._valid: torch.Tensor | None = None
 
     def add(self, layer: int, idx: torch.Tensor, w: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
-            ranking: torch.Tensor | None | str = "scores") -> None:
+            ranking: torch.Tensor | None) -> None:
         """Chosen ``idx [T, K]`` / weights ``w [T, K]``, the distribution ``scores [T, n]`` (its entropy) and
         ``valid [T]``. The chosen set is the experts with a nonzero weight: a column a policy leaves at weight 0
         (top-p's unchosen, capacity's dropped) is kept as -1, no expert (:func:`moetool.ops.set_size`). The top-1 is
-        the chosen expert ranked first by ``ranking [T, n]`` (the scores the set was selected on; ``"scores"``:
-        ``scores`` themselves); None: the first chosen column (a policy's own order, best first: random, norm)."""
+        the chosen expert ranked first by ``ranking [T, n]`` (the scores the set was selected on, :func:`routing_of`);
+        None: the first chosen column (a policy's own order, best first: random, norm)."""
         small = torch.int16 if scores.shape[-1] < 2 ** 15 else torch.int32
-        rank = scores if isinstance(ranking, str) else ranking
-        self._batch[layer] = chosen_and_top1(idx, w, rank).to(small)  # [T, K + 1]
+        self._batch[layer] = chosen_and_top1(idx, w, ranking).to(small)  # [T, K + 1]
         self._valid = valid
         ent = ops.entropy(scores).double()
         self.entropy[layer].add(torch.where(valid, ent, 0.0), valid)
