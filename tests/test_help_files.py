@@ -53,6 +53,7 @@ FIGURE = re.compile(r"figures/([a-z0-9_]+)")
 TEMPLATE = re.compile(r"[\w/.-]*<\w+>[\w/<>.-]*\.(?:csv|tex|png|pdf)")
 
 _done: dict[str, Path] = {}
+_printed: dict[str, str] = {}  # what each run printed (every run but report's takes -q)
 
 
 def one_worker(commands) -> list:
@@ -88,7 +89,7 @@ def run_dir(command: str, tmp_path_factory) -> Path:
         args = (RUNS[command] if command != "report" else ["report", str(run_dir("stats", tmp_path_factory))])
         r = runner.invoke(app, [*args, "--out", str(out), *(["-q"] if command != "report" else [])])
         assert r.exit_code == 0, r.output
-        _done[command] = out
+        _done[command], _printed[command] = out, r.output
     return _done[command]
 
 
@@ -174,3 +175,17 @@ def test_every_column_a_run_writes_has_a_definition(command, tmp_path_factory):
     undefined = [f"{f}:{c}" for f in tables for c in columns(f)
                  if not column_definition(defs, f.split("/")[-1].split(".", 1)[0], c)]
     assert not undefined, f"{command}: columns without a definition: {undefined}"
+
+
+@pytest.mark.parametrize("command", one_worker([c for c in RUNS if c != "report"]))
+def test_quiet_prints_no_table_only_notes_and_what_was_written(command, tmp_path_factory):
+    """--quiet (every run here is given -q): no progress bars and no console tables, only ``note:``, warning and
+    ``left out:`` lines and the line naming what the run wrote, last. Before, 7 commands (approx, erc, fluctuation,
+    mass-recall, offload, plan, super-experts) printed no table under it and the others printed theirs: a log kept
+    clean with -q held stats', ppl's, eval's... tables and not erc's."""
+    out = run_dir(command, tmp_path_factory)
+    lines = [ln for ln in _printed[command].splitlines() if ln.strip()]
+    named = out / "trace.csv.gz" if command == "trace" else out  # trace names its trace file
+    assert lines and lines[-1] == f"results in {named}", _printed[command]
+    other = [ln for ln in lines[:-1] if not ln.startswith(("note: ", "warning", "left out: "))]
+    assert not other, f"{command} -q printed more than notes and the run folder:\n" + "\n".join(other)
