@@ -655,13 +655,22 @@ def router_top1s(model, ids, family):
     """Per MoE layer, in order, ``(top-1 by selection score, top-1 by largest weight)`` ``[T]`` of a plain forward
     (no moetool hook): forward hooks on the model's own router modules, their outputs read as above."""
     cls, scores = ROUTERS[family]
+
+    def read(m, out):
+        idx = out[2].reshape(-1, out[2].shape[-1])
+        s = scores(out, m).reshape(idx.shape[0], -1)
+        return (idx.gather(-1, s.gather(-1, idx).argmax(-1, keepdim=True))[:, 0],
+                idx.gather(-1, out[1].reshape(idx.shape).float().argmax(-1, keepdim=True))[:, 0])
+    return router_outputs(model, ids, (cls,), read)
+
+
+def router_outputs(model, ids, classes, read):
+    """Per router module of a class named in ``classes``, in order, ``read(module, its output)`` of a plain forward
+    of ``ids`` (forward hooks on the model's own routers, removed after)."""
     got, hooks = [], []
-    for mod in (m for m in model.modules() if type(m).__name__ == cls):
+    for mod in (m for m in model.modules() if type(m).__name__ in classes):
         def hook(m, a, out, slot=len(got)):
-            idx = out[2].reshape(-1, out[2].shape[-1])
-            s = scores(out, m).reshape(idx.shape[0], -1)
-            got[slot] = (idx.gather(-1, s.gather(-1, idx).argmax(-1, keepdim=True))[:, 0],
-                         idx.gather(-1, out[1].reshape(idx.shape).float().argmax(-1, keepdim=True))[:, 0])
+            got[slot] = read(m, out)
         got.append(None)
         hooks.append(mod.register_forward_hook(hook))
     with torch.no_grad():
@@ -753,30 +762,20 @@ def test_top1_on_hash_routed_layers_is_the_heaviest_of_the_token_ids_experts():
     assert model.config.mlp_layer_types == ["hash_moe", "hash_moe", "hash_moe", "moe"]  # the case
     ids = torch.randint(3, model.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(3))
 
-    def routers(m):  # per MoE layer: (chosen [T, K], top-1 by hand [T])
-        got, hooks = [], []
-        for mod in (x for x in m.modules() if type(x).__name__ in ("DeepseekV4HashRouter", "DeepseekV4TopKRouter")):
-            def hook(r, a, out, slot=len(got)):
-                idx = out[2].reshape(-1, out[2].shape[-1])
-                if hasattr(r, "tid2eid"):  # the table's row, ranked by the weights the router returns
-                    assert torch.equal(idx, r.tid2eid[ids.reshape(-1)])
-                    rank = out[1].reshape(idx.shape).float()
-                else:  # selected on sqrtsoftplus(logits) + the correction bias
-                    s = F.softplus(out[0].float()).sqrt() + r.e_score_correction_bias.float()
-                    rank = s.reshape(idx.shape[0], -1).gather(-1, idx)
-                got[slot] = (idx, idx.gather(-1, rank.argmax(-1, keepdim=True))[:, 0])
-            got.append(None)
-            hooks.append(mod.register_forward_hook(hook))
-        with torch.no_grad():
-            feed(m, ids)
-        for h in hooks:
-            h.remove()
-        return got
+    def read(r, out):  # per MoE layer: (chosen [T, K], top-1 by hand [T])
+        idx = out[2].reshape(-1, out[2].shape[-1])
+        if hasattr(r, "tid2eid"):  # the table's row, ranked by the weights the router returns
+            assert torch.equal(idx, r.tid2eid[ids.reshape(-1)])
+            rank = out[1].reshape(idx.shape).float()
+        else:  # selected on sqrtsoftplus(logits) + the correction bias
+            s = F.softplus(out[0].float()).sqrt() + r.e_score_correction_bias.float()
+            rank = s.reshape(idx.shape[0], -1).gather(-1, idx)
+        return idx, idx.gather(-1, rank.argmax(-1, keepdim=True))[:, 0]
 
     lms, hand = [], []
     for dtype in (torch.float32, torch.bfloat16):
         m = copy.deepcopy(model).to(dtype)
-        hand.append(routers(m))
+        hand.append(router_outputs(m, ids, ("DeepseekV4HashRouter", "DeepseekV4TopKRouter"), read))
         lms.append(SimpleNamespace(model=m, layers=find_moe_layers(m), tokenizer=None, name=str(dtype),
                                    config=m.config))
     assert [bool(L.hash_routed) for L in lms[0].layers] == [True, True, True, False]
