@@ -6,8 +6,6 @@ from typing import Any
 
 
 def show(res: Any, p: Any) -> None:
-    if p.quiet:
-        return
     import typer
 
     from moetool.experiments.approx.compute import summary_lines

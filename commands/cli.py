@@ -222,3 +222,14 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 def echo_run(path: Any) -> None:
     typer.secho(f"results in {path}", fg="green", err=False)
 
+
+def finish(res: Any, path: Any, quiet: bool, tables: Any = None) -> None:
+    """The end of a run's console output, every command's: its tables and lines (``tables()``; none under
+    ``--quiet``: every table is in the run folder), what the run left out and why (always: a warning), then the
+    line naming what it wrote."""
+    if tables is not None and not quiet:
+        tables()
+    for what, why in (res.meta.get("left_out") or {}).items():  # a table or rows the run does not write, and why
+        typer.echo(f"left out: {what} ({why})")
+    echo_run(path)
+

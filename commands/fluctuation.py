@@ -21,12 +21,11 @@ def on_trace(p: Any, opts: Any) -> None:
     refuse({"--data": p.data, "--isolate": p.isolate, "--resume": p.resume,
             "--routing": p.routing != DEFAULT_ROUTING and p.routing, "--device-map": p.device_map,
             "--quantize": p.quantize, "--layers": p.layers})
-    fluctuation_on_traces(p.trace, p.trace_config, p.reference, p.bootstrap, p.seed, p.max_tokens, p.out, p.force)
+    fluctuation_on_traces(p.trace, p.trace_config, p.reference, p.bootstrap, p.seed, p.max_tokens, p.out, p.force,
+                          p.quiet)
 
 
 def show(res: Any, p: Any) -> None:
-    if p.quiet:
-        return
     import typer
 
     from moetool.experiments.fluctuation.compute import summary_lines

@@ -13,8 +13,9 @@ A command may add what is its own in ``moetool/commands/<name>.py`` (``-`` as ``
 * ``check(p, opts) -> dict``: checks before anything loads (one line each), returning more keywords of
   :func:`moetool.run` (``inputs``: the compute function's own, e.g. a task plan; ``manifest``; ``call``);
 * ``on_trace(p, opts)``: the analysis on recorded routing (``--trace``) instead of a forward;
-* ``show(res, p)``: its console output (default: the summary table under the spec's ``title``), returning the path
-  the command names at its end (``None``: the run folder);
+* ``show(res, p)``: its console output (default: the summary table under the spec's ``title``), none under
+  ``--quiet`` (:func:`moetool.commands.cli.finish`); ``written(res, p)``: the path the command names at its end
+  (default: the run folder);
 * ``main(p)``: the whole body, for an experiment that is not a run of a model (``plan`` reads a config).
 
 ``p`` is the command's parameters as attributes (:class:`types.SimpleNamespace`).
@@ -35,7 +36,7 @@ import typer
 from moetool.experiments.experiment import check_seed
 from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag
 
-from .cli import echo_run, handle_errors, parse_layers, parse_list
+from .cli import finish, handle_errors, parse_layers, parse_list
 from .flags import GROUPS, NAMED, standard
 
 #: standard parameters that are fields of the experiment's options (when its dataclass has them)
@@ -172,21 +173,22 @@ def run(spec: Experiment, params: dict[str, Any]) -> None:
 
         more["inputs"] = {**more.get("inputs", {}), "plan": plan_tasks(opts.tasks, opts.include_path)}
     res = moetool.run(spec.name, model, options=opts, **{k: params[k] for k in TO_RUN if k in params}, **more)
-    shown = own.show(res, p) if hasattr(own, "show") else show(spec, res, model)
-    echo_run(shown or res.path)  # a command's show may name a file of the run instead of its folder
+    finish(res, own.written(res, p) if hasattr(own, "written") else res.path, getattr(p, "quiet", False),
+           lambda: own.show(res, p) if hasattr(own, "show") else show(spec, res, model))
 
 
 def show(spec: Experiment, res: Any, model: Any) -> None:
-    """The default console output: the summary table under the spec's title (long tables point to its CSV)."""
+    """The default console output: the summary table under the spec's title (long tables point to its CSV); none
+    for a run without one (trace: its file is the output)."""
     from moetool.report.console import print_table
 
+    if res.summary is None:
+        return
     tokens = f" ({res.tokens.n_tokens:,} tokens)" if res.tokens is not None else ""
     title = f"{spec.title or spec.name}: {model}{tokens}"
     csv = spec.summary_csv or next((name for name, df in res.tables.items() if df is res.summary),
                                    next(iter(res.tables)))
     print_table(res.summary, title, csv=csv)
-    for what, why in (res.meta.get("left_out") or {}).items():  # a table or rows the run does not write, and why
-        typer.echo(f"left out: {what} ({why})")
 
 
 def make(spec: Experiment) -> Any:

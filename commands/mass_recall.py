@@ -6,8 +6,6 @@ from typing import Any
 
 
 def show(res: Any, p: Any) -> None:
-    if p.quiet:
-        return
     from moetool.report.console import print_table, with_ci
 
     print_table(with_ci(res.summary), f"mass recall: {p.model} ({res.tokens.n_tokens:,} tokens)",

@@ -10,12 +10,10 @@ def on_trace(p: Any, opts: Any) -> None:
     from .trace_input import not_default, offload_on_trace, refuse
 
     refuse({"--data": p.data, **not_default("offload", p, "model")})  # the trace's model (--max-tokens caps it)
-    offload_on_trace(p.trace, p.trace_config, opts, p.max_tokens, p.out, p.force)
+    offload_on_trace(p.trace, p.trace_config, opts, p.max_tokens, p.out, p.force, p.quiet)
 
 
 def show(res: Any, p: Any) -> None:
-    if p.quiet:
-        return
     from moetool.report.console import format_ci, print_table
 
     print_table(res.summary, f"expert cache: {p.model} ({res.tokens.n_tokens:,} tokens; hit rate = mean over layers, "

@@ -80,10 +80,9 @@ Seed = Annotated[int, typer.Option("--seed", help="Seed of every random choice."
 Layers = Annotated[Optional[str], typer.Option("--layers", help="MoE layers the command acts on (decoder "
                                                "indices): where the policy replaces routing, or the layers an "
                                                "analysis covers; e.g. '0,2,5-7' (default: every MoE layer).")]
-#: the commands whose --quiet also leaves out their console tables (their show() returns at once; tests/test_help.py)
-QUIET_NO_TABLES = ("approx", "erc", "fluctuation", "mass-recall", "offload", "plan", "super-experts")
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; " + ", ".join(QUIET_NO_TABLES)
-                                     + " also print no console tables (every table is in the run folder).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars and no console tables (every table "
+                                     "is in the run folder): only notes and warnings, what the run left out, and "
+                                     "the line naming what it wrote.")]
 Bootstrap = Annotated[int, typer.Option("--bootstrap", min=0, max=MAX_BOOTSTRAP, help="Replicates of the document-level bootstrap "
                                         "over packed rows (seeded by --seed) for 95% intervals: *_lo/*_hi CSV "
                                         "columns, error bars, 'value ± half-width' in tables ('value [lo, hi]' where the "

@@ -64,4 +64,5 @@ def on_trace(p: Any, opts: Any) -> None:
 
     refuse({"--data": p.data, "--reference-data": p.reference_data, "--reference-model": p.reference_model,
             **not_default("placement", p, "model", "max_tokens")})  # the trace's model and every token it holds
-    placement_on_trace(p.trace, p.trace_config, dataclasses.replace(opts, bootstrap=0), p.out, p.force, p.export)
+    placement_on_trace(p.trace, p.trace_config, dataclasses.replace(opts, bootstrap=0), p.out, p.force, p.export,
+                       p.quiet)

@@ -19,7 +19,8 @@ def on_trace(p: Any, opts: Any) -> None:
 
     refuse({"--data": p.data, "--resume": p.resume, "--no-special-tokens": p.no_special_tokens, "--layers": p.layers,
             **not_default("stats", p, "model", "max_tokens")})  # the trace's model and every token it holds
-    stats_on_trace(p.trace, p.trace_config, dataclasses.replace(opts, bootstrap=0), p.out, p.force)
+    stats_on_trace(p.trace, p.trace_config, dataclasses.replace(opts, bootstrap=0), p.out, p.force,
+                   p.quiet)
 
 
 def show(res: Any, p: Any) -> None:

@@ -8,8 +8,6 @@ from typing import Any
 def show(res: Any, p: Any) -> None:
     """The ablation table, then which experts are super (and, where the rule could pick only the largest maximum,
     that it was degenerate): the run's headline lines, without the one that repeats the table."""
-    if p.quiet:
-        return
     import typer
 
     from moetool.experiments.super_experts.compute import summary_lines
@@ -20,5 +18,3 @@ def show(res: Any, p: Any) -> None:
     for line in summary_lines(p.model, res):
         if not line.lstrip().startswith("removed:"):
             typer.echo(line)
-    for what, why in (res.meta.get("left_out") or {}).items():
-        typer.echo(f"left out: {what} ({why})")

@@ -27,5 +27,5 @@ def check(p: Any, opts: Any) -> dict[str, Any]:
     return {"manifest": {"format": p.format}, "call": call}
 
 
-def show(res: Any, p: Any) -> Any:
+def written(res: Any, p: Any) -> Any:
     return res.path / f"trace.{p.format}"  # the command names the trace file, not the folder

@@ -7,9 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-import typer
-
-from .cli import echo_run
+from .cli import finish
 
 
 def refuse(flags: dict[str, Any]) -> None:
@@ -38,7 +36,7 @@ def _run(command: str, out: Any, force: bool) -> Any:
     return RunDir.create(command, out, force)
 
 
-def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, force: bool) -> None:
+def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, force: bool, quiet: bool) -> None:
     from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
 
@@ -47,14 +45,11 @@ def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, forc
     res, _ = analyse("stats", [trace], config, opts)
     run = _run("stats", out, force)
     write_result(res, run, options={"trace": str(trace), "trace_config": config})
-    for what, why in res.meta["left_out"].items():
-        typer.echo(f"left out: {what} ({why})")
-    print_table(res.summary, title=f"{trace}", csv="layers.csv")
-    echo_run(run.path)
+    finish(res, run.path, quiet, lambda: print_table(res.summary, title=f"{trace}", csv="layers.csv"))
 
 
 def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, force: bool,
-                       export: Optional[str]) -> None:
+                       export: Optional[str], quiet: bool) -> None:
     from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
     from moetool.traces.store import open_trace
@@ -67,14 +62,12 @@ def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, 
     if export:
         write_export_file(run, export, loads, opts, src.shape)
     write_result(res, run, options={"trace": str(trace), "trace_config": config, "export": export})
-    print_table(res.summary, f"per-GPU load imbalance (max/mean): {trace}", csv="placement_overall.csv")
-    for what, why in res.meta["left_out"].items():
-        typer.echo(f"left out: {what} ({why})")
-    echo_run(run.path)
+    finish(res, run.path, quiet, lambda: print_table(res.summary, f"per-GPU load imbalance (max/mean): {trace}",
+                                                     csv="placement_overall.csv"))
 
 
 def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: Optional[int], out: Any,
-                     force: bool) -> None:
+                     force: bool, quiet: bool) -> None:
     from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
 
@@ -83,14 +76,12 @@ def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: 
     res, _ = analyse("offload", [trace], config, opts, max_tokens)
     run = _run("offload", out, force)
     write_result(res, run, options={"trace": str(trace), "trace_config": config, "max_tokens": max_tokens})
-    for what, why in res.meta["left_out"].items():
-        typer.echo(f"left out: {what} ({why})")
-    print_table(res.summary, f"expert cache hit rate: {trace}", csv="offload_cache.csv")
-    echo_run(run.path)
+    finish(res, run.path, quiet, lambda: print_table(res.summary, f"expert cache hit rate: {trace}",
+                                                     csv="offload_cache.csv"))
 
 
 def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: str, bootstrap: int, seed: int,
-                          max_tokens: Optional[int], out: Any, force: bool) -> None:
+                          max_tokens: Optional[int], out: Any, force: bool, quiet: bool) -> None:
     from moetool.experiments.fluctuation.compute import FluctuationOptions
     from moetool.experiments.trace_analyses import analyse
     from moetool.report.console import print_table
@@ -102,10 +93,8 @@ def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: 
     run = _run("fluctuation", out, force)
     write_result(res, run, options={"traces": [str(t) for t in traces], "trace_config": config,
                                     "max_tokens": max_tokens})
-    for what, why in res.meta["left_out"].items():
-        typer.echo(f"left out: {what} ({why})")
-    print_table(res.summary, "routing change between recorded routings (mean over layers)", csv="fluctuation.csv")
-    echo_run(run.path)
+    finish(res, run.path, quiet, lambda: print_table(
+        res.summary, "routing change between recorded routings (mean over layers)", csv="fluctuation.csv"))
 
 
 def write_export_file(run: Any, export: str, loads: dict[str, Any], opts: Any, shape: Any) -> None:

@@ -244,7 +244,7 @@ def import_trace(sources: Iterable[str | Path], config: str, out: str | Path | N
                             "order": dump.order, "weights": "none (the engine records expert ids only)",
                             "read_as": readers.SOURCES[dump.format],
                             "engine_version": dump.describe_version(), "notes": dump.notes,
-                            "shape": shape.to_manifest(), **written})
+                            "shape": shape.to_manifest(), **written}, definitions=store.DEFINITIONS)
     run.finish(options={"sources": sources, "format": format, "config": config})
     return run.path / name
 

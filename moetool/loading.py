@@ -381,10 +381,19 @@ def read_config(source: str, from_hub: dict[str, Any] | None = None, *,
       (:func:`native_model_type`), from the same fields as AutoConfig reads them (``from_dict``:
       ``quantization_config`` and every other field kept), ``auto_map`` dropped; one notice line on stderr;
     * ``remote``: other remote code, run only with ``trust_remote_code``, else one line.
+
+    config.json is read once for a native config: AutoConfig with ``trust_remote_code=False`` first (it never runs
+    a checkpoint's code then, nor asks on stdin: remote code without a native class is its ``ValueError``); only
+    when it refuses are the fields read to tell the other cases (and its other errors, a network's, pass as they
+    are).
     """
     from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
     from_hub = from_hub or {}
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=False, **from_hub), "native"
+    except ValueError:  # remote code transformers has no class for, or a config it cannot read: decided below
+        pass
     config_dict, unused = PretrainedConfig.get_config_dict(source, **from_hub)
     model_type = config_dict.get("model_type")
     remote = bool((config_dict.get("auto_map") or {}).get("AutoConfig"))

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import build_tiny_model, feed
 from typer.testing import CliRunner
 
@@ -654,13 +655,22 @@ def router_top1s(model, ids, family):
     """Per MoE layer, in order, ``(top-1 by selection score, top-1 by largest weight)`` ``[T]`` of a plain forward
     (no moetool hook): forward hooks on the model's own router modules, their outputs read as above."""
     cls, scores = ROUTERS[family]
+
+    def read(m, out):
+        idx = out[2].reshape(-1, out[2].shape[-1])
+        s = scores(out, m).reshape(idx.shape[0], -1)
+        return (idx.gather(-1, s.gather(-1, idx).argmax(-1, keepdim=True))[:, 0],
+                idx.gather(-1, out[1].reshape(idx.shape).float().argmax(-1, keepdim=True))[:, 0])
+    return router_outputs(model, ids, (cls,), read)
+
+
+def router_outputs(model, ids, classes, read):
+    """Per router module of a class named in ``classes``, in order, ``read(module, its output)`` of a plain forward
+    of ``ids`` (forward hooks on the model's own routers, removed after)."""
     got, hooks = [], []
-    for mod in (m for m in model.modules() if type(m).__name__ == cls):
+    for mod in (m for m in model.modules() if type(m).__name__ in classes):
         def hook(m, a, out, slot=len(got)):
-            idx = out[2].reshape(-1, out[2].shape[-1])
-            s = scores(out, m).reshape(idx.shape[0], -1)
-            got[slot] = (idx.gather(-1, s.gather(-1, idx).argmax(-1, keepdim=True))[:, 0],
-                         idx.gather(-1, out[1].reshape(idx.shape).float().argmax(-1, keepdim=True))[:, 0])
+            got[slot] = read(m, out)
         got.append(None)
         hooks.append(mod.register_forward_hook(hook))
     with torch.no_grad():
@@ -731,3 +741,54 @@ def test_under_prune_the_top1_is_the_biased_routers_first_ranked_kept_expert():
         by_pi = idx.gather(-1, pruned_pi.gather(-1, idx).masked_fill(w == 0, -1.0).argmax(-1, keepdim=True))[:, 0]
         differs += int((by_pi != top1).sum())
     assert len(got) == len(layers) and differs > 0  # the test bites: the unbiased pruned π ranks otherwise
+
+
+def test_top1_on_hash_routed_layers_is_the_heaviest_of_the_token_ids_experts():
+    """DeepSeek-V4's first layers are hash-routed: the experts are the token id's row of a fixed table
+    (``tid2eid``), weighted by sqrtsoftplus of the logits renormalised; no score selects them, so their top-1 is the
+    chosen expert of largest weight (``selection_scores`` there: the scores the weights are). The tiny model fp32
+    against bf16, by hand from the model's own routers' outputs (forward hooks, no moetool hook): top1_change per
+    layer is the share of tokens whose heaviest expert differs (hash layers 0-2: 0, 0, 4 of 512; layer 3, routed by
+    sqrtsoftplus + correction bias: the biased scores' first, 5 of 512); a hash layer's set never changes
+    (topk_change 0), so reading its top-1 in the table's column order gives 0 there: the test bites. moetool trace's
+    expert_1 on the same rows is that heaviest expert too."""
+    from types import SimpleNamespace
+
+    from moetool.adapters.tiny import build_tiny
+    from moetool.experiments.fluctuation.compute import fluctuation
+    from moetool.experiments.trace.compute import trace
+
+    model = build_tiny("deepseek_v4", seed=0)
+    assert model.config.mlp_layer_types == ["hash_moe", "hash_moe", "hash_moe", "moe"]  # the case
+    ids = torch.randint(3, model.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(3))
+
+    def read(r, out):  # per MoE layer: (chosen [T, K], top-1 by hand [T])
+        idx = out[2].reshape(-1, out[2].shape[-1])
+        if hasattr(r, "tid2eid"):  # the table's row, ranked by the weights the router returns
+            assert torch.equal(idx, r.tid2eid[ids.reshape(-1)])
+            rank = out[1].reshape(idx.shape).float()
+        else:  # selected on sqrtsoftplus(logits) + the correction bias
+            s = F.softplus(out[0].float()).sqrt() + r.e_score_correction_bias.float()
+            rank = s.reshape(idx.shape[0], -1).gather(-1, idx)
+        return idx, idx.gather(-1, rank.argmax(-1, keepdim=True))[:, 0]
+
+    lms, hand = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        m = copy.deepcopy(model).to(dtype)
+        hand.append(router_outputs(m, ids, ("DeepseekV4HashRouter", "DeepseekV4TopKRouter"), read))
+        lms.append(SimpleNamespace(model=m, layers=find_moe_layers(m), tokenizer=None, name=str(dtype),
+                                   config=m.config))
+    assert [bool(L.hash_routed) for L in lms[0].layers] == [True, True, True, False]
+    tokens = TokenSet(ids, torch.ones_like(ids), [""] * 8, "test")
+    df = fluctuation(lms, tokens, bootstrap=0, routing=("router",), batch_size=8, quiet=True)["fluctuation"]
+    assert list(df.layer) == [0, 1, 2, 3] and (df.tokens == ids.numel()).all()
+    expect = [float((a[1] != b[1]).double().mean()) for a, b in zip(*hand)]
+    assert list(df.top1_change) == pytest.approx(expect, abs=1e-12)
+    assert expect[2] == 4 / 512 and expect[3] == 5 / 512  # hash layer 2 has changes: the case is not all zeros
+    for li in range(3):  # a hash layer's set is its table's: no precision changes it
+        assert torch.equal(hand[0][li][0], hand[1][li][0]) and df.topk_change[li] == 0
+    assert df.top1_change[2] != float((hand[0][2][0][:, 0] != hand[1][2][0][:, 0]).double().mean())  # bites
+    tr = trace(lms[0], tokens, quiet=True)["trace"]
+    for li, (_, top1) in enumerate(hand[0]):
+        rows = tr[tr.layer == li].sort_values(["row", "pos"])
+        assert rows.expert_1.tolist() == top1.tolist()

@@ -22,7 +22,7 @@ from moetool.experiments.registry import EXPERIMENTS, Experiment, Flag
 runner = CliRunner()
 SPECS = list(EXPERIMENTS.values())
 #: what a command's own module may define (commands/generated.py's docstring), beside private helpers
-HOOKS = {"PARAMS", "WITHOUT", "model", "check", "on_trace", "show", "main"}
+HOOKS = {"PARAMS", "WITHOUT", "model", "check", "on_trace", "show", "written", "main"}
 
 
 def test_every_experiment_command_is_generated():

@@ -37,10 +37,13 @@ RUNS = {  # command -> its arguments (small, no bootstrap: the files are the poi
     "placement": ["placement", *SMALL, "--gpus", "2,4"],
     "prune": ["prune", *SMALL, "--bootstrap", "0", "--fractions", "0.25", "--criteria", "reap", "--ablate", "1",
               "--tasks", "moetool_code", "--limit", "2"],  # prune_eval.csv, figures/prune_accuracy: the shipped task
+    "eval": ["eval", "--tasks", "moetool_code", "--limit", "2"],  # the shipped offline task
 }
-NOT_RUN = {"eval": "lm-eval's tasks: tests/test_eval.py checks its files"}
 RUNS.update({name: [name, *SMALL, *spec.sample] for name, spec in EXPERIMENTS.items()  # the others: their sample
-             if name not in RUNS and name not in NOT_RUN})
+             if name not in RUNS})
+#: import-trace of an engine's dump: a per-token one writes trace.parquet, a counts-only one loads.parquet (each run
+#: writes one of the two its --help names, so only the every-column test runs them)
+IMPORTS = ("import-trace", "import-trace-loads")
 #: named by --help but written only with an option these runs do not take
 CONDITIONAL = {"trace": {"trace.parquet"},  # --format parquet
                "norm-select": {"aoe_table1.csv"},  # lm-eval --tasks scored by acc
@@ -50,6 +53,7 @@ FIGURE = re.compile(r"figures/([a-z0-9_]+)")
 TEMPLATE = re.compile(r"[\w/.-]*<\w+>[\w/<>.-]*\.(?:csv|tex|png|pdf)")
 
 _done: dict[str, Path] = {}
+_printed: dict[str, str] = {}  # what each run printed (every run but report's takes -q)
 
 
 def one_worker(commands) -> list:
@@ -60,13 +64,32 @@ def one_worker(commands) -> list:
             for c in commands]
 
 
+def dump(kind: str, root: Path) -> Path:
+    """An engine's routing dump of the embedded model's shape (4 MoE layers, 8 experts, top-2): vLLM's
+    ``routed_experts`` of one 16-token request (.npy), or SGLang's legacy counts CSV."""
+    import numpy as np
+
+    if kind == "import-trace-loads":
+        (root / "dump.csv").write_text("layer_id,expert_id,count\n" + "".join(f"{li},{e},{2 * (e + 1)}\n"
+                                                                            for li in range(4) for e in range(8)))
+        return root / "dump.csv"
+    rng = np.random.default_rng(0)
+    np.save(root / "dump.npy", np.stack([[rng.permutation(8)[:2] for _ in range(4)] for _ in range(16)]).astype(np.uint8))
+    return root / "dump.npy"
+
+
 def run_dir(command: str, tmp_path_factory) -> Path:
+    if command in IMPORTS and command not in _done:
+        root = tmp_path_factory.mktemp(command)
+        r = runner.invoke(app, ["import-trace", str(dump(command, root)), "--config", "tiny", "--out", str(root / "run")])
+        assert r.exit_code == 0, r.output
+        _done[command] = root / "run"
     if command not in _done:
         out = tmp_path_factory.mktemp(command) / "run"
         args = (RUNS[command] if command != "report" else ["report", str(run_dir("stats", tmp_path_factory))])
         r = runner.invoke(app, [*args, "--out", str(out), *(["-q"] if command != "report" else [])])
         assert r.exit_code == 0, r.output
-        _done[command] = out
+        _done[command], _printed[command] = out, r.output
     return _done[command]
 
 
@@ -129,20 +152,40 @@ def test_help_names_only_columns_a_run_writes(command, tmp_path_factory):
     assert not wrong, f"{command} --help names columns its tables do not have: {wrong}"
 
 
-@pytest.mark.parametrize("command", one_worker([c for c in RUNS if c != "report"]))
+@pytest.mark.parametrize("command", one_worker([*(c for c in RUNS if c != "report"), *IMPORTS]))
 def test_every_column_a_run_writes_has_a_definition(command, tmp_path_factory):
-    """Every column of every table a run writes (``.csv``, ``.csv.gz``) has a definition: the report page's header
-    tooltip, :func:`moetool.report.page.column_definition` of the manifest's ``definitions`` -- no allow-list (the
-    newcomer's stats run found ``uniform_token_fraction``, ``mean_max_p``, ``mutual_information``, ``lift``,
-    ``share`` and ``specialization_all_ids`` with none)."""
+    """Every column of every table a run writes (``.csv``, ``.csv.gz``, ``.parquet``) has a definition: the report
+    page's header tooltip, :func:`moetool.report.page.column_definition` of the manifest's ``definitions`` -- no
+    allow-list (the newcomer's stats run found ``uniform_token_fraction``, ``mean_max_p``, ``mutual_information``,
+    ``lift``, ``share`` and ``specialization_all_ids`` with none; eval.csv's ``task`` and ``value`` had none, and an
+    import-trace manifest no definitions at all)."""
     import pandas as pd
+    import pyarrow.parquet as pq
 
     from moetool.report.page import column_definition
 
     out = run_dir(command, tmp_path_factory)
-    defs = json.loads((out / "manifest.json").read_text())["definitions"]
-    tables = [f for f in written(out) if f.endswith((".csv", ".csv.gz"))]
+    defs = json.loads((out / "manifest.json").read_text()).get("definitions")
+    tables = [f for f in written(out) if f.endswith((".csv", ".csv.gz", ".parquet"))]
     assert tables, f"{command} wrote no table"
-    undefined = [f"{f}:{c}" for f in tables for c in pd.read_csv(out / f, nrows=0).columns
+
+    def columns(f: str) -> list[str]:
+        return pq.read_schema(out / f).names if f.endswith(".parquet") else list(pd.read_csv(out / f, nrows=0).columns)
+
+    undefined = [f"{f}:{c}" for f in tables for c in columns(f)
                  if not column_definition(defs, f.split("/")[-1].split(".", 1)[0], c)]
     assert not undefined, f"{command}: columns without a definition: {undefined}"
+
+
+@pytest.mark.parametrize("command", one_worker([c for c in RUNS if c != "report"]))
+def test_quiet_prints_no_table_only_notes_and_what_was_written(command, tmp_path_factory):
+    """--quiet (every run here is given -q): no progress bars and no console tables, only ``note:``, warning and
+    ``left out:`` lines and the line naming what the run wrote, last. Before, 7 commands (approx, erc, fluctuation,
+    mass-recall, offload, plan, super-experts) printed no table under it and the others printed theirs: a log kept
+    clean with -q held stats', ppl's, eval's... tables and not erc's."""
+    out = run_dir(command, tmp_path_factory)
+    lines = [ln for ln in _printed[command].splitlines() if ln.strip()]
+    named = out / "trace.csv.gz" if command == "trace" else out  # trace names its trace file
+    assert lines and lines[-1] == f"results in {named}", _printed[command]
+    other = [ln for ln in lines[:-1] if not ln.startswith(("note: ", "warning", "left out: "))]
+    assert not other, f"{command} -q printed more than notes and the run folder:\n" + "\n".join(other)

@@ -18,6 +18,7 @@ from moetool.data import TokenSet
 from moetool.experiments.ppl.compute import PPL_COLUMNS, ppl_frame
 from moetool.experiments.routing import perplexity
 from moetool.policies import build_policy
+from moetool.uncertainty import RowTable
 
 
 
@@ -50,11 +51,11 @@ def test_policy_and_layers_change_perplexity_only_where_asked():
     router = perplexity(lm, tokens, batch_size=2, quiet=True)
     norm = build_policy("norm:gate", weights="uniform")
     every = perplexity(lm, tokens, policy=norm, batch_size=2, quiet=True)
-    one = perplexity(lm, tokens, policy=norm, policy_layers=[3], batch_size=2, quiet=True)
+    one = perplexity(lm, tokens, policy=norm, policy_layers=[3], batch_size=2, quiet=True, rows=RowTable(tokens))
     none = perplexity(lm, tokens, policy=norm, policy_layers=[], batch_size=2, quiet=True)
     assert none.nll.nll_sum == router.nll.nll_sum
     assert len({router.perplexity, every.perplexity, one.perplexity}) == 3
-    df = ppl_frame(one, model="m", data="d", routing=norm.name, weights="uniform", layers=[3])
+    df = ppl_frame(one, model="m", data="d", routing=norm.name, weights="uniform", layers=[3], n_boot=0, seed=0)
     assert list(df.columns) == list(PPL_COLUMNS)
     assert df.loc[0, "layers"] == "3" and df.loc[0, "perplexity"] == pytest.approx(math.exp(df.loc[0, "nll_mean"]))
 
@@ -170,22 +171,35 @@ def test_data_name_is_the_files_stem_or_heldout():
         ["wiki", "corpus.txt", "shards", "heldout", "heldout"]
 
 
-def test_ppl_columns_places_each_bound_beside_its_value_and_nan_where_none():
-    """The one builder of a perplexity table's columns (ppl, topk, capacity, prune, super-experts): the forwards'
-    perplexity and ratio, the bounds of ppl_intervals, NaN where it gives none, ``between`` before the ratio."""
-    from types import SimpleNamespace
-
+def test_ppl_columns_computes_the_bounds_of_the_pair_it_is_given():
+    """The one builder of a perplexity table's columns (ppl, topk, capacity, prune, super-experts) computes their
+    bounds itself -- before, each caller called ppl_intervals and passed its dict in a second step, so a table could
+    get no bounds (NaN, read as "no interval" under --bootstrap 1000) or another pair's. The forwards' perplexity
+    and ratio, each bound beside its value, ``between`` before the ratio; the bounds by hand from the runs' per-row
+    sums (the document-level bootstrap of uncertainty), NaN with n_boot=0 or without a base."""
+    from moetool import distributed
     from moetool.experiments.routing import ppl_columns
+    from moetool.uncertainty import ppl_ratio_interval, ratio_intervals
 
-    run, base = SimpleNamespace(perplexity=30.0), SimpleNamespace(perplexity=20.0)
-    ci = {"perplexity": 29.0, "perplexity_lo": 25.0, "perplexity_hi": 35.0, "ratio": 1.4, "ratio_lo": 1.2,
-          "ratio_hi": 1.7}
-    cols = ppl_columns(run, base, ci, between={"delta_ppl": 10.0})
+    lm, tokens = _LM(), _rows_tokens()
+    shard = distributed.shard(tokens, 3)
+    base = perplexity(lm, shard, batch_size=3, quiet=True, rows=RowTable(shard))
+    run = perplexity(lm, shard, policy=build_policy("norm:gate"), policy_layers=[3], batch_size=3, quiet=True,
+                     rows=RowTable(shard))
+    cols = ppl_columns(run, base, n_boot=200, seed=4, between={"delta_ppl": 10.0})
     assert list(cols) == ["perplexity", "perplexity_lo", "perplexity_hi", "delta_ppl", "ratio", "ratio_lo",
                           "ratio_hi"]
-    assert [cols[c] for c in cols] == [30.0, 25.0, 35.0, 10.0, 1.5, 1.2, 1.7]  # values the runs', bounds ci's
-    bare = ppl_columns(run)  # no router run, no intervals (bootstrap 0)
-    assert bare["perplexity"] == 30.0 and all(math.isnan(bare[c]) for c in bare if c != "perplexity")
+    nll, base_nll, cnt = run.rows.table("nll"), base.rows.table("nll"), run.rows.table("scored")
+    p = ratio_intervals(nll, cnt, n_boot=200, seed=4, transform=np.exp)[0]
+    r = ppl_ratio_interval(nll, base_nll, cnt, n_boot=200, seed=4)
+    assert [cols[c] for c in cols] == pytest.approx([run.perplexity, p.lo, p.hi, 10.0,
+                                                     run.perplexity / base.perplexity, r.lo, r.hi], rel=1e-12)
+    assert cols["perplexity_lo"] < cols["perplexity_hi"] and cols["ratio_lo"] < cols["ratio_hi"]
+    off = ppl_columns(run, base, n_boot=0, seed=4)
+    assert off["ratio"] == cols["ratio"] and all(math.isnan(off[c]) for c in off if c.endswith(("_lo", "_hi")))
+    alone = ppl_columns(run, n_boot=200, seed=4)  # no router run: its perplexity's bounds, no ratio
+    assert (alone["perplexity_lo"], alone["perplexity_hi"]) == pytest.approx((p.lo, p.hi), rel=1e-12)
+    assert all(math.isnan(alone[c]) for c in ("ratio", "ratio_lo", "ratio_hi"))
 
 
 @pytest.mark.slow

@@ -378,3 +378,35 @@ def test_an_unknown_model_type_without_remote_code_is_not_read_as_its_architectu
     with pytest.raises(MoetoolError, match="cannot read the config of"):
         load_config(str(tmp_path))
     assert "remote code" not in capsys.readouterr().err
+
+
+def test_a_native_config_json_is_read_once(kimi, tmp_path, monkeypatch):
+    """``read_config`` read a native checkpoint's config.json twice (its fields to tell native from remote code,
+    then AutoConfig again; on the Hub a second request): now once, AutoConfig's own read, with the same config. The
+    cases that need the fields read them after AutoConfig refuses (Kimi's kimi_k2: read as deepseek_v3 with every
+    field; remote code without a native class: refused untrusted, its own class trusted)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from moetool.loading import read_config
+
+    reads: list[str] = []
+    real = PretrainedConfig._dict_from_json_file.__func__
+
+    def counted(cls, path):
+        reads.append(str(path))
+        return real(cls, path)
+
+    monkeypatch.setattr(PretrainedConfig, "_dict_from_json_file", classmethod(counted))
+    _, original, folder = kimi
+    for source in (EMBEDDED_DIR / "tiny", original):
+        reads.clear()
+        config, how = read_config(str(source))
+        assert how == "native" and reads == [str(source / "config.json")]
+        assert config.to_dict() == AutoConfig.from_pretrained(source).to_dict()
+    config, how = read_config(str(folder))
+    assert how == "architecture" and config.model_type == "deepseek_v3"
+    remote = _remote_model_folder(tmp_path)
+    with pytest.raises(MoetoolError, match="trust-remote-code"):
+        read_config(str(remote))
+    config, how = read_config(str(remote), trust_remote_code=True)
+    assert how == "remote" and type(config).__name__ == "FooMoeConfig"

@@ -95,16 +95,17 @@ def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_bo
     return out
 
 
-def ppl_columns(run: ForwardResult, base: ForwardResult | None = None, intervals: dict[str, Any] | None = None, *,
+def ppl_columns(run: ForwardResult, base: ForwardResult | None = None, *, n_boot: int, seed: int,
                 between: dict[str, Any] | None = None) -> dict[str, Any]:
     """A perplexity table's columns of one run (ppl, topk, capacity, prune, super-experts), in their order:
     ``perplexity, perplexity_lo, perplexity_hi, *between, ratio, ratio_lo, ratio_hi``. The values are the
     forwards' own (``run.perplexity``, ``run.perplexity / base.perplexity``; NaN without a ``base``), the bounds
-    ``intervals``' (:func:`ppl_intervals` of the same runs; NaN where it gives none: ``n_boot=0``, one row, no
-    ``base``, or no ``intervals``). ``between``: the columns a table places between the two (capacity's
-    ``router_perplexity``, super-experts' ``delta_ppl``)."""
+    :func:`ppl_intervals`' of the same ``run`` and ``base`` (``n_boot`` resamples, ``seed``; NaN where it gives
+    none: ``n_boot=0``, one row, no ``base``), computed here: one call, so no table gets another pair's bounds or
+    none. ``between``: the columns a table places between the two (capacity's ``router_perplexity``,
+    super-experts' ``delta_ppl``)."""
     nan = float("nan")
-    ci = intervals or {}
+    ci = ppl_intervals(run, base, n_boot=n_boot, seed=seed)
     return {"perplexity": run.perplexity, "perplexity_lo": ci.get("perplexity_lo", nan),
             "perplexity_hi": ci.get("perplexity_hi", nan), **(between or {}),
             "ratio": run.perplexity / base.perplexity if base is not None else nan,

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import MoetoolError, first_line, spans
+from ..experiments.result import SHARED_DEFINITIONS
 from ..files import table_problem
 from .readers import Chunk, Counts, check_ids
 from .shape import ModelShape
@@ -30,6 +31,25 @@ from .shape import ModelShape
 TRACE = "trace.parquet"
 LOADS = "loads.parquet"
 ROWS_PER_READ = 1 << 16  # Parquet rows per streamed read
+
+#: the columns of what import-trace writes (the manifest's definitions): trace.parquet, moetool trace's schema read
+#: from an engine's dump, and loads.parquet
+DEFINITIONS = {
+    "row": "the request (vllm, sglang-routed), the sequence of one forward pass (sglang-dump per_token) or the step's "
+           "forward (megatron) the token belongs to, numbered from 0 in the order the files were read",
+    "pos": "the token's position in its row, 0-based (sglang-dump per_token: the positions the dump records)",
+    "token_id": "the token's id in the vocabulary of --config as the dump records it; -1 where the dump has no token "
+                "ids",
+    "domain": "empty: an engine's dump has no domains (the column keeps moetool trace's schema)",
+    "layer": "index of the MoE layer in the model's layer numbering (the decoder layer index of --config); trace rows "
+             "are layer-major within each chunk read",
+    "expert_<k>": "the k-th expert the engine recorded for the token (logical ids) in the engine's order: its "
+                  "router's top-K order, except megatron's, sorted by expert id (manifest: routing_source.order)",
+    "weight_<k>": "NaN: the engines record expert ids only, no gate weights",
+    "expert": SHARED_DEFINITIONS["expert"],
+    "count": "loads.parquet: the dump's assignments of a token to the expert in the layer (each of a token's top-K "
+             "choices counts once; several files, one per rank, summed)",
+}
 
 
 def chunk_columns(chunk: Chunk, layers: list[int]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ...context import state as run_state
 from ...errors import MoetoolError, MoetoolRuntimeError
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals, zero_computation_meta
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import DEFAULT_CFS, CapacityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -137,10 +137,10 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
         _check_batches(opts.batch_size)
         counter.merge_across_ranks()
         lay, exp = counter.rows()
-        ci = ppl_intervals(run, base, n_boot=opts.bootstrap, seed=opts.seed)
         assigned, dropped = sum(r["assignments"] for r in lay), sum(r["dropped"] for r in lay)
         table.append({"cf": cf, "order": order, "scored_tokens": run.nll.tokens,
-                      **ppl_columns(run, base, ci, between={"router_perplexity": base.perplexity}),
+                      **ppl_columns(run, base, n_boot=opts.bootstrap, seed=opts.seed,
+                                    between={"router_perplexity": base.perplexity}),
                       "assignments": assigned, "dropped": dropped, "dropped_frac": dropped / assigned,
                       "tokens_dropped_all_frac": sum(r["tokens_dropped_all"] for r in lay)
                       / sum(r["tokens"] for r in lay)})

@@ -412,7 +412,10 @@ INTERVAL_DEFINITION = ("95% interval of the metric: a proportion (acc, acc_norm,
                        "group's unweighted mean of its subtasks), always inside [0, 1]; any other metric value ∓ 1.96 stderr "
                        "(lm-eval's normal approximation); NaN without a stderr or an item count")
 
-EVAL_DEFINITIONS = {"metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
+EVAL_DEFINITIONS = {"task": "the lm-eval task (or group of tasks) the metric was scored on (--tasks)",
+                    "metric": "lm-eval's metric name ([filter] appended when the filter is not 'none')",
+                    "value": "the metric lm-eval reports for the task over the items it scored (--limit: at most that "
+                             "many per task), every forward routed by --routing in --layers",
                     "stderr": "lm-eval's standard error of the metric (NaN when it reports none)",
                     "value_lo": INTERVAL_DEFINITION, "value_hi": INTERVAL_DEFINITION}
 

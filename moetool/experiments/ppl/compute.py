@@ -15,7 +15,7 @@ from ...engine.hooks import select_layers
 from ...engine.runner import ForwardResult
 from ...uncertainty import bootstrap_meta
 from ..result import Result, resolve_options
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns
 from .spec import PplOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 #: ppl.csv columns, one row per run
@@ -46,16 +46,16 @@ PPL_DEFINITIONS = {
 
 
 def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, weights: str, layers: Any,
-              base: ForwardResult | None = None, intervals: dict[str, Any] | None = None) -> Any:
-    """One-row DataFrame with :data:`PPL_COLUMNS` (``base``: the router run; ``intervals``: :func:`ppl_intervals`;
-    missing ones are NaN)."""
+              base: ForwardResult | None = None, n_boot: int, seed: int) -> Any:
+    """One-row DataFrame with :data:`PPL_COLUMNS` (``base``: the router run, NaN columns without it; the intervals
+    :func:`~moetool.experiments.routing.ppl_columns`', ``n_boot`` resamples)."""
     import pandas as pd
 
     router = base.perplexity if base is not None else float("nan")
     row = {"model": model, "data": data, "routing": routing, "weights": weights,
            "layers": "all" if layers is None else ",".join(str(i) for i in layers),
            "scored_tokens": result.nll.tokens, "nll_mean": result.nll.mean,
-           **ppl_columns(result, base, intervals, between={"router_perplexity": router}),
+           **ppl_columns(result, base, n_boot=n_boot, seed=seed, between={"router_perplexity": router}),
            "seconds": round(result.seconds, 3)}
     return pd.DataFrame([row], columns=list(PPL_COLUMNS))
 
@@ -84,9 +84,8 @@ def ppl(lm: Any, tokens: Any, options: PplOptions | None = None, *, quiet: bool 
     if opts.baseline and policy.name != "router":
         base = perplexity(lm, shard, batch_size=opts.batch_size, quiet=quiet, rows=RowTable(shard),
                           description="router baseline")
-    ci = ppl_intervals(res, base, n_boot=opts.bootstrap, seed=opts.seed)
     df = ppl_frame(res, model=lm.name, data=data_name(tokens.source), routing=policy.name,
-                   weights=policy.weights or "-", layers=layers, base=base, intervals=ci)
+                   weights=policy.weights or "-", layers=layers, base=base, n_boot=opts.bootstrap, seed=opts.seed)
     return Result("ppl", {"ppl.csv": df}, opts,
                   meta=dict(definitions=PPL_DEFINITIONS, data=tokens.describe(), routing=policy.describe(),
                             bootstrap=bootstrap_meta(opts.bootstrap, opts.seed, res.rows.n_rows)),

@@ -46,7 +46,7 @@ from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import eval_rows
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals, zero_computation_meta
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import REAP_WEIGHTS, PruneOptions  # its options (declared with their flags in spec.py)
 
@@ -231,8 +231,8 @@ class _Runs:
 
     def row(self, res: Any) -> dict[str, Any]:
         """tokens, perplexity and the paired ratio to the model's own routing, with bootstrap intervals."""
-        ci = ppl_intervals(res, self.base, n_boot=self.opts.bootstrap, seed=self.opts.seed)
-        return {"scored_tokens": res.nll.tokens, **ppl_columns(res, self.base, ci)}
+        return {"scored_tokens": res.nll.tokens,
+                **ppl_columns(res, self.base, n_boot=self.opts.bootstrap, seed=self.opts.seed)}
 
     def accuracy(self, criterion: str, fraction: float, name: str, res: Any) -> list[dict[str, Any]]:
         """``prune_eval.csv`` rows of one lm-eval run: value and retention against the model's own."""

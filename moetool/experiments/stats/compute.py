@@ -74,6 +74,8 @@ DEFINITIONS = {
                    "contains the expert",
     "expert_tokens": "expert_tokens.parquet (all_tokens): every (layer, expert, token_id) pair seen with its count "
                      "(occurrences of the token whose top-K contains the expert), not truncated",
+    "expert_tokens.count": "occurrences (real tokens) of the token id whose top-K at this layer contains the expert, "
+                           "over all the data (every pair seen: not truncated to top_tokens)",
     "top_tokens": "per expert, the token ids most often routed to it (ranked by count, ties by token id); "
                   "count = occurrences of the token whose top-K contains the expert; share = count / all "
                   "occurrences of the token (sums to K over experts)",

@@ -35,7 +35,7 @@ from ...engine.probes import DEFAULT_BUDGET, routed_absmax
 from ...errors import MoetoolError
 from ...policies.prune import PrunePolicy, random_removed
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns
 from ..result import Result, resolve_options
 from .spec import MAX_RULES, READINGS, SuperExpertsOptions  # its options (declared with their flags there)
 
@@ -253,10 +253,10 @@ def super_experts(lm: Any, tokens: Any, options: SuperExpertsOptions | None = No
                            f"set of the same size exists (raise --percentile or --fraction-of-max)")
 
     def row(ablation: str, res: Any, sets: dict[int, list[int]]) -> dict[str, Any]:
-        ci = ppl_intervals(res, base, n_boot=opts.bootstrap, seed=opts.seed)
         return {"ablation": ablation, "removed": sum(len(v) for v in sets.values()), "experts": _label(sets),
                 "scored_tokens": res.nll.tokens,
-                **ppl_columns(res, base, ci, between={"delta_ppl": res.perplexity - base.perplexity})}
+                **ppl_columns(res, base, n_boot=opts.bootstrap, seed=opts.seed,
+                              between={"delta_ppl": res.perplexity - base.perplexity})}
 
     hashed = [f"{layer}:{e}" for layer, es in removed.items() if getattr(by_index[layer], "hash_routed", False)
               for e in es]

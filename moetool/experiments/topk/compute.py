@@ -19,7 +19,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...errors import MoetoolError
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
-from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, ppl_intervals
+from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns
 from ..result import Result, resolve_options
 from .spec import TopkOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -111,13 +111,12 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     base = runs["router"]
     table, per_layer = [], []
     for spec, kind, value in specs:
-        ci = ppl_intervals(runs[spec], base, n_boot=opts.bootstrap, seed=opts.seed)
         ran = [r for r in counts[spec] if r["layer"] in indices]  # the layers the policy ran in (--layers)
         mean = sum(r["mean_experts"] for r in ran) / len(ran)
         frac = sum(r["experts_frac"] for r in ran) / len(ran)
         table.append({"policy": spec, "kind": kind, "value": value, "tokens": counts[spec][0]["tokens"],
                       "scored_tokens": runs[spec].nll.tokens, "mean_experts": mean, "experts_frac": frac,
-                      **ppl_columns(runs[spec], base, ci)})
+                      **ppl_columns(runs[spec], base, n_boot=opts.bootstrap, seed=opts.seed)})
         per_layer += [{"policy": spec, "kind": kind, "value": value, **r} for r in counts[spec]]
     df = pd.DataFrame(table)
 
