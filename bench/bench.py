@@ -53,7 +53,8 @@ close to the 20k one.
 **Quantized probes** (``--quant``): one Mixtral-shaped MoE layer (d=``--quant-d``, 8 experts of width
 ``--quant-inter``, top-2; bf16 on CUDA, fp32 on CPU) and copies of it whose experts are transformers' ``FP8Experts``
 holding the same weights quantized (FP8 128x128 with fp32 scales, FP8 with UE8M0 scales, FP4 packed 1x32): the probe
-``node_scores(gate)`` and ``expert_outputs`` over the same ``--quant-tokens`` tokens, quantized time / plain time
+``node_scores(gate)`` and ``expert_outputs`` over the same ``--quant-tokens`` tokens per call (one or more counts:
+the dequantization is per call, so its share falls as a call's tokens grow), quantized time / plain time
 (median of ``--repeat`` interleaved rounds; each timed unit calls the probe as often as the plain probe needs to
 last 20 ms, ``calls_per_round``). The extra is the dequantization of every expert, a slice at a time (on CUDA one
 compiled kernel per slice, :mod:`moetool.compiled`).
@@ -404,21 +405,22 @@ def bench_quant(a, device: Any = None) -> list[dict[str, Any]]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = mixtral_model(8, a.quant_inter, 2, d=a.quant_d, layers=1, vocab=256, dtype=dtype).to(dev)
-    h = torch.randn(a.quant_tokens, a.quant_d, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
     formats_ = {"plain": model, "fp8 (fp32 scales)": fp8_experts_copy(model, "fp8", "float"),
                 "fp8 (UE8M0 scales)": fp8_experts_copy(model, "fp8", "ue8m0"),
                 "fp4 (packed, 1x32)": fp8_experts_copy(model, "fp4", "float")}
     layer = {k: find_moe_layers(m)[0] for k, m in formats_.items()}
     rows = []
-    for probe, fn in (("node_scores(gate)", lambda L: probes.node_scores(L, h, "gate")),
-                      ("expert_outputs", lambda L: probes.expert_outputs(L, h))):
-        calls = repeats_for(lambda: fn(layer["plain"]), QUANT_UNIT_S)  # one call can be well under a millisecond
-        res = interleaved({k: (lambda L=L: [fn(L) for _ in range(calls)]) for k, L in layer.items()}, a.repeat)
-        for k in layer:
-            rows.append({"section": "quant", "model": f"mixtral-d{a.quant_d}-8x{a.quant_inter}", "variant": k,
-                         "probe": probe, "device": str(dev), "tokens": a.quant_tokens, "ratio": res[k]["ratio"],
-                         "ratio_min": res[k]["ratio_min"], "ratio_max": res[k]["ratio_max"],
-                         "seconds": res[k]["seconds"] / calls, "calls_per_round": calls})
+    for tokens in a.quant_tokens:  # the dequantization is per call: its share falls as a call's tokens grow
+        h = torch.randn(tokens, a.quant_d, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+        for probe, fn in (("node_scores(gate)", lambda L: probes.node_scores(L, h, "gate")),
+                          ("expert_outputs", lambda L: probes.expert_outputs(L, h))):
+            calls = repeats_for(lambda: fn(layer["plain"]), QUANT_UNIT_S)  # one call can be well under a millisecond
+            res = interleaved({k: (lambda L=L: [fn(L) for _ in range(calls)]) for k, L in layer.items()}, a.repeat)
+            for k in layer:
+                rows.append({"section": "quant", "model": f"mixtral-d{a.quant_d}-8x{a.quant_inter}", "variant": k,
+                             "probe": probe, "device": str(dev), "tokens": tokens, "ratio": res[k]["ratio"],
+                             "ratio_min": res[k]["ratio_min"], "ratio_max": res[k]["ratio_max"],
+                             "seconds": res[k]["seconds"] / calls, "calls_per_round": calls})
     return rows
 
 
@@ -770,7 +772,8 @@ def main() -> None:
     ap.add_argument("--quant", action="store_true", help="quantized-expert probes against the plain probe")
     ap.add_argument("--quant-d", type=int, default=1024)
     ap.add_argument("--quant-inter", type=int, default=2048)
-    ap.add_argument("--quant-tokens", type=int, default=1024)
+    ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1024],
+                    help="tokens per probe call, one or more counts (--gpu on CUDA: 1024 and a batch's 16384)")
     ap.add_argument("--host-work", action="store_true", help="each command's host work over the bare forward (CPU)")
     ap.add_argument("--host-tokens", type=int, default=65536)
     ap.add_argument("--host-rows", type=int, default=2, help="--host-work: rows of 2,048 tokens per forward")
@@ -849,10 +852,10 @@ def main() -> None:
               .to_string(**fmt))
     quant = df[df.section == "quant"] if len(df) else df
     if len(quant):
-        print(f"\nQuantized expert probes: time / plain probe time, same {a.quant_tokens} tokens (median of {a.repeat} "
+        print(f"\nQuantized expert probes: time / plain probe time on the same tokens per call (median of {a.repeat} "
               f"rounds; min-max), {quant.model.iloc[0]}, device {dev}")
         t = quant.assign(spread=quant.ratio_min.map("{:.2f}".format) + "-" + quant.ratio_max.map("{:.2f}".format))
-        print(t[["probe", "variant", "ratio", "spread", "seconds"]].to_string(**fmt))
+        print(t[["tokens", "probe", "variant", "ratio", "spread", "seconds"]].to_string(**fmt))
     load = df[df.section == "load"] if len(df) else df
     if len(load):
         print(f"\nLoading a local safetensors checkpoint (best of {a.repeat}; page cache warm), device {dev}")

@@ -14,8 +14,8 @@ Sections (random weights built directly on the device, bf16 on CUDA, nothing dow
    probe's extra work**: the FLOPs the probe runs (norm:gate: every expert's gate, ``layers·n·2·I·d`` per token;
    all-expert outputs: ``layers·n·6·I·d``) over its extra time per token (variant time − plain time), as a share of
    the nominal dense bf16 peak (known cards) and of a measured 8192³ bf16 matmul on the same card.
-2. **Quantized probes**: ``bench.py --quant`` (one d=1024 layer, 8 experts of width 2048, 1,024 tokens): FP8
-   (fp32 / UE8M0 scales) and FP4 probes as a ratio of the bf16 probe.
+2. **Quantized probes**: ``bench.py --quant`` (one d=1024 layer, 8 experts of width 2048, 1,024 tokens per call and
+   a batch's 16,384): FP8 (fp32 / UE8M0 scales) and FP4 probes as a ratio of the bf16 probe.
 3. **Commands against one bare ``moetool.forward``** over the same tokens (Mixtral-8x7B width, 2 layers, one
    loaded model, the API with each command's defaults but ``batch_size``): ppl, stats, placement, margin (and
    ``margin_policies``: with ``--policies norm:gate,random``, its default before 2026-11-28), expert-similarity,
@@ -365,8 +365,10 @@ def run(a) -> list[dict[str, Any]]:
             min(a.gpu_batch, 4)
         a.gpu_command_tokens = min(a.gpu_command_tokens, 1024 if a.quick else 2048)
         a.gpu_command_batch_tokens = min(a.gpu_command_batch_tokens, 1024)
-        a.quant_d, a.quant_inter, a.quant_tokens = 256, 512, 256
+        a.quant_d, a.quant_inter, a.quant_tokens = 256, 512, [256, 2048]
         a.gpu_repeat = min(a.gpu_repeat, 2)
+    elif a.quant_tokens == [1024]:  # the default: also a batch's tokens (the dequantization amortised over them)
+        a.quant_tokens = [1024, 16384]
     env = environment(dev)
     dtype = torch.bfloat16 if full else torch.float32
     peak = nominal_peak(dev)
@@ -417,8 +419,9 @@ def report(df, a) -> str:
     quant = df[df.section == "quant"]
     if len(quant):
         out.append(f"\nQuantized probes: time / the plain ({'bf16' if 'cuda' in quant.device.iloc[0] else 'fp32'}) "
-                   f"probe on the same {int(quant.tokens.iloc[0])} tokens, {quant.model.iloc[0]}")
-        out.append(fmt_table(quant, ["probe", "variant", "ratio", "ratio_min", "ratio_max", "seconds"]))
+                   f"probe on the same tokens per call ({', '.join(str(int(t)) for t in quant.tokens.unique())}), "
+                   f"{quant.model.iloc[0]}")
+        out.append(fmt_table(quant, ["tokens", "probe", "variant", "ratio", "ratio_min", "ratio_max", "seconds"]))
     cmds = df[df.section == "gpu_commands"]
     if len(cmds):
         out.append(f"\nCommands against one bare moetool.forward over the same {int(cmds.tokens.iloc[0])} tokens, "

@@ -110,3 +110,17 @@ def test_rss_figure_is_the_commands_own_peak(tmp_path):
     own = int(hwm.read_text()) * 1024
     assert exit_code == 0 and own > 100 * 2**20
     assert abs(peak - own) < 4 * 2**20, (peak / 2**20, own / 2**20)
+
+
+def test_gpu_report_prints_each_quantized_token_count_on_its_rows():
+    """``--quant-tokens`` takes several counts (``--gpu``: 1,024 and a batch's 16,384, the dequantization amortised):
+    every row of the quantized table names its own count, the heading all of them."""
+    G = bench_gpu()
+    rows = [{"section": "quant", "model": "mixtral-d1024-8x2048", "variant": v, "probe": "expert_outputs",
+             "device": "cuda:0", "tokens": t, "ratio": r, "ratio_min": r, "ratio_max": r, "seconds": 0.001}
+            for t, v, r in ((1024, "plain", 1.0), (1024, "fp8", 1.5), (16384, "plain", 1.0), (16384, "fp8", 1.04))]
+    text = G.report(pd.DataFrame(rows), SimpleNamespace(gpu_repeat=1, gpu_seq=256, gpu_batch=4, gpu_command_rounds=1))
+    assert "same tokens per call (1024, 16384)" in text
+    got = [ln.split()[:4] for ln in text.splitlines() if "expert_outputs" in ln]
+    assert got == [["1024", "expert_outputs", "plain", "1.00"], ["1024", "expert_outputs", "fp8", "1.50"],
+                   ["16384", "expert_outputs", "plain", "1.00"], ["16384", "expert_outputs", "fp8", "1.04"]]

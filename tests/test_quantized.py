@@ -449,6 +449,31 @@ def test_a_slice_budget_counts_the_weight_elements_an_expert_dequantizes_to(case
     assert gate == [((e, e + 2, 1), 2) for e in range(0, n, 2)]
 
 
+@pytest.mark.parametrize("case", FP8_CASES, ids=IDS)
+def test_gate_and_up_read_together_are_one_matrix_and_one_product(case, monkeypatch):
+    """Asked for gate and up, FP8Experts' fused ``gate_up_proj`` is dequantized once and gate and up are its two
+    halves (views), as the plain experts' are: the probe then runs gate and up as one product over the tokens
+    (``probes._wide`` once per slice, not twice), the quantized probe's layout equal to the plain one's; the values
+    equal transformers' dequantization (the view test above), the nodes the plain model's (the probe test above)."""
+    qm, dq = _models(case)
+    Lq, Ld = find_moe_layers(qm)[0], find_moe_layers(dq)[0]
+    (_, W), = quant.expert_chunks(Lq, 1 << 62)
+    fused = probes._fused_gate_up(W)
+    assert fused is not None
+    ref = Ld.expert_weights()
+    assert torch.equal(fused, torch.cat([ref.gate, ref.up], dim=1))
+    calls = []
+    orig = probes._wide
+    monkeypatch.setattr(probes, "_wide", lambda x, w, b: calls.append(tuple(w.shape)) or orig(x, w, b))
+    h = torch.randn(5, W.gate.shape[2], generator=torch.Generator().manual_seed(0))
+    got = probes.expert_nodes(Lq, h, ("up", "output"))
+    n, inter, d = W.gate.shape
+    assert calls == [(n, 2 * inter, d)]
+    want = probes.expert_nodes(Ld, h, ("up", "output"))
+    for node in ("up", "output"):
+        torch.testing.assert_close(got[node], want[node], rtol=1e-6, atol=1e-6)
+
+
 def test_rectangular_fp8_blocks_read_each_half_of_gate_up_by_its_own_block_rows():
     """FP8Experts in 32x64 blocks (32 rows of gate_up per scale row, 64 columns per scale column): gate and up read
     apart (only their own scale rows) equal transformers' dequantization of the whole fused matrix. Cutting the

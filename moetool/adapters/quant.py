@@ -264,6 +264,9 @@ def _read(layer: MoELayer, fmt: ExpertFormat, sl: slice, dtype: torch.dtype, sta
         if not getattr(ex, "has_gate", True):
             up = _fp8_pair(ex, "up_proj", sl, dtype)
             return ExpertWeights(gate=up, up=up, down=down)
+        if {"gate", "up"} <= parts:  # both halves: one dequantized [e, 2I, d], gate and up its halves (views), so
+            gate_up = _fp8_pair(ex, "gate_up_proj", sl, dtype)  # the probe runs them as one product (the plain
+            return ExpertWeights(gate=gate_up[:, :inter], up=gate_up[:, inter:], down=down)  # experts' layout)
         got = {}
         for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
             if part in parts:
