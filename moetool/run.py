@@ -533,7 +533,10 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
     options_run = run_options(model=lm.name, **({"data": tokens.source, "seq_len": seq_len,
                                                  "max_tokens": tokens.n_tokens} if tokens is not None else {}),
                               dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), **manifest)
-    key = {"model": lm.name, **manifest, **unit_key(opts)} if resumable else None
+    # a loaded model's precision, device and --quantize are no option of the experiment's: the key keeps them, so a
+    # resume with the model loaded otherwise (fp32 units + bf16 batches) is refused, as the command line refuses it
+    key = ({"model": lm.name, "dtype": options_run["dtype"], "device": options_run["device"],
+            "quantize": getattr(lm, "quantize", None), **manifest, **unit_key(opts)} if resumable else None)
     folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est, batch_size=rows,
                              units=key, run=this)
 
