@@ -385,8 +385,8 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     backing off on out-of-memory as the CLI does; the manifest records it). ``out`` must be free (or ``force``);
     ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments that keep them:
     same options, model -- a loaded one in the same dtype, device and quantization -- and tokens, else one error).
-    Writes the command's files (CSVs, figures, manifest.json) into ``out`` (default ``runs/<experiment>-<time>``) and returns the :class:`~moetool.experiments.result.Result`, its
-    ``path`` the run folder. The command line adds: ``manifest`` (run-level manifest options of its own flags),
+    Writes the command's files (CSVs, figures, manifest.json) into ``out`` (default ``runs/<experiment>-<time>``)
+    and returns the :class:`~moetool.experiments.result.Result`, its ``path`` the run folder. The command line adds: ``manifest`` (run-level manifest options of its own flags),
     ``inputs`` (keywords of the compute function: a task plan, reference tokens) and ``call`` (``call(compute, args,
     kwargs, folder) -> Result``: the compute call made by the command, e.g. streaming into the run folder).
     ``add_special_tokens`` (a model's name): the text tokenized as the command does (``"command"``: the spec's
