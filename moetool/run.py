@@ -388,7 +388,8 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     Writes the command's files (CSVs, figures, manifest.json) into ``out`` (default ``runs/<experiment>-<time>``)
     and returns the :class:`~moetool.experiments.result.Result`, its ``path`` the run folder. The command line
     adds: ``manifest`` (run-level manifest options of its own flags), ``inputs`` (keywords of the compute function:
-    a task plan, reference tokens) and ``call`` (``call(compute, args, kwargs, folder) -> Result``: the compute call made by the command, e.g. streaming into the run folder).
+    a task plan, reference tokens) and ``call`` (``call(compute, args, kwargs, folder) -> Result``: the compute call
+    made by the command, e.g. streaming into the run folder).
     ``add_special_tokens`` (a model's name): the text tokenized as the command does (``"command"``: the spec's
     ``special_tokens``; stats: the tokenizer's own default, a BOS where it adds one, recorded in the manifest), or
     ``True`` / ``False`` / ``None`` (the tokenizer's default).
