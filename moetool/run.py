@@ -384,11 +384,12 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     ``batch_size``: rows per forward (default: the options' own) or ``"auto"`` (the largest the free memory holds,
     backing off on out-of-memory as the CLI does; the manifest records it). ``out`` must be free (or ``force``);
     ``resume=True`` continues the unfinished run in ``out`` from its unit checkpoints (experiments that keep them:
-    same options, model and tokens, else one error). Writes the command's files (CSVs, figures, manifest.json) into
-    ``out`` (default ``runs/<experiment>-<time>``) and returns the :class:`~moetool.experiments.result.Result`, its
-    ``path`` the run folder. The command line adds: ``manifest`` (run-level manifest options of its own flags),
-    ``inputs`` (keywords of the compute function: a task plan, reference tokens) and ``call`` (``call(compute, args,
-    kwargs, folder) -> Result``: the compute call made by the command, e.g. streaming into the run folder).
+    same options, model -- a loaded one in the same dtype, device and quantization -- and tokens, else one error).
+    Writes the command's files (CSVs, figures, manifest.json) into ``out`` (default ``runs/<experiment>-<time>``)
+    and returns the :class:`~moetool.experiments.result.Result`, its ``path`` the run folder. The command line
+    adds: ``manifest`` (run-level manifest options of its own flags), ``inputs`` (keywords of the compute function:
+    a task plan, reference tokens) and ``call`` (``call(compute, args, kwargs, folder) -> Result``: the compute call
+    made by the command, e.g. streaming into the run folder).
     ``add_special_tokens`` (a model's name): the text tokenized as the command does (``"command"``: the spec's
     ``special_tokens``; stats: the tokenizer's own default, a BOS where it adds one, recorded in the manifest), or
     ``True`` / ``False`` / ``None`` (the tokenizer's default).
@@ -533,7 +534,10 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
     options_run = run_options(model=lm.name, **({"data": tokens.source, "seq_len": seq_len,
                                                  "max_tokens": tokens.n_tokens} if tokens is not None else {}),
                               dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), **manifest)
-    key = {"model": lm.name, **manifest, **unit_key(opts)} if resumable else None
+    # a loaded model's precision, device and --quantize are no option of the experiment's: the key keeps them, so a
+    # resume with the model loaded otherwise (fp32 units + bf16 batches) is refused, as the command line refuses it
+    key = ({"model": lm.name, "dtype": options_run["dtype"], "device": options_run["device"],
+            "quantize": getattr(lm, "quantize", None), **manifest, **unit_key(opts)} if resumable else None)
     folder, units = open_run(spec.name, out, force, resume=resume, device=lm.device, estimate=est, batch_size=rows,
                              units=key, run=this)
 

@@ -238,3 +238,20 @@ def test_a_run_over_too_few_rows_for_a_95_interval_says_so_in_the_page(tmp_path)
     assert few["note"].startswith("4 packed rows: ")
     assert ("intervals", few["note"]) in page.summary(runs[0].manifest)
     assert not [k for k, _ in page.summary(runs[1].manifest) if k == "intervals"]
+
+
+def test_a_file_its_run_wrote_but_that_is_gone_is_said_not_dropped_in_silence(tmp_path):
+    """Break-it run 18: a run folder with a CSV (or a figure) deleted by hand was gathered as if the run had never
+    written it -- the page showed the other tables and not a word about the missing one; a run whose every file was
+    gone vanished from the index. Now each run's section names the files its manifest lists that are missing."""
+    r = _run(tmp_path / "runs" / "a", files=["load.csv", "layers.csv", "figures/load_heatmap.png"])
+    (r / "load.csv").write_text("layer,x\n0,1\n")
+    empty = _run(tmp_path / "runs" / "b", "ppl", files=["ppl.csv"])  # its only table deleted
+    html_page = page.write_report([r, empty], tmp_path / "rep", warn=lambda m: None).read_text()
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for text in (html_page, md):
+        assert text.count("missing from its folder") == 2
+        assert "not shown: layers.csv, figures/load_heatmap.png" in text.replace("\\_", "_")
+        assert "not shown: ppl.csv" in text
+    assert "- ppl · tiny (b)" in md  # still in the index
+    assert "<h3 id=\"a--tab-load\">load.csv</h3>" in html_page  # the table that is there is shown

@@ -520,3 +520,35 @@ def test_auto_batch_size_resume_keeps_the_interrupted_runs_rows(tmp_path, monkey
         assert ran == [3, 4, 5]  # 6 batches of 2 rows; the first 3 restored
         assert man["batch_size_auto"]["rows"] == 2 and "interrupted run" in man["batch_size_auto"]["reason"]
         _same_csvs(whole, part)
+
+
+@pytest.mark.slow
+def test_api_resume_of_a_loaded_model_refuses_another_precision(tmp_path, monkeypatch, no_figures):
+    """``moetool.run("stats", lm, tokens, resume=True)`` with a loaded model: its dtype is no option of the
+    experiment's, so the units' key must keep it. Interrupted in fp32 after 2 of 4 batches, a resume with the model
+    loaded in bf16 (same weights files, same token ids) is refused in one line naming the dtype (before: accepted,
+    fp32 units and bf16 batches summed into one table whose manifest said bfloat16); the fp32 resume gives the tables
+    of an uninterrupted fp32 run exactly."""
+    import moetool
+    from moetool.errors import MoetoolError
+
+    lm = moetool.load("tiny")
+    toks = moetool.tokens(lm, seq_len=32, max_tokens=256)  # 8 rows: 4 batches of 2
+    kw = dict(batch_size=2, quiet=True, bootstrap=100, min_count=2)
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    moetool.run("stats", lm, toks, out=whole, **kw)
+    with monkeypatch.context() as m:
+        _interrupt_after_saves(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            moetool.run("stats", lm, toks, out=part, **kw)
+    lm16 = moetool.load("tiny", dtype="bf16")
+    toks16 = moetool.tokens(lm16, seq_len=32, max_tokens=256)
+    assert toks16.fingerprint() == toks.fingerprint()  # the same text: only the precision differs
+    with pytest.raises(MoetoolError, match=r"other options \(dtype: 'float32' -> 'bfloat16'\)"):
+        moetool.run("stats", lm16, toks16, out=part, resume=True, **kw)
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    with monkeypatch.context() as m:
+        ran = _batches_run(m)
+        moetool.run("stats", lm, toks, out=part, resume=True, **kw)
+    assert ran == [2, 3]  # batches 0-1 restored
+    _same_csvs(whole, part)

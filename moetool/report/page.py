@@ -54,6 +54,7 @@ class Run:
     figures: list[Path] = field(default_factory=list)  # PNGs (a PDF beside each one when written)
     other: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # manifest entries that point outside the run folder
+    missing: list[str] = field(default_factory=list)  # files its manifest lists that are not in the folder (deleted)
     rel: str = ""  # the folder relative to the gathered root ("stats/tiny"), what the index shows beside the label
 
     @property
@@ -63,8 +64,10 @@ class Run:
 
     @property
     def has_content(self) -> bool:
-        """Figures or tables of its own, or not complete (a parent holding sub-runs only has neither)."""
-        return bool(self.figures or self.tables or self.other) or self.manifest.get("status") != "complete"
+        """Figures or tables of its own (or files it wrote, now missing), or not complete (a parent holding sub-runs
+        only has neither)."""
+        return (bool(self.figures or self.tables or self.other or self.missing)
+                or self.manifest.get("status") != "complete")
 
     def inside(self, rel: Any) -> Path | None:
         """``rel`` (a manifest entry) as a path in this run folder, or ``None`` when it is not a relative path
@@ -173,6 +176,9 @@ def find_runs(run_dirs: Sequence[str | Path], exclude: Path | None = None,
                 if fp is None:
                     run.refused.append(str(f))
                     warn(f"{p}: manifest lists {str(f)!r}, outside the run folder: not read")
+                    continue
+                if not fp.exists():  # the run wrote it: said on the page, never dropped in silence
+                    run.missing.append(fp.relative_to(real).as_posix())
                     continue
                 if not fp.is_file():
                     continue
@@ -603,6 +609,11 @@ def _run_header(r: Run, body: list[str], md: list[str]) -> None:
     md += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in rows] + [""]
     if r.refused:
         note = "files listed in the manifest outside the run folder, not read: " + ", ".join(r.refused)
+        body.append(f'<p class="warn">{html.escape(note)}</p>')
+        md += [f"*{md_escape(note)}*", ""]
+    if r.missing:
+        note = ("files the run wrote, missing from its folder (deleted or not copied?), not shown: "
+                + ", ".join(r.missing))
         body.append(f'<p class="warn">{html.escape(note)}</p>')
         md += [f"*{md_escape(note)}*", ""]
 
