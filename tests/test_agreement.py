@@ -421,3 +421,25 @@ def test_each_precisions_model_is_freed_before_the_next_one_loads(monkeypatch):
     assert set(res["agreement_summary"]["precision"]) >= {"bf16", "fp8"}
     gc.collect()
     assert not any(r() is not None for _, refs in alive for r in refs)  # and none is kept by the result
+
+
+def test_a_reference_margin_equal_to_a_threshold_is_in_the_bin_above(tokens):
+    """agreement_bins' bins are [margin_lo, margin_hi) (as margin's): with the thresholds set to reference margins some
+    real tokens have exactly (fp32), those tokens count in the bin that starts there, not the one below it. The
+    by-hand test's thresholds (0.001, 0.01, 0.1) meet no margin exactly, so bucketing with right=False passed it."""
+    lm = moetool.load("tiny", dtype="fp32")
+    opts = AgreementOptions(batch_size=BATCH)
+    ref = ReferenceRun(tokens, lm.layers)
+    run_precision(lm, tokens, ref, lm.layers, opts, "reference", True)
+    valid = tokens.attention_mask.bool()
+    L = lm.layers[0].index
+    m = ref.margin[L][valid].cpu()  # fp32, the margins the bins are read against
+    srt = m.sort().values
+    thr = (float(srt[len(srt) // 3]), float(srt[2 * len(srt) // 3]))  # two tokens' own margins, exact in fp32
+    cmp = CompareRun(tokens, lm.layers, ref, thr)
+    run_precision(lm, tokens, cmp, lm.layers, opts, "compare", True)
+    t1, t2 = thr
+    assert int((m == t1).sum()) >= 1 and int((m == t2).sum()) >= 1  # the case: margins on the edges
+    got = cmp.bins[L][:, 0].cpu().tolist()
+    assert got == [int((m < t1).sum()), int(((m >= t1) & (m < t2)).sum()), int((m >= t2).sum())]
+    assert cmp.bins[L][:, 1:].sum() == 0  # the same model against itself: no flip in any bin

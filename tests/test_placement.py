@@ -481,3 +481,44 @@ def test_an_export_of_several_extra_slot_values_is_one_line():
     with pytest.raises(MoetoolError, match=r"^--export writes one placement: give one --gpus G and one --extra-slots "
                                            r"value$"):
         export_layout("eplb", 8, opts((0, 1)))
+
+
+def test_hierarchical_eplb_confines_each_expert_group_to_one_node_by_hand():
+    """EPLB's hierarchical policy (groups divide into the nodes): expert groups are packed onto nodes FIRST, then
+    replicated and packed within their node. Loads [2, 1, 8, 3], groups {0, 1} (3) and {2, 3} (11), 2 nodes of one
+    GPU: one group per node, group g on node g (eplb.py keeps the order when a pack takes one item), so the GPUs
+    carry 3 and 11 -- imbalance 11/7 -- where the global policy mixes the groups (8, 3, 2, 1 heaviest first: 8 -> G0,
+    3 -> G1, 2 -> G1, 1 -> G0, loads 9 and 5). With one extra slot per GPU a replica stays in its node: expert 0 (2 >
+    1) on node 0, expert 2 (8 > 3) on node 1, the GPU loads still 3 and 11."""
+    w = torch.tensor([[2.0, 1.0, 8.0, 3.0]])
+    phy2log, rank, count = rebalance_experts(w, 4, 2, 2, 2)
+    assert phy2log.tolist() == [[0, 1, 2, 3]] and count.tolist() == [[1, 1, 1, 1]]
+    assert gpu_loads(w, phy2log, count, 2).tolist() == [[3.0, 11.0]]
+    assert imbalance(gpu_loads(w, phy2log, count, 2)).item() == pytest.approx(11 / 7, abs=1e-12)
+    glob = rebalance_experts(w, 4, 1, 1, 2)
+    assert gpu_loads(w, glob[0], glob[2], 2).tolist() == [[9.0, 5.0]]
+    phy2log, rank, count = rebalance_experts(w, 6, 2, 2, 2)
+    assert count.tolist() == [[2, 1, 2, 1]]
+    assert sorted(phy2log[0, :3].tolist()) == [0, 0, 1] and sorted(phy2log[0, 3:].tolist()) == [2, 2, 3]
+    assert gpu_loads(w, phy2log, count, 2).tolist() == [[3.0, 11.0]]
+    # one expert per GPU: eplb.py's packing keeps the experts in order (no sort), whatever their loads
+    phy2log, _, _ = rebalance_experts(torch.tensor([[1.0, 8.0, 2.0, 1.0]]), 4, 1, 1, 4)
+    assert phy2log.tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[4] % c[5] == 0 and c[5] > 1], ids=str)
+def test_hierarchical_eplb_keeps_every_group_on_one_node(config):
+    """The hierarchical policy's defining property on the skewed loads of :func:`test_eplb_invariants` (which checks
+    no bound for it): every replica of a group's experts sits on one node (slot s on node s // (P / nodes)), and every
+    node holds groups / nodes whole groups."""
+    L, n, G, extra, groups, nodes = config
+    P = n + extra * G
+    w = zipf_loads(L, n, seed=n + G)
+    phy2log, _, _ = rebalance_experts(w, P, groups, nodes, G)
+    node_of_slot = torch.arange(P) // (P // nodes)
+    for layer in range(L):
+        group_of_slot = phy2log[layer] // (n // groups)
+        for g in range(groups):
+            assert len(set(node_of_slot[group_of_slot == g].tolist())) == 1, (layer, g)
+        for node in range(nodes):
+            assert len(set(group_of_slot[node_of_slot == node].tolist())) == groups // nodes, (layer, node)

@@ -325,3 +325,40 @@ def test_attention_probabilities_of_another_batch_shape_are_one_line(attn_shape)
     with pytest.raises(MoetoolError, match=r"^layer 0: attention probabilities of shape .* do not match the batch "
                                            r"\(1, 3\) \(a KV cache in use\? pass use_cache=False\)$"):
         make_policy("attention").select(ev)
+
+
+def test_attention_refuses_a_decoder_layer_with_two_attention_sublayers():
+    """LongCat-Flash's decoder layer holds two attention sublayers (a ``ModuleList`` under ``self_attn``): which one's
+    probabilities would route is undefined, so one line -- never the list handed to the engine as 'the' attention."""
+    from moetool.adapters.tiny import build_tiny
+    from moetool.policies.attention import softmax_attention
+
+    layers = find_moe_layers(build_tiny("longcat_flash", seed=0))
+    assert isinstance(layers[0].decoder_layer.self_attn, torch.nn.ModuleList)
+    for L in layers:
+        with pytest.raises(MoetoolError, match=rf"^attention routing: MoE layer {L.index}'s decoder layer has 2 "
+                                               r"attention sublayers \(self_attn\)"):
+            softmax_attention(L)
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "mamba", "lightning", "deltanet"])
+def test_attention_refuses_a_layer_whose_config_type_is_a_linear_mixer(kind):
+    """A remote-code hybrid may call its linear-attention module ``self_attn`` with a class name that says nothing
+    (``Attention``): the config's per-layer type is then the only witness, and it must refuse that layer in one line
+    naming the type while the same module on a ``full_attention`` layer is accepted."""
+    from types import SimpleNamespace
+
+    from moetool.policies.attention import softmax_attention
+
+    class Attention(torch.nn.Module):
+        pass
+
+    attn = Attention()
+    config = SimpleNamespace(layer_types=["full_attention", kind])
+    decoder = SimpleNamespace(self_attn=attn)
+    ok = SimpleNamespace(index=0, config=config, decoder_layer=decoder, block=torch.nn.Identity())
+    assert softmax_attention(ok) is attn
+    bad = SimpleNamespace(index=1, config=config, decoder_layer=decoder, block=torch.nn.Identity())
+    with pytest.raises(MoetoolError, match=rf"MoE layer 1 has no softmax attention .*self_attn \(Attention\), "
+                                           rf"layer type '{kind}'\)"):
+        softmax_attention(bad)
