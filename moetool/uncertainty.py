@@ -412,7 +412,7 @@ class RowTable:
         import torch
 
         ids = getattr(tokens, "row_ids", None)
-        self.row_ids = (torch.arange(tokens.input_ids.shape[0], device="cpu") if ids is None else ids).long()
+        self.row_ids = (torch.arange(tokens.input_ids.shape[0]) if ids is None else ids).long()
         self._sums: dict[str, Any] = {}
         self._start = 0
         self._rows: slice | None = None
@@ -473,7 +473,7 @@ class RowTable:
             if t is not None:
                 full.index_copy_(0, ids.to(t.device), t)
             self._sums[name] = distributed.all_reduce(full)
-        self.row_ids = torch.arange(n, device="cpu")
+        self.row_ids = torch.arange(n)
 
     @property
     def names(self) -> list[str]:
