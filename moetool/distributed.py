@@ -227,7 +227,7 @@ def shard(tokens: Any, batch_size: int, rank_: int | None = None, world: int | N
     """This rank's rows of a :class:`~moetool.data.TokenSet` (``row_ids``: their global numbers). Alone: unchanged."""
     r = rank() if rank_ is None else rank_
     w = world_size() if world is None else world
-    base = tokens.row_ids if tokens.row_ids is not None else torch.arange(tokens.input_ids.shape[0])
+    base = tokens.row_ids if tokens.row_ids is not None else torch.arange(tokens.input_ids.shape[0], device="cpu")
     if w == 1:
         return replace(tokens, row_ids=base)
     keep = shard_indices(tokens.input_ids.shape[0], batch_size, r, w)

@@ -78,7 +78,7 @@ def _byte_table(key: Any, pairs: bool = False) -> Any:
             b = np.arange(256)
             table = np.stack([e2m1[b & 0xF], e2m1[b >> 4]], axis=-1)
         else:
-            table = torch.arange(256, dtype=torch.uint8).view(key).to(torch.float32).numpy()
+            table = torch.arange(256, dtype=torch.uint8, device="cpu").view(key).to(torch.float32).numpy()
         _BYTE_TABLES[key, pairs] = table
     return _BYTE_TABLES[key, pairs]
 

@@ -100,11 +100,12 @@ class QuantileSketch:
 
     REDUCE = {"counts": "sum", "min": "min", "max": "max", "count": "sum", "sum": "sum", "sumsq": "sum"}
 
-    def __init__(self, lo: float = FP32_TINY, hi: float = 1e4, bins: int = 1 << 15, device: Any = None):
+    def __init__(self, lo: float = FP32_TINY, hi: float = 1e4, bins: int = 1 << 15, device: Any = "cpu"):
         if not (0 < lo < hi) or bins < 1:
             raise ValueError("QuantileSketch needs 0 < lo < hi and bins >= 1")
         self.lo, self.hi, self.bins = float(lo), float(hi), int(bins)
         self._log_lo, self._log_span = math.log(lo), math.log(hi) - math.log(lo)
+        # on the host until the first add() moves it to the values' device (device="cpu": explicit, not the default)
         # slots: 0 exact zeros, 1 underflow (0, lo), 2 .. bins+1 the log bins, bins+2 overflow, bins+3 invalid
         self.counts = torch.zeros(self.bins + 4, dtype=torch.long, device=device)
         self.min = torch.full((), math.inf, dtype=torch.float64, device=device)  # of positive values

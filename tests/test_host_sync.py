@@ -153,6 +153,19 @@ POLICY_SPECS = ["router", "random", "similarity", "similarity:0.5", "attention",
 KNOWN: dict[str, str] = {}  # spec -> the line that syncs today (strict xfail)
 
 
+@contextlib.contextmanager
+def attention_for(spec: str, model):
+    """``model`` as policy ``spec`` needs it: eager attention for ``attention`` (it reads the attention weights),
+    restored after."""
+    impl = model.config._attn_implementation
+    if spec == "attention":
+        model.config._attn_implementation = "eager"
+    try:
+        yield model
+    finally:
+        model.config._attn_implementation = impl
+
+
 @pytest.mark.parametrize("spec", POLICY_SPECS + ["capture"])
 def test_policies_and_capture_stay_on_the_device(spec, request):
     if spec in KNOWN:
@@ -160,22 +173,17 @@ def test_policies_and_capture_stay_on_the_device(spec, request):
     hits, ran = set(), 0
     for family in FAMILIES:
         model = build_tiny_model(family)
-        eager = spec == "attention"
-        if eager:
-            impl, model.config._attn_implementation = model.config._attn_implementation, "eager"
         try:
-            policy = None if spec == "capture" else make_policy(spec)
-            consumers = [lambda ev: (ev.probs, ev.chosen_idx)] if policy is None else []
-            with detect(model) as det:
-                out = forward(model, policy, consumers)
+            with attention_for(spec, model):
+                policy = None if spec == "capture" else make_policy(spec)
+                consumers = [lambda ev: (ev.probs, ev.chosen_idx)] if policy is None else []
+                with detect(model) as det:
+                    out = forward(model, policy, consumers)
             assert out.isfinite().all()
             hits |= {(family, *h) for h in det.hits}
             ran += 1
         except MoetoolError:  # a policy the family's routing cannot run (topk:1 on sparsemixer, prune of a group)
             pass
-        finally:
-            if eager:
-                model.config._attn_implementation = impl
     assert ran >= len(FAMILIES) - 3 and not hits, sorted(hits)
 
 

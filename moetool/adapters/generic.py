@@ -503,8 +503,8 @@ def _identify_real(L: MoELayer, router: nn.Module, bias: torch.Tensor | None,
     dtype = next((p.dtype for p in L.experts.parameters() if p.is_floating_point()), w.dtype)
     if _is_meta(w) or _is_meta(next(L.experts.parameters(), None)) or quant.expert_format(L).kind != "plain":
         dtype = w.dtype  # quantized experts (codes, fp32 scales or biases): the hidden states are the router's dtype
-    h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device,
-                                                                                          dtype=dtype)
+    h = torch.randn(_N_TOKENS, w.shape[1], generator=torch.Generator().manual_seed(0), device="cpu").to(
+        device=w.device, dtype=dtype)
     table = hash_table(router)
     with torch.no_grad():
         if table is not None:  # a hash router: its experts are its table's for the token ids; the weights a rule's
@@ -565,7 +565,8 @@ def _identify_hash(L: MoELayer, router: nn.Module, h: torch.Tensor, table: torch
     """A hash router on seeded random token ids: its indices must be its table's rows for them exactly; its weights
     must be a catalogue rule's weights for that set (the rule's own selection is not used)."""
     lin = router_linear(router)
-    ids = torch.randint(0, table.shape[0], (h.shape[0],), generator=torch.Generator().manual_seed(0)).to(table.device)
+    ids = torch.randint(0, table.shape[0], (h.shape[0],), generator=torch.Generator().manual_seed(0),
+                        device="cpu").to(table.device)
     out = router(h, ids)
     logits, want_w, want_idx = (t.reshape(-1, t.shape[-1]) for t in out[:3])
     if not torch.equal(want_idx.long(), table[ids].long()):

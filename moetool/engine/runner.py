@@ -278,7 +278,7 @@ class _Step:
         self.model, self.engine, self.guard, self.want_nll = model, engine, guard, want_nll
         self.s2s, self.device = is_seq2seq(model), model.device
         row_ids = getattr(tokens, "row_ids", None)
-        self.row_ids = torch.arange(tokens.input_ids.shape[0]) if row_ids is None else row_ids
+        self.row_ids = torch.arange(tokens.input_ids.shape[0], device="cpu") if row_ids is None else row_ids
 
     def __call__(self, b: Any, first: int) -> tuple[Any, tuple[torch.Tensor, torch.Tensor] | None]:
         """The output for the rows ``b`` (the first is local row ``first``) and their NLL ``(sums, counts)`` per row

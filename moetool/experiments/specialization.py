@@ -406,7 +406,8 @@ class CrossLayer:
         for (l0, l1), c in sorted(self.counts.items()):
             c = c.cpu()
             p, s = cross_layer_matrix(c, self.k[l0], self.k[l1])
-            a, b = torch.meshgrid(torch.arange(c.shape[0]), torch.arange(c.shape[1]), indexing="ij")
+            a, b = torch.meshgrid(torch.arange(c.shape[0], device="cpu"), torch.arange(c.shape[1], device="cpu"),
+                                  indexing="ij")
             pairs.append(pd.DataFrame({"layer": l0, "next_layer": l1, "a": a.reshape(-1).numpy(),
                                        "b": b.reshape(-1).numpy(), "count": c.reshape(-1).long().numpy(),
                                        "p_b_given_a": p.reshape(-1).numpy()}))

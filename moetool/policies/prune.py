@@ -54,7 +54,7 @@ def random_removed(seed: int, layer: int, n: int, m: int, exclude: Iterable[int]
     ascending)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
     skip = {int(e) for e in exclude}
-    return sorted([int(e) for e in torch.randperm(n, generator=gen) if int(e) not in skip][:m])
+    return sorted([int(e) for e in torch.randperm(n, generator=gen, device="cpu") if int(e) not in skip][:m])
 
 
 def removed_from_importance(importance: Any, criterion: str, fraction: float) -> dict[int, list[int]]:
@@ -234,7 +234,7 @@ class PrunePolicy(Policy):
             bad = [e for e in removed if not 0 <= e < n]
             if bad:
                 raise MoetoolError(f"{self.name}: layer {layer.index} has experts 0..{n - 1}, not {bad}")
-            keep = torch.ones(n, dtype=torch.bool)
+            keep = torch.ones(n, dtype=torch.bool, device="cpu")
             keep[removed] = False
             problem = layer.keep_problem(keep)
             if problem:

@@ -252,8 +252,8 @@ class CompareRun(_Run):
     def __init__(self, tokens: Any, layers: Sequence[Any], ref: ReferenceRun, thresholds: Sequence[float]):
         super().__init__(tokens, layers)
         self.ref = ref
-        self.edges = torch.tensor(thresholds, dtype=torch.float32)
-        self.bins = {i: torch.zeros(len(thresholds) + 1, 3, dtype=torch.float64) for i in self.layers}
+        self.edges = torch.tensor(thresholds, dtype=torch.float32, device="cpu")
+        self.bins = {i: torch.zeros(len(thresholds) + 1, 3, dtype=torch.float64, device="cpu") for i in self.layers}
 
     def __call__(self, ev: RoutingEvent) -> None:
         L = ev.layer

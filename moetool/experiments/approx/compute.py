@@ -83,7 +83,7 @@ def subset_matrix(n: int, k: int, device: Any = None) -> tuple[torch.Tensor, tor
     Built once on the host (itertools) and cached per ``(n, k, device)``: no data-dependent op on the device."""
     key = (n, k, str(torch.device(device) if device is not None else "cpu"))
     if key not in _SUBSETS:
-        idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.long).view(-1, k)
+        idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.long, device="cpu").view(-1, k)
         _SUBSETS[key] = ops.to_device(idx, key[2]), ops.to_device(ops.multi_hot(idx, n, torch.float64), key[2])
     return _SUBSETS[key]
 

@@ -256,7 +256,7 @@ class ErcResult:
         frames = []
         for r in self.layers:
             n = r.M.shape[0]
-            ii, jj = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+            ii, jj = torch.meshgrid(torch.arange(n, device="cpu"), torch.arange(n, device="cpu"), indexing="ij")
             frames.append(pd.DataFrame({"layer": r.layer, "i": ii.reshape(-1).numpy(), "j": jj.reshape(-1).numpy(),
                                         "m": r.M.reshape(-1).numpy()}))
         return erc, per_layer, pd.concat(frames, ignore_index=True)

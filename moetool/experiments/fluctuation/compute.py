@@ -155,7 +155,7 @@ class Routing:
         valid = self._valid.cpu()
         S = valid.shape[0] // batch_rows
         start = self._rows_done
-        rows = (torch.arange(start, start + batch_rows) if self._row_ids is None
+        rows = (torch.arange(start, start + batch_rows, device="cpu") if self._row_ids is None
                 else torch.as_tensor(self._row_ids[start:start + batch_rows]).long())
         self._rows_done += batch_rows
         self.spill.append(host[:, valid])  # [L, N, K + 1]

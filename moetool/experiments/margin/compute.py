@@ -164,13 +164,16 @@ class MarginCollector:
     def __init__(self, tokens: Any, layers: Sequence[Any], opts: MarginOptions, policies: Sequence[Any] = ()):
         self.opts, self.layers, self.policies = opts, {L.index: L for L in layers}, list(policies)
         self.rows = RowTable(tokens)
-        self.edges = torch.tensor(opts.thresholds, dtype=torch.float32)
+        self.edges = torch.tensor(opts.thresholds, dtype=torch.float32, device="cpu")
         nb, E = len(opts.thresholds) + 1, len(opts.eps)
         self.sketch = {i: QuantileSketch() for i in self.layers}  # every positive fp32 gap up to 1e4
-        self.bins = {i: torch.zeros(nb, 1 + 2 * E, dtype=torch.float64) for i in self.layers}  # tokens, flips
-        self.noise = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}  # sum of ||h' - h|| / ||h||
+        # the sums start on the host and move to the router input's device at its first event (ops.to_device)
+        self.bins = {i: torch.zeros(nb, 1 + 2 * E, dtype=torch.float64, device="cpu")
+                     for i in self.layers}  # tokens, flips
+        self.noise = {i: torch.zeros(E, dtype=torch.float64, device="cpu")
+                      for i in self.layers}  # sum of ||h' - h|| / ||h||
         # real tokens whose noisy input overflowed (h' or ||h' - h|| or its logits not finite), per eps
-        self.overflow = {i: torch.zeros(E, dtype=torch.float64) for i in self.layers}
+        self.overflow = {i: torch.zeros(E, dtype=torch.float64, device="cpu") for i in self.layers}
         self.dtype: Any = None  # the router input's dtype (named when the noise overflows it)
 
     def before_batch(self, batch: Any) -> None:

@@ -351,8 +351,8 @@ class RecallCollector:
         ci = {}
         if self.rows is not None:
             rows, keys = self.rows, list(self.acc)
-            num = torch.cat([torch.as_tensor(rows.table(f"{k[0]}/{k[1]}/{k[2]}/{k[3]}")).reshape(rows.n_rows, -1)
-                             for k in keys], 1).numpy()
+            num = torch.cat([torch.as_tensor(rows.table(f"{k[0]}/{k[1]}/{k[2]}/{k[3]}"), device="cpu")
+                             .reshape(rows.n_rows, -1) for k in keys], 1).numpy()
             ivs = ratio_intervals(num, rows.table("tokens"), n_boot=self.opts.bootstrap, seed=self.opts.seed)
             for i, k in enumerate(keys):
                 ci[k] = {f"{c}_{e}": getattr(ivs[3 * i + j], e) for j, c in enumerate(CI) for e in ("lo", "hi")}

@@ -619,7 +619,7 @@ class OffloadCollector:
     def before_batch(self, batch: Any) -> None:
         mask = batch.attention_mask.reshape(-1).bool()
         B, S = batch.attention_mask.shape
-        self._rows_now = (torch.arange(self._row0, self._row0 + B) if self.row_ids is None
+        self._rows_now = (torch.arange(self._row0, self._row0 + B, device="cpu") if self.row_ids is None
                           else torch.as_tensor(self.row_ids[self._row0:self._row0 + B])).repeat_interleave(S)
         self._row0 += B
         self.pred.next_batch(batch)

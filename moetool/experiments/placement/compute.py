@@ -93,18 +93,18 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
     """Pack the m items of each row into ``num_packs`` packs of exactly ``m / num_packs`` items, balancing the packs'
     weights: heaviest item first, each into the lightest pack that still has room (the first such pack on ties).
     ``weight [X, m] -> (pack index [X, m], rank in pack [X, m])`` (int64, CPU)."""
-    rows, m = weight.shape
+    (rows, m), dev = weight.shape, weight.device
     per_pack = m // num_packs
     if per_pack == 1:
-        return (torch.arange(m, dtype=torch.int64).expand(rows, m).clone(),
-                torch.zeros(rows, m, dtype=torch.int64))
+        return (torch.arange(m, dtype=torch.int64, device=dev).expand(rows, m).clone(),
+                torch.zeros(rows, m, dtype=torch.int64, device=dev))
     order = weight.sort(-1, descending=True).indices  # [X, m] heaviest first (eplb.py's sort: its ties)
     w = weight.float()  # float32: the packs' sums rounded as eplb.py's float32 tensors are
-    load = torch.zeros(rows, num_packs, dtype=torch.float32)
-    count = torch.zeros(rows, num_packs, dtype=torch.int64)
-    pack = torch.empty(rows, m, dtype=torch.int64)
-    rank = torch.empty(rows, m, dtype=torch.int64)
-    one, inf = torch.ones(rows, 1, dtype=torch.int64), torch.tensor(float("inf"))
+    load = torch.zeros(rows, num_packs, dtype=torch.float32, device=dev)
+    count = torch.zeros(rows, num_packs, dtype=torch.int64, device=dev)
+    pack = torch.empty(rows, m, dtype=torch.int64, device=dev)
+    rank = torch.empty(rows, m, dtype=torch.int64, device=dev)
+    one, inf = torch.ones(rows, 1, dtype=torch.int64, device=dev), torch.tensor(float("inf"))
     for k in range(m):  # every row's k-th heaviest item at once (rows are independent)
         item = order[:, k:k + 1]  # [X, 1]
         p = torch.where(count < per_pack, load, inf).argmin(-1, keepdim=True)  # lightest pack with room, first on ties
@@ -119,11 +119,11 @@ def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor,
     """Replicate the ``num_log`` experts of each row into ``num_phy`` replicas, one extra replica at a time for the
     expert of largest load per replica (minimising the largest replica load).
     ``weight [X, num_log] -> (phy2log [X, num_phy], replica rank [X, num_phy], replica count [X, num_log])``."""
-    rows, num_log = weight.shape
-    phy2log = torch.arange(num_phy, dtype=torch.int64).repeat(rows, 1)
-    rank = torch.zeros(rows, num_phy, dtype=torch.int64)
-    logcnt = torch.ones(rows, num_log, dtype=torch.int64)
-    r = torch.arange(rows)
+    (rows, num_log), dev = weight.shape, weight.device
+    phy2log = torch.arange(num_phy, dtype=torch.int64, device=dev).repeat(rows, 1)
+    rank = torch.zeros(rows, num_phy, dtype=torch.int64, device=dev)
+    logcnt = torch.ones(rows, num_log, dtype=torch.int64, device=dev)
+    r = torch.arange(rows, device=dev)
     for i in range(num_log, num_phy):
         top = (weight / logcnt).max(dim=-1).indices  # [X] (the first of equal maxima)
         phy2log[:, i] = top
@@ -134,7 +134,8 @@ def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor,
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     """Row-wise inverse of permutations ``[X, m]``."""
-    return torch.empty_like(perm).scatter_(1, perm, torch.arange(perm.shape[1]).expand(perm.shape).contiguous())
+    return torch.empty_like(perm).scatter_(1, perm, torch.arange(perm.shape[1], device=perm.device)
+                                           .expand(perm.shape).contiguous())
 
 
 def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int,
@@ -149,7 +150,7 @@ def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: 
     group_load = weight.unflatten(-1, (num_groups, group_size)).sum(-1)  # [L, groups]
     g_pack, g_rank = balanced_packing(group_load, num_nodes)
     log2mlog = (((g_pack * groups_per_node + g_rank) * group_size).unsqueeze(-1)
-                + torch.arange(group_size)).flatten(-2)  # [L, n]
+                + torch.arange(group_size, device=weight.device)).flatten(-2)  # [L, n]
     mlog2log = _inverse(log2mlog)
     # (2) replicas within each node: [L * nodes, n / nodes]
     mlog_load = weight.gather(-1, mlog2log).view(-1, n // num_nodes)
@@ -160,7 +161,7 @@ def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: 
     pphy2phy = _inverse(pack * per_gpu + rank)
     pphy2mlog = phy2mlog.gather(-1, pphy2phy)  # [L * nodes, P / nodes]
     pphy2mlog = (pphy2mlog.view(L, num_nodes, -1)
-                 + torch.arange(0, n, n // num_nodes).view(1, -1, 1)).flatten(-2)  # [L, P]
+                 + torch.arange(0, n, n // num_nodes, device=weight.device).view(1, -1, 1)).flatten(-2)  # [L, P]
     phy2log = mlog2log.gather(-1, pphy2mlog)
     phy_rank = phy_rank.gather(-1, pphy2phy).view(L, -1)
     logcnt = mlog_cnt.view(L, -1).gather(-1, log2mlog)
@@ -189,9 +190,9 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
 def static_placement(L: int, n: int, gpus: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(phy2log [L, n], count [L, n])`` of a placement without replicas: ``contiguous`` (slots of GPU g hold
     experts g*n/G .. (g+1)*n/G - 1, i.e. e -> e*G//n) or ``round_robin`` (GPU g holds e = g, g+G, ...)."""
-    e = torch.arange(n)
+    e = torch.arange(n, device="cpu")
     phy2log = e if method == "contiguous" else e.view(n // gpus, gpus).T.reshape(-1)
-    return phy2log.expand(L, n).clone(), torch.ones(L, n, dtype=torch.int64)
+    return phy2log.expand(L, n).clone(), torch.ones(L, n, dtype=torch.int64, device="cpu")
 
 
 def gpu_loads(load: torch.Tensor, phy2log: torch.Tensor, count: torch.Tensor, gpus: int) -> torch.Tensor:
@@ -236,7 +237,8 @@ def imbalance_statistic(placements: list[Placement]) -> Any:
     placements of one G and P (:func:`_stacks`: every placement's numbers as from it alone)."""
     stacks = _stacks(placements)
     L = placements[0][3].shape[0]
-    back = torch.tensor([i for _, ix, _, _ in stacks for i in ix]).argsort()  # stacked order -> placements' order
+    # stacked order -> placements' order (on the host: it orders the bootstrap's numpy replicates)
+    back = torch.tensor([i for _, ix, _, _ in stacks for i in ix], device="cpu").argsort()
 
     def statistic(s: np.ndarray) -> np.ndarray:
         lead = s.shape[:-1]

@@ -175,7 +175,7 @@ class RoutingStats:
         """Register the token ids and row domains of the next forward (``TokenBatch``); returns it."""
         ids, mask = batch.input_ids, batch.attention_mask  # [B, S]
         try:
-            dom = torch.tensor([self._dom_id[d] for d in batch.domains]) if self.domains else None  # [B]
+            dom = torch.tensor([self._dom_id[d] for d in batch.domains], device="cpu") if self.domains else None  # [B]
         except KeyError as e:
             raise MoetoolError(f"domain {e} was not declared to RoutingStats") from None
         self._batch = {"shape": tuple(ids.shape), "ids": ids.reshape(-1),
@@ -404,7 +404,7 @@ def _coactivation_arrays(layer: int, co: torch.Tensor) -> dict[str, Any]:
     n = co.shape[0]
     chose = co.diagonal()  # [n]
     p = co / chose.unsqueeze(1)  # [n, n] row a: P(b | a); nan where nobody chose a
-    a, b = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+    a, b = torch.meshgrid(torch.arange(n, device="cpu"), torch.arange(n, device="cpu"), indexing="ij")
     off = a != b
     return {"layer": np.full(n * (n - 1), layer, dtype=np.int64), "a": a[off].numpy(), "b": b[off].numpy(),
             "p_b_given_a": p[off].numpy(), "count": co[off].long().numpy()}
