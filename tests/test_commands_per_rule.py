@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -687,6 +688,7 @@ def test_hash_and_carried_state_layers_are_refused_in_one_line(case, tmp_path):
         assert r.exit_code != 0, (args, r.output)
         assert says.format([i for i in bad if i in others]) in r.output, (args, r.output)
         assert ("--layers " + ",".join(map(str, ok)) if ok else "no other layer is left") in r.output
+        assert re.findall(r"--layers ([\d,]+)", r.output) == ([",".join(map(str, ok))] if ok else []), r.output
         assert not (tmp_path / args[0] / "manifest.json").exists()
         if ok and args[0] == "offload":  # what its refusal offers runs (mass-recall's does not yet on Zaya: its
             # router is no matrix over the layer input, refused once --layers 0 is given)
