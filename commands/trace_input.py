@@ -9,6 +9,10 @@ from typing import Any, Optional
 
 from .cli import finish
 
+# Each run records as its options the ``data``, ``seq_len`` and ``max_tokens`` of the text it read (the analysis's
+# ``meta["traced_run"]``: the trace's, ``max_tokens`` the cap where it cut the trace), as a forward of the command
+# records them: the report tells the two apart only where they differ.
+
 
 def refuse(flags: dict[str, Any]) -> None:
     """One line for the first flag that needs a forward and was given with ``--trace``."""
@@ -44,7 +48,7 @@ def stats_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, forc
 
     res, _ = analyse("stats", [trace], config, opts)
     run = _run("stats", out, force)
-    write_result(res, run, options={"trace": str(trace), "trace_config": config})
+    write_result(res, run, options={**res.meta["traced_run"], "trace": str(trace), "trace_config": config})
     finish(res, run.path, quiet, lambda: print_table(res.summary, title=f"{trace}", csv="layers.csv"))
 
 
@@ -61,7 +65,8 @@ def placement_on_trace(trace: Path, config: Optional[str], opts: Any, out: Any, 
     run = _run("placement", out, force)
     if export:
         write_export_file(run, export, loads, opts, src.shape)
-    write_result(res, run, options={"trace": str(trace), "trace_config": config, "export": export})
+    write_result(res, run, options={**res.meta["traced_run"], "trace": str(trace), "trace_config": config,
+                                    "export": export})
     finish(res, run.path, quiet, lambda: print_table(res.summary, f"per-GPU load imbalance (max/mean): {trace}",
                                                      csv="placement_overall.csv"))
 
@@ -75,7 +80,7 @@ def offload_on_trace(trace: Path, config: Optional[str], opts: Any, max_tokens: 
 
     res, _ = analyse("offload", [trace], config, opts, max_tokens)
     run = _run("offload", out, force)
-    write_result(res, run, options={"trace": str(trace), "trace_config": config, "max_tokens": max_tokens})
+    write_result(res, run, options={**res.meta["traced_run"], "trace": str(trace), "trace_config": config})
     finish(res, run.path, quiet, lambda: print_table(res.summary, f"expert cache hit rate: {trace}",
                                                      csv="offload_cache.csv"))
 
@@ -91,8 +96,8 @@ def fluctuation_on_traces(traces: list[Path], config: Optional[str], reference: 
     opts = FluctuationOptions(reference=reference, bootstrap=bootstrap, seed=seed)
     res, _ = analyse("fluctuation", list(traces), config, opts, max_tokens)
     run = _run("fluctuation", out, force)
-    write_result(res, run, options={"traces": [str(t) for t in traces], "trace_config": config,
-                                    "max_tokens": max_tokens})
+    write_result(res, run, options={**res.meta["traced_run"], "traces": [str(t) for t in traces],
+                                    "trace_config": config})
     finish(res, run.path, quiet, lambda: print_table(
         res.summary, "routing change between recorded routings (mean over layers)", csv="fluctuation.csv"))
 

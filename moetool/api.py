@@ -308,12 +308,12 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
         raise MoetoolError(f"{path.parent}: no such folder")
     shape = None
     if format == "sglang":
-        trace = result.meta.get("trace")
+        trace = result.meta.get("trace")  # a --trace analysis: the shape its trace records (it names its model too)
         model = result.model.get("name") if isinstance(result.model, dict) else None
-        if config is not None or model is not None:
-            shape = ModelShape.from_config(str(config if config is not None else model))
-        elif isinstance(trace, dict) and "shape" in trace:
+        if config is None and isinstance(trace, dict) and "shape" in trace:
             shape = ModelShape.from_manifest(trace["shape"])
+        elif config is not None or model is not None:
+            shape = ModelShape.from_config(str(config if config is not None else model))
     export(format, path, loads, result.options, shape)
     return path
 

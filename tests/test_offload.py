@@ -547,6 +547,60 @@ def test_a_first_layer_whose_router_reads_no_norm_of_the_stream_is_not_predicted
     assert cache.loc[L.top_k, "hits"] == sum(len(a & b) for a, b in zip(sets[1:], sets))
 
 
+def _suggested(msg):
+    """The invocations a refusal offers: per alternative (``, or `` between them), its ``--layers`` (``None``: as
+    given) and whether it adds ``--no-predict-norm``."""
+    import re
+
+    tips = msg.rsplit(": ", 1)[1]
+    return [(tuple(int(i) for i in m.group(1).split(",")) if (m := re.search(r"--layers (\S+)", alt)) else None,
+             "--no-predict-norm" in alt) for alt in tips.split(", or ")]
+
+
+@pytest.mark.parametrize("given", [{}, {"layers": (0, 3)}, {"layers": (0, 3), "predict_norm": False},
+                                   {"layers": (1, 2)}, {"predict_norm": False}])
+def test_every_deepseek_v4_refusal_suggests_an_offload_that_runs(given):
+    """The tiny DeepSeek-V4: layers 0-2 hash-routed (a token -> experts table in the router), every layer reading a
+    mix of hc_mult residual streams. Offload predicts every layer with a decoder layer ahead, so layers 1-2 (no
+    logits to recompute) and 3 (no one hidden state: not through the norm, not from the stream) cannot be; layer 0,
+    first of the stack, is simulated from its own routing. Each refusal must offer exactly what runs: the refusal
+    of every layer offered --layers 0,3 (refused next for its hyper-connections, whose refusal offered
+    --no-predict-norm, refused again in the forward). Expected layers from the model itself: the hash tables and
+    the config's hc_mult."""
+    from moetool.adapters.generic import hash_table
+
+    lm, tokens = _unnormed_router_lm("deepseek_v4")
+    hc = lm.model.config.get_text_config(decoder=True).hc_mult
+    assert hc > 1
+    hashed = {L.index for L in lm.layers if hash_table(L.router) is not None}
+    assert hashed == {0, 1, 2}
+    asked = list(given.get("layers", [L.index for L in lm.layers]))
+    with pytest.raises(MoetoolError) as e:
+        offload(lm, tokens, bootstrap=0, policies=("lru",), batch_size=2, quiet=True, **given)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1
+    bad = [i for i in asked if i != 0]  # layer 0 has no decoder layer ahead: not predicted, whatever it reads
+    hash_bad, stream_bad = [i for i in bad if i in hashed], [i for i in bad if i not in hashed]
+    assert (f"MoE layers {hash_bad} are hash-routed" in msg) == bool(hash_bad), msg
+    assert (f"MoE layers {stream_bad} carry {hc} residual streams" in msg) == bool(stream_bad), msg
+    tips = _suggested(msg)
+    # the layers asked for that run, or (none left) the model's that do: layer 0 either way; never --no-predict-norm
+    assert tips == [((0,), False)], msg
+    for layers, no_norm in tips:
+        res = offload(lm, tokens, bootstrap=0, policies=("lru",), batch_size=2, quiet=True,
+                      **{**given, "layers": layers, **({"predict_norm": False} if no_norm else {})})
+        assert sorted(set(res["offload_layers"].layer)) == list(layers)
+        cache = res["offload_cache"].set_index("capacity")  # capacity K: hits of the previous token's K experts
+        got = []
+        from moetool.engine import forward
+
+        forward(lm, tokens, batch_size=2, quiet=True,
+                consumers=[lambda ev: got.append(ev.idx[ev.valid].cpu()) if ev.layer.index == 0 else None])
+        sets = [set(r) for r in torch.cat(got).tolist()]
+        K = lm.layers[0].top_k
+        assert cache.loc[K, "hits"] == sum(len(a & b) for a, b in zip(sets[1:], sets))
+
+
 def test_the_norm_refusal_names_the_layers_left_to_choose(block_residual):
     """Every analysed layer of the tiny Inkling-2: layers 1-5 cannot be predicted through a norm and are named; the
     hint offers exactly the others, layer 0 (first of its stack, not predicted): never a refused layer among them."""

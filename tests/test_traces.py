@@ -1664,3 +1664,56 @@ def test_megatron_records_of_another_step_start_another_forward(tmp_path):
     (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(MoetoolError, match=r"MoE layers \[2, 3\] of --config hand have no record in this step"):
         list(readers.read([tmp_path / "router_trace_rank0.jsonl"], HAND).chunks)
+
+
+def test_a_report_labels_trace_analyses_like_the_forward_runs_of_the_same_model_and_text(tmp_path):
+    """stats, offload and fluctuation of tiny on the same 256 tokens, each run forward and on ``moetool trace``
+    recordings of those tokens: moetool report listed the trace runs with a blank model, fluctuation's with no data
+    or token count, and offload's and fluctuation's with max_tokens=8192 (the --trace cap, not the tokens read) as
+    an option differing from the forward's 256. Each trace run now records the model, the data and the tokens it read
+    (the trace's manifest), so the report's model/options column reads as the forward's plus ' (trace)'; stats'
+    one difference is real: its forward computed intervals (bootstrap=1000), the trace analysis none. An offload of
+    the trace's first 128 tokens (--max-tokens 128) differs in what it read, and says so."""
+    from moetool.report.page import write_report
+
+    size = ["--max-tokens", "256", "--seq-len", "32"]
+    runs: dict[str, Path] = {}
+
+    def run(name, *args):
+        runs[name] = tmp_path / name
+        r = runner.invoke(app, [*args, "--out", str(runs[name]), "-q"])
+        assert r.exit_code == 0, r.output
+
+    run("trace-early", "trace", "--model", "tiny-early", *size)
+    run("trace", "trace", "--model", "tiny", *size)
+    run("stats-fwd", "stats", "--model", "tiny", *size)
+    run("stats-tr", "stats", "--trace", str(runs["trace"]))
+    run("offload-fwd", "offload", "--model", "tiny", *size)
+    run("offload-tr", "offload", "--trace", str(runs["trace"]))
+    run("offload-tr128", "offload", "--trace", str(runs["trace"]), "--max-tokens", "128")
+    run("fluct-fwd", "fluctuation", "tiny-early", "tiny", "--routing", "router", *size)
+    run("fluct-tr", "fluctuation", "--trace", str(runs["trace-early"]), "--trace", str(runs["trace"]))
+    man = {k: json.loads((p / "manifest.json").read_text()) for k, p in runs.items()}
+    traced = man["trace"]["data"]  # what moetool trace read: the text, its 256 tokens in 8 rows of 32
+    assert (traced["tokens"], traced["rows"], traced["seq_len"]) == (256, 8, 32)
+    for fwd, tr in (("stats-fwd", "stats-tr"), ("offload-fwd", "offload-tr"), ("fluct-fwd", "fluct-tr")):
+        for k in ("source", "tokens", "rows", "seq_len"):
+            assert man[tr]["data"][k] == man[fwd]["data"][k] == traced[k], (tr, k)
+        assert man[tr]["options"]["max_tokens"] == man[fwd]["options"]["max_tokens"] == 256, tr
+    for tr in ("stats-tr", "offload-tr"):
+        assert man[tr]["model"]["name"] == "tiny" and man[tr]["model"]["model_type"] == "mixtral"
+    assert man["fluct-tr"]["model"] == man["fluct-fwd"]["model"] == ["tiny-early", "tiny"]
+    read = man["offload-tr128"]  # the first 128 tokens: the trace's first 4 rows of 32
+    assert (read["data"]["tokens"], read["data"]["rows"], read["options"]["max_tokens"]) == (128, 4, 128)
+    assert int(pd.read_csv(runs["offload-tr128"] / "offload_cache.csv").requests.max()) == 128 * 2  # K = 2
+
+    page = write_report(list(runs.values())[2:], tmp_path / "report")
+    md = (page.parent / "report.md").read_text()
+    who = {m.group(1): m.group(2) for m in re.finditer(r"^\| \[\w+\]\(#([\w-]+)\) \| (.*?) \| ", md, re.M)}
+    listed = dict((m.group(2), m.group(1)) for m in re.finditer(r"^- (.*) \(([\w-]+)\)$", md, re.M))
+    assert who["offload-tr"] == who["offload-fwd"].replace("tiny", "tiny (trace)", 1), who
+    assert "max\\_tokens=256" in who["offload-fwd"] and "max\\_tokens=128" in who["offload-tr128"], who
+    assert who["fluct-tr"] == who["fluct-fwd"] + " (trace)" == "tiny-early -&gt; tiny (trace)", who
+    assert (who["stats-fwd"], who["stats-tr"]) == ("tiny · bootstrap=1000", "tiny (trace) · bootstrap=0"), who
+    for fwd, tr in (("stats-fwd", "stats-tr"), ("offload-fwd", "offload-tr"), ("fluct-fwd", "fluct-tr")):
+        assert listed[tr] == listed[fwd] + " (trace)", listed

@@ -128,6 +128,14 @@ class MoELayer:
         return False
 
     @property
+    def residual_streams(self) -> int:
+        """Residual streams a token carries between decoder layers: 1, or ``hc_mult`` where the config has
+        hyper-connections (DeepSeek-V4, GLM-5-Next, HY-V4: the MoE block reads a learned mix of them, so no one
+        hidden state entering the decoder layer is what its router reads; offload cannot predict its routing)."""
+        hc = getattr(self.config, "hc_mult", None)
+        return hc if isinstance(hc, int) and hc > 1 else 1
+
+    @property
     def renormalize(self) -> bool:
         """Whether the chosen experts' probabilities are renormalised to sum to one."""
         raise NotImplementedError

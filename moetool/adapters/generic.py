@@ -238,8 +238,8 @@ class GenericLayer(MoELayer):
 
         Otherwise a one-line :class:`MoetoolError`: never a guess."""
         d = self.decoder_layer
-        hc = getattr(self.config, "hc_mult", None)
-        if isinstance(hc, int) and hc > 1:
+        hc = self.residual_streams
+        if hc > 1:
             raise MoetoolError(f"layer {self.index} carries hc_mult={hc} residual streams per token (hyper-"
                                f"connections) and its MoE block reads a learned mix of them: its router input is no "
                                f"norm of one residual stream")

@@ -193,6 +193,42 @@ def _one_token_count(src: TraceSource, sums: dict[int, LayerSums]) -> dict[int, 
     return sums
 
 
+
+def _as_read(res: Result, srcs: list[TraceSource], tokens: int, rows: int | None = None,
+             max_tokens: int | None = None) -> Result:
+    """``res`` recording what it read as a forward of its command records it, so that the two are told apart only
+    where they differ: ``res.model`` the model whose routing the trace holds (the ``moetool trace`` run's model
+    entry; fluctuation: the models of the traces, as its forward records its checkpoints), ``meta["data"]`` the text
+    (the trace's data entry) with the ``tokens`` (and ``rows``) the analysis read, and ``meta["traced_run"]`` the
+    options a forward records of its text (``data``, ``seq_len`` where the trace records them; ``max_tokens``: the
+    analysis's cap where it cut the trace, else the trace's own, else the tokens read) -- the manifest's options of
+    a ``--trace`` run (``commands/trace_input.py``)."""
+    first = srcs[0]
+    res.model = ([s.model_name for s in srcs] if len(srcs) > 1
+                 else {**(first.recorded.get("model") or {}), "name": first.model_name})
+    whole = all(s.recorded.get("tokens") == tokens for s in srcs)  # every token each trace holds was read
+    recorded = first.recorded.get("data") or {}
+    sources = list(dict.fromkeys(str(s.recorded["data"]["source"]) for s in srcs
+                                 if (s.recorded.get("data") or {}).get("source") is not None))
+    data: dict[str, Any] = {}
+    if sources:
+        data["source"] = sources[0] if len(sources) == 1 else sources
+    data["tokens"] = int(tokens)
+    if rows is None and whole:
+        rows = recorded.get("rows")
+    if rows is not None:
+        data["rows"] = int(rows)
+    data.update({k: recorded[k] for k in ("seq_len", "special_tokens") if k in recorded})
+    if whole and "domains" in recorded:
+        data["domains"] = recorded["domains"]
+    given = first.recorded.get("options") or {}
+    capped = bool(max_tokens) and tokens >= max_tokens
+    res.meta["data"] = data
+    res.meta["traced_run"] = {**{k: given[k] for k in ("data", "seq_len") if k in given},
+                              "max_tokens": int(max_tokens if capped else given.get("max_tokens") or tokens)}
+    return res
+
+
 # ----- stats ------------------------------------------------------------------------------------------------------
 def stats_from_trace(src: TraceSource, options: Any) -> Result:
     """``stats`` tables that need only the chosen experts: ``load.csv`` (layer, expert, load_fraction,
@@ -262,8 +298,9 @@ def stats_from_trace(src: TraceSource, options: Any) -> Result:
                                     "max_load_ratio"]].rename(columns={
                                         "n_experts": "n", "top_k": "K", "load_entropy_norm": "Ent_load/log n",
                                         "max_load_ratio": "max load/uniform"}).round(4)
-    return Result("stats_trace", tables, options, meta=dict(trace=src.describe(), definitions=defs,
-                                                            left_out=left_out), summary=summary)
+    return _as_read(Result("stats_trace", tables, options, meta=dict(trace=src.describe(), definitions=defs,
+                                                                     left_out=left_out), summary=summary),
+                    [src], next(iter(sums.values())).tokens)
 
 
 def _tokenizer(src: TraceSource) -> Any:
@@ -309,6 +346,7 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     res = Result("placement", {"placement.csv": df, "placement_overall.csv": overall,
                                "placement_loads.csv": _loads_table(idx, n, K, ("data", load, n_tok))},
                  options, meta=meta, summary=summary)
+    _as_read(res, [src], n_tok)
     return res, {"load": load, "layers": idx, "n": n, "groups": groups}
 
 
@@ -410,7 +448,7 @@ def offload_from_trace(src: TraceSource, options: Any, max_tokens: int | None) -
     res.meta.update(trace=src.describe(), left_out={
         "offload_prefetch": "the next-layer prediction needs a forward's hidden states",
         "expert_bytes, bytes_per_token": "an expert's bytes depend on the serving precision, not in a trace"})
-    return res
+    return _as_read(res, [src], len(stream.token_rows()), int(np.unique(stream.token_rows()).size), max_tokens)
 
 
 # ----- fluctuation ------------------------------------------------------------------------------------------------
@@ -493,11 +531,12 @@ def fluctuation_from_traces(srcs: list[TraceSource], names: list[str], options: 
                        "moetool trace --routing POLICY recorded that policy's choice: traces[].routing names it)",
             "reference": "the trace compared with (--reference: previous, first or last of the traces given)",
             "checkpoint": "the trace whose recorded routing is compared with the reference's, on the same token ids"}
-    return Result("fluctuation_trace", {"fluctuation.csv": df}, options,
-                  meta=dict(traces=[s.describe() for s in srcs], left_out=left_out, definitions=defs,
-                            bootstrap=bootstrap_meta(options.bootstrap, options.seed,
-                                                     int(np.unique(streams[0].token_rows()).size))),
-                  summary=summary)
+    n_rows = int(np.unique(streams[0].token_rows()).size)
+    res = Result("fluctuation_trace", {"fluctuation.csv": df}, options,
+                 meta=dict(traces=[s.describe() for s in srcs], left_out=left_out, definitions=defs,
+                           bootstrap=bootstrap_meta(options.bootstrap, options.seed, n_rows)),
+                 summary=summary)
+    return _as_read(res, srcs, len(streams[0].token_rows()), n_rows, max_tokens)
 
 
 

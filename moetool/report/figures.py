@@ -144,6 +144,23 @@ def describe_run(model: Any = None, data: Any = None, tokens: int | None = None)
     return " · ".join(parts)
 
 
+def trace_marker(meta: Any) -> str:
+    """``" (trace)"`` after the model's name where a run's manifest (or a result's meta) ``meta`` is an analysis of
+    recorded routing (``--trace``: its ``trace``, fluctuation's ``traces``), ``" (trace, routing topk:1)"`` where
+    the trace recorded a policy's choice; ``""`` for a forward. What tells a ``--trace`` run from a forward of the
+    same model and text in a report, its headline and its figures' captions."""
+    if not isinstance(meta, dict):
+        return ""
+    traces = meta.get("traces") if isinstance(meta.get("traces"), list) else [meta.get("trace")]
+    traces = [t for t in traces if isinstance(t, dict)]
+    if not traces:
+        return ""
+    policies = list(dict.fromkeys(str((t.get("routing") or {}).get("name")) for t in traces
+                                  if isinstance(t.get("routing"), dict) and t["routing"].get("name")))
+    policies = [x for x in policies if x != "router"]
+    return f" (trace, routing {', '.join(policies)})" if policies else " (trace)"
+
+
 def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
     """``(rows, cols)`` for ``n`` panels: at most ``max_cols`` wide, near square (4 -> 2×2)."""
     import math

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 from ..errors import MoetoolError, shown
 from ..experiments.result import column_definition  # noqa: F401 - the report page's tooltips
 from ..files import table_problem
+from .figures import trace_marker
 from .rundir import MANIFEST, RunDir, manifest_problem, read_manifest
 
 HTML_ROWS = 20  # a table of up to this many rows is shown whole in the page / Markdown
@@ -360,7 +361,8 @@ def shown_path(text: str, run: Path | None = None) -> str:
 
 def run_label(m: dict[str, Any]) -> str:
     """``"stats · tiny"``: the command and what it ran on (the model, the models of a demo step, the checkpoint
-    pairs ``tiny-early -> tiny``), what tells runs of one report apart."""
+    pairs ``tiny-early -> tiny``; ``"stats · tiny (trace)"`` for a ``--trace`` analysis of the routing of tiny
+    recorded by ``moetool trace``), what tells runs of one report apart."""
     cmd = str(m.get("command", "?"))
     model, opts = m.get("model"), m.get("options") if isinstance(m.get("options"), dict) else {}
     who = model.get("name") if isinstance(model, dict) else model
@@ -371,9 +373,10 @@ def run_label(m: dict[str, Any]) -> str:
         who = ", ".join(" -> ".join(map(str, p)) if isinstance(p, (list, tuple)) else str(p) for p in items)
     if not who and isinstance(opts.get("models"), (list, tuple)):
         who = ", ".join(map(str, opts["models"]))
-    if not who and listed:
-        who = ", ".join(map(str, listed))
-    return f"{cmd} · {who}" if who else cmd
+    marker = trace_marker(m)  # a --trace analysis: the model whose routing it read, marked as read from a trace
+    if not who and listed:  # (fluctuation's traces, compared in their order as its checkpoints are)
+        who = (" -> " if marker else ", ").join(map(str, listed))
+    return f"{cmd} · {who}{marker}" if who else cmd
 
 
 def summary(m: dict[str, Any], run: Path | None = None) -> list[tuple[str, str]]:
@@ -455,6 +458,8 @@ def run_context(m: dict[str, Any]) -> str:
     name = model.get("name") if isinstance(model, dict) else model
     if not name and isinstance(m.get("options"), dict):
         name = m["options"].get("model")
+    if name and not isinstance(name, (list, tuple)):
+        name = f"{name}{trace_marker(m)}"
     src = data.get("source") if isinstance(data, dict) else None
     tokens = data.get("tokens") if isinstance(data, dict) else None
     return describe_run(name, src, tokens if isinstance(tokens, int) else None)

@@ -21,7 +21,7 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
     """Write ``result`` into ``run`` (a :class:`~moetool.report.RunDir`); returns the manifest path (or ``None``
     with ``finish=False``, when the caller adds more before finishing). ``seed`` defaults to the options' seed."""
     from ..errors import FIGURE_FORMATS, MoetoolRuntimeError, env_figures
-    from .figures import describe_run
+    from .figures import describe_run, trace_marker
     from .plots import figures
     from .rundir import one_line
 
@@ -37,7 +37,8 @@ def write(result: Any, run: Any, *, model: Any = None, options: dict[str, Any] |
         who = ((model.get("name") if isinstance(model, dict) else getattr(model, "name", None))
                or (options or {}).get("model")
                or " vs ".join(map(str, result.meta.get("checkpoints", []))))
-        run.caption = describe_run(who, data.get("source"), data.get("tokens"))
+        run.caption = describe_run(f"{who}{trace_marker(result.meta)}" if who else who, data.get("source"),
+                                   data.get("tokens"))
     for name, df in result.tables.items():
         if name.endswith(".parquet"):  # large tables (stats --all-tokens): Parquet, one row group per layer
             _write_parquet(run, name, df)
@@ -85,18 +86,18 @@ def headline_lines(result: Any, model: Any = None, options: dict[str, Any] | Non
     summary table; ``[]`` for an experiment without them or a result of no experiment. A ``--trace`` analysis
     (``stats_trace``, ...) gets its experiment's lines of the tables it has."""
     from ..experiments.registry import of_result
+    from .figures import trace_marker
 
     spec = of_result(result.name)
     if spec is None or not spec.lines:
         return []
     trace = result.meta.get("trace")  # a --trace analysis: no model loaded, the routing of the trace's model
-    policy = (trace.get("routing") or {}).get("name") if isinstance(trace, dict) else None
-    traced = (f"{trace['shape'].get('source') or 'a model'} (trace"
-              + (f", routing {policy})" if policy not in (None, "router") else ")")
-              if isinstance(trace, dict) and isinstance(trace.get("shape"), dict) else None)
+    traced = (trace["shape"].get("source") if isinstance(trace, dict) and isinstance(trace.get("shape"), dict)
+              else None)
     who = ((model.get("name") if isinstance(model, dict) else getattr(model, "name", None))
            or (options or {}).get("model") or " -> ".join(map(str, result.meta.get("checkpoints", []))) or traced
-           or spec.name)
+           or (None if trace_marker(result.meta) else spec.name))
+    who = f"{who or 'a model'}{trace_marker(result.meta)}"
     try:
         return [str(line) for line in spec.load(spec.lines)(str(who), result)]
     except Exception:  # noqa: BLE001 - a headline that cannot be said is left out: the tables are the record

@@ -143,6 +143,10 @@ class TraceSource:
     #: the policy a ``moetool trace`` recorded under (its manifest's ``routing``, with the ``--layers`` it ran in);
     #: ``None``: an engine's dump or a bare file, whose routing is the model's as it served or trained
     routing: dict[str, Any] | None = None
+    #: what the trace's manifest says of the run that recorded it (:func:`_recorded`): ``model`` (a ``moetool
+    #: trace``'s model entry), ``data`` (its data entry; an import's tokens and requests), ``options`` (the
+    #: ``data``, ``seq_len``, ``max_tokens`` it read the text with), ``tokens`` (the tokens it holds, when known)
+    recorded: dict[str, Any] = field(default_factory=dict)
 
     @property
     def weights(self) -> bool:
@@ -153,6 +157,34 @@ class TraceSource:
         return {"trace": str(self.path), "kind": self.kind, "routing_source": self.routing_source or
                 "moetool trace", **({"routing": self.routing} if self.routing else {}),
                 "shape": self.shape.to_manifest()}
+
+    @property
+    def model_name(self) -> str:
+        """The model whose routing the trace holds: the name its ``moetool trace`` run loaded, else the model of the
+        shape (an import's ``--config``, or ``--trace-config``)."""
+        return str((self.recorded.get("model") or {}).get("name") or self.shape.source)
+
+
+#: the model entry's fields an analysis of a trace records of the model that ran (its config, kept in the trace's
+#: manifest, is left there)
+MODEL_FIELDS = ("name", "source", "kind", "model_type", "dtype", "device", "moe_layers", "quantization")
+#: the options of ``moetool trace`` that say what text it read, as a forward of another command records them
+DATA_OPTIONS = ("data", "seq_len", "max_tokens")
+
+
+def _recorded(man: dict[str, Any], rs: dict[str, Any]) -> dict[str, Any]:
+    """:attr:`TraceSource.recorded` from the trace's manifest ``man`` (``rs``: its ``routing_source``, an import's):
+    a ``moetool trace`` run's model and data entries and the options that chose its text; an engine's dump the
+    tokens and requests import-trace counted (the text it served is not known); ``{}`` without a manifest."""
+    if rs:
+        return {"data": {k: rs[k] for k in ("tokens", "requests") if isinstance(rs.get(k), int)},
+                **({"tokens": rs["tokens"]} if isinstance(rs.get("tokens"), int) else {})}
+    model = man.get("model") if isinstance(man.get("model"), dict) else {}
+    data = man.get("data") if isinstance(man.get("data"), dict) else {}
+    opts = man.get("options") if isinstance(man.get("options"), dict) else {}
+    return {"model": {k: model[k] for k in MODEL_FIELDS if k in model}, "data": data,
+            "options": {k: opts[k] for k in DATA_OPTIONS if k in opts},
+            **({"tokens": data["tokens"]} if isinstance(data.get("tokens"), int) else {})}
 
 
 def _manifest(folder: Path) -> dict[str, Any]:
@@ -216,14 +248,14 @@ def open_trace(path: str | Path, config: str | None = None) -> TraceSource:
     if config is None:
         if recorded is None:
             raise MoetoolError(f"--trace {p}: no manifest.json beside it naming the model: give --trace-config")
-        return TraceSource(p, kind, recorded, rs, routing)
+        return TraceSource(p, kind, recorded, rs, routing, _recorded(man, rs))
     shape = ModelShape.from_config(config)
     if recorded is not None and ((shape.num_layers, shape.moe, shape.zero)
                                  != (recorded.num_layers, recorded.moe, recorded.zero)):
         raise MoetoolError(f"--trace-config {config}: {_describe(shape)}, but the trace's manifest records "
                            f"{_describe(recorded)} ({recorded.source}): drop --trace-config, or give the model whose "
                            f"routing it is")
-    return TraceSource(p, kind, shape, rs, routing)
+    return TraceSource(p, kind, shape, rs, routing, _recorded(man, rs))
 
 
 def _describe(shape: ModelShape) -> str:

@@ -54,7 +54,7 @@ from ... import distributed, ops
 from ...data import require_tokens
 from ...adapters import quant
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
+from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -729,26 +729,79 @@ def has_layer_ahead(L: MoELayer) -> bool:
 
 
 def prediction_norms(layers: Sequence[MoELayer], predict_norm: bool) -> dict[int, Any]:
-    """Each predicted layer's ``pre_router_norm`` (what its router reads of the stream), before any forward; ``{}``
-    without ``predict_norm`` (the router applied to ``x_ℓ`` itself). Layers whose router input is no norm of one
-    residual stream (hyper-connections, Inkling-2's block attention residuals) are refused in one line naming the
-    others for ``--layers``."""
-    if not predict_norm:
-        return {}
-    norms, bad = {}, {}
+    """Each predicted layer's ``pre_router_norm`` (what its router reads of the stream); ``{}`` without
+    ``predict_norm`` (the router applied to ``x_ℓ`` itself). The layers are checked first
+    (:func:`refuse_unpredicted`)."""
+    return {L.index: L.pre_router_norm for L in layers if has_layer_ahead(L)} if predict_norm else {}
+
+
+def unpredicted(layers: Sequence[MoELayer], predict_norm: bool) -> dict[int, tuple[str, str]]:
+    """The layers of ``layers`` whose routing offload's next-layer prediction cannot recompute, each with ``(kind,
+    detail)``: the one set of checks its refusal reports and its suggestion is computed from
+    (:func:`refuse_unpredicted`). Only a layer with a decoder layer ahead is predicted (:func:`has_layer_ahead`); it
+    cannot be where its router logits depend on more than its input (``carried``: ``routing_context``), where its
+    experts are chosen by token id (``hash``), where a token carries several residual streams into it
+    (``streams``: hyper-connections, no one hidden state; with or without the norm), or, predicting through the
+    norm, where what its router reads is no norm of one stream (``norm``: the adapter's reason)."""
+    out: dict[int, tuple[str, str]] = {}
     for L in layers:
-        if has_layer_ahead(L):
+        if not has_layer_ahead(L):
+            continue
+        if L.carried_state:
+            out[L.index] = ("carried", L.routing_context)
+        elif getattr(L, "hash_routed", False):
+            out[L.index] = ("hash", "")
+        elif L.residual_streams > 1:
+            out[L.index] = ("streams", str(L.residual_streams))
+        elif predict_norm:
             try:
-                norms[L.index] = L.pre_router_norm
+                L.pre_router_norm
             except MoetoolError as e:
-                bad[L.index] = str(e)
-    if bad:
-        others = [L.index for L in layers if L.index not in bad]
-        raise MoetoolError(f"offload's next-layer prediction: {next(iter(bad.values()))}; MoE layers {list(bad)} "
-                           f"cannot be predicted through their norm: " +
-                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
-                            "no other layer is left") + ", or predict from the stream itself (--no-predict-norm)")
-    return norms
+                out[L.index] = ("norm", str(e))
+    return out
+
+
+def _predictable(layers: Sequence[MoELayer], predict_norm: bool) -> list[int]:
+    bad = unpredicted(layers, predict_norm)
+    return [L.index for L in layers if L.index not in bad and not getattr(L, "n_zero_compute", 0)]
+
+
+def refuse_unpredicted(layers: Sequence[MoELayer], predict_norm: bool, model_layers: Sequence[MoELayer]) -> None:
+    """One line, before any forward, naming every layer of ``layers`` (those analysed) whose next-layer prediction
+    cannot be made (:func:`unpredicted`) and why, and an invocation that runs, computed from the same checks: the
+    others (``--layers``), predicting from the stream itself (``--no-predict-norm``) where that leaves more of them,
+    or, where none of the layers asked for is left, the MoE layers of the model (``model_layers``) that are."""
+    bad = unpredicted(layers, predict_norm)
+    if not bad:
+        return
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (kind, detail) in bad.items():
+        groups.setdefault((kind, detail if kind != "norm" else ""), []).append(i)
+    first_norm = next((d for k, d in bad.values() if k == "norm"), "")
+    said = {"carried": "the router logits of MoE layers {} also depend on {}",
+            "hash": "MoE layers {} are hash-routed (experts chosen by token id: no router logits to recompute their "
+                    "routing from)",
+            "streams": "MoE layers {} carry {} residual streams per token (hyper-connections): no one hidden state "
+                       "to predict their routing from, with or without the norm",
+            "norm": first_norm + "; MoE layers {} cannot be predicted through their norm"}
+    why = "; ".join(said[kind].format(ls, detail) for (kind, detail), ls in groups.items())
+
+    def hint(ok: list[int], alt: list[int], among: list[int], scope: str) -> list[str]:
+        tips = [f"{scope} --layers {','.join(map(str, ok))}"] if ok else []
+        if len(alt) > len(ok):
+            tips.append("predict from the stream itself (--no-predict-norm)" if alt == among else
+                        f"predict from the stream itself on --layers {','.join(map(str, alt))} --no-predict-norm")
+        return tips
+
+    asked = [L.index for L in layers]
+    tips = hint(_predictable(layers, predict_norm), _predictable(layers, False) if predict_norm else [], asked,
+                "choose the others with")
+    if not tips:  # (a layer first of its stack is never predicted: any model has one to offer)
+        tips = hint(_predictable(model_layers, predict_norm),
+                    _predictable(model_layers, False) if predict_norm else [], [L.index for L in model_layers],
+                    "no layer asked for is left: choose")
+    raise MoetoolError(f"offload's next-layer prediction: {why}: " + (", or ".join(tips) if tips else
+                                                                       "no other layer is left"))
 
 
 def refuse_zero_compute(zero: dict[int, int]) -> None:
@@ -770,10 +823,10 @@ def offload(lm: Any, tokens: Any, options: OffloadOptions | None = None, *, quie
     opts = resolve_options(OffloadOptions, options, overrides)
     require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
+    refuse_zero_compute({L.index: getattr(L, "n_zero_compute", 0) for L in layers})  # no --layers helps here
     # only a layer with a decoder layer ahead is predicted (its routing recomputed); the first of a stack is simulated
     # from the model's own routing, whatever its router reads (hash-routed: DeepSeek-V4's first layers)
-    refuse_recomputed([L for L in layers if has_layer_ahead(L)], "offload's next-layer prediction", among=layers)
-    refuse_zero_compute({L.index: getattr(L, "n_zero_compute", 0) for L in layers})
+    refuse_unpredicted(layers, opts.predict_norm, lm.layers)
     for L in layers:  # before any forward
         for C in opts.capacities or ():
             if C < L.top_k or C > L.n_experts:
