@@ -270,22 +270,27 @@ def all_reduce_keyed(acc: Mapping[Any, Any], op: str = "sum") -> dict[Any, Any]:
     """Like :func:`all_reduce_dict` for accumulators keyed by what a rank happened to see (MoE layers, codebook
     sizes): the ranks first agree on the union of keys (one ``all_gather_object``), a rank that lacks a key
     joins with zeros of the shape another rank reported, and every rank then reduces the same tensors in the
-    same order -- so a rank with fewer (or no) rows never leaves a collective unmatched. Values: tensors or
-    dicts of tensors (other entries copied from whichever rank has them)."""
+    same order -- so a rank with fewer (or no) rows never leaves a collective unmatched. Its zeros sit on the
+    kind of device the reporting rank keeps the tensor on (a GPU accumulator on this rank's GPU, a host one on the
+    host), as the ranks that saw the key hold theirs. Values: tensors or dicts of tensors (other entries copied
+    from whichever rank has them)."""
     if not _reduces():
         return dict(acc)
 
     def spec(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), v.dtype)
+            return ("tensor", tuple(v.shape), v.dtype, v.device.type)
         if isinstance(v, Mapping):
             return {k: spec(x) for k, x in v.items()}
         return ("value", v)
 
-    def zeros(sp: Any) -> Any:
+    here = _backend_device()
+
+    def zeros(sp: Any) -> Any:  # on the kind of device the reporting rank keeps it (this rank's GPU, or the host)
         if isinstance(sp, dict):
             return {k: zeros(x) for k, x in sp.items()}
-        return torch.zeros(sp[1], dtype=sp[2]) if sp[0] == "tensor" else sp[1]
+        return torch.zeros(sp[1], dtype=sp[2], device=here if sp[3] == here.type else "cpu") \
+            if sp[0] == "tensor" else sp[1]
 
     specs: dict[Any, Any] = {}
     for part in gather_object({k: spec(v) for k, v in acc.items()}):

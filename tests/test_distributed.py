@@ -273,6 +273,26 @@ def test_gathers_and_keyed_reductions_over_ranks_of_uneven_rows_and_keys(tmp_pat
         assert got["main"] == ([[0] * 3, [1] * 5] if rank == 0 else None)
 
 
+def test_a_key_this_rank_lacks_joins_on_the_device_kind_the_other_rank_keeps_it(monkeypatch):
+    """A rank without a key joins the reduction with zeros on the kind of device the reporting rank holds that
+    tensor (its accumulator on the GPU there: this rank's GPU; a host accumulator: the host), so the reduced dict
+    holds every key where the ranks that saw it hold theirs. Without a second GPU: two ranks by substitution, the
+    "GPU" being the meta device (the backend's device) and the reduction the identity. Before, the zeros were
+    always made on the host: a GPU accumulator came back on the CPU on a rank that had not seen its key."""
+    other = {1: ("tensor", (3,), torch.float64, "meta"), 2: ("tensor", (2,), torch.int64, "cpu"),
+             3: {"s": ("tensor", (1, 2), torch.float32, "meta"), "n": ("value", 5)}}
+    monkeypatch.setattr(D, "_reduces", lambda: True)
+    monkeypatch.setattr(D, "_backend_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(D, "gather_object", lambda obj: [obj, other])
+    monkeypatch.setattr(D, "all_reduce", lambda t, op="sum": t)
+    mine = torch.ones(2)
+    out = D.all_reduce_keyed({0: mine})
+    assert list(out) == [0, 1, 2, 3] and out[0] is mine
+    assert (out[1].device.type, out[1].shape, out[1].dtype) == ("meta", (3,), torch.float64)
+    assert torch.equal(out[2], torch.zeros(2, dtype=torch.int64)) and out[2].device.type == "cpu"
+    assert (out[3]["s"].device.type, out[3]["s"].shape, out[3]["n"]) == ("meta", (1, 2), 5)
+
+
 def test_a_shard_keeps_the_global_numbers_of_rows_already_numbered():
     """shard() of a TokenSet that already carries row_ids (rows 100.. of a larger set) keeps those numbers for the
     rows it takes, not their positions in this set."""
