@@ -193,7 +193,6 @@ def _one_token_count(src: TraceSource, sums: dict[int, LayerSums]) -> dict[int, 
     return sums
 
 
-
 def _as_read(res: Result, srcs: list[TraceSource], tokens: int, rows: int | None = None,
              max_tokens: int | None = None) -> Result:
     """``res`` recording what it read as a forward of its command records it, so that the two are told apart only
