@@ -413,12 +413,16 @@ def test_approx(case, tmp_path):
 
 
 def test_mass_recall(case, tmp_path):
-    if refused(case, tmp_path, "mass-recall", *SMALL, *case.layer_args,
-               match="not a matrix R [n, d]" if case.structure == "carried-state" else "also depend on"):
+    if case.structure == "product-key":
+        assert refused(case, tmp_path, "mass-recall", *SMALL, match="also depend on")
         return
+    # Zaya's router is no matrix over the layer input: the unit centroids are refused, the raw ones run (layer 0)
+    raw = ["--centroids", "raw"] if case.structure == "carried-state" else []
+    if raw:
+        assert refused(case, tmp_path, "mass-recall", *SMALL, *case.layer_args, match="not a matrix R [n, d]")
     n = str(case.n_experts)
-    invoke("mass-recall", "--model", str(case.path), *SMALL, *case.layer_args, "--bootstrap", "0", "-G", "4", "-M",
-           f"1,4,{n}", "--out", str(tmp_path))
+    invoke("mass-recall", "--model", str(case.path), *SMALL, *case.layer_args, *raw, "--bootstrap", "0", "-G", "4",
+           "-M", f"1,4,{n}", "--out", str(tmp_path))
     df = pd.read_csv(tmp_path / "mass_recall.csv")
     assert finite(df) and sorted(df.layer.unique()) == case.logit_layers
     assert (df["tokens"] == case.tokens.n_tokens).all()
@@ -690,10 +694,12 @@ def test_hash_and_carried_state_layers_are_refused_in_one_line(case, tmp_path):
         assert ("--layers " + ",".join(map(str, ok)) if ok else "no other layer is left") in r.output
         assert re.findall(r"--layers ([\d,]+)", r.output) == ([",".join(map(str, ok))] if ok else []), r.output
         assert not (tmp_path / args[0] / "manifest.json").exists()
-        if ok and args[0] == "offload":  # what its refusal offers runs (mass-recall's does not yet on Zaya: its
-            # router is no matrix over the layer input, refused once --layers 0 is given)
+        if ok and args[0] in ("offload", "mass-recall"):  # what its refusal offers runs (mass-recall on Zaya: the
+            # raw centroids alone, its router being no matrix over the layer input)
+            extra = re.findall(r"--centroids \w+", r.output)[-1:]  # the suggested mode (the last named)
             r = runner.invoke(app, [args[0], "--model", str(case.path), *args[1:], *SMALL, "--layers",
-                                    ",".join(map(str, ok)), "--out", str(tmp_path / f"{args[0]}-ok")])
+                                    ",".join(map(str, ok)), *" ".join(extra).split(),
+                                    "--out", str(tmp_path / f"{args[0]}-ok")])
             assert r.exit_code == 0, (args, r.output)
 
 
@@ -729,3 +735,78 @@ def test_every_other_experiment_runs_or_refuses_in_one_line(name, case, tmp_path
         assert not np.isinf(num).any() and (~np.isnan(num)).any(axis=0).all(), f"{file}: inf or an empty column"
         if "layer" in df:
             assert sorted(set(df["layer"])) == sorted(layers), file
+
+
+class ForwardReached(BaseException):
+    """Raised where a command's first forward of the model would begin (not an ``Exception``: no handler turns it into
+    a refusal): the refusals before any forward, without the forwards' cost."""
+
+
+def stop_at_forward(mp: pytest.MonkeyPatch) -> None:
+    """Every call of a whole model (a ``PreTrainedModel``) raises :class:`ForwardReached`."""
+    from transformers import PreTrainedModel
+
+    call = torch.nn.Module.__call__
+
+    def guarded(self, *args, **kwargs):
+        if isinstance(self, PreTrainedModel):
+            raise ForwardReached
+        return call(self, *args, **kwargs)
+
+    mp.setattr(torch.nn.Module, "__call__", guarded)
+
+
+#: a flag (and its value, when the next word is one) a refusal's line names
+SUGGESTED_FLAG = re.compile(r"(--[a-z][a-z0-9-]*)(?: ((?!--)[\w.:,-]*\w))?")
+
+
+def suggestions(line: str) -> list[list[str]]:
+    """The invocations a refusal's line offers: its last clause (after the last ': '), split at ', or ', each
+    alternative's flags with their values (``choose the others with --layers 0,3`` -> ``[["--layers", "0,3"]]``);
+    ``[]`` where it offers none (``no other layer is left``)."""
+    out = []
+    for alt in line.rsplit(": ", 1)[-1].split(", or "):
+        flags = [w for flag, value in SUGGESTED_FLAG.findall(alt) for w in (flag, value) if w]
+        if flags:
+            out.append(flags)
+    return out
+
+
+def with_flags(args: list[str], flags: list[str]) -> list[str]:
+    """``args`` with each flag of ``flags`` set to its value there (replaced where ``args`` gives it, else added)."""
+    args = list(args)
+    i = 0
+    while i < len(flags):
+        flag, value = flags[i], flags[i + 1:i + 2]
+        value = value if value and not value[0].startswith("--") else []
+        if flag in args:
+            j = args.index(flag)
+            del args[j:j + 1 + (j + 1 < len(args) and not args[j + 1].startswith("-"))]
+        args += [flag, *value]
+        i += 1 + len(value)
+    return args
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n not in NOT_PER_RULE])
+def test_every_refusal_that_suggests_flags_suggests_something_that_runs(name, case, tmp_path):
+    """A command run with its defaults (its spec's sample flags) on every rule and structure: where it refuses before
+    any forward and its line suggests flags (``choose the others with --layers 0,3``, ``--no-predict-norm``), each
+    suggested invocation runs to its end (forwards included): never another refusal of the same run. A line that
+    suggests nothing (``no other layer is left``) is not checked here."""
+    spec = EXPERIMENTS[name]
+    model = ([str(case.path), str(case.path), str(case.perturbed), "--reference", "previous"]
+             if name == "fluctuation" else ["--model", str(case.path)])
+    small = SMALL if {"tokens", "checkpoints"} & set(spec.inputs) else ["-q"]  # erc reads weights only
+    args = [name, *model, *small, *spec.sample]
+    with pytest.MonkeyPatch.context() as mp:
+        stop_at_forward(mp)
+        try:
+            r = runner.invoke(app, [*args, "--out", str(tmp_path / "first")])
+        except ForwardReached:  # (the runner passes on what is no Exception)
+            return
+    if r.exit_code == 0:
+        return
+    assert r.output.startswith("error: ") and len(r.output.strip().splitlines()) == 1, r.output
+    for k, flags in enumerate(suggestions(r.output.strip())):
+        again = runner.invoke(app, [*with_flags(args, flags), "--out", str(tmp_path / f"suggested{k}")])
+        assert again.exit_code == 0, (r.output, flags, again.output)

@@ -47,7 +47,7 @@ import torch
 from ... import distributed, ops
 from ...data import require_tokens
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent, refuse_recomputed, select_layers
+from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -125,8 +125,9 @@ def token_metrics(probs_h: torch.Tensor, topk_h: torch.Tensor, g: torch.Tensor, 
 def codeword_probs_at(layer: MoELayer, mode: str, points: torch.Tensor) -> torch.Tensor:
     """π at arbitrary points ``x [..., d]`` in a centroid mode (fp64 ``[..., n]``): raw = the model's scoring of
     ``layer.logits(x)``; unit = softmax of ``<unit(w_e), x>``."""
-    if mode == "raw":
-        return layer.probs(layer.logits(points)).double()
+    if mode == "raw":  # an adapter's logits take rows [T, d] (Zaya's flatten whatever they get)
+        flat = points.reshape(-1, points.shape[-1])
+        return layer.probs(layer.logits(flat)).double().reshape(*points.shape[:-1], -1)
     w = ops.unit(layer.router_weight().double())
     return torch.softmax(points.double() @ w.T, dim=-1)
 
@@ -459,6 +460,63 @@ BOUND_DERIVATION = (
     "mode (router rows of any norm, the model's scoring) it is checked per token like the paper's bound.")
 
 
+def unrecalled(layers: Sequence[MoELayer], centroids: Sequence[str]) -> dict[int, tuple[str, str]]:
+    """The layers of ``layers`` whose mass recall cannot be computed in the centroid modes ``centroids``, each with
+    ``(kind, detail)``: the one set of checks mass-recall's refusal reports and its suggestion is computed from
+    (:func:`refuse_unrecalled`). Every mode recomputes the routing at codebook points from them alone, which a layer
+    whose router logits depend on more than its input (``carried``: ``routing_context``) or whose experts are chosen
+    by token id (``hash``) does not allow; ``unit`` also needs the router as a matrix over the layer input
+    (``matrix``: the adapter's reason, where ``router_weight`` has none)."""
+    out: dict[int, tuple[str, str]] = {}
+    for L in layers:
+        if L.carried_state:
+            out[L.index] = ("carried", L.routing_context)
+        elif getattr(L, "hash_routed", False):
+            out[L.index] = ("hash", "")
+        elif "unit" in centroids:
+            try:
+                L.router_weight()
+            except MoetoolError as e:
+                out[L.index] = ("matrix", str(e))
+    return out
+
+
+def refuse_unrecalled(layers: Sequence[MoELayer], centroids: Sequence[str], model_layers: Sequence[MoELayer]) -> None:
+    """One line, before any forward, naming every layer of ``layers`` (those asked for) mass-recall cannot run on in
+    the modes ``centroids`` (:func:`unrecalled`) and why, and an invocation that runs, computed from the same checks:
+    the others (``--layers``), the ``raw`` mode alone (``--centroids raw``) where that leaves more of them, or, where
+    none of the layers asked for is left, the MoE layers of the model (``model_layers``) that are; where none is,
+    it says so."""
+    bad = unrecalled(layers, centroids)
+    if not bad:
+        return
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (kind, detail) in bad.items():
+        groups.setdefault((kind, detail if kind != "matrix" else ""), []).append(i)
+    first_matrix = next((d for k, d in bad.values() if k == "matrix"), "")
+    said = {"carried": "the router logits of MoE layers {} also depend on {}",
+            "hash": "MoE layers {} are hash-routed (experts chosen by token id)",
+            "matrix": first_matrix + "; --centroids unit needs one: MoE layers {} have none"}
+    why = "; ".join(said[kind].format(ls, detail) for (kind, detail), ls in groups.items())
+
+    def left(among: Sequence[MoELayer], modes: Sequence[str]) -> list[int]:
+        out = unrecalled(among, modes)
+        return [L.index for L in among if L.index not in out]
+
+    def hint(among: Sequence[MoELayer], scope: str) -> list[str]:
+        ok = left(among, centroids)
+        raw = left(among, ("raw",)) if "unit" in centroids else []
+        tips = [f"{scope} --layers {','.join(map(str, ok))}"] if ok else []
+        if len(raw) > len(ok):
+            tips.append("use the raw centroids alone (--centroids raw)" if raw == [L.index for L in layers] else
+                        f"use the raw centroids alone on --layers {','.join(map(str, raw))} --centroids raw")
+        return tips
+
+    tips = hint(layers, "choose the others with") or hint(model_layers, "no layer asked for is left: choose")
+    raise MoetoolError("mass-recall needs the routing recomputed from the layer input alone, but " + why + ": " +
+                       (", or ".join(tips) if tips else "no other layer is left"))
+
+
 def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, *, quiet: bool = False,
                 **overrides: Any) -> Result:
     """Mass recall of an IVF router per MoE layer, codebook size G, shortlist size M and centroid mode.
@@ -468,7 +526,7 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
     """
     opts = resolve_options(MassRecallOptions, options, overrides)
     layers = select_layers(lm.layers, opts.layers)
-    refuse_recomputed(layers, "mass-recall")
+    refuse_unrecalled(layers, opts.centroids, lm.layers)
     res = run_mass_recall(lm, tokens, opts, layers=layers, quiet=quiet)
     described = tokens.describe()
     return Result("mass_recall", {"mass_recall.csv": res.table}, opts,
