@@ -24,7 +24,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -129,6 +129,47 @@ def refuse_hash_routed(layers: Iterable[MoELayer], what: str, among: Iterable[Mo
     names those layers and the others (``--layers``)."""
     _refuse_layers(list(layers), "hash_routed", what, "the router logits",
                    "are hash-routed (experts chosen by token id)", among=among)
+
+
+def refuse_unable(layers: Sequence[MoELayer], model_layers: Sequence[MoELayer],
+                  check: Callable[[Sequence[MoELayer], bool], dict[int, tuple[str, str]]], said: dict[str, str],
+                  lead: str, *, alt: tuple[str, str] | None = None, shared: Iterable[str] = (),
+                  usable: Callable[[MoELayer], bool] | None = None) -> None:
+    """One line, before any forward, naming every layer of ``layers`` (those asked for) that ``check(among,
+    False)`` lists (``{index: (kind, detail)}``) and why, after ``lead``; and an invocation that runs, computed from
+    the same check, so that it is never refused in turn: the others (``--layers``), the alternative ``alt`` (``(flag,
+    what it does)``; ``check(among, True)`` lists what is left out with it) where that leaves more of them, or,
+    where none of the layers asked for is left, the MoE layers of the model (``model_layers``) that are; where none
+    is, it says so. ``said[kind]`` is formatted with ``layers`` and ``detail``; a kind in ``shared`` is said once
+    for all its layers with the first one's detail (an adapter's reason). ``usable``: the layers a suggestion may
+    name at all. offload's next-layer prediction and mass-recall's codebook points use it."""
+    bad = check(layers, False)
+    if not bad:
+        return
+    shared = set(shared)
+    groups: dict[tuple[str, str], list[int]] = {}
+    first: dict[str, str] = {}
+    for i, (kind, detail) in bad.items():
+        groups.setdefault((kind, "" if kind in shared else detail), []).append(i)
+        first.setdefault(kind, detail)
+    why = "; ".join(said[kind].format(layers=ls, detail=first[kind] if kind in shared else detail)
+                    for (kind, detail), ls in groups.items())
+
+    def left(among: list[MoELayer], alternative: bool) -> list[int]:
+        out = check(among, alternative)
+        return [L.index for L in among if L.index not in out and (usable is None or usable(L))]
+
+    def hint(among: list[MoELayer], scope: str) -> list[str]:
+        ok = left(among, False)
+        tips = [f"{scope} --layers {','.join(map(str, ok))}"] if ok else []
+        if alt is not None and len(more := left(among, True)) > len(ok):
+            flag, what = alt
+            tips.append(f"{what} ({flag})" if more == [L.index for L in among] else
+                        f"{what} on --layers {','.join(map(str, more))} {flag}")
+        return tips
+
+    tips = hint(list(layers), "choose the others with") or hint(list(model_layers), "no layer asked for is left: choose")
+    raise MoetoolError(lead + why + ": " + (", or ".join(tips) if tips else "no other layer is left"))
 
 
 def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups: bool = True) -> None:

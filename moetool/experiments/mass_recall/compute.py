@@ -47,7 +47,7 @@ import torch
 from ... import distributed, ops
 from ...data import require_tokens
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent, select_layers
+from ...engine.hooks import RoutingEvent, refuse_unable, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -481,40 +481,23 @@ def unrecalled(layers: Sequence[MoELayer], centroids: Sequence[str]) -> dict[int
     return out
 
 
+#: what mass-recall's refusal says of each kind of layer :func:`unrecalled` lists
+#: (:func:`~moetool.engine.hooks.refuse_unable`)
+UNRECALLED_SAID = {
+    "carried": "the router logits of MoE layers {layers} also depend on {detail}",
+    "hash": "MoE layers {layers} are hash-routed (experts chosen by token id)",
+    "matrix": "{detail}; --centroids unit needs one: MoE layers {layers} have none"}
+
+
 def refuse_unrecalled(layers: Sequence[MoELayer], centroids: Sequence[str], model_layers: Sequence[MoELayer]) -> None:
     """One line, before any forward, naming every layer of ``layers`` (those asked for) mass-recall cannot run on in
-    the modes ``centroids`` (:func:`unrecalled`) and why, and an invocation that runs, computed from the same checks:
-    the others (``--layers``), the ``raw`` mode alone (``--centroids raw``) where that leaves more of them, or, where
-    none of the layers asked for is left, the MoE layers of the model (``model_layers``) that are; where none is,
-    it says so."""
-    bad = unrecalled(layers, centroids)
-    if not bad:
-        return
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, (kind, detail) in bad.items():
-        groups.setdefault((kind, detail if kind != "matrix" else ""), []).append(i)
-    first_matrix = next((d for k, d in bad.values() if k == "matrix"), "")
-    said = {"carried": "the router logits of MoE layers {} also depend on {}",
-            "hash": "MoE layers {} are hash-routed (experts chosen by token id)",
-            "matrix": first_matrix + "; --centroids unit needs one: MoE layers {} have none"}
-    why = "; ".join(said[kind].format(ls, detail) for (kind, detail), ls in groups.items())
-
-    def left(among: Sequence[MoELayer], modes: Sequence[str]) -> list[int]:
-        out = unrecalled(among, modes)
-        return [L.index for L in among if L.index not in out]
-
-    def hint(among: Sequence[MoELayer], scope: str) -> list[str]:
-        ok = left(among, centroids)
-        raw = left(among, ("raw",)) if "unit" in centroids else []
-        tips = [f"{scope} --layers {','.join(map(str, ok))}"] if ok else []
-        if len(raw) > len(ok):
-            tips.append("use the raw centroids alone (--centroids raw)" if raw == [L.index for L in layers] else
-                        f"use the raw centroids alone on --layers {','.join(map(str, raw))} --centroids raw")
-        return tips
-
-    tips = hint(layers, "choose the others with") or hint(model_layers, "no layer asked for is left: choose")
-    raise MoetoolError("mass-recall needs the routing recomputed from the layer input alone, but " + why + ": " +
-                       (", or ".join(tips) if tips else "no other layer is left"))
+    the modes ``centroids`` (:func:`unrecalled`) and why, and an invocation that runs, computed from the same checks
+    (:func:`~moetool.engine.hooks.refuse_unable`): the others (``--layers``), the ``raw`` mode alone (``--centroids
+    raw``) where that leaves more of them, or the model's MoE layers that are left; where none is, it says so."""
+    refuse_unable(layers, model_layers, lambda among, alt: unrecalled(among, ("raw",) if alt else centroids),
+                  UNRECALLED_SAID, "mass-recall needs the routing recomputed from the layer input alone, but ",
+                  alt=("--centroids raw", "use the raw centroids alone") if "unit" in centroids else None,
+                  shared=("matrix",))
 
 
 def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, *, quiet: bool = False,

@@ -54,7 +54,7 @@ from ... import distributed, ops
 from ...data import require_tokens
 from ...adapters import quant
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent, select_layers
+from ...engine.hooks import RoutingEvent, refuse_unable, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -761,47 +761,26 @@ def unpredicted(layers: Sequence[MoELayer], predict_norm: bool) -> dict[int, tup
     return out
 
 
-def _predictable(layers: Sequence[MoELayer], predict_norm: bool) -> list[int]:
-    bad = unpredicted(layers, predict_norm)
-    return [L.index for L in layers if L.index not in bad and not getattr(L, "n_zero_compute", 0)]
+#: what offload's refusal says of each kind of layer :func:`unpredicted` lists (:func:`~moetool.engine.hooks.refuse_unable`)
+UNPREDICTED_SAID = {
+    "carried": "the router logits of MoE layers {layers} also depend on {detail}",
+    "hash": "MoE layers {layers} are hash-routed (experts chosen by token id: no router logits to recompute their "
+            "routing from)",
+    "streams": "MoE layers {layers} carry {detail} residual streams per token (hyper-connections): no one hidden "
+               "state to predict their routing from, with or without the norm",
+    "norm": "{detail}; MoE layers {layers} cannot be predicted through their norm"}
 
 
 def refuse_unpredicted(layers: Sequence[MoELayer], predict_norm: bool, model_layers: Sequence[MoELayer]) -> None:
     """One line, before any forward, naming every layer of ``layers`` (those analysed) whose next-layer prediction
-    cannot be made (:func:`unpredicted`) and why, and an invocation that runs, computed from the same checks: the
-    others (``--layers``), predicting from the stream itself (``--no-predict-norm``) where that leaves more of them,
-    or, where none of the layers asked for is left, the MoE layers of the model (``model_layers``) that are."""
-    bad = unpredicted(layers, predict_norm)
-    if not bad:
-        return
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, (kind, detail) in bad.items():
-        groups.setdefault((kind, detail if kind != "norm" else ""), []).append(i)
-    first_norm = next((d for k, d in bad.values() if k == "norm"), "")
-    said = {"carried": "the router logits of MoE layers {} also depend on {}",
-            "hash": "MoE layers {} are hash-routed (experts chosen by token id: no router logits to recompute their "
-                    "routing from)",
-            "streams": "MoE layers {} carry {} residual streams per token (hyper-connections): no one hidden state "
-                       "to predict their routing from, with or without the norm",
-            "norm": first_norm + "; MoE layers {} cannot be predicted through their norm"}
-    why = "; ".join(said[kind].format(ls, detail) for (kind, detail), ls in groups.items())
-
-    def hint(ok: list[int], alt: list[int], among: list[int], scope: str) -> list[str]:
-        tips = [f"{scope} --layers {','.join(map(str, ok))}"] if ok else []
-        if len(alt) > len(ok):
-            tips.append("predict from the stream itself (--no-predict-norm)" if alt == among else
-                        f"predict from the stream itself on --layers {','.join(map(str, alt))} --no-predict-norm")
-        return tips
-
-    asked = [L.index for L in layers]
-    tips = hint(_predictable(layers, predict_norm), _predictable(layers, False) if predict_norm else [], asked,
-                "choose the others with")
-    if not tips:  # (a layer first of its stack is never predicted: any model has one to offer)
-        tips = hint(_predictable(model_layers, predict_norm),
-                    _predictable(model_layers, False) if predict_norm else [], [L.index for L in model_layers],
-                    "no layer asked for is left: choose")
-    raise MoetoolError(f"offload's next-layer prediction: {why}: " + (", or ".join(tips) if tips else
-                                                                       "no other layer is left"))
+    cannot be made (:func:`unpredicted`) and why, and an invocation that runs, computed from the same checks
+    (:func:`~moetool.engine.hooks.refuse_unable`): the others (``--layers``), predicting from the stream itself
+    (``--no-predict-norm``) where that leaves more of them, or the model's MoE layers that are left. A layer with
+    zero-computation experts is never suggested (:func:`refuse_zero_compute`)."""
+    refuse_unable(layers, model_layers, lambda among, alt: unpredicted(among, predict_norm and not alt),
+                  UNPREDICTED_SAID, "offload's next-layer prediction: ",
+                  alt=("--no-predict-norm", "predict from the stream itself") if predict_norm else None,
+                  shared=("norm",), usable=lambda L: not getattr(L, "n_zero_compute", 0))
 
 
 def refuse_zero_compute(zero: dict[int, int]) -> None:
