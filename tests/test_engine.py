@@ -318,3 +318,30 @@ def test_one_expert_per_token_on_longcat_runs_w_times_that_expert():
         computed += int((ev.chosen_idx < m).sum())
         identity += int((ev.chosen_idx >= m).sum())
     assert computed and identity  # both kinds of expert were chosen
+
+
+def test_a_recomputation_refusal_names_carried_state_and_hash_layers_at_once_and_suggests_what_runs():
+    """A model with a carried-router-state layer and a hash-routed one: the refusal of an experiment that recomputes
+    routing from the layer input (margin) names both in one line and offers only the layers that can be recomputed
+    (before, the carried-state line came alone and offered the hash-routed layer, refused in turn); none of those
+    asked for left: the model's layers that are."""
+    from types import SimpleNamespace
+
+    from moetool.engine.hooks import refuse_recomputed
+    from moetool.errors import MoetoolError
+
+    def layer(i, carried=False, hashed=False):
+        return SimpleNamespace(index=i, carried_state=carried, hash_routed=hashed,
+                               routing_context="the previous layer's router state")
+
+    model = [layer(0), layer(1, carried=True), layer(2, hashed=True), layer(3)]
+    with pytest.raises(MoetoolError) as e:
+        refuse_recomputed(model, "margin", model)
+    msg = str(e.value)
+    assert "the router logits of MoE layers [1] also depend on the previous layer's router state" in msg
+    assert "MoE layers [2] are hash-routed" in msg
+    assert msg.endswith(": choose the others with --layers 0,3") and msg.count("--layers") == 1
+    with pytest.raises(MoetoolError) as e:
+        refuse_recomputed(model[1:3], "margin", model)
+    assert str(e.value).endswith(": no layer asked for is left: choose --layers 0,3")
+    refuse_recomputed([model[0], model[3]], "margin", model)  # nothing to refuse

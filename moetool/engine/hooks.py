@@ -110,17 +110,35 @@ def _refuse_layers(layers: list[MoELayer], attr: str, what: str, needs: str, bec
                             "no other layer is left"))
 
 
-def refuse_recomputed(layers: Iterable[MoELayer], what: str, among: Iterable[MoELayer] | None = None) -> None:
-    """One line when ``what`` recomputes routing from inputs other than the events' (perturbed, predicted or
-    codebook points) and some of ``layers`` cannot: a carried router state (:attr:`MoELayer.carried_state`) or a
-    hash router (:func:`refuse_hash_routed`). The line names those layers and the others (``--layers``): of
-    ``among`` when given (the layers asked for, of which ``layers`` are those whose routing is recomputed)."""
+#: what a refusal says of a layer whose routing cannot be recomputed from its input alone (:func:`recompute_unable`)
+RECOMPUTE_SAID = {
+    "carried": "the router logits of MoE layers {layers} also depend on {detail}",
+    "hash": "MoE layers {layers} are hash-routed (experts chosen by token id: no router logits to recompute their "
+            "routing from)"}
+
+
+def recompute_unable(layers: Iterable[MoELayer]) -> dict[int, tuple[str, str]]:
+    """The layers of ``layers`` whose routing cannot be recomputed from their input alone (perturbed, predicted or
+    codebook points), each with ``(kind, detail)``: a carried router state (``carried``: what else the logits
+    depend on, :attr:`MoELayer.routing_context`) or a hash router (``hash``: experts chosen by token id). The checks
+    every such refusal starts from (:func:`refuse_recomputed`; offload's and mass-recall's add their own)."""
+    out: dict[int, tuple[str, str]] = {}
+    for L in layers:
+        if getattr(L, "carried_state", False):
+            out[L.index] = ("carried", L.routing_context)
+        elif getattr(L, "hash_routed", False):
+            out[L.index] = ("hash", "")
+    return out
+
+
+def refuse_recomputed(layers: Iterable[MoELayer], what: str, model_layers: Iterable[MoELayer] | None = None) -> None:
+    """One line when ``what`` recomputes routing from inputs other than the events' and some of ``layers`` (those
+    asked for) cannot (:func:`recompute_unable`), naming them all (carried state and hash routing alike) and the
+    layers that can (:func:`refuse_unable`; of ``model_layers`` where none asked for is left)."""
     layers = list(layers)
-    among = None if among is None else list(among)
-    context = next((L.routing_context for L in layers if getattr(L, "carried_state", False)), "")
-    _refuse_layers(layers, "carried_state", what, "the layer input alone", f"also depend on {context}",
-                   subject="the router logits of MoE layers", among=among)
-    refuse_hash_routed(layers, what, among)
+    refuse_unable(layers, layers if model_layers is None else list(model_layers),
+                  lambda among, alt: recompute_unable(among), RECOMPUTE_SAID,
+                  f"{what} needs the routing recomputed from the layer input alone, but ")
 
 
 def refuse_hash_routed(layers: Iterable[MoELayer], what: str, among: Iterable[MoELayer] | None = None) -> None:

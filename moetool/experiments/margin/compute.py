@@ -301,7 +301,7 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
     opts = resolve_options(MarginOptions, options, overrides)
     require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
-    refuse_recomputed(layers, "margin")
+    refuse_recomputed(layers, "margin", lm.layers)
     for L in layers:
         if L.top_k >= L.n_experts:
             raise MoetoolError(f"layer {L.index}: routes all {L.n_experts} experts (K = n): no (K+1)-th score, "

@@ -47,7 +47,7 @@ import torch
 from ... import distributed, ops
 from ...data import require_tokens
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent, refuse_unable, select_layers
+from ...engine.hooks import RECOMPUTE_SAID, RoutingEvent, recompute_unable, refuse_unable, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -467,13 +467,11 @@ def unrecalled(layers: Sequence[MoELayer], centroids: Sequence[str]) -> dict[int
     whose router logits depend on more than its input (``carried``: ``routing_context``) or whose experts are chosen
     by token id (``hash``) does not allow; ``unit`` also needs the router as a matrix over the layer input
     (``matrix``: the adapter's reason, where ``router_weight`` has none)."""
-    out: dict[int, tuple[str, str]] = {}
+    out = recompute_unable(layers)
     for L in layers:
-        if L.carried_state:
-            out[L.index] = ("carried", L.routing_context)
-        elif getattr(L, "hash_routed", False):
-            out[L.index] = ("hash", "")
-        elif "unit" in centroids:
+        if L.index in out:
+            continue
+        if "unit" in centroids:
             try:
                 L.router_weight()
             except MoetoolError as e:
@@ -484,8 +482,7 @@ def unrecalled(layers: Sequence[MoELayer], centroids: Sequence[str]) -> dict[int
 #: what mass-recall's refusal says of each kind of layer :func:`unrecalled` lists
 #: (:func:`~moetool.engine.hooks.refuse_unable`)
 UNRECALLED_SAID = {
-    "carried": "the router logits of MoE layers {layers} also depend on {detail}",
-    "hash": "MoE layers {layers} are hash-routed (experts chosen by token id)",
+    **RECOMPUTE_SAID,
     "matrix": "{detail}; --centroids unit needs one: MoE layers {layers} have none"}
 
 

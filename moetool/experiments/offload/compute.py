@@ -54,7 +54,7 @@ from ... import distributed, ops
 from ...data import require_tokens
 from ...adapters import quant
 from ...adapters.base import MoELayer
-from ...engine.hooks import RoutingEvent, refuse_unable, select_layers
+from ...engine.hooks import RECOMPUTE_SAID, RoutingEvent, recompute_unable, refuse_unable, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
@@ -743,15 +743,12 @@ def unpredicted(layers: Sequence[MoELayer], predict_norm: bool) -> dict[int, tup
     experts are chosen by token id (``hash``), where a token carries several residual streams into it
     (``streams``: hyper-connections, no one hidden state; with or without the norm), or, predicting through the
     norm, where what its router reads is no norm of one stream (``norm``: the adapter's reason)."""
-    out: dict[int, tuple[str, str]] = {}
-    for L in layers:
-        if not has_layer_ahead(L):
+    ahead = [L for L in layers if has_layer_ahead(L)]
+    out = recompute_unable(ahead)
+    for L in ahead:
+        if L.index in out:
             continue
-        if L.carried_state:
-            out[L.index] = ("carried", L.routing_context)
-        elif getattr(L, "hash_routed", False):
-            out[L.index] = ("hash", "")
-        elif L.residual_streams > 1:
+        if L.residual_streams > 1:
             out[L.index] = ("streams", str(L.residual_streams))
         elif predict_norm:
             try:
@@ -763,9 +760,7 @@ def unpredicted(layers: Sequence[MoELayer], predict_norm: bool) -> dict[int, tup
 
 #: what offload's refusal says of each kind of layer :func:`unpredicted` lists (:func:`~moetool.engine.hooks.refuse_unable`)
 UNPREDICTED_SAID = {
-    "carried": "the router logits of MoE layers {layers} also depend on {detail}",
-    "hash": "MoE layers {layers} are hash-routed (experts chosen by token id: no router logits to recompute their "
-            "routing from)",
+    **RECOMPUTE_SAID,
     "streams": "MoE layers {layers} carry {detail} residual streams per token (hyper-connections): no one hidden "
                "state to predict their routing from, with or without the norm",
     "norm": "{detail}; MoE layers {layers} cannot be predicted through their norm"}
