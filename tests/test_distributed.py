@@ -70,6 +70,7 @@ def statistics_job():
 #: (:func:`two_ranks`): one process start, import of torch / transformers / lm-eval and process group for all of
 #: them, not one launch per test. The models' jobs last but lm-eval's, which patches lm-eval (moetool/lmeval_compat.py).
 JOBS = {"statistics": "test_distributed:statistics_job", "uneven": "test_distributed:uneven_job",
+        "kmeans": "test_distributed:kmeans_job",
         "forward": "test_distributed:model_run", "empty_rank": "test_distributed_empty_rank:experiments",
         "bootstrap": "test_bootstrap_distributed:bootstrap_run", "eval": "test_distributed:eval_run"}
 
@@ -291,6 +292,58 @@ def test_a_key_this_rank_lacks_joins_on_the_device_kind_the_other_rank_keeps_it(
     assert (out[1].device.type, out[1].shape, out[1].dtype) == ("meta", (3,), torch.float64)
     assert torch.equal(out[2], torch.zeros(2, dtype=torch.int64)) and out[2].device.type == "cpu"
     assert (out[3]["s"].device.type, out[3]["s"].shape, out[3]["n"]) == ("meta", (1, 2), 5)
+
+
+#: k-means global batches as (rank 0's rows, rank 1's rows): uneven, and a batch where one rank has none
+KMEANS_SPLITS = [(3, 5), (4, 0), (0, 6), (2, 3), (5, 1)]
+
+
+def kmeans_batches():
+    """The global batches of :func:`kmeans_job` ([rows, 8] each, rank 0's rows first): 4 well-spread directions
+    plus noise, so 5 codewords with a high dead-code threshold re-initialise on drawn tokens every batch."""
+    gen = torch.Generator().manual_seed(11)
+    centres = torch.randn(4, 8, generator=gen)
+    out = []
+    for a, b in KMEANS_SPLITS:
+        lab = torch.randint(0, 4, (a + b,), generator=gen)
+        out.append(centres[lab] + 0.3 * torch.randn(a + b, 8, generator=gen))
+    return out
+
+
+def kmeans_fit(parts, gb_of=None):
+    """Fit :class:`SphericalKMeans` (G=5, gamma=0.5, tau=1.5: a codeword of fewer than 2 tokens in a batch dies) on ``parts``; each step's assignments."""
+    from moetool.experiments.kmeans import SphericalKMeans
+
+    km = SphericalKMeans(5, gamma=0.5, tau=1.5, seed=2)
+    assigned = [km.update(x, None if gb_of is None else gb_of(x)) for x in parts]
+    return km, assigned
+
+
+def kmeans_job():
+    """Each rank fits on its slice of every global batch through :class:`GlobalBatch` (k-means++ from the gathered
+    distances, batch sums all-reduced, drawn rows fetched from their owner); its codebook and every rank's
+    assignments, gathered in rank order."""
+    from moetool.experiments.kmeans import GlobalBatch
+
+    rank = D.global_rank()
+    parts = [x[: a] if rank == 0 else x[a:] for x, (a, _) in zip(kmeans_batches(), KMEANS_SPLITS)]
+    km, assigned = kmeans_fit(parts, lambda x: GlobalBatch(x.shape[0], x.device))
+    return {"codebook": km.codebook, "counts": km.counts, "reinits": km.reinits,
+            "assigned": [D.all_gather_rows(g) for g in assigned]}
+
+
+def test_kmeans_on_two_ranks_of_uneven_slices_equals_one_process(tmp_path_factory):
+    """Data-parallel k-means (2 ranks holding 3/5, 4/0, 0/6, 2/3, 5/1 rows of each global batch) keeps the codebook,
+    EMA counts, re-initialisations and assignments one process fits on the same global batches. Some codewords
+    live on their EMA sums, others are re-initialised on drawn tokens (GlobalBatch.rows across ranks)."""
+    km, assigned = kmeans_fit(kmeans_batches())
+    assert len(KMEANS_SPLITS) <= km.reinits < 5 * len(KMEANS_SPLITS)  # both the EMA sums and the row fetch matter
+    for rank in (0, 1):
+        got = two_ranks(tmp_path_factory, "kmeans", rank)
+        assert got["reinits"] == km.reinits
+        assert [g.tolist() for g in got["assigned"]] == [g.tolist() for g in assigned]
+        torch.testing.assert_close(got["counts"], km.counts, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got["codebook"], km.codebook, rtol=1e-5, atol=1e-6)
 
 
 def test_a_shard_keeps_the_global_numbers_of_rows_already_numbered():

@@ -394,8 +394,8 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
     run 7). Now the tokens whose h', ||h' - h|| or router logits are not finite are counted and named. By hand: the
     test's own seeded noise on the first MoE layer's captured fp16 inputs."""
     lm = moetool.load("tiny", dtype="fp16")
-    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=96)
-    L = lm.layers[0]
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=80)  # 3 rows of 32: 16 padding positions, which
+    L = lm.layers[0]  # overflow too and must not be counted among the real tokens
     got = {"h": [], "valid": [], "rows": []}
 
     def grab(ev):
@@ -406,6 +406,7 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
 
     moetool.forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
     h, valid = torch.cat(got["h"]), torch.cat(got["valid"])
+    assert not valid.all()
     S, d = h.shape[0] // len(got["rows"]), h.shape[1]
     base = L.index * 1_000_000_007  # seed 0
     dev = h.device
@@ -425,6 +426,18 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
     # below the overflow the noise is as asked: no refusal, noise_rel about eps
     fl = margin(lm, tokens, eps=(10.0,), policies=(), layers=(L.index,), bootstrap=0, quiet=True)["margin_flips"]
     assert fl["noise_rel"].iloc[0] == pytest.approx(10.0, rel=0.05)
+    # h' finite but its fp16 router logits not: the router 64x larger (layer 0's inputs unchanged; its clean logits
+    # reach about 190), eps 1e3 (h' up to about 4e3, logits past 65504 for some tokens). Counted by the logits alone
+    with torch.no_grad():
+        L.router.weight.mul_(64)
+        hn = (hf + 1e3 * hf.norm(dim=-1, keepdim=True) * z / math.sqrt(d)).to(h.dtype)
+        h_ok = torch.isfinite((hn.float() - hf).norm(dim=-1))
+        bad = ~torch.isfinite(L.logits(hn)).all(-1)
+    n_bad, n = int(bad[valid].sum()), int(valid.sum())
+    assert h_ok.all() and 0 < n_bad < n and torch.isfinite(L.logits(h)).all()
+    with pytest.raises(MoetoolError) as e:
+        margin(lm, tokens, eps=(1e3,), policies=(), layers=(L.index,), bootstrap=0, quiet=True)
+    assert f"overflows float16 for {n_bad} of layer {L.index}'s {n} real tokens" in str(e.value)
 
 
 def test_thresholds_closer_than_six_digits_get_a_column_each(tiny):

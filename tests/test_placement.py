@@ -380,6 +380,36 @@ def test_fitted_placement_intervals_refit_per_replicate(tiny_placement):
     assert o.imbalance_lo == o.imbalance and o.imbalance_hi - o.imbalance > 0.01
 
 
+def test_stale_placement_of_another_model_on_the_data_refits_on_that_models_rows(tiny_placement):
+    """eplb_stale of a reference model (tiny-early) on the data's own rows: replicate b refits EPLB on resample b of
+    tiny-early's per-row loads and serves resample b + 1 of the data's loads under tiny (by hand, as above). Refit on
+    the data's own loads instead, it read eplb's interval (mutation pass 19)."""
+    import moetool
+    from moetool.uncertainty import bootstrap_weights
+
+    lm, tokens, _ = tiny_placement
+    ref_lm = moetool.load("tiny-early")
+    res = moetool.placement(lm, tokens, gpus=(4,), extra_slots=(1,), reference_model=ref_lm, quiet=True)
+    n, G, R = lm.layers[0].n_experts, 4, 4
+    ids = [L.index for L in lm.layers]
+    data = np.stack([rows_by_hand(lm, tokens)[li] for li in ids], 1)  # [rows, L, n]
+    ref = np.stack([rows_by_hand(ref_lm, tokens)[li] for li in ids], 1)
+    w = bootstrap_weights(data.shape[0], 1000, 0)
+    reps = []
+    for b in range(w.shape[0]):
+        phy2log, _, count = rebalance_experts(torch.from_numpy(np.einsum("r,rln->ln", w[b], ref)), n + R, 1, 1, G)
+        served = torch.from_numpy(np.einsum("r,rln->ln", w[(b + 1) % w.shape[0]], data))
+        gpu = gpu_loads(served, phy2log, count, G).numpy()  # [L, G]
+        mx, mean = gpu.max(-1), gpu.mean(-1)
+        reps.append([*(mx / mean), mx.sum() / mean.sum()])
+    lo, hi = np.quantile(np.array(reps), [0.025, 0.975], axis=0)
+    df = res["placement"].query("method == 'eplb_stale'").set_index("layer").loc[ids]
+    o = res["placement_overall"].set_index("method").loc["eplb_stale"]
+    value = np.array([*df.imbalance, o.imbalance])
+    assert np.allclose([*df.imbalance_lo, o.imbalance_lo], np.minimum(lo, value), rtol=1e-12)
+    assert np.allclose([*df.imbalance_hi, o.imbalance_hi], np.maximum(hi, value), rtol=1e-12)
+
+
 def test_nodes_that_the_groups_cannot_shape_are_said(tiny_placement):
     """``--nodes 2`` on a model of one expert group: EPLB's hierarchical policy needs the groups to divide into the
     nodes, so (as eplb.py) the global policy places across nodes -- the same placements as one node. The run said

@@ -203,6 +203,28 @@ def test_fluctuation_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, n
     assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]
 
 
+@pytest.mark.slow
+def test_fluctuation_resumed_from_every_checkpoint_reads_the_isolated_routing_back(tmp_path, monkeypatch, no_figures):
+    """Interrupted after both checkpoints' units: the resume runs no checkpoint (nothing captured) and its tables
+    equal the uninterrupted run's. tiny-early (checkpoint 0, the reference) saved its own routing and the routing
+    it fed to tiny's routers (--isolate): read back under (reference 0, checkpoint 1), not (1, 0), which no table
+    would find (the 1-unit test above restores tiny only, whose unit holds no isolated routing)."""
+    from moetool.experiments.fluctuation import compute as fl
+
+    args = ["fluctuation", "tiny-early", "tiny", "--routing", "router", "--isolate", "--max-tokens", "256",
+            "--seq-len", "32", "--batch-size", "4", "--bootstrap", "100", "--quiet"]
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 2)
+    assert saved == ["checkpoint-1", "checkpoint-0"]
+    with monkeypatch.context() as m:
+        captured = []
+        m.setattr(fl, "capture", lambda *a, **kw: captured.append(kw["description"]))
+        _resumed(args, part)
+    assert captured == []
+    assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]
+    iso = pd.read_csv(part / "fluctuation.csv").query("routing == 'router-isolated'")
+    assert len(iso) > 0 and set(iso.reference) == {"tiny-early"} and set(iso.checkpoint) == {"tiny"}
+
+
 @pytest.mark.parametrize("fmt", ["csv.gz", "parquet"])
 @pytest.mark.slow
 def test_trace_resume_gives_the_same_file_row_for_row(tmp_path, monkeypatch, fmt):

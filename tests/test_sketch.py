@@ -86,6 +86,11 @@ def test_sparse_counter_counts_are_a_counters_and_merge_across_ranks(space, defe
     keys, counts = SparseCounter.merged([c.host_state() for c in ranks]).result()
     want = Counter(torch.cat(batches).tolist())
     assert keys.tolist() == sorted(want) and counts.tolist() == [want[k] for k in sorted(want)]
+    # one part (a layer only one rank saw: stats' ``if li in p``) is that rank's counts, not an empty table
+    keys, counts = SparseCounter.merged([ranks[1].host_state()]).result()
+    want = Counter(torch.cat(batches[1::2]).tolist())
+    assert keys.tolist() == sorted(want) and counts.tolist() == [want[k] for k in sorted(want)]
+    assert SparseCounter.merged([]).result()[0].numel() == 0
 
 
 def test_dense_space_fits_each_table_and_all_of_them():
@@ -133,7 +138,8 @@ def test_moments_exact():
 def test_spill_reads_back_every_batch_in_order(tmp_path):
     gen = torch.Generator().manual_seed(0)
     parts = [torch.randint(0, 64, (int(n), 4), generator=gen).to(torch.int16) for n in (5, 0, 17, 3)]
-    parts.append(torch.randn(6, 2, generator=gen))
+    parts += [torch.randn(6, 2, generator=gen), torch.randn(3, generator=gen, dtype=torch.float64),
+              torch.randn(2, 2, generator=gen).bfloat16()]  # each read back in its own dtype
     with TokenSpill(tmp_path) as sp:
         for p in parts:
             sp.append(p)
