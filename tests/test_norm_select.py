@@ -416,7 +416,7 @@ def test_the_issue_command_line_prints_aoe_table1_offline(fake_lm_eval, monkeypa
 
     monkeypatch.setattr(lmeval, "plan_tasks", lambda names, include_path=None: fake_lm_eval)
     args = ["norm-select", "--model", "tiny", "--tasks", "mmlu,arc_challenge", "--num-fewshot", "5", "--nodes",
-            "gate,up", "--max-tokens", "512", "--seq-len", "64", "--bootstrap", "200", "-q"]
+            "gate,up", "--max-tokens", "512", "--seq-len", "64", "--bootstrap", "200"]  # no -q: it prints no tables
     r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())

@@ -93,18 +93,18 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
     """Pack the m items of each row into ``num_packs`` packs of exactly ``m / num_packs`` items, balancing the packs'
     weights: heaviest item first, each into the lightest pack that still has room (the first such pack on ties).
     ``weight [X, m] -> (pack index [X, m], rank in pack [X, m])`` (int64, CPU)."""
-    (rows, m), dev = weight.shape, weight.device
+    rows, m = weight.shape
     per_pack = m // num_packs
     if per_pack == 1:
-        return (torch.arange(m, dtype=torch.int64, device=dev).expand(rows, m).clone(),
-                torch.zeros(rows, m, dtype=torch.int64, device=dev))
+        return (torch.arange(m, dtype=torch.int64, device="cpu").expand(rows, m).clone(),
+                torch.zeros(rows, m, dtype=torch.int64, device="cpu"))
     order = weight.sort(-1, descending=True).indices  # [X, m] heaviest first (eplb.py's sort: its ties)
     w = weight.float()  # float32: the packs' sums rounded as eplb.py's float32 tensors are
-    load = torch.zeros(rows, num_packs, dtype=torch.float32, device=dev)
-    count = torch.zeros(rows, num_packs, dtype=torch.int64, device=dev)
-    pack = torch.empty(rows, m, dtype=torch.int64, device=dev)
-    rank = torch.empty(rows, m, dtype=torch.int64, device=dev)
-    one, inf = torch.ones(rows, 1, dtype=torch.int64, device=dev), torch.tensor(float("inf"))
+    load = torch.zeros(rows, num_packs, dtype=torch.float32, device="cpu")
+    count = torch.zeros(rows, num_packs, dtype=torch.int64, device="cpu")
+    pack = torch.empty(rows, m, dtype=torch.int64, device="cpu")
+    rank = torch.empty(rows, m, dtype=torch.int64, device="cpu")
+    one, inf = torch.ones(rows, 1, dtype=torch.int64, device="cpu"), torch.tensor(float("inf"))
     for k in range(m):  # every row's k-th heaviest item at once (rows are independent)
         item = order[:, k:k + 1]  # [X, 1]
         p = torch.where(count < per_pack, load, inf).argmin(-1, keepdim=True)  # lightest pack with room, first on ties
@@ -119,11 +119,11 @@ def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor,
     """Replicate the ``num_log`` experts of each row into ``num_phy`` replicas, one extra replica at a time for the
     expert of largest load per replica (minimising the largest replica load).
     ``weight [X, num_log] -> (phy2log [X, num_phy], replica rank [X, num_phy], replica count [X, num_log])``."""
-    (rows, num_log), dev = weight.shape, weight.device
-    phy2log = torch.arange(num_phy, dtype=torch.int64, device=dev).repeat(rows, 1)
-    rank = torch.zeros(rows, num_phy, dtype=torch.int64, device=dev)
-    logcnt = torch.ones(rows, num_log, dtype=torch.int64, device=dev)
-    r = torch.arange(rows, device=dev)
+    rows, num_log = weight.shape
+    phy2log = torch.arange(num_phy, dtype=torch.int64, device="cpu").repeat(rows, 1)
+    rank = torch.zeros(rows, num_phy, dtype=torch.int64, device="cpu")
+    logcnt = torch.ones(rows, num_log, dtype=torch.int64, device="cpu")
+    r = torch.arange(rows, device="cpu")
     for i in range(num_log, num_phy):
         top = (weight / logcnt).max(dim=-1).indices  # [X] (the first of equal maxima)
         phy2log[:, i] = top
@@ -134,7 +134,7 @@ def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor,
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     """Row-wise inverse of permutations ``[X, m]``."""
-    return torch.empty_like(perm).scatter_(1, perm, torch.arange(perm.shape[1], device=perm.device)
+    return torch.empty_like(perm).scatter_(1, perm, torch.arange(perm.shape[1], device="cpu")
                                            .expand(perm.shape).contiguous())
 
 
@@ -150,7 +150,7 @@ def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: 
     group_load = weight.unflatten(-1, (num_groups, group_size)).sum(-1)  # [L, groups]
     g_pack, g_rank = balanced_packing(group_load, num_nodes)
     log2mlog = (((g_pack * groups_per_node + g_rank) * group_size).unsqueeze(-1)
-                + torch.arange(group_size, device=weight.device)).flatten(-2)  # [L, n]
+                + torch.arange(group_size, device="cpu")).flatten(-2)  # [L, n]
     mlog2log = _inverse(log2mlog)
     # (2) replicas within each node: [L * nodes, n / nodes]
     mlog_load = weight.gather(-1, mlog2log).view(-1, n // num_nodes)
@@ -161,7 +161,7 @@ def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: 
     pphy2phy = _inverse(pack * per_gpu + rank)
     pphy2mlog = phy2mlog.gather(-1, pphy2phy)  # [L * nodes, P / nodes]
     pphy2mlog = (pphy2mlog.view(L, num_nodes, -1)
-                 + torch.arange(0, n, n // num_nodes, device=weight.device).view(1, -1, 1)).flatten(-2)  # [L, P]
+                 + torch.arange(0, n, n // num_nodes, device="cpu").view(1, -1, 1)).flatten(-2)  # [L, P]
     phy2log = mlog2log.gather(-1, pphy2mlog)
     phy_rank = phy_rank.gather(-1, pphy2phy).view(L, -1)
     logcnt = mlog_cnt.view(L, -1).gather(-1, log2mlog)

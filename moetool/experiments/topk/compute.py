@@ -72,7 +72,7 @@ class ExpertCounter:
             if tokens == 0:
                 raise MoetoolError(f"layer {layer}: no real tokens (empty data or all padding)")
             used = torch.nonzero(h).flatten()
-            mean = float((h * torch.arange(len(h), dtype=torch.float64, device=h.device)).sum()) / tokens
+            mean = float((h * torch.arange(len(h), dtype=torch.float64, device="cpu")).sum()) / tokens
             out.append({"layer": layer, "tokens": int(tokens), "mean_experts": mean,
                         "experts_frac": mean / (len(h) - 1), "min_experts": int(used.min()),
                         "max_experts": int(used.max())})
