@@ -172,17 +172,11 @@ def hist_quantile(counts: torch.Tensor, q: float, lo: float = 0.0, hi: float = 1
     return lo + (hi - lo) * (b + 1) / c.numel()
 
 
-def best_of(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """The expert of each row of ``idx [T, K]`` with the largest ``scores [T, n]``: ``[T]``, :func:`top1` of the whole
-    set (the top-1 of a chosen set whatever order it came in: some routers return top-K unsorted)."""
-    return top1(idx, scores)
-
-
 def rank_order(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Positions ``[T, K]`` that put each row of a chosen set ``idx [T, K]`` in descending ``scores [T, n]`` order
     (``idx.gather(-1, rank_order(idx, scores))``): the order ``torch.topk(sorted=True)`` returns, whatever order the
     set came in (DeepSeek-V3's, GLM-4.5's, LongCat's routers return theirs unsorted). Stable: equal scores keep
-    their order, so the first is :func:`best_of`'s."""
+    their order, so the first is :func:`top1`'s."""
     return topk(scores.gather(-1, idx.long()), idx.shape[-1], stable=True)
 
 

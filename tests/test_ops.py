@@ -77,7 +77,7 @@ def test_best_of_and_rank_order_follow_the_scores_whatever_the_sets_order():
         # descending score; equal scores keep the set's own order (a stable sort)
         want = sorted(range(4), key=lambda j: -float(s[t, ids[j]]))
         assert order[t].tolist() == want
-        assert int(ops.best_of(idx, s)[t]) == ids[want[0]]
+        assert int(ops.top1(idx, s)[t]) == ids[want[0]]
 
 
 def test_set_overlaps_match_python_sets_with_padding_ids():

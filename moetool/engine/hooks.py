@@ -98,18 +98,6 @@ class Policy(Protocol):
 Consumer = Callable[[RoutingEvent], None]
 
 
-def _refuse_layers(layers: list[MoELayer], attr: str, what: str, needs: str, because: str,
-                   subject: str = "MoE layers", among: Iterable[MoELayer] | None = None) -> None:
-    """One line naming the ``layers`` whose ``attr`` is set (``what`` cannot run there) and the others (of
-    ``among``, the layers asked for, when ``layers`` are only those of them that need the recomputation)."""
-    bad = [L.index for L in layers if getattr(L, attr, False)]
-    if bad:
-        others = [L.index for L in (layers if among is None else among) if L.index not in bad]
-        raise MoetoolError(f"{what} needs the routing recomputed from {needs}, but {subject} {bad} {because}: " +
-                           (f"choose the others with --layers {','.join(map(str, others))}" if others else
-                            "no other layer is left"))
-
-
 #: what a refusal says of a layer whose routing cannot be recomputed from its input alone (:func:`recompute_unable`)
 RECOMPUTE_SAID = {
     "carried": "the router logits of MoE layers {layers} also depend on {detail}",
@@ -141,12 +129,14 @@ def refuse_recomputed(layers: Iterable[MoELayer], what: str, model_layers: Itera
                   f"{what} needs the routing recomputed from the layer input alone, but ")
 
 
-def refuse_hash_routed(layers: Iterable[MoELayer], what: str, among: Iterable[MoELayer] | None = None) -> None:
+def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
     """One line when any of ``layers`` is hash-routed (experts chosen by token id, :attr:`GenericLayer.hash_routed`):
     ``what`` needs the routing as a function of the router's logits, which such a layer does not have. The line
-    names those layers and the others (``--layers``)."""
-    _refuse_layers(list(layers), "hash_routed", what, "the router logits",
-                   "are hash-routed (experts chosen by token id)", among=among)
+    names those layers and the others (``--layers``, :func:`refuse_unable`)."""
+    layers = list(layers)
+    refuse_unable(layers, layers, lambda among, alt: {i: k for i, k in recompute_unable(among).items()
+                                                      if k[0] == "hash"},
+                  RECOMPUTE_SAID, f"{what} needs the routing recomputed from the router logits, but ")
 
 
 def refuse_unable(layers: Sequence[MoELayer], model_layers: Sequence[MoELayer],

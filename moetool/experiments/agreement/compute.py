@@ -4,7 +4,7 @@ The same tokens go through the model once per precision (one model in memory at 
 loaded or converted, run, freed). The reference is the most precise run of the list (fp32 > bf16/fp16 > fp8 >
 fp4/mxfp4; the first listed on a tie). Per MoE layer and precision, against the reference, token by token:
 
-* ``top1_flip``: the top-1 (the chosen expert with the largest selection score, :func:`moetool.ops.best_of`; a tie,
+* ``top1_flip``: the top-1 (the chosen expert with the largest selection score, :func:`moetool.ops.top1`; a tie,
   frequent in bf16, goes to the lowest expert id) differs; ``topk_flip``: the chosen top-K set differs
   (:func:`moetool.ops.same_set`);
 * the flip rates per bin of the reference run's routing margin (the K-th minus the (K+1)-th selection score,
@@ -206,7 +206,7 @@ class _Run:
         """``(top-K idx [T, K], top-1 [T], logits [T, n], valid [T])`` of the model's own routing in an event."""
         logits = ev.logits.reshape(-1, ev.logits.shape[-1])
         idx = ev.idx.reshape(-1, ev.idx.shape[-1]).sort(-1).values  # ascending ids: a tie goes to the lowest
-        return idx, ops.best_of(idx, ev.layer.selection_scores(logits)), logits, ev.valid.reshape(-1)
+        return idx, ops.top1(idx, ev.layer.selection_scores(logits)), logits, ev.valid.reshape(-1)
 
 
 class ReferenceRun(_Run):

@@ -117,7 +117,7 @@ def routing_of(layer: Any, h: torch.Tensor, finite: torch.Tensor | None = None) 
     if finite is not None:
         finite &= torch.isfinite(logits.reshape(finite.shape[0], -1)).all(-1).to(finite.device)
     idx, _ = layer.route(logits)
-    return idx, ops.best_of(idx, layer.selection_scores(logits))
+    return idx, ops.top1(idx, layer.selection_scores(logits))
 
 
 def flips(clean: tuple[torch.Tensor, torch.Tensor], noisy: tuple[torch.Tensor, torch.Tensor]

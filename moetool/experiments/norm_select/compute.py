@@ -112,7 +112,7 @@ class AgreementMeter:
         if self.layers is not None and ev.layer.index not in self.layers:
             return
         ref = ev.idx if self.reference is None else self.reference.select(ev)[0]  # [T, K]
-        ref_top1 = ops.best_of(ref, ev.layer.selection_scores(ev.logits))  # [T]
+        ref_top1 = ops.top1(ref, ev.layer.selection_scores(ev.logits))  # [T]
         same = self.same or (self.reference is None and ev.chosen_idx is ev.idx)
         pol_top1 = ref_top1 if same else ev.chosen_idx[:, 0]  # [T]
         v = ev.valid  # [T]
