@@ -13,7 +13,8 @@ Sections (random weights built directly on the device, bf16 on CUDA, nothing dow
    the plain forward's tokens/s and share of the bf16 peak, and for the probes the **achieved throughput of the
    probe's extra work**: the FLOPs the probe runs (norm:gate: every expert's gate, ``layers·n·2·I·d`` per token;
    all-expert outputs: ``layers·n·6·I·d``) over its extra time per token (variant time − plain time), as a share of
-   the nominal dense bf16 peak (known cards) and of a measured 8192³ bf16 matmul on the same card.
+   the nominal dense bf16 peak (known cards), of a measured 8192³ bf16 matmul on the same card, and of the probe's
+   own products run bare at its token chunk (``pct_shape_gemm``, :func:`shape_gemm_flops`: what the shape allows).
 2. **Quantized probes**: ``bench.py --quant`` (one d=1024 layer, 8 experts of width 2048, 1,024 tokens per call and
    a batch's 16,384): FP8 (fp32 / UE8M0 scales) and FP4 probes as a ratio of the bf16 probe.
 3. **Commands against one bare ``moetool.forward``** over the same tokens (Mixtral-8x7B width, 2 layers, one
@@ -150,6 +151,51 @@ def probe_flops(g: dict[str, int]) -> dict[str, float]:
     return {"norm:gate": 2.0 * per, "all_expert_outputs": 6.0 * per}
 
 
+def shape_gemm_flops(g: dict[str, int], dev: torch.device, dtype: torch.dtype, per_call: int) -> dict[str, float]:
+    """Measured FLOP/s of each probe's own products, run as bare torch calls on random tensors of the probe's
+    shapes at the token chunk the probe uses (the device's budget, :func:`moetool.engine.probes._chunk_size`, at
+    most the ``per_call`` tokens of one forward):
+    norm:gate = every expert's gate, ``[T, d] x [n, d, I]`` (gate is half of the fused ``gate_up_proj``: a
+    batched product over its strided rows); all-expert outputs = gate and up of every expert in one
+    ``[T, d] x [d, n·2I]`` GEMM (CUDA; one batched matmul on the CPU, as the probe runs them), then the down
+    projection ``[n, T, I] x [n, I, d]``. What the shape itself allows on this device, whatever moetool adds:
+    ``pct_shape_gemm`` = the probe's achieved FLOP/s over this."""
+    from moetool.engine.probes import auto_budget
+
+    d, inter, n = g["d"], g["inter"], g["n"]
+    T = max(1, auto_budget(dev) // (3 * n * inter))
+    T = min(T, per_call)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, d, device=dev, dtype=dtype, generator=gen)
+    gate_up = torch.randn(n, 2 * inter, d, device=dev, dtype=dtype, generator=gen) / d ** 0.5
+    down = torch.randn(n, d, inter, device=dev, dtype=dtype, generator=gen) / inter ** 0.5
+    gate = gate_up[:, :inter]  # a strided view, as the probe reads it
+
+    def norm_gate():
+        return torch.matmul(x.unsqueeze(0), gate.transpose(-1, -2))
+
+    def outputs():
+        if dev.type == "cuda":
+            y = (x @ gate_up.reshape(n * 2 * inter, d).T).view(T, n, 2 * inter).transpose(0, 1)
+        else:
+            y = torch.matmul(x.unsqueeze(0), gate_up.transpose(-1, -2))
+        glu = torch.nn.functional.silu(y[..., :inter]) * y[..., inter:]
+        return torch.matmul(glu, down.transpose(-1, -2))
+
+    out = {}
+    for name, fn, flops in (("norm:gate", norm_gate, 2.0 * n * inter * d * T),
+                            ("all_expert_outputs", outputs, 6.0 * n * inter * d * T)):
+        fn()
+        B.sync()
+        reps, t0 = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - t0 < 0.5:
+            fn()
+            B.sync()
+            reps += 1
+        out[name] = flops * reps / (time.perf_counter() - t0)
+    return out
+
+
 def bench_gpu_shapes(a, dev: torch.device, full: bool, peak: float | None, mm: float) -> list[dict[str, Any]]:
     dtype = torch.bfloat16 if full else torch.float32
     names = ["plain", "capture", "router_logits", "hand_item_loop", "norm:gate", "all_expert_outputs"]
@@ -167,6 +213,7 @@ def bench_gpu_shapes(a, dev: torch.device, full: bool, peak: float | None, mm: f
         ideal = B.flop_ideals(g, a.gpu_seq)
         fp = B.plain_flops(g, a.gpu_seq)
         pf = probe_flops(g)
+        own = shape_gemm_flops(g, dev, dtype, a.gpu_batch * a.gpu_seq)
         plain_s = res["plain"]["seconds"]
         model_name = label if full else f"{label} scaled down"
         for v in names:
@@ -182,6 +229,8 @@ def bench_gpu_shapes(a, dev: torch.device, full: bool, peak: float | None, mm: f
             if "tflops" in row:
                 row["pct_nominal_peak"] = 100 * row["tflops"] * 1e12 / peak if peak else float("nan")
                 row["pct_measured_matmul"] = 100 * row["tflops"] * 1e12 / mm
+            if v in own:
+                row["pct_shape_gemm"] = 100 * row["tflops"] * 1e12 / own[v]
             rows.append(row)
         print(f"  {model_name}: built in {t_build:.0f}s, measured in {time.perf_counter() - t0 - t_build:.0f}s",
               file=sys.stderr)
@@ -415,7 +464,7 @@ def report(df, a) -> str:
             t = part.assign(spread=part.ratio_min.map("{:.2f}".format) + "-" + part.ratio_max.map("{:.2f}".format))
             out.append(f"{model}: plain {part.tokens_per_s.iloc[0] / 1e3:.1f}k tokens/s")
             out.append(fmt_table(t, ["variant", "ratio", "spread", "flop_ideal", "ratio_to_ideal", "tflops",
-                                     "pct_nominal_peak", "pct_measured_matmul"]))
+                                     "pct_nominal_peak", "pct_measured_matmul", "pct_shape_gemm"]))
     quant = df[df.section == "quant"]
     if len(quant):
         out.append(f"\nQuantized probes: time / the plain ({'bf16' if 'cuda' in quant.device.iloc[0] else 'fp32'}) "
