@@ -190,20 +190,27 @@ def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups:
 
     over = [L for L in layers if k > most(L)]
     if over:
-        group = " (its group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
-        limit = min(most(L) for L in over)
-        names = ", ".join(str(L.index) for L in over)
-        raise MoetoolError(f"{what}: {k} experts per token, but MoE layer{'s' if len(over) > 1 else ''} {names} can "
-                           f"route a token to at most {limit}{group}; choose at most {limit}")
+        group = " (group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
+        limits = sorted({most(L) for L in over}, reverse=True)  # each bound with its layers; the suggestion: the
+        said = []  # smallest of them (of every layer given at once), so that no other layer refuses it in turn
+        for m in limits:
+            ls = [str(L.index) for L in over if most(L) == m]
+            said.append(f"MoE layer{'s' if len(ls) > 1 else ''} {', '.join(ls)} {'can route a token to ' if not said else ''}"
+                        f"at most {m}")
+        raise MoetoolError(f"{what}: {k} experts per token, but {', '.join(said)}{group}; choose at most {limits[-1]}")
 
 
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
-    """A policy refuses what it cannot do before any forward: ``check(layer)`` per MoE layer of ``layers`` it runs in
+    """A policy refuses what it cannot do before any forward: ``check_moe_layers(its MoE layers)`` once (a bound
+    over them all, e.g. topk's largest k), ``check(layer)`` per MoE layer of ``layers`` it runs in
     (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once; a policy that re-ranks experts by the
     router's scores (``routes_by_scores``) refuses hash-routed layers (:func:`refuse_hash_routed`)."""
     layers, policy_layers = list(layers), set(policy_layers)
     if getattr(policy, "routes_by_scores", False):
         refuse_hash_routed([L for L in layers if L.index in policy_layers], f"policy {policy.name}")
+    check_all = getattr(policy, "check_moe_layers", None)
+    if check_all is not None:
+        check_all([L for L in layers if L.index in policy_layers])
     check = getattr(policy, "check", None)
     for L in layers:
         if check is not None and L.index in policy_layers:
