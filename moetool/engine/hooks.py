@@ -443,8 +443,8 @@ class Engine:
 
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
+        self._check_policy()  # every layer the policy runs in at once (a hybrid's layers without attention too)
         attention = self._attention_modules()  # may refuse a layer: before any hook is installed
-        self._check_policy()
         take(self.model, "a moetool.hook block", run=False)  # one engine at a time per model (or its run's own)
         self._held = True
         try:
