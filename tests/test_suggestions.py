@@ -114,7 +114,8 @@ def test_norm_policy_suggests_the_layers_that_can_rank_and_norm_output():
     with pytest.raises(MoetoolError) as e:
         moetool.ppl(lm, tokens, routing="norm:gate", bootstrap=0, quiet=True)
     line = str(e.value)
-    assert f"MoE layers {[L.index for L in layers[1:]]} have 8 computed experts for a top-9" in line, line
+    assert line.startswith("policy norm:gate:l2: ") and f"MoE layers {[L.index for L in layers[1:]]} have 8 computed "\
+        "experts for a top-9" in line, line
     tips = line.rsplit(": ", 1)[-1].split(", or ")
     assert len(tips) == 2, line
     ok = [int(i) for i in re.fullmatch(r"choose the others with --layers ([\d,]+)", tips[0]).group(1).split(",")]
@@ -214,3 +215,29 @@ def test_erc_noise_that_overflows_is_refused_and_a_smaller_one_runs(tmp_path):
     M = matrix[matrix.layer == 0].pivot(index="i", columns="j", values="m").to_numpy()
     assert M.shape == (8, 8) and (M >= 0).all()
     assert per_layer.loc[0, "alpha_min"] == pytest.approx(hand_alpha_min(torch.tensor(M)), rel=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["attention", "similarity", "topk:1"])
+def test_policy_refusals_on_hash_routed_layers_suggest_layers_no_other_check_refuses(spec):
+    """DeepSeek-V4: layers 0-2 hash-routed, every layer's attention over compressed key blocks. A policy that
+    re-ranks by the router's scores is refused on the hash-routed layers; the ``--layers`` it suggests must pass
+    every other check of the same policy. On BASE attention routing suggested ``--layers 3`` (the hash check
+    alone), which the attention check then refused; now both are one check: both reasons and no layer left."""
+    from moetool.adapters import tiny
+    from moetool.engine.hooks import check_policy
+    from moetool.policies import make_policy
+
+    layers = find_moe_layers(tiny.build_tiny("deepseek_v4", seed=0))
+    hashed = [L.index for L in layers if getattr(L, "hash_routed", False)]
+    assert hashed and len(hashed) < len(layers)
+    with pytest.raises(MoetoolError) as e:
+        check_policy(make_policy(spec), layers, [L.index for L in layers])
+    line = str(e.value)
+    assert f"MoE layers {hashed} are hash-routed" in line and "\n" not in line, line
+    offered = re.findall(r"--layers ([\d,]+)", line)
+    if spec == "attention":
+        assert "compressed key blocks" in line and line.endswith("no other layer is left") and not offered, line
+    else:
+        assert offered == [",".join(str(L.index) for L in layers if L.index not in hashed)], line
+    for value in offered:  # what it offers passes
+        check_policy(make_policy(spec), layers, [int(i) for i in value.split(",")])

@@ -11,7 +11,7 @@ in ``ev.scores`` and the chosen head in ``ev.extra["head"]``.
 Hybrid models: a MoE layer whose decoder layer mixes tokens with something other than softmax attention
 (Mamba, linear attention / DeltaNet, lightning attention, short convolutions) has no attention probabilities;
 :func:`refuse_no_attention` refuses them in one line naming every such layer and its mixer, and the layers to
-choose instead (the engine's ``check_policy`` asks the policy before hooking: ``policy.check_moe_layers(layers)``;
+choose instead (the engine's ``check_policy`` asks the policy before hooking: ``policy.unable(layers)``;
 then ``policy.attention_module(layer)`` per layer).
 """
 
@@ -131,10 +131,13 @@ class AttentionPolicy(Policy):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}
 
-    def check_moe_layers(self, layers: list[Any]) -> None:
-        """Every layer it runs in has softmax attention probabilities, else one line naming those without and the
-        others (:func:`refuse_no_attention`)."""
-        refuse_no_attention(layers)
+    unable_said = NO_ATTENTION_SAID
+
+    def unable(self, layers: Any, alternative: bool = False) -> dict[int, tuple[str, str]]:
+        """The layers it cannot run in (no softmax attention probabilities, :func:`attention_unable`): refused in one
+        line with the hash-routed ones by :func:`moetool.engine.hooks.check_policy`, the others to choose computed
+        from both."""
+        return attention_unable(layers)
 
     def attention_module(self, layer: Any) -> nn.Module:
         """The module whose output carries ``layer``'s attention probabilities; refuses non-softmax mixers."""

@@ -30,7 +30,7 @@ import torch
 
 from .. import ops
 from ..adapters import quant
-from ..engine.hooks import RoutingEvent, refuse_unable
+from ..engine.hooks import RoutingEvent
 from ..engine.probes import NODES, node_scores
 from .base import Policy
 
@@ -58,22 +58,22 @@ class NormPolicy(Policy):
             raise ValueError("use norm:<node>[:<norm>], e.g. norm:gate or norm:output:l1")
         return cls(args[0], args[1] if len(args) > 1 else (norm or "l2"), weights)
 
-    def too_few_computed(self, layers: Any, at_output: bool = False) -> dict[int, tuple[str, str]]:
+    #: :func:`moetool.engine.hooks.check_policy`'s alternative where an internal node refuses: the output ranks all
+    unable_alt = ("norm:output", "rank every expert at the output node")
+
+    def unable(self, layers: Any, at_output: bool = False) -> dict[int, tuple[str, str]]:
         """The layers of ``layers`` with fewer computed experts than their top-k, where this node (``at_output``:
-        ``norm:output``, which ranks every expert) has fewer activations to rank than experts to choose."""
+        ``norm:output``, which ranks every expert) has fewer activations to rank than experts to choose: refused
+        in one line by :func:`moetool.engine.hooks.check_policy`, with the other layers and ``norm:output``."""
         if self.node == "output" or at_output:
             return {}
         return {L.index: ("few", f"{L.n_computed} computed experts for a top-{L.top_k} (the other "
                                  f"{L.n_zero_compute} compute nothing")
                 for L in layers if L.n_zero_compute and L.n_computed < L.top_k}
 
-    def check_moe_layers(self, layers: list[Any]) -> None:
-        """One line before any forward naming every layer of ``layers`` (all it runs in) that :meth:`too_few_computed`
-        lists, and what runs instead, from the same check (:func:`moetool.engine.hooks.refuse_unable`): the other
-        layers (``--layers``), or ``norm:output``."""
-        refuse_unable(layers, layers, self.too_few_computed,
-                      {"few": f"MoE layers {{layers}} have {{detail}}, so have no '{self.node}' activation to rank)"},
-                      f"--routing {self.name}: ", alt=("norm:output", "rank every expert at the output node"))
+    @property
+    def unable_said(self) -> dict[str, str]:
+        return {"few": f"MoE layers {{layers}} have {{detail}}, so have no '{self.node}' activation to rank)"}
 
     def check(self, layer: Any) -> None:
         """Experts in a format moetool cannot read, and (on a pruned model) the pruning's own check: one line before
