@@ -241,3 +241,14 @@ def test_policy_refusals_on_hash_routed_layers_suggest_layers_no_other_check_ref
         assert offered == [",".join(str(L.index) for L in layers if L.index not in hashed)], line
     for value in offered:  # what it offers passes
         check_policy(make_policy(spec), layers, [int(i) for i in value.split(",")])
+
+
+def test_too_few_bootstrap_replicates_suggest_the_least_that_runs(tmp_path):
+    """--bootstrap below a percentile interval's least replicates: the line's ``use >= N`` is the bound (N - 1 is
+    refused), and N runs with an interval around the value."""
+    args = ["ppl", "--max-tokens", "64", "--seq-len", "16", "-q"]
+    line = refusal([*args, "--bootstrap", "50"], tmp_path / "few")
+    n = int(re.fullmatch(r".*\(use >= (\d+) or 0\)", line).group(1))
+    refusal([*args, "--bootstrap", str(n - 1)], tmp_path / "one-less")
+    df = runs([*args, "--bootstrap", str(n)], tmp_path / "ok")["ppl.csv"]
+    assert df.loc[0, "perplexity_lo"] <= df.loc[0, "perplexity"] <= df.loc[0, "perplexity_hi"]
