@@ -130,8 +130,8 @@ def test_minimax_m3_block_scales_the_routed_output():
 
 # ----- hybrid models: attention routing on softmax-attention layers only -------------------------------------
 @pytest.mark.parametrize("model_type, refused, mixer, ok", [
-    ("jamba", 1, "mamba (JambaMambaMixer)", 3),
-    ("qwen3_next", 0, "linear_attn (Qwen3NextGatedDeltaNet)", 3),
+    ("jamba", [1], "mamba (JambaMambaMixer)", 3),
+    ("qwen3_next", [0, 1, 2], "linear_attn (Qwen3NextGatedDeltaNet)", 3),  # every layer without it named at once
 ])
 def test_attention_policy_refuses_non_softmax_layers(model_type, refused, mixer, ok):
     model, layers = tiny(model_type)
@@ -141,7 +141,8 @@ def test_attention_policy_refuses_non_softmax_layers(model_type, refused, mixer,
         with pytest.raises(MoetoolError) as e:
             run(model, layers, batch, policy=make_policy("attention"))
         msg = str(e.value)
-        assert f"MoE layer {refused} has no softmax attention" in msg and mixer in msg and "\n" not in msg
+        assert f"MoE layers {refused} have no softmax attention" in msg and mixer in msg and "\n" not in msg
+        assert msg.endswith(f": choose the others with --layers {ok}"), msg  # the one it runs on, below
         # on the softmax-attention layer it runs: the scores are the propagation through the chosen head
         got, events, _ = run(model, layers, batch, policy=make_policy("attention"), policy_layers=[ok])
         ev = events[ok]
@@ -158,7 +159,7 @@ def test_attention_policy_nemotron_moe_layer_has_no_attention():
     from moetool.policies.attention import softmax_attention
 
     model, layers = tiny("nemotron_h")
-    with pytest.raises(MoetoolError, match=r"MoE layer \d+ has no softmax attention .*MoE block alone: mixer"):
+    with pytest.raises(MoetoolError, match=r"MoE layers \[\d+\] have no softmax attention .*MoE block alone: mixer"):
         softmax_attention(layers[0])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from moetool.adapters import find_moe_layers
 from moetool.commands.app import app
 from moetool.data import TokenSet
+from moetool.engine.hooks import check_policy
 from moetool.errors import MoetoolError
 from moetool.experiments.norm_select import compute as ns
 from moetool.policies import make_policy
@@ -668,9 +670,11 @@ def test_an_internal_node_with_fewer_computed_experts_than_k_is_one_line():
     cfg.n_routed_experts, cfg.zero_expert_num, cfg.moe_topk = 3, 4, 4  # 3 computed experts for a top-4
     torch.manual_seed(0)
     layers = find_moe_layers(model_class("longcat_flash").from_config(cfg).float().eval())
-    with pytest.raises(MoetoolError, match=r"norm:gate:l2: MoE layer 0 has 3 computed experts for its top-4"):
-        make_policy("norm:gate").check(layers[0])
-    make_policy("norm:output").check(layers[0])  # identity experts have an output: rankable
+    every = [L.index for L in layers]
+    with pytest.raises(MoetoolError, match=re.escape(f"norm:gate:l2: MoE layers {every} have 3 computed experts for a "
+                                                     "top-4")):
+        check_policy(make_policy("norm:gate"), layers, every)
+    check_policy(make_policy("norm:output"), layers, every)  # identity experts have an output: rankable
 
 
 def test_an_internal_node_with_exactly_k_computed_experts_runs_every_one_of_them():
@@ -685,8 +689,7 @@ def test_an_internal_node_with_exactly_k_computed_experts_runs_every_one_of_them
     model = model_class("longcat_flash").from_config(cfg).float().eval()
     layers = find_moe_layers(model)
     policy = make_policy("norm:gate")
-    for L in layers:
-        policy.check(L)  # 4 computed experts for a top-4: rankable
+    check_policy(policy, layers, [L.index for L in layers])  # 4 computed experts for a top-4: rankable
     ids = torch.randint(3, 30, (2, 12), generator=torch.Generator().manual_seed(1))
     _, events, _ = run(model, layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, policy=policy)
     for L in layers:

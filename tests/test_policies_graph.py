@@ -261,7 +261,11 @@ def test_graph_policies_refuse_hash_routed_layers(spec):
         check_policy(make_policy(spec), layers, [L.index for L in layers])
     msg = str(e.value)
     assert "\n" not in msg and "hash-routed" in msg and f"{routed[0]}" in msg, msg
-    check_policy(make_policy(spec), layers, routed)  # the top-K layer alone: nothing to refuse
+    if spec == "attention":  # the top-K layer alone: its compressed attention has no token-to-token probabilities
+        with pytest.raises(MoetoolError, match=r"compressed key blocks .*: no other layer is left$"):
+            check_policy(make_policy(spec), layers, routed)
+    else:
+        check_policy(make_policy(spec), layers, routed)  # the top-K layer alone: nothing to refuse
     if spec == "similarity":
         with pytest.raises(MoetoolError, match="hash-routed"):
             run(model, layers, padded_batch(), policy=make_policy(spec))
@@ -336,8 +340,8 @@ def test_attention_refuses_a_decoder_layer_with_two_attention_sublayers():
     layers = find_moe_layers(build_tiny("longcat_flash", seed=0))
     assert isinstance(layers[0].decoder_layer.self_attn, torch.nn.ModuleList)
     for L in layers:
-        with pytest.raises(MoetoolError, match=rf"^attention routing: MoE layer {L.index}'s decoder layer has 2 "
-                                               r"attention sublayers \(self_attn\)"):
+        with pytest.raises(MoetoolError, match=rf"^attention routing: MoE layers \[{L.index}\] have decoder layers "
+                                               r"of 2 attention sublayers \(self_attn\)"):
             softmax_attention(L)
 
 
@@ -359,6 +363,6 @@ def test_attention_refuses_a_layer_whose_config_type_is_a_linear_mixer(kind):
     ok = SimpleNamespace(index=0, config=config, decoder_layer=decoder, block=torch.nn.Identity())
     assert softmax_attention(ok) is attn
     bad = SimpleNamespace(index=1, config=config, decoder_layer=decoder, block=torch.nn.Identity())
-    with pytest.raises(MoetoolError, match=rf"MoE layer 1 has no softmax attention .*self_attn \(Attention\), "
+    with pytest.raises(MoetoolError, match=rf"MoE layers \[1\] have no softmax attention .*self_attn \(Attention\), "
                                            rf"layer type '{kind}'\)"):
         softmax_attention(bad)

@@ -10,6 +10,7 @@ import torch
 from conftest import FAMILIES, feed, padded_batch, run, zero_compute_lm
 
 from moetool.adapters import find_moe_layers, rules
+from moetool.engine.hooks import check_policy
 from moetool.errors import MoetoolError
 from moetool.policies import make_policy
 from moetool.policies.topk import top_p
@@ -215,11 +216,11 @@ def test_k_above_the_experts_available_is_refused(tiny_model, kind):
     n = c.num_local_experts if kind == "mixtral" else c.n_routed_experts
     most = n if kind == "mixtral" else c.topk_group * n // c.n_group
     assert most < n or kind == "mixtral"
-    make_policy(f"topk:{most}").check(L)
-    make_policy(f"topp:0.9:{n}").check(L)  # top-p ranks by π over every expert, group limits aside
+    check_policy(make_policy(f"topk:{most}"), [L], [L.index])
+    check_policy(make_policy(f"topp:0.9:{n}"), [L], [L.index])  # top-p ranks by π over every expert, group limits aside
     for spec, limit in ((f"topk:{most + 1}", most), (f"topk:{n + 90}", most), (f"topp:0.9:{n + 1}", n)):
         with pytest.raises(MoetoolError, match=f"can route a token to at most {limit}[;( ]") as e:
-            make_policy(spec).check(L)
+            check_policy(make_policy(spec), [L], [L.index])
         assert "\n" not in str(e.value)
 
 

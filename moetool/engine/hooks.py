@@ -134,9 +134,13 @@ def refuse_hash_routed(layers: Iterable[MoELayer], what: str) -> None:
     ``what`` needs the routing as a function of the router's logits, which such a layer does not have. The line
     names those layers and the others (``--layers``, :func:`refuse_unable`)."""
     layers = list(layers)
-    refuse_unable(layers, layers, lambda among, alt: {i: k for i, k in recompute_unable(among).items()
-                                                      if k[0] == "hash"},
-                  RECOMPUTE_SAID, f"{what} needs the routing recomputed from the router logits, but ")
+    refuse_unable(layers, layers, lambda among, alt: hash_routed(among), RECOMPUTE_SAID,
+                  f"{what} needs the routing recomputed from the router logits, but ")
+
+
+def hash_routed(layers: Iterable[MoELayer]) -> dict[int, tuple[str, str]]:
+    """The hash-routed layers of ``layers`` (:func:`recompute_unable`'s ``hash`` kind)."""
+    return {i: k for i, k in recompute_unable(layers).items() if k[0] == "hash"}
 
 
 def refuse_unable(layers: Sequence[MoELayer], model_layers: Sequence[MoELayer],
@@ -190,20 +194,39 @@ def refuse_above_max_k(what: str, k: int, layers: Iterable[MoELayer], *, groups:
 
     over = [L for L in layers if k > most(L)]
     if over:
-        group = " (its group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
-        limit = min(most(L) for L in over)
-        names = ", ".join(str(L.index) for L in over)
-        raise MoetoolError(f"{what}: {k} experts per token, but MoE layer{'s' if len(over) > 1 else ''} {names} can "
-                           f"route a token to at most {limit}{group}; choose at most {limit}")
+        group = " (group-limited routing)" if any(most(L) < L.n_experts for L in over) else ""
+        limits = sorted({most(L) for L in over}, reverse=True)  # each bound with its layers; the suggestion: the
+        said = []  # smallest of them (of every layer given at once), so that no other layer refuses it in turn
+        for m in limits:
+            ls = [str(L.index) for L in over if most(L) == m]
+            said.append(f"MoE layer{'s' if len(ls) > 1 else ''} {', '.join(ls)} {'can route a token to ' if not said else ''}"
+                        f"at most {m}")
+        raise MoetoolError(f"{what}: {k} experts per token, but {', '.join(said)}{group}; choose at most {limits[-1]}")
 
 
 def check_policy(policy: Any, layers: Iterable[MoELayer], policy_layers: Iterable[int]) -> None:
-    """A policy refuses what it cannot do before any forward: ``check(layer)`` per MoE layer of ``layers`` it runs in
-    (``policy_layers``), ``check_layers(policy layers, MoE layers)`` once; a policy that re-ranks experts by the
-    router's scores (``routes_by_scores``) refuses hash-routed layers (:func:`refuse_hash_routed`)."""
+    """A policy refuses what it cannot do before any forward, in this order: the layers it cannot run in, all in one
+    line with the others to choose (:func:`refuse_unable` over one check, so that a layer it suggests is never
+    refused by another check in turn): hash-routed ones where it re-ranks experts by the router's scores
+    (``routes_by_scores``) and those its ``unable(layers, alternative)`` lists (said by ``unable_said``; its
+    ``unable_alt``: refuse_unable's ``alt``); then ``check_moe_layers(its MoE layers)`` once (a bound over them all,
+    e.g. topk's largest k), ``check(layer)`` per MoE layer of ``layers`` it runs in (``policy_layers``),
+    ``check_layers(policy layers, MoE layers)`` once."""
     layers, policy_layers = list(layers), set(policy_layers)
-    if getattr(policy, "routes_by_scores", False):
-        refuse_hash_routed([L for L in layers if L.index in policy_layers], f"policy {policy.name}")
+    mine = [L for L in layers if L.index in policy_layers]
+    by_scores, unable = getattr(policy, "routes_by_scores", False), getattr(policy, "unable", None)
+    if unable is None and by_scores:
+        refuse_hash_routed(mine, f"policy {policy.name}")
+    elif unable is not None:
+        def check(among: Sequence[MoELayer], alternative: bool) -> dict[int, tuple[str, str]]:
+            out = hash_routed(among) if by_scores else {}
+            return {**out, **{i: k for i, k in unable(among, alternative).items() if i not in out}}
+
+        refuse_unable(mine, mine, check, {**RECOMPUTE_SAID, **policy.unable_said}, f"policy {policy.name}: ",
+                      alt=getattr(policy, "unable_alt", None))
+    check_all = getattr(policy, "check_moe_layers", None)
+    if check_all is not None:
+        check_all([L for L in layers if L.index in policy_layers])
     check = getattr(policy, "check", None)
     for L in layers:
         if check is not None and L.index in policy_layers:
@@ -436,8 +459,8 @@ class Engine:
 
     # ----- installation ------------------------------------------------------------------
     def __enter__(self) -> "Engine":
+        self._check_policy()  # every layer the policy runs in at once (a hybrid's layers without attention too)
         attention = self._attention_modules()  # may refuse a layer: before any hook is installed
-        self._check_policy()
         take(self.model, "a moetool.hook block", run=False)  # one engine at a time per model (or its run's own)
         self._held = True
         try:

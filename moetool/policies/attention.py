@@ -10,8 +10,9 @@ in ``ev.scores`` and the chosen head in ``ev.extra["head"]``.
 
 Hybrid models: a MoE layer whose decoder layer mixes tokens with something other than softmax attention
 (Mamba, linear attention / DeltaNet, lightning attention, short convolutions) has no attention probabilities;
-:func:`softmax_attention` refuses it in one line naming the layer and its mixer (the engine asks the policy
-before hooking: ``policy.attention_module(layer)``).
+:func:`refuse_no_attention` refuses them in one line naming every such layer and its mixer, and the layers to
+choose instead (the engine's ``check_policy`` asks the policy before hooking: ``policy.unable(layers)``;
+then ``policy.attention_module(layer)`` per layer).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from .. import ops
 from ..configs import LINEAR_MIXER_TYPES, layer_types
-from ..engine.hooks import RoutingEvent
+from ..engine.hooks import RoutingEvent, refuse_unable
 from ..errors import MoetoolError
 from .base import Policy
 from .similarity import choose, propagate
@@ -49,27 +50,22 @@ def _layer_type(layer: Any) -> str | None:
     return types[layer.index] if types is not None and layer.index < len(types) else None
 
 
-def softmax_attention(layer: Any) -> nn.Module:
-    """The softmax self-attention module of ``layer``'s decoder layer (an :class:`~moetool.adapters.MoELayer`).
-
-    A decoder layer whose token mixer is Mamba, linear attention, lightning attention or a convolution (hybrid
-    models) has no attention probabilities: a :class:`MoetoolError` naming the layer and its mixer.
-    """
+def _attention(layer: Any) -> tuple[nn.Module | None, str]:
+    """``layer``'s softmax self-attention module and ``""``, or ``None`` and why it has none (said after "MoE layers
+    [i, ...]", :data:`NO_ATTENTION_SAID`)."""
     own = getattr(layer, "softmax_attention", None)  # an adapter that names it (Switch Transformers' T5 blocks)
     if own is not None:
-        return own
+        return own, ""
     name, mod = _mixer(layer.decoder_layer)
     if mod is layer.block:  # the decoder layer's one mixer is the MoE block (Nemotron-H's block type 'moe')
-        raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
-                           f"is the MoE block alone: {name} ({type(mod).__name__})); choose --layers among "
-                           f"softmax-attention layers or another policy")
+        return None, (f"have no softmax attention (their decoder layer is the MoE block alone: {name} "
+                      f"({type(mod).__name__}))")
     if isinstance(mod, nn.ModuleList):  # LongCat-Flash: two attention sublayers per decoder layer
-        raise MoetoolError(f"attention routing: MoE layer {layer.index}'s decoder layer has {len(mod)} attention "
-                           f"sublayers ({name}); which one's probabilities route is not defined: choose another policy")
+        return None, (f"have decoder layers of {len(mod)} attention sublayers ({name}); which one's probabilities "
+                      "route is not defined")
     if getattr(mod, "compressor", None) is not None:  # DeepSeek-V4's CSA/HCA: keys are compressed blocks too
-        raise MoetoolError(f"attention routing: MoE layer {layer.index} attends over compressed key blocks beside the "
-                           f"tokens ({type(mod).__name__}): its probabilities are not token-to-token; choose --layers "
-                           f"among plain softmax-attention layers or another policy")
+        return None, (f"attend over compressed key blocks beside the tokens ({type(mod).__name__}): their "
+                      "probabilities are not token-to-token")
     kind = _layer_type(layer)
     cls = type(mod).__name__ if mod is not None else ""
     linear = (mod is None or name != "self_attn" and name not in ("self_attention", "attention", "attn")
@@ -78,9 +74,35 @@ def softmax_attention(layer: Any) -> nn.Module:
     if linear:
         what = f"{name} ({cls})" if mod is not None else "no self-attention module"
         kind_txt = f", layer type '{kind}'" if kind else ""
-        raise MoetoolError(f"attention routing: MoE layer {layer.index} has no softmax attention (its decoder layer "
-                           f"mixes tokens with {what}{kind_txt}); choose --layers among softmax-attention layers "
-                           f"or another policy")
+        return None, f"have no softmax attention (their decoder layer mixes tokens with {what}{kind_txt})"
+    return mod, ""
+
+
+#: how :func:`refuse_no_attention` says why layers have no attention probabilities (``detail``: :func:`_attention`'s)
+NO_ATTENTION_SAID = {"mixer": "MoE layers {layers} {detail}"}
+
+
+def attention_unable(layers: Any, alternative: bool = False) -> dict[int, tuple[str, str]]:
+    """The layers of ``layers`` with no token-to-token softmax attention probabilities, each with why."""
+    return {L.index: ("mixer", why) for L in layers if (why := _attention(L)[1])}
+
+
+def refuse_no_attention(layers: list[Any]) -> None:
+    """One line before any forward naming every layer of ``layers`` (all attention routing runs in) without softmax
+    attention and why, and the layers to choose instead (``--layers``), from the same check
+    (:func:`moetool.engine.hooks.refuse_unable`)."""
+    refuse_unable(layers, layers, attention_unable, NO_ATTENTION_SAID, "attention routing: ")
+
+
+def softmax_attention(layer: Any) -> nn.Module:
+    """The softmax self-attention module of ``layer``'s decoder layer (an :class:`~moetool.adapters.MoELayer`).
+
+    A decoder layer whose token mixer is Mamba, linear attention, lightning attention or a convolution (hybrid
+    models) has no attention probabilities: a :class:`MoetoolError` naming the layer and its mixer.
+    """
+    mod, _ = _attention(layer)
+    if mod is None:
+        refuse_no_attention([layer])
     return mod
 
 
@@ -108,6 +130,14 @@ class AttentionPolicy(Policy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "policy": "attention", "head": "lowest mean row entropy over the batch's real tokens, per layer"}
+
+    unable_said = NO_ATTENTION_SAID
+
+    def unable(self, layers: Any, alternative: bool = False) -> dict[int, tuple[str, str]]:
+        """The layers it cannot run in (no softmax attention probabilities, :func:`attention_unable`): refused in one
+        line with the hash-routed ones by :func:`moetool.engine.hooks.check_policy`, the others to choose computed
+        from both."""
+        return attention_unable(layers)
 
     def attention_module(self, layer: Any) -> nn.Module:
         """The module whose output carries ``layer``'s attention probabilities; refuses non-softmax mixers."""

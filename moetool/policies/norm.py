@@ -31,7 +31,6 @@ import torch
 from .. import ops
 from ..adapters import quant
 from ..engine.hooks import RoutingEvent
-from ..errors import MoetoolError
 from ..engine.probes import NODES, node_scores
 from .base import Policy
 
@@ -59,14 +58,27 @@ class NormPolicy(Policy):
             raise ValueError("use norm:<node>[:<norm>], e.g. norm:gate or norm:output:l1")
         return cls(args[0], args[1] if len(args) > 1 else (norm or "l2"), weights)
 
+    #: :func:`moetool.engine.hooks.check_policy`'s alternative where an internal node refuses: the output ranks all
+    unable_alt = ("norm:output", "rank every expert at the output node")
+
+    def unable(self, layers: Any, at_output: bool = False) -> dict[int, tuple[str, str]]:
+        """The layers of ``layers`` with fewer computed experts than their top-k, where this node (``at_output``:
+        ``norm:output``, which ranks every expert) has fewer activations to rank than experts to choose: refused
+        in one line by :func:`moetool.engine.hooks.check_policy`, with the other layers and ``norm:output``."""
+        if self.node == "output" or at_output:
+            return {}
+        return {L.index: ("few", f"{L.n_computed} computed experts for a top-{L.top_k} (the other "
+                                 f"{L.n_zero_compute} compute nothing")
+                for L in layers if L.n_zero_compute and L.n_computed < L.top_k}
+
+    @property
+    def unable_said(self) -> dict[str, str]:
+        return {"few": f"MoE layers {{layers}} have {{detail}}, so have no '{self.node}' activation to rank)"}
+
     def check(self, layer: Any) -> None:
         """Experts in a format moetool cannot read, and (on a pruned model) the pruning's own check: one line before
         any forward."""
         quant.require_readable(layer, f"--routing {self.name}")
-        if self.node != "output" and layer.n_zero_compute and layer.n_computed < layer.top_k:
-            raise MoetoolError(f"--routing {self.name}: MoE layer {layer.index} has {layer.n_computed} computed experts for "
-                               f"its top-{layer.top_k} (the other {layer.n_zero_compute} compute nothing, so have no "
-                               f"'{self.node}' activation to rank): use norm:output, or leave the layer out with --layers")
         if self.among is not None:
             self.among.check(layer)
 

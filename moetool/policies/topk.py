@@ -50,10 +50,14 @@ class TopKPolicy(Policy):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "k": self.k}
 
+    def check_moe_layers(self, layers: list[Any]) -> None:
+        """One line before any forward where some of ``layers`` (every MoE layer it runs in, at once: the bound it
+        suggests is the smallest of them all, never one a further layer refuses in turn) cannot route k experts."""
+        refuse_above_max_k(self.name, self.k, layers)
+
     def check(self, layer: Any) -> None:
-        """One line before any forward where ``layer`` cannot route k experts (more than it has, sparsemixer's two
-        rounds)."""
-        refuse_above_max_k(self.name, self.k, [layer])
+        """One line before any forward where ``layer`` has no top-k for this k (sparsemixer's rounds; more experts
+        than it can route: :meth:`check_moe_layers`)."""
         if _sparsemixer(layer) and self.k != layer.top_k:
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose {layer.top_k} rounds "
                                f"define no top-{self.k}")
@@ -85,11 +89,15 @@ class TopPPolicy(Policy):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "p": self.p, "kmax": self.kmax}
 
-    def check(self, layer: Any) -> None:
-        """One line before any forward where ``kmax`` is more experts than ``layer`` has, or ``layer``'s weights are
-        not defined for a set of any size."""
+    def check_moe_layers(self, layers: list[Any]) -> None:
+        """One line before any forward where ``kmax`` is more experts than some of ``layers`` (all it runs in, at
+        once) have."""
         if self.kmax is not None:
-            refuse_above_max_k(f"{self.name} (kmax)", self.kmax, [layer], groups=False)  # π ranks every expert
+            refuse_above_max_k(f"{self.name} (kmax)", self.kmax, layers, groups=False)  # π ranks every expert
+
+    def check(self, layer: Any) -> None:
+        """One line before any forward where ``layer``'s weights are not defined for a set of any size (``kmax``:
+        :meth:`check_moe_layers`)."""
         if _sparsemixer(layer):
             raise MoetoolError(f"{self.name}: layer {layer.index} routes by sparsemixer, whose weights are defined "
                                f"for its own {layer.top_k} rounds only")

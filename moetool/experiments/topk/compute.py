@@ -15,7 +15,7 @@ import torch
 
 from ... import distributed
 from ...data import require_tokens
-from ...engine.hooks import RoutingEvent, select_layers
+from ...engine.hooks import RoutingEvent, check_policy, select_layers
 from ...errors import MoetoolError
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
@@ -95,11 +95,10 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
                            "with --layers")
     specs = opts.specs(K)
     policies = {spec: make_policy(spec) for spec, _, _ in specs}  # a bad one fails before any forward
-    for spec, policy in policies.items():
-        for L in layers:
-            getattr(policy, "check", lambda layer: None)(L)
-    shard = distributed.shard(tokens, opts.batch_size)
     indices = [L.index for L in layers]
+    for policy in policies.values():  # as the forwards check it (over every layer at once): before the first
+        check_policy(policy, layers, indices)
+    shard = distributed.shard(tokens, opts.batch_size)
     runs, counts = {}, {}
     for spec, _, _ in specs:
         counter = ExpertCounter()
