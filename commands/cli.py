@@ -226,10 +226,11 @@ def echo_run(path: Any) -> None:
 def finish(res: Any, path: Any, quiet: bool, tables: Any = None) -> None:
     """The end of a run's console output, every command's: its tables and lines (``tables()``; none under
     ``--quiet``: every table is in the run folder), what the run left out and why (always: a warning), then the
-    line naming what it wrote."""
+    line naming what it wrote. ``res``: the run's :class:`~moetool.experiments.result.Result`, or ``None`` for
+    a command that writes no experiment's result (``demo``, ``report``, ``import-trace``)."""
     if tables is not None and not quiet:
         tables()
-    for what, why in (res.meta.get("left_out") or {}).items():  # a table or rows the run does not write, and why
+    for what, why in ((res.meta.get("left_out") if res is not None else None) or {}).items():  # a table or rows the run does not write, and why
         typer.echo(f"left out: {what} ({why})")
     echo_run(path)
 

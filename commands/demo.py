@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .cli import echo_run, handle_errors, parse_list
+from .cli import finish, handle_errors, parse_list
 from .options import Force, Out, Quiet
 
 from moetool.experiments.registry import EXPERIMENTS  # specs as strings: no torch
@@ -18,7 +18,8 @@ shipped offline lm-eval tasks, fluctuation on the early vs final training checkp
 a manifest.json and, per model, its CSVs and figures/ (PNG, PDF) in its own sub-folder, <step>/<model>/
 (a checkpoint pair's is named after its final checkpoint: tiny-early -> tiny in fluctuation/tiny/; no figures from {", ".join(["inspect"] + [n for n, e in EXPERIMENTS.items() if e.demo is not None and
                                             e.figures is None])}); report/report.html (and .md, LaTeX tables)
-gathers them all. Each step's heading says which of how many it is (== stats (2/17)).
+gathers them all. Each step's heading says which of how many it is (== stats (2/17)); --quiet prints
+no headings, step lines or timing table: only notes, warnings and the results line.
 
 Examples:
   moetool demo
@@ -34,12 +35,15 @@ def demo(out: Out = None, force: Force = False, quiet: Quiet = False,
 
     chosen = parse_list(steps, str, "step") if steps is not None else None  # '' names no step: one line
     path, records, page = run_demo(out, chosen, force=force, quiet=quiet, echo=typer.echo)
-    typer.echo("")
-    width = max((len(r["step"]) for r in records), default=0)
-    for r in records:
-        typer.echo(f"{r['step']:<{width}} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
-    typer.echo(f"report: {page}")
-    echo_run(path)
+
+    def table() -> None:
+        typer.echo("")
+        width = max((len(r["step"]) for r in records), default=0)
+        for r in records:
+            typer.echo(f"{r['step']:<{width}} {r['seconds']:>7.1f}s  {'  '.join(r['folders'])}")
+        typer.echo(f"report: {page}")
+
+    finish(None, path, quiet, table)
 
 
 def register(app: typer.Typer) -> None:

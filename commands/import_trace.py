@@ -7,8 +7,8 @@ from typing import List
 
 import typer
 
-from .cli import echo_run, handle_errors
-from .options import Force, Out, parse_path
+from .cli import finish, handle_errors
+from .options import Force, Out, Quiet, parse_path
 
 HELP = """Read a serving or training engine's routing dump into moetool's own trace.
 
@@ -50,18 +50,18 @@ def import_trace(sources: List[Path] = typer.Argument(..., parser=parse_path, he
                                                                 "(default: sniffed from the files)."),
                  config: str = typer.Option(..., "--config", help="The model whose routing was recorded: a name or "
                                                                   "a folder with its config.json (no weights read)."),
-                 out: Out = None, force: Force = False) -> None:
+                 out: Out = None, force: Force = False, quiet: Quiet = False) -> None:
     import json
 
     from moetool.api import import_trace as run_import
 
     path = run_import(sources, config, out, format=fmt, force=force)
     rs = json.loads((path.parent / "manifest.json").read_text())["routing_source"]
-    for note in rs["notes"]:
+    for note in rs["notes"]:  # the dump's caveats: notes, printed under --quiet too
         typer.echo(f"note: {note}")
     counted = {k: rs[k] for k in ("tokens", "rows", "requests", "assignments") if k in rs}
-    typer.echo(f"{rs['format']}: " + ", ".join(f"{v:,} {k if v != 1 else k[:-1]}" for k, v in counted.items()))
-    echo_run(path)
+    finish(None, path, quiet, lambda: typer.echo(f"{rs['format']}: " + ", ".join(
+        f"{v:,} {k if v != 1 else k[:-1]}" for k, v in counted.items())))
 
 
 def register(app: typer.Typer) -> None:

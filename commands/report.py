@@ -7,8 +7,8 @@ from typing import List
 
 import typer
 
-from .cli import echo_run, handle_errors
-from .options import Force, Out, parse_path
+from .cli import finish, handle_errors
+from .options import Force, Out, Quiet, parse_path
 
 HELP = """Gather run folders of any commands (a demo folder with its sub-runs included) into one report.
 
@@ -33,12 +33,12 @@ Examples:
 @handle_errors
 def report(run_dirs: List[Path] = typer.Argument(..., metavar="RUN_DIR...", parser=parse_path, help="Run folders to gather."),
            out: Out = None, force: Force = False,
-           title: str = typer.Option("moetool report", "--title", help="Title of the page.")) -> None:
+           title: str = typer.Option("moetool report", "--title", help="Title of the page."),
+           quiet: Quiet = False) -> None:
     from moetool.report.page import write_report
 
     page = write_report(run_dirs, out, force=force, title=title)
-    typer.echo(f"report: {page}")
-    echo_run(page.parent)
+    finish(None, page.parent, quiet, lambda: typer.echo(f"report: {page}"))
 
 
 def register(app: typer.Typer) -> None:

@@ -93,16 +93,18 @@ def inspect_demo(parent: Any, quiet: bool) -> list[str]:
 
 def run_demo(parent: Any, chosen: list[str] | None = None, quiet: bool = False,
              echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run the demo steps (all by default); returns one record per step."""
+    """Run the demo steps (all by default); returns one record per step. Each step's heading and summary lines go
+    to ``echo``; ``quiet`` (``--quiet``): none of them, as no command prints its tables or progress under it."""
     records = []
     todo = [name for name in steps() if not chosen or name in chosen]
+    say = (lambda line: None) if quiet else echo
     for i, name in enumerate(todo, 1):
-        echo(f"== {name} ({i}/{len(todo)})")  # a demo runs for minutes: how far it is
+        say(f"== {name} ({i}/{len(todo)})")  # a demo runs for minutes: how far it is
         t0 = time.time()
         before = {p.name for p in parent.path.iterdir()}
         lines = inspect_demo(parent, quiet) if name == "inspect" else run_step(parent, EXPERIMENTS[name], quiet)
         for line in lines:
-            echo(f"   {line}")
+            say(f"   {line}")
         new = sorted(p.name for p in parent.path.iterdir() if p.is_dir() and p.name not in before)
         records.append({"step": name, "seconds": round(time.time() - t0, 2), "summary": lines,
                         "folders": [str(parent.path / d) for d in new]})

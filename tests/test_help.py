@@ -1,5 +1,7 @@
 """`--help` text reads well at 80 columns: docstrings hard-wrapped in the source are re-flowed before rich wraps them."""
 
+import pytest
+
 
 
 def test_reflow_joins_sentences_and_keeps_structure():
@@ -138,6 +140,33 @@ def test_quiet_leaves_out_every_commands_tables(tmp_path):
     assert "│" not in on_trace.output and "┃" not in on_trace.output, on_trace.output
     help_ = " ".join(runner.invoke(app, ["ppl", "--help"], env={"COLUMNS": "300"}).output.split())
     assert "No progress bars and no console tables" in help_ and "erc, fluctuation" not in help_
+
+
+@pytest.mark.slow
+def test_demo_quiet_prints_only_the_line_naming_its_folder(tmp_path, capsys):
+    """``demo -q`` as every other command under -q (:func:`moetool.commands.cli.finish`): no step headings, no step
+    lines, no timing table, only the ``results in`` line. Before, it printed ``== inspect (1/1)`` and each step's
+    summary lines, and the timing table and ``report:`` line: a log kept clean with -q held them. Without -q they
+    are all there, with the embedded models' shapes (tiny: 4 MoE layers of 8 experts, top-2; tiny-fine: 32, top-4).
+    ``moetool.run_demo(quiet=True)`` prints nothing either (it printed the headings)."""
+    from typer.testing import CliRunner
+
+    import moetool
+    from moetool.commands.app import app
+
+    runner = CliRunner()
+    loud = runner.invoke(app, ["demo", "--steps", "inspect", "--out", str(tmp_path / "a")])
+    quiet = runner.invoke(app, ["demo", "--steps", "inspect", "--out", str(tmp_path / "b"), "-q"])
+    assert loud.exit_code == quiet.exit_code == 0, (loud.output, quiet.output)
+    lines = loud.output.splitlines()
+    assert lines[0] == "== inspect (1/1)" and lines[1].startswith("   tiny: mixtral, 4 MoE layers, n=8, K=2, ")
+    assert lines[2].startswith("   tiny-fine: qwen3_moe, 4 MoE layers, n=32, K=4, ")
+    assert lines[-2:] == [f"report: {tmp_path / 'a' / 'report' / 'report.html'}", f"results in {tmp_path / 'a'}"]
+    assert quiet.output.splitlines() == [f"results in {tmp_path / 'b'}"]
+    assert (tmp_path / "b" / "report" / "report.html").exists() and (tmp_path / "b" / "inspect" / "tiny.json").exists()
+    capsys.readouterr()
+    moetool.run_demo(tmp_path / "c", steps=["inspect"], quiet=True)
+    assert capsys.readouterr().out == ""
 
 
 def test_norm_select_help_names_every_column_of_its_console_table():

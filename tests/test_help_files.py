@@ -53,7 +53,7 @@ FIGURE = re.compile(r"figures/([a-z0-9_]+)")
 TEMPLATE = re.compile(r"[\w/.-]*<\w+>[\w/<>.-]*\.(?:csv|tex|png|pdf)")
 
 _done: dict[str, Path] = {}
-_printed: dict[str, str] = {}  # what each run printed (every run but report's takes -q)
+_printed: dict[str, str] = {}  # what each run printed (every run takes -q)
 
 
 def one_worker(commands) -> list:
@@ -81,13 +81,14 @@ def dump(kind: str, root: Path) -> Path:
 def run_dir(command: str, tmp_path_factory) -> Path:
     if command in IMPORTS and command not in _done:
         root = tmp_path_factory.mktemp(command)
-        r = runner.invoke(app, ["import-trace", str(dump(command, root)), "--config", "tiny", "--out", str(root / "run")])
+        r = runner.invoke(app, ["import-trace", str(dump(command, root)), "--config", "tiny", "--out", str(root / "run"),
+                                "-q"])
         assert r.exit_code == 0, r.output
-        _done[command] = root / "run"
+        _done[command], _printed[command] = root / "run", r.output
     if command not in _done:
         out = tmp_path_factory.mktemp(command) / "run"
         args = (RUNS[command] if command != "report" else ["report", str(run_dir("stats", tmp_path_factory))])
-        r = runner.invoke(app, [*args, "--out", str(out), *(["-q"] if command != "report" else [])])
+        r = runner.invoke(app, [*args, "--out", str(out), "-q"])
         assert r.exit_code == 0, r.output
         _done[command], _printed[command] = out, r.output
     return _done[command]
@@ -177,15 +178,17 @@ def test_every_column_a_run_writes_has_a_definition(command, tmp_path_factory):
     assert not undefined, f"{command}: columns without a definition: {undefined}"
 
 
-@pytest.mark.parametrize("command", one_worker([c for c in RUNS if c != "report"]))
+@pytest.mark.parametrize("command", one_worker([*RUNS, "report", *IMPORTS]))
 def test_quiet_prints_no_table_only_notes_and_what_was_written(command, tmp_path_factory):
     """--quiet (every run here is given -q): no progress bars and no console tables, only ``note:``, warning and
     ``left out:`` lines and the line naming what the run wrote, last. Before, 7 commands (approx, erc, fluctuation,
     mass-recall, offload, plan, super-experts) printed no table under it and the others printed theirs: a log kept
-    clean with -q held stats', ppl's, eval's... tables and not erc's."""
+    clean with -q held stats', ppl's, eval's... tables and not erc's. report and import-trace had no --quiet (a
+    script's -q was refused, exit 2); demo's is tests/test_help.py's."""
     out = run_dir(command, tmp_path_factory)
     lines = [ln for ln in _printed[command].splitlines() if ln.strip()]
-    named = out / "trace.csv.gz" if command == "trace" else out  # trace names its trace file
+    named = {"trace": out / "trace.csv.gz", "import-trace": out / "trace.parquet",  # the file, not the folder
+             "import-trace-loads": out / "loads.parquet"}.get(command, out)
     assert lines and lines[-1] == f"results in {named}", _printed[command]
     other = [ln for ln in lines[:-1] if not ln.startswith(("note: ", "warning", "left out: "))]
     assert not other, f"{command} -q printed more than notes and the run folder:\n" + "\n".join(other)

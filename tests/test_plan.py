@@ -339,8 +339,11 @@ def test_nothing_fits_is_an_answer():
     assert not lay["fits"].any() and "command" not in lay.columns
     for r in lay.itertuples():
         assert r.gib_per_gpu > usable
-        assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.2f} GiB usable "
-                         f"(90% of the RTX4090's 24 GB = {24e9 / 2 ** 30:.1f} GiB)")  # one unit, the column's value
+        # one unit, the column's value; 90% of the card's GiB (22.4 GiB = 24 GB) is the usable 20.12 GiB. It said
+        # "(90% of the RTX4090's 24 GB = 22.4 GiB)", read as 90% of 24 GB being 22.4 GiB beside "20.12 GiB usable"
+        assert r.why == (f"needs {r.gib_per_gpu:g} GiB per GPU, more than the {usable:.2f} GiB usable: "
+                         f"90% of the RTX4090's {24e9 / 2 ** 30:.1f} GiB (24 GB)")
+        assert f"{usable:.2f}" == "20.12" and f"{0.9 * 24e9 / 2 ** 30:.2f}" == "20.12"
     assert "why" in res.meta["definitions"]
     fits = P.plan(config("gpt-oss-120b"), "1xH100", rows=4)["layouts"]  # the same column where something fits
     assert fits.loc[0, "why"] == "fits: 63.92 of 67.06 usable GiB per GPU"

@@ -341,6 +341,33 @@ def test_every_part_of_a_split_table_keeps_the_row_labels():
     assert C.key_columns(df[["layer", "entropy_ref", "routing"]]) == 1  # labels lead; a number column ends them
 
 
+def test_a_split_table_has_no_part_of_labels_alone():
+    """fluctuation's console table with real, asymmetric intervals (``0.0518 [0.0443, 0.0602]``, 23 characters):
+    the four labels leave no room for one beside them at 80 columns, so ``checkpoint`` left the keys and, a column
+    of its own, made part 1 of 7 with no value in it (a newcomer's ``moetool fluctuation tiny-early tiny``). Its
+    one value (``tiny``) now goes to the title; every part holds a value column beside layer, routing, reference."""
+    routings = [f"{r}{i}" for i in ("", "-isolated") for r in ("router", "similarity", "attention")]  # --isolate
+    rows = [(layer, routing) for routing in routings for layer in range(4)]
+    labels = ["layer", "routing", "reference", "checkpoint"]
+    df = pd.DataFrame({"layer": [r[0] for r in rows], "routing": [r[1] for r in rows],
+                       "reference": "tiny-early", "checkpoint": "tiny",
+                       **{c: [f"0.{k:02d}18 [0.0443, 0.0602]" for k in range(24)] for c in
+                          ("top1_change", "topk_change", "topk_overlap", "jaccard")},
+                       "entropy_ref": np.linspace(1, 2, 24), "entropy_ckpt": np.linspace(2, 3, 24),
+                       "entropy_ratio": np.linspace(0.5, 1.5, 24)})
+    parts = C.render_table(df, title="routing fluctuation", width=80)
+    heads = [[c.header.plain for c in part.columns] for part in parts]
+    assert all(h[:3] == labels[:3] and len(h) > 3 and "checkpoint" not in h for h in heads), heads
+    assert [h[3] for h in heads] == ["top1_change", "topk_change", "topk_overlap", "jaccard", "entropy_ref",
+                                     "entropy_ratio"]
+    assert heads[4] == [*labels[:3], "entropy_ref", "entropy_ckpt"]
+    assert [p.title.plain for p in parts] == [f"routing fluctuation; checkpoint tiny ({b}/6)" for b in range(1, 7)]
+    several = df.assign(checkpoint=["tiny", "tiny-fine"] * 12)  # not one value: stays a column, as before
+    assert "checkpoint" in [c.header.plain for c in C.render_table(several, title="t", width=80)[0].columns]
+    text = rendered(df, title="routing fluctuation")
+    assert max(len(ln) for ln in text.splitlines()) <= 80 and text.count("0.1118 [0.0443, 0.0602]") == 4
+
+
 def test_long_text_cells_wrap_whole_instead_of_being_cut_at_the_edge():
     """inspect --families' reasons (up to 300 characters) were cut at the console width: every word is printed."""
     reason = ("no: the router's weights are normalised over the K chosen routed logits together with the shared "

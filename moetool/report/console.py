@@ -4,7 +4,8 @@
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
   columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
   column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``; a frame whose
-  leading text columns are not all row labels says how many are in ``df.attrs["keys"]``), text cells wrap.
+  leading text columns are not all row labels says how many are in ``df.attrs["keys"]``), text cells wrap. A row
+  label with no room beside the others whose value is the same in every row goes to the title (``checkpoint tiny``).
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
 - Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
   :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
@@ -101,8 +102,17 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     keys = df.attrs.get("keys") if keys is None else keys
     nkeys = min(key_columns(df) if keys is None else max(keys, 1), len(cols))
     room = lambda n: avail - 1 - sum(w + 3 for w in widths[:n]) - 4  # noqa: E731 - beside n key columns
+    labels = nkeys
     while nkeys > 1 and room(nkeys) < max([w for i, w in enumerate(widths) if numeric[i] and i >= nkeys] + [20]):
         nkeys -= 1  # no room for a value beside every key column: fewer keys
+    # a row label left out of the keys that is the same in every row goes to the title: as a column of its own it
+    # opened a part with no value in it (fluctuation's `checkpoint`, always `tiny`: part 1 of 7 held labels only)
+    same = [i for i in range(nkeys, labels) if n and df.iloc[:, i].nunique(dropna=False) == 1]
+    if same:
+        title = "; ".join([*([title] if title else []), *(f"{cols[i]} {cells[0][i]}" for i in same)])
+        keep = [i for i in range(len(cols)) if i not in same]
+        cols, numeric, widths = [cols[i] for i in keep], [numeric[i] for i in keep], [widths[i] for i in keep]
+        cells = [[r[i] for i in keep] for r in cells]
     # a text column wider than the room beside the keys wraps (whole words: a reason is never cut at the edge)
     natural = widths
     widths = [w if numeric[i] or i < nkeys else max(min(w, room(nkeys)), min(w, 14)) for i, w in enumerate(widths)]

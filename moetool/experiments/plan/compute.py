@@ -445,8 +445,8 @@ def _plan(model: Any, gpus: str, nodes: int, *, seq_len: int | None, rows: int) 
         per_gpu = _bytes_per_gpu(lay, sizes, act)
         fits = per_gpu <= USABLE * gpu.memory_gb * 1e9
         usable, gib = USABLE * gpu.memory_gb * 1e9 / 2 ** 30, round(per_gpu / 2 ** 30, 2)  # the gib_per_gpu column
-        why = (f"needs {gib:g} GiB per GPU, more than the {usable:.2f} GiB usable ({USABLE:.0%} of the {gpu.name}'s "
-               f"{gpu.memory_gb:g} GB = {gpu.memory_gb * 1e9 / 2 ** 30:.1f} GiB)" if not fits
+        why = (f"needs {gib:g} GiB per GPU, more than the {usable:.2f} GiB usable: {USABLE:.0%} of the {gpu.name}'s "
+               f"{gpu.memory_gb * 1e9 / 2 ** 30:.1f} GiB ({gpu.memory_gb:g} GB)" if not fits
                else f"fits: {gib:g} of {usable:.2f} usable GiB per GPU" if lay.available == "yes"
                else f"fits, but not available: {lay.available.removeprefix('no: ')}")
         lay_rows.append({"layout": lay.name, "format": lay.format, "gpus": lay.shards * lay.replicas,
