@@ -206,19 +206,26 @@ def test_bound_check_can_fail_when_router_rows_are_long():
     assert token_metrics(ph, top, g, eps, pc, in_list)["holds"].mean() < 1.0
 
 
+def raw_regime(seed: int, tokens: int, m: int):
+    """16 unit router rows in d = 8, 4 unit codewords, ``tokens`` tokens of norm ≈ 10 near them (the raw-state
+    regime), each token's codeword and the top-``m`` shortlists: ``(w, cb, h, codeword ids, in_list [G, n])``."""
+    g = torch.Generator().manual_seed(seed)
+    n, d, G = 16, 8, 4
+    w = ops.unit(torch.randn(n, d, generator=g).double())
+    cb = ops.unit(torch.randn(G, d, generator=g).double())
+    gi = torch.randint(G, (tokens,), generator=g)
+    h = 10 * (cb[gi] + 0.1 * torch.randn(tokens, d, generator=g).double())
+    ga = (ops.unit(h) @ cb.T).argmax(-1)
+    in_list = torch.zeros(G, n, dtype=torch.bool).scatter_(1, (cb @ w.T).argsort(-1, descending=True)[:, :m], True)
+    return w, cb, h, ga, in_list
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_scaled_bound_holds_beats_paper_bound_and_matches_brute_force(m):
     """Tokens of norm ≈ 10 near unit codewords (the raw-state regime): the paper's bound is ≈ e^-18, the
     scale-aware one is a theorem too (holds on every token), never below the paper's, and equals a brute-force
     1-D search over s (4001 points) to within the grid's resolution."""
-    g = torch.Generator().manual_seed(3)
-    n, d, G = 16, 8, 4
-    w = ops.unit(torch.randn(n, d, generator=g).double())
-    cb = ops.unit(torch.randn(G, d, generator=g).double())
-    gi = torch.randint(G, (300,), generator=g)
-    h = 10 * (cb[gi] + 0.1 * torch.randn(300, d, generator=g).double())
-    ga = (ops.unit(h) @ cb.T).argmax(-1)
-    in_list = torch.zeros(G, n, dtype=torch.bool).scatter_(1, (cb @ w.T).argsort(-1, descending=True)[:, :m], True)
+    w, cb, h, ga, in_list = raw_regime(3, 300, m)
     layer = SimpleNamespace(router_weight=lambda: w)
     (sb, s_best), = scaled_bound(layer, "unit", h, cb, ga, [in_list])
     ph, pc = torch.softmax(h @ w.T, -1), torch.softmax(cb @ w.T, -1)
@@ -526,14 +533,8 @@ def test_scaled_bound_is_the_best_of_its_candidate_scales_and_the_projection_at_
     """bound_scaled = the largest closed-form exp(-2||h - s c||) rho_L(s c) over the documented candidates
     s in {1, <h, c>} and 64 points on [0, 2 max||h||]; with the full shortlist (M = n, rho = 1) the best scale is the
     projection itself and the bound is exp(-2 ||h - <h, c> c||)."""
-    g = torch.Generator().manual_seed(5)
-    n, d, G = 16, 8, 4
-    w = ops.unit(torch.randn(n, d, generator=g).double())
-    cb = ops.unit(torch.randn(G, d, generator=g).double())
-    gi = torch.randint(G, (200,), generator=g)
-    h = 10 * (cb[gi] + 0.1 * torch.randn(200, d, generator=g).double())
-    ga = (ops.unit(h) @ cb.T).argmax(-1)
-    in_list = torch.zeros(G, n, dtype=torch.bool).scatter_(1, (cb @ w.T).argsort(-1, descending=True)[:, :m], True)
+    w, cb, h, ga, in_list = raw_regime(5, 200, m)
+    n = w.shape[0]
     (sb, s_best), = scaled_bound(SimpleNamespace(router_weight=lambda: w), "unit", h, cb, ga, [in_list])
     c = cb[ga]
     proj = (h * c).sum(-1)
