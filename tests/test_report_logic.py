@@ -255,3 +255,25 @@ def test_a_file_its_run_wrote_but_that_is_gone_is_said_not_dropped_in_silence(tm
         assert "not shown: ppl.csv" in text
     assert "- ppl · tiny (b)" in md  # still in the index
     assert "<h3 id=\"a--tab-load\">load.csv</h3>" in html_page  # the table that is there is shown
+
+
+def test_with_two_folders_given_every_run_shows_the_folder_it_came_from(tmp_path):
+    """One folder given: its sub-runs show their path inside it ("zeta"); two folders given: every run shows its
+    root's name too ("one/sub"), so runs of the same sub-folder name under the two roots are told apart."""
+    one = _run(tmp_path / "one", "demo", runs=["sub"])
+    _run(one / "sub", "ppl")
+    two = _run(tmp_path / "two", "demo", runs=["sub"])
+    _run(two / "sub", "ppl")
+    assert [r.rel for r in page.find_runs([one])] == ["one", "sub"]
+    assert [r.rel for r in page.find_runs([one, two])] == ["one", "one/sub", "two", "two/sub"]
+
+
+def test_the_excluded_folder_and_what_is_under_it_are_not_gathered(tmp_path):
+    """``exclude`` (the report's own output folder) is never gathered, whatever its manifest says, nor a run
+    inside it; the other runs are."""
+    root = _run(tmp_path / "runs", "demo")
+    _run(root / "a", "ppl")
+    out = _run(root / "out", "stats")
+    _run(out / "inner", "erc")
+    assert [r.rel for r in page.find_runs([root])] == ["runs", "a", "out", "out/inner"]
+    assert [r.rel for r in page.find_runs([root], exclude=out)] == ["runs", "a"]
