@@ -730,3 +730,10 @@ def test_overall_agreement_without_rows_is_the_pooled_ratio_of_the_sums():
     f = meter.frame("norm:gate:l2")
     assert f[["layer", "topk_overlap", "top1_agree", "tokens"]].values.tolist() == [[0, 0.75, 0.5, 4],
                                                                                       [2, 0.25, 0.25, 4]]
+
+
+def test_all_is_a_whole_value_of_nodes_not_a_prefix():
+    assert ns.parse_nodes(" all ") == ["gate", "up", "act", "glu", "output"]
+    for text in ("all,gate", "allgate"):
+        with pytest.raises(MoetoolError, match="^unknown node"):
+            ns.parse_nodes(text)

@@ -224,3 +224,27 @@ def test_cli_says_once_when_too_few_rows_for_a_95_interval(tmp_path, rows):
         assert notes == [] and "note" not in boot
     df = pd.read_csv(tmp_path / "a" / "ppl.csv")
     assert df.loc[0, "perplexity_lo"] < df.loc[0, "perplexity"] < df.loc[0, "perplexity_hi"]
+
+
+def test_a_paired_ratio_over_rows_that_scored_different_tokens_is_refused():
+    """The ratio's interval is paired (one weight per row for both runs): a baseline whose rows scored other token
+    counts is refused in one line, never a ratio interval of mismatched rows; the same counts give the paired
+    interval of uncertainty.ppl_ratio_interval."""
+    from types import SimpleNamespace
+
+    from moetool.errors import MoetoolError
+    from moetool.experiments.routing import ppl_intervals
+    from moetool.uncertainty import RowSums, ppl_ratio_interval
+
+    def fake(nll, scored):
+        rows = RowSums()
+        rows.add(np.arange(len(nll)), nll=np.array(nll), scored=np.array(scored, dtype=float))
+        return SimpleNamespace(rows=rows)
+
+    run = fake([30.0, 20.0, 12.0, 40.0], [10, 8, 6, 12])
+    same = fake([28.0, 21.0, 11.0, 37.0], [10, 8, 6, 12])
+    got = ppl_intervals(run, same, n_boot=200, seed=1)
+    want = ppl_ratio_interval([30.0, 20.0, 12.0, 40.0], [28.0, 21.0, 11.0, 37.0], [10, 8, 6, 12], n_boot=200, seed=1)
+    assert (got["ratio_lo"], got["ratio_hi"]) == pytest.approx((want.lo, want.hi), rel=1e-12)
+    with pytest.raises(MoetoolError, match="^the baseline scored different tokens: no paired ratio$"):
+        ppl_intervals(run, fake([28.0, 21.0, 11.0, 37.0], [10, 8, 7, 12]), n_boot=200, seed=1)

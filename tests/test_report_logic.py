@@ -277,3 +277,15 @@ def test_the_excluded_folder_and_what_is_under_it_are_not_gathered(tmp_path):
     _run(out / "inner", "erc")
     assert [r.rel for r in page.find_runs([root])] == ["runs", "a", "out", "out/inner"]
     assert [r.rel for r in page.find_runs([root], exclude=out)] == ["runs", "a"]
+
+
+def test_a_manifest_entry_naming_the_run_folder_itself_is_refused_and_an_unfinished_parent_is_listed(tmp_path):
+    """``.`` (the run folder itself) is no file of the run: refused and said, like a path outside it. A parent run
+    with no files of its own is an entry of the index only when it did not complete (its status is news)."""
+    r = _run(tmp_path / "r", files=[".", "load.csv"])
+    (r / "load.csv").write_text("a\n1\n")
+    warned = []
+    run, = page.find_runs([r], warn=warned.append)
+    assert run.refused == ["."] and [p.name for p in run.tables] == ["load.csv"] and len(warned) == 1
+    assert page.Run(r, "r", {"status": "running"}).has_content
+    assert not page.Run(r, "r", {"status": "complete"}).has_content
