@@ -354,3 +354,45 @@ def test_a_noise_that_overflows_the_proxies_names_the_noise_not_the_weights():
     assert np.isfinite(erc_layer(L, ErcOptions(noise="none")).alpha_min)  # the weights are finite
     with pytest.raises(MoetoolError, match=r"^--noise 1e\+30: the noisy proxies of MoE layer 0 give a non-finite M"):
         erc_layer(L, ErcOptions(noise=1e30))
+
+
+def test_loss_curves_cover_every_layer_past_its_alpha_min_with_alpha_min_on_the_grid():
+    """The figure's curves (loss_curves) from an erc_matrix table: every layer (layer 0 included), its alpha_min by
+    hand, a grid from 0 to 1.15 x the largest alpha_min holding every alpha_min and --alpha exactly, and each point
+    the hand loss; at alpha_min the clean loss is exactly 0, and just below it is not."""
+    from moetool.experiments.erc.compute import loss_curves
+
+    Ms = {0: torch.tensor([[2.0, 1.0], [3.0, 4.0]], dtype=torch.float64),  # alpha_min = 3/2
+          3: torch.tensor([[1.0, 0.5, 0.2], [0.1, 2.0, 0.4], [0.3, 0.6, 1.0]], dtype=torch.float64)}  # 0.6
+    matrix = pd.DataFrame([{"layer": layer, "i": i, "j": j, "m": float(M[i, j])}
+                           for layer, M in Ms.items() for i in range(len(M)) for j in range(len(M))])
+    curves = loss_curves(matrix, alphas=(0.7,), points=61)
+    assert sorted(curves["layer"].unique()) == [0, 3]
+    mins = {0: 1.5, 3: 0.6}
+    for layer, M in Ms.items():
+        c = curves[curves["layer"] == layer].sort_values("alpha")
+        assert c["alpha_min"].tolist() == pytest.approx([mins[layer]] * len(c))
+        grid = c["alpha"].to_numpy()
+        assert grid[0] == 0.0 and grid[-1] == pytest.approx(1.15 * 1.5)
+        assert len(grid) == 61 + 3  # none of 1.5, 0.6, 0.7 is a grid step (1.725 k / 60)
+        for a in (1.5, 0.6, 0.7):
+            assert a in set(grid.tolist())
+        np.testing.assert_allclose(c["erc_loss_clean"], [hand_loss(M, a) for a in grid], rtol=1e-12, atol=1e-15)
+        at = c[c["alpha"] == mins[layer]]["erc_loss_clean"].item()
+        below = c[c["alpha"] < mins[layer]]["erc_loss_clean"].iloc[-1]
+        assert at == 0.0 and below > 0
+    assert curves[curves["layer"] == 0]["erc_loss_clean"].iloc[0] == pytest.approx(2 * (1 + 3) / 4)  # alpha 0
+
+
+def test_a_router_row_with_some_zero_entries_is_not_taken_for_a_zero_row():
+    """Only an ALL-zero router row is a zero proxy token; a row with zeros in some coordinates is an ordinary proxy:
+    the layer runs and its M is the hand M of its rows."""
+    model = copy.deepcopy(build_tiny_model("mixtral"))
+    L = find_moe_layers(model)[0]
+    with torch.no_grad():
+        L.router.weight[2, :3] = 0
+        L.router.weight[5, 1] = 0
+    got = erc_layer(L, ErcOptions(noise="none", alphas=(1.0,)))
+    M = hand_gate_M(L, L.router.weight.detach())
+    np.testing.assert_allclose(got.M.numpy(), M.numpy(), rtol=1e-5)
+    assert got.alpha_min == pytest.approx(hand_alpha_min(M), rel=1e-5)

@@ -206,19 +206,26 @@ def test_bound_check_can_fail_when_router_rows_are_long():
     assert token_metrics(ph, top, g, eps, pc, in_list)["holds"].mean() < 1.0
 
 
+def raw_regime(seed: int, tokens: int, m: int):
+    """16 unit router rows in d = 8, 4 unit codewords, ``tokens`` tokens of norm ≈ 10 near them (the raw-state
+    regime), each token's codeword and the top-``m`` shortlists: ``(w, cb, h, codeword ids, in_list [G, n])``."""
+    g = torch.Generator().manual_seed(seed)
+    n, d, G = 16, 8, 4
+    w = ops.unit(torch.randn(n, d, generator=g).double())
+    cb = ops.unit(torch.randn(G, d, generator=g).double())
+    gi = torch.randint(G, (tokens,), generator=g)
+    h = 10 * (cb[gi] + 0.1 * torch.randn(tokens, d, generator=g).double())
+    ga = (ops.unit(h) @ cb.T).argmax(-1)
+    in_list = torch.zeros(G, n, dtype=torch.bool).scatter_(1, (cb @ w.T).argsort(-1, descending=True)[:, :m], True)
+    return w, cb, h, ga, in_list
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_scaled_bound_holds_beats_paper_bound_and_matches_brute_force(m):
     """Tokens of norm ≈ 10 near unit codewords (the raw-state regime): the paper's bound is ≈ e^-18, the
     scale-aware one is a theorem too (holds on every token), never below the paper's, and equals a brute-force
     1-D search over s (4001 points) to within the grid's resolution."""
-    g = torch.Generator().manual_seed(3)
-    n, d, G = 16, 8, 4
-    w = ops.unit(torch.randn(n, d, generator=g).double())
-    cb = ops.unit(torch.randn(G, d, generator=g).double())
-    gi = torch.randint(G, (300,), generator=g)
-    h = 10 * (cb[gi] + 0.1 * torch.randn(300, d, generator=g).double())
-    ga = (ops.unit(h) @ cb.T).argmax(-1)
-    in_list = torch.zeros(G, n, dtype=torch.bool).scatter_(1, (cb @ w.T).argsort(-1, descending=True)[:, :m], True)
+    w, cb, h, ga, in_list = raw_regime(3, 300, m)
     layer = SimpleNamespace(router_weight=lambda: w)
     (sb, s_best), = scaled_bound(layer, "unit", h, cb, ga, [in_list])
     ph, pc = torch.softmax(h @ w.T, -1), torch.softmax(cb @ w.T, -1)
@@ -519,3 +526,92 @@ def test_the_manifest_records_the_bootstrap_of_the_rows():
     boot = res.meta["bootstrap"]
     assert (boot["replicates"], boot["seed"], boot["rows"]) == (100, 7, 3) == (100, 7, tokens.input_ids.shape[0])
     assert boot["note"] == few_rows_note(100, 3) and "about 75% of the time" in boot["note"]
+
+
+@pytest.mark.parametrize("m", [3, 16])
+def test_scaled_bound_is_the_best_of_its_candidate_scales_and_the_projection_at_a_full_shortlist(m):
+    """bound_scaled = the largest closed-form exp(-2||h - s c||) rho_L(s c) over the documented candidates
+    s in {1, <h, c>} and 64 points on [0, 2 max||h||]; with the full shortlist (M = n, rho = 1) the best scale is the
+    projection itself and the bound is exp(-2 ||h - <h, c> c||)."""
+    w, cb, h, ga, in_list = raw_regime(5, 200, m)
+    n = w.shape[0]
+    (sb, s_best), = scaled_bound(SimpleNamespace(router_weight=lambda: w), "unit", h, cb, ga, [in_list])
+    c = cb[ga]
+    proj = (h * c).sum(-1)
+    top = float(h.norm(dim=-1).max())
+    cands = torch.cat([torch.linspace(0.0, 2.0, 64, dtype=torch.float64)[None, :].expand(len(h), -1) * top,
+                       torch.ones(len(h), 1, dtype=torch.float64), proj[:, None]], 1)  # [N, 66]
+    dist = torch.linalg.vector_norm(h[:, None, :] - cands[:, :, None] * c[:, None, :], dim=-1)
+    rho = (torch.softmax(cands[:, :, None] * (c @ w.T)[:, None, :], -1) * in_list[ga][:, None, :]).sum(-1)
+    want = (torch.exp(-2 * dist) * rho).max(-1).values
+    torch.testing.assert_close(sb, want, rtol=1e-9, atol=0)
+    if m == n:
+        torch.testing.assert_close(sb, torch.exp(-2 * torch.linalg.vector_norm(h - proj[:, None] * c, dim=-1)),
+                                   rtol=1e-12, atol=0)
+        torch.testing.assert_close(s_best, proj, rtol=0, atol=0)
+
+
+def test_token_metrics_by_hand_and_a_bound_met_only_within_rounding_holds():
+    """Three experts, K = 2, one codeword: mass, top-K recall, exact flag and bound by hand. Σ π(c) is 1 + 2^-52
+    here (its last element 0.5 + 2 ulp, as a softmax's rounding leaves it): a token whose mass recall equals its
+    bound but for that rounding (ε = 0, its π the codeword's) holds (the BOUND_TOL), a token far below does not."""
+    a = math.nextafter(math.nextafter(0.5, 1), 1)
+    pc = torch.tensor([[0.25, 0.25, a]], dtype=torch.float64)
+    assert float(pc.sum()) > 1.0  # the rounding the tolerance absorbs
+    ph = torch.tensor([[0.25, 0.25, 0.5], [0.6, 0.3, 0.1], [0.05, 0.05, 0.9]], dtype=torch.float64)
+    top = torch.tensor([[2, 1], [0, 1], [2, 0]])
+    g = torch.zeros(3, dtype=torch.long)
+    eps = torch.tensor([0.0, 0.1, 0.0], dtype=torch.float64)
+    t = token_metrics(ph, top, g, eps, pc, torch.ones(1, 3, dtype=torch.bool))
+    assert t["mass"].tolist() == [1.0, 1.0, 1.0] and t["holds"].tolist() == [1.0, 1.0, 1.0]
+    assert t["bound"][0] > t["mass"][0]  # by the rounding alone
+    t = token_metrics(ph, top, g, eps, pc, torch.tensor([[False, True, True]]))  # shortlist {1, 2}: rho = 0.75
+    assert t["mass"].tolist() == pytest.approx([0.75, 0.4, 0.95], abs=1e-15)
+    assert t["topk_recall"].tolist() == [1.0, 0.5, 0.5] and t["exact"].tolist() == [1.0, 0.0, 0.0]
+    assert t["bound"].tolist() == pytest.approx([0.75, 0.75 * math.exp(-0.2), 0.75], rel=1e-15)
+    assert t["bound"][0] > t["mass"][0]
+    assert t["holds"].tolist() == [1.0, 0.0, 1.0]  # 0.4 < 0.75 e^-0.2 = 0.614
+
+
+def test_dead_codes_count_only_codewords_no_token_reached():
+    """Codewords set on tokens' own directions win those tokens (cosine 1), some only that one: used once, they are
+    alive; dead_codes = the codewords of the hand assignment with no token."""
+    model, layers, L, tokens, H = real_router_inputs(1, rows=2, seq=7, seed=4)
+    cb = torch.cat([ops.unit(H[:8].float()), -ops.unit(H.sum(0, keepdim=True).float())])  # the last: no token
+    km = SphericalKMeans(9)
+    km.codebook = cb
+    opts = MassRecallOptions(codebook_sizes=(9,), shortlists=(2,), centroids=("raw",), batch_size=2)
+    lm = SimpleNamespace(model=model, layers=layers, device=model.device)
+    row = evaluate(lm, tokens, [L], {(L.index, 9): km}, opts, quiet=True).table.iloc[0]
+    counts = torch.bincount((ops.unit(H) @ cb.double().T).argmax(1), minlength=9)
+    assert (counts == 1).any() and (counts == 0).any()  # the test tells a count of one from none
+    assert row["dead_codes"] == int((counts == 0).sum())
+
+
+def test_full_shortlist_scale_is_the_projection_and_a_layers_intervals_do_not_depend_on_the_others():
+    """Unit centroids, M = n: rho = 1 at every scale, so the best scale is the projection <h, c> and
+    best_scale_mean = mean cos(h, c(h)), bound_scaled_mean = mean exp(-2 ||h - <h, c> c||) (closed forms from the
+    captured router inputs). The bootstrap's token denominator is counted once per token, not once per layer: a
+    layer's intervals are the same whether it runs alone or beside another layer."""
+    model, layers, L, tokens, H = real_router_inputs(2, rows=2, seq=7, seed=9)
+    km = SphericalKMeans(5)
+    km.codebook = ops.unit(torch.randn(5, H.shape[1], generator=torch.Generator().manual_seed(11)))
+    other = SphericalKMeans(5)
+    other.codebook = km.codebook.clone()
+    opts = MassRecallOptions(codebook_sizes=(5,), shortlists=(8,), centroids=("unit",), batch_size=2)
+    lm = SimpleNamespace(model=model, layers=layers, device=model.device)
+    alone = evaluate(lm, tokens, [L], {(L.index, 5): km}, opts, quiet=True).table.iloc[0]
+    C = km.codebook.double()
+    c = C[(ops.unit(H) @ C.T).argmax(1)]
+    proj = (H * c).sum(-1)
+    assert alone["best_scale_mean"] == pytest.approx(float((proj / H.norm(dim=-1)).mean()), rel=1e-9)
+    want = torch.exp(-2 * torch.linalg.vector_norm(H - proj[:, None] * c, dim=-1)).mean()
+    assert alone["bound_scaled_mean"] == pytest.approx(float(want), rel=1e-6)
+    opts = MassRecallOptions(codebook_sizes=(5,), shortlists=(4,), centroids=("unit",), batch_size=2)
+    alone = evaluate(lm, tokens, [L], {(L.index, 5): km}, opts, quiet=True).table.iloc[0]
+    both = evaluate(lm, tokens, [layers[0], L], {(L.index, 5): km, (layers[0].index, 5): other}, opts,
+                    quiet=True).table.set_index("layer").loc[L.index]
+    for col in ("mass_recall_mean", "topk_recall", "exact_topk_rate"):
+        assert (both[col], both[f"{col}_lo"], both[f"{col}_hi"]) == pytest.approx(
+            (alone[col], alone[f"{col}_lo"], alone[f"{col}_hi"]), rel=1e-9), col
+        assert alone[f"{col}_lo"] <= alone[col] <= alone[f"{col}_hi"]

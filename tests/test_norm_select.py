@@ -700,3 +700,43 @@ def test_an_internal_node_with_exactly_k_computed_experts_runs_every_one_of_them
                              for e in range(4)], dim=-1)  # [T, 4]
         w = torch.softmax(norms.gather(-1, ev.chosen_idx), -1) * L.weight_scale
         torch.testing.assert_close(ev.chosen_weights.float(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_table1_pools_agreement_over_layers_weighted_by_their_tokens():
+    """Table 1's agreement is the token-weighted mean over the replaced layers (Σ overlap·tokens / Σ tokens), not
+    the mean of the layers' means: layers of 10 and 30 tokens with overlaps 1.0 and 0.5 pool to 0.625 (not 0.75)."""
+    import pandas as pd
+
+    agreement = pd.DataFrame([
+        {"layer": 0, "policy": "router", "topk_overlap": 1.0, "top1_agree": 1.0, "tokens": 10},
+        {"layer": 1, "policy": "router", "topk_overlap": 0.5, "top1_agree": 0.2, "tokens": 30}],
+        columns=list(ns.AGREEMENT_COLUMNS))
+    quality = pd.DataFrame([{"policy": "router", "task": "heldout", "metric": "perplexity", "value": 12.0,
+                             "stderr": math.nan, "value_lo": 11.0, "value_hi": 13.0, "router_value": 12.0,
+                             "ratio": 1.0, "ratio_lo": 1.0, "ratio_hi": 1.0, "seconds": 2.5}],
+                           columns=list(ns.QUALITY_COLUMNS))
+    row = ns.table1(agreement, quality).iloc[0]
+    assert row["top-K overlap"] == pytest.approx((1.0 * 10 + 0.5 * 30) / 40)
+    assert row["top-1 agree"] == pytest.approx((1.0 * 10 + 0.2 * 30) / 40)
+    assert (row["ppl"], row["ppl_lo"], row["ppl_hi"], row["seconds"]) == (12.0, 11.0, 13.0, 2.5)
+
+
+def test_overall_agreement_without_rows_is_the_pooled_ratio_of_the_sums():
+    """--bootstrap 0 (no per-row sums): overall agreement = Σ overlap / Σ tokens and Σ top-1 / Σ tokens over the
+    layers, with NaN bounds; frame() gives each layer's own ratios."""
+    meter = ns.AgreementMeter()
+    meter.sums = {0: torch.tensor([3.0, 2.0, 4.0], dtype=torch.float64),
+                  2: torch.tensor([1.0, 1.0, 4.0], dtype=torch.float64)}
+    o = meter.overall("norm:gate:l2")
+    assert (o["policy"], o["topk_overlap"], o["top1_agree"]) == ("norm:gate:l2", 4 / 8, 3 / 8)
+    assert all(math.isnan(o[k]) for k in ("topk_overlap_lo", "topk_overlap_hi", "top1_agree_lo", "top1_agree_hi"))
+    f = meter.frame("norm:gate:l2")
+    assert f[["layer", "topk_overlap", "top1_agree", "tokens"]].values.tolist() == [[0, 0.75, 0.5, 4],
+                                                                                      [2, 0.25, 0.25, 4]]
+
+
+def test_all_is_a_whole_value_of_nodes_not_a_prefix():
+    assert ns.parse_nodes(" all ") == ["gate", "up", "act", "glu", "output"]
+    for text in ("all,gate", "allgate"):
+        with pytest.raises(MoetoolError, match="^unknown node"):
+            ns.parse_nodes(text)

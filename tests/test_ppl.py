@@ -224,3 +224,66 @@ def test_cli_says_once_when_too_few_rows_for_a_95_interval(tmp_path, rows):
         assert notes == [] and "note" not in boot
     df = pd.read_csv(tmp_path / "a" / "ppl.csv")
     assert df.loc[0, "perplexity_lo"] < df.loc[0, "perplexity"] < df.loc[0, "perplexity_hi"]
+
+
+def test_a_paired_ratio_over_rows_that_scored_different_tokens_is_refused():
+    """The ratio's interval is paired (one weight per row for both runs): a baseline whose rows scored other token
+    counts is refused in one line, never a ratio interval of mismatched rows; the same counts give the paired
+    interval of uncertainty.ppl_ratio_interval."""
+    from types import SimpleNamespace
+
+    from moetool.errors import MoetoolError
+    from moetool.experiments.routing import ppl_intervals
+    from moetool.uncertainty import RowSums, ppl_ratio_interval
+
+    def fake(nll, scored):
+        rows = RowSums()
+        rows.add(np.arange(len(nll)), nll=np.array(nll), scored=np.array(scored, dtype=float))
+        return SimpleNamespace(rows=rows)
+
+    run = fake([30.0, 20.0, 12.0, 40.0], [10, 8, 6, 12])
+    same = fake([28.0, 21.0, 11.0, 37.0], [10, 8, 6, 12])
+    got = ppl_intervals(run, same, n_boot=200, seed=1)
+    want = ppl_ratio_interval([30.0, 20.0, 12.0, 40.0], [28.0, 21.0, 11.0, 37.0], [10, 8, 6, 12], n_boot=200, seed=1)
+    assert (got["ratio_lo"], got["ratio_hi"]) == pytest.approx((want.lo, want.hi), rel=1e-12)
+    with pytest.raises(MoetoolError, match="^the baseline scored different tokens: no paired ratio$"):
+        ppl_intervals(run, fake([28.0, 21.0, 11.0, 37.0], [10, 8, 7, 12]), n_boot=200, seed=1)
+
+
+def test_ppl_headline_and_console_row_show_the_ratio_only_where_a_baseline_ran_and_no_scored_token_is_one_line():
+    """summary_lines / ppl_summary: the ratio to the router (and the router's columns) only where the baseline ran;
+    the base's own ratio has the interval [1, 1] only where intervals are on (NaN with n_boot=0); rows with no
+    scored token are refused with the line that says why."""
+    from types import SimpleNamespace
+
+    from moetool.errors import MoetoolError
+    from moetool.experiments.ppl.compute import PPL_COLUMNS, ppl_summary, summary_lines
+    from moetool.experiments.routing import ppl_intervals
+    from moetool.uncertainty import RowSums, format_ci
+
+    nan = float("nan")
+    base = dict(model="m", data="heldout", weights="-", layers="all", scored_tokens=1000, nll_mean=2.0,
+                perplexity=7.389, perplexity_lo=7.0, perplexity_hi=7.8, seconds=1.0)
+    alone = pd.DataFrame([{**base, "routing": "router", "router_perplexity": nan, "ratio": nan, "ratio_lo": nan,
+                           "ratio_hi": nan}], columns=list(PPL_COLUMNS))
+    paired = pd.DataFrame([{**base, "routing": "norm:gate:l2", "router_perplexity": 5.0, "ratio": 1.4778,
+                            "ratio_lo": 1.4, "ratio_hi": 1.55}], columns=list(PPL_COLUMNS))
+    assert summary_lines("tiny", {"ppl": alone}) == [
+        f"ppl tiny: router perplexity {format_ci(7.389, 7.0, 7.8)} on 1,000 tokens"]
+    assert summary_lines("tiny", {"ppl": paired}) == [
+        f"ppl tiny: norm:gate:l2 perplexity {format_ci(7.389, 7.0, 7.8)} on 1,000 tokens, "
+        f"x{format_ci(1.4778, 1.4, 1.55)} of the router's 5"]
+    assert "router" not in ppl_summary(alone).columns and "ratio" not in ppl_summary(alone).columns
+    assert {"router", "ratio"} <= set(ppl_summary(paired).columns)
+
+    rows = RowSums()
+    rows.add(np.arange(3), nll=np.array([3.0, 4.0, 5.0]), scored=np.array([2.0, 2.0, 2.0]))
+    run = SimpleNamespace(rows=rows)
+    off = ppl_intervals(run, run, n_boot=0)
+    assert off["ratio"] == 1.0 and math.isnan(off["ratio_lo"]) and math.isnan(off["ratio_hi"])
+    on = ppl_intervals(run, run, n_boot=200)
+    assert (on["ratio_lo"], on["ratio_hi"]) == (1.0, 1.0)
+    empty = RowSums()
+    empty.add(np.arange(2), nll=np.zeros(2), scored=np.zeros(2))
+    with pytest.raises(MoetoolError, match="^no next-token prediction to score"):
+        ppl_intervals(SimpleNamespace(rows=empty), n_boot=0)

@@ -255,3 +255,37 @@ def test_a_file_its_run_wrote_but_that_is_gone_is_said_not_dropped_in_silence(tm
         assert "not shown: ppl.csv" in text
     assert "- ppl · tiny (b)" in md  # still in the index
     assert "<h3 id=\"a--tab-load\">load.csv</h3>" in html_page  # the table that is there is shown
+
+
+def test_with_two_folders_given_every_run_shows_the_folder_it_came_from(tmp_path):
+    """One folder given: its sub-runs show their path inside it ("zeta"); two folders given: every run shows its
+    root's name too ("one/sub"), so runs of the same sub-folder name under the two roots are told apart."""
+    one = _run(tmp_path / "one", "demo", runs=["sub"])
+    _run(one / "sub", "ppl")
+    two = _run(tmp_path / "two", "demo", runs=["sub"])
+    _run(two / "sub", "ppl")
+    assert [r.rel for r in page.find_runs([one])] == ["one", "sub"]
+    assert [r.rel for r in page.find_runs([one, two])] == ["one", "one/sub", "two", "two/sub"]
+
+
+def test_the_excluded_folder_and_what_is_under_it_are_not_gathered(tmp_path):
+    """``exclude`` (the report's own output folder) is never gathered, whatever its manifest says, nor a run
+    inside it; the other runs are."""
+    root = _run(tmp_path / "runs", "demo")
+    _run(root / "a", "ppl")
+    out = _run(root / "out", "stats")
+    _run(out / "inner", "erc")
+    assert [r.rel for r in page.find_runs([root])] == ["runs", "a", "out", "out/inner"]
+    assert [r.rel for r in page.find_runs([root], exclude=out)] == ["runs", "a"]
+
+
+def test_a_manifest_entry_naming_the_run_folder_itself_is_refused_and_an_unfinished_parent_is_listed(tmp_path):
+    """``.`` (the run folder itself) is no file of the run: refused and said, like a path outside it. A parent run
+    with no files of its own is an entry of the index only when it did not complete (its status is news)."""
+    r = _run(tmp_path / "r", files=[".", "load.csv"])
+    (r / "load.csv").write_text("a\n1\n")
+    warned = []
+    run, = page.find_runs([r], warn=warned.append)
+    assert run.refused == ["."] and [p.name for p in run.tables] == ["load.csv"] and len(warned) == 1
+    assert page.Run(r, "r", {"status": "running"}).has_content
+    assert not page.Run(r, "r", {"status": "complete"}).has_content

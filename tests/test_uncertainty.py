@@ -478,3 +478,37 @@ def test_few_rows_note_exactly_below_the_threshold():
             (iv,) = ratio_intervals(np.arange(1.0, n + 1), np.ones(n), n_boot=1000)
             assert iv.lo < iv.value < iv.hi  # still computed
     assert "about 50% of the time" in few_rows_note(1000, 2) and "about 75% of the time" in few_rows_note(1000, 3)
+
+
+def test_bca_is_used_where_the_percentile_interval_has_no_width_even_on_one_atom():
+    """Both adjusted levels on one replicate value is degenerate only where the replicates vary between the
+    percentile bounds; where the percentile interval itself has zero width (98% of the replicates on 1.0) BCa's
+    interval stands: here the hand BCa levels (a = 0 from a symmetric jackknife, z0 from 99% of replicates below
+    1.5) both fall on the top atom 2.0, and the interval is [1.5, 2.0] (widened to the estimate), not the
+    percentile [1.0, 1.0] widened to [1.0, 1.5]."""
+    from statistics import NormalDist
+
+    from moetool.uncertainty import bca
+
+    reps = np.r_[np.zeros(10), np.ones(980), np.full(10, 2.0)][:, None]
+    assert tuple(np.quantile(reps, [0.025, 0.975])) == (1.0, 1.0)
+    nd = NormalDist()
+    z0 = nd.inv_cdf(0.99)  # 990 of 1000 replicates below the estimate 1.5, no ties
+    levels = [nd.cdf(z0 + (z0 + z) / 1.0) for z in (nd.inv_cdf(0.025), nd.inv_cdf(0.975))]  # a = 0
+    want = np.quantile(reps[:, 0], levels)
+    assert tuple(want) == (2.0, 2.0)
+    lo, hi = bca(reps, np.array([1.5]), np.array([[0.5], [1.5], [2.5]]))
+    assert (lo[0], hi[0]) == (1.5, 2.0)
+
+
+def test_format_ci_writes_plus_minus_up_to_one_unit_of_asymmetry_and_the_interval_beyond():
+    """format_ci's rule: ``value ± half`` where |(hi - value) - (value - lo)| is at most one unit of the last digit
+    shown (each bound then within half a unit), else ``value [lo, hi]``; a zero-width interval is ``± 0`` and a
+    value outside its interval is written with the interval."""
+    from moetool.uncertainty import format_ci
+
+    assert format_ci(0.5, 0.4, 0.607) == "0.50 ± 0.10"  # half 0.1035 -> 2 decimals; asymmetry 0.007 <= 0.01
+    assert format_ci(0.5, 0.4, 0.612) == "0.50 [0.40, 0.61]"  # asymmetry 0.012 > 0.01
+    assert format_ci(3.0, 3.0, 3.0) == "3 ± 0"
+    assert format_ci(0.5, 0.51, 0.6) == "0.500 [0.510, 0.600]"  # below its interval (half 0.045: 3 decimals)
+    assert format_ci(12.0, 11.0, 13.0) == "12.0 ± 1.0"
