@@ -259,6 +259,8 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
         checkpoints.check_inputs(model=weights_fingerprint(model))
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer,
               quantize=quantize)
+    if checkpoints is not None:  # --dtype/--device auto resolve per machine: the key keeps 'auto', not what loaded
+        checkpoints.check_inputs(precision=str(lm.dtype).removeprefix("torch."), device=lm.device.type)
     note = lm.quantization().get("note")
     if note and distributed.rank() == 0:
         say(f"note: {note}")

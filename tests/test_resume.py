@@ -574,3 +574,36 @@ def test_api_resume_of_a_loaded_model_refuses_another_precision(tmp_path, monkey
         moetool.run("stats", lm, toks, out=part, resume=True, **kw)
     assert ran == [2, 3]  # batches 0-1 restored
     _same_csvs(whole, part)
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_dtype_auto_that_resolves_to_another_precision(tmp_path, monkeypatch, no_figures):
+    """``--dtype auto`` is fp32 on a CPU and the checkpoint's own dtype on a GPU: the units' key kept 'auto', so a
+    run interrupted on one machine and resumed on another (auto -> bf16 here, pick_dtype standing in for the GPU)
+    was accepted and summed fp32 units with bf16 batches into one table. Now the precision the model loaded in is
+    one of the run's inputs: the resume in bf16 is refused in one line, nothing written; the one in fp32 gives the
+    uninterrupted run's tables exactly."""
+    import torch
+
+    from moetool import loading
+
+    args = ["stats", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
+            "--min-count", "2", "--quiet"]
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 2)
+    assert saved == ["batches"] * 2
+    pick = loading.pick_dtype
+    with monkeypatch.context() as m:
+        m.setattr(loading, "pick_dtype", lambda dtype, config, device: (torch.bfloat16 if dtype == "auto"
+                                                                        else pick(dtype, config, device)))
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 2, r.output
+    assert [ln for ln in r.output.splitlines() if ln.strip()] == [
+        f"error: --resume: the model's loaded precision changed since {part} was started (precision: 'float32' -> "
+        f"'bfloat16'); resume with what the run read or use --force to start over"], r.output
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    assert not list(part.glob("*.csv"))
+    with monkeypatch.context() as m:
+        ran = _batches_run(m)
+        _resumed(args, part)
+    assert ran == [2, 3]  # batches 0-1 restored
+    _same_csvs(whole, part)
