@@ -607,3 +607,31 @@ def test_resume_refuses_a_dtype_auto_that_resolves_to_another_precision(tmp_path
         _resumed(args, part)
     assert ran == [2, 3]  # batches 0-1 restored
     _same_csvs(whole, part)
+
+
+@pytest.mark.slow
+def test_fluctuation_resume_refuses_a_dtype_auto_that_resolves_to_another_precision(tmp_path, monkeypatch,
+                                                                                    no_figures):
+    """fluctuation loads its checkpoints itself, with --dtype auto as given: a resume where auto resolves to bf16
+    (another machine; pick_dtype stands in for it) compared the fp32 routing read back from a unit with bf16 routing
+    of the other checkpoint. Now refused in one line naming the precision; the fp32 resume equals the whole run."""
+    import torch
+
+    from moetool import loading
+
+    args = ["fluctuation", "tiny-early", "tiny", "--routing", "router", "--max-tokens", "256", "--seq-len", "32",
+            "--batch-size", "4", "--bootstrap", "100", "--quiet"]
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
+    assert saved == ["checkpoint-1"]
+    pick = loading.pick_dtype
+    with monkeypatch.context() as m:
+        m.setattr(loading, "pick_dtype", lambda dtype, config, device: (torch.bfloat16 if dtype == "auto"
+                                                                        else pick(dtype, config, device)))
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 2, r.output
+    assert [ln for ln in r.output.splitlines() if ln.strip()] == [
+        f"error: --resume: the model's loaded precision changed since {part} was started (precision[0]: 'float32' "
+        f"-> 'bfloat16'); resume with what the run read or use --force to start over"], r.output
+    assert not list(part.glob("*.csv"))
+    _resumed(args, part)
+    assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]
