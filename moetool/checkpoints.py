@@ -299,7 +299,8 @@ class Units:
             if before is None or before == new:
                 continue
             where = _first_difference(before, new, what)
-            label = {"data": "the data", "model": "the model's weights"}.get(what, what)
+            label = {"data": "the data", "model": "the model's weights", "precision": "the model's loaded precision",
+                     "device": "the model's device"}.get(what, what)
             raise MoetoolError(f"--resume: {label} changed since {self.run._path} was started ({where}); resume "
                                "with what the run read or use --force to start over")
         if self.run.resuming is not None and self.dir.is_dir():

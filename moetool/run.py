@@ -259,6 +259,8 @@ def start_run(command: str, out: Any, force: bool, model: str, *, data: Any = No
         checkpoints.check_inputs(model=weights_fingerprint(model))
     lm = load(model, dtype=dtype, device=device, device_map=device_map, attn_implementation=attn, tokenizer=tokenizer,
               quantize=quantize)
+    if checkpoints is not None:  # --dtype/--device auto resolve per machine: the key keeps 'auto', not what loaded
+        checkpoints.check_inputs(precision=str(lm.dtype).removeprefix("torch."), device=lm.device.type)
     note = lm.quantization().get("note")
     if note and distributed.rank() == 0:
         say(f"note: {note}")
@@ -652,9 +654,13 @@ def _start_names(spec: Any, models: list[str], opts: Any, out: Any, force: bool,
     tokens = load_tokens(data, load_tokenizer(models[0]), seq_len, max_tokens, add_special_tokens=add_special_tokens)
     _say_unpacked(tokens, data)
     if units is not None:  # --resume: refused when the data or a model's weights differ from what the run read
-        from .loading import weights_fingerprint
+        from .loading import load_config, pick_device, pick_dtype, weights_fingerprint
 
-        units.check_inputs(data=tokens.fingerprint(), model=[weights_fingerprint(c) for c in models])
+        # --dtype/--device auto resolve per machine: the precision each checkpoint loads in, not only 'auto'
+        dev = pick_device(loading["device"])
+        units.check_inputs(data=tokens.fingerprint(), model=[weights_fingerprint(c) for c in models],
+                           precision=[str(pick_dtype(loading["dtype"], load_config(c)[0], dev)).removeprefix("torch.")
+                                      for c in models], device=dev.type)
     if distributed.world_size() > 1:
         folder.add(distributed=rank_layout(tokens, rows))
     return folder, (models if spec.inputs == "checkpoints" else models[0]), tokens, units, options

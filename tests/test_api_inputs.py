@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import threading
 
 import numpy as np
@@ -279,3 +280,23 @@ def test_tokens_of_another_tokenizer_with_named_checkpoints(lm, tokens, tmp_path
     res = moetool.run("ppl", lm, few, out=str(tmp_path / "loaded"), quiet=True, bootstrap=0)
     assert res["ppl"]["scored_tokens"].iloc[0] == n == 62
     assert res["ppl"]["perplexity"].iloc[0] == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [5, b"runs/x", ["runs/x"]], ids=["int", "bytes", "list"])
+def test_an_out_that_is_not_a_path_is_one_line(lm, tokens, tmp_path, monkeypatch, bad):
+    """``out=5`` (or bytes, or a list) from Python ended in pathlib's ``TypeError: expected str, bytes or
+    os.PathLike object, not int`` traceback (moetool.run by name or with a loaded model, moetool.write,
+    moetool.write_report); now one line naming the value, and nothing is written. The same run with a path as out
+    writes the run's perplexity, the one of a plain moetool.ppl."""
+    monkeypatch.chdir(tmp_path)
+    line = rf"^out={re.escape(repr(bad))} \({type(bad).__name__}\) is not a folder path: give a str or a pathlib.Path"
+    res = moetool.ppl(lm, tokens, bootstrap=0, quiet=True)
+    for call in (lambda: moetool.run("ppl", "tiny", out=bad, seq_len=32, max_tokens=64, quiet=True),
+                 lambda: moetool.run("ppl", lm, tokens, out=bad, bootstrap=0, quiet=True),
+                 lambda: moetool.write(res, bad),
+                 lambda: moetool.write_report([tmp_path], out=bad)):
+        with pytest.raises(MoetoolError, match=line):
+            call()
+    assert not list(tmp_path.iterdir())
+    got = moetool.run("ppl", lm, tokens, out=tmp_path / "ok", bootstrap=0, quiet=True)
+    assert got["ppl"].perplexity.iloc[0] == res["ppl"].perplexity.iloc[0] == _ppl(lm, tokens).perplexity

@@ -64,7 +64,7 @@ def test_inf_in_an_expert_stops_ppl_with_one_line_naming_layer_and_batch(tmp_pat
                             "--batch-size", str(bs), "--out", str(out), "--quiet"])
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 1, r.output
-    assert lines == [f"error: non-finite experts output in MoE layer {layer} at batch {want} "
+    assert lines == [f"error: non-finite experts output in MoE layer {layer} of {model} at batch {want} "
                      f"(rows {want * bs}-{want * bs + bs - 1}): results would be meaningless"], r.output
     assert not list(out.glob("*.csv")) if out.exists() else True
     if (out / "manifest.json").exists():
@@ -88,15 +88,15 @@ def test_nan_input_embedding_is_caught_at_the_first_router():
             emb[tok] = float("nan")
         with pytest.raises(MoetoolRuntimeError) as e:
             forward(lm, ts, batch_size=4, quiet=True)
-        assert str(e.value) == (f"non-finite router logits in MoE layer {first} at batch 1 (rows 4-7): "
+        assert str(e.value) == (f"non-finite router logits in MoE layer {first} of tiny at batch 1 (rows 4-7): "
                                 "results would be meaningless")
         # the tiny model ties its output embeddings to the input ones: the NaN row is also every position's logit of
         # that token, so batch 0's next-token NLL is already NaN (it passed unread before the output was guarded)
         assert lm.model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
         with pytest.raises(MoetoolRuntimeError) as e:
             forward(lm, ts, batch_size=4, nll=True, quiet=True)
-        assert str(e.value) == ("non-finite next-token NLL at batch 0 (rows 0-3): the model's output logits are NaN "
-                                "or inf in float32; results would be meaningless")
+        assert str(e.value) == ("non-finite next-token NLL of tiny at batch 0 (rows 0-3): the model's output logits "
+                                "are NaN or inf in float32; results would be meaningless")
     finally:
         with torch.no_grad():
             emb.copy_(saved)
@@ -253,9 +253,58 @@ def test_output_logits_that_overflow_fp16_stop_the_run_in_one_line_naming_the_ba
     assert want is not None and want > 0, want  # a batch after the first: the batch number is checked
     with pytest.raises(MoetoolRuntimeError) as e:
         forward(lm, ts, batch_size=bs, nll=True, quiet=True)
-    assert str(e.value) == (f"non-finite next-token NLL at batch {want} (rows {want * bs}-{want * bs + bs - 1}): the "
-                            f"model's output logits are NaN or inf in float16 (fp16's largest number is 65504: try "
+    rows = f"rows {want * bs}-{want * bs + bs - 1}"
+    assert str(e.value) == (f"non-finite next-token NLL of tiny at batch {want} ({rows}): "
+                            f"the model's output logits are NaN or inf in float16 (fp16's largest number is 65504: try "
                             f"--dtype bf16 or fp32); results would be meaningless")
+
+
+def test_a_moe_layer_overflowing_fp16_or_bf16_names_the_model_and_the_dtype():
+    """An expert output past fp16's 65504 is inf in an fp16 forward, the same weights finite in fp32: the line said
+    "non-finite experts output in MoE layer 1 at batch 0: results would be meaningless" -- no model (fluctuation runs
+    several checkpoints, agreement several precisions: which one?) and no word of the dtype (the output and probe
+    lines named it). Now it names the model and, in fp16/bf16, the dtype with what to do; fp32 names no dtype."""
+    from moetool.data import load_tokens
+    from moetool.engine import forward
+    from moetool.loading import load
+
+    layer, bs = 1, 2
+    runs = {}
+    for dtype in ("fp32", "fp16"):
+        lm = load("tiny", dtype=dtype)
+        ts = load_tokens(None, lm.tokenizer, 16, 64)
+        L = next(L for L in lm.layers if L.index == layer)
+        with torch.no_grad():
+            for p in L.experts.parameters():  # every expert's weights x 300: an output of every expert x 300^2
+                p.mul_(300)
+        runs[dtype] = (lm, ts, L)
+    # the reference: the fp32 model's layer-1 experts output on batch 0's real tokens passes 65504, and is finite
+    lm, ts, L = runs["fp32"]
+    outs = []
+    h = L.experts.register_forward_hook(lambda m, a, out: outs.append(out[0] if isinstance(out, tuple) else out))
+    b = next(iter(ts.batches(bs)))
+    with torch.no_grad():
+        lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    h.remove()
+    top = float(outs[0].abs().max())
+    assert math.isfinite(top) and top > 65504, top
+    forward(lm, ts, batch_size=bs, quiet=True)  # fp32: runs
+    lm, ts, _ = runs["fp16"]
+    with pytest.raises(MoetoolRuntimeError) as e:
+        forward(lm, ts, batch_size=bs, quiet=True)
+    assert str(e.value) == (f"non-finite experts output in MoE layer {layer} of tiny at batch 0 (rows 0-1), computed "
+                            f"in float16 (fp16's largest number is 65504: try --dtype bf16 or fp32): results would be "
+                            f"meaningless")
+    lm, ts, L = runs["fp32"]
+    with torch.no_grad():
+        lm.model.to(torch.bfloat16)
+        for p in L.experts.parameters():
+            p.mul_(1e17)  # x 300 x 1e17 on each of the expert's two products: past bf16's 3.4e38
+    lm.name = "scaled"
+    with pytest.raises(MoetoolRuntimeError) as e:
+        forward(lm, ts, batch_size=bs, quiet=True)
+    assert str(e.value) == (f"non-finite experts output in MoE layer {layer} of scaled at batch 0 (rows 0-1), "
+                            f"computed in bfloat16: results would be meaningless")
 
 
 def test_guard_output_flags_inf_and_nan_nll_with_or_without_layer_flags_and_resets():

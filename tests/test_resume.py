@@ -574,3 +574,58 @@ def test_api_resume_of_a_loaded_model_refuses_another_precision(tmp_path, monkey
         moetool.run("stats", lm, toks, out=part, resume=True, **kw)
     assert ran == [2, 3]  # batches 0-1 restored
     _same_csvs(whole, part)
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_dtype_auto_that_resolves_to_another_precision(tmp_path, monkeypatch, no_figures):
+    """``--dtype auto`` is fp32 on a CPU and the checkpoint's own dtype on a GPU: the units' key kept 'auto', so a
+    run interrupted on one machine and resumed on another (auto -> bf16 here, pick_dtype standing in for the GPU)
+    was accepted and summed fp32 units with bf16 batches into one table. Now the precision the model loaded in is
+    one of the run's inputs: the resume in bf16 is refused in one line, nothing written; the one in fp32 gives the
+    uninterrupted run's tables exactly."""
+    args = ["stats", "--max-tokens", "256", "--seq-len", "32", "--batch-size", "2", "--bootstrap", "100",
+            "--min-count", "2", "--quiet"]
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 2)
+    assert saved == ["batches"] * 2
+    _refused_where_auto_is_bf16(monkeypatch, args, part, "precision")
+    assert json.loads((part / "manifest.json").read_text())["status"] == "interrupted"
+    assert not list(part.glob("*.csv"))
+    with monkeypatch.context() as m:
+        ran = _batches_run(m)
+        _resumed(args, part)
+    assert ran == [2, 3]  # batches 0-1 restored
+    _same_csvs(whole, part)
+
+
+@pytest.mark.slow
+def test_fluctuation_resume_refuses_a_dtype_auto_that_resolves_to_another_precision(tmp_path, monkeypatch,
+                                                                                    no_figures):
+    """fluctuation loads its checkpoints itself, with --dtype auto as given: a resume where auto resolves to bf16
+    (another machine; pick_dtype stands in for it) compared the fp32 routing read back from a unit with bf16 routing
+    of the other checkpoint. Now refused in one line naming the precision; the fp32 resume equals the whole run."""
+    args = ["fluctuation", "tiny-early", "tiny", "--routing", "router", "--max-tokens", "256", "--seq-len", "32",
+            "--batch-size", "4", "--bootstrap", "100", "--quiet"]
+    whole, part, saved = _whole_then_interrupted(tmp_path, monkeypatch, args, 1)
+    assert saved == ["checkpoint-1"]
+    _refused_where_auto_is_bf16(monkeypatch, args, part, "precision[0]")
+    assert not list(part.glob("*.csv"))
+    _resumed(args, part)
+    assert _same_csvs(whole, part) == ["fluctuation.csv", "fluctuation_summary.csv"]
+
+
+def _refused_where_auto_is_bf16(monkeypatch, args, part, where):
+    """``--resume`` of ``part`` where ``--dtype auto`` resolves to bf16 (pick_dtype standing in for a GPU machine):
+    exit 2, one line naming the precision at ``where``."""
+    import torch
+
+    from moetool import loading
+
+    pick = loading.pick_dtype
+    with monkeypatch.context() as m:
+        m.setattr(loading, "pick_dtype", lambda dtype, config, device: (torch.bfloat16 if dtype == "auto"
+                                                                        else pick(dtype, config, device)))
+        r = runner.invoke(app, [*args, "--out", str(part), "--resume"])
+    assert r.exit_code == 2, r.output
+    assert [ln for ln in r.output.splitlines() if ln.strip()] == [
+        f"error: --resume: the model's loaded precision changed since {part} was started ({where}: 'float32' -> "
+        f"'bfloat16'); resume with what the run read or use --force to start over"], r.output

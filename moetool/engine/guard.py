@@ -5,12 +5,14 @@ than a crash).
 ``~isfinite`` over the real tokens into one device bool per (layer, tensor). :func:`moetool.engine.forward` calls
 :meth:`FiniteGuard.check` once after each batch: one host read for all flags, and a one-line
 :class:`~moetool.errors.MoetoolRuntimeError` naming the first offender in forward order (a NaN spreads downstream,
-so the first one is the cause), the batch and its rows. :meth:`FiniteGuard.output` adds the model's next-token NLL of
-the batch's scored tokens to the same read: output logits that overflow the model's dtype (fp16's largest number is
-65504; the lm_head runs after the last MoE layer, where no hook looks) stop the run in one line naming the batch and
-the dtype, instead of an infinite perplexity or a bootstrap's "per-row sums contain NaN/inf". :func:`flag` adds a
-flag a consumer computes inside the forward (``approx``'s all-expert probe: an expert the router did not choose,
-computed on every token, can overflow fp16 where the model's own forward does not) to the same read.
+so the first one is the cause), the model (:func:`moetool.engine.forward` passes its name: fluctuation and agreement
+run several), the batch and its rows, and the dtype where it is fp16 or bf16 (an overflow: what to do).
+:meth:`FiniteGuard.output` adds the model's next-token NLL of the batch's scored tokens to the same read: output
+logits that overflow the model's dtype (fp16's largest number is 65504; the lm_head runs after the last MoE layer,
+where no hook looks) stop the run in one line naming the batch and the dtype, instead of an infinite perplexity or a
+bootstrap's "per-row sums contain NaN/inf". :func:`flag` adds a flag a consumer computes inside the forward
+(``approx``'s all-expert probe: an expert the router did not choose, computed on every token, can overflow fp16 where
+the model's own forward does not) to the same read.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ class FiniteGuard:
     ``mask`` (``[B, S]`` on the device, 0 on padding) is set by the caller before each forward: padding is not
     checked (its activations mean nothing); ``None`` checks every position."""
 
-    def __init__(self, layers: Iterable[Any]):
+    def __init__(self, layers: Iterable[Any], model: str | None = None):
         self.layers = list(layers)
+        self.model = model  # the model's name, in the message (fluctuation runs several checkpoints: which one)
+        self.seen: dict[tuple[int, int], torch.dtype] = {}  # each hooked tensor's dtype (the message names fp16/bf16)
         self._mask: torch.Tensor | None = None
         self.flags: dict[tuple[int, int], torch.Tensor] = {}
         self.dtypes: dict[tuple[int, int], torch.dtype] = {}  # of a flag's tensor, where the message names it
@@ -72,7 +76,7 @@ class FiniteGuard:
         self._handles.clear()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        self.flags, self.dtypes, self._output = {}, {}, None
+        self.flags, self.dtypes, self.seen, self._output = {}, {}, {}, None
 
     def output(self, nll: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag the batch's NLL sums ``nll`` (only scored tokens reach them) if one is not finite: a device bool, read
@@ -84,6 +88,7 @@ class FiniteGuard:
             x = out[0] if isinstance(out, (tuple, list)) and out else out
             if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
                 return
+            self.seen[key] = x.dtype
             bad = ~torch.isfinite(x)
             m = self.mask
             if m is not None and (x.shape[:1] == (m.numel(),) or x.shape[:2] == m.shape):
@@ -102,20 +107,23 @@ class FiniteGuard:
         flags = [self.flags[k] for k in keys] + ([output[0]] if output is not None else [])
         dev = flags[0].device
         bad = torch.stack([f.to(dev) for f in flags]).tolist()
-        dtypes, self.flags, self.dtypes = self.dtypes, {}, {}
+        dtypes, seen, self.flags, self.dtypes, self.seen = self.dtypes, self.seen, {}, {}, {}
+        of = f" of {self.model}" if self.model else ""
         where = f" ({rows})" if rows else ""
         for (layer, what), b in zip(keys, bad):
             if b and (layer, what) in dtypes:  # a consumer's flag: what it computed beside the model, and its dtype
-                raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer} at batch {batch}{where}: "
-                                          f"an expert computed on tokens the router did not send it is NaN or inf "
-                                          f"in {_dtype_hint(dtypes[(layer, what)])}; results would be meaningless")
+                raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer}{of} at batch {batch}"
+                                          f"{where}: an expert computed on tokens the router did not send it is NaN or "
+                                          f"inf in {_dtype_hint(dtypes[(layer, what)])}; results would be meaningless")
             if b:  # a MoE layer first: a NaN there spreads to the output, so it is the cause
-                raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer} at batch {batch}"
-                                          f"{where}: results would be meaningless")
+                low = seen.get((layer, what))  # overflow of a half-precision dtype: say which, and what to do
+                low = f", computed in {_dtype_hint(low)}" if low in (torch.float16, torch.bfloat16) else ""
+                raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer}{of} at batch {batch}"
+                                          f"{where}{low}: results would be meaningless")
         if output is not None and bad[-1]:
             dtype = _dtype_hint(output[1])
-            raise MoetoolRuntimeError(f"non-finite next-token NLL at batch {batch}{where}: the model's output logits "
-                                      f"are NaN or inf in {dtype}; results would be meaningless")
+            raise MoetoolRuntimeError(f"non-finite next-token NLL{of} at batch {batch}{where}: the model's output "
+                                      f"logits are NaN or inf in {dtype}; results would be meaningless")
 
 
 def _or(old: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor:

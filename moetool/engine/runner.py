@@ -429,7 +429,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     if policy is not None or consumers or attention:
         engine = Engine(lm.model, list(lm.layers if moe_layers is None else moe_layers), policy=policy,
                         policy_layers=layers, consumers=consumers, attention=attention)
-    guard = FiniteGuard(lm.layers)  # NaN/inf in any MoE layer: one line naming layer and batch, never a number
+    # NaN/inf in any MoE layer: one line naming layer, model and batch (and fp16/bf16), never a number
+    guard = FiniteGuard(lm.layers, getattr(lm, "name", None))
     step = _Step(lm.model, engine, guard, tokens, want_nll=nll or per_row_nll is not None)
     fit = _RowsThatFit(step, batch_size, engine=engine, policy=policy, before_batch=before_batch, tokens=tokens,
                        world=world, run=context.state(run))

@@ -319,7 +319,11 @@ def _default_path(command: str) -> Path:
 
 def refuse_empty_out(out: Any, command: str = "<command>") -> None:
     """``out=''`` (an unset shell variable): no folder name, refused in one line -- not the current folder, nor the
-    default ``runs/<command>-<time>``."""
+    default ``runs/<command>-<time>``. ``out`` of another type than a path (``out=5`` from Python, bytes, a list):
+    one line too, not pathlib's TypeError traceback."""
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise MoetoolError(f"out={out!r} ({type(out).__name__}) is not a folder path: give a str or a pathlib.Path "
+                           f"(or leave out unset for runs/{command}-<time>)")
     if isinstance(out, str) and not out.strip():
         raise MoetoolError(f"--out {out!r}: an empty path (the current folder is '.'; leave out unset for "
                            f"runs/{command}-<time>)")
