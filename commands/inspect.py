@@ -112,7 +112,8 @@ def inspect(model: Model = DEFAULT_MODEL,
         shown = [k for k in shown if k != "scoring"]
     # the console's table: numbers never cut (a wide table is paged with its key column), text wrapped
     print_table(pd.DataFrame([{"layers": spans(layers), **{k: first[key][k] for k in shown}}
-                              for key, layers in groups.items()]), title="MoE layers", max_rows=len(groups), keys=1)
+                              for key, layers in groups.items()]), title="MoE layers", max_rows=len(groups), keys=1,
+                intfmt="{:,}")  # expert_params 589,824 as the parameters line above
     if info["dense_layers"]:
         c.print(f"dense (non-MoE) decoder layers: {spans(info['dense_layers'])}")
     fmt = info["experts_format"]

@@ -7,6 +7,9 @@
   leading text columns are not all row labels says how many are in ``df.attrs["keys"]``), text cells wrap. A row
   label with no room beside the others whose value is the same in every row goes to the title (``checkpoint tiny``).
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
+- Big numbers can be made readable per table: ``intfmt="{:,}"`` writes integers with thousands separators
+  (``1,342,052,808,704``, never ``1342052808704``), ``formats`` a column's own format (``{"bytes_per_token":
+  "{:,.0f}"}``: whole numbers, not ``1.477e+06`` beside ``4608``); the CSVs keep the exact values.
 - Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
   :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
 """
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import sys
 from typing import Any, Sequence
@@ -43,9 +47,11 @@ def count_text(n: float) -> str:
     return f"{n:.3g}" if isinstance(n, float) and not float(n).is_integer() else str(int(n))
 
 
-def _fmt(v: Any, floatfmt: str) -> str:
+def _fmt(v: Any, floatfmt: str, intfmt: str = "{}") -> str:
     if isinstance(v, float):
         return "" if math.isnan(v) else floatfmt.format(v)  # missing stays empty, never a plausible number
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return intfmt.format(v)
     return str(v)
 
 
@@ -82,10 +88,13 @@ def _blocks(widths: Sequence[int], key: int, avail: int, keys: int = 1) -> list[
 
 
 def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None) -> list[Any]:
+                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None, intfmt: str = "{}",
+                 formats: dict[str, str] | None = None) -> list[Any]:
     """The rich renderables of :func:`print_table` (tables and the "more rows" note). ``keys``: the number of
     leading key columns every block of a split table repeats (default: the frame's ``attrs["keys"]`` where it says,
-    else :func:`key_columns`)."""
+    else :func:`key_columns`). ``floatfmt`` / ``intfmt``: the format of float / integer cells; ``formats``: a
+    column's own format, for both (``{"bytes_per_token": "{:,.0f}"}``; a column the table lacks, as offload's
+    bytes_per_token on a recorded trace, is passed over)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -95,7 +104,9 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     shown = df.head(HEAD_ROWS) if n > max_rows else df
     cols = [str(c) for c in df.columns]
     numeric = [df[c].dtype.kind in "fiub" for c in df.columns]
-    cells = [[_fmt(v, floatfmt) for v in row] for row in shown.itertuples(index=False)]
+    fmts = [(formats or {}).get(c) for c in cols]
+    cells = [[_fmt(v, f or floatfmt, f or intfmt) for v, f in zip(row, fmts)]
+             for row in shown.itertuples(index=False)]
     # a column's width is its longest cell (numbers never fold); a header longer than 14 may fold
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
     out: list[Any] = []
@@ -135,9 +146,11 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                max_rows: int = MAX_ROWS, keys: int | None = None) -> None:
+                max_rows: int = MAX_ROWS, keys: int | None = None, intfmt: str = "{}",
+                formats: dict[str, str] | None = None) -> None:
     """Print ``df`` as a table that fits the console (see the module docstring); ``csv`` names the file that
-    holds every row of a long table."""
+    holds every row of a long table; ``floatfmt``, ``intfmt`` and ``formats`` as :func:`render_table`."""
     con = console()
-    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys):
+    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys, intfmt=intfmt,
+                          formats=formats):
         con.print(r)
