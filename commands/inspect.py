@@ -62,7 +62,8 @@ def inspect(model: Model = DEFAULT_MODEL,
             typer.echo(json.dumps(rows, indent=2))
             return
         n_ok = sum(r["supported"] == "yes" for r in rows)
-        print_table(pd.DataFrame(rows), title=f"MoE model types: {n_ok} supported of {len(rows)}", max_rows=len(rows))
+        print_table(pd.DataFrame(rows), title=f"MoE model types: {n_ok} supported of {len(rows)}", max_rows=len(rows),
+                    whole_when_piped=True)  # piped into a file or grep: one line a model type
         return
     if aliases:
         from moetool.inspect import aliases as alias_rows
@@ -75,7 +76,7 @@ def inspect(model: Model = DEFAULT_MODEL,
 
         from moetool.report.console import print_table
 
-        print_table(pd.DataFrame(rows), title="model aliases", max_rows=len(rows))  # every alias
+        print_table(pd.DataFrame(rows), title="model aliases", max_rows=len(rows), whole_when_piped=True)  # every alias
         return
     from moetool.inspect import describe_model
 

@@ -2,10 +2,12 @@
 
 - No emoji codes (``norm:up:l2`` stays text) and no markup in data cells (``[bold]`` in a cell stays text).
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
-  columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
-  column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``; a frame whose
-  leading text columns are not all row labels says how many are in ``df.attrs["keys"]``), text cells wrap. A row
-  label with no room beside the others whose value is the same in every row goes to the title (``checkpoint tiny``).
+  columns when piped with no terminal to measure) is split into column blocks that each repeat the key columns (the
+  row labels: the first column and the text columns right after it, e.g. ``layer, routing, reference,
+  checkpoint``; a frame whose leading text columns are not all row labels says how many are in
+  ``df.attrs["keys"]``), text cells wrap. A row label with no room beside the others whose value is the same in
+  every row goes to the title (``checkpoint tiny``). A listing (``print_table(whole_when_piped=True)``: ``inspect
+  --families``) piped into a file, ``grep`` or ``less -S`` is printed whole instead: one line a row.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
 - Big numbers can be made readable per table: ``intfmt="{:,}"`` writes integers with thousands separators
   (``1,342,052,808,704``, never ``1342052808704``), ``formats`` a column's own format (``{"bytes_per_token":
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 import sys
 from typing import Any, Sequence
@@ -25,6 +28,7 @@ from typing import Any, Sequence
 from ..uncertainty import format_ci, with_ci  # noqa: F401 - the console's interval text, for the commands
 
 MAX_ROWS = 30  # longer tables are summarised
+PIPED_WIDTH = 100_000  # print_table(whole_when_piped=True) piped without COLUMNS: no split, no wrap (one row a line)
 HEAD_ROWS = 20  # rows shown of a summarised table
 
 
@@ -132,7 +136,8 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     for b, idx in enumerate(blocks):
         idx = [*range(nkeys), *idx] if cols else []
         t = Table(title=Text(title + (f" ({b + 1}/{len(blocks)})" if len(blocks) > 1 else "")) if title else None,
-                  show_lines=False, padding=(0, 1))
+                  show_lines=False, padding=(0, 1),
+                  title_justify="left" if avail >= PIPED_WIDTH else "center")  # whole: at column 0, not ~300
         for i in idx:
             t.add_column(Text(cols[i]), justify="right" if numeric[i] else "left",
                          min_width=widths[i], max_width=widths[i] if wraps[i] else None, overflow="fold")
@@ -147,10 +152,15 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
                 max_rows: int = MAX_ROWS, keys: int | None = None, intfmt: str = "{}",
-                formats: dict[str, str] | None = None) -> None:
+                formats: dict[str, str] | None = None, whole_when_piped: bool = False) -> None:
     """Print ``df`` as a table that fits the console (see the module docstring); ``csv`` names the file that
-    holds every row of a long table; ``floatfmt``, ``intfmt`` and ``formats`` as :func:`render_table`."""
+    holds every row of a long table; ``floatfmt``, ``intfmt`` and ``formats`` as :func:`render_table`.
+    ``whole_when_piped``: output that is not a terminal and no ``COLUMNS`` -- a listing piped into a file, ``grep``
+    or ``less -S`` -- gets the table at its natural width, one line a row, not split into 80-column parts
+    (``inspect --families``: 5 parts, 620 lines)."""
     con = console()
+    if whole_when_piped and not con.is_terminal and not os.environ.get("COLUMNS"):
+        con = console(width=PIPED_WIDTH)
     for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys, intfmt=intfmt,
                           formats=formats):
         con.print(r)
