@@ -62,7 +62,8 @@ def inspect(model: Model = DEFAULT_MODEL,
             typer.echo(json.dumps(rows, indent=2))
             return
         n_ok = sum(r["supported"] == "yes" for r in rows)
-        print_table(pd.DataFrame(rows), title=f"MoE model types: {n_ok} supported of {len(rows)}", max_rows=len(rows))
+        print_table(pd.DataFrame(rows), title=f"MoE model types: {n_ok} supported of {len(rows)}", max_rows=len(rows),
+                    whole_when_piped=True)  # piped into a file or grep: one line a model type
         return
     if aliases:
         from moetool.inspect import aliases as alias_rows
@@ -75,7 +76,7 @@ def inspect(model: Model = DEFAULT_MODEL,
 
         from moetool.report.console import print_table
 
-        print_table(pd.DataFrame(rows), title="model aliases", max_rows=len(rows))  # every alias
+        print_table(pd.DataFrame(rows), title="model aliases", max_rows=len(rows), whole_when_piped=True)  # every alias
         return
     from moetool.inspect import describe_model
 
@@ -112,7 +113,8 @@ def inspect(model: Model = DEFAULT_MODEL,
         shown = [k for k in shown if k != "scoring"]
     # the console's table: numbers never cut (a wide table is paged with its key column), text wrapped
     print_table(pd.DataFrame([{"layers": spans(layers), **{k: first[key][k] for k in shown}}
-                              for key, layers in groups.items()]), title="MoE layers", max_rows=len(groups), keys=1)
+                              for key, layers in groups.items()]), title="MoE layers", max_rows=len(groups), keys=1,
+                intfmt="{:,}")  # expert_params 589,824 as the parameters line above
     if info["dense_layers"]:
         c.print(f"dense (non-MoE) decoder layers: {spans(info['dense_layers'])}")
     fmt = info["experts_format"]

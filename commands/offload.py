@@ -17,7 +17,8 @@ def show(res: Any, p: Any) -> None:
     from moetool.report.console import format_ci, print_table
 
     print_table(res.summary, f"expert cache: {p.model} ({res.tokens.n_tokens:,} tokens; hit rate = mean over layers, "
-                             f"bytes/token = sum over layers)", csv="offload_cache.csv")
+                             f"bytes/token = sum over layers)", csv="offload_cache.csv",
+                formats={"bytes_per_token": "{:,.0f}"})  # 1,476,838 and 4,608, not 1.477e+06 beside 4608
     pref = res["offload_prefetch"] if "offload_prefetch" in res else ()  # none when no layer has one ahead
     if len(pref):
         shown = pref[["layer", "source_layer"]].assign(

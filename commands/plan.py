@@ -40,15 +40,15 @@ def main(p: Any) -> None:
             f"{count_text(p['active_params'])} active, {p['n_experts']} experts top-{p['top_k']} in "
             f"{p['moe_layers']} MoE layers, stored as {p['native_format']}; "
             f"{nodes} node{'s' if nodes > 1 else ''} of {gpus}", markup=False, highlight=False)
-    print_table(res["params"], title="parameter bytes by group and format")
+    print_table(res["params"], title="parameter bytes by group and format", intfmt="{:,}")  # 1,342,052,808,704
     _print_layouts(c, res["layouts"], f"layouts (rows of {p['seq_len']} tokens x {batch_size})")
     layouts = res["layouts"]  # no command column where no layout fits
     if _config_alone(source) and "command" in layouts and layouts["command"].astype(bool).any():  # a config alone
         c.print(f"  (the commands name {model}, a config without weights: put the checkpoint's folder or hub id "
                 "in --model)", soft_wrap=True, markup=False, highlight=False)
     if "throughput" in res:
-        wide = res["throughput"].pivot(index="command", columns="layout", values="tokens_per_s").round(0)
-        print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)")
+        wide = res["throughput"].pivot(index="command", columns="layout", values="tokens_per_s")
+        print_table(wide.reset_index(), title="ceiling, tokens/s (upper bound)", floatfmt="{:,.0f}")  # 23,537
     else:
         c.print("no layout fits: add GPUs or nodes, or a larger GPU")
     echo_run(res.path)

@@ -261,7 +261,8 @@ def test_python_dash_m_from_the_checkouts_root_finds_the_commands(tmp_path):
 
 def test_inspect_never_cuts_a_number_at_80_columns(tmp_path, monkeypatch):
     """``inspect``'s layer table is the console's table (paged, numbers whole): at 80 columns Qwen3-30B-A3B's
-    expert parameters per layer read 603979776, not ``603,979,7…`` (rich's own table cut the cell)."""
+    expert parameters per layer read 603,979,776 (thousands separators as the parameters line above it; raw
+    ``603979776`` before), not ``603,979,7…`` (rich's own table cut the cell)."""
     from transformers import Qwen3MoeConfig
 
     Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -271,5 +272,5 @@ def test_inspect_never_cuts_a_number_at_80_columns(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETOOL_CACHE_DIR", str(tmp_path / "cache"))
     r = runner.invoke(app, ["inspect", "--model", str(tmp_path / "q3")])
     assert r.exit_code == 0, r.output
-    assert "603979776" in r.output and "…" not in r.output, r.output
+    assert "603,979,776" in r.output and "…" not in r.output and "603979776" not in r.output, r.output
     assert 128 * 3 * 2048 * 768 == 603979776  # the number by hand: 128 experts x (gate, up, down) x d x width

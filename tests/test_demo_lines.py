@@ -146,6 +146,23 @@ def test_mass_recall_line_says_over_what_the_bound_rate_is_lowest():
     assert "router_flops_frac" not in line  # no frac column: no note
 
 
+def test_mass_recall_lines_say_what_raw_and_unit_centroids_are():
+    """The demo printed "tiny raw: mass recall ..." and "tiny unit: mass recall ...": nothing said that raw and
+    unit are the centroid modes (--centroids) nor what they mean. Each line now names the mode and its meaning, as
+    mass-recall's spec defines them: raw = the model's router as is, unit = router rows on the unit sphere."""
+    from moetool.experiments.mass_recall import compute as mass_recall
+
+    df = pd.DataFrame({"centroids": ["raw", "raw", "unit", "unit"], "layer": [0, 1, 0, 1], "codebook_size": [8] * 4,
+                       "shortlist_size": [2] * 4, "mass_recall_mean": [0.5, 0.7, 0.6, 0.8],
+                       "bound_holds_rate": [1.0] * 4, "bound_scaled_holds_rate": [1.0] * 4,
+                       "bound_mean": [1e-9] * 4, "bound_scaled_mean": [1e-4] * 4})
+    raw, unit = mass_recall.summary_lines("tiny", {"mass_recall": df})
+    assert raw.startswith("tiny, raw centroids (the model's router as is): mass recall (G=8, mean over layers) "
+                          "M=2: 0.600;"), raw
+    assert unit.startswith("tiny, unit centroids (router rows on the unit sphere): mass recall (G=8, mean over "
+                           "layers) M=2: 0.700;"), unit
+
+
 @pytest.mark.parametrize("n, noted", [(8, True), (10, True), (12, False), (64, False)])
 def test_mass_recall_line_says_when_the_ivf_router_costs_more_than_exact_routing(n, noted):
     """router_flops_frac = (G + M) / n above 1 (the tiny model's 8 experts at G = 8, M = 2..4: 1.25-1.5) means the IVF

@@ -330,6 +330,28 @@ def test_inspect_families_cli(monkeypatch):
     assert res.exit_code == 0 and "1 supported of 2" in res.output
 
 
+def test_inspect_families_piped_is_one_table_one_line_a_type(monkeypatch):
+    """``moetool inspect --families > file`` (or ``| less -S``, ``| grep``) printed the 90-type table in 80-column
+    parts (5 parts, 620 lines, a reason wrapped over 8 lines): piped with no COLUMNS it is one table, one line per
+    type with its whole reason; COLUMNS (a terminal's width) still splits and wraps it."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    monkeypatch.setattr(discovery, "moe_model_types", lambda: ["mixtral", "nllb-moe"])
+    monkeypatch.delenv("COLUMNS", raising=False)
+    res = CliRunner().invoke(app, ["inspect", "--families", "--refresh"])
+    assert res.exit_code == 0, res.output
+    rows = [ln for ln in res.output.splitlines() if ln.startswith("│")]
+    reason = "no: " + discovery.UNSUPPORTED["nllb-moe"]
+    assert len(reason) > 80 and [ln.split("│")[1].strip() for ln in rows] == ["mixtral", "nllb-moe"], res.output
+    assert rows[1].split("│")[3].strip() == reason and "(1/" not in res.output
+    assert "\nMoE model types: 1 supported of 2" in "\n" + res.output  # the title at column 0, not centred
+    narrow = CliRunner().invoke(app, ["inspect", "--families"], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0 and max(len(ln) for ln in narrow.output.splitlines()) <= 80, narrow.output
+    assert len([ln for ln in narrow.output.splitlines() if ln.startswith("│")]) > 2  # the reason wraps
+
+
 def test_families_answer_from_a_cache_keyed_by_the_installation(monkeypatch):
     """The table is built once (a tiny model per family: 14 s idle, minutes under load) and then read from the
     cache; a different transformers version (or adapter code) is another key and builds it again."""

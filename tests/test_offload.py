@@ -715,3 +715,27 @@ def test_coverage_of_the_first_tokens_skips_leading_padding(tiny):
         assert (cov.loc[N, "coverage_min_layer"], cov.loc[N, "coverage_max_layer"]) == \
             pytest.approx((float(per_layer.min()), float(per_layer.max())), abs=1e-12)
     assert got[1] == 2 / 8  # the first token's K of n experts in every layer
+
+
+def test_cli_bytes_per_token_is_printed_as_whole_bytes(tmp_path):
+    """The console's ``bytes_per_token`` mixed ``1.477e+06`` with ``4608`` (4 significant digits); it is now the
+    whole number of bytes with thousands separators, each the CSV's exact value rounded."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    out = tmp_path / "off"
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["offload", "--out", str(out), "--max-tokens", "256",
+                                                       "--seq-len", "64", "--bootstrap", "0"])
+    assert r.exit_code == 0, r.output
+    csv = pd.read_csv(out / "offload_cache.csv")  # per layer; the console sums over layers
+    want = csv.groupby(["policy", "capacity"]).bytes_per_token.sum()
+    assert want.max() >= 1e6  # printed 1.477e+06 before
+    header = next(ln for ln in r.output.splitlines() if "bytes_per_token" in ln)
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    rows = [dict(zip(names, (c.strip() for c in ln.strip("│").split("│")))) for ln in r.output.splitlines()
+            if ln.startswith("│") and ln.strip("│").split("│")[0].strip() in ("lru", "lfu", "belady")]
+    assert len(rows) == len(want)
+    for row in rows:
+        assert row["bytes_per_token"] == f"{want[(row['policy'], int(row['capacity']))]:,.0f}", row

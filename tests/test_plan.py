@@ -487,3 +487,46 @@ def test_a_quantization_config_naming_fp8_by_its_fmt_is_sized_as_fp8():
     assert P.native_format(cfg({"quant_method": "MXFP4"})) == "mxfp4"
     with pytest.raises(MoetoolError, match=r"^quantization 'awq' of this checkpoint is not one moetool can size"):
         P.native_format(cfg({"quant_method": "awq", "fmt": "int4"}))
+
+
+def _console_rows(output: str, title: str) -> dict[str, list[str]]:
+    """The rows of the console table under ``title``: first cell -> the other cells, as printed."""
+    lines = output.splitlines()
+    start = next(i for i, ln in enumerate(lines) if title in ln)
+    rows = {}
+    for ln in lines[start + 4:]:
+        if not ln.startswith("│"):
+            break
+        cells = [c.strip() for c in ln.strip("│").split("│")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_plan_console_tables_write_big_numbers_readably_and_the_csvs_exactly(tmp_path):
+    """A newcomer's ``moetool plan --model examples/configs/deepseek-v3 --gpus 8xH100 --nodes 2`` printed parameter
+    bytes as raw integers (``1342052808704``) and the tokens/s ceilings as ``2.354e+04`` beside ``4653``. The console
+    now writes integers with thousands separators and tokens/s as whole numbers (``23,537``); params.csv and
+    throughput.csv keep the exact values, which the printed ones are checked against."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+
+    cfg = Path(__file__).resolve().parents[1] / "examples" / "configs" / "deepseek-v3"
+    out = tmp_path / "p"
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "--model", str(cfg), "--gpus", "8xH100", "--nodes",
+                                                       "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    params = pd.read_csv(out / "params.csv")
+    assert params.bytes_bf16.iloc[-1] == 2 * params.params.iloc[-1] > 10 ** 12  # exact integers in the CSV
+    shown = _console_rows(r.output, "parameter bytes by group and format")
+    assert list(shown) == list(params.group)
+    for row in params.itertuples(index=False):
+        assert shown[row.group] == [f"{v:,}" for v in row[1:]], (row, shown[row.group])
+    assert "1,342,052,808,704" in r.output and "1342052808704" not in r.output
+    tput = pd.read_csv(out / "throughput.csv")
+    shown = _console_rows(r.output, "ceiling, tokens/s")
+    assert sorted(shown) == sorted(tput.command) and "e+" not in " ".join(c for v in shown.values() for c in v)
+    for row in tput.itertuples(index=False):  # one layout fits: one value column
+        assert shown[row.command] == [f"{round(row.tokens_per_s):,}"], (row, shown[row.command])
+    assert tput.tokens_per_s.min() < 10 ** 4 < tput.tokens_per_s.max()  # both magnitudes the issue mixed

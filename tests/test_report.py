@@ -320,6 +320,18 @@ def test_tables_fit_80_columns_without_truncating_numbers():
     assert text.count("norm:up:l2") > 3
 
 
+def test_integer_and_column_formats_make_big_numbers_readable():
+    """``intfmt`` formats integer cells (not booleans), ``formats`` a column's own format (its NaN stays empty, a
+    column the table lacks is passed over); the default is as before: ``1342052808704`` and ``{:.4g}``."""
+    df = pd.DataFrame({"group": ["a", "b"], "params": [1342052808704, 7], "ok": [True, False],
+                       "bytes": [1476838.4, float("nan")], "rate": [0.37381, 0.5]})
+    text = rendered(df, intfmt="{:,}", formats={"bytes": "{:,.0f}", "absent": "{:.1f}"})
+    rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in text.splitlines() if ln.startswith("│")]
+    assert rows == [["a", "1,342,052,808,704", "True", "1,476,838", "0.3738"], ["b", "7", "False", "", "0.5"]]
+    rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in rendered(df).splitlines() if ln.startswith("│")]
+    assert rows[0] == ["a", "1342052808704", "True", "1.477e+06", "0.3738"]
+
+
 def test_every_part_of_a_split_table_keeps_the_row_labels():
     """fluctuation's console table (layer, routing, reference, checkpoint, then values as 'v ± h' text) split for
     80 columns: every part repeats all four label columns, so router/similarity rows can be told apart (parts 2-3

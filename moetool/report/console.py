@@ -2,11 +2,16 @@
 
 - No emoji codes (``norm:up:l2`` stays text) and no markup in data cells (``[bold]`` in a cell stays text).
 - Numbers are never truncated: numeric columns keep their full width; a table wider than the console (80
-  columns when piped) is split into column blocks that each repeat the key columns (the row labels: the first
-  column and the text columns right after it, e.g. ``layer, routing, reference, checkpoint``; a frame whose
-  leading text columns are not all row labels says how many are in ``df.attrs["keys"]``), text cells wrap. A row
-  label with no room beside the others whose value is the same in every row goes to the title (``checkpoint tiny``).
+  columns when piped with no terminal to measure) is split into column blocks that each repeat the key columns (the
+  row labels: the first column and the text columns right after it, e.g. ``layer, routing, reference,
+  checkpoint``; a frame whose leading text columns are not all row labels says how many are in
+  ``df.attrs["keys"]``), text cells wrap. A row label with no room beside the others whose value is the same in
+  every row goes to the title (``checkpoint tiny``). A listing (``print_table(whole_when_piped=True)``: ``inspect
+  --families``) piped into a file, ``grep`` or ``less -S`` is printed whole instead: one line a row.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
+- Big numbers can be made readable per table: ``intfmt="{:,}"`` writes integers with thousands separators
+  (``1,342,052,808,704``, never ``1342052808704``), ``formats`` a column's own format (``{"bytes_per_token":
+  "{:,.0f}"}``: whole numbers, not ``1.477e+06`` beside ``4608``); the CSVs keep the exact values.
 - Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
   :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
 """
@@ -14,6 +19,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import re
 import sys
 from typing import Any, Sequence
@@ -21,6 +28,7 @@ from typing import Any, Sequence
 from ..uncertainty import format_ci, with_ci  # noqa: F401 - the console's interval text, for the commands
 
 MAX_ROWS = 30  # longer tables are summarised
+PIPED_WIDTH = 100_000  # print_table(whole_when_piped=True) piped without COLUMNS: no split, no wrap (one row a line)
 HEAD_ROWS = 20  # rows shown of a summarised table
 
 
@@ -43,9 +51,11 @@ def count_text(n: float) -> str:
     return f"{n:.3g}" if isinstance(n, float) and not float(n).is_integer() else str(int(n))
 
 
-def _fmt(v: Any, floatfmt: str) -> str:
+def _fmt(v: Any, floatfmt: str, intfmt: str = "{}") -> str:
     if isinstance(v, float):
         return "" if math.isnan(v) else floatfmt.format(v)  # missing stays empty, never a plausible number
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return intfmt.format(v)
     return str(v)
 
 
@@ -82,10 +92,13 @@ def _blocks(widths: Sequence[int], key: int, avail: int, keys: int = 1) -> list[
 
 
 def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None) -> list[Any]:
+                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None, intfmt: str = "{}",
+                 formats: dict[str, str] | None = None) -> list[Any]:
     """The rich renderables of :func:`print_table` (tables and the "more rows" note). ``keys``: the number of
     leading key columns every block of a split table repeats (default: the frame's ``attrs["keys"]`` where it says,
-    else :func:`key_columns`)."""
+    else :func:`key_columns`). ``floatfmt`` / ``intfmt``: the format of float / integer cells; ``formats``: a
+    column's own format, for both (``{"bytes_per_token": "{:,.0f}"}``; a column the table lacks, as offload's
+    bytes_per_token on a recorded trace, is passed over)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -95,7 +108,9 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     shown = df.head(HEAD_ROWS) if n > max_rows else df
     cols = [str(c) for c in df.columns]
     numeric = [df[c].dtype.kind in "fiub" for c in df.columns]
-    cells = [[_fmt(v, floatfmt) for v in row] for row in shown.itertuples(index=False)]
+    fmts = [(formats or {}).get(c) for c in cols]
+    cells = [[_fmt(v, f or floatfmt, f or intfmt) for v, f in zip(row, fmts)]
+             for row in shown.itertuples(index=False)]
     # a column's width is its longest cell (numbers never fold); a header longer than 14 may fold
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
     out: list[Any] = []
@@ -121,7 +136,8 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     for b, idx in enumerate(blocks):
         idx = [*range(nkeys), *idx] if cols else []
         t = Table(title=Text(title + (f" ({b + 1}/{len(blocks)})" if len(blocks) > 1 else "")) if title else None,
-                  show_lines=False, padding=(0, 1))
+                  show_lines=False, padding=(0, 1),
+                  title_justify="left" if avail >= PIPED_WIDTH else "center")  # whole: at column 0, not ~300
         for i in idx:
             t.add_column(Text(cols[i]), justify="right" if numeric[i] else "left",
                          min_width=widths[i], max_width=widths[i] if wraps[i] else None, overflow="fold")
@@ -135,9 +151,16 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                max_rows: int = MAX_ROWS, keys: int | None = None) -> None:
+                max_rows: int = MAX_ROWS, keys: int | None = None, intfmt: str = "{}",
+                formats: dict[str, str] | None = None, whole_when_piped: bool = False) -> None:
     """Print ``df`` as a table that fits the console (see the module docstring); ``csv`` names the file that
-    holds every row of a long table."""
+    holds every row of a long table; ``floatfmt``, ``intfmt`` and ``formats`` as :func:`render_table`.
+    ``whole_when_piped``: output that is not a terminal and no ``COLUMNS`` -- a listing piped into a file, ``grep``
+    or ``less -S`` -- gets the table at its natural width, one line a row, not split into 80-column parts
+    (``inspect --families``: 5 parts, 620 lines)."""
     con = console()
-    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys):
+    if whole_when_piped and not con.is_terminal and not os.environ.get("COLUMNS"):
+        con = console(width=PIPED_WIDTH)
+    for r in render_table(df, title, floatfmt, csv, max_rows, width=con.width, keys=keys, intfmt=intfmt,
+                          formats=formats):
         con.print(r)

@@ -53,7 +53,7 @@ from ...errors import MoetoolError
 from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
 from ..kmeans import GlobalBatch, SphericalKMeans
 from ..result import Result, resolve_options
-from .spec import MassRecallOptions  # noqa: F401 - its options (declared with their flags in spec.py)
+from .spec import MODE_WORDS, MassRecallOptions  # noqa: F401 - its options (declared with their flags in spec.py)
 
 BOUND_TOL = 1e-9
 SCALES = 64  # grid points of the 1-D search over s (plus s = 1 and s = <h, c>)
@@ -518,7 +518,8 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
 
 
 def summary_lines(name: str, res: Any) -> list[str]:
-    """Mass recall (layer mean) per centroids mode at the largest G and two shortlist sizes; bound check."""
+    """Mass recall (layer mean) per centroids mode at the largest G and two shortlist sizes; bound check. Each line
+    names its mode and what it means (``tiny, raw centroids (the model's router as is): ...``)."""
     df = res["mass_recall"]
     lines = []
     for mode, d in df.groupby("centroids", sort=False):
@@ -527,7 +528,8 @@ def summary_lines(name: str, res: Any) -> list[str]:
         for m in sorted(d["shortlist_size"].unique())[:2] + sorted(d["shortlist_size"].unique())[-1:]:
             sel = d[(d["codebook_size"] == G) & (d["shortlist_size"] == m)]
             parts.append(f"M={m}: {sel['mass_recall_mean'].mean():.3f}")
-        lines.append(f"{name} {mode}: mass recall (G={G}, mean over layers) " + ", ".join(dict.fromkeys(parts))
+        lines.append(f"{name}, {mode} centroids ({MODE_WORDS[mode]}): mass recall (G={G}, mean over layers) "
+                     + ", ".join(dict.fromkeys(parts))
                      + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (lowest over layers, G and M), "
                      f"scale-aware bound on {d['bound_scaled_holds_rate'].min():.1%}; mean bound paper "
                      f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}"

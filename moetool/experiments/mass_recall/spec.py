@@ -50,6 +50,8 @@ from ...errors import MoetoolError
 from ..experiment import Demo, experiment, option
 
 MODES = ("raw", "unit")
+#: each centroid mode in a few words, for the summary lines (a bare "tiny raw" / "tiny unit" said nothing)
+MODE_WORDS = {"raw": "the model's router as is", "unit": "router rows on the unit sphere"}
 #: shortlist sizes M when none are given (those up to each layer's n)
 DEFAULT_SHORTLISTS = (2, 4, 8, 16)
 
