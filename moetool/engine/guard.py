@@ -48,6 +48,7 @@ class FiniteGuard:
         self._mask: torch.Tensor | None = None
         self.flags: dict[tuple[int, int], torch.Tensor] = {}
         self.dtypes: dict[tuple[int, int], torch.dtype] = {}  # of a flag's tensor, where the message names it
+        self.half: set[tuple[int, int]] = set()  # the model's own tensors computed in fp16 (the message says so)
         self._output: tuple[torch.Tensor, torch.dtype] | None = None  # (device bool, the logits' dtype) of the batch
         self._handles: list[Any] = []
 
@@ -72,7 +73,7 @@ class FiniteGuard:
         self._handles.clear()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        self.flags, self.dtypes, self._output = {}, {}, None
+        self.flags, self.dtypes, self.half, self._output = {}, {}, set(), None
 
     def output(self, nll: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag the batch's NLL sums ``nll`` (only scored tokens reach them) if one is not finite: a device bool, read
@@ -91,6 +92,8 @@ class FiniteGuard:
                 bad = bad.reshape(m.shape[0], -1) & (m if m.device == x.device else m.to(x.device))
             bad = bad.any()  # a device bool: no sync
             self.flags[key] = _or(self.flags.get(key), bad)
+            if x.dtype == torch.float16:
+                self.half.add(key)
         return hook
 
     def check(self, batch: int, rows: str = "") -> None:
@@ -102,7 +105,7 @@ class FiniteGuard:
         flags = [self.flags[k] for k in keys] + ([output[0]] if output is not None else [])
         dev = flags[0].device
         bad = torch.stack([f.to(dev) for f in flags]).tolist()
-        dtypes, self.flags, self.dtypes = self.dtypes, {}, {}
+        dtypes, half, self.flags, self.dtypes, self.half = self.dtypes, self.half, {}, {}, set()
         where = f" ({rows})" if rows else ""
         for (layer, what), b in zip(keys, bad):
             if b and (layer, what) in dtypes:  # a consumer's flag: what it computed beside the model, and its dtype
@@ -110,8 +113,9 @@ class FiniteGuard:
                                           f"an expert computed on tokens the router did not send it is NaN or inf "
                                           f"in {_dtype_hint(dtypes[(layer, what)])}; results would be meaningless")
             if b:  # a MoE layer first: a NaN there spreads to the output, so it is the cause
+                dtype = f" in {_dtype_hint(torch.float16)}" if (layer, what) in half else ""  # what to do about it
                 raise MoetoolRuntimeError(f"non-finite {TENSORS[what]} in MoE layer {layer} at batch {batch}"
-                                          f"{where}: results would be meaningless")
+                                          f"{where}{dtype}: results would be meaningless")
         if output is not None and bad[-1]:
             dtype = _dtype_hint(output[1])
             raise MoetoolRuntimeError(f"non-finite next-token NLL at batch {batch}{where}: the model's output logits "
