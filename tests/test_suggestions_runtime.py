@@ -182,3 +182,105 @@ def test_fp16_overflow_in_an_expert_suggests_a_dtype_that_runs(tmp_path, no_rend
         got = pd.read_csv(tmp_path / dtype / "ppl.csv")
         assert int(got.scored_tokens[0]) == count and np.isfinite(got.perplexity[0])
         assert float(got.perplexity[0]) == pytest.approx(want, rel=rtol), dtype
+
+
+# ----- --layers of one K / n: MoE layers that differ ------------------------------------------------------------
+def _mixed(change) -> tuple:
+    """The tiny model with layer 0's MoE block changed by ``change(block)`` (its adapter identified afresh), and
+    16 rows of 16 tokens."""
+    import dataclasses
+
+    from moetool.adapters import find_moe_layers
+
+    lm = load("tiny")
+    with torch.no_grad():
+        change(lm.model.model.layers[0].mlp)
+    lm = dataclasses.replace(lm, layers=find_moe_layers(lm.model))
+    return lm, load_tokens(None, lm.tokenizer, 16, 240)
+
+
+def _fewer_experts(block, n=4):
+    block.gate.weight = torch.nn.Parameter(block.gate.weight[:n].clone())
+    block.gate.num_experts = block.experts.num_experts = n
+    block.experts.gate_up_proj = torch.nn.Parameter(block.experts.gate_up_proj[:n].clone())
+    block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj[:n].clone())
+
+
+def offered(line: str, symbol: str) -> list[tuple[tuple[int, ...], int]]:
+    """The ``(layers, K / n)`` choices ``--layers <a-b,c> (<symbol> = <value>)`` a refusal's line offers, in order."""
+    def layers(value):
+        return tuple(i for part in value.split(",") for i in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))
+
+    return [(layers(v), int(k)) for v, k in re.findall(rf"--layers (\S+) \({symbol} = (\d+)\)", line)]
+
+
+def test_topk_on_layers_of_different_k_names_the_layers_of_each_k():
+    """Layer 0 routes 1 expert, layers 1-3 route 2: topk over every layer is refused in one line that offers the
+    --layers of each K (on BASE: "choose layers of one K with --layers", naming none); each offered choice runs, and
+    its topk:K (the model's own routing, K of those layers) has the perplexity of plain forwards by hand."""
+    from conftest import hand_ppl
+
+    from moetool.experiments.topk.compute import topk
+
+    lm, tokens = _mixed(lambda b: setattr(b.gate, "top_k", 1))
+    assert [L.top_k for L in lm.layers] == [1, 2, 2, 2]
+    with pytest.raises(MoetoolError) as e:
+        topk(lm, tokens, bootstrap=0, quiet=True)
+    line = str(e.value)
+    assert line.startswith("the chosen MoE layers route different numbers of experts: choose layers of one K: ")
+    choices = offered(line, "K")
+    assert choices == [((1, 2, 3), 2), ((0,), 1)], line
+    want, _ = hand_ppl(lm.model, tokens)
+    for layers, K in choices:
+        got = topk(lm, tokens, layers=layers, ks=(K,), ps=(), bootstrap=0, quiet=True).tables["topk.csv"]
+        row = got[got.policy == f"topk:{K}"]
+        assert len(row) == 1 and float(row.perplexity.iloc[0]) == pytest.approx(want, rel=1e-5), (layers, got)
+
+
+def test_placement_on_layers_of_different_n_names_the_layers_of_each_n():
+    """Layer 0 keeps 4 of its 8 experts: placement over every layer is refused in one line offering the --layers of
+    each n (on BASE it named none); each choice runs, with the per-expert loads of a hand count of the routers'
+    top-2 over the real tokens."""
+    from moetool.experiments.placement.compute import placement
+
+    lm, tokens = _mixed(_fewer_experts)
+    assert [L.n_experts for L in lm.layers] == [4, 8, 8, 8]
+    with pytest.raises(MoetoolError) as e:
+        placement(lm, tokens, bootstrap=0, quiet=True)
+    line = str(e.value)
+    assert line.startswith("the chosen MoE layers have different numbers of experts: choose layers of one n: ")
+    choices = offered(line, "n")
+    assert choices == [((1, 2, 3), 8), ((0,), 4)], line
+
+    counts, hooks = {}, []
+    for i, blk in enumerate(lm.model.model.layers):
+        def hook(m, a, out, i=i):
+            counts[i] = counts.get(i, 0) + torch.bincount(out[2][mask.reshape(-1).bool()].reshape(-1),
+                                                          minlength=m.num_experts)
+        hooks.append(blk.mlp.gate.register_forward_hook(hook))
+    with torch.no_grad():
+        for s in range(0, tokens.input_ids.shape[0], 8):
+            mask = tokens.attention_mask[s:s + 8]
+            lm.model(input_ids=tokens.input_ids[s:s + 8], attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    for layers, n in choices:
+        got = placement(lm, tokens, layers=layers, bootstrap=0, quiet=True).tables["placement_loads.csv"]
+        for i in layers:
+            rows = got[(got.layer == i) & (got.data_set == "data")].sort_values("expert")
+            assert list(rows.expert) == list(range(n)) and rows.load.tolist() == counts[i].tolist(), (i, rows)
+
+
+def test_layers_of_one_names_each_value_with_its_layers():
+    """The one home of these refusals: the shared value, or each value's --layers (the most layers first) in a form
+    --layers parses; the trace's zero-computation refusal names that count (on BASE it said "choose layers of one
+    n", which the layers already were)."""
+    from moetool.errors import layers_of_one
+
+    assert layers_of_one({3: 8, 5: 8}, "x", "n") == 8
+    with pytest.raises(MoetoolError, match=r"^the trace's MoE layers have different numbers of zero-computation "
+                                           r"experts: choose layers of one number of zero-computation experts: "
+                                           r"--layers 1-2,5 \(number of zero-computation experts = 0\) or --layers 3 "
+                                           r"\(number of zero-computation experts = 2\)$"):
+        layers_of_one({5: 0, 1: 0, 3: 2, 2: 0}, "the trace's MoE layers have different numbers of zero-computation "
+                      "experts", "number of zero-computation experts")
