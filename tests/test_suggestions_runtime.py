@@ -133,6 +133,32 @@ def test_out_of_memory_after_the_analysis_saw_rows_suggests_rows_that_fit(tiny):
     assert len(got_events) == len(want_events) and all(torch.equal(a, b) for a, b in zip(got_events, want_events))
 
 
+def test_capacity_cut_by_the_back_off_suggests_the_rows_that_ran(tiny):
+    """capacity is per batch of --batch-size rows: --batch-size auto backing off from 8 to 2 rows is refused, naming
+    the rows the back-off went on with; the rerun at them (explicit, under the same limit) runs and its tables
+    equal capacity at 2 rows without any limit."""
+    from moetool.experiments.capacity.compute import capacity
+
+    lm, tokens = tiny
+    kw = dict(cfs=(1.0,), bootstrap=0, quiet=True)
+    want = capacity(lm, tokens, batch_size=2, **kw).tables
+    limit(lm, lambda: 2)
+    try:
+        with RunState(backoff=Backoff(enabled=True)).active(), pytest.raises(MoetoolError) as e:
+            capacity(lm, tokens, batch_size=8, **kw)
+        n = suggested(str(e.value))
+        assert str(e.value).startswith("capacity is per batch of --batch-size rows, but out of memory cut the batches "
+                                       "to 2 rows") and n == 2
+        with RunState(backoff=Backoff(enabled=False)).active():
+            got = capacity(lm, tokens, batch_size=n, **kw).tables
+    finally:
+        del lm.model.forward
+    assert got.keys() == want.keys()
+    for k in got:
+        pd.testing.assert_frame_equal(got[k].drop(columns="seconds", errors="ignore"),
+                                      want[k].drop(columns="seconds", errors="ignore"), obj=k)
+
+
 # ----- --dtype: fp16 activations that overflow --------------------------------------------------------------------
 def _cli(args, out):
     from typer.testing import CliRunner
@@ -214,6 +240,15 @@ def offered(line: str, symbol: str) -> list[tuple[tuple[int, ...], int]]:
     return [(layers(v), int(k)) for v, k in re.findall(rf"--layers (\S+) \({symbol} = (\d+)\)", line)]
 
 
+def refused(compute, lm, tokens, what: str, symbol: str) -> list[tuple[tuple[int, ...], int]]:
+    """The choices :func:`offered` by the one line ``compute`` over every MoE layer refuses with (``what`` differs)."""
+    with pytest.raises(MoetoolError) as e:
+        compute(lm, tokens, bootstrap=0, quiet=True)
+    line = str(e.value)
+    assert line.startswith(f"{what}: choose layers of one {symbol}: ") and "\n" not in line, line
+    return offered(line, symbol)
+
+
 def test_topk_on_layers_of_different_k_names_the_layers_of_each_k():
     """Layer 0 routes 1 expert, layers 1-3 route 2: topk over every layer is refused in one line that offers the
     --layers of each K (on BASE: "choose layers of one K with --layers", naming none); each offered choice runs, and
@@ -224,12 +259,8 @@ def test_topk_on_layers_of_different_k_names_the_layers_of_each_k():
 
     lm, tokens = _mixed(lambda b: setattr(b.gate, "top_k", 1))
     assert [L.top_k for L in lm.layers] == [1, 2, 2, 2]
-    with pytest.raises(MoetoolError) as e:
-        topk(lm, tokens, bootstrap=0, quiet=True)
-    line = str(e.value)
-    assert line.startswith("the chosen MoE layers route different numbers of experts: choose layers of one K: ")
-    choices = offered(line, "K")
-    assert choices == [((1, 2, 3), 2), ((0,), 1)], line
+    choices = refused(topk, lm, tokens, "the chosen MoE layers route different numbers of experts", "K")
+    assert choices == [((1, 2, 3), 2), ((0,), 1)]
     want, _ = hand_ppl(lm.model, tokens)
     for layers, K in choices:
         got = topk(lm, tokens, layers=layers, ks=(K,), ps=(), bootstrap=0, quiet=True).tables["topk.csv"]
@@ -245,12 +276,8 @@ def test_placement_on_layers_of_different_n_names_the_layers_of_each_n():
 
     lm, tokens = _mixed(_fewer_experts)
     assert [L.n_experts for L in lm.layers] == [4, 8, 8, 8]
-    with pytest.raises(MoetoolError) as e:
-        placement(lm, tokens, bootstrap=0, quiet=True)
-    line = str(e.value)
-    assert line.startswith("the chosen MoE layers have different numbers of experts: choose layers of one n: ")
-    choices = offered(line, "n")
-    assert choices == [((1, 2, 3), 8), ((0,), 4)], line
+    choices = refused(placement, lm, tokens, "the chosen MoE layers have different numbers of experts", "n")
+    assert choices == [((1, 2, 3), 8), ((0,), 4)]
 
     counts, hooks = {}, []
     for i, blk in enumerate(lm.model.model.layers):
