@@ -138,3 +138,16 @@ def spans(indices: Any) -> str:
         else:
             runs.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def layers_of_one(values: dict[int, Any], what: str, symbol: str) -> Any:
+    """The one ``symbol`` (K, n, ...) the chosen MoE layers share (``values``: decoder index -> its value), or one
+    line: ``what`` differs, and the ``--layers`` of each value that a rerun may choose (the most layers first)."""
+    groups: dict[Any, list[int]] = {}
+    for i in sorted(values):
+        groups.setdefault(values[i], []).append(i)
+    if len(groups) == 1:
+        return next(iter(groups))
+    ways = " or ".join(f"--layers {spans(ix).replace(' ', '')} ({symbol} = {v})"
+                       for v, ix in sorted(groups.items(), key=lambda g: (-len(g[1]), g[1])))
+    raise MoetoolError(f"{what}: choose layers of one {symbol}: {ways}")

@@ -285,7 +285,8 @@ def test_unhooked_forward_retries_the_same_rows(tiny, backoff, capsys):
 
 def test_out_of_memory_after_a_consumer_saw_rows_is_one_line(tiny, backoff, monkeypatch):
     """The sizing trial fits 8 rows; the run's NLL of batch 1 then runs out of memory after the consumer saw its
-    routing events: a retry would feed it the rows twice, so one line names the batch, its rows and the size."""
+    routing events: a retry would feed it the rows twice, so one line names the batch, its rows and the size that
+    fits (the first half of the rows whose forward and NLL a trial ran: tests/test_suggestions_runtime.py)."""
     lm, tokens = tiny
     orig, nll_calls, seen = runner.batch_nll, [], []
 
@@ -299,8 +300,8 @@ def test_out_of_memory_after_a_consumer_saw_rows_is_one_line(tiny, backoff, monk
     with pytest.raises(MoetoolError, match=r"^out of memory at batch 1 \(rows 8-15\) after the analysis saw part of "
                                            r"it: rerun with --batch-size 4$"):
         runner.forward(lm, tokens, nll=True, batch_size=8, quiet=True, consumers=[lambda ev: seen.append(ev.shape)])
-    assert nll_calls == [8, 8, 8] and backoff.events == [] and backoff.rows is None
-    assert seen == [(8, 64)] * (2 * len(lm.layers))  # batches 0 and 1, once each (the trial fed no one)
+    assert nll_calls == [8, 8, 8, 4] and backoff.events == [] and backoff.rows is None  # 4: the trial that fit
+    assert seen == [(8, 64)] * (2 * len(lm.layers))  # batches 0 and 1, once each (the trials fed no one)
 
 
 def test_sizing_trial_leaves_a_policys_generator_as_it_found_it(tiny, backoff):

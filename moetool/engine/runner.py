@@ -135,18 +135,28 @@ def is_oom(e: BaseException) -> bool:
                                                                     "DefaultCPUAllocator: can't allocate"))
 
 
-def _back_off(backoff: Backoff, rows: int, seq_len: int) -> int:
-    """Half of ``rows`` after an out-of-memory, kept in the run's ``backoff`` (one console line); 1 row that does
-    not fit: one error line."""
+def _free() -> None:
+    """What an out-of-memory left behind, collected (and the CUDA cache emptied) before the next try."""
     import gc
-    import sys
 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _no_row_fits(seq_len: int) -> MoetoolRuntimeError:
+    return MoetoolRuntimeError(f"out of memory even with 1 row of {seq_len} tokens per forward: lower --seq-len, "
+                               "use --device-map auto or a smaller --dtype")
+
+
+def _back_off(backoff: Backoff, rows: int, seq_len: int) -> int:
+    """Half of ``rows`` after an out-of-memory, kept in the run's ``backoff`` (one console line); 1 row that does
+    not fit: one error line."""
+    import sys
+
+    _free()
     if rows <= 1:
-        raise MoetoolRuntimeError(f"out of memory even with 1 row of {seq_len} tokens per forward: lower --seq-len, "
-                                  "use --device-map auto or a smaller --dtype")
+        raise _no_row_fits(seq_len)
     new = backoff.backed_off(rows)
     if distributed.is_main():
         print(f"--batch-size auto: out of memory at {rows} rows per forward; going on with {new}", file=sys.stderr)
@@ -309,6 +319,7 @@ class _RowsThatFit:
                  before_batch: Callable[[Any], None] | None, tokens: Any, world: int, run: RunState):
         self.step, self.engine, self.policy, self.before_batch = step, engine, policy, before_batch
         self.tokens, self.world, self.backoff = tokens, world, run.backoff
+        self.layout_active = run.layout.active
         self.auto = self.backoff.enabled and world == 1 and not run.layout.active  # a model group shares rows
         self.rows = min(batch_size, self.backoff.rows) if self.auto and self.backoff.rows else batch_size
         self.sized = not self.auto or (engine is None and before_batch is None)  # a retry could not double-feed anyone
@@ -345,18 +356,35 @@ class _RowsThatFit:
         except Exception as e:
             if not is_oom(e):
                 raise
-            count = sub.input_ids.shape[0]
-            if not self.auto:
-                if self.backoff.enabled:  # torchrun: every rank must cut the same batches
-                    raise MoetoolRuntimeError(
-                        f"out of memory at {count} rows per process on {self.world} ranks (no back-off under "
-                        f"torchrun): rerun with --batch-size {max(count // 2, 1)}") from None
+            if not self.auto and not self.backoff.enabled:  # an explicit --batch-size: the allocator's error as it is
                 raise
-            if self._events() != seen or self.before_batch is not None:
-                raise MoetoolRuntimeError(
-                    f"out of memory at batch {n} ({_rows(self.tokens, at, count)}) after the analysis saw part of "
-                    f"it: rerun with --batch-size {max(count // 2, 1)}") from None
+        count = sub.input_ids.shape[0]  # out of the except block: the exception's frames are gone
+        if not self.auto:  # torchrun: every rank must cut the same batches
+            raise MoetoolRuntimeError(
+                f"out of memory at {count} rows per process on {self.world} ranks (no back-off under torchrun): "
+                f"rerun with --batch-size {self._fitting(sub, at)}")
+        if self._events() != seen or self.before_batch is not None:
+            raise MoetoolRuntimeError(
+                f"out of memory at batch {n} ({_rows(self.tokens, at, count)}) after the analysis saw part of "
+                f"it: rerun with --batch-size {self._fitting(sub, at)}")
         return None
+
+    def _fitting(self, sub: Any, at: int) -> int:
+        """The rows a rerun's ``--batch-size`` may take after ``sub`` ran out of memory where the back-off may not
+        retry it: the first of its halves whose forward and NLL fit (:func:`_sizing_trial`, nothing fed to the
+        consumers; the run ends after it), as the back-off would have found them; one line when 1 row does not fit.
+        A model group (``--tp``) runs collectives in its forward, which one rank cannot run alone: half the rows."""
+        count, seq_len = sub.input_ids.shape[0], sub.input_ids.shape[1]
+        rows = count
+        while rows > 1:
+            rows //= 2  # as Backoff.backed_off
+            if self.world > 1 and self.layout_active:
+                return rows
+            _free()
+            if _sizing_trial(self.engine, self.policy, lambda: self.step(_slice(sub, 0, rows), at)):
+                return rows
+        _free()
+        raise _no_row_fits(seq_len)
 
     def _events(self) -> int:
         """Routing events reported so far (a consumer saw rows once this grew)."""

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..errors import MoetoolError, spans
+from ..errors import MoetoolError, layers_of_one, spans
 from ..loading import load_tokenizer
 from ..sketch import SparseCounter
 from ..traces.readers import check_ids
@@ -318,16 +318,10 @@ def placement_from_trace(src: TraceSource, options: Any) -> tuple[Result, dict[s
     ``{"load", "layers", "n", "groups"}`` for an export."""
     sums = trace_sums(src, coactivation=None, layers=options.layers)
     idx = list(sums)
-    ns = {sums[li].n for li in idx}
-    if len(ns) != 1:
-        raise MoetoolError("the trace's MoE layers have different numbers of experts: choose layers of one n with "
-                           "--layers")
-    zs = {src.shape.n_zero_compute(li) for li in idx}
-    if len(zs) != 1:
-        raise MoetoolError("the trace's MoE layers have different numbers of zero-computation experts: choose layers "
-                           "of one n with --layers")
-    z = zs.pop()
-    n = ns.pop() - z  # zero-computation experts run nowhere: not placed (their assignments take no GPU)
+    n = layers_of_one({li: sums[li].n for li in idx}, "the trace's MoE layers have different numbers of experts", "n")
+    z = layers_of_one({li: src.shape.n_zero_compute(li) for li in idx}, "the trace's MoE layers have different "
+                      "numbers of zero-computation experts", "number of zero-computation experts")
+    n -= z  # zero-computation experts run nowhere: not placed (their assignments take no GPU)
     K = sums[idx[0]].k
     groups = options.groups or 1
     if n % groups:

@@ -30,7 +30,7 @@ from ... import distributed
 from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
-from ...errors import MoetoolError, shown
+from ...errors import MoetoolError, layers_of_one, shown
 from ...uncertainty import (LEVEL, RowTable, bootstrap_meta, bootstrap_weights, format_ci, percentile, replicates,
                            sum_intervals, with_ci)
 from ..routing import data_name
@@ -322,12 +322,13 @@ def model_groups(layer: Any) -> int:
 def _placed_experts(layers: list[Any], groups: int | None) -> tuple[int, int, int, int]:
     """``(n, z, K, groups)`` of the chosen MoE layers: the experts placed (zero-computation experts, ``z``, run
     nowhere: not placed), top-K, and the expert groups (``groups``, else the model's routing groups); layers of
-    different n, or groups that do not divide n, are refused."""
-    z = layers[0].n_zero_compute
-    n, K = layers[0].n_computed, layers[0].top_k
-    if any(L.n_computed != n for L in layers):
-        raise MoetoolError("the chosen MoE layers have different numbers of experts: choose layers of one n "
-                           "with --layers")
+    different n, z or K, or groups that do not divide n, are refused."""
+    n = layers_of_one({L.index: L.n_computed for L in layers}, "the chosen MoE layers have different numbers of "
+                      "experts", "n")
+    z = layers_of_one({L.index: L.n_zero_compute for L in layers}, "the chosen MoE layers have different numbers of "
+                      "zero-computation experts", "number of zero-computation experts")  # one [n + z] load per layer
+    K = layers_of_one({L.index: L.top_k for L in layers}, "the chosen MoE layers route different numbers of "
+                      "experts", "K")  # load_fraction = load / (tokens * K)
     groups = groups if groups is not None else model_groups(layers[0])
     if n % groups:
         raise MoetoolError(f"--groups {groups} must divide the {n} experts")

@@ -16,7 +16,7 @@ import torch
 from ... import distributed
 from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, check_policy, select_layers
-from ...errors import MoetoolError
+from ...errors import MoetoolError, layers_of_one
 from ...policies import make_policy
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns
@@ -89,10 +89,8 @@ def topk(lm: Any, tokens: Any, options: TopkOptions | None = None, *, quiet: boo
     opts = resolve_options(TopkOptions, options, overrides)
     require_tokens(tokens)
     layers = select_layers(lm.layers, opts.layers)
-    K = layers[0].top_k
-    if any(L.top_k != K for L in layers):
-        raise MoetoolError("the chosen MoE layers route different numbers of experts: choose layers of one K "
-                           "with --layers")
+    K = layers_of_one({L.index: L.top_k for L in layers}, "the chosen MoE layers route different numbers of experts",
+                      "K")
     specs = opts.specs(K)
     policies = {spec: make_policy(spec) for spec, _, _ in specs}  # a bad one fails before any forward
     indices = [L.index for L in layers]
