@@ -343,3 +343,37 @@ def test_guard_output_flags_inf_and_nan_nll_with_or_without_layer_flags_and_rese
         assert len(g.flags) == 2 * len(layers)
         with pytest.raises(MoetoolRuntimeError, match=re.escape(msg.format(b=1))):
             g.check(1)
+
+
+def test_a_mean_nll_past_float64s_range_stops_in_one_line_not_an_overflow_error():
+    """Finite but huge output logits (fp32, the final norm x 1e5) give a mean next-token NLL past 709.78 nats, whose
+    exp overflows float64: ``forward(...).perplexity`` raised Python's OverflowError (a traceback; the CLI's ppl and
+    a --dtype fp32 rerun of an fp16 overflow hit it). Now one line with the NLL, computed here by hand from the
+    model's own logits; a mean just under the bound still gives its number."""
+    import torch.nn.functional as F
+
+    from moetool.data import load_tokens
+    from moetool.engine import forward
+    from moetool.engine.runner import MAX_LOG, NLL
+    from moetool.loading import load
+
+    lm = load("tiny")
+    ts = load_tokens(None, lm.tokenizer, 16, 64)
+    with torch.no_grad():
+        lm.model.model.norm.weight *= 1e5
+        total, count = 0.0, 0
+        for b in ts.batches(4):
+            logits = lm.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.double()
+            m = b.attention_mask.bool()
+            pair = m[:, 1:] & m[:, :-1]
+            nll = F.cross_entropy(logits[:, :-1][pair], b.input_ids[:, 1:][pair], reduction="sum")
+            total, count = total + float(nll), count + int(pair.sum())
+    assert torch.isfinite(torch.tensor(total)) and total / count > MAX_LOG, total / count
+    with pytest.raises(MoetoolRuntimeError) as e:
+        forward(lm, ts, batch_size=4, nll=True, quiet=True).perplexity
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("mean next-token NLL ") and f"over {count} tokens" in line, line
+    assert float(line.split()[3]) == pytest.approx(total / count, rel=1e-3), line
+    assert NLL(709.0 * 3, 3).ppl == pytest.approx(math.exp(709.0))
+    with pytest.raises(MoetoolRuntimeError):
+        NLL(710.0 * 3, 3).ppl

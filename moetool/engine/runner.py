@@ -41,7 +41,19 @@ class NLL:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.mean) if self.tokens else float("nan")
+        """``exp(mean)``; a mean past ``log`` of float64's largest number (709.78 nats: logits no trained model
+        gives) stops in one line instead of an ``OverflowError`` or an infinite perplexity."""
+        if not self.tokens:
+            return float("nan")
+        if self.mean > MAX_LOG:
+            raise MoetoolRuntimeError(f"mean next-token NLL {self.mean:.4g} nats over {self.tokens} tokens: its "
+                                      f"perplexity exp(NLL) is past float64's largest number (1.8e308); the model's "
+                                      f"output logits are far outside a trained model's: results would be meaningless")
+        return math.exp(self.mean)
+
+
+#: log of float64's largest number: the largest mean NLL whose perplexity is a number
+MAX_LOG = math.log(1.7976931348623157e308)
 
 
 @dataclass
