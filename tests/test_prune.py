@@ -190,6 +190,21 @@ def test_a_file_set_may_list_other_layers_with_nothing_removed():
         PrunePolicy({0: [1], 5: [2]}).check_layers([0], [0, 5])
 
 
+def test_a_removed_expert_outside_the_layer_is_refused():
+    """An expert id outside 0..n-1 is refused in one line -- a negative one is no Python index from the end (-1
+    would silently remove the last expert)."""
+    from types import SimpleNamespace
+
+    from moetool.policies.prune import PrunePolicy
+
+    layer = SimpleNamespace(index=0, n_experts=8, keep_problem=lambda keep: None)
+    for bad in (-1, 8):
+        with pytest.raises(MoetoolError, match=rf"layer 0 has experts 0..7, not \[{bad}\]"):
+            PrunePolicy({0: [1, bad]}).check(layer)
+    keep = PrunePolicy({0: [0, 7]}).keep(layer, torch.device("cpu"))
+    assert keep.tolist() == [False] + [True] * 6 + [False]
+
+
 def test_random_removed_skips_the_excluded_experts():
     """random_removed with ``exclude`` (super-experts' random control set): ``m`` experts, none excluded, the same
     for the same (seed, layer), and a set drawn with another set excluded is disjoint from it."""
