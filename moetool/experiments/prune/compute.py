@@ -188,7 +188,7 @@ def _check_fractions(layers: list[Any], fractions: tuple[float, ...]) -> None:
     """Before any forward: every layer keeps at least its K experts at every fraction, and a fraction above 0
     removes an expert somewhere (one that floors to none everywhere could only give the router's row again)."""
     for f in fractions:
-        if False:
+        if f > 0 and all(n_removed(f, L.n_computed) == 0 for L in layers):
             n = max(L.n_computed for L in layers)
             f_ = number_text(f)
             raise MoetoolError(f"--fractions {f_} removes no expert in any chosen MoE layer (floor({f_} x {n}) = 0); "
