@@ -625,7 +625,7 @@ class OffloadCollector:
         self.pred.next_batch(batch)
         self.valid.append(mask.cpu())
         self.rows.append(self._rows_now)
-        self._pos = (self._base + torch.cumsum(mask.long(), 0))
+        self._pos = (self._base + torch.cumsum(mask.long(), 0) - 1)
         self._base += int(mask.sum())
 
     @contextlib.contextmanager
