@@ -74,6 +74,19 @@ def test_extreme_capacity_factors_do_not_overflow(cf):
     assert float(capacity(cf, torch.tensor(0), 2, 8)) == 0  # no real token: no capacity
 
 
+def test_capacity_at_the_int64_bound():
+    """EXACT_BOUND is where tokens x numerator stops fitting int64 for batches of up to 2**32 tokens: a cf of
+    2**31 - 1 (numerator below the bound) is exact in integers (2**32 x (2**31 - 1) = 2**63 - 2**32), and 4e9 (above
+    it) is taken in float64 -- in int64 2**32 x 4e9 wraps to a negative capacity."""
+    from moetool.policies.capacity import EXACT_BOUND
+
+    tokens = torch.tensor(2 ** 32)
+    assert float(capacity(float(EXACT_BOUND - 1), tokens, 1, 1)) == 2 ** 32 * (EXACT_BOUND - 1)
+    got = float(capacity(4e9, tokens, 1, 1))
+    assert got == pytest.approx(4e9 * 2 ** 32, rel=1e-12)
+    assert float(capacity(4e9, tokens, 3, 7)) == pytest.approx(4e9 * 2 ** 32 * 3 / 7, rel=1e-12)
+
+
 def test_a_capacity_no_expert_can_exceed_reproduces_the_model(family, tiny_model, batch):
     """cf = n/K gives every expert a capacity of all the batch's real tokens (at most one assignment each): nothing
     dropped, logits bit for bit (every family); likewise cf = inf."""
@@ -151,6 +164,7 @@ def test_tables_are_the_hand_count_of_the_first_layer(tiny_capacity):
     assert len(seen) == 3
     experts = res["capacity_experts"].set_index(["cf", "order", "layer", "expert"]).sort_index()
     layers = res["capacity_layers"].set_index(["cf", "order", "layer"]).sort_index()
+    lost_any = False
     for cf in (0.5, 1.25):
         for order in ("order", "score"):
             load, dropped, cap, lost, tokens_seen = torch.zeros(n), torch.zeros(n), 0, 0, 0
@@ -169,6 +183,13 @@ def test_tables_are_the_hand_count_of_the_first_layer(tiny_capacity):
             assert row["tokens"] == tokens_seen == tokens.n_tokens
             assert row["tokens_dropped_all"] == lost
             assert row["dropped_frac"] == pytest.approx(float(dropped.sum()) / float(load.sum()), rel=1e-12)
+            assert row["tokens_dropped_all_frac"] == pytest.approx(lost / tokens_seen, rel=1e-12)
+            lost_any = lost_any or lost > 0
+    assert lost_any  # (a token that lost every expert: the fraction's denominator counts)
+    per_layer = res["capacity_layers"].groupby(["cf", "order"])[["tokens_dropped_all", "tokens"]].sum()
+    overall = res["capacity"].set_index(["cf", "order"])["tokens_dropped_all_frac"]
+    assert overall.to_dict() == pytest.approx(
+        (per_layer["tokens_dropped_all"] / per_layer["tokens"]).to_dict(), rel=1e-12)
 
 
 def test_perplexity_is_ppl_under_the_policy(tiny_capacity):
@@ -213,6 +234,10 @@ def test_backed_off_batches_are_refused(monkeypatch):
         with pytest.raises(MoetoolRuntimeError, match="rerun with --batch-size 2"):
             _check_batches(4)
         _check_batches(2)
+    with RunState(backoff=Backoff(enabled=True, rows=3)).active():  # one row short is already another capacity
+        with pytest.raises(MoetoolRuntimeError, match="rerun with --batch-size 3"):
+            _check_batches(4)
+        _check_batches(3)
     _check_batches(4)  # no run: no back-off
 
 

@@ -679,6 +679,13 @@ def test_coverage_and_hottest_expert_of_a_hand_trace():
     res = offload_tables(stream, [SimpleNamespace(index=0, n_experts=6, top_k=2)], opts, {}, None)
     cov = res["offload_coverage"].set_index("tokens")["coverage"]
     assert cov.to_dict() == pytest.approx({1: 2 / 6, 2: 3 / 6, 3: 4 / 6, 4: 5 / 6}, abs=1e-12)
+    # default N: the powers 4**k (k >= 2) below T, then every token T (here 16 > T = 4: T alone)
+    default = offload_tables(stream, [SimpleNamespace(index=0, n_experts=6, top_k=2)],
+                             OffloadOptions(capacities=(6,), policies=("lru",), bootstrap=0), {}, None)
+    assert default["offload_coverage"].set_index("tokens")["coverage"].to_dict() == pytest.approx({4: 5 / 6})
+    one = TraceStream(np.array([0]), {0: req[:1]}, {0: 6})  # one token: no cache trace to speak of, refused
+    with pytest.raises(MoetoolError, match="at least 2 real tokens, got 1"):
+        offload_tables(one, [SimpleNamespace(index=0, n_experts=6, top_k=2)], opts, {}, None)
     lay = res["offload_layers"].iloc[0]
     assert (lay.hottest_expert, lay.experts_used, lay.tokens) == (0, 5, 4)
     assert lay.hottest_share == pytest.approx(2 / 8, abs=1e-12)

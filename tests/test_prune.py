@@ -156,8 +156,70 @@ def test_lowest_importance_goes_first_ties_to_the_lower_index():
         assert lowest(scores, m) == sorted(sorted(range(8), key=lambda e: (scores[e], e))[:m])
     assert lowest(scores, 2) == [1, 3] and lowest(scores, 5) == [0, 1, 3, 5, 6]
     assert [n_removed(f, 8) for f in (0.0, 0.1, 0.125, 0.25, 0.3, 0.375, 0.99)] == [0, 0, 1, 2, 2, 3, 7]
+    # 0.29 x 100 is 28.999999999999996 in floats: the fraction's decimal means 29 experts
+    assert [n_removed(f, 100) for f in (0.29, 0.57, 0.58)] == [29, 57, 58]
     imp = pd.DataFrame({"layer": [5] * 8, "expert": list(range(8))[::-1], "frequency": scores[::-1]})  # any row order
     assert removed_from_importance(imp, "frequency", 0.25) == {5: [1, 3]}
+    # a layer that does not list experts 0..n-1 once (a row lost or repeated) would rank the wrong experts: refused
+    for bad in (imp[imp["expert"] != 3], pd.concat([imp, imp.iloc[:1]]), imp.assign(expert=imp["expert"] + 1)):
+        with pytest.raises(MoetoolError, match="does not list experts"):
+            removed_from_importance(bad, "frequency", 0.25)
+
+
+def test_a_removed_csv_set_is_picked_by_criterion_and_fraction(tmp_path):
+    """prune_removed.csv holds a set per (criterion, fraction): :<criterion>:<fraction> reads that one set only."""
+    import pandas as pd
+
+    from moetool.policies.prune import read_removed
+
+    path = tmp_path / "prune_removed.csv"
+    pd.DataFrame({"criterion": ["frequency", "frequency", "frequency", "reap", "frequency"],
+                  "fraction": [0.25, 0.5, 0.5, 0.25, 0.5], "layer": [0, 0, 0, 0, 2],
+                  "expert": [1, 1, 2, 3, 0]}).to_csv(path, index=False)
+    assert read_removed(str(path), "frequency", 0.25) == {0: [1]}
+    assert read_removed(str(path), "frequency", 0.5) == {0: [1, 2], 2: [0]}
+    assert read_removed(str(path), "reap", 0.25) == {0: [3]}
+
+
+def test_a_file_set_may_list_other_layers_with_nothing_removed():
+    """prune:file: a layer outside --layers is refused only where the set removes experts there."""
+    from moetool.policies.prune import PrunePolicy
+
+    PrunePolicy({0: [1], 5: []}).check_layers([0], [0, 5])
+    with pytest.raises(MoetoolError, match=r"removes experts in layers \[5\]"):
+        PrunePolicy({0: [1], 5: [2]}).check_layers([0], [0, 5])
+
+
+def test_a_removed_expert_outside_the_layer_is_refused():
+    """An expert id outside 0..n-1 is refused in one line -- a negative one is no Python index from the end (-1
+    would silently remove the last expert)."""
+    from types import SimpleNamespace
+
+    from moetool.policies.prune import PrunePolicy
+
+    layer = SimpleNamespace(index=0, n_experts=8, keep_problem=lambda keep: None)
+    for bad in (-1, 8):
+        with pytest.raises(MoetoolError, match=rf"layer 0 has experts 0..7, not \[{bad}\]"):
+            PrunePolicy({0: [1, bad]}).check(layer)
+    keep = PrunePolicy({0: [0, 7]}).keep(layer, torch.device("cpu"))
+    assert keep.tolist() == [False] + [True] * 6 + [False]
+
+
+def test_random_removed_skips_the_excluded_experts():
+    """random_removed with ``exclude`` (super-experts' random control set): ``m`` experts, none excluded, the same
+    for the same (seed, layer), and a set drawn with another set excluded is disjoint from it."""
+    from moetool.policies.prune import random_removed
+
+    for seed, layer, n, m in ((0, 3, 16, 4), (7, 0, 8, 3), (1, 12, 64, 20)):
+        a = random_removed(seed, layer, n, m)
+        assert len(a) == m == len(set(a)) and a == sorted(a) and all(0 <= e < n for e in a)
+        assert a == random_removed(seed, layer, n, m)
+        b = random_removed(seed, layer, n, m, exclude=a)
+        assert len(b) == m and not set(a) & set(b) and b == sorted(b)
+        assert random_removed(seed, layer, n, n - m, exclude=a) == sorted(set(range(n)) - set(a))
+    # seeded by (seed, layer): every layer draws its own set (8 of 64 alike by chance: about 2e-10)
+    assert len({tuple(random_removed(0, layer, 64, 8)) for layer in range(6)}) == 6
+    assert random_removed(0, 1, 64, 8) != random_removed(1, 1, 64, 8)
 
 
 def test_experiment_tables(tiny_prune):

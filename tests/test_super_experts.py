@@ -86,6 +86,15 @@ def test_rank_ties_and_share_of_max_by_hand():
     assert got["share_of_max"].to_dict() == pytest.approx({(0, 0): 5 / 7, (0, 1): 0.0, (0, 2): 2 / 7, (1, 0): 5 / 7,
                                                            (1, 1): 0.0, (1, 2): 1.0}, abs=1e-15)
     assert got["routed"].to_dict() == {(0, 0): 3, (0, 1): 0, (0, 2): 1, (1, 0): 2, (1, 1): 0, (1, 2): 4}
+    # the default rule: 99.5th percentile of [0, 0, 2, 5, 5, 7] at position 4.975 -> 5 + 0.975 x 2 = 6.95 above the
+    # floordiv 7 // 10 = 0; one value can pass (degenerate)
+    assert df["threshold"].tolist() == pytest.approx([6.95] * 6) and df["can_pass"].eq(1).all() and df["degenerate"].all()
+    assert got.index[got["is_super"]].tolist() == [(1, 2)]
+    # median 2 + 0.5 x 3 = 3.5 below the max rule 7 // 1.25 = 5: the threshold is the larger; 3 values can pass
+    df, p, f = probe.table(50.0, 0.8)
+    assert (p, f) == (pytest.approx(3.5), 5.0) and (df["threshold"] == 5.0).all()
+    assert df["can_pass"].eq(3).all() and not df["degenerate"].any()
+    assert df.set_index(["layer", "expert"]).index[df["is_super"]].tolist() == [(1, 2)]
 
 
 def test_degenerate_and_layer_cut_by_hand():
@@ -99,6 +108,20 @@ def test_degenerate_and_layer_cut_by_hand():
             assert can_pass(n, q) == int((a > np.percentile(a, q)).sum()), (n, q)
     assert can_pass(200, 99.5) == 1 and can_pass(201, 99.5) == 1 and can_pass(202, 99.5) == 2
     assert [included_layers(L, 0.75) for L in (2, 4, 6, 10, 27, 48, 61)] == [2, 3, 4, 8, 20, 36, 46]
+
+
+def test_decoder_layer_count_from_the_config_or_the_last_moe_layer():
+    """L = the text config's num_hidden_layers (num_layers, n_layers), at least one past the last MoE layer's
+    index: a config without the count gives last index + 1, not the last index."""
+    from types import SimpleNamespace
+
+    from moetool.experiments.super_experts.compute import decoder_layers
+
+    layers = [SimpleNamespace(index=i) for i in (1, 3, 5)]
+    assert decoder_layers(SimpleNamespace(config=SimpleNamespace(num_hidden_layers=8), layers=layers)) == 8
+    assert decoder_layers(SimpleNamespace(config=SimpleNamespace(n_layers=7), layers=layers)) == 7
+    assert decoder_layers(SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4), layers=layers)) == 6
+    assert decoder_layers(SimpleNamespace(config=None, layers=layers)) == 6
 
 
 def test_first_rows_by_hand():

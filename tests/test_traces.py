@@ -1424,6 +1424,18 @@ def test_a_dense_first_layer_maps_every_moe_layer_to_its_own_column():
     assert sorted(got) == [1, 2, 3, 4] and all((got[li] == ex[li]).all() for li in got)
 
 
+def test_sglang_per_token_dense_layers_stay_unrouted_through_the_physical_map(tmp_path):
+    """A per_token dump of a model with a dense first layer: its -1 ids are kept as -1 by the physical-to-logical
+    map (not read as physical slot 0's expert), so the dense layer is not taken for a routed one."""
+    shape = ModelShape(5, {i: (8, 2) for i in range(1, 5)}, "hand")
+    ex = _hand_experts(4, range(1, 5), seed=4)
+    p2l = torch.arange(8).flip(0).repeat(5, 1)  # physical slot s holds logical expert 7 - s
+    _per_token_pt(tmp_path / "d.pt", [_per_token_record({li: 7 - v for li, v in ex.items()}, 4, L=5)], p2l)
+    chunks = list(readers.read([tmp_path / "d.pt"], shape).chunks)
+    assert len(chunks) == 1 and sorted(chunks[0].experts) == [1, 2, 3, 4]
+    assert all((chunks[0].experts[li] == ex[li]).all() for li in range(1, 5))
+
+
 def test_sglang_per_token_rows_follow_extend_seq_lens_and_decode_passes(tmp_path):
     """A prefill pass of two sequences (extend_seq_lens [2, 3]) is rows 0 and 1 (tokens 2 + 3), the decode pass
     after it (no lengths: one token per request) rows 2, 3, 4; positions and input ids as recorded."""
