@@ -147,8 +147,9 @@ def is_oom(e: BaseException) -> bool:
                                                                     "DefaultCPUAllocator: can't allocate"))
 
 
-def _free() -> None:
-    """What an out-of-memory left behind, collected (and the CUDA cache emptied) before the next try."""
+def free_memory() -> None:
+    """What an out-of-memory (or a dropped model: call with no reference to it left) left behind, collected, and the
+    CUDA cache emptied."""
     import gc
 
     gc.collect()
@@ -166,7 +167,7 @@ def _back_off(backoff: Backoff, rows: int, seq_len: int) -> int:
     not fit: one error line."""
     import sys
 
-    _free()
+    free_memory()
     if rows <= 1:
         raise _no_row_fits(seq_len)
     new = backoff.backed_off(rows)
@@ -392,10 +393,10 @@ class _RowsThatFit:
             rows //= 2  # as Backoff.backed_off
             if self.world > 1 and self.layout_active:
                 return rows
-            _free()
+            free_memory()
             if _sizing_trial(self.engine, self.policy, lambda: self.step(_slice(sub, 0, rows), at)):
                 return rows
-        _free()
+        free_memory()
         raise _no_row_fits(seq_len)
 
     def _events(self) -> int:

@@ -26,7 +26,6 @@ weights per run: the ΔNLL interval is paired).
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +36,7 @@ from torch import nn
 from ... import distributed, formats, ops
 from ...data import check_tokenizer, require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
-from ...engine.runner import forward
+from ...engine.runner import forward, free_memory
 from ...errors import MoetoolError
 from ...loading import load, load_tokenizer
 from ...sketch import QuantileSketch
@@ -288,13 +287,6 @@ class CompareRun(_Run):
 
 
 # ----- the experiment ----------------------------------------------------------------------------
-def _free() -> None:
-    """Collect what a dropped model left (call with no reference to it left) and return its CUDA memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_precision(lm: Any, tokens: Any, collector: Any, layers: Sequence[Any], opts: AgreementOptions,
                   description: str, quiet: bool) -> None:
     forward(lm, tokens, consumers=[collector], moe_layers=layers, batch_size=opts.batch_size,
@@ -382,7 +374,7 @@ def agreement(model: Any, tokens: Any, options: AgreementOptions | None = None, 
         run_precision(lm, shard, col, layers, opts, f"agreement {p}", quiet)
         del lm, layers  # every reference to this precision's model (the runs keep layer indices only) ...
         if owned:
-            _free()  # ... so its memory is free before the next precision loads
+            free_memory()  # ... so its memory is free before the next precision loads
     per_layer, summary, bins = tables(ref_name, ref, runs, records, opts)
     meta = dict(definitions=DEFINITIONS, data=tokens.describe(), data_name=data_name(tokens.source),
                 layers=sorted(ref.layers), reference=ref_name, precisions=records,
