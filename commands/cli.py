@@ -230,7 +230,8 @@ def finish(res: Any, path: Any, quiet: bool, tables: Any = None) -> None:
     a command that writes no experiment's result (``demo``, ``report``, ``import-trace``)."""
     if tables is not None and not quiet:
         tables()
-    for what, why in ((res.meta.get("left_out") if res is not None else None) or {}).items():  # a table or rows the run does not write, and why
+    left_out = (res.meta.get("left_out") or {}) if res is not None else {}  # tables or rows not written, and why
+    for what, why in left_out.items():
         typer.echo(f"left out: {what} ({why})")
     echo_run(path)
 
