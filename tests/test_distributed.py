@@ -119,7 +119,7 @@ def two_ranks(tmp_path_factory, job: str, rank: int = 0):
     if "results" not in _LAUNCH:
         out = tmp_path_factory.mktemp("gloo") / "res"
         try:
-            mp.spawn(_jobs_worker, args=(2, free_port(), str(out), JOBS), nprocs=2, join=True)
+            port_retry(lambda: mp.spawn(_jobs_worker, args=(2, free_port(), str(out), JOBS), nprocs=2, join=True))
             _LAUNCH["results"] = [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)]
         except Exception as e:  # noqa: BLE001 - every test of the launch reports it, none launches again
             _LAUNCH["results"] = e
@@ -138,6 +138,18 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_retry(start, tries: int = 3):
+    """``start()`` again (it asks :func:`free_port` afresh) when its rendezvous found the port taken: free_port frees
+    the port it found, and another process (a test's gloo ranks, an outgoing connection) may take it before rank 0
+    listens - seen in CI as EADDRINUSE. Rank 0 fails at ``init_process_group``, before any job: nothing ran twice."""
+    for attempt in range(tries):
+        try:
+            return start()
+        except Exception as e:  # noqa: BLE001 - only the rendezvous's taken port is retried
+            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+                raise
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path_factory):

@@ -215,11 +215,15 @@ def one_rank_group(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from test_distributed import free_port
+    from test_distributed import free_port, port_retry
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+
+    def start():
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+    port_retry(start)
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
