@@ -178,10 +178,20 @@ def test_device_cuda_without_cuda_is_one_line_exit_1(tmp_path):
 
 
 # ----- the Hub without network ----------------------------------------------------------------------------------
-def _closed_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed once the socket is: connections are refused
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def refused_port():
+    """A port held bound and not listening while the test runs: connections to it are refused (a port found free
+    and let go could be taken by another process before the test connects)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    yield s.getsockname()[1]
+    s.close()
 
 
 @pytest.fixture
@@ -196,13 +206,14 @@ def silent_server():
 
 @pytest.mark.parametrize("network", ["as is", "refused", "hangs", "proxy refused"])
 @pytest.mark.slow
-def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, network, silent_server):
+def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, network, silent_server,
+                                                        refused_port):
     """A made-up hub id: this machine's own network (no DNS in CI), a refused connection, a Hub that accepts the
     connection and never answers (the probe's timeout), an https proxy that refuses. One line, exit 1, < 3 s
     (26 s of retries before)."""
     for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
-    endpoint = {"refused": f"http://127.0.0.1:{_closed_port()}", "hangs": silent_server,
+    endpoint = {"refused": f"http://127.0.0.1:{refused_port}", "hangs": silent_server,
                 "proxy refused": "https://hub.example.org"}.get(network)
     import huggingface_hub.constants as hc
 
@@ -211,7 +222,7 @@ def test_hub_id_without_network_fails_in_under_3_seconds(tmp_path, monkeypatch, 
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     if network == "proxy refused":
-        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{_closed_port()}")
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{refused_port}")
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     # the command's own imports are not what is timed: warm them with a name that fails before any network
     assert runner.invoke(app, ["trace", "--model", "no-such-model", "--out", str(tmp_path / "w"), "-q"]).exit_code == 2
@@ -281,7 +292,7 @@ except MoetoolRuntimeError as e:
 def test_hub_online_path_is_kept_when_the_hub_answers(tmp_path):
     """A local server stands in for the Hub: the probe sees it, so the normal online request is made (no
     local_files_only) and reaches it; its 404 becomes the one-line 'no model' message, not the offline one."""
-    port = _closed_port()
+    port = _free_port()  # the subprocess serves on it
     env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_CACHE=str(tmp_path / "cache"))
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(var, None)
@@ -295,7 +306,7 @@ def test_hub_online_path_is_kept_when_the_hub_answers(tmp_path):
 
 
 @pytest.mark.slow
-def test_cached_hub_model_loads_offline(tmp_path):
+def test_cached_hub_model_loads_offline(tmp_path, refused_port):
     """Offline (the endpoint refuses), a hub id already in the cache loads from it: the same weights."""
     src = embedded_models()["tiny"]
     snap = tmp_path / "hub" / "models--made-up-org--tiny-copy" / "snapshots" / ("0" * 40)
@@ -309,7 +320,7 @@ def test_cached_hub_model_loads_offline(tmp_path):
             "sa, sb = a.model.state_dict(), b.model.state_dict()\n"
             "print('SAME', a.kind, sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa),"
             " a.tokenizer is not None)")
-    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=f"http://127.0.0.1:{refused_port}")
     env.pop("HF_HUB_OFFLINE", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "SAME hub True True" in out.stdout, out.stdout + out.stderr[-2000:]
