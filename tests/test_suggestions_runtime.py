@@ -100,6 +100,56 @@ def test_torchrun_out_of_memory_suggests_rows_that_fit(tiny, monkeypatch):
         del lm.model.forward
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.xdist_group("oom_model_group")
+@pytest.mark.parametrize("world, layout, fits, max_tokens", [
+    (2, ["--tp", "2"], "4,2", 1024),  # one model group; its rank 1 runs out of memory where rank 0 does not
+    (4, ["--tp", "2", "--ep", "2"], "4,2,8,8", 2048),  # two groups: the first runs out, the second never does
+])
+def test_model_group_out_of_memory_suggests_rows_every_rank_fits(tmp_path, world, layout, fits, max_tokens):
+    """--tp / --ep under torchrun (gloo ranks on CPU, tests/oom_ranks.py: a forward of more rows than the rank's
+    ``fits`` runs, collectives included, then raises an out-of-memory, as a batch's NLL does after the model's
+    last collective). --batch-size auto takes 8 rows per model group: every rank of the first group runs out, the
+    refusal names the model group and the --batch-size every rank of it fits (2: a trial the group's ranks run
+    together, the size fitting when it fit on all of them), the same on each rank that says it; the rerun at it
+    under the same limits runs, with the perplexity of one process. On BASE one model group said "8 rows per process
+    on 1 ranks ... --batch-size 4" (rank 0's lone trial: 4 runs out on rank 1, whose own trial at 2 found no partner
+    for its collectives), and two said 4 without a trial (half the rows)."""
+    import subprocess
+    from pathlib import Path
+
+    from test_distributed_cli import _env, run_cli, torchrun
+
+    target = (str(Path(__file__).with_name("oom_ranks.py")),)
+    args = ["ppl", "--model", "tiny", "--max-tokens", str(max_tokens), "--seq-len", "64", "--bootstrap", "0",
+            "--quiet"]
+    env = dict(_env(), MOETOOL_TEST_OOM_ROWS=fits, MOETOOL_TEST_FREE_BYTES=str(10 ** 12))
+
+    def launch(*more):
+        for _ in range(3):  # a taken rendezvous port: launched again (as run_cli)
+            p = subprocess.run(torchrun(world, target) + args + layout + list(more), cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+            if "EADDRINUSE" not in p.stderr:
+                return p
+        return p
+
+    p = launch("--batch-size", "auto", "--out", str(tmp_path / "auto"))
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: out of memory")]
+    flags = " ".join(layout)
+    assert p.returncode == 1 and lines and set(lines) == {
+        f"error: out of memory at 8 rows per model group (2 ranks run each row: {flags}) on {world // 2} "
+        f"data-parallel group{'s' * (world > 2)} (no back-off under torchrun): rerun with --batch-size 2"}, \
+        p.stderr[-3000:]
+    rerun = launch("--batch-size", str(suggested(lines[0])), "--out", str(tmp_path / "rerun"))  # the same limits
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    run_cli([*args, "--batch-size", "8", "--out", str(tmp_path / "one")], tmp_path)  # one process, no limit
+    got, want = (pd.read_csv(tmp_path / d / "ppl.csv") for d in ("rerun", "one"))
+    assert len(got) == len(want) >= 1
+    np.testing.assert_allclose(got["perplexity"], want["perplexity"], rtol=1e-5)
+    assert (got["scored_tokens"] == want["scored_tokens"]).all()
+
+
 def test_out_of_memory_after_the_analysis_saw_rows_suggests_rows_that_fit(tiny):
     """--batch-size auto with a consumer and a ``before_batch`` (it saw the rows before any forward: no retry): the
     sizing trial fits 8 rows, then memory shrinks (2 rows fit from batch 1 on) and batch 1 runs out of memory: the

@@ -332,7 +332,7 @@ class _RowsThatFit:
                  before_batch: Callable[[Any], None] | None, tokens: Any, world: int, run: RunState):
         self.step, self.engine, self.policy, self.before_batch = step, engine, policy, before_batch
         self.tokens, self.world, self.backoff = tokens, world, run.backoff
-        self.layout_active = run.layout.active
+        self.layout = run.layout
         self.auto = self.backoff.enabled and world == 1 and not run.layout.active  # a model group shares rows
         self.rows = min(batch_size, self.backoff.rows) if self.auto and self.backoff.rows else batch_size
         self.sized = not self.auto or (engine is None and before_batch is None)  # a retry could not double-feed anyone
@@ -373,28 +373,39 @@ class _RowsThatFit:
                 raise
         count = sub.input_ids.shape[0]  # out of the except block: the exception's frames are gone
         if not self.auto:  # torchrun: every rank must cut the same batches
-            raise MoetoolRuntimeError(
-                f"out of memory at {count} rows per process on {self.world} ranks (no back-off under torchrun): "
-                f"rerun with --batch-size {self._fitting(sub, at)}")
+            raise MoetoolRuntimeError(f"out of memory at {count} rows per {self._per()} (no back-off under torchrun): "
+                                      f"rerun with --batch-size {self._fitting(sub, at)}")
         if self._events() != seen or self.before_batch is not None:
             raise MoetoolRuntimeError(
                 f"out of memory at batch {n} ({_rows(self.tokens, at, count)}) after the analysis saw part of "
                 f"it: rerun with --batch-size {self._fitting(sub, at)}")
         return None
 
+    def _per(self) -> str:
+        """What ``--batch-size`` counts the rows of under this launch: a process's, or (``--tp``/``--ep``) a model
+        group's, whose ranks all run its rows."""
+        if not self.layout.active:
+            return f"process on {self.world} ranks"
+        flags = f"--tp {self.layout.tp}" + (f" --ep {self.layout.ep}" if self.layout.ep > 1 else "")
+        return (f"model group ({self.layout.group} ranks run each row: {flags}) on {self.world} data-parallel "
+                f"group{'s' * (self.world != 1)}")
+
     def _fitting(self, sub: Any, at: int) -> int:
         """The rows a rerun's ``--batch-size`` may take after ``sub`` ran out of memory where the back-off may not
         retry it: the first of its halves whose forward and NLL fit (:func:`_sizing_trial`, nothing fed to the
         consumers; the run ends after it), as the back-off would have found them; one line when 1 row does not fit.
-        A model group (``--tp``) runs collectives in its forward, which one rank cannot run alone: half the rows."""
+        A model group (``--tp``/``--ep``) runs collectives in its forward, which no rank runs alone: every rank of
+        the group runs the same trials (its rows are theirs), and a size fits when it fit on all of them
+        (:func:`moetool.distributed.model_group_all`; they first meet there, so no trial pairs with a forward a
+        rank is still inside)."""
         count, seq_len = sub.input_ids.shape[0], sub.input_ids.shape[1]
         rows = count
+        distributed.model_group_all(True)  # every rank of the model group is here (alone: nothing)
         while rows > 1:
             rows //= 2  # as Backoff.backed_off
-            if self.world > 1 and self.layout_active:
-                return rows
             free_memory()
-            if _sizing_trial(self.engine, self.policy, lambda: self.step(_slice(sub, 0, rows), at)):
+            fits = _sizing_trial(self.engine, self.policy, lambda: self.step(_slice(sub, 0, rows), at))
+            if distributed.model_group_all(fits):
                 return rows
         free_memory()
         raise _no_row_fits(seq_len)
