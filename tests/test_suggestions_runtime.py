@@ -183,6 +183,57 @@ def test_out_of_memory_after_the_analysis_saw_rows_suggests_rows_that_fit(tiny):
     assert len(got_events) == len(want_events) and all(torch.equal(a, b) for a, b in zip(got_events, want_events))
 
 
+def test_out_of_memory_in_the_analysis_suggests_what_makes_room(tiny, monkeypatch):
+    """--batch-size auto, offload (its collector keeps every token's chosen experts on the device: the analysis'
+    accumulation), the collector out of memory once it would hold more than 2.5 batches of 4 rows: batch 2 runs out
+    in the analysis (the collector raises it), not in the forward (which alone fits its 4 rows: a trial). The
+    refusal suggests no --batch-size: the one
+    BASE suggested (2, half the rows, fitted by a forward without the analysis) runs out again under the same limit;
+    it suggests the --max-tokens of the batches the analysis got through, which packs those same first rows and
+    runs under the limit, with the tables of a run without it. Out of memory on the analysis' first batch names
+    no size either (none could be checked)."""
+    from moetool.experiments.offload.compute import OffloadCollector, offload
+
+    lm, tokens = tiny
+    kw = dict(bootstrap=0, policies=("lru",), quiet=True)
+    held, call = [10 ** 9], OffloadCollector.__call__
+
+    def collect(self, ev):
+        if sum(t.shape[0] for ts in self.trace.values() for t in ts) + ev.idx.shape[0] > held[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return call(self, ev)
+
+    monkeypatch.setattr(OffloadCollector, "__call__", collect)
+    held[0] = int(2.5 * 4 * 32 * len(lm.layers))  # tokens x MoE layers of 2.5 batches of 4 rows of 32
+    with RunState(backoff=Backoff(enabled=True)).active(), pytest.raises(MoetoolError) as e:
+        offload(lm, tokens, batch_size=4, **kw)
+    line = str(e.value)
+    assert line == ("out of memory at batch 2 (rows 8-11) after the analysis saw part of it: the forward and NLL alone "
+                    "fit these 4 rows, so the analysis ran out of memory: its work per batch fit them in the 2 batches "
+                    "before, what grew is what it holds of the 8 rows it analysed, which a smaller --batch-size does "
+                    "not shrink: rerun with --max-tokens 256 (those 8 rows of 32 tokens)")
+    with RunState(backoff=Backoff(enabled=False)).active(), pytest.raises(torch.OutOfMemoryError):
+        offload(lm, tokens, batch_size=2, **kw)  # BASE's suggestion: out of memory again
+    fewer = load_tokens(None, lm.tokenizer, 32, int(re.search(r"--max-tokens (\d+)", line).group(1)))
+    assert torch.equal(fewer.input_ids, tokens.input_ids[:8])  # the rows it got through
+    with RunState(backoff=Backoff(enabled=False)).active():
+        got = offload(lm, fewer, batch_size=4, **kw).tables
+    held[0] = 10 ** 9
+    with RunState(backoff=Backoff(enabled=False)).active():
+        want = offload(lm, fewer, batch_size=4, **kw).tables
+    assert got.keys() == want.keys()
+    for k in got:
+        pd.testing.assert_frame_equal(got[k], want[k], obj=k)
+
+    held[0] = 4 * 32 * len(lm.layers) // 2  # not even one batch of 4 rows
+    with RunState(backoff=Backoff(enabled=True)).active(), pytest.raises(MoetoolError) as e:
+        offload(lm, tokens, batch_size=4, **kw)
+    assert str(e.value) == ("out of memory at batch 0 (rows 0-3) after the analysis saw part of it: the forward and "
+                            "NLL alone fit these 4 rows, so the analysis ran out of memory on its first batch: rerun "
+                            "with a --batch-size below 4 (unchecked: no trial runs the analysis without feeding it "
+                            "rows twice)")
+
+
 def test_capacity_cut_by_the_back_off_suggests_the_rows_that_ran(tiny):
     """capacity is per batch of --batch-size rows: --batch-size auto backing off from 8 to 2 rows is refused, naming
     the rows the back-off went on with; the rerun at them (explicit, under the same limit) runs and its tables
