@@ -49,7 +49,7 @@ class DistEnv:
         return self.world_size > 1
 
 
-_GROUPS: dict[str, Any] = {}  # "dp": this rank's data-parallel process group (tp/ep runs only)
+_GROUPS: dict[str, Any] = {}  # tp/ep runs only: "dp" this rank's data-parallel group, "model" its model group
 
 
 def parallel() -> Parallel:
@@ -144,19 +144,38 @@ def init(device: str | None = None) -> torch.device:
 
 def _dp_group() -> Any:
     """Under tp/ep: the process group of the ranks at this rank's position in every model group (one per group),
-    made once by every rank in the same order; ``None`` (the whole world) otherwise."""
+    made once by every rank in the same order; ``None`` (the whole world) otherwise. The model groups' own process
+    groups (:func:`model_group_all`) are made with them."""
     g = parallel().group
     if g == 1 or not initialized():
         return None
     world = _dist().get_world_size()
     if _GROUPS.get("dp_key") != (g, world):
-        mine = _dist().get_rank() % g
+        me = _dist().get_rank()
         for pos in range(g):
             group = _dist().new_group(list(range(pos, world, g)))
-            if pos == mine:
+            if pos == me % g:
                 _GROUPS["dp"] = group
+        for first in range(0, world, g):  # its own communicator: never paired with the model's collectives
+            group = _dist().new_group(list(range(first, first + g)))
+            if first == me - me % g:
+                _GROUPS["model"] = group
         _GROUPS["dp_key"] = (g, world)
     return _GROUPS["dp"]
+
+
+def model_group_all(ok: bool) -> bool:
+    """``ok`` on every rank of this rank's model group (``--tp``/``--ep``: one all-reduce, min, over the group's
+    ranks), so all of them take the same branch after a step they ran together; alone or without a model group
+    ``ok``. It waits for every rank of the group: one still inside a forward never pairs with it (its own process
+    group), it waits until that rank comes (``MOETOOL_DIST_TIMEOUT``)."""
+    if parallel().group == 1 or not initialized():
+        return ok
+    _dp_group()
+    d = _dist()
+    flag = torch.tensor([int(bool(ok))], device=_backend_device())
+    d.all_reduce(flag, op=d.ReduceOp.MIN, group=_GROUPS["model"])
+    return bool(flag.item())
 
 
 def _timeout() -> Any:

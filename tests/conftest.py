@@ -184,16 +184,20 @@ def router_outputs(model: torch.nn.Module, routers: list, ids: torch.Tensor, mas
 
 
 @functools.lru_cache(maxsize=None)
-def build_tiny_model(model_type: str) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config(tiny_config())``, seeded, fp32, eval, routing made non-degenerate.
+def build_tiny_model(model_type: str, **config: Any) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config(tiny_config())``, seeded, fp32, eval, routing made non-degenerate;
+    ``config``: attributes of the tiny config set first (``n_routed_experts=16``).
 
     Random init leaves some routers (and gpt-oss expert biases, DeepSeek's correction bias) at zero
     or near-uniform, which makes top-k a matter of ties; re-draw them, seeded.
     """
     from transformers import AutoModelForCausalLM
 
+    cfg = ADAPTERS.get(model_type).tiny_config()
+    for k, v in config.items():
+        setattr(cfg, k, v)
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(ADAPTERS.get(model_type).tiny_config()).float().eval()
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
     gen = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
         for layer in find_moe_layers(model):

@@ -100,6 +100,56 @@ def test_torchrun_out_of_memory_suggests_rows_that_fit(tiny, monkeypatch):
         del lm.model.forward
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.xdist_group("oom_model_group")
+@pytest.mark.parametrize("world, layout, fits, max_tokens", [
+    (2, ["--tp", "2"], "4,2", 1024),  # one model group; its rank 1 runs out of memory where rank 0 does not
+    (4, ["--tp", "2", "--ep", "2"], "4,2,8,8", 2048),  # two groups: the first runs out, the second never does
+])
+def test_model_group_out_of_memory_suggests_rows_every_rank_fits(tmp_path, world, layout, fits, max_tokens):
+    """--tp / --ep under torchrun (gloo ranks on CPU, tests/oom_ranks.py: a forward of more rows than the rank's
+    ``fits`` runs, collectives included, then raises an out-of-memory, as a batch's NLL does after the model's
+    last collective). --batch-size auto takes 8 rows per model group: every rank of the first group runs out, the
+    refusal names the model group and the --batch-size every rank of it fits (2: a trial the group's ranks run
+    together, the size fitting when it fit on all of them), the same on each rank that says it; the rerun at it
+    under the same limits runs, with the perplexity of one process. On BASE one model group said "8 rows per process
+    on 1 ranks ... --batch-size 4" (rank 0's lone trial: 4 runs out on rank 1, whose own trial at 2 found no partner
+    for its collectives), and two said 4 without a trial (half the rows)."""
+    import subprocess
+    from pathlib import Path
+
+    from test_distributed_cli import _env, run_cli, torchrun
+
+    target = (str(Path(__file__).with_name("oom_ranks.py")),)
+    args = ["ppl", "--model", "tiny", "--max-tokens", str(max_tokens), "--seq-len", "64", "--bootstrap", "0",
+            "--quiet"]
+    env = dict(_env(), MOETOOL_TEST_OOM_ROWS=fits, MOETOOL_TEST_FREE_BYTES=str(10 ** 12))
+
+    def launch(*more):
+        for _ in range(3):  # a taken rendezvous port: launched again (as run_cli)
+            p = subprocess.run(torchrun(world, target) + args + layout + list(more), cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+            if "EADDRINUSE" not in p.stderr:
+                return p
+        return p
+
+    p = launch("--batch-size", "auto", "--out", str(tmp_path / "auto"))
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: out of memory")]
+    flags = " ".join(layout)
+    assert p.returncode == 1 and lines and set(lines) == {
+        f"error: out of memory at 8 rows per model group (2 ranks run each row: {flags}) on {world // 2} "
+        f"data-parallel group{'s' * (world > 2)} (no back-off under torchrun): rerun with --batch-size 2"}, \
+        p.stderr[-3000:]
+    rerun = launch("--batch-size", str(suggested(lines[0])), "--out", str(tmp_path / "rerun"))  # the same limits
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    run_cli([*args, "--batch-size", "8", "--out", str(tmp_path / "one")], tmp_path)  # one process, no limit
+    got, want = (pd.read_csv(tmp_path / d / "ppl.csv") for d in ("rerun", "one"))
+    assert len(got) == len(want) >= 1
+    np.testing.assert_allclose(got["perplexity"], want["perplexity"], rtol=1e-5)
+    assert (got["scored_tokens"] == want["scored_tokens"]).all()
+
+
 def test_out_of_memory_after_the_analysis_saw_rows_suggests_rows_that_fit(tiny):
     """--batch-size auto with a consumer and a ``before_batch`` (it saw the rows before any forward: no retry): the
     sizing trial fits 8 rows, then memory shrinks (2 rows fit from batch 1 on) and batch 1 runs out of memory: the
@@ -131,6 +181,57 @@ def test_out_of_memory_after_the_analysis_saw_rows_suggests_rows_that_fit(tiny):
         del lm.model.forward
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert len(got_events) == len(want_events) and all(torch.equal(a, b) for a, b in zip(got_events, want_events))
+
+
+def test_out_of_memory_in_the_analysis_suggests_what_makes_room(tiny, monkeypatch):
+    """--batch-size auto, offload (its collector keeps every token's chosen experts on the device: the analysis'
+    accumulation), the collector out of memory once it would hold more than 2.5 batches of 4 rows: batch 2 runs out
+    in the analysis (the collector raises it), not in the forward (which alone fits its 4 rows: a trial). The
+    refusal suggests no --batch-size: the one
+    BASE suggested (2, half the rows, fitted by a forward without the analysis) runs out again under the same limit;
+    it suggests the --max-tokens of the batches the analysis got through, which packs those same first rows and
+    runs under the limit, with the tables of a run without it. Out of memory on the analysis' first batch names
+    no size either (none could be checked)."""
+    from moetool.experiments.offload.compute import OffloadCollector, offload
+
+    lm, tokens = tiny
+    kw = dict(bootstrap=0, policies=("lru",), quiet=True)
+    held, call = [10 ** 9], OffloadCollector.__call__
+
+    def collect(self, ev):
+        if sum(t.shape[0] for ts in self.trace.values() for t in ts) + ev.idx.shape[0] > held[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return call(self, ev)
+
+    monkeypatch.setattr(OffloadCollector, "__call__", collect)
+    held[0] = int(2.5 * 4 * 32 * len(lm.layers))  # tokens x MoE layers of 2.5 batches of 4 rows of 32
+    with RunState(backoff=Backoff(enabled=True)).active(), pytest.raises(MoetoolError) as e:
+        offload(lm, tokens, batch_size=4, **kw)
+    line = str(e.value)
+    assert line == ("out of memory at batch 2 (rows 8-11) after the analysis saw part of it: the forward and NLL alone "
+                    "fit these 4 rows, so the analysis ran out of memory: its work per batch fit them in the 2 batches "
+                    "before, what grew is what it holds of the 8 rows it analysed, which a smaller --batch-size does "
+                    "not shrink: rerun with --max-tokens 256 (those 8 rows of 32 tokens)")
+    with RunState(backoff=Backoff(enabled=False)).active(), pytest.raises(torch.OutOfMemoryError):
+        offload(lm, tokens, batch_size=2, **kw)  # BASE's suggestion: out of memory again
+    fewer = load_tokens(None, lm.tokenizer, 32, int(re.search(r"--max-tokens (\d+)", line).group(1)))
+    assert torch.equal(fewer.input_ids, tokens.input_ids[:8])  # the rows it got through
+    with RunState(backoff=Backoff(enabled=False)).active():
+        got = offload(lm, fewer, batch_size=4, **kw).tables
+    held[0] = 10 ** 9
+    with RunState(backoff=Backoff(enabled=False)).active():
+        want = offload(lm, fewer, batch_size=4, **kw).tables
+    assert got.keys() == want.keys()
+    for k in got:
+        pd.testing.assert_frame_equal(got[k], want[k], obj=k)
+
+    held[0] = 4 * 32 * len(lm.layers) // 2  # not even one batch of 4 rows
+    with RunState(backoff=Backoff(enabled=True)).active(), pytest.raises(MoetoolError) as e:
+        offload(lm, tokens, batch_size=4, **kw)
+    assert str(e.value) == ("out of memory at batch 0 (rows 0-3) after the analysis saw part of it: the forward and "
+                            "NLL alone fit these 4 rows, so the analysis ran out of memory on its first batch: rerun "
+                            "with a --batch-size below 4 (unchecked: no trial runs the analysis without feeding it "
+                            "rows twice)")
 
 
 def test_capacity_cut_by_the_back_off_suggests_the_rows_that_ran(tiny):

@@ -451,6 +451,7 @@ class Engine:
         self.reported: dict[int, int] = {}
         self.forwards = 0
         self.rows: list[int] | None = None  # the next forward's global packed-row ids (engine.forward sets them)
+        self.consumer_raised = False  # a consumer raised the last error out of a forward (the runner reads it)
         #: the next forward's real tokens ``[B, S]`` bool where it passes no attention mask (lm-eval's loglikelihood
         #: forwards: the eval bridge sets it from lm-eval's padding); used once, by a forward of that shape
         self.padding: torch.Tensor | None = None
@@ -614,8 +615,12 @@ class Engine:
             else:
                 ev.chosen_idx, ev.chosen_weights = idx, w
             with torch.no_grad():
-                for c in self.consumers:
-                    c(ev)
+                try:
+                    for c in self.consumers:
+                        c(ev)
+                except BaseException:
+                    self.consumer_raised = True  # the analysis' error, not the model's (an out-of-memory: the runner)
+                    raise
             return new
         return hook
 

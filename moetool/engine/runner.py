@@ -326,13 +326,14 @@ class _RowsThatFit:
     off). An out-of-memory in a sub-batch's :class:`_Step` halves :attr:`rows` (:func:`_back_off` remembers them for
     the run's later calls) and retries the same rows. No consumer may see rows twice: with an engine or ``before_batch``
     the first rows run once without them (:func:`_sizing_trial`) until they fit, and an out-of-memory after a
-    consumer saw part of a batch is one error line naming the rows to use."""
+    consumer saw part of a batch is one error line naming the rows to use (:meth:`_rerun`: or, when the analysis
+    itself ran out, what makes room for it)."""
 
     def __init__(self, step: _Step, batch_size: int, *, engine: Engine | None, policy: Any,
                  before_batch: Callable[[Any], None] | None, tokens: Any, world: int, run: RunState):
         self.step, self.engine, self.policy, self.before_batch = step, engine, policy, before_batch
         self.tokens, self.world, self.backoff = tokens, world, run.backoff
-        self.layout_active = run.layout.active
+        self.layout, self.batch_size = run.layout, batch_size
         self.auto = self.backoff.enabled and world == 1 and not run.layout.active  # a model group shares rows
         self.rows = min(batch_size, self.backoff.rows) if self.auto and self.backoff.rows else batch_size
         self.sized = not self.auto or (engine is None and before_batch is None)  # a retry could not double-feed anyone
@@ -364,6 +365,8 @@ class _RowsThatFit:
         its frames held, are gone by then); any other error propagates, an out-of-memory that may not be retried as
         one line naming the rows to use."""
         seen = self._events()
+        if self.engine is not None:
+            self.engine.consumer_raised = False
         try:
             return self.step(sub, at)
         except Exception as e:
@@ -373,31 +376,75 @@ class _RowsThatFit:
                 raise
         count = sub.input_ids.shape[0]  # out of the except block: the exception's frames are gone
         if not self.auto:  # torchrun: every rank must cut the same batches
-            raise MoetoolRuntimeError(
-                f"out of memory at {count} rows per process on {self.world} ranks (no back-off under torchrun): "
-                f"rerun with --batch-size {self._fitting(sub, at)}")
+            raise MoetoolRuntimeError(f"out of memory at {count} rows per {self._per()} (no back-off under torchrun): "
+                                      f"{self._rerun(sub, n, at)}")
         if self._events() != seen or self.before_batch is not None:
             raise MoetoolRuntimeError(
                 f"out of memory at batch {n} ({_rows(self.tokens, at, count)}) after the analysis saw part of "
-                f"it: rerun with --batch-size {self._fitting(sub, at)}")
+                f"it: {self._rerun(sub, n, at)}")
         return None
+
+    def _per(self) -> str:
+        """What ``--batch-size`` counts the rows of under this launch: a process's, or (``--tp``/``--ep``) a model
+        group's, whose ranks all run its rows."""
+        if not self.layout.active:
+            return f"process on {self.world} ranks"
+        flags = f"--tp {self.layout.tp}" + (f" --ep {self.layout.ep}" if self.layout.ep > 1 else "")
+        return (f"model group ({self.layout.group} ranks run each row: {flags}) on {self.world} data-parallel "
+                f"group{'s' * (self.world != 1)}")
+
+    def _rerun(self, sub: Any, n: int, at: int) -> str:
+        """What a refusal after ``sub`` (batch ``n``, first local row ``at``) ran out of memory tells to rerun with.
+
+        When a consumer (the analysis) raised the out-of-memory, the rows' forward and NLL run once without it
+        first: when they fit, the analysis is what needs the memory, and no --batch-size is suggested
+        (:meth:`_analysis_ran_out`); otherwise (or when the model's forward or the NLL raised it) the --batch-size of
+        :meth:`_fitting`. A model group's ranks meet here first (:func:`moetool.distributed.model_group_all`), so no
+        trial of theirs pairs with a forward one is still in, and agree whether the analysis raised it."""
+        # every rank of the model group met here (alone: nothing); it was the model's on all of them, or the analysis'
+        model = distributed.model_group_all(not getattr(self.engine, "consumer_raised", False))
+        count, seq_len = sub.input_ids.shape[0], sub.input_ids.shape[1]
+        if not model and self._fits(sub, count, at):
+            return self._analysis_ran_out(n, count, seq_len)
+        return f"rerun with --batch-size {self._fitting(sub, at)}"
+
+    def _fits(self, sub: Any, rows: int, at: int) -> bool:
+        """A sizing trial (:func:`_sizing_trial`) of the first ``rows`` rows of ``sub`` fit (under a model group: on
+        every rank of it, which all ran the same trial)."""
+        free_memory()
+        fits = _sizing_trial(self.engine, self.policy, lambda: self.step(_slice(sub, 0, rows), at))
+        return distributed.model_group_all(fits)
 
     def _fitting(self, sub: Any, at: int) -> int:
         """The rows a rerun's ``--batch-size`` may take after ``sub`` ran out of memory where the back-off may not
-        retry it: the first of its halves whose forward and NLL fit (:func:`_sizing_trial`, nothing fed to the
-        consumers; the run ends after it), as the back-off would have found them; one line when 1 row does not fit.
-        A model group (``--tp``) runs collectives in its forward, which one rank cannot run alone: half the rows."""
+        retry it: the first of its halves whose forward and NLL fit (:meth:`_fits`, nothing fed to the consumers;
+        the run ends after it), as the back-off would have found them; one line when 1 row does not fit. A model
+        group (``--tp``/``--ep``) runs collectives in its forward, which no rank runs alone: every rank of the group
+        runs the same trials (its rows are theirs), and a size fits when it fit on all of them."""
         count, seq_len = sub.input_ids.shape[0], sub.input_ids.shape[1]
         rows = count
         while rows > 1:
             rows //= 2  # as Backoff.backed_off
-            if self.world > 1 and self.layout_active:
-                return rows
-            free_memory()
-            if _sizing_trial(self.engine, self.policy, lambda: self.step(_slice(sub, 0, rows), at)):
+            if self._fits(sub, rows, at):
                 return rows
         free_memory()
         raise _no_row_fits(seq_len)
+
+    def _analysis_ran_out(self, n: int, count: int, seq_len: int) -> str:
+        """The refusal's advice when the analysis (a consumer) ran out of memory and the forward and NLL of its
+        ``count`` rows fit without it: the analysis needs the memory, and a smaller --batch-size cannot be checked
+        (no trial may feed it rows twice). After batches it got through at this size (its work per batch fit them),
+        what it holds grew with the tokens it analysed, which fewer rows per forward do not shrink: the tokens of
+        those batches, a run it got through (``--max-tokens`` packs the same first rows). On its first batch: its
+        work on one batch does not fit beside the forward; fewer rows give it less, unchecked."""
+        head = f"the forward and NLL alone fit these {count} rows, so the analysis ran out of memory"
+        if n == 0:
+            return (f"{head} on its first batch: rerun with a --batch-size below {count} (unchecked: no trial runs the "
+                    f"analysis without feeding it rows twice)")
+        done = n * self.batch_size * self.world  # rows of the global batches before this one
+        return (f"{head}: its work per batch fit them in the {n} batch{'es' * (n > 1)} before, what grew is what it "
+                f"holds of the {done} rows it analysed, which a smaller --batch-size does not shrink: rerun with "
+                f"--max-tokens {done * seq_len} (those {done} rows of {seq_len} tokens)")
 
     def _events(self) -> int:
         """Routing events reported so far (a consumer saw rows once this grew)."""
@@ -454,7 +501,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     ``batch_size``. The back-off covers the forward and the NLL of a batch (:func:`batch_nll`, in bounded fp32
     chunks), the allocations that grow with its rows. No consumer may see a batch twice: with consumers (or
     ``before_batch``) the first batch runs once without them (forward and NLL) to find the rows that fit; an
-    out-of-memory after a consumer saw part of a batch is one error line naming the rows to use.
+    out-of-memory after a consumer saw part of a batch is one error line naming the rows to use (or, when a
+    consumer ran out and the rows' forward fits without it, the tokens the analysis got through).
     """
     check_sizes(batch_size=batch_size)  # as --batch-size: no ZeroDivisionError in the batching
     check_packed(tokens)  # ids, mask, domains of one set of rows (a TokenSet sliced by hand: one line)
