@@ -180,6 +180,18 @@ def _big_experts(tmp_path):
     return lm, model
 
 
+def _layer1_overflow(args, out, hint: str) -> tuple[str, tuple[str, ...]]:
+    """The command ``args`` refused in one line for :func:`_big_experts`' fp16 overflow in MoE layer 1's experts,
+    its suggestion matching ``hint`` (a pattern whose groups are the dtypes it names: bf16 and fp32)."""
+    r = _cli(args, out)
+    line = r.output.strip()
+    assert r.exit_code == 1 and len(line.splitlines()) == 1, r.output
+    m = re.fullmatch(r"error: non-finite experts output in MoE layer 1 of \S+ at batch 0 \(rows 0-\d+\), computed in "
+                     rf"float16 \(fp16's largest number is 65504: {hint}\): results would be meaningless", line)
+    assert m and m.groups() == ("bf16", "fp32"), line
+    return line, m.groups()
+
+
 @pytest.mark.slow
 def test_fp16_overflow_in_an_expert_suggests_a_dtype_that_runs(tmp_path, no_rendering):
     """The tiny model with MoE layer 1's expert weights x30 (their outputs x27000, past fp16's 65504; the final norm
@@ -199,15 +211,8 @@ def test_fp16_overflow_in_an_expert_suggests_a_dtype_that_runs(tmp_path, no_rend
     hook.remove()
     assert not torch.isfinite(h["out"]).all() and h["out"].dtype == torch.float16
 
-    r = _cli([*args, "--dtype", "fp16"], tmp_path / "fp16")
-    line = r.output.strip()
-    assert r.exit_code == 1 and len(line.splitlines()) == 1, r.output
-    m = re.fullmatch(r"error: non-finite experts output in MoE layer 1 of \S+ at batch 0 \(rows 0-\d+\), computed in "
-                     r"float16 \(fp16's "
-                     r"largest number is 65504: try --dtype (\w+) or (\w+)\): results would be meaningless", line)
-    assert m, line
-    assert m.groups() == ("bf16", "fp32")
-    for dtype, rtol in zip(m.groups(), (2e-2, 1e-5)):
+    _, dtypes = _layer1_overflow([*args, "--dtype", "fp16"], tmp_path / "fp16", r"try --dtype (\w+) or (\w+)")
+    for dtype, rtol in zip(dtypes, (2e-2, 1e-5)):
         r = _cli([*args, "--dtype", dtype], tmp_path / dtype)
         assert r.exit_code == 0, r.output
         got = pd.read_csv(tmp_path / dtype / "ppl.csv")
@@ -226,19 +231,14 @@ def test_fp16_overflow_in_agreement_names_its_precisions_and_the_suggestion_runs
 
     _, model = _big_experts(tmp_path)
     args = ["agreement", "--model", str(model), "--max-tokens", "64", "--seq-len", "16", "--bootstrap", "0", "-q"]
-    r = _cli([*args, "--precisions", "fp32,fp16"], tmp_path / "fp16")
-    line = r.output.strip()
-    assert r.exit_code == 1 and len(line.splitlines()) == 1, r.output
-    m = re.fullmatch(r"error: non-finite experts output in MoE layer 1 of \S+ at batch 0 \(rows 0-\d+\), computed in "
-                     r"float16 \(fp16's largest number is 65504: try (\w+) or (\w+) in --precisions\): results would "
-                     r"be meaningless", line)
-    assert m and m.groups() == ("bf16", "fp32"), line
+    line, (smaller, _) = _layer1_overflow([*args, "--precisions", "fp32,fp16"], tmp_path / "fp16",
+                                          r"try (\w+) or (\w+) in --precisions")
     have = {o for p in typer.main.get_command(app).commands["agreement"].params for o in p.opts}
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line))
     assert named == {"--precisions"} and named <= have and "--dtype" not in have
-    r = _cli([*args, "--precisions", f"fp32,{m.group(1)}"], tmp_path / m.group(1))
+    r = _cli([*args, "--precisions", f"fp32,{smaller}"], tmp_path / smaller)
     assert r.exit_code == 0, r.output
-    got = pd.read_csv(tmp_path / m.group(1) / "agreement_summary.csv")
+    got = pd.read_csv(tmp_path / smaller / "agreement_summary.csv")
     assert list(got.precision) == ["bf16"] and np.isfinite(got[["top1_flip", "topk_flip", "delta_nll"]]).all().all()
 
 
