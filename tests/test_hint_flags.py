@@ -81,3 +81,29 @@ def test_the_shared_dtype_suggestions_name_the_commands_flag(name, monkeypatch):
         texts = shared_suggestions(name not in NO_FORWARD_LOOP)
     named = {f for t in texts for f in FLAG.findall(t)}
     assert spec.dtype_flag in named and named <= have, (texts, sorted(named - have))
+
+
+def test_a_demo_step_runs_with_its_experiments_dtype_flag(monkeypatch):
+    """``moetool demo`` runs each step in a run of its own: agreement's step names --precisions as its command does
+    (a plain RunState named --dtype), another step --dtype."""
+    from moetool import context, demo
+
+    class Stop(Exception):
+        pass
+
+    class Folder:
+        def sub(self, name):
+            return self
+
+    def compute(*args, **kwargs):
+        seen.append(context.dtype_choice("bf16"))
+        raise Stop
+
+    monkeypatch.setattr(type(EXPERIMENTS["agreement"]), "load",
+                        lambda self, attr=None: compute if attr is None else (lambda name, res: []))
+    other = next(n for n, s in EXPERIMENTS.items() if s.demo is not None and s.inputs == "tokens" and n != "agreement")
+    for name, want in (("agreement", "bf16 in --precisions"), (other, "--dtype bf16")):
+        seen: list[str] = []
+        with pytest.raises(Stop):
+            demo.run_step(Folder(), EXPERIMENTS[name], quiet=True)
+        assert seen == [want], name
