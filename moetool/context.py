@@ -9,7 +9,10 @@ A run (:class:`moetool.run.Run`, made by the CLI for each command and by ``moeto
 * ``policies``: the routing policies built for the run, one build per spec and options
   (:func:`moetool.policies.build_once`);
 * ``trust_remote_code``: ``--trust-remote-code``, whether a checkpoint's own code may run where transformers has
-  no native class for it (:func:`moetool.loading.trusted`: every config, tokenizer and model the run reads).
+  no native class for it (:func:`moetool.loading.trusted`: every config, tokenizer and model the run reads);
+* ``dtype_flag``: the flag of the run's command that chooses the dtype its models compute in (``--dtype``;
+  agreement's ``--precisions``): what the suggestions after an fp16 overflow or an out-of-memory name
+  (:func:`dtype_choice`).
 
 :func:`moetool.engine.runner.forward` takes the run as ``run=``; code that does not pass one (an experiment's own
 forward calls) reads the run of its context, :func:`current`: a :class:`contextvars.ContextVar`, so two runs in two
@@ -90,6 +93,7 @@ class RunState:
     layout: Parallel = field(default_factory=Parallel)
     policies: dict[Any, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    dtype_flag: str = "--dtype"  # the command's flag choosing the dtype (the spec's ``dtype_flag``)
 
     def policy(self, key: Any, build: Callable[[], Any]) -> Any:
         """The run's policy for ``key`` (a spec and its options), built by ``build()`` the first time only."""
@@ -143,3 +147,14 @@ def state(run: RunState | None = None) -> RunState:
         return run
     got = _CURRENT.get()
     return got if got is not None else RunState()
+
+
+def dtype_choice(dtypes: str | None = None) -> str:
+    """The change of dtype a suggestion names, in the flag of the run of this context that chooses it
+    (:attr:`RunState.dtype_flag`): ``dtypes`` (``"bf16 or fp32"``) as ``--dtype bf16 or fp32``, or ``bf16 or fp32 in
+    --precisions`` (agreement: its models load in the dtypes of that list); ``None``: a smaller dtype, ``a smaller
+    --dtype`` / ``a smaller dtype in --precisions``."""
+    flag = state().dtype_flag
+    if flag == "--dtype":
+        return f"--dtype {dtypes}" if dtypes else "a smaller --dtype"
+    return f"{dtypes or 'a smaller dtype'} in {flag}"

@@ -49,7 +49,8 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
         names = list(model) if isinstance(model, tuple) else [model]
         if not all(n in have for n in names):
             continue
-        with RunState().active():  # each model its own run: policies built afresh, as a command's run
+        # each model its own run, as a command's: policies built afresh, suggestions naming the step's dtype flag
+        with RunState(dtype_flag=spec.dtype_flag).active():
             run = child.sub(names[-1])  # before the work: the sub-run's manifest times the whole of it
             if spec.inputs == "checkpoints":
                 from .experiments.fluctuation.compute import check_checkpoints

@@ -437,6 +437,7 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     if auto and not hasattr(opts, "batch_size"):
         raise MoetoolError(f"'{spec.name}' runs no batches: batch_size='auto' does not apply")
     this = _this_run(spec.name, auto, trust_remote_code)
+    this.dtype_flag = spec.dtype_flag  # what an fp16 overflow's or an out-of-memory's suggestion names
     with this.active():
         if named:
             return _run_named(spec, compute, lm, opts, this, resumable=resumable, out=out, force=force,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .configs import text_config
+from .context import dtype_choice
 from .errors import MoetoolError, MoetoolRuntimeError
 from .loading import load_config, model_from_config, pick_device, pick_dtype, quiet_transformers
 
@@ -210,7 +211,7 @@ def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | N
     if est.weights_bytes > avail:
         raise MoetoolRuntimeError(
             f"the weights alone need {_gib(est.weights_bytes)} ({est.params:,} parameters in {est.dtype}) but "
-            f"{dev} has {_gib(avail)} free: use a smaller --dtype, --device-map auto or a larger machine")
+            f"{dev} has {_gib(avail)} free: use {dtype_choice()}, --device-map auto or a larger machine")
     if est.weights_bytes + est.activation_bytes > avail:
         raise MoetoolRuntimeError(
             f"a batch of {rows} rows x --seq-len {seq_len} needs at least {_gib(est.activation_bytes)} of "

@@ -356,6 +356,28 @@ def test_a_noise_that_overflows_the_proxies_names_the_noise_not_the_weights():
         erc_layer(L, ErcOptions(noise=1e30))
 
 
+def test_an_overflowing_noise_is_told_the_largest_noise_that_passes_every_layer():
+    """The refusal said "choose a smaller noise" with no value. It now names one: the largest 1e37 / 10^k whose
+    noisy M is finite in every layer on the same seeded draws. Checked here: every layer runs at that noise, and
+    at 10 times it a layer is refused again (so it is the largest power of ten that passes)."""
+    from moetool.errors import MoetoolError
+
+    layers = find_moe_layers(build_tiny_model("mixtral"))
+    with pytest.raises(MoetoolError) as e:
+        run_erc(layers, ErcOptions(noise=1e37), quiet=True)
+    m = re.fullmatch(r"--noise 1e\+37: the noisy proxies of MoE layer \d+ give a non-finite M \(node gate; the clean "
+                     r"M is finite\): --noise (\S+) keeps M finite in every layer \(checked on the same seeded "
+                     r"draws\)", str(e.value))
+    assert m, str(e.value)
+    noise = float(m.group(1))
+    assert noise < 1e37 and np.log10(noise) == round(np.log10(noise))  # 1e37 / 10^k
+    res = run_erc(layers, ErcOptions(noise=noise), quiet=True)
+    assert all(np.isfinite(r.loss).all() for r in res.layers)
+    with pytest.raises(MoetoolError, match="give a non-finite M"):
+        for L in layers:
+            erc_layer(L, ErcOptions(noise=10 * noise))
+
+
 def test_loss_curves_cover_every_layer_past_its_alpha_min_with_alpha_min_on_the_grid():
     """The figure's curves (loss_curves) from an erc_matrix table: every layer (layer 0 included), its alpha_min by
     hand, a grid from 0 to 1.15 x the largest alpha_min holding every alpha_min and --alpha exactly, and each point

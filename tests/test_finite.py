@@ -377,3 +377,32 @@ def test_a_mean_nll_past_float64s_range_stops_in_one_line_not_an_overflow_error(
     assert NLL(709.0 * 3, 3).ppl == pytest.approx(math.exp(709.0))
     with pytest.raises(MoetoolRuntimeError):
         NLL(710.0 * 3, 3).ppl
+
+
+def test_a_mean_nll_past_float64s_range_prints_only_the_one_line(tmp_path):
+    """The same model (the final norm x 1e5: a mean NLL past 709.78 nats) through ``moetool ppl``: on BASE stderr
+    held NumPy's "RuntimeWarning: overflow encountered in exp" (the bootstrap's exp of the per-row NLL ran before
+    NLL.ppl's refusal) above the error line; now stderr is that one line, with and without the bootstrap."""
+    import os
+    import subprocess
+    import sys
+
+    from moetool.engine.runner import MAX_LOG
+    from moetool.loading import load
+
+    lm = load("tiny")
+    with torch.no_grad():
+        lm.model.model.norm.weight *= 1e5
+    lm.model.save_pretrained(tmp_path / "huge")
+    lm.tokenizer.save_pretrained(tmp_path / "huge")
+    env = {**os.environ, "MOETOOL_FIGURES": "none"}
+    env.pop("PYTHONWARNINGS", None)  # Python's default filters: a RuntimeWarning is printed
+    for boot in ("0", "100"):
+        r = subprocess.run([sys.executable, "-m", "moetool", "ppl", "--model", str(tmp_path / "huge"), "--max-tokens",
+                            "64", "--seq-len", "16", "--bootstrap", boot, "-q", "--out", str(tmp_path / boot)],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        m = re.fullmatch(r"error: mean next-token NLL (\S+) nats over 60 tokens: its perplexity exp\(NLL\) is past "
+                         r"float64's largest number \(1\.8e308\); the model's output logits are far outside a "
+                         r"trained model's: results would be meaningless", r.stderr.strip())
+        assert m and float(m.group(1)) > MAX_LOG, r.stderr

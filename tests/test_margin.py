@@ -4,6 +4,7 @@ noise, and the flip rates against a hand re-routing of the first MoE layer under
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -388,11 +389,9 @@ def test_soft_jaccard_compares_weights_normalised_to_sum_one():
     assert soft.tolist() == pytest.approx([1.0, 0.5 / 1.5], abs=1e-7) and plain.tolist() == [1.0, 1 / 3]
 
 
-def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
-    """fp16 holds at most 65504: --eps 1e5 made h' inf, its routing one of NaN logits, and margin_flips read
-    topk_flip 0.996 with noise_rel inf; --eps 1e39 (past fp32's largest) was a RuntimeError of torch.add (break-it
-    run 7). Now the tokens whose h', ||h' - h|| or router logits are not finite are counted and named. By hand: the
-    test's own seeded noise on the first MoE layer's captured fp16 inputs."""
+def _fp16_noise():
+    """The tiny model in fp16, 3 rows of 32 tokens (16 padding positions), its first MoE layer, that layer's captured
+    router inputs h ``[T, d]`` with their real-token mask, and the test's own seeded noise z (seed 0) of margin."""
     lm = moetool.load("tiny", dtype="fp16")
     tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=80)  # 3 rows of 32: 16 padding positions, which
     L = lm.layers[0]  # overflow too and must not be counted among the real tokens
@@ -412,6 +411,41 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
     dev = h.device
     z = torch.cat([torch.randn(S, d, device=dev, generator=torch.Generator(device=dev).manual_seed(base + r))
                    for r in got["rows"]])
+    return lm, tokens, L, h, valid, z
+
+
+def test_an_overflowing_eps_is_told_the_largest_eps_that_keeps_the_noise_finite():
+    """The refusal said "use a smaller --eps" with no value. It now names the bound below which every real token's
+    h' (rounded to fp16) stays finite, computed here by hand from the captured h and the seeded z: coordinate j may
+    move by 65504 - h_j sign(z_j) along z_j; the value it suggests runs (no refusal, noise_rel about it), and 1%
+    past the bound is refused again."""
+    lm, tokens, L, h, valid, z = _fp16_noise()
+    hf = h.float()
+    unit = z * (hf.norm(dim=-1, keepdim=True) / math.sqrt(h.shape[1]))
+    per = ((65504 - hf * torch.sign(unit)) / unit.abs()).amin(-1)  # the tiny model's z has no zero coordinate
+    bound = float(per[valid].min())
+    assert 1e3 < bound < 1e5  # the case: fp16's range, not fp32's distance bound (about 1.8e19 / ||unit||)
+    kw = dict(policies=(), layers=(L.index,), bootstrap=0, quiet=True)
+    with pytest.raises(MoetoolError) as e:
+        margin(lm, tokens, eps=(0.1, 2 * bound), **kw)
+    m = re.search(r"below eps (\S+) \(computed from the data\): use --eps (\S+) or less$", str(e.value))
+    assert m, str(e.value)
+    assert float(m.group(1)) == pytest.approx(bound, rel=2e-3)  # shown to 3 digits, a thousandth under
+    suggested = float(m.group(2))
+    assert 0.9 * bound <= suggested < bound
+    fl = margin(lm, tokens, eps=(suggested,), **kw)["margin_flips"]
+    assert fl["noise_rel"].iloc[0] == pytest.approx(suggested, rel=0.05)
+    with pytest.raises(MoetoolError, match="overflows float16"):
+        margin(lm, tokens, eps=(1.01 * bound,), **kw)
+
+
+def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
+    """fp16 holds at most 65504: --eps 1e5 made h' inf, its routing one of NaN logits, and margin_flips read
+    topk_flip 0.996 with noise_rel inf; --eps 1e39 (past fp32's largest) was a RuntimeError of torch.add (break-it
+    run 7). Now the tokens whose h', ||h' - h|| or router logits are not finite are counted and named. By hand: the
+    test's own seeded noise on the first MoE layer's captured fp16 inputs."""
+    lm, tokens, L, h, valid, z = _fp16_noise()
+    d = h.shape[1]
     hf = h.float()
     for eps in (2e4, 1e39):  # 2e4: some of the tokens overflow, not all
         hn = (hf + min(eps, 3.4e38) * hf.norm(dim=-1, keepdim=True) * z / math.sqrt(d)).to(h.dtype)

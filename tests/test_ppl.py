@@ -60,6 +60,26 @@ def test_policy_and_layers_change_perplexity_only_where_asked():
     assert df.loc[0, "layers"] == "3" and df.loc[0, "perplexity"] == pytest.approx(math.exp(df.loc[0, "nll_mean"]))
 
 
+def test_router_replaces_no_layer_and_ppl_csv_says_so(tmp_path):
+    """--routing router runs the model's own routing unhooked, so no layer's routing is replaced: ppl.csv's layers
+    is '-' (as weights), with or without --layers (BASE wrote '0' for --layers 0 and 'all' without, which the
+    column's definition reads as layers replaced); the perplexity is the same unhooked one either way."""
+    from moetool.experiments.ppl.compute import PPL_DEFINITIONS
+
+    common = ["ppl", "--model", "tiny", "--routing", "router", "--seq-len", "64", "--max-tokens", "300", "--bootstrap",
+              "0", "-q"]
+    runs = {}
+    for name, more in (("one", ["--layers", "0"]), ("every", [])):
+        r = CliRunner().invoke(app, [*common, *more, "--out", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        runs[name] = pd.read_csv(tmp_path / name / "ppl.csv", keep_default_na=False).iloc[0]
+    assert [runs[n]["layers"] for n in runs] == ["-", "-"] and [runs[n]["weights"] for n in runs] == ["-", "-"]
+    assert runs["one"]["perplexity"] == runs["every"]["perplexity"]
+    assert "- for router" in PPL_DEFINITIONS["layers"]
+    r = CliRunner().invoke(app, [*common, "--layers", "9", "--out", str(tmp_path / "bad")])  # still checked
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+
+
 def test_cli_matches_a_hand_perplexity_on_the_embedded_model(tmp_path):
     from moetool.data import load_tokens
     from moetool.loading import load

@@ -313,7 +313,7 @@ def test_tables_fit_80_columns_without_truncating_numbers():
     assert "…" not in text
     for c in df.columns[1:]:  # every number printed in full (4 significant digits)
         for v in df[c]:
-            s = f"{v:.4g}" if isinstance(v, float) else str(v)
+            s = f"{v:.4g}" if isinstance(v, float) else f"{v:,}"  # a count: with its thousands separators
             assert s in text, s
     assert "norm:up:l2" in text and "[bold]x[/bold]" in text  # no emoji, no markup from data
     assert "stats (1/" in text  # split into column blocks that repeat the key column
@@ -322,14 +322,52 @@ def test_tables_fit_80_columns_without_truncating_numbers():
 
 def test_integer_and_column_formats_make_big_numbers_readable():
     """``intfmt`` formats integer cells (not booleans), ``formats`` a column's own format (its NaN stays empty, a
-    column the table lacks is passed over); the default is as before: ``1342052808704`` and ``{:.4g}``."""
+    column the table lacks is passed over); by default an integer count has its thousands separators (the default
+    wrote ``1342052808704`` on BASE) and floats ``{:.4g}``; ``intfmt="{}"`` writes plain digits."""
     df = pd.DataFrame({"group": ["a", "b"], "params": [1342052808704, 7], "ok": [True, False],
                        "bytes": [1476838.4, float("nan")], "rate": [0.37381, 0.5]})
     text = rendered(df, intfmt="{:,}", formats={"bytes": "{:,.0f}", "absent": "{:.1f}"})
     rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in text.splitlines() if ln.startswith("│")]
     assert rows == [["a", "1,342,052,808,704", "True", "1,476,838", "0.3738"], ["b", "7", "False", "", "0.5"]]
     rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in rendered(df).splitlines() if ln.startswith("│")]
+    assert rows[0] == ["a", "1,342,052,808,704", "True", "1.477e+06", "0.3738"]
+    rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in rendered(df, intfmt="{}").splitlines()
+            if ln.startswith("│")]
     assert rows[0] == ["a", "1342052808704", "True", "1.477e+06", "0.3738"]
+
+
+def test_console_counts_have_thousands_separators_and_identifiers_do_not(tmp_path):
+    """stats' tokens and ppl's scored_tokens printed 2048 / 2016 on BASE while the titles and inspect / plan wrote
+    counts with separators: every integer count now has them (the CSVs keep plain integers), identifiers (layer,
+    expert, token ids, steps) stay plain. The counts by hand: the packed rows' real tokens and scored pairs."""
+    from typer.testing import CliRunner
+
+    from moetool.commands.app import app
+    from moetool.data import load_tokens
+    from moetool.loading import load
+
+    df = pd.DataFrame({"layer": [1024], "expert": [1500], "token": [12345], "expert_0": [1001], "step": [20000],
+                       "tokens": [2048], "scored_tokens": [1000000]})
+    rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in rendered(df).splitlines() if ln.startswith("│")]
+    assert rows == [["1024", "1500", "12345", "1001", "20000", "2,048", "1,000,000"]]
+    ts = load_tokens(None, load("tiny").tokenizer, 64, 1100)
+    tokens = int(ts.attention_mask.sum())
+    m = ts.attention_mask.bool()
+    scored = int((m[:, 1:] & m[:, :-1]).sum())
+    assert tokens >= 1000 and scored >= 1000
+    common = ["--model", "tiny", "--seq-len", "64", "--max-tokens", "1100", "--bootstrap", "0"]
+    for cmd, column, want in (("stats", "tokens", tokens), ("ppl", "scored_tokens", scored)):
+        r = CliRunner(env={"COLUMNS": "200", "MOETOOL_FIGURES": "none"}).invoke(
+            app, [cmd, *common, "--out", str(tmp_path / cmd)])
+        assert r.exit_code == 0, r.output
+        table = [ln for ln in r.output.splitlines() if ln.startswith(("┃", "│"))]
+        head = [c.strip() for c in table[0].strip("┃").split("┃")]
+        cells = [[c.strip() for c in ln.strip("│").split("│")] for ln in table[1:]]
+        assert {row[head.index(column)] for row in cells} == {f"{want:,}"}, r.output
+        if "layer" in head:
+            assert [row[head.index("layer")] for row in cells] == ["0", "1", "2", "3"]
+        csv = pd.read_csv(tmp_path / cmd / ("layers.csv" if cmd == "stats" else "ppl.csv"))
+        assert csv[column].dtype.kind == "i" and set(csv[column]) == {want}
 
 
 def test_every_part_of_a_split_table_keeps_the_row_labels():

@@ -164,14 +164,17 @@ def test_seq_len_suggests_the_models_positions_and_that_runs(short_context, tmp_
 
 def test_margin_eps_that_overflows_is_refused_after_the_forward_and_a_smaller_one_runs(tmp_path):
     """An eps whose noisy router input overflows fp32 is seen only once the forward has computed it: the run is
-    refused in one line naming that eps (no table: its flips would read as a measurement), and the suggestion --
-    a smaller --eps, the other eps given -- runs, its noise of the relative size asked for (fp32: noise_rel is
-    ||eps ||h|| z / sqrt(d)|| / ||h||, whose mean over z ~ N(0, I_d) is eps within a few percent at d = 128)."""
+    refused in one line naming that eps (no table: its flips would read as a measurement), and the eps it suggests
+    (the bound computed from the data, rounded down; "use a smaller --eps" on BASE) runs beside the other eps given,
+    each noise of the relative size asked for (fp32: noise_rel is ||eps ||h|| z / sqrt(d)|| / ||h||, whose mean
+    over z ~ N(0, I_d) is eps within a few percent at d = 128)."""
     line = refusal(["margin", *SMALL, "--eps", "0.1,1e30"], tmp_path / "over")
-    assert line.startswith("error: --eps 1e+30: ") and line.endswith("use a smaller --eps"), line
-    flips = runs(["margin", *SMALL, "--eps", "0.1"], tmp_path / "ok")["margin_flips.csv"]
-    assert len(flips) == 4 and (flips["eps"] == 0.1).all()
-    assert flips["noise_rel"].to_numpy() == pytest.approx(0.1, rel=0.05)
+    assert line.startswith("error: --eps 1e+30: "), line
+    eps = float(re.fullmatch(r".*\(computed from the data\): use --eps (\S+) or less", line).group(1))
+    flips = runs(["margin", *SMALL, "--eps", f"0.1,{eps:g}"], tmp_path / "ok")["margin_flips.csv"]
+    assert len(flips) == 8 and sorted(set(flips["eps"])) == [0.1, eps]
+    for e, rows in flips.groupby("eps"):
+        assert rows["noise_rel"].to_numpy() == pytest.approx(e, rel=0.05)
 
 
 def test_cluster_to_suggests_the_computed_experts_and_that_runs(tmp_path):
@@ -202,14 +205,17 @@ def test_mass_recall_sizes_suggested_are_the_bound_and_run(flag, value, tokens, 
 
 def test_erc_noise_that_overflows_is_refused_and_a_smaller_one_runs(tmp_path):
     """erc's noisy proxies (a fixed --noise eps for every expert) are seen only once drawn: a noise whose M is not
-    finite is refused in one line naming it, and a smaller one runs; its alpha_min is the closed form of the
-    matrix it writes (tests/test_erc.py's hand_alpha_min)."""
+    finite is refused in one line naming it and the noise to use ("choose a smaller noise" on BASE), which runs; its
+    alpha_min is the closed form of the matrix it writes (tests/test_erc.py's hand_alpha_min)."""
     from test_erc import hand_alpha_min
 
     args = ["erc", "--samples", "1", "--layers", "0", "-q"]
     line = refusal([*args, "--noise", "1e30"], tmp_path / "over")
-    assert line.startswith("error: --noise 1e+30: ") and line.endswith("choose a smaller noise"), line
-    tables = runs([*args, "--noise", "0.01"], tmp_path / "ok")
+    assert line.startswith("error: --noise 1e+30: "), line
+    noise = re.fullmatch(r".*: --noise (\S+) keeps M finite in every layer \(checked on the same seeded draws\)",
+                         line).group(1)
+    assert 0 < float(noise) < 1e30
+    tables = runs([*args, "--noise", noise], tmp_path / "ok")
     per_layer, matrix = tables["erc_layers.csv"], tables["erc_matrix.csv"]
     assert list(per_layer["layer"]) == [0]
     M = matrix[matrix.layer == 0].pivot(index="i", columns="j", values="m").to_numpy()

@@ -269,6 +269,30 @@ def _cli(args, out):
     return CliRunner().invoke(app, [*args, "--out", str(out)])
 
 
+def _big_experts(tmp_path):
+    """The tiny model with MoE layer 1's expert weights x30, saved in ``tmp_path / "big"``: (model, path)."""
+    lm = load("tiny")
+    with torch.no_grad():
+        for p in lm.model.model.layers[1].mlp.experts.parameters():
+            p.mul_(30)
+    model = tmp_path / "big"
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    return lm, model
+
+
+def _layer1_overflow(args, out, hint: str) -> tuple[str, tuple[str, ...]]:
+    """The command ``args`` refused in one line for :func:`_big_experts`' fp16 overflow in MoE layer 1's experts,
+    its suggestion matching ``hint`` (a pattern whose groups are the dtypes it names: bf16 and fp32)."""
+    r = _cli(args, out)
+    line = r.output.strip()
+    assert r.exit_code == 1 and len(line.splitlines()) == 1, r.output
+    m = re.fullmatch(r"error: non-finite experts output in MoE layer 1 of \S+ at batch 0 \(rows 0-\d+\), computed in "
+                     rf"float16 \(fp16's largest number is 65504: {hint}\): results would be meaningless", line)
+    assert m and m.groups() == ("bf16", "fp32"), line
+    return line, m.groups()
+
+
 @pytest.mark.slow
 def test_fp16_overflow_in_an_expert_suggests_a_dtype_that_runs(tmp_path, no_rendering):
     """The tiny model with MoE layer 1's expert weights x30 (their outputs x27000, past fp16's 65504; the final norm
@@ -277,15 +301,7 @@ def test_fp16_overflow_in_an_expert_suggests_a_dtype_that_runs(tmp_path, no_rend
     finite perplexity equal to a hand-computed fp32 one (bf16 within its rounding)."""
     from conftest import hand_ppl
 
-    from moetool.loading import load
-
-    lm = load("tiny")
-    with torch.no_grad():
-        for p in lm.model.model.layers[1].mlp.experts.parameters():
-            p.mul_(30)
-    model = tmp_path / "big"
-    lm.model.save_pretrained(model)
-    lm.tokenizer.save_pretrained(model)
+    lm, model = _big_experts(tmp_path)
     args = ["ppl", "--model", str(model), "--max-tokens", "64", "--seq-len", "16", "--bootstrap", "0", "-q"]
     tokens = load_tokens(None, lm.tokenizer, 16, 64)
     want, count = hand_ppl(lm.model, tokens)
@@ -296,20 +312,35 @@ def test_fp16_overflow_in_an_expert_suggests_a_dtype_that_runs(tmp_path, no_rend
     hook.remove()
     assert not torch.isfinite(h["out"]).all() and h["out"].dtype == torch.float16
 
-    r = _cli([*args, "--dtype", "fp16"], tmp_path / "fp16")
-    line = r.output.strip()
-    assert r.exit_code == 1 and len(line.splitlines()) == 1, r.output
-    m = re.fullmatch(r"error: non-finite experts output in MoE layer 1 of \S+ at batch 0 \(rows 0-\d+\), computed in "
-                     r"float16 \(fp16's "
-                     r"largest number is 65504: try --dtype (\w+) or (\w+)\): results would be meaningless", line)
-    assert m, line
-    assert m.groups() == ("bf16", "fp32")
-    for dtype, rtol in zip(m.groups(), (2e-2, 1e-5)):
+    _, dtypes = _layer1_overflow([*args, "--dtype", "fp16"], tmp_path / "fp16", r"try --dtype (\w+) or (\w+)")
+    for dtype, rtol in zip(dtypes, (2e-2, 1e-5)):
         r = _cli([*args, "--dtype", dtype], tmp_path / dtype)
         assert r.exit_code == 0, r.output
         got = pd.read_csv(tmp_path / dtype / "ppl.csv")
         assert int(got.scored_tokens[0]) == count and np.isfinite(got.perplexity[0])
         assert float(got.perplexity[0]) == pytest.approx(want, rel=rtol), dtype
+
+
+@pytest.mark.slow
+def test_fp16_overflow_in_agreement_names_its_precisions_and_the_suggestion_runs(tmp_path, no_rendering):
+    """agreement has no --dtype (its --precisions choose the dtypes): the same fp16 overflow (layer 1's experts x30)
+    said "try --dtype bf16 or fp32" on BASE, a flag agreement refuses. The line names --precisions and only flags
+    agreement has; the suggested precision put in place of fp16 runs, its flips against fp32 finite."""
+    import typer
+
+    from moetool.commands.app import app
+
+    _, model = _big_experts(tmp_path)
+    args = ["agreement", "--model", str(model), "--max-tokens", "64", "--seq-len", "16", "--bootstrap", "0", "-q"]
+    line, (smaller, _) = _layer1_overflow([*args, "--precisions", "fp32,fp16"], tmp_path / "fp16",
+                                          r"try (\w+) or (\w+) in --precisions")
+    have = {o for p in typer.main.get_command(app).commands["agreement"].params for o in p.opts}
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line))
+    assert named == {"--precisions"} and named <= have and "--dtype" not in have
+    r = _cli([*args, "--precisions", f"fp32,{smaller}"], tmp_path / smaller)
+    assert r.exit_code == 0, r.output
+    got = pd.read_csv(tmp_path / smaller / "agreement_summary.csv")
+    assert list(got.precision) == ["bf16"] and np.isfinite(got[["top1_flip", "topk_flip", "delta_nll"]]).all().all()
 
 
 # ----- --layers of one K / n: MoE layers that differ ------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..context import dtype_choice
 from ..errors import MoetoolRuntimeError
 
 TENSORS = ("router logits", "experts output", "all-expert probe outputs")
@@ -132,6 +133,8 @@ def _or(old: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor:
 
 
 def _dtype_hint(dtype: torch.dtype) -> str:
-    """``dtype``'s name, with what to do where it is fp16 (whose largest number is 65504)."""
+    """``dtype``'s name, with what to do where it is fp16 (whose largest number is 65504), in the flag of the run's
+    command that chooses the dtype (:func:`moetool.context.dtype_choice`)."""
     name = str(dtype).removeprefix("torch.")
-    return name + (" (fp16's largest number is 65504: try --dtype bf16 or fp32)" if dtype == torch.float16 else "")
+    return name + (f" (fp16's largest number is 65504: try {dtype_choice('bf16 or fp32')})"
+                   if dtype == torch.float16 else "")

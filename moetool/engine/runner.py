@@ -159,7 +159,7 @@ def free_memory() -> None:
 
 def _no_row_fits(seq_len: int) -> MoetoolRuntimeError:
     return MoetoolRuntimeError(f"out of memory even with 1 row of {seq_len} tokens per forward: lower --seq-len, "
-                               "use --device-map auto or a smaller --dtype")
+                               f"use --device-map auto or {context.dtype_choice()}")
 
 
 def _back_off(backoff: Backoff, rows: int, seq_len: int) -> int:

@@ -121,7 +121,9 @@ class Experiment:
     theirs (figure name -> (what it shows, the tables it is drawn from, the manifest ``definitions`` it plots): the
     report page's); ``checkpoint_types`` the ``"module.Class"`` names a ``--resume`` unit of it may hold;
     ``special_tokens`` the ``add_special_tokens`` its command and ``moetool.run`` by name tokenize with (``None``: the
-    tokenizer's own default, recorded in the manifest as ``special_tokens``)."""
+    tokenizer's own default, recorded in the manifest as ``special_tokens``); ``dtype_flag`` the flag choosing the
+    dtype its models compute in, as an fp16 overflow's or an out-of-memory's suggestion names it (``--dtype``;
+    agreement's ``--precisions``: the run's :attr:`moetool.context.RunState.dtype_flag`)."""
 
     name: str
     module: str
@@ -144,6 +146,7 @@ class Experiment:
     captions: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     checkpoint_types: tuple[str, ...] = ()
     special_tokens: bool | None = False  # how its command tokenizes: None = the tokenizer's own default (a BOS)
+    dtype_flag: str = "--dtype"  # its flag choosing the dtype the models compute in (the run's, for suggestions)
 
     @property
     def result(self) -> str:

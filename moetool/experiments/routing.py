@@ -83,6 +83,11 @@ def ppl_intervals(run: ForwardResult, base: ForwardResult | None = None, *, n_bo
     if not scored.sum():  # real tokens, but none followed by a real token in its row: no perplexity to speak of
         raise MoetoolError("no next-token prediction to score: no row has two consecutive real tokens (an "
                            "attention_mask with a gap after every real token, or rows of one real token)")
+    from ..engine.runner import NLL
+
+    for r in (run, base):  # a mean NLL whose exp is past float64: NLL.ppl's one line, before an exp here warns
+        if r is not None:  # (the rows' sums: perplexity()'s own NLL of a run with rows)
+            NLL(float(r.rows.table("nll").sum()), int(r.rows.table("scored").sum())).ppl
     kw = dict(n_boot=n_boot, seed=seed)  # one row: no interval (uncertainty.replicates)
     out = ratio_intervals(nll, scored, transform=np.exp, **kw)[0].columns("perplexity")
     if base is run:

@@ -9,9 +9,11 @@
   every row goes to the title (``checkpoint tiny``). A listing (``print_table(whole_when_piped=True)``: ``inspect
   --families``) piped into a file, ``grep`` or ``less -S`` is printed whole instead: one line a row.
 - A long table prints its first rows and ``… N more rows in <file>`` (the CSV with every row).
-- Big numbers can be made readable per table: ``intfmt="{:,}"`` writes integers with thousands separators
-  (``1,342,052,808,704``, never ``1342052808704``), ``formats`` a column's own format (``{"bytes_per_token":
-  "{:,.0f}"}``: whole numbers, not ``1.477e+06`` beside ``4608``); the CSVs keep the exact values.
+- Integer counts are written with thousands separators in every table (``tokens`` ``32,768``, ``params``
+  ``1,342,052,808,704``, never ``1342052808704``), as the titles write them; identifiers (:data:`ID_COLUMNS`:
+  ``layer``, ``expert``, ``token``, ``step``, ...) stay plain digits. A table may set ``intfmt`` for every integer
+  cell, ``formats`` a column's own format (``{"bytes_per_token": "{:,.0f}"}``: whole numbers, not ``1.477e+06``
+  beside ``4608``); the CSVs keep the exact values.
 - Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
   :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
 """
@@ -30,6 +32,17 @@ from ..uncertainty import format_ci, with_ci  # noqa: F401 - the console's inter
 MAX_ROWS = 30  # longer tables are summarised
 PIPED_WIDTH = 100_000  # print_table(whole_when_piped=True) piped without COLUMNS: no split, no wrap (one row a line)
 HEAD_ROWS = 20  # rows shown of a summarised table
+COUNT_FORMAT = "{:,}"  # an integer count's cells: 32,768
+#: integer columns that name a thing rather than count it (a layer, an expert, a vocabulary id, a training step,
+#: a position, a rank): plain digits, no thousands separator (``expert_<k>`` columns too)
+ID_COLUMNS = frozenset({"layer", "expert", "token", "token_id", "i", "j", "a", "b", "rank", "row", "step", "pos",
+                        "source_layer", "next_layer", "hottest_expert", "seed", "batch", "group", "index"})
+
+
+def integer_format(column: str) -> str:
+    """The default format of an integer column's cells: :data:`COUNT_FORMAT` for a count, plain for an identifier
+    (:data:`ID_COLUMNS`, ``expert_<k>``)."""
+    return "{}" if column in ID_COLUMNS or column.startswith("expert_") else COUNT_FORMAT
 
 
 def console(stderr: bool = False, width: int | None = None) -> Any:
@@ -92,11 +105,12 @@ def _blocks(widths: Sequence[int], key: int, avail: int, keys: int = 1) -> list[
 
 
 def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None, intfmt: str = "{}",
-                 formats: dict[str, str] | None = None) -> list[Any]:
+                 max_rows: int = MAX_ROWS, width: int | None = None, keys: int | None = None,
+                 intfmt: str | None = None, formats: dict[str, str] | None = None) -> list[Any]:
     """The rich renderables of :func:`print_table` (tables and the "more rows" note). ``keys``: the number of
     leading key columns every block of a split table repeats (default: the frame's ``attrs["keys"]`` where it says,
-    else :func:`key_columns`). ``floatfmt`` / ``intfmt``: the format of float / integer cells; ``formats``: a
+    else :func:`key_columns`). ``floatfmt`` / ``intfmt``: the format of float / integer cells (``intfmt`` None:
+    :func:`integer_format`'s, thousands separators on counts); ``formats``: a
     column's own format, for both (``{"bytes_per_token": "{:,.0f}"}``; a column the table lacks, as offload's
     bytes_per_token on a recorded trace, is passed over)."""
     from rich.table import Table
@@ -109,7 +123,8 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
     cols = [str(c) for c in df.columns]
     numeric = [df[c].dtype.kind in "fiub" for c in df.columns]
     fmts = [(formats or {}).get(c) for c in cols]
-    cells = [[_fmt(v, f or floatfmt, f or intfmt) for v, f in zip(row, fmts)]
+    ints = [intfmt or integer_format(c) for c in cols]
+    cells = [[_fmt(v, f or floatfmt, f or i) for v, f, i in zip(row, fmts, ints)]
              for row in shown.itertuples(index=False)]
     # a column's width is its longest cell (numbers never fold); a header longer than 14 may fold
     widths = [max([len(r[i]) for r in cells] + [min(len(c), 14), 1]) for i, c in enumerate(cols)]
@@ -151,7 +166,7 @@ def render_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | 
 
 
 def print_table(df: Any, title: str = "", floatfmt: str = "{:.4g}", csv: str | None = None,
-                max_rows: int = MAX_ROWS, keys: int | None = None, intfmt: str = "{}",
+                max_rows: int = MAX_ROWS, keys: int | None = None, intfmt: str | None = None,
                 formats: dict[str, str] | None = None, whole_when_piped: bool = False) -> None:
     """Print ``df`` as a table that fits the console (see the module docstring); ``csv`` names the file that
     holds every row of a long table; ``floatfmt``, ``intfmt`` and ``formats`` as :func:`render_table`.

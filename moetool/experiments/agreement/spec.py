@@ -105,5 +105,5 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 SPEC = experiment("agreement", "agreement", "AgreementOptions", figures="moetool.experiments.agreement.figures:agreement_figures",
                   demo=Demo(max_tokens=2048, options={"precisions": ("fp32", "bf16", "fp8"), "bootstrap": 200}),
                   order=100,
-                  bootstrap=True, loads_model=False,
+                  bootstrap=True, loads_model=False, dtype_flag="--precisions",
                   captions=CAPTIONS)

@@ -11,7 +11,7 @@ product per token chunk, on the model's device. Everything here is vectorised ov
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -192,14 +192,20 @@ class LayerErc:
 DRAW_CHUNK_ELEMENTS = 1 << 24
 
 
+class NoiseOverflow(MoetoolError):
+    """The noisy proxies of a layer whose clean M is finite give a non-finite M: the noise level overflowed
+    (:func:`run_erc` adds the largest noise that passes to the line)."""
+
+
 def _finite_M(layer: MoELayer, X: torch.Tensor, opts: ErcOptions, noisy: bool = False) -> torch.Tensor:
     """:func:`coupling_matrix` of proxies ``X [s, n, d]``, or one line where it is not finite (``noisy``: the
-    proxies are noise draws of rows whose clean M was finite, so the noise level is what overflowed)."""
+    proxies are noise draws of rows whose clean M was finite, so the noise level is what overflowed:
+    :class:`NoiseOverflow`)."""
     M = coupling_matrix(layer, X, opts.node, opts.norm)  # [s, n, n]
     if not bool(torch.isfinite(M).all()):  # weights only, no forward: the engine's FiniteGuard never ran
         if noisy:
-            raise MoetoolError(f"--noise {opts.noise}: the noisy proxies of MoE layer {layer.index} give a non-finite "
-                               f"M (node {opts.node}; the clean M is finite): choose a smaller noise")
+            raise NoiseOverflow(f"--noise {opts.noise}: the noisy proxies of MoE layer {layer.index} give a "
+                                f"non-finite M (node {opts.node}; the clean M is finite)")
         raise MoetoolRuntimeError(f"non-finite M in MoE layer {layer.index} (node {opts.node} of the experts' "
                                   "weights on the router rows; NaN/inf weights?): results would be meaningless")
     return M
@@ -269,11 +275,45 @@ def run_erc(layers: Sequence[MoELayer], opts: ErcOptions, quiet: bool = False) -
     mine = list(layers)[rank::world]
     res = ErcResult(opts)
     for L in progress(mine, total=len(mine), description="erc", quiet=quiet):
-        res.layers.append(erc_layer(L, opts))
+        try:
+            res.layers.append(erc_layer(L, opts))
+        except NoiseOverflow as e:
+            raise MoetoolError(f"{e}: {smaller_noise(mine, opts)}") from None
     if world > 1:
         got = {r.layer: r for part in distributed.gather_object(res.layers) for r in part}
         res.layers = [got[L.index] for L in layers]
     return res
+
+
+def smaller_noise(layers: Sequence[MoELayer], opts: ErcOptions) -> str:
+    """What to use instead of ``opts.noise``, whose noisy M overflowed: the largest ``eps / 10^k`` (``eps`` the
+    fixed noise, or the largest derived eps_i of ``layers``) whose noisy M is finite in every layer of ``layers``
+    on the same seeded draws (checked: doubling k, then halving the interval; a noise of 0 is the clean M, finite),
+    as ``--noise <value>``; ``--noise none`` where none above 1e-30 passes."""
+    if isinstance(opts.noise, str):  # derived: its largest eps_i over the layers
+        base = max(float(noise_eps(router_rows(L), opts.noise).max()) for L in layers)
+    else:
+        base = float(opts.noise)
+
+    def passes(k: int) -> bool:
+        noise = float(f"{base / 10 ** k:.2g}")
+        try:
+            for L in layers:
+                erc_layer(L, replace(opts, noise=noise))
+        except NoiseOverflow:
+            return False
+        return True
+
+    fail, k = 0, 1
+    while not passes(k):
+        fail, k = k, 2 * k
+        if base / 10 ** k < 1e-30:
+            return "--noise none (no noise) is the only level that keeps M finite"
+    while k - fail > 1:  # passes(k), not passes(fail): the smallest k that passes, between them
+        mid = (fail + k) // 2
+        fail, k = (fail, mid) if passes(mid) else (mid, k)
+    return (f"--noise {float(f'{base / 10 ** k:.2g}'):g} keeps M finite in every layer (checked on the same seeded "
+            f"draws)")
 
 
 def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:

@@ -109,6 +109,32 @@ def noisy_inputs(hf: torch.Tensor, eps: float, unit: torch.Tensor, dtype: torch.
     return torch.add(hf, unit, alpha=alpha, out=torch.empty_like(hf, dtype=dtype))
 
 
+def finite_eps(hf: torch.Tensor, unit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T]`` fp32: per token, an eps below which its noisy input ``h' = h + eps * unit`` (:func:`noisy_inputs`,
+    rounded to ``dtype``) and ``||h' - h||`` (fp32 sums of squares) stay finite: each coordinate may move by
+    ``finfo(dtype).max - h_j sign(unit_j)`` in the noise's direction, the distance up to ``sqrt`` of fp32's largest
+    number; a thousandth under the smallest of these (inf where the noise is zero)."""
+    a = unit.abs()
+    room = torch.finfo(dtype).max - hf * torch.sign(unit)  # how far coordinate j may go along unit_j
+    per = torch.where(a > 0, room / a, torch.full_like(a, math.inf)).amin(-1)
+    dist = math.sqrt(torch.finfo(torch.float32).max) / ops.vector_norm(unit)
+    return torch.minimum(per, dist) * (1 - 1e-3)
+
+
+def eps_hint(eps: float, bound: float, passed: Sequence[float]) -> str:
+    """What to use instead of ``eps``, whose noise overflowed: below ``bound`` (:func:`finite_eps`' smallest over the
+    real tokens of every layer) every h' and its distance from h are finite, so ``bound`` rounded down to 2 digits
+    where ``eps`` is past it; else the router logits overflowed first: the largest of ``passed`` (the run's eps that
+    overflowed no token of the layer) below ``eps``, if any."""
+    if eps > bound:
+        e = 10.0 ** math.floor(math.log10(bound))
+        return (f"h' and ||h' - h|| stay finite for every real token of every layer below eps {bound:.3g} "
+                f"(computed from the data): use --eps {math.floor(bound / e * 10) * e / 10:g} or less")
+    smaller = [e for e in passed if e < eps]
+    return (f"h' stays finite up to eps {bound:.3g}, its router logits overflow earlier: use an --eps below {eps:g}"
+            + (f" (--eps {max(smaller):g} of this run passed)" if smaller else ""))
+
+
 def routing_of(layer: Any, h: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top-K set [T, K], top-1 [T])`` of the layer's routing recomputed from router inputs ``h``
     (``layer.route(layer.logits(h))``; the top-1 is the chosen expert with the largest selection score).
@@ -174,6 +200,8 @@ class MarginCollector:
                       for i in self.layers}  # sum of ||h' - h|| / ||h||
         # real tokens whose noisy input overflowed (h' or ||h' - h|| or its logits not finite), per eps
         self.overflow = {i: torch.zeros(E, dtype=torch.float64, device="cpu") for i in self.layers}
+        # the smallest finite_eps over the real tokens: the eps below which no noisy input overflows (the refusal's)
+        self.bound = {i: torch.full((), math.inf, dtype=torch.float64, device="cpu") for i in self.layers}
         self.dtype: Any = None  # the router input's dtype (named when the noise overflows it)
 
     def before_batch(self, batch: Any) -> None:
@@ -200,6 +228,8 @@ class MarginCollector:
         hnorm = ops.vector_norm(hf)
         unit = noise_directions(hnorm, z)
         del z
+        safe = torch.where(valid, finite_eps(hf, unit, h.dtype), math.inf).amin().double()
+        self.bound[L.index] = torch.minimum(ops.to_device(self.bound[L.index], h.device), safe)
         hnorm = hnorm.clamp_min(torch.finfo(torch.float32).tiny)
         clean = routing_of(L, h)
         self.dtype, over = h.dtype, []
@@ -240,6 +270,7 @@ class MarginCollector:
             self.bins[i] = distributed.all_reduce(self.bins[i])
             self.noise[i] = distributed.all_reduce(self.noise[i])
             self.overflow[i] = distributed.all_reduce(self.overflow[i])
+            self.bound[i] = distributed.all_reduce(self.bound[i], "min")
         self.rows.reduce_across_ranks()
 
     def tables(self) -> tuple[Any, Any, Any]:
@@ -261,12 +292,15 @@ class MarginCollector:
             fl = self.rows.table(f"{i}/flips").reshape(tok.shape[0], -1)
             ci = ratio_intervals(fl, tok, n_boot=opts.bootstrap, seed=opts.seed)
             noise = self.noise[i].cpu().tolist()
-            for eps, bad in zip(opts.eps, self.overflow[i].cpu().tolist()):
+            over = self.overflow[i].cpu().tolist()  # (the bound: every layer's, as --eps applies to all)
+            for eps, bad in zip(opts.eps, over):
                 if bad:  # a routing of inf / NaN inputs is no routing: its flips would read as a measurement
+                    passed = [e for e, b in zip(opts.eps, over) if not b]
                     raise MoetoolError(f"--eps {eps:g}: the noisy router input h + eps ||h|| z / sqrt(d) overflows "
                                        f"{str(self.dtype).replace('torch.', '')} for {int(bad)} of layer {i}'s "
                                        f"{int(n)} real tokens (it, its distance from h or its router logits are "
-                                       "not finite): no routing to compare; use a smaller --eps")
+                                       f"not finite): no routing to compare; "
+                                       f"{eps_hint(eps, min(float(b) for b in self.bound.values()), passed)}")
             for j, eps in enumerate(opts.eps):
                 k, one = ci[2 * j], ci[2 * j + 1]
                 flip_rows.append({"layer": i, "eps": eps, "tokens": int(n), "noise_rel": noise[j] / n,

@@ -41,7 +41,8 @@ PPL_DEFINITIONS = {
     "ratio": "perplexity / router_perplexity = exp(nll_mean - router nll_mean) (lower is better)",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows (moetool.uncertainty; "
                  "the ratio's is paired: one row weight applies to both runs); NaN with bootstrap=0",
-    "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer)",
+    "layers": "decoder layers whose routing the policy replaced ('all' = every MoE layer); - for router, which "
+              "replaces none (--layers then only checked)",
 }
 
 
@@ -53,7 +54,7 @@ def ppl_frame(result: ForwardResult, *, model: str, data: str, routing: str, wei
 
     router = base.perplexity if base is not None else float("nan")
     row = {"model": model, "data": data, "routing": routing, "weights": weights,
-           "layers": "all" if layers is None else ",".join(str(i) for i in layers),
+           "layers": "-" if routing == "router" else "all" if layers is None else ",".join(str(i) for i in layers),
            "scored_tokens": result.nll.tokens, "nll_mean": result.nll.mean,
            **ppl_columns(result, base, n_boot=n_boot, seed=seed, between={"router_perplexity": router}),
            "seconds": round(result.seconds, 3)}
