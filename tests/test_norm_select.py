@@ -577,6 +577,37 @@ def test_a_split_aoe_table_repeats_the_row_label_not_the_first_tasks_best_node()
             assert "gate:l2" in text and "output:l2" not in text
 
 
+def test_aoe_table1_keeps_each_retention_interval_beside_its_value_and_the_routers_is_one():
+    """aoe_table1.csv (demo's norm-select) had the columns of the first row, the router's, which had no retention
+    bounds: ``moetool_code retention measured_lo/_hi`` came last, after the other task's columns, and the router's
+    were empty where quality.csv gives its ratio exactly [1, 1]. Now every bound sits beside its value."""
+    import pandas as pd
+
+    from moetool.experiments.published import aoe_table1
+
+    tasks = ("moetool_code", "moetool_prose")
+    rows = {"router": (0.80, 0.65, 1.0, 1.0, 1.0, 1.0), "gate:l2": (0.70, 0.60, 0.875, 0.923, 0.55, 0.47)}
+    table = pd.DataFrame([{"node": k.split(":")[0], "norm": k.split(":")[-1],
+                           **{f"{t} acc": v[i] for i, t in enumerate(tasks)},
+                           **{f"{t} acc_lo": v[i] - 0.2 for i, t in enumerate(tasks)},
+                           **{f"{t} acc_hi": v[i] + 0.1 for i, t in enumerate(tasks)},
+                           **{f"{t} retention": v[2 + i] for i, t in enumerate(tasks)},
+                           **{f"{t} retention_lo": v[4 + i] if k != "router" else 1.0 for i, t in enumerate(tasks)},
+                           **{f"{t} retention_hi": 2 * v[2 + i] - v[4 + i] for i, t in enumerate(tasks)}}
+                          for k, v in rows.items()])
+    out = aoe_table1(table, "tiny", tasks=tasks)
+    cols = list(out.columns)
+    assert cols == ["row"] + [f"{t} {c}" for t in tasks for c in (
+        "node", "acc measured", "acc measured_lo", "acc measured_hi", "retention measured", "retention measured_lo",
+        "retention measured_hi")]
+    t = out.set_index("row")
+    for task in tasks:
+        assert (t.loc["router", f"{task} retention measured_lo"], t.loc["router", f"{task} retention measured_hi"]) \
+            == (1.0, 1.0)
+    assert t.loc["best node", "moetool_code retention measured_lo"] == 0.55
+    assert t.loc["best node", "moetool_prose retention measured_hi"] == pytest.approx(2 * 0.923 - 0.47)
+
+
 def test_an_lm_eval_task_reporting_perplexity_is_not_taken_for_the_datas():
     """Break-it run 5: a loglikelihood task (lambada's kind) reports a metric named ``perplexity``; norm-select's
     retention figure took every ``perplexity`` row of quality.csv as the data's, drawing the task's ratio (600/300)
