@@ -428,6 +428,19 @@ def test_progress_prints_policy_specs_verbatim(capsys):
     assert "ppl norm:up:l2 [x]" in err and "\U0001f199" not in err  # not "ppl norm🆙l2"
 
 
+def test_the_page_reads_a_checkpoint_pair_as_the_run_does():
+    """The page put ``checkpoint`` before ``reference``: fluctuation's rows read ``tiny | tiny-early`` under a headline
+    ``tiny-early -> tiny`` and beside a CSV whose columns are reference, checkpoint. Key columns now keep that order."""
+    from moetool.experiments.fluctuation.compute import COLUMNS, SUMMARY_COLUMNS
+    from moetool.report.page import key_first
+
+    for cols in (COLUMNS, SUMMARY_COLUMNS):
+        df = pd.DataFrame([dict.fromkeys(cols, 0)], columns=cols).assign(reference="tiny-early", checkpoint="tiny")
+        shown = list(key_first(df).columns)
+        assert shown.index("reference") < shown.index("checkpoint"), shown
+        assert key_first(df).iloc[0][["reference", "checkpoint"]].tolist() == ["tiny-early", "tiny"]
+
+
 def test_status_leaves_one_finished_line_in_a_log(capsys):
     """lm-eval's loop runs under ``progress.status``, a spinner: piped into a log (``moetool demo 2> log``) it drew
     nothing, so norm-select's lm-eval (minutes under load) left no line at all, like a hang. Off a terminal it now
