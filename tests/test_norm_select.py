@@ -533,6 +533,22 @@ def test_router_weights_on_a_pruned_model_are_the_pruned_routers(model_type, tmp
         assert (want > full * L.weight_scale * 1.01).all()  # the full model's p_e weigh less
 
 
+@pytest.mark.slow
+def test_the_console_title_says_95_percent_intervals_only_where_there_are_some(tmp_path, no_figures):
+    """``moetool norm-select --bootstrap 0`` printed 'norm-select on tiny (weights softmax; 95% intervals)' over a
+    table of bare numbers (no *_lo/*_hi anywhere in quality.csv). The title now says what the table holds."""
+    import pandas as pd
+
+    for boot, want in (("0", "(weights softmax; no intervals (--bootstrap 0))"), ("100", "(weights softmax; 95% intervals)")):
+        out = CliRunner().invoke(app, ["norm-select", "--nodes", "gate", "--max-tokens", "512", "--seq-len", "32",
+                                       "--bootstrap", boot, "--out", str(tmp_path / boot)])
+        assert out.exit_code == 0, out.output
+        title = next(ln for ln in out.output.splitlines() if "norm-select on tiny" in ln)
+        assert want in title, title
+        q = pd.read_csv(tmp_path / boot / "quality.csv")
+        assert q[q.policy != "router"].value_lo.notna().all() == (boot != "0")
+
+
 def test_norm_select_prune_flag_is_one_line(tmp_path):
     out = CliRunner().invoke(app, ["norm-select", "--prune", "frequency:0.5", "--max-tokens", "64", "-q",
                                    "--out", str(tmp_path / "r")])
