@@ -539,7 +539,8 @@ def test_the_console_title_says_95_percent_intervals_only_where_there_are_some(t
     table of bare numbers (no *_lo/*_hi anywhere in quality.csv). The title now says what the table holds."""
     import pandas as pd
 
-    for boot, want in (("0", "(weights softmax; no intervals (--bootstrap 0))"), ("100", "(weights softmax; 95% intervals)")):
+    for boot, want in (("0", "(weights softmax; no intervals (--bootstrap 0))"),
+                       ("100", "(weights softmax; 95% intervals)")):
         out = CliRunner().invoke(app, ["norm-select", "--nodes", "gate", "--max-tokens", "512", "--seq-len", "32",
                                        "--bootstrap", boot, "--out", str(tmp_path / boot)])
         assert out.exit_code == 0, out.output
