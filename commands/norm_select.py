@@ -21,7 +21,17 @@ def show(res: Any, p: Any) -> None:
     from moetool.report.console import print_table, with_ci
 
     on = f"{p.model} pruned by {res.options.prune}" if res.options.prune else p.model
-    print_table(with_ci(res.summary), title=f"norm-select on {on} (weights {res.options.weights}; 95% intervals)")
+    print_table(with_ci(res.summary), title=f"norm-select on {on} (weights {res.options.weights}{_intervals(res)})")
     if "aoe_table1.csv" in res.tables:
         title, table = console_layout(res["aoe_table1"])
         print_table(table, title=title, csv="aoe_table1.csv")
+
+
+def _intervals(res: Any) -> str:
+    """The title's word on intervals: '; 95% intervals' where a policy's row has one (bootstrap or lm-eval's), '; no
+    intervals (--bootstrap 0)' where none does (the title said 95% intervals over a table of bare numbers)."""
+    df = res.summary
+    rows = df[df.node != "router"] if "node" in df.columns else df  # the router's ratio is [1, 1] by definition
+    if any(rows[c].notna().any() for c in df.columns if str(c).endswith("_lo")):
+        return "; 95% intervals"
+    return "; no intervals (--bootstrap 0)" if res.options.bootstrap == 0 else ""

@@ -45,15 +45,24 @@ def progress(items: Iterable[T], total: int | None = None, description: str = "w
 def status(description: str, quiet: bool = False) -> Iterator[None]:
     """A spinner with ``description`` and the elapsed time while a library runs its own loop (lm-eval): the one
     progress display when that library's bars are silenced. Binds to the real stderr on entry, so a caller may
-    redirect ``sys.stderr`` inside it."""
+    redirect ``sys.stderr`` inside it. Off a terminal (stderr piped into a log), where a spinner draws nothing, one
+    line when the loop has finished, as a progress bar leaves its finished bar: ``<description>: done in 42.1 s``."""
     if quiet or _other_rank():
         yield
         return
+    import time
+
     from rich.console import Console
     from rich.text import Text
 
-    with Console(file=sys.stderr, emoji=False).status(Text(description)):
-        yield
+    console = Console(file=sys.stderr, emoji=False)
+    if console.is_terminal:
+        with console.status(Text(description)):
+            yield
+        return
+    stream, t0 = sys.stderr, time.perf_counter()
+    yield
+    print(f"{description}: done in {time.perf_counter() - t0:.1f} s", file=stream, flush=True)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -347,6 +348,8 @@ def test_lm_evals_own_bars_are_silenced_under_moetools_display(model_dir, no_net
     lmeval.evaluate(lm, plan, limit=2, hflm=hflm, quiet=False)
     err = capfd.readouterr().err
     assert "it/s]" not in err and "%|" not in err and "lm_eval" not in err, err
+    # off a terminal (captured, as in a log) moetool's spinner leaves its one finished line (before: none at all)
+    assert re.fullmatch(rf"lm-eval {TASK}: done in \d+\.\d s\n", err), err
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

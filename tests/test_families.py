@@ -225,6 +225,25 @@ def test_pre_router_norm_of_the_stream_is_the_router_input(model_type):
     assert checked or refused
 
 
+def test_readme_families_table_says_its_rows_are_default_configs_and_the_example_holds():
+    """The families table's ``qwen3_moe`` row reads ``softmax-topk`` (transformers' default config), while
+    Qwen3-30B-A3B, and the embedded ``tiny-fine`` of that type, route ``softmax-topk-renorm`` (their configs set
+    ``norm_topk_prob``): a reader took the row for the family's rule. The table now says what its rows are, and the
+    example it gives is checked here against ``moetool inspect`` of the shipped config."""
+    from pathlib import Path
+
+    from moetool.inspect import FAMILIES_CAVEAT, describe_model, family_row, readme_block
+
+    root = Path(__file__).parents[1]
+    block = readme_block((root / "README.md").read_text(encoding="utf-8"))
+    assert block is not None and FAMILIES_CAVEAT in block.splitlines()[1]
+    assert "| qwen3_moe | causal-lm | yes | softmax-topk |" in block
+    assert family_row("qwen3_moe")["routing"] == "softmax-topk"
+    for name in (str(root / "examples/configs/qwen3-30b-a3b"), "tiny-fine"):
+        rules = {m["rule"] for m in describe_model(name)["moe_layers"]}
+        assert rules == {"softmax-topk-renorm"}, (name, rules)
+
+
 def test_readme_families_agree_with_the_source():
     """The README's family table is what ``moetool inspect --families`` computes (same tiny models)."""
     from pathlib import Path

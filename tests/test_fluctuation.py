@@ -137,6 +137,11 @@ def test_reference_modes_and_processing_order():
         assert all(order.index(c) < order.index(r) for r, c in pairs("abcd", ref))
     with pytest.raises(MoetoolError):
         pairs(["a"], "previous")
+    # the help says in which order they load: a reader of `fluctuation tiny-early tiny` saw 'tiny: router' run first
+    from moetool.experiments.fluctuation.spec import __doc__ as help_text
+    assert processing_order(2, "previous") == processing_order(2, "first") == [1, 0]
+    assert processing_order(3, "last") == [0, 1, 2]
+    assert "the last given first\n(--reference last: the first given first)" in help_text
 
 
 def test_three_checkpoints_reference_last(ckpts):

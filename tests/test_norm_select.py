@@ -533,6 +533,23 @@ def test_router_weights_on_a_pruned_model_are_the_pruned_routers(model_type, tmp
         assert (want > full * L.weight_scale * 1.01).all()  # the full model's p_e weigh less
 
 
+@pytest.mark.slow
+def test_the_console_title_says_95_percent_intervals_only_where_there_are_some(tmp_path, no_figures):
+    """``moetool norm-select --bootstrap 0`` printed 'norm-select on tiny (weights softmax; 95% intervals)' over a
+    table of bare numbers (no *_lo/*_hi anywhere in quality.csv). The title now says what the table holds."""
+    import pandas as pd
+
+    for boot, want in (("0", "(weights softmax; no intervals (--bootstrap 0))"),
+                       ("100", "(weights softmax; 95% intervals)")):
+        out = CliRunner().invoke(app, ["norm-select", "--nodes", "gate", "--max-tokens", "512", "--seq-len", "32",
+                                       "--bootstrap", boot, "--out", str(tmp_path / boot)])
+        assert out.exit_code == 0, out.output
+        title = next(ln for ln in out.output.splitlines() if "norm-select on tiny" in ln)
+        assert want in title, title
+        q = pd.read_csv(tmp_path / boot / "quality.csv")
+        assert q[q.policy != "router"].value_lo.notna().all() == (boot != "0")
+
+
 def test_norm_select_prune_flag_is_one_line(tmp_path):
     out = CliRunner().invoke(app, ["norm-select", "--prune", "frequency:0.5", "--max-tokens", "64", "-q",
                                    "--out", str(tmp_path / "r")])
@@ -575,6 +592,37 @@ def test_a_split_aoe_table_repeats_the_row_label_not_the_first_tasks_best_node()
         text = con.export_text()
         if "moetool_prose retention measured" in heads:
             assert "gate:l2" in text and "output:l2" not in text
+
+
+def test_aoe_table1_keeps_each_retention_interval_beside_its_value_and_the_routers_is_one():
+    """aoe_table1.csv (demo's norm-select) had the columns of the first row, the router's, which had no retention
+    bounds: ``moetool_code retention measured_lo/_hi`` came last, after the other task's columns, and the router's
+    were empty where quality.csv gives its ratio exactly [1, 1]. Now every bound sits beside its value."""
+    import pandas as pd
+
+    from moetool.experiments.published import aoe_table1
+
+    tasks = ("moetool_code", "moetool_prose")
+    rows = {"router": (0.80, 0.65, 1.0, 1.0, 1.0, 1.0), "gate:l2": (0.70, 0.60, 0.875, 0.923, 0.55, 0.47)}
+    table = pd.DataFrame([{"node": k.split(":")[0], "norm": k.split(":")[-1],
+                           **{f"{t} acc": v[i] for i, t in enumerate(tasks)},
+                           **{f"{t} acc_lo": v[i] - 0.2 for i, t in enumerate(tasks)},
+                           **{f"{t} acc_hi": v[i] + 0.1 for i, t in enumerate(tasks)},
+                           **{f"{t} retention": v[2 + i] for i, t in enumerate(tasks)},
+                           **{f"{t} retention_lo": v[4 + i] if k != "router" else 1.0 for i, t in enumerate(tasks)},
+                           **{f"{t} retention_hi": 2 * v[2 + i] - v[4 + i] for i, t in enumerate(tasks)}}
+                          for k, v in rows.items()])
+    out = aoe_table1(table, "tiny", tasks=tasks)
+    cols = list(out.columns)
+    assert cols == ["row"] + [f"{t} {c}" for t in tasks for c in (
+        "node", "acc measured", "acc measured_lo", "acc measured_hi", "retention measured", "retention measured_lo",
+        "retention measured_hi")]
+    t = out.set_index("row")
+    for task in tasks:
+        assert (t.loc["router", f"{task} retention measured_lo"], t.loc["router", f"{task} retention measured_hi"]) \
+            == (1.0, 1.0)
+    assert t.loc["best node", "moetool_code retention measured_lo"] == 0.55
+    assert t.loc["best node", "moetool_prose retention measured_hi"] == pytest.approx(2 * 0.923 - 0.47)
 
 
 def test_an_lm_eval_task_reporting_perplexity_is_not_taken_for_the_datas():

@@ -466,6 +466,44 @@ def test_progress_prints_policy_specs_verbatim(capsys):
     assert "ppl norm:up:l2 [x]" in err and "\U0001f199" not in err  # not "ppl norm🆙l2"
 
 
+def test_the_page_reads_a_checkpoint_pair_as_the_run_does():
+    """The page put ``checkpoint`` before ``reference``: fluctuation's rows read ``tiny | tiny-early`` under a headline
+    ``tiny-early -> tiny`` and beside a CSV whose columns are reference, checkpoint. Key columns now keep that order."""
+    from moetool.experiments.fluctuation.compute import COLUMNS, SUMMARY_COLUMNS
+    from moetool.report.page import key_first
+
+    for cols in (COLUMNS, SUMMARY_COLUMNS):
+        df = pd.DataFrame([dict.fromkeys(cols, 0)], columns=cols).assign(reference="tiny-early", checkpoint="tiny")
+        shown = list(key_first(df).columns)
+        assert shown.index("reference") < shown.index("checkpoint"), shown
+        assert key_first(df).iloc[0][["reference", "checkpoint"]].tolist() == ["tiny-early", "tiny"]
+
+
+def test_status_leaves_one_finished_line_in_a_log(capsys):
+    """lm-eval's loop runs under ``progress.status``, a spinner: piped into a log (``moetool demo 2> log``) it drew
+    nothing, so norm-select's lm-eval (minutes under load) left no line at all, like a hang. Off a terminal it now
+    leaves one line when done, with the loop's own wall time (as a progress bar leaves its finished bar); nothing
+    under --quiet, nothing when the loop fails."""
+    import time
+
+    from moetool.progress import status
+
+    t0 = time.perf_counter()
+    with status("lm-eval moetool_code (norm:gate:l2)"):
+        time.sleep(0.3)
+    elapsed = time.perf_counter() - t0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    m = re.fullmatch(r"lm-eval moetool_code \(norm:gate:l2\): done in (\d+\.\d) s", lines[0])
+    assert m, lines[0]
+    assert 0.3 <= float(m.group(1)) + 0.05 and float(m.group(1)) <= elapsed + 0.05
+    with status("quiet", quiet=True):
+        pass
+    with pytest.raises(RuntimeError), status("lm-eval failing"):
+        raise RuntimeError("boom")
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.slow
 def test_demo_norm_select_step_uses_the_one_demo_layout(tmp_path, monkeypatch):
     """Every demo step: <step>/<model>/ with <step>/manifest.json (norm-select was <step>/ alone). The sweep is

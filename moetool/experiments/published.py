@@ -127,7 +127,7 @@ def aoe_table1(table: Any, model: str, tasks: Any = ("mmlu", "arc_challenge"), m
             if key:
                 row[f"{task} retention paper"] = p_ret
             row[f"{task} retention measured"] = m_ret
-            row.update(_bounds(src, ret, f"{task} retention measured") if label != "router" else {})
+            row.update(_bounds(src, ret, f"{task} retention measured"))  # the router's too: [1, 1], as quality.csv
             if key:
                 row[f"{task} retention Δ"] = m_ret - p_ret
         out.append(row)

@@ -249,8 +249,9 @@ def to_latex(df: Any, caption: str = "", label: str = "") -> str:
 
 
 #: identifying columns, shown first in the page in this order (what is compared, then where in the model, then
-#: the swept setting): a row is read from its key
-KEY_COLUMNS = ("model", "checkpoint", "reference", "task", "metric", "policy", "routing", "selector", "method",
+#: the swept setting): a row is read from its key; ``reference`` before ``checkpoint``, as the tables, the console and
+#: the headline ("tiny-early -> tiny") read a pair
+KEY_COLUMNS = ("model", "reference", "checkpoint", "task", "metric", "policy", "routing", "selector", "method",
                "node", "norm", "view", "domain", "layer", "next_layer", "expert", "a", "b", "i", "j", "rank",
                "token_id", "token", "pair", "codebook", "codebook_size", "centroids", "capacity", "shortlist_size",
                "alpha")

@@ -4,7 +4,10 @@ Source: Nguyen, Tran, Nguyen, Baraniuk (2025), "Improving Routing in Sparse Mixt
 Tokens", arXiv 2505.00792 (routing fluctuation, Fig. 3; Similarity-/Attention-Aware routing).
 
 Token ids come from the first checkpoint's tokenizer; checkpoints of a different architecture (model_type,
-layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time. Per MoE layer, pair
+layers, experts, K) or tokenizer vocabulary are refused. Checkpoints load one at a time, the last given first
+(--reference last: the first given first), so a checkpoint runs before its reference (--isolate feeds the
+reference's MoE inputs to its routers); the progress bars name each (tiny-early tiny: 'tiny: router' runs
+first). Per MoE layer, pair
 (reference, checkpoint) and routing: top1_change (fraction of real tokens whose top-1 expert differs: the
 paper's fluctuation rate; top-1 = the routing decision: the chosen expert ranked first by the scores the routing
 selected on -- the router's selection scores, a correction bias included, before any per-expert scale; a policy's
