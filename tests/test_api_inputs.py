@@ -321,3 +321,29 @@ def test_a_model_left_in_training_mode_gives_the_eval_numbers_and_keeps_its_mode
         assert (row.perplexity, row.scored_tokens) == (pytest.approx(ref_ppl, rel=1e-9), ref_count)
         pd.testing.assert_frame_equal(moetool.stats(own, tokens, bootstrap=0, quiet=True)["layers.csv"], ref_layers)
     assert own.model.training and own.model.model.layers[0].mlp.training and not own.model.model.norm.training
+
+
+def test_a_prune_policy_object_reused_on_a_model_of_other_width_routes_by_that_models_sets(lm, tokens):
+    """A ``prune:random`` policy object used on tiny (8 experts) cached its kept-expert masks by layer number: on
+    tiny-fine (32 experts) next it was a RuntimeError from inside the routing rule (sizes 8 and 32). Each model's
+    layers get their own sets: the choices equal a fresh policy's, none of them a removed expert."""
+    from moetool.policies import build_policy
+    from moetool.policies.prune import n_removed, random_removed
+
+    fine = moetool.load("tiny-fine", device="cpu")
+    reused = build_policy("prune:random:0.25")
+
+    def chosen(model, policy):
+        ids = moetool.tokens(model, None, seq_len=32, max_tokens=64).input_ids
+        events = []
+        with torch.no_grad(), moetool.hook(model, policy=policy, consumers=[events.append]):
+            model.model(input_ids=ids, use_cache=False)
+        return [(ev.layer.index, ev.layer.n_experts, ev.chosen_idx.clone()) for ev in events]
+
+    for model in (lm, fine, lm):
+        got, fresh = chosen(model, reused), chosen(model, build_policy("prune:random:0.25"))
+        assert len(got) == len(fresh) == len(model.layers)
+        for (layer, n, idx), (_, _, ref) in zip(got, fresh):
+            assert torch.equal(idx, ref)
+            removed = set(random_removed(0, layer, n, n_removed(0.25, n)))
+            assert len(removed) == n // 4 and not removed & set(idx.unique().tolist())
