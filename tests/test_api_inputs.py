@@ -347,3 +347,26 @@ def test_a_prune_policy_object_reused_on_a_model_of_other_width_routes_by_that_m
             assert torch.equal(idx, ref)
             removed = set(random_removed(0, layer, n, n_removed(0.25, n)))
             assert len(removed) == n // 4 and not removed & set(idx.unique().tolist())
+
+
+def test_a_model_cast_after_the_load_is_recorded_in_the_dtype_it_ran_in(tokens, tmp_path):
+    """``lm.model.to(torch.bfloat16)`` after ``moetool.load("tiny")``: the forwards ran in bf16, and manifest.json
+    said float32 (the model's dtype, the options' and the memory estimate's): a run recorded as the fp32 one it is
+    not. ``lm.dtype`` and ``lm.device`` are the model's now; a load's own dtype is kept as it was asked for."""
+    import json
+
+    own = moetool.load("tiny", device="cpu")
+    assert (own.dtype, own.device) == (torch.float32, torch.device("cpu"))
+    own.model.to(torch.bfloat16)
+    res = moetool.run("ppl", own, tokens, out=tmp_path / "run", quiet=True, bootstrap=0)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (manifest["model"]["dtype"], manifest["options"]["dtype"]) == ("torch.bfloat16", "bfloat16")
+    assert manifest["memory_estimate"]["dtype"] == "bfloat16"
+    ref, _ = hand_ppl(own.model, tokens)  # the bf16 model's own forwards
+    assert res["ppl"].perplexity.item() == pytest.approx(ref, rel=1e-6)
+    moetool.write(moetool.ppl(own, tokens, bootstrap=0, quiet=True), tmp_path / "api")
+    assert json.loads((tmp_path / "api" / "manifest.json").read_text())["model"]["dtype"] == "torch.bfloat16"
+    assert own.dtype == torch.bfloat16 and own.loaded_dtype == torch.float32
+    own.model.float()
+    assert own.dtype == torch.float32
+    assert moetool.load("tiny", dtype="bf16", device="cpu").dtype == torch.bfloat16
