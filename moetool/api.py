@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-def _timed(model: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
+def _timed(model: Any, run: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``run(*args, **kwargs)`` -> its Result, which records the model (a loaded model's manifest entry, or the
     checkpoint names) and when the computation started and how long it took (for :func:`write`). Each loaded model
     (``model``, or a list of them) is held for the run (:func:`moetool.engine.hooks.hold`): a run on a model another

@@ -858,3 +858,21 @@ def test_forward_takes_a_policy_spec_and_its_options_as_its_docstring_says():
         moetool.forward(lm, tokens, policy="norm:gate", temperature=2, quiet=True)
     with pytest.raises(MoetoolError, match="go with a policy spec"):
         moetool.forward(lm, tokens, weights="uniform", quiet=True)
+
+
+def test_plan_of_a_loaded_model_is_its_configs_plan_and_a_wrong_keyword_is_pythons_own_error():
+    """``moetool.plan(lm)`` (a model from ``moetool.load``) was an AttributeError from inside the parameter count
+    (``'LoadedModel' object has no attribute 'to_json_string'``): it plans the model's config, under its name, as
+    ``moetool.plan("tiny")``; anything else is one line. ``moetool.stats(model=lm, ...)`` said ``_timed() got
+    multiple values for argument 'model'`` (moetool's internal helper): now Python's own word for the call."""
+    lm = moetool.load("tiny")
+    by_model, by_name = moetool.plan(lm), moetool.plan("tiny")
+    assert by_model.names == by_name.names
+    for name in by_name.names:
+        pd.testing.assert_frame_equal(by_model[name], by_name[name])
+    assert "ppl --model tiny " in by_model["layouts"].command.iloc[0]
+    with pytest.raises(MoetoolError, match=r"plan takes a model's name, its transformers config or a loaded model"):
+        moetool.plan(3)
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    with pytest.raises(TypeError, match=r"stats\(\) missing 1 required positional argument: 'lm'"):
+        moetool.stats(model=lm, tokens=tokens)
