@@ -332,9 +332,9 @@ def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`, whose docstring lists every keyword): ``tokens`` in
     batches of ``batch_size`` rows (default 8) under ``torch.no_grad``, ``policy`` (a spec such as ``"norm:gate"``,
     keywords its options, as ``weights="uniform"``; or a policy object) routing in ``layers`` (default: every MoE
-    layer), each routing event handed to ``consumers``; ``quiet=True`` hides the progress bar. Returns a ``ForwardResult``: ``seconds``, ``batches``, and with ``nll=True`` the
-    next-token NLL of the real tokens (``nll.mean`` in nats per token, ``nll.tokens`` scored, ``perplexity``;
-    NaN without ``nll=True``, the default).
+    layer), each routing event handed to ``consumers``; ``quiet=True`` hides the progress bar. Returns a
+    ``ForwardResult``: ``seconds``, ``batches``, and with ``nll=True`` the next-token NLL of the real tokens
+    (``nll.mean`` in nats per token, ``nll.tokens`` scored, ``perplexity``; NaN without ``nll=True``, the default).
     ``layers`` (where ``policy`` routes) without a policy is refused: the hooked layers are ``moe_layers``."""
     from .engine.runner import forward as run
     from .errors import MoetoolError, shown
