@@ -77,12 +77,21 @@ def test_a_token_set_sliced_by_hand_is_one_line(lm, tokens, experiment):
         "domains of other rows": dataclasses.replace(t, input_ids=t.input_ids[:2], attention_mask=t.attention_mask[:2]),
         "numpy": dataclasses.replace(t, input_ids=t.input_ids.numpy(), attention_mask=t.attention_mask.numpy()),
         "float ids": dataclasses.replace(t, input_ids=t.input_ids.float()),
+        "int16 ids": dataclasses.replace(t, input_ids=t.input_ids.to(torch.int16)),  # torch's embedding traceback
+        "uint8 ids": dataclasses.replace(t, input_ids=(t.input_ids % 256).to(torch.uint8)),
         "mask of 2s": dataclasses.replace(t, attention_mask=t.attention_mask * 2),
     }
     for what, given in bad.items():
         with pytest.raises(MoetoolError, match="packed tokens") as e:
             getattr(moetool, experiment)(lm, given, quiet=True)
         assert "\n" not in str(e.value), what
+
+
+def test_int32_ids_are_the_int64_ids_numbers(lm, tokens):
+    """int32 ids (an embedding takes them, as int64) run and give the same numbers; narrower ones are refused."""
+    narrow = dataclasses.replace(tokens, input_ids=tokens.input_ids.int())
+    ref, _ = hand_ppl(lm.model, tokens)
+    assert _ppl(lm, narrow)["perplexity"] == _ppl(lm, tokens)["perplexity"] == pytest.approx(ref, rel=1e-6)
 
 
 def test_a_token_set_sliced_alike_is_those_rows(lm, tokens):
