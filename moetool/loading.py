@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .configs import stored_dtype
-from .errors import MoetoolError, MoetoolRuntimeError, one_line
+from .errors import MoetoolError, MoetoolRuntimeError, one_line, shown
 from .hub import hub_error, hub_kwargs
 from .registry import did_you_mean
 
@@ -176,7 +176,7 @@ def resolve(name: str) -> tuple[str, str]:
         name = os.fspath(name)
     if not isinstance(name, str):
         raise MoetoolError(f"a model is named by a string (an embedded name, an alias, a directory or a hub id) "
-                           f"or a path, not {name!r} ({type(name).__name__})"[:300])
+                           f"or a path, not {shown(name)}")  # a loaded model: named, not dumped
     emb = embedded_models()
     if not name.strip():  # an unset shell variable: not the current folder ('.' names it)
         raise MoetoolError(f"--model {name!r} is an empty name: give an embedded name ({', '.join(emb) or 'none'}), "

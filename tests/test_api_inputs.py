@@ -379,3 +379,15 @@ def test_a_model_cast_after_the_load_is_recorded_in_the_dtype_it_ran_in(tokens, 
     own.model.float()
     assert own.dtype == torch.float32
     assert moetool.load("tiny", dtype="bf16", device="cpu").dtype == torch.bfloat16
+
+
+def test_a_loaded_model_given_for_a_models_name_is_named_in_one_line(lm):
+    """``moetool.inspect_model(lm)`` (or ``moetool.load(lm)``) dumped the model's whole repr, its modules over
+    several lines, into the message: one line naming what was passed."""
+    for call in (moetool.inspect_model, moetool.load):
+        with pytest.raises(MoetoolError) as e:
+            call(lm)
+        assert str(e.value) == ("a model is named by a string (an embedded name, an alias, a directory or a hub id) "
+                                "or a path, not a LoadedModel")
+    with pytest.raises(MoetoolError, match=r"or a path, not 5$"):
+        moetool.load(5)
