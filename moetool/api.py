@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-def _timed(model: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
+def _timed(model: Any, run: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``run(*args, **kwargs)`` -> its Result, which records the model (a loaded model's manifest entry, or the
     checkpoint names) and when the computation started and how long it took (for :func:`write`). Each loaded model
     (``model``, or a list of them) is held for the run (:func:`moetool.engine.hooks.hold`): a run on a model another
@@ -119,16 +119,7 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
     from .engine.runner import _consumer_list
     from .errors import MoetoolError, shown
 
-    if isinstance(policy, str):
-        from .policies import build_policy, option_names
-
-        bad = sorted(set(policy_options) - option_names())
-        if bad:
-            raise MoetoolError(f"unknown policy option(s) {bad} (known: {', '.join(sorted(option_names()))})")
-        policy = build_policy(policy, **policy_options)
-    elif policy_options:
-        raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
-                           f"not with {policy!r}")
+    policy = _policy(policy, policy_options)
     if not (hasattr(lm, "model") and hasattr(lm, "layers")):
         raise MoetoolError(f"moetool.hook takes a loaded model (lm = moetool.load(...)), not {shown(lm)}")
     _refuse_layers_without_policy("moetool.hook", layers, policy, "every MoE layer is hooked: keep the events of "
@@ -137,6 +128,25 @@ def hook(lm: Any, *, policy: Any = None, layers: Iterable[int] | None = None, co
         layers = [L.index for L in select_layers(lm.layers, layers)]
     return Engine(lm.model, lm.layers, policy=policy, policy_layers=layers, consumers=_consumer_list(consumers),
                   attention=attention)
+
+
+def _policy(policy: Any, policy_options: dict[str, Any]) -> Any:
+    """``policy`` as the engine takes it: a spec (``"norm:gate"``) built with its ``policy_options``
+    (``weights="uniform"``), a policy object or ``None`` as given; options beside no spec, or unknown ones, are one
+    line."""
+    from .errors import MoetoolError
+
+    if isinstance(policy, str):
+        from .policies import build_policy, option_names
+
+        bad = sorted(set(policy_options) - option_names())
+        if bad:
+            raise MoetoolError(f"unknown policy option(s) {bad} (known: {', '.join(sorted(option_names()))})")
+        return build_policy(policy, **policy_options)
+    if policy_options:
+        raise MoetoolError(f"policy options {sorted(policy_options)} go with a policy spec (policy='norm:gate'), "
+                           f"not with {policy!r}")
+    return policy
 
 
 def inspect_model(name: str) -> dict[str, Any]:
@@ -320,11 +330,11 @@ def export_placement(result: Any, format: str, path: str | Path, *, config: str 
 
 def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     """The one forward loop (:func:`moetool.engine.forward`, whose docstring lists every keyword): ``tokens`` in
-    batches of ``batch_size`` rows (default 8) under ``torch.no_grad``, ``policy`` (a spec such as ``"norm:gate"``)
-    routing in ``layers`` (default: every MoE layer), each routing event handed to ``consumers``; ``quiet=True``
-    hides the progress bar. Returns a ``ForwardResult``: ``seconds``, ``batches``, and with ``nll=True`` the
-    next-token NLL of the real tokens (``nll.mean`` in nats per token, ``nll.tokens`` scored, ``perplexity``;
-    NaN without ``nll=True``, the default).
+    batches of ``batch_size`` rows (default 8) under ``torch.no_grad``, ``policy`` (a spec such as ``"norm:gate"``,
+    keywords its options, as ``weights="uniform"``; or a policy object) routing in ``layers`` (default: every MoE
+    layer), each routing event handed to ``consumers``; ``quiet=True`` hides the progress bar. Returns a
+    ``ForwardResult``: ``seconds``, ``batches``, and with ``nll=True`` the next-token NLL of the real tokens
+    (``nll.mean`` in nats per token, ``nll.tokens`` scored, ``perplexity``; NaN without ``nll=True``, the default).
     ``layers`` (where ``policy`` routes) without a policy is refused: the hooked layers are ``moe_layers``."""
     from .engine.runner import forward as run
     from .errors import MoetoolError, shown
@@ -334,7 +344,15 @@ def forward(lm: Any, tokens: Any, **kwargs: Any) -> Any:
     if not (hasattr(tokens, "input_ids") and hasattr(tokens, "attention_mask")):
         raise MoetoolError(f"moetool.forward takes packed tokens (moetool.tokens(lm, data, ...)), not "
                            f"{shown(tokens, typed=True)}")
-    _refuse_layers_without_policy("moetool.forward", kwargs.get("layers"), kwargs.get("policy"),
+    import inspect
+
+    from .policies import option_names
+
+    loop = inspect.signature(run).parameters  # the rest are the spec's options (weights="uniform"), or unknown
+    options = {k: kwargs.pop(k) for k in list(kwargs)
+               if k in option_names() or (k not in loop and isinstance(kwargs.get("policy"), str))}
+    kwargs["policy"] = _policy(kwargs.get("policy"), options)
+    _refuse_layers_without_policy("moetool.forward", kwargs.get("layers"), kwargs["policy"],
                                   "to hook only some MoE layers pass moe_layers=[lm.layers[i] ...]")
     return run(lm, tokens, **kwargs)
 

@@ -339,8 +339,9 @@ def check_packed(tokens: Any) -> None:
     if ids.shape != mask.shape:
         raise MoetoolError(f"packed tokens' input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} "
                            f"differ in shape: slice every part of a TokenSet alike (or pack them with moetool.tokens)")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise MoetoolError(f"packed tokens' input_ids must be integer token ids, not {str(ids.dtype).replace('torch.', '')}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what an embedding takes: uint8/int16 ids were torch's traceback
+        raise MoetoolError(f"packed tokens' input_ids must be integer token ids (int64 or int32; ids.long() converts "
+                           f"them), not {str(ids.dtype).replace('torch.', '')}")
     if mask.is_floating_point() or mask.is_complex():  # 0.0/1.0 floats: said as a dtype, not as their values
         raise MoetoolError(f"packed tokens' attention_mask must be an integer (or bool) tensor of 0 and 1, not "
                            f"{str(mask.dtype).replace('torch.', '')} (mask.long() converts it)")

@@ -16,12 +16,12 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from .configs import stored_dtype
-from .errors import MoetoolError, MoetoolRuntimeError, one_line
+from .errors import MoetoolError, MoetoolRuntimeError, one_line, shown
 from .hub import hub_error, hub_kwargs
 from .registry import did_you_mean
 
@@ -176,7 +176,7 @@ def resolve(name: str) -> tuple[str, str]:
         name = os.fspath(name)
     if not isinstance(name, str):
         raise MoetoolError(f"a model is named by a string (an embedded name, an alias, a directory or a hub id) "
-                           f"or a path, not {name!r} ({type(name).__name__})"[:300])
+                           f"or a path, not {shown(name)}")  # a loaded model: named, not dumped
     emb = embedded_models()
     if not name.strip():  # an unset shell variable: not the current folder ('.' names it)
         raise MoetoolError(f"--model {name!r} is an empty name: give an embedded name ({', '.join(emb) or 'none'}), "
@@ -649,9 +649,41 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     layers: list  # [MoELayer]
-    device: Any
-    dtype: Any
+    loaded_device: Any  # where and in what dtype it was loaded (``device`` and ``dtype``: where it is now)
+    loaded_dtype: Any
     quantize: str | None = None  # --quantize: the quantization moetool asked transformers for at load
+    #: the input embeddings' dtype at load: ``dtype`` is the load's until a cast (``lm.model.to(torch.bfloat16)``)
+    #: changes it (a quantized model's embeddings keep the compute dtype it was loaded in)
+    _loaded_weights: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._loaded_weights = self._weights_dtype()
+
+    def _weights_dtype(self) -> Any:
+        get = getattr(self.model, "get_input_embeddings", None)
+        weight = getattr(get() if callable(get) else None, "weight", None)
+        return getattr(weight, "dtype", None)
+
+    @property
+    def device(self) -> Any:
+        """The device of the model's weights now (``model.device``): ``lm.model.to("cuda")`` after the load moves
+        it, and what the run sizes, checks and records (manifest.json) follows it."""
+        return getattr(self.model, "device", None) or self.loaded_device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        self.loaded_device = value
+
+    @property
+    def dtype(self) -> Any:
+        """The model's dtype now: the load's (``--dtype``), or after a cast of the model (``lm.model.half()``) its
+        weights' new dtype, which the forwards compute in and the manifest records."""
+        now = self._weights_dtype()
+        return now if now is not None and now != self._loaded_weights else self.loaded_dtype
+
+    @dtype.setter
+    def dtype(self, value: Any) -> None:
+        self.loaded_dtype, self._loaded_weights = value, self._weights_dtype()
 
     @property
     def config(self) -> Any:
@@ -857,7 +889,8 @@ def load(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto"
 
     fp8_backend.ensure(model)  # FP8 layers: transformers' kernel, or moetool's torch path where it cannot be had
     return LoadedModel(name=name, source=source, kind=kind, model=model, tokenizer=tok,
-                       layers=find_moe_layers(model), device=model.device, dtype=torch_dtype, quantize=quantize)
+                       layers=find_moe_layers(model), loaded_device=model.device, loaded_dtype=torch_dtype,
+                       quantize=quantize)
 
 
 def _quant_method(config: Any) -> str:

@@ -829,3 +829,50 @@ def test_help_of_each_options_class_gives_every_fields_default_and_its_flags_hel
                 assert p.name == f.name and " ".join(p.help.split()) == line.group(3), (spec.options, f.name)
                 checked += 1
     assert checked >= 40
+
+
+def test_forward_takes_a_policy_spec_and_its_options_as_its_docstring_says():
+    """``moetool.forward(lm, tokens, policy="norm:gate")``, the docstring's own form, was an AttributeError from the
+    engine (``'str' object has no attribute 'needs_attention'``): only a policy object ran. A spec is built with its
+    options, as ``moetool.hook`` builds it: the perplexity ``moetool.ppl`` gives for the same routing and weights."""
+    import math
+
+    from moetool.policies import build_policy
+
+    lm = moetool.load("tiny")
+    tokens = moetool.tokens(lm, None, seq_len=64, max_tokens=256)
+    got = {}
+    for weights in ("softmax", "uniform"):
+        res = moetool.forward(lm, tokens, policy="norm:gate", weights=weights, nll=True, quiet=True)
+        ref = moetool.ppl(lm, tokens, routing="norm:gate", weights=weights, bootstrap=0, quiet=True)["ppl"].iloc[0]
+        obj = moetool.forward(lm, tokens, policy=build_policy("norm:gate", weights=weights), nll=True, quiet=True)
+        assert res.nll.tokens == ref.scored_tokens == obj.nll.tokens
+        assert res.perplexity == obj.perplexity and math.isclose(res.perplexity, ref.perplexity, rel_tol=1e-12)
+        got[weights] = res.perplexity
+    plain = moetool.forward(lm, tokens, nll=True, quiet=True).perplexity
+    assert len({got["softmax"], got["uniform"], plain}) == 3  # the policy and its weights ran
+    attention = moetool.forward(lm, tokens, policy="attention", layers=[1], nll=True, quiet=True).perplexity
+    assert math.isclose(attention, moetool.ppl(lm, tokens, routing="attention", layers=[1], bootstrap=0,
+                                               quiet=True)["ppl"].perplexity.item(), rel_tol=1e-12)
+    with pytest.raises(MoetoolError, match=r"unknown policy option\(s\) \['temperature'\]"):
+        moetool.forward(lm, tokens, policy="norm:gate", temperature=2, quiet=True)
+    with pytest.raises(MoetoolError, match="go with a policy spec"):
+        moetool.forward(lm, tokens, weights="uniform", quiet=True)
+
+
+def test_plan_of_a_loaded_model_is_its_configs_plan_and_a_wrong_keyword_is_pythons_own_error():
+    """``moetool.plan(lm)`` (a model from ``moetool.load``) was an AttributeError from inside the parameter count
+    (``'LoadedModel' object has no attribute 'to_json_string'``): it plans the model's config, under its name, as
+    ``moetool.plan("tiny")``; anything else is one line. ``moetool.stats(model=lm, ...)`` said ``_timed() got
+    multiple values for argument 'model'`` (moetool's internal helper): now Python's own word for the call."""
+    lm = moetool.load("tiny")
+    by_model, by_name = moetool.plan(lm), moetool.plan("tiny")
+    assert by_model.names == by_name.names
+    for name in by_name.names:
+        pd.testing.assert_frame_equal(by_model[name], by_name[name])
+    assert "ppl --model tiny " in by_model["layouts"].command.iloc[0]
+    with pytest.raises(MoetoolError, match=r"plan takes a model's name, its transformers config or a loaded model"):
+        moetool.plan(3)
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=64)
+    with pytest.raises(TypeError, match=r"stats\(\) missing 1 required positional argument: 'lm'"):
+        moetool.stats(model=lm, tokens=tokens)

@@ -77,12 +77,21 @@ def test_a_token_set_sliced_by_hand_is_one_line(lm, tokens, experiment):
         "domains of other rows": dataclasses.replace(t, input_ids=t.input_ids[:2], attention_mask=t.attention_mask[:2]),
         "numpy": dataclasses.replace(t, input_ids=t.input_ids.numpy(), attention_mask=t.attention_mask.numpy()),
         "float ids": dataclasses.replace(t, input_ids=t.input_ids.float()),
+        "int16 ids": dataclasses.replace(t, input_ids=t.input_ids.to(torch.int16)),  # torch's embedding traceback
+        "uint8 ids": dataclasses.replace(t, input_ids=(t.input_ids % 256).to(torch.uint8)),
         "mask of 2s": dataclasses.replace(t, attention_mask=t.attention_mask * 2),
     }
     for what, given in bad.items():
         with pytest.raises(MoetoolError, match="packed tokens") as e:
             getattr(moetool, experiment)(lm, given, quiet=True)
         assert "\n" not in str(e.value), what
+
+
+def test_int32_ids_are_the_int64_ids_numbers(lm, tokens):
+    """int32 ids (an embedding takes them, as int64) run and give the same numbers; narrower ones are refused."""
+    narrow = dataclasses.replace(tokens, input_ids=tokens.input_ids.int())
+    ref, _ = hand_ppl(lm.model, tokens)
+    assert _ppl(lm, narrow)["perplexity"] == _ppl(lm, tokens)["perplexity"] == pytest.approx(ref, rel=1e-6)
 
 
 def test_a_token_set_sliced_alike_is_those_rows(lm, tokens):
@@ -300,3 +309,85 @@ def test_an_out_that_is_not_a_path_is_one_line(lm, tokens, tmp_path, monkeypatch
     assert not list(tmp_path.iterdir())
     got = moetool.run("ppl", lm, tokens, out=tmp_path / "ok", bootstrap=0, quiet=True)
     assert got["ppl"].perplexity.iloc[0] == res["ppl"].perplexity.iloc[0] == _ppl(lm, tokens).perplexity
+
+
+def test_a_model_left_in_training_mode_gives_the_eval_numbers_and_keeps_its_modes(tokens):
+    """``lm.model.train()`` (after a fine-tuning step) left dropout and Mixtral's router jitter on inside moetool's
+    forwards: each call was one random draw (ppl 68.9 then 66.7 for 56.4 in eval mode, every table moving). The
+    forwards run in eval mode, the model's modes (one submodule left in eval too) as they were after."""
+    import pandas as pd
+
+    own = moetool.load("tiny", device="cpu")  # its dropout is changed below
+    ref_ppl, ref_count = hand_ppl(own.model, tokens)  # plain forwards in eval mode
+    ref_layers = moetool.stats(own, tokens, bootstrap=0, quiet=True)["layers.csv"]
+    for layer in own.model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+        layer.mlp.jitter_noise = 0.5
+    own.model.train()
+    own.model.model.norm.eval()
+    for _ in range(2):
+        row = moetool.ppl(own, tokens, bootstrap=0, quiet=True)["ppl.csv"].iloc[0]
+        assert (row.perplexity, row.scored_tokens) == (pytest.approx(ref_ppl, rel=1e-9), ref_count)
+        pd.testing.assert_frame_equal(moetool.stats(own, tokens, bootstrap=0, quiet=True)["layers.csv"], ref_layers)
+    assert own.model.training and own.model.model.layers[0].mlp.training and not own.model.model.norm.training
+
+
+def test_a_prune_policy_object_reused_on_a_model_of_other_width_routes_by_that_models_sets(lm, tokens):
+    """A ``prune:random`` policy object used on tiny (8 experts) cached its kept-expert masks by layer number: on
+    tiny-fine (32 experts) next it was a RuntimeError from inside the routing rule (sizes 8 and 32). Each model's
+    layers get their own sets: the choices equal a fresh policy's, none of them a removed expert."""
+    from moetool.policies import build_policy
+    from moetool.policies.prune import n_removed, random_removed
+
+    fine = moetool.load("tiny-fine", device="cpu")
+    reused = build_policy("prune:random:0.25")
+
+    def chosen(model, policy):
+        ids = moetool.tokens(model, None, seq_len=32, max_tokens=64).input_ids
+        events = []
+        with torch.no_grad(), moetool.hook(model, policy=policy, consumers=[events.append]):
+            model.model(input_ids=ids, use_cache=False)
+        return [(ev.layer.index, ev.layer.n_experts, ev.chosen_idx.clone()) for ev in events]
+
+    for model in (lm, fine, lm):
+        got, fresh = chosen(model, reused), chosen(model, build_policy("prune:random:0.25"))
+        assert len(got) == len(fresh) == len(model.layers)
+        for (layer, n, idx), (_, _, ref) in zip(got, fresh):
+            assert torch.equal(idx, ref)
+            removed = set(random_removed(0, layer, n, n_removed(0.25, n)))
+            assert len(removed) == n // 4 and not removed & set(idx.unique().tolist())
+
+
+def test_a_model_cast_after_the_load_is_recorded_in_the_dtype_it_ran_in(tokens, tmp_path):
+    """``lm.model.to(torch.bfloat16)`` after ``moetool.load("tiny")``: the forwards ran in bf16, and manifest.json
+    said float32 (the model's dtype, the options' and the memory estimate's): a run recorded as the fp32 one it is
+    not. ``lm.dtype`` and ``lm.device`` are the model's now; a load's own dtype is kept as it was asked for."""
+    import json
+
+    own = moetool.load("tiny", device="cpu")
+    assert (own.dtype, own.device) == (torch.float32, torch.device("cpu"))
+    own.model.to(torch.bfloat16)
+    res = moetool.run("ppl", own, tokens, out=tmp_path / "run", quiet=True, bootstrap=0)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (manifest["model"]["dtype"], manifest["options"]["dtype"]) == ("torch.bfloat16", "bfloat16")
+    assert manifest["memory_estimate"]["dtype"] == "bfloat16"
+    ref, _ = hand_ppl(own.model, tokens)  # the bf16 model's own forwards
+    assert res["ppl"].perplexity.item() == pytest.approx(ref, rel=1e-6)
+    moetool.write(moetool.ppl(own, tokens, bootstrap=0, quiet=True), tmp_path / "api")
+    assert json.loads((tmp_path / "api" / "manifest.json").read_text())["model"]["dtype"] == "torch.bfloat16"
+    assert own.dtype == torch.bfloat16 and own.loaded_dtype == torch.float32
+    own.model.float()
+    assert own.dtype == torch.float32
+    assert moetool.load("tiny", dtype="bf16", device="cpu").dtype == torch.bfloat16
+
+
+def test_a_loaded_model_given_for_a_models_name_is_named_in_one_line(lm):
+    """``moetool.inspect_model(lm)`` (or ``moetool.load(lm)``) dumped the model's whole repr, its modules over
+    several lines, into the message: one line naming what was passed."""
+    for call in (moetool.inspect_model, moetool.load):
+        with pytest.raises(MoetoolError) as e:
+            call(lm)
+        assert str(e.value) == ("a model is named by a string (an embedded name, an alias, a directory or a hub id) "
+                                "or a path, not a LoadedModel")
+    with pytest.raises(MoetoolError, match=r"or a path, not 5$"):
+        moetool.load(5)

@@ -193,11 +193,15 @@ def test_a_file_set_may_list_other_layers_with_nothing_removed():
 def test_a_removed_expert_outside_the_layer_is_refused():
     """An expert id outside 0..n-1 is refused in one line -- a negative one is no Python index from the end (-1
     would silently remove the last expert)."""
-    from types import SimpleNamespace
-
     from moetool.policies.prune import PrunePolicy
 
-    layer = SimpleNamespace(index=0, n_experts=8, keep_problem=lambda keep: None)
+    class Layer:  # a stand-in MoELayer (the policy keeps its sets per layer object, weakly: a class instance)
+        index, n_experts = 0, 8
+
+        def keep_problem(self, keep):
+            return None
+
+    layer = Layer()
     for bad in (-1, 8):
         with pytest.raises(MoetoolError, match=rf"layer 0 has experts 0..7, not \[{bad}\]"):
             PrunePolicy({0: [1, bad]}).check(layer)

@@ -272,6 +272,22 @@ def check_weights(model: Any) -> None:
                            "load it with moetool.load(...) (device cpu or cuda)")
 
 
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """``model`` in eval mode for the block, each module's own mode back after it: a model left in training mode
+    (``lm.model.train()`` after a fine-tuning step) would otherwise run its dropout and router jitter (Mixtral's
+    ``jitter_noise``, PhiMoE's sampling) inside moetool's forwards, and every table would be one random draw of
+    them, a different number on each call."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
+
+
 def _sizing_trial(engine: Any, policy: Any, attempt: Callable[[], Any]) -> bool:
     """Run ``attempt`` (a batch's forward and NLL) once with the engine's consumers detached and the policy's random
     state restored after it: ``True`` when it fits, ``False`` on an out-of-memory (the caller backs off once the
@@ -493,6 +509,8 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     is summed over ranks, and every consumer with a ``reduce_across_ranks()`` method is asked to all-reduce its
     accumulators at the end. Alone, none of this happens.
 
+    The model runs in eval mode (:func:`eval_mode`: no dropout or router jitter), each module's mode restored after.
+
     ``run`` (a :class:`moetool.context.RunState`, e.g. :class:`moetool.run.Run`; default: the run of this context,
     :func:`moetool.context.current`, else none) carries the ``--batch-size auto`` back-off state across the run's
     forwards. With its ``backoff`` enabled (one process): an out-of-memory halves the rows and retries the
@@ -527,7 +545,7 @@ def forward(lm: Any, tokens: Any, *, policy: Any = None, layers: Iterable[int] |
     nll_count = torch.zeros((), dtype=torch.long, device=step.device)
     n = start_batch
     t0 = time.perf_counter()
-    with hold(lm.model, "a moetool.forward loop"), torch.no_grad(), \
+    with hold(lm.model, "a moetool.forward loop"), torch.no_grad(), eval_mode(lm.model), \
             contextlib.nullcontext() if engine is None else engine, guard:
         for b in _batches(tokens, batch_size, start_batch, description, quiet):
             for at, sub, out, nll_rows in fit.run(b, n, n * batch_size):

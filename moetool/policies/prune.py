@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -162,7 +163,9 @@ class PrunePolicy(Policy):
         self.removed = None if removed is None else {int(k): sorted({int(e) for e in v}) for k, v in removed.items()}
         self.criterion, self.fraction, self.seed = criterion, fraction, seed
         self.name = name or ("prune:" + criterion + (f":{number_text(fraction)}" if fraction is not None else ""))
-        self._keep: dict[tuple[int, Any], torch.Tensor] = {}
+        # layer (an MoELayer, weakly held) -> {device: [n] bool}: each model's layers checked and built on their own,
+        # so a policy object reused on another model (another n, K) never routes by the first model's sets
+        self._keep: weakref.WeakKeyDictionary[Any, dict[Any, torch.Tensor]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_spec(cls, args: list[str], seed: int = 0, **_: Any) -> "PrunePolicy":
@@ -227,8 +230,9 @@ class PrunePolicy(Policy):
 
     def keep(self, layer: Any, device: Any) -> torch.Tensor:
         """``[n]`` bool: the experts ``layer`` keeps (checked once per layer, cached per device)."""
-        key, cpu = (layer.index, device), (layer.index, torch.device("cpu"))
-        if cpu not in self._keep:  # built and checked on the host (check(), before any forward)
+        cpu = torch.device("cpu")
+        per = self._keep.get(layer)
+        if per is None:  # built and checked on the host (check(), before any forward)
             removed = self.removed_in(layer)
             n = layer.n_experts
             bad = [e for e in removed if not 0 <= e < n]
@@ -239,10 +243,10 @@ class PrunePolicy(Policy):
             problem = layer.keep_problem(keep)
             if problem:
                 raise MoetoolError(f"{self.name}: layer {layer.index} {problem}")
-            self._keep[cpu] = keep
-        if key not in self._keep:  # inside the forward: an asynchronous copy, no host sync
-            self._keep[key] = ops.to_device(self._keep[cpu], device)
-        return self._keep[key]
+            per = self._keep[layer] = {cpu: keep}
+        if device not in per:  # inside the forward: an asynchronous copy, no host sync
+            per[device] = ops.to_device(per[cpu], device)
+        return per[device]
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "criterion": self.criterion, "fraction": self.fraction}

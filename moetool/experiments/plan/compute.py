@@ -303,11 +303,19 @@ class _Layout(NamedTuple):
 
 
 def _config_of(model: Any) -> tuple[Any, Any]:
-    """``(config, name)`` of ``model``: a name whose config alone is read, or a transformers config."""
+    """``(config, name)`` of ``model``: a name whose config alone is read, a transformers config, or a loaded model
+    (``moetool.load``: its config, named as loaded); anything else is one line."""
     if isinstance(model, str):
         from ...loading import load_config
 
         return load_config(model)[0], model
+    if hasattr(model, "model") and hasattr(model, "layers") and hasattr(model, "config"):
+        return model.config, getattr(model, "name", None) or "MODEL"
+    if not hasattr(model, "to_json_string"):
+        from ...errors import shown
+
+        raise MoetoolError(f"plan takes a model's name, its transformers config or a loaded model "
+                           f"(moetool.load(...)), not {shown(model)}")
     return model, getattr(model, "_name_or_path", None) or "MODEL"
 
 
