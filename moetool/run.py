@@ -124,8 +124,10 @@ def routing_policies(routing: Any) -> list[Any]:
 
 def resolve_batch_size(params: dict[str, Any], run: RunState | None = None) -> int:
     """``--batch-size auto`` from a command's own options: :func:`moetool.sizing.auto_batch_size` (sized for what the
-    ``--routing`` policies need), the minimum over ranks under torchrun (every rank must cut the same global
-    batches), one console line. The decision is kept for the manifest in the run's ``backoff.choice``."""
+    ``--routing`` policies need; under ``--tp`` / ``--ep`` the rows of one model group, from the memory each rank has
+    beside its share of the weights, the data split over the data-parallel groups only), the minimum over ranks under
+    torchrun (every rank must cut the same global batches), one console line. The decision is kept for the manifest
+    in the run's ``backoff.choice``."""
     from . import distributed, sizing
 
     run = state(run)
@@ -135,11 +137,13 @@ def resolve_batch_size(params: dict[str, Any], run: RunState | None = None) -> i
     model = params.get("model") or params.get("model_arg") or (params.get("checkpoints") or [DEFAULT_MODEL])[0]
     e = distributed.env()
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", e.world_size))
+    layout = run.layout  # --tp/--ep: a model group's ranks run the same rows, each holding its share of the weights
     rows, facts = sizing.auto_batch_size(model, seq_len=params.get("seq_len"), max_tokens=params.get("max_tokens"),
                                          device=params.get("device") or "auto", dtype=params.get("dtype") or "auto",
                                          device_map=params.get("device_map"),
                                          policies=routing_policies(params.get("routing")), processes=processes,
-                                         world=e.world_size, quantize=params.get("quantize"))
+                                         world=max(1, e.world_size // layout.group), quantize=params.get("quantize"),
+                                         tp=layout.tp, ep=layout.ep)
     if e.distributed:
         import torch
 

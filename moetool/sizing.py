@@ -51,17 +51,58 @@ def check_seq_len(config: Any, seq_len: int | None) -> int | None:
     return positions
 
 
-def count_parameters(config: Any) -> int | None:
-    """Parameters of the model ``config`` describes (built on the meta device: no memory, no weights; tied
-    embeddings count once); ``None`` if it cannot be built from its config."""
+def _meta_model(config: Any) -> Any:
+    """The model ``config`` describes, built on the meta device (no memory, no weights); ``None`` if it cannot be
+    built from its config."""
     import torch
 
     try:
         with torch.device("meta"), quiet_transformers():
-            model = model_from_config(config)
+            return model_from_config(config)
     except Exception:  # noqa: BLE001 - an estimate only: the load itself reports real problems
         return None
-    return sum(p.numel() for p in model.parameters())
+
+
+def count_parameters(config: Any) -> int | None:
+    """Parameters of the model ``config`` describes (:func:`_meta_model`; tied embeddings count once); ``None`` if it
+    cannot be built from its config."""
+    model = _meta_model(config)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+# the styles of transformers' parallel plans that split a parameter over the ranks (the others keep it whole on every
+# rank or only hook the module's forward): colwise*, rowwise*, packed_*, embedding_* (tp), grouped_gemm (ep)
+_SPLITTING = ("colwise", "rowwise", "packed_", "embedding_", "grouped_gemm")
+
+
+def rank_parameters(config: Any, tp: int = 1, ep: int = 1) -> tuple[int | None, bool]:
+    """``(parameters, split)``: the parameters ONE rank of a ``--tp`` / ``--ep`` model group holds, from the plans
+    transformers' ``DistributedConfig`` loads the model with (its resolved tensor- and expert-parallel plans, on the
+    meta model): a parameter a splitting style names holds ``ceil(numel / tp)`` (tensor plan) or ``ceil(numel /
+    ep)`` (expert plan) on each rank, every other one (norms, routers) its whole ``numel``. ``split`` is False when
+    nothing splits (alone, or transformers' plans cannot be read): then it is the whole model's
+    :func:`count_parameters`, as one process holds it."""
+    model = _meta_model(config)
+    if model is None:
+        return None, False
+    params = dict(model.named_parameters())  # tied embeddings once
+    whole = sum(p.numel() for p in params.values())
+    if max(tp, ep) == 1:
+        return whole, False
+    try:
+        from transformers.distributed import DistributedConfig
+
+        with quiet_transformers():
+            tp_plan, ep_plan, *_ = model._resolve_parallel_plans(
+                DistributedConfig(tp_size=tp, ep_size=ep if ep > 1 else None))
+    except Exception:  # noqa: BLE001 - no readable plan: the whole model on each rank (never fewer bytes than held)
+        return whole, False
+    held = 0
+    for name, p in params.items():
+        size = next((n for plan, n in ((ep_plan, ep), (tp_plan, tp))
+                     if str(plan.get(name, "")).startswith(_SPLITTING)), 1)
+        held += -(-p.numel() // size)
+    return held, held < whole
 
 
 def _meminfo_available() -> int | None:
@@ -237,14 +278,23 @@ def policy_needs(policies: Any) -> tuple[bool, bool]:
 
 def auto_batch_size(model: str, *, seq_len: int | None, max_tokens: int | None = None, device: str = "auto",
                     dtype: str = "auto", device_map: str | None = None, policies: Any = (),
-                    processes: int = 1, world: int = 1, quantize: str | None = None) -> tuple[int, dict[str, Any]]:
-    """``--batch-size auto`` for a model by name, before it loads: :func:`auto_rows` on its config (weights counted
-    unless ``--device-map auto`` places them). Returns ``(rows, facts for the manifest)``."""
+                    processes: int = 1, world: int = 1, quantize: str | None = None, tp: int = 1,
+                    ep: int = 1) -> tuple[int, dict[str, Any]]:
+    """``--batch-size auto`` for a model by name, before it loads: :func:`auto_rows` on its config, the weights
+    counted unless ``--device-map auto`` places them -- under ``--tp`` / ``--ep`` the share one rank of the model
+    group holds (:func:`rank_parameters`), whose free memory is what the rows get. ``world``: the data-parallel
+    groups the data are split over (the model groups under ``--tp`` / ``--ep``, whose ranks all run the same rows).
+    Returns ``(rows per model group, facts for the manifest)``."""
     config, _, _ = load_config(model)
     dev = pick_device(device)
-    return auto_rows(config, device=dev, dtype=pick_dtype(dtype, config, dev), seq_len=seq_len, max_tokens=max_tokens,
-                     params=None if device_map else count_parameters(config), policies=policies,
-                     processes=processes, world=world, quantize=quantize)
+    params, split = (None, False) if device_map else rank_parameters(config, tp, ep)
+    rows, facts = auto_rows(config, device=dev, dtype=pick_dtype(dtype, config, dev), seq_len=seq_len,
+                            max_tokens=max_tokens, params=params, policies=policies, processes=processes,
+                            world=world, quantize=quantize)
+    if max(tp, ep) > 1:
+        facts.update(model_group=max(tp, ep), data_parallel=world,
+                     weights="this rank's share" if split else "the whole model (no split plan read)")
+    return rows, facts
 
 
 def auto_rows(config: Any, *, device: Any, dtype: Any, seq_len: int | None, max_tokens: int | None = None,
@@ -258,7 +308,8 @@ def auto_rows(config: Any, *, device: Any, dtype: Any, seq_len: int | None, max_
     from :func:`estimate_memory`, sized for what the ``policies`` declare (:func:`policy_needs`: eager attention
     probabilities; a probe of every expert adds its token-chunk intermediates, ``probes.DEFAULT_BUDGET`` fp32
     elements, and the ``[seq_len, n]`` fp32 scores per row); at most the rows ``max_tokens`` fills on each of
-    ``world`` ranks and :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
+    ``world`` data-parallel ranks (model groups under ``--tp`` / ``--ep``) and
+    :data:`AUTO_MAX_ROWS`. Free memory unknown: 8. Returns ``(rows, facts for the manifest)``."""
     from .adapters import config_experts
 
     if not seq_len:  # eval: lm-eval packs its own requests; the model's context (at most 2048) is the bound

@@ -77,3 +77,38 @@ def test_cli_auto_equals_explicit_batch(tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
         want = pd.read_csv(tmp_path / bs / "ppl.csv").drop(columns="seconds")
         pd.testing.assert_frame_equal(got, want, check_exact=bs == "6", rtol=1e-6)
+
+
+@pytest.mark.xdist_group("auto_model_group")
+@pytest.mark.parametrize("world, layout", [(2, ["--tp", "2"]), (4, ["--tp", "2", "--ep", "2"])])
+def test_auto_under_tp_ep_sizes_one_model_group(tmp_path, world, layout):
+    """torchrun with gloo on CPU (tests/oom_ranks.py: ``MOETOOL_TEST_FREE_BYTES`` is the node's free RAM, shared by
+    its ``world`` processes): --batch-size auto takes the rows of one model group from what each rank has beside ITS
+    share of the weights (test_run_driver.tiny_rank_weights: room for 5.5 rows), at most the rows --max-tokens fills
+    (7) on each of the world / 2 data-parallel groups: 5 rows with --tp 2 (one group), 4 with --tp 2 --ep 2 (two).
+    On BASE: 2 memory rows (the whole model's weights counted on each rank) and the data split over every process
+    (4 and 2 data rows)."""
+    import subprocess
+    from pathlib import Path
+
+    from test_distributed_cli import _env, torchrun
+    from test_run_driver import tiny_rank_weights
+
+    row = 3 * 64 * (2048 + 2 * 128) * 4  # tiny, fp32: logits over 2,048 tokens and two hidden states of 128, 3x
+    free = int(world * (tiny_rank_weights(2) + 5.5 * row / 0.8))
+    env = dict(_env(), MOETOOL_TEST_OOM_ROWS=",".join(["1000"] * world), MOETOOL_TEST_FREE_BYTES=str(free))
+    args = ["ppl", "--model", "tiny", "--max-tokens", str(7 * 64), "--seq-len", "64", "--bootstrap", "0", "--quiet",
+            "--batch-size", "auto", "--out", str(tmp_path / "auto"), *layout]
+    for _ in range(3):  # a taken rendezvous port: launched again (as run_cli)
+        p = subprocess.run(torchrun(world, (str(Path(__file__).with_name("oom_ranks.py")),)) + args, cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=600)
+        if "EADDRINUSE" not in p.stderr:
+            break
+    assert p.returncode == 0, p.stderr[-3000:]
+    dp = world // 2
+    m = json.loads((tmp_path / "auto" / "manifest.json").read_text())
+    auto = m["batch_size_auto"]
+    assert (auto["memory_rows"], auto["data_rows"], auto["rows"]) == (5, -(-7 // dp), min(5, -(-7 // dp)))
+    assert auto["weights_bytes"] == tiny_rank_weights(2) and m["options"]["batch_size"] == auto["rows"]
+    assert f"--batch-size auto: {auto['rows']} rows per forward" in p.stderr
+    assert m["model"]["parallel"]["dp"] == dp

@@ -58,6 +58,58 @@ def test_batch_size_auto_shares_the_ram_among_the_nodes_processes(tmp_path, monk
     assert run.backoff.choice["processes_per_node"] == 2
 
 
+def tiny_rank_weights(group: int) -> int:
+    """Bytes of fp32 weights ONE rank holds of the tiny Mixtral (vocabulary V, hidden H, L layers, E experts of I
+    features, key/value width KV) split over a ``--tp`` / ``--ep`` model group of ``group`` ranks, written out from
+    its config: transformers' plans split the (tied) embedding over the vocabulary, q/k/v/o over the heads and the
+    experts (their features under --tp, whole experts under --ep) ``group`` ways; the router and the norms stay whole
+    on every rank. (Measured on the loaded model under gloo: 1,414,272 local parameters per rank for both layouts.)"""
+    from moetool.loading import load_config
+
+    c = load_config("tiny")[0]
+    V, H, L, E, I = c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_local_experts, c.intermediate_size
+    KV = c.num_key_value_heads * H // c.num_attention_heads
+    split = V * H + L * (2 * H * H + 2 * H * KV + 3 * E * H * I)
+    whole = L * (E * H + 2 * H) + H
+    return (-(-split // group) + whole) * 4
+
+
+@pytest.mark.parametrize("world, tp, ep", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 2, 1), (4, 2, 2)])
+def test_batch_size_auto_under_tp_ep_sizes_a_model_group(monkeypatch, world, tp, ep):
+    """--batch-size auto under torchrun: the rows of ONE model group (--tp/--ep) from the RAM each of the node's
+    ``world`` processes gets (free / world on CPU) less the weights IT holds (its share, ``tiny_rank_weights``), and
+    at most the rows --max-tokens fills on each DATA-PARALLEL group (world / group of them), not on each process.
+    Hand count: 5.5 rows fit beside a rank's share, 7 rows of data. A group of 1 (one process, plain data parallel)
+    sizes as before: the whole model on each process. On BASE --tp 2 took 2 rows (the whole model's weights counted
+    on each rank) and the data split over all 2 or 4 processes (4, 2 rows)."""
+    from moetool import distributed
+    from moetool.context import _LOCAL, _RANK, _WORLD, Parallel
+
+    group = max(tp, ep)
+    row = 3 * 64 * (2048 + 2 * 128) * 4  # tiny: fp32 logits over 2,048 tokens and two hidden states of 128, 3x
+    weights = tiny_rank_weights(group)
+    assert weights == (1414272 if group == 2 else 2823296) * 4  # the local sizes the gloo launches hold
+    free = int(world * (weights + 5.5 * row / 0.8))  # each process: room for 5.5 rows beside its weights
+    monkeypatch.setattr(sizing, "available_memory", lambda dev: free)
+    for var in (*_WORLD, *_RANK, *_LOCAL):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    monkeypatch.setattr(distributed, "init", lambda device=None: None)  # one rank stands for all (same numbers)
+    monkeypatch.setattr(distributed, "all_reduce_world", lambda t, op="sum": t)
+    params = {"model": "tiny", "seq_len": 64, "max_tokens": 7 * 64, "device": "cpu", "out": None, "resume": False}
+    run = R.Run(backoff=Backoff(enabled=True), layout=Parallel(tp, ep))
+    rows = R.resolve_batch_size(params, run)
+    dp = world // group
+    facts = run.backoff.choice
+    assert facts["memory_rows"] == int(0.8 * (free / world - weights) // row) == 5
+    assert facts["weights_bytes"] == weights and facts["data_rows"] == -(-7 // dp)
+    assert rows == facts["rows"] == min(5, -(-7 // dp))
+    if group > 1:
+        assert (facts["model_group"], facts["data_parallel"], facts["weights"]) == (group, dp, "this rank's share")
+
+
 def test_the_auto_choice_is_recorded_only_for_the_rows_that_run(tmp_path):
     """open_run puts the run's ``--batch-size auto`` decision in the manifest when the run uses its rows (6);
     a run of the same context with another batch size (4: given explicitly) does not claim it."""

@@ -104,8 +104,9 @@ def test_torchrun_out_of_memory_suggests_rows_that_fit(tiny, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.xdist_group("oom_model_group")
 @pytest.mark.parametrize("world, layout, fits, max_tokens", [
-    (2, ["--tp", "2"], "4,2", 1024),  # one model group; its rank 1 runs out of memory where rank 0 does not
-    (4, ["--tp", "2", "--ep", "2"], "4,2,8,8", 2048),  # two groups: the first runs out, the second never does
+    # --max-tokens: 8 rows of 64 on each data-parallel group (the model groups: 1, then 2)
+    (2, ["--tp", "2"], "4,2", 512),  # one model group; its rank 1 runs out of memory where rank 0 does not
+    (4, ["--tp", "2", "--ep", "2"], "4,2,8,8", 1024),  # two groups: the first runs out, the second never does
 ])
 def test_model_group_out_of_memory_suggests_rows_every_rank_fits(tmp_path, world, layout, fits, max_tokens):
     """--tp / --ep under torchrun (gloo ranks on CPU, tests/oom_ranks.py: a forward of more rows than the rank's
