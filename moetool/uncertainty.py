@@ -1,4 +1,4 @@
-"""Confidence intervals: the one home of interval math (document-level bootstrap, delta method).
+"""Confidence intervals: the one home of interval math (document-level bootstrap, Wilson, MOVER-R).
 
 Bootstrap for streamed statistics
 ---------------------------------
@@ -27,10 +27,13 @@ Wilson score interval for proportions
 An accuracy over ``n`` items scored 0 or 1 (lm-eval's ``acc``, ``acc_norm``, ``exact_match``): :func:`wilson`,
 inside [0, 1] even at 10 items or an accuracy of 0 or 1, where ``p ± 1.96·se`` leaves [0, 1].
 
-Delta method
-------------
-For a ratio of two independent estimates (retention = acc_policy / acc_base with lm-eval standard errors):
-``se(a/b)² ≈ (a/b)² · ((se_a/a)² + (se_b/b)² − 2 cov/(a b))``; the interval is ``r ± z·se``.
+MOVER-R for a ratio of two estimates
+------------------------------------
+Retention = acc_policy / acc_router: :func:`mover_ratio`, Fieller's interval with each variance recovered from the
+estimate's own (Wilson) interval (Newcombe 2016). It stays honest at an accuracy of 0 or 1, where the delta method
+``r ± z·se`` collapses (lm-eval's se is 0 there: 5/5 right in both runs gave ``1 ± 0``), and agrees with the delta
+method away from the boundary. The estimates are taken as independent (conservative for two runs over the same
+items).
 """
 
 from __future__ import annotations
@@ -295,20 +298,38 @@ def ppl_ratio_interval(nll_a: Any, nll_b: Any, tokens: Any, *, n_boot: int = DEF
     return ratio_intervals(d, tokens, n_boot=n_boot, seed=seed, level=level, transform=np.exp)[0]
 
 
-def delta_ratio(a: float, se_a: float, b: float, se_b: float, *, cov: float = 0.0, level: float = LEVEL) -> Interval:
-    """``a / b`` with its delta-method interval (``se`` = standard errors, ``cov`` their covariance)."""
-    vals = (a, se_a, b, se_b, cov)
-    if not all(math.isfinite(float(v)) for v in vals):
-        raise MoetoolError(f"delta method: non-finite input {vals}")
-    if b == 0:
-        raise MoetoolError("delta method: base accuracy is 0, the ratio is undefined")
-    if se_a < 0 or se_b < 0:
-        raise MoetoolError("delta method: standard errors must be >= 0")
-    r = a / b
-    var = (se_a / b) ** 2 + (a * se_b / b ** 2) ** 2 - 2 * a / b ** 3 * cov
-    se = math.sqrt(max(var, 0.0))
-    z = normal_quantile(0.5 + level / 2)
-    return Interval(r, r - z * se, r + z * se)
+def mover_ratio(a: float, a_lo: float, a_hi: float, b: float, b_lo: float, b_hi: float) -> Interval:
+    """``a / b`` with the MOVER-R interval (Donner & Zou 2012; Newcombe 2016, "MOVER-R confidence intervals for
+    ratios and products of two independently estimated quantities", Stat Methods Med Res 25:1774) from the two
+    estimates' own intervals ``[a_lo, a_hi]`` and ``[b_lo, b_hi]`` (for an accuracy, its :func:`wilson` interval).
+
+    Fieller's construction with each variance recovered from its interval's side: ``lo`` is the root below
+    ``a / b`` of ``(a - r b)² = (a - a_lo)² + r² (b_hi - b)²`` and ``hi`` the root above it of
+    ``(a - r b)² = (a_hi - a)² + r² (b - b_lo)²``, in closed form
+
+    ``lo = a_lo (2a - a_lo) / (a b + sqrt((a b)² - a_lo (2a - a_lo) b_hi (2b - b_hi)))``
+    ``hi = (a b + sqrt((a b)² - a_hi (2a - a_hi) b_lo (2b - b_lo))) / (b_lo (2b - b_lo))``
+
+    Why not the delta method ``r ± z·se``: at an accuracy of 0 or 1 lm-eval's standard error is 0, and 5 of 5
+    items right in both runs gave retention ``1 ± 0`` although each accuracy's Wilson interval is [0.57, 1]; here it
+    is [0.57, 1.77]. Away from the boundary, with many items, the Wilson intervals are ``p ± z·se`` and MOVER-R is
+    Fieller's interval, which the delta method approximates (they agree to the third digit at 10,000 items). The two
+    estimates are taken as independent: for two runs scoring the same items, which agree more often than chance, the
+    interval is conservative. NaN bounds (value ``a / b``, NaN where ``b`` is 0) unless all six numbers are finite,
+    each interval holds its estimate and ``b_lo > 0`` (a base that may be 0 bounds no ratio from above: no interval,
+    never a finite-looking one; an accuracy's Wilson ``b_lo`` is above 0 whenever ``b`` is)."""
+    nan = float("nan")
+    vals = (a, a_lo, a_hi, b, b_lo, b_hi)
+    value = a / b if b else nan
+    if not all(math.isfinite(float(v)) for v in vals) or not (a_lo <= a <= a_hi and 0 < b_lo <= b <= b_hi):
+        return Interval(value, nan, nan)
+    ab = a * b
+    c_lo, c_hi = a_lo * (2 * a - a_lo), a_hi * (2 * a - a_hi)  # a² - (a - a_lo)², a² - (a_hi - a)²
+    d_lo, d_hi = b_hi * (2 * b - b_hi), b_lo * (2 * b - b_lo)  # b² - (b_hi - b)², b² - (b - b_lo)²
+    root_lo = math.sqrt(max(ab * ab - c_lo * d_lo, 0.0))  # >= 0: c_lo <= a², d_lo <= b²
+    lo = c_lo / (ab + root_lo) if ab + root_lo > 0 else 0.0  # a = a_lo = 0: the ratio's lower bound is 0
+    hi = (ab + math.sqrt(max(ab * ab - c_hi * d_hi, 0.0))) / d_hi  # d_hi > 0: 0 < b_lo <= b
+    return Interval(value, min(lo, value), max(hi, value))
 
 
 def wilson(p: float, n: float, *, level: float = LEVEL) -> Interval:

@@ -318,6 +318,18 @@ def wilson_by_hand(p, n, z=1.959964):
     return sorted(np.roots([a, -(2 * p + z * z / n), p * p]).real.tolist())
 
 
+def mover_by_hand(a, a_lo, a_hi, b, b_lo, b_hi):
+    """The MOVER-R bounds of ``a / b`` as roots in r of Fieller's equations with the variances recovered from the two
+    intervals (Newcombe 2016): the largest root below a / b of (a - r b)² = (a - a_lo)² + r² (b_hi - b)² and the
+    smallest root above it of (a - r b)² = (a_hi - a)² + r² (b - b_lo)²."""
+    import numpy as np
+
+    r = a / b
+    lo = np.roots([b * b - (b_hi - b) ** 2, -2 * a * b, a * a - (a - a_lo) ** 2]).real
+    hi = np.roots([b * b - (b - b_lo) ** 2, -2 * a * b, a * a - (a_hi - a) ** 2]).real
+    return max(x for x in lo if x <= r + 1e-12), min(x for x in hi if x >= r - 1e-12)
+
+
 def recorded_tables(folder) -> dict[str, int]:
     """``{table: rows}`` of the run in ``folder``, after checking its manifest's ``tables`` against the files read
     back by hand: every table it lists (CSV, gzipped CSV, Parquet) has its record, rows as pandas reads them, bytes

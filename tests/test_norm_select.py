@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, longcat_unsorted_router_model, padded_batch, reference_expert, run, wilson_by_hand
+from conftest import (build_tiny_model, longcat_unsorted_router_model, mover_by_hand, padded_batch, reference_expert, run,
+                      wilson_by_hand)
 from typer.testing import CliRunner
 
 from moetool.adapters import find_moe_layers
@@ -357,8 +358,6 @@ def fake_lm_eval(monkeypatch):
 
 def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     from moetool.experiments.published import console_layout
-    from moetool.uncertainty import delta_ratio
-
     lm, tokens = _LM("mixtral"), _tokens(rows=4)
     lm.name = "mistralai/Mixtral-8x7B-v0.1"
     res = ns.norm_select(lm, tokens, nodes=("gate", "up"), batch_size=2, bootstrap=200, plan=fake_lm_eval,
@@ -371,8 +370,10 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
         n = v * (1 - v) / se ** 2 + 1  # the items lm-eval's stderr implies (no n-samples here)
         assert (r.value_lo, r.value_hi) == pytest.approx(wilson_by_hand(v, n), abs=1e-6)  # Wilson, inside [0, 1]
         assert r.stderr == se  # lm-eval's own standard error, as in eval.csv
-        want = (1.0, 1.0) if pol == "router" else (delta_ratio(v, se, b, se_b).lo, delta_ratio(v, se, b, se_b).hi)
-        assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-12)
+        n_b = b * (1 - b) / se_b ** 2 + 1
+        # retention: MOVER-R, the roots of Fieller's equations from the two Wilson intervals (conftest, by hand)
+        want = (1.0, 1.0) if pol == "router" else mover_by_hand(v, *wilson_by_hand(v, n), b, *wilson_by_hand(b, n_b))
+        assert (r.ratio_lo, r.ratio_hi) == pytest.approx(want, rel=1e-6)
         assert r.ratio_lo <= r.ratio <= r.ratio_hi
     # seconds: the perplexity pass plus the one lm-eval run of all tasks (0.5 s each here), not once per task
     summary = res.summary.set_index("node")
@@ -385,8 +386,9 @@ def test_lm_eval_intervals_and_the_aoe_table1_layout(fake_lm_eval):
     assert best["mmlu node"] == "gate:l2" and best["arc_challenge node"] == "up:l2"  # highest retention per task
     assert best["mmlu retention paper"] == pytest.approx(0.948) and best["arc_challenge retention paper"] == 0.946
     assert best["mmlu retention measured"] == pytest.approx(0.6666 / 0.7035)  # a fraction, as in quality.csv
-    d = delta_ratio(0.6666, 0.0038, 0.7035, 0.0037)
-    assert (best["mmlu retention measured_lo"], best["mmlu retention measured_hi"]) == pytest.approx((d.lo, d.hi))
+    n_a, n_b = 0.6666 * 0.3334 / 0.0038 ** 2 + 1, 0.7035 * 0.2965 / 0.0037 ** 2 + 1
+    d = mover_by_hand(0.6666, *wilson_by_hand(0.6666, n_a), 0.7035, *wilson_by_hand(0.7035, n_b))
+    assert (best["mmlu retention measured_lo"], best["mmlu retention measured_hi"]) == pytest.approx(d, rel=1e-6)
     assert best["mmlu retention Δ"] == pytest.approx(0.6666 / 0.7035 - 0.948)
     assert t.loc["router", "mmlu acc paper"] == pytest.approx(0.7035) and t.loc["router", "mmlu acc measured"] == 0.7035
     assert t.loc["router", "mmlu acc measured"] == q.set_index(["policy", "task", "metric"]).loc[
@@ -656,8 +658,8 @@ def test_an_lm_eval_task_reporting_perplexity_is_not_taken_for_the_datas():
 
 def test_retention_over_a_zero_base_accuracy_is_nan_not_an_error():
     """A task the router scores 0 on: retention a / 0 is undefined, so that row's ratio and interval are NaN (not a
-    crash of the whole run); the other task keeps its delta-method interval, by hand:
-    se(a/b)² = (se_a / b)² + (a se_b / b²)²."""
+    crash of the whole run); the other task keeps its MOVER-R interval (conftest.mover_by_hand from the two Wilson
+    intervals over the item counts the stderrs imply)."""
     from moetool.experiments.eval import compute as lmeval
 
     def result(acc):
@@ -670,10 +672,11 @@ def test_retention_over_a_zero_base_accuracy_is_nan_not_an_error():
     z = rows["zero"]
     assert z["value"] == 0.1 and z["router_value"] == 0.0
     assert all(math.isnan(z[c]) for c in ("ratio", "ratio_lo", "ratio_hi"))
-    se = math.sqrt((0.025 / 0.5) ** 2 + (0.4 * 0.02 / 0.5 ** 2) ** 2)
+    n_a, n_b = 0.4 * 0.6 / 0.025 ** 2 + 1, 0.5 * 0.5 / 0.02 ** 2 + 1
     h = rows["half"]
-    assert (h["ratio"], h["ratio_lo"], h["ratio_hi"]) == pytest.approx((0.8, 0.8 - 1.959964 * se, 0.8 + 1.959964 * se),
-                                                                       abs=1e-6)
+    want = mover_by_hand(0.4, *wilson_by_hand(0.4, n_a), 0.5, *wilson_by_hand(0.5, n_b))
+    assert (h["ratio"], h["ratio_lo"], h["ratio_hi"]) == pytest.approx((0.8, *want), abs=1e-6)
+    assert h["ratio_lo"] < 0.8 - 0.1 < 0.8 + 0.1 < h["ratio_hi"]  # about the delta method's ± 0.12
     # the router's own rows: retention 1 with the interval [1, 1] where it is defined, NaN on the task it scores 0 on
     # (it wrote NaN with [1, 1]) and where its value has no stderr
     router = {r["task"]: r for r in ns.eval_rows("router", base, base)}
@@ -682,6 +685,53 @@ def test_retention_over_a_zero_base_accuracy_is_nan_not_an_error():
     bare = result({"half": (0.5, float("nan"))})
     r = ns.eval_rows("router", bare, bare)[0]
     assert r["ratio"] == 1.0 and math.isnan(r["ratio_lo"]) and math.isnan(r["ratio_hi"])
+
+
+def test_retention_of_perfect_accuracies_is_not_one_plus_minus_zero():
+    """5 items, both runs right on all 5 (lm-eval: acc 1.0, stderr 0, n-samples 5): each accuracy's Wilson interval is
+    [0.566, 1], and retention's interval was the delta method's [1, 1], printed "1 ± 0". Now MOVER-R's [l, 1 / l] with
+    l the Wilson lower bound (conftest.mover_by_hand: Fieller's equations by np.roots), written "1.00 [0.57, 1.77]";
+    a policy with 4 of 5 right against the router's 5: never a zero-width side either."""
+    import pandas as pd
+
+    from moetool.experiments.eval import compute as lmeval
+    from moetool.uncertainty import format_ci
+
+    def result(acc):
+        res = {"results": {t: {"acc,none": v, "acc_stderr,none": se} for t, (v, se) in acc.items()},
+               "n-samples": {t: {"original": 5, "effective": 5} for t in acc}}
+        return lmeval.EvalResult(lmeval.results_frame(res), 0.5, {})
+
+    se4 = math.sqrt(0.8 * 0.2 / 4)  # lm-eval's stderr of 4/5
+    base = result({"code": (1.0, 0.0), "prose": (1.0, 0.0)})
+    mine = result({"code": (1.0, 0.0), "prose": (0.8, se4)})
+    rows = {r["task"]: r for r in ns.eval_rows("norm:gate:l2", mine, base)}
+    lo = wilson_by_hand(1.0, 5)[0]
+    c = rows["code"]
+    assert (c["value_lo"], c["value_hi"]) == pytest.approx((lo, 1.0), abs=1e-6)
+    assert (c["ratio"], c["ratio_lo"], c["ratio_hi"]) == pytest.approx((1.0, lo, 1 / lo), rel=1e-6)
+    assert mover_by_hand(1.0, lo, 1.0, 1.0, lo, 1.0) == pytest.approx((lo, 1 / lo), rel=1e-6)
+    assert format_ci(c["ratio"], c["ratio_lo"], c["ratio_hi"]) == "1.00 [0.57, 1.77]"
+    p = rows["prose"]
+    want = mover_by_hand(0.8, *wilson_by_hand(0.8, 5), 1.0, lo, 1.0)
+    assert (p["ratio"], p["ratio_lo"], p["ratio_hi"]) == pytest.approx((0.8, *want), rel=1e-6)
+    assert p["ratio_lo"] < 0.8 < p["ratio_hi"] and p["ratio_hi"] > 1.0
+    # the summary line prints the honest interval
+    q = pd.DataFrame(ns.eval_rows("router", base, base) + list(rows.values()), columns=list(ns.QUALITY_COLUMNS))
+    nan = float("nan")
+    ppl = pd.DataFrame([{"policy": pol, "task": "heldout", "metric": "perplexity", "value": 10.0, "stderr": nan,
+                         "value_lo": nan, "value_hi": nan, "router_value": 10.0, "ratio": 1.0, "ratio_lo": nan,
+                         "ratio_hi": nan, "seconds": 1.0} for pol in ("router", "norm:gate:l2")])
+    quality = pd.concat([ppl, q], ignore_index=True)
+    agreement = pd.DataFrame({"layer": [0, 0], "policy": ["router", "norm:gate:l2"], "topk_overlap": [1.0, 0.5],
+                              "top1_agree": [1.0, 0.5], "tokens": [10, 10]})
+
+    class _Res:
+        meta: dict = {}
+        summary = ns.table1(agreement, quality, tasks=["code", "prose"])
+
+    line = ns.summary_lines("tiny", _Res())[1]
+    assert "code acc 1.00 [0.57, 1.00] (x1.00 [0.57, 1.77])" in line, line
 
 
 @pytest.mark.parametrize("node", ["gate", "glu", "output"])

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import captured, reference_expert, run, wilson_by_hand, zero_compute_lm
+from conftest import captured, mover_by_hand, reference_expert, run, wilson_by_hand, zero_compute_lm
 
 from moetool.adapters import find_moe_layers
 from moetool.errors import MoetoolError
@@ -525,7 +525,8 @@ def fake_prune_lm_eval(monkeypatch):
 def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
     """`moetool prune --tasks ... --num-fewshot 2 --limit 3`: every pruning of the perplexity curve runs lm-eval under
     the same policy in the same layers (once per distinct removed set); prune_eval.csv's value with its Wilson interval, retention = value / router's and its
-    delta-method interval sqrt((se/v)^2 + (se_b/b)^2) x retention, the router's [1, 1]; the figure is drawn."""
+    MOVER-R interval (conftest.mover_by_hand from the two Wilson intervals; about the delta method's), the router's
+    [1, 1]; the figure is drawn."""
     import math
 
     import pandas as pd
@@ -559,9 +560,11 @@ def test_accuracy_curve_by_hand(fake_prune_lm_eval, tmp_path):
         n = v * (1 - v) / se ** 2 + 1  # the items lm-eval's stderr implies for 0/1 scores
         assert (row.value_lo, row.value_hi) == pytest.approx(wilson_by_hand(v, n), rel=1e-9)
         assert row.retention == pytest.approx(v / b, rel=1e-12)
-        half = z * v / b * math.sqrt((se / v) ** 2 + (se_b / b) ** 2)
-        want = (1.0, 1.0) if name == "router" else (v / b - half, v / b + half)
+        n_b = b * (1 - b) / se_b ** 2 + 1
+        want = (1.0, 1.0) if name == "router" else mover_by_hand(v, *wilson_by_hand(v, n), b, *wilson_by_hand(b, n_b))
         assert (row.retention_lo, row.retention_hi) == pytest.approx(want, rel=1e-6)
+        half = z * v / b * math.sqrt((se / v) ** 2 + (se_b / b) ** 2)  # the delta method's, away from 0 and 1: close
+        assert name == "router" or (row.retention_hi - row.retention_lo) == pytest.approx(2 * half, rel=0.05)
     m = json.loads((out / "manifest.json").read_text())
     assert m["eval"]["tasks"] == ["mmlu", "arc_challenge"] and "retention_lo" in m["definitions"]
     assert (out / "figures" / "prune_accuracy.png").exists()

@@ -1,4 +1,5 @@
-"""Interval math (moetool.uncertainty): coverage at the nominal rate on a known answer, delta method vs simulation."""
+"""Interval math (moetool.uncertainty): coverage at the nominal rate on a known answer, MOVER-R vs Fieller's equations
+and exact coverage."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import numpy as np
 import pytest
 
 from moetool.errors import MoetoolError
-from moetool.uncertainty import (RowSums, bootstrap_weights, delta_ratio, ppl_ratio_interval, ratio_interval,
-                                 ratio_intervals)
+from moetool.uncertainty import (RowSums, bootstrap_weights, mover_ratio, ppl_ratio_interval, ratio_interval,
+                                 ratio_intervals, wilson)
+
+from conftest import mover_by_hand, wilson_by_hand
 
 
 def test_bootstrap_covers_known_p_at_nominal_rate():
@@ -59,16 +62,96 @@ def test_ppl_ratio_is_exp_of_mean_nll_difference():
     assert ci.lo < ci.value < ci.hi
 
 
-def test_delta_method_matches_closed_form_and_simulation():
-    a, sa, b, sb = 0.62, 0.012, 0.70, 0.011
-    ci = delta_ratio(a, sa, b, sb)
-    se = (ci.hi - ci.lo) / (2 * 1.959963984540054)
-    assert se == pytest.approx(a / b * math.sqrt((sa / a) ** 2 + (sb / b) ** 2), rel=1e-12)
-    rng = np.random.default_rng(0)
-    sim = rng.normal(a, sa, 200_000) / rng.normal(b, sb, 200_000)
-    assert se == pytest.approx(sim.std(), rel=0.03)
-    # positive covariance narrows the ratio's interval
-    assert delta_ratio(a, sa, b, sb, cov=0.5 * sa * sb).half_width < ci.half_width
+Z = 1.959963984540054
+
+
+def _delta(a, b, n):
+    """The delta-method interval retention had (BASE): r ± z se, se² = (se_a / b)² + (a se_b / b²)², lm-eval's
+    se² = p (1 - p) / (n - 1)."""
+    sa, sb = math.sqrt(a * (1 - a) / (n - 1)), math.sqrt(b * (1 - b) / (n - 1))
+    r = a / b
+    se = math.sqrt((sa / b) ** 2 + (a * sb / b ** 2) ** 2)
+    return r - Z * se, r + Z * se
+
+
+def _retention(a, b, n):
+    """mover_ratio of two accuracies over n items each, from their Wilson intervals."""
+    wa, wb = wilson(a, n), wilson(b, n)
+    return mover_ratio(a, wa.lo, wa.hi, b, wb.lo, wb.hi)
+
+
+@pytest.mark.parametrize("a, b, n", [(1.0, 1.0, 5), (0.8, 1.0, 5), (1.0, 0.6, 5), (0.0, 0.4, 10), (0.6, 0.7, 200),
+                                     (0.95, 0.2, 20), (0.05, 0.97, 40)])
+def test_mover_ratio_solves_fiellers_equations_with_wilson_variances(a, b, n):
+    """The closed form is the roots of Fieller's equations (np.roots, conftest.mover_by_hand) from the Wilson bounds
+    (np.roots of the score test, conftest.wilson_by_hand), at the boundary (0, 1) as inside."""
+    (al, ah), (bl, bh) = wilson_by_hand(a, n), wilson_by_hand(b, n)
+    ci = mover_ratio(a, al, ah, b, bl, bh)
+    assert ci.value == pytest.approx(a / b, rel=1e-12)
+    assert (ci.lo, ci.hi) == pytest.approx(mover_by_hand(a, al, ah, b, bl, bh), rel=1e-6, abs=1e-9)
+    assert ci.lo <= ci.value <= ci.hi and ci.hi > ci.lo
+
+
+def test_retention_at_the_boundary_is_not_falsely_certain():
+    """5 of 5 items right in both runs: each accuracy's Wilson interval is [0.566, 1], lm-eval's stderr 0, and the
+    delta method said retention 1 ± 0; MOVER-R's interval is [0.566, 1.768] (by hand: lo = l (2 - l) / (1 + sqrt(1 -
+    l (2 - l))) = l, hi = (1 + sqrt(1 - l (2 - l))) / (l (2 - l)) = (2 - l) / (l (2 - l)) = 1 / l)."""
+    from moetool.uncertainty import format_ci
+
+    assert _delta(1.0, 1.0, 5) == (1.0, 1.0)  # what was printed: "1 ± 0"
+    lo = wilson_by_hand(1.0, 5)[0]
+    assert lo == pytest.approx(0.5655, abs=1e-4)
+    ci = _retention(1.0, 1.0, 5)
+    assert (ci.lo, ci.hi) == pytest.approx((lo, 1 / lo), rel=1e-6)
+    assert format_ci(ci.value, ci.lo, ci.hi) == "1.00 [0.57, 1.77]"
+    # one of the two at the boundary: never a zero-width side
+    for a, b in ((1.0, 0.8), (0.8, 1.0), (0.0, 0.8)):
+        ci = _retention(a, b, 5)
+        assert ci.lo < ci.value < ci.hi or (a == 0 and ci.lo == 0 < ci.hi)
+
+
+def test_mover_ratio_agrees_with_the_delta_method_away_from_the_boundary():
+    """10,000 items at 0.6 and 0.7: both bounds within 2e-4 of the delta method's (half-width 0.0176)."""
+    ci = _retention(0.6, 0.7, 10_000)
+    d = _delta(0.6, 0.7, 10_000)
+    assert abs(ci.lo - d[0]) < 2e-4 and abs(ci.hi - d[1]) < 2e-4
+    assert (ci.hi - ci.lo) == pytest.approx(d[1] - d[0], rel=0.01)
+
+
+def _coverage(p1, p2, n, interval):
+    """Exact coverage of a / b by ``interval(a, b, n)`` over two independent Binomial(n, p) accuracies (every pair of
+    counts weighted by its probability; a router count of 0 has no retention and counts as a miss)."""
+    pmf = [[math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1)] for p in (p1, p2)]
+    t = p1 / p2
+    hit = 0.0
+    for k1 in range(n + 1):
+        for k2 in range(1, n + 1):
+            lo, hi = interval(k1 / n, k2 / n, n)
+            hit += pmf[0][k1] * pmf[1][k2] * (lo <= t <= hi)
+    return hit
+
+
+@pytest.mark.parametrize("p1, p2, n, delta_cover", [(0.95, 0.99, 30, 0.783), (0.9, 0.95, 5, 0.536),
+                                                    (0.9, 0.98, 20, 0.871), (0.6, 0.7, 100, 0.952)])
+def test_mover_ratio_covers_at_95_percent_where_the_delta_method_did_not(p1, p2, n, delta_cover):
+    """Exact coverage (enumerated, no Monte Carlo noise) of the true retention p1 / p2: the delta method undercovers
+    near an accuracy of 1 (0.54-0.87), MOVER-R holds at least the nominal 95% there and ~95% away from it."""
+    old = _coverage(p1, p2, n, _delta)
+    new = _coverage(p1, p2, n, lambda a, b, m: (lambda c: (c.lo, c.hi))(_retention(a, b, m)))
+    assert old == pytest.approx(delta_cover, abs=1e-3)
+    assert new >= 0.945
+    if p1 < 0.9:  # away from the boundary: near nominal, not a uselessly wide interval
+        assert new < 0.96
+
+
+def test_mover_ratio_is_nan_without_a_base_or_an_interval():
+    nan = float("nan")
+    assert all(math.isnan(x) for x in (lambda c: (c.value, c.lo, c.hi))(mover_ratio(0.5, 0.3, 0.7, 0.0, 0.0, 0.2)))
+    for args in ((0.5, 0.3, 0.7, 0.5, 0.0, 0.7),  # the base's interval reaches 0: no upper bound
+                 (0.5, nan, 0.7, 0.5, 0.3, 0.7), (0.5, 0.3, 0.7, 0.5, 0.3, nan),  # no interval
+                 (0.5, 0.6, 0.7, 0.5, 0.3, 0.7)):  # an interval that does not hold its value
+        ci = mover_ratio(*args)
+        assert ci.value == 1.0 and math.isnan(ci.lo) and math.isnan(ci.hi)
 
 
 def test_row_sums_accumulate_by_row():
@@ -87,8 +170,6 @@ def test_errors_are_one_line():
         ratio_interval([1.0, float("nan")], [1.0, 1.0], n_boot=0)
     with pytest.raises(MoetoolError):
         ratio_interval([1.0, 2.0], [1.0, 1.0], n_boot=10)
-    with pytest.raises(MoetoolError):
-        delta_ratio(0.5, 0.01, 0.0, 0.01)
 
 
 def test_shared_cli_default_mirrors_the_library():

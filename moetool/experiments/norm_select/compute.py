@@ -26,7 +26,7 @@ from ...engine.probes import NODES
 from ...errors import MoetoolError
 from ...policies import build_once
 from ...registry import did_you_mean
-from ...uncertainty import Interval, RowTable, bootstrap_meta, delta_ratio, format_ci, ratio_intervals
+from ...uncertainty import Interval, RowTable, bootstrap_meta, format_ci, mover_ratio, ratio_intervals
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..routing import data_name, perplexity, ppl_intervals
 from ..published import aoe_table1
@@ -38,6 +38,15 @@ AGREEMENT_COLUMNS = ("layer", "policy", "topk_overlap", "topk_overlap_lo", "topk
                      "top1_agree_lo", "top1_agree_hi", "tokens")
 QUALITY_COLUMNS = ("policy", "task", "metric", "value", "stderr", "value_lo", "value_hi", "router_value", "ratio",
                    "ratio_lo", "ratio_hi", "seconds")
+
+#: how a retention (accuracy / router accuracy) interval is made: quality.csv's ratio_lo/hi, prune_eval.csv's
+#: retention_lo/hi (:func:`moetool.uncertainty.mover_ratio`)
+RETENTION_INTERVAL = ("MOVER-R (Newcombe 2016: Fieller's interval with each variance recovered from its value's "
+                      "interval, an accuracy's Wilson interval; moetool.uncertainty.mover_ratio): honest at an "
+                      "accuracy of 0 or 1, where the delta method on lm-eval's stderrs (0 there) said 1 ± 0 for 5 "
+                      "of 5 items right in both runs (now [0.57, 1.77]), and the delta method's interval away from "
+                      "them; the two accuracies taken as independent (conservative: the same items are scored under "
+                      "both); NaN when the router's interval reaches 0 (no upper bound)")
 
 DEFINITIONS = {
     "policy": "the routing of the row: router (the model's own top-K; the baseline) or norm:<node>:<norm> (the K "
@@ -64,9 +73,8 @@ DEFINITIONS = {
     "*_lo/*_hi": "95% intervals. Agreement and perplexity: document-level bootstrap over packed rows "
                  "(percentile, --bootstrap replicates, seeded; a perplexity ratio is paired: one row weight applies "
                  "to the policy and the router run). lm-eval metrics: " + lmeval.INTERVAL_DEFINITION + "; retention: "
-                 "delta method on the two accuracies and their stderrs, taken as independent (conservative: the "
-                 "same items are scored under both). The router's own ratio is exactly 1 ([1, 1]). NaN: off "
-                 "(--bootstrap 0) or no stderr from lm-eval",
+                 + RETENTION_INTERVAL + ". The router's own ratio is exactly 1 ([1, 1]). NaN: off (--bootstrap 0), "
+                 "no stderr or item count from lm-eval, or a router accuracy of 0",
 }
 
 
@@ -172,7 +180,7 @@ class NormSelectResult:
 
 def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_boot: int = 0, seed: int = 0) -> Any:
     """Rows per policy: perplexity on ``data`` and every lm-eval metric, with the router's value and the ratio,
-    and their 95% intervals (bootstrap from the runs' per-row sums when kept; lm-eval stderr / delta method)."""
+    and their 95% intervals (bootstrap from the runs' per-row sums when kept; lm-eval: Wilson / MOVER-R)."""
     import pandas as pd
 
     nan = float("nan")
@@ -195,20 +203,19 @@ def quality_frame(ppl: dict[str, Any], evals: dict[str, Any], data: str, *, n_bo
 
 def eval_rows(name: str, res: Any, base: Any) -> list[dict[str, Any]]:
     """quality rows of one policy's lm-eval result: the value with lmeval.results_frame's interval (Wilson for a
-    proportion), retention by the delta method."""
+    proportion), retention with the MOVER-R interval from the two values' intervals (:func:`mover_ratio`: honest at
+    an accuracy of 0 or 1, where the delta method on lm-eval's stderrs said ``1 ± 0``)."""
     nan = float("nan")
     ref = base.frame.set_index(["task", "metric"])
     out = []
     for r in res.frame.itertuples(index=False):
         key = (r.task, r.metric)
-        b = float(ref.value.get(key, nan))
-        se, se_b = float(r.stderr), float(ref.stderr.get(key, nan))
-        ratio = Interval(r.value / b if b else nan)
-        # the one condition of a retention interval: both values and both stderrs known, a base that is not 0
-        if b != 0 and not any(math.isnan(x) for x in (r.value, se, b, se_b)):
-            # the router's own: [1, 1], as ppl_intervals gives the base (its run is the base: r.value = b)
-            ratio = Interval(ratio.value, 1.0, 1.0) if name == "router" else delta_ratio(float(r.value), se, b, se_b)
-        out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value, "stderr": se,
+        b, b_lo, b_hi = (float(ref[c].get(key, nan)) for c in ("value", "value_lo", "value_hi"))
+        # NaN bounds unless both values and both intervals are known and the base is above 0 (a / 0: NaN)
+        ratio = mover_ratio(float(r.value), float(r.value_lo), float(r.value_hi), b, b_lo, b_hi)
+        if name == "router" and not math.isnan(ratio.lo):  # the router's own: [1, 1], as ppl_intervals gives the
+            ratio = Interval(ratio.value, 1.0, 1.0)  # base (its run is the base: r.value = b)
+        out.append({"policy": name, "task": r.task, "metric": r.metric, "value": r.value, "stderr": float(r.stderr),
                     "value_lo": r.value_lo, "value_hi": r.value_hi,  # lmeval.results_frame's interval
                     "router_value": b, **ratio.columns("ratio"), "seconds": round(res.seconds, 3)})
     return out

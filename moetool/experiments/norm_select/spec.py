@@ -16,7 +16,8 @@ topk_overlap and top1_agree, token-weighted over the layers), <task> acc and <ta
 value and ratio: fractions, 0.948 for the paper's 94.8%), seconds (perplexity plus lm-eval). Every value has a
 95% interval (*_lo/*_hi; ± or [lo, hi] in the tables; error bars): document-level bootstrap over packed rows
 for agreement and perplexity (--bootstrap N, 0 = off), Wilson's interval for an accuracy (inside
-[0, 1]; lm-eval's standard error beside it) and the delta method for retention. With lm-eval tasks
+[0, 1]; lm-eval's standard error beside it) and MOVER-R for retention (Fieller's interval from the two
+accuracies' Wilson intervals, honest at an accuracy of 0 or 1). With lm-eval tasks
 scored by acc it also prints and writes aoe_table1.csv: AoE Table 1's layout (router and best node
 per task), the paper's published Mixtral 8x7B numbers (MMLU 70.35% -> 66.66% = 94.8%, ARC-C 62.12% ->
 58.79% = 94.6%) as fractions (0.7035, as in quality.csv) beside the measured ones; for other models the
@@ -93,7 +94,8 @@ class NormSelectOptions:
 #: the report page's captions (:mod:`moetool.report.page`)
 CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "retention": ("Each routing policy against the router: perplexity ratio (left, lower is better) and accuracy "
-                  "retention per task (right, when tasks were evaluated); error bars: the bootstrap interval",
+                  "retention per task (right, when tasks were evaluated); error bars: the bootstrap interval (left) "
+                  "and the MOVER-R interval from the two accuracies' Wilson intervals (right)",
                   ("quality.csv",), ("ratio", "value", "*_lo/*_hi")),
     "agreement_by_layer": ("Per layer: top-K overlap (left) and top-1 agreement (right) of each policy's expert "
                            "choice with the router's", ("agreement.csv",), ("topk_overlap", "top1_agree")),

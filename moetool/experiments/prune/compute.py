@@ -45,7 +45,7 @@ from ...policies.base import number_text
 from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
 from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
-from ..norm_select.compute import eval_rows
+from ..norm_select.compute import RETENTION_INTERVAL, eval_rows
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import REAP_WEIGHTS, PruneOptions  # its options (declared with their flags in spec.py)
@@ -93,9 +93,8 @@ DEFINITIONS = {
     "value_hi": lmeval.INTERVAL_DEFINITION,
     "router_value": "the same metric under the model's own routing (nothing removed)",
     "retention": "value / router_value: accuracy retention (higher is better)",
-    "retention_lo": "95% lower bound of retention: delta method on the two values and their lm-eval stderrs, taken "
-                    "as independent (conservative: the same items are scored under both); the router's is 1",
-    "retention_hi": "95% upper bound of retention (delta method, as retention_lo); the router's is 1",
+    "retention_lo": "95% lower bound of retention: " + RETENTION_INTERVAL + "; the router's is 1",
+    "retention_hi": "95% upper bound of retention (MOVER-R, as retention_lo); the router's is 1",
     "*_lo/*_hi": "95% document-level bootstrap percentile interval over packed rows; NaN with bootstrap=0",
 }
 EVAL_COLUMNS = ("criterion", "fraction", "task", "metric", "value", "stderr", "value_lo", "value_hi", "router_value",

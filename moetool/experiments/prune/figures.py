@@ -39,7 +39,7 @@ def plot_prune(curve: Any, importance: Any, ablation: Any) -> dict[str, Any]:
 
 def plot_prune_accuracy(evals: Any, metric: str = "acc") -> Any:
     """``prune_accuracy``: lm-eval accuracy retention (``metric`` / the router's) against the fraction of experts
-    removed per layer, one line per criterion (delta-method error bars), one panel per task; the router a star."""
+    removed per layer, one line per criterion (MOVER-R error bars), one panel per task; the router a star."""
     from ...report.figures import line_by, new_figure
 
     rows = evals[evals.metric == metric]

@@ -14,8 +14,8 @@ model's choice among the rest, a softmax over the kept experts only, weights as 
 where it renormalises), and the model runs on the same rows. Last, each of
 the --ablate experts with the largest REAP saliency is removed alone. With --tasks, the router and every
 (criterion, fraction) also run lm-eval under the same pruning (as norm-select does): accuracy, and its retention
-against the router's (delta method on lm-eval's standard errors). A fraction above 0 that removes no expert in any
-layer (floor(fraction x n) = 0) is refused before any forward; 0 is the model with nothing removed.
+against the router's (MOVER-R interval from the two accuracies' Wilson intervals). A fraction above 0 that removes
+no expert in any layer (floor(fraction x n) = 0) is refused before any forward; 0 is the model with nothing removed.
 Zero-computation experts (LongCat-Flash's identity experts, Zaya's skip expert) cost nothing to keep and have no
 output of their own: they are not measured, counted in n, removed or ablated (the router still routes to them).
 The same pruning works in ppl, eval and trace: --routing prune:reap:0.25:<prune_importance.csv>,
@@ -117,7 +117,7 @@ CAPTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                        ("prune_ablation.csv",), ("ratio", "rank", "*_lo/*_hi")),
     "prune_accuracy": ("lm-eval accuracy relative to the model's own routing (retention) against the fraction of "
                        "each MoE layer's experts removed, one line per criterion, one panel per task; the star is "
-                       "the model; error bars: the delta-method interval on lm-eval's standard errors",
+                       "the model; error bars: the MOVER-R interval from the two accuracies' Wilson intervals",
                        ("prune_eval.csv",), ("fraction", "retention", "criterion", "retention_lo", "retention_hi")),
 }
 
