@@ -2,7 +2,8 @@
 margin's beside 0.5 and 0.005 in capacity.csv and margin_flips.csv, and beside the fractions of every other command's
 line: a number copied from the console next to a CSV value was off by 100x). Each command's summary line on the tiny
 model is read back against an independent reading of its own CSVs: every number printed for a fraction column is
-the CSV's value in the same unit (rounded to the decimals printed), and no line prints a percentage."""
+the CSV's value in the same unit (rounded to the decimals printed), and no line prints a percentage. Not run here:
+fluctuation (two checkpoints; its lines' fractions are pinned in test_demo_lines) and prune's lm-eval accuracy line."""
 
 from __future__ import annotations
 
@@ -35,22 +36,27 @@ def test_fraction_text_is_the_csv_unit_and_never_a_plausible_zero():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """margin, capacity, mass-recall, approx, locality, offload on the tiny model: {command: (lines, dir)}."""
+    """``runs[command]`` -> (its headline lines, its run folder): the command run once on the tiny model (1,024
+    tokens), on first use."""
     import moetool
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOETOOL_FIGURES", "none")  # the tables are checked here, not the figures
-    try:
-        lm = moetool.load("tiny")
-        tokens = moetool.tokens(lm, None, seq_len=128, max_tokens=1024)
-        out = {}
-        for name in ("margin", "capacity", "mass-recall", "approx", "locality", "offload"):
-            d = tmp_path_factory.mktemp(name.replace("-", "_"))
-            moetool.run(name, lm, tokens, out=str(d / "run"))
-            out[name] = (json.loads((d / "run" / "manifest.json").read_text())["headline"], d / "run")
-    finally:
-        mp.undo()
-    return out
+    class Runs(dict):
+        def __missing__(self, name):
+            mp = pytest.MonkeyPatch()
+            mp.setenv("MOETOOL_FIGURES", "none")  # the tables are checked here, not the figures
+            try:
+                if "lm" not in cache:
+                    cache["lm"] = moetool.load("tiny")
+                    cache["tokens"] = moetool.tokens(cache["lm"], None, seq_len=128, max_tokens=1024)
+                d = tmp_path_factory.mktemp(name.replace("-", "_")) / "run"
+                moetool.run(name, cache["lm"], cache["tokens"], out=str(d))
+            finally:
+                mp.undo()
+            self[name] = (json.loads((d / "manifest.json").read_text())["headline"], d)
+            return self[name]
+
+    cache = {}
+    return Runs()
 
 
 def check(lines, pairs):
@@ -124,3 +130,47 @@ def test_offload_hit_rates_and_recalls_are_offload_csvs(runs):
     assert len(pairs) == cache.groupby(["capacity", "policy"]).ngroups
     t1, tk = re.search(f"top-1 recall {NUM}, top-K recall {NUM}", lines[-1]).groups()
     check(lines, pairs + [(t1, pref.top1_recall.mean()), (tk, pref.topk_recall.mean())])
+
+
+def test_stats_specialisation_and_next_layer_probability_are_stats_csvs(runs):
+    lines, d = runs["stats"]
+    sp, cl = pd.read_csv(d / "specialization.csv"), pd.read_csv(d / "cross_layer_summary.csv")
+    (line,) = [ln for ln in lines if "vocabulary specialisation" in ln]
+    pairs = []
+    for view, lo, hi in re.findall(rf"(\w+) {NUM}-{NUM}", line.split(": ", 2)[2]):
+        s = sp[sp.view == view].specialization
+        pairs += [(lo, s.min()), (hi, s.max())]
+    assert len(pairs) == 2 * sp.view.nunique()
+    (line2,) = [ln for ln in lines if "mean max P" in ln]
+    p, u = re.search(rf"mean max P\(b\|a\) {NUM} \(uniform {NUM}\)", line2).groups()
+    check(lines, pairs + [(p, cl.mean_max_p.mean()), (u, cl.uniform_max_p.iloc[0])])
+
+
+def test_expert_similarity_co_selection_is_its_csv(runs):
+    lines, d = runs["expert-similarity"]
+    df = pd.read_csv(d / "expert_similarity.csv")
+    check(lines, [(re.search("co-selection " + NUM, lines[0]).group(1), df.mean_co_selection.mean())])
+
+
+def test_agreement_flip_rates_are_agreement_summary_csv(runs):
+    (line,), d = runs["agreement"]
+    s = pd.read_csv(d / "agreement_summary.csv")
+    pairs = []
+    for r in s.itertuples():
+        t1, tk = re.search(rf"{r.precision} top-1 {NUM}\S* .*?top-K {NUM}", line).groups()
+        pairs += [(t1, r.top1_flip), (tk, r.topk_flip)]
+    check([line], pairs)
+
+
+def test_norm_select_overlap_and_agreement_are_its_agreement_csv(runs):
+    lines, d = runs["norm-select"]
+    ag = pd.read_csv(d / "agreement.csv")
+    pairs = []
+    for line in lines:
+        policy = re.match(r"tiny, (\S+): ", line).group(1)
+        a = ag[ag.policy == policy]
+        assert len(a), (policy, sorted(ag.policy.unique()))
+        o, t = re.search(f"top-K overlap {NUM}.*top-1 agree {NUM}", line).groups()
+        pairs += [(o, (a.topk_overlap * a.tokens).sum() / a.tokens.sum()),
+                  (t, (a.top1_agree * a.tokens).sum() / a.tokens.sum())]
+    check(lines, pairs)
