@@ -165,6 +165,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
     from ...report.console import fraction_text
 
     df = res["capacity"]
-    parts = [f"cf {r.cf:g} {r.order} drops {fraction_text(r.dropped_frac)} x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
+    parts = [f"cf {r.cf:g} {r.order} drops {fraction_text(r.dropped_frac)} "
+             f"x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
              for r in df.itertuples()]
     return [f"capacity {name}: router ppl {df.router_perplexity.iloc[0]:.1f}; " + ", ".join(parts)]

@@ -110,7 +110,9 @@ def summary_lines(name: str, res: Result) -> list[str]:
     from ...report.console import fraction_text
 
     df = res["locality"]
-    return [f"locality {name}: consecutive tokens share their first-choice expert {fraction_text(df.top1_repeat.min())}-"
-            f"{fraction_text(df.top1_repeat.max())} of the time over {len(df)} MoE layer(s) (independent choice with the same "
+    return [f"locality {name}: consecutive tokens share their first-choice expert "
+            f"{fraction_text(df.top1_repeat.min())}-{fraction_text(df.top1_repeat.max())} of the time over {len(df)} "
+            f"MoE layer(s) (independent choice with the same "
             f"load: {fraction_text(df.top1_repeat_independent.min())}-"
-            f"{fraction_text(df.top1_repeat_independent.max())}; uniform {fraction_text(df.top1_repeat_uniform.iloc[0])})"]
+            f"{fraction_text(df.top1_repeat_independent.max())}; uniform "
+            f"{fraction_text(df.top1_repeat_uniform.iloc[0])})"]

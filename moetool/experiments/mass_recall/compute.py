@@ -533,7 +533,8 @@ def summary_lines(name: str, res: Any) -> list[str]:
             parts.append(f"M={m}: {fraction_text(sel['mass_recall_mean'].mean())}")
         lines.append(f"{name}, {mode} centroids ({MODE_WORDS[mode]}): mass recall (G={G}, mean over layers) "
                      + ", ".join(dict.fromkeys(parts))
-                     + f"; bound holds on {fraction_text(d['bound_holds_rate'].min())} of tokens (lowest over layers, G and M), "
+                     + f"; bound holds on {fraction_text(d['bound_holds_rate'].min())} of tokens (lowest over layers, "
+                     "G and M), "
                      f"scale-aware bound on {fraction_text(d['bound_scaled_holds_rate'].min())}; mean bound paper "
                      f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}"
                      + (f"; every row's router_flops_frac (G + M) / n is at least 1 (lowest "

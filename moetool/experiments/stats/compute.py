@@ -617,7 +617,8 @@ def analysis_lines(name: str, res: Any) -> list[str]:
     if "cross_layer_summary.csv" in res:
         cl = res["cross_layer_summary"]
         out.append(f"stats {name}: consecutive layers: mutual information {cl['mutual_information'].min():.3f}-"
-                   f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) {fraction_text(cl['mean_max_p'].mean(), 2)} "
+                   f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) "
+                   f"{fraction_text(cl['mean_max_p'].mean(), 2)} "
                    f"(uniform {fraction_text(cl['uniform_max_p'].iloc[0])})")
     for what, why in (getattr(res, "meta", None) or {}).get("left_out", {}).items():
         out.append(f"stats {name}: left out: {what} ({why})")
