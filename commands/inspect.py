@@ -86,14 +86,15 @@ def inspect(model: Model = DEFAULT_MODEL,
         return
     import pandas as pd
 
-    from moetool.report.console import print_table
+    from moetool.report.console import fraction_text, print_table
 
     c = console()
     c.print(f"{info['name']} -> {info['source']}  family {info['family']} "
             f"({info['model_type']}), {info['num_layers']} decoder layers, {len(info['moe_layers'])} MoE")
     embed = info.get("embedding_params")
     c.print(f"parameters: total {info['total_params']:,}, active per token {info['active_params']:,} "
-            f"({info['active_params'] / info['total_params']:.1%}; embedding table and output head included"
+            f"({fraction_text(info['active_params'] / info['total_params'])} of the total; embedding table and output "
+            "head included"
             + (f", {info['active_params'] - embed:,} without the {embed:,} of the embedding table" if embed else "")
             + ")")
     cols = ("n_experts", "top_k", "scoring", "renormalize", "shared_experts", "router_bias", "expert_params")

@@ -138,8 +138,8 @@ def test_inspect_says_how_it_counts_active_parameters(tmp_path, monkeypatch):
     info = json.loads(r.stdout)  # stdout alone: a logging handler an earlier test's runner closed writes to stderr
     assert (info["total_params"], info["active_params"], info["embedding_params"]) == (total, active, embed)
     r = runner.invoke(app, ["inspect", "--model", str(tmp_path / "gpt-oss-20b")], env={"COLUMNS": "300"})
-    assert (f"active per token {active:,} (20.0%; embedding table and output head included, {active - embed:,} "
-            f"without the {embed:,} of the embedding table)") in r.stdout
+    assert (f"active per token {active:,} (0.200 of the total; embedding table and output head included, "
+            f"{active - embed:,} without the {embed:,} of the embedding table)") in r.stdout
 
 
 def test_trace_matches_the_routers_own_choice(tmp_path):

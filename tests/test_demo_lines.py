@@ -134,7 +134,8 @@ def test_a_ppl_run_records_its_perplexity_and_ratio_as_its_headline(tmp_path):
 
 def test_mass_recall_line_says_over_what_the_bound_rate_is_lowest():
     """The line said the bound holds on "x% of tokens (worst row)": a reader took "row" for a packed row; it is
-    the lowest bound_holds_rate over the table's rows (layers, G and M) of the centroid mode."""
+    the lowest bound_holds_rate over the table's rows (layers, G and M) of the centroid mode, printed as the
+    fraction mass_recall.csv stores (0.980, no longer 98.0%: console fractions are the CSVs')."""
     from moetool.experiments.mass_recall import compute as mass_recall
 
     df = pd.DataFrame({"centroids": ["unit"] * 4, "layer": [0, 0, 1, 1], "codebook_size": [8] * 4,
@@ -142,7 +143,7 @@ def test_mass_recall_line_says_over_what_the_bound_rate_is_lowest():
                        "bound_holds_rate": [1.0, 0.98, 1.0, 1.0], "bound_scaled_holds_rate": [1.0] * 4,
                        "bound_mean": [1e-9] * 4, "bound_scaled_mean": [1e-4] * 4})
     (line,) = mass_recall.summary_lines("tiny", {"mass_recall": df})
-    assert "M=2: 0.550, M=4: 0.750" in line and "bound holds on 98.0% of tokens (lowest over layers, G and M)" in line
+    assert "M=2: 0.550, M=4: 0.750" in line and "bound holds on 0.980 of tokens (lowest over layers, G and M)" in line
     assert "router_flops_frac" not in line  # no frac column: no note
 
 

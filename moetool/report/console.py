@@ -16,6 +16,13 @@
   beside ``4608``); the CSVs keep the exact values.
 - Intervals are written ``value ± half-width`` (``value [lo, hi]`` where not symmetric) by
   :func:`moetool.uncertainty.format_ci` (:func:`with_ci` for tables).
+- Fractions stay fractions. A rate, share or proportion (a flip rate, a dropped share, a hit rate, the share of tokens
+  a bound holds on, an active-parameter share) is stored in the CSVs as a fraction in [0, 1], and every summary line
+  and table prints it in that same unit: ``drops 0.500``, ``flips 0.005``, never ``50.0%`` or ``0.5%``, so a number
+  copied from the console sits beside the CSV's without a factor of 100. The one home of that text is
+  :func:`fraction_text` (the value alone) or, with an interval, :func:`moetool.uncertainty.format_ci` (which writes
+  the value in its column's unit). No summary line or table prints a CSV column as a ``%``; a ``%`` left on the
+  console is a fixed setting (``95% intervals``, a layout's ``90%`` of a GPU's memory) or a note's prose.
 """
 
 from __future__ import annotations
@@ -62,6 +69,22 @@ def count_text(n: float) -> str:
         if abs(r) >= scale:
             return f"{r / scale:.3g}{unit}"
     return f"{n:.3g}" if isinstance(n, float) and not float(n).is_integer() else str(int(n))
+
+
+FRACTION_DIGITS = 3  # decimals of a fraction in a summary line: 0.005, 0.500, 1.000
+
+
+def fraction_text(v: float, digits: int = FRACTION_DIGITS) -> str:
+    """A fraction (a rate, share or proportion, as the CSVs store it) for a console line, in the CSV's unit, never
+    as a percentage: ``digits`` decimals (``0.5`` -> ``"0.500"``, ``0.005`` -> ``"0.005"``); a nonzero value that
+    would round to zero keeps two significant digits (``0.00042`` -> ``"0.00042"``, not a plausible ``"0.000"``);
+    a missing value (NaN) is ``"nan"``."""
+    v = float(v)
+    if math.isnan(v):
+        return "nan"
+    if v != 0 and abs(v) < 0.5 * 10.0 ** -digits:
+        return f"{v:.2g}" if abs(v) >= 1e-4 else f"{v:.2e}"
+    return f"{v:.{digits}f}"
 
 
 def _fmt(v: Any, floatfmt: str, intfmt: str = "{}") -> str:

@@ -318,10 +318,14 @@ def approx(lm: Any, tokens: Any, options: ApproxOptions | None = None, *, quiet:
 
 
 def summary_lines(name: str, res: Any) -> list[str]:
+    """One line: the mean relative error per selector; the share of tokens (a fraction, as approx.csv's
+    same_set_as_router) where the norm oracle picks the router's set; Spearman and mean |cos| over layers."""
+    from ...report.console import fraction_text
+
     approx, per_layer = res["approx"], res["approx_layers"]
     by = approx.groupby("selector", sort=False)["rel_error_mean"].mean()
     rate = approx[approx["selector"] == "norm_oracle"]["same_set_as_router"].mean()
     errs = ", ".join(f"{s} {v:.3f}" for s, v in by.items())
-    return [f"approx {name}: mean rel. error {errs}; norm oracle = router set on {rate:.0%} of tokens; "
+    return [f"approx {name}: mean rel. error {errs}; norm oracle = router set on {fraction_text(rate)} of tokens; "
             f"Spearman(π, ||E||) {per_layer['spearman_prob_vs_norm'].mean():.2f}; "
             f"mean |cos| {per_layer['mean_abs_cos'].mean():.3f}"]

@@ -160,8 +160,12 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
-    """One line: the router's perplexity, then per cf and order the dropped share and the perplexity ratio."""
+    """One line: the router's perplexity, then per cf and order the dropped share (a fraction, as capacity.csv's
+    dropped_frac) and the perplexity ratio."""
+    from ...report.console import fraction_text
+
     df = res["capacity"]
-    parts = [f"cf {r.cf:g} {r.order} drops {r.dropped_frac:.1%} x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
+    parts = [f"cf {r.cf:g} {r.order} drops {fraction_text(r.dropped_frac)} "
+             f"x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"
              for r in df.itertuples()]
     return [f"capacity {name}: router ppl {df.router_perplexity.iloc[0]:.1f}; " + ", ".join(parts)]

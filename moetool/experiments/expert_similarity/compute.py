@@ -288,11 +288,14 @@ def expert_similarity(lm: Any, tokens: Any, options: ExpertSimilarityOptions | N
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
-    """The most alike pair of experts by mean output, and the averages over the layers."""
+    """The most alike pair of experts by mean output, and the averages over the layers (co-selection a fraction, as
+    expert_similarity.csv)."""
+    from ...report.console import fraction_text
+
     df = res["expert_similarity"]
     top = df.loc[df["max_output_cos"].idxmax()] if df["max_output_cos"].notna().any() else None
     out = [f"expert-similarity {name}: mean over {len(df)} layer(s): output cos {df.mean_output_cos.mean():.3f}, "
-           f"token cos {df.mean_token_cos.mean():.3f}, co-selection {df.mean_co_selection.mean():.3f}"]
+           f"token cos {df.mean_token_cos.mean():.3f}, co-selection {fraction_text(df.mean_co_selection.mean())}"]
     if top is not None:
         out.append(f"  most alike by mean output: layer {top.layer} experts {top.max_output_pair} "
                    f"(output cos {top.max_output_cos:.3f})")

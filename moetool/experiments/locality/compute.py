@@ -106,9 +106,13 @@ def locality(lm: Any, tokens: Any, options: LocalityOptions | None = None, *, qu
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
-    """The first-choice repeat rate over the layers, beside its independent figure."""
+    """The first-choice repeat rate over the layers (fractions, as locality.csv), beside its independent figure."""
+    from ...report.console import fraction_text
+
     df = res["locality"]
-    return [f"locality {name}: consecutive tokens share their first-choice expert {df.top1_repeat.min():.3f}-"
-            f"{df.top1_repeat.max():.3f} of the time over {len(df)} MoE layer(s) (independent choice with the same "
-            f"load: {df.top1_repeat_independent.min():.3f}-{df.top1_repeat_independent.max():.3f}; uniform "
-            f"{df.top1_repeat_uniform.iloc[0]:.3f})"]
+    return [f"locality {name}: consecutive tokens share their first-choice expert "
+            f"{fraction_text(df.top1_repeat.min())}-{fraction_text(df.top1_repeat.max())} of the time over {len(df)} "
+            f"MoE layer(s) (independent choice with the same "
+            f"load: {fraction_text(df.top1_repeat_independent.min())}-"
+            f"{fraction_text(df.top1_repeat_independent.max())}; uniform "
+            f"{fraction_text(df.top1_repeat_uniform.iloc[0])})"]

@@ -360,7 +360,10 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
-    """One line: the median margin over layers, then the top-K flip rate at each eps (mean over layers)."""
+    """One line: the median margin over layers, then the top-K flip rate at each eps (mean over layers), a fraction
+    as in margin_flips.csv (:func:`~moetool.report.console.fraction_text`)."""
+    from ...report.console import fraction_text
+
     df, fl = res["margin"], res["margin_flips"]
-    parts = [f"eps {eps:g} {g.topk_flip.mean():.1%}" for eps, g in fl.groupby("eps")]
+    parts = [f"eps {eps:g}: {fraction_text(g.topk_flip.mean())}" for eps, g in fl.groupby("eps")]
     return [f"margin {name}: median margin {df.margin_p50.median():.3g}; top-K flips " + ", ".join(parts)]

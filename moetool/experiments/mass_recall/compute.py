@@ -519,7 +519,10 @@ def mass_recall(lm: Any, tokens: Any, options: MassRecallOptions | None = None, 
 
 def summary_lines(name: str, res: Any) -> list[str]:
     """Mass recall (layer mean) per centroids mode at the largest G and two shortlist sizes; bound check. Each line
-    names its mode and what it means (``tiny, raw centroids (the model's router as is): ...``)."""
+    names its mode and what it means (``tiny, raw centroids (the model's router as is): ...``). Recall and the
+    bound's rates are fractions, as in mass_recall.csv."""
+    from ...report.console import fraction_text
+
     df = res["mass_recall"]
     lines = []
     for mode, d in df.groupby("centroids", sort=False):
@@ -527,11 +530,12 @@ def summary_lines(name: str, res: Any) -> list[str]:
         parts = []
         for m in sorted(d["shortlist_size"].unique())[:2] + sorted(d["shortlist_size"].unique())[-1:]:
             sel = d[(d["codebook_size"] == G) & (d["shortlist_size"] == m)]
-            parts.append(f"M={m}: {sel['mass_recall_mean'].mean():.3f}")
+            parts.append(f"M={m}: {fraction_text(sel['mass_recall_mean'].mean())}")
         lines.append(f"{name}, {mode} centroids ({MODE_WORDS[mode]}): mass recall (G={G}, mean over layers) "
                      + ", ".join(dict.fromkeys(parts))
-                     + f"; bound holds on {d['bound_holds_rate'].min():.1%} of tokens (lowest over layers, G and M), "
-                     f"scale-aware bound on {d['bound_scaled_holds_rate'].min():.1%}; mean bound paper "
+                     + f"; bound holds on {fraction_text(d['bound_holds_rate'].min())} of tokens (lowest over layers, "
+                     "G and M), "
+                     f"scale-aware bound on {fraction_text(d['bound_scaled_holds_rate'].min())}; mean bound paper "
                      f"{d['bound_mean'].mean():.2g} vs scale-aware {d['bound_scaled_mean'].mean():.2g}"
                      + (f"; every row's router_flops_frac (G + M) / n is at least 1 (lowest "
                         f"{d['router_flops_frac'].min():.3g}): the IVF router costs no less than exact routing here"

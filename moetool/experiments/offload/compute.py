@@ -931,13 +931,17 @@ DEFINITIONS = {
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
+    """Per cache capacity the hit rate of each policy, then the next-layer prediction recall (fractions, as
+    offload_cache.csv and offload_prefetch.csv; means over layers)."""
+    from ...report.console import fraction_text
+
     cache = res["offload_cache"]
     lines = []
     for C, d in cache.groupby("capacity"):
-        parts = [f"{p} {d[d.policy == p].hit_rate.mean():.3f}" for p in res.options.policies]
+        parts = [f"{p} {fraction_text(d[d.policy == p].hit_rate.mean())}" for p in res.options.policies]
         lines.append(f"{name} offload C={C}: hit rate (mean over layers) " + ", ".join(parts))
     pref = res["offload_prefetch"] if "offload_prefetch" in res else ()  # a trace's: no router to predict with
     if len(pref):
-        lines.append(f"{name} offload: next-layer prediction top-1 recall {pref.top1_recall.mean():.3f}, "
-                     f"top-K recall {pref.topk_recall.mean():.3f} (mean over layers)")
+        lines.append(f"{name} offload: next-layer prediction top-1 recall {fraction_text(pref.top1_recall.mean())}, "
+                     f"top-K recall {fraction_text(pref.topk_recall.mean())} (mean over layers)")
     return lines

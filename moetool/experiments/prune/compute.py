@@ -333,7 +333,10 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
 
 
 def summary_lines(name: str, res: Result) -> list[str]:
-    """One line per measured fraction: each criterion's perplexity ratio; then the largest single ablation."""
+    """One line per measured fraction: each criterion's perplexity ratio; then the largest single ablation (an
+    accuracy and the fraction removed as fractions, as prune_eval.csv and prune.csv)."""
+    from ...report.console import fraction_text
+
     df = res["prune"]
     router = df[df.criterion == "router"].iloc[0]
     out = [f"prune {name}: router ppl {format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)}"]
@@ -346,7 +349,7 @@ def summary_lines(name: str, res: Result) -> list[str]:
             if metric != "acc":
                 continue
             b = float(g.router_value.iloc[0])
-            out.append(f"  {task} acc (router {b:.3f}) retention: " + ", ".join(
+            out.append(f"  {task} acc (router {fraction_text(b)}) retention: " + ", ".join(
                 f"{r.criterion}@{number_text(r.fraction)} x{r.retention:.2f}" for r in g.itertuples()))
     abl = res.tables.get("prune_ablation.csv")
     if abl is not None and len(abl):

@@ -598,7 +598,10 @@ def summary_lines(name: str, res: Any) -> list[str]:
 
 
 def analysis_lines(name: str, res: Any) -> list[str]:
-    """Specialisation per view and cross-layer mutual information, one line each."""
+    """Specialisation per view and cross-layer mutual information, one line each (shares and probabilities as
+    fractions, as specialization.csv and cross_layer_summary.csv)."""
+    from ...report.console import fraction_text
+
     out = []
     if "specialization.csv" in res:
         sp = res["specialization"]
@@ -606,7 +609,7 @@ def analysis_lines(name: str, res: Any) -> list[str]:
 
         def span(s: Any) -> str:  # no layer with a token id seen min_count times: said, not "nan-nan"
             s = s.dropna()
-            return (f"{s.min():.2f}-{s.max():.2f}" if len(s) else
+            return (f"{fraction_text(s.min(), 2)}-{fraction_text(s.max(), 2)}" if len(s) else
                     f"none (no token id seen {least} times)" if least else "none")
 
         views = ", ".join(f"{v} {span(g['specialization'])}" for v, g in sp.groupby("view", sort=False))
@@ -614,8 +617,9 @@ def analysis_lines(name: str, res: Any) -> list[str]:
     if "cross_layer_summary.csv" in res:
         cl = res["cross_layer_summary"]
         out.append(f"stats {name}: consecutive layers: mutual information {cl['mutual_information'].min():.3f}-"
-                   f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) {cl['mean_max_p'].mean():.2f} "
-                   f"(uniform {cl['uniform_max_p'].iloc[0]:.3f})")
+                   f"{cl['mutual_information'].max():.3f} nats, mean max P(b|a) "
+                   f"{fraction_text(cl['mean_max_p'].mean(), 2)} "
+                   f"(uniform {fraction_text(cl['uniform_max_p'].iloc[0])})")
     for what, why in (getattr(res, "meta", None) or {}).get("left_out", {}).items():
         out.append(f"stats {name}: left out: {what} ({why})")
     return out
