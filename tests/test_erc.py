@@ -378,6 +378,35 @@ def test_an_overflowing_noise_is_told_the_largest_noise_that_passes_every_layer(
             erc_layer(L, ErcOptions(noise=10 * noise))
 
 
+@pytest.mark.parametrize("noise", [1e37, 1e200, 1e300])
+def test_an_overflowing_noise_past_float32_or_in_a_later_layer_is_told_the_largest_that_passes(noise):
+    """A --noise past float32's largest number (the proxies' dtype) was a RuntimeError of torch.full (a traceback);
+    it is now refused as an overflowing noise, with the level that passes. That level (searched by doubling k in
+    noise / 10^k, then bisecting) must be checked between the last failure and 1e-30: from 1e200 the doubling
+    jumped past every level that passes and said only --noise none would do, from 1e300 10 ** 512 was an
+    OverflowError. Here the last layer's router is 1e6 times larger (its proxies too), so it overflows at a noise
+    1e6 times smaller than the first layer that is refused: the level is the largest 10^j that passes in every
+    layer, checked by hand (every layer runs at it, one refuses at 10 times it)."""
+    from moetool.errors import MoetoolError
+
+    layers = find_moe_layers(build_tiny_model("mixtral"))
+    with torch.no_grad():
+        layers[-1].router.weight.mul_(1e6)
+    with pytest.raises(MoetoolError) as e:
+        run_erc(layers, ErcOptions(noise=noise), quiet=True)
+    m = re.fullmatch(re.escape(f"--noise {noise!r}: ") + r"(.*): --noise (\S+) keeps M finite in every layer "
+                     r"\(checked on the same seeded draws\)", str(e.value))
+    assert m, str(e.value)
+    assert ("past float32's largest number (3.4e+38)" in m.group(1)) == (noise > 3.4e38)
+    got = float(m.group(2))
+    assert np.log10(got) == round(np.log10(got))  # noise / 10^k, noise a power of ten
+    for L in layers:
+        erc_layer(L, ErcOptions(noise=got))  # no refusal in any layer
+    with pytest.raises(MoetoolError, match="give a non-finite M"):
+        erc_layer(layers[-1], ErcOptions(noise=10 * got))  # the last layer is the one that binds
+    erc_layer(layers[0], ErcOptions(noise=1e4 * got))  # the first layer alone would pass far larger noise
+
+
 def test_loss_curves_cover_every_layer_past_its_alpha_min_with_alpha_min_on_the_grid():
     """The figure's curves (loss_curves) from an erc_matrix table: every layer (layer 0 included), its alpha_min by
     hand, a grid from 0 to 1.15 x the largest alpha_min holding every alpha_min and --alpha exactly, and each point
