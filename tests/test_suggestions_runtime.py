@@ -11,6 +11,7 @@ rows (which may drop during a run: memory others took meanwhile).
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pandas as pd
@@ -485,3 +486,33 @@ def test_out_of_memory_under_torchrun_names_the_launch_and_the_rows_the_analysis
     assert per(1, tp=2) == "model group (2 ranks run each row: --tp 2) on 1 data-parallel group"
     assert per(2, tp=4) == "model group (4 ranks run each row: --tp 4) on 2 data-parallel groups"
     assert per(2, tp=2, ep=2) == "model group (2 ranks run each row: --tp 2 --ep 2) on 2 data-parallel groups"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_margin_overflow_bound_on_two_ranks_is_the_one_process_bound(tmp_path):
+    """margin's overflow refusal names the eps below which every real token's noise stays finite: on 2 torchrun
+    ranks it is the smallest over both ranks' tokens (an all-reduce min), the same line as one process over all
+    the rows (mutation pass 22: a sum reduction, twice the bound on 2 ranks, survived every other test)."""
+    import subprocess
+
+    from test_distributed_cli import _env, torchrun
+
+    args = ["margin", "--model", "tiny", "--max-tokens", "560", "--seq-len", "64", "--eps", "0.1,1e30",
+            "--bootstrap", "0", "-q"]
+
+    def errors(world):
+        for _ in range(3):  # a taken rendezvous port: launched again (as run_cli)
+            cmd = torchrun(world) if world > 1 else [sys.executable, "-m", "moetool"]
+            p = subprocess.run(cmd + args + ["--batch-size", str(4 // world), "--out", str(tmp_path / str(world))],
+                               cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+            if "EADDRINUSE" not in p.stderr:
+                break
+        lines = {ln for ln in p.stderr.splitlines() if ln.startswith("error: --eps 1e+30")}
+        assert p.returncode == 2 if world == 1 else p.returncode != 0, p.stderr[-3000:]  # (torchrun's own code)
+        assert len(lines) == 1, p.stderr[-3000:]
+        return lines.pop()
+
+    one = errors(1)
+    assert "(computed from the data): use --eps" in one
+    assert errors(2) == one
