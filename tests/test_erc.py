@@ -378,6 +378,59 @@ def test_an_overflowing_noise_is_told_the_largest_noise_that_passes_every_layer(
             erc_layer(L, ErcOptions(noise=10 * noise))
 
 
+@pytest.mark.parametrize("noise", [1e37, 1e200, 1e300])
+def test_an_overflowing_noise_past_float32_or_in_a_later_layer_is_told_the_largest_that_passes(noise):
+    """A --noise past float32's largest number (the proxies' dtype) was a RuntimeError of torch.full (a traceback);
+    it is now refused as an overflowing noise, with the level that passes. That level (searched by doubling k in
+    noise / 10^k, then bisecting) must be checked between the last failure and 1e-30: from 1e200 the doubling
+    jumped past every level that passes and said only --noise none would do, from 1e300 10 ** 512 was an
+    OverflowError. Here the last layer's router is 1e6 times larger (its proxies too), so it overflows at a noise
+    1e6 times smaller than the first layer that is refused: the level is the largest 10^j that passes in every
+    layer, checked by hand (every layer runs at it, one refuses at 10 times it)."""
+    from moetool.errors import MoetoolError
+
+    layers = find_moe_layers(build_tiny_model("mixtral"))
+    with torch.no_grad():
+        layers[-1].router.weight.mul_(1e6)
+    with pytest.raises(MoetoolError) as e:
+        run_erc(layers, ErcOptions(noise=noise), quiet=True)
+    m = re.fullmatch(re.escape(f"--noise {noise!r}: ") + r"(.*): --noise (\S+) keeps M finite in every layer "
+                     r"\(checked on the same seeded draws\)", str(e.value))
+    assert m, str(e.value)
+    assert ("past float32's largest number (3.4e+38)" in m.group(1)) == (noise > 3.4e38)
+    got = float(m.group(2))
+    assert np.log10(got) == round(np.log10(got))  # noise / 10^k, noise a power of ten
+    for L in layers:
+        erc_layer(L, ErcOptions(noise=got))  # no refusal in any layer
+    with pytest.raises(MoetoolError, match="give a non-finite M"):
+        erc_layer(layers[-1], ErcOptions(noise=10 * got))  # the last layer is the one that binds
+    erc_layer(layers[0], ErcOptions(noise=1e4 * got))  # the first layer alone would pass far larger noise
+
+
+def test_the_noise_told_instead_of_derived_starts_from_the_largest_derived_eps_of_the_layers():
+    """smaller_noise with --noise derived: the level searched from is the largest derived eps_i over the layers
+    (eps_i = ||R_i - R_j*|| / (2 ||R_i||), j* the nearest other router row), by hand here with the rows of one layer
+    scaled apart so the layers' largest eps differ; a tenth of it passes on the tiny model (mutation pass 22: the
+    smallest layer's eps as the start survived)."""
+    from moetool.experiments.erc.compute import smaller_noise
+
+    layers = find_moe_layers(build_tiny_model("mixtral"))
+    with torch.no_grad():
+        layers[0].router.weight[0].mul_(0.1)  # row 0 nearer the origin: its eps_0 grows
+
+    def largest_eps(L):
+        R = L.router.weight.detach().double()
+        far = [min(float((R[i] - R[j]).norm()) for j in range(len(R)) if j != i) / (2 * float(R[i].norm()))
+               for i in range(len(R))]
+        return max(far)
+
+    per_layer = [largest_eps(L) for L in layers]
+    assert max(per_layer) > 1.5 * min(per_layer)  # the case: the start depends on which layer's eps
+    want = float(f"{max(per_layer) / 10:.2g}")
+    assert smaller_noise(layers, ErcOptions(noise="derived")) == (
+        f"--noise {want:g} keeps M finite in every layer (checked on the same seeded draws)")
+
+
 def test_loss_curves_cover_every_layer_past_its_alpha_min_with_alpha_min_on_the_grid():
     """The figure's curves (loss_curves) from an erc_matrix table: every layer (layer 0 included), its alpha_min by
     hand, a grid from 0 to 1.15 x the largest alpha_min holding every alpha_min and --alpha exactly, and each point

@@ -439,6 +439,75 @@ def test_an_overflowing_eps_is_told_the_largest_eps_that_keeps_the_noise_finite(
         margin(lm, tokens, eps=(1.01 * bound,), **kw)
 
 
+def test_finite_eps_and_eps_hint_by_hand():
+    """finite_eps per token, by hand: coordinate j may move by finfo.max - h_j sign(u_j) along u_j (fp16: 65504), a
+    zero coordinate of the noise never limits, a zero noise is inf, and in fp32 the distance sqrt(3.4028e38) /
+    ||u|| binds first; a thousandth under. The bound is what it says: noisy_inputs at it is finite, 1% past the
+    fp16 overflow (65520 rounds to inf) is not. eps_hint's two cases by hand (mutation pass 22: M1, M4, M10
+    survived)."""
+    from moetool.experiments.margin.compute import eps_hint, finite_eps, noisy_inputs
+
+    hf = torch.tensor([[60000.0, 100.0, 5.0], [0.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    unit = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 0.0, 0.5]])
+    got = finite_eps(hf, unit, torch.float16)
+    want = [(65504 - 60000) * 0.999, math.inf, min((65504 + 1) / 2, (65504 - 3) / 0.5) * 0.999]
+    assert got.tolist() == pytest.approx(want, rel=1e-6)
+    ok = noisy_inputs(hf[:1], float(got[0]), unit[:1], torch.float16)
+    assert torch.isfinite(ok).all() and ok[0, 0] == 65504  # 65498.5: fp16's largest, not inf
+    assert not torch.isfinite(noisy_inputs(hf[:1], 1.01 * (65520 - 60000), unit[:1], torch.float16)).all()
+    big = math.sqrt(torch.finfo(torch.float32).max) / math.sqrt(2)  # ||(1, 1)||: the distance binds in fp32
+    assert finite_eps(torch.zeros(1, 2), torch.ones(1, 2), torch.float32).item() == pytest.approx(0.999 * big,
+                                                                                                rel=1e-6)
+
+    assert eps_hint(1e30, 12345.6, [0.1]) == (
+        "h' and ||h' - h|| stay finite for every real token of every layer below eps 1.23e+04 (computed from the "
+        "data): use --eps 12000 or less")
+    assert eps_hint(5.0, 100.0, [0.1, 2.0, 3.0, 7.0]) == (
+        "h' stays finite up to eps 100, its router logits overflow earlier: use an --eps below 5 (--eps 3 of this "
+        "run passed)")
+    assert eps_hint(5.0, 100.0, [7.0]).endswith("use an --eps below 5")
+
+
+def test_the_overflow_bound_is_the_smallest_over_every_layer_batch_and_real_token():
+    """The bound an overflowing eps is told is the smallest finite_eps over the real tokens of every layer asked,
+    over every batch: layers 2 and 3 of the fp16 tiny model, one row per batch, by hand from the captured h and
+    the seeded z. Here the refused layer (2, the first) has a larger bound than layer 3, the last batch's rows are
+    not the smallest, and layer 2's padding positions lie lower than its real tokens (mutation pass 22: naming
+    the refused layer's bound, the last batch's, or counting padding survived)."""
+    lm = moetool.load("tiny", dtype="fp16")
+    tokens = moetool.tokens(lm, None, seq_len=32, max_tokens=80)  # 3 rows of 32, 16 padding positions
+    got: dict[int, dict[str, list]] = {}
+
+    def grab(ev):
+        g = got.setdefault(ev.layer.index, {"h": [], "valid": [], "rows": []})
+        g["h"].append(ev.h.reshape(-1, ev.h.shape[-1]).float())
+        g["valid"].append(ev.valid.reshape(-1).clone())
+        g["rows"] += [int(r) for r in ev.rows]
+
+    moetool.forward(lm, tokens, consumers=[grab], batch_size=8, quiet=True)
+    real, every, last = {}, {}, {}
+    for i in (2, 3):
+        h, valid, rows = torch.cat(got[i]["h"]), torch.cat(got[i]["valid"]), got[i]["rows"]
+        S, d = h.shape[0] // len(rows), h.shape[1]
+        z = torch.cat([torch.randn(S, d, generator=torch.Generator().manual_seed(i * 1_000_000_007 + r))
+                       for r in rows])  # seed 0
+        unit = z * (h.norm(dim=-1, keepdim=True) / math.sqrt(d))
+        per = ((65504 - h * torch.sign(unit)) / unit.abs()).amin(-1)  # fp32's distance bound is ~1e19: not binding
+        real[i], every[i] = float(per[valid].min()), float(per.min())
+        last[i] = float(per.reshape(len(rows), S)[-1][valid.reshape(len(rows), S)[-1]].min())
+    bound = min(real.values())
+    assert real[2] > real[3] and every[2] < real[2] and min(last.values()) > 1.01 * bound  # the case
+    kw = dict(policies=(), layers=(2, 3), bootstrap=0, quiet=True, batch_size=1)
+    with pytest.raises(MoetoolError) as e:
+        margin(lm, tokens, eps=(0.1, 1e5), **kw)
+    m = re.search(r"layer (\d+)'s .* below eps (\S+) \(computed from the data\): use --eps (\S+) or less$",
+                  str(e.value))
+    assert m and m.group(1) == "2", str(e.value)
+    assert float(m.group(2)) == pytest.approx(bound, rel=2e-3)
+    fl = margin(lm, tokens, eps=(float(m.group(3)),), **kw)["margin_flips"]  # it runs in both layers
+    assert sorted(fl["layer"]) == [2, 3]
+
+
 def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
     """fp16 holds at most 65504: --eps 1e5 made h' inf, its routing one of NaN logits, and margin_flips read
     topk_flip 0.996 with noise_rel inf; --eps 1e39 (past fp32's largest) was a RuntimeError of torch.add (break-it
@@ -470,8 +539,11 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
     n_bad, n = int(bad[valid].sum()), int(valid.sum())
     assert h_ok.all() and 0 < n_bad < n and torch.isfinite(L.logits(h)).all()
     with pytest.raises(MoetoolError) as e:
-        margin(lm, tokens, eps=(1e3,), policies=(), layers=(L.index,), bootstrap=0, quiet=True)
+        margin(lm, tokens, eps=(10.0, 1e3), policies=(), layers=(L.index,), bootstrap=0, quiet=True)
     assert f"overflows float16 for {n_bad} of layer {L.index}'s {n} real tokens" in str(e.value)
+    # h' finite (eps 1e3 below the bound): the logits overflowed first, the run's eps that passed is named
+    assert str(e.value).endswith("its router logits overflow earlier: use an --eps below 1000 (--eps 10 of this run "
+                                 "passed)"), str(e.value)
 
 
 def test_thresholds_closer_than_six_digits_get_a_column_each(tiny):

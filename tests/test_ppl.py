@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -252,7 +253,7 @@ def test_a_paired_ratio_over_rows_that_scored_different_tokens_is_refused():
     interval of uncertainty.ppl_ratio_interval."""
     from types import SimpleNamespace
 
-    from moetool.errors import MoetoolError
+    from moetool.errors import MoetoolError, MoetoolRuntimeError
     from moetool.experiments.routing import ppl_intervals
     from moetool.uncertainty import RowSums, ppl_ratio_interval
 
@@ -268,6 +269,15 @@ def test_a_paired_ratio_over_rows_that_scored_different_tokens_is_refused():
     assert (got["ratio_lo"], got["ratio_hi"]) == pytest.approx((want.lo, want.hi), rel=1e-12)
     with pytest.raises(MoetoolError, match="^the baseline scored different tokens: no paired ratio$"):
         ppl_intervals(run, fake([28.0, 21.0, 11.0, 37.0], [10, 8, 7, 12]), n_boot=200, seed=1)
+    # a mean NLL of 800 nats (exp past float64's 709.78) in either run, the baseline too: NLL.ppl's one line, before
+    # any exp of the bootstrap warns (mutation pass 22: checking the run alone survived)
+    huge = fake([8000.0, 6400.0, 4800.0, 9600.0], [10, 8, 6, 12])
+    for a, b in ((huge, run), (run, huge)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(MoetoolRuntimeError) as e:
+                ppl_intervals(a, b, n_boot=200, seed=1)
+        assert str(e.value).startswith("mean next-token NLL ") and float(str(e.value).split()[3]) == 800.0
 
 
 def test_ppl_headline_and_console_row_show_the_ratio_only_where_a_baseline_ran_and_no_scored_token_is_one_line():

@@ -336,6 +336,20 @@ def test_integer_and_column_formats_make_big_numbers_readable():
     assert rows[0] == ["a", "1342052808704", "True", "1.477e+06", "0.3738"]
 
 
+def test_identifier_columns_past_999_stay_plain_and_a_columns_own_format_wins_for_integers():
+    """Identifiers that reach 1000 in real tables (stats' and trace's token_id, trace's row and pos, a seed, an
+    index) print plain; a count whose name starts like an identifier (``experts``, not ``expert_<k>``) keeps its
+    separators; a column's own ``formats`` entry applies to an integer column too, over the default (mutation pass
+    22: K4, K5 and dropping an id column survived). Expected cells by hand."""
+    df = pd.DataFrame({"token_id": [50256], "row": [1500], "pos": [2047], "seed": [1234], "index": [4096],
+                       "expert_12": [3000], "experts": [1024], "count": [65536]})
+    rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in rendered(df).splitlines() if ln.startswith("│")]
+    assert rows == [["50256", "1500", "2047", "1234", "4096", "3000", "1,024", "65,536"]]
+    text = rendered(df, formats={"count": "{:08d}", "row": "{:,}"})
+    rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in text.splitlines() if ln.startswith("│")]
+    assert rows == [["50256", "1,500", "2047", "1234", "4096", "3000", "1,024", "00065536"]]
+
+
 def test_console_counts_have_thousands_separators_and_identifiers_do_not(tmp_path):
     """stats' tokens and ppl's scored_tokens printed 2048 / 2016 on BASE while the titles and inspect / plan wrote
     counts with separators: every integer count now has them (the CSVs keep plain integers), identifiers (layer,

@@ -11,6 +11,7 @@ rows (which may drop during a run: memory others took meanwhile).
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pandas as pd
@@ -445,3 +446,74 @@ def test_layers_of_one_names_each_value_with_its_layers():
                                            r"\(number of zero-computation experts = 2\)$"):
         layers_of_one({5: 0, 1: 0, 3: 2, 2: 0}, "the trace's MoE layers have different numbers of zero-computation "
                       "experts", "number of zero-computation experts")
+
+
+def test_out_of_memory_under_torchrun_names_the_launch_and_the_rows_the_analysis_got_through(tiny, monkeypatch):
+    """Rank 0 of 2 (no back-off under torchrun), 4 rows a process: the analysis (a consumer) runs out of memory on
+    its second batch (batch 1), the forward alone fitting. The line counts the rows of the global batches before it
+    on every rank (1 batch x 4 rows x 2 ranks = 8, "1 batch", not "batches", not the first batch's advice), and
+    its --max-tokens packs exactly those first 8 rows. ``_per`` names a process or a model group (its flags, the
+    data-parallel groups), by hand (mutation pass 22: R2, R3, R11, R13, R14 survived)."""
+    from moetool import distributed
+    from moetool.context import Parallel
+    from moetool.engine.runner import _RowsThatFit
+
+    lm, tokens = tiny
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # rank 0 of 2 (no process group: reductions no-op)
+    forwards: set[tuple[int, ...]] = set()
+
+    def analysis(ev):
+        forwards.add(tuple(ev.rows))
+        if len(forwards) > 1:  # the second forward's rows: the analysis' memory is gone
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(MoetoolError) as e:
+        nll(lm, tokens, 4, auto=True, consumers=[analysis])
+    assert str(e.value) == (
+        "out of memory at 4 rows per process on 2 ranks (no back-off under torchrun): the forward and NLL alone fit "
+        "these 4 rows, so the analysis ran out of memory: its work per batch fit them in the 1 batch before, what "
+        "grew is what it holds of the 8 rows it analysed, which a smaller --batch-size does not shrink: rerun with "
+        "--max-tokens 256 (those 8 rows of 32 tokens)")
+    first = sorted(forwards)[0]
+    assert len(first) == 4  # rank 0's 4 rows of global batch 0 (8 rows: rank 1 ran the other 4)
+    fewer = load_tokens(None, lm.tokenizer, 32, 256)
+    assert torch.equal(fewer.input_ids, tokens.input_ids[:2 * len(first)])
+
+    def per(world, **layout):
+        return _RowsThatFit(None, 8, engine=None, policy=None, before_batch=None, tokens=tokens, world=world,
+                            run=RunState(layout=Parallel(**layout)))._per()
+
+    assert per(3) == "process on 3 ranks"
+    assert per(1, tp=2) == "model group (2 ranks run each row: --tp 2) on 1 data-parallel group"
+    assert per(2, tp=4) == "model group (4 ranks run each row: --tp 4) on 2 data-parallel groups"
+    assert per(2, tp=2, ep=2) == "model group (2 ranks run each row: --tp 2 --ep 2) on 2 data-parallel groups"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_margin_overflow_bound_on_two_ranks_is_the_one_process_bound(tmp_path):
+    """margin's overflow refusal names the eps below which every real token's noise stays finite: on 2 torchrun
+    ranks it is the smallest over both ranks' tokens (an all-reduce min), the same line as one process over all
+    the rows (mutation pass 22: a sum reduction, twice the bound on 2 ranks, survived every other test)."""
+    import subprocess
+
+    from test_distributed_cli import _env, torchrun
+
+    args = ["margin", "--model", "tiny", "--max-tokens", "560", "--seq-len", "64", "--eps", "0.1,1e30",
+            "--bootstrap", "0", "-q"]
+
+    def errors(world):
+        for _ in range(3):  # a taken rendezvous port: launched again (as run_cli)
+            cmd = torchrun(world) if world > 1 else [sys.executable, "-m", "moetool"]
+            p = subprocess.run(cmd + args + ["--batch-size", str(4 // world), "--out", str(tmp_path / str(world))],
+                               cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+            if "EADDRINUSE" not in p.stderr:
+                break
+        lines = {ln for ln in p.stderr.splitlines() if ln.startswith("error: --eps 1e+30")}
+        assert p.returncode == 2 if world == 1 else p.returncode != 0, p.stderr[-3000:]  # (torchrun's own code)
+        assert len(lines) == 1, p.stderr[-3000:]
+        return lines.pop()
+
+    one = errors(1)
+    assert "(computed from the data): use --eps" in one
+    assert errors(2) == one

@@ -11,6 +11,7 @@ product per token chunk, on the model's device. Everything here is vectorised ov
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -101,6 +102,9 @@ def noise_eps(R: torch.Tensor, noise: str | float) -> torch.Tensor:
     if noise == "derived":
         return derived_eps(R)
     eps = 0.0 if noise == "none" else float(noise)
+    if eps > torch.finfo(torch.float32).max:  # the proxies' fp32 cannot hold it (torch.full raised a RuntimeError)
+        raise NoiseOverflow(f"--noise {noise}: past float32's largest number "
+                            f"({torch.finfo(torch.float32).max:.3g}), the proxies' dtype")
     return torch.full((R.shape[0],), eps, dtype=torch.float32, device=R.device)
 
 
@@ -295,25 +299,27 @@ def smaller_noise(layers: Sequence[MoELayer], opts: ErcOptions) -> str:
     else:
         base = float(opts.noise)
 
+    def level(k: int) -> float:  # base / 10^k to 2 digits (10.0 ** -k: no OverflowError of 10 ** k past 1e308)
+        return float(f"{base * 10.0 ** -k:.2g}")
+
     def passes(k: int) -> bool:
-        noise = float(f"{base / 10 ** k:.2g}")
         try:
             for L in layers:
-                erc_layer(L, replace(opts, noise=noise))
+                erc_layer(L, replace(opts, noise=level(k)))
         except NoiseOverflow:
             return False
         return True
 
+    lowest = math.floor(math.log10(base) + 30)  # the largest k whose level is at least 1e-30
     fail, k = 0, 1
     while not passes(k):
-        fail, k = k, 2 * k
-        if base / 10 ** k < 1e-30:
+        if k >= lowest:
             return "--noise none (no noise) is the only level that keeps M finite"
+        fail, k = k, min(2 * k, lowest)  # never past 1e-30 without checking the levels between
     while k - fail > 1:  # passes(k), not passes(fail): the smallest k that passes, between them
         mid = (fail + k) // 2
         fail, k = (fail, mid) if passes(mid) else (mid, k)
-    return (f"--noise {float(f'{base / 10 ** k:.2g}'):g} keeps M finite in every layer (checked on the same seeded "
-            f"draws)")
+    return f"--noise {level(k):g} keeps M finite in every layer (checked on the same seeded draws)"
 
 
 def erc(lm: Any, options: ErcOptions | None = None, *, quiet: bool = False, **overrides: Any) -> Result:
