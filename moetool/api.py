@@ -451,7 +451,17 @@ class ExperimentFunction:
         return self._spec.load()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The experiment, its Result recording the model and the computation's start and wall time."""
+        """The experiment, its Result recording the model and the computation's start and wall time; called
+        outside a run (not by :func:`moetool.run` or a command), in a run of its own whose suggestions name the
+        experiment's dtype keyword (agreement's ``precisions=``: :func:`moetool.context.dtype_choice`)."""
+        from .context import RunState, current
+
+        if current() is None:
+            with RunState(dtype_flag=self._spec.dtype_flag).active():
+                return self._call(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
         if args or "lm" in kwargs or "checkpoints" in kwargs:
             check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))

@@ -529,7 +529,9 @@ def pick_dtype(dtype: str, config: Any, device) -> Any:
     if dtype in table:
         return table[dtype]
     if dtype != "auto":
-        raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'")
+        from .context import flag
+
+        raise MoetoolError(f"{flag('dtype')} must be one of {', '.join(DTYPES)}, not '{dtype}'")
     ck = stored_dtype(config)
     if isinstance(ck, str):
         ck = getattr(torch, ck, None)

@@ -53,10 +53,11 @@ class Run(RunState):
 
     @classmethod
     def new(cls, command: str, *, tp: int = 1, ep: int = 1, auto_batch: bool = False,
-            trust_remote_code: bool = False) -> "Run":
-        """A run of ``command``; a layout that cannot exist (``--ep`` other than ``--tp``) is one line here."""
+            trust_remote_code: bool = False, cli: bool = False) -> "Run":
+        """A run of ``command`` (``cli``: the command line's, its messages naming flags); a layout that cannot exist
+        (``--ep`` other than ``--tp``) is one line here."""
         return cls(backoff=Backoff(enabled=auto_batch), layout=Parallel(tp, ep), command=command,
-                   trust_remote_code=bool(trust_remote_code))
+                   trust_remote_code=bool(trust_remote_code), cli=cli)
 
 
 # ----- before anything loads -----------------------------------------------------------------------------------

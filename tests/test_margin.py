@@ -428,7 +428,7 @@ def test_an_overflowing_eps_is_told_the_largest_eps_that_keeps_the_noise_finite(
     kw = dict(policies=(), layers=(L.index,), bootstrap=0, quiet=True)
     with pytest.raises(MoetoolError) as e:
         margin(lm, tokens, eps=(0.1, 2 * bound), **kw)
-    m = re.search(r"below eps (\S+) \(computed from the data\): use --eps (\S+) or less$", str(e.value))
+    m = re.search(r"below eps (\S+) \(computed from the data\): use eps=(\S+) or less$", str(e.value))
     assert m, str(e.value)
     assert float(m.group(1)) == pytest.approx(bound, rel=2e-3)  # shown to 3 digits, a thousandth under
     suggested = float(m.group(2))
