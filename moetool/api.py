@@ -61,10 +61,11 @@ def _held(models: Any, run: Any) -> Any:
     return stack
 
 
-def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
+def load(name: str = "tiny", *, dtype: Any = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True, trust_remote_code: bool = False) -> Any:
     """Load a MoE model (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
-    ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags.
+    ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags
+    (``dtype`` also as torch names it: ``"bfloat16"``, ``torch.bfloat16``; :func:`moetool.loading.dtype_name`).
     ``attn_implementation``: transformers' (``None``: the model's default); ``routing="attention"`` needs no
     ``"eager"`` here, the engine switches the model to eager attention for its forwards and back.
     ``tokenizer=False``: no tokenizer (``lm.tokenizer`` is ``None``). ``trust_remote_code`` as

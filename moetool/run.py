@@ -367,7 +367,7 @@ LOADING = ("dtype", "device", "device_map", "quantize")
 
 def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, out: str | Path | None = None,
         force: bool = False, batch_size: int | str | None = None, resume: bool = False, quiet: bool = False,
-        data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: str = "auto",
+        data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: Any = "auto",
         device: str = "auto", device_map: str | None = None, quantize: str | None = None,
         trust_remote_code: bool = False, add_special_tokens: bool | None | str = "command",
         manifest: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None, call: Any = None,
@@ -430,7 +430,10 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     if named and spec.special_tokens is None:  # the command exposes the choice: the manifest (and --resume) keep it
         manifest = {"special_tokens": {None: "tokenizer default", False: "none", True: "added"}[add_special_tokens],
                     **(manifest or {})}
-    loading = dict(dtype=dtype, device=device, device_map=device_map, quantize=quantize)
+    from .loading import dtype_name
+
+    # a torch dtype or a long name ("bfloat16") as its --dtype choice: the manifest and a resume's key read the same
+    loading = dict(dtype=dtype_name(dtype), device=device, device_map=device_map, quantize=quantize)
     if named:
         fields = {f.name for f in dataclasses.fields(spec.options_class())} if spec.options else set()
         overrides = {**{k: v for k, v in loading.items() if k in fields and k not in overrides}, **overrides}
