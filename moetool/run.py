@@ -532,7 +532,9 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
                            f"moetool.run('{spec.name}', [name, ...], data=...)")
     check_inputs(spec, lm, tokens, call=f"moetool.run('{spec.name}', ...)")  # a path or text: one line
     if spec.inputs == "tokens" and tokens is None:
-        raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
+        from .data import packing_hint
+
+        raise MoetoolError(f"'{spec.name}' needs tokens: {packing_hint(lm, f'moetool.run({spec.name!r}, lm, {{}})')}")
     resumed = resumed_rows(out, resume) if isinstance(batch_size, str) else None
     rows = (batch_size if not isinstance(batch_size, str) else resumed_choice(resumed, this) if resumed is not None
             else auto_rows(lm, tokens, opts, this))

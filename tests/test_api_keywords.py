@@ -74,3 +74,22 @@ def test_agreement_called_directly_names_its_precisions(monkeypatch):
     with context.RunState(cli=True, dtype_flag="--precisions").active(), pytest.raises(Stop) as e:
         moetool.agreement()  # inside a command's run: the command's words
     assert e.value.args == ("bf16 or fp32 in --precisions", "a smaller dtype in --precisions")
+
+
+def test_a_model_without_its_tokenizer_is_told_what_packs_tokens_for_it(lm):
+    """``moetool.run("stats", moetool.load("tiny", tokenizer=False))`` suggested ``moetool.tokens(lm, ...)``, which
+    refuses that model: the line says what works instead, and each way it names runs."""
+    bare = moetool.load("tiny", tokenizer=False)
+    with pytest.raises(MoetoolError) as e:
+        moetool.tokens(bare)  # what the old suggestion led to
+    assert "without a tokenizer" in str(e.value)
+    with pytest.raises(MoetoolError) as e:
+        moetool.run("stats", bare)
+    assert str(e.value) == ("'stats' needs tokens: this model was loaded without a tokenizer (moetool.load(..., "
+                            "tokenizer=False)), which moetool.tokens cannot pack with: load it with its tokenizer "
+                            "(lm = moetool.load('tiny')) and pass moetool.run('stats', lm, moetool.tokens(lm, ...)), "
+                            "or run it by name: moetool.run('stats', 'tiny')")
+    with pytest.raises(MoetoolError) as e:
+        moetool.run("stats", lm)  # a model with its tokenizer: moetool.tokens(lm, ...) works, and is what it says
+    assert str(e.value) == "'stats' needs tokens: moetool.run('stats', lm, moetool.tokens(lm, ...))"
+    assert moetool.tokens(lm, None, seq_len=16, max_tokens=32).n_tokens == 32
