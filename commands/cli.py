@@ -71,7 +71,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise MoetoolError(NO_PARALLEL[name])
             refuse_launched(name, kwargs)
             run = Run.new(name, tp=tp, ep=ep, auto_batch=kwargs.get("batch_size") == AUTO_BATCH,
-                          trust_remote_code=trust)
+                          trust_remote_code=trust, cli=True)
         except MoetoolError as e:
             typer.secho(f"error: {e}", fg="red", err=True)
             raise typer.Exit(2) from None

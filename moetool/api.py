@@ -61,10 +61,11 @@ def _held(models: Any, run: Any) -> Any:
     return stack
 
 
-def load(name: str = "tiny", *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
+def load(name: str = "tiny", *, dtype: Any = "auto", device: str = "auto", device_map: str | None = None,
          attn_implementation: str | None = None, tokenizer: bool = True, trust_remote_code: bool = False) -> Any:
     """Load a MoE model (eval mode) with its tokenizer and wrapped MoE layers (``lm.model``, ``lm.layers``,
-    ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags.
+    ``lm.tokenizer``): ``name`` as ``--model`` takes it, ``dtype`` / ``device`` / ``device_map`` as the flags
+    (``dtype`` also as torch names it: ``"bfloat16"``, ``torch.bfloat16``; :func:`moetool.loading.dtype_name`).
     ``attn_implementation``: transformers' (``None``: the model's default); ``routing="attention"`` needs no
     ``"eager"`` here, the engine switches the model to eager attention for its forwards and back.
     ``tokenizer=False``: no tokenizer (``lm.tokenizer`` is ``None``). ``trust_remote_code`` as
@@ -451,7 +452,17 @@ class ExperimentFunction:
         return self._spec.load()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The experiment, its Result recording the model and the computation's start and wall time."""
+        """The experiment, its Result recording the model and the computation's start and wall time; called
+        outside a run (not by :func:`moetool.run` or a command), in a run of its own whose suggestions name the
+        experiment's dtype keyword (agreement's ``precisions=``: :func:`moetool.context.dtype_choice`)."""
+        from .context import RunState, current
+
+        if current() is None:
+            with RunState(dtype_flag=self._spec.dtype_flag).active():
+                return self._call(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else kwargs.get("lm", kwargs.get("checkpoints", kwargs.get("model")))
         if args or "lm" in kwargs or "checkpoints" in kwargs:
             check_inputs(self._spec, first, args[1] if len(args) > 1 else kwargs.get("tokens"))

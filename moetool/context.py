@@ -12,7 +12,9 @@ A run (:class:`moetool.run.Run`, made by the CLI for each command and by ``moeto
   no native class for it (:func:`moetool.loading.trusted`: every config, tokenizer and model the run reads);
 * ``dtype_flag``: the flag of the run's command that chooses the dtype its models compute in (``--dtype``;
   agreement's ``--precisions``): what the suggestions after an fp16 overflow or an out-of-memory name
-  (:func:`dtype_choice`).
+  (:func:`dtype_choice`);
+* ``cli``: the run is a command's (the CLI's): a message names an option as its flag (``--seq-len 2048``), else as
+  the Python keyword the caller passed (``seq_len=2048``): :func:`flag`.
 
 :func:`moetool.engine.runner.forward` takes the run as ``run=``; code that does not pass one (an experiment's own
 forward calls) reads the run of its context, :func:`current`: a :class:`contextvars.ContextVar`, so two runs in two
@@ -94,6 +96,7 @@ class RunState:
     policies: dict[Any, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     dtype_flag: str = "--dtype"  # the command's flag choosing the dtype (the spec's ``dtype_flag``)
+    cli: bool = False  # a command's run: options named as flags (:func:`flag`), else as Python keywords
 
     def policy(self, key: Any, build: Callable[[], Any]) -> Any:
         """The run's policy for ``key`` (a spec and its options), built by ``build()`` the first time only."""
@@ -149,12 +152,30 @@ def state(run: RunState | None = None) -> RunState:
     return got if got is not None else RunState()
 
 
+_NO_VALUE = object()
+
+
+def flag(name: str, value: Any = _NO_VALUE) -> str:
+    """The option ``name`` (``"seq_len"`` or ``"--seq-len"``) as a message names it to the user of the run of this
+    context: on the command line (:attr:`RunState.cli`) its flag, ``--seq-len`` (with ``value``: ``--seq-len
+    2048``); in Python the keyword passed, ``seq_len=`` (``seq_len=2048``, ``layers=[5, 6]``). A string ``value``
+    is shown as it is in both (a number formatted by the caller, ``f"{eps:g}"``)."""
+    key = name.lstrip("-").replace("-", "_")
+    if state().cli:
+        shown = "--" + key.replace("_", "-")
+        return shown if value is _NO_VALUE else f"{shown} {value}"
+    return f"{key}=" if value is _NO_VALUE else f"{key}={value if isinstance(value, str) else repr(value)}"
+
+
 def dtype_choice(dtypes: str | None = None) -> str:
-    """The change of dtype a suggestion names, in the flag of the run of this context that chooses it
-    (:attr:`RunState.dtype_flag`): ``dtypes`` (``"bf16 or fp32"``) as ``--dtype bf16 or fp32``, or ``bf16 or fp32 in
-    --precisions`` (agreement: its models load in the dtypes of that list); ``None``: a smaller dtype, ``a smaller
-    --dtype`` / ``a smaller dtype in --precisions``."""
-    flag = state().dtype_flag
-    if flag == "--dtype":
-        return f"--dtype {dtypes}" if dtypes else "a smaller --dtype"
-    return f"{dtypes or 'a smaller dtype'} in {flag}"
+    """The change of dtype a suggestion names, in the option of the run of this context that chooses it
+    (:attr:`RunState.dtype_flag`, as :func:`flag` names it): ``dtypes`` (``"bf16 or fp32"``) as ``--dtype bf16 or
+    fp32`` (Python: ``dtype='bf16' or dtype='fp32'``), or ``bf16 or fp32 in --precisions`` (agreement: its models
+    load in the dtypes of that list; ``precisions=``); ``None``: a smaller dtype, ``a smaller --dtype`` / ``a
+    smaller dtype in --precisions``."""
+    run = state()
+    if run.dtype_flag == "--dtype":
+        if not dtypes:
+            return f"a smaller {flag('dtype')}" if run.cli else "a smaller dtype (dtype=)"
+        return flag("dtype", dtypes) if run.cli else " or ".join(flag("dtype", repr(d)) for d in dtypes.split(" or "))
+    return f"{dtypes or 'a smaller dtype'} in {flag(run.dtype_flag)}"

@@ -367,6 +367,18 @@ def require_tokens(tokens: Any) -> TokenSet:
     return tokens.require_tokens()
 
 
+def packing_hint(lm: Any, call: str) -> str:
+    """How to give ``call`` (``moetool.run('stats', lm, {})``: ``{}`` where the tokens go) packed tokens for the
+    loaded model ``lm``: ``moetool.tokens(lm, ...)``, or, for a model loaded without its tokenizer (which
+    ``moetool.tokens`` cannot pack with), the model loaded with it, or the run by the model's name."""
+    if getattr(lm, "tokenizer", None) is not None:
+        return call.format("moetool.tokens(lm, ...)")
+    name = getattr(lm, "name", None) or "<model>"
+    return (f"this model was loaded without a tokenizer (moetool.load(..., tokenizer=False)), which moetool.tokens "
+            f"cannot pack with: load it with its tokenizer (lm = moetool.load({name!r})) and pass "
+            f"{call.format('moetool.tokens(lm, ...)')}, or run it by name: {call.replace('lm, {}', repr(name))}")
+
+
 def _call_options(tokenizer: Any, add_special_tokens: bool | None) -> dict[str, Any]:
     """Keyword arguments of every tokenizer call: the special-token choice (``None``: the tokenizer's default) and,
     for a transformers tokenizer, ``verbose=False`` -- moetool packs the ids into rows itself, so transformers'

@@ -25,7 +25,7 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
     sizes and options, each result written to ``parent/<step>/<model>/``; returns the summary lines."""
     import importlib
 
-    from .context import RunState
+    from .context import RunState, state
     from .data import load_tokens
     from .loading import embedded_models, load
     from .report.writers import write
@@ -50,7 +50,7 @@ def run_step(parent: Any, spec: Experiment, quiet: bool = False) -> list[str]:
         if not all(n in have for n in names):
             continue
         # each model its own run, as a command's: policies built afresh, suggestions naming the step's dtype flag
-        with RunState(dtype_flag=spec.dtype_flag).active():
+        with RunState(dtype_flag=spec.dtype_flag, cli=state().cli).active():
             run = child.sub(names[-1])  # before the work: the sub-run's manifest times the whole of it
             if spec.inputs == "checkpoints":
                 from .experiments.fluctuation.compute import check_checkpoints

@@ -107,6 +107,8 @@ ALIASES: dict[str, str] = {
 }
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+#: the long names (torch's) of the choices of :data:`DTYPES`: the Python API takes them (and ``torch.bfloat16``, ...)
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 DEVICES = ("auto", "cuda", "cpu")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -521,15 +523,32 @@ def pick_device(device: str = "auto"):
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, config: Any, device) -> Any:
-    """``auto``: the checkpoint's dtype, except fp16/bf16 are upcast to fp32 on CPU."""
+def dtype_name(dtype: Any) -> str:
+    """``dtype`` as its choice of :data:`DTYPES`: a choice itself, a long name of :data:`DTYPE_ALIASES`
+    (``"bfloat16"``) or a ``torch.dtype`` of one (``torch.bfloat16``); anything else is one line naming what is
+    accepted (the flag's choices on the command line, the keyword's in Python: :func:`moetool.context.flag`)."""
+    from .context import flag, state
+
+    name = str(dtype).removeprefix("torch.") if type(dtype).__name__ == "dtype" else dtype
+    if isinstance(name, str) and name in DTYPES:
+        return name
+    if isinstance(name, str) and name in DTYPE_ALIASES:
+        return DTYPE_ALIASES[name]
+    accepted = ", ".join(DTYPES)
+    if not state().cli:  # Python: the long names and torch's dtypes too
+        accepted += f", {', '.join(DTYPE_ALIASES)} or a torch.dtype of them (torch.bfloat16, ...)"
+    raise MoetoolError(f"{flag('dtype')} must be one of {accepted}, not {str(dtype)!r}")
+
+
+def pick_dtype(dtype: Any, config: Any, device) -> Any:
+    """``auto``: the checkpoint's dtype, except fp16/bf16 are upcast to fp32 on CPU; ``dtype`` as
+    :func:`dtype_name` takes it."""
     import torch
 
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtype = dtype_name(dtype)
     if dtype in table:
         return table[dtype]
-    if dtype != "auto":
-        raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'")
     ck = stored_dtype(config)
     if isinstance(ck, str):
         ck = getattr(torch, ck, None)

@@ -53,10 +53,11 @@ class Run(RunState):
 
     @classmethod
     def new(cls, command: str, *, tp: int = 1, ep: int = 1, auto_batch: bool = False,
-            trust_remote_code: bool = False) -> "Run":
-        """A run of ``command``; a layout that cannot exist (``--ep`` other than ``--tp``) is one line here."""
+            trust_remote_code: bool = False, cli: bool = False) -> "Run":
+        """A run of ``command`` (``cli``: the command line's, its messages naming flags); a layout that cannot exist
+        (``--ep`` other than ``--tp``) is one line here."""
         return cls(backoff=Backoff(enabled=auto_batch), layout=Parallel(tp, ep), command=command,
-                   trust_remote_code=bool(trust_remote_code))
+                   trust_remote_code=bool(trust_remote_code), cli=cli)
 
 
 # ----- before anything loads -----------------------------------------------------------------------------------
@@ -366,7 +367,7 @@ LOADING = ("dtype", "device", "device_map", "quantize")
 
 def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, out: str | Path | None = None,
         force: bool = False, batch_size: int | str | None = None, resume: bool = False, quiet: bool = False,
-        data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: str = "auto",
+        data: Any = None, seq_len: int | None = None, max_tokens: int | None = None, dtype: Any = "auto",
         device: str = "auto", device_map: str | None = None, quantize: str | None = None,
         trust_remote_code: bool = False, add_special_tokens: bool | None | str = "command",
         manifest: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None, call: Any = None,
@@ -429,7 +430,10 @@ def run(experiment: str, lm: Any, tokens: Any = None, options: Any = None, *, ou
     if named and spec.special_tokens is None:  # the command exposes the choice: the manifest (and --resume) keep it
         manifest = {"special_tokens": {None: "tokenizer default", False: "none", True: "added"}[add_special_tokens],
                     **(manifest or {})}
-    loading = dict(dtype=dtype, device=device, device_map=device_map, quantize=quantize)
+    from .loading import dtype_name
+
+    # a torch dtype or a long name ("bfloat16") as its --dtype choice: the manifest and a resume's key read the same
+    loading = dict(dtype=dtype_name(dtype), device=device, device_map=device_map, quantize=quantize)
     if named:
         fields = {f.name for f in dataclasses.fields(spec.options_class())} if spec.options else set()
         overrides = {**{k: v for k, v in loading.items() if k in fields and k not in overrides}, **overrides}
@@ -528,7 +532,9 @@ def _run_loaded(spec: Any, compute: Any, lm: Any, tokens: Any, opts: Any, this: 
                            f"moetool.run('{spec.name}', [name, ...], data=...)")
     check_inputs(spec, lm, tokens, call=f"moetool.run('{spec.name}', ...)")  # a path or text: one line
     if spec.inputs == "tokens" and tokens is None:
-        raise MoetoolError(f"'{spec.name}' needs tokens: moetool.run('{spec.name}', lm, moetool.tokens(lm, ...))")
+        from .data import packing_hint
+
+        raise MoetoolError(f"'{spec.name}' needs tokens: {packing_hint(lm, f'moetool.run({spec.name!r}, lm, {{}})')}")
     resumed = resumed_rows(out, resume) if isinstance(batch_size, str) else None
     rows = (batch_size if not isinstance(batch_size, str) else resumed_choice(resumed, this) if resumed is not None
             else auto_rows(lm, tokens, opts, this))

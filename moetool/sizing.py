@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .configs import text_config
-from .context import dtype_choice
+from .context import dtype_choice, flag
 from .errors import MoetoolError, MoetoolRuntimeError
 from .loading import load_config, model_from_config, pick_device, pick_dtype, quiet_transformers
 
@@ -46,8 +46,8 @@ def check_seq_len(config: Any, seq_len: int | None) -> int | None:
     positions, key = _positions(config)
     if seq_len is not None and positions is not None and seq_len > positions:
         mt = getattr(text_config(config), "model_type", None) or getattr(config, "model_type", "the model")
-        raise MoetoolError(f"--seq-len {seq_len} is longer than the model's {positions} positions "
-                           f"({mt} {key}): use --seq-len {positions} or less")
+        raise MoetoolError(f"{flag('seq_len', seq_len)} is longer than the model's {positions} positions "
+                           f"({mt} {key}): use {flag('seq_len', positions)} or less")
     return positions
 
 
@@ -200,10 +200,9 @@ def _gib(n: int) -> str:
 def check_sizes(*, seq_len: Any = None, max_tokens: Any = None, batch_size: Any = None) -> None:
     """``seq_len`` and ``max_tokens`` integers of at least 2 (one next-token prediction), ``batch_size`` of at least 1
     (``None``: not given): one line (exit 2) naming the flag otherwise."""
-    for flag, value, least in (("--seq-len", seq_len, 2), ("--max-tokens", max_tokens, 2),
-                               ("--batch-size", batch_size, 1)):
+    for name, value, least in (("seq_len", seq_len, 2), ("max_tokens", max_tokens, 2), ("batch_size", batch_size, 1)):
         if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least):
-            raise MoetoolError(f"{flag} must be an integer of at least {least}, not {value!r}")
+            raise MoetoolError(f"{flag(name)} must be an integer of at least {least}, not {value!r}")
 
 
 def validate_run(config: Any, *, seq_len: int | None = None, batch_size: int | None = None,

@@ -77,8 +77,8 @@ def test_options_are_checked_before_any_work():
     ("ppl", {"bootstrap": "0"}, "PplOptions bootstrap must be an integer, not '0' (str)"),
     ("ppl", {"baseline": "no"}, "PplOptions baseline (--baseline) must be True or False, not 'no'"),
     ("ppl", {"routing": 3}, "PplOptions routing must be a string, not 3 (int)"),
-    ("ppl", {"batch_size": 0}, "--batch-size must be an integer of at least 1, not 0"),
-    ("margin", {"batch_size": -1}, "--batch-size must be an integer of at least 1, not -1"),
+    ("ppl", {"batch_size": 0}, "batch_size= must be an integer of at least 1, not 0"),
+    ("margin", {"batch_size": -1}, "batch_size= must be an integer of at least 1, not -1"),
 ])
 def test_options_of_the_wrong_type_or_size_are_one_line_before_any_work(call, kw, message):
     """A keyword of the wrong type (which the command line's parsing never lets through) or no rows per forward
@@ -93,9 +93,9 @@ def test_tokens_refuses_sizes_and_models_it_cannot_pack_for():
     """``moetool.tokens`` checks its sizes as ``--seq-len`` / ``--max-tokens`` are (a string or a float is not a
     size, rows longer than the model's positions are refused before reading), and its model."""
     lm = moetool.load("tiny")
-    for kw, message in (({"seq_len": 100000}, "--seq-len 100000 is longer than the model's 1024 positions"),
-                        ({"seq_len": "64"}, "--seq-len must be an integer of at least 2, not '64'"),
-                        ({"max_tokens": 0}, "--max-tokens must be an integer of at least 2, not 0")):
+    for kw, message in (({"seq_len": 100000}, "seq_len=100000 is longer than the model's 1024 positions"),
+                        ({"seq_len": "64"}, "seq_len= must be an integer of at least 2, not '64'"),
+                        ({"max_tokens": 0}, "max_tokens= must be an integer of at least 2, not 0")):
         with pytest.raises(MoetoolError) as e:
             moetool.tokens(lm, None, **{"seq_len": 64, "max_tokens": 256, **kw})
         assert message in str(e.value)
@@ -244,7 +244,7 @@ def test_options_of_the_right_type_in_other_containers_still_run():
     assert list(opts.layers) == [1, 2]
     assert resolve_options(moetool.CapacityOptions, moetool.CapacityOptions(cfs=(1, float("inf"))), {}).cfs[0] == 1
     assert resolve_options(moetool.MarginOptions, None, {"batch_size": np.int64(4)}).batch_size == 4  # a size too
-    with pytest.raises(MoetoolError, match=r"--batch-size must be an integer of at least 1, not np.int64\(0\)"):
+    with pytest.raises(MoetoolError, match=r"batch_size= must be an integer of at least 1, not np.int64\(0\)"):
         resolve_options(moetool.MarginOptions, None, {"batch_size": np.int64(0)})
 
 
@@ -590,7 +590,7 @@ def test_from_trace_import_trace_and_write_report_refuse_sizes_and_names_the_com
     whole = moetool.from_trace("offload", tmp_path / "tr", bootstrap=0)
     assert int(whole["offload_layers"]["tokens"].iloc[0]) == toks.n_tokens  # the cap below is not read as none
     for cap in (0, -5, 1, 2.5, True):
-        with pytest.raises(MoetoolError, match=rf"^--max-tokens must be an integer of at least 2, not {cap!r}$"):
+        with pytest.raises(MoetoolError, match=rf"^max_tokens= must be an integer of at least 2, not {cap!r}$"):
             moetool.from_trace("offload", tmp_path / "tr", max_tokens=cap, bootstrap=0)
     capped = moetool.from_trace("offload", tmp_path / "tr", max_tokens=100, bootstrap=0)
     assert int(capped["offload_layers"]["tokens"].iloc[0]) == 100

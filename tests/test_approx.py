@@ -331,7 +331,7 @@ def test_an_unchosen_expert_overflowing_fp16_stops_in_one_line_naming_layer_prob
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith(f"non-finite all-expert probe outputs in MoE layer 2 of {lm.name} at batch 0")
-    assert "float16" in msg and "--dtype bf16" in msg
+    assert "float16" in msg and "dtype='bf16'" in msg  # called from Python: the keyword
     res = moetool.approx(moetool.load(hot_unchosen, dtype="bf16", tokenizer=False), toks, quiet=True, batch_size=4)
     df = res["approx"]
     assert np.isfinite(df["rel_error_mean"]).all() and len(df) == 3 * 4

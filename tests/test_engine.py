@@ -177,7 +177,7 @@ def test_layer_selection_one_meaning():
     with pytest.raises(MoetoolError, match="not MoE layers"):
         select_layers(layers, [max(idx) + 5])
     for wanted in (idx[0], "0,1"):  # the API's layers=3 or a CLI string: never a TypeError or a set of characters
-        with pytest.raises(MoetoolError, match=r"--layers must be decoder layer indices \(a tuple such as"):
+        with pytest.raises(MoetoolError, match=r"layers= must be decoder layer indices \(a tuple such as"):
             select_layers(layers, wanted)
 
 
@@ -200,8 +200,8 @@ def test_a_huge_layers_range_is_one_line_at_once_and_bad_layers_read_as_spans():
     idx = [L.index for L in layers]
     with pytest.raises(MoetoolError) as e:
         select_layers(layers, parse_layers(f"0-{max(idx) + 1000}"))
-    assert str(e.value) == (f"--layers {max(idx) + 1}-{max(idx) + 1000}: not MoE layers (MoE layers: "
-                            f"{idx[0]}-{idx[-1]})")
+    assert str(e.value) == (f"layers= names {max(idx) + 1}-{max(idx) + 1000}: not MoE layers (MoE layers: "
+                            f"{idx[0]}-{idx[-1]})")  # called from Python: the keyword (the CLI's: test_layers_name_the_flag_or_the_keyword)
 
 
 def test_hook_refuses_a_policy_option_no_policy_reads():

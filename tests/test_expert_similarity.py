@@ -208,13 +208,13 @@ def test_bad_options_are_one_line(tiny):
     from moetool.experiments.expert_similarity.compute import ExpertSimilarityOptions, expert_similarity
 
     lm, ts = tiny
-    for bad, flag in (({"batch_size": 0}, "--batch-size"), ({"batch_size": 2.5}, "--batch-size"),
-                      ({"layers": (-1,)}, "--layers"), ({"layers": "0"}, "--layers"), ({"layers": (0.5,)}, "--layers"),
-                      ({"seed": "x"}, "--seed"), ({"batch_size": True}, "--batch-size")):
+    for bad, flag in (({"batch_size": 0}, "^batch_size= "), ({"batch_size": 2.5}, "^batch_size= "),  # Python: keywords
+                      ({"layers": (-1,)}, "^layers= "), ({"layers": "0"}, "^layers= "), ({"layers": (0.5,)}, "^layers= "),
+                      ({"seed": "x"}, "--seed"), ({"batch_size": True}, "^batch_size= ")):
         with pytest.raises(MoetoolError, match=flag) as e:
             ExpertSimilarityOptions(**bad)
         assert "\n" not in str(e.value)
-    with pytest.raises(MoetoolError, match="--batch-size"):
+    with pytest.raises(MoetoolError, match="^batch_size= "):
         expert_similarity(lm, ts, batch_size=0, quiet=True)
     with pytest.raises(MoetoolError, match="unknown option"):
         expert_similarity(lm, ts, percentile=3, quiet=True)

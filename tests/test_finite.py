@@ -256,7 +256,7 @@ def test_output_logits_that_overflow_fp16_stop_the_run_in_one_line_naming_the_ba
     rows = f"rows {want * bs}-{want * bs + bs - 1}"
     assert str(e.value) == (f"non-finite next-token NLL of tiny at batch {want} ({rows}): "
                             f"the model's output logits are NaN or inf in float16 (fp16's largest number is 65504: try "
-                            f"--dtype bf16 or fp32); results would be meaningless")
+                            f"dtype='bf16' or dtype='fp32'); results would be meaningless")
 
 
 def test_a_moe_layer_overflowing_fp16_or_bf16_names_the_model_and_the_dtype():
@@ -293,7 +293,7 @@ def test_a_moe_layer_overflowing_fp16_or_bf16_names_the_model_and_the_dtype():
     with pytest.raises(MoetoolRuntimeError) as e:
         forward(lm, ts, batch_size=bs, quiet=True)
     assert str(e.value) == (f"non-finite experts output in MoE layer {layer} of tiny at batch 0 (rows 0-1), computed "
-                            f"in float16 (fp16's largest number is 65504: try --dtype bf16 or fp32): results would be "
+                            f"in float16 (fp16's largest number is 65504: try dtype='bf16' or dtype='fp32'): results would be "
                             f"meaningless")
     lm, ts, L = runs["fp32"]
     with torch.no_grad():

@@ -77,7 +77,7 @@ def test_the_shared_dtype_suggestions_name_the_commands_flag(name, monkeypatch):
 
     monkeypatch.setattr(sizing, "available_memory", lambda dev: 1)  # nothing fits: the weights' refusal
     spec, have = EXPERIMENTS[name], command_flags()[name]
-    with Run(command=name, dtype_flag=spec.dtype_flag).active():
+    with Run(command=name, dtype_flag=spec.dtype_flag, cli=True).active():  # a command's run: its flags
         texts = shared_suggestions(name not in NO_FORWARD_LOOP)
     named = {f for t in texts for f in FLAG.findall(t)}
     assert spec.dtype_flag in named and named <= have, (texts, sorted(named - have))
@@ -102,8 +102,9 @@ def test_a_demo_step_runs_with_its_experiments_dtype_flag(monkeypatch):
     monkeypatch.setattr(type(EXPERIMENTS["agreement"]), "load",
                         lambda self, attr=None: compute if attr is None else (lambda name, res: []))
     other = next(n for n, s in EXPERIMENTS.items() if s.demo is not None and s.inputs == "tokens" and n != "agreement")
-    for name, want in (("agreement", "bf16 in --precisions"), (other, "--dtype bf16")):
+    for cli, name, want in ((True, "agreement", "bf16 in --precisions"), (True, other, "--dtype bf16"),
+                            (False, "agreement", "bf16 in precisions="), (False, other, "dtype='bf16'")):
         seen: list[str] = []
-        with pytest.raises(Stop):
+        with context.RunState(cli=cli).active(), pytest.raises(Stop):  # the command's run (flags), or Python's
             demo.run_step(Folder(), EXPERIMENTS[name], quiet=True)
         assert seen == [want], name

@@ -87,7 +87,7 @@ def test_bad_batch_size_is_one_line():
     from moetool.errors import MoetoolError
     from moetool.experiments.locality.compute import LocalityOptions
 
-    with pytest.raises(MoetoolError, match="--batch-size must be >= 1"):
+    with pytest.raises(MoetoolError, match="batch_size= must be >= 1"):
         LocalityOptions(batch_size=0)
 
 

@@ -146,7 +146,7 @@ def test_a_margin_equal_to_a_threshold_is_in_the_bin_above(tiny):
     assert row[f"frac_below_{t1!r}"] * row["tokens"] == pytest.approx(mine.loc[0.0], abs=1e-9)
 
 
-@pytest.mark.parametrize("bad, msg", [({"eps": (-0.1,)}, "--eps"), ({"thresholds": (0.1, 0.01)}, "increase"),
+@pytest.mark.parametrize("bad, msg", [({"eps": (-0.1,)}, r"^eps= must be finite"), ({"thresholds": (0.1, 0.01)}, "increase"),
                                       ({"thresholds": (0.0,)}, "positive")])
 def test_bad_options_are_one_line(bad, msg):
     with pytest.raises(MoetoolError, match=msg):
@@ -428,7 +428,7 @@ def test_an_overflowing_eps_is_told_the_largest_eps_that_keeps_the_noise_finite(
     kw = dict(policies=(), layers=(L.index,), bootstrap=0, quiet=True)
     with pytest.raises(MoetoolError) as e:
         margin(lm, tokens, eps=(0.1, 2 * bound), **kw)
-    m = re.search(r"below eps (\S+) \(computed from the data\): use --eps (\S+) or less$", str(e.value))
+    m = re.search(r"below eps (\S+) \(computed from the data\): use eps=(\S+) or less$", str(e.value))
     assert m, str(e.value)
     assert float(m.group(1)) == pytest.approx(bound, rel=2e-3)  # shown to 3 digits, a thousandth under
     suggested = float(m.group(2))
@@ -524,7 +524,7 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
         assert 0 < n_bad and (n_bad < n) == (eps == 2e4)
         with pytest.raises(MoetoolError) as e:
             margin(lm, tokens, eps=(0.1, eps), policies=(), layers=(L.index,), bootstrap=0, quiet=True)
-        assert f"--eps {eps:g}: the noisy router input" in str(e.value)
+        assert f"eps={eps:g}: the noisy router input" in str(e.value)  # Python: the keyword
         assert f"overflows float16 for {n_bad} of layer {L.index}'s {n} real tokens" in str(e.value)
     # below the overflow the noise is as asked: no refusal, noise_rel about eps
     fl = margin(lm, tokens, eps=(10.0,), policies=(), layers=(L.index,), bootstrap=0, quiet=True)["margin_flips"]

@@ -346,7 +346,7 @@ def test_a_run_by_name_refuses_the_sizes_the_command_refuses(size, value, monkey
     flag = "--" + size.replace("_", "-")
     with pytest.raises(MoetoolError) as e:
         moetool.run("ppl", "tiny", **{size: value})
-    assert str(e.value) == f"{flag} must be an integer of at least 2, not {value}"
+    assert str(e.value) == f"{size}= must be an integer of at least 2, not {value}"  # the keyword passed
     r = runner.invoke(app, ["ppl", flag, str(value), "--out", str(tmp_path / "never")])
     assert r.exit_code == 2 and flag in r.output and not (tmp_path / "never").exists()
 

@@ -49,10 +49,10 @@ def test_rows_past_the_positions_or_no_rows_per_forward_are_one_line():
     lm = moetool.load("tiny")
     positions = lm.model.config.max_position_embeddings
     long = _tokens([[5] * (positions + 1)])
-    with pytest.raises(MoetoolError, match=rf"--seq-len {positions + 1} is longer than the model's {positions} "):
+    with pytest.raises(MoetoolError, match=rf"seq_len={positions + 1} is longer than the model's {positions} "):
         forward(lm, long, nll=True, quiet=True)
-    with pytest.raises(MoetoolError, match=rf"--seq-len {positions + 1} is longer"):
+    with pytest.raises(MoetoolError, match=rf"seq_len={positions + 1} is longer"):
         moetool.ppl(lm, long, bootstrap=0, quiet=True)
-    with pytest.raises(MoetoolError, match="--batch-size must be an integer of at least 1, not 0"):
+    with pytest.raises(MoetoolError, match="batch_size= must be an integer of at least 1, not 0"):
         forward(lm, _tokens([[5, 6, 7]]), batch_size=0, quiet=True)
     assert forward(lm, _tokens([[5] * positions]), nll=True, quiet=True).nll.tokens == positions - 1

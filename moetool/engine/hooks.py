@@ -32,6 +32,7 @@ from torch import nn
 from .. import ops
 from ..adapters import quant
 from ..adapters.base import MoELayer
+from ..context import flag, state
 from ..errors import MoetoolError, shown, spans
 from .probes import ON_DEVICE
 
@@ -247,18 +248,18 @@ def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, 
     if wanted is None:
         return moe_layers
     if isinstance(wanted, (str, bytes)) or not hasattr(wanted, "__iter__"):
-        raise MoetoolError(f"--layers must be decoder layer indices (a tuple such as (1, 2)), not {shown(wanted)}")
+        raise MoetoolError(f"{flag('layers')} must be decoder layer indices (a tuple such as (1, 2)), not {shown(wanted)}")
     wanted = list(wanted)
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in wanted):  # True is not layer 1
-        raise MoetoolError(f"--layers must be decoder layer indices (integers, a tuple such as (1, 2)), not "
+        raise MoetoolError(f"{flag('layers')} must be decoder layer indices (integers, a tuple such as (1, 2)), not "
                            f"{shown(wanted)}")
     wanted = {int(i) for i in wanted}
     known = {L.index for L in moe_layers}
     bad = sorted(wanted - known)
     if bad:
-        raise MoetoolError(f"--layers {spans(bad)}: not MoE layers (MoE layers: {spans(known)})")
+        raise MoetoolError(f"{flag('layers', spans(bad)) if state().cli else 'layers= names ' + spans(bad)}: not MoE layers (MoE layers: {spans(known)})")
     if not wanted and not allow_empty:
-        raise MoetoolError(f"--layers selects no layer (MoE layers: {sorted(known)})")
+        raise MoetoolError(f"{flag('layers')} selects no layer (MoE layers: {sorted(known)})")
     return [L for L in moe_layers if L.index in wanted]
 
 

@@ -34,6 +34,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from ...context import flag
 from ...errors import MoetoolError
 from ..experiment import Demo, experiment, option
 
@@ -54,10 +55,10 @@ class ExpertSimilarityOptions:
         if self.cluster_to is not None and (not _integer(self.cluster_to) or self.cluster_to < 1):
             raise MoetoolError(f"--cluster-to must be an integer >= 1, not {self.cluster_to!r}")
         if not _integer(self.batch_size) or self.batch_size < 1:
-            raise MoetoolError(f"--batch-size must be an integer >= 1, not {self.batch_size!r}")
+            raise MoetoolError(f"{flag('batch_size')} must be an integer >= 1, not {self.batch_size!r}")
         if self.layers is not None and (isinstance(self.layers, (str, bytes)) or
                                         not all(_integer(i) and i >= 0 for i in self.layers)):
-            raise MoetoolError(f"--layers must be decoder layer indices >= 0, not {self.layers!r}")
+            raise MoetoolError(f"{flag('layers')} must be decoder layer indices >= 0, not {self.layers!r}")
         if not _integer(self.seed):
             raise MoetoolError(f"--seed must be an integer, not {self.seed!r}")
 

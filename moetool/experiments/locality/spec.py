@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...context import flag
 from ...errors import MoetoolError
 from ..experiment import Demo, experiment
 
@@ -37,7 +38,7 @@ class LocalityOptions:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise MoetoolError(f"--batch-size must be >= 1, not {self.batch_size}")
+            raise MoetoolError(f"{flag('batch_size')} must be >= 1, not {self.batch_size}")
 
 
 SPEC = experiment("locality", "locality", "LocalityOptions", title="routing locality of consecutive tokens",

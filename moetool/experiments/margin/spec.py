@@ -41,6 +41,7 @@ from array import array
 from dataclasses import dataclass
 
 from ...defaults import DEFAULT_BOOTSTRAP
+from ...context import flag
 from ...errors import MoetoolError
 from ..experiment import Demo, experiment, option
 
@@ -74,7 +75,7 @@ class MarginOptions:
 
         check_n_boot(self.bootstrap)
         if not self.eps or any(not (math.isfinite(e) and e >= 0) for e in self.eps):
-            raise MoetoolError(f"--eps must be finite non-negative numbers, not {list(self.eps)}")
+            raise MoetoolError(f"{flag('eps')} must be finite non-negative numbers, not {list(self.eps)}")
         if not self.thresholds or any(not (math.isfinite(t) and t > 0) for t in self.thresholds):
             raise MoetoolError(f"--thresholds must be finite positive numbers, not {list(self.thresholds)}")
         if list(self.thresholds) != sorted(set(self.thresholds)):

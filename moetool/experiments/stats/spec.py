@@ -75,6 +75,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...defaults import DEFAULT_BOOTSTRAP
+from ...context import flag
 from ...errors import MoetoolError
 from ..experiment import Demo, Flag, experiment, option
 
@@ -110,7 +111,7 @@ class StatsOptions:
         if self.min_count < 1:
             raise MoetoolError(f"--min-count must be >= 1, got {self.min_count}")
         if self.batch_size < 1:
-            raise MoetoolError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise MoetoolError(f"{flag('batch_size')} must be >= 1, got {self.batch_size}")
         if self.top_k not in (None, 1):
             raise MoetoolError(f"--top-k must be 1 (first-ranked expert) or unset (the model's top-K), got {self.top_k}")
         if self.coactivation not in COACTIVATION:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...defaults import DEFAULT_BOOTSTRAP
+from ...context import flag
 from ...errors import MoetoolError
 from ..experiment import Demo, experiment, option
 
@@ -55,7 +56,7 @@ class TopkOptions:
 
         check_n_boot(self.bootstrap)
         if self.ks is not None and (not self.ks or min(self.ks) < 1):
-            raise MoetoolError(f"--ks must be positive integers, not {list(self.ks)}")
+            raise MoetoolError(f"{flag('ks')} must be positive integers, not {list(self.ks)}")
         if any(not 0.0 < p <= 1.0 for p in self.ps):
             raise MoetoolError(f"--ps must lie in (0, 1], not {list(self.ps)}")
         if self.kmax is not None and self.kmax < 1:
