@@ -389,7 +389,7 @@ def test_an_overflowing_noise_past_float32_or_in_a_later_layer_is_told_the_large
     layer, checked by hand (every layer runs at it, one refuses at 10 times it)."""
     from moetool.errors import MoetoolError
 
-    layers = find_moe_layers(build_tiny_model("mixtral"))
+    layers = find_moe_layers(copy.deepcopy(build_tiny_model("mixtral")))  # the cached model stays as it is
     with torch.no_grad():
         layers[-1].router.weight.mul_(1e6)
     with pytest.raises(MoetoolError) as e:
@@ -414,7 +414,7 @@ def test_the_noise_told_instead_of_derived_starts_from_the_largest_derived_eps_o
     smallest layer's eps as the start survived)."""
     from moetool.experiments.erc.compute import smaller_noise
 
-    layers = find_moe_layers(build_tiny_model("mixtral"))
+    layers = find_moe_layers(copy.deepcopy(build_tiny_model("mixtral")))  # the cached model stays as it is
     with torch.no_grad():
         layers[0].router.weight[0].mul_(0.1)  # row 0 nearer the origin: its eps_0 grows
 
