@@ -459,13 +459,17 @@ def test_finite_eps_and_eps_hint_by_hand():
     assert finite_eps(torch.zeros(1, 2), torch.ones(1, 2), torch.float32).item() == pytest.approx(0.999 * big,
                                                                                                 rel=1e-6)
 
-    assert eps_hint(1e30, 12345.6, [0.1]) == (
-        "h' and ||h' - h|| stay finite for every real token of every layer below eps 1.23e+04 (computed from the "
-        "data): use --eps 12000 or less")
-    assert eps_hint(5.0, 100.0, [0.1, 2.0, 3.0, 7.0]) == (
-        "h' stays finite up to eps 100, its router logits overflow earlier: use an --eps below 5 (--eps 3 of this "
-        "run passed)")
-    assert eps_hint(5.0, 100.0, [7.0]).endswith("use an --eps below 5")
+    from moetool.context import RunState
+
+    with RunState(cli=True).active():  # as the command line words it (Python: eps=, tests/test_api_keywords.py)
+        assert eps_hint(1e30, 12345.6, [0.1]) == (
+            "h' and ||h' - h|| stay finite for every real token of every layer below eps 1.23e+04 (computed from the "
+            "data): use --eps 12000 or less")
+        assert eps_hint(5.0, 100.0, [0.1, 2.0, 3.0, 7.0]) == (
+            "h' stays finite up to eps 100, its router logits overflow earlier: use an --eps below 5 (--eps 3 of "
+            "this run passed)")
+        assert eps_hint(5.0, 100.0, [7.0]).endswith("use an --eps below 5")
+    assert eps_hint(1e30, 12345.6, [0.1]).endswith("use eps=12000 or less")
 
 
 def test_the_overflow_bound_is_the_smallest_over_every_layer_batch_and_real_token():
@@ -500,7 +504,7 @@ def test_the_overflow_bound_is_the_smallest_over_every_layer_batch_and_real_toke
     kw = dict(policies=(), layers=(2, 3), bootstrap=0, quiet=True, batch_size=1)
     with pytest.raises(MoetoolError) as e:
         margin(lm, tokens, eps=(0.1, 1e5), **kw)
-    m = re.search(r"layer (\d+)'s .* below eps (\S+) \(computed from the data\): use --eps (\S+) or less$",
+    m = re.search(r"layer (\d+)'s .* below eps (\S+) \(computed from the data\): use eps=(\S+) or less$",
                   str(e.value))
     assert m and m.group(1) == "2", str(e.value)
     assert float(m.group(2)) == pytest.approx(bound, rel=2e-3)
@@ -542,7 +546,7 @@ def test_noise_that_overflows_the_routers_dtype_is_one_line_not_a_flip_rate():
         margin(lm, tokens, eps=(10.0, 1e3), policies=(), layers=(L.index,), bootstrap=0, quiet=True)
     assert f"overflows float16 for {n_bad} of layer {L.index}'s {n} real tokens" in str(e.value)
     # h' finite (eps 1e3 below the bound): the logits overflowed first, the run's eps that passed is named
-    assert str(e.value).endswith("its router logits overflow earlier: use an --eps below 1000 (--eps 10 of this run "
+    assert str(e.value).endswith("its router logits overflow earlier: use an eps= below 1000 (eps=10 of this run "
                                  "passed)"), str(e.value)
 
 
