@@ -531,6 +531,22 @@ def add_interval_columns(df: Any, name: str, intervals: Sequence[Interval]) -> A
 
 
 # ----- writing an interval --------------------------------------------------------------------------------
+FRACTION_DIGITS = 3  # decimals of a fraction in a summary line: 0.005, 0.500, 1.000
+
+
+def fraction_text(v: float, digits: int = FRACTION_DIGITS) -> str:
+    """A fraction (a rate, share or proportion, as the CSVs store it) for a console line, in the CSV's unit, never
+    as a percentage: ``digits`` decimals (``0.5`` -> ``"0.500"``, ``0.005`` -> ``"0.005"``); a nonzero value that
+    would round to zero keeps two significant digits (``0.00042`` -> ``"0.00042"``, not a plausible ``"0.000"``);
+    a missing value (NaN) is ``"nan"``."""
+    v = float(v)
+    if math.isnan(v):
+        return "nan"
+    if v != 0 and abs(v) < 0.5 * 10.0 ** -digits:
+        return f"{v:.2g}" if abs(v) >= 1e-4 else f"{v:.2e}"
+    return f"{v:.{digits}f}"
+
+
 def format_ci(value: float, lo: float, hi: float, digits: int = 2) -> str:
     """``"0.512 ± 0.013"``: the value and the half-width ``(hi - lo) / 2`` of its interval, both rounded to the
     decimal place of the half-width's ``digits`` significant digits -- only where the interval is symmetric about the

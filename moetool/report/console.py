@@ -34,7 +34,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from ..uncertainty import format_ci, with_ci  # noqa: F401 - the console's interval text, for the commands
+from ..uncertainty import fraction_text, format_ci, with_ci  # noqa: F401 - the console's interval text, for the commands
 
 MAX_ROWS = 30  # longer tables are summarised
 PIPED_WIDTH = 100_000  # print_table(whole_when_piped=True) piped without COLUMNS: no split, no wrap (one row a line)
@@ -69,22 +69,6 @@ def count_text(n: float) -> str:
         if abs(r) >= scale:
             return f"{r / scale:.3g}{unit}"
     return f"{n:.3g}" if isinstance(n, float) and not float(n).is_integer() else str(int(n))
-
-
-FRACTION_DIGITS = 3  # decimals of a fraction in a summary line: 0.005, 0.500, 1.000
-
-
-def fraction_text(v: float, digits: int = FRACTION_DIGITS) -> str:
-    """A fraction (a rate, share or proportion, as the CSVs store it) for a console line, in the CSV's unit, never
-    as a percentage: ``digits`` decimals (``0.5`` -> ``"0.500"``, ``0.005`` -> ``"0.005"``); a nonzero value that
-    would round to zero keeps two significant digits (``0.00042`` -> ``"0.00042"``, not a plausible ``"0.000"``);
-    a missing value (NaN) is ``"nan"``."""
-    v = float(v)
-    if math.isnan(v):
-        return "nan"
-    if v != 0 and abs(v) < 0.5 * 10.0 ** -digits:
-        return f"{v:.2g}" if abs(v) >= 1e-4 else f"{v:.2e}"
-    return f"{v:.{digits}f}"
 
 
 def _fmt(v: Any, floatfmt: str, intfmt: str = "{}") -> str:

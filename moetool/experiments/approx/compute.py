@@ -35,6 +35,7 @@ from ...engine.runner import forward
 from ...errors import MoetoolError
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
+from ...uncertainty import fraction_text
 from ..result import Result, resolve_options
 from .spec import MAX_SUBSETS, SELECTORS, ApproxOptions, check_selectors  # noqa: F401 - its options (declared with their flags in spec.py)
 
@@ -320,8 +321,6 @@ def approx(lm: Any, tokens: Any, options: ApproxOptions | None = None, *, quiet:
 def summary_lines(name: str, res: Any) -> list[str]:
     """One line: the mean relative error per selector; the share of tokens (a fraction, as approx.csv's
     same_set_as_router) where the norm oracle picks the router's set; Spearman and mean |cos| over layers."""
-    from ...report.console import fraction_text
-
     approx, per_layer = res["approx"], res["approx_layers"]
     by = approx.groupby("selector", sort=False)["rel_error_mean"].mean()
     rate = approx[approx["selector"] == "norm_oracle"]["same_set_as_router"].mean()

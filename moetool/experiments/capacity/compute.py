@@ -19,7 +19,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...context import state as run_state
 from ...errors import MoetoolError, MoetoolRuntimeError
 from ...policies import make_policy
-from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, fraction_text, with_ci
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import DEFAULT_CFS, CapacityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -162,8 +162,6 @@ def capacity(lm: Any, tokens: Any, options: CapacityOptions | None = None, *, qu
 def summary_lines(name: str, res: Result) -> list[str]:
     """One line: the router's perplexity, then per cf and order the dropped share (a fraction, as capacity.csv's
     dropped_frac) and the perplexity ratio."""
-    from ...report.console import fraction_text
-
     df = res["capacity"]
     parts = [f"cf {r.cf:g} {r.order} drops {fraction_text(r.dropped_frac)} "
              f"x{format_ci(r.ratio, r.ratio_lo, r.ratio_hi)}"

@@ -15,6 +15,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.probes import DEFAULT_BUDGET, expert_outputs
 from ...engine.runner import forward
 from ...errors import MoetoolError, MoetoolRuntimeError
+from ...uncertainty import fraction_text
 from ..routing import data_name, zero_computation_meta
 from ..result import Result, resolve_options
 from .spec import ExpertSimilarityOptions  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -290,8 +291,6 @@ def expert_similarity(lm: Any, tokens: Any, options: ExpertSimilarityOptions | N
 def summary_lines(name: str, res: Result) -> list[str]:
     """The most alike pair of experts by mean output, and the averages over the layers (co-selection a fraction, as
     expert_similarity.csv)."""
-    from ...report.console import fraction_text
-
     df = res["expert_similarity"]
     top = df.loc[df["max_output_cos"].idxmax()] if df["max_output_cos"].notna().any() else None
     out = [f"expert-similarity {name}: mean over {len(df)} layer(s): output cos {df.mean_output_cos.mean():.3f}, "

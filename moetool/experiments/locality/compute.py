@@ -12,6 +12,7 @@ from ...data import require_tokens
 from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
+from ...uncertainty import fraction_text
 from ..result import Result, resolve_options
 from ..routing import data_name
 from .spec import LocalityOptions  # noqa: F401 - its options (declared in spec.py)
@@ -107,8 +108,6 @@ def locality(lm: Any, tokens: Any, options: LocalityOptions | None = None, *, qu
 
 def summary_lines(name: str, res: Result) -> list[str]:
     """The first-choice repeat rate over the layers (fractions, as locality.csv), beside its independent figure."""
-    from ...report.console import fraction_text
-
     df = res["locality"]
     return [f"locality {name}: consecutive tokens share their first-choice expert "
             f"{fraction_text(df.top1_repeat.min())}-{fraction_text(df.top1_repeat.max())} of the time over {len(df)} "

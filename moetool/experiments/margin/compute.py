@@ -38,7 +38,7 @@ from ...policies import build_policy
 from ...policies.base import number_text
 from ...policies.basic import uniform_rows
 from ...sketch import QuantileSketch
-from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, fraction_text, ratio_intervals
 from ..routing import data_name
 from ..result import Result, resolve_options
 from .spec import DEFAULT_EPS, DEFAULT_POLICIES, DEFAULT_THRESHOLDS, MarginOptions  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -363,8 +363,6 @@ def margin(lm: Any, tokens: Any, options: MarginOptions | None = None, *, quiet:
 def summary_lines(name: str, res: Result) -> list[str]:
     """One line: the median margin over layers, then the top-K flip rate at each eps (mean over layers), a fraction
     as in margin_flips.csv (:func:`~moetool.report.console.fraction_text`)."""
-    from ...report.console import fraction_text
-
     df, fl = res["margin"], res["margin_flips"]
     parts = [f"eps {eps:g}: {fraction_text(g.topk_flip.mean())}" for eps, g in fl.groupby("eps")]
     return [f"margin {name}: median margin {df.margin_p50.median():.3g}; top-K flips " + ", ".join(parts)]

@@ -50,7 +50,7 @@ from ...adapters.base import MoELayer
 from ...engine.hooks import RECOMPUTE_SAID, RoutingEvent, recompute_unable, refuse_unable, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, fraction_text, ratio_intervals
 from ..kmeans import GlobalBatch, SphericalKMeans
 from ..result import Result, resolve_options
 from .spec import MODE_WORDS, MassRecallOptions  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -521,8 +521,6 @@ def summary_lines(name: str, res: Any) -> list[str]:
     """Mass recall (layer mean) per centroids mode at the largest G and two shortlist sizes; bound check. Each line
     names its mode and what it means (``tiny, raw centroids (the model's router as is): ...``). Recall and the
     bound's rates are fractions, as in mass_recall.csv."""
-    from ...report.console import fraction_text
-
     df = res["mass_recall"]
     lines = []
     for mode, d in df.groupby("centroids", sort=False):

@@ -57,7 +57,7 @@ from ...adapters.base import MoELayer
 from ...engine.hooks import RECOMPUTE_SAID, RoutingEvent, recompute_unable, refuse_unable, select_layers
 from ...engine.runner import forward
 from ...errors import MoetoolError
-from ...uncertainty import RowTable, bootstrap_meta, ratio_intervals
+from ...uncertainty import RowTable, bootstrap_meta, fraction_text, ratio_intervals
 from ..result import Result, resolve_options
 from .spec import POLICIES, OffloadOptions  # its options (declared with their flags in spec.py)
 
@@ -933,8 +933,6 @@ DEFINITIONS = {
 def summary_lines(name: str, res: Result) -> list[str]:
     """Per cache capacity the hit rate of each policy, then the next-layer prediction recall (fractions, as
     offload_cache.csv and offload_prefetch.csv; means over layers)."""
-    from ...report.console import fraction_text
-
     cache = res["offload_cache"]
     lines = []
     for C, d in cache.groupby("capacity"):

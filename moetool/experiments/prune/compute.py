@@ -43,7 +43,7 @@ from ...errors import MoetoolError
 from ...policies import build_policy
 from ...policies.base import number_text
 from ...policies.prune import PrunePolicy, lowest, n_removed, random_removed
-from ...uncertainty import RowTable, bootstrap_meta, format_ci, with_ci
+from ...uncertainty import RowTable, bootstrap_meta, format_ci, fraction_text, with_ci
 from ..eval import compute as lmeval  # as a module: its functions are looked up when called (tests stand in for lm-eval)
 from ..norm_select.compute import RETENTION_INTERVAL, eval_rows
 from ..routing import SCORED_TOKENS, data_name, perplexity, ppl_columns, zero_computation_meta
@@ -335,8 +335,6 @@ def prune(lm: Any, tokens: Any, options: PruneOptions | None = None, *, plan: An
 def summary_lines(name: str, res: Result) -> list[str]:
     """One line per measured fraction: each criterion's perplexity ratio; then the largest single ablation (an
     accuracy and the fraction removed as fractions, as prune_eval.csv and prune.csv)."""
-    from ...report.console import fraction_text
-
     df = res["prune"]
     router = df[df.criterion == "router"].iloc[0]
     out = [f"prune {name}: router ppl {format_ci(router.perplexity, router.perplexity_lo, router.perplexity_hi)}"]

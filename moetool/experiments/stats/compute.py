@@ -30,7 +30,7 @@ from ...engine.hooks import RoutingEvent, select_layers
 from ...engine.runner import forward, id_space
 from ...errors import MoetoolError
 from ...sketch import MERGE_MIN, SparseCounter, dense_space
-from ...uncertainty import (RowTable, bootstrap_meta, format_ci, ratio_intervals,
+from ...uncertainty import (RowTable, bootstrap_meta, format_ci, fraction_text, ratio_intervals,
                            sum_intervals, with_ci)
 from ..result import Result, resolve_options
 from .spec import StatsOptions  # noqa: F401 - its options (declared with their flags in spec.py)
@@ -600,8 +600,6 @@ def summary_lines(name: str, res: Any) -> list[str]:
 def analysis_lines(name: str, res: Any) -> list[str]:
     """Specialisation per view and cross-layer mutual information, one line each (shares and probabilities as
     fractions, as specialization.csv and cross_layer_summary.csv)."""
-    from ...report.console import fraction_text
-
     out = []
     if "specialization.csv" in res:
         sp = res["specialization"]
