@@ -257,7 +257,8 @@ def select_layers(moe_layers: Iterable[MoELayer], wanted: Iterable[int] | None, 
     known = {L.index for L in moe_layers}
     bad = sorted(wanted - known)
     if bad:
-        raise MoetoolError(f"{flag('layers', spans(bad)) if state().cli else 'layers= names ' + spans(bad)}: not MoE layers (MoE layers: {spans(known)})")
+        named = flag("layers", spans(bad)) if state().cli else f"layers= names {spans(bad)}"  # not "layers=99"
+        raise MoetoolError(f"{named}: not MoE layers (MoE layers: {spans(known)})")
     if not wanted and not allow_empty:
         raise MoetoolError(f"{flag('layers')} selects no layer (MoE layers: {sorted(known)})")
     return [L for L in moe_layers if L.index in wanted]

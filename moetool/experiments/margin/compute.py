@@ -132,8 +132,9 @@ def eps_hint(eps: float, bound: float, passed: Sequence[float]) -> str:
         return (f"h' and ||h' - h|| stay finite for every real token of every layer below eps {bound:.3g} "
                 f"(computed from the data): use {flag('eps', f'{math.floor(bound / e * 10) * e / 10:g}')} or less")
     smaller = [e for e in passed if e < eps]
-    return (f"h' stays finite up to eps {bound:.3g}, its router logits overflow earlier: use an {flag('eps')} below {eps:g}"
-            + (f" ({flag('eps', f'{max(smaller):g}')} of this run passed)" if smaller else ""))
+    passed_note = f" ({flag('eps', f'{max(smaller):g}')} of this run passed)" if smaller else ""
+    return (f"h' stays finite up to eps {bound:.3g}, its router logits overflow earlier: use an {flag('eps')} below "
+            f"{eps:g}{passed_note}")
 
 
 def routing_of(layer: Any, h: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +298,8 @@ class MarginCollector:
             for eps, bad in zip(opts.eps, over):
                 if bad:  # a routing of inf / NaN inputs is no routing: its flips would read as a measurement
                     passed = [e for e, b in zip(opts.eps, over) if not b]
-                    raise MoetoolError(f"{flag('eps', f'{eps:g}')}: the noisy router input h + eps ||h|| z / sqrt(d) overflows "
+                    raise MoetoolError(f"{flag('eps', f'{eps:g}')}: the noisy router input h + eps ||h|| z / sqrt(d) "
+                                       "overflows "
                                        f"{str(self.dtype).replace('torch.', '')} for {int(bad)} of layer {i}'s "
                                        f"{int(n)} real tokens (it, its distance from h or its router logits are "
                                        f"not finite): no routing to compare; "
